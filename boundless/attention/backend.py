@@ -1,0 +1,49 @@
+"""The interface between the model and an attention implementation.
+
+A backend prepares per-step metadata once (``prepare``) and then, for every layer, writes the
+step's new keys and values into the paged cache and computes attention (``forward``). The model
+and the scheduler know nothing else about it, so a GPU kernel backend can replace the PyTorch one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """The shape of one step's batch, as the runner lays it out.
+
+    Sequences are ordered with the ``num_decodes`` single-token decodes first. Sequence ``i``
+    contributes ``query_lens[i]`` consecutive tokens; after the step its context is
+    ``seq_lens[i]`` tokens, whose KV lives in the blocks ``block_tables[i]``.
+    """
+
+    num_decodes: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [tokens] block_id * block_size + offset for each new token
+    block_size: int
+    device: torch.device
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, batch: AttentionBatch) -> Any:
+        """Build whatever the backend needs for this step (index tensors, masks)."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: Any,
+    ) -> torch.Tensor:
+        """Store ``k``, ``v`` [tokens, kv_heads, head_dim] in ``cache`` and attend with ``q``
+        [tokens, heads, head_dim]; returns [tokens, heads, head_dim]."""
+        ...

@@ -1,0 +1,159 @@
+"""Paged attention in plain PyTorch, computed as partials and merged exactly.
+
+Decodes (one query token each) are batched: their blocks are gathered with one ``index_select``
+per step and layer, and scored with batched matmuls across (kv head, sequence). Prefill chunks
+are computed one sequence at a time, in query tiles bounded in memory. Both produce
+:class:`AttentionPartial` objects and finish with :func:`merge_partials`, so the same code serves
+partials computed on other instances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from boundless.attention.backend import AttentionBatch
+from boundless.attention.partials import AttentionPartial, merge_partials, softmax_partial
+
+# Upper bound on the elements of one score tile for prefill (about 64 MiB in fp32).
+_MAX_SCORE_ELEMENTS = 1 << 24
+
+
+@dataclass
+class _PrefillSeq:
+    token_start: int
+    query_len: int
+    context_len: int
+    gather_index: torch.Tensor | None  # None: the whole context is this step's tokens
+    causal_mask: torch.Tensor | None  # [query_len, context_len], True where masked
+
+
+@dataclass
+class PagedAttentionMetadata:
+    slot_mapping: torch.Tensor
+    num_decodes: int = 0
+    decode_gather_index: torch.Tensor | None = None
+    decode_bias: torch.Tensor | None = None  # [kv_heads * decodes, 1, max_context]; 0 or -inf
+    decode_max_context: int = 0
+    prefills: list[_PrefillSeq] = field(default_factory=list)
+
+
+class TorchPagedAttention:
+    """The reference attention backend; runs on any device PyTorch does."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_blocks: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.num_blocks = num_blocks
+        self.scale = head_dim**-0.5
+
+    # -- once per step -----------------------------------------------------------------------
+
+    def _gather_index(self, tables: list[list[int]], num_blocks_each: int, device: torch.device) -> torch.Tensor:
+        """Row indices into the cache viewed as [kv_heads * blocks, block_size, head_dim]."""
+        padded = [t[:num_blocks_each] + [0] * (num_blocks_each - len(t[:num_blocks_each])) for t in tables]
+        table = torch.tensor(padded, dtype=torch.long).view(1, -1)
+        heads = torch.arange(self.num_kv_heads, dtype=torch.long).view(-1, 1) * self.num_blocks
+        return (table + heads).view(-1).to(device)
+
+    def prepare(self, batch: AttentionBatch) -> PagedAttentionMetadata:
+        meta = PagedAttentionMetadata(slot_mapping=batch.slot_mapping, num_decodes=batch.num_decodes)
+        bs = batch.block_size
+        nd = batch.num_decodes
+        if nd:
+            ctx = batch.seq_lens[:nd]
+            max_ctx = max(ctx)
+            nblk = -(-max_ctx // bs)
+            meta.decode_gather_index = self._gather_index(batch.block_tables[:nd], nblk, batch.device)
+            pos = torch.arange(nblk * bs)
+            lens = torch.tensor(ctx).view(-1, 1)
+            bias = torch.zeros(nd, nblk * bs).masked_fill_(pos.view(1, -1) >= lens, float("-inf"))
+            meta.decode_bias = (
+                bias.view(1, nd, 1, -1).expand(self.num_kv_heads, -1, -1, -1).reshape(-1, 1, nblk * bs).to(batch.device)
+            )
+            meta.decode_max_context = nblk * bs
+        start = nd
+        for i in range(nd, len(batch.query_lens)):
+            ql, ctx = batch.query_lens[i], batch.seq_lens[i]
+            gather = None
+            if ctx > ql:
+                gather = self._gather_index([batch.block_tables[i]], -(-ctx // bs), batch.device)
+            mask = None
+            if ql > 1:
+                q_pos = torch.arange(ctx - ql, ctx).view(-1, 1)
+                mask = (torch.arange(ctx).view(1, -1) > q_pos).to(batch.device)
+            meta.prefills.append(_PrefillSeq(start, ql, ctx, gather, mask))
+            start += ql
+        return meta
+
+    # -- every layer ---------------------------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        k_cache, v_cache = cache
+        kvh, nb, bs, d = k_cache.shape
+        # Store the new tokens' KV first: a sequence's attention reads its own new keys from the cache.
+        slots = meta.slot_mapping
+        k_cache.view(kvh, nb * bs, d)[:, slots] = k.transpose(0, 1)
+        v_cache.view(kvh, nb * bs, d)[:, slots] = v.transpose(0, 1)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache, meta)
+        for seq in meta.prefills:
+            s, e = seq.token_start, seq.token_start + seq.query_len
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq)
+        return out
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        nd = q.shape[0]
+        kvh, nb, bs, d = k_cache.shape
+        g, t = self.group, meta.decode_max_context
+        qg = q.view(nd, kvh, g, d).transpose(0, 1).reshape(kvh * nd, g, d)
+        idx = meta.decode_gather_index
+        keys = k_cache.view(kvh * nb, bs, d).index_select(0, idx).view(kvh * nd, t, d)
+        values = v_cache.view(kvh * nb, bs, d).index_select(0, idx).view(kvh * nd, t, d)
+        scores = torch.baddbmm(meta.decode_bias.to(q.dtype), qg, keys.transpose(1, 2), alpha=self.scale)
+        out = merge_partials([softmax_partial(scores, values)])
+        return out.view(kvh, nd, g, d).transpose(0, 1).reshape(nd, kvh * g, d)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq: _PrefillSeq,
+    ) -> torch.Tensor:
+        kvh, nb, bs, d = k_cache.shape
+        g, ql, ctx = self.group, seq.query_len, seq.context_len
+        if seq.gather_index is None:
+            keys, values = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [kv_heads, ctx, d]
+        else:
+            keys = k_cache.view(kvh * nb, bs, d).index_select(0, seq.gather_index).view(kvh, -1, d)[:, :ctx]
+            values = v_cache.view(kvh * nb, bs, d).index_select(0, seq.gather_index).view(kvh, -1, d)[:, :ctx]
+        qh = q.view(ql, kvh, g, d).permute(1, 2, 0, 3)  # [kv_heads, group, ql, d]
+        keys_t = keys.transpose(1, 2)
+        tile = max(1, _MAX_SCORE_ELEMENTS // max(1, kvh * g * ctx))
+        outs = []
+        for s in range(0, ql, tile):
+            e = min(ql, s + tile)
+            qt = qh[:, :, s:e].reshape(kvh, g * (e - s), d)
+            scores = torch.bmm(qt, keys_t).mul_(self.scale)
+            if seq.causal_mask is not None:
+                scores.view(kvh, g, e - s, ctx).masked_fill_(seq.causal_mask[s:e], float("-inf"))
+            part: AttentionPartial = softmax_partial(scores, values)
+            outs.append(merge_partials([part]).view(kvh, g, e - s, d))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out.permute(2, 0, 1, 3).reshape(ql, kvh * g, d)

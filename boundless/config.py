@@ -1,0 +1,117 @@
+"""Typed configuration, one dataclass per layer, each field one command-line flag.
+
+Validation happens when a config is built, so bad values fail at start-up with a message that
+names the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag."""
+
+
+def _require(ok: bool, flag: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"--{flag.replace('_', '-')}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = field(default="smollm2-135m", metadata={"help": "model name, Hugging Face directory or GGUF file"})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+    max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
+    seed: int = field(default=0, metadata={"help": "seed for requests that do not set one"})
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", f"unknown dtype {self.dtype!r}")
+        _require(
+            self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}"
+        )
+        _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_gb: float = field(default=2.0, metadata={"help": "memory for the KV block pool, in GiB"})
+    num_kv_blocks: int | None = field(default=None, metadata={"help": "size of the KV pool in blocks (overrides --kv-cache-gb)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "share full KV blocks between requests"})
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
+        _require(self.kv_cache_gb > 0, "kv_cache_gb", "must be positive")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests in one step"})
+    policy: str = field(default="fcfs", metadata={"help": "order of service: fcfs"})
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
+        _require(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+# -- flags ------------------------------------------------------------------------------------
+
+C = TypeVar("C")
+
+
+def _base_type(tp: Any) -> Any:
+    """int for ``int | None``, and so on."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        tp = _base_type(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if tp is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            group.add_argument(flag, type=tp, default=default, help=f"{help_text} (default: {default})")
+
+
+def from_flags(cls: type[C], args: argparse.Namespace) -> C:
+    """Build ``cls`` from parsed flags; a bad value raises :class:`ConfigError`."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
+    return cls(**values)
+
+
+def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=from_flags(ModelConfig, args),
+        cache=from_flags(CacheConfig, args),
+        scheduler=from_flags(SchedulerConfig, args),
+    )
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        add_flags(parser, cls)

@@ -1,0 +1,234 @@
+"""One engine instance: requests in, a step at a time, token and text deltas out.
+
+``EngineCore`` is single-threaded and synchronous: ``step()`` schedules, runs the model once,
+samples, and updates every request. Front ends (the offline ``LLM``, the HTTP server, a Ray
+actor) drive it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from boundless.attention.paged import TorchPagedAttention
+from boundless.config import ConfigError, EngineConfig
+from boundless.engine.detokenizer import IncrementalDetokenizer
+from boundless.engine.errors import InvalidRequestError
+from boundless.engine.request import ProgramRef, Request, RequestStatus
+from boundless.engine.runner import ModelRunner
+from boundless.engine.sampler import SampledToken, Sampler
+from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.scheduler import Scheduler, SchedulerOutput
+from boundless.kv.manager import KVCacheManager
+from boundless.kv.tensors import PagedKVCache
+from boundless.model.arch import ModelArch
+from boundless.model.loader import LoadedModel
+from boundless.programs.policy import FCFSPolicy, SchedulingPolicy
+
+
+@dataclass
+class RequestDelta:
+    """What one step produced for one request: the new tokens and text, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[SampledToken]
+    finished: bool
+    finish_reason: str | None = None  # stop, length or abort
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    generation_tokens: int = 0
+    computed_tokens: int = 0  # tokens run through the model (prefill, recompute and decode)
+    busy_seconds: float = 0.0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+def make_policy(name: str) -> SchedulingPolicy:
+    if name == "fcfs":
+        return FCFSPolicy()
+    raise ConfigError(f"--policy: unknown policy {name!r}")
+
+
+class EngineCore:
+    """Scheduler, KV cache, runner and detokenizers of one instance."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+        policy: SchedulingPolicy | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.clock = clock
+        arch = loaded.arch
+        cache_cfg = config.cache
+        bs = cache_cfg.block_size
+        per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, bs, loaded.dtype)
+        num_blocks = cache_cfg.num_kv_blocks or max(1, int(cache_cfg.kv_cache_gb * (1 << 30)) // per_block)
+        self.max_model_len = self._context_length(config, arch, num_blocks * bs)
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(arch.eos_token_ids)))
+        self.kv = KVCacheManager(num_blocks, bs, cache_cfg.enable_prefix_caching, loaded.fingerprint)
+        self.policy = policy or make_policy(config.scheduler.policy)
+        self.scheduler = Scheduler(
+            self.kv,
+            self.policy,
+            clock,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_num_seqs=config.scheduler.max_num_seqs,
+        )
+        loaded.model.init_rope(self.max_model_len)
+        kv_cache = PagedKVCache(
+            arch.num_layers, arch.num_kv_heads, arch.head_dim, num_blocks, bs, loaded.dtype, loaded.device
+        )
+        attention = TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, num_blocks)
+        sampler = Sampler(loaded.device, seed=config.model.seed)
+        self.runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.counters = EngineCounters()
+
+    @staticmethod
+    def _context_length(config: EngineConfig, arch: ModelArch, pool_tokens: int) -> int:
+        """The asked context length, or by default the model's, capped by the KV pool."""
+        asked = config.model.max_model_len
+        if asked is None:
+            limit = arch.max_position_embeddings
+            if arch.sliding_window:
+                limit = min(limit, arch.sliding_window)  # no windowed attention: stay where attention is exact
+            return min(limit, pool_tokens)
+        if asked > pool_tokens:
+            raise ConfigError(
+                f"--max-model-len: {asked} tokens do not fit in the KV pool ({pool_tokens} tokens); "
+                "raise --kv-cache-gb or --num-kv-blocks"
+            )
+        return asked
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        program: ProgramRef | None = None,
+    ) -> Request:
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.loaded.arch.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        wanted = params.max_tokens or 1
+        if len(prompt_token_ids) + wanted > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_token_ids)} tokens and {wanted} more were requested",
+                "max_tokens" if params.max_tokens else "prompt",
+            )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            program=program,
+        )
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        self.scheduler.add(request)
+        self.counters.prompt_tokens += len(prompt_token_ids)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks; False if it was not running."""
+        request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        self._detokenizers.pop(request_id, None)
+        if request is not None:
+            self._count_finish(request)
+        return request is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        """Run one iteration; returns the requests that produced tokens (or finished)."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self.runner.sampler.forget(sched.finished_ids)
+            return []
+        start = self.clock()
+        step_logits = self.runner.forward(sched)
+        self.runner.sampler.forget(sched.finished_ids)
+        sampled = self.runner.sample(step_logits)
+        elapsed = self.clock() - start
+        return self.finish_step(sched, sampled, elapsed)
+
+    def finish_step(
+        self, sched: SchedulerOutput, sampled: dict[str, SampledToken], elapsed: float
+    ) -> list[RequestDelta]:
+        """Apply a step's results: advance progress, append tokens, detokenize, stop requests."""
+        self.scheduler.advance(sched, elapsed)
+        c = self.counters
+        c.steps += 1
+        c.computed_tokens += sched.num_tokens
+        c.busy_seconds += elapsed
+        now = self.clock()
+        outputs = []
+        for request_id, token in sampled.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            request.append_output(token.token_id)
+            c.generation_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            detok = self._detokenizers[request_id]
+            stop_string = detok.add(token.token_id)
+            status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
+            if stop_string:
+                request.stop_reason = detok.stopped_by
+            if status is not None:
+                self.scheduler.finish(request_id, status)
+                self._detokenizers.pop(request_id, None)
+                self._count_finish(request)
+            outputs.append(
+                RequestDelta(
+                    request_id=request_id,
+                    new_token_ids=[token.token_id],
+                    new_text=detok.take_delta(finished=status is not None),
+                    new_logprobs=[token] if request.sampling_params.logprobs is not None else [],
+                    finished=status is not None,
+                    finish_reason=status.value if status is not None else None,
+                    stop_reason=request.stop_reason if status is not None else None,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                )
+            )
+        return outputs
+
+    def _count_finish(self, request: Request) -> None:
+        key = request.status.value
+        self.counters.finished[key] = self.counters.finished.get(key, 0) + 1
+
+    @torch.inference_mode()
+    def reset_prefix_cache(self) -> None:
+        self.kv.pool.reset_prefix_cache()

@@ -1,0 +1,77 @@
+"""Incremental detokenization and stop strings.
+
+Byte-level BPE tokens need not end on a character boundary, and some tokenizers change how a
+token decodes depending on what precedes it. So text is produced by decoding a short window of
+recent tokens and taking what the newest token added, and only once it forms whole characters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from boundless.engine.sampling_params import SamplingParams
+
+# Prompt tokens kept as left context for the first output tokens.
+_CONTEXT_TOKENS = 5
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """The output text of one request, grown token by token, cut at the first stop string."""
+
+    def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+        self.stopped_by: str | None = None
+        self._emitted = 0
+
+    def add(self, token_id: int) -> bool:
+        """Add a token; True when its text completed a stop string (the text is then cut there)."""
+        self._ids.append(token_id)
+        prefix = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
+        full = self.tokenizer.decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return False  # no whole new character yet
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        before = len(self.text)
+        self.text += delta
+        return self._check_stop(before)
+
+    def _check_stop(self, before: int) -> bool:
+        if not self.stop:
+            return False
+        # Only a stop string that ends inside the new text can be new.
+        start = max(0, before - self._max_stop + 1)
+        best = None
+        for s in self.stop:
+            idx = self.text.find(s, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return False
+        idx, s = best
+        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+        self.stopped_by = s
+        return True
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out. Until the end, holds back a tail that could start a stop string."""
+        end = len(self.text)
+        if not finished and self._max_stop > 1:
+            end = max(self._emitted, end - (self._max_stop - 1))
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta

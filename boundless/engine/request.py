@@ -1,0 +1,107 @@
+"""One generation as the engine tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from boundless.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class ProgramRef:
+    """Which agent program and thread a call belongs to (Autellix). A call without one is a program of its own."""
+
+    program_id: str
+    thread_id: str | None = None
+    parent_thread_ids: tuple[str, ...] = ()
+
+
+@dataclass
+class Request:
+    """A sequence being generated.
+
+    Progress is one counter: ``num_computed_tokens`` of ``num_tokens`` have KV in the cache.
+    Prefill, chunked prefill, prefix-cache hits, recompute after preemption and decode all follow
+    from it: each step computes some of the tokens not yet computed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 1 << 30
+    program: ProgramRef | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids.extend(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed: the caller's cap, and never past the context length."""
+        room = self.max_model_len - self.num_prompt_tokens
+        cap = self.sampling_params.max_tokens
+        return room if cap is None else min(cap, room)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the last sampled token implies, if any (stop strings are checked elsewhere)."""
+        if not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

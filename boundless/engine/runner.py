@@ -1,0 +1,105 @@
+"""Runs one scheduled step: flat batch tensors in, logits and sampled tokens out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from boundless.attention.backend import AttentionBackend, AttentionBatch
+from boundless.engine.sampler import SampledToken, Sampler
+from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
+from boundless.kv.tensors import PagedKVCache
+from boundless.model.llama import LlamaModel
+
+
+@dataclass
+class StepLogits:
+    """Next-token logits [rows, vocab] (fp32) for the chunks that sample, in that order."""
+
+    logits: torch.Tensor
+    chunks: list[ScheduledChunk]
+
+
+@dataclass
+class FlatBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionBatch
+    sample_indices: torch.Tensor
+    sample_chunks: list[ScheduledChunk]
+
+
+class ModelRunner:
+    """Owns the model, the KV memory and the sampler of one instance."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: PagedKVCache,
+        attention: AttentionBackend,
+        sampler: Sampler,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.sampler = sampler
+        self.device = device
+
+    def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
+        """Lay the step out flat, decodes first (the attention backend batches them)."""
+        bs = self.kv_cache.block_size
+        chunks = sorted(sched.chunks, key=lambda c: len(c.token_ids) != 1)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_indices: list[int] = []
+        sample_chunks: list[ScheduledChunk] = []
+        for chunk in chunks:
+            start = chunk.start_pos
+            n = len(chunk.token_ids)
+            ids.extend(chunk.token_ids)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            table = chunk.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if chunk.sample:
+                sample_indices.append(len(ids) - 1)
+                sample_chunks.append(chunk)
+        dev = self.device
+        attention = AttentionBatch(
+            num_decodes=sum(1 for c in chunks if len(c.token_ids) == 1),
+            query_lens=[len(c.token_ids) for c in chunks],
+            seq_lens=[c.start_pos + len(c.token_ids) for c in chunks],
+            block_tables=[c.block_ids for c in chunks],
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_size=bs,
+            device=dev,
+        )
+        return FlatBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            attention=attention,
+            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
+            sample_chunks=sample_chunks,
+        )
+
+    @torch.inference_mode()
+    def forward(self, sched: SchedulerOutput) -> StepLogits:
+        batch = self.build_batch(sched)
+        meta = self.attention.prepare(batch.attention)
+        hidden = self.model(batch.input_ids, batch.positions, self.attention, self.kv_cache, meta)
+        logits = self.model.compute_logits(hidden[batch.sample_indices])
+        return StepLogits(logits=logits, chunks=batch.sample_chunks)
+
+    @torch.inference_mode()
+    def sample(self, step: StepLogits) -> dict[str, SampledToken]:
+        if not step.chunks:
+            return {}
+        tokens = self.sampler.sample(step.logits, step.chunks)
+        return {c.request_id: t for c, t in zip(step.chunks, tokens, strict=True)}
+
+    def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
+        self.sampler.forget(sched.finished_ids)
+        return self.sample(self.forward(sched))

@@ -1,0 +1,146 @@
+"""A fixed pool of KV blocks with reference counts and a prefix cache.
+
+The pool is preallocated once (the tensors live with the runner; this class only does the
+bookkeeping). A block is in one of three states:
+
+- in use: ``ref_count > 0``; it belongs to one or more requests' block tables;
+- cached and free: ``ref_count == 0`` with a name (``block_hash``); it sits in the free queue and
+  can be revived by a prefix-cache hit until it is evicted;
+- free: ``ref_count == 0`` and no name.
+
+The free queue is also the eviction order: blocks are taken from its head, and freed blocks are
+appended to its tail, so the least recently used cached block is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from boundless.kv.block_hash import BlockHash
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when more blocks are asked for than the pool has free."""
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    # The tokens a named block holds; a hit checks them so a hash collision can never alias KV.
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class BlockPoolStats:
+    queries: int = 0  # blocks looked up in the prefix cache
+    hits: int = 0  # of which were found
+    evictions: int = 0  # cached blocks whose name was dropped to reuse them
+
+
+class BlockPool:
+    """Bookkeeping for ``num_blocks`` KV blocks: allocation, sharing, prefix cache, LRU eviction."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self.stats = BlockPoolStats()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks from the head of the free queue, evicting their names."""
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
+        """The cached block with this name and these tokens, or None. Does not take a reference."""
+        if not self.enable_caching:
+            return None
+        self.stats.queries += 1
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        self.stats.hits += 1
+        return block
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on blocks found by :meth:`lookup` (reviving them if free)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block; blocks that reach zero join the free queue's tail.
+
+        Callers pass a request's blocks tail first, so that its last blocks (least likely to be
+        shared) are evicted before its first ones.
+        """
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block.block_id} freed twice")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+
+    def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """Name a full block so later requests can share it."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            # Another block already holds the same content; keep that one as the canonical copy.
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._cached.values()):
+            self._evict(block)
+
+    def _evict(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        del self._cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        self.stats.evictions += 1
+
+    def check_invariants(self) -> None:
+        """Assert the pool's bookkeeping is consistent (used by tests)."""
+        free_ids = set(self._free)
+        assert len(free_ids) == len(self._free)
+        for block in self.blocks:
+            assert block.ref_count >= 0, block
+            assert (block.ref_count == 0) == (block.block_id in free_ids), block
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) is block, block
+        for h, block in self._cached.items():
+            assert block.block_hash == h

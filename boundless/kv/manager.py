@@ -1,0 +1,135 @@
+"""Per-request block tables on top of the block pool, with prefix-cache lookups.
+
+The scheduler talks to this class only; it never sees blocks, just whether slots could be
+allocated and how many prompt tokens a prefix-cache hit saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from boundless.kv.block_hash import BlockHash, extend_block_hashes
+from boundless.kv.block_pool import BlockPool, KVBlock
+
+
+@dataclass
+class CachedPrefix:
+    """Blocks found in the prefix cache for a request's leading tokens."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    block_size: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+
+class KVCacheManager:
+    """Owns the block pool and every request's block table."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, fingerprint: str) -> None:
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._tables: dict[str, list[KVBlock]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_named: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached but unreferenced blocks count as free)."""
+        return self.pool.num_used / self.pool.num_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, ())]
+
+    def num_allocated_blocks(self, request_id: str) -> int:
+        return len(self._tables.get(request_id, ()))
+
+    def block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(request_id, [])
+        return extend_block_hashes(hashes, token_ids, self.block_size, self.fingerprint)
+
+    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> CachedPrefix:
+        """The longest run of leading full blocks already in the cache.
+
+        At least one token is always left to compute, so the step that admits the request
+        produces its next-token logits.
+        """
+        prefix = CachedPrefix(block_size=self.block_size)
+        if not self.pool.enable_caching:
+            return prefix
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hashes = self.block_hashes(request_id, token_ids)
+        bs = self.block_size
+        for i in range(max_blocks):
+            block = self.pool.lookup(hashes[i], token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            prefix.blocks.append(block)
+        return prefix
+
+    def can_allocate(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None = None) -> bool:
+        return self._blocks_short(request_id, num_tokens_after, prefix) <= 0
+
+    def allocate(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_tokens_after: int,
+        prefix: CachedPrefix | None = None,
+    ) -> bool:
+        """Make room for the request's KV up to ``num_tokens_after`` tokens.
+
+        ``prefix`` (first allocation only) takes references on cache hits instead of new blocks.
+        Returns False, changing nothing, when the pool lacks free blocks.
+        """
+        if self._blocks_short(request_id, num_tokens_after, prefix) > 0:
+            return False
+        table = self._tables.setdefault(request_id, [])
+        if prefix is not None and prefix.blocks:
+            assert not table, "a cached prefix is only taken on the first allocation"
+            self.pool.touch(prefix.blocks)
+            table.extend(prefix.blocks)
+        num_new = self.blocks_for_tokens(num_tokens_after) - len(table)
+        if num_new > 0:
+            table.extend(self.pool.allocate(num_new))
+        self._name_full_blocks(request_id, token_ids, num_tokens_after)
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks (tail first, so its tail is evicted first) and forget it."""
+        table = self._tables.pop(request_id, [])
+        self.pool.free(reversed(table))
+        self._hashes.pop(request_id, None)
+        self._num_named.pop(request_id, None)
+
+    def _blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None) -> int:
+        have = len(self._tables.get(request_id, ()))
+        reused = len(prefix.blocks) if prefix is not None else 0
+        # Hits on free cached blocks leave the free queue, so they cost free capacity too.
+        revived = sum(1 for b in prefix.blocks if b.ref_count == 0) if prefix is not None else 0
+        need = self.blocks_for_tokens(num_tokens_after) - have - reused
+        return max(need, 0) + revived - self.pool.num_free
+
+    def _name_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        if not self.pool.enable_caching:
+            return
+        table = self._tables[request_id]
+        start = self._num_named.get(request_id, 0)
+        num_full = min(num_tokens, len(token_ids)) // self.block_size
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request_id, token_ids[: num_full * self.block_size])
+        bs = self.block_size
+        for i in range(start, num_full):
+            self.pool.cache(table[i], hashes[i], token_ids[i * bs : (i + 1) * bs])
+        self._num_named[request_id] = num_full

@@ -1,0 +1,50 @@
+"""The KV cache's memory: one tensor, preallocated once, addressed by block id."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class PagedKVCache:
+    """KV memory for every layer, shaped [layers, 2 (k, v), kv_heads, blocks, block_size, head_dim].
+
+    Heads lead the block dimension so that gathering a batch's blocks for one head is a single
+    ``index_select`` over contiguous rows, and a block's KV across all layers moves as one slice
+    (for swapping to host memory or sending to another instance).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.data = torch.zeros(num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * num_kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key cache, value cache) of one layer, each [kv_heads, blocks, block_size, head_dim]."""
+        return self.data[index, 0], self.data[index, 1]
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of these blocks' KV across all layers: [layers, 2, kv_heads, n, block_size, head_dim]."""
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.data.device)
+        return self.data.index_select(3, idx)
+
+    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.data.device)
+        self.data.index_copy_(3, idx, blocks.to(device=self.data.device, dtype=self.data.dtype))

