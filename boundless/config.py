@@ -33,9 +33,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", f"unknown dtype {self.dtype!r}")
-        _require(
-            self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}"
-        )
+        _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
 
 
@@ -43,11 +41,15 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_gb: float = field(default=2.0, metadata={"help": "memory for the KV block pool, in GiB"})
-    num_kv_blocks: int | None = field(default=None, metadata={"help": "size of the KV pool in blocks (overrides --kv-cache-gb)"})
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "size of the KV pool in blocks (overrides --kv-cache-gb)"}
+    )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "share full KV blocks between requests"})
 
     def __post_init__(self) -> None:
-        _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
+        _require(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two"
+        )
         _require(self.kv_cache_gb > 0, "kv_cache_gb", "must be positive")
         _require(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be positive")
 

@@ -114,7 +114,7 @@ class Sampler:
         chosen = lp.gather(1, tokens[idx].unsqueeze(1))
         ranks = (lp > chosen).sum(dim=1) + 1
         k = max(chunks[i].sampling_params.logprobs or 0 for i in rows)
-        top_vals, top_ids = (lp.topk(k, dim=-1) if k else (None, None))
+        top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
         chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
         top_vals_l = top_vals.tolist() if top_vals is not None else None
         top_ids_l = top_ids.tolist() if top_ids is not None else None

@@ -30,7 +30,9 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.data = torch.zeros(num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+        self.data = torch.zeros(
+            num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device
+        )
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:

@@ -93,7 +93,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
+        self.lm_head = (
+            None if arch.tie_word_embeddings else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
+        )
         self.rope: RotaryEmbedding | None = None
 
     def init_rope(self, max_positions: int) -> None:
