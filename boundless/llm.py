@@ -74,18 +74,20 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
-        config = engine_config(model, **kwargs)
-        loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
-        self.engine = EngineCore(loaded, config)
-        self._ids = itertools.count()
+        self._start(engine_config(model, **kwargs), None)
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, **kwargs: Any) -> LLM:
-        """An LLM over an already loaded model (tests share one model between engines)."""
+    def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> LLM:
+        """An LLM from a full config; ``loaded`` reuses a model already in memory (tests, benchmarks)."""
         llm = cls.__new__(cls)
-        llm.engine = EngineCore(loaded, engine_config(loaded.name, **kwargs))
-        llm._ids = itertools.count()
+        llm._start(config, loaded)
         return llm
+
+    def _start(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        if loaded is None:
+            loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+        self.engine = EngineCore(loaded, config)
+        self._ids = itertools.count()
 
     @property
     def tokenizer(self):

@@ -14,10 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.attention.backend import AttentionBatch
-from boundless.attention.partials import AttentionPartial, merge_partials, softmax_partial
-
-# Upper bound on the elements of one score tile for prefill (about 64 MiB in fp32).
-_MAX_SCORE_ELEMENTS = 1 << 24
+from boundless.attention.partials import merge_partials, scores_partial
 
 
 @dataclass
@@ -26,7 +23,7 @@ class _PrefillSeq:
     query_len: int
     context_len: int
     gather_index: torch.Tensor | None  # None: the whole context is this step's tokens
-    causal_mask: torch.Tensor | None  # [query_len, context_len], True where masked
+    bias: torch.Tensor | None  # [1, query_len, context_len] causal bias when part of the context is cached
 
 
 @dataclass
@@ -65,27 +62,26 @@ class TorchPagedAttention:
         nd = batch.num_decodes
         if nd:
             ctx = batch.seq_lens[:nd]
-            max_ctx = max(ctx)
-            nblk = -(-max_ctx // bs)
+            nblk = -(-max(ctx) // bs)
             meta.decode_gather_index = self._gather_index(batch.block_tables[:nd], nblk, batch.device)
             pos = torch.arange(nblk * bs)
-            lens = torch.tensor(ctx).view(-1, 1)
-            bias = torch.zeros(nd, nblk * bs).masked_fill_(pos.view(1, -1) >= lens, float("-inf"))
+            bias = torch.zeros(nd, nblk * bs).masked_fill_(
+                pos.view(1, -1) >= torch.tensor(ctx).view(-1, 1), float("-inf")
+            )
             meta.decode_bias = (
                 bias.view(1, nd, 1, -1).expand(self.num_kv_heads, -1, -1, -1).reshape(-1, 1, nblk * bs).to(batch.device)
             )
             meta.decode_max_context = nblk * bs
-        start = nd
+        start = sum(batch.query_lens[:nd])
         for i in range(nd, len(batch.query_lens)):
             ql, ctx = batch.query_lens[i], batch.seq_lens[i]
-            gather = None
+            gather, bias = None, None
             if ctx > ql:
                 gather = self._gather_index([batch.block_tables[i]], -(-ctx // bs), batch.device)
-            mask = None
-            if ql > 1:
                 q_pos = torch.arange(ctx - ql, ctx).view(-1, 1)
-                mask = (torch.arange(ctx).view(1, -1) > q_pos).to(batch.device)
-            meta.prefills.append(_PrefillSeq(start, ql, ctx, gather, mask))
+                future = torch.arange(ctx).view(1, -1) > q_pos
+                bias = torch.zeros(1, ql, ctx).masked_fill_(future, float("-inf")).to(batch.device)
+            meta.prefills.append(_PrefillSeq(start, ql, ctx, gather, bias))
             start += ql
         return meta
 
@@ -105,6 +101,8 @@ class TorchPagedAttention:
         slots = meta.slot_mapping
         k_cache.view(kvh, nb * bs, d)[:, slots] = k.transpose(0, 1)
         v_cache.view(kvh, nb * bs, d)[:, slots] = v.transpose(0, 1)
+        if not meta.prefills:
+            return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache, meta)
@@ -116,6 +114,8 @@ class TorchPagedAttention:
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata
     ) -> torch.Tensor:
+        """All single-token queries at once: kv heads and sequences form one batch dimension,
+        and each kv head's group of query heads forms the query length."""
         nd = q.shape[0]
         kvh, nb, bs, d = k_cache.shape
         g, t = self.group, meta.decode_max_context
@@ -123,8 +123,8 @@ class TorchPagedAttention:
         idx = meta.decode_gather_index
         keys = k_cache.view(kvh * nb, bs, d).index_select(0, idx).view(kvh * nd, t, d)
         values = v_cache.view(kvh * nb, bs, d).index_select(0, idx).view(kvh * nd, t, d)
-        scores = torch.baddbmm(meta.decode_bias.to(q.dtype), qg, keys.transpose(1, 2), alpha=self.scale)
-        out = merge_partials([softmax_partial(scores, values)])
+        part = scores_partial(qg, keys, values, self.scale, bias=meta.decode_bias)
+        out = merge_partials([part])
         return out.view(kvh, nd, g, d).transpose(0, 1).reshape(nd, kvh * g, d)
 
     def _prefill(
@@ -136,24 +136,18 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         seq: _PrefillSeq,
     ) -> torch.Tensor:
+        """One sequence's chunk of queries against its whole context (cached prefix and new tokens)."""
         kvh, nb, bs, d = k_cache.shape
-        g, ql, ctx = self.group, seq.query_len, seq.context_len
+        ctx = seq.context_len
         if seq.gather_index is None:
             keys, values = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [kv_heads, ctx, d]
         else:
             keys = k_cache.view(kvh * nb, bs, d).index_select(0, seq.gather_index).view(kvh, -1, d)[:, :ctx]
             values = v_cache.view(kvh * nb, bs, d).index_select(0, seq.gather_index).view(kvh, -1, d)[:, :ctx]
-        qh = q.view(ql, kvh, g, d).permute(1, 2, 0, 3)  # [kv_heads, group, ql, d]
-        keys_t = keys.transpose(1, 2)
-        tile = max(1, _MAX_SCORE_ELEMENTS // max(1, kvh * g * ctx))
-        outs = []
-        for s in range(0, ql, tile):
-            e = min(ql, s + tile)
-            qt = qh[:, :, s:e].reshape(kvh, g * (e - s), d)
-            scores = torch.bmm(qt, keys_t).mul_(self.scale)
-            if seq.causal_mask is not None:
-                scores.view(kvh, g, e - s, ctx).masked_fill_(seq.causal_mask[s:e], float("-inf"))
-            part: AttentionPartial = softmax_partial(scores, values)
-            outs.append(merge_partials([part]).view(kvh, g, e - s, d))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return out.permute(2, 0, 1, 3).reshape(ql, kvh * g, d)
+        if self.group > 1:
+            keys = keys.repeat_interleave(self.group, dim=0)
+            values = values.repeat_interleave(self.group, dim=0)
+        part = scores_partial(
+            q.transpose(0, 1), keys, values, self.scale, bias=seq.bias, causal=seq.gather_index is None
+        )
+        return merge_partials([part]).transpose(0, 1)

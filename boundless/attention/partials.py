@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Upper bound on the elements of one score tile on the matmul path (64 MiB in fp32).
+_MAX_SCORE_ELEMENTS = 1 << 24
+
 
 @dataclass
 class AttentionPartial:
@@ -35,6 +38,53 @@ def softmax_partial(scores: torch.Tensor, v: torch.Tensor) -> AttentionPartial:
     e = p.sum(dim=-1, keepdim=True)
     o = torch.bmm(p.to(v.dtype), v)
     return AttentionPartial(m=m, e=e, o=o)
+
+
+def scores_partial(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
+    causal: bool = False,
+) -> AttentionPartial:
+    """The partial of ``q`` [N, L, D] over ``k``, ``v`` [N, S, D].
+
+    ``bias`` [N or 1, L, S] is added to the scores (0 or -inf); ``causal`` masks position j > i
+    (for L == S). On the CPU this is PyTorch's fused flash-attention kernel, which returns the
+    log-sum-exp of the scores: a partial with ``m = lse`` and ``e = 1``. Elsewhere it is computed
+    with matmuls and :func:`softmax_partial`, in query tiles of bounded memory.
+    """
+    n, length, d = q.shape
+    if q.device.type == "cpu":
+        mask = None if bias is None else bias.to(q.dtype).expand(n, -1, -1).unsqueeze(1)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), 0.0, causal, attn_mask=mask, scale=scale
+        )
+        lse = lse.view(n, length, 1)
+        # A fully masked row has lse = -inf and a zero output: an empty partial (e = 0).
+        e = (lse > float("-inf")).to(lse.dtype)
+        return AttentionPartial(m=lse.nan_to_num(neginf=0.0), e=e, o=out.view(n, length, d))
+    if causal:
+        causal_bias = torch.zeros(length, k.shape[1], device=q.device).masked_fill_(
+            torch.ones(length, k.shape[1], dtype=torch.bool, device=q.device).triu_(1), float("-inf")
+        )
+        bias = causal_bias.unsqueeze(0) if bias is None else bias + causal_bias
+    tile = max(1, _MAX_SCORE_ELEMENTS // max(1, n * k.shape[1]))
+    parts = []
+    for start in range(0, length, tile):
+        end = min(length, start + tile)
+        scores = torch.bmm(q[:, start:end], k.transpose(1, 2)).mul_(scale)
+        if bias is not None:
+            scores = scores + bias[:, start:end]
+        parts.append(softmax_partial(scores, v))
+    if len(parts) == 1:
+        return parts[0]
+    return AttentionPartial(
+        m=torch.cat([p.m for p in parts], dim=1),
+        e=torch.cat([p.e for p in parts], dim=1),
+        o=torch.cat([p.o for p in parts], dim=1),
+    )
 
 
 def combine_partials(parts: Sequence[AttentionPartial]) -> AttentionPartial:

@@ -1,0 +1,81 @@
+"""``boundless serve | generate | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from boundless.config import ConfigError, add_engine_flags
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from boundless.config import engine_config_from_flags
+    from boundless.engine.sampling_params import SamplingParams
+    from boundless.llm import LLM
+
+    config = engine_config_from_flags(args)
+    llm = LLM.from_config(config)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sample_seed,
+    )
+    if args.chat:
+        results = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        results = llm.generate(args.prompt, params)
+    print(results[0].outputs[0].text)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.bench_kind == "offline":
+        from boundless.bench import offline
+
+        offline.run(args)
+        return 0
+    raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="boundless", description="LLM serving for agent programs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt offline")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    add_engine_flags(gen)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks: baseline and Boundless side by side")
+    bench_sub = bench.add_subparsers(dest="bench_kind", required=True)
+    off = bench_sub.add_parser("offline", help="Hugging Face generate against Boundless, same prompts")
+    from boundless.bench.offline import add_arguments
+
+    add_arguments(off)
+    off.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    add_engine_flags(off)
+    off.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"boundless: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

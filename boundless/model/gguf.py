@@ -1,0 +1,454 @@
+"""Load a llama.cpp GGUF checkpoint: its architecture, its weights under Hugging Face names, and its tokenizer.
+
+The weights are dequantized to float32 with ``gguf.quants.dequantize`` (the reference numpy code that
+transformers uses too, so both give bit-identical tensors), and llama.cpp's Q/K row permutation is undone
+for ``llama`` files, so the result is a plain Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
+state dict.
+
+The header is parsed here rather than with ``gguf.GGUFReader``: that reader builds a numpy view for every
+element of every array, which costs seconds on a vocabulary of 50k-150k strings, while the loop below
+takes tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize
+
+from boundless.model.arch import ModelArch, RopeScaling
+from boundless.model.tokenizer import Tokenizer
+
+__all__ = [
+    "GGUFHeader",
+    "GGUFModel",
+    "GGUFTensorInfo",
+    "hf_tensor_name",
+    "llama3_rope_scaling_from_factors",
+    "load_gguf",
+    "model_arch_from_gguf",
+    "read_gguf_header",
+    "read_gguf_metadata",
+]
+
+# GGUF architecture name -> ModelArch.model_type. llama.cpp stores Mistral models as ``llama``.
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+# Per-layer GGUF tensor name -> Hugging Face suffix under ``model.layers.{i}.``.
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Tensors that carry no parameter: llama3 RoPE factors are read into ``ModelArch.rope_scaling`` instead.
+_METADATA_TENSORS = {"rope_freqs.weight"}
+
+_SCALAR_FORMATS: dict[int, str] = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+_SCALAR_DTYPES: dict[int, np.dtype] = {kind: np.dtype(fmt) for kind, fmt in _SCALAR_FORMATS.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Header
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor lies in the file. ``shape`` is in numpy/PyTorch order (rows first)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    offset: int  # absolute byte offset in the file
+
+    @property
+    def nbytes(self) -> int:
+        block_elems, block_bytes = GGML_QUANT_SIZES[self.qtype]
+        return math.prod(self.shape) // block_elems * block_bytes
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """The parsed header of a GGUF file: its metadata as plain Python values and its tensor table."""
+
+    path: Path
+    version: int
+    metadata: dict[str, Any] = field(repr=False)
+    tensors: dict[str, GGUFTensorInfo] = field(repr=False)
+
+
+class _Cursor:
+    """Sequential little-endian reads from a buffer."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def scalar(self, kind: int) -> Any:
+        fmt = _SCALAR_FORMATS[kind]
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def u32(self) -> int:
+        return self.scalar(GGUFValueType.UINT32)
+
+    def u64(self) -> int:
+        return self.scalar(GGUFValueType.UINT64)
+
+    def string(self) -> str:
+        (length,) = struct.unpack_from("<Q", self.buf, self.pos)
+        start = self.pos + 8
+        self.pos = start + length
+        return bytes(self.buf[start : self.pos]).decode("utf-8")
+
+    def value(self, kind: int) -> Any:
+        if kind == GGUFValueType.STRING:
+            return self.string()
+        if kind == GGUFValueType.ARRAY:
+            return self.array()
+        return self.scalar(kind)
+
+    def array(self) -> list[Any]:
+        kind = self.u32()
+        count = self.u64()
+        if kind in _SCALAR_DTYPES:
+            # Numeric arrays (token types, scores) are read in one go rather than element by element.
+            dtype = _SCALAR_DTYPES[kind]
+            values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).tolist()
+            self.pos += count * dtype.itemsize
+            return values
+        return [self.value(kind) for _ in range(count)]
+
+
+def _map(path: Path) -> np.ndarray:
+    # np.memmap rather than mmap.mmap: the views handed to numpy keep the mapping alive, so it is never
+    # closed under them (an explicit mmap.close() raises BufferError while any view exists).
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def _read_header(buf: np.ndarray, path: Path) -> GGUFHeader:
+    cur = _Cursor(memoryview(buf))
+    if cur.u32() != GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file")
+    version = cur.u32()
+    if version not in (2, 3):
+        # A byte-swapped version number means a big-endian file, which this reader does not handle.
+        raise ValueError(f"{path}: unsupported GGUF version {version} (only little-endian v2/v3 are read)")
+    n_tensors = cur.u64()
+    n_kv = cur.u64()
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.u32())
+    infos: list[tuple[str, tuple[int, ...], GGMLQuantizationType, int]] = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = [cur.u64() for _ in range(cur.u32())]
+        qtype = GGMLQuantizationType(cur.u32())
+        # ggml lists dimensions innermost first; numpy wants them outermost first.
+        infos.append((name, tuple(reversed(dims)), qtype, cur.u64()))
+    alignment = int(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = {name: GGUFTensorInfo(name, shape, qtype, data_start + rel) for name, shape, qtype, rel in infos}
+    return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tensors)
+
+
+def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
+    """Parse a GGUF file's metadata and tensor table without reading any tensor data."""
+    path = Path(path)
+    return _read_header(_map(path), path)
+
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A GGUF file's key/value metadata as plain Python values (arrays become lists)."""
+    return read_gguf_header(path).metadata
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors
+
+
+def _dequantize_tensor(buf: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+    """The tensor as a fresh, writable float32 array of shape ``info.shape``."""
+    block_elems, block_bytes = GGML_QUANT_SIZES[info.qtype]
+    *outer, inner = info.shape
+    if inner % block_elems:
+        raise ValueError(f"{info.name}: row of {inner} values is not a whole number of {info.qtype.name} blocks")
+    raw = buf[info.offset : info.offset + info.nbytes].reshape(*outer, inner // block_elems * block_bytes)
+    values = dequantize(raw, info.qtype).astype(np.float32, copy=False)
+    # F32 comes back as a view of the read-only mapping; every other type is already a new array.
+    return values if values.flags.writeable else values.copy()
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute``, which interleaves each head's two rotary halves for its RoPE kernel.
+
+    The inverse of ``convert_hf_to_gguf.LlamaModel.permute``; transformers' ``LlamaTensorProcessor`` does the same.
+    """
+    half = w.shape[0] // n_heads // 2
+    return np.ascontiguousarray(w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name for a GGUF tensor name; ``None`` for a tensor that is not a parameter."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    if gguf_name in _METADATA_TENSORS:
+        return None
+    parts = gguf_name.split(".")
+    is_layer = len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()
+    if is_layer and parts[2] in _LAYER_TENSORS and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2 decoder tensors")
+
+
+def _expected_parameters(arch: ModelArch) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not arch.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(arch.num_layers):
+        names.update(f"model.layers.{i}.{suffix}.weight" for suffix in _LAYER_TENSORS.values())
+        if arch.qkv_bias:
+            names.update(f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv")
+    return names
+
+
+# --------------------------------------------------------------------------------------------------
+# Architecture
+
+
+def _f32(value: float) -> float:
+    """The shortest decimal that round-trips a float32, so that 9.99999974e-06 reads back as 1e-05.
+
+    GGUF stores hyperparameters as float32; without this the same model read from its config.json and from
+    its GGUF would get different ``ModelArch`` fingerprints.
+    """
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
+
+
+def _llama3_factors(theta: float, head_dim: int, scaling: RopeScaling) -> np.ndarray:
+    """The ``rope_freqs`` tensor ``convert_hf_to_gguf`` writes for a llama3 RoPE scaling."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    wavelen = 2 * math.pi / freqs.astype(np.float64)
+    old = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        mid = 1 / ((1 - smooth) / scaling.factor + smooth)
+    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, scaling.factor, mid))
+
+
+def llama3_rope_scaling_from_factors(
+    factors: np.ndarray, theta: float, head_dim: int, original_max_position_embeddings: int = 8192
+) -> RopeScaling:
+    """Recover llama3 RoPE scaling parameters from the per-frequency ``rope_freqs`` tensor.
+
+    llama.cpp does not store ``factor`` / ``low_freq_factor`` / ``high_freq_factor``; its converter bakes them
+    into one divisor per rotary frequency. ``factor`` is the largest divisor. The two thresholds are only
+    identifiable relative to the original context length, so that is taken as given (the converter itself
+    always uses 8192 unless the config overrides it) and the frequency factors are fitted from the smoothly
+    scaled band; Llama 3.1/3.2's own values (1, 4) are tried first so they come back exactly.
+    """
+    factors = np.asarray(factors, dtype=np.float64)
+    factor = _f32(float(factors.max()))
+    if factor == 1.0:
+        return RopeScaling()
+    candidate = RopeScaling("llama3", factor, 1.0, 4.0, original_max_position_embeddings)
+    if np.allclose(_llama3_factors(theta, head_dim, candidate), factors, rtol=1e-5):
+        return candidate
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    inv_wavelen = freqs.astype(np.float64) / (2 * math.pi)
+    mid = (factors > 1.0 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if mid.sum() < 2:
+        raise ValueError("cannot recover llama3 RoPE scaling: fewer than two smoothly scaled frequencies")
+    # smooth = (old / wavelen - low) / (high - low) is linear in 1 / wavelen.
+    smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(inv_wavelen[mid], smooth, 1)
+    old = original_max_position_embeddings
+    low = -intercept * old / slope
+    fitted = RopeScaling("llama3", factor, float(f"{low:.6g}"), float(f"{low + old / slope:.6g}"), old)
+    if not np.allclose(_llama3_factors(theta, head_dim, fitted), factors, rtol=1e-4):
+        raise ValueError("cannot recover llama3 RoPE scaling: rope_freqs does not follow the llama3 formula")
+    return fitted
+
+
+def _rope_scaling(
+    meta: Mapping[str, Any], prefix: str, rope_factors: np.ndarray | None, theta: float, head_dim: int
+) -> RopeScaling:
+    kind = meta.get(f"{prefix}.rope.scaling.type", "none")
+    if rope_factors is not None:
+        if kind not in ("none", "llama3"):
+            raise ValueError(f"unsupported RoPE scaling: rope_freqs tensor together with scaling type {kind!r}")
+        original = int(meta.get(f"{prefix}.rope.scaling.original_context_length", 8192))
+        return llama3_rope_scaling_from_factors(rope_factors, theta, head_dim, original)
+    if kind == "linear" or (kind == "none" and f"{prefix}.rope.scale_linear" in meta):
+        factor = meta.get(f"{prefix}.rope.scaling.factor", meta.get(f"{prefix}.rope.scale_linear", 1.0))
+        return RopeScaling("linear", _f32(factor)) if factor != 1.0 else RopeScaling()
+    if kind != "none":
+        raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: none, linear, llama3)")
+    return RopeScaling()
+
+
+def _model_type(meta: Mapping[str, Any]) -> str:
+    architecture = meta.get("general.architecture")
+    if architecture not in _ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {architecture!r}; supported: {', '.join(sorted(_ARCHITECTURES))}"
+        )
+    name = str(meta.get("general.name", "")) + " " + str(meta.get("general.basename", ""))
+    if architecture == "llama" and "mistral" in name.lower():
+        # llama.cpp converts Mistral as llama; the name is all that tells them apart.
+        return "mistral"
+    return _ARCHITECTURES[architecture]
+
+
+def model_arch_from_gguf(
+    meta: Mapping[str, Any],
+    tensor_shapes: Mapping[str, tuple[int, ...]],
+    *,
+    rope_factors: np.ndarray | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> ModelArch:
+    """Build a :class:`ModelArch` from GGUF metadata and the tensor table (name -> numpy-order shape).
+
+    Tied embeddings and q/k/v biases are read from which tensors exist, as llama.cpp does. ``rope_factors`` is
+    the ``rope_freqs.weight`` tensor when the file has one (llama3 RoPE scaling).
+    """
+    prefix = meta["general.architecture"]
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{prefix}.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {prefix}.{name}")
+        return value
+
+    if "token_embd.weight" not in tensor_shapes:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    vocab_size, hidden = tensor_shapes["token_embd.weight"]
+    num_heads = int(key("attention.head_count"))
+    num_kv_heads = int(key("attention.head_count_kv", num_heads))
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise ValueError("GGUF model has different key and value head sizes, which ModelArch cannot express")
+    if int(key("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError("GGUF model applies RoPE to part of each head only, which ModelArch cannot express")
+    theta = _f32(key("rope.freq_base", 10000.0))
+    model_type = _model_type(meta)
+    window = meta.get(f"{prefix}.attention.sliding_window")
+    return ModelArch(
+        model_type=model_type,
+        vocab_size=int(vocab_size),
+        hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+        qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
+        rope_scaling=_rope_scaling(meta, prefix, rope_factors, theta, head_dim),
+        sliding_window=int(window) if window and model_type == "mistral" else None,
+        bos_token_id=tokenizer.bos_token_id if tokenizer is not None else meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tokenizer.eos_token_ids if tokenizer is not None else (),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+@dataclass
+class GGUFModel:
+    """A GGUF checkpoint, ready to build a model from.
+
+    ``tensors`` maps Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight``...) to dequantized
+    tensors in Hugging Face layout; ``lm_head.weight`` is present only when the file has its own output matrix
+    (otherwise ``arch.tie_word_embeddings`` is true). ``metadata`` is the file's raw key/value metadata.
+    """
+
+    arch: ModelArch
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    tokenizer: Tokenizer = field(repr=False)
+    metadata: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def _parallel_map(fn: Callable[[GGUFTensorInfo], np.ndarray], items: Iterable[GGUFTensorInfo]) -> list[np.ndarray]:
+    # numpy releases the GIL inside its kernels, so threads overlap the dequantization of different tensors.
+    items = list(items)
+    workers = min(len(items), os.cpu_count() or 1, 8)
+    if workers <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, items))
+
+
+def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> GGUFModel:
+    """Read a GGUF file: architecture, dequantized weights under Hugging Face names, and tokenizer.
+
+    Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...) and ``qwen2`` architectures. ``dtype`` is what the
+    returned tensors are cast to after float32 dequantization.
+    """
+    path = Path(path)
+    buf = _map(path)
+    header = _read_header(buf, path)
+    meta = header.metadata
+    model_type = _model_type(meta)
+    tokenizer = Tokenizer.from_gguf(meta)
+    rope_info = header.tensors.get("rope_freqs.weight")
+    rope_factors = _dequantize_tensor(buf, rope_info) if rope_info is not None else None
+    shapes = {name: info.shape for name, info in header.tensors.items()}
+    arch = model_arch_from_gguf(meta, shapes, rope_factors=rope_factors, tokenizer=tokenizer)
+    # Check names before the expensive part: unknown tensors raise in hf_tensor_name, missing ones here.
+    wanted = [info for name, info in header.tensors.items() if hf_tensor_name(name) is not None]
+    missing = _expected_parameters(arch) - {hf_tensor_name(info.name) for info in wanted}
+    if missing:
+        raise ValueError(f"{path}: GGUF file lacks tensors for {sorted(missing)[:5]} ({len(missing)} in all)")
+
+    arrays = _parallel_map(lambda info: _dequantize_tensor(buf, info), wanted)
+    # llama.cpp permutes Q and K only for the llama architecture (convert_hf_to_gguf's LlamaModel).
+    permute = model_type in ("llama", "mistral")
+    tensors: dict[str, torch.Tensor] = {}
+    for info, array in zip(wanted, arrays, strict=True):
+        if permute and ".attn_q." in info.name:
+            array = _unpermute_rows(array, arch.num_heads)
+        elif permute and ".attn_k." in info.name:
+            array = _unpermute_rows(array, arch.num_kv_heads)
+        tensor = torch.from_numpy(array)
+        tensors[hf_tensor_name(info.name)] = tensor if dtype == torch.float32 else tensor.to(dtype)
+    return GGUFModel(arch=arch, tensors=tensors, tokenizer=tokenizer, metadata=meta)

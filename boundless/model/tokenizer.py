@@ -1,0 +1,557 @@
+"""Text to token ids and back, and chat templates, on the Rust ``tokenizers`` library.
+
+transformers is not imported at run time (it takes seconds to import); a :class:`Tokenizer` is built either
+from a Hugging Face model directory (``tokenizer.json`` and friends) or from a GGUF file's metadata, where the
+pre-tokenizer is rebuilt the way llama.cpp runs it for the file's ``tokenizer.ggml.pre`` type.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as RustTokenizer
+
+__all__ = ["SUPPORTED_GGUF_PRE_TOKENIZERS", "Tokenizer", "load_tokenizer"]
+
+# --------------------------------------------------------------------------------------------------
+# GGUF vocabularies
+
+# llama.cpp's ``llama_token_type``, stored per token in ``tokenizer.ggml.token_type``.
+_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
+
+# Pre-tokenizer regexes, as llama.cpp's ``llm_tokenizer_bpe`` applies them (llama-vocab.cpp). Each regex of a
+# list splits every piece the previous one left, keeping both the matches and the text between them, which is
+# exactly a chain of ``tokenizers`` ``Split(..., behavior="isolated")`` steps.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    """How llama.cpp pre-tokenizes one ``tokenizer.ggml.pre`` type."""
+
+    splits: tuple[str, ...]
+    ignore_merges: bool = False  # a word that is itself a token is not split by BPE (Llama 3)
+    add_bos: bool = False  # default when the file has no tokenizer.ggml.add_bos_token
+
+
+_LLAMA3_PRE = _PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
+_QWEN2_PRE = _PreTokenizer((_QWEN2,))
+# Individual digits first, then the GPT-2 regex: SmolLM's tokenizer.json (Digits + ByteLevel) and StarCoder's.
+_DIGITS_GPT2_PRE = _PreTokenizer((r"\p{N}", _GPT2))
+_GPT2_PRE = _PreTokenizer((_GPT2,))
+# What llama.cpp falls back to for files converted before tokenizer.ggml.pre existed.
+_DEFAULT_PRE = _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"))
+
+_GGUF_PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
+    "llama3": _LLAMA3_PRE,
+    "llama-v3": _LLAMA3_PRE,
+    "llama-bpe": _LLAMA3_PRE,
+    "qwen2": _QWEN2_PRE,
+    "deepseek-r1-qwen": _QWEN2_PRE,
+    "smollm": _DIGITS_GPT2_PRE,
+    "starcoder": _DIGITS_GPT2_PRE,
+    "refact": _DIGITS_GPT2_PRE,
+    "gpt-2": _GPT2_PRE,
+    "gpt2": _GPT2_PRE,
+    "default": _DEFAULT_PRE,
+}
+SUPPORTED_GGUF_PRE_TOKENIZERS = tuple(sorted(_GGUF_PRE_TOKENIZERS))
+
+# Tokens llama.cpp treats as end of generation by their text, whatever the metadata says (llama-vocab.cpp).
+_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|end_of_text|>",
+        "<EOT>",
+        "_<EOT>",
+        "<｜end▁of▁sentence｜>",
+        "<end_of_utterance>",
+    }
+)
+
+# The named special tokens Hugging Face passes to chat templates (``SPECIAL_TOKENS_ATTRIBUTES``).
+_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_GGUF_NAMED_TOKEN_KEYS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "sep_token": "tokenizer.ggml.seperator_token_id",  # sic: llama.cpp's spelling
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    # Split at the first space after the first character, as llama.cpp does.
+    cut = merge.index(" ", 1)
+    return merge[:cut], merge[cut + 1 :]
+
+
+def _gguf_backend(meta: Mapping[str, Any], pre: _PreTokenizer) -> RustTokenizer:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    token_types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [_split_merge(m) for m in meta.get("tokenizer.ggml.merges", [])]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = RustTokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre.ignore_merges)
+    )
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in pre.splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    # llama.cpp matches control and user-defined tokens whole before pre-tokenizing, as ``tokenizers`` does
+    # for added tokens; only control ones are dropped when decoding without special tokens.
+    special = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i, kind in enumerate(token_types)
+        if kind in (_TOKEN_CONTROL, _TOKEN_UNKNOWN)
+    ]
+    plain = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, kind in enumerate(token_types)
+        if kind == _TOKEN_USER_DEFINED
+    ]
+    backend.add_special_tokens(special)
+    backend.add_tokens(plain)
+    return backend
+
+
+def _gguf_chat_templates(meta: Mapping[str, Any]) -> dict[str, str]:
+    templates = {}
+    if "tokenizer.chat_template" in meta:
+        templates["default"] = meta["tokenizer.chat_template"]
+    for name in meta.get("tokenizer.chat_templates", []):
+        if f"tokenizer.chat_template.{name}" in meta:
+            templates[name] = meta[f"tokenizer.chat_template.{name}"]
+    return templates
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face directories
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an ``AddedToken`` dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _hf_chat_templates(root: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    templates: dict[str, str] = {}
+    configured = config.get("chat_template")
+    if isinstance(configured, str):
+        templates["default"] = configured
+    elif isinstance(configured, list):  # [{"name": ..., "template": ...}, ...]
+        templates.update({t["name"]: t["template"] for t in configured})
+    legacy = _read_json(root / "chat_template.json").get("chat_template")
+    if isinstance(legacy, str):
+        templates["default"] = legacy
+    # transformers 5 saves templates as files, which take precedence over the config.
+    for extra in sorted((root / "additional_chat_templates").glob("*.jinja")):
+        templates[extra.stem] = extra.read_text(encoding="utf-8")
+    if (root / "chat_template.jinja").is_file():
+        templates["default"] = (root / "chat_template.jinja").read_text(encoding="utf-8")
+    return templates
+
+
+def _added_token(content: str, spec: Mapping[str, Any]) -> AddedToken:
+    return AddedToken(
+        content,
+        single_word=spec.get("single_word", False),
+        lstrip=spec.get("lstrip", False),
+        rstrip=spec.get("rstrip", False),
+        normalized=spec.get("normalized", not spec.get("special", False)),
+        special=spec.get("special", False),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Chat templates
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts ``{% generation %}...{% endgeneration %}`` (used by HF to mark assistant tokens) and renders the body."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """``namespace()`` that refuses underscore names, as transformers' does, to keep templates off internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        # No named self, as in jinja's Namespace, so that namespace(self=...) still works.
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # Hugging Face's replacement for jinja's tojson, which HTML-escapes and sorts keys.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in an environment that matches transformers' ``_compile_jinja_template``."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _TemplateNamespace
+    return env.from_string(source)
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as transformers hands it to templates: keys set to None dropped, reasoning under every alias."""
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+# --------------------------------------------------------------------------------------------------
+# The tokenizer
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer with its special tokens and chat templates.
+
+    Build one with :meth:`from_hf_dir`, :meth:`from_gguf` or :func:`load_tokenizer` (cached). Instances are not
+    modified after construction, so one can be shared between threads and requests.
+    """
+
+    def __init__(
+        self,
+        backend: RustTokenizer,
+        *,
+        named_tokens: Mapping[str, str],
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        chat_templates: Mapping[str, str],
+        prefix_ids: Sequence[int] = (),
+        suffix_ids: Sequence[int] = (),
+    ) -> None:
+        self._backend = backend
+        self._named_tokens = dict(named_tokens)
+        self._bos_token_id = bos_token_id
+        self._eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self._chat_templates = dict(chat_templates)
+        # Tokens added around every encoded text (BOS/EOS) when the backend's post-processor does not.
+        self._prefix_ids = list(prefix_ids)
+        self._suffix_ids = list(suffix_ids)
+        special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+        named_ids = (backend.token_to_id(token) for token in self._named_tokens.values())
+        self._all_special_ids = tuple(sorted(special | {i for i in named_ids if i is not None}))
+
+    # -- construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes, from its metadata as plain Python values.
+
+        Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are supported, with the
+        pre-tokenizers in :data:`SUPPORTED_GGUF_PRE_TOKENIZERS`; anything else raises ``ValueError``.
+        """
+        model = metadata.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE ('gpt2') is supported "
+                "(SentencePiece 'llama' vocabularies, e.g. Llama 2 / Mistral v0.1, are not)"
+            )
+        pre_name = metadata.get("tokenizer.ggml.pre") or "default"
+        pre = _GGUF_PRE_TOKENIZERS.get(pre_name)
+        if pre is None:
+            raise ValueError(
+                f"unsupported GGUF pre-tokenizer {pre_name!r}; supported: {', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}"
+            )
+        tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+        backend = _gguf_backend(metadata, pre)
+
+        named = {
+            name: tokens[metadata[key]]
+            for name, key in _GGUF_NAMED_TOKEN_KEYS.items()
+            if isinstance(metadata.get(key), int) and 0 <= metadata[key] < len(tokens)
+        }
+        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+        eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+        declared = [metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+        by_text = [i for i, token in enumerate(tokens) if token in _EOG_TEXTS]
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos)) and bos_id is not None
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+        return cls(
+            backend,
+            named_tokens=named,
+            bos_token_id=bos_id,
+            eos_token_ids=[i for i in declared if i is not None] + by_text,
+            chat_templates=_gguf_chat_templates(metadata),
+            prefix_ids=[bos_id] if add_bos else [],
+            suffix_ids=[eos_id] if add_eos else [],
+        )
+
+    @classmethod
+    def from_gguf_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Build the tokenizer embedded in a GGUF file (reads only its metadata)."""
+        from boundless.model.gguf import read_gguf_metadata  # gguf imports this module
+
+        return cls.from_gguf(read_gguf_metadata(path))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Build the tokenizer of a Hugging Face model directory, as ``AutoTokenizer`` (fast) would.
+
+        Reads ``tokenizer.json`` (required; its post-processor decides BOS/EOS), ``tokenizer_config.json``
+        (special tokens, added tokens, chat template), ``special_tokens_map.json``, ``chat_template.jinja`` and,
+        for the end-of-sequence ids, ``generation_config.json`` and ``config.json``.
+        """
+        root = Path(path)
+        if not (root / "tokenizer.json").is_file():
+            raise ValueError(f"{root} has no tokenizer.json (only fast tokenizers are supported)")
+        backend = RustTokenizer.from_file(str(root / "tokenizer.json"))
+        config = _read_json(root / "tokenizer_config.json")
+        special_map = _read_json(root / "special_tokens_map.json")
+        generation = _read_json(root / "generation_config.json")
+        model_config = _read_json(root / "config.json")
+
+        present = {token.content for token in backend.get_added_tokens_decoder().values()}
+        # Added tokens only the config lists get the next free ids, in the config's order, as in transformers.
+        for _, spec in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda item: int(item[0])):
+            if spec["content"] not in present:
+                token = _added_token(spec["content"], spec)
+                (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+                present.add(token.content)
+
+        named: dict[str, str] = {}
+        for name in _NAMED_TOKENS:
+            content = _token_content(config[name] if name in config else special_map.get(name))
+            if content is not None:
+                named[name] = content
+        # Like transformers, a named special token that is not an added token yet becomes one.
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(named.values()) if t not in present]
+        )
+        bos_id = backend.token_to_id(named["bos_token"]) if "bos_token" in named else None
+        if bos_id is None:
+            bos_id = generation.get("bos_token_id", model_config.get("bos_token_id"))
+        eos_ids = [backend.token_to_id(named["eos_token"])] if "eos_token" in named else []
+        eos_ids += _as_ids(generation.get("eos_token_id")) + _as_ids(model_config.get("eos_token_id"))
+
+        # BOS/EOS come from tokenizer.json's post-processor alone: transformers 5 drops tokenizer_config's
+        # add_bos_token / add_eos_token whenever a tokenizer.json exists.
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+        return cls(
+            backend,
+            named_tokens=named,
+            bos_token_id=bos_id,
+            eos_token_ids=[i for i in eos_ids if i is not None],
+            chat_templates=_hf_chat_templates(root, config),
+        )
+
+    # -- properties --------------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> RustTokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (do not modify it: instances are shared)."""
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation: the EOS token first, then end-of-turn tokens the model declares."""
+        return self._eos_token_ids
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template, if the model has one."""
+        return self._chat_templates.get("default")
+
+    @property
+    def chat_templates(self) -> dict[str, str]:
+        """All named chat templates (``default``, and e.g. ``tool_use``)."""
+        return dict(self._chat_templates)
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """Named special tokens (``bos_token``, ``eos_token``...), as chat templates see them."""
+        return dict(self._named_tokens)
+
+    @property
+    def all_special_ids(self) -> tuple[int, ...]:
+        """Ids of every special token: the named ones and all added tokens marked special."""
+        return self._all_special_ids
+
+    # -- encoding ----------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for ``text``; special tokens written in the text are recognised.
+
+        With ``add_special_tokens`` the model's BOS (and EOS) are added when its configuration asks for them.
+        """
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and (self._prefix_ids or self._suffix_ids):
+            return self._prefix_ids + ids + self._suffix_ids
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """:meth:`encode` for many texts, in parallel in Rust."""
+        encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)
+        if add_special_tokens and (self._prefix_ids or self._suffix_ids):
+            return [self._prefix_ids + e.ids + self._suffix_ids for e in encodings]
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text for ``ids``; incomplete UTF-8 sequences come out as U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+        """The vocabulary strings of ``ids`` (byte-level spelling, e.g. ``Ġworld``)."""
+        tokens = []
+        for i in ids:
+            token = self._backend.id_to_token(i)
+            if token is None:
+                raise ValueError(f"token id {i} is not in the vocabulary")
+            tokens.append(token)
+        return tokens
+
+    # -- chat --------------------------------------------------------------------------------------
+
+    def _select_template(self, chat_template: str | None, tools: Sequence[Mapping[str, Any]] | None) -> str:
+        if chat_template is not None:
+            return self._chat_templates.get(chat_template, chat_template)
+        if tools and "tool_use" in self._chat_templates:
+            return self._chat_templates["tool_use"]
+        if "default" not in self._chat_templates:
+            raise ValueError("this model has no chat template; pass chat_template= or format the prompt yourself")
+        return self._chat_templates["default"]
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render a conversation to a prompt string, as transformers' ``apply_chat_template(tokenize=False)``.
+
+        ``tools`` are JSON schemas. ``chat_template`` is the name of one of :attr:`chat_templates` or a template
+        source; by default the ``tool_use`` template is used when tools are given and the model has one.
+        Extra keyword arguments (``documents``, ``enable_thinking``...) are passed to the template, overriding
+        the special-token variables (``bos_token``, ``eos_token``...). Note that the rendered text often already
+        starts with BOS: encode it with ``add_special_tokens=False``.
+        """
+        if not messages:
+            raise ValueError("cannot apply a chat template to an empty conversation")
+        template = _compile_template(self._select_template(chat_template, tools))
+        variables = {**self._named_tokens, "documents": None, **kwargs}
+        return template.render(
+            messages=[_template_message(m) for m in messages],
+            tools=list(tools) if tools is not None else None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
+            f"eos_token_ids={self.eos_token_ids}, chat_template={'yes' if self.chat_template else 'no'})"
+        )
+
+
+@functools.lru_cache(maxsize=16)
+def _load_cached(source: str) -> Tokenizer:
+    path = Path(source)
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return Tokenizer.from_gguf_file(path)
+    raise ValueError(f"{source} is neither a Hugging Face model directory nor a .gguf file")
+
+
+def load_tokenizer(source: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer of a model directory or GGUF file, built once per path and then shared."""
+    return _load_cached(str(Path(source).resolve()))

@@ -1,0 +1,101 @@
+"""The scheduler as a pure function of its state and a clock: no model runs here."""
+
+from __future__ import annotations
+
+from boundless.engine.request import Request, RequestStatus
+from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.scheduler import Scheduler, SchedulerOutput
+from boundless.kv.manager import KVCacheManager
+from boundless.programs.policy import FCFSPolicy
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, caching: bool = True):
+    clock = FakeClock()
+    kv = KVCacheManager(num_blocks, block_size, caching, "fp")
+    return Scheduler(kv, FCFSPolicy(), clock, max_num_batched_tokens=budget, max_num_seqs=16), clock
+
+
+def request(rid: str, n: int, t: float, first: int = 0, max_tokens: int = 8) -> Request:
+    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens), arrival_time=t)
+
+
+def run_step(s: Scheduler, sampled_token: int = 7) -> SchedulerOutput:
+    """Schedule, pretend the model ran, and append a token for every chunk that samples."""
+    out = s.schedule()
+    s.advance(out, service_s=0.01)
+    for c in out.chunks:
+        if c.sample:
+            s.requests[c.request_id].append_output(sampled_token)
+    return out
+
+
+def test_chunked_prefill_and_decode_share_a_step() -> None:
+    s, _ = make_scheduler(budget=10)
+    s.add(request("a", 4, 0.0))
+    s.add(request("b", 20, 1.0, first=100))
+    out = run_step(s)
+    assert [(c.request_id, len(c.token_ids), c.sample) for c in out.chunks] == [("a", 4, True), ("b", 6, False)]
+    out = run_step(s)
+    # a decodes one token while b continues its prompt with what is left of the budget.
+    assert [(c.request_id, len(c.token_ids), c.start_pos) for c in out.chunks] == [("a", 1, 4), ("b", 9, 6)]
+    out = run_step(s)
+    assert [(c.request_id, len(c.token_ids), c.sample) for c in out.chunks] == [("a", 1, True), ("b", 5, True)]
+    assert s.requests["b"].num_computed_tokens == 20
+
+
+def test_prefix_cache_hit_skips_computed_tokens() -> None:
+    s, _ = make_scheduler(budget=64)
+    s.add(request("a", 16, 0.0))
+    run_step(s)
+    s.add(request("b", 18, 1.0))  # shares a's first 16 tokens
+    out = run_step(s)
+    chunk_b = next(c for c in out.chunks if c.request_id == "b")
+    assert chunk_b.start_pos == 16 and len(chunk_b.token_ids) == 2
+    assert s.requests["b"].num_cached_tokens == 16
+
+
+def test_memory_pressure_preempts_the_latest_arrival() -> None:
+    s, _ = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False)
+    s.add(request("old", 8, 0.0, max_tokens=20))
+    s.add(request("new", 8, 1.0, first=50, max_tokens=20))
+    run_step(s)  # 2 + 2 blocks
+    for _ in range(4):
+        run_step(s)  # both grow to 12 tokens: 3 + 3 blocks, the pool is full
+    out = run_step(s)  # both need a fourth block: "new" gives way
+    assert out.preempted_ids == ["new"]
+    assert s.requests["new"].status is RequestStatus.PREEMPTED
+    assert s.requests["new"].num_computed_tokens == 0
+    assert s.stats.num_preemptions == 1
+    # Once "old" finishes, "new" is recomputed from its prompt plus the tokens it had produced.
+    s.finish("old", RequestStatus.FINISHED_LENGTH)
+    out = run_step(s)
+    (chunk,) = out.chunks
+    assert chunk.request_id == "new" and chunk.start_pos == 0 and chunk.sample
+    assert len(chunk.token_ids) == s.requests["new"].num_tokens - 1
+
+
+def test_finish_frees_blocks_and_reports_once() -> None:
+    s, _ = make_scheduler()
+    s.add(request("a", 5, 0.0))
+    run_step(s)
+    assert s.kv.num_allocated_blocks("a") == 2
+    s.finish("a", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.pool.num_used == 0
+    assert s.schedule().finished_ids == ["a"]
+    assert s.schedule().finished_ids == []
+
+
+def test_policy_decides_order_not_queue_position() -> None:
+    s, _ = make_scheduler(budget=4)
+    s.add(request("late", 4, 5.0))
+    s.add(request("early", 4, 1.0, first=10))
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["early"]

