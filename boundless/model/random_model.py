@@ -1,0 +1,148 @@
+"""Small random Llama-family checkpoints, written as real Hugging Face directories.
+
+Tests and benchmarks that need a model other than the bundled one build it here: a
+``config.json``, a ``model.safetensors`` with random weights and a byte-level BPE tokenizer
+trained on a few sentences, with a chat template. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Agents call language models many times in a loop, with tools between the calls.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers like 12, 345 and 6789 appear in text; so do names like Paris and Rome.",
+    "A long context holds a whole conversation, and the cache keeps its keys and values.",
+]
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """The shape of a random model. ``kind`` is llama, qwen2 or mistral."""
+
+    kind: str = "llama"
+    vocab_size: int = 384
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    rope_scaling: dict | None = None
+    weight_std: float = 0.3  # large enough that greedy choices are not near-ties
+    seed: int = 0
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    return tok
+
+
+def _config(spec: TinySpec) -> dict:
+    head_dim = spec.hidden_size // spec.num_heads
+    cfg = {
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[spec.kind]
+        ],
+        "model_type": spec.kind,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    if spec.rope_scaling:
+        cfg["rope_scaling"] = spec.rope_scaling
+    if spec.kind == "qwen2":
+        cfg["use_sliding_window"] = False
+    if spec.kind == "mistral":
+        cfg["sliding_window"] = None
+    return cfg
+
+
+def _weights(spec: TinySpec) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(spec.seed)
+    head_dim = spec.hidden_size // spec.num_heads
+    h, i = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * spec.weight_std
+
+    w = {"model.embed_tokens.weight": rand(spec.vocab_size, h), "model.norm.weight": 1 + 0.1 * rand(h)}
+    if not spec.tie_word_embeddings:
+        w["lm_head.weight"] = rand(spec.vocab_size, h)
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}."
+        w[p + "self_attn.q_proj.weight"] = rand(q, h)
+        w[p + "self_attn.k_proj.weight"] = rand(kv, h)
+        w[p + "self_attn.v_proj.weight"] = rand(kv, h)
+        w[p + "self_attn.o_proj.weight"] = rand(h, q)
+        if spec.kind == "qwen2":
+            w[p + "self_attn.q_proj.bias"] = rand(q)
+            w[p + "self_attn.k_proj.bias"] = rand(kv)
+            w[p + "self_attn.v_proj.bias"] = rand(kv)
+        w[p + "mlp.gate_proj.weight"] = rand(i, h)
+        w[p + "mlp.up_proj.weight"] = rand(i, h)
+        w[p + "mlp.down_proj.weight"] = rand(h, i)
+        w[p + "input_layernorm.weight"] = 1 + 0.1 * rand(h)
+        w[p + "post_attention_layernorm.weight"] = 1 + 0.1 * rand(h)
+    return {k: v.contiguous() for k, v in w.items()}
+
+
+def write_random_model(path: str | Path, spec: TinySpec | None = None) -> Path:
+    """Write a random model directory at ``path`` (created if needed) and return it."""
+    spec = spec or TinySpec()
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(_config(spec), indent=2))
+    save_file(_weights(spec), str(root / "model.safetensors"), metadata={"format": "pt"})
+    tok = _train_tokenizer(min(spec.vocab_size, 384))
+    tok.save(str(root / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": None,
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": spec.max_position_embeddings,
+    }
+    (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return root
