@@ -1,0 +1,172 @@
+"""The offline API end to end: sampling options, stopping rules, logprobs, n, chat, prefix caching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from boundless import LLM, SamplingParams
+from boundless.engine.errors import InvalidRequestError
+from boundless.engine.sampling_params import InvalidSamplingParams
+from boundless.model.loader import LoadedModel
+
+
+@pytest.fixture
+def llm(smollm2: LoadedModel) -> LLM:
+    return LLM.from_config(_config(smollm2), smollm2)
+
+
+def _config(loaded: LoadedModel, **kwargs):
+    from boundless.llm import engine_config
+
+    kwargs.setdefault("max_model_len", 1024)
+    kwargs.setdefault("kv_cache_gb", 0.25)
+    return engine_config(loaded.name, **kwargs)
+
+
+def test_generate_accepts_text_and_token_ids(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    by_text = llm.generate("The capital of France is", params)[0]
+    ids = llm.tokenizer.encode("The capital of France is")
+    by_ids = llm.generate(ids, params)[0]
+    assert by_text.prompt_token_ids == ids
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    out = by_text.outputs[0]
+    assert out.finish_reason in ("length", "stop")
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+    assert len(out.token_ids) <= 8
+
+
+def test_max_tokens_and_ignore_eos(llm: LLM) -> None:
+    out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_seed_makes_sampling_reproducible_whatever_the_batch(llm: LLM) -> None:
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate("Once upon a time", p)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batch = llm.generate(["Tell me a story", "Once upon a time", "Why?"], [others, p, others])
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = llm.generate(
+        "Once upon a time", SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)
+    )
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy(llm: LLM) -> None:
+    greedy = llm.generate("Water is", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    top1 = llm.generate("Water is", SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=10, ignore_eos=True))
+    assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
+
+
+def test_top_p_keeps_only_the_nucleus(llm: LLM) -> None:
+    # With a tiny top_p only the most likely token survives, so sampling is greedy.
+    greedy = llm.generate("Water is", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    nucleus = llm.generate("Water is", SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10, ignore_eos=True))
+    assert greedy[0].outputs[0].token_ids == nucleus[0].outputs[0].token_ids
+
+
+def test_n_returns_distinct_samples(llm: LLM) -> None:
+    res = llm.generate("My favourite colour is", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8))[0]
+    assert [o.index for o in res.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in res.outputs}) > 1
+
+
+def test_stop_strings_cut_the_text(llm: LLM) -> None:
+    free = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    text = free.outputs[0].text
+    stop = text.strip()[2:4] if len(text.strip()) >= 4 else text.strip()[:1]
+    res = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=20, stop=[stop], ignore_eos=True))
+    out = res[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    kept = llm.generate(
+        "Count: 1, 2, 3,",
+        SamplingParams(temperature=0.0, max_tokens=20, stop=[stop], include_stop_str_in_output=True, ignore_eos=True),
+    )[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
+    free = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    first, second = free.outputs[0].token_ids[:2]
+    stopped = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[second]))
+    out = stopped[0].outputs[0]
+    assert out.token_ids == [first, second] and out.finish_reason == "stop" and out.stop_reason == second
+    # min_tokens forbids stop tokens until enough tokens came out.
+    held = llm.generate(
+        "Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=10, min_tokens=4, stop_token_ids=[first])
+    )[0].outputs[0]
+    assert first not in held.token_ids[:4] and len(held.token_ids) >= 4
+
+
+def test_logprobs_are_the_model_distribution(llm: LLM, smollm2: LoadedModel) -> None:
+    prompt = llm.tokenizer.encode("The sky is")
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True))[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 3
+    first = out.logprobs[0]
+    assert first.rank == 1 and first.token_id == out.token_ids[0]
+    assert first.top_logprobs[0][0] == out.token_ids[0] and len(first.top_logprobs) == 5
+    # The first token's logprobs are the log-softmax of the prefill step's logits.
+    ref = _dense_logprobs(smollm2, prompt)
+    top = torch.topk(ref, 5)
+    assert [t for t, _ in first.top_logprobs] == top.indices.tolist()
+    assert max(abs(a - b) for (_, a), b in zip(first.top_logprobs, top.values.tolist(), strict=True)) < 1e-4
+    assert out.cumulative_logprob == pytest.approx(sum(t.logprob for t in out.logprobs))
+
+
+def _dense_logprobs(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
+    llm = LLM.from_config(_config(loaded, enable_prefix_caching=False), loaded)
+    core = llm.engine
+    core.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    step = core.runner.forward(core.scheduler.schedule())
+    return torch.log_softmax(step.logits[0], dim=-1)
+
+
+def test_chat_applies_the_template(llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Say hi"}]
+    res = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=6))[0]
+    expected = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert res.prompt_token_ids == expected
+    assert llm.tokenizer.decode(expected, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+
+
+def test_prefix_cache_computes_only_new_tokens(smollm2: LoadedModel) -> None:
+    llm = LLM.from_config(_config(smollm2, block_size=16), smollm2)
+    core = llm.engine
+    shared = llm.tokenizer.encode("You are a helpful assistant. " * 12)
+    assert len(shared) >= 64
+    llm.generate(shared + [100, 101], SamplingParams(temperature=0.0, max_tokens=2))
+    before = core.counters.computed_tokens
+    res = llm.generate(shared + [200, 201, 202], SamplingParams(temperature=0.0, max_tokens=1))[0]
+    computed = core.counters.computed_tokens - before
+    cached = (len(shared) // 16) * 16
+    assert res.num_cached_tokens == cached
+    assert computed == len(shared) + 3 - cached  # only the uncached tail ran through the model
+
+
+def test_evicted_blocks_are_reused(tiny_llama: LoadedModel) -> None:
+    llm = LLM.from_config(_config(tiny_llama, num_kv_blocks=12, block_size=4, max_model_len=48), tiny_llama)
+    pool = llm.engine.kv.pool
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        llm.generate(torch.randint(3, 300, (30,), generator=g).tolist(), params)
+    assert pool.stats.evictions > 0  # old prompts' cached blocks made room for new ones
+    assert pool.num_free == pool.num_blocks  # and nothing leaked
+
+
+def test_bad_requests_raise_clear_errors(llm: LLM) -> None:
+    with pytest.raises(InvalidSamplingParams) as e:
+        SamplingParams(temperature=-1)
+    assert e.value.param == "temperature"
+    with pytest.raises(InvalidSamplingParams):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate([1] * 1020, SamplingParams(max_tokens=10))
+    assert "context length" in str(e.value)
+    with pytest.raises(InvalidRequestError):
+        llm.generate([10**7], SamplingParams(max_tokens=1))
+    # The engine still serves after rejecting requests.
+    assert llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].token_ids
