@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from boundless.config import ConfigError, add_engine_flags
+from boundless.config import ConfigError, ServerConfig, add_engine_flags, add_flags
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -31,6 +31,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from boundless.api.launch import serve
+    from boundless.config import ServerConfig, engine_config_from_flags, from_flags
+
+    serve(engine_config_from_flags(args), from_flags(ServerConfig, args))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.bench_kind == "offline":
         from boundless.bench import offline
@@ -43,6 +51,11 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="boundless", description="LLM serving for agent programs")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    add_engine_flags(srv)
+    add_flags(srv, ServerConfig)
+    srv.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt offline")
     gen.add_argument("prompt")

@@ -72,6 +72,21 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=8000, metadata={"help": "port to bind"})
+    api_key: str | None = field(default=None, metadata={"help": "require this bearer token (or BOUNDLESS_API_KEY)"})
+    served_model_name: str | None = field(default=None, metadata={"help": "model name clients use (default: --model)"})
+    max_waiting: int = field(default=512, metadata={"help": "waiting requests beyond which the server answers 429"})
+    max_body_mb: float = field(default=8.0, metadata={"help": "largest request body, in MiB (else 413)"})
+
+    def __post_init__(self) -> None:
+        _require(0 < self.port < 65536, "port", "must be in 1..65535")
+        _require(self.max_waiting > 0, "max_waiting", "must be positive")
+        _require(self.max_body_mb > 0, "max_body_mb", "must be positive")
+
+
 # -- flags ------------------------------------------------------------------------------------
 
 C = TypeVar("C")

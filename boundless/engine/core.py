@@ -43,6 +43,10 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    # Engine-clock timestamps, for latency metrics (set on every delta).
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
 
 
 @dataclass
@@ -53,6 +57,32 @@ class EngineCounters:
     computed_tokens: int = 0  # tokens run through the model (prefill, recompute and decode)
     busy_seconds: float = 0.0
     finished: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of one instance for metrics, load balancing and heartbeats."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+    computed_tokens: int
+    num_preemptions: int
+    busy_seconds: float
+    steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / max(1, self.kv_blocks_total)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 def make_policy(name: str) -> SchedulingPolicy:
@@ -170,16 +200,27 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """Run one iteration; returns the requests that produced tokens (or finished)."""
-        sched = self.scheduler.schedule()
+        sched = self.schedule()
         if sched.is_empty:
-            self.runner.sampler.forget(sched.finished_ids)
             return []
-        start = self.clock()
-        step_logits = self.runner.forward(sched)
-        self.runner.sampler.forget(sched.finished_ids)
-        sampled = self.runner.sample(step_logits)
-        elapsed = self.clock() - start
+        sampled, elapsed = self.execute(sched)
         return self.finish_step(sched, sampled, elapsed)
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step (bookkeeping only; cheap)."""
+        sched = self.scheduler.schedule()
+        self.runner.sampler.forget(sched.finished_ids)
+        return sched
+
+    def execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampledToken], float]:
+        """Run the model on a scheduled step; returns the sampled tokens and the model time.
+
+        Touches only the runner, so a front end may run it without holding the lock that guards
+        request bookkeeping (requests aborted meanwhile are skipped by :meth:`finish_step`).
+        """
+        start = self.clock()
+        sampled = self.runner.sample(self.runner.forward(sched))
+        return sampled, self.clock() - start
 
     def finish_step(
         self, sched: SchedulerOutput, sampled: dict[str, SampledToken], elapsed: float
@@ -221,9 +262,30 @@ class EngineCore:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     num_output_tokens=request.num_output_tokens,
+                    arrival_time=request.arrival_time,
+                    first_token_time=request.first_token_time,
+                    finish_time=request.finish_time,
                 )
             )
         return outputs
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        c = self.counters
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=pool.num_used,
+            kv_blocks_total=pool.num_blocks,
+            prefix_cache_queries=pool.stats.queries,
+            prefix_cache_hits=pool.stats.hits,
+            prompt_tokens=c.prompt_tokens,
+            generation_tokens=c.generation_tokens,
+            computed_tokens=c.computed_tokens,
+            num_preemptions=self.scheduler.stats.num_preemptions,
+            busy_seconds=c.busy_seconds,
+            steps=c.steps,
+        )
 
     def _count_finish(self, request: Request) -> None:
         key = request.status.value

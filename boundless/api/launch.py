@@ -1,0 +1,82 @@
+"""Starting the HTTP server: in the foreground (``boundless serve``) or in a thread (tests, embedding)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from boundless.api.server import EngineClient, build_app
+from boundless.config import EngineConfig, ServerConfig
+from boundless.engine.async_engine import AsyncEngine
+from boundless.engine.core import EngineCore
+from boundless.model.loader import load_model
+
+log = logging.getLogger(__name__)
+
+
+def resolve_api_key(config: ServerConfig) -> ServerConfig:
+    """``--api-key`` wins; otherwise ``BOUNDLESS_API_KEY`` if set."""
+    if config.api_key is None and os.environ.get("BOUNDLESS_API_KEY"):
+        return replace(config, api_key=os.environ["BOUNDLESS_API_KEY"])
+    return config
+
+
+def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
+    """One engine in this process, as ``boundless serve`` runs it by default."""
+    loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+    return AsyncEngine(EngineCore(loaded, config), max_waiting=max_waiting)
+
+
+def serve(config: EngineConfig, server: ServerConfig) -> None:
+    """Load the model and serve until interrupted."""
+    server = resolve_api_key(server)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = local_engine(config, server.max_waiting)
+    name = server.served_model_name or config.model.model
+    log.info("serving %s on http://%s:%d (context %d tokens)", name, server.host, server.port, engine.max_model_len)
+    app = build_app(engine, name, server)
+    try:
+        uvicorn.run(app, host=server.host, port=server.port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """An HTTP server on 127.0.0.1 in a background thread, for tests and embedding."""
+
+    def __init__(self, app: ASGIApp, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="boundless-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def start_in_thread(client: EngineClient, model_name: str, config: ServerConfig | None = None) -> ServerThread:
+    return ServerThread(build_app(client, model_name, config)).start()

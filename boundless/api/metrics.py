@@ -1,0 +1,105 @@
+"""``GET /metrics``: Prometheus text, every series labelled by instance."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from boundless.engine.core import EngineStats, RequestDelta
+
+StatsSource = Callable[[], dict[str, EngineStats]]  # instance id -> snapshot
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineStateCollector:
+    """Gauges and counters read from the engines at scrape time."""
+
+    def __init__(self, source: StatsSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = self.source()
+        gauges = {
+            "boundless_num_requests_running": ("requests in the running batch", lambda s: s.num_running),
+            "boundless_num_requests_waiting": ("requests waiting to be scheduled", lambda s: s.num_waiting),
+            "boundless_kv_blocks_used": ("KV blocks held by requests", lambda s: s.kv_blocks_used),
+            "boundless_kv_blocks_total": ("KV blocks in the pool", lambda s: s.kv_blocks_total),
+            "boundless_kv_cache_usage_ratio": ("fraction of KV blocks in use", lambda s: s.kv_usage),
+            "boundless_prefix_cache_hit_rate": (
+                "prefix-cache block hits over lookups",
+                lambda s: s.prefix_cache_hit_rate,
+            ),
+        }
+        for name, (doc, get) in gauges.items():
+            g = GaugeMetricFamily(name, doc, labels=["instance"])
+            for inst, s in snapshots.items():
+                g.add_metric([inst], float(get(s)))
+            yield g
+        counters = {
+            "boundless_prompt_tokens": ("prompt tokens of admitted requests", lambda s: s.prompt_tokens),
+            "boundless_generation_tokens": ("generated tokens", lambda s: s.generation_tokens),
+            "boundless_computed_tokens": ("tokens run through the model", lambda s: s.computed_tokens),
+            "boundless_prefix_cache_queries": ("prefix-cache block lookups", lambda s: s.prefix_cache_queries),
+            "boundless_prefix_cache_hits": ("prefix-cache block hits", lambda s: s.prefix_cache_hits),
+            "boundless_preemptions": ("requests preempted", lambda s: s.num_preemptions),
+            "boundless_engine_busy_seconds": ("seconds spent running the model", lambda s: s.busy_seconds),
+        }
+        for name, (doc, get) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=["instance"])
+            for inst, s in snapshots.items():
+                c.add_metric([inst], float(get(s)))
+            yield c
+
+
+class ServerMetrics:
+    """The server's registry: engine state at scrape time, request latencies as they finish."""
+
+    def __init__(self, source: StatsSource) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStateCollector(source))
+        labels = ["instance"]
+        self.ttft = Histogram(
+            "boundless_time_to_first_token_seconds",
+            "time from arrival to the first token",
+            labels,
+            registry=self.registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "boundless_time_per_output_token_seconds",
+            "mean time between output tokens after the first",
+            labels,
+            registry=self.registry,
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "boundless_e2e_request_latency_seconds",
+            "time from arrival to the last token",
+            labels,
+            registry=self.registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.finished = Counter(
+            "boundless_requests_finished",
+            "finished requests by reason",
+            ["instance", "finish_reason"],
+            registry=self.registry,
+        )
+
+    def observe(self, delta: RequestDelta, instance: str = "0") -> None:
+        self.finished.labels(instance, delta.finish_reason or "unknown").inc()
+        if delta.first_token_time is None or delta.finish_time is None:
+            return
+        self.ttft.labels(instance).observe(delta.first_token_time - delta.arrival_time)
+        self.e2e.labels(instance).observe(delta.finish_time - delta.arrival_time)
+        if delta.num_output_tokens > 1:
+            self.tpot.labels(instance).observe(
+                (delta.finish_time - delta.first_token_time) / (delta.num_output_tokens - 1)
+            )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

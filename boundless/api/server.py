@@ -1,0 +1,544 @@
+"""The OpenAI-compatible HTTP server.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` and ``GET /metrics``. The app talks to an :class:`EngineClient`: one in-process
+engine (:class:`~boundless.engine.async_engine.AsyncEngine`) or a cluster router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp
+
+from boundless.api.errors import APIError, install_error_handlers
+from boundless.api.guards import APIKeyAuth, BodyLimit
+from boundless.api.metrics import ServerMetrics
+from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionRequest, message_text
+from boundless.api.tool_calls import parse_tool_calls, template_messages
+from boundless.config import ServerConfig
+from boundless.engine.core import EngineStats, RequestDelta
+from boundless.engine.request import ProgramRef
+from boundless.engine.sampler import SampledToken
+from boundless.engine.sampling_params import SamplingParams
+
+
+class DeltaStream(Protocol):
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[RequestDelta]: ...
+
+    def abort(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    """What the HTTP layer needs from an engine or a cluster."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
+    ) -> DeltaStream: ...
+
+    def stats(self) -> dict[str, EngineStats]: ...
+
+    def is_alive(self) -> bool: ...
+
+    def add_finished_listener(self, fn: Callable[[RequestDelta], None]) -> None: ...
+
+
+@dataclass
+class Choice:
+    """One completion being assembled from deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+
+# -- request -> engine inputs ------------------------------------------------------------------
+
+
+def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, logprobs: int | None):
+    stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
+    return SamplingParams(
+        n=body.n,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=tuple(stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+
+
+def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) -> ProgramRef | None:
+    program_id = body.program_id or request.headers.get("x-program-id")
+    thread_id = body.thread_id or request.headers.get("x-thread-id")
+    if not program_id:
+        return None
+    return ProgramRef(program_id, thread_id, tuple(body.parent_thread_ids or ()))
+
+
+def _child_params(params: SamplingParams, i: int) -> SamplingParams:
+    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+
+
+# -- the app -------------------------------------------------------------------------------------
+
+
+class OpenAIServer:
+    """Routes bound to one engine client and one served model name."""
+
+    def __init__(self, client: EngineClient, model_name: str, config: ServerConfig) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.config = config
+        self.metrics = ServerMetrics(client.stats)
+        client.add_finished_listener(self._observe)
+        self.created = int(time.time())
+
+    def _observe(self, delta: RequestDelta) -> None:
+        instance = getattr(delta, "instance", None) or "0"
+        self.metrics.observe(delta, instance)
+
+    @property
+    def tokenizer(self):
+        return self.client.tokenizer
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+    def submit_all(
+        self, base_id: str, prompts: list[list[int]], params: SamplingParams, program: ProgramRef | None
+    ) -> list[DeltaStream]:
+        """Submit every (prompt, sample) pair; on any error, abort those already submitted."""
+        streams: list[DeltaStream] = []
+        try:
+            for p_idx, ids in enumerate(prompts):
+                for i in range(params.n):
+                    rid = f"{base_id}-{p_idx}-{i}"
+                    streams.append(self.client.submit(rid, ids, _child_params(params, i), program))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    # -- chat ------------------------------------------------------------------------------
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", "messages", "invalid_value")
+        messages = []
+        for i, m in enumerate(body.messages):
+            if m.role not in ROLES:
+                raise APIError(
+                    400, f"unknown role {m.role!r}; expected one of {', '.join(ROLES)}", f"messages.{i}.role"
+                )
+            try:
+                text = message_text(m.content)
+            except ValueError as e:
+                raise APIError(400, str(e), f"messages.{i}.content") from e
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text}
+            if m.tool_calls:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name:
+                msg["name"] = m.name
+            messages.append(msg)
+        tools = body.tools if body.tools and body.tool_choice != "none" else None
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                template_messages(messages), tools=tools, add_generation_prompt=body.add_generation_prompt
+            )
+        except ValueError as e:  # the template rejected the conversation (raise_exception)
+            raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        ids = self.chat_prompt(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = _sampling_params(body, max_tokens, logprobs)
+        use_tools = bool(body.tools) and body.tool_choice != "none"
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = self.submit_all(rid, [ids], params, _program(body, request))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            gen = self._chat_events(rid, body.model, streams, len(ids), body.logprobs, use_tools, include_usage)
+            return StreamingResponse(gen, media_type="text/event-stream")
+        choices = await self._collect(streams, request)
+        out_choices = []
+        for c in choices:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if use_tools:
+                content, calls = parse_tool_calls(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [t.to_openai() for t in calls]}
+                    finish = "tool_calls"
+            out_choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": {"content": self._chat_logprobs(c.logprobs)} if body.logprobs else None,
+                    "finish_reason": finish,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.model,
+                "choices": out_choices,
+                "usage": self._usage(len(ids), choices),
+            }
+        )
+
+    async def _chat_events(
+        self,
+        rid: str,
+        model: str,
+        streams: list[DeltaStream],
+        prompt_len: int,
+        want_logprobs: bool,
+        use_tools: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        choices = [Choice(i) for i in range(len(streams))]
+
+        def chunk(choice_list: list[dict], usage: dict | None = None) -> bytes:
+            body: dict[str, Any] = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choice_list,
+            }
+            if include_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+        for c in choices:
+            yield chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+        async for index, delta in self._merged(streams):
+            c = choices[index]
+            self._apply(c, delta)
+            if use_tools:
+                if not delta.finished:
+                    continue  # tool calls are recognised on the whole output; hold the text until then
+                content, calls = parse_tool_calls(c.text)
+                if calls:
+                    if content:
+                        yield chunk(
+                            [{"index": index, "delta": {"content": content}, "logprobs": None, "finish_reason": None}]
+                        )
+                    yield chunk(
+                        [
+                            {
+                                "index": index,
+                                "delta": {"tool_calls": [t.to_openai(i) for i, t in enumerate(calls)]},
+                                "logprobs": None,
+                                "finish_reason": "tool_calls",
+                            }
+                        ]
+                    )
+                    continue
+                text = c.text
+            else:
+                text = delta.new_text
+            lp = {"content": self._chat_logprobs(delta.new_logprobs)} if want_logprobs else None
+            if text or lp:
+                yield chunk([{"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}])
+            if delta.finished:
+                yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}])
+        if include_usage:
+            yield chunk([], self._usage(prompt_len, choices))
+        yield b"data: [DONE]\n\n"
+
+    # -- completions -------------------------------------------------------------------------
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        p = body.prompt
+        if isinstance(p, str):
+            prompts = [self.tokenizer.encode(p)]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [self.tokenizer.encode(x) for x in p]  # type: ignore[arg-type]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [list(x) for x in p]  # type: ignore[arg-type]
+        else:
+            raise APIError(400, "prompt must be a string, a list of strings, or token ids", "prompt")
+        if any(not ids for ids in prompts):
+            raise APIError(400, "prompt must not be empty", "prompt")
+        return prompts
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        prompts = self.completion_prompts(body)
+        params = _sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = self.submit_all(rid, prompts, params, _program(body, request))
+        prompt_len = sum(len(p) for p in prompts)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                self._completion_events(rid, body, streams, prompt_len, include_usage), media_type="text/event-stream"
+            )
+        choices = await self._collect(streams, request)
+        out = []
+        for c in choices:
+            prefix = self.tokenizer.decode(prompts[c.index // body.n]) if body.echo else ""
+            out.append(
+                {
+                    "index": c.index,
+                    "text": prefix + c.text,
+                    "logprobs": self._completion_logprobs(c.logprobs, len(prefix))
+                    if body.logprobs is not None
+                    else None,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.model,
+                "choices": out,
+                "usage": self._usage(prompt_len, choices),
+            }
+        )
+
+    async def _completion_events(
+        self, rid: str, body: CompletionRequest, streams: list[DeltaStream], prompt_len: int, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        choices = [Choice(i) for i in range(len(streams))]
+
+        def chunk(choice_list: list[dict], usage: dict | None = None) -> bytes:
+            payload: dict[str, Any] = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": choice_list,
+            }
+            if include_usage:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+        async for index, delta in self._merged(streams):
+            c = choices[index]
+            offset = len(c.text)
+            self._apply(c, delta)
+            lp = self._completion_logprobs(delta.new_logprobs, offset) if body.logprobs is not None else None
+            if delta.new_text or lp or delta.finished:
+                yield chunk(
+                    [{"index": index, "text": delta.new_text, "logprobs": lp, "finish_reason": delta.finish_reason}]
+                )
+        if include_usage:
+            yield chunk([], self._usage(prompt_len, choices))
+        yield b"data: [DONE]\n\n"
+
+    # -- shared --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _apply(choice: Choice, delta: RequestDelta) -> None:
+        choice.text += delta.new_text
+        choice.token_ids.extend(delta.new_token_ids)
+        choice.logprobs.extend(delta.new_logprobs)
+        if delta.finished:
+            choice.finish_reason = delta.finish_reason
+            choice.cached_tokens = delta.num_cached_tokens
+
+    async def _merged(self, streams: list[DeltaStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """Deltas of several streams as they come; if the consumer goes away, every stream is aborted."""
+        if len(streams) == 1:
+            try:
+                async for delta in streams[0]:
+                    yield 0, delta
+            finally:
+                streams[0].abort()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: DeltaStream) -> None:
+            async for d in s:
+                await queue.put((i, d))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, d = await queue.get()
+                if d.finished:
+                    remaining -= 1
+                yield i, d
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.abort()
+
+    async def _collect(self, streams: list[DeltaStream], request: Request) -> list[Choice]:
+        """Run to completion; a client that disconnects meanwhile aborts its requests."""
+        choices = [Choice(i) for i in range(len(streams))]
+
+        async def consume() -> None:
+            async for index, delta in self._merged(streams):
+                self._apply(choices[index], delta)
+
+        task = asyncio.create_task(consume())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                for s in streams:
+                    s.abort()
+                raise APIError(499, "client disconnected")
+        task.result()
+        if any(c.finish_reason == "error" for c in choices):
+            raise APIError(500, "the engine failed while generating; the request was dropped", code="engine_error")
+        return choices
+
+    @staticmethod
+    def _usage(prompt_len: int, choices: list[Choice]) -> dict[str, Any]:
+        completion = sum(len(c.token_ids) for c in choices)
+        cached = max((c.cached_tokens for c in choices), default=0)
+        return {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": completion,
+            "total_tokens": prompt_len + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_logprobs(self, tokens: list[SampledToken]) -> list[dict[str, Any]]:
+        out = []
+        for t in tokens:
+            text = self._token_text(t.token_id)
+            out.append(
+                {
+                    "token": text,
+                    "logprob": t.logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": (s := self._token_text(tid)), "logprob": lp, "bytes": list(s.encode())}
+                        for tid, lp in t.top_logprobs
+                    ],
+                }
+            )
+        return out
+
+    def _completion_logprobs(self, tokens: list[SampledToken], offset: int) -> dict[str, Any]:
+        texts = [self._token_text(t.token_id) for t in tokens]
+        offsets = []
+        pos = offset
+        for text in texts:
+            offsets.append(pos)
+            pos += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{self._token_text(tid): lp for tid, lp in t.top_logprobs} for t in tokens],
+            "text_offset": offsets,
+        }
+
+
+def build_app(client: EngineClient, model_name: str, config: ServerConfig | None = None) -> ASGIApp:
+    """The ASGI app; guards (body size, API key) wrap the routes."""
+    config = config or ServerConfig()
+    server = OpenAIServer(client, model_name, config)
+    app = FastAPI(title="Boundless", version="0.1.0")
+    app.state.server = server
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not client.is_alive():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_name,
+                        "object": "model",
+                        "created": server.created,
+                        "owned_by": "boundless",
+                        "max_model_len": client.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.completions(body, request)
+
+    outer: ASGIApp = BodyLimit(app, int(config.max_body_mb * (1 << 20)))
+    if config.api_key:
+        outer = APIKeyAuth(outer, config.api_key)
+    return outer

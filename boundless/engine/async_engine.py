@@ -1,0 +1,173 @@
+"""The engine loop beside an asyncio event loop.
+
+``EngineCore`` is synchronous. ``AsyncEngine`` runs it in a background thread that steps while
+there is work and sleeps otherwise; coroutines submit requests and receive their deltas through
+asyncio queues. Bookkeeping (adding, aborting, scheduling, applying results) happens under one
+lock; the model runs outside it, so new requests join the running batch at the next step and an
+HTTP handler never waits for a forward pass to add or abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import traceback
+
+from boundless.engine.core import EngineCore, EngineStats, RequestDelta
+from boundless.engine.request import ProgramRef
+from boundless.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit; the caller should retry later."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__("the server is busy: too many requests are waiting")
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped."""
+
+
+class RequestStream:
+    """The deltas of one request, as an async iterator; ``abort()`` stops it (used on disconnect)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        delta: RequestDelta = await self._queue.get()
+        self.finished = delta.finished
+        return delta
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Serve an :class:`EngineCore` to coroutines."""
+
+    def __init__(self, core: EngineCore, max_waiting: int = 1024) -> None:
+        self.core = core
+        self.max_waiting = max_waiting
+        self.lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._finished_listeners: list = []
+        self.errors = 0
+        self._thread = threading.Thread(target=self._loop, name="boundless-engine", daemon=True)
+        self._thread.start()
+
+    # -- for request handlers --------------------------------------------------------------
+
+    def add_finished_listener(self, fn) -> None:
+        """``fn(delta)`` is called (in the engine thread) with every request's final delta."""
+        self._finished_listeners.append(fn)
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stats(self) -> dict[str, EngineStats]:
+        with self.lock:
+            return {"0": self.core.stats()}
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        program: ProgramRef | None = None,
+    ) -> RequestStream:
+        """Add a request and return the stream of its deltas.
+
+        Raises at once for an invalid request or a full waiting queue, so an HTTP handler can answer
+        with an error status before it starts a response.
+        """
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine loop has stopped")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self.lock:
+            if len(self.core.scheduler.waiting) >= self.max_waiting:
+                raise QueueFullError(retry_after_s=1.0)
+            self.core.add_request(request_id, prompt_token_ids, params, program=program)
+            self._streams[request_id] = (loop, queue)
+        self._wake.set()
+        return RequestStream(self, request_id, queue)
+
+    def abort(self, request_id: str) -> None:
+        with self.lock:
+            self._streams.pop(request_id, None)
+            self.core.abort(request_id)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- the engine thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        core = self.core
+        while not self._stop.is_set():
+            with self.lock:
+                sched = core.schedule() if core.has_unfinished() else None
+            if sched is None or sched.is_empty:
+                self._wake.wait(timeout=0.05 if sched is not None else 1.0)
+                self._wake.clear()
+                continue
+            try:
+                sampled, elapsed = core.execute(sched)
+            except Exception:  # a failed step must not take the server down: fail its requests, go on
+                self.errors += 1
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                self._fail([c.request_id for c in sched.chunks])
+                continue
+            with self.lock:
+                deltas = core.finish_step(sched, sampled, elapsed)
+                for delta in deltas:
+                    self._deliver(delta)
+
+    def _deliver(self, delta: RequestDelta) -> None:
+        if delta.finished:
+            stream = self._streams.pop(delta.request_id, None)
+            for fn in self._finished_listeners:
+                fn(delta)
+        else:
+            stream = self._streams.get(delta.request_id)
+        if stream is not None:
+            loop, queue = stream
+            loop.call_soon_threadsafe(queue.put_nowait, delta)
+
+    def _fail(self, request_ids: list[str]) -> None:
+        with self.lock:
+            for rid in request_ids:
+                self.core.abort(rid)
+                self._deliver(
+                    RequestDelta(
+                        rid, [], "", [], finished=True, finish_reason="error", stop_reason="engine step failed"
+                    )
+                )
