@@ -1,0 +1,267 @@
+"""A real server on 127.0.0.1, driven by the official ``openai`` client (sync and async) and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from boundless import LLM, SamplingParams
+from boundless.api.launch import ServerThread, start_in_thread
+from boundless.config import ServerConfig
+from boundless.engine.async_engine import AsyncEngine
+from boundless.engine.core import EngineCore
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel
+
+MODEL = "smollm2-135m"
+MAX_LEN = 1024
+
+
+def _engine(loaded: LoadedModel, max_waiting: int = 512, **kwargs) -> AsyncEngine:
+    kwargs.setdefault("max_model_len", MAX_LEN)
+    kwargs.setdefault("kv_cache_gb", 0.25)
+    return AsyncEngine(EngineCore(loaded, engine_config(loaded.name, **kwargs)), max_waiting=max_waiting)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2: LoadedModel) -> Iterator[AsyncEngine]:
+    eng = _engine(smollm2)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine: AsyncEngine) -> Iterator[ServerThread]:
+    srv = start_in_thread(engine, MODEL)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def aclient(server: ServerThread) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _good_request(client: openai.OpenAI) -> None:
+    """After any rejected request, the server still serves."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+
+
+# -- behaviour ---------------------------------------------------------------------------------
+
+
+def test_models_and_health(server: ServerThread, client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_chat_usage_matches_the_tokenizer(client: openai.OpenAI, engine: AsyncEngine) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    tok = engine.tokenizer
+    prompt_ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    text = r.choices[0].message.content
+    assert r.usage.completion_tokens >= len(tok.encode(text, add_special_tokens=False)) - 1
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].message.role == "assistant"
+
+
+def test_streamed_chat_concatenates_to_the_unstreamed_text(client: openai.OpenAI) -> None:
+    kwargs = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=24, temperature=0
+    )
+    whole = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    parts, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(parts) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_and_streaming(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
+    stream = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
+    assert whole.usage.completion_tokens <= 12 and whole.object == "text_completion"
+
+
+def test_n_stop_and_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a poem."}], n=3, temperature=1.0, seed=7, max_tokens=8
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1  # three samples, not one copied
+    assert 3 <= r.usage.completion_tokens <= 24
+    free = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0)
+    stop = free.choices[0].text.strip()[:2]
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == free.choices[0].text[: free.choices[0].text.index(stop)]
+    lp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens
+    for token in content:
+        assert len(token.top_logprobs) == 3
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)  # greedy: the top token
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob >= token.top_logprobs[2].logprob
+    cl = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
+    assert len(cl.choices[0].logprobs.tokens) == 3 and all(len(t) <= 2 for t in cl.choices[0].logprobs.top_logprobs)
+
+
+def test_async_client_32_concurrent_streams_match_offline(aclient: openai.AsyncOpenAI, smollm2: LoadedModel) -> None:
+    prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(32)]
+
+    async def one(prompt: str) -> str:
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    served = asyncio.run(all_of_them())
+    offline = LLM.from_config(engine_config(MODEL, max_model_len=MAX_LEN, kv_cache_gb=0.25), smollm2)
+    expected = [r.outputs[0].text for r in offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))]
+    assert served == expected
+
+
+def test_disconnect_mid_stream_frees_blocks(server: ServerThread, engine: AsyncEngine) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        assert engine.stats()["0"].kv_blocks_used > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (engine.stats()["0"].kv_blocks_used or engine.stats()["0"].num_running):
+        time.sleep(0.05)
+    assert engine.stats()["0"].kv_blocks_used == 0 and engine.stats()["0"].num_running == 0
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'boundless_kv_blocks_used{instance="0"} 0.0' in metrics
+
+
+def test_metrics_expose_engine_and_latency_series(server: ServerThread, client: openai.OpenAI) -> None:
+    _good_request(client)
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "boundless_num_requests_running",
+        "boundless_num_requests_waiting",
+        "boundless_kv_blocks_used",
+        "boundless_prefix_cache_hit_rate",
+        "boundless_prompt_tokens_total",
+        "boundless_generation_tokens_total",
+        "boundless_time_to_first_token_seconds_bucket",
+        "boundless_time_per_output_token_seconds_bucket",
+        "boundless_e2e_request_latency_seconds_count",
+    ):
+        assert name in text, name
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"temperature": 3.0}, "temperature"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"max_tokens": MAX_LEN}, "max_tokens"),
+    ],
+)
+def test_invalid_values_get_400(client: openai.OpenAI, change: dict, param: str) -> None:
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **change}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kwargs)
+    err = e.value.body
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+    _good_request(client)
+
+
+def test_unknown_model_gets_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "Hi"}])
+    assert e.value.body["code"] == "model_not_found"
+    _good_request(client)
+
+
+def test_malformed_json_and_oversized_body(server: ServerThread, client: openai.OpenAI) -> None:
+    r = httpx.post(
+        server.url + "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": "not a list", "model": MODEL})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    big = b'{"model": "x", "prompt": "' + b"a" * (9 << 20) + b'"}'
+    r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    _good_request(client)
+
+
+def test_full_waiting_queue_gets_429_with_retry_after(tiny_llama: LoadedModel) -> None:
+    eng = _engine(tiny_llama, max_waiting=2, max_num_seqs=1, max_model_len=512)
+    srv = start_in_thread(eng, "tiny")
+    try:
+
+        async def burst() -> list[httpx.Response]:
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 300, "ignore_eos": True}
+            async with httpx.AsyncClient(timeout=60) as http:
+                return await asyncio.gather(*(http.post(srv.url + "/v1/completions", json=body) for _ in range(6)))
+
+        responses = asyncio.run(burst())
+        statuses = sorted(r.status_code for r in responses)
+        assert 429 in statuses and 200 in statuses
+        busy = next(r for r in responses if r.status_code == 429)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
+        ok = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
+        eng.shutdown()
+
+
+def test_api_key_guards_every_route_but_health(tiny_llama: LoadedModel) -> None:
+    eng = _engine(tiny_llama, max_model_len=512)
+    srv = start_in_thread(eng, "tiny", ServerConfig(api_key="sekret"))
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            r = httpx.get(srv.url + path)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
+        assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
+    finally:
+        srv.stop()
+        eng.shutdown()

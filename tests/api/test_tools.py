@@ -1,0 +1,103 @@
+"""Tools reach chat templates that take them; tool calls in the output come back as ``tool_calls``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from boundless.api.launch import start_in_thread
+from boundless.api.tool_calls import parse_tool_calls, template_messages
+from boundless.engine.async_engine import AsyncEngine
+from boundless.engine.core import EngineCore
+from boundless.llm import engine_config
+from boundless.model.loader import load_model
+from boundless.model.random_model import TinySpec, write_random_model
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\\nTools:\\n"
+    "{% for t in tools %}{{ t | tojson }}\\n{% endfor %}<|im_end|>\\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% endif %}"
+    "<|im_end|>\\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}"
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_parse_hermes_blocks() -> None:
+    text = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0].to_openai()["type"] == "function" and calls[0].id.startswith("call_")
+
+
+def test_parse_bare_json_calls() -> None:
+    content, calls = parse_tool_calls('{"name": "f", "parameters": {"x": 1}}')
+    assert content is None and calls[0].name == "f" and json.loads(calls[0].arguments) == {"x": 1}
+    content, calls = parse_tool_calls('[{"name": "f", "arguments": {}}, {"name": "g", "arguments": "{}"}]')
+    assert [c.name for c in calls] == ["f", "g"] and calls[1].arguments == "{}"
+
+
+@pytest.mark.parametrize("text", ["plain text", '{"not": "a call"}', "<tool_call>not json</tool_call>", "{broken"])
+def test_text_without_calls_is_left_alone(text: str) -> None:
+    assert parse_tool_calls(text) == (text, [])
+
+
+def test_assistant_tool_call_arguments_become_objects_for_templates() -> None:
+    messages = [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    ]
+    assert template_messages(messages)[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the caller's copy is untouched
+
+
+def test_tools_and_tool_messages_reach_the_template(tmp_path: Path) -> None:
+    root = write_random_model(tmp_path / "m", TinySpec())
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    config["chat_template"] = HERMES_TEMPLATE.replace("\\n", "\n")
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = load_model(str(root))
+    engine = AsyncEngine(EngineCore(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
+    server = start_in_thread(engine, "tiny")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        messages = [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ]
+        plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        with_tools = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=2)
+        expected = loaded.tokenizer.apply_chat_template(template_messages(messages), tools=[WEATHER])
+        assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in expected
+        assert with_tools.usage.prompt_tokens == len(loaded.tokenizer.encode(expected, add_special_tokens=False))
+        assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+        none = client.chat.completions.create(
+            model="tiny", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=2
+        )
+        assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    finally:
+        server.stop()
+        engine.shutdown()
