@@ -45,6 +45,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         offline.run(args)
         return 0
+    if args.bench_kind == "serve":
+        from boundless.bench import serve
+
+        serve.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -77,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--json", metavar="PATH", help="write the figures to this file")
     add_engine_flags(off)
     off.set_defaults(func=_bench)
+    from boundless.bench import serve as bench_serve
+
+    online = bench_sub.add_parser("serve", help="online load (Poisson or trace replay) against a running server")
+    bench_serve.add_arguments(online)
+    online.set_defaults(func=_bench)
     return parser
 
 

@@ -1,0 +1,155 @@
+"""The command line: ``boundless serve`` as ``make serve`` runs it, ``bench serve`` against it, ``generate``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from boundless.api.launch import free_port
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def _boundless(*args: str) -> list[str]:
+    return [sys.executable, "-m", "boundless.cli", *args]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server did not become healthy")
+
+
+def _serve(*args: str) -> Iterator[str]:
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        _boundless("serve", "--port", str(port), *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(model_dirs: dict[str, Path]) -> Iterator[str]:
+    yield from _serve("--model", str(model_dirs["tiny-llama"]), "--served-model-name", "tiny", "--kv-cache-gb", "0.05")
+
+
+def test_serve_with_no_flags_serves_the_bundled_model() -> None:
+    for url in _serve():
+        models = httpx.get(url + "/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
+        assert models["data"][0]["max_model_len"] == 8192
+        r = httpx.post(
+            url + "/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 2}, timeout=60
+        )
+        assert r.status_code == 200
+
+
+def test_bench_serve_poisson_and_trace_replay(tiny_server: str, tmp_path: Path) -> None:
+    out = tmp_path / "poisson.json"
+    common = ["--base-url", tiny_server, "--model", "tiny", "--vocab-size", "300"]
+    subprocess.run(
+        _boundless(
+            "bench",
+            "serve",
+            *common,
+            "--num-requests",
+            "8",
+            "--rate",
+            "20",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--json",
+            str(out),
+        ),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    figures = json.loads(out.read_text())
+    assert figures["completed"] == 8 and figures["failed"] == 0
+    assert 0 < figures["ttft_s_p50"] <= figures["ttft_s_p99"] and figures["output_token_throughput"] > 0
+    trace = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+    if not trace.exists():
+        pytest.skip("the shared traces are not next to this checkout")
+    out = tmp_path / "trace.json"
+    subprocess.run(
+        _boundless(
+            "bench",
+            "serve",
+            *common,
+            "--trace",
+            str(trace),
+            "--num-requests",
+            "6",
+            "--time-scale",
+            "0.05",
+            "--length-scale",
+            "0.05",
+            "--json",
+            str(out),
+        ),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    figures = json.loads(out.read_text())
+    assert figures["completed"] == 6 and figures["mean_input_len"] < 200
+
+
+def test_generate_prints_the_completion(model_dirs: dict[str, Path]) -> None:
+    done = subprocess.run(
+        _boundless(
+            "generate",
+            "The fox",
+            "--model",
+            str(model_dirs["tiny-llama"]),
+            "--max-tokens",
+            "4",
+            "--kv-cache-gb",
+            "0.05",
+        ),
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.stdout.strip()
+
+
+def test_bad_flag_values_fail_at_start_up(model_dirs: dict[str, Path]) -> None:
+    done = subprocess.run(
+        _boundless("generate", "x", "--model", str(model_dirs["tiny-llama"]), "--block-size", "12"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "--block-size" in done.stderr
