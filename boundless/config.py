@@ -45,6 +45,9 @@ class CacheConfig:
         default=None, metadata={"help": "size of the KV pool in blocks (overrides --kv-cache-gb)"}
     )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "share full KV blocks between requests"})
+    swap_space_gb: float = field(
+        default=1.0, metadata={"help": "host memory for KV of preempted requests, in GiB (0: recompute instead)"}
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -52,17 +55,36 @@ class CacheConfig:
         )
         _require(self.kv_cache_gb > 0, "kv_cache_gb", "must be positive")
         _require(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be positive")
+        _require(self.swap_space_gb >= 0, "swap_space_gb", "must not be negative")
+
+
+POLICIES = ("fcfs", "mlfq", "plas", "atlas")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests in one step"})
-    policy: str = field(default="fcfs", metadata={"help": "order of service: fcfs"})
+    policy: str = field(
+        default="atlas", metadata={"help": "order of service: fcfs, mlfq, plas or atlas (plas for single threads)"}
+    )
+    num_queues: int = field(default=4, metadata={"help": "K, the number of priority queues (mlfq, plas, atlas)"})
+    queue_base_s: float = field(default=1.0, metadata={"help": "upper bound of the top queue's service range, s"})
+    queue_growth: float = field(default=4.0, metadata={"help": "each queue's range is this many times the last"})
+    starvation_beta: float = field(
+        default=3.0, metadata={"help": "promote a call to the top when wait/service >= this"}
+    )
+    program_ttl_s: float = field(default=600.0, metadata={"help": "forget programs idle this long"})
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
+        _require(self.policy in POLICIES, "policy", f"unknown policy {self.policy!r}; one of {', '.join(POLICIES)}")
+        _require(self.num_queues >= 1, "num_queues", "must be >= 1")
+        _require(self.queue_base_s > 0, "queue_base_s", "must be positive")
+        _require(self.queue_growth > 1, "queue_growth", "must be > 1")
+        _require(self.starvation_beta > 0, "starvation_beta", "must be positive")
+        _require(self.program_ttl_s > 0, "program_ttl_s", "must be positive")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ class _EngineStateCollector:
             "boundless_computed_tokens": ("tokens run through the model", lambda s: s.computed_tokens),
             "boundless_prefix_cache_queries": ("prefix-cache block lookups", lambda s: s.prefix_cache_queries),
             "boundless_prefix_cache_hits": ("prefix-cache block hits", lambda s: s.prefix_cache_hits),
-            "boundless_preemptions": ("requests preempted", lambda s: s.num_preemptions),
             "boundless_engine_busy_seconds": ("seconds spent running the model", lambda s: s.busy_seconds),
         }
         for name, (doc, get) in counters.items():
@@ -53,6 +52,16 @@ class _EngineStateCollector:
             for inst, s in snapshots.items():
                 c.add_metric([inst], float(get(s)))
             yield c
+        kinds = {"kept": "num_kept", "swapped": "num_swapped_out", "recomputed": "num_recomputed"}
+        c = CounterMetricFamily(
+            "boundless_preemptions",
+            "running requests that lost their place, by what happened to their KV",
+            labels=["instance", "kind"],
+        )
+        for inst, s in snapshots.items():
+            for kind, attr in kinds.items():
+                c.add_metric([inst, kind], float(getattr(s, attr)))
+        yield c
 
 
 class ServerMetrics:

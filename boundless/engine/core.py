@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.attention.paged import TorchPagedAttention
-from boundless.config import ConfigError, EngineConfig
+from boundless.config import ConfigError, EngineConfig, SchedulerConfig
 from boundless.engine.detokenizer import IncrementalDetokenizer
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.request import ProgramRef, Request, RequestStatus
@@ -23,9 +23,11 @@ from boundless.engine.sampler import SampledToken, Sampler
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
 from boundless.kv.manager import KVCacheManager
+from boundless.kv.swap import HostSwapSpace
 from boundless.kv.tensors import PagedKVCache
 from boundless.model.arch import ModelArch
 from boundless.model.loader import LoadedModel
+from boundless.programs.policies import ATLASPolicy, MLFQPolicy, PLASPolicy, QueueConfig
 from boundless.programs.policy import FCFSPolicy, SchedulingPolicy
 
 
@@ -73,6 +75,9 @@ class EngineStats:
     generation_tokens: int
     computed_tokens: int
     num_preemptions: int
+    num_kept: int  # left out of a step, KV kept
+    num_swapped_out: int  # KV moved to host memory
+    num_recomputed: int  # KV dropped, to be recomputed
     busy_seconds: float
     steps: int
 
@@ -85,10 +90,21 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-def make_policy(name: str) -> SchedulingPolicy:
-    if name == "fcfs":
+def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
+    """The policy object a scheduler config names."""
+    if config.policy == "fcfs":
         return FCFSPolicy()
-    raise ConfigError(f"--policy: unknown policy {name!r}")
+    queues = QueueConfig(
+        num_queues=config.num_queues,
+        base_s=config.queue_base_s,
+        growth=config.queue_growth,
+        beta=config.starvation_beta,
+        ttl_s=config.program_ttl_s,
+    )
+    classes = {"mlfq": MLFQPolicy, "plas": PLASPolicy, "atlas": ATLASPolicy}
+    if config.policy not in classes:
+        raise ConfigError(f"--policy: unknown policy {config.policy!r}")
+    return classes[config.policy](queues)
 
 
 class EngineCore:
@@ -112,8 +128,11 @@ class EngineCore:
         self.max_model_len = self._context_length(config, arch, num_blocks * bs)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(arch.eos_token_ids)))
-        self.kv = KVCacheManager(num_blocks, bs, cache_cfg.enable_prefix_caching, loaded.fingerprint)
-        self.policy = policy or make_policy(config.scheduler.policy)
+        num_host_blocks = int(cache_cfg.swap_space_gb * (1 << 30)) // per_block
+        self.kv = KVCacheManager(
+            num_blocks, bs, cache_cfg.enable_prefix_caching, loaded.fingerprint, num_host_blocks=num_host_blocks
+        )
+        self.policy = policy or make_policy(config.scheduler)
         self.scheduler = Scheduler(
             self.kv,
             self.policy,
@@ -128,6 +147,7 @@ class EngineCore:
         attention = TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, num_blocks)
         sampler = Sampler(loaded.device, seed=config.model.seed)
         self.runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device)
+        self.swap_space = HostSwapSpace(kv_cache, num_host_blocks) if num_host_blocks else None
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
 
@@ -219,6 +239,9 @@ class EngineCore:
         request bookkeeping (requests aborted meanwhile are skipped by :meth:`finish_step`).
         """
         start = self.clock()
+        if sched.swap_out or sched.swap_in:
+            assert self.swap_space is not None
+            self.swap_space.apply(sched.swap_out, sched.swap_in)
         sampled = self.runner.sample(self.runner.forward(sched))
         return sampled, self.clock() - start
 
@@ -283,6 +306,9 @@ class EngineCore:
             generation_tokens=c.generation_tokens,
             computed_tokens=c.computed_tokens,
             num_preemptions=self.scheduler.stats.num_preemptions,
+            num_kept=self.scheduler.stats.num_kept,
+            num_swapped_out=self.scheduler.stats.num_swapped_out,
+            num_recomputed=self.scheduler.stats.num_recomputed,
             busy_seconds=c.busy_seconds,
             steps=c.steps,
         )

@@ -36,8 +36,10 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)  # lost their device KV this step
     finished_ids: list[str] = field(default_factory=list)  # left since the last step
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block) to copy out
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block) to copy in
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +52,11 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerStats:
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # requests that lost their device KV (swapped or to recompute)
+    num_kept: int = 0  # running requests left out of a step that kept their KV
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
+    num_recomputed: int = 0
     num_prompt_tokens_cached: int = 0
 
 
@@ -75,6 +81,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._finished_since_step: list[str] = []
+        self._last_chosen: set[str] = set()
 
     # -- queue changes ---------------------------------------------------------------------
 
@@ -107,56 +114,36 @@ class Scheduler:
     # -- the decision ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Fill the step from the highest priority down while the budget, sequence slots and memory allow.
+
+        Requests holding KV that are left out keep it (they are paused, not preempted). When memory
+        is short, the lowest-priority KV holders not in the step give it up: swapped to host memory
+        if it has room, else dropped to be recomputed.
+        """
         now = self.clock()
+        self.policy.update(now)
         out = SchedulerOutput(finished_ids=self._finished_since_step)
         self._finished_since_step = []
         budget = self.max_num_batched_tokens
-        key = lambda r: self.policy.priority(r, now)
-        self.running.sort(key=key)
-        scheduled: list[tuple[Request, int]] = []
-
-        # Running requests first, in priority order; the lowest-priority ones give way when memory is short.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            after = request.num_computed_tokens + num_new
-            while not self.kv.allocate(request.request_id, request.all_token_ids, after):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is request:
-                    break
-            else:
-                scheduled.append((request, num_new))
-                budget -= num_new
-                i += 1
-
-        # Then admit waiting requests while budget, sequence slots and memory allow.
-        if not out.preempted_ids:
-            self.waiting.sort(key=key)
-            admitted = []
-            for request in self.waiting:
-                if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                    break
-                prefix = self.kv.find_cached_prefix(request.request_id, request.all_token_ids)
-                computed = prefix.num_tokens
-                num_new = min(request.num_tokens - computed, budget)
-                if not self.kv.allocate(request.request_id, request.all_token_ids, computed + num_new, prefix):
-                    break
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = now
-                    request.num_cached_tokens = computed
-                    self.stats.num_prompt_tokens_cached += computed
-                request.num_computed_tokens = computed
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                admitted.append(request)
-                scheduled.append((request, num_new))
-                budget -= num_new
-            for request in admitted:
-                self.waiting.remove(request)
-
-        for request, num_new in scheduled:
+        order = sorted(self.running + self.waiting, key=lambda r: self.policy.priority(r, now))
+        chosen: list[tuple[Request, int]] = []
+        chosen_ids: set[str] = set()
+        for idx, request in enumerate(order):
+            if budget <= 0 or len(chosen) >= self.max_num_seqs:
+                break
+            num_new = self._admit(request, budget, order, idx, chosen_ids, out)
+            if num_new is None:
+                break  # keep priority order: nothing below may take the memory this one could not get
+            chosen.append((request, num_new))
+            chosen_ids.add(request.request_id)
+            budget -= num_new
+        for request in self.running:
+            if request.request_id not in chosen_ids and request.request_id in self._last_chosen:
+                self.stats.num_kept += 1
+        self._last_chosen = chosen_ids
+        for request, num_new in chosen:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
             start = request.num_computed_tokens
             end = start + num_new
             out.chunks.append(
@@ -173,30 +160,88 @@ class Scheduler:
             )
         return out
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Drop a running request's KV; it will be recomputed (prefix-cache hits make that cheaper)."""
-        self.running.remove(request)
-        self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+    def _admit(
+        self,
+        request: Request,
+        budget: int,
+        order: list[Request],
+        idx: int,
+        chosen_ids: set[str],
+        out: SchedulerOutput,
+    ) -> int | None:
+        """Secure device KV for the request's next chunk; returns the chunk's length or None."""
+        rid = request.request_id
+        if request.status is RequestStatus.SWAPPED:
+            while (pairs := self.kv.swap_in(rid, request.all_token_ids, request.num_computed_tokens)) is None:
+                if not self._make_room(order, idx, chosen_ids, out):
+                    return None
+            out.swap_in.extend(pairs)
+            self.stats.num_swapped_in += 1
+            self._to_running(request)
+        prefix = None
+        if request.status is not RequestStatus.RUNNING:
+            prefix = self.kv.find_cached_prefix(rid, request.all_token_ids)
+            computed = prefix.num_tokens
+        else:
+            computed = request.num_computed_tokens
+        num_new = min(request.num_tokens - computed, budget)
+        while not self.kv.allocate(rid, request.all_token_ids, computed + num_new, prefix):
+            if not self._make_room(order, idx, chosen_ids, out):
+                if request.status is RequestStatus.RUNNING:
+                    self._evict(request, out)  # it cannot grow and nothing below it can give way
+                return None
+        if request.status is not RequestStatus.RUNNING:
+            if request.num_computed_tokens == 0 and request.num_preemptions == 0:
+                request.num_cached_tokens = computed
+                self.stats.num_prompt_tokens_cached += computed
+            request.num_computed_tokens = computed
+            self._to_running(request)
+        return num_new
+
+    def _make_room(self, order: list[Request], idx: int, chosen_ids: set[str], out: SchedulerOutput) -> bool:
+        """Evict the lowest-priority device-KV holder below ``idx`` that is not in this step."""
+        for victim in reversed(order[idx + 1 :]):
+            if victim.status is RequestStatus.RUNNING and victim.request_id not in chosen_ids:
+                self._evict(victim, out)
+                return True
+        return False
+
+    def _evict(self, request: Request, out: SchedulerOutput) -> None:
+        """Take a request's device KV: to host memory if there is room, else drop it for recompute."""
+        pairs = self.kv.swap_out(request.request_id)
+        if pairs is not None:
+            out.swap_out.extend(pairs)
+            request.status = RequestStatus.SWAPPED
+            self.stats.num_swapped_out += 1
+        else:
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.stats.num_recomputed += 1
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
+        self.running.remove(request)
         self.waiting.append(request)
         out.preempted_ids.append(request.request_id)
+
+    def _to_running(self, request: Request) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+            self.running.append(request)
+        request.status = RequestStatus.RUNNING
 
     # -- after the step ----------------------------------------------------------------------
 
     def advance(self, output: SchedulerOutput, service_s: float) -> None:
         """Record that the step ran: each scheduled request computed its chunk.
 
-        ``service_s`` is the step's model execution time; each request in the batch is charged
-        its share by tokens (what program-aware policies count as attained service).
+        ``service_s`` is the step's model execution time; every request in the batch spent it in
+        the model executor, and is charged it as attained service (Autellix's measure).
         """
         now = self.clock()
-        total = max(output.num_tokens, 1)
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue
             request.num_computed_tokens += len(chunk.token_ids)
-            self.policy.on_service(request, service_s * len(chunk.token_ids) / total, now)
+            self.policy.on_service(request, service_s, now)

@@ -28,10 +28,20 @@ class CachedPrefix:
 class KVCacheManager:
     """Owns the block pool and every request's block table."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, fingerprint: str) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        fingerprint: str,
+        num_host_blocks: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        # Host memory for swapped-out requests: plain blocks, never shared or cached.
+        self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks > 0 else None
+        self._host_tables: dict[str, list[KVBlock]] = {}
         self._tables: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_named: dict[str, int] = {}
@@ -109,8 +119,44 @@ class KVCacheManager:
         """Release a request's blocks (tail first, so its tail is evicted first) and forget it."""
         table = self._tables.pop(request_id, [])
         self.pool.free(reversed(table))
+        host = self._host_tables.pop(request_id, [])
+        if host and self.host_pool is not None:
+            self.host_pool.free(host)
         self._hashes.pop(request_id, None)
         self._num_named.pop(request_id, None)
+
+    # -- swapping to host memory ----------------------------------------------------------
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._host_tables
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move a request's KV to host blocks; returns (device, host) block pairs to copy, or None
+        (changing nothing) when host memory lacks room. The device blocks are released."""
+        table = self._tables.get(request_id)
+        if not table or self.host_pool is None or self.host_pool.num_free < len(table):
+            return None
+        host = self.host_pool.allocate(len(table))
+        pairs = [(d.block_id, h.block_id) for d, h in zip(table, host, strict=True)]
+        self._host_tables[request_id] = host
+        del self._tables[request_id]
+        self.pool.free(reversed(table))
+        self._num_named.pop(request_id, None)
+        return pairs
+
+    def swap_in(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back; returns (host, device) pairs to copy, or None when device memory lacks room."""
+        host = self._host_tables.get(request_id)
+        assert host is not None and self.host_pool is not None
+        if self.pool.num_free < len(host):
+            return None
+        device = self.pool.allocate(len(host))
+        pairs = [(h.block_id, d.block_id) for h, d in zip(host, device, strict=True)]
+        self._tables[request_id] = device
+        del self._host_tables[request_id]
+        self.host_pool.free(host)
+        self._name_full_blocks(request_id, token_ids, num_computed)
+        return pairs
 
     def _blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None) -> int:
         have = len(self._tables.get(request_id, ()))

@@ -19,6 +19,10 @@ class SchedulingPolicy(Protocol):
 
     def on_arrival(self, request: Request, now: float) -> None: ...
 
+    def update(self, now: float) -> None:
+        """Called once at the start of every scheduling decision (promotions, expiry)."""
+        ...
+
     def priority(self, request: Request, now: float) -> tuple: ...
 
     def on_service(self, request: Request, service_s: float, now: float) -> None: ...
@@ -37,6 +41,9 @@ class FCFSPolicy:
 
     def on_arrival(self, request: Request, now: float) -> None:
         self._order[request.request_id] = next(self._counter)
+
+    def update(self, now: float) -> None:
+        pass
 
     def priority(self, request: Request, now: float) -> tuple:
         return (request.arrival_time, self._order.get(request.request_id, 0))

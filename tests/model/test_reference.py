@@ -86,7 +86,8 @@ def ref(request: pytest.FixtureRequest, load: Callable[[str], LoadedModel]) -> R
 
 
 def _engine(loaded: LoadedModel, **cache_and_sched) -> EngineCore:
-    cache = {k: v for k, v in cache_and_sched.items() if k in ("num_kv_blocks", "enable_prefix_caching", "block_size")}
+    cache_keys = ("num_kv_blocks", "enable_prefix_caching", "block_size", "swap_space_gb")
+    cache = {k: v for k, v in cache_and_sched.items() if k in cache_keys}
     sched = {k: v for k, v in cache_and_sched.items() if k in ("max_num_batched_tokens",)}
     cfg = EngineConfig(
         model=ModelConfig(max_model_len=cache_and_sched.get("max_model_len", 512)),
@@ -118,7 +119,8 @@ CONFIGS = {
     "prefix-cache": {"enable_prefix_caching": True},
     "no-prefix-cache": {"enable_prefix_caching": False},
     "chunked-prefill": {"max_num_batched_tokens": 7},
-    "preemption": {"preempt": True},
+    "preemption-swap": {"preempt": True},
+    "preemption-recompute": {"preempt": True, "swap_space_gb": 0.0},
 }
 
 
@@ -138,8 +140,10 @@ def test_greedy_matches_transformers(ref: Reference, config: str) -> None:
         assert stats.num_prompt_tokens_cached > 0
     if config == "no-prefix-cache":
         assert stats.num_prompt_tokens_cached == 0
-    if config == "preemption":
-        assert stats.num_preemptions > 0
+    if config == "preemption-swap":
+        assert stats.num_swapped_out > 0 and stats.num_swapped_in > 0 and stats.num_recomputed == 0
+    if config == "preemption-recompute":
+        assert stats.num_recomputed > 0 and stats.num_swapped_out == 0
     if config == "chunked-prefill":
         assert core.counters.steps > sum(len(p) for p in ref.prompts) // 7
 

@@ -1,0 +1,143 @@
+"""The process table: what the scheduler knows about each agent program (Autellix §4.1).
+
+Per program: its attained service (for single-threaded programs, the sum of its completed calls'
+model time; for multi-threaded programs, the longest critical path through its threads), its
+total waiting time, per-thread records, the instances it ran on, and its last arrival and
+completion. Programs idle past a TTL are dropped, and the table never holds more than
+``max_programs`` entries (the least recently active idle programs go first), so memory stays
+bounded however many programs come.
+
+Everything here is pure bookkeeping driven by the caller's clock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from boundless.engine.request import ProgramRef
+
+MAIN_THREAD = "main"
+
+
+@dataclass
+class ThreadRecord:
+    """One thread of a program: a chain of calls; ``service_s`` is the critical path ending at it."""
+
+    thread_id: str
+    service_s: float = 0.0
+    waiting_s: float = 0.0
+    calls: int = 0
+
+
+@dataclass
+class ProgramRecord:
+    program_id: str
+    service_s: float = 0.0  # PLAS: sum over completed calls; ATLAS: longest critical path
+    total_service_s: float = 0.0  # sum over completed calls, whatever the policy
+    waiting_s: float = 0.0
+    threads: dict[str, ThreadRecord] = field(default_factory=dict)
+    instances: dict[str, int] = field(default_factory=dict)  # instance id -> calls run there
+    active_calls: int = 0
+    completed_calls: int = 0
+    first_arrival: float = 0.0
+    last_arrival: float = 0.0
+    last_completion: float | None = None
+
+    @property
+    def last_activity(self) -> float:
+        return max(self.last_arrival, self.last_completion or 0.0)
+
+
+class ProcessTable:
+    """Program records keyed by program id, bounded by a TTL and a size cap."""
+
+    def __init__(self, ttl_s: float = 600.0, max_programs: int = 100_000, critical_path: bool = True) -> None:
+        self.ttl_s = ttl_s
+        self.max_programs = max_programs
+        self.critical_path = critical_path  # ATLAS semantics; False sums all calls (PLAS)
+        self._programs: OrderedDict[str, ProgramRecord] = OrderedDict()  # least recently active first
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def __contains__(self, program_id: str) -> bool:
+        return program_id in self._programs
+
+    def get(self, program_id: str) -> ProgramRecord | None:
+        return self._programs.get(program_id)
+
+    def service(self, program_id: str) -> float:
+        rec = self._programs.get(program_id)
+        return rec.service_s if rec else 0.0
+
+    def call_arrived(self, program: ProgramRef, now: float) -> ProgramRecord:
+        rec = self._programs.get(program.program_id)
+        if rec is None:
+            rec = ProgramRecord(program.program_id, first_arrival=now)
+            self._programs[program.program_id] = rec
+        self._programs.move_to_end(program.program_id)
+        rec.active_calls += 1
+        rec.last_arrival = now
+        self._evict(now)
+        return rec
+
+    def call_finished(
+        self, program: ProgramRef, service_s: float, waiting_s: float, now: float, instance: str | None = None
+    ) -> ProgramRecord | None:
+        """Record a completed call: its model time and the time it waited."""
+        rec = self._programs.get(program.program_id)
+        if rec is None:  # dropped meanwhile (TTL); start afresh
+            rec = self.call_arrived(program, now)
+        rec.active_calls = max(0, rec.active_calls - 1)
+        rec.completed_calls += 1
+        rec.total_service_s += service_s
+        rec.waiting_s += waiting_s
+        rec.last_completion = now
+        if instance is not None:
+            rec.instances[instance] = rec.instances.get(instance, 0) + 1
+        thread_id = program.thread_id or MAIN_THREAD
+        thread = rec.threads.setdefault(thread_id, ThreadRecord(thread_id))
+        # The call started where its longest predecessor path ended: its own thread's previous calls
+        # or any parent thread it joins (a DAG).
+        start = max(
+            [thread.service_s] + [rec.threads[p].service_s for p in program.parent_thread_ids if p in rec.threads]
+        )
+        thread.service_s = start + service_s
+        thread.waiting_s += waiting_s
+        thread.calls += 1
+        if self.critical_path:
+            rec.service_s = max(rec.service_s, thread.service_s)
+        else:
+            rec.service_s = rec.total_service_s
+        self._programs.move_to_end(program.program_id)
+        return rec
+
+    def merge_remote(self, program_id: str, service_s: float, waiting_s: float) -> None:
+        """Adopt a global view (from a router) of a program's service and waiting, never going back."""
+        rec = self._programs.get(program_id)
+        if rec is None:
+            rec = ProgramRecord(program_id)
+            self._programs[program_id] = rec
+        rec.service_s = max(rec.service_s, service_s)
+        rec.waiting_s = max(rec.waiting_s, waiting_s)
+
+    def expire(self, now: float) -> list[str]:
+        """Drop programs with no active call and no activity for ``ttl_s``; returns their ids."""
+        dropped = []
+        for pid, rec in list(self._programs.items()):
+            if rec.active_calls == 0 and now - rec.last_activity >= self.ttl_s:
+                del self._programs[pid]
+                dropped.append(pid)
+        return dropped
+
+    def _evict(self, now: float) -> None:
+        if len(self._programs) <= self.max_programs:
+            return
+        self.expire(now)
+        # Still too many: drop the least recently active idle programs.
+        for pid, rec in list(self._programs.items()):
+            if len(self._programs) <= self.max_programs:
+                break
+            if rec.active_calls == 0:
+                del self._programs[pid]
