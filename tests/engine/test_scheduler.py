@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from boundless.engine.request import Request, RequestStatus
+from boundless.engine.request import ProgramRef, Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
 from boundless.kv.manager import KVCacheManager
+from boundless.programs.policies import PLASPolicy, QueueConfig
 from boundless.programs.policy import FCFSPolicy
 
 
@@ -99,3 +100,49 @@ def test_policy_decides_order_not_queue_position() -> None:
     s.add(request("early", 4, 1.0, first=10))
     out = s.schedule()
     assert [c.request_id for c in out.chunks] == ["early"]
+
+
+def _priority_scheduler(num_blocks: int, host_blocks: int, max_num_seqs: int = 16):
+    clock = FakeClock()
+    kv = KVCacheManager(num_blocks, 4, False, "fp", num_host_blocks=host_blocks)
+    policy = PLASPolicy(QueueConfig(base_s=1.0, growth=4.0))
+    return Scheduler(kv, policy, clock, max_num_batched_tokens=64, max_num_seqs=max_num_seqs), clock, policy
+
+
+def test_a_call_that_loses_its_place_keeps_its_kv() -> None:
+    s, clock, _ = _priority_scheduler(num_blocks=32, host_blocks=0, max_num_seqs=1)
+    long_call = Request("long", list(range(8)), SamplingParams(max_tokens=50), 0.0, program=ProgramRef("L"))
+    s.add(long_call)
+    for _ in range(3):
+        clock.now += 1.0
+        out = s.schedule()
+        s.advance(out, service_s=1.0)  # each step charges 1 s: the call falls to lower queues
+        for c in out.chunks:
+            s.requests[c.request_id].append_output(5)
+    short = Request("short", list(range(100, 104)), SamplingParams(max_tokens=5), clock.now, program=ProgramRef("S"))
+    s.add(short)
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["short"]  # the top queue wins the only slot
+    assert long_call.status is RequestStatus.RUNNING and s.kv.num_allocated_blocks("long") == 3  # kept its KV
+    assert s.stats.num_kept == 1 and s.stats.num_preemptions == 0
+
+
+def test_memory_pressure_swaps_before_it_recomputes() -> None:
+    s, _, _ = _priority_scheduler(num_blocks=4, host_blocks=4)
+    low = Request("low", list(range(12)), SamplingParams(max_tokens=50), 0.0, program=ProgramRef("L"))
+    s.add(low)
+    out = s.schedule()
+    s.advance(out, service_s=2.0)  # 2 s: low drops to Q2
+    low.append_output(1)
+    high = Request("high", list(range(50, 58)), SamplingParams(max_tokens=5), 1.0, program=ProgramRef("H"))
+    s.add(high)
+    out = s.schedule()
+    # high needs 2 blocks of 4; low holds 3 (plus needs a 4th): low's KV goes to host memory.
+    assert [c.request_id for c in out.chunks] == ["high"]
+    assert low.status is RequestStatus.SWAPPED and low.num_computed_tokens == 12
+    assert len(out.swap_out) == 3 and s.stats.num_swapped_out == 1 and s.stats.num_recomputed == 0
+    s.finish("high", RequestStatus.FINISHED_STOPPED)
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["low"] and len(out.swap_in) == 3
+    assert out.chunks[0].start_pos == 12  # nothing recomputed
+    assert low.status is RequestStatus.RUNNING

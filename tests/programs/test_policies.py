@@ -1,0 +1,126 @@
+"""The program-aware policies and the process table, with a fake clock and no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from boundless.engine.request import ProgramRef, Request
+from boundless.engine.sampling_params import SamplingParams
+from boundless.programs.policies import ATLASPolicy, MLFQPolicy, PLASPolicy, QueueConfig
+from boundless.programs.policy import FCFSPolicy
+from boundless.programs.process_table import ProcessTable
+
+CFG = QueueConfig(num_queues=4, base_s=1.0, growth=4.0, beta=3.0)  # ranges [0,1) [1,4) [4,16) [16,inf)
+
+
+def call(rid: str, program: str | None, t: float, thread: str | None = None, parents: tuple[str, ...] = ()) -> Request:
+    ref = ProgramRef(program, thread, parents) if program else None
+    return Request(rid, [1, 2, 3], SamplingParams(), arrival_time=t, program=ref)
+
+
+def run_call(policy, request: Request, service: float, now: float) -> None:
+    policy.on_arrival(request, request.arrival_time)
+    policy.on_service(request, service, now)
+    policy.on_finish(request, now)
+
+
+def test_queue_config_ranges_and_quanta() -> None:
+    assert CFG.boundaries == (1.0, 4.0, 16.0)
+    assert CFG.quanta == (1.0, 3.0, 12.0, float("inf"))
+    assert [CFG.queue_for(s) for s in (0.0, 0.99, 1.0, 5.0, 100.0)] == [0, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("cls", [PLASPolicy, ATLASPolicy])
+def test_new_call_enters_the_queue_of_its_programs_service(cls) -> None:
+    policy = cls(CFG)
+    run_call(policy, call("a1", "long", 0.0), service=5.0, now=5.0)
+    new_long = call("a2", "long", 6.0)
+    new_short = call("b1", "short", 7.0)
+    policy.on_arrival(new_long, 6.0)
+    policy.on_arrival(new_short, 7.0)
+    assert policy.calls["a2"].level == 2  # 5 s of service falls in [4, 16)
+    assert policy.calls["b1"].level == 0
+    # The short program's call is served first although it arrived later.
+    assert sorted([new_long, new_short], key=lambda r: policy.priority(r, 7.0))[0] is new_short
+
+
+def test_mlfq_starts_every_call_at_the_top() -> None:
+    policy = MLFQPolicy(CFG)
+    run_call(policy, call("a1", "long", 0.0), service=5.0, now=5.0)
+    policy.on_arrival(call("a2", "long", 6.0), 6.0)
+    assert policy.calls["a2"].level == 0
+
+
+def test_demotion_when_the_quantum_is_used_up() -> None:
+    policy = PLASPolicy(CFG)
+    r = call("x", "p", 0.0)
+    policy.on_arrival(r, 0.0)
+    policy.on_service(r, 0.6, 0.6)
+    assert policy.calls["x"].level == 0
+    policy.on_service(r, 0.5, 1.1)  # 1.1 s >= Q1's 1 s quantum
+    assert policy.calls["x"].level == 1 and policy.calls["x"].demotions == 1
+    policy.on_service(r, 2.9, 4.0)  # 2.9 s < Q2's 3 s quantum
+    assert policy.calls["x"].level == 1
+    policy.on_service(r, 0.2, 4.2)
+    assert policy.calls["x"].level == 2
+
+
+def test_promotion_when_wait_over_service_reaches_beta() -> None:
+    policy = PLASPolicy(CFG)
+    run_call(policy, call("a1", "p", 0.0), service=5.0, now=5.0)  # program service 5 s, waited 0
+    r = call("a2", "p", 10.0)
+    policy.on_arrival(r, 10.0)
+    assert policy.calls["a2"].level == 2
+    policy.update(now=20.0)  # waited 10 s < 3 x 5 s
+    assert policy.calls["a2"].level == 2
+    policy.update(now=25.1)  # waited 15.1 s >= 3 x 5 s
+    assert policy.calls["a2"].level == 0 and policy.calls["a2"].promotions == 1
+
+
+def test_atlas_takes_the_critical_path_of_a_dag_and_plas_the_sum() -> None:
+    def dag(policy) -> float:
+        # Two threads in parallel (1 s and 3 s), then a join thread (2 s) whose parents are both.
+        run_call(policy, call("t1", "p", 0.0, thread="t1"), 1.0, 1.0)
+        run_call(policy, call("t2", "p", 0.0, thread="t2"), 3.0, 3.0)
+        run_call(policy, call("t3", "p", 3.0, thread="t3", parents=("t1", "t2")), 2.0, 5.0)
+        return policy.table.service("p")
+
+    assert dag(ATLASPolicy(CFG)) == pytest.approx(5.0)  # max(1, 3) + 2
+    assert dag(PLASPolicy(CFG)) == pytest.approx(6.0)  # 1 + 3 + 2
+
+
+def test_atlas_equals_plas_for_a_single_thread() -> None:
+    atlas, plas = ATLASPolicy(CFG), PLASPolicy(CFG)
+    for policy in (atlas, plas):
+        for i, s in enumerate((0.5, 1.5, 2.0)):
+            run_call(policy, call(f"c{i}", "p", float(i * 10)), s, float(i * 10) + s)
+    assert atlas.table.service("p") == pytest.approx(plas.table.service("p")) == pytest.approx(4.0)
+
+
+def test_a_call_without_program_is_a_program_of_its_own() -> None:
+    policy = PLASPolicy(CFG)
+    run_call(policy, call("solo", None, 0.0), 2.0, 2.0)
+    assert policy.table.service("solo") == pytest.approx(2.0)
+
+
+def test_process_table_expires_idle_programs_and_stays_bounded() -> None:
+    table = ProcessTable(ttl_s=10.0, max_programs=50)
+    busy = ProgramRef("busy")
+    table.call_arrived(busy, 0.0)  # active: never dropped
+    for i in range(200):
+        p = ProgramRef(f"p{i}")
+        table.call_arrived(p, float(i))
+        table.call_finished(p, 0.1, 0.0, float(i))
+        assert len(table) <= 50
+    assert "busy" in table
+    assert table.expire(now=1000.0) and "busy" in table and len(table) == 1
+    table.call_finished(busy, 1.0, 0.0, 1000.0)
+    assert table.expire(now=1011.0) == ["busy"] and len(table) == 0
+
+
+def test_fcfs_orders_by_arrival() -> None:
+    policy = FCFSPolicy()
+    a, b = call("a", "x", 2.0), call("b", "y", 1.0)
+    for r in (a, b):
+        policy.on_arrival(r, r.arrival_time)
+    assert sorted([a, b], key=lambda r: policy.priority(r, 3.0)) == [b, a]
