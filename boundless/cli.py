@@ -45,6 +45,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         offline.run(args)
         return 0
+    if args.bench_kind == "programs":
+        from boundless.bench import programs
+
+        programs.run(args)
+        return 0
     if args.bench_kind == "serve":
         from boundless.bench import serve
 
@@ -87,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     online = bench_sub.add_parser("serve", help="online load (Poisson or trace replay) against a running server")
     bench_serve.add_arguments(online)
     online.set_defaults(func=_bench)
+    from boundless.bench import programs as bench_programs
+
+    prog = bench_sub.add_parser("programs", help="agent programs under each scheduling policy, side by side")
+    bench_programs.add_arguments(prog)
+    add_engine_flags(prog)
+    prog.set_defaults(func=_bench)
     return parser
 
 

@@ -98,8 +98,10 @@ def test_bench_serve_poisson_and_trace_replay(tiny_server: str, tmp_path: Path) 
     assert figures["completed"] == 8 and figures["failed"] == 0
     assert 0 < figures["ttft_s_p50"] <= figures["ttft_s_p99"] and figures["output_token_throughput"] > 0
     trace = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
-    if not trace.exists():
-        pytest.skip("the shared traces are not next to this checkout")
+    if not trace.exists():  # a checkout without ../shared: the same format, written here
+        trace = tmp_path / "azure.csv"
+        rows = [f"2023-11-16 18:15:{10 + i:02d}.0000000,{300 + 40 * i},{20 + i}" for i in range(8)]
+        trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
     out = tmp_path / "trace.json"
     subprocess.run(
         _boundless(

@@ -84,6 +84,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    return_token_ids: bool = False  # extension (as vLLM): each choice carries its prompt and output token ids
 
     @field_validator("logprobs", mode="before")
     @classmethod

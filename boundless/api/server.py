@@ -336,16 +336,17 @@ class OpenAIServer:
         out = []
         for c in choices:
             prefix = self.tokenizer.decode(prompts[c.index // body.n]) if body.echo else ""
-            out.append(
-                {
-                    "index": c.index,
-                    "text": prefix + c.text,
-                    "logprobs": self._completion_logprobs(c.logprobs, len(prefix))
-                    if body.logprobs is not None
-                    else None,
-                    "finish_reason": c.finish_reason,
-                }
-            )
+            lp = self._completion_logprobs(c.logprobs, len(prefix)) if body.logprobs is not None else None
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "text": prefix + c.text,
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+            }
+            if body.return_token_ids:
+                choice["prompt_token_ids"] = prompts[c.index // body.n]
+                choice["token_ids"] = c.token_ids
+            out.append(choice)
         return JSONResponse(
             {
                 "id": rid,

@@ -1,0 +1,275 @@
+"""``boundless bench programs``: agent programs against the server, one scheduling policy after another.
+
+Every policy serves the same programs (same seed, same arrivals, same lengths) on a fresh engine
+in this process, behind a real HTTP server driven by the async ``openai`` client. Each call is a
+completion whose prompt is its thread's conversation so far (token ids, so prefixes match exactly)
+and whose output length is fixed by the workload (``ignore_eos``), so policies differ only in
+when they serve what. Reported per policy and rate: average, p95 and p99 program latency, program
+latency per output token (Autellix's metric), makespan and program throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import dataclasses
+import gc
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from boundless.bench.report import print_table, write_json
+from boundless.bench.serve import percentile
+from boundless.bench.workloads import WORKLOADS, CallSpec, ProgramSpec, WorkloadShape, make_programs
+from boundless.config import EngineConfig, engine_config_from_flags
+
+SHARED_SYSTEM_PROMPT = 48  # tokens every program starts with (prefix-cache hits across programs)
+
+
+@dataclass
+class ProgramResult:
+    program_id: str
+    arrival_s: float
+    finish_s: float
+    output_tokens: int
+    calls: int
+    failed_calls: int = 0
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+
+class ProgramRunner:
+    """Runs program specs against one server through the async ``openai`` client."""
+
+    def __init__(self, base_url: str, model: str, max_model_len: int, vocab: int, seed: int = 0) -> None:
+        import openai
+
+        self.client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+        self.model = model
+        self.max_model_len = max_model_len
+        self.vocab = vocab
+        rng = random.Random(seed)
+        self.shared = [rng.randrange(100, vocab) for _ in range(SHARED_SYSTEM_PROMPT)]
+        self.seed = seed
+
+    def _tokens(self, rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(100, self.vocab) for _ in range(n)]
+
+    async def _call(
+        self, spec: ProgramSpec, call: CallSpec, contexts: dict, outputs: dict, rng: random.Random, system: list[int]
+    ) -> tuple[int, bool]:
+        if call.tool_wait_s > 0:
+            await asyncio.sleep(call.tool_wait_s)
+        base = contexts.get(call.parents[0], system) if call.parents else system
+        joined = [t for p in call.parents[1:] for t in outputs.get(p, [])]
+        prompt = base + joined + self._tokens(rng, call.new_input)
+        room = self.max_model_len - call.output - 1
+        if len(prompt) > room:
+            prompt = prompt[-room:]  # keep the conversation's tail within the context length
+        try:
+            resp = await self.client.completions.create(
+                model=self.model,
+                prompt=prompt,
+                max_tokens=call.output,
+                temperature=0.0,
+                extra_body={
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                    "program_id": spec.program_id,
+                    "thread_id": call.thread_id,
+                    "parent_thread_ids": list(call.parents),
+                },
+            )
+        except Exception:  # counted; the program goes on with what it has
+            contexts[call.thread_id] = prompt
+            outputs[call.thread_id] = []
+            return 0, False
+        out = list(resp.choices[0].model_extra.get("token_ids") or [])
+        contexts[call.thread_id] = prompt + out
+        outputs[call.thread_id] = out
+        return len(out), True
+
+    async def run_program(self, spec: ProgramSpec, t0: float) -> ProgramResult:
+        delay = t0 + spec.arrival_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        arrival = time.perf_counter() - t0
+        rng = random.Random(f"{self.seed}:{spec.program_id}")
+        system = self.shared + self._tokens(rng, spec.system_prompt)
+        contexts: dict[str, list[int]] = {}
+        outputs: dict[str, list[int]] = {}
+        tokens = failed = 0
+        for stage in spec.stages:
+            results = await asyncio.gather(*(self._call(spec, c, contexts, outputs, rng, system) for c in stage))
+            tokens += sum(n for n, _ in results)
+            failed += sum(1 for _, ok in results if not ok)
+        return ProgramResult(spec.program_id, arrival, time.perf_counter() - t0, tokens, spec.num_calls, failed)
+
+    async def run(self, programs: list[ProgramSpec], desc: str) -> list[ProgramResult]:
+        bar = tqdm(total=len(programs), desc=desc, unit="prog", leave=False)
+        t0 = time.perf_counter()
+
+        async def one(p: ProgramSpec) -> ProgramResult:
+            r = await self.run_program(p, t0)
+            bar.update(1)
+            return r
+
+        results = await asyncio.gather(*(one(p) for p in programs))
+        bar.close()
+        await self.client.close()
+        return list(results)
+
+
+def summarize(results: list[ProgramResult]) -> dict[str, float]:
+    lat = [r.latency_s for r in results]
+    per_token = [r.latency_s / max(1, r.output_tokens) for r in results]
+    makespan = max(r.finish_s for r in results) - min(r.arrival_s for r in results)
+    return {
+        "programs": len(results),
+        "failed_calls": sum(r.failed_calls for r in results),
+        "avg_latency_s": statistics.fmean(lat),
+        "p95_latency_s": percentile(lat, 0.95),
+        "p99_latency_s": percentile(lat, 0.99),
+        "avg_latency_per_token_s": statistics.fmean(per_token),
+        "makespan_s": makespan,
+        "throughput_programs_per_s": len(results) / makespan,
+        "output_tokens": sum(r.output_tokens for r in results),
+    }
+
+
+def _serve_and_run(config: EngineConfig, loaded, programs: list[ProgramSpec], desc: str) -> tuple[dict, dict]:
+    """A fresh engine and HTTP server for one policy; the programs; the engine's counters."""
+    from boundless.api.launch import start_in_thread
+    from boundless.engine.async_engine import AsyncEngine
+    from boundless.engine.core import EngineCore
+
+    engine = AsyncEngine(EngineCore(loaded, config))
+    server = start_in_thread(engine, "bench")
+    try:
+        runner = ProgramRunner(server.url, "bench", engine.max_model_len, loaded.arch.vocab_size)
+        results = asyncio.run(runner.run(programs, desc))
+        stats = dataclasses.asdict(engine.stats()["0"])
+    finally:
+        server.stop()
+        engine.shutdown()
+        del engine
+        gc.collect()
+    return summarize(results), stats
+
+
+def run(args: argparse.Namespace) -> dict:
+    from boundless.model.loader import load_model
+
+    base = engine_config_from_flags(args)
+    policies = [p.strip() for p in (args.policies or f"fcfs,{base.scheduler.policy}").split(",") if p.strip()]
+    rates = [float(r) for r in (args.rates.split(",") if args.sweep else [str(args.rate)])]
+    shape = WorkloadShape(
+        scale=args.scale, call_scale=args.call_scale, tool_wait_s=args.tool_wait, max_len=args.max_len
+    )
+    loaded = load_model(base.model.model, dtype=base.model.dtype, device=base.model.device)
+    rows = []
+    for rate in rates:
+        programs = make_programs(args.workload, args.num_programs, rate, args.bench_seed, shape, args.trace_folder)
+        for policy in policies:
+            config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
+            summary, stats = _serve_and_run(config, loaded, programs, f"{policy} @ {rate}/s")
+            row = {"workload": args.workload, "rate": rate, "policy": policy, **summary}
+            row.update({k: stats[k] for k in ("num_kept", "num_swapped_out", "num_recomputed", "prefix_cache_hits")})
+            rows.append(row)
+            print(
+                f"{args.workload} rate {rate}/s {policy:>5}: avg {summary['avg_latency_s']:.1f} s, "
+                f"p95 {summary['p95_latency_s']:.1f} s, makespan {summary['makespan_s']:.1f} s",
+                flush=True,
+            )
+    table = []
+    for row in rows:
+        ref = next((r for r in rows if r["rate"] == row["rate"] and r["policy"] == "fcfs"), None)
+        speedup = ref["avg_latency_s"] / row["avg_latency_s"] if ref else float("nan")
+        row["avg_latency_vs_fcfs"] = speedup
+        table.append(
+            [
+                row["rate"],
+                row["policy"],
+                f"{row['avg_latency_s']:.2f}",
+                f"{row['p95_latency_s']:.2f}",
+                f"{row['p99_latency_s']:.2f}",
+                f"{row['avg_latency_per_token_s'] * 1000:.1f}",
+                f"{row['makespan_s']:.1f}",
+                f"{row['throughput_programs_per_s']:.3f}",
+                f"{speedup:.2f}x",
+            ]
+        )
+    print_table(
+        ["rate/s", "policy", "avg s", "p95 s", "p99 s", "ms/token", "makespan s", "prog/s", "avg vs fcfs"], table
+    )
+    result = {
+        "workload": args.workload,
+        "model": base.model.model,
+        "num_programs": args.num_programs,
+        "scale": args.scale,
+        "max_num_seqs": base.scheduler.max_num_seqs,
+        "rows": rows,
+    }
+    if args.sweep:
+        out_dir = Path(args.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_csv(out_dir / f"programs-{args.workload}.csv", rows)
+        _plot(out_dir / f"programs-{args.workload}.png", rows, args.workload)
+    if args.json:
+        write_json(args.json, result)
+    return result
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+
+
+def _plot(path: Path, rows: list[dict], workload: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r["rate"], r["avg_latency_s"]) for r in rows if r["policy"] == policy)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    ax.set_xlabel("program arrival rate (programs/s)")
+    ax.set_ylabel("average program latency (s)")
+    ax.set_title(f"{workload}: latency against load")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=WORKLOADS, default="chat")
+    parser.add_argument("--policies", help="comma-separated policies to compare (default: fcfs and --policy)")
+    parser.add_argument("--rate", type=float, default=0.2, help="program arrivals per second")
+    parser.add_argument("--sweep", action="store_true", help="run every policy at every rate of --rates")
+    parser.add_argument("--rates", default="0.05,0.1,0.2,0.4")
+    parser.add_argument("--num-programs", type=int, default=30)
+    parser.add_argument("--scale", type=float, default=0.1, help="multiply the workload's token lengths")
+    parser.add_argument("--call-scale", type=float, default=1.0, help="multiply the calls per program")
+    parser.add_argument("--tool-wait", type=float, default=0.2, help="mean seconds of tool/user time between calls")
+    parser.add_argument("--max-len", type=int, default=512, help="cap on one call's new input and output tokens")
+    parser.add_argument("--trace-folder", help="mini-SWE-agent sessions for --workload trace")
+    parser.add_argument("--out-dir", default="bench-results", help="where --sweep writes its CSV and PNG")
+    parser.add_argument("--bench-seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")

@@ -1,0 +1,227 @@
+"""Agent programs as data: which calls a program makes, in which threads, with what lengths.
+
+Single-threaded programs (chat, ReAct-style tool loops) are a chain of calls whose prompt is the
+conversation so far; multi-threaded ones fan out and join (map-reduce) or expand a search tree
+in rounds of parallel branches (MCTS). Lengths follow the Autellix workload statistics and shrink
+by ``scale`` to fit a CPU. Real agent sessions replay from ``../shared/traces/lmcache_agent_trace``.
+Everything here is generated from a seed: the same arguments give the same programs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Autellix Table 1 / §6 workload statistics: (prompt tokens per call, output tokens per call, calls per program)
+SHAREGPT = (256, 277, 6.66)
+BFCL = (735, 34, 10.75)
+LATS = (467, 73, 160.0)
+
+WORKLOADS = ("chat", "react", "mapreduce", "mcts", "trace")
+MULTI_THREADED = ("mapreduce", "mcts")
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """One LLM call: it continues ``parents[0]``'s conversation (or starts from the system prompt),
+    sees the outputs of the other parents, appends ``new_input`` tokens and generates ``output``."""
+
+    thread_id: str
+    parents: tuple[str, ...]
+    new_input: int
+    output: int
+    tool_wait_s: float = 0.0  # a tool or user turn before the call
+
+
+@dataclass
+class ProgramSpec:
+    """A program: stages run one after another; the calls of a stage run in parallel."""
+
+    program_id: str
+    arrival_s: float
+    system_prompt: int
+    stages: list[list[CallSpec]] = field(default_factory=list)
+
+    @property
+    def num_calls(self) -> int:
+        return sum(len(s) for s in self.stages)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(c.output for s in self.stages for c in s)
+
+    @property
+    def multi_threaded(self) -> bool:
+        return any(len(s) > 1 for s in self.stages)
+
+
+def _exp_len(rng: random.Random, mean: float, lo: int, hi: int) -> int:
+    return max(lo, min(hi, round(rng.expovariate(1.0 / mean)))) if mean > 0 else lo
+
+
+def _num_calls(rng: random.Random, mean: float, cap: int) -> int:
+    """Geometric, at least 1: the long tail of agent programs (most are short, a few very long)."""
+    p = 1.0 / max(mean, 1.0)
+    n = 1
+    while rng.random() > p and n < cap:
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    scale: float = 0.1  # multiplies token lengths
+    call_scale: float = 1.0  # multiplies calls per program
+    tool_wait_s: float = 0.2  # mean tool / user time between calls
+    max_calls: int = 40
+    max_len: int = 512
+
+
+def _single_thread(
+    rng: random.Random, pid: str, t: float, stats: tuple[float, float, float], shape: WorkloadShape
+) -> ProgramSpec:
+    prompt, output, calls = stats
+    spec = ProgramSpec(pid, t, system_prompt=_exp_len(rng, 64 * shape.scale * 4, 8, shape.max_len))
+    for _ in range(_num_calls(rng, calls * shape.call_scale, shape.max_calls)):
+        spec.stages.append(
+            [
+                CallSpec(
+                    "main",
+                    ("main",),
+                    _exp_len(rng, prompt * shape.scale, 4, shape.max_len),
+                    _exp_len(rng, output * shape.scale, 2, shape.max_len),
+                    rng.expovariate(1.0 / shape.tool_wait_s) if shape.tool_wait_s > 0 else 0.0,
+                )
+            ]
+        )
+    return spec
+
+
+def _map_reduce(rng: random.Random, pid: str, t: float, shape: WorkloadShape) -> ProgramSpec:
+    prompt, output, _ = SHAREGPT
+    spec = ProgramSpec(pid, t, system_prompt=_exp_len(rng, 64 * shape.scale * 4, 8, shape.max_len))
+    rounds = _num_calls(rng, 2.0 * shape.call_scale, 8)
+    previous: tuple[str, ...] = ()
+    for r in range(rounds):
+        fan = rng.randint(2, 6)
+        maps = [
+            CallSpec(
+                f"r{r}m{i}",
+                previous,
+                _exp_len(rng, prompt * shape.scale, 4, shape.max_len),
+                _exp_len(rng, output * shape.scale / 2, 2, shape.max_len),
+            )
+            for i in range(fan)
+        ]
+        spec.stages.append(maps)
+        reduce = CallSpec(
+            f"r{r}reduce",
+            tuple(m.thread_id for m in maps),
+            _exp_len(rng, 16 * shape.scale * 4, 4, shape.max_len),
+            _exp_len(rng, output * shape.scale, 2, shape.max_len),
+            rng.expovariate(1.0 / shape.tool_wait_s) if shape.tool_wait_s > 0 else 0.0,
+        )
+        spec.stages.append([reduce])
+        previous = (reduce.thread_id,)
+    return spec
+
+
+def _mcts(rng: random.Random, pid: str, t: float, shape: WorkloadShape) -> ProgramSpec:
+    prompt, output, calls = LATS
+    spec = ProgramSpec(pid, t, system_prompt=_exp_len(rng, 64 * shape.scale * 4, 8, shape.max_len))
+    branching = rng.randint(2, 4)
+    rounds = _num_calls(rng, calls / branching / 8 * shape.call_scale, shape.max_calls // branching + 1)
+    selected = ""
+    for r in range(rounds):
+        stage = [
+            CallSpec(
+                f"d{r}b{b}",
+                (selected,) if selected else (),
+                _exp_len(rng, prompt * shape.scale / 2, 4, shape.max_len),
+                _exp_len(rng, output * shape.scale, 2, shape.max_len),
+                rng.expovariate(1.0 / shape.tool_wait_s) if shape.tool_wait_s > 0 else 0.0,
+            )
+            for b in range(branching)
+        ]
+        spec.stages.append(stage)
+        selected = rng.choice(stage).thread_id  # the tree search descends into one expansion
+    return spec
+
+
+def load_agent_sessions(folder: str | Path, chars_per_token: float = 4.0) -> list[list[tuple[int, int, float]]]:
+    """mini-SWE-agent sessions: per call (new input tokens, output tokens, seconds since the previous call)."""
+    sessions = []
+    for path in sorted(Path(folder).glob("*.jsonl")):
+        calls = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        calls.sort(key=lambda c: c["timestamp"])
+        out = []
+        prev_len = 0
+        prev_t = calls[0]["timestamp"] if calls else 0
+        for c in calls:
+            total = round(len(c["input"]) / chars_per_token)
+            out.append(
+                (
+                    max(1, total - prev_len),
+                    max(1, round(len(c["output"]) / chars_per_token)),
+                    (c["timestamp"] - prev_t) / 1e6,
+                )
+            )
+            prev_len = total + round(len(c["output"]) / chars_per_token)
+            prev_t = c["timestamp"]
+        sessions.append(out)
+    return sessions
+
+
+def _trace_program(
+    rng: random.Random, pid: str, t: float, session: list[tuple[int, int, float]], shape: WorkloadShape
+) -> ProgramSpec:
+    spec = ProgramSpec(pid, t, system_prompt=8)
+    for new_input, output, _gap in session[: shape.max_calls]:
+        spec.stages.append(
+            [
+                CallSpec(
+                    "main",
+                    ("main",),
+                    max(1, min(shape.max_len, round(new_input * shape.scale))),
+                    max(2, min(shape.max_len, round(output * shape.scale))),
+                    rng.expovariate(1.0 / shape.tool_wait_s) if shape.tool_wait_s > 0 else 0.0,
+                )
+            ]
+        )
+    return spec
+
+
+def make_programs(
+    workload: str,
+    num_programs: int,
+    rate: float,
+    seed: int = 0,
+    shape: WorkloadShape | None = None,
+    trace_folder: str | Path | None = None,
+) -> list[ProgramSpec]:
+    """``num_programs`` programs of one workload arriving by a Poisson process at ``rate`` per second."""
+    shape = shape or WorkloadShape()
+    rng = random.Random(seed)
+    sessions = load_agent_sessions(trace_folder) if workload == "trace" and trace_folder else []
+    if workload == "trace" and not sessions:
+        raise ValueError("the trace workload needs --trace-folder with mini-SWE-agent sessions (*.jsonl)")
+    programs = []
+    t = 0.0
+    for i in range(num_programs):
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+        pid = f"{workload}-{seed}-{i}"
+        if workload == "chat":
+            programs.append(_single_thread(rng, pid, t, SHAREGPT, shape))
+        elif workload == "react":
+            programs.append(_single_thread(rng, pid, t, BFCL, shape))
+        elif workload == "mapreduce":
+            programs.append(_map_reduce(rng, pid, t, shape))
+        elif workload == "mcts":
+            programs.append(_mcts(rng, pid, t, shape))
+        elif workload == "trace":
+            programs.append(_trace_program(rng, pid, t, sessions[i % len(sessions)], shape))
+        else:
+            raise ValueError(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
+    return programs

@@ -1,0 +1,61 @@
+"""End to end on a real server: a short program arriving behind a long one finishes first under plas, not fcfs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from boundless.api.launch import start_in_thread
+from boundless.engine.async_engine import AsyncEngine
+from boundless.engine.core import EngineCore
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel
+
+
+async def _race(url: str) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    done: list[str] = []
+
+    def body(program: str) -> dict:
+        return {"ignore_eos": True, "program_id": program}
+
+    # The long program's first call gives it attained service, so its later calls start in a lower queue.
+    await client.completions.create(model="tiny", prompt="long task", max_tokens=40, extra_body=body("long"))
+    stream = await client.completions.create(
+        model="tiny", prompt="long task, step two", max_tokens=300, stream=True, extra_body=body("long")
+    )
+
+    async def long_call() -> None:
+        async for _ in stream:
+            pass
+        done.append("long")
+
+    async def short_call() -> None:
+        await client.completions.create(model="tiny", prompt="quick question", max_tokens=4, extra_body=body("short"))
+        done.append("short")
+
+    first_chunk = await stream.__anext__()  # the long call is running before the short one arrives
+    assert first_chunk.choices
+    await asyncio.gather(long_call(), short_call())
+    await client.close()
+    return done
+
+
+@pytest.mark.parametrize(("policy", "first"), [("plas", "short"), ("atlas", "short"), ("fcfs", "long")])
+def test_short_program_overtakes_a_long_one(tiny_llama: LoadedModel, policy: str, first: str) -> None:
+    # One sequence slot, and queues fine enough that the long program's first call moves it down.
+    config = engine_config(
+        tiny_llama.name, max_model_len=512, kv_cache_gb=0.05, max_num_seqs=1, policy=policy, queue_base_s=0.01
+    )
+    engine = AsyncEngine(EngineCore(tiny_llama, config))
+    server = start_in_thread(engine, "tiny")
+    try:
+        order = asyncio.run(_race(server.url))
+        assert order[0] == first, order
+        if policy != "fcfs":
+            assert engine.stats()["0"].num_kept >= 1  # the long call gave way and kept its KV
+    finally:
+        server.stop()
+        engine.shutdown()
