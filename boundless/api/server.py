@@ -121,8 +121,7 @@ class OpenAIServer:
         self.created = int(time.time())
 
     def _observe(self, delta: RequestDelta) -> None:
-        instance = getattr(delta, "instance", None) or "0"
-        self.metrics.observe(delta, instance)
+        self.metrics.observe(delta, delta.instance)
 
     @property
     def tokenizer(self):

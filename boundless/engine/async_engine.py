@@ -1,10 +1,12 @@
-"""The engine loop beside an asyncio event loop.
+"""The engine loop in a background thread, and its asyncio front.
 
-``EngineCore`` is synchronous. ``AsyncEngine`` runs it in a background thread that steps while
-there is work and sleeps otherwise; coroutines submit requests and receive their deltas through
-asyncio queues. Bookkeeping (adding, aborting, scheduling, applying results) happens under one
-lock; the model runs outside it, so new requests join the running batch at the next step and an
-HTTP handler never waits for a forward pass to add or abort.
+``EngineCore`` is synchronous. ``EngineLoop`` runs it in a thread that steps while there is work
+and sleeps otherwise, handing every delta to a sink. Bookkeeping (adding, aborting, scheduling,
+applying results) happens under one lock; the model runs outside it, so new requests join the
+running batch at the next step and a caller never waits for a forward pass to add or abort.
+
+``AsyncEngine`` routes each request's deltas to an asyncio queue, for the HTTP server in the
+same process; a cluster instance (a Ray actor) gives the loop a sink of its own.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import logging
 import threading
 import traceback
+from collections.abc import Callable
 
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta
 from boundless.engine.request import ProgramRef
@@ -24,7 +27,7 @@ log = logging.getLogger(__name__)
 class QueueFullError(RuntimeError):
     """The waiting queue is at its limit; the caller should retry later."""
 
-    def __init__(self, retry_after_s: float) -> None:
+    def __init__(self, retry_after_s: float = 1.0) -> None:
         super().__init__("the server is busy: too many requests are waiting")
         self.retry_after_s = retry_after_s
 
@@ -33,11 +36,107 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped."""
 
 
+class EngineLoop:
+    """Steps an :class:`EngineCore` in a background thread; every delta goes to ``sink``."""
+
+    def __init__(self, core: EngineCore, sink: Callable[[RequestDelta], None], max_waiting: int = 1024) -> None:
+        self.core = core
+        self.sink = sink
+        self.max_waiting = max_waiting
+        self.lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._listeners: list[Callable[[RequestDelta], None]] = []
+        self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="boundless-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def add_finished_listener(self, fn: Callable[[RequestDelta], None]) -> None:
+        """``fn(delta)`` is called (in the engine thread) with every request's final delta."""
+        self._listeners.append(fn)
+
+    def stats(self) -> dict[str, EngineStats]:
+        with self.lock:
+            return {"0": self.core.stats()}
+
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        program: ProgramRef | None = None,
+    ) -> None:
+        """Add a request; raises at once for an invalid request or a full waiting queue."""
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine loop has stopped")
+        with self.lock:
+            if len(self.core.scheduler.waiting) >= self.max_waiting:
+                raise QueueFullError(retry_after_s=1.0)
+            self.core.add_request(request_id, prompt_token_ids, params, program=program)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        with self.lock:
+            self.core.abort(request_id)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        core = self.core
+        while not self._stop.is_set():
+            with self.lock:
+                sched = core.schedule() if core.has_unfinished() else None
+            if sched is None or sched.is_empty:
+                self._wake.wait(timeout=0.05 if sched is not None else 1.0)
+                self._wake.clear()
+                continue
+            try:
+                sampled, elapsed = core.execute(sched)
+            except Exception:  # a failed step must not take the server down: fail its requests, go on
+                self.errors += 1
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                self._fail([c.request_id for c in sched.chunks])
+                continue
+            with self.lock:
+                for delta in core.finish_step(sched, sampled, elapsed):
+                    self._emit(delta)
+
+    def _emit(self, delta: RequestDelta) -> None:
+        self.sink(delta)
+        if delta.finished:
+            for fn in self._listeners:
+                fn(delta)
+
+    def _fail(self, request_ids: list[str]) -> None:
+        with self.lock:
+            for rid in request_ids:
+                if self.core.abort(rid):
+                    self._emit(
+                        RequestDelta(
+                            rid, [], "", [], finished=True, finish_reason="error", stop_reason="engine step failed"
+                        )
+                    )
+
+
 class RequestStream:
     """The deltas of one request, as an async iterator; ``abort()`` stops it (used on disconnect)."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
-        self.engine = engine
+    def __init__(self, abort: Callable[[str], None], request_id: str, queue: asyncio.Queue) -> None:
+        self._abort = abort
         self.request_id = request_id
         self._queue = queue
         self.finished = False
@@ -55,44 +154,43 @@ class RequestStream:
     def abort(self) -> None:
         if not self.finished:
             self.finished = True
-            self.engine.abort(self.request_id)
+            self._abort(self.request_id)
 
 
-class AsyncEngine:
-    """Serve an :class:`EngineCore` to coroutines."""
+class StreamRegistry:
+    """Per-request asyncio queues fed from another thread."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+
+    def open(self, request_id: str, abort: Callable[[str], None]) -> RequestStream:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._streams[request_id] = (loop, queue)
+        return RequestStream(abort, request_id, queue)
+
+    def close(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def deliver(self, delta: RequestDelta) -> None:
+        with self._lock:
+            stream = (
+                self._streams.pop(delta.request_id, None) if delta.finished else self._streams.get(delta.request_id)
+            )
+        if stream is not None:
+            loop, queue = stream
+            loop.call_soon_threadsafe(queue.put_nowait, delta)
+
+
+class AsyncEngine(EngineLoop):
+    """An engine loop whose requests stream to coroutines (the server's in-process engine)."""
 
     def __init__(self, core: EngineCore, max_waiting: int = 1024) -> None:
-        self.core = core
-        self.max_waiting = max_waiting
-        self.lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._finished_listeners: list = []
-        self.errors = 0
-        self._thread = threading.Thread(target=self._loop, name="boundless-engine", daemon=True)
-        self._thread.start()
-
-    # -- for request handlers --------------------------------------------------------------
-
-    def add_finished_listener(self, fn) -> None:
-        """``fn(delta)`` is called (in the engine thread) with every request's final delta."""
-        self._finished_listeners.append(fn)
-
-    @property
-    def tokenizer(self):
-        return self.core.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.core.max_model_len
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stats(self) -> dict[str, EngineStats]:
-        with self.lock:
-            return {"0": self.core.stats()}
+        self.streams = StreamRegistry()
+        super().__init__(core, self.streams.deliver, max_waiting)
 
     def submit(
         self,
@@ -106,68 +204,14 @@ class AsyncEngine:
         Raises at once for an invalid request or a full waiting queue, so an HTTP handler can answer
         with an error status before it starts a response.
         """
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine loop has stopped")
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        with self.lock:
-            if len(self.core.scheduler.waiting) >= self.max_waiting:
-                raise QueueFullError(retry_after_s=1.0)
-            self.core.add_request(request_id, prompt_token_ids, params, program=program)
-            self._streams[request_id] = (loop, queue)
-        self._wake.set()
-        return RequestStream(self, request_id, queue)
+        stream = self.streams.open(request_id, self.abort)
+        try:
+            self.add(request_id, prompt_token_ids, params, program)
+        except BaseException:
+            self.streams.close(request_id)
+            raise
+        return stream
 
     def abort(self, request_id: str) -> None:
-        with self.lock:
-            self._streams.pop(request_id, None)
-            self.core.abort(request_id)
-
-    def shutdown(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=10)
-
-    # -- the engine thread -------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        core = self.core
-        while not self._stop.is_set():
-            with self.lock:
-                sched = core.schedule() if core.has_unfinished() else None
-            if sched is None or sched.is_empty:
-                self._wake.wait(timeout=0.05 if sched is not None else 1.0)
-                self._wake.clear()
-                continue
-            try:
-                sampled, elapsed = core.execute(sched)
-            except Exception:  # a failed step must not take the server down: fail its requests, go on
-                self.errors += 1
-                log.error("engine step failed:\n%s", traceback.format_exc())
-                self._fail([c.request_id for c in sched.chunks])
-                continue
-            with self.lock:
-                deltas = core.finish_step(sched, sampled, elapsed)
-                for delta in deltas:
-                    self._deliver(delta)
-
-    def _deliver(self, delta: RequestDelta) -> None:
-        if delta.finished:
-            stream = self._streams.pop(delta.request_id, None)
-            for fn in self._finished_listeners:
-                fn(delta)
-        else:
-            stream = self._streams.get(delta.request_id)
-        if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
-
-    def _fail(self, request_ids: list[str]) -> None:
-        with self.lock:
-            for rid in request_ids:
-                self.core.abort(rid)
-                self._deliver(
-                    RequestDelta(
-                        rid, [], "", [], finished=True, finish_reason="error", stop_reason="engine step failed"
-                    )
-                )
+        self.streams.close(request_id)
+        super().abort(request_id)

@@ -49,6 +49,8 @@ class RequestDelta:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    service_s: float = 0.0  # model time the request has spent in the executor
+    instance: str = "0"  # which engine instance produced it
 
 
 @dataclass
@@ -288,6 +290,7 @@ class EngineCore:
                     arrival_time=request.arrival_time,
                     first_token_time=request.first_token_time,
                     finish_time=request.finish_time,
+                    service_s=request.service_s,
                 )
             )
         return outputs

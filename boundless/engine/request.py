@@ -52,6 +52,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
+    service_s: float = 0.0  # model execution time spent on this request (attained service)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

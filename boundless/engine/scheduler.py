@@ -244,4 +244,5 @@ class Scheduler:
             if request is None:
                 continue
             request.num_computed_tokens += len(chunk.token_ids)
+            request.service_s += service_s
             self.policy.on_service(request, service_s, now)
