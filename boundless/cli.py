@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from boundless.config import ConfigError, ServerConfig, add_engine_flags, add_flags
+from boundless.config import ClusterConfig, ConfigError, ServerConfig, add_engine_flags, add_flags
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -33,9 +33,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from boundless.api.launch import serve
-    from boundless.config import ServerConfig, engine_config_from_flags, from_flags
+    from boundless.config import ClusterConfig, ServerConfig, engine_config_from_flags, from_flags
 
-    serve(engine_config_from_flags(args), from_flags(ServerConfig, args))
+    serve(engine_config_from_flags(args), from_flags(ServerConfig, args), from_flags(ClusterConfig, args))
     return 0
 
 
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     add_engine_flags(srv)
     add_flags(srv, ServerConfig)
+    add_flags(srv, ClusterConfig)
     srv.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt offline")

@@ -109,6 +109,30 @@ class ServerConfig:
         _require(self.max_body_mb > 0, "max_body_mb", "must be positive")
 
 
+ROUTINGS = ("locality", "least-loaded", "round-robin")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    instances: int = field(default=1, metadata={"help": "engine instances; more than 1 runs them as Ray actors"})
+    ray_address: str | None = field(default=None, metadata={"help": "join this Ray cluster (default: start one)"})
+    routing: str = field(default="locality", metadata={"help": "locality, least-loaded or round-robin"})
+    locality_threshold: int = field(
+        default=2048, metadata={"help": "calls longer than this (tokens) go to their program's instance"}
+    )
+    heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between instance heartbeats"})
+    heartbeat_timeout_s: float = field(default=5.0, metadata={"help": "an instance silent this long is dead"})
+
+    def __post_init__(self) -> None:
+        _require(self.instances >= 1, "instances", "must be >= 1")
+        _require(self.routing in ROUTINGS, "routing", f"unknown routing {self.routing!r}; one of {', '.join(ROUTINGS)}")
+        _require(self.locality_threshold >= 0, "locality_threshold", "must not be negative")
+        _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be positive")
+        _require(
+            self.heartbeat_timeout_s > self.heartbeat_interval_s, "heartbeat_timeout_s", "must exceed the interval"
+        )
+
+
 # -- flags ------------------------------------------------------------------------------------
 
 C = TypeVar("C")

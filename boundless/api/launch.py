@@ -13,7 +13,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from boundless.api.server import EngineClient, build_app
-from boundless.config import EngineConfig, ServerConfig
+from boundless.config import ClusterConfig, EngineConfig, ServerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.model.loader import load_model
@@ -34,11 +34,20 @@ def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
     return AsyncEngine(EngineCore(loaded, config), max_waiting=max_waiting)
 
 
-def serve(config: EngineConfig, server: ServerConfig) -> None:
+def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) -> EngineClient:
+    """One engine in this process, or with ``--instances N`` a cluster of Ray actors behind a router."""
+    if cluster.instances > 1 or cluster.ray_address:
+        from boundless.cluster.client import ClusterClient
+
+        return ClusterClient(config, cluster, max_waiting)
+    return local_engine(config, max_waiting)
+
+
+def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | None = None) -> None:
     """Load the model and serve until interrupted."""
     server = resolve_api_key(server)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = local_engine(config, server.max_waiting)
+    engine = make_client(config, cluster or ClusterConfig(), server.max_waiting)
     name = server.served_model_name or config.model.model
     log.info("serving %s on http://%s:%d (context %d tokens)", name, server.host, server.port, engine.max_model_len)
     app = build_app(engine, name, server)

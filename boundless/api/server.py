@@ -59,6 +59,8 @@ class EngineClient(Protocol):
 
     def add_finished_listener(self, fn: Callable[[RequestDelta], None]) -> None: ...
 
+    def cluster_info(self) -> list[dict]: ...
+
 
 @dataclass
 class Choice:
@@ -525,6 +527,10 @@ def build_app(client: EngineClient, model_name: str, config: ServerConfig | None
                 ],
             }
         )
+
+    @app.get("/cluster")
+    async def cluster() -> Response:
+        return JSONResponse({"instances": client.cluster_info()})
 
     @app.get("/metrics")
     async def metrics() -> Response:

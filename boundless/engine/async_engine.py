@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import traceback
 from collections.abc import Callable
 
-from boundless.engine.core import EngineCore, EngineStats, RequestDelta
+from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.request import ProgramRef
 from boundless.engine.sampling_params import SamplingParams
 
@@ -70,12 +71,29 @@ class EngineLoop:
         with self.lock:
             return {"0": self.core.stats()}
 
+    def cluster_info(self) -> list[dict]:
+        """The one instance, as ``GET /cluster`` lists instances."""
+        s = self.stats()["0"]
+        return [
+            {
+                "id": "0",
+                "pid": os.getpid(),
+                "node": os.uname().nodename,
+                "state": "alive" if self.is_alive() else "dead",
+                "running": s.num_running,
+                "waiting": s.num_waiting,
+                "kv_usage": s.kv_usage,
+                "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            }
+        ]
+
     def add(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         program: ProgramRef | None = None,
+        resume: Resume | None = None,
     ) -> None:
         """Add a request; raises at once for an invalid request or a full waiting queue."""
         if not self._thread.is_alive():
@@ -83,7 +101,7 @@ class EngineLoop:
         with self.lock:
             if len(self.core.scheduler.waiting) >= self.max_waiting:
                 raise QueueFullError(retry_after_s=1.0)
-            self.core.add_request(request_id, prompt_token_ids, params, program=program)
+            self.core.add_request(request_id, prompt_token_ids, params, program=program, resume=resume)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:

@@ -53,6 +53,14 @@ class RequestDelta:
     instance: str = "0"  # which engine instance produced it
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a request left off on an instance that failed."""
+
+    output_token_ids: tuple[int, ...]
+    text_chars_sent: int
+
+
 @dataclass
 class EngineCounters:
     steps: int = 0
@@ -178,7 +186,10 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None = None,
         program: ProgramRef | None = None,
+        resume: Resume | None = None,
     ) -> Request:
+        """Queue a request. ``resume`` continues one that another instance had started (failover):
+        its tokens so far count as output, and only text the client has not seen is sent."""
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if not prompt_token_ids:
@@ -201,8 +212,18 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             program=program,
+            output_token_ids=list(resume.output_token_ids) if resume else [],
         )
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        if resume is not None:
+            for token in resume.output_token_ids:
+                detok.add(token)
+            detok.skip_emitted(resume.text_chars_sent)
+        self._detokenizers[request_id] = detok
+        if program is not None and program.service_s is not None:
+            table = getattr(self.policy, "table", None)
+            if table is not None:  # the router's global view of the program
+                table.merge_remote(program.program_id, program.service_s, program.waiting_s or 0.0)
         self.scheduler.add(request)
         self.counters.prompt_tokens += len(prompt_token_ids)
         return request

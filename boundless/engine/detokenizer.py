@@ -67,6 +67,10 @@ class IncrementalDetokenizer:
         self.stopped_by = s
         return True
 
+    def skip_emitted(self, num_chars: int) -> None:
+        """Mark the first ``num_chars`` of the text as already handed out (a resumed request)."""
+        self._emitted = min(num_chars, len(self.text))
+
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out. Until the end, holds back a tail that could start a stop string."""
         end = len(self.text)

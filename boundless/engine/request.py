@@ -24,11 +24,17 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class ProgramRef:
-    """Which agent program and thread a call belongs to (Autellix). A call without one is a program of its own."""
+    """Which agent program and thread a call belongs to (Autellix). A call without one is a program of its own.
+
+    A router may attach its global view of the program (``service_s``, ``waiting_s``) so that
+    an instance's priorities reflect service the program received on other instances.
+    """
 
     program_id: str
     thread_id: str | None = None
     parent_thread_ids: tuple[str, ...] = ()
+    service_s: float | None = None
+    waiting_s: float | None = None
 
 
 @dataclass
