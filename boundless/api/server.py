@@ -72,6 +72,7 @@ class Choice:
     logprobs: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
+    instance: str = ""  # the engine instance that produced its latest tokens
 
 
 # -- request -> engine inputs ------------------------------------------------------------------
@@ -225,6 +226,7 @@ class OpenAIServer:
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": body.model,
+                "system_fingerprint": _fingerprint(choices),
                 "choices": out_choices,
                 "usage": self._usage(len(ids), choices),
             }
@@ -249,6 +251,7 @@ class OpenAIServer:
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model,
+                "system_fingerprint": _fingerprint(choices),
                 "choices": choice_list,
             }
             if include_usage:
@@ -354,6 +357,7 @@ class OpenAIServer:
                 "object": "text_completion",
                 "created": int(time.time()),
                 "model": body.model,
+                "system_fingerprint": _fingerprint(choices),
                 "choices": out,
                 "usage": self._usage(prompt_len, choices),
             }
@@ -371,6 +375,7 @@ class OpenAIServer:
                 "object": "text_completion",
                 "created": created,
                 "model": body.model,
+                "system_fingerprint": _fingerprint(choices),
                 "choices": choice_list,
             }
             if include_usage:
@@ -397,6 +402,7 @@ class OpenAIServer:
         choice.text += delta.new_text
         choice.token_ids.extend(delta.new_token_ids)
         choice.logprobs.extend(delta.new_logprobs)
+        choice.instance = delta.instance
         if delta.finished:
             choice.finish_reason = delta.finish_reason
             choice.cached_tokens = delta.num_cached_tokens
@@ -495,6 +501,11 @@ class OpenAIServer:
             "top_logprobs": [{self._token_text(tid): lp for tid, lp in t.top_logprobs} for t in tokens],
             "text_offset": offsets,
         }
+
+
+def _fingerprint(choices: list[Choice]) -> str:
+    """``system_fingerprint``: the engine instances whose tokens ended the response's choices."""
+    return "boundless-" + ",".join(sorted({c.instance for c in choices if c.instance}) or ["0"])
 
 
 def build_app(client: EngineClient, model_name: str, config: ServerConfig | None = None) -> ASGIApp:

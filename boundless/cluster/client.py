@@ -90,6 +90,7 @@ class ClusterClient:
         self.inflight: dict[str, InflightCall] = {}
         self.lock = threading.RLock()
         self._listeners: list[Callable[[RequestDelta], None]] = []
+        self.num_failovers = 0  # calls resent after their instance died
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._poll, args=(iid,), name=f"boundless-poll-{iid}", daemon=True)
@@ -217,6 +218,7 @@ class ClusterClient:
             for call in orphans:
                 del self.inflight[call.request_id]
                 call.failovers += 1
+                self.num_failovers += 1
                 try:
                     self._dispatch(call)
                 except Exception as e:  # nowhere to go: the client gets an error, not silence

@@ -1,0 +1,153 @@
+"""A 2-instance cluster on Ray, on this machine, with a tiny random model behind a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from boundless import LLM, SamplingParams
+from boundless.api.launch import ServerThread, start_in_thread
+from boundless.cluster.client import ClusterClient
+from boundless.config import ClusterConfig
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+THRESHOLD = 48  # tokens: longer calls are "long" and stay on their program's instance
+
+
+def _cluster(model_dir: Path) -> ClusterClient:
+    config = engine_config(str(model_dir), max_model_len=1024, kv_cache_gb=0.05)
+    return ClusterClient(config, ClusterConfig(instances=2, locality_threshold=THRESHOLD, heartbeat_interval_s=0.2))
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    import ray
+
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs: dict[str, Path], ray_session: None) -> Iterator[tuple[ClusterClient, ServerThread]]:
+    client = _cluster(model_dirs["tiny-llama"])
+    server = start_in_thread(client, "tiny")
+    yield client, server
+    server.stop()
+    client.shutdown()
+
+
+def _offline(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    llm = LLM.from_config(engine_config(loaded.name, max_model_len=1024, kv_cache_gb=0.05), loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [r.outputs[0].text for r in llm.generate(prompts, params)]
+
+
+def test_long_calls_stay_home_short_calls_spread_outputs_match(
+    cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
+) -> None:
+    _, server = cluster
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    # A program whose conversation grows: every call is long and extends the previous one.
+    conversation = list(range(10, 70))
+    served_long, prompts_long, hits = [], [], []
+    for turn in range(5):
+        r = api.completions.create(
+            model="tiny",
+            prompt=conversation,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True, "program_id": "agent", "return_token_ids": True},
+        )
+        served_long.append(r.system_fingerprint)
+        prompts_long.append(list(conversation))
+        hits.append(r.usage.prompt_tokens_details.cached_tokens)
+        conversation += r.choices[0].model_extra["token_ids"] + [100 + turn] * 8
+    assert len(set(served_long)) == 1, served_long  # one instance holds the program's KV
+    assert all(h > 0 for h in hits[1:])  # and every later call hits its prefix cache
+    # Short calls (no program) spread across both instances.
+    short_prompts = [[200 + i, 201, 202] for i in range(8)]
+    served_short = [
+        api.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        for p in short_prompts
+    ]
+    assert {r.system_fingerprint for r in served_short} == {"boundless-0", "boundless-1"}
+    # Greedy outputs equal a single engine's.
+    texts = [r.choices[0].text for r in served_short]
+    assert texts == _offline(tiny_llama, short_prompts, 6)
+    cluster_view = httpx.get(server.url + "/cluster").json()["instances"]
+    assert [i["state"] for i in cluster_view] == ["alive", "alive"]
+    assert all(i["pid"] != os.getpid() for i in cluster_view)  # separate processes
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'boundless_generation_tokens_total{instance="0"}' in metrics
+    assert 'boundless_generation_tokens_total{instance="1"}' in metrics
+
+
+def test_killing_an_instance_mid_stream_loses_nothing(
+    model_dirs: dict[str, Path], tiny_llama: LoadedModel, ray_session: None
+) -> None:
+    client = _cluster(model_dirs["tiny-llama"])
+    server = start_in_thread(client, "tiny")
+    prompts = [[30 + i, 31, 32, 33, 34] for i in range(16)]
+    max_tokens = 300
+    try:
+        victim = client.instances["1"].info
+        assert victim is not None
+
+        async def run() -> list[str]:
+            api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+            started = asyncio.Event()
+            count = 0
+
+            async def one(prompt: list[int]) -> str:
+                nonlocal count
+                stream = await api.completions.create(
+                    model="tiny",
+                    prompt=prompt,
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                parts = []
+                async for chunk in stream:
+                    parts.append(chunk.choices[0].text if chunk.choices else "")
+                    if len(parts) == 3:
+                        count += 1
+                        if count == len(prompts):
+                            started.set()
+                return "".join(parts)
+
+            async def killer() -> None:
+                await started.wait()  # every stream has begun
+                os.kill(victim.pid, signal.SIGKILL)
+
+            results = await asyncio.gather(*(one(p) for p in prompts), killer())
+            await api.close()
+            return list(results[: len(prompts)])
+
+        texts = asyncio.run(run())
+        assert client.num_failovers > 0  # the dead instance had streams in flight
+        assert texts == _offline(tiny_llama, prompts, max_tokens)
+        deadline = time.monotonic() + 10
+        while client.instances["1"].view.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not client.instances["1"].view.alive
+        states = {i["id"]: i["state"] for i in httpx.get(server.url + "/cluster").json()["instances"]}
+        assert states == {"0": "alive", "1": "dead"}
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        later = [api.completions.create(model="tiny", prompt=p, max_tokens=3) for p in prompts[:6]]
+        assert {r.system_fingerprint for r in later} == {"boundless-0"}
+    finally:
+        server.stop()
+        client.shutdown()
