@@ -30,7 +30,7 @@ class _EngineStateCollector:
             "boundless_kv_blocks_total": ("KV blocks in the pool", lambda s: s.kv_blocks_total),
             "boundless_kv_cache_usage_ratio": ("fraction of KV blocks in use", lambda s: s.kv_usage),
             "boundless_prefix_cache_hit_rate": (
-                "prefix-cache block hits over lookups",
+                "prompt tokens served by the prefix cache over prompt tokens",
                 lambda s: s.prefix_cache_hit_rate,
             ),
         }
@@ -43,8 +43,11 @@ class _EngineStateCollector:
             "boundless_prompt_tokens": ("prompt tokens of admitted requests", lambda s: s.prompt_tokens),
             "boundless_generation_tokens": ("generated tokens", lambda s: s.generation_tokens),
             "boundless_computed_tokens": ("tokens run through the model", lambda s: s.computed_tokens),
-            "boundless_prefix_cache_queries": ("prefix-cache block lookups", lambda s: s.prefix_cache_queries),
-            "boundless_prefix_cache_hits": ("prefix-cache block hits", lambda s: s.prefix_cache_hits),
+            "boundless_prefix_cache_queries": (
+                "prompt tokens looked up in the prefix cache",
+                lambda s: s.prefix_cache_queries,
+            ),
+            "boundless_prefix_cache_hits": ("prompt tokens found in the prefix cache", lambda s: s.prefix_cache_hits),
             "boundless_engine_busy_seconds": ("seconds spent running the model", lambda s: s.busy_seconds),
         }
         for name, (doc, get) in counters.items():

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, CallSpec, ProgramSpec, WorkloadShape, make_programs
-from boundless.config import EngineConfig, engine_config_from_flags
+from boundless.config import ClusterConfig, EngineConfig, add_flags, engine_config_from_flags, from_flags
 
 SHARED_SYSTEM_PROMPT = 48  # tokens every program starts with (prefix-cache hits across programs)
 
@@ -144,18 +144,28 @@ def summarize(results: list[ProgramResult]) -> dict[str, float]:
     }
 
 
-def _serve_and_run(config: EngineConfig, loaded, programs: list[ProgramSpec], desc: str) -> tuple[dict, dict]:
-    """A fresh engine and HTTP server for one policy; the programs; the engine's counters."""
+def _serve_and_run(
+    config: EngineConfig, loaded, programs: list[ProgramSpec], desc: str, cluster: ClusterConfig | None
+) -> tuple[dict, dict]:
+    """A fresh engine (or cluster) and HTTP server; the programs; the engines' summed counters."""
     from boundless.api.launch import start_in_thread
     from boundless.engine.async_engine import AsyncEngine
     from boundless.engine.core import EngineCore
 
-    engine = AsyncEngine(EngineCore(loaded, config))
+    if cluster is not None:
+        from boundless.cluster.client import ClusterClient
+
+        engine = ClusterClient(config, cluster)
+    else:
+        engine = AsyncEngine(EngineCore(loaded, config))
     server = start_in_thread(engine, "bench")
     try:
         runner = ProgramRunner(server.url, "bench", engine.max_model_len, loaded.arch.vocab_size)
         results = asyncio.run(runner.run(programs, desc))
-        stats = dataclasses.asdict(engine.stats()["0"])
+        if cluster is not None:
+            time.sleep(2 * cluster.heartbeat_interval_s)  # let the last heartbeats in
+        snapshots = [dataclasses.asdict(s) for s in engine.stats().values()]
+        stats = {k: sum(s[k] for s in snapshots) for k in snapshots[0]}
     finally:
         server.stop()
         engine.shutdown()
@@ -168,7 +178,14 @@ def run(args: argparse.Namespace) -> dict:
     from boundless.model.loader import load_model
 
     base = engine_config_from_flags(args)
-    policies = [p.strip() for p in (args.policies or f"fcfs,{base.scheduler.policy}").split(",") if p.strip()]
+    cluster_base = from_flags(ClusterConfig, args)
+    if cluster_base.instances > 1:
+        # Compare routings; the policy is --policy on every instance.
+        routings = [r.strip() for r in (args.routings or "locality,round-robin,least-loaded").split(",") if r.strip()]
+        policies = [base.scheduler.policy]
+    else:
+        routings = [None]
+        policies = [p.strip() for p in (args.policies or f"fcfs,{base.scheduler.policy}").split(",") if p.strip()]
     rates = [float(r) for r in (args.rates.split(",") if args.sweep else [str(args.rate)])]
     shape = WorkloadShape(
         scale=args.scale, call_scale=args.call_scale, tool_wait_s=args.tool_wait, max_len=args.max_len
@@ -178,36 +195,65 @@ def run(args: argparse.Namespace) -> dict:
     for rate in rates:
         programs = make_programs(args.workload, args.num_programs, rate, args.bench_seed, shape, args.trace_folder)
         for policy in policies:
-            config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
-            summary, stats = _serve_and_run(config, loaded, programs, f"{policy} @ {rate}/s")
-            row = {"workload": args.workload, "rate": rate, "policy": policy, **summary}
-            row.update({k: stats[k] for k in ("num_kept", "num_swapped_out", "num_recomputed", "prefix_cache_hits")})
-            rows.append(row)
-            print(
-                f"{args.workload} rate {rate}/s {policy:>5}: avg {summary['avg_latency_s']:.1f} s, "
-                f"p95 {summary['p95_latency_s']:.1f} s, makespan {summary['makespan_s']:.1f} s",
-                flush=True,
-            )
+            for routing in routings:
+                config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
+                cluster = dataclasses.replace(cluster_base, routing=routing) if routing else None
+                name = f"{policy}/{routing}" if routing else policy
+                summary, stats = _serve_and_run(config, loaded, programs, f"{name} @ {rate}/s", cluster)
+                row = {"workload": args.workload, "rate": rate, "policy": policy, "routing": routing or "", **summary}
+                hits, queries = stats["prefix_cache_hits"], stats["prefix_cache_queries"]
+                row["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+                row.update({k: stats[k] for k in ("num_kept", "num_swapped_out", "num_recomputed")})
+                rows.append(row)
+                print(
+                    f"{args.workload} rate {rate}/s {name}: avg {summary['avg_latency_s']:.1f} s, "
+                    f"p95 {summary['p95_latency_s']:.1f} s, makespan {summary['makespan_s']:.1f} s, "
+                    f"prefix-cache hit rate {row['prefix_cache_hit_rate']:.2f}",
+                    flush=True,
+                )
     table = []
     for row in rows:
-        ref = next((r for r in rows if r["rate"] == row["rate"] and r["policy"] == "fcfs"), None)
+        # The baseline: fcfs when comparing policies, round-robin when comparing routings.
+        ref = next(
+            (
+                r
+                for r in rows
+                if r["rate"] == row["rate"]
+                and (r["policy"] == "fcfs" if len(policies) > 1 else r["routing"] == "round-robin")
+            ),
+            None,
+        )
         speedup = ref["avg_latency_s"] / row["avg_latency_s"] if ref else float("nan")
-        row["avg_latency_vs_fcfs"] = speedup
+        row["avg_latency_vs_baseline"] = speedup
         table.append(
             [
                 row["rate"],
-                row["policy"],
+                row["policy"] + (f"/{row['routing']}" if row["routing"] else ""),
                 f"{row['avg_latency_s']:.2f}",
                 f"{row['p95_latency_s']:.2f}",
                 f"{row['p99_latency_s']:.2f}",
                 f"{row['avg_latency_per_token_s'] * 1000:.1f}",
                 f"{row['makespan_s']:.1f}",
                 f"{row['throughput_programs_per_s']:.3f}",
+                f"{row['prefix_cache_hit_rate']:.2f}",
                 f"{speedup:.2f}x",
             ]
         )
+    baseline = "fcfs" if len(policies) > 1 else "round-robin"
     print_table(
-        ["rate/s", "policy", "avg s", "p95 s", "p99 s", "ms/token", "makespan s", "prog/s", "avg vs fcfs"], table
+        [
+            "rate/s",
+            "policy",
+            "avg s",
+            "p95 s",
+            "p99 s",
+            "ms/token",
+            "makespan s",
+            "prog/s",
+            "hit rate",
+            f"avg vs {baseline}",
+        ],
+        table,
     )
     result = {
         "workload": args.workload,
@@ -225,6 +271,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.json:
         write_json(args.json, result)
     return result
+
+
+def _label(row: dict) -> str:
+    return row["policy"] + (f"/{row['routing']}" if row["routing"] else "")
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -245,9 +295,9 @@ def _plot(path: Path, rows: list[dict], workload: str) -> None:
         print("matplotlib is not installed; no plot")
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for policy in dict.fromkeys(r["policy"] for r in rows):
-        pts = sorted((r["rate"], r["avg_latency_s"]) for r in rows if r["policy"] == policy)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    for label in dict.fromkeys(_label(r) for r in rows):
+        pts = sorted((r["rate"], r["avg_latency_s"]) for r in rows if _label(r) == label)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xlabel("program arrival rate (programs/s)")
     ax.set_ylabel("average program latency (s)")
     ax.set_title(f"{workload}: latency against load")
@@ -259,8 +309,12 @@ def _plot(path: Path, rows: list[dict], workload: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, ClusterConfig)
     parser.add_argument("--workload", choices=WORKLOADS, default="chat")
     parser.add_argument("--policies", help="comma-separated policies to compare (default: fcfs and --policy)")
+    parser.add_argument(
+        "--routings", help="with --instances N > 1: comma-separated routings to compare (default: all three)"
+    )
     parser.add_argument("--rate", type=float, default=0.2, help="program arrivals per second")
     parser.add_argument("--sweep", action="store_true", help="run every policy at every rate of --rates")
     parser.add_argument("--rates", default="0.05,0.1,0.2,0.4")

@@ -79,8 +79,8 @@ class EngineStats:
     num_waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (admitted prompts)
+    prefix_cache_hits: int  # of which were found cached
     prompt_tokens: int
     generation_tokens: int
     computed_tokens: int
@@ -324,8 +324,8 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=pool.num_used,
             kv_blocks_total=pool.num_blocks,
-            prefix_cache_queries=pool.stats.queries,
-            prefix_cache_hits=pool.stats.hits,
+            prefix_cache_queries=c.prompt_tokens,
+            prefix_cache_hits=self.scheduler.stats.num_prompt_tokens_cached,
             prompt_tokens=c.prompt_tokens,
             generation_tokens=c.generation_tokens,
             computed_tokens=c.computed_tokens,

@@ -1,0 +1,134 @@
+"""Python face of ``cpu_kernels.cpp``: packed fp32 matmuls with fused epilogues, RMSNorm, RoPE.
+
+On 2 AVX2 cores the packed matmul runs the decoder's four matrices at ~115 GFLOPS for a
+32-token decode step (MKL ~85 on the same shapes) and ~150 for a 2048-token prefill step, and
+its epilogues fold the residual adds and SiLU(gate) * up into the matmuls. :func:`available`
+says whether the library loaded; callers keep their PyTorch path otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from boundless.model import native
+from boundless.model.native import F, I, L, P
+
+_SIGNATURES = {
+    "bl_abi_version": (I, []),
+    "bl_pack": (None, [P, L, L, L, P, I]),
+    "bl_pack_glu": (None, [P, L, L, L, P, I]),
+    "bl_pack_glu_bias": (None, [P, L, P]),
+    "bl_gemm": (None, [P, L, L, L, P, L, P, P, L, I, I]),
+    "bl_rmsnorm": (None, [P, L, P, P, L, L, L, F, I]),
+    "bl_rope": (None, [P, L, L, L, L, P, P, P, I]),
+}
+
+_PANEL = 24  # output features per packed panel (NR in the C++ source)
+STORE, ACCUMULATE, GLU = 0, 1, 2
+
+
+def _lib():
+    return native.load("cpu_kernels", Path(__file__).with_name("cpu_kernels.cpp"), _SIGNATURES)
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether tensors like ``t`` (device, dtype) can take the native path."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and available()
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.stride(1) == 1
+
+
+class PackedWeight:
+    """A weight [N, K] (and bias [N]) packed once for :meth:`matmul`.
+
+    ``glu=True`` takes a fused gate/up weight [2I, K] and makes ``matmul`` return
+    ``silu(x @ gate.T) * (x @ up.T)`` [*, I] directly.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False) -> None:
+        lib = _lib()
+        assert lib is not None and weight.dtype == torch.float32 and weight.dim() == 2
+        weight = weight.detach().contiguous()
+        n, k = weight.shape
+        self.glu = glu
+        self.in_features = k
+        self.out_features = n // 2 if glu else n
+        per_panel = _PANEL // 2 if glu else _PANEL
+        panels = -(-self.out_features // per_panel)
+        self.packed = torch.empty(panels * k * _PANEL, dtype=torch.float32)
+        nt = native.threads()
+        if glu:
+            lib.bl_pack_glu(weight.data_ptr(), k, self.out_features, k, self.packed.data_ptr(), nt)
+        else:
+            lib.bl_pack(weight.data_ptr(), k, n, k, self.packed.data_ptr(), nt)
+        self.bias = None
+        if bias is not None:
+            bias = bias.detach().float().contiguous()
+            self.bias = torch.zeros(panels * _PANEL, dtype=torch.float32)
+            if glu:
+                lib.bl_pack_glu_bias(bias.data_ptr(), self.out_features, self.bias.data_ptr())
+            else:
+                self.bias[:n] = bias
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` into ``out`` (rows contiguous), or added to it with ``accumulate``."""
+        assert _rows_ok(x) and x.shape[1] == self.in_features and x.dtype == torch.float32
+        m = x.shape[0]
+        if out is None:
+            assert not accumulate
+            out = torch.empty(m, self.out_features, dtype=torch.float32)
+        assert _rows_ok(out) and out.shape == (m, self.out_features)
+        mode = GLU if self.glu else (ACCUMULATE if accumulate else STORE)
+        assert not (self.glu and accumulate)
+        _lib().bl_gemm(
+            x.data_ptr(),
+            x.stride(0),
+            m,
+            self.in_features,
+            self.packed.data_ptr(),
+            self.out_features,
+            None if self.bias is None else self.bias.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            mode,
+            native.threads(),
+        )
+        return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` row by row, into ``out``."""
+    assert _rows_ok(x) and _rows_ok(out) and weight.is_contiguous() and out.shape == x.shape
+    t, h = x.shape
+    _lib().bl_rmsnorm(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), t, h, eps, native.threads()
+    )
+    return out
+
+
+def rope_(
+    x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Rotate, in place, the first ``heads`` heads of every row of ``x`` [tokens, >= heads * head_dim]
+    (rotate-half layout); ``cos``/``sin`` [positions, head_dim / 2] are indexed by ``positions``."""
+    assert _rows_ok(x) and x.shape[1] >= heads * head_dim
+    assert positions.dtype == torch.long and positions.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    _lib().bl_rope(
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        heads,
+        head_dim,
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        native.threads(),
+    )

@@ -1,0 +1,122 @@
+"""Small native CPU kernels, compiled on first use with the system C++ compiler and cached.
+
+Each kernel file is plain C++ (AVX2 + FMA, OpenMP) built into a shared library with ``g++``
+and called through :mod:`ctypes`: no PyTorch headers, no ``ninja``, a few seconds to compile
+once per machine (the library lands in ``$BOUNDLESS_CACHE_DIR`` or ``~/.cache/boundless``,
+named by a hash of the source and the flags). OpenMP resolves to the ``libgomp`` PyTorch has
+already loaded, so the kernels share PyTorch's thread pool rather than starting a second one.
+
+Whatever fails (no compiler, no AVX2, a non-x86 machine, ``BOUNDLESS_NATIVE=0``), ``load``
+returns ``None`` and callers keep to their PyTorch path, which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def enabled() -> bool:
+    """Whether native kernels may be used on this machine (``BOUNDLESS_NATIVE=0`` turns them off)."""
+    if os.environ.get("BOUNDLESS_NATIVE", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    return _cpu_has_avx2_fma()
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx2", "fma"} <= flags
+    except OSError:
+        pass
+    return False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("BOUNDLESS_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "boundless"
+    )
+    return Path(root) / "native"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _build(source: Path, name: str) -> Path:
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    text = source.read_bytes()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(text + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+    out_dir = _cache_dir()
+    target = out_dir / f"{name}-{key}.so"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: concurrent processes never load a half-written file.
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        result = subprocess.run([cxx, *_FLAGS, str(source), "-o", tmp], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling {source.name} failed:\n{result.stderr[-4000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load(name: str, source: Path, signatures: dict[str, tuple[object, list[object]]]) -> ctypes.CDLL | None:
+    """The library built from ``source`` with ``signatures`` (function: (restype, argtypes)) set,
+    or ``None`` when native kernels are off or unavailable here. Built once per process."""
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        lib = None
+        if enabled():
+            torch.get_num_threads()  # PyTorch's libgomp is loaded first, so the library binds to it
+            try:
+                lib = ctypes.CDLL(str(_build(source, name)))
+                for fn, (restype, argtypes) in signatures.items():
+                    f = getattr(lib, fn)
+                    f.restype = restype
+                    f.argtypes = argtypes
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+                log.warning("native kernels %s unavailable, using the PyTorch path: %s", name, e)
+                lib = None
+        _loaded[name] = lib
+        return lib
+
+
+def threads() -> int:
+    return torch.get_num_threads()
+
+
+P = ctypes.c_void_p
+L = ctypes.c_long
+I = ctypes.c_int  # noqa: E741
+F = ctypes.c_float
