@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from boundless.bench.offline import load_hf_reference
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
 from boundless.engine.sampling_params import SamplingParams
@@ -36,26 +37,13 @@ TEXTS = [
 ]
 
 
-def _reference_model(loaded: LoadedModel):
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    path = loaded.path
-    if path.is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return model.eval()
-
-
 class Reference:
     """Greedy tokens and per-step logits of transformers, one prompt at a time (no padding)."""
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
-        model = _reference_model(loaded)
+        model = load_hf_reference(loaded)
         self.tokens: list[list[int]] = []
         self.logits: list[torch.Tensor] = []
         with torch.inference_mode():
