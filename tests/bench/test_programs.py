@@ -1,0 +1,100 @@
+"""Agent program workloads and the program benchmark, on a tiny random model."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from boundless.bench.workloads import MULTI_THREADED, WORKLOADS, WorkloadShape, load_agent_sessions, make_programs
+
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces" / "lmcache_agent_trace" / "miniswe"
+
+
+@pytest.mark.parametrize("workload", [w for w in WORKLOADS if w != "trace"])
+def test_workloads_are_seeded_and_shaped(workload: str) -> None:
+    a = make_programs(workload, 20, rate=0.5, seed=3)
+    b = make_programs(workload, 20, rate=0.5, seed=3)
+    assert [(p.arrival_s, p.num_calls, p.output_tokens) for p in a] == [
+        (p.arrival_s, p.num_calls, p.output_tokens) for p in b
+    ]
+    assert all(x.arrival_s < y.arrival_s for x, y in itertools.pairwise(a))
+    assert any(p.num_calls > 3 * min(q.num_calls for q in a) for p in a)  # a long tail of program lengths
+    assert all(p.multi_threaded for p in a) == (workload in MULTI_THREADED)
+    for p in a:
+        threads: set[str] = set()
+        for stage in p.stages:
+            for call in stage:  # every parent a call joins ran in an earlier stage
+                assert all(parent in threads or parent == "main" for parent in call.parents)
+            threads.update(c.thread_id for c in stage)
+
+
+def test_chat_lengths_follow_sharegpt_scaled() -> None:
+    programs = make_programs("chat", 400, rate=1.0, seed=0, shape=WorkloadShape(scale=0.1))
+    calls = [c for p in programs for s in p.stages for c in s]
+    mean_out = sum(c.output for c in calls) / len(calls)
+    mean_calls = sum(p.num_calls for p in programs) / len(programs)
+    assert 20 < mean_out < 36  # 277 x 0.1
+    assert 5.0 < mean_calls < 8.0  # 6.66 calls per program
+
+
+def test_agent_sessions_replay(tmp_path: Path) -> None:
+    folder = TRACES if TRACES.exists() else tmp_path
+    if not TRACES.exists():
+        lines = [
+            {"timestamp": 1_000_000 * i, "input": "x" * (400 * (i + 1)), "output": "y" * 80, "session_id": "s"}
+            for i in range(5)
+        ]
+        (tmp_path / "s.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    sessions = load_agent_sessions(folder)
+    assert sessions and all(len(s) >= 1 for s in sessions)
+    programs = make_programs("trace", 3, rate=1.0, seed=0, trace_folder=folder)
+    assert [p.num_calls for p in programs] == [min(len(s), 40) for s in sessions[:3]]
+
+
+def test_bench_programs_compares_policies(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "programs.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "boundless.cli",
+            "bench",
+            "programs",
+            "--model",
+            str(model_dirs["tiny-llama"]),
+            "--workload",
+            "mapreduce",
+            "--num-programs",
+            "3",
+            "--rate",
+            "4",
+            "--scale",
+            "0.03",
+            "--policies",
+            "fcfs,atlas",
+            "--max-num-seqs",
+            "2",
+            "--kv-cache-gb",
+            "0.05",
+            "--json",
+            str(out),
+            "--sweep",
+            "--rates",
+            "4",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    result = json.loads(out.read_text())
+    assert [r["policy"] for r in result["rows"]] == ["fcfs", "atlas"]
+    for row in result["rows"]:
+        assert row["programs"] == 3 and row["failed_calls"] == 0 and row["avg_latency_s"] > 0
+    assert (tmp_path / "programs-mapreduce.csv").exists() and (tmp_path / "programs-mapreduce.png").exists()
