@@ -172,6 +172,8 @@ class Scheduler:
         """Secure device KV for the request's next chunk; returns the chunk's length or None."""
         rid = request.request_id
         if request.status is RequestStatus.SWAPPED:
+            if self.kv.num_host_blocks(rid) > self.kv.pool.num_free + self._evictable_blocks(order, idx, chosen_ids):
+                return None  # evicting everything below would not be enough: evict nothing
             while (pairs := self.kv.swap_in(rid, request.all_token_ids, request.num_computed_tokens)) is None:
                 if not self._make_room(order, idx, chosen_ids, out):
                     return None
@@ -185,6 +187,11 @@ class Scheduler:
         else:
             computed = request.num_computed_tokens
         num_new = min(request.num_tokens - computed, budget)
+        short = self.kv.blocks_short(rid, computed + num_new, prefix)
+        if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
+            if request.status is RequestStatus.RUNNING:
+                self._evict(request, out)  # it cannot grow and nothing below it can give way
+            return None
         while not self.kv.allocate(rid, request.all_token_ids, computed + num_new, prefix):
             if not self._make_room(order, idx, chosen_ids, out):
                 if request.status is RequestStatus.RUNNING:
@@ -197,6 +204,14 @@ class Scheduler:
             request.num_computed_tokens = computed
             self._to_running(request)
         return num_new
+
+    def _evictable_blocks(self, order: list[Request], idx: int, chosen_ids: set[str]) -> int:
+        """Device blocks held by requests below ``idx`` outside this step (shared ones may not all come free)."""
+        return sum(
+            self.kv.num_allocated_blocks(r.request_id)
+            for r in order[idx + 1 :]
+            if r.status is RequestStatus.RUNNING and r.request_id not in chosen_ids
+        )
 
     def _make_room(self, order: list[Request], idx: int, chosen_ids: set[str], out: SchedulerOutput) -> bool:
         """Evict the lowest-priority device-KV holder below ``idx`` that is not in this step."""

@@ -87,8 +87,12 @@ class KVCacheManager:
             prefix.blocks.append(block)
         return prefix
 
-    def can_allocate(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None = None) -> bool:
-        return self._blocks_short(request_id, num_tokens_after, prefix) <= 0
+    def blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None = None) -> int:
+        """How many more free blocks an allocation up to ``num_tokens_after`` tokens would need (<= 0: none)."""
+        return self._blocks_short(request_id, num_tokens_after, prefix)
+
+    def num_host_blocks(self, request_id: str) -> int:
+        return len(self._host_tables.get(request_id, ()))
 
     def allocate(
         self,
