@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from boundless.config import ClusterConfig, ConfigError, ServerConfig, add_engine_flags, add_flags
+from boundless.config import ClusterConfig, ConfigError, SchedulerConfig, ServerConfig, add_engine_flags, add_flags
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, default=None)
     add_engine_flags(gen)
     gen.set_defaults(func=_generate)
+
+    simulate = sub.add_parser("simulate", help="policies side by side on a workload, in virtual time")
+    from boundless.sim import run as sim_run
+
+    sim_run.add_arguments(simulate)
+    add_flags(simulate, SchedulerConfig)
+    simulate.set_defaults(func=lambda a: sim_run.run(a) and 0)
 
     bench = sub.add_parser("bench", help="benchmarks: baseline and Boundless side by side")
     bench_sub = bench.add_subparsers(dest="bench_kind", required=True)

@@ -10,6 +10,7 @@ Everything here is generated from a seed: the same arguments give the same progr
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,17 +58,27 @@ class ProgramSpec:
         return any(len(s) > 1 for s in self.stages)
 
 
+# Spread (log-space standard deviation) of the heavy-tailed length distributions. Agent and chat
+# workloads are heavy-tailed: most programs are short and a few are very long (ShareGPT turns and
+# lengths, tool-loop depths). With memoryless (exponential) sizes no size-blind policy could beat
+# FCFS on average; with heavy tails, serving the least-served first pays.
+CALLS_SIGMA = 1.2
+LENGTH_SIGMA = 0.8
+
+
+def _lognormal(rng: random.Random, mean: float, sigma: float) -> float:
+    """A log-normal sample with the given mean."""
+    mu = math.log(max(mean, 1e-9)) - sigma * sigma / 2
+    return rng.lognormvariate(mu, sigma)
+
+
 def _exp_len(rng: random.Random, mean: float, lo: int, hi: int) -> int:
-    return max(lo, min(hi, round(rng.expovariate(1.0 / mean)))) if mean > 0 else lo
+    return max(lo, min(hi, round(_lognormal(rng, mean, LENGTH_SIGMA)))) if mean > 0 else lo
 
 
 def _num_calls(rng: random.Random, mean: float, cap: int) -> int:
-    """Geometric, at least 1: the long tail of agent programs (most are short, a few very long)."""
-    p = 1.0 / max(mean, 1.0)
-    n = 1
-    while rng.random() > p and n < cap:
-        n += 1
-    return n
+    """Calls per program, at least 1, heavy-tailed with the given mean (before the cap)."""
+    return max(1, min(cap, round(_lognormal(rng, mean, CALLS_SIGMA))))
 
 
 @dataclass(frozen=True)

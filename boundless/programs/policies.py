@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 class QueueConfig:
     """K queues; queue i covers service [boundaries[i-1], boundaries[i]) and has quantum quanta[i]."""
 
-    num_queues: int = 4
-    base_s: float = 1.0  # upper bound of Q1's range
-    growth: float = 4.0  # each range is this many times wider than the one above
-    beta: float = 3.0  # anti-starvation threshold on wait / service
+    num_queues: int = 12
+    base_s: float = 0.1  # upper bound of Q1's range
+    growth: float = 2.0  # each range is this many times wider than the one above
+    beta: float = 10.0  # anti-starvation threshold on wait / service
     ttl_s: float = 600.0  # programs idle this long leave the process table
     max_programs: int = 100_000
 
