@@ -112,7 +112,8 @@ class ProgramRunner:
             failed += sum(1 for _, ok in results if not ok)
         return ProgramResult(spec.program_id, arrival, time.perf_counter() - t0, tokens, spec.num_calls, failed)
 
-    async def run(self, programs: list[ProgramSpec], desc: str) -> list[ProgramResult]:
+    async def run(self, programs: list[ProgramSpec], desc: str, sequential: bool = False) -> list[ProgramResult]:
+        """Every program at its arrival time, or with ``sequential`` each alone after the previous (unloaded)."""
         bar = tqdm(total=len(programs), desc=desc, unit="prog", leave=False)
         t0 = time.perf_counter()
 
@@ -121,7 +122,13 @@ class ProgramRunner:
             bar.update(1)
             return r
 
-        results = await asyncio.gather(*(one(p) for p in programs))
+        if sequential:
+            results = []
+            for p in programs:
+                t0 = time.perf_counter() - p.arrival_s  # it arrives now
+                results.append(await one(p))
+        else:
+            results = await asyncio.gather(*(one(p) for p in programs))
         bar.close()
         await self.client.close()
         return list(results)
@@ -145,7 +152,12 @@ def summarize(results: list[ProgramResult]) -> dict[str, float]:
 
 
 def _serve_and_run(
-    config: EngineConfig, loaded, programs: list[ProgramSpec], desc: str, cluster: ClusterConfig | None
+    config: EngineConfig,
+    loaded,
+    programs: list[ProgramSpec],
+    desc: str,
+    cluster: ClusterConfig | None,
+    sequential: bool = False,
 ) -> tuple[dict, dict]:
     """A fresh engine (or cluster) and HTTP server; the programs; the engines' summed counters."""
     from boundless.api.launch import start_in_thread
@@ -161,7 +173,7 @@ def _serve_and_run(
     server = start_in_thread(engine, "bench")
     try:
         runner = ProgramRunner(server.url, "bench", engine.max_model_len, loaded.arch.vocab_size)
-        results = asyncio.run(runner.run(programs, desc))
+        results = asyncio.run(runner.run(programs, desc, sequential=sequential))
         if cluster is not None:
             time.sleep(2 * cluster.heartbeat_interval_s)  # let the last heartbeats in
         snapshots = [dataclasses.asdict(s) for s in engine.stats().values()]
@@ -193,13 +205,18 @@ def run(args: argparse.Namespace) -> dict:
     loaded = load_model(base.model.model, dtype=base.model.dtype, device=base.model.device)
     rows = []
     for rate in rates:
-        programs = make_programs(args.workload, args.num_programs, rate, args.bench_seed, shape, args.trace_folder)
+        # Rate 0 means unloaded: each program runs alone, after the previous one.
+        programs = make_programs(
+            args.workload, args.num_programs, rate or 1.0, args.bench_seed, shape, args.trace_folder
+        )
         for policy in policies:
             for routing in routings:
                 config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
                 cluster = dataclasses.replace(cluster_base, routing=routing) if routing else None
                 name = f"{policy}/{routing}" if routing else policy
-                summary, stats = _serve_and_run(config, loaded, programs, f"{name} @ {rate}/s", cluster)
+                summary, stats = _serve_and_run(
+                    config, loaded, programs, f"{name} @ {rate}/s", cluster, sequential=rate == 0
+                )
                 row = {"workload": args.workload, "rate": rate, "policy": policy, "routing": routing or "", **summary}
                 hits, queries = stats["prefix_cache_hits"], stats["prefix_cache_queries"]
                 row["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
@@ -239,7 +256,7 @@ def run(args: argparse.Namespace) -> dict:
                 f"{speedup:.2f}x",
             ]
         )
-    baseline = "fcfs" if len(policies) > 1 else "round-robin"
+    baseline = "round-robin" if cluster_base.instances > 1 else "fcfs"
     print_table(
         [
             "rate/s",
@@ -315,7 +332,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--routings", help="with --instances N > 1: comma-separated routings to compare (default: all three)"
     )
-    parser.add_argument("--rate", type=float, default=0.2, help="program arrivals per second")
+    parser.add_argument("--rate", type=float, default=0.2, help="program arrivals per second (0: one at a time)")
     parser.add_argument("--sweep", action="store_true", help="run every policy at every rate of --rates")
     parser.add_argument("--rates", default="0.05,0.1,0.2,0.4")
     parser.add_argument("--num-programs", type=int, default=30)
