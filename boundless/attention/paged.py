@@ -1,10 +1,14 @@
-"""Paged attention in plain PyTorch, computed as partials and merged exactly.
+"""Paged attention, computed as partials and merged exactly.
 
-Decodes (one query token each) are batched: their blocks are gathered with one ``index_select``
-per step and layer, and scored with batched matmuls across (kv head, sequence). Prefill chunks
-are computed one sequence at a time, in query tiles bounded in memory. Both produce
-:class:`AttentionPartial` objects and finish with :func:`merge_partials`, so the same code serves
-partials computed on other instances.
+On the CPU in fp32, one native kernel (:mod:`boundless.attention.cpu_attention`) computes the
+partials of every query token of the step straight from the block tables, with no gather.
+Elsewhere (other devices and dtypes, or without the kernel) the PyTorch path runs: decodes (one
+query token each) are batched, their blocks gathered with one ``index_select`` per step and
+layer and scored with batched matmuls across (kv head, sequence); prefill chunks are computed
+one sequence at a time, in query tiles bounded in memory. All produce :class:`AttentionPartial`
+objects and finish with :func:`merge_partials`, so the same code serves partials computed on
+other instances. On the native path the returned tensor is a buffer of the step, overwritten
+by the next layer's call.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from boundless.attention import cpu_attention
 from boundless.attention.backend import AttentionBatch
 from boundless.attention.partials import merge_partials, scores_partial
 
@@ -34,6 +39,11 @@ class PagedAttentionMetadata:
     decode_bias: torch.Tensor | None = None  # [kv_heads * decodes, 1, max_context]; 0 or -inf
     decode_max_context: int = 0
     prefills: list[_PrefillSeq] = field(default_factory=list)
+    # The native kernel's view of the step (CPU only), and the batch to build the PyTorch
+    # metadata from when a layer needs it after all (a non-fp32 cache).
+    native: cpu_attention.NativeBatch | None = None
+    batch: AttentionBatch | None = None
+    buffers: tuple[torch.Tensor, ...] | None = None  # o, m, e and the merged output, reused by every layer
 
 
 class TorchPagedAttention:
@@ -58,6 +68,14 @@ class TorchPagedAttention:
 
     def prepare(self, batch: AttentionBatch) -> PagedAttentionMetadata:
         meta = PagedAttentionMetadata(slot_mapping=batch.slot_mapping, num_decodes=batch.num_decodes)
+        if cpu_attention.supports(self.head_dim, batch.device):
+            meta.native = cpu_attention.make_batch(batch.query_lens, batch.seq_lens, batch.block_tables)
+            meta.batch = batch  # the PyTorch metadata is built only if a layer asks for it
+            return meta
+        self._prepare_torch(meta, batch)
+        return meta
+
+    def _prepare_torch(self, meta: PagedAttentionMetadata, batch: AttentionBatch) -> None:
         bs = batch.block_size
         nd = batch.num_decodes
         if nd:
@@ -83,7 +101,6 @@ class TorchPagedAttention:
                 bias = torch.zeros(1, ql, ctx).masked_fill_(future, float("-inf")).to(batch.device)
             meta.prefills.append(_PrefillSeq(start, ql, ctx, gather, bias))
             start += ql
-        return meta
 
     # -- every layer ---------------------------------------------------------------------------
 
@@ -96,6 +113,12 @@ class TorchPagedAttention:
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor:
         k_cache, v_cache = cache
+        if meta.native is not None:
+            if self._native_ok(q, k, v, k_cache):
+                return self._forward_native(q, k, v, k_cache, v_cache, meta)
+            if meta.batch is not None:
+                self._prepare_torch(meta, meta.batch)
+                meta.batch = None
         kvh, nb, bs, d = k_cache.shape
         # Store the new tokens' KV first: a sequence's attention reads its own new keys from the cache.
         slots = meta.slot_mapping
@@ -110,6 +133,38 @@ class TorchPagedAttention:
             s, e = seq.token_start, seq.token_start + seq.query_len
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq)
         return out
+
+    @staticmethod
+    def _native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        d = q.shape[-1]
+        return (
+            q.dtype == k_cache.dtype == k.dtype == v.dtype == torch.float32
+            and k_cache.device.type == "cpu"
+            and k_cache.is_contiguous()
+            and all(x.stride(-1) == 1 and x.stride(-2) == d for x in (q, k, v))
+        )
+
+    def _forward_native(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        assert meta.native is not None
+        if meta.buffers is None or meta.buffers[0].shape != q.shape:
+            t, h, d = q.shape
+            o = torch.empty(t, h, d, dtype=torch.float32)
+            meta.buffers = (o, torch.empty(t, h, 1), torch.empty(t, h, 1), torch.empty_like(o))
+            assert meta.slot_mapping.dtype == torch.long and meta.slot_mapping.numel() == t
+            meta.slot_mapping = meta.slot_mapping.contiguous()
+        o, m, e, out = meta.buffers
+        part = cpu_attention.store_and_attend(
+            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e)
+        )
+        return merge_partials([part], out=out)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata

@@ -17,6 +17,7 @@ import torch
 
 # Upper bound on the elements of one score tile on the matmul path (64 MiB in fp32).
 _MAX_SCORE_ELEMENTS = 1 << 24
+_TINY = {dt: torch.finfo(dt).tiny for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
 @dataclass
@@ -103,8 +104,9 @@ def combine_partials(parts: Sequence[AttentionPartial]) -> AttentionPartial:
     return AttentionPartial(m=m, e=e, o=o)
 
 
-def merge_partials(parts: Sequence[AttentionPartial]) -> torch.Tensor:
-    """The attention output: the merged partial's ``o / e`` (zero where nothing was attended)."""
+def merge_partials(parts: Sequence[AttentionPartial], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention output: the merged partial's ``o / e`` (zero where nothing was attended),
+    written into ``out`` when given."""
     merged = combine_partials(parts)
-    e = merged.e.clamp_min(torch.finfo(merged.e.dtype).tiny)
-    return merged.o / e.to(merged.o.dtype)
+    e = merged.e.clamp_min(_TINY.get(merged.e.dtype) or torch.finfo(merged.e.dtype).tiny)
+    return torch.div(merged.o, e if e.dtype == merged.o.dtype else e.to(merged.o.dtype), out=out)

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from boundless.model.native import huge_page_empty
+
 
 class PagedKVCache:
     """KV memory for every layer, shaped [layers, 2 (k, v), kv_heads, blocks, block_size, head_dim].
@@ -30,9 +32,13 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.data = torch.zeros(
-            num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device
-        )
+        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+        if torch.device(device).type == "cpu":
+            # On huge pages: attention reads scattered blocks, a TLB miss each on 4 KiB pages.
+            numel = num_layers * 2 * num_kv_heads * num_blocks * block_size * head_dim
+            self.data = huge_page_empty(numel, dtype).view(shape).zero_()
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:

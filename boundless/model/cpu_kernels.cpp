@@ -272,4 +272,27 @@ void bl_rope(float* x, long ldx, long T, long heads, long D, const long* positio
   }
 }
 
+// The two halves of a decoder layer around attention, one call each (fewer trips through Python).
+//
+// Before attention: x = rmsnorm(hidden); qkv = x @ Wqkv.T (+ bias); rotate the first
+// `rot_heads` heads of each qkv row in place. hidden, x [T, H]; qkv [T, qkv_size].
+void bl_layer_in(const float* hidden, const float* norm_w, float eps, float* x, long T, long H, const float* qkv_packed,
+                 const float* qkv_bias, long qkv_size, float* qkv, long rot_heads, long D, const long* positions,
+                 const float* cos_table, const float* sin_table, int nthreads) {
+  bl_rmsnorm(hidden, H, norm_w, x, H, T, H, eps, nthreads);
+  bl_gemm(x, H, T, H, qkv_packed, qkv_size, qkv_bias, qkv, qkv_size, STORE, nthreads);
+  bl_rope(qkv, qkv_size, T, rot_heads, D, positions, cos_table, sin_table, nthreads);
+}
+
+// After attention: hidden += attn @ Wo.T; x = rmsnorm(hidden); act = silu(x @ Wg.T) * (x @ Wu.T);
+// hidden += act @ Wd.T. attn [T, A]; hidden, x [T, H]; act [T, I].
+void bl_layer_out(const float* attn, long A, float* hidden, long T, long H, const float* o_packed, const float* norm_w,
+                  float eps, float* x, const float* gate_up_packed, long I, float* act, const float* down_packed,
+                  int nthreads) {
+  bl_gemm(attn, A, T, A, o_packed, H, nullptr, hidden, H, ACCUMULATE, nthreads);
+  bl_rmsnorm(hidden, H, norm_w, x, H, T, H, eps, nthreads);
+  bl_gemm(x, H, T, H, gate_up_packed, I, nullptr, act, I, GLU, nthreads);
+  bl_gemm(act, I, T, I, down_packed, H, nullptr, hidden, H, ACCUMULATE, nthreads);
+}
+
 }  // extern "C"

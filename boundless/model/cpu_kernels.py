@@ -23,6 +23,8 @@ _SIGNATURES = {
     "bl_gemm": (None, [P, L, L, L, P, L, P, P, L, I, I]),
     "bl_rmsnorm": (None, [P, L, P, P, L, L, L, F, I]),
     "bl_rope": (None, [P, L, L, L, L, P, P, P, I]),
+    "bl_layer_in": (None, [P, P, F, P, L, L, P, P, L, P, L, L, P, P, P, I]),
+    "bl_layer_out": (None, [P, L, P, L, L, P, P, F, P, P, L, P, P, I]),
 }
 
 _PANEL = 24  # output features per packed panel (NR in the C++ source)
@@ -53,7 +55,13 @@ class PackedWeight:
     ``silu(x @ gate.T) * (x @ up.T)`` [*, I] directly.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        glu: bool = False,
+        storage: torch.Tensor | None = None,
+    ) -> None:
         lib = _lib()
         assert lib is not None and weight.dtype == torch.float32 and weight.dim() == 2
         weight = weight.detach().contiguous()
@@ -61,9 +69,12 @@ class PackedWeight:
         self.glu = glu
         self.in_features = k
         self.out_features = n // 2 if glu else n
-        per_panel = _PANEL // 2 if glu else _PANEL
-        panels = -(-self.out_features // per_panel)
-        self.packed = torch.empty(panels * k * _PANEL, dtype=torch.float32)
+        size = self.packed_size(weight.shape, glu)
+        if storage is None:
+            storage = torch.empty(size, dtype=torch.float32)
+        assert storage.dtype == torch.float32 and storage.is_contiguous() and storage.numel() == size
+        self.packed = storage
+        panels = size // (k * _PANEL)
         nt = native.threads()
         if glu:
             lib.bl_pack_glu(weight.data_ptr(), k, self.out_features, k, self.packed.data_ptr(), nt)
@@ -77,6 +88,13 @@ class PackedWeight:
                 lib.bl_pack_glu_bias(bias.data_ptr(), self.out_features, self.bias.data_ptr())
             else:
                 self.bias[:n] = bias
+
+    @staticmethod
+    def packed_size(shape: tuple[int, int] | torch.Size, glu: bool = False) -> int:
+        """Floats the packed form of a weight of ``shape`` takes."""
+        n, k = shape
+        per_panel = _PANEL // 2 if glu else _PANEL
+        return -(-(n // 2 if glu else n) // per_panel) * k * _PANEL
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         """``x @ W.T (+ bias)`` into ``out`` (rows contiguous), or added to it with ``accumulate``."""
@@ -132,3 +150,49 @@ def rope_(
         sin.data_ptr(),
         native.threads(),
     )
+
+
+def layer_in(
+    hidden: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    x: torch.Tensor,
+    qkv_weight: PackedWeight,
+    qkv: torch.Tensor,
+    rot_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """A layer up to attention, in one call: ``x = rms_norm(hidden)``, ``qkv = x @ Wqkv.T (+ bias)``,
+    then RoPE on the first ``rot_heads`` heads of each row. Every tensor is row-contiguous (the
+    caller checks shapes once per step)."""
+    t, h = hidden.shape
+    bias = qkv_weight.bias
+    _lib().bl_layer_in(
+        hidden.data_ptr(), norm_weight.data_ptr(), eps, x.data_ptr(), t, h, qkv_weight.packed.data_ptr(),
+        None if bias is None else bias.data_ptr(), qkv_weight.out_features, qkv.data_ptr(), rot_heads, head_dim,
+        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), native.threads(),
+    )  # fmt: skip
+
+
+def layer_out(
+    attn: torch.Tensor,
+    hidden: torch.Tensor,
+    o_weight: PackedWeight,
+    norm_weight: torch.Tensor,
+    eps: float,
+    x: torch.Tensor,
+    gate_up_weight: PackedWeight,
+    act: torch.Tensor,
+    down_weight: PackedWeight,
+) -> None:
+    """A layer after attention, in one call: ``hidden += attn @ Wo.T``, ``x = rms_norm(hidden)``,
+    ``act = silu(x @ Wg.T) * (x @ Wu.T)``, ``hidden += act @ Wd.T``."""
+    t, h = hidden.shape
+    _lib().bl_layer_out(
+        attn.data_ptr(), attn.shape[1], hidden.data_ptr(), t, h, o_weight.packed.data_ptr(), norm_weight.data_ptr(),
+        eps, x.data_ptr(), gate_up_weight.packed.data_ptr(), gate_up_weight.out_features, act.data_ptr(),
+        down_weight.packed.data_ptr(), native.threads(),
+    )  # fmt: skip

@@ -3,10 +3,17 @@
 The model takes a flat batch: every token of every sequence in one dimension, with its position,
 and an attention context prepared once per step. It never sees padding. Weights load from Hugging
 Face names; q/k/v and gate/up are fused into single matrices so each layer runs four matmuls.
+
+On the CPU in fp32, when the native kernels build (:mod:`boundless.model.cpu_kernels`), the
+layers run on weights packed once at :meth:`LlamaModel.prepare`: RMSNorm, RoPE (q and k in one
+pass, in place) and four packed matmuls whose epilogues add the residual and apply
+SiLU(gate) * up, all writing into per-thread buffers reused across layers and steps. Every other
+device and dtype runs the PyTorch path, which computes the same thing.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,8 +23,9 @@ from torch import nn
 
 from boundless.attention.backend import AttentionBackend
 from boundless.kv.tensors import PagedKVCache
+from boundless.model import cpu_kernels, native
 from boundless.model.arch import ModelArch
-from boundless.model.rope import RotaryEmbedding, apply_rotary
+from boundless.model.rope import RotaryEmbedding, apply_rotary_
 
 # Token counts up to which the CPU multiplies as (weight @ x.T).T (see `linear`).
 _CPU_SMALL_BATCH = 256
@@ -63,6 +71,16 @@ class PackedLinear:
         return linear(x, self.weight)
 
 
+class _PackedHead:
+    """The LM head on the native CPU path (10% faster than oneDNN's packed matmul here)."""
+
+    def __init__(self, weight: cpu_kernels.PackedWeight) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.matmul(x.contiguous())  # fp32 CPU rows [tokens, hidden]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -74,6 +92,50 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class _Workspace(threading.local):
+    """Activation buffers reused across layers and steps (one set per thread), so that a prefill
+    step does not fault in fresh pages for every intermediate."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < rows * cols:
+            buf = torch.empty(rows * cols, dtype=torch.float32)
+            self.buffers[name] = buf
+        return buf[: rows * cols].view(rows, cols)
+
+
+class _PackedLayer:
+    """One layer's matrices packed for :class:`cpu_kernels.PackedWeight`, carved from ``arena``
+    (from ``offset``; :meth:`size` floats)."""
+
+    def __init__(self, layer: DecoderLayer, arena: torch.Tensor, offset: int) -> None:
+        def take(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
+            nonlocal offset
+            n = cpu_kernels.PackedWeight.packed_size(weight.shape, glu)
+            offset += n
+            return arena[offset - n : offset]
+
+        self.qkv = cpu_kernels.PackedWeight(layer.qkv_weight, layer.qkv_bias, storage=take(layer.qkv_weight))
+        self.o = cpu_kernels.PackedWeight(layer.o_weight, storage=take(layer.o_weight))
+        self.gate_up = cpu_kernels.PackedWeight(
+            layer.gate_up_weight, glu=True, storage=take(layer.gate_up_weight, glu=True)
+        )
+        self.down = cpu_kernels.PackedWeight(layer.down_weight, storage=take(layer.down_weight))
+
+    @staticmethod
+    def size(layer: DecoderLayer) -> int:
+        size = cpu_kernels.PackedWeight.packed_size
+        return (
+            size(layer.qkv_weight.shape)
+            + size(layer.o_weight.shape)
+            + size(layer.gate_up_weight.shape, glu=True)
+            + size(layer.down_weight.shape)
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -92,6 +154,7 @@ class DecoderLayer(nn.Module):
         self.down_weight = nn.Parameter(torch.empty(arch.hidden_size, arch.intermediate_size))
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.packed: _PackedLayer | None = None  # set by LlamaModel.prepare on the native path
 
     def forward(
         self,
@@ -102,17 +165,61 @@ class DecoderLayer(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor],
         attn_meta: Any,
     ) -> torch.Tensor:
+        """The PyTorch path; updates ``hidden`` in place and returns it."""
         t = hidden.shape[0]
         qkv = linear(self.input_norm(hidden), self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
-        q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q_size, kv_size, _ = self.qkv_sizes
+        # q and k heads sit side by side in each row: rotate them together, in place.
+        apply_rotary_(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k, v = (x.view(t, -1, self.head_dim) for x in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta)
-        hidden = hidden + linear(attn.reshape(t, -1), self.o_weight)
+        hidden += linear(attn.reshape(t, -1), self.o_weight)
         gate, up = linear(self.post_attention_norm(hidden), self.gate_up_weight).chunk(2, dim=-1)
-        hidden += linear(F.silu(gate).mul_(up), self.down_weight)
+        hidden += linear(F.silu(gate, inplace=True).mul_(up), self.down_weight)
         return hidden
+
+    def forward_packed(
+        self,
+        hidden: torch.Tensor,
+        step: _PackedStep,
+        attention: AttentionBackend,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        attn_meta: Any,
+    ) -> torch.Tensor:
+        """The native CPU path (fp32, weights packed); updates ``hidden`` in place."""
+        packed = self.packed
+        assert packed is not None
+        rope = step.rope
+        cpu_kernels.layer_in(
+            hidden, self.input_norm.weight, self.input_norm.eps, step.x, packed.qkv, step.qkv,
+            self.num_heads + self.num_kv_heads, self.head_dim, step.positions, rope.cos, rope.sin,
+        )  # fmt: skip
+        attn = attention.forward(step.q, step.k, step.v, cache, attn_meta).view(step.x.shape[0], -1)
+        if attn.stride(1) != 1 or attn.stride(0) != attn.shape[1]:
+            attn = attn.contiguous()
+        cpu_kernels.layer_out(
+            attn, hidden, packed.o, self.post_attention_norm.weight, self.post_attention_norm.eps, step.x,
+            packed.gate_up, step.act, packed.down,
+        )  # fmt: skip
+        return hidden
+
+
+class _PackedStep:
+    """What every layer of one native forward shares: the workspace buffers (and q/k/v views
+    into the qkv buffer), the positions and the RoPE table."""
+
+    def __init__(
+        self, layer: DecoderLayer, tokens: int, positions: torch.Tensor, rope: RotaryEmbedding, ws: _Workspace
+    ):
+        packed = layer.packed
+        assert packed is not None
+        hidden_size = packed.o.out_features
+        self.x = ws.get("x", tokens, hidden_size)
+        self.qkv = ws.get("qkv", tokens, packed.qkv.out_features)
+        self.act = ws.get("act", tokens, packed.gate_up.out_features)
+        self.q, self.k, self.v = (y.view(tokens, -1, layer.head_dim) for y in self.qkv.split(layer.qkv_sizes, dim=-1))
+        self.positions = positions
+        self.rope = rope
 
 
 class LlamaModel(nn.Module):
@@ -128,13 +235,39 @@ class LlamaModel(nn.Module):
             None if arch.tie_word_embeddings else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
         )
         self.rope: RotaryEmbedding | None = None
-        self.head: PackedLinear | None = None
+        self.head: PackedLinear | _PackedHead | None = None
+        self._packed_key: tuple | None = None  # identity of the weights the layers were packed from
+        self._workspace = _Workspace()
 
     def prepare(self, max_positions: int) -> None:
-        """Once the weights are loaded: build the RoPE table and pack the LM head."""
+        """Once the weights are loaded: build the RoPE table and pack the LM head (and, for the
+        native CPU path, every layer's matrices: once, until the weights change)."""
         weight = self.embed_tokens.weight
+        head_weight = weight if self.lm_head is None else self.lm_head.data
         self.rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype)
-        self.head = PackedLinear(weight if self.lm_head is None else self.lm_head.data)
+        if not cpu_kernels.usable(weight):
+            for layer in self.layers:
+                layer.packed = None
+            self._packed_key = None
+            self.head = PackedLinear(head_weight)
+            return
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        if key == self._packed_key:
+            return
+        with torch.no_grad():
+            self.head = None
+            for layer in self.layers:
+                layer.packed = None
+            # One arena on huge pages for every layer: the weights stream from memory each step.
+            sizes = [_PackedLayer.size(layer) for layer in self.layers]
+            arena = native.huge_page_empty(sum(sizes))
+            offset = 0
+            for layer, size in zip(self.layers, sizes, strict=True):
+                layer.packed = _PackedLayer(layer, arena, offset)
+                offset += size
+            head = native.huge_page_empty(cpu_kernels.PackedWeight.packed_size(head_weight.shape))
+            self.head = _PackedHead(cpu_kernels.PackedWeight(head_weight, storage=head))
+        self._packed_key = key
 
     def forward(
         self,
@@ -147,10 +280,31 @@ class LlamaModel(nn.Module):
         """Final hidden states [tokens, hidden] of a flat batch."""
         assert self.rope is not None, "call prepare first"
         hidden = self.embed_tokens(input_ids)
+        if self._packed_key is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta)
         cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, attention, kv_cache.layer(i), attn_meta)
         return self.norm(hidden)
+
+    def _forward_packed(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        kv_cache: PagedKVCache,
+        attn_meta: Any,
+    ) -> torch.Tensor:
+        rope = self.rope
+        assert rope is not None
+        positions = positions.to(torch.long).contiguous()
+        if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < rope.cos.shape[0]:
+            raise ValueError(f"positions beyond the RoPE table of {rope.cos.shape[0]}")
+        hidden = hidden.contiguous()
+        step = _PackedStep(self.layers[0], hidden.shape[0], positions, rope, self._workspace)
+        for i, layer in enumerate(self.layers):
+            hidden = layer.forward_packed(hidden, step, attention, kv_cache.layer(i), attn_meta)
+        return cpu_kernels.rms_norm(hidden, self.norm.weight, self.norm.eps, torch.empty_like(hidden))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.head is not None, "call prepare first"

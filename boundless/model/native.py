@@ -112,6 +112,30 @@ def load(name: str, source: Path, signatures: dict[str, tuple[object, list[objec
         return lib
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def huge_page_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialized 1-D CPU tensor on 2 MiB-aligned memory that Linux is asked to back with
+    transparent huge pages (``madvise``), for large arrays read in a scattered or streaming way
+    (packed weights, the KV pool): fewer TLB misses. Elsewhere it is a plain ``torch.empty``."""
+    item = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * item
+    if platform.system() != "Linux" or nbytes < _HUGE_PAGE:
+        return torch.empty(numel, dtype=dtype)
+    raw = torch.empty(nbytes + 2 * _HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE_PAGE
+    length = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE)  # a hint: failure changes nothing
+    except (OSError, AttributeError):
+        pass
+    return raw[start : start + nbytes].view(dtype)
+
+
 def threads() -> int:
     return torch.get_num_threads()
 

@@ -47,3 +47,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` [tokens, heads, head_dim] (the rotate-half layout of Hugging Face checkpoints)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary` in place, with no concatenation; ``x`` may be a strided view (q and k
+    heads side by side in the fused qkv output rotate in one call)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    x1_sin = x1 * sin
+    x1.mul_(cos).addcmul_(x2, sin, value=-1.0)
+    x2.mul_(cos).add_(x1_sin)
+    return x

@@ -10,8 +10,8 @@ before they are measured on the real engine.
 from __future__ import annotations
 
 import heapq
-import zlib
 import itertools
+import zlib
 from dataclasses import dataclass, field
 
 from boundless.bench.workloads import CallSpec, ProgramSpec

@@ -1,0 +1,177 @@
+"""Paged attention against a dense reference: the native CPU kernel and the PyTorch path, decodes
+and prefill chunks (with and without a cached prefix), GQA, several head sizes and block sizes;
+and partials over disjoint parts of the context merging into attention over their union."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from boundless.attention import cpu_attention
+from boundless.attention.backend import AttentionBatch
+from boundless.attention.paged import TorchPagedAttention
+from boundless.attention.partials import AttentionPartial, combine_partials, merge_partials, scores_partial
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], scale: float) -> torch.Tensor:
+    """q [ql, H, D] at ``positions`` over k, v [ctx, KVH, D] (causal), in float64."""
+    h, kvh = q.shape[1], k.shape[1]
+    k = k.double().repeat_interleave(h // kvh, dim=1)
+    v = v.double().repeat_interleave(h // kvh, dim=1)
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, pos in enumerate(positions):
+        s = torch.einsum("hd,thd->ht", q[i].double(), k[: pos + 1]) * scale
+        out[i] = torch.einsum("ht,thd->hd", s.softmax(-1), v[: pos + 1])
+    return out
+
+
+def _case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: int, chunks: list[tuple[int, int]]):
+    """A cache holding each sequence's context, scattered over random blocks; ``chunks`` are
+    (query_len, context_len) per sequence, decodes (query_len 1) first."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    blocks_each = [-(-ctx // block_size) for _, ctx in chunks]
+    num_blocks = sum(blocks_each) + 3
+    free = list(range(1, num_blocks))
+    rnd.shuffle(free)
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    tables, contexts, qs, ks, vs, slots = [], [], [], [], [], []
+    for (ql, ctx), nb in zip(chunks, blocks_each, strict=True):
+        table = [free.pop() for _ in range(nb)]
+        tables.append(table)
+        k = torch.randn(ctx, kv_heads, head_dim, generator=gen)
+        v = torch.randn(ctx, kv_heads, head_dim, generator=gen)
+        for p in range(ctx - ql):  # the cached prefix is already in the cache
+            b, off = table[p // block_size], p % block_size
+            k_cache[:, b, off] = k[p]
+            v_cache[:, b, off] = v[p]
+        contexts.append((k, v))
+        qs.append(torch.randn(ql, heads, head_dim, generator=gen))
+        ks.append(k[ctx - ql :])
+        vs.append(v[ctx - ql :])
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - ql, ctx))
+    batch = AttentionBatch(
+        num_decodes=sum(1 for ql, _ in chunks if ql == 1),
+        query_lens=[ql for ql, _ in chunks],
+        seq_lens=[ctx for _, ctx in chunks],
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        block_size=block_size,
+        device=torch.device("cpu"),
+    )
+    expected = torch.cat(
+        [
+            _dense(q, k, v, list(range(ctx - ql, ctx)), head_dim**-0.5)
+            for q, (k, v), (ql, ctx) in zip(qs, contexts, chunks, strict=True)
+        ]
+    )
+    return batch, (k_cache, v_cache), torch.cat(qs), torch.cat(ks), torch.cat(vs), expected
+
+
+SHAPES = [
+    # heads, kv heads, head dim, block size
+    (9, 3, 64, 16),
+    (4, 2, 16, 16),
+    (4, 4, 16, 4),
+    (8, 2, 128, 32),
+    (2, 1, 24, 8),  # a head size the kernel has no specialization for
+]
+MIXES = {
+    "decodes": [(1, 1), (1, 17), (1, 200), (1, 64), (1, 33)],
+    "prefills": [(37, 37), (5, 5), (128, 128)],
+    "mixed": [(1, 70), (1, 3), (20, 20), (9, 40), (16, 16 + 16)],  # chunked prefill over a cached prefix
+}
+
+
+def _backend(heads: int, kv_heads: int, head_dim: int, cache: tuple[torch.Tensor, torch.Tensor]):
+    return TorchPagedAttention(heads, kv_heads, head_dim, cache[0].shape[1])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_paged_attention_matches_dense(
+    shape: tuple[int, int, int, int], mix: str, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    heads, kv_heads, head_dim, block_size = shape
+    if native and not cpu_attention.supports(head_dim, torch.device("cpu")):
+        pytest.skip("native attention kernel unavailable here")
+    if not native:
+        monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
+    batch, cache, q, k, v, expected = _case(0, heads, kv_heads, head_dim, block_size, MIXES[mix])
+    backend = _backend(heads, kv_heads, head_dim, cache)
+    meta = backend.prepare(batch)
+    assert (meta.native is not None) == native
+    out = backend.forward(q, k, v, cache, meta)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
+    # The new keys and values landed in their slots.
+    kvh, nb, bs, d = cache[0].shape
+    torch.testing.assert_close(cache[0].view(kvh, nb * bs, d)[:, batch.slot_mapping], k.transpose(0, 1))
+    torch.testing.assert_close(cache[1].view(kvh, nb * bs, d)[:, batch.slot_mapping], v.transpose(0, 1))
+
+
+def test_native_takes_strided_queries_and_keys() -> None:
+    """The model hands over q, k, v as views into its fused qkv rows."""
+    if not cpu_attention.supports(64, torch.device("cpu")):
+        pytest.skip("native attention kernel unavailable here")
+    heads, kv_heads, d = 9, 3, 64
+    batch, cache, q, k, v, expected = _case(1, heads, kv_heads, d, 16, MIXES["mixed"])
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qs, ks, vs = (x.view(x.shape[0], -1, d) for x in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1))
+    backend = _backend(heads, kv_heads, d, cache)
+    out = backend.forward(qs, ks, vs, cache, backend.prepare(batch))
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
+
+
+def test_native_partial_statistics() -> None:
+    """m is the largest scaled score and e the sum of exp(score - m), per query row."""
+    if not cpu_attention.supports(16, torch.device("cpu")):
+        pytest.skip("native attention kernel unavailable here")
+    heads, kv_heads, d = 4, 2, 16
+    batch, cache, q, k, v, _ = _case(2, heads, kv_heads, d, 4, [(1, 9), (3, 7)])
+    backend = _backend(heads, kv_heads, d, cache)
+    cpu_attention.store_kv(k, v, cache[0], cache[1], batch.slot_mapping)
+    nb = cpu_attention.make_batch(batch.query_lens, batch.seq_lens, batch.block_tables)
+    part = cpu_attention.paged_partial(q, cache[0], cache[1], nb, backend.scale)
+    row = 0
+    for ql, ctx, table in zip(batch.query_lens, batch.seq_lens, batch.block_tables, strict=True):
+        keys = torch.stack([cache[0][:, table[p // 4], p % 4] for p in range(ctx)])  # [ctx, kvh, d]
+        for i in range(ql):
+            pos = ctx - ql + i
+            for h in range(heads):
+                s = keys[: pos + 1, h // 2] @ q[row, h] * backend.scale
+                torch.testing.assert_close(part.m[row, h, 0], s.max(), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(part.e[row, h, 0], (s - s.max()).exp().sum(), rtol=1e-5, atol=1e-5)
+            row += 1
+
+
+@pytest.mark.parametrize("parts", [1, 2, 5])
+def test_merge_of_partials_is_attention_over_the_union(parts: int) -> None:
+    gen = torch.Generator().manual_seed(parts)
+    n, length, ctx, d = 6, 3, 50, 32
+    q = torch.randn(n, length, d, generator=gen)
+    k = torch.randn(n, ctx, d, generator=gen)
+    v = torch.randn(n, ctx, d, generator=gen)
+    scale = d**-0.5
+    cuts = sorted(random.Random(parts).sample(range(1, ctx), parts - 1))
+    bounds = list(zip([0, *cuts], [*cuts, ctx], strict=True))
+    partials = [scores_partial(q, k[:, a:b], v[:, a:b], scale) for a, b in bounds]
+    expected = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1) @ v
+    torch.testing.assert_close(merge_partials(partials), expected, rtol=1e-5, atol=1e-5)
+    out = torch.empty_like(expected)
+    assert merge_partials(partials, out=out) is out
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # Merging is associative: merging merged halves gives the same partial.
+    if parts > 2:
+        left, right = combine_partials(partials[:2]), combine_partials(partials[2:])
+        torch.testing.assert_close(merge_partials([left, right]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_partial_contributes_nothing() -> None:
+    o = torch.randn(2, 3, 8)
+    full = AttentionPartial(m=torch.zeros(2, 3, 1), e=torch.full((2, 3, 1), 2.0), o=o)
+    empty = AttentionPartial(m=torch.zeros(2, 3, 1), e=torch.zeros(2, 3, 1), o=torch.zeros(2, 3, 8))
+    torch.testing.assert_close(merge_partials([full, empty]), o / 2)

@@ -1,0 +1,124 @@
+"""The native CPU kernels of the decoder against PyTorch: packed matmuls with their epilogues
+(bias, accumulate, SiLU(gate) * up), RMSNorm, RoPE, the fused layer halves, and the model's
+native path against its PyTorch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from boundless.model import cpu_kernels, native
+from boundless.model.rope import apply_rotary, apply_rotary_
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels unavailable here")
+
+# (out features, in features, rows): panel and row-block tails, decode and prefill sizes.
+SHAPES = [(960, 576, 32), (50, 16, 7), (24, 8, 1), (576, 1536, 3), (26, 16, 300), (3072, 64, 2048)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}k{}m{}".format(*s))
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_matmul(shape: tuple[int, int, int], bias: bool) -> None:
+    n, k, m = shape
+    gen = torch.Generator().manual_seed(n + k + m)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(m, k, generator=gen)
+    packed = cpu_kernels.PackedWeight(w, b)
+    expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(packed.matmul(x).double(), expected, rtol=1e-5, atol=1e-4)
+    acc = torch.randn(m, n, generator=gen)
+    into = acc.clone()
+    assert packed.matmul(x, out=into, accumulate=True) is into
+    torch.testing.assert_close(into.double(), acc.double() + expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(3072, 576, 32), (26, 16, 300), (40, 8, 5)], ids=lambda s: "i{}k{}m{}".format(*s))
+def test_packed_glu(shape: tuple[int, int, int]) -> None:
+    two_i, k, m = shape
+    gen = torch.Generator().manual_seed(two_i)
+    w = torch.randn(two_i, k, generator=gen) * 0.2
+    x = torch.randn(m, k, generator=gen)
+    packed = cpu_kernels.PackedWeight(w, glu=True)
+    gate, up = F.linear(x.double(), w.double()).chunk(2, dim=-1)
+    torch.testing.assert_close(packed.matmul(x).double(), F.silu(gate) * up, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_matmul_strided_rows_and_storage() -> None:
+    """Rows may sit in a wider buffer, and the packed weight may live in caller storage."""
+    w = torch.randn(48, 20)
+    storage = native.huge_page_empty(cpu_kernels.PackedWeight.packed_size(w.shape))
+    packed = cpu_kernels.PackedWeight(w, storage=storage)
+    wide = torch.randn(9, 30)
+    x = wide[:, 5:25]
+    out = torch.zeros(9, 64)[:, 8:56]
+    packed.matmul(x, out=out)
+    torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm() -> None:
+    x = torch.randn(37, 576) * 3
+    w = torch.randn(576)
+    got = cpu_kernels.rms_norm(x, w, 1e-5, torch.empty_like(x))
+    expected = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 24])
+def test_rope_in_place_matches_reference(head_dim: int) -> None:
+    t, heads = 11, 5
+    positions = torch.tensor([0, 3, 7, 100, 2, 9, 50, 51, 52, 1, 5])
+    table = torch.randn(128, head_dim // 2)
+    cos, sin = table.cos(), table.sin()
+    x = torch.randn(t, heads * head_dim + 7)  # a row wider than the rotated heads
+    expected = x.clone()
+    rows = x[:, : heads * head_dim].view(t, heads, head_dim)
+    expected_rows = apply_rotary(rows, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    expected[:, : heads * head_dim] = expected_rows.reshape(t, -1)
+    torch_inplace = x.clone()
+    apply_rotary_(
+        torch_inplace[:, : heads * head_dim].view(t, heads, head_dim),
+        cos[positions].unsqueeze(1),
+        sin[positions].unsqueeze(1),
+    )
+    cpu_kernels.rope_(x, heads, head_dim, positions, cos, sin)
+    torch.testing.assert_close(x, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch_inplace, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_model_native_path_matches_torch_path(load) -> None:
+    """One step of the tiny Qwen2 (q/k/v biases) and Llama (GQA) on both paths, same logits."""
+    from boundless.attention.backend import AttentionBatch
+    from boundless.attention.paged import TorchPagedAttention
+    from boundless.kv.tensors import PagedKVCache
+
+    for name in ("tiny-qwen2", "tiny-llama"):
+        model = load(name).model
+        arch = model.arch
+        prompts = [[11], [5, 9, 13, 2, 7], [3, 3, 8]]  # a one-token sequence (a "decode") first
+        ids = torch.tensor([t for p in prompts for t in p])
+        positions = torch.tensor([i for p in prompts for i in range(len(p))])
+        batch = AttentionBatch(
+            num_decodes=1,
+            query_lens=[len(p) for p in prompts],
+            seq_lens=[len(p) for p in prompts],
+            block_tables=[[b] for b in range(len(prompts))],
+            slot_mapping=torch.tensor([b * 16 + i for b, p in enumerate(prompts) for i in range(len(p))]),
+            block_size=16,
+            device=torch.device("cpu"),
+        )
+        outs = []
+        for native_path in (True, False):
+            model.prepare(256)
+            if not native_path:
+                for layer in model.layers:
+                    layer.packed = None
+                model._packed_key = None
+            cache = PagedKVCache(arch.num_layers, arch.num_kv_heads, arch.head_dim, 8, 16, torch.float32, "cpu")
+            backend = TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, 8)
+            with torch.inference_mode():
+                hidden = model(ids, positions, backend, cache, backend.prepare(batch))
+                outs.append(model.compute_logits(hidden))
+        model.prepare(256)  # leave the shared model packed for other tests
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
