@@ -120,6 +120,12 @@ class ClusterConfig:
     locality_threshold: int = field(
         default=2048, metadata={"help": "calls longer than this (tokens) go to their program's instance"}
     )
+    locality_max_imbalance: int = field(
+        default=4,
+        metadata={
+            "help": "a long call leaves its program's instance when that has this many more calls than the least loaded"
+        },
+    )
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between instance heartbeats"})
     heartbeat_timeout_s: float = field(default=5.0, metadata={"help": "an instance silent this long is dead"})
 
@@ -127,6 +133,7 @@ class ClusterConfig:
         _require(self.instances >= 1, "instances", "must be >= 1")
         _require(self.routing in ROUTINGS, "routing", f"unknown routing {self.routing!r}; one of {', '.join(ROUTINGS)}")
         _require(self.locality_threshold >= 0, "locality_threshold", "must not be negative")
+        _require(self.locality_max_imbalance >= 0, "locality_max_imbalance", "must not be negative")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be positive")
         _require(
             self.heartbeat_timeout_s > self.heartbeat_interval_s, "heartbeat_timeout_s", "must exceed the interval"

@@ -82,7 +82,7 @@ class ClusterClient:
             inst.info = ray.get(inst.actor.info.remote())
         self.tokenizer = load_tokenizer(resolve_model_path(engine.model.model))
         self.max_model_len = min(i.info.max_model_len for i in self.instances.values() if i.info)
-        self.router = Router(cluster.routing, cluster.locality_threshold)
+        self.router = Router(cluster.routing, cluster.locality_threshold, cluster.locality_max_imbalance)
         self.table = ProcessTable(
             ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas"
         )
@@ -287,6 +287,7 @@ class ClusterClient:
                 inst.view.kv_usage = stats.kv_usage
             with self.lock:
                 self.table.expire(time.monotonic())
+                self.router.retain(self.table)
 
 
 def _local_cpus() -> int:

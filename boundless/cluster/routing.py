@@ -2,13 +2,17 @@
 
 Calls of up to ``locality_threshold`` tokens go to the least-loaded live instance: for short calls
 the shared system prompt is most of the input, and any instance has it cached. Longer calls go
-to the instance that holds their program's KV (its "home"), where the conversation so far is a
-prefix-cache hit. ``round-robin`` and ``least-loaded`` exist for comparison. Pure: decisions
-depend only on the views passed in and the router's own small state.
+to the instance that holds their program's KV (its "home": where its last call ran, so the
+conversation so far is a prefix-cache hit there), unless that instance has more than
+``max_imbalance`` calls beyond the least-loaded one: then queueing would cost more than
+recomputing the prefix (SGLang's cache-aware router makes the same trade). ``round-robin`` and
+``least-loaded`` exist for comparison. Pure: decisions depend only on the views passed in and the
+router's own small state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 
 
@@ -34,10 +38,11 @@ class NoLiveInstanceError(RuntimeError):
 
 
 class Router:
-    def __init__(self, routing: str = "locality", locality_threshold: int = 2048) -> None:
+    def __init__(self, routing: str = "locality", locality_threshold: int = 2048, max_imbalance: int = 4) -> None:
         self.routing = routing
         self.locality_threshold = locality_threshold
-        self.homes: dict[str, str] = {}  # program id -> instance holding its KV
+        self.max_imbalance = max_imbalance
+        self.homes: dict[str, str] = {}  # program id -> instance of its last call (holding its KV)
         self._next = 0
 
     def choose(self, views: list[InstanceView], program_id: str | None, num_tokens: int) -> str:
@@ -50,23 +55,25 @@ class Router:
             return choice.instance_id
         lowest = min(v.load for v in live)
         ties = [v for v in live if v.load == lowest]
-        least = ties[self._next % len(ties)].instance_id  # rotate among equals, so idle instances share work
+        least = ties[self._next % len(ties)]  # rotate among equals, so idle instances share work
         self._next += 1
         if self.routing == "least-loaded" or program_id is None:
-            return least
-        home = self.homes.get(program_id)
-        if home not in {v.instance_id for v in live}:
-            home = None
-        if num_tokens > self.locality_threshold:
-            if home is None:  # the program's first long context: it lives on the least-loaded instance
-                home = self.homes[program_id] = least
-            return home
-        if home is None:
-            self.homes[program_id] = least
-        return least
+            return least.instance_id
+        home = next((v for v in live if v.instance_id == self.homes.get(program_id)), None)
+        choice = least
+        if (
+            num_tokens > self.locality_threshold
+            and home is not None
+            and home.load[0] - least.load[0] <= self.max_imbalance
+        ):
+            choice = home
+        self.homes[program_id] = choice.instance_id
+        return choice.instance_id
 
-    def forget(self, program_id: str) -> None:
-        self.homes.pop(program_id, None)
+    def retain(self, program_ids: Container[str]) -> None:
+        """Forget the homes of programs not in ``program_ids`` (those the process table dropped)."""
+        for pid in [p for p in self.homes if p not in program_ids]:
+            del self.homes[pid]
 
     def drop_instance(self, instance_id: str) -> None:
         """Programs whose home died find a new one at their next call."""

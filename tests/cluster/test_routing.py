@@ -12,13 +12,34 @@ def views(*loads: int, dead: tuple[str, ...] = ()) -> list[InstanceView]:
 
 
 def test_long_calls_stay_with_their_program_short_ones_balance() -> None:
-    router = Router("locality", locality_threshold=100)
+    router = Router("locality", locality_threshold=100, max_imbalance=4)
     home = router.choose(views(0, 0), "p", 500)
-    # However loaded its home is, a long call of the program goes back there.
-    busy = views(5, 0) if home == "0" else views(0, 5)
+    other = "1" if home == "0" else "0"
+    # A busier home still gets the program's long calls while the imbalance is tolerable.
+    busy = views(3, 0) if home == "0" else views(0, 3)
     assert router.choose(busy, "p", 600) == home
-    # A short call of the same program goes to the least-loaded instance.
-    assert router.choose(busy, "p", 50) != home
+    assert router.choose(busy, "q", 600) == other  # a new program starts on the least loaded
+    # A short call of the program goes to the least-loaded instance, and its KV now lives there.
+    assert router.choose(busy, "p", 50) == other
+    assert router.homes["p"] == other
+    assert router.choose(views(1, 1), "p", 700) == other
+
+
+def test_a_long_call_leaves_an_overloaded_home() -> None:
+    router = Router("locality", locality_threshold=100, max_imbalance=4)
+    home = router.choose(views(0, 0), "p", 500)
+    other = "1" if home == "0" else "0"
+    overloaded = views(5, 0) if home == "0" else views(0, 5)
+    assert router.choose(overloaded, "p", 600) == other
+    assert router.homes["p"] == other
+
+
+def test_homes_of_dropped_programs_are_forgotten() -> None:
+    router = Router("locality", locality_threshold=100)
+    for pid in ("a", "b", "c"):
+        router.choose(views(0, 0), pid, 500)
+    router.retain({"b"})
+    assert set(router.homes) == {"b"}
 
 
 def test_a_dead_home_is_replaced() -> None:
