@@ -68,11 +68,11 @@ class SchedulerConfig:
     policy: str = field(
         default="atlas", metadata={"help": "order of service: fcfs, mlfq, plas or atlas (plas for single threads)"}
     )
-    num_queues: int = field(default=4, metadata={"help": "K, the number of priority queues (mlfq, plas, atlas)"})
-    queue_base_s: float = field(default=1.0, metadata={"help": "upper bound of the top queue's service range, s"})
-    queue_growth: float = field(default=4.0, metadata={"help": "each queue's range is this many times the last"})
+    num_queues: int = field(default=12, metadata={"help": "K, the number of priority queues (mlfq, plas, atlas)"})
+    queue_base_s: float = field(default=0.1, metadata={"help": "upper bound of the top queue's service range, s"})
+    queue_growth: float = field(default=2.0, metadata={"help": "each queue's range is this many times the last"})
     starvation_beta: float = field(
-        default=3.0, metadata={"help": "promote a call to the top when wait/service >= this"}
+        default=10.0, metadata={"help": "promote a call to the top when wait/service >= this"}
     )
     program_ttl_s: float = field(default=600.0, metadata={"help": "forget programs idle this long"})
 
