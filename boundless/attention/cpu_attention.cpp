@@ -113,35 +113,46 @@ inline void qk_block(const float* const* q, const float* kb, long cnt, long D, f
     for (int r = 0; r < G; r++) sc[r][j] = dot1<DC>(q[r], kb + j * n, D) * scale;
 }
 
+// o[r] = o[r] * alpha[r] + sum_j p[r][j] * v_j (alpha 0: o[r] starts from zero, whatever it held).
+template <int DC, int G>
+inline void pv_block_scaled(const float* const* p, const float* vb, long cnt, float* const* o, const float* alpha) {
+  static_assert(DC > 0, "specialized head sizes only");
+  constexpr int CW = DC >= 4 ? 4 : DC;  // 8-float chunks per pass
+  for (int c0 = 0; c0 < DC; c0 += CW) {
+    __m256 acc[G][CW];
+#pragma GCC unroll 3
+    for (int r = 0; r < G; r++) {
+      const __m256 av = _mm256_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+      for (int c = 0; c < CW; c++)
+        acc[r][c] = alpha[r] == 0.0f ? _mm256_setzero_ps() : _mm256_mul_ps(_mm256_loadu_ps(o[r] + (c0 + c) * 8), av);
+    }
+    for (long j = 0; j < cnt; j++) {
+      const float* v = vb + j * DC * 8 + c0 * 8;
+      __m256 vv[CW];
+#pragma GCC unroll 4
+      for (int c = 0; c < CW; c++) vv[c] = _mm256_loadu_ps(v + c * 8);
+#pragma GCC unroll 3
+      for (int r = 0; r < G; r++) {
+        const __m256 pj = _mm256_broadcast_ss(p[r] + j);
+#pragma GCC unroll 4
+        for (int c = 0; c < CW; c++) acc[r][c] = _mm256_fmadd_ps(pj, vv[c], acc[r][c]);
+      }
+    }
+#pragma GCC unroll 3
+    for (int r = 0; r < G; r++)
+#pragma GCC unroll 4
+      for (int c = 0; c < CW; c++) _mm256_storeu_ps(o[r] + (c0 + c) * 8, acc[r][c]);
+  }
+}
+
 // o[r] += sum_j p[r][j] * v_j over cnt values of a block, for G rows sharing the values.
 template <int DC, int G>
 inline void pv_block(const float* const* p, const float* vb, long cnt, long D, float* const* o) {
-  if (DC > 0) {
-    constexpr int N = DC > 0 ? DC * 8 : 8;
-    constexpr int CW = DC >= 4 ? 4 : (DC > 0 ? DC : 1);  // 8-float chunks per pass
-    for (int c0 = 0; c0 < N / 8; c0 += CW) {
-      __m256 acc[G][CW];
-#pragma GCC unroll 3
-      for (int r = 0; r < G; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < CW; c++) acc[r][c] = _mm256_loadu_ps(o[r] + (c0 + c) * 8);
-      for (long j = 0; j < cnt; j++) {
-        const float* v = vb + j * N + c0 * 8;
-        __m256 vv[CW];
-#pragma GCC unroll 4
-        for (int c = 0; c < CW; c++) vv[c] = _mm256_loadu_ps(v + c * 8);
-#pragma GCC unroll 3
-        for (int r = 0; r < G; r++) {
-          __m256 pr = _mm256_broadcast_ss(p[r] + j);
-#pragma GCC unroll 4
-          for (int c = 0; c < CW; c++) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
-        }
-      }
-#pragma GCC unroll 3
-      for (int r = 0; r < G; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < CW; c++) _mm256_storeu_ps(o[r] + (c0 + c) * 8, acc[r][c]);
-    }
+  if constexpr (DC > 0) {
+    float ones[G];
+    for (int r = 0; r < G; r++) ones[r] = 1.0f;
+    pv_block_scaled<DC, G>(p, vb, cnt, o, ones);
   } else {
     for (int r = 0; r < G; r++)
       for (long j = 0; j < cnt; j++) {
@@ -263,39 +274,6 @@ void attend_tile(const Args& a, long s, long kvh, long t0, long t1, float* scrat
       a.m[row] = mx[(i - t0) * group + g];
       a.e[row] = sum[(i - t0) * group + g];
     }
-}
-
-// o[r] = o[r] * alpha[r] + sum_j p[r][j] * v_j (alpha 0: o[r] starts from zero, whatever it held).
-template <int DC, int G>
-inline void pv_block_scaled(const float* const* p, const float* vb, long cnt, float* const* o, const float* alpha) {
-  static_assert(DC > 0, "specialized head sizes only");
-  constexpr int CW = DC >= 4 ? 4 : DC;  // 8-float chunks per pass
-  for (int c0 = 0; c0 < DC; c0 += CW) {
-    __m256 acc[G][CW];
-#pragma GCC unroll 3
-    for (int r = 0; r < G; r++) {
-      const __m256 av = _mm256_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-      for (int c = 0; c < CW; c++)
-        acc[r][c] = alpha[r] == 0.0f ? _mm256_setzero_ps() : _mm256_mul_ps(_mm256_loadu_ps(o[r] + (c0 + c) * 8), av);
-    }
-    for (long j = 0; j < cnt; j++) {
-      const float* v = vb + j * DC * 8 + c0 * 8;
-      __m256 vv[CW];
-#pragma GCC unroll 4
-      for (int c = 0; c < CW; c++) vv[c] = _mm256_loadu_ps(v + c * 8);
-#pragma GCC unroll 3
-      for (int r = 0; r < G; r++) {
-        const __m256 pj = _mm256_broadcast_ss(p[r] + j);
-#pragma GCC unroll 4
-        for (int c = 0; c < CW; c++) acc[r][c] = _mm256_fmadd_ps(pj, vv[c], acc[r][c]);
-      }
-    }
-#pragma GCC unroll 3
-    for (int r = 0; r < G; r++)
-#pragma GCC unroll 4
-      for (int c = 0; c < CW; c++) _mm256_storeu_ps(o[r] + (c0 + c) * 8, acc[r][c]);
-  }
 }
 
 // dst[i][j] = src[j][i] for an 8 x 8 tile (row strides in floats).

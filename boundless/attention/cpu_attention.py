@@ -107,7 +107,6 @@ def paged_partial(
     """The partial of every query row of ``q`` [tokens, heads, head_dim] over its sequence's
     context in the caches [kv_heads, blocks, block_size, head_dim] (causal within a chunk)."""
     t, h, d = q.shape
-    kvh, nb, bs, _ = k_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == d and t == batch.num_tokens
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     if out is None:
@@ -116,12 +115,7 @@ def paged_partial(
         e = torch.empty(t, h, 1, dtype=torch.float32)
     else:
         o, m, e = out
-    _lib().bl_paged_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), nb, bs,
-        batch.tables.data_ptr(), batch.tables.shape[1], batch.q_starts.data_ptr(), batch.seq_lens.data_ptr(),
-        batch.tables.shape[0], h, kvh, d, scale, o.data_ptr(), m.data_ptr(), e.data_ptr(), batch.tile,
-        native.threads(),
-    )  # fmt: skip
+    _lib().bl_paged_attention(*_attention_args(q, k_cache, v_cache, batch, scale, o, m, e))
     return AttentionPartial(m=m, e=e, o=o)
 
 
@@ -138,14 +132,30 @@ def store_and_attend(
 ) -> AttentionPartial:
     """:func:`store_kv` then :func:`paged_partial`, in one call (the layout checks are the caller's:
     heads contiguous in q, k, v; contiguous caches; int64 slots)."""
-    t, h, d = q.shape
-    kvh, nb, bs, _ = k_cache.shape
     o, m, e = out
     _lib().bl_store_and_attend(
-        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), t,
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), q.shape[0],
+        *_attention_args(q, k_cache, v_cache, batch, scale, o, m, e),
+    )  # fmt: skip
+    return AttentionPartial(m=m, e=e, o=o)
+
+
+def _attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: NativeBatch,
+    scale: float,
+    o: torch.Tensor,
+    m: torch.Tensor,
+    e: torch.Tensor,
+) -> tuple:
+    """The attention arguments the kernel's entry points share, in their order."""
+    h, d = q.shape[1:]
+    kvh, nb, bs, _ = k_cache.shape
+    return (
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), nb, bs,
         batch.tables.data_ptr(), batch.tables.shape[1], batch.q_starts.data_ptr(), batch.seq_lens.data_ptr(),
         batch.tables.shape[0], h, kvh, d, scale, o.data_ptr(), m.data_ptr(), e.data_ptr(), batch.tile,
         native.threads(),
     )  # fmt: skip
-    return AttentionPartial(m=m, e=e, o=o)
