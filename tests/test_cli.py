@@ -108,6 +108,8 @@ def test_bench_serve_poisson_and_trace_replay(tiny_server: str, tmp_path: Path) 
             "bench",
             "serve",
             *common,
+            "--base-url",
+            tiny_server + "/v1",  # the API root works as well as the server's address
             "--trace",
             str(trace),
             "--num-requests",

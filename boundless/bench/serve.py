@@ -68,10 +68,16 @@ async def _one(client, model: str, req: TraceRequest, vocab: int, rng: random.Ra
     return RequestResult(True, ttft if ttft is not None else e2e, e2e, tokens)
 
 
+def api_root(base_url: str) -> str:
+    """The OpenAI API root of a server given as ``http://host:port`` or ``http://host:port/v1``."""
+    root = base_url.rstrip("/")
+    return root if root.endswith("/v1") else root + "/v1"
+
+
 async def run_load(base_url: str, model: str, schedule: list[TraceRequest], vocab: int, api_key: str) -> dict:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key, max_retries=0, timeout=3600)
+    client = openai.AsyncOpenAI(base_url=api_root(base_url), api_key=api_key, max_retries=0, timeout=3600)
     rng = random.Random(0)
     bar = tqdm(total=len(schedule), desc="requests", unit="req")
     start = time.perf_counter()
@@ -145,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (with or without /v1)")
     parser.add_argument("--model", default="smollm2-135m", help="the model name the server serves")
     parser.add_argument("--api-key", default="unused")
     parser.add_argument("--num-requests", type=int, default=64)
