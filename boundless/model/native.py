@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -64,11 +65,18 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+def _local_headers(source: Path) -> list[Path]:
+    """The headers ``source`` includes by a quoted path (ours, beside it), so that editing one
+    rebuilds the library."""
+    names = re.findall(r'^\s*#include\s+"([^"]+)"', source.read_text(), flags=re.MULTILINE)
+    return [(source.parent / n).resolve() for n in names]
+
+
 def _build(source: Path, name: str) -> Path:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in _local_headers(source))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(text + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
     out_dir = _cache_dir()
