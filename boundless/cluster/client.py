@@ -114,17 +114,15 @@ class ClusterClient:
     def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
     ) -> RequestStream:
-        stream = self.streams.open(request_id, self.abort)
         call = InflightCall(request_id, list(prompt_token_ids), params, program, "", time.monotonic())
-        try:
+
+        def start() -> None:
             with self.lock:
                 if program is not None:
                     self.table.call_arrived(program, time.monotonic())
                 self._dispatch(call)
-        except BaseException:
-            self.streams.close(request_id)
-            raise
-        return stream
+
+        return self.streams.open_and_start(request_id, self.abort, start)
 
     def abort(self, request_id: str) -> None:
         self.streams.close(request_id)

@@ -189,6 +189,18 @@ class StreamRegistry:
             self._streams[request_id] = (loop, queue)
         return RequestStream(abort, request_id, queue)
 
+    def open_and_start(self, request_id: str, abort: Callable[[str], None], start: Callable[[], None]) -> RequestStream:
+        """Open the request's stream, then ``start`` the request; if that raises, the stream is
+        closed again (so no delta is kept for a request that never ran) and the error propagates.
+        The stream opens first, so not even the first delta can arrive before it."""
+        stream = self.open(request_id, abort)
+        try:
+            start()
+        except BaseException:
+            self.close(request_id)
+            raise
+        return stream
+
     def close(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
@@ -222,13 +234,9 @@ class AsyncEngine(EngineLoop):
         Raises at once for an invalid request or a full waiting queue, so an HTTP handler can answer
         with an error status before it starts a response.
         """
-        stream = self.streams.open(request_id, self.abort)
-        try:
-            self.add(request_id, prompt_token_ids, params, program)
-        except BaseException:
-            self.streams.close(request_id)
-            raise
-        return stream
+        return self.streams.open_and_start(
+            request_id, self.abort, lambda: self.add(request_id, prompt_token_ids, params, program)
+        )
 
     def abort(self, request_id: str) -> None:
         self.streams.close(request_id)
