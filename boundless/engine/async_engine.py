@@ -182,6 +182,10 @@ class StreamRegistry:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
 
+    def __contains__(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._streams
+
     def open(self, request_id: str, abort: Callable[[str], None]) -> RequestStream:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
