@@ -280,9 +280,6 @@ class ClusterClient:
                     continue
                 inst.stats = stats
                 inst.last_heartbeat = time.monotonic()
-                inst.view.num_running = stats.num_running
-                inst.view.num_waiting = stats.num_waiting
-                inst.view.kv_usage = stats.kv_usage
             with self.lock:
                 self.table.expire(time.monotonic())
                 self.router.retain(self.table)

@@ -18,19 +18,21 @@ from dataclasses import dataclass
 
 @dataclass
 class InstanceView:
-    """What the router knows of an instance, from heartbeats and its own bookkeeping."""
+    """What the router knows of an instance: whether it lives (from heartbeats) and its load.
+
+    The load is the router's own count of calls it sent there that have not finished. Every
+    call reaches an instance through the router, so the count is exact and current; the
+    heartbeat's running and waiting counts say the same thing up to a heartbeat late, and a late
+    count would steer calls away from an instance that has long gone idle.
+    """
 
     instance_id: str
     alive: bool = True
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    inflight: int = 0  # calls the router sent there that have not finished
+    inflight: int = 0
 
     @property
-    def load(self) -> tuple[float, float]:
-        # In-flight calls count immediately (heartbeats lag); KV usage breaks ties.
-        return (max(self.inflight, self.num_running + self.num_waiting), self.kv_usage)
+    def load(self) -> int:
+        return self.inflight
 
 
 class NoLiveInstanceError(RuntimeError):
@@ -61,11 +63,7 @@ class Router:
             return least.instance_id
         home = next((v for v in live if v.instance_id == self.homes.get(program_id)), None)
         choice = least
-        if (
-            num_tokens > self.locality_threshold
-            and home is not None
-            and home.load[0] - least.load[0] <= self.max_imbalance
-        ):
+        if num_tokens > self.locality_threshold and home is not None and home.load - least.load <= self.max_imbalance:
             choice = home
         self.homes[program_id] = choice.instance_id
         return choice.instance_id
