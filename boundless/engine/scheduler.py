@@ -121,6 +121,7 @@ class Scheduler:
         if it has room, else dropped to be recomputed.
         """
         now = self.clock()
+        self.kv.begin_step()
         self.policy.update(now)
         out = SchedulerOutput(finished_ids=self._finished_since_step)
         self._finished_since_step = []
@@ -172,11 +173,17 @@ class Scheduler:
         """Secure device KV for the request's next chunk; returns the chunk's length or None."""
         rid = request.request_id
         if request.status is RequestStatus.SWAPPED:
-            if self.kv.num_host_blocks(rid) > self.kv.pool.num_free + self._evictable_blocks(order, idx, chosen_ids):
+            # Room for its swapped blocks and the chunk's growth comes first: were it evicted again
+            # after its swap-in, it would be copied out of blocks the swap-in had not yet filled.
+            chunk_end = min(request.num_tokens, request.num_computed_tokens + budget)
+            need = max(self.kv.num_host_blocks(rid), self.kv.blocks_for_tokens(chunk_end))
+            if need > self.kv.pool.num_free + self._evictable_blocks(order, idx, chosen_ids):
                 return None  # evicting everything below would not be enough: evict nothing
-            while (pairs := self.kv.swap_in(rid, request.all_token_ids, request.num_computed_tokens)) is None:
+            while self.kv.pool.num_free < need:
                 if not self._make_room(order, idx, chosen_ids, out):
                     return None
+            pairs = self.kv.swap_in(rid, request.all_token_ids, request.num_computed_tokens)
+            assert pairs is not None, "room was made for the swap-in"
             out.swap_in.extend(pairs)
             self.stats.num_swapped_in += 1
             self._to_running(request)

@@ -42,6 +42,9 @@ class KVCacheManager:
         # Host memory for swapped-out requests: plain blocks, never shared or cached.
         self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks > 0 else None
         self._host_tables: dict[str, list[KVBlock]] = {}
+        # Host blocks read by this step's swap-ins: free only once the step's copies are done, or a
+        # swap-out in the same step could take one and overwrite it before it is read.
+        self._host_releasing: list[KVBlock] = []
         self._tables: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_named: dict[str, int] = {}
@@ -131,6 +134,12 @@ class KVCacheManager:
 
     # -- swapping to host memory ----------------------------------------------------------
 
+    def begin_step(self) -> None:
+        """Free the host blocks the last step's swap-ins read (their copies have run)."""
+        if self._host_releasing and self.host_pool is not None:
+            self.host_pool.free(self._host_releasing)
+        self._host_releasing = []
+
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self._host_tables
 
@@ -158,7 +167,7 @@ class KVCacheManager:
         pairs = [(h.block_id, d.block_id) for h, d in zip(host, device, strict=True)]
         self._tables[request_id] = device
         del self._host_tables[request_id]
-        self.host_pool.free(host)
+        self._host_releasing.extend(host)
         self._name_full_blocks(request_id, token_ids, num_computed)
         return pairs
 

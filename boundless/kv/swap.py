@@ -23,7 +23,8 @@ class HostSwapSpace:
         """Copy (device, host) pairs out, then (host, device) pairs in.
 
         Out before in: a device block released by a swap-out may be the destination of a swap-in
-        scheduled in the same step.
+        scheduled in the same step. (The other way round cannot happen: host blocks a swap-in
+        reads stay taken until the next step, see ``KVCacheManager.begin_step``.)
         """
         if swap_out:
             device_ids = [d for d, _ in swap_out]
