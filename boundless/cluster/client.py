@@ -120,7 +120,12 @@ class ClusterClient:
             with self.lock:
                 if program is not None:
                     self.table.call_arrived(program, time.monotonic())
-                self._dispatch(call)
+                try:
+                    self._dispatch(call)
+                except BaseException:
+                    if program is not None:
+                        self.table.call_abandoned(program.program_id)
+                    raise
 
         return self.streams.open_and_start(request_id, self.abort, start)
 
@@ -132,6 +137,8 @@ class ClusterClient:
                 return
             inst = self.instances[call.instance]
             inst.view.inflight -= 1
+            if call.program is not None:
+                self.table.call_abandoned(call.program.program_id)
         if inst.view.alive:
             inst.actor.abort.remote(request_id)
 
@@ -220,6 +227,8 @@ class ClusterClient:
                 try:
                     self._dispatch(call)
                 except Exception as e:  # nowhere to go: the client gets an error, not silence
+                    if call.program is not None:
+                        self.table.call_abandoned(call.program.program_id)
                     self.streams.deliver(
                         RequestDelta(
                             call.request_id, [], "", [], finished=True, finish_reason="error", stop_reason=str(e)
@@ -261,6 +270,8 @@ class ClusterClient:
                 if call.program is not None and delta.finish_time is not None:
                     wait = max(0.0, (delta.finish_time - delta.arrival_time) - delta.service_s)
                     self.table.call_finished(call.program, delta.service_s, wait, time.monotonic(), iid)
+                elif call.program is not None:
+                    self.table.call_abandoned(call.program.program_id)
         self.streams.deliver(delta)
         if delta.finished:
             for fn in self._listeners:

@@ -113,6 +113,13 @@ class ProcessTable:
         self._programs.move_to_end(program.program_id)
         return rec
 
+    def call_abandoned(self, program_id: str) -> None:
+        """A call that arrived but will not complete (rejected, aborted, lost): it stops keeping its
+        program active, so the program can still expire. Its service, if any, is not counted."""
+        rec = self._programs.get(program_id)
+        if rec is not None:
+            rec.active_calls = max(0, rec.active_calls - 1)
+
     def merge_remote(self, program_id: str, service_s: float, waiting_s: float) -> None:
         """Adopt a global view (from a router) of a program's service and waiting, never going back."""
         rec = self._programs.get(program_id)

@@ -61,7 +61,7 @@ def _offline(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> 
 def test_long_calls_stay_home_short_calls_spread_outputs_match(
     cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
 ) -> None:
-    _, server = cluster
+    client, server = cluster
     api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     # A program whose conversation grows: every call is long and extends the previous one.
     conversation = list(range(10, 70))
@@ -80,6 +80,11 @@ def test_long_calls_stay_home_short_calls_spread_outputs_match(
         conversation += r.choices[0].model_extra["token_ids"] + [100 + turn] * 8
     assert len(set(served_long)) == 1, served_long  # one instance holds the program's KV
     assert all(h > 0 for h in hits[1:]), hits  # and every later call hits its prefix cache
+    # A call an instance rejects leaves its program idle (so it can expire), like completed ones.
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model="tiny", prompt=[10**6], max_tokens=2, extra_body={"program_id": "agent"})
+    record = client.table.get("agent")
+    assert record is not None and record.active_calls == 0 and record.completed_calls == 5
     # Short calls (no program) spread across both instances.
     short_prompts = [[200 + i, 201, 202] for i in range(8)]
     served_short = [

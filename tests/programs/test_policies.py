@@ -118,6 +118,18 @@ def test_process_table_expires_idle_programs_and_stays_bounded() -> None:
     assert table.expire(now=1011.0) == ["busy"] and len(table) == 0
 
 
+def test_an_abandoned_call_does_not_keep_its_program_alive() -> None:
+    table = ProcessTable(ttl_s=10.0, max_programs=50)
+    p = ProgramRef("p")
+    table.call_arrived(p, 0.0)
+    table.call_arrived(p, 1.0)  # rejected or aborted: it will never finish
+    table.call_finished(p, 0.5, 0.0, 2.0)
+    assert not table.expire(now=100.0), "an abandoned call keeps counting as active"
+    table.call_abandoned("p")
+    assert table.expire(now=100.0) == ["p"]
+    table.call_abandoned("p")  # unknown by now: nothing to do
+
+
 def test_fcfs_orders_by_arrival() -> None:
     policy = FCFSPolicy()
     a, b = call("a", "x", 2.0), call("b", "y", 1.0)
