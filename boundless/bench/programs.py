@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
-from boundless.bench.workloads import WORKLOADS, CallSpec, ProgramSpec, WorkloadShape, make_programs
+from boundless.bench.workloads import WORKLOADS, CallSpec, ProgramSpec, WorkloadShape, compaction, make_programs
 from boundless.config import ClusterConfig, EngineConfig, add_flags, engine_config_from_flags, from_flags
 
 SHARED_SYSTEM_PROMPT = 48  # tokens every program starts with (prefix-cache hits across programs)
@@ -70,9 +70,10 @@ class ProgramRunner:
         base = contexts.get(call.parents[0], system) if call.parents else system
         joined = [t for p in call.parents[1:] for t in outputs.get(p, [])]
         prompt = base + joined + self._tokens(rng, call.new_input)
-        room = self.max_model_len - call.output - 1
-        if len(prompt) > room:
-            prompt = prompt[-room:]  # keep the conversation's tail within the context length
+        cut = compaction(len(prompt), len(system), self.max_model_len - call.output - 1)
+        if cut is not None:
+            head, total = cut
+            prompt = prompt[:head] + prompt[len(prompt) - (total - head) :]
         try:
             resp = await self.client.completions.create(
                 model=self.model,

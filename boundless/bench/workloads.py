@@ -81,6 +81,21 @@ def _num_calls(rng: random.Random, mean: float, cap: int) -> int:
     return max(1, min(cap, round(_lognormal(rng, mean, CALLS_SIGMA))))
 
 
+def compaction(length: int, system_len: int, room: int) -> tuple[int, int] | None:
+    """How a program shortens a conversation of ``length`` tokens that no longer fits in ``room``.
+
+    None when it fits. Else ``(head, total)``: keep the first ``head`` tokens (the system prompt,
+    when it fits in half the room) and the newest ``total - head``, ``total`` being half the room.
+    Agents compact like this, not by sliding a window every call: later calls then extend a stable
+    prefix, which the prefix cache can serve, until the next compaction.
+    """
+    if length <= room:
+        return None
+    total = max(1, room // 2)
+    head = system_len if system_len < total else 0
+    return head, total
+
+
 @dataclass(frozen=True)
 class WorkloadShape:
     scale: float = 0.1  # multiplies token lengths

@@ -14,7 +14,7 @@ import itertools
 import zlib
 from dataclasses import dataclass, field
 
-from boundless.bench.workloads import CallSpec, ProgramSpec
+from boundless.bench.workloads import CallSpec, ProgramSpec, compaction
 from boundless.config import SchedulerConfig
 from boundless.engine.request import ProgramRef, Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
@@ -54,6 +54,8 @@ class SimProgram:
     stage: int = 0
     pending: int = 0
     contexts: dict[str, int] = field(default_factory=dict)  # thread -> context length in tokens
+    # thread -> (compactions so far, tokens kept from before the last one): what its prefix shares
+    compacted: dict[str, tuple[int, int]] = field(default_factory=dict)
     output_tokens: int = 0
     finish_s: float | None = None
 
@@ -147,12 +149,17 @@ class Simulator:
             sp.contexts.get(call.parents[0], 48 + sp.spec.system_prompt) if call.parents else 48 + sp.spec.system_prompt
         )
         prompt_len = base + sum(sp.contexts.get(p, 0) for p in call.parents[1:]) // 4 + call.new_input
-        # As the benchmark does: keep the conversation's tail within the context the pool can hold.
-        prompt_len = min(prompt_len, self.max_context - call.output - 1)
+        epoch, head = sp.compacted.get(call.parents[0], (0, 0)) if call.parents else (0, 0)
+        # As the benchmark does: compact the conversation when it outgrows the context the pool holds.
+        cut = compaction(prompt_len, 48 + sp.spec.system_prompt, self.max_context - call.output - 1)
+        if cut is not None:
+            (head, prompt_len), epoch = cut, epoch + 1
+        sp.compacted[call.thread_id] = (epoch, head)
         rid = f"c{next(self._ids)}"
-        # Distinct placeholder tokens per program thread: prefixes repeat within a program only.
+        # Distinct placeholder tokens per program thread: prefixes repeat within a program only, and
+        # a compaction keeps only its head.
         salt = zlib.crc32(sp.spec.program_id.encode())
-        prompt = [(salt + 7919 * i) % 30000 + 1000 for i in range(prompt_len)]
+        prompt = [(salt + 7919 * i + (104729 * epoch if i >= head else 0)) % 30000 + 1000 for i in range(prompt_len)]
         req = Request(
             rid,
             prompt,

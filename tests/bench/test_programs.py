@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from boundless.bench.workloads import MULTI_THREADED, WORKLOADS, WorkloadShape, load_agent_sessions, make_programs
+from boundless.bench.workloads import (
+    MULTI_THREADED,
+    WORKLOADS,
+    WorkloadShape,
+    compaction,
+    load_agent_sessions,
+    make_programs,
+)
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces" / "lmcache_agent_trace" / "miniswe"
 
@@ -40,6 +47,15 @@ def test_chat_lengths_follow_sharegpt_scaled() -> None:
     mean_calls = sum(p.num_calls for p in programs) / len(programs)
     assert 20 < mean_out < 36  # 277 x 0.1
     assert 5.0 < mean_calls < 8.0  # 6.66 calls per program
+
+
+def test_compaction_keeps_the_system_prompt_and_the_newest_half() -> None:
+    assert compaction(100, 20, 100) is None  # fits
+    assert compaction(101, 20, 100) == (20, 50)  # system prompt + the newest 30 tokens
+    assert compaction(101, 60, 100) == (0, 50)  # a system prompt over half the room is not kept whole
+    # Calls after a compaction extend its result: the next compaction is room/2 tokens away.
+    _, total = compaction(500, 20, 100)
+    assert compaction(total + 49, 20, 100) is None
 
 
 def test_agent_sessions_replay(tmp_path: Path) -> None:
