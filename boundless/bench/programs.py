@@ -70,7 +70,8 @@ class ProgramRunner:
         base = contexts.get(call.parents[0], system) if call.parents else system
         joined = [t for p in call.parents[1:] for t in outputs.get(p, [])]
         prompt = base + joined + self._tokens(rng, call.new_input)
-        cut = compaction(len(prompt), len(system), self.max_model_len - call.output - 1)
+        has_system = prompt[: len(system)] == system
+        cut = compaction(len(prompt), len(system) if has_system else 0, self.max_model_len - call.output - 1)
         if cut is not None:
             head, total = cut
             prompt = prompt[:head] + prompt[len(prompt) - (total - head) :]

@@ -84,10 +84,11 @@ def _num_calls(rng: random.Random, mean: float, cap: int) -> int:
 def compaction(length: int, system_len: int, room: int) -> tuple[int, int] | None:
     """How a program shortens a conversation of ``length`` tokens that no longer fits in ``room``.
 
-    None when it fits. Else ``(head, total)``: keep the first ``head`` tokens (the system prompt,
-    when it fits in half the room) and the newest ``total - head``, ``total`` being half the room.
-    Agents compact like this, not by sliding a window every call: later calls then extend a stable
-    prefix, which the prefix cache can serve, until the next compaction.
+    ``system_len``: how many of its first tokens are the system prompt (0 once an earlier
+    compaction dropped it). None when it fits. Else ``(head, total)``: keep the first ``head``
+    tokens (the system prompt, when it fits in half the room) and the newest ``total - head``,
+    ``total`` being half the room. Agents compact like this, not by sliding a window every call:
+    later calls then extend a stable prefix, which the prefix cache can serve, until the next one.
     """
     if length <= room:
         return None

@@ -127,7 +127,9 @@ class EngineLoop:
             except Exception:  # a failed step must not take the server down: fail its requests, go on
                 self.errors += 1
                 log.error("engine step failed:\n%s", traceback.format_exc())
-                self._fail([c.request_id for c in sched.chunks])
+                # Requests swapped out in this step may hold host blocks the failed copy never filled.
+                lost = [rid for rid in sched.preempted_ids if core.kv.is_swapped(rid)]
+                self._fail([c.request_id for c in sched.chunks] + lost)
                 continue
             with self.lock:
                 for delta in core.finish_step(sched, sampled, elapsed):

@@ -149,17 +149,20 @@ class Simulator:
             sp.contexts.get(call.parents[0], 48 + sp.spec.system_prompt) if call.parents else 48 + sp.spec.system_prompt
         )
         prompt_len = base + sum(sp.contexts.get(p, 0) for p in call.parents[1:]) // 4 + call.new_input
-        epoch, head = sp.compacted.get(call.parents[0], (0, 0)) if call.parents else (0, 0)
+        # (salt of the tokens after the head, head): 0 until the thread's context is first compacted.
+        after, head = sp.compacted.get(call.parents[0], (0, 0)) if call.parents else (0, 0)
+        system_len = 48 + sp.spec.system_prompt
         # As the benchmark does: compact the conversation when it outgrows the context the pool holds.
-        cut = compaction(prompt_len, 48 + sp.spec.system_prompt, self.max_context - call.output - 1)
+        cut = compaction(prompt_len, system_len if after == 0 or head else 0, self.max_context - call.output - 1)
         if cut is not None:
-            (head, prompt_len), epoch = cut, epoch + 1
-        sp.compacted[call.thread_id] = (epoch, head)
+            head, prompt_len = cut
+            after = zlib.crc32(f"{sp.spec.program_id}/{call.thread_id}/{next(self._ids)}".encode()) or 1
+        sp.compacted[call.thread_id] = (after, head)
         rid = f"c{next(self._ids)}"
-        # Distinct placeholder tokens per program thread: prefixes repeat within a program only, and
-        # a compaction keeps only its head.
+        # Placeholder tokens: a program's threads share its prefix; a compaction keeps only its head
+        # and starts tokens of its own.
         salt = zlib.crc32(sp.spec.program_id.encode())
-        prompt = [(salt + 7919 * i + (104729 * epoch if i >= head else 0)) % 30000 + 1000 for i in range(prompt_len)]
+        prompt = [(salt + 7919 * i + (after if i >= head else 0)) % 30000 + 1000 for i in range(prompt_len)]
         req = Request(
             rid,
             prompt,

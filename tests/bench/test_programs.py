@@ -55,7 +55,8 @@ def test_compaction_keeps_the_system_prompt_and_the_newest_half() -> None:
     assert compaction(101, 60, 100) == (0, 50)  # a system prompt over half the room is not kept whole
     # Calls after a compaction extend its result: the next compaction is room/2 tokens away.
     _, total = compaction(500, 20, 100)
-    assert compaction(total + 49, 20, 100) is None
+    assert compaction(total + 50, 20, 100) is None and compaction(total + 51, 20, 100) == (20, 50)
+    assert compaction(101, 0, 100) == (0, 50)  # no system prompt left to keep
 
 
 def test_agent_sessions_replay(tmp_path: Path) -> None:

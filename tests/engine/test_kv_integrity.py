@@ -56,11 +56,11 @@ def _run_chunks(cache: PagedKVCache, out: SchedulerOutput, requests: dict[str, R
         tokens = requests[chunk.request_id].all_token_ids
         for pos in range(chunk.start_pos):
             block, slot = chunk.block_ids[pos // BLOCK], pos % BLOCK
-            held = int(keys[0, block, slot, 0].item())
+            held = int(keys[0, block, slot, 0].item()) - 1  # never-written memory reads as -1
             assert held == tokens[pos], f"{chunk.request_id} position {pos}: KV of token {held}, not {tokens[pos]}"
         for i, token in enumerate(chunk.token_ids):
             pos = chunk.start_pos + i
-            keys[0, chunk.block_ids[pos // BLOCK], pos % BLOCK, 0] = float(token)
+            keys[0, chunk.block_ids[pos // BLOCK], pos % BLOCK, 0] = float(token + 1)
 
 
 def _simulate(seed: int) -> SchedulerStats:
@@ -94,6 +94,9 @@ def _simulate(seed: int) -> SchedulerStats:
                     sched.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
         kv.pool.check_invariants()
     assert not pending and not sched.requests, "every request finishes"
+    kv.begin_step()
+    assert kv.host_pool is not None and kv.host_pool.num_free == host_blocks, "host blocks leaked"
+    kv.host_pool.check_invariants()
     return sched.stats
 
 
@@ -110,3 +113,18 @@ def test_the_runs_exercise_every_kind_of_preemption() -> None:
     assert sum(s.num_swapped_out for s in stats) > 0 and sum(s.num_swapped_in for s in stats) > 0
     assert sum(s.num_recomputed for s in stats) > 0
     assert sum(s.num_prompt_tokens_cached for s in stats) > 0
+
+
+def test_host_blocks_a_swap_in_reads_are_not_reused_in_the_same_step() -> None:
+    kv = KVCacheManager(8, BLOCK, enable_prefix_caching=False, fingerprint="fp", num_host_blocks=2)
+    a, b = list(range(4)), list(range(100, 108))  # one block and two blocks
+    assert kv.allocate("a", a, 4) and kv.allocate("b", b, 8)
+    out_a = kv.swap_out("a")
+    assert out_a is not None
+    kv.begin_step()
+    into_a = kv.swap_in("a", a, 4)  # reads a's host block during this step's copies
+    out_b = kv.swap_out("b")  # so b may not take it: with one host block free, b does not fit
+    assert into_a is not None and out_b is None
+    kv.begin_step()
+    out_b = kv.swap_out("b")  # next step it is free again
+    assert out_b is not None and {h for _, h in out_b} >= {h for h, _ in into_a}
