@@ -123,8 +123,7 @@ class ClusterClient:
                 try:
                     self._dispatch(call)
                 except BaseException:
-                    if program is not None:
-                        self.table.call_abandoned(program.program_id)
+                    self._abandon(program)
                     raise
 
         return self.streams.open_and_start(request_id, self.abort, start)
@@ -137,8 +136,7 @@ class ClusterClient:
                 return
             inst = self.instances[call.instance]
             inst.view.inflight -= 1
-            if call.program is not None:
-                self.table.call_abandoned(call.program.program_id)
+            self._abandon(call.program)
         if inst.view.alive:
             inst.actor.abort.remote(request_id)
 
@@ -210,6 +208,11 @@ class ClusterClient:
         inst.view.inflight += 1
         self.inflight[call.request_id] = call
 
+    def _abandon(self, program: ProgramRef | None) -> None:
+        """A call of ``program`` will not complete: it stops keeping the program active. Holds ``self.lock``."""
+        if program is not None:
+            self.table.call_abandoned(program.program_id)
+
     def _mark_dead(self, iid: str, reason: str) -> None:
         """Stop routing to an instance and resend its in-flight calls elsewhere."""
         with self.lock:
@@ -227,8 +230,7 @@ class ClusterClient:
                 try:
                     self._dispatch(call)
                 except Exception as e:  # nowhere to go: the client gets an error, not silence
-                    if call.program is not None:
-                        self.table.call_abandoned(call.program.program_id)
+                    self._abandon(call.program)
                     self.streams.deliver(
                         RequestDelta(
                             call.request_id, [], "", [], finished=True, finish_reason="error", stop_reason=str(e)
@@ -270,8 +272,8 @@ class ClusterClient:
                 if call.program is not None and delta.finish_time is not None:
                     wait = max(0.0, (delta.finish_time - delta.arrival_time) - delta.service_s)
                     self.table.call_finished(call.program, delta.service_s, wait, time.monotonic(), iid)
-                elif call.program is not None:
-                    self.table.call_abandoned(call.program.program_id)
+                else:
+                    self._abandon(call.program)
         self.streams.deliver(delta)
         if delta.finished:
             for fn in self._listeners:
