@@ -25,10 +25,16 @@ from tqdm import tqdm
 
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
-from boundless.bench.workloads import WORKLOADS, CallSpec, ProgramSpec, WorkloadShape, compaction, make_programs
+from boundless.bench.workloads import (
+    SHARED_SYSTEM_PROMPT,
+    WORKLOADS,
+    CallSpec,
+    ProgramSpec,
+    WorkloadShape,
+    compaction,
+    make_programs,
+)
 from boundless.config import ClusterConfig, EngineConfig, add_flags, engine_config_from_flags, from_flags
-
-SHARED_SYSTEM_PROMPT = 48  # tokens every program starts with (prefix-cache hits across programs)
 
 
 @dataclass

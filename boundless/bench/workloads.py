@@ -21,6 +21,7 @@ BFCL = (735, 34, 10.75)
 LATS = (467, 73, 160.0)
 
 WORKLOADS = ("chat", "react", "mapreduce", "mcts", "trace")
+SHARED_SYSTEM_PROMPT = 48  # tokens every program starts with (prefix-cache hits across programs)
 MULTI_THREADED = ("mapreduce", "mcts")
 
 

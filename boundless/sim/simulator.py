@@ -14,7 +14,7 @@ import itertools
 import zlib
 from dataclasses import dataclass, field
 
-from boundless.bench.workloads import CallSpec, ProgramSpec, compaction
+from boundless.bench.workloads import SHARED_SYSTEM_PROMPT, CallSpec, ProgramSpec, compaction
 from boundless.config import SchedulerConfig
 from boundless.engine.request import ProgramRef, Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
@@ -54,7 +54,7 @@ class SimProgram:
     stage: int = 0
     pending: int = 0
     contexts: dict[str, int] = field(default_factory=dict)  # thread -> context length in tokens
-    # thread -> (compactions so far, tokens kept from before the last one): what its prefix shares
+    # thread -> (salt of the tokens after the head, head) since its last compaction; (0, 0) before any
     compacted: dict[str, tuple[int, int]] = field(default_factory=dict)
     output_tokens: int = 0
     finish_s: float | None = None
@@ -145,13 +145,10 @@ class Simulator:
             self._at(self.clock.now + call.tool_wait_s, "call", (sp, call))
 
     def _submit(self, sp: SimProgram, call: CallSpec) -> None:
-        base = (
-            sp.contexts.get(call.parents[0], 48 + sp.spec.system_prompt) if call.parents else 48 + sp.spec.system_prompt
-        )
+        system_len = SHARED_SYSTEM_PROMPT + sp.spec.system_prompt
+        base = sp.contexts.get(call.parents[0], system_len) if call.parents else system_len
         prompt_len = base + sum(sp.contexts.get(p, 0) for p in call.parents[1:]) // 4 + call.new_input
-        # (salt of the tokens after the head, head): 0 until the thread's context is first compacted.
         after, head = sp.compacted.get(call.parents[0], (0, 0)) if call.parents else (0, 0)
-        system_len = 48 + sp.spec.system_prompt
         # As the benchmark does: compact the conversation when it outgrows the context the pool holds.
         cut = compaction(prompt_len, system_len if after == 0 or head else 0, self.max_context - call.output - 1)
         if cut is not None:
