@@ -9,6 +9,7 @@ that swaps out and in, recomputes and prefix-cache hits meet in one step.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -63,6 +64,7 @@ def _run_chunks(cache: PagedKVCache, out: SchedulerOutput, requests: dict[str, R
             keys[0, chunk.block_ids[pos // BLOCK], pos % BLOCK, 0] = float(token + 1)
 
 
+@functools.cache  # each seed runs once, for both tests below
 def _simulate(seed: int) -> SchedulerStats:
     """Fourteen requests, half sharing a prefix, through a 14-block pool; returns the scheduler's stats."""
     rng = random.Random(seed)
