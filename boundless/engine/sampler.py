@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.engine.scheduler import ScheduledChunk
+from boundless.model import cpu_kernels
 
 
 @dataclass
@@ -50,9 +51,11 @@ class Sampler:
         logits = self._mask_early_stops(logits, chunks)
         tokens = torch.empty(len(chunks), dtype=torch.long, device=logits.device)
         greedy = [i for i, c in enumerate(chunks) if c.sampling_params.greedy]
-        if greedy:
+        if len(greedy) == len(chunks):
+            tokens = cpu_kernels.argmax_rows(logits)
+        elif greedy:
             idx = torch.tensor(greedy, device=logits.device)
-            tokens[idx] = logits[idx].argmax(dim=-1)
+            tokens[idx] = cpu_kernels.argmax_rows(logits[idx])
         random_rows = [i for i, c in enumerate(chunks) if not c.sampling_params.greedy]
         if random_rows:
             probs = self._filtered_probs(logits[random_rows], [chunks[i] for i in random_rows])

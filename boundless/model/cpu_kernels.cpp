@@ -256,6 +256,39 @@ void bl_rope(float* x, long ldx, long T, long heads, long D, const long* positio
   }
 }
 
+// out[r] = the index of the first largest value of row r of x [R, N] (row stride ldx), as
+// torch.argmax; -1 for a row holding a NaN (the caller then defers to torch, which ranks NaN first).
+void bl_argmax_rows(const float* x, long ldx, long R, long N, long* out) {
+  for (long r = 0; r < R; r++) {
+    const float* row = x + r * ldx;
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    __m256 nan8 = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 8 <= N; j += 8) {
+      __m256 v = _mm256_loadu_ps(row + j);
+      m8 = _mm256_max_ps(m8, v);
+      nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m8);
+    float best = lanes[0];
+    for (int i = 1; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+    bool nan = _mm256_movemask_ps(nan8) != 0;
+    for (; j < N; j++) {
+      if (row[j] != row[j]) nan = true;
+      best = row[j] > best ? row[j] : best;
+    }
+    long at = -1;
+    if (!nan)
+      for (long i = 0; i < N; i++)
+        if (row[i] == best) {
+          at = i;
+          break;
+        }
+    out[r] = at;
+  }
+}
+
 // The two halves of a decoder layer around attention, one call each (fewer trips through Python).
 //
 // Before attention: x = rmsnorm(hidden); qkv = x @ Wqkv.T (+ bias); rotate the first

@@ -25,6 +25,7 @@ _SIGNATURES = {
     "bl_rope": (None, [P, L, L, L, L, P, P, P, I]),
     "bl_layer_in": (None, [P, P, F, P, L, L, P, P, L, P, L, L, P, P, P, I]),
     "bl_layer_out": (None, [P, L, P, L, L, P, P, F, P, P, L, P, P, I]),
+    "bl_argmax_rows": (None, [P, L, L, L, P]),
 }
 
 _PANEL = 24  # output features per packed panel (NR in the C++ source)
@@ -196,3 +197,15 @@ def layer_out(
         eps, x.data_ptr(), gate_up_weight.packed.data_ptr(), gate_up_weight.out_features, act.data_ptr(),
         down_weight.packed.data_ptr(), native.threads(),
     )  # fmt: skip
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for fp32 CPU rows [R, N]: one vectorized pass per row, where
+    PyTorch's argmax took ~6 ms for a 32 x 49K decode step (a tenth of the LM head itself)."""
+    if not (usable(x) and _rows_ok(x)):
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    _lib().bl_argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    if x.shape[0] and bool((out < 0).any()):  # a NaN: torch's rule decides
+        return x.argmax(dim=-1)
+    return out

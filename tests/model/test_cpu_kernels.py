@@ -122,3 +122,21 @@ def test_model_native_path_matches_torch_path(load) -> None:
                 outs.append(model.compute_logits(hidden))
         model.prepare(256)  # leave the shared model packed for other tests
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_argmax_rows_matches_torch_ties_and_nan() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 1003, generator=gen)  # a row length that leaves a tail past the 8-wide loop
+    x[1, 500] = x[1, 3] = 50.0  # a tie: the first index wins, as in torch
+    x[2, 1001] = 60.0  # the largest value in the tail
+    x[3] = float("-inf")
+    x[3, 999] = -1.0
+    x[4, :] = 2.0  # all equal
+    assert (
+        cpu_kernels.argmax_rows(x).tolist()
+        == x.argmax(dim=-1).tolist()
+        == [int(x[0].argmax()), 3, 1001, 999, 0, int(x[5].argmax())]
+    )
+    x[5, 17] = float("nan")  # torch ranks NaN highest; the kernel defers to it
+    assert cpu_kernels.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    assert cpu_kernels.argmax_rows(x[::2]).tolist() == x[::2].argmax(dim=-1).tolist()  # strided rows
