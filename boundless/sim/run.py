@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> dict:
                 block_size=args.block_size,
                 num_host_blocks=args.num_host_blocks,
                 cost=cost,
+                max_model_len=args.max_model_len,
             )
             results = sim.run(programs)
             lat = [r.latency_s for r in results]
@@ -75,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-kv-blocks", type=int, default=160, help="a small pool makes memory the bottleneck, as on a GPU"
     )
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context length programs compact to (default: the KV pool)"
+    )
     parser.add_argument("--num-host-blocks", type=int, default=512)
     parser.add_argument("--step-base-s", type=float, default=CostModel.base_s)
     parser.add_argument("--step-per-token-s", type=float, default=CostModel.per_token_s)

@@ -82,11 +82,13 @@ class Simulator:
         block_size: int = 16,
         num_host_blocks: int = 4096,
         cost: CostModel | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         from boundless.engine.core import make_policy
 
         self.clock = VirtualClock()
-        self.max_context = num_blocks * block_size
+        # As the engine: the asked context length, capped by the KV pool.
+        self.max_context = min(max_model_len or num_blocks * block_size, num_blocks * block_size)
         self.cost = cost or CostModel()
         kv = KVCacheManager(num_blocks, block_size, True, "sim", num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(
