@@ -75,6 +75,13 @@ class SchedulerConfig:
         default=10.0, metadata={"help": "promote a call to the top when wait/service >= this"}
     )
     program_ttl_s: float = field(default=600.0, metadata={"help": "forget programs idle this long"})
+    queue_order: str = field(
+        default="call",
+        metadata={
+            "help": "order within a queue (plas, atlas): call (by call arrival) or program (by the program's "
+            "first arrival, so a program's calls follow one another and its prefix cache stays warm)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
@@ -85,6 +92,7 @@ class SchedulerConfig:
         _require(self.queue_growth > 1, "queue_growth", "must be > 1")
         _require(self.starvation_beta > 0, "starvation_beta", "must be positive")
         _require(self.program_ttl_s > 0, "program_ttl_s", "must be positive")
+        _require(self.queue_order in ("call", "program"), "queue_order", "must be call or program")
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
         growth=config.queue_growth,
         beta=config.starvation_beta,
         ttl_s=config.program_ttl_s,
+        order_by_program=config.queue_order == "program",
     )
     classes = {"mlfq": MLFQPolicy, "plas": PLASPolicy, "atlas": ATLASPolicy}
     if config.policy not in classes:

@@ -11,7 +11,9 @@ preemption, so a long decode cannot hold the batch). They differ in where a new 
   threads do not inflate a program's priority, and equal to plas for single-threaded programs.
 
 Anti-starvation: a call whose (program wait + call wait) / (program service + call service)
-reaches ``beta`` goes back to Q1. Within a queue, calls are served in arrival order. Service is
+reaches ``beta`` goes back to Q1. Within a queue, calls are served in arrival order, or (with
+``order_by_program``, plas and atlas) in their program's first-arrival order, so that one program's
+calls follow one another instead of interleaving with its peers' and its prefix cache stays warm. Service is
 model execution time reported by the engine's clock. Policies are pure: given the same calls,
 services and clock readings they make the same decisions.
 """
@@ -39,6 +41,7 @@ class QueueConfig:
     beta: float = 10.0  # anti-starvation threshold on wait / service
     ttl_s: float = 600.0  # programs idle this long leave the process table
     max_programs: int = 100_000
+    order_by_program: bool = False  # within a queue: by program first arrival, then call arrival
 
     def __post_init__(self) -> None:
         if self.num_queues < 1:
@@ -127,8 +130,13 @@ class MultiLevelQueuePolicy:
     def priority(self, request: Request, now: float) -> tuple:
         state = self.calls.get(request.request_id)
         if state is None:
-            return (self.config.num_queues, request.arrival_time, 0)
-        return (state.level, state.arrival, state.order)
+            return (self.config.num_queues, request.arrival_time, request.arrival_time, 0)
+        first = state.arrival
+        if self.config.order_by_program and self.program_level:
+            rec = self.table.get(state.program.program_id)
+            if rec is not None:
+                first = rec.first_arrival
+        return (state.level, first, state.arrival, state.order)
 
     def on_service(self, request: Request, service_s: float, now: float) -> None:
         state = self.calls.get(request.request_id)

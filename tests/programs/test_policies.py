@@ -136,3 +136,19 @@ def test_fcfs_orders_by_arrival() -> None:
     for r in (a, b):
         policy.on_arrival(r, r.arrival_time)
     assert sorted([a, b], key=lambda r: policy.priority(r, 3.0)) == [b, a]
+
+
+@pytest.mark.parametrize("order_by_program", [False, True])
+def test_order_within_a_queue_by_call_or_by_program(order_by_program) -> None:
+    import dataclasses
+
+    policy = PLASPolicy(dataclasses.replace(CFG, order_by_program=order_by_program))
+    run_call(policy, call("a1", "old", 0.0), service=0.1, now=1.0)  # still in Q1 afterwards
+    new_peer = call("b1", "new", 2.0)
+    old_next = call("a2", "old", 3.0)
+    policy.on_arrival(new_peer, 2.0)
+    policy.on_arrival(old_next, 3.0)
+    assert policy.calls["a2"].level == policy.calls["b1"].level == 0
+    first = sorted([new_peer, old_next], key=lambda r: policy.priority(r, 3.0))[0]
+    # By program: the older program's next call goes first, so its calls do not interleave with b's.
+    assert first is (old_next if order_by_program else new_peer)
