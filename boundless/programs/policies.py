@@ -11,11 +11,12 @@ preemption, so a long decode cannot hold the batch). They differ in where a new 
   threads do not inflate a program's priority, and equal to plas for single-threaded programs.
 
 Anti-starvation: a call whose (program wait + call wait) / (program service + call service)
-reaches ``beta`` goes back to Q1. Within a queue, calls are served in arrival order, or (with
-``order_by_program``, plas and atlas) in their program's first-arrival order, so that one program's
-calls follow one another instead of interleaving with its peers' and its prefix cache stays warm. Service is
-model execution time reported by the engine's clock. Policies are pure: given the same calls,
-services and clock readings they make the same decisions.
+reaches ``beta`` goes back to Q1; the program's wait and service are both sums over its completed
+calls. Within a queue, calls are served in arrival order, or (with ``order_by_program``, plas and
+atlas) in their program's first-arrival order, so that one program's calls follow one another
+instead of interleaving with its peers' and its prefix cache stays warm. Service is model
+execution time reported by the engine's clock. Policies are pure: given the same calls, services
+and clock readings they make the same decisions.
 """
 
 from __future__ import annotations
@@ -120,7 +121,10 @@ class MultiLevelQueuePolicy:
             call_wait = max(0.0, now - state.arrival - state.service_s)
             rec = self.table.get(state.program.program_id) if self.program_level else None
             wait = call_wait + (rec.waiting_s if rec else 0.0)
-            service = state.service_s + (rec.service_s if rec else 0.0)
+            # Wait and service over the same calls: the program's waiting is summed over all its
+            # calls, so its service is too (for ATLAS, not the critical path, which would make a
+            # program fanning out to n threads look starved about n times sooner).
+            service = state.service_s + (rec.total_service_s if rec else 0.0)
             if wait >= beta * service:
                 state.level = 0
                 state.level_service_s = 0.0

@@ -152,3 +152,16 @@ def test_order_within_a_queue_by_call_or_by_program(order_by_program) -> None:
     first = sorted([new_peer, old_next], key=lambda r: policy.priority(r, 3.0))[0]
     # By program: the older program's next call goes first, so its calls do not interleave with b's.
     assert first is (old_next if order_by_program else new_peer)
+
+
+def test_atlas_starvation_compares_summed_wait_with_summed_service() -> None:
+    policy = ATLASPolicy(CFG)  # beta 3
+    for i in range(4):  # four parallel threads: 1 s of service and 2 s of waiting each
+        run_call(policy, call(f"m{i}", "fan", 0.0, thread=f"t{i}"), service=1.0, now=3.0)
+    rec = policy.table.get("fan")
+    assert rec.service_s == 1.0 and rec.total_service_s == 4.0 and rec.waiting_s == 8.0
+    policy.on_arrival(call("r", "fan", 3.0, thread="join", parents=("t0", "t1", "t2", "t3")), 3.0)
+    assert policy.calls["r"].level == 1  # the critical path (1 s) sets its queue
+    policy.update(3.0)
+    # 8 s waited over 4 s served is under beta; against the 1 s critical path it would be 8 >= 3.
+    assert policy.calls["r"].level == 1
