@@ -76,7 +76,7 @@ class SchedulerConfig:
     )
     program_ttl_s: float = field(default=600.0, metadata={"help": "forget programs idle this long"})
     queue_order: str = field(
-        default="call",
+        default="program",
         metadata={
             "help": "order within a queue (plas, atlas): call (by call arrival) or program (by the program's "
             "first arrival, so a program's calls follow one another and its prefix cache stays warm)"

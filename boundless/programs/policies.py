@@ -42,7 +42,7 @@ class QueueConfig:
     beta: float = 10.0  # anti-starvation threshold on wait / service
     ttl_s: float = 600.0  # programs idle this long leave the process table
     max_programs: int = 100_000
-    order_by_program: bool = False  # within a queue: by program first arrival, then call arrival
+    order_by_program: bool = True  # within a queue: by program first arrival, then call arrival
 
     def __post_init__(self) -> None:
         if self.num_queues < 1:
