@@ -183,7 +183,9 @@ class ClusterClient:
         if program is not None:
             rec = self.table.get(program.program_id)
             if rec is not None:
-                program = dataclasses.replace(program, service_s=rec.service_s, waiting_s=rec.waiting_s)
+                program = dataclasses.replace(
+                    program, service_s=rec.service_s, total_service_s=rec.total_service_s, waiting_s=rec.waiting_s
+                )
         resume = Resume(tuple(call.output_token_ids), call.text_chars_sent) if call.output_token_ids else None
         while True:
             try:

@@ -224,7 +224,9 @@ class EngineCore:
         if program is not None and program.service_s is not None:
             table = getattr(self.policy, "table", None)
             if table is not None:  # the router's global view of the program
-                table.merge_remote(program.program_id, program.service_s, program.waiting_s or 0.0)
+                table.merge_remote(
+                    program.program_id, program.service_s, program.waiting_s or 0.0, program.total_service_s
+                )
         self.scheduler.add(request)
         self.counters.prompt_tokens += len(prompt_token_ids)
         return request

@@ -138,7 +138,7 @@ class MultiLevelQueuePolicy:
         first = state.arrival
         if self.config.order_by_program and self.program_level:
             rec = self.table.get(state.program.program_id)
-            if rec is not None:
+            if rec is not None and rec.first_arrival is not None:
                 first = rec.first_arrival
         return (state.level, first, state.arrival, state.order)
 

@@ -40,7 +40,7 @@ class ProgramRecord:
     instances: dict[str, int] = field(default_factory=dict)  # instance id -> calls run there
     active_calls: int = 0
     completed_calls: int = 0
-    first_arrival: float = 0.0
+    first_arrival: float | None = None  # of the first call seen here (not set by a router's merge)
     last_arrival: float = 0.0
     last_completion: float | None = None
 
@@ -74,8 +74,10 @@ class ProcessTable:
     def call_arrived(self, program: ProgramRef, now: float) -> ProgramRecord:
         rec = self._programs.get(program.program_id)
         if rec is None:
-            rec = ProgramRecord(program.program_id, first_arrival=now)
+            rec = ProgramRecord(program.program_id)
             self._programs[program.program_id] = rec
+        if rec.first_arrival is None:
+            rec.first_arrival = now
         self._programs.move_to_end(program.program_id)
         rec.active_calls += 1
         rec.last_arrival = now
@@ -120,13 +122,20 @@ class ProcessTable:
         if rec is not None:
             rec.active_calls = max(0, rec.active_calls - 1)
 
-    def merge_remote(self, program_id: str, service_s: float, waiting_s: float) -> None:
-        """Adopt a global view (from a router) of a program's service and waiting, never going back."""
+    def merge_remote(
+        self, program_id: str, service_s: float, waiting_s: float, total_service_s: float | None = None
+    ) -> None:
+        """Adopt a global view (from a router) of a program's service and waiting, never going back.
+
+        Without the router's summed service, the critical path stands in for it (a lower bound):
+        the starvation check divides summed wait by summed service, and a local sum alone would
+        make a program that ran elsewhere look starved at once."""
         rec = self._programs.get(program_id)
         if rec is None:
             rec = ProgramRecord(program_id)
             self._programs[program_id] = rec
         rec.service_s = max(rec.service_s, service_s)
+        rec.total_service_s = max(rec.total_service_s, service_s if total_service_s is None else total_service_s)
         rec.waiting_s = max(rec.waiting_s, waiting_s)
 
     def expire(self, now: float) -> list[str]:

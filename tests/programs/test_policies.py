@@ -165,3 +165,28 @@ def test_atlas_starvation_compares_summed_wait_with_summed_service() -> None:
     policy.update(3.0)
     # 8 s waited over 4 s served is under beta; against the 1 s critical path it would be 8 >= 3.
     assert policy.calls["r"].level == 1
+
+
+def test_a_routers_global_view_keeps_order_and_starvation_consistent() -> None:
+    """As an instance behind the router sees a program whose earlier calls ran elsewhere: the
+    router's view is merged before the call arrives (engine/core.py)."""
+    policy = ATLASPolicy(CFG)  # beta 3
+    local = call("l1", "local", 100.0)
+    policy.on_arrival(local, 100.0)
+    policy.table.merge_remote("routed", service_s=4.0, waiting_s=8.0, total_service_s=4.0)
+    routed = call("r1", "routed", 500.0)
+    policy.on_arrival(routed, 500.0)
+    policy.on_service(routed, 0.1, 500.1)
+    rec = policy.table.get("routed")
+    # Its first arrival here is its call's, not a default of 0 that would put it ahead of everyone.
+    assert rec.first_arrival == 500.0
+    policy.calls["l1"].level = policy.calls["r1"].level = 2
+    assert sorted([routed, local], key=lambda r: policy.priority(r, 500.1))[0] is local
+    # 8 s waited over 4.1 s served (the router's sum plus this call's) is under beta: not starved.
+    # Against this instance's local sum alone (0.1 s) it would be promoted at once.
+    policy.update(500.1)
+    assert policy.calls["r1"].level == 2
+    # A router that sends no sum: the critical path stands in for it.
+    table = ProcessTable()
+    table.merge_remote("p", service_s=2.0, waiting_s=1.0)
+    assert table.get("p").total_service_s == 2.0 and table.get("p").first_arrival is None
