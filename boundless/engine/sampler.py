@@ -49,13 +49,14 @@ class Sampler:
         if any(c.sampling_params.logprobs is not None for c in chunks):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._mask_early_stops(logits, chunks)
-        tokens = torch.empty(len(chunks), dtype=torch.long, device=logits.device)
         greedy = [i for i, c in enumerate(chunks) if c.sampling_params.greedy]
-        if len(greedy) == len(chunks):
+        if len(greedy) == len(chunks):  # the common case: no copy of the logits rows
             tokens = cpu_kernels.argmax_rows(logits)
-        elif greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            tokens[idx] = cpu_kernels.argmax_rows(logits[idx])
+        else:
+            tokens = torch.empty(len(chunks), dtype=torch.long, device=logits.device)
+            if greedy:
+                idx = torch.tensor(greedy, device=logits.device)
+                tokens[idx] = cpu_kernels.argmax_rows(logits[idx])
         random_rows = [i for i, c in enumerate(chunks) if not c.sampling_params.greedy]
         if random_rows:
             probs = self._filtered_probs(logits[random_rows], [chunks[i] for i in random_rows])
