@@ -48,7 +48,23 @@ struct Args {
   float* o;
   float* m;
   float* e;
+  bool normalize;  // write o / e (the attention output) instead of the partial's o
 };
+
+// The end of a query row: its (m, e), and o divided by e when the caller wants the output itself
+// (one local partial: nothing to merge). A division, as merge_partials does, so results agree bit for bit.
+inline void finish_row(const Args& a, long row, float mx, float sum) {
+  a.m[row] = mx;
+  a.e[row] = sum;
+  if (!a.normalize) return;
+  float* o = a.o + row * a.D;
+  if (sum > 0.0f) {
+    const __m256 ev = _mm256_set1_ps(sum);
+    for (long d = 0; d < a.D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(o + d), ev));
+  } else {
+    memset(o, 0, a.D * sizeof(float));
+  }
+}
 
 inline void prefetch_block(const float* p, long bytes, bool to_l2) {
   const char* c = (const char*)p;
@@ -254,11 +270,8 @@ void attend_tile(const Args& a, long s, long kvh, long t0, long t1, float* scrat
     }
   }
   for (long i = t0; i < t1; i++)
-    for (long g = 0; g < group; g++) {
-      const long row = (tok0 + i) * a.H + kvh * group + g;
-      a.m[row] = mx[(i - t0) * group + g];
-      a.e[row] = sum[(i - t0) * group + g];
-    }
+    for (long g = 0; g < group; g++)
+      finish_row(a, (tok0 + i) * a.H + kvh * group + g, mx[(i - t0) * group + g], sum[(i - t0) * group + g]);
 }
 
 // dst[i][j] = src[j][i] for an 8 x 8 tile (row strides in floats).
@@ -431,11 +444,7 @@ void attend_tile_wide_impl(const Args& a, long s, long kvh, long t0, long t1, fl
         pv_block_scaled<DC, 1>(p, vb, cnt, o, al);
     }
   }
-  for (long r = 0; r < rows; r++) {
-    const long row = (tok0 + t0 + r / group) * a.H + kvh * group + r % group;
-    a.m[row] = mx[r];
-    a.e[row] = sum[r];
-  }
+  for (long r = 0; r < rows; r++) finish_row(a, (tok0 + t0 + r / group) * a.H + kvh * group + r % group, mx[r], sum[r]);
 }
 
 template <int DC>
@@ -486,19 +495,19 @@ void run(const Args& a, long S, long tile, int nthreads) {
 
 extern "C" {
 
-int bl_attention_abi_version() { return 1; }
+int bl_attention_abi_version() { return 2; }
 
 // Partials of every query token of a flat batch over its sequence's paged context.
 //   q [T, H, D] (token stride q_stride, heads contiguous), caches [KVH, num_blocks, block_size, D],
 //   tables [S, max_blocks] int32, q_starts [S + 1] int32 token offsets, seq_lens [S] int32 (context
 //   after this step; token i of a chunk of ql sits at position seq_len - ql + i and sees keys
-//   0..position). Outputs o [T, H, D], m [T, H], e [T, H].
+//   0..position). Outputs o [T, H, D], m [T, H], e [T, H]; with normalize, o holds o / e.
 void bl_paged_attention(const float* q, long q_stride, const float* k_cache, const float* v_cache, long num_blocks,
                         long block_size, const int* tables, long max_blocks, const int* q_starts,
                         const int* seq_lens, long S, long H, long KVH, long D, float scale, float* o, float* m,
-                        float* e, long tile, int nthreads) {
+                        float* e, long tile, int normalize, int nthreads) {
   Args a{q, q_stride, k_cache, v_cache, num_blocks, block_size, tables, max_blocks, q_starts, seq_lens,
-         H, KVH, D, scale, o, m, e};
+         H, KVH, D, scale, o, m, e, normalize != 0};
   if (tile < 1) tile = 1;
   switch (D) {
     case 16: run<2>(a, S, tile, nthreads); break;
@@ -519,10 +528,10 @@ void bl_store_and_attend(const float* k, long k_stride, const float* v, long v_s
                          const float* q, long q_stride, float* k_cache, float* v_cache, long num_blocks,
                          long block_size, const int* tables, long max_blocks, const int* q_starts, const int* seq_lens,
                          long S, long H, long KVH, long D, float scale, float* o, float* m, float* e, long tile,
-                         int nthreads) {
+                         int normalize, int nthreads) {
   bl_store_kv(k, k_stride, v, v_stride, k_cache, v_cache, slots, T, KVH, num_blocks * block_size, D);
   bl_paged_attention(q, q_stride, k_cache, v_cache, num_blocks, block_size, tables, max_blocks, q_starts, seq_lens, S,
-                     H, KVH, D, scale, o, m, e, tile, nthreads);
+                     H, KVH, D, scale, o, m, e, tile, normalize, nthreads);
 }
 
 void bl_store_kv(const float* k, long k_stride, const float* v, long v_stride, float* k_cache, float* v_cache,

@@ -18,11 +18,11 @@ from boundless.model.native import F, I, L, P
 
 _SIGNATURES = {
     "bl_attention_abi_version": (I, []),
-    "bl_paged_attention": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I]),
+    "bl_paged_attention": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I]),
     "bl_store_kv": (None, [P, L, P, L, P, P, P, L, L, L, L]),
     "bl_store_and_attend": (
         None,
-        [P, L, P, L, P, L, P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I],
+        [P, L, P, L, P, L, P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I],
     ),
 }
 
@@ -30,8 +30,11 @@ _SIGNATURES = {
 PREFILL_TILE = 8
 
 
+_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+
+
 def _lib():
-    return native.load("cpu_attention", Path(__file__).with_name("cpu_attention.cpp"), _SIGNATURES)
+    return native.load("cpu_attention", _SOURCE, _SIGNATURES)
 
 
 def available() -> bool:
@@ -115,7 +118,7 @@ def paged_partial(
         e = torch.empty(t, h, 1, dtype=torch.float32)
     else:
         o, m, e = out
-    _lib().bl_paged_attention(*_attention_args(q, k_cache, v_cache, batch, scale, o, m, e))
+    _lib().bl_paged_attention(*_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize=False))
     return AttentionPartial(m=m, e=e, o=o)
 
 
@@ -129,13 +132,15 @@ def store_and_attend(
     batch: NativeBatch,
     scale: float,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    normalize: bool = False,
 ) -> AttentionPartial:
     """:func:`store_kv` then :func:`paged_partial`, in one call (the layout checks are the caller's:
-    heads contiguous in q, k, v; contiguous caches; int64 slots)."""
+    heads contiguous in q, k, v; contiguous caches; int64 slots). With ``normalize`` the partial's
+    ``o`` is finished in place into the attention output ``o / e``, for a caller with nothing to merge."""
     o, m, e = out
     _lib().bl_store_and_attend(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), q.shape[0],
-        *_attention_args(q, k_cache, v_cache, batch, scale, o, m, e),
+        *_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize),
     )  # fmt: skip
     return AttentionPartial(m=m, e=e, o=o)
 
@@ -149,6 +154,7 @@ def _attention_args(
     o: torch.Tensor,
     m: torch.Tensor,
     e: torch.Tensor,
+    normalize: bool,
 ) -> tuple:
     """The attention arguments the kernel's entry points share, in their order."""
     h, d = q.shape[1:]
@@ -156,6 +162,6 @@ def _attention_args(
     return (
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), nb, bs,
         batch.tables.data_ptr(), batch.tables.shape[1], batch.q_starts.data_ptr(), batch.seq_lens.data_ptr(),
-        batch.tables.shape[0], h, kvh, d, scale, o.data_ptr(), m.data_ptr(), e.data_ptr(), batch.tile,
+        batch.tables.shape[0], h, kvh, d, scale, o.data_ptr(), m.data_ptr(), e.data_ptr(), batch.tile, int(normalize),
         native.threads(),
     )  # fmt: skip

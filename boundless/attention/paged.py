@@ -43,7 +43,7 @@ class PagedAttentionMetadata:
     # metadata from when a layer needs it after all (a non-fp32 cache).
     native: cpu_attention.NativeBatch | None = None
     batch: AttentionBatch | None = None
-    buffers: tuple[torch.Tensor, ...] | None = None  # o, m, e and the merged output, reused by every layer
+    buffers: tuple[torch.Tensor, ...] | None = None  # o, m, e, reused by every layer
 
 
 class TorchPagedAttention:
@@ -156,15 +156,15 @@ class TorchPagedAttention:
         assert meta.native is not None
         if meta.buffers is None or meta.buffers[0].shape != q.shape:
             t, h, d = q.shape
-            o = torch.empty(t, h, d, dtype=torch.float32)
-            meta.buffers = (o, torch.empty(t, h, 1), torch.empty(t, h, 1), torch.empty_like(o))
+            meta.buffers = (torch.empty(t, h, d), torch.empty(t, h, 1), torch.empty(t, h, 1))
             assert meta.slot_mapping.dtype == torch.long and meta.slot_mapping.numel() == t
             meta.slot_mapping = meta.slot_mapping.contiguous()
-        o, m, e, out = meta.buffers
-        part = cpu_attention.store_and_attend(
-            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e)
+        o, m, e = meta.buffers
+        # One local partial: the kernel finishes it (o / e, as merge_partials would) in place.
+        cpu_attention.store_and_attend(
+            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e), normalize=True
         )
-        return merge_partials([part], out=out)
+        return o
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata

@@ -39,6 +39,8 @@ class PagedKVCache:
             self.data = huge_page_empty(numel, dtype).view(shape).zero_()
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
+        # Views made once: every layer of every step asks for its pair.
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
@@ -46,7 +48,7 @@ class PagedKVCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key cache, value cache) of one layer, each [kv_heads, blocks, block_size, head_dim]."""
-        return self.data[index, 0], self.data[index, 1]
+        return self._layers[index]
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A copy of these blocks' KV across all layers: [layers, 2, kv_heads, n, block_size, head_dim]."""

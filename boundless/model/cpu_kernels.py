@@ -32,8 +32,11 @@ _PANEL = 24  # output features per packed panel (NR in the C++ source)
 STORE, ACCUMULATE, GLU = 0, 1, 2
 
 
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+
+
 def _lib():
-    return native.load("cpu_kernels", Path(__file__).with_name("cpu_kernels.cpp"), _SIGNATURES)
+    return native.load("cpu_kernels", _SOURCE, _SIGNATURES)
 
 
 def available() -> bool:

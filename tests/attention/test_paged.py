@@ -148,6 +148,26 @@ def test_native_partial_statistics() -> None:
             row += 1
 
 
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_native_finish_in_place_equals_merge_partials(mix: str) -> None:
+    """With nothing to merge, the kernel divides o by e itself: the same bits merge_partials gives."""
+    if not cpu_attention.supports(64, torch.device("cpu")):
+        pytest.skip("native attention kernel unavailable here")
+    heads, kv_heads, d = 9, 3, 64
+    batch, cache, q, k, v, expected = _case(3, heads, kv_heads, d, 16, MIXES[mix])
+    nb = cpu_attention.make_batch(batch.query_lens, batch.seq_lens, batch.block_tables)
+    scale = d**-0.5
+    cpu_attention.store_kv(k, v, cache[0], cache[1], batch.slot_mapping)
+    reference = merge_partials([cpu_attention.paged_partial(q, cache[0], cache[1], nb, scale)])
+    t = q.shape[0]
+    out = (torch.full((t, heads, d), float("nan")), torch.empty(t, heads, 1), torch.empty(t, heads, 1))
+    part = cpu_attention.store_and_attend(
+        q, k, v, cache[0], cache[1], batch.slot_mapping, nb, scale, out, normalize=True
+    )
+    assert torch.equal(part.o, reference)
+    torch.testing.assert_close(part.o.double(), expected, rtol=1e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("parts", [1, 2, 5])
 def test_merge_of_partials_is_attention_over_the_union(parts: int) -> None:
     gen = torch.Generator().manual_seed(parts)
