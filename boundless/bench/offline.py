@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
 import torch
@@ -79,16 +81,20 @@ def run(args: argparse.Namespace) -> dict:
     config = engine_config_from_flags(args)
     loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
     prompts = make_prompts(loaded, args.num_prompts, args.input_len, args.bench_seed)
-    figures: list[OfflineFigures] = []
-    outputs: dict[str, list[list[int]]] = {}
-
-    fig, outputs["boundless"] = _measure_boundless(LLM.from_config(config, loaded), prompts, args.output_len)
-    figures.append(fig)
-    gc.collect()
-
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    systems: list[_System] = [_BoundlessSystem(LLM.from_config(config, loaded))]
     if not args.skip_hf:
-        fig, outputs["huggingface"] = _measure_hf(loaded, prompts, args.output_len)
-        figures.insert(0, fig)
+        systems.insert(0, _HuggingFaceSystem(loaded))
+    for sys_ in systems:
+        sys_.generate(prompts[:2], 4)  # warm up
+    # The systems take turns, run after run, so that a slow spell of a noisy machine falls on both.
+    runs: list[dict[str, _Run]] = []
+    for _ in range(args.repeats):
+        runs.append({sys_.name: sys_.measure(prompts, args.output_len) for sys_ in systems})
+        gc.collect()
+    total = len(prompts) * args.output_len
+    figures = [_median_figures(sys_.name, [r[sys_.name] for r in runs], total) for sys_ in systems]
 
     result = {
         "model": config.model.model,
@@ -98,54 +104,94 @@ def run(args: argparse.Namespace) -> dict:
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "repeats": args.repeats,
         "figures": [asdict(f) for f in figures],
-    }
+        "runs": [{name: {"seconds": r.seconds, "single_decode_tokens_per_s": r.single} for name, r in run.items()}
+                 for run in runs],
+    }  # fmt: skip
     rows = [
         [f.system, f"{f.output_tokens_per_s:.1f}", f"{f.seconds:.2f}", f"{f.single_decode_tokens_per_s:.1f}"]
         for f in figures
     ]
+    if args.repeats > 1:
+        print(f"medians of {args.repeats} runs each, the systems taking turns:")
     print_table(["system", "output tok/s", "seconds", "single-request decode tok/s"], rows)
     if len(figures) == 2:
         hf_fig, ours = figures
         result["throughput_ratio"] = ours.output_tokens_per_s / hf_fig.output_tokens_per_s
         result["single_decode_ratio"] = ours.single_decode_tokens_per_s / hf_fig.single_decode_tokens_per_s
-        same = sum(a == b for a, b in zip(outputs["boundless"], outputs["huggingface"], strict=True))
+        outputs = runs[0]
+        same = sum(a == b for a, b in zip(outputs["boundless"].outputs, outputs["huggingface"].outputs, strict=True))
         result["identical_outputs"] = same
         print(
             f"ratio (boundless / huggingface): throughput {result['throughput_ratio']:.2f}x, "
             f"single-request decode {result['single_decode_ratio']:.2f}x; "
             f"greedy outputs identical for {same}/{len(prompts)} prompts"
         )
+        if args.repeats > 1:
+            per_run = [r["huggingface"].seconds / r["boundless"].seconds for r in runs]
+            result["throughput_ratio_per_run"] = per_run
+            print("throughput ratio per run: " + ", ".join(f"{x:.2f}x" for x in per_run))
     if args.json:
         write_json(args.json, result)
     return result
 
 
-def _measure_boundless(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[OfflineFigures, list]:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm up
-    llm.engine.reset_prefix_cache()
-    secs, results = _timed(lambda: llm.generate(prompts, params))
-    llm.engine.reset_prefix_cache()
-    t1, _ = _timed(lambda: llm.generate(prompts[:1], one))
-    llm.engine.reset_prefix_cache()
-    tn, _ = _timed(lambda: llm.generate(prompts[:1], params))
-    total = len(prompts) * output_len
-    fig = OfflineFigures("boundless", total, secs, total / secs, (output_len - 1) / (tn - t1))
-    return fig, [r.outputs[0].token_ids for r in results]
+@dataclass
+class _Run:
+    """One timed run of a system: the batch's seconds, single-request decode tokens/s, the outputs."""
+
+    seconds: float
+    single: float
+    outputs: list[list[int]]
 
 
-def _measure_hf(loaded: LoadedModel, prompts: list[list[int]], output_len: int) -> tuple[OfflineFigures, list]:
-    hf = load_hf_reference(loaded)
-    pad = loaded.tokenizer.eos_token_ids[0] if loaded.tokenizer.eos_token_ids else 0
-    dev = loaded.device
-    hf_generate(hf, prompts[:2], 4, pad, dev)  # warm up
-    secs, outputs = _timed(lambda: hf_generate(hf, prompts, output_len, pad, dev))
-    t1, _ = _timed(lambda: hf_generate(hf, prompts[:1], 1, pad, dev))
-    tn, _ = _timed(lambda: hf_generate(hf, prompts[:1], output_len, pad, dev))
-    total = len(prompts) * output_len
-    return OfflineFigures("huggingface", total, secs, total / secs, (output_len - 1) / (tn - t1)), outputs
+def _median_figures(system: str, runs: list[_Run], total_tokens: int) -> OfflineFigures:
+    secs = statistics.median(r.seconds for r in runs)
+    single = statistics.median(r.single for r in runs)
+    return OfflineFigures(system, total_tokens, secs, total_tokens / secs, single)
+
+
+class _System(ABC):
+    """A system under test: greedy generation over token-id prompts."""
+
+    name: str
+
+    def measure(self, prompts: list[list[int]], output_len: int) -> _Run:
+        """Greedy generation of ``output_len`` tokens for every prompt, timed, and of one prompt
+        alone (single-request decode: the time of ``output_len`` tokens less the time of one)."""
+        total, outputs = _timed(lambda: self.generate(prompts, output_len))
+        t1, _ = _timed(lambda: self.generate(prompts[:1], 1))
+        tn, _ = _timed(lambda: self.generate(prompts[:1], output_len))
+        return _Run(total, (output_len - 1) / (tn - t1), outputs)
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]: ...
+
+
+class _BoundlessSystem(_System):
+    name = "boundless"
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        # Every timed run starts cold: no prefix cache left from the last one.
+        self.llm.engine.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        return [r.outputs[0].token_ids for r in self.llm.generate(prompts, params)]
+
+
+class _HuggingFaceSystem(_System):
+    name = "huggingface"
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.model = load_hf_reference(loaded)
+        self.pad = loaded.tokenizer.eos_token_ids[0] if loaded.tokenizer.eos_token_ids else 0
+        self.device = loaded.device
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        return hf_generate(self.model, prompts, output_len, self.pad, self.device)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,4 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true", help="run only Boundless")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="timed runs per system, taking turns; figures are the medians"
+    )
     parser.add_argument("--bench-seed", dest="bench_seed", type=int, default=0, help="seed of the random prompts")

@@ -1,0 +1,37 @@
+"""``boundless bench offline`` end to end on a tiny random model: both systems, turns, medians."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_bench_offline_reports_medians_of_alternating_runs(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "offline.json"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "boundless.cli", "bench", "offline",
+            "--model", str(model_dirs["tiny-llama"]),
+            "--num-prompts", "3", "--input-len", "9", "--output-len", "5", "--repeats", "3",
+            "--kv-cache-gb", "0.05", "--json", str(out),
+        ],
+        check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["repeats"] == 3 and len(result["runs"]) == 3
+    figures = {f["system"]: f for f in result["figures"]}
+    assert set(figures) == {"huggingface", "boundless"}
+    for name, fig in figures.items():
+        seconds = [run[name]["seconds"] for run in result["runs"]]
+        assert fig["seconds"] == statistics.median(seconds) > 0
+        assert fig["output_tokens"] == 3 * 5
+        assert fig["output_tokens_per_s"] == fig["output_tokens"] / fig["seconds"]
+    ratio = figures["boundless"]["output_tokens_per_s"] / figures["huggingface"]["output_tokens_per_s"]
+    assert result["throughput_ratio"] == ratio
+    assert len(result["throughput_ratio_per_run"]) == 3
+    # Greedy on the same fp32 weights: the two systems agree token for token.
+    assert result["identical_outputs"] == 3
+    assert "throughput ratio per run" in proc.stdout
