@@ -86,7 +86,7 @@ class LLM:
     def _start(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         if loaded is None:
             loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
-        self.engine = EngineCore(loaded, config)
+        self.engine = EngineCore.from_model(loaded, config)
         self._ids = itertools.count()
 
     @property

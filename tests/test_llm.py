@@ -120,7 +120,7 @@ def _dense_logprobs(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
     llm = LLM.from_config(_config(loaded, enable_prefix_caching=False), loaded)
     core = llm.engine
     core.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=1))
-    step = core.runner.forward(core.scheduler.schedule())
+    step = core.executor.runner.forward(core.scheduler.schedule())
     return torch.log_softmax(step.logits[0], dim=-1)
 
 

@@ -31,7 +31,7 @@ def resolve_api_key(config: ServerConfig) -> ServerConfig:
 def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
     """One engine in this process, as ``boundless serve`` runs it by default."""
     loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
-    return AsyncEngine(EngineCore(loaded, config), max_waiting=max_waiting)
+    return AsyncEngine(EngineCore.from_model(loaded, config), max_waiting=max_waiting)
 
 
 def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) -> EngineClient:

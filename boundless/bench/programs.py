@@ -181,7 +181,7 @@ def _serve_and_run(
 
         engine = ClusterClient(config, cluster)
     else:
-        engine = AsyncEngine(EngineCore(loaded, config))
+        engine = AsyncEngine(EngineCore.from_model(loaded, config))
     server = start_in_thread(engine, "bench")
     try:
         runner = ProgramRunner(server.url, "bench", engine.max_model_len, loaded.arch.vocab_size)

@@ -46,7 +46,7 @@ class EngineInstance:
             torch.set_num_threads(threads)
         self.instance_id = instance_id
         loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
-        self.core = EngineCore(loaded, config)
+        self.core = EngineCore.from_model(loaded, config)
         self._outbox: list[RequestDelta] = []
         self._ready = threading.Condition()
         self.loop = EngineLoop(self.core, self._sink, max_waiting)
@@ -59,7 +59,7 @@ class EngineInstance:
 
     def info(self) -> InstanceInfo:
         return InstanceInfo(
-            self.instance_id, os.getpid(), os.uname().nodename, self.core.max_model_len, str(self.core.loaded.device)
+            self.instance_id, os.getpid(), os.uname().nodename, self.core.max_model_len, self.core.identity.device
         )
 
     def add(

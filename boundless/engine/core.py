@@ -13,20 +13,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from boundless.attention.paged import TorchPagedAttention
 from boundless.config import ConfigError, EngineConfig, SchedulerConfig
+from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer
 from boundless.engine.errors import InvalidRequestError
+from boundless.engine.executor import Executor
 from boundless.engine.request import ProgramRef, Request, RequestStatus
-from boundless.engine.runner import ModelRunner
-from boundless.engine.sampler import SampledToken, Sampler
+from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
 from boundless.kv.manager import KVCacheManager
-from boundless.kv.swap import HostSwapSpace
-from boundless.kv.tensors import PagedKVCache
-from boundless.model.arch import ModelArch
 from boundless.model.loader import LoadedModel
+from boundless.model.tokenizer import Tokenizer
 from boundless.programs.policies import ATLASPolicy, MLFQPolicy, PLASPolicy, QueueConfig
 from boundless.programs.policy import FCFSPolicy, SchedulingPolicy
 
@@ -119,29 +117,36 @@ def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
 
 
 class EngineCore:
-    """Scheduler, KV cache, runner and detokenizers of one instance."""
+    """Scheduler, KV cache manager, executor and detokenizers of one instance.
+
+    Built by :meth:`from_model` for the real network; the simulator builds it with the same
+    sizing and a cost-model executor.
+    """
 
     def __init__(
         self,
-        loaded: LoadedModel,
         config: EngineConfig,
+        layout: EngineLayout,
+        identity: ModelIdentity,
+        tokenizer: Tokenizer,
+        executor: Executor,
         clock: Callable[[], float] = time.monotonic,
         policy: SchedulingPolicy | None = None,
     ) -> None:
-        self.loaded = loaded
         self.config = config
+        self.layout = layout
+        self.identity = identity
+        self.tokenizer = tokenizer
+        self.executor = executor
         self.clock = clock
-        arch = loaded.arch
-        cache_cfg = config.cache
-        bs = cache_cfg.block_size
-        per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, bs, loaded.dtype)
-        num_blocks = cache_cfg.num_kv_blocks or max(1, int(cache_cfg.kv_cache_gb * (1 << 30)) // per_block)
-        self.max_model_len = self._context_length(config, arch, num_blocks * bs)
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(arch.eos_token_ids)))
-        num_host_blocks = int(cache_cfg.swap_space_gb * (1 << 30)) // per_block
+        self.max_model_len = layout.max_model_len
+        self.eos_token_ids = identity.eos_token_ids
         self.kv = KVCacheManager(
-            num_blocks, bs, cache_cfg.enable_prefix_caching, loaded.fingerprint, num_host_blocks=num_host_blocks
+            layout.num_blocks,
+            layout.block_size,
+            config.cache.enable_prefix_caching,
+            identity.fingerprint,
+            num_host_blocks=layout.num_host_blocks,
         )
         self.policy = policy or make_policy(config.scheduler)
         self.scheduler = Scheduler(
@@ -151,32 +156,21 @@ class EngineCore:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs,
         )
-        loaded.model.prepare(self.max_model_len)
-        kv_cache = PagedKVCache(
-            arch.num_layers, arch.num_kv_heads, arch.head_dim, num_blocks, bs, loaded.dtype, loaded.device
-        )
-        attention = TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, num_blocks)
-        sampler = Sampler(loaded.device, seed=config.model.seed)
-        self.runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device)
-        self.swap_space = HostSwapSpace(kv_cache, num_host_blocks) if num_host_blocks else None
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
 
-    @staticmethod
-    def _context_length(config: EngineConfig, arch: ModelArch, pool_tokens: int) -> int:
-        """The asked context length, or by default the model's, capped by the KV pool."""
-        asked = config.model.max_model_len
-        if asked is None:
-            limit = arch.max_position_embeddings
-            if arch.sliding_window:
-                limit = min(limit, arch.sliding_window)  # no windowed attention: stay where attention is exact
-            return min(limit, pool_tokens)
-        if asked > pool_tokens:
-            raise ConfigError(
-                f"--max-model-len: {asked} tokens do not fit in the KV pool ({pool_tokens} tokens); "
-                "raise --kv-cache-gb or --num-kv-blocks"
-            )
-        return asked
+    @classmethod
+    def from_model(
+        cls,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+        policy: SchedulingPolicy | None = None,
+    ) -> EngineCore:
+        """An instance that runs ``loaded`` on its device."""
+        layout = size_engine(config, loaded.arch, loaded.dtype)
+        executor = build_model_executor(loaded, config, layout)
+        return cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -195,7 +189,7 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.loaded.arch.vocab_size
+        vocab = self.identity.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         wanted = params.max_tokens or 1
@@ -254,22 +248,16 @@ class EngineCore:
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (bookkeeping only; cheap)."""
-        sched = self.scheduler.schedule()
-        self.runner.sampler.forget(sched.finished_ids)
-        return sched
+        return self.scheduler.schedule()
 
     def execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampledToken], float]:
-        """Run the model on a scheduled step; returns the sampled tokens and the model time.
+        """Run a scheduled step on the executor; returns the sampled tokens and the step's seconds.
 
-        Touches only the runner, so a front end may run it without holding the lock that guards
+        Touches only the executor, so a front end may run it without holding the lock that guards
         request bookkeeping (requests aborted meanwhile are skipped by :meth:`finish_step`).
         """
-        start = self.clock()
-        if sched.swap_out or sched.swap_in:
-            assert self.swap_space is not None
-            self.swap_space.apply(sched.swap_out, sched.swap_in)
-        sampled = self.runner.sample(self.runner.forward(sched))
-        return sampled, self.clock() - start
+        result = self.executor.execute(sched)
+        return result.sampled, result.elapsed_s
 
     def finish_step(
         self, sched: SchedulerOutput, sampled: dict[str, SampledToken], elapsed: float

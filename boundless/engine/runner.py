@@ -99,7 +99,3 @@ class ModelRunner:
             return {}
         tokens = self.sampler.sample(step.logits, step.chunks)
         return {c.request_id: t for c, t in zip(step.chunks, tokens, strict=True)}
-
-    def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
-        self.sampler.forget(sched.finished_ids)
-        return self.sample(self.forward(sched))

@@ -25,7 +25,7 @@ MAX_LEN = 1024
 def _engine(loaded: LoadedModel, max_waiting: int = 512, **kwargs) -> AsyncEngine:
     kwargs.setdefault("max_model_len", MAX_LEN)
     kwargs.setdefault("kv_cache_gb", 0.25)
-    return AsyncEngine(EngineCore(loaded, engine_config(loaded.name, **kwargs)), max_waiting=max_waiting)
+    return AsyncEngine(EngineCore.from_model(loaded, engine_config(loaded.name, **kwargs)), max_waiting=max_waiting)
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,7 @@ def test_tools_and_tool_messages_reach_the_template(tmp_path: Path) -> None:
     config["chat_template"] = HERMES_TEMPLATE.replace("\\n", "\n")
     (root / "tokenizer_config.json").write_text(json.dumps(config))
     loaded = load_model(str(root))
-    engine = AsyncEngine(EngineCore(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
+    engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
     server = start_in_thread(engine, "tiny")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)

@@ -82,7 +82,7 @@ def _engine(loaded: LoadedModel, **cache_and_sched) -> EngineCore:
         cache=CacheConfig(**cache),
         scheduler=SchedulerConfig(**sched),
     )
-    return EngineCore(loaded, cfg)
+    return EngineCore.from_model(loaded, cfg)
 
 
 def _run_greedy(core: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
@@ -144,10 +144,10 @@ def test_per_step_logits_match_transformers(ref: Reference) -> None:
     logits: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(ref.prompts))}
     while core.has_unfinished():
         sched = core.scheduler.schedule()
-        step = core.runner.forward(sched)
+        step = core.executor.runner.forward(sched)
         for chunk, row in zip(step.chunks, step.logits, strict=True):
             logits[chunk.request_id].append(row.clone())
-        core.finish_step(sched, core.runner.sample(step), 0.0)
+        core.finish_step(sched, core.executor.runner.sample(step), 0.0)
     worst = 0.0
     for i in range(len(ref.prompts)):
         ours = torch.stack(logits[str(i)])

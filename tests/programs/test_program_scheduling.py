@@ -49,7 +49,7 @@ def test_short_program_overtakes_a_long_one(tiny_llama: LoadedModel, policy: str
     config = engine_config(
         tiny_llama.name, max_model_len=512, kv_cache_gb=0.05, max_num_seqs=1, policy=policy, queue_base_s=0.01
     )
-    engine = AsyncEngine(EngineCore(tiny_llama, config))
+    engine = AsyncEngine(EngineCore.from_model(tiny_llama, config))
     server = start_in_thread(engine, "tiny")
     try:
         order = asyncio.run(_race(server.url))

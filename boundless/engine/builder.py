@@ -1,0 +1,90 @@
+"""Sizing and wiring of one engine instance, for the real model and for the simulator alike.
+
+:func:`size_engine` cuts the instance's memory into KV blocks and fixes its context length (pure);
+:func:`build_model_executor` wires the network, the KV memory, the attention backend and the
+sampler into a :class:`~boundless.engine.executor.ModelExecutor`. The simulator sizes its engines
+with the same function and gives them a cost-model executor instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from boundless.attention.paged import TorchPagedAttention
+from boundless.config import ConfigError, EngineConfig
+from boundless.engine.executor import ModelExecutor
+from boundless.engine.runner import ModelRunner
+from boundless.engine.sampler import Sampler
+from boundless.kv.swap import HostSwapSpace
+from boundless.kv.tensors import PagedKVCache
+from boundless.model.arch import ModelArch
+from boundless.model.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """How one instance's KV memory is cut up, and the context length that follows from it."""
+
+    block_size: int
+    num_blocks: int  # device KV blocks
+    num_host_blocks: int  # host blocks for swapped-out requests (0: recompute instead)
+    bytes_per_block: int  # one block's KV across all layers
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What the engine's bookkeeping knows of its model: no weights."""
+
+    name: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str  # names KV blocks: equal fingerprints mean interchangeable KV
+    device: str
+
+    @staticmethod
+    def of(loaded: LoadedModel) -> ModelIdentity:
+        eos = tuple(sorted(set(loaded.tokenizer.eos_token_ids) | set(loaded.arch.eos_token_ids)))
+        return ModelIdentity(loaded.name, loaded.arch.vocab_size, eos, loaded.fingerprint, str(loaded.device))
+
+
+def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype) -> EngineLayout:
+    """Blocks from ``--num-kv-blocks`` or ``--kv-cache-gb``, host blocks from ``--swap-space-gb``, and the
+    context length: the asked one (which must fit in the pool), or the model's capped by the pool."""
+    cache = config.cache
+    bs = cache.block_size
+    per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, bs, dtype)
+    num_blocks = cache.num_kv_blocks or max(1, int(cache.kv_cache_gb * (1 << 30)) // per_block)
+    num_host_blocks = int(cache.swap_space_gb * (1 << 30)) // per_block
+    pool_tokens = num_blocks * bs
+    asked = config.model.max_model_len
+    if asked is None:
+        limit = arch.max_position_embeddings
+        if arch.sliding_window:
+            limit = min(limit, arch.sliding_window)  # no windowed attention: stay where attention is exact
+        max_model_len = min(limit, pool_tokens)
+    elif asked > pool_tokens:
+        raise ConfigError(
+            f"--max-model-len: {asked} tokens do not fit in the KV pool ({pool_tokens} tokens); "
+            "raise --kv-cache-gb or --num-kv-blocks"
+        )
+    else:
+        max_model_len = asked
+    return EngineLayout(bs, num_blocks, num_host_blocks, per_block, max_model_len)
+
+
+def build_model_executor(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> ModelExecutor:
+    """The network, its KV memory (device and host), attention backend and sampler, ready to run steps."""
+    arch = loaded.arch
+    loaded.model.prepare(layout.max_model_len)
+    kv_cache = PagedKVCache(
+        arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, loaded.dtype,
+        loaded.device,
+    )  # fmt: skip
+    attention = TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks)
+    sampler = Sampler(loaded.device, seed=config.model.seed)
+    runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device)
+    swap_space = HostSwapSpace(kv_cache, layout.num_host_blocks) if layout.num_host_blocks else None
+    return ModelExecutor(runner, swap_space)
