@@ -1,29 +1,32 @@
-"""The front of a cluster of engine instances on Ray: routing, heartbeats, failover.
+"""The Ray transport around the cluster's dispatcher.
 
 ``ClusterClient`` offers the HTTP server the same interface as an in-process engine. It starts
 (or joins) Ray, creates one :class:`~boundless.cluster.instance.EngineInstance` actor per
-instance, and keeps the process table, so program priorities are global: every call carries its
-program's service and waiting time as the router knows them. A poller thread per instance drains
-its deltas; a heartbeat thread collects load and KV usage. An instance that dies or stops
-answering is marked dead and gets no new calls; its in-flight calls are resent to a live instance
-with the tokens already produced, so a streaming client sees no token repeated or lost.
+instance, and carries out the decisions of a :class:`~boundless.cluster.dispatcher.Dispatcher`,
+which routes calls, keeps the process table (so program priorities are global) and decides
+failover. What is left here is the transport: the actors, a poller thread per instance that
+drains its deltas, a heartbeat thread that collects load and KV usage, the streams to the HTTP
+handlers, and telling Ray's errors apart: an instance whose ``add`` raised fails that call and
+keeps serving; one that died or does not answer in ``heartbeat_timeout_s`` is lost, and its calls
+are resent elsewhere with the tokens already produced.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
+from boundless.cluster.dispatcher import AbortOn, AddResult, Decision, Dispatcher, Fail, MarkDead, Send
 from boundless.cluster.instance import EngineInstance, InstanceInfo
-from boundless.cluster.routing import InstanceView, NoLiveInstanceError, Router
+from boundless.cluster.routing import Router
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import EngineDeadError, QueueFullError, RequestStream, StreamRegistry
-from boundless.engine.core import EngineStats, RequestDelta, Resume
+from boundless.engine.core import EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.request import ProgramRef
 from boundless.engine.sampling_params import SamplingParams
@@ -34,32 +37,21 @@ from boundless.programs.process_table import ProcessTable
 log = logging.getLogger(__name__)
 
 
+class InstanceCallError(RuntimeError):
+    """An instance raised while taking a call: the call fails alone, and the instance keeps serving."""
+
+
 @dataclass
 class Instance:
-    view: InstanceView
+    """An instance's actor and what it last said about itself."""
+
     actor: object
     info: InstanceInfo | None = None
     stats: EngineStats | None = None
-    last_heartbeat: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class InflightCall:
-    """A call as the router tracks it, enough to resend it elsewhere."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    program: ProgramRef | None
-    instance: str
-    arrival: float
-    output_token_ids: list[int] = field(default_factory=list)
-    text_chars_sent: int = 0
-    failovers: int = 0
 
 
 class ClusterClient:
-    """N engine instances as Ray actors behind one router."""
+    """N engine instances as Ray actors behind one dispatcher."""
 
     def __init__(self, engine: EngineConfig, cluster: ClusterConfig, max_waiting: int = 1024) -> None:
         import ray
@@ -73,24 +65,22 @@ class ClusterClient:
         actor_cls = ray.remote(EngineInstance).options(
             num_cpus=0 if not gpu else 1, num_gpus=1 if gpu else 0, max_concurrency=16, max_restarts=0
         )
-        self.instances: dict[str, Instance] = {}
-        for i in range(cluster.instances):
-            iid = str(i)
-            actor = actor_cls.remote(iid, engine, max_waiting, threads)
-            self.instances[iid] = Instance(InstanceView(iid), actor)
+        self.instances: dict[str, Instance] = {
+            str(i): Instance(actor_cls.remote(str(i), engine, max_waiting, threads)) for i in range(cluster.instances)
+        }
         for inst in self.instances.values():
             inst.info = ray.get(inst.actor.info.remote())
         self.tokenizer = load_tokenizer(resolve_model_path(engine.model.model))
         self.max_model_len = min(i.info.max_model_len for i in self.instances.values() if i.info)
-        self.router = Router(cluster.routing, cluster.locality_threshold, cluster.locality_max_imbalance)
-        self.table = ProcessTable(
-            ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas"
+        self.dispatcher = Dispatcher(
+            self.instances,
+            Router(cluster.routing, cluster.locality_threshold, cluster.locality_max_imbalance),
+            ProcessTable(ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas"),
+            time.monotonic,
         )
         self.streams = StreamRegistry()
-        self.inflight: dict[str, InflightCall] = {}
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # around the dispatcher, and the adds its decisions send
         self._listeners: list[Callable[[RequestDelta], None]] = []
-        self.num_failovers = 0  # calls resent after their instance died
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._poll, args=(iid,), name=f"boundless-poll-{iid}", daemon=True)
@@ -103,56 +93,47 @@ class ClusterClient:
     # -- the EngineClient interface ------------------------------------------------------------
 
     def is_alive(self) -> bool:
-        return any(i.view.alive for i in self.instances.values())
+        return self.dispatcher.is_alive()
 
     def add_finished_listener(self, fn: Callable[[RequestDelta], None]) -> None:
         self._listeners.append(fn)
 
     def stats(self) -> dict[str, EngineStats]:
-        return {iid: i.stats for iid, i in self.instances.items() if i.stats is not None and i.view.alive}
+        views = self.dispatcher.views
+        return {iid: i.stats for iid, i in self.instances.items() if i.stats is not None and views[iid].alive}
 
     def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
     ) -> RequestStream:
-        call = InflightCall(request_id, list(prompt_token_ids), params, program, "", time.monotonic())
-
         def start() -> None:
             with self.lock:
-                if program is not None:
-                    self.table.call_arrived(program, time.monotonic())
-                try:
-                    self._dispatch(call)
-                except BaseException:
-                    self._abandon(program)
-                    raise
+                failure = self._carry_out(
+                    self.dispatcher.submit(request_id, prompt_token_ids, params, program), caller=request_id
+                )
+            if failure is not None:
+                raise _error(failure)
 
         return self.streams.open_and_start(request_id, self.abort, start)
 
     def abort(self, request_id: str) -> None:
         self.streams.close(request_id)
         with self.lock:
-            call = self.inflight.pop(request_id, None)
-            if call is None:
-                return
-            inst = self.instances[call.instance]
-            inst.view.inflight -= 1
-            self._abandon(call.program)
-        if inst.view.alive:
-            inst.actor.abort.remote(request_id)
+            self._carry_out(self.dispatcher.abort(request_id))
 
     def cluster_info(self) -> list[dict]:
         out = []
         for iid, inst in self.instances.items():
             s = inst.stats
+            view = self.dispatcher.views[iid]
             out.append(
                 {
                     "id": iid,
                     "pid": inst.info.pid if inst.info else None,
                     "node": inst.info.node if inst.info else None,
-                    "state": "alive" if inst.view.alive else "dead",
+                    "state": "alive" if view.alive else "dead",
                     "running": s.num_running if s else 0,
                     "waiting": s.num_waiting if s else 0,
-                    "inflight": inst.view.inflight,
+                    "inflight": view.inflight,
                     "kv_usage": s.kv_usage if s else 0.0,
                     "prefix_cache_hit_rate": s.prefix_cache_hit_rate if s else 0.0,
                 }
@@ -165,117 +146,82 @@ class ClusterClient:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
-        for inst in self.instances.values():
-            if inst.view.alive:
+        for iid, inst in self.instances.items():
+            if self.dispatcher.views[iid].alive:
                 with contextlib.suppress(Exception):  # already gone
                     ray.get(inst.actor.shutdown.remote(), timeout=10)
             ray.kill(inst.actor)
 
-    # -- routing and failover ----------------------------------------------------------------------
+    # -- carrying out the dispatcher's decisions ----------------------------------------------------
 
-    def _dispatch(self, call: InflightCall) -> None:
-        """Send a call (new or resent) to the instance the router picks. Holds ``self.lock``."""
+    def _carry_out(self, decisions: Iterable[Decision], caller: str | None = None) -> Fail | None:
+        """Carry out ``decisions`` and those that follow from their outcomes. Holds ``self.lock``.
+
+        Returns the failure of ``caller``'s call, for its submitter to raise; the failure of any
+        other call (one failing over) ends its stream with an error."""
         import ray
 
-        pid = call.program.program_id if call.program else None
-        views = [i.view for i in self.instances.values()]
-        program = call.program
-        if program is not None:
-            rec = self.table.get(program.program_id)
-            if rec is not None:
-                program = dataclasses.replace(
-                    program, service_s=rec.service_s, total_service_s=rec.total_service_s, waiting_s=rec.waiting_s
-                )
-        resume = Resume(tuple(call.output_token_ids), call.text_chars_sent) if call.output_token_ids else None
-        while True:
-            try:
-                iid = self.router.choose(views, pid, len(call.prompt) + len(call.output_token_ids))
-            except NoLiveInstanceError as e:
-                raise EngineDeadError(str(e)) from e
-            inst = self.instances[iid]
-            try:
-                result = ray.get(
-                    inst.actor.add.remote(call.request_id, call.prompt, call.params, program, resume),
-                    timeout=self.config.heartbeat_timeout_s,
-                )
-            except Exception as e:  # the instance is gone: mark it and try another
-                self._mark_dead(iid, f"add failed: {type(e).__name__}")
-                continue
-            break
-        if result.status == "invalid":
-            raise InvalidRequestError(result.message, result.param)
-        if result.status == "busy":
-            raise QueueFullError()
-        call.instance = iid
-        inst.view.inflight += 1
-        self.inflight[call.request_id] = call
+        queue = deque(decisions)
+        failure = None
+        while queue:
+            decision = queue.popleft()
+            if isinstance(decision, Send):
+                queue.extend(self.dispatcher.add_done(decision, self._add(decision)))
+            elif isinstance(decision, Fail):
+                if decision.request_id == caller:
+                    failure = decision
+                    continue
+                self.streams.deliver(_error_delta(decision))
+            elif isinstance(decision, MarkDead):
+                log.error("instance %s is dead (%s); failing over its calls", decision.instance_id, decision.reason)
+                with contextlib.suppress(Exception):  # a hung instance must not come back with stale work
+                    ray.kill(self.instances[decision.instance_id].actor)
+            elif isinstance(decision, AbortOn):
+                self.instances[decision.instance_id].actor.abort.remote(decision.request_id)
+        return failure
 
-    def _abandon(self, program: ProgramRef | None) -> None:
-        """A call of ``program`` will not complete: it stops keeping the program active. Holds ``self.lock``."""
-        if program is not None:
-            self.table.call_abandoned(program.program_id)
+    def _add(self, send: Send) -> AddResult:
+        """The instance's answer to ``send``, with Ray's errors told apart."""
+        import ray
 
-    def _mark_dead(self, iid: str, reason: str) -> None:
-        """Stop routing to an instance and resend its in-flight calls elsewhere."""
-        with self.lock:
-            inst = self.instances[iid]
-            if not inst.view.alive:
-                return
-            inst.view.alive = False
-            log.error("instance %s is dead (%s); failing over its calls", iid, reason)
-            self.router.drop_instance(iid)
-            orphans = [c for c in self.inflight.values() if c.instance == iid]
-            for call in orphans:
-                del self.inflight[call.request_id]
-                call.failovers += 1
-                self.num_failovers += 1
-                try:
-                    self._dispatch(call)
-                except Exception as e:  # nowhere to go: the client gets an error, not silence
-                    self._abandon(call.program)
-                    self.streams.deliver(
-                        RequestDelta(
-                            call.request_id, [], "", [], finished=True, finish_reason="error", stop_reason=str(e)
-                        )
-                    )
+        actor = self.instances[send.instance_id].actor
         try:
-            import ray
+            return ray.get(
+                actor.add.remote(send.request_id, send.prompt, send.params, send.program, send.resume),
+                timeout=self.config.heartbeat_timeout_s,
+            )
+        except Exception as e:
+            if _instance_unreachable(e):
+                return AddResult("unreachable", type(e).__name__)
+            cause = getattr(e, "cause", None) or e  # a RayTaskError carries what add raised on the instance
+            message = f"instance {send.instance_id} failed to take the request: {type(cause).__name__}: {cause}"
+            log.error("request %s: %s", send.request_id, message)
+            return AddResult("failed", message)
 
-            ray.kill(inst.actor)  # a hung instance must not come back with stale work
-        except Exception:
-            pass
+    def _lose(self, iid: str, reason: str) -> None:
+        with self.lock:
+            self._carry_out(self.dispatcher.instance_lost(iid, reason))
 
     # -- background threads -------------------------------------------------------------------
 
     def _poll(self, iid: str) -> None:
         import ray
 
-        inst = self.instances[iid]
-        while not self._stop.is_set() and inst.view.alive:
+        actor = self.instances[iid].actor
+        while not self._stop.is_set() and self.dispatcher.views[iid].alive:
             try:
-                deltas = ray.get(inst.actor.drain.remote(0.1), timeout=self.config.heartbeat_timeout_s)
+                deltas = ray.get(actor.drain.remote(0.1), timeout=self.config.heartbeat_timeout_s)
             except Exception as e:
                 if not self._stop.is_set():
-                    self._mark_dead(iid, f"drain failed: {type(e).__name__}")
+                    self._lose(iid, f"drain failed: {type(e).__name__}")
                 return
             for delta in deltas:
                 self._on_delta(iid, delta)
 
     def _on_delta(self, iid: str, delta: RequestDelta) -> None:
         with self.lock:
-            call = self.inflight.get(delta.request_id)
-            if call is None or call.instance != iid:
+            if not self.dispatcher.on_delta(iid, delta):
                 return  # aborted, or a stale delta from before a failover
-            call.output_token_ids.extend(delta.new_token_ids)
-            call.text_chars_sent += len(delta.new_text)
-            if delta.finished:
-                del self.inflight[delta.request_id]
-                self.instances[iid].view.inflight -= 1
-                if call.program is not None and delta.finish_time is not None:
-                    wait = max(0.0, (delta.finish_time - delta.arrival_time) - delta.service_s)
-                    self.table.call_finished(call.program, delta.service_s, wait, time.monotonic(), iid)
-                else:
-                    self._abandon(call.program)
         self.streams.deliver(delta)
         if delta.finished:
             for fn in self._listeners:
@@ -285,19 +231,40 @@ class ClusterClient:
         import ray
 
         while not self._stop.wait(self.config.heartbeat_interval_s):
-            for iid, inst in list(self.instances.items()):
-                if not inst.view.alive:
+            for iid, inst in self.instances.items():
+                if not self.dispatcher.views[iid].alive:
                     continue
                 try:
-                    stats = ray.get(inst.actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
+                    inst.stats = ray.get(inst.actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
                 except Exception as e:
-                    self._mark_dead(iid, f"heartbeat failed: {type(e).__name__}")
-                    continue
-                inst.stats = stats
-                inst.last_heartbeat = time.monotonic()
+                    self._lose(iid, f"heartbeat failed: {type(e).__name__}")
             with self.lock:
-                self.table.expire(time.monotonic())
-                self.router.retain(self.table)
+                self.dispatcher.expire()
+
+
+def _error(failure: Fail) -> Exception:
+    """The exception a submitter raises for its call's failure (the HTTP layer maps each to a status)."""
+    if failure.reason == "invalid":
+        return InvalidRequestError(failure.message, failure.param)
+    if failure.reason == "busy":
+        return QueueFullError()
+    if failure.reason == "unavailable":
+        return EngineDeadError(failure.message)
+    return InstanceCallError(failure.message)
+
+
+def _error_delta(failure: Fail) -> RequestDelta:
+    """The last delta of a call that failed after it started (while failing over)."""
+    return RequestDelta(
+        failure.request_id, [], "", [], finished=True, finish_reason="error", stop_reason=failure.message
+    )
+
+
+def _instance_unreachable(e: Exception) -> bool:
+    """Whether Ray's error says the instance died or hung, rather than that the call raised there."""
+    from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
+
+    return not isinstance(e, RayTaskError) and isinstance(e, (RayActorError, GetTimeoutError, ObjectLostError))
 
 
 def _local_cpus() -> int:

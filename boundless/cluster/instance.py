@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from boundless.cluster.dispatcher import AddResult
 from boundless.config import EngineConfig
 from boundless.engine.async_engine import EngineLoop, QueueFullError
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
@@ -20,6 +21,10 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.request import ProgramRef
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import load_model
+
+# Test hook: with this variable set in an instance's environment, ``add`` raises for a request whose
+# seed equals its value, as a request that trips a bug in the engine would.
+FAIL_ADD_SEED_ENV = "BOUNDLESS_TEST_FAIL_ADD_SEED"
 
 
 @dataclass(frozen=True)
@@ -31,13 +36,6 @@ class InstanceInfo:
     device: str
 
 
-@dataclass(frozen=True)
-class AddResult:
-    status: str  # ok, invalid or busy
-    message: str = ""
-    param: str | None = None
-
-
 class EngineInstance:
     """An engine, its loop thread and an outbox of deltas."""
 
@@ -45,6 +43,8 @@ class EngineInstance:
         if threads:
             torch.set_num_threads(threads)
         self.instance_id = instance_id
+        fail_seed = os.environ.get(FAIL_ADD_SEED_ENV)
+        self._fail_add_seed = int(fail_seed) if fail_seed else None
         loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
         self.core = EngineCore.from_model(loaded, config)
         self._outbox: list[RequestDelta] = []
@@ -70,6 +70,8 @@ class EngineInstance:
         program: ProgramRef | None = None,
         resume: Resume | None = None,
     ) -> AddResult:
+        if self._fail_add_seed is not None and params.seed == self._fail_add_seed:
+            raise RuntimeError(f"test hook {FAIL_ADD_SEED_ENV}: add fails for seed {params.seed}")
         try:
             self.loop.add(request_id, prompt_token_ids, params, program, resume)
         except InvalidRequestError as e:

@@ -16,12 +16,14 @@ import pytest
 from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
 from boundless.cluster.client import ClusterClient
+from boundless.cluster.instance import FAIL_ADD_SEED_ENV
 from boundless.config import ClusterConfig
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 THRESHOLD = 48  # tokens: longer calls are "long" and stay on their program's instance
+POISON_SEED = 4242  # a request with this seed makes an instance's add raise (the instances' test hook)
 
 
 def _cluster(model_dir: Path) -> ClusterClient:
@@ -38,9 +40,14 @@ def _cluster(model_dir: Path) -> ClusterClient:
 def ray_session() -> Iterator[None]:
     import ray
 
-    yield
+    # The instances' environment comes from Ray's start-up, so Ray starts afresh with the test hook set.
     if ray.is_initialized():
         ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(FAIL_ADD_SEED_ENV, str(POISON_SEED))
+        yield
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +90,7 @@ def test_long_calls_stay_home_short_calls_spread_outputs_match(
     # A call an instance rejects leaves its program idle (so it can expire), like completed ones.
     with pytest.raises(openai.BadRequestError):
         api.completions.create(model="tiny", prompt=[10**6], max_tokens=2, extra_body={"program_id": "agent"})
-    record = client.table.get("agent")
+    record = client.dispatcher.table.get("agent")
     assert record is not None and record.active_calls == 0 and record.completed_calls == 5
     # Short calls (no program) spread across both instances.
     short_prompts = [[200 + i, 201, 202] for i in range(8)]
@@ -102,6 +109,30 @@ def test_long_calls_stay_home_short_calls_spread_outputs_match(
     metrics = httpx.get(server.url + "/metrics").text
     assert 'boundless_generation_tokens_total{instance="0"}' in metrics
     assert 'boundless_generation_tokens_total{instance="1"}' in metrics
+
+
+def test_a_request_that_fails_in_add_fails_alone(cluster: tuple[ClusterClient, ServerThread]) -> None:
+    client, server = cluster
+    for _ in range(2):  # each attempt may land on either instance; neither may die of it
+        # A client of its own: the server closes the connection after a 500 from an unexpected error.
+        with (
+            openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as api,
+            pytest.raises(openai.InternalServerError) as failed,
+        ):
+            api.completions.create(
+                model="tiny", prompt=[40, 41, 42], max_tokens=2, seed=POISON_SEED, extra_body={"program_id": "poison"}
+            )
+        assert failed.value.status_code == 500 and "InstanceCallError" in failed.value.message
+    states = [i["state"] for i in httpx.get(server.url + "/cluster").json()["instances"]]
+    assert states == ["alive", "alive"]
+    record = client.dispatcher.table.get("poison")
+    assert record is not None and record.active_calls == 0  # the failed calls keep no program active
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    served = [
+        api.completions.create(model="tiny", prompt=[50 + i, 51, 52], max_tokens=3, temperature=0) for i in range(6)
+    ]
+    assert {r.system_fingerprint for r in served} == {"boundless-0", "boundless-1"}
+    assert client.dispatcher.num_failovers == 0
 
 
 def test_killing_an_instance_mid_stream_loses_nothing(
@@ -148,12 +179,12 @@ def test_killing_an_instance_mid_stream_loses_nothing(
             return list(results[: len(prompts)])
 
         texts = asyncio.run(run())
-        assert client.num_failovers > 0  # the dead instance had streams in flight
+        assert client.dispatcher.num_failovers > 0  # the dead instance had streams in flight
         assert texts == _offline(tiny_llama, prompts, max_tokens)
         deadline = time.monotonic() + 10
-        while client.instances["1"].view.alive and time.monotonic() < deadline:
+        while client.dispatcher.views["1"].alive and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not client.instances["1"].view.alive
+        assert not client.dispatcher.views["1"].alive
         states = {i["id"]: i["state"] for i in httpx.get(server.url + "/cluster").json()["instances"]}
         assert states == {"0": "alive", "1": "dead"}
         api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)

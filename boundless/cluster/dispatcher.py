@@ -1,0 +1,240 @@
+"""The cluster's decisions, as plain code over plain data: which instance takes a call, what the
+router knows of programs, which calls are in flight where, and what happens when an instance fails.
+
+A :class:`Dispatcher` is told what happened (a call arrived, an instance answered an ``add``, an
+instance was lost, a delta came, a call was aborted) and answers with decisions: :class:`Send` a
+call to an instance (with its program's global service and, after a failover, where it left off),
+:class:`Fail` a call, :class:`MarkDead` an instance, :class:`AbortOn` an instance. It never does
+I/O, sleeps or starts threads, and reads time only from the clock it is given; the Ray transport
+(:mod:`boundless.cluster.client`) carries its decisions out, and a simulator can do the same with
+simulated instances.
+
+An instance that does not answer (dead or hung) is marked dead and its calls go elsewhere; an
+instance that answers with an error fails that one call and keeps serving, so a request that trips
+a bug cannot take the cluster down instance by instance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from boundless.cluster.routing import InstanceView, NoLiveInstanceError, Router
+from boundless.engine.core import RequestDelta, Resume
+from boundless.engine.request import ProgramRef
+from boundless.engine.sampling_params import SamplingParams
+from boundless.programs.process_table import ProcessTable
+
+
+@dataclass
+class InflightCall:
+    """A call as the router tracks it, enough to resend it elsewhere."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    program: ProgramRef | None
+    instance: str = ""  # where it runs, once an instance took it
+    output_token_ids: list[int] = field(default_factory=list)
+    text_chars_sent: int = 0
+    failovers: int = 0
+
+
+AddStatus = Literal["ok", "invalid", "busy", "failed", "unreachable"]
+
+
+@dataclass(frozen=True)
+class AddResult:
+    """An instance's answer to an ``add``.
+
+    The instance itself answers ``ok``, ``invalid`` (the request cannot be served as asked) or
+    ``busy`` (its queue is full). The transport answers for it ``failed`` when ``add`` raised there
+    (the instance lives; this call fails) and ``unreachable`` when the instance did not answer
+    (it died or hung; the call goes elsewhere).
+    """
+
+    status: AddStatus
+    message: str = ""
+    param: str | None = None
+
+
+@dataclass(frozen=True)
+class Send:
+    """Add a call on ``instance_id``; ``program`` carries the program's global service and waiting,
+    ``resume`` the tokens a failed-over call already produced (None for a fresh call)."""
+
+    instance_id: str
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    program: ProgramRef | None
+    resume: Resume | None
+
+
+FailReason = Literal["invalid", "busy", "failed", "unavailable"]
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The call ends with an error: ``invalid`` or ``busy`` as its instance answered, ``failed`` when
+    ``add`` raised on its instance, ``unavailable`` when no live instance is left."""
+
+    request_id: str
+    reason: FailReason
+    message: str
+    param: str | None = None
+
+
+@dataclass(frozen=True)
+class MarkDead:
+    """The instance gets no more calls; the transport stops it (a hung one must not come back)."""
+
+    instance_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class AbortOn:
+    """Tell the instance to drop a call nobody waits for any more."""
+
+    instance_id: str
+    request_id: str
+
+
+Decision = Send | Fail | MarkDead | AbortOn
+
+
+class Dispatcher:
+    """Routing, the router's process table, in-flight calls and failover for a set of instances.
+
+    Every call reaches an instance through here, so each instance's load (calls in flight) is exact.
+    A call is *pending* between its :class:`Send` and the instance's answer (:meth:`add_done`), then
+    *in flight* until its final delta, an abort, or its instance's loss (which resends it).
+    """
+
+    def __init__(
+        self, instance_ids: Iterable[str], router: Router, table: ProcessTable, clock: Callable[[], float]
+    ) -> None:
+        self.views: dict[str, InstanceView] = {iid: InstanceView(iid) for iid in instance_ids}
+        self.router = router
+        self.table = table
+        self.clock = clock
+        self.inflight: dict[str, InflightCall] = {}
+        self.pending: dict[str, InflightCall] = {}  # sent, the instance's answer not in yet
+        self.num_failovers = 0  # calls resent after their instance was lost
+
+    def is_alive(self) -> bool:
+        return any(v.alive for v in self.views.values())
+
+    def submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, program: ProgramRef | None = None
+    ) -> list[Decision]:
+        """A new call: where to send it (or why it fails at once)."""
+        if program is not None:
+            self.table.call_arrived(program, self.clock())
+        return self._route(InflightCall(request_id, list(prompt), params, program))
+
+    def add_done(self, send: Send, result: AddResult) -> list[Decision]:
+        """The instance's answer to ``send``."""
+        call = self.pending.pop(send.request_id, None)
+        if call is None:  # aborted while the add was under way
+            return [AbortOn(send.instance_id, send.request_id)] if result.status == "ok" else []
+        if result.status == "ok" and not self.views[send.instance_id].alive:
+            # The instance was lost while it took the call: the call goes elsewhere like its others.
+            call.failovers += 1
+            self.num_failovers += 1
+            return self._route(call)
+        if result.status == "ok":
+            call.instance = send.instance_id
+            self.views[send.instance_id].inflight += 1
+            self.inflight[call.request_id] = call
+            return []
+        if result.status == "unreachable":
+            # Marking the instance dead first keeps the router off it when this call is routed again.
+            lost = self.instance_lost(send.instance_id, f"add failed: {result.message}")
+            return lost + self._route(call)
+        self._release(call.program)
+        return [Fail(call.request_id, result.status, result.message, result.param)]
+
+    def instance_lost(self, instance_id: str, reason: str) -> list[Decision]:
+        """The instance died or stopped answering: mark it dead and resend its calls elsewhere."""
+        view = self.views[instance_id]
+        if not view.alive:
+            return []
+        view.alive = False
+        view.inflight = 0
+        self.router.drop_instance(instance_id)
+        decisions: list[Decision] = [MarkDead(instance_id, reason)]
+        for call in [c for c in self.inflight.values() if c.instance == instance_id]:
+            del self.inflight[call.request_id]
+            call.failovers += 1
+            self.num_failovers += 1
+            decisions += self._route(call)
+        return decisions
+
+    def on_delta(self, instance_id: str, delta: RequestDelta) -> bool:
+        """Account for a delta from ``instance_id``; False for one nobody waits for (aborted, or a
+        stale delta from an instance the call has failed over from)."""
+        call = self.inflight.get(delta.request_id)
+        if call is None or call.instance != instance_id:
+            return False
+        call.output_token_ids.extend(delta.new_token_ids)
+        call.text_chars_sent += len(delta.new_text)
+        if delta.finished:
+            del self.inflight[delta.request_id]
+            self.views[instance_id].inflight -= 1
+            if call.program is not None and delta.finish_time is not None:
+                wait = max(0.0, (delta.finish_time - delta.arrival_time) - delta.service_s)
+                self.table.call_finished(call.program, delta.service_s, wait, self.clock(), instance_id)
+            else:
+                self._release(call.program)
+        return True
+
+    def abort(self, request_id: str) -> list[Decision]:
+        """Nobody waits for the call any more."""
+        call = self.pending.pop(request_id, None)
+        if call is not None:  # its add is under way: add_done tells the instance to drop it
+            self._release(call.program)
+            return []
+        call = self.inflight.pop(request_id, None)
+        if call is None:
+            return []
+        view = self.views[call.instance]
+        self._release(call.program)
+        if not view.alive:
+            return []
+        view.inflight -= 1
+        return [AbortOn(call.instance, request_id)]
+
+    def expire(self) -> list[str]:
+        """Drop programs idle past the table's TTL, and their homes; returns their ids."""
+        dropped = self.table.expire(self.clock())
+        self.router.retain(self.table)
+        return dropped
+
+    def _route(self, call: InflightCall) -> list[Decision]:
+        pid = call.program.program_id if call.program else None
+        try:
+            iid = self.router.choose(list(self.views.values()), pid, len(call.prompt) + len(call.output_token_ids))
+        except NoLiveInstanceError as e:
+            self._release(call.program)
+            return [Fail(call.request_id, "unavailable", str(e))]
+        self.pending[call.request_id] = call
+        resume = Resume(tuple(call.output_token_ids), call.text_chars_sent) if call.output_token_ids else None
+        return [Send(iid, call.request_id, call.prompt, call.params, self._global_view(call.program), resume)]
+
+    def _global_view(self, program: ProgramRef | None) -> ProgramRef | None:
+        """The program with its service and waiting as the router knows them across instances."""
+        rec = self.table.get(program.program_id) if program is not None else None
+        if program is None or rec is None:
+            return program
+        return dataclasses.replace(
+            program, service_s=rec.service_s, total_service_s=rec.total_service_s, waiting_s=rec.waiting_s
+        )
+
+    def _release(self, program: ProgramRef | None) -> None:
+        """A call of ``program`` will not complete: it stops keeping the program active."""
+        if program is not None:
+            self.table.call_abandoned(program.program_id)

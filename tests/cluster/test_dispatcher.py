@@ -1,0 +1,180 @@
+"""The cluster's decisions without Ray or threads: routing, accounting, failover, and telling a call
+that failed on its instance from an instance that is gone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from boundless.cluster.dispatcher import AbortOn, AddResult, Decision, Dispatcher, Fail, MarkDead, Send
+from boundless.cluster.routing import Router
+from boundless.engine.core import RequestDelta, Resume
+from boundless.engine.request import ProgramRef
+from boundless.engine.sampling_params import SamplingParams
+from boundless.programs.process_table import ProcessTable
+
+PARAMS = SamplingParams(max_tokens=8)
+OK = AddResult("ok")
+
+
+class Clock:
+    """The dispatcher's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def dispatcher(n: int = 2, ttl_s: float = 60.0) -> tuple[Dispatcher, Clock]:
+    clock = Clock()
+    router = Router("locality", locality_threshold=4, max_imbalance=4)
+    return Dispatcher([str(i) for i in range(n)], router, ProcessTable(ttl_s=ttl_s), clock), clock
+
+
+def only_send(decisions: list[Decision]) -> Send:
+    assert len(decisions) == 1 and isinstance(decisions[0], Send), decisions
+    return decisions[0]
+
+
+def placed(d: Dispatcher, request_id: str, prompt: list[int], program: ProgramRef | None = None) -> Send:
+    """Submit a call and let the chosen instance take it."""
+    send = only_send(d.submit(request_id, prompt, PARAMS, program))
+    assert d.add_done(send, OK) == []
+    return send
+
+
+def delta(request_id: str, tokens: list[int], text: str, finished: bool = False, **kw) -> RequestDelta:
+    return RequestDelta(request_id, tokens, text, [], finished, "length" if finished else None, **kw)
+
+
+def test_a_call_goes_to_the_least_loaded_instance_and_its_finish_is_accounted() -> None:
+    d, clock = dispatcher()
+    first = placed(d, "a", [1, 2, 3])
+    second = placed(d, "b", [4, 5, 6])
+    assert {first.instance_id, second.instance_id} == {"0", "1"}
+    assert first.resume is None and first.prompt == [1, 2, 3]
+    program = ProgramRef("p")
+    call = placed(d, "c", [7, 8, 9], program)
+    assert d.views[call.instance_id].inflight == 2
+    assert d.table.get("p").active_calls == 1
+    clock.now = 105.0
+    # The call waited 1 s of its 3 s on the instance's clock: 2 s of service.
+    done = delta("c", [10], "x", finished=True, arrival_time=50.0, finish_time=53.0, service_s=2.0)
+    assert d.on_delta(call.instance_id, done)
+    record = d.table.get("p")
+    assert (record.active_calls, record.completed_calls, record.service_s, record.waiting_s) == (0, 1, 2.0, 1.0)
+    assert record.last_completion == 105.0  # the dispatcher's clock, not the instance's
+    assert d.views[call.instance_id].inflight == 1 and "c" not in d.inflight
+    # The program's next call carries its global service to whichever instance takes it.
+    nxt = only_send(d.submit("d", [1, 2, 3, 4, 5, 6], PARAMS, program))
+    assert nxt.program is not None and nxt.program.service_s == 2.0 and nxt.program.waiting_s == 1.0
+
+
+def test_a_lost_instance_is_marked_dead_and_its_calls_resume_elsewhere() -> None:
+    d, _ = dispatcher(3)
+    calls = [placed(d, rid, [1, 2, 3]) for rid in ("a", "b", "c")]
+    victim = calls[0].instance_id
+    assert d.on_delta(victim, delta("a", [11, 12], "hi"))
+    decisions = d.instance_lost(victim, "drain failed")
+    assert decisions[0] == MarkDead(victim, "drain failed")
+    resend = only_send(decisions[1:])
+    assert resend.instance_id != victim and resend.request_id == "a"
+    assert resend.resume == Resume((11, 12), 2) and resend.prompt == [1, 2, 3]
+    assert d.add_done(resend, OK) == []
+    assert d.num_failovers == 1 and d.inflight["a"].failovers == 1
+    # A stale delta from the dead instance is dropped; the new instance's deltas count.
+    assert not d.on_delta(victim, delta("a", [13], "!"))
+    assert d.on_delta(resend.instance_id, delta("a", [13], "!"))
+    assert d.inflight["a"].output_token_ids == [11, 12, 13]
+    # Losing it again is no news; new calls never go there.
+    assert d.instance_lost(victim, "heartbeat failed") == []
+    assert all(placed(d, f"n{i}", [1]).instance_id != victim for i in range(6))
+
+
+def test_a_call_that_fails_on_its_instance_fails_alone() -> None:
+    d, _ = dispatcher()
+    program = ProgramRef("p")
+    send = only_send(d.submit("poison", [1, 2, 3], PARAMS, program))
+    decisions = d.add_done(send, AddResult("failed", "RuntimeError: boom"))
+    assert decisions == [Fail("poison", "failed", "RuntimeError: boom")]
+    assert all(v.alive and v.inflight == 0 for v in d.views.values())
+    assert d.table.get("p").active_calls == 0 and d.num_failovers == 0
+    assert {placed(d, f"n{i}", [1]).instance_id for i in range(4)} == {"0", "1"}  # both keep serving
+
+
+def test_an_instance_that_does_not_answer_is_lost_and_the_call_tries_the_next() -> None:
+    d, _ = dispatcher()
+    running = placed(d, "running", [1, 2, 3])
+    program = ProgramRef("p")
+    send = only_send(d.submit("new", [4, 5, 6], PARAMS, program))
+    assert send.instance_id != running.instance_id  # the least loaded
+    decisions = d.add_done(send, AddResult("unreachable", "ActorDiedError"))
+    assert decisions[0] == MarkDead(send.instance_id, "add failed: ActorDiedError")
+    retry = only_send(decisions[1:])
+    assert retry.instance_id == running.instance_id and retry.resume is None
+    # The last instance goes too: its running call and the new one have nowhere left to go.
+    decisions = d.add_done(retry, AddResult("unreachable", "GetTimeoutError"))
+    assert decisions == [
+        MarkDead(running.instance_id, "add failed: GetTimeoutError"),
+        Fail("running", "unavailable", "no live engine instance"),
+        Fail("new", "unavailable", "no live engine instance"),
+    ]
+    assert not d.is_alive() and d.inflight == {} and d.pending == {}
+    assert d.table.get("p").active_calls == 0
+
+
+def test_invalid_and_busy_answers_fail_the_call_and_release_its_program() -> None:
+    d, _ = dispatcher()
+    program = ProgramRef("p")
+    send = only_send(d.submit("too-long", [1] * 9, PARAMS, program))
+    assert d.add_done(send, AddResult("invalid", "too long", "prompt")) == [
+        Fail("too-long", "invalid", "too long", "prompt")
+    ]
+    send = only_send(d.submit("later", [1], PARAMS, program))
+    assert d.add_done(send, AddResult("busy", "queue full")) == [Fail("later", "busy", "queue full")]
+    assert d.table.get("p").active_calls == 0
+    assert all(v.alive and v.inflight == 0 for v in d.views.values())
+
+
+def test_an_abort_reaches_the_instance_that_has_the_call() -> None:
+    d, _ = dispatcher()
+    program = ProgramRef("p")
+    send = placed(d, "a", [1, 2, 3], program)
+    assert d.abort("a") == [AbortOn(send.instance_id, "a")]
+    assert d.views[send.instance_id].inflight == 0 and d.table.get("p").active_calls == 0
+    assert d.abort("a") == []
+    # Aborted while its add is under way: the instance that took it is told to drop it.
+    send = only_send(d.submit("b", [1, 2, 3], PARAMS, program))
+    assert d.abort("b") == []
+    assert d.add_done(send, OK) == [AbortOn(send.instance_id, "b")]
+    assert d.inflight == {} and d.table.get("p").active_calls == 0
+    # Deltas of aborted calls are not delivered.
+    assert not d.on_delta(send.instance_id, delta("b", [1], "x"))
+
+
+def test_a_call_taken_by_an_instance_lost_meanwhile_goes_elsewhere() -> None:
+    d, _ = dispatcher()
+    send = only_send(d.submit("a", [1, 2, 3], PARAMS))
+    assert d.instance_lost(send.instance_id, "heartbeat failed") == [MarkDead(send.instance_id, "heartbeat failed")]
+    retry = only_send(d.add_done(send, OK))
+    assert retry.instance_id != send.instance_id and d.num_failovers == 1
+
+
+def test_idle_programs_expire_with_their_homes_on_the_dispatchers_clock() -> None:
+    d, clock = dispatcher(ttl_s=60.0)
+    for pid in ("old", "busy"):
+        send = placed(d, pid, [1, 2, 3, 4, 5, 6], ProgramRef(pid))  # long: the program gets a home
+        assert d.router.homes[pid] == send.instance_id
+    d.on_delta(d.inflight["old"].instance, delta("old", [1], "x", finished=True, finish_time=1.0, service_s=0.5))
+    clock.now += 59.0
+    assert d.expire() == []
+    clock.now += 1.0
+    assert d.expire() == ["old"]  # "busy" still has a call in flight
+    assert "old" not in d.table and "old" not in d.router.homes and "busy" in d.router.homes
+
+
+def test_the_dispatcher_runs_without_ray() -> None:
+    code = "import sys, boundless.cluster.dispatcher; assert 'ray' not in sys.modules, 'the dispatcher imports ray'"
+    subprocess.run([sys.executable, "-c", code], check=True)
