@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter (set before anything imports triton).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from boundless.model.loader import LoadedModel, load_model
 from boundless.model.random_model import TinySpec, write_random_model

@@ -1,0 +1,297 @@
+"""The GPU attention backend: paged attention with the Triton kernels of :mod:`triton_kernels`.
+
+``prepare`` turns a step's :class:`AttentionBatch` into a few int32 tensors (uploaded in one copy):
+block tables, context lengths and the mapping of kernel programs to query blocks. A step is at most
+two kernel launches per layer, one over its decodes (one query token per program row block, the
+context split over several programs when the batch is too small to fill the GPU) and one over its
+prefill chunks (many query tokens per program), after one launch that stores the step's K/V. No
+gathers, no padding to the longest context, no copies of K/V for grouped-query attention.
+
+:class:`DecodeMetadataBuffers` holds the same tensors at fixed addresses for CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from boundless.attention.backend import AttentionBatch
+
+try:
+    import triton
+
+    from boundless.attention import triton_kernels as kernels
+except ImportError:  # pragma: no cover - triton ships with PyTorch's CUDA builds and the test extra
+    triton = None  # type: ignore[assignment]
+    kernels = None  # type: ignore[assignment]
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on ``device``: CUDA with Triton, or the CPU under ``TRITON_INTERPRET=1``."""
+    if kernels is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Kernel tile shapes: rows of a decode program, rows of a prefill program, keys per tile."""
+
+    decode_rows: int = 16
+    prefill_rows: int = 128
+    kv_tile: int = 64
+    prefill_warps: int = 8
+    decode_warps: int = 4
+    stages: int = 3
+
+    @staticmethod
+    def for_device(device: torch.device) -> TileConfig:
+        if device.type == "cuda":
+            return TileConfig()
+        return TileConfig(prefill_rows=32, kv_tile=32, prefill_warps=4, stages=1)  # the interpreter: small tiles
+
+
+@dataclass
+class KernelLaunch:
+    """One attention launch over a run of sequences whose tokens are rows ``[start, end)`` of q."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [seqs] int32
+    query_start: torch.Tensor  # [seqs + 1] int32, relative to ``start``
+    q_block_seq: torch.Tensor  # [programs] int32
+    q_block_start: torch.Tensor  # [programs] int32, relative to ``start``
+    block_q: int  # query tokens per program
+    num_splits: int = 1
+    # Split partials, [splits, tokens, heads, head_dim] and [splits, tokens, heads], when num_splits > 1.
+    part_out: torch.Tensor | None = None
+    part_lse: torch.Tensor | None = None
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [tokens] int64; -1 stores nothing (padding rows)
+    launches: list[KernelLaunch] = field(default_factory=list)
+    # Log-sum-exp of every (token, head) of the last layer run with this metadata: [tokens, heads] fp32.
+    lse: torch.Tensor | None = None
+
+
+class TritonPagedAttention:
+    """Paged attention on the GPU (and on the CPU under the Triton interpreter, for tests)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        tiles: TileConfig | None = None,
+        max_splits: int = 16,
+    ) -> None:
+        if kernels is None:
+            raise RuntimeError("the triton attention backend needs the triton package")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = device
+        self.tiles = tiles or TileConfig.for_device(device)
+        self.max_splits = max_splits
+        self.scale = head_dim**-0.5
+        # Programs that fill the GPU: two per multiprocessor.
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        self.target_programs = 2 * sms
+        self.decode_rows = max(self.tiles.decode_rows, _pow2(self.group))
+        self.prefill_block_q = max(1, self.tiles.prefill_rows // self.group)
+        self.prefill_rows = max(16, _pow2(self.prefill_block_q * self.group))
+
+    # -- once per step -----------------------------------------------------------------------
+
+    def num_splits(self, num_decodes: int, max_context: int) -> int:
+        """Split a decode's context over programs when the decodes alone leave the GPU idle (and each
+        split still gets a few tiles)."""
+        programs = num_decodes * self.num_kv_heads
+        if programs >= self.target_programs:
+            return 1
+        tiles = -(-max_context // self.tiles.kv_tile)
+        return max(1, min(self.max_splits, -(-self.target_programs // programs), tiles // 4))
+
+    def prepare(self, batch: AttentionBatch) -> TritonAttentionMetadata:
+        nd = batch.num_decodes
+        n = len(batch.query_lens)
+        ints: list[list[int]] = []  # every int32 array of the step, uploaded in one copy
+        shapes: list[tuple[int, ...]] = []
+
+        def add(values: list[int], shape: tuple[int, ...]) -> int:
+            ints.append(values)
+            shapes.append(shape)
+            return len(ints) - 1
+
+        plans = []
+        tokens = 0
+        for lo, hi, block_q in ((0, nd, 1), (nd, n, self.prefill_block_q)):
+            if lo == hi:
+                continue
+            qlens = batch.query_lens[lo:hi]
+            tables = batch.block_tables[lo:hi]
+            width = max(1, max(len(t) for t in tables))
+            flat = [b for t in tables for b in (*t, *([0] * (width - len(t))))]
+            starts = [0]
+            for q in qlens:
+                starts.append(starts[-1] + q)
+            seqs, firsts = [], []
+            for i in range(len(qlens)):
+                for first in range(starts[i], starts[i + 1], block_q):
+                    seqs.append(i)
+                    firsts.append(first)
+            ids = (
+                add(flat, (hi - lo, width)),
+                add(batch.seq_lens[lo:hi], (hi - lo,)),
+                add(starts, (hi - lo + 1,)),
+                add(seqs, (len(seqs),)),
+                add(firsts, (len(firsts),)),
+            )
+            splits = self.num_splits(hi - lo, max(batch.seq_lens[lo:hi])) if block_q == 1 else 1
+            plans.append((tokens, tokens + starts[-1], block_q, splits, ids))
+            tokens += starts[-1]
+        views = self._upload(ints, shapes)
+        meta = TritonAttentionMetadata(slot_mapping=batch.slot_mapping)
+        for start, end, block_q, splits, ids in plans:
+            launch = KernelLaunch(start, end, *(views[i] for i in ids), block_q=block_q)
+            self._set_splits(launch, splits)
+            meta.launches.append(launch)
+        return meta
+
+    def decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start: torch.Tensor,
+        programs: torch.Tensor,
+        max_context: int,
+    ) -> TritonAttentionMetadata:
+        """Metadata of a decode-only step over tensors the caller fills before each run (CUDA-graph
+        replay): ``query_start`` is ``arange(n + 1)`` and ``programs`` ``arange(n)``; a padding row
+        has slot -1 and context length 0. The split count is fixed for ``max_context``."""
+        n = seq_lens.shape[0]
+        launch = KernelLaunch(0, n, block_tables, seq_lens, query_start, programs, programs, block_q=1)
+        self._set_splits(launch, self.num_splits(n, max_context))
+        return TritonAttentionMetadata(slot_mapping=slot_mapping, launches=[launch])
+
+    def _upload(self, arrays: list[list[int]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """One host-to-device copy for all of a step's int32 metadata; views into it."""
+        sizes = [len(a) for a in arrays]
+        host = torch.tensor([x for a in arrays for x in a], dtype=torch.int32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        views, offset = [], 0
+        for size, shape in zip(sizes, shapes, strict=True):
+            views.append(dev[offset : offset + size].view(shape))
+            offset += size
+        return views
+
+    def _set_splits(self, launch: KernelLaunch, splits: int) -> None:
+        launch.num_splits = splits
+        if splits > 1:
+            rows = launch.end - launch.start
+            launch.part_out = torch.empty(
+                splits, rows, self.num_heads, self.head_dim, dtype=torch.float32, device=self.device
+            )
+            launch.part_lse = torch.empty(splits, rows, self.num_heads, dtype=torch.float32, device=self.device)
+
+    # -- every layer ---------------------------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        k_cache, v_cache = cache
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.lse is None or meta.lse.shape[0] != q.shape[0]:
+            meta.lse = torch.empty(q.shape[0], self.num_heads, dtype=torch.float32, device=q.device)
+        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        for launch in meta.launches:
+            self.attend(q, k_cache, v_cache, launch, out, meta.lse)
+        return out
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Write ``k``, ``v`` [tokens, kv_heads, head_dim] into the cache at ``slots``."""
+        t = k.shape[0]
+        if t == 0:
+            return
+        assert k.stride(-1) == 1 and k.stride(-2) == self.head_dim and v.stride(-2) == self.head_dim
+        kernels.store_kv_kernel[(t,)](
+            k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0),
+            NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEADS_POW2=_pow2(self.num_kv_heads),
+            DIM_POW2=_pow2(self.head_dim),
+        )  # fmt: skip
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        launch: KernelLaunch,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Attention of rows ``[launch.start, launch.end)`` of ``q`` over their sequences' cached
+        context, written (normalized) to the same rows of ``out``, with the log-sum-exp in ``lse``."""
+        q_rows = q[launch.start : launch.end]
+        o_rows = out[launch.start : launch.end]
+        lse_rows = lse[launch.start : launch.end]
+        rows = launch.end - launch.start
+        programs = launch.q_block_seq.shape[0]
+        if rows == 0 or programs == 0:
+            return
+        decode = launch.block_q == 1
+        block_m = self.decode_rows if decode else self.prefill_rows
+        split = launch.num_splits > 1
+        if split:
+            assert launch.part_out is not None and launch.part_lse is not None
+            target, target_lse = launch.part_out, launch.part_lse
+            stride_t, stride_h = self.num_heads * self.head_dim, self.head_dim
+        else:
+            target, target_lse = o_rows, lse_rows
+            stride_t, stride_h = o_rows.stride(0), o_rows.stride(1)
+        assert q_rows.stride(-1) == 1 and o_rows.stride(-1) == 1
+        grid = (programs, self.num_kv_heads, launch.num_splits)
+        kernels.paged_attention_kernel[grid](
+            target, target_lse, q_rows, k_cache, v_cache,
+            launch.block_tables, launch.seq_lens, launch.query_start, launch.q_block_seq, launch.q_block_start,
+            self.scale * kernels.LOG2E, rows,
+            q_rows.stride(0), q_rows.stride(1), stride_t, stride_h,
+            launch.block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
+            GROUP=self.group, NUM_HEADS=self.num_heads, BLOCK_Q=launch.block_q, BLOCK_M=block_m,
+            BLOCK_N=self.tiles.kv_tile, PAGE=self.block_size, HEAD_DIM=self.head_dim, DIM_POW2=_pow2(self.head_dim),
+            SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 else None,
+            num_warps=self.tiles.decode_warps if decode else self.tiles.prefill_warps, num_stages=self.tiles.stages,
+        )  # fmt: skip
+        if split:
+            kernels.merge_splits_kernel[(rows, self.num_heads)](
+                o_rows, lse_rows, launch.part_out, launch.part_lse, rows, launch.num_splits,
+                o_rows.stride(0), o_rows.stride(1),
+                NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim, DIM_POW2=_pow2(self.head_dim),
+                SPLITS_POW2=_pow2(launch.num_splits),
+            )  # fmt: skip

@@ -1,0 +1,155 @@
+"""The Triton attention backend against a dense reference: decodes, prefill chunks over a cached
+prefix, GQA, head sizes that are not powers of two, pages smaller and larger than a kernel tile,
+context split over programs and merged; the log-sum-exp that comes out with the output.
+
+On a machine without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+conftest), on the CPU; with one, on CUDA."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from boundless.attention import triton_paged
+from boundless.attention.backend import AttentionBatch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not triton_paged.available(DEVICE), reason="triton unavailable")
+
+SHAPES = [
+    # heads, kv heads, head dim, block size
+    (8, 2, 64, 16),
+    (4, 4, 16, 4),
+    (6, 2, 24, 64),  # group of 3, head size 24, pages larger than a tile
+]
+MIXES = {
+    "decodes": [(1, 1), (1, 17), (1, 200), (1, 64), (1, 33)],
+    "prefills": [(37, 37), (5, 5), (70, 70)],
+    "mixed": [(1, 70), (1, 3), (20, 20), (9, 40), (16, 16 + 16)],  # chunked prefill over a cached prefix
+}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: int, chunks, dtype):
+    """Each sequence's cached prefix scattered over random blocks; ``chunks`` are (query_len,
+    context_len), decodes first. Returns the batch, cache, q/k/v of the new tokens, and the dense
+    reference output and log-sum-exp (float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    blocks_each = [-(-ctx // block_size) for _, ctx in chunks]
+    num_blocks = sum(blocks_each) + 3
+    free = list(range(1, num_blocks))
+    rnd.shuffle(free)
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    tables, qs, ks, vs, slots, outs, lses = [], [], [], [], [], [], []
+    g = heads // kv_heads
+    for (ql, ctx), nb in zip(chunks, blocks_each, strict=True):
+        table = [free.pop() for _ in range(nb)]
+        tables.append(table)
+        k = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
+        for p in range(ctx - ql):
+            k_cache[:, table[p // block_size], p % block_size] = k[p]
+            v_cache[:, table[p // block_size], p % block_size] = v[p]
+        q = torch.randn(ql, heads, head_dim, generator=gen).to(dtype)
+        qs.append(q)
+        ks.append(k[ctx - ql :])
+        vs.append(v[ctx - ql :])
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - ql, ctx))
+        kd = k.double().repeat_interleave(g, dim=1)
+        vd = v.double().repeat_interleave(g, dim=1)
+        for i in range(ql):
+            pos = ctx - ql + i
+            s = torch.einsum("hd,thd->ht", q[i].double(), kd[: pos + 1]) * head_dim**-0.5
+            outs.append(torch.einsum("ht,thd->hd", s.softmax(-1), vd[: pos + 1]))
+            lses.append(s.logsumexp(-1))
+    batch = AttentionBatch(
+        num_decodes=sum(1 for ql, _ in chunks if ql == 1),
+        query_lens=[ql for ql, _ in chunks],
+        seq_lens=[ctx for _, ctx in chunks],
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=DEVICE),
+        block_size=block_size,
+        device=DEVICE,
+    )
+    cache = (k_cache.to(DEVICE), v_cache.to(DEVICE))
+    new = [torch.cat(x).to(DEVICE) for x in (qs, ks, vs)]
+    return batch, cache, *new, torch.stack(outs), torch.stack(lses)
+
+
+def _backend(shape, num_blocks: int) -> triton_paged.TritonPagedAttention:
+    heads, kv_heads, head_dim, block_size = shape
+    return triton_paged.TritonPagedAttention(heads, kv_heads, head_dim, num_blocks, block_size, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_matches_dense(shape, mix: str, dtype: torch.dtype) -> None:
+    batch, cache, q, k, v, expected, expected_lse = _case(0, *shape, MIXES[mix], dtype)
+    backend = _backend(shape, cache[0].shape[1])
+    meta = backend.prepare(batch)
+    out = backend.forward(q, k, v, cache, meta)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(meta.lse.double().cpu(), expected_lse, rtol=tol, atol=tol)
+    kvh, nb, bs, d = cache[0].shape
+    assert torch.equal(cache[0].view(kvh, nb * bs, d)[:, batch.slot_mapping], k.transpose(0, 1))
+    assert torch.equal(cache[1].view(kvh, nb * bs, d)[:, batch.slot_mapping], v.transpose(0, 1))
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_split_context_merges_exactly(splits: int) -> None:
+    """Decodes whose context is split over programs: the merged partials are attention over the whole."""
+    shape = (8, 2, 64, 16)
+    chunks = [(1, 1000), (1, 5), (1, 129), (4, 40)]
+    batch, cache, q, k, v, expected, expected_lse = _case(splits, *shape, chunks, torch.float32)
+    backend = _backend(shape, cache[0].shape[1])
+    backend.target_programs = 10**6  # as if the GPU were huge: always split
+    backend.max_splits = splits
+    meta = backend.prepare(batch)
+    assert meta.launches[0].num_splits == splits and meta.launches[1].num_splits == 1
+    out = backend.forward(q, k, v, cache, meta)
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(meta.lse.double().cpu(), expected_lse, rtol=2e-5, atol=2e-5)
+
+
+def test_takes_strided_views_of_fused_qkv() -> None:
+    """The model hands over q, k, v as views into its fused qkv rows."""
+    heads, kv_heads, d, bs = 8, 2, 64, 16
+    batch, cache, q, k, v, expected, _ = _case(5, heads, kv_heads, d, bs, MIXES["mixed"], torch.float32)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qs, ks, vs = (x.view(x.shape[0], -1, d) for x in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1))
+    backend = _backend((heads, kv_heads, d, bs), cache[0].shape[1])
+    out = backend.forward(qs, ks, vs, cache, backend.prepare(batch))
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_padding_rows_store_nothing_and_attend_to_nothing() -> None:
+    """A CUDA graph pads its batch: slot -1 stores nothing, and a sequence of length 0 yields zeros."""
+    heads, kv_heads, d, bs = 4, 2, 16, 16
+    batch, cache, q, k, v, expected, _ = _case(6, heads, kv_heads, d, bs, [(1, 20), (1, 7)], torch.float32)
+    before = [c.clone() for c in cache]
+    padded = AttentionBatch(
+        num_decodes=3,
+        query_lens=[1, 1, 1],
+        seq_lens=[*batch.seq_lens, 0],
+        block_tables=[*batch.block_tables, []],
+        slot_mapping=torch.cat([batch.slot_mapping, torch.tensor([-1], device=DEVICE)]),
+        block_size=bs,
+        device=DEVICE,
+    )
+    pad = lambda x: torch.cat([x, torch.randn(1, *x.shape[1:], device=DEVICE)])
+    backend = _backend((heads, kv_heads, d, bs), cache[0].shape[1])
+    meta = backend.prepare(padded)
+    out = backend.forward(pad(q), pad(k), pad(v), cache, meta)
+    torch.testing.assert_close(out[:2].double().cpu(), expected, rtol=2e-5, atol=2e-5)
+    assert torch.equal(out[2].cpu(), torch.zeros(heads, d))
+    assert meta.lse[2].eq(-math.inf).all()
+    changed = (cache[0] != before[0]).any(dim=-1).nonzero()
+    assert len(changed) == kv_heads * 2  # the two real tokens' slots, for every kv head
