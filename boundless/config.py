@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from boundless.programs.registry import POLICIES
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag."""
@@ -58,15 +60,13 @@ class CacheConfig:
         _require(self.swap_space_gb >= 0, "swap_space_gb", "must not be negative")
 
 
-POLICIES = ("fcfs", "mlfq", "plas", "atlas")
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests in one step"})
     policy: str = field(
-        default="atlas", metadata={"help": "order of service: fcfs, mlfq, plas or atlas (plas for single threads)"}
+        default="atlas",
+        metadata={"help": f"order of service: {', '.join(POLICIES)} (atlas equals plas for single threads)"},
     )
     num_queues: int = field(default=12, metadata={"help": "K, the number of priority queues (mlfq, plas, atlas)"})
     queue_base_s: float = field(default=0.1, metadata={"help": "upper bound of the top queue's service range, s"})

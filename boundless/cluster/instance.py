@@ -17,9 +17,9 @@ from boundless.config import EngineConfig
 from boundless.engine.async_engine import EngineLoop, QueueFullError
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import InvalidRequestError
-from boundless.engine.request import ProgramRef
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import load_model
+from boundless.programs.ref import ProgramRef
 
 
 @dataclass(frozen=True)

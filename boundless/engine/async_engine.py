@@ -19,8 +19,8 @@ import traceback
 from collections.abc import Callable
 
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
-from boundless.engine.request import ProgramRef
 from boundless.engine.sampling_params import SamplingParams
+from boundless.programs.ref import ProgramRef
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from boundless.engine.sampling_params import SamplingParams
+from boundless.programs.ref import ProgramRef
 
 
 class RequestStatus(enum.Enum):
@@ -20,23 +21,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
-
-
-@dataclass
-class ProgramRef:
-    """Which agent program and thread a call belongs to (Autellix). A call without one is a program of its own.
-
-    A router may attach its global view of the program (``service_s``, ``total_service_s``,
-    ``waiting_s``) so that an instance's priorities reflect service the program received on other
-    instances.
-    """
-
-    program_id: str
-    thread_id: str | None = None
-    parent_thread_ids: tuple[str, ...] = ()
-    service_s: float | None = None  # the policy's measure: the sum (PLAS) or critical path (ATLAS)
-    total_service_s: float | None = None  # the sum over completed calls, whatever the policy
-    waiting_s: float | None = None
 
 
 @dataclass

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 from boundless.bench.workloads import SHARED_SYSTEM_PROMPT, CallSpec, ProgramSpec, compaction
 from boundless.config import SchedulerConfig
-from boundless.engine.request import ProgramRef, Request, RequestStatus
+from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler
 from boundless.kv.manager import KVCacheManager
+from boundless.programs.ref import ProgramRef
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class Simulator:
         cost: CostModel | None = None,
         max_model_len: int | None = None,
     ) -> None:
-        from boundless.engine.core import make_policy
+        from boundless.programs.registry import make_policy
 
         self.clock = VirtualClock()
         # As the engine: the asked context length, capped by the KV pool.
