@@ -18,10 +18,6 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
-
 
 @dataclass
 class Request:
@@ -45,7 +41,6 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     service_s: float = 0.0  # model execution time spent on this request (attained service)
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: str | int | None = None
@@ -78,10 +73,6 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last sampled token implies, if any (stop strings are checked elsewhere)."""

@@ -143,8 +143,6 @@ class Scheduler:
                 self.stats.num_kept += 1
         self._last_chosen = chosen_ids
         for request, num_new in chosen:
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
             start = request.num_computed_tokens
             end = start + num_new
             out.chunks.append(

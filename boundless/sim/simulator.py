@@ -111,7 +111,6 @@ class Simulator:
         sims = [SimProgram(p) for p in programs]
         for sp in sims:
             self._at(sp.spec.arrival_s, "stage", sp)
-        busy_until = 0.0
         while self._events or self.scheduler.num_unfinished:
             # Deliver every event due by now (arrivals, tool waits ending).
             while self._events and self._events[0][0] <= self.clock.now:
@@ -127,8 +126,7 @@ class Simulator:
                 self.clock.now = max(self.clock.now, self._events[0][0])
                 continue
             duration = self.cost.step_time(out.num_tokens, len(out.chunks))
-            busy_until = self.clock.now + duration
-            self.clock.now = busy_until
+            self.clock.now += duration
             self.scheduler.advance(out, duration)
             for chunk in out.chunks:
                 if chunk.sample:
