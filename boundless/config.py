@@ -30,8 +30,11 @@ class ModelConfig:
     model: str = field(default="smollm2-135m", metadata={"help": "model name, Hugging Face directory or GGUF file"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
-    max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
-    seed: int = field(default=0, metadata={"help": "seed for requests that do not set one"})
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "context length; it must fit in the KV pool (default: the model's, capped by the pool)"},
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the generator shared by requests that set no seed"})
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", f"unknown dtype {self.dtype!r}")
