@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from boundless.programs.registry import POLICIES
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag."""
@@ -28,8 +30,11 @@ class ModelConfig:
     model: str = field(default="smollm2-135m", metadata={"help": "model name, Hugging Face directory or GGUF file"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
-    max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
-    seed: int = field(default=0, metadata={"help": "seed for requests that do not set one"})
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "context length; it must fit in the KV pool (default: the model's, capped by the pool)"},
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the generator shared by requests that set no seed"})
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", f"unknown dtype {self.dtype!r}")
@@ -58,15 +63,13 @@ class CacheConfig:
         _require(self.swap_space_gb >= 0, "swap_space_gb", "must not be negative")
 
 
-POLICIES = ("fcfs", "mlfq", "plas", "atlas")
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests in one step"})
     policy: str = field(
-        default="atlas", metadata={"help": "order of service: fcfs, mlfq, plas or atlas (plas for single threads)"}
+        default="atlas",
+        metadata={"help": f"order of service: {', '.join(POLICIES)} (atlas equals plas for single threads)"},
     )
     num_queues: int = field(default=12, metadata={"help": "K, the number of priority queues (mlfq, plas, atlas)"})
     queue_base_s: float = field(default=0.1, metadata={"help": "upper bound of the top queue's service range, s"})

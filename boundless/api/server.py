@@ -27,9 +27,9 @@ from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionReques
 from boundless.api.tool_calls import parse_tool_calls, template_messages
 from boundless.config import ServerConfig
 from boundless.engine.core import EngineStats, RequestDelta
-from boundless.engine.request import ProgramRef
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
+from boundless.programs.ref import ProgramRef
 
 
 class DeltaStream(Protocol):

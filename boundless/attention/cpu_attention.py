@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from boundless import native
 from boundless.attention.partials import AttentionPartial
-from boundless.model import native
-from boundless.model.native import F, I, L, P
+from boundless.native import F, I, L, P
 
 _SIGNATURES = {
     "bl_attention_abi_version": (I, []),

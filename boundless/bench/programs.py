@@ -6,6 +6,10 @@ completion whose prompt is its thread's conversation so far (token ids, so prefi
 and whose output length is fixed by the workload (``ignore_eos``), so policies differ only in
 when they serve what. Reported per policy and rate: average, p95 and p99 program latency, program
 latency per output token (Autellix's metric), makespan and program throughput.
+
+A failed call returns at once, so a program with failed calls finishes early: a policy that makes
+calls fail would look faster. Failed calls are therefore counted, shown in the table, and any of
+them marks the whole run's figures invalid (printed, and ``valid: false`` in the JSON).
 """
 
 from __future__ import annotations
@@ -37,6 +41,14 @@ from boundless.bench.workloads import (
 from boundless.config import ClusterConfig, EngineConfig, add_flags, engine_config_from_flags, from_flags
 
 
+@dataclass(frozen=True)
+class CallResult:
+    """One call's outcome: the tokens it generated, or the error it failed with."""
+
+    output_tokens: int
+    error: str | None = None
+
+
 @dataclass
 class ProgramResult:
     program_id: str
@@ -45,6 +57,7 @@ class ProgramResult:
     output_tokens: int
     calls: int
     failed_calls: int = 0
+    first_error: str | None = None
 
     @property
     def latency_s(self) -> float:
@@ -70,7 +83,7 @@ class ProgramRunner:
 
     async def _call(
         self, spec: ProgramSpec, call: CallSpec, contexts: dict, outputs: dict, rng: random.Random, system: list[int]
-    ) -> tuple[int, bool]:
+    ) -> CallResult:
         if call.tool_wait_s > 0:
             await asyncio.sleep(call.tool_wait_s)
         base = contexts.get(call.parents[0], system) if call.parents else system
@@ -95,14 +108,14 @@ class ProgramRunner:
                     "parent_thread_ids": list(call.parents),
                 },
             )
-        except Exception:  # counted; the program goes on with what it has
+        except Exception as e:  # counted (it makes the run's figures invalid); the program goes on with what it has
             contexts[call.thread_id] = prompt
             outputs[call.thread_id] = []
-            return 0, False
+            return CallResult(0, f"{type(e).__name__}: {e}"[:300])
         out = list(resp.choices[0].model_extra.get("token_ids") or [])
         contexts[call.thread_id] = prompt + out
         outputs[call.thread_id] = out
-        return len(out), True
+        return CallResult(len(out))
 
     async def run_program(self, spec: ProgramSpec, t0: float) -> ProgramResult:
         delay = t0 + spec.arrival_s - time.perf_counter()
@@ -113,12 +126,19 @@ class ProgramRunner:
         system = self.shared + self._tokens(rng, spec.system_prompt)
         contexts: dict[str, list[int]] = {}
         outputs: dict[str, list[int]] = {}
-        tokens = failed = 0
+        calls: list[CallResult] = []
         for stage in spec.stages:
-            results = await asyncio.gather(*(self._call(spec, c, contexts, outputs, rng, system) for c in stage))
-            tokens += sum(n for n, _ in results)
-            failed += sum(1 for _, ok in results if not ok)
-        return ProgramResult(spec.program_id, arrival, time.perf_counter() - t0, tokens, spec.num_calls, failed)
+            calls += await asyncio.gather(*(self._call(spec, c, contexts, outputs, rng, system) for c in stage))
+        errors = [c.error for c in calls if c.error is not None]
+        return ProgramResult(
+            spec.program_id,
+            arrival,
+            time.perf_counter() - t0,
+            sum(c.output_tokens for c in calls),
+            spec.num_calls,
+            len(errors),
+            errors[0] if errors else None,
+        )
 
     async def run(self, programs: list[ProgramSpec], desc: str, sequential: bool = False) -> list[ProgramResult]:
         """Every program at its arrival time, or with ``sequential`` each alone after the previous (unloaded)."""
@@ -146,13 +166,15 @@ class ProgramRunner:
         return list(results)
 
 
-def summarize(results: list[ProgramResult]) -> dict[str, float]:
+def summarize(results: list[ProgramResult]) -> dict[str, float | int | str | None]:
     lat = [r.latency_s for r in results]
     per_token = [r.latency_s / max(1, r.output_tokens) for r in results]
     makespan = max(r.finish_s for r in results) - min(r.arrival_s for r in results)
     return {
         "programs": len(results),
+        "calls": sum(r.calls for r in results),
         "failed_calls": sum(r.failed_calls for r in results),
+        "first_error": next((r.first_error for r in results if r.first_error), None),
         "avg_latency_s": statistics.fmean(lat),
         "p95_latency_s": percentile(lat, 0.95),
         "p99_latency_s": percentile(lat, 0.99),
@@ -161,6 +183,19 @@ def summarize(results: list[ProgramResult]) -> dict[str, float]:
         "throughput_programs_per_s": len(results) / makespan,
         "output_tokens": sum(r.output_tokens for r in results),
     }
+
+
+def invalid_reason(rows: list[dict]) -> str | None:
+    """Why a run's figures cannot be compared, or None when every call succeeded.
+
+    A failed call takes no serving time, so latencies that include failed calls favour whatever
+    made them fail; no figure of such a run is trustworthy, including those of the other rows.
+    """
+    failing = [r for r in rows if r["failed_calls"]]
+    if not failing:
+        return None
+    counts = ", ".join(f"{_label(r)} at {r['rate']}/s: {r['failed_calls']} of {r['calls']}" for r in failing)
+    return f"calls failed ({counts}); first error: {failing[0]['first_error']}"
 
 
 def _serve_and_run(
@@ -237,7 +272,8 @@ def run(args: argparse.Namespace) -> dict:
                 print(
                     f"{args.workload} rate {rate}/s {name}: avg {summary['avg_latency_s']:.1f} s, "
                     f"p95 {summary['p95_latency_s']:.1f} s, makespan {summary['makespan_s']:.1f} s, "
-                    f"prefix-cache hit rate {row['prefix_cache_hit_rate']:.2f}",
+                    f"prefix-cache hit rate {row['prefix_cache_hit_rate']:.2f}, "
+                    f"failed calls {row['failed_calls']} of {row['calls']}",
                     flush=True,
                 )
     table = []
@@ -257,7 +293,7 @@ def run(args: argparse.Namespace) -> dict:
         table.append(
             [
                 row["rate"],
-                row["policy"] + (f"/{row['routing']}" if row["routing"] else ""),
+                _label(row),
                 f"{row['avg_latency_s']:.2f}",
                 f"{row['p95_latency_s']:.2f}",
                 f"{row['p99_latency_s']:.2f}",
@@ -265,6 +301,7 @@ def run(args: argparse.Namespace) -> dict:
                 f"{row['makespan_s']:.1f}",
                 f"{row['throughput_programs_per_s']:.3f}",
                 f"{row['prefix_cache_hit_rate']:.2f}",
+                f"{row['failed_calls']}/{row['calls']}",
                 f"{speedup:.2f}x",
             ]
         )
@@ -280,16 +317,22 @@ def run(args: argparse.Namespace) -> dict:
             "makespan s",
             "prog/s",
             "hit rate",
+            "failed",
             f"avg vs {baseline}",
         ],
         table,
     )
+    invalid = invalid_reason(rows)
+    if invalid:
+        print(f"INVALID: these figures cannot be compared: {invalid}", flush=True)
     result = {
         "workload": args.workload,
         "model": base.model.model,
         "num_programs": args.num_programs,
         "scale": args.scale,
         "max_num_seqs": base.scheduler.max_num_seqs,
+        "valid": invalid is None,
+        "invalid_reason": invalid,
         "rows": rows,
     }
     if args.sweep:

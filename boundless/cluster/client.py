@@ -28,11 +28,11 @@ from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import EngineDeadError, QueueFullError, RequestStream, StreamRegistry
 from boundless.engine.core import EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
-from boundless.engine.request import ProgramRef
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import resolve_model_path
 from boundless.model.tokenizer import load_tokenizer
 from boundless.programs.process_table import ProcessTable
+from boundless.programs.ref import ProgramRef
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from boundless.config import EngineConfig
 from boundless.engine.async_engine import EngineLoop, QueueFullError
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import InvalidRequestError
-from boundless.engine.request import ProgramRef
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import load_model
+from boundless.programs.ref import ProgramRef
 
 # Test hook: with this variable set in an instance's environment, ``add`` raises for a request whose
 # seed equals its value, as a request that trips a bug in the engine would.

@@ -19,8 +19,8 @@ import traceback
 from collections.abc import Callable
 
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
-from boundless.engine.request import ProgramRef
 from boundless.engine.sampling_params import SamplingParams
+from boundless.programs.ref import ProgramRef
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._listeners: list[Callable[[RequestDelta], None]] = []
-        self.errors = 0
         self._thread = threading.Thread(target=self._run, name="boundless-engine", daemon=True)
         self._thread.start()
 
@@ -125,7 +124,6 @@ class EngineLoop:
             try:
                 sampled, elapsed = core.execute(sched)
             except Exception:  # a failed step must not take the server down: fail its requests, go on
-                self.errors += 1
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 # Requests swapped out in this step may hold host blocks the failed copy never filled.
                 lost = [rid for rid in sched.preempted_ids if core.kv.is_swapped(rid)]

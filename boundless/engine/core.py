@@ -13,20 +13,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from boundless.config import ConfigError, EngineConfig, SchedulerConfig
+from boundless.config import EngineConfig
 from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor
-from boundless.engine.request import ProgramRef, Request, RequestStatus
+from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
 from boundless.kv.manager import KVCacheManager
 from boundless.model.loader import LoadedModel
 from boundless.model.tokenizer import Tokenizer
-from boundless.programs.policies import ATLASPolicy, MLFQPolicy, PLASPolicy, QueueConfig
-from boundless.programs.policy import FCFSPolicy, SchedulingPolicy
+from boundless.programs.policy import SchedulingPolicy
+from boundless.programs.ref import ProgramRef
+from boundless.programs.registry import make_policy
 
 
 @dataclass
@@ -96,24 +97,6 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
-    """The policy object a scheduler config names."""
-    if config.policy == "fcfs":
-        return FCFSPolicy()
-    queues = QueueConfig(
-        num_queues=config.num_queues,
-        base_s=config.queue_base_s,
-        growth=config.queue_growth,
-        beta=config.starvation_beta,
-        ttl_s=config.program_ttl_s,
-        order_by_program=config.queue_order == "program",
-    )
-    classes = {"mlfq": MLFQPolicy, "plas": PLASPolicy, "atlas": ATLASPolicy}
-    if config.policy not in classes:
-        raise ConfigError(f"--policy: unknown policy {config.policy!r}")
-    return classes[config.policy](queues)
 
 
 class EngineCore:
@@ -215,12 +198,8 @@ class EngineCore:
                 detok.add(token)
             detok.skip_emitted(resume.text_chars_sent)
         self._detokenizers[request_id] = detok
-        if program is not None and program.service_s is not None:
-            table = getattr(self.policy, "table", None)
-            if table is not None:  # the router's global view of the program
-                table.merge_remote(
-                    program.program_id, program.service_s, program.waiting_s or 0.0, program.total_service_s
-                )
+        if program is not None:
+            self.policy.merge_remote_service(program)
         self.scheduler.add(request)
         self.counters.prompt_tokens += len(prompt_token_ids)
         return request

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from boundless.engine.sampling_params import SamplingParams
+from boundless.programs.ref import ProgramRef
 
 
 class RequestStatus(enum.Enum):
@@ -16,27 +17,6 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
-
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
-
-
-@dataclass
-class ProgramRef:
-    """Which agent program and thread a call belongs to (Autellix). A call without one is a program of its own.
-
-    A router may attach its global view of the program (``service_s``, ``total_service_s``,
-    ``waiting_s``) so that an instance's priorities reflect service the program received on other
-    instances.
-    """
-
-    program_id: str
-    thread_id: str | None = None
-    parent_thread_ids: tuple[str, ...] = ()
-    service_s: float | None = None  # the policy's measure: the sum (PLAS) or critical path (ATLAS)
-    total_service_s: float | None = None  # the sum over completed calls, whatever the policy
-    waiting_s: float | None = None
 
 
 @dataclass
@@ -61,7 +41,6 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     service_s: float = 0.0  # model execution time spent on this request (attained service)
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: str | int | None = None
@@ -94,10 +73,6 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last sampled token implies, if any (stop strings are checked elsewhere)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from boundless.engine.errors import InvalidRequestError
 
@@ -33,7 +33,6 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,9 +1,15 @@
 """Iteration-level scheduling: which tokens of which requests to compute in the next step.
 
 The scheduler is pure bookkeeping. It is given a clock, a KV cache manager and a policy; it never
-runs the model. Each step it fills a token budget with work from running requests first, then
-admits waiting ones, and hands the runner a plain :class:`SchedulerOutput`. Prefill chunks and
-decodes share one batch, because both are "compute the next tokens not yet computed".
+runs the model. Each step it orders every unfinished request, running or not, by the policy's
+priority (atlas by default, ``programs/``), fills a token budget from the top, and hands the runner
+a plain :class:`SchedulerOutput`. Prefill chunks and decodes share one batch, because both are
+"compute the next tokens not yet computed".
+
+A running request left out of a step keeps its KV. When a request needs blocks that are not free,
+the lowest-priority holders of device KV outside the step give theirs up: swapped out to host
+memory while the host pool has room, else dropped, to be recomputed from prompt and output so far.
+A swapped request is swapped back in once there is room for it.
 """
 
 from __future__ import annotations
@@ -61,7 +67,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Continuous batching under a token budget, with preemption by recompute."""
+    """Continuous batching under a token budget in the policy's order; preemption swaps KV to host
+    memory, or drops it for recompute when the host pool lacks room."""
 
     def __init__(
         self,
@@ -143,8 +150,6 @@ class Scheduler:
                 self.stats.num_kept += 1
         self._last_chosen = chosen_ids
         for request, num_new in chosen:
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
             start = request.num_computed_tokens
             end = start + num_new
             out.chunks.append(

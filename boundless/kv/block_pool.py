@@ -62,10 +62,6 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
     def allocate(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the head of the free queue, evicting their names."""
         if n > len(self._free):

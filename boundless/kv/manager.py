@@ -49,15 +49,6 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_named: dict[str, int] = {}
 
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by requests (cached but unreferenced blocks count as free)."""
-        return self.pool.num_used / self.pool.num_blocks
-
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

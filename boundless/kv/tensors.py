@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from boundless.model.native import huge_page_empty
+from boundless.native import huge_page_empty
 
 
 class PagedKVCache:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from boundless.model import native
-from boundless.model.native import F, I, L, P
+from boundless import native
+from boundless.native import F, I, L, P
 
 _SIGNATURES = {
     "bl_abi_version": (I, []),

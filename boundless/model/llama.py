@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from boundless import native
 from boundless.attention.backend import AttentionBackend
 from boundless.kv.tensors import PagedKVCache
-from boundless.model import cpu_kernels, native
+from boundless.model import cpu_kernels
 from boundless.model.arch import ModelArch
 from boundless.model.rope import RotaryEmbedding, apply_rotary_
 

@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from boundless.engine.request import ProgramRef
+from boundless.programs.policy import Call
 from boundless.programs.process_table import ProcessTable
-
-if TYPE_CHECKING:
-    from boundless.engine.request import Request
+from boundless.programs.ref import ProgramRef
 
 
 @dataclass(frozen=True)
@@ -97,7 +94,7 @@ class MultiLevelQueuePolicy:
         self._order = itertools.count()
 
     @staticmethod
-    def program_of(request: Request) -> ProgramRef:
+    def program_of(request: Call) -> ProgramRef:
         # A call with no program id is a program of its own.
         return request.program or ProgramRef(program_id=request.request_id)
 
@@ -106,11 +103,17 @@ class MultiLevelQueuePolicy:
 
     # -- the policy interface ------------------------------------------------------------------
 
-    def on_arrival(self, request: Request, now: float) -> None:
+    def on_arrival(self, request: Call, now: float) -> None:
         program = self.program_of(request)
         level = self.start_level(program) if self.program_level else 0
         self.table.call_arrived(program, now)
         self.calls[request.request_id] = CallState(level, request.arrival_time, next(self._order), program)
+
+    def merge_remote_service(self, program: ProgramRef) -> None:
+        if program.service_s is not None:
+            self.table.merge_remote(
+                program.program_id, program.service_s, program.waiting_s or 0.0, program.total_service_s
+            )
 
     def update(self, now: float) -> None:
         """Promote starving calls to Q1 and expire idle programs."""
@@ -131,7 +134,7 @@ class MultiLevelQueuePolicy:
                 state.promotions += 1
         self.table.expire(now)
 
-    def priority(self, request: Request, now: float) -> tuple:
+    def priority(self, request: Call, now: float) -> tuple:
         state = self.calls.get(request.request_id)
         if state is None:
             return (self.config.num_queues, request.arrival_time, request.arrival_time, 0)
@@ -142,7 +145,7 @@ class MultiLevelQueuePolicy:
                 first = rec.first_arrival
         return (state.level, first, state.arrival, state.order)
 
-    def on_service(self, request: Request, service_s: float, now: float) -> None:
+    def on_service(self, request: Call, service_s: float, now: float) -> None:
         state = self.calls.get(request.request_id)
         if state is None:
             return
@@ -153,7 +156,7 @@ class MultiLevelQueuePolicy:
             state.level_service_s = 0.0
             state.demotions += 1
 
-    def on_finish(self, request: Request, now: float) -> None:
+    def on_finish(self, request: Call, now: float) -> None:
         state = self.calls.pop(request.request_id, None)
         if state is None:
             return

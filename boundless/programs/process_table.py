@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from boundless.engine.request import ProgramRef
+from boundless.programs.ref import ProgramRef
 
 MAIN_THREAD = "main"
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 from boundless.bench.workloads import SHARED_SYSTEM_PROMPT, CallSpec, ProgramSpec, compaction
 from boundless.config import SchedulerConfig
-from boundless.engine.request import ProgramRef, Request, RequestStatus
+from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler
 from boundless.kv.manager import KVCacheManager
+from boundless.programs.ref import ProgramRef
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class Simulator:
         cost: CostModel | None = None,
         max_model_len: int | None = None,
     ) -> None:
-        from boundless.engine.core import make_policy
+        from boundless.programs.registry import make_policy
 
         self.clock = VirtualClock()
         # As the engine: the asked context length, capped by the KV pool.
@@ -110,7 +111,6 @@ class Simulator:
         sims = [SimProgram(p) for p in programs]
         for sp in sims:
             self._at(sp.spec.arrival_s, "stage", sp)
-        busy_until = 0.0
         while self._events or self.scheduler.num_unfinished:
             # Deliver every event due by now (arrivals, tool waits ending).
             while self._events and self._events[0][0] <= self.clock.now:
@@ -126,8 +126,7 @@ class Simulator:
                 self.clock.now = max(self.clock.now, self._events[0][0])
                 continue
             duration = self.cost.step_time(out.num_tokens, len(out.chunks))
-            busy_until = self.clock.now + duration
-            self.clock.now = busy_until
+            self.clock.now += duration
             self.scheduler.advance(out, duration)
             for chunk in out.chunks:
                 if chunk.sample:

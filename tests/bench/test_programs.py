@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,58 @@ def test_bench_programs_compares_policies(model_dirs: dict[str, Path], tmp_path:
     )
     result = json.loads(out.read_text())
     assert [r["policy"] for r in result["rows"]] == ["fcfs", "atlas"]
+    assert result["valid"] and result["invalid_reason"] is None
     for row in result["rows"]:
         assert row["programs"] == 3 and row["failed_calls"] == 0 and row["avg_latency_s"] > 0
     assert (tmp_path / "programs-mapreduce.csv").exists() and (tmp_path / "programs-mapreduce.png").exists()
+
+
+def test_bench_programs_shows_failed_calls_and_marks_the_run_invalid(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    # A 64-token context: of the three chat calls of seed 0 (36, 23 and 205 output tokens), the
+    # third asks for more tokens than fit, and the server refuses it at once.
+    out = tmp_path / "programs.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "boundless.cli",
+            "bench",
+            "programs",
+            "--model",
+            str(model_dirs["tiny-llama"]),
+            "--workload",
+            "chat",
+            "--num-programs",
+            "3",
+            "--rate",
+            "4",
+            "--scale",
+            "0.3",
+            "--tool-wait",
+            "0",
+            "--policies",
+            "fcfs",
+            "--max-model-len",
+            "64",
+            "--kv-cache-gb",
+            "0.05",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert (row["failed_calls"], row["calls"]) == (1, 3)
+    assert "maximum context length" in row["first_error"]
+    assert not result["valid"] and "fcfs at 4.0/s: 1 of 3" in result["invalid_reason"]
+    lines = run.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("rate/s"))
+    columns = dict(zip(re.split(r"\s{2,}", lines[at]), re.split(r"\s{2,}", lines[at + 2]), strict=True))
+    assert columns["failed"] == "1/3"
+    assert lines[at + 3].startswith("INVALID")

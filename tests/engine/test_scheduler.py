@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from boundless.engine.request import ProgramRef, Request, RequestStatus
+from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
 from boundless.kv.manager import KVCacheManager
 from boundless.programs.policies import PLASPolicy, QueueConfig
 from boundless.programs.policy import FCFSPolicy
+from boundless.programs.ref import ProgramRef
 
 
 class FakeClock:

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from boundless.model import cpu_kernels, native
+from boundless import native
+from boundless.model import cpu_kernels
 from boundless.model.rope import apply_rotary, apply_rotary_
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels unavailable here")

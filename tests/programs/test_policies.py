@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from boundless.engine.request import ProgramRef, Request
+from boundless.engine.request import Request
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.policies import ATLASPolicy, MLFQPolicy, PLASPolicy, QueueConfig
 from boundless.programs.policy import FCFSPolicy
 from boundless.programs.process_table import ProcessTable
+from boundless.programs.ref import ProgramRef
 
 CFG = QueueConfig(num_queues=4, base_s=1.0, growth=4.0, beta=3.0)  # ranges [0,1) [1,4) [4,16) [16,inf)
 
@@ -173,7 +174,7 @@ def test_a_routers_global_view_keeps_order_and_starvation_consistent() -> None:
     policy = ATLASPolicy(CFG)  # beta 3
     local = call("l1", "local", 100.0)
     policy.on_arrival(local, 100.0)
-    policy.table.merge_remote("routed", service_s=4.0, waiting_s=8.0, total_service_s=4.0)
+    policy.merge_remote_service(ProgramRef("routed", service_s=4.0, total_service_s=4.0, waiting_s=8.0))
     routed = call("r1", "routed", 500.0)
     policy.on_arrival(routed, 500.0)
     policy.on_service(routed, 0.1, 500.1)
@@ -190,3 +191,14 @@ def test_a_routers_global_view_keeps_order_and_starvation_consistent() -> None:
     table = ProcessTable()
     table.merge_remote("p", service_s=2.0, waiting_s=1.0)
     assert table.get("p").total_service_s == 2.0 and table.get("p").first_arrival is None
+
+
+def test_only_a_routers_view_is_merged() -> None:
+    policy = PLASPolicy(CFG)
+    policy.merge_remote_service(ProgramRef("plain"))  # a call with no router behind it
+    assert policy.table.get("plain") is None
+    policy.merge_remote_service(ProgramRef("routed", service_s=5.0, waiting_s=1.0))
+    assert policy.table.service("routed") == 5.0
+    policy.merge_remote_service(ProgramRef("routed", service_s=2.0, waiting_s=0.5))  # an older view
+    assert policy.table.service("routed") == 5.0 and policy.table.get("routed").waiting_s == 1.0
+    FCFSPolicy().merge_remote_service(ProgramRef("routed", service_s=5.0))  # arrival order keeps no history

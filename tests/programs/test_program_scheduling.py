@@ -1,4 +1,5 @@
-"""End to end on a real server: a short program arriving behind a long one finishes first under plas, not fcfs."""
+"""Programs through the real engine: a router's view reaches the policy, and on a real server a short
+program arriving behind a long one finishes first under plas, not fcfs."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import pytest
 from boundless.api.launch import start_in_thread
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
+from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
+from boundless.programs.ref import ProgramRef
+from boundless.programs.registry import POLICIES
 
 
 async def _race(url: str) -> list[str]:
@@ -59,3 +63,19 @@ def test_short_program_overtakes_a_long_one(tiny_llama: LoadedModel, policy: str
     finally:
         server.stop()
         engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_routers_view_of_a_program_reaches_the_policy(tiny_llama: LoadedModel, policy: str) -> None:
+    engine = EngineCore(tiny_llama, engine_config(tiny_llama.name, max_model_len=128, kv_cache_gb=0.05, policy=policy))
+    ref = ProgramRef("agent", "main", service_s=7.0, total_service_s=9.0, waiting_s=3.0)
+    engine.add_request("r1", [1, 2, 3], SamplingParams(max_tokens=2), program=ref)
+    while engine.has_unfinished():
+        engine.step()
+    if policy == "fcfs":
+        assert not hasattr(engine.policy, "table")
+        return
+    rec = engine.policy.table.get("agent")
+    # The router's figures, plus this call's own service and wait on top of its summed ones.
+    assert rec.service_s >= 7.0 and rec.total_service_s >= 9.0 and rec.waiting_s >= 3.0
+    assert rec.completed_calls == 1
