@@ -67,7 +67,9 @@ def test_short_program_overtakes_a_long_one(tiny_llama: LoadedModel, policy: str
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_routers_view_of_a_program_reaches_the_policy(tiny_llama: LoadedModel, policy: str) -> None:
-    engine = EngineCore(tiny_llama, engine_config(tiny_llama.name, max_model_len=128, kv_cache_gb=0.05, policy=policy))
+    engine = EngineCore.from_model(
+        tiny_llama, engine_config(tiny_llama.name, max_model_len=128, kv_cache_gb=0.05, policy=policy)
+    )
     ref = ProgramRef("agent", "main", service_s=7.0, total_service_s=9.0, waiting_s=3.0)
     engine.add_request("r1", [1, 2, 3], SamplingParams(max_tokens=2), program=ref)
     while engine.has_unfinished():

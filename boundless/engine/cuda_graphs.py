@@ -1,0 +1,128 @@
+"""Decode steps replayed as CUDA graphs.
+
+A decode step runs hundreds of small kernels (norms, rotary, the attention launches, activations);
+launched one by one from Python, the GPU waits on the CPU. :class:`DecodeGraphs` captures the
+forward pass and LM head of a decode-only batch once per batch-size bucket, over input buffers at
+fixed addresses, and replays it: a step copies its token ids, positions, KV slots, context lengths
+and block tables into the buffers (padding rows get slot -1 and context 0, so they store and
+attend to nothing) and launches one graph. Mixed and prefill steps run eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from boundless.attention.triton_paged import TritonAttentionMetadata, TritonPagedAttention
+from boundless.kv.tensors import PagedKVCache
+from boundless.model.llama import LlamaModel
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then every 16 up to ``max_batch`` (a step of n decodes
+    replays the smallest bucket that holds it)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sorted(set(sizes) | {max_batch})
+
+
+class DecodeGraphs:
+    """One captured decode step per batch bucket, sharing one memory pool and one set of input buffers."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: PagedKVCache,
+        attention: TritonPagedAttention,
+        max_batch: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.device = device
+        self.max_model_len = max_model_len
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        max_blocks = -(-max_model_len // kv_cache.block_size)
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.programs = torch.arange(n, dtype=torch.int32, device=device)
+        # Pinned staging for a step's per-row inputs (id, position, slot, context length), copied in one go.
+        self._staging = torch.zeros(n, 4, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._metas: dict[int, TritonAttentionMetadata] = {}
+
+    def fits(self, num_decodes: int) -> bool:
+        return 0 < num_decodes <= self.max_batch
+
+    def _meta(self, b: int) -> TritonAttentionMetadata:
+        return self.attention.decode_metadata(
+            self.slots[:b],
+            self.block_tables[:b],
+            self.seq_lens[:b],
+            self.query_start[: b + 1],
+            self.programs[:b],
+            self.max_model_len,
+        )
+
+    def _forward(self, b: int, meta: TritonAttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.attention, self.kv_cache, meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (the smaller ones then reuse its pool's memory). The
+        buffers hold padding meanwhile, so the warm-up runs write no KV."""
+        self.slots.fill_(-1)
+        self.seq_lens.zero_()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                meta = self._meta(b)
+                self._forward(b, meta)  # compiles the kernels and settles the allocator
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._forward(b, meta)
+                self._graphs[b] = (graph, logits)
+                self._metas[b] = meta
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def run(
+        self,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """Logits [n, vocab] of a decode-only step of n sequences; valid until the next run."""
+        n = len(input_ids)
+        b = next(size for size in self.buckets if size >= n)
+        graph, logits = self._graphs[b]
+        # The previous step's copies out of the staging buffer are done: its tokens were read back.
+        staging = self._staging
+        staging[:n] = torch.tensor([input_ids, positions, slots, seq_lens], dtype=torch.long).t()
+        staging[n:b, 2] = -1  # padding rows: no KV stored, nothing attended
+        staging[n:b, 3] = 0
+        dev = staging[:b].to(self.device, non_blocking=True)
+        self.input_ids[:b].copy_(dev[:, 0])
+        self.positions[:b].copy_(dev[:, 1])
+        self.slots[:b].copy_(dev[:, 2])
+        self.seq_lens[:b].copy_(dev[:, 3])
+        width = max(len(t) for t in block_tables)
+        flat = [x for t in block_tables for x in (*t, *([0] * (width - len(t))))]
+        table = torch.tensor(flat, dtype=torch.int32).view(n, width)
+        self.block_tables[:n, :width].copy_(table)
+        graph.replay()
+        return logits[:n]
