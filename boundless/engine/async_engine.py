@@ -125,9 +125,11 @@ class EngineLoop:
                 sampled, elapsed = core.execute(sched)
             except Exception:  # a failed step must not take the server down: fail its requests, go on
                 log.error("engine step failed:\n%s", traceback.format_exc())
-                # Requests swapped out in this step may hold host blocks the failed copy never filled.
-                lost = [rid for rid in sched.preempted_ids if core.kv.is_swapped(rid)]
-                self._fail([c.request_id for c in sched.chunks] + lost)
+                # Its chunks, and requests its transfers were moving (swapped out to blocks the failed
+                # copy never filled, say), are left without their KV.
+                with self.lock:
+                    lost = core.scheduler.step_failed(sched)
+                self._fail(lost)
                 continue
             with self.lock:
                 for delta in core.finish_step(sched, sampled, elapsed):

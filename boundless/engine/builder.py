@@ -17,8 +17,9 @@ from boundless.config import ConfigError, EngineConfig
 from boundless.engine.executor import ModelExecutor
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import Sampler
-from boundless.kv.swap import HostSwapSpace
 from boundless.kv.tensors import PagedKVCache
+from boundless.kv.tiers import HostKVTier
+from boundless.kv.transfer import HOST
 from boundless.model.arch import ModelArch
 from boundless.model.loader import LoadedModel
 
@@ -86,5 +87,5 @@ def build_model_executor(loaded: LoadedModel, config: EngineConfig, layout: Engi
     attention = TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks)
     sampler = Sampler(loaded.device, seed=config.model.seed)
     runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device)
-    swap_space = HostSwapSpace(kv_cache, layout.num_host_blocks) if layout.num_host_blocks else None
-    return ModelExecutor(runner, swap_space)
+    lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
+    return ModelExecutor(runner, lower_tiers)

@@ -9,14 +9,15 @@ the engine differs between the two.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import SchedulerOutput
-from boundless.kv.swap import HostSwapSpace
+from boundless.kv.tiers import KVTier
+from boundless.kv.transfer import DEVICE, TierId, apply_transfers
 
 
 @dataclass(frozen=True)
@@ -36,25 +37,24 @@ class Executor(Protocol):
 class ModelExecutor:
     """Runs steps on the real network: KV copies between tiers, the forward pass, sampling.
 
-    ``timer`` measures the step (wall time by default); it is injected so that the step time a
+    The device tier is the runner's KV cache; ``lower_tiers`` are the tiers below it (host memory), by
+    id. ``timer`` measures the step (wall time by default); it is injected so that the step time a
     scheduler sees comes from one place.
     """
 
     def __init__(
         self,
         runner: ModelRunner,
-        swap_space: HostSwapSpace | None,
+        lower_tiers: Mapping[TierId, KVTier],
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.runner = runner
-        self.swap_space = swap_space
+        self.tiers: dict[TierId, KVTier] = {DEVICE: runner.kv_cache, **lower_tiers}
         self.timer = timer
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         start = self.timer()
         self.runner.sampler.forget(sched.finished_ids)
-        if sched.swap_out or sched.swap_in:
-            assert self.swap_space is not None, "the scheduler swapped with no host memory"
-            self.swap_space.apply(sched.swap_out, sched.swap_in)
+        apply_transfers(sched.transfers, self.tiers)
         sampled = self.runner.sample(self.runner.forward(sched)) if sched.chunks else {}
         return StepResult(sampled, self.timer() - start)

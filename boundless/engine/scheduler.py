@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.manager import KVCacheManager
+from boundless.kv.transfer import DEVICE, BlockRef, BlockTransfer
 from boundless.programs.policy import SchedulingPolicy
 
 Clock = Callable[[], float]
@@ -44,8 +45,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)  # lost their device KV this step
     finished_ids: list[str] = field(default_factory=list)  # left since the last step
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block) to copy out
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block) to copy in
+    # KV moves between tiers (swap-outs and swap-ins), in the order decided; the executor applies them
+    # before the forward pass (kv/transfer.py).
+    transfers: list[BlockTransfer] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -67,8 +69,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Continuous batching under a token budget in the policy's order; preemption swaps KV to host
-    memory, or drops it for recompute when the host pool lacks room."""
+    """Continuous batching under a token budget, in the policy's order; preemption swaps KV to a tier below
+    the device, or drops it to be recomputed when no tier has room."""
 
     def __init__(
         self,
@@ -124,8 +126,8 @@ class Scheduler:
         """Fill the step from the highest priority down while the budget, sequence slots and memory allow.
 
         Requests holding KV that are left out keep it (they are paused, not preempted). When memory
-        is short, the lowest-priority KV holders not in the step give it up: swapped to host memory
-        if it has room, else dropped to be recomputed.
+        is short, the lowest-priority KV holders not in the step give it up: swapped to a tier
+        below the device (host memory) if one has room, else dropped to be recomputed.
         """
         now = self.clock()
         self.kv.begin_step()
@@ -181,15 +183,15 @@ class Scheduler:
             # Room for its swapped blocks and the chunk's growth comes first: were it evicted again
             # after its swap-in, it would be copied out of blocks the swap-in had not yet filled.
             chunk_end = min(request.num_tokens, request.num_computed_tokens + budget)
-            need = max(self.kv.num_host_blocks(rid), self.kv.blocks_for_tokens(chunk_end))
+            need = max(self.kv.num_swapped_blocks(rid), self.kv.blocks_for_tokens(chunk_end))
             if need > self.kv.pool.num_free + self._evictable_blocks(order, idx, chosen_ids):
                 return None  # evicting everything below would not be enough: evict nothing
             while self.kv.pool.num_free < need:
                 if not self._make_room(order, idx, chosen_ids, out):
                     return None
-            pairs = self.kv.swap_in(rid, request.all_token_ids, request.num_computed_tokens)
-            assert pairs is not None, "room was made for the swap-in"
-            out.swap_in.extend(pairs)
+            transfers = self.kv.swap_in(rid, request.all_token_ids, request.num_computed_tokens)
+            assert transfers is not None, "room was made for the swap-in"
+            out.transfers.extend(transfers)
             self.stats.num_swapped_in += 1
             self._to_running(request)
         prefix = None
@@ -234,10 +236,10 @@ class Scheduler:
         return False
 
     def _evict(self, request: Request, out: SchedulerOutput) -> None:
-        """Take a request's device KV: to host memory if there is room, else drop it for recompute."""
-        pairs = self.kv.swap_out(request.request_id)
-        if pairs is not None:
-            out.swap_out.extend(pairs)
+        """Take a request's device KV: to a tier below if one has room, else drop it for recompute."""
+        transfers = self.kv.swap_out(request.request_id)
+        if transfers is not None:
+            out.transfers.extend(transfers)
             request.status = RequestStatus.SWAPPED
             self.stats.num_swapped_out += 1
         else:
@@ -258,6 +260,18 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
 
     # -- after the step ----------------------------------------------------------------------
+
+    def step_failed(self, output: SchedulerOutput) -> list[str]:
+        """The requests a step that raised leaves without their KV, to be failed: those in its chunks and
+        those holding a block one of its transfers was to write. The device blocks it was to write lose
+        their prefix-cache names, so no later request reads KV that was never written."""
+        bs = self.kv.block_size
+        written = [t.dst for t in output.transfers]
+        for chunk in output.chunks:
+            written += [BlockRef(DEVICE, b) for b in chunk.block_ids[chunk.start_pos // bs :]]
+        self.kv.forget(ref.block_id for ref in written if ref.tier == DEVICE)
+        chunk_ids = [c.request_id for c in output.chunks]
+        return chunk_ids + [rid for rid in self.kv.holders(written) if rid not in chunk_ids]
 
     def advance(self, output: SchedulerOutput, service_s: float) -> None:
         """Record that the step ran: each scheduled request computed its chunk.

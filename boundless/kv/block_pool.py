@@ -122,6 +122,12 @@ class BlockPool:
         for block in list(self._cached.values()):
             self._evict(block)
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop these blocks' names (those that have one), so no lookup finds them again."""
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]

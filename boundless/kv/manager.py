@@ -1,16 +1,17 @@
-"""Per-request block tables on top of the block pool, with prefix-cache lookups.
+"""Per-request block tables on top of the tiers' block pools, with prefix-cache lookups.
 
-The scheduler talks to this class only; it never sees blocks, just whether slots could be
-allocated and how many prompt tokens a prefix-cache hit saves.
+The scheduler talks to this class only; it never touches blocks, just learns whether slots could be
+allocated, how many prompt tokens a prefix-cache hit saves, and which transfers a swap takes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
 from boundless.kv.block_pool import BlockPool, KVBlock
+from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
 
 
 @dataclass
@@ -26,7 +27,11 @@ class CachedPrefix:
 
 
 class KVCacheManager:
-    """Owns the block pool and every request's block table."""
+    """Owns every tier's block pool and every request's block table.
+
+    A request's KV sits in one tier: on the device while it can run, in a tier below (host memory) while it
+    is swapped out. Moving it is bookkeeping here and a list of transfers for the executor to copy.
+    """
 
     def __init__(
         self,
@@ -39,12 +44,15 @@ class KVCacheManager:
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        # Host memory for swapped-out requests: plain blocks, never shared or cached.
-        self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks > 0 else None
-        self._host_tables: dict[str, list[KVBlock]] = {}
-        # Host blocks read by this step's swap-ins: free only once the step's copies are done, or a
-        # swap-out in the same step could take one and overwrite it before it is read.
-        self._host_releasing: list[KVBlock] = []
+        # Every tier's pool, the device first, then the tiers a swap-out tries in turn. Below the device
+        # blocks are plain: never shared or cached.
+        self.pools: dict[TierId, BlockPool] = {DEVICE: self.pool}
+        if num_host_blocks > 0:
+            self.pools[HOST] = BlockPool(num_host_blocks, enable_caching=False)
+        self._swapped: dict[str, tuple[TierId, list[KVBlock]]] = {}
+        # Blocks below the device that this step's swap-ins read: freed only once the step's transfers are
+        # done, or a swap-out in the same step could take one and overwrite it before it is read.
+        self._read_this_step: list[tuple[TierId, list[KVBlock]]] = []
         self._tables: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_named: dict[str, int] = {}
@@ -85,8 +93,9 @@ class KVCacheManager:
         """How many more free blocks an allocation up to ``num_tokens_after`` tokens would need (<= 0: none)."""
         return self._blocks_short(request_id, num_tokens_after, prefix)
 
-    def num_host_blocks(self, request_id: str) -> int:
-        return len(self._host_tables.get(request_id, ()))
+    def num_swapped_blocks(self, request_id: str) -> int:
+        swapped = self._swapped.get(request_id)
+        return len(swapped[1]) if swapped is not None else 0
 
     def allocate(
         self,
@@ -117,50 +126,68 @@ class KVCacheManager:
         """Release a request's blocks (tail first, so its tail is evicted first) and forget it."""
         table = self._tables.pop(request_id, [])
         self.pool.free(reversed(table))
-        host = self._host_tables.pop(request_id, [])
-        if host and self.host_pool is not None:
-            self.host_pool.free(host)
+        swapped = self._swapped.pop(request_id, None)
+        if swapped is not None:
+            tier, blocks = swapped
+            self.pools[tier].free(blocks)
         self._hashes.pop(request_id, None)
         self._num_named.pop(request_id, None)
 
-    # -- swapping to host memory ----------------------------------------------------------
+    # -- moves between tiers ------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        """Free the host blocks the last step's swap-ins read (their copies have run)."""
-        if self._host_releasing and self.host_pool is not None:
-            self.host_pool.free(self._host_releasing)
-        self._host_releasing = []
+        """Free the blocks below the device that the last step's swap-ins read (their copies have run)."""
+        for tier, blocks in self._read_this_step:
+            self.pools[tier].free(blocks)
+        self._read_this_step = []
 
-    def is_swapped(self, request_id: str) -> bool:
-        return request_id in self._host_tables
-
-    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Move a request's KV to host blocks; returns (device, host) block pairs to copy, or None
-        (changing nothing) when host memory lacks room. The device blocks are released."""
+    def swap_out(self, request_id: str) -> list[BlockTransfer] | None:
+        """Move a request's KV to the first tier below the device with room; returns the transfers to
+        copy, or None (changing nothing) when no tier has room. The device blocks are released."""
         table = self._tables.get(request_id)
-        if not table or self.host_pool is None or self.host_pool.num_free < len(table):
+        if not table:
             return None
-        host = self.host_pool.allocate(len(table))
-        pairs = [(d.block_id, h.block_id) for d, h in zip(table, host, strict=True)]
-        self._host_tables[request_id] = host
+        tier = next((t for t in list(self.pools)[1:] if self.pools[t].num_free >= len(table)), None)
+        if tier is None:
+            return None
+        lower = self.pools[tier].allocate(len(table))
+        transfers = [
+            BlockTransfer(BlockRef(DEVICE, d.block_id), BlockRef(tier, b.block_id))
+            for d, b in zip(table, lower, strict=True)
+        ]
+        self._swapped[request_id] = (tier, lower)
         del self._tables[request_id]
         self.pool.free(reversed(table))
         self._num_named.pop(request_id, None)
-        return pairs
+        return transfers
 
-    def swap_in(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> list[tuple[int, int]] | None:
-        """Bring a swapped request back; returns (host, device) pairs to copy, or None when device memory lacks room."""
-        host = self._host_tables.get(request_id)
-        assert host is not None and self.host_pool is not None
-        if self.pool.num_free < len(host):
+    def swap_in(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> list[BlockTransfer] | None:
+        """Bring a swapped request back to the device; returns the transfers to copy, or None when device
+        memory lacks room."""
+        tier, lower = self._swapped[request_id]
+        if self.pool.num_free < len(lower):
             return None
-        device = self.pool.allocate(len(host))
-        pairs = [(h.block_id, d.block_id) for h, d in zip(host, device, strict=True)]
+        device = self.pool.allocate(len(lower))
+        transfers = [
+            BlockTransfer(BlockRef(tier, b.block_id), BlockRef(DEVICE, d.block_id))
+            for b, d in zip(lower, device, strict=True)
+        ]
         self._tables[request_id] = device
-        del self._host_tables[request_id]
-        self._host_releasing.extend(host)
+        del self._swapped[request_id]
+        self._read_this_step.append((tier, lower))
         self._name_full_blocks(request_id, token_ids, num_computed)
-        return pairs
+        return transfers
+
+    def holders(self, refs: Iterable[BlockRef]) -> list[str]:
+        """The requests whose KV (on the device or swapped out) is in any of these blocks."""
+        wanted = set(refs)
+        tables = [(rid, DEVICE, t) for rid, t in self._tables.items()]
+        tables += [(rid, tier, t) for rid, (tier, t) in self._swapped.items()]
+        return [rid for rid, tier, table in tables if any(BlockRef(tier, b.block_id) in wanted for b in table)]
+
+    def forget(self, block_ids: Iterable[int]) -> None:
+        """Drop the prefix-cache names of these device blocks: their KV was never written."""
+        self.pool.uncache(self.pool.blocks[i] for i in block_ids)
 
     def _blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None) -> int:
         have = len(self._tables.get(request_id, ()))

@@ -2,9 +2,9 @@
 
 A stand-in for the model writes each token's id into its KV slot; before every chunk runs we read
 back, through the chunk's block table, the KV of every position before it and check that it holds
-the request's tokens. The real scheduler, KV manager, paged cache and host swap space run under
-priorities that reshuffle every step, a KV pool too small for everyone and a small host pool, so
-that swaps out and in, recomputes and prefix-cache hits meet in one step.
+the request's tokens. The real scheduler, KV manager, paged cache, host tier and the executor's
+transfer path run under priorities that reshuffle every step, a KV pool too small for everyone and
+a small host pool, so that swaps out and in, recomputes and prefix-cache hits meet in one step.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from boundless.kv.manager import KVCacheManager
-from boundless.kv.swap import HostSwapSpace
 from boundless.kv.tensors import PagedKVCache
+from boundless.kv.tiers import HostKVTier
+from boundless.kv.transfer import DEVICE, HOST, apply_transfers
 
 BLOCK = 4
 
@@ -71,7 +72,7 @@ def _simulate(seed: int) -> SchedulerStats:
     num_blocks, host_blocks = 14, rng.choice([3, 6, 40])
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=True, fingerprint="fp", num_host_blocks=host_blocks)
     cache = PagedKVCache(1, 1, 1, num_blocks, BLOCK, torch.float32, torch.device("cpu"))
-    swap = HostSwapSpace(cache, host_blocks)
+    tiers = {DEVICE: cache, HOST: HostKVTier(cache, host_blocks)}
     sched = Scheduler(kv, ShufflingPolicy(rng), lambda: 0.0, max_num_batched_tokens=12, max_num_seqs=5)
     shared = [rng.randrange(1000) for _ in range(2 * BLOCK)]
     pending = []
@@ -85,7 +86,7 @@ def _simulate(seed: int) -> SchedulerStats:
         if not pending and not sched.requests:
             break
         out = sched.schedule()
-        swap.apply(out.swap_out, out.swap_in)
+        apply_transfers(out.transfers, tiers)  # as the model executor does, before the forward pass
         _run_chunks(cache, out, sched.requests)
         sched.advance(out, service_s=0.01)
         for chunk in out.chunks:
@@ -97,8 +98,8 @@ def _simulate(seed: int) -> SchedulerStats:
         kv.pool.check_invariants()
     assert not pending and not sched.requests, "every request finishes"
     kv.begin_step()
-    assert kv.host_pool is not None and kv.host_pool.num_free == host_blocks, "host blocks leaked"
-    kv.host_pool.check_invariants()
+    assert kv.pools[HOST].num_free == host_blocks, "host blocks leaked"
+    kv.pools[HOST].check_invariants()
     return sched.stats
 
 
@@ -122,11 +123,11 @@ def test_host_blocks_a_swap_in_reads_are_not_reused_in_the_same_step() -> None:
     a, b = list(range(4)), list(range(100, 108))  # one block and two blocks
     assert kv.allocate("a", a, 4) and kv.allocate("b", b, 8)
     out_a = kv.swap_out("a")
-    assert out_a is not None
+    assert out_a is not None and [(t.src.tier, t.dst.tier) for t in out_a] == [(DEVICE, HOST)]
     kv.begin_step()
     into_a = kv.swap_in("a", a, 4)  # reads a's host block during this step's copies
     out_b = kv.swap_out("b")  # so b may not take it: with one host block free, b does not fit
     assert into_a is not None and out_b is None
     kv.begin_step()
     out_b = kv.swap_out("b")  # next step it is free again
-    assert out_b is not None and {h for _, h in out_b} >= {h for h, _ in into_a}
+    assert out_b is not None and {t.dst for t in out_b} >= {t.src for t in into_a}

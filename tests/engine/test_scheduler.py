@@ -6,6 +6,7 @@ from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
 from boundless.kv.manager import KVCacheManager
+from boundless.kv.transfer import DEVICE, HOST
 from boundless.programs.policies import PLASPolicy, QueueConfig
 from boundless.programs.policy import FCFSPolicy
 from boundless.programs.ref import ProgramRef
@@ -141,9 +142,30 @@ def test_memory_pressure_swaps_before_it_recomputes() -> None:
     # high needs 2 blocks of 4; low holds 3 (plus needs a 4th): low's KV goes to host memory.
     assert [c.request_id for c in out.chunks] == ["high"]
     assert low.status is RequestStatus.SWAPPED and low.num_computed_tokens == 12
-    assert len(out.swap_out) == 3 and s.stats.num_swapped_out == 1 and s.stats.num_recomputed == 0
+    assert [(t.src.tier, t.dst.tier) for t in out.transfers] == [(DEVICE, HOST)] * 3
+    assert s.stats.num_swapped_out == 1 and s.stats.num_recomputed == 0
     s.finish("high", RequestStatus.FINISHED_STOPPED)
     out = s.schedule()
-    assert [c.request_id for c in out.chunks] == ["low"] and len(out.swap_in) == 3
+    assert [c.request_id for c in out.chunks] == ["low"]
+    assert [(t.src.tier, t.dst.tier) for t in out.transfers] == [(HOST, DEVICE)] * 3
+    assert [t.dst.block_id for t in out.transfers] == out.chunks[0].block_ids[:3]  # back into its own table
     assert out.chunks[0].start_pos == 12  # nothing recomputed
     assert low.status is RequestStatus.RUNNING
+
+
+def test_a_failed_step_fails_the_requests_whose_kv_it_was_moving_and_forgets_its_blocks() -> None:
+    clock = FakeClock()
+    kv = KVCacheManager(4, 4, True, "fp", num_host_blocks=4)
+    s = Scheduler(kv, PLASPolicy(QueueConfig(base_s=1.0, growth=4.0)), clock, 64, 16)
+    low = Request("low", list(range(12)), SamplingParams(max_tokens=50), 0.0, program=ProgramRef("L"))
+    s.add(low)
+    out = s.schedule()
+    s.advance(out, service_s=2.0)
+    low.append_output(1)
+    high_prompt = list(range(50, 58))
+    s.add(Request("high", high_prompt, SamplingParams(max_tokens=5), 1.0, program=ProgramRef("H")))
+    out = s.schedule()  # high's prefill, and low swapped out to make room: then the step raises
+    assert [c.request_id for c in out.chunks] == ["high"] and low.status is RequestStatus.SWAPPED
+    assert s.step_failed(out) == ["high", "low"]  # low's host blocks were never filled
+    # high's two full blocks were named when allocated, but the forward pass never wrote them.
+    assert kv.find_cached_prefix("again", high_prompt + [1]).num_tokens == 0

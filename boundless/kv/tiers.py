@@ -1,0 +1,47 @@
+"""KV memory by tier: what the executor reads and writes when it applies a step's transfers.
+
+A tier has two halves. Its bookkeeping (which blocks are free, which request holds which) is a block pool
+in ``KVCacheManager``, on the scheduler's side; its memory is a :class:`KVTier` on the executor's side. Both
+are keyed by the tier's id (``kv/transfer.py``), and a :class:`~boundless.kv.transfer.BlockTransfer` names
+blocks of either. The device tier is ``PagedKVCache`` (``kv/tensors.py``); :class:`HostKVTier` is host
+memory. A disk store or another instance's memory is one more implementation of :class:`KVTier` with a
+pool of its own: the scheduler keeps emitting transfers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from boundless.kv.tensors import PagedKVCache
+
+
+class KVTier(Protocol):
+    """KV memory addressed by block id. Blocks travel as [layers, 2, kv_heads, n, block_size, head_dim]."""
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of these blocks' KV across all layers, in the order given."""
+        ...
+
+    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Store ``blocks`` (from any tier's device and dtype) as these blocks' KV."""
+        ...
+
+
+class HostKVTier:
+    """Host memory for ``num_blocks`` blocks shaped like ``device``'s (pinned when the device is a GPU)."""
+
+    def __init__(self, device: PagedKVCache, num_blocks: int) -> None:
+        shape = list(device.data.shape)
+        shape[3] = num_blocks
+        pin = device.data.device.type == "cuda"
+        self.data = torch.zeros(shape, dtype=device.data.dtype, pin_memory=pin)
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return self.data.index_select(3, torch.as_tensor(list(block_ids), dtype=torch.long))
+
+    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        self.data.index_copy_(3, idx, blocks.to(device="cpu", dtype=self.data.dtype))
