@@ -41,7 +41,10 @@ def _readme_simulate() -> list[str]:
     return shlex.split(line.split("#")[0])[1:]
 
 
-SMOLLM2 = SimulatedModel.read(ModelConfig())
+@pytest.fixture(scope="module")
+def smollm2_sim() -> SimulatedModel:
+    """The bundled model as the simulator knows it: no weights."""
+    return SimulatedModel.read(ModelConfig())
 
 
 def _simulate(tmp_path: Path, name: str, *args: str) -> dict:
@@ -64,23 +67,32 @@ def test_simulate_command_is_deterministic_for_a_seed(tmp_path: Path) -> None:
     assert other_seed["rows"] != first["rows"]
 
 
-def _latencies(policy: str, programs: list[ProgramSpec]) -> list[float]:
+def test_calls_the_engine_refuses_are_counted_and_invalidate_the_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A 48-token context: calls that ask for more output than fits are refused, as the real engine refuses them.
+    args = ["simulate", "--policies", "fcfs", "--rates", "0.3", "--num-programs", "20", "--num-kv-blocks", "80"]
+    result = _simulate(tmp_path, "refused", *args, "--max-model-len", "48")
+    assert result["rows"][0]["failed_calls"] > 0 and "these figures are invalid" in capsys.readouterr().out
+
+
+def _latencies(model: SimulatedModel, policy: str, programs: list[ProgramSpec]) -> list[float]:
     config = EngineConfig(
         cache=CacheConfig(num_kv_blocks=80), scheduler=SchedulerConfig(policy=policy, max_num_seqs=16)
     )
-    results = Simulator(config, SMOLLM2).run(programs)
+    results = Simulator(config, model).run(programs)
     assert len(results) == len(programs) and all(r.finish_s >= r.arrival_s for r in results)
     assert sum(r.output_tokens for r in results) == sum(p.output_tokens for p in programs)  # every call ran
     return [r.latency_s for r in results]
 
 
-def test_memory_bound_load_separates_the_policies() -> None:
+def test_memory_bound_load_separates_the_policies(smollm2_sim: SimulatedModel) -> None:
     # A small KV pool (as on a GPU, and as in docs/programs.md): under fcfs, long programs' growing contexts
     # hold the memory.
     fcfs_total = plas_total = 0.0
     for seed in range(4):
         programs = make_programs("chat", 60, rate=0.3, seed=seed)
-        fcfs, plas = _latencies("fcfs", programs), _latencies("plas", programs)
+        fcfs, plas = _latencies(smollm2_sim, "fcfs", programs), _latencies(smollm2_sim, "plas", programs)
         fcfs_total += statistics.fmean(fcfs)
         plas_total += statistics.fmean(plas)
         # The mechanism: short programs (one or two calls) no longer wait behind long ones.
@@ -170,7 +182,7 @@ def _recording(core: EngineCore, into: dict[tuple[str, str], list[list[int]]]) -
     core.add_request = add_and_record  # type: ignore[method-assign]
 
 
-def _prompts(workload: str) -> tuple[dict, dict]:
+def _prompts(model: SimulatedModel, workload: str) -> tuple[dict, dict]:
     """The prompts the benchmark sends for some programs, and those the simulator sends for them."""
     # A context short enough that long conversations are compacted.
     config = EngineConfig(
@@ -180,31 +192,31 @@ def _prompts(workload: str) -> tuple[dict, dict]:
 
     # The benchmark's client against a server whose engine runs on the cost-model executor.
     sent: dict[tuple[str, str], list[list[int]]] = {}
-    core = simulated_engine(config, SMOLLM2, CostModel(), time.monotonic)
+    core = simulated_engine(config, model, CostModel(), time.monotonic)
     _recording(core, sent)
     engine = AsyncEngine(core)
     server = start_in_thread(engine, "bench")
     try:
-        runner = ProgramRunner(server.url, "bench", core.max_model_len, SMOLLM2.identity.vocab_size)
+        runner = ProgramRunner(server.url, "bench", core.max_model_len, model.identity.vocab_size)
         asyncio.run(runner.run(programs, "bench"))
     finally:
         server.stop()
         engine.shutdown()
 
     simulated: dict[tuple[str, str], list[list[int]]] = {}
-    sim = Simulator(config, SMOLLM2)
+    sim = Simulator(config, model)
     _recording(sim.core, simulated)
     sim.run(programs)
     return sent, simulated
 
 
-def test_the_simulator_sends_the_benchmarks_prompts_compacted_alike() -> None:
-    sent, simulated = _prompts("chat")
+def test_the_simulator_sends_the_benchmarks_prompts_compacted_alike(smollm2_sim: SimulatedModel) -> None:
+    sent, simulated = _prompts(smollm2_sim, "chat")
     assert simulated == sent
     # Compaction happened: some call's prompt is shorter than the conversation it continues.
     assert any(len(b) < len(a) for prompts in sent.values() for a, b in itertools.pairwise(prompts))
 
 
-def test_the_simulator_joins_threads_as_the_benchmark() -> None:
-    sent, simulated = _prompts("mapreduce")
+def test_the_simulator_joins_threads_as_the_benchmark(smollm2_sim: SimulatedModel) -> None:
+    sent, simulated = _prompts(smollm2_sim, "mapreduce")
     assert simulated == sent and any(thread.endswith("reduce") for _, thread in sent)
