@@ -30,12 +30,12 @@ from tqdm import tqdm
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import (
-    SHARED_SYSTEM_PROMPT,
     WORKLOADS,
     CallSpec,
     ProgramSpec,
+    PromptTokens,
     WorkloadShape,
-    compaction,
+    call_prompt,
     make_programs,
 )
 from boundless.config import ClusterConfig, EngineConfig, add_flags, engine_config_from_flags, from_flags
@@ -73,27 +73,15 @@ class ProgramRunner:
         self.client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
         self.model = model
         self.max_model_len = max_model_len
-        self.vocab = vocab
-        rng = random.Random(seed)
-        self.shared = [rng.randrange(100, vocab) for _ in range(SHARED_SYSTEM_PROMPT)]
-        self.seed = seed
-
-    def _tokens(self, rng: random.Random, n: int) -> list[int]:
-        return [rng.randrange(100, self.vocab) for _ in range(n)]
+        self.tokens = PromptTokens(vocab, seed)
 
     async def _call(
         self, spec: ProgramSpec, call: CallSpec, contexts: dict, outputs: dict, rng: random.Random, system: list[int]
     ) -> CallResult:
         if call.tool_wait_s > 0:
             await asyncio.sleep(call.tool_wait_s)
-        base = contexts.get(call.parents[0], system) if call.parents else system
-        joined = [t for p in call.parents[1:] for t in outputs.get(p, [])]
-        prompt = base + joined + self._tokens(rng, call.new_input)
-        has_system = prompt[: len(system)] == system
-        cut = compaction(len(prompt), len(system) if has_system else 0, self.max_model_len - call.output - 1)
-        if cut is not None:
-            head, total = cut
-            prompt = prompt[:head] + prompt[len(prompt) - (total - head) :]
+        new_input = self.tokens.draw(rng, call.new_input)
+        prompt = call_prompt(call, system, contexts, outputs, new_input, self.max_model_len)
         try:
             resp = await self.client.completions.create(
                 model=self.model,
@@ -122,8 +110,7 @@ class ProgramRunner:
         if delay > 0:
             await asyncio.sleep(delay)
         arrival = time.perf_counter() - t0
-        rng = random.Random(f"{self.seed}:{spec.program_id}")
-        system = self.shared + self._tokens(rng, spec.system_prompt)
+        rng, system = self.tokens.start(spec)
         contexts: dict[str, list[int]] = {}
         outputs: dict[str, list[int]] = {}
         calls: list[CallResult] = []

@@ -98,6 +98,56 @@ def compaction(length: int, system_len: int, room: int) -> tuple[int, int] | Non
     return head, total
 
 
+class PromptTokens:
+    """The token ids of a run's prompts, all from its seed.
+
+    Every program starts with :data:`SHARED_SYSTEM_PROMPT` tokens it shares with the others (prefix-cache
+    hits across programs), then a system prompt of its own; its calls' new inputs follow, drawn in call
+    order from a generator of the run's seed and the program id. The benchmark and the simulator draw
+    them here, so that for the same programs they send the same prompts.
+    """
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        self.vocab = vocab
+        self.seed = seed
+        self.shared = self.draw(random.Random(seed), SHARED_SYSTEM_PROMPT)
+
+    def draw(self, rng: random.Random, n: int) -> list[int]:
+        """``n`` token ids, above the low ids where tokenizers keep their special tokens."""
+        return [rng.randrange(100, self.vocab) for _ in range(n)]
+
+    def start(self, spec: ProgramSpec) -> tuple[random.Random, list[int]]:
+        """A program's generator (for its calls' new inputs) and its whole system prompt."""
+        rng = random.Random(f"{self.seed}:{spec.program_id}")
+        return rng, self.shared + self.draw(rng, spec.system_prompt)
+
+
+def call_prompt(
+    call: CallSpec,
+    system: list[int],
+    contexts: dict[str, list[int]],
+    outputs: dict[str, list[int]],
+    new_input: list[int],
+    max_model_len: int,
+) -> list[int]:
+    """The prompt a program sends for ``call``: the conversation of its first parent (or the system prompt),
+    the outputs of its other parents, then its new input; compacted (:func:`compaction`) when that would
+    leave too little room for the call's output in ``max_model_len``.
+
+    ``contexts`` maps a thread to its conversation so far (its last prompt and output), ``outputs`` to
+    its last output. The one place a call's prompt is built, for the benchmark and the simulator alike.
+    """
+    base = contexts.get(call.parents[0], system) if call.parents else system
+    joined = [t for p in call.parents[1:] for t in outputs.get(p, [])]
+    prompt = base + joined + new_input
+    has_system = prompt[: len(system)] == system
+    cut = compaction(len(prompt), len(system) if has_system else 0, max_model_len - call.output - 1)
+    if cut is not None:
+        head, total = cut
+        prompt = prompt[:head] + prompt[len(prompt) - (total - head) :]
+    return prompt
+
+
 @dataclass(frozen=True)
 class WorkloadShape:
     scale: float = 0.1  # multiplies token lengths

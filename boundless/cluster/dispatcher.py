@@ -23,9 +23,9 @@ from typing import Literal
 
 from boundless.cluster.routing import InstanceView, NoLiveInstanceError, Router
 from boundless.engine.core import RequestDelta, Resume
-from boundless.engine.request import ProgramRef
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.process_table import ProcessTable
+from boundless.programs.ref import ProgramRef
 
 
 @dataclass

@@ -1,4 +1,8 @@
-"""``boundless simulate``: policies side by side on a workload, in virtual time."""
+"""``boundless simulate``: policies side by side on a workload, in virtual time.
+
+The engine flags (model, KV cache, scheduler) and their defaults are ``boundless bench programs``'s:
+the simulated engine is sized from them exactly as the real one is.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,15 @@ import statistics
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, WorkloadShape, make_programs
-from boundless.config import SchedulerConfig, from_flags
-from boundless.sim.simulator import CostModel, Simulator
+from boundless.config import CacheConfig, ModelConfig, add_flags, engine_config_from_flags
+from boundless.sim.cost import CostModel
+from boundless.sim.engine import SimulatedModel
+from boundless.sim.simulator import Simulator
 
 
 def run(args: argparse.Namespace) -> dict:
-    base = from_flags(SchedulerConfig, args)
+    base = engine_config_from_flags(args)
+    model = SimulatedModel.read(base.model)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     shape = WorkloadShape(scale=args.scale, tool_wait_s=args.tool_wait)
     cost = CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
@@ -22,14 +29,8 @@ def run(args: argparse.Namespace) -> dict:
     for rate in [float(r) for r in args.rates.split(",")]:
         programs = make_programs(args.workload, args.num_programs, rate, args.bench_seed, shape)
         for policy in policies:
-            sim = Simulator(
-                dataclasses.replace(base, policy=policy),
-                num_blocks=args.num_kv_blocks,
-                block_size=args.block_size,
-                num_host_blocks=args.num_host_blocks,
-                cost=cost,
-                max_model_len=args.max_model_len,
-            )
+            config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
+            sim = Simulator(config, model, cost)
             results = sim.run(programs)
             lat = [r.latency_s for r in results]
             rows.append(
@@ -40,7 +41,8 @@ def run(args: argparse.Namespace) -> dict:
                     "p95_latency_s": percentile(lat, 0.95),
                     "p99_latency_s": percentile(lat, 0.99),
                     "avg_latency_per_token_s": statistics.fmean(r.latency_s / max(1, r.output_tokens) for r in results),
-                    "preemptions": sim.scheduler.stats.num_preemptions,
+                    "preemptions": sim.core.stats().num_preemptions,
+                    "failed_calls": sum(r.failed_calls for r in results),
                 }
             )
     table = []
@@ -59,6 +61,9 @@ def run(args: argparse.Namespace) -> dict:
             ]
         )
     print_table(["rate/s", "policy", "avg s", "p95 s", "p99 s", "ms/token", "preemptions", "avg vs fcfs"], table)
+    failed = sum(row["failed_calls"] for row in rows)
+    if failed:  # a refused call takes no time: the latencies above would flatter the run
+        print(f"{failed} calls were refused by the engine (too long for --max-model-len): these figures are invalid")
     result = {"workload": args.workload, "num_programs": args.num_programs, "rows": rows, "virtual_time": True}
     if args.json:
         write_json(args.json, result)
@@ -72,16 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-programs", type=int, default=150)
     parser.add_argument("--scale", type=float, default=0.1)
     parser.add_argument("--tool-wait", type=float, default=0.2)
-    parser.add_argument(
-        "--num-kv-blocks", type=int, default=160, help="a small pool makes memory the bottleneck, as on a GPU"
-    )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument(
-        "--max-model-len", type=int, default=None, help="context length programs compact to (default: the KV pool)"
-    )
-    parser.add_argument("--num-host-blocks", type=int, default=512)
     parser.add_argument("--step-base-s", type=float, default=CostModel.base_s)
     parser.add_argument("--step-per-token-s", type=float, default=CostModel.per_token_s)
     parser.add_argument("--step-per-seq-s", type=float, default=CostModel.per_seq_s)
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH")
+    # The engine's own flags (the scheduler's are added with them by the command line).
+    add_flags(parser, ModelConfig)
+    add_flags(parser, CacheConfig)

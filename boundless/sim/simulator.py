@@ -1,47 +1,33 @@
-"""A discrete-event simulator that drives the real scheduler and policies on a virtual clock.
+"""A discrete-event simulator: agent programs against the real engine, in virtual time.
 
-The scheduler, KV cache manager and policy objects are the engine's own; only the model is
-replaced by a cost model (step time from the step's token and sequence counts) and tokens by
-placeholders. Agent programs from :mod:`boundless.bench.workloads` issue their calls as the real
-benchmark does. Runs are deterministic and take seconds, so policy parameters can be explored
-before they are measured on the real engine.
+The engine is the real :class:`~boundless.engine.core.EngineCore` (scheduler, KV cache manager,
+policy, finish and stop rules, context length), sized from an ``EngineConfig`` as the real one is;
+only its executor differs: placeholder tokens and a step time from a cost model. Programs from
+:mod:`boundless.bench.workloads` send the prompts the real benchmark sends (same tokens, same
+compaction). Runs are deterministic and take seconds, so policy parameters can be explored before
+they are measured on the real engine.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import zlib
+import random
 from dataclasses import dataclass, field
 
-from boundless.bench.workloads import SHARED_SYSTEM_PROMPT, CallSpec, ProgramSpec, compaction
-from boundless.config import SchedulerConfig
-from boundless.engine.request import Request, RequestStatus
+from boundless.bench.workloads import CallSpec, ProgramSpec, PromptTokens, call_prompt
+from boundless.config import EngineConfig
+from boundless.engine.errors import InvalidRequestError
+from boundless.engine.request import Request
 from boundless.engine.sampling_params import SamplingParams
-from boundless.engine.scheduler import Scheduler
-from boundless.kv.manager import KVCacheManager
 from boundless.programs.ref import ProgramRef
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds per engine step: ``base + per_token * tokens + per_seq * sequences``.
-
-    The defaults approximate SmolLM2-135M in fp32 on 2 CPU cores (measured: ~40 ms for one decode,
-    ~190 ms for 32 decodes, ~2.3 ms per prefill token).
-    """
-
-    base_s: float = 0.035
-    per_token_s: float = 0.0022
-    per_seq_s: float = 0.0035
-
-    def step_time(self, num_tokens: int, num_seqs: int) -> float:
-        decode_like = min(num_tokens, num_seqs)
-        prefill = num_tokens - decode_like
-        return self.base_s + self.per_seq_s * decode_like + self.per_token_s * prefill
+from boundless.sim.cost import CostModel, StepCost
+from boundless.sim.engine import SimulatedModel, simulated_engine
 
 
 class VirtualClock:
+    """The engine's clock in a simulation: it moves only when the event loop moves it."""
+
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -51,67 +37,71 @@ class VirtualClock:
 
 @dataclass
 class SimProgram:
+    """A program in flight: its prompt tokens, its threads' conversations, the stage it is at."""
+
     spec: ProgramSpec
+    rng: random.Random
+    system: list[int]
     stage: int = 0
     pending: int = 0
-    contexts: dict[str, int] = field(default_factory=dict)  # thread -> context length in tokens
-    # thread -> (salt of the tokens after the head, head) since its last compaction; (0, 0) before any
-    compacted: dict[str, tuple[int, int]] = field(default_factory=dict)
+    contexts: dict[str, list[int]] = field(default_factory=dict)  # thread -> its conversation so far
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # thread -> its last output
     output_tokens: int = 0
+    failed_calls: int = 0
     finish_s: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class SimResult:
     program_id: str
     arrival_s: float
     finish_s: float
     output_tokens: int
+    failed_calls: int = 0  # calls the engine refused (as the benchmark counts them)
 
     @property
     def latency_s(self) -> float:
         return self.finish_s - self.arrival_s
 
 
+@dataclass(frozen=True)
+class _Call:
+    program: SimProgram
+    spec: CallSpec
+    prompt: list[int]
+    request: Request
+
+
 class Simulator:
-    """One engine instance under a stream of agent programs, in virtual time."""
+    """One engine instance under a stream of agent programs, in virtual time.
+
+    The event loop delivers arrivals and the ends of tool waits, then runs one engine step:
+    schedule, execute on the cost-model executor, move the clock on by the step's seconds, and
+    let the engine apply the step (``finish_step``), which ends calls by its own rules.
+    """
 
     def __init__(
-        self,
-        scheduler_config: SchedulerConfig,
-        num_blocks: int = 4096,
-        block_size: int = 16,
-        num_host_blocks: int = 4096,
-        cost: CostModel | None = None,
-        max_model_len: int | None = None,
+        self, config: EngineConfig, model: SimulatedModel, cost: StepCost | None = None, seed: int = 0
     ) -> None:
-        from boundless.programs.registry import make_policy
-
         self.clock = VirtualClock()
-        # As the engine: the asked context length, capped by the KV pool.
-        self.max_context = min(max_model_len or num_blocks * block_size, num_blocks * block_size)
-        self.cost = cost or CostModel()
-        kv = KVCacheManager(num_blocks, block_size, True, "sim", num_host_blocks=num_host_blocks)
-        self.scheduler = Scheduler(
-            kv,
-            make_policy(scheduler_config),
-            self.clock,
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            max_num_seqs=scheduler_config.max_num_seqs,
-        )
+        self.core = simulated_engine(config, model, cost or CostModel(), self.clock)
+        self.tokens = PromptTokens(model.identity.vocab_size, seed)
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
-        self._calls: dict[str, tuple[SimProgram, CallSpec]] = {}
+        self._calls: dict[str, _Call] = {}
         self._ids = itertools.count()
 
     def _at(self, t: float, kind: str, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
     def run(self, programs: list[ProgramSpec]) -> list[SimResult]:
-        sims = [SimProgram(p) for p in programs]
-        for sp in sims:
-            self._at(sp.spec.arrival_s, "stage", sp)
-        while self._events or self.scheduler.num_unfinished:
+        sims = []
+        for spec in programs:
+            rng, system = self.tokens.start(spec)
+            sims.append(SimProgram(spec, rng, system))
+            self._at(spec.arrival_s, "stage", sims[-1])
+        core = self.core
+        while self._events or core.has_unfinished():
             # Deliver every event due by now (arrivals, tool waits ending).
             while self._events and self._events[0][0] <= self.clock.now:
                 _, _, kind, payload = heapq.heappop(self._events)
@@ -119,20 +109,25 @@ class Simulator:
                     self._start_stage(payload)  # type: ignore[arg-type]
                 else:
                     self._submit(*payload)  # type: ignore[misc]
-            out = self.scheduler.schedule() if self.scheduler.num_unfinished else None
-            if out is None or out.is_empty:
+            sched = core.schedule() if core.has_unfinished() else None
+            if sched is None or sched.is_empty:
                 if not self._events:
                     break
                 self.clock.now = max(self.clock.now, self._events[0][0])
                 continue
-            duration = self.cost.step_time(out.num_tokens, len(out.chunks))
-            self.clock.now += duration
-            self.scheduler.advance(out, duration)
-            for chunk in out.chunks:
-                if chunk.sample:
-                    self._sampled(chunk.request_id)
+            sampled, elapsed = core.execute(sched)
+            self.clock.now += elapsed
+            for delta in core.finish_step(sched, sampled, elapsed):
+                if delta.finished:
+                    self._call_done(self._calls.pop(delta.request_id))
         return [
-            SimResult(sp.spec.program_id, sp.spec.arrival_s, sp.finish_s or self.clock.now, sp.output_tokens)
+            SimResult(
+                sp.spec.program_id,
+                sp.spec.arrival_s,
+                sp.finish_s if sp.finish_s is not None else self.clock.now,
+                sp.output_tokens,
+                sp.failed_calls,
+            )
             for sp in sims
         ]
 
@@ -146,40 +141,33 @@ class Simulator:
             self._at(self.clock.now + call.tool_wait_s, "call", (sp, call))
 
     def _submit(self, sp: SimProgram, call: CallSpec) -> None:
-        system_len = SHARED_SYSTEM_PROMPT + sp.spec.system_prompt
-        base = sp.contexts.get(call.parents[0], system_len) if call.parents else system_len
-        prompt_len = base + sum(sp.contexts.get(p, 0) for p in call.parents[1:]) // 4 + call.new_input
-        after, head = sp.compacted.get(call.parents[0], (0, 0)) if call.parents else (0, 0)
-        # As the benchmark does: compact the conversation when it outgrows the context the pool holds.
-        cut = compaction(prompt_len, system_len if after == 0 or head else 0, self.max_context - call.output - 1)
-        if cut is not None:
-            head, prompt_len = cut
-            after = zlib.crc32(f"{sp.spec.program_id}/{call.thread_id}/{next(self._ids)}".encode()) or 1
-        sp.compacted[call.thread_id] = (after, head)
+        new_input = self.tokens.draw(sp.rng, call.new_input)
+        prompt = call_prompt(call, sp.system, sp.contexts, sp.outputs, new_input, self.core.max_model_len)
         rid = f"c{next(self._ids)}"
-        # Placeholder tokens: a program's threads share its prefix; a compaction keeps only its head
-        # and starts tokens of its own.
-        salt = zlib.crc32(sp.spec.program_id.encode())
-        prompt = [(salt + 7919 * i + (after if i >= head else 0)) % 30000 + 1000 for i in range(prompt_len)]
-        req = Request(
-            rid,
-            prompt,
-            SamplingParams(max_tokens=call.output, ignore_eos=True),
-            arrival_time=self.clock.now,
-            program=ProgramRef(sp.spec.program_id, call.thread_id, call.parents),
-        )
-        self._calls[rid] = (sp, call)
-        sp.contexts[call.thread_id] = prompt_len + call.output
-        self.scheduler.add(req)
+        try:
+            request = self.core.add_request(
+                rid,
+                prompt,
+                SamplingParams(max_tokens=call.output, ignore_eos=True),
+                program=ProgramRef(sp.spec.program_id, call.thread_id, call.parents),
+            )
+        except InvalidRequestError:  # as the benchmark: counted, and the program goes on with what it has
+            sp.failed_calls += 1
+            sp.contexts[call.thread_id] = prompt
+            sp.outputs[call.thread_id] = []
+            self._end_call(sp)
+            return
+        self._calls[rid] = _Call(sp, call, prompt, request)
 
-    def _sampled(self, rid: str) -> None:
-        req = self.scheduler.requests[rid]
-        req.append_output(0)
-        if req.num_output_tokens >= req.sampling_params.max_tokens:
-            self.scheduler.finish(rid, RequestStatus.FINISHED_LENGTH)
-            sp, _ = self._calls.pop(rid)
-            sp.output_tokens += req.num_output_tokens
-            sp.pending -= 1
-            if sp.pending == 0:
-                sp.stage += 1
-                self._start_stage(sp)
+    def _call_done(self, call: _Call) -> None:
+        sp, out = call.program, list(call.request.output_token_ids)
+        sp.contexts[call.spec.thread_id] = call.prompt + out
+        sp.outputs[call.spec.thread_id] = out
+        sp.output_tokens += len(out)
+        self._end_call(sp)
+
+    def _end_call(self, sp: SimProgram) -> None:
+        sp.pending -= 1
+        if sp.pending == 0:
+            sp.stage += 1
+            self._start_stage(sp)

@@ -1,39 +1,98 @@
-"""The simulator drives the real scheduler and policies in virtual time: deterministic, and policy-sensitive."""
+"""The simulator runs the real engine (EngineCore) on a cost-model executor in virtual time: deterministic,
+policy-sensitive, and with the engine's own sizing, finish rules and the benchmark's prompts."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import itertools
+import json
+import shlex
 import statistics
+import time
+from pathlib import Path
 
-from boundless.bench.workloads import make_programs
-from boundless.config import SchedulerConfig
-from boundless.sim.simulator import CostModel, Simulator
+import pytest
+
+from boundless.api.launch import start_in_thread
+from boundless.bench.programs import ProgramRunner
+from boundless.bench.workloads import ProgramSpec, WorkloadShape, make_programs
+from boundless.cli import main
+from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.async_engine import AsyncEngine
+from boundless.engine.builder import size_engine
+from boundless.engine.core import EngineCore, RequestDelta
+from boundless.engine.errors import InvalidRequestError
+from boundless.engine.request import Request
+from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
+from boundless.sim.cost import CostModel
+from boundless.sim.engine import SimulatedModel, simulated_engine
+from boundless.sim.executor import CostModelExecutor
+from boundless.sim.simulator import Simulator, VirtualClock
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def _latencies(policy: str, programs) -> list[float]:
-    sim = Simulator(SchedulerConfig(policy=policy, max_num_seqs=16), num_blocks=160, num_host_blocks=512)
-    results = sim.run(programs)
+def _readme_simulate() -> list[str]:
+    """The README's ``boundless simulate`` command (memory-bound chat, where the policies differ), as arguments."""
+    text = README.read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.startswith("boundless simulate "))
+    return shlex.split(line.split("#")[0])[1:]
+
+
+@pytest.fixture(scope="module")
+def smollm2_sim() -> SimulatedModel:
+    """The bundled model as the simulator knows it: no weights."""
+    return SimulatedModel.read(ModelConfig())
+
+
+def _simulate(tmp_path: Path, name: str, *args: str) -> dict:
+    """Run ``boundless simulate`` through the command line's entry point; its figures."""
+    out = tmp_path / f"{name}.json"
+    assert main([*args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_simulate_command_is_deterministic_for_a_seed(tmp_path: Path) -> None:
+    command = _readme_simulate()
+    assert command[-2:] == ["--bench-seed", "1"]
+    first = _simulate(tmp_path, "a", *command)
+    again = _simulate(tmp_path, "b", *command)
+    assert first["rows"] == again["rows"]
+    rows = {r["policy"]: r for r in first["rows"]}
+    assert all(r["failed_calls"] == 0 for r in rows.values())
+    assert rows["plas"]["avg_latency_s"] < rows["fcfs"]["avg_latency_s"] / 1.3  # program-aware pays here
+    other_seed = _simulate(tmp_path, "c", *command[:-1], "2")
+    assert other_seed["rows"] != first["rows"]
+
+
+def test_calls_the_engine_refuses_are_counted_and_invalidate_the_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A 48-token context: calls that ask for more output than fits are refused, as the real engine refuses them.
+    args = ["simulate", "--policies", "fcfs", "--rates", "0.3", "--num-programs", "20", "--num-kv-blocks", "80"]
+    result = _simulate(tmp_path, "refused", *args, "--max-model-len", "48")
+    assert result["rows"][0]["failed_calls"] > 0 and "these figures are invalid" in capsys.readouterr().out
+
+
+def _latencies(model: SimulatedModel, policy: str, programs: list[ProgramSpec]) -> list[float]:
+    config = EngineConfig(
+        cache=CacheConfig(num_kv_blocks=80), scheduler=SchedulerConfig(policy=policy, max_num_seqs=16)
+    )
+    results = Simulator(config, model).run(programs)
     assert len(results) == len(programs) and all(r.finish_s >= r.arrival_s for r in results)
+    assert sum(r.output_tokens for r in results) == sum(p.output_tokens for p in programs)  # every call ran
     return [r.latency_s for r in results]
 
 
-def _avg_latency(policy: str, programs) -> float:
-    return statistics.fmean(_latencies(policy, programs))
-
-
-def test_runs_are_deterministic_and_complete() -> None:
-    programs = make_programs("chat", 40, rate=0.3, seed=1)
-    assert _avg_latency("plas", programs) == _avg_latency("plas", programs)
-    sim = Simulator(SchedulerConfig(policy="fcfs"))
-    results = sim.run(programs)
-    assert sum(r.output_tokens for r in results) == sum(p.output_tokens for p in programs)
-
-
-def test_memory_bound_load_separates_the_policies() -> None:
-    # A small KV pool (as on a GPU): under fcfs, long programs' growing contexts hold the memory.
+def test_memory_bound_load_separates_the_policies(smollm2_sim: SimulatedModel) -> None:
+    # A small KV pool (as on a GPU, and as in docs/programs.md): under fcfs, long programs' growing contexts
+    # hold the memory.
     fcfs_total = plas_total = 0.0
     for seed in range(4):
-        programs = make_programs("chat", 60, rate=0.4, seed=seed)
-        fcfs, plas = _latencies("fcfs", programs), _latencies("plas", programs)
+        programs = make_programs("chat", 60, rate=0.3, seed=seed)
+        fcfs, plas = _latencies(smollm2_sim, "fcfs", programs), _latencies(smollm2_sim, "plas", programs)
         fcfs_total += statistics.fmean(fcfs)
         plas_total += statistics.fmean(plas)
         # The mechanism: short programs (one or two calls) no longer wait behind long ones.
@@ -42,7 +101,122 @@ def test_memory_bound_load_separates_the_policies() -> None:
     assert plas_total < fcfs_total / 1.2
 
 
-def test_cost_model_charges_prefill_by_token() -> None:
+def _chunk(request_id: str, num_tokens: int) -> ScheduledChunk:
+    return ScheduledChunk(request_id, [5] * num_tokens, 0, [0], True, SamplingParams(), 0, (0,))
+
+
+def test_step_time_charges_prefill_by_token_and_swaps_by_bytes() -> None:
     cost = CostModel(base_s=0.01, per_token_s=0.001, per_seq_s=0.002)
-    assert cost.step_time(num_tokens=4, num_seqs=4) == 0.01 + 4 * 0.002
-    assert cost.step_time(num_tokens=104, num_seqs=4) == 0.01 + 4 * 0.002 + 100 * 0.001
+    decodes = SchedulerOutput(chunks=[_chunk(f"r{i}", 1) for i in range(4)])
+    prefill = SchedulerOutput(chunks=[_chunk("p", 101)] + decodes.chunks[1:])
+    assert cost.step_time(decodes) == pytest.approx(0.01 + 4 * 0.002)
+    assert cost.step_time(prefill) == pytest.approx(0.01 + 4 * 0.002 + 100 * 0.001)
+    executor = CostModelExecutor(cost, bytes_per_block=1_000_000, host_copy_bytes_per_s=1e9)
+    swapping = dataclasses.replace(decodes, swap_out=[(1, 0), (2, 1)], swap_in=[(3, 2)])
+    assert executor.execute(swapping).elapsed_s == pytest.approx(cost.step_time(decodes) + 3e-3)  # 3 MB at 1 GB/s
+    # Every sampling chunk gets a placeholder that neither is an EOS nor one of its stop tokens.
+    chunk = dataclasses.replace(
+        decodes.chunks[0], eos_token_ids=(100,), sampling_params=SamplingParams(stop_token_ids=[101])
+    )
+    assert executor.execute(SchedulerOutput(chunks=[chunk])).sampled["r0"].token_id not in (100, 101)
+
+
+def _run_all(core: EngineCore) -> dict[str, RequestDelta]:
+    last = {}
+    while core.has_unfinished():
+        last.update({d.request_id: d for d in core.step()})
+    return last
+
+
+@pytest.fixture(scope="module")
+def tiny_config(model_dirs: dict[str, Path]) -> EngineConfig:
+    return EngineConfig(
+        ModelConfig(model=str(model_dirs["tiny-llama"]), max_model_len=64),
+        CacheConfig(num_kv_blocks=16),
+        SchedulerConfig(policy="fcfs"),
+    )
+
+
+def test_the_simulated_engine_caps_and_finishes_as_the_real_one(tiny_llama, tiny_config: EngineConfig) -> None:
+    real = EngineCore.from_model(tiny_llama, tiny_config)
+    sim = simulated_engine(tiny_config, SimulatedModel.read(tiny_config.model), CostModel(), VirtualClock())
+    assert sim.layout == real.layout and sim.max_model_len == real.max_model_len == 64
+    assert sim.identity.eos_token_ids == real.identity.eos_token_ids
+    prompt = list(range(10, 50))  # 40 tokens: 24 left in the context
+    results = []
+    for core in (real, sim):
+        with pytest.raises(InvalidRequestError) as refused:  # 40 + 30 > 64
+            core.add_request("long", prompt, SamplingParams(max_tokens=30))
+        core.add_request("to-the-cap", prompt, SamplingParams(max_tokens=None, ignore_eos=True))
+        core.add_request("short", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+        ends = _run_all(core)
+        results.append((str(refused.value), {rid: (d.finish_reason, d.num_output_tokens) for rid, d in ends.items()}))
+    assert results[0] == results[1]
+    assert results[1][1] == {"to-the-cap": ("length", 24), "short": ("length", 5)}
+
+
+def test_an_asked_eos_ends_calls_by_the_engines_rules(tiny_config: EngineConfig) -> None:
+    model = SimulatedModel.read(tiny_config.model)
+    eos = model.identity.eos_token_ids[0]
+    layout = size_engine(tiny_config, model.arch, model.dtype)
+    executor = CostModelExecutor(CostModel(), layout.bytes_per_block, token_id=eos)  # asked for an EOS
+    sim = EngineCore(tiny_config, layout, model.identity, model.tokenizer, executor, VirtualClock())
+    prompt = list(range(10, 20))
+    sim.add_request("eos", prompt, SamplingParams(max_tokens=8, min_tokens=3))
+    sim.add_request("ignored", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    sim.add_request("stop-id", prompt, SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[eos]))
+    ends = _run_all(sim)
+    got = {rid: (d.finish_reason, d.stop_reason, d.num_output_tokens) for rid, d in ends.items()}
+    assert got == {"eos": ("stop", None, 3), "ignored": ("length", None, 8), "stop-id": ("stop", eos, 1)}
+
+
+def _recording(core: EngineCore, into: dict[tuple[str, str], list[list[int]]]) -> None:
+    """Record every prompt the engine is given, by (program, thread), then add it as usual."""
+    add = core.add_request
+
+    def add_and_record(request_id: str, prompt: list[int], params: SamplingParams, **kw: object) -> Request:
+        program = kw.get("program")
+        into.setdefault((program.program_id, program.thread_id), []).append(list(prompt))  # type: ignore[union-attr]
+        return add(request_id, prompt, params, **kw)  # type: ignore[arg-type]
+
+    core.add_request = add_and_record  # type: ignore[method-assign]
+
+
+def _prompts(model: SimulatedModel, workload: str) -> tuple[dict, dict]:
+    """The prompts the benchmark sends for some programs, and those the simulator sends for them."""
+    # A context short enough that long conversations are compacted.
+    config = EngineConfig(
+        ModelConfig(max_model_len=192), CacheConfig(num_kv_blocks=64), SchedulerConfig(max_num_seqs=8)
+    )
+    programs = make_programs(workload, 8, rate=20.0, seed=3, shape=WorkloadShape(tool_wait_s=0.0))
+
+    # The benchmark's client against a server whose engine runs on the cost-model executor.
+    sent: dict[tuple[str, str], list[list[int]]] = {}
+    core = simulated_engine(config, model, CostModel(), time.monotonic)
+    _recording(core, sent)
+    engine = AsyncEngine(core)
+    server = start_in_thread(engine, "bench")
+    try:
+        runner = ProgramRunner(server.url, "bench", core.max_model_len, model.identity.vocab_size)
+        asyncio.run(runner.run(programs, "bench"))
+    finally:
+        server.stop()
+        engine.shutdown()
+
+    simulated: dict[tuple[str, str], list[list[int]]] = {}
+    sim = Simulator(config, model)
+    _recording(sim.core, simulated)
+    sim.run(programs)
+    return sent, simulated
+
+
+def test_the_simulator_sends_the_benchmarks_prompts_compacted_alike(smollm2_sim: SimulatedModel) -> None:
+    sent, simulated = _prompts(smollm2_sim, "chat")
+    assert simulated == sent
+    # Compaction happened: some call's prompt is shorter than the conversation it continues.
+    assert any(len(b) < len(a) for prompts in sent.values() for a, b in itertools.pairwise(prompts))
+
+
+def test_the_simulator_joins_threads_as_the_benchmark(smollm2_sim: SimulatedModel) -> None:
+    sent, simulated = _prompts(smollm2_sim, "mapreduce")
+    assert simulated == sent and any(thread.endswith("reduce") for _, thread in sent)
