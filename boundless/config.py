@@ -25,6 +25,9 @@ def _require(ok: bool, flag: str, message: str) -> None:
         raise ConfigError(f"--{flag.replace('_', '-')}: {message}")
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = field(default="smollm2-135m", metadata={"help": "model name, Hugging Face directory or GGUF file"})
@@ -35,9 +38,23 @@ class ModelConfig:
         metadata={"help": "context length; it must fit in the KV pool (default: the model's, capped by the pool)"},
     )
     seed: int = field(default=0, metadata={"help": "seed of the generator shared by requests that set no seed"})
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "auto, torch or triton (auto: the Triton kernels on CUDA, PyTorch and native kernels on the CPU)"
+        },
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "run every step eagerly: no CUDA graphs for decode steps"}
+    )
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", f"unknown dtype {self.dtype!r}")
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"unknown backend {self.attention_backend!r}; one of {', '.join(ATTENTION_BACKENDS)}",
+        )
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
 

@@ -12,8 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from boundless.attention import triton_paged
+from boundless.attention.backend import AttentionBackend
 from boundless.attention.paged import TorchPagedAttention
 from boundless.config import ConfigError, EngineConfig
+from boundless.engine.cuda_graphs import DecodeGraphs
 from boundless.engine.executor import ModelExecutor
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import Sampler
@@ -84,8 +87,33 @@ def build_model_executor(loaded: LoadedModel, config: EngineConfig, layout: Engi
         arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, loaded.dtype,
         loaded.device,
     )  # fmt: skip
-    attention = TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks)
+    attention = make_attention(config, arch, layout, loaded.device)
+    graphs = None
+    on_gpu = isinstance(attention, triton_paged.TritonPagedAttention) and loaded.device.type == "cuda"
+    if on_gpu and not config.model.enforce_eager:
+        graphs = DecodeGraphs(
+            loaded.model, kv_cache, attention, config.scheduler.max_num_seqs, layout.max_model_len, loaded.device
+        )
+        graphs.capture()
     sampler = Sampler(loaded.device, seed=config.model.seed)
-    runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device)
+    runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device, graphs)
     lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
     return ModelExecutor(runner, lower_tiers)
+
+
+def make_attention(
+    config: EngineConfig, arch: ModelArch, layout: EngineLayout, device: torch.device
+) -> AttentionBackend:
+    """The attention backend ``--attention-backend`` names; auto takes the Triton kernels on CUDA."""
+    name = config.model.attention_backend
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_paged.available(device) else "torch"
+    if name == "triton":
+        if not triton_paged.available(device):
+            raise ConfigError(
+                "--attention-backend: triton needs CUDA and the triton package (or TRITON_INTERPRET=1 on the CPU)"
+            )
+        return triton_paged.TritonPagedAttention(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device
+        )
+    return TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks)

@@ -6,6 +6,9 @@ forward pass and LM head of a decode-only batch once per batch-size bucket, over
 fixed addresses, and replays it: a step copies its token ids, positions, KV slots, context lengths
 and block tables into the buffers (padding rows get slot -1 and context 0, so they store and
 attend to nothing) and launches one graph. Mixed and prefill steps run eagerly.
+
+Without :meth:`DecodeGraphs.capture` (on the CPU, in tests) :meth:`DecodeGraphs.run` runs the same
+forward pass over the same buffers eagerly: everything but the graph itself.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first (the smaller ones then reuse its pool's memory). The
         buffers hold padding meanwhile, so the warm-up runs write no KV."""
+        assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
         self.slots.fill_(-1)
         self.seq_lens.zero_()
         pool = torch.cuda.graph_pool_handle()
@@ -109,7 +113,6 @@ class DecodeGraphs:
         """Logits [n, vocab] of a decode-only step of n sequences; valid until the next run."""
         n = len(input_ids)
         b = next(size for size in self.buckets if size >= n)
-        graph, logits = self._graphs[b]
         # The previous step's copies out of the staging buffer are done: its tokens were read back.
         staging = self._staging
         staging[:n] = torch.tensor([input_ids, positions, slots, seq_lens], dtype=torch.long).t()
@@ -124,5 +127,11 @@ class DecodeGraphs:
         flat = [x for t in block_tables for x in (*t, *([0] * (width - len(t))))]
         table = torch.tensor(flat, dtype=torch.int32).view(n, width)
         self.block_tables[:n, :width].copy_(table)
-        graph.replay()
+        if b in self._graphs:
+            graph, logits = self._graphs[b]
+            graph.replay()
+        else:
+            if b not in self._metas:
+                self._metas[b] = self._meta(b)
+            logits = self._forward(b, self._metas[b])
         return logits[:n]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from boundless.attention.backend import AttentionBackend, AttentionBatch
+from boundless.engine.cuda_graphs import DecodeGraphs
 from boundless.engine.sampler import SampledToken, Sampler
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.kv.tensors import PagedKVCache
@@ -31,7 +32,11 @@ class FlatBatch:
 
 
 class ModelRunner:
-    """Owns the model, the KV memory and the sampler of one instance."""
+    """Owns the model, the KV memory and the sampler of one instance.
+
+    With ``graphs``, a step of decodes only (the common step) replays a captured CUDA graph; every
+    other step runs eagerly.
+    """
 
     def __init__(
         self,
@@ -40,12 +45,14 @@ class ModelRunner:
         attention: AttentionBackend,
         sampler: Sampler,
         device: torch.device,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
         self.sampler = sampler
         self.device = device
+        self.graphs = graphs
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
         """Lay the step out flat, decodes first (the attention backend batches them)."""
@@ -87,11 +94,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, sched: SchedulerOutput) -> StepLogits:
+        decodes_only = all(len(c.token_ids) == 1 for c in sched.chunks)
+        if self.graphs is not None and decodes_only and self.graphs.fits(len(sched.chunks)):
+            return self._forward_graph(sched.chunks)
         batch = self.build_batch(sched)
         meta = self.attention.prepare(batch.attention)
         hidden = self.model(batch.input_ids, batch.positions, self.attention, self.kv_cache, meta)
         logits = self.model.compute_logits(hidden[batch.sample_indices])
         return StepLogits(logits=logits, chunks=batch.sample_chunks)
+
+    def _forward_graph(self, chunks: list[ScheduledChunk]) -> StepLogits:
+        assert self.graphs is not None
+        bs = self.kv_cache.block_size
+        positions = [c.start_pos for c in chunks]
+        slots = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, positions, strict=True)]
+        logits = self.graphs.run(
+            [c.token_ids[0] for c in chunks],
+            positions,
+            slots,
+            [p + 1 for p in positions],
+            [c.block_ids for c in chunks],
+        )
+        rows = [i for i, c in enumerate(chunks) if c.sample]
+        if len(rows) < len(chunks):  # a one-token chunk in the middle of a prompt samples nothing
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return StepLogits(logits=logits, chunks=[chunks[i] for i in rows])
 
     @torch.inference_mode()
     def sample(self, step: StepLogits) -> dict[str, SampledToken]:

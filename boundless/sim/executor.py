@@ -34,7 +34,7 @@ class CostModelExecutor:
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         sampled = {c.request_id: SampledToken(self._placeholder(c)) for c in sched.chunks if c.sample}
-        copied = (len(sched.swap_out) + len(sched.swap_in)) * self.bytes_per_block
+        copied = len(sched.transfers) * self.bytes_per_block  # device <-> host copies, a block each
         return StepResult(sampled, self.cost.step_time(sched) + copied / self.host_copy_bytes_per_s)
 
     def _placeholder(self, chunk: ScheduledChunk) -> int:

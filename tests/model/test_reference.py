@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from boundless.attention import triton_paged
 from boundless.bench.offline import load_hf_reference
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
@@ -77,8 +78,9 @@ def _engine(loaded: LoadedModel, **cache_and_sched) -> EngineCore:
     cache_keys = ("num_kv_blocks", "enable_prefix_caching", "block_size", "swap_space_gb")
     cache = {k: v for k, v in cache_and_sched.items() if k in cache_keys}
     sched = {k: v for k, v in cache_and_sched.items() if k in ("max_num_batched_tokens",)}
+    model = {k: v for k, v in cache_and_sched.items() if k in ("attention_backend", "enforce_eager")}
     cfg = EngineConfig(
-        model=ModelConfig(max_model_len=cache_and_sched.get("max_model_len", 512)),
+        model=ModelConfig(max_model_len=cache_and_sched.get("max_model_len", 512), **model),
         cache=CacheConfig(**cache),
         scheduler=SchedulerConfig(**sched),
     )
@@ -109,12 +111,19 @@ CONFIGS = {
     "chunked-prefill": {"max_num_batched_tokens": 7},
     "preemption-swap": {"preempt": True},
     "preemption-recompute": {"preempt": True, "swap_space_gb": 0.0},
+    # The GPU attention backend (on the CPU: Triton's interpreter, on the tiny models only, for time).
+    "triton-attention": {"attention_backend": "triton", "max_num_batched_tokens": 64},
 }
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_matches_transformers(ref: Reference, config: str) -> None:
     options = dict(CONFIGS[config])
+    if options.get("attention_backend") == "triton":
+        if not triton_paged.available(ref.loaded.device):
+            pytest.skip("triton unavailable")
+        if ref.loaded.device.type == "cpu" and ref.loaded.name == "smollm2-135m":
+            pytest.skip("30 layers in Triton's interpreter: too slow for the fast suite")
     if options.pop("preempt", False):
         blocks, max_len = _pool_for_preemption(ref.prompts, 16)
         options.update(num_kv_blocks=blocks, max_model_len=max_len)

@@ -26,6 +26,7 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.request import Request
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
+from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel, simulated_engine
 from boundless.sim.executor import CostModelExecutor
@@ -112,7 +113,9 @@ def test_step_time_charges_prefill_by_token_and_swaps_by_bytes() -> None:
     assert cost.step_time(decodes) == pytest.approx(0.01 + 4 * 0.002)
     assert cost.step_time(prefill) == pytest.approx(0.01 + 4 * 0.002 + 100 * 0.001)
     executor = CostModelExecutor(cost, bytes_per_block=1_000_000, host_copy_bytes_per_s=1e9)
-    swapping = dataclasses.replace(decodes, swap_out=[(1, 0), (2, 1)], swap_in=[(3, 2)])
+    moves = [((DEVICE, 1), (HOST, 0)), ((DEVICE, 2), (HOST, 1)), ((HOST, 2), (DEVICE, 3))]
+    transfers = [BlockTransfer(BlockRef(*src), BlockRef(*dst)) for src, dst in moves]
+    swapping = dataclasses.replace(decodes, transfers=transfers)
     assert executor.execute(swapping).elapsed_s == pytest.approx(cost.step_time(decodes) + 3e-3)  # 3 MB at 1 GB/s
     # Every sampling chunk gets a placeholder that neither is an EOS nor one of its stop tokens.
     chunk = dataclasses.replace(
