@@ -114,7 +114,7 @@ class LLM:
             result = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
             results.append(result)
             for i in range(p.n):
-                child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                child = p.for_sample(i)
                 completion = CompletionOutput(i, "", [], None, logprobs=[] if p.logprobs is not None else None)
                 result.outputs.append(completion)
                 cid = f"{rid}-{i}" if p.n > 1 else rid

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,8 +49,18 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {
-        "error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
+        "error": {
+            "message": _encodable(message),
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": None if param is None else _encodable(param),
+            "code": code,
+        }
     }
+
+
+def _encodable(text: str) -> str:
+    # A message may quote the client's text, lone surrogates included; the response must still encode as UTF-8.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(
@@ -69,9 +80,30 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+    param = _error_param(tuple(first.get("loc", ())), getattr(exc, "body", None), first.get("type") == "missing")
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix for ValueError
+    return f"{param or 'body'}: {message}", param
+
+
+def _error_param(loc: tuple, body: Any, missing: bool) -> str | None:
+    """The request path that a pydantic error location points at, e.g. ``messages.0.content``.
+
+    The location also names the branches of unions (``str``, ``list[int]``); walking the body along it keeps
+    only the keys and indices the client wrote. ``missing``: the last key is a required field that is absent.
+    """
+    parts = loc[1:] if loc[:1] == ("body",) else loc
+    path: list[str] = []
+    node = body
+    for k, part in enumerate(parts):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+            path.append(part)
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+            path.append(str(part))
+        elif missing and k == len(parts) - 1:
+            path.append(str(part))
+    return ".".join(path) or None
 
 
 def install_error_handlers(app: FastAPI) -> None:

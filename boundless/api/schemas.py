@@ -1,21 +1,36 @@
-"""Request bodies of the OpenAI-compatible routes, with the extensions vLLM accepts and Autellix's program ids."""
+"""Request bodies of the OpenAI-compatible routes, with the extensions vLLM accepts and Autellix's program ids.
+
+Types are strict, as OpenAI's are: an integer field refuses ``5.0`` and ``"5"``, a boolean refuses ``"yes"``, a
+number refuses ``NaN``. Limits that only the HTTP edge sets (``n``, ``seed``, penalties, ``top_logprobs``, program
+id lengths) are here; the sampling ranges that the offline API shares are checked by
+:class:`~boundless.engine.sampling_params.SamplingParams`, and what needs the model (vocabulary, text encoding,
+context length) by :mod:`boundless.api.validation` and the engine.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StringConstraints, field_validator
 
+from boundless.engine.sampling_params import SEED_MAX, SEED_MIN
 
-def _require_int(v: Any) -> Any:
-    # pydantic would accept 5.0 or "5"; OpenAI does not.
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-        raise ValueError("must be an integer")
-    return v
+MAX_N = 128  # samples per prompt, as OpenAI allows
+MAX_TOP_LOGPROBS = 20
+MAX_ID_CHARS = 256  # program and thread ids: the router keeps them in its process table
+MAX_PARENT_THREADS = 64
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict(), AllowInfNan(False)]
+Bool = StrictBool
+Count = Annotated[int, Strict(), Field(ge=1)]
+Seed = Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)]
+Penalty = Annotated[float, Strict(), AllowInfNan(False), Field(ge=-2.0, le=2.0)]
+Identifier = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -24,72 +39,117 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    seed: int | None = None
+    n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    max_tokens: Count | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Penalty | None = None  # accepted and ignored
+    frequency_penalty: Penalty | None = None  # accepted and ignored
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    top_k: Int | None = None
+    min_tokens: Int = 0
+    ignore_eos: Bool = False
+    stop_token_ids: list[Int] | None = None
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
     # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers)
-    program_id: str | None = None
-    thread_id: str | None = None
-    parent_thread_ids: list[str] | None = None
+    program_id: Identifier | None = None
+    thread_id: Identifier | None = None
+    parent_thread_ids: Annotated[list[Identifier], Field(max_length=MAX_PARENT_THREADS)] | None = None
 
-    @field_validator("max_tokens", "n", "seed", "top_k", "min_tokens", mode="before")
-    @classmethod
-    def _strict_int(cls, v: Any) -> Any:
-        return _require_int(v)
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any]  # JSON text as OpenAI sends it; an object is accepted too
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant message."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = None  # parts are checked by message_text
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: Bool = False
+    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-
-    @field_validator("max_completion_tokens", "top_logprobs", mode="before")
-    @classmethod
-    def _strict_int_chat(cls, v: Any) -> Any:
-        return _require_int(v)
+    add_generation_prompt: Bool = True
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
+    logprobs: Int | None = None
+    echo: Bool = False
     suffix: str | None = None
-    return_token_ids: bool = False  # extension (as vLLM): each choice carries its prompt and output token ids
+    return_token_ids: Bool = False  # extension (as vLLM): each choice carries its prompt and output token ids
 
-    @field_validator("logprobs", mode="before")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _strict_int_logprobs(cls, v: Any) -> Any:
-        return _require_int(v)
+    def _prompt_shape(cls, v: Any) -> Any:
+        # One message for every wrong shape, rather than one per branch of the union.
+        if isinstance(v, str) or (
+            isinstance(v, list)
+            and (
+                all(isinstance(x, str) for x in v)
+                or all(_is_int(x) for x in v)
+                or all(isinstance(x, list) and all(_is_int(t) for t in x) for x in v)
+            )
+        ):
+            return v
+        raise ValueError("must be a string, a list of strings, a list of token ids, or a list of lists of token ids")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -109,6 +169,14 @@ class ErrorResponse(BaseModel):
 FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
+class InvalidContentPart(ValueError):
+    """A part of a message's content that cannot be used; ``index`` is its position in the list."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 def message_text(content: str | list[dict[str, Any]] | None) -> str:
     """The text of a message whose content may be a list of parts (only text parts are supported)."""
     if content is None:
@@ -116,8 +184,11 @@ def message_text(content: str | list[dict[str, Any]] | None) -> str:
     if isinstance(content, str):
         return content
     texts = []
-    for part in content:
+    for i, part in enumerate(content):
         if part.get("type") != "text":
-            raise ValueError(f"content parts of type {part.get('type')!r} are not supported")
-        texts.append(part.get("text", ""))
+            raise InvalidContentPart(i, f"content parts of type {part.get('type')!r} are not supported")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidContentPart(i, "a text part needs a string 'text'")
+        texts.append(text)
     return "".join(texts)

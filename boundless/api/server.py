@@ -8,7 +8,6 @@ engine (:class:`~boundless.engine.async_engine.AsyncEngine`) or a cluster router
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -16,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp
@@ -23,10 +23,12 @@ from starlette.types import ASGIApp
 from boundless.api.errors import APIError, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.metrics import ServerMetrics
-from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionRequest, message_text
+from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionRequest, InvalidContentPart, message_text
 from boundless.api.tool_calls import parse_tool_calls, template_messages
+from boundless.api.validation import header_identifier, require_token_ids, require_valid_text
 from boundless.config import ServerConfig
 from boundless.engine.core import EngineStats, RequestDelta
+from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.ref import ProgramRef
@@ -79,7 +81,7 @@ class Choice:
 
 
 def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, logprobs: int | None):
-    stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
+    stop = body.stop if isinstance(body.stop, list) else ([] if body.stop is None else [body.stop])
     return SamplingParams(
         n=body.n,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -98,15 +100,19 @@ def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens
 
 
 def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) -> ProgramRef | None:
-    program_id = body.program_id or request.headers.get("x-program-id")
-    thread_id = body.thread_id or request.headers.get("x-thread-id")
+    program_id = body.program_id or header_identifier(request.headers, "X-Program-Id")
+    thread_id = body.thread_id or header_identifier(request.headers, "X-Thread-Id")
     if not program_id:
         return None
     return ProgramRef(program_id, thread_id, tuple(body.parent_thread_ids or ()))
 
 
-def _child_params(params: SamplingParams, i: int) -> SamplingParams:
-    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+def _check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> None:
+    """What chat and completions check alike before anything is tokenized or submitted."""
+    require_valid_text(body.model_dump())
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
+    require_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
 
 
 # -- the app -------------------------------------------------------------------------------------
@@ -148,7 +154,7 @@ class OpenAIServer:
             for p_idx, ids in enumerate(prompts):
                 for i in range(params.n):
                     rid = f"{base_id}-{p_idx}-{i}"
-                    streams.append(self.client.submit(rid, ids, _child_params(params, i), program))
+                    streams.append(self.client.submit(rid, ids, params.for_sample(i), program))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -166,38 +172,46 @@ class OpenAIServer:
                 raise APIError(
                     400, f"unknown role {m.role!r}; expected one of {', '.join(ROLES)}", f"messages.{i}.role"
                 )
+            if m.content is None and m.role != "assistant":
+                raise APIError(400, f"a {m.role} message needs content", f"messages.{i}.content", "invalid_value")
             try:
                 text = message_text(m.content)
-            except ValueError as e:
-                raise APIError(400, str(e), f"messages.{i}.content") from e
+            except InvalidContentPart as e:
+                raise APIError(400, str(e), f"messages.{i}.content.{e.index}", "invalid_value") from e
             msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text}
             if m.tool_calls:
-                msg["tool_calls"] = m.tool_calls
+                msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
             if m.tool_call_id:
                 msg["tool_call_id"] = m.tool_call_id
             if m.name:
                 msg["name"] = m.name
             messages.append(msg)
-        tools = body.tools if body.tools and body.tool_choice != "none" else None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tool_choice != "none" else []
         try:
             prompt = self.tokenizer.apply_chat_template(
-                template_messages(messages), tools=tools, add_generation_prompt=body.add_generation_prompt
+                template_messages(messages), tools=tools or None, add_generation_prompt=body.add_generation_prompt
             )
-        except ValueError as e:  # the template rejected the conversation (raise_exception)
+        except (ValueError, jinja2.TemplateError) as e:  # the template rejected the conversation (raise_exception)
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        _check_common(body, self.tokenizer.vocab_size)
         self.check_model(body.model)
         ids = self.chat_prompt(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = _sampling_params(body, max_tokens, logprobs)
         use_tools = bool(body.tools) and body.tool_choice != "none"
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self.submit_all(rid, [ids], params, _program(body, request))
+        try:
+            params = _sampling_params(body, max_tokens, logprobs)
+            streams = self.submit_all(rid, [ids], params, _program(body, request))
+        except InvalidRequestError as e:  # name the field the client used for the limit
+            if e.param == "max_tokens" and body.max_completion_tokens is not None:
+                raise InvalidRequestError(str(e), "max_completion_tokens") from e
+            raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             gen = self._chat_events(rid, body.model, streams, len(ids), body.logprobs, use_tools, include_usage)
@@ -316,13 +330,16 @@ class OpenAIServer:
             prompts = [self.tokenizer.encode(x) for x in p]  # type: ignore[arg-type]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]  # type: ignore[arg-type]
-        else:
-            raise APIError(400, "prompt must be a string, a list of strings, or token ids", "prompt")
+        else:  # the schema has checked the shape: an empty list is left
+            raise APIError(400, "prompt must not be empty", "prompt")
         if any(not ids for ids in prompts):
             raise APIError(400, "prompt must not be empty", "prompt")
+        for ids in prompts:  # token ids the client sent must be in the vocabulary (the tokenizer's are)
+            require_token_ids(ids, self.tokenizer.vocab_size, "prompt")
         return prompts
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        _check_common(body, self.tokenizer.vocab_size)
         self.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from boundless.engine.errors import InvalidRequestError
+
+# Seeds are signed 64-bit integers, as vLLM takes them; torch.Generator.manual_seed accepts all of them.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+GREEDY_BELOW = 1e-5  # temperatures under it sample greedily
 
 
 class InvalidSamplingParams(InvalidRequestError):
@@ -15,8 +21,9 @@ class InvalidSamplingParams(InvalidRequestError):
 class SamplingParams:
     """Sampling and stopping rules, with the meanings OpenAI and vLLM give them.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
-    ``seed`` makes a request's samples reproducible whatever else is in the batch. ``logprobs``
+    ``temperature == 0`` (or under ``GREEDY_BELOW``) is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    ``seed`` (a signed 64-bit integer) makes a request's samples reproducible whatever else is in the batch.
+    ``stop_token_ids`` must be ids of the model's vocabulary (the engine knows its size). ``logprobs``
     asks for that many top alternatives per generated token (0: only the sampled token's).
     """
 
@@ -43,10 +50,16 @@ class SamplingParams:
         self._check("temperature", 0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]")
         self._check("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
         self._check("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be -1, 0 or positive")
+        if self.seed is not None:
+            self._check(
+                "seed",
+                _is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX,
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (signed 64-bit)",
+            )
         if self.max_tokens is not None:
             self._check(
                 "max_tokens",
-                isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
                 "max_tokens must be a positive integer",
             )
         self._check("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0")
@@ -55,6 +68,11 @@ class SamplingParams:
         if self.logprobs is not None:
             self._check("logprobs", 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        self._check(
+            "stop_token_ids",
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers",
+        )
 
     @staticmethod
     def _check(param: str, ok: bool, message: str) -> None:
@@ -63,4 +81,17 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below GREEDY_BELOW the sample is the argmax anyway, and logits / temperature would overflow float32.
+        return self.temperature < GREEDY_BELOW
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of the ``index``-th of ``n`` samples: one sample, and a seed of its own (``seed + index``,
+        wrapped into the signed 64-bit range so that every seed the params accept has ``n`` children)."""
+        if self.seed is None:
+            return dataclasses.replace(self, n=1)
+        seed = (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
