@@ -55,6 +55,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         serve.run(args)
         return 0
+    if args.bench_kind == "gpu":
+        from boundless.bench import gpu
+
+        gpu.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -106,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_programs.add_arguments(prog)
     add_engine_flags(prog)
     prog.set_defaults(func=_bench)
+    from boundless.bench import gpu as bench_gpu
+
+    gpu = bench_sub.add_parser("gpu", help="the GPU path on random 1B and 8B shapes, against transformers (CUDA)")
+    bench_gpu.add_arguments(gpu)
+    gpu.set_defaults(func=_bench)
     return parser
 
 

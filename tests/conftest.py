@@ -13,8 +13,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from boundless.model.loader import LoadedModel, load_model
-from boundless.model.random_model import TinySpec, write_random_model
+# Where the shared models load: BOUNDLESS_TEST_DEVICE=cuda runs the reference tests on a GPU.
+TEST_DEVICE = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu")
+
+from boundless.model.loader import LoadedModel, load_model  # noqa: E402 (after TRITON_INTERPRET)
+from boundless.model.random_model import TinySpec, write_random_model  # noqa: E402
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
@@ -50,7 +53,7 @@ def load(model_dirs: dict[str, Path]) -> Callable[[str], LoadedModel]:
 
     def get(name: str) -> LoadedModel:
         if name not in loaded:
-            loaded[name] = load_model(name if name == "smollm2-135m" else str(model_dirs[name]))
+            loaded[name] = load_model(name if name == "smollm2-135m" else str(model_dirs[name]), device=TEST_DEVICE)
         return loaded[name]
 
     return get

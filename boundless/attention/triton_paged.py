@@ -53,10 +53,12 @@ class TileConfig:
     stages: int = 3
 
     @staticmethod
-    def for_device(device: torch.device) -> TileConfig:
-        if device.type == "cuda":
-            return TileConfig()
-        return TileConfig(prefill_rows=32, kv_tile=32, prefill_warps=4, stages=1)  # the interpreter: small tiles
+    def for_device(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+        if device.type != "cuda":
+            return TileConfig(prefill_rows=32, kv_tile=32, prefill_warps=4, stages=1)  # the interpreter: small tiles
+        if dtype == torch.float32:  # twice the bytes per tile: smaller tiles, fewer stages in shared memory
+            return TileConfig(prefill_rows=64, kv_tile=32, prefill_warps=4, stages=2)
+        return TileConfig()
 
 
 @dataclass
@@ -96,6 +98,7 @@ class TritonPagedAttention:
         num_blocks: int,
         block_size: int,
         device: torch.device,
+        dtype: torch.dtype = torch.bfloat16,
         tiles: TileConfig | None = None,
         max_splits: int = 16,
     ) -> None:
@@ -108,7 +111,7 @@ class TritonPagedAttention:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
-        self.tiles = tiles or TileConfig.for_device(device)
+        self.tiles = tiles or TileConfig.for_device(device, dtype)
         self.max_splits = max_splits
         self.scale = head_dim**-0.5
         # Programs that fill the GPU: two per multiprocessor.

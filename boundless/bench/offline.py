@@ -35,8 +35,12 @@ def make_prompts(loaded: LoadedModel, num_prompts: int, input_len: int, seed: in
     return [allowed[torch.randint(len(allowed), (input_len,), generator=g)].tolist() for _ in range(num_prompts)]
 
 
+HF_ATTENTION = "sdpa"  # transformers' attention implementation in the comparison (PyTorch's fused kernels)
+
+
 def load_hf_reference(loaded: LoadedModel):
-    """The same weights in transformers (dequantized from the same GGUF when the model is one)."""
+    """The same weights in transformers (dequantized from the same GGUF when the model is one), with
+    :data:`HF_ATTENTION` attention."""
     try:
         import transformers
         from transformers import AutoModelForCausalLM
@@ -44,10 +48,11 @@ def load_hf_reference(loaded: LoadedModel):
         raise SystemExit("bench offline compares against transformers: pip install 'boundless-serve[test]'") from e
     transformers.logging.set_verbosity_error()
     path = loaded.path
+    options = {"dtype": loaded.dtype, "attn_implementation": HF_ATTENTION}
     if path.is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=loaded.dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **options)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=loaded.dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(path), **options)
     return model.to(loaded.device).eval()
 
 
@@ -83,38 +88,47 @@ def run(args: argparse.Namespace) -> dict:
     prompts = make_prompts(loaded, args.num_prompts, args.input_len, args.bench_seed)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
-    systems: list[_System] = [_BoundlessSystem(LLM.from_config(config, loaded))]
+    systems: list[BenchSystem] = [BoundlessSystem(LLM.from_config(config, loaded))]
     if not args.skip_hf:
-        systems.insert(0, _HuggingFaceSystem(loaded))
+        systems.insert(0, HuggingFaceSystem(loaded))
+    result = {"model": config.model.model, "dtype": config.model.dtype, "device": config.model.device}
+    result.update(compare(systems, prompts, args.output_len, args.repeats))
+    if args.json:
+        write_json(args.json, result)
+    return result
+
+
+def compare(systems: list[BenchSystem], prompts: list[list[int]], output_len: int, repeats: int) -> dict:
+    """Run the systems on the same prompts, taking turns (the first to run alternates, so a slow spell
+    of a noisy machine or a warm cache favours neither), print the table and the ratio, return the figures."""
     for sys_ in systems:
         sys_.generate(prompts[:2], 4)  # warm up
-    # The systems take turns, run after run, so that a slow spell of a noisy machine falls on both.
     runs: list[dict[str, _Run]] = []
-    for _ in range(args.repeats):
-        runs.append({sys_.name: sys_.measure(prompts, args.output_len) for sys_ in systems})
+    for turn in range(repeats):
+        order = systems[turn % len(systems) :] + systems[: turn % len(systems)]
+        runs.append({sys_.name: sys_.measure(prompts, output_len) for sys_ in order})
         gc.collect()
-    total = len(prompts) * args.output_len
-    figures = [_median_figures(sys_.name, [r[sys_.name] for r in runs], total) for sys_ in systems]
-
-    result = {
-        "model": config.model.model,
-        "dtype": config.model.dtype,
-        "device": config.model.device,
+    figures = [_median_figures(sys_.name, [r[sys_.name] for r in runs]) for sys_ in systems]
+    result: dict = {
         "threads": torch.get_num_threads(),
-        "num_prompts": args.num_prompts,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "repeats": args.repeats,
+        "num_prompts": len(prompts),
+        "input_len": len(prompts[0]),
+        "output_len": output_len,
+        "repeats": repeats,
+        "hf_attention": HF_ATTENTION,
         "figures": [asdict(f) for f in figures],
-        "runs": [{name: {"seconds": r.seconds, "single_decode_tokens_per_s": r.single} for name, r in run.items()}
-                 for run in runs],
+        "runs": [
+            {name: {"seconds": r.seconds, "output_tokens": r.output_tokens, "single_decode_tokens_per_s": r.single}
+             for name, r in run.items()}
+            for run in runs
+        ],
     }  # fmt: skip
     rows = [
         [f.system, f"{f.output_tokens_per_s:.1f}", f"{f.seconds:.2f}", f"{f.single_decode_tokens_per_s:.1f}"]
         for f in figures
     ]
-    if args.repeats > 1:
-        print(f"medians of {args.repeats} runs each, the systems taking turns:")
+    if repeats > 1:
+        print(f"medians of {repeats} runs each, the systems taking turns:")
     print_table(["system", "output tok/s", "seconds", "single-request decode tok/s"], rows)
     if len(figures) == 2:
         hf_fig, ours = figures
@@ -128,31 +142,36 @@ def run(args: argparse.Namespace) -> dict:
             f"single-request decode {result['single_decode_ratio']:.2f}x; "
             f"greedy outputs identical for {same}/{len(prompts)} prompts"
         )
-        if args.repeats > 1:
-            per_run = [r["huggingface"].seconds / r["boundless"].seconds for r in runs]
+        if repeats > 1:
+            per_run = [
+                (r["boundless"].output_tokens / r["boundless"].seconds)
+                / (r["huggingface"].output_tokens / r["huggingface"].seconds)
+                for r in runs
+            ]
             result["throughput_ratio_per_run"] = per_run
             print("throughput ratio per run: " + ", ".join(f"{x:.2f}x" for x in per_run))
-    if args.json:
-        write_json(args.json, result)
     return result
 
 
 @dataclass
 class _Run:
-    """One timed run of a system: the batch's seconds, single-request decode tokens/s, the outputs."""
+    """One timed run of a system: the batch's seconds and generated tokens (counted from the outputs),
+    single-request decode tokens/s, the outputs."""
 
     seconds: float
+    output_tokens: int
     single: float
     outputs: list[list[int]]
 
 
-def _median_figures(system: str, runs: list[_Run], total_tokens: int) -> OfflineFigures:
+def _median_figures(system: str, runs: list[_Run]) -> OfflineFigures:
     secs = statistics.median(r.seconds for r in runs)
     single = statistics.median(r.single for r in runs)
-    return OfflineFigures(system, total_tokens, secs, total_tokens / secs, single)
+    tokens = statistics.median(r.output_tokens for r in runs)
+    return OfflineFigures(system, int(tokens), secs, tokens / secs, single)
 
 
-class _System(ABC):
+class BenchSystem(ABC):
     """A system under test: greedy generation over token-id prompts."""
 
     name: str
@@ -163,13 +182,13 @@ class _System(ABC):
         total, outputs = _timed(lambda: self.generate(prompts, output_len))
         t1, _ = _timed(lambda: self.generate(prompts[:1], 1))
         tn, _ = _timed(lambda: self.generate(prompts[:1], output_len))
-        return _Run(total, (output_len - 1) / (tn - t1), outputs)
+        return _Run(total, sum(len(o) for o in outputs), (output_len - 1) / (tn - t1), outputs)
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]: ...
 
 
-class _BoundlessSystem(_System):
+class BoundlessSystem(BenchSystem):
     name = "boundless"
 
     def __init__(self, llm: LLM) -> None:
@@ -182,7 +201,7 @@ class _BoundlessSystem(_System):
         return [r.outputs[0].token_ids for r in self.llm.generate(prompts, params)]
 
 
-class _HuggingFaceSystem(_System):
+class HuggingFaceSystem(BenchSystem):
     name = "huggingface"
 
     def __init__(self, loaded: LoadedModel) -> None:

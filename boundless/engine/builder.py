@@ -87,7 +87,7 @@ def build_model_executor(loaded: LoadedModel, config: EngineConfig, layout: Engi
         arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, loaded.dtype,
         loaded.device,
     )  # fmt: skip
-    attention = make_attention(config, arch, layout, loaded.device)
+    attention = make_attention(config, arch, layout, loaded.device, loaded.dtype)
     graphs = None
     on_gpu = isinstance(attention, triton_paged.TritonPagedAttention) and loaded.device.type == "cuda"
     if on_gpu and not config.model.enforce_eager:
@@ -102,7 +102,7 @@ def build_model_executor(loaded: LoadedModel, config: EngineConfig, layout: Engi
 
 
 def make_attention(
-    config: EngineConfig, arch: ModelArch, layout: EngineLayout, device: torch.device
+    config: EngineConfig, arch: ModelArch, layout: EngineLayout, device: torch.device, dtype: torch.dtype
 ) -> AttentionBackend:
     """The attention backend ``--attention-backend`` names; auto takes the Triton kernels on CUDA."""
     name = config.model.attention_backend
@@ -114,6 +114,6 @@ def make_attention(
                 "--attention-backend: triton needs CUDA and the triton package (or TRITON_INTERPRET=1 on the CPU)"
             )
         return triton_paged.TritonPagedAttention(
-            arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device, dtype
         )
     return TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks)

@@ -91,7 +91,18 @@ def _source_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load_model(name: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+def load_model(
+    name: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    weights: tuple[str, Iterator[tuple[str, torch.Tensor]]] | None = None,
+) -> LoadedModel:
+    """Load a bundled model, a Hugging Face directory or a GGUF file onto ``device`` in ``dtype``.
+
+    ``weights``, a pair (identity, tensors by Hugging Face name), replaces the checkpoint's tensors:
+    a directory with only its config and tokenizer then makes a model whose weights are drawn in memory
+    (benchmarks of large random models, with nothing written to disk). The identity enters the KV
+    fingerprint."""
     path = resolve_model_path(name)
     torch_dtype = DTYPES[dtype]
     dev = torch.device(device)
@@ -100,19 +111,20 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu") -> Loaded
 
         gguf = load_gguf(path)
         arch, tokenizer = gguf.arch, gguf.tokenizer
-        weights: Iterator[tuple[str, torch.Tensor]] = iter(gguf.tensors.items())
+        tensors: Iterator[tuple[str, torch.Tensor]] = iter(gguf.tensors.items())
     else:
         from boundless.model.tokenizer import Tokenizer
 
         arch = ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
         tokenizer = Tokenizer.from_hf_dir(path)
-        weights = _safetensors_weights(path)
+        tensors = _safetensors_weights(path) if weights is None else weights[1]
     with torch.device("meta"):
         model = LlamaModel(arch)
-    model = model.to_empty(device=dev).to(torch_dtype)
-    model.load_weights(weights)
+    model = model.to(torch_dtype).to_empty(device=dev)  # allocated once, in the target dtype
+    model.load_weights(tensors)
     model.eval()
-    fingerprint = hashlib.sha256(f"{arch.fingerprint()}:{_source_digest(path)}:{dtype}".encode()).hexdigest()[:16]
+    source = _source_digest(path) if weights is None else f"{_source_digest(path)}+{weights[0]}"
+    fingerprint = hashlib.sha256(f"{arch.fingerprint()}:{source}:{dtype}".encode()).hexdigest()[:16]
     return LoadedModel(
         name=name,
         path=path,

@@ -8,6 +8,7 @@ trained on a few sentences, with a chat template. Nothing is downloaded.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +45,10 @@ class TinySpec:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     rope_scaling: dict | None = None
+    rope_theta: float = 10000.0
     weight_std: float = 0.3  # large enough that greedy choices are not near-ties
     seed: int = 0
+    dtype: str = "float32"  # of the weights written
 
 
 def _train_tokenizer(vocab_size: int):
@@ -81,11 +84,11 @@ def _config(spec: TinySpec) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
+        "rope_theta": spec.rope_theta,
         "tie_word_embeddings": spec.tie_word_embeddings,
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "torch_dtype": "float32",
+        "torch_dtype": spec.dtype,
     }
     if spec.rope_scaling:
         cfg["rope_scaling"] = spec.rope_scaling
@@ -96,43 +99,56 @@ def _config(spec: TinySpec) -> dict:
     return cfg
 
 
-def _weights(spec: TinySpec) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(spec.seed)
+def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """The random weights of ``spec`` by Hugging Face name, one tensor at a time (drawn on ``device``
+    in fp32, then cast to ``spec.dtype``)."""
+    g = torch.Generator(device=device).manual_seed(spec.seed)
     head_dim = spec.hidden_size // spec.num_heads
     h, i = spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
+    dtype = getattr(torch, spec.dtype)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * spec.weight_std
+        return (torch.randn(*shape, generator=g, device=device) * spec.weight_std).to(dtype)
 
-    w = {"model.embed_tokens.weight": rand(spec.vocab_size, h), "model.norm.weight": 1 + 0.1 * rand(h)}
+    def norm(size: int) -> torch.Tensor:
+        return (1 + 0.1 * (torch.randn(size, generator=g, device=device) * spec.weight_std)).to(dtype)
+
+    yield "model.embed_tokens.weight", rand(spec.vocab_size, h)
+    yield "model.norm.weight", norm(h)
     if not spec.tie_word_embeddings:
-        w["lm_head.weight"] = rand(spec.vocab_size, h)
+        yield "lm_head.weight", rand(spec.vocab_size, h)
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}."
-        w[p + "self_attn.q_proj.weight"] = rand(q, h)
-        w[p + "self_attn.k_proj.weight"] = rand(kv, h)
-        w[p + "self_attn.v_proj.weight"] = rand(kv, h)
-        w[p + "self_attn.o_proj.weight"] = rand(h, q)
+        yield p + "self_attn.q_proj.weight", rand(q, h)
+        yield p + "self_attn.k_proj.weight", rand(kv, h)
+        yield p + "self_attn.v_proj.weight", rand(kv, h)
+        yield p + "self_attn.o_proj.weight", rand(h, q)
         if spec.kind == "qwen2":
-            w[p + "self_attn.q_proj.bias"] = rand(q)
-            w[p + "self_attn.k_proj.bias"] = rand(kv)
-            w[p + "self_attn.v_proj.bias"] = rand(kv)
-        w[p + "mlp.gate_proj.weight"] = rand(i, h)
-        w[p + "mlp.up_proj.weight"] = rand(i, h)
-        w[p + "mlp.down_proj.weight"] = rand(h, i)
-        w[p + "input_layernorm.weight"] = 1 + 0.1 * rand(h)
-        w[p + "post_attention_layernorm.weight"] = 1 + 0.1 * rand(h)
-    return {k: v.contiguous() for k, v in w.items()}
+            yield p + "self_attn.q_proj.bias", rand(q)
+            yield p + "self_attn.k_proj.bias", rand(kv)
+            yield p + "self_attn.v_proj.bias", rand(kv)
+        yield p + "mlp.gate_proj.weight", rand(i, h)
+        yield p + "mlp.up_proj.weight", rand(i, h)
+        yield p + "mlp.down_proj.weight", rand(h, i)
+        yield p + "input_layernorm.weight", norm(h)
+        yield p + "post_attention_layernorm.weight", norm(h)
 
 
-def write_random_model(path: str | Path, spec: TinySpec | None = None) -> Path:
-    """Write a random model directory at ``path`` (created if needed) and return it."""
+def write_random_model(
+    path: str | Path, spec: TinySpec | None = None, device: str | torch.device = "cpu", weights: bool = True
+) -> Path:
+    """Write a random model directory at ``path`` (created if needed) and return it. ``device`` draws
+    the weights (a GPU draws billions in a second); ``weights=False`` writes only the config and the
+    tokenizer, for a model whose weights are drawn in memory (:func:`random_weights`)."""
     spec = spec or TinySpec()
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(_config(spec), indent=2))
-    save_file(_weights(spec), str(root / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        tensors = {k: v.contiguous().cpu() for k, v in random_weights(spec, device)}
+        save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
     tok = _train_tokenizer(min(spec.vocab_size, 384))
     tok.save(str(root / "tokenizer.json"))
     tokenizer_config = {

@@ -82,9 +82,9 @@ def _case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: int, 
     return batch, cache, *new, torch.stack(outs), torch.stack(lses)
 
 
-def _backend(shape, num_blocks: int) -> triton_paged.TritonPagedAttention:
+def _backend(shape, num_blocks: int, dtype: torch.dtype = torch.float32) -> triton_paged.TritonPagedAttention:
     heads, kv_heads, head_dim, block_size = shape
-    return triton_paged.TritonPagedAttention(heads, kv_heads, head_dim, num_blocks, block_size, DEVICE)
+    return triton_paged.TritonPagedAttention(heads, kv_heads, head_dim, num_blocks, block_size, DEVICE, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -92,7 +92,7 @@ def _backend(shape, num_blocks: int) -> triton_paged.TritonPagedAttention:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
 def test_matches_dense(shape, mix: str, dtype: torch.dtype) -> None:
     batch, cache, q, k, v, expected, expected_lse = _case(0, *shape, MIXES[mix], dtype)
-    backend = _backend(shape, cache[0].shape[1])
+    backend = _backend(shape, cache[0].shape[1], dtype)
     meta = backend.prepare(batch)
     out = backend.forward(q, k, v, cache, meta)
     tol = TOLERANCE[dtype]

@@ -50,8 +50,8 @@ class Reference:
         with torch.inference_mode():
             for p in self.prompts:
                 out = model.generate(
-                    torch.tensor([p]),
-                    attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                    torch.tensor([p], device=loaded.device),
+                    attention_mask=torch.ones(1, len(p), dtype=torch.long, device=loaded.device),
                     max_new_tokens=MAX_NEW,
                     min_new_tokens=MAX_NEW,
                     do_sample=False,
@@ -60,7 +60,7 @@ class Reference:
                     pad_token_id=0,
                 )
                 self.tokens.append(out.sequences[0, len(p) :].tolist())
-                self.logits.append(torch.cat(out.logits).float())
+                self.logits.append(torch.cat(out.logits).float().cpu())
 
 
 _REFERENCES: dict[str, Reference] = {}
@@ -155,7 +155,7 @@ def test_per_step_logits_match_transformers(ref: Reference) -> None:
         sched = core.scheduler.schedule()
         step = core.executor.runner.forward(sched)
         for chunk, row in zip(step.chunks, step.logits, strict=True):
-            logits[chunk.request_id].append(row.clone())
+            logits[chunk.request_id].append(row.cpu().clone())
         core.finish_step(sched, core.executor.runner.sample(step), 0.0)
     worst = 0.0
     for i in range(len(ref.prompts)):

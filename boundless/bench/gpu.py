@@ -1,0 +1,290 @@
+"""``boundless bench gpu``: the GPU path measured in one run, sized for a short lease of one GPU.
+
+Nothing is downloaded: random checkpoints shaped like Llama-3.2-1B (written to disk, so that
+transformers loads the same weights) and Llama-3.1-8B (drawn in GPU memory) stand in for the real
+ones; speed does not depend on the values. In bf16 it runs
+
+1. the device's ceilings: device-to-device copy bandwidth and a large bf16 matrix product;
+2. ``bench offline`` against transformers' ``generate`` on the 1B shape: 256 x 128 in / 128 out,
+   64 x 512 / 128 and 8 x 8,000 / 64;
+3. how busy the GPU is during Boundless's decode-heavy run (kernel time under the profiler over wall
+   time);
+4. a batch-64 decode of the 8B shape against its weight-streaming roofline;
+
+and writes every figure to ``--json``. Each part records its error and the run goes on, so one
+failure does not cost the rest of the lease.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from boundless.bench.offline import BoundlessSystem, HuggingFaceSystem, compare, make_prompts
+from boundless.bench.report import print_table, write_json
+from boundless.llm import LLM, engine_config
+from boundless.model.loader import LoadedModel, load_model
+from boundless.model.random_model import TinySpec, random_weights, write_random_model
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+SHAPES = {
+    "llama-3.2-1b": TinySpec(
+        kind="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+        num_kv_heads=8, max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192},
+        weight_std=0.02, dtype="bfloat16",
+    ),
+    "llama-3.1-8b": TinySpec(
+        kind="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, max_position_embeddings=131072, tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 8192},
+        weight_std=0.02, dtype="bfloat16",
+    ),
+}  # fmt: skip
+# (prompts, input tokens, output tokens) of the 1B comparison with transformers.
+OFFLINE_CASES = [(256, 128, 128), (64, 512, 128), (8, 8000, 64)]
+# ``--tiny``: the same run on small shapes, for checking the benchmark itself (on the CPU, in tests).
+TINY_SHAPES = {
+    "llama-3.2-1b": TinySpec(num_heads=4, num_kv_heads=2, tie_word_embeddings=True, dtype="bfloat16"),
+    "llama-3.1-8b": TinySpec(num_heads=4, num_kv_heads=1, num_layers=3, dtype="bfloat16", seed=2),
+}
+TINY_CASES = [(4, 16, 8), (2, 40, 6), (1, 90, 4)]
+
+
+def _stage(results: dict, name: str, fn: Callable[[], Any]) -> Any:
+    """Run one part, recording its figures (or its error) and its seconds under ``name``."""
+    start = time.perf_counter()
+    print(f"== {name}", flush=True)
+    try:
+        out = fn()
+        results[name] = out
+        return out
+    except Exception as e:  # one part failing must not cost the rest of the run
+        traceback.print_exc()
+        results[name] = {"error": f"{type(e).__name__}: {e}"}
+        return None
+    finally:
+        results.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 2)
+        print(f"== {name}: {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _time_cuda(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn`` by CUDA events, after a warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    """What this device moves and computes: a 4 GiB device-to-device copy (bytes read + written) and an
+    8192^3 bf16 matrix product, on random data."""
+
+    def copy_seconds() -> float:
+        src = torch.randn(1 << 30, device=device)  # 4 GiB of fp32
+        dst = torch.empty_like(src)
+        return _time_cuda(lambda: dst.copy_(src), device, 10)
+
+    def matmul_seconds() -> float:
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        return _time_cuda(lambda: a @ b, device, 10)
+
+    copy_s = copy_seconds()
+    mm_s = matmul_seconds()
+    torch.cuda.empty_cache()
+    return {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "copy_bytes_per_s": 2 * (1 << 32) / copy_s,
+        "bf16_matmul_flops": 2 * 8192**3 / mm_s,
+    }
+
+
+def kernel_busy_fraction(fn: Callable[[], Any]) -> dict:
+    """The share of ``fn``'s wall time during which a kernel or copy ran on the GPU: the union of the
+    device activity intervals that the profiler records, over the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    spans = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0:
+            spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    spans.sort()
+    busy, end = 0, None
+    for lo, hi in spans:
+        if end is None or lo > end:
+            busy += hi - lo
+            end = hi
+        elif hi > end:
+            busy += hi - end
+            end = hi
+    return {"wall_s": wall, "busy_s": busy / 1e9, "busy_fraction": busy / 1e9 / wall, "gpu_events": len(spans)}
+
+
+def _engine_config(path: Path, args: argparse.Namespace, max_num_seqs: int):
+    return engine_config(
+        str(path), dtype="bfloat16", device=args.device, max_model_len=args.max_model_len,
+        kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        swap_space_gb=0.0,
+    )  # fmt: skip
+
+
+def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> None:
+    """The 1B shape against transformers, and how busy the GPU is during Boundless's decode-heavy run."""
+    spec = (TINY_SHAPES if args.tiny else SHAPES)["llama-3.2-1b"]
+    path = _stage(results, "write_1b", lambda: str(write_random_model(root / "llama-1b", spec, device=args.device)))
+    if path is None:
+        return
+    loaded = load_model(path, dtype="bfloat16", device=args.device)
+    systems = [
+        HuggingFaceSystem(loaded),
+        BoundlessSystem(LLM.from_config(_engine_config(Path(path), args, 256), loaded)),
+    ]
+    cases = (TINY_CASES if args.tiny else OFFLINE_CASES)[: args.cases]
+    for n, i, o in cases:
+        prompts = make_prompts(loaded, n, i, seed=0)
+        _stage(results, f"offline_1b_{n}x{i}x{o}", lambda p=prompts, o=o: compare(systems, p, o, args.repeats))
+    n, i, o = cases[0]
+    prompts = make_prompts(loaded, n, i, seed=0)
+    ours = systems[1]
+    if loaded.device.type == "cuda":
+        _stage(results, "busy_1b", lambda: kernel_busy_fraction(lambda: ours.generate(prompts, o)))
+    systems.clear()
+
+
+def weight_stream_bytes(loaded: LoadedModel) -> int:
+    """Bytes a decode step must read of the weights: every layer, the final norm and the LM head (the
+    embedding is only gathered, a row per sequence, unless it is also the head)."""
+    model = loaded.model
+    total = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    total += model.norm.weight.numel() * model.norm.weight.element_size()
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head
+    return total + head.numel() * head.element_size()
+
+
+def decode_roofline(args: argparse.Namespace, results: dict, root: Path) -> dict:
+    """Batch-64 decode of the 8B shape: seconds per decode step against the weight-streaming roofline."""
+    spec = (TINY_SHAPES if args.tiny else SHAPES)["llama-3.1-8b"]
+    path = write_random_model(root / "llama-8b", spec, weights=False)  # config and tokenizer only
+    loaded = load_model(str(path), "bfloat16", args.device, weights=("random-8b", random_weights(spec, args.device)))
+    llm = LLM.from_config(_engine_config(path, args, 64), loaded)
+    ours = BoundlessSystem(llm)
+    batch, input_len, output_len = (4, 16, 8) if args.tiny else (64, 128, 128)
+    prompts = make_prompts(loaded, batch, input_len, seed=0)
+    ours.generate(prompts[:2], 4)
+    start = time.perf_counter()
+    ours.generate(prompts, 1)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    outputs = ours.generate(prompts, output_len)
+    total_s = time.perf_counter() - start
+    assert all(len(o) == output_len for o in outputs)
+    step_s = (total_s - prefill_s) / (output_len - 1)
+    arch = loaded.arch
+    kv_per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 2
+    kv_bytes = batch * (input_len + output_len / 2) * kv_per_token  # context read per step, on average
+    weights = weight_stream_bytes(loaded)
+    ceilings = results.get("ceilings") or {}
+    bandwidth = ceilings.get("copy_bytes_per_s") or 4.8e12
+    roofline_s = (weights + kv_bytes) / bandwidth
+    out = {
+        "batch": batch, "input_len": input_len, "output_len": output_len, "prefill_s": prefill_s,
+        "total_s": total_s, "decode_step_s": step_s, "weight_bytes": weights, "kv_bytes_per_step": kv_bytes,
+        "bandwidth_bytes_per_s": bandwidth, "roofline_step_s": roofline_s, "step_over_roofline": step_s / roofline_s,
+        "decode_tokens_per_s": batch / step_s,
+    }  # fmt: skip
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    if device.type != "cuda" and not args.tiny:
+        raise SystemExit("bench gpu needs a CUDA device (or --tiny, which checks the benchmark on small shapes)")
+    root = Path(args.workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    results: dict = {"args": vars(args) | {"func": None}}
+    if device.type == "cuda":
+        _stage(results, "ceilings", lambda: measure_ceilings(device))
+    if "1b" in args.shapes:
+        bench_small_shape(args, results, root)
+        gc.collect()  # its models are garbage now: free their GPU memory for the next shape
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "8b" in args.shapes:
+        _stage(results, "decode_8b", lambda: decode_roofline(args, results, root))
+    write_json(args.json, results)
+    _summary(results)
+    return results
+
+
+def _summary(results: dict) -> None:
+    rows = []
+    for key, value in results.items():
+        if key.startswith("offline_") and isinstance(value, dict) and "throughput_ratio" in value:
+            figs = {f["system"]: f for f in value["figures"]}
+            hf, ours = figs["huggingface"], figs["boundless"]
+            rows.append([
+                key, f"{hf['output_tokens_per_s']:.0f}", f"{ours['output_tokens_per_s']:.0f}",
+                f"{value['throughput_ratio']:.2f}x", f"{value['single_decode_ratio']:.2f}x",
+            ])  # fmt: skip
+    if rows:
+        print_table(["case", "hf tok/s", "boundless tok/s", "throughput", "single decode"], rows)
+    busy = results.get("busy_1b") or {}
+    if "busy_fraction" in busy:
+        print(f"GPU busy during the decode-heavy run: {busy['busy_fraction']:.1%} of {busy['wall_s']:.2f} s")
+    dec = results.get("decode_8b") or {}
+    if "decode_step_s" in dec:
+        print(
+            f"8B batch-64 decode: {dec['decode_step_s'] * 1e3:.2f} ms per step, roofline "
+            f"{dec['roofline_step_s'] * 1e3:.2f} ms ({dec['step_over_roofline']:.2f}x), "
+            f"{dec['decode_tokens_per_s']:.0f} tok/s"
+        )
+    errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
+    if errors:
+        print("errors: " + json.dumps(errors))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shapes", default="1b,8b", help="which shapes: 1b (against transformers), 8b (decode)")
+    parser.add_argument("--cases", type=int, default=len(OFFLINE_CASES), help="how many of the 1B cases to run")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--workdir", default="/tmp/boundless-bench-gpu", help="where the random checkpoints go")
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--kv-cache-gb", type=float, default=16.0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--json", metavar="PATH", default="bench-gpu.json", help="write the figures here")
+    parser.add_argument("--tiny", action="store_true", help="small shapes, to check the benchmark itself (CPU too)")
+
+
+def main() -> None:
+    """``python -m boundless.bench.gpu``: the same as ``boundless bench gpu``, importing only the engine
+    (a GPU machine may lack the server's packages)."""
+    parser = argparse.ArgumentParser(prog="python -m boundless.bench.gpu", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

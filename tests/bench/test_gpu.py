@@ -1,0 +1,37 @@
+"""``bench gpu`` end to end on small shapes (``--tiny``), on whatever device the tests run: the random
+checkpoints it writes or draws, the comparison with transformers, the decode roofline, the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from boundless.bench import gpu
+from conftest import TEST_DEVICE
+
+
+def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    args = parser.parse_args(
+        ["--tiny", "--device", TEST_DEVICE, "--workdir", str(tmp_path / "models"), "--json", str(out),
+         "--max-model-len", "256", "--kv-cache-gb", "0.05"]
+    )  # fmt: skip
+    results = gpu.run(args)
+    assert json.loads(out.read_text()).keys() == results.keys()
+    errors = {k: v for k, v in results.items() if isinstance(v, dict) and "error" in v}
+    assert not errors
+    cases = [k for k in results if k.startswith("offline_1b_")]
+    assert len(cases) == len(gpu.TINY_CASES)
+    for key in cases:
+        case = results[key]
+        assert {f["system"] for f in case["figures"]} == {"huggingface", "boundless"}
+        n, _, o = (int(x) for x in key.removeprefix("offline_1b_").split("x"))
+        assert all(f["output_tokens"] == n * o for f in case["figures"])  # counted from the outputs
+        assert case["hf_attention"] == "sdpa"
+    decode = results["decode_8b"]
+    assert decode["decode_step_s"] > 0 and decode["roofline_step_s"] > 0
+    # The 8B stand-in's weights were drawn in memory: its directory holds no checkpoint.
+    assert not list((tmp_path / "models" / "llama-8b").glob("*.safetensors"))
