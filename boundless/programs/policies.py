@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import cached_property
 
 from boundless.programs.policy import Call
 from boundless.programs.process_table import ProcessTable
@@ -49,12 +50,12 @@ class QueueConfig:
         if self.beta <= 0:
             raise ValueError("beta must be positive")
 
-    @property
+    @cached_property  # read for every call of every step
     def boundaries(self) -> tuple[float, ...]:
         """Upper bounds of Q1..Q(K-1); QK is unbounded."""
         return tuple(self.base_s * self.growth**i for i in range(self.num_queues - 1))
 
-    @property
+    @cached_property
     def quanta(self) -> tuple[float, ...]:
         """Each queue's quantum is the width of its range (QK's is unbounded)."""
         b = (0.0, *self.boundaries)
