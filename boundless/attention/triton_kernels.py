@@ -18,8 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634  # the host scales scores by it, so the kernel can use exp2
+# Globals a kernel reads must be constexpr.
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
