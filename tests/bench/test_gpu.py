@@ -7,8 +7,9 @@ import argparse
 import json
 from pathlib import Path
 
-from boundless.bench import gpu
 from conftest import TEST_DEVICE
+
+from boundless.bench import gpu
 
 
 def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
