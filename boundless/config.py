@@ -25,7 +25,7 @@ def _require(ok: bool, flag: str, message: str) -> None:
         raise ConfigError(f"--{flag.replace('_', '-')}: {message}")
 
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,10 @@ class ModelConfig:
     )
     seed: int = field(default=0, metadata={"help": "seed of the generator shared by requests that set no seed"})
     attention_backend: str = field(
-        default="auto",
+        default="torch",
         metadata={
-            "help": "auto, torch or triton (auto: the Triton kernels on CUDA, PyTorch and native kernels on the CPU)"
+            "help": "torch (PyTorch, and native kernels on the CPU) or triton (paged-attention kernels for CUDA, "
+            "with CUDA graphs for decode steps; on the CPU only under TRITON_INTERPRET=1)"
         },
     )
     enforce_eager: bool = field(

@@ -146,7 +146,7 @@ def _engine_config(path: Path, args: argparse.Namespace, max_num_seqs: int):
     return engine_config(
         str(path), dtype="bfloat16", device=args.device, max_model_len=args.max_model_len,
         kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        swap_space_gb=0.0,
+        swap_space_gb=0.0, attention_backend=args.attention_backend,
     )  # fmt: skip
 
 
@@ -275,6 +275,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=16.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--json", metavar="PATH", default="bench-gpu.json", help="write the figures here")
+    parser.add_argument("--attention-backend", default="triton", help="torch or triton (the GPU kernels)")
     parser.add_argument("--tiny", action="store_true", help="small shapes, to check the benchmark itself (CPU too)")
 
 

@@ -104,10 +104,8 @@ def build_model_executor(loaded: LoadedModel, config: EngineConfig, layout: Engi
 def make_attention(
     config: EngineConfig, arch: ModelArch, layout: EngineLayout, device: torch.device, dtype: torch.dtype
 ) -> AttentionBackend:
-    """The attention backend ``--attention-backend`` names; auto takes the Triton kernels on CUDA."""
+    """The attention backend ``--attention-backend`` names."""
     name = config.model.attention_backend
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_paged.available(device) else "torch"
     if name == "triton":
         if not triton_paged.available(device):
             raise ConfigError(

@@ -7,9 +7,14 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
 from conftest import TEST_DEVICE
 
+from boundless.attention import triton_paged
 from boundless.bench import gpu
+
+# The GPU kernels where they run (CUDA, or Triton's interpreter); else the PyTorch path.
+BACKEND = "triton" if triton_paged.available(torch.device(TEST_DEVICE)) else "torch"
 
 
 def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
@@ -18,7 +23,7 @@ def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = parser.parse_args(
         ["--tiny", "--device", TEST_DEVICE, "--workdir", str(tmp_path / "models"), "--json", str(out),
-         "--max-model-len", "256", "--kv-cache-gb", "0.05"]
+         "--max-model-len", "256", "--kv-cache-gb", "0.05", "--attention-backend", BACKEND]
     )  # fmt: skip
     results = gpu.run(args)
     assert json.loads(out.read_text()).keys() == results.keys()
