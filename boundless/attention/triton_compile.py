@@ -1,0 +1,73 @@
+"""Compile the Triton attention kernels for a GPU target without a GPU (``python -m
+boundless.attention.triton_compile``): what the device would compile at the first step, checked
+ahead, with the shared memory each variant takes. The tests run it, so a kernel the interpreter
+accepts but the compiler refuses (a global that is not constexpr, a shape a dot cannot take) fails
+on the CPU too."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from boundless.attention import triton_kernels as kernels
+
+_ATTENTION_ARGS = {
+    "lse_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
+    "q_block_seq_ptr": "*i32", "q_block_start_ptr": "*i32", "scale_log2": "fp32", "num_tokens": "i32",
+    "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32",
+    "stride_cache_head": "i32", "stride_cache_block": "i32",
+}  # fmt: skip
+
+
+def compile_kernel(fn, types: dict[str, str], consts: dict, target: GPUTarget, warps: int, stages: int) -> int:
+    """Compile ``fn`` for ``target``; returns the bytes of shared memory it takes."""
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {p: "constexpr" if p in consts else types[p] for p in params}
+    constexprs = {(params.index(k),): v for k, v in consts.items()}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
+    return int(compiled.metadata.shared)
+
+
+def compile_all(capability: int = 90) -> dict[str, int]:
+    """The variants a Llama-shaped model takes (GQA group 4, head size 64 and 128) in bf16 and fp32."""
+    target = GPUTarget("cuda", capability, 32)
+    shared = {}
+    for dtype, precision in (("bf16", None), ("fp32", "ieee")):
+        ptr = f"*{dtype}"
+        for head_dim in (64, 128):
+            for name, block_q, block_m, block_n, warps, stages, split in (
+                ("decode", 1, 16, 64, 4, 3, False),
+                ("decode-split", 1, 16, 64, 4, 3, True),
+                ("prefill", 32, 128, 64, 8, 3, False) if dtype == "bf16" else ("prefill", 16, 64, 32, 4, 2, False),
+            ):
+                types = dict(_ATTENTION_ARGS, q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr)
+                types["out_ptr"] = "*fp32" if split else ptr
+                consts = dict(
+                    GROUP=4, NUM_HEADS=32, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16,
+                    HEAD_DIM=head_dim, DIM_POW2=head_dim, SPLIT=split, PRECISION=precision,
+                )  # fmt: skip
+                key = f"attention/{dtype}/d{head_dim}/{name}"
+                shared[key] = compile_kernel(kernels.paged_attention_kernel, types, consts, target, warps, stages)
+        shared[f"store_kv/{dtype}"] = compile_kernel(
+            kernels.store_kv_kernel,
+            dict(k_ptr=ptr, v_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, slot_ptr="*i64", stride_kt="i32",
+                 stride_vt="i32", stride_cache_head="i32"),
+            dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_POW2=8, DIM_POW2=128), target, 4, 1,
+        )  # fmt: skip
+        shared[f"merge_splits/{dtype}"] = compile_kernel(
+            kernels.merge_splits_kernel,
+            dict(out_ptr=ptr, lse_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", num_tokens="i32",
+                 num_splits="i32", stride_ot="i32", stride_oh="i32"),
+            dict(NUM_HEADS=32, HEAD_DIM=128, DIM_POW2=128, SPLITS_POW2=16), target, 4, 1,
+        )  # fmt: skip
+    return shared
+
+
+if __name__ == "__main__":
+    json.dump(compile_all(int(sys.argv[1]) if len(sys.argv) > 1 else 90), sys.stdout, indent=1)
