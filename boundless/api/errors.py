@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from boundless.cluster.client import InstanceCallError
 from boundless.engine.async_engine import EngineDeadError, QueueFullError
 from boundless.engine.errors import InvalidRequestError
 
@@ -130,6 +131,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc), code="engine_unavailable")
+
+    @app.exception_handler(InstanceCallError)
+    async def _instance_failed(_: Request, exc: InstanceCallError) -> JSONResponse:
+        # The call alone failed on an instance; its message says which and with what exception.
+        return error_response(500, str(exc), code="instance_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

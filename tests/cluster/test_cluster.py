@@ -113,21 +113,20 @@ def test_long_calls_stay_home_short_calls_spread_outputs_match(
 
 def test_a_request_that_fails_in_add_fails_alone(cluster: tuple[ClusterClient, ServerThread]) -> None:
     client, server = cluster
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)  # one connection throughout
     for _ in range(2):  # each attempt may land on either instance; neither may die of it
-        # A client of its own: the server closes the connection after a 500 from an unexpected error.
-        with (
-            openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as api,
-            pytest.raises(openai.InternalServerError) as failed,
-        ):
+        with pytest.raises(openai.InternalServerError) as failed:
             api.completions.create(
                 model="tiny", prompt=[40, 41, 42], max_tokens=2, seed=POISON_SEED, extra_body={"program_id": "poison"}
             )
-        assert failed.value.status_code == 500 and "InstanceCallError" in failed.value.message
+        error = failed.value.body
+        assert failed.value.status_code == 500 and error["type"] == "server_error" and error["code"] == "instance_error"
+        # The message says what failed on the instance: the remote exception's type and message.
+        assert f"RuntimeError: test hook {FAIL_ADD_SEED_ENV}: add fails for seed {POISON_SEED}" in error["message"]
     states = [i["state"] for i in httpx.get(server.url + "/cluster").json()["instances"]]
     assert states == ["alive", "alive"]
     record = client.dispatcher.table.get("poison")
     assert record is not None and record.active_calls == 0  # the failed calls keep no program active
-    api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     served = [
         api.completions.create(model="tiny", prompt=[50 + i, 51, 52], max_tokens=3, temperature=0) for i in range(6)
     ]
