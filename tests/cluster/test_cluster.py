@@ -87,9 +87,12 @@ def test_long_calls_stay_home_short_calls_spread_outputs_match(
         conversation += r.choices[0].model_extra["token_ids"] + [100 + turn] * 8
     assert len(set(served_long)) == 1, served_long  # one instance holds the program's KV
     assert all(h > 0 for h in hits[1:]), hits  # and every later call hits its prefix cache
-    # A call an instance rejects leaves its program idle (so it can expire), like completed ones.
-    with pytest.raises(openai.BadRequestError):
-        api.completions.create(model="tiny", prompt=[10**6], max_tokens=2, extra_body={"program_id": "agent"})
+    # A call an instance rejects leaves its program idle (so it can expire), like completed ones. Only the
+    # engine checks prompt plus max_tokens against the context; its message shows the instance answered.
+    with pytest.raises(openai.BadRequestError) as rejected:
+        api.completions.create(model="tiny", prompt=[10], max_tokens=1024, extra_body={"program_id": "agent"})
+    assert rejected.value.body["param"] == "max_tokens"
+    assert "maximum context length is 1024 tokens" in rejected.value.body["message"]
     record = client.dispatcher.table.get("agent")
     assert record is not None and record.active_calls == 0 and record.completed_calls == 5
     # Short calls (no program) spread across both instances.
