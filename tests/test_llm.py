@@ -170,3 +170,15 @@ def test_bad_requests_raise_clear_errors(llm: LLM) -> None:
         llm.generate([10**7], SamplingParams(max_tokens=1))
     # The engine still serves after rejecting requests.
     assert llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_out_of_vocabulary_stop_token_id_is_refused(llm: LLM) -> None:
+    # With min_tokens the sampler bans the stop ids by indexing the logits; an id past the vocabulary must be
+    # refused when the request is added, not fail the step of every request in the batch.
+    vocab = llm.engine.identity.vocab_size
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate("Hi", SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[vocab]))
+    assert e.value.param == "stop_token_ids" and str(vocab) in str(e.value)
+    assert not llm.engine.has_unfinished()
+    out = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -10,7 +10,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from boundless.cluster.client import InstanceCallError
 from boundless.engine.async_engine import EngineDeadError, QueueFullError
 from boundless.engine.errors import InvalidRequestError
 
@@ -130,12 +132,50 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc), code="engine_unavailable")
 
+    @app.exception_handler(InstanceCallError)
+    async def _instance_failed(_: Request, exc: InstanceCallError) -> JSONResponse:
+        # The call alone failed on an instance; its message says which and with what exception.
+        return error_response(500, str(exc), code="instance_error")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "error"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}")
+    app.add_middleware(UnexpectedErrors)
+
+
+def _unexpected(exc: Exception) -> JSONResponse:
+    log.error("unhandled error", exc_info=exc)
+    return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+class UnexpectedErrors:
+    """A 500 error object for an exception no handler took, the connection kept open.
+
+    Starlette's own last resort (``ServerErrorMiddleware``) re-raises after answering, and uvicorn then
+    closes the connection, so a keep-alive client's next call on it fails. This one, just inside it,
+    answers and returns. A response already under way is cut off: only closing the connection tells the
+    client it is incomplete.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            await _unexpected(exc)(scope, receive, send)

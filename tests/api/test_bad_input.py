@@ -323,7 +323,7 @@ def assert_still_serving(url: str) -> None:
 def server(tiny_llama: LoadedModel) -> Iterator[ServerThread]:
     assert tiny_llama.tokenizer.vocab_size == VOCAB
     config = engine_config(tiny_llama.name, max_model_len=MAX_LEN, kv_cache_gb=0.05)
-    engine = AsyncEngine(EngineCore(tiny_llama, config), max_waiting=1024)
+    engine = AsyncEngine(EngineCore.from_model(tiny_llama, config), max_waiting=1024)
     srv = start_in_thread(engine, MODEL)
     yield srv
     srv.stop()
@@ -389,7 +389,9 @@ def test_a_conversation_the_chat_template_rejects_gets_400(tmp_path: Path) -> No
     config["chat_template"] = ALTERNATING_TEMPLATE
     (root / "tokenizer_config.json").write_text(json.dumps(config))
     loaded = load_model(str(root))
-    engine = AsyncEngine(EngineCore(loaded, engine_config(str(root), max_model_len=MAX_LEN, kv_cache_gb=0.05)))
+    engine = AsyncEngine(
+        EngineCore.from_model(loaded, engine_config(str(root), max_model_len=MAX_LEN, kv_cache_gb=0.05))
+    )
     srv = start_in_thread(engine, MODEL)
     try:
         twice = {"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi again"}]}

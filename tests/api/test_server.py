@@ -214,6 +214,37 @@ def test_unknown_model_gets_404(client: openai.OpenAI) -> None:
     _good_request(client)
 
 
+def test_an_unexpected_error_is_a_500_object_and_the_connection_stays_open(
+    server: ServerThread, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real_submit = engine.submit
+    calls = 0
+
+    def submit_failing_once(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("injected failure")
+        return real_submit(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", submit_failing_once)
+    ports: list[int] = []  # the client's end of each response's connection
+
+    def note_port(response: httpx.Response) -> None:
+        ports.append(response.extensions["network_stream"].get_extra_info("client_addr")[1])
+
+    http = httpx.Client(event_hooks={"response": [note_port]})
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, http_client=http)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert e.value.status_code == 500
+    assert e.value.body["type"] == "server_error" and "RuntimeError" in e.value.body["message"]
+    assert any("injected failure" in r.exc_text for r in caplog.records if r.exc_text)  # the traceback is logged
+    _good_request(client)
+    assert len(ports) == 2 and ports[0] == ports[1]  # the second call went over the first one's connection
+    http.close()
+
+
 def test_malformed_json_and_oversized_body(server: ServerThread, client: openai.OpenAI) -> None:
     r = httpx.post(
         server.url + "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
