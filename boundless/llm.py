@@ -118,7 +118,12 @@ class LLM:
                 completion = CompletionOutput(i, "", [], None, logprobs=[] if p.logprobs is not None else None)
                 result.outputs.append(completion)
                 cid = f"{rid}-{i}" if p.n > 1 else rid
-                self.engine.add_request(cid, ids, child)
+                try:
+                    self.engine.add_request(cid, ids, child)
+                except Exception:
+                    for added in children:  # the batch fails whole: leave nothing of it queued
+                        self.engine.abort(added)
+                    raise
                 children[cid] = (result, completion)
         bar = tqdm(total=len(children), disable=not use_tqdm, desc="generate")
         while self.engine.has_unfinished():

@@ -182,3 +182,12 @@ def test_out_of_vocabulary_stop_token_id_is_refused(llm: LLM) -> None:
     assert not llm.engine.has_unfinished()
     out = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_refused_prompt_fails_the_batch_and_leaves_nothing_queued(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(InvalidRequestError):
+        llm.generate([[5, 6, 7], [8, 9], []], params)  # the empty prompt is refused after two were added
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([[5, 6, 7]], params)[0]  # the next batch sees only its own results
+    assert len(out.outputs[0].token_ids) == 4

@@ -20,7 +20,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634  # the host scales scores by it, so the kernel can use exp2
 # Globals a kernel reads must be constexpr.
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
