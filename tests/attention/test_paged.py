@@ -8,67 +8,16 @@ import random
 
 import pytest
 import torch
+from paged_cases import paged_case
 
 from boundless.attention import cpu_attention
-from boundless.attention.backend import AttentionBatch
 from boundless.attention.paged import TorchPagedAttention
 from boundless.attention.partials import AttentionPartial, combine_partials, merge_partials, scores_partial
 
 
-def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], scale: float) -> torch.Tensor:
-    """q [ql, H, D] at ``positions`` over k, v [ctx, KVH, D] (causal), in float64."""
-    h, kvh = q.shape[1], k.shape[1]
-    k = k.double().repeat_interleave(h // kvh, dim=1)
-    v = v.double().repeat_interleave(h // kvh, dim=1)
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for i, pos in enumerate(positions):
-        s = torch.einsum("hd,thd->ht", q[i].double(), k[: pos + 1]) * scale
-        out[i] = torch.einsum("ht,thd->hd", s.softmax(-1), v[: pos + 1])
-    return out
-
-
 def _case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: int, chunks: list[tuple[int, int]]):
-    """A cache holding each sequence's context, scattered over random blocks; ``chunks`` are
-    (query_len, context_len) per sequence, decodes (query_len 1) first."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = random.Random(seed)
-    blocks_each = [-(-ctx // block_size) for _, ctx in chunks]
-    num_blocks = sum(blocks_each) + 3
-    free = list(range(1, num_blocks))
-    rnd.shuffle(free)
-    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
-    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
-    tables, contexts, qs, ks, vs, slots = [], [], [], [], [], []
-    for (ql, ctx), nb in zip(chunks, blocks_each, strict=True):
-        table = [free.pop() for _ in range(nb)]
-        tables.append(table)
-        k = torch.randn(ctx, kv_heads, head_dim, generator=gen)
-        v = torch.randn(ctx, kv_heads, head_dim, generator=gen)
-        for p in range(ctx - ql):  # the cached prefix is already in the cache
-            b, off = table[p // block_size], p % block_size
-            k_cache[:, b, off] = k[p]
-            v_cache[:, b, off] = v[p]
-        contexts.append((k, v))
-        qs.append(torch.randn(ql, heads, head_dim, generator=gen))
-        ks.append(k[ctx - ql :])
-        vs.append(v[ctx - ql :])
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - ql, ctx))
-    batch = AttentionBatch(
-        num_decodes=sum(1 for ql, _ in chunks if ql == 1),
-        query_lens=[ql for ql, _ in chunks],
-        seq_lens=[ctx for _, ctx in chunks],
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        block_size=block_size,
-        device=torch.device("cpu"),
-    )
-    expected = torch.cat(
-        [
-            _dense(q, k, v, list(range(ctx - ql, ctx)), head_dim**-0.5)
-            for q, (k, v), (ql, ctx) in zip(qs, contexts, chunks, strict=True)
-        ]
-    )
-    return batch, (k_cache, v_cache), torch.cat(qs), torch.cat(ks), torch.cat(vs), expected
+    batch, cache, q, k, v, expected, _ = paged_case(seed, heads, kv_heads, head_dim, block_size, chunks)
+    return batch, cache, q, k, v, expected
 
 
 SHAPES = [

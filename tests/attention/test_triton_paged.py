@@ -8,10 +8,10 @@ conftest), on the CPU; with one, on CUDA."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
+from paged_cases import paged_case
 
 from boundless.attention import triton_paged
 from boundless.attention.backend import AttentionBatch
@@ -34,54 +34,6 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "c
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def _case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: int, chunks, dtype):
-    """Each sequence's cached prefix scattered over random blocks; ``chunks`` are (query_len,
-    context_len), decodes first. Returns the batch, cache, q/k/v of the new tokens, and the dense
-    reference output and log-sum-exp (float64)."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = random.Random(seed)
-    blocks_each = [-(-ctx // block_size) for _, ctx in chunks]
-    num_blocks = sum(blocks_each) + 3
-    free = list(range(1, num_blocks))
-    rnd.shuffle(free)
-    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    tables, qs, ks, vs, slots, outs, lses = [], [], [], [], [], [], []
-    g = heads // kv_heads
-    for (ql, ctx), nb in zip(chunks, blocks_each, strict=True):
-        table = [free.pop() for _ in range(nb)]
-        tables.append(table)
-        k = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
-        for p in range(ctx - ql):
-            k_cache[:, table[p // block_size], p % block_size] = k[p]
-            v_cache[:, table[p // block_size], p % block_size] = v[p]
-        q = torch.randn(ql, heads, head_dim, generator=gen).to(dtype)
-        qs.append(q)
-        ks.append(k[ctx - ql :])
-        vs.append(v[ctx - ql :])
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - ql, ctx))
-        kd = k.double().repeat_interleave(g, dim=1)
-        vd = v.double().repeat_interleave(g, dim=1)
-        for i in range(ql):
-            pos = ctx - ql + i
-            s = torch.einsum("hd,thd->ht", q[i].double(), kd[: pos + 1]) * head_dim**-0.5
-            outs.append(torch.einsum("ht,thd->hd", s.softmax(-1), vd[: pos + 1]))
-            lses.append(s.logsumexp(-1))
-    batch = AttentionBatch(
-        num_decodes=sum(1 for ql, _ in chunks if ql == 1),
-        query_lens=[ql for ql, _ in chunks],
-        seq_lens=[ctx for _, ctx in chunks],
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=DEVICE),
-        block_size=block_size,
-        device=DEVICE,
-    )
-    cache = (k_cache.to(DEVICE), v_cache.to(DEVICE))
-    new = [torch.cat(x).to(DEVICE) for x in (qs, ks, vs)]
-    return batch, cache, *new, torch.stack(outs), torch.stack(lses)
-
-
 def _backend(shape, num_blocks: int, dtype: torch.dtype = torch.float32) -> triton_paged.TritonPagedAttention:
     heads, kv_heads, head_dim, block_size = shape
     return triton_paged.TritonPagedAttention(heads, kv_heads, head_dim, num_blocks, block_size, DEVICE, dtype)
@@ -91,7 +43,7 @@ def _backend(shape, num_blocks: int, dtype: torch.dtype = torch.float32) -> trit
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
 def test_matches_dense(shape, mix: str, dtype: torch.dtype) -> None:
-    batch, cache, q, k, v, expected, expected_lse = _case(0, *shape, MIXES[mix], dtype)
+    batch, cache, q, k, v, expected, expected_lse = paged_case(0, *shape, MIXES[mix], dtype, DEVICE)
     backend = _backend(shape, cache[0].shape[1], dtype)
     meta = backend.prepare(batch)
     out = backend.forward(q, k, v, cache, meta)
@@ -108,7 +60,7 @@ def test_split_context_merges_exactly(splits: int) -> None:
     """Decodes whose context is split over programs: the merged partials are attention over the whole."""
     shape = (8, 2, 64, 16)
     chunks = [(1, 1000), (1, 5), (1, 129), (4, 40)]
-    batch, cache, q, k, v, expected, expected_lse = _case(splits, *shape, chunks, torch.float32)
+    batch, cache, q, k, v, expected, expected_lse = paged_case(splits, *shape, chunks, torch.float32, DEVICE)
     backend = _backend(shape, cache[0].shape[1])
     backend.target_programs = 10**6  # as if the GPU were huge: always split
     backend.max_splits = splits
@@ -122,7 +74,7 @@ def test_split_context_merges_exactly(splits: int) -> None:
 def test_takes_strided_views_of_fused_qkv() -> None:
     """The model hands over q, k, v as views into its fused qkv rows."""
     heads, kv_heads, d, bs = 8, 2, 64, 16
-    batch, cache, q, k, v, expected, _ = _case(5, heads, kv_heads, d, bs, MIXES["mixed"], torch.float32)
+    batch, cache, q, k, v, expected, _ = paged_case(5, heads, kv_heads, d, bs, MIXES["mixed"], torch.float32, DEVICE)
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
     qs, ks, vs = (x.view(x.shape[0], -1, d) for x in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1))
     backend = _backend((heads, kv_heads, d, bs), cache[0].shape[1])
@@ -133,7 +85,7 @@ def test_takes_strided_views_of_fused_qkv() -> None:
 def test_padding_rows_store_nothing_and_attend_to_nothing() -> None:
     """A CUDA graph pads its batch: slot -1 stores nothing, and a sequence of length 0 yields zeros."""
     heads, kv_heads, d, bs = 4, 2, 16, 16
-    batch, cache, q, k, v, expected, _ = _case(6, heads, kv_heads, d, bs, [(1, 20), (1, 7)], torch.float32)
+    batch, cache, q, k, v, expected, _ = paged_case(6, heads, kv_heads, d, bs, [(1, 20), (1, 7)], torch.float32, DEVICE)
     before = [c.clone() for c in cache]
     padded = AttentionBatch(
         num_decodes=3,
