@@ -1,4 +1,4 @@
-"""Compile the Triton attention kernels for a GPU target without a GPU (``python -m
+"""Compile the Triton kernels (attention, and the layers' fused ops) for a GPU target without a GPU (``python -m
 boundless.attention.triton_compile``): what the device would compile at the first step, checked
 ahead, with the shared memory each variant takes. The tests run it, so a kernel the interpreter
 accepts but the compiler refuses (a global that is not constexpr, a shape a dot cannot take) fails
@@ -15,6 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from boundless.attention import triton_kernels as kernels
+from boundless.model import triton_ops
 
 _ATTENTION_ARGS = {
     "lse_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
@@ -65,6 +66,23 @@ def compile_all(capability: int = 90) -> dict[str, int]:
             dict(out_ptr=ptr, lse_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", num_tokens="i32",
                  num_splits="i32", stride_ot="i32", stride_oh="i32"),
             dict(NUM_HEADS=32, HEAD_DIM=128, DIM_POW2=128, SPLITS_POW2=16), target, 4, 1,
+        )  # fmt: skip
+        shared[f"rms_norm/{dtype}"] = compile_kernel(
+            triton_ops._rms_norm_kernel,
+            dict(out_ptr=ptr, x_ptr=ptr, delta_ptr=ptr, weight_ptr=ptr, eps="fp32", stride_out="i32",
+                 stride_x="i32", stride_delta="i32", n_cols="i32"),
+            dict(ADD=True, BLOCK=4096), target, 8, 1,
+        )  # fmt: skip
+        shared[f"rotary/{dtype}"] = compile_kernel(
+            triton_ops._rotary_kernel,
+            dict(x_ptr=ptr, pos_ptr="*i64", cos_ptr=ptr, sin_ptr=ptr, stride_t="i32", stride_h="i32",
+                 stride_table="i32", num_heads="i32"),
+            dict(HALF=64, HEADS_POW2=64, HALF_POW2=64), target, 4, 1,
+        )  # fmt: skip
+        shared[f"silu_mul/{dtype}"] = compile_kernel(
+            triton_ops._silu_mul_kernel,
+            dict(out_ptr=ptr, gate_up_ptr=ptr, stride_out="i32", stride_in="i32", n_cols="i32"),
+            dict(BLOCK=1024), target, 4, 1,
         )  # fmt: skip
     return shared
 

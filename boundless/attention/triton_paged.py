@@ -90,6 +90,9 @@ class TritonAttentionMetadata:
 class TritonPagedAttention:
     """Paged attention on the GPU (and on the CPU under the Triton interpreter, for tests)."""
 
+    # The model runs its layers with the fused Triton kernels of boundless.model.triton_ops around it.
+    fused_layers = True
+
     def __init__(
         self,
         num_heads: int,

@@ -179,6 +179,32 @@ class DecoderLayer(nn.Module):
         hidden += linear(F.silu(gate, inplace=True).mul_(up), self.down_weight)
         return hidden
 
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        attention: AttentionBackend,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        attn_meta: Any,
+    ) -> torch.Tensor:
+        """The GPU path: the PyTorch path's matmuls with the fused Triton kernels of
+        :mod:`boundless.model.triton_ops` between them; updates ``hidden`` in place."""
+        from boundless.model import triton_ops as ops
+
+        t = hidden.shape[0]
+        norm_in, norm_post = self.input_norm, self.post_attention_norm
+        qkv = linear(ops.rms_norm(hidden, norm_in.weight, norm_in.eps), self.qkv_weight, self.qkv_bias)
+        q_size, kv_size, _ = self.qkv_sizes
+        heads = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        ops.rotary_(heads, positions, rope.cos, rope.sin)
+        q, k, v = (x.view(t, -1, self.head_dim) for x in qkv.split(self.qkv_sizes, dim=-1))
+        attn = attention.forward(q, k, v, cache, attn_meta)
+        # hidden += o_proj(attn), and its norm, in one kernel.
+        x = ops.rms_norm(hidden, norm_post.weight, norm_post.eps, delta=linear(attn.reshape(t, -1), self.o_weight))
+        hidden += linear(ops.silu_mul(linear(x, self.gate_up_weight)), self.down_weight)
+        return hidden
+
     def forward_packed(
         self,
         hidden: torch.Tensor,
@@ -281,6 +307,12 @@ class LlamaModel(nn.Module):
         """Final hidden states [tokens, hidden] of a flat batch."""
         assert self.rope is not None, "call prepare first"
         hidden = self.embed_tokens(input_ids)
+        if getattr(attention, "fused_layers", False):  # a GPU backend: the layers' fused Triton kernels too
+            from boundless.model import triton_ops
+
+            for i, layer in enumerate(self.layers):
+                hidden = layer.forward_fused(hidden, positions, self.rope, attention, kv_cache.layer(i), attn_meta)
+            return triton_ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
         if self._packed_key is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
             return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta)
         cos, sin = self.rope.lookup(positions)
