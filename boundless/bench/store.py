@@ -26,6 +26,7 @@ import statistics
 import time
 import zlib
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--chunk-blocks", type=int, default=16, help="blocks per file of the chunked alternative")
     parser.add_argument("--batch-blocks", type=int, default=64, help="blocks per write and read call")
+    parser.add_argument("--io-threads", type=int, default=4, help="the store's I/O threads")
     parser.add_argument("--latency-samples", type=int, default=200, help="single-block reads timed, cold and hot")
-    parser.add_argument("--keep", action="store_true", help="keep the files written")
     parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
 
 
@@ -139,45 +140,53 @@ def _keys(n: int, salt: str) -> list[bytes]:
 
 
 def measure_store(
-    directory: Path, layout: StoreLayout, batch: torch.Tensor, num_blocks: int, samples: int, *, durable: bool
+    directory: Path,
+    layout: StoreLayout,
+    batch: torch.Tensor,
+    num_blocks: int,
+    samples: int,
+    *,
+    durable: bool,
+    io_threads: int,
 ) -> dict[str, float]:
-    """The store's write (page cache, then on disk), cold and hot read GB/s and single-block latency."""
+    """The store's write (page cache, then on disk) and cold and hot read GB/s, and one block's read latency."""
     n_batch = batch.shape[3]
-    keys = _keys(num_blocks, f"store-{durable}")
+    keys = _keys(num_blocks, f"store-{durable}-{io_threads}")
     block_bytes = layout.file_spec().file_bytes
     nbytes = num_blocks * block_bytes
-    store = DiskKVStore(directory, layout, capacity_bytes=2 * nbytes + (1 << 30), durable=durable)
+    store = DiskKVStore(directory, layout, 2 * nbytes + (1 << 30), durable=durable, io_threads=io_threads)
 
     def write() -> None:
         for i in range(0, num_blocks, n_batch):
             assert store.write(keys[i : i + n_batch], batch) == n_batch
 
-    write_s = _timed(write)
-    files = _files(store.dir)
-    flush_s = _timed(lambda: _fsync_files(files))
-    figures = {"write_gbps": _gbps(nbytes, write_s), "write_on_disk_gbps": _gbps(nbytes, write_s + flush_s)}
-    if durable:
-        return figures
-
     def read() -> None:
         for i in range(0, num_blocks, n_batch):
             assert all(b is not None for b in store.read(keys[i : i + n_batch]))
 
-    _drop_page_cache(files)
-    figures["read_cold_gbps"] = _gbps(nbytes, _timed(read))
-    figures["read_hot_gbps"] = _gbps(nbytes, _timed(read))
-    sample = keys[:: max(1, num_blocks // samples)][:samples]
-    _drop_page_cache(files)
-    cold = [_timed(lambda k=k: store.read([k])) for k in sample]
-    hot = [_timed(lambda k=k: store.read([k])) for k in sample]
-    figures["block_read_cold_us"] = round(statistics.median(cold) * 1e6, 1)
-    figures["block_read_hot_us"] = round(statistics.median(hot) * 1e6, 1)
+    write_s = _timed(write)
+    files = _files(store.dir)
+    flush_s = _timed(lambda: _fsync_files(files))
+    figures = {"write_gbps": _gbps(nbytes, write_s), "write_on_disk_gbps": _gbps(nbytes, write_s + flush_s)}
+    if not durable:
+        _drop_page_cache(files)
+        figures["read_cold_gbps"] = _gbps(nbytes, _timed(read))
+        figures["read_hot_gbps"] = _gbps(nbytes, _timed(read))
+    if samples:
+        sample = keys[:: max(1, num_blocks // samples)][:samples]
+        _drop_page_cache(files)
+        cold = [_timed(lambda k=k: store.read([k])) for k in sample]
+        hot = [_timed(lambda k=k: store.read([k])) for k in sample]
+        figures["block_read_cold_us"] = round(statistics.median(cold) * 1e6, 1)
+        figures["block_read_hot_us"] = round(statistics.median(hot) * 1e6, 1)
     assert store.stats().checksum_failures == 0
+    store.close()
+    shutil.rmtree(directory)
     return figures
 
 
 def measure_chunks(
-    directory: Path, layout: StoreLayout, batch: torch.Tensor, num_blocks: int, chunk_blocks: int
+    directory: Path, layout: StoreLayout, batch: torch.Tensor, num_blocks: int, chunk_blocks: int, io_threads: int
 ) -> dict[str, float]:
     """Files of ``chunk_blocks`` blocks each (same format, keyed by the chunk's last block): the alternative."""
     directory.mkdir(parents=True)
@@ -190,29 +199,36 @@ def measure_chunks(
         p.mkdir(exist_ok=True)
     nbytes = num_chunks * spec.file_bytes
     chunks_per_batch = n_batch // chunk_blocks
+    pool = ThreadPoolExecutor(io_threads)
 
-    def write() -> None:
+    def write_one(i: int, chunk: torch.Tensor) -> None:
+        tmp = paths[i].with_name(f".{paths[i].name}.tmp")
+        write_block_file(paths[i], tmp, keys[i], spec, payload_view(chunk), mtime_ns=time.time_ns(), durable=False)
+
+    def write() -> None:  # a call's worth of chunks at a time, side by side like the store's writes
         for c in range(0, num_chunks, chunks_per_batch):
             per_block = batch.permute(3, 0, 1, 2, 4, 5).contiguous()
-            for j in range(min(chunks_per_batch, num_chunks - c)):
-                i = c + j
-                payload = payload_view(per_block[j * chunk_blocks : (j + 1) * chunk_blocks])
-                tmp = paths[i].with_name(f".{paths[i].name}.tmp")
-                write_block_file(paths[i], tmp, keys[i], spec, payload, mtime_ns=time.time_ns(), durable=False)
+            ids = range(c, min(c + chunks_per_batch, num_chunks))
+            chunks = [per_block[j * chunk_blocks : (j + 1) * chunk_blocks] for j in range(len(ids))]
+            list(pool.map(write_one, ids, chunks))
 
-    def read() -> None:
-        for path, key in zip(paths, keys, strict=True):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                read_block_file(fd, os.fstat(fd).st_size, key, spec)
-            finally:
-                os.close(fd)
+    def read_one(path: Path, key: bytes) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            read_block_file(fd, os.fstat(fd).st_size, key, spec)
+        finally:
+            os.close(fd)
+
+    def read() -> None:  # a call's worth of chunks at a time, side by side like the store's reads
+        for c in range(0, num_chunks, chunks_per_batch):
+            list(pool.map(read_one, paths[c : c + chunks_per_batch], keys[c : c + chunks_per_batch]))
 
     write_s = _timed(write)
     flush_s = _timed(lambda: _fsync_files(paths))
     _drop_page_cache(paths)
     cold_s = _timed(read)
     hot_s = _timed(read)
+    pool.shutdown()
     return {
         "write_gbps": _gbps(nbytes, write_s),
         "write_on_disk_gbps": _gbps(nbytes, write_s + flush_s),
@@ -251,41 +267,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         results["raw"] = measure_raw(root / "raw.bin", nbytes)
         results["checksum"] = measure_checksums()
-        results["store"] = measure_store(root / "store", layout, batch, num_blocks, args.latency_samples, durable=False)
-        shutil.rmtree(root / "store")
+        threads = args.io_threads
+        results["store"] = measure_store(
+            root / "store", layout, batch, num_blocks, args.latency_samples, durable=False, io_threads=threads
+        )
+        results["store_1_thread"] = measure_store(
+            root / "store1", layout, batch, num_blocks, 0, durable=False, io_threads=1
+        )
         durable_blocks = max(n_batch, min(num_blocks, (256 << 20) // block_bytes // n_batch * n_batch))
-        results["store_durable"] = measure_store(root / "durable", layout, batch, durable_blocks, 0, durable=True)
-        shutil.rmtree(root / "durable")
-        results["chunks"] = measure_chunks(root / "chunks", layout, batch, num_blocks, args.chunk_blocks)
+        results["store_durable"] = measure_store(
+            root / "durable", layout, batch, durable_blocks, 0, durable=True, io_threads=threads
+        )
+        results["chunks"] = measure_chunks(root / "chunks", layout, batch, num_blocks, args.chunk_blocks, threads)
     finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     raw, store = results["raw"], results["store"]
     results["ratios"] = {
         "write_on_disk": round(store["write_on_disk_gbps"] / raw["write_gbps"], 3),
         "read_cold": round(store["read_cold_gbps"] / raw["read_cold_gbps"], 3),
         "read_hot": round(store["read_hot_gbps"] / raw["read_hot_gbps"], 3),
     }
-    _print(results, args.chunk_blocks)
+    _print(results, args.chunk_blocks, args.io_threads)
     if args.json:
         write_json(args.json, results)
     return results
 
 
-def _print(results: dict[str, Any], chunk_blocks: int) -> None:
-    def row(name: str, f: dict[str, float]) -> list[Any]:
-        keys = ("write_gbps", "write_on_disk_gbps", "read_cold_gbps", "read_hot_gbps")
+def _print(results: dict[str, Any], chunk_blocks: int, io_threads: int) -> None:
+    def row(name: str, f: dict[str, float], suffix: str = "") -> list[Any]:
+        keys = ("write_gbps", "write_on_disk_gbps", f"read_cold_gbps{suffix}", f"read_hot_gbps{suffix}")
         return [name, *(f.get(k, "-") for k in keys)]
 
-    raw = results["raw"]
+    raw, store = results["raw"], results["store"]
     rows = [
         ["raw sequential file", "-", raw["write_gbps"], raw["read_cold_gbps"], raw["read_hot_gbps"]],
-        row("store: 1 block per file", results["store"]),
+        row(f"store: 1 block per file, {io_threads} I/O threads", store),
+        row("store: 1 I/O thread", results["store_1_thread"]),
         row("store: fsync per file", results["store_durable"]),
-        row(f"{chunk_blocks} blocks per file", results["chunks"]),
+        row(f"{chunk_blocks} blocks per file, {io_threads} threads", results["chunks"]),
     ]
     print_table(["GB/s", "write (page cache)", "write (on disk)", "read cold", "read hot"], rows)
-    store, ratios, crc = results["store"], results["ratios"], results["checksum"]
+    ratios, crc = results["ratios"], results["checksum"]
     print(
         f"one block: {store['block_read_cold_us']} us cold, {store['block_read_hot_us']} us hot; "
         f"crc32 {crc['crc32_gbps']} GB/s, blake2b {crc['blake2b_gbps']} GB/s"

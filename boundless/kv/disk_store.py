@@ -30,9 +30,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -56,6 +57,8 @@ _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
 _KEY_HEX = 32  # a BlockHash is 16 bytes
 _GIB = 1 << 30
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,8 @@ class DiskKVStore:
 
     ``clock`` gives wall time in seconds: LRU stamps (comparable across processes) and the write-off window.
     ``durable`` fsyncs every file before it is renamed into place (see docs/kv-store.md for why it is off by
-    default). ``mid_write`` is for tests: called halfway through each file's payload.
+    default). ``io_threads`` read or write the files of one call side by side. ``mid_write`` is for tests:
+    called halfway through each file's payload.
     """
 
     def __init__(
@@ -155,6 +159,7 @@ class DiskKVStore:
         rescan_seconds: float = 30.0,
         write_off_seconds: float = 60.0,
         stale_temp_seconds: float = 600.0,
+        io_threads: int = 4,
         mid_write: Callable[[Path], None] | None = None,
     ) -> None:
         self.root = Path(path)
@@ -170,6 +175,8 @@ class DiskKVStore:
         self._write_off_seconds = write_off_seconds
         self._stale_temp_seconds = stale_temp_seconds
         self._mid_write = mid_write
+        self._io_threads = io_threads
+        self._pool: ThreadPoolExecutor | None = None
         self._tmp_names = itertools.count()
         self._lock = threading.Lock()
         self._index: dict[BlockHash, _Entry] = {}
@@ -205,7 +212,7 @@ class DiskKVStore:
     def read(self, keys: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Each block's KV, [layers, 2, kv_heads, block_size, head_dim] on the CPU, or None (missing or bad)."""
         start = time.perf_counter()
-        out = [self._read_one(key) for key in keys]
+        out = self._each(self._read_one, keys)
         hits = sum(b is not None for b in out)
         with self._lock:
             self._hits += hits
@@ -213,6 +220,15 @@ class DiskKVStore:
             self._bytes_read += hits * self._file_bytes
             self._read_seconds += time.perf_counter() - start
         return out
+
+    def _each(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+        """``fn`` over ``items``, side by side on the I/O threads: several I/Os in flight, and checksums and
+        copies on several cores (the system calls and zlib release the GIL)."""
+        if len(items) < 2 or self._io_threads < 2:
+            return [fn(item) for item in items]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kv-disk-io")
+        return list(self._pool.map(fn, items))
 
     def _read_one(self, key: BlockHash) -> torch.Tensor | None:
         path = self._path(key)
@@ -287,25 +303,8 @@ class DiskKVStore:
         start = time.perf_counter()
         # [n, layers, 2, kv_heads, block_size, head_dim]: each block one contiguous slice (one copy of all n).
         per_block = blocks.detach().permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
-        stored = written = 0
-        for i, key in enumerate(keys):
-            path = self._path(key)
-            if self.contains(key):
-                self._touch(path, key)
-                stored += 1
-                continue
-            try:
-                self._write_file(path, key, payload_view(per_block[i]))
-            except OSError as e:
-                self._write_failed(e)
-                with self._lock:
-                    self._writes_dropped += len(keys) - i - 1
-                break
-            stored += 1
-            written += 1
+        held = self._each(lambda i: self._store_one(keys[i], per_block[i]), range(len(keys)))
         with self._lock:
-            self._blocks_written += written
-            self._bytes_written += written * self._file_bytes
             self._write_seconds += time.perf_counter() - start
             rescan = self._clock() - self._scanned_at >= self._rescan_seconds
         if rescan:
@@ -314,7 +313,27 @@ class DiskKVStore:
             over = self._held_bytes > self.capacity_bytes
         if over:
             self._evict()
-        return stored
+        return sum(held)
+
+    def _store_one(self, key: BlockHash, block: torch.Tensor) -> bool:
+        """Write one block unless it is there already; whether the store holds it after."""
+        if self._clock() < self._writes_off_until:  # an earlier block of this call failed
+            with self._lock:
+                self._writes_dropped += 1
+            return False
+        path = self._path(key)
+        if self.contains(key):
+            self._touch(path, key)
+            return True
+        try:
+            self._write_file(path, key, payload_view(block))
+        except OSError as e:
+            self._write_failed(e)
+            return False
+        with self._lock:
+            self._blocks_written += 1
+            self._bytes_written += self._file_bytes
+        return True
 
     def _write_file(self, path: Path, key: BlockHash, payload: memoryview) -> None:
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.{next(self._tmp_names)}{_TMP_SUFFIX}")
@@ -434,6 +453,12 @@ class DiskKVStore:
                 if self._index.pop(key, None) is not None:
                     self._held_bytes -= entry.size
                 self._evictions += removed
+
+    def close(self) -> None:
+        """Stop the I/O threads (the files stay: the store is reopened by path)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     # -- reporting -------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ def test_bench_store_measures_the_store_against_the_raw_directory(
     assert main(args) == 0
     figures = json.loads(out.read_text())
     assert figures["blocks"] % 16 == 0 and figures["bytes"] == figures["blocks"] * figures["block_file_bytes"]
-    for part in ("raw", "store", "chunks"):
+    for part in ("raw", "store", "store_1_thread", "chunks"):
         assert all(v > 0 for v in figures[part].values()), part
     assert figures["store_durable"]["write_on_disk_gbps"] > 0
     assert figures["checksum"]["crc32_gbps"] > 0

@@ -89,7 +89,9 @@ def main() -> None:
                 paused.append(True)
                 _barrier(Path(args.barrier), args.peers)
 
-        store = DiskKVStore(args.root, LAYOUT, BIG, mid_write=wait_for_peers if args.barrier else None)
+        # One I/O thread: the barrier then holds each writer inside block 0, the same block.
+        hook = wait_for_peers if args.barrier else None
+        store = DiskKVStore(args.root, LAYOUT, BIG, io_threads=1, mid_write=hook)
         out["stored"] = store.write(keys, blocks_of(ids))
     elif args.mode == "pause":
 
@@ -112,7 +114,8 @@ def main() -> None:
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
         clock = FakeClock()
-        store = DiskKVStore(args.root, LAYOUT, BIG, clock=clock, write_off_seconds=60)
+        # One I/O thread: a call's blocks fail or are dropped in order, so the counts below are exact.
+        store = DiskKVStore(args.root, LAYOUT, BIG, clock=clock, write_off_seconds=60, io_threads=1)
         out["read_before"] = [
             b is not None and bool(torch.equal(b, block_of(i))) for i, b in enumerate(store.read(keys))
         ]
