@@ -121,7 +121,7 @@ class StoreStats:
     writes_enabled: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Entry:
     size: int
     stamp_ns: int  # the file's mtime: the LRU stamp
@@ -226,9 +226,11 @@ class DiskKVStore:
         copies on several cores (the system calls and zlib release the GIL)."""
         if len(items) < 2 or self._io_threads < 2:
             return [fn(item) for item in items]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kv-disk-io")
-        return list(self._pool.map(fn, items))
+        with self._lock:  # a loader and a writer thread may both get here first
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kv-disk-io")
+            pool = self._pool
+        return list(pool.map(fn, items))
 
     def _read_one(self, key: BlockHash) -> torch.Tensor | None:
         path = self._path(key)
@@ -456,9 +458,10 @@ class DiskKVStore:
 
     def close(self) -> None:
         """Stop the I/O threads (the files stay: the store is reopened by path)."""
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()
 
     # -- reporting -------------------------------------------------------------------------------------
 
