@@ -60,6 +60,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         gpu.run(args)
         return 0
+    if args.bench_kind == "store":
+        from boundless.bench import store
+
+        store.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -116,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     gpu = bench_sub.add_parser("gpu", help="the GPU path on random 1B and 8B shapes, against transformers (CUDA)")
     bench_gpu.add_arguments(gpu)
     gpu.set_defaults(func=_bench)
+    from boundless.bench import store as bench_store
+
+    store = bench_sub.add_parser("store", help="the disk KV store's write and read GB/s against the raw disk's")
+    bench_store.add_arguments(store)
+    store.set_defaults(func=_bench)
     return parser
 
 
