@@ -89,7 +89,7 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype) -> En
 
 
 def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> BlockStore:
-    """The persistent KV store at ``--kv-disk-path``, laid out for this model; logs what it holds."""
+    """The persistent KV store at ``--kv-disk-path``, laid out for this model."""
     try:
         from boundless.kv.disk_store import DiskKVStore, StoreLayout
     except ImportError as e:
@@ -103,10 +103,7 @@ def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLay
         block_size=layout.block_size,
         dtype=loaded.dtype,
     )
-    path = Path(config.cache.kv_disk_path or "")
-    store = DiskKVStore(path, store_layout, layout.disk_bytes)
-    log.info("KV disk store at %s (write policy %s): %s", path, config.cache.kv_write_policy, store.stats())
-    return store
+    return DiskKVStore(Path(config.cache.kv_disk_path or ""), store_layout, layout.disk_bytes)
 
 
 def build_model_executor(
@@ -133,6 +130,11 @@ def build_model_executor(
     lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
     if store is None and layout.disk_bytes:
         store = open_disk_store(loaded, config, layout)
+    if store is not None:
+        log.info(
+            "KV disk store at %s (%.1f GiB at most, write policy %s) holds: %s",
+            config.cache.kv_disk_path, layout.disk_bytes / (1 << 30), config.cache.kv_write_policy, store.stats(),
+        )  # fmt: skip
     return ModelExecutor(runner, lower_tiers, store=store)
 
 
