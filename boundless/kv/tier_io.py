@@ -3,12 +3,13 @@
 Each step, :meth:`TierIO.apply` takes the step's moves as the KV manager decided them, in three stages:
 
 1. snapshot the blocks the step writes to the store (device or host blocks, copied out before anything of
-   the step can overwrite them) and hand them to the background writer;
+   the step can overwrite them) and hand them to the background writer; a write that does not fit the
+   writer's bounded queue is dropped and counted instead, never waited for, so a slow disk never slows a
+   step;
 2. hand the step's reads to the background loader, whatever else happens (a request waits for each);
 3. copy the step's transfers between memory tiers (``kv/transfer.py``: out of the device first).
 
-The writer's queue is bounded: a write that does not fit is dropped and counted, never waited for, so a
-slow disk never slows a step. The loader reads blocks into host blocks the manager reserved for them;
+The loader reads blocks into host blocks the manager reserved for them;
 nothing else touches those until the read is reported, so it may write them while a step runs. Finished
 reads and writes are collected by :meth:`TierIO.report` for the step's result.
 """
@@ -28,6 +29,9 @@ from boundless.kv.tiers import BlockStore, KVTier
 from boundless.kv.transfer import HOST, BlockTransfer, TierId, apply_transfers
 
 log = logging.getLogger(__name__)
+
+# A write's blocks in host memory, and (from a GPU) the event that marks the end of their copy there.
+_Snapshot = tuple[torch.Tensor, "torch.cuda.Event | None"]
 
 # Blocks the writer may hold queued before it drops writes (at 720 KiB a block, SmolLM2-135M fp32: ~180 MiB).
 DEFAULT_WRITE_QUEUE_BLOCKS = 256
@@ -62,7 +66,7 @@ class TierIO:
         self._queued_blocks = 0  # blocks waiting in the writer's queue
         self._reads_pending = 0
         self._read_queue: queue.Queue[DiskRead | None] = queue.Queue()
-        self._write_queue: queue.Queue[tuple[DiskWrite, torch.Tensor] | None] = queue.Queue()
+        self._write_queue: queue.Queue[tuple[DiskWrite, _Snapshot] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._store_stats_at = -STORE_STATS_EVERY_S
         if store is not None and background:
@@ -76,12 +80,20 @@ class TierIO:
         snapshots = []
         try:
             for write in writes:
-                snapshots.append((write, self.tiers[write.src_tier].read_blocks(write.src_ids)))
+                if self._make_room_for(write):
+                    try:
+                        snapshots.append((write, self._snapshot(write)))
+                    except BaseException:
+                        self._finish_write(write, written=False)
+                        raise
         finally:
             for read in reads:  # a request waits for each read: it starts even if the step fails
                 self._submit_read(read)
-        for write, blocks in snapshots:
-            self._offer_write(write, blocks)
+        for write, snapshot in snapshots:
+            if self.background:
+                self._write_queue.put((write, snapshot))
+            else:
+                self._run_write(write, snapshot)
         apply_transfers(transfers, self.tiers)
 
     def report(self, wait_s: float = 0.0) -> TierReport:
@@ -180,38 +192,53 @@ class TierIO:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def _offer_write(self, write: DiskWrite, blocks: torch.Tensor) -> None:
+    def _make_room_for(self, write: DiskWrite) -> bool:
+        """Take room in the writer's queue for ``write``, or drop it (counted) when there is none."""
         n = len(write.keys)
         with self._done:
             if self.store is None or self._queued_blocks + n > self.write_queue_blocks:
                 self.stats.blocks_dropped += n
                 self._writes_done.append(DiskWriteDone(dropped=write.keys))
-                return
+                return False
             self._queued_blocks += n
-        if self.background:
-            self._write_queue.put((write, blocks))
-        else:
-            self._run_write(write, blocks)
+            return True
+
+    def _snapshot(self, write: DiskWrite) -> _Snapshot:
+        """The blocks' KV as it is now, in host memory; from a GPU the copy runs on, and an event marks its end."""
+        blocks = self.tiers[write.src_tier].read_blocks(write.src_ids)
+        if not blocks.is_cuda:
+            return blocks, None
+        host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+        host.copy_(blocks, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
 
     def _write_loop(self) -> None:
         while (item := self._write_queue.get()) is not None:
             self._run_write(*item)
 
-    def _run_write(self, write: DiskWrite, blocks: torch.Tensor) -> None:
+    def _run_write(self, write: DiskWrite, snapshot: _Snapshot) -> None:
+        blocks, copied = snapshot
         written = 0
         try:
             assert self.store is not None
-            written = self.store.write(write.keys, blocks.to("cpu"))
+            if copied is not None:
+                copied.synchronize()
+            written = self.store.write(write.keys, blocks)
         except Exception:  # the store does not raise for I/O trouble; anything else must not kill the writer
             log.exception("writing KV blocks to the store failed")
-        n = len(write.keys)
+        self._finish_write(write, written == len(write.keys))
+
+    def _finish_write(self, write: DiskWrite, written: bool) -> None:
         # The store says how many landed, not which: all of them, or none that we count on.
-        done = DiskWriteDone(written=write.keys) if written == n else DiskWriteDone(failed=write.keys)
+        n = len(write.keys)
         with self._done:
-            if written == n:
+            if written:
                 self.stats.blocks_written += n
+                self._writes_done.append(DiskWriteDone(written=write.keys))
             else:
                 self.stats.blocks_failed += n
-            self._writes_done.append(done)
+                self._writes_done.append(DiskWriteDone(failed=write.keys))
             self._queued_blocks -= n
             self._done.notify_all()
