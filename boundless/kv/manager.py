@@ -28,6 +28,8 @@ WRITE_POLICIES = ("through", "back", "off")
 # Names the manager remembers the store to hold (what it wrote or found); beyond this, the oldest are forgotten
 # and found again by a probe.
 MAX_KNOWN_ON_DISK = 1 << 20
+# The share of host memory that blocks loaded ahead for waiting requests may hold.
+PREFETCH_SHARE = 0.5
 
 
 @dataclass
@@ -72,7 +74,8 @@ class _ReadJob:
 class _DiskLookup:
     """A waiting request's progress through the disk store."""
 
-    in_flight: int | None = None  # the read it waits for
+    in_flight: int | None = None  # its read in flight
+    waits: bool = False  # whether it waits for that read (a probe behind a prefix in memory does not)
     disk_end: int | None = None  # first block index the store is known to lack (for this request's blocks)
     probed_at: int | None = None
     loaded_upto: int = 0  # end of the blocks its last load brought into host memory
@@ -132,8 +135,9 @@ class KVCacheManager:
         self._reads: dict[int, _ReadJob] = {}
         self._lookups: dict[str, _DiskLookup] = {}
         self._from_disk: set[int] = set()  # host blocks loaded from the store and not yet used
-        # Host blocks loaded for a request that still waits, by block id: at most half of host memory, so that
-        # prefetches for the queue do not evict one another (nor all of what swap and the cache keep there).
+        # Host blocks loaded for a request that still waits, by block id: held for it until its admission (so that
+        # evictions down from the device do not undo the load before its turn), and at most half of host memory,
+        # so that the queue's prefetches leave room for swap and for the cache.
         self._prefetched: dict[int, str] = {}
         self._next_read_id = 0
 
@@ -210,7 +214,6 @@ class KVCacheManager:
                 self.pools[HOST].touch(in_host)
                 self._held.append((HOST, in_host))
                 self._from_disk.difference_update(b.block_id for b in in_host)
-            self._drop_prefetched(request_id)
             fresh = iter(self.pool.allocate(len(in_host)))
             for block, tier in zip(prefix.blocks, prefix.tiers, strict=True):
                 if tier == DEVICE:
@@ -223,6 +226,8 @@ class KVCacheManager:
         if num_new > 0:
             table.extend(self.pool.allocate(num_new))
         self._name_full_blocks(request_id, token_ids, num_tokens_after)
+        if self._prefetched:
+            self._drop_prefetched(request_id)  # admitted: its hits hold their own references now
         return True
 
     def free(self, request_id: str) -> None:
@@ -243,7 +248,6 @@ class KVCacheManager:
         for pool in self.pools.values():
             pool.reset_prefix_cache()
         self._from_disk.clear()
-        self._prefetched.clear()
 
     # -- moves between tiers ------------------------------------------------------------------
 
@@ -352,7 +356,6 @@ class KVCacheManager:
         """A host allocation reuses a named block: under write-back it goes to the store first."""
         self.counters[HOST].evictions += 1
         self._from_disk.discard(block.block_id)
-        self._prefetched.pop(block.block_id, None)
         if self.write_policy == "back":
             self._queue_write(HOST, block.block_id, name)
 
@@ -389,7 +392,7 @@ class KVCacheManager:
     def is_loading(self, request_id: str) -> bool:
         """Whether the request waits for a read from the store (it is not admitted meanwhile)."""
         lookup = self._lookups.get(request_id)
-        return lookup is not None and lookup.in_flight is not None
+        return lookup is not None and lookup.in_flight is not None and lookup.waits
 
     def plan_disk_read(self, request_id: str, token_ids: Sequence[int]) -> DiskRead | None:
         """The read from the store to start for a waiting request, if any: its blocks that follow those in
@@ -431,16 +434,21 @@ class KVCacheManager:
                 lookup.settled = True
                 return None
             lookup.probed_at = start
-            return self._start_read(request_id, start, tuple(keys), (), ())
+            # Behind a prefix in memory, unknown blocks are almost always new input (an agent's next call: what
+            # was evicted of its context is known, since this process wrote it), so the request does not wait
+            # for the probe; with nothing in memory (a cold call, or the first after a restart) it does.
+            return self._start_read(request_id, start, tuple(keys), (), (), waits=start == 0)
         reserved = sum(len(job.read.dst_ids) for job in self._reads.values())
-        budget = host.num_blocks // 2 - len(self._prefetched) - reserved
+        budget = int(host.num_blocks * PREFETCH_SHARE) - len(self._prefetched) - reserved
         room = min(known, host.num_free - own_free_in_host, budget)
         if room <= 0:
             return None  # host memory has no room for it now: try again at a later step
         dst = host.allocate(room)  # held by the read until it is done
         tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start, start + room))
         lookup.loaded_upto = start + room
-        return self._start_read(request_id, start, tuple(keys[:room]), tuple(b.block_id for b in dst), tokens)
+        return self._start_read(
+            request_id, start, tuple(keys[:room]), tuple(b.block_id for b in dst), tokens, waits=True
+        )
 
     def _start_read(
         self,
@@ -449,11 +457,13 @@ class KVCacheManager:
         keys: tuple[BlockHash, ...],
         dst_ids: tuple[int, ...],
         tokens: tuple[tuple[int, ...], ...],
+        waits: bool,
     ) -> DiskRead:
         read = DiskRead(self._next_read_id, keys, dst_ids)
         self._next_read_id += 1
         self._reads[read.read_id] = _ReadJob(request_id, start, read, tokens)
-        self._lookups[request_id].in_flight = read.read_id
+        lookup = self._lookups[request_id]
+        lookup.in_flight, lookup.waits = read.read_id, waits
         return read
 
     def finish_disk_reads(self, done: Sequence[DiskReadDone]) -> None:
@@ -472,13 +482,15 @@ class KVCacheManager:
             if not read.is_probe and host is not None:
                 blocks = [host.blocks[i] for i in read.dst_ids]
                 waiting = job.request_id in self._lookups
+                kept = []
                 for block, key, tokens in zip(blocks[:found], read.keys, job.tokens, strict=False):
                     host.cache(block, key, tokens)
                     if block.block_hash == key:
                         self._from_disk.add(block.block_id)
-                        if waiting:
+                        if waiting:  # the read's reference becomes the waiting request's
                             self._prefetched[block.block_id] = job.request_id
-                host.free(reversed(blocks))
+                            kept.append(block)
+                host.free(reversed([b for b in blocks if b not in kept]))
                 self.counters[DISK].blocks_read += found
                 self.counters[HOST].blocks_written += found
             lookup = self._lookups.get(job.request_id)
@@ -488,9 +500,14 @@ class KVCacheManager:
                     lookup.disk_end = job.start + found
 
     def _drop_prefetched(self, request_id: str) -> None:
-        """The request no longer waits: the blocks loaded for it stop counting against the prefetch budget."""
-        for block_id in [b for b, rid in self._prefetched.items() if rid == request_id]:
+        """The request no longer waits (admitted, which took its own references, or gone): the blocks loaded
+        for it are released, to stay in host memory as cache."""
+        host = self.pools.get(HOST)
+        mine = [b for b, rid in self._prefetched.items() if rid == request_id]
+        for block_id in mine:
             del self._prefetched[block_id]
+        if host is not None and mine:
+            host.free(reversed([host.blocks[b] for b in mine]))
 
     def take_disk_writes(self) -> list[DiskWrite]:
         """This step's writes to the store, one per source tier, in the order decided."""

@@ -112,3 +112,16 @@ def test_a_prefix_from_disk_gives_the_tokens_of_a_cold_run_and_its_load_holds_no
     stats = core.stats()
     assert core.scheduler.requests == {} and stats.kv_tiers[DISK].hit_tokens >= 64
     assert stats.disk_io is not None and stats.disk_io.blocks_loaded >= 4
+
+
+def test_a_call_whose_context_is_in_memory_does_not_wait_to_probe_its_new_input() -> None:
+    s = _scheduler()
+    context = list(range(40))
+    _admit_cold(s, Request("call-1", context, SamplingParams(max_tokens=1), arrival_time=0.0))
+    s.finish("call-1", RequestStatus.FINISHED_LENGTH)  # its blocks stay cached on the device
+    # The next call extends the context with new input: unknown to the store, probed, but not waited for.
+    s.add(Request("call-2", [*context, *range(500, 520)], SamplingParams(max_tokens=1), arrival_time=1.0))
+    out = s.schedule()
+    (probe,) = out.disk_reads
+    assert probe.is_probe and [c.request_id for c in out.chunks] == ["call-2"]
+    assert out.chunks[0].start_pos == 40  # its context came from the device

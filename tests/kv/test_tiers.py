@@ -153,7 +153,9 @@ def test_a_load_that_comes_back_short_is_not_retried() -> None:
     assert kv.plan_disk_read("a", prompt) is None
     assert kv.find_cached_prefix("a", prompt).num_tokens == 4
     kv.begin_step()
-    assert kv.pools[HOST].num_free == 8  # the unused blocks went back
+    assert kv.pools[HOST].num_free == 7  # the unused blocks went back; the loaded one is held while a waits
+    kv.free("a")
+    assert kv.pools[HOST].num_free == 8
 
 
 def test_the_loader_puts_the_leading_run_that_reads_back_whole_into_host_memory(dict_store: type) -> None:
@@ -211,6 +213,24 @@ def test_a_step_does_not_wait_for_a_slow_read_and_the_read_is_reported_when_done
     finally:
         store.release.set()
         io.close()
+
+
+def test_blocks_loaded_for_a_waiting_request_stay_until_its_turn() -> None:
+    kv = KVCacheManager(4, BLOCK, True, "fp", num_host_blocks=4, disk=True, write_policy="off")
+    prompt = _tokens(0, 9)
+    kv.finish_disk_writes([DiskWriteDone(written=tuple(kv.block_hashes("a", prompt)))])
+    load = kv.plan_disk_read("a", prompt)
+    assert load is not None and len(load.keys) == 2
+    kv.finish_disk_reads([DiskReadDone(load.read_id, 2, 0.0)])
+    for i in range(3):  # other requests come and go: their blocks are evicted from the device to host memory
+        kv.begin_step()
+        assert kv.allocate(f"x{i}", _tokens(100 * (i + 1), 16), 16)
+        kv.free(f"x{i}")
+    prefix = kv.find_cached_prefix("a", prompt)
+    assert prefix.tiers == [HOST, HOST] and prefix.tokens_by_origin() == {DISK: 8}
+    assert kv.allocate("a", prompt, 9, prefix)
+    kv.begin_step()
+    assert kv.pools[HOST].num_free == 4  # admitted: the loaded blocks stay as cache, no longer held
 
 
 def test_prefetches_for_the_queue_take_at_most_half_of_host_memory() -> None:
