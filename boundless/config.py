@@ -26,6 +26,7 @@ def _require(ok: bool, flag: str, message: str) -> None:
 
 
 ATTENTION_BACKENDS = ("torch", "triton")
+KV_WRITE_POLICIES = ("through", "back", "off")
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,45 @@ class CacheConfig:
         default=None, metadata={"help": "size of the KV pool in blocks (overrides --kv-cache-gb)"}
     )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "share full KV blocks between requests"})
-    swap_space_gb: float = field(
-        default=1.0, metadata={"help": "host memory for KV of preempted requests, in GiB (0: recompute instead)"}
+    kv_host_gb: float | None = field(
+        default=None,
+        metadata={
+            "help": "host memory for KV, in GiB (default 1.0): the blocks of preempted requests, and full blocks "
+            "evicted from the device, kept by name for later prefix hits (0: none; preempted requests are "
+            "recomputed and evicted blocks are gone)"
+        },
     )
+    swap_space_gb: float | None = field(
+        default=None,
+        metadata={
+            "help": "host memory for the KV of preempted requests only, in GiB: evicted blocks are not kept below "
+            "the device (the device-only baseline, as before host memory was a tier); instead of --kv-host-gb"
+        },
+    )
+    kv_disk_path: str | None = field(
+        default=None,
+        metadata={"help": "directory of the persistent KV store: full blocks below host memory, across restarts"},
+    )
+    kv_disk_gb: float = field(default=16.0, metadata={"help": "most disk space the KV store may take, in GiB"})
+    kv_write_policy: str = field(
+        default="through",
+        metadata={
+            "help": "when full blocks go to the disk store: through (once computed, from a background writer "
+            "that drops writes rather than slow a step), back (when they leave host memory) or off (read only)"
+        },
+    )
+
+    @property
+    def host_gb(self) -> float:
+        """Host memory for KV: --kv-host-gb, or --swap-space-gb, else 1 GiB."""
+        if self.kv_host_gb is not None:
+            return self.kv_host_gb
+        return self.swap_space_gb if self.swap_space_gb is not None else 1.0
+
+    @property
+    def host_caches(self) -> bool:
+        """Whether host memory keeps named blocks evicted from the device (not with --swap-space-gb)."""
+        return self.swap_space_gb is None
 
     def __post_init__(self) -> None:
         _require(
@@ -78,7 +115,27 @@ class CacheConfig:
         )
         _require(self.kv_cache_gb > 0, "kv_cache_gb", "must be positive")
         _require(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be positive")
-        _require(self.swap_space_gb >= 0, "swap_space_gb", "must not be negative")
+        _require(self.kv_host_gb is None or self.kv_host_gb >= 0, "kv_host_gb", "must not be negative")
+        _require(self.swap_space_gb is None or self.swap_space_gb >= 0, "swap_space_gb", "must not be negative")
+        _require(
+            self.kv_host_gb is None or self.swap_space_gb is None,
+            "swap_space_gb",
+            "host memory for swap only, or --kv-host-gb for swap and caching: give one of them",
+        )
+        _require(self.kv_disk_gb > 0, "kv_disk_gb", "must be positive")
+        _require(
+            self.kv_write_policy in KV_WRITE_POLICIES,
+            "kv_write_policy",
+            f"unknown policy {self.kv_write_policy!r}; one of {', '.join(KV_WRITE_POLICIES)}",
+        )
+        if self.kv_disk_path is not None:
+            _require(bool(self.kv_disk_path), "kv_disk_path", "must name a directory")
+            _require(self.enable_prefix_caching, "kv_disk_path", "needs prefix caching: the store keeps blocks by name")
+            _require(
+                self.host_gb > 0 and self.host_caches,
+                "kv_disk_path",
+                "needs host memory that caches (--kv-host-gb > 0, not --swap-space-gb): disk blocks load into it",
+            )
 
 
 @dataclass(frozen=True)

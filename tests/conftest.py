@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,63 @@ def smollm2(load: Callable[[str], LoadedModel]) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_llama(load: Callable[[str], LoadedModel]) -> LoadedModel:
     return load("tiny-llama")
+
+
+class DictStore:
+    """A KV store that keeps blocks by name in a dict: the disk store's interface (``kv.tiers.BlockStore``), in
+    memory. It stands in where a test needs a disk tier until the persistent store (``kv/disk_store.py``, built
+    on its own branch) lands; that store plugs in behind the same interface."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, torch.Tensor] = {}
+        self.reads = 0
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.blocks
+
+    def read(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        self.reads += 1
+        return [self.blocks[k].clone() if k in self.blocks else None for k in keys]
+
+    def write(self, keys: Sequence[bytes], blocks: torch.Tensor) -> int:
+        for i, key in enumerate(keys):
+            self.blocks[key] = blocks[:, :, :, i].clone()
+        return len(keys)
+
+    def stats(self) -> dict[str, int]:
+        return {"blocks": len(self.blocks)}
+
+
+@pytest.fixture
+def dict_store() -> type[DictStore]:
+    """The class of :class:`DictStore` (a fixture, since test modules do not import conftest)."""
+    return DictStore
+
+
+class GatedStore:
+    """A store (wrapping another) whose reads and writes wait until ``release`` is set: storage slower than the
+    engine, for tests of what must not wait for it."""
+
+    def __init__(self, base: DictStore) -> None:
+        self.base = base
+        self.release = threading.Event()
+
+    def contains(self, key: bytes) -> bool:
+        return self.base.contains(key)
+
+    def read(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        self.release.wait(timeout=60)
+        return self.base.read(keys)
+
+    def write(self, keys: Sequence[bytes], blocks: torch.Tensor) -> int:
+        self.release.wait(timeout=60)
+        return self.base.write(keys, blocks)
+
+    def stats(self) -> dict[str, int]:
+        return self.base.stats()
+
+
+@pytest.fixture
+def gated_store() -> type[GatedStore]:
+    """The class of :class:`GatedStore`."""
+    return GatedStore

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -55,6 +56,7 @@ class _EngineStateCollector:
             for inst, s in snapshots.items():
                 c.add_metric([inst], float(get(s)))
             yield c
+        yield from _tier_metrics(snapshots)
         kinds = {"kept": "num_kept", "swapped": "num_swapped_out", "recomputed": "num_recomputed"}
         c = CounterMetricFamily(
             "boundless_preemptions",
@@ -65,6 +67,78 @@ class _EngineStateCollector:
             for kind, attr in kinds.items():
                 c.add_metric([inst, kind], float(getattr(s, attr)))
         yield c
+
+
+def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
+    """Per KV tier (device, host, disk): hits, bytes, evictions, blocks; the disk store's loads and writes."""
+    per_tier = {
+        "boundless_kv_tier_hit_tokens": ("prompt tokens whose KV was found in the tier at admission", "hit_tokens"),
+        "boundless_kv_tier_read_bytes": ("bytes of KV copied out of the tier", "bytes_read"),
+        "boundless_kv_tier_written_bytes": ("bytes of KV copied into the tier", "bytes_written"),
+        "boundless_kv_tier_evictions": ("named KV blocks the tier gave up (moved down where it could)", "evictions"),
+    }
+    for name, (doc, attr) in per_tier.items():
+        c = CounterMetricFamily(name, doc, labels=["instance", "tier"])
+        for inst, s in snapshots.items():
+            for tier, t in s.kv_tiers.items():
+                c.add_metric([inst, tier], float(getattr(t, attr)))
+        yield c
+    for name, doc, attr in (
+        ("boundless_kv_tier_blocks_used", "KV blocks of the memory tier in use", "blocks_used"),
+        ("boundless_kv_tier_blocks_total", "KV blocks of the memory tier", "blocks_total"),
+    ):
+        g = GaugeMetricFamily(name, doc, labels=["instance", "tier"])
+        for inst, s in snapshots.items():
+            for tier, t in s.kv_tiers.items():
+                if t.blocks_total:
+                    g.add_metric([inst, tier], float(getattr(t, attr)))
+        yield g
+    disk = {
+        "boundless_kv_disk_loads": ("loads from the disk store", "loads"),
+        "boundless_kv_disk_load_seconds": (
+            "seconds loads from the disk store took, summed (mean: / loads)",
+            "load_seconds",
+        ),
+        "boundless_kv_disk_loaded_blocks": ("KV blocks loaded from the disk store", "blocks_loaded"),
+        "boundless_kv_disk_missing_blocks": (
+            "KV blocks a load found missing or unreadable in the store (recomputed, never served)",
+            "blocks_missing",
+        ),
+        "boundless_kv_disk_written_blocks": ("KV blocks written to the disk store", "blocks_written"),
+        "boundless_kv_disk_dropped_blocks": (
+            "KV blocks not written because the writer's queue was full",
+            "blocks_dropped",
+        ),
+        "boundless_kv_disk_failed_blocks": ("KV blocks the disk store failed to write", "blocks_failed"),
+    }
+    for name, (doc, attr) in disk.items():
+        c = CounterMetricFamily(name, doc, labels=["instance"])
+        for inst, s in snapshots.items():
+            if s.disk_io is not None:
+                c.add_metric([inst], float(getattr(s.disk_io, attr)))
+        yield c
+    g = GaugeMetricFamily(
+        "boundless_kv_disk_store",
+        "what the disk store reports of itself (blocks and bytes held, evictions, checksum failures...), by stat",
+        labels=["instance", "stat"],
+    )
+    for inst, s in snapshots.items():
+        for stat, value in _numbers(s.disk_io.store if s.disk_io is not None else None).items():
+            g.add_metric([inst, stat], value)
+    yield g
+
+
+def _numbers(stats: object) -> dict[str, float]:
+    """The numeric fields of a store's stats (a dataclass, a mapping or a plain object)."""
+    if stats is None:
+        return {}
+    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+        items = dataclasses.asdict(stats)
+    elif isinstance(stats, Mapping):
+        items = dict(stats)
+    else:
+        items = dict(vars(stats))
+    return {k: float(v) for k, v in items.items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
 class ServerMetrics:

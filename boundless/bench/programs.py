@@ -211,7 +211,7 @@ def _serve_and_run(
         if cluster is not None:
             time.sleep(2 * cluster.heartbeat_interval_s)  # let the last heartbeats in
         snapshots = [dataclasses.asdict(s) for s in engine.stats().values()]
-        stats = {k: sum(s[k] for s in snapshots) for k in snapshots[0]}
+        stats = {k: sum(s[k] for s in snapshots) for k, v in snapshots[0].items() if isinstance(v, int | float)}
     finally:
         server.stop()
         engine.shutdown()

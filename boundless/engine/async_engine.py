@@ -122,7 +122,7 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             try:
-                sampled, elapsed = core.execute(sched)
+                result = core.execute(sched)
             except Exception:  # a failed step must not take the server down: fail its requests, go on
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 # Its chunks, and requests its transfers were moving (swapped out to blocks the failed
@@ -132,7 +132,7 @@ class EngineLoop:
                 self._fail(lost)
                 continue
             with self.lock:
-                for delta in core.finish_step(sched, sampled, elapsed):
+                for delta in core.finish_step(sched, result):
                     self._emit(delta)
 
     def _emit(self, delta: RequestDelta) -> None:

@@ -8,7 +8,9 @@ with the same function and gives them a cost-model executor instead.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,10 +23,12 @@ from boundless.engine.executor import ModelExecutor
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import Sampler
 from boundless.kv.tensors import PagedKVCache
-from boundless.kv.tiers import HostKVTier
+from boundless.kv.tiers import BlockStore, HostKVTier
 from boundless.kv.transfer import HOST
 from boundless.model.arch import ModelArch
 from boundless.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,9 +37,10 @@ class EngineLayout:
 
     block_size: int
     num_blocks: int  # device KV blocks
-    num_host_blocks: int  # host blocks for swapped-out requests (0: recompute instead)
+    num_host_blocks: int  # host blocks: swapped-out requests and named blocks evicted from the device
     bytes_per_block: int  # one block's KV across all layers
     max_model_len: int
+    disk_bytes: int = 0  # most the disk store may hold (0: no disk tier)
 
 
 @dataclass(frozen=True)
@@ -55,13 +60,17 @@ class ModelIdentity:
 
 
 def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype) -> EngineLayout:
-    """Blocks from ``--num-kv-blocks`` or ``--kv-cache-gb``, host blocks from ``--swap-space-gb``, and the
-    context length: the asked one (which must fit in the pool), or the model's capped by the pool."""
+    """Blocks from ``--num-kv-blocks`` or ``--kv-cache-gb``, host blocks from ``--kv-host-gb``, the disk
+    store's room from ``--kv-disk-gb`` (with ``--kv-disk-path``), and the context length: the asked one
+    (which must fit in the pool), or the model's capped by the pool."""
     cache = config.cache
     bs = cache.block_size
     per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, bs, dtype)
     num_blocks = cache.num_kv_blocks or max(1, int(cache.kv_cache_gb * (1 << 30)) // per_block)
-    num_host_blocks = int(cache.swap_space_gb * (1 << 30)) // per_block
+    num_host_blocks = int(cache.host_gb * (1 << 30)) // per_block
+    disk_bytes = int(cache.kv_disk_gb * (1 << 30)) if cache.kv_disk_path else 0
+    if disk_bytes and num_host_blocks == 0:
+        raise ConfigError(f"--kv-host-gb: {cache.host_gb} GiB holds no {per_block}-byte block; disk loads need one")
     pool_tokens = num_blocks * bs
     asked = config.model.max_model_len
     if asked is None:
@@ -76,11 +85,32 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype) -> En
         )
     else:
         max_model_len = asked
-    return EngineLayout(bs, num_blocks, num_host_blocks, per_block, max_model_len)
+    return EngineLayout(bs, num_blocks, num_host_blocks, per_block, max_model_len, disk_bytes)
 
 
-def build_model_executor(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> ModelExecutor:
-    """The network, its KV memory (device and host), attention backend and sampler, ready to run steps."""
+def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> BlockStore:
+    """The persistent KV store at ``--kv-disk-path``, laid out for this model."""
+    try:
+        from boundless.kv.disk_store import DiskKVStore, StoreLayout
+    except ImportError as e:
+        raise ConfigError("--kv-disk-path: this build has no disk store (boundless/kv/disk_store.py)") from e
+    arch = loaded.arch
+    store_layout = StoreLayout(
+        fingerprint=loaded.fingerprint,
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        block_size=layout.block_size,
+        dtype=loaded.dtype,
+    )
+    return DiskKVStore(Path(config.cache.kv_disk_path or ""), store_layout, layout.disk_bytes)
+
+
+def build_model_executor(
+    loaded: LoadedModel, config: EngineConfig, layout: EngineLayout, store: BlockStore | None = None
+) -> ModelExecutor:
+    """The network, its KV memory (device and host, and the disk store: ``store``, else the one at
+    ``--kv-disk-path``), attention backend and sampler, ready to run steps."""
     arch = loaded.arch
     loaded.model.prepare(layout.max_model_len)
     kv_cache = PagedKVCache(
@@ -98,7 +128,14 @@ def build_model_executor(loaded: LoadedModel, config: EngineConfig, layout: Engi
     sampler = Sampler(loaded.device, seed=config.model.seed)
     runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device, graphs)
     lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
-    return ModelExecutor(runner, lower_tiers)
+    if store is None and layout.disk_bytes:
+        store = open_disk_store(loaded, config, layout)
+    if store is not None:
+        log.info(
+            "KV disk store at %s (%.1f GiB at most, write policy %s) holds: %s",
+            config.cache.kv_disk_path, layout.disk_bytes / (1 << 30), config.cache.kv_write_policy, store.stats(),
+        )  # fmt: skip
+    return ModelExecutor(runner, lower_tiers, store=store)
 
 
 def make_attention(

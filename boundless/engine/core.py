@@ -17,12 +17,14 @@ from boundless.config import EngineConfig
 from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer
 from boundless.engine.errors import InvalidRequestError
-from boundless.engine.executor import Executor
+from boundless.engine.executor import Executor, StepResult
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
+from boundless.kv.disk_moves import DiskIOStats
 from boundless.kv.manager import KVCacheManager
+from boundless.kv.transfer import DISK
 from boundless.model.loader import LoadedModel
 from boundless.model.tokenizer import Tokenizer
 from boundless.programs.policy import SchedulingPolicy
@@ -71,6 +73,18 @@ class EngineCounters:
 
 
 @dataclass
+class TierStats:
+    """One KV tier (device, host, disk) of one instance: its hits and traffic so far, and its blocks in use."""
+
+    hit_tokens: int = 0  # prompt tokens whose KV a first admission found in this tier
+    bytes_read: int = 0  # copied out of it
+    bytes_written: int = 0  # copied into it
+    evictions: int = 0  # named blocks it gave up (moved down a tier where one had room)
+    blocks_used: int = 0  # memory tiers: blocks held by requests or by moves in flight
+    blocks_total: int = 0
+
+
+@dataclass
 class EngineStats:
     """A snapshot of one instance for metrics, load balancing and heartbeats."""
 
@@ -89,6 +103,8 @@ class EngineStats:
     num_recomputed: int  # KV dropped, to be recomputed
     busy_seconds: float
     steps: int
+    kv_tiers: dict[str, TierStats] = field(default_factory=dict)  # by tier id, those this instance has
+    disk_io: DiskIOStats | None = None  # the disk store's loads and writes (with --kv-disk-path)
 
     @property
     def kv_usage(self) -> float:
@@ -130,6 +146,9 @@ class EngineCore:
             config.cache.enable_prefix_caching,
             identity.fingerprint,
             num_host_blocks=layout.num_host_blocks,
+            disk=layout.disk_bytes > 0,
+            write_policy=config.cache.kv_write_policy,
+            host_caching=config.cache.host_caches,
         )
         self.policy = policy or make_policy(config.scheduler)
         self.scheduler = Scheduler(
@@ -141,6 +160,7 @@ class EngineCore:
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
+        self._disk_io = DiskIOStats()  # the executor's disk I/O, as last reported
 
     @classmethod
     def from_model(
@@ -226,26 +246,26 @@ class EngineCore:
         sched = self.schedule()
         if sched.is_empty:
             return []
-        sampled, elapsed = self.execute(sched)
-        return self.finish_step(sched, sampled, elapsed)
+        return self.finish_step(sched, self.execute(sched))
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (bookkeeping only; cheap)."""
         return self.scheduler.schedule()
 
-    def execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampledToken], float]:
-        """Run a scheduled step on the executor; returns the sampled tokens and the step's seconds.
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Run a scheduled step on the executor; returns its sampled tokens, seconds and finished disk I/O.
 
         Touches only the executor, so a front end may run it without holding the lock that guards
         request bookkeeping (requests aborted meanwhile are skipped by :meth:`finish_step`).
         """
-        result = self.executor.execute(sched)
-        return result.sampled, result.elapsed_s
+        return self.executor.execute(sched)
 
-    def finish_step(
-        self, sched: SchedulerOutput, sampled: dict[str, SampledToken], elapsed: float
-    ) -> list[RequestDelta]:
-        """Apply a step's results: advance progress, append tokens, detokenize, stop requests."""
+    def finish_step(self, sched: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
+        """Apply a step's results: finished disk reads and writes, progress, tokens, detokenizing, stops."""
+        sampled, elapsed = result.sampled, result.elapsed_s
+        self.scheduler.apply_tier_report(result.tier_report)
+        if result.tier_report.io is not None:
+            self._disk_io = result.tier_report.io
         self.scheduler.advance(sched, elapsed)
         c = self.counters
         c.steps += 1
@@ -309,7 +329,30 @@ class EngineCore:
             num_recomputed=self.scheduler.stats.num_recomputed,
             busy_seconds=c.busy_seconds,
             steps=c.steps,
+            kv_tiers=self._tier_stats(),
+            disk_io=self._disk_io if self.kv.has_disk else None,
         )
+
+    def _tier_stats(self) -> dict[str, TierStats]:
+        per_block = self.layout.bytes_per_block
+        hits = self.scheduler.stats.cached_tokens_by_tier
+        tiers = {}
+        for tier, counters in self.kv.counters.items():
+            pool = self.kv.pools.get(tier)
+            if pool is None and not (tier == DISK and self.kv.has_disk):
+                continue
+            evictions = counters.evictions
+            if tier == DISK:
+                evictions = int(getattr(self._disk_io.store, "evictions", 0) or 0)  # the store evicts its own
+            tiers[tier] = TierStats(
+                hit_tokens=hits.get(tier, 0),
+                bytes_read=counters.blocks_read * per_block,
+                bytes_written=counters.blocks_written * per_block,
+                evictions=evictions,
+                blocks_used=pool.num_used if pool is not None else 0,
+                blocks_total=pool.num_blocks if pool is not None else 0,
+            )
+        return tiers
 
     def _count_finish(self, request: Request) -> None:
         key = request.status.value
@@ -317,4 +360,4 @@ class EngineCore:
 
     @torch.inference_mode()
     def reset_prefix_cache(self) -> None:
-        self.kv.pool.reset_prefix_cache()
+        self.kv.reset_prefix_cache()

@@ -10,22 +10,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import SchedulerOutput
-from boundless.kv.tiers import KVTier
-from boundless.kv.transfer import DEVICE, TierId, apply_transfers
+from boundless.kv.disk_moves import TierReport
+from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS, TierIO
+from boundless.kv.tiers import BlockStore, KVTier
+from boundless.kv.transfer import DEVICE, TierId
+
+# A step with nothing to run but disk reads in flight waits this long at most for one to finish, so that an
+# engine waiting only for the disk does not spin.
+READ_WAIT_S = 0.02
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """One executed step: a token per sampling chunk (by request id) and the step's seconds."""
+    """One executed step: a token per sampling chunk (by request id), the step's seconds, and the disk reads
+    and writes that finished meanwhile (for the scheduler)."""
 
     sampled: dict[str, SampledToken]
     elapsed_s: float
+    tier_report: TierReport = field(default_factory=TierReport)
 
 
 class Executor(Protocol):
@@ -35,11 +43,12 @@ class Executor(Protocol):
 
 
 class ModelExecutor:
-    """Runs steps on the real network: KV copies between tiers, the forward pass, sampling.
+    """Runs steps on the real network: KV moves between tiers, the forward pass, sampling.
 
-    The device tier is the runner's KV cache; ``lower_tiers`` are the tiers below it (host memory), by
-    id. ``timer`` measures the step (wall time by default); it is injected so that the step time a
-    scheduler sees comes from one place.
+    The device tier is the runner's KV cache; ``lower_tiers`` are the memory tiers below it (host memory),
+    by id; ``store`` is the disk store, if any, read and written in the background (``kv/tier_io.py``).
+    ``timer`` measures the step (wall time by default); it is injected so that the step time a scheduler
+    sees comes from one place.
     """
 
     def __init__(
@@ -47,14 +56,19 @@ class ModelExecutor:
         runner: ModelRunner,
         lower_tiers: Mapping[TierId, KVTier],
         timer: Callable[[], float] = time.perf_counter,
+        store: BlockStore | None = None,
+        write_queue_blocks: int = DEFAULT_WRITE_QUEUE_BLOCKS,
     ) -> None:
         self.runner = runner
         self.tiers: dict[TierId, KVTier] = {DEVICE: runner.kv_cache, **lower_tiers}
         self.timer = timer
+        self.kv_io = TierIO(self.tiers, store, write_queue_blocks)
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         start = self.timer()
         self.runner.sampler.forget(sched.finished_ids)
-        apply_transfers(sched.transfers, self.tiers)
+        self.kv_io.apply(sched.disk_reads, sched.disk_writes, sched.transfers)
         sampled = self.runner.sample(self.runner.forward(sched)) if sched.chunks else {}
-        return StepResult(sampled, self.timer() - start)
+        elapsed = self.timer() - start
+        idle = not sched.chunks and sched.num_reads_in_flight > 0
+        return StepResult(sampled, elapsed, self.kv_io.report(wait_s=READ_WAIT_S if idle else 0.0))

@@ -10,6 +10,10 @@ A running request left out of a step keeps its KV. When a request needs blocks t
 the lowest-priority holders of device KV outside the step give theirs up: swapped out to host
 memory while the host pool has room, else dropped, to be recomputed from prompt and output so far.
 A swapped request is swapped back in once there is room for it.
+
+A waiting request whose next blocks sit in the disk store has them loaded into host memory from the
+step after it arrives (ahead of its turn); while its read is in flight it is passed over and the
+others run. Loaded blocks then count as computed tokens at its admission, as prefix-cache hits do.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from dataclasses import dataclass, field
 
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
+from boundless.kv.disk_moves import DiskRead, DiskWrite, TierReport
 from boundless.kv.manager import KVCacheManager
-from boundless.kv.transfer import DEVICE, BlockRef, BlockTransfer
+from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
 from boundless.programs.policy import SchedulingPolicy
 
 Clock = Callable[[], float]
@@ -45,9 +50,13 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)  # lost their device KV this step
     finished_ids: list[str] = field(default_factory=list)  # left since the last step
-    # KV moves between tiers (swap-outs and swap-ins), in the order decided; the executor applies them
-    # before the forward pass (kv/transfer.py).
+    # KV moves between memory tiers (swap-outs and swap-ins, evictions down to host memory, prefix hits in
+    # host memory), in the order decided; the executor applies them before the forward pass (kv/transfer.py).
     transfers: list[BlockTransfer] = field(default_factory=list)
+    # Reads and writes of the disk store, run in the background (kv/disk_moves.py).
+    disk_reads: list[DiskRead] = field(default_factory=list)
+    disk_writes: list[DiskWrite] = field(default_factory=list)
+    num_reads_in_flight: int = 0  # disk reads not yet reported done (this step's included)
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +64,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        """Nothing for the executor to do: no chunk, no move, and no read to wait for."""
+        return not (self.chunks or self.transfers or self.disk_reads or self.disk_writes or self.num_reads_in_flight)
 
 
 @dataclass
@@ -66,6 +76,8 @@ class SchedulerStats:
     num_swapped_in: int = 0
     num_recomputed: int = 0
     num_prompt_tokens_cached: int = 0
+    # Of those, by the tier their KV was found in: device, host, or disk (loaded ahead of admission).
+    cached_tokens_by_tier: dict[TierId, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -136,11 +148,21 @@ class Scheduler:
         self._finished_since_step = []
         budget = self.max_num_batched_tokens
         order = sorted(self.running + self.waiting, key=lambda r: self.policy.priority(r, now))
+        if self.kv.has_disk:
+            # Every waiting request, from the step after it arrives: its blocks on disk start loading ahead of
+            # its turn, highest priority first (host memory may not hold everyone's).
+            for request in order:
+                if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                    read = self.kv.plan_disk_read(request.request_id, request.all_token_ids)
+                    if read is not None:
+                        out.disk_reads.append(read)
         chosen: list[tuple[Request, int]] = []
         chosen_ids: set[str] = set()
         for idx, request in enumerate(order):
             if budget <= 0 or len(chosen) >= self.max_num_seqs:
                 break
+            if self.kv.is_loading(request.request_id):
+                continue  # its blocks are on their way from the store: the others run meanwhile
             num_new = self._admit(request, budget, order, idx, chosen_ids, out)
             if num_new is None:
                 break  # keep priority order: nothing below may take the memory this one could not get
@@ -166,6 +188,9 @@ class Scheduler:
                     eos_token_ids=request.eos_token_ids,
                 )
             )
+        out.transfers = self.kv.take_transfers()
+        out.disk_writes = self.kv.take_disk_writes()
+        out.num_reads_in_flight = self.kv.num_reads_in_flight
         return out
 
     def _admit(
@@ -191,7 +216,6 @@ class Scheduler:
                     return None
             transfers = self.kv.swap_in(rid, request.all_token_ids, request.num_computed_tokens)
             assert transfers is not None, "room was made for the swap-in"
-            out.transfers.extend(transfers)
             self.stats.num_swapped_in += 1
             self._to_running(request)
         prefix = None
@@ -211,10 +235,19 @@ class Scheduler:
                 if request.status is RequestStatus.RUNNING:
                     self._evict(request, out)  # it cannot grow and nothing below it can give way
                 return None
+            if prefix is not None and prefix.tiers.count(HOST):
+                # The swap-out that made room may have taken host blocks of the prefix: look again.
+                prefix = self.kv.find_cached_prefix(rid, request.all_token_ids)
+                computed = prefix.num_tokens
+                num_new = min(request.num_tokens - computed, budget)
         if request.status is not RequestStatus.RUNNING:
             if request.num_computed_tokens == 0 and request.num_preemptions == 0:
                 request.num_cached_tokens = computed
                 self.stats.num_prompt_tokens_cached += computed
+                if prefix is not None:
+                    by_tier = self.stats.cached_tokens_by_tier
+                    for tier, tokens in prefix.tokens_by_origin().items():
+                        by_tier[tier] = by_tier.get(tier, 0) + tokens
             request.num_computed_tokens = computed
             self._to_running(request)
         return num_new
@@ -239,7 +272,6 @@ class Scheduler:
         """Take a request's device KV: to a tier below if one has room, else drop it for recompute."""
         transfers = self.kv.swap_out(request.request_id)
         if transfers is not None:
-            out.transfers.extend(transfers)
             request.status = RequestStatus.SWAPPED
             self.stats.num_swapped_out += 1
         else:
@@ -263,15 +295,23 @@ class Scheduler:
 
     def step_failed(self, output: SchedulerOutput) -> list[str]:
         """The requests a step that raised leaves without their KV, to be failed: those in its chunks and
-        those holding a block one of its transfers was to write. The device blocks it was to write lose
-        their prefix-cache names, so no later request reads KV that was never written."""
+        those holding a block one of its transfers was to write. The blocks it was to write (on the device
+        or below) lose their prefix-cache names, so no later request reads KV that was never written. Its
+        disk reads were started whatever happened (their requests wait for them as usual)."""
         bs = self.kv.block_size
         written = [t.dst for t in output.transfers]
         for chunk in output.chunks:
             written += [BlockRef(DEVICE, b) for b in chunk.block_ids[chunk.start_pos // bs :]]
-        self.kv.forget(ref.block_id for ref in written if ref.tier == DEVICE)
+        self.kv.forget(written)
+        self.kv.writes_lost(output.disk_writes)
         chunk_ids = [c.request_id for c in output.chunks]
         return chunk_ids + [rid for rid in self.kv.holders(written) if rid not in chunk_ids]
+
+    def apply_tier_report(self, report: TierReport) -> None:
+        """Record the disk reads and writes the executor finished: requests whose reads are done may be
+        admitted at the next step."""
+        self.kv.finish_disk_reads(report.reads)
+        self.kv.finish_disk_writes(report.writes)
 
     def advance(self, output: SchedulerOutput, service_s: float) -> None:
         """Record that the step ran: each scheduled request computed its chunk.

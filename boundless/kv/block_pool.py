@@ -9,13 +9,16 @@ bookkeeping). A block is in one of three states:
 - free: ``ref_count == 0`` and no name.
 
 The free queue is also the eviction order: blocks are taken from its head, and freed blocks are
-appended to its tail, so the least recently used cached block is evicted first.
+appended to its tail, so the least recently used cached block is evicted first. Which free block an
+allocation takes is one method (:meth:`BlockPool._take_free_block`), so an eviction order other than LRU
+replaces that method alone. An eviction by allocation is reported to ``on_evict``, so that the cache
+manager can move the block's KV down a tier before the block is overwritten.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from boundless.kv.block_hash import BlockHash
@@ -41,14 +44,19 @@ class BlockPoolStats:
     evictions: int = 0  # cached blocks whose name was dropped to reuse them
 
 
+# Told of a named block an allocation is about to reuse: the block (its KV still intact), its name and tokens.
+EvictionHook = Callable[[KVBlock, BlockHash, tuple[int, ...]], None]
+
+
 class BlockPool:
     """Bookkeeping for ``num_blocks`` KV blocks: allocation, sharing, prefix cache, LRU eviction."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, on_evict: EvictionHook | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.on_evict = on_evict
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
@@ -68,13 +76,24 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         out = []
         for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._evict(block)
+            block = self.blocks[self._take_free_block()]
             block.ref_count = 1
+            if block.block_hash is not None:
+                name, tokens = block.block_hash, block.token_ids
+                self._evict(block)
+                if self.on_evict is not None:
+                    assert tokens is not None
+                    self.on_evict(block, name, tokens)
             out.append(block)
         return out
+
+    def _take_free_block(self) -> int:
+        """The free block the next allocation takes, out of the free queue: the least recently used.
+
+        The eviction order lives here alone (program-aware eviction replaces this method).
+        """
+        block_id, _ = self._free.popitem(last=False)
+        return block_id
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """The cached block with this name and these tokens, or None. Does not take a reference."""
@@ -86,6 +105,16 @@ class BlockPool:
             return None
         self.stats.hits += 1
         return block
+
+    def peek(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
+        """As :meth:`lookup`, without counting a query (for moves between tiers, not prefix lookups)."""
+        block = self._cached.get(block_hash)
+        return block if block is not None and block.token_ids == tuple(token_ids) else None
+
+    def refresh(self, block: KVBlock) -> None:
+        """Mark a free cached block as just used: it moves to the tail of the eviction order."""
+        if block.ref_count == 0:
+            self._free.move_to_end(block.block_id)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on blocks found by :meth:`lookup` (reviving them if free)."""

@@ -1,36 +1,95 @@
-"""Per-request block tables on top of the tiers' block pools, with prefix-cache lookups.
+"""Per-request block tables on top of the tiers' block pools, with prefix-cache lookups across tiers.
 
 The scheduler talks to this class only; it never touches blocks, just learns whether slots could be
-allocated, how many prompt tokens a prefix-cache hit saves, and which transfers a swap takes.
+allocated, how many prompt tokens a prefix-cache hit saves, and which moves between tiers a decision takes.
+
+Tiers below the device are caches of named blocks. A full block evicted from the device (an allocation
+reuses a free cached block) goes down to host memory instead of vanishing: a device-to-host transfer,
+which the executor runs before anything of the step overwrites the device block. A block evicted from
+host memory goes to the disk store under write-back. A prefix lookup finds the longest prefix across the
+tiers: each leading block on the device, else in host memory; a request whose blocks follow on disk has
+them loaded into host memory first, in the background, while it waits (:meth:`plan_disk_read`). Every
+move is decided here, in order, as plain data (``kv/transfer.py``, ``kv/disk_moves.py``); the executor
+does the copies and the I/O.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
 from boundless.kv.block_pool import BlockPool, KVBlock
-from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
+from boundless.kv.disk_moves import DiskRead, DiskReadDone, DiskWrite, DiskWriteDone
+from boundless.kv.transfer import DEVICE, DISK, HOST, BlockRef, BlockTransfer, TierId
+
+WRITE_POLICIES = ("through", "back", "off")
+# Names the manager remembers the store to hold (what it wrote or found); beyond this, the oldest are forgotten
+# and found again by a probe.
+MAX_KNOWN_ON_DISK = 1 << 20
+# The share of host memory that blocks loaded ahead for waiting requests may hold.
+PREFETCH_SHARE = 0.5
 
 
 @dataclass
 class CachedPrefix:
-    """Blocks found in the prefix cache for a request's leading tokens."""
+    """Blocks found for a request's leading tokens: ``blocks[i]`` sits in tier ``tiers[i]`` (device or host
+    memory); ``origins[i]`` is where its KV was found (``disk`` for a host block loaded ahead of the request)."""
 
     blocks: list[KVBlock] = field(default_factory=list)
+    tiers: list[TierId] = field(default_factory=list)
+    origins: list[TierId] = field(default_factory=list)
     block_size: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.blocks) * self.block_size
 
+    def tokens_by_origin(self) -> dict[TierId, int]:
+        out: dict[TierId, int] = {}
+        for origin in self.origins:
+            out[origin] = out.get(origin, 0) + self.block_size
+        return out
+
+
+@dataclass
+class TierCounters:
+    """One tier's traffic, in blocks (cumulative)."""
+
+    blocks_read: int = 0  # copied out of the tier
+    blocks_written: int = 0  # copied into the tier
+    evictions: int = 0  # named blocks whose name an allocation dropped (after moving them down, when it could)
+
+
+@dataclass
+class _ReadJob:
+    request_id: str
+    start: int  # index of the first block read
+    read: DiskRead
+    tokens: tuple[tuple[int, ...], ...]  # each block's token ids, to name a loaded block
+
+
+@dataclass
+class _DiskLookup:
+    """A waiting request's progress through the disk store."""
+
+    in_flight: int | None = None  # its read in flight
+    waits: bool = False  # whether it waits for that read (a probe behind a prefix in memory does not)
+    disk_end: int | None = None  # first block index the store is known to lack (for this request's blocks)
+    probed_at: int | None = None
+    loaded_upto: int = 0  # end of the blocks its last load brought into host memory
+    settled: bool = False  # nothing more to read for it
+
 
 class KVCacheManager:
     """Owns every tier's block pool and every request's block table.
 
-    A request's KV sits in one tier: on the device while it can run, in a tier below (host memory) while it
-    is swapped out. Moving it is bookkeeping here and a list of transfers for the executor to copy.
+    A request's KV sits in one tier: on the device while it can run, in host memory while it is swapped
+    out. Named blocks also stay below the device as a cache: evicted from the device to host memory, from
+    host memory to the disk store (``write_policy`` back), or written to the store as soon as computed
+    (``through``). With ``disk`` the store is a tier (only read with ``off``). Without ``host_caching``, host
+    memory holds swapped-out requests only (the device-only baseline).
     """
 
     def __init__(
@@ -40,22 +99,47 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         fingerprint: str,
         num_host_blocks: int = 0,
+        disk: bool = False,
+        write_policy: str = "through",
+        host_caching: bool = True,
     ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {write_policy!r}")
         self.block_size = block_size
         self.fingerprint = fingerprint
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        # Every tier's pool, the device first, then the tiers a swap-out tries in turn. Below the device
-        # blocks are plain: never shared or cached.
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, on_evict=self._demote_from_device)
+        # Every memory tier's pool: the device first, then the tiers a swap-out tries in turn.
         self.pools: dict[TierId, BlockPool] = {DEVICE: self.pool}
         if num_host_blocks > 0:
-            self.pools[HOST] = BlockPool(num_host_blocks, enable_caching=False)
+            self.pools[HOST] = BlockPool(
+                num_host_blocks, enable_caching=enable_prefix_caching and host_caching, on_evict=self._demote_from_host
+            )
+        self.has_disk = disk and HOST in self.pools and self.pools[HOST].enable_caching
+        self.write_policy = write_policy if self.has_disk else "off"
+        self.counters: dict[TierId, TierCounters] = {t: TierCounters() for t in (*self.pools, DISK)}
         self._swapped: dict[str, tuple[TierId, list[KVBlock]]] = {}
-        # Blocks below the device that this step's swap-ins read: freed only once the step's transfers are
-        # done, or a swap-out in the same step could take one and overwrite it before it is read.
-        self._read_this_step: list[tuple[TierId, list[KVBlock]]] = []
+        # Blocks below the device that this step's transfers read or write: held until the step's copies are
+        # done (freed by begin_step), so that no other move of the same step takes one and overwrites it.
+        self._held: list[tuple[TierId, list[KVBlock]]] = []
+        self._transfers: list[BlockTransfer] = []  # this step's, in the order decided
         self._tables: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_named: dict[str, int] = {}
+        # The disk store.
+        self._known_on_disk: OrderedDict[BlockHash, None] = OrderedDict()
+        self._writes_pending: set[BlockHash] = set()
+        self._writes: list[tuple[TierId, int, BlockHash]] = []  # this step's, in the order decided
+        # Device blocks named while a step is decided: its forward pass (or copies) fills them; written through
+        # to the store when the next step begins.
+        self._filled_by_step: list[tuple[KVBlock, BlockHash]] = []
+        self._reads: dict[int, _ReadJob] = {}
+        self._lookups: dict[str, _DiskLookup] = {}
+        self._from_disk: set[int] = set()  # host blocks loaded from the store and not yet used
+        # Host blocks loaded for a request that still waits, by block id: held for it until its admission (so that
+        # evictions down from the device do not undo the load before its turn), and at most half of host memory,
+        # so that the queue's prefetches leave room for swap and for the cache.
+        self._prefetched: dict[int, str] = {}
+        self._next_read_id = 0
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -71,7 +155,7 @@ class KVCacheManager:
         return extend_block_hashes(hashes, token_ids, self.block_size, self.fingerprint)
 
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> CachedPrefix:
-        """The longest run of leading full blocks already in the cache.
+        """The longest run of leading full blocks in memory: each on the device, else in host memory.
 
         At least one token is always left to compute, so the step that admits the request
         produces its next-token logits.
@@ -81,12 +165,18 @@ class KVCacheManager:
             return prefix
         max_blocks = (len(token_ids) - 1) // self.block_size
         hashes = self.block_hashes(request_id, token_ids)
+        host = self.pools.get(HOST)
         bs = self.block_size
         for i in range(max_blocks):
-            block = self.pool.lookup(hashes[i], token_ids[i * bs : (i + 1) * bs])
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            block, tier = self.pool.lookup(hashes[i], tokens), DEVICE
+            if block is None and host is not None:
+                block, tier = host.lookup(hashes[i], tokens), HOST
             if block is None:
                 break
             prefix.blocks.append(block)
+            prefix.tiers.append(tier)
+            prefix.origins.append(DISK if tier == HOST and block.block_id in self._from_disk else tier)
         return prefix
 
     def blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None = None) -> int:
@@ -106,20 +196,38 @@ class KVCacheManager:
     ) -> bool:
         """Make room for the request's KV up to ``num_tokens_after`` tokens.
 
-        ``prefix`` (first allocation only) takes references on cache hits instead of new blocks.
-        Returns False, changing nothing, when the pool lacks free blocks.
+        ``prefix`` (first allocation only) takes references on device hits instead of new blocks; its host
+        hits get new device blocks and host-to-device transfers. Returns False, changing nothing, when the
+        device pool lacks free blocks.
         """
         if self._blocks_short(request_id, num_tokens_after, prefix) > 0:
             return False
         table = self._tables.setdefault(request_id, [])
         if prefix is not None and prefix.blocks:
             assert not table, "a cached prefix is only taken on the first allocation"
-            self.pool.touch(prefix.blocks)
-            table.extend(prefix.blocks)
+            on_device = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == DEVICE]
+            in_host = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == HOST]
+            # Both kinds of hit are held before any new block is taken, so that no eviction this allocation
+            # causes (and no demotion that follows from it) reuses a block of the prefix.
+            self.pool.touch(on_device)
+            if in_host:
+                self.pools[HOST].touch(in_host)
+                self._held.append((HOST, in_host))
+                self._from_disk.difference_update(b.block_id for b in in_host)
+            fresh = iter(self.pool.allocate(len(in_host)))
+            for block, tier in zip(prefix.blocks, prefix.tiers, strict=True):
+                if tier == DEVICE:
+                    table.append(block)
+                else:
+                    dst = next(fresh)
+                    self._move(BlockRef(HOST, block.block_id), BlockRef(DEVICE, dst.block_id))
+                    table.append(dst)
         num_new = self.blocks_for_tokens(num_tokens_after) - len(table)
         if num_new > 0:
             table.extend(self.pool.allocate(num_new))
         self._name_full_blocks(request_id, token_ids, num_tokens_after)
+        if self._prefetched:
+            self._drop_prefetched(request_id)  # admitted: its hits hold their own references now
         return True
 
     def free(self, request_id: str) -> None:
@@ -129,32 +237,56 @@ class KVCacheManager:
         swapped = self._swapped.pop(request_id, None)
         if swapped is not None:
             tier, blocks = swapped
-            self.pools[tier].free(blocks)
+            self.pools[tier].free(reversed(blocks))
         self._hashes.pop(request_id, None)
         self._num_named.pop(request_id, None)
+        self._lookups.pop(request_id, None)
+        self._drop_prefetched(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every name in memory (device and host); the disk store keeps its blocks."""
+        for pool in self.pools.values():
+            pool.reset_prefix_cache()
+        self._from_disk.clear()
 
     # -- moves between tiers ------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        """Free the blocks below the device that the last step's swap-ins read (their copies have run)."""
-        for tier, blocks in self._read_this_step:
+        """Start deciding a step: the last step's copies have run, so the blocks below the device they read or
+        wrote are released, and the device blocks it computed are queued for the store (write-through)."""
+        for tier, blocks in self._held:
             self.pools[tier].free(blocks)
-        self._read_this_step = []
+        self._held = []
+        self._transfers = []
+        self._writes = []
+        if self.write_policy == "through":
+            for block, name in self._filled_by_step:
+                if block.block_hash == name:  # still its KV (a failed step's blocks were forgotten)
+                    self._queue_write(DEVICE, block.block_id, name)
+        self._filled_by_step = []
+
+    def take_transfers(self) -> list[BlockTransfer]:
+        """This step's transfers between memory tiers, in the order decided."""
+        out, self._transfers = self._transfers, []
+        return out
 
     def swap_out(self, request_id: str) -> list[BlockTransfer] | None:
         """Move a request's KV to the first tier below the device with room; returns the transfers to
-        copy, or None (changing nothing) when no tier has room. The device blocks are released."""
+        copy, or None (changing nothing) when no tier has room. The device blocks are released, keeping their
+        names (still a cache); the copies below take the names too, where that tier has none for them."""
         table = self._tables.get(request_id)
         if not table:
             return None
         tier = next((t for t in list(self.pools)[1:] if self.pools[t].num_free >= len(table)), None)
         if tier is None:
             return None
-        lower = self.pools[tier].allocate(len(table))
-        transfers = [
-            BlockTransfer(BlockRef(DEVICE, d.block_id), BlockRef(tier, b.block_id))
-            for d, b in zip(table, lower, strict=True)
-        ]
+        lower_pool = self.pools[tier]
+        lower = lower_pool.allocate(len(table))
+        transfers = []
+        for d, b in zip(table, lower, strict=True):
+            transfers.append(self._move(BlockRef(DEVICE, d.block_id), BlockRef(tier, b.block_id)))
+            if d.block_hash is not None and d.token_ids is not None:
+                lower_pool.cache(b, d.block_hash, d.token_ids)
         self._swapped[request_id] = (tier, lower)
         del self._tables[request_id]
         self.pool.free(reversed(table))
@@ -169,12 +301,12 @@ class KVCacheManager:
             return None
         device = self.pool.allocate(len(lower))
         transfers = [
-            BlockTransfer(BlockRef(tier, b.block_id), BlockRef(DEVICE, d.block_id))
+            self._move(BlockRef(tier, b.block_id), BlockRef(DEVICE, d.block_id))
             for b, d in zip(lower, device, strict=True)
         ]
         self._tables[request_id] = device
         del self._swapped[request_id]
-        self._read_this_step.append((tier, lower))
+        self._held.append((tier, lower))
         self._name_full_blocks(request_id, token_ids, num_computed)
         return transfers
 
@@ -185,16 +317,54 @@ class KVCacheManager:
         tables += [(rid, tier, t) for rid, (tier, t) in self._swapped.items()]
         return [rid for rid, tier, table in tables if any(BlockRef(tier, b.block_id) in wanted for b in table)]
 
-    def forget(self, block_ids: Iterable[int]) -> None:
-        """Drop the prefix-cache names of these device blocks: their KV was never written."""
-        self.pool.uncache(self.pool.blocks[i] for i in block_ids)
+    def forget(self, refs: Iterable[BlockRef]) -> None:
+        """Drop the prefix-cache names of these blocks (in any memory tier): their KV was never written."""
+        for ref in refs:
+            pool = self.pools.get(ref.tier)
+            if pool is not None:
+                pool.uncache([pool.blocks[ref.block_id]])
+
+    def _move(self, src: BlockRef, dst: BlockRef) -> BlockTransfer:
+        transfer = BlockTransfer(src, dst)
+        self._transfers.append(transfer)
+        self.counters[src.tier].blocks_read += 1
+        self.counters[dst.tier].blocks_written += 1
+        return transfer
+
+    def _demote_from_device(self, block: KVBlock, name: BlockHash, tokens: tuple[int, ...]) -> None:
+        """A device allocation reuses a named block: keep its KV in host memory, unless host memory already
+        has it (then it only counts as used) or has no room (then it goes to the store under write-back).
+        The copy is decided before any move that writes the block, so the executor copies it first."""
+        self.counters[DEVICE].evictions += 1
+        host = self.pools.get(HOST)
+        if host is None or not host.enable_caching:
+            return
+        existing = host.peek(name, tokens)
+        if existing is not None:
+            host.refresh(existing)
+            return
+        if host.num_free == 0:
+            if self.write_policy == "back":
+                self._queue_write(DEVICE, block.block_id, name)
+            return
+        (copy,) = host.allocate(1)
+        host.cache(copy, name, tokens)
+        self._held.append((HOST, [copy]))
+        self._move(BlockRef(DEVICE, block.block_id), BlockRef(HOST, copy.block_id))
+
+    def _demote_from_host(self, block: KVBlock, name: BlockHash, tokens: tuple[int, ...]) -> None:
+        """A host allocation reuses a named block: under write-back it goes to the store first."""
+        self.counters[HOST].evictions += 1
+        self._from_disk.discard(block.block_id)
+        if self.write_policy == "back":
+            self._queue_write(HOST, block.block_id, name)
 
     def _blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None) -> int:
         have = len(self._tables.get(request_id, ()))
-        reused = len(prefix.blocks) if prefix is not None else 0
+        on_device = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == DEVICE] if prefix else []
         # Hits on free cached blocks leave the free queue, so they cost free capacity too.
-        revived = sum(1 for b in prefix.blocks if b.ref_count == 0) if prefix is not None else 0
-        need = self.blocks_for_tokens(num_tokens_after) - have - reused
+        revived = sum(1 for b in on_device if b.ref_count == 0)
+        need = self.blocks_for_tokens(num_tokens_after) - have - len(on_device)
         return max(need, 0) + revived - self.pool.num_free
 
     def _name_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
@@ -209,4 +379,168 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(start, num_full):
             self.pool.cache(table[i], hashes[i], token_ids[i * bs : (i + 1) * bs])
+            if self.write_policy == "through" and table[i].block_hash == hashes[i]:
+                self._filled_by_step.append((table[i], hashes[i]))
         self._num_named[request_id] = num_full
+
+    # -- the disk store ---------------------------------------------------------------------------
+
+    @property
+    def num_reads_in_flight(self) -> int:
+        return len(self._reads)
+
+    def is_loading(self, request_id: str) -> bool:
+        """Whether the request waits for a read from the store (it is not admitted meanwhile)."""
+        lookup = self._lookups.get(request_id)
+        return lookup is not None and lookup.in_flight is not None and lookup.waits
+
+    def plan_disk_read(self, request_id: str, token_ids: Sequence[int]) -> DiskRead | None:
+        """The read from the store to start for a waiting request, if any: its blocks that follow those in
+        memory are probed for (when the store's holdings are unknown) or loaded into host blocks reserved
+        for them (when known), ahead of its admission. Called each step for waiting requests; None when it
+        waits for a read already, or the store has nothing more for it, or host memory has no room."""
+        if not self.has_disk:
+            return None
+        lookup = self._lookups.setdefault(request_id, _DiskLookup())
+        if lookup.in_flight is not None or lookup.settled:
+            return None
+        bs = self.block_size
+        max_blocks = (len(token_ids) - 1) // bs
+        hashes = self.block_hashes(request_id, token_ids)
+        host = self.pools[HOST]
+        start = 0
+        own_free_in_host = 0
+        while start < max_blocks:
+            tokens = token_ids[start * bs : (start + 1) * bs]
+            if self.pool.peek(hashes[start], tokens) is None:
+                in_host = host.peek(hashes[start], tokens)
+                if in_host is None:
+                    break
+                # Loading must not evict the blocks of this very prefix: they become the last to go.
+                host.refresh(in_host)
+                own_free_in_host += in_host.ref_count == 0
+            start += 1
+        end = max_blocks if lookup.disk_end is None else min(max_blocks, lookup.disk_end)
+        if start >= end or start < lookup.loaded_upto:
+            # All in memory, the store has no more, or what the last load brought was evicted before its turn.
+            lookup.settled = True
+            return None
+        keys = hashes[start:end]
+        known = 0
+        while known < len(keys) and keys[known] in self._known_on_disk:
+            known += 1
+        if known == 0:
+            if lookup.probed_at == start:
+                lookup.settled = True
+                return None
+            lookup.probed_at = start
+            # Behind a prefix in memory, unknown blocks are almost always new input (an agent's next call: what
+            # was evicted of its context is known, since this process wrote it), so the request does not wait
+            # for the probe; with nothing in memory (a cold call, or the first after a restart) it does.
+            return self._start_read(request_id, start, tuple(keys), (), (), waits=start == 0)
+        reserved = sum(len(job.read.dst_ids) for job in self._reads.values())
+        budget = int(host.num_blocks * PREFETCH_SHARE) - len(self._prefetched) - reserved
+        room = min(known, host.num_free - own_free_in_host, budget)
+        if room <= 0:
+            return None  # host memory has no room for it now: try again at a later step
+        dst = host.allocate(room)  # held by the read until it is done
+        tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start, start + room))
+        lookup.loaded_upto = start + room
+        return self._start_read(
+            request_id, start, tuple(keys[:room]), tuple(b.block_id for b in dst), tokens, waits=True
+        )
+
+    def _start_read(
+        self,
+        request_id: str,
+        start: int,
+        keys: tuple[BlockHash, ...],
+        dst_ids: tuple[int, ...],
+        tokens: tuple[tuple[int, ...], ...],
+        waits: bool,
+    ) -> DiskRead:
+        read = DiskRead(self._next_read_id, keys, dst_ids)
+        self._next_read_id += 1
+        self._reads[read.read_id] = _ReadJob(request_id, start, read, tokens)
+        lookup = self._lookups[request_id]
+        lookup.in_flight, lookup.waits = read.read_id, waits
+        return read
+
+    def finish_disk_reads(self, done: Sequence[DiskReadDone]) -> None:
+        """Record finished reads: a probe's findings; a load's blocks named in host memory (a cache entry
+        like any other, whether or not their request is still here) and its unused blocks released."""
+        host = self.pools.get(HOST)
+        for result in done:
+            job = self._reads.pop(result.read_id, None)
+            if job is None:
+                continue
+            read, found = job.read, result.num_found
+            for key in read.keys[:found]:
+                self._remember_on_disk(key)
+            if found < len(read.keys):
+                self._known_on_disk.pop(read.keys[found], None)
+            if not read.is_probe and host is not None:
+                blocks = [host.blocks[i] for i in read.dst_ids]
+                waiting = job.request_id in self._lookups
+                kept = []
+                for block, key, tokens in zip(blocks[:found], read.keys, job.tokens, strict=False):
+                    host.cache(block, key, tokens)
+                    if block.block_hash == key:
+                        self._from_disk.add(block.block_id)
+                        if waiting:  # the read's reference becomes the waiting request's
+                            self._prefetched[block.block_id] = job.request_id
+                            kept.append(block)
+                host.free(reversed([b for b in blocks if b not in kept]))
+                self.counters[DISK].blocks_read += found
+                self.counters[HOST].blocks_written += found
+            lookup = self._lookups.get(job.request_id)
+            if lookup is not None:
+                lookup.in_flight = None
+                if found < len(read.keys):
+                    lookup.disk_end = job.start + found
+
+    def _drop_prefetched(self, request_id: str) -> None:
+        """The request no longer waits (admitted, which took its own references, or gone): the blocks loaded
+        for it are released, to stay in host memory as cache."""
+        host = self.pools.get(HOST)
+        mine = [b for b, rid in self._prefetched.items() if rid == request_id]
+        for block_id in mine:
+            del self._prefetched[block_id]
+        if host is not None and mine:
+            host.free(reversed([host.blocks[b] for b in mine]))
+
+    def take_disk_writes(self) -> list[DiskWrite]:
+        """This step's writes to the store, one per source tier, in the order decided."""
+        by_tier: dict[TierId, tuple[list[int], list[BlockHash]]] = {}
+        for tier, block_id, key in self._writes:
+            ids, keys = by_tier.setdefault(tier, ([], []))
+            ids.append(block_id)
+            keys.append(key)
+        self._writes = []
+        return [DiskWrite(tier, tuple(ids), tuple(keys)) for tier, (ids, keys) in by_tier.items()]
+
+    def finish_disk_writes(self, done: Sequence[DiskWriteDone]) -> None:
+        for result in done:
+            for key in result.written:
+                self._writes_pending.discard(key)
+                self._remember_on_disk(key)
+            for key in (*result.dropped, *result.failed):
+                self._writes_pending.discard(key)
+            self.counters[DISK].blocks_written += len(result.written)
+
+    def writes_lost(self, writes: Sequence[DiskWrite]) -> None:
+        """A failed step's writes may never reach the writer: they are no longer pending."""
+        for write in writes:
+            self._writes_pending.difference_update(write.keys)
+
+    def _queue_write(self, tier: TierId, block_id: int, key: BlockHash) -> None:
+        if key in self._known_on_disk or key in self._writes_pending:
+            return
+        self._writes_pending.add(key)
+        self._writes.append((tier, block_id, key))
+
+    def _remember_on_disk(self, key: BlockHash) -> None:
+        self._known_on_disk[key] = None
+        self._known_on_disk.move_to_end(key)
+        if len(self._known_on_disk) > MAX_KNOWN_ON_DISK:
+            self._known_on_disk.popitem(last=False)

@@ -4,8 +4,12 @@ A tier has two halves. Its bookkeeping (which blocks are free, which request hol
 in ``KVCacheManager``, on the scheduler's side; its memory is a :class:`KVTier` on the executor's side. Both
 are keyed by the tier's id (``kv/transfer.py``), and a :class:`~boundless.kv.transfer.BlockTransfer` names
 blocks of either. The device tier is ``PagedKVCache`` (``kv/tensors.py``); :class:`HostKVTier` is host
-memory. A disk store or another instance's memory is one more implementation of :class:`KVTier` with a
-pool of its own: the scheduler keeps emitting transfers.
+memory (pinned when the device is a GPU). Another instance's memory is one more implementation of
+:class:`KVTier` with a pool of its own: the scheduler keeps emitting transfers.
+
+The disk store is addressed by block name instead (:class:`BlockStore`, ``kv/disk_store.py``): it is
+shared with other processes and outlives this one, so it has no pool of ours, and its reads and writes
+run in the background (``kv/disk_moves.py``, ``kv/tier_io.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from boundless.kv.block_hash import BlockHash
 from boundless.kv.tensors import PagedKVCache
 
 
@@ -28,6 +33,22 @@ class KVTier(Protocol):
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Store ``blocks`` (from any tier's device and dtype) as these blocks' KV."""
         ...
+
+
+class BlockStore(Protocol):
+    """KV blocks by name that outlive the process (the disk store). Blocks are [layers, 2, kv_heads,
+    block_size, head_dim] each on the way out, stacked as [layers, 2, kv_heads, n, block_size, head_dim] on
+    the way in. Read or I/O trouble never raises: a block that cannot be read comes back as None."""
+
+    def contains(self, key: BlockHash) -> bool: ...
+
+    def read(self, keys: Sequence[BlockHash]) -> list[torch.Tensor | None]: ...
+
+    def write(self, keys: Sequence[BlockHash], blocks: torch.Tensor) -> int:
+        """Store ``blocks`` under ``keys``; returns how many were written."""
+        ...
+
+    def stats(self) -> object: ...
 
 
 class HostKVTier:

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 from boundless.kv.tiers import KVTier
 
-TierId = str  # "device", "host"; a tier added later names itself ("disk", "remote:<instance>")
+TierId = str  # "device", "host", "disk"; a tier added later names itself ("remote:<instance>")
 DEVICE: TierId = "device"
 HOST: TierId = "host"
+DISK: TierId = "disk"  # addressed by block name, not by id: its moves are kv/disk_moves.py's
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,12 @@ from boundless.engine.scheduler import SchedulerOutput
 # out and back in at 10-14 GB/s (1-16 blocks per copy, median of 20); rounded down.
 HOST_COPY_BYTES_PER_S = 10e9
 
+# The disk store, until measured on the machine the CostModel describes: a latency per read or write (opening
+# files, checking headers) and sequential bandwidths of a local NVMe drive, rounded down.
+DISK_READ_BYTES_PER_S = 1.5e9
+DISK_WRITE_BYTES_PER_S = 1.0e9
+DISK_LATENCY_S = 2e-4
+
 
 class StepCost(Protocol):
     def step_time(self, sched: SchedulerOutput) -> float:

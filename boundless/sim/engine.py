@@ -20,13 +20,14 @@ import torch
 from boundless.config import EngineConfig, ModelConfig
 from boundless.engine.builder import ModelIdentity, size_engine
 from boundless.engine.core import EngineCore
+from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS
 from boundless.model.arch import ModelArch
 from boundless.model.gguf import model_arch_from_gguf, read_gguf_header
 from boundless.model.loader import DTYPES, resolve_model_path
 from boundless.model.tokenizer import Tokenizer
 from boundless.programs.policy import SchedulingPolicy
 from boundless.sim.cost import StepCost
-from boundless.sim.executor import CostModelExecutor
+from boundless.sim.executor import CostModelExecutor, DiskCost, SimulatedDisk
 
 
 @dataclass(frozen=True)
@@ -66,5 +67,10 @@ def simulated_engine(
 ) -> EngineCore:
     """An engine instance sized by :func:`size_engine` from ``config``, whose steps take ``cost``'s time."""
     layout = size_engine(config, model.arch, model.dtype)
-    executor = CostModelExecutor(cost, layout.bytes_per_block)
+    disk = None
+    if layout.disk_bytes:
+        disk = SimulatedDisk(
+            layout.disk_bytes // layout.bytes_per_block, layout.bytes_per_block, DiskCost(), DEFAULT_WRITE_QUEUE_BLOCKS
+        )
+    executor = CostModelExecutor(cost, layout.bytes_per_block, clock=clock, disk=disk)
     return EngineCore(config, layout, model.identity, model.tokenizer, executor, clock, policy)

@@ -2,18 +2,114 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from boundless.engine.executor import StepResult
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
-from boundless.sim.cost import HOST_COPY_BYTES_PER_S, StepCost
+from boundless.kv.block_hash import BlockHash
+from boundless.kv.disk_moves import DiskIOStats, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone, TierReport
+from boundless.sim.cost import (
+    DISK_LATENCY_S,
+    DISK_READ_BYTES_PER_S,
+    DISK_WRITE_BYTES_PER_S,
+    HOST_COPY_BYTES_PER_S,
+    StepCost,
+)
 
 # Where placeholder tokens start: above the low ids where tokenizers keep their special tokens.
 PLACEHOLDER_TOKEN = 100
 
 
+@dataclass(frozen=True)
+class DiskCost:
+    """What the disk store's reads and writes take: a fixed latency per request, then bytes at a bandwidth."""
+
+    read_bytes_per_s: float = DISK_READ_BYTES_PER_S
+    write_bytes_per_s: float = DISK_WRITE_BYTES_PER_S
+    latency_s: float = DISK_LATENCY_S
+
+
+class SimulatedDisk:
+    """The disk store in virtual time: the names it holds (up to ``capacity_blocks``, least recently used out
+    first), one loader and one writer, each serving its requests in turn, and a writer queue of
+    ``write_queue_blocks`` beyond which writes are dropped, as the real executor's."""
+
+    def __init__(self, capacity_blocks: int, bytes_per_block: int, cost: DiskCost, write_queue_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.bytes_per_block = bytes_per_block
+        self.cost = cost
+        self.write_queue_blocks = write_queue_blocks
+        self.keys: OrderedDict[BlockHash, None] = OrderedDict()
+        self.stats = DiskIOStats()
+        self._loader_free_at = 0.0
+        self._writer_free_at = 0.0
+        self._reads: list[tuple[float, DiskReadDone, DiskRead]] = []  # (done at, result, the read)
+        self._writes: list[tuple[float, tuple[BlockHash, ...]]] = []
+        self._dropped: list[DiskWriteDone] = []
+
+    def read(self, read: DiskRead, now: float) -> None:
+        found = 0
+        while found < len(read.keys) and read.keys[found] in self.keys:
+            self.keys.move_to_end(read.keys[found])
+            found += 1
+        start = max(now, self._loader_free_at)
+        loaded = 0 if read.is_probe else found
+        seconds = self.cost.latency_s + loaded * self.bytes_per_block / self.cost.read_bytes_per_s
+        self._loader_free_at = start + seconds
+        self._reads.append((start + seconds, DiskReadDone(read.read_id, found, start + seconds - now), read))
+
+    def write(self, write: DiskWrite, now: float) -> None:
+        n = len(write.keys)
+        queued = sum(len(keys) for done_at, keys in self._writes if done_at > now)
+        if queued + n > self.write_queue_blocks:
+            self.stats.blocks_dropped += n
+            self._dropped.append(DiskWriteDone(dropped=write.keys))
+            return
+        start = max(now, self._writer_free_at)
+        self._writer_free_at = start + self.cost.latency_s + n * self.bytes_per_block / self.cost.write_bytes_per_s
+        self._writes.append((self._writer_free_at, write.keys))
+
+    def next_read_done(self) -> float | None:
+        return min((done_at for done_at, _, _ in self._reads), default=None)
+
+    def report(self, now: float) -> TierReport:
+        """Reads and writes done by ``now``."""
+        reads = []
+        for _, result, read in [r for r in self._reads if r[0] <= now]:
+            reads.append(result)
+            if read.is_probe:
+                self.stats.probes += 1
+            else:
+                self.stats.loads += 1
+                self.stats.load_seconds += result.seconds
+                self.stats.blocks_loaded += result.num_found
+                self.stats.blocks_missing += len(read.keys) - result.num_found
+        self._reads = [r for r in self._reads if r[0] > now]
+        writes = list(self._dropped)
+        self._dropped = []
+        for _, keys in [w for w in self._writes if w[0] <= now]:
+            for key in keys:
+                self.keys[key] = None
+                self.keys.move_to_end(key)
+            while len(self.keys) > self.capacity_blocks:
+                self.keys.popitem(last=False)
+            self.stats.blocks_written += len(keys)
+            writes.append(DiskWriteDone(written=keys))
+        self._writes = [w for w in self._writes if w[0] > now]
+        return TierReport(tuple(reads), tuple(writes), DiskIOStats(**vars(self.stats)))
+
+
 class CostModelExecutor:
     """Runs steps in virtual time: every sampling chunk gets a placeholder token, and a step takes the
-    seconds ``cost`` gives it plus its swap copies at ``host_copy_bytes_per_s``.
+    seconds ``cost`` gives it plus its copies between memory tiers at ``host_copy_bytes_per_s``.
+
+    With ``disk`` (a :class:`SimulatedDisk`), the disk store's reads and writes take virtual time in the
+    background, as the real executor's do: they finish at the time the disk's cost model gives, on
+    ``clock``, and are reported with the first step that ends after them; a step with nothing to run but
+    reads to wait for lasts until the first of them finishes.
 
     The placeholder is deterministic: ``token_id`` when one is asked for (an EOS, say, to end calls
     early), else the first id from :data:`PLACEHOLDER_TOKEN` up that is neither an EOS nor one of the
@@ -26,16 +122,34 @@ class CostModelExecutor:
         bytes_per_block: int,
         host_copy_bytes_per_s: float = HOST_COPY_BYTES_PER_S,
         token_id: int | None = None,
+        clock: Callable[[], float] | None = None,
+        disk: SimulatedDisk | None = None,
     ) -> None:
         self.cost = cost
         self.bytes_per_block = bytes_per_block
         self.host_copy_bytes_per_s = host_copy_bytes_per_s
         self.token_id = token_id
+        self.clock = clock
+        self.disk = disk
+        self._elapsed = 0.0  # the time, when no clock is given: the steps' seconds summed
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        now = self.clock() if self.clock is not None else self._elapsed
         sampled = {c.request_id: SampledToken(self._placeholder(c)) for c in sched.chunks if c.sample}
-        copied = len(sched.transfers) * self.bytes_per_block  # device <-> host copies, a block each
-        return StepResult(sampled, self.cost.step_time(sched) + copied / self.host_copy_bytes_per_s)
+        copied = len(sched.transfers) * self.bytes_per_block  # between memory tiers, a block each
+        seconds = (self.cost.step_time(sched) if sched.chunks else 0.0) + copied / self.host_copy_bytes_per_s
+        report = TierReport()
+        if self.disk is not None:
+            for write in sched.disk_writes:
+                self.disk.write(write, now)
+            for read in sched.disk_reads:
+                self.disk.read(read, now)
+            next_read = self.disk.next_read_done()
+            if not sched.chunks and next_read is not None:
+                seconds = max(seconds, next_read - now)  # nothing else to do: wait for the disk
+            report = self.disk.report(now + seconds)
+        self._elapsed += seconds
+        return StepResult(sampled, seconds, report)
 
     def _placeholder(self, chunk: ScheduledChunk) -> int:
         if self.token_id is not None:

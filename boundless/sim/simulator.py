@@ -115,9 +115,9 @@ class Simulator:
                     break
                 self.clock.now = max(self.clock.now, self._events[0][0])
                 continue
-            sampled, elapsed = core.execute(sched)
-            self.clock.now += elapsed
-            for delta in core.finish_step(sched, sampled, elapsed):
+            result = core.execute(sched)
+            self.clock.now += result.elapsed_s
+            for delta in core.finish_step(sched, result):
                 if delta.finished:
                     self._call_done(self._calls.pop(delta.request_id))
         return [

@@ -1,10 +1,17 @@
-"""Whatever the scheduler decides, a request's KV is always its own.
+"""Whatever the scheduler decides, a request's KV is always its own, in every tier.
 
 A stand-in for the model writes each token's id into its KV slot; before every chunk runs we read
 back, through the chunk's block table, the KV of every position before it and check that it holds
-the request's tokens. The real scheduler, KV manager, paged cache, host tier and the executor's
-transfer path run under priorities that reshuffle every step, a KV pool too small for everyone and
-a small host pool, so that swaps out and in, recomputes and prefix-cache hits meet in one step.
+the request's tokens. After every step, every named block of the device, of host memory and of the disk
+store holds the tokens its name stands for. The real scheduler, KV manager, paged cache, host tier and the
+executor's move path (``TierIO``: transfers, the store's reads and writes) run under priorities that
+reshuffle every step, a KV pool too small for everyone and a small host pool, so that swaps out and in,
+recomputes, evictions down the tiers, prefix hits in every tier and loads from the store meet in one step.
+
+The disk store here is a dict (conftest's ``DictStore``, the ``BlockStore`` interface): the persistent store
+(``kv/disk_store.py``) is built on another branch and plugs in behind the same interface. Reads and writes
+run in the test's thread (``TierIO(background=False)``) and their reports reach the scheduler after a random
+number of steps, so that requests wait for loads across steps, deterministically for a seed.
 """
 
 from __future__ import annotations
@@ -18,10 +25,13 @@ import torch
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from boundless.kv.block_hash import BlockHash, extend_block_hashes
+from boundless.kv.disk_moves import TierReport
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.tensors import PagedKVCache
+from boundless.kv.tier_io import TierIO
 from boundless.kv.tiers import HostKVTier
-from boundless.kv.transfer import DEVICE, HOST, apply_transfers
+from boundless.kv.transfer import DEVICE, DISK, HOST
 
 BLOCK = 4
 
@@ -65,39 +75,89 @@ def _run_chunks(cache: PagedKVCache, out: SchedulerOutput, requests: dict[str, R
             keys[0, chunk.block_ids[pos // BLOCK], pos % BLOCK, 0] = float(token + 1)
 
 
-@functools.cache  # each seed runs once, for both tests below
-def _simulate(seed: int) -> SchedulerStats:
-    """Fourteen requests, half sharing a prefix, through a 14-block pool; returns the scheduler's stats."""
+def _held_tokens(block_kv: torch.Tensor) -> tuple[int, ...]:
+    """The tokens a block's KV stands for: [layers, 2, kv_heads, block_size, head_dim] as the stand-in wrote it."""
+    return tuple(int(v) - 1 for v in block_kv[0, 0, 0, :, 0].tolist())
+
+
+def _check_named_blocks(kv: KVCacheManager, tiers: dict, store, names: dict) -> None:
+    """Every named block, in every tier, holds the tokens of its name."""
+    for tier, pool in kv.pools.items():
+        for block in pool.blocks:
+            if block.block_hash is not None:
+                held = _held_tokens(tiers[tier].read_blocks([block.block_id])[:, :, :, 0])
+                assert held == block.token_ids, f"{tier} block {block.block_id}: KV of {held}, named {block.token_ids}"
+    for key, kv_block in store.blocks.items() if store is not None else ():
+        assert _held_tokens(kv_block) == names[key], "a block in the store holds another block's KV"
+
+
+def _merge(reports: list[TierReport]) -> TierReport:
+    return TierReport(
+        tuple(r for rep in reports for r in rep.reads), tuple(w for rep in reports for w in rep.writes), None
+    )
+
+
+@functools.cache  # each configuration runs once, for both tests below
+def _simulate(seed: int, store_cls: type | None) -> SchedulerStats:
+    """Eighteen requests, many sharing prefixes or coming back to earlier conversations, through a 14-block pool;
+    returns the scheduler's stats."""
     rng = random.Random(seed)
+    disk = store_cls is not None
     num_blocks, host_blocks = 14, rng.choice([3, 6, 40])
-    kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=True, fingerprint="fp", num_host_blocks=host_blocks)
+    policy = rng.choice(["through", "back", "off"]) if disk else "off"
+    kv = KVCacheManager(
+        num_blocks, BLOCK, True, "fp", num_host_blocks=host_blocks, disk=disk, write_policy=policy
+    )  # fmt: skip
     cache = PagedKVCache(1, 1, 1, num_blocks, BLOCK, torch.float32, torch.device("cpu"))
     tiers = {DEVICE: cache, HOST: HostKVTier(cache, host_blocks)}
+    store = store_cls() if store_cls is not None else None
+    io = TierIO(tiers, store, write_queue_blocks=rng.choice([2, 64]), background=False)
     sched = Scheduler(kv, ShufflingPolicy(rng), lambda: 0.0, max_num_batched_tokens=12, max_num_seqs=5)
     shared = [rng.randrange(1000) for _ in range(2 * BLOCK)]
-    pending = []
-    for i in range(14):
-        prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(1000) for _ in range(rng.randint(1, 14))]
-        params = SamplingParams(max_tokens=rng.randint(1, 16), ignore_eos=True)
-        pending.append(Request(f"r{i}", prompt, params, arrival_time=float(i)))
-    for _ in range(2000):
-        if pending and rng.random() < 0.4:
-            sched.add(pending.pop(0))
-        if not pending and not sched.requests:
+    finished: list[list[int]] = []  # conversations that ended, for later calls to come back to
+    names: dict[BlockHash, tuple[int, ...]] = {}
+    held_back: list[TierReport] = []
+
+    def new_request(i: int) -> Request:
+        if finished and rng.random() < 0.5:
+            prompt = rng.choice(finished) + [rng.randrange(1000) for _ in range(rng.randint(1, 6))]
+        else:
+            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(1000) for _ in range(rng.randint(1, 14))]
+        params = SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True)
+        return Request(f"r{i}", prompt[:40], params, arrival_time=float(i))
+
+    next_id = 0
+    for _ in range(3000):
+        if next_id < 18 and rng.random() < 0.3:
+            sched.add(new_request(next_id))
+            next_id += 1
+        if next_id >= 18 and not sched.requests and not kv.num_reads_in_flight:
             break
         out = sched.schedule()
-        apply_transfers(out.transfers, tiers)  # as the model executor does, before the forward pass
+        io.apply(out.disk_reads, out.disk_writes, out.transfers)  # as the model executor does
         _run_chunks(cache, out, sched.requests)
         sched.advance(out, service_s=0.01)
+        held_back.append(io.report())
+        if rng.random() < 0.5:  # the background I/O reports late, by a random number of steps
+            sched.apply_tier_report(_merge(held_back))
+            held_back = []
+        for request in sched.requests.values():  # what each name stands for, for the check below
+            tokens = request.all_token_ids
+            for i, name in enumerate(extend_block_hashes([], tokens, BLOCK, "fp")):
+                names[name] = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
         for chunk in out.chunks:
             request = sched.requests[chunk.request_id]
             if chunk.sample:
                 request.append_output(rng.randrange(1000))
                 if request.num_output_tokens >= request.sampling_params.max_tokens:
                     sched.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+                    finished.append(list(request.all_token_ids))
+        _check_named_blocks(kv, tiers, store, names)
         kv.pool.check_invariants()
-    assert not pending and not sched.requests, "every request finishes"
+    assert not sched.requests, "every request finishes"
+    sched.apply_tier_report(_merge([*held_back, io.report()]))
     kv.begin_step()
+    assert kv.num_reads_in_flight == 0
     assert kv.pools[HOST].num_free == host_blocks, "host blocks leaked"
     kv.pools[HOST].check_invariants()
     return sched.stats
@@ -108,14 +168,20 @@ SEEDS = range(40)
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_kv_survives_swaps_recomputes_and_shared_prefixes(seed: int) -> None:
-    _simulate(seed)
+    _simulate(seed, None)
 
 
-def test_the_runs_exercise_every_kind_of_preemption() -> None:
-    stats = [_simulate(seed) for seed in SEEDS]
+@pytest.mark.parametrize("seed", SEEDS)
+def test_kv_survives_every_tier_with_a_disk_store(seed: int, dict_store: type) -> None:
+    _simulate(seed, dict_store)
+
+
+def test_the_runs_exercise_every_kind_of_preemption_and_every_tier(dict_store: type) -> None:
+    stats = [_simulate(seed, store) for seed in SEEDS for store in (None, dict_store)]
     assert sum(s.num_swapped_out for s in stats) > 0 and sum(s.num_swapped_in for s in stats) > 0
     assert sum(s.num_recomputed for s in stats) > 0
-    assert sum(s.num_prompt_tokens_cached for s in stats) > 0
+    for tier in (DEVICE, HOST, DISK):
+        assert sum(s.cached_tokens_by_tier.get(tier, 0) for s in stats) > 0, f"no prefix came from {tier}"
 
 
 def test_host_blocks_a_swap_in_reads_are_not_reused_in_the_same_step() -> None:

@@ -21,15 +21,16 @@ from boundless.cli import main
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.builder import size_engine
-from boundless.engine.core import EngineCore, RequestDelta
+from boundless.engine.core import EngineCore, EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.request import Request
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
-from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer
+from boundless.kv.disk_moves import DiskRead, DiskWrite
+from boundless.kv.transfer import DEVICE, DISK, HOST, BlockRef, BlockTransfer
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel, simulated_engine
-from boundless.sim.executor import CostModelExecutor
+from boundless.sim.executor import CostModelExecutor, DiskCost, SimulatedDisk
 from boundless.sim.simulator import Simulator, VirtualClock
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -77,14 +78,23 @@ def test_calls_the_engine_refuses_are_counted_and_invalidate_the_figures(
     assert result["rows"][0]["failed_calls"] > 0 and "these figures are invalid" in capsys.readouterr().out
 
 
-def _latencies(model: SimulatedModel, policy: str, programs: list[ProgramSpec]) -> list[float]:
-    config = EngineConfig(
-        cache=CacheConfig(num_kv_blocks=80), scheduler=SchedulerConfig(policy=policy, max_num_seqs=16)
-    )
-    results = Simulator(config, model).run(programs)
+def _latencies(
+    model: SimulatedModel, policy: str, programs: list[ProgramSpec], cache: CacheConfig | None = None
+) -> list[float]:
+    return _simulated(model, policy, programs, cache)[0]
+
+
+def _simulated(
+    model: SimulatedModel, policy: str, programs: list[ProgramSpec], cache: CacheConfig | None = None
+) -> tuple[list[float], EngineStats]:
+    # Device only by default (host memory swaps, keeps nothing evicted): the memory-bound case of docs/programs.md.
+    cache = cache or CacheConfig(num_kv_blocks=80, swap_space_gb=1.0)
+    config = EngineConfig(cache=cache, scheduler=SchedulerConfig(policy=policy, max_num_seqs=16))
+    sim = Simulator(config, model)
+    results = sim.run(programs)
     assert len(results) == len(programs) and all(r.finish_s >= r.arrival_s for r in results)
     assert sum(r.output_tokens for r in results) == sum(p.output_tokens for p in programs)  # every call ran
-    return [r.latency_s for r in results]
+    return [r.latency_s for r in results], sim.core.stats()
 
 
 def test_memory_bound_load_separates_the_policies(smollm2_sim: SimulatedModel) -> None:
@@ -100,6 +110,44 @@ def test_memory_bound_load_separates_the_policies(smollm2_sim: SimulatedModel) -
         short = [i for i, p in enumerate(programs) if p.num_calls <= 2]
         assert statistics.fmean(plas[i] for i in short) < statistics.fmean(fcfs[i] for i in short) / 1.3
     assert plas_total < fcfs_total / 1.2
+
+
+def test_blocks_kept_below_the_device_spare_the_re_prefill_of_evicted_conversations(
+    smollm2_sim: SimulatedModel,
+) -> None:
+    # The README's memory-bound chat: what device-only loses is mostly the re-prefill of evicted conversations.
+    programs = make_programs("chat", 40, rate=0.3, seed=1)
+    device_only = statistics.fmean(_latencies(smollm2_sim, "fcfs", programs))
+    host, stats = _simulated(smollm2_sim, "fcfs", programs, CacheConfig(num_kv_blocks=80, kv_host_gb=1.0))
+    assert statistics.fmean(host) < device_only / 1.5
+    assert stats.kv_tiers[HOST].hit_tokens > stats.kv_tiers[DEVICE].hit_tokens
+    # Host memory for ~140 blocks: too small for the conversations, which the disk store then serves.
+    small_host = CacheConfig(num_kv_blocks=80, kv_host_gb=0.1)
+    with_disk = dataclasses.replace(small_host, kv_disk_path="unused-by-the-simulator", kv_disk_gb=4.0)
+    host_only = statistics.fmean(_latencies(smollm2_sim, "plas", programs, small_host))
+    disk, stats = _simulated(smollm2_sim, "plas", programs, with_disk)
+    assert stats.disk_io is not None and stats.disk_io.blocks_loaded > 0 and stats.kv_tiers[DISK].hit_tokens > 0
+    assert statistics.fmean(disk) < host_only
+
+
+def test_the_disk_store_costs_virtual_time_in_the_background() -> None:
+    cost = CostModel(base_s=0.01, per_token_s=0.001, per_seq_s=0.002)
+    disk = SimulatedDisk(100, 1_000_000, DiskCost(read_bytes_per_s=1e9, write_bytes_per_s=1e9, latency_s=1e-3), 4)
+    clock = VirtualClock()
+    executor = CostModelExecutor(cost, 1_000_000, clock=clock, disk=disk)
+    keys = tuple(bytes([i]) for i in range(6))
+    writes = [DiskWrite(DEVICE, (0, 1, 2), keys[:3]), DiskWrite(DEVICE, (3, 4), keys[3:5])]
+    step = SchedulerOutput(chunks=[_chunk("r0", 1)], disk_writes=writes)
+    result = executor.execute(step)
+    assert result.elapsed_s == pytest.approx(cost.step_time(step))  # the writes do not slow the step
+    # The second write is past the writer's queue of 4 blocks; the first is done within the step (4 ms).
+    assert [(w.written, w.dropped) for w in result.tier_report.writes] == [((), keys[3:5]), (keys[:3], ())]
+    clock.now += result.elapsed_s
+    load = DiskRead(7, keys[:4], (0, 1, 2, 3))  # the store has the first three
+    result = executor.execute(SchedulerOutput(disk_reads=[load], num_reads_in_flight=1))
+    # Nothing else to do: the step lasts until the load is done, 1 ms + 3 MB at 1 GB/s.
+    assert result.elapsed_s == pytest.approx(4e-3)
+    assert [(r.read_id, r.num_found) for r in result.tier_report.reads] == [(7, 3)]
 
 
 def _chunk(request_id: str, num_tokens: int) -> ScheduledChunk:

@@ -1,0 +1,244 @@
+"""The executor's side of KV moves: copies between memory tiers, and the disk store's reads and writes.
+
+Each step, :meth:`TierIO.apply` takes the step's moves as the KV manager decided them, in three stages:
+
+1. snapshot the blocks the step writes to the store (device or host blocks, copied out before anything of
+   the step can overwrite them) and hand them to the background writer; a write that does not fit the
+   writer's bounded queue is dropped and counted instead, never waited for, so a slow disk never slows a
+   step;
+2. hand the step's reads to the background loader, whatever else happens (a request waits for each);
+3. copy the step's transfers between memory tiers (``kv/transfer.py``: out of the device first).
+
+The loader reads blocks into host blocks the manager reserved for them;
+nothing else touches those until the read is reported, so it may write them while a step runs. Finished
+reads and writes are collected by :meth:`TierIO.report` for the step's result.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, MutableMapping, Sequence
+
+import torch
+
+from boundless.kv.disk_moves import DiskIOStats, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone, TierReport
+from boundless.kv.tiers import BlockStore, KVTier
+from boundless.kv.transfer import HOST, BlockTransfer, TierId, apply_transfers
+
+log = logging.getLogger(__name__)
+
+# A write's blocks in host memory, and (from a GPU) the event that marks the end of their copy there.
+_Snapshot = tuple[torch.Tensor, "torch.cuda.Event | None"]
+
+# Blocks the writer may hold queued before it drops writes (at 720 KiB a block, SmolLM2-135M fp32: ~180 MiB).
+DEFAULT_WRITE_QUEUE_BLOCKS = 256
+STORE_STATS_EVERY_S = 1.0  # the store's own stats may cost I/O: asked at most this often
+
+
+class TierIO:
+    """Moves KV between ``tiers`` (memory, by block id) and ``store`` (disk, by name; optional).
+
+    ``background=False`` runs reads and writes in the caller's thread as they are handed over (their results
+    still come with the next :meth:`report`): deterministic, for tests. ``clock`` times the loads.
+    """
+
+    def __init__(
+        self,
+        tiers: MutableMapping[TierId, KVTier],
+        store: BlockStore | None = None,
+        write_queue_blocks: int = DEFAULT_WRITE_QUEUE_BLOCKS,
+        background: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.tiers = tiers
+        self.store = store
+        self.write_queue_blocks = write_queue_blocks
+        self.background = background
+        self.clock = clock
+        self.stats = DiskIOStats()
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._reads_done: list[DiskReadDone] = []
+        self._writes_done: list[DiskWriteDone] = []
+        self._queued_blocks = 0  # blocks waiting in the writer's queue
+        self._reads_pending = 0
+        self._read_queue: queue.Queue[DiskRead | None] = queue.Queue()
+        self._write_queue: queue.Queue[tuple[DiskWrite, _Snapshot] | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._store_stats_at = -STORE_STATS_EVERY_S
+        if store is not None and background:
+            for name, target in (("loader", self._load_loop), ("writer", self._write_loop)):
+                thread = threading.Thread(target=target, name=f"boundless-kv-{name}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def apply(self, reads: Sequence[DiskRead], writes: Sequence[DiskWrite], transfers: Sequence[BlockTransfer]) -> None:
+        """Start the step's disk writes and reads, then copy its transfers (see the module's stages)."""
+        snapshots = []
+        try:
+            for write in writes:
+                if self._make_room_for(write):
+                    try:
+                        snapshots.append((write, self._snapshot(write)))
+                    except BaseException:
+                        self._finish_write(write, written=False)
+                        raise
+        finally:
+            for read in reads:  # a request waits for each read: it starts even if the step fails
+                self._submit_read(read)
+        for write, snapshot in snapshots:
+            if self.background:
+                self._write_queue.put((write, snapshot))
+            else:
+                self._run_write(write, snapshot)
+        apply_transfers(transfers, self.tiers)
+
+    def report(self, wait_s: float = 0.0) -> TierReport:
+        """What finished since the last report; with ``wait_s``, wait that long at most for a read to finish
+        when none has (a step with nothing else to do)."""
+        now = time.monotonic()
+        store_stats = None
+        if self.store is not None and now - self._store_stats_at >= STORE_STATS_EVERY_S:
+            self._store_stats_at = now
+            store_stats = self.store.stats()
+        with self._done:
+            if wait_s > 0 and not self._reads_done and self._reads_pending:
+                self._done.wait(timeout=wait_s)
+            reads, self._reads_done = self._reads_done, []
+            writes, self._writes_done = self._writes_done, []
+            if store_stats is not None:
+                self.stats.store = store_stats
+            stats = DiskIOStats(**vars(self.stats))
+        return TierReport(tuple(reads), tuple(writes), stats)
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait until every read and write handed over so far has finished."""
+        deadline = time.monotonic() + timeout_s
+        with self._done:
+            while self._reads_pending or self._queued_blocks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the KV store's reads and writes did not finish")
+                self._done.wait(timeout=left)
+
+    def close(self) -> None:
+        """Stop the background threads once their queues are empty."""
+        self._read_queue.put(None)
+        self._write_queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def _submit_read(self, read: DiskRead) -> None:
+        with self._lock:
+            self._reads_pending += 1
+        if self.background and self.store is not None:
+            self._read_queue.put(read)
+        else:
+            self._run_read(read)
+
+    def _load_loop(self) -> None:
+        while (read := self._read_queue.get()) is not None:
+            self._run_read(read)
+
+    def _run_read(self, read: DiskRead) -> None:
+        start = self.clock()
+        found = 0
+        try:
+            found = self._probe(read.keys) if read.is_probe else self._load(read)
+        except Exception:  # the store does not raise for I/O trouble; anything else must not kill the loader
+            log.exception("reading KV blocks from the store failed")
+        seconds = self.clock() - start
+        with self._done:
+            if read.is_probe:
+                self.stats.probes += 1
+            else:
+                self.stats.loads += 1
+                self.stats.load_seconds += seconds
+                self.stats.blocks_loaded += found
+                self.stats.blocks_missing += len(read.keys) - found
+            self._reads_done.append(DiskReadDone(read.read_id, found, seconds))
+            self._reads_pending -= 1
+            self._done.notify_all()
+
+    def _probe(self, keys: Sequence[bytes]) -> int:
+        if self.store is None:
+            return 0
+        found = 0
+        while found < len(keys) and self.store.contains(keys[found]):
+            found += 1
+        return found
+
+    def _load(self, read: DiskRead) -> int:
+        """Read ``read.keys`` and put the leading run that came back whole into its host blocks."""
+        if self.store is None:
+            return 0
+        host = self.tiers[HOST]
+        blocks = self.store.read(read.keys)
+        data = getattr(host, "data", None)  # the host tier's memory, for the shape of one block
+        shape = None if data is None else tuple(data.shape[:3]) + tuple(data.shape[4:])
+        good = []
+        for block in blocks:
+            if block is None or (shape is not None and tuple(block.shape) != shape):
+                break  # missing, unreadable, or of another layout: recomputed, never served
+            good.append(block)
+        if good:
+            host.write_blocks(read.dst_ids[: len(good)], torch.stack(good, dim=3))
+        return len(good)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def _make_room_for(self, write: DiskWrite) -> bool:
+        """Take room in the writer's queue for ``write``, or drop it (counted) when there is none."""
+        n = len(write.keys)
+        with self._done:
+            if self.store is None or self._queued_blocks + n > self.write_queue_blocks:
+                self.stats.blocks_dropped += n
+                self._writes_done.append(DiskWriteDone(dropped=write.keys))
+                return False
+            self._queued_blocks += n
+            return True
+
+    def _snapshot(self, write: DiskWrite) -> _Snapshot:
+        """The blocks' KV as it is now, in host memory; from a GPU the copy runs on, and an event marks its end."""
+        blocks = self.tiers[write.src_tier].read_blocks(write.src_ids)
+        if not blocks.is_cuda:
+            return blocks, None
+        host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+        host.copy_(blocks, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def _write_loop(self) -> None:
+        while (item := self._write_queue.get()) is not None:
+            self._run_write(*item)
+
+    def _run_write(self, write: DiskWrite, snapshot: _Snapshot) -> None:
+        blocks, copied = snapshot
+        written = 0
+        try:
+            assert self.store is not None
+            if copied is not None:
+                copied.synchronize()
+            written = self.store.write(write.keys, blocks)
+        except Exception:  # the store does not raise for I/O trouble; anything else must not kill the writer
+            log.exception("writing KV blocks to the store failed")
+        self._finish_write(write, written == len(write.keys))
+
+    def _finish_write(self, write: DiskWrite, written: bool) -> None:
+        # The store says how many landed, not which: all of them, or none that we count on.
+        n = len(write.keys)
+        with self._done:
+            if written:
+                self.stats.blocks_written += n
+                self._writes_done.append(DiskWriteDone(written=write.keys))
+            else:
+                self.stats.blocks_failed += n
+                self._writes_done.append(DiskWriteDone(failed=write.keys))
+            self._queued_blocks -= n
+            self._done.notify_all()

@@ -1,0 +1,127 @@
+"""The engine with KV below the device: prefixes load from the disk store ahead of their turn and in the
+background, a request waiting for its loads holds nobody up, and one whose prefix came from disk produces
+the tokens of a cold one.
+
+The disk store is conftest's ``DictStore`` (wrapped in its ``GatedStore`` where a test needs a slow disk)
+until the persistent store (``kv/disk_store.py``) lands; it plugs in behind the same interface.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
+from boundless.engine.core import EngineCore
+from boundless.engine.request import Request, RequestStatus
+from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.scheduler import Scheduler
+from boundless.kv.disk_moves import DiskReadDone, DiskWriteDone, TierReport
+from boundless.kv.manager import KVCacheManager
+from boundless.kv.transfer import DISK
+from boundless.model.loader import LoadedModel
+from boundless.programs.policy import FCFSPolicy
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _scheduler(max_num_seqs: int = 4) -> Scheduler:
+    kv = KVCacheManager(64, 4, True, "fp", num_host_blocks=32, disk=True, write_policy="off")
+    return Scheduler(kv, FCFSPolicy(), lambda: 0.0, max_num_batched_tokens=64, max_num_seqs=max_num_seqs)
+
+
+def _on_disk(s: Scheduler, rid: str, tokens: list[int]) -> None:
+    """Make the manager know the store holds these tokens' blocks (as a finished write would)."""
+    keys = tuple(s.kv.block_hashes(f"{rid}-written", tokens))
+    s.kv.finish_disk_writes([DiskWriteDone(written=keys)])
+
+
+def _admit_cold(s: Scheduler, request: Request) -> None:
+    """Add a request the store knows nothing of: its probe finds nothing, and it is admitted the step after."""
+    s.add(request)
+    (probe,) = s.schedule().disk_reads
+    assert probe.is_probe and request.status is RequestStatus.WAITING
+    s.apply_tier_report(TierReport(reads=(DiskReadDone(probe.read_id, 0, 0.0),)))
+    out = s.schedule()
+    assert request.request_id in [c.request_id for c in out.chunks]
+    s.advance(out, 0.01)
+
+
+def test_a_prefix_on_disk_starts_loading_when_its_call_arrives_not_when_it_is_admitted() -> None:
+    s = _scheduler(max_num_seqs=1)
+    _admit_cold(s, Request("busy", list(range(500, 520)), SamplingParams(max_tokens=50), arrival_time=0.0))
+    prompt = list(range(40))
+    _on_disk(s, "next", prompt)
+    s.add(Request("next", prompt, SamplingParams(max_tokens=5), arrival_time=1.0))
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["busy"]  # the only slot is taken
+    (read,) = out.disk_reads  # yet its blocks are on their way
+    assert not read.is_probe and len(read.keys) == 9 and out.num_reads_in_flight == 1
+
+
+def test_a_request_waiting_for_its_loads_holds_nobody_up() -> None:
+    s = _scheduler()
+    prompt = list(range(40))
+    _on_disk(s, "first", prompt)
+    s.add(Request("first", prompt, SamplingParams(max_tokens=5), arrival_time=0.0))  # first in fcfs order
+    s.add(Request("second", [100, 101, 102], SamplingParams(max_tokens=5), arrival_time=1.0))  # no full block
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["second"] and len(out.disk_reads) == 1
+    assert s.requests["first"].status is RequestStatus.WAITING
+
+
+def _disk_engine(loaded: LoadedModel, store, tmp_path: Path) -> EngineCore:
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=256),
+        cache=CacheConfig(num_kv_blocks=32, kv_disk_path=str(tmp_path), kv_write_policy="through"),
+        scheduler=SchedulerConfig(policy="fcfs"),
+    )
+    layout = size_engine(config, loaded.arch, loaded.dtype)
+    executor = build_model_executor(loaded, config, layout, store=store)
+    return EngineCore(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor)
+
+
+def _tokens(core: EngineCore, request_id: str, outputs: dict[str, list[int]]) -> list[int]:
+    while request_id in core.scheduler.requests:
+        for delta in core.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    return outputs[request_id]
+
+
+def test_a_prefix_from_disk_gives_the_tokens_of_a_cold_run_and_its_load_holds_nobody_up(
+    tiny_llama: LoadedModel, dict_store: type, gated_store: type, tmp_path: Path
+) -> None:
+    base = dict_store()
+    store = gated_store(base)
+    store.release.set()
+    core = _disk_engine(tiny_llama, store, tmp_path)
+    prompt = [(13 * j) % 300 + 3 for j in range(70)]
+    outputs: dict[str, list[int]] = {}
+    core.add_request("cold", prompt, PARAMS)
+    cold = _tokens(core, "cold", outputs)
+    core.executor.kv_io.flush()
+    assert len(base.blocks) >= 4  # write-through: the prompt's full blocks are in the store
+    core.reset_prefix_cache()  # nothing of it left in memory: only the store has it
+    store.release.clear()  # and the store is slow
+    core.add_request("again", prompt, PARAMS)
+    core.add_request("other", [5, 6, 7, 8, 9], PARAMS)
+    _tokens(core, "other", outputs)  # served while "again" waits for its blocks
+    assert "again" not in outputs and core.kv.is_loading("again")
+    store.release.set()
+    assert _tokens(core, "again", outputs) == cold
+    stats = core.stats()
+    assert core.scheduler.requests == {} and stats.kv_tiers[DISK].hit_tokens >= 64
+    assert stats.disk_io is not None and stats.disk_io.blocks_loaded >= 4
+
+
+def test_a_call_whose_context_is_in_memory_does_not_wait_to_probe_its_new_input() -> None:
+    s = _scheduler()
+    context = list(range(40))
+    _admit_cold(s, Request("call-1", context, SamplingParams(max_tokens=1), arrival_time=0.0))
+    s.finish("call-1", RequestStatus.FINISHED_LENGTH)  # its blocks stay cached on the device
+    # The next call extends the context with new input: unknown to the store, probed, but not waited for.
+    s.add(Request("call-2", [*context, *range(500, 520)], SamplingParams(max_tokens=1), arrival_time=1.0))
+    out = s.schedule()
+    (probe,) = out.disk_reads
+    assert probe.is_probe and [c.request_id for c in out.chunks] == ["call-2"]
+    assert out.chunks[0].start_pos == 40  # its context came from the device
