@@ -22,6 +22,7 @@ from boundless.engine.cuda_graphs import DecodeGraphs
 from boundless.engine.executor import ModelExecutor
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import Sampler
+from boundless.kv.disk_store import DiskKVStore, StoreLayout
 from boundless.kv.tensors import PagedKVCache
 from boundless.kv.tiers import BlockStore, HostKVTier
 from boundless.kv.transfer import HOST
@@ -90,10 +91,6 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype) -> En
 
 def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> BlockStore:
     """The persistent KV store at ``--kv-disk-path``, laid out for this model."""
-    try:
-        from boundless.kv.disk_store import DiskKVStore, StoreLayout
-    except ImportError as e:
-        raise ConfigError("--kv-disk-path: this build has no disk store (boundless/kv/disk_store.py)") from e
     arch = loaded.arch
     store_layout = StoreLayout(
         fingerprint=loaded.fingerprint,
