@@ -1,0 +1,1 @@
+"""Moving tensors between instances: one interface (``base.py``), several implementations."""
