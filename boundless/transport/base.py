@@ -155,3 +155,30 @@ class PolledHandle:
             if waited > self.SPIN_S:
                 pause = min(self.MAX_SLEEP_S, max(1e-5, pause * 2))
                 self._sleep(pause)
+
+
+Segment = tuple[int, int]  # (address, length in bytes)
+
+
+def segments(views: Sequence[torch.Tensor]) -> list[Segment]:
+    return [(v.data_ptr(), v.numel()) for v in views if v.numel()]
+
+
+def pair_segments(local: Sequence[Segment], remote: Sequence[Segment]) -> list[tuple[int, int, int]]:
+    """(local address, remote address, length) pieces that cover both sides' segments in order, cut where
+    either side's segments end: the two sides may split one message into tensors differently."""
+    if sum(n for _, n in local) != sum(n for _, n in remote):
+        raise TransportError(f"message of {sum(n for _, n in remote)} bytes into tensors of {sum(n for _, n in local)}")
+    out: list[tuple[int, int, int]] = []
+    i = j = 0
+    li = ri = 0  # bytes of local[i], remote[j] already covered
+    while i < len(local) and j < len(remote):
+        n = min(local[i][1] - li, remote[j][1] - ri)
+        out.append((local[i][0] + li, remote[j][0] + ri, n))
+        li += n
+        ri += n
+        if li == local[i][1]:
+            i, li = i + 1, 0
+        if ri == remote[j][1]:
+            j, ri = j + 1, 0
+    return out

@@ -101,7 +101,7 @@ def test_a_dead_peer_is_reported_not_waited_for(pair: Pair) -> None:
     pair.proc.wait(timeout=20)  # it exits without closing anything
     start = time.monotonic()
     with pytest.raises((PeerGone, TransferTimeout)) as info:
-        t.recv(peer, 500, torch.zeros(3)).wait(timeout_s=10)
-    assert time.monotonic() - start < 10 or info.type is TransferTimeout
+        t.recv(peer, 500, torch.zeros(3)).wait(timeout_s=3)
+    assert time.monotonic() - start < 3 or info.type is TransferTimeout
     if pair.transport.kind in ("torch-gloo", "shm"):
         assert info.type is PeerGone  # these two see the closed connection, well before the timeout
