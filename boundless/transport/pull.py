@@ -15,6 +15,7 @@ A library plugs in with the few methods at the end of :class:`PullTransport`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -89,15 +90,16 @@ class PullTransport:
     def send(self, peer: str, tag: int, tensors: Tensors) -> TransferHandle:
         views = as_byte_views(tensors)
         with self._lock:
+            msg_id = self._next_id
+            self._next_id += 1
             try:
                 key = self._connect(peer)
                 op = _SendOp(views, temp=self._make_readable(key, views))
+                self._sends[msg_id] = op
+                self._notify(key, encode_offer(tag, msg_id, segments(views)))
             except TransportError as e:
+                self._sends.pop(msg_id, None)
                 return CompletedHandle(e)
-            msg_id = self._next_id
-            self._next_id += 1
-            self._sends[msg_id] = op
-            self._notify(key, encode_offer(tag, msg_id, segments(views)))
         return PolledHandle(lambda: self._send_done(op), self.timeout_s, f"{self.kind} send to {peer} tag {tag}")
 
     def recv(self, peer: str, tag: int, tensors: Tensors) -> TransferHandle:
@@ -158,14 +160,14 @@ class PullTransport:
                 op.error = state
             else:
                 op.done = True
-                self._notify(offer.peer, encode_done(offer.msg_id))
+                self._ack(offer.peer, offer.msg_id)
 
     def _offer(self, peer: str, tag: int, offer: Offer) -> None:
         posting = self._matcher.next_posting((peer, tag))
         if posting is None:
             self._matcher.hold((peer, tag), offer)
         elif posting.cancelled:
-            self._notify(peer, encode_done(offer.msg_id))  # release the sender unread
+            self._ack(peer, offer.msg_id)  # release the sender unread
         else:
             self._start(posting, offer)
 
@@ -175,11 +177,11 @@ class PullTransport:
             pieces = pair_segments(segments(op.views), offer.remote)
         except TransportError as e:
             op.error = e
-            self._notify(offer.peer, encode_done(offer.msg_id))
+            self._ack(offer.peer, offer.msg_id)
             return
         if not pieces:
             op.done = True
-            self._notify(offer.peer, encode_done(offer.msg_id))
+            self._ack(offer.peer, offer.msg_id)
             return
         if op.temp is None:
             op.temp = self._make_writable(op.views)
@@ -194,6 +196,10 @@ class PullTransport:
             return
         op.read = read
         self._reads.running.append((posting, offer))
+
+    def _ack(self, peer: str, msg_id: int) -> None:
+        with contextlib.suppress(TransportError):  # a sender gone needs no ack
+            self._notify(peer, encode_done(msg_id))
 
     # -- what a library provides ----------------------------------------------------------------------
 
