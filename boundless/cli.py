@@ -65,6 +65,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         store.run(args)
         return 0
+    if args.bench_kind == "transport":
+        from boundless.bench import transport
+
+        transport.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -126,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     store = bench_sub.add_parser("store", help="the disk KV store's write and read GB/s against the raw disk's")
     bench_store.add_arguments(store)
     store.set_defaults(func=_bench)
+    from boundless.bench import transport as bench_transport
+
+    transport = bench_sub.add_parser(
+        "transport", help="latency and bandwidth of each transport between two processes, against a memory copy"
+    )
+    bench_transport.add_arguments(transport)
+    transport.set_defaults(func=_bench)
     return parser
 
 

@@ -65,6 +65,10 @@ class KVTransport(Protocol):
         into often, so that libraries that pin or register memory do it once. Optional to call."""
         ...
 
+    def unregister(self, tensor: torch.Tensor) -> None:
+        """Undo :meth:`register` (before the tensor is freed)."""
+        ...
+
     def send(self, peer: str, tag: int, tensors: Tensors) -> TransferHandle: ...
 
     def recv(self, peer: str, tag: int, tensors: Tensors) -> TransferHandle: ...
@@ -106,11 +110,13 @@ class CompletedHandle:
 class PolledHandle:
     """A handle completed by polling: ``poll`` makes progress and says whether the operation is complete
     (raising its failure); ``cancel`` is called once when a wait times out, so the operation never writes
-    into the caller's tensors afterwards."""
+    into the caller's tensors afterwards. Between polls a wait calls ``block(seconds)``, which may return
+    early when something arrives (a transport with sockets selects on them); the default sleeps."""
 
-    # Spin briefly (a small message arrives within microseconds), then back off to a millisecond.
+    # Spin briefly (a small message arrives within microseconds), then back off, to 200 us at most: a
+    # library with nothing to select on is polled that often.
     SPIN_S = 50e-6
-    MAX_SLEEP_S = 1e-3
+    MAX_SLEEP_S = 200e-6
 
     def __init__(
         self,
@@ -119,14 +125,14 @@ class PolledHandle:
         what: str,
         cancel: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        block: Callable[[float], None] = time.sleep,
     ) -> None:
         self._poll = poll
         self._default_timeout_s = default_timeout_s
         self._what = what
         self._cancel = cancel
         self._clock = clock
-        self._sleep = sleep
+        self._block = block
         self._complete = False
         self._error: TransportError | None = None
 
@@ -154,7 +160,7 @@ class PolledHandle:
                 raise self._error
             if waited > self.SPIN_S:
                 pause = min(self.MAX_SLEEP_S, max(1e-5, pause * 2))
-                self._sleep(pause)
+                self._block(min(pause, timeout - waited))
 
 
 Segment = tuple[int, int]  # (address, length in bytes)

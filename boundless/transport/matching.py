@@ -18,7 +18,7 @@ P = TypeVar("P")
 A = TypeVar("A")
 
 
-@dataclass
+@dataclass(eq=False)
 class Posting(Generic[P]):
     """A posted receive: what the transport needs to complete it, and whether it was given up."""
 

@@ -53,6 +53,13 @@ class MooncakeTransport(PullTransport):
                 raise TransportError("mooncake: register_memory failed")
             self._registered.append((view.data_ptr(), view.numel()))
 
+    def unregister(self, tensor: torch.Tensor) -> None:
+        view = as_byte_views(tensor)[0]
+        with self._lock:
+            if (view.data_ptr(), view.numel()) in self._registered:
+                self.engine.unregister_memory(view.data_ptr())
+                self._registered.remove((view.data_ptr(), view.numel()))
+
     def close(self) -> None:
         self._readers.shutdown(wait=False, cancel_futures=True)
         with self._lock:

@@ -60,6 +60,7 @@ class NixlTransport(PullTransport):
         except Exception as e:
             raise TransportUnavailable(f"nixl agent: {e}") from e
         self._where: dict[str, tuple[str, int]] = {}  # agent name -> listener, for peers we know
+        self._told: dict[str, set[int]] = {}  # agent name -> the registered regions its metadata has
         self._registered: list[tuple[int, int, object]] = []  # (address, length, descs) by register()
 
     def register(self, tensor: torch.Tensor) -> None:
@@ -68,10 +69,19 @@ class NixlTransport(PullTransport):
             descs = self.agent.register_memory([view])
             self._registered.append((view.data_ptr(), view.numel(), descs))
 
+    def unregister(self, tensor: torch.Tensor) -> None:
+        view = as_byte_views(tensor)[0]
+        with self._lock:
+            for i, (a, n, descs) in enumerate(self._registered):
+                if (a, n) == (view.data_ptr(), view.numel()) and descs is not None:
+                    self.agent.deregister_memory(descs)
+                    self._registered[i] = (0, 0, None)  # indices stay: peers' metadata is tracked by them
+
     def close(self) -> None:
         with self._lock:
             for _, _, descs in self._registered:
-                self.agent.deregister_memory(descs)
+                if descs is not None:
+                    self.agent.deregister_memory(descs)
             self._registered.clear()
 
     # -- the library --------------------------------------------------------------------------------
@@ -88,6 +98,7 @@ class NixlTransport(PullTransport):
         except (TransferTimeout, Exception) as e:
             raise PeerGone(f"nixl peer {peer}: {e}") from e
         self._where[agent] = (host, int(port))
+        self._told[agent] = set(range(len(self._registered)))  # our full metadata went with the connection
         return agent
 
     def _register_uncovered(self, views: list[torch.Tensor]) -> list:
@@ -99,9 +110,16 @@ class NixlTransport(PullTransport):
         return out
 
     def _make_readable(self, peer: str, views: list[torch.Tensor]) -> object:
+        """Register what :meth:`register` did not cover, and send the reader the metadata it lacks: it
+        needs every region in our metadata before it can read it."""
         temp = self._register_uncovered(views)
         host, port = self._where[peer]
-        for descs in temp:  # the reader needs them in our metadata before it can read them
+        told = self._told[peer]
+        for i, (ra, rn, descs) in enumerate(self._registered):
+            if i not in told and any(ra <= v.data_ptr() < ra + rn for v in views):
+                self.agent.send_partial_agent_metadata(descs, False, [], host, port)
+                told.add(i)
+        for descs in temp:
             self.agent.send_partial_agent_metadata(descs, False, [], host, port)
         return temp
 

@@ -43,7 +43,7 @@ def encode_done(msg_id: int) -> str:
     return f"D {msg_id}"
 
 
-@dataclass
+@dataclass(eq=False)
 class Offer:
     """A message announced by a peer and not read yet: where its bytes are on the sender."""
 
@@ -52,14 +52,14 @@ class Offer:
     remote: list[Segment]
 
 
-@dataclass
+@dataclass(eq=False)
 class _SendOp:
     views: list[torch.Tensor]  # held until done: the reader reads them in place
     done: bool = False
     temp: object = None  # what to release when done
 
 
-@dataclass
+@dataclass(eq=False)
 class _RecvOp:
     views: list[torch.Tensor]
     done: bool = False
@@ -68,7 +68,7 @@ class _RecvOp:
     read: object = None  # the library's token for the read in flight
 
 
-@dataclass
+@dataclass(eq=False)
 class _Reads:
     pending: list[tuple[Posting[_RecvOp], Offer]] = field(default_factory=list)  # not startable yet
     running: list[tuple[Posting[_RecvOp], Offer]] = field(default_factory=list)

@@ -7,7 +7,8 @@ pages stay resident and a message costs two memory copies (into the slot, out of
 messages (``S`` then the receiver's ``A``, after which the slot takes the next message). Messages up to
 ``inline_max`` bytes (query vectors, partials) travel inside the socket message instead, with no ack.
 
-The socket is also how death is seen: a peer that exits closes its connections (EOF on ours), and a peer
+A progress thread per endpoint (blocked in ``select`` on the sockets) moves messages while the caller
+computes; waits poll too. The socket is also how death is seen: a peer that exits closes its connections (EOF on ours), and a peer
 that is gone refuses a new one, so a receive from a dead peer fails with :class:`PeerGone` at once rather
 than at its timeout. The syscalls on the socket order the slot's writes before its reads.
 """
@@ -18,6 +19,7 @@ import contextlib
 import json
 import mmap
 import os
+import select
 import socket
 import struct
 import threading
@@ -134,11 +136,16 @@ class ShmTransport:
         self._gone: dict[str, PeerGone] = {}
         self._matcher: Matcher[_RecvOp, torch.Tensor] = Matcher()
         self._closed = False
+        self._progress = threading.Thread(target=self._progress_loop, name=f"shm-{name}", daemon=True)
+        self._progress.start()
 
     # -- the interface ------------------------------------------------------------------------------
 
     def register(self, tensor: torch.Tensor) -> None:
         """Nothing to register: the bytes are copied through the slot."""
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        """Nothing was registered."""
 
     def send(self, peer: str, tag: int, tensors: Tensors) -> TransferHandle:
         op = _SendOp(tag, as_byte_views(tensors))
@@ -149,7 +156,9 @@ class ShmTransport:
                 return CompletedHandle(e)
             out.queue.append(op)
             self._progress_out(peer, out)
-        return PolledHandle(lambda: self._send_done(peer, op), self.timeout_s, f"send to {peer} tag {tag}")
+        return PolledHandle(
+            lambda: self._send_done(peer, op), self.timeout_s, f"send to {peer} tag {tag}", block=self._block
+        )
 
     def recv(self, peer: str, tag: int, tensors: Tensors) -> TransferHandle:
         op = _RecvOp(as_byte_views(tensors))
@@ -166,6 +175,7 @@ class ShmTransport:
             self.timeout_s,
             f"recv from {peer} tag {tag}",
             cancel=lambda: self._matcher.cancel(posting),
+            block=self._block,
         )
 
     def close(self) -> None:
@@ -186,6 +196,28 @@ class ShmTransport:
             self._listener.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.address + ".sock")
+        if threading.current_thread() is not self._progress:
+            self._progress.join(timeout=1)
+
+    def _progress_loop(self) -> None:
+        """Sends queued behind the slot go out when their ack comes, and messages are taken as they come,
+        while the caller computes (a sender of KV layer by layer does not wait on each layer)."""
+        while not self._closed:
+            self._block(0.05)
+            with self._lock:
+                if self._closed:
+                    return
+                for peer, out in list(self._out.items()):
+                    self._progress_out(peer, out)
+                self._progress_in()
+
+    def _block(self, seconds: float) -> None:
+        """Wait until one of our sockets has something to read (a message, an ack, a connection, a close),
+        at most ``seconds`` (a wait's back-off, so a long one is never missed for good)."""
+        with self._lock:
+            socks = [self._listener, *(i.sock for i in self._in), *(o.sock for o in self._out.values())]
+        with contextlib.suppress(OSError, ValueError):  # a socket closed meanwhile: poll again
+            select.select(socks, [], [], max(seconds, 1e-3))
 
     # -- sending ------------------------------------------------------------------------------------
 

@@ -148,6 +148,9 @@ class TorchDistTransport:
     def register(self, tensor: torch.Tensor) -> None:
         """Nothing to register: the group sends from and receives into any tensor on its device."""
 
+    def unregister(self, tensor: torch.Tensor) -> None:
+        """Nothing was registered."""
+
     def send(self, peer: str, tag: int, tensors: Tensors) -> TransferHandle:
         views = as_byte_views(tensors)
         what = f"send to rank {peer} tag {tag}"

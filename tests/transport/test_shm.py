@@ -1,0 +1,66 @@
+"""Shared memory, two endpoints in one process (the two-process tests cover processes): tags that do not
+wait for each other, a message before its receive, the slot growing, sizes that do not match, a peer that
+was never there or has closed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from boundless.transport.base import PeerGone, TransportError
+from boundless.transport.shm import ShmTransport
+
+
+@pytest.fixture
+def two(tmp_path: Path) -> Iterator[tuple[ShmTransport, ShmTransport]]:
+    directory = Path("/dev/shm") / f"boundless-test-{tmp_path.name}" if Path("/dev/shm").is_dir() else tmp_path
+    a, b = ShmTransport(directory, "a", timeout_s=5), ShmTransport(directory, "b", timeout_s=5)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_tags_do_not_wait_for_each_other_and_early_messages_wait(two: tuple[ShmTransport, ShmTransport]) -> None:
+    a, b = two
+    big = torch.randn(500_000)  # through the slot
+    small = torch.arange(10, dtype=torch.bfloat16)  # inline
+    sends = [a.send(b.address, 1, big), a.send(b.address, 2, small)]
+    got_small = torch.zeros_like(small)
+    b.recv(a.address, 2, got_small).wait()  # tag 2 first: tag 1's message is held meanwhile
+    got_big = torch.zeros_like(big)
+    b.recv(a.address, 1, got_big).wait()
+    for s in sends:
+        s.wait()
+    assert torch.equal(got_small, small) and torch.equal(got_big, big)
+
+
+def test_the_slot_grows_and_messages_keep_their_order(two: tuple[ShmTransport, ShmTransport]) -> None:
+    a, b = two
+    msgs = [torch.full((n,), float(i)) for i, n in enumerate([300_000, 1_000_001, 70_000, 3_000_000])]
+    sends = [a.send(b.address, 5, m) for m in msgs]
+    for m in msgs:
+        out = torch.empty_like(m)
+        b.recv(a.address, 5, out).wait()
+        assert torch.equal(out, m)
+    for s in sends:
+        s.wait()
+
+
+def test_a_message_into_tensors_of_another_size_fails_that_receive(two: tuple[ShmTransport, ShmTransport]) -> None:
+    a, b = two
+    a.send(b.address, 3, torch.zeros(10)).wait()
+    with pytest.raises(TransportError, match="40 bytes into tensors of 36"):
+        b.recv(a.address, 3, torch.zeros(9)).wait()
+
+
+def test_a_peer_never_there_or_closed_is_gone(two: tuple[ShmTransport, ShmTransport]) -> None:
+    a, b = two
+    with pytest.raises(PeerGone):
+        a.send(str(Path(a.address).with_name("nobody")), 1, torch.zeros(1)).wait()
+    a.send(b.address, 1, torch.zeros(1)).wait()
+    b.close()
+    with pytest.raises(PeerGone):
+        a.recv(b.address, 2, torch.zeros(1)).wait(timeout_s=3)
