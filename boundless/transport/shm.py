@@ -8,9 +8,10 @@ messages (``S`` then the receiver's ``A``, after which the slot takes the next m
 ``inline_max`` bytes (query vectors, partials) travel inside the socket message instead, with no ack.
 
 A progress thread per endpoint (blocked in ``select`` on the sockets) moves messages while the caller
-computes; waits poll too. The socket is also how death is seen: a peer that exits closes its connections (EOF on ours), and a peer
-that is gone refuses a new one, so a receive from a dead peer fails with :class:`PeerGone` at once rather
-than at its timeout. The syscalls on the socket order the slot's writes before its reads.
+computes; waits poll too. The socket is also how death is seen: a peer that exits closes its connections
+(EOF on ours), and a peer that is gone refuses a new one, so a receive from a dead peer fails with
+:class:`PeerGone` at once rather than at its timeout. The syscalls on the socket order the slot's writes
+before its reads.
 """
 
 from __future__ import annotations
