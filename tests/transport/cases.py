@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from boundless.kv.tensors import PagedKVCache
+
 # Each case is one message: a list of (shape, dtype).
 CASES: list[list[tuple[tuple[int, ...], torch.dtype]]] = [
     [((7,), torch.bfloat16)],  # 14 bytes
@@ -25,3 +27,16 @@ def make(case: list[tuple[tuple[int, ...], torch.dtype]], seed: int) -> list[tor
 
 def late(tag: int) -> torch.Tensor:
     return torch.full((50_000,), float(tag), dtype=torch.float32)
+
+
+# A small KV cache both processes build alike: 2 layers, 3 KV heads, 10 blocks of 5 tokens, head_dim 8.
+CACHE = {"num_layers": 2, "num_kv_heads": 3, "head_dim": 8, "num_blocks": 10, "block_size": 5}
+SENT_BLOCKS, PEER_BLOCKS, BACK_BLOCKS = [7, 2, 4], [1, 8, 3], [0, 5, 9]
+
+
+def kv_cache(dtype: torch.dtype, seed: int | None) -> PagedKVCache:
+    cache = PagedKVCache(**CACHE, dtype=dtype, device=torch.device("cpu"))
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        cache.data.copy_(torch.randn(cache.data.shape, generator=gen) * 1e3)
+    return cache

@@ -2,7 +2,8 @@
 
     peer_worker.py KIND DIR
 
-1. echoes every message of ``cases.CASES`` back (received with tag 100+i, sent back with tag 200+i);
+1. echoes every message of ``cases.CASES`` back (received with tag 100+i, sent back with tag 200+i), then
+   takes KV blocks into its cache (tag 600 + dtype index, at ``PEER_BLOCKS``) and sends them back (tag 610+);
 2. waits for "go" (tag 300), then sends two messages late (tags 301 and 302, ``cases.late(...)``);
 3. waits for tag 400 and exits at once, closing nothing.
 """
@@ -13,8 +14,9 @@ import os
 import sys
 
 import torch
-from cases import CASES, late
+from cases import CASES, PEER_BLOCKS, kv_cache, late
 
+from boundless.transport.blocks import BlocksReceive, send_blocks
 from boundless.transport.endpoints import EndpointSpec, exchange_addresses, open_endpoint
 
 
@@ -26,6 +28,10 @@ def main(kind: str, directory: str) -> None:
         bufs = [torch.empty(shape, dtype=dtype) for shape, dtype in case]
         transport.recv(peer, 100 + i, bufs).wait()
         transport.send(peer, 200 + i, bufs).wait()
+    for j, dtype in enumerate((torch.bfloat16, torch.float32)):
+        cache = kv_cache(dtype, seed=None)
+        BlocksReceive(transport, peer, 600 + j, cache, PEER_BLOCKS).wait()
+        send_blocks(transport, peer, 610 + j, cache, PEER_BLOCKS).wait()
     go = torch.zeros(1, dtype=torch.int64)
     transport.recv(peer, 300, go).wait()
     transport.send(peer, 301, late(301)).wait()

@@ -1,5 +1,6 @@
 """Two real processes exchanging messages over each transport: bit-exact round trips of odd sizes in bf16
-and fp32, a receive that times out (and is not written by its late message), and a peer that dies.
+and fp32, KV blocks from one cache into another's at other block ids, a receive that times out (and is not
+written by its late message), and a peer that dies.
 
 One peer process per transport (``peer_worker.py``) runs the other side of all three tests, in order."""
 
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from cases import CASES, late, make
+from cases import BACK_BLOCKS, CASES, SENT_BLOCKS, kv_cache, late, make
 
 from boundless.transport.base import KVTransport, PeerGone, TransferTimeout
+from boundless.transport.blocks import BlocksReceive, send_blocks
 from boundless.transport.endpoints import EndpointSpec, TransportUnavailable, exchange_addresses, open_endpoint
 
 WORKER = Path(__file__).with_name("peer_worker.py")
@@ -78,6 +80,20 @@ def test_round_trips_are_bit_exact(pair: Pair) -> None:
         for a, b in zip(sent, back, strict=True):
             assert a.dtype == b.dtype
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"case {i} came back changed"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_blocks_move_between_the_two_caches_bit_exact(pair: Pair, dtype: torch.dtype) -> None:
+    t, peer = pair.transport, pair.peer
+    j = [torch.bfloat16, torch.float32].index(dtype)
+    mine = kv_cache(dtype, seed=10 + j)
+    before = mine.data.clone()
+    back = BlocksReceive(t, peer, 610 + j, mine, BACK_BLOCKS)
+    send_blocks(t, peer, 600 + j, mine, SENT_BLOCKS).wait()
+    back.wait()
+    assert torch.equal(mine.read_blocks(BACK_BLOCKS).view(torch.uint8), before[:, :, :, SENT_BLOCKS].view(torch.uint8))
+    others = [b for b in range(mine.num_blocks) if b not in BACK_BLOCKS]
+    assert torch.equal(mine.read_blocks(others), before[:, :, :, others])  # nothing else written
 
 
 def test_a_receive_times_out_and_its_late_message_writes_nothing(pair: Pair) -> None:
