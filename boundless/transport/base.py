@@ -11,8 +11,11 @@ sizes are the caller's, and the receiving tensors must hold exactly as many byte
 Every operation is asynchronous and returns a :class:`TransferHandle`; ``wait`` takes a timeout and
 raises :class:`TransferTimeout`, :class:`PeerGone` or :class:`TransportError` rather than hang. A send is
 done when its tensors may be reused (their bytes are on their way or delivered); a receive is done when
-its tensors hold the message. After a receive times out its tensors are never written: the message, if it
-comes late, goes nowhere (or to the next receive of that tag), so the caller may free them at once.
+its tensors hold the message. After a receive's wait times out its tensors are never written (a read
+already under way is waited for first): the message, if it comes late, is swallowed by the abandoned
+receive, so the caller may free them at once. A send that timed out may still be read by its peer until
+the peer takes it or is gone (the pulling libraries read the sender's memory in place): send tensors
+that stay unchanged, such as the gathered copy ``send_blocks`` makes.
 
 Peers run side by side: a transport makes progress when its handles are polled or waited on (those that
 have a progress thread of their own, torch.distributed and NIXL, also make it without).

@@ -116,8 +116,24 @@ class PullTransport:
             lambda: self._recv_done(op),
             self.timeout_s,
             f"{self.kind} recv from {peer} tag {tag}",
-            cancel=lambda: self._matcher.cancel(posting),
+            cancel=lambda: self._cancel(posting),
         )
+
+    def _cancel(self, posting: Posting[_RecvOp]) -> None:
+        """Give up a receive. A read not started never will be, and its sender is released; one running
+        writes into the tensors until it ends, so it is waited for (the library bounds it)."""
+        with self._lock:
+            self._matcher.cancel(posting)
+            for item in [i for i in self._reads.pending if i[0] is posting]:
+                self._reads.pending.remove(item)
+                self._ack(item[1].peer, item[1].msg_id)
+
+        def read_over() -> bool:
+            with self._lock:
+                self._pump()
+                return not any(i[0] is posting for i in self._reads.running)
+
+        PolledHandle(read_over, self.timeout_s, "the read of a receive given up").wait()
 
     # -- progress -----------------------------------------------------------------------------------
 

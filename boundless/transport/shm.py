@@ -76,7 +76,7 @@ class _Mapping:
         os.close(self.fd)
 
 
-@dataclass
+@dataclass(eq=False)
 class _SendOp:
     tag: int
     views: list[torch.Tensor]
@@ -158,7 +158,11 @@ class ShmTransport:
             out.queue.append(op)
             self._progress_out(peer, out)
         return PolledHandle(
-            lambda: self._send_done(peer, op), self.timeout_s, f"send to {peer} tag {tag}", block=self._block
+            lambda: self._send_done(peer, op),
+            self.timeout_s,
+            f"send to {peer} tag {tag}",
+            cancel=lambda: self._cancel_send(peer, op),
+            block=self._block,
         )
 
     def recv(self, peer: str, tag: int, tensors: Tensors) -> TransferHandle:
@@ -175,9 +179,20 @@ class ShmTransport:
             lambda: self._recv_done(peer, posting),
             self.timeout_s,
             f"recv from {peer} tag {tag}",
-            cancel=lambda: self._matcher.cancel(posting),
+            cancel=lambda: self._cancel_recv(posting),
             block=self._block,
         )
+
+    def _cancel_send(self, peer: str, op: _SendOp) -> None:
+        """A send given up before it left: it never will (its tensors may be reused at once)."""
+        with self._lock:
+            out = self._out.get(peer)
+            if out is not None and op in out.queue:
+                out.queue.remove(op)
+
+    def _cancel_recv(self, posting: Posting[_RecvOp]) -> None:
+        with self._lock:  # deliveries run under the lock: none writes the tensors after this
+            self._matcher.cancel(posting)
 
     def close(self) -> None:
         with self._lock:
