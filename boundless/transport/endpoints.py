@@ -8,6 +8,7 @@ whose package is missing raises :class:`TransportUnavailable` with the reason wh
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ def open_endpoint(spec: EndpointSpec) -> KVTransport:
         from boundless.transport.torch_dist import TorchDistTransport
 
         store = dist.FileStore(os.path.join(spec.directory, "gloo.store"), spec.world_size)
+        store.set_timeout(datetime.timedelta(seconds=spec.timeout_s))  # a rank that never joins: an error
         return TorchDistTransport(store, spec.rank, spec.world_size, "gloo", timeout_s=spec.timeout_s)
     if spec.kind == "shm":
         from boundless.transport.shm import ShmTransport

@@ -11,9 +11,9 @@ otherwise write into tensors the caller has freed when its message comes late. T
 copy of the message; the late message lands in the abandoned buffer.
 
 A waiter thread per operation in flight blocks in ``Work.wait()`` and the caller's deadline is the
-handle's own (see :class:`_WorkHandle`); the group's timeout is a day, so that it never closes a
-connection. gloo reports a peer whose process died as a closed connection ("Connection closed by peer"),
-raised here as :class:`PeerGone`. NCCL ignores tags and matches operations in the order they are issued,
+handle's own (see :class:`_WorkHandle`); the waiter waits a day, so that gloo never closes a connection
+for a late message. The group's timeout (``timeout_s``) bounds joining it. gloo reports a peer whose
+process died as a closed connection ("Connection closed by peer"), raised here as :class:`PeerGone`. NCCL ignores tags and matches operations in the order they are issued,
 and an operation that never completes there leaves the communicator to be aborted; it is not exercised on
 this machine (no GPU).
 """
@@ -40,6 +40,7 @@ from boundless.transport.base import (
     total_bytes,
 )
 
+_NEVER = datetime.timedelta(days=1)  # gloo closes the connection when a wait times out
 _GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe")
 
 
@@ -61,11 +62,11 @@ class _Op:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def complete(self) -> None:
-        """Wait for the group's operations (no timeout: the group's own is a day, see the module docstring),
+        """Wait for the group's operations (as good as no timeout: see the module docstring),
         then copy a receive's bytes out of its buffer unless it was abandoned meanwhile."""
         try:
             for w in self.works:
-                w.wait()
+                w.wait(_NEVER)
         except RuntimeError as e:
             raise _error(e, self.what) from e
         with self.lock:
@@ -133,17 +134,20 @@ class TorchDistTransport:
         self.rank = rank
         self.device = torch.device(device)
         self.timeout_s = timeout_s
-        # Deadlines are the handles' own; the group's timeout would close a connection (see _WorkHandle).
-        timeout = datetime.timedelta(days=1)
+        # The group's timeout bounds joining it; operations wait with their own (see _Op.complete).
+        timeout = datetime.timedelta(seconds=timeout_s)
         self._waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix="transport-wait")
-        if backend == "gloo":
-            self._group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        elif backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        else:
+        if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown torch.distributed backend {backend!r} (gloo or nccl)")
+        try:
+            if backend == "gloo":
+                self._group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        except RuntimeError as e:  # a rank that does not join in time
+            raise TransferTimeout(f"joining a {backend} group of {world_size} as rank {rank}: {e}") from e
 
     def register(self, tensor: torch.Tensor) -> None:
         """Nothing to register: the group sends from and receives into any tensor on its device."""

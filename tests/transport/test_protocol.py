@@ -80,3 +80,10 @@ def test_a_wait_times_out_on_its_clock_and_cancels_once() -> None:
     with pytest.raises(TransferTimeout):
         h.done()  # stays failed
     assert cancelled == [1]
+
+
+def test_a_gloo_group_whose_peer_never_joins_fails_to_open(tmp_path) -> None:
+    from boundless.transport.endpoints import EndpointSpec, open_endpoint
+
+    with pytest.raises(TransferTimeout, match="joining a gloo group of 2 as rank 0"):
+        open_endpoint(EndpointSpec("gloo", str(tmp_path), rank=0, world_size=2, timeout_s=0.5))
