@@ -13,9 +13,9 @@ copy of the message; the late message lands in the abandoned buffer.
 A waiter thread per operation in flight blocks in ``Work.wait()`` and the caller's deadline is the
 handle's own (see :class:`_WorkHandle`); the waiter waits a day, so that gloo never closes a connection
 for a late message. The group's timeout (``timeout_s``) bounds joining it. gloo reports a peer whose
-process died as a closed connection ("Connection closed by peer"), raised here as :class:`PeerGone`. NCCL ignores tags and matches operations in the order they are issued,
-and an operation that never completes there leaves the communicator to be aborted; it is not exercised on
-this machine (no GPU).
+process died as a closed connection ("Connection closed by peer"), raised here as :class:`PeerGone`.
+NCCL ignores tags and matches operations in the order they are issued, and an operation that never
+completes there leaves the communicator to be aborted; it is not exercised on this machine (no GPU).
 """
 
 from __future__ import annotations
