@@ -9,7 +9,9 @@ packages are installed) a second process is started and, for each message size,
   and answers one byte; bytes / time from the first send to the answer.
 
 Buffers are allocated once per size and registered with the transport (as a KV cache would be). The copy
-is ``dst.copy_(src)`` of the same bytes in this process (median time). Ratios are transport / copy (GB/s)
+is ``dst.copy_(src)`` of the same bytes in this process (median time), measured again right after each
+transport's figures at each size, so that a ratio compares two measurements under the same load (the
+first table rows are the copy measured alone, before the transports). Ratios are transport / copy (GB/s)
 and copy / transport (latency); the chosen default is the fastest transport by the geometric mean of its
 bandwidth ratios at messages of 1 MB and more, among those that reach another node, and among all on one
 node (:func:`choose_default`). GB are 10^9 bytes.
@@ -56,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mb-per-size", type=float, default=256.0, help="MB sent per size for the bandwidth")
     parser.add_argument("--latency-iters", type=int, default=200, help="round trips timed per size (at most)")
     parser.add_argument("--window", type=int, default=4, help="messages in flight for the bandwidth")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every transport, in turns; medians")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per-transfer timeout")
     parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
 
@@ -130,12 +133,22 @@ def _measure(t: Any, peer: str, size: int, mb_per_size: float, latency_iters: in
         stream_s = time.perf_counter() - start
     for b in [*bufs, back, ack]:
         t.unregister(b)
+    copy = measure_copy(size, _copy_iters(size), window)
+    gbps, latency_us = n_bw * size / stream_s / _GB, statistics.median(rtts) / 2 * 1e6
     return {
-        "latency_us": round(statistics.median(rtts) / 2 * 1e6, 1),
-        "gbps": round(n_bw * size / stream_s / _GB, 3),
+        "latency_us": round(latency_us, 1),
+        "gbps": round(gbps, 3),
+        "copy_latency_us": copy["latency_us"],
+        "copy_gbps": copy["gbps"],
+        "gbps_ratio": round(gbps / copy["gbps"], 3),
+        "latency_ratio": round(copy["latency_us"] / latency_us, 4),
         "round_trips": n_lat,
         "messages": n_bw,
     }
+
+
+def _copy_iters(size: int) -> int:
+    return max(20, min(1000, int(1e9 / size)))
 
 
 def measure_copy(size: int, iters: int, window: int) -> dict[str, float]:
@@ -181,6 +194,13 @@ def measure_kind(kind: str, sizes: list[int], args: argparse.Namespace) -> dict[
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _medians(by_run: list[dict[int, dict[str, float]]], sizes: list[int]) -> dict[int, dict[str, float]]:
+    """Each figure's median over the runs."""
+    return {
+        size: {key: statistics.median(run[size][key] for run in by_run) for key in by_run[0][size]} for size in sizes
+    }
+
+
 def choose_default(results: dict[str, dict[int, dict[str, float]]], kinds: tuple[str, ...]) -> str | None:
     """The transport among ``kinds`` with the highest geometric mean of its bandwidth ratios to the copy at
     messages of 1 MB and more (the KV moves; small messages are few per step and latency-bound)."""
@@ -210,21 +230,21 @@ def _available(kind: str) -> str | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    copy = {size: measure_copy(size, max(20, min(1000, int(1e9 / size))), args.window) for size in sizes}
-    results: dict[str, dict[int, dict[str, float]]] = {}
+    copy = {size: measure_copy(size, _copy_iters(size), args.window) for size in sizes}
+    runs: dict[str, list[dict[int, dict[str, float]]]] = {}
     skipped: dict[str, str] = {}
-    for kind in kinds:
-        why = _available(kind)
-        measured = why or measure_kind(kind, sizes, args)
-        if isinstance(measured, str):
-            skipped[kind] = measured
-            print(f"{kind}: skipped ({measured})")
-            continue
-        for size, f in measured.items():
-            f["gbps_ratio"] = round(f["gbps"] / copy[size]["gbps"], 3)
-            f["latency_ratio"] = round(copy[size]["latency_us"] / f["latency_us"], 4)
-        results[kind] = measured
-        print(f"{kind}: measured")
+    for r in range(args.repeats):  # the transports take turns, so that a change of load hits them all
+        for kind in kinds:
+            if kind in skipped:
+                continue
+            measured = _available(kind) or measure_kind(kind, sizes, args)
+            if isinstance(measured, str):
+                skipped[kind] = measured
+                print(f"{kind}: skipped ({measured})")
+                continue
+            runs.setdefault(kind, []).append(measured)
+            print(f"{kind}: measured (run {r + 1} of {args.repeats})")
+    results = {kind: _medians(by_run, sizes) for kind, by_run in runs.items()}
     chosen = {
         "one_node": choose_default(results, tuple(results)),
         "across_nodes": choose_default(results, CROSS_NODE),
@@ -236,6 +256,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "transports": {k: {str(s): f for s, f in v.items()} for k, v in results.items()},
         "skipped": skipped,
         "default": chosen,
+        "repeats": args.repeats,
+        "load_average": os.getloadavg(),
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
     }
@@ -252,11 +274,14 @@ def _size_name(size: int) -> str:
 
 
 def _print(sizes: list[int], copy: dict, results: dict, chosen: dict[str, str | None]) -> None:
-    rows = [["memory copy", _size_name(s), copy[s]["latency_us"], copy[s]["gbps"], "1", "1"] for s in sizes]
+    rows = [["memory copy", _size_name(s), copy[s]["latency_us"], copy[s]["gbps"], "", "", ""] for s in sizes]
     for kind, by_size in results.items():
         for s in sizes:
             f = by_size[s]
-            rows.append([kind, _size_name(s), f["latency_us"], f["gbps"], f["gbps_ratio"], f["latency_ratio"]])
-    header = ["transport", "message", "latency us", "GB/s", "GB/s / copy", "copy / latency"]
+            rows.append(
+                [kind, _size_name(s), f["latency_us"], f["gbps"], f["copy_gbps"], f["gbps_ratio"], f["latency_ratio"]]
+            )
+    header = ["transport", "message", "latency us", "GB/s", "copy GB/s", "GB/s / copy", "copy / latency"]
     print_table(header, rows)
     print(f"default on one node: {chosen['one_node']}; across nodes: {chosen['across_nodes']}")
+    print("load average (1, 5, 15 min): " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))

@@ -43,3 +43,10 @@ def test_the_default_is_the_best_bandwidth_ratio_on_large_messages() -> None:
 
 def test_sizes_take_suffixes() -> None:
     assert [parse_size(s) for s in ("4K", "1M", "1.5M", "100")] == [4096, 1 << 20, 3 << 19, 100]
+
+
+def test_repeated_runs_report_each_figures_median() -> None:
+    from boundless.bench.transport import _medians
+
+    runs = [{4096: {"gbps": g, "latency_us": lat}} for g, lat in [(1.0, 9.0), (3.0, 5.0), (2.0, 100.0)]]
+    assert _medians(runs, [4096]) == {4096: {"gbps": 2.0, "latency_us": 9.0}}
