@@ -4,6 +4,7 @@ was never there or has closed."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ def two(tmp_path: Path) -> Iterator[tuple[ShmTransport, ShmTransport]]:
     yield a, b
     a.close()
     b.close()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_tags_do_not_wait_for_each_other_and_early_messages_wait(two: tuple[ShmTransport, ShmTransport]) -> None:

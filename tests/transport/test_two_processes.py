@@ -7,6 +7,7 @@ One peer process per transport (``peer_worker.py``) runs the other side of all t
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -67,6 +68,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     proc.kill()
     proc.wait()
     transport.close()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_round_trips_are_bit_exact(pair: Pair) -> None:
