@@ -27,6 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
         results = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:
         results = llm.generate(args.prompt, params)
+    llm.close()
     print(results[0].outputs[0].text)
     return 0
 

@@ -89,6 +89,13 @@ class CacheConfig:
         metadata={"help": "directory of the persistent KV store: full blocks below host memory, across restarts"},
     )
     kv_disk_gb: float = field(default=16.0, metadata={"help": "most disk space the KV store may take, in GiB"})
+    kv_load_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds a request waits for its KV blocks from the disk store before it is admitted without "
+            "them and computes them (stuck storage); no new load starts while a timed-out one is in flight"
+        },
+    )
     kv_write_policy: str = field(
         default="through",
         metadata={
@@ -123,6 +130,7 @@ class CacheConfig:
             "host memory for swap only, or --kv-host-gb for swap and caching: give one of them",
         )
         _require(self.kv_disk_gb > 0, "kv_disk_gb", "must be positive")
+        _require(self.kv_load_timeout_s > 0, "kv_load_timeout_s", "must be positive")
         _require(
             self.kv_write_policy in KV_WRITE_POLICIES,
             "kv_write_policy",

@@ -76,6 +76,15 @@ def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
         "boundless_kv_tier_read_bytes": ("bytes of KV copied out of the tier", "bytes_read"),
         "boundless_kv_tier_written_bytes": ("bytes of KV copied into the tier", "bytes_written"),
         "boundless_kv_tier_evictions": ("named KV blocks the tier gave up (moved down where it could)", "evictions"),
+        "boundless_kv_tier_checksum_failures": (
+            "KV blocks of the tier that failed their check when read (truncated, corrupt, another model's): "
+            "recomputed, never served",
+            "checksum_failures",
+        ),
+        "boundless_kv_tier_load_timeouts": (
+            "loads from the tier a waiting request stopped waiting for after --kv-load-timeout-s (then recomputed)",
+            "load_timeouts",
+        ),
     }
     for name, (doc, attr) in per_tier.items():
         c = CounterMetricFamily(name, doc, labels=["instance", "tier"])
@@ -119,7 +128,8 @@ def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
         yield c
     g = GaugeMetricFamily(
         "boundless_kv_disk_store",
-        "what the disk store reports of itself (blocks and bytes held, evictions, checksum failures...), by stat",
+        "what the disk store reports of itself (blocks and bytes held, evictions, checksum failures, write errors, "
+        "writes_enabled 0 while writes are off after an error...), by stat",
         labels=["instance", "stat"],
     )
     for inst, s in snapshots.items():
@@ -138,7 +148,7 @@ def _numbers(stats: object) -> dict[str, float]:
         items = dict(stats)
     else:
         items = dict(vars(stats))
-    return {k: float(v) for k, v in items.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    return {k: float(v) for k, v in items.items() if isinstance(v, int | float)}  # a bool is 0 or 1
 
 
 class ServerMetrics:

@@ -203,11 +203,20 @@ class DiskKVStore:
     # -- reading ---------------------------------------------------------------------------------------
 
     def contains(self, key: BlockHash) -> bool:
-        """Whether a whole-sized file for ``key`` of this layout is there (one ``stat``; contents checked on read)."""
+        """Whether a whole-sized file for ``key`` of this layout is there (one ``stat``; contents checked on read).
+
+        A file of another size under a block's name can only be damaged (files are renamed into place whole, and
+        every layout has its own subdirectory): it is rejected here as a read would reject it.
+        """
+        path = self._path(key)
         try:
-            return os.stat(self._path(key)).st_size == self._file_bytes
+            st = os.stat(path)
         except OSError:
             return False
+        if st.st_size == self._file_bytes:
+            return True
+        self._reject(path, st.st_ino, key, BlockFileError(f"{st.st_size} bytes where {self._file_bytes} are expected"))
+        return False
 
     def read(self, keys: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Each block's KV, [layers, 2, kv_heads, block_size, head_dim] on the CPU, or None (missing or bad)."""

@@ -173,11 +173,13 @@ def test_a_file_of_another_layout_under_this_layouts_name_is_rejected(tmp_path: 
     assert _file(theirs, 0).exists()
 
 
-def test_a_truncated_file_is_not_contained(tmp_path: Path) -> None:
+def test_a_truncated_file_is_not_contained_and_is_counted_and_removed(tmp_path: Path) -> None:
     store = DiskKVStore(tmp_path, LAYOUT, BIG)
     store.write([key_of(0)], blocks_of([0]))
     _truncate(_file(store, 0))
-    assert not store.contains(key_of(0))
+    assert not store.contains(key_of(0))  # a probe (one stat) sees it: it is never read, yet still counted
+    assert store.stats().checksum_failures == 1 and store.stats().blocks_held == 0
+    assert not _file(store, 0).exists()
 
 
 def test_eviction_removes_the_least_recently_used(tmp_path: Path) -> None:
