@@ -125,3 +125,42 @@ def test_a_call_whose_context_is_in_memory_does_not_wait_to_probe_its_new_input(
     (probe,) = out.disk_reads
     assert probe.is_probe and [c.request_id for c in out.chunks] == ["call-2"]
     assert out.chunks[0].start_pos == 40  # its context came from the device
+
+
+def test_a_load_past_its_timeout_is_given_up_and_no_new_load_queues_behind_it() -> None:
+    now = [0.0]
+    kv = KVCacheManager(64, 4, True, "fp", num_host_blocks=32, disk=True, write_policy="off", load_timeout_s=5.0)
+    s = Scheduler(kv, FCFSPolicy(), lambda: now[0], max_num_batched_tokens=64, max_num_seqs=4)
+    prompt, other = list(range(40)), list(range(100, 140))
+    _on_disk(s, "stuck", prompt)
+    _on_disk(s, "other", other)
+    s.add(Request("stuck", prompt, SamplingParams(max_tokens=5), arrival_time=0.0))
+    (load,) = s.schedule().disk_reads  # the store never answers it
+    now[0] = 4.9
+    assert s.schedule().chunks == [] and kv.is_loading("stuck")
+    now[0] = 5.0
+    out = s.schedule()
+    assert [(c.request_id, c.start_pos) for c in out.chunks] == [("stuck", 0)]  # admitted, computes all
+    assert kv.counters[DISK].load_timeouts == 1 and kv.disk_stalled
+    s.advance(out, 0.01)
+    # While the stuck read lasts, a request whose blocks are on disk does not queue a read behind it.
+    s.add(Request("other", other, SamplingParams(max_tokens=5), arrival_time=6.0))
+    out = s.schedule()
+    assert out.disk_reads == [] and ("other", 0) in [(c.request_id, c.start_pos) for c in out.chunks]
+    s.advance(out, 0.01)
+    # The read ends at last: its blocks become cache in host memory, and reads start again.
+    s.apply_tier_report(TierReport(reads=(DiskReadDone(load.read_id, len(load.keys), 30.0),)))
+    assert not kv.disk_stalled and kv.counters[DISK].load_timeouts == 1
+    s.add(Request("later", [*range(200, 240)], SamplingParams(max_tokens=5), arrival_time=40.0))
+    assert [r.is_probe for r in s.schedule().disk_reads] == [True]
+
+
+def test_a_stopped_engine_has_handed_every_full_block_to_the_store(tiny_llama: LoadedModel, tmp_path: Path) -> None:
+    from boundless.kv.disk_store import DiskKVStore, StoreLayout
+
+    store = DiskKVStore(tmp_path, StoreLayout.of_model(tiny_llama, 16), 1 << 30)
+    core = _disk_engine(tiny_llama, store, tmp_path)
+    core.add_request("r", list(range(3, 62)), PARAMS)  # 59 + 6 tokens: the last step fills the fourth block
+    _tokens(core, "r", {})
+    core.close()  # the last step's block was named after the writes were handed over: close hands it over too
+    assert store.stats().blocks_held == 4

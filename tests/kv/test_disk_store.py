@@ -293,30 +293,12 @@ def test_a_full_disk_turns_writes_off_and_reads_go_on(tmp_path: Path) -> None:
     assert out["stderr"].count("writes off") == 1
 
 
-def _make_unwritable(root: Path) -> Callable[[], None] | None:
-    """Make ``root``'s tree unwritable (immutable as root, read-only otherwise); the undo, or None if we cannot."""
-    tree = [root, *root.rglob("*")]
-    if os.geteuid() == 0:
-        if not shutil.which("chattr") or subprocess.run(["chattr", "-R", "+i", str(root)]).returncode:
-            return None
-    else:
-        for p in tree:
-            p.chmod(p.stat().st_mode & ~0o222)
-
-    def undo() -> None:
-        if os.geteuid() == 0:
-            subprocess.run(["chattr", "-R", "-i", str(root)], check=True)
-        else:
-            for p in tree:
-                p.chmod(p.stat().st_mode | 0o200)
-
-    return undo
-
-
-def test_an_unwritable_directory_serves_reads_with_writes_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unwritable_directory_serves_reads_with_writes_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, make_unwritable: Callable
+) -> None:
     root = tmp_path / "store"
     DiskKVStore(root, LAYOUT, BIG).write([key_of(0)], blocks_of([0]))
-    undo = _make_unwritable(root)
+    undo = make_unwritable(root)
     if undo is None:
         pytest.skip("cannot make a directory unwritable here")
     try:
