@@ -61,6 +61,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         gpu.run(args)
         return 0
+    if args.bench_kind == "restart":
+        from boundless.bench import restart
+
+        restart.run(args)
+        return 0
     if args.bench_kind == "store":
         from boundless.bench import store
 
@@ -127,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     store = bench_sub.add_parser("store", help="the disk KV store's write and read GB/s against the raw disk's")
     bench_store.add_arguments(store)
     store.set_defaults(func=_bench)
+    from boundless.bench import restart as bench_restart
+
+    restart = bench_sub.add_parser(
+        "restart", help="a workload, a server restart on the same --kv-disk-path, the replay: hit rate, outputs, TTFT"
+    )
+    bench_restart.add_arguments(restart)
+    restart.set_defaults(func=_bench)
     return parser
 
 

@@ -268,6 +268,22 @@ def from_flags(cls: type[C], args: argparse.Namespace) -> C:
     return cls(**values)
 
 
+def to_flags(config: object) -> list[str]:
+    """The flags that :func:`from_flags` turns back into ``config`` (a config dataclass): those of its fields
+    that differ from their defaults. For starting another process with the same configuration."""
+    flags: list[str] = []
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        if f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
 def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=from_flags(ModelConfig, args),

@@ -313,6 +313,8 @@ class Scheduler:
     def apply_tier_report(self, report: TierReport) -> None:
         """Record the disk reads and writes the executor finished: requests whose reads are done may be
         admitted at the next step."""
+        if report.held_at_open:
+            self.kv.learn_disk_holdings(report.held_at_open)
         self.kv.finish_disk_reads(report.reads)
         self.kv.finish_disk_writes(report.writes)
 

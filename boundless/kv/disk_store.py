@@ -291,6 +291,14 @@ class DiskKVStore:
                 self._held_bytes += self._file_bytes
             self._index[key] = _Entry(self._file_bytes, stamp)
 
+    def held_keys(self) -> list[BlockHash]:
+        """The blocks this layout holds as of the last scan and this process's own writes, least recently used
+        first (no I/O: the directory as the store last saw it; ``read`` still checks each file)."""
+        with self._lock:
+            entries = list(self._index.items())
+        entries.sort(key=lambda kv: kv[1].stamp_ns)
+        return [key for key, _ in entries]
+
     # -- writing ---------------------------------------------------------------------------------------
 
     def write(self, keys: Sequence[BlockHash], blocks: torch.Tensor) -> int:

@@ -575,6 +575,14 @@ class KVCacheManager:
         self._writes_pending.add(key)
         self._writes.append((tier, block_id, key))
 
+    def learn_disk_holdings(self, keys: Sequence[BlockHash]) -> None:
+        """What the store held when it opened (least recently used first): blocks earlier processes wrote are
+        loaded without a probe first, even behind a prefix in memory (after a restart, that a block is unknown
+        no longer suggests it is new input). A name another process has evicted since just loads as a miss."""
+        if self.has_disk:
+            for key in keys[-MAX_KNOWN_ON_DISK:]:
+                self._remember_on_disk(key)
+
     def _remember_on_disk(self, key: BlockHash) -> None:
         self._known_on_disk[key] = None
         self._known_on_disk.move_to_end(key)

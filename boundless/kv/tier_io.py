@@ -69,6 +69,8 @@ class TierIO:
         self._write_queue: queue.Queue[tuple[DiskWrite, _Snapshot] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._store_stats_at = -STORE_STATS_EVERY_S
+        held_keys = getattr(store, "held_keys", None)
+        self._held_at_open: tuple[bytes, ...] = tuple(held_keys()) if held_keys is not None else ()
         if store is not None and background:
             for name, target in (("loader", self._load_loop), ("writer", self._write_loop)):
                 thread = threading.Thread(target=target, name=f"boundless-kv-{name}", daemon=True)
@@ -112,7 +114,8 @@ class TierIO:
             if store_stats is not None:
                 self.stats.store = store_stats
             stats = DiskIOStats(**vars(self.stats))
-        return TierReport(tuple(reads), tuple(writes), stats)
+            held, self._held_at_open = self._held_at_open, ()
+        return TierReport(tuple(reads), tuple(writes), stats, held)
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until every read and write handed over so far has finished."""

@@ -18,6 +18,7 @@ from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler
 from boundless.kv.disk_moves import DiskReadDone, DiskWriteDone, TierReport
 from boundless.kv.manager import KVCacheManager
+from boundless.kv.tensors import PagedKVCache
 from boundless.kv.transfer import DISK
 from boundless.model.loader import LoadedModel
 from boundless.programs.policy import FCFSPolicy
@@ -71,9 +72,16 @@ def test_a_request_waiting_for_its_loads_holds_nobody_up() -> None:
 
 
 def _disk_engine(loaded: LoadedModel, store, tmp_path: Path) -> EngineCore:
+    arch = loaded.arch
+    per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, 16, loaded.dtype)
     config = EngineConfig(
         model=ModelConfig(max_model_len=256),
-        cache=CacheConfig(num_kv_blocks=32, kv_disk_path=str(tmp_path), kv_write_policy="through"),
+        cache=CacheConfig(
+            num_kv_blocks=32,
+            kv_host_gb=64.5 * per_block / (1 << 30),  # 64 blocks: the default GiB takes long to allocate
+            kv_disk_path=str(tmp_path),
+            kv_write_policy="through",
+        ),
         scheduler=SchedulerConfig(policy="fcfs"),
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
@@ -164,3 +172,26 @@ def test_a_stopped_engine_has_handed_every_full_block_to_the_store(tiny_llama: L
     _tokens(core, "r", {})
     core.close()  # the last step's block was named after the writes were handed over: close hands it over too
     assert store.stats().blocks_held == 4
+
+
+def test_a_restarted_engine_loads_what_an_earlier_one_wrote_even_behind_a_prefix_in_memory(
+    tiny_llama: LoadedModel, tmp_path: Path
+) -> None:
+    from boundless.kv.disk_store import DiskKVStore, StoreLayout
+
+    layout = StoreLayout.of_model(tiny_llama, 16)
+    shared = [(5 * j) % 300 + 3 for j in range(48)]  # three blocks every conversation starts with
+    first, second = shared + list(range(100, 141)), shared + list(range(200, 241))
+    before = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)
+    outputs: dict[str, list[int]] = {}
+    for rid, prompt in (("a", first), ("b", second)):
+        before.add_request(rid, prompt, PARAMS)
+        _tokens(before, rid, outputs)
+    before.close()
+    after = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)  # nothing in memory
+    for rid, prompt in (("a2", first), ("b2", second)):
+        after.add_request(rid, prompt, PARAMS)
+        assert _tokens(after, rid, outputs) == outputs[rid[0]]
+    # The second conversation's own blocks follow the shared ones, in memory since the first: they are loaded
+    # too, since the store said at start what it held (an unknown block there would have been computed).
+    assert after.stats().kv_tiers[DISK].hit_tokens == 5 * 16 + 2 * 16
