@@ -17,8 +17,9 @@ receive, so the caller may free them at once. A send that timed out may still be
 the peer takes it or is gone (the pulling libraries read the sender's memory in place): send tensors
 that stay unchanged, such as the gathered copy ``send_blocks`` makes.
 
-Peers run side by side: a transport makes progress when its handles are polled or waited on (those that
-have a progress thread of their own, torch.distributed and NIXL, also make it without).
+Peers run side by side. torch.distributed, shared memory and NIXL move bytes on threads of their own while
+the caller computes; the pulling transports (NIXL, Mooncake) start a read and acknowledge a message when
+one of their handles is polled or waited on.
 """
 
 from __future__ import annotations
