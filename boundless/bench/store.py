@@ -184,6 +184,12 @@ def measure_store(
         for i in range(0, num_blocks, n_batch):
             assert all(b is not None for b in store.read(keys[i : i + n_batch]))
 
+    out = torch.empty((n_batch, *layout.block_shape), dtype=layout.dtype)
+
+    def read_into() -> None:  # into one reused buffer, as the engine's loader reads
+        for i in range(0, num_blocks, n_batch):
+            assert all(store.read_into(keys[i : i + n_batch], out))
+
     write_s = _timed(write)
     files = _files(store.dir)
     flush_s = _timed(_flush)
@@ -192,6 +198,9 @@ def measure_store(
         _drop_page_cache(files)
         figures["read_cold_gbps"] = _gbps(nbytes, _timed(read))
         figures["read_hot_gbps"] = _gbps(nbytes, _timed(read))
+        _drop_page_cache(files)
+        figures["read_into_cold_gbps"] = _gbps(nbytes, _timed(read_into))
+        figures["read_into_hot_gbps"] = _gbps(nbytes, _timed(read_into))
         # The same files read plainly (into reused buffers, nothing checked), the same number at a time:
         # what reading files of one block costs on this disk, apart from the store's own work.
         _drop_page_cache(files)
@@ -310,6 +319,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "read_cold": round(store["read_cold_gbps"] / raw["read_cold_gbps"], 3),
         "read_hot": round(store["read_hot_gbps"] / raw["read_hot_gbps"], 3),
         "read_cold_to_plain_files": round(store["read_cold_gbps"] / store["plain_files_read_cold_gbps"], 3),
+        "read_into_cold": round(store["read_into_cold_gbps"] / raw["read_cold_gbps"], 3),
+        "read_into_hot": round(store["read_into_hot_gbps"] / raw["read_hot_gbps"], 3),
     }
     _print(results, args.chunk_blocks, args.io_threads)
     if args.json:
@@ -319,13 +330,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print(results: dict[str, Any], chunk_blocks: int, io_threads: int) -> None:
     def row(name: str, f: dict[str, float], suffix: str = "") -> list[Any]:
-        keys = ("write_gbps", "write_on_disk_gbps", f"read_cold_gbps{suffix}", f"read_hot_gbps{suffix}")
+        reads = ("read_into_cold_gbps", "read_into_hot_gbps") if suffix else ("read_cold_gbps", "read_hot_gbps")
+        keys = ("write_gbps", "write_on_disk_gbps", *reads) if not suffix else ("-", "-", *reads)
         return [name, *(f.get(k, "-") for k in keys)]
 
     raw, store = results["raw"], results["store"]
     rows = [
         ["raw sequential file", "-", raw["write_gbps"], raw["read_cold_gbps"], raw["read_hot_gbps"]],
         row(f"store: 1 block per file, {io_threads} I/O threads", store),
+        row("store: read_into a reused buffer", store, "_into"),
         row("store: 1 I/O thread", results["store_1_thread"]),
         ["the store's files read plainly", "-", "-", store["plain_files_read_cold_gbps"], "-"],
         row("store: fsync per file", results["store_durable"]),
@@ -340,5 +353,6 @@ def _print(results: dict[str, Any], chunk_blocks: int, io_threads: int) -> None:
     print(
         f"store / raw: write {ratios['write_on_disk']}, read cold {ratios['read_cold']}, "
         f"read hot {ratios['read_hot']} (goal 0.7); read cold / the same files read plainly "
-        f"{ratios['read_cold_to_plain_files']}"
+        f"{ratios['read_cold_to_plain_files']}; read_into (the engine's loads): cold {ratios['read_into_cold']}, "
+        f"hot {ratios['read_into_hot']}"
     )

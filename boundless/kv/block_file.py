@@ -157,7 +157,29 @@ def read_block_file(fd: int, file_bytes: int, key: bytes, spec: BlockFileSpec) -
     return buf[HEADER_SIZE:].view(spec.dtype).view(spec.shape)
 
 
-def _check_header(view: memoryview, key: bytes, spec: BlockFileSpec) -> None:
+def read_block_file_into(fd: int, file_bytes: int, key: bytes, spec: BlockFileSpec, payload: memoryview) -> None:
+    """Read the open file ``fd`` (of ``file_bytes`` bytes) with its payload straight into ``payload`` (a buffer
+    of exactly ``spec.payload_bytes`` that the caller reuses), every field checked as :func:`read_block_file`
+    does. On :class:`BlockFileError` or ``OSError`` the buffer's contents are undefined."""
+    if file_bytes != spec.file_bytes:
+        raise BlockFileError(f"{file_bytes} bytes where {spec.file_bytes} are expected (truncated or another layout)")
+    header = memoryview(bytearray(HEADER_SIZE))
+    parts, pos = [header, payload], 0
+    while parts:
+        got = os.preadv(fd, parts, pos)
+        if got == 0:
+            raise BlockFileError(f"file shrank to {pos} bytes while read")
+        pos += got
+        while parts and got >= len(parts[0]):
+            got -= len(parts[0])
+            parts.pop(0)
+        if parts:
+            parts[0] = parts[0][got:]
+    _check_header(header, key, spec, payload)
+
+
+def _check_header(view: memoryview, key: bytes, spec: BlockFileSpec, payload: memoryview | None = None) -> None:
+    """Check a file's header (``view`` holds the whole file, or the header with ``payload`` apart)."""
     fields = view[: _FIELDS.size]
     (header_crc,) = _HEADER_CRC.unpack_from(view, _FIELDS.size)
     if zlib.crc32(fields) != header_crc:
@@ -174,5 +196,5 @@ def _check_header(view: memoryview, key: bytes, spec: BlockFileSpec) -> None:
         raise BlockFileError("holds another block's key")
     if payload_bytes != spec.payload_bytes:
         raise BlockFileError("payload size differs from the header's")
-    if zlib.crc32(view[HEADER_SIZE:]) != payload_crc:
+    if zlib.crc32(view[HEADER_SIZE:] if payload is None else payload) != payload_crc:
         raise BlockFileError("payload checksum mismatch")

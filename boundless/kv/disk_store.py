@@ -44,6 +44,7 @@ from boundless.kv.block_file import (
     dtype_name,
     payload_view,
     read_block_file,
+    read_block_file_into,
     write_block_file,
 )
 from boundless.kv.block_hash import BlockHash
@@ -222,13 +223,31 @@ class DiskKVStore:
         """Each block's KV, [layers, 2, kv_heads, block_size, head_dim] on the CPU, or None (missing or bad)."""
         start = time.perf_counter()
         out = self._each(self._read_one, keys)
-        hits = sum(b is not None for b in out)
+        self._count_reads(sum(b is not None for b in out), len(out), start)
+        return out
+
+    def read_into(self, keys: Sequence[BlockHash], out: torch.Tensor) -> list[bool]:
+        """Read each block into ``out[i]`` (``out``: [n >= len(keys), layers, 2, kv_heads, block_size, head_dim], a
+        contiguous CPU tensor of the layout's dtype that the caller reuses); which came back whole. A block that
+        did not holds undefined bytes. Saves :meth:`read`'s fresh memory per block (its page faults cost more
+        than the copy out of the page cache) for a caller that copies the blocks on anyway (the engine's loader
+        into host memory)."""
+        shape = (*out.shape[:1], *self.layout.block_shape)
+        if tuple(out.shape) != shape or out.shape[0] < len(keys) or out.dtype != self.layout.dtype:
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not hold {len(keys)} blocks of {self.layout}")
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError("out must be a contiguous CPU tensor")
+        start = time.perf_counter()
+        ok = self._each(lambda i: self._read_one_into(keys[i], payload_view(out[i])), range(len(keys)))
+        self._count_reads(sum(ok), len(ok), start)
+        return ok
+
+    def _count_reads(self, hits: int, asked: int, start: float) -> None:
         with self._lock:
             self._hits += hits
-            self._misses += len(out) - hits
+            self._misses += asked - hits
             self._bytes_read += hits * self._file_bytes
             self._read_seconds += time.perf_counter() - start
-        return out
 
     def _each(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         """``fn`` over ``items``, side by side on the I/O threads: several I/Os in flight, and checksums and
@@ -242,6 +261,14 @@ class DiskKVStore:
         return list(pool.map(fn, items))
 
     def _read_one(self, key: BlockHash) -> torch.Tensor | None:
+        return self._read_file(key, lambda fd, size: read_block_file(fd, size, key, self._spec)[0])
+
+    def _read_one_into(self, key: BlockHash, payload: memoryview) -> bool:
+        read = self._read_file(key, lambda fd, size: read_block_file_into(fd, size, key, self._spec, payload) or True)
+        return read is not None
+
+    def _read_file(self, key: BlockHash, read: Callable[[int, int], _R]) -> _R | None:
+        """``read(fd, size)`` on the block's file; None when it is missing, unreadable or fails its checks."""
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -253,7 +280,7 @@ class DiskKVStore:
         try:
             st = os.fstat(fd)
             try:
-                blocks = read_block_file(fd, st.st_size, key, self._spec)
+                result = read(fd, st.st_size)
             except BlockFileError as e:
                 self._reject(path, st.st_ino, key, e)
                 return None
@@ -263,7 +290,7 @@ class DiskKVStore:
         finally:
             os.close(fd)
         self._touch(path, key)
-        return blocks[0]
+        return result
 
     def _reject(self, path: Path, inode: int, key: BlockHash, error: BlockFileError) -> None:
         with self._lock:

@@ -35,6 +35,8 @@ _Snapshot = tuple[torch.Tensor, "torch.cuda.Event | None"]
 
 # Blocks the writer may hold queued before it drops writes (at 720 KiB a block, SmolLM2-135M fp32: ~180 MiB).
 DEFAULT_WRITE_QUEUE_BLOCKS = 256
+# Blocks a load reads into its reused staging buffer at a time (at 720 KiB a block: 45 MiB, kept by the loader).
+LOAD_CHUNK_BLOCKS = 64
 STORE_STATS_EVERY_S = 1.0  # the store's own stats may cost I/O: asked at most this often
 
 
@@ -68,6 +70,7 @@ class TierIO:
         self._read_queue: queue.Queue[DiskRead | None] = queue.Queue()
         self._write_queue: queue.Queue[tuple[DiskWrite, _Snapshot] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self._staging: torch.Tensor | None = None  # the loader's, for stores that read into a given buffer
         self._store_stats_at = -STORE_STATS_EVERY_S
         held_keys = getattr(store, "held_keys", None)
         self._held_at_open: tuple[bytes, ...] = tuple(held_keys()) if held_keys is not None else ()
@@ -186,8 +189,10 @@ class TierIO:
         if self.store is None:
             return 0
         host = self.tiers[HOST]
-        blocks = self.store.read(read.keys)
         data = getattr(host, "data", None)  # the host tier's memory, for the shape of one block
+        if data is not None and hasattr(self.store, "read_into"):
+            return self._load_staged(read, data)
+        blocks = self.store.read(read.keys)
         shape = None if data is None else tuple(data.shape[:3]) + tuple(data.shape[4:])
         good = []
         for block in blocks:
@@ -197,6 +202,26 @@ class TierIO:
         if good:
             host.write_blocks(read.dst_ids[: len(good)], torch.stack(good, dim=3))
         return len(good)
+
+    def _load_staged(self, read: DiskRead, data: torch.Tensor) -> int:
+        """:meth:`_load` for a store that reads into a given buffer: the files' payloads land in the loader's
+        reused staging buffer and are copied once into their host blocks (no fresh memory per block, no stack)."""
+        host, store = self.tiers[HOST], self.store
+        shape = (LOAD_CHUNK_BLOCKS, *data.shape[:3], *data.shape[4:])
+        if self._staging is None or tuple(self._staging.shape) != shape or self._staging.dtype != data.dtype:
+            self._staging = torch.empty(shape, dtype=data.dtype)
+        staging, found = self._staging, 0
+        for start in range(0, len(read.keys), LOAD_CHUNK_BLOCKS):
+            keys = read.keys[start : start + LOAD_CHUNK_BLOCKS]
+            ok = store.read_into(keys, staging)  # type: ignore[union-attr]
+            whole = next((i for i, good in enumerate(ok) if not good), len(ok))  # missing or bad: recomputed
+            if whole:
+                # [n, layers, 2, heads, bs, dim] -> the tiers' [layers, 2, heads, n, bs, dim], copied into place.
+                host.write_blocks(read.dst_ids[start : start + whole], staging[:whole].permute(1, 2, 3, 0, 4, 5))
+            found += whole
+            if whole < len(keys):
+                break
+        return found
 
     # -- writes --------------------------------------------------------------------------------
 

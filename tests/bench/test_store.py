@@ -24,7 +24,9 @@ def test_bench_store_measures_the_store_against_the_raw_directory(
         assert all(v > 0 for v in figures[part].values()), part
     assert figures["store_durable"]["write_on_disk_gbps"] > 0
     assert figures["checksum"]["crc32_gbps"] > 0
-    assert set(figures["ratios"]) == {"write_on_disk", "read_cold", "read_hot", "read_cold_to_plain_files"}
+    assert set(figures["ratios"]) == {
+        "write_on_disk", "read_cold", "read_hot", "read_cold_to_plain_files", "read_into_cold", "read_into_hot"
+    }  # fmt: skip
     assert all(r > 0 for r in figures["ratios"].values())
     assert list(target.iterdir()) == []  # its subdirectory is gone
     assert "store / raw" in capsys.readouterr().out

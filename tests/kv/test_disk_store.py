@@ -313,3 +313,16 @@ def test_an_unwritable_directory_serves_reads_with_writes_off(
         assert "writes off" in store.describe()
     finally:
         undo()
+
+
+def test_read_into_fills_a_reused_buffer_and_reports_bad_files(tmp_path: Path) -> None:
+    store = DiskKVStore(tmp_path, LAYOUT, BIG)
+    store.write([key_of(i) for i in range(3)], blocks_of([0, 1, 2]))
+    _flip_payload_bit(_file(store, 1))
+    out = torch.zeros((4, *LAYOUT.block_shape))
+    assert store.read_into([key_of(0), key_of(1), key_of(2), key_of(9)], out) == [True, False, True, False]
+    assert torch.equal(out[0], block_of(0)) and torch.equal(out[2], block_of(2))
+    assert store.stats().checksum_failures == 1 and not _file(store, 1).exists()
+    assert store.read_into([key_of(2)], out) == [True] and torch.equal(out[0], block_of(2))  # the buffer reused
+    with pytest.raises(ValueError):
+        store.read_into([key_of(0)], torch.zeros((1, *LAYOUT.block_shape), dtype=torch.float16))
