@@ -22,6 +22,7 @@ from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
+from boundless.engine.step_times import StepTimeRecorder, step_sample
 from boundless.kv.disk_moves import DiskIOStats
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.transfer import DISK
@@ -163,6 +164,8 @@ class EngineCore:
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
+        # Step times by batch and context, for the KV-lending planner's fitted performance model.
+        self.step_times = StepTimeRecorder()
         self._disk_io = DiskIOStats()  # the executor's disk I/O, as last reported
 
     @classmethod
@@ -285,6 +288,8 @@ class EngineCore:
         c.steps += 1
         c.computed_tokens += sched.num_tokens
         c.busy_seconds += elapsed
+        if sched.chunks:
+            self.step_times.record(step_sample(sched, elapsed))
         now = self.clock()
         outputs = []
         for request_id, token in sampled.items():
