@@ -121,7 +121,9 @@ class GManager:
         out = {}
         for iid, hb in self.heartbeats.items():
             r = hb.instance
-            out[iid] = InstanceLending(r.lent_blocks, r.reserved_blocks, r.borrowed_blocks, r.free_blocks, r.total_blocks)
+            out[iid] = InstanceLending(
+                r.lent_blocks, r.reserved_blocks, r.borrowed_blocks, r.free_blocks, r.total_blocks
+            )
         return out
 
     # -- what it decides --------------------------------------------------------------------------------------

@@ -3,10 +3,11 @@
 Debtors are instances whose batch is small (at most ``debtor_max_batch``), in increasing batch order;
 creditors are instances whose memory use is low (at most ``creditor_max_usage``), in increasing use order. For
 each debtor, its longest request (the one with the most blocks a move may take) is offered to each creditor in
-turn: the planner evaluates the cluster's modelled throughput for moving every ``k`` from 0 to what the request
-and the creditor allow, and takes the best ``k``. A best of 0 (no move gains) ends that debtor's turn, since the
-creditors further down are busier. After each move the two instances' modelled states are updated and the
-creditors re-sorted.
+turn: the planner evaluates the pair's modelled throughput for moving every ``k`` from 0 to what the request and
+the creditor allow, and takes the best ``k`` (the fewest blocks within ``min_gain`` of the best, so that blocks
+whose move the model barely tells from none stay put). A best of 0 (no move gains ``min_gain``) ends that
+debtor's turn, since the creditors further down are busier. After each move the two instances' modelled states
+are updated and the creditors re-sorted.
 
 An instance's modelled state is its batch, its context and its free blocks. Freeing blocks on a debtor admits
 its waiting requests, in order, as long as their blocks fit (up to its largest batch); lending blocks takes
@@ -33,7 +34,7 @@ class LendingThresholds:
     debtor_max_batch: int = 8  # β_thres: instances running at most this many requests may borrow
     creditor_max_usage: float = 0.6  # U_thres: instances using at most this share of their blocks may lend
     creditor_headroom: float = 0.1  # share of a creditor's blocks never lent (its requests grow into them)
-    min_gain: float = 0.01  # a move must raise the two instances' modelled throughput by this share at least
+    min_gain: float = 0.01  # share of the two instances' modelled throughput a move must gain (and the tolerance)
 
 
 @dataclass(frozen=True)
@@ -151,19 +152,23 @@ def _creditors(nodes: dict[str, _Modelled], debtor: _Modelled, thresholds: Lendi
 def _best_move(
     debtor: _Modelled, creditor: _Modelled, limit: int, model: StepTimeModel, thresholds: LendingThresholds
 ) -> int:
-    """The number of blocks in ``[0, limit]`` whose move maximizes the pair's modelled throughput; 0 when no
-    move gains at least ``min_gain`` of it (ties go to fewer blocks: fewer bytes to move)."""
+    """How many blocks in ``[0, limit]`` to move: 0 unless the best move raises the pair's modelled throughput
+    by ``min_gain`` at least, else the fewest blocks that come within ``min_gain`` of the best (moving more
+    would add bytes to move for no gain the model can tell from noise)."""
     base = debtor.throughput(model) + creditor.throughput(model)
     block_tokens = debtor.report.block_size
-    best_k, best = 0, base
+    totals = [base]
     for k in range(1, limit + 1):
         moved = k * block_tokens
-        total = debtor.throughput(model, debtor.free + k, debtor.context - moved) + creditor.throughput(
-            model, creditor.free - k, creditor.context + moved
+        totals.append(
+            debtor.throughput(model, debtor.free + k, debtor.context - moved)
+            + creditor.throughput(model, creditor.free - k, creditor.context + moved)
         )
-        if total > best:
-            best_k, best = k, total
-    return best_k if best > base * (1 + thresholds.min_gain) else 0
+    best = max(totals)
+    tolerance = thresholds.min_gain * base
+    if best - base < tolerance or best <= base:
+        return 0
+    return next(k for k, total in enumerate(totals) if total >= best - tolerance and k > 0)
 
 
 def _apply(debtor: _Modelled, creditor: _Modelled, k: int) -> None:

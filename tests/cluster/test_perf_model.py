@@ -3,29 +3,11 @@ refuses samples that cannot separate the per-request cost from the per-context c
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from lending_cases import ATTENTION_BOUND, GPU_LIKE, samples_of
 
 from boundless.cluster.perf_model import NotEnoughSamplesError, StepTimeModel, fit_step_time_model
 from boundless.engine.step_times import StepSample
-
-# A GPU-like instance (a fixed step cost dominates) and an attention-bound one.
-GPU_LIKE = StepTimeModel(base_s=0.03, per_seq_s=0.0005, per_prefill_token_s=0.0002, per_attended_s=1e-6)
-ATTENTION_BOUND = StepTimeModel(base_s=0.001, per_seq_s=0.0001, per_prefill_token_s=0.0003, per_attended_s=1e-4)
-
-
-def samples_of(model: StepTimeModel, noise: float = 0.0, seed: int = 0) -> list[StepSample]:
-    """Decode steps over a grid of batches and contexts, and a few mixed steps with a prefill chunk."""
-    rng = random.Random(seed)
-    out = []
-    for batch in (1, 2, 4, 8, 16):
-        for context in (64, 512, 2048):
-            for prefill in (0, 0, 128):
-                shape = StepSample(batch, batch + prefill, batch * context + prefill * (prefill + 1) // 2, 0.0)
-                seconds = model.sample_s(shape) * (1 + rng.uniform(-noise, noise))
-                out.append(StepSample(shape.batch_size, shape.num_tokens, shape.attended_tokens, seconds))
-    return out
 
 
 @pytest.mark.parametrize("true", [GPU_LIKE, ATTENTION_BOUND])

@@ -9,9 +9,9 @@ from boundless.cluster.rmanager import (
     FreeLentBlocks,
     FreeLocalBlocks,
     LendingAction,
+    LoanState,
     LocalRequest,
     LocalState,
-    LoanState,
     MoveRejected,
     Recompute,
     ReleaseRemote,
@@ -148,7 +148,7 @@ def test_a_debtor_gives_up_a_move_without_an_answer_and_a_late_yes_is_released()
 
 
 def test_a_lost_debtor_has_its_creditor_free_what_it_held_and_promised() -> None:
-    debtor, creditor, clock = pair(creditor_blocks=64)
+    debtor, creditor, _ = pair(creditor_blocks=64)
     send = one(deliver_try(debtor, creditor, one(debtor.move_kvcache("long", 8, "B"), TryMove)), SendBlocks)
     deliver_blocks(debtor, creditor, send)
     pending = one(debtor.move_kvcache("long", 4, "B"), TryMove)
@@ -161,7 +161,7 @@ def test_a_lost_debtor_has_its_creditor_free_what_it_held_and_promised() -> None
 
 
 def test_a_lost_creditor_has_the_debtor_recompute_its_blocks_and_keep_those_in_flight() -> None:
-    debtor, creditor, clock = pair(creditor_blocks=64)
+    debtor, creditor, _ = pair(creditor_blocks=64)
     send = one(deliver_try(debtor, creditor, one(debtor.move_kvcache("long", 8, "B"), TryMove)), SendBlocks)
     deliver_blocks(debtor, creditor, send)
     in_flight = one(deliver_try(debtor, creditor, one(debtor.move_kvcache("long", 4, "B"), TryMove)), SendBlocks)
