@@ -56,10 +56,11 @@ def test_a_fit_of_the_engines_own_steps_recovers_its_step_time(tiny_config: Engi
     true = StepTimeModel(base_s=0.02, per_seq_s=0.003, per_prefill_token_s=0.001, per_attended_s=2e-5)
     core = simulated_engine(tiny_config, SimulatedModel.read(tiny_config.model), true, VirtualClock())
     # Requests of several lengths arriving in waves: steps of different batches, contexts and prefill chunks.
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
     for wave in range(3):
         for i in range(2 + 2 * wave):
             length = 20 + 37 * i + 11 * wave
-            core.add_request(f"w{wave}-{i}", list(range(10, 10 + length)), SamplingParams(max_tokens=12, ignore_eos=True))
+            core.add_request(f"w{wave}-{i}", list(range(10, 10 + length)), params)
         for _ in range(6):
             core.step()
     while core.has_unfinished():
