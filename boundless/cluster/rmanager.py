@@ -359,6 +359,13 @@ class RManager:
         promised for it."""
         self._requests.pop(request_id, None)
         actions: list[LendingAction] = [ReleaseRemote(s.creditor, s.move_id) for s in self.spans.pop(request_id, [])]
+        return actions + self.cancel_moves(request_id)
+
+    def cancel_moves(self, request_id: str) -> list[LendingAction]:
+        """Give up the request's moves under way (its local blocks are about to go: preempted, say); the blocks
+        it already moved stay where they are. A later yes or confirmation about them is answered with a
+        release."""
+        actions: list[LendingAction] = []
         for move_id, move in list(self.pending.items()):
             if move.request_id == request_id:
                 del self.pending[move_id]

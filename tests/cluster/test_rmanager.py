@@ -241,3 +241,16 @@ def test_what_a_creditor_lends_is_not_its_requests_to_use() -> None:
     assert creditor.receive_blocks("A/0", list(range(6)))
     assert creditor.try_move_kvcache("A/1", "long", "A", 2)
     assert creditor.own_capacity == 32 - 8 and creditor.free_blocks == 32 - 4 - 8
+
+
+def test_moves_cancelled_before_a_preemption_leave_the_moved_blocks_where_they_are() -> None:
+    debtor, creditor, _ = pair(creditor_blocks=64)
+    committed = one(deliver_try(debtor, creditor, one(debtor.move_kvcache("long", 8, "B"), TryMove)), SendBlocks)
+    deliver_blocks(debtor, creditor, committed)
+    sending = one(deliver_try(debtor, creditor, one(debtor.move_kvcache("long", 4, "B"), TryMove)), SendBlocks)
+    assert debtor.cancel_moves("long") == [ReleaseRemote("B", sending.move_id)]
+    assert creditor.release(sending.move_id) == []  # only reserved: nothing to free
+    assert [s.move_id for s in debtor.remote_spans("long")] == [committed.move_id]
+    assert creditor.lent_blocks == 8 and creditor.reserved_blocks == 0
+    # Blocks already on their way arrive after the release: refused, and the debtor is told to release again.
+    assert one(deliver_blocks(debtor, creditor, sending), ReleaseRemote).move_id == sending.move_id
