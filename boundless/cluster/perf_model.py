@@ -13,7 +13,8 @@ with ``attended`` the key positions the step's tokens attend over (a decode step
 The coefficients are fitted by least squares over an instance's recorded steps, relative to each step's time
 (so the many short decode steps weigh as much as the few long prefills), and kept non-negative (a negative
 cost would have the planner chase a batch or a context that costs nothing): with four coefficients the
-non-negative least-squares solution is found exactly by trying each subset of them.
+non-negative least-squares solution is found exactly by trying each subset of them. Steps far slower than the
+fit (slowed by something else) are dropped and the fit redone.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from boundless.engine.step_times import StepSample, step_sample
 
 # Fewer samples than this fit nothing: the planner waits for the engines to have run.
 MIN_SAMPLES = 8
+# A step this many times slower than the fit predicts was slowed by something else; the fit is redone without it.
+OUTLIER_FACTOR = 1.5
+MAX_TRIM_ROUNDS = 5
 
 
 class NotEnoughSamplesError(ValueError):
@@ -72,18 +76,44 @@ def _features(sample: StepSample) -> tuple[float, float, float, float]:
 
 
 def fit_step_time_model(samples: Sequence[StepSample]) -> StepTimeModel:
-    """The non-negative least-squares fit of :class:`StepTimeModel` to ``samples``, in relative error.
+    """The non-negative least-squares fit of :class:`StepTimeModel` to ``samples``, in relative error, without
+    the steps that ran more than :data:`OUTLIER_FACTOR` times slower than the fit predicts.
+
+    A step slowed by something else than its batch and context (another process on the cores, a collector
+    pause) says nothing about their cost, and such slowdowns only ever add time: so the fit is repeated without
+    the steps far above it until none is left (at most :data:`MAX_TRIM_ROUNDS` times). A slowdown shared by
+    all steps stays in the fit.
 
     Raises :class:`NotEnoughSamplesError` when the samples cannot separate the per-request cost from the
     per-context cost: fewer than :data:`MIN_SAMPLES`, or a single batch size or a single context among them.
     """
     usable = [s for s in samples if s.seconds > 0 and s.batch_size > 0]
-    if len(usable) < MIN_SAMPLES:
-        raise NotEnoughSamplesError(f"{len(usable)} usable step samples; the fit needs {MIN_SAMPLES}")
-    if len({s.batch_size for s in usable}) < 2 or len({s.attended_tokens for s in usable}) < 2:
+    _check_determined(usable)
+    model = _nnls_relative(usable)
+    for _ in range(MAX_TRIM_ROUNDS):
+        kept = [s for s in usable if s.seconds <= OUTLIER_FACTOR * model.sample_s(s)]
+        if len(kept) == len(usable):
+            break
+        try:
+            _check_determined(kept)
+        except NotEnoughSamplesError:
+            break
+        usable = kept
+        model = _nnls_relative(usable)
+    return model
+
+
+def _check_determined(samples: Sequence[StepSample]) -> None:
+    if len(samples) < MIN_SAMPLES:
+        raise NotEnoughSamplesError(f"{len(samples)} usable step samples; the fit needs {MIN_SAMPLES}")
+    if len({s.batch_size for s in samples}) < 2 or len({s.attended_tokens for s in samples}) < 2:
         raise NotEnoughSamplesError("the step samples need two batch sizes and two contexts at least")
-    x = np.array([_features(s) for s in usable], dtype=np.float64)
-    y = np.array([s.seconds for s in usable], dtype=np.float64)
+
+
+def _nnls_relative(samples: Sequence[StepSample]) -> StepTimeModel:
+    """Non-negative least squares in relative error, by trying every subset of the coefficients."""
+    x = np.array([_features(s) for s in samples], dtype=np.float64)
+    y = np.array([s.seconds for s in samples], dtype=np.float64)
     # Relative error: each row divided by its step's seconds.
     x, y = x / y[:, None], np.ones_like(y)
     # Columns scaled to unit norm, so the rank test below does not mistake a column of large counts for the rest.

@@ -3,6 +3,8 @@ refuses samples that cannot separate the per-request cost from the per-context c
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from lending_cases import ATTENTION_BOUND, GPU_LIKE, samples_of
 
@@ -54,3 +56,15 @@ def test_throughput_is_batch_over_decode_step_time() -> None:
     assert GPU_LIKE.decode_step_s(4, 1000) == pytest.approx(0.03 + 4 * 0.0005 + 1000 * 1e-6)
     assert GPU_LIKE.throughput(4, 1000) == pytest.approx(4 / GPU_LIKE.decode_step_s(4, 1000))
     assert GPU_LIKE.throughput(0, 0) == 0.0
+
+
+def test_steps_slowed_by_something_else_do_not_skew_the_fit() -> None:
+    # A fifth of the steps ran 2-10 times slower (another process on the cores, a collector pause).
+    rng = random.Random(7)
+    samples = [
+        StepSample(s.batch_size, s.num_tokens, s.attended_tokens, s.seconds * (rng.uniform(2, 10) if i % 5 == 0 else 1))
+        for i, s in enumerate(samples_of(GPU_LIKE, noise=0.02, seed=5))
+    ]
+    fitted = fit_step_time_model(samples)
+    for batch, context in ((1, 4096), (8, 8 * 300), (16, 16 * 2000)):
+        assert fitted.throughput(batch, context) == pytest.approx(GPU_LIKE.throughput(batch, context), rel=0.03)
