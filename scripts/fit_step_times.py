@@ -16,6 +16,8 @@ import random
 import statistics
 import time
 
+import torch
+
 from boundless.cluster.perf_model import fit_step_time_model
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
@@ -43,6 +45,8 @@ def errors(samples: list[StepSample], predict) -> dict[str, float]:
         "steps": len(rel),
         "median_rel_error": statistics.median(rel),
         "p90_rel_error": rel[int(0.9 * (len(rel) - 1))],
+        "within_10pct": sum(r <= 0.1 for r in rel) / len(rel),
+        "within_25pct": sum(r <= 0.25 for r in rel) / len(rel),
     }
 
 
@@ -53,6 +57,7 @@ def main() -> None:
     parser.add_argument("--waves", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument(
         "--timer",
         choices=("wall", "process"),
@@ -61,6 +66,8 @@ def main() -> None:
         "step, which other processes on the same cores do not inflate (for a busy machine; CPU only)",
     )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     config = EngineConfig(
         ModelConfig(model=args.model, device=args.device, max_model_len=2048),
         CacheConfig(num_kv_blocks=4096, enable_prefix_caching=False),
@@ -82,6 +89,7 @@ def main() -> None:
         "model": args.model,
         "device": args.device,
         "timer": args.timer,
+        "threads": torch.get_num_threads(),
         "run_s": time.perf_counter() - start,
         "batch_sizes": sorted({s.batch_size for s in samples}),
         "coefficients": dict(
