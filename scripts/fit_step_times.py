@@ -20,9 +20,9 @@ import torch
 
 from boundless.cluster.perf_model import fit_step_time_model
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.attention_time import AttentionSample
 from boundless.engine.core import EngineCore
 from boundless.engine.sampling_params import SamplingParams
-from boundless.engine.step_times import StepSample
 from boundless.model.loader import load_model
 
 
@@ -39,8 +39,8 @@ def run_waves(core: EngineCore, waves: int, seed: int) -> None:
             core.step()
 
 
-def errors(samples: list[StepSample], predict) -> dict[str, float]:
-    rel = sorted(abs(predict(s) - s.seconds) / s.seconds for s in samples)
+def errors(samples: list[AttentionSample], model) -> dict[str, float]:
+    rel = sorted(abs(model.predict(s.shapes) - s.seconds) / s.seconds for s in samples)
     return {
         "steps": len(rel),
         "median_rel_error": statistics.median(rel),
@@ -84,20 +84,18 @@ def main() -> None:
     samples = core.step_times.drain()
     fit_on, held_out = samples[::2], samples[1::2]
     model = fit_step_time_model(fit_on)
-    decodes = [s for s in held_out if s.prefill_tokens == 0]
+    decodes = [s for s in held_out if all(c.new == 1 for c in s.shapes)]
     result = {
         "model": args.model,
         "device": args.device,
         "timer": args.timer,
         "threads": torch.get_num_threads(),
         "run_s": time.perf_counter() - start,
-        "batch_sizes": sorted({s.batch_size for s in samples}),
-        "coefficients": dict(
-            zip(("base_s", "per_seq_s", "per_prefill_token_s", "per_attended_s"), model.coefficients, strict=True)
-        ),
-        "held_out_all": errors(held_out, model.sample_s),
-        "held_out_decode": errors(decodes, model.sample_s) if decodes else None,
-        "samples": [[s.batch_size, s.num_tokens, s.attended_tokens, s.seconds] for s in samples],
+        "batch_sizes": sorted({len(s.shapes) for s in samples}),
+        "coefficients": {name: getattr(model, name) for name in ("base_s", "per_seq_s", "per_token_s", "per_pair_s")},
+        "held_out_all": errors(held_out, model),
+        "held_out_decode": errors(decodes, model) if decodes else None,
+        "samples": [[[[c.cached, c.new] for c in s.shapes], s.seconds] for s in samples],
     }
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=2))
     if args.json:

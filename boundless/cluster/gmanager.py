@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from boundless.cluster.lending_plan import LendingPlan, LendingThresholds, plan_lending
-from boundless.cluster.perf_model import NotEnoughSamplesError, StepTimeModel, fit_step_time_model
+from boundless.cluster.perf_model import NotEnoughSamplesError, fit_step_time_model
 from boundless.cluster.placement import Heartbeat, RequestPlacementEntry
 from boundless.config import ClusterConfig
-from boundless.engine.step_times import StepSample
+from boundless.engine.attention_time import AttentionSample, AttentionTimeModel
 
 # Step samples kept across the cluster for the fit: the latest few thousand steps.
 MAX_SAMPLES = 4096
@@ -65,8 +65,8 @@ class GManager:
         self.clock = clock
         self.heartbeats: dict[str, Heartbeat] = {}
         self._heard_at: dict[str, float] = {}
-        self._samples: deque[StepSample] = deque(maxlen=max_samples)
-        self._model: StepTimeModel | None = None
+        self._samples: deque[AttentionSample] = deque(maxlen=max_samples)
+        self._model: AttentionTimeModel | None = None
         self._model_stale = False
         self._last_plan_at: float | None = None
         self.counters = GManagerCounters()
@@ -102,7 +102,7 @@ class GManager:
         now = self.clock()
         return [hb for iid, hb in self.heartbeats.items() if now - self._heard_at[iid] <= self.heartbeat_timeout_s]
 
-    def model(self) -> StepTimeModel | None:
+    def model(self) -> AttentionTimeModel | None:
         """The performance model fitted to the samples so far; None until they determine it."""
         if self._model_stale:
             self._model_stale = False

@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from boundless.cluster.perf_model import StepTimeModel
+from boundless.cluster.perf_model import decode_throughput
 from boundless.cluster.placement import InstanceReport, RequestReport
+from boundless.engine.attention_time import AttentionTimeModel
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,11 @@ class _Modelled:
             context += blocks * r.block_size
         return batch, context
 
-    def throughput(self, model: StepTimeModel, free: int | None = None, context: int | None = None) -> float:
+    def throughput(self, model: AttentionTimeModel, free: int | None = None, context: int | None = None) -> float:
         batch, ctx = self.batch_and_context(
             self.free if free is None else free, self.context if context is None else context
         )
-        return model.throughput(batch, ctx)
+        return decode_throughput(model, batch, ctx)
 
     @property
     def usage(self) -> float:
@@ -101,7 +102,7 @@ class _Modelled:
 def plan_lending(
     reports: Sequence[InstanceReport],
     requests: Sequence[RequestReport],
-    model: StepTimeModel,
+    model: AttentionTimeModel,
     thresholds: LendingThresholds,
 ) -> LendingPlan:
     """Algorithm 1 over the latest reports of the live instances (see the module)."""
@@ -150,7 +151,7 @@ def _creditors(nodes: dict[str, _Modelled], debtor: _Modelled, thresholds: Lendi
 
 
 def _best_move(
-    debtor: _Modelled, creditor: _Modelled, limit: int, model: StepTimeModel, thresholds: LendingThresholds
+    debtor: _Modelled, creditor: _Modelled, limit: int, model: AttentionTimeModel, thresholds: LendingThresholds
 ) -> int:
     """How many blocks in ``[0, limit]`` to move: 0 unless the best move raises the pair's modelled throughput
     by ``min_gain`` at least, else the fewest blocks that come within ``min_gain`` of the best (moving more

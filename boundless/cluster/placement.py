@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from boundless.engine.step_times import StepSample
+from boundless.engine.attention_time import AttentionSample
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Heartbeat:
 
     instance: InstanceReport
     requests: tuple[RequestReport, ...] = ()
-    step_samples: tuple[StepSample, ...] = ()
+    step_samples: tuple[AttentionSample, ...] = ()
 
     @property
     def instance_id(self) -> str:

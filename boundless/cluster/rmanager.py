@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from boundless.cluster.placement import Heartbeat, InstanceReport, RequestReport
-from boundless.engine.step_times import StepSample
+from boundless.engine.attention_time import AttentionSample
 
 # -- what the engine tells its rManager ---------------------------------------------------------------------
 
@@ -250,7 +250,7 @@ class RManager:
         """Blocks its own requests may use: the pool less what it promised or lent."""
         return self.total_blocks - self.reserved_blocks - self.lent_blocks
 
-    def heartbeat(self, step_samples: Sequence[StepSample] = ()) -> Heartbeat:
+    def heartbeat(self, step_samples: Sequence[AttentionSample] = ()) -> Heartbeat:
         """The instance and its running requests, as the gManager sees them."""
         requests = tuple(self._request_report(rid, req) for rid, req in self._requests.items())
         local_context = sum(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.config import EngineConfig
+from boundless.engine.attention_time import AttentionTimeRecorder, shapes_of
 from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer
 from boundless.engine.errors import InvalidRequestError
@@ -22,7 +23,6 @@ from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
-from boundless.engine.step_times import StepTimeRecorder, step_sample
 from boundless.kv.disk_moves import DiskIOStats
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.transfer import DISK
@@ -164,8 +164,9 @@ class EngineCore:
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
-        # Step times by batch and context, for the KV-lending planner's fitted performance model.
-        self.step_times = StepTimeRecorder()
+        # Every step's shapes and seconds: what the step-time models (the KV-lending planner's, the prefill
+        # batcher's) are fitted from.
+        self.step_times = AttentionTimeRecorder()
         self._disk_io = DiskIOStats()  # the executor's disk I/O, as last reported
 
     @classmethod
@@ -288,8 +289,7 @@ class EngineCore:
         c.steps += 1
         c.computed_tokens += sched.num_tokens
         c.busy_seconds += elapsed
-        if sched.chunks:
-            self.step_times.record(step_sample(sched, elapsed))
+        self.step_times.record(shapes_of(sched), elapsed)
         now = self.clock()
         outputs = []
         for request_id, token in sampled.items():

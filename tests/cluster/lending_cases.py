@@ -5,26 +5,25 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from boundless.cluster.perf_model import StepTimeModel
 from boundless.cluster.placement import InstanceReport, RequestReport
-from boundless.engine.step_times import StepSample
+from boundless.engine.attention_time import AttentionSample, AttentionTimeModel, ChunkShape
 
 BLOCK = 16
-# A GPU-like instance (a fixed step cost dominates) and an attention-bound one.
-GPU_LIKE = StepTimeModel(base_s=0.03, per_seq_s=0.0005, per_prefill_token_s=0.0002, per_attended_s=1e-6)
-ATTENTION_BOUND = StepTimeModel(base_s=0.001, per_seq_s=0.0001, per_prefill_token_s=0.0003, per_attended_s=1e-4)
+# A GPU-like instance (a fixed step cost dominates) and an attention-bound one. A decode costs a request
+# per_seq_s + per_token_s: 0.5 ms on the first, 0.1 ms on the second.
+GPU_LIKE = AttentionTimeModel(base_s=0.03, per_seq_s=0.0003, per_token_s=0.0002, per_pair_s=1e-6)
+ATTENTION_BOUND = AttentionTimeModel(base_s=0.001, per_seq_s=0.00005, per_token_s=0.00005, per_pair_s=1e-4)
 
 
-def samples_of(model: StepTimeModel, noise: float = 0.0, seed: int = 0) -> list[StepSample]:
-    """Decode steps over a grid of batches and contexts, and a few mixed steps with a prefill chunk."""
+def samples_of(model: AttentionTimeModel, noise: float = 0.0, seed: int = 0) -> list[AttentionSample]:
+    """Decode steps over a grid of batches and contexts, some with a prefill chunk beside them."""
     rng = random.Random(seed)
     out = []
     for batch in (1, 2, 4, 8, 16):
         for context in (64, 512, 2048):
             for prefill in (0, 0, 128):
-                shape = StepSample(batch, batch + prefill, batch * context + prefill * (prefill + 1) // 2, 0.0)
-                seconds = model.sample_s(shape) * (1 + rng.uniform(-noise, noise))
-                out.append(StepSample(shape.batch_size, shape.num_tokens, shape.attended_tokens, seconds))
+                shapes = (ChunkShape(context - 1, 1),) * batch + ((ChunkShape(0, prefill),) if prefill else ())
+                out.append(AttentionSample(shapes, model.predict(shapes) * (1 + rng.uniform(-noise, noise))))
     return out
 
 

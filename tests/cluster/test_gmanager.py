@@ -49,7 +49,7 @@ def test_nothing_is_planned_until_the_engines_step_times_fit_the_model() -> None
     clock.now += INTERVAL_S
     gm.on_heartbeat(debtor_beat(samples=True))
     gm.on_heartbeat(creditor_beat())
-    assert gm.model().coefficients == pytest.approx(GPU_LIKE.coefficients, rel=1e-6)
+    assert gm.model().base_s == pytest.approx(GPU_LIKE.base_s, rel=1e-6)
     assert gm.plan().moves == (MoveOrder("a-long", "A", "B", 23),)
     assert (gm.counters.plans, gm.counters.moves_ordered, gm.counters.blocks_ordered) == (1, 1, 23)
 

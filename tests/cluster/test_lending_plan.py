@@ -6,23 +6,24 @@ import pytest
 from lending_cases import ATTENTION_BOUND, GPU_LIKE, instance, request, samples_of
 
 from boundless.cluster.lending_plan import LendingThresholds, MoveOrder, plan_lending
-from boundless.cluster.perf_model import StepTimeModel, fit_step_time_model
+from boundless.cluster.perf_model import fit_step_time_model
+from boundless.engine.attention_time import AttentionTimeModel
 
 THRESHOLDS = LendingThresholds(debtor_max_batch=8, creditor_max_usage=0.6, creditor_headroom=0.1, min_gain=0.01)
 
 
 @pytest.fixture(scope="module")
-def gpu_like() -> StepTimeModel:
+def gpu_like() -> AttentionTimeModel:
     return fit_step_time_model(samples_of(GPU_LIKE, noise=0.02))
 
 
 @pytest.fixture(scope="module")
-def attention_bound() -> StepTimeModel:
+def attention_bound() -> AttentionTimeModel:
     return fit_step_time_model(samples_of(ATTENTION_BOUND, noise=0.02))
 
 
 def test_the_papers_figure_5_the_saturated_long_request_borrows_from_the_least_used_instance(
-    gpu_like: StepTimeModel,
+    gpu_like: AttentionTimeModel,
 ) -> None:
     # A: one long request fills its memory, six short ones wait (4 blocks each). D: a long request with room to
     # spare. B and C: short requests and plenty of room, B the least used.
@@ -39,7 +40,7 @@ def test_the_papers_figure_5_the_saturated_long_request_borrows_from_the_least_u
     assert plan.throughput_after > 1.4 * plan.throughput_before  # A runs 7 requests instead of 1
 
 
-def test_a_request_too_big_for_one_creditor_is_spread_over_the_next(gpu_like: StepTimeModel) -> None:
+def test_a_request_too_big_for_one_creditor_is_spread_over_the_next(gpu_like: AttentionTimeModel) -> None:
     reports = [
         instance("A", 64, 63, batch=1, context=1000, waiting=[4] * 6),
         instance("B", 16, 2, batch=1, context=30),  # the least used, but 12 blocks to lend (2 kept as headroom)
@@ -50,7 +51,7 @@ def test_a_request_too_big_for_one_creditor_is_spread_over_the_next(gpu_like: St
     assert plan.moves == (MoveOrder("a-long", "A", "B", 11), MoveOrder("a-long", "A", "C", 12))
 
 
-def test_a_creditor_lends_no_block_its_own_queue_needs(gpu_like: StepTimeModel) -> None:
+def test_a_creditor_lends_no_block_its_own_queue_needs(gpu_like: AttentionTimeModel) -> None:
     reports = [
         instance("A", 64, 63, batch=1, context=1000, waiting=[4] * 6),
         instance("B", 64, 24, batch=3, context=180, waiting=[20]),  # 40 free, 20 of them for its waiting request
@@ -60,7 +61,7 @@ def test_a_creditor_lends_no_block_its_own_queue_needs(gpu_like: StepTimeModel) 
     assert plan.moves == (MoveOrder("a-long", "A", "B", 19), MoveOrder("a-long", "A", "C", 4))
 
 
-def test_the_plan_follows_the_fitted_model(gpu_like: StepTimeModel, attention_bound: StepTimeModel) -> None:
+def test_the_plan_follows_the_fitted_model(gpu_like: AttentionTimeModel, attention_bound: AttentionTimeModel) -> None:
     # A long request alone on A, one 40-block request waiting; B busy with 16 short requests and memory to spare.
     reports = [
         instance("A", 256, 255, batch=1, context=4000, waiting=[40]),
@@ -73,7 +74,7 @@ def test_the_plan_follows_the_fitted_model(gpu_like: StepTimeModel, attention_bo
     assert plan_lending(reports, requests, attention_bound, THRESHOLDS).moves == ()
 
 
-def test_without_waiting_requests_only_attention_would_move_and_nothing_does(gpu_like: StepTimeModel) -> None:
+def test_without_waiting_requests_only_attention_would_move_and_nothing_does(gpu_like: AttentionTimeModel) -> None:
     reports = [instance("A", 64, 63, batch=1, context=1000), instance("B", 64, 12, batch=3, context=180)]
     plan = plan_lending(reports, [request("a-long", "A", 63, 1000)], gpu_like, THRESHOLDS)
     assert plan.moves == () and plan.throughput_after == plan.throughput_before
@@ -89,13 +90,13 @@ def test_without_waiting_requests_only_attention_would_move_and_nothing_does(gpu
     ],
 )
 def test_thresholds_keep_instances_out_of_the_plan(
-    gpu_like: StepTimeModel, thresholds: LendingThresholds, why: str
+    gpu_like: AttentionTimeModel, thresholds: LendingThresholds, why: str
 ) -> None:
     reports = [instance("A", 64, 63, batch=1, context=1000, waiting=[4] * 6), instance("B", 64, 12, 3, 180)]
     assert plan_lending(reports, [request("a-long", "A", 63, 1000)], gpu_like, thresholds).moves == (), why
 
 
-def test_the_debtor_with_the_smallest_batch_goes_first(gpu_like: StepTimeModel) -> None:
+def test_the_debtor_with_the_smallest_batch_goes_first(gpu_like: AttentionTimeModel) -> None:
     # Two debtors alike but for their batch, and one creditor with room for only one of them.
     reports = [
         instance("A", 64, 63, batch=2, context=1000, waiting=[8] * 2),
@@ -108,7 +109,7 @@ def test_the_debtor_with_the_smallest_batch_goes_first(gpu_like: StepTimeModel) 
     assert plan.moves == (MoveOrder("b-long", "B", "C", 15),)
 
 
-def test_the_longest_request_moves_all_but_its_last_block(gpu_like: StepTimeModel) -> None:
+def test_the_longest_request_moves_all_but_its_last_block(gpu_like: AttentionTimeModel) -> None:
     reports = [
         instance("A", 64, 63, batch=2, context=1000, waiting=[58]),
         instance("B", 256, 12, batch=3, context=180),
@@ -120,7 +121,7 @@ def test_the_longest_request_moves_all_but_its_last_block(gpu_like: StepTimeMode
     assert plan_lending(reports, requests, gpu_like, THRESHOLDS).moves == ()
 
 
-def test_an_instance_that_lends_does_not_borrow_in_the_same_plan(gpu_like: StepTimeModel) -> None:
+def test_an_instance_that_lends_does_not_borrow_in_the_same_plan(gpu_like: AttentionTimeModel) -> None:
     reports = [
         instance("A", 64, 63, batch=1, context=1000, waiting=[4] * 6),
         # The least used, and its waiting request (40 blocks) does not fit in its 34 free blocks either way.
