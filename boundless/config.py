@@ -259,6 +259,33 @@ class ClusterConfig:
         default=None,
         metadata={"help": "emulate each instance's compute-network NIC at this many Gbit/s (default: no limit)"},
     )
+    kv_lending: str = field(
+        default="off",
+        metadata={
+            "help": "on: instances with small batches move KV blocks of their longest requests to instances with "
+            "memory to spare, planned by the gManager (Infinite-LLM); off: each instance keeps its own KV"
+        },
+    )
+    lending_interval_s: float = field(
+        default=2.0, metadata={"help": "seconds between the gManager's lending plans (at least a heartbeat interval)"}
+    )
+    lending_debtor_max_batch: int = field(
+        default=8, metadata={"help": "instances running at most this many requests may borrow KV memory"}
+    )
+    lending_creditor_max_usage: float = field(
+        default=0.6, metadata={"help": "instances using at most this share of their KV blocks may lend"}
+    )
+    lending_creditor_headroom: float = field(
+        default=0.1, metadata={"help": "share of a creditor's KV blocks never lent: its own requests grow into them"}
+    )
+    lending_min_gain: float = field(
+        default=0.01,
+        metadata={"help": "a planned move must raise its two instances' modelled throughput by this share at least"},
+    )
+    lending_reservation_timeout_s: float = field(
+        default=2.0,
+        metadata={"help": "a creditor's reservation that no data fills in this many seconds is dropped"},
+    )
 
     def __post_init__(self) -> None:
         _require(self.instances >= 1, "instances", "must be >= 1")
@@ -275,6 +302,18 @@ class ClusterConfig:
         _require(self.kv_path in KV_PATHS, "kv_path", f"unknown path {self.kv_path!r}; one of {', '.join(KV_PATHS)}")
         _require(self.storage_gbps is None or self.storage_gbps > 0, "storage_gbps", "must be positive")
         _require(self.net_gbps is None or self.net_gbps > 0, "net_gbps", "must be positive")
+        _require(self.kv_lending in ("on", "off"), "kv_lending", f"must be on or off, not {self.kv_lending!r}")
+        _require(self.kv_lending == "off" or self.instances >= 2, "kv_lending", "needs --instances 2 or more")
+        _require(
+            self.lending_interval_s >= self.heartbeat_interval_s,
+            "lending_interval_s",
+            "must be at least --heartbeat-interval-s: a plan needs fresh heartbeats",
+        )
+        _require(self.lending_debtor_max_batch >= 1, "lending_debtor_max_batch", "must be >= 1")
+        _require(0 < self.lending_creditor_max_usage <= 1, "lending_creditor_max_usage", "must be in (0, 1]")
+        _require(0 <= self.lending_creditor_headroom < 1, "lending_creditor_headroom", "must be in [0, 1)")
+        _require(self.lending_min_gain >= 0, "lending_min_gain", "must not be negative")
+        _require(self.lending_reservation_timeout_s > 0, "lending_reservation_timeout_s", "must be positive")
 
 
 # -- flags ------------------------------------------------------------------------------------

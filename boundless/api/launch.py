@@ -13,7 +13,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from boundless.api.server import EngineClient, build_app
-from boundless.config import ClusterConfig, EngineConfig, ServerConfig
+from boundless.config import ClusterConfig, ConfigError, EngineConfig, ServerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.model.loader import load_model
@@ -36,6 +36,10 @@ def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
 
 def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) -> EngineClient:
     """One engine in this process, or with ``--instances N`` a cluster of Ray actors behind a router."""
+    if cluster.kv_lending == "on":
+        # The ledger, protocol and planner exist (cluster/rmanager.py, cluster/gmanager.py); moving blocks and
+        # attention over them wait for the transport of KV and partials between instances.
+        raise ConfigError("--kv-lending: on needs the KV transport between instances, which is not built yet")
     if cluster.instances > 1 or cluster.ray_address:
         from boundless.cluster.client import ClusterClient
 

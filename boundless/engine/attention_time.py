@@ -29,6 +29,9 @@ import numpy as np
 
 from boundless.engine.scheduler import SchedulerOutput
 
+# Rounds of dropping steps far slower than the fit (see fit_attention_time's outlier_factor).
+MAX_TRIM_ROUNDS = 5
+
 
 @dataclass(frozen=True)
 class ChunkShape:
@@ -91,14 +94,36 @@ def _features(shapes: Sequence[ChunkShape]) -> list[float]:
     ]
 
 
-def fit_attention_time(samples: Iterable[AttentionSample]) -> AttentionTimeModel:
+def fit_attention_time(
+    samples: Iterable[AttentionSample], relative: bool = False, outlier_factor: float | None = None
+) -> AttentionTimeModel:
     """Least squares over the samples, coefficients held non-negative (a term fitted negative is
-    dropped and the rest refitted: noise must not make a bigger step predict less time)."""
-    rows = [(_features(s.shapes), s.seconds) for s in samples if s.shapes]
-    if not rows:
+    dropped and the rest refitted: noise must not make a bigger step predict less time).
+
+    ``relative`` minimizes relative errors instead of absolute ones, so the many short steps (decodes)
+    weigh as much as the few long ones (big prefills). With ``outlier_factor``, the steps that took more
+    than that many times the fitted time are dropped and the fit redone, until none is left (at most
+    :data:`MAX_TRIM_ROUNDS` times): a step slowed by something else than its shape (another process on
+    the cores, a collector pause) says nothing about its shape's cost, and such slowdowns only add time.
+    """
+    kept = [s for s in samples if s.shapes and (s.seconds > 0 or not relative)]
+    if not kept:
         raise ValueError("no samples to fit")
-    x = np.array([r[0] for r in rows], dtype=np.float64)
-    y = np.array([r[1] for r in rows], dtype=np.float64)
+    model = _nnls(kept, relative)
+    for _ in range(MAX_TRIM_ROUNDS if outlier_factor is not None else 0):
+        inliers = [s for s in kept if s.seconds <= outlier_factor * model.predict(s.shapes)]  # type: ignore[operator]
+        if len(inliers) == len(kept) or len({_totals(s.shapes) for s in inliers}) < 4:
+            break
+        kept = inliers
+        model = _nnls(kept, relative)
+    return model
+
+
+def _nnls(samples: Sequence[AttentionSample], relative: bool) -> AttentionTimeModel:
+    x = np.array([_features(s.shapes) for s in samples], dtype=np.float64)
+    y = np.array([s.seconds for s in samples], dtype=np.float64)
+    if relative:  # each row divided by its step's seconds: the residuals are relative errors
+        x, y = x / y[:, None], np.ones_like(y)
     # Columns span ~1 to ~1e9 (pairs): scale them to 1 so the solver's cut-off treats them alike.
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
@@ -119,16 +144,26 @@ def fit_attention_time(samples: Iterable[AttentionSample]) -> AttentionTimeModel
 class AttentionTimeRecorder:
     """The engine's latest ``capacity`` step measurements, and the model fitted from them.
 
-    The engine records each prefill step (``record(shapes_of(sched), result.elapsed_s)``) and refits
-    when it likes (every so many steps); old samples age out, so the fit follows the machine's state.
+    The engine records each step (``record(shapes_of(sched), result.elapsed_s)``) and refits when it
+    likes (every so many steps); old samples age out, so the fit follows the machine's state.
+    :meth:`drain` hands the samples recorded since the last drain to whoever collects them from several
+    engines (the KV-lending gManager, through heartbeats).
     """
 
     def __init__(self, capacity: int = 512) -> None:
         self.samples: deque[AttentionSample] = deque(maxlen=capacity)
+        self._undrained = 0  # of the samples held, how many (the newest) no drain has handed over yet
 
     def record(self, shapes: Sequence[ChunkShape], seconds: float) -> None:
         if shapes:
             self.samples.append(AttentionSample(tuple(shapes), seconds))
+            self._undrained = min(self._undrained + 1, len(self.samples))
+
+    def drain(self) -> list[AttentionSample]:
+        """The samples recorded since the last drain, oldest first (those that aged out meanwhile are lost)."""
+        new = list(self.samples)[len(self.samples) - self._undrained :]
+        self._undrained = 0
+        return new
 
     def fit(self) -> AttentionTimeModel | None:
         """The fitted model; None until samples of five different sizes can pin down its five terms."""

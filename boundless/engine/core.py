@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.config import EngineConfig
+from boundless.engine.attention_time import AttentionTimeRecorder, shapes_of
 from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer
 from boundless.engine.errors import InvalidRequestError
@@ -163,6 +164,9 @@ class EngineCore:
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
+        # Every step's shapes and seconds: what the step-time models (the KV-lending planner's, the prefill
+        # batcher's) are fitted from.
+        self.step_times = AttentionTimeRecorder()
         self._disk_io = DiskIOStats()  # the executor's disk I/O, as last reported
 
     @classmethod
@@ -285,6 +289,7 @@ class EngineCore:
         c.steps += 1
         c.computed_tokens += sched.num_tokens
         c.busy_seconds += elapsed
+        self.step_times.record(shapes_of(sched), elapsed)
         now = self.clock()
         outputs = []
         for request_id, token in sampled.items():

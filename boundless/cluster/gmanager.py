@@ -1,0 +1,152 @@
+"""The cluster's KV-lending planner (Infinite-LLM's gManager), one beside the router.
+
+It takes each instance's heartbeat from its rManager (``cluster/rmanager.py``): the instance's free blocks,
+batch and context, its running requests with where their blocks live, and the step times its engine recorded.
+From these it keeps the request placement map (which instance holds how many blocks of which request), the
+lending per instance (for ``/cluster``), and a window of step samples to which it fits the performance model
+(``cluster/perf_model.py``). Every ``interval_s`` it plans moves with the greedy Algorithm 1
+(``cluster/lending_plan.py``) and hands them out as :class:`~boundless.cluster.lending_plan.MoveOrder` s for
+the debtors' rManagers to carry out with the try/move protocol.
+
+It plans only from fresh state: every live instance must have reported since the last plan (so blocks ordered
+moved are not ordered again from a stale view), and instances silent past ``heartbeat_timeout_s`` take no part.
+Until the samples determine the model it plans nothing. Pure, like the dispatcher: no I/O, no threads, time
+only from the injected clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from boundless.cluster.lending_plan import LendingPlan, LendingThresholds, plan_lending
+from boundless.cluster.perf_model import NotEnoughSamplesError, fit_step_time_model
+from boundless.cluster.placement import Heartbeat, RequestPlacementEntry
+from boundless.config import ClusterConfig
+from boundless.engine.attention_time import AttentionSample, AttentionTimeModel
+
+# Step samples kept across the cluster for the fit: the latest few thousand steps.
+MAX_SAMPLES = 4096
+
+
+@dataclass(frozen=True)
+class InstanceLending:
+    """One instance's lending as the gManager last heard it, in blocks."""
+
+    lent: int  # held for other instances' requests
+    reserved: int  # promised to a move under way
+    borrowed: int  # of its own requests' blocks, those held elsewhere
+    free: int
+    total: int
+
+
+@dataclass
+class GManagerCounters:
+    plans: int = 0
+    moves_ordered: int = 0
+    blocks_ordered: int = 0
+
+
+class GManager:
+    """Heartbeats in, lending plans out (see the module)."""
+
+    def __init__(
+        self,
+        thresholds: LendingThresholds,
+        interval_s: float,
+        heartbeat_timeout_s: float,
+        clock: Callable[[], float],
+        max_samples: int = MAX_SAMPLES,
+    ) -> None:
+        self.thresholds = thresholds
+        self.interval_s = interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.clock = clock
+        self.heartbeats: dict[str, Heartbeat] = {}
+        self._heard_at: dict[str, float] = {}
+        self._samples: deque[AttentionSample] = deque(maxlen=max_samples)
+        self._model: AttentionTimeModel | None = None
+        self._model_stale = False
+        self._last_plan_at: float | None = None
+        self.counters = GManagerCounters()
+
+    @classmethod
+    def from_config(cls, config: ClusterConfig, clock: Callable[[], float]) -> GManager:
+        thresholds = LendingThresholds(
+            debtor_max_batch=config.lending_debtor_max_batch,
+            creditor_max_usage=config.lending_creditor_max_usage,
+            creditor_headroom=config.lending_creditor_headroom,
+            min_gain=config.lending_min_gain,
+        )
+        return cls(thresholds, config.lending_interval_s, config.heartbeat_timeout_s, clock)
+
+    # -- what it is told --------------------------------------------------------------------------------------
+
+    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
+        self.heartbeats[heartbeat.instance_id] = heartbeat
+        self._heard_at[heartbeat.instance_id] = self.clock()
+        if heartbeat.step_samples:
+            self._samples.extend(heartbeat.step_samples)
+            self._model_stale = True
+
+    def instance_lost(self, instance_id: str) -> None:
+        """The instance is gone: it neither borrows nor lends any more (its rManager's peers free and recompute)."""
+        self.heartbeats.pop(instance_id, None)
+        self._heard_at.pop(instance_id, None)
+
+    # -- what it knows ----------------------------------------------------------------------------------------
+
+    def live(self) -> list[Heartbeat]:
+        """The latest heartbeat of each instance heard from within the timeout."""
+        now = self.clock()
+        return [hb for iid, hb in self.heartbeats.items() if now - self._heard_at[iid] <= self.heartbeat_timeout_s]
+
+    def model(self) -> AttentionTimeModel | None:
+        """The performance model fitted to the samples so far; None until they determine it."""
+        if self._model_stale:
+            self._model_stale = False
+            try:
+                self._model = fit_step_time_model(list(self._samples))
+            except NotEnoughSamplesError:
+                self._model = None
+        return self._model
+
+    def placement(self) -> dict[str, list[RequestPlacementEntry]]:
+        """The request placement map: for each running request, where its blocks live."""
+        return {r.request_id: r.entries() for hb in self.heartbeats.values() for r in hb.requests}
+
+    def lending(self) -> dict[str, InstanceLending]:
+        """Blocks lent, reserved and borrowed per instance, for ``/cluster``."""
+        out = {}
+        for iid, hb in self.heartbeats.items():
+            r = hb.instance
+            out[iid] = InstanceLending(
+                r.lent_blocks, r.reserved_blocks, r.borrowed_blocks, r.free_blocks, r.total_blocks
+            )
+        return out
+
+    # -- what it decides --------------------------------------------------------------------------------------
+
+    def due(self) -> bool:
+        """Whether a plan is due: the interval has passed and every live instance reported since the last plan."""
+        if self._last_plan_at is None:
+            return bool(self.heartbeats)
+        if self.clock() - self._last_plan_at < self.interval_s:
+            return False
+        live = [hb.instance_id for hb in self.live()]
+        return bool(live) and all(self._heard_at[iid] > self._last_plan_at for iid in live)
+
+    def plan(self) -> LendingPlan:
+        """Plan moves over the live instances now (empty until the model is fitted)."""
+        self._last_plan_at = self.clock()
+        model = self.model()
+        live = self.live()
+        if model is None or len(live) < 2:
+            return LendingPlan((), 0.0, 0.0)
+        requests = [r for hb in live for r in hb.requests]
+        result = plan_lending([hb.instance for hb in live], requests, model, self.thresholds)
+        self.counters.plans += 1
+        self.counters.moves_ordered += len(result.moves)
+        self.counters.blocks_ordered += sum(m.num_blocks for m in result.moves)
+        return result

@@ -1,0 +1,59 @@
+"""The performance model the KV-lending planner maximizes, fitted from the engine's own step times.
+
+Infinite-LLM (§5.2) models a layer's time as the non-attention part, a function of the batch size, plus the
+attention part, proportional to the context the batch attends over; an instance's throughput is its batch over
+its step time, and the cluster's is the sum over instances. The step-time model is the engine's
+(``engine/attention_time.py``), linear in what a step does::
+
+    step_s = base_s + per_seq_s * requests + per_token_s * tokens + per_pair_s * query-key pairs
+
+so a decode step of ``batch`` requests attending over ``context`` tokens in all (one query-key pair per token
+of context) takes ``base_s + (per_seq_s + per_token_s) * batch + per_pair_s * context``.
+
+The gManager fits it to the steps of all instances (their heartbeats carry each engine's samples) in
+relative error, so the many short decode steps weigh as much as the few long prefills, and without the steps
+far slower than the fit (slowed by something else than their batch and context). It refuses samples that
+cannot tell the cost of a request from the cost of its context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from boundless.engine.attention_time import AttentionSample, AttentionTimeModel, fit_attention_time
+
+# Fewer samples than this fit nothing: the planner waits for the engines to have run.
+MIN_SAMPLES = 8
+# A step this many times slower than the fit predicts was slowed by something else; the fit is redone without it.
+OUTLIER_FACTOR = 1.5
+
+
+class NotEnoughSamplesError(ValueError):
+    """The samples cannot determine the model (too few, or without two batch sizes and two contexts)."""
+
+
+def fit_step_time_model(samples: Sequence[AttentionSample]) -> AttentionTimeModel:
+    """The step-time model of ``samples`` for planning (see the module); :class:`NotEnoughSamplesError` when
+    they are fewer than :data:`MIN_SAMPLES` or show a single batch size or a single context."""
+    usable = [s for s in samples if s.shapes and s.seconds > 0]
+    if len(usable) < MIN_SAMPLES:
+        raise NotEnoughSamplesError(f"{len(usable)} usable step samples; the fit needs {MIN_SAMPLES}")
+    if len({len(s.shapes) for s in usable}) < 2 or len({_pairs(s) for s in usable}) < 2:
+        raise NotEnoughSamplesError("the step samples need two batch sizes and two contexts at least")
+    return fit_attention_time(usable, relative=True, outlier_factor=OUTLIER_FACTOR)
+
+
+def _pairs(sample: AttentionSample) -> int:
+    return sum(s.pairs for s in sample.shapes)
+
+
+def decode_step_s(model: AttentionTimeModel, batch_size: int, context_tokens: int) -> float:
+    """Seconds of one decode step of ``batch_size`` requests attending over ``context_tokens`` in all."""
+    return model.base_s + (model.per_seq_s + model.per_token_s) * batch_size + model.per_pair_s * context_tokens
+
+
+def decode_throughput(model: AttentionTimeModel, batch_size: int, context_tokens: int) -> float:
+    """Tokens per second of an instance decoding ``batch_size`` requests over ``context_tokens``."""
+    if batch_size <= 0:
+        return 0.0
+    return batch_size / max(decode_step_s(model, batch_size, context_tokens), 1e-12)

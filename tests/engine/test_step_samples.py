@@ -1,0 +1,74 @@
+"""The engine records every step's shapes and seconds, and those samples determine the step-time model the
+lending planner uses: run the real EngineCore on a cost model whose coefficients are known, and the fit of its
+recorded steps gives them back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from boundless.cluster.perf_model import fit_step_time_model
+from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.attention_time import AttentionTimeModel, AttentionTimeRecorder, ChunkShape, shapes_of
+from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.scheduler import SchedulerOutput
+from boundless.sim.engine import SimulatedModel, simulated_engine
+from boundless.sim.simulator import VirtualClock
+
+
+def test_the_recorder_drains_each_sample_once() -> None:
+    recorder = AttentionTimeRecorder(capacity=3)
+    steps = [[ChunkShape(i, 1)] for i in range(5)]
+    recorder.record(steps[0], 0.1)
+    assert [s.shapes for s in recorder.drain()] == [tuple(steps[0])]
+    for shapes in steps[1:]:
+        recorder.record(shapes, 0.1)
+    # Steps 2-4 are held (1 aged out before any drain took it); the drain hands over those.
+    assert [s.shapes[0].cached for s in recorder.drain()] == [2, 3, 4]
+    assert recorder.drain() == []
+    recorder.record(steps[0], 0.1)
+    assert [s.shapes[0].cached for s in recorder.drain()] == [0]
+    assert len(recorder.samples) == 3  # a drain takes nothing away from the engine's own fit
+
+
+class KnownCost:
+    """A simulated step costs what ``model`` predicts for its shapes."""
+
+    def __init__(self, model: AttentionTimeModel) -> None:
+        self.model = model
+
+    def step_time(self, sched: SchedulerOutput) -> float:
+        return self.model.predict(shapes_of(sched))
+
+
+@pytest.fixture(scope="module")
+def tiny_config(model_dirs: dict[str, Path]) -> EngineConfig:
+    return EngineConfig(
+        ModelConfig(model=str(model_dirs["tiny-llama"]), max_model_len=256),
+        CacheConfig(num_kv_blocks=128, block_size=16),
+        SchedulerConfig(policy="fcfs", max_num_batched_tokens=64),
+    )
+
+
+def test_a_fit_of_the_engines_own_steps_recovers_its_step_time(tiny_config: EngineConfig) -> None:
+    true = AttentionTimeModel(base_s=0.02, per_seq_s=0.002, per_token_s=0.001, per_pair_s=2e-5)
+    core = simulated_engine(tiny_config, SimulatedModel.read(tiny_config.model), KnownCost(true), VirtualClock())
+    # Requests of several lengths arriving in waves: steps of different batches, contexts and prefill chunks.
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for wave in range(3):
+        for i in range(2 + 2 * wave):
+            length = 20 + 37 * i + 11 * wave
+            core.add_request(f"w{wave}-{i}", list(range(10, 10 + length)), params)
+        for _ in range(6):
+            core.step()
+    while core.has_unfinished():
+        core.step()
+    samples = core.step_times.drain()
+    assert len(samples) == core.counters.steps
+    assert len({len(s.shapes) for s in samples}) >= 4
+    assert any(c.new > 1 for s in samples for c in s.shapes)  # prefill chunks
+    assert any(all(c.new == 1 for c in s.shapes) for s in samples)  # steps of decodes only
+    fitted = fit_step_time_model(samples)
+    for name in ("base_s", "per_seq_s", "per_token_s", "per_pair_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=1e-6)
