@@ -196,6 +196,7 @@ class ServerConfig:
 
 
 ROUTINGS = ("locality", "least-loaded", "round-robin")
+KV_PATHS = ("basic", "dualpath", "oracle")
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,42 @@ class ClusterConfig:
     )
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between instance heartbeats"})
     heartbeat_timeout_s: float = field(default=5.0, metadata={"help": "an instance silent this long is dead"})
+    # Prefill/decode disaggregation (DualPath): the inter-engine scheduler's thresholds, in tokens
+    # (cluster/pd_scheduler.py), and the emulated storage and compute links (cluster/links.py).
+    pd_alpha: int | None = field(
+        default=None,
+        metadata={
+            "help": "a node whose storage read queue holds at most this many tokens of KV is ideal for prefill "
+            "work (default: --max-num-batched-tokens)"
+        },
+    )
+    pd_beta: int | None = field(
+        default=None,
+        metadata={
+            "help": "a prefill engine with more unfinished tokens takes no more (default: 8 x --max-num-batched-tokens)"
+        },
+    )
+    pd_z: int | None = field(
+        default=None,
+        metadata={
+            "help": "high-token threshold of a decode engine (default: derived each round from its group's load "
+            "and free KV)"
+        },
+    )
+    kv_path: str = field(
+        default="dualpath",
+        metadata={
+            "help": "where stored KV is read: basic (on the prefill engine), dualpath (on the prefill or the "
+            "decode engine, whichever node's storage queue is shorter) or oracle (no storage I/O; benchmarks only)"
+        },
+    )
+    storage_gbps: float | None = field(
+        default=None, metadata={"help": "emulate each instance's storage NIC at this many Gbit/s (default: no limit)"}
+    )
+    net_gbps: float | None = field(
+        default=None,
+        metadata={"help": "emulate each instance's compute-network NIC at this many Gbit/s (default: no limit)"},
+    )
 
     def __post_init__(self) -> None:
         _require(self.instances >= 1, "instances", "must be >= 1")
@@ -224,6 +261,12 @@ class ClusterConfig:
         _require(
             self.heartbeat_timeout_s > self.heartbeat_interval_s, "heartbeat_timeout_s", "must exceed the interval"
         )
+        for name in ("pd_alpha", "pd_beta", "pd_z"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, name, "must not be negative")
+        _require(self.kv_path in KV_PATHS, "kv_path", f"unknown path {self.kv_path!r}; one of {', '.join(KV_PATHS)}")
+        _require(self.storage_gbps is None or self.storage_gbps > 0, "storage_gbps", "must be positive")
+        _require(self.net_gbps is None or self.net_gbps > 0, "net_gbps", "must be positive")
 
 
 # -- flags ------------------------------------------------------------------------------------

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from boundless.cluster.links import LinkStats
 from boundless.engine.core import EngineStats, RequestDelta
 
 StatsSource = Callable[[], dict[str, EngineStats]]  # instance id -> snapshot
@@ -126,6 +127,31 @@ def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
         for stat, value in _numbers(s.disk_io.store if s.disk_io is not None else None).items():
             g.add_metric([inst, stat], value)
     yield g
+
+
+def link_metrics(links: Mapping[str, Sequence[LinkStats]]) -> Iterator[Metric]:
+    """The emulated links of each instance (``cluster/links.py``): bytes carried and queued per traffic class,
+    busy seconds. The storage link's queued bytes are its node's read queue: under ``--kv-path basic`` the
+    prefill instances' fill while the decode instances' stay empty, which is DualPath's bottleneck."""
+    carried = CounterMetricFamily(
+        "boundless_link_bytes", "bytes carried by the emulated link", labels=["instance", "link", "traffic"]
+    )
+    queued = GaugeMetricFamily(
+        "boundless_link_queued_bytes",
+        "bytes waiting for the emulated link or on it (the storage link's: the node's read queue)",
+        labels=["instance", "link", "traffic"],
+    )
+    busy = CounterMetricFamily(
+        "boundless_link_busy_seconds", "seconds the emulated link spent carrying bytes", labels=["instance", "link"]
+    )
+    for inst, stats in links.items():
+        for s in stats:
+            for traffic, n in s.bytes_carried.items():
+                carried.add_metric([inst, s.name, traffic], float(n))
+            for traffic, n in s.bytes_queued.items():
+                queued.add_metric([inst, s.name, traffic], float(n))
+            busy.add_metric([inst, s.name], s.busy_s)
+    yield from (carried, queued, busy)
 
 
 def _numbers(stats: object) -> dict[str, float]:
