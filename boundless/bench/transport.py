@@ -138,12 +138,17 @@ def _measure(t: Any, peer: str, size: int, mb_per_size: float, latency_iters: in
     }
 
 
-def measure_copy(size: int, iters: int) -> dict[str, float]:
-    """``dst.copy_(src)`` of ``size`` bytes: median time, as latency and GB/s."""
-    src, dst = _buffers(size, 1)[0], torch.empty(size, dtype=torch.uint8)
-    dst.copy_(src)
+def measure_copy(size: int, iters: int, window: int) -> dict[str, float]:
+    """``dst.copy_(src)`` of ``size`` bytes: median time, as latency and GB/s. The copies rotate over
+    ``window`` pairs of buffers, as the transports' messages do, so that neither side stays in a cache the
+    transports do not get."""
+    srcs = _buffers(size, window)
+    dsts = [torch.empty(size, dtype=torch.uint8) for _ in range(window)]
+    for s, d in zip(srcs, dsts, strict=True):
+        d.copy_(s)
     times = []
-    for _ in range(iters):
+    for i in range(iters):
+        src, dst = srcs[i % window], dsts[i % window]
         start = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - start)
@@ -190,6 +195,8 @@ def choose_default(results: dict[str, dict[int, dict[str, float]]], kinds: tuple
 
 def _available(kind: str) -> str | None:
     """Why a transport's package cannot load here (checked before spawning a peer for it)."""
+    if kind not in KINDS:
+        return f"unknown transport (one of {', '.join(KINDS)})"
     module = {"nixl": "nixl._api", "mooncake": "mooncake.engine"}.get(kind)
     if module is None:
         return None
@@ -203,7 +210,7 @@ def _available(kind: str) -> str | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    copy = {size: measure_copy(size, max(20, min(2000, int(2e9 / size)))) for size in sizes}
+    copy = {size: measure_copy(size, max(20, min(1000, int(1e9 / size))), args.window) for size in sizes}
     results: dict[str, dict[int, dict[str, float]]] = {}
     skipped: dict[str, str] = {}
     for kind in kinds:
