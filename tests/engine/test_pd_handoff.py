@@ -5,6 +5,7 @@ free their blocks on both sides and the tokens are recomputed."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,19 +26,18 @@ BLOCK = 16
 PROMPT = [(17 * j) % 300 + 3 for j in range(75)]  # 4 full blocks and 11 tokens
 
 
-def _core(loaded: LoadedModel, store: object | None = None, tmp: Path | None = None) -> EngineCore:
+def _core(loaded: LoadedModel, disk: Path | None = None) -> EngineCore:
+    """An engine; with ``disk``, over the persistent store in that directory (shared by every engine given it,
+    as the instances of one node share theirs)."""
     config = EngineConfig(
         model=ModelConfig(max_model_len=512),
         cache=CacheConfig(
-            num_kv_blocks=48,
-            kv_host_gb=0.004,
-            kv_disk_path=str(tmp) if store is not None else None,
-            kv_write_policy="through",
+            num_kv_blocks=48, kv_host_gb=0.004, kv_disk_path=str(disk) if disk else None, kv_write_policy="through"
         ),
         scheduler=SchedulerConfig(policy="fcfs"),
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
-    executor = build_model_executor(loaded, config, layout, store=store)  # type: ignore[arg-type]
+    executor = build_model_executor(loaded, config, layout)
     return EngineCore(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor)
 
 
@@ -54,9 +54,9 @@ def shm_dir(tmp_path: Path) -> Path:
     return tmp_path / "shm"
 
 
-def _pair(loaded: LoadedModel, shm_dir: Path, timeout_s: float = 10.0, pe_store=None, de_store=None, tmp=None) -> Pair:
+def _pair(loaded: LoadedModel, shm_dir: Path, timeout_s: float = 10.0, disk: Path | None = None) -> Pair:
     pe_net, de_net = ShmTransport(shm_dir, "pe"), ShmTransport(shm_dir, "de")
-    pe, de = _core(loaded, pe_store, tmp), _core(loaded, de_store, tmp)
+    pe, de = _core(loaded, disk), _core(loaded, disk)
     pe.connect(pe_net, timeout_s=timeout_s)
     de.connect(de_net, timeout_s=timeout_s)
     return Pair(pe, de, pe_net, de_net)
@@ -80,13 +80,15 @@ def _colocated(loaded: LoadedModel, prompt: list[int], params: SamplingParams = 
     return tokens
 
 
-def _run_until(core: EngineCore, done, steps: int = 2000) -> list[RequestDelta]:
-    """Step ``core`` until ``done(deltas so far)``."""
+def _run_until(core: EngineCore, done, others: tuple[EngineCore, ...] = (), steps: int = 2000) -> list[RequestDelta]:
+    """Step ``core`` until ``done(its deltas so far)``, stepping ``others`` too (each instance runs its own loop)."""
     deltas: list[RequestDelta] = []
     for _ in range(steps):
         deltas += core.step()
         if done(deltas):
             return deltas
+        for other in others:
+            other.step()
     raise AssertionError(f"not done after {steps} steps: {deltas}")
 
 
@@ -106,10 +108,10 @@ def _disaggregated(p: Pair, rid: str, prompt: list[int], params: SamplingParams 
     answer = p.de.prepare_intake(rid, prompt, params, intake)
     plan = HandoffPlan(p.de_net.address, 1, answer.send_from_block, recv_tag=2, recv_blocks=answer.push_blocks)
     p.pe.add_request(rid, prompt, params, handoff=plan)
-    first = _run_until(p.pe, lambda ds: any(d.finished for d in ds))[-1]
+    first = _run_until(p.pe, lambda ds: any(d.finished for d in ds), others=(p.de,))[-1]
     assert first.finish_reason == "handoff" and len(first.new_token_ids) == 1
     p.de.continue_request(rid, Resume(tuple(first.new_token_ids), len(first.new_text)))
-    rest = _run_until(p.de, lambda ds: any(d.finished for d in ds))
+    rest = _run_until(p.de, lambda ds: any(d.finished for d in ds), others=(p.pe,))
     return answer, first, rest
 
 
@@ -130,3 +132,164 @@ def test_a_handed_off_request_decodes_the_colocated_tokens_from_the_received_blo
     # Nothing is held once the streams are reported: the PE's sent blocks and the DE's received ones are free.
     assert pair.pe.kv.pool.num_used == 0
     assert pair.de.kv.pool.num_used == 0 and pair.de.kv.pools[HOST].num_used == 0
+
+
+CONTEXT = [(29 * j) % 300 + 3 for j in range(70)]  # a previous turn's context: 4 full blocks go to the store
+APPEND = [(7 * j) % 300 + 5 for j in range(40)]  # this turn's new input
+
+
+def _store_context(loaded: LoadedModel, disk: Path) -> EngineCore:
+    """A previous turn served by some engine: its context's full blocks are written through to the store."""
+    writer = _core(loaded, disk)
+    writer.add_request("turn-1", CONTEXT, PARAMS)
+    while writer.has_unfinished():
+        writer.step()
+    writer.executor.kv_io.flush()
+    return writer
+
+
+def test_de_read_loads_the_prefix_on_the_decode_engine_and_sends_only_new_blocks_back(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    disk = tmp_path / "store"
+    _store_context(tiny_llama, disk)
+    p = _pair(tiny_llama, shm_dir, disk=disk)
+    try:
+        prompt = CONTEXT + APPEND  # 6 full blocks: 4 stored, 2 new
+        answer, first, rest = _disaggregated(p, "r", prompt, push=True)
+        tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+        assert tokens == _colocated(tiny_llama, prompt)
+        assert answer.push_blocks == 4 and answer.send_from_block == 4
+        pe, de = p.pe.stats(), p.de.stats()
+        # The DE read the store (its node's storage link); the PE read nothing and got the prefix from the DE.
+        assert de.disk_io.blocks_loaded == 4 and pe.disk_io.blocks_loaded == 0
+        assert pe.kv_tiers[PEER].hit_tokens == 4 * BLOCK
+        # Only the new blocks went back: the DE found its loaded prefix and the PE's two blocks.
+        assert rest[-1].num_cached_tokens == 6 * BLOCK
+        assert de.kv_tiers["disk"].hit_tokens == 4 * BLOCK and de.kv_tiers[PEER].hit_tokens == 2 * BLOCK
+        _settle(p.pe, p.de)
+        assert p.pe.stats().remote_io.blocks_sent == 2 and p.de.stats().remote_io.blocks_sent == 4
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_a_stored_block_failing_its_checksum_is_recomputed_on_both_sides(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    disk = tmp_path / "store"
+    writer = _store_context(tiny_llama, disk)
+    key = writer.kv.block_hashes("names", CONTEXT)[2]
+    (path,) = disk.rglob(f"{key.hex()}.kv")
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # a flipped bit in the payload of the context's third block
+    path.write_bytes(bytes(data))
+    p = _pair(tiny_llama, shm_dir, disk=disk)
+    try:
+        prompt = CONTEXT + APPEND
+        answer, first, rest = _disaggregated(p, "r", prompt, push=True)
+        tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+        assert tokens == _colocated(tiny_llama, prompt)
+        assert answer.push_blocks == 4  # the probe saw four files; the third fails when it is read
+        de = p.de.stats()
+        assert p.de.executor.kv_io.store.stats().checksum_failures == 1 and de.disk_io.blocks_loaded == 2
+        # The DE pushed the two good blocks; the PE recomputed from the third, and so did the DE.
+        assert p.pe.stats().kv_tiers[PEER].hit_tokens == 2 * BLOCK
+        assert rest[-1].num_cached_tokens == 2 * BLOCK
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_a_stream_nobody_sends_times_out_and_frees_the_decode_engines_blocks(
+    tiny_llama: LoadedModel, shm_dir: Path
+) -> None:
+    p = _pair(tiny_llama, shm_dir, timeout_s=0.3)
+    try:
+        reference = _colocated(tiny_llama, PROMPT)
+        p.de.prepare_intake("r", PROMPT, PARAMS, IntakePlan(p.pe_net.address, recv_tag=1))
+        assert p.de.kv.pools[HOST].num_used == 4  # reserved for the four blocks the PE will not send
+        _settle(p.de)  # the PE never prefills it: the receive times out
+        assert p.de.stats().remote_io.recv_timeouts == 1 and p.de.kv.pools[HOST].num_used == 0
+        # Given its first token, the request is recomputed: the same tokens, nothing from the peer.
+        p.de.continue_request("r", Resume((reference[0],), 0))
+        rest = _run_until(p.de, lambda ds: any(d.finished for d in ds))
+        assert reference[:1] + [t for d in rest for t in d.new_token_ids] == reference
+        assert rest[-1].num_cached_tokens == 0
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_a_send_to_a_hung_decode_engine_times_out_and_frees_the_prefill_engines_blocks(
+    tiny_llama: LoadedModel, shm_dir: Path
+) -> None:
+    # A decode engine that hangs: its socket takes connections into its backlog and never answers, so the PE's
+    # first message fills the slot and no ack ever frees it for the next.
+    shm_dir.mkdir(parents=True)
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    hung.bind(str(shm_dir / "hung.sock"))
+    hung.listen(8)
+    pe_net = ShmTransport(shm_dir, "pe", inline_max=0)
+    pe = _core(tiny_llama)
+    pe.connect(pe_net, timeout_s=0.3)
+    try:
+        pe.add_request("r", PROMPT, PARAMS, handoff=HandoffPlan(str(shm_dir / "hung"), 1, 0))
+        first = _run_until(pe, lambda ds: any(d.finished for d in ds))[-1]
+        assert first.finish_reason == "handoff" and first.new_token_ids == _colocated(tiny_llama, PROMPT)[:1]
+        assert pe.kv.pool.num_used == 4  # the request is done; the send still holds its four blocks
+        _settle(pe)
+        stats = pe.stats().remote_io
+        assert stats.send_failures == 1 and stats.streams_sent == 0 and pe.kv.pool.num_used == 0
+    finally:
+        pe_net.close()
+        hung.close()
+
+
+def test_a_decode_engine_gone_before_the_handoff_fails_the_stream_and_another_decodes_by_recompute(
+    tiny_llama: LoadedModel, shm_dir: Path
+) -> None:
+    p = _pair(tiny_llama, shm_dir)
+    try:
+        reference = _colocated(tiny_llama, PROMPT)
+        answer = p.de.prepare_intake("r", PROMPT, PARAMS, IntakePlan(p.pe_net.address, recv_tag=1))
+        p.pe.add_request("r", PROMPT, PARAMS, handoff=HandoffPlan(p.de_net.address, 1, answer.send_from_block))
+        p.de_net.close()  # the DE's process is gone: its socket is closed and removed
+        first = _run_until(p.pe, lambda ds: any(d.finished for d in ds))[-1]
+        _settle(p.pe)
+        assert p.pe.stats().remote_io.send_failures == 1 and p.pe.kv.pool.num_used == 0
+        # The dispatcher resends the request, with its first token, to another DE: a resumed request.
+        other = _core(tiny_llama)
+        other.add_request("r", PROMPT, PARAMS, resume=Resume(tuple(first.new_token_ids), len(first.new_text)))
+        rest = _run_until(other, lambda ds: any(d.finished for d in ds))
+        assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == reference
+    finally:
+        p.pe_net.close()
+
+
+def test_a_prefill_engine_gone_mid_push_frees_the_decode_engines_blocks_at_once(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    disk = tmp_path / "store"
+    _store_context(tiny_llama, disk)
+    p = _pair(tiny_llama, shm_dir, timeout_s=30.0, disk=disk)
+    try:
+        prompt = CONTEXT + APPEND
+        intake = IntakePlan(p.pe_net.address, recv_tag=1, push_tag=2)
+        answer = p.de.prepare_intake("r", prompt, PARAMS, intake)
+        assert answer.push_blocks == 4 and p.de.kv.pools[HOST].num_used == 2  # reserved for the PE's two blocks
+        p.pe_net.close()  # the PE dies before it could send anything
+        # The push fails once the DE's loads are done (the PE is gone), and so does the receive, long before its
+        # timeout.
+        for _ in range(500):
+            if p.de.stats().remote_io.send_failures and not p.de.kv.num_remote_in_flight:
+                break
+            p.de.step()
+        stats = p.de.stats().remote_io
+        assert stats.send_failures == 1 and stats.recv_failures == 1 and stats.recv_timeouts == 0
+        # The loaded prefix stays in host memory, held for the request; nothing else is.
+        assert p.de.kv.pools[HOST].num_used == 4
+        p.de.abort("r")  # the dispatcher re-places the request elsewhere
+        assert p.de.kv.pools[HOST].num_used == 0 and p.de.kv.pool.num_used == 0
+    finally:
+        p.de_net.close()
