@@ -35,8 +35,9 @@ def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
 
 
 def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) -> EngineClient:
-    """One engine in this process, or with ``--instances N`` a cluster of Ray actors behind a router."""
-    if cluster.instances > 1 or cluster.ray_address:
+    """One engine in this process, or with ``--instances N`` (or prefill and decode engines) a cluster of Ray
+    actors behind a router."""
+    if cluster.instances > 1 or cluster.ray_address or cluster.disaggregated:
         from boundless.cluster.client import ClusterClient
 
         return ClusterClient(config, cluster, max_waiting)

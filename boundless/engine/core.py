@@ -167,6 +167,10 @@ class EngineCore:
         self.counters = EngineCounters()
         self._disk_io = DiskIOStats()  # the executor's disk I/O, as last reported
         self._remote_io: RemoteIOStats | None = None  # its block streams, as last reported (once connected)
+        self.handoff_timeout_s = DEFAULT_TIMEOUT_S
+        # Requests prepared for a handoff, by the time past which one still waiting for its first token is dropped
+        # (its prefill engine or the dispatcher is gone): nothing may hold blocks for good.
+        self._awaiting: dict[str, float] = {}
 
     @classmethod
     def from_model(
@@ -175,10 +179,12 @@ class EngineCore:
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
         policy: SchedulingPolicy | None = None,
+        read_throttle: Callable[[int], object] | None = None,
     ) -> EngineCore:
-        """An instance that runs ``loaded`` on its device."""
+        """An instance that runs ``loaded`` on its device (its store reads waiting for ``read_throttle``, an
+        emulated storage link, when given)."""
         layout = size_engine(config, loaded.arch, loaded.dtype)
-        executor = build_model_executor(loaded, config, layout)
+        executor = build_model_executor(loaded, config, layout, read_throttle=read_throttle)
         return cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy)
 
     def connect(
@@ -193,6 +199,7 @@ class EngineCore:
             raise TypeError("only the model executor moves KV between instances")
         self.executor.connect(lambda tiers: RemoteIO(tiers, transport, throttle, timeout_s))
         self._remote_io = RemoteIOStats()
+        self.handoff_timeout_s = timeout_s
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -236,6 +243,8 @@ class EngineCore:
         for the rest, which the prefill engine sends. Returns from which block it should send."""
         request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, None)
         request.awaiting_resume = True
+        # Its first token comes after the PE's queue, prefill and stream, each stream bounded by the timeout.
+        self._awaiting[request_id] = self.clock() + 2 * self.handoff_timeout_s
         prompt = request.prompt_token_ids
         num_full = len(prompt) // self.kv.block_size
         have = self.kv.hold_prefix(request_id, prompt, num_full) if self.kv.pool.enable_caching else 0
@@ -269,6 +278,7 @@ class EngineCore:
             detok.add(token)
         detok.skip_emitted(resume.text_chars_sent)
         request.awaiting_resume = False
+        self._awaiting.pop(request_id, None)
         return True
 
     def _new_request(
@@ -324,12 +334,17 @@ class EngineCore:
         """Stop a request and free its KV blocks; False if it was not running."""
         request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
+        self._awaiting.pop(request_id, None)
         if request is not None:
             self._count_finish(request)
         return request is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def has_work(self) -> bool:
+        """Requests to run, or streams to other instances still to report (their blocks are held till then)."""
+        return self.has_unfinished() or self.kv.num_remote_in_flight > 0
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -342,7 +357,15 @@ class EngineCore:
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (bookkeeping only; cheap)."""
+        if self._awaiting:
+            self._drop_stale_intakes()
         return self.scheduler.schedule()
+
+    def _drop_stale_intakes(self) -> None:
+        """Drop prepared requests whose first token never came (their blocks are freed)."""
+        now = self.clock()
+        for request_id in [rid for rid, deadline in self._awaiting.items() if deadline < now]:
+            self.abort(request_id)
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """Run a scheduled step on the executor; returns its sampled tokens, seconds and finished disk I/O.
