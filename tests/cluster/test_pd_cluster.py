@@ -81,6 +81,7 @@ def test_calls_are_prefilled_handed_off_and_decoded_with_one_engines_tokens(
         assert r.system_fingerprint.startswith("boundless-d")  # the last tokens came from a decode engine
         context += r.choices[0].model_extra["token_ids"] + [(7 * turn + j) % 300 + 5 for j in range(30)]
     assert texts == _offline(tiny_llama, prompts, 12)
+    assert sum(client.dispatcher.placements.values()) == 3  # every call went through a PE and a DE
     view = httpx.get(server.url + "/cluster").json()["instances"]
     assert {i["id"]: i["role"] for i in view} == {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
     time.sleep(0.6)  # a heartbeat or two: the engines' counters reach the router
@@ -149,13 +150,22 @@ def test_a_decode_engine_killed_mid_stream_and_a_prefill_engine_killed_mid_prefi
     # Now a prefill engine, while long prompts are being prefilled: those calls start over on the other.
     pe = client.instances["p1"].info
     assert pe is not None
-    long_prompts = [[60 + i] + [(17 * j + i) % 300 + 3 for j in range(600)] for i in range(6)]
+    long_prompts = [[60 + i] + [(17 * j + i) % 300 + 3 for j in range(900)] for i in range(8)]
 
     async def kill_pe(started: asyncio.Event) -> None:
-        await asyncio.sleep(0.3)  # the calls are placed and prefilling
+        def prefilling_on_p1() -> bool:
+            with client.lock:
+                return any(
+                    c.phase == "prefilling" and c.prefill_engine == "p1" for c in client.dispatcher.calls.values()
+                )
+
+        while not prefilling_on_p1():
+            await asyncio.sleep(0.001)
         os.kill(pe.pid, signal.SIGKILL)
 
+    failovers = client.dispatcher.num_failovers
     assert _stream_all(server, long_prompts, 20, kill_pe) == _offline(tiny_llama, long_prompts, 20)
     _wait_dead(client, "p1")
+    assert client.dispatcher.num_failovers > failovers  # calls it was prefilling started over on the other
     states = {i["id"]: i["state"] for i in httpx.get(server.url + "/cluster").json()["instances"]}
     assert states == {"p0": "alive", "p1": "dead", "d0": "alive", "d1": "dead"}
