@@ -69,7 +69,8 @@ def main() -> None:
         print(f"cached {c:5d} new {n:4d} x{k}: {median * 1000:8.1f} ms  shapes {runs[0].shapes}", flush=True)
     model: AttentionTimeModel = fit_attention_time(s for _, s in train)
     print(
-        f"\nfit on {len(train)} points: base {model.base_s * 1e3:.2f} ms, {model.per_token_s * 1e6:.1f} us/token, "
+        f"\nfit on {len(train)} points: base {model.base_s * 1e3:.2f} ms, {model.per_seq_s * 1e3:.2f} ms/request, "
+        f"{model.per_token_s * 1e6:.1f} us/token, "
         f"{model.per_pair_s * 1e9:.2f} ns/pair"
     )
     print("\n| cached | new | requests | measured ms | predicted ms | error |\n|---:|---:|---:|---:|---:|---:|")

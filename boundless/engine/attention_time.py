@@ -6,7 +6,7 @@ A step's shape is, per request, the tokens that already have KV (``cached``) and
 now (``new``). Causal attention over a chunk costs one query-key pair per new token per earlier
 token: ``new * cached + new * (new + 1) / 2`` pairs. The model is linear in what a step does::
 
-    seconds = base_s + per_token_s * sum(new) + per_pair_s * sum(pairs)
+    seconds = base_s + per_seq_s * requests + per_token_s * sum(new) + per_pair_s * sum(pairs)
 
 fitted by least squares with non-negative coefficients (so a longer chunk never predicts less time,
 which the prefill batcher's binary search relies on). Samples are what the engine can record after
@@ -55,9 +55,11 @@ def shapes_of(sched: SchedulerOutput) -> tuple[ChunkShape, ...]:
 
 @dataclass(frozen=True)
 class AttentionTimeModel:
-    """``base_s + per_token_s * new tokens + per_pair_s * query-key pairs``, all coefficients >= 0."""
+    """``base_s + per_seq_s * requests + per_token_s * new tokens + per_pair_s * query-key pairs``, all
+    coefficients >= 0 (the per-request term: a kernel launch or loop per sequence, its sampling)."""
 
     base_s: float = 0.0
+    per_seq_s: float = 0.0
     per_token_s: float = 0.0
     per_pair_s: float = 0.0
 
@@ -66,11 +68,11 @@ class AttentionTimeModel:
             return 0.0
         tokens = sum(s.new for s in shapes)
         pairs = sum(s.pairs for s in shapes)
-        return self.base_s + self.per_token_s * tokens + self.per_pair_s * pairs
+        return self.base_s + self.per_seq_s * len(shapes) + self.per_token_s * tokens + self.per_pair_s * pairs
 
 
 def _features(shapes: Sequence[ChunkShape]) -> list[float]:
-    return [1.0, float(sum(s.new for s in shapes)), float(sum(s.pairs for s in shapes))]
+    return [1.0, float(len(shapes)), float(sum(s.new for s in shapes)), float(sum(s.pairs for s in shapes))]
 
 
 def fit_attention_time(samples: Iterable[AttentionSample]) -> AttentionTimeModel:
@@ -94,7 +96,8 @@ def fit_attention_time(samples: Iterable[AttentionSample]) -> AttentionTimeModel
             break
         active.pop(int(np.argmin(solution)))
     coef = coef / scale
-    return AttentionTimeModel(base_s=float(coef[0]), per_token_s=float(coef[1]), per_pair_s=float(coef[2]))
+    base, per_seq, per_token, per_pair = (float(c) for c in coef)
+    return AttentionTimeModel(base_s=base, per_seq_s=per_seq, per_token_s=per_token, per_pair_s=per_pair)
 
 
 class AttentionTimeRecorder:
@@ -112,11 +115,11 @@ class AttentionTimeRecorder:
             self.samples.append(AttentionSample(tuple(shapes), seconds))
 
     def fit(self) -> AttentionTimeModel | None:
-        """The fitted model; None until samples of three different sizes pin down its three terms."""
-        if len({_totals(s.shapes) for s in self.samples}) < 3:
+        """The fitted model; None until samples of four different sizes can pin down its four terms."""
+        if len({_totals(s.shapes) for s in self.samples}) < 4:
             return None
         return fit_attention_time(self.samples)
 
 
-def _totals(shapes: Sequence[ChunkShape]) -> tuple[int, int]:
-    return sum(s.new for s in shapes), sum(s.pairs for s in shapes)
+def _totals(shapes: Sequence[ChunkShape]) -> tuple[int, int, int]:
+    return len(shapes), sum(s.new for s in shapes), sum(s.pairs for s in shapes)

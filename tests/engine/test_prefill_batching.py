@@ -19,8 +19,8 @@ from boundless.engine.scheduler import Scheduler
 from boundless.kv.manager import KVCacheManager
 from boundless.programs.policy import FCFSPolicy
 
-# A "machine": 5 ms a step, 10 us a token, 1 ns per query-key pair.
-TRUE = AttentionTimeModel(base_s=5e-3, per_token_s=1e-5, per_pair_s=1e-9)
+# A "machine": 5 ms a step, 1 ms a request, 10 us a token, 1 ns per query-key pair.
+TRUE = AttentionTimeModel(base_s=5e-3, per_seq_s=1e-3, per_token_s=1e-5, per_pair_s=1e-9)
 
 
 def test_pairs_count_causal_attention_within_the_chunk_and_over_the_cached_context() -> None:
@@ -47,29 +47,32 @@ def grid() -> list[AttentionSample]:
 def test_the_fit_recovers_the_machines_coefficients_from_step_samples() -> None:
     fitted = fit_attention_time(grid())
     assert fitted.base_s == pytest.approx(TRUE.base_s, rel=1e-6)
+    assert fitted.per_seq_s == pytest.approx(TRUE.per_seq_s, rel=1e-6)
     assert fitted.per_token_s == pytest.approx(TRUE.per_token_s, rel=1e-6)
     assert fitted.per_pair_s == pytest.approx(TRUE.per_pair_s, rel=1e-6)
 
 
 def test_a_term_the_noise_would_make_negative_is_dropped_so_longer_never_predicts_less() -> None:
     # Time that falls slightly with tokens at fixed pairs: plain least squares fits per_token < 0.
-    odd = AttentionTimeModel(base_s=1e-3, per_token_s=-1e-7, per_pair_s=1e-9)
+    odd = AttentionTimeModel(base_s=1e-3, per_seq_s=1e-4, per_token_s=-1e-7, per_pair_s=1e-9)
     samples = [AttentionSample(s.shapes, odd.predict(s.shapes)) for s in grid()]
     fitted = fit_attention_time(samples)
-    assert min(fitted.base_s, fitted.per_token_s, fitted.per_pair_s) >= 0 and fitted.per_token_s == 0
+    assert min(fitted.base_s, fitted.per_seq_s, fitted.per_token_s, fitted.per_pair_s) >= 0
+    assert fitted.per_token_s == 0
     assert fitted.predict([ChunkShape(0, 2)]) >= fitted.predict([ChunkShape(0, 1)])
 
 
-def test_the_recorder_fits_once_three_sizes_are_seen_and_forgets_old_samples() -> None:
-    recorder = AttentionTimeRecorder(capacity=4)
-    for n in (8, 8, 16):
-        recorder.record([ChunkShape(0, n)], TRUE.predict([ChunkShape(0, n)]))
-    assert recorder.fit() is None  # two sizes cannot pin three terms
+def test_the_recorder_fits_once_four_sizes_are_seen_and_forgets_old_samples() -> None:
+    recorder = AttentionTimeRecorder(capacity=5)
+    for shapes in ([ChunkShape(0, 8)], [ChunkShape(0, 8)], [ChunkShape(0, 16)], [ChunkShape(0, 8)] * 2):
+        recorder.record(shapes, TRUE.predict(shapes))
+    assert recorder.fit() is None  # three sizes cannot pin four terms
     recorder.record([], 1.0)  # an empty step is no sample
     recorder.record([ChunkShape(100, 32)], TRUE.predict([ChunkShape(100, 32)]))
-    assert recorder.fit() is not None and len(recorder.samples) == 4
+    assert recorder.fit() is not None and len(recorder.samples) == 5
     recorder.record([ChunkShape(0, 64)], 0.0)
-    assert len(recorder.samples) == 4 and recorder.samples[0].shapes == (ChunkShape(0, 8),)  # oldest out
+    assert len(recorder.samples) == 5 and recorder.samples[0].shapes == (ChunkShape(0, 8),)
+    assert recorder.samples[1].shapes == (ChunkShape(0, 16),)  # the oldest went out
 
 
 # -- the batcher ----------------------------------------------------------------------------------
@@ -127,4 +130,4 @@ def test_the_token_budget_and_sequence_limit_still_bound_the_batch() -> None:
 
 
 def test_a_step_quota_is_the_predicted_time_of_a_full_fresh_step() -> None:
-    assert step_quota(TRUE, 2048) == pytest.approx(5e-3 + 2048 * 1e-5 + 2048 * 2049 / 2 * 1e-9)
+    assert step_quota(TRUE, 2048) == pytest.approx(5e-3 + 1e-3 + 2048 * 1e-5 + 2048 * 2049 / 2 * 1e-9)
