@@ -192,12 +192,14 @@ class EngineCore:
         transport: KVTransport,
         throttle: Callable[[int], object] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        layerwise: bool = True,
     ) -> None:
         """Let this instance move KV to and from its peers over ``transport`` (prefill/decode disaggregation):
-        ``throttle(nbytes)`` waits for the emulated network link, ``timeout_s`` bounds every stream."""
+        ``throttle(nbytes)`` waits for the emulated network link, ``timeout_s`` bounds every stream, and a
+        handoff streams layer by layer during the forward pass (``layerwise``) or after it."""
         if not isinstance(self.executor, ModelExecutor):
             raise TypeError("only the model executor moves KV between instances")
-        self.executor.connect(lambda tiers: RemoteIO(tiers, transport, throttle, timeout_s))
+        self.executor.connect(lambda tiers: RemoteIO(tiers, transport, throttle, timeout_s, layerwise=layerwise))
         self._remote_io = RemoteIOStats()
         self.handoff_timeout_s = timeout_s
 

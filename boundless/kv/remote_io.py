@@ -86,7 +86,9 @@ class RemoteIO:
 
     ``tiers`` maps tier ids to memory laid out ``[layers, 2, kv_heads, blocks, block_size, head_dim]`` in a
     ``data`` attribute (``PagedKVCache``, ``HostKVTier``). ``throttle(nbytes)`` blocks until that many bytes
-    have crossed this instance's emulated network link (``cluster/links.py``), when there is one.
+    have crossed this instance's emulated network link (``cluster/links.py``), when there is one. With
+    ``layerwise`` False, the sends due during a step go out only once its forward pass is over (the baseline
+    the overlap is measured against).
     """
 
     def __init__(
@@ -96,12 +98,14 @@ class RemoteIO:
         throttle: Callable[[int], object] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        layerwise: bool = True,
     ) -> None:
         self.tiers = tiers
         self.transport = transport
         self.throttle = throttle
         self.timeout_s = timeout_s
         self.clock = clock
+        self.layerwise = layerwise
         device = self._data(DEVICE)
         self.num_layers = device.shape[0]
         self._block_shape = (device.shape[1], device.shape[2], device.shape[4], device.shape[5])
@@ -143,7 +147,7 @@ class RemoteIO:
             else:
                 layerwise.append(stream)
         self._step_streams = layerwise
-        if not layerwise:
+        if not layerwise or not self.layerwise:
             return None
 
         def after_layer(layer: int) -> None:
@@ -164,6 +168,9 @@ class RemoteIO:
             stream.forward_end = now
             if not ok:
                 stream.error = stream.error or "the step computing the blocks failed"
+            elif not self.layerwise:  # the baseline: every layer once the pass is over
+                for layer in range(self.num_layers):
+                    self._pieces.put(_Piece(stream, layer))
             self._pieces.put(_Piece(stream, None))
         self._step_streams = []
 
@@ -323,7 +330,7 @@ class RemoteIO:
             if stream.error is None:
                 self.stats.streams_sent += 1
                 self.stats.blocks_sent += len(send.src)
-                if send.layerwise and stream.started_at is not None and stream.forward_end is not None:
+                if stream.started_at is not None and stream.forward_end is not None:
                     self.stats.layerwise_streams += 1
                     self.stats.layerwise_stream_s += now - stream.started_at
                     self.stats.layerwise_exposed_s += max(0.0, now - stream.forward_end)

@@ -90,8 +90,9 @@ class RemoteIOStats:
     send_failures: int = 0
     recv_failures: int = 0  # timeouts included
     recv_timeouts: int = 0
-    # Layerwise sends: seconds from a stream's first layer to its trailer, and of those, the seconds after the
-    # step's forward pass ended (what the overlap did not hide). 1 - exposed / stream is the overlap.
+    # Sends due during a step (a handoff): seconds from a stream's first layer to its trailer, and of those, the
+    # seconds after the step's forward pass ended (what the overlap did not hide). 1 - exposed / stream is the
+    # overlap (0 when sent after the forward pass).
     layerwise_streams: int = 0
     layerwise_stream_s: float = 0.0
     layerwise_exposed_s: float = 0.0
