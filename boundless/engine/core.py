@@ -261,10 +261,10 @@ class EngineCore:
             if push:
                 request.push = PrefixPush(plan.peer, plan.push_tag, push)
         first = max(have, push)
-        if num_full > first and self.kv.pool.enable_caching:
+        if num_full > first and self.kv.host_room(num_full - first):
             self.kv.expect_blocks(request_id, prompt, first, num_full - first, plan.peer, plan.recv_tag)
         else:
-            first = num_full
+            first = num_full  # nothing to receive, or no room for it: the PE sends nothing, this engine computes
         self.scheduler.add(request)
         return IntakeAnswer(send_from_block=first, push_blocks=push)
 

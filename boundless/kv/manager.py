@@ -634,8 +634,7 @@ class KVCacheManager:
         the stream is in flight. When host memory has no room, the stream is still received (so the peer's
         messages are taken) and dropped, and the blocks are recomputed."""
         host = self.pools.get(HOST)
-        room = host is not None and host.enable_caching and host.num_free >= count
-        blocks = host.allocate(count) if room and host is not None else []
+        blocks = host.allocate(count) if host is not None and self.host_room(count) else []
         bs = self.block_size
         keys = tuple(self.block_hashes(request_id, token_ids[: (first + count) * bs])[first : first + count])
         tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(first, first + count))
@@ -645,6 +644,11 @@ class KVCacheManager:
         self._recvs.append(recv)
         self._lookups.setdefault(request_id, _DiskLookup()).limit = first
         return recv
+
+    def host_room(self, count: int) -> bool:
+        """Whether host memory could take ``count`` named blocks now (a stream from a peer lands there)."""
+        host = self.pools.get(HOST)
+        return host is not None and host.enable_caching and host.num_free >= count
 
     def is_receiving(self, request_id: str) -> bool:
         """Whether blocks of the request are on their way from a peer (it is not admitted meanwhile)."""

@@ -157,3 +157,19 @@ def test_without_a_live_decode_engine_calls_fail_as_unavailable() -> None:
     assert isinstance(fail, Fail) and fail.reason == "unavailable"
     (fail,) = d.submit("b", [1, 2, 3], PARAMS)
     assert isinstance(fail, Fail) and fail.reason == "unavailable"
+
+
+def test_roles_come_from_the_flags_and_bad_values_fail_at_start_up() -> None:
+    import pytest
+
+    from boundless.cli import build_parser
+    from boundless.config import ClusterConfig, ConfigError, from_flags
+
+    args = build_parser().parse_args(["serve", "--prefill-instances", "2", "--kv-handoff-timeout-s", "5"])
+    cluster = from_flags(ClusterConfig, args)
+    assert cluster.disaggregated and cluster.roles == (2, 1) and cluster.kv_handoff_timeout_s == 5
+    assert not ClusterConfig().disaggregated
+    with pytest.raises(ConfigError, match="--kv-transport"):
+        ClusterConfig(prefill_instances=1, kv_transport="carrier-pigeon")
+    with pytest.raises(ConfigError, match="--decode-instances"):
+        ClusterConfig(decode_instances=-1)

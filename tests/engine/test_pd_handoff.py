@@ -293,3 +293,20 @@ def test_a_prefill_engine_gone_mid_push_frees_the_decode_engines_blocks_at_once(
         assert p.de.kv.pools[HOST].num_used == 0 and p.de.kv.pool.num_used == 0
     finally:
         p.de_net.close()
+
+
+def test_a_decode_engine_without_host_room_asks_for_nothing_and_computes_the_prompt(
+    tiny_llama: LoadedModel, shm_dir: Path
+) -> None:
+    p = _pair(tiny_llama, shm_dir)
+    try:
+        host = p.de.kv.pools[HOST]
+        filler = host.allocate(host.num_free - 2)  # room for two blocks only; the prompt has four
+        answer, first, rest = _disaggregated(p, "r", PROMPT)
+        assert answer.send_from_block == 4 and rest[-1].num_cached_tokens == 0
+        assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, PROMPT)
+        assert p.pe.stats().remote_io.streams_sent == 0  # the PE sent nothing
+        host.free(filler)
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
