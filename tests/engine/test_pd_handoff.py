@@ -6,6 +6,7 @@ free their blocks on both sides and the tokens are recomputed."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,6 +308,36 @@ def test_a_decode_engine_without_host_room_asks_for_nothing_and_computes_the_pro
         assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, PROMPT)
         assert p.pe.stats().remote_io.streams_sent == 0  # the PE sent nothing
         host.free(filler)
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_an_agents_next_turn_gets_only_the_blocks_its_decode_engine_lacks(pair: Pair, tiny_llama: LoadedModel) -> None:
+    _, first, rest = _disaggregated(pair, "turn-1", PROMPT)
+    output = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+    prompt = PROMPT + output + APPEND  # 123 tokens: 7 full blocks
+    answer, first, rest = _disaggregated(pair, "turn-2", prompt)
+    # The DE computed the first turn's 82 tokens of KV: 5 full blocks it holds for the next turn.
+    assert answer.send_from_block == 5
+    assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, prompt)
+    assert rest[-1].num_cached_tokens == 7 * BLOCK
+    _settle(pair.pe, pair.de)
+    assert pair.pe.stats().remote_io.blocks_sent == 4 + 2
+
+
+def test_a_prepared_request_whose_first_token_never_comes_is_dropped(tiny_llama: LoadedModel, shm_dir: Path) -> None:
+    p = _pair(tiny_llama, shm_dir, timeout_s=0.2)
+    try:
+        p.de.prepare_intake("r", PROMPT, PARAMS, IntakePlan(p.pe_net.address, recv_tag=1))
+        for _ in range(200):
+            if not p.de.has_work():
+                break
+            p.de.step()
+            time.sleep(0.01)
+        assert "r" not in p.de.scheduler.requests  # dropped after twice the timeout
+        assert p.de.kv.pools[HOST].num_used == 0 and p.de.kv.pool.num_used == 0
+        assert not p.de.continue_request("r", Resume((1,), 0))  # too late: the dispatcher resends it
     finally:
         p.pe_net.close()
         p.de_net.close()
