@@ -76,6 +76,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         transport.run(args)
         return 0
+    if args.bench_kind == "handoff":
+        from boundless.bench import handoff
+
+        handoff.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -151,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_restart.add_arguments(restart)
     restart.set_defaults(func=_bench)
+    from boundless.bench import handoff as bench_handoff
+
+    handoff = bench_sub.add_parser("handoff", help="a prefill engine's KV handoff: layer by layer, or after the pass")
+    bench_handoff.add_arguments(handoff)
+    handoff.set_defaults(func=_bench)
     return parser
 
 

@@ -205,6 +205,7 @@ class ServerConfig:
 
 ROUTINGS = ("locality", "least-loaded", "round-robin")
 KV_PATHS = ("basic", "dualpath", "oracle")
+KV_TRANSPORTS = ("shm", "nixl", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -223,8 +224,31 @@ class ClusterConfig:
     )
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between instance heartbeats"})
     heartbeat_timeout_s: float = field(default=5.0, metadata={"help": "an instance silent this long is dead"})
-    # Prefill/decode disaggregation (DualPath): the inter-engine scheduler's thresholds, in tokens
-    # (cluster/pd_scheduler.py), and the emulated storage and compute links (cluster/links.py).
+    # Prefill/decode disaggregation (DualPath): the roles, the transport between them, the inter-engine
+    # scheduler's thresholds, in tokens (cluster/pd_scheduler.py), and the emulated links (cluster/links.py).
+    prefill_instances: int = field(
+        default=0,
+        metadata={
+            "help": "prefill engines: with prefill and decode engines, a call is prefilled on one and its KV handed "
+            "to the other, which decodes (0 with --decode-instances 0: every instance does both; one of them "
+            "given alone makes the other 1)"
+        },
+    )
+    decode_instances: int = field(default=0, metadata={"help": "decode engines (see --prefill-instances)"})
+    kv_transport: str = field(
+        default="shm",
+        metadata={
+            "help": "how KV moves between prefill and decode engines: shm (shared memory, one node), nixl or mooncake "
+            "(across nodes; their packages must be installed)"
+        },
+    )
+    kv_handoff_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "a KV stream between engines not complete in this many seconds is abandoned: its blocks are freed "
+            "on both sides and recomputed"
+        },
+    )
     pd_alpha: int | None = field(
         default=None,
         metadata={
@@ -289,6 +313,14 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _require(self.instances >= 1, "instances", "must be >= 1")
+        _require(self.prefill_instances >= 0, "prefill_instances", "must not be negative")
+        _require(self.decode_instances >= 0, "decode_instances", "must not be negative")
+        _require(
+            self.kv_transport in KV_TRANSPORTS,
+            "kv_transport",
+            f"unknown transport {self.kv_transport!r}; one of {', '.join(KV_TRANSPORTS)}",
+        )
+        _require(self.kv_handoff_timeout_s > 0, "kv_handoff_timeout_s", "must be positive")
         _require(self.routing in ROUTINGS, "routing", f"unknown routing {self.routing!r}; one of {', '.join(ROUTINGS)}")
         _require(self.locality_threshold >= 0, "locality_threshold", "must not be negative")
         _require(self.locality_max_imbalance >= 0, "locality_max_imbalance", "must not be negative")
@@ -314,6 +346,16 @@ class ClusterConfig:
         _require(0 <= self.lending_creditor_headroom < 1, "lending_creditor_headroom", "must be in [0, 1)")
         _require(self.lending_min_gain >= 0, "lending_min_gain", "must not be negative")
         _require(self.lending_reservation_timeout_s > 0, "lending_reservation_timeout_s", "must be positive")
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether calls are split between prefill and decode engines."""
+        return self.prefill_instances > 0 or self.decode_instances > 0
+
+    @property
+    def roles(self) -> tuple[int, int]:
+        """(prefill engines, decode engines): one of each at least when disaggregated."""
+        return max(1, self.prefill_instances), max(1, self.decode_instances)
 
 
 # -- flags ------------------------------------------------------------------------------------

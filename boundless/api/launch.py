@@ -35,12 +35,13 @@ def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
 
 
 def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) -> EngineClient:
-    """One engine in this process, or with ``--instances N`` a cluster of Ray actors behind a router."""
+    """One engine in this process, or with ``--instances N`` (or prefill and decode engines) a cluster of Ray
+    actors behind a router."""
     if cluster.kv_lending == "on":
         # The ledger, protocol and planner exist (cluster/rmanager.py, cluster/gmanager.py); moving blocks and
-        # attention over them wait for the transport of KV and partials between instances.
-        raise ConfigError("--kv-lending: on needs the KV transport between instances, which is not built yet")
-    if cluster.instances > 1 or cluster.ray_address:
+        # attention over them (DistAttention) are not wired into the engine yet.
+        raise ConfigError("--kv-lending: on needs DistAttention in the engine, which is not built yet")
+    if cluster.instances > 1 or cluster.ray_address or cluster.disaggregated:
         from boundless.cluster.client import ClusterClient
 
         return ClusterClient(config, cluster, max_waiting)

@@ -177,12 +177,25 @@ def _numbers(stats: object) -> dict[str, float]:
     return {k: float(v) for k, v in items.items() if isinstance(v, int | float)}  # a bool is 0 or 1
 
 
-class ServerMetrics:
-    """The server's registry: engine state at scrape time, request latencies as they finish."""
+class _ExtraCollector:
+    """Series a client adds of its own at scrape time (a cluster's links and KV paths)."""
 
-    def __init__(self, source: StatsSource) -> None:
+    def __init__(self, source: Callable[[], Iterator[Metric]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.source()
+
+
+class ServerMetrics:
+    """The server's registry: engine state at scrape time, request latencies as they finish, and ``extra``
+    series when the client has some (``cluster_metrics``)."""
+
+    def __init__(self, source: StatsSource, extra: Callable[[], Iterator[Metric]] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStateCollector(source))
+        if extra is not None:
+            self.registry.register(_ExtraCollector(extra))
         labels = ["instance"]
         self.ttft = Histogram(
             "boundless_time_to_first_token_seconds",

@@ -125,7 +125,7 @@ class OpenAIServer:
         self.client = client
         self.model_name = model_name
         self.config = config
-        self.metrics = ServerMetrics(client.stats)
+        self.metrics = ServerMetrics(client.stats, getattr(client, "cluster_metrics", None))
         client.add_finished_listener(self._observe)
         self.created = int(time.time())
 

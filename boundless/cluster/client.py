@@ -2,7 +2,9 @@
 
 ``ClusterClient`` offers the HTTP server the same interface as an in-process engine. It starts
 (or joins) Ray, creates one :class:`~boundless.cluster.instance.EngineInstance` actor per
-instance, and carries out the decisions of a :class:`~boundless.cluster.dispatcher.Dispatcher`,
+instance (with ``--prefill-instances``/``--decode-instances``, prefill and decode engines with a KV
+transport between them, behind a :class:`~boundless.cluster.pd_dispatcher.PDDispatcher`), and
+carries out the decisions of a :class:`~boundless.cluster.dispatcher.Dispatcher`,
 which routes calls, keeps the process table (so program priorities are global) and decides
 failover. What is left here is the transport: the actors, a poller thread per instance that
 drains its deltas, a heartbeat thread that collects load and KV usage, the streams to the HTTP
@@ -14,21 +16,42 @@ are resent elsewhere with the tokens already produced.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
+import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
-from boundless.cluster.dispatcher import AbortOn, AddResult, Decision, Dispatcher, Fail, MarkDead, Send
-from boundless.cluster.instance import EngineInstance, InstanceInfo
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from boundless.api.metrics import link_metrics
+from boundless.cluster.dispatcher import AbortOn, AddResult, Dispatcher, Fail, MarkDead, Send
+from boundless.cluster.instance import EngineInstance, Heartbeat, InstanceInfo, RoleSetup
+from boundless.cluster.links import LinkStats
+from boundless.cluster.pd_dispatcher import (
+    Continue,
+    PDDecision,
+    PDDispatcher,
+    PDInstance,
+    Prepare,
+    PrepareResult,
+    placement_counts,
+)
+from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
 from boundless.cluster.routing import Router
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import EngineDeadError, QueueFullError, RequestStream, StreamRegistry
 from boundless.engine.core import EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampling_params import SamplingParams
+from boundless.kv.transfer import DISK
 from boundless.model.loader import resolve_model_path
 from boundless.model.tokenizer import load_tokenizer
 from boundless.programs.process_table import ProcessTable
@@ -48,10 +71,11 @@ class Instance:
     actor: object
     info: InstanceInfo | None = None
     stats: EngineStats | None = None
+    links: list[LinkStats] = field(default_factory=list)
 
 
 class ClusterClient:
-    """N engine instances as Ray actors behind one dispatcher."""
+    """N engine instances as Ray actors behind one dispatcher; or P prefill and D decode engines."""
 
     def __init__(self, engine: EngineConfig, cluster: ClusterConfig, max_waiting: int = 1024) -> None:
         import ray
@@ -61,23 +85,41 @@ class ClusterClient:
         if not ray.is_initialized():
             ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
         gpu = engine.model.device.startswith("cuda")
-        threads = None if gpu else max(1, _local_cpus() // cluster.instances)
+        roles = _roles(cluster)
+        threads = None if gpu else max(1, _local_cpus() // len(roles))
         actor_cls = ray.remote(EngineInstance).options(
             num_cpus=0 if not gpu else 1, num_gpus=1 if gpu else 0, max_concurrency=16, max_restarts=0
         )
+        # Endpoints of the KV transport meet in a directory (shared memory's sockets and slots live there).
+        self._transport_dir = ""
+        setups: dict[str, RoleSetup | None] = dict.fromkeys(roles)
+        if cluster.disaggregated:
+            base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            self._transport_dir = os.path.join(base, f"boundless-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            # Under oracle no read costs storage bandwidth: the instances get no storage link.
+            links = dataclasses.replace(cluster, storage_gbps=None) if cluster.kv_path == "oracle" else cluster
+            setups = {
+                iid: RoleSetup(role, links, self._transport_dir, rank, len(roles))  # type: ignore[arg-type]
+                for rank, (iid, role) in enumerate(roles.items())
+            }
         self.instances: dict[str, Instance] = {
-            str(i): Instance(actor_cls.remote(str(i), engine, max_waiting, threads)) for i in range(cluster.instances)
+            iid: Instance(actor_cls.remote(iid, engine, max_waiting, threads, setups[iid])) for iid in roles
         }
         for inst in self.instances.values():
             inst.info = ray.get(inst.actor.info.remote())
         self.tokenizer = load_tokenizer(resolve_model_path(engine.model.model))
         self.max_model_len = min(i.info.max_model_len for i in self.instances.values() if i.info)
-        self.dispatcher = Dispatcher(
-            self.instances,
-            Router(cluster.routing, cluster.locality_threshold, cluster.locality_max_imbalance),
-            ProcessTable(ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas"),
-            time.monotonic,
-        )
+        table = ProcessTable(ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas")
+        self.dispatcher: Dispatcher
+        if cluster.disaggregated:
+            self.dispatcher = self._pd_dispatcher(engine, cluster, table)
+        else:
+            self.dispatcher = Dispatcher(
+                self.instances,
+                Router(cluster.routing, cluster.locality_threshold, cluster.locality_max_imbalance),
+                table,
+                time.monotonic,
+            )
         self.streams = StreamRegistry()
         self.lock = threading.RLock()  # around the dispatcher, and the adds its decisions send
         self._listeners: list[Callable[[RequestDelta], None]] = []
@@ -89,6 +131,21 @@ class ClusterClient:
         self._threads.append(threading.Thread(target=self._heartbeats, name="boundless-heartbeat", daemon=True))
         for t in self._threads:
             t.start()
+
+    def _pd_dispatcher(self, engine: EngineConfig, cluster: ClusterConfig, table: ProcessTable) -> PDDispatcher:
+        infos = {iid: inst.info for iid, inst in self.instances.items() if inst.info is not None}
+        if len({i.fingerprint for i in infos.values()}) != 1:
+            raise RuntimeError("prefill and decode engines must serve the same model (their KV fingerprints differ)")
+        # With emulated storage links every instance reads through a link of its own: a node of its own.
+        emulated = cluster.storage_gbps is not None or cluster.net_gbps is not None
+        members = {
+            iid: PDInstance(i.role, iid if emulated else i.node, i.kv_address)  # type: ignore[arg-type]
+            for iid, i in infos.items()
+        }
+        first = next(iter(infos.values()))
+        self._kv_bytes_per_token = max(1, first.kv_bytes_per_block // first.block_size)
+        config = PDSchedulerConfig.from_configs(cluster, engine.scheduler)
+        return PDDispatcher(members, table, time.monotonic, config, first.block_size)
 
     # -- the EngineClient interface ------------------------------------------------------------
 
@@ -125,20 +182,71 @@ class ClusterClient:
         for iid, inst in self.instances.items():
             s = inst.stats
             view = self.dispatcher.views[iid]
-            out.append(
-                {
-                    "id": iid,
-                    "pid": inst.info.pid if inst.info else None,
-                    "node": inst.info.node if inst.info else None,
-                    "state": "alive" if view.alive else "dead",
-                    "running": s.num_running if s else 0,
-                    "waiting": s.num_waiting if s else 0,
-                    "inflight": view.inflight,
-                    "kv_usage": s.kv_usage if s else 0.0,
-                    "prefix_cache_hit_rate": s.prefix_cache_hit_rate if s else 0.0,
+            entry = {
+                "id": iid,
+                "pid": inst.info.pid if inst.info else None,
+                "node": inst.info.node if inst.info else None,
+                "state": "alive" if view.alive else "dead",
+                "running": s.num_running if s else 0,
+                "waiting": s.num_waiting if s else 0,
+                "inflight": view.inflight,
+                "kv_usage": s.kv_usage if s else 0.0,
+                "prefix_cache_hit_rate": s.prefix_cache_hit_rate if s else 0.0,
+            }
+            if isinstance(self.dispatcher, PDDispatcher):
+                load = next((ld for ld in self.dispatcher.loads() if ld.engine_id == iid), None)
+                entry |= {
+                    "role": self.dispatcher.role(iid),
+                    "calls": load.seq if load else 0,
+                    "tokens": load.tok if load else 0,
+                    "read_queue_bytes": _storage_queue(inst.links),
                 }
-            )
+            out.append(entry)
         return out
+
+    def cluster_metrics(self) -> Iterator[Metric]:
+        """Series beyond the engines' own: the emulated links, and with roles the bytes per KV path and the
+        calls placed per read path."""
+        views = self.dispatcher.views
+        live = {iid: inst for iid, inst in self.instances.items() if views[iid].alive}
+        yield from link_metrics({iid: inst.links for iid, inst in live.items()})
+        if not isinstance(self.dispatcher, PDDispatcher):
+            return
+        paths = CounterMetricFamily(
+            "boundless_pd_path_bytes",
+            "KV bytes by path: pe_read and de_read (storage to a prefill or decode engine), de_push (decode to "
+            "prefill engine, the DE-read path's second hop) and handoff (prefill to decode engine)",
+            labels=["instance", "role", "path"],
+        )
+        for iid, inst in live.items():
+            s, role = inst.stats, self.dispatcher.role(iid)
+            if s is None:
+                continue
+            disk = s.kv_tiers.get(DISK)
+            read_path, send_path = ("pe_read", "handoff") if role == "prefill" else ("de_read", "de_push")
+            paths.add_metric([iid, role, read_path], float(disk.bytes_read if disk else 0))
+            paths.add_metric([iid, role, send_path], float(s.remote_io.bytes_sent if s.remote_io else 0))
+        yield paths
+        queues = GaugeMetricFamily(
+            "boundless_pd_read_queue_bytes",
+            "bytes waiting on the instance's (node's) storage link: the read queue the scheduler balances",
+            labels=["instance", "role"],
+        )
+        for iid, inst in live.items():
+            queues.add_metric([iid, self.dispatcher.role(iid)], float(_storage_queue(inst.links)))
+        yield queues
+        placed = CounterMetricFamily(
+            "boundless_pd_calls", "calls placed, by read path (pe, de, none)", labels=["read_path"]
+        )
+        stored = CounterMetricFamily(
+            "boundless_pd_stored_tokens",
+            "estimated stored prompt tokens of calls placed, by read path",
+            labels=["read_path"],
+        )
+        for path, n, tokens in placement_counts(self.dispatcher):
+            placed.add_metric([path], float(n))
+            stored.add_metric([path], float(tokens))
+        yield from (placed, stored)
 
     def shutdown(self) -> None:
         import ray
@@ -151,22 +259,30 @@ class ClusterClient:
                 with contextlib.suppress(Exception):  # already gone
                     ray.get(inst.actor.shutdown.remote(), timeout=10)
             ray.kill(inst.actor)
+        if self._transport_dir:
+            shutil.rmtree(self._transport_dir, ignore_errors=True)
 
     # -- carrying out the dispatcher's decisions ----------------------------------------------------
 
-    def _carry_out(self, decisions: Iterable[Decision], caller: str | None = None) -> Fail | None:
+    def _carry_out(self, decisions: Iterable[PDDecision], caller: str | None = None) -> Fail | None:
         """Carry out ``decisions`` and those that follow from their outcomes. Holds ``self.lock``.
 
         Returns the failure of ``caller``'s call, for its submitter to raise; the failure of any
         other call (one failing over) ends its stream with an error."""
         import ray
 
-        queue = deque(decisions)
+        queue: deque[PDDecision] = deque(decisions)
         failure = None
         while queue:
             decision = queue.popleft()
             if isinstance(decision, Send):
                 queue.extend(self.dispatcher.add_done(decision, self._add(decision)))
+            elif isinstance(decision, Prepare):
+                assert isinstance(self.dispatcher, PDDispatcher)
+                queue.extend(self.dispatcher.prepare_done(decision, self._prepare(decision)))
+            elif isinstance(decision, Continue):
+                assert isinstance(self.dispatcher, PDDispatcher)
+                queue.extend(self.dispatcher.continue_done(decision, self._continue(decision)))
             elif isinstance(decision, Fail):
                 if decision.request_id == caller:
                     failure = decision
@@ -182,20 +298,37 @@ class ClusterClient:
 
     def _add(self, send: Send) -> AddResult:
         """The instance's answer to ``send``, with Ray's errors told apart."""
+        actor = self.instances[send.instance_id].actor
+        call = actor.add.remote(send.request_id, send.prompt, send.params, send.program, send.resume, send.handoff)
+        return self._answer(call, send.instance_id, send.request_id)
+
+    def _prepare(self, prepare: Prepare) -> PrepareResult:
+        actor = self.instances[prepare.instance_id].actor
+        call = actor.prepare.remote(prepare.request_id, prepare.prompt, prepare.params, prepare.program, prepare.plan)
+        result = self._answer(call, prepare.instance_id, prepare.request_id)
+        if isinstance(result, AddResult):
+            return PrepareResult(result.status, message=result.message, param=result.param)
+        return result
+
+    def _continue(self, cont: Continue) -> AddResult:
+        actor = self.instances[cont.instance_id].actor
+        return self._answer(
+            actor.continue_request.remote(cont.request_id, cont.resume), cont.instance_id, cont.request_id
+        )
+
+    def _answer(self, call: object, instance_id: str, request_id: str) -> Any:
+        """What a remote call answered, with Ray's errors told apart: ``unreachable`` (the instance died or hung)
+        or ``failed`` (the call raised there; the instance lives)."""
         import ray
 
-        actor = self.instances[send.instance_id].actor
         try:
-            return ray.get(
-                actor.add.remote(send.request_id, send.prompt, send.params, send.program, send.resume),
-                timeout=self.config.heartbeat_timeout_s,
-            )
+            return ray.get(call, timeout=self.config.heartbeat_timeout_s)
         except Exception as e:
             if _instance_unreachable(e):
                 return AddResult("unreachable", type(e).__name__)
             cause = getattr(e, "cause", None) or e  # a RayTaskError carries what add raised on the instance
-            message = f"instance {send.instance_id} failed to take the request: {type(cause).__name__}: {cause}"
-            log.error("request %s: %s", send.request_id, message)
+            message = f"instance {instance_id} failed to take the request: {type(cause).__name__}: {cause}"
+            log.error("request %s: %s", request_id, message)
             return AddResult("failed", message)
 
     def _lose(self, iid: str, reason: str) -> None:
@@ -220,12 +353,14 @@ class ClusterClient:
 
     def _on_delta(self, iid: str, delta: RequestDelta) -> None:
         with self.lock:
-            if not self.dispatcher.on_delta(iid, delta):
+            shown, decisions = self.dispatcher.receive(iid, delta)
+            if shown is None:
                 return  # aborted, or a stale delta from before a failover
-        self.streams.deliver(delta)
-        if delta.finished:
+            self.streams.deliver(shown)
+            self._carry_out(decisions)
+        if shown.finished:
             for fn in self._listeners:
-                fn(delta)
+                fn(shown)
 
     def _heartbeats(self) -> None:
         import ray
@@ -235,9 +370,15 @@ class ClusterClient:
                 if not self.dispatcher.views[iid].alive:
                     continue
                 try:
-                    inst.stats = ray.get(inst.actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
+                    beat: Heartbeat = ray.get(inst.actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
                 except Exception as e:
                     self._lose(iid, f"heartbeat failed: {type(e).__name__}")
+                    continue
+                inst.stats, inst.links = beat.stats, beat.links
+                if isinstance(self.dispatcher, PDDispatcher):
+                    queued = read_queue_tokens(_storage_queue(beat.links), self._kv_bytes_per_token)
+                    with self.lock:
+                        self.dispatcher.report(iid, queued)
             with self.lock:
                 self.dispatcher.expire()
 
@@ -265,6 +406,19 @@ def _instance_unreachable(e: Exception) -> bool:
     from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
     return not isinstance(e, RayTaskError) and isinstance(e, (RayActorError, GetTimeoutError, ObjectLostError))
+
+
+def _roles(cluster: ClusterConfig) -> dict[str, str | None]:
+    """Instance ids and their roles: ``0``..``N-1`` without roles, or ``p0``.. and ``d0``.. with them."""
+    if not cluster.disaggregated:
+        return {str(i): None for i in range(cluster.instances)}
+    prefill, decode = cluster.roles
+    return {f"p{i}": "prefill" for i in range(prefill)} | {f"d{i}": "decode" for i in range(decode)}
+
+
+def _storage_queue(links: list[LinkStats]) -> int:
+    """Bytes queued on an instance's storage link (0 without one)."""
+    return next((s.queued_bytes for s in links if s.name == "storage"), 0)
 
 
 def _local_cpus() -> int:

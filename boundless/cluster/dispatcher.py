@@ -23,6 +23,7 @@ from typing import Literal
 
 from boundless.cluster.routing import InstanceView, NoLiveInstanceError, Router
 from boundless.engine.core import RequestDelta, Resume
+from boundless.engine.handoff import HandoffPlan
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
@@ -63,7 +64,8 @@ class AddResult:
 @dataclass(frozen=True)
 class Send:
     """Add a call on ``instance_id``; ``program`` carries the program's global service and waiting,
-    ``resume`` the tokens a failed-over call already produced (None for a fresh call)."""
+    ``resume`` the tokens a failed-over call already produced (None for a fresh call), ``handoff`` makes the
+    instance the call's prefill engine (``cluster/pd_dispatcher.py``)."""
 
     instance_id: str
     request_id: str
@@ -71,6 +73,7 @@ class Send:
     params: SamplingParams
     program: ProgramRef | None
     resume: Resume | None
+    handoff: HandoffPlan | None = None
 
 
 FailReason = Literal["invalid", "busy", "failed", "unavailable"]
@@ -191,6 +194,11 @@ class Dispatcher:
             else:
                 self._release(call.program)
         return True
+
+    def receive(self, instance_id: str, delta: RequestDelta) -> tuple[RequestDelta | None, list[Decision]]:
+        """A delta from ``instance_id``: the delta to hand its client (None: nobody waits for it), and what
+        follows from it (nothing, without prefill and decode roles)."""
+        return (delta if self.on_delta(instance_id, delta) else None), []
 
     def abort(self, request_id: str) -> list[Decision]:
         """Nobody waits for the call any more."""

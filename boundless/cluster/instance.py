@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from boundless.cluster.dispatcher import AddResult
-from boundless.config import EngineConfig
+from boundless.cluster.links import InstanceLinks, LinkStats, instance_links
+from boundless.cluster.pd_dispatcher import PrepareResult
+from boundless.cluster.pd_scheduler import Role
+from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import EngineLoop, QueueFullError
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import InvalidRequestError
+from boundless.engine.handoff import HandoffPlan, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import load_model
 from boundless.programs.ref import ProgramRef
+from boundless.transport.endpoints import EndpointSpec, open_endpoint
 
 # Test hook: with this variable set in an instance's environment, ``add`` raises for a request whose
 # seed equals its value, as a request that trips a bug in the engine would.
@@ -34,19 +40,67 @@ class InstanceInfo:
     node: str
     max_model_len: int
     device: str
+    role: str = ""  # prefill or decode, in a disaggregated cluster
+    kv_address: str = ""  # its KV transport's address, in a disaggregated cluster
+    block_size: int = 16
+    kv_bytes_per_block: int = 0
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class RoleSetup:
+    """An engine's part in a prefill/decode cluster: its role, and the transport endpoint it opens (``rank`` of
+    ``world_size`` endpoints, meeting in ``directory``), its links and timeouts from ``cluster``."""
+
+    role: Role
+    cluster: ClusterConfig
+    directory: str
+    rank: int
+    world_size: int
+
+
+@dataclass
+class Heartbeat:
+    """What an instance says of itself: its engine's stats, and its emulated links' (storage, network)."""
+
+    stats: EngineStats
+    links: list[LinkStats] = field(default_factory=list)
 
 
 class EngineInstance:
-    """An engine, its loop thread and an outbox of deltas."""
+    """An engine, its loop thread and an outbox of deltas; with ``role``, a prefill or decode engine with a KV
+    transport to its peers and emulated storage and network links."""
 
-    def __init__(self, instance_id: str, config: EngineConfig, max_waiting: int, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        config: EngineConfig,
+        max_waiting: int,
+        threads: int | None = None,
+        role: RoleSetup | None = None,
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.instance_id = instance_id
+        self.role = role
         fail_seed = os.environ.get(FAIL_ADD_SEED_ENV)
         self._fail_add_seed = int(fail_seed) if fail_seed else None
         loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
-        self.core = EngineCore.from_model(loaded, config)
+        self.links = InstanceLinks(None, None)
+        if role is not None:
+            self.links = instance_links(role.cluster, time.monotonic, time.sleep)
+        storage = self.links.storage
+        self.core = EngineCore.from_model(loaded, config, read_throttle=storage.transfer if storage else None)
+        self.transport = None
+        if role is not None:
+            spec = EndpointSpec(
+                role.cluster.kv_transport, role.directory, role.rank, role.world_size, role.cluster.kv_handoff_timeout_s
+            )
+            self.transport = open_endpoint(spec)
+            net = self.links.net
+            self.core.connect(
+                self.transport, throttle=net.transfer if net else None, timeout_s=role.cluster.kv_handoff_timeout_s
+            )
         self._outbox: list[RequestDelta] = []
         self._ready = threading.Condition()
         self.loop = EngineLoop(self.core, self._sink, max_waiting)
@@ -58,8 +112,18 @@ class EngineInstance:
             self._ready.notify_all()
 
     def info(self) -> InstanceInfo:
+        core = self.core
         return InstanceInfo(
-            self.instance_id, os.getpid(), os.uname().nodename, self.core.max_model_len, self.core.identity.device
+            self.instance_id,
+            os.getpid(),
+            os.uname().nodename,
+            core.max_model_len,
+            core.identity.device,
+            role=self.role.role if self.role else "",
+            kv_address=self.transport.address if self.transport else "",
+            block_size=core.layout.block_size,
+            kv_bytes_per_block=core.layout.bytes_per_block,
+            fingerprint=core.identity.fingerprint,
         )
 
     def add(
@@ -69,16 +133,40 @@ class EngineInstance:
         params: SamplingParams,
         program: ProgramRef | None = None,
         resume: Resume | None = None,
+        handoff: HandoffPlan | None = None,
     ) -> AddResult:
         if self._fail_add_seed is not None and params.seed == self._fail_add_seed:
             raise RuntimeError(f"test hook {FAIL_ADD_SEED_ENV}: add fails for seed {params.seed}")
         try:
-            self.loop.add(request_id, prompt_token_ids, params, program, resume)
+            self.loop.add(request_id, prompt_token_ids, params, program, resume, handoff)
         except InvalidRequestError as e:
             return AddResult("invalid", str(e), e.param)
         except QueueFullError as e:
             return AddResult("busy", str(e))
         return AddResult("ok")
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        program: ProgramRef | None,
+        plan: IntakePlan,
+    ) -> PrepareResult:
+        """Become the decode engine of a call (``cluster/pd_dispatcher.py``)."""
+        try:
+            answer = self.loop.prepare(request_id, prompt_token_ids, params, plan, program)
+        except InvalidRequestError as e:
+            return PrepareResult("invalid", message=str(e), param=e.param)
+        except QueueFullError as e:
+            return PrepareResult("busy", message=str(e))
+        return PrepareResult("ok", answer)
+
+    def continue_request(self, request_id: str, resume: Resume) -> AddResult:
+        """Give a prepared call its first token; ``failed`` if this engine no longer holds it."""
+        if self.loop.continue_request(request_id, resume):
+            return AddResult("ok")
+        return AddResult("failed", f"instance {self.instance_id} holds no prepared call {request_id!r}")
 
     def drain(self, timeout_s: float = 0.1) -> list[RequestDelta]:
         """Deltas since the last drain; waits up to ``timeout_s`` for the first one."""
@@ -91,8 +179,10 @@ class EngineInstance:
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
 
-    def heartbeat(self) -> EngineStats:
-        return self.loop.stats()["0"]
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.loop.stats()["0"], self.links.stats())
 
     def shutdown(self) -> None:
         self.loop.shutdown()
+        if self.transport is not None:
+            self.transport.close()

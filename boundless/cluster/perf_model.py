@@ -40,7 +40,7 @@ def fit_step_time_model(samples: Sequence[AttentionSample]) -> AttentionTimeMode
         raise NotEnoughSamplesError(f"{len(usable)} usable step samples; the fit needs {MIN_SAMPLES}")
     if len({len(s.shapes) for s in usable}) < 2 or len({_pairs(s) for s in usable}) < 2:
         raise NotEnoughSamplesError("the step samples need two batch sizes and two contexts at least")
-    return fit_attention_time(usable, relative=True, outlier_factor=OUTLIER_FACTOR)
+    return fit_attention_time(usable, relative=True, outlier_factor=OUTLIER_FACTOR, cached_term=False)
 
 
 def _pairs(sample: AttentionSample) -> int:

@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
+from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.ref import ProgramRef
 
@@ -93,15 +94,45 @@ class EngineLoop:
         params: SamplingParams,
         program: ProgramRef | None = None,
         resume: Resume | None = None,
+        handoff: HandoffPlan | None = None,
     ) -> None:
-        """Add a request; raises at once for an invalid request or a full waiting queue."""
+        """Add a request; raises at once for an invalid request or a full waiting queue. ``handoff`` makes this
+        engine the request's prefill engine (``engine/handoff.py``)."""
         if not self._thread.is_alive():
             raise EngineDeadError("the engine loop has stopped")
         with self.lock:
             if len(self.core.scheduler.waiting) >= self.max_waiting:
                 raise QueueFullError(retry_after_s=1.0)
-            self.core.add_request(request_id, prompt_token_ids, params, program=program, resume=resume)
+            self.core.add_request(request_id, prompt_token_ids, params, program=program, resume=resume, handoff=handoff)
         self._wake.set()
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        plan: IntakePlan,
+        program: ProgramRef | None = None,
+    ) -> IntakeAnswer:
+        """Make this engine a request's decode engine (``EngineCore.prepare_intake``). A half of the same call from
+        an earlier placement (its abort may still be on its way) is dropped first."""
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine loop has stopped")
+        with self.lock:
+            if len(self.core.scheduler.waiting) >= self.max_waiting:
+                raise QueueFullError(retry_after_s=1.0)
+            if request_id in self.core.scheduler.requests:
+                self.core.abort(request_id)
+            answer = self.core.prepare_intake(request_id, prompt_token_ids, params, plan, program=program)
+        self._wake.set()
+        return answer
+
+    def continue_request(self, request_id: str, resume: Resume) -> bool:
+        """Give a prepared request its first token (``EngineCore.continue_request``)."""
+        with self.lock:
+            ok = self.core.continue_request(request_id, resume)
+        self._wake.set()
+        return ok
 
     def abort(self, request_id: str) -> None:
         with self.lock:

@@ -84,6 +84,9 @@ class AttentionTimeModel:
         )
 
 
+CACHED_COLUMN = 3  # the cached tokens' column of _features
+
+
 def _features(shapes: Sequence[ChunkShape]) -> list[float]:
     return [
         1.0,
@@ -95,7 +98,10 @@ def _features(shapes: Sequence[ChunkShape]) -> list[float]:
 
 
 def fit_attention_time(
-    samples: Iterable[AttentionSample], relative: bool = False, outlier_factor: float | None = None
+    samples: Iterable[AttentionSample],
+    relative: bool = False,
+    outlier_factor: float | None = None,
+    cached_term: bool = True,
 ) -> AttentionTimeModel:
     """Least squares over the samples, coefficients held non-negative (a term fitted negative is
     dropped and the rest refitted: noise must not make a bigger step predict less time).
@@ -105,21 +111,24 @@ def fit_attention_time(
     than that many times the fitted time are dropped and the fit redone, until none is left (at most
     :data:`MAX_TRIM_ROUNDS` times): a step slowed by something else than its shape (another process on
     the cores, a collector pause) says nothing about its shape's cost, and such slowdowns only add time.
+
+    ``cached_term=False`` holds ``per_cached_s`` at 0: in decode-only samples the cached tokens are the
+    query-key pairs less one per request, so that term cannot be told apart from the other two.
     """
     kept = [s for s in samples if s.shapes and (s.seconds > 0 or not relative)]
     if not kept:
         raise ValueError("no samples to fit")
-    model = _nnls(kept, relative)
+    model = _nnls(kept, relative, cached_term)
     for _ in range(MAX_TRIM_ROUNDS if outlier_factor is not None else 0):
         inliers = [s for s in kept if s.seconds <= outlier_factor * model.predict(s.shapes)]  # type: ignore[operator]
-        if len(inliers) == len(kept) or len({_totals(s.shapes) for s in inliers}) < 4:
+        if len(inliers) == len(kept) or len({tuple(_features(s.shapes)) for s in inliers}) < 4:
             break
         kept = inliers
-        model = _nnls(kept, relative)
+        model = _nnls(kept, relative, cached_term)
     return model
 
 
-def _nnls(samples: Sequence[AttentionSample], relative: bool) -> AttentionTimeModel:
+def _nnls(samples: Sequence[AttentionSample], relative: bool, cached_term: bool = True) -> AttentionTimeModel:
     x = np.array([_features(s.shapes) for s in samples], dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     if relative:  # each row divided by its step's seconds: the residuals are relative errors
@@ -128,7 +137,7 @@ def _nnls(samples: Sequence[AttentionSample], relative: bool) -> AttentionTimeMo
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
     x = x / scale
-    active = [i for i in range(x.shape[1]) if np.any(x[:, i])]
+    active = [i for i in range(x.shape[1]) if np.any(x[:, i]) and (cached_term or i != CACHED_COLUMN)]
     coef = np.zeros(x.shape[1])
     while active:
         solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)

@@ -9,6 +9,7 @@ with the same function and gives them a cost-model executor instead.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import Sampler
 from boundless.kv.disk_store import DiskKVStore, StoreLayout
 from boundless.kv.tensors import PagedKVCache
+from boundless.kv.throttled_store import ThrottledStore
 from boundless.kv.tiers import BlockStore, HostKVTier
 from boundless.kv.transfer import HOST
 from boundless.model.arch import ModelArch
@@ -104,10 +106,15 @@ def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLay
 
 
 def build_model_executor(
-    loaded: LoadedModel, config: EngineConfig, layout: EngineLayout, store: BlockStore | None = None
+    loaded: LoadedModel,
+    config: EngineConfig,
+    layout: EngineLayout,
+    store: BlockStore | None = None,
+    read_throttle: Callable[[int], object] | None = None,
 ) -> ModelExecutor:
     """The network, its KV memory (device and host, and the disk store: ``store``, else the one at
-    ``--kv-disk-path``), attention backend and sampler, ready to run steps."""
+    ``--kv-disk-path``; its reads wait for ``read_throttle``, an emulated storage link, when given),
+    attention backend and sampler, ready to run steps."""
     arch = loaded.arch
     loaded.model.prepare(layout.max_model_len)
     kv_cache = PagedKVCache(
@@ -127,6 +134,8 @@ def build_model_executor(
     lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
     if store is None and layout.disk_bytes:
         store = open_disk_store(loaded, config, layout)
+    if store is not None and read_throttle is not None:
+        store = ThrottledStore(store, read_throttle)
     if store is not None:
         describe = getattr(store, "describe", None)
         log.info(

@@ -18,19 +18,23 @@ from boundless.engine.attention_time import AttentionTimeRecorder, shapes_of
 from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer
 from boundless.engine.errors import InvalidRequestError
-from boundless.engine.executor import Executor, StepResult
+from boundless.engine.executor import Executor, ModelExecutor, StepResult
+from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
 from boundless.kv.disk_moves import DiskIOStats
 from boundless.kv.manager import KVCacheManager
-from boundless.kv.transfer import DISK
+from boundless.kv.remote_io import DEFAULT_TIMEOUT_S, RemoteIO
+from boundless.kv.remote_moves import RemoteIOStats
+from boundless.kv.transfer import DISK, PEER
 from boundless.model.loader import LoadedModel
 from boundless.model.tokenizer import Tokenizer
 from boundless.programs.policy import SchedulingPolicy
 from boundless.programs.ref import ProgramRef
 from boundless.programs.registry import make_policy
+from boundless.transport.base import KVTransport
 
 
 @dataclass
@@ -42,7 +46,7 @@ class RequestDelta:
     new_text: str
     new_logprobs: list[SampledToken]
     finished: bool
-    finish_reason: str | None = None  # stop, length or abort
+    finish_reason: str | None = None  # stop, length, abort, or handoff (prefilled here, decoding elsewhere)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -108,6 +112,7 @@ class EngineStats:
     steps: int
     kv_tiers: dict[str, TierStats] = field(default_factory=dict)  # by tier id, those this instance has
     disk_io: DiskIOStats | None = None  # the disk store's loads and writes (with --kv-disk-path)
+    remote_io: RemoteIOStats | None = None  # block streams to and from other instances (with a transport)
 
     @property
     def kv_usage(self) -> float:
@@ -168,6 +173,11 @@ class EngineCore:
         # batcher's) are fitted from.
         self.step_times = AttentionTimeRecorder()
         self._disk_io = DiskIOStats()  # the executor's disk I/O, as last reported
+        self._remote_io: RemoteIOStats | None = None  # its block streams, as last reported (once connected)
+        self.handoff_timeout_s = DEFAULT_TIMEOUT_S
+        # Requests prepared for a handoff, by the time past which one still waiting for its first token is dropped
+        # (its prefill engine or the dispatcher is gone): nothing may hold blocks for good.
+        self._awaiting: dict[str, float] = {}
 
     @classmethod
     def from_model(
@@ -176,11 +186,29 @@ class EngineCore:
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
         policy: SchedulingPolicy | None = None,
+        read_throttle: Callable[[int], object] | None = None,
     ) -> EngineCore:
-        """An instance that runs ``loaded`` on its device."""
+        """An instance that runs ``loaded`` on its device (its store reads waiting for ``read_throttle``, an
+        emulated storage link, when given)."""
         layout = size_engine(config, loaded.arch, loaded.dtype)
-        executor = build_model_executor(loaded, config, layout)
+        executor = build_model_executor(loaded, config, layout, read_throttle=read_throttle)
         return cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy)
+
+    def connect(
+        self,
+        transport: KVTransport,
+        throttle: Callable[[int], object] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        layerwise: bool = True,
+    ) -> None:
+        """Let this instance move KV to and from its peers over ``transport`` (prefill/decode disaggregation):
+        ``throttle(nbytes)`` waits for the emulated network link, ``timeout_s`` bounds every stream, and a
+        handoff streams layer by layer during the forward pass (``layerwise``) or after it."""
+        if not isinstance(self.executor, ModelExecutor):
+            raise TypeError("only the model executor moves KV between instances")
+        self.executor.connect(lambda tiers: RemoteIO(tiers, transport, throttle, timeout_s, layerwise=layerwise))
+        self._remote_io = RemoteIOStats()
+        self.handoff_timeout_s = timeout_s
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -192,9 +220,86 @@ class EngineCore:
         arrival_time: float | None = None,
         program: ProgramRef | None = None,
         resume: Resume | None = None,
+        handoff: HandoffPlan | None = None,
     ) -> Request:
         """Queue a request. ``resume`` continues one that another instance had started (failover):
-        its tokens so far count as output, and only text the client has not seen is sent."""
+        its tokens so far count as output, and only text the client has not seen is sent. ``handoff``
+        makes this instance its prefill engine: it ends with its first token, its KV sent to the decode
+        engine (``engine/handoff.py``)."""
+        request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, resume)
+        if handoff is not None:
+            request.handoff = handoff
+            if handoff.recv_blocks > 0:  # DE-read: the decode engine pushes the prefix first
+                self.kv.expect_blocks(
+                    request_id, request.prompt_token_ids, 0, handoff.recv_blocks, handoff.peer, handoff.recv_tag
+                )
+        self.scheduler.add(request)
+        return request
+
+    def prepare_intake(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        plan: IntakePlan,
+        arrival_time: float | None = None,
+        program: ProgramRef | None = None,
+    ) -> IntakeAnswer:
+        """Make this instance the decode engine of a request a prefill engine will hand over
+        (``engine/handoff.py``): the request waits for its first token (:meth:`continue_request`); the prompt's
+        blocks in memory are held for it; under DE-read (``plan.push_tag``) the blocks the store holds after
+        them are counted (a probe), loaded, and pushed with them to the prefill engine; host blocks are reserved
+        for the rest, which the prefill engine sends. Returns from which block it should send."""
+        request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, None)
+        request.awaiting_resume = True
+        # Its first token comes after the PE's queue, prefill and stream, each stream bounded by the timeout.
+        self._awaiting[request_id] = self.clock() + 2 * self.handoff_timeout_s
+        prompt = request.prompt_token_ids
+        num_full = len(prompt) // self.kv.block_size
+        have = self.kv.hold_prefix(request_id, prompt, num_full) if self.kv.pool.enable_caching else 0
+        push = 0
+        if plan.push_tag is not None:
+            push = have
+            if self.kv.has_disk and have < num_full:
+                keys = self.kv.block_hashes(request_id, prompt[: num_full * self.kv.block_size])[have:]
+                stored = self.executor.count_stored(keys)
+                self.kv.note_on_disk(keys[:stored])  # its loads need no probe
+                push += stored
+            if push:
+                request.push = PrefixPush(plan.peer, plan.push_tag, push)
+        first = max(have, push)
+        if num_full > first and self.kv.host_room(num_full - first):
+            self.kv.expect_blocks(request_id, prompt, first, num_full - first, plan.peer, plan.recv_tag)
+        else:
+            first = num_full  # nothing to receive, or no room for it: the PE sends nothing, this engine computes
+        self.scheduler.add(request)
+        return IntakeAnswer(send_from_block=first, push_blocks=push)
+
+    def continue_request(self, request_id: str, resume: Resume) -> bool:
+        """Give a decode engine's request the tokens its prefill engine produced (and the text the client
+        has); it runs from the next step. False if the request is not here, or not waiting for them."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or not request.awaiting_resume:
+            return False
+        detok = self._detokenizers[request_id]
+        for token in resume.output_token_ids:
+            request.append_output(token)
+            detok.add(token)
+        detok.skip_emitted(resume.text_chars_sent)
+        request.awaiting_resume = False
+        self._awaiting.pop(request_id, None)
+        return True
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None,
+        program: ProgramRef | None,
+        resume: Resume | None,
+    ) -> Request:
+        """A validated request with its detokenizer, not yet queued."""
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if not prompt_token_ids:
@@ -231,7 +336,6 @@ class EngineCore:
         self._detokenizers[request_id] = detok
         if program is not None:
             self.policy.merge_remote_service(program)
-        self.scheduler.add(request)
         self.counters.prompt_tokens += len(prompt_token_ids)
         return request
 
@@ -239,6 +343,7 @@ class EngineCore:
         """Stop a request and free its KV blocks; False if it was not running."""
         request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
+        self._awaiting.pop(request_id, None)
         if request is not None:
             self._count_finish(request)
         return request is not None
@@ -247,8 +352,9 @@ class EngineCore:
         return self.scheduler.num_unfinished > 0
 
     def has_work(self) -> bool:
-        """Requests to serve, or blocks the last step computed still to hand to the disk store's writer."""
-        return self.has_unfinished() or self.kv.has_writes_to_hand_over()
+        """Requests to serve, blocks the last step computed still to hand to the disk store's writer, or streams
+        to other instances still to report (their blocks are held till then)."""
+        return self.has_unfinished() or self.kv.has_writes_to_hand_over() or self.kv.num_remote_in_flight > 0
 
     def close(self) -> None:
         """Hand the last computed blocks to the store's writer, and wait (bounded) until what it was handed is
@@ -268,7 +374,15 @@ class EngineCore:
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (bookkeeping only; cheap)."""
+        if self._awaiting:
+            self._drop_stale_intakes()
         return self.scheduler.schedule()
+
+    def _drop_stale_intakes(self) -> None:
+        """Drop prepared requests whose first token never came (their blocks are freed)."""
+        now = self.clock()
+        for request_id in [rid for rid, deadline in self._awaiting.items() if deadline < now]:
+            self.abort(request_id)
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """Run a scheduled step on the executor; returns its sampled tokens, seconds and finished disk I/O.
@@ -282,8 +396,11 @@ class EngineCore:
         """Apply a step's results: finished disk reads and writes, progress, tokens, detokenizing, stops."""
         sampled, elapsed = result.sampled, result.elapsed_s
         self.scheduler.apply_tier_report(result.tier_report)
+        self.scheduler.apply_remote_report(result.remote_report)
         if result.tier_report.io is not None:
             self._disk_io = result.tier_report.io
+        if result.remote_report.stats is not None:
+            self._remote_io = result.remote_report.stats
         self.scheduler.advance(sched, elapsed)
         c = self.counters
         c.steps += 1
@@ -305,6 +422,8 @@ class EngineCore:
             status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
             if stop_string:
                 request.stop_reason = detok.stopped_by
+            if status is None and request.handoff is not None:
+                status = RequestStatus.FINISHED_HANDED_OFF  # its first token; it decodes on its decode engine
             if status is not None:
                 self.scheduler.finish(request_id, status)
                 self._detokenizers.pop(request_id, None)
@@ -313,7 +432,8 @@ class EngineCore:
                 RequestDelta(
                     request_id=request_id,
                     new_token_ids=[token.token_id],
-                    new_text=detok.take_delta(finished=status is not None),
+                    # A handed-off request goes on elsewhere: text that may start a stop string stays held back.
+                    new_text=detok.take_delta(finished=status not in (None, RequestStatus.FINISHED_HANDED_OFF)),
                     new_logprobs=[token] if request.sampling_params.logprobs is not None else [],
                     finished=status is not None,
                     finish_reason=status.value if status is not None else None,
@@ -350,6 +470,7 @@ class EngineCore:
             steps=c.steps,
             kv_tiers=self._tier_stats(),
             disk_io=self._disk_io if self.kv.has_disk else None,
+            remote_io=self._remote_io,
         )
 
     def _tier_stats(self) -> dict[str, TierStats]:
@@ -358,7 +479,7 @@ class EngineCore:
         tiers = {}
         for tier, counters in self.kv.counters.items():
             pool = self.kv.pools.get(tier)
-            if pool is None and not (tier == DISK and self.kv.has_disk):
+            if pool is None and not (tier == DISK and self.kv.has_disk) and not (tier == PEER and self._remote_io):
                 continue
             evictions, checksum_failures = counters.evictions, 0
             if tier == DISK:  # the store evicts its own files and checks what it reads

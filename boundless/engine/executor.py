@@ -9,14 +9,17 @@ the engine differs between the two.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import SchedulerOutput
+from boundless.kv.block_hash import BlockHash
 from boundless.kv.disk_moves import TierReport
+from boundless.kv.remote_io import RemoteIO
+from boundless.kv.remote_moves import RemoteReport
 from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS, TierIO
 from boundless.kv.tiers import BlockStore, KVTier
 from boundless.kv.transfer import DEVICE, TierId
@@ -29,11 +32,12 @@ READ_WAIT_S = 0.02
 @dataclass(frozen=True)
 class StepResult:
     """One executed step: a token per sampling chunk (by request id), the step's seconds, and the disk reads
-    and writes that finished meanwhile (for the scheduler)."""
+    and writes and the block streams between instances that finished meanwhile (for the scheduler)."""
 
     sampled: dict[str, SampledToken]
     elapsed_s: float
     tier_report: TierReport = field(default_factory=TierReport)
+    remote_report: RemoteReport = field(default_factory=RemoteReport)
 
 
 class Executor(Protocol):
@@ -45,6 +49,10 @@ class Executor(Protocol):
         """Finish what was handed over for the background (writes to the disk store) and stop."""
         ...
 
+    def count_stored(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading ``keys`` the disk store holds (a probe, no load; 0 without a store)."""
+        ...
+
 
 class ModelExecutor:
     """Runs steps on the real network: KV moves between tiers, the forward pass, sampling.
@@ -52,7 +60,8 @@ class ModelExecutor:
     The device tier is the runner's KV cache; ``lower_tiers`` are the memory tiers below it (host memory),
     by id; ``store`` is the disk store, if any, read and written in the background (``kv/tier_io.py``).
     ``timer`` measures the step (wall time by default); it is injected so that the step time a scheduler
-    sees comes from one place.
+    sees comes from one place. ``remote`` runs the block streams between this instance and its peers
+    (``kv/remote_io.py``; prefill/decode disaggregation), built over these tiers by :meth:`connect`.
     """
 
     def __init__(
@@ -67,15 +76,41 @@ class ModelExecutor:
         self.tiers: dict[TierId, KVTier] = {DEVICE: runner.kv_cache, **lower_tiers}
         self.timer = timer
         self.kv_io = TierIO(self.tiers, store, write_queue_blocks)
+        self.remote: RemoteIO | None = None
+
+    def connect(self, remote: Callable[[Mapping[TierId, KVTier]], RemoteIO]) -> RemoteIO:
+        """Give the executor its block streams to other instances, built over its memory tiers."""
+        self.remote = remote(self.tiers)
+        return self.remote
+
+    def count_stored(self, keys: Sequence[BlockHash]) -> int:
+        return self.kv_io.count_stored(keys)
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         start = self.timer()
         self.runner.sampler.forget(sched.finished_ids)
-        self.kv_io.apply(sched.disk_reads, sched.disk_writes, sched.transfers)
-        sampled = self.runner.sample(self.runner.forward(sched)) if sched.chunks else {}
+        on_layer = None
+        if self.remote is not None:  # streams start whatever else happens: their peers wait for them
+            on_layer = self.remote.start(sched.remote_recvs, sched.remote_sends)
+        elif sched.remote_recvs or sched.remote_sends:
+            raise RuntimeError("a step moves KV to or from another instance, but this executor has no transport")
+        try:
+            self.kv_io.apply(sched.disk_reads, sched.disk_writes, sched.transfers)
+            sampled = self.runner.sample(self.runner.forward(sched, on_layer)) if sched.chunks else {}
+        except BaseException:
+            if self.remote is not None:
+                self.remote.end_step(ok=False)
+            raise
+        if self.remote is not None:
+            self.remote.end_step(ok=True)
         elapsed = self.timer() - start
-        idle = not sched.chunks and sched.num_reads_in_flight > 0
-        return StepResult(sampled, elapsed, self.kv_io.report(wait_s=READ_WAIT_S if idle else 0.0))
+        idle = not sched.chunks
+        remote_wait = idle and sched.num_remote_in_flight > 0 and not sched.num_reads_in_flight
+        tier_report = self.kv_io.report(wait_s=READ_WAIT_S if idle and sched.num_reads_in_flight else 0.0)
+        remote_report = (
+            self.remote.report(wait_s=READ_WAIT_S if remote_wait else 0.0) if self.remote else RemoteReport()
+        )
+        return StepResult(sampled, elapsed, tier_report, remote_report)
 
     def close(self) -> None:
         self.kv_io.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from boundless.engine.handoff import HandoffPlan, PrefixPush
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.ref import ProgramRef
 
@@ -17,6 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_HANDED_OFF = "handoff"  # prefilled here; decodes on another instance (engine/handoff.py)
 
 
 @dataclass
@@ -44,6 +46,12 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: str | int | None = None
+    # Prefill/decode disaggregation (engine/handoff.py). A PE's request: where its KV goes after its prefill.
+    handoff: HandoffPlan | None = None
+    handoff_sent: bool = False
+    # A DE's request: held back until its first token comes from the PE; under DE-read, its prefix to push.
+    awaiting_resume: bool = False
+    push: PrefixPush | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

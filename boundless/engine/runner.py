@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,13 +94,14 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, sched: SchedulerOutput) -> StepLogits:
+    def forward(self, sched: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> StepLogits:
+        """Run the step; ``on_layer(i)`` is called once layer ``i`` has stored its KV (never in a CUDA graph)."""
         decodes_only = all(len(c.token_ids) == 1 for c in sched.chunks)
-        if self.graphs is not None and decodes_only and self.graphs.fits(len(sched.chunks)):
+        if self.graphs is not None and decodes_only and on_layer is None and self.graphs.fits(len(sched.chunks)):
             return self._forward_graph(sched.chunks)
         batch = self.build_batch(sched)
         meta = self.attention.prepare(batch.attention)
-        hidden = self.model(batch.input_ids, batch.positions, self.attention, self.kv_cache, meta)
+        hidden = self.model(batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer)
         logits = self.model.compute_logits(hidden[batch.sample_indices])
         return StepLogits(logits=logits, chunks=batch.sample_chunks)
 

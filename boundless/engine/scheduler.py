@@ -14,6 +14,12 @@ A swapped request is swapped back in once there is room for it.
 A waiting request whose next blocks sit in the disk store has them loaded into host memory from the
 step after it arrives (ahead of its turn); while its read is in flight it is passed over and the
 others run. Loaded blocks then count as computed tokens at its admission, as prefix-cache hits do.
+
+Blocks may also come from and go to other instances (prefill/decode disaggregation, ``engine/handoff.py``):
+a request whose blocks are on their way from a peer is passed over like one waiting for the disk; a
+prefill engine's request sends its blocks layer by layer in the step that samples its first token; a
+decode engine's request waits for that token, and under DE-read pushes its prefix to the prefill engine
+once its loads are done. The streams are plain moves in the output (``kv/remote_moves.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.disk_moves import DiskRead, DiskWrite, TierReport
 from boundless.kv.manager import KVCacheManager
+from boundless.kv.remote_moves import RemoteRecv, RemoteReport, RemoteSend
 from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
 from boundless.programs.policy import SchedulingPolicy
 
@@ -57,6 +64,11 @@ class SchedulerOutput:
     disk_reads: list[DiskRead] = field(default_factory=list)
     disk_writes: list[DiskWrite] = field(default_factory=list)
     num_reads_in_flight: int = 0  # disk reads not yet reported done (this step's included)
+    # Block streams between instances (kv/remote_moves.py): receives to post, sends to start (layerwise ones
+    # during this step's forward pass), and how many are not yet reported done (this step's included).
+    remote_recvs: list[RemoteRecv] = field(default_factory=list)
+    remote_sends: list[RemoteSend] = field(default_factory=list)
+    num_remote_in_flight: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -64,8 +76,17 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing for the executor to do: no chunk, no move, and no read to wait for."""
-        return not (self.chunks or self.transfers or self.disk_reads or self.disk_writes or self.num_reads_in_flight)
+        """Nothing for the executor to do: no chunk, no move, and no read or stream to wait for."""
+        return not (
+            self.chunks
+            or self.transfers
+            or self.disk_reads
+            or self.disk_writes
+            or self.num_reads_in_flight
+            or self.remote_sends
+            or self.remote_recvs
+            or self.num_remote_in_flight
+        )
 
 
 @dataclass
@@ -159,13 +180,16 @@ class Scheduler:
                     read = self.kv.plan_disk_read(request.request_id, request.all_token_ids, now)
                     if read is not None:
                         out.disk_reads.append(read)
+        for request in order:
+            if request.push is not None and not self.kv.has_read_in_flight(request.request_id):
+                out.remote_sends.append(self._push(request))
         chosen: list[tuple[Request, int]] = []
         chosen_ids: set[str] = set()
         for idx, request in enumerate(order):
             if budget <= 0 or len(chosen) >= self.max_num_seqs:
                 break
-            if self.kv.is_loading(request.request_id):
-                continue  # its blocks are on their way from the store: the others run meanwhile
+            if self._held_back(request):
+                continue  # its blocks are on their way (from the store or a peer), or its first token is
             num_new = self._admit(request, budget, order, idx, chosen_ids, out)
             if num_new is None:
                 break  # keep priority order: nothing below may take the memory this one could not get
@@ -179,6 +203,10 @@ class Scheduler:
         for request, num_new in chosen:
             start = request.num_computed_tokens
             end = start + num_new
+            if end == request.num_tokens and request.handoff is not None and not request.handoff_sent:
+                send = self._handoff_send(request)
+                if send is not None:
+                    out.remote_sends.append(send)
             out.chunks.append(
                 ScheduledChunk(
                     request_id=request.request_id,
@@ -194,7 +222,41 @@ class Scheduler:
         out.transfers = self.kv.take_transfers()
         out.disk_writes = self.kv.take_disk_writes()
         out.num_reads_in_flight = self.kv.num_reads_in_flight
+        out.remote_recvs = self.kv.take_remote_recvs()
+        out.num_remote_in_flight = self.kv.num_remote_in_flight
         return out
+
+    def _held_back(self, request: Request) -> bool:
+        """Whether a request may not run yet: its blocks are on their way from the store or a peer, it waits for
+        its first token (a decode engine's), or it still has its prefix to push (DE-read)."""
+        rid = request.request_id
+        return (
+            request.awaiting_resume or request.push is not None or self.kv.is_loading(rid) or self.kv.is_receiving(rid)
+        )
+
+    def _handoff_send(self, request: Request) -> RemoteSend | None:
+        """The layerwise send of a prefill engine's request to its decode engine, in the step that samples its first
+        token: the prompt's full blocks from the plan's first on (held until the send is reported)."""
+        plan = request.handoff
+        assert plan is not None
+        request.handoff_sent = True
+        num_full = request.num_prompt_tokens // self.kv.block_size
+        blocks = self.kv.block_ids(request.request_id)[plan.send_from_block : num_full]
+        if not blocks:
+            return None
+        refs = tuple(BlockRef(DEVICE, b) for b in blocks)
+        send_id = self.kv.hold_for_send(refs)
+        return RemoteSend(send_id, plan.peer, plan.send_tag, refs, len(refs), layerwise=True)
+
+    def _push(self, request: Request) -> RemoteSend:
+        """A decode engine's push of its prefix (DE-read): the leading blocks it holds of those promised (its loads
+        are done; a block it could not get goes as a gap the prefill engine recomputes)."""
+        push = request.push
+        assert push is not None
+        request.push = None
+        refs = tuple(self.kv.memory_prefix(request.request_id, request.all_token_ids, push.num_blocks))
+        send_id = self.kv.hold_for_send(refs)
+        return RemoteSend(send_id, push.peer, push.tag, refs, push.num_blocks)
 
     def _admit(
         self,
@@ -317,6 +379,11 @@ class Scheduler:
             self.kv.learn_disk_holdings(report.held_at_open)
         self.kv.finish_disk_reads(report.reads)
         self.kv.finish_disk_writes(report.writes)
+
+    def apply_remote_report(self, report: RemoteReport) -> None:
+        """Record the block streams the executor finished: their blocks are released or named, and requests
+        whose blocks have come (or failed to) may be admitted at the next step."""
+        self.kv.finish_remote(report.recvs, report.sends)
 
     def advance(self, output: SchedulerOutput, service_s: float) -> None:
         """Record that the step ran: each scheduled request computed its chunk.

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
 from boundless.kv.block_pool import BlockPool, KVBlock
 from boundless.kv.disk_moves import DiskRead, DiskReadDone, DiskWrite, DiskWriteDone
-from boundless.kv.transfer import DEVICE, DISK, HOST, BlockRef, BlockTransfer, TierId
+from boundless.kv.remote_moves import RemoteRecv, RemoteRecvDone, RemoteSendDone
+from boundless.kv.transfer import DEVICE, DISK, HOST, PEER, BlockRef, BlockTransfer, TierId
 
 WRITE_POLICIES = ("through", "back", "off")
 # Names the manager remembers the store to hold (what it wrote or found); beyond this, the oldest are forgotten
@@ -36,7 +37,8 @@ PREFETCH_SHARE = 0.5
 @dataclass
 class CachedPrefix:
     """Blocks found for a request's leading tokens: ``blocks[i]`` sits in tier ``tiers[i]`` (device or host
-    memory); ``origins[i]`` is where its KV was found (``disk`` for a host block loaded ahead of the request)."""
+    memory); ``origins[i]`` is where its KV was found (``disk`` for a host block loaded ahead of the request,
+    ``peer`` for one another instance sent)."""
 
     blocks: list[KVBlock] = field(default_factory=list)
     tiers: list[TierId] = field(default_factory=list)
@@ -84,6 +86,19 @@ class _DiskLookup:
     probed_at: int | None = None
     loaded_upto: int = 0  # end of the blocks its last load brought into host memory
     settled: bool = False  # nothing more to read for it
+    limit: int | None = None  # reads stop before this block (blocks from there on come from a peer)
+
+
+@dataclass
+class _Intake:
+    """Host blocks reserved for a stream of blocks from a peer (``kv/remote_moves.py``): blocks ``first`` on of
+    ``request_id``'s tokens. The stream owns them until it is reported; they are named when they land."""
+
+    request_id: str | None  # None once the request is gone: what lands is still named, as cache
+    first: int
+    blocks: list[KVBlock]
+    keys: tuple[BlockHash, ...]
+    tokens: tuple[tuple[int, ...], ...]
 
 
 class KVCacheManager:
@@ -122,7 +137,7 @@ class KVCacheManager:
         self.has_disk = disk and HOST in self.pools and self.pools[HOST].enable_caching
         self.write_policy = write_policy if self.has_disk else "off"
         self.load_timeout_s = load_timeout_s
-        self.counters: dict[TierId, TierCounters] = {t: TierCounters() for t in (*self.pools, DISK)}
+        self.counters: dict[TierId, TierCounters] = {t: TierCounters() for t in (*self.pools, DISK, PEER)}
         self._swapped: dict[str, tuple[TierId, list[KVBlock]]] = {}
         # Blocks below the device that this step's transfers read or write: held until the step's copies are
         # done (freed by begin_step), so that no other move of the same step takes one and overwrites it.
@@ -140,12 +155,22 @@ class KVCacheManager:
         self._filled_by_step: list[tuple[KVBlock, BlockHash]] = []
         self._reads: dict[int, _ReadJob] = {}
         self._lookups: dict[str, _DiskLookup] = {}
-        self._from_disk: set[int] = set()  # host blocks loaded from the store and not yet used
+        # Host blocks whose KV came from below or beside (disk, peer) and were not used yet: a hit on one counts
+        # for that origin.
+        self._origins: dict[int, TierId] = {}
         # Host blocks loaded for a request that still waits, by block id: held for it until its admission (so that
         # evictions down from the device do not undo the load before its turn), and at most half of host memory,
         # so that the queue's prefetches leave room for swap and for the cache.
         self._prefetched: dict[int, str] = {}
         self._next_read_id = 0
+        # Streams between instances. Incoming: host blocks reserved per receive; outgoing: blocks held (a reference
+        # each, in their tier) per send, until the executor reports the stream. Device blocks a request that has
+        # not arrived yet will hit (a decode engine keeps them for a handoff) are held for it until its admission.
+        self._intakes: dict[int, _Intake] = {}
+        self._recvs: list[RemoteRecv] = []  # to post at the next step
+        self._sends: dict[int, list[tuple[TierId, KVBlock]]] = {}
+        self._held_for: dict[str, list[tuple[TierId, KVBlock]]] = {}
+        self._next_remote_id = 0
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -182,7 +207,7 @@ class KVCacheManager:
                 break
             prefix.blocks.append(block)
             prefix.tiers.append(tier)
-            prefix.origins.append(DISK if tier == HOST and block.block_id in self._from_disk else tier)
+            prefix.origins.append(self._origins.get(block.block_id, tier) if tier == HOST else tier)
         return prefix
 
     def blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None = None) -> int:
@@ -219,7 +244,8 @@ class KVCacheManager:
             if in_host:
                 self.pools[HOST].touch(in_host)
                 self._held.append((HOST, in_host))
-                self._from_disk.difference_update(b.block_id for b in in_host)
+                for b in in_host:
+                    self._origins.pop(b.block_id, None)
             fresh = iter(self.pool.allocate(len(in_host)))
             for block, tier in zip(prefix.blocks, prefix.tiers, strict=True):
                 if tier == DEVICE:
@@ -234,6 +260,7 @@ class KVCacheManager:
         self._name_full_blocks(request_id, token_ids, num_tokens_after)
         if self._prefetched:
             self._drop_prefetched(request_id)  # admitted: its hits hold their own references now
+        self._release_held_for(request_id)
         return True
 
     def free(self, request_id: str) -> None:
@@ -248,12 +275,16 @@ class KVCacheManager:
         self._num_named.pop(request_id, None)
         self._lookups.pop(request_id, None)
         self._drop_prefetched(request_id)
+        self._release_held_for(request_id)
+        for intake in self._intakes.values():
+            if intake.request_id == request_id:
+                intake.request_id = None  # the stream still owns its blocks until it is reported
 
     def reset_prefix_cache(self) -> None:
         """Drop every name in memory (device and host); the disk store keeps its blocks."""
         for pool in self.pools.values():
             pool.reset_prefix_cache()
-        self._from_disk.clear()
+        self._origins.clear()
 
     # -- moves between tiers ------------------------------------------------------------------
 
@@ -361,7 +392,7 @@ class KVCacheManager:
     def _demote_from_host(self, block: KVBlock, name: BlockHash, tokens: tuple[int, ...]) -> None:
         """A host allocation reuses a named block: under write-back it goes to the store first."""
         self.counters[HOST].evictions += 1
-        self._from_disk.discard(block.block_id)
+        self._origins.pop(block.block_id, None)
         if self.write_policy == "back":
             self._queue_write(HOST, block.block_id, name)
 
@@ -399,6 +430,11 @@ class KVCacheManager:
         """Whether the request waits for a read from the store (it is not admitted meanwhile)."""
         lookup = self._lookups.get(request_id)
         return lookup is not None and lookup.in_flight is not None and lookup.waits
+
+    def has_read_in_flight(self, request_id: str) -> bool:
+        """Whether a read from the store for the request (a probe or a load) is in flight."""
+        lookup = self._lookups.get(request_id)
+        return lookup is not None and lookup.in_flight is not None
 
     @property
     def disk_stalled(self) -> bool:
@@ -451,6 +487,10 @@ class KVCacheManager:
                 own_free_in_host += in_host.ref_count == 0
             start += 1
         end = max_blocks if lookup.disk_end is None else min(max_blocks, lookup.disk_end)
+        if lookup.limit is not None and start >= min(end, lookup.limit):
+            return None  # what is left comes from a peer (or, should that fail, may be read later)
+        if lookup.limit is not None:
+            end = min(end, lookup.limit)
         if start >= end or start < lookup.loaded_upto:
             # All in memory, the store has no more, or what the last load brought was evicted before its turn.
             lookup.settled = True
@@ -517,7 +557,7 @@ class KVCacheManager:
                 for block, key, tokens in zip(blocks[:found], read.keys, job.tokens, strict=False):
                     host.cache(block, key, tokens)
                     if block.block_hash == key:
-                        self._from_disk.add(block.block_id)
+                        self._origins[block.block_id] = DISK
                         if waiting:  # the read's reference becomes the waiting request's
                             self._prefetched[block.block_id] = job.request_id
                             kept.append(block)
@@ -583,8 +623,132 @@ class KVCacheManager:
             for key in keys[-MAX_KNOWN_ON_DISK:]:
                 self._remember_on_disk(key)
 
+    def note_on_disk(self, keys: Iterable[BlockHash]) -> None:
+        """The store was seen to hold these blocks (a probe made elsewhere): loads of them need no probe."""
+        for key in keys:
+            self._remember_on_disk(key)
+
     def _remember_on_disk(self, key: BlockHash) -> None:
         self._known_on_disk[key] = None
         self._known_on_disk.move_to_end(key)
         if len(self._known_on_disk) > MAX_KNOWN_ON_DISK:
             self._known_on_disk.popitem(last=False)
+
+    # -- streams between instances (kv/remote_moves.py) ----------------------------------------------------
+
+    def memory_prefix(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockRef]:
+        """The leading run of the first ``num_blocks`` full blocks of ``token_ids`` that memory holds (each on the
+        device, else in host memory), without counting a lookup."""
+        hashes = self.block_hashes(request_id, token_ids[: num_blocks * self.block_size])
+        host = self.pools.get(HOST)
+        bs = self.block_size
+        out = []
+        for i in range(min(num_blocks, len(hashes))):
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            block = self.pool.peek(hashes[i], tokens)
+            if block is not None:
+                out.append(BlockRef(DEVICE, block.block_id))
+                continue
+            block = host.peek(hashes[i], tokens) if host is not None else None
+            if block is None:
+                break
+            out.append(BlockRef(HOST, block.block_id))
+        return out
+
+    def hold_prefix(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> int:
+        """Hold the leading run of the first ``num_blocks`` blocks in memory for a request that has not arrived
+        (it will find them at its admission); returns how many. Released at its admission or when it is freed."""
+        refs = self.memory_prefix(request_id, token_ids, num_blocks)
+        held = self._held_for.setdefault(request_id, [])
+        for ref in refs:
+            block = self.pools[ref.tier].blocks[ref.block_id]
+            self.pools[ref.tier].touch([block])
+            held.append((ref.tier, block))
+        return len(refs)
+
+    def _release_held_for(self, request_id: str) -> None:
+        for tier, block in reversed(self._held_for.pop(request_id, [])):
+            self.pools[tier].free([block])
+
+    def expect_blocks(
+        self, request_id: str, token_ids: Sequence[int], first: int, count: int, peer: str, tag: int
+    ) -> RemoteRecv | None:
+        """Reserve host blocks for ``count`` blocks of the request (from block ``first`` on) that ``peer`` will send
+        on ``tag``; the receive is posted at the next step. Disk reads for the request stop before ``first`` while
+        the stream is in flight. When host memory has no room, the stream is still received (so the peer's
+        messages are taken) and dropped, and the blocks are recomputed."""
+        host = self.pools.get(HOST)
+        blocks = host.allocate(count) if host is not None and self.host_room(count) else []
+        bs = self.block_size
+        keys = tuple(self.block_hashes(request_id, token_ids[: (first + count) * bs])[first : first + count])
+        tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(first, first + count))
+        recv = RemoteRecv(self._next_remote_id, peer, tag, tuple(b.block_id for b in blocks), count)
+        self._next_remote_id += 1
+        self._intakes[recv.recv_id] = _Intake(request_id, first, blocks, keys, tokens)
+        self._recvs.append(recv)
+        self._lookups.setdefault(request_id, _DiskLookup()).limit = first
+        return recv
+
+    def host_room(self, count: int) -> bool:
+        """Whether host memory could take ``count`` named blocks now (a stream from a peer lands there)."""
+        host = self.pools.get(HOST)
+        return host is not None and host.enable_caching and host.num_free >= count
+
+    def is_receiving(self, request_id: str) -> bool:
+        """Whether blocks of the request are on their way from a peer (it is not admitted meanwhile)."""
+        return any(i.request_id == request_id for i in self._intakes.values())
+
+    def take_remote_recvs(self) -> list[RemoteRecv]:
+        out, self._recvs = self._recvs, []
+        return out
+
+    def hold_for_send(self, refs: Sequence[BlockRef]) -> int:
+        """Take a reference on each block a send reads, until the send is reported; returns the send's id."""
+        held = []
+        for ref in refs:
+            pool = self.pools[ref.tier]
+            block = pool.blocks[ref.block_id]
+            pool.touch([block])
+            held.append((ref.tier, block))
+        send_id = self._next_remote_id
+        self._next_remote_id += 1
+        self._sends[send_id] = held
+        self.counters[PEER].blocks_written += len(refs)
+        for tier, _ in held:
+            self.counters[tier].blocks_read += 1
+        return send_id
+
+    @property
+    def num_remote_in_flight(self) -> int:
+        return len(self._intakes) + len(self._sends)
+
+    def finish_remote(self, recvs: Sequence[RemoteRecvDone], sends: Sequence[RemoteSendDone]) -> None:
+        """Record finished streams: a send's blocks are released; a receive's valid blocks are named in host
+        memory (held for their request while it waits, else left as cache) and the rest freed. Disk reads of
+        the request may go on past the stream's blocks again (a failed stream is made up from the store)."""
+        for done in sends:
+            for tier, block in reversed(self._sends.pop(done.send_id, [])):
+                self.pools[tier].free([block])
+        host = self.pools.get(HOST)
+        for done in recvs:
+            intake = self._intakes.pop(done.recv_id, None)
+            if intake is None:
+                continue
+            kept = []
+            valid = min(done.num_valid, len(intake.blocks))
+            for block, key, tokens in zip(intake.blocks[:valid], intake.keys, intake.tokens, strict=False):
+                assert host is not None
+                host.cache(block, key, tokens)
+                if block.block_hash == key:
+                    self._origins[block.block_id] = PEER
+                    if intake.request_id is not None:  # the stream's reference becomes the waiting request's
+                        self._held_for.setdefault(intake.request_id, []).append((HOST, block))
+                        kept.append(block)
+            if host is not None:
+                host.free(reversed([b for b in intake.blocks if b not in kept]))
+            self.counters[PEER].blocks_read += valid
+            self.counters[HOST].blocks_written += valid
+            lookup = self._lookups.get(intake.request_id) if intake.request_id is not None else None
+            if lookup is not None:
+                lookup.limit = None
+                lookup.settled = False

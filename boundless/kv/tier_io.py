@@ -176,6 +176,10 @@ class TierIO:
             self._reads_pending -= 1
             self._done.notify_all()
 
+    def count_stored(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the store holds, in the caller's thread (a probe: one stat each)."""
+        return self._probe(keys)
+
     def _probe(self, keys: Sequence[bytes]) -> int:
         if self.store is None:
             return 0

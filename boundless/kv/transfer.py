@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 from boundless.kv.tiers import KVTier
 
-TierId = str  # "device", "host", "disk"; a tier added later names itself ("remote:<instance>")
+TierId = str  # "device", "host", "disk", "peer"; a tier added later names itself
 DEVICE: TierId = "device"
 HOST: TierId = "host"
 DISK: TierId = "disk"  # addressed by block name, not by id: its moves are kv/disk_moves.py's
+PEER: TierId = "peer"  # other instances, reached by block streams (kv/remote_moves.py): an origin, not a pool
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ device and dtype runs the PyTorch path, which computes the same thing.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -303,8 +303,10 @@ class LlamaModel(nn.Module):
         attention: AttentionBackend,
         kv_cache: PagedKVCache,
         attn_meta: Any,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [tokens, hidden] of a flat batch."""
+        """Final hidden states [tokens, hidden] of a flat batch. ``on_layer(i)`` is called once layer ``i`` has
+        stored the step's KV (a prefill engine streams it to a decode engine meanwhile)."""
         assert self.rope is not None, "call prepare first"
         hidden = self.embed_tokens(input_ids)
         if getattr(attention, "fused_layers", False):  # a GPU backend: the layers' fused Triton kernels too
@@ -312,12 +314,16 @@ class LlamaModel(nn.Module):
 
             for i, layer in enumerate(self.layers):
                 hidden = layer.forward_fused(hidden, positions, self.rope, attention, kv_cache.layer(i), attn_meta)
+                if on_layer is not None:
+                    on_layer(i)
             return triton_ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
         if self._packed_key is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta)
+            return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta, on_layer)
         cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, attention, kv_cache.layer(i), attn_meta)
+            if on_layer is not None:
+                on_layer(i)
         return self.norm(hidden)
 
     def _forward_packed(
@@ -327,6 +333,7 @@ class LlamaModel(nn.Module):
         attention: AttentionBackend,
         kv_cache: PagedKVCache,
         attn_meta: Any,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         rope = self.rope
         assert rope is not None
@@ -337,6 +344,8 @@ class LlamaModel(nn.Module):
         step = _PackedStep(self.layers[0], hidden.shape[0], positions, rope, self._workspace)
         for i, layer in enumerate(self.layers):
             hidden = layer.forward_packed(hidden, step, attention, kv_cache.layer(i), attn_meta)
+            if on_layer is not None:
+                on_layer(i)
         return cpu_kernels.rms_norm(hidden, self.norm.weight, self.norm.eps, torch.empty_like(hidden))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from boundless.engine.executor import StepResult
@@ -153,6 +153,15 @@ class CostModelExecutor:
 
     def close(self) -> None:
         """Nothing runs in the background in virtual time."""
+
+    def count_stored(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading ``keys`` the simulated store holds (0 without one)."""
+        if self.disk is None:
+            return 0
+        found = 0
+        while found < len(keys) and keys[found] in self.disk.keys:
+            found += 1
+        return found
 
     def _placeholder(self, chunk: ScheduledChunk) -> int:
         if self.token_id is not None:

@@ -1,0 +1,124 @@
+"""``boundless bench handoff``: how much of a prefill engine's KV handoff the layerwise stream hides behind
+its forward pass.
+
+A prefill engine (PE) and a decode engine (DE) in this process, over shared memory, the PE's sends through
+an emulated network link at ``--net-gbps`` (``cluster/links.py``). For each prompt length, requests are
+prefilled on the PE and handed to the DE (``engine/handoff.py``) in two modes, on the same engines:
+
+- ``layerwise``: layer ``i`` of the blocks goes out as soon as the forward pass has stored it;
+- ``after``: every layer goes out once the forward pass is over (the baseline).
+
+Per run: ``prefill_s``, the PE's step from the request's arrival to its first token; ``stream_s``, the
+stream from its first message to its last; ``exposed_s``, the part of the stream after the forward pass
+ended (what the overlap did not hide); and ``ready_s`` = ``prefill_s`` + ``exposed_s``, when the DE holds
+every block and could decode. Medians over ``--repeats`` (each with a fresh prompt, so nothing is cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from boundless.bench.report import print_table, write_json
+from boundless.cluster.links import Link, ThrottledLink, gbps_to_bytes_per_s
+from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.core import EngineCore
+from boundless.engine.handoff import HandoffPlan, IntakePlan
+from boundless.engine.sampling_params import SamplingParams
+from boundless.model.loader import LoadedModel, load_model
+from boundless.transport.shm import ShmTransport
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompt-tokens", default="512,2048", help="prompt lengths, comma-separated")
+    parser.add_argument("--net-gbps", type=float, default=1.0, help="the PE's emulated network link")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+
+
+def _config(model: str, max_tokens: int) -> EngineConfig:
+    blocks = max_tokens // 16 + 8
+    return EngineConfig(
+        model=ModelConfig(model=model, max_model_len=blocks * 16),
+        cache=CacheConfig(num_kv_blocks=blocks, kv_host_gb=blocks * 1.0e-3, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(policy="fcfs", max_num_batched_tokens=max(2048, max_tokens)),
+    )
+
+
+def _one(pe: EngineCore, de: EngineCore, pe_net: ShmTransport, de_net: ShmTransport, rid: str, prompt: list[int]):
+    """One handoff: (prefill_s, stream_s, exposed_s)."""
+    before = pe.stats().remote_io
+    assert before is not None
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    start = time.perf_counter()
+    answer = de.prepare_intake(rid, prompt, params, IntakePlan(pe_net.address, recv_tag=hash(rid) & 0xFFFFFF))
+    plan = HandoffPlan(de_net.address, hash(rid) & 0xFFFFFF, answer.send_from_block)
+    pe.add_request(rid, prompt, params, handoff=plan)
+    while pe.has_unfinished():
+        pe.step()
+    prefill_s = time.perf_counter() - start
+    while pe.kv.num_remote_in_flight or de.kv.is_receiving(rid):
+        pe.step()
+        de.step()
+    de.abort(rid)
+    after = pe.stats().remote_io
+    assert after is not None and after.send_failures == before.send_failures, "the stream failed"
+    return (
+        prefill_s,
+        after.layerwise_stream_s - before.layerwise_stream_s,
+        (after.layerwise_exposed_s - before.layerwise_exposed_s),
+    )
+
+
+def measure(loaded: LoadedModel, lengths: list[int], net_gbps: float, repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    config = _config(loaded.name, max(lengths))
+    generator = torch.Generator().manual_seed(0)
+    vocab = loaded.arch.vocab_size
+    with tempfile.TemporaryDirectory(prefix="boundless-handoff-", dir="/dev/shm") as directory:
+        for mode in ("layerwise", "after"):
+            pe_net = ShmTransport(directory, f"pe-{mode}")
+            de_net = ShmTransport(directory, f"de-{mode}")
+            pe, de = EngineCore.from_model(loaded, config), EngineCore.from_model(loaded, config)
+            link = ThrottledLink(Link("net", gbps_to_bytes_per_s(net_gbps)), time.monotonic, time.sleep)
+            pe.connect(pe_net, throttle=link.transfer, layerwise=mode == "layerwise")
+            de.connect(de_net)
+            _one(pe, de, pe_net, de_net, f"warm-{mode}", torch.randint(3, vocab, (64,)).tolist())
+            for length in lengths:
+                runs = []
+                for r in range(repeats):
+                    prompt = torch.randint(3, vocab, (length,), generator=generator).tolist()
+                    runs.append(_one(pe, de, pe_net, de_net, f"{mode}-{length}-{r}", prompt))
+                prefill, stream, exposed = (statistics.median(x) for x in zip(*runs, strict=True))
+                kv_mb = (length // 16) * pe.layout.bytes_per_block / 1e6
+                rows.append(
+                    {"mode": mode, "prompt_tokens": length, "kv_mb": round(kv_mb, 1), "prefill_s": prefill,
+                     "stream_s": stream, "exposed_s": exposed, "ready_s": prefill + exposed,
+                     "hidden": max(0.0, 1 - exposed / stream) if stream else 0.0}
+                )  # fmt: skip
+            pe_net.close()
+            de_net.close()
+    return rows
+
+
+def run(args: argparse.Namespace) -> None:
+    loaded = load_model(args.model)
+    lengths = [int(x) for x in args.prompt_tokens.split(",")]
+    rows = measure(loaded, lengths, args.net_gbps, args.repeats)
+    print(f"{args.model}, net link {args.net_gbps:g} Gbit/s, median of {args.repeats}")
+    print_table(
+        ["mode", "prompt", "KV MB", "prefill s", "stream s", "exposed s", "ready s", "hidden"],
+        [
+            [r["mode"], r["prompt_tokens"], r["kv_mb"], f"{r['prefill_s']:.3f}", f"{r['stream_s']:.3f}",
+             f"{r['exposed_s']:.3f}", f"{r['ready_s']:.3f}", f"{r['hidden']:.0%}"]
+            for r in rows
+        ],
+    )  # fmt: skip
+    if args.json:
+        write_json(args.json, {"model": args.model, "net_gbps": args.net_gbps, "rows": rows})

@@ -1,0 +1,411 @@
+"""The cluster's decisions with prefill and decode roles (DualPath, issue 13), as plain code over plain data.
+
+A call goes through four phases, each a decision the transport carries out and answers:
+
+1. **queued**: it waits in a FIFO until the inter-engine scheduler (``cluster/pd_scheduler.py``) places it on
+   a prefill engine (PE) and a decode engine (DE) and picks its read path, from the load the dispatcher
+   counts itself (each engine's calls and their tokens, exact as every call passes here) and the storage
+   read queues the engines report;
+2. **preparing**: :class:`Prepare` makes the DE ready (``EngineCore.prepare_intake``): the DE holds what it
+   has of the prompt, reserves host memory for the rest, and under DE-read loads the stored prefix to push
+   to the PE; it answers from which block the PE should send;
+3. **prefilling**: a :class:`~boundless.cluster.dispatcher.Send` with a handoff plan makes the PE prefill,
+   stream the KV to the DE and end with the first token (finish reason ``handoff``). That delta goes to the
+   client as an ordinary one (not finished);
+4. **decoding**: :class:`Continue` gives the DE the first token; its deltas go to the client to the end.
+
+Failures: a PE lost before its handoff puts the call back at the head of the queue (nothing reached the
+client; the DE's half is aborted). A DE lost before the handoff leaves the PE's stream to fail on its own;
+at the handoff the call goes to another DE as a resumed request (prompt plus the first token, which
+recomputes or reads the store: the engines' ordinary failover). A DE lost while decoding is the same
+failover. So no token is lost or repeated, and greedy outputs equal one engine's. Every stream has a
+timeout on both sides, and a DE drops a prepared call whose first token never comes, so no failure leaves
+blocks held.
+
+The read path needs each call's stored tokens. The dispatcher does not see the store; it estimates them
+from what it served: a program's next call usually extends its last one (prompt and output), whose full
+blocks were written through to the shared store. A call without a program counts as nothing stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from boundless.cluster.dispatcher import (
+    AbortOn,
+    AddResult,
+    AddStatus,
+    Decision,
+    Dispatcher,
+    Fail,
+    InflightCall,
+    MarkDead,
+    Send,
+)
+from boundless.cluster.pd_scheduler import (
+    EngineLoad,
+    PDSchedulerConfig,
+    PendingRequest,
+    ReadPath,
+    Role,
+    schedule,
+)
+from boundless.cluster.routing import Router
+from boundless.engine.core import RequestDelta, Resume
+from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan
+from boundless.engine.sampling_params import SamplingParams
+from boundless.programs.process_table import ProcessTable
+from boundless.programs.ref import ProgramRef
+
+Phase = Literal["queued", "preparing", "prefilling", "continuing", "decoding"]
+
+
+@dataclass(frozen=True)
+class PDInstance:
+    """An engine as the dispatcher places work on it: its role, the node whose storage link it reads through
+    (with emulated links every instance is a node of its own), and its KV transport's address."""
+
+    role: Role
+    node: str
+    address: str
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """Make ``instance_id`` the decode engine of a call, its KV coming as ``plan`` says."""
+
+    instance_id: str
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    program: ProgramRef | None
+    plan: IntakePlan
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """The DE's answer to a :class:`Prepare` (statuses as :class:`~boundless.cluster.dispatcher.AddResult`)."""
+
+    status: AddStatus
+    answer: IntakeAnswer | None = None
+    message: str = ""
+    param: str | None = None
+
+
+@dataclass(frozen=True)
+class Continue:
+    """Give the DE the tokens the PE produced: it decodes from there."""
+
+    instance_id: str
+    request_id: str
+    resume: Resume
+
+
+PDDecision = Decision | Prepare | Continue
+
+
+@dataclass
+class PDCall(InflightCall):
+    """A call and where it stands (``instance`` is whichever engine's deltas it takes now)."""
+
+    phase: Phase = "queued"
+    prefill_engine: str = ""
+    decode_engine: str = ""
+    read_path: ReadPath = "none"
+    stored_tokens: int = 0
+    tag: int = 0  # of this placement's streams (a placement's answers are told from an earlier one's by it)
+    prepared: bool = False  # the DE answered its Prepare (it holds the call's half)
+    prefill_service_s: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output_token_ids)
+
+
+class PDDispatcher(Dispatcher):
+    """Prefill/decode placement, handoff and failover for engines with roles (see the module docstring)."""
+
+    def __init__(
+        self,
+        instances: Mapping[str, PDInstance],
+        table: ProcessTable,
+        clock: Callable[[], float],
+        config: PDSchedulerConfig,
+        block_size: int,
+    ) -> None:
+        super().__init__(instances, Router("least-loaded"), table, clock)
+        self.instances = dict(instances)
+        self.config = config
+        self.block_size = block_size
+        self.calls: dict[str, PDCall] = {}
+        self.queue: list[PDCall] = []
+        self.read_queues: dict[str, int] = {}  # tokens, per instance, as last reported
+        self.placements: Counter[str] = Counter()  # calls placed, by read path
+        self.placed_stored_tokens: Counter[str] = Counter()  # their estimated stored tokens, by read path
+        self._history: dict[str, list[int]] = {}  # program id -> its last call's tokens
+        self._next_tag = 1
+
+    def is_alive(self) -> bool:
+        return all(self._live(role) for role in ("prefill", "decode"))
+
+    def role(self, instance_id: str) -> Role:
+        return self.instances[instance_id].role
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, program: ProgramRef | None = None
+    ) -> list[PDDecision]:
+        if program is not None:
+            self.table.call_arrived(program, self.clock())
+        call = PDCall(request_id, list(prompt), params, program)
+        call.stored_tokens = self._stored_estimate(call)
+        self.calls[request_id] = call
+        self.queue.append(call)
+        return self._place()
+
+    def report(self, instance_id: str, read_queue_tokens: int) -> None:
+        """An engine's heartbeat: its node's storage read queue, in tokens."""
+        self.read_queues[instance_id] = read_queue_tokens
+
+    def prepare_done(self, prepare: Prepare, result: PrepareResult) -> list[PDDecision]:
+        """The DE's answer: on success the PE gets the call, with where to send the KV."""
+        call = self.calls.get(prepare.request_id)
+        if call is None or call.phase != "preparing" or call.tag != prepare.plan.recv_tag:
+            return [AbortOn(prepare.instance_id, prepare.request_id)] if result.status == "ok" else []
+        if result.status == "ok" and result.answer is not None:
+            call.prepared = True
+            plan = HandoffPlan(
+                self.instances[call.decode_engine].address,
+                prepare.plan.recv_tag,
+                result.answer.send_from_block,
+                recv_tag=prepare.plan.push_tag or 0,
+                recv_blocks=result.answer.push_blocks,
+            )
+            program = self._global_view(call.program)
+            return [Send(call.prefill_engine, call.request_id, call.prompt, call.params, program, None, plan)]
+        if result.status == "unreachable":
+            return self.instance_lost(prepare.instance_id, f"prepare failed: {result.message}")
+        return self._fail(call, result.status, result.message, result.param)
+
+    def add_done(self, send: Send, result: AddResult) -> list[PDDecision]:  # type: ignore[override]
+        call = self.calls.get(send.request_id)
+        if call is None or not _answers_current(call, send):
+            return [AbortOn(send.instance_id, send.request_id)] if result.status == "ok" else []
+        if result.status == "ok":
+            call.phase = "prefilling" if send.handoff is not None else "decoding"
+            call.instance = send.instance_id
+            return []
+        if result.status == "unreachable":
+            return self.instance_lost(send.instance_id, f"add failed: {result.message}")
+        return self._fail(call, result.status, result.message, result.param)
+
+    def continue_done(self, cont: Continue, result: AddResult) -> list[PDDecision]:
+        """The DE's answer to a :class:`Continue`; a DE that no longer holds the call gets it afresh."""
+        call = self.calls.get(cont.request_id)
+        if call is None or call.phase != "continuing" or call.decode_engine != cont.instance_id:
+            return [AbortOn(cont.instance_id, cont.request_id)] if result.status == "ok" else []
+        if result.status == "ok":
+            call.phase = "decoding"
+            return []
+        if result.status == "unreachable":
+            return self.instance_lost(cont.instance_id, f"continue failed: {result.message}")
+        return self._route_decode(call)  # it dropped the call (its first token came too late): resend it
+
+    def receive(self, instance_id: str, delta: RequestDelta) -> tuple[RequestDelta | None, list[PDDecision]]:
+        call = self.calls.get(delta.request_id)
+        if call is None or call.instance != instance_id:
+            return None, []  # aborted, or stale (from an engine the call has left)
+        call.output_token_ids.extend(delta.new_token_ids)
+        call.text_chars_sent += len(delta.new_text)
+        if delta.finish_reason == "handoff":
+            call.prefill_service_s = delta.service_s
+            shown = dataclasses.replace(delta, finished=False, finish_reason=None, stop_reason=None)
+            call.phase = "continuing"  # the PE is done with it
+            if not self.views[call.decode_engine].alive:
+                call.prepared = False
+                return shown, self._route_decode(call)
+            call.instance = call.decode_engine
+            resume = Resume(tuple(call.output_token_ids), call.text_chars_sent)
+            return shown, [Continue(call.decode_engine, call.request_id, resume)]
+        if not delta.finished:
+            return delta, []
+        del self.calls[delta.request_id]
+        decisions: list[PDDecision] = []
+        if call.phase == "prefilling" and self.views[call.decode_engine].alive:
+            decisions.append(AbortOn(call.decode_engine, call.request_id))  # its first token ended it
+        if call.program is not None:
+            self._history[call.program.program_id] = call.prompt + call.output_token_ids
+            if delta.finish_time is not None:
+                service = call.prefill_service_s + delta.service_s
+                wait = max(0.0, (delta.finish_time - delta.arrival_time) - delta.service_s)
+                self.table.call_finished(call.program, service, wait, self.clock(), instance_id)
+            else:
+                self._release(call.program)
+        return delta, decisions + self._place()
+
+    def instance_lost(self, instance_id: str, reason: str) -> list[PDDecision]:  # type: ignore[override]
+        view = self.views[instance_id]
+        if not view.alive:
+            return []
+        view.alive = False
+        self.read_queues.pop(instance_id, None)
+        decisions: list[PDDecision] = [MarkDead(instance_id, reason)]
+        requeue = []
+        for call in list(self.calls.values()):
+            pe_lost = call.prefill_engine == instance_id and call.phase in ("preparing", "prefilling")
+            de_lost = call.decode_engine == instance_id
+            if pe_lost or (de_lost and call.phase == "preparing"):
+                # Nothing reached the client yet: the call starts over, ahead of later calls.
+                other = call.decode_engine if pe_lost else call.prefill_engine
+                if self.views[other].alive and (call.prepared or call.phase == "prefilling"):
+                    decisions.append(AbortOn(other, call.request_id))
+                requeue.append(call)
+            elif de_lost and call.phase in ("continuing", "decoding"):
+                self.num_failovers += 1
+                decisions += self._route_decode(call)
+            # A DE lost while its PE prefills: the PE's stream fails, and the handoff goes elsewhere.
+        for call in reversed(requeue):
+            self.num_failovers += 1
+            self._reset(call)
+            self.queue.insert(0, call)
+        return decisions + self._place()
+
+    def abort(self, request_id: str) -> list[PDDecision]:  # type: ignore[override]
+        call = self.calls.pop(request_id, None)
+        if call is None:
+            return []
+        self._release(call.program)
+        if call.phase == "queued":
+            self.queue.remove(call)
+            return []
+        # A Prepare or Send still under way is answered later: its answer sees the call gone and aborts it there.
+        return self._abort_halves(call) + self._place()
+
+    def expire(self) -> list[str]:
+        dropped = super().expire()
+        for pid in dropped:
+            self._history.pop(pid, None)
+        return dropped
+
+    # -- decisions ---------------------------------------------------------------------------------
+
+    def loads(self) -> list[EngineLoad]:
+        """Every live engine's load as the scheduler sees it: its calls and their tokens (counted here) and
+        its node's storage read queue (reported)."""
+        seq: Counter[str] = Counter()
+        tok: Counter[str] = Counter()
+        for call in self.calls.values():
+            engines = []
+            if call.phase in ("preparing", "prefilling"):
+                engines.append(call.prefill_engine)
+            if call.phase != "queued" and call.decode_engine:
+                engines.append(call.decode_engine)
+            for engine in engines:
+                seq[engine] += 1
+                tok[engine] += call.num_tokens
+        queues: dict[str, int] = {}
+        for iid, q in self.read_queues.items():
+            node = self.instances[iid].node
+            queues[node] = max(queues.get(node, 0), q)
+        return [
+            EngineLoad(
+                iid, inst.role, inst.node, f"{inst.role}@{inst.node}", seq[iid], tok[iid], queues.get(inst.node, 0)
+            )
+            for iid, inst in self.instances.items()
+            if self.views[iid].alive
+        ]
+
+    def _place(self) -> list[PDDecision]:
+        """Place queued calls in FIFO order while engines take them."""
+        if not self.queue:
+            return []
+        if not self.is_alive():
+            failed: list[PDDecision] = []
+            for call in list(self.queue):
+                failed += self._fail(call, "unavailable", "no live prefill or decode engine")
+            return failed
+        pending = [PendingRequest(c.request_id, c.num_tokens, min(c.stored_tokens, c.num_tokens)) for c in self.queue]
+        result = schedule(pending, self.loads(), self.config)
+        decisions: list[PDDecision] = []
+        for placement in result.placements:
+            call = self.calls[placement.request_id]
+            self.queue.remove(call)
+            call.phase = "preparing"
+            call.prefill_engine, call.decode_engine = placement.prefill_engine, placement.decode_engine
+            call.read_path = placement.read_path
+            self.placements[placement.read_path] += 1
+            self.placed_stored_tokens[placement.read_path] += call.stored_tokens
+            call.tag = self._next_tag
+            self._next_tag += 2
+            push = call.tag + 1 if placement.read_path == "de" else None
+            plan = IntakePlan(self.instances[call.prefill_engine].address, recv_tag=call.tag, push_tag=push)
+            program = self._global_view(call.program)
+            decisions.append(Prepare(call.decode_engine, call.request_id, call.prompt, call.params, program, plan))
+        return decisions
+
+    def _route_decode(self, call: PDCall) -> list[PDDecision]:
+        """Send a call that has its first token to the live DE with the fewest tokens, as a resumed request."""
+        tokens = {load.engine_id: load.tok for load in self.loads() if load.role == "decode"}
+        if not tokens:
+            return self._fail(call, "unavailable", "no live decode engine")
+        de = min(tokens, key=lambda iid: tokens[iid])
+        call.phase, call.decode_engine, call.instance, call.prepared = "continuing", de, "", False
+        resume = Resume(tuple(call.output_token_ids), call.text_chars_sent)
+        return [Send(de, call.request_id, call.prompt, call.params, self._global_view(call.program), resume)]
+
+    def _fail(self, call: PDCall, status: str, message: str, param: str | None = None) -> list[PDDecision]:
+        self.calls.pop(call.request_id, None)
+        if call in self.queue:
+            self.queue.remove(call)
+        self._release(call.program)
+        decisions = self._abort_halves(call)
+        reason = status if status in ("invalid", "busy", "failed") else "unavailable"
+        return [*decisions, Fail(call.request_id, reason, message, param)]  # type: ignore[arg-type]
+
+    def _abort_halves(self, call: PDCall) -> list[PDDecision]:
+        """Tell the live engines that hold a part of the call to drop it."""
+        holders = []
+        if call.phase == "prefilling" or (call.phase == "preparing" and call.prepared):
+            holders.append(call.prefill_engine)
+        if call.decode_engine and (call.prepared or call.phase in ("continuing", "decoding")):
+            holders.append(call.decode_engine)
+        return [AbortOn(e, call.request_id) for e in holders if self.views[e].alive]
+
+    @staticmethod
+    def _reset(call: PDCall) -> None:
+        call.phase, call.prefill_engine, call.decode_engine, call.instance = "queued", "", "", ""
+        call.prepared = False
+
+    def _stored_estimate(self, call: PDCall) -> int:
+        """Tokens of the call's prompt likely in the store: the full blocks it shares with its program's last call."""
+        if call.program is None:
+            return 0
+        last = self._history.get(call.program.program_id, [])
+        common = 0
+        for a, b in zip(last, call.prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        return common // self.block_size * self.block_size
+
+    def _live(self, role: Role) -> bool:
+        return any(self.views[iid].alive for iid, inst in self.instances.items() if inst.role == role)
+
+
+def _answers_current(call: PDCall, send: Send) -> bool:
+    """Whether an engine's answer to ``send`` is for the call as it stands (not an earlier placement's)."""
+    if send.handoff is not None:
+        return (
+            call.phase == "preparing" and send.handoff.send_tag == call.tag and send.instance_id == call.prefill_engine
+        )
+    return call.phase == "continuing" and send.instance_id == call.decode_engine
+
+
+def placement_counts(dispatcher: PDDispatcher) -> Sequence[tuple[str, int, int]]:
+    """(read path, calls placed, their estimated stored tokens), for ``/metrics``."""
+    return [(path, n, dispatcher.placed_stored_tokens[path]) for path, n in sorted(dispatcher.placements.items())]

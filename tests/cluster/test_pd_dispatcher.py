@@ -1,0 +1,175 @@
+"""The prefill/decode dispatcher without Ray or threads: a call's four phases, the read path, and what
+happens when an engine is lost in each phase (nothing lost or repeated for the client)."""
+
+from __future__ import annotations
+
+from boundless.cluster.dispatcher import AbortOn, AddResult, Fail, MarkDead, Send
+from boundless.cluster.pd_dispatcher import Continue, PDDispatcher, PDInstance, Prepare, PrepareResult
+from boundless.cluster.pd_scheduler import PDSchedulerConfig
+from boundless.engine.core import RequestDelta
+from boundless.engine.handoff import IntakeAnswer
+from boundless.engine.sampling_params import SamplingParams
+from boundless.programs.process_table import ProcessTable
+from boundless.programs.ref import ProgramRef
+
+PARAMS = SamplingParams(max_tokens=8)
+OK = AddResult("ok")
+BLOCK = 16
+
+
+def dispatcher(pes: int = 1, des: int = 1, kv_path: str = "dualpath") -> PDDispatcher:
+    instances = {f"p{i}": PDInstance("prefill", f"p{i}", f"addr-p{i}") for i in range(pes)}
+    instances |= {f"d{i}": PDInstance("decode", f"d{i}", f"addr-d{i}") for i in range(des)}
+    config = PDSchedulerConfig(alpha=64, beta=10_000, kv_path=kv_path)  # type: ignore[arg-type]
+    return PDDispatcher(instances, ProcessTable(), lambda: 100.0, config, BLOCK)
+
+
+def delta(rid: str, tokens: list[int], text: str, finish: str | None = None) -> RequestDelta:
+    return RequestDelta(rid, tokens, text, [], finish is not None, finish, finish_time=1.0 if finish else None)
+
+
+def prepared(d: PDDispatcher, rid: str, prompt: list[int], answer: IntakeAnswer, program=None) -> tuple[Prepare, Send]:
+    """Submit a call, let its DE prepare and its PE take it."""
+    (prepare,) = d.submit(rid, prompt, PARAMS, program)
+    assert isinstance(prepare, Prepare)
+    (send,) = d.prepare_done(prepare, PrepareResult("ok", answer))
+    assert isinstance(send, Send) and send.handoff is not None
+    assert d.add_done(send, OK) == []
+    return prepare, send
+
+
+def test_a_call_is_prepared_on_a_de_prefilled_on_a_pe_and_continued_on_the_de() -> None:
+    d = dispatcher()
+    prompt = list(range(40))
+    prepare, send = prepared(d, "a", prompt, IntakeAnswer(send_from_block=1))
+    assert prepare.instance_id == "d0" and prepare.plan.peer == "addr-p0" and prepare.plan.push_tag is None
+    assert send.instance_id == "p0" and send.resume is None
+    assert send.handoff.peer == "addr-d0" and send.handoff.send_tag == prepare.plan.recv_tag
+    assert send.handoff.send_from_block == 1 and send.handoff.recv_blocks == 0
+    loads = {load.engine_id: (load.seq, load.tok) for load in d.loads()}
+    assert loads == {"p0": (1, 40), "d0": (1, 40)}
+    # The PE's handoff delta goes to the client as an ordinary token; the DE gets the token to go on from.
+    shown, follow = d.receive("p0", delta("a", [7], "x", "handoff"))
+    assert shown is not None and not shown.finished and shown.new_token_ids == [7]
+    (cont,) = follow
+    assert isinstance(cont, Continue) and cont.instance_id == "d0"
+    assert cont.resume.output_token_ids == (7,) and cont.resume.text_chars_sent == 1
+    assert d.continue_done(cont, OK) == []
+    assert d.receive("p0", delta("a", [8], "y"))[0] is None  # nothing more from the PE counts
+    shown, _ = d.receive("d0", delta("a", [8, 9], "yz", "length"))
+    assert shown is not None and shown.finished
+    assert d.calls == {} and {(load.seq, load.tok) for load in d.loads()} == {(0, 0)}
+
+
+def test_a_programs_next_call_reads_its_stored_prefix_on_the_shorter_storage_queue() -> None:
+    d = dispatcher()
+    program = ProgramRef("agent")
+    first = list(range(40))
+    prepared(d, "t1", first, IntakeAnswer(0), program)
+    d.receive("p0", delta("t1", [50], "a", "handoff"))
+    d.receive("d0", delta("t1", [51, 52], "bc", "length"))
+    # The next turn extends the last one: two full blocks of it are in the store. The PE's node reads a lot.
+    d.report("p0", 1000)
+    d.report("d0", 0)
+    (prepare,) = d.submit("t2", first + [50, 51, 52] + list(range(60, 80)), PARAMS, program)
+    assert isinstance(prepare, Prepare) and prepare.plan.push_tag is not None  # DE-read
+    (send,) = d.prepare_done(prepare, PrepareResult("ok", IntakeAnswer(send_from_block=2, push_blocks=2)))
+    assert send.handoff.recv_tag == prepare.plan.push_tag and send.handoff.recv_blocks == 2
+    assert d.placements == {"none": 1, "de": 1} and d.placed_stored_tokens["de"] == 32
+    # Under basic the PE always reads, whatever the queues.
+    b = dispatcher(kv_path="basic")
+    b.report("p0", 1000)
+    prepared(b, "t1", first, IntakeAnswer(0), program)
+    b.receive("p0", delta("t1", [50], "a", "handoff"))
+    b.receive("d0", delta("t1", [51], "b", "length"))
+    (prepare,) = b.submit("t2", first + [50, 51] + list(range(60, 80)), PARAMS, program)
+    assert prepare.plan.push_tag is None and b.placements["pe"] == 1
+
+
+def test_a_first_token_that_ends_the_call_releases_the_des_half() -> None:
+    d = dispatcher()
+    prepared(d, "a", list(range(20)), IntakeAnswer(0))
+    shown, follow = d.receive("p0", delta("a", [2], "", "stop"))
+    assert shown is not None and shown.finished and follow == [AbortOn("d0", "a")]
+    assert d.calls == {}
+
+
+def test_a_pe_lost_before_its_handoff_starts_the_call_over_elsewhere() -> None:
+    d = dispatcher(pes=2)
+    prepare, send = prepared(d, "a", list(range(40)), IntakeAnswer(0))
+    decisions = d.instance_lost(send.instance_id, "gone")
+    assert decisions[0] == MarkDead(send.instance_id, "gone")
+    assert decisions[1] == AbortOn("d0", "a")  # the DE's prepared half is dropped
+    new = decisions[2]
+    assert isinstance(new, Prepare) and new.plan.recv_tag != prepare.plan.recv_tag
+    assert new.plan.peer != f"addr-{send.instance_id}"
+    # The old placement's answers are stale now: the engine that took it is told to drop it.
+    assert d.add_done(send, OK) == [AbortOn(send.instance_id, "a")]
+    assert d.prepare_done(prepare, PrepareResult("ok", IntakeAnswer(0))) == [AbortOn("d0", "a")]
+    assert d.num_failovers == 1
+
+
+def test_a_de_lost_while_its_pe_prefills_gets_the_handoff_elsewhere_as_a_resumed_call() -> None:
+    d = dispatcher(des=2)
+    prepare, _ = prepared(d, "a", list(range(40)), IntakeAnswer(0))
+    lost = prepare.instance_id
+    other = "d1" if lost == "d0" else "d0"
+    assert d.instance_lost(lost, "gone") == [MarkDead(lost, "gone")]  # the PE's stream will fail by itself
+    shown, follow = d.receive("p0", delta("a", [7], "x", "handoff"))
+    assert shown is not None and not shown.finished
+    (send,) = follow
+    assert isinstance(send, Send) and send.instance_id == other and send.handoff is None
+    assert send.resume is not None and send.resume.output_token_ids == (7,) and send.resume.text_chars_sent == 1
+    assert d.add_done(send, OK) == []
+    shown, _ = d.receive(other, delta("a", [8], "y", "length"))
+    assert shown is not None and shown.finished
+
+
+def test_a_de_lost_while_decoding_resends_the_call_with_every_token_so_far() -> None:
+    d = dispatcher(des=2)
+    prepare, _ = prepared(d, "a", list(range(40)), IntakeAnswer(0))
+    de = prepare.instance_id
+    (cont,) = d.receive("p0", delta("a", [7], "x", "handoff"))[1]
+    d.continue_done(cont, OK)
+    d.receive(de, delta("a", [8, 9], "yz"))
+    decisions = d.instance_lost(de, "gone")
+    send = decisions[1]
+    assert isinstance(send, Send) and send.instance_id != de
+    assert send.resume.output_token_ids == (7, 8, 9) and send.resume.text_chars_sent == 3
+    assert d.receive(de, delta("a", [10], "w"))[0] is None  # a stale delta from the lost DE
+
+
+def test_an_abort_reaches_every_engine_holding_a_half_of_the_call() -> None:
+    d = dispatcher()
+    prepared(d, "a", list(range(40)), IntakeAnswer(0))
+    assert set(d.abort("a")) == {AbortOn("p0", "a"), AbortOn("d0", "a")}
+    (prepare,) = d.submit("b", list(range(40)), PARAMS)
+    assert d.abort("b") == []  # its Prepare is under way: the answer finds it gone and drops it there
+    assert d.prepare_done(prepare, PrepareResult("ok", IntakeAnswer(0))) == [AbortOn("d0", "b")]
+
+
+def test_without_a_live_decode_engine_calls_fail_as_unavailable() -> None:
+    d = dispatcher()
+    prepared(d, "a", list(range(40)), IntakeAnswer(0))
+    d.instance_lost("d0", "gone")
+    assert not d.is_alive()
+    (fail,) = d.receive("p0", delta("a", [7], "x", "handoff"))[1]
+    assert isinstance(fail, Fail) and fail.reason == "unavailable"
+    (fail,) = d.submit("b", [1, 2, 3], PARAMS)
+    assert isinstance(fail, Fail) and fail.reason == "unavailable"
+
+
+def test_roles_come_from_the_flags_and_bad_values_fail_at_start_up() -> None:
+    import pytest
+
+    from boundless.cli import build_parser
+    from boundless.config import ClusterConfig, ConfigError, from_flags
+
+    args = build_parser().parse_args(["serve", "--prefill-instances", "2", "--kv-handoff-timeout-s", "5"])
+    cluster = from_flags(ClusterConfig, args)
+    assert cluster.disaggregated and cluster.roles == (2, 1) and cluster.kv_handoff_timeout_s == 5
+    assert not ClusterConfig().disaggregated
+    with pytest.raises(ConfigError, match="--kv-transport"):
+        ClusterConfig(prefill_instances=1, kv_transport="carrier-pigeon")
+    with pytest.raises(ConfigError, match="--decode-instances"):
+        ClusterConfig(decode_instances=-1)

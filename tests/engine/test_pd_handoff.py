@@ -1,0 +1,343 @@
+"""Prefill/decode disaggregation between two engines in this process, over a real shared-memory transport: a
+prefill engine (PE) prefills and samples the first token while streaming the KV layer by layer to a decode
+engine (DE), which decodes from the received blocks. Greedy outputs equal one engine's; streams that fail
+free their blocks on both sides and the tokens are recomputed."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
+from boundless.engine.core import EngineCore, RequestDelta, Resume
+from boundless.engine.handoff import HandoffPlan, IntakePlan
+from boundless.engine.sampling_params import SamplingParams
+from boundless.kv.transfer import HOST, PEER
+from boundless.model.loader import LoadedModel
+from boundless.transport.shm import ShmTransport
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+BLOCK = 16
+PROMPT = [(17 * j) % 300 + 3 for j in range(75)]  # 4 full blocks and 11 tokens
+
+
+def _core(loaded: LoadedModel, disk: Path | None = None) -> EngineCore:
+    """An engine; with ``disk``, over the persistent store in that directory (shared by every engine given it,
+    as the instances of one node share theirs)."""
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=512),
+        cache=CacheConfig(
+            num_kv_blocks=48, kv_host_gb=0.004, kv_disk_path=str(disk) if disk else None, kv_write_policy="through"
+        ),
+        scheduler=SchedulerConfig(policy="fcfs"),
+    )
+    layout = size_engine(config, loaded.arch, loaded.dtype)
+    executor = build_model_executor(loaded, config, layout)
+    return EngineCore(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor)
+
+
+@dataclass
+class Pair:
+    pe: EngineCore
+    de: EngineCore
+    pe_net: ShmTransport
+    de_net: ShmTransport
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Path:
+    return tmp_path / "shm"
+
+
+def _pair(loaded: LoadedModel, shm_dir: Path, timeout_s: float = 10.0, disk: Path | None = None) -> Pair:
+    pe_net, de_net = ShmTransport(shm_dir, "pe"), ShmTransport(shm_dir, "de")
+    pe, de = _core(loaded, disk), _core(loaded, disk)
+    pe.connect(pe_net, timeout_s=timeout_s)
+    de.connect(de_net, timeout_s=timeout_s)
+    return Pair(pe, de, pe_net, de_net)
+
+
+@pytest.fixture
+def pair(tiny_llama: LoadedModel, shm_dir: Path) -> Iterator[Pair]:
+    p = _pair(tiny_llama, shm_dir)
+    yield p
+    p.pe_net.close()
+    p.de_net.close()
+
+
+def _colocated(loaded: LoadedModel, prompt: list[int], params: SamplingParams = PARAMS) -> list[int]:
+    core = _core(loaded)
+    core.add_request("ref", prompt, params)
+    tokens: list[int] = []
+    while core.has_unfinished():
+        for delta in core.step():
+            tokens += delta.new_token_ids
+    return tokens
+
+
+def _run_until(core: EngineCore, done, others: tuple[EngineCore, ...] = (), steps: int = 2000) -> list[RequestDelta]:
+    """Step ``core`` until ``done(its deltas so far)``, stepping ``others`` too (each instance runs its own loop)."""
+    deltas: list[RequestDelta] = []
+    for _ in range(steps):
+        deltas += core.step()
+        if done(deltas):
+            return deltas
+        for other in others:
+            other.step()
+    raise AssertionError(f"not done after {steps} steps: {deltas}")
+
+
+def _settle(*cores: EngineCore, steps: int = 500) -> None:
+    """Step until no stream is in flight on any core (their reports applied)."""
+    for _ in range(steps):
+        if all(c.kv.num_remote_in_flight == 0 for c in cores):
+            return
+        for c in cores:
+            c.step()
+    raise AssertionError("streams still in flight")
+
+
+def _disaggregated(p: Pair, rid: str, prompt: list[int], params: SamplingParams = PARAMS, push: bool = False):
+    """The dispatcher's three moves by hand: prepare the DE, hand the request to the PE, continue on the DE."""
+    intake = IntakePlan(p.pe_net.address, recv_tag=1, push_tag=2 if push else None)
+    answer = p.de.prepare_intake(rid, prompt, params, intake)
+    plan = HandoffPlan(p.de_net.address, 1, answer.send_from_block, recv_tag=2, recv_blocks=answer.push_blocks)
+    p.pe.add_request(rid, prompt, params, handoff=plan)
+    first = _run_until(p.pe, lambda ds: any(d.finished for d in ds), others=(p.de,))[-1]
+    assert first.finish_reason == "handoff" and len(first.new_token_ids) == 1
+    p.de.continue_request(rid, Resume(tuple(first.new_token_ids), len(first.new_text)))
+    rest = _run_until(p.de, lambda ds: any(d.finished for d in ds), others=(p.pe,))
+    return answer, first, rest
+
+
+def test_a_handed_off_request_decodes_the_colocated_tokens_from_the_received_blocks(
+    pair: Pair, tiny_llama: LoadedModel
+) -> None:
+    answer, first, rest = _disaggregated(pair, "r1", PROMPT)
+    tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+    assert tokens == _colocated(tiny_llama, PROMPT)
+    assert answer.send_from_block == 0  # the DE had nothing: the PE sent every full block
+    # The DE found the whole prompt's full blocks, received from the PE, and computed only the tail.
+    assert rest[-1].num_cached_tokens == 4 * BLOCK
+    assert pair.de.stats().kv_tiers[PEER].hit_tokens == 4 * BLOCK
+    _settle(pair.pe, pair.de)
+    pe_stats, de_stats = pair.pe.stats(), pair.de.stats()
+    assert pe_stats.remote_io.streams_sent == 1 and pe_stats.remote_io.layerwise_streams == 1
+    assert de_stats.remote_io.blocks_received == 4
+    # Nothing is held once the streams are reported: the PE's sent blocks and the DE's received ones are free.
+    assert pair.pe.kv.pool.num_used == 0
+    assert pair.de.kv.pool.num_used == 0 and pair.de.kv.pools[HOST].num_used == 0
+
+
+CONTEXT = [(29 * j) % 300 + 3 for j in range(70)]  # a previous turn's context: 4 full blocks go to the store
+APPEND = [(7 * j) % 300 + 5 for j in range(40)]  # this turn's new input
+
+
+def _store_context(loaded: LoadedModel, disk: Path) -> EngineCore:
+    """A previous turn served by some engine: its context's full blocks are written through to the store."""
+    writer = _core(loaded, disk)
+    writer.add_request("turn-1", CONTEXT, PARAMS)
+    while writer.has_unfinished():
+        writer.step()
+    writer.executor.kv_io.flush()
+    return writer
+
+
+def test_de_read_loads_the_prefix_on_the_decode_engine_and_sends_only_new_blocks_back(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    disk = tmp_path / "store"
+    _store_context(tiny_llama, disk)
+    p = _pair(tiny_llama, shm_dir, disk=disk)
+    try:
+        prompt = CONTEXT + APPEND  # 6 full blocks: 4 stored, 2 new
+        answer, first, rest = _disaggregated(p, "r", prompt, push=True)
+        tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+        assert tokens == _colocated(tiny_llama, prompt)
+        assert answer.push_blocks == 4 and answer.send_from_block == 4
+        pe, de = p.pe.stats(), p.de.stats()
+        # The DE read the store (its node's storage link); the PE read nothing and got the prefix from the DE.
+        assert de.disk_io.blocks_loaded == 4 and pe.disk_io.blocks_loaded == 0
+        assert pe.kv_tiers[PEER].hit_tokens == 4 * BLOCK
+        # Only the new blocks went back: the DE found its loaded prefix and the PE's two blocks.
+        assert rest[-1].num_cached_tokens == 6 * BLOCK
+        assert de.kv_tiers["disk"].hit_tokens == 4 * BLOCK and de.kv_tiers[PEER].hit_tokens == 2 * BLOCK
+        _settle(p.pe, p.de)
+        assert p.pe.stats().remote_io.blocks_sent == 2 and p.de.stats().remote_io.blocks_sent == 4
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_a_stored_block_failing_its_checksum_is_recomputed_on_both_sides(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    disk = tmp_path / "store"
+    writer = _store_context(tiny_llama, disk)
+    key = writer.kv.block_hashes("names", CONTEXT)[2]
+    (path,) = disk.rglob(f"{key.hex()}.kv")
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # a flipped bit in the payload of the context's third block
+    path.write_bytes(bytes(data))
+    p = _pair(tiny_llama, shm_dir, disk=disk)
+    try:
+        prompt = CONTEXT + APPEND
+        answer, first, rest = _disaggregated(p, "r", prompt, push=True)
+        tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+        assert tokens == _colocated(tiny_llama, prompt)
+        assert answer.push_blocks == 4  # the probe saw four files; the third fails when it is read
+        de = p.de.stats()
+        assert p.de.executor.kv_io.store.stats().checksum_failures == 1 and de.disk_io.blocks_loaded == 2
+        # The DE pushed the two good blocks; the PE recomputed from the third, and so did the DE.
+        assert p.pe.stats().kv_tiers[PEER].hit_tokens == 2 * BLOCK
+        assert rest[-1].num_cached_tokens == 2 * BLOCK
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_a_stream_nobody_sends_times_out_and_frees_the_decode_engines_blocks(
+    tiny_llama: LoadedModel, shm_dir: Path
+) -> None:
+    p = _pair(tiny_llama, shm_dir, timeout_s=0.3)
+    try:
+        reference = _colocated(tiny_llama, PROMPT)
+        p.de.prepare_intake("r", PROMPT, PARAMS, IntakePlan(p.pe_net.address, recv_tag=1))
+        assert p.de.kv.pools[HOST].num_used == 4  # reserved for the four blocks the PE will not send
+        _settle(p.de)  # the PE never prefills it: the receive times out
+        assert p.de.stats().remote_io.recv_timeouts == 1 and p.de.kv.pools[HOST].num_used == 0
+        # Given its first token, the request is recomputed: the same tokens, nothing from the peer.
+        p.de.continue_request("r", Resume((reference[0],), 0))
+        rest = _run_until(p.de, lambda ds: any(d.finished for d in ds))
+        assert reference[:1] + [t for d in rest for t in d.new_token_ids] == reference
+        assert rest[-1].num_cached_tokens == 0
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_a_send_to_a_hung_decode_engine_times_out_and_frees_the_prefill_engines_blocks(
+    tiny_llama: LoadedModel, shm_dir: Path
+) -> None:
+    # A decode engine that hangs: its socket takes connections into its backlog and never answers, so the PE's
+    # first message fills the slot and no ack ever frees it for the next.
+    shm_dir.mkdir(parents=True)
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    hung.bind(str(shm_dir / "hung.sock"))
+    hung.listen(8)
+    pe_net = ShmTransport(shm_dir, "pe", inline_max=0)
+    pe = _core(tiny_llama)
+    pe.connect(pe_net, timeout_s=0.3)
+    try:
+        pe.add_request("r", PROMPT, PARAMS, handoff=HandoffPlan(str(shm_dir / "hung"), 1, 0))
+        first = _run_until(pe, lambda ds: any(d.finished for d in ds))[-1]
+        assert first.finish_reason == "handoff" and first.new_token_ids == _colocated(tiny_llama, PROMPT)[:1]
+        assert pe.kv.pool.num_used == 4  # the request is done; the send still holds its four blocks
+        _settle(pe)
+        stats = pe.stats().remote_io
+        assert stats.send_failures == 1 and stats.streams_sent == 0 and pe.kv.pool.num_used == 0
+    finally:
+        pe_net.close()
+        hung.close()
+
+
+def test_a_decode_engine_gone_before_the_handoff_fails_the_stream_and_another_decodes_by_recompute(
+    tiny_llama: LoadedModel, shm_dir: Path
+) -> None:
+    p = _pair(tiny_llama, shm_dir)
+    try:
+        reference = _colocated(tiny_llama, PROMPT)
+        answer = p.de.prepare_intake("r", PROMPT, PARAMS, IntakePlan(p.pe_net.address, recv_tag=1))
+        p.pe.add_request("r", PROMPT, PARAMS, handoff=HandoffPlan(p.de_net.address, 1, answer.send_from_block))
+        p.de_net.close()  # the DE's process is gone: its socket is closed and removed
+        first = _run_until(p.pe, lambda ds: any(d.finished for d in ds))[-1]
+        _settle(p.pe)
+        assert p.pe.stats().remote_io.send_failures == 1 and p.pe.kv.pool.num_used == 0
+        # The dispatcher resends the request, with its first token, to another DE: a resumed request.
+        other = _core(tiny_llama)
+        other.add_request("r", PROMPT, PARAMS, resume=Resume(tuple(first.new_token_ids), len(first.new_text)))
+        rest = _run_until(other, lambda ds: any(d.finished for d in ds))
+        assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == reference
+    finally:
+        p.pe_net.close()
+
+
+def test_a_prefill_engine_gone_mid_push_frees_the_decode_engines_blocks_at_once(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    disk = tmp_path / "store"
+    _store_context(tiny_llama, disk)
+    p = _pair(tiny_llama, shm_dir, timeout_s=30.0, disk=disk)
+    try:
+        prompt = CONTEXT + APPEND
+        intake = IntakePlan(p.pe_net.address, recv_tag=1, push_tag=2)
+        answer = p.de.prepare_intake("r", prompt, PARAMS, intake)
+        assert answer.push_blocks == 4 and p.de.kv.pools[HOST].num_used == 2  # reserved for the PE's two blocks
+        p.pe_net.close()  # the PE dies before it could send anything
+        # The push fails once the DE's loads are done (the PE is gone), and so does the receive, long before its
+        # timeout.
+        for _ in range(500):
+            if p.de.stats().remote_io.send_failures and not p.de.kv.num_remote_in_flight:
+                break
+            p.de.step()
+        stats = p.de.stats().remote_io
+        assert stats.send_failures == 1 and stats.recv_failures == 1 and stats.recv_timeouts == 0
+        # The loaded prefix stays in host memory, held for the request; nothing else is.
+        assert p.de.kv.pools[HOST].num_used == 4
+        p.de.abort("r")  # the dispatcher re-places the request elsewhere
+        assert p.de.kv.pools[HOST].num_used == 0 and p.de.kv.pool.num_used == 0
+    finally:
+        p.de_net.close()
+
+
+def test_a_decode_engine_without_host_room_asks_for_nothing_and_computes_the_prompt(
+    tiny_llama: LoadedModel, shm_dir: Path
+) -> None:
+    p = _pair(tiny_llama, shm_dir)
+    try:
+        host = p.de.kv.pools[HOST]
+        filler = host.allocate(host.num_free - 2)  # room for two blocks only; the prompt has four
+        answer, first, rest = _disaggregated(p, "r", PROMPT)
+        assert answer.send_from_block == 4 and rest[-1].num_cached_tokens == 0
+        assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, PROMPT)
+        assert p.pe.stats().remote_io.streams_sent == 0  # the PE sent nothing
+        host.free(filler)
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_an_agents_next_turn_gets_only_the_blocks_its_decode_engine_lacks(pair: Pair, tiny_llama: LoadedModel) -> None:
+    _, first, rest = _disaggregated(pair, "turn-1", PROMPT)
+    output = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+    prompt = PROMPT + output + APPEND  # 123 tokens: 7 full blocks
+    answer, first, rest = _disaggregated(pair, "turn-2", prompt)
+    # The DE computed the first turn's 82 tokens of KV: 5 full blocks it holds for the next turn.
+    assert answer.send_from_block == 5
+    assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, prompt)
+    assert rest[-1].num_cached_tokens == 7 * BLOCK
+    _settle(pair.pe, pair.de)
+    assert pair.pe.stats().remote_io.blocks_sent == 4 + 2
+
+
+def test_a_prepared_request_whose_first_token_never_comes_is_dropped(tiny_llama: LoadedModel, shm_dir: Path) -> None:
+    p = _pair(tiny_llama, shm_dir, timeout_s=0.2)
+    try:
+        p.de.prepare_intake("r", PROMPT, PARAMS, IntakePlan(p.pe_net.address, recv_tag=1))
+        for _ in range(200):
+            if not p.de.has_work():
+                break
+            p.de.step()
+            time.sleep(0.01)
+        assert "r" not in p.de.scheduler.requests  # dropped after twice the timeout
+        assert p.de.kv.pools[HOST].num_used == 0 and p.de.kv.pool.num_used == 0
+        assert not p.de.continue_request("r", Resume((1,), 0))  # too late: the dispatcher resends it
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
