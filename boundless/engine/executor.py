@@ -67,7 +67,7 @@ class ModelExecutor:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         start = self.timer()
         self.runner.sampler.forget(sched.finished_ids)
-        self.kv_io.apply(sched.disk_reads, sched.disk_writes, sched.transfers)
+        self.kv_io.apply(sched.disk_reads, sched.disk_writes, sched.transfers, sched.disk_ages)
         sampled = self.runner.sample(self.runner.forward(sched)) if sched.chunks else {}
         elapsed = self.timer() - start
         idle = not sched.chunks and sched.num_reads_in_flight > 0

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
-from boundless.kv.disk_moves import DiskRead, DiskWrite, TierReport
+from boundless.kv.disk_moves import DiskAge, DiskRead, DiskWrite, TierReport
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
-from boundless.programs.policy import SchedulingPolicy
+from boundless.programs.policy import SchedulingPolicy, program_of
 
 Clock = Callable[[], float]
 
@@ -56,6 +56,7 @@ class SchedulerOutput:
     # Reads and writes of the disk store, run in the background (kv/disk_moves.py).
     disk_reads: list[DiskRead] = field(default_factory=list)
     disk_writes: list[DiskWrite] = field(default_factory=list)
+    disk_ages: list[DiskAge] = field(default_factory=list)  # eviction hints to the store
     num_reads_in_flight: int = 0  # disk reads not yet reported done (this step's included)
 
     @property
@@ -65,7 +66,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Nothing for the executor to do: no chunk, no move, and no read to wait for."""
-        return not (self.chunks or self.transfers or self.disk_reads or self.disk_writes or self.num_reads_in_flight)
+        return not (
+            self.chunks
+            or self.transfers
+            or self.disk_reads
+            or self.disk_writes
+            or self.disk_ages
+            or self.num_reads_in_flight
+        )
 
 
 @dataclass
@@ -111,6 +119,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self.policy.on_arrival(request, self.clock())
+        self.kv.set_program(request.request_id, program_of(request).program_id)  # its blocks are its program's
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Remove a request (finished or aborted) and free its blocks."""
@@ -123,7 +132,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.finish_time = self.clock()
-        self.kv.free(request_id)
+        self.kv.end_request(request_id)
         self.policy.on_finish(request, request.finish_time)
         self._finished_since_step.append(request_id)
         return request
@@ -190,6 +199,7 @@ class Scheduler:
             )
         out.transfers = self.kv.take_transfers()
         out.disk_writes = self.kv.take_disk_writes()
+        out.disk_ages = self.kv.take_disk_ages()
         out.num_reads_in_flight = self.kv.num_reads_in_flight
         return out
 

@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
-from boundless.programs.policy import Call
+from boundless.programs.policy import Call, program_of
 from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
 
@@ -94,13 +94,18 @@ class MultiLevelQueuePolicy:
         self.calls: dict[str, CallState] = {}
         self._order = itertools.count()
 
-    @staticmethod
-    def program_of(request: Call) -> ProgramRef:
-        # A call with no program id is a program of its own.
-        return request.program or ProgramRef(program_id=request.request_id)
+    program_of = staticmethod(program_of)
+
+    @property
+    def num_levels(self) -> int:
+        return self.config.num_queues
 
     def start_level(self, program: ProgramRef) -> int:
         return self.config.queue_for(self.table.service(program.program_id))
+
+    def next_call_level(self, program_id: str) -> int:
+        """The queue the program's next call would start in."""
+        return self.config.queue_for(self.table.service(program_id)) if self.program_level else 0
 
     # -- the policy interface ------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import Protocol
 
+from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
 
 
@@ -26,10 +27,23 @@ class Call(Protocol):
     def program(self) -> ProgramRef | None: ...
 
 
+def program_of(request: Call) -> ProgramRef:
+    """The program a call belongs to: a call with no program id is a program of its own."""
+    return request.program or ProgramRef(program_id=request.request_id)
+
+
 class SchedulingPolicy(Protocol):
-    """The order of service, decided from arrivals, reported service and the clock."""
+    """The order of service, decided from arrivals, reported service and the clock.
+
+    ``table`` is its process table (program-aware KV eviction reads it); ``num_levels`` and
+    :meth:`next_call_level` say where a program's next call would start among the policy's queues (0 first).
+    """
 
     name: str
+    table: ProcessTable
+    num_levels: int
+
+    def next_call_level(self, program_id: str) -> int: ...
 
     def on_arrival(self, request: Call, now: float) -> None: ...
 
@@ -50,22 +64,35 @@ class SchedulingPolicy(Protocol):
 
 
 class FCFSPolicy:
-    """First come, first served (vLLM's order): by arrival time, ties by arrival order."""
+    """First come, first served (vLLM's order): by arrival time, ties by arrival order.
+
+    Its process table records only when programs are active (for program-aware KV eviction); the order of
+    service needs no program history.
+    """
 
     name = "fcfs"
+    num_levels = 1
 
-    def __init__(self) -> None:
+    def __init__(self, ttl_s: float = 600.0) -> None:
         self._order: dict[str, int] = {}
+        self._programs: dict[str, ProgramRef] = {}
         self._counter = itertools.count()
+        self.table = ProcessTable(ttl_s=ttl_s)
+
+    def next_call_level(self, program_id: str) -> int:
+        return 0
 
     def on_arrival(self, request: Call, now: float) -> None:
         self._order[request.request_id] = next(self._counter)
+        program = program_of(request)
+        self._programs[request.request_id] = program
+        self.table.call_arrived(program, now)
 
     def merge_remote_service(self, program: ProgramRef) -> None:
         pass  # arrival order needs no program history
 
     def update(self, now: float) -> None:
-        pass
+        self.table.expire(now)
 
     def priority(self, request: Call, now: float) -> tuple:
         return (request.arrival_time, self._order.get(request.request_id, 0))
@@ -75,3 +102,6 @@ class FCFSPolicy:
 
     def on_finish(self, request: Call, now: float) -> None:
         self._order.pop(request.request_id, None)
+        program = self._programs.pop(request.request_id, None)
+        if program is not None:
+            self.table.call_finished(program, 0.0, 0.0, now)
