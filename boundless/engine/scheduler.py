@@ -29,6 +29,7 @@ from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
 from boundless.programs.policy import SchedulingPolicy, program_of
 
 Clock = Callable[[], float]
+RUNNING = RequestStatus.RUNNING
 
 
 @dataclass(frozen=True)
@@ -238,12 +239,12 @@ class Scheduler:
         short = self.kv.blocks_short(rid, computed + num_new, prefix)
         if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
             if request.status is RequestStatus.RUNNING:
-                self._evict(request, out)  # it cannot grow and nothing below it can give way
+                self._evict(request, out, order)  # it cannot grow and nothing below it can give way
             return None
         while not self.kv.allocate(rid, request.all_token_ids, computed + num_new, prefix):
             if not self._make_room(order, idx, chosen_ids, out):
                 if request.status is RequestStatus.RUNNING:
-                    self._evict(request, out)  # it cannot grow and nothing below it can give way
+                    self._evict(request, out, order)  # it cannot grow and nothing below it can give way
                 return None
             if prefix is not None and prefix.tiers.count(HOST):
                 # The swap-out that made room may have taken host blocks of the prefix: look again.
@@ -274,13 +275,23 @@ class Scheduler:
         """Evict the lowest-priority device-KV holder below ``idx`` that is not in this step."""
         for victim in reversed(order[idx + 1 :]):
             if victim.status is RequestStatus.RUNNING and victim.request_id not in chosen_ids:
-                self._evict(victim, out)
+                self._evict(victim, out, order)
                 return True
         return False
 
-    def _evict(self, request: Request, out: SchedulerOutput) -> None:
-        """Take a request's device KV: to a tier below if one has room, else drop it for recompute."""
+    def _evict(self, request: Request, out: SchedulerOutput, order: list[Request]) -> None:
+        """Take a request's device KV: to a tier below if one has room, else drop it for recompute.
+
+        Blocks loaded from the store ahead of the turn of waiting requests below it give way first: they are
+        on disk still, and dropping the KV of a request served before them would cost a recompute.
+        """
         transfers = self.kv.swap_out(request.request_id)
+        if transfers is None:
+            below = order[order.index(request) + 1 :]
+            if self.kv.release_prefetched(
+                [r.request_id for r in reversed(below) if r.status is not RequestStatus.RUNNING]
+            ):
+                transfers = self.kv.swap_out(request.request_id)
         if transfers is not None:
             request.status = RequestStatus.SWAPPED
             self.stats.num_swapped_out += 1

@@ -5,16 +5,16 @@ A pool's free blocks wait in an :class:`EvictionOrder`; an allocation takes the 
 - :class:`LRUOrder` (``--kv-eviction lru``): the least recently used free block, named or not (vLLM's free
   queue, and the baseline);
 - :class:`ProgramAwareOrder` (``--kv-eviction program``): first free blocks with no name (reusing one loses
-  nothing), then named blocks by the *eviction class* of the programs that own them, lowest first, and the
+  nothing), then named blocks by the *eviction key* of the programs that own them, lowest first, and the
   least recently used among equals. A block's owners are the programs whose requests took a reference on it
-  since it was named; shared by several, it belongs to the hottest of them (its class is their highest).
+  since it was named; shared by several, it belongs to the hottest of them (its key is their highest).
 
-Classes come from a :class:`ProgramRanking` (``programs/eviction.py``: programs that finished or idled past
-their TTL, then the lowest-priority programs in the policy's queues, then hot programs). A program's class
-changes when its record in the program table does, or when the clock passes the time its ranking said it
+Keys come from a :class:`ProgramRanking` (``programs/eviction.py``: programs that finished or idled past their
+TTL lowest, then the others by where the policy would serve them next, the last served lowest). A program's
+key changes when its record in the program table does, or when the clock passes the time its ranking said it
 held until (an idle program reaching its TTL), so the order is a pure function of the blocks' owners, the
-table's state and a clock. It stays cheap per allocation: one lazily cleaned heap per class, and only the
-free blocks of a program whose class changed are re-classed, when the change is first seen.
+table's state and a clock. It stays cheap per allocation: one lazily cleaned heap, and only the free blocks of
+a program whose key changed are re-keyed, when the change is first seen.
 """
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
+# Where a free block stands in the program-aware order: smaller is reused first. Tuples of numbers, compared
+# in order.
+EvictionKey = tuple[float, ...]
 # A free block with no name: reused before any named one.
-UNNAMED = -1
-# The lowest class of a named block: its programs are finished, idle past their TTL, or unknown.
-FINISHED = 0
-# A block shared by more programs than this drops its finished owners when re-classed (they rank lowest,
-# so they never decide its class while another owner lives), which keeps re-classing it cheap.
+UNNAMED: EvictionKey = (-1.0,)
+# The lowest key of a named block: its programs are finished, idle past their TTL, or unknown.
+FINISHED: EvictionKey = (0.0,)
+# A block shared by more programs than this drops its finished owners when re-keyed (they rank lowest, so they
+# never decide its key while another owner lives), which keeps re-keying it cheap.
 PRUNE_OWNERS_ABOVE = 8
 
 
@@ -114,16 +117,16 @@ class LRUOrder:
 
 
 class ProgramRanking(Protocol):
-    """What the program-aware order knows of programs: each one's eviction class (higher is kept longer), and
-    which programs' classes may have changed."""
+    """What the program-aware order knows of programs: each one's eviction key (higher is kept longer), and
+    which programs' keys may have changed."""
 
-    def eviction_class(self, program_id: str) -> tuple[int, float]:
-        """The program's class now, and the clock time until which it holds unless the program's record
-        changes first (``inf``: until then)."""
+    def eviction_key(self, program_id: str) -> tuple[EvictionKey, float]:
+        """The program's key now, and the clock time until which it holds unless the program's record changes
+        first (``inf``: until then)."""
         ...
 
     def now(self) -> float:
-        """The clock the classes are read against."""
+        """The clock the keys are read against."""
         ...
 
     def subscribe(self) -> Callable[[], set[str]]:
@@ -131,32 +134,31 @@ class ProgramRanking(Protocol):
         ...
 
 
-class ProgramClasses:
-    """The classes of the programs one reader follows, brought up to date when it asks (:meth:`catch_up`):
-    those the ranking reports changed, and those whose class held until a time the clock has passed."""
+class ProgramKeys:
+    """The keys of the programs one reader follows, brought up to date when it asks (:meth:`catch_up`): those
+    the ranking reports changed, and those whose key held until a time the clock has passed."""
 
     def __init__(self, ranking: ProgramRanking) -> None:
         self.ranking = ranking
         self._changed = ranking.subscribe()
-        self._class: dict[str, int] = {}
+        self._key: dict[str, EvictionKey] = {}
         self._until: dict[str, float] = {}  # program -> its deadline in the heap
         self._deadlines: list[tuple[float, str]] = []
 
     def __contains__(self, program: str) -> bool:
-        return program in self._class
+        return program in self._key
 
-    def get(self, program: str) -> int:
-        """The program's class as last looked up; a program not followed yet is looked up and followed."""
-        cls = self._class.get(program)
-        return self._look_up(program) if cls is None else cls
+    def get(self, program: str) -> EvictionKey:
+        """The program's key as last looked up; a program not followed yet is looked up and followed."""
+        key = self._key.get(program)
+        return self._look_up(program) if key is None else key
 
     def forget(self, program: str) -> None:
-        self._class.pop(program, None)
+        self._key.pop(program, None)
         self._until.pop(program, None)
 
-    def catch_up(self) -> list[tuple[str, int]]:
-        """Look up again every followed program that may have changed; returns those whose class did, with
-        their old class."""
+    def catch_up(self) -> list[str]:
+        """Look up again every followed program that may have changed; returns those whose key did."""
         changed = self._changed()
         now = self.ranking.now()
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -166,18 +168,18 @@ class ProgramClasses:
                 changed.add(program)
         out = []
         for program in changed:
-            old = self._class.get(program)
+            old = self._key.get(program)
             if old is not None and self._look_up(program) != old:
-                out.append((program, old))
+                out.append(program)
         return out
 
-    def _look_up(self, program: str) -> int:
-        cls, until = self.ranking.eviction_class(program)
-        self._class[program] = cls
+    def _look_up(self, program: str) -> EvictionKey:
+        key, until = self.ranking.eviction_key(program)
+        self._key[program] = key
         if until < math.inf and self._until.get(program) != until:
             self._until[program] = until
             heapq.heappush(self._deadlines, (until, program))
-        return cls
+        return key
 
 
 def order_factory(ranking: ProgramRanking | None) -> Callable[[Iterable[int]], EvictionOrder]:
@@ -192,20 +194,19 @@ def order_factory(ranking: ProgramRanking | None) -> Callable[[Iterable[int]], E
 
 
 class ProgramAwareOrder:
-    """Unnamed free blocks first, then named ones by their owners' eviction class, least recently used among
+    """Unnamed free blocks first, then named ones by their owners' eviction key, least recently used among
     equals (module docstring).
 
-    Each class has a heap of (tick, block id), the tick counting frees and refreshes; a block re-classed or
-    revived leaves a stale entry behind, skipped when it comes up and cleared when a heap grows to twice its
-    live entries. A program is followed (its class, its free blocks) while it owns a block of the pool.
+    One heap of (key, tick, block id), the tick counting frees and refreshes; a block re-keyed or revived
+    leaves a stale entry behind, skipped when it comes up and cleared when the heap grows to twice its live
+    entries. A program is followed (its key, its free blocks) while it owns a block of the pool.
     """
 
     def __init__(self, block_ids: Iterable[int], ranking: ProgramRanking) -> None:
-        self.classes = ProgramClasses(ranking)
+        self.keys = ProgramKeys(ranking)
         self._tick = itertools.count()
-        self._entry: dict[int, tuple[int, int]] = {}  # free block -> (class, tick)
-        self._heaps: dict[int, list[tuple[int, int]]] = {}  # class -> (tick, block id), with stale entries
-        self._live: dict[int, int] = {}  # class -> free blocks in it
+        self._entry: dict[int, tuple[EvictionKey, int]] = {}  # free block -> (key, tick)
+        self._heap: list[tuple[EvictionKey, int, int]] = []  # (key, tick, block id), with stale entries
         self._owners: dict[int, set[str]] = {}  # block -> the programs that own it (any block, free or not)
         self._named: set[int] = set()  # free blocks with a name
         self._free_of: dict[str, set[int]] = {}  # program -> its free named blocks
@@ -224,11 +225,11 @@ class ProgramAwareOrder:
 
     def add(self, block_id: int, named: bool) -> None:
         if named:
-            self._catch_up()  # the class it joins must be current
+            self._catch_up()  # the key it joins with must be current
             self._named.add(block_id)
             for program in self._owners.get(block_id, ()):
                 self._free_of.setdefault(program, set()).add(block_id)
-        self._push(block_id, self._block_class(block_id), next(self._tick))
+        self._push(block_id, self._block_key(block_id), next(self._tick))
 
     def remove(self, block_id: int) -> None:
         self._drop_entry(block_id)
@@ -242,13 +243,12 @@ class ProgramAwareOrder:
 
     def pop(self) -> int:
         self._catch_up()
-        for cls in sorted(c for c, n in self._live.items() if n > 0):
-            heap = self._heaps[cls]
-            while heap:
-                tick, block_id = heapq.heappop(heap)
-                if self._entry.get(block_id) == (cls, tick):
-                    self._drop_entry(block_id)
-                    return block_id
+        heap = self._heap
+        while heap:
+            key, tick, block_id = heapq.heappop(heap)
+            if self._entry.get(block_id) == (key, tick):
+                self._drop_entry(block_id)
+                return block_id
         raise IndexError("no free block")
 
     def own(self, block_id: int, owner: str | None, fresh: bool = False) -> None:
@@ -262,10 +262,10 @@ class ProgramAwareOrder:
             return
         owners.add(owner)
         self._num_owned[owner] = self._num_owned.get(owner, 0) + 1
-        self.classes.get(owner)  # followed from now on
-        if block_id in self._named:  # free: its class may rise with its new owner
+        self.keys.get(owner)  # followed from now on
+        if block_id in self._named:  # free: its key may rise with its new owner
             self._free_of.setdefault(owner, set()).add(block_id)
-            self._reclass(block_id)
+            self._rekey(block_id)
 
     def owners(self, block_id: int) -> tuple[str, ...]:
         return tuple(self._owners.get(block_id, ()))
@@ -275,44 +275,44 @@ class ProgramAwareOrder:
             _, tick = self._drop_entry(block_id)
             self._push(block_id, UNNAMED, tick)
 
-    def block_class(self, block_id: int) -> int:
-        """The class of a free block now, or of a block in use were it freed now (for tests and reports)."""
+    def block_key(self, block_id: int) -> EvictionKey:
+        """The key of a free block now, or of a block in use were it freed now (for tests and reports)."""
         self._catch_up()
         if block_id in self._entry:
             return self._entry[block_id][0]
         self._named.add(block_id)
         try:
-            return self._block_class(block_id)
+            return self._block_key(block_id)
         finally:
             self._named.discard(block_id)
 
-    # -- classes ------------------------------------------------------------------------------------------
+    # -- keys ---------------------------------------------------------------------------------------------
 
-    def _block_class(self, block_id: int) -> int:
-        """A block's class from its owners' classes (the hottest owner's)."""
+    def _block_key(self, block_id: int) -> EvictionKey:
+        """A block's key from its owners' keys (the hottest owner's)."""
         if block_id not in self._named:
             return UNNAMED
         owners = self._owners.get(block_id)
         if not owners:
             return FINISHED
-        classes = self.classes
+        keys = self.keys
         if len(owners) > PRUNE_OWNERS_ABOVE:
-            for program in [p for p in owners if classes.get(p) == FINISHED][: len(owners) - 1]:
+            for program in [p for p in owners if keys.get(p) == FINISHED][: len(owners) - 1]:
                 owners.discard(program)
                 self._disown(program, block_id)
-        return max(classes.get(p) for p in owners)
+        return max(keys.get(p) for p in owners)
 
     def _catch_up(self) -> None:
-        """Re-class the free blocks of every program whose class changed since the last look."""
-        for program, _ in self.classes.catch_up():
+        """Re-key the free blocks of every program whose key changed since the last look."""
+        for program in self.keys.catch_up():
             for block_id in list(self._free_of.get(program, ())):
-                self._reclass(block_id)
+                self._rekey(block_id)
 
-    def _reclass(self, block_id: int) -> None:
-        cls, tick = self._entry[block_id]
-        new = self._block_class(block_id)
-        if new != cls:
-            self._drop_entry(block_id, keep_named=True)
+    def _rekey(self, block_id: int) -> None:
+        key, tick = self._entry[block_id]
+        new = self._block_key(block_id)
+        if new != key:
+            del self._entry[block_id]
             self._push(block_id, new, tick)  # it keeps its tick: LRU among its new equals
 
     def _disown(self, program: str, block_id: int) -> None:
@@ -325,25 +325,21 @@ class ProgramAwareOrder:
         else:  # it owns nothing here any more: no longer followed (looked up afresh if it comes back)
             self._num_owned.pop(program, None)
             self._free_of.pop(program, None)
-            self.classes.forget(program)
+            self.keys.forget(program)
 
-    def _drop_entry(self, block_id: int, keep_named: bool = False) -> tuple[int, int]:
-        cls, tick = self._entry.pop(block_id)
-        self._live[cls] -= 1
-        if not keep_named and block_id in self._named:
+    def _drop_entry(self, block_id: int) -> tuple[EvictionKey, int]:
+        entry = self._entry.pop(block_id)
+        if block_id in self._named:
             self._named.discard(block_id)
             for program in self._owners.get(block_id, ()):
                 blocks = self._free_of.get(program)
                 if blocks is not None:
                     blocks.discard(block_id)
-        return cls, tick
+        return entry
 
-    def _push(self, block_id: int, cls: int, tick: int) -> None:
-        self._entry[block_id] = (cls, tick)
-        heap = self._heaps.setdefault(cls, [])
-        heapq.heappush(heap, (tick, block_id))
-        live = self._live.get(cls, 0) + 1
-        self._live[cls] = live
-        if len(heap) > 2 * live + 64:
-            self._heaps[cls] = [(t, b) for t, b in heap if self._entry.get(b) == (cls, t)]
-            heapq.heapify(self._heaps[cls])
+    def _push(self, block_id: int, key: EvictionKey, tick: int) -> None:
+        self._entry[block_id] = (key, tick)
+        heapq.heappush(self._heap, (key, tick, block_id))
+        if len(self._heap) > 2 * len(self._entry) + 64:
+            self._heap = [(k, t, b) for k, t, b in self._heap if self._entry.get(b) == (k, t)]
+            heapq.heapify(self._heap)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
 from boundless.kv.block_pool import BlockPool, KVBlock
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone
-from boundless.kv.eviction import FINISHED, ProgramClasses, ProgramRanking, order_factory
+from boundless.kv.eviction import FINISHED, ProgramKeys, ProgramRanking, order_factory
 from boundless.kv.transfer import DEVICE, DISK, HOST, BlockRef, BlockTransfer, TierId
 
 WRITE_POLICIES = ("through", "back", "off")
@@ -158,7 +158,7 @@ class KVCacheManager:
         self._programs: dict[str, str] = {}
         # Program-aware eviction on disk: the names each followed program's requests used, and how many followed
         # programs used each name; a name no program still alive uses is aged in the store (it goes first).
-        self._disk_classes = ProgramClasses(ranking) if ranking is not None and self.has_disk else None
+        self._disk_keys = ProgramKeys(ranking) if ranking is not None and self.has_disk else None
         self._names_of: dict[str, set[BlockHash]] = {}
         self._name_users: dict[BlockHash, int] = {}
         self._ages: list[BlockHash] = []
@@ -264,7 +264,7 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks (tail first, so its tail is evicted first) and forget it."""
-        if self._disk_classes is not None:
+        if self._disk_keys is not None:
             self._note_names(request_id)
         table = self._tables.pop(request_id, [])
         self.pool.free(reversed(table))
@@ -293,7 +293,7 @@ class KVCacheManager:
         self._held = []
         self._transfers = []
         self._writes = []
-        if self._disk_classes is not None:
+        if self._disk_keys is not None:
             self._age_finished_programs()
         if self.write_policy == "through":
             for block, name in self._filled_by_step:
@@ -450,16 +450,16 @@ class KVCacheManager:
         hashes = self.block_hashes(request_id, token_ids)
         host = self.pools[HOST]
         start = 0
-        own_free_in_host = 0
+        own_free_in_host: list[KVBlock] = []
         while start < max_blocks:
             tokens = token_ids[start * bs : (start + 1) * bs]
             if self.pool.peek(hashes[start], tokens) is None:
                 in_host = host.peek(hashes[start], tokens)
                 if in_host is None:
                     break
-                # Loading must not evict the blocks of this very prefix: they become the last to go.
                 host.refresh(in_host, self._programs.get(request_id))
-                own_free_in_host += in_host.ref_count == 0
+                if in_host.ref_count == 0:
+                    own_free_in_host.append(in_host)
             start += 1
         end = max_blocks if lookup.disk_end is None else min(max_blocks, lookup.disk_end)
         if start >= end or start < lookup.loaded_upto:
@@ -481,10 +481,14 @@ class KVCacheManager:
             return self._start_read(request_id, start, tuple(keys), (), (), waits=start == 0)
         reserved = sum(len(job.read.dst_ids) for job in self._reads.values())
         budget = int(host.num_blocks * PREFETCH_SHARE) - len(self._prefetched) - reserved
-        room = min(known, host.num_free - own_free_in_host, budget)
+        room = min(known, host.num_free - len(own_free_in_host), budget)
         if room <= 0:
             return None  # host memory has no room for it now: try again at a later step
+        # Loading must not evict the blocks of this very prefix, whatever the eviction order: they are held while
+        # the load takes its blocks.
+        host.touch(own_free_in_host)
         dst = host.allocate(room, self._programs.get(request_id))  # held by the read until it is done
+        host.free(reversed(own_free_in_host))
         tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start, start + room))
         lookup.loaded_upto = start + room
         return self._start_read(
@@ -540,6 +544,24 @@ class KVCacheManager:
                 if found < len(read.keys):
                     lookup.disk_end = job.start + found
 
+    def release_prefetched(self, request_ids: Sequence[str]) -> bool:
+        """Release the blocks loaded ahead for these waiting requests (the first listed first) until the tier
+        below the device has room for a swap-out of any request the device holds; each request released may load
+        its blocks again later. Returns whether anything was released."""
+        if not self._prefetched:
+            return False
+        host = self.pools[HOST]
+        need = max((len(t) for t in self._tables.values()), default=0)
+        released = False
+        for request_id in request_ids:
+            if host.num_free >= need:
+                break
+            if request_id in self._prefetched.values():
+                self._drop_prefetched(request_id)
+                self._lookups.pop(request_id, None)  # planned afresh: its blocks are on disk still
+                released = True
+        return released
+
     def _drop_prefetched(self, request_id: str) -> None:
         """The request no longer waits (admitted, which took its own references, or gone): the blocks loaded
         for it are released, to stay in host memory as cache."""
@@ -563,8 +585,8 @@ class KVCacheManager:
         hashes = self._hashes.get(request_id)
         if program is None or not hashes:
             return
-        assert self._disk_classes is not None
-        self._disk_classes.get(program)  # followed from now on
+        assert self._disk_keys is not None
+        self._disk_keys.get(program)  # followed from now on
         names = self._names_of.setdefault(program, set())
         for name in hashes:
             if name not in names:
@@ -574,11 +596,11 @@ class KVCacheManager:
     def _age_finished_programs(self) -> None:
         """Programs that finished (or idled past their TTL) since the last step: the names only they used are
         aged in the store."""
-        assert self._disk_classes is not None
-        for program, _ in self._disk_classes.catch_up():
-            if self._disk_classes.get(program) != FINISHED:
+        assert self._disk_keys is not None
+        for program in self._disk_keys.catch_up():
+            if self._disk_keys.get(program) != FINISHED:
                 continue
-            self._disk_classes.forget(program)
+            self._disk_keys.forget(program)
             for name in self._names_of.pop(program, ()):
                 users = self._name_users[name] - 1
                 if users:

@@ -1,17 +1,21 @@
-"""Program-aware KV eviction: each program's eviction class, from the process table and the policy's queues.
+"""Program-aware KV eviction: each program's eviction key, from the process table and the policy's order.
 
-The KV pools (``kv/eviction.py``) evict the blocks of the lowest class first, least recently used among
-equals. A program's class, lowest first:
+The KV pools (``kv/eviction.py``) reuse the free blocks of the lowest key first, least recently used among
+equals. A program's key, lowest first:
 
-1. ``FINISHED`` (0): not in the process table (never seen, or dropped after idling past the TTL) or idle past
-   the TTL: nothing will read its blocks again, unless another program shares them;
-2. idle programs (no call in the engine: off at a tool, or a user's turn), the lowest priority first: by the
-   queue its next call would start in (plas, atlas: from its attained service; fcfs and mlfq have one
-   level);
-3. hot programs (a call in the engine), again the lowest priority first.
+1. ``FINISHED``: not in the process table (never seen, or dropped after idling past the TTL), or idle past the
+   TTL: nothing will read its blocks again, unless another program shares them;
+2. every other program by where the policy would serve it next, the last served first: by the priority of its
+   most urgent call in the engine, or, idle (off at a tool, or a user's turn), of the call it would make next
+   (``SchedulingPolicy.program_priority``). Under plas and atlas that is its queue (from its attained service),
+   then its first arrival, so the programs in the lowest-priority queues give up their blocks first and
+   the hot ones (the next served) last; under fcfs, idle programs first (their next call queues behind every
+   call here), then the calls that arrived last.
 
-The class is a pure function of the program's record, its level and the clock; it holds until the record
-changes (the table reports which did) or, for an idle program, until it reaches the TTL.
+Keeping the blocks of the programs served soonest approximates Belady's order (evict what is needed furthest
+in the future) with what the scheduler knows. A key is a pure function of the program's record, its standing
+in the policy and the clock; it holds until the table reports the program changed (a call arrived, finished,
+or changed queue) or, for an idle program, until it reaches the TTL.
 """
 
 from __future__ import annotations
@@ -19,52 +23,66 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from boundless.kv.eviction import FINISHED
+from boundless.kv.eviction import FINISHED, EvictionKey
 from boundless.programs.policy import SchedulingPolicy
 from boundless.programs.process_table import ProcessTable, ProgramRecord
 
+# An idle program counts as finished once idle this many times its longest gap between calls (or the usual
+# gap of all programs). With exponentially distributed tool times, a program still running is idle 5 mean gaps
+# with probability e^-5 (0.7%); one that finished is recognised within seconds of the gaps it had.
+IDLE_GAPS = float(__import__("os").environ.get("EVGAPS", "5"))
 
-def eviction_class(
-    record: ProgramRecord | None, level: int, num_levels: int, now: float, ttl_s: float
-) -> tuple[int, float]:
-    """A program's eviction class (higher is kept longer) and the clock time until which it holds."""
+
+def idle_limit_s(record: ProgramRecord, typical_gap_s: float | None, ttl_s: float) -> float:
+    """How long the program may stay idle before it counts as finished: the TTL, or sooner, IDLE_GAPS times
+    the longest it has been idle between calls (or the usual gap of all programs, if that is longer)."""
+    if typical_gap_s is None:
+        return ttl_s
+    return min(ttl_s, IDLE_GAPS * max(record.longest_gap_s, typical_gap_s))
+
+
+def eviction_key(
+    record: ProgramRecord | None, priority: tuple[float, ...], now: float, idle_limit_s: float
+) -> tuple[EvictionKey, float]:
+    """A program's eviction key (higher is kept longer) and the clock time until which it holds.
+
+    ``priority`` is where the policy would serve it next (smaller first); an idle program counts as finished
+    once idle for ``idle_limit_s``.
+    """
     if record is None:
         return FINISHED, math.inf
-    by_priority = num_levels - min(max(level, 0), num_levels - 1)  # 1 (the lowest priority) .. num_levels
+    key = (1.0, *(-p for p in priority))  # served later: smaller, reused sooner
     if record.active_calls > 0:
-        return num_levels + by_priority, math.inf
-    expires = record.last_activity + ttl_s
+        return key, math.inf
+    expires = record.last_activity + idle_limit_s
     if now >= expires:
         return FINISHED, math.inf
-    return by_priority, expires
+    return key, expires
 
 
 class PolicyRanking:
-    """Eviction classes (``kv.eviction.ProgramRanking``) over a policy's process table and queue levels, read
-    against ``clock``. Turns on the table's change tracking, and hands each reader its own feed of changes."""
+    """Eviction keys (``kv.eviction.ProgramRanking``) from a policy's process table and order, read against
+    ``clock``. Turns on the table's change tracking, and hands each reader its own feed of changes."""
 
     def __init__(
-        self,
-        table: ProcessTable,
-        level_of: Callable[[str], int],
-        num_levels: int,
-        clock: Callable[[], float],
+        self, table: ProcessTable, priority_of: Callable[[str], tuple[float, ...]], clock: Callable[[], float]
     ) -> None:
         self.table = table
-        self.level_of = level_of
-        self.num_levels = num_levels
+        self.priority_of = priority_of
         self.clock = clock
         table.track_changes = True
         self._feeds: list[set[str]] = []
 
     @classmethod
     def of_policy(cls, policy: SchedulingPolicy, clock: Callable[[], float]) -> PolicyRanking:
-        return cls(policy.table, policy.next_call_level, policy.num_levels, clock)
+        return cls(policy.table, policy.program_priority, clock)
 
-    def eviction_class(self, program_id: str) -> tuple[int, float]:
+    def eviction_key(self, program_id: str) -> tuple[EvictionKey, float]:
         record = self.table.get(program_id)
-        level = self.level_of(program_id) if record is not None else 0
-        return eviction_class(record, level, self.num_levels, self.clock(), self.table.ttl_s)
+        if record is None:
+            return FINISHED, math.inf
+        limit = idle_limit_s(record, self.table.typical_gap_s, self.table.ttl_s)
+        return eviction_key(record, self.priority_of(program_id), self.clock(), limit)
 
     def now(self) -> float:
         return self.clock()

@@ -8,6 +8,7 @@ scheduler passes ``now`` from the clock it was given.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Protocol
 
 from boundless.programs.process_table import ProcessTable
@@ -35,15 +36,18 @@ def program_of(request: Call) -> ProgramRef:
 class SchedulingPolicy(Protocol):
     """The order of service, decided from arrivals, reported service and the clock.
 
-    ``table`` is its process table (program-aware KV eviction reads it); ``num_levels`` and
-    :meth:`next_call_level` say where a program's next call would start among the policy's queues (0 first).
+    ``table`` is its process table, and :meth:`program_priority` where a program stands in the order of
+    service: program-aware KV eviction reads both.
     """
 
     name: str
     table: ProcessTable
-    num_levels: int
 
-    def next_call_level(self, program_id: str) -> int: ...
+    def program_priority(self, program_id: str) -> tuple[float, ...]:
+        """When the policy would serve the program next (smaller first): the leading terms of the priority of
+        its most urgent call in the engine or, with none, of the call it would make next (those that order
+        programs, not calls within one)."""
+        ...
 
     def on_arrival(self, request: Call, now: float) -> None: ...
 
@@ -71,21 +75,24 @@ class FCFSPolicy:
     """
 
     name = "fcfs"
-    num_levels = 1
 
     def __init__(self, ttl_s: float = 600.0) -> None:
         self._order: dict[str, int] = {}
         self._programs: dict[str, ProgramRef] = {}
+        self._arrivals: dict[str, dict[str, float]] = {}  # program -> its calls' arrival times, by request id
         self._counter = itertools.count()
         self.table = ProcessTable(ttl_s=ttl_s)
 
-    def next_call_level(self, program_id: str) -> int:
-        return 0
+    def program_priority(self, program_id: str) -> tuple[float, ...]:
+        # An idle program's next call arrives after every call here.
+        arrivals = self._arrivals.get(program_id)
+        return (min(arrivals.values()),) if arrivals else (math.inf,)
 
     def on_arrival(self, request: Call, now: float) -> None:
         self._order[request.request_id] = next(self._counter)
         program = program_of(request)
         self._programs[request.request_id] = program
+        self._arrivals.setdefault(program.program_id, {})[request.request_id] = request.arrival_time
         self.table.call_arrived(program, now)
 
     def merge_remote_service(self, program: ProgramRef) -> None:
@@ -104,4 +111,8 @@ class FCFSPolicy:
         self._order.pop(request.request_id, None)
         program = self._programs.pop(request.request_id, None)
         if program is not None:
+            arrivals = self._arrivals[program.program_id]
+            del arrivals[request.request_id]
+            if not arrivals:
+                del self._arrivals[program.program_id]
             self.table.call_finished(program, 0.0, 0.0, now)
