@@ -30,7 +30,7 @@ from boundless.programs.process_table import ProcessTable, ProgramRecord
 # An idle program counts as finished once idle this many times its longest gap between calls (or the usual
 # gap of all programs). With exponentially distributed tool times, a program still running is idle 5 mean gaps
 # with probability e^-5 (0.7%); one that finished is recognised within seconds of the gaps it had.
-IDLE_GAPS = float(__import__("os").environ.get("EVGAPS", "5"))
+IDLE_GAPS = 5.0
 
 
 def idle_limit_s(record: ProgramRecord, typical_gap_s: float | None, ttl_s: float) -> float:

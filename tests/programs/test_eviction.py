@@ -33,7 +33,7 @@ def test_the_key_of_a_finished_an_idle_and_an_active_program() -> None:
     idle = ProgramRecord("i", last_arrival=1.0, last_completion=3.0)
     assert eviction_key(idle, (0.0, 1.0), now=5.0, idle_limit_s=10.0) == ((1.0, -0.0, -1.0), 13.0)
     assert eviction_key(idle, (0.0, 1.0), now=13.0, idle_limit_s=10.0) == (FINISHED, math.inf)
-    assert FINISHED < (1.0, -math.inf)  # below every program still alive
+    assert (1.0, -math.inf) > FINISHED  # below every program still alive
 
 
 def test_a_program_idle_many_times_its_usual_gap_counts_as_finished() -> None:
