@@ -26,7 +26,7 @@ from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskWrite, TierReport
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
-from boundless.programs.policy import SchedulingPolicy, program_of
+from boundless.programs.policy import SchedulingPolicy
 
 Clock = Callable[[], float]
 RUNNING = RequestStatus.RUNNING
@@ -120,7 +120,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self.policy.on_arrival(request, self.clock())
-        self.kv.set_program(request.request_id, program_of(request).program_id)  # its blocks are its program's
+        if request.program is not None:  # its blocks are its program's (a call without one: nobody's)
+            self.kv.set_program(request.request_id, request.program.program_id)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Remove a request (finished or aborted) and free its blocks."""

@@ -164,7 +164,9 @@ class KVCacheManager:
         self._ages: list[BlockHash] = []
 
     def set_program(self, request_id: str, program_id: str) -> None:
-        """The request belongs to this program (until :meth:`end_request`): its blocks are the program's."""
+        """The request belongs to this program (until :meth:`end_request`): its blocks are the program's. The
+        blocks of a request of no program belong to nobody: under program-aware eviction they rank with those of
+        finished programs (no later call can be known to need them), LRU among them."""
         self._programs[request_id] = program_id
 
     def end_request(self, request_id: str) -> None:
