@@ -401,9 +401,9 @@ def _label(row: dict) -> str:
 def _is_baseline(candidate: dict, row: dict, policies: list[str], kv_names: list[str | None]) -> bool:
     if len(kv_names) > 1:
         return candidate["policy"] == row["policy"] and candidate["kv"] == kv_names[0]
-    if len(policies) > 1:
-        return candidate["policy"] == "fcfs"
-    return candidate["routing"] == "round-robin"
+    if row["routing"]:
+        return candidate["routing"] == "round-robin"
+    return candidate["policy"] == ("fcfs" if len(policies) > 1 else policies[0])
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
