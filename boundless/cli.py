@@ -27,6 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
         results = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:
         results = llm.generate(args.prompt, params)
+    llm.close()
     print(results[0].outputs[0].text)
     return 0
 
@@ -59,6 +60,11 @@ def _bench(args: argparse.Namespace) -> int:
         from boundless.bench import gpu
 
         gpu.run(args)
+        return 0
+    if args.bench_kind == "restart":
+        from boundless.bench import restart
+
+        restart.run(args)
         return 0
     if args.bench_kind == "store":
         from boundless.bench import store
@@ -126,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     store = bench_sub.add_parser("store", help="the disk KV store's write and read GB/s against the raw disk's")
     bench_store.add_arguments(store)
     store.set_defaults(func=_bench)
+    from boundless.bench import restart as bench_restart
+
+    restart = bench_sub.add_parser(
+        "restart", help="a workload, a server restart on the same --kv-disk-path, the replay: hit rate, outputs, TTFT"
+    )
+    bench_restart.add_arguments(restart)
+    restart.set_defaults(func=_bench)
     return parser
 
 

@@ -90,6 +90,13 @@ class CacheConfig:
         metadata={"help": "directory of the persistent KV store: full blocks below host memory, across restarts"},
     )
     kv_disk_gb: float = field(default=16.0, metadata={"help": "most disk space the KV store may take, in GiB"})
+    kv_load_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds a request waits for its KV blocks from the disk store before it is admitted without "
+            "them and computes them (stuck storage); no new load starts while a timed-out one is in flight"
+        },
+    )
     kv_write_policy: str = field(
         default="through",
         metadata={
@@ -132,6 +139,7 @@ class CacheConfig:
             "host memory for swap only, or --kv-host-gb for swap and caching: give one of them",
         )
         _require(self.kv_disk_gb > 0, "kv_disk_gb", "must be positive")
+        _require(self.kv_load_timeout_s > 0, "kv_load_timeout_s", "must be positive")
         _require(
             self.kv_eviction in KV_EVICTIONS,
             "kv_eviction",
@@ -210,6 +218,7 @@ class ServerConfig:
 
 
 ROUTINGS = ("locality", "least-loaded", "round-robin")
+KV_PATHS = ("basic", "dualpath", "oracle")
 
 
 @dataclass(frozen=True)
@@ -228,6 +237,42 @@ class ClusterConfig:
     )
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between instance heartbeats"})
     heartbeat_timeout_s: float = field(default=5.0, metadata={"help": "an instance silent this long is dead"})
+    # Prefill/decode disaggregation (DualPath): the inter-engine scheduler's thresholds, in tokens
+    # (cluster/pd_scheduler.py), and the emulated storage and compute links (cluster/links.py).
+    pd_alpha: int | None = field(
+        default=None,
+        metadata={
+            "help": "a node whose storage read queue holds at most this many tokens of KV is ideal for prefill "
+            "work (default: --max-num-batched-tokens)"
+        },
+    )
+    pd_beta: int | None = field(
+        default=None,
+        metadata={
+            "help": "a prefill engine with more unfinished tokens takes no more (default: 8 x --max-num-batched-tokens)"
+        },
+    )
+    pd_z: int | None = field(
+        default=None,
+        metadata={
+            "help": "high-token threshold of a decode engine (default: derived each round from its group's load "
+            "and free KV)"
+        },
+    )
+    kv_path: str = field(
+        default="dualpath",
+        metadata={
+            "help": "where stored KV is read: basic (on the prefill engine), dualpath (on the prefill or the "
+            "decode engine, whichever node's storage queue is shorter) or oracle (no storage I/O; benchmarks only)"
+        },
+    )
+    storage_gbps: float | None = field(
+        default=None, metadata={"help": "emulate each instance's storage NIC at this many Gbit/s (default: no limit)"}
+    )
+    net_gbps: float | None = field(
+        default=None,
+        metadata={"help": "emulate each instance's compute-network NIC at this many Gbit/s (default: no limit)"},
+    )
 
     def __post_init__(self) -> None:
         _require(self.instances >= 1, "instances", "must be >= 1")
@@ -238,6 +283,12 @@ class ClusterConfig:
         _require(
             self.heartbeat_timeout_s > self.heartbeat_interval_s, "heartbeat_timeout_s", "must exceed the interval"
         )
+        for name in ("pd_alpha", "pd_beta", "pd_z"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, name, "must not be negative")
+        _require(self.kv_path in KV_PATHS, "kv_path", f"unknown path {self.kv_path!r}; one of {', '.join(KV_PATHS)}")
+        _require(self.storage_gbps is None or self.storage_gbps > 0, "storage_gbps", "must be positive")
+        _require(self.net_gbps is None or self.net_gbps > 0, "net_gbps", "must be positive")
 
 
 # -- flags ------------------------------------------------------------------------------------
@@ -272,6 +323,22 @@ def from_flags(cls: type[C], args: argparse.Namespace) -> C:
     """Build ``cls`` from parsed flags; a bad value raises :class:`ConfigError`."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
     return cls(**values)
+
+
+def to_flags(config: object) -> list[str]:
+    """The flags that :func:`from_flags` turns back into ``config`` (a config dataclass): those of its fields
+    that differ from their defaults. For starting another process with the same configuration."""
+    flags: list[str] = []
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        if f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
 
 
 def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:

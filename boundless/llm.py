@@ -93,6 +93,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Finish the writes to the disk store (``kv_disk_path``), so that the next process finds every block."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

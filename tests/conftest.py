@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -136,3 +138,29 @@ class GatedStore:
 def gated_store() -> type[GatedStore]:
     """The class of :class:`GatedStore`."""
     return GatedStore
+
+
+def _make_unwritable(root: Path) -> Callable[[], None] | None:
+    """Make ``root``'s tree unwritable (immutable as root, read-only otherwise); the undo, or None if we cannot."""
+    tree = [root, *root.rglob("*")]
+    if os.geteuid() == 0:
+        if not shutil.which("chattr") or subprocess.run(["chattr", "-R", "+i", str(root)]).returncode:
+            return None
+    else:
+        for p in tree:
+            p.chmod(p.stat().st_mode & ~0o222)
+
+    def undo() -> None:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-R", "-i", str(root)], check=True)
+        else:
+            for p in tree:
+                p.chmod(p.stat().st_mode | 0o200)
+
+    return undo
+
+
+@pytest.fixture
+def make_unwritable() -> Callable[[Path], Callable[[], None] | None]:
+    """``make_unwritable(root)``: makes a directory tree unwritable; returns the undo, or None where it cannot."""
+    return _make_unwritable

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from boundless.cluster.links import LinkStats
 from boundless.engine.core import EngineStats, RequestDelta
 
 StatsSource = Callable[[], dict[str, EngineStats]]  # instance id -> snapshot
@@ -76,6 +77,15 @@ def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
         "boundless_kv_tier_read_bytes": ("bytes of KV copied out of the tier", "bytes_read"),
         "boundless_kv_tier_written_bytes": ("bytes of KV copied into the tier", "bytes_written"),
         "boundless_kv_tier_evictions": ("named KV blocks the tier gave up (moved down where it could)", "evictions"),
+        "boundless_kv_tier_checksum_failures": (
+            "KV blocks of the tier that failed their check when read (truncated, corrupt, another model's): "
+            "recomputed, never served",
+            "checksum_failures",
+        ),
+        "boundless_kv_tier_load_timeouts": (
+            "loads from the tier a waiting request stopped waiting for after --kv-load-timeout-s (then recomputed)",
+            "load_timeouts",
+        ),
     }
     for name, (doc, attr) in per_tier.items():
         c = CounterMetricFamily(name, doc, labels=["instance", "tier"])
@@ -124,13 +134,39 @@ def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
         yield c
     g = GaugeMetricFamily(
         "boundless_kv_disk_store",
-        "what the disk store reports of itself (blocks and bytes held, evictions, checksum failures...), by stat",
+        "what the disk store reports of itself (blocks and bytes held, evictions, checksum failures, write errors, "
+        "writes_enabled 0 while writes are off after an error...), by stat",
         labels=["instance", "stat"],
     )
     for inst, s in snapshots.items():
         for stat, value in _numbers(s.disk_io.store if s.disk_io is not None else None).items():
             g.add_metric([inst, stat], value)
     yield g
+
+
+def link_metrics(links: Mapping[str, Sequence[LinkStats]]) -> Iterator[Metric]:
+    """The emulated links of each instance (``cluster/links.py``): bytes carried and queued per traffic class,
+    busy seconds. The storage link's queued bytes are its node's read queue: under ``--kv-path basic`` the
+    prefill instances' fill while the decode instances' stay empty, which is DualPath's bottleneck."""
+    carried = CounterMetricFamily(
+        "boundless_link_bytes", "bytes carried by the emulated link", labels=["instance", "link", "traffic"]
+    )
+    queued = GaugeMetricFamily(
+        "boundless_link_queued_bytes",
+        "bytes waiting for the emulated link or on it (the storage link's: the node's read queue)",
+        labels=["instance", "link", "traffic"],
+    )
+    busy = CounterMetricFamily(
+        "boundless_link_busy_seconds", "seconds the emulated link spent carrying bytes", labels=["instance", "link"]
+    )
+    for inst, stats in links.items():
+        for s in stats:
+            for traffic, n in s.bytes_carried.items():
+                carried.add_metric([inst, s.name, traffic], float(n))
+            for traffic, n in s.bytes_queued.items():
+                queued.add_metric([inst, s.name, traffic], float(n))
+            busy.add_metric([inst, s.name], s.busy_s)
+    yield from (carried, queued, busy)
 
 
 def _numbers(stats: object) -> dict[str, float]:
@@ -143,7 +179,7 @@ def _numbers(stats: object) -> dict[str, float]:
         items = dict(stats)
     else:
         items = dict(vars(stats))
-    return {k: float(v) for k, v in items.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    return {k: float(v) for k, v in items.items() if isinstance(v, int | float)}  # a bool is 0 or 1
 
 
 class ServerMetrics:

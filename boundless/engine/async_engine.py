@@ -108,15 +108,23 @@ class EngineLoop:
             self.core.abort(request_id)
 
     def shutdown(self) -> None:
+        """Stop the loop, then let the engine finish its writes to the disk store (bounded)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            return  # a step is stuck: closing the engine would race it
+        try:
+            with self.lock:
+                self.core.close()
+        except Exception:
+            log.exception("closing the engine failed")
 
     def _run(self) -> None:
         core = self.core
         while not self._stop.is_set():
             with self.lock:
-                sched = core.schedule() if core.has_unfinished() else None
+                sched = core.schedule() if core.has_work() else None
             if sched is None or sched.is_empty:
                 self._wake.wait(timeout=0.05 if sched is not None else 1.0)
                 self._wake.clear()

@@ -128,10 +128,12 @@ def build_model_executor(
     if store is None and layout.disk_bytes:
         store = open_disk_store(loaded, config, layout)
     if store is not None:
+        describe = getattr(store, "describe", None)
         log.info(
-            "KV disk store at %s (%.1f GiB at most, write policy %s) holds: %s",
-            config.cache.kv_disk_path, layout.disk_bytes / (1 << 30), config.cache.kv_write_policy, store.stats(),
-        )  # fmt: skip
+            "%s; write policy %s",
+            describe() if describe is not None else f"KV disk store {config.cache.kv_disk_path}: {store.stats()}",
+            config.cache.kv_write_policy,
+        )
     return ModelExecutor(runner, lower_tiers, store=store)
 
 

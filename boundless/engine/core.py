@@ -81,6 +81,8 @@ class TierStats:
     bytes_read: int = 0  # copied out of it
     bytes_written: int = 0  # copied into it
     evictions: int = 0  # named blocks it gave up (moved down a tier where one had room)
+    checksum_failures: int = 0  # blocks that failed their check when read back: recomputed, never served
+    load_timeouts: int = 0  # loads a waiting request gave up on after --kv-load-timeout-s (then recomputed)
     blocks_used: int = 0  # memory tiers: blocks held by requests or by moves in flight
     blocks_total: int = 0
 
@@ -153,6 +155,7 @@ class EngineCore:
             write_policy=config.cache.kv_write_policy,
             host_caching=config.cache.host_caches,
             ranking=ranking,
+            load_timeout_s=config.cache.kv_load_timeout_s,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -241,6 +244,17 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def has_work(self) -> bool:
+        """Requests to serve, or blocks the last step computed still to hand to the disk store's writer."""
+        return self.has_unfinished() or self.kv.has_writes_to_hand_over()
+
+    def close(self) -> None:
+        """Hand the last computed blocks to the store's writer, and wait (bounded) until what it was handed is
+        written: a server stopped after a workload finds all of it in the store when it starts again."""
+        if not self.has_unfinished() and self.kv.has_writes_to_hand_over():
+            self.step()
+        self.executor.close()
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -344,14 +358,17 @@ class EngineCore:
             pool = self.kv.pools.get(tier)
             if pool is None and not (tier == DISK and self.kv.has_disk):
                 continue
-            evictions = counters.evictions
-            if tier == DISK:
-                evictions = int(getattr(self._disk_io.store, "evictions", 0) or 0)  # the store evicts its own
+            evictions, checksum_failures = counters.evictions, 0
+            if tier == DISK:  # the store evicts its own files and checks what it reads
+                evictions = int(getattr(self._disk_io.store, "evictions", 0) or 0)
+                checksum_failures = int(getattr(self._disk_io.store, "checksum_failures", 0) or 0)
             tiers[tier] = TierStats(
                 hit_tokens=hits.get(tier, 0),
                 bytes_read=counters.blocks_read * per_block,
                 bytes_written=counters.blocks_written * per_block,
                 evictions=evictions,
+                checksum_failures=checksum_failures,
+                load_timeouts=counters.load_timeouts,
                 blocks_used=pool.num_used if pool is not None else 0,
                 blocks_total=pool.num_blocks if pool is not None else 0,
             )

@@ -41,6 +41,10 @@ class Executor(Protocol):
         """Apply the step's block transfers, run it, and sample a token for every chunk that samples."""
         ...
 
+    def close(self) -> None:
+        """Finish what was handed over for the background (writes to the disk store) and stop."""
+        ...
+
 
 class ModelExecutor:
     """Runs steps on the real network: KV moves between tiers, the forward pass, sampling.
@@ -72,3 +76,6 @@ class ModelExecutor:
         elapsed = self.timer() - start
         idle = not sched.chunks and sched.num_reads_in_flight > 0
         return StepResult(sampled, elapsed, self.kv_io.report(wait_s=READ_WAIT_S if idle else 0.0))
+
+    def close(self) -> None:
+        self.kv_io.close()

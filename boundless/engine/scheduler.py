@@ -29,7 +29,6 @@ from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
 from boundless.programs.policy import SchedulingPolicy
 
 Clock = Callable[[], float]
-RUNNING = RequestStatus.RUNNING
 
 
 @dataclass(frozen=True)
@@ -160,11 +159,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         order = sorted(self.running + self.waiting, key=lambda r: self.policy.priority(r, now))
         if self.kv.has_disk:
+            # A request waits for its blocks on disk at most the load timeout (stuck storage): then it is
+            # admitted and computes them.
+            self.kv.expire_disk_reads(now)
             # Every waiting request, from the step after it arrives: its blocks on disk start loading ahead of
             # its turn, highest priority first (host memory may not hold everyone's).
             for request in order:
                 if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                    read = self.kv.plan_disk_read(request.request_id, request.all_token_ids)
+                    read = self.kv.plan_disk_read(request.request_id, request.all_token_ids, now)
                     if read is not None:
                         out.disk_reads.append(read)
         chosen: list[tuple[Request, int]] = []
@@ -332,6 +334,8 @@ class Scheduler:
     def apply_tier_report(self, report: TierReport) -> None:
         """Record the disk reads and writes the executor finished: requests whose reads are done may be
         admitted at the next step."""
+        if report.held_at_open:
+            self.kv.learn_disk_holdings(report.held_at_open)
         self.kv.finish_disk_reads(report.reads)
         self.kv.finish_disk_writes(report.writes)
 

@@ -100,3 +100,6 @@ class TierReport:
     reads: tuple[DiskReadDone, ...] = ()
     writes: tuple[DiskWriteDone, ...] = ()
     io: DiskIOStats | None = None
+    # What the store held when it was opened, least recently used first (in the first report only): the names
+    # earlier processes wrote, so that a restarted engine loads them without probing first.
+    held_at_open: tuple[BlockHash, ...] = ()

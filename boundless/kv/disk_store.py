@@ -203,11 +203,20 @@ class DiskKVStore:
     # -- reading ---------------------------------------------------------------------------------------
 
     def contains(self, key: BlockHash) -> bool:
-        """Whether a whole-sized file for ``key`` of this layout is there (one ``stat``; contents checked on read)."""
+        """Whether a whole-sized file for ``key`` of this layout is there (one ``stat``; contents checked on read).
+
+        A file of another size under a block's name can only be damaged (files are renamed into place whole, and
+        every layout has its own subdirectory): it is rejected here as a read would reject it.
+        """
+        path = self._path(key)
         try:
-            return os.stat(self._path(key)).st_size == self._file_bytes
+            st = os.stat(path)
         except OSError:
             return False
+        if st.st_size == self._file_bytes:
+            return True
+        self._reject(path, st.st_ino, key, BlockFileError(f"{st.st_size} bytes where {self._file_bytes} are expected"))
+        return False
 
     def read(self, keys: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """Each block's KV, [layers, 2, kv_heads, block_size, head_dim] on the CPU, or None (missing or bad)."""
@@ -303,6 +312,14 @@ class DiskKVStore:
                     self._held_bytes += self._file_bytes
                 self._index[key] = _Entry(self._file_bytes, stamp)
         return aged
+
+    def held_keys(self) -> list[BlockHash]:
+        """The blocks this layout holds as of the last scan and this process's own writes, least recently used
+        first (no I/O: the directory as the store last saw it; ``read`` still checks each file)."""
+        with self._lock:
+            entries = list(self._index.items())
+        entries.sort(key=lambda kv: kv[1].stamp_ns)
+        return [key for key, _ in entries]
 
     # -- writing ---------------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ does the copies and the I/O.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class TierCounters:
     blocks_read: int = 0  # copied out of the tier
     blocks_written: int = 0  # copied into the tier
     evictions: int = 0  # named blocks whose name an allocation dropped (after moving them down, when it could)
+    load_timeouts: int = 0  # reads from the tier that a request stopped waiting for (stuck storage)
 
 
 @dataclass
@@ -73,6 +75,8 @@ class _ReadJob:
     start: int  # index of the first block read
     read: DiskRead
     tokens: tuple[tuple[int, ...], ...]  # each block's token ids, to name a loaded block
+    started_at: float = 0.0  # on the scheduler's clock
+    timed_out: bool = False  # in flight past the load timeout: nobody waits for it any more
 
 
 @dataclass
@@ -108,6 +112,7 @@ class KVCacheManager:
         write_policy: str = "through",
         host_caching: bool = True,
         ranking: ProgramRanking | None = None,
+        load_timeout_s: float = math.inf,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
@@ -130,6 +135,7 @@ class KVCacheManager:
             )
         self.has_disk = disk and HOST in self.pools and self.pools[HOST].enable_caching
         self.write_policy = write_policy if self.has_disk else "off"
+        self.load_timeout_s = load_timeout_s
         self.counters: dict[TierId, TierCounters] = {t: TierCounters() for t in (*self.pools, DISK)}
         self._swapped: dict[str, tuple[TierId, list[KVBlock]]] = {}
         # Blocks below the device that this step's transfers read or write: held until the step's copies are
@@ -437,12 +443,36 @@ class KVCacheManager:
         lookup = self._lookups.get(request_id)
         return lookup is not None and lookup.in_flight is not None and lookup.waits
 
-    def plan_disk_read(self, request_id: str, token_ids: Sequence[int]) -> DiskRead | None:
+    @property
+    def disk_stalled(self) -> bool:
+        """Whether a read is still in flight past the load timeout: the store is stuck, so no new read starts
+        (it would queue behind the stuck one) and waiting requests are admitted without their blocks on disk."""
+        return any(job.timed_out for job in self._reads.values())
+
+    def expire_disk_reads(self, now: float) -> int:
+        """Stop waiting for reads in flight for ``load_timeout_s`` or more (stuck storage): their requests are
+        admitted and compute those blocks instead, and read nothing more from the store. The reads' host blocks
+        stay reserved until the reads end (the loader may still fill them). Returns how many timed out now."""
+        expired = 0
+        for job in self._reads.values():
+            if job.timed_out or now - job.started_at < self.load_timeout_s:
+                continue
+            job.timed_out = True
+            lookup = self._lookups.get(job.request_id)
+            if lookup is not None and lookup.in_flight == job.read.read_id:
+                expired += lookup.waits
+                lookup.waits = False
+                lookup.settled = True
+        self.counters[DISK].load_timeouts += expired
+        return expired
+
+    def plan_disk_read(self, request_id: str, token_ids: Sequence[int], now: float = 0.0) -> DiskRead | None:
         """The read from the store to start for a waiting request, if any: its blocks that follow those in
         memory are probed for (when the store's holdings are unknown) or loaded into host blocks reserved
-        for them (when known), ahead of its admission. Called each step for waiting requests; None when it
-        waits for a read already, or the store has nothing more for it, or host memory has no room."""
-        if not self.has_disk:
+        for them (when known), ahead of its admission. Called each step for waiting requests, at ``now`` on the
+        scheduler's clock; None when it waits for a read already, or the store has nothing more for it, or host
+        memory has no room, or the store is stuck (:attr:`disk_stalled`)."""
+        if not self.has_disk or self.disk_stalled:
             return None
         lookup = self._lookups.setdefault(request_id, _DiskLookup())
         if lookup.in_flight is not None or lookup.settled:
@@ -480,7 +510,7 @@ class KVCacheManager:
             # Behind a prefix in memory, unknown blocks are almost always new input (an agent's next call: what
             # was evicted of its context is known, since this process wrote it), so the request does not wait
             # for the probe; with nothing in memory (a cold call, or the first after a restart) it does.
-            return self._start_read(request_id, start, tuple(keys), (), (), waits=start == 0)
+            return self._start_read(request_id, start, tuple(keys), (), (), waits=start == 0, now=now)
         reserved = sum(len(job.read.dst_ids) for job in self._reads.values())
         budget = int(host.num_blocks * PREFETCH_SHARE) - len(self._prefetched) - reserved
         room = min(known, host.num_free - len(own_free_in_host), budget)
@@ -494,7 +524,7 @@ class KVCacheManager:
         tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start, start + room))
         lookup.loaded_upto = start + room
         return self._start_read(
-            request_id, start, tuple(keys[:room]), tuple(b.block_id for b in dst), tokens, waits=True
+            request_id, start, tuple(keys[:room]), tuple(b.block_id for b in dst), tokens, waits=True, now=now
         )
 
     def _start_read(
@@ -505,10 +535,11 @@ class KVCacheManager:
         dst_ids: tuple[int, ...],
         tokens: tuple[tuple[int, ...], ...],
         waits: bool,
+        now: float,
     ) -> DiskRead:
         read = DiskRead(self._next_read_id, keys, dst_ids)
         self._next_read_id += 1
-        self._reads[read.read_id] = _ReadJob(request_id, start, read, tokens)
+        self._reads[read.read_id] = _ReadJob(request_id, start, read, tokens, started_at=now)
         lookup = self._lookups[request_id]
         lookup.in_flight, lookup.waits = read.read_id, waits
         return read
@@ -528,7 +559,7 @@ class KVCacheManager:
                 self._known_on_disk.pop(read.keys[found], None)
             if not read.is_probe and host is not None:
                 blocks = [host.blocks[i] for i in read.dst_ids]
-                waiting = job.request_id in self._lookups
+                waiting = job.request_id in self._lookups and not job.timed_out
                 kept = []
                 for block, key, tokens in zip(blocks[:found], read.keys, job.tokens, strict=False):
                     host.cache(block, key, tokens)
@@ -612,6 +643,11 @@ class KVCacheManager:
                 if name in self._known_on_disk or name in self._writes_pending:
                     self._ages.append(name)
 
+    def has_writes_to_hand_over(self) -> bool:
+        """Whether blocks the last step computed wait for the next step to be handed to the store's writer
+        (write-through): an idle engine runs one more step for them, and so does one that shuts down."""
+        return self.write_policy == "through" and bool(self._filled_by_step)
+
     def take_disk_writes(self) -> list[DiskWrite]:
         """This step's writes to the store, one per source tier, in the order decided."""
         by_tier: dict[TierId, tuple[list[int], list[BlockHash]]] = {}
@@ -641,6 +677,14 @@ class KVCacheManager:
             return
         self._writes_pending.add(key)
         self._writes.append((tier, block_id, key))
+
+    def learn_disk_holdings(self, keys: Sequence[BlockHash]) -> None:
+        """What the store held when it opened (least recently used first): blocks earlier processes wrote are
+        loaded without a probe first, even behind a prefix in memory (after a restart, that a block is unknown
+        no longer suggests it is new input). A name another process has evicted since just loads as a miss."""
+        if self.has_disk:
+            for key in keys[-MAX_KNOWN_ON_DISK:]:
+                self._remember_on_disk(key)
 
     def _remember_on_disk(self, key: BlockHash) -> None:
         self._known_on_disk[key] = None

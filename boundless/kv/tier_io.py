@@ -78,6 +78,8 @@ class TierIO:
         self._write_queue: queue.Queue[tuple[DiskWrite, _Snapshot] | DiskAge | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._store_stats_at = -STORE_STATS_EVERY_S
+        held_keys = getattr(store, "held_keys", None)
+        self._held_at_open: tuple[bytes, ...] = tuple(held_keys()) if held_keys is not None else ()
         if store is not None and background:
             for name, target in (("loader", self._load_loop), ("writer", self._write_loop)):
                 thread = threading.Thread(target=target, name=f"boundless-kv-{name}", daemon=True)
@@ -133,7 +135,8 @@ class TierIO:
             if store_stats is not None:
                 self.stats.store = store_stats
             stats = DiskIOStats(**vars(self.stats))
-        return TierReport(tuple(reads), tuple(writes), stats)
+            held, self._held_at_open = self._held_at_open, ()
+        return TierReport(tuple(reads), tuple(writes), stats, held)
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until every read and write handed over so far has finished."""
@@ -145,12 +148,14 @@ class TierIO:
                     raise TimeoutError("the KV store's reads and writes did not finish")
                 self._done.wait(timeout=left)
 
-    def close(self) -> None:
-        """Stop the background threads once their queues are empty."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the background threads: the writer once the writes handed over so far are in the store (for at
+        most ``timeout_s``: storage may be stuck); the loader without waiting (a load now has nobody to serve)."""
         self._read_queue.put(None)
         self._write_queue.put(None)
         for thread in self._threads:
-            thread.join(timeout=30)
+            if thread.name.endswith("writer"):
+                thread.join(timeout=timeout_s)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -174,7 +179,10 @@ class TierIO:
         except Exception:  # the store does not raise for I/O trouble; anything else must not kill the loader
             log.exception("reading KV blocks from the store failed")
         seconds = self.clock() - start
+        store_stats = self._store_stats()
         with self._done:
+            if store_stats is not None:
+                self.stats.store = store_stats
             if read.is_probe:
                 self.stats.probes += 1
             else:
@@ -263,12 +271,23 @@ class TierIO:
             written = self.store.write(write.keys, blocks)
         except Exception:  # the store does not raise for I/O trouble; anything else must not kill the writer
             log.exception("writing KV blocks to the store failed")
-        self._finish_write(write, written == len(write.keys))
+        self._finish_write(write, written == len(write.keys), self._store_stats())
 
-    def _finish_write(self, write: DiskWrite, written: bool) -> None:
+    def _store_stats(self) -> object | None:
+        """The store's stats after one of its reads or writes: its checksum failures and write errors are then
+        in the report that brings the read's or write's result (the stats of DiskKVStore cost no I/O)."""
+        try:
+            return self.store.stats() if self.store is not None else None
+        except Exception:
+            log.exception("the KV store's stats failed")
+            return None
+
+    def _finish_write(self, write: DiskWrite, written: bool, store_stats: object | None = None) -> None:
         # The store says how many landed, not which: all of them, or none that we count on.
         n = len(write.keys)
         with self._done:
+            if store_stats is not None:
+                self.stats.store = store_stats
             if written:
                 self.stats.blocks_written += n
                 self._writes_done.append(DiskWriteDone(written=write.keys))

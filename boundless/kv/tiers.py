@@ -55,6 +55,8 @@ class BlockStore(Protocol):
 
     def stats(self) -> object: ...
 
+    # Optional: ``held_keys() -> list[BlockHash]``, the names the store holds, least recently used first.
+
 
 class HostKVTier:
     """Host memory for ``num_blocks`` blocks shaped like ``device``'s (pinned when the device is a GPU)."""

@@ -168,6 +168,9 @@ class CostModelExecutor:
         self._elapsed += seconds
         return StepResult(sampled, seconds, report)
 
+    def close(self) -> None:
+        """Nothing runs in the background in virtual time."""
+
     def _placeholder(self, chunk: ScheduledChunk) -> int:
         if self.token_id is not None:
             return self.token_id

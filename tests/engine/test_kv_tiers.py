@@ -18,6 +18,7 @@ from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler
 from boundless.kv.disk_moves import DiskReadDone, DiskWriteDone, TierReport
 from boundless.kv.manager import KVCacheManager
+from boundless.kv.tensors import PagedKVCache
 from boundless.kv.transfer import DISK
 from boundless.model.loader import LoadedModel
 from boundless.programs.policy import FCFSPolicy
@@ -71,9 +72,16 @@ def test_a_request_waiting_for_its_loads_holds_nobody_up() -> None:
 
 
 def _disk_engine(loaded: LoadedModel, store, tmp_path: Path) -> EngineCore:
+    arch = loaded.arch
+    per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, 16, loaded.dtype)
     config = EngineConfig(
         model=ModelConfig(max_model_len=256),
-        cache=CacheConfig(num_kv_blocks=32, kv_disk_path=str(tmp_path), kv_write_policy="through"),
+        cache=CacheConfig(
+            num_kv_blocks=32,
+            kv_host_gb=64.5 * per_block / (1 << 30),  # 64 blocks: the default GiB takes long to allocate
+            kv_disk_path=str(tmp_path),
+            kv_write_policy="through",
+        ),
         scheduler=SchedulerConfig(policy="fcfs"),
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
@@ -125,3 +133,65 @@ def test_a_call_whose_context_is_in_memory_does_not_wait_to_probe_its_new_input(
     (probe,) = out.disk_reads
     assert probe.is_probe and [c.request_id for c in out.chunks] == ["call-2"]
     assert out.chunks[0].start_pos == 40  # its context came from the device
+
+
+def test_a_load_past_its_timeout_is_given_up_and_no_new_load_queues_behind_it() -> None:
+    now = [0.0]
+    kv = KVCacheManager(64, 4, True, "fp", num_host_blocks=32, disk=True, write_policy="off", load_timeout_s=5.0)
+    s = Scheduler(kv, FCFSPolicy(), lambda: now[0], max_num_batched_tokens=64, max_num_seqs=4)
+    prompt, other = list(range(40)), list(range(100, 140))
+    _on_disk(s, "stuck", prompt)
+    _on_disk(s, "other", other)
+    s.add(Request("stuck", prompt, SamplingParams(max_tokens=5), arrival_time=0.0))
+    (load,) = s.schedule().disk_reads  # the store never answers it
+    now[0] = 4.9
+    assert s.schedule().chunks == [] and kv.is_loading("stuck")
+    now[0] = 5.0
+    out = s.schedule()
+    assert [(c.request_id, c.start_pos) for c in out.chunks] == [("stuck", 0)]  # admitted, computes all
+    assert kv.counters[DISK].load_timeouts == 1 and kv.disk_stalled
+    s.advance(out, 0.01)
+    # While the stuck read lasts, a request whose blocks are on disk does not queue a read behind it.
+    s.add(Request("other", other, SamplingParams(max_tokens=5), arrival_time=6.0))
+    out = s.schedule()
+    assert out.disk_reads == [] and ("other", 0) in [(c.request_id, c.start_pos) for c in out.chunks]
+    s.advance(out, 0.01)
+    # The read ends at last: its blocks become cache in host memory, and reads start again.
+    s.apply_tier_report(TierReport(reads=(DiskReadDone(load.read_id, len(load.keys), 30.0),)))
+    assert not kv.disk_stalled and kv.counters[DISK].load_timeouts == 1
+    s.add(Request("later", [*range(200, 240)], SamplingParams(max_tokens=5), arrival_time=40.0))
+    assert [r.is_probe for r in s.schedule().disk_reads] == [True]
+
+
+def test_a_stopped_engine_has_handed_every_full_block_to_the_store(tiny_llama: LoadedModel, tmp_path: Path) -> None:
+    from boundless.kv.disk_store import DiskKVStore, StoreLayout
+
+    store = DiskKVStore(tmp_path, StoreLayout.of_model(tiny_llama, 16), 1 << 30)
+    core = _disk_engine(tiny_llama, store, tmp_path)
+    core.add_request("r", list(range(3, 62)), PARAMS)  # 59 + 6 tokens: the last step fills the fourth block
+    _tokens(core, "r", {})
+    core.close()  # the last step's block was named after the writes were handed over: close hands it over too
+    assert store.stats().blocks_held == 4
+
+
+def test_a_restarted_engine_loads_what_an_earlier_one_wrote_even_behind_a_prefix_in_memory(
+    tiny_llama: LoadedModel, tmp_path: Path
+) -> None:
+    from boundless.kv.disk_store import DiskKVStore, StoreLayout
+
+    layout = StoreLayout.of_model(tiny_llama, 16)
+    shared = [(5 * j) % 300 + 3 for j in range(48)]  # three blocks every conversation starts with
+    first, second = shared + list(range(100, 141)), shared + list(range(200, 241))
+    before = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)
+    outputs: dict[str, list[int]] = {}
+    for rid, prompt in (("a", first), ("b", second)):
+        before.add_request(rid, prompt, PARAMS)
+        _tokens(before, rid, outputs)
+    before.close()
+    after = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)  # nothing in memory
+    for rid, prompt in (("a2", first), ("b2", second)):
+        after.add_request(rid, prompt, PARAMS)
+        assert _tokens(after, rid, outputs) == outputs[rid[0]]
+    # The second conversation's own blocks follow the shared ones, in memory since the first: they are loaded
+    # too, since the store said at start what it held (an unknown block there would have been computed).
+    assert after.stats().kv_tiers[DISK].hit_tokens == 5 * 16 + 2 * 16

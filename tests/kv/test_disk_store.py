@@ -173,11 +173,13 @@ def test_a_file_of_another_layout_under_this_layouts_name_is_rejected(tmp_path: 
     assert _file(theirs, 0).exists()
 
 
-def test_a_truncated_file_is_not_contained(tmp_path: Path) -> None:
+def test_a_truncated_file_is_not_contained_and_is_counted_and_removed(tmp_path: Path) -> None:
     store = DiskKVStore(tmp_path, LAYOUT, BIG)
     store.write([key_of(0)], blocks_of([0]))
     _truncate(_file(store, 0))
-    assert not store.contains(key_of(0))
+    assert not store.contains(key_of(0))  # a probe (one stat) sees it: it is never read, yet still counted
+    assert store.stats().checksum_failures == 1 and store.stats().blocks_held == 0
+    assert not _file(store, 0).exists()
 
 
 def test_eviction_removes_the_least_recently_used(tmp_path: Path) -> None:
@@ -291,30 +293,12 @@ def test_a_full_disk_turns_writes_off_and_reads_go_on(tmp_path: Path) -> None:
     assert out["stderr"].count("writes off") == 1
 
 
-def _make_unwritable(root: Path) -> Callable[[], None] | None:
-    """Make ``root``'s tree unwritable (immutable as root, read-only otherwise); the undo, or None if we cannot."""
-    tree = [root, *root.rglob("*")]
-    if os.geteuid() == 0:
-        if not shutil.which("chattr") or subprocess.run(["chattr", "-R", "+i", str(root)]).returncode:
-            return None
-    else:
-        for p in tree:
-            p.chmod(p.stat().st_mode & ~0o222)
-
-    def undo() -> None:
-        if os.geteuid() == 0:
-            subprocess.run(["chattr", "-R", "-i", str(root)], check=True)
-        else:
-            for p in tree:
-                p.chmod(p.stat().st_mode | 0o200)
-
-    return undo
-
-
-def test_an_unwritable_directory_serves_reads_with_writes_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unwritable_directory_serves_reads_with_writes_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, make_unwritable: Callable
+) -> None:
     root = tmp_path / "store"
     DiskKVStore(root, LAYOUT, BIG).write([key_of(0)], blocks_of([0]))
-    undo = _make_unwritable(root)
+    undo = make_unwritable(root)
     if undo is None:
         pytest.skip("cannot make a directory unwritable here")
     try:

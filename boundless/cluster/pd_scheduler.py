@@ -1,0 +1,280 @@
+"""Which prefill engine (PE) and decode engine (DE) serve a request, and over which path its KV is read
+from storage: DualPath's inter-engine scheduler (arXiv 2602.21548, section 4.3.1).
+
+Engines report an :class:`EngineLoad`: their unfinished requests (``seq``), those requests' tokens
+(``tok``, the proxy the paper uses for GPU, storage and network load alike) and the storage read
+queue of their node. From those reports and a FIFO of requests, :func:`schedule` places requests in
+order, one round at a time:
+
+1. **PE.** Engines are *overloaded* (``tok > beta``), *ideal* (``read_queue <= alpha`` and
+   ``tok <= beta``) or *storage-pressed* (``read_queue > alpha`` and ``tok <= beta``). A request never
+   goes to an overloaded PE; ideal PEs come first (their storage NIC is about to idle, and only new
+   requests keep it busy), then storage-pressed ones; within the class, the fewest tokens wins.
+2. **DE.** The request goes to the DE group with the fewest tokens, then, within it, to the DE with
+   the fewest requests among those that stay at or under the high-token threshold ``Z`` after taking
+   it; only when every DE would pass ``Z`` does the one with the fewest tokens take it (a DE far
+   above the others risks running out of KV memory and preempting). A DE must have the KV room.
+3. **Read path.** ``dualpath`` reads the request's stored KV on whichever node's storage queue is
+   shorter: the PE's (storage -> PE) or the DE's (storage -> DE -> PE over the compute network); a tie,
+   or a PE and DE on one node, reads on the PE (one hop fewer). ``basic`` always reads on the PE (the
+   single-path baseline); ``oracle`` reads nothing (no storage I/O: an upper bound for benchmarks).
+
+Every placement is accounted before the next request is placed: the PE's and DE's ``seq`` and
+``tok`` grow, the DE's free KV shrinks, and the read lands in its node's queue. The request at the
+head of the queue that finds no PE or no DE stops the round (strict FIFO, as the paper's PE
+scheduling); the rest wait for the next reports.
+
+Where this differs from the paper: the paper's engine groups *pull* work (a group's leader asks,
+the scheduler answers), and DE requests pass through a global pool and per-group private queues.
+Here one round sees every engine's latest report at once, so a request's PE, DE and read path are
+chosen together, and the pool is drained request by request to the group with the fewest tokens
+*at that moment* (with one request in the pool this is the paper's rule; with many, it keeps a
+burst from landing on one group). The paper gives ``Z`` as a formula of the group's state (not in
+our summary); by default we take it as the tokens per DE if the group took every request of the
+round that fits its free KV, evenly spread (``--pd-z`` fixes it instead).
+
+Units: every quantity is in tokens. A read queue of ``b`` bytes is ``b // kv_bytes_per_token``
+tokens (:func:`read_queue_tokens`); one model means one ratio for every engine, so comparing
+tokens compares bytes, and the thresholds scale with the engine's step budget, not with the model.
+
+Pure: a decision is a function of (loads, queue, config); nothing here does I/O or reads time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from boundless.config import KV_PATHS, ClusterConfig, SchedulerConfig
+
+Role = Literal["prefill", "decode"]
+KVPath = Literal["basic", "dualpath", "oracle"]
+ReadPath = Literal["pe", "de", "none"]
+PrefillClass = Literal["overloaded", "ideal", "storage_pressed"]
+
+# Defaults as multiples of the engine's step budget (--max-num-batched-tokens), justified on the fields.
+ALPHA_STEPS = 1
+BETA_STEPS = 8
+
+
+@dataclass(frozen=True)
+class PDSchedulerConfig:
+    """The thresholds of the inter-engine scheduler, in tokens.
+
+    ``alpha``: a node whose storage read queue holds at most this many tokens of KV is *ideal* for
+    new prefill work. Default: one step's token budget (``max_num_batched_tokens``, 2048). Reads
+    are issued a request at a time ahead of its compute, so a queue shorter than one step's worth
+    drains before the engine's next step and its NIC then idles; a longer queue keeps the NIC busy
+    for at least a step without help, so new work there only lengthens the wait. Below a block
+    (``block_size`` tokens) the threshold means nothing, as reads come in whole blocks.
+
+    ``beta``: a PE with more than this many unfinished tokens is *overloaded* and takes nothing.
+    Default: eight step budgets (16,384). An agentic request's tokens are mostly cached context
+    (the paper's traces: ~95%), so the count of all its tokens runs far ahead of the new tokens a
+    step computes; eight budgets leave a PE a few steps of queued work (enough for the attention-time
+    batcher to pack) without hoarding requests another PE could start at once. A PE under ``beta``
+    always takes one more request, however long, so a request longer than ``beta`` is still served.
+
+    ``z``: the high-token threshold of a DE; None derives it per round from the group's state
+    (the paper's rule, see the module docstring); a number fixes it.
+
+    ``kv_path``: ``basic`` (PE reads only), ``dualpath`` (shorter queue) or ``oracle`` (no reads).
+    """
+
+    alpha: int = ALPHA_STEPS * 2048
+    beta: int = BETA_STEPS * 2048
+    z: int | None = None
+    kv_path: KVPath = "dualpath"
+
+    def __post_init__(self) -> None:
+        if self.alpha < 0 or self.beta < 0 or (self.z is not None and self.z < 0):
+            raise ValueError("alpha, beta and z must not be negative")
+        if self.kv_path not in KV_PATHS:
+            raise ValueError(f"unknown kv path {self.kv_path!r}; one of {', '.join(KV_PATHS)}")
+
+    @classmethod
+    def from_configs(cls, cluster: ClusterConfig, scheduler: SchedulerConfig) -> PDSchedulerConfig:
+        """The flags, with unset thresholds scaled to the engines' step budget."""
+        budget = scheduler.max_num_batched_tokens
+        return cls(
+            alpha=cluster.pd_alpha if cluster.pd_alpha is not None else ALPHA_STEPS * budget,
+            beta=cluster.pd_beta if cluster.pd_beta is not None else BETA_STEPS * budget,
+            z=cluster.pd_z,
+            kv_path=cluster.kv_path,  # type: ignore[arg-type]  # validated by ClusterConfig
+        )
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """An engine's report: its role, where it sits, and its load.
+
+    ``node`` is the machine whose storage NIC the engine shares (every engine of a node reports the
+    same ``read_queue``); ``group`` is the set of engines scheduled together (all PEs or all DEs,
+    never spanning nodes). ``kv_free_tokens`` is a DE's free KV memory in tokens (None: not limited).
+    """
+
+    engine_id: str
+    role: Role
+    node: str
+    group: str
+    seq: int = 0
+    tok: int = 0
+    read_queue: int = 0
+    kv_free_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class PendingRequest:
+    """A request waiting for its engines: its prompt tokens, and how many of them have KV in storage."""
+
+    request_id: str
+    num_tokens: int
+    stored_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stored_tokens <= self.num_tokens:
+            raise ValueError(f"{self.request_id}: stored tokens must be within 0..num_tokens")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request runs, and where its stored KV is read (``read_tokens`` on ``read_node``)."""
+
+    request_id: str
+    prefill_engine: str
+    decode_engine: str
+    read_path: ReadPath
+    read_node: str | None
+    read_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    """A round's placements in FIFO order, the requests left waiting (in order), and the loads and
+    node read queues with the placements accounted (valid until the engines' next reports)."""
+
+    placements: tuple[Placement, ...]
+    waiting: tuple[PendingRequest, ...]
+    loads: tuple[EngineLoad, ...]
+    read_queues: Mapping[str, int]
+
+
+def read_queue_tokens(queued_bytes: int, kv_bytes_per_token: int) -> int:
+    """A read queue in tokens of KV, rounded up (a partial token still has to be read)."""
+    return -(-queued_bytes // kv_bytes_per_token)
+
+
+# -- the rules, one function each ---------------------------------------------------------------
+
+
+def classify_prefill(load: EngineLoad, read_queue: int, config: PDSchedulerConfig) -> PrefillClass:
+    """The paper's three classes of PE, by its tokens and its node's read queue."""
+    if load.tok > config.beta:
+        return "overloaded"
+    return "ideal" if read_queue <= config.alpha else "storage_pressed"
+
+
+def pick_prefill_engine(
+    pes: Sequence[EngineLoad], read_queues: Mapping[str, int], config: PDSchedulerConfig
+) -> EngineLoad | None:
+    """Never an overloaded PE; ideal before storage-pressed; then the fewest tokens (first listed on a tie)."""
+    for wanted in ("ideal", "storage_pressed"):
+        candidates = [e for e in pes if classify_prefill(e, read_queues[e.node], config) == wanted]
+        if candidates:
+            return min(candidates, key=lambda e: e.tok)
+    return None
+
+
+def fits(de: EngineLoad, num_tokens: int) -> bool:
+    """Whether the DE has the KV room for a request (ignoring fragmentation, as the paper does)."""
+    return de.kv_free_tokens is None or de.kv_free_tokens >= num_tokens
+
+
+def pick_decode_group(des: Sequence[EngineLoad], num_tokens: int) -> str | None:
+    """The group with the fewest tokens among those with a DE that has room for the request."""
+    totals: dict[str, int] = {}
+    for de in des:
+        totals[de.group] = totals.get(de.group, 0) + de.tok
+    open_groups = [g for g in totals if any(fits(de, num_tokens) for de in des if de.group == g)]
+    return min(open_groups, key=lambda g: totals[g], default=None)
+
+
+def high_token_threshold(group: Sequence[EngineLoad], request_tokens: Iterable[int]) -> float:
+    """Z for a DE group: its tokens per DE if it took, evenly spread, every request (in FIFO order)
+    that fits its free KV. Below Z a DE is no fuller than its share; above it, it is the one the
+    group's memory runs out on first."""
+    room = sum(de.kv_free_tokens for de in group if de.kv_free_tokens is not None)
+    limited = any(de.kv_free_tokens is not None for de in group)
+    total = sum(de.tok for de in group)
+    for n in request_tokens:
+        if limited and n > room:
+            break
+        total += n
+        room -= n
+    return total / len(group)
+
+
+def pick_decode_engine(group: Sequence[EngineLoad], num_tokens: int, z: float) -> EngineLoad | None:
+    """Among DEs with room: the fewest requests among those staying at or under Z after the request;
+    if every one would pass Z, the fewest tokens. First listed on a tie."""
+    room = [de for de in group if fits(de, num_tokens)]
+    under = [de for de in room if de.tok + num_tokens <= z]
+    if under:
+        return min(under, key=lambda e: e.seq)
+    return min(room, key=lambda e: e.tok, default=None)
+
+
+def choose_read_path(mode: KVPath, request: PendingRequest, pe_queue: int, de_queue: int, same_node: bool) -> ReadPath:
+    """PE-read or DE-read for the request's stored KV (``none`` when there is nothing to read, or under oracle)."""
+    if mode == "oracle" or request.stored_tokens == 0:
+        return "none"
+    if mode == "basic" or same_node:
+        return "pe"
+    return "de" if de_queue < pe_queue else "pe"
+
+
+# -- a round --------------------------------------------------------------------------------------
+
+
+def schedule(queue: Sequence[PendingRequest], loads: Sequence[EngineLoad], config: PDSchedulerConfig) -> ScheduleResult:
+    """Place the queue's requests in FIFO order on a PE and a DE each, with their read paths, until one
+    finds no PE or no DE. ``loads`` holds the latest report of every live engine."""
+    state = {e.engine_id: e for e in loads}
+    order = [e.engine_id for e in loads]
+    queues: dict[str, int] = {}
+    for e in loads:  # engines of a node report one queue; reports a moment apart may differ: keep the longest
+        queues[e.node] = max(queues.get(e.node, 0), e.read_queue)
+    z_by_group: dict[str, float] = {}
+    if config.z is None:
+        for g in {e.group for e in loads if e.role == "decode"}:
+            members = [e for e in loads if e.role == "decode" and e.group == g]
+            z_by_group[g] = high_token_threshold(members, (r.num_tokens for r in queue))
+    placements: list[Placement] = []
+    placed = 0
+    for request in queue:
+        pes = [state[i] for i in order if state[i].role == "prefill"]
+        des = [state[i] for i in order if state[i].role == "decode"]
+        pe = pick_prefill_engine(pes, queues, config)
+        group = pick_decode_group(des, request.num_tokens)
+        if pe is None or group is None:
+            break
+        members = [de for de in des if de.group == group]
+        z = float(config.z) if config.z is not None else z_by_group[group]
+        de = pick_decode_engine(members, request.num_tokens, z)
+        assert de is not None  # the group was chosen for having a DE with room
+        path = choose_read_path(config.kv_path, request, queues[pe.node], queues[de.node], pe.node == de.node)
+        read_node = {"pe": pe.node, "de": de.node, "none": None}[path]
+        read_tokens = request.stored_tokens if read_node is not None else 0
+        if read_node is not None:
+            queues[read_node] += read_tokens
+        state[pe.engine_id] = dataclasses.replace(pe, seq=pe.seq + 1, tok=pe.tok + request.num_tokens)
+        free = de.kv_free_tokens - request.num_tokens if de.kv_free_tokens is not None else None
+        state[de.engine_id] = dataclasses.replace(
+            de, seq=de.seq + 1, tok=de.tok + request.num_tokens, kv_free_tokens=free
+        )
+        placements.append(Placement(request.request_id, pe.engine_id, de.engine_id, path, read_node, read_tokens))
+        placed += 1
+    new_loads = tuple(dataclasses.replace(state[i], read_queue=queues[state[i].node]) for i in order)
+    return ScheduleResult(tuple(placements), tuple(queue[placed:]), new_loads, queues)
