@@ -27,6 +27,7 @@ def _require(ok: bool, flag: str, message: str) -> None:
 
 ATTENTION_BACKENDS = ("torch", "triton")
 KV_WRITE_POLICIES = ("through", "back", "off")
+KV_EVICTIONS = ("lru", "program")
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,14 @@ class CacheConfig:
             "that drops writes rather than slow a step), back (when they leave host memory) or off (read only)"
         },
     )
+    kv_eviction: str = field(
+        default="lru",
+        metadata={
+            "help": "which cached KV blocks each tier gives up first: lru (least recently used) or program (those "
+            "of finished or idle-past-TTL programs, then of the lowest-priority programs, before hot programs'; "
+            "LRU among equals)"
+        },
+    )
 
     @property
     def host_gb(self) -> float:
@@ -131,6 +140,11 @@ class CacheConfig:
         )
         _require(self.kv_disk_gb > 0, "kv_disk_gb", "must be positive")
         _require(self.kv_load_timeout_s > 0, "kv_load_timeout_s", "must be positive")
+        _require(
+            self.kv_eviction in KV_EVICTIONS,
+            "kv_eviction",
+            f"unknown eviction order {self.kv_eviction!r}; one of {', '.join(KV_EVICTIONS)}",
+        )
         _require(
             self.kv_write_policy in KV_WRITE_POLICIES,
             "kv_write_policy",

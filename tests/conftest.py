@@ -80,6 +80,7 @@ class DictStore:
     def __init__(self) -> None:
         self.blocks: dict[bytes, torch.Tensor] = {}
         self.reads = 0
+        self.aged: list[bytes] = []  # keys the engine asked to age (program-aware eviction), in order
 
     def contains(self, key: bytes) -> bool:
         return key in self.blocks
@@ -92,6 +93,10 @@ class DictStore:
         for i, key in enumerate(keys):
             self.blocks[key] = blocks[:, :, :, i].clone()
         return len(keys)
+
+    def age(self, keys: Sequence[bytes], seconds: float) -> int:
+        self.aged.extend(keys)
+        return sum(key in self.blocks for key in keys)
 
     def stats(self) -> dict[str, int]:
         return {"blocks": len(self.blocks)}
@@ -121,6 +126,9 @@ class GatedStore:
     def write(self, keys: Sequence[bytes], blocks: torch.Tensor) -> int:
         self.release.wait(timeout=60)
         return self.base.write(keys, blocks)
+
+    def age(self, keys: Sequence[bytes], seconds: float) -> int:
+        return self.base.age(keys, seconds)
 
     def stats(self) -> dict[str, int]:
         return self.base.stats()

@@ -120,6 +120,11 @@ def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
             "blocks_dropped",
         ),
         "boundless_kv_disk_failed_blocks": ("KV blocks the disk store failed to write", "blocks_failed"),
+        "boundless_kv_disk_aged_blocks": (
+            "KV blocks put first in the disk store's eviction order: every program that used them finished "
+            "(--kv-eviction program)",
+            "blocks_aged",
+        ),
     }
     for name, (doc, attr) in disk.items():
         c = CounterMetricFamily(name, doc, labels=["instance"])

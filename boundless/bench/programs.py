@@ -7,6 +7,11 @@ and whose output length is fixed by the workload (``ignore_eos``), so policies d
 when they serve what. Reported per policy and rate: average, p95 and p99 program latency, program
 latency per output token (Autellix's metric), makespan and program throughput.
 
+``--kv-configs`` runs each policy under several KV setups too (:data:`KV_CONFIGS`): the device alone, host
+memory below it, and host memory and a disk store, each evicting by LRU or by program. Each run gets a fresh,
+empty disk store. The prefix-cache hit rate is then also reported per tier (the share of prompt tokens whose KV
+came from the device, host memory or disk).
+
 A failed call returns at once, so a program with failed calls finishes early: a policy that makes
 calls fail would look faster. Failed calls are therefore counted, shown in the table, and any of
 them marks the whole run's figures invalid (printed, and ``valid: false`` in the JSON).
@@ -16,12 +21,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import dataclasses
 import gc
+import itertools
 import random
 import statistics
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +47,49 @@ from boundless.bench.workloads import (
     call_prompt,
     make_programs,
 )
-from boundless.config import ClusterConfig, EngineConfig, add_flags, engine_config_from_flags, from_flags
+from boundless.config import (
+    KV_EVICTIONS,
+    ClusterConfig,
+    ConfigError,
+    EngineConfig,
+    add_flags,
+    engine_config_from_flags,
+    from_flags,
+)
+from boundless.kv.transfer import DEVICE, DISK, HOST
+
+# KV setups for --kv-configs: which tiers sit below the device. "device": host memory only swaps preempted
+# requests (--swap-space-gb, as before host memory was a tier); "host": host memory keeps evicted blocks too
+# (--kv-host-gb); "tiers": and a disk store below it (a fresh directory per run). Each with -lru or -program.
+KV_TIERS = ("device", "host", "tiers")
+KV_CONFIGS = tuple(f"{t}-{e}" for t in KV_TIERS for e in KV_EVICTIONS)
+TIER_IDS = (DEVICE, HOST, DISK)
+
+
+def kv_config(base: EngineConfig, name: str, disk_path: str | None) -> EngineConfig:
+    """``base`` with the KV setup ``name`` (one of :data:`KV_CONFIGS`); host memory is ``base``'s (1 GiB by
+    default), and ``disk_path`` the disk store's directory for "tiers"."""
+    tiers, _, eviction = name.partition("-")
+    if name not in KV_CONFIGS:
+        raise ConfigError(f"--kv-configs: unknown KV setup {name!r}; one of {', '.join(KV_CONFIGS)}")
+    cache, host_gb = base.cache, base.cache.host_gb
+    if tiers == "device":
+        cache = dataclasses.replace(cache, kv_host_gb=None, swap_space_gb=host_gb, kv_disk_path=None)
+    else:
+        cache = dataclasses.replace(
+            cache, kv_host_gb=host_gb, swap_space_gb=None, kv_disk_path=disk_path if tiers == "tiers" else None
+        )
+    return dataclasses.replace(base, cache=dataclasses.replace(cache, kv_eviction=eviction))
+
+
+@contextlib.contextmanager
+def fresh_store_dir(parent: str | None) -> Iterator[str]:
+    """An empty directory for one run's disk store (under ``parent`` if given), removed afterwards: no run may
+    find blocks an earlier one wrote."""
+    if parent is not None:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kv-store-", dir=parent) as path:
+        yield path
 
 
 @dataclass(frozen=True)
@@ -212,6 +263,8 @@ def _serve_and_run(
             time.sleep(2 * cluster.heartbeat_interval_s)  # let the last heartbeats in
         snapshots = [dataclasses.asdict(s) for s in engine.stats().values()]
         stats = {k: sum(s[k] for s in snapshots) for k, v in snapshots[0].items() if isinstance(v, int | float)}
+        for tier in TIER_IDS:
+            stats[f"{tier}_hit_tokens"] = sum(s["kv_tiers"].get(tier, {}).get("hit_tokens", 0) for s in snapshots)
     finally:
         server.stop()
         engine.shutdown()
@@ -232,6 +285,10 @@ def run(args: argparse.Namespace) -> dict:
     else:
         routings = [None]
         policies = [p.strip() for p in (args.policies or f"fcfs,{base.scheduler.policy}").split(",") if p.strip()]
+    kv_names: list[str | None] = [k.strip() for k in (args.kv_configs or "").split(",") if k.strip()] or [None]
+    for name in kv_names:
+        if name is not None:
+            kv_config(base, name, None)  # a bad name fails before any run
     rates = [float(r) for r in (args.rates.split(",") if args.sweep else [str(args.rate)])]
     shape = WorkloadShape(
         scale=args.scale, call_scale=args.call_scale, tool_wait_s=args.tool_wait, max_len=args.max_len
@@ -243,38 +300,39 @@ def run(args: argparse.Namespace) -> dict:
         programs = make_programs(
             args.workload, args.num_programs, rate or 1.0, args.bench_seed, shape, args.trace_folder
         )
-        for policy in policies:
-            for routing in routings:
-                config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
-                cluster = dataclasses.replace(cluster_base, routing=routing) if routing else None
-                name = f"{policy}/{routing}" if routing else policy
+        for policy, routing, kv_name in itertools.product(policies, routings, kv_names):
+            config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
+            cluster = dataclasses.replace(cluster_base, routing=routing) if routing else None
+            row = {"workload": args.workload, "rate": rate, "policy": policy, "routing": routing or ""}
+            row["kv"] = kv_name or ""
+            name = _label(row)
+            with fresh_store_dir(base.cache.kv_disk_path) if kv_name else contextlib.nullcontext() as store_dir:
+                if kv_name:
+                    config = kv_config(config, kv_name, store_dir)
                 summary, stats = _serve_and_run(
                     config, loaded, programs, f"{name} @ {rate}/s", cluster, sequential=rate == 0
                 )
-                row = {"workload": args.workload, "rate": rate, "policy": policy, "routing": routing or "", **summary}
-                hits, queries = stats["prefix_cache_hits"], stats["prefix_cache_queries"]
-                row["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
-                row.update({k: stats[k] for k in ("num_kept", "num_swapped_out", "num_recomputed")})
-                rows.append(row)
-                print(
-                    f"{args.workload} rate {rate}/s {name}: avg {summary['avg_latency_s']:.1f} s, "
-                    f"p95 {summary['p95_latency_s']:.1f} s, makespan {summary['makespan_s']:.1f} s, "
-                    f"prefix-cache hit rate {row['prefix_cache_hit_rate']:.2f}, "
-                    f"failed calls {row['failed_calls']} of {row['calls']}",
-                    flush=True,
-                )
+            row.update(summary)
+            hits, queries = stats["prefix_cache_hits"], stats["prefix_cache_queries"]
+            row["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+            for tier in TIER_IDS:
+                row[f"hit_rate_{tier}"] = stats[f"{tier}_hit_tokens"] / queries if queries else 0.0
+            row.update({k: stats[k] for k in ("num_kept", "num_swapped_out", "num_recomputed")})
+            rows.append(row)
+            tier_rates = ", ".join(f"{t} {row[f'hit_rate_{t}']:.2f}" for t in TIER_IDS)
+            print(
+                f"{args.workload} rate {rate}/s {name}: avg {summary['avg_latency_s']:.1f} s, "
+                f"p95 {summary['p95_latency_s']:.1f} s, makespan {summary['makespan_s']:.1f} s, "
+                f"prefix-cache hit rate {row['prefix_cache_hit_rate']:.2f} "
+                f"({tier_rates}), "
+                f"failed calls {row['failed_calls']} of {row['calls']}",
+                flush=True,
+            )
     table = []
     for row in rows:
-        # The baseline: fcfs when comparing policies, round-robin when comparing routings.
-        ref = next(
-            (
-                r
-                for r in rows
-                if r["rate"] == row["rate"]
-                and (r["policy"] == "fcfs" if len(policies) > 1 else r["routing"] == "round-robin")
-            ),
-            None,
-        )
+        # The baseline: the first KV setup of the same policy when comparing KV setups, else fcfs when comparing
+        # policies, round-robin when comparing routings.
+        ref = next((r for r in rows if r["rate"] == row["rate"] and _is_baseline(r, row, policies, kv_names)), None)
         speedup = ref["avg_latency_s"] / row["avg_latency_s"] if ref else float("nan")
         row["avg_latency_vs_baseline"] = speedup
         table.append(
@@ -288,11 +346,14 @@ def run(args: argparse.Namespace) -> dict:
                 f"{row['makespan_s']:.1f}",
                 f"{row['throughput_programs_per_s']:.3f}",
                 f"{row['prefix_cache_hit_rate']:.2f}",
+                "/".join(f"{row[f'hit_rate_{t}']:.2f}" for t in TIER_IDS),
                 f"{row['failed_calls']}/{row['calls']}",
                 f"{speedup:.2f}x",
             ]
         )
     baseline = "round-robin" if cluster_base.instances > 1 else "fcfs"
+    if len(kv_names) > 1:
+        baseline = str(kv_names[0])
     print_table(
         [
             "rate/s",
@@ -304,6 +365,7 @@ def run(args: argparse.Namespace) -> dict:
             "makespan s",
             "prog/s",
             "hit rate",
+            "dev/host/disk",
             "failed",
             f"avg vs {baseline}",
         ],
@@ -333,7 +395,15 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _label(row: dict) -> str:
-    return row["policy"] + (f"/{row['routing']}" if row["routing"] else "")
+    return row["policy"] + (f"/{row['routing']}" if row["routing"] else "") + (f"/{row['kv']}" if row["kv"] else "")
+
+
+def _is_baseline(candidate: dict, row: dict, policies: list[str], kv_names: list[str | None]) -> bool:
+    if len(kv_names) > 1:
+        return candidate["policy"] == row["policy"] and candidate["kv"] == kv_names[0]
+    if row["routing"]:
+        return candidate["routing"] == "round-robin"
+    return candidate["policy"] == ("fcfs" if len(policies) > 1 else policies[0])
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -371,6 +441,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, ClusterConfig)
     parser.add_argument("--workload", choices=WORKLOADS, default="chat")
     parser.add_argument("--policies", help="comma-separated policies to compare (default: fcfs and --policy)")
+    parser.add_argument(
+        "--kv-configs",
+        help=f"comma-separated KV setups to run each policy under, the first the baseline: {', '.join(KV_CONFIGS)} "
+        "(device: host memory swaps only; host: it keeps evicted blocks; tiers: and a fresh disk store, under "
+        "--kv-disk-path if given; -lru or -program eviction). Default: the engine flags as given",
+    )
     parser.add_argument(
         "--routings", help="with --instances N > 1: comma-separated routings to compare (default: all three)"
     )

@@ -31,6 +31,7 @@ from boundless.kv.remote_moves import RemoteIOStats
 from boundless.kv.transfer import DISK, PEER
 from boundless.model.loader import LoadedModel
 from boundless.model.tokenizer import Tokenizer
+from boundless.programs.eviction import PolicyRanking
 from boundless.programs.policy import SchedulingPolicy
 from boundless.programs.ref import ProgramRef
 from boundless.programs.registry import make_policy
@@ -148,6 +149,8 @@ class EngineCore:
         self.clock = clock
         self.max_model_len = layout.max_model_len
         self.eos_token_ids = identity.eos_token_ids
+        self.policy = policy or make_policy(config.scheduler)
+        ranking = PolicyRanking.of_policy(self.policy, clock) if config.cache.kv_eviction == "program" else None
         self.kv = KVCacheManager(
             layout.num_blocks,
             layout.block_size,
@@ -157,9 +160,9 @@ class EngineCore:
             disk=layout.disk_bytes > 0,
             write_policy=config.cache.kv_write_policy,
             host_caching=config.cache.host_caches,
+            ranking=ranking,
             load_timeout_s=config.cache.kv_load_timeout_s,
         )
-        self.policy = policy or make_policy(config.scheduler)
         self.scheduler = Scheduler(
             self.kv,
             self.policy,

@@ -95,7 +95,7 @@ class ModelExecutor:
         elif sched.remote_recvs or sched.remote_sends:
             raise RuntimeError("a step moves KV to or from another instance, but this executor has no transport")
         try:
-            self.kv_io.apply(sched.disk_reads, sched.disk_writes, sched.transfers)
+            self.kv_io.apply(sched.disk_reads, sched.disk_writes, sched.transfers, sched.disk_ages)
             sampled = self.runner.sample(self.runner.forward(sched, on_layer)) if sched.chunks else {}
         except BaseException:
             if self.remote is not None:

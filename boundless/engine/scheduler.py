@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
-from boundless.kv.disk_moves import DiskRead, DiskWrite, TierReport
+from boundless.kv.disk_moves import DiskAge, DiskRead, DiskWrite, TierReport
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.remote_moves import RemoteRecv, RemoteReport, RemoteSend
 from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
@@ -63,6 +63,7 @@ class SchedulerOutput:
     # Reads and writes of the disk store, run in the background (kv/disk_moves.py).
     disk_reads: list[DiskRead] = field(default_factory=list)
     disk_writes: list[DiskWrite] = field(default_factory=list)
+    disk_ages: list[DiskAge] = field(default_factory=list)  # eviction hints to the store
     num_reads_in_flight: int = 0  # disk reads not yet reported done (this step's included)
     # Block streams between instances (kv/remote_moves.py): receives to post, sends to start (layerwise ones
     # during this step's forward pass), and how many are not yet reported done (this step's included).
@@ -82,6 +83,7 @@ class SchedulerOutput:
             or self.transfers
             or self.disk_reads
             or self.disk_writes
+            or self.disk_ages
             or self.num_reads_in_flight
             or self.remote_sends
             or self.remote_recvs
@@ -132,6 +134,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self.policy.on_arrival(request, self.clock())
+        if request.program is not None:  # its blocks are its program's (a call without one: nobody's)
+            self.kv.set_program(request.request_id, request.program.program_id)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Remove a request (finished or aborted) and free its blocks."""
@@ -144,7 +148,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.finish_time = self.clock()
-        self.kv.free(request_id)
+        self.kv.end_request(request_id)
         self.policy.on_finish(request, request.finish_time)
         self._finished_since_step.append(request_id)
         return request
@@ -221,6 +225,7 @@ class Scheduler:
             )
         out.transfers = self.kv.take_transfers()
         out.disk_writes = self.kv.take_disk_writes()
+        out.disk_ages = self.kv.take_disk_ages()
         out.num_reads_in_flight = self.kv.num_reads_in_flight
         out.remote_recvs = self.kv.take_remote_recvs()
         out.num_remote_in_flight = self.kv.num_remote_in_flight
@@ -293,12 +298,12 @@ class Scheduler:
         short = self.kv.blocks_short(rid, computed + num_new, prefix)
         if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
             if request.status is RequestStatus.RUNNING:
-                self._evict(request, out)  # it cannot grow and nothing below it can give way
+                self._evict(request, out, order)  # it cannot grow and nothing below it can give way
             return None
         while not self.kv.allocate(rid, request.all_token_ids, computed + num_new, prefix):
             if not self._make_room(order, idx, chosen_ids, out):
                 if request.status is RequestStatus.RUNNING:
-                    self._evict(request, out)  # it cannot grow and nothing below it can give way
+                    self._evict(request, out, order)  # it cannot grow and nothing below it can give way
                 return None
             if prefix is not None and prefix.tiers.count(HOST):
                 # The swap-out that made room may have taken host blocks of the prefix: look again.
@@ -329,13 +334,23 @@ class Scheduler:
         """Evict the lowest-priority device-KV holder below ``idx`` that is not in this step."""
         for victim in reversed(order[idx + 1 :]):
             if victim.status is RequestStatus.RUNNING and victim.request_id not in chosen_ids:
-                self._evict(victim, out)
+                self._evict(victim, out, order)
                 return True
         return False
 
-    def _evict(self, request: Request, out: SchedulerOutput) -> None:
-        """Take a request's device KV: to a tier below if one has room, else drop it for recompute."""
+    def _evict(self, request: Request, out: SchedulerOutput, order: list[Request]) -> None:
+        """Take a request's device KV: to a tier below if one has room, else drop it for recompute.
+
+        Blocks loaded from the store ahead of the turn of waiting requests below it give way first: they are
+        on disk still, and dropping the KV of a request served before them would cost a recompute.
+        """
         transfers = self.kv.swap_out(request.request_id)
+        if transfers is None:
+            below = order[order.index(request) + 1 :]
+            if self.kv.release_prefetched(
+                [r.request_id for r in reversed(below) if r.status is not RequestStatus.RUNNING]
+            ):
+                transfers = self.kv.swap_out(request.request_id)
         if transfers is not None:
             request.status = RequestStatus.SWAPPED
             self.stats.num_swapped_out += 1

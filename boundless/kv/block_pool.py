@@ -8,20 +8,20 @@ bookkeeping). A block is in one of three states:
   can be revived by a prefix-cache hit until it is evicted;
 - free: ``ref_count == 0`` and no name.
 
-The free queue is also the eviction order: blocks are taken from its head, and freed blocks are
-appended to its tail, so the least recently used cached block is evicted first. Which free block an
-allocation takes is one method (:meth:`BlockPool._take_free_block`), so an eviction order other than LRU
-replaces that method alone. An eviction by allocation is reported to ``on_evict``, so that the cache
-manager can move the block's KV down a tier before the block is overwritten.
+Free blocks wait in an eviction order (``kv/eviction.py``), which alone decides which one an allocation
+takes: the least recently used (``LRUOrder``, the default) or by the programs that own them
+(``ProgramAwareOrder``). Allocations, hits and refreshes say which program's request took the block
+(``owner``), for the program-aware order. An eviction by allocation is reported to ``on_evict``, so that
+the cache manager can move the block's KV down a tier before the block is overwritten.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from boundless.kv.block_hash import BlockHash
+from boundless.kv.eviction import EvictionOrder, LRUOrder
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -48,17 +48,28 @@ class BlockPoolStats:
 EvictionHook = Callable[[KVBlock, BlockHash, tuple[int, ...]], None]
 
 
-class BlockPool:
-    """Bookkeeping for ``num_blocks`` KV blocks: allocation, sharing, prefix cache, LRU eviction."""
+# Builds a pool's eviction order over its block ids (all free at first).
+OrderFactory = Callable[[Iterable[int]], EvictionOrder]
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, on_evict: EvictionHook | None = None) -> None:
+
+class BlockPool:
+    """Bookkeeping for ``num_blocks`` KV blocks: allocation, sharing, prefix cache, eviction (LRU unless
+    ``order`` builds another eviction order)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        on_evict: EvictionHook | None = None,
+        order: OrderFactory = LRUOrder,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.on_evict = on_evict
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free: EvictionOrder = order(range(num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
         self.stats = BlockPoolStats()
 
@@ -70,30 +81,28 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def allocate(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks from the head of the free queue, evicting their names."""
+    @property
+    def order(self) -> EvictionOrder:
+        """The free blocks, in the order allocations take them."""
+        return self._free
+
+    def allocate(self, n: int, owner: str | None = None) -> list[KVBlock]:
+        """Take ``n`` blocks in the eviction order's turn, evicting their names; ``owner``'s program holds them."""
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         out = []
         for _ in range(n):
-            block = self.blocks[self._take_free_block()]
+            block = self.blocks[self._free.pop()]
             block.ref_count = 1
             if block.block_hash is not None:
                 name, tokens = block.block_hash, block.token_ids
                 self._evict(block)
                 if self.on_evict is not None:
                     assert tokens is not None
-                    self.on_evict(block, name, tokens)
+                    self.on_evict(block, name, tokens)  # while the order still knows who owned it
+            self._free.own(block.block_id, owner, fresh=True)
             out.append(block)
         return out
-
-    def _take_free_block(self) -> int:
-        """The free block the next allocation takes, out of the free queue: the least recently used.
-
-        The eviction order lives here alone (program-aware eviction replaces this method).
-        """
-        block_id, _ = self._free.popitem(last=False)
-        return block_id
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """The cached block with this name and these tokens, or None. Does not take a reference."""
@@ -111,17 +120,17 @@ class BlockPool:
         block = self._cached.get(block_hash)
         return block if block is not None and block.token_ids == tuple(token_ids) else None
 
-    def refresh(self, block: KVBlock) -> None:
-        """Mark a free cached block as just used: it moves to the tail of the eviction order."""
-        if block.ref_count == 0:
-            self._free.move_to_end(block.block_id)
+    def refresh(self, block: KVBlock, owner: str | None = None) -> None:
+        """Mark a cached block as just used (by ``owner``'s program): if free, it is the last of its equals to go."""
+        self._free.refresh(block.block_id, owner)
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on blocks found by :meth:`lookup` (reviving them if free)."""
+    def touch(self, blocks: Iterable[KVBlock], owner: str | None = None) -> None:
+        """Take a reference (for ``owner``'s program) on blocks found by :meth:`lookup`, reviving them if free."""
         for block in blocks:
             if block.ref_count == 0:
-                del self._free[block.block_id]
+                self._free.remove(block.block_id)
             block.ref_count += 1
+            self._free.own(block.block_id, owner)
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference on each block; blocks that reach zero join the free queue's tail.
@@ -134,7 +143,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} freed twice")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block.block_id] = None
+                self._free.add(block.block_id, named=block.block_hash is not None)
 
     def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
         """Name a full block so later requests can share it."""
@@ -163,6 +172,8 @@ class BlockPool:
         block.block_hash = None
         block.token_ids = None
         self.stats.evictions += 1
+        if block.ref_count == 0:
+            self._free.unnamed(block.block_id)
 
     def check_invariants(self) -> None:
         """Assert the pool's bookkeeping is consistent (used by tests)."""

@@ -8,6 +8,7 @@ step's :class:`~boundless.kv.transfer.BlockTransfer` s:
 - a :class:`DiskRead` loads the leading run of a request's next blocks that the store has into host
   blocks reserved for it (or, as a probe, only counts that run); a background loader runs it, and the
   executor reports a :class:`DiskReadDone` in a later step's result;
+- a :class:`DiskAge` asks the store to put blocks no live program uses first in its eviction order;
 - a :class:`DiskWrite` copies device or host blocks to the store. The executor snapshots their KV before
   the step's transfers and forward pass (so nothing of the step can overwrite them first) and hands the
   snapshot to a background writer whose queue is bounded: a write that does not fit is dropped, never
@@ -49,6 +50,15 @@ class DiskWrite:
 
 
 @dataclass(frozen=True)
+class DiskAge:
+    """A hint to the store: set the LRU stamps of ``keys`` back by ``seconds``, so that they are evicted before
+    blocks used since (program-aware eviction: no program still alive uses them). Dropped if it cannot run."""
+
+    keys: tuple[BlockHash, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
 class DiskReadDone:
     """A finished read: the store had the first ``num_found`` keys (a load put them in its host blocks)."""
 
@@ -79,6 +89,7 @@ class DiskIOStats:
     blocks_written: int = 0
     blocks_dropped: int = 0  # write-through or write-back blocks dropped because the writer's queue was full
     blocks_failed: int = 0  # writes the store could not complete
+    blocks_aged: int = 0  # blocks the store put first in its eviction order (no live program uses them)
     store: object | None = None  # the store's own stats (DiskKVStore.stats()), as it last reported them
 
 

@@ -318,6 +318,28 @@ class DiskKVStore:
                 self._held_bytes += self._file_bytes
             self._index[key] = _Entry(self._file_bytes, stamp)
 
+    def age(self, keys: Sequence[BlockHash], seconds: float) -> int:
+        """Set the LRU stamps of these blocks back by ``seconds``: they are evicted before every block used since
+        (by any process; the stamps live in the files). Program-aware eviction calls it for blocks whose programs
+        have all finished. Returns how many were there. A process that reads a block meanwhile stamps it anew
+        (a read between our stat and utime is overwritten: that block only goes sooner than it should)."""
+        back_ns = int(seconds * 1e9)
+        aged = 0
+        for key in keys:
+            path = self._path(key)
+            try:
+                stamp = max(1, os.stat(path).st_mtime_ns - back_ns)
+                os.utime(path, ns=(stamp, stamp))
+            except OSError:
+                continue  # evicted meanwhile, or a read-only directory: the order just stays LRU
+            aged += 1
+            with self._lock:
+                entry = self._index.get(key)
+                if entry is None:  # written by another process since our last scan
+                    self._held_bytes += self._file_bytes
+                self._index[key] = _Entry(self._file_bytes, stamp)
+        return aged
+
     def held_keys(self) -> list[BlockHash]:
         """The blocks this layout holds as of the last scan and this process's own writes, least recently used
         first (no I/O: the directory as the store last saw it; ``read`` still checks each file)."""

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
 from boundless.kv.block_pool import BlockPool, KVBlock
-from boundless.kv.disk_moves import DiskRead, DiskReadDone, DiskWrite, DiskWriteDone
+from boundless.kv.disk_moves import DiskAge, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone
+from boundless.kv.eviction import FINISHED, ProgramKeys, ProgramRanking, order_factory
 from boundless.kv.remote_moves import RemoteRecv, RemoteRecvDone, RemoteSendDone
 from boundless.kv.transfer import DEVICE, DISK, HOST, PEER, BlockRef, BlockTransfer, TierId
 
@@ -32,6 +33,10 @@ WRITE_POLICIES = ("through", "back", "off")
 MAX_KNOWN_ON_DISK = 1 << 20
 # The share of host memory that blocks loaded ahead for waiting requests may hold.
 PREFETCH_SHARE = 0.5
+# Program-aware eviction on disk: how far back the store's LRU stamp of a block is set once every program that
+# used it has finished. A day puts it behind every block touched within the last day, by any process sharing
+# the store, and keeps the LRU order among aged blocks.
+DISK_AGE_S = 24 * 3600.0
 
 
 @dataclass
@@ -121,18 +126,27 @@ class KVCacheManager:
         disk: bool = False,
         write_policy: str = "through",
         host_caching: bool = True,
+        ranking: ProgramRanking | None = None,
         load_timeout_s: float = math.inf,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
         self.block_size = block_size
         self.fingerprint = fingerprint
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, on_evict=self._demote_from_device)
+        # With a ranking, every tier evicts by program (kv/eviction.py); else by recency alone.
+        self.ranking = ranking
+        order = order_factory(ranking)
+        self.pool = BlockPool(
+            num_blocks, enable_caching=enable_prefix_caching, on_evict=self._demote_from_device, order=order
+        )
         # Every memory tier's pool: the device first, then the tiers a swap-out tries in turn.
         self.pools: dict[TierId, BlockPool] = {DEVICE: self.pool}
         if num_host_blocks > 0:
             self.pools[HOST] = BlockPool(
-                num_host_blocks, enable_caching=enable_prefix_caching and host_caching, on_evict=self._demote_from_host
+                num_host_blocks,
+                enable_caching=enable_prefix_caching and host_caching,
+                on_evict=self._demote_from_host,
+                order=order,
             )
         self.has_disk = disk and HOST in self.pools and self.pools[HOST].enable_caching
         self.write_policy = write_policy if self.has_disk else "off"
@@ -171,6 +185,25 @@ class KVCacheManager:
         self._sends: dict[int, list[tuple[TierId, KVBlock]]] = {}
         self._held_for: dict[str, list[tuple[TierId, KVBlock]]] = {}
         self._next_remote_id = 0
+        # Which program each request belongs to: the owner of the blocks it takes (program-aware eviction).
+        self._programs: dict[str, str] = {}
+        # Program-aware eviction on disk: the names each followed program's requests used, and how many followed
+        # programs used each name; a name no program still alive uses is aged in the store (it goes first).
+        self._disk_keys = ProgramKeys(ranking) if ranking is not None and self.has_disk else None
+        self._names_of: dict[str, set[BlockHash]] = {}
+        self._name_users: dict[BlockHash, int] = {}
+        self._ages: list[BlockHash] = []
+
+    def set_program(self, request_id: str, program_id: str) -> None:
+        """The request belongs to this program (until :meth:`end_request`): its blocks are the program's. The
+        blocks of a request of no program belong to nobody: under program-aware eviction they rank with those of
+        finished programs (no later call can be known to need them), LRU among them."""
+        self._programs[request_id] = program_id
+
+    def end_request(self, request_id: str) -> None:
+        """The request is done (finished or aborted): free its blocks and forget its program."""
+        self.free(request_id)
+        self._programs.pop(request_id, None)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -233,6 +266,7 @@ class KVCacheManager:
         """
         if self._blocks_short(request_id, num_tokens_after, prefix) > 0:
             return False
+        owner = self._programs.get(request_id)
         table = self._tables.setdefault(request_id, [])
         if prefix is not None and prefix.blocks:
             assert not table, "a cached prefix is only taken on the first allocation"
@@ -240,13 +274,13 @@ class KVCacheManager:
             in_host = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == HOST]
             # Both kinds of hit are held before any new block is taken, so that no eviction this allocation
             # causes (and no demotion that follows from it) reuses a block of the prefix.
-            self.pool.touch(on_device)
+            self.pool.touch(on_device, owner)
             if in_host:
-                self.pools[HOST].touch(in_host)
+                self.pools[HOST].touch(in_host, owner)
                 self._held.append((HOST, in_host))
                 for b in in_host:
                     self._origins.pop(b.block_id, None)
-            fresh = iter(self.pool.allocate(len(in_host)))
+            fresh = iter(self.pool.allocate(len(in_host), owner))
             for block, tier in zip(prefix.blocks, prefix.tiers, strict=True):
                 if tier == DEVICE:
                     table.append(block)
@@ -256,7 +290,7 @@ class KVCacheManager:
                     table.append(dst)
         num_new = self.blocks_for_tokens(num_tokens_after) - len(table)
         if num_new > 0:
-            table.extend(self.pool.allocate(num_new))
+            table.extend(self.pool.allocate(num_new, owner))
         self._name_full_blocks(request_id, token_ids, num_tokens_after)
         if self._prefetched:
             self._drop_prefetched(request_id)  # admitted: its hits hold their own references now
@@ -265,6 +299,8 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks (tail first, so its tail is evicted first) and forget it."""
+        if self._disk_keys is not None:
+            self._note_names(request_id)
         table = self._tables.pop(request_id, [])
         self.pool.free(reversed(table))
         swapped = self._swapped.pop(request_id, None)
@@ -296,6 +332,8 @@ class KVCacheManager:
         self._held = []
         self._transfers = []
         self._writes = []
+        if self._disk_keys is not None:
+            self._age_finished_programs()
         if self.write_policy == "through":
             for block, name in self._filled_by_step:
                 if block.block_hash == name:  # still its KV (a failed step's blocks were forgotten)
@@ -318,7 +356,7 @@ class KVCacheManager:
         if tier is None:
             return None
         lower_pool = self.pools[tier]
-        lower = lower_pool.allocate(len(table))
+        lower = lower_pool.allocate(len(table), self._programs.get(request_id))
         transfers = []
         for d, b in zip(table, lower, strict=True):
             transfers.append(self._move(BlockRef(DEVICE, d.block_id), BlockRef(tier, b.block_id)))
@@ -336,7 +374,7 @@ class KVCacheManager:
         tier, lower = self._swapped[request_id]
         if self.pool.num_free < len(lower):
             return None
-        device = self.pool.allocate(len(lower))
+        device = self.pool.allocate(len(lower), self._programs.get(request_id))
         transfers = [
             self._move(BlockRef(tier, b.block_id), BlockRef(DEVICE, d.block_id))
             for b, d in zip(lower, device, strict=True)
@@ -376,15 +414,20 @@ class KVCacheManager:
         host = self.pools.get(HOST)
         if host is None or not host.enable_caching:
             return
+        owners = self.pool.order.owners(block.block_id)
         existing = host.peek(name, tokens)
         if existing is not None:
             host.refresh(existing)
+            for owner in owners:
+                host.order.own(existing.block_id, owner)
             return
         if host.num_free == 0:
             if self.write_policy == "back":
                 self._queue_write(DEVICE, block.block_id, name)
             return
         (copy,) = host.allocate(1)
+        for owner in owners:  # the copy belongs to the programs the device block did
+            host.order.own(copy.block_id, owner)
         host.cache(copy, name, tokens)
         self._held.append((HOST, [copy]))
         self._move(BlockRef(DEVICE, block.block_id), BlockRef(HOST, copy.block_id))
@@ -475,16 +518,16 @@ class KVCacheManager:
         hashes = self.block_hashes(request_id, token_ids)
         host = self.pools[HOST]
         start = 0
-        own_free_in_host = 0
+        own_free_in_host: list[KVBlock] = []
         while start < max_blocks:
             tokens = token_ids[start * bs : (start + 1) * bs]
             if self.pool.peek(hashes[start], tokens) is None:
                 in_host = host.peek(hashes[start], tokens)
                 if in_host is None:
                     break
-                # Loading must not evict the blocks of this very prefix: they become the last to go.
-                host.refresh(in_host)
-                own_free_in_host += in_host.ref_count == 0
+                host.refresh(in_host, self._programs.get(request_id))
+                if in_host.ref_count == 0:
+                    own_free_in_host.append(in_host)
             start += 1
         end = max_blocks if lookup.disk_end is None else min(max_blocks, lookup.disk_end)
         if lookup.limit is not None and start >= min(end, lookup.limit):
@@ -510,10 +553,14 @@ class KVCacheManager:
             return self._start_read(request_id, start, tuple(keys), (), (), waits=start == 0, now=now)
         reserved = sum(len(job.read.dst_ids) for job in self._reads.values())
         budget = int(host.num_blocks * PREFETCH_SHARE) - len(self._prefetched) - reserved
-        room = min(known, host.num_free - own_free_in_host, budget)
+        room = min(known, host.num_free - len(own_free_in_host), budget)
         if room <= 0:
             return None  # host memory has no room for it now: try again at a later step
-        dst = host.allocate(room)  # held by the read until it is done
+        # Loading must not evict the blocks of this very prefix, whatever the eviction order: they are held while
+        # the load takes its blocks.
+        host.touch(own_free_in_host)
+        dst = host.allocate(room, self._programs.get(request_id))  # held by the read until it is done
+        host.free(reversed(own_free_in_host))
         tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start, start + room))
         lookup.loaded_upto = start + room
         return self._start_read(
@@ -570,6 +617,24 @@ class KVCacheManager:
                 if found < len(read.keys):
                     lookup.disk_end = job.start + found
 
+    def release_prefetched(self, request_ids: Sequence[str]) -> bool:
+        """Release the blocks loaded ahead for these waiting requests (the first listed first) until the tier
+        below the device has room for a swap-out of any request the device holds; each request released may load
+        its blocks again later. Returns whether anything was released."""
+        if not self._prefetched:
+            return False
+        host = self.pools[HOST]
+        need = max((len(t) for t in self._tables.values()), default=0)
+        released = False
+        for request_id in request_ids:
+            if host.num_free >= need:
+                break
+            if request_id in self._prefetched.values():
+                self._drop_prefetched(request_id)
+                self._lookups.pop(request_id, None)  # planned afresh: its blocks are on disk still
+                released = True
+        return released
+
     def _drop_prefetched(self, request_id: str) -> None:
         """The request no longer waits (admitted, which took its own references, or gone): the blocks loaded
         for it are released, to stay in host memory as cache."""
@@ -579,6 +644,44 @@ class KVCacheManager:
             del self._prefetched[block_id]
         if host is not None and mine:
             host.free(reversed([host.blocks[b] for b in mine]))
+
+    def take_disk_ages(self) -> list[DiskAge]:
+        """This step's hints to the store: names no program still alive uses, to be evicted first."""
+        if not self._ages:
+            return []
+        out, self._ages = [DiskAge(tuple(self._ages), DISK_AGE_S)], []
+        return out
+
+    def _note_names(self, request_id: str) -> None:
+        """Remember the names of the request's full blocks as its program's (for aging them on disk)."""
+        program = self._programs.get(request_id)
+        hashes = self._hashes.get(request_id)
+        if program is None or not hashes:
+            return
+        assert self._disk_keys is not None
+        self._disk_keys.get(program)  # followed from now on
+        names = self._names_of.setdefault(program, set())
+        for name in hashes:
+            if name not in names:
+                names.add(name)
+                self._name_users[name] = self._name_users.get(name, 0) + 1
+
+    def _age_finished_programs(self) -> None:
+        """Programs that finished (or idled past their TTL) since the last step: the names only they used are
+        aged in the store."""
+        assert self._disk_keys is not None
+        for program in self._disk_keys.catch_up():
+            if self._disk_keys.get(program) != FINISHED:
+                continue
+            self._disk_keys.forget(program)
+            for name in self._names_of.pop(program, ()):
+                users = self._name_users[name] - 1
+                if users:
+                    self._name_users[name] = users
+                    continue
+                del self._name_users[name]
+                if name in self._known_on_disk or name in self._writes_pending:
+                    self._ages.append(name)
 
     def has_writes_to_hand_over(self) -> bool:
         """Whether blocks the last step computed wait for the next step to be handed to the store's writer

@@ -6,7 +6,8 @@ Each step, :meth:`TierIO.apply` takes the step's moves as the KV manager decided
    the step can overwrite them) and hand them to the background writer; a write that does not fit the
    writer's bounded queue is dropped and counted instead, never waited for, so a slow disk never slows a
    step;
-2. hand the step's reads to the background loader, whatever else happens (a request waits for each);
+2. hand the step's reads to the background loader, whatever else happens (a request waits for each), and its
+   eviction hints (``DiskAge``) to the writer, after its writes;
 3. copy the step's transfers between memory tiers (``kv/transfer.py``: out of the device first).
 
 The loader reads blocks into host blocks the manager reserved for them;
@@ -24,7 +25,15 @@ from collections.abc import Callable, MutableMapping, Sequence
 
 import torch
 
-from boundless.kv.disk_moves import DiskIOStats, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone, TierReport
+from boundless.kv.disk_moves import (
+    DiskAge,
+    DiskIOStats,
+    DiskRead,
+    DiskReadDone,
+    DiskWrite,
+    DiskWriteDone,
+    TierReport,
+)
 from boundless.kv.tiers import BlockStore, KVTier
 from boundless.kv.transfer import HOST, BlockTransfer, TierId, apply_transfers
 
@@ -68,7 +77,7 @@ class TierIO:
         self._queued_blocks = 0  # blocks waiting in the writer's queue
         self._reads_pending = 0
         self._read_queue: queue.Queue[DiskRead | None] = queue.Queue()
-        self._write_queue: queue.Queue[tuple[DiskWrite, _Snapshot] | None] = queue.Queue()
+        self._write_queue: queue.Queue[tuple[DiskWrite, _Snapshot] | DiskAge | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._staging: torch.Tensor | None = None  # the loader's, for stores that read into a given buffer
         self._store_stats_at = -STORE_STATS_EVERY_S
@@ -80,8 +89,15 @@ class TierIO:
                 thread.start()
                 self._threads.append(thread)
 
-    def apply(self, reads: Sequence[DiskRead], writes: Sequence[DiskWrite], transfers: Sequence[BlockTransfer]) -> None:
-        """Start the step's disk writes and reads, then copy its transfers (see the module's stages)."""
+    def apply(
+        self,
+        reads: Sequence[DiskRead],
+        writes: Sequence[DiskWrite],
+        transfers: Sequence[BlockTransfer],
+        ages: Sequence[DiskAge] = (),
+    ) -> None:
+        """Start the step's disk writes, reads and eviction hints, then copy its transfers (see the module's
+        stages)."""
         snapshots = []
         try:
             for write in writes:
@@ -99,6 +115,11 @@ class TierIO:
                 self._write_queue.put((write, snapshot))
             else:
                 self._run_write(write, snapshot)
+        for age in ages if self.store is not None else ():
+            if self.background:
+                self._write_queue.put(age)
+            else:
+                self._run_age(age)
         apply_transfers(transfers, self.tiers)
 
     def report(self, wait_s: float = 0.0) -> TierReport:
@@ -253,7 +274,21 @@ class TierIO:
 
     def _write_loop(self) -> None:
         while (item := self._write_queue.get()) is not None:
-            self._run_write(*item)
+            if isinstance(item, DiskAge):
+                self._run_age(item)
+            else:
+                self._run_write(*item)
+
+    def _run_age(self, age: DiskAge) -> None:
+        """Pass an eviction hint on to the store; a hint that fails is only lost."""
+        assert self.store is not None
+        try:
+            aged = self.store.age(age.keys, age.seconds)
+        except Exception:  # the store does not raise for I/O trouble; anything else must not kill the writer
+            log.exception("ageing KV blocks in the store failed")
+            return
+        with self._lock:
+            self.stats.blocks_aged += aged
 
     def _run_write(self, write: DiskWrite, snapshot: _Snapshot) -> None:
         blocks, copied = snapshot

@@ -48,6 +48,11 @@ class BlockStore(Protocol):
         """Store ``blocks`` under ``keys``; returns how many were written."""
         ...
 
+    def age(self, keys: Sequence[BlockHash], seconds: float) -> int:
+        """Set these blocks' eviction stamps back by ``seconds``, so they go before blocks used since; returns
+        how many it holds (program-aware eviction's hint: no live program uses them)."""
+        ...
+
     def stats(self) -> object: ...
 
     # Optional: ``held_keys() -> list[BlockHash]``, the names the store holds, least recently used first.

@@ -22,10 +22,11 @@ and clock readings they make the same decisions.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from boundless.programs.policy import Call
+from boundless.programs.policy import Call, program_of
 from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
 
@@ -92,15 +93,27 @@ class MultiLevelQueuePolicy:
             ttl_s=self.config.ttl_s, max_programs=self.config.max_programs, critical_path=self.name == "atlas"
         )
         self.calls: dict[str, CallState] = {}
+        self._calls_of: dict[str, set[str]] = {}  # program -> its calls here
         self._order = itertools.count()
 
-    @staticmethod
-    def program_of(request: Call) -> ProgramRef:
-        # A call with no program id is a program of its own.
-        return request.program or ProgramRef(program_id=request.request_id)
+    program_of = staticmethod(program_of)
 
     def start_level(self, program: ProgramRef) -> int:
         return self.config.queue_for(self.table.service(program.program_id))
+
+    def program_priority(self, program_id: str) -> tuple[float, ...]:
+        """(queue, then the program's first arrival or, ordering by call, the call's): of its most urgent call
+        here, or of its next call, which starts in its program's queue (Q1 for mlfq) after every call here."""
+        by_program = self.config.order_by_program and self.program_level
+        rec = self.table.get(program_id)
+        first = rec.first_arrival if by_program and rec is not None and rec.first_arrival is not None else None
+        calls = self._calls_of.get(program_id)
+        if calls:
+            return min(
+                (state.level, state.arrival if first is None else first) for state in map(self.calls.__getitem__, calls)
+            )
+        level = self.config.queue_for(self.table.service(program_id)) if self.program_level else 0
+        return (level, math.inf if first is None else first)
 
     # -- the policy interface ------------------------------------------------------------------
 
@@ -109,6 +122,7 @@ class MultiLevelQueuePolicy:
         level = self.start_level(program) if self.program_level else 0
         self.table.call_arrived(program, now)
         self.calls[request.request_id] = CallState(level, request.arrival_time, next(self._order), program)
+        self._calls_of.setdefault(program.program_id, set()).add(request.request_id)
 
     def merge_remote_service(self, program: ProgramRef) -> None:
         if program.service_s is not None:
@@ -133,6 +147,7 @@ class MultiLevelQueuePolicy:
                 state.level = 0
                 state.level_service_s = 0.0
                 state.promotions += 1
+                self.table.mark_changed(state.program.program_id)
         self.table.expire(now)
 
     def priority(self, request: Call, now: float) -> tuple:
@@ -156,11 +171,16 @@ class MultiLevelQueuePolicy:
             state.level += 1
             state.level_service_s = 0.0
             state.demotions += 1
+            self.table.mark_changed(state.program.program_id)
 
     def on_finish(self, request: Call, now: float) -> None:
         state = self.calls.pop(request.request_id, None)
         if state is None:
             return
+        calls = self._calls_of[state.program.program_id]
+        calls.discard(request.request_id)
+        if not calls:
+            del self._calls_of[state.program.program_id]
         waiting = max(0.0, now - state.arrival - state.service_s)
         self.table.call_finished(state.program, state.service_s, waiting, now)
 

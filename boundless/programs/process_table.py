@@ -7,6 +7,9 @@ completion. Programs idle past a TTL are dropped, and the table never holds more
 ``max_programs`` entries (the least recently active idle programs go first), so memory stays
 bounded however many programs come.
 
+With ``track_changes`` on, the table also remembers which programs' records changed (arrived, finished,
+dropped, merged) until :meth:`take_changed` is called: program-aware KV eviction follows them that way.
+
 Everything here is pure bookkeeping driven by the caller's clock.
 """
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from boundless.programs.ref import ProgramRef
 
 MAIN_THREAD = "main"
+GAP_WINDOW = 50
 
 
 @dataclass
@@ -43,6 +47,7 @@ class ProgramRecord:
     first_arrival: float | None = None  # of the first call seen here (not set by a router's merge)
     last_arrival: float = 0.0
     last_completion: float | None = None
+    longest_gap_s: float = 0.0  # longest time it was idle between a call's end and its next call's arrival
 
     @property
     def last_activity(self) -> float:
@@ -57,6 +62,11 @@ class ProcessTable:
         self.max_programs = max_programs
         self.critical_path = critical_path  # ATLAS semantics; False sums all calls (PLAS)
         self._programs: OrderedDict[str, ProgramRecord] = OrderedDict()  # least recently active first
+        self.track_changes = False
+        self._changed: set[str] = set()
+        # The usual time programs spend idle between calls (an average over the last ~GAP_WINDOW gaps, of all
+        # programs), or None before any program came back.
+        self.typical_gap_s: float | None = None
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -66,6 +76,16 @@ class ProcessTable:
 
     def get(self, program_id: str) -> ProgramRecord | None:
         return self._programs.get(program_id)
+
+    def take_changed(self) -> set[str]:
+        """The programs whose records changed (or were dropped) since the last call (with ``track_changes``)."""
+        out, self._changed = self._changed, set()
+        return out
+
+    def mark_changed(self, program_id: str) -> None:
+        """Report a change in the program's standing that its record does not show (a call changed queue)."""
+        if self.track_changes:
+            self._changed.add(program_id)
 
     def service(self, program_id: str) -> float:
         rec = self._programs.get(program_id)
@@ -78,9 +98,15 @@ class ProcessTable:
             self._programs[program.program_id] = rec
         if rec.first_arrival is None:
             rec.first_arrival = now
+        if rec.active_calls == 0 and rec.last_completion is not None:  # back from a tool, or a user's turn
+            gap = max(0.0, now - rec.last_completion)
+            rec.longest_gap_s = max(rec.longest_gap_s, gap)
+            typical = self.typical_gap_s
+            self.typical_gap_s = gap if typical is None else typical + (gap - typical) / GAP_WINDOW
         self._programs.move_to_end(program.program_id)
         rec.active_calls += 1
         rec.last_arrival = now
+        self.mark_changed(program.program_id)
         self._evict(now)
         return rec
 
@@ -113,6 +139,7 @@ class ProcessTable:
         else:
             rec.service_s = rec.total_service_s
         self._programs.move_to_end(program.program_id)
+        self.mark_changed(program.program_id)
         return rec
 
     def call_abandoned(self, program_id: str) -> None:
@@ -121,6 +148,7 @@ class ProcessTable:
         rec = self._programs.get(program_id)
         if rec is not None:
             rec.active_calls = max(0, rec.active_calls - 1)
+            self.mark_changed(program_id)
 
     def merge_remote(
         self, program_id: str, service_s: float, waiting_s: float, total_service_s: float | None = None
@@ -137,6 +165,7 @@ class ProcessTable:
         rec.service_s = max(rec.service_s, service_s)
         rec.total_service_s = max(rec.total_service_s, service_s if total_service_s is None else total_service_s)
         rec.waiting_s = max(rec.waiting_s, waiting_s)
+        self.mark_changed(program_id)
 
     def expire(self, now: float) -> list[str]:
         """Drop programs with no active call and no activity for ``ttl_s``; returns their ids."""
@@ -145,6 +174,7 @@ class ProcessTable:
             if rec.active_calls == 0 and now - rec.last_activity >= self.ttl_s:
                 del self._programs[pid]
                 dropped.append(pid)
+                self.mark_changed(pid)
         return dropped
 
     def _evict(self, now: float) -> None:
@@ -157,3 +187,4 @@ class ProcessTable:
                 break
             if rec.active_calls == 0:
                 del self._programs[pid]
+                self.mark_changed(pid)

@@ -17,7 +17,7 @@ POLICIES: tuple[str, ...] = (FCFSPolicy.name, *_QUEUE_POLICIES)
 def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
     """The policy object a scheduler config names."""
     if config.policy == FCFSPolicy.name:
-        return FCFSPolicy()
+        return FCFSPolicy(ttl_s=config.program_ttl_s)
     if config.policy not in _QUEUE_POLICIES:
         raise ValueError(f"unknown policy {config.policy!r}; one of {', '.join(POLICIES)}")
     queues = QueueConfig(

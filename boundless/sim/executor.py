@@ -10,7 +10,15 @@ from boundless.engine.executor import StepResult
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.kv.block_hash import BlockHash
-from boundless.kv.disk_moves import DiskIOStats, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone, TierReport
+from boundless.kv.disk_moves import (
+    DiskAge,
+    DiskIOStats,
+    DiskRead,
+    DiskReadDone,
+    DiskWrite,
+    DiskWriteDone,
+    TierReport,
+)
 from boundless.sim.cost import (
     DISK_LATENCY_S,
     DISK_READ_BYTES_PER_S,
@@ -71,6 +79,13 @@ class SimulatedDisk:
         start = max(now, self._writer_free_at)
         self._writer_free_at = start + self.cost.latency_s + n * self.bytes_per_block / self.cost.write_bytes_per_s
         self._writes.append((self._writer_free_at, write.keys))
+
+    def age(self, age: DiskAge) -> None:
+        """Put these names first in the eviction order (as the real store's stamps set back a day would)."""
+        for key in reversed(age.keys):
+            if key in self.keys:
+                self.keys.move_to_end(key, last=False)
+                self.stats.blocks_aged += 1
 
     def next_read_done(self) -> float | None:
         return min((done_at for done_at, _, _ in self._reads), default=None)
@@ -142,6 +157,8 @@ class CostModelExecutor:
         if self.disk is not None:
             for write in sched.disk_writes:
                 self.disk.write(write, now)
+            for age in sched.disk_ages:
+                self.disk.age(age)
             for read in sched.disk_reads:
                 self.disk.read(read, now)
             next_read = self.disk.next_read_done()

@@ -168,3 +168,29 @@ def test_bench_programs_shows_failed_calls_and_marks_the_run_invalid(
     columns = dict(zip(re.split(r"\s{2,}", lines[at]), re.split(r"\s{2,}", lines[at + 2]), strict=True))
     assert columns["failed"] == "1/3"
     assert lines[at + 3].startswith("INVALID")
+
+
+def test_bench_programs_compares_kv_setups(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    from boundless.bench import programs
+    from boundless.cli import build_parser
+
+    stores = tmp_path / "stores"
+    args = build_parser().parse_args(
+        [
+            "bench", "programs", "--model", str(model_dirs["tiny-llama"]),
+            "--workload", "chat", "--num-programs", "2", "--rate", "4", "--scale", "0.05", "--tool-wait", "0.02",
+            "--call-scale", "0.5", "--policies", "plas", "--kv-configs", "device-lru,tiers-lru,tiers-program",
+            "--num-kv-blocks", "24", "--max-model-len", "384", "--kv-host-gb", "0.01", "--kv-disk-path", str(stores),
+            "--max-num-seqs", "2",
+        ]
+    )  # fmt: skip
+    result = programs.run(args)
+    rows = result["rows"]
+    assert [r["kv"] for r in rows] == ["device-lru", "tiers-lru", "tiers-program"] and result["valid"]
+    assert rows[0]["hit_rate_host"] == rows[0]["hit_rate_disk"] == 0.0  # the device alone keeps nothing below
+    for row in rows:
+        assert row["policy"] == "plas" and row["failed_calls"] == 0
+        tiers = row["hit_rate_device"] + row["hit_rate_host"] + row["hit_rate_disk"]
+        assert tiers == pytest.approx(row["prefix_cache_hit_rate"]) and tiers > 0
+    assert rows[0]["avg_latency_vs_baseline"] == 1.0
+    assert stores.is_dir() and not any(stores.iterdir())  # each run's store was fresh, and is gone

@@ -7,6 +7,8 @@ store holds the tokens its name stands for. The real scheduler, KV manager, page
 executor's move path (``TierIO``: transfers, the store's reads and writes) run under priorities that
 reshuffle every step, a KV pool too small for everyone and a small host pool, so that swaps out and in,
 recomputes, evictions down the tiers, prefix hits in every tier and loads from the store meet in one step.
+Each configuration runs with LRU eviction and with program-aware eviction under eviction keys that are also
+redrawn every step (``ShufflingRanking``), so that blocks are re-keyed in every tier all the time.
 
 The disk store here is a dict (conftest's ``DictStore``, the ``BlockStore`` interface): the persistent store
 (``kv/disk_store.py``) is built on another branch and plugs in behind the same interface. Reads and writes
@@ -18,9 +20,11 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -31,11 +35,13 @@ from boundless.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStat
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
 from boundless.kv.disk_moves import TierReport
 from boundless.kv.disk_store import DiskKVStore, StoreLayout
+from boundless.kv.eviction import FINISHED, EvictionKey
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.tensors import PagedKVCache
 from boundless.kv.tier_io import TierIO
 from boundless.kv.tiers import HostKVTier
 from boundless.kv.transfer import DEVICE, DISK, HOST
+from boundless.programs.ref import ProgramRef
 
 BLOCK = 4
 
@@ -74,6 +80,46 @@ class ShufflingPolicy:
 
     def on_finish(self, request: Request, now: float) -> None:
         pass
+
+
+class ShufflingRanking:
+    """Program-aware eviction keys drawn at random and redrawn every step (every program reported changed),
+    some programs finished, some keys holding only until a near clock time: the worst case for the re-keying of
+    free blocks."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.clock = 0.0
+        self.keys: dict[str, tuple[EvictionKey, float]] = {}
+        self._feeds: list[set[str]] = []
+
+    def eviction_key(self, program_id: str) -> tuple[EvictionKey, float]:
+        held = self.keys.get(program_id)
+        if held is None or held[1] <= self.clock:
+            key = FINISHED if self.rng.random() < 0.2 else (1.0, float(self.rng.randrange(4)))
+            until = self.clock + self.rng.randint(1, 3) if self.rng.random() < 0.3 else math.inf
+            held = self.keys[program_id] = (key, until)
+        return held
+
+    def now(self) -> float:
+        return self.clock
+
+    def subscribe(self) -> Callable[[], set[str]]:
+        pending: set[str] = set()
+        self._feeds.append(pending)
+
+        def take() -> set[str]:
+            out = set(pending)
+            pending.clear()
+            return out
+
+        return take
+
+    def reshuffle(self) -> None:
+        self.clock += 1.0
+        for feed in self._feeds:
+            feed.update(self.keys)
+        self.keys.clear()
 
 
 def _run_chunks(cache: PagedKVCache, out: SchedulerOutput, requests: dict[str, Request]) -> None:
@@ -122,15 +168,16 @@ def _merge(reports: list[TierReport]) -> TierReport:
 
 
 @functools.cache  # each configuration runs once, for both tests below
-def _simulate(seed: int, store_cls: type | None) -> SchedulerStats:
-    """Eighteen requests, many sharing prefixes or coming back to earlier conversations, through a 14-block pool;
-    returns the scheduler's stats."""
+def _simulate(seed: int, store_cls: type | None, eviction: str = "lru") -> tuple[SchedulerStats, object]:
+    """Eighteen requests of five programs, many sharing prefixes or coming back to earlier conversations, through
+    a 14-block pool; returns the scheduler's stats and the store."""
     rng = random.Random(seed)
     disk = store_cls is not None
     num_blocks, host_blocks = 14, rng.choice([3, 6, 40])
     policy = rng.choice(["through", "back", "off"]) if disk else "off"
+    ranking = ShufflingRanking(random.Random(seed + 1000)) if eviction == "program" else None
     kv = KVCacheManager(
-        num_blocks, BLOCK, True, "fp", num_host_blocks=host_blocks, disk=disk, write_policy=policy
+        num_blocks, BLOCK, True, "fp", num_host_blocks=host_blocks, disk=disk, write_policy=policy, ranking=ranking
     )  # fmt: skip
     cache = PagedKVCache(1, 1, 1, num_blocks, BLOCK, torch.float32, torch.device("cpu"))
     tiers = {DEVICE: cache, HOST: HostKVTier(cache, host_blocks)}
@@ -148,7 +195,8 @@ def _simulate(seed: int, store_cls: type | None) -> SchedulerStats:
         else:
             prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(1000) for _ in range(rng.randint(1, 14))]
         params = SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True)
-        return Request(f"r{i}", prompt[:40], params, arrival_time=float(i))
+        program = ProgramRef(f"p{rng.randrange(5)}")
+        return Request(f"r{i}", prompt[:40], params, arrival_time=float(i), program=program)
 
     next_id = 0
     for _ in range(3000):
@@ -157,8 +205,10 @@ def _simulate(seed: int, store_cls: type | None) -> SchedulerStats:
             next_id += 1
         if next_id >= 18 and not sched.requests and not kv.num_reads_in_flight:
             break
+        if ranking is not None:
+            ranking.reshuffle()
         out = sched.schedule()
-        io.apply(out.disk_reads, out.disk_writes, out.transfers)  # as the model executor does
+        io.apply(out.disk_reads, out.disk_writes, out.transfers, out.disk_ages)  # as the model executor does
         _run_chunks(cache, out, sched.requests)
         sched.advance(out, service_s=0.01)
         held_back.append(io.report())
@@ -186,35 +236,42 @@ def _simulate(seed: int, store_cls: type | None) -> SchedulerStats:
     kv.pools[HOST].check_invariants()
     if isinstance(store, DiskKVStore):
         _check_stored_blocks(store, names)
-    return sched.stats
+    return sched.stats, store
 
 
 SEEDS = range(40)
+EVICTIONS = ("lru", "program")
 
 
+@pytest.mark.parametrize("eviction", EVICTIONS)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_kv_survives_swaps_recomputes_and_shared_prefixes(seed: int) -> None:
-    _simulate(seed, None)
+def test_kv_survives_swaps_recomputes_and_shared_prefixes(seed: int, eviction: str) -> None:
+    _simulate(seed, None, eviction)
 
 
+@pytest.mark.parametrize("eviction", EVICTIONS)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_kv_survives_every_tier_with_a_disk_store(seed: int, dict_store: type) -> None:
-    _simulate(seed, dict_store)
+def test_kv_survives_every_tier_with_a_disk_store(seed: int, eviction: str, dict_store: type) -> None:
+    _simulate(seed, dict_store, eviction)
 
 
+@pytest.mark.parametrize("eviction", EVICTIONS)
 @pytest.mark.parametrize("seed", SEEDS[:12])
-def test_kv_survives_every_tier_with_the_persistent_store(seed: int) -> None:
-    _simulate(seed, RealStore)
+def test_kv_survives_every_tier_with_the_persistent_store(seed: int, eviction: str) -> None:
+    _simulate(seed, RealStore, eviction)
 
 
-def test_the_runs_exercise_every_kind_of_preemption_and_every_tier(dict_store: type) -> None:
-    stats = [_simulate(seed, store) for seed in SEEDS for store in (None, dict_store)]
+@pytest.mark.parametrize("eviction", EVICTIONS)
+def test_the_runs_exercise_every_kind_of_preemption_and_every_tier(eviction: str, dict_store: type) -> None:
+    stats = [_simulate(seed, store, eviction)[0] for seed in SEEDS for store in (None, dict_store)]
     assert sum(s.num_swapped_out for s in stats) > 0 and sum(s.num_swapped_in for s in stats) > 0
     assert sum(s.num_recomputed for s in stats) > 0
     for tier in (DEVICE, HOST, DISK):
         assert sum(s.cached_tokens_by_tier.get(tier, 0) for s in stats) > 0, f"no prefix came from {tier}"
-    from_files = [_simulate(seed, RealStore).cached_tokens_by_tier.get(DISK, 0) for seed in SEEDS[:12]]
+    from_files = [_simulate(seed, RealStore, eviction)[0].cached_tokens_by_tier.get(DISK, 0) for seed in SEEDS[:12]]
     assert sum(from_files) > 0, "no prefix came from the persistent store's files"
+    if eviction == "program":  # finished programs' names were aged in the store
+        assert sum(len(_simulate(seed, dict_store, eviction)[1].aged) for seed in SEEDS) > 0
 
 
 def test_host_blocks_a_swap_in_reads_are_not_reused_in_the_same_step() -> None:

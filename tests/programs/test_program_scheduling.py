@@ -74,8 +74,8 @@ def test_a_routers_view_of_a_program_reaches_the_policy(tiny_llama: LoadedModel,
     engine.add_request("r1", [1, 2, 3], SamplingParams(max_tokens=2), program=ref)
     while engine.has_unfinished():
         engine.step()
-    if policy == "fcfs":
-        assert not hasattr(engine.policy, "table")
+    if policy == "fcfs":  # its table records activity only: the router's view does not change its order
+        assert engine.policy.table.service("agent") == 0.0
         return
     rec = engine.policy.table.get("agent")
     # The router's figures, plus this call's own service and wait on top of its summed ones.
