@@ -65,7 +65,9 @@ class HostKVTier:
         shape = list(device.data.shape)
         shape[3] = num_blocks
         pin = device.data.device.type == "cuda"
-        self.data = torch.zeros(shape, dtype=device.data.dtype, pin_memory=pin)
+        # Not zeroed: a host block is read only after a transfer wrote it, and untouched pages cost no memory, so
+        # a large --kv-host-gb is paid for as it fills rather than at start-up.
+        self.data = torch.empty(shape, dtype=device.data.dtype, pin_memory=pin)
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         return self.data.index_select(3, torch.as_tensor(list(block_ids), dtype=torch.long))
