@@ -1,0 +1,123 @@
+"""Attention partials over KV blocks lent by another instance, and the messages that carry them.
+
+A creditor holds some of a debtor's request's KV blocks (Infinite-LLM's KV lending). Those blocks hold only
+positions earlier than any token the debtor still computes (a move never takes the block being written), so
+every query token the debtor sends attends to *all* of their tokens: no causal mask, no position arithmetic.
+The keys in the blocks were stored already rotated (RoPE at their own positions) and the debtor rotates its
+queries at theirs before sending, so a score is the same dot product wherever it is computed.
+
+:func:`lent_partial` computes the partial (``m``, ``e``, ``o``; ``attention/partials.py``) of query rows over
+such blocks with the paged-attention code: on the CPU in fp32 the native kernel, each query row a sequence of
+one token whose context is the lent blocks; elsewhere the PyTorch matmul path.
+
+The wire format (any :class:`~boundless.transport.base.KVTransport`; one request per debtor, creditor and
+layer, covering every request of the step whose blocks that creditor holds):
+
+- request, debtor → creditor, on :data:`REQUEST_TAG`, two messages in order:
+  1. a header, int64 ``[8]``: version, sequence number, layer, query rows ``T``, heads ``H``, head dim ``D``,
+     segments ``S``, bytes of move ids ``B``;
+  2. the body: rows per segment int64 ``[S]``, bytes of each segment's move ids int64 ``[S]``, the move ids
+     (utf-8, a segment's joined by ``,``) uint8 ``[B]``, and the query rows fp32 ``[T, H, D]``.
+- reply, creditor → debtor, on :func:`reply_tag` of the sequence number: a status int64 ``[2]`` (0 or an
+  error code, the sequence number), then ``m`` and ``e`` fp32 ``[T, H, 1]`` and ``o`` fp32 ``[T, H, D]``.
+  A failed request (a move id the creditor does not hold) still replies with tensors of the full size, so the
+  debtor's posted receive always completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from boundless.attention import cpu_attention
+from boundless.attention.partials import AttentionPartial, scores_partial
+
+VERSION = 1
+# Tags of DistAttention traffic: far above the handoff tags the dispatcher hands out (1, 3, 5, ...).
+REQUEST_TAG = 0xF000_0000
+_REPLY_BASE = 0xF100_0000
+_REPLY_SPAN = 1 << 24
+HEADER_LEN = 8
+
+STATUS_OK = 0
+STATUS_UNKNOWN_MOVE = 1  # a move id the creditor holds no blocks for
+STATUS_FAILED = 2  # the creditor failed computing
+
+
+def reply_tag(seq: int) -> int:
+    """A fresh tag per request, so that a reply that never comes cannot shift the later ones."""
+    return _REPLY_BASE + seq % _REPLY_SPAN
+
+
+@dataclass(frozen=True)
+class LentBlocks:
+    """The creditor's pool blocks that hold one move's blocks of a debtor's request (all full)."""
+
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class QuerySegment:
+    """Query rows of one request for one creditor, and the moves whose blocks they attend to there."""
+
+    num_rows: int
+    move_ids: tuple[str, ...]
+
+
+def lent_partial(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int], scale: float
+) -> AttentionPartial:
+    """The partial of every row of ``q`` [T, heads, head_dim] over every token of the full blocks ``block_ids``
+    of one layer's caches [kv_heads, blocks, block_size, head_dim]: m, e [T, heads, 1], o [T, heads, head_dim]."""
+    t, h, d = q.shape
+    kvh, _, bs, _ = k_cache.shape
+    num_tokens = len(block_ids) * bs
+    if (
+        cpu_attention.supports(d, q.device)
+        and q.dtype == k_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    ):
+        # Each query row is a one-token sequence whose context is the lent blocks: the kernel's causal rule
+        # (a row sees positions up to its own, the last) then lets every row see every lent token.
+        batch = cpu_attention.make_batch([1] * t, [num_tokens] * t, [list(block_ids)] * t)
+        return cpu_attention.paged_partial(q.contiguous(), k_cache, v_cache, batch, scale)
+    ids = torch.tensor(list(block_ids), dtype=torch.long, device=k_cache.device)
+    keys = k_cache.index_select(1, ids).reshape(kvh, num_tokens, d)
+    values = v_cache.index_select(1, ids).reshape(kvh, num_tokens, d)
+    g = h // kvh
+    # kv heads form the batch; each kv head's query heads of every row form the query length.
+    qg = q.view(t, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, t * g, d)
+    part = scores_partial(qg, keys, values, scale)
+
+    def back(x: torch.Tensor) -> torch.Tensor:
+        return x.view(kvh, t, g, -1).permute(1, 0, 2, 3).reshape(t, h, -1).float()
+
+    return AttentionPartial(m=back(part.m), e=back(part.e), o=back(part.o))
+
+
+# -- the messages -------------------------------------------------------------------------------------------
+
+
+def request_header(seq: int, layer: int, num_rows: int, heads: int, head_dim: int, segments: int, id_bytes: int):
+    return torch.tensor([VERSION, seq, layer, num_rows, heads, head_dim, segments, id_bytes], dtype=torch.int64)
+
+
+def encode_segments(segments: Sequence[QuerySegment]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows per segment, bytes of ids per segment, and the ids' bytes."""
+    encoded = [",".join(s.move_ids).encode() for s in segments]
+    rows = torch.tensor([s.num_rows for s in segments], dtype=torch.int64)
+    lens = torch.tensor([len(b) for b in encoded], dtype=torch.int64)
+    ids = torch.frombuffer(bytearray(b"".join(encoded)), dtype=torch.uint8)
+    return rows, lens, ids
+
+
+def decode_segments(rows: torch.Tensor, lens: torch.Tensor, ids: torch.Tensor) -> list[QuerySegment]:
+    raw = bytes(ids.tolist())
+    out, at = [], 0
+    for n, length in zip(rows.tolist(), lens.tolist(), strict=True):
+        out.append(QuerySegment(int(n), tuple(raw[at : at + length].decode().split(","))))
+        at += length
+    return out

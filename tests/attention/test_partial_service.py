@@ -1,0 +1,96 @@
+"""The DistAttention round trip over a real shared-memory transport: a creditor's service computes the partial of
+a debtor's query rows over blocks it holds, and the debtor's merge of it with its own partial over the rest of
+the context equals attention over the whole context."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from boundless.attention.partial_service import PartialClient, PartialServer, RemotePartialError
+from boundless.attention.partials import merge_partials, scores_partial
+from boundless.attention.remote_partials import LentBlocks, QuerySegment, lent_partial
+from boundless.transport.shm import ShmTransport
+
+KVH, BS, D, NB = 2, 16, 16, 12
+SCALE = D**-0.5
+
+
+@pytest.fixture
+def caches() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(KVH, NB, BS, D, generator=g), torch.randn(KVH, NB, BS, D, generator=g)
+
+
+@pytest.fixture
+def ends(tmp_path: Path) -> Iterator[tuple[ShmTransport, ShmTransport]]:
+    debtor, creditor = ShmTransport(tmp_path, "debtor", timeout_s=10), ShmTransport(tmp_path, "creditor", timeout_s=10)
+    yield debtor, creditor
+    debtor.close()
+    creditor.close()
+
+
+def _dense(ids: list[int], cache: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, tokens, D] of these blocks in order."""
+    return cache[:, ids].reshape(KVH, -1, D)
+
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of every row of q [T, H, D] over all of keys, values [KVH, S, D]; no mask."""
+    g = q.shape[1] // KVH
+    k, v = keys.repeat_interleave(g, 0), values.repeat_interleave(g, 0)
+    scores = torch.einsum("thd,hsd->ths", q.double(), k.double()) * SCALE
+    return torch.einsum("ths,hsd->thd", scores.softmax(-1), v.double()).float()
+
+
+@pytest.mark.parametrize("heads", [2, 4])  # MHA and GQA
+def test_lent_partial_native_and_torch_agree_with_softmax(caches, heads: int) -> None:
+    k_cache, v_cache = caches
+    q = torch.randn(5, heads, D)
+    ids = [7, 2, 9]
+    part = lent_partial(q, k_cache, v_cache, ids, SCALE)
+    want = _reference(q, _dense(ids, k_cache), _dense(ids, v_cache))
+    torch.testing.assert_close(merge_partials([part]), want, atol=1e-5, rtol=1e-5)
+    # The PyTorch path (a non-contiguous cache keeps the native kernel out) gives the same partial's output.
+    nc_k, nc_v = (c.transpose(2, 3).contiguous().transpose(2, 3) for c in (k_cache, v_cache))
+    torch.testing.assert_close(merge_partials([lent_partial(q, nc_k, nc_v, ids, SCALE)]), want, atol=1e-5, rtol=1e-5)
+
+
+def test_round_trip_over_shm_merges_to_attention_over_the_whole_context(ends, caches) -> None:
+    debtor_net, creditor_net = ends
+    k_cache, v_cache = caches
+    lent = {"d/0": LentBlocks((3, 5)), "d/1": LentBlocks((8,)), "d/2": LentBlocks((1, 0))}
+    server = PartialServer(creditor_net, lambda layer: (k_cache * (layer + 1), v_cache), lent.get, SCALE)
+    server.add_peer(debtor_net.address)
+    client = PartialClient(debtor_net, timeout_s=10)
+    try:
+        # Two requests in one message: 3 rows over moves d/0 and d/1 (three blocks), 2 rows over d/2.
+        q = torch.randn(5, 4, D)
+        segments = [QuerySegment(3, ("d/0", "d/1")), QuerySegment(2, ("d/2",))]
+        for layer in (0, 1):
+            remote = client.collect(client.send(creditor_net.address, layer, q, segments))
+            # The debtor's own partial over two more blocks of each request, merged with the creditor's.
+            local_ids = [10, 11]
+            kl = k_cache * (layer + 1)
+            local = scores_partial(
+                q.view(5, KVH, 2, D).permute(1, 0, 2, 3).reshape(KVH, 10, D),
+                _dense(local_ids, kl),
+                _dense(local_ids, v_cache),
+                SCALE,
+            )
+            local_rows = type(local)(
+                *(x.view(KVH, 5, 2, -1).permute(1, 0, 2, 3).reshape(5, 4, -1) for x in (local.m, local.e, local.o))
+            )
+            got = merge_partials([local_rows, remote])
+            for rows, ids in ((slice(0, 3), [3, 5, 8]), (slice(3, 5), [1, 0])):
+                want = _reference(q[rows], _dense(ids + local_ids, kl), _dense(ids + local_ids, v_cache))
+                torch.testing.assert_close(got[rows], want, atol=1e-5, rtol=1e-5)
+        assert client.stats.round_trips == 2 and server.stats.round_trips == 2
+        # A move the creditor does not hold is answered with an error, not a hang.
+        with pytest.raises(RemotePartialError, match="status 1"):
+            client.collect(client.send(creditor_net.address, 0, q[:1], [QuerySegment(1, ("d/9",))]))
+    finally:
+        server.close()
