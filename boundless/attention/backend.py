@@ -14,12 +14,27 @@ import torch
 
 
 @dataclass(frozen=True)
+class RemoteKV:
+    """Leading blocks of a sequence's context that another instance (``creditor``) holds, lent under these
+    moves (KV lending, ``docs/distributed-attention.md``); their tokens all precede the step's tokens."""
+
+    creditor: str
+    move_ids: tuple[str, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class AttentionBatch:
     """The shape of one step's batch, as the runner lays it out.
 
     Sequences are ordered with the ``num_decodes`` single-token decodes first. Sequence ``i``
     contributes ``query_lens[i]`` consecutive tokens; after the step its context is
     ``seq_lens[i]`` tokens, whose KV lives in the blocks ``block_tables[i]``.
+
+    A sequence whose leading blocks live on other instances has ``remote[i]`` (one entry per creditor);
+    ``seq_lens[i]`` and ``block_tables[i]`` then describe only the local rest of its context, which starts
+    at a block boundary, so causality within the local part is unchanged. ``remote`` is empty when no
+    sequence of the step has remote blocks.
     """
 
     num_decodes: int
@@ -29,6 +44,7 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [tokens] block_id * block_size + offset for each new token
     block_size: int
     device: torch.device
+    remote: tuple[tuple[RemoteKV, ...], ...] = ()
 
 
 class AttentionBackend(Protocol):

@@ -19,7 +19,7 @@ import torch
 
 from boundless.attention import cpu_attention
 from boundless.attention.backend import AttentionBatch
-from boundless.attention.partials import merge_partials, scores_partial
+from boundless.attention.partials import AttentionPartial, merge_partials, scores_partial
 
 
 @dataclass
@@ -134,6 +134,44 @@ class TorchPagedAttention:
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq)
         return out
 
+    def forward_partial(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: PagedAttentionMetadata,
+    ) -> AttentionPartial:
+        """As :meth:`forward`, but return the unnormalized partial of every row (m, e [tokens, heads, 1], o
+        [tokens, heads, head_dim]), for a caller that merges it with partials computed elsewhere. On the
+        native path the tensors are buffers of the step, overwritten by the next layer's call."""
+        k_cache, v_cache = cache
+        if meta.native is not None:
+            if self._native_ok(q, k, v, k_cache):
+                o, m, e = self._native_buffers(q, meta)
+                assert meta.native is not None
+                return cpu_attention.store_and_attend(
+                    q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e)
+                )
+            if meta.batch is not None:
+                self._prepare_torch(meta, meta.batch)
+                meta.batch = None
+        kvh, nb, bs, d = k_cache.shape
+        slots = meta.slot_mapping
+        k_cache.view(kvh, nb * bs, d)[:, slots] = k.transpose(0, 1)
+        v_cache.view(kvh, nb * bs, d)[:, slots] = v.transpose(0, 1)
+        t, h, _ = q.shape
+        m, e, o = torch.empty(t, h, 1, device=q.device), torch.empty(t, h, 1, device=q.device), torch.empty_like(q)
+        parts = []
+        if meta.num_decodes:
+            parts.append((0, meta.num_decodes, self._decode_partial(q[: meta.num_decodes], k_cache, v_cache, meta)))
+        for seq in meta.prefills:
+            s, end = seq.token_start, seq.token_start + seq.query_len
+            parts.append((s, end, self._prefill_partial(q[s:end], k[s:end], v[s:end], k_cache, v_cache, seq)))
+        for s, end, part in parts:
+            m[s:end], e[s:end], o[s:end] = part.m, part.e, part.o
+        return AttentionPartial(m=m, e=e, o=o)
+
     @staticmethod
     def _native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
         d = q.shape[-1]
@@ -154,23 +192,42 @@ class TorchPagedAttention:
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor:
         assert meta.native is not None
-        if meta.buffers is None or meta.buffers[0].shape != q.shape:
-            t, h, d = q.shape
-            meta.buffers = (torch.empty(t, h, d), torch.empty(t, h, 1), torch.empty(t, h, 1))
-            assert meta.slot_mapping.dtype == torch.long and meta.slot_mapping.numel() == t
-            meta.slot_mapping = meta.slot_mapping.contiguous()
-        o, m, e = meta.buffers
+        o, m, e = self._native_buffers(q, meta)
         # One local partial: the kernel finishes it (o / e, as merge_partials would) in place.
         cpu_attention.store_and_attend(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e), normalize=True
         )
         return o
 
+    @staticmethod
+    def _native_buffers(q: torch.Tensor, meta: PagedAttentionMetadata) -> tuple[torch.Tensor, ...]:
+        """The step's o, m, e buffers (made at its first layer)."""
+        if meta.buffers is None or meta.buffers[0].shape != q.shape:
+            t, h, d = q.shape
+            meta.buffers = (torch.empty(t, h, d), torch.empty(t, h, 1), torch.empty(t, h, 1))
+            assert meta.slot_mapping.dtype == torch.long and meta.slot_mapping.numel() == t
+            meta.slot_mapping = meta.slot_mapping.contiguous()
+        return meta.buffers
+
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata
     ) -> torch.Tensor:
+        nd = q.shape[0]
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        out = merge_partials([self._decode_partial(q, k_cache, v_cache, meta, layout=False)])
+        return out.view(kvh, nd, g, d).transpose(0, 1).reshape(nd, kvh * g, d)
+
+    def _decode_partial(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        layout: bool = True,
+    ) -> AttentionPartial:
         """All single-token queries at once: kv heads and sequences form one batch dimension,
-        and each kv head's group of query heads forms the query length."""
+        and each kv head's group of query heads forms the query length. With ``layout``, the
+        partial's rows are laid out [tokens, heads, ...] like ``q``'s."""
         nd = q.shape[0]
         kvh, nb, bs, d = k_cache.shape
         g, t = self.group, meta.decode_max_context
@@ -179,8 +236,13 @@ class TorchPagedAttention:
         keys = k_cache.view(kvh * nb, bs, d).index_select(0, idx).view(kvh * nd, t, d)
         values = v_cache.view(kvh * nb, bs, d).index_select(0, idx).view(kvh * nd, t, d)
         part = scores_partial(qg, keys, values, self.scale, bias=meta.decode_bias)
-        out = merge_partials([part])
-        return out.view(kvh, nd, g, d).transpose(0, 1).reshape(nd, kvh * g, d)
+        if not layout:
+            return part
+
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return x.view(kvh, nd, g, -1).transpose(0, 1).reshape(nd, kvh * g, -1)
+
+        return AttentionPartial(m=rows(part.m), e=rows(part.e), o=rows(part.o))
 
     def _prefill(
         self,
@@ -192,6 +254,20 @@ class TorchPagedAttention:
         seq: _PrefillSeq,
     ) -> torch.Tensor:
         """One sequence's chunk of queries against its whole context (cached prefix and new tokens)."""
+        part = self._prefill_partial(q, k_new, v_new, k_cache, v_cache, seq, layout=False)
+        return merge_partials([part]).transpose(0, 1)
+
+    def _prefill_partial(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq: _PrefillSeq,
+        layout: bool = True,
+    ) -> AttentionPartial:
+        """The partial of one sequence's chunk; rows [tokens, heads, ...] with ``layout``, else [heads, tokens, ...]."""
         kvh, nb, bs, d = k_cache.shape
         ctx = seq.context_len
         if seq.gather_index is None:
@@ -205,4 +281,6 @@ class TorchPagedAttention:
         part = scores_partial(
             q.transpose(0, 1), keys, values, self.scale, bias=seq.bias, causal=seq.gather_index is None
         )
-        return merge_partials([part]).transpose(0, 1)
+        if not layout:
+            return part
+        return AttentionPartial(m=part.m.transpose(0, 1), e=part.e.transpose(0, 1), o=part.o.transpose(0, 1))

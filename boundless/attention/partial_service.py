@@ -160,18 +160,19 @@ class PartialServer:
         status = torch.tensor([STATUS_OK, seq], dtype=torch.int64)
         m, e, o = torch.zeros(t, h, 1), torch.zeros(t, h, 1), torch.zeros(t, h, d)
         try:
-            k_cache, v_cache = self.layer_cache(layer)
-            at = 0
-            for segment in decode_segments(rows, lens, ids):
-                blocks = self._blocks_of(segment)
-                if blocks is None:
-                    status[0] = STATUS_UNKNOWN_MOVE
-                    break
-                part = lent_partial(q[at : at + segment.num_rows], k_cache, v_cache, blocks, self.scale)
-                m[at : at + segment.num_rows] = part.m
-                e[at : at + segment.num_rows] = part.e
-                o[at : at + segment.num_rows] = part.o
-                at += segment.num_rows
+            with torch.inference_mode():
+                k_cache, v_cache = self.layer_cache(layer)
+                at = 0
+                for segment in decode_segments(rows, lens, ids):
+                    blocks = self._blocks_of(segment)
+                    if blocks is None:
+                        status[0] = STATUS_UNKNOWN_MOVE
+                        break
+                    part = lent_partial(q[at : at + segment.num_rows], k_cache, v_cache, blocks, self.scale)
+                    m[at : at + segment.num_rows] = part.m
+                    e[at : at + segment.num_rows] = part.e
+                    o[at : at + segment.num_rows] = part.o
+                    at += segment.num_rows
         except Exception:  # answered as a failure: the debtor must not wait for a reply that never comes
             log.exception("partial server: request %d from %s failed", seq, peer)
             status[0] = STATUS_FAILED
@@ -225,10 +226,12 @@ class PartialClient:
         rows, lens, ids = encode_segments(segments)
         header = request_header(seq, layer, t, h, d, len(segments), ids.numel())
         q = q.float().contiguous()
-        status = torch.empty(2, dtype=torch.int64)
-        part = AttentionPartial(m=torch.empty(t, h, 1), e=torch.empty(t, h, 1), o=torch.empty(t, h, d))
-        # The reply's receive is posted before the request goes, so it is there whenever the reply comes.
-        reply = self.transport.recv(creditor, reply_tag(seq), [status, part.m, part.e, part.o])
+        # Normal tensors even inside the forward pass's inference mode: the transport's thread writes them.
+        with torch.inference_mode(False):
+            status = torch.empty(2, dtype=torch.int64)
+            part = AttentionPartial(m=torch.empty(t, h, 1), e=torch.empty(t, h, 1), o=torch.empty(t, h, d))
+            # The reply's receive is posted before the request goes, so it is there whenever the reply comes.
+            reply = self.transport.recv(creditor, reply_tag(seq), [status, part.m, part.e, part.o])
         sent_at = time.perf_counter()
         sends = [
             self.transport.send(creditor, REQUEST_TAG, header),

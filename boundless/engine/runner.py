@@ -70,8 +70,8 @@ class ModelRunner:
             ids.extend(chunk.token_ids)
             pos = range(start, start + n)
             positions.extend(pos)
-            table = chunk.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            table, first = chunk.block_ids, chunk.first_block
+            slots.extend(table[p // bs - first] * bs + p % bs for p in pos)
             if chunk.sample:
                 sample_indices.append(len(ids) - 1)
                 sample_chunks.append(chunk)
@@ -79,11 +79,13 @@ class ModelRunner:
         attention = AttentionBatch(
             num_decodes=sum(1 for c in chunks if len(c.token_ids) == 1),
             query_lens=[len(c.token_ids) for c in chunks],
-            seq_lens=[c.start_pos + len(c.token_ids) for c in chunks],
+            # A context whose leading blocks live on other instances: the local part starts after them.
+            seq_lens=[c.start_pos + len(c.token_ids) - c.first_block * bs for c in chunks],
             block_tables=[c.block_ids for c in chunks],
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_size=bs,
             device=dev,
+            remote=tuple(c.remote for c in chunks) if any(c.remote for c in chunks) else (),
         )
         return FlatBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -97,7 +99,14 @@ class ModelRunner:
     def forward(self, sched: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> StepLogits:
         """Run the step; ``on_layer(i)`` is called once layer ``i`` has stored its KV (never in a CUDA graph)."""
         decodes_only = all(len(c.token_ids) == 1 for c in sched.chunks)
-        if self.graphs is not None and decodes_only and on_layer is None and self.graphs.fits(len(sched.chunks)):
+        remote = any(c.remote for c in sched.chunks)
+        if (
+            self.graphs is not None
+            and decodes_only
+            and not remote
+            and on_layer is None
+            and self.graphs.fits(len(sched.chunks))
+        ):
             return self._forward_graph(sched.chunks)
         batch = self.build_batch(sched)
         meta = self.attention.prepare(batch.attention)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from boundless.attention.backend import RemoteKV
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskWrite, TierReport
@@ -50,6 +51,10 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     num_output_tokens: int
     eos_token_ids: tuple[int, ...]
+    # KV lending: ``block_ids`` start at the request's block ``first_block``; the blocks before it live on other
+    # instances (``remote``), whose partials DistAttention merges (docs/distributed-attention.md).
+    first_block: int = 0
+    remote: tuple[RemoteKV, ...] = ()
 
 
 @dataclass
@@ -205,6 +210,7 @@ class Scheduler:
                 self.stats.num_kept += 1
         self._last_chosen = chosen_ids
         for request, num_new in chosen:
+            first_block, remote = self.kv.remote_prefix(request.request_id)
             start = request.num_computed_tokens
             end = start + num_new
             if end == request.num_tokens and request.handoff is not None and not request.handoff_sent:
@@ -221,6 +227,8 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     num_output_tokens=request.num_output_tokens,
                     eos_token_ids=request.eos_token_ids,
+                    first_block=first_block,
+                    remote=remote,
                 )
             )
         out.transfers = self.kv.take_transfers()
@@ -365,6 +373,22 @@ class Scheduler:
         self.waiting.append(request)
         out.preempted_ids.append(request.request_id)
 
+    def preempt_to_recompute(self, request_id: str) -> bool:
+        """Drop a running request's KV, to be recomputed from its tokens (its blocks on another instance were lost
+        with it); False when it is not running here."""
+        request = self.requests.get(request_id)
+        if request is None or request not in self.running:
+            return False
+        self.kv.free(request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.stats.num_recomputed += 1
+        self.running.remove(request)
+        self.waiting.append(request)
+        return True
+
     def _to_running(self, request: Request) -> None:
         if request in self.waiting:
             self.waiting.remove(request)
@@ -381,7 +405,7 @@ class Scheduler:
         bs = self.kv.block_size
         written = [t.dst for t in output.transfers]
         for chunk in output.chunks:
-            written += [BlockRef(DEVICE, b) for b in chunk.block_ids[chunk.start_pos // bs :]]
+            written += [BlockRef(DEVICE, b) for b in chunk.block_ids[chunk.start_pos // bs - chunk.first_block :]]
         self.kv.forget(written)
         self.kv.writes_lost(output.disk_writes)
         chunk_ids = [c.request_id for c in output.chunks]

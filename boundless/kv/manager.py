@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from boundless.attention.backend import RemoteKV
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
 from boundless.kv.block_pool import BlockPool, KVBlock
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone
@@ -106,6 +107,16 @@ class _Intake:
     tokens: tuple[tuple[int, ...], ...]
 
 
+@dataclass(frozen=True)
+class LentSpan:
+    """Blocks of a request moved to another instance (KV lending): ``num_blocks`` of them, held by ``creditor``
+    under ``move_id``."""
+
+    creditor: str
+    move_id: str
+    num_blocks: int
+
+
 class KVCacheManager:
     """Owns every tier's block pool and every request's block table.
 
@@ -158,6 +169,10 @@ class KVCacheManager:
         self._held: list[tuple[TierId, list[KVBlock]]] = []
         self._transfers: list[BlockTransfer] = []  # this step's, in the order decided
         self._tables: dict[str, list[KVBlock]] = {}
+        # KV lending: a request's leading blocks that live on other instances, in order. Its table then holds its
+        # blocks from the first local one on (block index ``sum of num_blocks``).
+        self._lent: dict[str, list[LentSpan]] = {}
+        self._dropped_lent: list[tuple[str, list[LentSpan]]] = []
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_named: dict[str, int] = {}
         # The disk store.
@@ -209,7 +224,53 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's local blocks: from block :meth:`num_lent_blocks` on."""
         return [b.block_id for b in self._tables.get(request_id, ())]
+
+    # -- KV lending: leading blocks on other instances ---------------------------------------------------------
+
+    def num_lent_blocks(self, request_id: str) -> int:
+        """How many of the request's leading blocks live on other instances."""
+        return sum(span.num_blocks for span in self._lent.get(request_id, ()))
+
+    def remote_prefix(self, request_id: str) -> tuple[int, tuple[RemoteKV, ...]]:
+        """The request's first local block index, and its remote blocks grouped by creditor (for attention)."""
+        spans = self._lent.get(request_id)
+        if not spans:
+            return 0, ()
+        by_creditor: dict[str, list[LentSpan]] = {}
+        for span in spans:
+            by_creditor.setdefault(span.creditor, []).append(span)
+        remote = tuple(
+            RemoteKV(c, tuple(s.move_id for s in group), sum(s.num_blocks for s in group) * self.block_size)
+            for c, group in by_creditor.items()
+        )
+        return self.num_lent_blocks(request_id), remote
+
+    def lend_leading_blocks(self, request_id: str, span: LentSpan) -> None:
+        """The request's next ``span.num_blocks`` blocks (its first local ones, all full and computed) now live on
+        ``span.creditor``: free the local copies (full blocks keep their names here, as cache)."""
+        table = self._tables[request_id]
+        if span.num_blocks >= len(table):
+            raise ValueError("a move may not take a request's last local block (new KV is written there)")
+        moved, self._tables[request_id] = table[: span.num_blocks], table[span.num_blocks :]
+        self.pool.free(reversed(moved))
+        self._lent.setdefault(request_id, []).append(span)
+
+    def take_dropped_lent(self) -> list[tuple[str, list[LentSpan]]]:
+        """Remote blocks of requests freed since the last call (finished, aborted, preempted to recompute):
+        their creditors may free them."""
+        out, self._dropped_lent = self._dropped_lent, []
+        return out
+
+    def allocate_unowned(self, count: int) -> list[int] | None:
+        """``count`` device blocks outside any request (a creditor's blocks lent to a debtor), or None."""
+        if self.pool.num_free < count:
+            return None
+        return [b.block_id for b in self.pool.allocate(count)]
+
+    def free_unowned(self, block_ids: Sequence[int]) -> None:
+        self.pool.free([self.pool.blocks[i] for i in reversed(block_ids)])
 
     def num_allocated_blocks(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
@@ -288,7 +349,7 @@ class KVCacheManager:
                     dst = next(fresh)
                     self._move(BlockRef(HOST, block.block_id), BlockRef(DEVICE, dst.block_id))
                     table.append(dst)
-        num_new = self.blocks_for_tokens(num_tokens_after) - len(table)
+        num_new = self.blocks_for_tokens(num_tokens_after) - len(table) - self.num_lent_blocks(request_id)
         if num_new > 0:
             table.extend(self.pool.allocate(num_new, owner))
         self._name_full_blocks(request_id, token_ids, num_tokens_after)
@@ -303,6 +364,9 @@ class KVCacheManager:
             self._note_names(request_id)
         table = self._tables.pop(request_id, [])
         self.pool.free(reversed(table))
+        lent = self._lent.pop(request_id, None)
+        if lent:
+            self._dropped_lent.append((request_id, lent))
         swapped = self._swapped.pop(request_id, None)
         if swapped is not None:
             tier, blocks = swapped
@@ -440,7 +504,7 @@ class KVCacheManager:
             self._queue_write(HOST, block.block_id, name)
 
     def _blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None) -> int:
-        have = len(self._tables.get(request_id, ()))
+        have = len(self._tables.get(request_id, ())) + self.num_lent_blocks(request_id)
         on_device = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == DEVICE] if prefix else []
         # Hits on free cached blocks leave the free queue, so they cost free capacity too.
         revived = sum(1 for b in on_device if b.ref_count == 0)
@@ -451,16 +515,18 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return
         table = self._tables[request_id]
-        start = self._num_named.get(request_id, 0)
+        first = self.num_lent_blocks(request_id)  # table[0] is the request's block `first`
+        start = max(self._num_named.get(request_id, 0), first)
         num_full = min(num_tokens, len(token_ids)) // self.block_size
         if num_full <= start:
             return
         hashes = self.block_hashes(request_id, token_ids[: num_full * self.block_size])
         bs = self.block_size
         for i in range(start, num_full):
-            self.pool.cache(table[i], hashes[i], token_ids[i * bs : (i + 1) * bs])
-            if self.write_policy == "through" and table[i].block_hash == hashes[i]:
-                self._filled_by_step.append((table[i], hashes[i]))
+            block = table[i - first]
+            self.pool.cache(block, hashes[i], token_ids[i * bs : (i + 1) * bs])
+            if self.write_policy == "through" and block.block_hash == hashes[i]:
+                self._filled_by_step.append((block, hashes[i]))
         self._num_named[request_id] = num_full
 
     # -- the disk store ---------------------------------------------------------------------------

@@ -1,0 +1,158 @@
+"""DistAttention (Infinite-LLM §4): attention over a context whose leading blocks live on other instances.
+
+An attention backend that wraps the local one. For a step where no sequence has remote blocks it is the local
+backend, untouched. Otherwise, in every layer:
+
+1. the query rows of each sequence with remote blocks go to each creditor holding some of them, one message per
+   creditor covering every such sequence of the step (``attention/partial_service.py``);
+2. meanwhile the local backend stores the step's KV and computes the local partial of every row over the local
+   rest of each context (causal within it);
+3. the creditors' partials come back and merge exactly with the local ones (``attention/partials.py``): rows
+   without remote blocks keep their local partial alone, so their output is bit for bit the local backend's.
+
+The local rest of a context starts at a block boundary after every remote block, so a chunk's queries attend
+to all remote tokens (all earlier) and causally to the local ones, as one instance holding everything would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from boundless.attention.backend import AttentionBatch
+from boundless.attention.partial_service import PartialClient, PendingPartial
+from boundless.attention.partials import AttentionPartial, combine_partials, merge_partials
+from boundless.attention.remote_partials import QuerySegment
+
+
+@dataclass
+class _CreditorPlan:
+    """The rows of the step one creditor computes partials for, as segments in row order."""
+
+    rows: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in the step's flat rows
+    segments: list[QuerySegment] = field(default_factory=list)
+
+
+@dataclass
+class DistMetadata:
+    """The local backend's metadata and, when some sequence has remote blocks, what goes to each creditor."""
+
+    inner: Any
+    plans: dict[str, _CreditorPlan] = field(default_factory=dict)
+    remote_rows: torch.Tensor | None = None  # the step's rows with remote blocks, sorted
+
+
+@dataclass
+class DistAttentionStats:
+    """What DistAttention did so far (cumulative; the round trips' own counts are the client's)."""
+
+    steps: int = 0  # steps with remote blocks
+    layers: int = 0  # layer calls with remote blocks
+    layer_s: float = 0.0  # seconds in those layer calls (send, local partial, wait, merge)
+    local_s: float = 0.0  # of which computing the local partial (the overlap window)
+    exposed_s: float = 0.0  # of which waiting for creditors after the local partial was done
+    merge_s: float = 0.0
+
+
+class DistributedAttention:
+    """An attention backend: the ``local`` backend (which must offer ``forward_partial``), plus partials from
+    creditors through ``client`` for the sequences whose batch entry lists remote blocks.
+
+    ``layer_of(k_cache)`` names the layer a call is for (the creditor reads that layer's blocks).
+    """
+
+    def __init__(self, local: Any, client: PartialClient, caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.local = local
+        self.client = client
+        self._layers = {k.data_ptr(): i for i, (k, _) in enumerate(caches)}
+        self.stats = DistAttentionStats()
+        self.fused_layers = getattr(local, "fused_layers", False)
+
+    def prepare(self, batch: AttentionBatch) -> DistMetadata:
+        meta = DistMetadata(inner=self.local.prepare(batch))
+        if not any(batch.remote):
+            return meta
+        start = 0
+        rows: list[int] = []
+        for query_len, remote in zip(batch.query_lens, batch.remote, strict=True):
+            for kv in remote:
+                plan = meta.plans.setdefault(kv.creditor, _CreditorPlan())
+                plan.rows.append((start, start + query_len))
+                plan.segments.append(QuerySegment(query_len, kv.move_ids))
+            if remote:
+                rows.extend(range(start, start + query_len))
+            start += query_len
+        meta.remote_rows = torch.tensor(rows, dtype=torch.long)
+        self.stats.steps += 1
+        return meta
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: DistMetadata,
+    ) -> torch.Tensor:
+        if not meta.plans:
+            return self.local.forward(q, k, v, cache, meta.inner)
+        started = time.perf_counter()
+        layer = self._layers[cache[0].data_ptr()]
+        pending: list[tuple[_CreditorPlan, PendingPartial]] = []
+        for creditor, plan in meta.plans.items():
+            rows = (
+                torch.cat([q[s:e] for s, e in plan.rows])
+                if len(plan.rows) > 1
+                else q[plan.rows[0][0] : plan.rows[0][1]]
+            )
+            pending.append((plan, self.client.send(creditor, layer, rows, plan.segments)))
+        local = self.local.forward_partial(q, k, v, cache, meta.inner)
+        local_done = time.perf_counter()
+        remote = [(plan, self.client.collect(p)) for plan, p in pending]
+        collected = time.perf_counter()
+        out = self._merge(local, remote, meta)
+        done = time.perf_counter()
+        s = self.stats
+        s.layers += 1
+        s.layer_s += done - started
+        s.local_s += local_done - started
+        s.exposed_s += collected - local_done
+        s.merge_s += done - collected
+        per_layer = self.client.stats.per_layer_exposed_s
+        per_layer[layer] = per_layer.get(layer, 0.0) + collected - local_done
+        return out
+
+    @staticmethod
+    def _merge(
+        local: AttentionPartial, remote: list[tuple[_CreditorPlan, AttentionPartial]], meta: DistMetadata
+    ) -> torch.Tensor:
+        """Rows with remote blocks: the merge of the local partial and each creditor's; others: local alone."""
+        rows = meta.remote_rows
+        assert rows is not None
+        where = {int(r): i for i, r in enumerate(rows.tolist())}
+        sub = AttentionPartial(m=local.m[rows], e=local.e[rows], o=local.o[rows])
+        parts = [sub]
+        for plan, part in remote:
+            # A creditor's partial over the rows it was sent; the rows it was not sent are empty there (m = -inf,
+            # e = 0), which the merge leaves unchanged.
+            full = AttentionPartial(
+                m=torch.full_like(sub.m, float("-inf")), e=torch.zeros_like(sub.e), o=torch.zeros_like(sub.o)
+            )
+            at = 0
+            for s, e in plan.rows:
+                idx = torch.tensor([where[r] for r in range(s, e)], dtype=torch.long)
+                full.m[idx], full.e[idx], full.o[idx] = (
+                    part.m[at : at + e - s],
+                    part.e[at : at + e - s],
+                    part.o[at : at + e - s],
+                )
+                at += e - s
+            parts.append(full)
+        merged = combine_partials(parts)
+        out = merge_partials([local])
+        out[rows] = merge_partials([merged]).to(out.dtype)
+        return out

@@ -1,0 +1,283 @@
+"""One instance's side of KV lending: its rManager, its DistAttention, and the effects of the move protocol.
+
+:class:`LendingAgent` binds an :class:`~boundless.engine.core.EngineCore` to an
+:class:`~boundless.cluster.rmanager.RManager` (the ledger and the protocol, pure) and to a transport:
+
+- its runner's attention becomes :class:`~boundless.attention.dist_attention.DistributedAttention`, so a
+  request whose leading blocks live on creditors gets their partials merged into each layer's attention;
+- a :class:`~boundless.attention.partial_service.PartialServer` answers the debtors whose blocks it holds;
+- it carries out the protocol's actions: a move's blocks go to the creditor over the transport (one message,
+  every layer), the creditor writes them into pool blocks of its own outside any request, and only on its
+  confirmation does the debtor free its copies and record the span (``KVCacheManager.lend_leading_blocks``);
+  a release frees the creditor's blocks; remote blocks of a request its engine dropped (finished, aborted,
+  preempted to recompute) are released.
+
+The control messages between instances (try, answer, blocks sent, confirmation, release) go through a
+:class:`ControlPlane`: the cluster carries them over Ray; :class:`LocalControlPlane` carries them between agents
+of one process (tests, one-node benchmarks). Tensors (blocks, queries, partials) always go over the transport.
+An agent's instance id is its transport address, so the ledger's debtor names the peer the server answers.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from boundless.attention.dist_attention import DistributedAttention
+from boundless.attention.partial_service import PartialClient, PartialServer
+from boundless.attention.remote_partials import LentBlocks
+from boundless.cluster.rmanager import (
+    FreeLentBlocks,
+    FreeLocalBlocks,
+    LendingAction,
+    LoanState,
+    LocalRequest,
+    LocalState,
+    MoveRejected,
+    Recompute,
+    ReleaseRemote,
+    RManager,
+    SendBlocks,
+    TryMove,
+)
+from boundless.engine.core import EngineCore
+from boundless.engine.executor import ModelExecutor
+from boundless.engine.request import RequestStatus
+from boundless.kv.manager import LentSpan
+from boundless.transport.base import KVTransport, TransportError
+from boundless.transport.blocks import BlocksReceive, send_blocks
+
+_MOVE_TAG_BASE = 0xF200_0000
+_MOVE_TAG_SPAN = 1 << 24
+
+
+def move_tag(move_id: str) -> int:
+    """The tag a move's blocks travel on: both sides derive it from the move id."""
+    return _MOVE_TAG_BASE + zlib.crc32(move_id.encode()) % _MOVE_TAG_SPAN
+
+
+@dataclass
+class MoveStats:
+    """Moves this instance made or took (cumulative)."""
+
+    moves_out: int = 0
+    blocks_out: int = 0
+    bytes_out: int = 0
+    moves_in: int = 0
+    blocks_in: int = 0
+    bytes_in: int = 0
+    requests_recomputed: int = 0
+
+
+class ControlPlane(Protocol):
+    """Carries the protocol's control messages to another instance's agent and returns its answer."""
+
+    def try_move(self, creditor: str, action: TryMove) -> bool: ...
+
+    def take_blocks(self, creditor: str, action: SendBlocks, debtor: str) -> BlocksReceive | None: ...
+
+    def confirm_blocks(self, creditor: str, move_id: str, receive: BlocksReceive) -> bool: ...
+
+    def release(self, creditor: str, move_id: str) -> None: ...
+
+
+class LendingAgent:
+    """KV lending for one engine (see the module). ``rmanager.instance_id`` must be ``transport.address``."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        rmanager: RManager,
+        transport: KVTransport,
+        control: ControlPlane,
+        timeout_s: float = 30.0,
+    ) -> None:
+        if rmanager.instance_id != transport.address:
+            raise ValueError("an agent's instance id is its transport address")
+        if not isinstance(core.executor, ModelExecutor):
+            raise TypeError("KV lending needs the model executor")
+        self.core = core
+        self.rm = rmanager
+        self.transport = transport
+        self.control = control
+        self.timeout_s = timeout_s
+        self.stats = MoveStats()
+        runner = core.executor.runner
+        self.cache = runner.kv_cache
+        caches = [self.cache.layer(i) for i in range(self.cache.num_layers)]
+        self.client = PartialClient(transport, timeout_s)
+        self.attention = DistributedAttention(runner.attention, self.client, caches)
+        runner.attention = self.attention
+        self.server = PartialServer(
+            transport, self.cache.layer, self._lent_blocks, runner.attention.local.scale, timeout_s
+        )
+
+    @property
+    def instance_id(self) -> str:
+        return self.rm.instance_id
+
+    def close(self) -> None:
+        self.server.close()
+
+    def _lent_blocks(self, move_id: str) -> LentBlocks | None:
+        """Called on the server's thread: a dict read, atomic under the interpreter lock."""
+        loan = self.rm.loans.get(move_id)
+        if loan is None or loan.state is not LoanState.FILLED:
+            return None
+        return LentBlocks(loan.block_ids)
+
+    # -- the engine's view --------------------------------------------------------------------------------
+
+    def observe(self) -> list[LendingAction]:
+        """Tell the rManager the engine's state, and release the remote blocks of requests the engine dropped.
+        Call between steps."""
+        kv, sched = self.core.kv, self.core.scheduler
+        running = [r for r in sched.running if r.status is RequestStatus.RUNNING]
+        requests = {
+            r.request_id: LocalRequest(r.num_computed_tokens, kv.num_allocated_blocks(r.request_id)) for r in running
+        }
+        self.rm.observe(
+            LocalState(
+                own_blocks=sum(req.local_blocks for req in requests.values()),
+                batch_size=len(running),
+                max_batch_size=self.core.config.scheduler.max_num_seqs,
+                requests=requests,
+                waiting_blocks=tuple(kv.blocks_for_tokens(r.num_tokens) for r in sched.waiting),
+            )
+        )
+        actions: list[LendingAction] = []
+        for request_id, _ in kv.take_dropped_lent():
+            actions += self.rm.request_finished(request_id)
+        self.apply(actions)
+        return actions
+
+    # -- the protocol ---------------------------------------------------------------------------------------
+
+    def move_kvcache(self, request_id: str, num_blocks: int, creditor: str) -> bool:
+        """The gManager's order: move up to ``num_blocks`` of the request's leading blocks to ``creditor``. Runs
+        the protocol to its end (try, send, confirm, free); True when blocks moved."""
+        self.observe()
+        before = self.rm.counters.moves_committed
+        self.apply(self.rm.move_kvcache(request_id, num_blocks, creditor))
+        return self.rm.counters.moves_committed > before
+
+    def apply(self, actions: list[LendingAction]) -> None:
+        """Carry out the rManager's actions, and those they lead to."""
+        queue = list(actions)
+        while queue:
+            action = queue.pop(0)
+            if isinstance(action, TryMove):
+                accepted = self.control.try_move(action.creditor, action)
+                queue += self.rm.try_answered(action.move_id, action.creditor, accepted)
+            elif isinstance(action, SendBlocks):
+                queue += self._send_blocks(action)
+            elif isinstance(action, FreeLocalBlocks):
+                self._free_local(action)
+            elif isinstance(action, ReleaseRemote):
+                self.control.release(action.creditor, action.move_id)
+            elif isinstance(action, FreeLentBlocks):
+                self.core.kv.free_unowned(action.block_ids)
+            elif isinstance(action, Recompute):
+                self._recompute(action.request_id)
+            elif isinstance(action, MoveRejected):
+                pass  # the next plan decides again
+
+    def _send_blocks(self, action: SendBlocks) -> list[LendingAction]:
+        first_local = action.first_block - self.core.kv.num_lent_blocks(action.request_id)
+        ids = self.core.kv.block_ids(action.request_id)[first_local : first_local + action.num_blocks]
+        if first_local != 0 or len(ids) != action.num_blocks:
+            return self.rm.move_done(action.move_id, action.creditor, False)
+        receive = self.control.take_blocks(action.creditor, action, self.instance_id)
+        if receive is None:
+            return self.rm.move_done(action.move_id, action.creditor, False)
+        try:
+            send_blocks(self.transport, action.creditor, move_tag(action.move_id), self.cache, ids).wait(self.timeout_s)
+        except TransportError:
+            return self.rm.move_done(action.move_id, action.creditor, False)
+        committed = self.control.confirm_blocks(action.creditor, action.move_id, receive)
+        if committed:
+            self.stats.moves_out += 1
+            self.stats.blocks_out += len(ids)
+            self.stats.bytes_out += self._block_bytes(len(ids))
+        return self.rm.move_done(action.move_id, action.creditor, committed)
+
+    def _free_local(self, action: FreeLocalBlocks) -> None:
+        span = next(s for s in self.rm.remote_spans(action.request_id) if s.first_block == action.first_block)
+        self.core.kv.lend_leading_blocks(action.request_id, LentSpan(span.creditor, span.move_id, span.num_blocks))
+
+    def _recompute(self, request_id: str) -> None:
+        """Blocks of the request were lost with their creditor: drop its KV and compute it again from its tokens
+        (prompt and output so far), as a preemption to recompute does; greedy output is unchanged."""
+        if self.core.scheduler.preempt_to_recompute(request_id):
+            self.stats.requests_recomputed += 1
+        self.core.kv.take_dropped_lent()  # its other spans were released by the rManager already
+
+    def peer_lost(self, instance_id: str) -> None:
+        """Another instance died (the cluster's heartbeat timeout): free what was lent to it, recompute what it held."""
+        self.apply(self.rm.peer_lost(instance_id))
+
+    def _block_bytes(self, n: int) -> int:
+        data = self.cache.data
+        return n * data[:, :, :, 0].numel() * data.element_size()
+
+    # -- the creditor's side (called through the control plane) ---------------------------------------------
+
+    def on_try_move(self, action: TryMove) -> bool:
+        self.observe()
+        return self.rm.try_move_kvcache(action.move_id, action.request_id, action.debtor, action.num_blocks)
+
+    def on_take_blocks(self, action: SendBlocks, debtor: str) -> BlocksReceive | None:
+        """Reserve pool blocks for a move's blocks and post their receive."""
+        loan = self.rm.loans.get(action.move_id)
+        if loan is None or loan.state is not LoanState.RESERVED:
+            return None
+        ids = self.core.kv.allocate_unowned(action.num_blocks)
+        if ids is None:
+            return None
+        return BlocksReceive(self.transport, debtor, move_tag(action.move_id), self.cache, ids)
+
+    def on_confirm_blocks(self, move_id: str, receive: BlocksReceive) -> bool:
+        loan = self.rm.loans.get(move_id)
+        try:
+            receive.wait(self.timeout_s)
+        except TransportError:
+            self.core.kv.free_unowned(receive.block_ids)
+            return False
+        if not self.rm.receive_blocks(move_id, receive.block_ids):
+            self.core.kv.free_unowned(receive.block_ids)
+            return False
+        assert loan is not None
+        self.server.add_peer(loan.debtor)
+        self.stats.moves_in += 1
+        self.stats.blocks_in += len(receive.block_ids)
+        self.stats.bytes_in += self._block_bytes(len(receive.block_ids))
+        return True
+
+    def on_release(self, move_id: str) -> None:
+        self.apply(self.rm.release(move_id))
+
+
+class LocalControlPlane:
+    """Control messages between the agents of one process, as plain calls (the cluster's are Ray calls)."""
+
+    def __init__(self) -> None:
+        self.agents: dict[str, LendingAgent] = {}
+        self.down: set[str] = set()  # instances that died: nothing reaches them
+
+    def add(self, agent: LendingAgent) -> LendingAgent:
+        self.agents[agent.instance_id] = agent
+        return agent
+
+    def try_move(self, creditor: str, action: TryMove) -> bool:
+        return creditor not in self.down and self.agents[creditor].on_try_move(action)
+
+    def take_blocks(self, creditor: str, action: SendBlocks, debtor: str) -> BlocksReceive | None:
+        return None if creditor in self.down else self.agents[creditor].on_take_blocks(action, debtor)
+
+    def confirm_blocks(self, creditor: str, move_id: str, receive: BlocksReceive) -> bool:
+        return creditor not in self.down and self.agents[creditor].on_confirm_blocks(move_id, receive)
+
+    def release(self, creditor: str, move_id: str) -> None:
+        if creditor not in self.down:
+            self.agents[creditor].on_release(move_id)
