@@ -52,6 +52,10 @@ _BUSY_WINDOW_S = 0.05
 class RemotePartialError(RuntimeError):
     """A creditor could not answer (it holds no such blocks, it failed, or it is gone)."""
 
+    def __init__(self, creditor: str, message: str) -> None:
+        super().__init__(f"creditor {creditor}: {message}")
+        self.creditor = creditor
+
 
 @dataclass
 class PartialStats:
@@ -249,7 +253,7 @@ class PartialClient:
             pending.reply.wait(self.timeout_s)
         except TransportError as e:
             self.stats.errors += 1
-            raise RemotePartialError(f"creditor {pending.creditor}: {e}") from e
+            raise RemotePartialError(pending.creditor, str(e)) from e
         self.stats.round_trips += 1
         self.stats.round_trip_s += time.perf_counter() - pending.sent_at
         p = pending.partial
@@ -257,5 +261,5 @@ class PartialClient:
         code, seq = (int(x) for x in pending.status.tolist())
         if code != STATUS_OK or seq != pending.seq:
             self.stats.errors += 1
-            raise RemotePartialError(f"creditor {pending.creditor} answered status {code} to request {pending.seq}")
+            raise RemotePartialError(pending.creditor, f"answered status {code} to request {pending.seq}")
         return p

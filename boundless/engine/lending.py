@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from boundless.attention.dist_attention import DistributedAttention
-from boundless.attention.partial_service import PartialClient, PartialServer
+from boundless.attention.partial_service import PartialClient, PartialServer, RemotePartialError
 from boundless.attention.remote_partials import LentBlocks
 from boundless.cluster.rmanager import (
     FreeLentBlocks,
@@ -41,7 +41,7 @@ from boundless.cluster.rmanager import (
     SendBlocks,
     TryMove,
 )
-from boundless.engine.core import EngineCore
+from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.executor import ModelExecutor
 from boundless.engine.request import RequestStatus
 from boundless.kv.manager import LentSpan
@@ -109,8 +109,14 @@ class LendingAgent:
         self.client = PartialClient(transport, timeout_s)
         self.attention = DistributedAttention(runner.attention, self.client, caches)
         runner.attention = self.attention
+        self._lost_debtors: set[str] = set()  # seen gone by the server's thread; acted on by observe
         self.server = PartialServer(
-            transport, self.cache.layer, self._lent_blocks, runner.attention.local.scale, timeout_s
+            transport,
+            self.cache.layer,
+            self._lent_blocks,
+            runner.attention.local.scale,
+            timeout_s,
+            on_peer_lost=self._lost_debtors.add,
         )
 
     @property
@@ -147,10 +153,30 @@ class LendingAgent:
             )
         )
         actions: list[LendingAction] = []
+        while self._lost_debtors:
+            actions += self.rm.peer_lost(self._lost_debtors.pop())
         for request_id, _ in kv.take_dropped_lent():
             actions += self.rm.request_finished(request_id)
         self.apply(actions)
         return actions
+
+    def step(self) -> list[RequestDelta]:
+        """One engine step, then :meth:`observe`. A step whose round trip to a creditor fails (it died, it timed
+        out) is dropped as a failed step is (its chunks run again) and that creditor is taken as lost: the
+        requests with blocks there are recomputed, so none fails and greedy output is unchanged."""
+        core = self.core
+        sched = core.schedule()
+        deltas: list[RequestDelta] = []
+        if not sched.is_empty:
+            try:
+                result = core.execute(sched)
+            except RemotePartialError as e:
+                core.scheduler.step_failed(sched)  # names of the blocks it was writing are dropped
+                self.peer_lost(e.creditor)
+            else:
+                deltas = core.finish_step(sched, result)
+        self.observe()
+        return deltas
 
     # -- the protocol ---------------------------------------------------------------------------------------
 
@@ -179,7 +205,7 @@ class LendingAgent:
             elif isinstance(action, FreeLentBlocks):
                 self.core.kv.free_unowned(action.block_ids)
             elif isinstance(action, Recompute):
-                self._recompute(action.request_id)
+                queue += self._recompute(action.request_id)
             elif isinstance(action, MoveRejected):
                 pass  # the next plan decides again
 
@@ -206,12 +232,15 @@ class LendingAgent:
         span = next(s for s in self.rm.remote_spans(action.request_id) if s.first_block == action.first_block)
         self.core.kv.lend_leading_blocks(action.request_id, LentSpan(span.creditor, span.move_id, span.num_blocks))
 
-    def _recompute(self, request_id: str) -> None:
+    def _recompute(self, request_id: str) -> list[LendingAction]:
         """Blocks of the request were lost with their creditor: drop its KV and compute it again from its tokens
-        (prompt and output so far), as a preemption to recompute does; greedy output is unchanged."""
-        if self.core.scheduler.preempt_to_recompute(request_id):
-            self.stats.requests_recomputed += 1
-        self.core.kv.take_dropped_lent()  # its other spans were released by the rManager already
+        (prompt and output so far), as a preemption to recompute does; greedy output is unchanged. Its blocks on
+        other creditors are released (the recompute makes them anew here)."""
+        if not self.core.scheduler.preempt_to_recompute(request_id):
+            return []
+        self.stats.requests_recomputed += 1
+        self.core.kv.take_dropped_lent(request_id)
+        return self.rm.request_finished(request_id)
 
     def peer_lost(self, instance_id: str) -> None:
         """Another instance died (the cluster's heartbeat timeout): free what was lent to it, recompute what it held."""

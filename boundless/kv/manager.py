@@ -257,10 +257,11 @@ class KVCacheManager:
         self.pool.free(reversed(moved))
         self._lent.setdefault(request_id, []).append(span)
 
-    def take_dropped_lent(self) -> list[tuple[str, list[LentSpan]]]:
-        """Remote blocks of requests freed since the last call (finished, aborted, preempted to recompute):
-        their creditors may free them."""
-        out, self._dropped_lent = self._dropped_lent, []
+    def take_dropped_lent(self, request_id: str | None = None) -> list[tuple[str, list[LentSpan]]]:
+        """Remote blocks of requests freed since the last call (finished, aborted, preempted to recompute), of
+        every request or of ``request_id``: their creditors may free them."""
+        out = [d for d in self._dropped_lent if request_id is None or d[0] == request_id]
+        self._dropped_lent = [d for d in self._dropped_lent if request_id is not None and d[0] != request_id]
         return out
 
     def allocate_unowned(self, count: int) -> list[int] | None:
