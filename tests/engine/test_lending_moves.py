@@ -1,0 +1,220 @@
+"""KV moves between engines for real (over a shared-memory transport), and their faults.
+
+After a move, a refused move and a move interrupted halfway, each block on each side holds its own tokens' KV
+(the KV-integrity idea across instances: compared with one engine computing the same request in lockstep), the
+ledgers agree with the pools, and decoding goes on with one engine's output. A creditor that dies has its
+requests' blocks recomputed (same output); a debtor that dies has its blocks freed by its creditors."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from lending_helpers import BLOCK, CHUNK, LONG, PARAMS, Cluster, LocalControlPlane, Recorded, engine, reference
+
+from boundless.cluster.rmanager import SendBlocks
+from boundless.engine.core import EngineCore
+from boundless.transport.blocks import BlocksReceive
+
+
+class Lockstep:
+    """The debtor's request and the same request on an engine of its own, stepped together."""
+
+    def __init__(self, cluster: Cluster, loaded) -> None:
+        self.cluster = cluster
+        self.ref = engine(loaded)
+        self.ref.add_request("long", LONG, PARAMS)
+        cluster.agents[0].core.add_request("long", LONG, PARAMS)
+        self.tokens: list[int] = []
+
+    def step(self) -> None:
+        for delta in self.cluster.agents[0].step():
+            self.tokens += delta.new_token_ids
+        for agent in self.cluster.agents[1:]:
+            agent.step()
+        self.ref.step()
+
+    def computed(self) -> int:
+        return self.cluster.agents[0].core.scheduler.requests["long"].num_computed_tokens
+
+
+def _kv(core: EngineCore, block_id: int) -> torch.Tensor:
+    return core.executor.runner.kv_cache.read_blocks([block_id])
+
+
+def assert_blocks_hold_their_tokens(cluster: Cluster, ref: EngineCore) -> None:
+    """Every computed full block of the request, local or lent, holds the KV the lockstep engine has for it."""
+    debtor = cluster.agents[0]
+    by_id = {a.instance_id: a for a in cluster.agents}
+    ref_ids = ref.kv.block_ids("long")
+    full = debtor.core.scheduler.requests["long"].num_computed_tokens // BLOCK
+    first = debtor.core.kv.num_lent_blocks("long")
+    for i, block in enumerate(debtor.core.kv.block_ids("long")[: full - first]):
+        torch.testing.assert_close(_kv(debtor.core, block), _kv(ref, ref_ids[first + i]), atol=1e-4, rtol=0)
+    lent = 0
+    for span in debtor.rm.remote_spans("long"):
+        creditor = by_id[span.creditor]
+        loan = creditor.rm.loans[span.move_id]
+        assert len(loan.block_ids) == span.num_blocks
+        for j, block in enumerate(loan.block_ids):
+            torch.testing.assert_close(
+                _kv(creditor.core, block), _kv(ref, ref_ids[span.first_block + j]), atol=1e-4, rtol=0
+            )
+        lent += span.num_blocks
+    assert lent == first
+    # Each creditor's pool holds exactly the blocks it lends.
+    for creditor in cluster.agents[1:]:
+        assert creditor.core.kv.pool.num_used == creditor.rm.lent_blocks
+
+
+def _finish(run: Lockstep, steps: int = 200) -> None:
+    for _ in range(steps):
+        if not run.cluster.agents[0].core.has_unfinished():
+            return
+        run.step()
+    raise AssertionError("not finished")
+
+
+def test_moves_keep_every_block_its_own_and_the_output_unchanged(load, make_cluster) -> None:
+    loaded = load("tiny-llama")
+    want = reference(loaded, {"long": LONG})
+    cluster = make_cluster(loaded, 3)
+    run = Lockstep(cluster, loaded)
+    debtor, c1, c2 = cluster.agents
+    while run.computed() < 2 * CHUNK:
+        run.step()
+    assert debtor.move_kvcache("long", 3, c1.instance_id)
+    assert_blocks_hold_their_tokens(cluster, run.ref)
+    assert debtor.core.kv.num_lent_blocks("long") == 3 and c1.core.kv.pool.num_used == 3
+    while run.computed() < len(LONG) + 3:
+        run.step()
+    assert debtor.move_kvcache("long", 2, c2.instance_id)  # blocks computed with remote attention move on
+    assert_blocks_hold_their_tokens(cluster, run.ref)
+    run.step()
+    assert_blocks_hold_their_tokens(cluster, run.ref)
+    _finish(run)
+    assert run.tokens == want.tokens["long"]
+    # Bytes moved: 5 blocks of [layers, 2, kv_heads, block, head_dim] fp32.
+    data = debtor.cache.data
+    assert debtor.stats.bytes_out == 5 * data[:, :, :, 0].numel() * 4
+    assert c1.rm.lent_blocks == 0 and c2.rm.lent_blocks == 0 and c1.core.kv.pool.num_used == 0
+
+
+def test_a_refused_move_changes_nothing(load, make_cluster) -> None:
+    loaded = load("tiny-llama")
+    cluster = make_cluster(loaded, 2)
+    run = Lockstep(cluster, loaded)
+    debtor, creditor = cluster.agents
+    while run.computed() < 2 * CHUNK:
+        run.step()
+    before = debtor.core.kv.block_ids("long")
+    creditor.rm.headroom_blocks = creditor.rm.total_blocks  # no room to lend
+    assert not debtor.move_kvcache("long", 2, creditor.instance_id)
+    assert debtor.rm.counters.moves_refused == 1 and not debtor.rm.pending
+    assert debtor.core.kv.block_ids("long") == before and debtor.core.kv.num_lent_blocks("long") == 0
+    assert not creditor.rm.loans and creditor.core.kv.pool.num_used == 0
+    assert_blocks_hold_their_tokens(cluster, run.ref)
+    creditor.rm.headroom_blocks = 0  # the next plan's try succeeds
+    assert debtor.move_kvcache("long", 2, creditor.instance_id)
+    assert_blocks_hold_their_tokens(cluster, run.ref)
+
+
+class LosesConfirmations(LocalControlPlane):
+    """The creditor takes the blocks, but its confirmation never reaches the debtor."""
+
+    def confirm_blocks(self, creditor: str, move_id: str, receive: BlocksReceive) -> bool:
+        super().confirm_blocks(creditor, move_id, receive)
+        return False
+
+
+class CreditorDiesAfterTry(LocalControlPlane):
+    """The creditor reserves, then dies before the blocks come."""
+
+    def take_blocks(self, creditor: str, action: SendBlocks, debtor: str) -> BlocksReceive | None:
+        self.down.add(creditor)
+        return None
+
+
+def _rewire(cluster: Cluster, control: LocalControlPlane) -> None:
+    for agent in cluster.agents:
+        agent.control = control
+        control.add(agent)
+    cluster.control = control
+
+
+def test_a_move_interrupted_halfway_leaves_both_sides_consistent(load, make_cluster) -> None:
+    loaded = load("tiny-llama")
+    want = reference(loaded, {"long": LONG})
+    now = [0.0]
+    cluster = make_cluster(loaded, 2, clock=lambda: now[0])
+    run = Lockstep(cluster, loaded)
+    debtor, creditor = cluster.agents
+    while run.computed() < 2 * CHUNK:
+        run.step()
+    before = debtor.core.kv.block_ids("long")
+    # The blocks arrive but the answer is lost: the debtor keeps its copies and releases the creditor's.
+    _rewire(cluster, LosesConfirmations())
+    assert not debtor.move_kvcache("long", 2, creditor.instance_id)
+    assert debtor.core.kv.block_ids("long") == before and debtor.rm.counters.moves_failed == 1
+    assert not creditor.rm.loans and creditor.core.kv.pool.num_used == 0
+    assert_blocks_hold_their_tokens(cluster, run.ref)
+    # The creditor reserves and dies before the blocks come: the debtor keeps its blocks; the reservation expires.
+    _rewire(cluster, CreditorDiesAfterTry())
+    assert not debtor.move_kvcache("long", 2, creditor.instance_id)
+    assert debtor.core.kv.block_ids("long") == before and creditor.rm.reserved_blocks == 2
+    now[0] += 31  # past the reservation timeout
+    creditor.rm.expire()
+    assert creditor.rm.reserved_blocks == 0 and creditor.rm.counters.reservations_expired == 1
+    assert_blocks_hold_their_tokens(cluster, run.ref)
+    _rewire(cluster, LocalControlPlane())
+    _finish(run)
+    assert run.tokens == want.tokens["long"]
+
+
+def test_a_creditor_that_dies_has_its_blocks_recomputed_with_identical_output(load, make_cluster) -> None:
+    loaded = load("tiny-qwen2")
+    want = reference(loaded, {"long": LONG})
+    cluster = make_cluster(loaded, 3)
+    debtor, c1, c2 = cluster.agents
+    debtor.core.add_request("long", LONG, PARAMS)
+    rec = Recorded()
+    while debtor.core.scheduler.requests["long"].num_computed_tokens < 2 * CHUNK:
+        for d in debtor.step():
+            rec.add(d)
+    assert debtor.move_kvcache("long", 2, c1.instance_id)
+    assert debtor.move_kvcache("long", 1, c2.instance_id)
+    while len(rec.tokens.get("long", [])) < 3:
+        for d in debtor.step():
+            rec.add(d)
+        c2.step()
+    # c1 dies without a word: the next round trip to it fails, its blocks are recomputed here, c2's released.
+    c1.close()
+    cluster.nets[1].close()
+    cluster.control.down.add(c1.instance_id)
+    while debtor.core.has_unfinished():
+        for d in debtor.step():
+            rec.add(d)
+        c2.step()
+    assert rec.tokens["long"] == want.tokens["long"]
+    assert debtor.stats.requests_recomputed == 1 and debtor.core.kv.num_lent_blocks("long") == 0
+    assert not c2.rm.loans and c2.core.kv.pool.num_used == 0
+
+
+def test_a_debtor_that_dies_has_its_blocks_freed_by_its_creditor(load, make_cluster) -> None:
+    loaded = load("tiny-llama")
+    cluster = make_cluster(loaded, 2)
+    debtor, creditor = cluster.agents
+    debtor.core.add_request("long", LONG, PARAMS)
+    while debtor.core.scheduler.requests["long"].num_computed_tokens < 2 * CHUNK:
+        debtor.step()
+    assert debtor.move_kvcache("long", 3, creditor.instance_id)
+    debtor.step()
+    assert creditor.core.kv.pool.num_used == 3
+    debtor.close()
+    cluster.nets[0].close()  # the debtor's process is gone: its connections close
+    deadline = time.monotonic() + 5
+    while creditor.core.kv.pool.num_used and time.monotonic() < deadline:
+        creditor.step()
+        time.sleep(0.01)
+    assert creditor.core.kv.pool.num_used == 0 and not creditor.rm.loans
+    assert debtor.instance_id in creditor.rm.lost_peers
