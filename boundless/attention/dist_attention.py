@@ -26,7 +26,7 @@ import torch
 from boundless.attention.backend import AttentionBatch
 from boundless.attention.partial_service import PartialClient, PendingPartial
 from boundless.attention.partials import AttentionPartial, combine_partials, merge_partials
-from boundless.attention.remote_partials import QuerySegment
+from boundless.attention.remote_partials import QuerySegment, encode_segments
 
 
 @dataclass
@@ -35,6 +35,8 @@ class _CreditorPlan:
 
     rows: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in the step's flat rows
     segments: list[QuerySegment] = field(default_factory=list)
+    where: torch.Tensor | None = None  # for each of those rows, its index among the step's remote rows
+    encoded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the segments on the wire
 
 
 @dataclass
@@ -53,6 +55,7 @@ class DistAttentionStats:
     steps: int = 0  # steps with remote blocks
     layers: int = 0  # layer calls with remote blocks
     layer_s: float = 0.0  # seconds in those layer calls (send, local partial, wait, merge)
+    send_s: float = 0.0  # of which sending the query rows
     local_s: float = 0.0  # of which computing the local partial (the overlap window)
     exposed_s: float = 0.0  # of which waiting for creditors after the local partial was done
     merge_s: float = 0.0
@@ -87,6 +90,10 @@ class DistributedAttention:
                 rows.extend(range(start, start + query_len))
             start += query_len
         meta.remote_rows = torch.tensor(rows, dtype=torch.long)
+        index = {r: i for i, r in enumerate(rows)}
+        for plan in meta.plans.values():
+            plan.where = torch.tensor([index[r] for s, e in plan.rows for r in range(s, e)], dtype=torch.long)
+            plan.encoded = encode_segments(plan.segments)
         self.stats.steps += 1
         return meta
 
@@ -109,7 +116,8 @@ class DistributedAttention:
                 if len(plan.rows) > 1
                 else q[plan.rows[0][0] : plan.rows[0][1]]
             )
-            pending.append((plan, self.client.send(creditor, layer, rows, plan.segments)))
+            pending.append((plan, self.client.send(creditor, layer, rows, plan.segments, plan.encoded)))
+        sent = time.perf_counter()
         local = self.local.forward_partial(q, k, v, cache, meta.inner)
         local_done = time.perf_counter()
         remote = [(plan, self.client.collect(p)) for plan, p in pending]
@@ -119,7 +127,8 @@ class DistributedAttention:
         s = self.stats
         s.layers += 1
         s.layer_s += done - started
-        s.local_s += local_done - started
+        s.send_s += sent - started
+        s.local_s += local_done - sent
         s.exposed_s += collected - local_done
         s.merge_s += done - collected
         per_layer = self.client.stats.per_layer_exposed_s
@@ -133,24 +142,18 @@ class DistributedAttention:
         """Rows with remote blocks: the merge of the local partial and each creditor's; others: local alone."""
         rows = meta.remote_rows
         assert rows is not None
-        where = {int(r): i for i, r in enumerate(rows.tolist())}
         sub = AttentionPartial(m=local.m[rows], e=local.e[rows], o=local.o[rows])
         parts = [sub]
         for plan, part in remote:
             # A creditor's partial over the rows it was sent; the rows it was not sent are empty there (m = -inf,
             # e = 0), which the merge leaves unchanged.
+            if len(plan.where) == len(rows):
+                parts.append(part)  # it was sent every remote row, in order
+                continue
             full = AttentionPartial(
                 m=torch.full_like(sub.m, float("-inf")), e=torch.zeros_like(sub.e), o=torch.zeros_like(sub.o)
             )
-            at = 0
-            for s, e in plan.rows:
-                idx = torch.tensor([where[r] for r in range(s, e)], dtype=torch.long)
-                full.m[idx], full.e[idx], full.o[idx] = (
-                    part.m[at : at + e - s],
-                    part.e[at : at + e - s],
-                    part.o[at : at + e - s],
-                )
-                at += e - s
+            full.m[plan.where], full.e[plan.where], full.o[plan.where] = part.m, part.e, part.o
             parts.append(full)
         merged = combine_partials(parts)
         out = merge_partials([local])

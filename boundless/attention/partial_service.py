@@ -49,6 +49,17 @@ _IDLE_POLL_S = 1e-3
 _BUSY_WINDOW_S = 0.05
 
 
+def poll_wait(handle: TransferHandle, timeout_s: float, pause_s: float = 20e-6) -> None:
+    """Wait for a small message by polling ``done`` every ``pause_s``: a transport's own wait may sleep up to a
+    millisecond between polls, which a round trip per layer cannot afford. Times out as a wait does."""
+    deadline = time.monotonic() + timeout_s
+    while not handle.done():
+        if time.monotonic() >= deadline:
+            handle.wait(0)  # the transport's own timeout path: cancels the receive, raises TransferTimeout
+            return
+        time.sleep(pause_s)
+
+
 class RemotePartialError(RuntimeError):
     """A creditor could not answer (it holds no such blocks, it failed, or it is gone)."""
 
@@ -159,7 +170,7 @@ class PartialServer:
         with self._lock:
             if peer in self._headers:
                 self._headers[peer] = self._post_header(peer)
-        body.wait(self.timeout_s)
+        poll_wait(body, self.timeout_s)
         start = time.perf_counter()
         status = torch.tensor([STATUS_OK, seq], dtype=torch.int64)
         m, e, o = torch.zeros(t, h, 1), torch.zeros(t, h, 1), torch.zeros(t, h, d)
@@ -222,12 +233,20 @@ class PartialClient:
         self.stats = PartialStats()
         self._seq: dict[str, int] = {}
 
-    def send(self, creditor: str, layer: int, q: torch.Tensor, segments: Sequence[QuerySegment]) -> PendingPartial:
-        """Ask ``creditor`` for the partials of ``q`` [T, heads, head_dim] (fp32, the segments' rows in order)."""
+    def send(
+        self,
+        creditor: str,
+        layer: int,
+        q: torch.Tensor,
+        segments: Sequence[QuerySegment],
+        encoded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> PendingPartial:
+        """Ask ``creditor`` for the partials of ``q`` [T, heads, head_dim] (fp32, the segments' rows in order);
+        ``encoded`` is ``encode_segments(segments)`` made once for every layer of a step."""
         seq = self._seq.get(creditor, 0)
         self._seq[creditor] = seq + 1
         t, h, d = q.shape
-        rows, lens, ids = encode_segments(segments)
+        rows, lens, ids = encoded if encoded is not None else encode_segments(segments)
         header = request_header(seq, layer, t, h, d, len(segments), ids.numel())
         q = q.float().contiguous()
         # Normal tensors even inside the forward pass's inference mode: the transport's thread writes them.
@@ -248,9 +267,9 @@ class PartialClient:
     def collect(self, pending: PendingPartial) -> AttentionPartial:
         """Wait for the creditor's partial (raises :class:`RemotePartialError` when it cannot give it)."""
         try:
-            for handle in pending.sends:
+            poll_wait(pending.reply, self.timeout_s)
+            for handle in pending.sends:  # done by now: the reply answers them
                 handle.wait(self.timeout_s)
-            pending.reply.wait(self.timeout_s)
         except TransportError as e:
             self.stats.errors += 1
             raise RemotePartialError(pending.creditor, str(e)) from e
