@@ -38,9 +38,13 @@ def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) 
     """One engine in this process, or with ``--instances N`` (or prefill and decode engines) a cluster of Ray
     actors behind a router."""
     if cluster.kv_lending == "on":
-        # The ledger, protocol and planner exist (cluster/rmanager.py, cluster/gmanager.py); moving blocks and
-        # attention over them (DistAttention) are not wired into the engine yet.
-        raise ConfigError("--kv-lending: on needs DistAttention in the engine, which is not built yet")
+        # The ledger, protocol and planner exist (cluster/rmanager.py, cluster/gmanager.py), and so does the engine
+        # side: moves over the transport and DistAttention (engine/lending.py). What is missing is the cluster
+        # carrying it: heartbeats to the gManager, its orders and the protocol's messages over Ray.
+        raise ConfigError(
+            "--kv-lending: on needs the cluster to carry KV lending between its instances (gManager plans and the "
+            "move protocol over Ray), which is not built yet; the engine side is (docs/distributed-attention.md)"
+        )
     if cluster.instances > 1 or cluster.ray_address or cluster.disaggregated:
         from boundless.cluster.client import ClusterClient
 
