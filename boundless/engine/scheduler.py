@@ -374,19 +374,20 @@ class Scheduler:
         out.preempted_ids.append(request.request_id)
 
     def preempt_to_recompute(self, request_id: str) -> bool:
-        """Drop a running request's KV, to be recomputed from its tokens (its blocks on another instance were lost
-        with it); False when it is not running here."""
+        """Drop a request's KV (running, or swapped out), to be recomputed from its tokens (its blocks on another
+        instance were lost with it); False when it holds no KV here."""
         request = self.requests.get(request_id)
-        if request is None or request not in self.running:
+        if request is None or request.status not in (RequestStatus.RUNNING, RequestStatus.SWAPPED):
             return False
         self.kv.free(request_id)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.stats.num_recomputed += 1
-        self.running.remove(request)
-        self.waiting.append(request)
+        if request in self.running:
+            self.running.remove(request)
+            self.waiting.append(request)
+        request.status = RequestStatus.PREEMPTED
         return True
 
     def _to_running(self, request: Request) -> None:
