@@ -58,6 +58,7 @@ class _EngineStateCollector:
                 c.add_metric([inst], float(get(s)))
             yield c
         yield from _tier_metrics(snapshots)
+        yield from _lending_metrics(snapshots)
         kinds = {"kept": "num_kept", "swapped": "num_swapped_out", "recomputed": "num_recomputed"}
         c = CounterMetricFamily(
             "boundless_preemptions",
@@ -68,6 +69,50 @@ class _EngineStateCollector:
             for kind, attr in kinds.items():
                 c.add_metric([inst, kind], float(getattr(s, attr)))
         yield c
+
+
+def _lending_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
+    """KV lending (instances with a lending agent): moves, bytes moved, DistAttention round trips; blocks lent and
+    borrowed now."""
+    lending = {inst: s.lending for inst, s in snapshots.items() if s.lending is not None}
+    if not lending:
+        return
+    counters = {
+        "boundless_kv_lending_moves": ("moves of KV blocks committed, by direction", "moves_out", "moves_in"),
+        "boundless_kv_lending_bytes_moved": ("bytes of KV blocks moved, by direction", "bytes_out", "bytes_in"),
+    }
+    for name, (doc, out_attr, in_attr) in counters.items():
+        c = CounterMetricFamily(name, doc, labels=["instance", "direction"])
+        for inst, s in lending.items():
+            c.add_metric([inst, "out"], float(getattr(s, out_attr)))
+            c.add_metric([inst, "in"], float(getattr(s, in_attr)))
+        yield c
+    plain = {
+        "boundless_distattn_round_trips": ("DistAttention partial requests answered, as debtor", "round_trips"),
+        "boundless_distattn_round_trip_bytes": ("bytes of those requests and replies", "round_trip_bytes"),
+        "boundless_distattn_partials_served": ("DistAttention partial requests served, as creditor", "partials_served"),
+        "boundless_distattn_exposed_wait_seconds": (
+            "seconds layers waited for creditors after their local partial",
+            "exposed_wait_s",
+        ),
+        "boundless_kv_lending_recomputed_requests": (
+            "requests recomputed: blocks lost with a creditor",
+            "requests_recomputed",
+        ),
+    }
+    for name, (doc, attr) in plain.items():
+        c = CounterMetricFamily(name, doc, labels=["instance"])
+        for inst, s in lending.items():
+            c.add_metric([inst], float(getattr(s, attr)))
+        yield c
+    for name, doc, attr in (
+        ("boundless_kv_blocks_lent", "KV blocks held for other instances' requests", "blocks_lent"),
+        ("boundless_kv_blocks_borrowed", "KV blocks of this instance's requests held by others", "blocks_borrowed"),
+    ):
+        g = GaugeMetricFamily(name, doc, labels=["instance"])
+        for inst, s in lending.items():
+            g.add_metric([inst], float(getattr(s, attr)))
+        yield g
 
 
 def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:

@@ -20,6 +20,7 @@ from boundless.engine.detokenizer import IncrementalDetokenizer
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
+from boundless.engine.lending_stats import LendingStats
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
@@ -114,6 +115,7 @@ class EngineStats:
     kv_tiers: dict[str, TierStats] = field(default_factory=dict)  # by tier id, those this instance has
     disk_io: DiskIOStats | None = None  # the disk store's loads and writes (with --kv-disk-path)
     remote_io: RemoteIOStats | None = None  # block streams to and from other instances (with a transport)
+    lending: LendingStats | None = None  # KV lending and DistAttention (with a lending agent)
 
     @property
     def kv_usage(self) -> float:
@@ -178,6 +180,7 @@ class EngineCore:
         self._disk_io = DiskIOStats()  # the executor's disk I/O, as last reported
         self._remote_io: RemoteIOStats | None = None  # its block streams, as last reported (once connected)
         self.handoff_timeout_s = DEFAULT_TIMEOUT_S
+        self.lending_stats: Callable[[], LendingStats] | None = None  # set by a lending agent (engine/lending.py)
         # Requests prepared for a handoff, by the time past which one still waiting for its first token is dropped
         # (its prefill engine or the dispatcher is gone): nothing may hold blocks for good.
         self._awaiting: dict[str, float] = {}
@@ -474,6 +477,7 @@ class EngineCore:
             kv_tiers=self._tier_stats(),
             disk_io=self._disk_io if self.kv.has_disk else None,
             remote_io=self._remote_io,
+            lending=self.lending_stats() if self.lending_stats is not None else None,
         )
 
     def _tier_stats(self) -> dict[str, TierStats]:

@@ -43,6 +43,7 @@ from boundless.cluster.rmanager import (
 )
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.executor import ModelExecutor
+from boundless.engine.lending_stats import LendingStats
 from boundless.engine.request import RequestStatus
 from boundless.kv.manager import LentSpan
 from boundless.transport.base import KVTransport, TransportError
@@ -117,6 +118,26 @@ class LendingAgent:
             runner.attention.local.scale,
             timeout_s,
             on_peer_lost=self._lost_debtors.add,
+        )
+        core.lending_stats = self.snapshot
+
+    def snapshot(self) -> LendingStats:
+        m, c, a = self.stats, self.client.stats, self.attention.stats
+        return LendingStats(
+            moves_out=m.moves_out,
+            blocks_out=m.blocks_out,
+            bytes_out=m.bytes_out,
+            moves_in=m.moves_in,
+            blocks_in=m.blocks_in,
+            bytes_in=m.bytes_in,
+            requests_recomputed=m.requests_recomputed,
+            round_trips=c.round_trips,
+            round_trip_bytes=c.bytes_sent + c.bytes_received,
+            partials_served=self.server.stats.round_trips,
+            remote_layers=a.layers,
+            exposed_wait_s=a.exposed_s,
+            blocks_lent=self.rm.lent_blocks,
+            blocks_borrowed=sum(self.core.kv.num_lent_blocks(r.request_id) for r in self.core.scheduler.running),
         )
 
     @property

@@ -12,6 +12,7 @@ import time
 import torch
 from lending_helpers import BLOCK, CHUNK, LONG, PARAMS, Cluster, LocalControlPlane, Recorded, engine, reference
 
+from boundless.api.metrics import ServerMetrics
 from boundless.cluster.rmanager import SendBlocks
 from boundless.engine.core import EngineCore
 from boundless.transport.blocks import BlocksReceive
@@ -98,6 +99,17 @@ def test_moves_keep_every_block_its_own_and_the_output_unchanged(load, make_clus
     data = debtor.cache.data
     assert debtor.stats.bytes_out == 5 * data[:, :, :, 0].numel() * 4
     assert c1.rm.lent_blocks == 0 and c2.rm.lent_blocks == 0 and c1.core.kv.pool.num_used == 0
+    # /metrics: moves and bytes by direction, and the round trips on each side.
+    text = ServerMetrics(lambda: {"d": debtor.core.stats(), "c1": c1.core.stats(), "c2": c2.core.stats()}).render()
+    lines = set(text.decode().splitlines())
+    assert 'boundless_kv_lending_moves_total{direction="out",instance="d"} 2.0' in lines
+    assert (
+        f'boundless_kv_lending_bytes_moved_total{{direction="in",instance="c1"}} {3 * data[:, :, :, 0].numel() * 4:.1f}'
+        in lines
+    )
+    served = c1.server.stats.round_trips + c2.server.stats.round_trips
+    assert served == debtor.client.stats.round_trips > 0
+    assert f'boundless_distattn_round_trips_total{{instance="d"}} {float(served)}' in lines
 
 
 def test_a_refused_move_changes_nothing(load, make_cluster) -> None:
