@@ -24,7 +24,7 @@ from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.handoff import HandoffPlan, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
-from boundless.model.loader import load_model
+from boundless.model.loader import LoadedModel, load_model
 from boundless.programs.ref import ProgramRef
 from boundless.transport.endpoints import EndpointSpec, open_endpoint
 
@@ -78,6 +78,7 @@ class EngineInstance:
         max_waiting: int,
         threads: int | None = None,
         role: RoleSetup | None = None,
+        loaded: LoadedModel | None = None,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
@@ -85,7 +86,8 @@ class EngineInstance:
         self.role = role
         fail_seed = os.environ.get(FAIL_ADD_SEED_ENV)
         self._fail_add_seed = int(fail_seed) if fail_seed else None
-        loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+        if loaded is None:  # an actor loads its own; instances in one process may share one
+            loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
         self.links = InstanceLinks(None, None)
         if role is not None:
             self.links = instance_links(role.cluster, time.monotonic, time.sleep)
