@@ -418,7 +418,12 @@ def make_pd_dispatcher(
     # With emulated storage links every instance reads through a link of its own: a node of its own.
     emulated = cluster.storage_gbps is not None or cluster.net_gbps is not None
     members = {
-        iid: PDInstance(i.role, iid if emulated else i.node, i.kv_address)  # type: ignore[arg-type]
+        iid: PDInstance(
+            i.role,  # type: ignore[arg-type]
+            iid if emulated else i.node,
+            i.kv_address,
+            i.kv_blocks * i.block_size if i.role == "decode" and i.kv_blocks else None,
+        )
         for iid, i in infos.items()
     }
     first = next(iter(infos.values()))

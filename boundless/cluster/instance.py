@@ -45,6 +45,7 @@ class InstanceInfo:
     block_size: int = 16
     kv_bytes_per_block: int = 0
     fingerprint: str = ""
+    kv_blocks: int = 0  # its device KV pool
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ class EngineInstance:
             block_size=core.layout.block_size,
             kv_bytes_per_block=core.layout.bytes_per_block,
             fingerprint=core.identity.fingerprint,
+            kv_blocks=core.layout.num_blocks,
         )
 
     def add(

@@ -67,11 +67,13 @@ Phase = Literal["queued", "preparing", "prefilling", "continuing", "decoding"]
 @dataclass(frozen=True)
 class PDInstance:
     """An engine as the dispatcher places work on it: its role, the node whose storage link it reads through
-    (with emulated links every instance is a node of its own), and its KV transport's address."""
+    (with emulated links every instance is a node of its own), its KV transport's address, and for a DE the
+    tokens of KV its memory holds (the scheduler's KV-room rule)."""
 
     role: Role
     node: str
     address: str
+    kv_capacity_tokens: int | None = None  # a DE's KV memory (device blocks x block size); None: not limited
 
 
 @dataclass(frozen=True)
@@ -295,8 +297,12 @@ class PDDispatcher(Dispatcher):
     # -- decisions ---------------------------------------------------------------------------------
 
     def loads(self) -> list[EngineLoad]:
-        """Every live engine's load as the scheduler sees it: its calls and their tokens (counted here) and
-        its node's storage read queue (reported)."""
+        """Every live engine's load as the scheduler sees it: its calls and their tokens (counted here), its
+        node's storage read queue (reported, plus the reads placed since), and a DE's free KV: its capacity less
+        the tokens of its calls (exact and current, as every call passes here; a report of free blocks would lag
+        the placements of a burst, and counts blocks a prepared call is about to take as free). A DE with no
+        call counts as having room for anything, so a call longer than its memory still goes somewhere (the
+        engine then serves or rejects it as it would alone)."""
         seq: Counter[str] = Counter()
         tok: Counter[str] = Counter()
         for call in self.calls.values():
@@ -314,7 +320,14 @@ class PDDispatcher(Dispatcher):
             queues[node] = max(queues.get(node, 0), q)
         return [
             EngineLoad(
-                iid, inst.role, inst.node, f"{inst.role}@{inst.node}", seq[iid], tok[iid], queues.get(inst.node, 0)
+                iid,
+                inst.role,
+                inst.node,
+                f"{inst.role}@{inst.node}",
+                seq[iid],
+                tok[iid],
+                queues.get(inst.node, 0),
+                _free_kv(inst, seq[iid], tok[iid]),
             )
             for iid, inst in self.instances.items()
             if self.views[iid].alive
@@ -332,6 +345,11 @@ class PDDispatcher(Dispatcher):
         pending = [PendingRequest(c.request_id, c.num_tokens, min(c.stored_tokens, c.num_tokens)) for c in self.queue]
         result = schedule(pending, self.loads(), self.config)
         decisions: list[PDDecision] = []
+        # The placed reads join their nodes' queues until the engines report again: calls placed meanwhile (one
+        # at a time, as calls end) see them, instead of all taking the path the last report made shorter.
+        for iid, inst in self.instances.items():
+            if iid in self.read_queues or result.read_queues.get(inst.node):
+                self.read_queues[iid] = result.read_queues.get(inst.node, 0)
         for placement in result.placements:
             call = self.calls[placement.request_id]
             self.queue.remove(call)
@@ -395,6 +413,13 @@ class PDDispatcher(Dispatcher):
 
     def _live(self, role: Role) -> bool:
         return any(self.views[iid].alive for iid, inst in self.instances.items() if inst.role == role)
+
+
+def _free_kv(instance: PDInstance, calls: int, tokens: int) -> int | None:
+    """A DE's free KV in tokens as the scheduler's KV-room rule reads it (None: no limit; see ``loads``)."""
+    if instance.role != "decode" or instance.kv_capacity_tokens is None or calls == 0:
+        return None
+    return max(0, instance.kv_capacity_tokens - tokens)
 
 
 def _answers_current(call: PDCall, send: Send) -> bool:
