@@ -54,10 +54,12 @@ from boundless.bench.workloads import (
 from boundless.cluster.links import Link, LinkStats, ThrottledLink, gbps_to_bytes_per_s
 from boundless.config import ClusterConfig, EngineConfig, engine_config_from_flags
 from boundless.engine.builder import size_engine
+from boundless.kv.transfer import DISK
 from boundless.model.loader import LoadedModel
 
 PD_MODES = ("basic", "dualpath", "oracle")
 MODES = (*PD_MODES, "colocated")
+LOAD_TIMEOUT_S = 60.0
 DEFAULT_TRACE_FOLDER = "/work/shared/traces/lmcache_agent_trace/miniswe"
 
 
@@ -83,6 +85,7 @@ class Serving:
     links: dict[str, list[LinkStats]]  # filled at the end: per instance (p0, d0, or colocated)
     read_paths: dict[str, int]  # calls placed per read path (PD only)
     computed: dict[str, int] = dataclasses.field(default_factory=dict)  # tokens each instance ran through the model
+    load_timeouts: int = 0  # store loads given up on (then recomputed)
 
 
 def memory_config(
@@ -98,8 +101,11 @@ def memory_config(
         num_kv_blocks=cache.num_kv_blocks or device_sessions * per_session,
         kv_host_gb=cache.kv_host_gb
         if cache.kv_host_gb is not None
-        else host_sessions * per_session * per_block / 2**30,  # noqa: E501
+        else host_sessions * per_session * per_block / 2**30,
         kv_write_policy="through",
+        # The load timeout is for stuck storage; behind a deliberately slow emulated link a queued load may wait
+        # longer than the default 10 s, and the timeout would turn that wait into recomputation.
+        kv_load_timeout_s=max(cache.kv_load_timeout_s, LOAD_TIMEOUT_S),
     )
     return dataclasses.replace(base, cache=cache)
 
@@ -146,7 +152,9 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
             try:
                 yield run
             finally:
-                run.computed = {"colocated": engine.stats()["0"].computed_tokens}
+                stats = engine.stats()["0"]
+                run.computed = {"colocated": stats.computed_tokens}
+                run.load_timeouts = stats.kv_tiers[DISK].load_timeouts if DISK in stats.kv_tiers else 0
                 engine.shutdown()
                 run.links = {"colocated": [link.stats()] if link else []}
         else:
@@ -163,7 +171,9 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
                 yield run
             finally:
                 run.links = pd.link_stats()
-                run.computed = {iid: stats.computed_tokens for iid, stats in pd.stats().items()}
+                stats = pd.stats()
+                run.computed = {iid: s.computed_tokens for iid, s in stats.items()}
+                run.load_timeouts = sum(s.kv_tiers[DISK].load_timeouts for s in stats.values() if DISK in s.kv_tiers)
                 run.read_paths = dict(pd.dispatcher.placements)
                 pd.shutdown()
         gc.collect()
@@ -184,6 +194,7 @@ def run_once(
     row |= link_figures(run.links, row["jct_s"])
     row["read_paths"] = run.read_paths
     row |= {f"{iid}_computed_tokens": n for iid, n in run.computed.items()}
+    row["load_timeouts"] = run.load_timeouts
     return row, turns
 
 

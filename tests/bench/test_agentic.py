@@ -24,10 +24,12 @@ def test_agent_sessions_keep_their_lengths_whatever_their_arrivals() -> None:
         assert all(c.new_input < s.system_prompt / 4 for stage in s.stages for c in stage)
 
 
-def test_every_mode_serves_the_same_sessions_with_identical_outputs(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_every_mode_serves_the_same_sessions_with_identical_outputs(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
     args = build_parser().parse_args(
         ["bench", "agentic", "--model", str(model_dirs["tiny-llama"]), "--num-sessions", "4", "--scale", "0.02",
-         "--turn-scale", "0.1", "--memory-sessions", "1", "--rate", "20", "--tool-wait", "0.01",
+         "--turn-scale", "0.1", "--memory-sessions", "2", "--host-sessions", "2", "--rate", "20", "--tool-wait", "0.01",
          "--storage-gbps", "0.5", "--net-gbps", "4", "--sweep-gbps", "2", "--out-dir", str(tmp_path)]
     )  # fmt: skip
     result = agentic.run(args)
