@@ -299,21 +299,25 @@ class PDDispatcher(Dispatcher):
     def loads(self) -> list[EngineLoad]:
         """Every live engine's load as the scheduler sees it: its calls and their tokens (counted here), its
         node's storage read queue (reported, plus the reads placed since), and a DE's free KV: its capacity less
-        the tokens of its calls (exact and current, as every call passes here; a report of free blocks would lag
-        the placements of a burst, and counts blocks a prepared call is about to take as free). A DE with no
+        what its calls will take, in whole blocks with room for their outputs (exact and current, as every call
+        passes here; a report of free blocks would lag the placements of a burst, and counts blocks a prepared
+        call is about to take as free). A DE with no
         call counts as having room for anything, so a call longer than its memory still goes somewhere (the
         engine then serves or rejects it as it would alone)."""
         seq: Counter[str] = Counter()
         tok: Counter[str] = Counter()
+        kv: Counter[str] = Counter()  # KV a DE's calls will take: whole blocks, their outputs' room included
         for call in self.calls.values():
             engines = []
             if call.phase in ("preparing", "prefilling"):
                 engines.append(call.prefill_engine)
             if call.phase != "queued" and call.decode_engine:
                 engines.append(call.decode_engine)
+                kv[call.decode_engine] += self._kv_footprint(call)
             for engine in engines:
                 seq[engine] += 1
                 tok[engine] += call.num_tokens
+        longest_queued = max((c.num_tokens for c in self.queue), default=0)
         queues: dict[str, int] = {}
         for iid, q in self.read_queues.items():
             node = self.instances[iid].node
@@ -327,11 +331,18 @@ class PDDispatcher(Dispatcher):
                 seq[iid],
                 tok[iid],
                 queues.get(inst.node, 0),
-                _free_kv(inst, seq[iid], tok[iid]),
+                _free_kv(inst, seq[iid], kv[iid], longest_queued),
             )
             for iid, inst in self.instances.items()
             if self.views[iid].alive
         ]
+
+    def _kv_footprint(self, call: PDCall) -> int:
+        """Tokens of a DE's memory a call takes at most: its prompt and every output token, in whole blocks (a
+        count of bare tokens would let the rounding of a few calls overfill the DE, whose admissions then wait
+        on each other's held prefixes)."""
+        most = len(call.prompt) + max(len(call.output_token_ids), call.params.max_tokens or 0)
+        return -(-most // self.block_size) * self.block_size
 
     def _place(self) -> list[PDDecision]:
         """Place queued calls in FIFO order while engines take them."""
@@ -415,11 +426,15 @@ class PDDispatcher(Dispatcher):
         return any(self.views[iid].alive for iid, inst in self.instances.items() if inst.role == role)
 
 
-def _free_kv(instance: PDInstance, calls: int, tokens: int) -> int | None:
-    """A DE's free KV in tokens as the scheduler's KV-room rule reads it (None: no limit; see ``loads``)."""
-    if instance.role != "decode" or instance.kv_capacity_tokens is None or calls == 0:
+def _free_kv(instance: PDInstance, calls: int, taken: int, longest_queued: int) -> int | None:
+    """A DE's free KV in tokens as the scheduler's KV-room rule reads it (None: no limit; see ``loads``). An
+    empty DE has room for the longest waiting call even beyond its capacity (the engine serves or rejects such
+    a call as it would alone), and for that call only: the round accounts it before the next."""
+    if instance.role != "decode" or instance.kv_capacity_tokens is None:
         return None
-    return max(0, instance.kv_capacity_tokens - tokens)
+    if calls == 0:
+        return max(instance.kv_capacity_tokens, longest_queued)
+    return max(0, instance.kv_capacity_tokens - taken)
 
 
 def _answers_current(call: PDCall, send: Send) -> bool:

@@ -111,8 +111,9 @@ def test_a_decode_engine_takes_calls_only_while_its_kv_memory_has_room() -> None
     instances = {"p0": PDInstance("prefill", "p0", "addr-p0"), "d0": PDInstance("decode", "d0", "addr-d0", 100)}
     d = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
     prepared(d, "a", list(range(60)), IntakeAnswer(0))
-    assert {load.engine_id: load.kv_free_tokens for load in d.loads()} == {"p0": None, "d0": 40}
-    assert d.submit("b", list(range(60)), PARAMS) == []  # 60 tokens do not fit in the 40 left: b waits
+    # a takes its 60 prompt tokens and room for its 8 output tokens, in whole 16-token blocks: 80 of the 100.
+    assert {load.engine_id: load.kv_free_tokens for load in d.loads()} == {"p0": None, "d0": 20}
+    assert d.submit("b", list(range(60)), PARAMS) == []  # 60 tokens do not fit in the 20 left: b waits
     assert [c.request_id for c in d.queue] == ["b"]
     d.receive("p0", delta("a", [7], "x", "handoff"))
     _, follow = d.receive("d0", delta("a", [8], "y", "length"))  # a ends: its tokens leave the DE
@@ -122,6 +123,10 @@ def test_a_decode_engine_takes_calls_only_while_its_kv_memory_has_room() -> None
     e = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
     (prepare,) = e.submit("long", list(range(150)), PARAMS)
     assert isinstance(prepare, Prepare) and prepare.instance_id == "d0"
+    # One burst is accounted call by call: an empty DE takes the first of two calls that together overfill it.
+    f = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
+    decisions = f.submit("x", list(range(60)), PARAMS) + f.submit("y", list(range(60)), PARAMS)
+    assert [p.request_id for p in decisions] == ["x"] and [c.request_id for c in f.queue] == ["y"]
 
 
 def test_a_first_token_that_ends_the_call_releases_the_des_half() -> None:
