@@ -81,6 +81,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         handoff.run(args)
         return 0
+    if args.bench_kind == "agentic":
+        from boundless.bench import agentic
+
+        agentic.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -161,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     handoff = bench_sub.add_parser("handoff", help="a prefill engine's KV handoff: layer by layer, or after the pass")
     bench_handoff.add_arguments(handoff)
     handoff.set_defaults(func=_bench)
+    from boundless.bench import agentic as bench_agentic
+
+    agentic = bench_sub.add_parser(
+        "agentic", help="agent sessions over the KV store: basic, dualpath, oracle and colocated, side by side"
+    )
+    bench_agentic.add_arguments(agentic)
+    add_engine_flags(agentic)
+    agentic.set_defaults(func=_bench)
     return parser
 
 

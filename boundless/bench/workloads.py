@@ -9,6 +9,7 @@ Everything here is generated from a seed: the same arguments give the same progr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -226,6 +227,65 @@ def _mcts(rng: random.Random, pid: str, t: float, shape: WorkloadShape) -> Progr
         spec.stages.append(stage)
         selected = rng.choice(stage).thread_id  # the tree search descends into one expansion
     return spec
+
+
+@dataclass(frozen=True)
+class AgentStats:
+    """An agent trajectory's mean lengths in tokens: its first context, each turn's append (tool results, a user
+    turn) and output, and its number of turns."""
+
+    context: int
+    append: int
+    output: int
+    turns: float
+
+
+# DualPath's agent traces (arXiv 2602.21548, Table 2) as issue 13 states them: tens of turns, appends of a few
+# hundred tokens, contexts of tens of thousands of tokens (16K to start, ~32K after 32 turns of 384 + 128). Our
+# summary of the paper does not carry the table's exact figures; these are round numbers inside those ranges.
+DUALPATH_AGENT = AgentStats(context=16384, append=384, output=128, turns=32)
+
+
+def agent_sessions(
+    num_sessions: int,
+    rate: float,
+    seed: int = 0,
+    shape: WorkloadShape | None = None,
+    stats: AgentStats = DUALPATH_AGENT,
+) -> list[ProgramSpec]:
+    """``num_sessions`` agent trajectories arriving by a Poisson process at ``rate`` per second (0: all at once;
+    the lengths do not depend on the rate).
+
+    Each is one thread whose every turn appends to the whole conversation so far: a long shared context and
+    short appends, the agentic case DualPath is about. Lengths shrink by ``shape.scale`` and turns by
+    ``shape.call_scale`` (capped at ``shape.max_calls``) to fit a CPU.
+    """
+    shape = shape or WorkloadShape()
+    rng = random.Random(seed)
+    sessions = []
+    for i in range(num_sessions):
+        context = max(8, round(_lognormal(rng, stats.context * shape.scale, LENGTH_SIGMA / 2)))
+        spec = ProgramSpec(f"agent-{seed}-{i}", 0.0, system_prompt=context)
+        turns = max(1, min(shape.max_calls, round(stats.turns * shape.call_scale)))
+        for _ in range(turns):
+            append = _exp_len(rng, stats.append * shape.scale, 1, shape.max_len)
+            output = _exp_len(rng, stats.output * shape.scale, 2, shape.max_len)
+            wait = rng.expovariate(1.0 / shape.tool_wait_s) if shape.tool_wait_s > 0 else 0.0
+            spec.stages.append([CallSpec("main", ("main",), append, output, wait)])
+        sessions.append(spec)
+    return with_arrivals(sessions, rate, seed)
+
+
+def with_arrivals(programs: list[ProgramSpec], rate: float, seed: int = 0) -> list[ProgramSpec]:
+    """The same programs arriving by a Poisson process at ``rate`` per second (0: all at once), drawn apart from
+    their lengths: an offline and an online run then serve the very same programs."""
+    rng = random.Random(f"arrivals:{seed}")
+    t = 0.0
+    out = []
+    for spec in programs:
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+        out.append(dataclasses.replace(spec, arrival_s=t))
+    return out
 
 
 def load_agent_sessions(folder: str | Path, chars_per_token: float = 4.0) -> list[list[tuple[int, int, float]]]:

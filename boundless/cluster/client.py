@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,14 +94,8 @@ class ClusterClient:
         self._transport_dir = ""
         setups: dict[str, RoleSetup | None] = dict.fromkeys(roles)
         if cluster.disaggregated:
-            base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            self._transport_dir = os.path.join(base, f"boundless-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            # Under oracle no read costs storage bandwidth: the instances get no storage link.
-            links = dataclasses.replace(cluster, storage_gbps=None) if cluster.kv_path == "oracle" else cluster
-            setups = {
-                iid: RoleSetup(role, links, self._transport_dir, rank, len(roles))  # type: ignore[arg-type]
-                for rank, (iid, role) in enumerate(roles.items())
-            }
+            self._transport_dir = transport_directory()
+            setups = role_setups(cluster, self._transport_dir)
         self.instances: dict[str, Instance] = {
             iid: Instance(actor_cls.remote(iid, engine, max_waiting, threads, setups[iid])) for iid in roles
         }
@@ -134,18 +128,8 @@ class ClusterClient:
 
     def _pd_dispatcher(self, engine: EngineConfig, cluster: ClusterConfig, table: ProcessTable) -> PDDispatcher:
         infos = {iid: inst.info for iid, inst in self.instances.items() if inst.info is not None}
-        if len({i.fingerprint for i in infos.values()}) != 1:
-            raise RuntimeError("prefill and decode engines must serve the same model (their KV fingerprints differ)")
-        # With emulated storage links every instance reads through a link of its own: a node of its own.
-        emulated = cluster.storage_gbps is not None or cluster.net_gbps is not None
-        members = {
-            iid: PDInstance(i.role, iid if emulated else i.node, i.kv_address)  # type: ignore[arg-type]
-            for iid, i in infos.items()
-        }
-        first = next(iter(infos.values()))
-        self._kv_bytes_per_token = max(1, first.kv_bytes_per_block // first.block_size)
-        config = PDSchedulerConfig.from_configs(cluster, engine.scheduler)
-        return PDDispatcher(members, table, time.monotonic, config, first.block_size)
+        self._kv_bytes_per_token = kv_bytes_per_token(infos)
+        return make_pd_dispatcher(infos, engine, cluster, table)
 
     # -- the EngineClient interface ------------------------------------------------------------
 
@@ -168,7 +152,7 @@ class ClusterClient:
                     self.dispatcher.submit(request_id, prompt_token_ids, params, program), caller=request_id
                 )
             if failure is not None:
-                raise _error(failure)
+                raise failure_error(failure)
 
         return self.streams.open_and_start(request_id, self.abort, start)
 
@@ -199,7 +183,7 @@ class ClusterClient:
                     "role": self.dispatcher.role(iid),
                     "calls": load.seq if load else 0,
                     "tokens": load.tok if load else 0,
-                    "read_queue_bytes": _storage_queue(inst.links),
+                    "read_queue_bytes": storage_queue_bytes(inst.links),
                 }
             out.append(entry)
         return out
@@ -233,7 +217,7 @@ class ClusterClient:
             labels=["instance", "role"],
         )
         for iid, inst in live.items():
-            queues.add_metric([iid, self.dispatcher.role(iid)], float(_storage_queue(inst.links)))
+            queues.add_metric([iid, self.dispatcher.role(iid)], float(storage_queue_bytes(inst.links)))
         yield queues
         placed = CounterMetricFamily(
             "boundless_pd_calls", "calls placed, by read path (pe, de, none)", labels=["read_path"]
@@ -287,7 +271,7 @@ class ClusterClient:
                 if decision.request_id == caller:
                     failure = decision
                     continue
-                self.streams.deliver(_error_delta(decision))
+                self.streams.deliver(failure_delta(decision))
             elif isinstance(decision, MarkDead):
                 log.error("instance %s is dead (%s); failing over its calls", decision.instance_id, decision.reason)
                 with contextlib.suppress(Exception):  # a hung instance must not come back with stale work
@@ -376,14 +360,14 @@ class ClusterClient:
                     continue
                 inst.stats, inst.links = beat.stats, beat.links
                 if isinstance(self.dispatcher, PDDispatcher):
-                    queued = read_queue_tokens(_storage_queue(beat.links), self._kv_bytes_per_token)
+                    queued = read_queue_tokens(storage_queue_bytes(beat.links), self._kv_bytes_per_token)
                     with self.lock:
                         self.dispatcher.report(iid, queued)
             with self.lock:
                 self.dispatcher.expire()
 
 
-def _error(failure: Fail) -> Exception:
+def failure_error(failure: Fail) -> Exception:
     """The exception a submitter raises for its call's failure (the HTTP layer maps each to a status)."""
     if failure.reason == "invalid":
         return InvalidRequestError(failure.message, failure.param)
@@ -394,7 +378,7 @@ def _error(failure: Fail) -> Exception:
     return InstanceCallError(failure.message)
 
 
-def _error_delta(failure: Fail) -> RequestDelta:
+def failure_delta(failure: Fail) -> RequestDelta:
     """The last delta of a call that failed after it started (while failing over)."""
     return RequestDelta(
         failure.request_id, [], "", [], finished=True, finish_reason="error", stop_reason=failure.message
@@ -408,6 +392,51 @@ def _instance_unreachable(e: Exception) -> bool:
     return not isinstance(e, RayTaskError) and isinstance(e, (RayActorError, GetTimeoutError, ObjectLostError))
 
 
+def transport_directory() -> str:
+    """A fresh directory for the KV transport's endpoints to meet in (shared memory's sockets and slots)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"boundless-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def role_setups(cluster: ClusterConfig, directory: str) -> dict[str, RoleSetup | None]:
+    """Each instance's part in a prefill/decode cluster, its endpoint meeting the others' in ``directory``."""
+    roles = _roles(cluster)
+    # Under oracle no read costs storage bandwidth: the instances get no storage link.
+    links = dataclasses.replace(cluster, storage_gbps=None) if cluster.kv_path == "oracle" else cluster
+    return {
+        iid: RoleSetup(role, links, directory, rank, len(roles))  # type: ignore[arg-type]
+        for rank, (iid, role) in enumerate(roles.items())
+    }
+
+
+def make_pd_dispatcher(
+    infos: Mapping[str, InstanceInfo], engine: EngineConfig, cluster: ClusterConfig, table: ProcessTable
+) -> PDDispatcher:
+    """The dispatcher over prefill and decode engines that described themselves as ``infos``."""
+    if len({i.fingerprint for i in infos.values()}) != 1:
+        raise RuntimeError("prefill and decode engines must serve the same model (their KV fingerprints differ)")
+    # With emulated storage links every instance reads through a link of its own: a node of its own.
+    emulated = cluster.storage_gbps is not None or cluster.net_gbps is not None
+    members = {
+        iid: PDInstance(
+            i.role,  # type: ignore[arg-type]
+            iid if emulated else i.node,
+            i.kv_address,
+            i.kv_blocks * i.block_size if i.role == "decode" and i.kv_blocks else None,
+        )
+        for iid, i in infos.items()
+    }
+    first = next(iter(infos.values()))
+    config = PDSchedulerConfig.from_configs(cluster, engine.scheduler)
+    return PDDispatcher(members, table, time.monotonic, config, first.block_size)
+
+
+def kv_bytes_per_token(infos: Mapping[str, InstanceInfo]) -> int:
+    """KV bytes per token of the engines' model (one model: one ratio), to turn read queues into tokens."""
+    first = next(iter(infos.values()))
+    return max(1, first.kv_bytes_per_block // first.block_size)
+
+
 def _roles(cluster: ClusterConfig) -> dict[str, str | None]:
     """Instance ids and their roles: ``0``..``N-1`` without roles, or ``p0``.. and ``d0``.. with them."""
     if not cluster.disaggregated:
@@ -416,7 +445,7 @@ def _roles(cluster: ClusterConfig) -> dict[str, str | None]:
     return {f"p{i}": "prefill" for i in range(prefill)} | {f"d{i}": "decode" for i in range(decode)}
 
 
-def _storage_queue(links: list[LinkStats]) -> int:
+def storage_queue_bytes(links: list[LinkStats]) -> int:
     """Bytes queued on an instance's storage link (0 without one)."""
     return next((s.queued_bytes for s in links if s.name == "storage"), 0)
 

@@ -24,7 +24,7 @@ from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.handoff import HandoffPlan, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
-from boundless.model.loader import load_model
+from boundless.model.loader import LoadedModel, load_model
 from boundless.programs.ref import ProgramRef
 from boundless.transport.endpoints import EndpointSpec, open_endpoint
 
@@ -45,6 +45,7 @@ class InstanceInfo:
     block_size: int = 16
     kv_bytes_per_block: int = 0
     fingerprint: str = ""
+    kv_blocks: int = 0  # its device KV pool
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class EngineInstance:
         max_waiting: int,
         threads: int | None = None,
         role: RoleSetup | None = None,
+        loaded: LoadedModel | None = None,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
@@ -85,7 +87,8 @@ class EngineInstance:
         self.role = role
         fail_seed = os.environ.get(FAIL_ADD_SEED_ENV)
         self._fail_add_seed = int(fail_seed) if fail_seed else None
-        loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+        if loaded is None:  # an actor loads its own; instances in one process may share one
+            loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
         self.links = InstanceLinks(None, None)
         if role is not None:
             self.links = instance_links(role.cluster, time.monotonic, time.sleep)
@@ -124,6 +127,7 @@ class EngineInstance:
             block_size=core.layout.block_size,
             kv_bytes_per_block=core.layout.bytes_per_block,
             fingerprint=core.identity.fingerprint,
+            kv_blocks=core.layout.num_blocks,
         )
 
     def add(

@@ -67,11 +67,13 @@ Phase = Literal["queued", "preparing", "prefilling", "continuing", "decoding"]
 @dataclass(frozen=True)
 class PDInstance:
     """An engine as the dispatcher places work on it: its role, the node whose storage link it reads through
-    (with emulated links every instance is a node of its own), and its KV transport's address."""
+    (with emulated links every instance is a node of its own), its KV transport's address, and for a DE the
+    tokens of KV its memory holds (the scheduler's KV-room rule)."""
 
     role: Role
     node: str
     address: str
+    kv_capacity_tokens: int | None = None  # a DE's KV memory (device blocks x block size); None: not limited
 
 
 @dataclass(frozen=True)
@@ -295,30 +297,52 @@ class PDDispatcher(Dispatcher):
     # -- decisions ---------------------------------------------------------------------------------
 
     def loads(self) -> list[EngineLoad]:
-        """Every live engine's load as the scheduler sees it: its calls and their tokens (counted here) and
-        its node's storage read queue (reported)."""
+        """Every live engine's load as the scheduler sees it: its calls and their tokens (counted here), its
+        node's storage read queue (reported, plus the reads placed since), and a DE's free KV: its capacity less
+        what its calls will take, in whole blocks with room for their outputs (exact and current, as every call
+        passes here; a report of free blocks would lag the placements of a burst, and counts blocks a prepared
+        call is about to take as free). A DE with no
+        call counts as having room for anything, so a call longer than its memory still goes somewhere (the
+        engine then serves or rejects it as it would alone)."""
         seq: Counter[str] = Counter()
         tok: Counter[str] = Counter()
+        kv: Counter[str] = Counter()  # KV a DE's calls will take: whole blocks, their outputs' room included
         for call in self.calls.values():
             engines = []
             if call.phase in ("preparing", "prefilling"):
                 engines.append(call.prefill_engine)
             if call.phase != "queued" and call.decode_engine:
                 engines.append(call.decode_engine)
+                kv[call.decode_engine] += self._kv_footprint(call)
             for engine in engines:
                 seq[engine] += 1
                 tok[engine] += call.num_tokens
+        longest_queued = max((c.num_tokens for c in self.queue), default=0)
         queues: dict[str, int] = {}
         for iid, q in self.read_queues.items():
             node = self.instances[iid].node
             queues[node] = max(queues.get(node, 0), q)
         return [
             EngineLoad(
-                iid, inst.role, inst.node, f"{inst.role}@{inst.node}", seq[iid], tok[iid], queues.get(inst.node, 0)
+                iid,
+                inst.role,
+                inst.node,
+                f"{inst.role}@{inst.node}",
+                seq[iid],
+                tok[iid],
+                queues.get(inst.node, 0),
+                _free_kv(inst, seq[iid], kv[iid], longest_queued),
             )
             for iid, inst in self.instances.items()
             if self.views[iid].alive
         ]
+
+    def _kv_footprint(self, call: PDCall) -> int:
+        """Tokens of a DE's memory a call takes at most: its prompt and every output token, in whole blocks (a
+        count of bare tokens would let the rounding of a few calls overfill the DE, whose admissions then wait
+        on each other's held prefixes)."""
+        most = len(call.prompt) + max(len(call.output_token_ids), call.params.max_tokens or 0)
+        return -(-most // self.block_size) * self.block_size
 
     def _place(self) -> list[PDDecision]:
         """Place queued calls in FIFO order while engines take them."""
@@ -332,6 +356,11 @@ class PDDispatcher(Dispatcher):
         pending = [PendingRequest(c.request_id, c.num_tokens, min(c.stored_tokens, c.num_tokens)) for c in self.queue]
         result = schedule(pending, self.loads(), self.config)
         decisions: list[PDDecision] = []
+        # The placed reads join their nodes' queues until the engines report again: calls placed meanwhile (one
+        # at a time, as calls end) see them, instead of all taking the path the last report made shorter.
+        for iid, inst in self.instances.items():
+            if iid in self.read_queues or result.read_queues.get(inst.node):
+                self.read_queues[iid] = result.read_queues.get(inst.node, 0)
         for placement in result.placements:
             call = self.calls[placement.request_id]
             self.queue.remove(call)
@@ -395,6 +424,17 @@ class PDDispatcher(Dispatcher):
 
     def _live(self, role: Role) -> bool:
         return any(self.views[iid].alive for iid, inst in self.instances.items() if inst.role == role)
+
+
+def _free_kv(instance: PDInstance, calls: int, taken: int, longest_queued: int) -> int | None:
+    """A DE's free KV in tokens as the scheduler's KV-room rule reads it (None: no limit; see ``loads``). An
+    empty DE has room for the longest waiting call even beyond its capacity (the engine serves or rejects such
+    a call as it would alone), and for that call only: the round accounts it before the next."""
+    if instance.role != "decode" or instance.kv_capacity_tokens is None:
+        return None
+    if calls == 0:
+        return max(instance.kv_capacity_tokens, longest_queued)
+    return max(0, instance.kv_capacity_tokens - taken)
 
 
 def _answers_current(call: PDCall, send: Send) -> bool:

@@ -86,6 +86,49 @@ def test_a_programs_next_call_reads_its_stored_prefix_on_the_shorter_storage_que
     assert prepare.plan.push_tag is None and b.placements["pe"] == 1
 
 
+def test_reads_placed_between_reports_count_in_their_nodes_queue() -> None:
+    d = dispatcher(des=1)
+    stored = {}
+    for name in ("a", "b"):  # two agents, each on its second turn: 64 tokens of stored context
+        program = ProgramRef(name)
+        prepared(d, f"{name}1", list(range(64)), IntakeAnswer(0), program)
+        d.receive("p0", delta(f"{name}1", [50], "a", "handoff"))
+        d.receive("d0", delta(f"{name}1", [51, 52], "bc", "length"))
+        stored[name] = program
+    d.report("p0", 40)
+    d.report("d0", 0)
+    (first,) = d.submit("a2", list(range(64)) + [50, 51, 52, 9], PARAMS, stored["a"])
+    assert first.plan.push_tag is not None  # DE-read: the DE's queue is shorter
+    # No report since: the 64 tokens placed on the DE's node make its queue the longer one now.
+    (second,) = d.submit("b2", list(range(64)) + [50, 51, 52, 9], PARAMS, stored["b"])
+    assert second.plan.push_tag is None and d.placements["de"] == 1 and d.placements["pe"] == 1
+    assert {load.engine_id: load.read_queue for load in d.loads()} == {"p0": 40 + 64, "d0": 64}
+    d.report("d0", 0)  # a report replaces the estimate
+    assert {load.engine_id: load.read_queue for load in d.loads()}["d0"] == 0
+
+
+def test_a_decode_engine_takes_calls_only_while_its_kv_memory_has_room() -> None:
+    instances = {"p0": PDInstance("prefill", "p0", "addr-p0"), "d0": PDInstance("decode", "d0", "addr-d0", 100)}
+    d = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
+    prepared(d, "a", list(range(60)), IntakeAnswer(0))
+    # a takes its 60 prompt tokens and room for its 8 output tokens, in whole 16-token blocks: 80 of the 100.
+    assert {load.engine_id: load.kv_free_tokens for load in d.loads()} == {"p0": None, "d0": 20}
+    assert d.submit("b", list(range(60)), PARAMS) == []  # 60 tokens do not fit in the 20 left: b waits
+    assert [c.request_id for c in d.queue] == ["b"]
+    d.receive("p0", delta("a", [7], "x", "handoff"))
+    _, follow = d.receive("d0", delta("a", [8], "y", "length"))  # a ends: its tokens leave the DE
+    (prepare,) = follow
+    assert isinstance(prepare, Prepare) and prepare.request_id == "b" and prepare.instance_id == "d0"
+    # A DE with no call has room for anything: a call longer than its memory is not stuck in the queue.
+    e = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
+    (prepare,) = e.submit("long", list(range(150)), PARAMS)
+    assert isinstance(prepare, Prepare) and prepare.instance_id == "d0"
+    # One burst is accounted call by call: an empty DE takes the first of two calls that together overfill it.
+    f = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
+    decisions = f.submit("x", list(range(60)), PARAMS) + f.submit("y", list(range(60)), PARAMS)
+    assert [p.request_id for p in decisions] == ["x"] and [c.request_id for c in f.queue] == ["y"]
+
+
 def test_a_first_token_that_ends_the_call_releases_the_des_half() -> None:
     d = dispatcher()
     prepared(d, "a", list(range(20)), IntakeAnswer(0))

@@ -1,0 +1,178 @@
+"""Prefill and decode engines in this process, behind the cluster's PD dispatcher: the Ray cluster's
+transport (``cluster/client.py``) with direct calls in place of actors.
+
+Each engine is an :class:`~boundless.cluster.instance.EngineInstance`, the very body of a Ray actor: its own
+engine loop thread, its endpoint of the KV transport (shared memory by default) and its emulated storage and
+network links. The dispatcher's decisions (prepare the DE, send the call to the PE, continue on the DE) are
+carried out as ``ClusterClient`` carries them out, by calling the instances instead of their actors; a poller
+thread per instance hands its deltas to the dispatcher, and a heartbeat thread reports each node's storage read
+queue. What is left out is what only processes need: failover of a lost instance (nothing here dies alone) and
+Ray's error kinds. The benchmark (``bench/agentic.py``) and tests use it where a Ray actor per engine would be
+too heavy; it offers the HTTP server's engine interface (``submit`` returning a stream), as the Ray cluster does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from boundless.cluster.client import (
+    failure_delta,
+    failure_error,
+    kv_bytes_per_token,
+    make_pd_dispatcher,
+    role_setups,
+    storage_queue_bytes,
+    transport_directory,
+)
+from boundless.cluster.dispatcher import AbortOn, AddResult, Fail, MarkDead, Send
+from boundless.cluster.instance import EngineInstance
+from boundless.cluster.links import LinkStats
+from boundless.cluster.pd_dispatcher import Continue, PDDecision, Prepare, PrepareResult
+from boundless.cluster.pd_scheduler import read_queue_tokens
+from boundless.config import ClusterConfig, EngineConfig
+from boundless.engine.async_engine import RequestStream, StreamRegistry
+from boundless.engine.core import EngineStats
+from boundless.engine.sampling_params import SamplingParams
+from boundless.model.loader import LoadedModel
+from boundless.programs.process_table import ProcessTable
+from boundless.programs.ref import ProgramRef
+
+
+class LocalPDCluster:
+    """``--prefill-instances P --decode-instances D`` engines in this process behind a PD dispatcher."""
+
+    def __init__(
+        self, engine: EngineConfig, cluster: ClusterConfig, loaded: LoadedModel | None = None, max_waiting: int = 1024
+    ) -> None:
+        if not cluster.disaggregated:
+            raise ValueError("a local PD cluster needs --prefill-instances and --decode-instances")
+        self.config = cluster
+        self._transport_dir = transport_directory()
+        setups = role_setups(cluster, self._transport_dir)
+        self.instances = {
+            iid: EngineInstance(iid, engine, max_waiting, role=setup, loaded=loaded) for iid, setup in setups.items()
+        }
+        infos = {iid: inst.info() for iid, inst in self.instances.items()}
+        self.tokenizer = next(iter(self.instances.values())).core.tokenizer
+        self.max_model_len = min(i.max_model_len for i in infos.values())
+        self._kv_bytes_per_token = kv_bytes_per_token(infos)
+        table = ProcessTable(ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas")
+        self.dispatcher = make_pd_dispatcher(infos, engine, cluster, table)
+        self.streams = StreamRegistry()
+        self.lock = threading.RLock()  # around the dispatcher and the calls its decisions make
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._poll, args=(iid,), name=f"boundless-poll-{iid}", daemon=True)
+            for iid in self.instances
+        ]
+        self._threads.append(threading.Thread(target=self._heartbeats, name="boundless-heartbeat", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    # -- the engine interface ---------------------------------------------------------------------
+
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
+    ) -> RequestStream:
+        def start() -> None:
+            with self.lock:
+                failure = self._carry_out(
+                    self.dispatcher.submit(request_id, prompt_token_ids, params, program), caller=request_id
+                )
+            if failure is not None:
+                raise failure_error(failure)
+
+        return self.streams.open_and_start(request_id, self.abort, start)
+
+    def abort(self, request_id: str) -> None:
+        self.streams.close(request_id)
+        with self.lock:
+            self._carry_out(self.dispatcher.abort(request_id))
+
+    def is_alive(self) -> bool:
+        return self.dispatcher.is_alive()
+
+    def stats(self) -> dict[str, EngineStats]:
+        return {iid: inst.heartbeat().stats for iid, inst in self.instances.items()}
+
+    def link_stats(self) -> dict[str, list[LinkStats]]:
+        """Each instance's emulated links (storage, network), as its heartbeat reports them."""
+        return {iid: inst.links.stats() for iid, inst in self.instances.items()}
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        for inst in self.instances.values():
+            inst.shutdown()
+        shutil.rmtree(self._transport_dir, ignore_errors=True)
+
+    # -- carrying out the dispatcher's decisions ----------------------------------------------------
+
+    def _carry_out(self, decisions: Iterable[PDDecision], caller: str | None = None) -> Fail | None:
+        """As ``ClusterClient._carry_out``, by direct calls. Holds ``self.lock``."""
+        queue: deque[PDDecision] = deque(decisions)
+        failure = None
+        while queue:
+            decision = queue.popleft()
+            if isinstance(decision, Send):
+                inst = self.instances[decision.instance_id]
+                answer = _call(
+                    lambda d=decision, i=inst: i.add(d.request_id, d.prompt, d.params, d.program, d.resume, d.handoff)
+                )
+                queue.extend(self.dispatcher.add_done(decision, answer))
+            elif isinstance(decision, Prepare):
+                inst = self.instances[decision.instance_id]
+                answer = _call(
+                    lambda d=decision, i=inst: i.prepare(d.request_id, d.prompt, d.params, d.program, d.plan)
+                )
+                if isinstance(answer, AddResult):
+                    answer = PrepareResult(answer.status, message=answer.message, param=answer.param)
+                queue.extend(self.dispatcher.prepare_done(decision, answer))
+            elif isinstance(decision, Continue):
+                inst = self.instances[decision.instance_id]
+                answer = _call(lambda d=decision, i=inst: i.continue_request(d.request_id, d.resume))
+                queue.extend(self.dispatcher.continue_done(decision, answer))
+            elif isinstance(decision, Fail):
+                if decision.request_id == caller:
+                    failure = decision
+                    continue
+                self.streams.deliver(failure_delta(decision))
+            elif isinstance(decision, MarkDead):
+                self.instances[decision.instance_id].shutdown()
+            elif isinstance(decision, AbortOn):
+                self.instances[decision.instance_id].abort(decision.request_id)
+        return failure
+
+    # -- background threads -------------------------------------------------------------------
+
+    def _poll(self, iid: str) -> None:
+        inst = self.instances[iid]
+        while not self._stop.is_set():
+            for delta in inst.drain(0.1):
+                with self.lock:
+                    shown, decisions = self.dispatcher.receive(iid, delta)
+                    if shown is None:
+                        continue  # aborted
+                    self.streams.deliver(shown)
+                    self._carry_out(decisions)
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            for iid, inst in self.instances.items():
+                queued = read_queue_tokens(storage_queue_bytes(inst.links.stats()), self._kv_bytes_per_token)
+                with self.lock:
+                    self.dispatcher.report(iid, queued)
+            with self.lock:
+                self.dispatcher.expire()
+
+
+def _call(fn: Callable[[], AddResult | PrepareResult]) -> AddResult | PrepareResult:
+    """An instance's answer; one that raised fails its call alone (the instance lives on)."""
+    try:
+        return fn()
+    except Exception as e:
+        return AddResult("failed", f"{type(e).__name__}: {e}")
