@@ -61,9 +61,24 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
     log.info("serving %s on http://%s:%d (context %d tokens)", name, server.host, server.port, engine.max_model_len)
     app = build_app(engine, name, server)
     try:
-        uvicorn.run(app, host=server.host, port=server.port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app,
+            host=server.host,
+            port=server.port,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
     finally:
         engine.shutdown()
+
+
+# Seconds the server keeps an idle connection open. Longer than clients keep idle connections in their pools
+# (httpx, under the openai client: 5 s), so a client never reuses a connection the server is just closing: at
+# uvicorn's default of 5 s both ends expire it at the same moment, and now and then a client's call goes out on a
+# connection the server closes under it ("Connection error"; one call in a few hundred with agent programs,
+# whose tool waits leave connections idle for seconds).
+KEEP_ALIVE_S = 65.0
 
 
 def free_port() -> int:
@@ -78,7 +93,9 @@ class ServerThread:
     def __init__(self, app: ASGIApp, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE_S
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="boundless-http", daemon=True)
 

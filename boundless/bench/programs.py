@@ -64,6 +64,9 @@ from boundless.kv.transfer import DEVICE, DISK, HOST
 KV_TIERS = ("device", "host", "tiers")
 KV_CONFIGS = tuple(f"{t}-{e}" for t in KV_TIERS for e in KV_EVICTIONS)
 TIER_IDS = (DEVICE, HOST, DISK)
+# Per-tier counters each row keeps (``{tier}_{field}``): where hits came from, and whether evicted blocks went down
+# a tier (a tier's bytes written) and came back (its bytes read).
+TIER_TRAFFIC = ("hit_tokens", "bytes_read", "bytes_written", "evictions", "load_timeouts")
 
 
 def kv_config(base: EngineConfig, name: str, disk_path: str | None) -> EngineConfig:
@@ -264,7 +267,8 @@ def _serve_and_run(
         snapshots = [dataclasses.asdict(s) for s in engine.stats().values()]
         stats = {k: sum(s[k] for s in snapshots) for k, v in snapshots[0].items() if isinstance(v, int | float)}
         for tier in TIER_IDS:
-            stats[f"{tier}_hit_tokens"] = sum(s["kv_tiers"].get(tier, {}).get("hit_tokens", 0) for s in snapshots)
+            for field in TIER_TRAFFIC:
+                stats[f"{tier}_{field}"] = sum(s["kv_tiers"].get(tier, {}).get(field, 0) for s in snapshots)
     finally:
         server.stop()
         engine.shutdown()
@@ -318,6 +322,7 @@ def run(args: argparse.Namespace) -> dict:
             for tier in TIER_IDS:
                 row[f"hit_rate_{tier}"] = stats[f"{tier}_hit_tokens"] / queries if queries else 0.0
             row.update({k: stats[k] for k in ("num_kept", "num_swapped_out", "num_recomputed")})
+            row.update({f"{t}_{f}": stats[f"{t}_{f}"] for t in TIER_IDS for f in TIER_TRAFFIC if f != "hit_tokens"})
             rows.append(row)
             tier_rates = ", ".join(f"{t} {row[f'hit_rate_{t}']:.2f}" for t in TIER_IDS)
             print(

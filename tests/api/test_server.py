@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import time
 from collections.abc import Iterator
 
@@ -59,6 +60,21 @@ def _good_request(client: openai.OpenAI) -> None:
 
 
 # -- behaviour ---------------------------------------------------------------------------------
+
+
+def test_an_idle_connection_outlives_the_clients_pool_expiry(server: ServerThread) -> None:
+    """The server keeps an idle keep-alive connection open past httpx's 5 s pool expiry, so a client never sends
+    a call on a connection the server is closing at that very moment (a failed call, with retries off)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port)  # one connection, never reopened by itself
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() == b'{"status":"ok"}'
+        sock = conn.sock
+        time.sleep(6.0)  # past uvicorn's default keep-alive (5 s), which closed the connection here
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() == b'{"status":"ok"}' and conn.sock is sock
+    finally:
+        conn.close()
 
 
 def test_models_and_health(server: ServerThread, client: openai.OpenAI) -> None:

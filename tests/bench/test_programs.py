@@ -188,6 +188,7 @@ def test_bench_programs_compares_kv_setups(model_dirs: dict[str, Path], tmp_path
     rows = result["rows"]
     assert [r["kv"] for r in rows] == ["device-lru", "tiers-lru", "tiers-program"] and result["valid"]
     assert rows[0]["hit_rate_host"] == rows[0]["hit_rate_disk"] == 0.0  # the device alone keeps nothing below
+    assert rows[0]["disk_bytes_written"] == 0 and rows[1]["disk_bytes_written"] > 0  # write-through to the store
     for row in rows:
         assert row["policy"] == "plas" and row["failed_calls"] == 0
         tiers = row["hit_rate_device"] + row["hit_rate_host"] + row["hit_rate_disk"]
