@@ -13,7 +13,7 @@ import statistics
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, WorkloadShape, make_programs
-from boundless.config import CacheConfig, ModelConfig, add_flags, engine_config_from_flags
+from boundless.config import CacheConfig, ClusterConfig, ModelConfig, add_flags, engine_config_from_flags
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.simulator import Simulator
@@ -25,12 +25,13 @@ def run(args: argparse.Namespace) -> dict:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     shape = WorkloadShape(scale=args.scale, tool_wait_s=args.tool_wait)
     cost = CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
+    cluster = cluster_config_from_flags(args)
     rows = []
     for rate in [float(r) for r in args.rates.split(",")]:
         programs = make_programs(args.workload, args.num_programs, rate, args.bench_seed, shape)
         for policy in policies:
             config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
-            sim = Simulator(config, model, cost)
+            sim = Simulator(config, model, cost, instances=cluster.instances, cluster=cluster)
             results = sim.run(programs)
             lat = [r.latency_s for r in results]
             rows.append(
@@ -41,7 +42,8 @@ def run(args: argparse.Namespace) -> dict:
                     "p95_latency_s": percentile(lat, 0.95),
                     "p99_latency_s": percentile(lat, 0.99),
                     "avg_latency_per_token_s": statistics.fmean(r.latency_s / max(1, r.output_tokens) for r in results),
-                    "preemptions": sim.core.stats().num_preemptions,
+                    "preemptions": sum(i.core.stats().num_preemptions for i in sim.instances.values()),
+                    "calls_per_instance": calls_per_instance(sim),
                     "failed_calls": sum(r.failed_calls for r in results),
                 }
             )
@@ -64,10 +66,34 @@ def run(args: argparse.Namespace) -> dict:
     failed = sum(row["failed_calls"] for row in rows)
     if failed:  # a refused call takes no time: the latencies above would flatter the run
         print(f"{failed} calls were refused by the engine (too long for --max-model-len): these figures are invalid")
-    result = {"workload": args.workload, "num_programs": args.num_programs, "rows": rows, "virtual_time": True}
+    result = {
+        "workload": args.workload,
+        "num_programs": args.num_programs,
+        "instances": cluster.instances,
+        "rows": rows,
+        "virtual_time": True,
+    }
     if args.json:
         write_json(args.json, result)
     return result
+
+
+def calls_per_instance(sim: Simulator) -> dict[str, int]:
+    counts = dict.fromkeys(sim.instances, 0)
+    for placement in sim.placements:
+        counts[placement.instance_id] += 1
+    return counts
+
+
+# The cluster's flags the simulator uses: the same names and defaults as ``boundless serve``'s.
+CLUSTER_FLAGS = ("instances", "routing", "locality_threshold", "locality_max_imbalance", "heartbeat_interval_s")
+
+
+def cluster_config_from_flags(args: argparse.Namespace) -> ClusterConfig:
+    config = ClusterConfig(**{name: getattr(args, name) for name in CLUSTER_FLAGS})
+    if config.instances < 1:
+        raise SystemExit("--instances must be at least 1")
+    return config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-per-seq-s", type=float, default=CostModel.per_seq_s)
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH")
+    fields = {f.name: f for f in dataclasses.fields(ClusterConfig)}
+    for name in CLUSTER_FLAGS:
+        f = fields[name]
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=type(f.default), default=f.default, help=f.metadata["help"]
+        )
     # The engine's own flags (the scheduler's are added with them by the command line).
     add_flags(parser, ModelConfig)
     add_flags(parser, CacheConfig)
