@@ -139,10 +139,12 @@ class CostModelExecutor:
         token_id: int | None = None,
         clock: Callable[[], float] | None = None,
         disk: SimulatedDisk | None = None,
+        host_copy_latency_s: float = 0.0,
     ) -> None:
         self.cost = cost
         self.bytes_per_block = bytes_per_block
         self.host_copy_bytes_per_s = host_copy_bytes_per_s
+        self.host_copy_latency_s = host_copy_latency_s
         self.token_id = token_id
         self.clock = clock
         self.disk = disk
@@ -152,7 +154,9 @@ class CostModelExecutor:
         now = self.clock() if self.clock is not None else self._elapsed
         sampled = {c.request_id: SampledToken(self._placeholder(c)) for c in sched.chunks if c.sample}
         copied = len(sched.transfers) * self.bytes_per_block  # between memory tiers, a block each
-        seconds = (self.cost.step_time(sched) if sched.chunks else 0.0) + copied / self.host_copy_bytes_per_s
+        seconds = self.cost.step_time(sched) if sched.chunks else 0.0
+        if copied:  # the copies go before the forward pass, as the model executor applies them
+            seconds += self.host_copy_latency_s + copied / self.host_copy_bytes_per_s
         report = TierReport()
         if self.disk is not None:
             for write in sched.disk_writes:

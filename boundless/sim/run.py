@@ -16,6 +16,7 @@ from boundless.bench.workloads import WORKLOADS, WorkloadShape, make_programs
 from boundless.config import CacheConfig, ClusterConfig, ModelConfig, add_flags, engine_config_from_flags
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
+from boundless.sim.profiles import load_profile, profile_names
 from boundless.sim.simulator import Simulator
 
 
@@ -24,14 +25,15 @@ def run(args: argparse.Namespace) -> dict:
     model = SimulatedModel.read(base.model)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     shape = WorkloadShape(scale=args.scale, tool_wait_s=args.tool_wait)
-    cost = CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
+    profile = load_profile(args.profile) if args.profile else None
+    cost = None if profile else CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
     cluster = cluster_config_from_flags(args)
     rows = []
     for rate in [float(r) for r in args.rates.split(",")]:
         programs = make_programs(args.workload, args.num_programs, rate, args.bench_seed, shape)
         for policy in policies:
             config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
-            sim = Simulator(config, model, cost, instances=cluster.instances, cluster=cluster)
+            sim = Simulator(config, model, cost, instances=cluster.instances, cluster=cluster, profile=profile)
             results = sim.run(programs)
             lat = [r.latency_s for r in results]
             rows.append(
@@ -70,6 +72,7 @@ def run(args: argparse.Namespace) -> dict:
         "workload": args.workload,
         "num_programs": args.num_programs,
         "instances": cluster.instances,
+        "profile": profile.name if profile else None,
         "rows": rows,
         "virtual_time": True,
     }
@@ -103,6 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-programs", type=int, default=150)
     parser.add_argument("--scale", type=float, default=0.1)
     parser.add_argument("--tool-wait", type=float, default=0.2)
+    parser.add_argument(
+        "--profile",
+        help=f"hardware profile: {', '.join(profile_names())} or a profile file (boundless simulate calibrate writes "
+        "one); without it, the --step-* linear model",
+    )
     parser.add_argument("--step-base-s", type=float, default=CostModel.base_s)
     parser.add_argument("--step-per-token-s", type=float, default=CostModel.per_token_s)
     parser.add_argument("--step-per-seq-s", type=float, default=CostModel.per_seq_s)

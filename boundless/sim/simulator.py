@@ -36,6 +36,7 @@ from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
 from boundless.sim.cost import CostModel, StepCost
 from boundless.sim.engine import SimulatedModel, simulated_engine
+from boundless.sim.profiles import HardwareProfile
 
 
 class VirtualClock:
@@ -128,11 +129,17 @@ class Simulator:
         seed: int = 0,
         instances: int = 1,
         cluster: ClusterConfig | None = None,
+        profile: HardwareProfile | None = None,
     ) -> None:
         self.clock = VirtualClock()
+        links = {}
+        if profile is not None:  # its step model unless ``cost`` is given, and its links
+            cost = cost or profile.step
+            links = {"host_copy": profile.host_copy, "disk_cost": profile.disk_cost}
         cost = cost or CostModel()
         self.instances = {
-            str(i): SimInstance(str(i), simulated_engine(config, model, cost, self.clock)) for i in range(instances)
+            str(i): SimInstance(str(i), simulated_engine(config, model, cost, self.clock, **links))
+            for i in range(instances)
         }
         self.core = self.instances["0"].core  # the engine, for one instance
         self.max_model_len = min(i.core.max_model_len for i in self.instances.values())
