@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import time
 
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
@@ -17,6 +18,7 @@ from boundless.config import CacheConfig, ClusterConfig, ModelConfig, add_flags,
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import load_profile, profile_names
+from boundless.sim.progress import VirtualTimeBar
 from boundless.sim.simulator import Simulator
 
 
@@ -28,13 +30,19 @@ def run(args: argparse.Namespace) -> dict:
     profile = load_profile(args.profile) if args.profile else None
     cost = None if profile else CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
     cluster = cluster_config_from_flags(args)
-    rows = []
+    rows: list[dict] = []
+    walls: list[float] = []  # apart from the rows, which are a function of the flags alone
     for rate in [float(r) for r in args.rates.split(",")]:
         programs = make_programs(args.workload, args.num_programs, rate, args.bench_seed, shape)
         for policy in policies:
             config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
             sim = Simulator(config, model, cost, instances=cluster.instances, cluster=cluster, profile=profile)
-            results = sim.run(programs)
+            bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, f"{policy} @ {rate}/s", args.progress)
+            start = time.perf_counter()
+            results = sim.run(programs, bar)
+            wall_s = time.perf_counter() - start
+            bar.close()
+            walls.append(wall_s)
             lat = [r.latency_s for r in results]
             rows.append(
                 {
@@ -46,6 +54,8 @@ def run(args: argparse.Namespace) -> dict:
                     "avg_latency_per_token_s": statistics.fmean(r.latency_s / max(1, r.output_tokens) for r in results),
                     "preemptions": sum(i.core.stats().num_preemptions for i in sim.instances.values()),
                     "calls_per_instance": calls_per_instance(sim),
+                    "simulated_s": sim.clock.now,
+                    "steps": sim.num_steps,
                     "failed_calls": sum(r.failed_calls for r in results),
                 }
             )
@@ -65,6 +75,12 @@ def run(args: argparse.Namespace) -> dict:
             ]
         )
     print_table(["rate/s", "policy", "avg s", "p95 s", "p99 s", "ms/token", "preemptions", "avg vs fcfs"], table)
+    simulated, wall, steps = sum(r["simulated_s"] for r in rows), sum(walls), sum(r["steps"] for r in rows)
+    print(
+        f"simulated {simulated:.0f} s of {cluster.instances} instance(s) in {wall:.1f} s wall:"
+        f" {simulated / max(wall, 1e-9):.1f} simulated s per wall s,"
+        f" {steps / max(wall, 1e-9):.0f} engine steps per wall s"
+    )
     failed = sum(row["failed_calls"] for row in rows)
     if failed:  # a refused call takes no time: the latencies above would flatter the run
         print(f"{failed} calls were refused by the engine (too long for --max-model-len): these figures are invalid")
@@ -75,6 +91,13 @@ def run(args: argparse.Namespace) -> dict:
         "profile": profile.name if profile else None,
         "rows": rows,
         "virtual_time": True,
+        "speed": {
+            "wall_s": wall,
+            "simulated_s": simulated,
+            "steps": steps,
+            "simulated_s_per_wall_s": simulated / max(wall, 1e-9),
+            "row_wall_s": walls,
+        },
     }
     if args.json:
         write_json(args.json, result)
@@ -115,7 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-per-token-s", type=float, default=CostModel.per_token_s)
     parser.add_argument("--step-per-seq-s", type=float, default=CostModel.per_seq_s)
     parser.add_argument("--bench-seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--json", metavar="PATH", help="write the rows (with the run's speed) to this file")
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=True, help="a progress bar on stderr"
+    )
     fields = {f.name: f for f in dataclasses.fields(ClusterConfig)}
     for name in CLUSTER_FLAGS:
         f = fields[name]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
 from boundless.bench.workloads import ProgramSpec, make_programs
+from boundless.cli import main
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.simulator import SimResult, Simulator
@@ -70,3 +73,16 @@ def test_one_instance_behind_the_cluster_flags_is_the_single_engine(model: Simul
     _, two_results = _run(model, programs, ClusterConfig(instances=2))
     # Two instances share the load: programs finish no later on average.
     assert sum(r.latency_s for r in two_results) <= sum(r.latency_s for r in one_results)
+
+
+def test_simulate_command_runs_a_cluster_on_a_gpu_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run.json"
+    args = ["simulate", "--instances", "2", "--profile", "h100", "--policies", "plas", "--rates", "2"]
+    assert main([*args, "--num-programs", "12", "--num-kv-blocks", "400", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    row = result["rows"][0]
+    assert result["instances"] == 2 and result["profile"] == "h100" and row["failed_calls"] == 0
+    assert set(row["calls_per_instance"]) == {"0", "1"} and min(row["calls_per_instance"].values()) > 0
+    assert result["speed"]["simulated_s"] == row["simulated_s"] > 0 and result["speed"]["wall_s"] > 0
+    captured = capsys.readouterr()
+    assert "sim s" in captured.err and "simulated s per wall s" in captured.out  # the bar on stderr, speed on stdout
