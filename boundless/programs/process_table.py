@@ -16,7 +16,6 @@ Everything here is pure bookkeeping driven by the caller's clock.
 from __future__ import annotations
 
 import math
-
 from collections import OrderedDict
 from dataclasses import dataclass, field
 

@@ -127,7 +127,13 @@ def run(args: argparse.Namespace) -> dict:
         "network": "assumption: shared-memory transport between processes on one machine; not measured",
     }
     data = fitted_profile_dict(args.name, f"{args.model} {args.dtype} on this machine's CPU", m, links, sources)
-    data["calibration"] = {"steps": len(result.samples), "median_rel_error": result.median_rel_error}
+    data["calibration"] = {
+        "steps": len(result.samples),
+        "median_rel_error": result.median_rel_error,
+        "wall_s": result.wall_s,
+        # The measured steps, to refit or inspect: [[cached, new] per request], seconds.
+        "samples": [[[[c.cached, c.new] for c in s.shapes], s.seconds] for s in result.samples],
+    }
     write_json(args.out, data)
     return data
 
@@ -142,5 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # Below the longest prompt: long prompts run in chunks over cached context, which tells the per-pair
+    # term from the per-token one.
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--net-gbytes-per-s", type=float, default=5.0)

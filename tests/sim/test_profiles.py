@@ -83,3 +83,25 @@ def test_roofline_profiles_order_the_gpus_as_their_figures() -> None:
     assert h100.predict([ChunkShape(8000, 4096)]) > h100.predict(prefill)
     data = json.loads((Path(__file__).parents[2] / "boundless/sim/profiles/h100.json").read_text())
     assert profile_from_dict(data).step == h100
+
+
+def test_validate_reports_each_metric_with_its_relative_error() -> None:
+    from boundless.sim.simulator import SimResult
+    from boundless.sim.validate import compare, simulated_summary
+
+    predicted = simulated_summary([SimResult("a", 0.0, 2.0, 5), SimResult("b", 1.0, 5.0, 5)])
+    assert predicted["avg_latency_s"] == 3.0 and predicted["throughput_programs_per_s"] == 2 / 5.0
+    rows = compare(predicted, {"avg_latency_s": 4.0, "p95_latency_s": 4.0, "throughput_programs_per_s": 0.4})
+    assert [r["metric"] for r in rows] == ["avg_latency_s", "p95_latency_s", "throughput_programs_per_s"]
+    assert rows[0]["rel_error"] == pytest.approx(-0.25) and rows[2]["rel_error"] == pytest.approx(0.0)
+
+
+@pytest.mark.slow
+def test_validate_runs_the_real_engine_beside_the_simulator(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    from boundless.cli import main
+
+    out = tmp_path / "v.json"
+    args = ["simulate", "validate", "--model", str(model_dirs["tiny-llama"]), "--num-programs", "3", "--rate", "1"]
+    assert main([*args, "--profile", "h100", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 and all(r["measured"] > 0 and r["predicted"] > 0 for r in rows)
