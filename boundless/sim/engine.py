@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from boundless.cluster.links import Link
 from boundless.config import EngineConfig, ModelConfig
 from boundless.engine.builder import ModelIdentity, size_engine
 from boundless.engine.core import EngineCore
@@ -71,14 +72,20 @@ def simulated_engine(
     policy: SchedulingPolicy | None = None,
     host_copy: LinkSpec = HOST_COPY,
     disk_cost: DiskCost = DEFAULT_DISK_COST,
+    storage_link: Link | None = None,
 ) -> EngineCore:
     """An engine instance sized by :func:`size_engine` from ``config``, whose steps take ``cost``'s time, its
-    copies between memory tiers cross ``host_copy`` and its disk store costs ``disk_cost``."""
+    copies between memory tiers cross ``host_copy`` and its disk store costs ``disk_cost`` (its reads crossing
+    ``storage_link`` when given: a link the instances of a node share)."""
     layout = size_engine(config, model.arch, model.dtype)
     disk = None
     if layout.disk_bytes:
         disk = SimulatedDisk(
-            layout.disk_bytes // layout.bytes_per_block, layout.bytes_per_block, disk_cost, DEFAULT_WRITE_QUEUE_BLOCKS
+            layout.disk_bytes // layout.bytes_per_block,
+            layout.bytes_per_block,
+            disk_cost,
+            DEFAULT_WRITE_QUEUE_BLOCKS,
+            storage_link,
         )
     executor = CostModelExecutor(
         cost,

@@ -36,7 +36,15 @@ def run(args: argparse.Namespace) -> dict:
         programs = make_programs(args.workload, args.num_programs, rate, args.bench_seed, shape)
         for policy in policies:
             config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
-            sim = Simulator(config, model, cost, instances=cluster.instances, cluster=cluster, profile=profile)
+            sim = Simulator(
+                config,
+                model,
+                cost,
+                instances=cluster.instances,
+                cluster=cluster,
+                profile=profile,
+                instances_per_node=args.instances_per_node,
+            )
             bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, f"{policy} @ {rate}/s", args.progress)
             start = time.perf_counter()
             results = sim.run(programs, bar)
@@ -133,6 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         help=f"hardware profile: {', '.join(profile_names())} or a profile file (boundless simulate calibrate writes "
         "one); without it, the --step-* linear model",
+    )
+    parser.add_argument(
+        "--instances-per-node",
+        type=int,
+        default=0,
+        help="instances of a node read the disk store over one shared storage link, their per-instance bandwidths "
+        "summed (0: each its own)",
     )
     parser.add_argument("--step-base-s", type=float, default=CostModel.base_s)
     parser.add_argument("--step-per-token-s", type=float, default=CostModel.per_token_s)

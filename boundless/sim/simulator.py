@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from boundless.bench.workloads import CallSpec, ProgramSpec, PromptTokens, call_prompt
 from boundless.cluster.dispatcher import AddResult, Decision, Dispatcher, Fail, Send
+from boundless.cluster.links import Link
 from boundless.cluster.routing import Router
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.core import EngineCore, RequestDelta
@@ -35,7 +36,7 @@ from boundless.engine.scheduler import SchedulerOutput
 from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
 from boundless.sim.cost import CostModel, StepCost
-from boundless.sim.engine import SimulatedModel, simulated_engine
+from boundless.sim.engine import DEFAULT_DISK_COST, HOST_COPY, SimulatedModel, simulated_engine
 from boundless.sim.profiles import HardwareProfile
 
 
@@ -130,17 +131,25 @@ class Simulator:
         instances: int = 1,
         cluster: ClusterConfig | None = None,
         profile: HardwareProfile | None = None,
+        instances_per_node: int = 0,
     ) -> None:
         self.clock = VirtualClock()
-        links = {}
+        host_copy, disk_cost = HOST_COPY, DEFAULT_DISK_COST
         if profile is not None:  # its step model unless ``cost`` is given, and its links
             cost = cost or profile.step
-            links = {"host_copy": profile.host_copy, "disk_cost": profile.disk_cost}
+            host_copy, disk_cost = profile.host_copy, profile.disk_cost
         cost = cost or CostModel()
-        self.instances = {
-            str(i): SimInstance(str(i), simulated_engine(config, model, cost, self.clock, **links))
-            for i in range(instances)
-        }
+        # Instances of a node read the disk store over one storage link, the sum of their shares (DGX: 2 NICs for 8).
+        self.storage_links: list[Link] = []
+        if instances_per_node > 0:
+            rate = disk_cost.read_bytes_per_s * instances_per_node
+            nodes = -(-instances // instances_per_node)
+            self.storage_links = [Link(f"storage-node{k}", rate) for k in range(nodes)]
+        self.instances = {}
+        for i in range(instances):
+            link = self.storage_links[i // instances_per_node] if self.storage_links else None
+            core = simulated_engine(config, model, cost, self.clock, None, host_copy, disk_cost, link)
+            self.instances[str(i)] = SimInstance(str(i), core)
         self.core = self.instances["0"].core  # the engine, for one instance
         self.max_model_len = min(i.core.max_model_len for i in self.instances.values())
         self.dispatcher: Dispatcher | None = None
