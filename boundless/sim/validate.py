@@ -84,7 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=float, default=0.1)
     parser.add_argument("--tool-wait", type=float, default=0.2)
     parser.add_argument("--bench-seed", type=int, default=0)
-    parser.add_argument("--profile", default="cpu", help="the simulator's hardware profile (name or file)")
+    parser.add_argument(
+        "--profile", required=True, help="the simulator's hardware profile: a name or a file (calibrate writes one)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write each row with its relative error to this file")
     add_flags(parser, ModelConfig)
     add_flags(parser, CacheConfig)
