@@ -116,6 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     sim_run.add_arguments(simulate)
     add_flags(simulate, SchedulerConfig)
     simulate.set_defaults(func=lambda a: sim_run.run(a) and 0)
+    sim_sub = simulate.add_subparsers(dest="simulate_action", required=False)
+    calibrate = sim_sub.add_parser("calibrate", help="fit this machine's step model from the real engine")
+    from boundless.sim import calibrate as sim_calibrate
+
+    sim_calibrate.add_arguments(calibrate)
+    calibrate.set_defaults(func=lambda a: sim_calibrate.run(a) and 0)
+    validate = sim_sub.add_parser("validate", help="the real engine against the simulator on one workload")
+    from boundless.sim import validate as sim_validate
+
+    sim_validate.add_arguments(validate)
+    validate.set_defaults(func=lambda a: sim_validate.run(a) and 0)
 
     bench = sub.add_parser("bench", help="benchmarks: baseline and Boundless side by side")
     bench_sub = bench.add_subparsers(dest="bench_kind", required=True)

@@ -148,7 +148,7 @@ class MultiLevelQueuePolicy:
                 state.level_service_s = 0.0
                 state.promotions += 1
                 self.table.mark_changed(state.program.program_id)
-        self.table.expire(now)
+        self.table.expire_due(now)
 
     def priority(self, request: Call, now: float) -> tuple:
         state = self.calls.get(request.request_id)

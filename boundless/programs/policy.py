@@ -99,7 +99,7 @@ class FCFSPolicy:
         pass  # arrival order needs no program history
 
     def update(self, now: float) -> None:
-        self.table.expire(now)
+        self.table.expire_due(now)
 
     def priority(self, request: Call, now: float) -> tuple:
         return (request.arrival_time, self._order.get(request.request_id, 0))

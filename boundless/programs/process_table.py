@@ -15,6 +15,7 @@ Everything here is pure bookkeeping driven by the caller's clock.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -54,6 +55,10 @@ class ProgramRecord:
         return max(self.last_arrival, self.last_completion or 0.0)
 
 
+# A program is dropped up to this fraction of the TTL late by :meth:`ProcessTable.expire_due` (6 s of 600 s).
+EXPIRE_SCAN_FRACTION = 0.01
+
+
 class ProcessTable:
     """Program records keyed by program id, bounded by a TTL and a size cap."""
 
@@ -67,6 +72,7 @@ class ProcessTable:
         # The usual time programs spend idle between calls (an average over the last ~GAP_WINDOW gaps, of all
         # programs), or None before any program came back.
         self.typical_gap_s: float | None = None
+        self._next_expire_scan = -math.inf  # expire_due scans no sooner
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -166,6 +172,14 @@ class ProcessTable:
         rec.total_service_s = max(rec.total_service_s, service_s if total_service_s is None else total_service_s)
         rec.waiting_s = max(rec.waiting_s, waiting_s)
         self.mark_changed(program_id)
+
+    def expire_due(self, now: float) -> list[str]:
+        """:meth:`expire`, at most once per :data:`EXPIRE_SCAN_FRACTION` of the TTL: the engine's policy asks
+        every step, and a scan passes over every program (the simulator's hottest line at 16 instances)."""
+        if now < self._next_expire_scan:
+            return []
+        self._next_expire_scan = now + self.ttl_s * EXPIRE_SCAN_FRACTION
+        return self.expire(now)
 
     def expire(self, now: float) -> list[str]:
         """Drop programs with no active call and no activity for ``ttl_s``; returns their ids."""

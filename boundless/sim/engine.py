@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from boundless.cluster.links import Link
 from boundless.config import EngineConfig, ModelConfig
 from boundless.engine.builder import ModelIdentity, size_engine
 from boundless.engine.core import EngineCore
@@ -26,8 +27,13 @@ from boundless.model.gguf import model_arch_from_gguf, read_gguf_header
 from boundless.model.loader import DTYPES, resolve_model_path
 from boundless.model.tokenizer import Tokenizer
 from boundless.programs.policy import SchedulingPolicy
-from boundless.sim.cost import StepCost
+from boundless.sim.cost import HOST_COPY_BYTES_PER_S, StepCost
 from boundless.sim.executor import CostModelExecutor, DiskCost, SimulatedDisk
+from boundless.sim.links import LinkSpec
+
+# Without a hardware profile: this machine's measured host copies, a local NVMe disk (sim/cost.py).
+HOST_COPY = LinkSpec(HOST_COPY_BYTES_PER_S)
+DEFAULT_DISK_COST = DiskCost()
 
 
 @dataclass(frozen=True)
@@ -64,13 +70,29 @@ def simulated_engine(
     cost: StepCost,
     clock: Callable[[], float],
     policy: SchedulingPolicy | None = None,
+    host_copy: LinkSpec = HOST_COPY,
+    disk_cost: DiskCost = DEFAULT_DISK_COST,
+    storage_link: Link | None = None,
 ) -> EngineCore:
-    """An engine instance sized by :func:`size_engine` from ``config``, whose steps take ``cost``'s time."""
+    """An engine instance sized by :func:`size_engine` from ``config``, whose steps take ``cost``'s time, its
+    copies between memory tiers cross ``host_copy`` and its disk store costs ``disk_cost`` (its reads crossing
+    ``storage_link`` when given: a link the instances of a node share)."""
     layout = size_engine(config, model.arch, model.dtype)
     disk = None
     if layout.disk_bytes:
         disk = SimulatedDisk(
-            layout.disk_bytes // layout.bytes_per_block, layout.bytes_per_block, DiskCost(), DEFAULT_WRITE_QUEUE_BLOCKS
+            layout.disk_bytes // layout.bytes_per_block,
+            layout.bytes_per_block,
+            disk_cost,
+            DEFAULT_WRITE_QUEUE_BLOCKS,
+            storage_link,
         )
-    executor = CostModelExecutor(cost, layout.bytes_per_block, clock=clock, disk=disk)
+    executor = CostModelExecutor(
+        cost,
+        layout.bytes_per_block,
+        host_copy.bytes_per_s,
+        clock=clock,
+        disk=disk,
+        host_copy_latency_s=host_copy.latency_s,
+    )
     return EngineCore(config, layout, model.identity, model.tokenizer, executor, clock, policy)

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from boundless.cluster.links import Link, Traffic
 from boundless.engine.executor import StepResult
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -43,13 +44,25 @@ class DiskCost:
 class SimulatedDisk:
     """The disk store in virtual time: the names it holds (up to ``capacity_blocks``, least recently used out
     first), one loader and one writer, each serving its requests in turn, and a writer queue of
-    ``write_queue_blocks`` beyond which writes are dropped, as the real executor's."""
+    ``write_queue_blocks`` beyond which writes are dropped, as the real executor's.
 
-    def __init__(self, capacity_blocks: int, bytes_per_block: int, cost: DiskCost, write_queue_blocks: int) -> None:
+    With ``read_link`` (a :class:`~boundless.cluster.links.Link` that several instances' disks share: a node's
+    storage NIC), reads cross that link in arrival order with every other reader's, at the link's rate, instead
+    of this disk's own read bandwidth; the latency is still paid per read."""
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        bytes_per_block: int,
+        cost: DiskCost,
+        write_queue_blocks: int,
+        read_link: Link | None = None,
+    ) -> None:
         self.capacity_blocks = capacity_blocks
         self.bytes_per_block = bytes_per_block
         self.cost = cost
         self.write_queue_blocks = write_queue_blocks
+        self.read_link = read_link
         self.keys: OrderedDict[BlockHash, None] = OrderedDict()
         self.stats = DiskIOStats()
         self._loader_free_at = 0.0
@@ -63,11 +76,17 @@ class SimulatedDisk:
         while found < len(read.keys) and read.keys[found] in self.keys:
             self.keys.move_to_end(read.keys[found])
             found += 1
-        start = max(now, self._loader_free_at)
         loaded = 0 if read.is_probe else found
-        seconds = self.cost.latency_s + loaded * self.bytes_per_block / self.cost.read_bytes_per_s
-        self._loader_free_at = start + seconds
-        self._reads.append((start + seconds, DiskReadDone(read.read_id, found, start + seconds - now), read))
+        if (
+            self.read_link is not None
+        ):  # queued with the other readers of the link (KV traffic: first come, first served)
+            transfer = self.read_link.submit(loaded * self.bytes_per_block, now, Traffic.KV)
+            done = self.read_link.estimated_finish(transfer) + self.cost.latency_s
+        else:
+            start = max(now, self._loader_free_at)
+            done = start + self.cost.latency_s + loaded * self.bytes_per_block / self.cost.read_bytes_per_s
+            self._loader_free_at = done
+        self._reads.append((done, DiskReadDone(read.read_id, found, done - now), read))
 
     def write(self, write: DiskWrite, now: float) -> None:
         n = len(write.keys)
@@ -139,10 +158,12 @@ class CostModelExecutor:
         token_id: int | None = None,
         clock: Callable[[], float] | None = None,
         disk: SimulatedDisk | None = None,
+        host_copy_latency_s: float = 0.0,
     ) -> None:
         self.cost = cost
         self.bytes_per_block = bytes_per_block
         self.host_copy_bytes_per_s = host_copy_bytes_per_s
+        self.host_copy_latency_s = host_copy_latency_s
         self.token_id = token_id
         self.clock = clock
         self.disk = disk
@@ -152,7 +173,9 @@ class CostModelExecutor:
         now = self.clock() if self.clock is not None else self._elapsed
         sampled = {c.request_id: SampledToken(self._placeholder(c)) for c in sched.chunks if c.sample}
         copied = len(sched.transfers) * self.bytes_per_block  # between memory tiers, a block each
-        seconds = (self.cost.step_time(sched) if sched.chunks else 0.0) + copied / self.host_copy_bytes_per_s
+        seconds = self.cost.step_time(sched) if sched.chunks else 0.0
+        if copied:  # the copies go before the forward pass, as the model executor applies them
+            seconds += self.host_copy_latency_s + copied / self.host_copy_bytes_per_s
         report = TierReport()
         if self.disk is not None:
             for write in sched.disk_writes:

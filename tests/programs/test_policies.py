@@ -119,6 +119,17 @@ def test_process_table_expires_idle_programs_and_stays_bounded() -> None:
     assert table.expire(now=1011.0) == ["busy"] and len(table) == 0
 
 
+def test_the_policies_expiry_scans_at_most_once_per_hundredth_of_the_ttl() -> None:
+    # Policies ask every engine step; a scan passes over every program, so it runs at most every ttl / 100.
+    table = ProcessTable(ttl_s=100.0)
+    for name, t in (("a", 0.0), ("b", 0.5)):
+        table.call_arrived(ProgramRef(name), t)
+        table.call_finished(ProgramRef(name), 0.1, 0.0, t)
+    assert table.expire_due(now=100.0) == ["a"]  # idle for the TTL
+    assert table.expire_due(now=100.6) == [] and "b" in table  # due, but within a scan interval of the last
+    assert table.expire_due(now=101.0) == ["b"]  # dropped at most 1 s (ttl / 100) late
+
+
 def test_an_abandoned_call_does_not_keep_its_program_alive() -> None:
     table = ProcessTable(ttl_s=10.0, max_programs=50)
     p = ProgramRef("p")

@@ -18,6 +18,7 @@ from boundless.api.launch import start_in_thread
 from boundless.bench.programs import ProgramRunner
 from boundless.bench.workloads import ProgramSpec, WorkloadShape, make_programs
 from boundless.cli import main
+from boundless.cluster.links import Link
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.builder import size_engine
@@ -148,6 +149,22 @@ def test_the_disk_store_costs_virtual_time_in_the_background() -> None:
     # Nothing else to do: the step lasts until the load is done, 1 ms + 3 MB at 1 GB/s.
     assert result.elapsed_s == pytest.approx(4e-3)
     assert [(r.read_id, r.num_found) for r in result.tier_report.reads] == [(7, 3)]
+
+
+def test_disks_sharing_a_storage_link_queue_behind_each_other() -> None:
+    # Two instances of a node read 3 MB each at the same time over one 1 GB/s link: the second waits for the first.
+    link = Link("storage-node0", 1e9)
+    cost = DiskCost(read_bytes_per_s=1e9, latency_s=1e-3)
+    disks = [SimulatedDisk(100, 1_000_000, cost, 4, read_link=link) for _ in range(2)]
+    keys = tuple(bytes([i]) for i in range(3))
+    for disk in disks:
+        disk.keys.update(dict.fromkeys(keys))
+        disk.read(DiskRead(1, keys, (0, 1, 2)), now=0.0)
+    assert [d.next_read_done() for d in disks] == pytest.approx([4e-3, 7e-3])  # 1 ms + 3 ms; then 3 ms more
+    alone = SimulatedDisk(100, 1_000_000, cost, 4)  # its own bandwidth: no queue behind another instance
+    alone.keys.update(dict.fromkeys(keys))
+    alone.read(DiskRead(1, keys, (0, 1, 2)), now=0.0)
+    assert alone.next_read_done() == pytest.approx(4e-3)
 
 
 def _chunk(request_id: str, num_tokens: int) -> ScheduledChunk:

@@ -1,0 +1,164 @@
+"""Hardware profiles: what a step, a host copy and a disk read cost on one kind of machine.
+
+A profile is a JSON file (``boundless/sim/profiles/<name>.json``, or any path) with a step model and
+the links an instance uses, and the source of every number in it. Two kinds of step model:
+
+- ``fitted``: the engine's own per-term model (:class:`~boundless.engine.attention_time.AttentionTimeModel`:
+  a base, per request, per new token, per cached token read, per query-key pair), fitted by
+  ``boundless simulate calibrate`` from the real engine's steps on this machine (Vidur and DistServe fit
+  their step times term by term the same way);
+- ``roofline``: a GPU's published peak bf16 FLOP/s and HBM bandwidth, and a stated model shape: a step
+  takes the longer of its FLOPs at the peak and its bytes (weights, KV read and written) at the
+  bandwidth, each scaled by an efficiency, plus a fixed per-step overhead.
+
+Links (``host_copy``, ``storage_read``, ``storage_write``, ``network``) are a bandwidth and a latency each.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from boundless.engine.attention_time import AttentionTimeModel, ChunkShape, shapes_of
+from boundless.engine.scheduler import SchedulerOutput
+from boundless.sim.cost import StepCost
+from boundless.sim.executor import DiskCost
+from boundless.sim.links import LinkSpec
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+
+
+@dataclass(frozen=True)
+class FittedStepCost:
+    """A step's seconds from the engine's per-term model, over the step's chunk shapes."""
+
+    model: AttentionTimeModel
+
+    def step_time(self, sched: SchedulerOutput) -> float:
+        return self.model.predict(shapes_of(sched))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model a roofline profile describes (dense, grouped-query attention)."""
+
+    name: str
+    params: float
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    bytes_per_param: int = 2  # bf16
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param  # K and V
+
+
+@dataclass(frozen=True)
+class RooflineStepCost:
+    """A step on a GPU: ``overhead + max(FLOPs / (peak * compute_eff), bytes / (bandwidth * memory_eff))``.
+
+    FLOPs are ``2 * params`` per new token (the projections and MLPs) plus ``4 * layers * q_heads *
+    head_dim`` per query-key pair (scores and the weighted sum); bytes are the weights once per step plus
+    the KV of every cached token read and every new token written.
+    """
+
+    shape: ModelShape
+    peak_flops: float
+    hbm_bytes_per_s: float
+    compute_efficiency: float
+    memory_efficiency: float
+    step_overhead_s: float
+
+    def step_time(self, sched: SchedulerOutput) -> float:
+        return self.predict(shapes_of(sched))
+
+    def predict(self, shapes: Sequence[ChunkShape]) -> float:
+        if not shapes:
+            return 0.0
+        s = self.shape
+        tokens = sum(c.new for c in shapes)
+        cached = sum(c.cached for c in shapes)
+        pairs = sum(c.pairs for c in shapes)
+        flops = 2 * s.params * tokens + 4 * s.layers * s.q_heads * s.head_dim * pairs
+        nbytes = s.params * s.bytes_per_param + s.kv_bytes_per_token * (cached + tokens)
+        compute = flops / (self.peak_flops * self.compute_efficiency)
+        memory = nbytes / (self.hbm_bytes_per_s * self.memory_efficiency)
+        return self.step_overhead_s + max(compute, memory)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """A machine as the simulator sees it: its step model, its links, and where each number comes from."""
+
+    name: str
+    description: str
+    step: StepCost
+    host_copy: LinkSpec
+    storage_read: LinkSpec
+    storage_write: LinkSpec
+    network: LinkSpec
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def disk_cost(self) -> DiskCost:
+        """The disk store's cost (one latency for reads and writes: the read link's)."""
+        return DiskCost(self.storage_read.bytes_per_s, self.storage_write.bytes_per_s, self.storage_read.latency_s)
+
+
+LINK_NAMES = ("host_copy", "storage_read", "storage_write", "network")
+
+
+def profile_names() -> list[str]:
+    """The profiles shipped with the package."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A shipped profile by name (``cpu``, ``a100-80gb``, ``h100``, ``h200``) or a profile file by path."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = PROFILE_DIR / f"{name_or_path}.json"
+        if not path.is_file():
+            raise ValueError(f"no profile {name_or_path!r}: a path, or one of {', '.join(profile_names())}")
+    return profile_from_dict(json.loads(path.read_text()))
+
+
+def profile_from_dict(data: dict[str, Any]) -> HardwareProfile:
+    step = data["step"]
+    kind = step["kind"]
+    if kind == "fitted":
+        cost: StepCost = FittedStepCost(AttentionTimeModel(**step["coefficients"]))
+    elif kind == "roofline":
+        cost = RooflineStepCost(
+            shape=ModelShape(**step["model"]),
+            peak_flops=step["peak_bf16_tflops"] * 1e12,
+            hbm_bytes_per_s=step["hbm_tbytes_per_s"] * 1e12,
+            compute_efficiency=step["compute_efficiency"],
+            memory_efficiency=step["memory_efficiency"],
+            step_overhead_s=step["step_overhead_s"],
+        )
+    else:
+        raise ValueError(f"profile {data.get('name')!r}: unknown step kind {kind!r} (fitted or roofline)")
+    links = {
+        name: LinkSpec(data["links"][name]["gbytes_per_s"] * 1e9, data["links"][name].get("latency_s", 0.0))
+        for name in LINK_NAMES
+    }
+    return HardwareProfile(data["name"], data.get("description", ""), cost, sources=data.get("sources", {}), **links)
+
+
+def fitted_profile_dict(
+    name: str, description: str, model: AttentionTimeModel, links: dict[str, LinkSpec], sources: dict[str, str]
+) -> dict[str, Any]:
+    """A ``fitted`` profile as JSON data (what ``calibrate`` writes)."""
+    return {
+        "name": name,
+        "description": description,
+        "step": {"kind": "fitted", "coefficients": asdict(model)},
+        "links": {k: {"gbytes_per_s": v.bytes_per_s / 1e9, "latency_s": v.latency_s} for k, v in links.items()},
+        "sources": sources,
+    }
