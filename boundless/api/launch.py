@@ -13,7 +13,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from boundless.api.server import EngineClient, build_app
-from boundless.config import ClusterConfig, ConfigError, EngineConfig, ServerConfig
+from boundless.config import ClusterConfig, EngineConfig, ServerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.model.loader import load_model
@@ -37,14 +37,6 @@ def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
 def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) -> EngineClient:
     """One engine in this process, or with ``--instances N`` (or prefill and decode engines) a cluster of Ray
     actors behind a router."""
-    if cluster.kv_lending == "on":
-        # The ledger, protocol and planner exist (cluster/rmanager.py, cluster/gmanager.py), and so does the engine
-        # side: moves over the transport and DistAttention (engine/lending.py). What is missing is the cluster
-        # carrying it: heartbeats to the gManager, its orders and the protocol's messages over Ray.
-        raise ConfigError(
-            "--kv-lending: on needs the cluster to carry KV lending between its instances (gManager plans and the "
-            "move protocol over Ray), which is not built yet; the engine side is (docs/distributed-attention.md)"
-        )
     if cluster.instances > 1 or cluster.ray_address or cluster.disaggregated:
         from boundless.cluster.client import ClusterClient
 

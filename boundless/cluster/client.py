@@ -33,7 +33,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from boundless.api.metrics import link_metrics
 from boundless.cluster.dispatcher import AbortOn, AddResult, Dispatcher, Fail, MarkDead, Send
+from boundless.cluster.gmanager import GManager
 from boundless.cluster.instance import EngineInstance, Heartbeat, InstanceInfo, RoleSetup
+from boundless.cluster.lending_cluster import ClusterLending, PeerLost
+from boundless.cluster.lending_instance import LendingSetup
 from boundless.cluster.links import LinkStats
 from boundless.cluster.pd_dispatcher import (
     Continue,
@@ -93,14 +96,22 @@ class ClusterClient:
         # Endpoints of the KV transport meet in a directory (shared memory's sockets and slots live there).
         self._transport_dir = ""
         setups: dict[str, RoleSetup | None] = dict.fromkeys(roles)
-        if cluster.disaggregated:
+        lending_setups: dict[str, LendingSetup | None] = dict.fromkeys(roles)
+        if cluster.disaggregated or cluster.kv_lending == "on":
             self._transport_dir = transport_directory()
+        if cluster.kv_lending == "on":
+            lending_setups = {
+                iid: LendingSetup(cluster, self._transport_dir, rank, len(roles)) for rank, iid in enumerate(roles)
+            }
+        if cluster.disaggregated:
             setups = role_setups(cluster, self._transport_dir)
         self.instances: dict[str, Instance] = {
-            iid: Instance(actor_cls.remote(iid, engine, max_waiting, threads, setups[iid])) for iid in roles
+            iid: Instance(actor_cls.remote(iid, engine, max_waiting, threads, setups[iid], lending=lending_setups[iid]))
+            for iid in roles
         }
         for inst in self.instances.values():
             inst.info = ray.get(inst.actor.info.remote())
+        self.lending = self._connect_lending(cluster) if cluster.kv_lending == "on" else None
         self.tokenizer = load_tokenizer(resolve_model_path(engine.model.model))
         self.max_model_len = min(i.info.max_model_len for i in self.instances.values() if i.info)
         table = ProcessTable(ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas")
@@ -113,6 +124,7 @@ class ClusterClient:
                 Router(cluster.routing, cluster.locality_threshold, cluster.locality_max_imbalance),
                 table,
                 time.monotonic,
+                self.lending,
             )
         self.streams = StreamRegistry()
         self.lock = threading.RLock()  # around the dispatcher, and the adds its decisions send
@@ -125,6 +137,15 @@ class ClusterClient:
         self._threads.append(threading.Thread(target=self._heartbeats, name="boundless-heartbeat", daemon=True))
         for t in self._threads:
             t.start()
+
+    def _connect_lending(self, cluster: ClusterConfig) -> ClusterLending:
+        """Introduce the instances' lending agents to each other, and start the gManager."""
+        import ray
+
+        addresses = {iid: inst.info.kv_address for iid, inst in self.instances.items() if inst.info is not None}
+        actors = {addresses[iid]: inst.actor for iid, inst in self.instances.items()}
+        ray.get([inst.actor.lend_connect.remote(actors) for inst in self.instances.values()])
+        return ClusterLending(GManager.from_config(cluster, time.monotonic), addresses)
 
     def _pd_dispatcher(self, engine: EngineConfig, cluster: ClusterConfig, table: ProcessTable) -> PDDispatcher:
         infos = {iid: inst.info for iid, inst in self.instances.items() if inst.info is not None}
@@ -177,6 +198,13 @@ class ClusterClient:
                 "kv_usage": s.kv_usage if s else 0.0,
                 "prefix_cache_hit_rate": s.prefix_cache_hit_rate if s else 0.0,
             }
+            if self.lending is not None:
+                lending = self.lending.lending().get(iid)
+                entry |= {
+                    "kv_blocks_lent": lending.lent if lending else 0,
+                    "kv_blocks_reserved": lending.reserved if lending else 0,
+                    "kv_blocks_borrowed": lending.borrowed if lending else 0,
+                }
             if isinstance(self.dispatcher, PDDispatcher):
                 load = next((ld for ld in self.dispatcher.loads() if ld.engine_id == iid), None)
                 entry |= {
@@ -278,6 +306,8 @@ class ClusterClient:
                     ray.kill(self.instances[decision.instance_id].actor)
             elif isinstance(decision, AbortOn):
                 self.instances[decision.instance_id].actor.abort.remote(decision.request_id)
+            elif isinstance(decision, PeerLost):
+                self.instances[decision.instance_id].actor.lend_peer_lost.remote(decision.lost)
         return failure
 
     def _add(self, send: Send) -> AddResult:
@@ -359,12 +389,19 @@ class ClusterClient:
                     self._lose(iid, f"heartbeat failed: {type(e).__name__}")
                     continue
                 inst.stats, inst.links = beat.stats, beat.links
+                if self.lending is not None and beat.lending is not None:
+                    with self.lock:
+                        self.lending.on_heartbeat(beat.lending)
                 if isinstance(self.dispatcher, PDDispatcher):
                     queued = read_queue_tokens(storage_queue_bytes(beat.links), self._kv_bytes_per_token)
                     with self.lock:
                         self.dispatcher.report(iid, queued)
             with self.lock:
                 self.dispatcher.expire()
+                orders = self.lending.orders() if self.lending is not None else []
+            for order in orders:  # the debtor carries it out between its steps
+                actor = self.instances[order.instance_id].actor
+                actor.lend_move.remote(order.request_id, order.num_blocks, order.creditor)
 
 
 def failure_error(failure: Fail) -> Exception:

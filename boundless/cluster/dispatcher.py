@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from boundless.cluster.lending_cluster import ClusterLending, PeerLost
 from boundless.cluster.routing import InstanceView, NoLiveInstanceError, Router
 from boundless.engine.core import RequestDelta, Resume
 from boundless.engine.handoff import HandoffPlan
@@ -106,7 +107,7 @@ class AbortOn:
     request_id: str
 
 
-Decision = Send | Fail | MarkDead | AbortOn
+Decision = Send | Fail | MarkDead | AbortOn | PeerLost
 
 
 class Dispatcher:
@@ -118,7 +119,12 @@ class Dispatcher:
     """
 
     def __init__(
-        self, instance_ids: Iterable[str], router: Router, table: ProcessTable, clock: Callable[[], float]
+        self,
+        instance_ids: Iterable[str],
+        router: Router,
+        table: ProcessTable,
+        clock: Callable[[], float],
+        lending: ClusterLending | None = None,
     ) -> None:
         self.views: dict[str, InstanceView] = {iid: InstanceView(iid) for iid in instance_ids}
         self.router = router
@@ -127,6 +133,7 @@ class Dispatcher:
         self.inflight: dict[str, InflightCall] = {}
         self.pending: dict[str, InflightCall] = {}  # sent, the instance's answer not in yet
         self.num_failovers = 0  # calls resent after their instance was lost
+        self.lending = lending  # KV lending's gManager, told of lost instances
 
     def is_alive(self) -> bool:
         return any(v.alive for v in self.views.values())
@@ -170,6 +177,8 @@ class Dispatcher:
         view.inflight = 0
         self.router.drop_instance(instance_id)
         decisions: list[Decision] = [MarkDead(instance_id, reason)]
+        if self.lending is not None:  # the others free what they lent it and recompute what it held
+            decisions += self.lending.instance_lost(instance_id)
         for call in [c for c in self.inflight.values() if c.instance == instance_id]:
             del self.inflight[call.request_id]
             call.failovers += 1

@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.cluster.dispatcher import AddResult
+from boundless.cluster.lending_instance import InstanceLending, LendingSetup
 from boundless.cluster.links import InstanceLinks, LinkStats, instance_links
 from boundless.cluster.pd_dispatcher import PrepareResult
 from boundless.cluster.pd_scheduler import Role
+from boundless.cluster.placement import Heartbeat as LendingHeartbeat
+from boundless.cluster.rmanager import SendBlocks, TryMove
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import EngineLoop, QueueFullError
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
@@ -46,6 +49,7 @@ class InstanceInfo:
     kv_bytes_per_block: int = 0
     fingerprint: str = ""
     kv_blocks: int = 0  # its device KV pool
+    lending: bool = False  # it lends and borrows KV; ``kv_address`` is its rManager's id
 
 
 @dataclass(frozen=True)
@@ -62,10 +66,12 @@ class RoleSetup:
 
 @dataclass
 class Heartbeat:
-    """What an instance says of itself: its engine's stats, and its emulated links' (storage, network)."""
+    """What an instance says of itself: its engine's stats, its emulated links' (storage, network), and with KV
+    lending its rManager's report and step times for the gManager."""
 
     stats: EngineStats
     links: list[LinkStats] = field(default_factory=list)
+    lending: LendingHeartbeat | None = None
 
 
 class EngineInstance:
@@ -80,6 +86,7 @@ class EngineInstance:
         threads: int | None = None,
         role: RoleSetup | None = None,
         loaded: LoadedModel | None = None,
+        lending: LendingSetup | None = None,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
@@ -107,6 +114,20 @@ class EngineInstance:
         self._outbox: list[RequestDelta] = []
         self._ready = threading.Condition()
         self.loop = EngineLoop(self.core, self._sink, max_waiting)
+        self.lending: InstanceLending | None = None
+        if lending is not None:
+            # Its transport endpoint carries the moved blocks and the DistAttention partials.
+            spec = EndpointSpec(
+                lending.cluster.kv_transport,
+                lending.directory,
+                lending.rank,
+                lending.world_size,
+                lending.cluster.kv_handoff_timeout_s,
+            )
+            self.transport = open_endpoint(spec)
+            with self.loop.lock:
+                self.lending = InstanceLending(self.core, self.transport, lending, self.loop.lock)
+                self.loop.hooks = self.lending
 
     def _sink(self, delta: RequestDelta) -> None:
         delta.instance = self.instance_id
@@ -124,6 +145,7 @@ class EngineInstance:
             core.identity.device,
             role=self.role.role if self.role else "",
             kv_address=self.transport.address if self.transport else "",
+            lending=self.lending is not None,
             block_size=core.layout.block_size,
             kv_bytes_per_block=core.layout.bytes_per_block,
             fingerprint=core.identity.fingerprint,
@@ -184,9 +206,43 @@ class EngineInstance:
         self.loop.abort(request_id)
 
     def heartbeat(self) -> Heartbeat:
-        return Heartbeat(self.loop.stats()["0"], self.links.stats())
+        lending = self.lending.heartbeat() if self.lending is not None else None
+        return Heartbeat(self.loop.stats()["0"], self.links.stats(), lending)
+
+    # -- KV lending (``cluster/lending_instance.py``) -----------------------------------------------------------
+
+    def _lending(self) -> InstanceLending:
+        if self.lending is None:
+            raise RuntimeError(f"instance {self.instance_id} does not lend KV")
+        return self.lending
+
+    def lend_connect(self, peers: dict[str, object]) -> None:
+        """The other instances' actors, by transport address."""
+        self._lending().connect(peers)
+
+    def lend_move(self, request_id: str, num_blocks: int, creditor: str) -> None:
+        """The gManager's order to this debtor; carried out between steps."""
+        self._lending().order(request_id, num_blocks, creditor)
+        self.loop.wake()
+
+    def lend_peer_lost(self, address: str) -> None:
+        self._lending().peer_lost(address)
+
+    def lend_try_move(self, action: TryMove) -> bool:
+        return self._lending().try_move(action)
+
+    def lend_take_blocks(self, action: SendBlocks, debtor: str) -> bool:
+        return self._lending().take_blocks(action, debtor)
+
+    def lend_confirm_blocks(self, move_id: str) -> bool:
+        return self._lending().confirm_blocks(move_id)
+
+    def lend_release(self, move_id: str) -> None:
+        self._lending().release(move_id)
 
     def shutdown(self) -> None:
         self.loop.shutdown()
+        if self.lending is not None:
+            self.lending.close()
         if self.transport is not None:
             self.transport.close()

@@ -17,10 +17,12 @@ import os
 import threading
 import traceback
 from collections.abc import Callable
+from typing import Protocol
 
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.scheduler import SchedulerOutput
 from boundless.programs.ref import ProgramRef
 
 log = logging.getLogger(__name__)
@@ -38,13 +40,32 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped."""
 
 
-class EngineLoop:
-    """Steps an :class:`EngineCore` in a background thread; every delta goes to ``sink``."""
+class StepHooks(Protocol):
+    """What runs in the loop besides the engine's steps (KV lending: ``cluster/lending_instance.py``)."""
 
-    def __init__(self, core: EngineCore, sink: Callable[[RequestDelta], None], max_waiting: int = 1024) -> None:
+    def between_steps(self) -> None:
+        """Called under the loop's lock before each schedule."""
+
+    def step_failed(self, error: Exception, sched: SchedulerOutput) -> bool:
+        """Called under the loop's lock when a step raised; True if handled (the loop then fails nothing)."""
+        ...
+
+
+class EngineLoop:
+    """Steps an :class:`EngineCore` in a background thread; every delta goes to ``sink``. ``hooks`` (set before
+    the first request, or at construction) run between steps and see failed steps first."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        sink: Callable[[RequestDelta], None],
+        max_waiting: int = 1024,
+        hooks: StepHooks | None = None,
+    ) -> None:
         self.core = core
         self.sink = sink
         self.max_waiting = max_waiting
+        self.hooks = hooks
         self.lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -62,6 +83,10 @@ class EngineLoop:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def wake(self) -> None:
+        """Step now if idle (something for the hooks came in)."""
+        self._wake.set()
 
     def add_finished_listener(self, fn: Callable[[RequestDelta], None]) -> None:
         """``fn(delta)`` is called (in the engine thread) with every request's final delta."""
@@ -155,6 +180,8 @@ class EngineLoop:
         core = self.core
         while not self._stop.is_set():
             with self.lock:
+                if self.hooks is not None:
+                    self.hooks.between_steps()
                 sched = core.schedule() if core.has_work() else None
             if sched is None or sched.is_empty:
                 self._wake.wait(timeout=0.05 if sched is not None else 1.0)
@@ -162,7 +189,10 @@ class EngineLoop:
                 continue
             try:
                 result = core.execute(sched)
-            except Exception:  # a failed step must not take the server down: fail its requests, go on
+            except Exception as e:  # a failed step must not take the server down: fail its requests, go on
+                with self.lock:
+                    if self.hooks is not None and self.hooks.step_failed(e, sched):
+                        continue
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 # Its chunks, and requests its transfers were moving (swapped out to blocks the failed
                 # copy never filled, say), are left without their KV.

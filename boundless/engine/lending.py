@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from boundless.attention.dist_attention import DistributedAttention
 from boundless.attention.partial_service import PartialClient, PartialServer, RemotePartialError
@@ -72,13 +72,16 @@ class MoveStats:
 
 
 class ControlPlane(Protocol):
-    """Carries the protocol's control messages to another instance's agent and returns its answer."""
+    """Carries the protocol's control messages to another instance's agent and returns its answer.
+    ``take_blocks`` answers with a receipt of the receive the creditor posted (the receive itself in one process,
+    ``LocalControlPlane``; a token across processes, ``cluster/lending_instance.py``), or None;
+    ``confirm_blocks`` hands that receipt back."""
 
     def try_move(self, creditor: str, action: TryMove) -> bool: ...
 
-    def take_blocks(self, creditor: str, action: SendBlocks, debtor: str) -> BlocksReceive | None: ...
+    def take_blocks(self, creditor: str, action: SendBlocks, debtor: str) -> Any: ...
 
-    def confirm_blocks(self, creditor: str, move_id: str, receive: BlocksReceive) -> bool: ...
+    def confirm_blocks(self, creditor: str, move_id: str, receive: Any) -> bool: ...
 
     def release(self, creditor: str, move_id: str) -> None: ...
 

@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 from lending_cases import BLOCK, GPU_LIKE, instance, request, samples_of
 
-from boundless.cli import main
 from boundless.cluster.gmanager import GManager, InstanceLending
 from boundless.cluster.lending_plan import LendingThresholds, MoveOrder
 from boundless.cluster.placement import Heartbeat, RequestPlacementEntry
@@ -165,8 +164,3 @@ def test_lending_flags_are_typed_and_checked() -> None:
             dataclasses.replace(config, **values)
         flag = "--" + next(iter(values)).replace("_", "-")
         assert flag in str(err.value) or "--kv-lending" in str(err.value)
-
-
-def test_serve_refuses_lending_until_blocks_can_travel(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", "--instances", "2", "--kv-lending", "on"]) == 2
-    assert "--kv-lending" in capsys.readouterr().err

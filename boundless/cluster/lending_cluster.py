@@ -1,0 +1,77 @@
+"""The router's side of KV lending in a cluster: the gManager, and who is who on the transport.
+
+The rManagers (one per instance, ``engine/lending.py``) name instances by their transport address, since that is
+the peer their blocks and partials travel to; the router names them by instance id. :class:`ClusterLending`
+holds the gManager and the map between the two, and turns what the cluster learns into what it must carry out:
+
+- a heartbeat of an instance's rManager goes to the gManager (:meth:`on_heartbeat`);
+- when a plan is due, each :class:`~boundless.cluster.lending_plan.MoveOrder` becomes an :class:`OrderMove` for
+  its debtor's instance (:meth:`orders`);
+- an instance lost becomes a :class:`PeerLost` for every other live instance, whose rManager frees what it lent
+  to it and recomputes what it held (:meth:`instance_lost`).
+
+Plain code over plain data, as the dispatcher: the Ray client carries the decisions out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from boundless.cluster.gmanager import GManager, InstanceLending
+from boundless.cluster.placement import Heartbeat
+
+
+@dataclass(frozen=True)
+class OrderMove:
+    """Tell ``instance_id`` (the debtor) to move ``num_blocks`` of ``request_id``'s blocks to the instance at
+    transport address ``creditor``."""
+
+    instance_id: str
+    request_id: str
+    num_blocks: int
+    creditor: str
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    """Tell ``instance_id``'s rManager that the instance at transport address ``lost`` is gone."""
+
+    instance_id: str
+    lost: str
+
+
+class ClusterLending:
+    """The gManager beside the router, with the instances' transport addresses (see the module)."""
+
+    def __init__(self, gmanager: GManager, addresses: dict[str, str]) -> None:
+        self.gm = gmanager
+        self.addresses = dict(addresses)  # instance id -> transport address
+        self.instance_of = {address: iid for iid, address in addresses.items()}
+        self.lost: set[str] = set()
+
+    def on_heartbeat(self, heartbeat: Heartbeat) -> None:
+        if self.instance_of.get(heartbeat.instance_id) not in self.lost:
+            self.gm.on_heartbeat(heartbeat)
+
+    def orders(self) -> list[OrderMove]:
+        """The moves of a plan, if one is due; none otherwise."""
+        if not self.gm.due():
+            return []
+        return [
+            OrderMove(self.instance_of[m.debtor], m.request_id, m.num_blocks, m.creditor)
+            for m in self.gm.plan().moves
+            if self.instance_of.get(m.debtor) not in self.lost
+        ]
+
+    def instance_lost(self, instance_id: str) -> list[PeerLost]:
+        """The instance died: the gManager forgets it, and every live instance's rManager is told."""
+        if instance_id in self.lost:
+            return []
+        self.lost.add(instance_id)
+        address = self.addresses[instance_id]
+        self.gm.instance_lost(address)
+        return [PeerLost(iid, address) for iid in self.addresses if iid not in self.lost]
+
+    def lending(self) -> dict[str, InstanceLending]:
+        """Blocks lent, reserved and borrowed per instance id, as the gManager last heard them."""
+        return {self.instance_of[a]: view for a, view in self.gm.lending().items() if a in self.instance_of}
