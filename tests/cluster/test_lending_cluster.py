@@ -1,0 +1,139 @@
+"""KV lending across a 2-instance Ray cluster behind a real server: a long request whose instance runs out of
+blocks while calls of its program wait there gets blocks moved to the other instance; output unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from boundless import LLM, SamplingParams
+from boundless.api.launch import ServerThread, start_in_thread
+from boundless.cluster.client import ClusterClient
+from boundless.config import ClusterConfig
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+BLOCKS = 48  # per instance, 16 tokens each
+LONG = [(13 * j) % 300 + 3 for j in range(480)]  # 30 blocks; with its output 45 of the 48
+WAITERS = [[(7 * j + 31 * i) % 300 + 5 for j in range(320)] for i in range(2)]  # 20 blocks each: they wait
+LONG_TOKENS, WAITER_TOKENS = 240, 16
+
+
+@pytest.fixture
+def lending_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient, ServerThread]]:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=768, num_kv_blocks=BLOCKS)
+    cluster = ClusterConfig(
+        instances=2,
+        locality_threshold=48,  # the program's calls all go to its instance
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=30.0,
+        kv_lending="on",
+        lending_interval_s=0.2,
+        lending_min_gain=0.0,
+        lending_reservation_timeout_s=10.0,
+    )
+    client = ClusterClient(config, cluster)
+    server = start_in_thread(client, "tiny")
+    yield client, server
+    server.stop()
+    client.shutdown()
+    ray.shutdown()
+
+
+def _offline(loaded: LoadedModel, prompts: list[list[int]], max_tokens: list[int]) -> list[str]:
+    llm = LLM.from_config(engine_config(loaded.name, max_model_len=768, num_kv_blocks=4 * BLOCKS), loaded)
+    out = []
+    for prompt, n in zip(prompts, max_tokens, strict=True):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        out.append(llm.generate([prompt], params)[0].outputs[0].text)
+    return out
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_long_request_lends_blocks_to_the_other_instance_output_unchanged(
+    lending_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
+) -> None:
+    client, server = lending_cluster
+    seen: dict[str, dict[str, int]] = {}  # instance -> the most blocks it lent and borrowed at once
+    done = threading.Event()
+
+    def watch() -> None:
+        with httpx.Client() as http:
+            while not done.wait(0.05):
+                for inst in http.get(server.url + "/cluster").json()["instances"]:
+                    best = seen.setdefault(inst["id"], {"lent": 0, "borrowed": 0})
+                    best["lent"] = max(best["lent"], inst["kv_blocks_lent"])
+                    best["borrowed"] = max(best["borrowed"], inst["kv_blocks_borrowed"])
+
+    async def run() -> list[str]:
+        api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        # Warm-up: batches of several sizes on both instances, for the gManager's step-time fit.
+        for size in (1, 2, 4):
+            await asyncio.gather(
+                *(
+                    api.completions.create(model="tiny", prompt=[200 + i, 201, 202], max_tokens=8, temperature=0)
+                    for i in range(size)
+                )
+            )
+        started = asyncio.Event()
+
+        async def one(prompt: list[int], max_tokens: int, first: asyncio.Event | None = None) -> str:
+            stream = await api.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True, "program_id": "long"},
+            )
+            parts = []
+            async for chunk in stream:
+                parts.append(chunk.choices[0].text if chunk.choices else "")
+                if first is not None:
+                    first.set()
+            return "".join(parts)
+
+        long = asyncio.create_task(one(LONG, LONG_TOKENS, started))
+        await started.wait()  # the long request runs: the waiters find its instance's blocks taken
+        waiters = await asyncio.gather(*(one(p, WAITER_TOKENS) for p in WAITERS))
+        texts = [await long, *waiters]
+        await api.close()
+        return texts
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        texts = asyncio.run(run())
+    finally:
+        done.set()
+        watcher.join()
+    assert texts == _offline(tiny_llama, [LONG, *WAITERS], [LONG_TOKENS] + [WAITER_TOKENS] * 2)
+    # Blocks of the long request lived on the other instance, as /cluster showed while it ran.
+    debtor = max(seen, key=lambda iid: seen[iid]["borrowed"])
+    creditor = next(iid for iid in seen if iid != debtor)
+    assert seen[debtor]["borrowed"] > 0 and seen[creditor]["lent"] > 0, seen
+    metrics = httpx.get(server.url + "/metrics").text
+    assert _metric(metrics, "boundless_kv_lending_moves_total", direction="out", instance=debtor) > 0, re.findall(
+        r"boundless_kv_lending\S+ \S+", metrics
+    )
+    assert _metric(metrics, "boundless_kv_lending_moves_total", direction="in", instance=creditor) > 0
+    assert client.lending is not None and client.lending.gm.counters.moves_ordered > 0
