@@ -1,5 +1,6 @@
 """The gManager: heartbeats in, plans out, on a clock moved by hand; and the whole loop of heartbeat, plan and
-move protocol between rManagers, with the transport played by hand. Also the lending flags."""
+move protocol between rManagers, with the transport played by hand; the gManager beside the router (instance ids
+and transport addresses, lost instances). Also the lending flags."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import dataclasses
 import pytest
 from lending_cases import BLOCK, GPU_LIKE, instance, request, samples_of
 
+from boundless.cluster.dispatcher import Dispatcher, MarkDead
 from boundless.cluster.gmanager import GManager, InstanceLending
+from boundless.cluster.lending_cluster import ClusterLending, OrderMove, PeerLost
 from boundless.cluster.lending_plan import LendingThresholds, MoveOrder
 from boundless.cluster.placement import Heartbeat, RequestPlacementEntry
 from boundless.cluster.rmanager import FreeLocalBlocks, LocalRequest, LocalState, RManager, SendBlocks, TryMove
+from boundless.cluster.routing import Router
 from boundless.config import ClusterConfig, ConfigError
+from boundless.programs.process_table import ProcessTable
 
 INTERVAL_S = 2.0
 TIMEOUT_S = 5.0
@@ -164,3 +169,39 @@ def test_lending_flags_are_typed_and_checked() -> None:
             dataclasses.replace(config, **values)
         flag = "--" + next(iter(values)).replace("_", "-")
         assert flag in str(err.value) or "--kv-lending" in str(err.value)
+
+
+# -- the gManager beside the router: instance ids and transport addresses --------------------------------------
+
+
+def cluster_lending() -> tuple[ClusterLending, Clock]:
+    gm, clock = gmanager()
+    return ClusterLending(gm, {"0": "A", "1": "B", "2": "C"}), clock
+
+
+def test_orders_go_to_the_debtors_instance_and_name_the_creditors_address() -> None:
+    lending, _ = cluster_lending()
+    assert lending.orders() == []  # nobody reported
+    lending.on_heartbeat(debtor_beat())
+    lending.on_heartbeat(creditor_beat())
+    assert lending.orders() == [OrderMove("0", "a-long", 23, "B")]
+    assert lending.orders() == []  # not due again before the interval and fresh heartbeats
+    assert lending.lending()["0"] == InstanceLending(0, 0, 0, 1, 64)
+
+
+def test_a_lost_instance_is_forgotten_and_every_live_one_told() -> None:
+    lending, _ = cluster_lending()
+    lending.on_heartbeat(debtor_beat())
+    lending.on_heartbeat(creditor_beat())
+    assert lending.instance_lost("1") == [PeerLost("0", "B"), PeerLost("2", "B")]
+    assert lending.instance_lost("1") == []  # told once
+    lending.on_heartbeat(creditor_beat())  # a late heartbeat of the lost instance is ignored
+    assert set(lending.lending()) == {"0"} and lending.orders() == []  # no creditor left
+
+
+def test_the_dispatcher_tells_the_rmanagers_when_an_instance_is_lost() -> None:
+    lending, _ = cluster_lending()
+    router = Router("locality", locality_threshold=4, max_imbalance=4)
+    d = Dispatcher(["0", "1", "2"], router, ProcessTable(ttl_s=60), lambda: 0.0, lending)
+    decisions = d.instance_lost("2", "gone")
+    assert decisions == [MarkDead("2", "gone"), PeerLost("0", "C"), PeerLost("1", "C")]
