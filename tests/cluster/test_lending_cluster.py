@@ -1,10 +1,13 @@
 """KV lending across a 2-instance Ray cluster behind a real server: a long request whose instance runs out of
-blocks while calls of its program wait there gets blocks moved to the other instance; output unchanged."""
+blocks while calls of its program wait there gets blocks moved to the other instance; output unchanged. And the
+same with the creditor killed while it holds them: the debtor recomputes, output unchanged."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +46,7 @@ def lending_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient
         lending_interval_s=0.2,
         lending_min_gain=0.0,
         lending_reservation_timeout_s=10.0,
+        kv_handoff_timeout_s=10.0,  # a round trip to a killed creditor fails within this
     )
     client = ClusterClient(config, cluster)
     server = start_in_thread(client, "tiny")
@@ -69,65 +73,84 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
+class Watch:
+    """Polls ``/cluster`` while the requests run: the most blocks each instance lent and borrowed at once. With
+    ``kill_creditor``, kills the first instance seen lending (SIGKILL), mid-decode of the long request."""
+
+    def __init__(self, url: str, kill_creditor: bool = False) -> None:
+        self.url = url
+        self.kill_creditor = kill_creditor
+        self.seen: dict[str, dict[str, int]] = {}
+        self.killed: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with httpx.Client() as http:
+            while not self._done.wait(0.05):
+                for inst in http.get(self.url + "/cluster").json()["instances"]:
+                    best = self.seen.setdefault(inst["id"], {"lent": 0, "borrowed": 0})
+                    best["lent"] = max(best["lent"], inst["kv_blocks_lent"])
+                    best["borrowed"] = max(best["borrowed"], inst["kv_blocks_borrowed"])
+                    if self.kill_creditor and self.killed is None and inst["kv_blocks_lent"] > 0:
+                        os.kill(inst["pid"], signal.SIGKILL)
+                        self.killed = inst["id"]
+
+
+async def _workload(url: str) -> list[str]:
+    """Warm-up calls on both instances, then the long call and, once it runs, its program's waiting calls."""
+    api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    # Batches of several sizes on both instances, for the gManager's step-time fit.
+    for size in (1, 2, 4):
+        await asyncio.gather(
+            *(
+                api.completions.create(model="tiny", prompt=[200 + i, 201, 202], max_tokens=8, temperature=0)
+                for i in range(size)
+            )
+        )
+    started = asyncio.Event()
+
+    async def one(prompt: list[int], max_tokens: int, first: asyncio.Event | None = None) -> str:
+        stream = await api.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "program_id": "long"},
+        )
+        parts = []
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text if chunk.choices else "")
+            if first is not None:
+                first.set()
+        return "".join(parts)
+
+    long = asyncio.create_task(one(LONG, LONG_TOKENS, started))
+    await started.wait()  # the long call runs: the waiting calls find its instance's blocks taken
+    waiters = await asyncio.gather(*(one(p, WAITER_TOKENS) for p in WAITERS))
+    texts = [await long, *waiters]
+    await api.close()
+    return texts
+
+
 def test_a_long_request_lends_blocks_to_the_other_instance_output_unchanged(
     lending_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
 ) -> None:
     client, server = lending_cluster
-    seen: dict[str, dict[str, int]] = {}  # instance -> the most blocks it lent and borrowed at once
-    done = threading.Event()
-
-    def watch() -> None:
-        with httpx.Client() as http:
-            while not done.wait(0.05):
-                for inst in http.get(server.url + "/cluster").json()["instances"]:
-                    best = seen.setdefault(inst["id"], {"lent": 0, "borrowed": 0})
-                    best["lent"] = max(best["lent"], inst["kv_blocks_lent"])
-                    best["borrowed"] = max(best["borrowed"], inst["kv_blocks_borrowed"])
-
-    async def run() -> list[str]:
-        api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        # Warm-up: batches of several sizes on both instances, for the gManager's step-time fit.
-        for size in (1, 2, 4):
-            await asyncio.gather(
-                *(
-                    api.completions.create(model="tiny", prompt=[200 + i, 201, 202], max_tokens=8, temperature=0)
-                    for i in range(size)
-                )
-            )
-        started = asyncio.Event()
-
-        async def one(prompt: list[int], max_tokens: int, first: asyncio.Event | None = None) -> str:
-            stream = await api.completions.create(
-                model="tiny",
-                prompt=prompt,
-                max_tokens=max_tokens,
-                temperature=0,
-                stream=True,
-                extra_body={"ignore_eos": True, "program_id": "long"},
-            )
-            parts = []
-            async for chunk in stream:
-                parts.append(chunk.choices[0].text if chunk.choices else "")
-                if first is not None:
-                    first.set()
-            return "".join(parts)
-
-        long = asyncio.create_task(one(LONG, LONG_TOKENS, started))
-        await started.wait()  # the long request runs: the waiters find its instance's blocks taken
-        waiters = await asyncio.gather(*(one(p, WAITER_TOKENS) for p in WAITERS))
-        texts = [await long, *waiters]
-        await api.close()
-        return texts
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        texts = asyncio.run(run())
-    finally:
-        done.set()
-        watcher.join()
+    with Watch(server.url) as watch:
+        texts = asyncio.run(_workload(server.url))
     assert texts == _offline(tiny_llama, [LONG, *WAITERS], [LONG_TOKENS] + [WAITER_TOKENS] * 2)
     # Blocks of the long request lived on the other instance, as /cluster showed while it ran.
+    seen = watch.seen
     debtor = max(seen, key=lambda iid: seen[iid]["borrowed"])
     creditor = next(iid for iid in seen if iid != debtor)
     assert seen[debtor]["borrowed"] > 0 and seen[creditor]["lent"] > 0, seen
@@ -136,4 +159,20 @@ def test_a_long_request_lends_blocks_to_the_other_instance_output_unchanged(
         r"boundless_kv_lending\S+ \S+", metrics
     )
     assert _metric(metrics, "boundless_kv_lending_moves_total", direction="in", instance=creditor) > 0
+    assert _metric(metrics, "boundless_kv_lending_bytes_moved_total", direction="out", instance=debtor) > 0
     assert client.lending is not None and client.lending.gm.counters.moves_ordered > 0
+
+
+def test_a_creditor_killed_mid_decode_its_debtor_recomputes_output_unchanged(
+    lending_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
+) -> None:
+    client, server = lending_cluster
+    with Watch(server.url, kill_creditor=True) as watch:
+        texts = asyncio.run(_workload(server.url))
+    assert watch.killed is not None, watch.seen
+    assert texts == _offline(tiny_llama, [LONG, *WAITERS], [LONG_TOKENS] + [WAITER_TOKENS] * 2)
+    debtor = next(iid for iid in client.instances if iid != watch.killed)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert _metric(metrics, "boundless_kv_lending_recomputed_requests_total", instance=debtor) >= 1
+    states = {i["id"]: i["state"] for i in httpx.get(server.url + "/cluster").json()["instances"]}
+    assert states == {debtor: "alive", watch.killed: "dead"}
