@@ -101,7 +101,9 @@ class InstanceLending:
             cluster.lending_reservation_timeout_s,
             headroom_blocks=int(cluster.lending_creditor_headroom * num_blocks),
         )
-        self.control = RayControlPlane(timeout_s=cluster.kv_handoff_timeout_s)
+        # A control call waits while holding the loop's lock, which the instance's heartbeat needs too: it must
+        # give up well before the router would take the instance for dead.
+        self.control = RayControlPlane(timeout_s=min(cluster.kv_handoff_timeout_s, cluster.heartbeat_timeout_s / 4))
         self.agent = LendingAgent(core, rmanager, transport, self.control, timeout_s=cluster.kv_handoff_timeout_s)
         self.lock = lock
         self._orders: deque[tuple[str, int, str]] = deque()

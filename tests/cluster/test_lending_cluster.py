@@ -1,6 +1,7 @@
 """KV lending across a 2-instance Ray cluster behind a real server: a long request whose instance runs out of
 blocks while calls of its program wait there gets blocks moved to the other instance; output unchanged. And the
-same with the creditor killed while it holds them: the debtor recomputes, output unchanged."""
+same with the creditor killed while it holds them (the debtor recomputes), and with the debtor killed (the
+creditor frees its blocks; the calls fail over): output unchanged."""
 
 from __future__ import annotations
 
@@ -75,11 +76,12 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 class Watch:
     """Polls ``/cluster`` while the requests run: the most blocks each instance lent and borrowed at once. With
-    ``kill_creditor``, kills the first instance seen lending (SIGKILL), mid-decode of the long request."""
+    ``kill`` ("lent" or "borrowed"), kills (SIGKILL) the first instance seen with blocks so, mid-decode of the
+    long request."""
 
-    def __init__(self, url: str, kill_creditor: bool = False) -> None:
+    def __init__(self, url: str, kill: str | None = None) -> None:
         self.url = url
-        self.kill_creditor = kill_creditor
+        self.kill = kill
         self.seen: dict[str, dict[str, int]] = {}
         self.killed: str | None = None
         self._done = threading.Event()
@@ -100,7 +102,7 @@ class Watch:
                     best = self.seen.setdefault(inst["id"], {"lent": 0, "borrowed": 0})
                     best["lent"] = max(best["lent"], inst["kv_blocks_lent"])
                     best["borrowed"] = max(best["borrowed"], inst["kv_blocks_borrowed"])
-                    if self.kill_creditor and self.killed is None and inst["kv_blocks_lent"] > 0:
+                    if self.kill and self.killed is None and inst[f"kv_blocks_{self.kill}"] > 0:
                         os.kill(inst["pid"], signal.SIGKILL)
                         self.killed = inst["id"]
 
@@ -167,7 +169,7 @@ def test_a_creditor_killed_mid_decode_its_debtor_recomputes_output_unchanged(
     lending_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
 ) -> None:
     client, server = lending_cluster
-    with Watch(server.url, kill_creditor=True) as watch:
+    with Watch(server.url, kill="lent") as watch:
         texts = asyncio.run(_workload(server.url))
     assert watch.killed is not None, watch.seen
     assert texts == _offline(tiny_llama, [LONG, *WAITERS], [LONG_TOKENS] + [WAITER_TOKENS] * 2)
@@ -176,3 +178,19 @@ def test_a_creditor_killed_mid_decode_its_debtor_recomputes_output_unchanged(
     assert _metric(metrics, "boundless_kv_lending_recomputed_requests_total", instance=debtor) >= 1
     states = {i["id"]: i["state"] for i in httpx.get(server.url + "/cluster").json()["instances"]}
     assert states == {debtor: "alive", watch.killed: "dead"}
+
+
+def test_a_debtor_killed_mid_decode_its_creditor_frees_its_blocks(
+    lending_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
+) -> None:
+    client, server = lending_cluster
+    with Watch(server.url, kill="borrowed") as watch:
+        # Its calls fail over to the creditor, where the long one fits only once the lent blocks are freed.
+        texts = asyncio.run(_workload(server.url))
+    assert watch.killed is not None, watch.seen
+    assert texts == _offline(tiny_llama, [LONG, *WAITERS], [LONG_TOKENS] + [WAITER_TOKENS] * 2)
+    assert client.dispatcher.num_failovers > 0
+    creditor = next(iid for iid in client.instances if iid != watch.killed)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert _metric(metrics, "boundless_kv_blocks_lent", instance=creditor) == 0
+    assert _metric(metrics, "boundless_kv_lending_moves_total", direction="in", instance=creditor) > 0
