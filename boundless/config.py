@@ -351,6 +351,11 @@ class ClusterConfig:
         _require(self.kv_lending in ("on", "off"), "kv_lending", f"must be on or off, not {self.kv_lending!r}")
         _require(self.kv_lending == "off" or self.instances >= 2, "kv_lending", "needs --instances 2 or more")
         _require(
+            self.kv_lending == "off" or not self.disaggregated,
+            "kv_lending",
+            "is not built for prefill and decode engines (--prefill-instances, --decode-instances)",
+        )
+        _require(
             self.lending_interval_s >= self.heartbeat_interval_s,
             "lending_interval_s",
             "must be at least --heartbeat-interval-s: a plan needs fresh heartbeats",

@@ -157,6 +157,7 @@ def test_lending_flags_are_typed_and_checked() -> None:
     bad = [
         {"kv_lending": "yes", "instances": 2},
         {"kv_lending": "on"},  # one instance: nobody to lend
+        {"kv_lending": "on", "instances": 2, "decode_instances": 2},  # not with roles
         {"lending_interval_s": 0.1},  # under the heartbeat interval
         {"lending_debtor_max_batch": 0},
         {"lending_creditor_max_usage": 1.5},
