@@ -1,4 +1,5 @@
-"""A step whose KV transfer fails fails the requests it concerns; the engine goes on serving the others."""
+"""A step whose KV transfer fails fails the requests it concerns; the engine goes on serving the others. Step hooks
+(KV lending's) run between steps and may handle a failed step instead."""
 
 from __future__ import annotations
 
@@ -95,5 +96,53 @@ def test_a_failed_swap_out_fails_the_step_and_its_victim_and_the_rest_is_served(
         _serve(loop, outcomes, {f"again-{rid}": prompts[rid] for rid in failed})
         assert outcomes.tokens == {f"again-{rid}": expected[rid] for rid in failed}
         assert loop.is_alive()
+    finally:
+        loop.shutdown()
+
+
+class RerunOnce:
+    """Step hooks (KV lending's shape): the engine's next step raises a fault they handle by running its chunks
+    again, as a lending agent does when a creditor does not answer."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.between = 0
+        self.handled: list[Exception] = []
+        execute = core.execute
+
+        def failing_once(sched):
+            if not self.handled:
+                raise ConnectionError("injected fault: a creditor did not answer")
+            return execute(sched)
+
+        core.execute = failing_once
+
+    def between_steps(self) -> None:
+        self.between += 1
+
+    def step_failed(self, error: Exception, sched) -> bool:
+        if not isinstance(error, ConnectionError):
+            return False
+        self.handled.append(error)
+        self.core.scheduler.step_failed(sched)
+        return True
+
+
+def test_step_hooks_run_between_steps_and_a_step_they_handle_fails_nothing(tiny_llama: LoadedModel) -> None:
+    prompts = {str(i): [(5 * i + j) % 300 + 3 for j in range(20)] for i in range(2)}
+    outcomes = Outcomes()
+    clean = EngineLoop(_core(tiny_llama, failing=False), outcomes)
+    try:
+        expected = dict(_serve(clean, outcomes, prompts).tokens)
+    finally:
+        clean.shutdown()
+    core = _core(tiny_llama, failing=False)
+    hooks = RerunOnce(core)
+    loop = EngineLoop(core, outcomes, hooks=hooks)
+    try:
+        _serve(loop, outcomes, prompts)
+        assert len(hooks.handled) == 1 and hooks.between > PARAMS.max_tokens
+        assert set(outcomes.reasons.values()) == {"length"}  # the failed step's requests ran again
+        assert outcomes.tokens == expected
     finally:
         loop.shutdown()
