@@ -73,7 +73,8 @@ class TierCounters:
     # Stored blocks computed instead of read, by why (disk tier only): ``no_host_room`` (known stored, no host
     # room to load them when the request was admitted), ``unwaited_probe`` (found by a probe the request did not
     # wait for), ``load_timeout`` (loaded too late), ``evicted_before_admission`` (loaded, then evicted from
-    # host memory before the request's turn).
+    # host memory before the request's turn), ``load_came_back_short`` (known stored, but missing or unreadable
+    # when loaded).
     recomputed_blocks: dict[str, int] = field(default_factory=dict)
 
 
@@ -615,7 +616,9 @@ class KVCacheManager:
         if start >= end or start < lookup.loaded_upto:
             # All in memory, the store has no more, or what the last load brought was evicted before its turn.
             if start < lookup.loaded_upto:
-                self._count_recomputed("evicted_before_admission", lookup.loaded_upto - start)
+                short = lookup.disk_end is not None and lookup.disk_end < lookup.loaded_upto
+                self._count_recomputed("load_came_back_short" if short else "evicted_before_admission",
+                                       lookup.loaded_upto - start)  # fmt: skip
             lookup.settled = True
             return None
         keys = hashes[start:end]
