@@ -34,6 +34,8 @@ WRITE_POLICIES = ("through", "back", "off")
 MAX_KNOWN_ON_DISK = 1 << 20
 # The share of host memory that blocks loaded ahead for waiting requests may hold.
 PREFETCH_SHARE = 0.5
+# Times a waiting request reads its prefix again after part of it left memory before its turn (then computes).
+MAX_RELOADS = 2
 # Program-aware eviction on disk: how far back the store's LRU stamp of a block is set once every program that
 # used it has finished. A day puts it behind every block touched within the last day, by any process sharing
 # the store, and keeps the LRU order among aged blocks.
@@ -100,6 +102,7 @@ class _DiskLookup:
     settled: bool = False  # nothing more to read for it
     limit: int | None = None  # reads stop before this block (blocks from there on come from a peer)
     room_short: int = 0  # stored blocks its last plan could not load for want of host room (0: none)
+    reloads: int = 0  # times its loaded prefix was read again after leaving memory before its turn
     keep: int = 0  # free host blocks of its own prefix that plan had to keep (a load may not evict them)
     admitted: bool = False  # admitted: blocks a read finds from now on were computed instead
 
@@ -613,12 +616,19 @@ class KVCacheManager:
             return None  # what is left comes from a peer (or, should that fail, may be read later)
         if lookup.limit is not None:
             end = min(end, lookup.limit)
+        if start < lookup.loaded_upto and lookup.reloads < MAX_RELOADS and not self._came_back_short(lookup):
+            # Part of its prefix left memory before its turn (device blocks it found cached, evicted by others'
+            # prefills, with host memory full of loads): the store has them still, so read them again rather
+            # than compute them. Bounded, so that a request whose blocks keep leaving cannot wait forever.
+            lookup.reloads += 1
+            self._count_recomputed("reloaded_after_eviction", lookup.loaded_upto - start)
+            lookup.loaded_upto = start
+            lookup.probed_at = None
         if start >= end or start < lookup.loaded_upto:
             # All in memory, the store has no more, or what the last load brought was evicted before its turn.
             if start < lookup.loaded_upto:
-                short = lookup.disk_end is not None and lookup.disk_end < lookup.loaded_upto
-                self._count_recomputed("load_came_back_short" if short else "evicted_before_admission",
-                                       lookup.loaded_upto - start)  # fmt: skip
+                reason = "load_came_back_short" if self._came_back_short(lookup) else "evicted_before_admission"
+                self._count_recomputed(reason, lookup.loaded_upto - start)
             lookup.settled = True
             return None
         keys = hashes[start:end]
@@ -737,6 +747,10 @@ class KVCacheManager:
         reserved = sum(len(job.read.dst_ids) for job in self._reads.values())
         budget = int(host.num_blocks * PREFETCH_SHARE) - len(self._prefetched) - reserved
         return min(host.num_free - keep, budget)
+
+    @staticmethod
+    def _came_back_short(lookup: _DiskLookup) -> bool:
+        return lookup.disk_end is not None and lookup.disk_end < lookup.loaded_upto
 
     def _count_recomputed(self, reason: str, blocks: int) -> None:
         counts = self.counters[DISK].recomputed_blocks
