@@ -727,18 +727,24 @@ class KVCacheManager:
 
     def waits_for_host_room(self, request_id: str) -> bool:
         """Whether a waiting request whose stored blocks found no host room should wait for room rather than
-        compute them: while other requests' reads are in flight or their loaded blocks wait for their admission,
-        the room they hold comes back when they are admitted (they never wait on this one, which holds nothing).
+        compute them: while other requests' reads are in flight or their loaded blocks wait for their admission
+        (and they wait for no room themselves), the room they hold comes back when they are admitted.
         Reading a block costs far less than its prefill whenever the store keeps up at all; a stuck store is the
         load timeout's business."""
         lookup = self._lookups.get(request_id)
-        if lookup is None or lookup.room_short <= 0 or self.disk_stalled:
-            return False
+        if lookup is None or lookup.admitted or lookup.room_short <= 0 or self.disk_stalled:
+            return False  # an admitted request (swapped out since) is planned no more: nothing to wait for
         return (
             self._prefetch_room(lookup.keep) > 0  # room came back this step (admissions): its load starts next step
             or any(job.request_id != request_id for job in self._reads.values())
-            or any(owner != request_id for owner in self._prefetched.values())
+            or any(self._will_be_admitted(owner) for owner in set(self._prefetched.values()) - {request_id})
         )
+
+    def _will_be_admitted(self, request_id: str) -> bool:
+        """Whether a request holding loaded blocks waits for nothing more from the store (a request that itself
+        waits for room would otherwise wait on this one in turn: neither would ever be admitted)."""
+        lookup = self._lookups.get(request_id)
+        return lookup is None or lookup.room_short <= 0
 
     def _prefetch_room(self, keep: int) -> int:
         """Host blocks a new load may take now: free ones (less ``keep`` of them the load must not evict), within
