@@ -138,6 +138,17 @@ def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
             for tier, t in s.kv_tiers.items():
                 c.add_metric([inst, tier], float(getattr(t, attr)))
         yield c
+    recomputed = CounterMetricFamily(
+        "boundless_kv_tier_recomputed_blocks",
+        "stored KV blocks a request computed instead of reading from the tier, by why (no_host_room, "
+        "unwaited_probe, load_timeout, evicted_before_admission)",
+        labels=["instance", "tier", "reason"],
+    )
+    for inst, s in snapshots.items():
+        for tier, t in s.kv_tiers.items():
+            for reason, n in t.recomputed_blocks.items():
+                recomputed.add_metric([inst, tier, reason], float(n))
+    yield recomputed
     for name, doc, attr in (
         ("boundless_kv_tier_blocks_used", "KV blocks of the memory tier in use", "blocks_used"),
         ("boundless_kv_tier_blocks_total", "KV blocks of the memory tier", "blocks_total"),

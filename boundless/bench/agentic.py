@@ -86,6 +86,7 @@ class Serving:
     read_paths: dict[str, int]  # calls placed per read path (PD only)
     computed: dict[str, int] = dataclasses.field(default_factory=dict)  # tokens each instance ran through the model
     load_timeouts: int = 0  # store loads given up on (then recomputed)
+    recomputed_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # stored blocks computed, by why
 
 
 def memory_config(
@@ -155,6 +156,7 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
                 stats = engine.stats()["0"]
                 run.computed = {"colocated": stats.computed_tokens}
                 run.load_timeouts = stats.kv_tiers[DISK].load_timeouts if DISK in stats.kv_tiers else 0
+                run.recomputed_blocks = dict(stats.kv_tiers[DISK].recomputed_blocks) if DISK in stats.kv_tiers else {}
                 engine.shutdown()
                 run.links = {"colocated": [link.stats()] if link else []}
         else:
@@ -175,6 +177,12 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
                 run.computed = {iid: s.computed_tokens for iid, s in stats.items()}
                 run.load_timeouts = sum(s.kv_tiers[DISK].load_timeouts for s in stats.values() if DISK in s.kv_tiers)
                 run.read_paths = dict(pd.dispatcher.placements)
+                run.recomputed_blocks = {
+                    f"{iid}:{why}": n
+                    for iid, s in stats.items()
+                    if DISK in s.kv_tiers
+                    for why, n in s.kv_tiers[DISK].recomputed_blocks.items()
+                }
                 pd.shutdown()
         gc.collect()
 
@@ -195,6 +203,7 @@ def run_once(
     row["read_paths"] = run.read_paths
     row |= {f"{iid}_computed_tokens": n for iid, n in run.computed.items()}
     row["load_timeouts"] = run.load_timeouts
+    row["recomputed_blocks"] = run.recomputed_blocks
     return row, turns
 
 
@@ -377,7 +386,8 @@ def _print_progress(row: dict[str, Any]) -> None:
     print(
         f"{row['phase']} {row['mode']} @ {row['storage_gbps']} Gbit/s: JCT {row['jct_s']:.1f} s, "
         f"{row['turns_per_s']:.2f} turns/s, TTFT {row['ttft_mean_s']:.2f} s, TPOT {row['tpot_mean_s'] * 1000:.0f} ms, "
-        f"SLO {row['slo_attainment']:.0%}, paths {row['read_paths']}, failed {row['failed_turns']}; "
+        f"SLO {row['slo_attainment']:.0%}, paths {row['read_paths']}, failed {row['failed_turns']}, "
+        f"load timeouts {row['load_timeouts']}, stored blocks recomputed {row['recomputed_blocks']}; "
         + ", ".join(f"{k} {v}" for k, v in row.items() if k.startswith(("p0_", "d0_", "colocated_"))),
         flush=True,
     )

@@ -89,6 +89,7 @@ class TierStats:
     evictions: int = 0  # named blocks it gave up (moved down a tier where one had room)
     checksum_failures: int = 0  # blocks that failed their check when read back: recomputed, never served
     load_timeouts: int = 0  # loads a waiting request gave up on after --kv-load-timeout-s (then recomputed)
+    recomputed_blocks: dict[str, int] = field(default_factory=dict)  # disk: stored blocks computed, by why
     blocks_used: int = 0  # memory tiers: blocks held by requests or by moves in flight
     blocks_total: int = 0
 
@@ -239,8 +240,25 @@ class EngineCore:
                 self.kv.expect_blocks(
                     request_id, request.prompt_token_ids, 0, handoff.recv_blocks, handoff.peer, handoff.recv_tag
                 )
+            else:
+                self._count_stored_prefix(request_id, request.all_token_ids)
         self.scheduler.add(request)
         return request
+
+    def _count_stored_prefix(self, request_id: str, token_ids: list[int]) -> None:
+        """PE-read: count the blocks the store holds after those in memory now (a stat each, as the decode engine
+        does under DE-read), so that the request loads them rather than computing them. Without it, the blocks
+        after a prefix in memory are probed in the loader's queue, behind every load queued on the slow link,
+        and the request (not waiting for such a probe: it expects new input there) computes them meanwhile; an
+        agent's context after the shared prefix is mostly blocks another engine wrote (the decode engine's
+        outputs, an earlier process's turns), which this engine does not know to be stored."""
+        if not (self.kv.has_disk and self.kv.pool.enable_caching):
+            return
+        num_full = (len(token_ids) - 1) // self.kv.block_size  # the last token is always computed
+        have = len(self.kv.memory_prefix(request_id, token_ids, num_full))
+        if have < num_full:
+            keys = self.kv.block_hashes(request_id, token_ids[: num_full * self.kv.block_size])[have:]
+            self.kv.note_on_disk(keys[: self.executor.count_stored(keys)])
 
     def prepare_intake(
         self,
@@ -499,6 +517,7 @@ class EngineCore:
                 evictions=evictions,
                 checksum_failures=checksum_failures,
                 load_timeouts=counters.load_timeouts,
+                recomputed_blocks=dict(counters.recomputed_blocks),
                 blocks_used=pool.num_used if pool is not None else 0,
                 blocks_total=pool.num_blocks if pool is not None else 0,
             )

@@ -131,6 +131,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_since_step: list[str] = []
         self._last_chosen: set[str] = set()
+        # A waiting request whose stored prefix finds no host room waits for room while reads are in flight,
+        # instead of computing the prefix (False: the earlier rule, kept for comparisons and tests).
+        self.wait_for_host_room = True
 
     # -- queue changes ---------------------------------------------------------------------
 
@@ -244,7 +247,11 @@ class Scheduler:
         its first token (a decode engine's), or it still has its prefix to push (DE-read)."""
         rid = request.request_id
         return (
-            request.awaiting_resume or request.push is not None or self.kv.is_loading(rid) or self.kv.is_receiving(rid)
+            request.awaiting_resume
+            or request.push is not None
+            or self.kv.is_loading(rid)
+            or self.kv.is_receiving(rid)
+            or (self.wait_for_host_room and self.kv.waits_for_host_room(rid))
         )
 
     def _handoff_send(self, request: Request) -> RemoteSend | None:
@@ -319,6 +326,7 @@ class Scheduler:
                 computed = prefix.num_tokens
                 num_new = min(request.num_tokens - computed, budget)
         if request.status is not RequestStatus.RUNNING:
+            self.kv.note_admitted(rid)
             if request.num_computed_tokens == 0 and request.num_preemptions == 0:
                 request.num_cached_tokens = computed
                 self.stats.num_prompt_tokens_cached += computed

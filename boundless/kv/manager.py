@@ -34,6 +34,8 @@ WRITE_POLICIES = ("through", "back", "off")
 MAX_KNOWN_ON_DISK = 1 << 20
 # The share of host memory that blocks loaded ahead for waiting requests may hold.
 PREFETCH_SHARE = 0.5
+# Times a waiting request reads its prefix again after part of it left memory before its turn (then computes).
+MAX_RELOADS = 2
 # Program-aware eviction on disk: how far back the store's LRU stamp of a block is set once every program that
 # used it has finished. A day puts it behind every block touched within the last day, by any process sharing
 # the store, and keeps the LRU order among aged blocks.
@@ -70,6 +72,12 @@ class TierCounters:
     blocks_written: int = 0  # copied into the tier
     evictions: int = 0  # named blocks whose name an allocation dropped (after moving them down, when it could)
     load_timeouts: int = 0  # reads from the tier that a request stopped waiting for (stuck storage)
+    # Stored blocks computed instead of read, by why (disk tier only): ``no_host_room`` (known stored, no host
+    # room to load them when the request was admitted), ``unwaited_probe`` (found by a probe the request did not
+    # wait for), ``load_timeout`` (loaded too late), ``evicted_before_admission`` (loaded, then evicted from
+    # host memory before the request's turn), ``load_came_back_short`` (known stored, but missing or unreadable
+    # when loaded).
+    recomputed_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +101,10 @@ class _DiskLookup:
     loaded_upto: int = 0  # end of the blocks its last load brought into host memory
     settled: bool = False  # nothing more to read for it
     limit: int | None = None  # reads stop before this block (blocks from there on come from a peer)
+    room_short: int = 0  # stored blocks its last plan could not load for want of host room (0: none)
+    reloads: int = 0  # times its loaded prefix was read again after leaving memory before its turn
+    keep: int = 0  # free host blocks of its own prefix that plan had to keep (a load may not evict them)
+    admitted: bool = False  # admitted: blocks a read finds from now on were computed instead
 
 
 @dataclass
@@ -575,9 +587,12 @@ class KVCacheManager:
         for them (when known), ahead of its admission. Called each step for waiting requests, at ``now`` on the
         scheduler's clock; None when it waits for a read already, or the store has nothing more for it, or host
         memory has no room, or the store is stuck (:attr:`disk_stalled`)."""
-        if not self.has_disk or self.disk_stalled:
+        if not self.has_disk:
             return None
         lookup = self._lookups.setdefault(request_id, _DiskLookup())
+        lookup.room_short = 0
+        if self.disk_stalled:
+            return None
         if lookup.in_flight is not None or lookup.settled:
             return None
         bs = self.block_size
@@ -601,8 +616,19 @@ class KVCacheManager:
             return None  # what is left comes from a peer (or, should that fail, may be read later)
         if lookup.limit is not None:
             end = min(end, lookup.limit)
+        if start < lookup.loaded_upto and lookup.reloads < MAX_RELOADS and not self._came_back_short(lookup):
+            # Part of its prefix left memory before its turn (device blocks it found cached, evicted by others'
+            # prefills, with host memory full of loads): the store has them still, so read them again rather
+            # than compute them. Bounded, so that a request whose blocks keep leaving cannot wait forever.
+            lookup.reloads += 1
+            self._count_recomputed("reloaded_after_eviction", lookup.loaded_upto - start)
+            lookup.loaded_upto = start
+            lookup.probed_at = None
         if start >= end or start < lookup.loaded_upto:
             # All in memory, the store has no more, or what the last load brought was evicted before its turn.
+            if start < lookup.loaded_upto:
+                reason = "load_came_back_short" if self._came_back_short(lookup) else "evicted_before_admission"
+                self._count_recomputed(reason, lookup.loaded_upto - start)
             lookup.settled = True
             return None
         keys = hashes[start:end]
@@ -618,9 +644,9 @@ class KVCacheManager:
             # was evicted of its context is known, since this process wrote it), so the request does not wait
             # for the probe; with nothing in memory (a cold call, or the first after a restart) it does.
             return self._start_read(request_id, start, tuple(keys), (), (), waits=start == 0, now=now)
-        reserved = sum(len(job.read.dst_ids) for job in self._reads.values())
-        budget = int(host.num_blocks * PREFETCH_SHARE) - len(self._prefetched) - reserved
-        room = min(known, host.num_free - len(own_free_in_host), budget)
+        lookup.keep = len(own_free_in_host)
+        room = min(known, self._prefetch_room(lookup.keep))
+        lookup.room_short = known - max(room, 0)
         if room <= 0:
             return None  # host memory has no room for it now: try again at a later step
         # Loading must not evict the blocks of this very prefix, whatever the eviction order: they are held while
@@ -660,6 +686,11 @@ class KVCacheManager:
             if job is None:
                 continue
             read, found = job.read, result.num_found
+            lookup = self._lookups.get(job.request_id)
+            if lookup is not None and lookup.admitted and read.is_probe and found:
+                self._count_recomputed("unwaited_probe", found)
+            elif job.timed_out and found:
+                self._count_recomputed("load_timeout", found)
             for key in read.keys[:found]:
                 self._remember_on_disk(key)
             if found < len(read.keys):
@@ -683,6 +714,53 @@ class KVCacheManager:
                 lookup.in_flight = None
                 if found < len(read.keys):
                     lookup.disk_end = job.start + found
+
+    def note_admitted(self, request_id: str) -> None:
+        """The request was admitted: count the stored blocks it computes for want of host room (what a probe in
+        flight finds for it is counted when the probe ends)."""
+        lookup = self._lookups.get(request_id)
+        if lookup is None or lookup.admitted:
+            return
+        lookup.admitted = True
+        if lookup.room_short:
+            self._count_recomputed("no_host_room", lookup.room_short)
+
+    def waits_for_host_room(self, request_id: str) -> bool:
+        """Whether a waiting request whose stored blocks found no host room should wait for room rather than
+        compute them: while other requests' reads are in flight or their loaded blocks wait for their admission
+        (and they wait for no room themselves), the room they hold comes back when they are admitted.
+        Reading a block costs far less than its prefill whenever the store keeps up at all; a stuck store is the
+        load timeout's business."""
+        lookup = self._lookups.get(request_id)
+        if lookup is None or lookup.admitted or lookup.room_short <= 0 or self.disk_stalled:
+            return False  # an admitted request (swapped out since) is planned no more: nothing to wait for
+        return (
+            self._prefetch_room(lookup.keep) > 0  # room came back this step (admissions): its load starts next step
+            or any(job.request_id != request_id for job in self._reads.values())
+            or any(self._will_be_admitted(owner) for owner in set(self._prefetched.values()) - {request_id})
+        )
+
+    def _will_be_admitted(self, request_id: str) -> bool:
+        """Whether a request holding loaded blocks waits for nothing more from the store (a request that itself
+        waits for room would otherwise wait on this one in turn: neither would ever be admitted)."""
+        lookup = self._lookups.get(request_id)
+        return lookup is None or lookup.room_short <= 0
+
+    def _prefetch_room(self, keep: int) -> int:
+        """Host blocks a new load may take now: free ones (less ``keep`` of them the load must not evict), within
+        the prefetch share less what loads in flight and loaded blocks waiting for admission already hold."""
+        host = self.pools[HOST]
+        reserved = sum(len(job.read.dst_ids) for job in self._reads.values())
+        budget = int(host.num_blocks * PREFETCH_SHARE) - len(self._prefetched) - reserved
+        return min(host.num_free - keep, budget)
+
+    @staticmethod
+    def _came_back_short(lookup: _DiskLookup) -> bool:
+        return lookup.disk_end is not None and lookup.disk_end < lookup.loaded_upto
+
+    def _count_recomputed(self, reason: str, blocks: int) -> None:
+        counts = self.counters[DISK].recomputed_blocks
+        counts[reason] = counts.get(reason, 0) + blocks
 
     def release_prefetched(self, request_ids: Sequence[str]) -> bool:
         """Release the blocks loaded ahead for these waiting requests (the first listed first) until the tier

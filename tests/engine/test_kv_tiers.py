@@ -195,3 +195,39 @@ def test_a_restarted_engine_loads_what_an_earlier_one_wrote_even_behind_a_prefix
     # The second conversation's own blocks follow the shared ones, in memory since the first: they are loaded
     # too, since the store said at start what it held (an unknown block there would have been computed).
     assert after.stats().kv_tiers[DISK].hit_tokens == 5 * 16 + 2 * 16
+
+
+def _three_on_disk(s: Scheduler) -> dict[str, list[int]]:
+    """Three calls of 40 tokens (9 loadable blocks each) whose blocks the store holds, added in this order: host
+    memory's prefetch share (16 of 32 blocks) loads a's 9 and 7 of b's, and has no room for c's."""
+    prompts = {rid: list(range(100 * i, 100 * i + 40)) for i, rid in enumerate("abc")}
+    for rid, prompt in prompts.items():
+        _on_disk(s, rid, prompt)
+        s.add(Request(rid, prompt, SamplingParams(max_tokens=1), arrival_time=float(len(s.requests))))
+    return prompts
+
+
+def test_a_call_whose_stored_prefix_finds_no_host_room_waits_for_the_loads_ahead_instead_of_computing_it() -> None:
+    s = _scheduler()
+    _three_on_disk(s)
+    out = s.schedule()
+    assert [len(r.keys) for r in out.disk_reads] == [9, 7] and out.chunks == []  # c waits for room, not computes
+    assert s.kv.waits_for_host_room("c")
+    s.apply_tier_report(TierReport(reads=tuple(DiskReadDone(r.read_id, len(r.keys), 0.1) for r in out.disk_reads)))
+    starts: dict[str, int] = {}
+    for _ in range(6):  # a and b are admitted with their loads, which frees the share for c's
+        out = s.schedule()
+        starts |= {c.request_id: c.start_pos for c in out.chunks if c.request_id not in starts}
+        s.apply_tier_report(TierReport(reads=tuple(DiskReadDone(r.read_id, len(r.keys), 0.1) for r in out.disk_reads)))
+        s.advance(out, 0.01)
+    assert starts["a"] == 36 and starts["c"] == 36  # c read its 9 stored blocks
+    assert s.kv.counters[DISK].recomputed_blocks == {}
+
+
+def test_without_waiting_for_host_room_the_stored_blocks_a_call_computes_are_counted() -> None:
+    s = _scheduler()
+    s.wait_for_host_room = False  # the earlier rule
+    _three_on_disk(s)
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["c"] and out.chunks[0].start_pos == 0  # computes its prefix
+    assert s.kv.counters[DISK].recomputed_blocks == {"no_host_room": 9}
