@@ -77,7 +77,85 @@ class Instance:
     links: list[LinkStats] = field(default_factory=list)
 
 
-class ClusterClient:
+class DispatcherFrontEnd:
+    """The HTTP server's engine interface (``submit``, ``abort``) over a cluster dispatcher, and the loop that
+    carries out the dispatcher's decisions. Subclasses own the instances and say how each decision reaches
+    one (``_add``, ``_prepare``, ``_continue``, ``_mark_dead``, ``_abort_on``, ``_peer_lost``): Ray actors in
+    :class:`ClusterClient`, direct calls in ``cluster/local_pd.py``. They set ``dispatcher``, ``streams`` and
+    ``lock`` (held around the dispatcher and the calls its decisions make)."""
+
+    dispatcher: Dispatcher
+    streams: StreamRegistry
+    lock: threading.RLock
+
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
+    ) -> RequestStream:
+        def start() -> None:
+            with self.lock:
+                failure = self._carry_out(
+                    self.dispatcher.submit(request_id, prompt_token_ids, params, program), caller=request_id
+                )
+            if failure is not None:
+                raise failure_error(failure)
+
+        return self.streams.open_and_start(request_id, self.abort, start)
+
+    def abort(self, request_id: str) -> None:
+        self.streams.close(request_id)
+        with self.lock:
+            self._carry_out(self.dispatcher.abort(request_id))
+
+    def _carry_out(self, decisions: Iterable[PDDecision], caller: str | None = None) -> Fail | None:
+        """Carry out ``decisions`` and those that follow from their outcomes. Holds ``self.lock``.
+
+        Returns the failure of ``caller``'s call, for its submitter to raise; the failure of any
+        other call (one failing over) ends its stream with an error."""
+        queue: deque[PDDecision] = deque(decisions)
+        failure = None
+        while queue:
+            decision = queue.popleft()
+            if isinstance(decision, Send):
+                queue.extend(self.dispatcher.add_done(decision, self._add(decision)))
+            elif isinstance(decision, Prepare):
+                assert isinstance(self.dispatcher, PDDispatcher)
+                queue.extend(self.dispatcher.prepare_done(decision, self._prepare(decision)))
+            elif isinstance(decision, Continue):
+                assert isinstance(self.dispatcher, PDDispatcher)
+                queue.extend(self.dispatcher.continue_done(decision, self._continue(decision)))
+            elif isinstance(decision, Fail):
+                if decision.request_id == caller:
+                    failure = decision
+                    continue
+                self.streams.deliver(failure_delta(decision))
+            elif isinstance(decision, MarkDead):
+                self._mark_dead(decision)
+            elif isinstance(decision, AbortOn):
+                self._abort_on(decision)
+            elif isinstance(decision, PeerLost):
+                self._peer_lost(decision)
+        return failure
+
+    def _add(self, send: Send) -> AddResult:
+        raise NotImplementedError
+
+    def _prepare(self, prepare: Prepare) -> PrepareResult:
+        raise NotImplementedError
+
+    def _continue(self, cont: Continue) -> AddResult:
+        raise NotImplementedError
+
+    def _mark_dead(self, mark: MarkDead) -> None:
+        raise NotImplementedError
+
+    def _abort_on(self, abort: AbortOn) -> None:
+        raise NotImplementedError
+
+    def _peer_lost(self, lost: PeerLost) -> None:
+        raise NotImplementedError
+
+
+class ClusterClient(DispatcherFrontEnd):
     """N engine instances as Ray actors behind one dispatcher; or P prefill and D decode engines."""
 
     def __init__(self, engine: EngineConfig, cluster: ClusterConfig, max_waiting: int = 1024) -> None:
@@ -163,24 +241,6 @@ class ClusterClient:
     def stats(self) -> dict[str, EngineStats]:
         views = self.dispatcher.views
         return {iid: i.stats for iid, i in self.instances.items() if i.stats is not None and views[iid].alive}
-
-    def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
-    ) -> RequestStream:
-        def start() -> None:
-            with self.lock:
-                failure = self._carry_out(
-                    self.dispatcher.submit(request_id, prompt_token_ids, params, program), caller=request_id
-                )
-            if failure is not None:
-                raise failure_error(failure)
-
-        return self.streams.open_and_start(request_id, self.abort, start)
-
-    def abort(self, request_id: str) -> None:
-        self.streams.close(request_id)
-        with self.lock:
-            self._carry_out(self.dispatcher.abort(request_id))
 
     def cluster_info(self) -> list[dict]:
         out = []
@@ -276,39 +336,18 @@ class ClusterClient:
 
     # -- carrying out the dispatcher's decisions ----------------------------------------------------
 
-    def _carry_out(self, decisions: Iterable[PDDecision], caller: str | None = None) -> Fail | None:
-        """Carry out ``decisions`` and those that follow from their outcomes. Holds ``self.lock``.
-
-        Returns the failure of ``caller``'s call, for its submitter to raise; the failure of any
-        other call (one failing over) ends its stream with an error."""
+    def _mark_dead(self, mark: MarkDead) -> None:
         import ray
 
-        queue: deque[PDDecision] = deque(decisions)
-        failure = None
-        while queue:
-            decision = queue.popleft()
-            if isinstance(decision, Send):
-                queue.extend(self.dispatcher.add_done(decision, self._add(decision)))
-            elif isinstance(decision, Prepare):
-                assert isinstance(self.dispatcher, PDDispatcher)
-                queue.extend(self.dispatcher.prepare_done(decision, self._prepare(decision)))
-            elif isinstance(decision, Continue):
-                assert isinstance(self.dispatcher, PDDispatcher)
-                queue.extend(self.dispatcher.continue_done(decision, self._continue(decision)))
-            elif isinstance(decision, Fail):
-                if decision.request_id == caller:
-                    failure = decision
-                    continue
-                self.streams.deliver(failure_delta(decision))
-            elif isinstance(decision, MarkDead):
-                log.error("instance %s is dead (%s); failing over its calls", decision.instance_id, decision.reason)
-                with contextlib.suppress(Exception):  # a hung instance must not come back with stale work
-                    ray.kill(self.instances[decision.instance_id].actor)
-            elif isinstance(decision, AbortOn):
-                self.instances[decision.instance_id].actor.abort.remote(decision.request_id)
-            elif isinstance(decision, PeerLost):
-                self.instances[decision.instance_id].actor.lend_peer_lost.remote(decision.lost)
-        return failure
+        log.error("instance %s is dead (%s); failing over its calls", mark.instance_id, mark.reason)
+        with contextlib.suppress(Exception):  # a hung instance must not come back with stale work
+            ray.kill(self.instances[mark.instance_id].actor)
+
+    def _abort_on(self, abort: AbortOn) -> None:
+        self.instances[abort.instance_id].actor.abort.remote(abort.request_id)
+
+    def _peer_lost(self, lost: PeerLost) -> None:
+        self.instances[lost.instance_id].actor.lend_peer_lost.remote(lost.lost)
 
     def _add(self, send: Send) -> AddResult:
         """The instance's answer to ``send``, with Ray's errors told apart."""

@@ -4,44 +4,41 @@ transport (``cluster/client.py``) with direct calls in place of actors.
 Each engine is an :class:`~boundless.cluster.instance.EngineInstance`, the very body of a Ray actor: its own
 engine loop thread, its endpoint of the KV transport (shared memory by default) and its emulated storage and
 network links. The dispatcher's decisions (prepare the DE, send the call to the PE, continue on the DE) are
-carried out as ``ClusterClient`` carries them out, by calling the instances instead of their actors; a poller
-thread per instance hands its deltas to the dispatcher, and a heartbeat thread reports each node's storage read
-queue. What is left out is what only processes need: failover of a lost instance (nothing here dies alone) and
-Ray's error kinds. The benchmark (``bench/agentic.py``) and tests use it where a Ray actor per engine would be
-too heavy; it offers the HTTP server's engine interface (``submit`` returning a stream), as the Ray cluster does.
+carried out by the loop ``ClusterClient`` uses (``DispatcherFrontEnd``), calling the instances instead of
+their actors; a poller thread per instance hands its deltas to the dispatcher, and a heartbeat thread reports
+each node's storage read queue. What is left out is what only processes need: failover of a lost instance
+(nothing here dies alone) and Ray's error kinds. The benchmark (``bench/agentic.py``) and tests use it where a
+Ray actor per engine would be too heavy; it offers the HTTP server's engine interface (``submit`` returning a
+stream), as the Ray cluster does.
 """
 
 from __future__ import annotations
 
 import shutil
 import threading
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from boundless.cluster.client import (
-    failure_delta,
-    failure_error,
+    DispatcherFrontEnd,
     kv_bytes_per_token,
     make_pd_dispatcher,
     role_setups,
     storage_queue_bytes,
     transport_directory,
 )
-from boundless.cluster.dispatcher import AbortOn, AddResult, Fail, MarkDead, Send
+from boundless.cluster.dispatcher import AbortOn, AddResult, MarkDead, Send
 from boundless.cluster.instance import EngineInstance
 from boundless.cluster.links import LinkStats
-from boundless.cluster.pd_dispatcher import Continue, PDDecision, Prepare, PrepareResult
+from boundless.cluster.pd_dispatcher import Continue, Prepare, PrepareResult
 from boundless.cluster.pd_scheduler import read_queue_tokens
 from boundless.config import ClusterConfig, EngineConfig
-from boundless.engine.async_engine import RequestStream, StreamRegistry
+from boundless.engine.async_engine import StreamRegistry
 from boundless.engine.core import EngineStats
-from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel
 from boundless.programs.process_table import ProcessTable
-from boundless.programs.ref import ProgramRef
 
 
-class LocalPDCluster:
+class LocalPDCluster(DispatcherFrontEnd):
     """``--prefill-instances P --decode-instances D`` engines in this process behind a PD dispatcher."""
 
     def __init__(
@@ -74,24 +71,6 @@ class LocalPDCluster:
 
     # -- the engine interface ---------------------------------------------------------------------
 
-    def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
-    ) -> RequestStream:
-        def start() -> None:
-            with self.lock:
-                failure = self._carry_out(
-                    self.dispatcher.submit(request_id, prompt_token_ids, params, program), caller=request_id
-                )
-            if failure is not None:
-                raise failure_error(failure)
-
-        return self.streams.open_and_start(request_id, self.abort, start)
-
-    def abort(self, request_id: str) -> None:
-        self.streams.close(request_id)
-        with self.lock:
-            self._carry_out(self.dispatcher.abort(request_id))
-
     def is_alive(self) -> bool:
         return self.dispatcher.is_alive()
 
@@ -112,40 +91,30 @@ class LocalPDCluster:
 
     # -- carrying out the dispatcher's decisions ----------------------------------------------------
 
-    def _carry_out(self, decisions: Iterable[PDDecision], caller: str | None = None) -> Fail | None:
-        """As ``ClusterClient._carry_out``, by direct calls. Holds ``self.lock``."""
-        queue: deque[PDDecision] = deque(decisions)
-        failure = None
-        while queue:
-            decision = queue.popleft()
-            if isinstance(decision, Send):
-                inst = self.instances[decision.instance_id]
-                answer = _call(
-                    lambda d=decision, i=inst: i.add(d.request_id, d.prompt, d.params, d.program, d.resume, d.handoff)
-                )
-                queue.extend(self.dispatcher.add_done(decision, answer))
-            elif isinstance(decision, Prepare):
-                inst = self.instances[decision.instance_id]
-                answer = _call(
-                    lambda d=decision, i=inst: i.prepare(d.request_id, d.prompt, d.params, d.program, d.plan)
-                )
-                if isinstance(answer, AddResult):
-                    answer = PrepareResult(answer.status, message=answer.message, param=answer.param)
-                queue.extend(self.dispatcher.prepare_done(decision, answer))
-            elif isinstance(decision, Continue):
-                inst = self.instances[decision.instance_id]
-                answer = _call(lambda d=decision, i=inst: i.continue_request(d.request_id, d.resume))
-                queue.extend(self.dispatcher.continue_done(decision, answer))
-            elif isinstance(decision, Fail):
-                if decision.request_id == caller:
-                    failure = decision
-                    continue
-                self.streams.deliver(failure_delta(decision))
-            elif isinstance(decision, MarkDead):
-                self.instances[decision.instance_id].shutdown()
-            elif isinstance(decision, AbortOn):
-                self.instances[decision.instance_id].abort(decision.request_id)
-        return failure
+    def _add(self, send: Send) -> AddResult:
+        inst = self.instances[send.instance_id]
+        return _call(
+            lambda: inst.add(send.request_id, send.prompt, send.params, send.program, send.resume, send.handoff)
+        )
+
+    def _prepare(self, prepare: Prepare) -> PrepareResult:
+        inst = self.instances[prepare.instance_id]
+        answer = _call(
+            lambda: inst.prepare(prepare.request_id, prepare.prompt, prepare.params, prepare.program, prepare.plan)
+        )
+        if isinstance(answer, AddResult):
+            return PrepareResult(answer.status, message=answer.message, param=answer.param)
+        return answer
+
+    def _continue(self, cont: Continue) -> AddResult:
+        inst = self.instances[cont.instance_id]
+        return _call(lambda: inst.continue_request(cont.request_id, cont.resume))
+
+    def _mark_dead(self, mark: MarkDead) -> None:
+        self.instances[mark.instance_id].shutdown()
+
+    def _abort_on(self, abort: AbortOn) -> None:
+        self.instances[abort.instance_id].abort(abort.request_id)
 
     # -- background threads -------------------------------------------------------------------
 
