@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from one_engine import one_engine_texts
 
-from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
 from boundless.cluster.client import ClusterClient
 from boundless.cluster.instance import FAIL_ADD_SEED_ENV
@@ -59,12 +59,6 @@ def cluster(model_dirs: dict[str, Path], ray_session: None) -> Iterator[tuple[Cl
     client.shutdown()
 
 
-def _offline(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[str]:
-    llm = LLM.from_config(engine_config(loaded.name, max_model_len=1024, kv_cache_gb=0.05), loaded)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [r.outputs[0].text for r in llm.generate(prompts, params)]
-
-
 def test_long_calls_stay_home_short_calls_spread_outputs_match(
     cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
 ) -> None:
@@ -105,7 +99,7 @@ def test_long_calls_stay_home_short_calls_spread_outputs_match(
     assert spread == {"boundless-0", "boundless-1"}, str(httpx.get(server.url + "/cluster").json())
     # Greedy outputs equal a single engine's.
     texts = [r.choices[0].text for r in served_short]
-    assert texts == _offline(tiny_llama, short_prompts, 6)
+    assert texts == one_engine_texts(tiny_llama, short_prompts, 6)
     cluster_view = httpx.get(server.url + "/cluster").json()["instances"]
     assert [i["state"] for i in cluster_view] == ["alive", "alive"]
     assert all(i["pid"] != os.getpid() for i in cluster_view)  # separate processes
@@ -182,7 +176,7 @@ def test_killing_an_instance_mid_stream_loses_nothing(
 
         texts = asyncio.run(run())
         assert client.dispatcher.num_failovers > 0  # the dead instance had streams in flight
-        assert texts == _offline(tiny_llama, prompts, max_tokens)
+        assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
         deadline = time.monotonic() + 10
         while client.dispatcher.views["1"].alive and time.monotonic() < deadline:
             time.sleep(0.1)

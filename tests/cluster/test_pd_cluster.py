@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from one_engine import one_engine_texts
 
-from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
 from boundless.cluster.client import ClusterClient
 from boundless.config import ClusterConfig
@@ -54,12 +54,6 @@ def pd_cluster(
     ray.shutdown()
 
 
-def _offline(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[str]:
-    llm = LLM.from_config(engine_config(loaded.name, max_model_len=1024, kv_cache_gb=0.05), loaded)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [r.outputs[0].text for r in llm.generate(prompts, params)]
-
-
 def test_calls_are_prefilled_handed_off_and_decoded_with_one_engines_tokens(
     pd_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
 ) -> None:
@@ -80,7 +74,7 @@ def test_calls_are_prefilled_handed_off_and_decoded_with_one_engines_tokens(
         texts.append(r.choices[0].text)
         assert r.system_fingerprint.startswith("boundless-d")  # the last tokens came from a decode engine
         context += r.choices[0].model_extra["token_ids"] + [(7 * turn + j) % 300 + 5 for j in range(30)]
-    assert texts == _offline(tiny_llama, prompts, 12)
+    assert texts == one_engine_texts(tiny_llama, prompts, 12)
     assert sum(client.dispatcher.placements.values()) == 3  # every call went through a PE and a DE
     view = httpx.get(server.url + "/cluster").json()["instances"]
     assert {i["id"]: i["role"] for i in view} == {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
@@ -144,7 +138,7 @@ def test_a_decode_engine_killed_mid_stream_and_a_prefill_engine_killed_mid_prefi
         os.kill(de.pid, signal.SIGKILL)
 
     failovers = client.dispatcher.num_failovers
-    assert _stream_all(server, prompts, max_tokens, kill_de) == _offline(tiny_llama, prompts, max_tokens)
+    assert _stream_all(server, prompts, max_tokens, kill_de) == one_engine_texts(tiny_llama, prompts, max_tokens)
     assert client.dispatcher.num_failovers > failovers  # the dead DE had calls decoding
     _wait_dead(client, "d1")
     # Now a prefill engine, while long prompts are being prefilled: those calls start over on the other.
@@ -164,7 +158,7 @@ def test_a_decode_engine_killed_mid_stream_and_a_prefill_engine_killed_mid_prefi
         os.kill(pe.pid, signal.SIGKILL)
 
     failovers = client.dispatcher.num_failovers
-    assert _stream_all(server, long_prompts, 20, kill_pe) == _offline(tiny_llama, long_prompts, 20)
+    assert _stream_all(server, long_prompts, 20, kill_pe) == one_engine_texts(tiny_llama, long_prompts, 20)
     _wait_dead(client, "p1")
     assert client.dispatcher.num_failovers > failovers  # calls it was prefilling started over on the other
     states = {i["id"]: i["state"] for i in httpx.get(server.url + "/cluster").json()["instances"]}

@@ -1,0 +1,13 @@
+"""What one engine in this process generates greedily: the reference the cluster tests compare against."""
+
+from __future__ import annotations
+
+from boundless import LLM, SamplingParams
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel
+
+
+def one_engine_texts(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    llm = LLM.from_config(engine_config(loaded.name, max_model_len=1024, kv_cache_gb=0.05), loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [r.outputs[0].text for r in llm.generate(prompts, params)]
