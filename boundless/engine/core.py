@@ -90,6 +90,7 @@ class TierStats:
     checksum_failures: int = 0  # blocks that failed their check when read back: recomputed, never served
     load_timeouts: int = 0  # loads a waiting request gave up on after --kv-load-timeout-s (then recomputed)
     recomputed_blocks: dict[str, int] = field(default_factory=dict)  # disk: stored blocks computed, by why
+    reloaded_blocks: int = 0  # disk: stored blocks read a second time (they left memory before their turn)
     blocks_used: int = 0  # memory tiers: blocks held by requests or by moves in flight
     blocks_total: int = 0
 
@@ -518,6 +519,7 @@ class EngineCore:
                 checksum_failures=checksum_failures,
                 load_timeouts=counters.load_timeouts,
                 recomputed_blocks=dict(counters.recomputed_blocks),
+                reloaded_blocks=counters.reloaded_blocks,
                 blocks_used=pool.num_used if pool is not None else 0,
                 blocks_total=pool.num_blocks if pool is not None else 0,
             )

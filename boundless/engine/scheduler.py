@@ -204,6 +204,10 @@ class Scheduler:
                 continue  # its blocks are on their way (from the store or a peer), or its first token is
             num_new = self._admit(request, budget, order, idx, chosen_ids, out)
             if num_new is None:
+                if not chosen and not self.running:
+                    # Nothing runs that will free memory: the prefixes held for loads below it let go (hold and
+                    # wait would otherwise stall the engine), to be taken at the next step.
+                    self.kv.release_held_while_loading([r.request_id for r in order[idx + 1 :]])
                 break  # keep priority order: nothing below may take the memory this one could not get
             chosen.append((request, num_new))
             chosen_ids.add(request.request_id)
