@@ -429,10 +429,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instances", type=int, default=3, help="engine instances (2-4)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="each instance's token budget per step")
     parser.add_argument("--max-seqs", type=int, default=16, help="each instance's most requests per step")
-    parser.add_argument("--num-short", type=int, default=40, help="short requests in the trace")
+    parser.add_argument("--num-short", type=int, default=30, help="short requests in the trace")
     parser.add_argument("--long-factors", default="0.75,1.5,2.5",
                         help="the long requests' prompts, in multiples of one instance's pool")  # fmt: skip
-    parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (0: all at once)")
+    parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second (0: all at once)")
     parser.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
     parser.add_argument("--creditor-max-usage", type=float, default=0.9, help="U_thres of the lending planner")
     parser.add_argument("--creditor-headroom", type=float, default=0.05, help="share of a creditor never lent")

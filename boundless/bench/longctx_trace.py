@@ -34,7 +34,7 @@ class TraceRequest:
 class TraceShape:
     """Lengths of the trace's requests, in tokens; long prompts as multiples of one instance's pool."""
 
-    num_short: int = 40
+    num_short: int = 30
     short_prompt: tuple[int, int] = (32, 192)
     short_output: tuple[int, int] = (8, 32)
     long_factors: tuple[float, ...] = (0.75, 1.5, 2.5)
