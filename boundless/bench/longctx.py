@@ -107,6 +107,7 @@ class SetupResult:
     setup: str
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finish: dict[str, str] = field(default_factory=dict)  # request id -> finish reason
+    finish_s: dict[str, float] = field(default_factory=dict)  # request id -> its instance's clock when it ended
     rejected: dict[str, str] = field(default_factory=dict)  # request id -> why
     span_s: float = 0.0
     wall_s: float = 0.0
@@ -299,6 +300,7 @@ class LongCtxCluster:
                 result.tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
                 if delta.finished:
                     result.finish[delta.request_id] = delta.finish_reason or ""
+                    result.finish_s[delta.request_id] = inst.clock
             result.steps += 1
             if result.steps >= self.config.max_steps:
                 result.gave_up = True
@@ -383,6 +385,9 @@ def row_of(result: SetupResult, trace: list[TraceRequest], config: LongCtxConfig
         "steps": result.steps,
         "gave_up": result.gave_up,
         "wall_s": round(result.wall_s, 1),
+        "long_latency_s": {
+            rid: round(result.finish_s[rid] - by_id[rid].arrival_s, 2) for rid in served if by_id[rid].long
+        },
         "rejected_ids": sorted(result.rejected),
         "unserved_ids": unserved,
     }
@@ -497,6 +502,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"setup); goals: {result['goals']}"
     )
     for r in result["rows"]:
+        print(f"{r['setup']}: long requests served, seconds from arrival to end: {r['long_latency_s']}")
         if r["rejected_ids"]:
             print(f"{r['setup']}: rejected {r['rejected_ids']} (context over max_model_len)")
         if r["unserved_ids"]:
@@ -512,7 +518,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fields = [k for k in rows[0] if not k.endswith("_ids")] if rows else []
+    fields = [k for k in rows[0] if not isinstance(rows[0][k], (list, dict))] if rows else []
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
