@@ -49,8 +49,7 @@ from boundless.config import EngineConfig, engine_config_from_flags
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.errors import InvalidRequestError
-from boundless.engine.lending import LendingAgent, LocalControlPlane
-from boundless.engine.request import RequestStatus
+from boundless.engine.lending import LendingAgent, LocalControlPlane, next_chunk_needs, stalled_growth
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel
 from boundless.transport.shm import ShmTransport
@@ -127,23 +126,6 @@ class SetupResult:
 def route(instances: list[Instance]) -> Instance:
     """The least-loaded instance (the first of equals)."""
     return min(instances, key=lambda i: i.load())
-
-
-def stalled_requests(core: EngineCore) -> list[str]:
-    """Running requests whose next chunk does not fit in the free blocks left after those ahead of them."""
-    kv, sched = core.kv, core.scheduler
-    free = kv.pool.num_free
-    out = []
-    for r in sched.running:
-        if r.status is not RequestStatus.RUNNING:
-            continue
-        end = min(r.num_tokens, r.num_computed_tokens + sched.max_num_batched_tokens)
-        need = kv.blocks_for_tokens(end) - kv.num_allocated_blocks(r.request_id)
-        if need > free:
-            out.append(r.request_id)
-        else:
-            free -= max(0, need)
-    return out
 
 
 class LongCtxCluster:
@@ -238,7 +220,7 @@ class LongCtxCluster:
             self._wake(debtor.clock)
 
     def _migrate_from(self, src: Instance) -> None:
-        for rid in stalled_requests(src.core):
+        for rid, _ in stalled_growth(next_chunk_needs(src.core), src.core.kv.pool.num_free):
             request = src.core.scheduler.requests[rid]
             end = min(request.num_tokens, request.num_computed_tokens + self.config.chunk_tokens)
             room = src.core.kv.blocks_for_tokens(end)  # all its blocks, after its next chunk

@@ -72,21 +72,38 @@ class MoveStats:
     requests_recomputed: int = 0
 
 
-def stalled_growth(needs: Sequence[int], free: int) -> tuple[int, ...]:
-    """The running requests that cannot grow: each needs ``needs[i]`` more blocks for its next chunk (in
-    scheduling order), and ``free`` blocks are left. Those whose need no longer fits stall (the scheduler would
-    evict them, to be recomputed), so the planner sees them as waiting for that many blocks rather than as running:
-    a move that frees the room lets them run. Without this, a request whose context outgrows the pool while it is
-    alone on its instance gains nothing in the model from a move, and is evicted over and over instead."""
+def next_chunk_needs(core: EngineCore) -> list[tuple[str, int]]:
+    """Each running request's id and the blocks it must add for its next chunk (a step's budget of tokens, or what
+    is left of its context), in the scheduler's running order; its blocks on creditors count as held."""
+    kv, sched = core.kv, core.scheduler
+    return [
+        (
+            r.request_id,
+            kv.blocks_for_tokens(min(r.num_tokens, r.num_computed_tokens + sched.max_num_batched_tokens))
+            - kv.num_allocated_blocks(r.request_id)
+            - kv.num_lent_blocks(r.request_id),
+        )
+        for r in sched.running
+        if r.status is RequestStatus.RUNNING
+    ]
+
+
+def stalled_growth(needs: Sequence[tuple[str, int]], free: int) -> list[tuple[str, int]]:
+    """The running requests that cannot grow: each of ``needs`` (id, blocks to add for its next chunk, in
+    scheduling order) takes its blocks from the ``free`` ones while they last; those whose need no longer fits
+    stall (the scheduler would evict them, to be recomputed). The planner sees them as waiting for that many
+    blocks rather than as running, so a move that frees the room lets them run. Without this, a request whose
+    context outgrows the pool while it is alone on its instance gains nothing in the model from a move, and is
+    evicted over and over instead."""
     stalled = []
-    for need in needs:
+    for request_id, need in needs:
         if need <= 0:
             continue
         if need <= free:
             free -= need
         else:
-            stalled.append(need)
-    return tuple(stalled)
+            stalled.append((request_id, need))
+    return stalled
 
 
 class ControlPlane(Protocol):
@@ -186,14 +203,8 @@ class LendingAgent:
             r.request_id: LocalRequest(r.num_computed_tokens, kv.num_allocated_blocks(r.request_id)) for r in running
         }
         own = sum(req.local_blocks for req in requests.values())
-        needs = [
-            kv.blocks_for_tokens(min(r.num_tokens, r.num_computed_tokens + sched.max_num_batched_tokens))
-            - kv.num_allocated_blocks(r.request_id)
-            - kv.num_lent_blocks(r.request_id)
-            for r in running
-        ]
         free = self.rm.total_blocks - own - self.rm.reserved_blocks - self.rm.lent_blocks
-        stalled = stalled_growth(needs, free)
+        stalled = tuple(need for _, need in stalled_growth(next_chunk_needs(self.core), free))
         self.rm.observe(
             LocalState(
                 own_blocks=own,

@@ -236,7 +236,7 @@ def test_a_debtor_that_dies_has_its_blocks_freed_by_its_creditor(load, make_clus
 def test_a_request_that_cannot_grow_counts_as_waiting_for_the_blocks_it_needs() -> None:
     """The planner's view of running requests whose next chunk does not fit: they wait for that many blocks (a
     move that frees them lets them run), in scheduling order, after those ahead have taken theirs."""
-    assert stalled_growth([2, 0, 1], free=3) == ()
-    assert stalled_growth([4, 1], free=3) == (4,)  # the first cannot grow; the second still fits
-    assert stalled_growth([2, 2, 1], free=3) == (2,)
-    assert stalled_growth([16], free=0) == (16,)
+    assert stalled_growth([("a", 2), ("b", 0), ("c", 1)], free=3) == []
+    assert stalled_growth([("a", 4), ("b", 1)], free=3) == [("a", 4)]  # a cannot grow; b still fits
+    assert stalled_growth([("a", 2), ("b", 2), ("c", 1)], free=3) == [("b", 2)]
+    assert stalled_growth([("a", 16)], free=0) == [("a", 16)]
