@@ -86,6 +86,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         agentic.run(args)
         return 0
+    if args.bench_kind == "longctx":
+        from boundless.bench import longctx
+
+        longctx.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -185,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_agentic.add_arguments(agentic)
     add_engine_flags(agentic)
     agentic.set_defaults(func=_bench)
+    from boundless.bench import longctx as bench_longctx
+
+    longctx = bench_sub.add_parser(
+        "longctx", help="contexts larger than one instance: separate instances, whole-KV moves and KV lending"
+    )
+    bench_longctx.add_arguments(longctx)
+    add_engine_flags(longctx)
+    longctx.set_defaults(func=_bench)
     return parser
 
 

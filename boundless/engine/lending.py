@@ -21,6 +21,7 @@ An agent's instance id is its transport address, so the ledger's debtor names th
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,6 +70,40 @@ class MoveStats:
     blocks_in: int = 0
     bytes_in: int = 0
     requests_recomputed: int = 0
+
+
+def next_chunk_needs(core: EngineCore) -> list[tuple[str, int]]:
+    """Each running request's id and the blocks it must add for its next chunk (a step's budget of tokens, or what
+    is left of its context), in the scheduler's running order; its blocks on creditors count as held."""
+    kv, sched = core.kv, core.scheduler
+    return [
+        (
+            r.request_id,
+            kv.blocks_for_tokens(min(r.num_tokens, r.num_computed_tokens + sched.max_num_batched_tokens))
+            - kv.num_allocated_blocks(r.request_id)
+            - kv.num_lent_blocks(r.request_id),
+        )
+        for r in sched.running
+        if r.status is RequestStatus.RUNNING
+    ]
+
+
+def stalled_growth(needs: Sequence[tuple[str, int]], free: int) -> list[tuple[str, int]]:
+    """The running requests that cannot grow: each of ``needs`` (id, blocks to add for its next chunk, in
+    scheduling order) takes its blocks from the ``free`` ones while they last; those whose need no longer fits
+    stall (the scheduler would evict them, to be recomputed). The planner sees them as waiting for that many
+    blocks rather than as running, so a move that frees the room lets them run. Without this, a request whose
+    context outgrows the pool while it is alone on its instance gains nothing in the model from a move, and is
+    evicted over and over instead."""
+    stalled = []
+    for request_id, need in needs:
+        if need <= 0:
+            continue
+        if need <= free:
+            free -= need
+        else:
+            stalled.append((request_id, need))
+    return stalled
 
 
 class ControlPlane(Protocol):
@@ -167,13 +202,16 @@ class LendingAgent:
         requests = {
             r.request_id: LocalRequest(r.num_computed_tokens, kv.num_allocated_blocks(r.request_id)) for r in running
         }
+        own = sum(req.local_blocks for req in requests.values())
+        free = self.rm.total_blocks - own - self.rm.reserved_blocks - self.rm.lent_blocks
+        stalled = tuple(need for _, need in stalled_growth(next_chunk_needs(self.core), free))
         self.rm.observe(
             LocalState(
-                own_blocks=sum(req.local_blocks for req in requests.values()),
-                batch_size=len(running),
+                own_blocks=own,
+                batch_size=len(running) - len(stalled),
                 max_batch_size=self.core.config.scheduler.max_num_seqs,
                 requests=requests,
-                waiting_blocks=tuple(kv.blocks_for_tokens(r.num_tokens) for r in sched.waiting),
+                waiting_blocks=stalled + tuple(kv.blocks_for_tokens(r.num_tokens) for r in sched.waiting),
             )
         )
         actions: list[LendingAction] = []

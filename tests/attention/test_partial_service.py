@@ -46,10 +46,11 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tor
     return torch.einsum("ths,hsd->thd", scores.softmax(-1), v.double()).float()
 
 
+@pytest.mark.parametrize("rows", [5, 24])  # decode rows (the native kernel), a prefill chunk's (matmuls)
 @pytest.mark.parametrize("heads", [2, 4])  # MHA and GQA
-def test_lent_partial_native_and_torch_agree_with_softmax(caches, heads: int) -> None:
+def test_lent_partial_native_and_torch_agree_with_softmax(caches, heads: int, rows: int) -> None:
     k_cache, v_cache = caches
-    q = torch.randn(5, heads, D)
+    q = torch.randn(rows, heads, D)
     ids = [7, 2, 9]
     part = lent_partial(q, k_cache, v_cache, ids, SCALE)
     want = _reference(q, _dense(ids, k_cache), _dense(ids, v_cache))

@@ -15,6 +15,7 @@ from lending_helpers import BLOCK, CHUNK, LONG, PARAMS, Cluster, LocalControlPla
 from boundless.api.metrics import ServerMetrics
 from boundless.cluster.rmanager import SendBlocks
 from boundless.engine.core import EngineCore
+from boundless.engine.lending import stalled_growth
 from boundless.transport.blocks import BlocksReceive
 
 
@@ -230,3 +231,12 @@ def test_a_debtor_that_dies_has_its_blocks_freed_by_its_creditor(load, make_clus
         time.sleep(0.01)
     assert creditor.core.kv.pool.num_used == 0 and not creditor.rm.loans
     assert debtor.instance_id in creditor.rm.lost_peers
+
+
+def test_a_request_that_cannot_grow_counts_as_waiting_for_the_blocks_it_needs() -> None:
+    """The planner's view of running requests whose next chunk does not fit: they wait for that many blocks (a
+    move that frees them lets them run), in scheduling order, after those ahead have taken theirs."""
+    assert stalled_growth([("a", 2), ("b", 0), ("c", 1)], free=3) == []
+    assert stalled_growth([("a", 4), ("b", 1)], free=3) == [("a", 4)]  # a cannot grow; b still fits
+    assert stalled_growth([("a", 2), ("b", 2), ("c", 1)], free=3) == [("b", 2)]
+    assert stalled_growth([("a", 16)], free=0) == [("a", 16)]

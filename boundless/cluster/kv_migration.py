@@ -1,0 +1,80 @@
+"""Moving a running request, with its whole KV, from one engine to another: live migration.
+
+The baseline KV lending is measured against (``bench/longctx.py``, setup ``move``): when a request cannot grow
+where it runs, all of its KV moves to an instance with room and it continues there. The blocks travel over the
+KV transport as one message (``transport/blocks.py``, as the lending moves do); the destination writes them into
+pool blocks, names them in its prefix cache with the request's own chained hashes (blocks are content-addressed,
+so the names need not travel), and the request is queued there with its output so far (``Resume``). Its
+admission then finds the moved blocks as a prefix-cache hit and computes only its last, partial block; the
+source drops the request and its blocks. Greedy output is unchanged: the moved KV is the KV it computed.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from boundless.engine.core import EngineCore, Resume
+from boundless.engine.request import RequestStatus
+from boundless.transport.base import KVTransport
+from boundless.transport.blocks import BlocksReceive, send_blocks
+
+_MIGRATION_TAG_BASE = 0xF300_0000
+_MIGRATION_TAG_SPAN = 1 << 24
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An engine and its endpoint of the KV transport."""
+
+    core: EngineCore
+    transport: KVTransport
+
+
+@dataclass(frozen=True)
+class Migration:
+    """A request moved: how many full blocks travelled, and their bytes."""
+
+    request_id: str
+    num_blocks: int
+    num_bytes: int
+
+
+def migration_tag(request_id: str, attempt: int) -> int:
+    """A tag of its own for each migration of a request (a request may move more than once)."""
+    return _MIGRATION_TAG_BASE + zlib.crc32(f"{request_id}#{attempt}".encode()) % _MIGRATION_TAG_SPAN
+
+
+def migrate_request(
+    src: Endpoint, dst: Endpoint, request_id: str, attempt: int = 0, timeout_s: float = 30.0
+) -> Migration | None:
+    """Move a running request from ``src`` to ``dst`` with its computed full blocks; None (nothing changed) when
+    it is not running there or ``dst`` lacks room for its blocks. Call between the engines' steps."""
+    request = src.core.scheduler.requests.get(request_id)
+    if request is None or request.status is not RequestStatus.RUNNING:
+        return None
+    kv_src, kv_dst = src.core.kv, dst.core.kv
+    bs = kv_src.block_size
+    tokens = request.all_token_ids
+    num_full = request.num_computed_tokens // bs
+    src_ids = kv_src.block_ids(request_id)[:num_full]
+    dst_ids = kv_dst.allocate_unowned(num_full)
+    if dst_ids is None:
+        return None
+    cache_src, cache_dst = src.core.executor.runner.kv_cache, dst.core.executor.runner.kv_cache
+    tag = migration_tag(request_id, attempt)
+    receive = BlocksReceive(dst.transport, src.transport.address, tag, cache_dst, dst_ids)
+    send_blocks(src.transport, dst.transport.address, tag, cache_src, src_ids).wait(timeout_s)
+    receive.wait(timeout_s)
+    keys = kv_dst.block_hashes(request_id, tokens[: num_full * bs])
+    pool = kv_dst.pool
+    for i, block_id in enumerate(dst_ids):
+        pool.cache(pool.blocks[block_id], keys[i], tokens[i * bs : (i + 1) * bs])
+    kv_dst.free_unowned(dst_ids)  # cached and free: the request's admission below takes them as its prefix
+    resume = Resume(tuple(request.output_token_ids), text_chars_sent=0)
+    dst.core.add_request(
+        request_id, list(request.prompt_token_ids), request.sampling_params, request.arrival_time, resume=resume
+    )
+    src.core.abort(request_id)
+    data = cache_src.data
+    return Migration(request_id, num_full, num_full * data[:, :, :, 0].numel() * data.element_size())

@@ -1,0 +1,52 @@
+"""``boundless bench longctx`` on a tiny random model: the three setups serve the same trace of short requests and
+contexts up to 2.5 pools on 3 instances, with the same greedy outputs; only lending serves what exceeds one pool,
+and it moves fewer bytes than moving whole contexts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from boundless.bench import longctx
+from boundless.bench.longctx_trace import TraceShape, make_trace
+from boundless.cli import build_parser
+
+
+def test_trace_mixes_short_requests_with_contexts_over_one_pool() -> None:
+    shape = TraceShape(num_short=10, long_factors=(0.75, 2.5), short_first=3)
+    offline = make_trace(shape, pool_tokens=512, vocab_size=300, rate=0.0, seed=1)
+    online = make_trace(shape, pool_tokens=512, vocab_size=300, rate=5.0, seed=1)
+    assert [r.prompt for r in offline] == [r.prompt for r in online]  # arrivals drawn apart from lengths
+    assert all(r.arrival_s == 0 for r in offline) and online[-1].arrival_s > 0
+    assert not any(r.long for r in offline[:3])
+    assert sorted(len(r.prompt) for r in offline if r.long) == [384, 1280]
+    assert all(len(r.prompt) <= 192 for r in offline if not r.long)
+
+
+def test_every_setup_serves_the_trace_with_identical_outputs(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        ["bench", "longctx", "--model", str(model_dirs["tiny-llama"]), "--instances", "3", "--num-kv-blocks", "24",
+         "--chunk-tokens", "64", "--num-short", "10", "--long-factors", "0.75,2.5", "--rate", "0",
+         "--out-dir", str(tmp_path)]
+    )  # fmt: skip
+    result = longctx.run(args)
+    by = {r["setup"]: r for r in result["rows"]}
+    assert list(by) == list(longctx.SETUPS)
+    assert result["outputs_identical"] and result["outputs_compared"] == 11  # the shorts and the 0.75-pool one
+    pool = 24 * 16
+    for r in by.values():
+        assert r["requests"] == 12 and not r["gave_up"] and r["tok_s"] > 0
+        assert r["served"] + r["rejected"] + r["unserved"] == 12
+    # One pool at most without lending: the 2.5-pool request is rejected at admission.
+    for name in ("separate", "move"):
+        assert by[name]["served"] == 11 and by[name]["rejected"] == 1 and by[name]["round_trips"] == 0
+        assert by[name]["longest_context"] <= pool
+    assert by["separate"]["moves"] == 0 and by["separate"]["mb_moved"] == 0
+    # Lending serves it across instances, attending to its moved blocks through partials.
+    lending = by["lending"]
+    assert lending["served"] == 12 and lending["rejected"] == 0 and lending["long_served"] == 2
+    assert lending["longest_context"] > 2 * pool and lending["round_trips"] > 0 and lending["moves"] > 0
+    assert result["goals"]["lending_longest_x_pool"] > 2
+    saved = json.loads((tmp_path / "longctx.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(result["rows"]))
+    assert (tmp_path / "longctx.csv").read_text().count("\n") == len(result["rows"]) + 1

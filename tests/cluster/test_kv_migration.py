@@ -1,0 +1,68 @@
+"""Live migration of a running request with its whole KV between two engines over a real shared-memory transport:
+it continues on the other engine from the moved blocks (a prefix-cache hit there) and its greedy output equals one
+engine's that ran it throughout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from boundless.cluster.kv_migration import Endpoint, migrate_request
+from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
+from boundless.engine.core import EngineCore
+from boundless.engine.sampling_params import SamplingParams
+from boundless.transport.shm import ShmTransport
+
+PROMPT = [(13 * j) % 300 + 3 for j in range(100)]  # 6 full blocks and 4 tokens
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _engine(loaded) -> EngineCore:
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=256),
+        cache=CacheConfig(num_kv_blocks=24, enable_prefix_caching=True, kv_host_gb=0.0),
+        scheduler=SchedulerConfig(policy="fcfs", max_num_batched_tokens=32),
+    )
+    layout = size_engine(config, loaded.arch, loaded.dtype)
+    return EngineCore(
+        config, layout, ModelIdentity.of(loaded), loaded.tokenizer, build_model_executor(loaded, config, layout)
+    )
+
+
+def _run(core: EngineCore, tokens: dict[str, list[int]], steps: int | None = None) -> None:
+    n = 0
+    while core.has_unfinished() and (steps is None or n < steps):
+        for delta in core.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        n += 1
+
+
+def test_migrated_request_continues_from_its_moved_blocks(tiny_llama, tmp_path: Path) -> None:
+    want: dict[str, list[int]] = {}
+    one = _engine(tiny_llama)
+    one.add_request("r", PROMPT, PARAMS)
+    _run(one, want)
+
+    src = Endpoint(_engine(tiny_llama), ShmTransport(tmp_path, "a", timeout_s=10))
+    dst = Endpoint(_engine(tiny_llama), ShmTransport(tmp_path, "b", timeout_s=10))
+    try:
+        got: dict[str, list[int]] = {}
+        src.core.add_request("r", PROMPT, PARAMS)
+        _run(src.core, got, steps=6)  # 4 prefill chunks and 2 decodes: 102 tokens, 6 full blocks computed
+        assert len(got["r"]) == 3
+        moved = migrate_request(src, dst, "r")
+        assert moved is not None and moved.num_blocks == 6
+        per_block = src.core.executor.runner.kv_cache.data[:, :, :, 0].numel() * 4
+        assert moved.num_bytes == 6 * per_block
+        # The source dropped it and its blocks; the destination holds it, its blocks named in its prefix cache.
+        assert not src.core.has_unfinished() and src.core.kv.pool.num_used == 0
+        assert migrate_request(src, dst, "r") is None  # nothing left to move
+        deltas = []
+        while dst.core.has_unfinished():
+            deltas += dst.core.step()
+        got["r"] += [t for d in deltas for t in d.new_token_ids]
+        assert deltas[0].num_cached_tokens == 6 * 16  # admitted on the moved blocks, only the tail computed
+        assert got["r"] == want["r"]
+    finally:
+        src.transport.close()
+        dst.transport.close()
