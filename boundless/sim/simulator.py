@@ -254,9 +254,12 @@ class Simulator:
             sims.append(SimProgram(spec, rng, system))
             self._at(spec.arrival_s, _STAGE, sims[-1])
         events, clock = self._events, self.clock
-        while events:
-            # Deliver every event due now (those it makes for now too), then start the idle instances' steps.
-            clock.now = now = events[0][0]
+        while events or self._ready:
+            # Deliver every event due now (those it makes for now too), then start the idle instances' steps;
+            # instances made ready while steps start (an idle step that applied ended streams) go round again.
+            if not self._ready:
+                clock.now = events[0][0]
+            now = clock.now
             while events and events[0][0] <= now:
                 _, _, kind, payload = heapq.heappop(events)
                 if kind == _STEP_END:
@@ -270,9 +273,9 @@ class Simulator:
             if self.dispatcher is not None and now >= self._next_expiry:
                 self._heartbeat(now)
                 self._next_expiry = now + self.cluster.heartbeat_interval_s
-            for iid in sorted(self._ready):
+            ready, self._ready = self._ready, set()
+            for iid in sorted(ready):
                 self._start_step(self.instances[iid])
-            self._ready.clear()
             if progress is not None:
                 progress(now)
         return [
