@@ -209,6 +209,8 @@ CLUSTER_FLAGS = (
     "pd_alpha",
     "pd_beta",
     "pd_z",
+    "storage_gbps",
+    "net_gbps",
 )
 
 

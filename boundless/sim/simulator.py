@@ -16,6 +16,7 @@ its inputs and seed alone.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 from boundless.bench.workloads import CallSpec, ProgramSpec, PromptTokens, call_prompt
 from boundless.cluster.dispatcher import AbortOn, AddResult, Dispatcher, Fail, Send
-from boundless.cluster.links import Link
+from boundless.cluster.links import Link, gbps_to_bytes_per_s
 from boundless.cluster.pd_dispatcher import Continue, PDDecision, PDDispatcher, PDInstance, Prepare, PrepareResult
 from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
 from boundless.cluster.routing import Router
@@ -156,6 +157,13 @@ class Simulator:
         self.storage_links: list[Link] = []
         self.fabric: KVFabric | None = None
         if self.cluster.disaggregated:
+            # The cluster's emulated NICs, when given, in place of the profile's figures (as the real links).
+            if self.cluster.storage_gbps is not None:
+                disk_cost = dataclasses.replace(
+                    disk_cost, read_bytes_per_s=gbps_to_bytes_per_s(self.cluster.storage_gbps)
+                )
+            if self.cluster.net_gbps is not None:
+                network = dataclasses.replace(network, bytes_per_s=gbps_to_bytes_per_s(self.cluster.net_gbps))
             shape = getattr(profile.step, "shape", None) if profile is not None else None
             kv_bytes = shape.kv_bytes_per_token if shape is not None else None
             self._build_roles(config, model, cost, host_copy, disk_cost, network, instances_per_node, kv_bytes)
