@@ -25,13 +25,17 @@ def model() -> SimulatedModel:
 
 
 def _run(
-    model: SimulatedModel, kv_path: str, seed: int = 1, profile: HardwareProfile | None = None
+    model: SimulatedModel,
+    kv_path: str,
+    seed: int = 1,
+    profile: HardwareProfile | None = None,
+    storage_gbps: float | None = None,
 ) -> tuple[Simulator, list[SimResult], list[ProgramSpec]]:
     config = EngineConfig(
         cache=CacheConfig(num_kv_blocks=400, kv_disk_path="unused-by-the-simulator", kv_host_gb=0.5),
         scheduler=SchedulerConfig(policy="fcfs"),
     )
-    cluster = ClusterConfig(prefill_instances=1, decode_instances=2, kv_path=kv_path)
+    cluster = ClusterConfig(prefill_instances=1, decode_instances=2, kv_path=kv_path, storage_gbps=storage_gbps)
     programs = agent_sessions(6, 0.0, seed, SHAPE)
     sim = Simulator(config, model, cluster=cluster, profile=profile or load_profile("h100"))
     results = sim.run(programs)
@@ -85,6 +89,13 @@ def test_basic_reads_on_the_prefill_node_dualpath_on_both_oracle_on_none(model: 
 
     oracle, _, _ = _run(model, "oracle")
     assert set(oracle.dispatcher.placements) == {"none"} and oracle.storage_links == []
+
+
+def test_storage_nics_set_by_the_cluster_flag_bound_the_prefill_engines_reads(model: SimulatedModel) -> None:
+    fast, _, _ = _run(model, "basic")
+    slow, _, _ = _run(model, "basic", storage_gbps=1.0)  # 125 MB/s per engine instead of the h100's 12.5 GB/s
+    assert slow.storage_links[0].bytes_per_s == 1.0e9 / 8
+    assert _storage_bytes(slow)[0] > 0 and slow.clock.now > fast.clock.now
 
 
 def test_simulate_sweeps_cluster_sizes_and_read_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
