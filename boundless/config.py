@@ -183,8 +183,18 @@ class SchedulerConfig:
         },
     )
 
+    prefill_batching: str = field(
+        default="tokens",
+        metadata={
+            "help": "what bounds a step's prefills: tokens (the step budget alone) or attention (also their "
+            "predicted time, fitted from the engine's own steps, under the time of a full step of fresh tokens: "
+            "DualPath's attention-time batching for prefill engines)"
+        },
+    )
+
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
+        _require(self.prefill_batching in ("tokens", "attention"), "prefill_batching", "must be tokens or attention")
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
         _require(self.policy in POLICIES, "policy", f"unknown policy {self.policy!r}; one of {', '.join(POLICIES)}")
         _require(self.num_queues >= 1, "num_queues", "must be >= 1")

@@ -131,6 +131,10 @@ def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
             "loads from the tier a waiting request stopped waiting for after --kv-load-timeout-s (then recomputed)",
             "load_timeouts",
         ),
+        "boundless_kv_tier_reloaded_blocks": (
+            "KV blocks read from the tier a second time: a waiting request's prefix left memory before its turn",
+            "reloaded_blocks",
+        ),
     }
     for name, (doc, attr) in per_tier.items():
         c = CounterMetricFamily(name, doc, labels=["instance", "tier"])

@@ -87,6 +87,7 @@ class Serving:
     computed: dict[str, int] = dataclasses.field(default_factory=dict)  # tokens each instance ran through the model
     load_timeouts: int = 0  # store loads given up on (then recomputed)
     recomputed_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # stored blocks computed, by why
+    reloaded_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # stored blocks read twice, per instance
 
 
 def memory_config(
@@ -157,6 +158,9 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
                 run.computed = {"colocated": stats.computed_tokens}
                 run.load_timeouts = stats.kv_tiers[DISK].load_timeouts if DISK in stats.kv_tiers else 0
                 run.recomputed_blocks = dict(stats.kv_tiers[DISK].recomputed_blocks) if DISK in stats.kv_tiers else {}
+                run.reloaded_blocks = (
+                    {"colocated": stats.kv_tiers[DISK].reloaded_blocks} if DISK in stats.kv_tiers else {}
+                )
                 engine.shutdown()
                 run.links = {"colocated": [link.stats()] if link else []}
         else:
@@ -183,6 +187,9 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
                     if DISK in s.kv_tiers
                     for why, n in s.kv_tiers[DISK].recomputed_blocks.items()
                 }
+                run.reloaded_blocks = {
+                    iid: s.kv_tiers[DISK].reloaded_blocks for iid, s in stats.items() if DISK in s.kv_tiers
+                }
                 pd.shutdown()
         gc.collect()
 
@@ -204,6 +211,7 @@ def run_once(
     row |= {f"{iid}_computed_tokens": n for iid, n in run.computed.items()}
     row["load_timeouts"] = run.load_timeouts
     row["recomputed_blocks"] = run.recomputed_blocks
+    row["reloaded_blocks"] = run.reloaded_blocks
     return row, turns
 
 
@@ -387,7 +395,8 @@ def _print_progress(row: dict[str, Any]) -> None:
         f"{row['phase']} {row['mode']} @ {row['storage_gbps']} Gbit/s: JCT {row['jct_s']:.1f} s, "
         f"{row['turns_per_s']:.2f} turns/s, TTFT {row['ttft_mean_s']:.2f} s, TPOT {row['tpot_mean_s'] * 1000:.0f} ms, "
         f"SLO {row['slo_attainment']:.0%}, paths {row['read_paths']}, failed {row['failed_turns']}, "
-        f"load timeouts {row['load_timeouts']}, stored blocks recomputed {row['recomputed_blocks']}; "
+        f"load timeouts {row['load_timeouts']}, stored blocks recomputed {row['recomputed_blocks']}, "
+        f"read twice {row['reloaded_blocks']}; "
         + ", ".join(f"{k} {v}" for k, v in row.items() if k.startswith(("p0_", "d0_", "colocated_"))),
         flush=True,
     )

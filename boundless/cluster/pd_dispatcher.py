@@ -24,7 +24,11 @@ blocks held.
 
 The read path needs each call's stored tokens. The dispatcher does not see the store; it estimates them
 from what it served: a program's next call usually extends its last one (prompt and output), whose full
-blocks were written through to the shared store. A call without a program counts as nothing stored.
+blocks were written through to the shared store. A program's first call here counts its prompt's full blocks
+as stored: an agent resumed with its context in the store (after a restart, or served by another router) would
+otherwise always read on the PE, and a wrong guess costs little, since each engine counts what the store really
+holds before it reads (a ``stat`` a block, stopping at the first missing one) and computes the rest. A call
+without a program counts as nothing stored.
 """
 
 from __future__ import annotations
@@ -411,10 +415,13 @@ class PDDispatcher(Dispatcher):
         call.prepared = False
 
     def _stored_estimate(self, call: PDCall) -> int:
-        """Tokens of the call's prompt likely in the store: the full blocks it shares with its program's last call."""
+        """Tokens of the call's prompt likely in the store: the full blocks it shares with its program's last call,
+        or, for a program's first call here, every full block of its prompt (see the module docstring)."""
         if call.program is None:
             return 0
-        last = self._history.get(call.program.program_id, [])
+        last = self._history.get(call.program.program_id)
+        if last is None:
+            return len(call.prompt) // self.block_size * self.block_size
         common = 0
         for a, b in zip(last, call.prompt, strict=False):
             if a != b:

@@ -24,10 +24,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from boundless.engine.scheduler import SchedulerOutput
+if TYPE_CHECKING:  # the scheduler imports the prefill batcher, which imports this module
+    from boundless.engine.scheduler import SchedulerOutput
 
 # Rounds of dropping steps far slower than the fit (see fit_attention_time's outlier_factor).
 MAX_TRIM_ROUNDS = 5

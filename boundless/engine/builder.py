@@ -93,15 +93,7 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype) -> En
 
 def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> BlockStore:
     """The persistent KV store at ``--kv-disk-path``, laid out for this model."""
-    arch = loaded.arch
-    store_layout = StoreLayout(
-        fingerprint=loaded.fingerprint,
-        num_layers=arch.num_layers,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
-        block_size=layout.block_size,
-        dtype=loaded.dtype,
-    )
+    store_layout = StoreLayout.of_model(loaded, layout.block_size)
     return DiskKVStore(Path(config.cache.kv_disk_path or ""), store_layout, layout.disk_bytes)
 
 

@@ -21,6 +21,7 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
 from boundless.engine.lending_stats import LendingStats
+from boundless.engine.prefill_batching import step_quota
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
@@ -37,6 +38,10 @@ from boundless.programs.policy import SchedulingPolicy
 from boundless.programs.ref import ProgramRef
 from boundless.programs.registry import make_policy
 from boundless.transport.base import KVTransport
+
+# Attention-time prefill batching: steps between refits of the step-time model (a fit is a small least-squares
+# problem over at most the recorder's 512 samples; refitting every step would cost more than it follows).
+REFIT_EVERY_STEPS = 32
 
 
 @dataclass
@@ -90,6 +95,7 @@ class TierStats:
     checksum_failures: int = 0  # blocks that failed their check when read back: recomputed, never served
     load_timeouts: int = 0  # loads a waiting request gave up on after --kv-load-timeout-s (then recomputed)
     recomputed_blocks: dict[str, int] = field(default_factory=dict)  # disk: stored blocks computed, by why
+    reloaded_blocks: int = 0  # disk: stored blocks read a second time (they left memory before their turn)
     blocks_used: int = 0  # memory tiers: blocks held by requests or by moves in flight
     blocks_total: int = 0
 
@@ -178,6 +184,7 @@ class EngineCore:
         # Every step's shapes and seconds: what the step-time models (the KV-lending planner's, the prefill
         # batcher's) are fitted from.
         self.step_times = AttentionTimeRecorder()
+        self._prefill_batching = config.scheduler.prefill_batching
         self._disk_io = DiskIOStats()  # the executor's disk I/O, as last reported
         self._remote_io: RemoteIOStats | None = None  # its block streams, as last reported (once connected)
         self.handoff_timeout_s = DEFAULT_TIMEOUT_S
@@ -431,6 +438,8 @@ class EngineCore:
         c.computed_tokens += sched.num_tokens
         c.busy_seconds += elapsed
         self.step_times.record(shapes_of(sched), elapsed)
+        if self._prefill_batching == "attention" and c.steps % REFIT_EVERY_STEPS == 0:
+            self._refit_prefill_time()
         now = self.clock()
         outputs = []
         for request_id, token in sampled.items():
@@ -472,6 +481,14 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _refit_prefill_time(self) -> None:
+        """Attention-time prefill batching: refit the step-time model on the latest steps; the scheduler bounds
+        each step's prefills by its prediction, under the predicted time of a full step of fresh tokens."""
+        model = self.step_times.fit()
+        if model is not None:
+            budget = self.scheduler.max_num_batched_tokens
+            self.scheduler.prefill_time = (model.predict, step_quota(model, budget))
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
@@ -518,6 +535,7 @@ class EngineCore:
                 checksum_failures=checksum_failures,
                 load_timeouts=counters.load_timeouts,
                 recomputed_blocks=dict(counters.recomputed_blocks),
+                reloaded_blocks=counters.reloaded_blocks,
                 blocks_used=pool.num_used if pool is not None else 0,
                 blocks_total=pool.num_blocks if pool is not None else 0,
             )

@@ -12,14 +12,13 @@ requires.
 Pure: a function of the waiting requests, a predictor (:class:`~boundless.engine.attention_time.
 AttentionTimeModel` fitted from the engine's steps, or any function of the shapes) and the limits.
 
-Plugging in (not wired yet; ``engine/scheduler.py`` is being changed elsewhere). On a prefill engine
-``Scheduler.schedule`` would, before its admission loop, build a :class:`PrefillCandidate` per
-request in its order that still has prompt to compute (``cached`` = ``num_computed_tokens`` plus the
-prefix hit the KV manager finds, ``new`` = the rest), call :func:`fill_prefill_batch` with the
-engine's step budget, and take each chunk's ``num_tokens`` as the most that request may be given in
-``_admit`` (requests left out get nothing this step). ``EngineCore`` records every step's
-``shapes_of(sched)`` and measured seconds in an ``AttentionTimeRecorder`` and refits now and then;
-until the first fit, the token budget alone decides (today's behaviour). Decode engines need none of
+Plugged in with ``--prefill-batching attention``: ``EngineCore`` records every step's ``shapes_of(sched)``
+and measured seconds in an ``AttentionTimeRecorder`` and refits every so many steps, handing the scheduler
+the predictor and :func:`step_quota` (``Scheduler.prefill_time``); ``Scheduler.schedule`` then builds a
+:class:`PrefillCandidate` per request in its order that still has prompt to compute, calls
+:func:`fill_prefill_batch` with the engine's step budget before its admission loop, and takes each chunk's
+``num_tokens`` as the most that request may be given (prefilling requests left out get nothing this step;
+decodes run as before). Until the first fit, the token budget alone decides. Decode engines need none of
 this: they put every request in one batch.
 """
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from boundless.attention.backend import RemoteKV
+from boundless.engine.prefill_batching import Predictor, PrefillCandidate, fill_prefill_batch
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskWrite, TierReport
@@ -134,6 +135,9 @@ class Scheduler:
         # A waiting request whose stored prefix finds no host room waits for room while reads are in flight,
         # instead of computing the prefix (False: the earlier rule, kept for comparisons and tests).
         self.wait_for_host_room = True
+        # Attention-time prefill batching (engine/prefill_batching.py): a step's predictor and its quota in seconds,
+        # set by the engine once it has fitted one; None: the token budget alone bounds prefills.
+        self.prefill_time: tuple[Predictor, float] | None = None
 
     # -- queue changes ---------------------------------------------------------------------
 
@@ -197,13 +201,23 @@ class Scheduler:
                 out.remote_sends.append(self._push(request))
         chosen: list[tuple[Request, int]] = []
         chosen_ids: set[str] = set()
+        caps = self._prefill_caps(order) if self.prefill_time is not None else None
         for idx, request in enumerate(order):
             if budget <= 0 or len(chosen) >= self.max_num_seqs:
                 break
             if self._held_back(request):
                 continue  # its blocks are on their way (from the store or a peer), or its first token is
-            num_new = self._admit(request, budget, order, idx, chosen_ids, out)
+            cap = budget
+            if caps is not None and _prefilling(request):
+                if request.request_id not in caps:
+                    continue  # past the prefill batch's quota: next step (decodes below still run)
+                cap = min(budget, caps[request.request_id])
+            num_new = self._admit(request, cap, order, idx, chosen_ids, out)
             if num_new is None:
+                if not chosen and not self.running:
+                    # Nothing runs that will free memory: the prefixes held for loads below it let go (hold and
+                    # wait would otherwise stall the engine), to be taken at the next step.
+                    self.kv.release_held_while_loading([r.request_id for r in order[idx + 1 :]])
                 break  # keep priority order: nothing below may take the memory this one could not get
             chosen.append((request, num_new))
             chosen_ids.add(request.request_id)
@@ -241,6 +255,28 @@ class Scheduler:
         out.remote_recvs = self.kv.take_remote_recvs()
         out.num_remote_in_flight = self.kv.num_remote_in_flight
         return out
+
+    def _prefill_caps(self, order: list[Request]) -> dict[str, int]:
+        """Each prefilling request's most tokens this step, by attention time: the batch filled in priority order
+        while its predicted time stays under the quota, the first that does not fit cut to the longest block-aligned
+        chunk that does, and those behind it left out (``fill_prefill_batch``)."""
+        assert self.prefill_time is not None
+        predict, quota_s = self.prefill_time
+        bs = self.kv.block_size
+        candidates = []
+        for request in order:
+            if not _prefilling(request) or self._held_back(request):
+                continue
+            if request.status is RequestStatus.RUNNING:
+                cached = request.num_computed_tokens
+            else:  # what its admission will find in memory (not counted as a lookup)
+                num_full = (request.num_tokens - 1) // bs
+                cached = len(self.kv.memory_prefix(request.request_id, request.all_token_ids, num_full)) * bs
+            candidates.append(PrefillCandidate(request.request_id, cached, request.num_tokens - cached))
+        batch = fill_prefill_batch(
+            candidates, predict, quota_s, self.max_num_batched_tokens, self.max_num_seqs, align=bs
+        )
+        return {chunk.request_id: chunk.num_tokens for chunk in batch.chunks}
 
     def _held_back(self, request: Request) -> bool:
         """Whether a request may not run yet: its blocks are on their way from the store or a peer, it waits for
@@ -447,3 +483,8 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
             request.service_s += service_s
             self.policy.on_service(request, service_s, now)
+
+
+def _prefilling(request: Request) -> bool:
+    """Whether the request still has prompt to compute (a waiting one always starts with its prompt)."""
+    return request.status is not RequestStatus.RUNNING or request.num_computed_tokens < request.num_prompt_tokens

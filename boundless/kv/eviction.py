@@ -134,6 +134,31 @@ class ProgramRanking(Protocol):
         ...
 
 
+class ChangeFeeds:
+    """Fan-out of changed program ids: each reader subscribes once and gets its own feed, which returns the
+    programs published since that reader last asked (what ``ProgramRanking.subscribe`` hands out)."""
+
+    def __init__(self) -> None:
+        self._pending: list[set[str]] = []
+
+    def subscribe(self) -> Callable[[], set[str]]:
+        pending: set[str] = set()
+        self._pending.append(pending)
+
+        def take() -> set[str]:
+            out = set(pending)
+            pending.clear()
+            return out
+
+        return take
+
+    def publish(self, changed: Iterable[str]) -> None:
+        changed = set(changed)
+        if changed:
+            for pending in self._pending:
+                pending |= changed
+
+
 class ProgramKeys:
     """The keys of the programs one reader follows, brought up to date when it asks (:meth:`catch_up`): those
     the ranking reports changed, and those whose key held until a time the clock has passed."""

@@ -36,6 +36,8 @@ MAX_KNOWN_ON_DISK = 1 << 20
 PREFETCH_SHARE = 0.5
 # Times a waiting request reads its prefix again after part of it left memory before its turn (then computes).
 MAX_RELOADS = 2
+# The share of device memory that the prefixes of requests waiting for loads may hold (see plan_disk_read).
+LOAD_HOLD_SHARE = 0.5
 # Program-aware eviction on disk: how far back the store's LRU stamp of a block is set once every program that
 # used it has finished. A day puts it behind every block touched within the last day, by any process sharing
 # the store, and keeps the LRU order among aged blocks.
@@ -78,6 +80,9 @@ class TierCounters:
     # host memory before the request's turn), ``load_came_back_short`` (known stored, but missing or unreadable
     # when loaded).
     recomputed_blocks: dict[str, int] = field(default_factory=dict)
+    # Stored blocks read a second time (disk tier only): a waiting request's prefix left memory before its turn
+    # and was read again (not recomputed, so not in ``recomputed_blocks``).
+    reloaded_blocks: int = 0
 
 
 @dataclass
@@ -211,6 +216,10 @@ class KVCacheManager:
         self._recvs: list[RemoteRecv] = []  # to post at the next step
         self._sends: dict[int, list[tuple[TierId, KVBlock]]] = {}
         self._held_for: dict[str, list[tuple[TierId, KVBlock]]] = {}
+        # The memory prefix (device and host blocks before the first one loaded) of a request whose load from the
+        # store is under way, held for it until its admission: were it evicted meanwhile (other requests' prefills,
+        # with host memory full of loads), the request would read it again (plan_disk_read).
+        self._held_while_loading: dict[str, list[tuple[TierId, KVBlock]]] = {}
         self._next_remote_id = 0
         # Which program each request belongs to: the owner of the blocks it takes (program-aware eviction).
         self._programs: dict[str, str] = {}
@@ -369,6 +378,7 @@ class KVCacheManager:
         if self._prefetched:
             self._drop_prefetched(request_id)  # admitted: its hits hold their own references now
         self._release_held_for(request_id)
+        self._release_held_while_loading(request_id)
         return True
 
     def free(self, request_id: str) -> None:
@@ -389,6 +399,7 @@ class KVCacheManager:
         self._lookups.pop(request_id, None)
         self._drop_prefetched(request_id)
         self._release_held_for(request_id)
+        self._release_held_while_loading(request_id)
         for intake in self._intakes.values():
             if intake.request_id == request_id:
                 intake.request_id = None  # the stream still owns its blocks until it is reported
@@ -616,12 +627,13 @@ class KVCacheManager:
             return None  # what is left comes from a peer (or, should that fail, may be read later)
         if lookup.limit is not None:
             end = min(end, lookup.limit)
+        reloading = False
         if start < lookup.loaded_upto and lookup.reloads < MAX_RELOADS and not self._came_back_short(lookup):
-            # Part of its prefix left memory before its turn (device blocks it found cached, evicted by others'
-            # prefills, with host memory full of loads): the store has them still, so read them again rather
-            # than compute them. Bounded, so that a request whose blocks keep leaving cannot wait forever.
+            # Part of its prefix left memory before its turn (blocks it found cached that its load did not hold:
+            # see _hold_while_loading): the store has them still, so read them again rather than compute them.
+            # Bounded, so that a request whose blocks keep leaving cannot wait forever.
             lookup.reloads += 1
-            self._count_recomputed("reloaded_after_eviction", lookup.loaded_upto - start)
+            reloading = True
             lookup.loaded_upto = start
             lookup.probed_at = None
         if start >= end or start < lookup.loaded_upto:
@@ -631,7 +643,12 @@ class KVCacheManager:
                 self._count_recomputed(reason, lookup.loaded_upto - start)
             lookup.settled = True
             return None
-        keys = hashes[start:end]
+        # Read only the run of blocks memory lacks: blocks after it still in memory (loaded before, held for the
+        # request) are not read again; the next plan goes on after them.
+        gap_end = start + 1
+        while gap_end < end and not self._in_memory(hashes[gap_end], token_ids[gap_end * bs : (gap_end + 1) * bs]):
+            gap_end += 1
+        keys = hashes[start:gap_end]
         known = 0
         while known < len(keys) and keys[known] in self._known_on_disk:
             known += 1
@@ -654,11 +671,60 @@ class KVCacheManager:
         host.touch(own_free_in_host)
         dst = host.allocate(room, self._programs.get(request_id))  # held by the read until it is done
         host.free(reversed(own_free_in_host))
+        self._hold_while_loading(request_id, hashes, token_ids, start)
+        if reloading:
+            self.counters[DISK].reloaded_blocks += room
         tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start, start + room))
         lookup.loaded_upto = start + room
         return self._start_read(
             request_id, start, tuple(keys[:room]), tuple(b.block_id for b in dst), tokens, waits=True, now=now
         )
+
+    def _in_memory(self, key: BlockHash, tokens: Sequence[int]) -> bool:
+        host = self.pools.get(HOST)
+        return self.pool.peek(key, tokens) is not None or (host is not None and host.peek(key, tokens) is not None)
+
+    def _hold_while_loading(
+        self, request_id: str, hashes: Sequence[BlockHash], token_ids: Sequence[int], num_blocks: int
+    ) -> None:
+        """Hold the request's first ``num_blocks`` blocks (all in memory: the load starts after them) until its
+        admission, so that its load is not undone by their eviction before its turn. Its device blocks are held
+        only while the prefixes so held stay within ``LOAD_HOLD_SHARE`` of the device, leaving room for what runs
+        (and the scheduler lets them go when the request it serves next finds no room: release_held_while_loading)."""
+        bs = self.block_size
+        refs: list[tuple[TierId, KVBlock]] = []
+        for i in range(num_blocks):
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            block = self.pool.peek(hashes[i], tokens)
+            tier = DEVICE
+            if block is None:
+                block, tier = self.pools[HOST].peek(hashes[i], tokens), HOST
+            if block is None:
+                break
+            refs.append((tier, block))
+        others = sum(
+            1 for rid, held in self._held_while_loading.items() if rid != request_id for t, _ in held if t == DEVICE
+        )
+        if others + sum(1 for t, _ in refs if t == DEVICE) > int(self.pool.num_blocks * LOAD_HOLD_SHARE):
+            refs = [(t, b) for t, b in refs if t == HOST]
+        for tier, block in refs:
+            self.pools[tier].touch([block])
+        self._release_held_while_loading(request_id)
+        self._held_while_loading[request_id] = refs
+
+    def _release_held_while_loading(self, request_id: str) -> None:
+        for tier, block in reversed(self._held_while_loading.pop(request_id, [])):
+            self.pools[tier].free([block])
+
+    def release_held_while_loading(self, request_ids: Sequence[str]) -> bool:
+        """Let the prefixes held for these waiting requests' loads go (they stay cached, and may be read again if
+        evicted before the requests' turns): the request served before them needs the room. Returns whether any
+        were held."""
+        released = False
+        for request_id in request_ids:
+            released |= bool(self._held_while_loading.get(request_id))
+            self._release_held_while_loading(request_id)
+        return released
 
     def _start_read(
         self,
@@ -776,6 +842,7 @@ class KVCacheManager:
                 break
             if request_id in self._prefetched.values():
                 self._drop_prefetched(request_id)
+                self._release_held_while_loading(request_id)
                 self._lookups.pop(request_id, None)  # planned afresh: its blocks are on disk still
                 released = True
         return released

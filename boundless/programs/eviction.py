@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from boundless.kv.eviction import FINISHED, EvictionKey
+from boundless.kv.eviction import FINISHED, ChangeFeeds, EvictionKey
 from boundless.programs.policy import SchedulingPolicy
 from boundless.programs.process_table import ProcessTable, ProgramRecord
 
@@ -71,7 +71,7 @@ class PolicyRanking:
         self.priority_of = priority_of
         self.clock = clock
         table.track_changes = True
-        self._feeds: list[set[str]] = []
+        self._feeds = ChangeFeeds()
 
     @classmethod
     def of_policy(cls, policy: SchedulingPolicy, clock: Callable[[], float]) -> PolicyRanking:
@@ -88,16 +88,11 @@ class PolicyRanking:
         return self.clock()
 
     def subscribe(self) -> Callable[[], set[str]]:
-        pending: set[str] = set()
-        self._feeds.append(pending)
+        take = self._feeds.subscribe()
 
-        def take() -> set[str]:
-            changed = self.table.take_changed()
-            if changed:
-                for feed in self._feeds:
-                    feed |= changed
-            out = set(pending)
-            pending.clear()
-            return out
+        def take_changed() -> set[str]:
+            # The table records changes once for all readers: whoever asks first publishes them to every feed.
+            self._feeds.publish(self.table.take_changed())
+            return take()
 
-        return take
+        return take_changed

@@ -262,4 +262,5 @@ def test_a_read_that_hangs_ends_in_a_load_timeout_and_the_request_recomputes(
     assert again.choices[0].text == cold.choices[0].text and cached(again) == 0
     assert other.choices[0].text == cold_other.choices[0].text and cached(other) == 0
     assert metric(text, "boundless_kv_tier_load_timeouts_total", tier="disk") == 1
+    assert metric(text, "boundless_kv_tier_reloaded_blocks_total", tier="disk") == 0  # the series is there
     assert metric(text, "boundless_kv_tier_hit_tokens_total", tier="disk") == 0

@@ -35,7 +35,7 @@ from boundless.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStat
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
 from boundless.kv.disk_moves import TierReport
 from boundless.kv.disk_store import DiskKVStore, StoreLayout
-from boundless.kv.eviction import FINISHED, EvictionKey
+from boundless.kv.eviction import FINISHED, ChangeFeeds, EvictionKey
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.tensors import PagedKVCache
 from boundless.kv.tier_io import TierIO
@@ -91,7 +91,7 @@ class ShufflingRanking:
         self.rng = rng
         self.clock = 0.0
         self.keys: dict[str, tuple[EvictionKey, float]] = {}
-        self._feeds: list[set[str]] = []
+        self._feeds = ChangeFeeds()
 
     def eviction_key(self, program_id: str) -> tuple[EvictionKey, float]:
         held = self.keys.get(program_id)
@@ -105,20 +105,11 @@ class ShufflingRanking:
         return self.clock
 
     def subscribe(self) -> Callable[[], set[str]]:
-        pending: set[str] = set()
-        self._feeds.append(pending)
-
-        def take() -> set[str]:
-            out = set(pending)
-            pending.clear()
-            return out
-
-        return take
+        return self._feeds.subscribe()
 
     def reshuffle(self) -> None:
         self.clock += 1.0
-        for feed in self._feeds:
-            feed.update(self.keys)
+        self._feeds.publish(self.keys)
         self.keys.clear()
 
 

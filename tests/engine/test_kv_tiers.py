@@ -19,7 +19,7 @@ from boundless.engine.scheduler import Scheduler
 from boundless.kv.disk_moves import DiskReadDone, DiskWriteDone, TierReport
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.tensors import PagedKVCache
-from boundless.kv.transfer import DISK
+from boundless.kv.transfer import DISK, HOST
 from boundless.model.loader import LoadedModel
 from boundless.programs.policy import FCFSPolicy
 
@@ -231,3 +231,59 @@ def test_without_waiting_for_host_room_the_stored_blocks_a_call_computes_are_cou
     out = s.schedule()
     assert [c.request_id for c in out.chunks] == ["c"] and out.chunks[0].start_pos == 0  # computes its prefix
     assert s.kv.counters[DISK].recomputed_blocks == {"no_host_room": 9}
+
+
+def _prefix_on_device_rest_on_disk() -> tuple[KVCacheManager, list[int], list[int]]:
+    """A manager (16 device blocks, 20 host: a prefetch share of 10) whose device caches the first 3 blocks of a
+    40-token prompt (an earlier call's) and whose store holds all of them. Returns it, the prompt and the device
+    blocks' ids."""
+    kv = KVCacheManager(16, 4, True, "fp", num_host_blocks=20, disk=True, write_policy="off")
+    prompt = list(range(40))
+    kv.allocate("earlier", prompt[:12], 12)
+    device = [b.block_id for b in kv._tables["earlier"]]
+    kv.free("earlier")
+    kv.finish_disk_writes([DiskWriteDone(written=tuple(kv.block_hashes("written", prompt)))])
+    return kv, prompt, device
+
+
+def _evict_from_memory(kv: KVCacheManager) -> None:
+    """Other work takes every free device block, then every free host block (where the device's went)."""
+    taken = kv.allocate_unowned(kv.pool.num_free)
+    kv.begin_step()  # the step's copies down to host memory are done
+    host = kv.pools[HOST]
+    host.free(host.allocate(host.num_free))
+    kv.free_unowned(taken or [])
+
+
+def test_a_waiting_calls_prefix_in_memory_stays_there_while_its_load_runs() -> None:
+    kv, prompt, device = _prefix_on_device_rest_on_disk()
+    read = kv.plan_disk_read("w", prompt)
+    assert read is not None and len(read.keys) == 6  # blocks 3..8: the first 3 are on the device
+    assert [kv.pool.blocks[b].ref_count for b in device] == [1, 1, 1]  # held for it until its turn
+    _evict_from_memory(kv)
+    kv.finish_disk_reads([DiskReadDone(read.read_id, 6, 0.1)])
+    assert kv.plan_disk_read("w", prompt) is None  # nothing to read again
+    assert kv.find_cached_prefix("w", prompt).num_tokens == 36
+    assert kv.counters[DISK].reloaded_blocks == 0 and kv.counters[DISK].recomputed_blocks == {}
+    assert kv.allocate("w", prompt, 40, kv.find_cached_prefix("w", prompt))
+    kv.free("w")  # admitted and done: the hold went with its admission, so nothing is held now
+    assert kv.pool.num_free == kv.pool.num_blocks
+
+
+def test_a_prefix_that_left_memory_before_its_turn_is_read_again_gap_only_and_counted_apart(monkeypatch) -> None:
+    import boundless.kv.manager as manager
+
+    monkeypatch.setattr(manager, "LOAD_HOLD_SHARE", 0.0)  # no device blocks may be held: the prefix can leave
+    kv, prompt, device = _prefix_on_device_rest_on_disk()
+    read = kv.plan_disk_read("w", prompt)
+    assert read is not None and len(read.keys) == 6
+    assert [kv.pool.blocks[b].ref_count for b in device] == [0, 0, 0]
+    _evict_from_memory(kv)
+    kv.finish_disk_reads([DiskReadDone(read.read_id, 6, 0.1)])
+    again = kv.plan_disk_read("w", prompt)
+    # Only the 3 blocks that left are read again, not the 6 still in host memory for it.
+    assert again is not None and again.keys == tuple(kv.block_hashes("w", prompt)[:3])
+    assert kv.counters[DISK].reloaded_blocks == 3 and kv.counters[DISK].recomputed_blocks == {}
+    kv.finish_disk_reads([DiskReadDone(again.read_id, 3, 0.1)])
+    assert kv.plan_disk_read("w", prompt) is None
+    assert kv.find_cached_prefix("w", prompt).num_tokens == 36  # read, not computed

@@ -134,3 +134,47 @@ def test_the_token_budget_and_sequence_limit_still_bound_the_batch() -> None:
 def test_a_step_quota_is_the_predicted_time_of_a_full_fresh_step() -> None:
     assert step_quota(TRUE, 2048) == pytest.approx(5e-3 + 1e-3 + 2048 * 1e-5 + 2048 * 2049 / 2 * 1e-9)
     assert TRUE.predict([ChunkShape(1000, 1)]) == pytest.approx(6e-3 + 1e-5 + 1e-4 + 1001e-9)
+
+
+# -- wired into the scheduler ------------------------------------------------------------------------------------
+
+
+def test_a_scheduler_with_a_fitted_predictor_bounds_its_prefills_by_attention_time_and_lets_decodes_run() -> None:
+    kv = KVCacheManager(64, 4, True, "fp")
+    s = Scheduler(kv, FCFSPolicy(), lambda: 0.0, max_num_batched_tokens=100, max_num_seqs=8)
+    s.add(Request("decoding", list(range(200, 208)), SamplingParams(max_tokens=8), arrival_time=0.0))
+    s.advance(s.schedule(), service_s=0.01)  # its prompt is done: it decodes from now on
+    s.requests["decoding"].append_output(5)
+    s.add(Request("a", list(range(40)), SamplingParams(max_tokens=1), arrival_time=1.0))
+    s.add(Request("b", list(range(100, 130)), SamplingParams(max_tokens=1), arrival_time=2.0))
+    # 1 s a token (nothing else), a quota of 26 s: a's 40 tokens are cut to the 24 that fit on a block boundary,
+    # b (behind the cut) waits, the decode is not a prefill and runs. Without a predictor the budget takes all.
+    s.prefill_time = (AttentionTimeModel(per_token_s=1.0).predict, 26.0)
+    out = s.schedule()
+    assert {c.request_id: len(c.token_ids) for c in out.chunks} == {"decoding": 1, "a": 24}
+    s.advance(out, service_s=0.01)
+    s.requests["decoding"].append_output(6)
+    out = s.schedule()  # a's rest (16) and then b, cut to what is left of the quota (10 -> 8, aligned)
+    assert {c.request_id: len(c.token_ids) for c in out.chunks} == {"decoding": 1, "a": 16, "b": 8}
+
+
+def test_an_engine_with_attention_batching_fits_its_predictor_from_its_own_steps(tiny_llama) -> None:
+    from boundless.config import EngineConfig, ModelConfig, SchedulerConfig
+    from boundless.engine.core import REFIT_EVERY_STEPS, EngineCore
+
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, prefill_batching="attention"),
+    )
+    core = EngineCore.from_model(tiny_llama, config)
+    assert core.scheduler.prefill_time is None  # the token budget alone, until a fit
+    sizes = (3, 9, 17, 40, 70, 100, 130)  # prompts of different sizes: steps of different shapes
+    while core.scheduler.prefill_time is None and core.counters.steps < 8 * REFIT_EVERY_STEPS:
+        n = sizes[core.counters.steps % len(sizes)]
+        core.add_request(f"r{core.counters.steps}", list(range(5, 5 + n)), SamplingParams(max_tokens=2))
+        while core.has_unfinished():
+            core.step()
+    assert core.scheduler.prefill_time is not None
+    predict, quota = core.scheduler.prefill_time
+    assert quota > 0 and predict([ChunkShape(0, 64)]) == pytest.approx(quota)
+    core.close()

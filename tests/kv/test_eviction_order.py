@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from boundless.kv.block_hash import hash_block
 from boundless.kv.block_pool import BlockPool
-from boundless.kv.eviction import FINISHED, UNNAMED, EvictionKey, LRUOrder, ProgramAwareOrder
+from boundless.kv.eviction import FINISHED, UNNAMED, ChangeFeeds, EvictionKey, LRUOrder, ProgramAwareOrder
 
 
 class StubRanking:
@@ -22,7 +22,7 @@ class StubRanking:
         self.until: dict[str, float] = {}
         self.clock = 0.0
         self.lookups = 0
-        self._feeds: list[set[str]] = []
+        self._feeds = ChangeFeeds()
 
     def eviction_key(self, program_id: str) -> tuple[EvictionKey, float]:
         self.lookups += 1
@@ -35,20 +35,11 @@ class StubRanking:
         return self.clock
 
     def subscribe(self) -> Callable[[], set[str]]:
-        pending: set[str] = set()
-        self._feeds.append(pending)
-
-        def take() -> set[str]:
-            out = set(pending)
-            pending.clear()
-            return out
-
-        return take
+        return self._feeds.subscribe()
 
     def change(self, program: str, key: EvictionKey) -> None:
         self.keys[program] = key
-        for feed in self._feeds:
-            feed.add(program)
+        self._feeds.publish([program])
 
 
 HOT, WARM, COLD = (1.0, 0.0), (1.0, -1.0), (1.0, -2.0)  # served next, later, last
