@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from boundless.cluster.links import Link
 from boundless.config import EngineConfig, ModelConfig
 from boundless.engine.builder import ModelIdentity, size_engine
 from boundless.engine.core import EngineCore
+from boundless.kv.block_hash import BlockHash
 from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS
 from boundless.model.arch import ModelArch
 from boundless.model.gguf import model_arch_from_gguf, read_gguf_header
@@ -30,6 +32,7 @@ from boundless.programs.policy import SchedulingPolicy
 from boundless.sim.cost import HOST_COPY_BYTES_PER_S, StepCost
 from boundless.sim.executor import CostModelExecutor, DiskCost, SimulatedDisk
 from boundless.sim.links import LinkSpec
+from boundless.sim.remote import SimulatedRemoteIO
 
 # Without a hardware profile: this machine's measured host copies, a local NVMe disk (sim/cost.py).
 HOST_COPY = LinkSpec(HOST_COPY_BYTES_PER_S)
@@ -73,26 +76,36 @@ def simulated_engine(
     host_copy: LinkSpec = HOST_COPY,
     disk_cost: DiskCost = DEFAULT_DISK_COST,
     storage_link: Link | None = None,
+    store: OrderedDict[BlockHash, None] | None = None,
+    remote: Callable[[int], SimulatedRemoteIO] | None = None,
+    kv_bytes_per_token: int | None = None,
 ) -> EngineCore:
     """An engine instance sized by :func:`size_engine` from ``config``, whose steps take ``cost``'s time, its
     copies between memory tiers cross ``host_copy`` and its disk store costs ``disk_cost`` (its reads crossing
-    ``storage_link`` when given: a link the instances of a node share)."""
+    ``storage_link`` when given: a link the instances of a node share). ``store``: the names the disk store
+    holds, shared with other instances (the real store is one directory); ``remote(bytes_per_block)``: its
+    end of the KV fabric to other instances (prefill/decode roles). ``kv_bytes_per_token``: what the copies,
+    reads and streams move per token when it is not ``model``'s (a profile's model: the GPU's, not the one
+    whose tokenizer and block bookkeeping the engine uses)."""
     layout = size_engine(config, model.arch, model.dtype)
+    block_bytes = kv_bytes_per_token * layout.block_size if kv_bytes_per_token else layout.bytes_per_block
     disk = None
     if layout.disk_bytes:
         disk = SimulatedDisk(
             layout.disk_bytes // layout.bytes_per_block,
-            layout.bytes_per_block,
+            block_bytes,
             disk_cost,
             DEFAULT_WRITE_QUEUE_BLOCKS,
             storage_link,
+            store,
         )
     executor = CostModelExecutor(
         cost,
-        layout.bytes_per_block,
+        block_bytes,
         host_copy.bytes_per_s,
         clock=clock,
         disk=disk,
         host_copy_latency_s=host_copy.latency_s,
+        remote=remote(block_bytes) if remote is not None else None,
     )
     return EngineCore(config, layout, model.identity, model.tokenizer, executor, clock, policy)

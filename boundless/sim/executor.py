@@ -20,6 +20,7 @@ from boundless.kv.disk_moves import (
     DiskWriteDone,
     TierReport,
 )
+from boundless.kv.remote_moves import RemoteReport
 from boundless.sim.cost import (
     DISK_LATENCY_S,
     DISK_READ_BYTES_PER_S,
@@ -27,6 +28,7 @@ from boundless.sim.cost import (
     HOST_COPY_BYTES_PER_S,
     StepCost,
 )
+from boundless.sim.remote import SimulatedRemoteIO
 
 # Where placeholder tokens start: above the low ids where tokenizers keep their special tokens.
 PLACEHOLDER_TOKEN = 100
@@ -48,7 +50,8 @@ class SimulatedDisk:
 
     With ``read_link`` (a :class:`~boundless.cluster.links.Link` that several instances' disks share: a node's
     storage NIC), reads cross that link in arrival order with every other reader's, at the link's rate, instead
-    of this disk's own read bandwidth; the latency is still paid per read."""
+    of this disk's own read bandwidth; the latency is still paid per read. With ``store``, the names are that
+    shared dict's: what one instance writes, another finds."""
 
     def __init__(
         self,
@@ -57,13 +60,15 @@ class SimulatedDisk:
         cost: DiskCost,
         write_queue_blocks: int,
         read_link: Link | None = None,
+        store: OrderedDict[BlockHash, None] | None = None,
     ) -> None:
         self.capacity_blocks = capacity_blocks
         self.bytes_per_block = bytes_per_block
         self.cost = cost
         self.write_queue_blocks = write_queue_blocks
         self.read_link = read_link
-        self.keys: OrderedDict[BlockHash, None] = OrderedDict()
+        # The names stored; ``store`` when given (one store that several instances read and write by name).
+        self.keys: OrderedDict[BlockHash, None] = store if store is not None else OrderedDict()
         self.stats = DiskIOStats()
         self._loader_free_at = 0.0
         self._writer_free_at = 0.0
@@ -159,6 +164,7 @@ class CostModelExecutor:
         clock: Callable[[], float] | None = None,
         disk: SimulatedDisk | None = None,
         host_copy_latency_s: float = 0.0,
+        remote: SimulatedRemoteIO | None = None,
     ) -> None:
         self.cost = cost
         self.bytes_per_block = bytes_per_block
@@ -167,6 +173,7 @@ class CostModelExecutor:
         self.token_id = token_id
         self.clock = clock
         self.disk = disk
+        self.remote = remote  # KV streams to and from other instances (prefill/decode roles)
         self._elapsed = 0.0  # the time, when no clock is given: the steps' seconds summed
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -176,7 +183,10 @@ class CostModelExecutor:
         seconds = self.cost.step_time(sched) if sched.chunks else 0.0
         if copied:  # the copies go before the forward pass, as the model executor applies them
             seconds += self.host_copy_latency_s + copied / self.host_copy_bytes_per_s
-        report = TierReport()
+        if self.remote is not None:  # streams start whatever else happens: their peers wait for them
+            self.remote.start(sched.remote_recvs, sched.remote_sends, now, now + seconds)
+        elif sched.remote_recvs or sched.remote_sends:
+            raise RuntimeError("a step moves KV to or from another instance, but this executor has no fabric")
         if self.disk is not None:
             for write in sched.disk_writes:
                 self.disk.write(write, now)
@@ -184,12 +194,17 @@ class CostModelExecutor:
                 self.disk.age(age)
             for read in sched.disk_reads:
                 self.disk.read(read, now)
-            next_read = self.disk.next_read_done()
-            if not sched.chunks and next_read is not None:
-                seconds = max(seconds, next_read - now)  # nothing else to do: wait for the disk
-            report = self.disk.report(now + seconds)
+        if not sched.chunks:  # nothing to compute: wait for the disk's next read, else the next stream's end
+            waits = [self.disk.next_read_done()] if self.disk is not None else []
+            if self.remote is not None and sched.num_remote_in_flight and not any(w is not None for w in waits):
+                waits.append(self.remote.next_done())  # None: a stream not sent yet; the simulator parks it
+            known = [w for w in waits if w is not None]
+            if known:
+                seconds = max(seconds, min(known) - now)
+        report = self.disk.report(now + seconds) if self.disk is not None else TierReport()
+        remote_report = self.remote.report(now + seconds) if self.remote is not None else RemoteReport()
         self._elapsed += seconds
-        return StepResult(sampled, seconds, report)
+        return StepResult(sampled, seconds, report, remote_report)
 
     def close(self) -> None:
         """Nothing runs in the background in virtual time."""

@@ -13,79 +13,62 @@ import time
 
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
-from boundless.bench.workloads import WORKLOADS, WorkloadShape, make_programs
+from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, agent_sessions, make_programs
+from boundless.cluster.pd_dispatcher import PDDispatcher
 from boundless.config import CacheConfig, ClusterConfig, ModelConfig, add_flags, engine_config_from_flags
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
+from boundless.sim.plot import plot_sweep
 from boundless.sim.profiles import load_profile, profile_names
 from boundless.sim.progress import VirtualTimeBar
-from boundless.sim.simulator import Simulator
+from boundless.sim.simulator import SimResult, Simulator
 
 
 def run(args: argparse.Namespace) -> dict:
     base = engine_config_from_flags(args)
     model = SimulatedModel.read(base.model)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    shape = WorkloadShape(scale=args.scale, tool_wait_s=args.tool_wait)
+    shape = WorkloadShape(
+        scale=args.scale,
+        call_scale=args.call_scale,
+        tool_wait_s=args.tool_wait,
+        max_calls=args.max_calls,
+        max_len=args.max_len,
+    )
     profile = load_profile(args.profile) if args.profile else None
     cost = None if profile else CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
-    cluster = cluster_config_from_flags(args)
+    clusters = cluster_configs_from_flags(args)
     rows: list[dict] = []
     walls: list[float] = []  # apart from the rows, which are a function of the flags alone
     for rate in [float(r) for r in args.rates.split(",")]:
-        programs = make_programs(args.workload, args.num_programs, rate, args.bench_seed, shape)
-        for policy in policies:
-            config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
-            sim = Simulator(
-                config,
-                model,
-                cost,
-                instances=cluster.instances,
-                cluster=cluster,
-                profile=profile,
-                instances_per_node=args.instances_per_node,
-            )
-            bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, f"{policy} @ {rate}/s", args.progress)
-            start = time.perf_counter()
-            results = sim.run(programs, bar)
-            wall_s = time.perf_counter() - start
-            bar.close()
-            walls.append(wall_s)
-            lat = [r.latency_s for r in results]
-            rows.append(
-                {
-                    "rate": rate,
-                    "policy": policy,
-                    "avg_latency_s": statistics.fmean(lat),
-                    "p95_latency_s": percentile(lat, 0.95),
-                    "p99_latency_s": percentile(lat, 0.99),
-                    "avg_latency_per_token_s": statistics.fmean(r.latency_s / max(1, r.output_tokens) for r in results),
-                    "preemptions": sum(i.core.stats().num_preemptions for i in sim.instances.values()),
-                    "calls_per_instance": calls_per_instance(sim),
-                    "simulated_s": sim.clock.now,
-                    "steps": sim.num_steps,
-                    "failed_calls": sum(r.failed_calls for r in results),
-                }
-            )
-    table = []
-    for row in rows:
-        ref = next((r for r in rows if r["rate"] == row["rate"] and r["policy"] == "fcfs"), None)
-        table.append(
-            [
-                row["rate"],
-                row["policy"],
-                f"{row['avg_latency_s']:.1f}",
-                f"{row['p95_latency_s']:.1f}",
-                f"{row['p99_latency_s']:.1f}",
-                f"{row['avg_latency_per_token_s'] * 1000:.0f}",
-                row["preemptions"],
-                f"{ref['avg_latency_s'] / row['avg_latency_s']:.2f}x" if ref else "-",
-            ]
-        )
-    print_table(["rate/s", "policy", "avg s", "p95 s", "p99 s", "ms/token", "preemptions", "avg vs fcfs"], table)
+        for cluster in clusters:
+            # With several cluster sizes the load grows with the cluster: --num-programs per prefill engine.
+            count = args.num_programs * (cluster.roles[0] if args.roles else 1)
+            programs = workload_programs(args.workload, count, rate, args.bench_seed, shape)
+            for policy in policies:
+                config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
+                sim = Simulator(
+                    config,
+                    model,
+                    cost,
+                    instances=cluster.instances,
+                    cluster=cluster,
+                    profile=profile,
+                    instances_per_node=args.instances_per_node,
+                )
+                label = f"{policy}{'/' + cluster.kv_path if cluster.disaggregated else ''} @ {rate}/s"
+                bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, label, args.progress)
+                start = time.perf_counter()
+                results = sim.run(programs, bar)
+                wall_s = time.perf_counter() - start
+                bar.close()
+                walls.append(wall_s)
+                rows.append(result_row(sim, results, rate, policy, cluster))
+    print_rows(rows)
     simulated, wall, steps = sum(r["simulated_s"] for r in rows), sum(walls), sum(r["steps"] for r in rows)
+    gpus = ", ".join(dict.fromkeys(str(r["gpus"]) for r in rows))
     print(
-        f"simulated {simulated:.0f} s of {cluster.instances} instance(s) in {wall:.1f} s wall:"
+        f"simulated {simulated:.0f} s of {gpus} instance(s) in {wall:.1f} s wall:"
         f" {simulated / max(wall, 1e-9):.1f} simulated s per wall s,"
         f" {steps / max(wall, 1e-9):.0f} engine steps per wall s"
     )
@@ -95,7 +78,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "workload": args.workload,
         "num_programs": args.num_programs,
-        "instances": cluster.instances,
+        "instances": clusters[0].instances,
         "profile": profile.name if profile else None,
         "rows": rows,
         "virtual_time": True,
@@ -109,7 +92,100 @@ def run(args: argparse.Namespace) -> dict:
     }
     if args.json:
         write_json(args.json, result)
+    if args.plot:
+        write_plot(args.plot, rows, args, profile.name if profile else "linear model")
     return result
+
+
+def workload_programs(workload: str, count: int, rate: float, seed: int, shape: WorkloadShape) -> list[ProgramSpec]:
+    """The programs of a run: the benchmark's workloads, or DualPath's agent sessions (``agent``)."""
+    if workload == "agent":
+        return agent_sessions(count, rate, seed, shape)
+    return make_programs(workload, count, rate, seed, shape)
+
+
+def result_row(sim: Simulator, results: list[SimResult], rate: float, policy: str, cluster: ClusterConfig) -> dict:
+    """One run's figures: program latencies, the job's completion time (first arrival to last finish) and the
+    engines' counters; with roles, the calls placed per read path."""
+    lat = [r.latency_s for r in results]
+    jct = max(r.finish_s for r in results) - min(r.arrival_s for r in results)
+    tokens = sum(r.output_tokens for r in results)
+    row = {
+        "rate": rate,
+        "policy": policy,
+        "roles": f"{cluster.roles[0]}P{cluster.roles[1]}D" if cluster.disaggregated else "",
+        "kv_path": cluster.kv_path if cluster.disaggregated else "",
+        "gpus": len(sim.instances),
+        "avg_latency_s": statistics.fmean(lat),
+        "p95_latency_s": percentile(lat, 0.95),
+        "p99_latency_s": percentile(lat, 0.99),
+        "avg_latency_per_token_s": statistics.fmean(r.latency_s / max(1, r.output_tokens) for r in results),
+        "jct_s": jct,
+        "output_tokens_per_s": tokens / max(jct, 1e-9),
+        "preemptions": sum(i.core.stats().num_preemptions for i in sim.instances.values()),
+        "calls_per_instance": calls_per_instance(sim),
+        "simulated_s": sim.clock.now,
+        "steps": sim.num_steps,
+        "failed_calls": sum(r.failed_calls for r in results),
+    }
+    if isinstance(sim.dispatcher, PDDispatcher):
+        row["read_paths"] = dict(sorted(sim.dispatcher.placements.items()))
+        row["storage_bytes_read"] = {link.name: link.stats().bytes_carried["kv"] for link in sim.storage_links}
+    return row
+
+
+def print_rows(rows: list[dict]) -> None:
+    pd = any(r["roles"] for r in rows)
+    table = []
+    for row in rows:
+        ref = next(
+            (
+                r
+                for r in rows
+                if r["rate"] == row["rate"]
+                and r["roles"] == row["roles"]
+                and (r["kv_path"] == "basic" if pd else r["policy"] == "fcfs")
+                and (r["policy"] == row["policy"] if pd else r["kv_path"] == row["kv_path"])
+            ),
+            None,
+        )
+        key = "jct_s" if pd else "avg_latency_s"
+        table.append(
+            [
+                row["rate"],
+                *([row["roles"], row["kv_path"]] if pd else []),
+                row["policy"],
+                f"{row['avg_latency_s']:.1f}",
+                f"{row['p95_latency_s']:.1f}",
+                f"{row['jct_s']:.1f}",
+                f"{row['output_tokens_per_s']:.0f}",
+                f"{row['avg_latency_per_token_s'] * 1000:.0f}",
+                row["preemptions"],
+                f"{ref[key] / row[key]:.2f}x" if ref else "-",
+            ]
+        )
+    header = ["rate/s", *(["roles", "kv path"] if pd else []), "policy", "avg s", "p95 s", "JCT s", "tokens/s"]
+    header += ["ms/token", "preemptions", "JCT vs basic" if pd else "avg vs fcfs"]
+    print_table(header, table)
+
+
+def write_plot(path: str, rows: list[dict], args: argparse.Namespace, hardware: str) -> None:
+    """Latency against arrival rate, a line per policy (and read path); with several cluster sizes, the job's
+    completion time and throughput against the number of GPUs, a line per read path."""
+    for row in rows:
+        row["label"] = row["policy"] + (f"/{row['kv_path']}" if row["kv_path"] else "")
+    sizes = len({r["roles"] for r in rows})
+    if sizes > 1:
+        title = f"{args.workload}: {args.num_programs} programs per prefill engine on {hardware}"
+        metrics = (("jct_s", "job completion time (s)"), ("output_tokens_per_s", "output tokens per second"))
+        done = plot_sweep(path, rows, title, metrics, x=("gpus", "GPUs (prefill + decode)"), series="label")
+    else:
+        title = f"{args.workload}: {rows[0]['roles'] or rows[0]['gpus']} x {hardware}, {args.num_programs} programs"
+        metrics = (("avg_latency_s", "average program latency (s)"), ("p95_latency_s", "p95 program latency (s)"))
+        done = plot_sweep(path, rows, title, metrics, series="label")
+    for row in rows:
+        del row["label"]
+    print(f"wrote {path}" if done else "matplotlib is not installed; no plot")
 
 
 def calls_per_instance(sim: Simulator) -> dict[str, int]:
@@ -120,7 +196,22 @@ def calls_per_instance(sim: Simulator) -> dict[str, int]:
 
 
 # The cluster's flags the simulator uses: the same names and defaults as ``boundless serve``'s.
-CLUSTER_FLAGS = ("instances", "routing", "locality_threshold", "locality_max_imbalance", "heartbeat_interval_s")
+CLUSTER_FLAGS = (
+    "instances",
+    "routing",
+    "locality_threshold",
+    "locality_max_imbalance",
+    "heartbeat_interval_s",
+    "prefill_instances",
+    "decode_instances",
+    "kv_path",
+    "kv_handoff_timeout_s",
+    "pd_alpha",
+    "pd_beta",
+    "pd_z",
+    "storage_gbps",
+    "net_gbps",
+)
 
 
 def cluster_config_from_flags(args: argparse.Namespace) -> ClusterConfig:
@@ -130,13 +221,37 @@ def cluster_config_from_flags(args: argparse.Namespace) -> ClusterConfig:
     return config
 
 
+def cluster_configs_from_flags(args: argparse.Namespace) -> list[ClusterConfig]:
+    """The clusters to run: the flags' one, or one per ``--roles`` size (``P:D``) and per ``--kv-paths`` path."""
+    config = cluster_config_from_flags(args)
+    sizes = [tuple(int(n) for n in size.split(":")) for size in args.roles.split(",")] if args.roles else [None]
+    configs = []
+    for size in sizes:
+        sized = (
+            config if size is None else dataclasses.replace(config, prefill_instances=size[0], decode_instances=size[1])
+        )
+        paths = args.kv_paths.split(",") if args.kv_paths and sized.disaggregated else [sized.kv_path]
+        configs += [dataclasses.replace(sized, kv_path=path.strip()) for path in paths]
+    return configs
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"], default="chat")
+    parser.add_argument(
+        "--workload",
+        choices=[w for w in WORKLOADS if w != "trace"] + ["agent"],
+        default="chat",
+        help="a benchmark workload, or agent: DualPath-like agent sessions (long contexts, short appends)",
+    )
     parser.add_argument("--policies", default="fcfs,mlfq,plas,atlas")
     parser.add_argument("--rates", default="0.1,0.2,0.3,0.4")
     parser.add_argument("--num-programs", type=int, default=150)
     parser.add_argument("--scale", type=float, default=0.1)
-    parser.add_argument("--tool-wait", type=float, default=0.2)
+    parser.add_argument("--tool-wait", type=float, default=0.2, help="mean seconds of tool/user time between calls")
+    parser.add_argument("--call-scale", type=float, default=1.0, help="multiply the calls per program")
+    parser.add_argument("--max-calls", type=int, default=WorkloadShape.max_calls, help="cap on a program's calls")
+    parser.add_argument(
+        "--max-len", type=int, default=WorkloadShape.max_len, help="cap on one call's new input and output tokens"
+    )
     parser.add_argument(
         "--profile",
         help=f"hardware profile: {', '.join(profile_names())} or a profile file (boundless simulate calibrate writes "
@@ -155,14 +270,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the rows (with the run's speed) to this file")
     parser.add_argument(
+        "--roles",
+        help="prefill/decode cluster sizes to run, P:D comma-separated (e.g. 1:1,2:4,48:96); --num-programs is then "
+        "per prefill engine",
+    )
+    parser.add_argument("--kv-paths", help="with prefill/decode roles: read paths to compare (basic,dualpath,oracle)")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of latency against rate, a line per policy")
+    parser.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=True, help="a progress bar on stderr"
     )
     fields = {f.name: f for f in dataclasses.fields(ClusterConfig)}
     for name in CLUSTER_FLAGS:
         f = fields[name]
-        parser.add_argument(
-            "--" + name.replace("_", "-"), type=type(f.default), default=f.default, help=f.metadata["help"]
-        )
+        kind = type(f.default) if f.default is not None else (int if "int" in str(f.type) else float)
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
     # The engine's own flags (the scheduler's are added with them by the command line).
     add_flags(parser, ModelConfig)
     add_flags(parser, CacheConfig)

@@ -16,15 +16,20 @@ its inputs and seed alone.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import heapq
 import itertools
 import random
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from boundless.bench.workloads import CallSpec, ProgramSpec, PromptTokens, call_prompt
-from boundless.cluster.dispatcher import AddResult, Decision, Dispatcher, Fail, Send
-from boundless.cluster.links import Link
+from boundless.cluster.dispatcher import AbortOn, AddResult, Dispatcher, Fail, Send
+from boundless.cluster.links import Link, gbps_to_bytes_per_s
+from boundless.cluster.pd_dispatcher import Continue, PDDecision, PDDispatcher, PDInstance, Prepare, PrepareResult
+from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
 from boundless.cluster.routing import Router
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.core import EngineCore, RequestDelta
@@ -33,11 +38,15 @@ from boundless.engine.executor import StepResult
 from boundless.engine.request import Request
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
+from boundless.kv.block_hash import BlockHash
 from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
 from boundless.sim.cost import CostModel, StepCost
 from boundless.sim.engine import DEFAULT_DISK_COST, HOST_COPY, SimulatedModel, simulated_engine
+from boundless.sim.executor import DiskCost
+from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import HardwareProfile
+from boundless.sim.remote import KVFabric
 
 
 class VirtualClock:
@@ -108,7 +117,10 @@ class SimInstance:
 
 
 # Event kinds, in the heap as (time, sequence, kind, payload).
-_STAGE, _CALL, _STEP_END = 0, 1, 2
+_STAGE, _CALL, _STEP_END, _WAKE = 0, 1, 2, 3
+
+# Without a profile, the compute network prefill/decode handoffs cross: 400 Gbit/s per GPU (a DGX H100's CNIC).
+DEFAULT_NETWORK = LinkSpec(50e9, 5e-6)
 
 Progress = Callable[[float], None]  # told the virtual time as the run goes
 
@@ -134,30 +146,48 @@ class Simulator:
         instances_per_node: int = 0,
     ) -> None:
         self.clock = VirtualClock()
-        host_copy, disk_cost = HOST_COPY, DEFAULT_DISK_COST
+        host_copy, disk_cost, network = HOST_COPY, DEFAULT_DISK_COST, DEFAULT_NETWORK
         if profile is not None:  # its step model unless ``cost`` is given, and its links
             cost = cost or profile.step
-            host_copy, disk_cost = profile.host_copy, profile.disk_cost
+            host_copy, disk_cost, network = profile.host_copy, profile.disk_cost, profile.network
         cost = cost or CostModel()
-        # Instances of a node read the disk store over one storage link, the sum of their shares (DGX: 2 NICs for 8).
-        self.storage_links: list[Link] = []
-        if instances_per_node > 0:
-            rate = disk_cost.read_bytes_per_s * instances_per_node
-            nodes = -(-instances // instances_per_node)
-            self.storage_links = [Link(f"storage-node{k}", rate) for k in range(nodes)]
-        self.instances = {}
-        for i in range(instances):
-            link = self.storage_links[i // instances_per_node] if self.storage_links else None
-            core = simulated_engine(config, model, cost, self.clock, None, host_copy, disk_cost, link)
-            self.instances[str(i)] = SimInstance(str(i), core)
-        self.core = self.instances["0"].core  # the engine, for one instance
-        self.max_model_len = min(i.core.max_model_len for i in self.instances.values())
-        self.dispatcher: Dispatcher | None = None
         self.cluster = cluster or ClusterConfig(instances=instances)
-        if instances > 1:  # as ClusterClient builds it
-            table = ProcessTable(ttl_s=config.scheduler.program_ttl_s, critical_path=config.scheduler.policy == "atlas")
-            router = Router(self.cluster.routing, self.cluster.locality_threshold, self.cluster.locality_max_imbalance)
-            self.dispatcher = Dispatcher(self.instances, router, table, self.clock)
+        self.dispatcher: Dispatcher | None = None
+        self.instances = {}
+        self.storage_links: list[Link] = []
+        self.fabric: KVFabric | None = None
+        if self.cluster.disaggregated:
+            # The cluster's emulated NICs, when given, in place of the profile's figures (as the real links).
+            if self.cluster.storage_gbps is not None:
+                disk_cost = dataclasses.replace(
+                    disk_cost, read_bytes_per_s=gbps_to_bytes_per_s(self.cluster.storage_gbps)
+                )
+            if self.cluster.net_gbps is not None:
+                network = dataclasses.replace(network, bytes_per_s=gbps_to_bytes_per_s(self.cluster.net_gbps))
+            shape = getattr(profile.step, "shape", None) if profile is not None else None
+            kv_bytes = shape.kv_bytes_per_token if shape is not None else None
+            self._build_roles(config, model, cost, host_copy, disk_cost, network, instances_per_node, kv_bytes)
+        else:
+            # Instances of a node read the disk store over one storage link, the sum of their shares (DGX: 2 NICs
+            # for 8).
+            if instances_per_node > 0:
+                rate = disk_cost.read_bytes_per_s * instances_per_node
+                nodes = -(-instances // instances_per_node)
+                self.storage_links = [Link(f"storage-node{k}", rate) for k in range(nodes)]
+            for i in range(instances):
+                link = self.storage_links[i // instances_per_node] if self.storage_links else None
+                core = simulated_engine(config, model, cost, self.clock, None, host_copy, disk_cost, link)
+                self.instances[str(i)] = SimInstance(str(i), core)
+            if instances > 1:  # as ClusterClient builds it
+                table = ProcessTable(
+                    ttl_s=config.scheduler.program_ttl_s, critical_path=config.scheduler.policy == "atlas"
+                )
+                router = Router(
+                    self.cluster.routing, self.cluster.locality_threshold, self.cluster.locality_max_imbalance
+                )
+                self.dispatcher = Dispatcher(self.instances, router, table, self.clock)
+        self.core = next(iter(self.instances.values())).core  # the engine, for one instance
+        self.max_model_len = min(i.core.max_model_len for i in self.instances.values())
         self.tokens = PromptTokens(model.identity.vocab_size, seed)
         self.placements: list[Placement] = []
         self.num_steps = 0
@@ -167,6 +197,60 @@ class Simulator:
         self._ids = itertools.count()
         self._ready: set[str] = set()  # idle instances that may have work to start
         self._next_expiry = 0.0
+
+    def _build_roles(
+        self,
+        config: EngineConfig,
+        model: SimulatedModel,
+        cost: StepCost,
+        host_copy: LinkSpec,
+        disk_cost: DiskCost,
+        network: LinkSpec,
+        instances_per_node: int,
+        kv_bytes_per_token: int | None,
+    ) -> None:
+        """Prefill and decode engines behind the real :class:`PDDispatcher`, as ``make_pd_dispatcher`` builds it
+        for a Ray or local cluster: ``p0``.. and ``d0``.. (in that order), one disk store shared by name, a
+        storage link per node (``instances_per_node`` engines, or each its own) and a network link per engine,
+        over which the KV handoffs and DE-read pushes cross (``sim/remote.py``). Under ``oracle`` reads cost
+        nothing and cross no link, as the real cluster gives its engines no storage link then. Bytes moved are
+        the profile's model's (``kv_bytes_per_token``) when it has one."""
+        prefill, decode = self.cluster.roles
+        roles = {f"p{i}": "prefill" for i in range(prefill)} | {f"d{i}": "decode" for i in range(decode)}
+        per_node = instances_per_node if instances_per_node > 0 else 1
+        oracle = self.cluster.kv_path == "oracle"
+        if oracle:
+            disk_cost = DiskCost(float("inf"), disk_cost.write_bytes_per_s, 0.0)
+        self.fabric = KVFabric(lambda iid, t: self._at(t, _WAKE, iid))
+        store: OrderedDict[BlockHash, None] = OrderedDict()
+        nodes: dict[str, str] = {}
+        self._storage_of: dict[str, Link | None] = {}  # each engine's node storage link (None under oracle)
+        for rank, iid in enumerate(roles):
+            nodes[iid] = f"node{rank // per_node}"
+            if not oracle and rank % per_node == 0:
+                self.storage_links.append(Link(f"storage-{nodes[iid]}", disk_cost.read_bytes_per_s * per_node))
+            link = self._storage_of[iid] = self.storage_links[-1] if not oracle else None
+            net = Link(f"net-{iid}", network.bytes_per_s)
+            remote = functools.partial(self.fabric.attach, iid, iid, net, network.latency_s)
+            core = simulated_engine(
+                config, model, cost, self.clock, None, host_copy, disk_cost, link, store, remote, kv_bytes_per_token
+            )
+            core.handoff_timeout_s = self.cluster.kv_handoff_timeout_s
+            self.instances[iid] = SimInstance(iid, core)
+        members = {
+            iid: PDInstance(
+                role,  # type: ignore[arg-type]
+                nodes[iid],
+                iid,  # its fabric address
+                self.instances[iid].core.layout.num_blocks * config.cache.block_size if role == "decode" else None,
+            )
+            for iid, role in roles.items()
+        }
+        table = ProcessTable(ttl_s=config.scheduler.program_ttl_s, critical_path=config.scheduler.policy == "atlas")
+        pd_config = PDSchedulerConfig.from_configs(self.cluster, config.scheduler)
+        self.dispatcher = PDDispatcher(members, table, self.clock, pd_config, config.cache.block_size)
+        layout = next(iter(self.instances.values())).core.layout
+        self._kv_bytes_per_token = kv_bytes_per_token or max(1, layout.bytes_per_block // layout.block_size)
 
     def _at(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
@@ -178,23 +262,28 @@ class Simulator:
             sims.append(SimProgram(spec, rng, system))
             self._at(spec.arrival_s, _STAGE, sims[-1])
         events, clock = self._events, self.clock
-        while events:
-            # Deliver every event due now (those it makes for now too), then start the idle instances' steps.
-            clock.now = now = events[0][0]
+        while events or self._ready:
+            # Deliver every event due now (those it makes for now too), then start the idle instances' steps;
+            # instances made ready while steps start (an idle step that applied ended streams) go round again.
+            if not self._ready:
+                clock.now = events[0][0]
+            now = clock.now
             while events and events[0][0] <= now:
                 _, _, kind, payload = heapq.heappop(events)
                 if kind == _STEP_END:
                     self._step_end(payload)  # type: ignore[arg-type]
                 elif kind == _STAGE:
                     self._start_stage(payload)  # type: ignore[arg-type]
-                else:
+                elif kind == _CALL:
                     self._submit(*payload)  # type: ignore[misc]
+                elif self.instances[payload].step is None:  # type: ignore[index]
+                    self._ready.add(payload)  # type: ignore[arg-type]  # a stream of this idle instance ended
             if self.dispatcher is not None and now >= self._next_expiry:
-                self.dispatcher.expire()  # as the transport's heartbeat loop does
+                self._heartbeat(now)
                 self._next_expiry = now + self.cluster.heartbeat_interval_s
-            for iid in sorted(self._ready):
+            ready, self._ready = self._ready, set()
+            for iid in sorted(ready):
                 self._start_step(self.instances[iid])
-            self._ready.clear()
             if progress is not None:
                 progress(now)
         return [
@@ -208,6 +297,19 @@ class Simulator:
             for sp in sims
         ]
 
+    def _heartbeat(self, now: float) -> None:
+        """As the transport's heartbeat loop: with roles, each engine's node storage read queue to the
+        dispatcher; then programs idle past their TTL expire."""
+        assert self.dispatcher is not None
+        if isinstance(self.dispatcher, PDDispatcher):
+            for iid, link in self._storage_of.items():
+                queued = 0
+                if link is not None:
+                    link.advance(now)
+                    queued = link.stats().queued_bytes
+                self.dispatcher.report(iid, read_queue_tokens(queued, self._kv_bytes_per_token))
+        self.dispatcher.expire()
+
     # -- instances ---------------------------------------------------------------------------
 
     def _start_step(self, inst: SimInstance) -> None:
@@ -217,6 +319,15 @@ class Simulator:
         if sched.is_empty:  # nothing it can run until a call arrives or ends
             return
         result = inst.core.execute(sched)
+        if not sched.chunks and result.elapsed_s == 0 and sched.num_remote_in_flight:
+            # Nothing to compute, and its streams end at a time not known yet (a peer has not sent): the step
+            # is applied now and the instance sleeps until the fabric wakes it (or a call comes).
+            reported = result.remote_report.recvs or result.remote_report.sends or result.tier_report.reads
+            for delta in inst.core.finish_step(sched, result):
+                self._on_delta(inst.instance_id, delta)
+            if reported:
+                self._ready.add(inst.instance_id)
+            return
         inst.step = (sched, result)
         self.num_steps += 1
         self._at(self.clock.now + result.elapsed_s, _STEP_END, inst)
@@ -229,15 +340,19 @@ class Simulator:
             self._on_delta(inst.instance_id, delta)
 
     def _on_delta(self, instance_id: str, delta: RequestDelta) -> None:
-        if self.dispatcher is not None and not self.dispatcher.on_delta(instance_id, delta):
-            return  # a call nobody waits for
+        decisions: list[PDDecision] = []
+        if self.dispatcher is not None:
+            shown, decisions = self.dispatcher.receive(instance_id, delta)
+            if shown is None:
+                return  # a call nobody waits for
+            delta = shown  # with roles, the prefill engine's handoff shows as an unfinished delta
         call = self._calls.get(delta.request_id)
-        if call is None:
-            return
-        call.output_token_ids.extend(delta.new_token_ids)
-        if delta.finished:
-            del self._calls[delta.request_id]
-            self._call_done(call)
+        if call is not None:
+            call.output_token_ids.extend(delta.new_token_ids)
+            if delta.finished:
+                del self._calls[delta.request_id]
+                self._call_done(call)
+        self._carry_out(decisions)
 
     # -- programs ----------------------------------------------------------------------------
 
@@ -260,25 +375,39 @@ class Simulator:
         if self.dispatcher is None:
             self._add(call, Send("0", rid, prompt, params, program, None))
             return
-        self._carry_out(call, self.dispatcher.submit(rid, prompt, params, program))
+        self._calls[rid] = call  # the dispatcher's decisions name it by its id
+        self._carry_out(self.dispatcher.submit(rid, prompt, params, program))
 
-    def _carry_out(self, call: _Call, decisions: list[Decision]) -> None:
-        """Carry out the dispatcher's decisions as ``ClusterClient`` does, with the instances at hand."""
-        queue = list(decisions)
+    def _carry_out(self, decisions: Iterable[PDDecision]) -> None:
+        """Carry out the dispatcher's decisions and those that follow, as ``DispatcherFrontEnd`` does, with the
+        instances at hand (``MarkDead`` needs failures, which simulated instances do not have)."""
+        queue = deque(decisions)
         while queue:
-            decision = queue.pop(0)
+            decision = queue.popleft()
             if isinstance(decision, Send):
-                result = self._add(call, decision)
-                queue.extend(self.dispatcher.add_done(decision, result))  # type: ignore[union-attr]
-            elif isinstance(decision, Fail):  # refused (the calls of one submit are this call alone)
-                self._refused(call)
-            # MarkDead and AbortOn need failures and aborts, which simulated instances do not have yet.
+                queue.extend(self.dispatcher.add_done(decision, self._add(self._calls[decision.request_id], decision)))  # type: ignore[union-attr]
+            elif isinstance(decision, Prepare):
+                queue.extend(self.dispatcher.prepare_done(decision, self._prepare(decision)))  # type: ignore[union-attr]
+            elif isinstance(decision, Continue):
+                queue.extend(self.dispatcher.continue_done(decision, self._continue(decision)))  # type: ignore[union-attr]
+            elif isinstance(decision, AbortOn):
+                self.instances[decision.instance_id].core.abort(decision.request_id)
+                self._ready.add(decision.instance_id)
+            elif isinstance(decision, Fail):  # refused
+                call = self._calls.pop(decision.request_id, None)
+                if call is not None:
+                    self._refused(call)
 
     def _add(self, call: _Call, send: Send) -> AddResult:
         core = self.instances[send.instance_id].core
         try:
             call.request = core.add_request(
-                send.request_id, send.prompt, send.params, program=send.program, resume=send.resume
+                send.request_id,
+                send.prompt,
+                send.params,
+                program=send.program,
+                resume=send.resume,
+                handoff=send.handoff,
             )
         except InvalidRequestError as e:  # as the benchmark: counted, and the program goes on with what it has
             if self.dispatcher is None:
@@ -289,6 +418,24 @@ class Simulator:
             Placement(send.request_id, call.program.spec.program_id, send.instance_id, len(send.prompt))
         )
         self._ready.add(send.instance_id)
+        return AddResult("ok")
+
+    def _prepare(self, prepare: Prepare) -> PrepareResult:
+        """Make a decode engine ready for a call its prefill engine will hand over."""
+        core = self.instances[prepare.instance_id].core
+        try:
+            answer = core.prepare_intake(
+                prepare.request_id, prepare.prompt, prepare.params, prepare.plan, program=prepare.program
+            )
+        except InvalidRequestError as e:
+            return PrepareResult("invalid", message=str(e), param=e.param)
+        self._ready.add(prepare.instance_id)  # under DE-read it loads and pushes the stored prefix
+        return PrepareResult("ok", answer)
+
+    def _continue(self, cont: Continue) -> AddResult:
+        if not self.instances[cont.instance_id].core.continue_request(cont.request_id, cont.resume):
+            return AddResult("failed", "the decode engine no longer holds the call")
+        self._ready.add(cont.instance_id)
         return AddResult("ok")
 
     def _refused(self, call: _Call) -> None:
