@@ -243,9 +243,17 @@ class EngineCore:
         request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, resume)
         if handoff is not None:
             request.handoff = handoff
-            if handoff.recv_blocks > 0:  # DE-read: the decode engine pushes the prefix first
+            if handoff.recv_blocks > 0:  # DE-read: the decode engine pushes what this engine lacks first
+                prompt = request.prompt_token_ids
+                if handoff.recv_from > 0:
+                    # This engine said it holds the blocks before the push: hold them until the request's admission.
+                    # Any that left memory since are read from the store (counted now, so no probe) or computed.
+                    caching = self.kv.pool.enable_caching
+                    held = self.kv.hold_prefix(request_id, prompt, handoff.recv_from) if caching else 0
+                    if held < handoff.recv_from:
+                        self._count_stored_prefix(request_id, prompt[: handoff.recv_from * self.kv.block_size + 1])
                 self.kv.expect_blocks(
-                    request_id, request.prompt_token_ids, 0, handoff.recv_blocks, handoff.peer, handoff.recv_tag
+                    request_id, prompt, handoff.recv_from, handoff.recv_blocks, handoff.peer, handoff.recv_tag
                 )
             else:
                 self._count_stored_prefix(request_id, request.all_token_ids)
@@ -266,6 +274,14 @@ class EngineCore:
         if have < num_full:
             keys = self.kv.block_hashes(request_id, token_ids[: num_full * self.kv.block_size])[have:]
             self.kv.note_on_disk(keys[: self.executor.count_stored(keys)])
+
+    def memory_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
+        """How many leading full blocks of a prompt this engine holds in memory (device or host), a lookup that takes
+        nothing: a DE-read call's decode engine pushes only the blocks after them (``engine/handoff.py``)."""
+        if not self.kv.pool.enable_caching:
+            return 0
+        num_full = len(prompt_token_ids) // self.kv.block_size
+        return len(self.kv.memory_prefix(None, prompt_token_ids, num_full))
 
     def prepare_intake(
         self,
@@ -288,23 +304,32 @@ class EngineCore:
         prompt = request.prompt_token_ids
         num_full = len(prompt) // self.kv.block_size
         have = self.kv.hold_prefix(request_id, prompt, num_full) if self.kv.pool.enable_caching else 0
-        push = 0
+        push = push_from = 0
+        first = have
         if plan.push_tag is not None:
-            push = have
-            if self.kv.has_disk and have < num_full:
-                keys = self.kv.block_hashes(request_id, prompt[: num_full * self.kv.block_size])[have:]
+            # Push only what the PE lacks: the blocks from its memory's prefix (it holds those) to the end of what
+            # either engine's memory or the store has. The DE loads the stored ones it lacks itself.
+            push_from = min(plan.pe_holds, num_full)
+            end = max(have, push_from)
+            if self.kv.has_disk and end < num_full:
+                keys = self.kv.block_hashes(request_id, prompt[: num_full * self.kv.block_size])[end:]
                 stored = self.executor.count_stored(keys)
                 self.kv.note_on_disk(keys[:stored])  # its loads need no probe
-                push += stored
-            if push:
-                request.push = PrefixPush(plan.peer, plan.push_tag, push)
-        first = max(have, push)
+                if push_from > have and stored:
+                    # Its own prefix stops short of the PE's: the PE sends this engine the blocks between (with the
+                    # rest, at the handoff), and this engine loads only the push's, apart from its prefix.
+                    self.kv.load_for_push(request_id, end, end + stored)
+                end += stored
+            if end > push_from:
+                push = end - push_from
+                request.push = PrefixPush(plan.peer, plan.push_tag, push, first=push_from)
+            first = have if push_from > have else end
         if num_full > first and self.kv.host_room(num_full - first):
             self.kv.expect_blocks(request_id, prompt, first, num_full - first, plan.peer, plan.recv_tag)
         else:
             first = num_full  # nothing to receive, or no room for it: the PE sends nothing, this engine computes
         self.scheduler.add(request)
-        return IntakeAnswer(send_from_block=first, push_blocks=push)
+        return IntakeAnswer(send_from_block=first, push_blocks=push, push_from=push_from)
 
     def continue_request(self, request_id: str, resume: Resume) -> bool:
         """Give a decode engine's request the tokens its prefill engine produced (and the text the client

@@ -110,6 +110,7 @@ class _DiskLookup:
     reloads: int = 0  # times its loaded prefix was read again after leaving memory before its turn
     keep: int = 0  # free host blocks of its own prefix that plan had to keep (a load may not evict them)
     admitted: bool = False  # admitted: blocks a read finds from now on were computed instead
+    push_span: tuple[int, int] | None = None  # blocks [first, end) to load for a DE-read push, not yet started
 
 
 @dataclass
@@ -565,9 +566,15 @@ class KVCacheManager:
         return lookup is not None and lookup.in_flight is not None and lookup.waits
 
     def has_read_in_flight(self, request_id: str) -> bool:
-        """Whether a read from the store for the request (a probe or a load) is in flight."""
+        """Whether a read from the store for the request (a probe or a load) is in flight, or a push's load is due."""
         lookup = self._lookups.get(request_id)
-        return lookup is not None and lookup.in_flight is not None
+        return lookup is not None and (lookup.in_flight is not None or lookup.push_span is not None)
+
+    def load_for_push(self, request_id: str, first: int, end: int) -> None:
+        """Load the request's blocks ``[first, end)`` (known stored) for a DE-read push, apart from its own prefix:
+        the blocks before ``first`` that this engine lacks come from the prefill engine, which holds them. Started
+        by the next :meth:`plan_disk_read`; until then the request counts as reading (its push waits)."""
+        self._lookups.setdefault(request_id, _DiskLookup()).push_span = (first, end)
 
     @property
     def disk_stalled(self) -> bool:
@@ -603,8 +610,13 @@ class KVCacheManager:
         lookup = self._lookups.setdefault(request_id, _DiskLookup())
         lookup.room_short = 0
         if self.disk_stalled:
+            lookup.push_span = None  # the push goes without them: the prefill engine reads or computes them
             return None
-        if lookup.in_flight is not None or lookup.settled:
+        if lookup.in_flight is not None:
+            return None
+        if lookup.push_span is not None:
+            return self._start_push_load(request_id, token_ids, lookup, now)
+        if lookup.settled:
             return None
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
@@ -679,6 +691,23 @@ class KVCacheManager:
         return self._start_read(
             request_id, start, tuple(keys[:room]), tuple(b.block_id for b in dst), tokens, waits=True, now=now
         )
+
+    def _start_push_load(
+        self, request_id: str, token_ids: Sequence[int], lookup: _DiskLookup, now: float
+    ) -> DiskRead | None:
+        """The load of a DE-read push's blocks (:meth:`load_for_push`), as much as host memory has room for (the push
+        sends the leading run it holds; the prefill engine makes up the rest)."""
+        assert lookup.push_span is not None
+        first, end = lookup.push_span
+        room = min(end - first, self._prefetch_room(0))
+        if room <= 0:
+            return None  # no room now: try again at a later step
+        lookup.push_span = None
+        bs = self.block_size
+        keys = tuple(self.block_hashes(request_id, token_ids[: end * bs])[first : first + room])
+        dst = self.pools[HOST].allocate(room, self._programs.get(request_id))  # held by the read until it is done
+        tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(first, first + room))
+        return self._start_read(request_id, first, keys, tuple(b.block_id for b in dst), tokens, waits=True, now=now)
 
     def _in_memory(self, key: BlockHash, tokens: Sequence[int]) -> bool:
         host = self.pools.get(HOST)
@@ -951,14 +980,21 @@ class KVCacheManager:
 
     # -- streams between instances (kv/remote_moves.py) ----------------------------------------------------
 
-    def memory_prefix(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockRef]:
-        """The leading run of the first ``num_blocks`` full blocks of ``token_ids`` that memory holds (each on the
-        device, else in host memory), without counting a lookup."""
-        hashes = self.block_hashes(request_id, token_ids[: num_blocks * self.block_size])
+    def memory_prefix(
+        self, request_id: str | None, token_ids: Sequence[int], num_blocks: int, first: int = 0
+    ) -> list[BlockRef]:
+        """The leading run of full blocks ``first`` to ``num_blocks`` of ``token_ids`` that memory holds (each on the
+        device, else in host memory), without counting a lookup. ``request_id`` None: for no request here (its
+        block names are not kept)."""
+        head = token_ids[: num_blocks * self.block_size]
+        if request_id is None:
+            hashes = extend_block_hashes([], head, self.block_size, self.fingerprint)
+        else:
+            hashes = self.block_hashes(request_id, head)
         host = self.pools.get(HOST)
         bs = self.block_size
         out = []
-        for i in range(min(num_blocks, len(hashes))):
+        for i in range(first, min(num_blocks, len(hashes))):
             tokens = token_ids[i * bs : (i + 1) * bs]
             block = self.pool.peek(hashes[i], tokens)
             if block is not None:
