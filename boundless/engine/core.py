@@ -241,32 +241,31 @@ class EngineCore:
         makes this instance its prefill engine: it ends with its first token, its KV sent to the decode
         engine (``engine/handoff.py``)."""
         request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, resume)
-        if handoff is not None:
-            request.handoff = handoff
-            if handoff.recv_blocks > 0:  # DE-read: the decode engine pushes what this engine lacks first
-                prompt = request.prompt_token_ids
-                if handoff.recv_from > 0:
-                    # This engine said it holds the blocks before the push: hold them until the request's admission.
-                    # Any that left memory since are read from the store (counted now, so no probe) or computed.
-                    caching = self.kv.pool.enable_caching
-                    held = self.kv.hold_prefix(request_id, prompt, handoff.recv_from) if caching else 0
-                    if held < handoff.recv_from:
-                        self._count_stored_prefix(request_id, prompt[: handoff.recv_from * self.kv.block_size + 1])
-                self.kv.expect_blocks(
-                    request_id, prompt, handoff.recv_from, handoff.recv_blocks, handoff.peer, handoff.recv_tag
-                )
-            else:
-                self._count_stored_prefix(request_id, request.all_token_ids)
+        request.handoff = handoff
+        if handoff is not None and handoff.recv_blocks > 0:  # DE-read: the decode engine pushes what this one lacks
+            prompt = request.prompt_token_ids
+            if handoff.recv_from > 0:
+                # This engine said it holds the blocks before the push: hold them until the request's admission.
+                # Any that left memory since are read from the store (counted now, so no probe) or computed.
+                held = self.kv.hold_prefix(request_id, prompt, handoff.recv_from) if self.kv.pool.enable_caching else 0
+                if held < handoff.recv_from:
+                    self._count_stored_prefix(request_id, prompt[: handoff.recv_from * self.kv.block_size + 1])
+            self.kv.expect_blocks(
+                request_id, prompt, handoff.recv_from, handoff.recv_blocks, handoff.peer, handoff.recv_tag
+            )
+        else:  # this engine reads what the store holds itself: PE-read, colocated, or resumed here
+            self._count_stored_prefix(request_id, request.all_token_ids)
         self.scheduler.add(request)
         return request
 
     def _count_stored_prefix(self, request_id: str, token_ids: list[int]) -> None:
-        """PE-read: count the blocks the store holds after those in memory now (a stat each, as the decode engine
-        does under DE-read), so that the request loads them rather than computing them. Without it, the blocks
-        after a prefix in memory are probed in the loader's queue, behind every load queued on the slow link,
-        and the request (not waiting for such a probe: it expects new input there) computes them meanwhile; an
-        agent's context after the shared prefix is mostly blocks another engine wrote (the decode engine's
-        outputs, an earlier process's turns), which this engine does not know to be stored."""
+        """A request this engine prefills from the store (PE-read, colocated): count the blocks the store holds after
+        those in memory now (a stat each, as the decode engine does under DE-read), so that the request loads them
+        rather than computing them. Without it, the blocks after a prefix in memory are probed in the loader's
+        queue, behind every load queued on the slow link, and the request (not waiting for such a probe: it expects
+        new input there) computes them meanwhile; an agent's context after the shared prefix is mostly blocks
+        another engine (the decode engine) or an earlier process wrote, or this engine evicted and forgot, which
+        it does not know to be stored."""
         if not (self.kv.has_disk and self.kv.pool.enable_caching):
             return
         num_full = (len(token_ids) - 1) // self.kv.block_size  # the last token is always computed

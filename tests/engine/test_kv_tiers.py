@@ -197,6 +197,29 @@ def test_a_restarted_engine_loads_what_an_earlier_one_wrote_even_behind_a_prefix
     assert after.stats().kv_tiers[DISK].hit_tokens == 5 * 16 + 2 * 16
 
 
+def test_a_colocated_engine_loads_blocks_another_engine_wrote_behind_its_prefix_in_memory(
+    tiny_llama: LoadedModel, tmp_path: Path
+) -> None:
+    from boundless.kv.disk_store import DiskKVStore, StoreLayout
+
+    layout = StoreLayout.of_model(tiny_llama, 16)
+    shared = [(5 * j) % 300 + 3 for j in range(48)]  # three blocks
+    longer = shared + list(range(100, 141))  # five full blocks
+    core = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)  # started on an empty store
+    outputs: dict[str, list[int]] = {}
+    core.add_request("a", [*shared, 7], PARAMS)
+    _tokens(core, "a", outputs)  # the shared blocks stay in its memory
+    other = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)
+    other.add_request("w", longer, PARAMS)
+    _tokens(other, "w", outputs)
+    other.close()  # another engine wrote blocks 3 and 4, which this one never heard of
+    core.add_request("b", longer, PARAMS)
+    assert _tokens(core, "b", outputs) == outputs["w"]
+    # Counted on arrival (a stat each), so loaded, not probed behind its prefix in memory and computed meanwhile.
+    stats = core.stats()
+    assert stats.kv_tiers[DISK].hit_tokens == 2 * 16 and core.kv.counters[DISK].recomputed_blocks == {}
+
+
 def _three_on_disk(s: Scheduler) -> dict[str, list[int]]:
     """Three calls of 40 tokens (9 loadable blocks each) whose blocks the store holds, added in this order: host
     memory's prefetch share (16 of 32 blocks) loads a's 9 and 7 of b's, and has no room for c's."""
