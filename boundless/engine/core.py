@@ -245,9 +245,11 @@ class EngineCore:
         if handoff is not None and handoff.recv_blocks > 0:  # DE-read: the decode engine pushes what this one lacks
             prompt = request.prompt_token_ids
             if handoff.recv_from > 0:
-                # This engine said it holds the blocks before the push: hold them until the request's admission.
-                # Any that left memory since are read from the store (counted now, so no probe) or computed.
-                held = self.kv.hold_prefix(request_id, prompt, handoff.recv_from) if self.kv.pool.enable_caching else 0
+                # This engine said it holds the blocks before the push: hold them until the request's admission
+                # (as a load's prefix is held: bounded, and let go should the engine need the room). Any that left
+                # memory are read from the store (counted now, so no probe) or computed.
+                caching = self.kv.pool.enable_caching
+                held = self.kv.hold_while_receiving(request_id, prompt, handoff.recv_from) if caching else 0
                 if held < handoff.recv_from:
                     self._count_stored_prefix(request_id, prompt[: handoff.recv_from * self.kv.block_size + 1])
             self.kv.expect_blocks(

@@ -741,6 +741,16 @@ class KVCacheManager:
         self._release_held_while_loading(request_id)
         self._held_while_loading[request_id] = refs
 
+    def hold_while_receiving(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> int:
+        """Hold the request's first ``num_blocks`` blocks in memory while a peer's stream of the blocks after them is
+        on its way (a DE-read push), as a load's prefix is held: bounded on the device, and let go when the request
+        served before it needs the room. Returns how many of them memory holds (the rest left already)."""
+        if HOST not in self.pools:
+            return self.hold_prefix(request_id, token_ids, num_blocks)
+        hashes = self.block_hashes(request_id, token_ids[: num_blocks * self.block_size])
+        self._hold_while_loading(request_id, hashes, token_ids, num_blocks)
+        return len(self.memory_prefix(request_id, token_ids, num_blocks))
+
     def _release_held_while_loading(self, request_id: str) -> None:
         for tier, block in reversed(self._held_while_loading.pop(request_id, [])):
             self.pools[tier].free([block])
