@@ -110,9 +110,10 @@ def _disaggregated(
     params: SamplingParams = PARAMS,
     push: bool = False,
     before_prefill=lambda: None,
+    after_arrival=lambda: None,
 ):
     """The dispatcher's moves by hand: under DE-read ask the PE what it holds, prepare the DE, hand the request to
-    the PE (after ``before_prefill()``), continue on the DE."""
+    the PE (between ``before_prefill()`` and ``after_arrival()``), continue on the DE."""
     pe_holds = p.pe.memory_prefix_blocks(prompt) if push else 0
     intake = IntakePlan(p.pe_net.address, recv_tag=1, push_tag=2 if push else None, pe_holds=pe_holds)
     answer = p.de.prepare_intake(rid, prompt, params, intake)
@@ -126,6 +127,7 @@ def _disaggregated(
     )
     before_prefill()
     p.pe.add_request(rid, prompt, params, handoff=plan)
+    after_arrival()
     first = _run_until(p.pe, lambda ds: any(d.finished for d in ds), others=(p.de,))[-1]
     assert first.finish_reason == "handoff" and len(first.new_token_ids) == 1
     p.de.continue_request(rid, Resume(tuple(first.new_token_ids), len(first.new_text)))
@@ -248,6 +250,32 @@ def test_a_prefill_engines_blocks_gone_before_its_prefill_are_read_from_the_stor
         # It read them from its store rather than computing them, and took the DE's push after them.
         assert p.pe.stats().disk_io.blocks_loaded == loaded_before + 4
         assert p.pe.stats().kv_tiers[PEER].hit_tokens == 2 * BLOCK
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_a_prefill_engine_holds_its_prefix_for_the_push_while_everything_else_is_evicted(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    p = _pe_holding_context(tiny_llama, shm_dir, tmp_path / "store")
+    prompt = CONTEXT + APPEND + MORE
+    fillers = []
+
+    def evict_everything() -> None:  # other calls take every block memory would give up, for a few steps
+        for _ in range(3):
+            for pool in (p.pe.kv.pool, p.pe.kv.pools[HOST]):
+                fillers.append((pool, pool.allocate(pool.num_free)))
+            p.pe.step()  # the evictions' copies run and let their blocks go
+        assert p.pe.memory_prefix_blocks(prompt) == 4  # the call's four blocks stayed
+        for pool, blocks in fillers:
+            pool.free(blocks)
+
+    try:
+        loaded_before = p.pe.stats().disk_io.blocks_loaded
+        answer, first, rest = _disaggregated(p, "r", prompt, push=True, after_arrival=evict_everything)
+        assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, prompt)
+        assert p.pe.stats().disk_io.blocks_loaded == loaded_before and first.num_cached_tokens == 6 * BLOCK
     finally:
         p.pe_net.close()
         p.de_net.close()
