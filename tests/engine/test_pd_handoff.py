@@ -273,7 +273,7 @@ def test_a_prefill_engine_holds_its_prefix_for_the_push_while_everything_else_is
 
     try:
         loaded_before = p.pe.stats().disk_io.blocks_loaded
-        answer, first, rest = _disaggregated(p, "r", prompt, push=True, after_arrival=evict_everything)
+        _, first, rest = _disaggregated(p, "r", prompt, push=True, after_arrival=evict_everything)
         assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, prompt)
         assert p.pe.stats().disk_io.blocks_loaded == loaded_before and first.num_cached_tokens == 6 * BLOCK
     finally:
