@@ -311,16 +311,17 @@ class EngineCore:
             # Push only what the PE lacks: the blocks from its memory's prefix (it holds those) to the end of what
             # either engine's memory or the store has. The DE loads the stored ones it lacks itself.
             push_from = min(plan.pe_holds, num_full)
-            end = max(have, push_from)
-            if self.kv.has_disk and end < num_full:
-                keys = self.kv.block_hashes(request_id, prompt[: num_full * self.kv.block_size])[end:]
+            end = have
+            if self.kv.has_disk and have < num_full:
+                keys = self.kv.block_hashes(request_id, prompt[: num_full * self.kv.block_size])[have:]
                 stored = self.executor.count_stored(keys)
-                self.kv.note_on_disk(keys[:stored])  # its loads need no probe
-                if push_from > have and stored:
+                self.kv.note_on_disk(keys[:stored])  # its loads need no probe (should the PE's stream fail)
+                end += stored
+                if push_from > have and end > push_from:
                     # Its own prefix stops short of the PE's: the PE sends this engine the blocks between (with the
                     # rest, at the handoff), and this engine loads only the push's, apart from its prefix.
-                    self.kv.load_for_push(request_id, end, end + stored)
-                end += stored
+                    self.kv.load_for_push(request_id, push_from, end)
+            end = max(end, push_from)
             if end > push_from:
                 push = end - push_from
                 request.push = PrefixPush(plan.peer, plan.push_tag, push, first=push_from)
