@@ -255,6 +255,10 @@ class EngineCore:
             self.kv.expect_blocks(
                 request_id, prompt, handoff.recv_from, handoff.recv_blocks, handoff.peer, handoff.recv_tag
             )
+            if self.kv.has_disk:  # the DE saw the push's blocks in the shared store: should some not come, load them
+                end = handoff.recv_from + handoff.recv_blocks
+                keys = self.kv.block_hashes(request_id, prompt[: end * self.kv.block_size])
+                self.kv.note_on_disk(keys[handoff.recv_from : end])
         else:  # this engine reads what the store holds itself: PE-read, colocated, or resumed here
             self._count_stored_prefix(request_id, request.all_token_ids)
         self.scheduler.add(request)

@@ -695,14 +695,18 @@ class KVCacheManager:
     def _start_push_load(
         self, request_id: str, token_ids: Sequence[int], lookup: _DiskLookup, now: float
     ) -> DiskRead | None:
-        """The load of a DE-read push's blocks (:meth:`load_for_push`), as much as host memory has room for (the push
-        sends the leading run it holds; the prefill engine makes up the rest)."""
+        """The load of a DE-read push's blocks (:meth:`load_for_push`), as much as host memory has room for now; the
+        rest loads after it (the push waits for all of them, as it waits for the request's own loads)."""
         assert lookup.push_span is not None
         first, end = lookup.push_span
         room = min(end - first, self._prefetch_room(0))
         if room <= 0:
-            return None  # no room now: try again at a later step
-        lookup.push_span = None
+            if not self._reads:
+                # No read in flight will give room back (loaded blocks wait for their requests, whose pushes may
+                # wait on this one): push what is loaded; the prefill engine reads or computes the rest.
+                lookup.push_span = None
+            return None  # else try again when a read is done
+        lookup.push_span = (first + room, end) if first + room < end else None
         bs = self.block_size
         keys = tuple(self.block_hashes(request_id, token_ids[: end * bs])[first : first + room])
         dst = self.pools[HOST].allocate(room, self._programs.get(request_id))  # held by the read until it is done
