@@ -357,11 +357,26 @@ class ClusterClient(DispatcherFrontEnd):
 
     def _prepare(self, prepare: Prepare) -> PrepareResult:
         actor = self.instances[prepare.instance_id].actor
-        call = actor.prepare.remote(prepare.request_id, prepare.prompt, prepare.params, prepare.program, prepare.plan)
+        plan = prepare.plan
+        if plan.push_tag is not None and prepare.prefill_engine:
+            plan = dataclasses.replace(plan, pe_holds=self._pe_holds(prepare.prefill_engine, prepare.prompt))
+        call = actor.prepare.remote(prepare.request_id, prepare.prompt, prepare.params, prepare.program, plan)
         result = self._answer(call, prepare.instance_id, prepare.request_id)
         if isinstance(result, AddResult):
             return PrepareResult(result.status, message=result.message, param=result.param)
         return result
+
+    def _pe_holds(self, instance_id: str, prompt: list[int]) -> int:
+        """The leading blocks of ``prompt`` a prefill engine holds in memory; 0 when it does not answer (its Send
+        will fail, and the call fail over, as for any lost PE)."""
+        import ray
+
+        try:
+            call = self.instances[instance_id].actor.memory_prefix_blocks.remote(prompt)
+            return int(ray.get(call, timeout=self.config.heartbeat_timeout_s))
+        except Exception as e:
+            log.warning("prefill engine %s did not say what it holds: %s", instance_id, type(e).__name__)
+            return 0
 
     def _continue(self, cont: Continue) -> AddResult:
         actor = self.instances[cont.instance_id].actor

@@ -188,6 +188,11 @@ class EngineInstance:
             return PrepareResult("busy", message=str(e))
         return PrepareResult("ok", answer)
 
+    def memory_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
+        """How many leading full blocks of a prompt this engine holds in memory: asked of a DE-read call's prefill
+        engine before its decode engine is prepared, so that the decode engine pushes only the rest."""
+        return self.loop.memory_prefix_blocks(prompt_token_ids)
+
     def continue_request(self, request_id: str, resume: Resume) -> AddResult:
         """Give a prepared call its first token; ``failed`` if this engine no longer holds it."""
         if self.loop.continue_request(request_id, resume):

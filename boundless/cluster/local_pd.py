@@ -14,6 +14,7 @@ stream), as the Ray cluster does.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 from collections.abc import Callable
@@ -99,12 +100,21 @@ class LocalPDCluster(DispatcherFrontEnd):
 
     def _prepare(self, prepare: Prepare) -> PrepareResult:
         inst = self.instances[prepare.instance_id]
-        answer = _call(
-            lambda: inst.prepare(prepare.request_id, prepare.prompt, prepare.params, prepare.program, prepare.plan)
-        )
+        plan = prepare.plan
+        if plan.push_tag is not None and prepare.prefill_engine:
+            plan = dataclasses.replace(plan, pe_holds=self._pe_holds(prepare.prefill_engine, prepare.prompt))
+        answer = _call(lambda: inst.prepare(prepare.request_id, prepare.prompt, prepare.params, prepare.program, plan))
         if isinstance(answer, AddResult):
             return PrepareResult(answer.status, message=answer.message, param=answer.param)
         return answer
+
+    def _pe_holds(self, instance_id: str, prompt: list[int]) -> int:
+        """The leading blocks of ``prompt`` a prefill engine holds in memory; 0 when it cannot say (its Send will
+        fail, and the call fail over, as for any lost PE)."""
+        try:
+            return self.instances[instance_id].memory_prefix_blocks(prompt)
+        except Exception:
+            return 0
 
     def _continue(self, cont: Continue) -> AddResult:
         inst = self.instances[cont.instance_id]

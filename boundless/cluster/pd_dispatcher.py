@@ -7,8 +7,9 @@ A call goes through four phases, each a decision the transport carries out and a
    counts itself (each engine's calls and their tokens, exact as every call passes here) and the storage
    read queues the engines report;
 2. **preparing**: :class:`Prepare` makes the DE ready (``EngineCore.prepare_intake``): the DE holds what it
-   has of the prompt, reserves host memory for the rest, and under DE-read loads the stored prefix to push
-   to the PE; it answers from which block the PE should send;
+   has of the prompt, reserves host memory for the rest, and under DE-read loads the stored blocks the PE
+   lacks (the PE is asked first how many leading blocks it holds: ``Prepare.prefill_engine``) to push to the
+   PE; it answers from which block the PE should send;
 3. **prefilling**: a :class:`~boundless.cluster.dispatcher.Send` with a handoff plan makes the PE prefill,
    stream the KV to the DE and end with the first token (finish reason ``handoff``). That delta goes to the
    client as an ordinary one (not finished);
@@ -90,6 +91,7 @@ class Prepare:
     params: SamplingParams
     program: ProgramRef | None
     plan: IntakePlan
+    prefill_engine: str = ""  # under DE-read, asked first how much of the prompt it holds (``plan.pe_holds``)
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,7 @@ class PDDispatcher(Dispatcher):
                 result.answer.send_from_block,
                 recv_tag=prepare.plan.push_tag or 0,
                 recv_blocks=result.answer.push_blocks,
+                recv_from=result.answer.push_from,
             )
             program = self._global_view(call.program)
             return [Send(call.prefill_engine, call.request_id, call.prompt, call.params, program, None, plan)]
@@ -378,7 +381,8 @@ class PDDispatcher(Dispatcher):
             push = call.tag + 1 if placement.read_path == "de" else None
             plan = IntakePlan(self.instances[call.prefill_engine].address, recv_tag=call.tag, push_tag=push)
             program = self._global_view(call.program)
-            decisions.append(Prepare(call.decode_engine, call.request_id, call.prompt, call.params, program, plan))
+            pe = call.prefill_engine
+            decisions.append(Prepare(call.decode_engine, call.request_id, call.prompt, call.params, program, plan, pe))
         return decisions
 
     def _route_decode(self, call: PDCall) -> list[PDDecision]:

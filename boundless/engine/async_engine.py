@@ -152,6 +152,12 @@ class EngineLoop:
         self._wake.set()
         return answer
 
+    def memory_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
+        """How many leading full blocks of a prompt this engine holds in memory
+        (``EngineCore.memory_prefix_blocks``)."""
+        with self.lock:
+            return self.core.memory_prefix_blocks(prompt_token_ids)
+
     def continue_request(self, request_id: str, resume: Resume) -> bool:
         """Give a prepared request its first token (``EngineCore.continue_request``)."""
         with self.lock:

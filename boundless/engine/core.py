@@ -241,24 +241,37 @@ class EngineCore:
         makes this instance its prefill engine: it ends with its first token, its KV sent to the decode
         engine (``engine/handoff.py``)."""
         request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, resume)
-        if handoff is not None:
-            request.handoff = handoff
-            if handoff.recv_blocks > 0:  # DE-read: the decode engine pushes the prefix first
-                self.kv.expect_blocks(
-                    request_id, request.prompt_token_ids, 0, handoff.recv_blocks, handoff.peer, handoff.recv_tag
-                )
-            else:
-                self._count_stored_prefix(request_id, request.all_token_ids)
+        request.handoff = handoff
+        if handoff is not None and handoff.recv_blocks > 0:  # DE-read: the decode engine pushes what this one lacks
+            prompt = request.prompt_token_ids
+            if handoff.recv_from > 0:
+                # This engine said it holds the blocks before the push: hold them until the request's admission
+                # (as a load's prefix is held: bounded, and let go should the engine need the room). Any that left
+                # memory are read from the store (counted now, so no probe) or computed.
+                caching = self.kv.pool.enable_caching
+                held = self.kv.hold_while_receiving(request_id, prompt, handoff.recv_from) if caching else 0
+                if held < handoff.recv_from:
+                    self._count_stored_prefix(request_id, prompt[: handoff.recv_from * self.kv.block_size + 1])
+            self.kv.expect_blocks(
+                request_id, prompt, handoff.recv_from, handoff.recv_blocks, handoff.peer, handoff.recv_tag
+            )
+            if self.kv.has_disk:  # the DE saw the push's blocks in the shared store: should some not come, load them
+                end = handoff.recv_from + handoff.recv_blocks
+                keys = self.kv.block_hashes(request_id, prompt[: end * self.kv.block_size])
+                self.kv.note_on_disk(keys[handoff.recv_from : end])
+        else:  # this engine reads what the store holds itself: PE-read, colocated, or resumed here
+            self._count_stored_prefix(request_id, request.all_token_ids)
         self.scheduler.add(request)
         return request
 
     def _count_stored_prefix(self, request_id: str, token_ids: list[int]) -> None:
-        """PE-read: count the blocks the store holds after those in memory now (a stat each, as the decode engine
-        does under DE-read), so that the request loads them rather than computing them. Without it, the blocks
-        after a prefix in memory are probed in the loader's queue, behind every load queued on the slow link,
-        and the request (not waiting for such a probe: it expects new input there) computes them meanwhile; an
-        agent's context after the shared prefix is mostly blocks another engine wrote (the decode engine's
-        outputs, an earlier process's turns), which this engine does not know to be stored."""
+        """A request this engine prefills from the store (PE-read, colocated): count the blocks the store holds after
+        those in memory now (a stat each, as the decode engine does under DE-read), so that the request loads them
+        rather than computing them. Without it, the blocks after a prefix in memory are probed in the loader's
+        queue, behind every load queued on the slow link, and the request (not waiting for such a probe: it expects
+        new input there) computes them meanwhile; an agent's context after the shared prefix is mostly blocks
+        another engine (the decode engine) or an earlier process wrote, or this engine evicted and forgot, which
+        it does not know to be stored."""
         if not (self.kv.has_disk and self.kv.pool.enable_caching):
             return
         num_full = (len(token_ids) - 1) // self.kv.block_size  # the last token is always computed
@@ -266,6 +279,14 @@ class EngineCore:
         if have < num_full:
             keys = self.kv.block_hashes(request_id, token_ids[: num_full * self.kv.block_size])[have:]
             self.kv.note_on_disk(keys[: self.executor.count_stored(keys)])
+
+    def memory_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
+        """How many leading full blocks of a prompt this engine holds in memory (device or host), a lookup that takes
+        nothing: a DE-read call's decode engine pushes only the blocks after them (``engine/handoff.py``)."""
+        if not self.kv.pool.enable_caching:
+            return 0
+        num_full = len(prompt_token_ids) // self.kv.block_size
+        return len(self.kv.memory_prefix(None, prompt_token_ids, num_full))
 
     def prepare_intake(
         self,
@@ -288,23 +309,33 @@ class EngineCore:
         prompt = request.prompt_token_ids
         num_full = len(prompt) // self.kv.block_size
         have = self.kv.hold_prefix(request_id, prompt, num_full) if self.kv.pool.enable_caching else 0
-        push = 0
+        push = push_from = 0
+        first = have
         if plan.push_tag is not None:
-            push = have
+            # Push only what the PE lacks: the blocks from its memory's prefix (it holds those) to the end of what
+            # either engine's memory or the store has. The DE loads the stored ones it lacks itself.
+            push_from = min(plan.pe_holds, num_full)
+            end = have
             if self.kv.has_disk and have < num_full:
                 keys = self.kv.block_hashes(request_id, prompt[: num_full * self.kv.block_size])[have:]
                 stored = self.executor.count_stored(keys)
-                self.kv.note_on_disk(keys[:stored])  # its loads need no probe
-                push += stored
-            if push:
-                request.push = PrefixPush(plan.peer, plan.push_tag, push)
-        first = max(have, push)
+                self.kv.note_on_disk(keys[:stored])  # its loads need no probe (should the PE's stream fail)
+                end += stored
+                if push_from > have and end > push_from:
+                    # Its own prefix stops short of the PE's: the PE sends this engine the blocks between (with the
+                    # rest, at the handoff), and this engine loads only the push's, apart from its prefix.
+                    self.kv.load_for_push(request_id, push_from, end)
+            end = max(end, push_from)
+            if end > push_from:
+                push = end - push_from
+                request.push = PrefixPush(plan.peer, plan.push_tag, push, first=push_from)
+            first = have if push_from > have else end
         if num_full > first and self.kv.host_room(num_full - first):
             self.kv.expect_blocks(request_id, prompt, first, num_full - first, plan.peer, plan.recv_tag)
         else:
             first = num_full  # nothing to receive, or no room for it: the PE sends nothing, this engine computes
         self.scheduler.add(request)
-        return IntakeAnswer(send_from_block=first, push_blocks=push)
+        return IntakeAnswer(send_from_block=first, push_blocks=push, push_from=push_from)
 
     def continue_request(self, request_id: str, resume: Resume) -> bool:
         """Give a decode engine's request the tokens its prefill engine produced (and the text the client

@@ -305,12 +305,13 @@ class Scheduler:
         return RemoteSend(send_id, plan.peer, plan.send_tag, refs, len(refs), layerwise=True)
 
     def _push(self, request: Request) -> RemoteSend:
-        """A decode engine's push of its prefix (DE-read): the leading blocks it holds of those promised (its loads
-        are done; a block it could not get goes as a gap the prefill engine recomputes)."""
+        """A decode engine's push (DE-read): the leading blocks it holds of those promised (its loads are done; a
+        block it could not get goes as a gap the prefill engine reads or recomputes)."""
         push = request.push
         assert push is not None
         request.push = None
-        refs = tuple(self.kv.memory_prefix(request.request_id, request.all_token_ids, push.num_blocks))
+        end = push.first + push.num_blocks
+        refs = tuple(self.kv.memory_prefix(request.request_id, request.all_token_ids, end, first=push.first))
         send_id = self.kv.hold_for_send(refs)
         return RemoteSend(send_id, push.peer, push.tag, refs, push.num_blocks)
 

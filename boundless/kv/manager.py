@@ -110,6 +110,7 @@ class _DiskLookup:
     reloads: int = 0  # times its loaded prefix was read again after leaving memory before its turn
     keep: int = 0  # free host blocks of its own prefix that plan had to keep (a load may not evict them)
     admitted: bool = False  # admitted: blocks a read finds from now on were computed instead
+    push_span: tuple[int, int] | None = None  # blocks [first, end) to load for a DE-read push, not yet started
 
 
 @dataclass
@@ -565,9 +566,15 @@ class KVCacheManager:
         return lookup is not None and lookup.in_flight is not None and lookup.waits
 
     def has_read_in_flight(self, request_id: str) -> bool:
-        """Whether a read from the store for the request (a probe or a load) is in flight."""
+        """Whether a read from the store for the request (a probe or a load) is in flight, or a push's load is due."""
         lookup = self._lookups.get(request_id)
-        return lookup is not None and lookup.in_flight is not None
+        return lookup is not None and (lookup.in_flight is not None or lookup.push_span is not None)
+
+    def load_for_push(self, request_id: str, first: int, end: int) -> None:
+        """Load the request's blocks ``[first, end)`` (known stored) for a DE-read push, apart from its own prefix:
+        the blocks before ``first`` that this engine lacks come from the prefill engine, which holds them. Started
+        by the next :meth:`plan_disk_read`; until then the request counts as reading (its push waits)."""
+        self._lookups.setdefault(request_id, _DiskLookup()).push_span = (first, end)
 
     @property
     def disk_stalled(self) -> bool:
@@ -603,8 +610,13 @@ class KVCacheManager:
         lookup = self._lookups.setdefault(request_id, _DiskLookup())
         lookup.room_short = 0
         if self.disk_stalled:
+            lookup.push_span = None  # the push goes without them: the prefill engine reads or computes them
             return None
-        if lookup.in_flight is not None or lookup.settled:
+        if lookup.in_flight is not None:
+            return None
+        if lookup.push_span is not None:
+            return self._start_push_load(request_id, token_ids, lookup, now)
+        if lookup.settled:
             return None
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
@@ -680,6 +692,27 @@ class KVCacheManager:
             request_id, start, tuple(keys[:room]), tuple(b.block_id for b in dst), tokens, waits=True, now=now
         )
 
+    def _start_push_load(
+        self, request_id: str, token_ids: Sequence[int], lookup: _DiskLookup, now: float
+    ) -> DiskRead | None:
+        """The load of a DE-read push's blocks (:meth:`load_for_push`), as much as host memory has room for now; the
+        rest loads after it (the push waits for all of them, as it waits for the request's own loads)."""
+        assert lookup.push_span is not None
+        first, end = lookup.push_span
+        room = min(end - first, self._prefetch_room(0))
+        if room <= 0:
+            if not self._reads:
+                # No read in flight will give room back (loaded blocks wait for their requests, whose pushes may
+                # wait on this one): push what is loaded; the prefill engine reads or computes the rest.
+                lookup.push_span = None
+            return None  # else try again when a read is done
+        lookup.push_span = (first + room, end) if first + room < end else None
+        bs = self.block_size
+        keys = tuple(self.block_hashes(request_id, token_ids[: end * bs])[first : first + room])
+        dst = self.pools[HOST].allocate(room, self._programs.get(request_id))  # held by the read until it is done
+        tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(first, first + room))
+        return self._start_read(request_id, first, keys, tuple(b.block_id for b in dst), tokens, waits=True, now=now)
+
     def _in_memory(self, key: BlockHash, tokens: Sequence[int]) -> bool:
         host = self.pools.get(HOST)
         return self.pool.peek(key, tokens) is not None or (host is not None and host.peek(key, tokens) is not None)
@@ -711,6 +744,16 @@ class KVCacheManager:
             self.pools[tier].touch([block])
         self._release_held_while_loading(request_id)
         self._held_while_loading[request_id] = refs
+
+    def hold_while_receiving(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> int:
+        """Hold the request's first ``num_blocks`` blocks in memory while a peer's stream of the blocks after them is
+        on its way (a DE-read push), as a load's prefix is held: bounded on the device, and let go when the request
+        served before it needs the room. Returns how many of them memory holds (the rest left already)."""
+        if HOST not in self.pools:
+            return self.hold_prefix(request_id, token_ids, num_blocks)
+        hashes = self.block_hashes(request_id, token_ids[: num_blocks * self.block_size])
+        self._hold_while_loading(request_id, hashes, token_ids, num_blocks)
+        return len(self.memory_prefix(request_id, token_ids, num_blocks))
 
     def _release_held_while_loading(self, request_id: str) -> None:
         for tier, block in reversed(self._held_while_loading.pop(request_id, [])):
@@ -951,14 +994,21 @@ class KVCacheManager:
 
     # -- streams between instances (kv/remote_moves.py) ----------------------------------------------------
 
-    def memory_prefix(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockRef]:
-        """The leading run of the first ``num_blocks`` full blocks of ``token_ids`` that memory holds (each on the
-        device, else in host memory), without counting a lookup."""
-        hashes = self.block_hashes(request_id, token_ids[: num_blocks * self.block_size])
+    def memory_prefix(
+        self, request_id: str | None, token_ids: Sequence[int], num_blocks: int, first: int = 0
+    ) -> list[BlockRef]:
+        """The leading run of full blocks ``first`` to ``num_blocks`` of ``token_ids`` that memory holds (each on the
+        device, else in host memory), without counting a lookup. ``request_id`` None: for no request here (its
+        block names are not kept)."""
+        head = token_ids[: num_blocks * self.block_size]
+        if request_id is None:
+            hashes = extend_block_hashes([], head, self.block_size, self.fingerprint)
+        else:
+            hashes = self.block_hashes(request_id, head)
         host = self.pools.get(HOST)
         bs = self.block_size
         out = []
-        for i in range(min(num_blocks, len(hashes))):
+        for i in range(first, min(num_blocks, len(hashes))):
             tokens = token_ids[i * bs : (i + 1) * bs]
             block = self.pool.peek(hashes[i], tokens)
             if block is not None:

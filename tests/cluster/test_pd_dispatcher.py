@@ -73,8 +73,11 @@ def test_a_programs_next_call_reads_its_stored_prefix_on_the_shorter_storage_que
     d.report("d0", 0)
     (prepare,) = d.submit("t2", first + [50, 51, 52] + list(range(60, 80)), PARAMS, program)
     assert isinstance(prepare, Prepare) and prepare.plan.push_tag is not None  # DE-read
-    (send,) = d.prepare_done(prepare, PrepareResult("ok", IntakeAnswer(send_from_block=2, push_blocks=2)))
-    assert send.handoff.recv_tag == prepare.plan.push_tag and send.handoff.recv_blocks == 2
+    assert prepare.prefill_engine == "p0"  # asked first what it holds, so that the DE pushes only the rest
+    answer = IntakeAnswer(send_from_block=2, push_blocks=1, push_from=1)  # the PE holds block 0
+    (send,) = d.prepare_done(prepare, PrepareResult("ok", answer))
+    assert send.handoff.recv_tag == prepare.plan.push_tag
+    assert (send.handoff.recv_from, send.handoff.recv_blocks) == (1, 1)
     assert d.placements == {"pe": 1, "de": 1} and d.placed_stored_tokens["de"] == 32
     # Under basic the PE always reads, whatever the queues.
     b = dispatcher(kv_path="basic")

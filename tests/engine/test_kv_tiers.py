@@ -197,6 +197,29 @@ def test_a_restarted_engine_loads_what_an_earlier_one_wrote_even_behind_a_prefix
     assert after.stats().kv_tiers[DISK].hit_tokens == 5 * 16 + 2 * 16
 
 
+def test_a_colocated_engine_loads_blocks_another_engine_wrote_behind_its_prefix_in_memory(
+    tiny_llama: LoadedModel, tmp_path: Path
+) -> None:
+    from boundless.kv.disk_store import DiskKVStore, StoreLayout
+
+    layout = StoreLayout.of_model(tiny_llama, 16)
+    shared = [(5 * j) % 300 + 3 for j in range(48)]  # three blocks
+    longer = shared + list(range(100, 141))  # five full blocks
+    core = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)  # started on an empty store
+    outputs: dict[str, list[int]] = {}
+    core.add_request("a", [*shared, 7], PARAMS)
+    _tokens(core, "a", outputs)  # the shared blocks stay in its memory
+    other = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)
+    other.add_request("w", longer, PARAMS)
+    _tokens(other, "w", outputs)
+    other.close()  # another engine wrote blocks 3 and 4, which this one never heard of
+    core.add_request("b", longer, PARAMS)
+    assert _tokens(core, "b", outputs) == outputs["w"]
+    # Counted on arrival (a stat each), so loaded, not probed behind its prefix in memory and computed meanwhile.
+    stats = core.stats()
+    assert stats.kv_tiers[DISK].hit_tokens == 2 * 16 and core.kv.counters[DISK].recomputed_blocks == {}
+
+
 def _three_on_disk(s: Scheduler) -> dict[str, list[int]]:
     """Three calls of 40 tokens (9 loadable blocks each) whose blocks the store holds, added in this order: host
     memory's prefetch share (16 of 32 blocks) loads a's 9 and 7 of b's, and has no room for c's."""
@@ -287,3 +310,27 @@ def test_a_prefix_that_left_memory_before_its_turn_is_read_again_gap_only_and_co
     kv.finish_disk_reads([DiskReadDone(again.read_id, 3, 0.1)])
     assert kv.plan_disk_read("w", prompt) is None
     assert kv.find_cached_prefix("w", prompt).num_tokens == 36  # read, not computed
+
+
+def test_a_push_load_goes_on_in_chunks_until_done_and_gives_up_only_when_no_read_can_give_room_back() -> None:
+    kv = KVCacheManager(64, 4, True, "fp", num_host_blocks=16, disk=True, write_policy="off")  # 8 blocks of prefetch
+    other = list(range(1000, 1017))  # another call loading four stored blocks: half the prefetch room
+    kv.note_on_disk(kv.block_hashes("o", other)[:4])
+    loading = kv.plan_disk_read("o", other)
+    assert loading is not None and len(loading.keys) == 4
+    prompt = list(range(80))
+    kv.load_for_push("r", 2, 12)  # a DE-read push of blocks 2..11
+    first = kv.plan_disk_read("r", prompt)
+    assert first is not None and len(first.keys) == 4  # the room there is
+    kv.finish_disk_reads([DiskReadDone(first.read_id, 4, 0.0)])
+    # Six blocks still to load: the push waits, and so does the load while the other call's read may give room.
+    assert kv.plan_disk_read("r", prompt) is None and kv.has_read_in_flight("r")
+    kv.finish_disk_reads([DiskReadDone(loading.read_id, 4, 0.0)])
+    kv.free("o")  # the other call left: its loaded blocks give their room back
+    second = kv.plan_disk_read("r", prompt)
+    assert second is not None and len(second.keys) == 4 and kv.has_read_in_flight("r")
+    kv.finish_disk_reads([DiskReadDone(second.read_id, 4, 0.0)])
+    # Eight loaded blocks fill the prefetch share and no read is in flight to give room back: the rest is given
+    # up, and the push goes with what it has (the prefill engine reads or computes the rest).
+    assert kv.plan_disk_read("r", prompt) is None and not kv.has_read_in_flight("r")
+    assert len(kv.memory_prefix("r", prompt, 12, first=2)) == 8

@@ -103,12 +103,31 @@ def _settle(*cores: EngineCore, steps: int = 500) -> None:
     raise AssertionError("streams still in flight")
 
 
-def _disaggregated(p: Pair, rid: str, prompt: list[int], params: SamplingParams = PARAMS, push: bool = False):
-    """The dispatcher's three moves by hand: prepare the DE, hand the request to the PE, continue on the DE."""
-    intake = IntakePlan(p.pe_net.address, recv_tag=1, push_tag=2 if push else None)
+def _disaggregated(
+    p: Pair,
+    rid: str,
+    prompt: list[int],
+    params: SamplingParams = PARAMS,
+    push: bool = False,
+    before_prefill=lambda: None,
+    after_arrival=lambda: None,
+):
+    """The dispatcher's moves by hand: under DE-read ask the PE what it holds, prepare the DE, hand the request to
+    the PE (between ``before_prefill()`` and ``after_arrival()``), continue on the DE."""
+    pe_holds = p.pe.memory_prefix_blocks(prompt) if push else 0
+    intake = IntakePlan(p.pe_net.address, recv_tag=1, push_tag=2 if push else None, pe_holds=pe_holds)
     answer = p.de.prepare_intake(rid, prompt, params, intake)
-    plan = HandoffPlan(p.de_net.address, 1, answer.send_from_block, recv_tag=2, recv_blocks=answer.push_blocks)
+    plan = HandoffPlan(
+        p.de_net.address,
+        1,
+        answer.send_from_block,
+        recv_tag=2,
+        recv_blocks=answer.push_blocks,
+        recv_from=answer.push_from,
+    )
+    before_prefill()
     p.pe.add_request(rid, prompt, params, handoff=plan)
+    after_arrival()
     first = _run_until(p.pe, lambda ds: any(d.finished for d in ds), others=(p.de,))[-1]
     assert first.finish_reason == "handoff" and len(first.new_token_ids) == 1
     p.de.continue_request(rid, Resume(tuple(first.new_token_ids), len(first.new_text)))
@@ -170,6 +189,109 @@ def test_de_read_loads_the_prefix_on_the_decode_engine_and_sends_only_new_blocks
         assert de.kv_tiers["disk"].hit_tokens == 4 * BLOCK and de.kv_tiers[PEER].hit_tokens == 2 * BLOCK
         _settle(p.pe, p.de)
         assert p.pe.stats().remote_io.blocks_sent == 2 and p.de.stats().remote_io.blocks_sent == 4
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+MORE = [(11 * j) % 300 + 7 for j in range(30)]  # the turn after: CONTEXT + APPEND + MORE has 8 full blocks
+
+
+def _pe_holding_context(loaded: LoadedModel, shm_dir: Path, disk: Path) -> Pair:
+    """A DE-read turn's setup: the store holds CONTEXT + APPEND's 6 full blocks (an earlier turn), and the PE holds
+    CONTEXT's 4 in memory (it prefilled them), the DE nothing."""
+    writer = _core(loaded, disk)
+    writer.add_request("turn-1", CONTEXT + APPEND, PARAMS)
+    while writer.has_unfinished():
+        writer.step()
+    writer.executor.kv_io.flush()
+    p = _pair(loaded, shm_dir, disk=disk)
+    p.pe.add_request("warm", CONTEXT, SamplingParams(temperature=0.0, max_tokens=1))
+    while p.pe.has_unfinished():
+        p.pe.step()
+    assert p.pe.memory_prefix_blocks(CONTEXT + APPEND + MORE) == 4
+    return p
+
+
+def test_de_read_pushes_only_the_blocks_the_prefill_engine_lacks(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    p = _pe_holding_context(tiny_llama, shm_dir, tmp_path / "store")
+    try:
+        prompt = CONTEXT + APPEND + MORE  # 8 full blocks: 4 in the PE's memory, 6 stored
+        loaded_before = p.pe.stats().disk_io.blocks_loaded
+        answer, first, rest = _disaggregated(p, "r", prompt, push=True)
+        assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, prompt)
+        # The DE loaded and pushed only the gap, blocks 4 and 5; the PE used its own four and read nothing.
+        assert (answer.push_from, answer.push_blocks) == (4, 2)
+        pe, de = p.pe.stats(), p.de.stats()
+        assert de.disk_io.blocks_loaded == 2 and pe.disk_io.blocks_loaded == loaded_before
+        assert pe.kv_tiers[PEER].hit_tokens == 2 * BLOCK
+        # The DE, holding nothing, got the rest of the prompt from the PE at the handoff.
+        assert answer.send_from_block == 0 and rest[-1].num_cached_tokens == 8 * BLOCK
+        _settle(p.pe, p.de)
+        assert p.de.stats().remote_io.blocks_sent == 2
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_a_prefill_engines_blocks_gone_before_its_prefill_are_read_from_the_store(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    p = _pe_holding_context(tiny_llama, shm_dir, tmp_path / "store")
+    try:
+        prompt = CONTEXT + APPEND + MORE
+        loaded_before = p.pe.stats().disk_io.blocks_loaded
+        # The PE said it holds four blocks, then lost them all before the request came.
+        answer, first, rest = _disaggregated(p, "r", prompt, push=True, before_prefill=p.pe.kv.reset_prefix_cache)
+        assert (answer.push_from, answer.push_blocks) == (4, 2)
+        assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, prompt)
+        # It read them from its store rather than computing them, and took the DE's push after them.
+        assert p.pe.stats().disk_io.blocks_loaded == loaded_before + 4
+        assert p.pe.stats().kv_tiers[PEER].hit_tokens == 2 * BLOCK
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_a_prefill_engine_holds_its_prefix_for_the_push_while_everything_else_is_evicted(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    p = _pe_holding_context(tiny_llama, shm_dir, tmp_path / "store")
+    prompt = CONTEXT + APPEND + MORE
+    fillers = []
+
+    def evict_everything() -> None:  # other calls take every block memory would give up, for a few steps
+        for _ in range(3):
+            for pool in (p.pe.kv.pool, p.pe.kv.pools[HOST]):
+                fillers.append((pool, pool.allocate(pool.num_free)))
+            p.pe.step()  # the evictions' copies run and let their blocks go
+        assert p.pe.memory_prefix_blocks(prompt) == 4  # the call's four blocks stayed
+        for pool, blocks in fillers:
+            pool.free(blocks)
+
+    try:
+        loaded_before = p.pe.stats().disk_io.blocks_loaded
+        _, first, rest = _disaggregated(p, "r", prompt, push=True, after_arrival=evict_everything)
+        assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, prompt)
+        assert p.pe.stats().disk_io.blocks_loaded == loaded_before and first.num_cached_tokens == 6 * BLOCK
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_a_prefill_engines_blocks_gone_and_not_stored_are_recomputed(tiny_llama: LoadedModel, shm_dir: Path) -> None:
+    p = _pair(tiny_llama, shm_dir)  # no store: what leaves memory is gone
+    try:
+        p.pe.add_request("warm", CONTEXT, SamplingParams(temperature=0.0, max_tokens=1))
+        while p.pe.has_unfinished():
+            p.pe.step()
+        prompt = CONTEXT + APPEND
+        answer, first, rest = _disaggregated(p, "r", prompt, push=True, before_prefill=p.pe.kv.reset_prefix_cache)
+        assert answer.push_blocks == 0  # nothing stored to push; the PE was to use its own four blocks
+        assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, prompt)
+        assert first.num_cached_tokens == 0  # it computed the whole prompt
     finally:
         p.pe_net.close()
         p.de_net.close()
