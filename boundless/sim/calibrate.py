@@ -231,6 +231,7 @@ def run(args: argparse.Namespace) -> dict:
     )
     data = fitted_profile_dict(args.name, description, m, links, sources)
     data["calibration"] = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "threads": threads,
         "cpu_count": os.cpu_count(),
         "load_average_before": load_before,

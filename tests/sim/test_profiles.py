@@ -120,13 +120,15 @@ def test_a_fitted_profile_round_trips_through_json(tmp_path: Path) -> None:
 
 
 def test_shipped_profiles_load_with_their_sources() -> None:
-    assert {"a100-80gb", "h100", "h200"} <= set(profile_names())
+    assert {"cpu", "cpu-1thread", "a100-80gb", "h100", "h200"} <= set(profile_names())
     for name in profile_names():
         profile = load_profile(name)
         assert profile.name == name and profile.host_copy.bytes_per_s > 0
         if isinstance(profile.step, RooflineStepCost):
             for figure in ("peak_bf16_tflops", "hbm_tbytes_per_s", "host_copy", "network", "storage"):
                 assert "datasheet" in profile.sources[figure] or "DGX" in profile.sources[figure], (name, figure)
+        else:  # fitted here, with the samples it was fitted on
+            assert "calibrate on this machine" in profile.sources["step"]
     with pytest.raises(ValueError, match="h100"):
         load_profile("no-such-gpu")
 
