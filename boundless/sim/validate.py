@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from boundless.model.loader import LoadedModel
 
 METRICS = ("avg_latency_s", "p95_latency_s", "throughput_programs_per_s")
+# What the engines did, summed over instances: to tell a step model that is off (busy seconds per step differ)
+# from latency spent elsewhere (the same busy seconds, a different latency).
+ENGINE_FIGURES = ("busy_s", "steps")
 
 # One real run of the programs: their summary (``bench programs``'s ``summarize``).
 RealRun = Callable[[EngineConfig, list[ProgramSpec], ClusterConfig | None], dict[str, float]]
@@ -94,7 +97,21 @@ def simulate(
     sim = Simulator(
         config, SimulatedModel.read(config.model), profile=profile, instances=cluster.instances, cluster=cluster
     )
-    return simulated_summary(sim.run(programs))
+    summary = simulated_summary(sim.run(programs))
+    counters = [i.core.counters for i in sim.instances.values()]
+    return {**summary, "busy_s": sum(c.busy_seconds for c in counters), "steps": sum(c.steps for c in counters)}
+
+
+def engine_figures(predicted: dict[str, float], measured_runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Busy seconds and steps, predicted and measured (median of the runs), and the ratio of the measured
+    seconds per step to the predicted: above 1, the real steps ran slower than the profile says."""
+    measured = {k: statistics.median(float(r[k]) for r in measured_runs) for k in ENGINE_FIGURES}
+    per_step = (measured["busy_s"] / max(1.0, measured["steps"])) / (predicted["busy_s"] / max(1.0, predicted["steps"]))
+    return {
+        **{f"predicted_{k}": predicted[k] for k in ENGINE_FIGURES},
+        **{f"measured_{k}": measured[k] for k in ENGINE_FIGURES},
+        "step_time_ratio": per_step,
+    }
 
 
 def validate_case(
@@ -119,6 +136,7 @@ def validate_case(
         "profile": profile.name,
         "load_average": os.getloadavg()[0],
         "rows": compare(predicted, measured),
+        "engine": engine_figures(predicted, measured),
     }
 
 
@@ -127,10 +145,11 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
 
     def run(config: EngineConfig, programs: list[ProgramSpec], cluster: ClusterConfig | None) -> dict[str, float]:
         desc = "real engine" if cluster is None else f"real cluster of {cluster.instances}"
-        summary, _ = _serve_and_run(config, loaded, programs, desc, cluster)
+        summary, stats = _serve_and_run(config, loaded, programs, desc, cluster)
         if summary["failed_calls"]:
             raise RuntimeError(f"{summary['failed_calls']} calls failed on the real engine: {summary['first_error']}")
-        return {m: float(summary[m]) for m in METRICS}  # type: ignore[arg-type]
+        figures = {m: float(summary[m]) for m in METRICS}  # type: ignore[arg-type]
+        return {**figures, "busy_s": float(stats["busy_seconds"]), "steps": float(stats["steps"])}
 
     return run
 
@@ -183,6 +202,12 @@ def run(args: argparse.Namespace) -> dict:
     print_table(
         ["workload", "instances", "metric", "predicted", "measured (median)", "spread", "error"], table_rows(cases)
     )
+    for c in cases:
+        e = c["engine"]
+        print(
+            f"{c['workload']} on {c['instances']}: engine busy {e['predicted_busy_s']:.1f} s predicted,"
+            f" {e['measured_busy_s']:.1f} s measured; seconds per step x{e['step_time_ratio']:.2f} the profile's"
+        )
     result = {
         "num_programs": args.num_programs,
         "rate": args.rate,
