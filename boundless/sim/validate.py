@@ -1,27 +1,62 @@
-"""``boundless simulate validate``: the real engine and the simulator on the same workload, side by side.
+"""``boundless simulate validate``: the real engine and the simulator on the same workloads, side by side.
 
-One instance. The real run is ``boundless bench programs``'s (a fresh engine behind the HTTP server, the
-programs through the ``openai`` client, in wall time); the simulated run is the same engine flags and the
-same programs on a hardware profile (``cpu`` by default: fitted on this machine by ``calibrate``). Rows:
-average and p95 program latency and throughput (programs per second of makespan), predicted against
-measured, with the relative error.
+For every workload (``--workloads``, chat and map-reduce by default) and every cluster size (``--instances``,
+one instance and a 2-instance cluster by default), the real run is ``boundless bench programs``'s: a fresh
+engine (or, with more than one instance, a fresh Ray cluster behind the real dispatcher, as ``boundless
+serve --instances N`` runs it) behind the HTTP server, the programs through the ``openai`` client, in wall
+time. It runs ``--repeats`` times, so the measured side's own noise shows: each row has every run, their
+median (what the prediction is compared with) and their spread. The simulated run is the same engine flags,
+cluster size and programs on a hardware profile: ``--profile`` for one instance, ``--cluster-profile`` for
+more (on this 2-core machine each of two instances runs torch on one core, so its steps take a
+one-thread profile's times). A simulation is deterministic: one run. Rows: average and p95 program
+latency and throughput (programs per second of makespan), predicted against measured, with the relative
+error.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from boundless.bench.programs import _serve_and_run
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
-from boundless.bench.workloads import WORKLOADS, WorkloadShape, make_programs
-from boundless.config import CacheConfig, ModelConfig, SchedulerConfig, add_flags, engine_config_from_flags
+from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, make_programs
+from boundless.config import (
+    CacheConfig,
+    ClusterConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    add_flags,
+    engine_config_from_flags,
+)
 from boundless.sim.engine import SimulatedModel
-from boundless.sim.profiles import load_profile
+from boundless.sim.profiles import HardwareProfile, load_profile
 from boundless.sim.simulator import SimResult, Simulator
 
+if TYPE_CHECKING:
+    from boundless.model.loader import LoadedModel
+
 METRICS = ("avg_latency_s", "p95_latency_s", "throughput_programs_per_s")
+# What the engines did, summed over instances: to tell a step model that is off (busy seconds per step differ)
+# from latency spent elsewhere (the same busy seconds, a different latency).
+ENGINE_FIGURES = ("busy_s", "steps")
+
+# One real run of the programs: their summary (``bench programs``'s ``summarize``).
+RealRun = Callable[[EngineConfig, list[ProgramSpec], ClusterConfig | None], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One validated setting: a workload on a number of instances."""
+
+    workload: str
+    instances: int
 
 
 def simulated_summary(results: list[SimResult]) -> dict[str, float]:
@@ -35,15 +70,103 @@ def simulated_summary(results: list[SimResult]) -> dict[str, float]:
     }
 
 
-def compare(predicted: dict[str, float], measured: dict[str, float]) -> list[dict]:
+def compare(predicted: dict[str, float], measured_runs: Sequence[dict[str, float]]) -> list[dict]:
+    """One row per metric: the prediction against the median of the measured runs, with every run and their
+    spread ((max - min) / median): a prediction cannot be checked closer than the measurement repeats."""
+    rows = []
+    for m in METRICS:
+        runs = [float(r[m]) for r in measured_runs]
+        median = statistics.median(runs)
+        rows.append(
+            {
+                "metric": m,
+                "predicted": predicted[m],
+                "measured": median,
+                "measured_runs": runs,
+                "spread": (max(runs) - min(runs)) / median,
+                "rel_error": (predicted[m] - median) / median,
+            }
+        )
+    return rows
+
+
+def simulate(
+    config: EngineConfig, programs: list[ProgramSpec], profile: HardwareProfile, cluster: ClusterConfig
+) -> dict[str, float]:
+    """The programs in the simulator, on ``cluster.instances`` instances behind the real dispatcher."""
+    sim = Simulator(
+        config, SimulatedModel.read(config.model), profile=profile, instances=cluster.instances, cluster=cluster
+    )
+    summary = simulated_summary(sim.run(programs))
+    counters = [i.core.counters for i in sim.instances.values()]
+    return {**summary, "busy_s": sum(c.busy_seconds for c in counters), "steps": sum(c.steps for c in counters)}
+
+
+def engine_figures(predicted: dict[str, float], measured_runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Busy seconds and steps, predicted and measured (median of the runs), and the ratio of the measured
+    seconds per step to the predicted: above 1, the real steps ran slower than the profile says."""
+    measured = {k: statistics.median(float(r[k]) for r in measured_runs) for k in ENGINE_FIGURES}
+    per_step = (measured["busy_s"] / max(1.0, measured["steps"])) / (predicted["busy_s"] / max(1.0, predicted["steps"]))
+    return {
+        **{f"predicted_{k}": predicted[k] for k in ENGINE_FIGURES},
+        **{f"measured_{k}": measured[k] for k in ENGINE_FIGURES},
+        "step_time_ratio": per_step,
+    }
+
+
+def validate_case(
+    case: Case,
+    config: EngineConfig,
+    shape: WorkloadShape,
+    num_programs: int,
+    rate: float,
+    seed: int,
+    profile: HardwareProfile,
+    repeats: int,
+    real_run: RealRun,
+) -> dict:
+    """Predicted against measured for one case: the simulation once, the real engine ``repeats`` times."""
+    programs = make_programs(case.workload, num_programs, rate, seed, shape)
+    cluster = ClusterConfig(instances=case.instances)
+    predicted = simulate(config, programs, profile, cluster)
+    measured = [real_run(config, programs, cluster if case.instances > 1 else None) for _ in range(repeats)]
+    return {
+        "workload": case.workload,
+        "instances": case.instances,
+        "profile": profile.name,
+        "load_average": os.getloadavg()[0],
+        "rows": compare(predicted, measured),
+        "engine": engine_figures(predicted, measured),
+    }
+
+
+def serve_and_measure(loaded: LoadedModel) -> RealRun:
+    """The real run: ``bench programs``'s fresh engine or cluster, server and client."""
+
+    def run(config: EngineConfig, programs: list[ProgramSpec], cluster: ClusterConfig | None) -> dict[str, float]:
+        desc = "real engine" if cluster is None else f"real cluster of {cluster.instances}"
+        summary, stats = _serve_and_run(config, loaded, programs, desc, cluster)
+        if summary["failed_calls"]:
+            raise RuntimeError(f"{summary['failed_calls']} calls failed on the real engine: {summary['first_error']}")
+        figures = {m: float(summary[m]) for m in METRICS}  # type: ignore[arg-type]
+        return {**figures, "busy_s": float(stats["busy_seconds"]), "steps": float(stats["steps"])}
+
+    return run
+
+
+def table_rows(cases: Sequence[dict]) -> list[list[str]]:
     return [
-        {
-            "metric": m,
-            "predicted": predicted[m],
-            "measured": measured[m],
-            "rel_error": (predicted[m] - measured[m]) / measured[m],
-        }
-        for m in METRICS
+        [
+            c["workload"],
+            str(c["instances"]),
+            r["metric"],
+            f"{r['predicted']:.3f}",
+            f"{r['measured']:.3f}",
+            f"{r['spread']:.1%}",
+            f"{r['rel_error']:+.1%}",
+        ]
+        for c in cases
+        for r in c["rows"]
     ]
 
 
@@ -52,25 +175,48 @@ def run(args: argparse.Namespace) -> dict:
 
     config = engine_config_from_flags(args)
     shape = WorkloadShape(scale=args.scale, tool_wait_s=args.tool_wait)
-    programs = make_programs(args.workload, args.num_programs, args.rate, args.bench_seed, shape)
-    profile = load_profile(args.profile)
-    sim = Simulator(config, SimulatedModel.read(config.model), profile=profile)
-    predicted = simulated_summary(sim.run(programs))
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    sizes = [int(n) for n in args.instances.split(",")]
+    for w in workloads:
+        if w not in WORKLOADS or w == "trace":
+            raise SystemExit(f"--workloads: unknown workload {w!r}")
+    profiles = {n: load_profile(args.profile if n == 1 else args.cluster_profile) for n in set(sizes)}
     loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
-    measured, _ = _serve_and_run(config, loaded, programs, "real engine", None)
-    if measured["failed_calls"]:
-        print(f"{measured['failed_calls']} calls failed on the real engine: these figures are invalid")
-    rows = compare(predicted, {m: float(measured[m]) for m in METRICS})  # type: ignore[arg-type]
+    real_run = serve_and_measure(loaded)
+    load_before = os.getloadavg()[0]
+    cases = [
+        validate_case(
+            Case(w, n),
+            config,
+            shape,
+            args.num_programs,
+            args.rate,
+            args.bench_seed,
+            profiles[n],
+            args.repeats,
+            real_run,
+        )
+        for w in workloads
+        for n in sizes
+    ]
     print_table(
-        ["metric", "predicted", "measured", "error"],
-        [[r["metric"], f"{r['predicted']:.3f}", f"{r['measured']:.3f}", f"{r['rel_error']:+.1%}"] for r in rows],
+        ["workload", "instances", "metric", "predicted", "measured (median)", "spread", "error"], table_rows(cases)
     )
+    for c in cases:
+        e = c["engine"]
+        print(
+            f"{c['workload']} on {c['instances']}: engine busy {e['predicted_busy_s']:.1f} s predicted,"
+            f" {e['measured_busy_s']:.1f} s measured; seconds per step x{e['step_time_ratio']:.2f} the profile's"
+        )
     result = {
-        "workload": args.workload,
         "num_programs": args.num_programs,
         "rate": args.rate,
-        "profile": profile.name,
-        "rows": rows,
+        "scale": args.scale,
+        "repeats": args.repeats,
+        "load_average_before": load_before,
+        "cases": cases,
+        # Every row with its case, flat, for tables.
+        "rows": [{"workload": c["workload"], "instances": c["instances"], **r} for c in cases for r in c["rows"]],
     }
     if args.json:
         write_json(args.json, result)
@@ -78,14 +224,21 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"], default="chat")
+    parser.add_argument("--workloads", default="chat,mapreduce", help="comma-separated: chat, react, mapreduce, mcts")
+    parser.add_argument("--instances", default="1,2", help="comma-separated cluster sizes to validate")
+    parser.add_argument("--repeats", type=int, default=3, help="real runs per case (the simulation is deterministic)")
     parser.add_argument("--num-programs", type=int, default=16)
     parser.add_argument("--rate", type=float, default=0.2)
     parser.add_argument("--scale", type=float, default=0.1)
     parser.add_argument("--tool-wait", type=float, default=0.2)
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument(
-        "--profile", required=True, help="the simulator's hardware profile: a name or a file (calibrate writes one)"
+        "--profile", default="cpu", help="the simulator's hardware profile for one instance: a name or a file"
+    )
+    parser.add_argument(
+        "--cluster-profile",
+        default="cpu-1thread",
+        help="the profile for more than one instance (here each instance of two gets one core)",
     )
     parser.add_argument("--json", metavar="PATH", help="write each row with its relative error to this file")
     add_flags(parser, ModelConfig)
