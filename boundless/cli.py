@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim_calibrate.add_arguments(calibrate)
     calibrate.set_defaults(func=lambda a: sim_calibrate.run(a) and 0)
-    validate = sim_sub.add_parser("validate", help="the real engine against the simulator on each workload and cluster size")
+    validate = sim_sub.add_parser("validate", help="the real engine against the simulator, per workload and size")
     from boundless.sim import validate as sim_validate
 
     sim_validate.add_arguments(validate)
