@@ -239,6 +239,22 @@ class LongCtxCluster:
                 dst.clock = max(dst.clock, src.clock)  # it continues there once it has arrived
                 self._wake(src.clock)
 
+    def _unstick(self) -> bool:
+        """With every instance that has work waiting for a change, the setup's work once more on the state their
+        last steps left (a plan runs before a step, so the step that stalled was never planned for): whether it
+        woke anyone."""
+        stuck = [i for i in self.instances if i.core.has_unfinished()]
+        if not stuck or self.setup == "separate":
+            return False
+        self.now = max(self.now, *(i.clock for i in stuck))
+        if self.setup == "lending":
+            self._last_plan = -math.inf
+            self._plan()
+        else:
+            for inst in stuck:
+                self._migrate_from(inst)
+        return any(not i.waiting_for_change for i in stuck)
+
     def _wake(self, at: float) -> None:
         for inst in self.instances:
             if inst.waiting_for_change:
@@ -269,6 +285,8 @@ class LongCtxCluster:
             active = [i for i in self.instances if i.core.has_unfinished() and not i.waiting_for_change]
             next_arrival = pending[0].arrival_s if pending else math.inf
             if not active and not pending:
+                if self._unstick():
+                    continue
                 break  # done, or every instance left waits for a change that will not come
             if pending and (not active or next_arrival <= min(i.clock for i in active)):
                 self.now = max(self.now, next_arrival)
