@@ -76,5 +76,4 @@ def migrate_request(
         request_id, list(request.prompt_token_ids), request.sampling_params, request.arrival_time, resume=resume
     )
     src.core.abort(request_id)
-    data = cache_src.data
-    return Migration(request_id, num_full, num_full * data[:, :, :, 0].numel() * data.element_size())
+    return Migration(request_id, num_full, num_full * src.core.layout.bytes_per_block)

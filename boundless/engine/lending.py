@@ -287,7 +287,7 @@ class LendingAgent:
         if committed:
             self.stats.moves_out += 1
             self.stats.blocks_out += len(ids)
-            self.stats.bytes_out += self._block_bytes(len(ids))
+            self.stats.bytes_out += len(ids) * self.core.layout.bytes_per_block
         return self.rm.move_done(action.move_id, action.creditor, committed)
 
     def _free_local(self, action: FreeLocalBlocks) -> None:
@@ -307,10 +307,6 @@ class LendingAgent:
     def peer_lost(self, instance_id: str) -> None:
         """Another instance died (the cluster's heartbeat timeout): free what was lent to it, recompute what it held."""
         self.apply(self.rm.peer_lost(instance_id))
-
-    def _block_bytes(self, n: int) -> int:
-        data = self.cache.data
-        return n * data[:, :, :, 0].numel() * data.element_size()
 
     # -- the creditor's side (called through the control plane) ---------------------------------------------
 
@@ -342,7 +338,7 @@ class LendingAgent:
         self.server.add_peer(loan.debtor)
         self.stats.moves_in += 1
         self.stats.blocks_in += len(receive.block_ids)
-        self.stats.bytes_in += self._block_bytes(len(receive.block_ids))
+        self.stats.bytes_in += len(receive.block_ids) * self.core.layout.bytes_per_block
         return True
 
     def on_release(self, move_id: str) -> None:
