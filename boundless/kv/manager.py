@@ -658,7 +658,7 @@ class KVCacheManager:
         # Read only the run of blocks memory lacks: blocks after it still in memory (loaded before, held for the
         # request) are not read again; the next plan goes on after them.
         gap_end = start + 1
-        while gap_end < end and not self._in_memory(hashes[gap_end], token_ids[gap_end * bs : (gap_end + 1) * bs]):
+        while gap_end < end and self._in_memory(hashes[gap_end], token_ids[gap_end * bs : (gap_end + 1) * bs]) is None:
             gap_end += 1
         keys = hashes[start:gap_end]
         known = 0
@@ -683,7 +683,7 @@ class KVCacheManager:
         host.touch(own_free_in_host)
         dst = host.allocate(room, self._programs.get(request_id))  # held by the read until it is done
         host.free(reversed(own_free_in_host))
-        self._hold_while_loading(request_id, hashes, token_ids, start)
+        self._hold_while_loading(request_id, token_ids, start)
         if reloading:
             self.counters[DISK].reloaded_blocks += room
         tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start, start + room))
@@ -713,28 +713,24 @@ class KVCacheManager:
         tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(first, first + room))
         return self._start_read(request_id, first, keys, tuple(b.block_id for b in dst), tokens, waits=True, now=now)
 
-    def _in_memory(self, key: BlockHash, tokens: Sequence[int]) -> bool:
+    def _in_memory(self, key: BlockHash, tokens: Sequence[int]) -> BlockRef | None:
+        """Where memory holds the block named ``key``: on the device, else in host memory; None when neither does."""
+        block = self.pool.peek(key, tokens)
+        if block is not None:
+            return BlockRef(DEVICE, block.block_id)
         host = self.pools.get(HOST)
-        return self.pool.peek(key, tokens) is not None or (host is not None and host.peek(key, tokens) is not None)
+        block = host.peek(key, tokens) if host is not None else None
+        return BlockRef(HOST, block.block_id) if block is not None else None
 
-    def _hold_while_loading(
-        self, request_id: str, hashes: Sequence[BlockHash], token_ids: Sequence[int], num_blocks: int
-    ) -> None:
+    def _hold_while_loading(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> None:
         """Hold the request's first ``num_blocks`` blocks (all in memory: the load starts after them) until its
         admission, so that its load is not undone by their eviction before its turn. Its device blocks are held
         only while the prefixes so held stay within ``LOAD_HOLD_SHARE`` of the device, leaving room for what runs
         (and the scheduler lets them go when the request it serves next finds no room: release_held_while_loading)."""
-        bs = self.block_size
-        refs: list[tuple[TierId, KVBlock]] = []
-        for i in range(num_blocks):
-            tokens = token_ids[i * bs : (i + 1) * bs]
-            block = self.pool.peek(hashes[i], tokens)
-            tier = DEVICE
-            if block is None:
-                block, tier = self.pools[HOST].peek(hashes[i], tokens), HOST
-            if block is None:
-                break
-            refs.append((tier, block))
+        refs = [
+            (r.tier, self.pools[r.tier].blocks[r.block_id])
+            for r in self.memory_prefix(request_id, token_ids, num_blocks)
+        ]
         others = sum(
             1 for rid, held in self._held_while_loading.items() if rid != request_id for t, _ in held if t == DEVICE
         )
@@ -751,8 +747,7 @@ class KVCacheManager:
         served before it needs the room. Returns how many of them memory holds (the rest left already)."""
         if HOST not in self.pools:
             return self.hold_prefix(request_id, token_ids, num_blocks)
-        hashes = self.block_hashes(request_id, token_ids[: num_blocks * self.block_size])
-        self._hold_while_loading(request_id, hashes, token_ids, num_blocks)
+        self._hold_while_loading(request_id, token_ids, num_blocks)
         return len(self.memory_prefix(request_id, token_ids, num_blocks))
 
     def _release_held_while_loading(self, request_id: str) -> None:
@@ -1005,19 +1000,13 @@ class KVCacheManager:
             hashes = extend_block_hashes([], head, self.block_size, self.fingerprint)
         else:
             hashes = self.block_hashes(request_id, head)
-        host = self.pools.get(HOST)
         bs = self.block_size
         out = []
         for i in range(first, min(num_blocks, len(hashes))):
-            tokens = token_ids[i * bs : (i + 1) * bs]
-            block = self.pool.peek(hashes[i], tokens)
-            if block is not None:
-                out.append(BlockRef(DEVICE, block.block_id))
-                continue
-            block = host.peek(hashes[i], tokens) if host is not None else None
-            if block is None:
+            ref = self._in_memory(hashes[i], token_ids[i * bs : (i + 1) * bs])
+            if ref is None:
                 break
-            out.append(BlockRef(HOST, block.block_id))
+            out.append(ref)
         return out
 
     def hold_prefix(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> int:
