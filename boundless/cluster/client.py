@@ -119,7 +119,7 @@ class DispatcherFrontEnd:
                 queue.extend(self.dispatcher.add_done(decision, self._add(decision)))
             elif isinstance(decision, Prepare):
                 assert isinstance(self.dispatcher, PDDispatcher)
-                queue.extend(self.dispatcher.prepare_done(decision, self._prepare(decision)))
+                queue.extend(self.dispatcher.prepare_done(decision, self._prepare_decode(decision)))
             elif isinstance(decision, Continue):
                 assert isinstance(self.dispatcher, PDDispatcher)
                 queue.extend(self.dispatcher.continue_done(decision, self._continue(decision)))
@@ -136,10 +136,24 @@ class DispatcherFrontEnd:
                 self._peer_lost(decision)
         return failure
 
+    def _prepare_decode(self, prepare: Prepare) -> PrepareResult:
+        """Carry out a Prepare: under DE-read the prefill engine is asked first how much of the prompt it holds, so
+        that the decode engine loads and pushes only the rest (``IntakePlan.pe_holds``)."""
+        if prepare.plan.push_tag is not None and prepare.prefill_engine:
+            holds = self._pe_holds(prepare.prefill_engine, prepare.prompt)
+            prepare = dataclasses.replace(prepare, plan=dataclasses.replace(prepare.plan, pe_holds=holds))
+        answer = self._prepare(prepare)
+        if isinstance(answer, AddResult):
+            return PrepareResult(answer.status, message=answer.message, param=answer.param)
+        return answer
+
     def _add(self, send: Send) -> AddResult:
         raise NotImplementedError
 
-    def _prepare(self, prepare: Prepare) -> PrepareResult:
+    def _prepare(self, prepare: Prepare) -> PrepareResult | AddResult:
+        raise NotImplementedError
+
+    def _pe_holds(self, instance_id: str, prompt: list[int]) -> int:
         raise NotImplementedError
 
     def _continue(self, cont: Continue) -> AddResult:
@@ -355,16 +369,10 @@ class ClusterClient(DispatcherFrontEnd):
         call = actor.add.remote(send.request_id, send.prompt, send.params, send.program, send.resume, send.handoff)
         return self._answer(call, send.instance_id, send.request_id)
 
-    def _prepare(self, prepare: Prepare) -> PrepareResult:
+    def _prepare(self, prepare: Prepare) -> PrepareResult | AddResult:
         actor = self.instances[prepare.instance_id].actor
-        plan = prepare.plan
-        if plan.push_tag is not None and prepare.prefill_engine:
-            plan = dataclasses.replace(plan, pe_holds=self._pe_holds(prepare.prefill_engine, prepare.prompt))
-        call = actor.prepare.remote(prepare.request_id, prepare.prompt, prepare.params, prepare.program, plan)
-        result = self._answer(call, prepare.instance_id, prepare.request_id)
-        if isinstance(result, AddResult):
-            return PrepareResult(result.status, message=result.message, param=result.param)
-        return result
+        call = actor.prepare.remote(prepare.request_id, prepare.prompt, prepare.params, prepare.program, prepare.plan)
+        return self._answer(call, prepare.instance_id, prepare.request_id)
 
     def _pe_holds(self, instance_id: str, prompt: list[int]) -> int:
         """The leading blocks of ``prompt`` a prefill engine holds in memory; 0 when it does not answer (its Send

@@ -14,7 +14,6 @@ stream), as the Ray cluster does.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import threading
 from collections.abc import Callable
@@ -98,15 +97,11 @@ class LocalPDCluster(DispatcherFrontEnd):
             lambda: inst.add(send.request_id, send.prompt, send.params, send.program, send.resume, send.handoff)
         )
 
-    def _prepare(self, prepare: Prepare) -> PrepareResult:
+    def _prepare(self, prepare: Prepare) -> PrepareResult | AddResult:
         inst = self.instances[prepare.instance_id]
-        plan = prepare.plan
-        if plan.push_tag is not None and prepare.prefill_engine:
-            plan = dataclasses.replace(plan, pe_holds=self._pe_holds(prepare.prefill_engine, prepare.prompt))
-        answer = _call(lambda: inst.prepare(prepare.request_id, prepare.prompt, prepare.params, prepare.program, plan))
-        if isinstance(answer, AddResult):
-            return PrepareResult(answer.status, message=answer.message, param=answer.param)
-        return answer
+        return _call(
+            lambda: inst.prepare(prepare.request_id, prepare.prompt, prepare.params, prepare.program, prepare.plan)
+        )
 
     def _pe_holds(self, instance_id: str, prompt: list[int]) -> int:
         """The leading blocks of ``prompt`` a prefill engine holds in memory; 0 when it cannot say (its Send will
