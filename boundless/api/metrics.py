@@ -145,7 +145,7 @@ def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
     recomputed = CounterMetricFamily(
         "boundless_kv_tier_recomputed_blocks",
         "stored KV blocks a request computed instead of reading from the tier, by why (no_host_room, "
-        "unwaited_probe, load_timeout, evicted_before_admission)",
+        "unwaited_probe, load_timeout, evicted_before_admission, load_came_back_short)",
         labels=["instance", "tier", "reason"],
     )
     for inst, s in snapshots.items():
