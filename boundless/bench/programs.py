@@ -36,7 +36,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import plot_sweep, print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import (
     WORKLOADS,
@@ -393,7 +393,9 @@ def run(args: argparse.Namespace) -> dict:
         out_dir = Path(args.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         _write_csv(out_dir / f"programs-{args.workload}.csv", rows)
-        _plot(out_dir / f"programs-{args.workload}.png", rows, args.workload)
+        png = out_dir / f"programs-{args.workload}.png"
+        done = plot_sweep(png, rows, f"{args.workload}: latency against load", series=_label)
+        print(f"wrote {png}" if done else "matplotlib is not installed; no plot")
     if args.json:
         write_json(args.json, result)
     return result
@@ -416,29 +418,6 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"wrote {path}")
-
-
-def _plot(path: Path, rows: list[dict], workload: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed; no plot")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label in dict.fromkeys(_label(r) for r in rows):
-        pts = sorted((r["rate"], r["avg_latency_s"]) for r in rows if _label(r) == label)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.set_xlabel("program arrival rate (programs/s)")
-    ax.set_ylabel("average program latency (s)")
-    ax.set_title(f"{workload}: latency against load")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
     print(f"wrote {path}")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,3 +22,38 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def plot_sweep(
+    path: str | Path,
+    rows: Sequence[dict],
+    title: str,
+    metrics: Sequence[tuple[str, str]] = (("avg_latency_s", "average program latency (s)"),),
+    x: tuple[str, str] = ("rate", "program arrival rate (programs/s)"),
+    series: str | Callable[[dict], str] = "policy",
+) -> bool:
+    """A PNG of a sweep: ``metrics`` (key, axis label) of ``rows`` against ``x``, a panel per metric and a line per
+    value of ``series`` (a row's key, or a function of the row); False (and nothing written) where matplotlib is
+    not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display: a file only
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    line_of = series if callable(series) else (lambda row: str(row[series]))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    for ax, (key, label) in zip(axes[0], metrics, strict=True):
+        for name in dict.fromkeys(line_of(r) for r in rows):
+            points = sorted((r[x[0]], r[key]) for r in rows if line_of(r) == name)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax.set_xlabel(x[1])
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

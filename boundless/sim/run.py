@@ -11,14 +11,13 @@ import dataclasses
 import statistics
 import time
 
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import plot_sweep, print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, agent_sessions, make_programs
 from boundless.cluster.pd_dispatcher import PDDispatcher
 from boundless.config import CacheConfig, ClusterConfig, ModelConfig, add_flags, engine_config_from_flags
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
-from boundless.sim.plot import plot_sweep
 from boundless.sim.profiles import load_profile, profile_names
 from boundless.sim.progress import VirtualTimeBar
 from boundless.sim.simulator import SimResult, Simulator
@@ -172,19 +171,19 @@ def print_rows(rows: list[dict]) -> None:
 def write_plot(path: str, rows: list[dict], args: argparse.Namespace, hardware: str) -> None:
     """Latency against arrival rate, a line per policy (and read path); with several cluster sizes, the job's
     completion time and throughput against the number of GPUs, a line per read path."""
-    for row in rows:
-        row["label"] = row["policy"] + (f"/{row['kv_path']}" if row["kv_path"] else "")
+
+    def label(row: dict) -> str:
+        return row["policy"] + (f"/{row['kv_path']}" if row["kv_path"] else "")
+
     sizes = len({r["roles"] for r in rows})
     if sizes > 1:
         title = f"{args.workload}: {args.num_programs} programs per prefill engine on {hardware}"
         metrics = (("jct_s", "job completion time (s)"), ("output_tokens_per_s", "output tokens per second"))
-        done = plot_sweep(path, rows, title, metrics, x=("gpus", "GPUs (prefill + decode)"), series="label")
+        done = plot_sweep(path, rows, title, metrics, x=("gpus", "GPUs (prefill + decode)"), series=label)
     else:
         title = f"{args.workload}: {rows[0]['roles'] or rows[0]['gpus']} x {hardware}, {args.num_programs} programs"
         metrics = (("avg_latency_s", "average program latency (s)"), ("p95_latency_s", "p95 program latency (s)"))
-        done = plot_sweep(path, rows, title, metrics, series="label")
-    for row in rows:
-        del row["label"]
+        done = plot_sweep(path, rows, title, metrics, series=label)
     print(f"wrote {path}" if done else "matplotlib is not installed; no plot")
 
 
