@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from boundless.engine.core import EngineCore, Resume
 from boundless.engine.request import RequestStatus
-from boundless.transport.base import KVTransport
+from boundless.transport.base import KVTransport, TransportError
 from boundless.transport.blocks import BlocksReceive, send_blocks
 
 _MIGRATION_TAG_BASE = 0xF300_0000
@@ -49,7 +49,8 @@ def migrate_request(
     src: Endpoint, dst: Endpoint, request_id: str, attempt: int = 0, timeout_s: float = 30.0
 ) -> Migration | None:
     """Move a running request from ``src`` to ``dst`` with its computed full blocks; None (nothing changed) when
-    it is not running there or ``dst`` lacks room for its blocks. Call between the engines' steps."""
+    it is not running there, ``dst`` lacks room for its blocks, or the transfer fails (a peer gone, a timeout).
+    Call between the engines' steps."""
     request = src.core.scheduler.requests.get(request_id)
     if request is None or request.status is not RequestStatus.RUNNING:
         return None
@@ -63,9 +64,13 @@ def migrate_request(
         return None
     cache_src, cache_dst = src.core.executor.runner.kv_cache, dst.core.executor.runner.kv_cache
     tag = migration_tag(request_id, attempt)
-    receive = BlocksReceive(dst.transport, src.transport.address, tag, cache_dst, dst_ids)
-    send_blocks(src.transport, dst.transport.address, tag, cache_src, src_ids).wait(timeout_s)
-    receive.wait(timeout_s)
+    try:
+        receive = BlocksReceive(dst.transport, src.transport.address, tag, cache_dst, dst_ids)
+        send_blocks(src.transport, dst.transport.address, tag, cache_src, src_ids).wait(timeout_s)
+        receive.wait(timeout_s)
+    except TransportError:
+        kv_dst.free_unowned(dst_ids)  # nothing was named there: the request runs on where it was
+        return None
     keys = kv_dst.block_hashes(request_id, tokens[: num_full * bs])
     pool = kv_dst.pool
     for i, block_id in enumerate(dst_ids):

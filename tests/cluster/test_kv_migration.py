@@ -66,3 +66,28 @@ def test_migrated_request_continues_from_its_moved_blocks(tiny_llama, tmp_path: 
     finally:
         src.transport.close()
         dst.transport.close()
+
+
+def test_a_migration_whose_transfer_fails_changes_nothing(tiny_llama, tmp_path: Path) -> None:
+    want: dict[str, list[int]] = {}
+    one = _engine(tiny_llama)
+    one.add_request("r", PROMPT, PARAMS)
+    _run(one, want)
+
+    src = Endpoint(_engine(tiny_llama), ShmTransport(tmp_path, "a", timeout_s=1))
+    dst = Endpoint(_engine(tiny_llama), ShmTransport(tmp_path, "b", timeout_s=1))
+    try:
+        got: dict[str, list[int]] = {}
+        src.core.add_request("r", PROMPT, PARAMS)
+        _run(src.core, got, steps=6)
+        used = src.core.kv.pool.num_used
+        dst.transport.close()  # the destination is gone before the blocks travel
+        assert migrate_request(src, dst, "r", timeout_s=1.0) is None
+        # Both sides as before: the destination took no block, the source still runs the request on its own.
+        assert dst.core.kv.pool.num_used == 0 and not dst.core.has_unfinished()
+        assert src.core.kv.pool.num_used == used
+        _run(src.core, got)
+        assert got["r"] == want["r"]
+    finally:
+        src.transport.close()
+        dst.transport.close()
