@@ -187,6 +187,9 @@ class KVCacheManager:
         self._held: list[tuple[TierId, list[KVBlock]]] = []
         self._transfers: list[BlockTransfer] = []  # this step's, in the order decided
         self._tables: dict[str, list[KVBlock]] = {}
+        # Each table's block ids, kept as the table grows (tables only grow, or are replaced whole): a decode step
+        # asks for them every step, and rebuilding them was O(context) per request per step.
+        self._table_ids: dict[str, tuple[list[KVBlock], list[int]]] = {}
         # KV lending: a request's leading blocks that live on other instances, in order. Its table then holds its
         # blocks from the first local one on (block index ``sum of num_blocks``).
         self._lent: dict[str, list[LentSpan]] = {}
@@ -246,14 +249,24 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's local blocks: from block :meth:`num_lent_blocks` on."""
-        return [b.block_id for b in self._tables.get(request_id, ())]
+        """The request's local blocks: from block :meth:`num_lent_blocks` on (a new list, the caller's)."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return []
+        kept = self._table_ids.get(request_id)
+        if kept is None or kept[0] is not table or len(kept[1]) > len(table):
+            kept = self._table_ids[request_id] = (table, [])
+        ids = kept[1]
+        if len(ids) < len(table):
+            ids.extend(b.block_id for b in table[len(ids) :])
+        return list(ids)
 
     # -- KV lending: leading blocks on other instances ---------------------------------------------------------
 
     def num_lent_blocks(self, request_id: str) -> int:
         """How many of the request's leading blocks live on other instances."""
-        return sum(span.num_blocks for span in self._lent.get(request_id, ()))
+        spans = self._lent.get(request_id)
+        return sum(span.num_blocks for span in spans) if spans else 0
 
     def remote_prefix(self, request_id: str) -> tuple[int, tuple[RemoteKV, ...]]:
         """The request's first local block index, and its remote blocks grouped by creditor (for attention)."""
@@ -387,6 +400,7 @@ class KVCacheManager:
         if self._disk_keys is not None:
             self._note_names(request_id)
         table = self._tables.pop(request_id, [])
+        self._table_ids.pop(request_id, None)
         self.pool.free(reversed(table))
         lent = self._lent.pop(request_id, None)
         if lent:
@@ -453,6 +467,7 @@ class KVCacheManager:
                 lower_pool.cache(b, d.block_hash, d.token_ids)
         self._swapped[request_id] = (tier, lower)
         del self._tables[request_id]
+        self._table_ids.pop(request_id, None)
         self.pool.free(reversed(table))
         self._num_named.pop(request_id, None)
         return transfers
@@ -530,7 +545,9 @@ class KVCacheManager:
 
     def _blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None) -> int:
         have = len(self._tables.get(request_id, ())) + self.num_lent_blocks(request_id)
-        on_device = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == DEVICE] if prefix else []
+        if prefix is None:  # a running request growing: the common case, every step
+            return max(self.blocks_for_tokens(num_tokens_after) - have, 0) - self.pool.num_free
+        on_device = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == DEVICE]
         # Hits on free cached blocks leave the free queue, so they cost free capacity too.
         revived = sum(1 for b in on_device if b.ref_count == 0)
         need = self.blocks_for_tokens(num_tokens_after) - have - len(on_device)
