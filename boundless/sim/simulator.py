@@ -144,8 +144,12 @@ class Simulator:
         cluster: ClusterConfig | None = None,
         profile: HardwareProfile | None = None,
         instances_per_node: int = 0,
+        fast_forward: bool = True,
     ) -> None:
         self.clock = VirtualClock()
+        # Run an instance's steps back to back, off the event heap, while nothing else is due before its next step
+        # ends (``_step_alone``); the results are the same either way (tests/sim compares them).
+        self.fast_forward = fast_forward
         host_copy, disk_cost, network = HOST_COPY, DEFAULT_DISK_COST, DEFAULT_NETWORK
         if profile is not None:  # its step model unless ``cost`` is given, and its links
             cost = cost or profile.step
@@ -191,6 +195,7 @@ class Simulator:
         self.tokens = PromptTokens(model.identity.vocab_size, seed)
         self.placements: list[Placement] = []
         self.num_steps = 0
+        self.num_steps_alone = 0  # of which fast-forwarded (run back to back, off the heap)
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self._calls: dict[str, _Call] = {}
@@ -267,18 +272,20 @@ class Simulator:
             # instances made ready while steps start (an idle step that applied ended streams) go round again.
             if not self._ready:
                 clock.now = events[0][0]
-            now = clock.now
-            while events and events[0][0] <= now:
+            while events and events[0][0] <= clock.now:  # (fast-forwarded steps move the clock on)
                 _, _, kind, payload = heapq.heappop(events)
                 if kind == _STEP_END:
                     self._step_end(payload)  # type: ignore[arg-type]
+                    if self.fast_forward:
+                        self._step_alone(payload)  # type: ignore[arg-type]
                 elif kind == _STAGE:
                     self._start_stage(payload)  # type: ignore[arg-type]
                 elif kind == _CALL:
                     self._submit(*payload)  # type: ignore[misc]
                 elif self.instances[payload].step is None:  # type: ignore[index]
                     self._ready.add(payload)  # type: ignore[arg-type]  # a stream of this idle instance ended
-            if self.dispatcher is not None and now >= self._next_expiry:
+            now = clock.now
+            if self._beat_due(now):
                 self._heartbeat(now)
                 self._next_expiry = now + self.cluster.heartbeat_interval_s
             ready, self._ready = self._ready, set()
@@ -297,6 +304,9 @@ class Simulator:
             for sp in sims
         ]
 
+    def _beat_due(self, now: float) -> bool:
+        return self.dispatcher is not None and now >= self._next_expiry
+
     def _heartbeat(self, now: float) -> None:
         """As the transport's heartbeat loop: with roles, each engine's node storage read queue to the
         dispatcher; then programs idle past their TTL expire."""
@@ -313,11 +323,36 @@ class Simulator:
     # -- instances ---------------------------------------------------------------------------
 
     def _start_step(self, inst: SimInstance) -> None:
+        end = self._begin_step(inst)
+        if end is not None:
+            self._at(end, _STEP_END, inst)
+
+    def _step_alone(self, inst: SimInstance) -> None:
+        """Fast-forward, just after ``inst``'s step ended: while it is the only instance to start a step now,
+        nothing else is due now (no event, no heartbeat), and nothing is due before its next step ends either,
+        run that step here and end it at once, as the event loop would have, without the heap. Nothing else
+        happens meanwhile, so every engine call and every event is as without it (the step's event would have
+        been the next one out of the heap)."""
+        events, clock, iid = self._events, self.clock, inst.instance_id
+        while self._ready == {iid} and not (events and events[0][0] <= clock.now) and not self._beat_due(clock.now):
+            self._ready.clear()
+            end = self._begin_step(inst)
+            if end is None:
+                return
+            if (events and events[0][0] <= end) or self._beat_due(end):
+                self._at(end, _STEP_END, inst)  # something else comes first (or at the same time, queued before)
+                return
+            clock.now = end
+            self.num_steps_alone += 1
+            self._step_end(inst)
+
+    def _begin_step(self, inst: SimInstance) -> float | None:
+        """Start the instance's next step: the time it ends, or None when it has none to run now."""
         if inst.step is not None or not inst.core.has_unfinished():
-            return
+            return None
         sched = inst.core.schedule()
         if sched.is_empty:  # nothing it can run until a call arrives or ends
-            return
+            return None
         result = inst.core.execute(sched)
         if not sched.chunks and result.elapsed_s == 0 and sched.num_remote_in_flight:
             # Nothing to compute, and its streams end at a time not known yet (a peer has not sent): the step
@@ -327,10 +362,10 @@ class Simulator:
                 self._on_delta(inst.instance_id, delta)
             if reported:
                 self._ready.add(inst.instance_id)
-            return
+            return None
         inst.step = (sched, result)
         self.num_steps += 1
-        self._at(self.clock.now + result.elapsed_s, _STEP_END, inst)
+        return self.clock.now + result.elapsed_s
 
     def _step_end(self, inst: SimInstance) -> None:
         sched, result = inst.step  # type: ignore[misc]
