@@ -1067,7 +1067,7 @@ class KVCacheManager:
 
     def is_receiving(self, request_id: str) -> bool:
         """Whether blocks of the request are on their way from a peer (it is not admitted meanwhile)."""
-        return any(i.request_id == request_id for i in self._intakes.values())
+        return bool(self._intakes) and any(i.request_id == request_id for i in self._intakes.values())
 
     def take_remote_recvs(self) -> list[RemoteRecv]:
         out, self._recvs = self._recvs, []
