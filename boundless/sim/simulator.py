@@ -44,6 +44,7 @@ from boundless.programs.ref import ProgramRef
 from boundless.sim.cost import CostModel, StepCost
 from boundless.sim.engine import DEFAULT_DISK_COST, HOST_COPY, SimulatedModel, simulated_engine
 from boundless.sim.executor import DiskCost
+from boundless.sim.lending import SimulatedLending, lending_max_model_len, simulated_lending
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import HardwareProfile
 from boundless.sim.remote import KVFabric
@@ -82,6 +83,7 @@ class SimResult:
     finish_s: float
     output_tokens: int
     failed_calls: int = 0  # calls the engine refused (as the benchmark counts them)
+    finished: bool = True  # False: the run ended with the program's calls unserved (finish_s is the run's end)
 
     @property
     def latency_s(self) -> float:
@@ -124,6 +126,9 @@ DEFAULT_NETWORK = LinkSpec(50e9, 5e-6)
 
 Progress = Callable[[float], None]  # told the virtual time as the run goes
 
+# With KV lending, heartbeats keep coming while work remains, until this many in a row saw no step start.
+LENDING_STALL_BEATS = 120
+
 
 class Simulator:
     """``instances`` engine instances under a stream of agent programs, in virtual time.
@@ -144,6 +149,7 @@ class Simulator:
         cluster: ClusterConfig | None = None,
         profile: HardwareProfile | None = None,
         instances_per_node: int = 0,
+        compact_prompts: bool = True,
     ) -> None:
         self.clock = VirtualClock()
         host_copy, disk_cost, network = HOST_COPY, DEFAULT_DISK_COST, DEFAULT_NETWORK
@@ -156,6 +162,7 @@ class Simulator:
         self.instances = {}
         self.storage_links: list[Link] = []
         self.fabric: KVFabric | None = None
+        self.lending: SimulatedLending | None = None
         if self.cluster.disaggregated:
             # The cluster's emulated NICs, when given, in place of the profile's figures (as the real links).
             if self.cluster.storage_gbps is not None:
@@ -174,10 +181,17 @@ class Simulator:
                 rate = disk_cost.read_bytes_per_s * instances_per_node
                 nodes = -(-instances // instances_per_node)
                 self.storage_links = [Link(f"storage-node{k}", rate) for k in range(nodes)]
+            lending = self.cluster.kv_lending == "on"
+            max_len = lending_max_model_len(config, model, instances) if lending else None
             for i in range(instances):
                 link = self.storage_links[i // instances_per_node] if self.storage_links else None
-                core = simulated_engine(config, model, cost, self.clock, None, host_copy, disk_cost, link)
+                core = simulated_engine(
+                    config, model, cost, self.clock, None, host_copy, disk_cost, link, max_model_len=max_len
+                )
                 self.instances[str(i)] = SimInstance(str(i), core)
+            if lending:
+                cores = {iid: inst.core for iid, inst in self.instances.items()}
+                self.lending = simulated_lending(cores, self.cluster, self.clock, network, model, profile)
             if instances > 1:  # as ClusterClient builds it
                 table = ProcessTable(
                     ttl_s=config.scheduler.program_ttl_s, critical_path=config.scheduler.policy == "atlas"
@@ -188,6 +202,10 @@ class Simulator:
                 self.dispatcher = Dispatcher(self.instances, router, table, self.clock)
         self.core = next(iter(self.instances.values())).core  # the engine, for one instance
         self.max_model_len = min(i.core.max_model_len for i in self.instances.values())
+        # Without compaction a prompt goes as it is, and one longer than an instance admits is refused.
+        self.compact_prompts = compact_prompts
+        self._lending_idle_beats = 0  # lending heartbeats in a row with no step started (a stall)
+        self._lending_steps_seen = 0
         self.tokens = PromptTokens(model.identity.vocab_size, seed)
         self.placements: list[Placement] = []
         self.num_steps = 0
@@ -293,6 +311,7 @@ class Simulator:
                 sp.finish_s if sp.finish_s is not None else self.clock.now,
                 sp.output_tokens,
                 sp.failed_calls,
+                sp.finish_s is not None,
             )
             for sp in sims
         ]
@@ -309,6 +328,24 @@ class Simulator:
                     queued = link.stats().queued_bytes
                 self.dispatcher.report(iid, read_queue_tokens(queued, self._kv_bytes_per_token))
         self.dispatcher.expire()
+        if self.lending is not None:
+            self._lending_heartbeat(now)
+
+    def _lending_heartbeat(self, now: float) -> None:
+        """KV lending's part of the heartbeat (``sim/lending.py``): reports to the gManager, a due plan's orders
+        carried out by idle debtors at once (busy ones at their step's end); every instance looks again for work
+        (blocks moved or freed). While work remains, the next heartbeat is an event, as the real loop's timer
+        fires whether or not anything else happens, until nothing has stepped for ``LENDING_STALL_BEATS``."""
+        assert self.lending is not None
+        for iid in sorted(self.lending.heartbeat()):
+            if self.instances[iid].step is None:
+                self.lending.between_steps(iid)
+        self._ready.update(self.instances)
+        self._lending_idle_beats = self._lending_idle_beats + 1 if self.num_steps == self._lending_steps_seen else 0
+        self._lending_steps_seen = self.num_steps
+        busy = [iid for iid, inst in self.instances.items() if inst.core.has_unfinished()]
+        if busy and self._lending_idle_beats < LENDING_STALL_BEATS:
+            self._at(now + self.cluster.heartbeat_interval_s, _WAKE, busy[0])
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -338,6 +375,8 @@ class Simulator:
         self._ready.add(inst.instance_id)
         for delta in inst.core.finish_step(sched, result):
             self._on_delta(inst.instance_id, delta)
+        if self.lending is not None and self.lending.between_steps(inst.instance_id):
+            self._ready.update(self.instances)  # blocks moved: the creditors' room changed too
 
     def _on_delta(self, instance_id: str, delta: RequestDelta) -> None:
         decisions: list[PDDecision] = []
@@ -367,7 +406,8 @@ class Simulator:
 
     def _submit(self, sp: SimProgram, spec: CallSpec) -> None:
         new_input = self.tokens.draw(sp.rng, spec.new_input)
-        prompt = call_prompt(spec, sp.system, sp.contexts, sp.outputs, new_input, self.max_model_len)
+        limit = self.max_model_len if self.compact_prompts else 1 << 62
+        prompt = call_prompt(spec, sp.system, sp.contexts, sp.outputs, new_input, limit)
         rid = f"c{next(self._ids)}"
         params = SamplingParams(max_tokens=spec.output, ignore_eos=True)
         program = ProgramRef(sp.spec.program_id, spec.thread_id, spec.parents)
