@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from boundless.cluster.gmanager import GManager
 from boundless.cluster.lending_cluster import ClusterLending
-from boundless.cluster.links import Link, Traffic
+from boundless.cluster.links import Link, Traffic, gbps_to_bytes_per_s
 from boundless.cluster.rmanager import RManager
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.attention_time import ChunkShape, shapes_of
@@ -292,7 +292,9 @@ def simulated_lending(
     profile: HardwareProfile | None,
 ) -> SimulatedLending:
     """Lending over these engines, its bytes and round trips sized by the profile's model when it states one (a
-    roofline GPU profile), else by ``model``'s."""
+    roofline GPU profile), else by ``model``'s; ``--net-gbps``, when given, sets each instance's network link."""
+    if cluster.net_gbps is not None:
+        network = LinkSpec(gbps_to_bytes_per_s(cluster.net_gbps), network.latency_s)
     shape = getattr(profile.step, "shape", None) if profile is not None else None
     layout = next(iter(cores.values())).layout
     if shape is not None:

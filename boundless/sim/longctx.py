@@ -165,7 +165,10 @@ def run_longctx(
     cost: StepCost | None,
     cluster: ClusterConfig,
 ) -> dict:
-    """Every rate of ``--rates`` and mode of ``--kv-modes`` on the trace (see the module); the JSON's data."""
+    """Every rate of ``--rates`` and mode of ``--kv-modes`` on the trace (see the module); the JSON's data. No host
+    tier, as ``bench longctx`` runs it: a request that loses its blocks is recomputed (a swapped-out request's
+    swap-in counts its lent blocks as local ones, so with lending it could never come back)."""
+    base = dataclasses.replace(base, cache=dataclasses.replace(base.cache, kv_host_gb=0.0))
     pool = pool_tokens(base, model)
     shape = trace_shape_from_flags(args)
     modes = [m.strip() for m in args.kv_modes.split(",") if m.strip()]
