@@ -72,14 +72,15 @@ class MoveStats:
     requests_recomputed: int = 0
 
 
-def next_chunk_needs(core: EngineCore) -> list[tuple[str, int]]:
-    """Each running request's id and the blocks it must add for its next chunk (a step's budget of tokens, or what
-    is left of its context), in the scheduler's running order; its blocks on creditors count as held."""
+def next_chunk_needs(core: EngineCore, chunks: int = 1) -> list[tuple[str, int]]:
+    """Each running request's id and the blocks it must add for its next ``chunks`` chunks (a step's budget of
+    tokens each, or what is left of its context), in the scheduler's running order; its blocks on creditors count
+    as held."""
     kv, sched = core.kv, core.scheduler
     return [
         (
             r.request_id,
-            kv.blocks_for_tokens(min(r.num_tokens, r.num_computed_tokens + sched.max_num_batched_tokens))
+            kv.blocks_for_tokens(min(r.num_tokens, r.num_computed_tokens + chunks * sched.max_num_batched_tokens))
             - kv.num_allocated_blocks(r.request_id)
             - kv.num_lent_blocks(r.request_id),
         )
@@ -219,9 +220,11 @@ class LendingAgent:
         control: ControlPlane,
         timeout_s: float = 30.0,
         data: LendingData | None = None,
+        lookahead_chunks: int = 1,
     ) -> None:
         """Over ``transport`` (the real runner's DistributedAttention and partial server), or over ``data``
-        (another tensor side: the simulator's) when given."""
+        (another tensor side: the simulator's) when given. ``lookahead_chunks``: a running request counts as
+        stalled when the blocks of that many next chunks do not fit (see ``observe``)."""
         if data is None and (transport is None or rmanager.instance_id != transport.address):
             raise ValueError("an agent's instance id is its transport address")
         self.core = core
@@ -229,6 +232,7 @@ class LendingAgent:
         self.control = control
         self.timeout_s = timeout_s
         self.stats = MoveStats()
+        self.lookahead_chunks = lookahead_chunks
         self._lost_debtors: set[str] = set()  # seen gone by the server's thread; acted on by observe
         if data is None:
             assert transport is not None
@@ -281,7 +285,11 @@ class LendingAgent:
         }
         own = sum(req.local_blocks for req in requests.values())
         free = self.rm.total_blocks - own - self.rm.reserved_blocks - self.rm.lent_blocks
-        stalled = tuple(need for _, need in stalled_growth(next_chunk_needs(self.core), free))
+        # With plans made between the engine's steps (a benchmark) one chunk is enough; a plan from a heartbeat
+        # reaches the debtor a step after the report, when the next chunk may already have stalled: looking
+        # further ahead lends before the scheduler evicts the request for want of room.
+        needs = next_chunk_needs(self.core, self.lookahead_chunks)
+        stalled = tuple(need for _, need in stalled_growth(needs, free))
         self.rm.observe(
             LocalState(
                 own_blocks=own,

@@ -209,8 +209,10 @@ class SimulatedLending:
         network: LinkSpec,
         shape: AttentionShape,
         bytes_per_block: int,
+        idle: Callable[[str], bool],
     ) -> None:
         self.cluster = cluster
+        self.idle = idle  # whether an instance is between steps (its loop would hold no lock)
         self.control = LocalControlPlane()
         self.data: dict[str, SimulatedLendingData] = {}
         self.agents: dict[str, LendingAgent] = {}
@@ -228,34 +230,63 @@ class SimulatedLending:
             data = SimulatedLendingData(iid, link, network.latency_s, bytes_per_block, clock)
             self.data[iid] = data
             self.agents[iid] = self.control.add(
-                LendingAgent(core, rm, None, self.control, cluster.kv_handoff_timeout_s, data=data)
+                LendingAgent(
+                    core,
+                    rm,
+                    None,
+                    self.control,
+                    cluster.kv_handoff_timeout_s,
+                    data=data,
+                    lookahead_chunks=cluster.lending_lookahead_chunks,
+                )
             )
             executor = core.executor  # the cost-model executor: its steps now cost what lending adds
             executor.cost = LendingStepCost(executor.cost, data, self.data, shape, network)  # type: ignore[attr-defined]
         self.lending = ClusterLending(GManager.from_config(cluster, clock), {iid: iid for iid in cores})
         self._orders: dict[str, deque[tuple[str, int, str]]] = {iid: deque() for iid in cores}
+        self._owed_reports: set[str] = set()  # mid-step at the heartbeat: they report when their step ends
 
-    def heartbeat(self) -> set[str]:
-        """As each instance's heartbeat and the router's loop after it: the rManagers' reports (with the step
-        times their engines recorded) to the gManager, then a plan's orders, if one is due, to the debtors.
-        The debtors to carry them out."""
-        for agent in self.agents.values():
-            agent.observe()
-            agent.apply(agent.rm.expire())
-            self.lending.on_heartbeat(agent.rm.heartbeat(agent.core.step_times.drain()))
-        debtors = set()
-        for order in self.lending.orders():
-            self._orders[order.instance_id].append((order.request_id, order.num_blocks, order.creditor))
-            debtors.add(order.instance_id)
-        return debtors
+    def heartbeat(self) -> bool:
+        """The router's heartbeat round: each instance's rManager reports (with the step times its engine
+        recorded), an instance mid-step once its step ends (the real heartbeat waits for the engine loop's lock),
+        and once every live one has, a due plan's orders go to their debtors. Whether blocks moved."""
+        for iid in self.agents:
+            if self.idle(iid):
+                self._report(iid)
+            else:
+                self._owed_reports.add(iid)
+        return self._plan()
 
     def between_steps(self, instance_id: str) -> bool:
         """What the instance's loop does between steps: tell its rManager the engine's state (releasing the
-        remote blocks of requests it dropped) and carry out its orders. Whether any blocks moved."""
+        remote blocks of requests it dropped), send a report it owes, and carry out its orders. Whether any
+        blocks moved."""
+        self.agents[instance_id].observe()
+        if instance_id in self._owed_reports:
+            self._report(instance_id)
+            return self._plan()
+        return self._carry_out(instance_id)
+
+    def _report(self, instance_id: str) -> None:
+        self._owed_reports.discard(instance_id)
         agent = self.agents[instance_id]
         agent.observe()
+        agent.apply(agent.rm.expire())
+        self.lending.on_heartbeat(agent.rm.heartbeat(agent.core.step_times.drain()))
+
+    def _plan(self) -> bool:
+        """A plan, if one is due (every live instance reported since the last); idle debtors carry out their
+        orders at once, busy ones between their steps."""
+        for order in self.lending.orders():
+            self._orders[order.instance_id].append((order.request_id, order.num_blocks, order.creditor))
         moved = False
-        orders = self._orders[instance_id]
+        for iid in sorted(self._orders):
+            if self._orders[iid] and self.idle(iid):
+                moved |= self._carry_out(iid)
+        return moved
+
+    def _carry_out(self, instance_id: str) -> bool:
+        agent, orders, moved = self.agents[instance_id], self._orders[instance_id], False
         while orders:
             moved |= agent.move_kvcache(*orders.popleft())
         return moved
@@ -290,6 +321,7 @@ def simulated_lending(
     network: LinkSpec,
     model: SimulatedModel,
     profile: HardwareProfile | None,
+    idle: Callable[[str], bool],
 ) -> SimulatedLending:
     """Lending over these engines, its bytes and round trips sized by the profile's model when it states one (a
     roofline GPU profile), else by ``model``'s; ``--net-gbps``, when given, sets each instance's network link."""
@@ -304,4 +336,4 @@ def simulated_lending(
         arch = model.arch
         attention = AttentionShape(arch.num_layers, arch.num_heads, arch.head_dim)
         block_bytes = layout.bytes_per_block
-    return SimulatedLending(cores, cluster, clock, network, attention, block_bytes)
+    return SimulatedLending(cores, cluster, clock, network, attention, block_bytes, idle)

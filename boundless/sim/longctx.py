@@ -11,7 +11,8 @@ entry serves the very same trace on ``--instances`` simulated engines behind the
 
 Prompts go as they are (no compaction). A row: requests served, refused and left unserved (the run ended
 with them stalled), the longest context served, tokens per second (prompt and output of the served requests over
-the span from the first arrival to the last finish), the served requests' latency, and what lending moved.
+the span from the first arrival to the last finish), the served requests' latency, the same for the short
+requests alone (their span ends with the last short one), each long request's latency, and what lending moved.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def longctx_row(sim: Simulator, results: list[SimResult], programs: list[Program
     span = max((r.finish_s for r in served), default=first) - first
     tokens = sum(context[r.program_id] + r.output_tokens for r in served)
     lat = [r.latency_s for r in served] or [0.0]
+    shorts = [r for r in served if not r.program_id.startswith("long")]
+    short_lat = [r.latency_s for r in shorts] or [0.0]
+    short_span = max((r.finish_s for r in shorts), default=first) - first
     longest = max((context[r.program_id] + wanted[r.program_id] for r in served), default=0)
     row = {
         "rate": rate,
@@ -98,6 +102,9 @@ def longctx_row(sim: Simulator, results: list[SimResult], programs: list[Program
         "requests_per_s": len(served) / max(span, 1e-9),
         "avg_latency_s": statistics.fmean(lat),
         "p95_latency_s": percentile(lat, 0.95),
+        "short_tokens_per_s": sum(context[r.program_id] + r.output_tokens for r in shorts) / max(short_span, 1e-9),
+        "short_avg_latency_s": statistics.fmean(short_lat),
+        "short_p95_latency_s": percentile(short_lat, 0.95),
         "long_latency_s": {r.program_id: r.latency_s for r in served if r.program_id.startswith("long")},
         "preemptions": sum(i.core.stats().num_preemptions for i in sim.instances.values()),
         "simulated_s": sim.clock.now,
@@ -125,22 +132,26 @@ def print_longctx_rows(rows: list[dict], pool: int) -> None:
                 f"{row['tokens_per_s']:,.0f}",
                 f"{row['requests_per_s']:.2f}",
                 f"{row['avg_latency_s']:.2f}",
-                f"{row['p95_latency_s']:.2f}",
+                f"{row['short_tokens_per_s']:,.0f}",
+                f"{row['short_avg_latency_s']:.2f}",
+                f"{row['short_p95_latency_s']:.2f}",
+                " ".join(f"{v:.0f}" for v in row["long_latency_s"].values()) or "-",
                 lending.get("moves", 0),
                 f"{lending.get('bytes_moved', 0) / 1e9:.1f}",
                 f"{row['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref and ref["tokens_per_s"] else "-",
             ]
         )
     header = ["rate/s", "mode", "served", "refused", "unserved", "longest served (x pool)", "span s", "tok/s"]
-    header += ["req/s", "avg s", "p95 s", "moves", "GB moved", "tok/s vs separate"]
+    header += ["req/s", "avg s", "short tok/s", "short avg s", "short p95 s", "long requests' s", "moves", "GB moved"]
+    header += ["tok/s vs separate"]
     print_table(header, table)
 
 
 def write_longctx_plot(path: str, rows: list[dict], title: str) -> None:
     metrics = (
-        ("tokens_per_s", "tokens per second (served)"),
-        ("avg_latency_s", "average latency, served (s)"),
-        ("served", "requests served"),
+        ("short_tokens_per_s", "short requests: tokens per second"),
+        ("short_p95_latency_s", "short requests: p95 latency (s)"),
+        ("longest_served", "longest context served (tokens)"),
     )
     done = plot_sweep(path, rows, title, metrics, x=("rate", "request arrival rate (requests/s)"), series="mode")
     print(f"wrote {path}" if done else "matplotlib is not installed; no plot")

@@ -220,6 +220,7 @@ CLUSTER_FLAGS = (
     "lending_creditor_headroom",
     "lending_min_gain",
     "lending_reservation_timeout_s",
+    "lending_lookahead_chunks",
 )
 
 

@@ -191,7 +191,8 @@ class Simulator:
                 self.instances[str(i)] = SimInstance(str(i), core)
             if lending:
                 cores = {iid: inst.core for iid, inst in self.instances.items()}
-                self.lending = simulated_lending(cores, self.cluster, self.clock, network, model, profile)
+                idle = lambda iid: self.instances[iid].step is None
+                self.lending = simulated_lending(cores, self.cluster, self.clock, network, model, profile, idle)
             if instances > 1:  # as ClusterClient builds it
                 table = ProcessTable(
                     ttl_s=config.scheduler.program_ttl_s, critical_path=config.scheduler.policy == "atlas"
@@ -332,14 +333,13 @@ class Simulator:
             self._lending_heartbeat(now)
 
     def _lending_heartbeat(self, now: float) -> None:
-        """KV lending's part of the heartbeat (``sim/lending.py``): reports to the gManager, a due plan's orders
-        carried out by idle debtors at once (busy ones at their step's end); every instance looks again for work
-        (blocks moved or freed). While work remains, the next heartbeat is an event, as the real loop's timer
-        fires whether or not anything else happens, until nothing has stepped for ``LENDING_STALL_BEATS``."""
+        """KV lending's part of the heartbeat (``sim/lending.py``): reports to the gManager (an instance mid-step
+        reports at its step's end), a due plan's orders carried out by idle debtors at once (busy ones at their
+        step's end); every instance looks again for work (blocks moved or freed). While work remains, the next
+        heartbeat is an event, as the real loop's timer fires whether or not anything else happens, until nothing
+        has stepped for ``LENDING_STALL_BEATS`` heartbeats."""
         assert self.lending is not None
-        for iid in sorted(self.lending.heartbeat()):
-            if self.instances[iid].step is None:
-                self.lending.between_steps(iid)
+        self.lending.heartbeat()
         self._ready.update(self.instances)
         self._lending_idle_beats = self._lending_idle_beats + 1 if self.num_steps == self._lending_steps_seen else 0
         self._lending_steps_seen = self.num_steps
