@@ -19,8 +19,9 @@ the KV streams' executor side:
   plus per layer what the round trip to its creditors exposes: the query rows out and the partials (m, e, o) back
   on the link (latency each way plus bytes over the bandwidth) and the creditor's partial attention, which is the
   step model's marginal cost of attending over that creditor's tokens, less the debtor's own local attention,
-  which overlaps it (the queries go out first). The creditor's GPU does that work too: the seconds are added to
-  the creditor's next step.
+  which overlaps it (the queries go out first). The creditor's GPU does that work too: when it is running a step
+  of its own meanwhile, the seconds are added to its next step (an idle creditor computes them in its idle time).
+  The marginal cost under the roofline model is at most what the partials would cost as a kernel of their own.
 
 Bytes are the profile model's (fp32 queries and partials, as on the wire; the blocks at the profile model's KV
 bytes per token). No creditor fails in simulation, so ``peer_lost`` and recomputes of lost blocks never happen.
@@ -142,6 +143,7 @@ class LendingStepCost:
         peers: dict[str, SimulatedLendingData],
         shape: AttentionShape,
         network: LinkSpec,
+        idle: Callable[[str], bool],
     ) -> None:
         if not hasattr(base, "predict"):
             raise ValueError("lending in the simulator needs a --profile (a step model over chunk shapes)")
@@ -150,6 +152,7 @@ class LendingStepCost:
         self.peers = peers
         self.shape = shape
         self.network = network
+        self.idle = idle
 
     def step_time(self, sched: SchedulerOutput) -> float:
         owed = self.data.take_owed()
@@ -177,9 +180,10 @@ class LendingStepCost:
             self.data.round_trips += layers
             self.data.round_trip_bytes += layers * nbytes
             peer = self.peers.get(creditor)
-            if peer is not None:  # its GPU computes them: its next step takes that much longer
-                peer.owed_s += compute
+            if peer is not None:
                 peer.partials_served += layers
+                if not self.idle(creditor):  # its GPU computes them beside its own step: the next one takes longer
+                    peer.owed_s += compute
         exposed = max(0.0, max(waits) - local_attention / layers)
         self.data.remote_layers += layers
         self.data.exposed_wait_s += layers * exposed
@@ -241,7 +245,7 @@ class SimulatedLending:
                 )
             )
             executor = core.executor  # the cost-model executor: its steps now cost what lending adds
-            executor.cost = LendingStepCost(executor.cost, data, self.data, shape, network)  # type: ignore[attr-defined]
+            executor.cost = LendingStepCost(executor.cost, data, self.data, shape, network, idle)  # type: ignore[attr-defined]
         self.lending = ClusterLending(GManager.from_config(cluster, clock), {iid: iid for iid in cores})
         self._orders: dict[str, deque[tuple[str, int, str]]] = {iid: deque() for iid in cores}
         self._owed_reports: set[str] = set()  # mid-step at the heartbeat: they report when their step ends
