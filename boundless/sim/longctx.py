@@ -178,9 +178,12 @@ def run_longctx(
 ) -> dict:
     """Every rate of ``--rates`` and mode of ``--kv-modes`` on the trace (see the module); the JSON's data. No host
     tier, as ``bench longctx`` runs it: a request that loses its blocks is recomputed (a swapped-out request's
-    swap-in counts its lent blocks as local ones, so with lending it could never come back)."""
+    swap-in counts its lent blocks as local ones, so with lending it could never come back). Separate instances
+    admit one pool (``--max-model-len``, else the pool, whatever the simulated model's position limit)."""
     base = dataclasses.replace(base, cache=dataclasses.replace(base.cache, kv_host_gb=0.0))
     pool = pool_tokens(base, model)
+    if base.model.max_model_len is None:  # one pool, not the simulated model's position limit (lending ignores it)
+        base = dataclasses.replace(base, model=dataclasses.replace(base.model, max_model_len=pool))
     shape = trace_shape_from_flags(args)
     modes = [m.strip() for m in args.kv_modes.split(",") if m.strip()]
     if unknown := [m for m in modes if m not in KV_MODES]:
