@@ -16,8 +16,9 @@ the KV streams' executor side:
   time, queued behind its other sends); the debtor runs the protocol synchronously between its steps, as the real
   agent does, so its next step starts once the last byte has arrived (the wait is added to that step);
 - **a step over lent blocks** (:class:`LendingStepCost`) costs the step model over the debtor's *local* context,
-  plus per layer what the round trip to its creditors exposes: the query rows out and the partials (m, e, o) back
-  on the link (latency each way plus bytes over the bandwidth) and the creditor's partial attention, which is the
+  plus per layer what the round trip to its creditors exposes: the query rows out to every creditor and their
+  partials (m, e, o) back over the debtor's link (full duplex: latency each way plus the larger direction's
+  bytes over the bandwidth) and the slowest creditor's partial attention, which is the
   step model's marginal cost of attending over that creditor's tokens, less the debtor's own local attention,
   which overlaps it (the queries go out first). The creditor's GPU does that work too: when it is running a step
   of its own meanwhile, the seconds are added to its next step (an idle creditor computes them in its idle time).
@@ -166,7 +167,7 @@ class LendingStepCost:
         local = _predict(self.base, local_shapes)
         local_attention = local - _predict(self.base, [ChunkShape(0, s.new) for s in local_shapes])
         layers = self.shape.layers
-        waits = []
+        computes, sent, received = [], 0, 0
         for creditor, rows, tokens in _by_creditor(sched):
             # The creditor's partials: the step model's marginal cost of attending over its tokens as well.
             with_remote = [
@@ -174,17 +175,20 @@ class LendingStepCost:
                 for s, c in zip(local_shapes, sched.chunks, strict=True)
             ]
             compute = max(0.0, _predict(self.base, with_remote) - local)
-            nbytes = self.shape.query_bytes(rows) + self.shape.partial_bytes(rows)
-            trip = 2 * self.network.latency_s + nbytes / self.network.bytes_per_s
-            waits.append(trip + compute / layers)
+            computes.append(compute)
+            sent += self.shape.query_bytes(rows)
+            received += self.shape.partial_bytes(rows)
             self.data.round_trips += layers
-            self.data.round_trip_bytes += layers * nbytes
+            self.data.round_trip_bytes += layers * (self.shape.query_bytes(rows) + self.shape.partial_bytes(rows))
             peer = self.peers.get(creditor)
             if peer is not None:
                 peer.partials_served += layers
                 if not self.idle(creditor):  # its GPU computes them beside its own step: the next one takes longer
                     peer.owed_s += compute
-        exposed = max(0.0, max(waits) - local_attention / layers)
+        # Per layer: every creditor's queries leave on the debtor's NIC and their partials come back on it (full
+        # duplex), one latency each way; the slowest creditor's compute sets the rest.
+        wire = 2 * self.network.latency_s + max(sent, received) / self.network.bytes_per_s
+        exposed = max(0.0, wire + max(computes) / layers - local_attention / layers)
         self.data.remote_layers += layers
         self.data.exposed_wait_s += layers * exposed
         return local + layers * exposed + owed
