@@ -105,6 +105,7 @@ def longctx_row(sim: Simulator, results: list[SimResult], programs: list[Program
         "short_tokens_per_s": sum(context[r.program_id] + r.output_tokens for r in shorts) / max(short_span, 1e-9),
         "short_avg_latency_s": statistics.fmean(short_lat),
         "short_p95_latency_s": percentile(short_lat, 0.95),
+        "short_max_latency_s": max(short_lat),
         "long_latency_s": {r.program_id: r.latency_s for r in served if r.program_id.startswith("long")},
         "preemptions": sum(i.core.stats().num_preemptions for i in sim.instances.values()),
         "simulated_s": sim.clock.now,
@@ -135,6 +136,7 @@ def print_longctx_rows(rows: list[dict], pool: int) -> None:
                 f"{row['short_tokens_per_s']:,.0f}",
                 f"{row['short_avg_latency_s']:.2f}",
                 f"{row['short_p95_latency_s']:.2f}",
+                f"{row['short_max_latency_s']:.1f}",
                 " ".join(f"{v:.0f}" for v in row["long_latency_s"].values()) or "-",
                 lending.get("moves", 0),
                 f"{lending.get('bytes_moved', 0) / 1e9:.1f}",
@@ -142,7 +144,17 @@ def print_longctx_rows(rows: list[dict], pool: int) -> None:
             ]
         )
     header = ["rate/s", "mode", "served", "refused", "unserved", "longest served (x pool)", "span s", "tok/s"]
-    header += ["req/s", "avg s", "short tok/s", "short avg s", "short p95 s", "long requests' s", "moves", "GB moved"]
+    header += [
+        "req/s",
+        "avg s",
+        "short tok/s",
+        "short avg s",
+        "short p95 s",
+        "short max s",
+        "long requests' s",
+        "moves",
+        "GB moved",
+    ]
     header += ["tok/s vs separate"]
     print_table(header, table)
 
