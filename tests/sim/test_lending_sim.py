@@ -10,6 +10,7 @@ import pytest
 from boundless.bench.longctx_trace import TraceShape, make_trace
 from boundless.cli import main
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.sampling_params import SamplingParams
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.longctx import longctx_row, pool_tokens, trace_programs
 from boundless.sim.profiles import load_profile
@@ -82,3 +83,25 @@ def test_a_lending_run_is_a_function_of_its_flags(tmp_path: Path) -> None:
     separate, lending = rows[0]
     assert separate["mode"] == "separate" and separate["refused"] == 2
     assert lending["mode"] == "lending" and lending["served"] == lending["requests"]
+
+
+@pytest.mark.parametrize("lookahead, stalled_after", [(1, 4), (2, 3)])
+def test_the_agent_reports_a_request_stalled_when_its_next_chunks_do_not_fit(
+    model: SimulatedModel, lookahead: int, stalled_after: int
+) -> None:
+    # 64 blocks, 16 per chunk: after k chunks of a 1,200-token prompt (75 blocks), 64 - 16k are free. With one
+    # chunk of lookahead the request counts as waiting for blocks once its next chunk no longer fits (after 4:
+    # none free, 11 needed), with two once the next two do not (after 3: 16 free, 27 needed): a plan made from
+    # that report lends before the engine has to evict it.
+    cluster = ClusterConfig(instances=2, kv_lending="on", lending_lookahead_chunks=lookahead)
+    sim = Simulator(CONFIG, model, None, instances=2, cluster=cluster, profile=load_profile("cpu"))
+    assert sim.lending is not None
+    core, agent = sim.instances["0"].core, sim.lending.agents["0"]
+    core.add_request("long", list(range(100, 1300)), SamplingParams(max_tokens=8, ignore_eos=True))
+    for chunk in range(1, 5):
+        sched = core.schedule()
+        core.finish_step(sched, core.execute(sched))
+        agent.observe()
+        waiting = agent.rm.local.waiting_blocks
+        assert (waiting != ()) == (chunk >= stalled_after), (chunk, waiting)
+        assert agent.rm.local.batch_size == (0 if waiting else 1)
