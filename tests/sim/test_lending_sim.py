@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from boundless.attention.backend import RemoteKV
 from boundless.bench.longctx_trace import TraceShape, make_trace
 from boundless.cli import main
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.attention_time import ChunkShape
 from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.longctx import longctx_row, pool_tokens, trace_programs
 from boundless.sim.profiles import load_profile
@@ -105,3 +108,36 @@ def test_the_agent_reports_a_request_stalled_when_its_next_chunks_do_not_fit(
         waiting = agent.rm.local.waiting_blocks
         assert (waiting != ()) == (chunk >= stalled_after), (chunk, waiting)
         assert agent.rm.local.batch_size == (0 if waiting else 1)
+
+
+def test_a_step_over_lent_blocks_costs_its_local_part_the_round_trip_and_the_creditors_compute(
+    model: SimulatedModel,
+) -> None:
+    cluster = ClusterConfig(instances=3, kv_lending="on")
+    sim = Simulator(CONFIG, model, None, instances=3, cluster=cluster, profile=load_profile("a100-80gb"))
+    assert sim.lending is not None
+    cost = sim.instances["0"].core.executor.cost  # type: ignore[attr-defined]
+    base = cost.base
+    params = SamplingParams(max_tokens=1)
+
+    def decode(remote: tuple[RemoteKV, ...]) -> SchedulerOutput:
+        chunk = ScheduledChunk("r", [5], 100_000, [], True, params, 0, (), first_block=0, remote=remote)
+        return SchedulerOutput(chunks=[chunk])
+
+    local = base.predict([ChunkShape(100_000 - 80_000, 1)])
+    alone = cost.step_time(decode(()))
+    assert alone == pytest.approx(base.predict([ChunkShape(100_000, 1)]))  # no lent blocks: the step model
+    # 80 K of its 100 K tokens on creditor "1", which is mid-step: the debtor waits for the round trip and the
+    # creditor's attention over them (less its own local attention), and the creditor's next step pays for it.
+    sim.instances["1"].step = object()  # type: ignore[assignment]
+    lent = cost.step_time(decode((RemoteKV("1", ("m",), 80_000),)))
+    creditor_work = base.predict([ChunkShape(100_000, 1)]) - local
+    assert lent > local and sim.lending.data["1"].owed_s == pytest.approx(creditor_work)
+    wire = 2 * 5e-6 + cost.shape.partial_bytes(1) / 25e9
+    local_attention = local - base.predict([ChunkShape(0, 1)])
+    assert lent == pytest.approx(local + 32 * max(0.0, wire + creditor_work / 32 - local_attention / 32))
+    # An idle creditor computes the partials in its idle time.
+    sim.instances["1"].step = None
+    sim.lending.data["1"].owed_s = 0.0
+    cost.step_time(decode((RemoteKV("1", ("m",), 80_000),)))
+    assert sim.lending.data["1"].owed_s == 0.0 and sim.lending.data["1"].partials_served == 64
