@@ -129,6 +129,7 @@ def result_row(sim: Simulator, results: list[SimResult], rate: float, policy: st
         "simulated_s": sim.clock.now,
         "steps": sim.num_steps,
         "failed_calls": sum(r.failed_calls for r in results),
+        "avg_call_latency_s": {kind: statistics.fmean(v) for kind, v in sorted(sim.call_latencies.items())},
     }
     if isinstance(sim.dispatcher, PDDispatcher):
         row["read_paths"] = dict(sorted(sim.dispatcher.placements.items()))

@@ -25,7 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from boundless.bench.workloads import CallSpec, ProgramSpec, PromptTokens, call_prompt
+from boundless.bench.workloads import CallSpec, ProgramSpec, PromptTokens, call_kind, call_prompt
 from boundless.cluster.dispatcher import AbortOn, AddResult, Dispatcher, Fail, Send
 from boundless.cluster.links import Link, gbps_to_bytes_per_s
 from boundless.cluster.pd_dispatcher import Continue, PDDecision, PDDispatcher, PDInstance, Prepare, PrepareResult
@@ -107,6 +107,7 @@ class _Call:
     prompt: list[int]
     request: Request | None = None  # the engine's request, once an instance took it
     output_token_ids: list[int] = field(default_factory=list)
+    submit_s: float = 0.0  # when the program sent it (after its tool wait)
 
 
 @dataclass
@@ -213,6 +214,7 @@ class Simulator:
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self._calls: dict[str, _Call] = {}
+        self.call_latencies: dict[str, list[float]] = {}  # call_kind -> each completed call's submit-to-finish
         self._ids = itertools.count()
         self._ready: set[str] = set()  # idle instances that may have work to start
         self._next_expiry = 0.0
@@ -411,7 +413,7 @@ class Simulator:
         rid = f"c{next(self._ids)}"
         params = SamplingParams(max_tokens=spec.output, ignore_eos=True)
         program = ProgramRef(sp.spec.program_id, spec.thread_id, spec.parents)
-        call = _Call(sp, spec, prompt)
+        call = _Call(sp, spec, prompt, submit_s=self.clock.now)
         if self.dispatcher is None:
             self._add(call, Send("0", rid, prompt, params, program, None))
             return
@@ -490,6 +492,8 @@ class Simulator:
         sp.contexts[call.spec.thread_id] = call.prompt + out
         sp.outputs[call.spec.thread_id] = out
         sp.output_tokens += len(out)
+        kind = call_kind(call.spec, len(sp.spec.stages[sp.stage]))
+        self.call_latencies.setdefault(kind, []).append(self.clock.now - call.submit_s)
         self._end_call(sp)
 
     def _end_call(self, sp: SimProgram) -> None:
