@@ -38,7 +38,7 @@ from boundless.cluster.gmanager import GManager
 from boundless.cluster.lending_cluster import ClusterLending
 from boundless.cluster.links import Link, Traffic, gbps_to_bytes_per_s
 from boundless.cluster.rmanager import RManager
-from boundless.config import ClusterConfig, EngineConfig
+from boundless.config import ClusterConfig, ConfigError, EngineConfig
 from boundless.engine.attention_time import ChunkShape, shapes_of
 from boundless.engine.builder import size_engine
 from boundless.engine.core import EngineCore
@@ -147,7 +147,7 @@ class LendingStepCost:
         idle: Callable[[str], bool],
     ) -> None:
         if not hasattr(base, "predict"):
-            raise ValueError("lending in the simulator needs a --profile (a step model over chunk shapes)")
+            raise ConfigError("--kv-lending: the simulator needs a --profile (a step model over chunk shapes)")
         self.base = base
         self.data = data
         self.peers = peers
