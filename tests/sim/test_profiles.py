@@ -142,6 +142,20 @@ def test_calibrate_served_fits_the_steps_a_served_engine_ran(tiny_llama: LoadedM
     assert result.held_out_error is not None and sum(c.new for s in result.held_out for c in s.shapes) == 3 * 2 * 34
 
 
+@pytest.mark.slow
+def test_calibrate_served_collects_the_steps_of_both_instances_of_a_cluster(
+    model_dirs: dict[str, Path], tiny_llama: LoadedModel
+) -> None:
+    from boundless.config import ClusterConfig
+
+    config = EngineConfig(model=ModelConfig(model=str(model_dirs["tiny-llama"])), cache=CacheConfig(num_kv_blocks=64))
+    grid = CalibrationGrid((4,), (8, 64), output_tokens=3, repeats=1)
+    result = calibrate_served(tiny_llama, config, grid, cluster=ClusterConfig(instances=2, routing="round-robin"))
+    # Every token of every request, on whichever instance the dispatcher sent it to.
+    assert sum(c.new for s in result.samples for c in s.shapes) == sum(4 * (p + 2) for p in grid.prompt_lens)
+    assert max(len(s.shapes) for s in result.samples) <= 2  # round-robin: each instance ran half a cell
+
+
 def test_a_profiles_samples_refit_to_its_model() -> None:
     samples = _grid_samples(FittedStepCost(KNOWN), repeats=1)
     rows = json.loads(json.dumps([[[[c.cached, c.new] for c in s.shapes], s.seconds] for s in samples]))
