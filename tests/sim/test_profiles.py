@@ -35,6 +35,7 @@ from boundless.sim.cost import StepCost
 from boundless.sim.engine import SimulatedModel, simulated_engine
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import (
+    PROFILE_DIR,
     FittedStepCost,
     RooflineStepCost,
     fitted_profile_dict,
@@ -183,8 +184,11 @@ def test_shipped_profiles_load_with_their_sources() -> None:
         if isinstance(profile.step, RooflineStepCost):
             for figure in ("peak_bf16_tflops", "hbm_tbytes_per_s", "host_copy", "network", "storage"):
                 assert "datasheet" in profile.sources[figure] or "DGX" in profile.sources[figure], (name, figure)
-        else:  # fitted here, with the samples it was fitted on
+        else:  # fitted here, with the samples it was fitted on: they refit to its model
             assert "calibrate on this machine" in profile.sources["step"]
+            calibration = json.loads((PROFILE_DIR / f"{name}.json").read_text())["calibration"]
+            samples = samples_from_json(calibration["samples"])
+            assert fit_step_model(samples, calibration.get("per_shape", "fastest")) == profile.step.model
     with pytest.raises(ValueError, match="h100"):
         load_profile("no-such-gpu")
 
