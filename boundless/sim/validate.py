@@ -8,9 +8,10 @@ time. It runs ``--repeats`` times, so the measured side's own noise shows: each 
 median (what the prediction is compared with) and their spread. The simulated run is the same engine flags,
 cluster size and programs on a hardware profile: ``--profile`` for one instance, ``--cluster-profile`` for
 more (on this 2-core machine each of two instances runs torch on one core, so its steps take a
-one-thread profile's times). A simulation is deterministic: one run. Rows: average and p95 program
-latency and throughput (programs per second of makespan), predicted against measured, with the relative
-error.
+one-thread profile's times). The defaults are fitted by ``calibrate --served`` on another grid of shapes,
+through the same server and client (and cluster): a served step costs more than the bare engine's. A
+simulation is deterministic: one run. Rows: average and p95 program latency and throughput (programs per
+second of makespan), predicted against measured, with the relative error.
 """
 
 from __future__ import annotations
@@ -233,12 +234,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-wait", type=float, default=0.2)
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument(
-        "--profile", default="cpu", help="the simulator's hardware profile for one instance: a name or a file"
+        "--profile",
+        default="cpu-served",
+        help="the simulator's hardware profile for one instance: a name or a file (calibrate --served writes one"
+        " fitted as the real side here serves the engine)",
     )
     parser.add_argument(
         "--cluster-profile",
-        default="cpu-1thread",
-        help="the profile for more than one instance (here each instance of two gets one core)",
+        default="cpu-served-2inst",
+        help="the profile for more than one instance (calibrate --served --instances 2: each instance of two gets"
+        " one core and shares them with the other and the driver)",
     )
     parser.add_argument("--json", metavar="PATH", help="write each row with its relative error to this file")
     add_flags(parser, ModelConfig)
