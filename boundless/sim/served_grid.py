@@ -21,35 +21,39 @@ import contextlib
 import gc
 import itertools
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.attention_time import AttentionSample
+from boundless.engine.core import EngineStats
 
 if TYPE_CHECKING:
     from boundless.model.loader import LoadedModel
     from boundless.sim.calibrate import CalibrationGrid
 
 MODEL_NAME = "calibrate"
+T = TypeVar("T")
 
 
 @dataclass
 class ServedEngine:
-    """A running server (``url``) and how to take the steps its engines recorded since the last take."""
+    """A running server (``url``), how to take the steps its engines recorded since the last take, and their
+    stats (by instance)."""
 
     url: str
     max_model_len: int
     take_steps: Callable[[], list[AttentionSample]]
+    stats: Callable[[], dict[str, EngineStats]]
 
 
 @contextlib.contextmanager
 def served_engine(
-    loaded: LoadedModel, config: EngineConfig, cluster: ClusterConfig | None = None
+    loaded: LoadedModel, config: EngineConfig, cluster: ClusterConfig | None = None, model_name: str = MODEL_NAME
 ) -> Iterator[ServedEngine]:
     """A fresh engine in this process (or, with ``cluster``, a fresh Ray cluster behind the dispatcher) behind the
-    HTTP server in a thread, as ``bench programs`` (and so ``simulate validate``) serves it."""
+    HTTP server in a thread, as ``bench programs`` serves it (``simulate validate``'s real side)."""
     from boundless.api.launch import start_in_thread
     from boundless.engine.async_engine import AsyncEngine
     from boundless.engine.core import EngineCore
@@ -73,9 +77,9 @@ def served_engine(
             with local.lock:
                 return local.core.step_times.drain()
 
-    server = start_in_thread(engine, MODEL_NAME)
+    server = start_in_thread(engine, model_name)
     try:
-        yield ServedEngine(server.url, engine.max_model_len, take_steps)
+        yield ServedEngine(server.url, engine.max_model_len, take_steps, engine.stats)
     finally:
         server.stop()
         engine.shutdown()
@@ -116,3 +120,25 @@ def run_served_grid(served: ServedEngine, grid: CalibrationGrid, vocab: int, see
         return samples
 
     return asyncio.run(passes())
+
+
+async def taking_steps(work: Awaitable[T], take_steps: Callable[[], list[AttentionSample]], every_s: float = 1.0):
+    """``work``'s result, and every step the engines recorded while it ran, taken every ``every_s`` seconds (in a
+    thread, off the event loop) so that none ages out of the engines' bounded records."""
+    done = asyncio.Event()
+    steps: list[AttentionSample] = []
+
+    async def take() -> None:
+        while not done.is_set():
+            steps.extend(await asyncio.to_thread(take_steps))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), every_s)
+
+    taker = asyncio.create_task(take())
+    try:
+        result = await work
+    finally:
+        done.set()
+        await taker
+    steps.extend(await asyncio.to_thread(take_steps))
+    return result, steps

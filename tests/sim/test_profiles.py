@@ -249,6 +249,7 @@ def test_validate_prints_a_row_per_case_and_metric_with_the_measured_spread(
     assert [(c["workload"], c["instances"], c["profile"]) for c in result["cases"]] == [("mapreduce", 1, "h100")]
     engine = result["cases"][0]["engine"]  # what the engines did: the real one's steps took its own seconds
     assert engine["measured_steps"] > 0 and engine["predicted_steps"] > 0 and engine["step_time_ratio"] > 0
+    assert engine["same_shape_ratio"] > 0  # the real run's own steps, against the profile for their shapes
     rows = result["rows"]
     assert len(rows) == 3 and all(len(r["measured_runs"]) == 2 and r["predicted"] > 0 for r in rows)
     for r in rows:
