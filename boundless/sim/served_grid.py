@@ -30,6 +30,7 @@ from boundless.engine.attention_time import AttentionSample
 from boundless.engine.core import EngineStats
 
 if TYPE_CHECKING:
+    from boundless.api.server import EngineClient
     from boundless.model.loader import LoadedModel
     from boundless.sim.calibrate import CalibrationGrid
 
@@ -59,32 +60,41 @@ def served_engine(
     from boundless.engine.core import EngineCore
 
     if cluster is not None and cluster.instances > 1:
-        import ray
-
         from boundless.cluster.client import ClusterClient
 
-        engine = ClusterClient(config, cluster)
-        actors = [inst.actor for inst in engine.instances.values()]
-
-        def take_steps() -> list[AttentionSample]:
-            return [s for steps in ray.get([a.take_step_times.remote() for a in actors]) for s in steps]
-
+        engine: EngineClient = ClusterClient(config, cluster)
     else:
         engine = AsyncEngine(EngineCore.from_model(loaded, config))
-        local = engine
-
-        def take_steps() -> list[AttentionSample]:
-            with local.lock:
-                return local.core.step_times.drain()
-
     server = start_in_thread(engine, model_name)
+    served = ServedEngine(server.url, engine.max_model_len, _step_taker(engine), engine.stats)
     try:
-        yield ServedEngine(server.url, engine.max_model_len, take_steps, engine.stats)
+        yield served
     finally:
         server.stop()
         engine.shutdown()
         del engine
         gc.collect()
+
+
+def _step_taker(engine: EngineClient) -> Callable[[], list[AttentionSample]]:
+    """How to take the steps recorded since the last take: from the engine's loop, or from every actor."""
+    from boundless.engine.async_engine import EngineLoop
+
+    if isinstance(engine, EngineLoop):
+
+        def take_local() -> list[AttentionSample]:
+            with engine.lock:
+                return engine.core.step_times.drain()
+
+        return take_local
+    import ray
+
+    actors = [inst.actor for inst in engine.instances.values()]  # type: ignore[attr-defined]
+
+    def take_actors() -> list[AttentionSample]:
+        return [s for steps in ray.get([a.take_step_times.remote() for a in actors]) for s in steps]
+
+    return take_actors
 
 
 async def _run_cell(client, prompts: list[list[int]], output_tokens: int) -> None:
