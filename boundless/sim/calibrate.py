@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from boundless.bench.report import write_json
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import AttentionSample, AttentionTimeModel, ChunkShape, fit_attention_time
 from boundless.engine.core import EngineCore
@@ -226,6 +227,18 @@ def samples_from_json(rows: Sequence) -> list[AttentionSample]:
     return [AttentionSample(tuple(ChunkShape(c, n) for c, n in shapes), seconds) for shapes, seconds in rows]
 
 
+def profile_json(data: dict) -> str:
+    """A profile as JSON text, indented, with one measured step per line (as the shipped profiles keep them)."""
+    calibration = data.get("calibration", {})
+    steps = {k: calibration[k] for k in ("samples", "held_out_samples") if k in calibration}
+    placeholders = {k: f"@{k}@" for k in steps}
+    text = json.dumps({**data, "calibration": {**calibration, **placeholders}}, indent=2)
+    for k, rows in steps.items():
+        lines = ",\n".join("      " + json.dumps(r, separators=(",", ":")) for r in rows)
+        text = text.replace(json.dumps(placeholders[k]), "[\n" + lines + "\n    ]" if rows else "[]")
+    return text + "\n"
+
+
 def run(args: argparse.Namespace) -> dict:
     grid = _grid(args.batch_sizes, args.prompt_lens, args.output_tokens, args.repeats)
     held_out = (
@@ -309,7 +322,10 @@ def run(args: argparse.Namespace) -> dict:
         "samples": _samples_json(result.samples),
         "held_out_samples": _samples_json(result.held_out),
     }
-    write_json(args.out, data)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile_json(data))
+    print(f"wrote {out}")
     return data
 
 

@@ -27,6 +27,7 @@ from boundless.sim.calibrate import (
     fit_step_model,
     median_per_shape,
     median_rel_error,
+    profile_json,
     run_grid,
     samples_from_json,
     step_shape,
@@ -155,6 +156,17 @@ def test_calibrate_served_collects_the_steps_of_both_instances_of_a_cluster(
     # Every token of every request, on whichever instance the dispatcher sent it to.
     assert sum(c.new for s in result.samples for c in s.shapes) == sum(4 * (p + 2) for p in grid.prompt_lens)
     assert max(len(s.shapes) for s in result.samples) <= 2  # round-robin: each instance ran half a cell
+
+
+def test_a_profile_is_written_with_one_step_per_line_and_reads_back_the_same() -> None:
+    data = {"name": "p", "calibration": {"when": "now", "samples": [[[[0, 16]], 0.07], [[[16, 1]], 0.03]]}}
+    data["calibration"]["held_out_samples"] = []
+    text = profile_json(data)
+    assert json.loads(text) == data
+    assert "      [[[0,16]],0.07],\n      [[[16,1]],0.03]\n" in text
+    for name in ("cpu-served", "cpu-served-2inst"):  # the shipped ones are written so
+        path = PROFILE_DIR / f"{name}.json"
+        assert profile_json(json.loads(path.read_text())) == path.read_text()
 
 
 def test_a_profiles_samples_refit_to_its_model() -> None:
