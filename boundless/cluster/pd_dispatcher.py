@@ -3,10 +3,10 @@
 A call goes through four phases, each a decision the transport carries out and answers:
 
 1. **queued**: it waits in a FIFO (by default; or ordered by its program's first arrival, as the engines order
-   their own queues with ``--queue-order program``: see :class:`PDDispatcher`) until the inter-engine scheduler (``cluster/pd_scheduler.py``) places it on
-   a prefill engine (PE) and a decode engine (DE) and picks its read path, from the load the dispatcher
-   counts itself (each engine's calls and their tokens, exact as every call passes here) and the storage
-   read queues the engines report;
+   their own queues with ``--queue-order program``: see :class:`PDDispatcher`) until the inter-engine scheduler
+   (``cluster/pd_scheduler.py``) places it on a prefill engine (PE) and a decode engine (DE) and picks its read
+   path, from the load the dispatcher counts itself (each engine's calls and their tokens, exact as every call
+   passes here) and the storage read queues the engines report;
 2. **preparing**: :class:`Prepare` makes the DE ready (``EngineCore.prepare_intake``): the DE holds what it
    has of the prompt, reserves host memory for the rest, and under DE-read loads the stored blocks the PE
    lacks (the PE is asked first how many leading blocks it holds: ``Prepare.prefill_engine``) to push to the
