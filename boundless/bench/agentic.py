@@ -91,6 +91,8 @@ class Serving:
     load_timeouts: int = 0  # store loads given up on (then recomputed)
     recomputed_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # stored blocks computed, by why
     reloaded_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # stored blocks read twice, per instance
+    # Requests that lost their device KV to make room (swapped out, or dropped to compute again), per instance.
+    preemptions: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def memory_config(
@@ -159,6 +161,7 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
             finally:
                 stats = engine.stats()["0"]
                 run.computed = {"colocated": stats.computed_tokens}
+                run.preemptions = {"colocated": stats.num_preemptions}
                 run.load_timeouts = stats.kv_tiers[DISK].load_timeouts if DISK in stats.kv_tiers else 0
                 run.recomputed_blocks = dict(stats.kv_tiers[DISK].recomputed_blocks) if DISK in stats.kv_tiers else {}
                 run.reloaded_blocks = (
@@ -182,6 +185,7 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
                 run.links = pd.link_stats()
                 stats = pd.stats()
                 run.computed = {iid: s.computed_tokens for iid, s in stats.items()}
+                run.preemptions = {iid: s.num_preemptions for iid, s in stats.items()}
                 run.load_timeouts = sum(s.kv_tiers[DISK].load_timeouts for s in stats.values() if DISK in s.kv_tiers)
                 run.read_paths = dict(pd.dispatcher.placements)
                 run.recomputed_blocks = {
@@ -215,6 +219,7 @@ def run_once(
     row["load_timeouts"] = run.load_timeouts
     row["recomputed_blocks"] = run.recomputed_blocks
     row["reloaded_blocks"] = run.reloaded_blocks
+    row["preemptions"] = run.preemptions
     return row, turns
 
 
@@ -413,7 +418,7 @@ def _print_progress(row: dict[str, Any]) -> None:
         f"{row['turns_per_s']:.2f} turns/s, TTFT {row['ttft_mean_s']:.2f} s, TPOT {row['tpot_mean_s'] * 1000:.0f} ms, "
         f"SLO {row['slo_attainment']:.0%}, paths {row['read_paths']}, failed {row['failed_turns']}, "
         f"load timeouts {row['load_timeouts']}, stored blocks recomputed {row['recomputed_blocks']}, "
-        f"read twice {row['reloaded_blocks']}; "
+        f"read twice {row['reloaded_blocks']}, preemptions {row['preemptions']}; "
         + ", ".join(f"{k} {v}" for k, v in row.items() if _is_instance_figure(k)),
         flush=True,
     )

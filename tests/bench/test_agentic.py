@@ -50,6 +50,7 @@ def test_every_mode_serves_the_same_sessions_with_identical_outputs(
     assert basic["read_paths"].get("de", 0) == 0 and basic["read_paths"]["pe"] > 0
     assert isinstance(basic["recomputed_blocks"], dict) and basic["load_timeouts"] == 0  # counted per run
     assert set(basic["reloaded_blocks"]) == {"p0", "d0"}  # blocks read twice, per instance
+    assert set(basic["preemptions"]) == {"p0", "d0"}  # requests that lost their device KV, per instance
     # oracle has no storage link at all; the colocated engine reads through its own.
     assert "p0_storage_mb" not in by["offline", "oracle"] and by["offline", "oracle"]["read_paths"]["none"] == 12
     assert by["offline", "colocated"]["colocated_storage_mb"] > 0
