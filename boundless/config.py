@@ -330,6 +330,13 @@ class ClusterConfig:
         default=0.01,
         metadata={"help": "a planned move must raise its two instances' modelled throughput by this share at least"},
     )
+    lending_lookahead_chunks: int = field(
+        default=1,
+        metadata={
+            "help": "a running request counts as waiting for blocks when its next N prefill chunks do not fit: "
+            "plans act on a heartbeat-old report, so looking further ahead lends before the engine evicts it"
+        },
+    )
     lending_reservation_timeout_s: float = field(
         default=2.0,
         metadata={"help": "a creditor's reservation that no data fills in this many seconds is dropped"},
@@ -375,6 +382,7 @@ class ClusterConfig:
         _require(0 <= self.lending_creditor_headroom < 1, "lending_creditor_headroom", "must be in [0, 1)")
         _require(self.lending_min_gain >= 0, "lending_min_gain", "must not be negative")
         _require(self.lending_reservation_timeout_s > 0, "lending_reservation_timeout_s", "must be positive")
+        _require(self.lending_lookahead_chunks >= 1, "lending_lookahead_chunks", "must be >= 1")
 
     @property
     def disaggregated(self) -> bool:

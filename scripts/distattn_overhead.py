@@ -71,7 +71,8 @@ def creditor_main(conn, model: str, shm_dir: str, context: int, tokens: int, thr
             agent.on_release(args[0])
             conn.send(None)
         elif op == "stats":
-            conn.send((agent.server.stats.round_trips, agent.server.stats.compute_s, agent.core.kv.pool.num_used))
+            server = agent.data.server.stats
+            conn.send((server.round_trips, server.compute_s, agent.core.kv.pool.num_used))
         else:
             break
     agent.close()

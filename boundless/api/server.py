@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import jinja2
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp
 
@@ -525,52 +525,69 @@ def _fingerprint(choices: list[Choice]) -> str:
     return "boundless-" + ",".join(sorted({c.instance for c in choices if c.instance}) or ["0"])
 
 
+# The routes are defined once, at module level, and find their server in ``request.app.state``: FastAPI
+# (0.165) keeps every endpoint function it classifies in process-wide LRU caches, so endpoints made per app
+# as closures over the engine client kept each app's engine alive after its server stopped.
+routes = APIRouter()
+
+
+def _server(request: Request) -> OpenAIServer:
+    return request.app.state.server
+
+
+@routes.get("/health")
+async def health(request: Request) -> Response:
+    if not _server(request).client.is_alive():
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> Response:
+    server = _server(request)
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.model_name,
+                    "object": "model",
+                    "created": server.created,
+                    "owned_by": "boundless",
+                    "max_model_len": server.client.max_model_len,
+                }
+            ],
+        }
+    )
+
+
+@routes.get("/cluster")
+async def cluster(request: Request) -> Response:
+    return JSONResponse({"instances": _server(request).client.cluster_info()})
+
+
+@routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_server(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@routes.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _server(request).chat(body, request)
+
+
+@routes.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _server(request).completions(body, request)
+
+
 def build_app(client: EngineClient, model_name: str, config: ServerConfig | None = None) -> ASGIApp:
     """The ASGI app; guards (body size, API key) wrap the routes."""
     config = config or ServerConfig()
-    server = OpenAIServer(client, model_name, config)
     app = FastAPI(title="Boundless", version="0.1.0")
-    app.state.server = server
+    app.state.server = OpenAIServer(client, model_name, config)
     install_error_handlers(app)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not client.is_alive():
-            return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": model_name,
-                        "object": "model",
-                        "created": server.created,
-                        "owned_by": "boundless",
-                        "max_model_len": client.max_model_len,
-                    }
-                ],
-            }
-        )
-
-    @app.get("/cluster")
-    async def cluster() -> Response:
-        return JSONResponse({"instances": client.cluster_info()})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await server.chat(body, request)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await server.completions(body, request)
+    app.include_router(routes)
 
     outer: ASGIApp = BodyLimit(app, int(config.max_body_mb * (1 << 20)))
     if config.api_key:

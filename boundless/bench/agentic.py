@@ -5,7 +5,8 @@ on one machine.
 
 Setups, each with a fresh, empty store (``--kv-disk-path`` semantics, written through):
 
-- ``basic``, ``dualpath``, ``oracle``: one prefill and one decode engine (P = D = 1) in this process
+- ``basic``, ``dualpath``, ``oracle``: ``--prefill-instances P`` prefill and ``--decode-instances D`` decode engines
+  (default P = D = 1) in this process
   (``cluster/local_pd.py``: the engines of the Ray cluster without the actors) over the shared-memory KV
   transport, behind the PD dispatcher and its scheduler, ``--kv-path`` set to the mode. Every engine is a node
   of its own with an emulated storage link at ``--storage-gbps`` and a network link at ``--net-gbps``
@@ -74,6 +75,8 @@ class Setup:
     tokens: PromptTokens
     slo: SLO
     warm_store: str | None = None  # a store holding every session's first context, copied for each run
+    prefill_instances: int = 1  # PD modes: prefill engines (P)
+    decode_instances: int = 1  # PD modes: decode engines (D)
 
 
 @dataclass
@@ -88,6 +91,8 @@ class Serving:
     load_timeouts: int = 0  # store loads given up on (then recomputed)
     recomputed_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # stored blocks computed, by why
     reloaded_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # stored blocks read twice, per instance
+    # Requests that lost their device KV to make room (swapped out, or dropped to compute again), per instance.
+    preemptions: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def memory_config(
@@ -156,6 +161,7 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
             finally:
                 stats = engine.stats()["0"]
                 run.computed = {"colocated": stats.computed_tokens}
+                run.preemptions = {"colocated": stats.num_preemptions}
                 run.load_timeouts = stats.kv_tiers[DISK].load_timeouts if DISK in stats.kv_tiers else 0
                 run.recomputed_blocks = dict(stats.kv_tiers[DISK].recomputed_blocks) if DISK in stats.kv_tiers else {}
                 run.reloaded_blocks = (
@@ -165,8 +171,8 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
                 run.links = {"colocated": [link.stats()] if link else []}
         else:
             cluster = ClusterConfig(
-                prefill_instances=1,
-                decode_instances=1,
+                prefill_instances=setup.prefill_instances,
+                decode_instances=setup.decode_instances,
                 kv_path=mode,
                 storage_gbps=storage_gbps,
                 net_gbps=setup.net_gbps,
@@ -179,6 +185,7 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
                 run.links = pd.link_stats()
                 stats = pd.stats()
                 run.computed = {iid: s.computed_tokens for iid, s in stats.items()}
+                run.preemptions = {iid: s.num_preemptions for iid, s in stats.items()}
                 run.load_timeouts = sum(s.kv_tiers[DISK].load_timeouts for s in stats.values() if DISK in s.kv_tiers)
                 run.read_paths = dict(pd.dispatcher.placements)
                 run.recomputed_blocks = {
@@ -212,21 +219,31 @@ def run_once(
     row["load_timeouts"] = run.load_timeouts
     row["recomputed_blocks"] = run.recomputed_blocks
     row["reloaded_blocks"] = run.reloaded_blocks
+    row["preemptions"] = run.preemptions
     return row, turns
 
 
 def link_figures(links: dict[str, list[LinkStats]], seconds: float) -> dict[str, Any]:
     """Per instance: MB read through its storage link and the share of the run it was busy; MB over its network
-    link."""
+    link. Per role (``pe_``, ``de_``: instances ``p0..``, ``d0..``): the MB its instances' storage links carried
+    together and their mean busy share."""
     out: dict[str, Any] = {}
+    by_role: dict[str, list[tuple[float, float]]] = {}
     for iid, stats in links.items():
         for s in stats:
             carried = sum(s.bytes_carried.values()) / 1e6
             if s.name == "storage":
+                busy = s.busy_s / seconds if seconds > 0 else 0.0
                 out[f"{iid}_storage_mb"] = round(carried, 1)
-                out[f"{iid}_storage_busy"] = round(s.busy_s / seconds, 3) if seconds > 0 else 0.0
+                out[f"{iid}_storage_busy"] = round(busy, 3)
+                role = {"p": "pe", "d": "de"}.get(iid[0]) if iid[1:].isdigit() else None
+                if role:
+                    by_role.setdefault(role, []).append((carried, busy))
             else:
                 out[f"{iid}_net_mb"] = round(carried, 1)
+    for role, figures in by_role.items():
+        out[f"{role}_storage_mb"] = round(sum(mb for mb, _ in figures), 1)
+        out[f"{role}_storage_busy"] = round(sum(b for _, b in figures) / len(figures), 3)
     return out
 
 
@@ -277,6 +294,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.net_gbps,
         PromptTokens(loaded.arch.vocab_size, args.bench_seed),
         SLO(args.slo_ttft, args.slo_tpot),
+        prefill_instances=args.prefill_instances,
+        decode_instances=args.decode_instances,
     )
     with tempfile.TemporaryDirectory(prefix="boundless-agentic-warm-") as warm:
         if args.warm_store:
@@ -299,7 +318,8 @@ def _run_all(
     print(
         f"{len(offline_sessions)} sessions, {sum(s.num_calls for s in offline_sessions)} turns, longest context "
         f"{longest} tokens; per engine {setup.engine.cache.num_kv_blocks} device blocks and "
-        f"{setup.engine.cache.kv_host_gb:.3f} GiB host; storage {args.storage_gbps} Gbit/s, net {args.net_gbps} Gbit/s",
+        f"{setup.engine.cache.kv_host_gb:.3f} GiB host; PD modes {setup.prefill_instances}P{setup.decode_instances}D; "
+        f"storage {args.storage_gbps} Gbit/s, net {args.net_gbps} Gbit/s",
         flush=True,
     )
     rows: list[dict[str, Any]] = []
@@ -336,6 +356,8 @@ def _run_all(
         "scale": args.scale,
         "storage_gbps": args.storage_gbps,
         "net_gbps": args.net_gbps,
+        "prefill_instances": args.prefill_instances,
+        "decode_instances": args.decode_instances,
         "slo": dataclasses.asdict(setup.slo),
         "outputs_identical": identical,
         "valid": not invalid,
@@ -369,18 +391,18 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def _table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     header = ["phase", "mode", "storage Gbit/s", "JCT s", "turns/s", "vs basic", "vs oracle", "TTFT s", "p90 TTFT",
-              "TPOT ms", "SLO", "PE/coloc storage MB, busy", "DE storage MB, busy", "paths pe/de"]  # fmt: skip
+              "TPOT ms", "SLO", "PEs/coloc storage MB, busy", "DEs storage MB, busy", "paths pe/de"]  # fmt: skip
     table = []
     for r in rows:
-        pe = r.get("p0_storage_mb", r.get("colocated_storage_mb"))
-        pe_busy = r.get("p0_storage_busy", r.get("colocated_storage_busy"))
+        pe = r.get("pe_storage_mb", r.get("colocated_storage_mb"))
+        pe_busy = r.get("pe_storage_busy", r.get("colocated_storage_busy"))
         paths = r["read_paths"]
         table.append(
             [r["phase"], r["mode"], r["storage_gbps"] if r["storage_gbps"] is not None else "-", f"{r['jct_s']:.1f}",
              f"{r['turns_per_s']:.2f}", _ratio(r["vs_basic"]), _ratio(r["vs_oracle"]), f"{r['ttft_mean_s']:.2f}",
              f"{r['ttft_p90_s']:.2f}", f"{r['tpot_mean_s'] * 1000:.0f}", f"{r['slo_attainment']:.0%}",
              f"{pe}, {pe_busy:.0%}" if pe is not None else "-",
-             f"{r['d0_storage_mb']}, {r['d0_storage_busy']:.0%}" if "d0_storage_mb" in r else "-",
+             f"{r['de_storage_mb']}, {r['de_storage_busy']:.0%}" if "de_storage_mb" in r else "-",
              f"{paths.get('pe', 0)}/{paths.get('de', 0)}" if paths else "-"]
         )  # fmt: skip
     return header, table
@@ -396,10 +418,16 @@ def _print_progress(row: dict[str, Any]) -> None:
         f"{row['turns_per_s']:.2f} turns/s, TTFT {row['ttft_mean_s']:.2f} s, TPOT {row['tpot_mean_s'] * 1000:.0f} ms, "
         f"SLO {row['slo_attainment']:.0%}, paths {row['read_paths']}, failed {row['failed_turns']}, "
         f"load timeouts {row['load_timeouts']}, stored blocks recomputed {row['recomputed_blocks']}, "
-        f"read twice {row['reloaded_blocks']}; "
-        + ", ".join(f"{k} {v}" for k, v in row.items() if k.startswith(("p0_", "d0_", "colocated_"))),
+        f"read twice {row['reloaded_blocks']}, preemptions {row['preemptions']}; "
+        + ", ".join(f"{k} {v}" for k, v in row.items() if _is_instance_figure(k)),
         flush=True,
     )
+
+
+def _is_instance_figure(key: str) -> bool:
+    """Whether a row's key is an instance's or a role's figure (``p0_storage_mb``, ``de_storage_busy``, ...)."""
+    owner = key.split("_", 1)[0]
+    return owner in ("pe", "de", "colocated") or (owner[:1] in ("p", "d") and owner[1:].isdigit())
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -469,6 +497,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage-gbps", type=float, default=0.2, help="each engine's emulated storage link")
     parser.add_argument("--net-gbps", type=float, default=8.0, help="each engine's emulated compute-network link")
     parser.add_argument("--sweep-gbps", default="", help="offline basic and dualpath at each of these storage Gbit/s")
+    parser.add_argument("--prefill-instances", type=int, default=1, help="PD modes: prefill engines (P)")
+    parser.add_argument("--decode-instances", type=int, default=1, help="PD modes: decode engines (D)")
     parser.add_argument("--memory-sessions", type=int, default=4,
                         help="device KV per engine, in sessions' longest contexts (the decode batch)")  # fmt: skip
     parser.add_argument("--host-sessions", type=int, default=4,

@@ -313,9 +313,9 @@ class LongCtxCluster:
             if inst.agent is not None:
                 result.moves += inst.agent.stats.moves_out
                 result.bytes_moved += inst.agent.stats.bytes_out
-                client = inst.agent.client.stats
-                result.round_trips += client.round_trips
-                result.partial_bytes += client.bytes_sent + client.bytes_received
+                partials = inst.agent.data.counters()
+                result.round_trips += partials.round_trips
+                result.partial_bytes += partials.round_trip_bytes
         result.plans = self.gm.counters.plans
         return result
 

@@ -83,6 +83,15 @@ def _num_calls(rng: random.Random, mean: float, cap: int) -> int:
     return max(1, min(cap, round(_lognormal(rng, mean, CALLS_SIGMA))))
 
 
+def call_kind(spec: CallSpec, stage_width: int) -> str:
+    """What part of its program's graph a call is: ``join`` (it waits on several threads: a reduce),
+    ``parallel`` (one of a fan-out: a map, a tree search's expansion) or ``chain`` (the next call of one thread).
+    The simulator reports latency per kind: a policy can favour one at the cost of another."""
+    if len(spec.parents) > 1:
+        return "join"
+    return "parallel" if stage_width > 1 else "chain"
+
+
 def compaction(length: int, system_len: int, room: int) -> tuple[int, int] | None:
     """How a program shortens a conversation of ``length`` tokens that no longer fits in ``room``.
 

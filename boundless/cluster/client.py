@@ -527,7 +527,9 @@ def make_pd_dispatcher(
     }
     first = next(iter(infos.values()))
     config = PDSchedulerConfig.from_configs(cluster, engine.scheduler)
-    return PDDispatcher(members, table, time.monotonic, config, first.block_size)
+    return PDDispatcher(
+        members, table, time.monotonic, config, first.block_size, engine.scheduler.queue_order == "program"
+    )
 
 
 def kv_bytes_per_token(infos: Mapping[str, InstanceInfo]) -> int:

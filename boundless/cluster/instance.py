@@ -23,6 +23,7 @@ from boundless.cluster.placement import Heartbeat as LendingHeartbeat
 from boundless.cluster.rmanager import SendBlocks, TryMove
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import EngineLoop, QueueFullError
+from boundless.engine.attention_time import AttentionSample
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.handoff import HandoffPlan, IntakePlan
@@ -209,6 +210,12 @@ class EngineInstance:
 
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
+
+    def take_step_times(self) -> list[AttentionSample]:
+        """The steps the engine recorded (shapes, seconds) since the last take: ``simulate calibrate --served``
+        fits a cluster's step model from them. (KV lending's heartbeats take the same records: not both.)"""
+        with self.loop.lock:
+            return self.core.step_times.drain()
 
     def heartbeat(self) -> Heartbeat:
         lending = self.lending.heartbeat() if self.lending is not None else None

@@ -71,10 +71,7 @@ def migrate_request(
     except TransportError:
         kv_dst.free_unowned(dst_ids)  # nothing was named there: the request runs on where it was
         return None
-    keys = kv_dst.block_hashes(request_id, tokens[: num_full * bs])
-    pool = kv_dst.pool
-    for i, block_id in enumerate(dst_ids):
-        pool.cache(pool.blocks[block_id], keys[i], tokens[i * bs : (i + 1) * bs])
+    kv_dst.name_unowned(request_id, dst_ids, tokens)
     kv_dst.free_unowned(dst_ids)  # cached and free: the request's admission below takes them as its prefix
     resume = Resume(tuple(request.output_token_ids), text_chars_sent=0)
     dst.core.add_request(

@@ -104,7 +104,14 @@ class InstanceLending:
         # A control call waits while holding the loop's lock, which the instance's heartbeat needs too: it must
         # give up well before the router would take the instance for dead.
         self.control = RayControlPlane(timeout_s=min(cluster.kv_handoff_timeout_s, cluster.heartbeat_timeout_s / 4))
-        self.agent = LendingAgent(core, rmanager, transport, self.control, timeout_s=cluster.kv_handoff_timeout_s)
+        self.agent = LendingAgent(
+            core,
+            rmanager,
+            transport,
+            self.control,
+            timeout_s=cluster.kv_handoff_timeout_s,
+            lookahead_chunks=cluster.lending_lookahead_chunks,
+        )
         self.lock = lock
         self._orders: deque[tuple[str, int, str]] = deque()
         self._receives: dict[str, BlocksReceive] = {}

@@ -2,10 +2,11 @@
 
 A call goes through four phases, each a decision the transport carries out and answers:
 
-1. **queued**: it waits in a FIFO until the inter-engine scheduler (``cluster/pd_scheduler.py``) places it on
-   a prefill engine (PE) and a decode engine (DE) and picks its read path, from the load the dispatcher
-   counts itself (each engine's calls and their tokens, exact as every call passes here) and the storage
-   read queues the engines report;
+1. **queued**: it waits in a FIFO (by default; or ordered by its program's first arrival, as the engines order
+   their own queues with ``--queue-order program``: see :class:`PDDispatcher`) until the inter-engine scheduler
+   (``cluster/pd_scheduler.py``) places it on a prefill engine (PE) and a decode engine (DE) and picks its read
+   path, from the load the dispatcher counts itself (each engine's calls and their tokens, exact as every call
+   passes here) and the storage read queues the engines report;
 2. **preparing**: :class:`Prepare` makes the DE ready (``EngineCore.prepare_intake``): the DE holds what it
    has of the prompt, reserves host memory for the rest, and under DE-read loads the stored blocks the PE
    lacks (the PE is asked first how many leading blocks it holds: ``Prepare.prefill_engine``) to push to the
@@ -65,6 +66,12 @@ from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
+
+# Under program order, how far (seconds of arrivals) a call may go ahead of calls that came before it: it bounds
+# the wait of a later program's call behind an earlier program's stream of calls (the engines' policies bound it
+# by promoting starved calls), and is far above an agent's turn here (a few seconds), so sessions keep their turns
+# back to back.
+PROGRAM_ORDER_LEAD_S = 60.0
 
 Phase = Literal["queued", "preparing", "prefilling", "continuing", "decoding"]
 
@@ -128,6 +135,7 @@ class PDCall(InflightCall):
     tag: int = 0  # of this placement's streams (a placement's answers are told from an earlier one's by it)
     prepared: bool = False  # the DE answered its Prepare (it holds the call's half)
     prefill_service_s: float = 0.0
+    order: tuple[float, int] = (0.0, 0)  # its place in the queue: smaller goes first
 
     @property
     def num_tokens(self) -> int:
@@ -135,7 +143,16 @@ class PDCall(InflightCall):
 
 
 class PDDispatcher(Dispatcher):
-    """Prefill/decode placement, handoff and failover for engines with roles (see the module docstring)."""
+    """Prefill/decode placement, handoff and failover for engines with roles (see the module docstring).
+
+    ``order_by_program``: the queue is ordered by each call's program's first arrival, then by the call's own
+    (``--queue-order program``, the engines' default), instead of by call arrival alone. An agent's next call
+    then goes before the calls of programs that came after it, so a few sessions at a time run their turns
+    back to back while their KV is still in the engines' memory; in plain call order every session's turn
+    waits behind one of every other session's, and with more sessions than memory holds, each turn finds its
+    context evicted (least recently used first) and reads it from the store again. A colocated engine orders
+    its own queue the same way. A call goes at most ``PROGRAM_ORDER_LEAD_S`` ahead of its own arrival, so an
+    early program's stream of calls cannot keep a later program's call waiting for ever."""
 
     def __init__(
         self,
@@ -144,6 +161,7 @@ class PDDispatcher(Dispatcher):
         clock: Callable[[], float],
         config: PDSchedulerConfig,
         block_size: int,
+        order_by_program: bool = False,
     ) -> None:
         super().__init__(instances, Router("least-loaded"), table, clock)
         self.instances = dict(instances)
@@ -156,6 +174,8 @@ class PDDispatcher(Dispatcher):
         self.placed_stored_tokens: Counter[str] = Counter()  # their estimated stored tokens, by read path
         self._history: dict[str, list[int]] = {}  # program id -> its last call's tokens
         self._next_tag = 1
+        self.order_by_program = order_by_program
+        self._next_seq = 0
 
     def is_alive(self) -> bool:
         return all(self._live(role) for role in ("prefill", "decode"))
@@ -168,12 +188,21 @@ class PDDispatcher(Dispatcher):
     def submit(
         self, request_id: str, prompt: list[int], params: SamplingParams, program: ProgramRef | None = None
     ) -> list[PDDecision]:
+        now = self.clock()
+        first_arrival = now
         if program is not None:
-            self.table.call_arrived(program, self.clock())
+            record = self.table.call_arrived(program, now)
+            if self.order_by_program and record.first_arrival is not None:
+                first_arrival = max(record.first_arrival, now - PROGRAM_ORDER_LEAD_S)
         call = PDCall(request_id, list(prompt), params, program)
         call.stored_tokens = self._stored_estimate(call)
+        call.order = (first_arrival, self._next_seq)
+        self._next_seq += 1
         self.calls[request_id] = call
-        self.queue.append(call)
+        # Before the first call that goes after it (at the tail in call order); a call put back at the head after
+        # a lost PE stays there unless this one's program came first.
+        at = next((i for i, other in enumerate(self.queue) if other.order > call.order), len(self.queue))
+        self.queue.insert(at, call)
         return self._place()
 
     def report(self, instance_id: str, read_queue_tokens: int) -> None:

@@ -21,7 +21,7 @@ An agent's instance id is its transport address, so the ledger's debtor names th
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,14 +72,15 @@ class MoveStats:
     requests_recomputed: int = 0
 
 
-def next_chunk_needs(core: EngineCore) -> list[tuple[str, int]]:
-    """Each running request's id and the blocks it must add for its next chunk (a step's budget of tokens, or what
-    is left of its context), in the scheduler's running order; its blocks on creditors count as held."""
+def next_chunk_needs(core: EngineCore, chunks: int = 1) -> list[tuple[str, int]]:
+    """Each running request's id and the blocks it must add for its next ``chunks`` chunks (a step's budget of
+    tokens each, or what is left of its context), in the scheduler's running order; its blocks on creditors count
+    as held."""
     kv, sched = core.kv, core.scheduler
     return [
         (
             r.request_id,
-            kv.blocks_for_tokens(min(r.num_tokens, r.num_computed_tokens + sched.max_num_batched_tokens))
+            kv.blocks_for_tokens(min(r.num_tokens, r.num_computed_tokens + chunks * sched.max_num_batched_tokens))
             - kv.num_allocated_blocks(r.request_id)
             - kv.num_lent_blocks(r.request_id),
         )
@@ -106,6 +107,93 @@ def stalled_growth(needs: Sequence[tuple[str, int]], free: int) -> list[tuple[st
     return stalled
 
 
+class BlockReceive(Protocol):
+    """A creditor's posted receive of a move's blocks into ``block_ids`` of its pool."""
+
+    block_ids: list[int]
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until the blocks are written; raises :class:`TransportError` when they do not come."""
+        ...
+
+
+class BlockSend(Protocol):
+    def wait(self, timeout_s: float | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class PartialCounters:
+    """DistAttention's work so far, as the agent's snapshot reports it."""
+
+    round_trips: int = 0
+    round_trip_bytes: int = 0
+    partials_served: int = 0
+    remote_layers: int = 0
+    exposed_wait_s: float = 0.0
+
+
+class LendingData(Protocol):
+    """The tensors' side of an agent: a move's blocks between pools, and the partials over lent blocks. The
+    agent's decisions and bookkeeping never depend on which one it has: :class:`TransportLendingData` (the real
+    model runner, its KV cache and a transport) or the simulator's (``sim/lending.py``, virtual time)."""
+
+    def send_blocks(self, creditor: str, tag: int, block_ids: Sequence[int]) -> BlockSend: ...
+
+    def receive_blocks(self, debtor: str, tag: int, block_ids: Sequence[int]) -> BlockReceive: ...
+
+    def serve(self, debtor: str) -> None:
+        """Answer ``debtor``'s partial requests from now on (it has blocks here)."""
+        ...
+
+    def counters(self) -> PartialCounters: ...
+
+    def close(self) -> None: ...
+
+
+class TransportLendingData:
+    """Lending over a real transport: the runner's attention becomes DistributedAttention, a PartialServer
+    answers debtors, blocks go as one message each (``transport/blocks.py``)."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        transport: KVTransport,
+        lent_blocks: Callable[[str], LentBlocks | None],
+        on_peer_lost: Callable[[str], None],
+        timeout_s: float,
+    ) -> None:
+        if not isinstance(core.executor, ModelExecutor):
+            raise TypeError("KV lending needs the model executor")
+        self.transport = transport
+        runner = core.executor.runner
+        self.cache = runner.kv_cache
+        caches = [self.cache.layer(i) for i in range(self.cache.num_layers)]
+        self.client = PartialClient(transport, timeout_s)
+        self.attention = DistributedAttention(runner.attention, self.client, caches)
+        runner.attention = self.attention
+        self.server = PartialServer(
+            transport, self.cache.layer, lent_blocks, runner.attention.local.scale, timeout_s, on_peer_lost=on_peer_lost
+        )
+
+    def send_blocks(self, creditor: str, tag: int, block_ids: Sequence[int]) -> BlockSend:
+        return send_blocks(self.transport, creditor, tag, self.cache, block_ids)
+
+    def receive_blocks(self, debtor: str, tag: int, block_ids: Sequence[int]) -> BlockReceive:
+        return BlocksReceive(self.transport, debtor, tag, self.cache, block_ids)
+
+    def serve(self, debtor: str) -> None:
+        self.server.add_peer(debtor)
+
+    def counters(self) -> PartialCounters:
+        c, a = self.client.stats, self.attention.stats
+        return PartialCounters(
+            c.round_trips, c.bytes_sent + c.bytes_received, self.server.stats.round_trips, a.layers, a.exposed_s
+        )
+
+    def close(self) -> None:
+        self.server.close()
+
+
 class ControlPlane(Protocol):
     """Carries the protocol's control messages to another instance's agent and returns its answer.
     ``take_blocks`` answers with a receipt of the receive the creditor posted (the receive itself in one process,
@@ -128,39 +216,32 @@ class LendingAgent:
         self,
         core: EngineCore,
         rmanager: RManager,
-        transport: KVTransport,
+        transport: KVTransport | None,
         control: ControlPlane,
         timeout_s: float = 30.0,
+        data: LendingData | None = None,
+        lookahead_chunks: int = 1,
     ) -> None:
-        if rmanager.instance_id != transport.address:
+        """Over ``transport`` (the real runner's DistributedAttention and partial server), or over ``data``
+        (another tensor side: the simulator's) when given. ``lookahead_chunks``: a running request counts as
+        stalled when the blocks of that many next chunks do not fit (see ``observe``)."""
+        if data is None and (transport is None or rmanager.instance_id != transport.address):
             raise ValueError("an agent's instance id is its transport address")
-        if not isinstance(core.executor, ModelExecutor):
-            raise TypeError("KV lending needs the model executor")
         self.core = core
         self.rm = rmanager
-        self.transport = transport
         self.control = control
         self.timeout_s = timeout_s
         self.stats = MoveStats()
-        runner = core.executor.runner
-        self.cache = runner.kv_cache
-        caches = [self.cache.layer(i) for i in range(self.cache.num_layers)]
-        self.client = PartialClient(transport, timeout_s)
-        self.attention = DistributedAttention(runner.attention, self.client, caches)
-        runner.attention = self.attention
+        self.lookahead_chunks = lookahead_chunks
         self._lost_debtors: set[str] = set()  # seen gone by the server's thread; acted on by observe
-        self.server = PartialServer(
-            transport,
-            self.cache.layer,
-            self._lent_blocks,
-            runner.attention.local.scale,
-            timeout_s,
-            on_peer_lost=self._lost_debtors.add,
-        )
+        if data is None:
+            assert transport is not None
+            data = TransportLendingData(core, transport, self._lent_blocks, self._lost_debtors.add, timeout_s)
+        self.data = data
         core.lending_stats = self.snapshot
 
     def snapshot(self) -> LendingStats:
-        m, c, a = self.stats, self.client.stats, self.attention.stats
+        m, p = self.stats, self.data.counters()
         return LendingStats(
             moves_out=m.moves_out,
             blocks_out=m.blocks_out,
@@ -169,11 +250,11 @@ class LendingAgent:
             blocks_in=m.blocks_in,
             bytes_in=m.bytes_in,
             requests_recomputed=m.requests_recomputed,
-            round_trips=c.round_trips,
-            round_trip_bytes=c.bytes_sent + c.bytes_received,
-            partials_served=self.server.stats.round_trips,
-            remote_layers=a.layers,
-            exposed_wait_s=a.exposed_s,
+            round_trips=p.round_trips,
+            round_trip_bytes=p.round_trip_bytes,
+            partials_served=p.partials_served,
+            remote_layers=p.remote_layers,
+            exposed_wait_s=p.exposed_wait_s,
             blocks_lent=self.rm.lent_blocks,
             blocks_borrowed=sum(self.core.kv.num_lent_blocks(r.request_id) for r in self.core.scheduler.running),
         )
@@ -183,7 +264,7 @@ class LendingAgent:
         return self.rm.instance_id
 
     def close(self) -> None:
-        self.server.close()
+        self.data.close()
 
     def _lent_blocks(self, move_id: str) -> LentBlocks | None:
         """Called on the server's thread: a dict read, atomic under the interpreter lock."""
@@ -204,7 +285,11 @@ class LendingAgent:
         }
         own = sum(req.local_blocks for req in requests.values())
         free = self.rm.total_blocks - own - self.rm.reserved_blocks - self.rm.lent_blocks
-        stalled = tuple(need for _, need in stalled_growth(next_chunk_needs(self.core), free))
+        # With plans made between the engine's steps (a benchmark) one chunk is enough; a plan from a heartbeat
+        # reaches the debtor a step after the report, when the next chunk may already have stalled: looking
+        # further ahead lends before the scheduler evicts the request for want of room.
+        needs = next_chunk_needs(self.core, self.lookahead_chunks)
+        stalled = tuple(need for _, need in stalled_growth(needs, free))
         self.rm.observe(
             LocalState(
                 own_blocks=own,
@@ -280,7 +365,7 @@ class LendingAgent:
         if receive is None:
             return self.rm.move_done(action.move_id, action.creditor, False)
         try:
-            send_blocks(self.transport, action.creditor, move_tag(action.move_id), self.cache, ids).wait(self.timeout_s)
+            self.data.send_blocks(action.creditor, move_tag(action.move_id), ids).wait(self.timeout_s)
         except TransportError:
             return self.rm.move_done(action.move_id, action.creditor, False)
         committed = self.control.confirm_blocks(action.creditor, action.move_id, receive)
@@ -314,7 +399,7 @@ class LendingAgent:
         self.observe()
         return self.rm.try_move_kvcache(action.move_id, action.request_id, action.debtor, action.num_blocks)
 
-    def on_take_blocks(self, action: SendBlocks, debtor: str) -> BlocksReceive | None:
+    def on_take_blocks(self, action: SendBlocks, debtor: str) -> BlockReceive | None:
         """Reserve pool blocks for a move's blocks and post their receive."""
         loan = self.rm.loans.get(action.move_id)
         if loan is None or loan.state is not LoanState.RESERVED:
@@ -322,9 +407,9 @@ class LendingAgent:
         ids = self.core.kv.allocate_unowned(action.num_blocks)
         if ids is None:
             return None
-        return BlocksReceive(self.transport, debtor, move_tag(action.move_id), self.cache, ids)
+        return self.data.receive_blocks(debtor, move_tag(action.move_id), ids)
 
-    def on_confirm_blocks(self, move_id: str, receive: BlocksReceive) -> bool:
+    def on_confirm_blocks(self, move_id: str, receive: BlockReceive) -> bool:
         loan = self.rm.loans.get(move_id)
         try:
             receive.wait(self.timeout_s)
@@ -335,7 +420,7 @@ class LendingAgent:
             self.core.kv.free_unowned(receive.block_ids)
             return False
         assert loan is not None
-        self.server.add_peer(loan.debtor)
+        self.data.serve(loan.debtor)
         self.stats.moves_in += 1
         self.stats.blocks_in += len(receive.block_ids)
         self.stats.bytes_in += len(receive.block_ids) * self.core.layout.bytes_per_block
@@ -359,10 +444,10 @@ class LocalControlPlane:
     def try_move(self, creditor: str, action: TryMove) -> bool:
         return creditor not in self.down and self.agents[creditor].on_try_move(action)
 
-    def take_blocks(self, creditor: str, action: SendBlocks, debtor: str) -> BlocksReceive | None:
+    def take_blocks(self, creditor: str, action: SendBlocks, debtor: str) -> BlockReceive | None:
         return None if creditor in self.down else self.agents[creditor].on_take_blocks(action, debtor)
 
-    def confirm_blocks(self, creditor: str, move_id: str, receive: BlocksReceive) -> bool:
+    def confirm_blocks(self, creditor: str, move_id: str, receive: BlockReceive) -> bool:
         return creditor not in self.down and self.agents[creditor].on_confirm_blocks(move_id, receive)
 
     def release(self, creditor: str, move_id: str) -> None:

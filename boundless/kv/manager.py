@@ -308,6 +308,14 @@ class KVCacheManager:
     def free_unowned(self, block_ids: Sequence[int]) -> None:
         self.pool.free([self.pool.blocks[i] for i in reversed(block_ids)])
 
+    def name_unowned(self, request_id: str, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Name unowned device blocks, received from another instance, as the request's leading full blocks
+        of ``token_ids`` in the prefix cache, as if computed here: its admission finds them as a prefix hit."""
+        bs = self.block_size
+        hashes = self.block_hashes(request_id, token_ids[: len(block_ids) * bs])
+        for i, block_id in enumerate(block_ids):
+            self.pool.cache(self.pool.blocks[block_id], hashes[i], token_ids[i * bs : (i + 1) * bs])
+
     def num_allocated_blocks(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
 

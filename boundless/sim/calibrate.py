@@ -11,23 +11,30 @@ takes each exact step shape's fastest time (:func:`fastest_per_shape`). The fit 
 (``fit_attention_time``), in relative error so the short decode steps weigh as much as the long prefills,
 without the steps still slowed by something other than their shape. A second, held-out grid of other
 shapes measures how well the fit predicts steps it was not fitted on.
+
+``--served`` runs both grids through a served engine instead (``sim/served_grid.py``: the HTTP server and the
+``openai`` client, and with ``--instances 2`` a Ray cluster behind the dispatcher, as ``simulate validate``'s
+real side runs), since serving slows every step of this machine's engine. There the fit takes each shape's
+**median** over the passes (:func:`median_per_shape`): the serving's own share of a step is part of what the
+simulator must charge, and it is in every pass, while a burst of outside load hits one.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from boundless.bench.report import write_json
-from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import AttentionSample, AttentionTimeModel, ChunkShape, fit_attention_time
 from boundless.engine.core import EngineCore
 from boundless.engine.sampling_params import SamplingParams
@@ -40,6 +47,7 @@ from boundless.sim.cost import (
 )
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import fitted_profile_dict
+from boundless.sim.served_grid import run_served_grid, served_engine
 
 # A step slower than this many times the fit's prediction was slowed by something else (as perf_model's).
 OUTLIER_FACTOR = 1.5
@@ -78,6 +86,7 @@ class Calibration:
     fit_error: FitError  # on the fastest time of each fitted shape
     held_out_error: FitError | None  # on the fastest time of each held-out shape
     wall_s: float
+    per_shape: str = "fastest"  # which time of each shape the fit and its errors take: fastest or median
 
 
 def run_grid(core: EngineCore, grid: CalibrationGrid, seed: int = 0) -> list[AttentionSample]:
@@ -116,19 +125,33 @@ def fastest_per_shape(samples: Sequence[AttentionSample]) -> list[AttentionSampl
     return [AttentionSample(shapes, seconds) for shapes, seconds in best.items()]
 
 
-def fit_step_model(samples: Sequence[AttentionSample]) -> AttentionTimeModel:
-    """The engine's per-term fit on each shape's fastest time, in relative error, without the shapes still
-    slowed by something other than their shape."""
-    return fit_attention_time(fastest_per_shape(samples), relative=True, outlier_factor=OUTLIER_FACTOR)
+def median_per_shape(samples: Sequence[AttentionSample]) -> list[AttentionSample]:
+    """Each distinct step shape once, with the median of its measured times (in first-seen order).
+
+    For a served engine: what serving adds to a step is there in every pass, a burst of outside load in one."""
+    times: dict[tuple[ChunkShape, ...], list[float]] = {}
+    for s in samples:
+        times.setdefault(step_shape(s), []).append(s.seconds)
+    return [AttentionSample(shapes, statistics.median(seconds)) for shapes, seconds in times.items()]
+
+
+PerShape = Callable[[Sequence[AttentionSample]], list[AttentionSample]]
+PER_SHAPE: dict[str, PerShape] = {"fastest": fastest_per_shape, "median": median_per_shape}
+
+
+def fit_step_model(samples: Sequence[AttentionSample], per_shape: str = "fastest") -> AttentionTimeModel:
+    """The engine's per-term fit on each shape's fastest (or median) time, in relative error, without the shapes
+    still slowed by something other than their shape."""
+    return fit_attention_time(PER_SHAPE[per_shape](samples), relative=True, outlier_factor=OUTLIER_FACTOR)
 
 
 def relative_errors(model: AttentionTimeModel, samples: Sequence[AttentionSample]) -> list[float]:
     return [(model.predict(s.shapes) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
 
 
-def fit_error(model: AttentionTimeModel, samples: Sequence[AttentionSample]) -> FitError:
-    """The model's relative errors on each shape's fastest time."""
-    errors = sorted(abs(e) for e in relative_errors(model, fastest_per_shape(samples)))
+def fit_error(model: AttentionTimeModel, samples: Sequence[AttentionSample], per_shape: str = "fastest") -> FitError:
+    """The model's relative errors on each shape's fastest (or median) time."""
+    errors = sorted(abs(e) for e in relative_errors(model, PER_SHAPE[per_shape](samples)))
     return FitError(len(errors), statistics.median(errors), errors[int(0.9 * (len(errors) - 1))], errors[-1])
 
 
@@ -144,9 +167,32 @@ def calibrate(
     run_grid(core, CalibrationGrid((1,), (32,), 2, 1))  # warm-up: first calls allocate and compile
     samples = run_grid(core, grid)
     held = run_grid(core, held_out, seed=1) if held_out is not None else []
-    wall = time.monotonic() - start
-    model = fit_step_model(samples)
-    return Calibration(model, samples, held, fit_error(model, samples), fit_error(model, held) if held else None, wall)
+    return fitted(samples, held, time.monotonic() - start, "fastest")
+
+
+def calibrate_served(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    grid: CalibrationGrid,
+    held_out: CalibrationGrid | None = None,
+    cluster: ClusterConfig | None = None,
+) -> Calibration:
+    """The grids through a served engine (or cluster), fitted on each shape's median time."""
+    vocab = loaded.arch.vocab_size
+    with served_engine(loaded, config, cluster) as served:
+        start = time.monotonic()
+        run_served_grid(served, CalibrationGrid((1,), (32,), 2, 1), vocab, seed=2)  # warm-up, not kept
+        samples = run_served_grid(served, grid, vocab)
+        held = run_served_grid(served, held_out, vocab, seed=1) if held_out is not None else []
+        wall = time.monotonic() - start
+    return fitted(samples, held, wall, "median")
+
+
+def fitted(samples: list[AttentionSample], held: list[AttentionSample], wall_s: float, per_shape: str) -> Calibration:
+    """The fit of the grid's steps, and its errors on them and on the held-out grid's."""
+    model = fit_step_model(samples, per_shape)
+    held_error = fit_error(model, held, per_shape) if held else None
+    return Calibration(model, samples, held, fit_error(model, samples, per_shape), held_error, wall_s, per_shape)
 
 
 def _grid(batch_sizes: str, prompt_lens: str, output_tokens: int, repeats: int) -> CalibrationGrid:
@@ -181,6 +227,18 @@ def samples_from_json(rows: Sequence) -> list[AttentionSample]:
     return [AttentionSample(tuple(ChunkShape(c, n) for c, n in shapes), seconds) for shapes, seconds in rows]
 
 
+def profile_json(data: dict) -> str:
+    """A profile as JSON text, indented, with one measured step per line (as the shipped profiles keep them)."""
+    calibration = data.get("calibration", {})
+    steps = {k: calibration[k] for k in ("samples", "held_out_samples") if k in calibration}
+    placeholders = {k: f"@{k}@" for k in steps}
+    text = json.dumps({**data, "calibration": {**calibration, **placeholders}}, indent=2)
+    for k, rows in steps.items():
+        lines = ",\n".join("      " + json.dumps(r, separators=(",", ":")) for r in rows)
+        text = text.replace(json.dumps(placeholders[k]), "[\n" + lines + "\n    ]" if rows else "[]")
+    return text + "\n"
+
+
 def run(args: argparse.Namespace) -> dict:
     grid = _grid(args.batch_sizes, args.prompt_lens, args.output_tokens, args.repeats)
     held_out = (
@@ -191,6 +249,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    cluster = ClusterConfig(instances=args.instances) if args.instances > 1 else None
+    if cluster is not None:  # each actor runs torch on its share of the cores (ClusterClient's rule)
+        threads = max(1, len(os.sched_getaffinity(0)) // args.instances)
     config = EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype),
         cache=CacheConfig(num_kv_blocks=args.num_kv_blocks),
@@ -198,14 +259,25 @@ def run(args: argparse.Namespace) -> dict:
     )
     loaded = load_model(config.model.model, dtype=config.model.dtype)
     load_before = os.getloadavg()[0]
-    result = calibrate(loaded, config, grid, held_out)
+    if args.served:
+        result = calibrate_served(loaded, config, grid, held_out, cluster)
+    else:
+        if cluster is not None:
+            raise SystemExit("--instances above 1 needs --served (a cluster is calibrated as it is served)")
+        result = calibrate(loaded, config, grid, held_out)
     load_after = os.getloadavg()[0]
     m = result.model
-    print(
-        f"{len(result.samples)} + {len(result.held_out)} held-out steps in {result.wall_s:.0f} s on {threads} threads"
-        f" (load average {load_before:.1f} before, {load_after:.1f} after)"
+    how = (
+        f"served ({args.instances} instance{'s' if args.instances > 1 else ''} behind the HTTP server, the openai"
+        " client)"
+        if args.served
+        else "the engine stepped alone"
     )
-    print(f"fit on the fastest of each shape: {_error_text(result.fit_error)}")
+    print(
+        f"{len(result.samples)} + {len(result.held_out)} held-out steps in {result.wall_s:.0f} s on {threads} threads,"
+        f" {how} (load average {load_before:.1f} before, {load_after:.1f} after)"
+    )
+    print(f"fit on the {result.per_shape} of each shape: {_error_text(result.fit_error)}")
     print(f"held-out shapes: {_error_text(result.held_out_error)}")
     print(
         f"base {m.base_s * 1e3:.2f} ms, per request {m.per_seq_s * 1e3:.3f} ms,"
@@ -220,20 +292,24 @@ def run(args: argparse.Namespace) -> dict:
     }
     sources = {
         "step": f"boundless simulate calibrate on this machine ({os.cpu_count()} cores, torch on {threads} threads):"
-        f" {args.model} {args.dtype}, {_grid_text(grid)}, the fastest of each step shape;"
+        f" {args.model} {args.dtype}, {how}, {_grid_text(grid)}, the {result.per_shape} of each step shape;"
         f" held-out shapes: {_error_text(result.held_out_error)}",
         "host_copy": "sim/cost.py HOST_COPY_BYTES_PER_S: HostSwapSpace copies measured at 10-14 GB/s on this machine",
         "storage": "sim/cost.py DISK_*: a local NVMe drive's sequential bandwidths, not measured",
         "network": "assumption: shared-memory transport between processes on one machine; not measured",
     }
     description = (
-        f"{args.model} {args.dtype} on this machine's CPU ({os.cpu_count()} cores, torch on {threads} threads)"
+        f"{args.model} {args.dtype} on this machine's CPU ({os.cpu_count()} cores, torch on {threads} threads"
+        f"{' per instance' if cluster else ''}), {how}"
     )
     data = fitted_profile_dict(args.name, description, m, links, sources)
     data["calibration"] = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "threads": threads,
         "cpu_count": os.cpu_count(),
+        "served": args.served,
+        "instances": args.instances,
+        "per_shape": result.per_shape,
         "load_average_before": load_before,
         "load_average_after": load_after,
         "grid": _grid_text(grid),
@@ -246,7 +322,10 @@ def run(args: argparse.Namespace) -> dict:
         "samples": _samples_json(result.samples),
         "held_out_samples": _samples_json(result.held_out),
     }
-    write_json(args.out, data)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile_json(data))
+    print(f"wrote {out}")
     return data
 
 
@@ -273,6 +352,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="torch threads (0: torch's default); each of a 2-instance cluster's gets 1 here",
+    )
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="run the grids through a served engine (HTTP server, openai client) and fit each shape's median",
+    )
+    parser.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="with --served: a Ray cluster of this many instances behind the dispatcher (as serve --instances)",
     )
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
     # Below the longest prompt: long prompts run in chunks over cached context, which tells the per-pair

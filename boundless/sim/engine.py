@@ -10,6 +10,7 @@ took ~6% of a simulation run (the README's ``boundless simulate`` command).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections import OrderedDict
@@ -79,6 +80,7 @@ def simulated_engine(
     store: OrderedDict[BlockHash, None] | None = None,
     remote: Callable[[int], SimulatedRemoteIO] | None = None,
     kv_bytes_per_token: int | None = None,
+    max_model_len: int | None = None,
 ) -> EngineCore:
     """An engine instance sized by :func:`size_engine` from ``config``, whose steps take ``cost``'s time, its
     copies between memory tiers cross ``host_copy`` and its disk store costs ``disk_cost`` (its reads crossing
@@ -86,8 +88,11 @@ def simulated_engine(
     holds, shared with other instances (the real store is one directory); ``remote(bytes_per_block)``: its
     end of the KV fabric to other instances (prefill/decode roles). ``kv_bytes_per_token``: what the copies,
     reads and streams move per token when it is not ``model``'s (a profile's model: the GPU's, not the one
-    whose tokenizer and block bookkeeping the engine uses)."""
+    whose tokenizer and block bookkeeping the engine uses). ``max_model_len``: the context it admits, in place of
+    one pool's (KV lending: the cluster's memory, as ``bench longctx`` raises it)."""
     layout = size_engine(config, model.arch, model.dtype)
+    if max_model_len is not None:
+        layout = dataclasses.replace(layout, max_model_len=max_model_len)
     block_bytes = kv_bytes_per_token * layout.block_size if kv_bytes_per_token else layout.bytes_per_block
     disk = None
     if layout.disk_bytes:

@@ -40,6 +40,9 @@ class FittedStepCost:
     def step_time(self, sched: SchedulerOutput) -> float:
         return self.model.predict(shapes_of(sched))
 
+    def predict(self, shapes: Sequence[ChunkShape]) -> float:
+        return self.model.predict(shapes)
+
 
 @dataclass(frozen=True)
 class ModelShape:

@@ -18,6 +18,7 @@ from boundless.cluster.pd_dispatcher import PDDispatcher
 from boundless.config import CacheConfig, ClusterConfig, ModelConfig, add_flags, engine_config_from_flags
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
+from boundless.sim.longctx import add_longctx_arguments, run_longctx
 from boundless.sim.profiles import load_profile, profile_names
 from boundless.sim.progress import VirtualTimeBar
 from boundless.sim.simulator import SimResult, Simulator
@@ -37,6 +38,8 @@ def run(args: argparse.Namespace) -> dict:
     profile = load_profile(args.profile) if args.profile else None
     cost = None if profile else CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
     clusters = cluster_configs_from_flags(args)
+    if args.workload == "longctx":  # Infinite-LLM's experiment: its own rows (sim/longctx.py)
+        return run_longctx(args, base, model, profile, cost, clusters[0])
     rows: list[dict] = []
     walls: list[float] = []  # apart from the rows, which are a function of the flags alone
     alone = 0  # steps fast-forwarded
@@ -130,6 +133,7 @@ def result_row(sim: Simulator, results: list[SimResult], rate: float, policy: st
         "simulated_s": sim.clock.now,
         "steps": sim.num_steps,
         "failed_calls": sum(r.failed_calls for r in results),
+        "avg_call_latency_s": {kind: statistics.fmean(v) for kind, v in sorted(sim.call_latencies.items())},
     }
     if isinstance(sim.dispatcher, PDDispatcher):
         row["read_paths"] = dict(sorted(sim.dispatcher.placements.items()))
@@ -214,6 +218,14 @@ CLUSTER_FLAGS = (
     "pd_z",
     "storage_gbps",
     "net_gbps",
+    "kv_lending",
+    "lending_interval_s",
+    "lending_debtor_max_batch",
+    "lending_creditor_max_usage",
+    "lending_creditor_headroom",
+    "lending_min_gain",
+    "lending_reservation_timeout_s",
+    "lending_lookahead_chunks",
 )
 
 
@@ -241,9 +253,11 @@ def cluster_configs_from_flags(args: argparse.Namespace) -> list[ClusterConfig]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload",
-        choices=[w for w in WORKLOADS if w != "trace"] + ["agent"],
+        choices=[w for w in WORKLOADS if w != "trace"] + ["agent", "longctx"],
         default="chat",
-        help="a benchmark workload, or agent: DualPath-like agent sessions (long contexts, short appends)",
+        help="a benchmark workload, or agent: DualPath-like agent sessions (long contexts, short appends), or "
+        "longctx: bench longctx's trace of short requests and ones longer than an instance's KV pool, "
+        "separate instances against KV lending (--kv-modes)",
     )
     parser.add_argument("--policies", default="fcfs,mlfq,plas,atlas")
     parser.add_argument("--rates", default="0.1,0.2,0.3,0.4")
@@ -295,5 +309,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kind = type(f.default) if f.default is not None else (int if "int" in str(f.type) else float)
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
     # The engine's own flags (the scheduler's are added with them by the command line).
+    add_longctx_arguments(parser)
     add_flags(parser, ModelConfig)
     add_flags(parser, CacheConfig)

@@ -25,7 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from boundless.bench.workloads import CallSpec, ProgramSpec, PromptTokens, call_prompt
+from boundless.bench.workloads import CallSpec, ProgramSpec, PromptTokens, call_kind, call_prompt
 from boundless.cluster.dispatcher import AbortOn, AddResult, Dispatcher, Fail, Send
 from boundless.cluster.links import Link, gbps_to_bytes_per_s
 from boundless.cluster.pd_dispatcher import Continue, PDDecision, PDDispatcher, PDInstance, Prepare, PrepareResult
@@ -44,6 +44,7 @@ from boundless.programs.ref import ProgramRef
 from boundless.sim.cost import CostModel, StepCost
 from boundless.sim.engine import DEFAULT_DISK_COST, HOST_COPY, SimulatedModel, simulated_engine
 from boundless.sim.executor import DiskCost
+from boundless.sim.lending import SimulatedLending, lending_max_model_len, simulated_lending
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import HardwareProfile
 from boundless.sim.remote import KVFabric
@@ -82,6 +83,7 @@ class SimResult:
     finish_s: float
     output_tokens: int
     failed_calls: int = 0  # calls the engine refused (as the benchmark counts them)
+    finished: bool = True  # False: the run ended with the program's calls unserved (finish_s is the run's end)
 
     @property
     def latency_s(self) -> float:
@@ -105,6 +107,7 @@ class _Call:
     prompt: list[int]
     request: Request | None = None  # the engine's request, once an instance took it
     output_token_ids: list[int] = field(default_factory=list)
+    submit_s: float = 0.0  # when the program sent it (after its tool wait)
 
 
 @dataclass
@@ -123,6 +126,9 @@ _STAGE, _CALL, _STEP_END, _WAKE = 0, 1, 2, 3
 DEFAULT_NETWORK = LinkSpec(50e9, 5e-6)
 
 Progress = Callable[[float], None]  # told the virtual time as the run goes
+
+# With KV lending, heartbeats keep coming while work remains, until this many in a row saw no step start.
+LENDING_STALL_BEATS = 120
 
 
 class Simulator:
@@ -144,6 +150,7 @@ class Simulator:
         cluster: ClusterConfig | None = None,
         profile: HardwareProfile | None = None,
         instances_per_node: int = 0,
+        compact_prompts: bool = True,
         fast_forward: bool = True,
     ) -> None:
         self.clock = VirtualClock()
@@ -160,6 +167,7 @@ class Simulator:
         self.instances = {}
         self.storage_links: list[Link] = []
         self.fabric: KVFabric | None = None
+        self.lending: SimulatedLending | None = None
         if self.cluster.disaggregated:
             # The cluster's emulated NICs, when given, in place of the profile's figures (as the real links).
             if self.cluster.storage_gbps is not None:
@@ -178,10 +186,18 @@ class Simulator:
                 rate = disk_cost.read_bytes_per_s * instances_per_node
                 nodes = -(-instances // instances_per_node)
                 self.storage_links = [Link(f"storage-node{k}", rate) for k in range(nodes)]
+            lending = self.cluster.kv_lending == "on"
+            max_len = lending_max_model_len(config, model, instances) if lending else None
             for i in range(instances):
                 link = self.storage_links[i // instances_per_node] if self.storage_links else None
-                core = simulated_engine(config, model, cost, self.clock, None, host_copy, disk_cost, link)
+                core = simulated_engine(
+                    config, model, cost, self.clock, None, host_copy, disk_cost, link, max_model_len=max_len
+                )
                 self.instances[str(i)] = SimInstance(str(i), core)
+            if lending:
+                cores = {iid: inst.core for iid, inst in self.instances.items()}
+                idle = lambda iid: self.instances[iid].step is None
+                self.lending = simulated_lending(cores, self.cluster, self.clock, network, model, profile, idle)
             if instances > 1:  # as ClusterClient builds it
                 table = ProcessTable(
                     ttl_s=config.scheduler.program_ttl_s, critical_path=config.scheduler.policy == "atlas"
@@ -192,6 +208,10 @@ class Simulator:
                 self.dispatcher = Dispatcher(self.instances, router, table, self.clock)
         self.core = next(iter(self.instances.values())).core  # the engine, for one instance
         self.max_model_len = min(i.core.max_model_len for i in self.instances.values())
+        # Without compaction a prompt goes as it is, and one longer than an instance admits is refused.
+        self.compact_prompts = compact_prompts
+        self._lending_idle_beats = 0  # lending heartbeats in a row with no step started (a stall)
+        self._lending_steps_seen = 0
         self.tokens = PromptTokens(model.identity.vocab_size, seed)
         self.placements: list[Placement] = []
         self.num_steps = 0
@@ -199,6 +219,7 @@ class Simulator:
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self._calls: dict[str, _Call] = {}
+        self.call_latencies: dict[str, list[float]] = {}  # call_kind -> each completed call's submit-to-finish
         self._ids = itertools.count()
         self._ready: set[str] = set()  # idle instances that may have work to start
         self._next_expiry = 0.0
@@ -300,6 +321,7 @@ class Simulator:
                 sp.finish_s if sp.finish_s is not None else self.clock.now,
                 sp.output_tokens,
                 sp.failed_calls,
+                sp.finish_s is not None,
             )
             for sp in sims
         ]
@@ -319,6 +341,23 @@ class Simulator:
                     queued = link.stats().queued_bytes
                 self.dispatcher.report(iid, read_queue_tokens(queued, self._kv_bytes_per_token))
         self.dispatcher.expire()
+        if self.lending is not None:
+            self._lending_heartbeat(now)
+
+    def _lending_heartbeat(self, now: float) -> None:
+        """KV lending's part of the heartbeat (``sim/lending.py``): reports to the gManager (an instance mid-step
+        reports at its step's end), a due plan's orders carried out by idle debtors at once (busy ones at their
+        step's end); every instance looks again for work (blocks moved or freed). While work remains, the next
+        heartbeat is an event, as the real loop's timer fires whether or not anything else happens, until nothing
+        has stepped for ``LENDING_STALL_BEATS`` heartbeats."""
+        assert self.lending is not None
+        self.lending.heartbeat()
+        self._ready.update(self.instances)
+        self._lending_idle_beats = self._lending_idle_beats + 1 if self.num_steps == self._lending_steps_seen else 0
+        self._lending_steps_seen = self.num_steps
+        busy = [iid for iid, inst in self.instances.items() if inst.core.has_unfinished()]
+        if busy and self._lending_idle_beats < LENDING_STALL_BEATS:
+            self._at(now + self.cluster.heartbeat_interval_s, _WAKE, busy[0])
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -373,6 +412,8 @@ class Simulator:
         self._ready.add(inst.instance_id)
         for delta in inst.core.finish_step(sched, result):
             self._on_delta(inst.instance_id, delta)
+        if self.lending is not None and self.lending.between_steps(inst.instance_id):
+            self._ready.update(self.instances)  # blocks moved: the creditors' room changed too
 
     def _on_delta(self, instance_id: str, delta: RequestDelta) -> None:
         decisions: list[PDDecision] = []
@@ -402,11 +443,12 @@ class Simulator:
 
     def _submit(self, sp: SimProgram, spec: CallSpec) -> None:
         new_input = self.tokens.draw(sp.rng, spec.new_input)
-        prompt = call_prompt(spec, sp.system, sp.contexts, sp.outputs, new_input, self.max_model_len)
+        limit = self.max_model_len if self.compact_prompts else 1 << 62
+        prompt = call_prompt(spec, sp.system, sp.contexts, sp.outputs, new_input, limit)
         rid = f"c{next(self._ids)}"
         params = SamplingParams(max_tokens=spec.output, ignore_eos=True)
         program = ProgramRef(sp.spec.program_id, spec.thread_id, spec.parents)
-        call = _Call(sp, spec, prompt)
+        call = _Call(sp, spec, prompt, submit_s=self.clock.now)
         if self.dispatcher is None:
             self._add(call, Send("0", rid, prompt, params, program, None))
             return
@@ -485,6 +527,8 @@ class Simulator:
         sp.contexts[call.spec.thread_id] = call.prompt + out
         sp.outputs[call.spec.thread_id] = out
         sp.output_tokens += len(out)
+        kind = call_kind(call.spec, len(sp.spec.stages[sp.stage]))
+        self.call_latencies.setdefault(kind, []).append(self.clock.now - call.submit_s)
         self._end_call(sp)
 
     def _end_call(self, sp: SimProgram) -> None:

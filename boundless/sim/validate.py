@@ -8,21 +8,24 @@ time. It runs ``--repeats`` times, so the measured side's own noise shows: each 
 median (what the prediction is compared with) and their spread. The simulated run is the same engine flags,
 cluster size and programs on a hardware profile: ``--profile`` for one instance, ``--cluster-profile`` for
 more (on this 2-core machine each of two instances runs torch on one core, so its steps take a
-one-thread profile's times). A simulation is deterministic: one run. Rows: average and p95 program
-latency and throughput (programs per second of makespan), predicted against measured, with the relative
-error.
+one-thread profile's times). The defaults are fitted by ``calibrate --served`` on another grid of shapes,
+through the same server and client (and cluster): a served step costs more than the bare engine's. A
+simulation is deterministic: one run. Rows: average and p95 program latency and throughput (programs per
+second of makespan), predicted against measured, with the relative error.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from boundless.bench.programs import _serve_and_run
+from boundless.bench.programs import ProgramRunner, summarize
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, make_programs
@@ -37,6 +40,7 @@ from boundless.config import (
 )
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import HardwareProfile, load_profile
+from boundless.sim.served_grid import served_engine, taking_steps
 from boundless.sim.simulator import SimResult, Simulator
 
 if TYPE_CHECKING:
@@ -47,8 +51,9 @@ METRICS = ("avg_latency_s", "p95_latency_s", "throughput_programs_per_s")
 # from latency spent elsewhere (the same busy seconds, a different latency).
 ENGINE_FIGURES = ("busy_s", "steps")
 
-# One real run of the programs: their summary (``bench programs``'s ``summarize``).
-RealRun = Callable[[EngineConfig, list[ProgramSpec], ClusterConfig | None], dict[str, float]]
+# One real run of the programs (on a cluster, or one engine for None): their summary (``bench programs``'s
+# ``summarize``), the engines' figures, and the profile's prediction for the steps they ran.
+RealRun = Callable[[EngineConfig, list[ProgramSpec], ClusterConfig | None, HardwareProfile], dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -107,10 +112,13 @@ def engine_figures(predicted: dict[str, float], measured_runs: Sequence[dict[str
     seconds per step to the predicted: above 1, the real steps ran slower than the profile says."""
     measured = {k: statistics.median(float(r[k]) for r in measured_runs) for k in ENGINE_FIGURES}
     per_step = (measured["busy_s"] / max(1.0, measured["steps"])) / (predicted["busy_s"] / max(1.0, predicted["steps"]))
+    # The same steps, measured against the profile's time for their shapes (median over the runs).
+    same_shapes = statistics.median(r["taken_step_s"] / r["profile_step_s"] for r in measured_runs)
     return {
         **{f"predicted_{k}": predicted[k] for k in ENGINE_FIGURES},
         **{f"measured_{k}": measured[k] for k in ENGINE_FIGURES},
         "step_time_ratio": per_step,
+        "same_shape_ratio": same_shapes,
     }
 
 
@@ -129,7 +137,7 @@ def validate_case(
     programs = make_programs(case.workload, num_programs, rate, seed, shape)
     cluster = ClusterConfig(instances=case.instances)
     predicted = simulate(config, programs, profile, cluster)
-    measured = [real_run(config, programs, cluster if case.instances > 1 else None) for _ in range(repeats)]
+    measured = [real_run(config, programs, cluster if case.instances > 1 else None, profile) for _ in range(repeats)]
     return {
         "workload": case.workload,
         "instances": case.instances,
@@ -141,15 +149,33 @@ def validate_case(
 
 
 def serve_and_measure(loaded: LoadedModel) -> RealRun:
-    """The real run: ``bench programs``'s fresh engine or cluster, server and client."""
+    """The real run: ``bench programs``'s fresh engine or cluster, server and client (``served_grid``'s
+    ``served_engine``), with every step the engines ran taken as it goes, and what the profile predicts for
+    those same step shapes: whether the profile is off on the served steps themselves, whatever the batching."""
 
-    def run(config: EngineConfig, programs: list[ProgramSpec], cluster: ClusterConfig | None) -> dict[str, float]:
+    def run(
+        config: EngineConfig, programs: list[ProgramSpec], cluster: ClusterConfig | None, profile: HardwareProfile
+    ) -> dict[str, float]:
         desc = "real engine" if cluster is None else f"real cluster of {cluster.instances}"
-        summary, stats = _serve_and_run(config, loaded, programs, desc, cluster)
+        with served_engine(loaded, config, cluster, model_name="bench") as served:
+            served.take_steps()
+            runner = ProgramRunner(served.url, "bench", served.max_model_len, loaded.arch.vocab_size)
+            results, steps = asyncio.run(taking_steps(runner.run(programs, desc), served.take_steps))
+            if cluster is not None:
+                time.sleep(2 * cluster.heartbeat_interval_s)  # let the last heartbeats in
+            stats = list(served.stats().values())
+        summary = summarize(results)
         if summary["failed_calls"]:
             raise RuntimeError(f"{summary['failed_calls']} calls failed on the real engine: {summary['first_error']}")
         figures = {m: float(summary[m]) for m in METRICS}  # type: ignore[arg-type]
-        return {**figures, "busy_s": float(stats["busy_seconds"]), "steps": float(stats["steps"])}
+        predict = getattr(profile.step, "predict", None)  # both profile kinds predict from shapes
+        return {
+            **figures,
+            "busy_s": float(sum(s.busy_seconds for s in stats)),
+            "steps": float(sum(s.steps for s in stats)),
+            "taken_step_s": sum(s.seconds for s in steps),
+            "profile_step_s": sum(predict(s.shapes) for s in steps) if predict else float("nan"),
+        }
 
     return run
 
@@ -206,7 +232,8 @@ def run(args: argparse.Namespace) -> dict:
         e = c["engine"]
         print(
             f"{c['workload']} on {c['instances']}: engine busy {e['predicted_busy_s']:.1f} s predicted,"
-            f" {e['measured_busy_s']:.1f} s measured; seconds per step x{e['step_time_ratio']:.2f} the profile's"
+            f" {e['measured_busy_s']:.1f} s measured; seconds per step x{e['step_time_ratio']:.2f} the profile's;"
+            f" the real steps took x{e['same_shape_ratio']:.2f} the profile's time for their own shapes"
         )
     result = {
         "num_programs": args.num_programs,
@@ -233,12 +260,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-wait", type=float, default=0.2)
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument(
-        "--profile", default="cpu", help="the simulator's hardware profile for one instance: a name or a file"
+        "--profile",
+        default="cpu-served",
+        help="the simulator's hardware profile for one instance: a name or a file (calibrate --served writes one"
+        " fitted as the real side here serves the engine)",
     )
     parser.add_argument(
         "--cluster-profile",
-        default="cpu-1thread",
-        help="the profile for more than one instance (here each instance of two gets one core)",
+        default="cpu-served-2inst",
+        help="the profile for more than one instance (calibrate --served --instances 2: each instance of two gets"
+        " one core and shares them with the other and the driver)",
     )
     parser.add_argument("--json", metavar="PATH", help="write each row with its relative error to this file")
     add_flags(parser, ModelConfig)

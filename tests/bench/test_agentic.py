@@ -50,6 +50,7 @@ def test_every_mode_serves_the_same_sessions_with_identical_outputs(
     assert basic["read_paths"].get("de", 0) == 0 and basic["read_paths"]["pe"] > 0
     assert isinstance(basic["recomputed_blocks"], dict) and basic["load_timeouts"] == 0  # counted per run
     assert set(basic["reloaded_blocks"]) == {"p0", "d0"}  # blocks read twice, per instance
+    assert set(basic["preemptions"]) == {"p0", "d0"}  # requests that lost their device KV, per instance
     # oracle has no storage link at all; the colocated engine reads through its own.
     assert "p0_storage_mb" not in by["offline", "oracle"] and by["offline", "oracle"]["read_paths"]["none"] == 12
     assert by["offline", "colocated"]["colocated_storage_mb"] > 0
@@ -59,3 +60,22 @@ def test_every_mode_serves_the_same_sessions_with_identical_outputs(
     assert saved["rows"] == json.loads(json.dumps(rows))
     assert (tmp_path / "agentic.png").stat().st_size > 0
     assert (tmp_path / "agentic.csv").read_text().count("\n") == len(rows) + 1
+
+
+def test_pd_modes_run_one_prefill_and_two_decode_engines(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """``--prefill-instances 1 --decode-instances 2``: both DEs decode, dualpath may read through either DE's storage
+    link, basic only through the PE's; per-role totals sum the instances' figures."""
+    args = build_parser().parse_args(
+        ["bench", "agentic", "--model", str(model_dirs["tiny-llama"]), "--num-sessions", "4", "--scale", "0.02",
+         "--turn-scale", "0.1", "--memory-sessions", "2", "--host-sessions", "2", "--phases", "offline",
+         "--modes", "basic,dualpath", "--prefill-instances", "1", "--decode-instances", "2",
+         "--storage-gbps", "0.5", "--net-gbps", "4", "--out-dir", ""]
+    )  # fmt: skip
+    result = agentic.run(args)
+    assert result["valid"] and result["outputs_identical"] and result["decode_instances"] == 2
+    basic, dualpath = result["rows"]
+    assert basic["d0_storage_mb"] == basic["d1_storage_mb"] == basic["de_storage_mb"] == 0 < basic["pe_storage_mb"]
+    assert dualpath["de_storage_mb"] == round(dualpath["d0_storage_mb"] + dualpath["d1_storage_mb"], 1)
+    # Every instance ran: the PE prefilled each turn, and both DEs decoded some.
+    for row in (basic, dualpath):
+        assert row["p0_computed_tokens"] > 0 and row["d0_computed_tokens"] > 0 and row["d1_computed_tokens"] > 0

@@ -4,7 +4,14 @@ happens when an engine is lost in each phase (nothing lost or repeated for the c
 from __future__ import annotations
 
 from boundless.cluster.dispatcher import AbortOn, AddResult, Fail, MarkDead, Send
-from boundless.cluster.pd_dispatcher import Continue, PDDispatcher, PDInstance, Prepare, PrepareResult
+from boundless.cluster.pd_dispatcher import (
+    PROGRAM_ORDER_LEAD_S,
+    Continue,
+    PDDispatcher,
+    PDInstance,
+    Prepare,
+    PrepareResult,
+)
 from boundless.cluster.pd_scheduler import PDSchedulerConfig
 from boundless.engine.core import RequestDelta
 from boundless.engine.handoff import IntakeAnswer
@@ -146,6 +153,39 @@ def test_a_decode_engine_takes_calls_only_while_its_kv_memory_has_room() -> None
     f = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
     decisions = f.submit("x", list(range(60)), PARAMS) + f.submit("y", list(range(60)), PARAMS)
     assert [p.request_id for p in decisions] == ["x"] and [c.request_id for c in f.queue] == ["y"]
+
+
+def test_under_program_order_an_agents_next_call_goes_before_later_programs_calls() -> None:
+    """With ``--queue-order program`` (the engines' default) the queue follows each call's program's first arrival:
+    an agent's next turn is placed before a later agent's first, so a few sessions run back to back while their
+    KV is in memory; plain call order would put every session's turn behind one of every other's."""
+    now = [100.0]
+    instances = {"p0": PDInstance("prefill", "p0", "addr-p0"), "d0": PDInstance("decode", "d0", "addr-d0", 80)}
+
+    def run(order_by_program: bool) -> list[str]:
+        d = PDDispatcher(
+            instances, ProcessTable(), lambda: now[0], PDSchedulerConfig(beta=10_000), BLOCK, order_by_program
+        )
+        a, b = ProgramRef("a"), ProgramRef("b")
+        prepared(d, "a1", list(range(60)), IntakeAnswer(0), a)  # fills the DE: the calls below wait
+        now[0] += 1
+        assert d.submit("b1", list(range(100, 160)), PARAMS, b) == []
+        now[0] += 1
+        assert d.submit("a2", list(range(60)) + [7, 8], PARAMS, a) == []
+        d.receive("p0", delta("a1", [7], "x", "handoff"))
+        _, follow = d.receive("d0", delta("a1", [8], "y", "length"))  # a1 ends: the DE has room for one
+        return [p.request_id for p in follow if isinstance(p, Prepare)]
+
+    assert run(order_by_program=False) == ["b1"]
+    assert run(order_by_program=True) == ["a2"]
+    # A call goes ahead only of calls that came less than PROGRAM_ORDER_LEAD_S before it: b1 is not starved.
+    d = PDDispatcher(instances, ProcessTable(), lambda: now[0], PDSchedulerConfig(beta=10_000), BLOCK, True)
+    prepared(d, "a1", list(range(60)), IntakeAnswer(0), ProgramRef("a"))
+    now[0] += 1
+    d.submit("b1", list(range(100, 160)), PARAMS, ProgramRef("b"))
+    now[0] += PROGRAM_ORDER_LEAD_S + 1
+    d.submit("a2", list(range(60)) + [7, 8], PARAMS, ProgramRef("a"))
+    assert [c.request_id for c in d.queue] == ["b1", "a2"]
 
 
 def test_a_first_token_that_ends_the_call_releases_the_des_half() -> None:

@@ -67,7 +67,7 @@ def _spanning_request_matches_one_instance(loaded, make_cluster, instances: int)
     _assert_same(got, want, ["long", "shared", "other"])
     assert recs[0].cached["shared"] == 3 * BLOCK  # a prefix-cache hit on the debtor, beside the remote request
     # Every layer of every step of "long" after the first move asked its creditors: round trips happened.
-    assert debtor.client.stats.round_trips > 0 and debtor.attention.stats.layers > 0
+    assert debtor.data.client.stats.round_trips > 0 and debtor.data.attention.stats.layers > 0
     # The request finished: its creditors freed its blocks; nothing is left lent anywhere.
     for c in creditors:
         assert not c.rm.loans and c.core.kv.pool.num_used == 0

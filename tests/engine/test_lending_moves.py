@@ -97,7 +97,7 @@ def test_moves_keep_every_block_its_own_and_the_output_unchanged(load, make_clus
     _finish(run)
     assert run.tokens == want.tokens["long"]
     # Bytes moved: 5 blocks of [layers, 2, kv_heads, block, head_dim] fp32.
-    data = debtor.cache.data
+    data = debtor.data.cache.data
     assert debtor.stats.bytes_out == 5 * data[:, :, :, 0].numel() * 4
     assert c1.rm.lent_blocks == 0 and c2.rm.lent_blocks == 0 and c1.core.kv.pool.num_used == 0
     # /metrics: moves and bytes by direction, and the round trips on each side.
@@ -108,8 +108,8 @@ def test_moves_keep_every_block_its_own_and_the_output_unchanged(load, make_clus
         f'boundless_kv_lending_bytes_moved_total{{direction="in",instance="c1"}} {3 * data[:, :, :, 0].numel() * 4:.1f}'
         in lines
     )
-    served = c1.server.stats.round_trips + c2.server.stats.round_trips
-    assert served == debtor.client.stats.round_trips > 0
+    served = c1.data.server.stats.round_trips + c2.data.server.stats.round_trips
+    assert served == debtor.data.client.stats.round_trips > 0
     assert f'boundless_distattn_round_trips_total{{instance="d"}} {float(served)}' in lines
 
 

@@ -288,3 +288,21 @@ def test_the_simulator_sends_the_benchmarks_prompts_compacted_alike(smollm2_sim:
 def test_the_simulator_joins_threads_as_the_benchmark(smollm2_sim: SimulatedModel) -> None:
     sent, simulated = _prompts(smollm2_sim, "mapreduce")
     assert simulated == sent and any(thread.endswith("reduce") for _, thread in sent)
+
+
+def test_call_latency_is_reported_per_kind_of_call(smollm2_sim: SimulatedModel) -> None:
+    # Map-reduce: maps are a fan-out, reduces join them; chat is a chain. A policy can trade one for another
+    # (docs/simulation.md: PLAS delays reduces), so the simulator reports each kind apart.
+    config = EngineConfig(cache=CacheConfig(num_kv_blocks=200), scheduler=SchedulerConfig(max_num_seqs=8))
+    programs = make_programs("mapreduce", 6, rate=2.0, seed=1, shape=WorkloadShape(tool_wait_s=0.0))
+    sim = Simulator(config, smollm2_sim)
+    results = sim.run(programs)
+    lat = sim.call_latencies
+    assert set(lat) == {"parallel", "join"}
+    assert len(lat["join"]) == sum(1 for p in programs for s in p.stages if len(s[0].parents) > 1)
+    assert len(lat["parallel"]) + len(lat["join"]) == sum(p.num_calls for p in programs)
+    # A program takes at least its calls' critical path: a join and the slowest call of its fan-out per round.
+    assert max(r.latency_s for r in results) >= max(lat["join"]) > 0
+    chat = Simulator(config, smollm2_sim)
+    chat.run(make_programs("chat", 4, rate=2.0, seed=1, shape=WorkloadShape(tool_wait_s=0.0)))
+    assert set(chat.call_latencies) == {"chain"}

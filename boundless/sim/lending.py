@@ -1,0 +1,347 @@
+"""KV lending (Infinite-LLM) in the simulator: the real agents, rManagers and gManager, on the virtual clock.
+
+Every decision is the real system's: each simulated engine gets an
+:class:`~boundless.engine.lending.LendingAgent` with its :class:`~boundless.cluster.rmanager.RManager` (the ledger
+and the try/send/confirm protocol, the engine's ``lend_leading_blocks`` / ``allocate_unowned`` bookkeeping, the
+``stalled_growth`` view), between agents over a :class:`~boundless.engine.lending.LocalControlPlane`; the
+heartbeats carry the rManagers' reports and the engines' recorded step times to the real
+:class:`~boundless.cluster.lending_cluster.ClusterLending` and its :class:`~boundless.cluster.gmanager.GManager`,
+which fits its performance model and plans (Algorithm 1) when due, and each debtor carries out its orders between
+its steps, as ``cluster/lending_instance.py`` does in a Ray cluster.
+
+Only the tensors' side (:class:`~boundless.engine.lending.LendingData`) is replaced, as ``sim/remote.py`` replaces
+the KV streams' executor side:
+
+- **a move's blocks** cross the debtor's ``network`` link (a :class:`~boundless.cluster.links.Link` in virtual
+  time, queued behind its other sends); the debtor runs the protocol synchronously between its steps, as the real
+  agent does, so its next step starts once the last byte has arrived (the wait is added to that step);
+- **a step over lent blocks** (:class:`LendingStepCost`) costs the step model over the debtor's *local* context,
+  plus per layer what the round trip to its creditors exposes: the query rows out to every creditor and their
+  partials (m, e, o) back over the debtor's link (full duplex: latency each way plus the larger direction's
+  bytes over the bandwidth) and the slowest creditor's partial attention, which is the
+  step model's marginal cost of attending over that creditor's tokens, less the debtor's own local attention,
+  which overlaps it (the queries go out first). The creditor's GPU does that work too: when it is running a step
+  of its own meanwhile, the seconds are added to its next step (an idle creditor computes them in its idle time).
+  The marginal cost under the roofline model is at most what the partials would cost as a kernel of their own.
+
+Bytes are the profile model's (fp32 queries and partials, as on the wire; the blocks at the profile model's KV
+bytes per token). No creditor fails in simulation, so ``peer_lost`` and recomputes of lost blocks never happen.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from boundless.cluster.gmanager import GManager
+from boundless.cluster.lending_cluster import ClusterLending
+from boundless.cluster.links import Link, Traffic, gbps_to_bytes_per_s
+from boundless.cluster.rmanager import RManager
+from boundless.config import ClusterConfig, ConfigError, EngineConfig
+from boundless.engine.attention_time import ChunkShape, shapes_of
+from boundless.engine.builder import size_engine
+from boundless.engine.core import EngineCore
+from boundless.engine.lending import LendingAgent, LocalControlPlane, PartialCounters
+from boundless.engine.scheduler import SchedulerOutput
+from boundless.sim.cost import StepCost
+from boundless.sim.engine import SimulatedModel
+from boundless.sim.links import LinkSpec
+from boundless.sim.profiles import HardwareProfile
+
+Clock = Callable[[], float]
+
+# A partial request's header and a reply's status, bytes (docs/distributed-attention.md, "The protocol").
+HEADER_BYTES = 8 * 8
+STATUS_BYTES = 2 * 8
+FLOAT_BYTES = 4  # queries and partials travel as fp32
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What sizes a round trip: the layers that each make one, and a query row's heads and head size."""
+
+    layers: int
+    q_heads: int
+    head_dim: int
+
+    def query_bytes(self, rows: int) -> int:
+        return HEADER_BYTES + rows * self.q_heads * self.head_dim * FLOAT_BYTES
+
+    def partial_bytes(self, rows: int) -> int:
+        return STATUS_BYTES + rows * self.q_heads * (self.head_dim + 2) * FLOAT_BYTES  # m, e and o
+
+
+@dataclass
+class _Done:
+    """A send or receive that has already happened in virtual time (its cost is charged elsewhere)."""
+
+    block_ids: list[int] = field(default_factory=list)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Nothing left to wait for."""
+
+
+@dataclass
+class SimulatedLendingData:
+    """One instance's tensor side of lending in virtual time (see the module): its network link, the seconds
+    owed to its next step (moves it sent, partials it computed for debtors) and DistAttention's counters."""
+
+    instance_id: str
+    link: Link
+    latency_s: float
+    bytes_per_block: int
+    clock: Clock
+    owed_s: float = 0.0
+    round_trips: int = 0
+    round_trip_bytes: int = 0
+    partials_served: int = 0
+    remote_layers: int = 0
+    exposed_wait_s: float = 0.0
+    move_bytes: int = 0
+    debtors: set[str] = field(default_factory=set)
+
+    def send_blocks(self, creditor: str, tag: int, block_ids: Sequence[int]) -> _Done:
+        now = self.clock()
+        nbytes = len(block_ids) * self.bytes_per_block
+        transfer = self.link.submit(nbytes, now, Traffic.KV)
+        arrives = self.link.estimated_finish(transfer) + self.latency_s
+        self.owed_s += max(0.0, arrives - now)  # the debtor waits for its confirmation before stepping on
+        self.move_bytes += nbytes
+        return _Done()
+
+    def receive_blocks(self, debtor: str, tag: int, block_ids: Sequence[int]) -> _Done:
+        return _Done(list(block_ids))
+
+    def serve(self, debtor: str) -> None:
+        self.debtors.add(debtor)
+
+    def counters(self) -> PartialCounters:
+        return PartialCounters(
+            self.round_trips, self.round_trip_bytes, self.partials_served, self.remote_layers, self.exposed_wait_s
+        )
+
+    def close(self) -> None:
+        """Nothing runs in the background in virtual time."""
+
+    def take_owed(self) -> float:
+        owed, self.owed_s = self.owed_s, 0.0
+        return owed
+
+
+def _predict(cost: StepCost, shapes: Sequence[ChunkShape]) -> float:
+    return cost.predict(shapes)  # type: ignore[attr-defined]
+
+
+class LendingStepCost:
+    """A step's seconds on an instance that may attend over lent blocks (see the module); ``base`` is the
+    profile's step model, which must predict from chunk shapes (``predict``)."""
+
+    def __init__(
+        self,
+        base: StepCost,
+        data: SimulatedLendingData,
+        peers: dict[str, SimulatedLendingData],
+        shape: AttentionShape,
+        network: LinkSpec,
+        idle: Callable[[str], bool],
+    ) -> None:
+        if not hasattr(base, "predict"):
+            raise ConfigError("--kv-lending: the simulator needs a --profile (a step model over chunk shapes)")
+        self.base = base
+        self.data = data
+        self.peers = peers
+        self.shape = shape
+        self.network = network
+        self.idle = idle
+
+    def step_time(self, sched: SchedulerOutput) -> float:
+        owed = self.data.take_owed()
+        if not any(c.remote for c in sched.chunks):
+            return self.base.step_time(sched) + owed
+        shapes = shapes_of(sched)
+        local_shapes = [
+            ChunkShape(s.cached - sum(r.num_tokens for r in c.remote), s.new)
+            for s, c in zip(shapes, sched.chunks, strict=True)
+        ]
+        local = _predict(self.base, local_shapes)
+        local_attention = local - _predict(self.base, [ChunkShape(0, s.new) for s in local_shapes])
+        layers = self.shape.layers
+        computes, sent, received = [], 0, 0
+        for creditor, rows, tokens in _by_creditor(sched):
+            # The creditor's partials: the step model's marginal cost of attending over its tokens as well.
+            with_remote = [
+                ChunkShape(s.cached + tokens.get(c.request_id, 0), s.new)
+                for s, c in zip(local_shapes, sched.chunks, strict=True)
+            ]
+            compute = max(0.0, _predict(self.base, with_remote) - local)
+            computes.append(compute)
+            sent += self.shape.query_bytes(rows)
+            received += self.shape.partial_bytes(rows)
+            self.data.round_trips += layers
+            self.data.round_trip_bytes += layers * (self.shape.query_bytes(rows) + self.shape.partial_bytes(rows))
+            peer = self.peers.get(creditor)
+            if peer is not None:
+                peer.partials_served += layers
+                if not self.idle(creditor):  # its GPU computes them beside its own step: the next one takes longer
+                    peer.owed_s += compute
+        # Per layer: every creditor's queries leave on the debtor's NIC and their partials come back on it (full
+        # duplex), one latency each way; the slowest creditor's compute sets the rest.
+        wire = 2 * self.network.latency_s + max(sent, received) / self.network.bytes_per_s
+        exposed = max(0.0, wire + max(computes) / layers - local_attention / layers)
+        self.data.remote_layers += layers
+        self.data.exposed_wait_s += layers * exposed
+        return local + layers * exposed + owed
+
+
+def _by_creditor(sched: SchedulerOutput) -> list[tuple[str, int, dict[str, int]]]:
+    """Each creditor of the step: the query rows sent to it and, per request, the tokens it holds."""
+    out: dict[str, tuple[int, dict[str, int]]] = {}
+    for chunk in sched.chunks:
+        for remote in chunk.remote:
+            rows, tokens = out.get(remote.creditor, (0, {}))
+            tokens[chunk.request_id] = tokens.get(chunk.request_id, 0) + remote.num_tokens
+            out[remote.creditor] = (rows + len(chunk.token_ids), tokens)
+    return [(creditor, rows, tokens) for creditor, (rows, tokens) in sorted(out.items())]
+
+
+class SimulatedLending:
+    """The cluster's lending in a simulation: an agent per engine, the gManager beside the router, and the orders
+    each debtor carries out between its steps (see the module). Instance ids are the agents' addresses."""
+
+    def __init__(
+        self,
+        cores: dict[str, EngineCore],
+        cluster: ClusterConfig,
+        clock: Clock,
+        network: LinkSpec,
+        shape: AttentionShape,
+        bytes_per_block: int,
+        idle: Callable[[str], bool],
+    ) -> None:
+        self.cluster = cluster
+        self.idle = idle  # whether an instance is between steps (its loop would hold no lock)
+        self.control = LocalControlPlane()
+        self.data: dict[str, SimulatedLendingData] = {}
+        self.agents: dict[str, LendingAgent] = {}
+        for iid, core in cores.items():
+            num_blocks = core.layout.num_blocks
+            rm = RManager(
+                iid,
+                num_blocks,
+                core.layout.block_size,
+                core.clock,
+                cluster.lending_reservation_timeout_s,
+                headroom_blocks=int(cluster.lending_creditor_headroom * num_blocks),
+            )
+            link = Link(f"net-{iid}", network.bytes_per_s)
+            data = SimulatedLendingData(iid, link, network.latency_s, bytes_per_block, clock)
+            self.data[iid] = data
+            self.agents[iid] = self.control.add(
+                LendingAgent(
+                    core,
+                    rm,
+                    None,
+                    self.control,
+                    cluster.kv_handoff_timeout_s,
+                    data=data,
+                    lookahead_chunks=cluster.lending_lookahead_chunks,
+                )
+            )
+            executor = core.executor  # the cost-model executor: its steps now cost what lending adds
+            executor.cost = LendingStepCost(executor.cost, data, self.data, shape, network, idle)  # type: ignore[attr-defined]
+        self.lending = ClusterLending(GManager.from_config(cluster, clock), {iid: iid for iid in cores})
+        self._orders: dict[str, deque[tuple[str, int, str]]] = {iid: deque() for iid in cores}
+        self._owed_reports: set[str] = set()  # mid-step at the heartbeat: they report when their step ends
+
+    def heartbeat(self) -> bool:
+        """The router's heartbeat round: each instance's rManager reports (with the step times its engine
+        recorded), an instance mid-step once its step ends (the real heartbeat waits for the engine loop's lock),
+        and once every live one has, a due plan's orders go to their debtors. Whether blocks moved."""
+        for iid in self.agents:
+            if self.idle(iid):
+                self._report(iid)
+            else:
+                self._owed_reports.add(iid)
+        return self._plan()
+
+    def between_steps(self, instance_id: str) -> bool:
+        """What the instance's loop does between steps: tell its rManager the engine's state (releasing the
+        remote blocks of requests it dropped), send a report it owes, and carry out its orders. Whether any
+        blocks moved."""
+        self.agents[instance_id].observe()
+        if instance_id in self._owed_reports:
+            self._report(instance_id)
+            return self._plan()
+        return self._carry_out(instance_id)
+
+    def _report(self, instance_id: str) -> None:
+        self._owed_reports.discard(instance_id)
+        agent = self.agents[instance_id]
+        agent.observe()
+        agent.apply(agent.rm.expire())
+        self.lending.on_heartbeat(agent.rm.heartbeat(agent.core.step_times.drain()))
+
+    def _plan(self) -> bool:
+        """A plan, if one is due (every live instance reported since the last); idle debtors carry out their
+        orders at once, busy ones between their steps."""
+        for order in self.lending.orders():
+            self._orders[order.instance_id].append((order.request_id, order.num_blocks, order.creditor))
+        moved = False
+        for iid in sorted(self._orders):
+            if self._orders[iid] and self.idle(iid):
+                moved |= self._carry_out(iid)
+        return moved
+
+    def _carry_out(self, instance_id: str) -> bool:
+        agent, orders, moved = self.agents[instance_id], self._orders[instance_id], False
+        while orders:
+            moved |= agent.move_kvcache(*orders.popleft())
+        return moved
+
+    def totals(self) -> dict[str, float]:
+        """What lending did over the run, summed over the instances."""
+        stats = [a.snapshot() for a in self.agents.values()]
+        gm = self.lending.gm.counters
+        return {
+            "plans": gm.plans,
+            "moves_ordered": gm.moves_ordered,
+            "moves": sum(s.moves_out for s in stats),
+            "blocks_moved": sum(s.blocks_out for s in stats),
+            "bytes_moved": sum(d.move_bytes for d in self.data.values()),
+            "round_trips": sum(s.round_trips for s in stats),
+            "round_trip_bytes": sum(s.round_trip_bytes for s in stats),
+            "exposed_wait_s": sum(s.exposed_wait_s for s in stats),
+        }
+
+
+def lending_max_model_len(config: EngineConfig, model: SimulatedModel, instances: int) -> int:
+    """With lending a request may hold the cluster's memory, not one pool (as ``bench longctx`` sizes it); the
+    simulated model's position limit does not apply (nothing runs it)."""
+    layout = size_engine(config, model.arch, model.dtype)
+    return instances * layout.num_blocks * layout.block_size
+
+
+def simulated_lending(
+    cores: dict[str, EngineCore],
+    cluster: ClusterConfig,
+    clock: Clock,
+    network: LinkSpec,
+    model: SimulatedModel,
+    profile: HardwareProfile | None,
+    idle: Callable[[str], bool],
+) -> SimulatedLending:
+    """Lending over these engines, its bytes and round trips sized by the profile's model when it states one (a
+    roofline GPU profile), else by ``model``'s; ``--net-gbps``, when given, sets each instance's network link."""
+    if cluster.net_gbps is not None:
+        network = LinkSpec(gbps_to_bytes_per_s(cluster.net_gbps), network.latency_s)
+    shape = getattr(profile.step, "shape", None) if profile is not None else None
+    layout = next(iter(cores.values())).layout
+    if shape is not None:
+        attention = AttentionShape(shape.layers, shape.q_heads, shape.head_dim)
+        block_bytes = shape.kv_bytes_per_token * layout.block_size
+    else:
+        arch = model.arch
+        attention = AttentionShape(arch.num_layers, arch.num_heads, arch.head_dim)
+        block_bytes = layout.bytes_per_block
+    return SimulatedLending(cores, cluster, clock, network, attention, block_bytes, idle)

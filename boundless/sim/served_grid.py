@@ -1,0 +1,154 @@
+"""The calibration grid through a served engine: ``boundless simulate calibrate --served``.
+
+``calibrate`` alone steps a bare ``EngineCore`` in a loop; a served engine steps the same batches while the
+HTTP server, the ``openai`` client and (with a cluster) the dispatcher, its pollers and the other instances
+share the cores with it. On this 2-core machine that made every served step 1.4-1.6x the bare engine's
+(``docs/simulation.md``, Validation): the time is inside the step timer (the gaps between steps, scheduling
+and ``finish_step``, are about 1% of it), so the simulator needs the served step's cost, not another term.
+
+Here the grid's batches go through what ``simulate validate``'s real side runs (``bench programs``'s fresh
+engine behind the HTTP server, or a fresh Ray cluster behind the real dispatcher, and the ``openai`` client
+with token-id prompts), each cell's requests sent together, and the engines' own step records
+(``EngineCore.step_times``) are collected after each cell. Requests reach the engine over HTTP a few
+milliseconds apart, so a cell's first steps may batch fewer of them than the cell has; every step is kept
+with the shape it ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import itertools
+import random
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from boundless.config import ClusterConfig, EngineConfig
+from boundless.engine.attention_time import AttentionSample
+from boundless.engine.core import EngineStats
+
+if TYPE_CHECKING:
+    from boundless.api.server import EngineClient
+    from boundless.model.loader import LoadedModel
+    from boundless.sim.calibrate import CalibrationGrid
+
+MODEL_NAME = "calibrate"
+T = TypeVar("T")
+
+
+@dataclass
+class ServedEngine:
+    """A running server (``url``), how to take the steps its engines recorded since the last take, and their
+    stats (by instance)."""
+
+    url: str
+    max_model_len: int
+    take_steps: Callable[[], list[AttentionSample]]
+    stats: Callable[[], dict[str, EngineStats]]
+
+
+@contextlib.contextmanager
+def served_engine(
+    loaded: LoadedModel, config: EngineConfig, cluster: ClusterConfig | None = None, model_name: str = MODEL_NAME
+) -> Iterator[ServedEngine]:
+    """A fresh engine in this process (or, with ``cluster``, a fresh Ray cluster behind the dispatcher) behind the
+    HTTP server in a thread, as ``bench programs`` serves it (``simulate validate``'s real side)."""
+    from boundless.api.launch import start_in_thread
+    from boundless.engine.async_engine import AsyncEngine
+    from boundless.engine.core import EngineCore
+
+    if cluster is not None and cluster.instances > 1:
+        from boundless.cluster.client import ClusterClient
+
+        engine: EngineClient = ClusterClient(config, cluster)
+    else:
+        engine = AsyncEngine(EngineCore.from_model(loaded, config))
+    server = start_in_thread(engine, model_name)
+    served = ServedEngine(server.url, engine.max_model_len, _step_taker(engine), engine.stats)
+    try:
+        yield served
+    finally:
+        server.stop()
+        engine.shutdown()
+        del engine
+        gc.collect()
+
+
+def _step_taker(engine: EngineClient) -> Callable[[], list[AttentionSample]]:
+    """How to take the steps recorded since the last take: from the engine's loop, or from every actor."""
+    from boundless.engine.async_engine import EngineLoop
+
+    if isinstance(engine, EngineLoop):
+
+        def take_local() -> list[AttentionSample]:
+            with engine.lock:
+                return engine.core.step_times.drain()
+
+        return take_local
+    import ray
+
+    actors = [inst.actor for inst in engine.instances.values()]  # type: ignore[attr-defined]
+
+    def take_actors() -> list[AttentionSample]:
+        return [s for steps in ray.get([a.take_step_times.remote() for a in actors]) for s in steps]
+
+    return take_actors
+
+
+async def _run_cell(client, prompts: list[list[int]], output_tokens: int) -> None:
+    """One grid cell: its requests sent together, as a program's parallel calls are."""
+
+    async def one(prompt: list[int]) -> None:
+        await client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=output_tokens, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+
+    await asyncio.gather(*(one(p) for p in prompts))
+
+
+def run_served_grid(served: ServedEngine, grid: CalibrationGrid, vocab: int, seed: int = 0) -> list[AttentionSample]:
+    """Every cell of ``grid`` through the server, ``grid.repeats`` whole passes; every step the engines ran for it.
+
+    Prompts are random token ids, new in every request, so no prefix is cached between them."""
+    import openai
+
+    rng = random.Random(seed)
+
+    async def passes() -> list[AttentionSample]:
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+        served.take_steps()  # whatever ran before (a warm-up) is not the grid's
+        samples: list[AttentionSample] = []
+        cells = itertools.product(range(grid.repeats), grid.batch_sizes, grid.prompt_lens)
+        for _, batch, prompt_len in cells:
+            prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+            await _run_cell(client, prompts, grid.output_tokens)
+            # A step is recorded before its deltas leave, so the cell's last step is in.
+            samples += served.take_steps()
+        await client.close()
+        return samples
+
+    return asyncio.run(passes())
+
+
+async def taking_steps(work: Awaitable[T], take_steps: Callable[[], list[AttentionSample]], every_s: float = 1.0):
+    """``work``'s result, and every step the engines recorded while it ran, taken every ``every_s`` seconds (in a
+    thread, off the event loop) so that none ages out of the engines' bounded records."""
+    done = asyncio.Event()
+    steps: list[AttentionSample] = []
+
+    async def take() -> None:
+        while not done.is_set():
+            steps.extend(await asyncio.to_thread(take_steps))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), every_s)
+
+    taker = asyncio.create_task(take())
+    try:
+        result = await work
+    finally:
+        done.set()
+        await taker
+    steps.extend(await asyncio.to_thread(take_steps))
+    return result, steps

@@ -1,0 +1,143 @@
+"""KV lending in the simulator: the real agents, rManagers and gManager on the virtual clock (sim/lending.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from boundless.attention.backend import RemoteKV
+from boundless.bench.longctx_trace import TraceShape, make_trace
+from boundless.cli import main
+from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.attention_time import ChunkShape
+from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
+from boundless.sim.engine import SimulatedModel
+from boundless.sim.longctx import longctx_row, pool_tokens, trace_programs
+from boundless.sim.profiles import load_profile
+from boundless.sim.simulator import Simulator
+
+# Three instances of 64 blocks (1,024 tokens); plans as often as the bench's (before about every step at this
+# scale), and creditors that may lend most of their pool, as `bench longctx` sets them: a 2.5x request needs it.
+CONFIG = EngineConfig(
+    cache=CacheConfig(num_kv_blocks=64, kv_host_gb=0.0), scheduler=SchedulerConfig(max_num_batched_tokens=256)
+)
+LENDING = dict(
+    heartbeat_interval_s=0.1,
+    lending_interval_s=0.1,
+    lending_creditor_max_usage=0.9,
+    lending_creditor_headroom=0.05,
+)
+
+
+@pytest.fixture(scope="module")
+def model() -> SimulatedModel:
+    return SimulatedModel.read(ModelConfig())
+
+
+def _run(model: SimulatedModel, mode: str, net_gbps: float | None = None, num_short: int = 12) -> dict:
+    shape = TraceShape(num_short=num_short, long_factors=(0.5, 1.5, 2.5))
+    trace = make_trace(shape, pool_tokens(CONFIG, model), model.identity.vocab_size, rate=2.0, seed=0)
+    programs = trace_programs(trace)
+    cluster = ClusterConfig(instances=3, kv_lending="on" if mode == "lending" else "off", net_gbps=net_gbps, **LENDING)
+    sim = Simulator(
+        CONFIG, model, None, instances=3, cluster=cluster, profile=load_profile("cpu"), compact_prompts=False
+    )
+    return longctx_row(sim, sim.run(programs), programs, 2.0, mode)
+
+
+def test_a_request_longer_than_one_pool_is_served_only_with_lending(model: SimulatedModel) -> None:
+    pool = pool_tokens(CONFIG, model)
+    separate = _run(model, "separate")
+    lending = _run(model, "lending")
+    # Separate instances refuse the 1.5x and 2.5x requests at admission and serve the rest.
+    assert separate["refused"] == 2 and separate["served"] == separate["requests"] - 2
+    assert separate["longest_served"] <= pool
+    # Lending serves every request, the longest 2.5x one instance's pool, through moves the gManager planned
+    # and steps whose attention went over blocks on creditors.
+    assert lending["served"] == lending["requests"] and lending["refused"] == lending["unserved"] == 0
+    assert lending["longest_served"] > 2 * pool
+    assert lending["lending"]["moves"] > 0 and lending["lending"]["round_trips"] > 0
+    assert len(lending["long_latency_s"]) == 3
+
+
+def test_a_slower_network_makes_the_steps_over_lent_blocks_slower(model: SimulatedModel) -> None:
+    fast = _run(model, "lending")
+    slow = _run(model, "lending", net_gbps=0.05)
+    assert slow["served"] == fast["served"]
+    assert slow["lending"]["exposed_wait_s"] > fast["lending"]["exposed_wait_s"]
+    longest = max(fast["long_latency_s"], key=fast["long_latency_s"].get)
+    assert slow["long_latency_s"][longest] > fast["long_latency_s"][longest]
+
+
+def test_a_lending_run_is_a_function_of_its_flags(tmp_path: Path) -> None:
+    args = ["simulate", "--workload", "longctx", "--instances", "3", "--profile", "cpu", "--num-kv-blocks", "64"]
+    args += ["--max-num-batched-tokens", "256", "--rates", "2", "--num-programs", "12", "--no-progress"]
+    args += ["--heartbeat-interval-s", "0.1", "--lending-interval-s", "0.1", "--lending-creditor-max-usage", "0.9"]
+    args += ["--lending-creditor-headroom", "0.05", "--long-factors", "0.5,1.5,2.5"]
+    rows = []
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        out = tmp_path / f"{name}.json"
+        assert main([*args, "--bench-seed", str(seed), "--json", str(out)]) == 0
+        rows.append(json.loads(out.read_text())["rows"])
+    assert rows[0] == rows[1] and rows[0] != rows[2]
+    separate, lending = rows[0]
+    assert separate["mode"] == "separate" and separate["refused"] == 2
+    assert lending["mode"] == "lending" and lending["served"] == lending["requests"]
+
+
+@pytest.mark.parametrize("lookahead, stalled_after", [(1, 4), (2, 3)])
+def test_the_agent_reports_a_request_stalled_when_its_next_chunks_do_not_fit(
+    model: SimulatedModel, lookahead: int, stalled_after: int
+) -> None:
+    # 64 blocks, 16 per chunk: after k chunks of a 1,200-token prompt (75 blocks), 64 - 16k are free. With one
+    # chunk of lookahead the request counts as waiting for blocks once its next chunk no longer fits (after 4:
+    # none free, 11 needed), with two once the next two do not (after 3: 16 free, 27 needed): a plan made from
+    # that report lends before the engine has to evict it.
+    cluster = ClusterConfig(instances=2, kv_lending="on", lending_lookahead_chunks=lookahead)
+    sim = Simulator(CONFIG, model, None, instances=2, cluster=cluster, profile=load_profile("cpu"))
+    assert sim.lending is not None
+    core, agent = sim.instances["0"].core, sim.lending.agents["0"]
+    core.add_request("long", list(range(100, 1300)), SamplingParams(max_tokens=8, ignore_eos=True))
+    for chunk in range(1, 5):
+        sched = core.schedule()
+        core.finish_step(sched, core.execute(sched))
+        agent.observe()
+        waiting = agent.rm.local.waiting_blocks
+        assert (waiting != ()) == (chunk >= stalled_after), (chunk, waiting)
+        assert agent.rm.local.batch_size == (0 if waiting else 1)
+
+
+def test_a_step_over_lent_blocks_costs_its_local_part_the_round_trip_and_the_creditors_compute(
+    model: SimulatedModel,
+) -> None:
+    cluster = ClusterConfig(instances=3, kv_lending="on")
+    sim = Simulator(CONFIG, model, None, instances=3, cluster=cluster, profile=load_profile("a100-80gb"))
+    assert sim.lending is not None
+    cost = sim.instances["0"].core.executor.cost  # type: ignore[attr-defined]
+    base = cost.base
+    params = SamplingParams(max_tokens=1)
+
+    def decode(remote: tuple[RemoteKV, ...]) -> SchedulerOutput:
+        chunk = ScheduledChunk("r", [5], 100_000, [], True, params, 0, (), first_block=0, remote=remote)
+        return SchedulerOutput(chunks=[chunk])
+
+    local = base.predict([ChunkShape(100_000 - 80_000, 1)])
+    alone = cost.step_time(decode(()))
+    assert alone == pytest.approx(base.predict([ChunkShape(100_000, 1)]))  # no lent blocks: the step model
+    # 80 K of its 100 K tokens on creditor "1", which is mid-step: the debtor waits for the round trip and the
+    # creditor's attention over them (less its own local attention), and the creditor's next step pays for it.
+    sim.instances["1"].step = object()  # type: ignore[assignment]
+    lent = cost.step_time(decode((RemoteKV("1", ("m",), 80_000),)))
+    creditor_work = base.predict([ChunkShape(100_000, 1)]) - local
+    assert lent > local and sim.lending.data["1"].owed_s == pytest.approx(creditor_work)
+    wire = 2 * 5e-6 + cost.shape.partial_bytes(1) / 25e9
+    local_attention = local - base.predict([ChunkShape(0, 1)])
+    assert lent == pytest.approx(local + 32 * max(0.0, wire + creditor_work / 32 - local_attention / 32))
+    # An idle creditor computes the partials in its idle time.
+    sim.instances["1"].step = None
+    sim.lending.data["1"].owed_s = 0.0
+    cost.step_time(decode((RemoteKV("1", ("m",), 80_000),)))
+    assert sim.lending.data["1"].owed_s == 0.0 and sim.lending.data["1"].partials_served == 64
