@@ -30,9 +30,10 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -56,7 +57,13 @@ from boundless.config import (
     engine_config_from_flags,
     from_flags,
 )
+from boundless.engine.attention_time import AttentionSample
+from boundless.engine.core import EngineStats
 from boundless.kv.transfer import DEVICE, DISK, HOST
+
+if TYPE_CHECKING:
+    from boundless.api.server import EngineClient
+    from boundless.model.loader import LoadedModel
 
 # KV setups for --kv-configs: which tiers sit below the device. "device": host memory only swaps preempted
 # requests (--swap-space-gb, as before host memory was a tier); "host": host memory keeps evicted blocks too
@@ -239,6 +246,65 @@ def invalid_reason(rows: list[dict]) -> str | None:
     return f"calls failed ({counts}); first error: {failing[0]['first_error']}"
 
 
+@dataclass
+class ServedEngine:
+    """A running server (``url``), how to take the steps its engines recorded since the last take, and their
+    stats (by instance)."""
+
+    url: str
+    max_model_len: int
+    take_steps: Callable[[], list[AttentionSample]]
+    stats: Callable[[], dict[str, EngineStats]]
+
+
+@contextlib.contextmanager
+def served_engine(
+    loaded: LoadedModel, config: EngineConfig, cluster: ClusterConfig | None = None, model_name: str = "bench"
+) -> Iterator[ServedEngine]:
+    """A fresh engine in this process (or, with ``cluster``, a fresh Ray cluster behind the dispatcher) behind the
+    HTTP server in a thread: ``bench programs``' serving, and ``simulate validate``'s and ``calibrate --served``'s."""
+    from boundless.api.launch import start_in_thread
+    from boundless.engine.async_engine import AsyncEngine
+    from boundless.engine.core import EngineCore
+
+    if cluster is not None and cluster.instances > 1:
+        from boundless.cluster.client import ClusterClient
+
+        engine: EngineClient = ClusterClient(config, cluster)
+    else:
+        engine = AsyncEngine(EngineCore.from_model(loaded, config))
+    server = start_in_thread(engine, model_name)
+    served = ServedEngine(server.url, engine.max_model_len, _step_taker(engine), engine.stats)
+    try:
+        yield served
+    finally:
+        server.stop()
+        engine.shutdown()
+        del engine
+        gc.collect()
+
+
+def _step_taker(engine: EngineClient) -> Callable[[], list[AttentionSample]]:
+    """How to take the steps recorded since the last take: from the engine's loop, or from every actor."""
+    from boundless.engine.async_engine import EngineLoop
+
+    if isinstance(engine, EngineLoop):
+
+        def take_local() -> list[AttentionSample]:
+            with engine.lock:
+                return engine.core.step_times.drain()
+
+        return take_local
+    import ray
+
+    actors = [inst.actor for inst in engine.instances.values()]  # type: ignore[attr-defined]
+
+    def take_actors() -> list[AttentionSample]:
+        return [s for steps in ray.get([a.take_step_times.remote() for a in actors]) for s in steps]
+
+    return take_actors
+
+
 def _serve_and_run(
     config: EngineConfig,
     loaded,
@@ -248,32 +314,16 @@ def _serve_and_run(
     sequential: bool = False,
 ) -> tuple[dict, dict]:
     """A fresh engine (or cluster) and HTTP server; the programs; the engines' summed counters."""
-    from boundless.api.launch import start_in_thread
-    from boundless.engine.async_engine import AsyncEngine
-    from boundless.engine.core import EngineCore
-
-    if cluster is not None:
-        from boundless.cluster.client import ClusterClient
-
-        engine = ClusterClient(config, cluster)
-    else:
-        engine = AsyncEngine(EngineCore.from_model(loaded, config))
-    server = start_in_thread(engine, "bench")
-    try:
-        runner = ProgramRunner(server.url, "bench", engine.max_model_len, loaded.arch.vocab_size)
+    with served_engine(loaded, config, cluster) as served:
+        runner = ProgramRunner(served.url, "bench", served.max_model_len, loaded.arch.vocab_size)
         results = asyncio.run(runner.run(programs, desc, sequential=sequential))
         if cluster is not None:
             time.sleep(2 * cluster.heartbeat_interval_s)  # let the last heartbeats in
-        snapshots = [dataclasses.asdict(s) for s in engine.stats().values()]
-        stats = {k: sum(s[k] for s in snapshots) for k, v in snapshots[0].items() if isinstance(v, int | float)}
-        for tier in TIER_IDS:
-            for field in TIER_TRAFFIC:
-                stats[f"{tier}_{field}"] = sum(s["kv_tiers"].get(tier, {}).get(field, 0) for s in snapshots)
-    finally:
-        server.stop()
-        engine.shutdown()
-        del engine
-        gc.collect()
+        snapshots = [dataclasses.asdict(s) for s in served.stats().values()]
+    stats = {k: sum(s[k] for s in snapshots) for k, v in snapshots[0].items() if isinstance(v, int | float)}
+    for tier in TIER_IDS:
+        for field in TIER_TRAFFIC:
+            stats[f"{tier}_{field}"] = sum(s["kv_tiers"].get(tier, {}).get(field, 0) for s in snapshots)
     return summarize(results), stats
 
 

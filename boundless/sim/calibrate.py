@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from boundless.bench.programs import served_engine
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import AttentionSample, AttentionTimeModel, ChunkShape, fit_attention_time
 from boundless.engine.core import EngineCore
@@ -47,7 +48,7 @@ from boundless.sim.cost import (
 )
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import fitted_profile_dict
-from boundless.sim.served_grid import run_served_grid, served_engine
+from boundless.sim.served_grid import MODEL_NAME, run_served_grid
 
 # A step slower than this many times the fit's prediction was slowed by something else (as perf_model's).
 OUTLIER_FACTOR = 1.5
@@ -179,7 +180,7 @@ def calibrate_served(
 ) -> Calibration:
     """The grids through a served engine (or cluster), fitted on each shape's median time."""
     vocab = loaded.arch.vocab_size
-    with served_engine(loaded, config, cluster) as served:
+    with served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
         start = time.monotonic()
         run_served_grid(served, CalibrationGrid((1,), (32,), 2, 1), vocab, seed=2)  # warm-up, not kept
         samples = run_served_grid(served, grid, vocab)

@@ -18,83 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import random
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from boundless.config import ClusterConfig, EngineConfig
+from boundless.bench.programs import ServedEngine
 from boundless.engine.attention_time import AttentionSample
-from boundless.engine.core import EngineStats
 
 if TYPE_CHECKING:
-    from boundless.api.server import EngineClient
-    from boundless.model.loader import LoadedModel
     from boundless.sim.calibrate import CalibrationGrid
 
 MODEL_NAME = "calibrate"
 T = TypeVar("T")
-
-
-@dataclass
-class ServedEngine:
-    """A running server (``url``), how to take the steps its engines recorded since the last take, and their
-    stats (by instance)."""
-
-    url: str
-    max_model_len: int
-    take_steps: Callable[[], list[AttentionSample]]
-    stats: Callable[[], dict[str, EngineStats]]
-
-
-@contextlib.contextmanager
-def served_engine(
-    loaded: LoadedModel, config: EngineConfig, cluster: ClusterConfig | None = None, model_name: str = MODEL_NAME
-) -> Iterator[ServedEngine]:
-    """A fresh engine in this process (or, with ``cluster``, a fresh Ray cluster behind the dispatcher) behind the
-    HTTP server in a thread, as ``bench programs`` serves it (``simulate validate``'s real side)."""
-    from boundless.api.launch import start_in_thread
-    from boundless.engine.async_engine import AsyncEngine
-    from boundless.engine.core import EngineCore
-
-    if cluster is not None and cluster.instances > 1:
-        from boundless.cluster.client import ClusterClient
-
-        engine: EngineClient = ClusterClient(config, cluster)
-    else:
-        engine = AsyncEngine(EngineCore.from_model(loaded, config))
-    server = start_in_thread(engine, model_name)
-    served = ServedEngine(server.url, engine.max_model_len, _step_taker(engine), engine.stats)
-    try:
-        yield served
-    finally:
-        server.stop()
-        engine.shutdown()
-        del engine
-        gc.collect()
-
-
-def _step_taker(engine: EngineClient) -> Callable[[], list[AttentionSample]]:
-    """How to take the steps recorded since the last take: from the engine's loop, or from every actor."""
-    from boundless.engine.async_engine import EngineLoop
-
-    if isinstance(engine, EngineLoop):
-
-        def take_local() -> list[AttentionSample]:
-            with engine.lock:
-                return engine.core.step_times.drain()
-
-        return take_local
-    import ray
-
-    actors = [inst.actor for inst in engine.instances.values()]  # type: ignore[attr-defined]
-
-    def take_actors() -> list[AttentionSample]:
-        return [s for steps in ray.get([a.take_step_times.remote() for a in actors]) for s in steps]
-
-    return take_actors
 
 
 async def _run_cell(client, prompts: list[list[int]], output_tokens: int) -> None:

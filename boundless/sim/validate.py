@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from boundless.bench.programs import ProgramRunner, summarize
+from boundless.bench.programs import ProgramRunner, served_engine, summarize
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, make_programs
@@ -40,7 +40,7 @@ from boundless.config import (
 )
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import HardwareProfile, load_profile
-from boundless.sim.served_grid import served_engine, taking_steps
+from boundless.sim.served_grid import taking_steps
 from boundless.sim.simulator import SimResult, Simulator
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ def validate_case(
 
 
 def serve_and_measure(loaded: LoadedModel) -> RealRun:
-    """The real run: ``bench programs``'s fresh engine or cluster, server and client (``served_grid``'s
+    """The real run: ``bench programs``'s fresh engine or cluster, server and client (its
     ``served_engine``), with every step the engines ran taken as it goes, and what the profile predicts for
     those same step shapes: whether the profile is off on the served steps themselves, whatever the batching."""
 
@@ -157,7 +157,7 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
         config: EngineConfig, programs: list[ProgramSpec], cluster: ClusterConfig | None, profile: HardwareProfile
     ) -> dict[str, float]:
         desc = "real engine" if cluster is None else f"real cluster of {cluster.instances}"
-        with served_engine(loaded, config, cluster, model_name="bench") as served:
+        with served_engine(loaded, config, cluster) as served:
             served.take_steps()
             runner = ProgramRunner(served.url, "bench", served.max_model_len, loaded.arch.vocab_size)
             results, steps = asyncio.run(taking_steps(runner.run(programs, desc), served.take_steps))
