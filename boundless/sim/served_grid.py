@@ -68,7 +68,9 @@ def run_served_grid(served: ServedEngine, grid: CalibrationGrid, vocab: int, see
     return asyncio.run(passes())
 
 
-async def taking_steps(work: Awaitable[T], take_steps: Callable[[], list[AttentionSample]], every_s: float = 1.0):
+async def taking_steps(
+    work: Awaitable[T], take_steps: Callable[[], list[AttentionSample]], every_s: float = 1.0
+) -> tuple[T, list[AttentionSample]]:
     """``work``'s result, and every step the engines recorded while it ran, taken every ``every_s`` seconds (in a
     thread, off the event loop) so that none ages out of the engines' bounded records."""
     done = asyncio.Event()
