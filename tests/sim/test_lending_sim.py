@@ -88,6 +88,13 @@ def test_a_lending_run_is_a_function_of_its_flags(tmp_path: Path) -> None:
     assert lending["mode"] == "lending" and lending["served"] == lending["requests"]
 
 
+def test_lending_without_a_step_profile_is_a_command_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    # The lending step cost predicts from chunk shapes: the default three-constant model cannot.
+    args = ["simulate", "--workload", "longctx", "--instances", "2", "--num-programs", "2", "--no-progress"]
+    assert main(args) == 2
+    assert "--kv-lending: the simulator needs a --profile" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("lookahead, stalled_after", [(1, 4), (2, 3)])
 def test_the_agent_reports_a_request_stalled_when_its_next_chunks_do_not_fit(
     model: SimulatedModel, lookahead: int, stalled_after: int
