@@ -36,7 +36,7 @@ import torch
 
 from boundless.bench.programs import served_engine
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
-from boundless.engine.attention_time import AttentionSample, AttentionTimeModel, ChunkShape, fit_attention_time
+from boundless.engine.attention_time import AttentionSample, ChunkShape, fit_attention_time
 from boundless.engine.core import EngineCore
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel, load_model
@@ -47,9 +47,17 @@ from boundless.sim.cost import (
     HOST_COPY_BYTES_PER_S,
 )
 from boundless.sim.links import LinkSpec
-from boundless.sim.profiles import fitted_profile_dict
+from boundless.sim.profiles import fitted_profile_dict, load_profile
 from boundless.sim.served_grid import MODEL_NAME, run_served_grid
+from boundless.sim.step_model import (
+    PredictsShapes,
+    StepTimeModel,
+    fit_step_model,
+    samples_from_json,
+    samples_json,
+)
 
+FORMS = ("cpu-kernels", "linear")
 # A step slower than this many times the fit's prediction was slowed by something else (as perf_model's).
 OUTLIER_FACTOR = 1.5
 
@@ -80,14 +88,25 @@ class FitError:
 
 
 @dataclass(frozen=True)
+class FitSpec:
+    """How a profile's step model is fitted from its measured steps: ``form`` ``cpu-kernels`` (every term of
+    :class:`~boundless.sim.step_model.StepTimeModel`, on ``threads``) or ``linear`` (the engine's own
+    ``AttentionTimeModel``, as the profiles before the kernel terms were fitted), on which steps (``per_shape``)."""
+
+    form: str = "cpu-kernels"
+    per_shape: str = "fastest"
+    threads: int = 1
+
+
+@dataclass(frozen=True)
 class Calibration:
-    model: AttentionTimeModel
+    model: StepTimeModel
     samples: list[AttentionSample]  # every measured step, all repeats
     held_out: list[AttentionSample]  # every measured step of the held-out grid
     fit_error: FitError  # on the fastest time of each fitted shape
     held_out_error: FitError | None  # on the fastest time of each held-out shape
     wall_s: float
-    per_shape: str = "fastest"  # which time of each shape the fit and its errors take: fastest or median
+    fit: FitSpec = FitSpec()
 
 
 def run_grid(core: EngineCore, grid: CalibrationGrid, seed: int = 0) -> list[AttentionSample]:
@@ -137,38 +156,57 @@ def median_per_shape(samples: Sequence[AttentionSample]) -> list[AttentionSample
 
 
 PerShape = Callable[[Sequence[AttentionSample]], list[AttentionSample]]
-PER_SHAPE: dict[str, PerShape] = {"fastest": fastest_per_shape, "median": median_per_shape}
+# Which steps a fit takes: each shape's fastest (the bare engine), each shape's median (the served profiles before
+# the kernel terms), or every step with least absolute error (a served engine: see sim/step_model.py).
+PER_SHAPE: dict[str, PerShape] = {"fastest": fastest_per_shape, "median": median_per_shape, "all": list}
+# The time of each shape its errors are told on: the fastest for a fastest fit, else the median.
+ERROR_PER_SHAPE: dict[str, PerShape] = {
+    "fastest": fastest_per_shape,
+    "median": median_per_shape,
+    "all": median_per_shape,
+}
 
 
-def fit_step_model(samples: Sequence[AttentionSample], per_shape: str = "fastest") -> AttentionTimeModel:
-    """The engine's per-term fit on each shape's fastest (or median) time, in relative error, without the shapes
-    still slowed by something other than their shape."""
-    return fit_attention_time(PER_SHAPE[per_shape](samples), relative=True, outlier_factor=OUTLIER_FACTOR)
+def fit_profile_model(samples: Sequence[AttentionSample], spec: FitSpec = FitSpec()) -> StepTimeModel:
+    """The profile's step model over ``samples``, in relative error, without the steps still slowed by something
+    other than their shape."""
+    chosen = PER_SHAPE[spec.per_shape](samples)
+    if spec.form == "linear":  # exactly the fit the earlier profiles were made with
+        linear = fit_attention_time(chosen, relative=True, outlier_factor=OUTLIER_FACTOR)
+        return StepTimeModel.from_json(vars(linear))
+    if spec.form != "cpu-kernels":
+        raise ValueError(f"unknown step model form {spec.form!r}: one of {', '.join(FORMS)}")
+    return fit_step_model(chosen, spec.threads, robust=spec.per_shape == "all", outlier_factor=OUTLIER_FACTOR)
 
 
-def relative_errors(model: AttentionTimeModel, samples: Sequence[AttentionSample]) -> list[float]:
+def relative_errors(model: StepTimeModel, samples: Sequence[AttentionSample]) -> list[float]:
     return [(model.predict(s.shapes) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
 
 
-def fit_error(model: AttentionTimeModel, samples: Sequence[AttentionSample], per_shape: str = "fastest") -> FitError:
+def fit_error(model: StepTimeModel, samples: Sequence[AttentionSample], per_shape: str = "fastest") -> FitError:
     """The model's relative errors on each shape's fastest (or median) time."""
-    errors = sorted(abs(e) for e in relative_errors(model, PER_SHAPE[per_shape](samples)))
+    errors = sorted(abs(e) for e in relative_errors(model, ERROR_PER_SHAPE[per_shape](samples)))
     return FitError(len(errors), statistics.median(errors), errors[int(0.9 * (len(errors) - 1))], errors[-1])
 
 
-def median_rel_error(model: AttentionTimeModel, samples: Sequence[AttentionSample]) -> float:
+def median_rel_error(model: StepTimeModel, samples: Sequence[AttentionSample]) -> float:
     return fit_error(model, samples).median
 
 
 def calibrate(
-    loaded: LoadedModel, config: EngineConfig, grid: CalibrationGrid, held_out: CalibrationGrid | None = None
+    loaded: LoadedModel,
+    config: EngineConfig,
+    grid: CalibrationGrid,
+    held_out: CalibrationGrid | None = None,
+    form: str = "cpu-kernels",
 ) -> Calibration:
+    """The grids on a bare engine stepped in a loop, fitted on each shape's fastest time."""
     core = EngineCore.from_model(loaded, config)
     start = time.monotonic()
     run_grid(core, CalibrationGrid((1,), (32,), 2, 1))  # warm-up: first calls allocate and compile
     samples = run_grid(core, grid)
     held = run_grid(core, held_out, seed=1) if held_out is not None else []
-    return fitted(samples, held, time.monotonic() - start, "fastest")
+    return fitted(samples, held, time.monotonic() - start, FitSpec(form, "fastest", torch.get_num_threads()))
 
 
 def calibrate_served(
@@ -177,8 +215,9 @@ def calibrate_served(
     grid: CalibrationGrid,
     held_out: CalibrationGrid | None = None,
     cluster: ClusterConfig | None = None,
+    form: str = "cpu-kernels",
 ) -> Calibration:
-    """The grids through a served engine (or cluster), fitted on each shape's median time."""
+    """The grids through a served engine (or cluster), fitted on every step (least absolute error)."""
     vocab = loaded.arch.vocab_size
     with served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
         start = time.monotonic()
@@ -186,14 +225,21 @@ def calibrate_served(
         samples = run_served_grid(served, grid, vocab)
         held = run_served_grid(served, held_out, vocab, seed=1) if held_out is not None else []
         wall = time.monotonic() - start
-    return fitted(samples, held, wall, "median")
+    return fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster)))
 
 
-def fitted(samples: list[AttentionSample], held: list[AttentionSample], wall_s: float, per_shape: str) -> Calibration:
+def engine_threads(cluster: ClusterConfig | None) -> int:
+    """Torch threads of each engine: this process's, or each actor's share of the cores (ClusterClient's rule)."""
+    if cluster is None:
+        return torch.get_num_threads()
+    return max(1, len(os.sched_getaffinity(0)) // cluster.instances)
+
+
+def fitted(samples: list[AttentionSample], held: list[AttentionSample], wall_s: float, spec: FitSpec) -> Calibration:
     """The fit of the grid's steps, and its errors on them and on the held-out grid's."""
-    model = fit_step_model(samples, per_shape)
-    held_error = fit_error(model, held, per_shape) if held else None
-    return Calibration(model, samples, held, fit_error(model, samples, per_shape), held_error, wall_s, per_shape)
+    model = fit_profile_model(samples, spec)
+    held_error = fit_error(model, held, spec.per_shape) if held else None
+    return Calibration(model, samples, held, fit_error(model, samples, spec.per_shape), held_error, wall_s, spec)
 
 
 def _grid(batch_sizes: str, prompt_lens: str, output_tokens: int, repeats: int) -> CalibrationGrid:
@@ -218,16 +264,6 @@ def _error_text(e: FitError | None) -> str:
     return f"median {e.median:.1%}, p90 {e.p90:.1%}, worst {e.worst:.1%} over {e.steps} shapes"
 
 
-def _samples_json(samples: Sequence[AttentionSample]) -> list:
-    """The measured steps, to refit or inspect: [[cached, new] per request], seconds."""
-    return [[[[c.cached, c.new] for c in s.shapes], s.seconds] for s in samples]
-
-
-def samples_from_json(rows: Sequence) -> list[AttentionSample]:
-    """The steps a profile's ``calibration`` keeps, back as samples (to refit offline)."""
-    return [AttentionSample(tuple(ChunkShape(c, n) for c, n in shapes), seconds) for shapes, seconds in rows]
-
-
 def profile_json(data: dict) -> str:
     """A profile as JSON text, indented, with one measured step per line (as the shipped profiles keep them)."""
     calibration = data.get("calibration", {})
@@ -240,7 +276,41 @@ def profile_json(data: dict) -> str:
     return text + "\n"
 
 
+def _model_text(m: StepTimeModel) -> str:
+    return (
+        f"base {m.base_s * 1e3:.2f} ms, per request {m.per_seq_s * 1e3:.3f} ms, per matmul row"
+        f" {m.per_row_s * 1e3:.3f} ms, per row group {m.per_row_group_s * 1e3:.3f} ms, per cached token"
+        f" {m.per_cached_s * 1e6:.3f} us, per query-key pair {m.per_pair_s * 1e9:.3f} ns ({m.threads} threads)"
+    )
+
+
+def _fit_text(result: Calibration) -> str:
+    which = {"fastest": "the fastest of each shape", "median": "the median of each shape"}
+    how = which.get(result.fit.per_shape, "every step, least absolute error")
+    return f"{result.fit.form} model on {how}"
+
+
+def _print_result(result: Calibration) -> None:
+    print(f"fit ({_fit_text(result)}), on each shape: {_error_text(result.fit_error)}")
+    print(f"held-out shapes: {_error_text(result.held_out_error)}")
+    print(_model_text(result.model))
+
+
+def _calibration_figures(result: Calibration) -> dict:
+    """What a profile's ``calibration`` says of its fit."""
+    return {
+        "form": result.fit.form,
+        "per_shape": result.fit.per_shape,
+        "threads": result.fit.threads,
+        "fit_error": vars(result.fit_error),
+        "held_out_error": vars(result.held_out_error) if result.held_out_error else None,
+        "median_rel_error": result.fit_error.median,
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
+    if args.refit:
+        return refit(args)
     grid = _grid(args.batch_sizes, args.prompt_lens, args.output_tokens, args.repeats)
     held_out = (
         _grid(args.held_out_batch_sizes, args.held_out_prompt_lens, HELD_OUT_GRID.output_tokens, args.repeats)
@@ -249,10 +319,8 @@ def run(args: argparse.Namespace) -> dict:
     )
     if args.threads:
         torch.set_num_threads(args.threads)
-    threads = torch.get_num_threads()
     cluster = ClusterConfig(instances=args.instances) if args.instances > 1 else None
-    if cluster is not None:  # each actor runs torch on its share of the cores (ClusterClient's rule)
-        threads = max(1, len(os.sched_getaffinity(0)) // args.instances)
+    threads = engine_threads(cluster)
     config = EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype),
         cache=CacheConfig(num_kv_blocks=args.num_kv_blocks),
@@ -261,13 +329,12 @@ def run(args: argparse.Namespace) -> dict:
     loaded = load_model(config.model.model, dtype=config.model.dtype)
     load_before = os.getloadavg()[0]
     if args.served:
-        result = calibrate_served(loaded, config, grid, held_out, cluster)
+        result = calibrate_served(loaded, config, grid, held_out, cluster, args.form)
     else:
         if cluster is not None:
             raise SystemExit("--instances above 1 needs --served (a cluster is calibrated as it is served)")
-        result = calibrate(loaded, config, grid, held_out)
+        result = calibrate(loaded, config, grid, held_out, args.form)
     load_after = os.getloadavg()[0]
-    m = result.model
     how = (
         f"served ({args.instances} instance{'s' if args.instances > 1 else ''} behind the HTTP server, the openai"
         " client)"
@@ -278,13 +345,7 @@ def run(args: argparse.Namespace) -> dict:
         f"{len(result.samples)} + {len(result.held_out)} held-out steps in {result.wall_s:.0f} s on {threads} threads,"
         f" {how} (load average {load_before:.1f} before, {load_after:.1f} after)"
     )
-    print(f"fit on the {result.per_shape} of each shape: {_error_text(result.fit_error)}")
-    print(f"held-out shapes: {_error_text(result.held_out_error)}")
-    print(
-        f"base {m.base_s * 1e3:.2f} ms, per request {m.per_seq_s * 1e3:.3f} ms,"
-        f" per new token {m.per_token_s * 1e3:.3f} ms, per cached token {m.per_cached_s * 1e6:.3f} us,"
-        f" per query-key pair {m.per_pair_s * 1e9:.3f} ns"
-    )
+    _print_result(result)
     links = {
         "host_copy": LinkSpec(HOST_COPY_BYTES_PER_S),
         "storage_read": LinkSpec(DISK_READ_BYTES_PER_S, DISK_LATENCY_S),
@@ -293,7 +354,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     sources = {
         "step": f"boundless simulate calibrate on this machine ({os.cpu_count()} cores, torch on {threads} threads):"
-        f" {args.model} {args.dtype}, {how}, {_grid_text(grid)}, the {result.per_shape} of each step shape;"
+        f" {args.model} {args.dtype}, {how}, {_grid_text(grid)}, {_fit_text(result)};"
         f" held-out shapes: {_error_text(result.held_out_error)}",
         "host_copy": "sim/cost.py HOST_COPY_BYTES_PER_S: HostSwapSpace copies measured at 10-14 GB/s on this machine",
         "storage": "sim/cost.py DISK_*: a local NVMe drive's sequential bandwidths, not measured",
@@ -303,36 +364,98 @@ def run(args: argparse.Namespace) -> dict:
         f"{args.model} {args.dtype} on this machine's CPU ({os.cpu_count()} cores, torch on {threads} threads"
         f"{' per instance' if cluster else ''}), {how}"
     )
-    data = fitted_profile_dict(args.name, description, m, links, sources)
+    data = fitted_profile_dict(args.name, description, result.model, links, sources)
     data["calibration"] = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "threads": threads,
         "cpu_count": os.cpu_count(),
         "served": args.served,
         "instances": args.instances,
-        "per_shape": result.per_shape,
         "load_average_before": load_before,
         "load_average_after": load_after,
         "grid": _grid_text(grid),
         "held_out_grid": _grid_text(held_out) if held_out else None,
         "steps": len(result.samples),
-        "fit_error": vars(result.fit_error),
-        "held_out_error": vars(result.held_out_error) if result.held_out_error else None,
-        "median_rel_error": result.fit_error.median,
+        **_calibration_figures(result),
         "wall_s": result.wall_s,
-        "samples": _samples_json(result.samples),
-        "held_out_samples": _samples_json(result.held_out),
+        "samples": samples_json(result.samples),
+        "held_out_samples": samples_json(result.held_out),
     }
-    out = Path(args.out)
+    _write(args.out or "cpu-profile.json", data)
+    return data
+
+
+def _write(path: str, data: dict) -> None:
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile_json(data))
     print(f"wrote {out}")
-    return data
+
+
+def refit(args: argparse.Namespace) -> dict:
+    """``calibrate --refit PROFILE``: the profile's kept steps fitted again (in ``--form``), offline; its errors on
+    the same fitted and held-out shapes, and with ``--check`` on the steps a validate run measured."""
+    data = json.loads(Path(args.refit).read_text())
+    calibration = data["calibration"]
+    samples = samples_from_json(calibration["samples"])
+    held = samples_from_json(calibration.get("held_out_samples", []))
+    before = load_profile(args.refit).step
+    per_shape = args.per_shape or ("all" if calibration.get("served") else "fastest")
+    spec = FitSpec(args.form, per_shape, calibration.get("threads", 1))
+    result = fitted(samples, held, calibration.get("wall_s", 0.0), spec)
+    print(f"{args.refit}: {len(samples)} + {len(held)} held-out steps, refitted")
+    _print_result(result)
+    for path in args.check:
+        print_check(path, calibration.get("instances", 1), {"before": before, "refit": result.model})
+    step = fitted_profile_dict(data["name"], data.get("description", ""), result.model, {}, {})["step"]
+    sources = dict(data.get("sources", {}))
+    sources["step"] = (
+        f"{sources.get('step', '').split(';')[0]}; refitted offline from its kept steps ({_fit_text(result)});"
+        f" held-out shapes: {_error_text(result.held_out_error)}"
+    )
+    refitted = {**data, "step": step, "sources": sources}
+    refitted["calibration"] = {**calibration, **_calibration_figures(result), "refit_of": str(args.refit)}
+    if args.out:
+        _write(args.out, refitted)
+    return refitted
+
+
+def step_kind(shapes: Sequence[ChunkShape]) -> str:
+    """A step's class for the check: decodes by batch size, else prefills (with any decodes) by new tokens."""
+    if all(c.new == 1 for c in shapes):
+        return f"decode x{len(shapes)}" if len(shapes) <= 8 else "decode x9+"
+    tokens = sum(c.new for c in shapes)
+    return "prefill <=192 tok" if tokens <= 192 else "prefill >192 tok"
+
+
+def same_shape_ratios(model: PredictsShapes, samples: Sequence[AttentionSample]) -> dict[str, tuple[int, float]]:
+    """By step class (and ``all``): how many steps, and their measured seconds over ``model``'s for the same
+    shapes (validate's ``same_shape_ratio``)."""
+    sums: dict[str, list[float]] = {}
+    for s in samples:
+        for kind in ("all", step_kind(s.shapes)):
+            n, measured, predicted = sums.setdefault(kind, [0, 0.0, 0.0])
+            sums[kind] = [n + 1, measured + s.seconds, predicted + model.predict(s.shapes)]
+    return {k: (int(n), measured / predicted) for k, (n, measured, predicted) in sorted(sums.items())}
+
+
+def print_check(path: str, instances: int, models: dict[str, PredictsShapes]) -> None:
+    """Each case of a validate JSON on ``instances`` instances: the real steps' time over each model's, by class."""
+    for case in json.loads(Path(path).read_text())["cases"]:
+        if case["instances"] != instances or not case.get("real_steps"):
+            continue
+        steps = [s for run in case["real_steps"] for s in samples_from_json(run)]
+        print(f"{path}: {case['workload']} on {instances}, {len(steps)} real steps; measured / predicted:")
+        ratios = {name: same_shape_ratios(m, steps) for name, m in models.items()}
+        for kind, (n, _) in ratios[next(iter(models))].items():
+            figures = ", ".join(f"{name} x{r[kind][1]:.3f}" for name, r in ratios.items())
+            print(f"  {kind:18s} {n:5d} steps  {figures}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = CalibrationGrid()
-    parser.add_argument("--out", default="cpu-profile.json", help="where to write the profile")
+    parser.add_argument(
+        "--out", help="where to write the profile (default cpu-profile.json; with --refit, nothing written without it)"
+    )
     parser.add_argument("--name", default="cpu")
     parser.add_argument("--model", default=ModelConfig.model)
     parser.add_argument("--dtype", default=ModelConfig.dtype)
@@ -370,3 +493,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # term from the per-token one.
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--net-gbytes-per-s", type=float, default=5.0)
+    parser.add_argument(
+        "--form",
+        choices=FORMS,
+        default=FORMS[0],
+        help="the step model: cpu-kernels (matmul rows on the slowest thread, 4-row groups: sim/step_model.py) or"
+        " linear (the engine's AttentionTimeModel, as the profiles before it)",
+    )
+    parser.add_argument(
+        "--refit",
+        metavar="PROFILE",
+        help="measure nothing: fit this profile's kept steps again (--form, --per-shape) and print its errors",
+    )
+    parser.add_argument(
+        "--per-shape",
+        choices=sorted(PER_SHAPE),
+        help="with --refit: which steps to fit (default: all for a served profile, else fastest)",
+    )
+    parser.add_argument(
+        "--check",
+        action="append",
+        default=[],
+        metavar="VALIDATE_JSON",
+        help="with --refit: the real steps of a `simulate validate --json` run on as many instances, measured against"
+        " the profile before and after the refit, by step class",
+    )

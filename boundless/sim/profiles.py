@@ -3,10 +3,12 @@
 A profile is a JSON file (``boundless/sim/profiles/<name>.json``, or any path) with a step model and
 the links an instance uses, and the source of every number in it. Two kinds of step model:
 
-- ``fitted``: the engine's own per-term model (:class:`~boundless.engine.attention_time.AttentionTimeModel`:
-  a base, per request, per new token, per cached token read, per query-key pair), fitted by
-  ``boundless simulate calibrate`` from the real engine's steps on this machine (Vidur and DistServe fit
-  their step times term by term the same way);
+- ``fitted``: a per-term model of this engine's CPU steps (:class:`~boundless.sim.step_model.StepTimeModel`:
+  a base, per request, per matmul row on the slowest of ``threads``, per 4-row group of the matmul
+  micro-kernel, per cached token read, per query-key pair), fitted by ``boundless simulate calibrate`` from the
+  real engine's steps on this machine (Vidur and DistServe fit their step times term by term the same way).
+  Profiles fitted before the matmul terms hold the engine's own ``AttentionTimeModel`` (``per_token_s``) and
+  load as that model on one thread;
 - ``roofline``: a GPU's published peak bf16 FLOP/s and HBM bandwidth, and a stated model shape: a step
   takes the longer of its FLOPs at the peak and its bytes (weights, KV read and written) at the
   bandwidth, each scaled by an efficiency, plus a fixed per-step overhead.
@@ -18,24 +20,25 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from boundless.engine.attention_time import AttentionTimeModel, ChunkShape, shapes_of
+from boundless.engine.attention_time import ChunkShape, shapes_of
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.sim.cost import StepCost
 from boundless.sim.executor import DiskCost
 from boundless.sim.links import LinkSpec
+from boundless.sim.step_model import TERMS, StepTimeModel
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
 
 @dataclass(frozen=True)
 class FittedStepCost:
-    """A step's seconds from the engine's per-term model, over the step's chunk shapes."""
+    """A step's seconds from a fitted per-term model, over the step's chunk shapes."""
 
-    model: AttentionTimeModel
+    model: StepTimeModel
 
     def step_time(self, sched: SchedulerOutput) -> float:
         return self.model.predict(shapes_of(sched))
@@ -135,7 +138,7 @@ def profile_from_dict(data: dict[str, Any]) -> HardwareProfile:
     step = data["step"]
     kind = step["kind"]
     if kind == "fitted":
-        cost: StepCost = FittedStepCost(AttentionTimeModel(**step["coefficients"]))
+        cost: StepCost = FittedStepCost(StepTimeModel.from_json(step["coefficients"], step.get("threads", 1)))
     elif kind == "roofline":
         cost = RooflineStepCost(
             shape=ModelShape(**step["model"]),
@@ -155,13 +158,14 @@ def profile_from_dict(data: dict[str, Any]) -> HardwareProfile:
 
 
 def fitted_profile_dict(
-    name: str, description: str, model: AttentionTimeModel, links: dict[str, LinkSpec], sources: dict[str, str]
+    name: str, description: str, model: StepTimeModel, links: dict[str, LinkSpec], sources: dict[str, str]
 ) -> dict[str, Any]:
     """A ``fitted`` profile as JSON data (what ``calibrate`` writes)."""
+    coefficients = {t: getattr(model, t) for t in TERMS}
     return {
         "name": name,
         "description": description,
-        "step": {"kind": "fitted", "coefficients": asdict(model)},
+        "step": {"kind": "fitted", "threads": model.threads, "coefficients": coefficients},
         "links": {k: {"gbytes_per_s": v.bytes_per_s / 1e9, "latency_s": v.latency_s} for k, v in links.items()},
         "sources": sources,
     }

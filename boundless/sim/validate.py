@@ -42,6 +42,7 @@ from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import HardwareProfile, load_profile
 from boundless.sim.served_grid import taking_steps
 from boundless.sim.simulator import SimResult, Simulator
+from boundless.sim.step_model import samples_json
 
 if TYPE_CHECKING:
     from boundless.model.loader import LoadedModel
@@ -53,7 +54,8 @@ ENGINE_FIGURES = ("busy_s", "steps")
 
 # One real run of the programs (on a cluster, or one engine for None): their summary (``bench programs``'s
 # ``summarize``), the engines' figures, and the profile's prediction for the steps they ran.
-RealRun = Callable[[EngineConfig, list[ProgramSpec], ClusterConfig | None, HardwareProfile], dict[str, float]]
+# ``steps_taken`` holds the steps themselves (AttentionSample), kept in the JSON to check a profile offline.
+RealRun = Callable[[EngineConfig, list[ProgramSpec], ClusterConfig | None, HardwareProfile], dict]
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,9 @@ def validate_case(
         "load_average": os.getloadavg()[0],
         "rows": compare(predicted, measured),
         "engine": engine_figures(predicted, measured),
+        # Every step each real run took ([[cached, new] per request], seconds, as a profile keeps its samples):
+        # what `calibrate --refit --check` measures against, to find which shapes a profile gets wrong.
+        "real_steps": [samples_json(r.get("steps_taken", [])) for r in measured],
     }
 
 
@@ -155,7 +160,7 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
 
     def run(
         config: EngineConfig, programs: list[ProgramSpec], cluster: ClusterConfig | None, profile: HardwareProfile
-    ) -> dict[str, float]:
+    ) -> dict:
         desc = "real engine" if cluster is None else f"real cluster of {cluster.instances}"
         with served_engine(loaded, config, cluster) as served:
             served.take_steps()
@@ -175,6 +180,7 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
             "steps": float(sum(s.steps for s in stats)),
             "taken_step_s": sum(s.seconds for s in steps),
             "profile_step_s": sum(predict(s.shapes) for s in steps) if predict else float("nan"),
+            "steps_taken": steps,
         }
 
     return run

@@ -14,22 +14,22 @@ from boundless.engine.attention_time import (
     AttentionSample,
     AttentionTimeModel,
     ChunkShape,
-    fit_attention_time,
     shapes_of,
 )
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.model.loader import LoadedModel
 from boundless.sim.calibrate import (
     CalibrationGrid,
+    FitSpec,
     calibrate,
     calibrate_served,
     fastest_per_shape,
-    fit_step_model,
+    fit_profile_model,
     median_per_shape,
     median_rel_error,
     profile_json,
     run_grid,
-    samples_from_json,
+    same_shape_ratios,
     step_shape,
 )
 from boundless.sim.cost import StepCost
@@ -45,8 +45,13 @@ from boundless.sim.profiles import (
     profile_names,
 )
 from boundless.sim.simulator import VirtualClock
+from boundless.sim.step_model import StepTimeModel, matmul_rows, samples_from_json, samples_json
 
-KNOWN = AttentionTimeModel(base_s=0.03, per_seq_s=0.002, per_token_s=0.0015, per_cached_s=2e-6, per_pair_s=3e-9)
+# A step function of every kind the fit knows: the engine on two threads, with a micro-kernel term.
+KNOWN = StepTimeModel(
+    base_s=0.03, per_seq_s=0.002, per_row_s=0.0015, per_row_group_s=0.004, per_cached_s=2e-6, per_pair_s=3e-9, threads=2
+)
+TWO_THREADS = FitSpec(threads=2)
 
 
 class ContendedStepCost:
@@ -73,10 +78,14 @@ def test_the_calibration_grid_and_fit_recover_a_known_step_model() -> None:
     # The real engine on the calibration grid, whose steps take exactly KNOWN's time: the fit must find KNOWN.
     samples = _grid_samples(FittedStepCost(KNOWN), repeats=1)
     assert len({len(s.shapes) for s in samples}) >= 3 and any(c.cached and c.new > 1 for s in samples for c in s.shapes)
-    fitted = fit_step_model(samples)
+    fitted = fit_profile_model(samples, TWO_THREADS)
     for name, value in vars(KNOWN).items():
         assert getattr(fitted, name) == pytest.approx(value, rel=1e-3), name
     assert median_rel_error(fitted, samples) < 1e-6
+    # The engine's linear form cannot follow the matmuls' uneven split over two threads (a 512-token chunk is
+    # blocks of 192, 192 and 128: one thread takes 288 rows' work) nor the 4-row groups: it misses some steps.
+    linear = fit_profile_model(samples, FitSpec("linear"))
+    assert max(abs(linear.predict(s.shapes) / s.seconds - 1) for s in samples) > 0.05
 
 
 def test_the_fastest_of_repeated_shapes_recovers_the_model_under_contention() -> None:
@@ -85,10 +94,10 @@ def test_the_fastest_of_repeated_shapes_recovers_the_model_under_contention() ->
     samples = _grid_samples(ContendedStepCost(), repeats=8)
     one_pass = _grid_samples(FittedStepCost(KNOWN), repeats=1)
     assert [step_shape(s) for s in samples] == [step_shape(s) for s in one_pass] * 8  # the same steps each repeat
-    fitted = fit_step_model(samples)
+    fitted = fit_profile_model(samples, TWO_THREADS)
     for name, value in vars(KNOWN).items():
         assert getattr(fitted, name) == pytest.approx(value, rel=1e-3), name
-    first = fit_attention_time(samples[: len(one_pass)], relative=True, outlier_factor=1.5)
+    first = fit_profile_model(samples[: len(one_pass)], TWO_THREADS)
     assert max(abs(getattr(first, n) / v - 1) for n, v in vars(KNOWN).items()) > 0.05
 
 
@@ -116,18 +125,49 @@ class ServedStepCost:
         return seconds * self.rng.uniform(2.0, 10.0) if self.rng.random() < 0.2 else seconds
 
 
-def test_the_median_of_served_shapes_recovers_what_serving_adds_and_the_fastest_does_not() -> None:
+def test_a_served_fit_recovers_what_serving_adds_and_the_fastest_does_not() -> None:
     # The serving's share of a step is in every pass, so the median of a shape's passes keeps it (and drops the
-    # outside bursts, which lift it by under 4% here); the fastest keeps only the luckiest pass, 20% under.
+    # outside bursts, which lift it by under 4% here); so does the least-absolute fit on every step, which needs no
+    # shape twice. The fastest keeps only the luckiest pass, 20% under.
     samples = _grid_samples(ServedStepCost(), repeats=9)
-    typical = AttentionTimeModel(**{k: 1.4 * v for k, v in vars(KNOWN).items()})
-    probe = [[ChunkShape(0, 128)], [ChunkShape(300, 1)] * 8, [ChunkShape(64, 1)]]
-    served = fit_step_model(samples, per_shape="median")
-    fastest = fit_step_model(samples)
+    typical = StepTimeModel.from_coefficients([1.4 * c for c in KNOWN.coefficients], threads=2)
+    probe = [[ChunkShape(0, 128)], [ChunkShape(300, 1)] * 8, [ChunkShape(64, 1)], [ChunkShape(0, 256)]]
+    fastest = fit_profile_model(samples, TWO_THREADS)
+    for per_shape in ("median", "all"):
+        served = fit_profile_model(samples, FitSpec(per_shape=per_shape, threads=2))
+        for shapes in probe:
+            assert served.predict(shapes) == pytest.approx(typical.predict(shapes), rel=0.06), per_shape
     for shapes in probe:
-        assert served.predict(shapes) == pytest.approx(typical.predict(shapes), rel=0.06)
         assert fastest.predict(shapes) < 0.9 * typical.predict(shapes)
     assert [s.shapes for s in median_per_shape(samples)] == [s.shapes for s in fastest_per_shape(samples)]
+
+
+def test_a_step_of_two_blocks_takes_its_larger_block_on_each_of_two_threads() -> None:
+    # The packed matmuls share (block of 192 rows, panel) pairs between threads in equal contiguous shares.
+    assert [matmul_rows(t, 1) for t in (1, 128, 256, 512)] == [1, 128, 256, 512]  # one thread: every row
+    assert matmul_rows(192, 2) == 192  # one block: each thread takes half the panels, every row
+    assert matmul_rows(256, 2) == 2 * 192  # blocks of 192 and 64: one thread takes the 192
+    assert matmul_rows(384, 2) == 384  # two full blocks: even
+    assert matmul_rows(512, 2) == 2 * (192 + 96)  # 192, 192, 128: one thread takes one and a half blocks
+    groups = [StepTimeModel(per_row_group_s=1.0).predict([ChunkShape(9, 1)] * n) for n in (1, 4, 5, 8, 9)]
+    assert groups == [1, 1, 2, 2, 3]  # the micro-kernel's passes, 4 rows each
+
+
+def test_a_linear_profile_loads_as_the_engines_own_model() -> None:
+    linear = AttentionTimeModel(base_s=0.03, per_seq_s=0.002, per_token_s=0.0015, per_cached_s=2e-6, per_pair_s=3e-9)
+    model = StepTimeModel.from_json(vars(linear), threads=2)  # an earlier profile's coefficients
+    for shapes in ([ChunkShape(0, 512)], [ChunkShape(300, 1)] * 6, [ChunkShape(0, 100), ChunkShape(40, 1)]):
+        assert model.predict(shapes) == pytest.approx(linear.predict(shapes), rel=1e-12)
+
+
+def test_the_same_shape_ratio_by_class_is_the_real_steps_over_the_models() -> None:
+    steps = [
+        AttentionSample((ChunkShape(100, 1),) * 3, 1.2 * KNOWN.predict([ChunkShape(100, 1)] * 3)),
+        AttentionSample((ChunkShape(0, 300),), 0.9 * KNOWN.predict([ChunkShape(0, 300)])),
+    ]
+    ratios = same_shape_ratios(KNOWN, steps)
+    assert ratios["decode x3"] == (1, pytest.approx(1.2)) and ratios["prefill >192 tok"] == (1, pytest.approx(0.9))
+    assert ratios["all"][0] == 2 and 0.9 < ratios["all"][1] < 1.2
 
 
 def test_calibrate_served_fits_the_steps_a_served_engine_ran(tiny_llama: LoadedModel) -> None:
@@ -135,7 +175,7 @@ def test_calibrate_served_fits_the_steps_a_served_engine_ran(tiny_llama: LoadedM
     config = EngineConfig(model=ModelConfig(), cache=CacheConfig(num_kv_blocks=64))
     grid = CalibrationGrid((1, 4), (8, 64), output_tokens=3, repeats=2)
     result = calibrate_served(tiny_llama, config, grid, held_out=CalibrationGrid((2,), (32,), output_tokens=3))
-    assert result.per_shape == "median"
+    assert (result.fit.form, result.fit.per_shape) == ("cpu-kernels", "all")  # every step, least absolute error
     # Every request's prefill and its 2 decodes after it, in some batching: all its tokens were computed.
     computed = sum(c.new for s in result.samples for c in s.shapes)
     assert computed == 2 * sum(b * (p + 2) for b in grid.batch_sizes for p in grid.prompt_lens)
@@ -171,9 +211,10 @@ def test_a_profile_is_written_with_one_step_per_line_and_reads_back_the_same() -
 
 def test_a_profiles_samples_refit_to_its_model() -> None:
     samples = _grid_samples(FittedStepCost(KNOWN), repeats=1)
-    rows = json.loads(json.dumps([[[[c.cached, c.new] for c in s.shapes], s.seconds] for s in samples]))
+    rows = json.loads(json.dumps(samples_json(samples)))
+    assert rows[0] == [[[s.cached, s.new] for s in samples[0].shapes], samples[0].seconds]
     assert samples_from_json(rows) == samples
-    assert fit_step_model(samples_from_json(rows)) == fit_step_model(samples)
+    assert fit_profile_model(samples_from_json(rows), TWO_THREADS) == fit_profile_model(samples, TWO_THREADS)
 
 
 def test_a_fitted_profile_round_trips_through_json(tmp_path: Path) -> None:
@@ -200,7 +241,10 @@ def test_shipped_profiles_load_with_their_sources() -> None:
             assert "calibrate on this machine" in profile.sources["step"]
             calibration = json.loads((PROFILE_DIR / f"{name}.json").read_text())["calibration"]
             samples = samples_from_json(calibration["samples"])
-            assert fit_step_model(samples, calibration.get("per_shape", "fastest")) == profile.step.model
+            spec = FitSpec(
+                calibration.get("form", "linear"), calibration.get("per_shape", "fastest"), calibration["threads"]
+            )
+            assert fit_profile_model(samples, spec) == profile.step.model
     with pytest.raises(ValueError, match="h100"):
         load_profile("no-such-gpu")
 

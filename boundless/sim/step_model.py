@@ -1,0 +1,188 @@
+"""A fitted profile's step model: a CPU engine step's seconds from its chunk shapes, and its fit.
+
+The terms follow what this engine's CPU kernels do with a step (``model/cpu_kernels.cpp``,
+``attention/cpu_attention.cpp``)::
+
+    seconds = base_s                                  per step: the layer loop, sampling's fixed part
+            + per_seq_s       * requests              per request in the step (its sampling, its metadata)
+            + per_row_s       * matmul rows           the packed matmuls' rows on the slowest thread
+            + per_row_group_s * matmul row groups     the matmul micro-kernel's passes: 4 rows at a time
+            + per_cached_s    * cached tokens read    attention reading each request's KV
+            + per_pair_s      * query-key pairs       attention's compute
+
+*Matmul rows* (:func:`matmul_rows`) are the step's new tokens on one thread. On more, the packed
+matmuls split their work, (block of 192 rows, panel of weights) pairs with the block outermost, between
+the threads in equal contiguous shares (OpenMP's static schedule): a step of 256 tokens is a block of 192
+and one of 64, one thread takes the first and the other the second, and the step lasts as long as
+192 x 2 = 384 balanced rows (measured on the served 2-thread engine: two 128-token prompts in one
+step took 2.7x one of them, where one thread takes 2.0x). *Row groups* are those rows in the
+micro-kernel's groups of four (``ceil(rows / 4)``): a decode of 5 or 6 requests passes over the
+weights as often as one of 8 (measured: 6 decodes cost as much as 8 or more on every CPU profile).
+With ``threads = 1`` and no row-group term this is the engine's own ``AttentionTimeModel``, the form
+the profiles before it were fitted in (they load as such).
+
+The fit (:func:`fit_step_model`) is non-negative least squares in relative error (the short decodes
+weigh as much as the long prefills), on every measured step or on one time per shape (the fastest, for
+the bare engine), and ``robust`` makes it least *absolute* relative error (iteratively reweighted): the
+median's counterpart for a served engine, whose steps vary with the server's work beside them and whose
+shapes often come once, so a per-shape median is a single sample.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import numpy as np
+
+from boundless.engine.attention_time import AttentionSample, ChunkShape
+
+# The packed matmuls' rows per block (M_BLOCK in model/cpu_kernels.cpp) and rows per micro-kernel call.
+MATMUL_BLOCK_ROWS = 192
+MICRO_KERNEL_ROWS = 4
+# Rounds of reweighting for the least-absolute fit (each a weighted least squares; 20 settle to 0.1%).
+ROBUST_ROUNDS = 20
+# Rounds of dropping steps far slower than the fit.
+MAX_TRIM_ROUNDS = 5
+
+
+def matmul_rows(tokens: int, threads: int) -> float:
+    """The rows of a step's packed matmuls on its slowest thread, times the threads: the step's tokens
+    when the static schedule shares them out evenly, more when it does not (see the module docstring)."""
+    if threads <= 1 or tokens <= MATMUL_BLOCK_ROWS:
+        return float(tokens)  # one block: every thread takes its share of the panels, all rows each
+    blocks = math.ceil(tokens / MATMUL_BLOCK_ROWS)
+    rows = [min(MATMUL_BLOCK_ROWS, tokens - b * MATMUL_BLOCK_ROWS) for b in range(blocks)]
+    slowest = 0.0
+    for t in range(threads):  # thread t's contiguous share of the blocks (panels divide evenly: even counts)
+        lo, hi = t * blocks / threads, (t + 1) * blocks / threads
+        slowest = max(slowest, sum(r * max(0.0, min(hi, b + 1) - max(lo, b)) for b, r in enumerate(rows)))
+    return threads * slowest
+
+
+class PredictsShapes(Protocol):
+    """A step model that predicts from chunk shapes alone (fitted and roofline profiles both do)."""
+
+    def predict(self, shapes: Sequence[ChunkShape]) -> float: ...
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """A step's seconds on one engine (see the module docstring for each term); every coefficient >= 0, so
+    a bigger step never predicts less time. ``threads`` is the engine's torch threads (a property of the
+    profile, not fitted)."""
+
+    base_s: float = 0.0
+    per_seq_s: float = 0.0
+    per_row_s: float = 0.0
+    per_row_group_s: float = 0.0
+    per_cached_s: float = 0.0
+    per_pair_s: float = 0.0
+    threads: int = 1
+
+    def predict(self, shapes: Sequence[ChunkShape]) -> float:
+        if not shapes:
+            return 0.0
+        return float(np.dot(self.coefficients, features(shapes, self.threads)))
+
+    @property
+    def coefficients(self) -> list[float]:
+        return [getattr(self, f.name) for f in fields(self) if f.name != "threads"]
+
+    @classmethod
+    def from_coefficients(cls, coefficients: Sequence[float], threads: int) -> StepTimeModel:
+        return cls(*(float(c) for c in coefficients), threads=threads)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_json(cls, coefficients: dict[str, float], threads: int = 1) -> StepTimeModel:
+        """From a profile's ``coefficients``; those of the engine's linear model (``per_token_s``, fitted before
+        the matmul terms) are its rows on one thread."""
+        c = dict(coefficients)
+        if "per_token_s" in c:
+            return cls(c["base_s"], c["per_seq_s"], c["per_token_s"], 0.0, c["per_cached_s"], c["per_pair_s"], 1)
+        return cls(**c, threads=threads)
+
+
+TERMS = tuple(f.name for f in fields(StepTimeModel) if f.name != "threads")
+
+
+def features(shapes: Sequence[ChunkShape], threads: int) -> list[float]:
+    """What each coefficient multiplies, in :data:`TERMS`' order."""
+    rows = matmul_rows(sum(c.new for c in shapes), threads)
+    return [
+        1.0,
+        float(len(shapes)),
+        rows,
+        float(math.ceil(rows / MICRO_KERNEL_ROWS)),
+        float(sum(c.cached for c in shapes)),
+        float(sum(c.pairs for c in shapes)),
+    ]
+
+
+def fit_step_model(
+    samples: Sequence[AttentionSample],
+    threads: int = 1,
+    robust: bool = False,
+    outlier_factor: float | None = None,
+    terms: Sequence[str] = TERMS,
+) -> StepTimeModel:
+    """The model over ``samples`` (only ``terms`` fitted, the rest held at 0), in relative error; ``robust``:
+    least absolute relative error. With ``outlier_factor``, steps slower than that many times the fit are
+    dropped and the fit redone (a step slowed by another process says nothing about its shape)."""
+    kept = [s for s in samples if s.shapes and s.seconds > 0]
+    if not kept:
+        raise ValueError("no samples to fit")
+    x = np.array([features(s.shapes, threads) for s in kept])
+    y = np.array([s.seconds for s in kept])
+    use = [t in terms for t in TERMS]
+    inliers = np.ones(len(y), dtype=bool)
+    coef = _fit(x[inliers], y[inliers], use, robust)
+    for _ in range(MAX_TRIM_ROUNDS if outlier_factor is not None else 0):
+        now = y <= outlier_factor * (x @ coef)  # type: ignore[operator]
+        if (now == inliers).all() or len({tuple(r) for r in x[now]}) < len(TERMS):
+            break
+        inliers = now
+        coef = _fit(x[inliers], y[inliers], use, robust)
+    return StepTimeModel.from_coefficients(coef, threads)
+
+
+def _fit(x: np.ndarray, y: np.ndarray, use: list[bool], robust: bool) -> np.ndarray:
+    weights = np.ones(len(y))
+    coef = _nnls(x, y, use, weights)
+    for _ in range(ROBUST_ROUNDS if robust else 0):
+        # Least absolute error as weighted least squares: each step weighs 1 / sqrt(its relative error).
+        errors = np.abs(x @ coef - y) / y
+        weights = 1.0 / np.sqrt(np.maximum(errors, 1e-4))
+        coef = _nnls(x, y, use, weights)
+    return coef
+
+
+def _nnls(x: np.ndarray, y: np.ndarray, use: list[bool], weights: np.ndarray) -> np.ndarray:
+    """Least squares of the relative errors, weighted, coefficients >= 0: a term fitted negative is dropped and
+    the rest refitted (noise must not make a bigger step predict less time)."""
+    a = x / y[:, None] * weights[:, None]
+    b = weights.copy()
+    scale = np.abs(a).max(axis=0)  # columns span ~1 to ~1e9 (pairs): scaled alike for the solver's cut-off
+    scale[scale == 0] = 1.0
+    a = a / scale
+    active = [i for i in range(x.shape[1]) if use[i] and np.any(a[:, i])]
+    coef = np.zeros(x.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (solution >= 0).all():
+            coef[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return coef / scale
+
+
+def samples_json(samples: Sequence[AttentionSample]) -> list:
+    """The measured steps, to refit or inspect: [[cached, new] per request], seconds."""
+    return [[[[c.cached, c.new] for c in s.shapes], s.seconds] for s in samples]
+
+
+def samples_from_json(rows: Sequence) -> list[AttentionSample]:
+    """The steps a profile's ``calibration`` (or a validate JSON's ``real_steps``) keeps, back as samples."""
+    return [AttentionSample(tuple(ChunkShape(c, n) for c, n in shapes), seconds) for shapes, seconds in rows]
