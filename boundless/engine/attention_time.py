@@ -50,10 +50,12 @@ class ChunkShape:
 
 @dataclass(frozen=True)
 class AttentionSample:
-    """A measured step: its shapes and its seconds."""
+    """A measured step: its shapes, its seconds, and when it ended on the recording engine's clock (0: not known;
+    the simulator's contention fit tells steps of several engines that overlapped by it)."""
 
     shapes: tuple[ChunkShape, ...]
     seconds: float
+    ended_at: float = 0.0
 
 
 def shapes_of(sched: SchedulerOutput) -> tuple[ChunkShape, ...]:
@@ -165,9 +167,9 @@ class AttentionTimeRecorder:
         self.samples: deque[AttentionSample] = deque(maxlen=capacity)
         self._undrained = 0  # of the samples held, how many (the newest) no drain has handed over yet
 
-    def record(self, shapes: Sequence[ChunkShape], seconds: float) -> None:
+    def record(self, shapes: Sequence[ChunkShape], seconds: float, ended_at: float = 0.0) -> None:
         if shapes:
-            self.samples.append(AttentionSample(tuple(shapes), seconds))
+            self.samples.append(AttentionSample(tuple(shapes), seconds, ended_at))
             self._undrained = min(self._undrained + 1, len(self.samples))
 
     def drain(self) -> list[AttentionSample]:

@@ -468,10 +468,10 @@ class EngineCore:
         c.steps += 1
         c.computed_tokens += sched.num_tokens
         c.busy_seconds += elapsed
-        self.step_times.record(shapes_of(sched), elapsed)
+        now = self.clock()
+        self.step_times.record(shapes_of(sched), elapsed, now)
         if self._prefill_batching == "attention" and c.steps % REFIT_EVERY_STEPS == 0:
             self._refit_prefill_time()
-        now = self.clock()
         outputs = []
         for request_id, token in sampled.items():
             request = self.scheduler.requests.get(request_id)

@@ -52,6 +52,7 @@ from boundless.sim.served_grid import MODEL_NAME, run_served_grid
 from boundless.sim.step_model import (
     PredictsShapes,
     StepTimeModel,
+    contention,
     fit_step_model,
     samples_from_json,
     samples_json,
@@ -67,14 +68,16 @@ class CalibrationGrid:
     """The batch shapes to run: every number of requests with every prompt length, ``output_tokens`` each,
     the whole grid ``repeats`` times."""
 
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    # 3 and 6 beside the powers of two: the matmul micro-kernel's 4-row groups make a decode of 6 cost as much as
+    # one of 8 (sim/step_model.py), which a grid of 1, 2, 4, 8 cannot show.
+    batch_sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     prompt_lens: tuple[int, ...] = (16, 128, 512, 1024)
     output_tokens: int = 8
-    repeats: int = 3
+    repeats: int = 2
 
 
 # Shapes the fit never sees, between and beside the default grid's, to measure its error on.
-HELD_OUT_GRID = CalibrationGrid((3, 6), (64, 384, 768), output_tokens=6, repeats=3)
+HELD_OUT_GRID = CalibrationGrid((5, 7), (64, 384, 768), output_tokens=6, repeats=2)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class FitSpec:
     form: str = "cpu-kernels"
     per_shape: str = "fastest"
     threads: int = 1
+    others: int = 0  # the engines beside each (a cluster's instances less one): their contention is fitted
 
 
 @dataclass(frozen=True)
@@ -176,16 +180,26 @@ def fit_profile_model(samples: Sequence[AttentionSample], spec: FitSpec = FitSpe
         return StepTimeModel.from_json(vars(linear))
     if spec.form != "cpu-kernels":
         raise ValueError(f"unknown step model form {spec.form!r}: one of {', '.join(FORMS)}")
-    return fit_step_model(chosen, spec.threads, robust=spec.per_shape == "all", outlier_factor=OUTLIER_FACTOR)
+    robust = spec.per_shape == "all"
+    return fit_step_model(chosen, spec.threads, robust, OUTLIER_FACTOR, others=spec.others)
 
 
 def relative_errors(model: StepTimeModel, samples: Sequence[AttentionSample]) -> list[float]:
     return [(model.predict(s.shapes) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
 
 
-def fit_error(model: StepTimeModel, samples: Sequence[AttentionSample], per_shape: str = "fastest") -> FitError:
-    """The model's relative errors on each shape's fastest (or median) time."""
-    errors = sorted(abs(e) for e in relative_errors(model, ERROR_PER_SHAPE[per_shape](samples)))
+def fit_error(
+    model: StepTimeModel, samples: Sequence[AttentionSample], per_shape: str = "fastest", others: int = 0
+) -> FitError:
+    """The model's relative errors on each shape's fastest (or median) time; with ``others`` (a cluster's), on
+    each shape's median error, every step predicted with the contention it ran under."""
+    if others and model.contention_factor:
+        by_shape: dict[tuple[ChunkShape, ...], list[float]] = {}
+        for s, beside in zip(samples, contention(samples, others), strict=True):
+            by_shape.setdefault(step_shape(s), []).append((model.predict(s.shapes, beside) - s.seconds) / s.seconds)
+        errors = sorted(abs(statistics.median(e)) for e in by_shape.values())
+    else:
+        errors = sorted(abs(e) for e in relative_errors(model, ERROR_PER_SHAPE[per_shape](samples)))
     return FitError(len(errors), statistics.median(errors), errors[int(0.9 * (len(errors) - 1))], errors[-1])
 
 
@@ -225,7 +239,8 @@ def calibrate_served(
         samples = run_served_grid(served, grid, vocab)
         held = run_served_grid(served, held_out, vocab, seed=1) if held_out is not None else []
         wall = time.monotonic() - start
-    return fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster)))
+    others = cluster.instances - 1 if cluster is not None else 0
+    return fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster), others))
 
 
 def engine_threads(cluster: ClusterConfig | None) -> int:
@@ -238,8 +253,9 @@ def engine_threads(cluster: ClusterConfig | None) -> int:
 def fitted(samples: list[AttentionSample], held: list[AttentionSample], wall_s: float, spec: FitSpec) -> Calibration:
     """The fit of the grid's steps, and its errors on them and on the held-out grid's."""
     model = fit_profile_model(samples, spec)
-    held_error = fit_error(model, held, spec.per_shape) if held else None
-    return Calibration(model, samples, held, fit_error(model, samples, spec.per_shape), held_error, wall_s, spec)
+    held_error = fit_error(model, held, spec.per_shape, spec.others) if held else None
+    fit = fit_error(model, samples, spec.per_shape, spec.others)
+    return Calibration(model, samples, held, fit, held_error, wall_s, spec)
 
 
 def _grid(batch_sizes: str, prompt_lens: str, output_tokens: int, repeats: int) -> CalibrationGrid:
@@ -278,9 +294,11 @@ def profile_json(data: dict) -> str:
 
 def _model_text(m: StepTimeModel) -> str:
     return (
-        f"base {m.base_s * 1e3:.2f} ms, per request {m.per_seq_s * 1e3:.3f} ms, per matmul row"
+        f"base {m.base_s * 1e3:.2f} ms, per request {m.per_seq_s * 1e3:.3f} ms, per prefill"
+        f" {m.per_prefill_s * 1e3:.3f} ms, per matmul row"
         f" {m.per_row_s * 1e3:.3f} ms, per row group {m.per_row_group_s * 1e3:.3f} ms, per cached token"
-        f" {m.per_cached_s * 1e6:.3f} us, per query-key pair {m.per_pair_s * 1e9:.3f} ns ({m.threads} threads)"
+        f" {m.per_cached_s * 1e6:.3f} us, per query-key pair {m.per_pair_s * 1e9:.3f} ns ({m.threads} threads);"
+        f" x{1 + m.contention_factor:.3f} with every other engine stepping beside"
     )
 
 
@@ -302,6 +320,7 @@ def _calibration_figures(result: Calibration) -> dict:
         "form": result.fit.form,
         "per_shape": result.fit.per_shape,
         "threads": result.fit.threads,
+        "others": result.fit.others,
         "fit_error": vars(result.fit_error),
         "held_out_error": vars(result.held_out_error) if result.held_out_error else None,
         "median_rel_error": result.fit_error.median,
@@ -400,7 +419,7 @@ def refit(args: argparse.Namespace) -> dict:
     held = samples_from_json(calibration.get("held_out_samples", []))
     before = load_profile(args.refit).step
     per_shape = args.per_shape or ("all" if calibration.get("served") else "fastest")
-    spec = FitSpec(args.form, per_shape, calibration.get("threads", 1))
+    spec = FitSpec(args.form, per_shape, calibration.get("threads", 1), calibration.get("instances", 1) - 1)
     result = fitted(samples, held, calibration.get("wall_s", 0.0), spec)
     print(f"{args.refit}: {len(samples)} + {len(held)} held-out steps, refitted")
     _print_result(result)

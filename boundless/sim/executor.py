@@ -174,13 +174,21 @@ class CostModelExecutor:
         self.clock = clock
         self.disk = disk
         self.remote = remote  # KV streams to and from other instances (prefill/decode roles)
+        # How much the other instances step beside this one now (0-1), for a cost whose steps slow with it
+        # (a fitted profile's contention_factor: engines sharing this machine's cores); set by the simulator.
+        self.contention: Callable[[], float] | None = None
         self._elapsed = 0.0  # the time, when no clock is given: the steps' seconds summed
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         now = self.clock() if self.clock is not None else self._elapsed
         sampled = {c.request_id: SampledToken(self._placeholder(c)) for c in sched.chunks if c.sample}
         copied = len(sched.transfers) * self.bytes_per_block  # between memory tiers, a block each
-        seconds = self.cost.step_time(sched) if sched.chunks else 0.0
+        if not sched.chunks:
+            seconds = 0.0
+        elif self.contention is not None:
+            seconds = self.cost.step_time(sched, self.contention())  # type: ignore[call-arg]
+        else:
+            seconds = self.cost.step_time(sched)
         if copied:  # the copies go before the forward pass, as the model executor applies them
             seconds += self.host_copy_latency_s + copied / self.host_copy_bytes_per_s
         if self.remote is not None:  # streams start whatever else happens: their peers wait for them

@@ -40,11 +40,16 @@ class FittedStepCost:
 
     model: StepTimeModel
 
-    def step_time(self, sched: SchedulerOutput) -> float:
-        return self.model.predict(shapes_of(sched))
+    def step_time(self, sched: SchedulerOutput, contention: float = 0.0) -> float:
+        return self.model.predict(shapes_of(sched), contention)
 
-    def predict(self, shapes: Sequence[ChunkShape]) -> float:
-        return self.model.predict(shapes)
+    def predict(self, shapes: Sequence[ChunkShape], contention: float = 0.0) -> float:
+        return self.model.predict(shapes, contention)
+
+    @property
+    def contended(self) -> bool:
+        """Whether the other engines' steps beside one slow it (the simulator then tells each step how many)."""
+        return self.model.contention_factor > 0
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,7 @@ def fitted_profile_dict(
     name: str, description: str, model: StepTimeModel, links: dict[str, LinkSpec], sources: dict[str, str]
 ) -> dict[str, Any]:
     """A ``fitted`` profile as JSON data (what ``calibrate`` writes)."""
-    coefficients = {t: getattr(model, t) for t in TERMS}
+    coefficients = {t: getattr(model, t) for t in TERMS} | {"contention_factor": model.contention_factor}
     return {
         "name": name,
         "description": description,

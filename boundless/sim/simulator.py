@@ -194,6 +194,9 @@ class Simulator:
                     config, model, cost, self.clock, None, host_copy, disk_cost, link, max_model_len=max_len
                 )
                 self.instances[str(i)] = SimInstance(str(i), core)
+            if instances > 1 and getattr(cost, "contended", False):
+                for iid, inst in self.instances.items():  # each step slows with the others stepping beside it
+                    inst.core.executor.contention = self._contention_beside(iid)  # type: ignore[attr-defined]
             if lending:
                 cores = {iid: inst.core for iid, inst in self.instances.items()}
                 idle = lambda iid: self.instances[iid].step is None
@@ -360,6 +363,12 @@ class Simulator:
             self._at(now + self.cluster.heartbeat_interval_s, _WAKE, busy[0])
 
     # -- instances ---------------------------------------------------------------------------
+
+    def _contention_beside(self, instance_id: str) -> Callable[[], float]:
+        """The share of the other instances mid-step now: a step starting now runs beside them (a fitted
+        profile's contention, as ``sim/step_model.py`` measures it from the steps' overlaps)."""
+        others = [inst for iid, inst in self.instances.items() if iid != instance_id]
+        return lambda: sum(1 for inst in others if inst.step is not None) / len(others)
 
     def _start_step(self, inst: SimInstance) -> None:
         end = self._begin_step(inst)

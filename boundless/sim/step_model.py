@@ -5,6 +5,8 @@ The terms follow what this engine's CPU kernels do with a step (``model/cpu_kern
 
     seconds = base_s                                  per step: the layer loop, sampling's fixed part
             + per_seq_s       * requests              per request in the step (its sampling, its metadata)
+            + per_prefill_s   * prefill chunks        per request prefilling (its first step, when served:
+                                                      the server admitting it on the same cores)
             + per_row_s       * matmul rows           the packed matmuls' rows on the slowest thread
             + per_row_group_s * matmul row groups     the matmul micro-kernel's passes: 4 rows at a time
             + per_cached_s    * cached tokens read    attention reading each request's KV
@@ -30,6 +32,7 @@ shapes often come once, so a per-shape median is a single sample.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -44,6 +47,11 @@ MATMUL_BLOCK_ROWS = 192
 MICRO_KERNEL_ROWS = 4
 # Rounds of reweighting for the least-absolute fit (each a weighted least squares; 20 settle to 0.1%).
 ROBUST_ROUNDS = 20
+# The contention factor's search: 0 to this (a step at most this much slower with every other engine beside
+# it), scanned in this many steps, then narrowed to the tolerance.
+MAX_CONTENTION_FACTOR = 3.0
+CONTENTION_SCAN = 30
+CONTENTION_TOLERANCE = 1e-6
 # Rounds of dropping steps far slower than the fit.
 MAX_TRIM_ROUNDS = 5
 
@@ -76,24 +84,33 @@ class StepTimeModel:
 
     base_s: float = 0.0
     per_seq_s: float = 0.0
+    per_prefill_s: float = 0.0
     per_row_s: float = 0.0
     per_row_group_s: float = 0.0
     per_cached_s: float = 0.0
     per_pair_s: float = 0.0
+    contention_factor: float = 0.0
     threads: int = 1
 
-    def predict(self, shapes: Sequence[ChunkShape]) -> float:
+    def predict(self, shapes: Sequence[ChunkShape], contention: float = 0.0) -> float:
+        """The step's seconds; ``contention`` (0-1: :func:`contention`) is how much the other engines step beside
+        it, and slows it by up to ``contention_factor``."""
         if not shapes:
             return 0.0
-        return float(np.dot(self.coefficients, features(shapes, self.threads)))
+        alone = float(np.dot(self.coefficients, features(shapes, self.threads)))
+        return alone * (1.0 + self.contention_factor * contention)
 
     @property
     def coefficients(self) -> list[float]:
-        return [getattr(self, f.name) for f in fields(self) if f.name != "threads"]
+        """The per-term coefficients, in :data:`TERMS`' order."""
+        return [getattr(self, t) for t in TERMS]
 
     @classmethod
-    def from_coefficients(cls, coefficients: Sequence[float], threads: int) -> StepTimeModel:
-        return cls(*(float(c) for c in coefficients), threads=threads)  # type: ignore[arg-type]
+    def from_coefficients(
+        cls, coefficients: Sequence[float], threads: int, contention_factor: float = 0.0
+    ) -> StepTimeModel:
+        terms = dict(zip(TERMS, (float(c) for c in coefficients), strict=True))
+        return cls(**terms, contention_factor=float(contention_factor), threads=threads)
 
     @classmethod
     def from_json(cls, coefficients: dict[str, float], threads: int = 1) -> StepTimeModel:
@@ -101,11 +118,12 @@ class StepTimeModel:
         the matmul terms) are its rows on one thread."""
         c = dict(coefficients)
         if "per_token_s" in c:
-            return cls(c["base_s"], c["per_seq_s"], c["per_token_s"], 0.0, c["per_cached_s"], c["per_pair_s"], 1)
+            linear = (c["base_s"], c["per_seq_s"], 0.0, c["per_token_s"], 0.0, c["per_cached_s"], c["per_pair_s"])
+            return cls(*linear, threads=1)
         return cls(**c, threads=threads)
 
 
-TERMS = tuple(f.name for f in fields(StepTimeModel) if f.name != "threads")
+TERMS = tuple(f.name for f in fields(StepTimeModel) if f.name not in ("threads", "contention_factor"))
 
 
 def features(shapes: Sequence[ChunkShape], threads: int) -> list[float]:
@@ -114,6 +132,7 @@ def features(shapes: Sequence[ChunkShape], threads: int) -> list[float]:
     return [
         1.0,
         float(len(shapes)),
+        float(sum(1 for c in shapes if c.new > 1)),
         rows,
         float(math.ceil(rows / MICRO_KERNEL_ROWS)),
         float(sum(c.cached for c in shapes)),
@@ -127,25 +146,64 @@ def fit_step_model(
     robust: bool = False,
     outlier_factor: float | None = None,
     terms: Sequence[str] = TERMS,
+    others: int = 0,
 ) -> StepTimeModel:
     """The model over ``samples`` (only ``terms`` fitted, the rest held at 0), in relative error; ``robust``:
     least absolute relative error. With ``outlier_factor``, steps slower than that many times the fit are
-    dropped and the fit redone (a step slowed by another process says nothing about its shape)."""
+    dropped and the fit redone (a step slowed by another process says nothing about its shape).
+
+    With ``others`` (the engines beside the one measured, whose steps are among ``samples`` with their end
+    times), ``contention_factor`` is fitted too: the terms on the steps' times taken back to what they would
+    have been alone, and the factor on what is left, in turns until both settle."""
     kept = [s for s in samples if s.shapes and s.seconds > 0]
     if not kept:
         raise ValueError("no samples to fit")
     x = np.array([features(s.shapes, threads) for s in kept])
     y = np.array([s.seconds for s in kept])
+    beside = np.array(contention(kept, others))
     use = [t in terms for t in TERMS]
+    factor = _best_factor(x, y, beside, use, robust, outlier_factor) if beside.any() else 0.0
+    coef = _fit_trimmed(x, y / (1.0 + factor * beside), use, robust, outlier_factor)
+    return StepTimeModel.from_coefficients(coef, threads, factor)
+
+
+def _fit_trimmed(
+    x: np.ndarray, y: np.ndarray, use: list[bool], robust: bool, outlier_factor: float | None
+) -> np.ndarray:
     inliers = np.ones(len(y), dtype=bool)
     coef = _fit(x[inliers], y[inliers], use, robust)
     for _ in range(MAX_TRIM_ROUNDS if outlier_factor is not None else 0):
-        now = y <= outlier_factor * (x @ coef)  # type: ignore[operator]
+        now = y <= outlier_factor * (x @ coef)
         if (now == inliers).all() or len({tuple(r) for r in x[now]}) < len(TERMS):
             break
         inliers = now
         coef = _fit(x[inliers], y[inliers], use, robust)
-    return StepTimeModel.from_coefficients(coef, threads)
+    return coef
+
+
+def _best_factor(
+    x: np.ndarray, y: np.ndarray, beside: np.ndarray, use: list[bool], robust: bool, outlier_factor: float | None
+) -> float:
+    """The contention factor whose fit leaves the least error: the terms are fitted on the times taken back to
+    alone, ``y / (1 + k * beside)``, whose relative errors are those of the whole model on ``y``. A coarse scan
+    of k, then golden-section search around the best of it."""
+
+    def loss(k: float) -> float:
+        alone = y / (1.0 + k * beside)
+        errors = np.abs(x @ _fit_trimmed(x, alone, use, robust, outlier_factor) / alone - 1.0)
+        return float(errors.sum() if robust else (errors**2).sum())
+
+    scan = np.linspace(0.0, MAX_CONTENTION_FACTOR, CONTENTION_SCAN + 1)
+    best = int(np.argmin([loss(k) for k in scan]))
+    lo, hi = scan[max(best - 1, 0)], scan[min(best + 1, CONTENTION_SCAN)]
+    golden = (np.sqrt(5.0) - 1.0) / 2.0
+    while hi - lo > CONTENTION_TOLERANCE:
+        a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+        if loss(a) <= loss(b):
+            hi = b
+        else:
+            lo = a
+    return float((lo + hi) / 2.0)
 
 
 def _fit(x: np.ndarray, y: np.ndarray, use: list[bool], robust: bool) -> np.ndarray:
@@ -179,10 +237,31 @@ def _nnls(x: np.ndarray, y: np.ndarray, use: list[bool], weights: np.ndarray) ->
 
 
 def samples_json(samples: Sequence[AttentionSample]) -> list:
-    """The measured steps, to refit or inspect: [[cached, new] per request], seconds."""
-    return [[[[c.cached, c.new] for c in s.shapes], s.seconds] for s in samples]
+    """The measured steps, to refit or inspect: [[cached, new] per request], seconds, and when the step ended
+    (seconds on the engines' shared monotonic clock) where known."""
+    return [[[[c.cached, c.new] for c in s.shapes], s.seconds, *([s.ended_at] if s.ended_at else [])] for s in samples]
 
 
 def samples_from_json(rows: Sequence) -> list[AttentionSample]:
     """The steps a profile's ``calibration`` (or a validate JSON's ``real_steps``) keeps, back as samples."""
-    return [AttentionSample(tuple(ChunkShape(c, n) for c, n in shapes), seconds) for shapes, seconds in rows]
+    return [AttentionSample(tuple(ChunkShape(c, n) for c, n in row[0]), *row[1:]) for row in rows]
+
+
+def contention(samples: Sequence[AttentionSample], others: int) -> list[float]:
+    """Each step's contention: the seconds other engines' steps ran beside it, over its own seconds times
+    ``others`` (the other engines): 0 when it ran alone, 1 when every other engine stepped all through it.
+
+    One engine's steps never overlap each other, so every step that overlaps another in time (by ``ended_at``,
+    the engines' shared monotonic clock) is another engine's: the steps need not say which engine ran them."""
+    if others <= 0 or not all(s.ended_at for s in samples):
+        return [0.0] * len(samples)
+    spans = sorted((s.ended_at - s.seconds, s.ended_at, i) for i, s in enumerate(samples))
+    starts = [a for a, _, _ in spans]
+    result = [0.0] * len(samples)
+    longest = max((b - a for a, b, _ in spans), default=0.0)
+    for a, b, i in spans:
+        lo = bisect.bisect_left(starts, a - longest)  # no step starting earlier can reach this one
+        hi = bisect.bisect_right(starts, b)
+        beside = sum(max(0.0, min(b, b2) - max(a, a2)) for a2, b2, j in spans[lo:hi] if j != i)
+        result[i] = min(1.0, beside / (max(b - a, 1e-12) * others))
+    return result

@@ -1,0 +1,104 @@
+"""The CPU-kernel step model: each step's contention from the engines' overlapping steps, the fit of every term
+and of the contention factor from a known step function, and the simulator charging the contention."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from boundless.bench.workloads import WorkloadShape, make_programs
+from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig
+from boundless.engine.attention_time import AttentionSample, ChunkShape
+from boundless.sim.engine import SimulatedModel
+from boundless.sim.profiles import FittedStepCost
+from boundless.sim.simulator import Simulator
+from boundless.sim.step_model import TERMS, StepTimeModel, contention, fit_step_model, samples_from_json, samples_json
+
+# Two engines of one thread each on a shared machine: a step slows by 40% while the other engine steps beside it.
+KNOWN = StepTimeModel(
+    base_s=0.02,
+    per_seq_s=0.001,
+    per_prefill_s=0.01,
+    per_row_s=0.002,
+    per_row_group_s=0.003,
+    per_cached_s=1.5e-6,
+    per_pair_s=1.2e-6,
+    contention_factor=0.4,
+)
+
+SHAPES = [
+    *([ChunkShape(c, 1)] * n for n in (1, 2, 3, 5, 8) for c in (20, 300, 900)),
+    *([ChunkShape(0, p)] * n for n in (1, 2) for p in (16, 90, 400)),
+    [ChunkShape(64, 30), ChunkShape(200, 1)],
+    [ChunkShape(512, 256)],
+]
+
+
+def two_engine_steps(seed: int = 0) -> list[AttentionSample]:
+    """Steps of two engines, back to back: each shape once alone (engine A; B idle) and once with both engines
+    running it at the same time, so each slows by the factor; shuffled, as a take of both engines' records is."""
+    now, steps = 100.0, []
+    for shapes in SHAPES:
+        alone = KNOWN.predict(shapes)
+        now += alone
+        steps.append(AttentionSample(tuple(shapes), alone, now))
+        together = KNOWN.predict(shapes, contention=1.0)
+        now += together
+        steps += [AttentionSample(tuple(shapes), together, now)] * 2  # A's and B's, over the same span
+    random.Random(seed).shuffle(steps)
+    return steps
+
+
+def test_a_steps_contention_is_the_share_of_it_other_engines_stepped_beside_it() -> None:
+    a = AttentionSample((ChunkShape(0, 1),), 1.0, 11.0)  # 10-11
+    b = AttentionSample((ChunkShape(0, 1),), 0.5, 11.25)  # 10.75-11.25: half of it beside a
+    c = AttentionSample((ChunkShape(0, 1),), 1.0, 13.0)  # 12-13: alone
+    assert contention([a, b, c], others=1) == [0.25, 0.5, 0.0]
+    assert contention([a, b, c], others=2) == [0.125, 0.25, 0.0]  # a share of two other engines
+    assert contention([AttentionSample(a.shapes, 1.0)], others=1) == [0.0]  # no end times: nothing known
+
+
+def test_the_fit_recovers_every_term_and_the_contention_factor() -> None:
+    steps = two_engine_steps()
+    fitted = fit_step_model(steps, threads=1, others=1)
+    for term in (*TERMS, "contention_factor"):
+        assert getattr(fitted, term) == pytest.approx(getattr(KNOWN, term), rel=1e-3), term
+    robust = fit_step_model(steps, threads=1, robust=True, outlier_factor=1.5, others=1)
+    assert robust.contention_factor == pytest.approx(KNOWN.contention_factor, rel=1e-3)
+    # Without the end times the contention is not seen: the terms take the average of alone and together.
+    blind = fit_step_model([AttentionSample(s.shapes, s.seconds) for s in steps], threads=1, others=1)
+    assert blind.contention_factor == 0 and blind.base_s > 1.1 * KNOWN.base_s
+    assert fit_step_model(steps, threads=1, others=1) == fitted  # deterministic
+
+
+def test_measured_steps_keep_their_end_times_through_json() -> None:
+    steps = two_engine_steps()
+    rows = json.loads(json.dumps(samples_json(steps)))
+    assert samples_from_json(rows) == steps and len(rows[0]) == 3
+    assert len(samples_json([AttentionSample((ChunkShape(3, 1),), 0.1)])[0]) == 2  # none known: none written
+
+
+def _busy(model: StepTimeModel, instances: int) -> tuple[float, list]:
+    config = EngineConfig(cache=CacheConfig(num_kv_blocks=400))
+    programs = make_programs("mapreduce", 8, 2.0, 0, WorkloadShape(scale=0.1, tool_wait_s=0.2))
+    sim = Simulator(
+        config,
+        SimulatedModel.read(ModelConfig()),
+        FittedStepCost(model),
+        instances=instances,
+        cluster=ClusterConfig(instances=instances),
+    )
+    results = sim.run(programs)
+    return sum(i.core.counters.busy_seconds for i in sim.instances.values()), [r.latency_s for r in results]
+
+
+def test_the_simulator_slows_a_step_by_the_instances_stepping_beside_it() -> None:
+    alone = StepTimeModel(**{t: getattr(KNOWN, t) for t in TERMS})
+    busy_alone, _ = _busy(alone, 2)
+    busy_contended, latencies = _busy(KNOWN, 2)
+    # Two instances often step together: their steps cost up to 1.4x, the busy seconds between the two.
+    assert busy_alone * 1.05 < busy_contended < busy_alone * 1.4
+    assert _busy(KNOWN, 2) == (busy_contended, latencies)  # deterministic
+    assert _busy(KNOWN, 1) == _busy(alone, 1)  # one instance has no one beside it
