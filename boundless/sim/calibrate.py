@@ -50,7 +50,6 @@ from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import fitted_profile_dict, load_profile
 from boundless.sim.served_grid import MODEL_NAME, run_served_grid
 from boundless.sim.step_model import (
-    PredictsShapes,
     StepTimeModel,
     contention,
     fit_step_model,
@@ -417,7 +416,7 @@ def refit(args: argparse.Namespace) -> dict:
     calibration = data["calibration"]
     samples = samples_from_json(calibration["samples"])
     held = samples_from_json(calibration.get("held_out_samples", []))
-    before = load_profile(args.refit).step
+    before = load_profile(args.refit).step.model  # type: ignore[attr-defined]
     per_shape = args.per_shape or ("all" if calibration.get("served") else "fastest")
     spec = FitSpec(args.form, per_shape, calibration.get("threads", 1), calibration.get("instances", 1) - 1)
     result = fitted(samples, held, calibration.get("wall_s", 0.0), spec)
@@ -446,25 +445,27 @@ def step_kind(shapes: Sequence[ChunkShape]) -> str:
     return "prefill <=192 tok" if tokens <= 192 else "prefill >192 tok"
 
 
-def same_shape_ratios(model: PredictsShapes, samples: Sequence[AttentionSample]) -> dict[str, tuple[int, float]]:
+def same_shape_ratios(
+    model: StepTimeModel, samples: Sequence[AttentionSample], others: int = 0
+) -> dict[str, tuple[int, float]]:
     """By step class (and ``all``): how many steps, and their measured seconds over ``model``'s for the same
-    shapes (validate's ``same_shape_ratio``)."""
+    shapes (validate's ``same_shape_ratio``), each step predicted with its contention (``others``: a cluster's)."""
     sums: dict[str, list[float]] = {}
-    for s in samples:
+    for s, beside in zip(samples, contention(samples, others), strict=True):
         for kind in ("all", step_kind(s.shapes)):
             n, measured, predicted = sums.setdefault(kind, [0, 0.0, 0.0])
-            sums[kind] = [n + 1, measured + s.seconds, predicted + model.predict(s.shapes)]
+            sums[kind] = [n + 1, measured + s.seconds, predicted + model.predict(s.shapes, beside)]
     return {k: (int(n), measured / predicted) for k, (n, measured, predicted) in sorted(sums.items())}
 
 
-def print_check(path: str, instances: int, models: dict[str, PredictsShapes]) -> None:
+def print_check(path: str, instances: int, models: dict[str, StepTimeModel]) -> None:
     """Each case of a validate JSON on ``instances`` instances: the real steps' time over each model's, by class."""
     for case in json.loads(Path(path).read_text())["cases"]:
         if case["instances"] != instances or not case.get("real_steps"):
             continue
         steps = [s for run in case["real_steps"] for s in samples_from_json(run)]
         print(f"{path}: {case['workload']} on {instances}, {len(steps)} real steps; measured / predicted:")
-        ratios = {name: same_shape_ratios(m, steps) for name, m in models.items()}
+        ratios = {name: same_shape_ratios(m, steps, instances - 1) for name, m in models.items()}
         for kind, (n, _) in ratios[next(iter(models))].items():
             figures = ", ".join(f"{name} x{r[kind][1]:.3f}" for name, r in ratios.items())
             print(f"  {kind:18s} {n:5d} steps  {figures}")

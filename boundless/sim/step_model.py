@@ -36,7 +36,6 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Protocol
 
 import numpy as np
 
@@ -68,12 +67,6 @@ def matmul_rows(tokens: int, threads: int) -> float:
         lo, hi = t * blocks / threads, (t + 1) * blocks / threads
         slowest = max(slowest, sum(r * max(0.0, min(hi, b + 1) - max(lo, b)) for b, r in enumerate(rows)))
     return threads * slowest
-
-
-class PredictsShapes(Protocol):
-    """A step model that predicts from chunk shapes alone (fitted and roofline profiles both do)."""
-
-    def predict(self, shapes: Sequence[ChunkShape]) -> float: ...
 
 
 @dataclass(frozen=True)

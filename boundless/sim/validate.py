@@ -42,9 +42,10 @@ from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import HardwareProfile, load_profile
 from boundless.sim.served_grid import taking_steps
 from boundless.sim.simulator import SimResult, Simulator
-from boundless.sim.step_model import samples_json
+from boundless.sim.step_model import contention, samples_json
 
 if TYPE_CHECKING:
+    from boundless.engine.attention_time import AttentionSample
     from boundless.model.loader import LoadedModel
 
 METRICS = ("avg_latency_s", "p95_latency_s", "throughput_programs_per_s")
@@ -173,17 +174,27 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
         if summary["failed_calls"]:
             raise RuntimeError(f"{summary['failed_calls']} calls failed on the real engine: {summary['first_error']}")
         figures = {m: float(summary[m]) for m in METRICS}  # type: ignore[arg-type]
-        predict = getattr(profile.step, "predict", None)  # both profile kinds predict from shapes
         return {
             **figures,
             "busy_s": float(sum(s.busy_seconds for s in stats)),
             "steps": float(sum(s.steps for s in stats)),
             "taken_step_s": sum(s.seconds for s in steps),
-            "profile_step_s": sum(predict(s.shapes) for s in steps) if predict else float("nan"),
+            "profile_step_s": profile_seconds(profile, steps, cluster.instances if cluster else 1),
             "steps_taken": steps,
         }
 
     return run
+
+
+def profile_seconds(profile: HardwareProfile, steps: Sequence[AttentionSample], instances: int) -> float:
+    """What the profile predicts for these real steps' shapes, summed; with a contended profile, each step with the
+    contention it ran under (the other engines' steps beside it, from their end times)."""
+    predict = getattr(profile.step, "predict", None)  # both profile kinds predict from shapes
+    if predict is None:
+        return float("nan")
+    if not getattr(profile.step, "contended", False):
+        return sum(predict(s.shapes) for s in steps)
+    return sum(predict(s.shapes, c) for s, c in zip(steps, contention(steps, instances - 1), strict=True))
 
 
 def table_rows(cases: Sequence[dict]) -> list[list[str]]:

@@ -175,7 +175,9 @@ def test_calibrate_served_fits_the_steps_a_served_engine_ran(tiny_llama: LoadedM
     # The grid through the HTTP server and the openai client: the engine's own step records come back, fitted.
     config = EngineConfig(model=ModelConfig(), cache=CacheConfig(num_kv_blocks=64))
     grid = CalibrationGrid((1, 4), (8, 64), output_tokens=3, repeats=2)
-    result = calibrate_served(tiny_llama, config, grid, held_out=CalibrationGrid((2,), (32,), output_tokens=3))
+    result = calibrate_served(
+        tiny_llama, config, grid, held_out=CalibrationGrid((2,), (32,), output_tokens=3, repeats=3)
+    )
     assert (result.fit.form, result.fit.per_shape) == ("cpu-kernels", "all")  # every step, least absolute error
     # Every request's prefill and its 2 decodes after it, in some batching: all its tokens were computed.
     computed = sum(c.new for s in result.samples for c in s.shapes)
@@ -197,6 +199,9 @@ def test_calibrate_served_collects_the_steps_of_both_instances_of_a_cluster(
     # Every token of every request, on whichever instance the dispatcher sent it to.
     assert sum(c.new for s in result.samples for c in s.shapes) == sum(4 * (p + 2) for p in grid.prompt_lens)
     assert max(len(s.shapes) for s in result.samples) <= 2  # round-robin: each instance ran half a cell
+    # Each step keeps its end on the machine's monotonic clock: the two instances' steps overlap in time, and the fit
+    # measures how much a step slows with the other stepping beside it.
+    assert all(s.ended_at > 0 for s in result.samples) and result.fit.others == 1
 
 
 def test_a_profile_is_written_with_one_step_per_line_and_reads_back_the_same() -> None:
@@ -307,6 +312,8 @@ def test_validate_prints_a_row_per_case_and_metric_with_the_measured_spread(
     engine = result["cases"][0]["engine"]  # what the engines did: the real one's steps took its own seconds
     assert engine["measured_steps"] > 0 and engine["predicted_steps"] > 0 and engine["step_time_ratio"] > 0
     assert engine["same_shape_ratio"] > 0  # the real run's own steps, against the profile for their shapes
+    runs = result["cases"][0]["real_steps"]  # every step each run took, kept to check a profile offline
+    assert len(runs) == 2 and all(len(r) > 0 and all(len(step) == 3 for step in r) for r in runs)  # with end times
     rows = result["rows"]
     assert len(rows) == 3 and all(len(r["measured_runs"]) == 2 and r["predicted"] > 0 for r in rows)
     for r in rows:
