@@ -192,7 +192,7 @@ def fit_error(
 ) -> FitError:
     """The model's relative errors on each shape's fastest (or median) time; with ``others`` (a cluster's), on
     each shape's median error, every step predicted with the contention it ran under."""
-    if others and model.contention_factor:
+    if others and model.per_contention_s:
         by_shape: dict[tuple[ChunkShape, ...], list[float]] = {}
         for s, beside in zip(samples, contention(samples, others), strict=True):
             by_shape.setdefault(step_shape(s), []).append((model.predict(s.shapes, beside) - s.seconds) / s.seconds)
@@ -297,7 +297,7 @@ def _model_text(m: StepTimeModel) -> str:
         f" {m.per_prefill_s * 1e3:.3f} ms, per matmul row"
         f" {m.per_row_s * 1e3:.3f} ms, per row group {m.per_row_group_s * 1e3:.3f} ms, per cached token"
         f" {m.per_cached_s * 1e6:.3f} us, per query-key pair {m.per_pair_s * 1e9:.3f} ns ({m.threads} threads);"
-        f" x{1 + m.contention_factor:.3f} with every other engine stepping beside"
+        f" per contended step {m.per_contention_s * 1e3:.3f} ms (every other engine stepping beside it)"
     )
 
 

@@ -175,7 +175,7 @@ class CostModelExecutor:
         self.disk = disk
         self.remote = remote  # KV streams to and from other instances (prefill/decode roles)
         # How much the other instances step beside this one now (0-1), for a cost whose steps slow with it
-        # (a fitted profile's contention_factor: engines sharing this machine's cores); set by the simulator.
+        # (a fitted profile's per_contention_s: engines sharing this machine's memory); set by the simulator.
         self.contention: Callable[[], float] | None = None
         self._elapsed = 0.0  # the time, when no clock is given: the steps' seconds summed
 

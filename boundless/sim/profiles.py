@@ -49,7 +49,7 @@ class FittedStepCost:
     @property
     def contended(self) -> bool:
         """Whether the other engines' steps beside one slow it (the simulator then tells each step how many)."""
-        return self.model.contention_factor > 0
+        return self.model.per_contention_s > 0
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def fitted_profile_dict(
     name: str, description: str, model: StepTimeModel, links: dict[str, LinkSpec], sources: dict[str, str]
 ) -> dict[str, Any]:
     """A ``fitted`` profile as JSON data (what ``calibrate`` writes)."""
-    coefficients = {t: getattr(model, t) for t in TERMS} | {"contention_factor": model.contention_factor}
+    coefficients = {t: getattr(model, t) for t in TERMS}
     return {
         "name": name,
         "description": description,

@@ -46,11 +46,6 @@ MATMUL_BLOCK_ROWS = 192
 MICRO_KERNEL_ROWS = 4
 # Rounds of reweighting for the least-absolute fit (each a weighted least squares; 20 settle to 0.1%).
 ROBUST_ROUNDS = 20
-# The contention factor's search: 0 to this (a step at most this much slower with every other engine beside
-# it), scanned in this many steps, then narrowed to the tolerance.
-MAX_CONTENTION_FACTOR = 3.0
-CONTENTION_SCAN = 30
-CONTENTION_TOLERANCE = 1e-6
 # Rounds of dropping steps far slower than the fit.
 MAX_TRIM_ROUNDS = 5
 
@@ -82,16 +77,15 @@ class StepTimeModel:
     per_row_group_s: float = 0.0
     per_cached_s: float = 0.0
     per_pair_s: float = 0.0
-    contention_factor: float = 0.0
+    per_contention_s: float = 0.0
     threads: int = 1
 
     def predict(self, shapes: Sequence[ChunkShape], contention: float = 0.0) -> float:
         """The step's seconds; ``contention`` (0-1: :func:`contention`) is how much the other engines step beside
-        it, and slows it by up to ``contention_factor``."""
+        it."""
         if not shapes:
             return 0.0
-        alone = float(np.dot(self.coefficients, features(shapes, self.threads)))
-        return alone * (1.0 + self.contention_factor * contention)
+        return float(np.dot(self.coefficients, features(shapes, self.threads, contention)))
 
     @property
     def coefficients(self) -> list[float]:
@@ -99,11 +93,8 @@ class StepTimeModel:
         return [getattr(self, t) for t in TERMS]
 
     @classmethod
-    def from_coefficients(
-        cls, coefficients: Sequence[float], threads: int, contention_factor: float = 0.0
-    ) -> StepTimeModel:
-        terms = dict(zip(TERMS, (float(c) for c in coefficients), strict=True))
-        return cls(**terms, contention_factor=float(contention_factor), threads=threads)
+    def from_coefficients(cls, coefficients: Sequence[float], threads: int) -> StepTimeModel:
+        return cls(**dict(zip(TERMS, (float(c) for c in coefficients), strict=True)), threads=threads)
 
     @classmethod
     def from_json(cls, coefficients: dict[str, float], threads: int = 1) -> StepTimeModel:
@@ -116,10 +107,10 @@ class StepTimeModel:
         return cls(**c, threads=threads)
 
 
-TERMS = tuple(f.name for f in fields(StepTimeModel) if f.name not in ("threads", "contention_factor"))
+TERMS = tuple(f.name for f in fields(StepTimeModel) if f.name != "threads")
 
 
-def features(shapes: Sequence[ChunkShape], threads: int) -> list[float]:
+def features(shapes: Sequence[ChunkShape], threads: int, contention: float = 0.0) -> list[float]:
     """What each coefficient multiplies, in :data:`TERMS`' order."""
     rows = matmul_rows(sum(c.new for c in shapes), threads)
     return [
@@ -130,6 +121,7 @@ def features(shapes: Sequence[ChunkShape], threads: int) -> list[float]:
         float(math.ceil(rows / MICRO_KERNEL_ROWS)),
         float(sum(c.cached for c in shapes)),
         float(sum(c.pairs for c in shapes)),
+        contention,
     ]
 
 
@@ -146,18 +138,16 @@ def fit_step_model(
     dropped and the fit redone (a step slowed by another process says nothing about its shape).
 
     With ``others`` (the engines beside the one measured, whose steps are among ``samples`` with their end
-    times), ``contention_factor`` is fitted too: the terms on the steps' times taken back to what they would
-    have been alone, and the factor on what is left, in turns until both settle."""
+    times), each step's :func:`contention` is known and ``per_contention_s`` is fitted with the rest; without,
+    it stays 0."""
     kept = [s for s in samples if s.shapes and s.seconds > 0]
     if not kept:
         raise ValueError("no samples to fit")
-    x = np.array([features(s.shapes, threads) for s in kept])
+    beside = contention(kept, others)
+    x = np.array([features(s.shapes, threads, c) for s, c in zip(kept, beside, strict=True)])
     y = np.array([s.seconds for s in kept])
-    beside = np.array(contention(kept, others))
-    use = [t in terms for t in TERMS]
-    factor = _best_factor(x, y, beside, use, robust, outlier_factor) if beside.any() else 0.0
-    coef = _fit_trimmed(x, y / (1.0 + factor * beside), use, robust, outlier_factor)
-    return StepTimeModel.from_coefficients(coef, threads, factor)
+    use = [t in terms and (t != "per_contention_s" or any(beside)) for t in TERMS]
+    return StepTimeModel.from_coefficients(_fit_trimmed(x, y, use, robust, outlier_factor), threads)
 
 
 def _fit_trimmed(
@@ -172,31 +162,6 @@ def _fit_trimmed(
         inliers = now
         coef = _fit(x[inliers], y[inliers], use, robust)
     return coef
-
-
-def _best_factor(
-    x: np.ndarray, y: np.ndarray, beside: np.ndarray, use: list[bool], robust: bool, outlier_factor: float | None
-) -> float:
-    """The contention factor whose fit leaves the least error: the terms are fitted on the times taken back to
-    alone, ``y / (1 + k * beside)``, whose relative errors are those of the whole model on ``y``. A coarse scan
-    of k, then golden-section search around the best of it."""
-
-    def loss(k: float) -> float:
-        alone = y / (1.0 + k * beside)
-        errors = np.abs(x @ _fit_trimmed(x, alone, use, robust, outlier_factor) / alone - 1.0)
-        return float(errors.sum() if robust else (errors**2).sum())
-
-    scan = np.linspace(0.0, MAX_CONTENTION_FACTOR, CONTENTION_SCAN + 1)
-    best = int(np.argmin([loss(k) for k in scan]))
-    lo, hi = scan[max(best - 1, 0)], scan[min(best + 1, CONTENTION_SCAN)]
-    golden = (np.sqrt(5.0) - 1.0) / 2.0
-    while hi - lo > CONTENTION_TOLERANCE:
-        a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
-        if loss(a) <= loss(b):
-            hi = b
-        else:
-            lo = a
-    return float((lo + hi) / 2.0)
 
 
 def _fit(x: np.ndarray, y: np.ndarray, use: list[bool], robust: bool) -> np.ndarray:
