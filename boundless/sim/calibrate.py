@@ -73,10 +73,22 @@ class CalibrationGrid:
     prompt_lens: tuple[int, ...] = (16, 128, 512, 1024)
     output_tokens: int = 8
     repeats: int = 2
+    # Served grids only: a cell's requests start this many seconds apart (0: all together), their prompts
+    # ``shared_prefix`` tokens in common, then ``prompt_len`` of their own: the programs' calls, a short prompt
+    # appended to a cached prefix while the cell's earlier requests decode.
+    arrival_gap_s: float = 0.0
+    shared_prefix: int = 0
 
 
 # Shapes the fit never sees, between and beside the default grid's, to measure its error on.
 HELD_OUT_GRID = CalibrationGrid((5, 7), (64, 384, 768), output_tokens=6, repeats=2)
+# Served calibration's cells of requests arriving one at a time over a shared prefix, fitted and held out: a
+# served engine's prefill step also carries the server admitting its request (per_prefill_s), which a cell of
+# requests sent together spreads over one step.
+ARRIVALS_GRID = CalibrationGrid((4,), (16, 64, 160), output_tokens=8, repeats=2, arrival_gap_s=0.15, shared_prefix=48)
+HELD_OUT_ARRIVALS_GRID = CalibrationGrid(
+    (3,), (32, 96), output_tokens=6, repeats=2, arrival_gap_s=0.1, shared_prefix=80
+)
 
 
 @dataclass(frozen=True)
@@ -229,14 +241,20 @@ def calibrate_served(
     held_out: CalibrationGrid | None = None,
     cluster: ClusterConfig | None = None,
     form: str = "cpu-kernels",
+    arrivals: tuple[CalibrationGrid, CalibrationGrid] | None = (ARRIVALS_GRID, HELD_OUT_ARRIVALS_GRID),
 ) -> Calibration:
-    """The grids through a served engine (or cluster), fitted on every step (least absolute error)."""
+    """The grids through a served engine (or cluster), fitted on every step (least absolute error); with
+    ``arrivals``, also a grid of requests arriving one at a time over a shared prefix, and a held-out one."""
     vocab = loaded.arch.vocab_size
     with served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
         start = time.monotonic()
         run_served_grid(served, CalibrationGrid((1,), (32,), 2, 1), vocab, seed=2)  # warm-up, not kept
         samples = run_served_grid(served, grid, vocab)
+        if arrivals is not None:
+            samples += run_served_grid(served, arrivals[0], vocab, seed=3)
         held = run_served_grid(served, held_out, vocab, seed=1) if held_out is not None else []
+        if arrivals is not None and held_out is not None:
+            held += run_served_grid(served, arrivals[1], vocab, seed=4)
         wall = time.monotonic() - start
     others = cluster.instances - 1 if cluster is not None else 0
     return fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster), others))
@@ -267,9 +285,14 @@ def _grid(batch_sizes: str, prompt_lens: str, output_tokens: int, repeats: int) 
 
 
 def _grid_text(grid: CalibrationGrid) -> str:
+    arrivals = (
+        f", {grid.arrival_gap_s} s apart over a shared prefix of {grid.shared_prefix} tokens"
+        if grid.arrival_gap_s or grid.shared_prefix
+        else ""
+    )
     return (
         f"batch sizes {grid.batch_sizes} x prompt lengths {grid.prompt_lens}, {grid.output_tokens} output tokens,"
-        f" {grid.repeats} repeats"
+        f" {grid.repeats} repeats{arrivals}"
     )
 
 
@@ -392,6 +415,7 @@ def run(args: argparse.Namespace) -> dict:
         "load_average_after": load_after,
         "grid": _grid_text(grid),
         "held_out_grid": _grid_text(held_out) if held_out else None,
+        "arrivals_grids": [_grid_text(g) for g in (ARRIVALS_GRID, HELD_OUT_ARRIVALS_GRID)] if args.served else None,
         "steps": len(result.samples),
         **_calibration_figures(result),
         "wall_s": result.wall_s,

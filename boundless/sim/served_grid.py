@@ -33,21 +33,23 @@ MODEL_NAME = "calibrate"
 T = TypeVar("T")
 
 
-async def _run_cell(client, prompts: list[list[int]], output_tokens: int) -> None:
-    """One grid cell: its requests sent together, as a program's parallel calls are."""
+async def _run_cell(client, prompts: list[list[int]], output_tokens: int, gap_s: float = 0.0) -> None:
+    """One grid cell: its requests sent together, as a program's parallel calls are, or ``gap_s`` apart."""
 
-    async def one(prompt: list[int]) -> None:
+    async def one(prompt: list[int], delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
         await client.completions.create(
             model=MODEL_NAME, prompt=prompt, max_tokens=output_tokens, temperature=0.0, extra_body={"ignore_eos": True}
         )
 
-    await asyncio.gather(*(one(p) for p in prompts))
+    await asyncio.gather(*(one(p, i * gap_s) for i, p in enumerate(prompts)))
 
 
 def run_served_grid(served: ServedEngine, grid: CalibrationGrid, vocab: int, seed: int = 0) -> list[AttentionSample]:
     """Every cell of ``grid`` through the server, ``grid.repeats`` whole passes; every step the engines ran for it.
 
-    Prompts are random token ids, new in every request, so no prefix is cached between them."""
+    Prompts are random token ids, new in every request, so no prefix is cached between them, except the
+    ``grid.shared_prefix`` tokens a cell's requests share (new in every cell)."""
     import openai
 
     rng = random.Random(seed)
@@ -58,8 +60,9 @@ def run_served_grid(served: ServedEngine, grid: CalibrationGrid, vocab: int, see
         samples: list[AttentionSample] = []
         cells = itertools.product(range(grid.repeats), grid.batch_sizes, grid.prompt_lens)
         for _, batch, prompt_len in cells:
-            prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(batch)]
-            await _run_cell(client, prompts, grid.output_tokens)
+            prefix = [rng.randrange(100, vocab) for _ in range(grid.shared_prefix)]
+            prompts = [prefix + [rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+            await _run_cell(client, prompts, grid.output_tokens, grid.arrival_gap_s)
             # A step is recorded before its deltas leave, so the cell's last step is in.
             samples += served.take_steps()
         await client.close()
