@@ -202,7 +202,8 @@ def test_calibrate_served_collects_the_steps_of_both_instances_of_a_cluster(
 
     config = EngineConfig(model=ModelConfig(model=str(model_dirs["tiny-llama"])), cache=CacheConfig(num_kv_blocks=64))
     grid = CalibrationGrid((4,), (8, 64), output_tokens=3, repeats=1)
-    result = calibrate_served(tiny_llama, config, grid, cluster=ClusterConfig(instances=2, routing="round-robin"))
+    cluster = ClusterConfig(instances=2, routing="round-robin")
+    result = calibrate_served(tiny_llama, config, grid, cluster=cluster, arrivals=None)
     # Every token of every request, on whichever instance the dispatcher sent it to.
     assert sum(c.new for s in result.samples for c in s.shapes) == sum(4 * (p + 2) for p in grid.prompt_lens)
     assert max(len(s.shapes) for s in result.samples) <= 2  # round-robin: each instance ran half a cell
