@@ -11,7 +11,9 @@ more (on this 2-core machine each of two instances runs torch on one core, so it
 one-thread profile's times). The defaults are fitted by ``calibrate --served`` on another grid of shapes,
 through the same server and client (and cluster): a served step costs more than the bare engine's. A
 simulation is deterministic: one run. Rows: average and p95 program latency and throughput (programs per
-second of makespan), predicted against measured, with the relative error.
+second of makespan), predicted against measured, with the relative error. ``--json`` also keeps every step each
+real run took (``real_steps``, with its end time), for ``calibrate --refit --check`` to tell which step classes a
+profile gets wrong.
 """
 
 from __future__ import annotations
