@@ -11,6 +11,7 @@ The terms follow what this engine's CPU kernels do with a step (``model/cpu_kern
             + per_row_group_s * matmul row groups     the matmul micro-kernel's passes: 4 rows at a time
             + per_cached_s    * cached tokens read    attention reading each request's KV
             + per_pair_s      * query-key pairs       attention's compute
+            + per_contention_s * contention           the other engines of a cluster stepping beside it
 
 *Matmul rows* (:func:`matmul_rows`) are the step's new tokens on one thread. On more, the packed
 matmuls split their work, (block of 192 rows, panel of weights) pairs with the block outermost, between
@@ -20,8 +21,13 @@ and one of 64, one thread takes the first and the other the second, and the step
 step took 2.7x one of them, where one thread takes 2.0x). *Row groups* are those rows in the
 micro-kernel's groups of four (``ceil(rows / 4)``): a decode of 5 or 6 requests passes over the
 weights as often as one of 8 (measured: 6 decodes cost as much as 8 or more on every CPU profile).
-With ``threads = 1`` and no row-group term this is the engine's own ``AttentionTimeModel``, the form
-the profiles before it were fitted in (they load as such).
+With ``threads = 1`` and only the base, per-request, per-row, per-cached and per-pair terms this is the
+engine's own ``AttentionTimeModel``, the form the profiles before it were fitted in (they load as such).
+
+*Contention* (:func:`contention`, 0-1) is the share of a step the other engines of a cluster on this
+machine stepped beside it: they share its memory bandwidth (a decode streams all the weights) and its cores.
+The steps keep their end times, so a served cluster's calibration knows it for every step; the simulator
+gives a step starting now the share of the other instances mid-step.
 
 The fit (:func:`fit_step_model`) is non-negative least squares in relative error (the short decodes
 weigh as much as the long prefills), on every measured step or on one time per shape (the fastest, for
