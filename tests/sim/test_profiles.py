@@ -342,3 +342,28 @@ def test_validate_runs_a_real_two_instance_cluster_beside_the_simulated_one(
     (case,) = json.loads(out.read_text())["cases"]
     assert case["instances"] == 2 and case["profile"] == "h100"
     assert len(case["rows"]) == 3 and all(r["measured"] > 0 and r["predicted"] > 0 for r in case["rows"])
+
+
+def test_refit_fits_a_shipped_profiles_kept_steps_again_and_writes_a_profile_that_loads(tmp_path: Path) -> None:
+    from boundless.cli import main
+
+    out = tmp_path / "refit.json"
+    shipped = PROFILE_DIR / "cpu-served.json"
+    assert main(["simulate", "calibrate", "--refit", str(shipped), "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    calibration = data["calibration"]
+    assert (calibration["form"], calibration["per_shape"], calibration["refit_of"]) == (
+        "cpu-kernels",
+        "all",
+        str(shipped),
+    )
+    assert calibration["samples"] == json.loads(shipped.read_text())["calibration"]["samples"]  # the same steps
+    refitted = load_profile(str(out)).step
+    assert isinstance(refitted, FittedStepCost) and refitted.model.threads == 2
+    spec = FitSpec("cpu-kernels", "all", 2)
+    assert fit_profile_model(samples_from_json(calibration["samples"]), spec) == refitted.model  # deterministic
+    # The held-out shapes it was never fitted on: the new form does better on its worst than the shipped one.
+    assert (
+        calibration["held_out_error"]["worst"]
+        < json.loads(shipped.read_text())["calibration"]["held_out_error"]["worst"]
+    )
