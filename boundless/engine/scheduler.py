@@ -32,7 +32,7 @@ from boundless.engine.prefill_batching import Predictor, PrefillCandidate, fill_
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskWrite, TierReport
-from boundless.kv.manager import KVCacheManager
+from boundless.kv.manager import CachedPrefix, KVCacheManager
 from boundless.kv.remote_moves import RemoteRecv, RemoteReport, RemoteSend
 from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
 from boundless.programs.policy import SchedulingPolicy
@@ -329,8 +329,11 @@ class Scheduler:
         if request.status is RequestStatus.SWAPPED:
             # Room for its swapped blocks and the chunk's growth comes first: were it evicted again
             # after its swap-in, it would be copied out of blocks the swap-in had not yet filled.
-            chunk_end = min(request.num_tokens, request.num_computed_tokens + budget)
-            need = max(self.kv.num_swapped_blocks(rid), self.kv.blocks_for_tokens(chunk_end))
+            # Its blocks on creditors (KV lending) stay there while it is swapped out: only its local ones count.
+            chunk_end = min(request.num_tokens, request.num_computed_tokens + budget, self._local_limit(rid))
+            need = max(
+                self.kv.num_swapped_blocks(rid), self.kv.blocks_for_tokens(chunk_end) - self.kv.num_lent_blocks(rid)
+            )
             if need > self.kv.pool.num_free + self._evictable_blocks(order, idx, chosen_ids):
                 return None  # evicting everything below would not be enough: evict nothing
             while self.kv.pool.num_free < need:
@@ -341,12 +344,18 @@ class Scheduler:
             self.stats.num_swapped_in += 1
             self._to_running(request)
         prefix = None
+        limit = self._local_limit(rid)
         if request.status is not RequestStatus.RUNNING:
-            prefix = self.kv.find_cached_prefix(rid, request.all_token_ids)
+            prefix = _prefix_within(self.kv.find_cached_prefix(rid, request.all_token_ids), limit)
             computed = prefix.num_tokens
         else:
             computed = request.num_computed_tokens
-        num_new = min(request.num_tokens - computed, budget)
+        num_new = min(request.num_tokens - computed, budget, limit - computed)
+        if num_new <= 0:
+            # Its local blocks fill the whole pool (a request longer than one pool, with KV lending): only a move of
+            # its blocks to a creditor lets it grow. It keeps them meanwhile; evicting it would gain nothing (it
+            # would come back to the same wall) and lose its KV, here and on its creditors.
+            return None
         short = self.kv.blocks_short(rid, computed + num_new, prefix)
         if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
             if request.status is RequestStatus.RUNNING:
@@ -359,9 +368,9 @@ class Scheduler:
                 return None
             if prefix is not None and prefix.tiers.count(HOST):
                 # The swap-out that made room may have taken host blocks of the prefix: look again.
-                prefix = self.kv.find_cached_prefix(rid, request.all_token_ids)
+                prefix = _prefix_within(self.kv.find_cached_prefix(rid, request.all_token_ids), limit)
                 computed = prefix.num_tokens
-                num_new = min(request.num_tokens - computed, budget)
+                num_new = min(request.num_tokens - computed, budget, limit - computed)
         if request.status is not RequestStatus.RUNNING:
             self.kv.note_admitted(rid)
             if request.num_computed_tokens == 0 and request.num_preemptions == 0:
@@ -374,6 +383,13 @@ class Scheduler:
             request.num_computed_tokens = computed
             self._to_running(request)
         return num_new
+
+    def _local_limit(self, request_id: str) -> int:
+        """The most tokens the request's KV may reach with its local blocks filling the whole pool: its blocks on
+        creditors (KV lending) and the pool. Only a request longer than one pool reaches it (its ``max_model_len``
+        is the cluster's); it then computes up to it, and grows past it once a move has taken some of its blocks,
+        instead of waiting for room no eviction can make."""
+        return (self.kv.num_lent_blocks(request_id) + self.kv.pool.num_blocks) * self.kv.block_size
 
     def _evictable_blocks(self, order: list[Request], idx: int, chosen_ids: set[str]) -> int:
         """Device blocks held by requests below ``idx`` outside this step (shared ones may not all come free)."""
@@ -484,6 +500,15 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
             request.service_s += service_s
             self.policy.on_service(request, service_s, now)
+
+
+def _prefix_within(prefix: CachedPrefix, limit: int) -> CachedPrefix:
+    """The cached prefix cut to leave at least one block to compute under ``limit`` tokens (a request longer than
+    one pool, evicted with the pool full of its blocks, comes back with all but the last of them)."""
+    if prefix.num_tokens < limit:
+        return prefix
+    keep = limit // prefix.block_size - 1
+    return CachedPrefix(prefix.blocks[:keep], prefix.tiers[:keep], prefix.origins[:keep], prefix.block_size)
 
 
 def _prefilling(request: Request) -> bool:
