@@ -75,12 +75,13 @@ class MoveStats:
 def next_chunk_needs(core: EngineCore, chunks: int = 1) -> list[tuple[str, int]]:
     """Each running request's id and the blocks it must add for its next ``chunks`` chunks (a step's budget of
     tokens each, or what is left of its context), in the scheduler's running order; its blocks on creditors count
-    as held."""
+    as held. Taken while a step runs, it counts from where that step leaves the request (its chunk's blocks are
+    taken already)."""
     kv, sched = core.kv, core.scheduler
     return [
         (
             r.request_id,
-            kv.blocks_for_tokens(min(r.num_tokens, r.num_computed_tokens + chunks * sched.max_num_batched_tokens))
+            kv.blocks_for_tokens(min(r.num_tokens, sched.tokens_after_step(r) + chunks * sched.max_num_batched_tokens))
             - kv.num_allocated_blocks(r.request_id)
             - kv.num_lent_blocks(r.request_id),
         )
@@ -277,11 +278,12 @@ class LendingAgent:
 
     def observe(self) -> list[LendingAction]:
         """Tell the rManager the engine's state, and release the remote blocks of requests the engine dropped.
-        Call between steps."""
+        Call between steps, or while one runs (a heartbeat): the state is then the one that step will leave."""
         kv, sched = self.core.kv, self.core.scheduler
         running = [r for r in sched.running if r.status is RequestStatus.RUNNING]
         requests = {
-            r.request_id: LocalRequest(r.num_computed_tokens, kv.num_allocated_blocks(r.request_id)) for r in running
+            r.request_id: LocalRequest(sched.tokens_after_step(r), kv.num_allocated_blocks(r.request_id))
+            for r in running
         }
         own = sum(req.local_blocks for req in requests.values())
         free = self.rm.total_blocks - own - self.rm.reserved_blocks - self.rm.lent_blocks

@@ -138,6 +138,10 @@ class Scheduler:
         # Attention-time prefill batching (engine/prefill_batching.py): a step's predictor and its quota in seconds,
         # set by the engine once it has fitted one; None: the token budget alone bounds prefills.
         self.prefill_time: tuple[Predictor, float] | None = None
+        # Tokens of each request in the step decided and not yet recorded (``advance``): a view taken while the
+        # step runs (a heartbeat: the engine loop holds its lock only between steps) sees the request as the step
+        # will leave it, not with its chunk's blocks taken and its tokens not yet counted.
+        self.in_flight: dict[str, int] = {}
 
     # -- queue changes ---------------------------------------------------------------------
 
@@ -248,6 +252,7 @@ class Scheduler:
                     remote=remote,
                 )
             )
+        self.in_flight = {c.request_id: len(c.token_ids) for c in out.chunks}
         out.transfers = self.kv.take_transfers()
         out.disk_writes = self.kv.take_disk_writes()
         out.disk_ages = self.kv.take_disk_ages()
@@ -255,6 +260,10 @@ class Scheduler:
         out.remote_recvs = self.kv.take_remote_recvs()
         out.num_remote_in_flight = self.kv.num_remote_in_flight
         return out
+
+    def tokens_after_step(self, request: Request) -> int:
+        """The request's computed tokens once the step decided (if any) has run."""
+        return request.num_computed_tokens + self.in_flight.get(request.request_id, 0)
 
     def _prefill_caps(self, order: list[Request]) -> dict[str, int]:
         """Each prefilling request's most tokens this step, by attention time: the batch filled in priority order
@@ -464,6 +473,7 @@ class Scheduler:
         those holding a block one of its transfers was to write. The blocks it was to write (on the device
         or below) lose their prefix-cache names, so no later request reads KV that was never written. Its
         disk reads were started whatever happened (their requests wait for them as usual)."""
+        self.in_flight = {}
         bs = self.kv.block_size
         written = [t.dst for t in output.transfers]
         for chunk in output.chunks:
@@ -493,6 +503,7 @@ class Scheduler:
         the model executor, and is charged it as attained service (Autellix's measure).
         """
         now = self.clock()
+        self.in_flight = {}
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:

@@ -148,3 +148,46 @@ def test_a_step_over_lent_blocks_costs_its_local_part_the_round_trip_and_the_cre
     sim.lending.data["1"].owed_s = 0.0
     cost.step_time(decode((RemoteKV("1", ("m",), 80_000),)))
     assert sim.lending.data["1"].owed_s == 0.0 and sim.lending.data["1"].partials_served == 64
+
+
+def test_a_report_taken_while_a_step_runs_sees_the_request_as_the_step_will_leave_it(model: SimulatedModel) -> None:
+    """The engine loop holds its lock only between steps, so a heartbeat may report mid-step: the step's chunk has
+    its blocks but its tokens are not yet counted. The report then counts them as computed (the step in flight), as
+    it would right after the step; before, the chunk that fills the pool hid the stall from the planner."""
+    cluster = ClusterConfig(instances=2, kv_lending="on")
+    sim = Simulator(CONFIG, model, None, instances=2, cluster=cluster, profile=load_profile("cpu"))
+    assert sim.lending is not None
+    core, agent = sim.instances["0"].core, sim.lending.agents["0"]
+    core.add_request("long", list(range(100, 1300)), SamplingParams(max_tokens=8, ignore_eos=True))
+    for chunk in range(1, 5):
+        sched = core.schedule()
+        agent.observe()
+        during = agent.rm.local
+        core.finish_step(sched, core.execute(sched))
+        agent.observe()
+        assert during == agent.rm.local, chunk
+    assert agent.rm.local.waiting_blocks == (11,)  # after 4 chunks: the pool is full, the next chunk needs 11
+
+
+def test_an_instance_whose_step_outlasts_the_heartbeat_timeout_stays_in_the_plans(model: SimulatedModel) -> None:
+    """A step of 3 s against a 1 s heartbeat timeout: the instance reports at every heartbeat meanwhile (as the real
+    one does), so the gManager keeps it live and sees its stalled request. Before, a busy instance reported at its
+    step's end only, and the gManager left it out of its plans (the debtor that needed one most)."""
+    cluster = ClusterConfig(
+        instances=2, kv_lending="on", heartbeat_interval_s=0.5, heartbeat_timeout_s=1.0, lending_interval_s=0.5
+    )
+    sim = Simulator(CONFIG, model, None, instances=2, cluster=cluster, profile=load_profile("cpu"))
+    assert sim.lending is not None
+    core, gm = sim.instances["0"].core, sim.lending.lending.gm
+    core.add_request("long", list(range(100, 1300)), SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        sched = core.schedule()
+        core.finish_step(sched, core.execute(sched))
+    core.schedule()  # the 4th chunk, which fills the pool, runs for 3 s
+    sim.instances["0"].step = object()  # type: ignore[assignment]
+    for _ in range(6):
+        sim.clock.now += 0.5
+        sim.lending.heartbeat()
+    live = {hb.instance_id: hb for hb in gm.live()}
+    assert set(live) == {"0", "1"}
+    assert live["0"].instance.waiting_blocks == (11,)
