@@ -191,3 +191,22 @@ def test_an_instance_whose_step_outlasts_the_heartbeat_timeout_stays_in_the_plan
     live = {hb.instance_id: hb for hb in gm.live()}
     assert set(live) == {"0", "1"}
     assert live["0"].instance.waiting_blocks == (11,)
+
+
+def test_a_request_longer_than_its_pool_is_served_at_light_load(model: SimulatedModel) -> None:
+    """One request at a time (every step a batch of one): the gManager's model is fitted from steps of one batch
+    size, charging a step's fixed cost per request, and plans. Before, it refused such samples and never planned:
+    the 1.5x request filled its instance and waited for good."""
+    shape = TraceShape(num_short=12, long_factors=(1.5,))
+    trace = make_trace(shape, pool_tokens(CONFIG, model), model.identity.vocab_size, rate=0.2, seed=0)
+    programs = trace_programs(trace)
+    cluster = ClusterConfig(instances=3, kv_lending="on", **LENDING)
+    sim = Simulator(
+        CONFIG, model, None, instances=3, cluster=cluster, profile=load_profile("cpu"), compact_prompts=False
+    )
+    row = longctx_row(sim, sim.run(programs), programs, 0.2, "lending")
+    assert row["served"] == row["requests"] and row["unserved"] == 0
+    assert row["longest_served"] > pool_tokens(CONFIG, model)
+    assert sim.lending is not None
+    fitted = sim.lending.lending.gm.model()
+    assert fitted is not None and fitted.base_s == 0.0 and row["lending"]["moves"] > 0
