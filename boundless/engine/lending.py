@@ -93,10 +93,10 @@ def next_chunk_needs(core: EngineCore, chunks: int = 1) -> list[tuple[str, int]]
 def stalled_growth(needs: Sequence[tuple[str, int]], free: int) -> list[tuple[str, int]]:
     """The running requests that cannot grow: each of ``needs`` (id, blocks to add for its next chunk, in
     scheduling order) takes its blocks from the ``free`` ones while they last; those whose need no longer fits
-    stall (the scheduler would evict them, to be recomputed). The planner sees them as waiting for that many
-    blocks rather than as running, so a move that frees the room lets them run. Without this, a request whose
-    context outgrows the pool while it is alone on its instance gains nothing in the model from a move, and is
-    evicted over and over instead."""
+    stall (the scheduler evicts them, or keeps one whose blocks fill the whole pool, ``engine/scheduler.py``). The
+    planner sees them as waiting for that many blocks rather than as running, so a move that frees the room lets
+    them run. Without this, a request whose context outgrows the pool while it is alone on its instance gains
+    nothing in the model from a move, and never gets one."""
     stalled = []
     for request_id, need in needs:
         if need <= 0:
@@ -289,7 +289,7 @@ class LendingAgent:
         free = self.rm.total_blocks - own - self.rm.reserved_blocks - self.rm.lent_blocks
         # With plans made between the engine's steps (a benchmark) one chunk is enough; a plan from a heartbeat
         # reaches the debtor a step after the report, when the next chunk may already have stalled: looking
-        # further ahead lends before the scheduler evicts the request for want of room.
+        # further ahead lends before the request stalls for want of room.
         needs = next_chunk_needs(self.core, self.lookahead_chunks)
         stalled = tuple(need for _, need in stalled_growth(needs, free))
         self.rm.observe(
