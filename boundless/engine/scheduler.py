@@ -359,12 +359,12 @@ class Scheduler:
             computed = prefix.num_tokens
         else:
             computed = request.num_computed_tokens
-        num_new = min(request.num_tokens - computed, budget, limit - computed)
-        if num_new <= 0:
+        if computed >= limit:
             # Its local blocks fill the whole pool (a request longer than one pool, with KV lending): only a move of
             # its blocks to a creditor lets it grow. It keeps them meanwhile; evicting it would gain nothing (it
             # would come back to the same wall) and lose its KV, here and on its creditors.
             return None
+        num_new = min(request.num_tokens - computed, budget, limit - computed)
         short = self.kv.blocks_short(rid, computed + num_new, prefix)
         if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
             if request.status is RequestStatus.RUNNING:
