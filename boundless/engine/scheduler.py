@@ -11,6 +11,10 @@ the lowest-priority holders of device KV outside the step give theirs up: swappe
 memory while the host pool has room, else dropped, to be recomputed from prompt and output so far.
 A swapped request is swapped back in once there is room for it.
 
+With KV lending a request may be longer than the pool (its leading blocks move to other instances): its chunks
+are cut to what the pool holds of its local blocks, it keeps them rather than being evicted when they fill the
+pool (only a move lets it grow), and when evicted anyway it comes back with its cached prefix cut to the pool.
+
 A waiting request whose next blocks sit in the disk store has them loaded into host memory from the
 step after it arrives (ahead of its turn); while its read is in flight it is passed over and the
 others run. Loaded blocks then count as computed tokens at its admission, as prefix-cache hits do.
