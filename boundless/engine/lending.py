@@ -298,7 +298,9 @@ class LendingAgent:
                 batch_size=len(running) - len(stalled),
                 max_batch_size=self.core.config.scheduler.max_num_seqs,
                 requests=requests,
-                waiting_blocks=stalled + tuple(kv.blocks_for_tokens(r.num_tokens) for r in sched.waiting),
+                # A swapped-out request's blocks on creditors stay there: it needs room for the rest only.
+                waiting_blocks=stalled
+                + tuple(kv.blocks_for_tokens(r.num_tokens) - kv.num_lent_blocks(r.request_id) for r in sched.waiting),
             )
         )
         actions: list[LendingAction] = []

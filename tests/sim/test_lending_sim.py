@@ -12,6 +12,7 @@ from boundless.bench.longctx_trace import TraceShape, make_trace
 from boundless.cli import main
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import ChunkShape
+from boundless.engine.request import RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.sim.engine import SimulatedModel
@@ -210,3 +211,32 @@ def test_a_request_longer_than_its_pool_is_served_at_light_load(model: Simulated
     assert sim.lending is not None
     fitted = sim.lending.lending.gm.model()
     assert fitted is not None and fitted.base_s == 0.0 and row["lending"]["moves"] > 0
+
+
+def test_a_swapped_out_request_waits_for_its_local_blocks_only(model: SimulatedModel) -> None:
+    """With a host tier, a request with 10 blocks on a creditor is swapped out: the planner sees it waiting for its
+    75 blocks less those 10, which stay on the creditor (before, all 75, as if lent blocks were local)."""
+    config = EngineConfig(
+        cache=CacheConfig(num_kv_blocks=64, kv_host_gb=0.1),
+        scheduler=SchedulerConfig(policy="fcfs", max_num_batched_tokens=256),
+    )
+    cluster = ClusterConfig(instances=2, kv_lending="on")
+    sim = Simulator(config, model, None, instances=2, cluster=cluster, profile=load_profile("cpu"))
+    assert sim.lending is not None
+    core, agent = sim.instances["0"].core, sim.lending.agents["0"]
+    core.add_request("a", list(range(100, 200)), SamplingParams(max_tokens=400, ignore_eos=True))
+    core.add_request("b", list(range(300, 1500)), SamplingParams(max_tokens=8, ignore_eos=True))
+    b = core.scheduler.requests["b"]
+
+    def step() -> None:
+        sched = core.schedule()
+        core.finish_step(sched, core.execute(sched))
+
+    for _ in range(3):
+        step()
+    assert agent.move_kvcache("b", 10, "1")
+    while b.status is RequestStatus.RUNNING:  # until b, out of room, is swapped out (to host memory)
+        step()
+    assert b.status is RequestStatus.SWAPPED and core.kv.num_lent_blocks("b") == 10
+    agent.observe()
+    assert agent.rm.local.waiting_blocks == (core.kv.blocks_for_tokens(b.num_tokens) - 10,) == (65,)
