@@ -21,6 +21,7 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
 from boundless.engine.lending_stats import LendingStats
+from boundless.engine.multi_step import iteration_shapes
 from boundless.engine.prefill_batching import step_quota
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
@@ -178,6 +179,7 @@ class EngineCore:
             clock,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs,
+            num_scheduler_steps=config.scheduler.num_scheduler_steps,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
@@ -465,11 +467,16 @@ class EngineCore:
             self._remote_io = result.remote_report.stats
         self.scheduler.advance(sched, elapsed)
         c = self.counters
-        c.steps += 1
-        c.computed_tokens += sched.num_tokens
+        steps_before = c.steps
+        c.steps += sched.window
+        c.computed_tokens += sched.num_tokens if sched.window == 1 else sum(ch.num_steps for ch in sched.chunks)
         c.busy_seconds += elapsed
-        self.step_times.record(shapes_of(sched), elapsed)
-        if self._prefill_batching == "attention" and c.steps % REFIT_EVERY_STEPS == 0:
+        if sched.window == 1:
+            self.step_times.record(shapes_of(sched), elapsed)
+        else:  # each pass of the window is a step of its own shape to the step-time models
+            for j, seconds in enumerate(result.pass_seconds):
+                self.step_times.record(iteration_shapes(sched, j), seconds)
+        if self._prefill_batching == "attention" and c.steps // REFIT_EVERY_STEPS > steps_before // REFIT_EVERY_STEPS:
             self._refit_prefill_time()
         now = self.clock()
         outputs = []
@@ -477,15 +484,28 @@ class EngineCore:
             request = self.scheduler.requests.get(request_id)
             if request is None:
                 continue
-            request.append_output(token.token_id)
-            c.generation_tokens += 1
+            detok = self._detokenizers[request_id]
+            tokens = [token]
+            if result.later:  # a multi-step window: its later passes' tokens, in order
+                tokens += [t for t in (p.get(request_id) for p in result.later) if t is not None]
+            kept = 0
+            status = None
+            for sampled_token in tokens:
+                request.append_output(sampled_token.token_id)
+                kept += 1
+                c.generation_tokens += 1
+                stop_string = detok.add(sampled_token.token_id)
+                status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
+                if stop_string:
+                    request.stop_reason = detok.stopped_by
+                if status is not None:
+                    break  # the window's tokens past a stop are discarded
             if request.first_token_time is None:
                 request.first_token_time = now
-            detok = self._detokenizers[request_id]
-            stop_string = detok.add(token.token_id)
-            status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
-            if stop_string:
-                request.stop_reason = detok.stopped_by
+            if len(tokens) > 1:
+                # The window's KV: the blocks its passes filled get their names (as the next steps' allocations would
+                # have named them), before a finished request's blocks are freed.
+                self.kv.name_full_blocks(request_id, request.all_token_ids, request.num_tokens - 1)
             if status is None and request.handoff is not None:
                 status = RequestStatus.FINISHED_HANDED_OFF  # its first token; it decodes on its decode engine
             if status is not None:
@@ -495,10 +515,10 @@ class EngineCore:
             outputs.append(
                 RequestDelta(
                     request_id=request_id,
-                    new_token_ids=[token.token_id],
+                    new_token_ids=[t.token_id for t in tokens[:kept]] if kept > 1 else [token.token_id],
                     # A handed-off request goes on elsewhere: text that may start a stop string stays held back.
                     new_text=detok.take_delta(finished=status not in (None, RequestStatus.FINISHED_HANDED_OFF)),
-                    new_logprobs=[token] if request.sampling_params.logprobs is not None else [],
+                    new_logprobs=tokens[:kept] if request.sampling_params.logprobs is not None else [],
                     finished=status is not None,
                     finish_reason=status.value if status is not None else None,
                     stop_reason=request.stop_reason if status is not None else None,

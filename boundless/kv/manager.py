@@ -561,6 +561,11 @@ class KVCacheManager:
         need = self.blocks_for_tokens(num_tokens_after) - have - len(on_device)
         return max(need, 0) + revived - self.pool.num_free
 
+    def name_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Name the request's full blocks among its first ``num_tokens`` tokens (those with KV) in the prefix cache:
+        after a multi-step window, whose passes filled blocks with tokens unknown when they were allocated."""
+        self._name_full_blocks(request_id, token_ids, num_tokens)
+
     def _name_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
         if not self.pool.enable_caching:
             return

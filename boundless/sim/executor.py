@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from boundless.cluster.links import Link, Traffic
 from boundless.engine.executor import StepResult
+from boundless.engine.multi_step import window_iteration
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.kv.block_hash import BlockHash
@@ -32,6 +33,16 @@ from boundless.sim.remote import SimulatedRemoteIO
 
 # Where placeholder tokens start: above the low ids where tokenizers keep their special tokens.
 PLACEHOLDER_TOKEN = 100
+
+
+class _AnyPlaceholder(dict):
+    """A window pass's input tokens for the cost model, which reads only the batch's shape."""
+
+    def __missing__(self, key: str) -> int:
+        return PLACEHOLDER_TOKEN
+
+
+_PLACEHOLDERS = _AnyPlaceholder()
 
 
 @dataclass(frozen=True)
@@ -181,6 +192,14 @@ class CostModelExecutor:
         sampled = {c.request_id: SampledToken(self._placeholder(c)) for c in sched.chunks if c.sample}
         copied = len(sched.transfers) * self.bytes_per_block  # between memory tiers, a block each
         seconds = self.cost.step_time(sched) if sched.chunks else 0.0
+        later: list[dict[str, SampledToken]] = []
+        pass_seconds: list[float] = []
+        if sched.window > 1:  # multi-step decoding: the batch's later passes, each chunk one position on
+            pass_seconds.append(seconds)
+            for j in range(1, sched.window):
+                later.append({c.request_id: sampled[c.request_id] for c in sched.chunks if c.num_steps > j})
+                pass_seconds.append(self.cost.step_time(window_iteration(sched, j, _PLACEHOLDERS)))
+            seconds = sum(pass_seconds)
         if copied:  # the copies go before the forward pass, as the model executor applies them
             seconds += self.host_copy_latency_s + copied / self.host_copy_bytes_per_s
         if self.remote is not None:  # streams start whatever else happens: their peers wait for them
@@ -204,7 +223,7 @@ class CostModelExecutor:
         report = self.disk.report(now + seconds) if self.disk is not None else TierReport()
         remote_report = self.remote.report(now + seconds) if self.remote is not None else RemoteReport()
         self._elapsed += seconds
-        return StepResult(sampled, seconds, report, remote_report)
+        return StepResult(sampled, seconds, report, remote_report, tuple(later), tuple(pass_seconds))
 
     def close(self) -> None:
         """Nothing runs in the background in virtual time."""

@@ -403,7 +403,7 @@ class Simulator:
                 self._ready.add(inst.instance_id)
             return None
         inst.step = (sched, result)
-        self.num_steps += 1
+        self.num_steps += sched.window  # forward passes (a multi-step window runs several)
         return self.clock.now + result.elapsed_s
 
     def _step_end(self, inst: SimInstance) -> None:
