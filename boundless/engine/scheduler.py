@@ -277,15 +277,12 @@ class Scheduler:
         if steps is None or any(self.kv.num_lent_blocks(r.request_id) for r, _ in chosen):
             return None
         kv = self.kv
-        need = sum(
-            max(0, kv.blocks_for_tokens(r.num_computed_tokens + steps[r.request_id]) - kv.num_allocated_blocks(r.request_id))
-            for r, _ in chosen
-        )
+        ends = {r.request_id: r.num_computed_tokens + steps[r.request_id] for r, _ in chosen}  # tokens with KV after
+        need = sum(max(0, kv.blocks_for_tokens(end) - kv.num_allocated_blocks(rid)) for rid, end in ends.items())
         if need > kv.pool.num_free:
             return None
         for request, _ in chosen:
-            rid = request.request_id
-            allocated = kv.allocate(rid, request.all_token_ids, request.num_computed_tokens + steps[rid])
+            allocated = kv.allocate(request.request_id, request.all_token_ids, ends[request.request_id])
             assert allocated, "the window's blocks were counted free"
         return steps
 
