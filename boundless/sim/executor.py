@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from boundless.cluster.links import Link, Traffic
+from boundless.engine.attention_time import ChunkShape
 from boundless.engine.executor import StepResult
-from boundless.engine.multi_step import window_iteration
+from boundless.engine.multi_step import iteration_shapes, window_iteration
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.kv.block_hash import BlockHash
@@ -33,6 +35,13 @@ from boundless.sim.remote import SimulatedRemoteIO
 
 # Where placeholder tokens start: above the low ids where tokenizers keep their special tokens.
 PLACEHOLDER_TOKEN = 100
+
+
+@runtime_checkable
+class ShapeCost(Protocol):
+    """A step cost that prices a step from its chunk shapes alone (the profiles' fitted and roofline models)."""
+
+    def predict(self, shapes: Sequence[ChunkShape]) -> float: ...
 
 
 class _AnyPlaceholder(dict):
@@ -198,7 +207,7 @@ class CostModelExecutor:
             pass_seconds.append(seconds)
             for j in range(1, sched.window):
                 later.append({c.request_id: sampled[c.request_id] for c in sched.chunks if c.num_steps > j})
-                pass_seconds.append(self.cost.step_time(window_iteration(sched, j, _PLACEHOLDERS)))
+                pass_seconds.append(self._pass_time(sched, j))
             seconds = sum(pass_seconds)
         if copied:  # the copies go before the forward pass, as the model executor applies them
             seconds += self.host_copy_latency_s + copied / self.host_copy_bytes_per_s
@@ -224,6 +233,13 @@ class CostModelExecutor:
         remote_report = self.remote.report(now + seconds) if self.remote is not None else RemoteReport()
         self._elapsed += seconds
         return StepResult(sampled, seconds, report, remote_report, tuple(later), tuple(pass_seconds))
+
+    def _pass_time(self, sched: SchedulerOutput, j: int) -> float:
+        """Seconds of pass ``j`` of a multi-step window: from its chunk shapes when the cost model prices shapes (no
+        batch to build), else from that pass's batch."""
+        if isinstance(self.cost, ShapeCost):
+            return self.cost.predict(iteration_shapes(sched, j))
+        return self.cost.step_time(window_iteration(sched, j, _PLACEHOLDERS))
 
     def close(self) -> None:
         """Nothing runs in the background in virtual time."""
