@@ -187,6 +187,7 @@ class CostModelExecutor:
         remote: SimulatedRemoteIO | None = None,
     ) -> None:
         self.cost = cost
+        self._shape_cost = cost if isinstance(cost, ShapeCost) else None  # (checked once: a Protocol check is slow)
         self.bytes_per_block = bytes_per_block
         self.host_copy_bytes_per_s = host_copy_bytes_per_s
         self.host_copy_latency_s = host_copy_latency_s
@@ -237,8 +238,8 @@ class CostModelExecutor:
     def _pass_time(self, sched: SchedulerOutput, j: int) -> float:
         """Seconds of pass ``j`` of a multi-step window: from its chunk shapes when the cost model prices shapes (no
         batch to build), else from that pass's batch."""
-        if isinstance(self.cost, ShapeCost):
-            return self.cost.predict(iteration_shapes(sched, j))
+        if self._shape_cost is not None:
+            return self._shape_cost.predict(iteration_shapes(sched, j))
         return self.cost.step_time(window_iteration(sched, j, _PLACEHOLDERS))
 
     def close(self) -> None:
