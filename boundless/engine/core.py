@@ -369,7 +369,7 @@ class EngineCore:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.identity.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         # The sampler indexes the logits with stop ids (min_tokens); one outside would fail the whole step.
         bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
