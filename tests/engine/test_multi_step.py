@@ -74,6 +74,18 @@ def test_greedy_tokens_are_those_of_single_steps_with_fewer_step_calls(tiny_llam
     assert many.calls < one.calls  # decodes ran k to a step call
 
 
+def test_seeded_sampling_gives_the_same_tokens_as_single_steps(tiny_llama: LoadedModel) -> None:
+    def seeded() -> dict:
+        return {
+            f"s{i}": (p, SamplingParams(temperature=0.9, top_p=0.9, seed=11 + i, max_tokens=17, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)
+        }
+
+    one = Run(_core(tiny_llama, 1), seeded())
+    many = Run(_core(tiny_llama, 4), seeded())
+    assert many.tokens == one.tokens and many.calls < one.calls
+
+
 def test_a_stop_token_or_string_inside_a_window_ends_the_request_there(tiny_llama: LoadedModel) -> None:
     free = Run(_core(tiny_llama, 1), _requests())
     out = free.tokens["r2"]  # 30 greedy tokens: stop at the 11th (inside the second window of 8)
