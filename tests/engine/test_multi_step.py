@@ -3,10 +3,13 @@ exact block accounting, fewer scheduler calls."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from boundless.engine.core import EngineCore
+from boundless.engine.async_engine import EngineLoop
+from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
@@ -158,3 +161,39 @@ def test_a_window_needing_more_blocks_than_are_free_is_an_ordinary_step() -> Non
     _apply(s, s.schedule())
     out = s.schedule()  # 7 tokens, 6 with KV: a window of 7 passes needs 13 slots, there are 8
     assert out.window == 1
+
+
+def test_the_serving_loop_with_swaps_gives_the_same_tokens(tiny_llama: LoadedModel) -> None:
+    """Through the server's engine loop (a background thread), with swaps to host memory in the windows' steps."""
+    prompts = {str(i): [(7 * i + j) % 300 + 3 for j in range(40)] for i in range(4)}
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    runs = {}
+    for k in (1, 4):
+        config = EngineConfig(
+            model=ModelConfig(max_model_len=128),
+            cache=CacheConfig(num_kv_blocks=8, swap_space_gb=0.001),
+            scheduler=SchedulerConfig(policy="fcfs", num_scheduler_steps=k),
+        )
+        core = EngineCore.from_model(tiny_llama, config)
+        tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+        finished: set[str] = set()
+        done = threading.Event()
+
+        def sink(delta: RequestDelta, tokens=tokens, finished=finished, done=done) -> None:
+            tokens[delta.request_id] += delta.new_token_ids
+            if delta.finished:
+                finished.add(delta.request_id)
+                if len(finished) == len(prompts):
+                    done.set()
+
+        loop = EngineLoop(core, sink)
+        try:
+            for rid, prompt in prompts.items():
+                loop.add(rid, prompt, params)
+            assert done.wait(timeout=300), "every request ends"
+        finally:
+            loop.shutdown()
+        assert core.stats().num_swapped_out > 0, "the workload swaps"
+        runs[k] = tokens
+    assert runs[4] == runs[1]
+    assert all(len(t) == 30 for t in runs[4].values())
