@@ -152,6 +152,16 @@ class EngineLoop:
         self._wake.set()
         return answer
 
+    def prefetch(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """Read ahead the stored KV of a call that will come here (``EngineCore.prefetch``)."""
+        with self.lock:
+            self.core.prefetch(request_id, prompt_token_ids)
+        self._wake.set()
+
+    def drop_prefetch(self, request_id: str) -> None:
+        with self.lock:
+            self.core.drop_prefetch(request_id)
+
     def memory_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
         """How many leading full blocks of a prompt this engine holds in memory
         (``EngineCore.memory_prefix_blocks``)."""
