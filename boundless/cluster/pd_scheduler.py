@@ -272,14 +272,15 @@ def prefetch_target(
     config: PDSchedulerConfig,
 ) -> tuple[EngineLoad, ReadPath] | None:
     """Where a waiting request's stored KV is read ahead of its placement, by the placement's own rules as far as
-    they do not depend on room it lacks now: the PE it would get (the scheduler's PE rule), the DE with the fewest
-    tokens (a DE's KV room is what it waits for), and the read path by the shorter queue; should that engine's
+    they do not depend on room it lacks now: the PE it would get (the scheduler's PE rule), the DE whose node's read
+    queue is the shortest (the fewest tokens on a tie; a DE's KV room is what the request waits for, and its placement
+    then goes to that DE when it has room), and the read path by the shorter queue; should that engine's
     prefetch room (``room``, tokens) not hold the request's stored tokens, the other path's engine under
     ``dualpath``. None: no engine has the room (or nothing to read)."""
     if config.kv_path == "oracle" or request.stored_tokens == 0 or not pes or not des:
         return None
     pe = pick_prefill_engine(pes, queues, config) or min(pes, key=lambda e: e.tok)
-    de = min(des, key=lambda e: e.tok)
+    de = min(des, key=lambda e: (queues[e.node], e.tok))
     path = choose_read_path(config.kv_path, request, queues[pe.node], queues[de.node], pe.node == de.node)
     options = [(pe, "pe"), (de, "de")] if path == "pe" else [(de, "de"), (pe, "pe")]
     if config.kv_path == "basic" or pe.node == de.node:
