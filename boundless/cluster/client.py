@@ -344,7 +344,14 @@ class ClusterClient(DispatcherFrontEnd):
         for path, n, tokens in placement_counts(self.dispatcher):
             placed.add_metric([path], float(n))
             stored.add_metric([path], float(tokens))
-        yield from (placed, stored)
+        ahead = CounterMetricFamily(
+            "boundless_pd_prefetches",
+            "stored contexts read ahead for calls waiting for a placement, by the read path they serve (pe, de)",
+            labels=["read_path"],
+        )
+        for path, n in sorted(self.dispatcher.prefetches.items()):
+            ahead.add_metric([path], float(n))
+        yield from (placed, stored, ahead)
 
     def shutdown(self) -> None:
         import ray

@@ -199,13 +199,14 @@ class EngineInstance:
         engine before its decode engine is prepared, so that the decode engine pushes only the rest."""
         return self.loop.memory_prefix_blocks(prompt_token_ids)
 
-    def prefetch(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        """Read a call's stored KV into host memory before the call comes here (``EngineCore.prefetch``). Never
-        raises: a prefetch only saves a read later."""
+    def prefetch(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """Read a call's stored KV into host memory before the call comes here (``EngineCore.prefetch``); returns the
+        blocks it will read. Never raises: a prefetch only saves a read later."""
         try:
-            self.loop.prefetch(request_id, prompt_token_ids)
+            return self.loop.prefetch(request_id, prompt_token_ids)
         except Exception:
             log.exception("prefetch of %s failed", request_id)
+            return 0
 
     def drop_prefetch(self, request_id: str) -> None:
         """The call prefetched here will not come: its blocks are let go (they stay as cache)."""

@@ -152,11 +152,12 @@ class EngineLoop:
         self._wake.set()
         return answer
 
-    def prefetch(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        """Read ahead the stored KV of a call that will come here (``EngineCore.prefetch``)."""
+    def prefetch(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """Read ahead the stored KV of a call that will come here (``EngineCore.prefetch``); returns the blocks."""
         with self.lock:
-            self.core.prefetch(request_id, prompt_token_ids)
+            blocks = self.core.prefetch(request_id, prompt_token_ids)
         self._wake.set()
+        return blocks
 
     def drop_prefetch(self, request_id: str) -> None:
         with self.lock:
