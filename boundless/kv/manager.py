@@ -901,21 +901,24 @@ class KVCacheManager:
         counts[reason] = counts.get(reason, 0) + blocks
 
     def release_prefetched(self, request_ids: Sequence[str]) -> bool:
-        """Release the blocks loaded ahead for these waiting requests (the first listed first) until the tier
-        below the device has room for a swap-out of any request the device holds; each request released may load
-        its blocks again later. Returns whether anything was released."""
+        """Release the blocks loaded ahead for these waiting requests (the first listed first; before them, those read
+        ahead for calls not here yet) until the tier below the device has room for a swap-out of any request the
+        device holds; each request released may load its blocks again later. Returns whether anything was
+        released."""
         if not self._prefetched:
             return False
         host = self.pools[HOST]
         need = max((len(t) for t in self._tables.values()), default=0)
         released = False
-        for request_id in request_ids:
+        # Reads ahead for calls not here yet go first, the latest asked first (their calls come last, if at all).
+        for request_id in [*reversed(self._prefetch_tokens), *request_ids]:
             if host.num_free >= need:
                 break
             if request_id in self._prefetched.values():
                 self._drop_prefetched(request_id)
                 self._release_held_while_loading(request_id)
-                self._lookups.pop(request_id, None)  # planned afresh: its blocks are on disk still
+                if request_id not in self._prefetch_tokens:
+                    self._lookups.pop(request_id, None)  # planned afresh: its blocks are on disk still
                 released = True
         return released
 

@@ -415,3 +415,17 @@ def test_a_read_ahead_whose_call_is_dropped_or_never_comes_leaves_only_cache(
     core.clock = lambda: start + core_module.PREFETCH_HOLD_S + 1
     core.step()
     assert host.num_used == 0 and not core.has_work()
+
+
+def test_a_swap_out_short_of_host_room_takes_the_room_of_reads_ahead_first() -> None:
+    kv = KVCacheManager(16, 4, True, "fp", num_host_blocks=20, disk=True, write_policy="off")
+    prompt = list(range(40))
+    kv.finish_disk_writes([DiskWriteDone(written=tuple(kv.block_hashes("written", prompt)))])
+    assert kv.prefetch("later", prompt, lambda keys: len(keys)) == 9
+    (read,) = kv.plan_prefetch_reads()
+    kv.finish_disk_reads([DiskReadDone(read.read_id, 9, 0.1)])
+    host = kv.pools[HOST]
+    assert host.num_used == 9  # held for the call that has not come
+    assert kv.allocate("running", list(range(100, 148)), 48)  # 12 device blocks: a swap-out needs 12 host blocks
+    assert kv.release_prefetched([]) and host.num_used == 0  # the read ahead gave way (its blocks stay cached)
+    assert len(kv.memory_prefix(None, prompt, 9)) == 9
