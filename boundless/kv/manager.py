@@ -42,6 +42,13 @@ LOAD_HOLD_SHARE = 0.5
 # used it has finished. A day puts it behind every block touched within the last day, by any process sharing
 # the store, and keeps the LRU order among aged blocks.
 DISK_AGE_S = 24 * 3600.0
+# Reads ahead for calls not here yet (plan_prefetch_reads) go to the store in chunks of at most this many blocks, at
+# most this many at a time: the store's loader reads in order, so a read a request placed here needs now (an agent's
+# next turn: a few blocks) waits behind at most that much read-ahead, not behind every call's context queued ahead
+# (at 0.2 Gbit/s, 8 blocks of SmolLM2-135M are 0.23 s; a first context, ~31 blocks, 0.9 s). Two keep the link busy
+# between the engine's steps, which start the next chunk.
+PREFETCH_READ_BLOCKS = 8
+PREFETCH_READS_IN_FLIGHT = 2
 # The owner of a read whose call was dropped while it was in flight: no request has this id, so its blocks land as
 # cache for nobody.
 _NOBODY = "\0nobody"
@@ -1057,7 +1064,8 @@ class KVCacheManager:
 
     def plan_prefetch_reads(self, now: float = 0.0) -> list[DiskRead]:
         """The reads ahead to start this step (after the waiting requests' own, which come first): for each prefetch in
-        the order asked, the next chunk its host room allows. While a waiting request lacks host room for its loads,
+        the order asked, its next chunk (at most ``PREFETCH_READ_BLOCKS``, as host room allows), while fewer than
+        ``PREFETCH_READS_IN_FLIGHT`` reads ahead are in flight. While a waiting request lacks host room for its loads,
         none starts, and one prefetch's blocks (the latest asked) are let go each step, to stay as cache: a call
         placed here goes before calls that may be placed later."""
         if not self._prefetch_tokens or self.disk_stalled:
@@ -1069,12 +1077,17 @@ class KVCacheManager:
                     break
             return []
         out = []
+        slots = PREFETCH_READS_IN_FLIGHT - sum(
+            1 for job in self._reads.values() if job.request_id in self._prefetch_tokens
+        )
         for rid, tokens in self._prefetch_tokens.items():
+            if slots <= 0:
+                break
             lookup = self._lookups[rid]
             if lookup.prefetch_span is None or lookup.in_flight is not None:
                 continue
             first, end = lookup.prefetch_span
-            room = min(end - first, self._prefetch_room(0))
+            room = min(end - first, self._prefetch_room(0), PREFETCH_READ_BLOCKS)
             if room <= 0:
                 break  # no room: the reads in flight and the admissions give it back
             lookup.prefetch_span = (first + room, end) if first + room < end else None
@@ -1084,6 +1097,7 @@ class KVCacheManager:
             chunk = tuple(tuple(tokens[i * bs : (i + 1) * bs]) for i in range(first, first + room))
             lookup.loaded_upto = first + room
             out.append(self._start_read(rid, first, keys, tuple(b.block_id for b in dst), chunk, waits=True, now=now))
+            slots -= 1
         return out
 
     def claim_prefetch(self, request_id: str) -> None:

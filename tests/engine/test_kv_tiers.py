@@ -417,13 +417,33 @@ def test_a_read_ahead_whose_call_is_dropped_or_never_comes_leaves_only_cache(
     assert host.num_used == 0 and not core.has_work()
 
 
+def test_reads_ahead_go_in_chunks_few_at_a_time_so_a_placed_calls_read_waits_behind_little() -> None:
+    import boundless.kv.manager as manager
+
+    kv = KVCacheManager(16, 4, True, "fp", num_host_blocks=100, disk=True, write_policy="off")
+    prompts = {f"c{i}": list(range(100 * i, 100 * i + 60)) for i in range(3)}  # 14 loadable blocks each
+    for prompt in prompts.values():
+        kv.finish_disk_writes([DiskWriteDone(written=tuple(kv.block_hashes("written", prompt)))])
+    for rid, prompt in prompts.items():
+        assert kv.prefetch(rid, prompt, lambda keys: len(keys)) == 14
+    reads = kv.plan_prefetch_reads()
+    assert len(reads) == manager.PREFETCH_READS_IN_FLIGHT == 2
+    assert [len(r.keys) for r in reads] == [manager.PREFETCH_READ_BLOCKS] * 2
+    assert kv.plan_prefetch_reads() == []  # none more while those are in flight
+    kv.finish_disk_reads([DiskReadDone(reads[0].read_id, 8, 0.1)])
+    (read,) = kv.plan_prefetch_reads()  # the first call's last 6 blocks
+    assert len(read.keys) == 6 and read.keys[0] == kv.block_hashes("c0", prompts["c0"])[8]
+
+
 def test_a_swap_out_short_of_host_room_takes_the_room_of_reads_ahead_first() -> None:
     kv = KVCacheManager(16, 4, True, "fp", num_host_blocks=20, disk=True, write_policy="off")
     prompt = list(range(40))
     kv.finish_disk_writes([DiskWriteDone(written=tuple(kv.block_hashes("written", prompt)))])
     assert kv.prefetch("later", prompt, lambda keys: len(keys)) == 9
+    (read,) = kv.plan_prefetch_reads()  # in chunks: 8 blocks, then the last
+    kv.finish_disk_reads([DiskReadDone(read.read_id, 8, 0.1)])
     (read,) = kv.plan_prefetch_reads()
-    kv.finish_disk_reads([DiskReadDone(read.read_id, 9, 0.1)])
+    kv.finish_disk_reads([DiskReadDone(read.read_id, 1, 0.1)])
     host = kv.pools[HOST]
     assert host.num_used == 9  # held for the call that has not come
     assert kv.allocate("running", list(range(100, 148)), 48)  # 12 device blocks: a swap-out needs 12 host blocks
