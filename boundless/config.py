@@ -334,7 +334,7 @@ class ClusterConfig:
         default=1,
         metadata={
             "help": "a running request counts as waiting for blocks when its next N prefill chunks do not fit: "
-            "plans act on a heartbeat-old report, so looking further ahead lends before the engine evicts it"
+            "plans act on a heartbeat-old report, so looking further ahead lends before the request stalls"
         },
     )
     lending_reservation_timeout_s: float = field(

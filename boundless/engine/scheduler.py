@@ -11,6 +11,10 @@ the lowest-priority holders of device KV outside the step give theirs up: swappe
 memory while the host pool has room, else dropped, to be recomputed from prompt and output so far.
 A swapped request is swapped back in once there is room for it.
 
+With KV lending a request may be longer than the pool (its leading blocks move to other instances): its chunks
+are cut to what the pool holds of its local blocks, it keeps them rather than being evicted when they fill the
+pool (only a move lets it grow), and when evicted anyway it comes back with its cached prefix cut to the pool.
+
 A waiting request whose next blocks sit in the disk store has them loaded into host memory from the
 step after it arrives (ahead of its turn); while its read is in flight it is passed over and the
 others run. Loaded blocks then count as computed tokens at its admission, as prefix-cache hits do.
@@ -32,7 +36,7 @@ from boundless.engine.prefill_batching import Predictor, PrefillCandidate, fill_
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskWrite, TierReport
-from boundless.kv.manager import KVCacheManager
+from boundless.kv.manager import CachedPrefix, KVCacheManager
 from boundless.kv.remote_moves import RemoteRecv, RemoteReport, RemoteSend
 from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
 from boundless.programs.policy import SchedulingPolicy
@@ -138,6 +142,10 @@ class Scheduler:
         # Attention-time prefill batching (engine/prefill_batching.py): a step's predictor and its quota in seconds,
         # set by the engine once it has fitted one; None: the token budget alone bounds prefills.
         self.prefill_time: tuple[Predictor, float] | None = None
+        # Tokens of each request in the step decided and not yet recorded (``advance``): a view taken while the
+        # step runs (a heartbeat: the engine loop holds its lock only between steps) sees the request as the step
+        # will leave it, not with its chunk's blocks taken and its tokens not yet counted.
+        self.in_flight: dict[str, int] = {}
 
     # -- queue changes ---------------------------------------------------------------------
 
@@ -249,6 +257,7 @@ class Scheduler:
                     remote=remote,
                 )
             )
+        self.in_flight = {c.request_id: len(c.token_ids) for c in out.chunks}
         out.transfers = self.kv.take_transfers()
         out.disk_writes = self.kv.take_disk_writes()
         out.disk_ages = self.kv.take_disk_ages()
@@ -256,6 +265,10 @@ class Scheduler:
         out.remote_recvs = self.kv.take_remote_recvs()
         out.num_remote_in_flight = self.kv.num_remote_in_flight
         return out
+
+    def tokens_after_step(self, request: Request) -> int:
+        """The request's computed tokens once the step decided (if any) has run."""
+        return request.num_computed_tokens + self.in_flight.get(request.request_id, 0)
 
     def _prefill_caps(self, order: list[Request]) -> dict[str, int]:
         """Each prefilling request's most tokens this step, by attention time: the batch filled in priority order
@@ -330,8 +343,11 @@ class Scheduler:
         if request.status is RequestStatus.SWAPPED:
             # Room for its swapped blocks and the chunk's growth comes first: were it evicted again
             # after its swap-in, it would be copied out of blocks the swap-in had not yet filled.
-            chunk_end = min(request.num_tokens, request.num_computed_tokens + budget)
-            need = max(self.kv.num_swapped_blocks(rid), self.kv.blocks_for_tokens(chunk_end))
+            # Its blocks on creditors (KV lending) stay there while it is swapped out: only its local ones count.
+            chunk_end = min(request.num_tokens, request.num_computed_tokens + budget, self._local_limit(rid))
+            need = max(
+                self.kv.num_swapped_blocks(rid), self.kv.blocks_for_tokens(chunk_end) - self.kv.num_lent_blocks(rid)
+            )
             if need > self.kv.pool.num_free + self._evictable_blocks(order, idx, chosen_ids):
                 return None  # evicting everything below would not be enough: evict nothing
             while self.kv.pool.num_free < need:
@@ -342,12 +358,18 @@ class Scheduler:
             self.stats.num_swapped_in += 1
             self._to_running(request)
         prefix = None
+        limit = self._local_limit(rid)
         if request.status is not RequestStatus.RUNNING:
-            prefix = self.kv.find_cached_prefix(rid, request.all_token_ids)
+            prefix = _prefix_within(self.kv.find_cached_prefix(rid, request.all_token_ids), limit)
             computed = prefix.num_tokens
         else:
             computed = request.num_computed_tokens
-        num_new = min(request.num_tokens - computed, budget)
+        if computed >= limit:
+            # Its local blocks fill the whole pool (a request longer than one pool, with KV lending): only a move of
+            # its blocks to a creditor lets it grow. It keeps them meanwhile; evicting it would gain nothing (it
+            # would come back to the same wall) and lose its KV, here and on its creditors.
+            return None
+        num_new = min(request.num_tokens - computed, budget, limit - computed)
         short = self.kv.blocks_short(rid, computed + num_new, prefix)
         if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
             if request.status is RequestStatus.RUNNING:
@@ -360,9 +382,9 @@ class Scheduler:
                 return None
             if prefix is not None and prefix.tiers.count(HOST):
                 # The swap-out that made room may have taken host blocks of the prefix: look again.
-                prefix = self.kv.find_cached_prefix(rid, request.all_token_ids)
+                prefix = _prefix_within(self.kv.find_cached_prefix(rid, request.all_token_ids), limit)
                 computed = prefix.num_tokens
-                num_new = min(request.num_tokens - computed, budget)
+                num_new = min(request.num_tokens - computed, budget, limit - computed)
         if request.status is not RequestStatus.RUNNING:
             self.kv.note_admitted(rid)
             if request.num_computed_tokens == 0 and request.num_preemptions == 0:
@@ -375,6 +397,13 @@ class Scheduler:
             request.num_computed_tokens = computed
             self._to_running(request)
         return num_new
+
+    def _local_limit(self, request_id: str) -> int:
+        """The most tokens the request's KV may reach with its local blocks filling the whole pool: its blocks on
+        creditors (KV lending) and the pool. Only a request longer than one pool reaches it (its ``max_model_len``
+        is the cluster's); it then computes up to it, and grows past it once a move has taken some of its blocks,
+        instead of waiting for room no eviction can make."""
+        return (self.kv.num_lent_blocks(request_id) + self.kv.pool.num_blocks) * self.kv.block_size
 
     def _evictable_blocks(self, order: list[Request], idx: int, chosen_ids: set[str]) -> int:
         """Device blocks held by requests below ``idx`` outside this step (shared ones may not all come free)."""
@@ -449,6 +478,7 @@ class Scheduler:
         those holding a block one of its transfers was to write. The blocks it was to write (on the device
         or below) lose their prefix-cache names, so no later request reads KV that was never written. Its
         disk reads were started whatever happened (their requests wait for them as usual)."""
+        self.in_flight = {}
         bs = self.kv.block_size
         written = [t.dst for t in output.transfers]
         for chunk in output.chunks:
@@ -478,6 +508,7 @@ class Scheduler:
         the model executor, and is charged it as attained service (Autellix's measure).
         """
         now = self.clock()
+        self.in_flight = {}
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:
@@ -485,6 +516,15 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
             request.service_s += service_s
             self.policy.on_service(request, service_s, now)
+
+
+def _prefix_within(prefix: CachedPrefix, limit: int) -> CachedPrefix:
+    """The cached prefix cut to leave at least one block to compute under ``limit`` tokens (a request longer than
+    one pool, evicted with the pool full of its blocks, comes back with all but the last of them)."""
+    if prefix.num_tokens < limit:
+        return prefix
+    keep = limit // prefix.block_size - 1
+    return CachedPrefix(prefix.blocks[:keep], prefix.tiers[:keep], prefix.origins[:keep], prefix.block_size)
 
 
 def _prefilling(request: Request) -> bool:
