@@ -43,6 +43,11 @@ from boundless.transport.base import KVTransport
 # Attention-time prefill batching: steps between refits of the step-time model (a fit is a small least-squares
 # problem over at most the recorder's 512 samples; refitting every step would cost more than it follows).
 REFIT_EVERY_STEPS = 32
+# How long an engine holds the blocks it read ahead for a call that has not come (``EngineCore.prefetch``): the
+# dispatcher drops a prefetch whose call is aborted or placed elsewhere, so this only bounds a hold whose dispatcher
+# is gone. Calls wait at the dispatcher for room elsewhere, for as long as the calls ahead of them run: well above
+# a run of agent turns, and the holds are bounded in size by the dispatcher meanwhile.
+PREFETCH_HOLD_S = 120.0
 
 
 @dataclass
@@ -194,6 +199,8 @@ class EngineCore:
         # Requests prepared for a handoff, by the time past which one still waiting for its first token is dropped
         # (its prefill engine or the dispatcher is gone): nothing may hold blocks for good.
         self._awaiting: dict[str, float] = {}
+        # Calls read ahead for (``prefetch``), by the time past which a call that has not come is dropped.
+        self._prefetches: dict[str, float] = {}
 
     @classmethod
     def from_model(
@@ -244,6 +251,7 @@ class EngineCore:
         engine (``engine/handoff.py``)."""
         request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, resume)
         request.handoff = handoff
+        self._claim_prefetch(request_id)
         if handoff is not None and handoff.recv_blocks > 0:  # DE-read: the decode engine pushes what this one lacks
             prompt = request.prompt_token_ids
             if handoff.recv_from > 0:
@@ -282,6 +290,28 @@ class EngineCore:
             keys = self.kv.block_hashes(request_id, token_ids[: num_full * self.kv.block_size])[have:]
             self.kv.note_on_disk(keys[: self.executor.count_stored(keys)])
 
+    def prefetch(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """Read ahead the stored KV of a call that will come here under ``request_id`` (the dispatcher's prefetch,
+        ``cluster/pd_dispatcher.py``): the blocks the store holds after those in memory now (a ``stat`` each, here)
+        load into host memory in the background, after the waiting requests' own loads, and are held for the call
+        until its admission. Dropped by :meth:`drop_prefetch`, or after ``PREFETCH_HOLD_S`` without the call: the
+        blocks then stay as ordinary cache. Returns the blocks it will read."""
+        if request_id in self.scheduler.requests:
+            return 0
+        blocks = self.kv.prefetch(request_id, prompt_token_ids, self.executor.count_stored)
+        if blocks:
+            self._prefetches[request_id] = self.clock() + PREFETCH_HOLD_S
+        return blocks
+
+    def drop_prefetch(self, request_id: str) -> None:
+        """The call read ahead for will not come here: its blocks are let go (they stay cached)."""
+        if self._prefetches.pop(request_id, None) is not None:
+            self.kv.drop_prefetch(request_id)
+
+    def _claim_prefetch(self, request_id: str) -> None:
+        if self._prefetches.pop(request_id, None) is not None:
+            self.kv.claim_prefetch(request_id)
+
     def memory_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
         """How many leading full blocks of a prompt this engine holds in memory (device or host), a lookup that takes
         nothing: a DE-read call's decode engine pushes only the blocks after them (``engine/handoff.py``)."""
@@ -306,6 +336,7 @@ class EngineCore:
         for the rest, which the prefill engine sends. Returns from which block it should send."""
         request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, None)
         request.awaiting_resume = True
+        self._claim_prefetch(request_id)
         # Its first token comes after the PE's queue, prefill and stream, each stream bounded by the timeout.
         self._awaiting[request_id] = self.clock() + 2 * self.handoff_timeout_s
         prompt = request.prompt_token_ids
@@ -418,7 +449,12 @@ class EngineCore:
     def has_work(self) -> bool:
         """Requests to serve, blocks the last step computed still to hand to the disk store's writer, or streams
         to other instances still to report (their blocks are held till then)."""
-        return self.has_unfinished() or self.kv.has_writes_to_hand_over() or self.kv.num_remote_in_flight > 0
+        return (
+            self.has_unfinished()
+            or self.kv.has_writes_to_hand_over()
+            or self.kv.num_remote_in_flight > 0
+            or bool(self._prefetches)  # reads ahead to start, land, or expire
+        )
 
     def close(self) -> None:
         """Hand the last computed blocks to the store's writer, and wait (bounded) until what it was handed is
@@ -440,6 +476,10 @@ class EngineCore:
         """Decide the next step (bookkeeping only; cheap)."""
         if self._awaiting:
             self._drop_stale_intakes()
+        if self._prefetches:
+            now = self.clock()
+            for request_id in [rid for rid, deadline in self._prefetches.items() if deadline < now]:
+                self.drop_prefetch(request_id)
         return self.scheduler.schedule()
 
     def _drop_stale_intakes(self) -> None:

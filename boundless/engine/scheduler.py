@@ -212,6 +212,7 @@ class Scheduler:
                     read = self.kv.plan_disk_read(request.request_id, request.all_token_ids, now)
                     if read is not None:
                         out.disk_reads.append(read)
+            out.disk_reads += self.kv.plan_prefetch_reads(now)  # reads ahead for calls not here yet, after theirs
         for request in order:
             if request.push is not None and not self.kv.has_read_in_flight(request.request_id):
                 out.remote_sends.append(self._push(request))
