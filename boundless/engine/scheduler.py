@@ -60,6 +60,9 @@ class ScheduledChunk:
     # instances (``remote``), whose partials DistAttention merges (docs/distributed-attention.md).
     first_block: int = 0
     remote: tuple[RemoteKV, ...] = ()
+    # Multi-step decoding (``engine/multi_step.py``): forward passes this one-token decode takes in the step's window,
+    # its slots allocated up front (1: an ordinary chunk).
+    num_steps: int = 1
 
 
 @dataclass
@@ -80,6 +83,8 @@ class SchedulerOutput:
     remote_recvs: list[RemoteRecv] = field(default_factory=list)
     remote_sends: list[RemoteSend] = field(default_factory=list)
     num_remote_in_flight: int = 0
+    # Multi-step decoding: forward passes the step runs for its batch (the longest chunk's ``num_steps``).
+    window: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +129,7 @@ class Scheduler:
         clock: Clock,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        num_scheduler_steps: int = 1,
     ) -> None:
         self.kv = kv
         self.policy = policy
@@ -142,6 +148,8 @@ class Scheduler:
         # Attention-time prefill batching (engine/prefill_batching.py): a step's predictor and its quota in seconds,
         # set by the engine once it has fitted one; None: the token budget alone bounds prefills.
         self.prefill_time: tuple[Predictor, float] | None = None
+        # Multi-step decoding: a step of decodes only runs up to this many forward passes (engine/multi_step.py).
+        self.num_scheduler_steps = num_scheduler_steps
         # Tokens of each request in the step decided and not yet recorded (``advance``): a view taken while the
         # step runs (a heartbeat: the engine loop holds its lock only between steps) sees the request as the step
         # will leave it, not with its chunk's blocks taken and its tokens not yet counted.
@@ -204,6 +212,7 @@ class Scheduler:
                     read = self.kv.plan_disk_read(request.request_id, request.all_token_ids, now)
                     if read is not None:
                         out.disk_reads.append(read)
+            out.disk_reads += self.kv.plan_prefetch_reads(now)  # reads ahead for calls not here yet, after theirs
         for request in order:
             if request.push is not None and not self.kv.has_read_in_flight(request.request_id):
                 out.remote_sends.append(self._push(request))
@@ -234,6 +243,7 @@ class Scheduler:
             if request.request_id not in chosen_ids and request.request_id in self._last_chosen:
                 self.stats.num_kept += 1
         self._last_chosen = chosen_ids
+        windows = self._plan_window(chosen) if self.num_scheduler_steps > 1 else None
         for request, num_new in chosen:
             first_block, remote = self.kv.remote_prefix(request.request_id)
             start = request.num_computed_tokens
@@ -254,9 +264,13 @@ class Scheduler:
                     eos_token_ids=request.eos_token_ids,
                     first_block=first_block,
                     remote=remote,
+                    num_steps=windows[request.request_id] if windows else 1,
                 )
             )
-        self.in_flight = {c.request_id: len(c.token_ids) for c in out.chunks}
+        if windows:
+            out.window = max(windows.values())
+        # The tokens each chunk computes (a window's: one per pass), until the step is recorded.
+        self.in_flight = {c.request_id: len(c.token_ids) + c.num_steps - 1 for c in out.chunks}
         out.transfers = self.kv.take_transfers()
         out.disk_writes = self.kv.take_disk_writes()
         out.disk_ages = self.kv.take_disk_ages()
@@ -264,6 +278,24 @@ class Scheduler:
         out.remote_recvs = self.kv.take_remote_recvs()
         out.num_remote_in_flight = self.kv.num_remote_in_flight
         return out
+
+    def _plan_window(self, chosen: list[tuple[Request, int]]) -> dict[str, int] | None:
+        """Multi-step decoding: when every chosen request decodes one token (no prefill, no handoff, no lent blocks),
+        each runs ``num_scheduler_steps`` forward passes, or fewer when its output runs out first, with the slots of
+        all of them allocated now; None (an ordinary step) when the batch is not all decodes or the device lacks
+        free blocks for the window (a window preempts nobody)."""
+        steps = window_lengths(chosen, self.num_scheduler_steps)
+        if steps is None or any(self.kv.num_lent_blocks(r.request_id) for r, _ in chosen):
+            return None
+        kv = self.kv
+        ends = {r.request_id: r.num_computed_tokens + steps[r.request_id] for r, _ in chosen}  # tokens with KV after
+        need = sum(max(0, kv.blocks_for_tokens(end) - kv.num_allocated_blocks(rid)) for rid, end in ends.items())
+        if need > kv.pool.num_free:
+            return None
+        for request, _ in chosen:
+            allocated = kv.allocate(request.request_id, request.all_token_ids, ends[request.request_id])
+            assert allocated, "the window's blocks were counted free"
+        return steps
 
     def tokens_after_step(self, request: Request) -> int:
         """The request's computed tokens once the step decided (if any) has run."""
@@ -512,9 +544,21 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue
-            request.num_computed_tokens += len(chunk.token_ids)
+            request.num_computed_tokens += len(chunk.token_ids) + chunk.num_steps - 1  # a window's passes: one each
             request.service_s += service_s
             self.policy.on_service(request, service_s, now)
+
+
+def window_lengths(chosen: list[tuple[Request, int]], num_scheduler_steps: int) -> dict[str, int] | None:
+    """Each chosen request's forward passes in a multi-step window (``num_scheduler_steps`` at most, and no more than
+    the output tokens it may still produce, so no slot is allocated past its length), or None when the batch is not
+    all one-token decodes that sample (a prefill chunk, a prefill engine's handoff) or no request has a second step."""
+    steps = {}
+    for request, num_new in chosen:
+        if num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens or request.handoff is not None:
+            return None
+        steps[request.request_id] = max(1, min(num_scheduler_steps, request.max_tokens - request.num_output_tokens))
+    return steps if steps and max(steps.values()) > 1 else None
 
 
 def _prefix_within(prefix: CachedPrefix, limit: int) -> CachedPrefix:
