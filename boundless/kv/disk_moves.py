@@ -90,6 +90,11 @@ class DiskIOStats:
     blocks_dropped: int = 0  # write-through or write-back blocks dropped because the writer's queue was full
     blocks_failed: int = 0  # writes the store could not complete
     blocks_aged: int = 0  # blocks the store put first in its eviction order (no live program uses them)
+    # Layerwise loads (kv/layer_gate.py): loads reported before their link had carried them, the seconds forward
+    # passes waited at a layer for one to arrive, and the gates waited past (their link stuck past the timeout).
+    layerwise_loads: int = 0
+    layer_wait_s: float = 0.0
+    layer_wait_timeouts: int = 0
     store: object | None = None  # the store's own stats (DiskKVStore.stats()), as it last reported them
 
 
