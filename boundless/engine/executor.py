@@ -88,6 +88,8 @@ class ModelExecutor:
     def connect(self, remote: Callable[[Mapping[TierId, KVTier]], RemoteIO]) -> RemoteIO:
         """Give the executor its block streams to other instances, built over its memory tiers."""
         self.remote = remote(self.tiers)
+        kv_io = self.kv_io
+        self.remote.gates_for = lambda refs: kv_io.gates_for([r.block_id for r in refs if r.tier == HOST])
         return self.remote
 
     def count_stored(self, keys: Sequence[BlockHash]) -> int:

@@ -6,7 +6,6 @@ short computes the rest."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -25,32 +24,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = [(13 * j) % 300 + 3 for j in range(70)]  # four full blocks of 16, and six tokens
 
 
-class HeldLink:
-    """A storage link the test drives: reads cost nothing, and the parts of a layerwise load cross only when
-    the test lets them (:meth:`let_through`), so what runs before the load has arrived is deterministic."""
-
-    def __init__(self) -> None:
-        self._allowed = 0
-        self._changed = threading.Condition()
-        self.parts_carried = 0
-
-    def transfer(self, nbytes: int) -> None:
-        pass
-
-    def transfer_parts(self, sizes: Sequence[int], on_part: Callable[[int], None]) -> None:
-        for i in range(len(sizes)):
-            with self._changed:
-                self._changed.wait_for(lambda: self._allowed > self.parts_carried, timeout=60)
-                self.parts_carried += 1
-            on_part(i)
-
-    def let_through(self, parts: int) -> None:
-        with self._changed:
-            self._allowed += parts
-            self._changed.notify_all()
-
-
-def _engine(loaded: LoadedModel, store, link: HeldLink, tmp_path: Path, **cache) -> EngineCore:
+def _engine(loaded: LoadedModel, store, link, tmp_path: Path, **cache) -> EngineCore:
     arch = loaded.arch
     per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, 16, loaded.dtype)
     config = EngineConfig(
@@ -100,9 +74,9 @@ def _gates_of(core: EngineCore, sched: SchedulerOutput) -> list:
 
 
 def test_a_request_runs_while_its_load_crosses_the_link_and_gives_the_cold_tokens(
-    tiny_llama: LoadedModel, dict_store: type, tmp_path: Path
+    tiny_llama: LoadedModel, dict_store: type, held_link: type, tmp_path: Path
 ) -> None:
-    link = HeldLink()
+    link = held_link()
     core = _engine(tiny_llama, dict_store(), link, tmp_path)
     outputs: dict[str, list[int]] = {}
     cold = _cold_then_stored(core, outputs)
@@ -130,9 +104,9 @@ def test_a_request_runs_while_its_load_crosses_the_link_and_gives_the_cold_token
 
 
 def test_with_layerwise_loads_off_a_request_waits_for_its_whole_load(
-    tiny_llama: LoadedModel, dict_store: type, tmp_path: Path
+    tiny_llama: LoadedModel, dict_store: type, held_link: type, tmp_path: Path
 ) -> None:
-    link = HeldLink()
+    link = held_link()
     core = _engine(tiny_llama, dict_store(), link, tmp_path, layerwise_load="off")
     outputs: dict[str, list[int]] = {}
     cold = _cold_then_stored(core, outputs)
@@ -148,9 +122,9 @@ def test_with_layerwise_loads_off_a_request_waits_for_its_whole_load(
 
 
 def test_a_link_that_stalls_mid_load_is_waited_past_after_the_timeout(
-    tiny_llama: LoadedModel, dict_store: type, tmp_path: Path
+    tiny_llama: LoadedModel, dict_store: type, held_link: type, tmp_path: Path
 ) -> None:
-    link = HeldLink()
+    link = held_link()
     core = _engine(tiny_llama, dict_store(), link, tmp_path, kv_load_timeout_s=0.2)
     outputs: dict[str, list[int]] = {}
     cold = _cold_then_stored(core, outputs)
@@ -168,10 +142,10 @@ def test_a_link_that_stalls_mid_load_is_waited_past_after_the_timeout(
 
 @pytest.mark.parametrize("lost", [0, 2])
 def test_a_load_that_comes_back_short_computes_the_rest(
-    tiny_llama: LoadedModel, dict_store: type, tmp_path: Path, lost: int
+    tiny_llama: LoadedModel, dict_store: type, held_link: type, tmp_path: Path, lost: int
 ) -> None:
     base = dict_store()
-    link = HeldLink()
+    link = held_link()
     link.let_through(10_000)
     core = _engine(tiny_llama, base, link, tmp_path)
     outputs: dict[str, list[int]] = {}
