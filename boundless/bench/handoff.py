@@ -12,6 +12,12 @@ Per run: ``prefill_s``, the PE's step from the request's arrival to its first to
 stream from its first message to its last; ``exposed_s``, the part of the stream after the forward pass
 ended (what the overlap did not hide); and ``ready_s`` = ``prefill_s`` + ``exposed_s``, when the DE holds
 every block and could decode. Medians over ``--repeats`` (each with a fresh prompt, so nothing is cached).
+
+``--receive`` measures the other side, a request whose stored context is loaded (``kv/layer_gate.py``): one
+engine over a disk store behind an emulated storage link at ``--storage-gbps``; each prompt is a fresh context
+of ``--prompt-tokens`` (written to the store by a first run, then dropped from memory) and ``--append-tokens``
+of new input; its time to first token with the load taken ``whole`` before the prefill, or ``layerwise``
+(the prefill runs while the load crosses the link, each layer waiting for its own KV), on the same engine.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ from boundless.bench.report import print_table, write_json
 from boundless.cluster.links import Link, ThrottledLink, gbps_to_bytes_per_s
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
+from boundless.engine.executor import ModelExecutor
 from boundless.engine.handoff import HandoffPlan, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
+from boundless.kv.tensors import PagedKVCache
 from boundless.model.loader import LoadedModel, load_model
 from boundless.transport.shm import ShmTransport
 
@@ -39,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", default="512,2048", help="prompt lengths, comma-separated")
     parser.add_argument("--net-gbps", type=float, default=1.0, help="the PE's emulated network link")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--receive", action="store_true", help="the receive side: a stored context loaded whole, or layer by layer"
+    )
+    parser.add_argument("--storage-gbps", type=float, default=2.0, help="--receive: the engine's storage link")
+    parser.add_argument("--append-tokens", type=int, default=256, help="--receive: new input after the context")
     parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
 
 
@@ -107,9 +120,109 @@ def measure(loaded: LoadedModel, lengths: list[int], net_gbps: float, repeats: i
     return rows
 
 
+def _receive_config(loaded: LoadedModel, store: str, max_tokens: int) -> EngineConfig:
+    blocks = max_tokens // 16 + 8
+    arch = loaded.arch
+    per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, 16, loaded.dtype)
+    return EngineConfig(
+        model=ModelConfig(model=loaded.name, max_model_len=blocks * 16),
+        # Host memory for three contexts: a load may take half of it (the prefetch share).
+        cache=CacheConfig(
+            num_kv_blocks=blocks, kv_host_gb=3 * blocks * per_block / (1 << 30), kv_disk_path=store,
+            kv_write_policy="through", kv_load_timeout_s=120.0,
+        ),
+        scheduler=SchedulerConfig(policy="fcfs", max_num_batched_tokens=max(2048, max_tokens)),
+    )  # fmt: skip
+
+
+def _first_token_s(core: EngineCore, rid: str, prompt: list[int]) -> float:
+    """Seconds from the request's arrival to its first token."""
+    start = time.perf_counter()
+    core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    while core.has_unfinished():
+        if any(d.request_id == rid and d.new_token_ids for d in core.step()):
+            elapsed = time.perf_counter() - start
+            while core.has_unfinished():
+                core.step()
+            return elapsed
+    raise RuntimeError(f"{rid} produced no token")
+
+
+def measure_receive(
+    loaded: LoadedModel, lengths: list[int], append: int, storage_gbps: float, repeats: int
+) -> list[dict[str, Any]]:
+    """Time to first token of a prompt whose stored context is loaded whole, or layer by layer (module doc)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = loaded.arch.vocab_size
+    rate = gbps_to_bytes_per_s(storage_gbps)
+    runs: dict[tuple[str, int], list[tuple[float, float, int]]] = {}
+    with tempfile.TemporaryDirectory(prefix="boundless-receive-") as store:
+        link = ThrottledLink(Link("storage", rate), time.monotonic, time.sleep)
+        core = EngineCore.from_model(loaded, _receive_config(loaded, store, max(lengths) + append), read_link=link)
+        executor = core.executor
+        assert isinstance(executor, ModelExecutor)
+        kv_io = executor.kv_io
+        _first_token_s(core, "warm", torch.randint(3, vocab, (64,)).tolist())
+        for length in lengths:
+            for r in range(repeats):
+                for mode in ("whole", "layerwise"):  # interleaved: drifting load on the machine hits both alike
+                    context = torch.randint(3, vocab, (length,), generator=generator).tolist()
+                    new = torch.randint(3, vocab, (append,), generator=generator).tolist()
+                    _first_token_s(core, f"write-{mode}-{length}-{r}", context)  # written through to the store
+                    while core.has_work():  # its last blocks go to the writer at the next step
+                        core.step()
+                    kv_io.flush()
+                    core.reset_prefix_cache()  # only the store has it now
+                    kv_io.layerwise = mode == "layerwise"
+                    before = core.stats().disk_io
+                    ttft = _first_token_s(core, f"{mode}-{length}-{r}", context + new)
+                    after = core.stats().disk_io
+                    assert before is not None and after is not None
+                    loaded_blocks = after.blocks_loaded - before.blocks_loaded
+                    if loaded_blocks != length // 16:
+                        raise RuntimeError(f"loaded {loaded_blocks} of {length // 16} stored blocks")
+                    waited = after.layer_wait_s - before.layer_wait_s
+                    runs.setdefault((mode, length), []).append((ttft, waited, loaded_blocks))
+        executor.close()
+    rows = []
+    for (mode, length), xs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "whole")):
+        ttft, waited = statistics.median(x[0] for x in xs), statistics.median(x[1] for x in xs)
+        kv_bytes = xs[0][2] * core.layout.bytes_per_block
+        rows.append(
+            {"mode": mode, "context_tokens": length, "append_tokens": append, "kv_mb": round(kv_bytes / 1e6, 1),
+             "link_s": kv_bytes / rate, "ttft_s": ttft, "layer_wait_s": waited}
+        )  # fmt: skip
+    return rows
+
+
+def run_receive(args: argparse.Namespace, loaded: LoadedModel, lengths: list[int]) -> None:
+    rows = measure_receive(loaded, lengths, args.append_tokens, args.storage_gbps, args.repeats)
+    whole = {r["context_tokens"]: r["ttft_s"] for r in rows if r["mode"] == "whole"}
+    print(
+        f"{args.model}, storage link {args.storage_gbps:g} Gbit/s, {args.append_tokens} new tokens, "
+        f"median of {args.repeats}"
+    )
+    print_table(
+        ["mode", "context", "KV MB", "link s", "TTFT s", "layer waits s", "vs whole"],
+        [
+            [r["mode"], r["context_tokens"], r["kv_mb"], f"{r['link_s']:.3f}", f"{r['ttft_s']:.3f}",
+             f"{r['layer_wait_s']:.3f}", f"{r['ttft_s'] / whole[r['context_tokens']]:.2f}x"]
+            for r in rows
+        ],
+    )  # fmt: skip
+    if args.json:
+        write_json(
+            args.json,
+            {"model": args.model, "storage_gbps": args.storage_gbps, "append_tokens": args.append_tokens, "rows": rows},
+        )
+
+
 def run(args: argparse.Namespace) -> None:
     loaded = load_model(args.model)
     lengths = [int(x) for x in args.prompt_tokens.split(",")]
+    if args.receive:
+        run_receive(args, loaded, lengths)
+        return
     rows = measure(loaded, lengths, args.net_gbps, args.repeats)
     print(f"{args.model}, net link {args.net_gbps:g} Gbit/s, median of {args.repeats}")
     print_table(
