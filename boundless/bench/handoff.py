@@ -135,16 +135,24 @@ def _receive_config(loaded: LoadedModel, store: str, max_tokens: int) -> EngineC
     )  # fmt: skip
 
 
-def _first_token_s(core: EngineCore, rid: str, prompt: list[int]) -> float:
-    """Seconds from the request's arrival to its first token."""
+def _first_token_s(core: EngineCore, rid: str, prompt: list[int]) -> tuple[float, float]:
+    """Seconds from the request's arrival to its first token, and to the start of its first step (what it
+    waited for its load before it could run)."""
     start = time.perf_counter()
     core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    while core.has_unfinished():
-        if any(d.request_id == rid and d.new_token_ids for d in core.step()):
+    admitted = None
+    while core.has_unfinished():  # EngineCore.step, with the time its first step starts
+        sched = core.schedule()
+        if sched.is_empty:
+            continue
+        if admitted is None and any(c.request_id == rid for c in sched.chunks):
+            admitted = time.perf_counter() - start
+        if any(d.request_id == rid and d.new_token_ids for d in core.finish_step(sched, core.execute(sched))):
             elapsed = time.perf_counter() - start
             while core.has_unfinished():
                 core.step()
-            return elapsed
+            assert admitted is not None
+            return elapsed, admitted
     raise RuntimeError(f"{rid} produced no token")
 
 
@@ -155,7 +163,7 @@ def measure_receive(
     generator = torch.Generator().manual_seed(0)
     vocab = loaded.arch.vocab_size
     rate = gbps_to_bytes_per_s(storage_gbps)
-    runs: dict[tuple[str, int], list[tuple[float, float, int]]] = {}
+    runs: dict[tuple[str, int], list[tuple[float, float, float, int]]] = {}
     with tempfile.TemporaryDirectory(prefix="boundless-receive-") as store:
         link = ThrottledLink(Link("storage", rate), time.monotonic, time.sleep)
         core = EngineCore.from_model(loaded, _receive_config(loaded, store, max(lengths) + append), read_link=link)
@@ -175,22 +183,26 @@ def measure_receive(
                     core.reset_prefix_cache()  # only the store has it now
                     kv_io.layerwise = mode == "layerwise"
                     before = core.stats().disk_io
-                    ttft = _first_token_s(core, f"{mode}-{length}-{r}", context + new)
+                    ttft, admitted = _first_token_s(core, f"{mode}-{length}-{r}", context + new)
                     after = core.stats().disk_io
                     assert before is not None and after is not None
                     loaded_blocks = after.blocks_loaded - before.blocks_loaded
                     if loaded_blocks != length // 16:
                         raise RuntimeError(f"loaded {loaded_blocks} of {length // 16} stored blocks")
                     waited = after.layer_wait_s - before.layer_wait_s
-                    runs.setdefault((mode, length), []).append((ttft, waited, loaded_blocks))
+                    runs.setdefault((mode, length), []).append((ttft, admitted, waited, loaded_blocks))
         executor.close()
     rows = []
     for (mode, length), xs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "whole")):
-        ttft, waited = statistics.median(x[0] for x in xs), statistics.median(x[1] for x in xs)
-        kv_bytes = xs[0][2] * core.layout.bytes_per_block
+        ttft, admitted, waited = (statistics.median(x[i] for x in xs) for i in range(3))
+        kv_bytes = xs[0][3] * core.layout.bytes_per_block
+        # What the load added to the first token: the wait before the first step, and the forward's layer waits
+        # (the prefill's compute is the rest).
+        exposed = statistics.median(x[1] + x[2] for x in xs)
         rows.append(
             {"mode": mode, "context_tokens": length, "append_tokens": append, "kv_mb": round(kv_bytes / 1e6, 1),
-             "link_s": kv_bytes / rate, "ttft_s": ttft, "layer_wait_s": waited}
+             "link_s": kv_bytes / rate, "ttft_s": ttft, "admitted_s": admitted, "layer_wait_s": waited,
+             "load_exposed_s": exposed}
         )  # fmt: skip
     return rows
 
@@ -203,10 +215,11 @@ def run_receive(args: argparse.Namespace, loaded: LoadedModel, lengths: list[int
         f"median of {args.repeats}"
     )
     print_table(
-        ["mode", "context", "KV MB", "link s", "TTFT s", "layer waits s", "vs whole"],
+        ["mode", "context", "KV MB", "link s", "admitted s", "layer waits s", "load exposed s", "TTFT s", "vs whole"],
         [
-            [r["mode"], r["context_tokens"], r["kv_mb"], f"{r['link_s']:.3f}", f"{r['ttft_s']:.3f}",
-             f"{r['layer_wait_s']:.3f}", f"{r['ttft_s'] / whole[r['context_tokens']]:.2f}x"]
+            [r["mode"], r["context_tokens"], r["kv_mb"], f"{r['link_s']:.3f}", f"{r['admitted_s']:.3f}",
+             f"{r['layer_wait_s']:.3f}", f"{r['load_exposed_s']:.3f}", f"{r['ttft_s']:.3f}",
+             f"{r['ttft_s'] / whole[r['context_tokens']]:.2f}x"]
             for r in rows
         ],
     )  # fmt: skip
