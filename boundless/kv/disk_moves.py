@@ -83,7 +83,9 @@ class DiskIOStats:
 
     probes: int = 0
     loads: int = 0
-    load_seconds: float = 0.0  # summed over loads, from the loader taking one up to its blocks in host memory
+    # summed over loads, from the loader taking one up to its blocks in host memory (a layerwise load: read and
+    # checked, before its link has carried it)
+    load_seconds: float = 0.0
     blocks_loaded: int = 0
     blocks_missing: int = 0  # asked for by a load but missing or unreadable (recomputed instead)
     blocks_written: int = 0
