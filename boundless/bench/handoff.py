@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--storage-gbps", type=float, default=2.0, help="--receive: the engine's storage link")
     parser.add_argument("--append-tokens", type=int, default=256, help="--receive: new input after the context")
+    parser.add_argument(
+        "--push",
+        action="store_true",
+        help="--receive on the DE-read path: a decode engine loads the context and pushes it to a prefill engine "
+        "over --net-gbps, whole once loaded or layer by layer as it loads",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
 
 
@@ -207,6 +213,105 @@ def measure_receive(
     return rows
 
 
+def _pushed_first_token_s(
+    pe: EngineCore, de: EngineCore, pe_net: ShmTransport, de_net: ShmTransport, rid: str, prompt: list[int]
+) -> tuple[float, float, int]:
+    """A DE-read call by hand (the dispatcher's moves): the DE loads the stored context and pushes it to the PE,
+    which prefills. Seconds from the call to the push having landed on the PE and to the PE's first token, and
+    the blocks pushed."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    tag = hash(rid) & 0xFFFFFF
+    start = time.perf_counter()
+    answer = de.prepare_intake(rid, prompt, params, IntakePlan(pe_net.address, recv_tag=tag, push_tag=tag + 1))
+    plan = HandoffPlan(de_net.address, tag, answer.send_from_block, tag + 1, answer.push_blocks, answer.push_from)
+    pe.add_request(rid, prompt, params, handoff=plan)
+    landed = None
+    while pe.has_unfinished():
+        pe.step()
+        de.step()
+        if landed is None and not pe.kv.is_receiving(rid):
+            landed = time.perf_counter() - start
+    ttft = time.perf_counter() - start
+    de.abort(rid)
+    while pe.kv.num_remote_in_flight or de.kv.num_remote_in_flight:
+        pe.step()
+        de.step()
+    assert landed is not None
+    return landed, ttft, answer.push_blocks
+
+
+def measure_push(
+    loaded: LoadedModel, lengths: list[int], append: int, storage_gbps: float, net_gbps: float, repeats: int
+) -> list[dict[str, Any]]:
+    """DE-read: the DE's load pushed to the PE whole once loaded, or each layer as it crosses the DE's storage link
+    (then its network link carries the push at the same time)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = loaded.arch.vocab_size
+    runs: dict[tuple[str, int], list[tuple[float, float, int]]] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="boundless-push-") as store,
+        tempfile.TemporaryDirectory(prefix="boundless-push-", dir="/dev/shm") as directory,
+    ):
+        config = _receive_config(loaded, store, max(lengths) + append)
+        storage = ThrottledLink(Link("storage", gbps_to_bytes_per_s(storage_gbps)), time.monotonic, time.sleep)
+        net = ThrottledLink(Link("net", gbps_to_bytes_per_s(net_gbps)), time.monotonic, time.sleep)
+        pe, de = EngineCore.from_model(loaded, config), EngineCore.from_model(loaded, config, read_link=storage)
+        pe_net, de_net = ShmTransport(directory, "pe"), ShmTransport(directory, "de")
+        pe.connect(pe_net, throttle=net.transfer)
+        de.connect(de_net, throttle=net.transfer)
+        executor = de.executor
+        assert isinstance(executor, ModelExecutor)
+        for length in lengths:
+            for r in range(repeats):
+                for mode in ("whole", "layerwise"):
+                    context = torch.randint(3, vocab, (length,), generator=generator).tolist()
+                    new = torch.randint(3, vocab, (append,), generator=generator).tolist()
+                    _first_token_s(de, f"write-{mode}-{length}-{r}", context)
+                    while de.has_work():
+                        de.step()
+                    executor.kv_io.flush()
+                    de.reset_prefix_cache()
+                    executor.kv_io.layerwise = mode == "layerwise"
+                    landed, ttft, pushed = _pushed_first_token_s(
+                        pe, de, pe_net, de_net, f"{mode}-{length}-{r}", context + new
+                    )
+                    if pushed != length // 16:
+                        raise RuntimeError(f"pushed {pushed} of {length // 16} stored blocks")
+                    runs.setdefault((mode, length), []).append((landed, ttft, pushed))
+        pe_net.close()
+        de_net.close()
+    rows = []
+    for (mode, length), xs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "whole")):
+        kv_bytes = xs[0][2] * pe.layout.bytes_per_block
+        rows.append(
+            {"mode": mode, "context_tokens": length, "append_tokens": append, "kv_mb": round(kv_bytes / 1e6, 1),
+             "storage_s": kv_bytes / gbps_to_bytes_per_s(storage_gbps),
+             "net_s": kv_bytes / gbps_to_bytes_per_s(net_gbps),
+             "landed_s": statistics.median(x[0] for x in xs), "ttft_s": statistics.median(x[1] for x in xs)}
+        )  # fmt: skip
+    return rows
+
+
+def run_push(args: argparse.Namespace, loaded: LoadedModel, lengths: list[int]) -> None:
+    rows = measure_push(loaded, lengths, args.append_tokens, args.storage_gbps, args.net_gbps, args.repeats)
+    whole = {r["context_tokens"]: r["ttft_s"] for r in rows if r["mode"] == "whole"}
+    print(
+        f"{args.model}, DE-read: DE storage link {args.storage_gbps:g} Gbit/s, network {args.net_gbps:g} Gbit/s, "
+        f"{args.append_tokens} new tokens, median of {args.repeats}"
+    )
+    print_table(
+        ["push", "context", "KV MB", "storage s", "net s", "push landed s", "TTFT s", "vs whole"],
+        [
+            [r["mode"], r["context_tokens"], r["kv_mb"], f"{r['storage_s']:.3f}", f"{r['net_s']:.3f}",
+             f"{r['landed_s']:.3f}", f"{r['ttft_s']:.3f}", f"{r['ttft_s'] / whole[r['context_tokens']]:.2f}x"]
+            for r in rows
+        ],
+    )  # fmt: skip
+    if args.json:
+        write_json(args.json, {"model": args.model, "storage_gbps": args.storage_gbps, "net_gbps": args.net_gbps,
+                               "append_tokens": args.append_tokens, "rows": rows})  # fmt: skip
+
+
 def run_receive(args: argparse.Namespace, loaded: LoadedModel, lengths: list[int]) -> None:
     rows = measure_receive(loaded, lengths, args.append_tokens, args.storage_gbps, args.repeats)
     whole = {r["context_tokens"]: r["ttft_s"] for r in rows if r["mode"] == "whole"}
@@ -233,6 +338,9 @@ def run_receive(args: argparse.Namespace, loaded: LoadedModel, lengths: list[int
 def run(args: argparse.Namespace) -> None:
     loaded = load_model(args.model)
     lengths = [int(x) for x in args.prompt_tokens.split(",")]
+    if args.receive and args.push:
+        run_push(args, loaded, lengths)
+        return
     if args.receive:
         run_receive(args, loaded, lengths)
         return

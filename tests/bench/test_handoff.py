@@ -4,7 +4,7 @@ is over before the sender wakes.)"""
 
 from __future__ import annotations
 
-from boundless.bench.handoff import measure, measure_receive
+from boundless.bench.handoff import measure, measure_push, measure_receive
 from boundless.model.loader import LoadedModel
 
 
@@ -25,3 +25,12 @@ def test_the_receive_side_loads_the_whole_context_in_both_modes_and_only_layerwi
     assert whole["layer_wait_s"] == 0 and whole["admitted_s"] >= whole["link_s"]  # it ran after the whole load
     assert layerwise["layer_wait_s"] > 0, rows  # it ran while the link carried the load, waiting at the layers
     assert whole["ttft_s"] > 0 and layerwise["ttft_s"] > 0
+
+
+def test_the_de_read_push_lands_its_whole_context_in_both_modes(tiny_llama: LoadedModel) -> None:
+    rows = {r["mode"]: r for r in measure_push(tiny_llama, [96], 16, storage_gbps=0.002, net_gbps=0.002, repeats=1)}
+    whole, layerwise = rows["whole"], rows["layerwise"]
+    assert whole["storage_s"] == layerwise["storage_s"] > 0  # the same six blocks loaded and pushed
+    # Whole, the push starts once the DE's storage link has carried the load: it lands after both links' time.
+    assert whole["landed_s"] >= whole["storage_s"] + whole["net_s"]
+    assert 0 < layerwise["landed_s"] <= layerwise["ttft_s"]
