@@ -173,6 +173,14 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests in one step"})
+    num_scheduler_steps: int = field(
+        default=1,
+        metadata={
+            "help": "multi-step decoding: a step of decodes only runs this many forward passes for the same batch, "
+            "scheduled once (each request's slots allocated up front, tokens past its stop discarded); arrivals "
+            "and finishes take effect at the window's end"
+        },
+    )
     policy: str = field(
         default="atlas",
         metadata={"help": f"order of service: {', '.join(POLICIES)} (atlas equals plas for single threads)"},
@@ -205,6 +213,7 @@ class SchedulerConfig:
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
         _require(self.prefill_batching in ("tokens", "attention"), "prefill_batching", "must be tokens or attention")
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
+        _require(self.num_scheduler_steps >= 1, "num_scheduler_steps", "must be >= 1")
         _require(self.policy in POLICIES, "policy", f"unknown policy {self.policy!r}; one of {', '.join(POLICIES)}")
         _require(self.num_queues >= 1, "num_queues", "must be >= 1")
         _require(self.queue_base_s > 0, "queue_base_s", "must be positive")
@@ -343,7 +352,7 @@ class ClusterConfig:
         default=1,
         metadata={
             "help": "a running request counts as waiting for blocks when its next N prefill chunks do not fit: "
-            "plans act on a heartbeat-old report, so looking further ahead lends before the engine evicts it"
+            "plans act on a heartbeat-old report, so looking further ahead lends before the request stalls"
         },
     )
     lending_reservation_timeout_s: float = field(

@@ -87,6 +87,7 @@ class Serving:
     max_model_len: int
     links: dict[str, list[LinkStats]]  # filled at the end: per instance (p0, d0, or colocated)
     read_paths: dict[str, int]  # calls placed per read path (PD only)
+    prefetches: dict[str, int] = dataclasses.field(default_factory=dict)  # reads ahead for waiting calls, per path
     computed: dict[str, int] = dataclasses.field(default_factory=dict)  # tokens each instance ran through the model
     load_timeouts: int = 0  # store loads given up on (then recomputed)
     recomputed_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # stored blocks computed, by why
@@ -186,6 +187,7 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
                 run.preemptions = {iid: s.num_preemptions for iid, s in stats.items()}
                 run.load_timeouts = sum(s.kv_tiers[DISK].load_timeouts for s in stats.values() if DISK in s.kv_tiers)
                 run.read_paths = dict(pd.dispatcher.placements)
+                run.prefetches = dict(pd.dispatcher.prefetches)
                 run.recomputed_blocks = {
                     f"{iid}:{why}": n
                     for iid, s in stats.items()
@@ -213,6 +215,7 @@ def run_once(
     row |= summarize(turns, setup.slo)
     row |= link_figures(run.links, row["jct_s"])
     row["read_paths"] = run.read_paths
+    row["prefetches"] = run.prefetches
     row |= {f"{iid}_computed_tokens": n for iid, n in run.computed.items()}
     row["load_timeouts"] = run.load_timeouts
     row["recomputed_blocks"] = run.recomputed_blocks
@@ -414,7 +417,8 @@ def _print_progress(row: dict[str, Any]) -> None:
     print(
         f"{row['phase']} {row['mode']} @ {row['storage_gbps']} Gbit/s: JCT {row['jct_s']:.1f} s, "
         f"{row['turns_per_s']:.2f} turns/s, TTFT {row['ttft_mean_s']:.2f} s, TPOT {row['tpot_mean_s'] * 1000:.0f} ms, "
-        f"SLO {row['slo_attainment']:.0%}, paths {row['read_paths']}, failed {row['failed_turns']}, "
+        f"SLO {row['slo_attainment']:.0%}, paths {row['read_paths']}, read ahead {row['prefetches']}, "
+        f"failed {row['failed_turns']}, "
         f"load timeouts {row['load_timeouts']}, stored blocks recomputed {row['recomputed_blocks']}, "
         f"read twice {row['reloaded_blocks']}, preemptions {row['preemptions']}; "
         + ", ".join(f"{k} {v}" for k, v in row.items() if _is_instance_figure(k)),

@@ -40,9 +40,11 @@ from boundless.cluster.lending_instance import LendingSetup
 from boundless.cluster.links import LinkStats
 from boundless.cluster.pd_dispatcher import (
     Continue,
+    DropPrefetch,
     PDDecision,
     PDDispatcher,
     PDInstance,
+    Prefetch,
     Prepare,
     PrepareResult,
     placement_counts,
@@ -134,6 +136,10 @@ class DispatcherFrontEnd:
                 self._abort_on(decision)
             elif isinstance(decision, PeerLost):
                 self._peer_lost(decision)
+            elif isinstance(decision, Prefetch):
+                self._prefetch(decision)
+            elif isinstance(decision, DropPrefetch):
+                self._drop_prefetch(decision)
         return failure
 
     def _prepare_decode(self, prepare: Prepare) -> PrepareResult:
@@ -166,6 +172,12 @@ class DispatcherFrontEnd:
         raise NotImplementedError
 
     def _peer_lost(self, lost: PeerLost) -> None:
+        raise NotImplementedError
+
+    def _prefetch(self, prefetch: Prefetch) -> None:
+        raise NotImplementedError
+
+    def _drop_prefetch(self, drop: DropPrefetch) -> None:
         raise NotImplementedError
 
 
@@ -332,7 +344,14 @@ class ClusterClient(DispatcherFrontEnd):
         for path, n, tokens in placement_counts(self.dispatcher):
             placed.add_metric([path], float(n))
             stored.add_metric([path], float(tokens))
-        yield from (placed, stored)
+        ahead = CounterMetricFamily(
+            "boundless_pd_prefetches",
+            "stored contexts read ahead for calls waiting for a placement, by the read path they serve (pe, de)",
+            labels=["read_path"],
+        )
+        for path, n in sorted(self.dispatcher.prefetches.items()):
+            ahead.add_metric([path], float(n))
+        yield from (placed, stored, ahead)
 
     def shutdown(self) -> None:
         import ray
@@ -362,6 +381,13 @@ class ClusterClient(DispatcherFrontEnd):
 
     def _peer_lost(self, lost: PeerLost) -> None:
         self.instances[lost.instance_id].actor.lend_peer_lost.remote(lost.lost)
+
+    def _prefetch(self, prefetch: Prefetch) -> None:
+        # Not waited for: a prefetch only saves a later read, and an instance that dies is found by its heartbeat.
+        self.instances[prefetch.instance_id].actor.prefetch.remote(prefetch.request_id, prefetch.prompt)
+
+    def _drop_prefetch(self, drop: DropPrefetch) -> None:
+        self.instances[drop.instance_id].actor.drop_prefetch.remote(drop.request_id)
 
     def _add(self, send: Send) -> AddResult:
         """The instance's answer to ``send``, with Ray's errors told apart."""
@@ -522,6 +548,7 @@ def make_pd_dispatcher(
             iid if emulated else i.node,
             i.kv_address,
             i.kv_blocks * i.block_size if i.role == "decode" and i.kv_blocks else None,
+            i.host_blocks * i.block_size if i.host_blocks else None,
         )
         for iid, i in infos.items()
     }

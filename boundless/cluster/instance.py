@@ -7,6 +7,7 @@ nothing depends on how Ray wraps exceptions.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -36,6 +37,8 @@ from boundless.transport.endpoints import EndpointSpec, open_endpoint
 # seed equals its value, as a request that trips a bug in the engine would.
 FAIL_ADD_SEED_ENV = "BOUNDLESS_TEST_FAIL_ADD_SEED"
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class InstanceInfo:
@@ -50,6 +53,7 @@ class InstanceInfo:
     kv_bytes_per_block: int = 0
     fingerprint: str = ""
     kv_blocks: int = 0  # its device KV pool
+    host_blocks: int = 0  # its host KV memory (what the dispatcher's reads ahead for waiting calls may use a share of)
     lending: bool = False  # it lends and borrows KV; ``kv_address`` is its rManager's id
 
 
@@ -151,6 +155,7 @@ class EngineInstance:
             kv_bytes_per_block=core.layout.bytes_per_block,
             fingerprint=core.identity.fingerprint,
             kv_blocks=core.layout.num_blocks,
+            host_blocks=core.layout.num_host_blocks,
         )
 
     def add(
@@ -193,6 +198,19 @@ class EngineInstance:
         """How many leading full blocks of a prompt this engine holds in memory: asked of a DE-read call's prefill
         engine before its decode engine is prepared, so that the decode engine pushes only the rest."""
         return self.loop.memory_prefix_blocks(prompt_token_ids)
+
+    def prefetch(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """Read a call's stored KV into host memory before the call comes here (``EngineCore.prefetch``); returns the
+        blocks it will read. Never raises: a prefetch only saves a read later."""
+        try:
+            return self.loop.prefetch(request_id, prompt_token_ids)
+        except Exception:
+            log.exception("prefetch of %s failed", request_id)
+            return 0
+
+    def drop_prefetch(self, request_id: str) -> None:
+        """The call prefetched here will not come: its blocks are let go (they stay as cache)."""
+        self.loop.drop_prefetch(request_id)
 
     def continue_request(self, request_id: str, resume: Resume) -> AddResult:
         """Give a prepared call its first token; ``failed`` if this engine no longer holds it."""

@@ -29,7 +29,7 @@ from boundless.cluster.client import (
 from boundless.cluster.dispatcher import AbortOn, AddResult, MarkDead, Send
 from boundless.cluster.instance import EngineInstance
 from boundless.cluster.links import LinkStats
-from boundless.cluster.pd_dispatcher import Continue, Prepare, PrepareResult
+from boundless.cluster.pd_dispatcher import Continue, DropPrefetch, Prefetch, Prepare, PrepareResult
 from boundless.cluster.pd_scheduler import read_queue_tokens
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import StreamRegistry
@@ -120,6 +120,12 @@ class LocalPDCluster(DispatcherFrontEnd):
 
     def _abort_on(self, abort: AbortOn) -> None:
         self.instances[abort.instance_id].abort(abort.request_id)
+
+    def _prefetch(self, prefetch: Prefetch) -> None:
+        self.instances[prefetch.instance_id].prefetch(prefetch.request_id, prefetch.prompt)
+
+    def _drop_prefetch(self, drop: DropPrefetch) -> None:
+        self.instances[drop.instance_id].drop_prefetch(drop.request_id)
 
     # -- background threads -------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ from boundless.cluster.pd_scheduler import (
     PendingRequest,
     ReadPath,
     Role,
+    plan_prefetches,
     schedule,
 )
 from boundless.cluster.routing import Router
@@ -72,6 +73,12 @@ from boundless.programs.ref import ProgramRef
 # by promoting starved calls), and is far above an agent's turn here (a few seconds), so sessions keep their turns
 # back to back.
 PROGRAM_ORDER_LEAD_S = 60.0
+# Of an engine's host memory, the share that reads ahead for calls not yet placed (:class:`Prefetch`) may take, in
+# the dispatcher's count. Half of what the engine's own loads for its waiting requests may hold (``kv/manager.py``,
+# ``PREFETCH_SHARE``), so that the calls placed meanwhile still find room to load, and receives from peers room to
+# land; at 0.25 of the benchmark's host memory (room for 4 of the longest contexts) that is ~2 first contexts ahead
+# per engine, ~2 s of reading on two 25 MB/s links: enough to keep a link busy between placements.
+PREFETCH_HOST_SHARE = 0.25
 
 Phase = Literal["queued", "preparing", "prefilling", "continuing", "decoding"]
 
@@ -86,6 +93,7 @@ class PDInstance:
     node: str
     address: str
     kv_capacity_tokens: int | None = None  # a DE's KV memory (device blocks x block size); None: not limited
+    host_capacity_tokens: int | None = None  # its host KV memory, in tokens; None: it reads nothing ahead
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,28 @@ class Continue:
     resume: Resume
 
 
-PDDecision = Decision | Prepare | Continue
+@dataclass(frozen=True)
+class Prefetch:
+    """Read the stored KV of a call still waiting for its placement into ``instance_id``'s host memory, where the
+    call will read it (``EngineCore.prefetch``): the engine holds the blocks for the call until it arrives, is
+    dropped, or the hold expires, so a storage link works while its call waits (DualPath's engines read ahead for
+    the requests queued on them). Answered by nothing: a prefetch only saves a read later."""
+
+    instance_id: str
+    request_id: str
+    prompt: list[int]
+
+
+@dataclass(frozen=True)
+class DropPrefetch:
+    """The call prefetched on ``instance_id`` will not come there (aborted, failed, or placed elsewhere): the
+    engine lets its blocks go, to stay as ordinary cache."""
+
+    instance_id: str
+    request_id: str
+
+
+PDDecision = Decision | Prepare | Continue | Prefetch | DropPrefetch
 
 
 @dataclass
@@ -136,6 +165,8 @@ class PDCall(InflightCall):
     prepared: bool = False  # the DE answered its Prepare (it holds the call's half)
     prefill_service_s: float = 0.0
     order: tuple[float, int] = (0.0, 0)  # its place in the queue: smaller goes first
+    prefetch_engine: str = ""  # where its stored KV is read ahead while it waits (see Prefetch)
+    prefetch_tokens: int = 0  # what that read counts against the engine's prefetch room
 
     @property
     def num_tokens(self) -> int:
@@ -172,6 +203,7 @@ class PDDispatcher(Dispatcher):
         self.read_queues: dict[str, int] = {}  # tokens, per instance, as last reported
         self.placements: Counter[str] = Counter()  # calls placed, by read path
         self.placed_stored_tokens: Counter[str] = Counter()  # their estimated stored tokens, by read path
+        self.prefetches: Counter[str] = Counter()  # reads ahead decided for waiting calls, by the path they serve
         self._history: dict[str, list[int]] = {}  # program id -> its last call's tokens
         self._next_tag = 1
         self.order_by_program = order_by_program
@@ -294,6 +326,9 @@ class PDDispatcher(Dispatcher):
         self.read_queues.pop(instance_id, None)
         decisions: list[PDDecision] = [MarkDead(instance_id, reason)]
         requeue = []
+        for call in self.queue:
+            if call.prefetch_engine == instance_id:  # its read ahead is gone with the engine: read again elsewhere
+                call.prefetch_engine, call.prefetch_tokens = "", 0
         for call in list(self.calls.values()):
             pe_lost = call.prefill_engine == instance_id and call.phase in ("preparing", "prefilling")
             de_lost = call.decode_engine == instance_id
@@ -320,7 +355,7 @@ class PDDispatcher(Dispatcher):
         self._release(call.program)
         if call.phase == "queued":
             self.queue.remove(call)
-            return []
+            return self._drop_prefetch(call) + self._place()
         # A Prepare or Send still under way is answered later: its answer sees the call gone and aborts it there.
         return self._abort_halves(call) + self._place()
 
@@ -381,7 +416,7 @@ class PDDispatcher(Dispatcher):
         return -(-most // self.block_size) * self.block_size
 
     def _place(self) -> list[PDDecision]:
-        """Place queued calls in FIFO order while engines take them."""
+        """Place queued calls in FIFO order while engines take them; then read ahead for those still waiting."""
         if not self.queue:
             return []
         if not self.is_alive():
@@ -389,7 +424,7 @@ class PDDispatcher(Dispatcher):
             for call in list(self.queue):
                 failed += self._fail(call, "unavailable", "no live prefill or decode engine")
             return failed
-        pending = [PendingRequest(c.request_id, c.num_tokens, min(c.stored_tokens, c.num_tokens)) for c in self.queue]
+        pending = [self._pending(c) for c in self.queue]
         result = schedule(pending, self.loads(), self.config)
         decisions: list[PDDecision] = []
         # The placed reads join their nodes' queues until the engines report again: calls placed meanwhile (one
@@ -407,12 +442,64 @@ class PDDispatcher(Dispatcher):
             self.placed_stored_tokens[placement.read_path] += call.stored_tokens
             call.tag = self._next_tag
             self._next_tag += 2
+            reads_at = {"pe": call.prefill_engine, "de": call.decode_engine}.get(placement.read_path)
+            if call.prefetch_engine and call.prefetch_engine != reads_at:
+                decisions += self._drop_prefetch(call)  # placed where its read ahead is not: that read is cache now
+            call.prefetch_engine, call.prefetch_tokens = "", 0
             push = call.tag + 1 if placement.read_path == "de" else None
             plan = IntakePlan(self.instances[call.prefill_engine].address, recv_tag=call.tag, push_tag=push)
             program = self._global_view(call.program)
             pe = call.prefill_engine
             decisions.append(Prepare(call.decode_engine, call.request_id, call.prompt, call.params, program, plan, pe))
+        return decisions + self._read_ahead()
+
+    def _pending(self, call: PDCall) -> PendingRequest:
+        alive = call.prefetch_engine and self.views[call.prefetch_engine].alive
+        stored = min(call.stored_tokens, call.num_tokens)
+        return PendingRequest(call.request_id, call.num_tokens, stored, call.prefetch_engine if alive else None)
+
+    def prefetch_room(self) -> dict[str, int]:
+        """Tokens each live engine may still read ahead for calls not placed yet: ``PREFETCH_HOST_SHARE`` of its host
+        memory less the prefetches of the calls waiting here (a placed call's prefetched blocks are its own load
+        from then on, held by the engine until its admission; an engine of unknown host memory reads nothing
+        ahead)."""
+        taken: Counter[str] = Counter()
+        for call in self.queue:
+            if call.prefetch_engine:
+                taken[call.prefetch_engine] += call.prefetch_tokens
+        return {
+            iid: int(inst.host_capacity_tokens * PREFETCH_HOST_SHARE) - taken[iid]
+            for iid, inst in self.instances.items()
+            if inst.host_capacity_tokens and self.views[iid].alive
+        }
+
+    def _read_ahead(self) -> list[PDDecision]:
+        """Prefetches for the calls still queued (``plan_prefetches``), their reads joining their nodes' queues."""
+        if not self.queue or self.config.kv_path == "oracle":
+            return []
+        room = self.prefetch_room()
+        if not room:
+            return []
+        pending = [self._pending(c) for c in self.queue]
+        planned, queues = plan_prefetches(pending, self.loads(), room, self.config)
+        if not planned:
+            return []
+        for iid, inst in self.instances.items():
+            if iid in self.read_queues or queues.get(inst.node):
+                self.read_queues[iid] = queues.get(inst.node, 0)
+        decisions: list[PDDecision] = []
+        for ahead in planned:
+            call = self.calls[ahead.request_id]
+            call.prefetch_engine, call.prefetch_tokens = ahead.engine_id, ahead.read_tokens
+            self.prefetches[ahead.read_path] += 1
+            decisions.append(Prefetch(ahead.engine_id, call.request_id, call.prompt))
         return decisions
+
+    def _drop_prefetch(self, call: PDCall) -> list[PDDecision]:
+        """Tell the engine a call's prefetch is for that the call will not come (it lets the blocks go)."""
+        engine = call.prefetch_engine
+        call.prefetch_engine, call.prefetch_tokens = "", 0
+        return [DropPrefetch(engine, call.request_id)] if engine and self.views[engine].alive else []
 
     def _route_decode(self, call: PDCall) -> list[PDDecision]:
         """Send a call that has its first token to the live DE with the fewest tokens, as a resumed request."""
@@ -429,7 +516,7 @@ class PDDispatcher(Dispatcher):
         if call in self.queue:
             self.queue.remove(call)
         self._release(call.program)
-        decisions = self._abort_halves(call)
+        decisions = self._abort_halves(call) + self._drop_prefetch(call)
         reason = status if status in ("invalid", "busy", "failed") else "unavailable"
         return [*decisions, Fail(call.request_id, reason, message, param)]  # type: ignore[arg-type]
 

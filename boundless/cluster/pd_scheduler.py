@@ -132,6 +132,7 @@ class PendingRequest:
     request_id: str
     num_tokens: int
     stored_tokens: int = 0
+    prefetched_on: str | None = None  # the engine its stored KV was read into ahead of its placement (see below)
 
     def __post_init__(self) -> None:
         if not 0 <= self.stored_tokens <= self.num_tokens:
@@ -235,6 +236,103 @@ def choose_read_path(mode: KVPath, request: PendingRequest, pe_queue: int, de_qu
     return "de" if de_queue < pe_queue else "pe"
 
 
+def honor_prefetch(
+    request: PendingRequest,
+    pe: EngineLoad,
+    de: EngineLoad,
+    pes: Sequence[EngineLoad],
+    des: Sequence[EngineLoad],
+    queues: Mapping[str, int],
+    config: PDSchedulerConfig,
+) -> tuple[EngineLoad, EngineLoad, ReadPath | None]:
+    """The PE and DE the rules above chose, unless the request's stored KV was prefetched into one engine's memory
+    (:func:`plan_prefetches`): then that engine takes its side wherever the rules allow it (a PE not overloaded; a DE
+    with the KV room), and the path is the one that reads there (a PE's memory: PE-read; a DE's: DE-read, which
+    pushes it to the PE), so the bytes are not read a second time. Where the rules exclude the prefetched engine,
+    their choice stands and the prefetched blocks stay there as ordinary cache. Returns the PE, the DE, and the
+    path when the prefetch decided it (None: the rules decide)."""
+    where = request.prefetched_on
+    if where is None or config.kv_path == "oracle" or request.stored_tokens == 0:
+        return pe, de, None
+    for candidate in pes:
+        if candidate.engine_id == where and classify_prefill(candidate, queues[candidate.node], config) != "overloaded":
+            return candidate, de, "pe"
+    for candidate in des:
+        if candidate.engine_id == where and fits(candidate, request.num_tokens) and pe.node != candidate.node:
+            return pe, candidate, "de"
+    return pe, de, None
+
+
+def prefetch_target(
+    request: PendingRequest,
+    pes: Sequence[EngineLoad],
+    des: Sequence[EngineLoad],
+    queues: Mapping[str, int],
+    room: Mapping[str, int],
+    config: PDSchedulerConfig,
+) -> tuple[EngineLoad, ReadPath] | None:
+    """Where a waiting request's stored KV is read ahead of its placement, by the placement's own rules as far as
+    they do not depend on room it lacks now: the PE it would get (the scheduler's PE rule), the DE whose node's read
+    queue is the shortest (the fewest tokens on a tie; a DE's KV room is what the request waits for, and its placement
+    then goes to that DE when it has room), and the read path by the shorter queue; should that engine's
+    prefetch room (``room``, tokens) not hold the request's stored tokens, the other path's engine under
+    ``dualpath``. None: no engine has the room (or nothing to read)."""
+    if config.kv_path == "oracle" or request.stored_tokens == 0 or not pes or not des:
+        return None
+    pe = pick_prefill_engine(pes, queues, config) or min(pes, key=lambda e: e.tok)
+    de = min(des, key=lambda e: (queues[e.node], e.tok))
+    path = choose_read_path(config.kv_path, request, queues[pe.node], queues[de.node], pe.node == de.node)
+    options = [(pe, "pe"), (de, "de")] if path == "pe" else [(de, "de"), (pe, "pe")]
+    if config.kv_path == "basic" or pe.node == de.node:
+        options = [(pe, "pe")]
+    for engine, p in options:
+        if room.get(engine.engine_id, 0) >= request.stored_tokens:
+            return engine, p  # type: ignore[return-value]
+    return None
+
+
+@dataclass(frozen=True)
+class ReadAhead:
+    """A waiting request's stored KV (``read_tokens``) to be read into ``engine_id``'s host memory now, for the
+    ``read_path`` it will then be placed on."""
+
+    request_id: str
+    engine_id: str
+    read_path: ReadPath
+    read_tokens: int
+
+
+def plan_prefetches(
+    queue: Sequence[PendingRequest],
+    loads: Sequence[EngineLoad],
+    room: Mapping[str, int],
+    config: PDSchedulerConfig,
+) -> tuple[tuple[ReadAhead, ...], dict[str, int]]:
+    """Reads ahead for requests still waiting for a placement, in FIFO order (those placed next first), each on
+    :func:`prefetch_target`'s engine, while engines have prefetch room (``room``: tokens of host memory each may
+    hold for requests not placed yet); requests already prefetched are skipped, and the first that fits nowhere
+    ends the round (its room goes to it as soon as there is some). Each read joins its node's queue before the
+    next is decided, as a placement's does. Returns the prefetches and the node read queues with them."""
+    queues: dict[str, int] = {}
+    for e in loads:
+        queues[e.node] = max(queues.get(e.node, 0), e.read_queue)
+    left = dict(room)
+    pes = [e for e in loads if e.role == "prefill"]
+    des = [e for e in loads if e.role == "decode"]
+    out: list[ReadAhead] = []
+    for request in queue:
+        if request.prefetched_on is not None or request.stored_tokens == 0:
+            continue
+        target = prefetch_target(request, pes, des, queues, left, config)
+        if target is None:
+            break
+        engine, path = target
+        left[engine.engine_id] -= request.stored_tokens
+        queues[engine.node] += request.stored_tokens
+        out.append(ReadAhead(request.request_id, engine.engine_id, path, request.stored_tokens))
+    return tuple(out), queues
+
+
 # -- a round --------------------------------------------------------------------------------------
 
 
@@ -264,9 +362,13 @@ def schedule(queue: Sequence[PendingRequest], loads: Sequence[EngineLoad], confi
         z = float(config.z) if config.z is not None else z_by_group[group]
         de = pick_decode_engine(members, request.num_tokens, z)
         assert de is not None  # the group was chosen for having a DE with room
-        path = choose_read_path(config.kv_path, request, queues[pe.node], queues[de.node], pe.node == de.node)
-        read_node = {"pe": pe.node, "de": de.node, "none": None}[path]
-        read_tokens = request.stored_tokens if read_node is not None else 0
+        pe, de, prefetched = honor_prefetch(request, pe, de, pes, des, queues, config)
+        if prefetched is not None:  # its read is under way (or done) there: no second read, no new queueing
+            path, read_node, read_tokens = prefetched, (pe if prefetched == "pe" else de).node, 0
+        else:
+            path = choose_read_path(config.kv_path, request, queues[pe.node], queues[de.node], pe.node == de.node)
+            read_node = {"pe": pe.node, "de": de.node, "none": None}[path]
+            read_tokens = request.stored_tokens if read_node is not None else 0
         if read_node is not None:
             queues[read_node] += read_tokens
         state[pe.engine_id] = dataclasses.replace(pe, seq=pe.seq + 1, tok=pe.tok + request.num_tokens)

@@ -14,10 +14,17 @@ The gManager fits it to the steps of all instances (their heartbeats carry each 
 relative error, so the many short decode steps weigh as much as the few long prefills, and without the steps
 far slower than the fit (slowed by something else than their batch and context). It refuses samples that
 cannot tell the cost of a request from the cost of its context.
+
+Steps of a single batch size (at light load every step is a batch of one) cannot tell a step's fixed cost from
+a request's: the fit then charges it all per request, the cautious reading, in which batching more requests
+gains nothing and only a move that lets a request run that could not (one stalled for want of blocks) gains.
+Refusing them left the planner without a model, and a request longer than its instance's pool waited for a
+move that was never planned. Once steps of two batch sizes have run, the full fit replaces it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from boundless.engine.attention_time import AttentionSample, AttentionTimeModel, fit_attention_time
@@ -34,13 +41,20 @@ class NotEnoughSamplesError(ValueError):
 
 def fit_step_time_model(samples: Sequence[AttentionSample]) -> AttentionTimeModel:
     """The step-time model of ``samples`` for planning (see the module); :class:`NotEnoughSamplesError` when
-    they are fewer than :data:`MIN_SAMPLES` or show a single batch size or a single context."""
+    they are fewer than :data:`MIN_SAMPLES` or show a single context. Of a single batch size, the step's fixed cost
+    is charged per request (see the module)."""
     usable = [s for s in samples if s.shapes and s.seconds > 0]
     if len(usable) < MIN_SAMPLES:
         raise NotEnoughSamplesError(f"{len(usable)} usable step samples; the fit needs {MIN_SAMPLES}")
-    if len({len(s.shapes) for s in usable}) < 2 or len({_pairs(s) for s in usable}) < 2:
-        raise NotEnoughSamplesError("the step samples need two batch sizes and two contexts at least")
-    return fit_attention_time(usable, relative=True, outlier_factor=OUTLIER_FACTOR, cached_term=False)
+    if len({_pairs(s) for s in usable}) < 2:
+        raise NotEnoughSamplesError("the step samples need two contexts at least")
+    model = fit_attention_time(usable, relative=True, outlier_factor=OUTLIER_FACTOR, cached_term=False)
+    batch_sizes = {len(s.shapes) for s in usable}
+    if len(batch_sizes) > 1:
+        return model
+    # One batch size: base and per-request columns are proportional, and only their sum at that size is known.
+    (batch,) = batch_sizes
+    return dataclasses.replace(model, base_s=0.0, per_seq_s=model.per_seq_s + model.base_s / batch)
 
 
 def _pairs(sample: AttentionSample) -> int:

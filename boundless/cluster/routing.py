@@ -55,16 +55,24 @@ class Router:
             choice = live[self._next % len(live)]
             self._next += 1
             return choice.instance_id
-        # One pass over the loads (a simulated cluster routes over a thousand instances per call).
-        loads = [v.load for v in live]
-        lowest = min(loads)
-        ties = [v for v, load in zip(live, loads, strict=True) if load == lowest]
+        # One pass over the views for the least loaded and the program's home (a simulated cluster routes over a
+        # thousand instances per call).
+        home_id = self.homes.get(program_id) if program_id is not None else None
+        lowest = -1
+        ties: list[InstanceView] = []
+        home = None
+        for v in live:
+            load = v.load
+            if v.instance_id == home_id:
+                home = v
+            if load < lowest or not ties:
+                lowest, ties = load, [v]
+            elif load == lowest:
+                ties.append(v)
         least = ties[self._next % len(ties)]  # rotate among equals, so idle instances share work
         self._next += 1
         if self.routing == "least-loaded" or program_id is None:
             return least.instance_id
-        home_id = self.homes.get(program_id)
-        home = next((v for v in live if v.instance_id == home_id), None) if home_id is not None else None
         choice = least
         if num_tokens > self.locality_threshold and home is not None and home.load - least.load <= self.max_imbalance:
             choice = home

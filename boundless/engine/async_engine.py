@@ -152,6 +152,17 @@ class EngineLoop:
         self._wake.set()
         return answer
 
+    def prefetch(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """Read ahead the stored KV of a call that will come here (``EngineCore.prefetch``); returns the blocks."""
+        with self.lock:
+            blocks = self.core.prefetch(request_id, prompt_token_ids)
+        self._wake.set()
+        return blocks
+
+    def drop_prefetch(self, request_id: str) -> None:
+        with self.lock:
+            self.core.drop_prefetch(request_id)
+
     def memory_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
         """How many leading full blocks of a prompt this engine holds in memory
         (``EngineCore.memory_prefix_blocks``)."""

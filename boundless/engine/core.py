@@ -21,6 +21,7 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
 from boundless.engine.lending_stats import LendingStats
+from boundless.engine.multi_step import iteration_shapes
 from boundless.engine.prefill_batching import step_quota
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
@@ -43,6 +44,11 @@ from boundless.transport.base import KVTransport
 # Attention-time prefill batching: steps between refits of the step-time model (a fit is a small least-squares
 # problem over at most the recorder's 512 samples; refitting every step would cost more than it follows).
 REFIT_EVERY_STEPS = 32
+# How long an engine holds the blocks it read ahead for a call that has not come (``EngineCore.prefetch``): the
+# dispatcher drops a prefetch whose call is aborted or placed elsewhere, so this only bounds a hold whose dispatcher
+# is gone. Calls wait at the dispatcher for room elsewhere, for as long as the calls ahead of them run: well above
+# a run of agent turns, and the holds are bounded in size by the dispatcher meanwhile.
+PREFETCH_HOLD_S = 120.0
 
 
 @dataclass
@@ -179,6 +185,7 @@ class EngineCore:
             clock,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs,
+            num_scheduler_steps=config.scheduler.num_scheduler_steps,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
@@ -193,6 +200,8 @@ class EngineCore:
         # Requests prepared for a handoff, by the time past which one still waiting for its first token is dropped
         # (its prefill engine or the dispatcher is gone): nothing may hold blocks for good.
         self._awaiting: dict[str, float] = {}
+        # Calls read ahead for (``prefetch``), by the time past which a call that has not come is dropped.
+        self._prefetches: dict[str, float] = {}
 
     @classmethod
     def from_model(
@@ -243,6 +252,7 @@ class EngineCore:
         engine (``engine/handoff.py``)."""
         request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, resume)
         request.handoff = handoff
+        self._claim_prefetch(request_id)
         if handoff is not None and handoff.recv_blocks > 0:  # DE-read: the decode engine pushes what this one lacks
             prompt = request.prompt_token_ids
             if handoff.recv_from > 0:
@@ -281,6 +291,28 @@ class EngineCore:
             keys = self.kv.block_hashes(request_id, token_ids[: num_full * self.kv.block_size])[have:]
             self.kv.note_on_disk(keys[: self.executor.count_stored(keys)])
 
+    def prefetch(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """Read ahead the stored KV of a call that will come here under ``request_id`` (the dispatcher's prefetch,
+        ``cluster/pd_dispatcher.py``): the blocks the store holds after those in memory now (a ``stat`` each, here)
+        load into host memory in the background, after the waiting requests' own loads, and are held for the call
+        until its admission. Dropped by :meth:`drop_prefetch`, or after ``PREFETCH_HOLD_S`` without the call: the
+        blocks then stay as ordinary cache. Returns the blocks it will read."""
+        if request_id in self.scheduler.requests:
+            return 0
+        blocks = self.kv.prefetch(request_id, prompt_token_ids, self.executor.count_stored)
+        if blocks:
+            self._prefetches[request_id] = self.clock() + PREFETCH_HOLD_S
+        return blocks
+
+    def drop_prefetch(self, request_id: str) -> None:
+        """The call read ahead for will not come here: its blocks are let go (they stay cached)."""
+        if self._prefetches.pop(request_id, None) is not None:
+            self.kv.drop_prefetch(request_id)
+
+    def _claim_prefetch(self, request_id: str) -> None:
+        if self._prefetches.pop(request_id, None) is not None:
+            self.kv.claim_prefetch(request_id)
+
     def memory_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
         """How many leading full blocks of a prompt this engine holds in memory (device or host), a lookup that takes
         nothing: a DE-read call's decode engine pushes only the blocks after them (``engine/handoff.py``)."""
@@ -305,6 +337,7 @@ class EngineCore:
         for the rest, which the prefill engine sends. Returns from which block it should send."""
         request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, None)
         request.awaiting_resume = True
+        self._claim_prefetch(request_id)
         # Its first token comes after the PE's queue, prefill and stream, each stream bounded by the timeout.
         self._awaiting[request_id] = self.clock() + 2 * self.handoff_timeout_s
         prompt = request.prompt_token_ids
@@ -368,7 +401,7 @@ class EngineCore:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.identity.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         # The sampler indexes the logits with stop ids (min_tokens); one outside would fail the whole step.
         bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
@@ -417,7 +450,12 @@ class EngineCore:
     def has_work(self) -> bool:
         """Requests to serve, blocks the last step computed still to hand to the disk store's writer, or streams
         to other instances still to report (their blocks are held till then)."""
-        return self.has_unfinished() or self.kv.has_writes_to_hand_over() or self.kv.num_remote_in_flight > 0
+        return (
+            self.has_unfinished()
+            or self.kv.has_writes_to_hand_over()
+            or self.kv.num_remote_in_flight > 0
+            or bool(self._prefetches)  # reads ahead to start, land, or expire
+        )
 
     def close(self) -> None:
         """Hand the last computed blocks to the store's writer, and wait (bounded) until what it was handed is
@@ -439,6 +477,10 @@ class EngineCore:
         """Decide the next step (bookkeeping only; cheap)."""
         if self._awaiting:
             self._drop_stale_intakes()
+        if self._prefetches:
+            now = self.clock()
+            for request_id in [rid for rid, deadline in self._prefetches.items() if deadline < now]:
+                self.drop_prefetch(request_id)
         return self.scheduler.schedule()
 
     def _drop_stale_intakes(self) -> None:
@@ -466,11 +508,16 @@ class EngineCore:
             self._remote_io = result.remote_report.stats
         self.scheduler.advance(sched, elapsed)
         c = self.counters
-        c.steps += 1
-        c.computed_tokens += sched.num_tokens
+        steps_before = c.steps
+        c.steps += sched.window
+        c.computed_tokens += sched.num_tokens if sched.window == 1 else sum(ch.num_steps for ch in sched.chunks)
         c.busy_seconds += elapsed
-        self.step_times.record(shapes_of(sched), elapsed)
-        if self._prefill_batching == "attention" and c.steps % REFIT_EVERY_STEPS == 0:
+        if sched.window == 1:
+            self.step_times.record(shapes_of(sched), elapsed)
+        else:  # each pass of the window is a step of its own shape to the step-time models
+            for j, seconds in enumerate(result.pass_seconds):
+                self.step_times.record(iteration_shapes(sched, j), seconds)
+        if self._prefill_batching == "attention" and c.steps // REFIT_EVERY_STEPS > steps_before // REFIT_EVERY_STEPS:
             self._refit_prefill_time()
         now = self.clock()
         outputs = []
@@ -478,15 +525,28 @@ class EngineCore:
             request = self.scheduler.requests.get(request_id)
             if request is None:
                 continue
-            request.append_output(token.token_id)
-            c.generation_tokens += 1
+            detok = self._detokenizers[request_id]
+            tokens = [token]
+            if result.later:  # a multi-step window: its later passes' tokens, in order
+                tokens += [t for t in (p.get(request_id) for p in result.later) if t is not None]
+            kept = 0
+            status = None
+            for sampled_token in tokens:
+                request.append_output(sampled_token.token_id)
+                kept += 1
+                c.generation_tokens += 1
+                stop_string = detok.add(sampled_token.token_id)
+                status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
+                if stop_string:
+                    request.stop_reason = detok.stopped_by
+                if status is not None:
+                    break  # the window's tokens past a stop are discarded
             if request.first_token_time is None:
                 request.first_token_time = now
-            detok = self._detokenizers[request_id]
-            stop_string = detok.add(token.token_id)
-            status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
-            if stop_string:
-                request.stop_reason = detok.stopped_by
+            if len(tokens) > 1:
+                # The window's KV: the blocks its passes filled get their names (as the next steps' allocations would
+                # have named them), before a finished request's blocks are freed.
+                self.kv.name_full_blocks(request_id, request.all_token_ids, request.num_tokens - 1)
             if status is None and request.handoff is not None:
                 status = RequestStatus.FINISHED_HANDED_OFF  # its first token; it decodes on its decode engine
             if status is not None:
@@ -496,10 +556,10 @@ class EngineCore:
             outputs.append(
                 RequestDelta(
                     request_id=request_id,
-                    new_token_ids=[token.token_id],
+                    new_token_ids=[t.token_id for t in tokens[:kept]] if kept > 1 else [token.token_id],
                     # A handed-off request goes on elsewhere: text that may start a stop string stays held back.
                     new_text=detok.take_delta(finished=status not in (None, RequestStatus.FINISHED_HANDED_OFF)),
-                    new_logprobs=[token] if request.sampling_params.logprobs is not None else [],
+                    new_logprobs=tokens[:kept] if request.sampling_params.logprobs is not None else [],
                     finished=status is not None,
                     finish_reason=status.value if status is not None else None,
                     stop_reason=request.stop_reason if status is not None else None,

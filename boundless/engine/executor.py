@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from boundless.engine.multi_step import window_iteration
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import SchedulerOutput
@@ -33,12 +34,17 @@ READ_WAIT_S = 0.02
 @dataclass(frozen=True)
 class StepResult:
     """One executed step: a token per sampling chunk (by request id), the step's seconds, and the disk reads
-    and writes and the block streams between instances that finished meanwhile (for the scheduler)."""
+    and writes and the block streams between instances that finished meanwhile (for the scheduler).
+
+    A multi-step window (``engine/multi_step.py``) has its first pass's tokens in ``sampled``, each later pass's in
+    ``later`` (for the chunks still in it), and each pass's seconds in ``pass_seconds`` (empty: one pass)."""
 
     sampled: dict[str, SampledToken]
     elapsed_s: float
     tier_report: TierReport = field(default_factory=TierReport)
     remote_report: RemoteReport = field(default_factory=RemoteReport)
+    later: tuple[dict[str, SampledToken], ...] = ()
+    pass_seconds: tuple[float, ...] = ()
 
 
 class Executor(Protocol):
@@ -103,12 +109,23 @@ class ModelExecutor:
             on_layer = self.remote.start(sched.remote_recvs, sched.remote_sends)
         elif sched.remote_recvs or sched.remote_sends:
             raise RuntimeError("a step moves KV to or from another instance, but this executor has no transport")
+        later: list[dict[str, SampledToken]] = []
+        pass_seconds: list[float] = []
         waits = None
         try:
             self.kv_io.apply(sched.disk_reads, sched.disk_writes, sched.transfers, sched.disk_ages)
             waits = self._layer_waits(sched)
             before_layer = waits.before_layer if waits is not None else None
             sampled = self.runner.sample(self.runner.forward(sched, on_layer, before_layer)) if sched.chunks else {}
+            if sched.window > 1:  # multi-step decoding: the same batch's next passes, each on the last one's tokens
+                pass_seconds.append(self.timer() - start)
+                last = {rid: t.token_id for rid, t in sampled.items()}
+                for j in range(1, sched.window):
+                    begun = self.timer()
+                    tokens = self.runner.sample(self.runner.forward(window_iteration(sched, j, last)))
+                    later.append(tokens)
+                    last = {rid: t.token_id for rid, t in tokens.items()}
+                    pass_seconds.append(self.timer() - begun)
         except BaseException:
             if self.remote is not None:
                 self.remote.end_step(ok=False)
@@ -125,7 +142,7 @@ class ModelExecutor:
         remote_report = (
             self.remote.report(wait_s=READ_WAIT_S if remote_wait else 0.0) if self.remote else RemoteReport()
         )
-        return StepResult(sampled, elapsed, tier_report, remote_report)
+        return StepResult(sampled, elapsed, tier_report, remote_report, tuple(later), tuple(pass_seconds))
 
     def _layer_waits(self, sched: SchedulerOutput) -> LayerWaits | None:
         """The waits of the step's forward pass on layerwise loads still arriving: those of the host blocks its

@@ -75,12 +75,13 @@ class MoveStats:
 def next_chunk_needs(core: EngineCore, chunks: int = 1) -> list[tuple[str, int]]:
     """Each running request's id and the blocks it must add for its next ``chunks`` chunks (a step's budget of
     tokens each, or what is left of its context), in the scheduler's running order; its blocks on creditors count
-    as held."""
+    as held. Taken while a step runs, it counts from where that step leaves the request (its chunk's blocks are
+    taken already)."""
     kv, sched = core.kv, core.scheduler
     return [
         (
             r.request_id,
-            kv.blocks_for_tokens(min(r.num_tokens, r.num_computed_tokens + chunks * sched.max_num_batched_tokens))
+            kv.blocks_for_tokens(min(r.num_tokens, sched.tokens_after_step(r) + chunks * sched.max_num_batched_tokens))
             - kv.num_allocated_blocks(r.request_id)
             - kv.num_lent_blocks(r.request_id),
         )
@@ -92,10 +93,10 @@ def next_chunk_needs(core: EngineCore, chunks: int = 1) -> list[tuple[str, int]]
 def stalled_growth(needs: Sequence[tuple[str, int]], free: int) -> list[tuple[str, int]]:
     """The running requests that cannot grow: each of ``needs`` (id, blocks to add for its next chunk, in
     scheduling order) takes its blocks from the ``free`` ones while they last; those whose need no longer fits
-    stall (the scheduler would evict them, to be recomputed). The planner sees them as waiting for that many
-    blocks rather than as running, so a move that frees the room lets them run. Without this, a request whose
-    context outgrows the pool while it is alone on its instance gains nothing in the model from a move, and is
-    evicted over and over instead."""
+    stall (the scheduler evicts them, or keeps one whose blocks fill the whole pool, ``engine/scheduler.py``). The
+    planner sees them as waiting for that many blocks rather than as running, so a move that frees the room lets
+    them run. Without this, a request whose context outgrows the pool while it is alone on its instance gains
+    nothing in the model from a move, and never gets one."""
     stalled = []
     for request_id, need in needs:
         if need <= 0:
@@ -277,17 +278,18 @@ class LendingAgent:
 
     def observe(self) -> list[LendingAction]:
         """Tell the rManager the engine's state, and release the remote blocks of requests the engine dropped.
-        Call between steps."""
+        Call between steps, or while one runs (a heartbeat): the state is then the one that step will leave."""
         kv, sched = self.core.kv, self.core.scheduler
         running = [r for r in sched.running if r.status is RequestStatus.RUNNING]
         requests = {
-            r.request_id: LocalRequest(r.num_computed_tokens, kv.num_allocated_blocks(r.request_id)) for r in running
+            r.request_id: LocalRequest(sched.tokens_after_step(r), kv.num_allocated_blocks(r.request_id))
+            for r in running
         }
         own = sum(req.local_blocks for req in requests.values())
         free = self.rm.total_blocks - own - self.rm.reserved_blocks - self.rm.lent_blocks
         # With plans made between the engine's steps (a benchmark) one chunk is enough; a plan from a heartbeat
         # reaches the debtor a step after the report, when the next chunk may already have stalled: looking
-        # further ahead lends before the scheduler evicts the request for want of room.
+        # further ahead lends before the request stalls for want of room.
         needs = next_chunk_needs(self.core, self.lookahead_chunks)
         stalled = tuple(need for _, need in stalled_growth(needs, free))
         self.rm.observe(
@@ -296,7 +298,9 @@ class LendingAgent:
                 batch_size=len(running) - len(stalled),
                 max_batch_size=self.core.config.scheduler.max_num_seqs,
                 requests=requests,
-                waiting_blocks=stalled + tuple(kv.blocks_for_tokens(r.num_tokens) for r in sched.waiting),
+                # A swapped-out request's blocks on creditors stay there: it needs room for the rest only.
+                waiting_blocks=stalled
+                + tuple(kv.blocks_for_tokens(r.num_tokens) - kv.num_lent_blocks(r.request_id) for r in sched.waiting),
             )
         )
         actions: list[LendingAction] = []

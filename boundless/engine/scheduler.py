@@ -11,6 +11,10 @@ the lowest-priority holders of device KV outside the step give theirs up: swappe
 memory while the host pool has room, else dropped, to be recomputed from prompt and output so far.
 A swapped request is swapped back in once there is room for it.
 
+With KV lending a request may be longer than the pool (its leading blocks move to other instances): its chunks
+are cut to what the pool holds of its local blocks, it keeps them rather than being evicted when they fill the
+pool (only a move lets it grow), and when evicted anyway it comes back with its cached prefix cut to the pool.
+
 A waiting request whose next blocks sit in the disk store has them loaded into host memory from the
 step after it arrives (ahead of its turn); while its read is in flight it is passed over and the
 others run. Loaded blocks then count as computed tokens at its admission, as prefix-cache hits do.
@@ -32,7 +36,7 @@ from boundless.engine.prefill_batching import Predictor, PrefillCandidate, fill_
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskWrite, TierReport
-from boundless.kv.manager import KVCacheManager
+from boundless.kv.manager import CachedPrefix, KVCacheManager
 from boundless.kv.remote_moves import RemoteRecv, RemoteReport, RemoteSend
 from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
 from boundless.programs.policy import SchedulingPolicy
@@ -56,6 +60,9 @@ class ScheduledChunk:
     # instances (``remote``), whose partials DistAttention merges (docs/distributed-attention.md).
     first_block: int = 0
     remote: tuple[RemoteKV, ...] = ()
+    # Multi-step decoding (``engine/multi_step.py``): forward passes this one-token decode takes in the step's window,
+    # its slots allocated up front (1: an ordinary chunk).
+    num_steps: int = 1
 
 
 @dataclass
@@ -76,6 +83,8 @@ class SchedulerOutput:
     remote_recvs: list[RemoteRecv] = field(default_factory=list)
     remote_sends: list[RemoteSend] = field(default_factory=list)
     num_remote_in_flight: int = 0
+    # Multi-step decoding: forward passes the step runs for its batch (the longest chunk's ``num_steps``).
+    window: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +129,7 @@ class Scheduler:
         clock: Clock,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        num_scheduler_steps: int = 1,
     ) -> None:
         self.kv = kv
         self.policy = policy
@@ -138,6 +148,12 @@ class Scheduler:
         # Attention-time prefill batching (engine/prefill_batching.py): a step's predictor and its quota in seconds,
         # set by the engine once it has fitted one; None: the token budget alone bounds prefills.
         self.prefill_time: tuple[Predictor, float] | None = None
+        # Multi-step decoding: a step of decodes only runs up to this many forward passes (engine/multi_step.py).
+        self.num_scheduler_steps = num_scheduler_steps
+        # Tokens of each request in the step decided and not yet recorded (``advance``): a view taken while the
+        # step runs (a heartbeat: the engine loop holds its lock only between steps) sees the request as the step
+        # will leave it, not with its chunk's blocks taken and its tokens not yet counted.
+        self.in_flight: dict[str, int] = {}
 
     # -- queue changes ---------------------------------------------------------------------
 
@@ -196,6 +212,7 @@ class Scheduler:
                     read = self.kv.plan_disk_read(request.request_id, request.all_token_ids, now)
                     if read is not None:
                         out.disk_reads.append(read)
+            out.disk_reads += self.kv.plan_prefetch_reads(now)  # reads ahead for calls not here yet, after theirs
         for request in order:
             if request.push is not None and not self.kv.has_read_in_flight(request.request_id):
                 out.remote_sends.append(self._push(request))
@@ -226,6 +243,7 @@ class Scheduler:
             if request.request_id not in chosen_ids and request.request_id in self._last_chosen:
                 self.stats.num_kept += 1
         self._last_chosen = chosen_ids
+        windows = self._plan_window(chosen) if self.num_scheduler_steps > 1 else None
         for request, num_new in chosen:
             first_block, remote = self.kv.remote_prefix(request.request_id)
             start = request.num_computed_tokens
@@ -246,8 +264,13 @@ class Scheduler:
                     eos_token_ids=request.eos_token_ids,
                     first_block=first_block,
                     remote=remote,
+                    num_steps=windows[request.request_id] if windows else 1,
                 )
             )
+        if windows:
+            out.window = max(windows.values())
+        # The tokens each chunk computes (a window's: one per pass), until the step is recorded.
+        self.in_flight = {c.request_id: len(c.token_ids) + c.num_steps - 1 for c in out.chunks}
         out.transfers = self.kv.take_transfers()
         out.disk_writes = self.kv.take_disk_writes()
         out.disk_ages = self.kv.take_disk_ages()
@@ -255,6 +278,28 @@ class Scheduler:
         out.remote_recvs = self.kv.take_remote_recvs()
         out.num_remote_in_flight = self.kv.num_remote_in_flight
         return out
+
+    def _plan_window(self, chosen: list[tuple[Request, int]]) -> dict[str, int] | None:
+        """Multi-step decoding: when every chosen request decodes one token (no prefill, no handoff, no lent blocks),
+        each runs ``num_scheduler_steps`` forward passes, or fewer when its output runs out first, with the slots of
+        all of them allocated now; None (an ordinary step) when the batch is not all decodes or the device lacks
+        free blocks for the window (a window preempts nobody)."""
+        steps = window_lengths(chosen, self.num_scheduler_steps)
+        if steps is None or any(self.kv.num_lent_blocks(r.request_id) for r, _ in chosen):
+            return None
+        kv = self.kv
+        ends = {r.request_id: r.num_computed_tokens + steps[r.request_id] for r, _ in chosen}  # tokens with KV after
+        need = sum(max(0, kv.blocks_for_tokens(end) - kv.num_allocated_blocks(rid)) for rid, end in ends.items())
+        if need > kv.pool.num_free:
+            return None
+        for request, _ in chosen:
+            allocated = kv.allocate(request.request_id, request.all_token_ids, ends[request.request_id])
+            assert allocated, "the window's blocks were counted free"
+        return steps
+
+    def tokens_after_step(self, request: Request) -> int:
+        """The request's computed tokens once the step decided (if any) has run."""
+        return request.num_computed_tokens + self.in_flight.get(request.request_id, 0)
 
     def _prefill_caps(self, order: list[Request]) -> dict[str, int]:
         """Each prefilling request's most tokens this step, by attention time: the batch filled in priority order
@@ -329,8 +374,11 @@ class Scheduler:
         if request.status is RequestStatus.SWAPPED:
             # Room for its swapped blocks and the chunk's growth comes first: were it evicted again
             # after its swap-in, it would be copied out of blocks the swap-in had not yet filled.
-            chunk_end = min(request.num_tokens, request.num_computed_tokens + budget)
-            need = max(self.kv.num_swapped_blocks(rid), self.kv.blocks_for_tokens(chunk_end))
+            # Its blocks on creditors (KV lending) stay there while it is swapped out: only its local ones count.
+            chunk_end = min(request.num_tokens, request.num_computed_tokens + budget, self._local_limit(rid))
+            need = max(
+                self.kv.num_swapped_blocks(rid), self.kv.blocks_for_tokens(chunk_end) - self.kv.num_lent_blocks(rid)
+            )
             if need > self.kv.pool.num_free + self._evictable_blocks(order, idx, chosen_ids):
                 return None  # evicting everything below would not be enough: evict nothing
             while self.kv.pool.num_free < need:
@@ -341,12 +389,18 @@ class Scheduler:
             self.stats.num_swapped_in += 1
             self._to_running(request)
         prefix = None
+        limit = self._local_limit(rid)
         if request.status is not RequestStatus.RUNNING:
-            prefix = self.kv.find_cached_prefix(rid, request.all_token_ids)
+            prefix = _prefix_within(self.kv.find_cached_prefix(rid, request.all_token_ids), limit)
             computed = prefix.num_tokens
         else:
             computed = request.num_computed_tokens
-        num_new = min(request.num_tokens - computed, budget)
+        if computed >= limit:
+            # Its local blocks fill the whole pool (a request longer than one pool, with KV lending): only a move of
+            # its blocks to a creditor lets it grow. It keeps them meanwhile; evicting it would gain nothing (it
+            # would come back to the same wall) and lose its KV, here and on its creditors.
+            return None
+        num_new = min(request.num_tokens - computed, budget, limit - computed)
         short = self.kv.blocks_short(rid, computed + num_new, prefix)
         if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
             if request.status is RequestStatus.RUNNING:
@@ -359,9 +413,9 @@ class Scheduler:
                 return None
             if prefix is not None and prefix.tiers.count(HOST):
                 # The swap-out that made room may have taken host blocks of the prefix: look again.
-                prefix = self.kv.find_cached_prefix(rid, request.all_token_ids)
+                prefix = _prefix_within(self.kv.find_cached_prefix(rid, request.all_token_ids), limit)
                 computed = prefix.num_tokens
-                num_new = min(request.num_tokens - computed, budget)
+                num_new = min(request.num_tokens - computed, budget, limit - computed)
         if request.status is not RequestStatus.RUNNING:
             self.kv.note_admitted(rid)
             if request.num_computed_tokens == 0 and request.num_preemptions == 0:
@@ -374,6 +428,13 @@ class Scheduler:
             request.num_computed_tokens = computed
             self._to_running(request)
         return num_new
+
+    def _local_limit(self, request_id: str) -> int:
+        """The most tokens the request's KV may reach with its local blocks filling the whole pool: its blocks on
+        creditors (KV lending) and the pool. Only a request longer than one pool reaches it (its ``max_model_len``
+        is the cluster's); it then computes up to it, and grows past it once a move has taken some of its blocks,
+        instead of waiting for room no eviction can make."""
+        return (self.kv.num_lent_blocks(request_id) + self.kv.pool.num_blocks) * self.kv.block_size
 
     def _evictable_blocks(self, order: list[Request], idx: int, chosen_ids: set[str]) -> int:
         """Device blocks held by requests below ``idx`` outside this step (shared ones may not all come free)."""
@@ -448,6 +509,7 @@ class Scheduler:
         those holding a block one of its transfers was to write. The blocks it was to write (on the device
         or below) lose their prefix-cache names, so no later request reads KV that was never written. Its
         disk reads were started whatever happened (their requests wait for them as usual)."""
+        self.in_flight = {}
         bs = self.kv.block_size
         written = [t.dst for t in output.transfers]
         for chunk in output.chunks:
@@ -477,13 +539,35 @@ class Scheduler:
         the model executor, and is charged it as attained service (Autellix's measure).
         """
         now = self.clock()
+        self.in_flight = {}
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue
-            request.num_computed_tokens += len(chunk.token_ids)
+            request.num_computed_tokens += len(chunk.token_ids) + chunk.num_steps - 1  # a window's passes: one each
             request.service_s += service_s
             self.policy.on_service(request, service_s, now)
+
+
+def window_lengths(chosen: list[tuple[Request, int]], num_scheduler_steps: int) -> dict[str, int] | None:
+    """Each chosen request's forward passes in a multi-step window (``num_scheduler_steps`` at most, and no more than
+    the output tokens it may still produce, so no slot is allocated past its length), or None when the batch is not
+    all one-token decodes that sample (a prefill chunk, a prefill engine's handoff) or no request has a second step."""
+    steps = {}
+    for request, num_new in chosen:
+        if num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens or request.handoff is not None:
+            return None
+        steps[request.request_id] = max(1, min(num_scheduler_steps, request.max_tokens - request.num_output_tokens))
+    return steps if steps and max(steps.values()) > 1 else None
+
+
+def _prefix_within(prefix: CachedPrefix, limit: int) -> CachedPrefix:
+    """The cached prefix cut to leave at least one block to compute under ``limit`` tokens (a request longer than
+    one pool, evicted with the pool full of its blocks, comes back with all but the last of them)."""
+    if prefix.num_tokens < limit:
+        return prefix
+    keep = limit // prefix.block_size - 1
+    return CachedPrefix(prefix.blocks[:keep], prefix.tiers[:keep], prefix.origins[:keep], prefix.block_size)
 
 
 def _prefilling(request: Request) -> bool:

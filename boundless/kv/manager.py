@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from boundless.attention.backend import RemoteKV
@@ -42,6 +42,16 @@ LOAD_HOLD_SHARE = 0.5
 # used it has finished. A day puts it behind every block touched within the last day, by any process sharing
 # the store, and keeps the LRU order among aged blocks.
 DISK_AGE_S = 24 * 3600.0
+# Reads ahead for calls not here yet (plan_prefetch_reads) go to the store in chunks of at most this many blocks, at
+# most this many at a time: the store's loader reads in order, so a read a request placed here needs now (an agent's
+# next turn: a few blocks) waits behind at most that much read-ahead, not behind every call's context queued ahead
+# (at 0.2 Gbit/s, 8 blocks of SmolLM2-135M are 0.23 s; a first context, ~31 blocks, 0.9 s). Two keep the link busy
+# between the engine's steps, which start the next chunk.
+PREFETCH_READ_BLOCKS = 8
+PREFETCH_READS_IN_FLIGHT = 2
+# The owner of a read whose call was dropped while it was in flight: no request has this id, so its blocks land as
+# cache for nobody.
+_NOBODY = "\0nobody"
 
 
 @dataclass
@@ -111,6 +121,7 @@ class _DiskLookup:
     keep: int = 0  # free host blocks of its own prefix that plan had to keep (a load may not evict them)
     admitted: bool = False  # admitted: blocks a read finds from now on were computed instead
     push_span: tuple[int, int] | None = None  # blocks [first, end) to load for a DE-read push, not yet started
+    prefetch_span: tuple[int, int] | None = None  # blocks [first, end) to read ahead for a call not here yet
 
 
 @dataclass
@@ -225,6 +236,11 @@ class KVCacheManager:
         # with host memory full of loads), the request would read it again (plan_disk_read).
         self._held_while_loading: dict[str, list[tuple[TierId, KVBlock]]] = {}
         self._next_remote_id = 0
+        # Reads ahead for calls that have not arrived (a dispatcher's prefetch), in the order asked: each one's tokens
+        # (as far as the store holds them). Its lookup is the call's own (same request id), so what it loaded is held
+        # for the call like its own loads (``_prefetched``) until its admission, and a read still in flight when it
+        # arrives is one it waits for.
+        self._prefetch_tokens: dict[str, tuple[int, ...]] = {}
         # Which program each request belongs to: the owner of the blocks it takes (program-aware eviction).
         self._programs: dict[str, str] = {}
         # Program-aware eviction on disk: the names each followed program's requests used, and how many followed
@@ -561,6 +577,11 @@ class KVCacheManager:
         need = self.blocks_for_tokens(num_tokens_after) - have - len(on_device)
         return max(need, 0) + revived - self.pool.num_free
 
+    def name_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Name the request's full blocks among its first ``num_tokens`` tokens (those with KV) in the prefix cache:
+        after a multi-step window, whose passes filled blocks with tokens unknown when they were allocated."""
+        self._name_full_blocks(request_id, token_ids, num_tokens)
+
     def _name_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
         if not self.pool.enable_caching:
             return
@@ -892,21 +913,24 @@ class KVCacheManager:
         counts[reason] = counts.get(reason, 0) + blocks
 
     def release_prefetched(self, request_ids: Sequence[str]) -> bool:
-        """Release the blocks loaded ahead for these waiting requests (the first listed first) until the tier
-        below the device has room for a swap-out of any request the device holds; each request released may load
-        its blocks again later. Returns whether anything was released."""
+        """Release the blocks loaded ahead for these waiting requests (the first listed first; before them, those read
+        ahead for calls not here yet) until the tier below the device has room for a swap-out of any request the
+        device holds; each request released may load its blocks again later. Returns whether anything was
+        released."""
         if not self._prefetched:
             return False
         host = self.pools[HOST]
         need = max((len(t) for t in self._tables.values()), default=0)
         released = False
-        for request_id in request_ids:
+        # Reads ahead for calls not here yet go first, the latest asked first (their calls come last, if at all).
+        for request_id in [*reversed(self._prefetch_tokens), *request_ids]:
             if host.num_free >= need:
                 break
             if request_id in self._prefetched.values():
                 self._drop_prefetched(request_id)
                 self._release_held_while_loading(request_id)
-                self._lookups.pop(request_id, None)  # planned afresh: its blocks are on disk still
+                if request_id not in self._prefetch_tokens:
+                    self._lookups.pop(request_id, None)  # planned afresh: its blocks are on disk still
                 released = True
         return released
 
@@ -1011,6 +1035,93 @@ class KVCacheManager:
         self._known_on_disk.move_to_end(key)
         if len(self._known_on_disk) > MAX_KNOWN_ON_DISK:
             self._known_on_disk.popitem(last=False)
+
+    # -- reads ahead for calls not here yet (the dispatcher's prefetch) --------------------------------------
+
+    def prefetch(
+        self, request_id: str, token_ids: Sequence[int], count_stored: Callable[[Sequence[BlockHash]], int]
+    ) -> int:
+        """Read ahead the stored blocks of a call that has not arrived (``request_id`` is the call's): those after its
+        prefix in memory now, as far as the store holds them (``count_stored``: a ``stat`` a block, stopping at the
+        first missing). Loaded by :meth:`plan_prefetch_reads` into host memory's prefetch share, a chunk at a time,
+        after the waiting requests' own loads; held for the call until its admission (:meth:`claim_prefetch`), or
+        released by :meth:`drop_prefetch`. Returns the blocks to read (0: nothing)."""
+        if not (self.has_disk and self.pool.enable_caching) or request_id in self._prefetch_tokens:
+            return 0
+        bs = self.block_size
+        num_full = (len(token_ids) - 1) // bs  # the last token is always computed
+        have = len(self.memory_prefix(None, token_ids, num_full))
+        if have >= num_full:
+            return 0
+        keys = extend_block_hashes([], token_ids[: num_full * bs], bs, self.fingerprint)[have:]
+        stored = count_stored(keys)
+        self.note_on_disk(keys[:stored])
+        if stored == 0:
+            return 0
+        self._lookups.setdefault(request_id, _DiskLookup()).prefetch_span = (have, have + stored)
+        self._prefetch_tokens[request_id] = tuple(token_ids[: (have + stored) * bs])
+        return stored
+
+    @property
+    def num_prefetches(self) -> int:
+        """Calls read ahead for that have not arrived (their reads pending, in flight, or done and held)."""
+        return len(self._prefetch_tokens)
+
+    def plan_prefetch_reads(self, now: float = 0.0) -> list[DiskRead]:
+        """The reads ahead to start this step (after the waiting requests' own, which come first): for each prefetch in
+        the order asked, its next chunk (at most ``PREFETCH_READ_BLOCKS``, as host room allows), while fewer than
+        ``PREFETCH_READS_IN_FLIGHT`` reads ahead are in flight. While a waiting request lacks host room for its loads,
+        none starts, and one prefetch's blocks (the latest asked) are let go each step, to stay as cache: a call
+        placed here goes before calls that may be placed later."""
+        if not self._prefetch_tokens or self.disk_stalled:
+            return []
+        if any(lk.room_short > 0 for rid, lk in self._lookups.items() if rid not in self._prefetch_tokens):
+            for rid in reversed(self._prefetch_tokens):
+                if rid in self._prefetched.values():
+                    self._drop_prefetched(rid)
+                    break
+            return []
+        out = []
+        slots = PREFETCH_READS_IN_FLIGHT - sum(
+            1 for job in self._reads.values() if job.request_id in self._prefetch_tokens
+        )
+        for rid, tokens in self._prefetch_tokens.items():
+            if slots <= 0:
+                break
+            lookup = self._lookups[rid]
+            if lookup.prefetch_span is None or lookup.in_flight is not None:
+                continue
+            first, end = lookup.prefetch_span
+            room = min(end - first, self._prefetch_room(0), PREFETCH_READ_BLOCKS)
+            if room <= 0:
+                break  # no room: the reads in flight and the admissions give it back
+            lookup.prefetch_span = (first + room, end) if first + room < end else None
+            bs = self.block_size
+            keys = tuple(self.block_hashes(rid, tokens)[first : first + room])
+            dst = self.pools[HOST].allocate(room)  # held by the read until it is done
+            chunk = tuple(tuple(tokens[i * bs : (i + 1) * bs]) for i in range(first, first + room))
+            lookup.loaded_upto = first + room
+            out.append(self._start_read(rid, first, keys, tuple(b.block_id for b in dst), chunk, waits=True, now=now))
+            slots -= 1
+        return out
+
+    def claim_prefetch(self, request_id: str) -> None:
+        """The call read ahead for has arrived as a request: what was loaded stays held for it until its admission (as
+        its own loads are), a read in flight is one it waits for, and what was not started it plans itself."""
+        if self._prefetch_tokens.pop(request_id, None) is not None:
+            self._lookups[request_id].prefetch_span = None
+
+    def drop_prefetch(self, request_id: str) -> None:
+        """The call read ahead for will not come (or its hold expired): its loaded blocks are let go, to stay as
+        cache, and a read still in flight lands as cache for nobody."""
+        if self._prefetch_tokens.pop(request_id, None) is None:
+            return
+        self._drop_prefetched(request_id)
+        for job in self._reads.values():
+            if job.request_id == request_id:
+                job.request_id = _NOBODY
+        self._lookups.pop(request_id, None)
+        self._hashes.pop(request_id, None)
 
     # -- streams between instances (kv/remote_moves.py) ----------------------------------------------------
 

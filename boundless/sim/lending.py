@@ -220,7 +220,7 @@ class SimulatedLending:
         idle: Callable[[str], bool],
     ) -> None:
         self.cluster = cluster
-        self.idle = idle  # whether an instance is between steps (its loop would hold no lock)
+        self.idle = idle  # whether an instance is between steps (where its loop carries out move orders)
         self.control = LocalControlPlane()
         self.data: dict[str, SimulatedLendingData] = {}
         self.agents: dict[str, LendingAgent] = {}
@@ -252,31 +252,24 @@ class SimulatedLending:
             executor.cost = LendingStepCost(executor.cost, data, self.data, shape, network, idle)  # type: ignore[attr-defined]
         self.lending = ClusterLending(GManager.from_config(cluster, clock), {iid: iid for iid in cores})
         self._orders: dict[str, deque[tuple[str, int, str]]] = {iid: deque() for iid in cores}
-        self._owed_reports: set[str] = set()  # mid-step at the heartbeat: they report when their step ends
 
     def heartbeat(self) -> bool:
         """The router's heartbeat round: each instance's rManager reports (with the step times its engine
-        recorded), an instance mid-step once its step ends (the real heartbeat waits for the engine loop's lock),
-        and once every live one has, a due plan's orders go to their debtors. Whether blocks moved."""
+        recorded), one mid-step too, as the real one does (the engine loop holds its lock only between steps, and
+        the report counts the step in flight as done: ``Scheduler.tokens_after_step``), so a step longer than the
+        heartbeat timeout does not leave its instance out of the plans; then a due plan's orders go to their
+        debtors. Whether blocks moved."""
         for iid in self.agents:
-            if self.idle(iid):
-                self._report(iid)
-            else:
-                self._owed_reports.add(iid)
+            self._report(iid)
         return self._plan()
 
     def between_steps(self, instance_id: str) -> bool:
         """What the instance's loop does between steps: tell its rManager the engine's state (releasing the
-        remote blocks of requests it dropped), send a report it owes, and carry out its orders. Whether any
-        blocks moved."""
+        remote blocks of requests it dropped) and carry out its orders. Whether any blocks moved."""
         self.agents[instance_id].observe()
-        if instance_id in self._owed_reports:
-            self._report(instance_id)
-            return self._plan()
         return self._carry_out(instance_id)
 
     def _report(self, instance_id: str) -> None:
-        self._owed_reports.discard(instance_id)
         agent = self.agents[instance_id]
         agent.observe()
         agent.apply(agent.rm.expire())

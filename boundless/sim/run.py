@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     walls: list[float] = []  # apart from the rows, which are a function of the flags alone
     alone = 0  # steps fast-forwarded
+    scheduled = 0  # steps scheduled (fewer than the steps with multi-step windows)
     for rate in [float(r) for r in args.rates.split(",")]:
         for cluster in clusters:
             # With several cluster sizes the load grows with the cluster: --num-programs per prefill engine.
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> dict:
                 bar.close()
                 walls.append(wall_s)
                 alone += sim.num_steps_alone
+                scheduled += sim.num_scheduled
                 rows.append(result_row(sim, results, rate, policy, cluster))
     print_rows(rows)
     simulated, wall, steps = sum(r["simulated_s"] for r in rows), sum(walls), sum(r["steps"] for r in rows)
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> dict:
         f"simulated {simulated:.0f} s of {gpus} instance(s) in {wall:.1f} s wall:"
         f" {simulated / max(wall, 1e-9):.1f} simulated s per wall s,"
         f" {steps / max(wall, 1e-9):.0f} engine steps per wall s"
+        + (f" ({scheduled} of {steps} steps scheduled)" if scheduled < steps else "")
     )
     failed = sum(row["failed_calls"] for row in rows)
     if failed:  # a refused call takes no time: the latencies above would flatter the run
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> dict:
             "simulated_s": simulated,
             "steps": steps,
             "steps_fast_forwarded": alone,
+            "steps_scheduled": scheduled,
             "simulated_s_per_wall_s": simulated / max(wall, 1e-9),
             "row_wall_s": walls,
         },

@@ -214,7 +214,8 @@ class Simulator:
         self._lending_steps_seen = 0
         self.tokens = PromptTokens(model.identity.vocab_size, seed)
         self.placements: list[Placement] = []
-        self.num_steps = 0
+        self.num_steps = 0  # engine steps (forward passes)
+        self.num_scheduled = 0  # of which scheduled (one per multi-step window: --num-scheduler-steps)
         self.num_steps_alone = 0  # of which fast-forwarded (run back to back, off the heap)
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
@@ -403,7 +404,8 @@ class Simulator:
                 self._ready.add(inst.instance_id)
             return None
         inst.step = (sched, result)
-        self.num_steps += 1
+        self.num_steps += sched.window  # forward passes (a multi-step window runs several)
+        self.num_scheduled += 1
         return self.clock.now + result.elapsed_s
 
     def _step_end(self, inst: SimInstance) -> None:

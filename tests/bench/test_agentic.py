@@ -54,6 +54,12 @@ def test_every_mode_serves_the_same_sessions_with_identical_outputs(
     # oracle has no storage link at all; the colocated engine reads through its own.
     assert "p0_storage_mb" not in by["offline", "oracle"] and by["offline", "oracle"]["read_paths"]["none"] == 12
     assert by["offline", "colocated"]["colocated_storage_mb"] > 0
+    # Offline, calls wait for the DE's room: their stored contexts were read ahead (never under oracle), and no
+    # engine read a stored block twice for it.
+    for mode in ("basic", "dualpath"):
+        row = by["offline", mode]
+        assert sum(row["prefetches"].values()) > 0 and set(row["reloaded_blocks"].values()) == {0}, row
+    assert basic["prefetches"].get("de", 0) == 0 and by["offline", "oracle"]["prefetches"] == {}
     assert by["offline", "basic"]["vs_basic"] == 1.0 and by["offline", "oracle"]["vs_oracle"] == 1.0
     assert by["sweep", "basic"]["storage_gbps"] == 2.0
     saved = json.loads((tmp_path / "agentic.json").read_text())

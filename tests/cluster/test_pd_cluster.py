@@ -18,6 +18,7 @@ from one_engine import one_engine_texts
 
 from boundless.api.launch import ServerThread, start_in_thread
 from boundless.cluster.client import ClusterClient
+from boundless.cluster.pd_dispatcher import DropPrefetch, Prefetch
 from boundless.config import ClusterConfig
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
@@ -85,6 +86,17 @@ def test_calls_are_prefilled_handed_off_and_decoded_with_one_engines_tokens(
     assert 'boundless_pd_read_queue_bytes{instance="d0",role="decode"}' in metrics
     assert 'boundless_link_bytes_total{instance="p0",link="net",traffic="kv"}' in metrics
     assert "boundless_pd_calls_total" in metrics
+    assert "boundless_pd_prefetches" in metrics
+    # The dispatcher's reads ahead reach the actors (not waited for): a PE reads the agent's stored context ahead for
+    # a call that then never comes, and lets it go; both actors keep serving.
+    with client.lock:
+        assert client._carry_out([Prefetch("p1", "ahead", prompts[-1]), DropPrefetch("p1", "ahead")]) is None
+    import ray
+
+    ahead = ray.get(client.instances["p0"].actor.prefetch.remote("ahead-2", prompts[-1]), timeout=30)
+    assert ahead is not None and ahead >= 0
+    ray.get(client.instances["p0"].actor.drop_prefetch.remote("ahead-2"), timeout=30)
+    assert all(i["state"] == "alive" for i in httpx.get(server.url + "/cluster").json()["instances"])
 
 
 def _stream_all(server: ServerThread, prompts: list[list[int]], max_tokens: int, kill) -> list[str]:

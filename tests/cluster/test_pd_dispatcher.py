@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from boundless.cluster.dispatcher import AbortOn, AddResult, Fail, MarkDead, Send
 from boundless.cluster.pd_dispatcher import (
+    PREFETCH_HOST_SHARE,
     PROGRAM_ORDER_LEAD_S,
     Continue,
+    DropPrefetch,
     PDDispatcher,
     PDInstance,
+    Prefetch,
     Prepare,
     PrepareResult,
 )
@@ -153,6 +156,68 @@ def test_a_decode_engine_takes_calls_only_while_its_kv_memory_has_room() -> None
     f = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
     decisions = f.submit("x", list(range(60)), PARAMS) + f.submit("y", list(range(60)), PARAMS)
     assert [p.request_id for p in decisions] == ["x"] and [c.request_id for c in f.queue] == ["y"]
+
+
+def reading_ahead(kv_path: str = "dualpath", des: int = 1) -> PDDispatcher:
+    """A PE and DEs with room for one 60-token call at a time, and host memory whose prefetch share holds two of
+    their stored prompts (48 tokens each)."""
+    host = int(96 / PREFETCH_HOST_SHARE)
+    instances = {"p0": PDInstance("prefill", "p0", "addr-p0", host_capacity_tokens=host)}
+    instances |= {f"d{i}": PDInstance("decode", f"d{i}", f"addr-d{i}", 100, host) for i in range(des)}
+    config = PDSchedulerConfig(alpha=64, beta=10_000, kv_path=kv_path)  # type: ignore[arg-type]
+    return PDDispatcher(instances, ProcessTable(), lambda: 100.0, config, BLOCK)
+
+
+def test_calls_waiting_for_a_des_room_have_their_stored_context_read_ahead_where_they_will_read_it() -> None:
+    d = reading_ahead()
+    d.report("p0", 0)
+    d.report("d0", 0)
+    prepared(d, "a", list(range(60)), IntakeAnswer(0), ProgramRef("A"))  # a reads its 48 stored tokens on the PE
+    # b waits for the DE's room; its 48 stored tokens are read ahead on the DE's node (its queue is the shorter).
+    (ahead,) = d.submit("b", list(range(100, 160)), PARAMS, ProgramRef("B"))
+    assert ahead == Prefetch("d0", "b", list(range(100, 160)))
+    (ahead,) = d.submit("c", list(range(200, 260)), PARAMS, ProgramRef("C"))
+    assert ahead.instance_id == "p0"  # the DE's queue has b's read now: c reads ahead on the PE's node
+    # The queues change; b is still placed where its blocks are: DE-read on d0, and nothing is dropped.
+    d.report("d0", 5000)
+    d.receive("p0", delta("a", [7], "x", "handoff"))
+    _, follow = d.receive("d0", delta("a", [8], "y", "length"))
+    (prepare,) = follow
+    assert isinstance(prepare, Prepare) and prepare.request_id == "b" and prepare.plan.push_tag is not None
+    assert d.prefetches == {"de": 1, "pe": 1} and d.placements == {"pe": 1, "de": 1}
+
+
+def test_read_ahead_is_bounded_by_each_engines_host_room_and_freed_by_placement() -> None:
+    d = reading_ahead(kv_path="basic")
+    prepared(d, "a", list(range(60)), IntakeAnswer(0), ProgramRef("A"))
+    aheads = []
+    for i in range(4):
+        aheads += d.submit(f"w{i}", list(range(100 * i + 100, 100 * i + 160)), PARAMS, ProgramRef(f"W{i}"))
+    # Under basic only the PE reads ahead, and its room (96 tokens) holds two calls' 48 stored tokens.
+    assert [(a.instance_id, a.request_id) for a in aheads] == [("p0", "w0"), ("p0", "w1")]
+    assert d.prefetch_room() == {"p0": 0, "d0": 96}
+    d.receive("p0", delta("a", [7], "x", "handoff"))
+    _, follow = d.receive("d0", delta("a", [8], "y", "length"))
+    # w0 is placed (its read ahead is its own load now, held by the PE): its room goes to w2.
+    assert [(type(x).__name__, x.request_id) for x in follow] == [("Prepare", "w0"), ("Prefetch", "w2")]
+
+
+def test_a_read_ahead_is_dropped_when_its_call_is_aborted_and_forgotten_with_its_engine() -> None:
+    d = reading_ahead(des=2)
+    d.report("p0", 1000)  # the DEs' queues are the shorter
+    prepared(d, "a", list(range(60)), IntakeAnswer(0), ProgramRef("A"))
+    prepared(d, "b", list(range(60, 120)), IntakeAnswer(0), ProgramRef("B"))  # both DEs are full now
+    (ahead,) = d.submit("c", list(range(200, 260)), PARAMS, ProgramRef("C"))
+    (other,) = d.submit("e", list(range(300, 360)), PARAMS, ProgramRef("E"))
+    assert {ahead.instance_id, other.instance_id} == {"d0", "d1"}
+    # The aborted call's engine lets its blocks go; the engine that dies takes its read ahead with it, and the
+    # call is read ahead again elsewhere.
+    assert d.abort("c") == [DropPrefetch(ahead.instance_id, "c")]
+    lost = d.instance_lost(other.instance_id, "killed")
+    assert not any(isinstance(x, DropPrefetch) for x in lost)
+    assert [(type(x).__name__, x.instance_id) for x in lost if isinstance(x, Prefetch)] == [
+        ("Prefetch", ahead.instance_id)
+    ]
 
 
 def test_under_program_order_an_agents_next_call_goes_before_later_programs_calls() -> None:

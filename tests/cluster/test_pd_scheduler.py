@@ -15,6 +15,7 @@ from boundless.cluster.pd_scheduler import (
     pick_decode_engine,
     pick_decode_group,
     pick_prefill_engine,
+    plan_prefetches,
     read_queue_tokens,
     schedule,
 )
@@ -170,6 +171,48 @@ def test_engines_of_a_node_share_its_longest_reported_queue() -> None:
 
 
 # -- config --------------------------------------------------------------------------------------
+
+
+# -- reads ahead for waiting requests ---------------------------------------------------------------
+
+
+def test_waiting_requests_are_read_ahead_in_fifo_order_on_the_shorter_queue_within_each_engines_room() -> None:
+    loads = [pe("p", "n0", read_queue=50), de("d", "n1", free=0)]  # the DE has no KV room: everyone waits
+    queue = [req("a", 100, 80), req("b", 100, 0), req("c", 100, 80), req("d", 100, 80), req("e", 100, 10)]
+    queue += [req("f", 100, 80), req("g", 100, 5)]
+    planned, queues = plan_prefetches(queue, loads, {"p": 200, "d": 100}, CFG)
+    # a reads on the DE's node (queue 0 < 50), c on the PE's (50 < 80); d's shorter queue is the DE's, whose room
+    # (20 left) is too small: the PE's takes it. b has nothing stored. f fits nowhere: the round ends there, and g,
+    # behind it, waits for the room to go to f first.
+    assert [(r.request_id, r.engine_id, r.read_path, r.read_tokens) for r in planned] == [
+        ("a", "d", "de", 80),
+        ("c", "p", "pe", 80),
+        ("d", "p", "pe", 80),
+        ("e", "d", "de", 10),
+    ]
+    assert queues == {"n0": 210, "n1": 90}  # each read joined its node's queue before the next was decided
+    # Under basic only the PE reads ahead; under oracle nothing is read.
+    basic = PDSchedulerConfig(alpha=100, beta=1000, kv_path="basic")
+    planned, _ = plan_prefetches(queue, loads, {"p": 100, "d": 1000}, basic)
+    assert [(r.request_id, r.engine_id) for r in planned] == [("a", "p")]
+    oracle = PDSchedulerConfig(alpha=100, beta=1000, kv_path="oracle")
+    assert plan_prefetches(queue, loads, {"p": 1000, "d": 1000}, oracle)[0] == ()
+
+
+def test_a_request_read_ahead_is_placed_where_its_blocks_are_and_reads_nothing_more() -> None:
+    loads = [pe("p0", "n0"), pe("p1", "n1", tok=10), de("d", "n2", free=1000)]
+    queues_say_de = [pe("p0", "n0", read_queue=500), pe("p1", "n1", tok=10, read_queue=500), de("d", "n2", free=1000)]
+    # Read ahead on p1 (not the PE the rules pick, and the DE's queue is the shorter): placed on p1, PE-read.
+    ahead = PendingRequest("a", 100, 80, prefetched_on="p1")
+    (placed,) = schedule([ahead], queues_say_de, CFG).placements
+    assert (placed.prefill_engine, placed.read_path, placed.read_tokens) == ("p1", "pe", 0)
+    # Read ahead on the DE: DE-read, whatever the queues say.
+    (placed,) = schedule([PendingRequest("b", 100, 80, prefetched_on="d")], loads, CFG).placements
+    assert (placed.decode_engine, placed.read_path, placed.read_tokens) == ("d", "de", 0)
+    # Read ahead on a PE that is overloaded now: the rules' PE, and the rules' path (its blocks there are cache).
+    over = [pe("p0", "n0"), pe("p1", "n1", tok=5000), de("d", "n2", free=1000)]
+    (placed,) = schedule([ahead], over, CFG).placements
+    assert (placed.prefill_engine, placed.read_path, placed.read_tokens) == ("p0", "pe", 80)
 
 
 def test_thresholds_default_to_multiples_of_the_step_budget_and_flags_override_them() -> None:

@@ -1,6 +1,6 @@
 """The planner's step-time model is fitted from step samples: it recovers known coefficients, ignores steps
-slowed by something else, and refuses samples that cannot separate the per-request cost from the per-context
-cost."""
+slowed by something else, refuses samples that cannot separate the per-context cost from the rest, and charges
+a step's fixed cost per request when the samples show one batch size."""
 
 from __future__ import annotations
 
@@ -70,13 +70,35 @@ def decode_step(batch: int, context_each: int, seconds: float) -> AttentionSampl
     "samples",
     [
         [decode_step(2, 50, 0.01)] * 3,  # too few
-        [decode_step(4, 100 * i, 0.01 + 1e-5 * i) for i in range(1, 20)],  # one batch size
         [decode_step(i, 1000 // i, 0.01 + 1e-3 * i) for i in (1, 2, 4, 5, 8, 10) * 3],  # one context in all
     ],
 )
 def test_samples_that_cannot_determine_the_model_fit_nothing(samples: list[AttentionSample]) -> None:
     with pytest.raises(NotEnoughSamplesError):
         fit_step_time_model(samples)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_steps_of_one_batch_size_charge_the_fixed_cost_per_request(batch: int) -> None:
+    """At light load every step is a batch of one: a step's fixed cost cannot be told from a request's. The fit
+    charges it per request (batching gains nothing), predicts the steps it saw, and still plans: before, it refused
+    them, and a request longer than its pool waited for a move no plan ordered (docs/lending.md)."""
+    samples = []
+    for context in (64, 256, 512, 1024, 2048, 4096):
+        for new in (1, 1, 64):
+            shapes = (ChunkShape(context - new, new),) * batch
+            samples.append(AttentionSample(shapes, GPU_LIKE.predict(shapes)))
+    fitted = fit_step_time_model(samples)
+    assert fitted.base_s == 0.0
+    for sample in samples:
+        assert fitted.predict(sample.shapes) == pytest.approx(sample.seconds, rel=1e-6)
+    # Twice the batch over twice the context: twice the time, no gain in throughput.
+    assert decode_throughput(fitted, 2 * batch, 2 * batch * 1000) == pytest.approx(
+        decode_throughput(fitted, batch, batch * 1000)
+    )
+    assert decode_throughput(fitted, batch, batch * 1000) == pytest.approx(
+        decode_throughput(GPU_LIKE, batch, batch * 1000)
+    )
 
 
 def test_throughput_is_batch_over_decode_step_time() -> None:

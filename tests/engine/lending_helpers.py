@@ -3,6 +3,7 @@ to compare them with: shared by the DistAttention and lending tests."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +28,15 @@ SHARED = LONG[:48] + [(7 * j) % 300 + 5 for j in range(20)]  # shares 3 full blo
 OTHER = [(11 * j) % 300 + 4 for j in range(40)]
 
 
-def engine(loaded: LoadedModel) -> EngineCore:
+def engine(loaded: LoadedModel, num_blocks: int = 40, max_model_len: int = 512) -> EngineCore:
+    """An engine of ``num_blocks`` blocks; ``max_model_len`` may exceed its pool, as with lending a request may hold
+    the cluster's memory (``bench longctx`` sizes it so)."""
     config = EngineConfig(
-        model=ModelConfig(max_model_len=512),
-        cache=CacheConfig(num_kv_blocks=40, enable_prefix_caching=True),
+        model=ModelConfig(max_model_len=min(max_model_len, num_blocks * BLOCK)),
+        cache=CacheConfig(num_kv_blocks=num_blocks, enable_prefix_caching=True),
         scheduler=SchedulerConfig(policy="fcfs", max_num_batched_tokens=CHUNK),
     )
-    layout = size_engine(config, loaded.arch, loaded.dtype)
+    layout = dataclasses.replace(size_engine(config, loaded.arch, loaded.dtype), max_model_len=max_model_len)
     return EngineCore(
         config, layout, ModelIdentity.of(loaded), loaded.tokenizer, build_model_executor(loaded, config, layout)
     )
@@ -70,8 +73,8 @@ def step(core: EngineCore, rec: Recorded) -> None:
         rec.add(delta)
 
 
-def reference(loaded: LoadedModel, requests: dict[str, list[int]]) -> Recorded:
-    core, rec = engine(loaded), Recorded()
+def reference(loaded: LoadedModel, requests: dict[str, list[int]], num_blocks: int = 40) -> Recorded:
+    core, rec = engine(loaded, num_blocks, max(512, num_blocks * BLOCK)), Recorded()
     record(core, rec)
     for rid, prompt in requests.items():
         core.add_request(rid, prompt, PARAMS)
@@ -94,15 +97,18 @@ class Cluster:
 
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
-    """``make(loaded, n, clock=None)``: n engines with lending agents; ``clock`` drives their rManagers."""
+    """``make(loaded, n, clock=None, max_model_len=512)``: n engines with lending agents; ``clock`` drives their
+    rManagers."""
     made: list[Cluster] = []
 
-    def make(loaded: LoadedModel, n: int, clock: Callable[[], float] | None = None) -> Cluster:
+    def make(
+        loaded: LoadedModel, n: int, clock: Callable[[], float] | None = None, max_model_len: int = 512
+    ) -> Cluster:
         control = LocalControlPlane()
         nets = [ShmTransport(tmp_path / f"shm{len(made)}", f"i{i}", timeout_s=10) for i in range(n)]
         agents = []
         for net in nets:
-            core = engine(loaded)
+            core = engine(loaded, max_model_len=max_model_len)
             rm = RManager(net.address, core.layout.num_blocks, BLOCK, clock or core.clock, reservation_timeout_s=30)
             agents.append(control.add(LendingAgent(core, rm, net, control, timeout_s=10)))
         cluster = Cluster(agents, nets, control)

@@ -334,3 +334,118 @@ def test_a_push_load_goes_on_in_chunks_until_done_and_gives_up_only_when_no_read
     # up, and the push goes with what it has (the prefill engine reads or computes the rest).
     assert kv.plan_disk_read("r", prompt) is None and not kv.has_read_in_flight("r")
     assert len(kv.memory_prefix("r", prompt, 12, first=2)) == 8
+
+
+def _stored_then_forgotten(core: EngineCore, prompt: list[int]) -> list[int]:
+    """Serve ``prompt`` once (write-through puts its full blocks in the store), then forget it in memory: only the
+    store has its KV. Returns the tokens it gave."""
+    outputs: dict[str, list[int]] = {}
+    core.add_request("cold", prompt, PARAMS)
+    cold = _tokens(core, "cold", outputs)
+    core.executor.kv_io.flush()
+    core.reset_prefix_cache()
+    return cold
+
+
+def _until(core: EngineCore, done) -> None:
+    """Step an engine with no request (its reads ahead only) until ``done()``, bounded."""
+    import time
+
+    for _ in range(2000):
+        if done():
+            return
+        core.step()
+        time.sleep(0.005)
+    raise AssertionError("the engine's reads never landed")
+
+
+def test_a_context_read_ahead_for_a_call_not_here_yet_is_what_the_call_uses_and_not_read_again(
+    tiny_llama: LoadedModel, dict_store: type, tmp_path: Path
+) -> None:
+    store = dict_store()
+    core = _disk_engine(tiny_llama, store, tmp_path)
+    prompt = [(13 * j) % 300 + 3 for j in range(70)]
+    cold = _stored_then_forgotten(core, prompt)
+    loaded_before = core.stats().disk_io.blocks_loaded
+    # The dispatcher reads the call's stored context into this engine's host memory while the call waits elsewhere.
+    assert core.prefetch("call", prompt) == 4 and core.has_work()
+    _until(core, lambda: core.kv.num_reads_in_flight == 0 and len(core.kv.memory_prefix(None, prompt, 4)) == 4)
+    assert core.stats().disk_io.blocks_loaded == loaded_before + 4
+    # It is held for the call: other work taking every free block of memory leaves it there.
+    _evict_from_memory(core.kv)
+    assert len(core.kv.memory_prefix(None, prompt, 4)) == 4
+    # The call comes: it finds its context in host memory, reads nothing, and gives the tokens of a cold run.
+    outputs: dict[str, list[int]] = {}
+    core.add_request("call", prompt, PARAMS)
+    assert _tokens(core, "call", outputs) == cold
+    stats = core.stats()
+    assert stats.disk_io.blocks_loaded == loaded_before + 4  # not read a second time
+    assert stats.kv_tiers[DISK].hit_tokens == 64 and stats.kv_tiers[DISK].reloaded_blocks == 0
+    assert stats.kv_tiers[DISK].recomputed_blocks == {} and not core.has_work()
+    assert core.kv.pools[HOST].num_used == 0  # admitted: the hold went with it
+
+
+def test_a_read_ahead_whose_call_is_dropped_or_never_comes_leaves_only_cache(
+    tiny_llama: LoadedModel, dict_store: type, gated_store: type, tmp_path: Path
+) -> None:
+    import boundless.engine.core as core_module
+
+    base = dict_store()
+    store = gated_store(base)
+    store.release.set()
+    core = _disk_engine(tiny_llama, store, tmp_path)
+    prompt = [(7 * j) % 300 + 3 for j in range(70)]
+    _stored_then_forgotten(core, prompt)
+    host = core.kv.pools[HOST]
+    # Dropped while its read is in flight (a slow store): the read lands as cache for nobody.
+    store.release.clear()
+    assert core.prefetch("aborted", prompt) == 4
+    core.step()
+    assert core.kv.num_reads_in_flight == 1
+    core.drop_prefetch("aborted")
+    store.release.set()
+    _until(core, lambda: core.kv.num_reads_in_flight == 0 and len(core.kv.memory_prefix(None, prompt, 4)) == 4)
+    assert host.num_used == 0 and not core.has_work()  # cached, held by nothing: evictable
+    # Never claimed: after PREFETCH_HOLD_S the engine lets it go by itself.
+    core.reset_prefix_cache()
+    assert core.prefetch("lost", prompt) == 4
+    _until(core, lambda: core.kv.num_reads_in_flight == 0 and len(core.kv.memory_prefix(None, prompt, 4)) == 4)
+    assert host.num_used == 4
+    start = core.clock()
+    core.clock = lambda: start + core_module.PREFETCH_HOLD_S + 1
+    core.step()
+    assert host.num_used == 0 and not core.has_work()
+
+
+def test_reads_ahead_go_in_chunks_few_at_a_time_so_a_placed_calls_read_waits_behind_little() -> None:
+    import boundless.kv.manager as manager
+
+    kv = KVCacheManager(16, 4, True, "fp", num_host_blocks=100, disk=True, write_policy="off")
+    prompts = {f"c{i}": list(range(100 * i, 100 * i + 60)) for i in range(3)}  # 14 loadable blocks each
+    for prompt in prompts.values():
+        kv.finish_disk_writes([DiskWriteDone(written=tuple(kv.block_hashes("written", prompt)))])
+    for rid, prompt in prompts.items():
+        assert kv.prefetch(rid, prompt, lambda keys: len(keys)) == 14
+    reads = kv.plan_prefetch_reads()
+    assert len(reads) == manager.PREFETCH_READS_IN_FLIGHT == 2
+    assert [len(r.keys) for r in reads] == [manager.PREFETCH_READ_BLOCKS] * 2
+    assert kv.plan_prefetch_reads() == []  # none more while those are in flight
+    kv.finish_disk_reads([DiskReadDone(reads[0].read_id, 8, 0.1)])
+    (read,) = kv.plan_prefetch_reads()  # the first call's last 6 blocks
+    assert len(read.keys) == 6 and read.keys[0] == kv.block_hashes("c0", prompts["c0"])[8]
+
+
+def test_a_swap_out_short_of_host_room_takes_the_room_of_reads_ahead_first() -> None:
+    kv = KVCacheManager(16, 4, True, "fp", num_host_blocks=20, disk=True, write_policy="off")
+    prompt = list(range(40))
+    kv.finish_disk_writes([DiskWriteDone(written=tuple(kv.block_hashes("written", prompt)))])
+    assert kv.prefetch("later", prompt, lambda keys: len(keys)) == 9
+    (read,) = kv.plan_prefetch_reads()  # in chunks: 8 blocks, then the last
+    kv.finish_disk_reads([DiskReadDone(read.read_id, 8, 0.1)])
+    (read,) = kv.plan_prefetch_reads()
+    kv.finish_disk_reads([DiskReadDone(read.read_id, 1, 0.1)])
+    host = kv.pools[HOST]
+    assert host.num_used == 9  # held for the call that has not come
+    assert kv.allocate("running", list(range(100, 148)), 48)  # 12 device blocks: a swap-out needs 12 host blocks
+    assert kv.release_prefetched([]) and host.num_used == 0  # the read ahead gave way (its blocks stay cached)
+    assert len(kv.memory_prefix(None, prompt, 9)) == 9

@@ -240,3 +240,47 @@ def test_a_request_that_cannot_grow_counts_as_waiting_for_the_blocks_it_needs() 
     assert stalled_growth([("a", 4), ("b", 1)], free=3) == [("a", 4)]  # a cannot grow; b still fits
     assert stalled_growth([("a", 2), ("b", 2), ("c", 1)], free=3) == [("b", 2)]
     assert stalled_growth([("a", 16)], free=0) == [("a", 16)]
+
+
+HUGE = [(17 * j) % 300 + 6 for j in range(70 * BLOCK + 4)]  # 70 full blocks and 4 tokens: 1.75 pools of 40
+
+
+def test_a_request_longer_than_its_pool_waits_for_moves_and_survives_a_lost_creditor(load, make_cluster) -> None:
+    """The pool full of its blocks, the request keeps them until a move makes room (evicting it would bring it back
+    to the same wall). Its creditor lost right after a move, it is recomputed with every block of the pool still
+    cached: prefix and next chunk exceed the pool, so it comes back with all but the last cached block (before, it
+    was never admitted again). A move to another creditor then lets it finish, with one engine's output."""
+    loaded = load("tiny-llama")
+    want = reference(loaded, {"huge": HUGE}, num_blocks=80)
+    cluster = make_cluster(loaded, 3, max_model_len=80 * BLOCK)
+    debtor, c1, c2 = cluster.agents
+    core = debtor.core
+    pool = core.kv.pool.num_blocks
+    core.add_request("huge", HUGE, PARAMS)
+    request = core.scheduler.requests["huge"]
+    rec = Recorded()
+
+    def step() -> None:
+        for d in debtor.step():
+            rec.add(d)
+
+    while request.num_computed_tokens < pool * BLOCK:
+        step()
+    step()  # the pool is full of its blocks: it waits, keeping them
+    assert request.num_computed_tokens == pool * BLOCK and core.scheduler.stats.num_preemptions == 0
+    assert debtor.move_kvcache("huge", 10, c1.instance_id)
+    cluster.control.down.add(c1.instance_id)
+    debtor.peer_lost(c1.instance_id)  # the cluster's heartbeat timeout: its blocks are recomputed here
+    assert debtor.stats.requests_recomputed == 1 and request.num_computed_tokens == 0
+    out = core.scheduler.schedule()
+    assert [(c.start_pos, len(c.token_ids)) for c in out.chunks] == [((pool - 1) * BLOCK, BLOCK)]
+    core.finish_step(out, core.execute(out))
+    assert request.num_computed_tokens == pool * BLOCK
+    assert debtor.move_kvcache("huge", 35, c2.instance_id)
+    for _ in range(100):
+        if not core.has_unfinished():
+            break
+        step()
+        c2.step()
+    assert rec.tokens["huge"] == want.tokens["huge"]
+    assert c2.core.kv.pool.num_used == 0 and not c2.rm.loans

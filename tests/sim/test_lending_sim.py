@@ -12,6 +12,7 @@ from boundless.bench.longctx_trace import TraceShape, make_trace
 from boundless.cli import main
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import ChunkShape
+from boundless.engine.request import RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.sim.engine import SimulatedModel
@@ -148,3 +149,94 @@ def test_a_step_over_lent_blocks_costs_its_local_part_the_round_trip_and_the_cre
     sim.lending.data["1"].owed_s = 0.0
     cost.step_time(decode((RemoteKV("1", ("m",), 80_000),)))
     assert sim.lending.data["1"].owed_s == 0.0 and sim.lending.data["1"].partials_served == 64
+
+
+def test_a_report_taken_while_a_step_runs_sees_the_request_as_the_step_will_leave_it(model: SimulatedModel) -> None:
+    """The engine loop holds its lock only between steps, so a heartbeat may report mid-step: the step's chunk has
+    its blocks but its tokens are not yet counted. The report then counts them as computed (the step in flight), as
+    it would right after the step; before, the chunk that fills the pool hid the stall from the planner."""
+    cluster = ClusterConfig(instances=2, kv_lending="on")
+    sim = Simulator(CONFIG, model, None, instances=2, cluster=cluster, profile=load_profile("cpu"))
+    assert sim.lending is not None
+    core, agent = sim.instances["0"].core, sim.lending.agents["0"]
+    core.add_request("long", list(range(100, 1300)), SamplingParams(max_tokens=8, ignore_eos=True))
+    for chunk in range(1, 5):
+        sched = core.schedule()
+        agent.observe()
+        during = agent.rm.local
+        core.finish_step(sched, core.execute(sched))
+        agent.observe()
+        assert during == agent.rm.local, chunk
+    assert agent.rm.local.waiting_blocks == (11,)  # after 4 chunks: the pool is full, the next chunk needs 11
+
+
+def test_an_instance_whose_step_outlasts_the_heartbeat_timeout_stays_in_the_plans(model: SimulatedModel) -> None:
+    """A step of 3 s against a 1 s heartbeat timeout: the instance reports at every heartbeat meanwhile (as the real
+    one does), so the gManager keeps it live and sees its stalled request. Before, a busy instance reported at its
+    step's end only, and the gManager left it out of its plans (the debtor that needed one most)."""
+    cluster = ClusterConfig(
+        instances=2, kv_lending="on", heartbeat_interval_s=0.5, heartbeat_timeout_s=1.0, lending_interval_s=0.5
+    )
+    sim = Simulator(CONFIG, model, None, instances=2, cluster=cluster, profile=load_profile("cpu"))
+    assert sim.lending is not None
+    core, gm = sim.instances["0"].core, sim.lending.lending.gm
+    core.add_request("long", list(range(100, 1300)), SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        sched = core.schedule()
+        core.finish_step(sched, core.execute(sched))
+    core.schedule()  # the 4th chunk, which fills the pool, runs for 3 s
+    sim.instances["0"].step = object()  # type: ignore[assignment]
+    for _ in range(6):
+        sim.clock.now += 0.5
+        sim.lending.heartbeat()
+    live = {hb.instance_id: hb for hb in gm.live()}
+    assert set(live) == {"0", "1"}
+    assert live["0"].instance.waiting_blocks == (11,)
+
+
+def test_a_request_longer_than_its_pool_is_served_at_light_load(model: SimulatedModel) -> None:
+    """One request at a time (every step a batch of one): the gManager's model is fitted from steps of one batch
+    size, charging a step's fixed cost per request, and plans. Before, it refused such samples and never planned:
+    the 1.5x request filled its instance and waited for good."""
+    shape = TraceShape(num_short=12, long_factors=(1.5,))
+    trace = make_trace(shape, pool_tokens(CONFIG, model), model.identity.vocab_size, rate=0.2, seed=0)
+    programs = trace_programs(trace)
+    cluster = ClusterConfig(instances=3, kv_lending="on", **LENDING)
+    sim = Simulator(
+        CONFIG, model, None, instances=3, cluster=cluster, profile=load_profile("cpu"), compact_prompts=False
+    )
+    row = longctx_row(sim, sim.run(programs), programs, 0.2, "lending")
+    assert row["served"] == row["requests"] and row["unserved"] == 0
+    assert row["longest_served"] > pool_tokens(CONFIG, model)
+    assert sim.lending is not None
+    fitted = sim.lending.lending.gm.model()
+    assert fitted is not None and fitted.base_s == 0.0 and row["lending"]["moves"] > 0
+
+
+def test_a_swapped_out_request_waits_for_its_local_blocks_only(model: SimulatedModel) -> None:
+    """With a host tier, a request with 10 blocks on a creditor is swapped out: the planner sees it waiting for its
+    75 blocks less those 10, which stay on the creditor (before, all 75, as if lent blocks were local)."""
+    config = EngineConfig(
+        cache=CacheConfig(num_kv_blocks=64, kv_host_gb=0.1),
+        scheduler=SchedulerConfig(policy="fcfs", max_num_batched_tokens=256),
+    )
+    cluster = ClusterConfig(instances=2, kv_lending="on")
+    sim = Simulator(config, model, None, instances=2, cluster=cluster, profile=load_profile("cpu"))
+    assert sim.lending is not None
+    core, agent = sim.instances["0"].core, sim.lending.agents["0"]
+    core.add_request("a", list(range(100, 200)), SamplingParams(max_tokens=400, ignore_eos=True))
+    core.add_request("b", list(range(300, 1500)), SamplingParams(max_tokens=8, ignore_eos=True))
+    b = core.scheduler.requests["b"]
+
+    def step() -> None:
+        sched = core.schedule()
+        core.finish_step(sched, core.execute(sched))
+
+    for _ in range(3):
+        step()
+    assert agent.move_kvcache("b", 10, "1")
+    while b.status is RequestStatus.RUNNING:  # until b, out of room, is swapped out (to host memory)
+        step()
+    assert b.status is RequestStatus.SWAPPED and core.kv.num_lent_blocks("b") == 10
+    agent.observe()
+    assert agent.rm.local.waiting_blocks == (core.kv.blocks_for_tokens(b.num_tokens) - 10,) == (65,)
