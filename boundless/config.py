@@ -97,6 +97,14 @@ class CacheConfig:
             "them and computes them (stuck storage); no new load starts while a timed-out one is in flight"
         },
     )
+    layerwise_load: str = field(
+        default="on",
+        metadata={
+            "help": "on: a load from a store behind an emulated storage link (--storage-gbps) is usable layer by "
+            "layer as the link carries it, and its request's prefill runs meanwhile, each layer waiting for its "
+            "own KV only; off: the request waits until every byte of its load has arrived"
+        },
+    )
     kv_write_policy: str = field(
         default="through",
         metadata={
@@ -140,6 +148,7 @@ class CacheConfig:
         )
         _require(self.kv_disk_gb > 0, "kv_disk_gb", "must be positive")
         _require(self.kv_load_timeout_s > 0, "kv_load_timeout_s", "must be positive")
+        _require(self.layerwise_load in ("on", "off"), "layerwise_load", "must be on or off")
         _require(
             self.kv_eviction in KV_EVICTIONS,
             "kv_eviction",

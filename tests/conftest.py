@@ -164,3 +164,34 @@ def _make_unwritable(root: Path) -> Callable[[], None] | None:
 def make_unwritable() -> Callable[[Path], Callable[[], None] | None]:
     """``make_unwritable(root)``: makes a directory tree unwritable; returns the undo, or None where it cannot."""
     return _make_unwritable
+
+
+class HeldLink:
+    """A storage link the test drives: reads cost nothing, and the parts of a layerwise load cross only when
+    the test lets them (:meth:`let_through`), so what runs before the load has arrived is deterministic."""
+
+    def __init__(self) -> None:
+        self._allowed = 0
+        self._changed = threading.Condition()
+        self.parts_carried = 0
+
+    def transfer(self, nbytes: int) -> None:
+        pass
+
+    def transfer_parts(self, sizes: Sequence[int], on_part: Callable[[int], None]) -> None:
+        for i in range(len(sizes)):
+            with self._changed:
+                self._changed.wait_for(lambda: self._allowed > self.parts_carried, timeout=60)
+                self.parts_carried += 1
+            on_part(i)
+
+    def let_through(self, parts: int) -> None:
+        with self._changed:
+            self._allowed += parts
+            self._changed.notify_all()
+
+
+@pytest.fixture
+def held_link() -> type[HeldLink]:
+    """The class of :class:`HeldLink`."""
+    return HeldLink

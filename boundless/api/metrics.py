@@ -185,6 +185,19 @@ def _tier_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
             "(--kv-eviction program)",
             "blocks_aged",
         ),
+        "boundless_kv_disk_layerwise_loads": (
+            "loads admitted before their storage link had carried them, usable layer by layer (--layerwise-load)",
+            "layerwise_loads",
+        ),
+        "boundless_kv_disk_layer_wait_seconds": (
+            "seconds forward passes waited at a layer for a layerwise load's KV to arrive",
+            "layer_wait_s",
+        ),
+        "boundless_kv_disk_layer_wait_timeouts": (
+            "layerwise loads whose storage link stalled past --kv-load-timeout-s mid-forward (waited past: the "
+            "bytes were in host memory)",
+            "layer_wait_timeouts",
+        ),
     }
     for name, (doc, attr) in disk.items():
         c = CounterMetricFamily(name, doc, labels=["instance"])

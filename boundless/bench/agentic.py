@@ -153,9 +153,7 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
             link = None
             if storage_gbps is not None:
                 link = ThrottledLink(Link("storage", gbps_to_bytes_per_s(storage_gbps)), time.monotonic, time.sleep)
-            engine = AsyncEngine(
-                EngineCore.from_model(setup.loaded, config, read_throttle=link.transfer if link else None)
-            )
+            engine = AsyncEngine(EngineCore.from_model(setup.loaded, config, read_link=link))
             run = Serving(engine, engine.max_model_len, {}, {})
             try:
                 yield run

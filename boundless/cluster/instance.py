@@ -105,7 +105,7 @@ class EngineInstance:
         if role is not None:
             self.links = instance_links(role.cluster, time.monotonic, time.sleep)
         storage = self.links.storage
-        self.core = EngineCore.from_model(loaded, config, read_throttle=storage.transfer if storage else None)
+        self.core = EngineCore.from_model(loaded, config, read_link=storage)
         self.transport = None
         if role is not None:
             spec = EndpointSpec(

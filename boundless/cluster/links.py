@@ -34,7 +34,7 @@ import copy
 import math
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -282,15 +282,34 @@ class ThrottledLink:
         with self._lock:
             start = self.clock()
             t = self.link.submit(nbytes, start, traffic)
+        return self._wait_for(t) - start
+
+    def _wait_for(self, t: Transfer) -> float:
+        """Sleep until ``t`` has crossed; returns the clock then."""
         while True:
             with self._lock:
                 now = self.clock()
                 self.link.advance(now)
                 if t.finished_at is not None and t.finished_at <= now:
-                    return now - start
+                    return now
                 # A wake-up no later than the finish: later model traffic can only push it back.
                 wake = self.link.estimated_finish(t)
             self.sleep(max(0.0, wake - now))
+
+    def transfer_parts(
+        self, sizes: Sequence[int], on_part: Callable[[int], None], traffic: Traffic = Traffic.KV
+    ) -> float:
+        """Send ``sizes`` back to back as one queue entry each, all queued at once (the link's queue shows their sum,
+        as for one transfer), calling ``on_part(i)`` as part ``i`` has crossed; returns the seconds waited. A load
+        carried layer by layer: each layer is usable as soon as it has arrived (``kv/layer_gate.py``)."""
+        with self._lock:
+            start = self.clock()
+            parts = [self.link.submit(n, start, traffic) for n in sizes]
+        end = start
+        for i, t in enumerate(parts):
+            end = self._wait_for(t)
+            on_part(i)
+        return end - start
 
     def stats(self) -> LinkStats:
         with self._lock:

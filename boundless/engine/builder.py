@@ -9,7 +9,6 @@ with the same function and gives them a cost-model executor instead.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import Sampler
 from boundless.kv.disk_store import DiskKVStore, StoreLayout
 from boundless.kv.tensors import PagedKVCache
-from boundless.kv.throttled_store import ThrottledStore
+from boundless.kv.throttled_store import ReadLink, ThrottledStore
 from boundless.kv.tiers import BlockStore, HostKVTier
 from boundless.kv.transfer import HOST
 from boundless.model.arch import ModelArch
@@ -102,10 +101,10 @@ def build_model_executor(
     config: EngineConfig,
     layout: EngineLayout,
     store: BlockStore | None = None,
-    read_throttle: Callable[[int], object] | None = None,
+    read_link: ReadLink | None = None,
 ) -> ModelExecutor:
     """The network, its KV memory (device and host, and the disk store: ``store``, else the one at
-    ``--kv-disk-path``; its reads wait for ``read_throttle``, an emulated storage link, when given),
+    ``--kv-disk-path``; its reads wait for ``read_link``, an emulated storage link, when given),
     attention backend and sampler, ready to run steps."""
     arch = loaded.arch
     loaded.model.prepare(layout.max_model_len)
@@ -126,8 +125,8 @@ def build_model_executor(
     lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
     if store is None and layout.disk_bytes:
         store = open_disk_store(loaded, config, layout)
-    if store is not None and read_throttle is not None:
-        store = ThrottledStore(store, read_throttle)
+    if store is not None and read_link is not None:
+        store = ThrottledStore(store, read_link.transfer, read_link.transfer_parts)
     if store is not None:
         describe = getattr(store, "describe", None)
         log.info(
@@ -135,7 +134,13 @@ def build_model_executor(
             describe() if describe is not None else f"KV disk store {config.cache.kv_disk_path}: {store.stats()}",
             config.cache.kv_write_policy,
         )
-    return ModelExecutor(runner, lower_tiers, store=store)
+    return ModelExecutor(
+        runner,
+        lower_tiers,
+        store=store,
+        layerwise_load=config.cache.layerwise_load == "on",
+        layer_wait_timeout_s=config.cache.kv_load_timeout_s,
+    )
 
 
 def make_attention(

@@ -31,6 +31,7 @@ from boundless.kv.disk_moves import DiskIOStats
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.remote_io import DEFAULT_TIMEOUT_S, RemoteIO
 from boundless.kv.remote_moves import RemoteIOStats
+from boundless.kv.throttled_store import ReadLink
 from boundless.kv.transfer import DISK, PEER
 from boundless.model.loader import LoadedModel
 from boundless.model.tokenizer import Tokenizer
@@ -209,12 +210,12 @@ class EngineCore:
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
         policy: SchedulingPolicy | None = None,
-        read_throttle: Callable[[int], object] | None = None,
+        read_link: ReadLink | None = None,
     ) -> EngineCore:
-        """An instance that runs ``loaded`` on its device (its store reads waiting for ``read_throttle``, an
+        """An instance that runs ``loaded`` on its device (its store reads waiting for ``read_link``, an
         emulated storage link, when given)."""
         layout = size_engine(config, loaded.arch, loaded.dtype)
-        executor = build_model_executor(loaded, config, layout, read_throttle=read_throttle)
+        executor = build_model_executor(loaded, config, layout, read_link=read_link)
         return cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy)
 
     def connect(

@@ -19,11 +19,12 @@ from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.kv.block_hash import BlockHash
 from boundless.kv.disk_moves import TierReport
+from boundless.kv.layer_gate import LayerWaits
 from boundless.kv.remote_io import RemoteIO
 from boundless.kv.remote_moves import RemoteReport
 from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS, TierIO
 from boundless.kv.tiers import BlockStore, KVTier
-from boundless.kv.transfer import DEVICE, TierId
+from boundless.kv.transfer import DEVICE, HOST, TierId
 
 # A step with nothing to run but disk reads in flight waits this long at most for one to finish, so that an
 # engine waiting only for the disk does not spin.
@@ -68,6 +69,9 @@ class ModelExecutor:
     ``timer`` measures the step (wall time by default); it is injected so that the step time a scheduler
     sees comes from one place. ``remote`` runs the block streams between this instance and its peers
     (``kv/remote_io.py``; prefill/decode disaggregation), built over these tiers by :meth:`connect`.
+    ``layerwise_load``: loads from a store behind an emulated link are usable layer by layer as they arrive
+    (``kv/layer_gate.py``); a step's forward pass waits at each layer for that layer of the loads it copies
+    in, ``layer_wait_timeout_s`` at most (then goes on: the bytes are in host memory already).
     """
 
     def __init__(
@@ -77,16 +81,21 @@ class ModelExecutor:
         timer: Callable[[], float] = time.perf_counter,
         store: BlockStore | None = None,
         write_queue_blocks: int = DEFAULT_WRITE_QUEUE_BLOCKS,
+        layerwise_load: bool = False,
+        layer_wait_timeout_s: float = 10.0,
     ) -> None:
         self.runner = runner
         self.tiers: dict[TierId, KVTier] = {DEVICE: runner.kv_cache, **lower_tiers}
         self.timer = timer
-        self.kv_io = TierIO(self.tiers, store, write_queue_blocks)
+        self.kv_io = TierIO(self.tiers, store, write_queue_blocks, layerwise=layerwise_load)
+        self.layer_wait_timeout_s = layer_wait_timeout_s
         self.remote: RemoteIO | None = None
 
     def connect(self, remote: Callable[[Mapping[TierId, KVTier]], RemoteIO]) -> RemoteIO:
         """Give the executor its block streams to other instances, built over its memory tiers."""
         self.remote = remote(self.tiers)
+        kv_io = self.kv_io
+        self.remote.gates_for = lambda refs: kv_io.gates_for([r.block_id for r in refs if r.tier == HOST])
         return self.remote
 
     def count_stored(self, keys: Sequence[BlockHash]) -> int:
@@ -102,9 +111,12 @@ class ModelExecutor:
             raise RuntimeError("a step moves KV to or from another instance, but this executor has no transport")
         later: list[dict[str, SampledToken]] = []
         pass_seconds: list[float] = []
+        waits = None
         try:
             self.kv_io.apply(sched.disk_reads, sched.disk_writes, sched.transfers, sched.disk_ages)
-            sampled = self.runner.sample(self.runner.forward(sched, on_layer)) if sched.chunks else {}
+            waits = self._layer_waits(sched)
+            before_layer = waits.before_layer if waits is not None else None
+            sampled = self.runner.sample(self.runner.forward(sched, on_layer, before_layer)) if sched.chunks else {}
             if sched.window > 1:  # multi-step decoding: the same batch's next passes, each on the last one's tokens
                 pass_seconds.append(self.timer() - start)
                 last = {rid: t.token_id for rid, t in sampled.items()}
@@ -118,6 +130,9 @@ class ModelExecutor:
             if self.remote is not None:
                 self.remote.end_step(ok=False)
             raise
+        finally:
+            if waits is not None:
+                self.kv_io.count_layer_waits(waits.waited_s, waits.timeouts)
         if self.remote is not None:
             self.remote.end_step(ok=True)
         elapsed = self.timer() - start
@@ -128,6 +143,15 @@ class ModelExecutor:
             self.remote.report(wait_s=READ_WAIT_S if remote_wait else 0.0) if self.remote else RemoteReport()
         )
         return StepResult(sampled, elapsed, tier_report, remote_report, tuple(later), tuple(pass_seconds))
+
+    def _layer_waits(self, sched: SchedulerOutput) -> LayerWaits | None:
+        """The waits of the step's forward pass on layerwise loads still arriving: those of the host blocks its
+        transfers copy in (the step that copies a loaded block waits through every layer, so later steps, which
+        read the copy, need not)."""
+        if not sched.chunks:
+            return None
+        gates = self.kv_io.gates_for([t.src.block_id for t in sched.transfers if t.src.tier == HOST])
+        return LayerWaits(gates, self.layer_wait_timeout_s) if gates else None
 
     def close(self) -> None:
         self.kv_io.close()

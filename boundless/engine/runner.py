@@ -96,8 +96,14 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, sched: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> StepLogits:
-        """Run the step; ``on_layer(i)`` is called once layer ``i`` has stored its KV (never in a CUDA graph)."""
+    def forward(
+        self,
+        sched: SchedulerOutput,
+        on_layer: Callable[[int], None] | None = None,
+        before_layer: Callable[[int], None] | None = None,
+    ) -> StepLogits:
+        """Run the step; ``on_layer(i)`` is called once layer ``i`` has stored its KV, ``before_layer(i)`` before
+        layer ``i`` reads any (never in a CUDA graph)."""
         decodes_only = all(len(c.token_ids) == 1 for c in sched.chunks)
         remote = any(c.remote for c in sched.chunks)
         if (
@@ -105,12 +111,15 @@ class ModelRunner:
             and decodes_only
             and not remote
             and on_layer is None
+            and before_layer is None
             and self.graphs.fits(len(sched.chunks))
         ):
             return self._forward_graph(sched.chunks)
         batch = self.build_batch(sched)
         meta = self.attention.prepare(batch.attention)
-        hidden = self.model(batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer)
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer
+        )
         logits = self.model.compute_logits(hidden[batch.sample_indices])
         return StepLogits(logits=logits, chunks=batch.sample_chunks)
 

@@ -83,13 +83,20 @@ class DiskIOStats:
 
     probes: int = 0
     loads: int = 0
-    load_seconds: float = 0.0  # summed over loads, from the loader taking one up to its blocks in host memory
+    # summed over loads, from the loader taking one up to its blocks in host memory (a layerwise load: read and
+    # checked, before its link has carried it)
+    load_seconds: float = 0.0
     blocks_loaded: int = 0
     blocks_missing: int = 0  # asked for by a load but missing or unreadable (recomputed instead)
     blocks_written: int = 0
     blocks_dropped: int = 0  # write-through or write-back blocks dropped because the writer's queue was full
     blocks_failed: int = 0  # writes the store could not complete
     blocks_aged: int = 0  # blocks the store put first in its eviction order (no live program uses them)
+    # Layerwise loads (kv/layer_gate.py): loads reported before their link had carried them, the seconds forward
+    # passes waited at a layer for one to arrive, and the gates waited past (their link stuck past the timeout).
+    layerwise_loads: int = 0
+    layer_wait_s: float = 0.0
+    layer_wait_timeouts: int = 0
     store: object | None = None  # the store's own stats (DiskKVStore.stats()), as it last reported them
 
 

@@ -13,7 +13,9 @@ Each step, :meth:`RemoteIO.start` takes the step's :class:`~boundless.kv.remote_
   layerwise send, each layer as the step's forward pass has stored it (the hook :meth:`start` returns; the
   runner calls it after every layer). The sender gathers the layer's slice of the blocks (blocks the
   manager holds until the send is reported), waits for the emulated network link when there is one, sends,
-  and waits for the transport (at most ``timeout_s``). A failed send skips the rest of its stream.
+  and waits for the transport (at most ``timeout_s``). A failed send skips the rest of its stream. A send
+  from memory whose blocks a layerwise load is still carrying from the store (``kv/layer_gate.py``: a DE-read
+  push) sends each layer as it arrives, so the storage link, the network link and the peer overlap.
 
 Finished streams are collected by :meth:`RemoteIO.report` for a step's result.
 """
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from boundless.kv.layer_gate import LayerGate
 from boundless.kv.remote_moves import (
     RemoteIOStats,
     RemoteRecv,
@@ -38,7 +41,7 @@ from boundless.kv.remote_moves import (
     RemoteSend,
     RemoteSendDone,
 )
-from boundless.kv.transfer import DEVICE, HOST, TierId
+from boundless.kv.transfer import DEVICE, HOST, BlockRef, TierId
 from boundless.transport.base import KVTransport, TransferHandle, TransportError
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class _Incoming:
 class _Outgoing:
     send: RemoteSend
     groups: list[tuple[TierId, torch.Tensor, torch.Tensor]]  # (tier, block ids, positions in the stream)
+    gates: list[LayerGate] = field(default_factory=list)  # layerwise loads of its blocks still arriving
     error: str | None = None
     started_at: float | None = None
     forward_end: float | None = None  # a layerwise stream: when its step's forward pass ended
@@ -106,6 +110,9 @@ class RemoteIO:
         self.timeout_s = timeout_s
         self.clock = clock
         self.layerwise = layerwise
+        # The gates of layerwise loads still arriving in blocks a send reads (``kv/layer_gate.py``; set by the
+        # executor): a send from memory then goes out layer by layer as its blocks' layers arrive.
+        self.gates_for: Callable[[Sequence[BlockRef]], list[LayerGate]] | None = None
         device = self._data(DEVICE)
         self.num_layers = device.shape[0]
         self._block_shape = (device.shape[1], device.shape[2], device.shape[4], device.shape[5])
@@ -141,6 +148,7 @@ class RemoteIO:
         for send in sends:
             stream = _Outgoing(send, self._groups(send))
             if not send.layerwise:
+                stream.gates = self.gates_for(send.src) if self.gates_for is not None else []
                 for layer in range(self.num_layers):
                     self._pieces.put(_Piece(stream, layer))
                 self._pieces.put(_Piece(stream, None))
@@ -313,6 +321,9 @@ class RemoteIO:
         else:
             if piece.ready is not None:
                 piece.ready.synchronize()  # type: ignore[attr-defined]
+            for gate in stream.gates:  # blocks loaded layerwise: send each layer as it arrives from the store
+                if not gate.wait(piece.layer, self.timeout_s):
+                    gate.open_all()  # its bytes are in host memory (the gate paces only their link): go on
             tensor = self._gather(stream, piece.layer)
         nbytes = tensor.numel() * tensor.element_size()
         if self.throttle is not None:

@@ -34,6 +34,7 @@ from boundless.kv.disk_moves import (
     DiskWriteDone,
     TierReport,
 )
+from boundless.kv.layer_gate import LayerGate
 from boundless.kv.tiers import BlockStore, KVTier
 from boundless.kv.transfer import HOST, BlockTransfer, TierId, apply_transfers
 
@@ -54,6 +55,12 @@ class TierIO:
 
     ``background=False`` runs reads and writes in the caller's thread as they are handed over (their results
     still come with the next :meth:`report`): deterministic, for tests. ``clock`` times the loads.
+
+    ``layerwise`` (with a store behind an emulated link, ``kv/throttled_store.py``): a load is reported done as
+    soon as its blocks are read and checked, and its link then carries it layer by layer while a
+    :class:`~boundless.kv.layer_gate.LayerGate` per load tells which layers have arrived (:meth:`gates_for`): the
+    request is admitted meanwhile and its forward pass waits at each layer for that layer only. Without it a
+    load is reported once the link has carried all of it.
     """
 
     def __init__(
@@ -63,9 +70,13 @@ class TierIO:
         write_queue_blocks: int = DEFAULT_WRITE_QUEUE_BLOCKS,
         background: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        layerwise: bool = False,
     ) -> None:
         self.tiers = tiers
         self.store = store
+        self.layerwise = layerwise
+        # Host blocks whose load is still crossing its link, layer by layer: the gate of each (kv/layer_gate.py).
+        self._gates: dict[int, LayerGate] = {}
         self.write_queue_blocks = write_queue_blocks
         self.background = background
         self.clock = clock
@@ -174,18 +185,39 @@ class TierIO:
         while (read := self._read_queue.get()) is not None:
             self._run_read(read)
 
+    def gates_for(self, host_block_ids: Sequence[int]) -> list[LayerGate]:
+        """The gates of the loads still carrying any of these host blocks (each once)."""
+        with self._lock:
+            if not self._gates:
+                return []
+            gates = {id(g): g for b in host_block_ids if (g := self._gates.get(b)) is not None and not g.is_open}
+        return list(gates.values())
+
+    def count_layer_waits(self, seconds: float, timeouts: int) -> None:
+        """What a step's forward pass spent waiting for layerwise loads (for the stats)."""
+        with self._lock:
+            self.stats.layer_wait_s += seconds
+            self.stats.layer_wait_timeouts += timeouts
+
     def _run_read(self, read: DiskRead) -> None:
         start = self.clock()
         found = 0
+        carry = getattr(self.store, "carry", None) if self.layerwise and not read.is_probe else None
         try:
-            found = self._probe(read.keys) if read.is_probe else self._load(read)
+            found = self._probe(read.keys) if read.is_probe else self._load(read, paced=carry is None)
         except Exception:  # the store does not raise for I/O trouble; anything else must not kill the loader
             log.exception("reading KV blocks from the store failed")
         seconds = self.clock() - start
         store_stats = self._store_stats()
+        gate = LayerGate(self._num_layers()) if carry is not None and found else None
         with self._done:
+            if gate is not None:  # before the read is reported: no step may use its blocks unguarded
+                for block_id in read.dst_ids[:found]:
+                    self._gates[block_id] = gate
             if store_stats is not None:
                 self.stats.store = store_stats
+            if gate is not None:
+                self.stats.layerwise_loads += 1
             if read.is_probe:
                 self.stats.probes += 1
             else:
@@ -196,6 +228,26 @@ class TierIO:
             self._reads_done.append(DiskReadDone(read.read_id, found, seconds))
             self._reads_pending -= 1
             self._done.notify_all()
+        if gate is not None:
+            assert carry is not None
+            try:
+                carry([found * self._layer_block_bytes()] * gate.num_layers, gate.open_through)
+            except Exception:  # the bytes are in host memory: a failed link only stops pacing them
+                log.exception("carrying a layerwise load over its link failed")
+            finally:
+                gate.open_all()
+                with self._lock:
+                    for block_id in read.dst_ids[:found]:
+                        if self._gates.get(block_id) is gate:
+                            del self._gates[block_id]
+
+    def _num_layers(self) -> int:
+        return int(self.tiers[HOST].data.shape[0])  # type: ignore[attr-defined]
+
+    def _layer_block_bytes(self) -> int:
+        """Bytes of one layer of one block: [2, kv_heads, block_size, head_dim]."""
+        data = self.tiers[HOST].data  # type: ignore[attr-defined]
+        return int(data[0, :, :, 0].numel() * data.element_size())
 
     def count_stored(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the store holds, in the caller's thread (a probe: one stat each)."""
@@ -209,15 +261,16 @@ class TierIO:
             found += 1
         return found
 
-    def _load(self, read: DiskRead) -> int:
-        """Read ``read.keys`` and put the leading run that came back whole into its host blocks."""
+    def _load(self, read: DiskRead, paced: bool = True) -> int:
+        """Read ``read.keys`` and put the leading run that came back whole into its host blocks; not ``paced``:
+        without waiting for the store's link (a layerwise load is carried over it afterwards)."""
         if self.store is None:
             return 0
         host = self.tiers[HOST]
         data = getattr(host, "data", None)  # the host tier's memory, for the shape of one block
         if data is not None and hasattr(self.store, "read_into"):
             return self._load_staged(read, data)
-        blocks = self.store.read(read.keys)
+        blocks = self.store.read(read.keys) if paced else self.store.read_unpaced(read.keys)  # type: ignore[attr-defined]
         shape = None if data is None else tuple(data.shape[:3]) + tuple(data.shape[4:])
         good = []
         for block in blocks:

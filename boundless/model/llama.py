@@ -304,23 +304,29 @@ class LlamaModel(nn.Module):
         kv_cache: PagedKVCache,
         attn_meta: Any,
         on_layer: Callable[[int], None] | None = None,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of a flat batch. ``on_layer(i)`` is called once layer ``i`` has
-        stored the step's KV (a prefill engine streams it to a decode engine meanwhile)."""
+        stored the step's KV (a prefill engine streams it to a decode engine meanwhile); ``before_layer(i)``
+        before layer ``i`` reads any KV (a layerwise load waits there for that layer to arrive)."""
         assert self.rope is not None, "call prepare first"
         hidden = self.embed_tokens(input_ids)
         if getattr(attention, "fused_layers", False):  # a GPU backend: the layers' fused Triton kernels too
             from boundless.model import triton_ops
 
             for i, layer in enumerate(self.layers):
+                if before_layer is not None:
+                    before_layer(i)
                 hidden = layer.forward_fused(hidden, positions, self.rope, attention, kv_cache.layer(i), attn_meta)
                 if on_layer is not None:
                     on_layer(i)
             return triton_ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
         if self._packed_key is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta, on_layer)
+            return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta, on_layer, before_layer)
         cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
             hidden = layer(hidden, cos, sin, attention, kv_cache.layer(i), attn_meta)
             if on_layer is not None:
                 on_layer(i)
@@ -334,6 +340,7 @@ class LlamaModel(nn.Module):
         kv_cache: PagedKVCache,
         attn_meta: Any,
         on_layer: Callable[[int], None] | None = None,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         rope = self.rope
         assert rope is not None
@@ -343,6 +350,8 @@ class LlamaModel(nn.Module):
         hidden = hidden.contiguous()
         step = _PackedStep(self.layers[0], hidden.shape[0], positions, rope, self._workspace)
         for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
             hidden = layer.forward_packed(hidden, step, attention, kv_cache.layer(i), attn_meta)
             if on_layer is not None:
                 on_layer(i)

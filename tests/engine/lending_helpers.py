@@ -59,8 +59,8 @@ def record(core: EngineCore, rec: Recorded) -> None:
     runner = core.executor.runner
     forward = runner.forward
 
-    def recording(sched, on_layer=None):
-        step = forward(sched, on_layer)
+    def recording(sched, on_layer=None, before_layer=None):
+        step = forward(sched, on_layer, before_layer)
         for row, chunk in enumerate(step.chunks):
             rec.logits[(chunk.request_id, chunk.num_output_tokens)] = step.logits[row].clone()
         return step

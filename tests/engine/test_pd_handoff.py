@@ -18,6 +18,7 @@ from boundless.engine.builder import ModelIdentity, build_model_executor, size_e
 from boundless.engine.core import EngineCore, RequestDelta, Resume
 from boundless.engine.handoff import HandoffPlan, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
+from boundless.kv.throttled_store import ThrottledStore
 from boundless.kv.transfer import HOST, PEER
 from boundless.model.loader import LoadedModel
 from boundless.transport.shm import ShmTransport
@@ -190,6 +191,41 @@ def test_de_read_loads_the_prefix_on_the_decode_engine_and_sends_only_new_blocks
         _settle(p.pe, p.de)
         assert p.pe.stats().remote_io.blocks_sent == 2 and p.de.stats().remote_io.blocks_sent == 4
     finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_de_read_pushes_each_layer_as_the_decode_engines_store_read_carries_it(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path, held_link: type
+) -> None:
+    disk = tmp_path / "store"
+    _store_context(tiny_llama, disk)
+    p = _pair(tiny_llama, shm_dir, disk=disk)
+    link = held_link()  # the DE's storage link: its load's layers cross only when let through
+    kv_io = p.de.executor.kv_io
+    kv_io.store = ThrottledStore(kv_io.store, link.transfer, link.transfer_parts)
+    remote = p.de.executor.remote
+    layer_bytes = 4 * kv_io._layer_block_bytes()  # layer 0 of the push's four blocks
+
+    def only_layer_zero_goes_first() -> None:
+        link.let_through(1)
+        deadline = time.monotonic() + 30
+        while remote.stats.bytes_sent < layer_bytes and time.monotonic() < deadline:
+            p.de.step()
+            p.pe.step()
+        # Layer 0 is on its way to the PE; layer 1 waits for the DE's storage link, and so does the PE.
+        assert remote.stats.bytes_sent == layer_bytes and p.pe.kv.is_receiving("r")
+        link.let_through(10_000)
+
+    try:
+        prompt = CONTEXT + APPEND
+        answer, first, rest = _disaggregated(p, "r", prompt, push=True, after_arrival=only_layer_zero_goes_first)
+        tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+        assert tokens == _colocated(tiny_llama, prompt)
+        assert answer.push_blocks == 4 and p.de.stats().disk_io.layerwise_loads == 1
+        assert p.pe.stats().kv_tiers[PEER].hit_tokens == 4 * BLOCK
+    finally:
+        link.let_through(10_000)
         p.pe_net.close()
         p.de_net.close()
 
