@@ -98,7 +98,7 @@ class CacheConfig:
         },
     )
     layerwise_load: str = field(
-        default="on",
+        default="off",
         metadata={
             "help": "on: a load from a store behind an emulated storage link (--storage-gbps) is usable layer by "
             "layer as the link carries it, and its request's prefill runs meanwhile, each layer waiting for its "

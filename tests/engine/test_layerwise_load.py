@@ -25,6 +25,7 @@ PROMPT = [(13 * j) % 300 + 3 for j in range(70)]  # four full blocks of 16, and 
 
 
 def _engine(loaded: LoadedModel, store, link, tmp_path: Path, **cache) -> EngineCore:
+    cache.setdefault("layerwise_load", "on")
     arch = loaded.arch
     per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, 16, loaded.dtype)
     config = EngineConfig(

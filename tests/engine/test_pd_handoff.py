@@ -34,7 +34,11 @@ def _core(loaded: LoadedModel, disk: Path | None = None) -> EngineCore:
     config = EngineConfig(
         model=ModelConfig(max_model_len=512),
         cache=CacheConfig(
-            num_kv_blocks=48, kv_host_gb=0.004, kv_disk_path=str(disk) if disk else None, kv_write_policy="through"
+            num_kv_blocks=48,
+            kv_host_gb=0.004,
+            kv_disk_path=str(disk) if disk else None,
+            kv_write_policy="through",
+            layerwise_load="on",  # the DE-read push test checks its layers go out as its load's arrive
         ),
         scheduler=SchedulerConfig(policy="fcfs"),
     )
