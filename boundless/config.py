@@ -102,7 +102,8 @@ class CacheConfig:
         metadata={
             "help": "on: a load from a store behind an emulated storage link (--storage-gbps) is usable layer by "
             "layer as the link carries it, and its request's prefill runs meanwhile, each layer waiting for its "
-            "own KV only; off: the request waits until every byte of its load has arrived"
+            "own KV only (a lone request's first token sooner; a batch waits at the layers with it); off: the request "
+            "waits until every byte of its load has arrived, the rest of the batch running meanwhile"
         },
     )
     kv_write_policy: str = field(
