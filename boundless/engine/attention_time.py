@@ -137,21 +137,28 @@ def _nnls(samples: Sequence[AttentionSample], relative: bool, cached_term: bool 
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     if relative:  # each row divided by its step's seconds: the residuals are relative errors
         x, y = x / y[:, None], np.ones_like(y)
+    use = [cached_term or i != CACHED_COLUMN for i in range(x.shape[1])]
+    base, per_seq, per_token, per_cached, per_pair = (float(c) for c in nonnegative_lstsq(x, y, use))
+    return AttentionTimeModel(base, per_seq, per_token, per_cached, per_pair)
+
+
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray, use: Sequence[bool]) -> np.ndarray:
+    """Least squares of ``a @ coef = b`` with every coefficient >= 0, over the columns ``use`` allows (the others
+    0): a term fitted negative is dropped and the rest refitted, so noise never makes a bigger step predict less
+    time. Columns with nothing in them stay 0."""
     # Columns span ~1 to ~1e9 (pairs): scale them to 1 so the solver's cut-off treats them alike.
-    scale = np.abs(x).max(axis=0)
+    scale = np.abs(a).max(axis=0)
     scale[scale == 0] = 1.0
-    x = x / scale
-    active = [i for i in range(x.shape[1]) if np.any(x[:, i]) and (cached_term or i != CACHED_COLUMN)]
-    coef = np.zeros(x.shape[1])
+    a = a / scale
+    active = [i for i in range(a.shape[1]) if use[i] and np.any(a[:, i])]
+    coef = np.zeros(a.shape[1])
     while active:
-        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        solution, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
         if (solution >= 0).all():
             coef[active] = solution
             break
         active.pop(int(np.argmin(solution)))
-    coef = coef / scale
-    base, per_seq, per_token, per_cached, per_pair = (float(c) for c in coef)
-    return AttentionTimeModel(base, per_seq, per_token, per_cached, per_pair)
+    return coef / scale
 
 
 class AttentionTimeRecorder:

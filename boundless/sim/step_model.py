@@ -45,7 +45,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from boundless.engine.attention_time import AttentionSample, ChunkShape
+from boundless.engine.attention_time import AttentionSample, ChunkShape, nonnegative_lstsq
 
 # The packed matmuls' rows per block (M_BLOCK in model/cpu_kernels.cpp) and rows per micro-kernel call.
 MATMUL_BLOCK_ROWS = 192
@@ -184,20 +184,7 @@ def _fit(x: np.ndarray, y: np.ndarray, use: list[bool], robust: bool) -> np.ndar
 def _nnls(x: np.ndarray, y: np.ndarray, use: list[bool], weights: np.ndarray) -> np.ndarray:
     """Least squares of the relative errors, weighted, coefficients >= 0: a term fitted negative is dropped and
     the rest refitted (noise must not make a bigger step predict less time)."""
-    a = x / y[:, None] * weights[:, None]
-    b = weights.copy()
-    scale = np.abs(a).max(axis=0)  # columns span ~1 to ~1e9 (pairs): scaled alike for the solver's cut-off
-    scale[scale == 0] = 1.0
-    a = a / scale
-    active = [i for i in range(x.shape[1]) if use[i] and np.any(a[:, i])]
-    coef = np.zeros(x.shape[1])
-    while active:
-        solution, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
-        if (solution >= 0).all():
-            coef[active] = solution
-            break
-        active.pop(int(np.argmin(solution)))
-    return coef / scale
+    return nonnegative_lstsq(x / y[:, None] * weights[:, None], weights.copy(), use)
 
 
 def samples_json(samples: Sequence[AttentionSample]) -> list:
