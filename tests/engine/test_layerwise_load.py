@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore
 from boundless.engine.sampling_params import SamplingParams
@@ -158,3 +158,8 @@ def test_a_load_that_comes_back_short_computes_the_rest(
     stats = core.stats()
     assert stats.kv_tiers[DISK].hit_tokens == 16 * lost
     assert stats.disk_io is not None and stats.disk_io.layerwise_loads == (1 if lost else 0)
+
+
+def test_an_unknown_layerwise_load_value_is_a_start_up_error() -> None:
+    with pytest.raises(ConfigError, match="--layerwise-load"):
+        CacheConfig(layerwise_load="sometimes")

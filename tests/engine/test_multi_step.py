@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.async_engine import EngineLoop
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.request import Request, RequestStatus
@@ -197,3 +197,8 @@ def test_the_serving_loop_with_swaps_gives_the_same_tokens(tiny_llama: LoadedMod
         runs[k] = tokens
     assert runs[4] == runs[1]
     assert all(len(t) == 30 for t in runs[4].values())
+
+
+def test_a_window_of_no_steps_is_a_start_up_error() -> None:
+    with pytest.raises(ConfigError, match="--num-scheduler-steps"):
+        SchedulerConfig(num_scheduler_steps=0)
