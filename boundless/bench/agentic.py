@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from boundless.bench.agent_replay import SLO, Engine, TurnResult, outputs_of, replay, summarize
+from boundless.bench.pd_trace import PDTracer, cluster_sampler
+from boundless.bench.pd_trace import summary as trace_summary
 from boundless.bench.report import print_table, write_json
 from boundless.bench.workloads import (
     ProgramSpec,
@@ -94,6 +96,7 @@ class Serving:
     reloaded_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # stored blocks read twice, per instance
     # Requests that lost their device KV to make room (swapped out, or dropped to compute again), per instance.
     preemptions: dict[str, int] = dataclasses.field(default_factory=dict)
+    trace: dict[str, Any] | None = None  # PD runs with a tracer: the storage links' idle split (bench/pd_trace.py)
 
 
 def memory_config(
@@ -138,8 +141,9 @@ def warm_store(setup: Setup, sessions: Sequence[ProgramSpec], directory: str) ->
 
 
 @contextlib.contextmanager
-def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Serving]:
-    """A fresh setup of ``mode`` over a fresh copy of the warm store; shut down (and its figures read) on exit."""
+def serving(setup: Setup, mode: str, storage_gbps: float | None, trace: bool = False) -> Iterator[Serving]:
+    """A fresh setup of ``mode`` over a fresh copy of the warm store; shut down (and its figures read) on exit.
+    ``trace``: a PD setup's storage links are sampled while it serves (``bench/pd_trace.py``)."""
     from boundless.cluster.local_pd import LocalPDCluster
     from boundless.engine.async_engine import AsyncEngine
     from boundless.engine.core import EngineCore
@@ -178,9 +182,14 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
             )
             pd = LocalPDCluster(config, cluster, setup.loaded)
             run = Serving(pd, pd.max_model_len, {}, {})
+            tracer = PDTracer(cluster_sampler(pd)) if trace else None
+            if tracer is not None:
+                tracer.start()
             try:
                 yield run
             finally:
+                if tracer is not None:
+                    run.trace = trace_summary(tracer.stop())
                 run.links = pd.link_stats()
                 stats = pd.stats()
                 run.computed = {iid: s.computed_tokens for iid, s in stats.items()}
@@ -202,10 +211,11 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
 
 
 def run_once(
-    setup: Setup, mode: str, storage_gbps: float | None, sessions: Sequence, offline: bool
+    setup: Setup, mode: str, storage_gbps: float | None, sessions: Sequence, offline: bool, trace: bool = False
 ) -> tuple[dict[str, Any], list[TurnResult]]:
-    """One mode over the sessions: its summary row (with its links' figures) and its turns."""
-    with serving(setup, mode, storage_gbps) as run:
+    """One mode over the sessions: its summary row (with its links' figures) and its turns; with ``trace``, a PD
+    run's row has its links' idle split (``trace``)."""
+    with serving(setup, mode, storage_gbps, trace) as run:
         turns = asyncio.run(replay(run.engine, sessions, setup.tokens, run.max_model_len, offline))
     row: dict[str, Any] = {
         "phase": "offline" if offline else "online",
@@ -221,6 +231,8 @@ def run_once(
     row["recomputed_blocks"] = run.recomputed_blocks
     row["reloaded_blocks"] = run.reloaded_blocks
     row["preemptions"] = run.preemptions
+    if run.trace is not None:
+        row["trace"] = run.trace
     return row, turns
 
 
@@ -325,11 +337,16 @@ def _run_all(
     )
     rows: list[dict[str, Any]] = []
     runs: dict[str, list[TurnResult]] = {}
+    traces: dict[str, dict[str, Any]] = {}  # --trace: per PD run, its storage links' idle split
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     for phase in phases:
         sessions = offline_sessions if phase == "offline" else online_sessions
         for mode in modes:
-            row, turns = run_once(setup, mode, args.storage_gbps, sessions, offline=phase == "offline")
+            row, turns = run_once(
+                setup, mode, args.storage_gbps, sessions, offline=phase == "offline", trace=bool(args.trace)
+            )
+            if "trace" in row:
+                traces[f"{phase}/{mode}"] = row.pop("trace")
             rows.append(row)
             runs[f"{phase}/{mode}@{args.storage_gbps}"] = turns
             _print_progress(row)
@@ -372,7 +389,19 @@ def _run_all(
         write_json(out_dir / "agentic.json", result)
     if args.json:
         write_json(args.json, result)
+    if args.trace:
+        write_json(args.trace, traces)
+        _print_idle(traces)
     return result
+
+
+def _print_idle(traces: dict[str, dict[str, Any]]) -> None:
+    """Each traced run's storage links: busy and idle seconds, the idle split by cause."""
+    for run, trace in traces.items():
+        for iid, link in trace["links"].items():
+            causes = ", ".join(f"{k} {v:.1f}" for k, v in link["idle_by_cause_s"].items() if v)
+            print(f"trace {run} {iid}: busy {link['busy_s']:.1f} s, idle {link['idle_s']:.1f} s ({causes}); "
+                  f"process CPU {trace['cpu_cores']:.2f} cores", flush=True)  # fmt: skip
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -515,3 +544,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument("--out-dir", default="bench-results", help="where the CSV, PNG and JSON go ('' for none)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to this file")
+    parser.add_argument("--trace", metavar="PATH", help="PD runs: sample the storage links and write when and why "
+                        "each idled (bench/pd_trace.py) to this JSON file")  # fmt: skip

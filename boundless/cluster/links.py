@@ -284,6 +284,16 @@ class ThrottledLink:
             t = self.link.submit(nbytes, start, traffic)
         return self._wait_for(t) - start
 
+    def begin(self, nbytes: int, traffic: Traffic = Traffic.KV) -> Callable[[], float]:
+        """Queue ``nbytes`` on the link now and return a wait for them: calling it blocks until they have crossed
+        and returns the seconds since they were queued. A storage read queues its bytes before it reads its files,
+        so the file reads (CPU: system calls, checksums) run while the link carries the bytes, as a NIC streams a
+        read while the host takes in what has arrived, instead of the link idling during them."""
+        with self._lock:
+            start = self.clock()
+            t = self.link.submit(nbytes, start, traffic)
+        return lambda: self._wait_for(t) - start
+
     def _wait_for(self, t: Transfer) -> float:
         """Sleep until ``t`` has crossed; returns the clock then."""
         while True:

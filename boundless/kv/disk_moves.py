@@ -34,6 +34,9 @@ class DiskRead:
     read_id: int
     keys: tuple[BlockHash, ...]
     dst_ids: tuple[int, ...] = ()
+    # A read ahead for a call not yet here (``KVCacheManager.plan_prefetch_reads``): the loader runs it only when no
+    # read of a request already here is waiting, so a placed call's read waits behind at most the one in progress.
+    ahead: bool = False
 
     @property
     def is_probe(self) -> bool:

@@ -819,8 +819,9 @@ class KVCacheManager:
         tokens: tuple[tuple[int, ...], ...],
         waits: bool,
         now: float,
+        ahead: bool = False,
     ) -> DiskRead:
-        read = DiskRead(self._next_read_id, keys, dst_ids)
+        read = DiskRead(self._next_read_id, keys, dst_ids, ahead=ahead)
         self._next_read_id += 1
         self._reads[read.read_id] = _ReadJob(request_id, start, read, tokens, started_at=now)
         lookup = self._lookups[request_id]
@@ -1101,7 +1102,8 @@ class KVCacheManager:
             dst = self.pools[HOST].allocate(room)  # held by the read until it is done
             chunk = tuple(tuple(tokens[i * bs : (i + 1) * bs]) for i in range(first, first + room))
             lookup.loaded_upto = first + room
-            out.append(self._start_read(rid, first, keys, tuple(b.block_id for b in dst), chunk, waits=True, now=now))
+            dst_ids = tuple(b.block_id for b in dst)
+            out.append(self._start_read(rid, first, keys, dst_ids, chunk, waits=True, now=now, ahead=True))
             slots -= 1
         return out
 

@@ -39,10 +39,16 @@ class ThrottledStore:
         store: BlockStore,
         throttle: Callable[[int], object],
         throttle_parts: Callable[[Sequence[int], Callable[[int], None]], object] | None = None,
+        begin: Callable[[int], Callable[[], object]] | None = None,
     ) -> None:
         self.store = store
         self.throttle = throttle
         self.throttle_parts = throttle_parts
+        self.begin = begin
+        # A store that reads into a given buffer (the engine's loader then skips a fresh tensor per block and a
+        # stack): offered only then, so the loader's choice of path follows the store behind.
+        if hasattr(store, "read_into"):
+            self.read_into = self._read_into
 
     def read_unpaced(self, keys: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """The blocks, read at once: their bytes are still to be :meth:`carry` 'd over the link."""
@@ -66,6 +72,21 @@ class ThrottledStore:
         if nbytes:
             self.throttle(nbytes)
         return blocks
+
+    def _read_into(self, keys: Sequence[BlockHash], out: torch.Tensor) -> list[bool]:
+        """The store's ``read_into``, its bytes carried by the link. With ``begin`` the bytes of every key are queued
+        on the link before the files are read, so reading and checking them overlaps the link's carrying them (the
+        read takes the longer of the two, not their sum); the loader asks only for blocks a probe found, so a block
+        that then fails its check (rare: counted by the store) is the only one carried for nothing. Without
+        ``begin``, as :meth:`read`: the blocks that came back, carried after the read."""
+        block_bytes = out[0].numel() * out.element_size() if len(keys) else 0
+        wait = self.begin(block_bytes * len(keys)) if self.begin is not None and keys else None
+        ok = self.store.read_into(keys, out)  # type: ignore[attr-defined]
+        if wait is not None:
+            wait()
+        elif nbytes := block_bytes * sum(ok):
+            self.throttle(nbytes)
+        return ok
 
     def write(self, keys: Sequence[BlockHash], blocks: torch.Tensor) -> int:
         return self.store.write(keys, blocks)

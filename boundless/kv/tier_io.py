@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, MutableMapping, Sequence
 
 import torch
@@ -48,6 +49,33 @@ DEFAULT_WRITE_QUEUE_BLOCKS = 256
 # Blocks a load reads into its reused staging buffer at a time (at 720 KiB a block: 45 MiB, kept by the loader).
 LOAD_CHUNK_BLOCKS = 64
 STORE_STATS_EVERY_S = 1.0  # the store's own stats may cost I/O: asked at most this often
+
+
+class _ReadQueue:
+    """The loader's queue of reads: :meth:`get` gives the oldest read of a request already here, else the oldest
+    read ahead (a placed call's read used to wait behind every chunk read ahead before it), else waits."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition()
+        self._now: deque[DiskRead] = deque()
+        self._ahead: deque[DiskRead] = deque()
+        self._closed = False
+
+    def put(self, read: DiskRead | None) -> None:
+        with self._ready:
+            if read is None:
+                self._closed = True
+            else:
+                (self._ahead if read.ahead else self._now).append(read)
+            self._ready.notify()
+
+    def get(self) -> DiskRead | None:
+        with self._ready:
+            while not (self._closed or self._now or self._ahead):
+                self._ready.wait()
+            if self._closed:
+                return None
+            return (self._now or self._ahead).popleft()
 
 
 class TierIO:
@@ -87,7 +115,9 @@ class TierIO:
         self._writes_done: list[DiskWriteDone] = []
         self._queued_blocks = 0  # blocks waiting in the writer's queue
         self._reads_pending = 0
-        self._read_queue: queue.Queue[DiskRead | None] = queue.Queue()
+        # The loader's queue: reads of requests here first, then reads ahead (``DiskRead.ahead``), each in order;
+        # None (closing) goes first of all.
+        self._read_queue = _ReadQueue()
         self._write_queue: queue.Queue[tuple[DiskWrite, _Snapshot] | DiskAge | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._staging: torch.Tensor | None = None  # the loader's, for stores that read into a given buffer
@@ -185,6 +215,11 @@ class TierIO:
         while (read := self._read_queue.get()) is not None:
             self._run_read(read)
 
+    @property
+    def reads_pending(self) -> int:
+        """Reads handed over and not yet reported done (queued, or in progress: files or link)."""
+        return self._reads_pending
+
     def gates_for(self, host_block_ids: Sequence[int]) -> list[LayerGate]:
         """The gates of the loads still carrying any of these host blocks (each once)."""
         with self._lock:
@@ -268,7 +303,7 @@ class TierIO:
             return 0
         host = self.tiers[HOST]
         data = getattr(host, "data", None)  # the host tier's memory, for the shape of one block
-        if data is not None and hasattr(self.store, "read_into"):
+        if data is not None and paced and hasattr(self.store, "read_into"):
             return self._load_staged(read, data)
         blocks = self.store.read(read.keys) if paced else self.store.read_unpaced(read.keys)  # type: ignore[attr-defined]
         shape = None if data is None else tuple(data.shape[:3]) + tuple(data.shape[4:])

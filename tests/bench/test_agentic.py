@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from boundless.bench import agentic
 from boundless.bench.workloads import WorkloadShape, agent_sessions, with_arrivals
 from boundless.cli import build_parser
@@ -75,10 +77,20 @@ def test_pd_modes_run_one_prefill_and_two_decode_engines(model_dirs: dict[str, P
         ["bench", "agentic", "--model", str(model_dirs["tiny-llama"]), "--num-sessions", "4", "--scale", "0.02",
          "--turn-scale", "0.1", "--memory-sessions", "2", "--host-sessions", "2", "--phases", "offline",
          "--modes", "basic,dualpath", "--prefill-instances", "1", "--decode-instances", "2",
-         "--storage-gbps", "0.5", "--net-gbps", "4", "--out-dir", ""]
+         "--storage-gbps", "0.5", "--net-gbps", "4", "--out-dir", "", "--trace", str(tmp_path / "trace.json")]
     )  # fmt: skip
     result = agentic.run(args)
     assert result["valid"] and result["outputs_identical"] and result["decode_instances"] == 2
+    # --trace: each PD run's storage links, busy and idle over the run, the idle split by cause.
+    traces = json.loads((tmp_path / "trace.json").read_text())
+    assert set(traces) == {"offline/basic", "offline/dualpath"}
+    basic_links = traces["offline/basic"]["links"]
+    assert basic_links["p0"]["busy_s"] > 0 and basic_links["d0"]["busy_s"] == basic_links["d1"]["busy_s"] == 0
+    for trace in traces.values():
+        for link in trace["links"].values():
+            assert link["busy_s"] + link["idle_s"] == pytest.approx(trace["run_s"], abs=0.05)
+            assert sum(link["idle_by_cause_s"].values()) == pytest.approx(link["idle_s"], abs=0.05)
+        assert trace["timeline"] and "p0_busy" in trace["timeline"][0]
     basic, dualpath = result["rows"]
     assert basic["d0_storage_mb"] == basic["d1_storage_mb"] == basic["de_storage_mb"] == 0 < basic["pe_storage_mb"]
     assert dualpath["de_storage_mb"] == round(dualpath["d0_storage_mb"] + dualpath["d1_storage_mb"], 1)

@@ -429,6 +429,7 @@ def test_reads_ahead_go_in_chunks_few_at_a_time_so_a_placed_calls_read_waits_beh
     reads = kv.plan_prefetch_reads()
     assert len(reads) == manager.PREFETCH_READS_IN_FLIGHT == 2
     assert [len(r.keys) for r in reads] == [manager.PREFETCH_READ_BLOCKS] * 2
+    assert all(r.ahead for r in reads)  # the loader runs them after the reads of requests here
     assert kv.plan_prefetch_reads() == []  # none more while those are in flight
     kv.finish_disk_reads([DiskReadDone(reads[0].read_id, 8, 0.1)])
     (read,) = kv.plan_prefetch_reads()  # the first call's last 6 blocks

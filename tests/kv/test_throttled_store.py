@@ -3,10 +3,23 @@ cost nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
 import torch
+from disk_store_worker import BIG, LAYOUT, block_of, blocks_of, key_of
 
 from boundless.cluster.links import Link, ThrottledLink
+from boundless.kv.disk_moves import DiskRead
+from boundless.kv.disk_store import DiskKVStore
+from boundless.kv.tensors import PagedKVCache
 from boundless.kv.throttled_store import ThrottledStore
+from boundless.kv.tier_io import TierIO
+from boundless.kv.tiers import HostKVTier
+from boundless.kv.transfer import DEVICE, HOST
+
+BLOCK_BYTES = LAYOUT.file_spec().payload_bytes
 
 
 class VirtualClock:
@@ -61,3 +74,67 @@ def test_without_a_parts_throttle_a_load_is_carried_part_after_part(dict_store: 
     times: list[float] = []
     store.carry([512, 1024], lambda i: times.append(clock.now))
     assert times == [0.5, 1.5]
+
+
+class SlowReads:
+    """The real disk store, whose file reads take ``read_s`` on the virtual clock (the CPU a read costs)."""
+
+    def __init__(self, store: DiskKVStore, clock: VirtualClock, read_s: float) -> None:
+        self.store, self.clock, self.read_s = store, clock, read_s
+
+    def contains(self, key: bytes) -> bool:
+        return self.store.contains(key)
+
+    def read_into(self, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
+        self.clock.now += self.read_s
+        return self.store.read_into(keys, out)
+
+
+def _flip_payload_bit(store: DiskKVStore, i: int) -> None:
+    path = store._path(key_of(i))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_read_into_overlaps_its_file_reads_with_the_link_and_still_checks_every_block(
+    tmp_path: Path, overlap: bool
+) -> None:
+    disk = DiskKVStore(tmp_path, LAYOUT, BIG)
+    disk.write([key_of(i) for i in range(3)], blocks_of([0, 1, 2]))
+    _flip_payload_bit(disk, 1)
+    clock = VirtualClock()
+    link = ThrottledLink(Link("storage", bytes_per_s=3 * BLOCK_BYTES), clock, clock.sleep)  # 3 blocks: 1 s
+    store = ThrottledStore(SlowReads(disk, clock, read_s=0.5), link.transfer, None, link.begin if overlap else None)
+    out = torch.zeros((3, *LAYOUT.block_shape))
+    assert store.read_into([key_of(0), key_of(1), key_of(2)], out) == [True, False, True]
+    assert torch.equal(out[0], block_of(0)) and torch.equal(out[2], block_of(2))
+    assert disk.stats().checksum_failures == 1  # the flipped bit caught, as without the link
+    if overlap:
+        # Every asked block's bytes were queued before the files were read: the read takes the link's 1 s, its
+        # 0.5 s of file reads under it, and the block that failed its check was carried for nothing.
+        assert clock.now == 1.0 and link.stats().bytes_carried["kv"] == 3 * BLOCK_BYTES
+    else:
+        # Read, then carried: the two blocks that came back, after the 0.5 s of file reads.
+        assert clock.now == pytest.approx(0.5 + 2 / 3) and link.stats().bytes_carried["kv"] == 2 * BLOCK_BYTES
+
+
+def test_the_loader_reads_a_throttled_disk_store_into_host_blocks_through_its_buffer(tmp_path: Path) -> None:
+    disk = DiskKVStore(tmp_path, LAYOUT, BIG)
+    disk.write([key_of(i) for i in range(4)], blocks_of([0, 1, 2, 3]))
+    _flip_payload_bit(disk, 2)
+    clock = VirtualClock()
+    link = ThrottledLink(Link("storage", bytes_per_s=BLOCK_BYTES), clock, clock.sleep)
+    store = ThrottledStore(disk, link.transfer, link.transfer_parts, link.begin)
+    device = PagedKVCache(
+        LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 4, LAYOUT.block_size, torch.float32,
+        torch.device("cpu"),
+    )  # fmt: skip
+    io = TierIO({DEVICE: device, HOST: HostKVTier(device, 4)}, store, background=False)
+    io.apply([DiskRead(0, tuple(key_of(i) for i in range(4)), (3, 2, 1, 0))], [], [])
+    assert [d.num_found for d in io.report().reads] == [2]  # the leading run before the damaged block
+    host = io.tiers[HOST].read_blocks([3, 2])  # [layers, 2, kv_heads, n, block_size, head_dim]
+    assert torch.equal(host[:, :, :, 0], block_of(0)) and torch.equal(host[:, :, :, 1], block_of(1))
+    assert io._staging is not None  # through the loader's reused buffer, not a fresh tensor per block
+    assert link.stats().bytes_carried["kv"] == 4 * BLOCK_BYTES and clock.now == 4.0

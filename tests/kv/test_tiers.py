@@ -215,6 +215,27 @@ def test_a_step_does_not_wait_for_a_slow_read_and_the_read_is_reported_when_done
         io.close()
 
 
+def test_the_loader_runs_a_read_of_a_request_here_before_the_reads_ahead_queued_before_it(
+    dict_store: type, gated_store: type
+) -> None:
+    _, tiers = _memory(num_blocks=4, host_blocks=4)
+    base = dict_store()
+    for key in (b"a", b"b", b"c", b"d"):
+        base.blocks[key] = torch.full((1, 2, 1, BLOCK, 1), 1.0)
+    store = gated_store(base)
+    io = TierIO(tiers, store)
+    try:
+        io.apply([DiskRead(1, (b"a",), (0,))], [], [])  # in progress: the loader waits on the store
+        io.apply([DiskRead(2, (b"b",), (1,), ahead=True), DiskRead(3, (b"c",), (2,), ahead=True)], [], [])
+        io.apply([DiskRead(4, (b"d",), (3,))], [], [])  # a placed call's read, after two reads ahead
+        store.release.set()
+        io.flush()
+        assert [r.read_id for r in io.report().reads] == [1, 4, 2, 3]
+    finally:
+        store.release.set()
+        io.close()
+
+
 def test_blocks_loaded_for_a_waiting_request_stay_until_its_turn() -> None:
     kv = KVCacheManager(4, BLOCK, True, "fp", num_host_blocks=4, disk=True, write_policy="off")
     prompt = _tokens(0, 9)
