@@ -126,7 +126,8 @@ def build_model_executor(
     if store is None and layout.disk_bytes:
         store = open_disk_store(loaded, config, layout)
     if store is not None and read_link is not None:
-        store = ThrottledStore(store, read_link.transfer, read_link.transfer_parts, read_link.begin)
+        # A link that queues bytes ahead of their read (``ThrottledLink.begin``) carries them while files are read.
+        store = ThrottledStore(store, read_link.transfer, read_link.transfer_parts, getattr(read_link, "begin", None))
     if store is not None:
         describe = getattr(store, "describe", None)
         log.info(
