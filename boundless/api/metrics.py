@@ -226,7 +226,8 @@ def link_metrics(links: Mapping[str, Sequence[LinkStats]]) -> Iterator[Metric]:
     )
     queued = GaugeMetricFamily(
         "boundless_link_queued_bytes",
-        "bytes waiting for the emulated link or on it (the storage link's: the node's read queue)",
+        "bytes waiting for the emulated link or on it (the storage link's: the node's read queue; traffic "
+        '"waiting": reads queued at the node\'s store loader, not yet started)',
         labels=["instance", "link", "traffic"],
     )
     busy = CounterMetricFamily(

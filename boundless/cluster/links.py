@@ -276,6 +276,7 @@ class ThrottledLink:
         self.clock = clock
         self.sleep = sleep
         self._lock = threading.Lock()
+        self._waiting_to_start = 0  # bytes of reads queued at the node's loader, not yet on the link (announce)
 
     def transfer(self, nbytes: int, traffic: Traffic = Traffic.KV) -> float:
         """Wait until ``nbytes`` have crossed the link; returns the seconds waited."""
@@ -283,6 +284,14 @@ class ThrottledLink:
             start = self.clock()
             t = self.link.submit(nbytes, start, traffic)
         return self._wait_for(t) - start
+
+    def announce(self, nbytes: int) -> None:
+        """``nbytes`` (a read handed to the node's store loader) will be queued on the link when the loader starts
+        the read; until then they count in the link's queue (``bytes_queued["waiting"]``): the node's read queue
+        the PD scheduler balances is every read the node has yet to carry, not only the one in progress. Negative:
+        the loader started (or dropped) the read."""
+        with self._lock:
+            self._waiting_to_start = max(0, self._waiting_to_start + nbytes)
 
     def begin(self, nbytes: int, traffic: Traffic = Traffic.KV) -> Callable[[], float]:
         """Queue ``nbytes`` on the link now and return a wait for them: calling it blocks until they have crossed
@@ -324,7 +333,10 @@ class ThrottledLink:
     def stats(self) -> LinkStats:
         with self._lock:
             self.link.advance(self.clock())
-            return self.link.stats()
+            stats = self.link.stats()
+            if self._waiting_to_start:
+                stats.bytes_queued["waiting"] = self._waiting_to_start
+            return stats
 
 
 @dataclass

@@ -127,7 +127,13 @@ def build_model_executor(
         store = open_disk_store(loaded, config, layout)
     if store is not None and read_link is not None:
         # A link that queues bytes ahead of their read (``ThrottledLink.begin``) carries them while files are read.
-        store = ThrottledStore(store, read_link.transfer, read_link.transfer_parts, getattr(read_link, "begin", None))
+        store = ThrottledStore(
+            store,
+            read_link.transfer,
+            read_link.transfer_parts,
+            getattr(read_link, "begin", None),
+            getattr(read_link, "announce", None),
+        )
     if store is not None:
         describe = getattr(store, "describe", None)
         log.info(

@@ -40,11 +40,13 @@ class ThrottledStore:
         throttle: Callable[[int], object],
         throttle_parts: Callable[[Sequence[int], Callable[[int], None]], object] | None = None,
         begin: Callable[[int], Callable[[], object]] | None = None,
+        announce: Callable[[int], None] | None = None,
     ) -> None:
         self.store = store
         self.throttle = throttle
         self.throttle_parts = throttle_parts
         self.begin = begin
+        self._announce = announce
         # A store that reads into a given buffer (the engine's loader then skips a fresh tensor per block and a
         # stack): offered only then, so the loader's choice of path follows the store behind.
         if hasattr(store, "read_into"):
@@ -72,6 +74,12 @@ class ThrottledStore:
         if nbytes:
             self.throttle(nbytes)
         return blocks
+
+    def announce(self, nbytes: int) -> None:
+        """A read of ``nbytes`` queued at the loader (negative: started or dropped): the link counts it as queued
+        (``ThrottledLink.announce``), so the node's read queue shows the loader's backlog."""
+        if self._announce is not None:
+            self._announce(nbytes)
 
     def _read_into(self, keys: Sequence[BlockHash], out: torch.Tensor) -> list[bool]:
         """The store's ``read_into``, its bytes carried by the link. With ``begin`` the bytes of every key are queued

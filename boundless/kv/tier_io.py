@@ -207,13 +207,22 @@ class TierIO:
         with self._lock:
             self._reads_pending += 1
         if self.background and self.store is not None:
+            self._announce(read, 1)
             self._read_queue.put(read)
         else:
             self._run_read(read)
 
     def _load_loop(self) -> None:
         while (read := self._read_queue.get()) is not None:
+            self._announce(read, -1)
             self._run_read(read)
+
+    def _announce(self, read: DiskRead, sign: int) -> None:
+        """Tell a store behind an emulated link (``ThrottledStore.announce``) of a load waiting for the loader (1)
+        or started (-1): its bytes count in the node's read queue while they wait."""
+        announce = getattr(self.store, "announce", None)
+        if announce is not None and not read.is_probe and HOST in self.tiers:
+            announce(sign * len(read.keys) * self._layer_block_bytes() * self._num_layers())
 
     @property
     def reads_pending(self) -> int:

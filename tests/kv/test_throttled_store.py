@@ -3,6 +3,8 @@ cost nothing."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -138,3 +140,52 @@ def test_the_loader_reads_a_throttled_disk_store_into_host_blocks_through_its_bu
     assert torch.equal(host[:, :, :, 0], block_of(0)) and torch.equal(host[:, :, :, 1], block_of(1))
     assert io._staging is not None  # through the loader's reused buffer, not a fresh tensor per block
     assert link.stats().bytes_carried["kv"] == 4 * BLOCK_BYTES and clock.now == 4.0
+
+
+class HeldReads:
+    """The real disk store, whose reads wait until ``release`` is set (a loader busy with a read)."""
+
+    def __init__(self, store: DiskKVStore) -> None:
+        self.store = store
+        self.release = threading.Event()
+
+    def contains(self, key: bytes) -> bool:
+        return self.store.contains(key)
+
+    def read_into(self, keys: Sequence[bytes], out: torch.Tensor) -> list[bool]:
+        self.release.wait(timeout=30)
+        return self.store.read_into(keys, out)
+
+    def stats(self) -> object:
+        return self.store.stats()
+
+
+def test_the_node_read_queue_counts_the_loads_waiting_for_the_loader_not_only_the_one_on_the_link(
+    tmp_path: Path,
+) -> None:
+    disk = DiskKVStore(tmp_path, LAYOUT, BIG)
+    disk.write([key_of(i) for i in range(5)], blocks_of(list(range(5))))
+    clock = VirtualClock()
+    link = ThrottledLink(Link("storage", bytes_per_s=BLOCK_BYTES), clock, clock.sleep)
+    held = HeldReads(disk)
+    store = ThrottledStore(held, link.transfer, link.transfer_parts, link.begin, link.announce)
+    device = PagedKVCache(
+        LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 4, LAYOUT.block_size, torch.float32,
+        torch.device("cpu"),
+    )  # fmt: skip
+    io = TierIO({DEVICE: device, HOST: HostKVTier(device, 5)}, store)
+    try:
+        io.apply([DiskRead(0, (key_of(0),), (0,))], [], [])  # the loader starts it and waits on the store
+        io.apply([DiskRead(1, (key_of(1), key_of(2)), (1, 2)), DiskRead(2, (key_of(3), key_of(4)), (3, 4))], [], [])
+        deadline = time.monotonic() + 10
+        while link.stats().bytes_queued.get("kv", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the first read is on the link
+        queued = link.stats().bytes_queued
+        assert queued["kv"] == BLOCK_BYTES and queued["waiting"] == 4 * BLOCK_BYTES  # five blocks in the read queue
+        held.release.set()
+        io.flush()
+        assert [r.num_found for r in io.report().reads] == [1, 2, 2]
+        assert link.stats().queued_bytes == 0 and link.stats().bytes_carried["kv"] == 5 * BLOCK_BYTES
+    finally:
+        held.release.set()
+        io.close()
