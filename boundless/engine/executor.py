@@ -139,8 +139,6 @@ class ModelExecutor:
         finally:
             if waits is not None:
                 self.kv_io.count_layer_waits(waits.waited_s, waits.timeouts)
-            if landing is not None and self.remote is not None:
-                self.remote.count_layer_waits(landing.waits, landing.waited_s)
         if self.remote is not None:
             self.remote.end_step(ok=True)
         elapsed = self.timer() - start
@@ -164,7 +162,7 @@ class ModelExecutor:
             return transfers, None
         landing = [t for t in transfers if t.src.tier == HOST and t.src.block_id in gates]
         now = [t for t in transfers if not (t.src.tier == HOST and t.src.block_id in gates)]
-        return now, LandingCopies(landing, gates, self.tiers, self.num_layers)
+        return now, LandingCopies(landing, gates, self.tiers, self.num_layers, self.remote.count_layer_waits)
 
     @property
     def num_layers(self) -> int:
@@ -189,7 +187,7 @@ class LandingCopies:
 
     The copies run in the order the manager decided them, after the step's other transfers (they copy host blocks a
     stream owns into device blocks the step's requests were just given; nothing else of the step reads or writes
-    those)."""
+    those). ``count_waits(waits, seconds)`` is told of each wait as it starts (1, 0) and as it ends (0, seconds)."""
 
     def __init__(
         self,
@@ -197,10 +195,12 @@ class LandingCopies:
         gates: dict[int, LayerGate],
         tiers: Mapping[TierId, KVTier],
         num_layers: int,
+        count_waits: Callable[[int, float], None],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.gates = list({id(g): g for g in gates.values()}.values())
         self.num_layers = num_layers
+        self.count_waits = count_waits
         self.clock = clock
         by_pair: dict[tuple[TierId, TierId], tuple[list[int], list[int]]] = {}
         for t in transfers:
@@ -220,8 +220,6 @@ class LandingCopies:
                 )
             )
         self.copied = 0  # layers copied so far
-        self.waits = 0  # layers the forward pass reached before they had landed
-        self.waited_s = 0.0
 
     def before_layer(self, layer: int) -> None:
         while self.copied <= layer:
@@ -232,13 +230,13 @@ class LandingCopies:
 
     def _copy(self, layer: int) -> None:
         for gate in self.gates:
-            if gate.opened <= layer:
+            if gate.opened <= layer:  # the forward pass is ahead of the stream: it waits for the layer
                 start = self.clock()
-                self.waits += 1
+                self.count_waits(1, 0.0)
                 try:
                     gate.wait_or_raise(layer)
                 finally:
-                    self.waited_s += self.clock() - start
+                    self.count_waits(0, self.clock() - start)
         for src_data, src_ids, dst_data, dst_ids in self._copies:
             rows = src_data[layer].index_select(2, src_ids)
             dst_data[layer].index_copy_(2, dst_ids, rows.to(device=dst_data.device, dtype=dst_data.dtype))

@@ -287,7 +287,7 @@ class RemoteIO:
             log.exception("receiving a KV stream failed")
             error = f"{type(e).__name__}: {e}"
         for handle in inc.handles:  # cancel what is left, so late messages go nowhere
-            with contextlib.suppress(TransportError):
+            with contextlib.suppress(TransportError, OSError):  # (a transport closed under it raises OSError)
                 handle.wait(0.0)
         log.warning("KV stream %d from %s failed: %s", inc.recv.recv_id, inc.recv.peer, error)
         with self._changed:
