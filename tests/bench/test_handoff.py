@@ -38,4 +38,4 @@ def test_the_de_read_push_lands_its_whole_context_in_every_mode(tiny_llama: Load
     # has landed, its forward pass waiting at layers not yet there.
     assert whole["layer_wait_s"] == layerwise["layer_wait_s"] == 0
     overlap = rows["layerwise+pe"]
-    assert overlap["admitted_s"] < overlap["landed_s"] <= overlap["ttft_s"] and overlap["layer_wait_s"] > 0
+    assert overlap["admitted_s"] < overlap["landed_s"] and overlap["layer_wait_s"] > 0
