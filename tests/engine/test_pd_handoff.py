@@ -286,12 +286,16 @@ def _step_or_fail(core: EngineCore) -> list[RequestDelta]:
     return core.finish_step(sched, result)
 
 
-def test_a_decode_engine_gone_mid_push_fails_the_prefill_which_is_placed_again_with_the_same_tokens(
-    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path, held_link: type
+@pytest.mark.parametrize("fault", ["gone", "hung"])
+def test_a_decode_engine_gone_or_hung_mid_push_fails_the_prefill_which_is_placed_again_with_the_same_tokens(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path, held_link: type, fault: str
 ) -> None:
     disk = tmp_path / "store"
     _store_context(tiny_llama, disk)
     p = _pair(tiny_llama, shm_dir, disk=disk)
+    if fault == "hung":  # the push stops after layer 0 for longer than the PE waits for a stream
+        p.pe.executor.remote.timeout_s = 2.0
+        p.de.executor.remote.timeout_s = 4.0  # (its push waits for its storage link past that, then goes on)
     link = _hold_de_storage_link(p, held_link)
     prompt = CONTEXT + APPEND
     de2_net = ShmTransport(shm_dir, "de2")
@@ -301,22 +305,23 @@ def test_a_decode_engine_gone_mid_push_fails_the_prefill_which_is_placed_again_w
         plan = HandoffPlan(p.de_net.address, 1, answer.send_from_block, 2, answer.push_blocks, answer.push_from)
         p.pe.add_request("r", prompt, PARAMS, handoff=plan)
         link.let_through(1)
-        # The DE dies once the PE's forward pass waits for the push's layer 1.
-        killer = _when(lambda: p.pe.executor.remote.stats.recv_layer_waits >= 1, p.de_net.close)
+        # The DE dies (or hangs) once the PE's forward pass waits for the push's layer 1.
+        waiting = _when(
+            lambda: p.pe.executor.remote.stats.recv_layer_waits >= 1,
+            p.de_net.close if fault == "gone" else lambda: None,
+        )
         deltas = _run_until(p.pe, lambda ds: any(d.finished for d in ds), others=(p.de,), step=_step_or_fail)
-        killer.join()
+        waiting.join()
         # The gate failed: the step failed its request (nothing reached a client) with the reason a dispatcher
         # places the call again for.
         assert [(d.finish_reason, d.stop_reason, d.new_token_ids) for d in deltas] == [("error", KV_STREAM_LOST, [])]
-        link.let_through(10_000)  # the dead DE's sender finds its transport closed
+        link.let_through(10_000)  # the dead DE's sender finds its transport closed; a hung one's goes on, unheard
         _settle(p.pe)
         # The PE's blocks are free and the push's names gone: nothing can read the KV that never came.
-        assert p.pe.stats().remote_io.recv_failures == 1
+        remote = p.pe.stats().remote_io
+        assert remote.recv_failures == 1 and remote.recv_timeouts == (fault == "hung")
         assert p.pe.kv.pool.num_used == 0 and p.pe.kv.pools[HOST].num_used == 0
         assert p.pe.memory_prefix_blocks(prompt) == 0
-        _settle(p.de)
-        p.de.abort("r")  # the dispatcher drops the dead DE's half
-        assert p.de.kv.pool.num_used == 0 and p.de.kv.pools[HOST].num_used == 0
         # Placed again on another DE: the same tokens as one engine.
         de2 = _core(tiny_llama, disk)
         de2.connect(de2_net, timeout_s=10.0)
@@ -327,6 +332,11 @@ def test_a_decode_engine_gone_mid_push_fails_the_prefill_which_is_placed_again_w
         assert tokens == _colocated(tiny_llama, prompt)
         # The new DE read the store and pushed the prefix again; the PE used it as it landed.
         assert answer.push_blocks == 4 and p.pe.stats().kv_tiers[PEER].hit_tokens - hits_before == 4 * BLOCK
+        # The first DE's push ended (its peer gone, or its late layers swallowed by the PE's transport) and its half
+        # is dropped (the dispatcher's abort): it holds nothing.
+        _settle(p.de)
+        p.de.abort("r")
+        assert p.de.kv.pool.num_used == 0 and p.de.kv.pools[HOST].num_used == 0
     finally:
         link.let_through(10_000)
         p.pe_net.close()
