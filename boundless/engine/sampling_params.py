@@ -71,7 +71,7 @@ class SamplingParams:
         if self.logprobs is not None:
             self._check("logprobs", 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
-        self._check("stop", self.detokenize or not self.stop, "stop strings need detokenize (they are found in the text)")
+        self._check("stop", self.detokenize or not self.stop, "stop strings need detokenize (found in the text)")
         self._check(
             "stop_token_ids",
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
