@@ -127,7 +127,7 @@ class Dispatcher:
         lending: ClusterLending | None = None,
     ) -> None:
         self.views: dict[str, InstanceView] = {iid: InstanceView(iid) for iid in instance_ids}
-        self.loads = LoadIndex(self.views.values())  # the views by load, refiled on every change below
+        self.load_index = LoadIndex(self.views.values())  # the views by load, refiled on every change below
         self.router = router
         self.table = table
         self.clock = clock
@@ -160,7 +160,7 @@ class Dispatcher:
         if result.status == "ok":
             call.instance = send.instance_id
             self.views[send.instance_id].inflight += 1
-            self.loads.update(send.instance_id)
+            self.load_index.update(send.instance_id)
             self.inflight[call.request_id] = call
             return []
         if result.status == "unreachable":
@@ -177,7 +177,7 @@ class Dispatcher:
             return []
         view.alive = False
         view.inflight = 0
-        self.loads.update(instance_id)
+        self.load_index.update(instance_id)
         self.router.drop_instance(instance_id)
         decisions: list[Decision] = [MarkDead(instance_id, reason)]
         if self.lending is not None:  # the others free what they lent it and recompute what it held
@@ -200,7 +200,7 @@ class Dispatcher:
         if delta.finished:
             del self.inflight[delta.request_id]
             self.views[instance_id].inflight -= 1
-            self.loads.update(instance_id)
+            self.load_index.update(instance_id)
             if call.program is not None and delta.finish_time is not None:
                 wait = max(0.0, (delta.finish_time - delta.arrival_time) - delta.service_s)
                 self.table.call_finished(call.program, delta.service_s, wait, self.clock(), instance_id)
@@ -227,7 +227,7 @@ class Dispatcher:
         if not view.alive:
             return []
         view.inflight -= 1
-        self.loads.update(call.instance)
+        self.load_index.update(call.instance)
         return [AbortOn(call.instance, request_id)]
 
     def expire(self) -> list[str]:
@@ -240,7 +240,7 @@ class Dispatcher:
         pid = call.program.program_id if call.program else None
         try:
             num_tokens = len(call.prompt) + len(call.output_token_ids)
-            iid = self.router.choose(self.views.values(), pid, num_tokens, self.loads)
+            iid = self.router.choose(self.views.values(), pid, num_tokens, self.load_index)
         except NoLiveInstanceError as e:
             self._release(call.program)
             return [Fail(call.request_id, "unavailable", str(e))]

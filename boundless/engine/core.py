@@ -21,7 +21,7 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
 from boundless.engine.lending_stats import LendingStats
-from boundless.engine.multi_step import iteration_shapes
+from boundless.engine.multi_step import window_shapes
 from boundless.engine.prefill_batching import step_quota
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
@@ -517,8 +517,9 @@ class EngineCore:
             self.step_times.record(shapes_of(sched), elapsed, now)
         else:  # each pass of the window is a step of its own shape to the step-time models, ended in turn
             passes = list(result.pass_seconds)
+            shapes = window_shapes(sched)
             for j, seconds in enumerate(passes):
-                self.step_times.record(iteration_shapes(sched, j), seconds, now - sum(passes[j + 1 :]))
+                self.step_times.record(shapes[j], seconds, now - sum(passes[j + 1 :]))
         if self._prefill_batching == "attention" and c.steps // REFIT_EVERY_STEPS > steps_before // REFIT_EVERY_STEPS:
             self._refit_prefill_time()
         outputs = []

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from boundless.attention.backend import RemoteKV
+from boundless.engine.attention_time import ChunkShape
 from boundless.engine.prefill_batching import Predictor, PrefillCandidate, fill_prefill_batch
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
@@ -85,6 +86,8 @@ class SchedulerOutput:
     num_remote_in_flight: int = 0
     # Multi-step decoding: forward passes the step runs for its batch (the longest chunk's ``num_steps``).
     window: int = 1
+    # Each pass's chunk shapes, made once when first asked for (multi_step.window_shapes).
+    pass_shapes: list[tuple[ChunkShape, ...]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -113,5 +113,5 @@ def test_the_dispatchers_load_index_gives_the_choices_of_a_pass_over_the_views()
         else:
             d.instance_lost(str(rng.randrange(9)), "test")
     fresh = LoadIndex(d.views.values())
-    assert fresh.least_loaded() == d.loads.least_loaded() and fresh.num_live == d.loads.num_live
+    assert fresh.least_loaded() == d.load_index.least_loaded() and fresh.num_live == d.load_index.num_live
     assert routed > 250 and sum(not v.alive for v in d.views.values()) >= 1
