@@ -115,7 +115,8 @@ class Dispatcher:
 
     Every call reaches an instance through here, so each instance's load (calls in flight) is exact.
     A call is *pending* between its :class:`Send` and the instance's answer (:meth:`add_done`), then
-    *in flight* until its final delta, an abort, or its instance's loss (which resends it).
+    *in flight* until its final delta, an abort, or its instance's loss (which resends it). Whatever changes a
+    view's load or liveness refiles it in ``load_index``, which the router reads in place of a pass over the views.
     """
 
     def __init__(
