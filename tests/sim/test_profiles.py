@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from boundless.bench.workloads import WorkloadShape, make_programs
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import (
     AttentionSample,
@@ -226,7 +227,7 @@ def test_a_profile_is_written_with_one_step_per_line_and_reads_back_the_same() -
 def test_a_profiles_samples_refit_to_its_model() -> None:
     samples = _grid_samples(FittedStepCost(KNOWN), repeats=1)
     rows = json.loads(json.dumps(samples_json(samples)))
-    assert rows[0] == [[[s.cached, s.new] for s in samples[0].shapes], samples[0].seconds]
+    assert rows[0][:2] == [[[s.cached, s.new] for s in samples[0].shapes], samples[0].seconds]
     assert samples_from_json(rows) == samples
     assert fit_profile_model(samples_from_json(rows), TWO_THREADS) == fit_profile_model(samples, TWO_THREADS)
 
@@ -321,7 +322,12 @@ def test_validate_prints_a_row_per_case_and_metric_with_the_measured_spread(
     assert engine["measured_steps"] > 0 and engine["predicted_steps"] > 0 and engine["step_time_ratio"] > 0
     assert engine["same_shape_ratio"] > 0  # the real run's own steps, against the profile for their shapes
     runs = result["cases"][0]["real_steps"]  # every step each run took, kept to check a profile offline
-    assert len(runs) == 2 and all(len(r) > 0 and all(len(step) == 3 for step in r) for r in runs)  # with end times
+    assert len(runs) == 2 and all(len(r) > 0 and all(step[2] > 0 for step in r) for r in runs)  # with end times
+    # and the requests that entered and left the engine before each step: every call arrives once and leaves once
+    calls = sum(p.num_calls for p in make_programs("mapreduce", 2, 2.0, 0, WorkloadShape(scale=0.1, tool_wait_s=0.2)))
+    for r in runs:
+        assert sum(step[3] for step in r if len(step) == 5) == calls
+        assert 0 < sum(step[4] for step in r if len(step) == 5) < calls  # the last call leaves after the last step
     rows = result["rows"]
     assert len(rows) == 3 and all(len(r["measured_runs"]) == 2 and r["predicted"] > 0 for r in rows)
     for r in rows:
