@@ -106,7 +106,7 @@ class FitError:
 @dataclass(frozen=True)
 class ProgramsError:
     """How a fit predicts served programs' steps: their seconds over the fit's for them (each step with its
-    arrivals, departures and contention), in all, and each step's relative error."""
+    departures and contention), in all, and each step's relative error."""
 
     steps: int
     ratio: float
@@ -360,7 +360,7 @@ def _model_text(m: StepTimeModel) -> str:
         f" {m.per_row_s * 1e3:.3f} ms, per row group {m.per_row_group_s * 1e3:.3f} ms, per cached token"
         f" {m.per_cached_s * 1e6:.3f} us, per query-key pair {m.per_pair_s * 1e9:.3f} ns ({m.threads} threads);"
         f" per contended step {m.per_contention_s * 1e3:.3f} ms (every other engine stepping beside it);"
-        f" per arrival {m.per_arrival_s * 1e3:.3f} ms, per departure {m.per_departure_s * 1e3:.3f} ms"
+        f" per departure {m.per_departure_s * 1e3:.3f} ms"
     )
 
 
@@ -525,6 +525,10 @@ def refit(args: argparse.Namespace) -> dict:
     per_shape = args.per_shape or ("all" if calibration.get("served") else "fastest")
     spec = FitSpec(args.form, per_shape, calibration.get("threads", 1), calibration.get("instances", 1) - 1)
     result = fitted(samples, held, calibration.get("wall_s", 0.0), spec)
+    held_programs = samples_from_json(calibration.get("held_out_program_samples", []))
+    if held_programs:
+        error = programs_error(result.model, held_programs, spec.others)
+        result = dataclasses.replace(result, held_out_programs=tuple(held_programs), held_out_programs_error=error)
     print(f"{args.refit}: {len(samples)} + {len(held)} held-out steps, refitted")
     _print_result(result)
     for path in args.check:

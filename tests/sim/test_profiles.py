@@ -195,6 +195,25 @@ def test_calibrate_served_fits_the_steps_a_served_engine_ran(tiny_llama: LoadedM
     assert result.held_out_error is not None and 3 * 2 * 34 + 2 * 12 + 32 <= held_computed <= 3 * 2 * 34 + 2 * 44
 
 
+def test_calibrate_served_fits_served_programs_steps_and_holds_out_others(tiny_llama: LoadedModel) -> None:
+    # calibrate --served --workloads: programs through the same server, their steps fitted with the grid's, and other
+    # programs' steps held out and measured against the fit.
+    config = EngineConfig(model=ModelConfig(), cache=CacheConfig(num_kv_blocks=64))
+    grid = CalibrationGrid((1, 3), (8, 40), output_tokens=3, repeats=1)
+    shape = WorkloadShape(scale=0.05, tool_wait_s=0.05)
+    fitted_runs = [make_programs("mapreduce", 2, 4.0, 101, shape)]
+    held_runs = [make_programs("mapreduce", 2, 4.0, 102, shape)]
+    result = calibrate_served(tiny_llama, config, grid, arrivals=None, programs=(fitted_runs, held_runs))
+    # Every grid request and program call arrived once, and some calls left while others ran on (the grid's cells
+    # leave together): the server's work beside a step.
+    requests = sum(b for b in grid.batch_sizes for _ in grid.prompt_lens) + sum(p.num_calls for p in fitted_runs[0])
+    assert sum(s.arrivals for s in result.samples) == requests and sum(s.departures for s in result.samples) > 0
+    held = result.held_out_programs
+    assert sum(s.arrivals for s in held) == sum(p.num_calls for p in held_runs[0])
+    error = result.held_out_programs_error
+    assert error is not None and error.steps == len(held) and error.ratio > 0 and error.median >= 0
+
+
 @pytest.mark.slow
 def test_calibrate_served_collects_the_steps_of_both_instances_of_a_cluster(
     model_dirs: dict[str, Path], tiny_llama: LoadedModel
