@@ -561,7 +561,8 @@ def same_shape_ratios(
     shapes (validate's ``same_shape_ratio``), each step predicted with its contention (``others``: a cluster's)."""
     sums: dict[str, list[float]] = {}
     for s, beside in zip(samples, contention(samples, others), strict=True):
-        for kind in ("all", step_kind(s.shapes)):
+        # Steps after a departure also as a class of their own: the server's work beside them (per_departure_s).
+        for kind in ("all", step_kind(s.shapes), *(["after a departure"] if s.departures else [])):
             n, measured, predicted = sums.setdefault(kind, [0, 0.0, 0.0])
             sums[kind] = [n + 1, measured + s.seconds, predicted + model.predict_sample(s, beside)]
     return {k: (int(n), measured / predicted) for k, (n, measured, predicted) in sorted(sums.items())}

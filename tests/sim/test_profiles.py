@@ -170,6 +170,10 @@ def test_the_same_shape_ratio_by_class_is_the_real_steps_over_the_models() -> No
     ratios = same_shape_ratios(KNOWN, steps)
     assert ratios["decode x3"] == (1, pytest.approx(1.2)) and ratios["prefill >192 tok"] == (1, pytest.approx(0.9))
     assert ratios["all"][0] == 2 and 0.9 < ratios["all"][1] < 1.2
+    assert "after a departure" not in ratios
+    # A step after a departure is also counted on its own, against the model with its departure term.
+    after = AttentionSample((ChunkShape(100, 1),) * 2, 1.1 * KNOWN.predict([ChunkShape(100, 1)] * 2), 5.0, 0, 1)
+    assert same_shape_ratios(KNOWN, [*steps, after])["after a departure"] == (1, pytest.approx(1.1))
 
 
 def test_calibrate_served_fits_the_steps_a_served_engine_ran(tiny_llama: LoadedModel) -> None:
