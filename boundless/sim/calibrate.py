@@ -115,6 +115,7 @@ class ProgramsError:
 
 
 def programs_error(model: StepTimeModel, samples: Sequence[AttentionSample], others: int = 0) -> ProgramsError:
+    """``model`` on served programs' steps (``others``: the engines beside each, for a contended model)."""
     beside = contention(samples, others) if model.per_contention_s else [0.0] * len(samples)
     predicted = [model.predict_sample(s, c) for s, c in zip(samples, beside, strict=True)]
     errors = sorted(abs(p - s.seconds) / s.seconds for s, p in zip(samples, predicted, strict=True))
@@ -480,8 +481,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def calibration_programs(args: argparse.Namespace) -> tuple[list[list[ProgramSpec]], list[list[ProgramSpec]]]:
     """``--workloads``' programs to fit on (``--workload-seed``) and to hold out (the next seed), a run per workload:
-    the shapes and rates validate runs, never its programs (validate's ``--bench-seed`` is 0 by default). Program
-    ids name their seed: one engine serves every run."""
+    the shapes and rates validate runs, never its programs (validate's ``--bench-seed`` is 0 by default)."""
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in names:
         if w not in WORKLOADS or w == "trace":
@@ -489,13 +489,7 @@ def calibration_programs(args: argparse.Namespace) -> tuple[list[list[ProgramSpe
     shape = WorkloadShape(scale=args.scale, tool_wait_s=args.tool_wait)
 
     def programs(seed: int) -> list[list[ProgramSpec]]:
-        return [
-            [
-                dataclasses.replace(p, program_id=f"s{seed}-{p.program_id}")
-                for p in make_programs(w, args.num_programs, args.rate, seed, shape)
-            ]
-            for w in names
-        ]
+        return [make_programs(w, args.num_programs, args.rate, seed, shape) for w in names]
 
     return programs(args.workload_seed), programs(args.workload_seed + 1)
 

@@ -24,6 +24,7 @@ from boundless.sim.calibrate import (
     FitSpec,
     calibrate,
     calibrate_served,
+    calibration_programs,
     fastest_per_shape,
     fit_profile_model,
     median_per_shape,
@@ -197,6 +198,22 @@ def test_calibrate_served_fits_the_steps_a_served_engine_ran(tiny_llama: LoadedM
     assert result.model.predict([ChunkShape(0, 64)] * 4) > result.model.predict([ChunkShape(8, 1)])
     held_computed = sum(c.new for s in result.held_out for c in s.shapes)
     assert result.held_out_error is not None and 3 * 2 * 34 + 2 * 12 + 32 <= held_computed <= 3 * 2 * 34 + 2 * 44
+
+
+def test_calibration_programs_are_a_run_per_workload_of_other_seeds_than_validates() -> None:
+    import argparse
+
+    args = argparse.Namespace(
+        workloads="chat,mapreduce", workload_seed=101, num_programs=3, rate=0.25, scale=0.1, tool_wait=0.2
+    )
+    fitted_runs, held_runs = calibration_programs(args)
+    shape = WorkloadShape(scale=0.1, tool_wait_s=0.2)
+    assert fitted_runs == [make_programs(w, 3, 0.25, 101, shape) for w in ("chat", "mapreduce")]
+    assert held_runs == [make_programs(w, 3, 0.25, 102, shape) for w in ("chat", "mapreduce")]
+    validated = {p.program_id for w in ("chat", "mapreduce") for p in make_programs(w, 3, 0.25, 0, shape)}
+    assert validated.isdisjoint(p.program_id for run in fitted_runs + held_runs for p in run)
+    with pytest.raises(SystemExit):
+        calibration_programs(argparse.Namespace(**{**vars(args), "workloads": "chat,nope"}))
 
 
 def test_calibrate_served_fits_served_programs_steps_and_holds_out_others(tiny_llama: LoadedModel) -> None:
