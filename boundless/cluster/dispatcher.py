@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from boundless.cluster.lending_cluster import ClusterLending, PeerLost
-from boundless.cluster.routing import InstanceView, NoLiveInstanceError, Router
+from boundless.cluster.routing import InstanceView, LoadIndex, NoLiveInstanceError, Router
 from boundless.engine.core import RequestDelta, Resume
 from boundless.engine.handoff import HandoffPlan
 from boundless.engine.sampling_params import SamplingParams
@@ -115,7 +115,8 @@ class Dispatcher:
 
     Every call reaches an instance through here, so each instance's load (calls in flight) is exact.
     A call is *pending* between its :class:`Send` and the instance's answer (:meth:`add_done`), then
-    *in flight* until its final delta, an abort, or its instance's loss (which resends it).
+    *in flight* until its final delta, an abort, or its instance's loss (which resends it). Whatever changes a
+    view's load or liveness refiles it in ``load_index``, which the router reads in place of a pass over the views.
     """
 
     def __init__(
@@ -127,6 +128,7 @@ class Dispatcher:
         lending: ClusterLending | None = None,
     ) -> None:
         self.views: dict[str, InstanceView] = {iid: InstanceView(iid) for iid in instance_ids}
+        self.load_index = LoadIndex(self.views.values())  # the views by load, refiled on every change below
         self.router = router
         self.table = table
         self.clock = clock
@@ -159,6 +161,7 @@ class Dispatcher:
         if result.status == "ok":
             call.instance = send.instance_id
             self.views[send.instance_id].inflight += 1
+            self.load_index.update(send.instance_id)
             self.inflight[call.request_id] = call
             return []
         if result.status == "unreachable":
@@ -175,6 +178,7 @@ class Dispatcher:
             return []
         view.alive = False
         view.inflight = 0
+        self.load_index.update(instance_id)
         self.router.drop_instance(instance_id)
         decisions: list[Decision] = [MarkDead(instance_id, reason)]
         if self.lending is not None:  # the others free what they lent it and recompute what it held
@@ -197,6 +201,7 @@ class Dispatcher:
         if delta.finished:
             del self.inflight[delta.request_id]
             self.views[instance_id].inflight -= 1
+            self.load_index.update(instance_id)
             if call.program is not None and delta.finish_time is not None:
                 wait = max(0.0, (delta.finish_time - delta.arrival_time) - delta.service_s)
                 self.table.call_finished(call.program, delta.service_s, wait, self.clock(), instance_id)
@@ -223,6 +228,7 @@ class Dispatcher:
         if not view.alive:
             return []
         view.inflight -= 1
+        self.load_index.update(call.instance)
         return [AbortOn(call.instance, request_id)]
 
     def expire(self) -> list[str]:
@@ -234,7 +240,8 @@ class Dispatcher:
     def _route(self, call: InflightCall) -> list[Decision]:
         pid = call.program.program_id if call.program else None
         try:
-            iid = self.router.choose(list(self.views.values()), pid, len(call.prompt) + len(call.output_token_ids))
+            num_tokens = len(call.prompt) + len(call.output_token_ids)
+            iid = self.router.choose(self.views.values(), pid, num_tokens, self.load_index)
         except NoLiveInstanceError as e:
             self._release(call.program)
             return [Fail(call.request_id, "unavailable", str(e))]

@@ -12,7 +12,8 @@ router's own small state.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from bisect import bisect_left, insort
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 
@@ -39,6 +40,52 @@ class NoLiveInstanceError(RuntimeError):
     pass
 
 
+class LoadIndex:
+    """The live views filed by load, each load's views in the views' order: the least loaded instances without a
+    pass over every view (a simulated cluster routes over a thousand instances per call).
+
+    Whoever changes a view's load or liveness calls :meth:`update` for it (the dispatcher does, for its views).
+    """
+
+    def __init__(self, views: Iterable[InstanceView]) -> None:
+        self.views = list(views)
+        self._position = {v.instance_id: k for k, v in enumerate(self.views)}
+        self._by_load: dict[int, list[int]] = {}  # load -> the positions of the live views with it, ascending
+        self._filed: dict[int, int] = {}  # position -> the load it is filed under (live views only)
+        for k in range(len(self.views)):
+            self._file(k)
+
+    def update(self, instance_id: str) -> None:
+        """Refile the view of ``instance_id`` after its load or liveness changed."""
+        k = self._position[instance_id]
+        load = self._filed.pop(k, None)
+        if load is not None:
+            bucket = self._by_load[load]
+            del bucket[bisect_left(bucket, k)]
+            if not bucket:
+                del self._by_load[load]
+        self._file(k)
+
+    def _file(self, k: int) -> None:
+        view = self.views[k]
+        if view.alive:
+            insort(self._by_load.setdefault(view.load, []), k)
+            self._filed[k] = view.load
+
+    @property
+    def num_live(self) -> int:
+        return len(self._filed)
+
+    def least_loaded(self) -> list[int]:
+        """The positions of the live views with the lowest load, in the views' order (at least one live view)."""
+        return self._by_load[min(self._by_load)]
+
+    def live_view(self, instance_id: str) -> InstanceView | None:
+        """The view of ``instance_id`` if it is one of these and alive."""
+        k = self._position.get(instance_id)
+        return self.views[k] if k is not None and k in self._filed else None
+
+
 class Router:
     def __init__(self, routing: str = "locality", locality_threshold: int = 2048, max_imbalance: int = 4) -> None:
         self.routing = routing
@@ -47,33 +94,27 @@ class Router:
         self.homes: dict[str, str] = {}  # program id -> instance of its last call (holding its KV)
         self._next = 0
 
-    def choose(self, views: list[InstanceView], program_id: str | None, num_tokens: int) -> str:
-        live = [v for v in views if v.alive]
-        if not live:
+    def choose(
+        self, views: Iterable[InstanceView], program_id: str | None, num_tokens: int, index: LoadIndex | None = None
+    ) -> str:
+        """The instance for a call of ``num_tokens`` tokens. ``index``, when given, files ``views`` by load as they are
+        now (the dispatcher keeps one current); without it one is built from ``views``."""
+        index = index if index is not None else LoadIndex(views)
+        if not index.num_live:
             raise NoLiveInstanceError("no live engine instance")
         if self.routing == "round-robin":
+            live = [v for v in index.views if v.alive]
             choice = live[self._next % len(live)]
             self._next += 1
             return choice.instance_id
-        # One pass over the views for the least loaded and the program's home (a simulated cluster routes over a
-        # thousand instances per call).
-        home_id = self.homes.get(program_id) if program_id is not None else None
-        lowest = -1
-        ties: list[InstanceView] = []
-        home = None
-        for v in live:
-            load = v.load
-            if v.instance_id == home_id:
-                home = v
-            if load < lowest or not ties:
-                lowest, ties = load, [v]
-            elif load == lowest:
-                ties.append(v)
-        least = ties[self._next % len(ties)]  # rotate among equals, so idle instances share work
+        ties = index.least_loaded()
+        least = index.views[ties[self._next % len(ties)]]  # rotate among equals, so idle instances share work
         self._next += 1
         if self.routing == "least-loaded" or program_id is None:
             return least.instance_id
         choice = least
+        home_id = self.homes.get(program_id)
+        home = index.live_view(home_id) if home_id is not None else None
         if num_tokens > self.locality_threshold and home is not None and home.load - least.load <= self.max_imbalance:
             choice = home
         self.homes[program_id] = choice.instance_id

@@ -51,11 +51,16 @@ class ChunkShape:
 @dataclass(frozen=True)
 class AttentionSample:
     """A measured step: its shapes, its seconds, and when it ended on the recording engine's clock (0: not known;
-    the simulator's contention fit tells steps of several engines that overlapped by it)."""
+    the simulator's contention fit tells steps of several engines that overlapped by it); and the requests that
+    entered the engine since the step before it and those that left (``SchedulerOutput.arrivals``,
+    ``finished_ids``): a served engine's server parses the ones and answers the others beside this step, on the
+    same cores."""
 
     shapes: tuple[ChunkShape, ...]
     seconds: float
     ended_at: float = 0.0
+    arrivals: int = 0
+    departures: int = 0
 
 
 def shapes_of(sched: SchedulerOutput) -> tuple[ChunkShape, ...]:
@@ -174,9 +179,16 @@ class AttentionTimeRecorder:
         self.samples: deque[AttentionSample] = deque(maxlen=capacity)
         self._undrained = 0  # of the samples held, how many (the newest) no drain has handed over yet
 
-    def record(self, shapes: Sequence[ChunkShape], seconds: float, ended_at: float = 0.0) -> None:
+    def record(
+        self,
+        shapes: Sequence[ChunkShape],
+        seconds: float,
+        ended_at: float = 0.0,
+        arrivals: int = 0,
+        departures: int = 0,
+    ) -> None:
         if shapes:
-            self.samples.append(AttentionSample(tuple(shapes), seconds, ended_at))
+            self.samples.append(AttentionSample(tuple(shapes), seconds, ended_at, arrivals, departures))
             self._undrained = min(self._undrained + 1, len(self.samples))
 
     def drain(self) -> list[AttentionSample]:

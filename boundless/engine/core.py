@@ -21,7 +21,7 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
 from boundless.engine.lending_stats import LendingStats
-from boundless.engine.multi_step import iteration_shapes
+from boundless.engine.multi_step import window_shapes
 from boundless.engine.prefill_batching import step_quota
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
@@ -526,12 +526,15 @@ class EngineCore:
         c.computed_tokens += sched.num_tokens if sched.window == 1 else sum(ch.num_steps for ch in sched.chunks)
         c.busy_seconds += elapsed
         now = self.clock()
+        arrivals, departures = sched.arrivals, sched.departures
         if sched.window == 1:
-            self.step_times.record(shapes_of(sched), elapsed, now)
+            self.step_times.record(shapes_of(sched), elapsed, now, arrivals, departures)
         else:  # each pass of the window is a step of its own shape to the step-time models, ended in turn
             passes = list(result.pass_seconds)
+            shapes = window_shapes(sched)
             for j, seconds in enumerate(passes):
-                self.step_times.record(iteration_shapes(sched, j), seconds, now - sum(passes[j + 1 :]))
+                events = (arrivals, departures) if j == 0 else (0, 0)
+                self.step_times.record(shapes[j], seconds, now - sum(passes[j + 1 :]), *events)
         if self._prefill_batching == "attention" and c.steps // REFIT_EVERY_STEPS > steps_before // REFIT_EVERY_STEPS:
             self._refit_prefill_time()
         outputs = []

@@ -21,13 +21,15 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    """The output text of one request, grown token by token, cut at the first stop string."""
+    """The output text of one request, grown token by token, cut at the first stop string (no text at all, and
+    no decoding, for a request that asked for none: ``SamplingParams.detokenize``)."""
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
+        self.enabled = params.detokenize
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -38,6 +40,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> bool:
         """Add a token; True when its text completed a stop string (the text is then cut there)."""
+        if not self.enabled:
+            return False
         self._ids.append(token_id)
         prefix = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
         full = self.tokenizer.decode(self._ids[self._prefix_offset :], self.skip_special_tokens)

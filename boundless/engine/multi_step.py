@@ -39,3 +39,11 @@ def window_iteration(sched: SchedulerOutput, j: int, last_tokens: Mapping[str, i
 def iteration_shapes(sched: SchedulerOutput, j: int) -> tuple[ChunkShape, ...]:
     """The chunk shapes of pass ``j`` (from 0) of a step's window (``shapes_of`` of that pass's batch)."""
     return tuple(ChunkShape(c.start_pos + j, len(c.token_ids)) for c in sched.chunks if c.num_steps > j)
+
+
+def window_shapes(sched: SchedulerOutput) -> list[tuple[ChunkShape, ...]]:
+    """Every pass's :func:`iteration_shapes`, made once per step: the simulator's executor prices them and the engine
+    records them for its step-time models."""
+    if sched.pass_shapes is None:
+        sched.pass_shapes = [iteration_shapes(sched, j) for j in range(sched.window)]
+    return sched.pass_shapes

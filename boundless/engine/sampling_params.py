@@ -24,7 +24,9 @@ class SamplingParams:
     ``temperature == 0`` (or under ``GREEDY_BELOW``) is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``seed`` (a signed 64-bit integer) makes a request's samples reproducible whatever else is in the batch.
     ``stop_token_ids`` must be ids of the model's vocabulary (the engine knows its size). ``logprobs``
-    asks for that many top alternatives per generated token (0: only the sampled token's).
+    asks for that many top alternatives per generated token (0: only the sampled token's). ``detokenize=False``
+    (vLLM's) returns token ids only, with no text, and skips the per-token decoding (the simulator's calls: nothing
+    reads their text); it cannot go with stop strings, which are found in the text.
     """
 
     n: int = 1
@@ -40,6 +42,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +71,7 @@ class SamplingParams:
         if self.logprobs is not None:
             self._check("logprobs", 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        self._check("stop", self.detokenize or not self.stop, "stop strings need detokenize (found in the text)")
         self._check(
             "stop_token_ids",
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),

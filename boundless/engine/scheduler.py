@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from boundless.attention.backend import RemoteKV
+from boundless.engine.attention_time import ChunkShape
 from boundless.engine.prefill_batching import Predictor, PrefillCandidate, fill_prefill_batch
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
@@ -70,6 +71,11 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)  # lost their device KV this step
     finished_ids: list[str] = field(default_factory=list)  # left since the last step
+    # Requests that entered since the last step, and of ``finished_ids`` those that left while others stayed (so
+    # this step follows theirs at once, beside the server answering them): a served engine's server works on them
+    # on the same cores as the step, which its time carries (sim/step_model.py).
+    arrivals: int = 0
+    departures: int = 0
     # KV moves between memory tiers (swap-outs and swap-ins, evictions down to host memory, prefix hits in
     # host memory), in the order decided; the executor applies them before the forward pass (kv/transfer.py).
     transfers: list[BlockTransfer] = field(default_factory=list)
@@ -85,6 +91,8 @@ class SchedulerOutput:
     num_remote_in_flight: int = 0
     # Multi-step decoding: forward passes the step runs for its batch (the longest chunk's ``num_steps``).
     window: int = 1
+    # Each pass's chunk shapes, made once when first asked for (multi_step.window_shapes).
+    pass_shapes: list[tuple[ChunkShape, ...]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -141,6 +149,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._finished_since_step: list[str] = []
+        self._arrived_since_step = 0
         self._last_chosen: set[str] = set()
         # A waiting request whose stored prefix finds no host room waits for room while reads are in flight,
         # instead of computing the prefix (False: the earlier rule, kept for comparisons and tests).
@@ -161,6 +170,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self._arrived_since_step += 1
         self.policy.on_arrival(request, self.clock())
         if request.program is not None:  # its blocks are its program's (a call without one: nobody's)
             self.kv.set_program(request.request_id, request.program.program_id)
@@ -197,8 +207,14 @@ class Scheduler:
         now = self.clock()
         self.kv.begin_step()
         self.policy.update(now)
-        out = SchedulerOutput(finished_ids=self._finished_since_step)
+        # Departures count when some request here came before the last step: the engine went on at once (after the
+        # last requests left it waited, and the server answered them beside no step).
+        departures = len(self._finished_since_step) if len(self.requests) > self._arrived_since_step else 0
+        out = SchedulerOutput(
+            finished_ids=self._finished_since_step, arrivals=self._arrived_since_step, departures=departures
+        )
         self._finished_since_step = []
+        self._arrived_since_step = 0
         budget = self.max_num_batched_tokens
         order = sorted(self.running + self.waiting, key=lambda r: self.policy.priority(r, now))
         if self.kv.has_disk:

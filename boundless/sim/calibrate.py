@@ -22,6 +22,7 @@ simulator must charge, and it is in every pass, while a burst of outside load hi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from boundless.bench.programs import served_engine
+from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, make_programs
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import AttentionSample, ChunkShape, fit_attention_time
 from boundless.engine.core import EngineCore
@@ -48,7 +50,7 @@ from boundless.sim.cost import (
 )
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import fitted_profile_dict, load_profile
-from boundless.sim.served_grid import MODEL_NAME, run_served_grid
+from boundless.sim.served_grid import MODEL_NAME, run_served_grid, run_served_programs
 from boundless.sim.step_model import (
     StepTimeModel,
     contention,
@@ -102,6 +104,26 @@ class FitError:
 
 
 @dataclass(frozen=True)
+class ProgramsError:
+    """How a fit predicts served programs' steps: their seconds over the fit's for them (each step with its
+    departures and contention), in all, and each step's relative error."""
+
+    steps: int
+    ratio: float
+    median: float
+    p90: float
+
+
+def programs_error(model: StepTimeModel, samples: Sequence[AttentionSample], others: int = 0) -> ProgramsError:
+    """``model`` on served programs' steps (``others``: the engines beside each, for a contended model)."""
+    beside = contention(samples, others) if model.per_contention_s else [0.0] * len(samples)
+    predicted = [model.predict_sample(s, c) for s, c in zip(samples, beside, strict=True)]
+    errors = sorted(abs(p - s.seconds) / s.seconds for s, p in zip(samples, predicted, strict=True))
+    ratio = sum(s.seconds for s in samples) / sum(predicted)
+    return ProgramsError(len(samples), ratio, statistics.median(errors), errors[int(0.9 * (len(errors) - 1))])
+
+
+@dataclass(frozen=True)
 class FitSpec:
     """How a profile's step model is fitted from its measured steps: ``form`` ``cpu-kernels`` (every term of
     :class:`~boundless.sim.step_model.StepTimeModel`, on ``threads``) or ``linear`` (the engine's own
@@ -122,6 +144,10 @@ class Calibration:
     held_out_error: FitError | None  # on the fastest time of each held-out shape
     wall_s: float
     fit: FitSpec = FitSpec()
+    # Served programs' steps the fit never saw (``calibrate --served --workloads``: other programs than the fitted
+    # ones, and than validate's), and how the fit predicts them.
+    held_out_programs: tuple[AttentionSample, ...] = ()
+    held_out_programs_error: ProgramsError | None = None
 
 
 def run_grid(core: EngineCore, grid: CalibrationGrid, seed: int = 0) -> list[AttentionSample]:
@@ -196,7 +222,7 @@ def fit_profile_model(samples: Sequence[AttentionSample], spec: FitSpec = FitSpe
 
 
 def relative_errors(model: StepTimeModel, samples: Sequence[AttentionSample]) -> list[float]:
-    return [(model.predict(s.shapes) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
+    return [(model.predict_sample(s) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
 
 
 def fit_error(
@@ -207,7 +233,7 @@ def fit_error(
     if others and model.per_contention_s:
         by_shape: dict[tuple[ChunkShape, ...], list[float]] = {}
         for s, beside in zip(samples, contention(samples, others), strict=True):
-            by_shape.setdefault(step_shape(s), []).append((model.predict(s.shapes, beside) - s.seconds) / s.seconds)
+            by_shape.setdefault(step_shape(s), []).append((model.predict_sample(s, beside) - s.seconds) / s.seconds)
         errors = sorted(abs(statistics.median(e)) for e in by_shape.values())
     else:
         errors = sorted(abs(e) for e in relative_errors(model, ERROR_PER_SHAPE[per_shape](samples)))
@@ -242,9 +268,13 @@ def calibrate_served(
     cluster: ClusterConfig | None = None,
     form: str = "cpu-kernels",
     arrivals: tuple[CalibrationGrid, CalibrationGrid] | None = (ARRIVALS_GRID, HELD_OUT_ARRIVALS_GRID),
+    programs: tuple[list[list[ProgramSpec]], list[list[ProgramSpec]]] | None = None,
 ) -> Calibration:
     """The grids through a served engine (or cluster), fitted on every step (least absolute error); with
-    ``arrivals``, also a grid of requests arriving one at a time over a shared prefix, and a held-out one."""
+    ``arrivals``, also a grid of requests arriving one at a time over a shared prefix, and a held-out one; with
+    ``programs``, also the steps of served programs (the first runs, fitted) and of others (held out): the
+    workloads' own steps, with the server's arrivals and departures beside them as validate serves them (one run
+    at a time, each its workload's programs at their arrival times)."""
     vocab = loaded.arch.vocab_size
     with served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
         start = time.monotonic()
@@ -255,9 +285,19 @@ def calibrate_served(
         held = run_served_grid(served, held_out, vocab, seed=1) if held_out is not None else []
         if arrivals is not None and held_out is not None:
             held += run_served_grid(served, arrivals[1], vocab, seed=4)
+        held_programs: list[AttentionSample] = []
+        if programs is not None:
+            for run in programs[0]:
+                samples += run_served_programs(served, run, vocab)
+            for run in programs[1]:
+                held_programs += run_served_programs(served, run, vocab)
         wall = time.monotonic() - start
     others = cluster.instances - 1 if cluster is not None else 0
-    return fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster), others))
+    result = fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster), others))
+    if not held_programs:
+        return result
+    error = programs_error(result.model, held_programs, others)
+    return dataclasses.replace(result, held_out_programs=tuple(held_programs), held_out_programs_error=error)
 
 
 def engine_threads(cluster: ClusterConfig | None) -> int:
@@ -320,7 +360,8 @@ def _model_text(m: StepTimeModel) -> str:
         f" {m.per_prefill_s * 1e3:.3f} ms, per matmul row"
         f" {m.per_row_s * 1e3:.3f} ms, per row group {m.per_row_group_s * 1e3:.3f} ms, per cached token"
         f" {m.per_cached_s * 1e6:.3f} us, per query-key pair {m.per_pair_s * 1e9:.3f} ns ({m.threads} threads);"
-        f" per contended step {m.per_contention_s * 1e3:.3f} ms (every other engine stepping beside it)"
+        f" per contended step {m.per_contention_s * 1e3:.3f} ms (every other engine stepping beside it);"
+        f" per departure {m.per_departure_s * 1e3:.3f} ms"
     )
 
 
@@ -333,7 +374,13 @@ def _fit_text(result: Calibration) -> str:
 def _print_result(result: Calibration) -> None:
     print(f"fit ({_fit_text(result)}), on each shape: {_error_text(result.fit_error)}")
     print(f"held-out shapes: {_error_text(result.held_out_error)}")
+    if result.held_out_programs_error is not None:
+        print(f"held-out programs: {_programs_text(result.held_out_programs_error)}")
     print(_model_text(result.model))
+
+
+def _programs_text(e: ProgramsError) -> str:
+    return f"{e.steps} steps took x{e.ratio:.3f} the fit's time; each step: median {e.median:.1%}, p90 {e.p90:.1%}"
 
 
 def _calibration_figures(result: Calibration) -> dict:
@@ -346,6 +393,7 @@ def _calibration_figures(result: Calibration) -> dict:
         "fit_error": vars(result.fit_error),
         "held_out_error": vars(result.held_out_error) if result.held_out_error else None,
         "median_rel_error": result.fit_error.median,
+        "held_out_programs_error": vars(result.held_out_programs_error) if result.held_out_programs_error else None,
     }
 
 
@@ -369,8 +417,11 @@ def run(args: argparse.Namespace) -> dict:
     )
     loaded = load_model(config.model.model, dtype=config.model.dtype)
     load_before = os.getloadavg()[0]
+    programs = calibration_programs(args) if args.workloads else None
+    if programs is not None and not args.served:
+        raise SystemExit("--workloads needs --served (the programs' steps are a served engine's)")
     if args.served:
-        result = calibrate_served(loaded, config, grid, held_out, cluster, args.form)
+        result = calibrate_served(loaded, config, grid, held_out, cluster, args.form, programs=programs)
     else:
         if cluster is not None:
             raise SystemExit("--instances above 1 needs --served (a cluster is calibrated as it is served)")
@@ -416,14 +467,38 @@ def run(args: argparse.Namespace) -> dict:
         "grid": _grid_text(grid),
         "held_out_grid": _grid_text(held_out) if held_out else None,
         "arrivals_grids": [_grid_text(g) for g in (ARRIVALS_GRID, HELD_OUT_ARRIVALS_GRID)] if args.served else None,
+        "workloads": _programs_description(args) if programs is not None else None,
         "steps": len(result.samples),
         **_calibration_figures(result),
         "wall_s": result.wall_s,
         "samples": samples_json(result.samples),
         "held_out_samples": samples_json(result.held_out),
+        "held_out_program_samples": samples_json(result.held_out_programs),
     }
     _write(args.out or "cpu-profile.json", data)
     return data
+
+
+def calibration_programs(args: argparse.Namespace) -> tuple[list[list[ProgramSpec]], list[list[ProgramSpec]]]:
+    """``--workloads``' programs to fit on (``--workload-seed``) and to hold out (the next seed), a run per workload:
+    the shapes and rates validate runs, never its programs (validate's ``--bench-seed`` is 0 by default)."""
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for w in names:
+        if w not in WORKLOADS or w == "trace":
+            raise SystemExit(f"--workloads: unknown workload {w!r}")
+    shape = WorkloadShape(scale=args.scale, tool_wait_s=args.tool_wait)
+
+    def programs(seed: int) -> list[list[ProgramSpec]]:
+        return [make_programs(w, args.num_programs, args.rate, seed, shape) for w in names]
+
+    return programs(args.workload_seed), programs(args.workload_seed + 1)
+
+
+def _programs_description(args: argparse.Namespace) -> str:
+    return (
+        f"{args.workloads}: {args.num_programs} programs each at {args.rate}/s (scale {args.scale}, tool wait"
+        f" {args.tool_wait} s), seed {args.workload_seed} fitted, seed {args.workload_seed + 1} held out"
+    )
 
 
 def _write(path: str, data: dict) -> None:
@@ -444,6 +519,10 @@ def refit(args: argparse.Namespace) -> dict:
     per_shape = args.per_shape or ("all" if calibration.get("served") else "fastest")
     spec = FitSpec(args.form, per_shape, calibration.get("threads", 1), calibration.get("instances", 1) - 1)
     result = fitted(samples, held, calibration.get("wall_s", 0.0), spec)
+    held_programs = samples_from_json(calibration.get("held_out_program_samples", []))
+    if held_programs:
+        error = programs_error(result.model, held_programs, spec.others)
+        result = dataclasses.replace(result, held_out_programs=tuple(held_programs), held_out_programs_error=error)
     print(f"{args.refit}: {len(samples)} + {len(held)} held-out steps, refitted")
     _print_result(result)
     for path in args.check:
@@ -476,9 +555,10 @@ def same_shape_ratios(
     shapes (validate's ``same_shape_ratio``), each step predicted with its contention (``others``: a cluster's)."""
     sums: dict[str, list[float]] = {}
     for s, beside in zip(samples, contention(samples, others), strict=True):
-        for kind in ("all", step_kind(s.shapes)):
+        # Steps after a departure also as a class of their own: the server's work beside them (per_departure_s).
+        for kind in ("all", step_kind(s.shapes), *(["after a departure"] if s.departures else [])):
             n, measured, predicted = sums.setdefault(kind, [0, 0.0, 0.0])
-            sums[kind] = [n + 1, measured + s.seconds, predicted + model.predict(s.shapes, beside)]
+            sums[kind] = [n + 1, measured + s.seconds, predicted + model.predict_sample(s, beside)]
     return {k: (int(n), measured / predicted) for k, (n, measured, predicted) in sorted(sums.items())}
 
 
@@ -544,6 +624,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the step model: cpu-kernels (matmul rows on the slowest thread, 4-row groups: sim/step_model.py) or"
         " linear (the engine's AttentionTimeModel, as the profiles before it)",
     )
+    parser.add_argument(
+        "--workloads",
+        default="",
+        help="with --served: also serve these programs (comma-separated: chat, mapreduce, ...) and fit on their steps,"
+        " and as many others (the next --workload-seed) held out: the steps validate's workloads run",
+    )
+    parser.add_argument(
+        "--workload-seed",
+        type=int,
+        default=101,
+        help="the fitted programs' seed (the held-out ones': the next); keep it off validate's --bench-seed",
+    )
+    parser.add_argument("--num-programs", type=int, default=8, help="with --workloads: programs of each workload")
+    parser.add_argument("--rate", type=float, default=0.25, help="with --workloads: programs per second")
+    parser.add_argument("--scale", type=float, default=0.1, help="with --workloads: as validate's --scale")
+    parser.add_argument("--tool-wait", type=float, default=0.2, help="with --workloads: as validate's --tool-wait")
     parser.add_argument(
         "--refit",
         metavar="PROFILE",

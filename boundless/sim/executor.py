@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 from boundless.cluster.links import Link, Traffic
 from boundless.engine.attention_time import ChunkShape
 from boundless.engine.executor import StepResult
-from boundless.engine.multi_step import iteration_shapes, window_iteration
+from boundless.engine.multi_step import window_iteration, window_shapes
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.kv.block_hash import BlockHash
@@ -247,7 +247,7 @@ class CostModelExecutor:
         """Seconds of pass ``j`` of a multi-step window: from its chunk shapes when the cost model prices shapes (no
         batch to build), else from that pass's batch."""
         if self._shape_cost is not None:
-            return self._shape_cost.predict(iteration_shapes(sched, j))
+            return self._shape_cost.predict(window_shapes(sched)[j])
         return self.cost.step_time(window_iteration(sched, j, _PLACEHOLDERS))
 
     def close(self) -> None:

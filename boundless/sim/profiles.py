@@ -41,7 +41,9 @@ class FittedStepCost:
     model: StepTimeModel
 
     def step_time(self, sched: SchedulerOutput, contention: float = 0.0) -> float:
-        return self.model.predict(shapes_of(sched), contention)
+        """The step's seconds, with the requests that left the engine at the step before (the field the real engine
+        records with each step: ``EngineCore.finish_step``)."""
+        return self.model.predict(shapes_of(sched), contention, sched.departures)
 
     def predict(self, shapes: Sequence[ChunkShape], contention: float = 0.0) -> float:
         return self.model.predict(shapes, contention)

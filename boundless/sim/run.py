@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> dict:
         return run_longctx(args, base, model, profile, cost, clusters[0])
     rows: list[dict] = []
     walls: list[float] = []  # apart from the rows, which are a function of the flags alone
+    cpus: list[float] = []  # the same runs' CPU seconds (steadier than wall time on a shared machine)
     alone = 0  # steps fast-forwarded
     scheduled = 0  # steps scheduled (fewer than the steps with multi-step windows)
     for rate in [float(r) for r in args.rates.split(",")]:
@@ -63,9 +64,10 @@ def run(args: argparse.Namespace) -> dict:
                 )
                 label = f"{policy}{'/' + cluster.kv_path if cluster.disaggregated else ''} @ {rate}/s"
                 bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, label, args.progress)
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 results = sim.run(programs, bar)
                 wall_s = time.perf_counter() - start
+                cpus.append(time.process_time() - cpu_start)
                 bar.close()
                 walls.append(wall_s)
                 alone += sim.num_steps_alone
@@ -98,6 +100,8 @@ def run(args: argparse.Namespace) -> dict:
             "steps_scheduled": scheduled,
             "simulated_s_per_wall_s": simulated / max(wall, 1e-9),
             "row_wall_s": walls,
+            "cpu_s": sum(cpus),
+            "row_cpu_s": cpus,
         },
     }
     if args.json:

@@ -23,10 +23,11 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from boundless.bench.programs import ServedEngine
+from boundless.bench.programs import ProgramRunner, ServedEngine
 from boundless.engine.attention_time import AttentionSample
 
 if TYPE_CHECKING:
+    from boundless.bench.workloads import ProgramSpec
     from boundless.sim.calibrate import CalibrationGrid
 
 MODEL_NAME = "calibrate"
@@ -69,6 +70,15 @@ def run_served_grid(served: ServedEngine, grid: CalibrationGrid, vocab: int, see
         return samples
 
     return asyncio.run(passes())
+
+
+def run_served_programs(served: ServedEngine, programs: list[ProgramSpec], vocab: int) -> list[AttentionSample]:
+    """``programs`` through the server at their arrival times, as ``simulate validate``'s real side sends them (the
+    ``openai`` client, token-id prompts); every step the engines ran meanwhile, with its arrivals and departures."""
+    served.take_steps()
+    runner = ProgramRunner(served.url, MODEL_NAME, served.max_model_len, vocab)
+    _, steps = asyncio.run(taking_steps(runner.run(programs, "calibration programs"), served.take_steps))
+    return steps
 
 
 async def taking_steps(

@@ -457,7 +457,8 @@ class Simulator:
         limit = self.max_model_len if self.compact_prompts else 1 << 62
         prompt = call_prompt(spec, sp.system, sp.contexts, sp.outputs, new_input, limit)
         rid = f"c{next(self._ids)}"
-        params = SamplingParams(max_tokens=spec.output, ignore_eos=True)
+        # Nothing reads a simulated call's text: its tokens are decoded by no one (the engine skips the per-token work).
+        params = SamplingParams(max_tokens=spec.output, ignore_eos=True, detokenize=False)
         program = ProgramRef(sp.spec.program_id, spec.thread_id, spec.parents)
         call = _Call(sp, spec, prompt, submit_s=self.clock.now)
         if self.dispatcher is None:

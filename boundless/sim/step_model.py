@@ -12,6 +12,7 @@ The terms follow what this engine's CPU kernels do with a step (``model/cpu_kern
             + per_cached_s    * cached tokens read    attention reading each request's KV
             + per_pair_s      * query-key pairs       attention's compute
             + per_contention_s * contention           the other engines of a cluster stepping beside it
+            + per_departure_s * requests departed     served: the server answering them beside the step
 
 *Matmul rows* (:func:`matmul_rows`) are the step's new tokens on one thread. On more, the packed
 matmuls split their work, (block of 192 rows, panel of weights) pairs with the block outermost, between
@@ -28,6 +29,17 @@ engine's own ``AttentionTimeModel``, the form the profiles before it were fitted
 machine stepped beside it: they share its memory bandwidth (a decode streams all the weights) and its cores.
 The steps keep their end times, so a served cluster's calibration knows it for every step; the simulator
 gives a step starting now the share of the other instances mid-step.
+
+*Departures* are the requests that left the engine at the step before while others stayed
+(``SchedulerOutput.departures``, recorded with every step: ``AttentionSample``; the step records its arrivals too).
+A served engine shares its cores (and the GIL) with the HTTP server and the client, which parse a request while
+the engine steps and answer it after it leaves: on the quiet machine (``docs/simulation.md``, Validation) a decode
+step during which a call arrived took 1.3-1.5x its shape's time, the step after a call left 1.15-1.2x, where the
+steps beside neither took 1.05-1.1x. An arrival is counted at the step that admits it, which is its prefill's:
+``per_prefill_s`` is its term (a separate one would be the same column). The simulator's engine runs the same
+scheduler, so it charges them from the same fields (:meth:`StepTimeModel.predict_sample`,
+``FittedStepCost.step_time``); ``calibrate --served --workloads`` adds served programs' own steps, where calls
+arrive and leave beside running ones, to the fit.
 
 The fit (:func:`fit_step_model`) is non-negative least squares in relative error (the short decodes
 weigh as much as the long prefills), on every measured step or on one time per shape (the fastest, for
@@ -84,14 +96,19 @@ class StepTimeModel:
     per_cached_s: float = 0.0
     per_pair_s: float = 0.0
     per_contention_s: float = 0.0
+    per_departure_s: float = 0.0
     threads: int = 1
 
-    def predict(self, shapes: Sequence[ChunkShape], contention: float = 0.0) -> float:
+    def predict(self, shapes: Sequence[ChunkShape], contention: float = 0.0, departures: int = 0) -> float:
         """The step's seconds; ``contention`` (0-1: :func:`contention`) is how much the other engines step beside
-        it."""
+        it, ``departures`` the requests that left the engine at the step before while others stayed."""
         if not shapes:
             return 0.0
-        return float(np.dot(self.coefficients, features(shapes, self.threads, contention)))
+        return float(np.dot(self.coefficients, features(shapes, self.threads, contention, departures)))
+
+    def predict_sample(self, sample: AttentionSample, contention: float = 0.0) -> float:
+        """A recorded step's seconds: its shapes and departures."""
+        return self.predict(sample.shapes, contention, sample.departures)
 
     @property
     def coefficients(self) -> list[float]:
@@ -116,7 +133,7 @@ class StepTimeModel:
 TERMS = tuple(f.name for f in fields(StepTimeModel) if f.name != "threads")
 
 
-def features(shapes: Sequence[ChunkShape], threads: int, contention: float = 0.0) -> list[float]:
+def features(shapes: Sequence[ChunkShape], threads: int, contention: float = 0.0, departures: int = 0) -> list[float]:
     """What each coefficient multiplies, in :data:`TERMS`' order."""
     rows = matmul_rows(sum(c.new for c in shapes), threads)
     return [
@@ -128,6 +145,7 @@ def features(shapes: Sequence[ChunkShape], threads: int, contention: float = 0.0
         float(sum(c.cached for c in shapes)),
         float(sum(c.pairs for c in shapes)),
         contention,
+        float(departures),
     ]
 
 
@@ -150,7 +168,7 @@ def fit_step_model(
     if not kept:
         raise ValueError("no samples to fit")
     beside = contention(kept, others)
-    x = np.array([features(s.shapes, threads, c) for s, c in zip(kept, beside, strict=True)])
+    x = np.array([features(s.shapes, threads, c, s.departures) for s, c in zip(kept, beside, strict=True)])
     y = np.array([s.seconds for s in kept])
     use = [t in terms and (t != "per_contention_s" or any(beside)) for t in TERMS]
     return StepTimeModel.from_coefficients(_fit_trimmed(x, y, use, robust, outlier_factor), threads)
@@ -188,9 +206,15 @@ def _nnls(x: np.ndarray, y: np.ndarray, use: list[bool], weights: np.ndarray) ->
 
 
 def samples_json(samples: Sequence[AttentionSample]) -> list:
-    """The measured steps, to refit or inspect: [[cached, new] per request], seconds, and when the step ended
-    (seconds on the engines' shared monotonic clock) where known."""
-    return [[[[c.cached, c.new] for c in s.shapes], s.seconds, *([s.ended_at] if s.ended_at else [])] for s in samples]
+    """The measured steps, to refit or inspect: [[cached, new] per request], seconds, when the step ended (seconds on
+    the engines' shared monotonic clock) where known, then arrivals and departures where any."""
+    return [[[[c.cached, c.new] for c in s.shapes], s.seconds, *_step_tail(s)] for s in samples]
+
+
+def _step_tail(s: AttentionSample) -> list[float]:
+    if s.arrivals or s.departures:
+        return [s.ended_at, s.arrivals, s.departures]
+    return [s.ended_at] if s.ended_at else []
 
 
 def samples_from_json(rows: Sequence) -> list[AttentionSample]:

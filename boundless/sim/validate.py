@@ -44,7 +44,7 @@ from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import HardwareProfile, load_profile
 from boundless.sim.served_grid import taking_steps
 from boundless.sim.simulator import SimResult, Simulator
-from boundless.sim.step_model import contention, samples_json
+from boundless.sim.step_model import StepTimeModel, contention, samples_json
 
 if TYPE_CHECKING:
     from boundless.engine.attention_time import AttentionSample
@@ -191,12 +191,12 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
 def profile_seconds(profile: HardwareProfile, steps: Sequence[AttentionSample], instances: int) -> float:
     """What the profile predicts for these real steps' shapes, summed; with a contended profile, each step with the
     contention it ran under (the other engines' steps beside it, from their end times)."""
-    predict = getattr(profile.step, "predict", None)  # both profile kinds predict from shapes
-    if predict is None:
-        return float("nan")
-    if not getattr(profile.step, "contended", False):
-        return sum(predict(s.shapes) for s in steps)
-    return sum(predict(s.shapes, c) for s, c in zip(steps, contention(steps, instances - 1), strict=True))
+    model = getattr(profile.step, "model", None)
+    if isinstance(model, StepTimeModel):  # a fitted profile: each step with its arrivals, departures, contention
+        beside = contention(steps, instances - 1) if model.per_contention_s else [0.0] * len(steps)
+        return sum(model.predict_sample(s, c) for s, c in zip(steps, beside, strict=True))
+    predict = getattr(profile.step, "predict", None)  # a roofline profile predicts from shapes
+    return sum(predict(s.shapes) for s in steps) if predict is not None else float("nan")
 
 
 def table_rows(cases: Sequence[dict]) -> list[list[str]]:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from boundless.cluster.routing import InstanceView, NoLiveInstanceError, Router
+from boundless.cluster.dispatcher import AddResult, Dispatcher, Send
+from boundless.cluster.routing import InstanceView, LoadIndex, NoLiveInstanceError, Router
+from boundless.engine.core import RequestDelta
+from boundless.engine.request import ProgramRef
+from boundless.engine.sampling_params import SamplingParams
+from boundless.programs.process_table import ProcessTable
 
 
 def views(*loads: int, dead: tuple[str, ...] = ()) -> list[InstanceView]:
@@ -62,3 +69,49 @@ def test_least_loaded_rotates_among_equals_and_skips_the_dead() -> None:
 def test_round_robin_cycles() -> None:
     router = Router("round-robin")
     assert [router.choose(views(9, 0, 0), "p", 5000) for _ in range(6)] == ["0", "1", "2", "0", "1", "2"]
+
+
+def least_loaded_by_scan(router: Router, views: list[InstanceView], program_id: str, num_tokens: int) -> str:
+    """The locality router's choice by a plain pass over the views, as it was made before the load index."""
+    live = [v for v in views if v.alive]
+    lowest = min(v.load for v in live)
+    ties = [v for v in live if v.load == lowest]
+    least = ties[router._next % len(ties)]
+    home = next((v for v in live if v.instance_id == router.homes.get(program_id)), None)
+    if num_tokens > router.locality_threshold and home is not None and home.load - least.load <= router.max_imbalance:
+        return home.instance_id
+    return least.instance_id
+
+
+def test_the_dispatchers_load_index_gives_the_choices_of_a_pass_over_the_views() -> None:
+    """Loads going up and down, instances lost, calls aborted: every routed call goes where a pass over the views
+    would have sent it (the index is refiled on every change, or a call would go to a stale least loaded)."""
+    rng = random.Random(7)
+    router = Router("locality", locality_threshold=50, max_imbalance=2)
+    d = Dispatcher([str(i) for i in range(9)], router, ProcessTable(ttl_s=60.0), lambda: 0.0)
+    running: list[str] = []
+    routed = 0
+    for n in range(600):
+        op = rng.random()
+        if op < 0.5 or not running:
+            program, tokens = f"p{rng.randrange(12)}", rng.choice([10, 100])
+            views = list(d.views.values())
+            if any(v.alive for v in views):
+                expected = least_loaded_by_scan(router, views, program, tokens)
+                (send,) = d.submit(f"c{n}", [1] * tokens, SamplingParams(max_tokens=4), ProgramRef(program))
+                assert isinstance(send, Send) and send.instance_id == expected
+                routed += 1
+                if not d.add_done(send, AddResult("ok")):
+                    running.append(send.request_id)
+        elif op < 0.85:
+            rid = running.pop(rng.randrange(len(running)))
+            call = d.inflight.get(rid)
+            if call is not None:
+                d.on_delta(call.instance, RequestDelta(rid, [1], "", [], True, "length"))
+        elif op < 0.97:
+            d.abort(running.pop(rng.randrange(len(running))))
+        else:
+            d.instance_lost(str(rng.randrange(9)), "test")
+    fresh = LoadIndex(d.views.values())
+    assert fresh.least_loaded() == d.load_index.least_loaded() and fresh.num_live == d.load_index.num_live
+    assert routed > 250 and sum(not v.alive for v in d.views.values()) >= 1

@@ -84,5 +84,6 @@ def test_simulate_command_runs_a_cluster_on_a_gpu_profile(tmp_path: Path, capsys
     assert result["instances"] == 2 and result["profile"] == "h100" and row["failed_calls"] == 0
     assert set(row["calls_per_instance"]) == {"0", "1"} and min(row["calls_per_instance"].values()) > 0
     assert result["speed"]["simulated_s"] == row["simulated_s"] > 0 and result["speed"]["wall_s"] > 0
+    assert result["speed"]["cpu_s"] > 0 and len(result["speed"]["row_cpu_s"]) == len(result["rows"])
     captured = capsys.readouterr()
     assert "sim s" in captured.err and "simulated s per wall s" in captured.out  # the bar on stderr, speed on stdout

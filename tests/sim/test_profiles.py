@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from boundless.bench.workloads import WorkloadShape, make_programs
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import (
     AttentionSample,
@@ -23,6 +24,7 @@ from boundless.sim.calibrate import (
     FitSpec,
     calibrate,
     calibrate_served,
+    calibration_programs,
     fastest_per_shape,
     fit_profile_model,
     median_per_shape,
@@ -169,6 +171,10 @@ def test_the_same_shape_ratio_by_class_is_the_real_steps_over_the_models() -> No
     ratios = same_shape_ratios(KNOWN, steps)
     assert ratios["decode x3"] == (1, pytest.approx(1.2)) and ratios["prefill >192 tok"] == (1, pytest.approx(0.9))
     assert ratios["all"][0] == 2 and 0.9 < ratios["all"][1] < 1.2
+    assert "after a departure" not in ratios
+    # A step after a departure is also counted on its own, against the model with its departure term.
+    after = AttentionSample((ChunkShape(100, 1),) * 2, 1.1 * KNOWN.predict([ChunkShape(100, 1)] * 2), 5.0, 0, 1)
+    assert same_shape_ratios(KNOWN, [*steps, after])["after a departure"] == (1, pytest.approx(1.1))
 
 
 def test_calibrate_served_fits_the_steps_a_served_engine_ran(tiny_llama: LoadedModel) -> None:
@@ -192,6 +198,41 @@ def test_calibrate_served_fits_the_steps_a_served_engine_ran(tiny_llama: LoadedM
     assert result.model.predict([ChunkShape(0, 64)] * 4) > result.model.predict([ChunkShape(8, 1)])
     held_computed = sum(c.new for s in result.held_out for c in s.shapes)
     assert result.held_out_error is not None and 3 * 2 * 34 + 2 * 12 + 32 <= held_computed <= 3 * 2 * 34 + 2 * 44
+
+
+def test_calibration_programs_are_a_run_per_workload_of_other_seeds_than_validates() -> None:
+    import argparse
+
+    args = argparse.Namespace(
+        workloads="chat,mapreduce", workload_seed=101, num_programs=3, rate=0.25, scale=0.1, tool_wait=0.2
+    )
+    fitted_runs, held_runs = calibration_programs(args)
+    shape = WorkloadShape(scale=0.1, tool_wait_s=0.2)
+    assert fitted_runs == [make_programs(w, 3, 0.25, 101, shape) for w in ("chat", "mapreduce")]
+    assert held_runs == [make_programs(w, 3, 0.25, 102, shape) for w in ("chat", "mapreduce")]
+    validated = {p.program_id for w in ("chat", "mapreduce") for p in make_programs(w, 3, 0.25, 0, shape)}
+    assert validated.isdisjoint(p.program_id for run in fitted_runs + held_runs for p in run)
+    with pytest.raises(SystemExit):
+        calibration_programs(argparse.Namespace(**{**vars(args), "workloads": "chat,nope"}))
+
+
+def test_calibrate_served_fits_served_programs_steps_and_holds_out_others(tiny_llama: LoadedModel) -> None:
+    # calibrate --served --workloads: programs through the same server, their steps fitted with the grid's, and other
+    # programs' steps held out and measured against the fit.
+    config = EngineConfig(model=ModelConfig(), cache=CacheConfig(num_kv_blocks=64))
+    grid = CalibrationGrid((1, 3), (8, 40), output_tokens=3, repeats=1)
+    shape = WorkloadShape(scale=0.05, tool_wait_s=0.05)
+    fitted_runs = [make_programs("mapreduce", 2, 4.0, 101, shape)]
+    held_runs = [make_programs("mapreduce", 2, 4.0, 102, shape)]
+    result = calibrate_served(tiny_llama, config, grid, arrivals=None, programs=(fitted_runs, held_runs))
+    # Every grid request and program call arrived once, and some calls left while others ran on (the grid's cells
+    # leave together): the server's work beside a step.
+    requests = sum(b for b in grid.batch_sizes for _ in grid.prompt_lens) + sum(p.num_calls for p in fitted_runs[0])
+    assert sum(s.arrivals for s in result.samples) == requests and sum(s.departures for s in result.samples) > 0
+    held = result.held_out_programs
+    assert sum(s.arrivals for s in held) == sum(p.num_calls for p in held_runs[0])
+    error = result.held_out_programs_error
+    assert error is not None and error.steps == len(held) and error.ratio > 0 and error.median >= 0
 
 
 @pytest.mark.slow
@@ -226,7 +267,7 @@ def test_a_profile_is_written_with_one_step_per_line_and_reads_back_the_same() -
 def test_a_profiles_samples_refit_to_its_model() -> None:
     samples = _grid_samples(FittedStepCost(KNOWN), repeats=1)
     rows = json.loads(json.dumps(samples_json(samples)))
-    assert rows[0] == [[[s.cached, s.new] for s in samples[0].shapes], samples[0].seconds]
+    assert rows[0][:2] == [[[s.cached, s.new] for s in samples[0].shapes], samples[0].seconds]
     assert samples_from_json(rows) == samples
     assert fit_profile_model(samples_from_json(rows), TWO_THREADS) == fit_profile_model(samples, TWO_THREADS)
 
@@ -321,7 +362,12 @@ def test_validate_prints_a_row_per_case_and_metric_with_the_measured_spread(
     assert engine["measured_steps"] > 0 and engine["predicted_steps"] > 0 and engine["step_time_ratio"] > 0
     assert engine["same_shape_ratio"] > 0  # the real run's own steps, against the profile for their shapes
     runs = result["cases"][0]["real_steps"]  # every step each run took, kept to check a profile offline
-    assert len(runs) == 2 and all(len(r) > 0 and all(len(step) == 3 for step in r) for r in runs)  # with end times
+    assert len(runs) == 2 and all(len(r) > 0 and all(step[2] > 0 for step in r) for r in runs)  # with end times
+    # and the requests that entered and left the engine before each step: every call arrives once and leaves once
+    calls = sum(p.num_calls for p in make_programs("mapreduce", 2, 2.0, 0, WorkloadShape(scale=0.1, tool_wait_s=0.2)))
+    for r in runs:
+        assert sum(step[3] for step in r if len(step) == 5) == calls
+        assert 0 < sum(step[4] for step in r if len(step) == 5) < calls  # the last call leaves after the last step
     rows = result["rows"]
     assert len(rows) == 3 and all(len(r["measured_runs"]) == 2 and r["predicted"] > 0 for r in rows)
     for r in rows:

@@ -105,3 +105,53 @@ def test_the_simulator_slows_a_step_by_the_instances_stepping_beside_it() -> Non
     assert busy_alone * 1.03 < busy_contended < busy_alone * 1.4
     assert _busy(KNOWN, 2) == (busy_contended, latencies)  # deterministic
     assert _busy(KNOWN, 1) == _busy(alone, 1)  # one instance has no one beside it
+
+
+# A served engine's step: KNOWN's shape terms, and the server's work on the requests that arrived and left beside it.
+SERVED = dataclasses.replace(KNOWN, per_contention_s=0.0, per_departure_s=0.004)
+
+
+def _simulated_steps(model: StepTimeModel, workload: str = "mapreduce", seed: int = 0) -> tuple[list, float]:
+    """The steps a simulated engine (the real scheduler and engine core) recorded over a workload, and its busy
+    seconds."""
+    config = EngineConfig(cache=CacheConfig(num_kv_blocks=400))
+    programs = make_programs(workload, 8, 1.0, seed, WorkloadShape(scale=0.1, tool_wait_s=0.2))
+    sim = Simulator(config, SimulatedModel.read(ModelConfig()), FittedStepCost(model), instances=1)
+    sim.run(programs)
+    core = next(iter(sim.instances.values())).core
+    return list(core.step_times.samples), core.counters.busy_seconds
+
+
+def test_the_fit_recovers_the_servers_departures_from_a_workloads_steps() -> None:
+    # The simulated engine records each step with the requests that entered and left before it, as the real one
+    # does (EngineCore.finish_step): over a workload, calls leave while others stay.
+    steps, _ = _simulated_steps(SERVED)
+    assert sum(s.departures for s in steps) > 10
+    # Every call arrives once, counted at the step that admits it (its prefill's: per_prefill_s is its term).
+    calls = sum(p.num_calls for p in make_programs("mapreduce", 8, 1.0, 0, WorkloadShape(scale=0.1, tool_wait_s=0.2)))
+    assert sum(s.arrivals for s in steps) == calls
+    assert all(any(c.new > 1 for c in s.shapes) for s in steps if s.arrivals)
+    for robust in (False, True):
+        fitted = fit_step_model(steps, threads=1, robust=robust, outlier_factor=1.5)
+        for term in TERMS:
+            assert getattr(fitted, term) == pytest.approx(getattr(SERVED, term), rel=1e-3, abs=1e-12), term
+    # Without the term the shape terms cannot take the server's work: some steps are missed by over 10%.
+    blind = fit_step_model(steps, threads=1, terms=[t for t in TERMS if t != "per_departure_s"])
+    assert max(abs(blind.predict_sample(s) / s.seconds - 1) for s in steps) > 0.1
+
+
+def test_the_simulator_charges_each_step_its_departures() -> None:
+    shapes_only = dataclasses.replace(SERVED, per_departure_s=0.0)
+    steps, busy = _simulated_steps(SERVED)
+    # Every simulated step took the model's time for its shapes and the requests that left at the step before.
+    assert all(s.seconds == pytest.approx(SERVED.predict_sample(s)) for s in steps)
+    assert sum(s.departures for s in steps) * SERVED.per_departure_s > 0.05
+    _, busy_shapes_only = _simulated_steps(shapes_only)
+    assert busy > busy_shapes_only  # the server's work costs the engine time
+    assert _simulated_steps(SERVED) == (steps, busy)  # deterministic
+
+
+def test_steps_keep_their_arrivals_and_departures_through_json() -> None:
+    steps = [AttentionSample((ChunkShape(30, 1), ChunkShape(0, 40)), 0.05, 12.5, 1, 2)]
+    rows = json.loads(json.dumps(samples_json(steps)))
+    assert rows == [[[[30, 1], [0, 40]], 0.05, 12.5, 1, 2]] and samples_from_json(rows) == steps
