@@ -197,7 +197,7 @@ def fits(engine: EngineLoad, num_tokens: int) -> bool:
     request's KV while it decodes; a PE holds the prompts of every request placed on it until each one's handoff:
     the prefix a waiting request counts on (in memory when it arrived) stays there only while the requests placed
     on the PE fit its memory together, and one evicted before its admission is computed again (the PE-side room
-    rule; the paper's PEs pull work only as their memory frees)."""
+    rule)."""
     return engine.kv_free_tokens is None or engine.kv_free_tokens >= num_tokens
 
 
