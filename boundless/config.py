@@ -102,8 +102,10 @@ class CacheConfig:
         metadata={
             "help": "on: a load from a store behind an emulated storage link (--storage-gbps) is usable layer by "
             "layer as the link carries it, and its request's prefill runs meanwhile, each layer waiting for its "
-            "own KV only (a lone request's first token sooner; a batch waits at the layers with it); off: the request "
-            "waits until every byte of its load has arrived, the rest of the batch running meanwhile"
+            "own KV only (a lone request's first token sooner; a batch waits at the layers with it); under "
+            "--kv-path dualpath a prefill engine likewise prefills as a decode engine's push lands (set it alike on "
+            "every engine); off: the request waits until every byte of its load has arrived, the rest of the batch "
+            "running meanwhile"
         },
     )
     kv_write_policy: str = field(

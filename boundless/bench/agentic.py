@@ -94,6 +94,10 @@ class Serving:
     reloaded_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # stored blocks read twice, per instance
     # Requests that lost their device KV to make room (swapped out, or dropped to compute again), per instance.
     preemptions: dict[str, int] = dataclasses.field(default_factory=dict)
+    # DE-read pushes the PEs prefilled from as they landed (--layerwise-load on), and the layers their forward passes
+    # reached before the push had brought them.
+    landing_pushes: int = 0
+    landing_waits: int = 0
 
 
 def memory_config(
@@ -185,6 +189,9 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None) -> Iterator[Ser
                 stats = pd.stats()
                 run.computed = {iid: s.computed_tokens for iid, s in stats.items()}
                 run.preemptions = {iid: s.num_preemptions for iid, s in stats.items()}
+                remote = [s.remote_io for s in stats.values() if s.remote_io is not None]
+                run.landing_pushes = sum(r.counted_recvs for r in remote)
+                run.landing_waits = sum(r.recv_layer_waits for r in remote)
                 run.load_timeouts = sum(s.kv_tiers[DISK].load_timeouts for s in stats.values() if DISK in s.kv_tiers)
                 run.read_paths = dict(pd.dispatcher.placements)
                 run.prefetches = dict(pd.dispatcher.prefetches)
@@ -221,6 +228,8 @@ def run_once(
     row["recomputed_blocks"] = run.recomputed_blocks
     row["reloaded_blocks"] = run.reloaded_blocks
     row["preemptions"] = run.preemptions
+    row["landing_pushes"] = run.landing_pushes
+    row["landing_waits"] = run.landing_waits
     return row, turns
 
 

@@ -18,6 +18,12 @@ engine over a disk store behind an emulated storage link at ``--storage-gbps``; 
 of ``--prompt-tokens`` (written to the store by a first run, then dropped from memory) and ``--append-tokens``
 of new input; its time to first token with the load taken ``whole`` before the prefill, or ``layerwise``
 (the prefill runs while the load crosses the link, each layer waiting for its own KV), on the same engine.
+
+``--receive --push`` measures DE-read: a DE loads the context behind its storage link and pushes it to a PE over
+``--net-gbps``, in three modes on the same engines: ``whole`` (the push starts once the load has landed),
+``layerwise`` (each layer goes out as it crosses the DE's storage link; the PE still waits for the whole push),
+and ``layerwise+pe`` (``--layerwise-load on``: the push's count comes first, and the PE runs the prefill as the
+push's layers land, each layer of its forward pass waiting for that layer).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -56,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--push",
         action="store_true",
         help="--receive on the DE-read path: a decode engine loads the context and pushes it to a prefill engine "
-        "over --net-gbps, whole once loaded or layer by layer as it loads",
+        "over --net-gbps, whole once loaded, layer by layer as it loads, or layer by layer with the prefill engine "
+        "prefilling as the layers land (layerwise+pe)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
 
@@ -215,39 +223,60 @@ def measure_receive(
 
 def _pushed_first_token_s(
     pe: EngineCore, de: EngineCore, pe_net: ShmTransport, de_net: ShmTransport, rid: str, prompt: list[int]
-) -> tuple[float, float, int]:
+) -> tuple[float, float, float, int]:
     """A DE-read call by hand (the dispatcher's moves): the DE loads the stored context and pushes it to the PE,
-    which prefills. Seconds from the call to the push having landed on the PE and to the PE's first token, and
-    the blocks pushed."""
+    which prefills. Seconds from the call to the push having landed on the PE, to the PE's first step of the
+    request (its admission) and to its first token, and the blocks pushed."""
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     tag = hash(rid) & 0xFFFFFF
+    remote = pe.executor.remote  # type: ignore[attr-defined]
+    received = remote.stats.streams_received
     start = time.perf_counter()
+    landed: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:  # the push lands in the PE's receiver thread, maybe while the PE's forward pass runs
+        while not done.is_set() and remote.stats.streams_received == received:
+            time.sleep(0.001)
+        landed.append(time.perf_counter() - start)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     answer = de.prepare_intake(rid, prompt, params, IntakePlan(pe_net.address, recv_tag=tag, push_tag=tag + 1))
     plan = HandoffPlan(de_net.address, tag, answer.send_from_block, tag + 1, answer.push_blocks, answer.push_from)
     pe.add_request(rid, prompt, params, handoff=plan)
-    landed = None
+    admitted = None
     while pe.has_unfinished():
-        pe.step()
+        sched = pe.schedule()
+        if not sched.is_empty:
+            if admitted is None and any(c.request_id == rid for c in sched.chunks):
+                admitted = time.perf_counter() - start
+            pe.finish_step(sched, pe.execute(sched))
         de.step()
-        if landed is None and not pe.kv.is_receiving(rid):
-            landed = time.perf_counter() - start
     ttft = time.perf_counter() - start
     de.abort(rid)
     while pe.kv.num_remote_in_flight or de.kv.num_remote_in_flight:
         pe.step()
         de.step()
-    assert landed is not None
-    return landed, ttft, answer.push_blocks
+    done.set()
+    watcher.join()
+    assert admitted is not None
+    return landed[0], admitted, ttft, answer.push_blocks
+
+
+# DE-read push modes (module doc): the DE's push whole or layerwise; with ``layerwise+pe`` the PE prefills as it lands.
+PUSH_MODES = ("whole", "layerwise", "layerwise+pe")
 
 
 def measure_push(
     loaded: LoadedModel, lengths: list[int], append: int, storage_gbps: float, net_gbps: float, repeats: int
 ) -> list[dict[str, Any]]:
     """DE-read: the DE's load pushed to the PE whole once loaded, or each layer as it crosses the DE's storage link
-    (then its network link carries the push at the same time)."""
+    (then its network link carries the push at the same time), the PE waiting for the whole push or (``layerwise+pe``)
+    prefilling as its layers land (module doc)."""
     generator = torch.Generator().manual_seed(0)
     vocab = loaded.arch.vocab_size
-    runs: dict[tuple[str, int], list[tuple[float, float, int]]] = {}
+    runs: dict[tuple[str, int], list[tuple[float, float, float, float, int]]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="boundless-push-") as store,
         tempfile.TemporaryDirectory(prefix="boundless-push-", dir="/dev/shm") as directory,
@@ -263,7 +292,7 @@ def measure_push(
         assert isinstance(executor, ModelExecutor)
         for length in lengths:
             for r in range(repeats):
-                for mode in ("whole", "layerwise"):
+                for mode in PUSH_MODES:
                     context = torch.randint(3, vocab, (length,), generator=generator).tolist()
                     new = torch.randint(3, vocab, (append,), generator=generator).tolist()
                     _first_token_s(de, f"write-{mode}-{length}-{r}", context)
@@ -271,23 +300,27 @@ def measure_push(
                         de.step()
                     executor.kv_io.flush()
                     de.reset_prefix_cache()
-                    executor.kv_io.layerwise = mode == "layerwise"
-                    landed, ttft, pushed = _pushed_first_token_s(
+                    executor.kv_io.layerwise = mode != "whole"
+                    pe.kv.layerwise_receive = de.kv.layerwise_receive = mode == "layerwise+pe"
+                    waited = pe.executor.remote.stats.recv_layer_wait_s  # type: ignore[attr-defined]
+                    landed, admitted, ttft, pushed = _pushed_first_token_s(
                         pe, de, pe_net, de_net, f"{mode}-{length}-{r}", context + new
                     )
+                    waited = pe.executor.remote.stats.recv_layer_wait_s - waited  # type: ignore[attr-defined]
                     if pushed != length // 16:
                         raise RuntimeError(f"pushed {pushed} of {length // 16} stored blocks")
-                    runs.setdefault((mode, length), []).append((landed, ttft, pushed))
+                    runs.setdefault((mode, length), []).append((landed, admitted, waited, ttft, pushed))
         pe_net.close()
         de_net.close()
     rows = []
-    for (mode, length), xs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "whole")):
-        kv_bytes = xs[0][2] * pe.layout.bytes_per_block
+    for (mode, length), xs in sorted(runs.items(), key=lambda kv: (kv[0][1], PUSH_MODES.index(kv[0][0]))):
+        kv_bytes = xs[0][4] * pe.layout.bytes_per_block
+        landed, admitted, waited, ttft = (statistics.median(x[i] for x in xs) for i in range(4))
         rows.append(
             {"mode": mode, "context_tokens": length, "append_tokens": append, "kv_mb": round(kv_bytes / 1e6, 1),
              "storage_s": kv_bytes / gbps_to_bytes_per_s(storage_gbps),
              "net_s": kv_bytes / gbps_to_bytes_per_s(net_gbps),
-             "landed_s": statistics.median(x[0] for x in xs), "ttft_s": statistics.median(x[1] for x in xs)}
+             "landed_s": landed, "admitted_s": admitted, "layer_wait_s": waited, "ttft_s": ttft}
         )  # fmt: skip
     return rows
 
@@ -300,10 +333,12 @@ def run_push(args: argparse.Namespace, loaded: LoadedModel, lengths: list[int]) 
         f"{args.append_tokens} new tokens, median of {args.repeats}"
     )
     print_table(
-        ["push", "context", "KV MB", "storage s", "net s", "push landed s", "TTFT s", "vs whole"],
+        ["push", "context", "KV MB", "storage s", "net s", "push landed s", "admitted s", "layer waits s", "TTFT s",
+         "vs whole"],
         [
             [r["mode"], r["context_tokens"], r["kv_mb"], f"{r['storage_s']:.3f}", f"{r['net_s']:.3f}",
-             f"{r['landed_s']:.3f}", f"{r['ttft_s']:.3f}", f"{r['ttft_s'] / whole[r['context_tokens']]:.2f}x"]
+             f"{r['landed_s']:.3f}", f"{r['admitted_s']:.3f}", f"{r['layer_wait_s']:.3f}", f"{r['ttft_s']:.3f}",
+             f"{r['ttft_s'] / whole[r['context_tokens']]:.2f}x"]
             for r in rows
         ],
     )  # fmt: skip

@@ -17,12 +17,14 @@ A call goes through four phases, each a decision the transport carries out and a
 4. **decoding**: :class:`Continue` gives the DE the first token; its deltas go to the client to the end.
 
 Failures: a PE lost before its handoff puts the call back at the head of the queue (nothing reached the
-client; the DE's half is aborted). A DE lost before the handoff leaves the PE's stream to fail on its own;
-at the handoff the call goes to another DE as a resumed request (prompt plus the first token, which
-recomputes or reads the store: the engines' ordinary failover). A DE lost while decoding is the same
-failover. So no token is lost or repeated, and greedy outputs equal one engine's. Every stream has a
-timeout on both sides, and a DE drops a prepared call whose first token never comes, so no failure leaves
-blocks held.
+client; the DE's half is aborted), and so does a PE whose prefill failed because the DE-read push it was
+reading as it landed failed (its DE gone mid-push, a timeout: finish reason ``error``, stop reason
+``KV_STREAM_LOST``), up to ``MAX_STREAM_LOSSES`` times a call. A DE lost before the handoff leaves the
+PE's stream to fail on its own; at the handoff the call goes to another DE as a resumed request (prompt
+plus the first token, which recomputes or reads the store: the engines' ordinary failover). A DE lost
+while decoding is the same failover. So no token is lost or repeated, and greedy outputs equal one
+engine's. Every stream has a timeout on both sides, and a DE drops a prepared call whose first token never
+comes, so no failure leaves blocks held.
 
 The read path needs each call's stored tokens. The dispatcher does not see the store; it estimates them
 from what it served: a program's next call usually extends its last one (prompt and output), whose full
@@ -62,7 +64,7 @@ from boundless.cluster.pd_scheduler import (
     schedule,
 )
 from boundless.cluster.routing import Router
-from boundless.engine.core import RequestDelta, Resume
+from boundless.engine.core import KV_STREAM_LOST, RequestDelta, Resume
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.process_table import ProcessTable
@@ -79,6 +81,9 @@ PROGRAM_ORDER_LEAD_S = 60.0
 # land; at 0.25 of the benchmark's host memory (room for 4 of the longest contexts) that is ~2 first contexts ahead
 # per engine, ~2 s of reading on two 25 MB/s links: enough to keep a link busy between placements.
 PREFETCH_HOST_SHARE = 0.25
+# How many times a call is placed again after its prefill failed with the push it was reading (KV_STREAM_LOST); past
+# that the error goes to the client (a stream that fails every time is not a lost engine).
+MAX_STREAM_LOSSES = 3
 
 Phase = Literal["queued", "preparing", "prefilling", "continuing", "decoding"]
 
@@ -167,6 +172,7 @@ class PDCall(InflightCall):
     order: tuple[float, int] = (0.0, 0)  # its place in the queue: smaller goes first
     prefetch_engine: str = ""  # where its stored KV is read ahead while it waits (see Prefetch)
     prefetch_tokens: int = 0  # what that read counts against the engine's prefetch room
+    stream_losses: int = 0  # prefills failed with the push they were reading (placed again each time)
 
     @property
     def num_tokens(self) -> int:
@@ -304,6 +310,8 @@ class PDDispatcher(Dispatcher):
             return shown, [Continue(call.decode_engine, call.request_id, resume), *self._place()]
         if not delta.finished:
             return delta, []
+        if _lost_its_push(call, delta) and call.stream_losses < MAX_STREAM_LOSSES:
+            return None, self._place_again(call)
         del self.calls[delta.request_id]
         decisions: list[PDDecision] = []
         if call.phase == "prefilling" and self.views[call.decode_engine].alive:
@@ -346,6 +354,18 @@ class PDDispatcher(Dispatcher):
             self.num_failovers += 1
             self._reset(call)
             self.queue.insert(0, call)
+        return decisions + self._place()
+
+    def _place_again(self, call: PDCall) -> list[PDDecision]:
+        """A call whose prefill failed with its DE-read push (nothing reached the client) goes back to the head of
+        the queue, its DE's half dropped; placed afresh, it reads or computes its KV again."""
+        call.stream_losses += 1
+        self.num_failovers += 1
+        decisions: list[PDDecision] = []
+        if call.prepared and self.views[call.decode_engine].alive:
+            decisions.append(AbortOn(call.decode_engine, call.request_id))
+        self._reset(call)
+        self.queue.insert(0, call)
         return decisions + self._place()
 
     def abort(self, request_id: str) -> list[PDDecision]:  # type: ignore[override]
@@ -570,6 +590,16 @@ def _free_kv(instance: PDInstance, calls: int, taken: int, longest_queued: int) 
     if calls == 0:
         return max(instance.kv_capacity_tokens, longest_queued)
     return max(0, instance.kv_capacity_tokens - taken)
+
+
+def _lost_its_push(call: PDCall, delta: RequestDelta) -> bool:
+    """Whether the PE failed the call's prefill because the push it was reading failed, before any token."""
+    return (
+        call.phase == "prefilling"
+        and delta.finish_reason == "error"
+        and delta.stop_reason == KV_STREAM_LOST
+        and not call.output_token_ids
+    )
 
 
 def _answers_current(call: PDCall, send: Send) -> bool:

@@ -211,11 +211,9 @@ class EngineLoop:
                     if self.hooks is not None and self.hooks.step_failed(e, sched):
                         continue
                 log.error("engine step failed:\n%s", traceback.format_exc())
-                # Its chunks, and requests its transfers were moving (swapped out to blocks the failed
-                # copy never filled, say), are left without their KV.
                 with self.lock:
-                    lost = core.scheduler.step_failed(sched)
-                self._fail(lost)
+                    for delta in core.fail_step(sched, e):
+                        self._emit(delta)
                 continue
             with self.lock:
                 for delta in core.finish_step(sched, result):
@@ -226,16 +224,6 @@ class EngineLoop:
         if delta.finished:
             for fn in self._listeners:
                 fn(delta)
-
-    def _fail(self, request_ids: list[str]) -> None:
-        with self.lock:
-            for rid in request_ids:
-                if self.core.abort(rid):
-                    self._emit(
-                        RequestDelta(
-                            rid, [], "", [], finished=True, finish_reason="error", stop_reason="engine step failed"
-                        )
-                    )
 
 
 class RequestStream:

@@ -28,6 +28,7 @@ from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
 from boundless.kv.disk_moves import DiskIOStats
+from boundless.kv.layer_gate import LayerLost
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.remote_io import DEFAULT_TIMEOUT_S, RemoteIO
 from boundless.kv.remote_moves import RemoteIOStats
@@ -49,6 +50,9 @@ REFIT_EVERY_STEPS = 32
 # is gone. Calls wait at the dispatcher for room elsewhere, for as long as the calls ahead of them run: well above
 # a run of agent turns, and the holds are bounded in size by the dispatcher meanwhile.
 PREFETCH_HOLD_S = 120.0
+# The stop reason of a request failed because a stream its step was reading failed (a DE-read push whose decode
+# engine went away mid-push): nothing of it reached the client, so a PD dispatcher places the call again.
+KV_STREAM_LOST = "kv stream lost"
 
 
 @dataclass
@@ -179,6 +183,9 @@ class EngineCore:
             ranking=ranking,
             load_timeout_s=config.cache.kv_load_timeout_s,
         )
+        # Under DE-read the decode engine's push comes counted first and the request runs as its layers land (set
+        # alike on every engine of a cluster: both ends of a push must agree on its messages).
+        self.kv.layerwise_receive = config.cache.layerwise_load == "on"
         self.scheduler = Scheduler(
             self.kv,
             self.policy,
@@ -264,7 +271,13 @@ class EngineCore:
                 if held < handoff.recv_from:
                     self._count_stored_prefix(request_id, prompt[: handoff.recv_from * self.kv.block_size + 1])
             self.kv.expect_blocks(
-                request_id, prompt, handoff.recv_from, handoff.recv_blocks, handoff.peer, handoff.recv_tag
+                request_id,
+                prompt,
+                handoff.recv_from,
+                handoff.recv_blocks,
+                handoff.peer,
+                handoff.recv_tag,
+                count_first=self.kv.layerwise_receive,  # the push is used as it lands (its count comes first)
             )
             if self.kv.has_disk:  # the DE saw the push's blocks in the shared store: should some not come, load them
                 end = handoff.recv_from + handoff.recv_blocks
@@ -575,6 +588,20 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def fail_step(self, sched: SchedulerOutput, error: BaseException) -> list[RequestDelta]:
+        """A step that raised: the requests it leaves without their KV (its chunks, and requests its transfers were
+        moving: swapped out to blocks the failed copy never filled, say) are aborted, and their final deltas say
+        why: ``KV_STREAM_LOST`` when a stream the step's forward pass was reading failed (a dispatcher places
+        such a call again), else ``engine step failed``."""
+        reason = KV_STREAM_LOST if isinstance(error, LayerLost) else "engine step failed"
+        deltas = []
+        for request_id in self.scheduler.step_failed(sched):
+            if self.abort(request_id):
+                deltas.append(
+                    RequestDelta(request_id, [], "", [], finished=True, finish_reason="error", stop_reason=reason)
+                )
+        return deltas
 
     def _refit_prefill_time(self) -> None:
         """Attention-time prefill batching: refit the step-time model on the latest steps; the scheduler bounds

@@ -13,18 +13,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from boundless.engine.multi_step import window_iteration
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.kv.block_hash import BlockHash
 from boundless.kv.disk_moves import TierReport
-from boundless.kv.layer_gate import LayerWaits
+from boundless.kv.layer_gate import LayerGate, LayerWaits
 from boundless.kv.remote_io import RemoteIO
 from boundless.kv.remote_moves import RemoteReport
 from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS, TierIO
 from boundless.kv.tiers import BlockStore, KVTier
-from boundless.kv.transfer import DEVICE, HOST, TierId
+from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, TierId
 
 # A step with nothing to run but disk reads in flight waits this long at most for one to finish, so that an
 # engine waiting only for the disk does not spin.
@@ -112,11 +114,15 @@ class ModelExecutor:
         later: list[dict[str, SampledToken]] = []
         pass_seconds: list[float] = []
         waits = None
+        landing = None
         try:
-            self.kv_io.apply(sched.disk_reads, sched.disk_writes, sched.transfers, sched.disk_ages)
+            transfers, landing = self._split_landing(sched.transfers)
+            self.kv_io.apply(sched.disk_reads, sched.disk_writes, transfers, sched.disk_ages)
             waits = self._layer_waits(sched)
-            before_layer = waits.before_layer if waits is not None else None
+            before_layer = _chain(waits.before_layer if waits is not None else None, landing)
             sampled = self.runner.sample(self.runner.forward(sched, on_layer, before_layer)) if sched.chunks else {}
+            if landing is not None:
+                landing.finish()  # every layer copied (a step without a forward pass copies them here)
             if sched.window > 1:  # multi-step decoding: the same batch's next passes, each on the last one's tokens
                 pass_seconds.append(self.timer() - start)
                 last = {rid: t.token_id for rid, t in sampled.items()}
@@ -144,6 +150,24 @@ class ModelExecutor:
         )
         return StepResult(sampled, elapsed, tier_report, remote_report, tuple(later), tuple(pass_seconds))
 
+    def _split_landing(
+        self, transfers: Sequence[BlockTransfer]
+    ) -> tuple[Sequence[BlockTransfer], LandingCopies | None]:
+        """The step's transfers to copy now, and those whose host blocks a counted-first receive is still landing
+        (a DE-read push under ``--layerwise-load on``): copied layer by layer as the forward pass reaches each."""
+        if self.remote is None or not transfers:
+            return transfers, None
+        gates = self.remote.recv_gates([t.src.block_id for t in transfers if t.src.tier == HOST])
+        if not gates:
+            return transfers, None
+        landing = [t for t in transfers if t.src.tier == HOST and t.src.block_id in gates]
+        now = [t for t in transfers if not (t.src.tier == HOST and t.src.block_id in gates)]
+        return now, LandingCopies(landing, gates, self.tiers, self.num_layers, self.remote.count_layer_waits)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.runner.kv_cache.data.shape[0])
+
     def _layer_waits(self, sched: SchedulerOutput) -> LayerWaits | None:
         """The waits of the step's forward pass on layerwise loads still arriving: those of the host blocks its
         transfers copy in (the step that copies a loaded block waits through every layer, so later steps, which
@@ -155,3 +179,79 @@ class ModelExecutor:
 
     def close(self) -> None:
         self.kv_io.close()
+
+
+class LandingCopies:
+    """A step's copies of blocks still landing from a peer, layer by layer: before layer ``i`` of the forward pass,
+    wait for layer ``i`` of each block (raising ``LayerLost`` when its stream has failed) and copy that layer.
+
+    The copies run in the order the manager decided them, after the step's other transfers (they copy host blocks a
+    stream owns into device blocks the step's requests were just given; nothing else of the step reads or writes
+    those). ``count_waits(waits, seconds)`` is told of each wait as it starts (1, 0) and as it ends (0, seconds)."""
+
+    def __init__(
+        self,
+        transfers: Sequence[BlockTransfer],
+        gates: dict[int, LayerGate],
+        tiers: Mapping[TierId, KVTier],
+        num_layers: int,
+        count_waits: Callable[[int, float], None],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.gates = list({id(g): g for g in gates.values()}.values())
+        self.num_layers = num_layers
+        self.count_waits = count_waits
+        self.clock = clock
+        by_pair: dict[tuple[TierId, TierId], tuple[list[int], list[int]]] = {}
+        for t in transfers:
+            src, dst = by_pair.setdefault((t.src.tier, t.dst.tier), ([], []))
+            src.append(t.src.block_id)
+            dst.append(t.dst.block_id)
+        self._copies = []
+        for (src_tier, dst_tier), (src_ids, dst_ids) in by_pair.items():
+            src_data = tiers[src_tier].data  # type: ignore[attr-defined]
+            dst_data = tiers[dst_tier].data  # type: ignore[attr-defined]
+            self._copies.append(
+                (
+                    src_data,
+                    torch.tensor(src_ids, dtype=torch.long, device=src_data.device),
+                    dst_data,
+                    torch.tensor(dst_ids, dtype=torch.long, device=dst_data.device),
+                )
+            )
+        self.copied = 0  # layers copied so far
+
+    def before_layer(self, layer: int) -> None:
+        while self.copied <= layer:
+            self._copy(self.copied)
+
+    def finish(self) -> None:
+        self.before_layer(self.num_layers - 1)
+
+    def _copy(self, layer: int) -> None:
+        for gate in self.gates:
+            if gate.opened <= layer:  # the forward pass is ahead of the stream: it waits for the layer
+                start = self.clock()
+                self.count_waits(1, 0.0)
+                try:
+                    gate.wait_or_raise(layer)
+                finally:
+                    self.count_waits(0, self.clock() - start)
+        for src_data, src_ids, dst_data, dst_ids in self._copies:
+            rows = src_data[layer].index_select(2, src_ids)
+            dst_data[layer].index_copy_(2, dst_ids, rows.to(device=dst_data.device, dtype=dst_data.dtype))
+        self.copied = layer + 1
+
+
+def _chain(waits: Callable[[int], None] | None, landing: LandingCopies | None) -> Callable[[int], None] | None:
+    """The forward pass's hook before each layer: the layerwise loads' waits, then the landing copies."""
+    if landing is None:
+        return waits
+    if waits is None:
+        return landing.before_layer
+
+    def before_layer(layer: int) -> None:
+        waits(layer)
+        landing.before_layer(layer)
+
+    return before_layer

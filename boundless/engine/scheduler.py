@@ -358,7 +358,7 @@ class Scheduler:
         end = push.first + push.num_blocks
         refs = tuple(self.kv.memory_prefix(request.request_id, request.all_token_ids, end, first=push.first))
         send_id = self.kv.hold_for_send(refs)
-        return RemoteSend(send_id, push.peer, push.tag, refs, push.num_blocks)
+        return RemoteSend(send_id, push.peer, push.tag, refs, push.num_blocks, count_first=self.kv.layerwise_receive)
 
     def _admit(
         self,
@@ -507,13 +507,17 @@ class Scheduler:
     def step_failed(self, output: SchedulerOutput) -> list[str]:
         """The requests a step that raised leaves without their KV, to be failed: those in its chunks and
         those holding a block one of its transfers was to write. The blocks it was to write (on the device
-        or below) lose their prefix-cache names, so no later request reads KV that was never written. Its
+        or below), and the host blocks it read that a stream was still landing in, lose their prefix-cache
+        names, so no later request reads KV that was never written. Its
         disk reads were started whatever happened (their requests wait for them as usual)."""
         self.in_flight = {}
         bs = self.kv.block_size
         written = [t.dst for t in output.transfers]
         for chunk in output.chunks:
             written += [BlockRef(DEVICE, b) for b in chunk.block_ids[chunk.start_pos // bs - chunk.first_block :]]
+        # Host blocks a stream was still landing in when the step read them (a DE-read push used as it lands): the
+        # step may have failed because their stream did, so no later request may find them.
+        written += self.kv.landing(t.src for t in output.transfers)
         self.kv.forget(written)
         self.kv.writes_lost(output.disk_writes)
         chunk_ids = [c.request_id for c in output.chunks]
@@ -530,7 +534,7 @@ class Scheduler:
     def apply_remote_report(self, report: RemoteReport) -> None:
         """Record the block streams the executor finished: their blocks are released or named, and requests
         whose blocks have come (or failed to) may be admitted at the next step."""
-        self.kv.finish_remote(report.recvs, report.sends)
+        self.kv.finish_remote(report.recvs, report.sends, report.counts)
 
     def advance(self, output: SchedulerOutput, service_s: float) -> None:
         """Record that the step ran: each scheduled request computed its chunk.

@@ -25,7 +25,7 @@ from boundless.kv.block_hash import BlockHash, extend_block_hashes
 from boundless.kv.block_pool import BlockPool, KVBlock
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone
 from boundless.kv.eviction import FINISHED, ProgramKeys, ProgramRanking, order_factory
-from boundless.kv.remote_moves import RemoteRecv, RemoteRecvDone, RemoteSendDone
+from boundless.kv.remote_moves import RemoteRecv, RemoteRecvCount, RemoteRecvDone, RemoteSendDone
 from boundless.kv.transfer import DEVICE, DISK, HOST, PEER, BlockRef, BlockTransfer, TierId
 
 WRITE_POLICIES = ("through", "back", "off")
@@ -138,6 +138,10 @@ class _Intake:
     blocks: list[KVBlock]
     keys: tuple[BlockHash, ...]
     tokens: tuple[tuple[int, ...], ...]
+    # A counted-first stream (a DE-read push under --layerwise-load on) whose count came whole: the blocks named then,
+    # each held for the request too; its request runs while the layers land (copied as the forward pass reaches
+    # each). The stream still owns every block until it is reported; a failed one takes these names back.
+    named_early: list[KVBlock] | None = None
 
 
 @dataclass(frozen=True)
@@ -240,6 +244,8 @@ class KVCacheManager:
         # with host memory full of loads), the request would read it again (plan_disk_read).
         self._held_while_loading: dict[str, list[tuple[TierId, KVBlock]]] = {}
         self._next_remote_id = 0
+        # DE-read pushes go counted first and are used as they land (``--layerwise-load on``; both sides alike).
+        self.layerwise_receive = False
         # Reads ahead for calls that have not arrived (a dispatcher's prefetch), in the order asked: each one's tokens
         # (as far as the store holds them). Its lookup is the call's own (same request id), so what it loaded is held
         # for the call like its own loads (``_prefetched``) until its admission, and a read still in flight when it
@@ -1185,7 +1191,14 @@ class KVCacheManager:
             self.pools[tier].free([block])
 
     def expect_blocks(
-        self, request_id: str, token_ids: Sequence[int], first: int, count: int, peer: str, tag: int
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        first: int,
+        count: int,
+        peer: str,
+        tag: int,
+        count_first: bool = False,
     ) -> RemoteRecv | None:
         """Reserve host blocks for ``count`` blocks of the request (from block ``first`` on) that ``peer`` will send
         on ``tag``; the receive is posted at the next step. Disk reads for the request stop before ``first`` while
@@ -1196,7 +1209,7 @@ class KVCacheManager:
         bs = self.block_size
         keys = tuple(self.block_hashes(request_id, token_ids[: (first + count) * bs])[first : first + count])
         tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(first, first + count))
-        recv = RemoteRecv(self._next_remote_id, peer, tag, tuple(b.block_id for b in blocks), count)
+        recv = RemoteRecv(self._next_remote_id, peer, tag, tuple(b.block_id for b in blocks), count, count_first)
         self._next_remote_id += 1
         self._intakes[recv.recv_id] = _Intake(request_id, first, blocks, keys, tokens)
         self._recvs.append(recv)
@@ -1209,8 +1222,37 @@ class KVCacheManager:
         return host is not None and host.enable_caching and host.num_free >= count
 
     def is_receiving(self, request_id: str) -> bool:
-        """Whether blocks of the request are on their way from a peer (it is not admitted meanwhile)."""
-        return bool(self._intakes) and any(i.request_id == request_id for i in self._intakes.values())
+        """Whether blocks of the request are on their way from a peer (it is not admitted meanwhile; a stream whose
+        blocks were named at its count lets it run, its layers copied as they land)."""
+        return bool(self._intakes) and any(
+            i.request_id == request_id and i.named_early is None for i in self._intakes.values()
+        )
+
+    def landing(self, refs: Iterable[BlockRef]) -> list[BlockRef]:
+        """Those of these host blocks that a stream named at its count is still landing in."""
+        ids = {b.block_id for i in self._intakes.values() if i.named_early for b in i.named_early}
+        return [r for r in refs if r.tier == HOST and r.block_id in ids] if ids else []
+
+    def _name_at_count(self, count: RemoteRecvCount) -> None:
+        """A counted-first stream's count came: when every block it promised is coming, name them now (held for the
+        request too), so that the request runs while their layers land. Otherwise they are named when it ends."""
+        intake = self._intakes.get(count.recv_id)
+        host = self.pools.get(HOST)
+        if intake is None or host is None or intake.request_id is None:
+            return
+        if count.num_valid != len(intake.keys) or len(intake.blocks) != len(intake.keys):
+            return  # a gap (a block the peer could not get): the request waits for the stream, then reads or computes
+        named = []
+        for block, key, tokens in zip(intake.blocks, intake.keys, intake.tokens, strict=True):
+            host.cache(block, key, tokens)
+            if block.block_hash == key:  # else another block holds that name: the request finds that one
+                named.append(block)
+        host.touch(named, self._programs.get(intake.request_id))
+        held = self._held_for.setdefault(intake.request_id, [])
+        for block in named:
+            self._origins[block.block_id] = PEER
+            held.append((HOST, block))
+        intake.named_early = named
 
     def take_remote_recvs(self) -> list[RemoteRecv]:
         out, self._recvs = self._recvs, []
@@ -1236,10 +1278,19 @@ class KVCacheManager:
     def num_remote_in_flight(self) -> int:
         return len(self._intakes) + len(self._sends)
 
-    def finish_remote(self, recvs: Sequence[RemoteRecvDone], sends: Sequence[RemoteSendDone]) -> None:
+    def finish_remote(
+        self,
+        recvs: Sequence[RemoteRecvDone],
+        sends: Sequence[RemoteSendDone],
+        counts: Sequence[RemoteRecvCount] = (),
+    ) -> None:
         """Record finished streams: a send's blocks are released; a receive's valid blocks are named in host
         memory (held for their request while it waits, else left as cache) and the rest freed. Disk reads of
-        the request may go on past the stream's blocks again (a failed stream is made up from the store)."""
+        the request may go on past the stream's blocks again (a failed stream is made up from the store). A
+        counted-first receive whose count came is named then (``counts``, before the receives that ended); when it
+        ends its own references go, and if it failed, the names it gave."""
+        for count in counts:
+            self._name_at_count(count)
         for done in sends:
             for tier, block in reversed(self._sends.pop(done.send_id, [])):
                 self.pools[tier].free([block])
@@ -1247,6 +1298,18 @@ class KVCacheManager:
         for done in recvs:
             intake = self._intakes.pop(done.recv_id, None)
             if intake is None:
+                continue
+            if intake.named_early is not None:
+                assert host is not None
+                if done.error is not None:  # its layers never all came: no one may find these blocks again
+                    host.uncache(intake.named_early)
+                    for block in intake.named_early:
+                        self._origins.pop(block.block_id, None)
+                else:
+                    self.counters[PEER].blocks_read += len(intake.named_early)
+                    self.counters[HOST].blocks_written += len(intake.named_early)
+                host.free(reversed(intake.blocks))
+                self._reopen_lookup(intake)
                 continue
             kept = []
             valid = min(done.num_valid, len(intake.blocks))
@@ -1262,10 +1325,13 @@ class KVCacheManager:
                 host.free(reversed([b for b in intake.blocks if b not in kept]))
             self.counters[PEER].blocks_read += valid
             self.counters[HOST].blocks_written += valid
-            lookup = self._lookups.get(intake.request_id) if intake.request_id is not None else None
-            if lookup is not None:
-                lookup.limit = None
-                lookup.settled = False
+            self._reopen_lookup(intake)
+
+    def _reopen_lookup(self, intake: _Intake) -> None:
+        lookup = self._lookups.get(intake.request_id) if intake.request_id is not None else None
+        if lookup is not None:
+            lookup.limit = None
+            lookup.settled = False
 
 
 def _outside(span: tuple[int, int], first: int, count: int) -> int:

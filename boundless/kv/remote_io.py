@@ -6,7 +6,12 @@ Each step, :meth:`RemoteIO.start` takes the step's :class:`~boundless.kv.remote_
 - a receive posts every message of its stream at once into a staging tensor (a layer's slice of the host
   tier's blocks is not contiguous, and transports move contiguous tensors); a receiver thread polls them and,
   when the trailer has come, copies the valid blocks into the host blocks the manager reserved for them
-  (nothing else touches those until the receive is reported, as with a disk load). A receive not complete
+  (nothing else touches those until the receive is reported, as with a disk load). A *counted-first* receive (a
+  DE-read push under ``--layerwise-load on``) reports its count as soon as it comes, with a fallible
+  :class:`~boundless.kv.layer_gate.LayerGate` over its valid blocks (:meth:`RemoteIO.recv_gates`), and copies
+  each layer into the host blocks as it lands, opening the gate layer by layer: the manager names the blocks
+  at the count, the request runs, and a step that copies them to the device does so layer by layer as its
+  forward pass reaches each (``engine/executor.py``). A receive that fails fails its gate. A receive not complete
   ``timeout_s`` after it was posted is cancelled (its late messages are swallowed by the transport) and
   reported failed, so its host blocks are freed;
 - a send is queued for a sender thread, layer by layer: all at once for a send from memory, or, for a
@@ -36,6 +41,7 @@ from boundless.kv.layer_gate import LayerGate
 from boundless.kv.remote_moves import (
     RemoteIOStats,
     RemoteRecv,
+    RemoteRecvCount,
     RemoteRecvDone,
     RemoteReport,
     RemoteSend,
@@ -48,6 +54,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 _POLL_S = 0.001  # the receiver's poll while streams are in flight (the transport moves bytes on its own)
+_COUNT = -1  # a piece that is a counted-first stream's count
 
 
 @dataclass
@@ -55,8 +62,11 @@ class _Incoming:
     recv: RemoteRecv
     staging: torch.Tensor  # [layers, 2, kv_heads, n, block_size, head_dim]
     trailer: torch.Tensor  # int64 [1]: valid blocks
-    handles: list[TransferHandle]
+    handles: list[TransferHandle]  # (the count's first, when counted first) the layers', the trailer's
     deadline: float
+    count: torch.Tensor | None = None  # int64 [1]: the valid blocks, ahead of the layers (counted first)
+    gate: LayerGate | None = None  # once the count has come: which layers have landed in the host blocks
+    layers_landed: int = 0
 
 
 @dataclass
@@ -72,7 +82,7 @@ class _Outgoing:
 
 @dataclass
 class _Piece:
-    """One message of a stream for the sender: a layer, or (``layer`` None) the trailer."""
+    """One message of a stream for the sender: a layer, (``layer`` None) the trailer, or (``_COUNT``) the count."""
 
     stream: _Outgoing
     layer: int | None
@@ -83,6 +93,7 @@ class _Piece:
 class _Done:
     recvs: list[RemoteRecvDone] = field(default_factory=list)
     sends: list[RemoteSendDone] = field(default_factory=list)
+    counts: list[RemoteRecvCount] = field(default_factory=list)
 
 
 class RemoteIO:
@@ -123,6 +134,10 @@ class RemoteIO:
         self._changed = threading.Condition(self._lock)
         self._done = _Done()
         self._incoming: list[_Incoming] = []
+        # Host blocks of counted-first receives, by block id: each one's gate, until its receive has been reported
+        # (a failed gate stays until then, so no step scheduled before the report copies the block ungated).
+        self._recv_gates: dict[int, LayerGate] = {}
+        self._gates_to_retire: list[tuple[int, ...]] = []
         self._new_incoming: queue.Queue[_Incoming | None] = queue.Queue()
         self._pieces: queue.Queue[_Piece | None] = queue.Queue()
         self._step_streams: list[_Outgoing] = []  # this step's layerwise streams
@@ -147,6 +162,8 @@ class RemoteIO:
         layerwise = []
         for send in sends:
             stream = _Outgoing(send, self._groups(send))
+            if send.count_first:  # the valid count goes ahead of the layers (known now)
+                self._pieces.put(_Piece(stream, _COUNT))
             if not send.layerwise:
                 stream.gates = self.gates_for(send.src) if self.gates_for is not None else []
                 for layer in range(self.num_layers):
@@ -183,13 +200,32 @@ class RemoteIO:
         self._step_streams = []
 
     def report(self, wait_s: float = 0.0) -> RemoteReport:
-        """What finished since the last report; with ``wait_s``, wait that long at most when nothing has."""
+        """What finished since the last report (and the counts that came); with ``wait_s``, wait that long at most
+        when nothing has."""
         with self._changed:
-            if wait_s > 0 and not (self._done.recvs or self._done.sends):
+            if wait_s > 0 and not (self._done.recvs or self._done.sends or self._done.counts):
                 self._changed.wait(timeout=wait_s)
             done, self._done = self._done, _Done()
             stats = RemoteIOStats(**vars(self.stats))
-        return RemoteReport(tuple(done.recvs), tuple(done.sends), stats)
+            for ids in self._gates_to_retire:  # their receives are reported: the manager names or forgets them now
+                for block_id in ids:
+                    self._recv_gates.pop(block_id, None)
+            self._gates_to_retire = []
+        return RemoteReport(tuple(done.recvs), tuple(done.sends), stats, tuple(done.counts))
+
+    def recv_gates(self, host_block_ids: Sequence[int]) -> dict[int, LayerGate]:
+        """The gates of the counted-first receives still landing in any of these host blocks, by block id (a step
+        copies those layer by layer, each once it has landed)."""
+        with self._lock:
+            if not self._recv_gates:
+                return {}
+            return {b: g for b in host_block_ids if (g := self._recv_gates.get(b)) is not None and not g.is_open}
+
+    def count_layer_waits(self, waits: int, seconds: float) -> None:
+        """What a step's forward pass spent waiting for layers of counted-first receives (for the stats)."""
+        with self._lock:
+            self.stats.recv_layer_waits += waits
+            self.stats.recv_layer_wait_s += seconds
 
     def close(self) -> None:
         """Stop the threads (streams in flight are abandoned; the transport is its owner's to close)."""
@@ -206,9 +242,11 @@ class RemoteIO:
         two, heads, bs, hd = self._block_shape
         staging = torch.empty((self.num_layers, two, heads, n, bs, hd), dtype=self._dtype)
         trailer = torch.zeros(1, dtype=torch.int64)
-        handles = [self.transport.recv(recv.peer, recv.tag, staging[i]) for i in range(self.num_layers)]
+        count = torch.zeros(1, dtype=torch.int64) if recv.count_first else None
+        handles = [self.transport.recv(recv.peer, recv.tag, count)] if count is not None else []
+        handles += [self.transport.recv(recv.peer, recv.tag, staging[i]) for i in range(self.num_layers)]
         handles.append(self.transport.recv(recv.peer, recv.tag, trailer))
-        self._new_incoming.put(_Incoming(recv, staging, trailer, handles, self.clock() + self.timeout_s))
+        self._new_incoming.put(_Incoming(recv, staging, trailer, handles, self.clock() + self.timeout_s, count))
 
     def _receive_loop(self) -> None:
         while not self._closed:
@@ -235,6 +273,8 @@ class RemoteIO:
         """Make progress on a receive; True once it is finished (complete, failed or timed out)."""
         error, timed_out = None, False
         try:
+            if inc.count is not None:
+                self._land_layers(inc)
             if all(h.done() for h in inc.handles):
                 self._complete(inc)
                 return True
@@ -247,20 +287,56 @@ class RemoteIO:
             log.exception("receiving a KV stream failed")
             error = f"{type(e).__name__}: {e}"
         for handle in inc.handles:  # cancel what is left, so late messages go nowhere
-            with contextlib.suppress(TransportError):
+            with contextlib.suppress(TransportError, OSError):  # (a transport closed under it raises OSError)
                 handle.wait(0.0)
         log.warning("KV stream %d from %s failed: %s", inc.recv.recv_id, inc.recv.peer, error)
         with self._changed:
+            if inc.gate is not None:  # a forward pass waiting for its next layer raises: the bytes are not here
+                inc.gate.fail()
+                self._gates_to_retire.append(inc.recv.dst_ids)
             self.stats.recv_failures += 1
             self.stats.recv_timeouts += timed_out
             self._done.recvs.append(RemoteRecvDone(inc.recv.recv_id, 0, error))
             self._changed.notify_all()
         return True
 
+    def _valid(self, inc: _Incoming, sent: torch.Tensor) -> int:
+        return max(0, min(len(inc.recv.dst_ids), int(sent[0])))
+
+    def _land_layers(self, inc: _Incoming) -> None:
+        """A counted-first receive: once its count has come, report it with a gate over its valid blocks; then copy
+        each layer that has landed (in order) into those host blocks and open the gate through it."""
+        assert inc.count is not None
+        if inc.gate is None:
+            if not inc.handles[0].done():
+                return
+            valid = self._valid(inc, inc.count)
+            inc.gate = LayerGate(self.num_layers, fallible=True)
+            with self._changed:  # the gate first: no step may copy a named block before its layers land
+                for block_id in inc.recv.dst_ids[:valid]:
+                    self._recv_gates[block_id] = inc.gate
+                self.stats.counted_recvs += 1
+                self._done.counts.append(RemoteRecvCount(inc.recv.recv_id, valid))
+                self._changed.notify_all()
+        valid = self._valid(inc, inc.count)
+        host = self._data(HOST)
+        ids = torch.tensor(inc.recv.dst_ids[:valid], dtype=torch.long)
+        while inc.layers_landed < self.num_layers and inc.handles[1 + inc.layers_landed].done():
+            layer = inc.layers_landed
+            if valid:
+                host[layer].index_copy_(2, ids, inc.staging[layer][:, :, :valid].to(host.dtype))
+            inc.layers_landed += 1
+            inc.gate.open_through(layer)
+
     def _complete(self, inc: _Incoming) -> None:
-        valid = max(0, min(len(inc.recv.dst_ids), int(inc.trailer[0])))
-        if valid:
-            self.tiers[HOST].write_blocks(inc.recv.dst_ids[:valid], inc.staging[:, :, :, :valid])  # type: ignore[attr-defined]
+        if inc.count is not None:  # counted first: every layer is in place already, and the gate open
+            valid = self._valid(inc, inc.count)
+            with self._changed:
+                self._gates_to_retire.append(inc.recv.dst_ids)
+        else:
+            valid = self._valid(inc, inc.trailer)
+            if valid:
+                self.tiers[HOST].write_blocks(inc.recv.dst_ids[:valid], inc.staging[:, :, :, :valid])  # type: ignore[attr-defined]
         with self._changed:
             self.stats.streams_received += 1
             self.stats.bytes_received += inc.staging.numel() * inc.staging.element_size()
@@ -318,6 +394,8 @@ class RemoteIO:
             if stream.layers_sent != self.num_layers:
                 raise TransportError(f"the stream has {stream.layers_sent} of {self.num_layers} layers")
             tensor = torch.tensor([len(send.src)], dtype=torch.int64)
+        elif piece.layer == _COUNT:
+            tensor = torch.tensor([len(send.src)], dtype=torch.int64)
         else:
             if piece.ready is not None:
                 piece.ready.synchronize()  # type: ignore[attr-defined]
@@ -331,7 +409,7 @@ class RemoteIO:
         self.transport.send(send.peer, send.tag, tensor).wait(self.timeout_s)
         with self._lock:
             self.stats.bytes_sent += nbytes
-        if piece.layer is not None:
+        if piece.layer is not None and piece.layer != _COUNT:
             stream.layers_sent += 1
 
     def _finish_send(self, stream: _Outgoing) -> None:

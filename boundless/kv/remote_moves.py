@@ -16,6 +16,11 @@ rule): nothing is ever held for a stream nobody waits for. A sender that lacks s
 promised (a store read failed its checksum) sends zeros in their place and says so in the trailer; the
 receiver names only the valid ones, and the rest are recomputed.
 
+A stream may also be *counted first* (a DE-read push with ``--layerwise-load on``): the count of valid blocks
+goes ahead of the layers as one more int64 (the sender knows it when the stream starts), so the receiver can name
+the blocks and let its request run while the layers are still coming, copying each into place as it lands
+(``kv/remote_io.py``, ``kv/layer_gate.py``).
+
 A *layerwise* send goes out during the step that computes the blocks: the executor hooks the forward pass
 and sends layer ``i`` as soon as layer ``i`` has stored its KV, so the receiver has the early layers while
 the sender computes the late ones. Other sends go out from memory as soon as the step applies them.
@@ -41,6 +46,7 @@ class RemoteRecv:
     tag: int
     dst_ids: tuple[int, ...]
     num_blocks: int
+    count_first: bool = False  # the valid count comes ahead of the layers; each layer is usable as it lands
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class RemoteSend:
     src: tuple[BlockRef, ...]
     num_blocks: int
     layerwise: bool = False
+    count_first: bool = False  # send the valid count ahead of the layers (the receiver's ``count_first``)
 
     def __post_init__(self) -> None:
         if len(self.src) > self.num_blocks:
@@ -67,6 +74,15 @@ class RemoteRecvDone:
     recv_id: int
     num_valid: int
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class RemoteRecvCount:
+    """A counted-first receive's count has come: its first ``num_valid`` host blocks will hold valid blocks, each
+    layer usable once it has landed (its gate, ``RemoteIO.recv_gates_for``); the receive is reported done later."""
+
+    recv_id: int
+    num_valid: int
 
 
 @dataclass(frozen=True)
@@ -96,6 +112,11 @@ class RemoteIOStats:
     layerwise_streams: int = 0
     layerwise_stream_s: float = 0.0
     layerwise_exposed_s: float = 0.0
+    # Counted-first receives (a DE-read push under --layerwise-load on): their counts come, and of the forward
+    # passes' waits at a layer of one, how many found the layer not yet landed and how long they waited.
+    counted_recvs: int = 0
+    recv_layer_waits: int = 0
+    recv_layer_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -105,3 +126,4 @@ class RemoteReport:
     recvs: tuple[RemoteRecvDone, ...] = ()
     sends: tuple[RemoteSendDone, ...] = ()
     stats: RemoteIOStats | None = None
+    counts: tuple[RemoteRecvCount, ...] = ()  # counted-first receives whose count came (before their ``recvs``)

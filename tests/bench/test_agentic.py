@@ -85,3 +85,21 @@ def test_pd_modes_run_one_prefill_and_two_decode_engines(model_dirs: dict[str, P
     # Every instance ran: the PE prefilled each turn, and both DEs decoded some.
     for row in (basic, dualpath):
         assert row["p0_computed_tokens"] > 0 and row["d0_computed_tokens"] > 0 and row["d1_computed_tokens"] > 0
+
+
+def test_dualpath_with_the_pe_prefilling_as_pushes_land_serves_the_colocated_outputs(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """``--layerwise-load on``: DE-read pushes counted first, the PE prefilling as they land, through the in-process
+    PD cluster's engine loops and dispatcher."""
+    args = build_parser().parse_args(
+        ["bench", "agentic", "--model", str(model_dirs["tiny-llama"]), "--num-sessions", "4", "--scale", "0.02",
+         "--turn-scale", "0.1", "--memory-sessions", "2", "--host-sessions", "2", "--phases", "offline",
+         "--modes", "dualpath,colocated", "--layerwise-load", "on", "--storage-gbps", "0.5", "--net-gbps", "4",
+         "--out-dir", ""]
+    )  # fmt: skip
+    result = agentic.run(args)
+    assert result["valid"] and result["outputs_identical"]
+    dualpath = result["rows"][0]
+    assert dualpath["mode"] == "dualpath" and dualpath["failed_turns"] == 0 and dualpath["read_paths"].get("de", 0) > 0
+    assert dualpath["landing_pushes"] > 0  # the PE took pushes counted first, prefilling as they landed

@@ -27,10 +27,15 @@ def test_the_receive_side_loads_the_whole_context_in_both_modes_and_only_layerwi
     assert whole["ttft_s"] > 0 and layerwise["ttft_s"] > 0
 
 
-def test_the_de_read_push_lands_its_whole_context_in_both_modes(tiny_llama: LoadedModel) -> None:
+def test_the_de_read_push_lands_its_whole_context_in_every_mode(tiny_llama: LoadedModel) -> None:
     rows = {r["mode"]: r for r in measure_push(tiny_llama, [96], 16, storage_gbps=0.002, net_gbps=0.002, repeats=1)}
     whole, layerwise = rows["whole"], rows["layerwise"]
     assert whole["storage_s"] == layerwise["storage_s"] > 0  # the same six blocks loaded and pushed
     # Whole, the push starts once the DE's storage link has carried the load: it lands after both links' time.
     assert whole["landed_s"] >= whole["storage_s"] + whole["net_s"]
     assert 0 < layerwise["landed_s"] <= layerwise["ttft_s"]
+    # The PE waits for the whole push unless it prefills as the push lands: then it runs the request before the push
+    # has landed, its forward pass waiting at layers not yet there.
+    assert whole["layer_wait_s"] == layerwise["layer_wait_s"] == 0
+    overlap = rows["layerwise+pe"]
+    assert overlap["admitted_s"] < overlap["landed_s"] and overlap["layer_wait_s"] > 0

@@ -3,8 +3,11 @@ happens when an engine is lost in each phase (nothing lost or repeated for the c
 
 from __future__ import annotations
 
+import dataclasses
+
 from boundless.cluster.dispatcher import AbortOn, AddResult, Fail, MarkDead, Send
 from boundless.cluster.pd_dispatcher import (
+    MAX_STREAM_LOSSES,
     PREFETCH_HOST_SHARE,
     PROGRAM_ORDER_LEAD_S,
     Continue,
@@ -16,7 +19,7 @@ from boundless.cluster.pd_dispatcher import (
     PrepareResult,
 )
 from boundless.cluster.pd_scheduler import PDSchedulerConfig
-from boundless.engine.core import RequestDelta
+from boundless.engine.core import KV_STREAM_LOST, RequestDelta
 from boundless.engine.handoff import IntakeAnswer
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.process_table import ProcessTable
@@ -314,6 +317,46 @@ def test_a_de_lost_while_its_pe_prefills_gets_the_handoff_elsewhere_as_a_resumed
     assert d.add_done(send, OK) == []
     shown, _ = d.receive(other, delta("a", [8], "y", "length"))
     assert shown is not None and shown.finished
+
+
+def test_a_prefill_failed_with_its_push_places_the_call_again_and_loses_no_token() -> None:
+    d = dispatcher(des=2)
+    prepare, _ = prepared(d, "a", list(range(64)), IntakeAnswer(0, push_blocks=3, push_from=0))
+    lost = prepare.instance_id
+    other = "d1" if lost == "d0" else "d0"
+    assert d.instance_lost(lost, "gone") == [MarkDead(lost, "gone")]  # the DE dies mid-push
+    # The PE's step fails at a layer that never lands: nothing reached the client, so the call is placed again, on
+    # the DE left, and the error is not shown.
+    failed = dataclasses.replace(delta("a", [], "", "error"), stop_reason=KV_STREAM_LOST)
+    shown, follow = d.receive("p0", failed)
+    assert shown is None and d.num_failovers == 1
+    (again,) = follow
+    assert isinstance(again, Prepare) and again.instance_id == other and again.plan.recv_tag != prepare.plan.recv_tag
+    (send2,) = d.prepare_done(again, PrepareResult("ok", IntakeAnswer(0)))
+    assert isinstance(send2, Send) and send2.instance_id == "p0" and d.add_done(send2, OK) == []
+    shown, (cont,) = d.receive("p0", delta("a", [7], "x", "handoff"))
+    assert shown is not None and shown.new_token_ids == [7] and isinstance(cont, Continue) and cont.instance_id == other
+    assert d.continue_done(cont, OK) == []
+    shown, _ = d.receive(other, delta("a", [8], "y", "length"))
+    assert shown is not None and shown.finished and d.calls == {}
+
+
+def test_a_call_whose_pushes_keep_failing_gets_the_error_in_the_end() -> None:
+    d = dispatcher()
+    prepared(d, "a", list(range(64)), IntakeAnswer(0, push_blocks=3))
+    failed = dataclasses.replace(delta("a", [], "", "error"), stop_reason=KV_STREAM_LOST)
+    for _ in range(MAX_STREAM_LOSSES):
+        shown, follow = d.receive("p0", failed)
+        assert shown is None
+        again = next(x for x in follow if isinstance(x, Prepare))
+        (send,) = d.prepare_done(again, PrepareResult("ok", IntakeAnswer(0, push_blocks=3)))
+        d.add_done(send, OK)
+    shown, _ = d.receive("p0", failed)
+    assert shown is not None and shown.finish_reason == "error" and d.calls == {}
+    # Any other failed step is the client's error at once.
+    prepared(d, "b", list(range(64)), IntakeAnswer(0))
+    shown, _ = d.receive("p0", dataclasses.replace(delta("b", [], "", "error"), stop_reason="engine step failed"))
+    assert shown is not None and shown.finish_reason == "error"
 
 
 def test_a_de_lost_while_decoding_resends_the_call_with_every_token_so_far() -> None:

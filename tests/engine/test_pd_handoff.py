@@ -6,6 +6,7 @@ free their blocks on both sides and the tokens are recomputed."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ import pytest
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
-from boundless.engine.core import EngineCore, RequestDelta, Resume
+from boundless.engine.core import KV_STREAM_LOST, EngineCore, RequestDelta, Resume
 from boundless.engine.handoff import HandoffPlan, IntakePlan
+from boundless.engine.request import RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.throttled_store import ThrottledStore
 from boundless.kv.transfer import HOST, PEER
@@ -86,11 +88,13 @@ def _colocated(loaded: LoadedModel, prompt: list[int], params: SamplingParams = 
     return tokens
 
 
-def _run_until(core: EngineCore, done, others: tuple[EngineCore, ...] = (), steps: int = 2000) -> list[RequestDelta]:
+def _run_until(
+    core: EngineCore, done, others: tuple[EngineCore, ...] = (), steps: int = 2000, step=EngineCore.step
+) -> list[RequestDelta]:
     """Step ``core`` until ``done(its deltas so far)``, stepping ``others`` too (each instance runs its own loop)."""
     deltas: list[RequestDelta] = []
     for _ in range(steps):
-        deltas += core.step()
+        deltas += step(core)
         if done(deltas):
             return deltas
         for other in others:
@@ -199,39 +203,145 @@ def test_de_read_loads_the_prefix_on_the_decode_engine_and_sends_only_new_blocks
         p.de_net.close()
 
 
-def test_de_read_pushes_each_layer_as_the_decode_engines_store_read_carries_it(
+def _hold_de_storage_link(p: Pair, held_link: type):
+    """The DE's storage link, held: its layerwise load's layers cross (and its push sends them on) only when let
+    through."""
+    link = held_link()
+    kv_io = p.de.executor.kv_io
+    kv_io.store = ThrottledStore(kv_io.store, link.transfer, link.transfer_parts)
+    return link
+
+
+def _when(condition, then=lambda: None, timeout_s: float = 30.0) -> threading.Thread:
+    """A thread that waits until ``condition()`` holds (another thread steps the engines meanwhile), then ``then()``."""
+
+    def run() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        then()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_de_read_push_lands_layer_by_layer_under_the_prefill_engines_forward_pass(
     tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path, held_link: type
 ) -> None:
     disk = tmp_path / "store"
     _store_context(tiny_llama, disk)
     p = _pair(tiny_llama, shm_dir, disk=disk)
-    link = held_link()  # the DE's storage link: its load's layers cross only when let through
-    kv_io = p.de.executor.kv_io
-    kv_io.store = ThrottledStore(kv_io.store, link.transfer, link.transfer_parts)
-    remote = p.de.executor.remote
-    layer_bytes = 4 * kv_io._layer_block_bytes()  # layer 0 of the push's four blocks
+    link = _hold_de_storage_link(p, held_link)
+    de_sent, pe_recv = p.de.executor.remote.stats, p.pe.executor.remote
+    count_and_layer_zero = 8 + 4 * p.de.executor.kv_io._layer_block_bytes()  # the count, layer 0 of four blocks
+    seen: dict[str, object] = {}
 
-    def only_layer_zero_goes_first() -> None:
-        link.let_through(1)
-        deadline = time.monotonic() + 30
-        while remote.stats.bytes_sent < layer_bytes and time.monotonic() < deadline:
-            p.de.step()
-            p.pe.step()
-        # Layer 0 is on its way to the PE; layer 1 waits for the DE's storage link, and so does the PE.
-        assert remote.stats.bytes_sent == layer_bytes and p.pe.kv.is_receiving("r")
+    def look_then_let_through() -> None:
+        # The PE's forward pass waits at layer 1: only the count and layer 0 of the push have crossed.
+        gates = {id(g): g for g in pe_recv.recv_gates(range(p.pe.kv.pools[HOST].num_blocks)).values()}.values()
+        seen.update(
+            bytes_sent=de_sent.bytes_sent,
+            opened=[g.opened for g in gates],
+            receiving=p.pe.kv.is_receiving("r"),
+            running=p.pe.scheduler.requests["r"].status,
+        )
         link.let_through(10_000)
+
+    def arrive() -> None:
+        link.let_through(1)  # layer 0 of the DE's load crosses its storage link (and goes on to the PE)
+        seen["watcher"] = _when(lambda: pe_recv.stats.recv_layer_waits >= 1, look_then_let_through)
 
     try:
         prompt = CONTEXT + APPEND
-        answer, first, rest = _disaggregated(p, "r", prompt, push=True, after_arrival=only_layer_zero_goes_first)
+        answer, first, rest = _disaggregated(p, "r", prompt, push=True, after_arrival=arrive)
+        seen["watcher"].join()  # type: ignore[attr-defined]
         tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
         assert tokens == _colocated(tiny_llama, prompt)
         assert answer.push_blocks == 4 and p.de.stats().disk_io.layerwise_loads == 1
-        assert p.pe.stats().kv_tiers[PEER].hit_tokens == 4 * BLOCK
+        # The PE ran the request's forward pass before the push's layer 1 had landed: the blocks were named at the
+        # count (not receiving any more), the request was running, and its forward pass waited at layer 1.
+        assert seen["bytes_sent"] == count_and_layer_zero
+        assert seen["opened"] == [1] and not seen["receiving"] and seen["running"] is RequestStatus.RUNNING
+        pe = p.pe.stats()
+        assert pe.remote_io.counted_recvs == 1 and pe.remote_io.recv_layer_waits >= 1
+        assert pe.kv_tiers[PEER].hit_tokens == 4 * BLOCK and pe.disk_io.blocks_loaded == 0
+        _settle(p.pe, p.de)
+        assert p.pe.kv.pool.num_used == 0 and p.pe.kv.pools[HOST].num_used == 0
     finally:
         link.let_through(10_000)
         p.pe_net.close()
         p.de_net.close()
+
+
+def _step_or_fail(core: EngineCore) -> list[RequestDelta]:
+    """One step as the engine loop runs it: a step that raises fails its requests (``EngineCore.fail_step``)."""
+    sched = core.schedule()
+    if sched.is_empty:
+        return []
+    try:
+        result = core.execute(sched)
+    except Exception as e:
+        return core.fail_step(sched, e)
+    return core.finish_step(sched, result)
+
+
+@pytest.mark.parametrize("fault", ["gone", "hung"])
+def test_a_decode_engine_gone_or_hung_mid_push_fails_the_prefill_which_is_placed_again_with_the_same_tokens(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path, held_link: type, fault: str
+) -> None:
+    disk = tmp_path / "store"
+    _store_context(tiny_llama, disk)
+    p = _pair(tiny_llama, shm_dir, disk=disk)
+    if fault == "hung":  # the push stops after layer 0 for longer than the PE waits for a stream
+        p.pe.executor.remote.timeout_s = 2.0
+        p.de.executor.remote.timeout_s = 4.0  # (its push waits for its storage link past that, then goes on)
+    link = _hold_de_storage_link(p, held_link)
+    prompt = CONTEXT + APPEND
+    de2_net = ShmTransport(shm_dir, "de2")
+    try:
+        intake = IntakePlan(p.pe_net.address, recv_tag=1, push_tag=2)
+        answer = p.de.prepare_intake("r", prompt, PARAMS, intake)
+        plan = HandoffPlan(p.de_net.address, 1, answer.send_from_block, 2, answer.push_blocks, answer.push_from)
+        p.pe.add_request("r", prompt, PARAMS, handoff=plan)
+        link.let_through(1)
+        # The DE dies (or hangs) once the PE's forward pass waits for the push's layer 1.
+        waiting = _when(
+            lambda: p.pe.executor.remote.stats.recv_layer_waits >= 1,
+            p.de_net.close if fault == "gone" else lambda: None,
+        )
+        deltas = _run_until(p.pe, lambda ds: any(d.finished for d in ds), others=(p.de,), step=_step_or_fail)
+        waiting.join()
+        # The gate failed: the step failed its request (nothing reached a client) with the reason a dispatcher
+        # places the call again for.
+        assert [(d.finish_reason, d.stop_reason, d.new_token_ids) for d in deltas] == [("error", KV_STREAM_LOST, [])]
+        link.let_through(10_000)  # the dead DE's sender finds its transport closed; a hung one's goes on, unheard
+        _settle(p.pe)
+        # The PE's blocks are free and the push's names gone: nothing can read the KV that never came.
+        remote = p.pe.stats().remote_io
+        assert remote.recv_failures == 1 and remote.recv_timeouts == (fault == "hung")
+        assert p.pe.kv.pool.num_used == 0 and p.pe.kv.pools[HOST].num_used == 0
+        assert p.pe.memory_prefix_blocks(prompt) == 0
+        # Placed again on another DE: the same tokens as one engine.
+        de2 = _core(tiny_llama, disk)
+        de2.connect(de2_net, timeout_s=10.0)
+        again = Pair(p.pe, de2, p.pe_net, de2_net)
+        hits_before = p.pe.stats().kv_tiers[PEER].hit_tokens
+        answer, first, rest = _disaggregated(again, "r", prompt, push=True)
+        tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+        assert tokens == _colocated(tiny_llama, prompt)
+        # The new DE read the store and pushed the prefix again; the PE used it as it landed.
+        assert answer.push_blocks == 4 and p.pe.stats().kv_tiers[PEER].hit_tokens - hits_before == 4 * BLOCK
+        # The first DE's push ended (its peer gone, or its late layers swallowed by the PE's transport) and its half
+        # is dropped (the dispatcher's abort): it holds nothing.
+        _settle(p.de)
+        p.de.abort("r")
+        assert p.de.kv.pool.num_used == 0 and p.de.kv.pools[HOST].num_used == 0
+    finally:
+        link.let_through(10_000)
+        p.pe_net.close()
+        p.de_net.close()
+        de2_net.close()
 
 
 MORE = [(11 * j) % 300 + 7 for j in range(30)]  # the turn after: CONTEXT + APPEND + MORE has 8 full blocks

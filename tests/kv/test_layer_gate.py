@@ -1,11 +1,14 @@
 """A layerwise load's gate: layers open in order, a wait returns once its layer has arrived, and the waits of a
-forward pass go past a gate that does not open in time (counted) rather than hang."""
+forward pass go past a gate that does not open in time (counted) rather than hang; a stream's (fallible) gate is
+waited for until it opens or fails, and a failed one raises."""
 
 from __future__ import annotations
 
 import threading
 
-from boundless.kv.layer_gate import LayerGate, LayerWaits
+import pytest
+
+from boundless.kv.layer_gate import LayerGate, LayerLost, LayerWaits
 
 
 def test_a_wait_returns_once_its_layer_has_arrived_from_another_thread() -> None:
@@ -34,3 +37,17 @@ def test_a_forward_pass_waits_at_each_layer_and_goes_past_a_stalled_gate_once() 
     assert waits.timeouts == 1 and stalled.is_open and waits.waited_s > 0
     waits.before_layer(2)
     assert waits.timeouts == 1
+
+
+def test_a_fallible_gate_is_never_waited_past_and_a_failed_one_raises_at_its_missing_layer() -> None:
+    stream = LayerGate(3, fallible=True)
+    stream.open_through(0)
+    waits = LayerWaits([stream], timeout_s=0.01)
+    waits.before_layer(0)  # landed: no wait
+    failer = threading.Timer(0.05, stream.fail)  # past the waits' timeout: a fallible gate is still waited for
+    failer.start()
+    with pytest.raises(LayerLost):
+        waits.before_layer(1)
+    failer.join()
+    assert stream.failed and stream.opened == 1 and waits.timeouts == 0
+    assert stream.wait(0, timeout_s=0.0) and not stream.wait(1, timeout_s=0.0)  # what landed stays landed
