@@ -547,7 +547,7 @@ def make_pd_dispatcher(
             i.role,  # type: ignore[arg-type]
             iid if emulated else i.node,
             i.kv_address,
-            i.kv_blocks * i.block_size if i.role == "decode" and i.kv_blocks else None,
+            i.kv_blocks * i.block_size if i.kv_blocks else None,
             i.host_blocks * i.block_size if i.host_blocks else None,
         )
         for iid, i in infos.items()

@@ -91,13 +91,13 @@ Phase = Literal["queued", "preparing", "prefilling", "continuing", "decoding"]
 @dataclass(frozen=True)
 class PDInstance:
     """An engine as the dispatcher places work on it: its role, the node whose storage link it reads through
-    (with emulated links every instance is a node of its own), its KV transport's address, and for a DE the
-    tokens of KV its memory holds (the scheduler's KV-room rule)."""
+    (with emulated links every instance is a node of its own), its KV transport's address, and the tokens of KV
+    its device memory holds (the scheduler's KV-room rule, for a DE's calls and for a PE's)."""
 
     role: Role
     node: str
     address: str
-    kv_capacity_tokens: int | None = None  # a DE's KV memory (device blocks x block size); None: not limited
+    kv_capacity_tokens: int | None = None  # its KV memory (device blocks x block size); None: not limited
     host_capacity_tokens: int | None = None  # its host KV memory, in tokens; None: it reads nothing ahead
 
 
@@ -301,13 +301,13 @@ class PDDispatcher(Dispatcher):
         if delta.finish_reason == "handoff":
             call.prefill_service_s = delta.service_s
             shown = dataclasses.replace(delta, finished=False, finish_reason=None, stop_reason=None)
-            call.phase = "continuing"  # the PE is done with it
+            call.phase = "continuing"  # the PE is done with it: its room there (and its tokens) free for the queue
             if not self.views[call.decode_engine].alive:
                 call.prepared = False
-                return shown, self._route_decode(call)
+                return shown, self._route_decode(call) + self._place()
             call.instance = call.decode_engine
             resume = Resume(tuple(call.output_token_ids), call.text_chars_sent)
-            return shown, [Continue(call.decode_engine, call.request_id, resume)]
+            return shown, [Continue(call.decode_engine, call.request_id, resume), *self._place()]
         if not delta.finished:
             return delta, []
         if _lost_its_push(call, delta) and call.stream_losses < MAX_STREAM_LOSSES:
@@ -389,19 +389,20 @@ class PDDispatcher(Dispatcher):
 
     def loads(self) -> list[EngineLoad]:
         """Every live engine's load as the scheduler sees it: its calls and their tokens (counted here), its
-        node's storage read queue (reported, plus the reads placed since), and a DE's free KV: its capacity less
-        what its calls will take, in whole blocks with room for their outputs (exact and current, as every call
-        passes here; a report of free blocks would lag the placements of a burst, and counts blocks a prepared
-        call is about to take as free). A DE with no
-        call counts as having room for anything, so a call longer than its memory still goes somewhere (the
-        engine then serves or rejects it as it would alone)."""
+        node's storage read queue (reported, plus the reads placed since), and its free KV: its capacity less what
+        its calls will take, in whole blocks (a DE's with room for their outputs; a PE's their prompts, until their
+        handoffs) (exact and current, as every call passes here; a report of free blocks would lag the placements of
+        a burst, and counts blocks a prepared call is about to take as free). An engine with no call counts as
+        having room for anything, so a call longer than its memory still goes somewhere (the engine then serves or
+        rejects it as it would alone)."""
         seq: Counter[str] = Counter()
         tok: Counter[str] = Counter()
-        kv: Counter[str] = Counter()  # KV a DE's calls will take: whole blocks, their outputs' room included
+        kv: Counter[str] = Counter()  # KV an engine's calls will take: whole blocks (on a DE with their outputs' room)
         for call in self.calls.values():
             engines = []
             if call.phase in ("preparing", "prefilling"):
                 engines.append(call.prefill_engine)
+                kv[call.prefill_engine] += self._prompt_footprint(call)
             if call.phase != "queued" and call.decode_engine:
                 engines.append(call.decode_engine)
                 kv[call.decode_engine] += self._kv_footprint(call)
@@ -427,6 +428,13 @@ class PDDispatcher(Dispatcher):
             for iid, inst in self.instances.items()
             if self.views[iid].alive
         ]
+
+    def _prompt_footprint(self, call: PDCall) -> int:
+        """Tokens of a PE's memory a call placed there takes until its handoff: its prompt, in whole blocks. Bounding
+        them by the PE's memory is what keeps the prefixes its waiting calls found in memory at their arrival there
+        until their admission (with two DEs the DEs' room alone lets twice the calls in flight, more than the PE
+        holds, and a prefix evicted before its call's admission is computed again: ``evicted_before_admission``)."""
+        return -(-len(call.prompt) // self.block_size) * self.block_size
 
     def _kv_footprint(self, call: PDCall) -> int:
         """Tokens of a DE's memory a call takes at most: its prompt and every output token, in whole blocks (a
@@ -574,10 +582,10 @@ class PDDispatcher(Dispatcher):
 
 
 def _free_kv(instance: PDInstance, calls: int, taken: int, longest_queued: int) -> int | None:
-    """A DE's free KV in tokens as the scheduler's KV-room rule reads it (None: no limit; see ``loads``). An
-    empty DE has room for the longest waiting call even beyond its capacity (the engine serves or rejects such
+    """An engine's free KV in tokens as the scheduler's KV-room rule reads it (None: no limit; see ``loads``). An
+    empty engine has room for the longest waiting call even beyond its capacity (the engine serves or rejects such
     a call as it would alone), and for that call only: the round accounts it before the next."""
-    if instance.role != "decode" or instance.kv_capacity_tokens is None:
+    if instance.kv_capacity_tokens is None:
         return None
     if calls == 0:
         return max(instance.kv_capacity_tokens, longest_queued)

@@ -9,7 +9,8 @@ order, one round at a time:
 1. **PE.** Engines are *overloaded* (``tok > beta``), *ideal* (``read_queue <= alpha`` and
    ``tok <= beta``) or *storage-pressed* (``read_queue > alpha`` and ``tok <= beta``). A request never
    goes to an overloaded PE; ideal PEs come first (their storage NIC is about to idle, and only new
-   requests keep it busy), then storage-pressed ones; within the class, the fewest tokens wins.
+   requests keep it busy), then storage-pressed ones; within the class, the fewest tokens wins. A PE must have
+   the KV room for the prompts of the requests placed on it (:func:`fits`), as a DE must for its requests.
 2. **DE.** The request goes to the DE group with the fewest tokens, then, within it, to the DE with
    the fewest requests among those that stay at or under the high-token threshold ``Z`` after taking
    it; only when every DE would pass ``Z`` does the one with the fewest tokens take it (a DE far
@@ -112,8 +113,8 @@ class EngineLoad:
 
     ``node`` is the machine whose storage NIC the engine shares (every engine of a node reports the
     same ``read_queue``); ``group`` is the set of engines scheduled together (all PEs or all DEs,
-    never spanning nodes). ``kv_free_tokens`` is a DE's free KV memory in tokens (None: not limited).
-    """
+    never spanning nodes). ``kv_free_tokens`` is its free KV memory in tokens (None: not limited): a DE's for the
+    requests it decodes, a PE's for the prompts of the requests placed on it (until their handoffs)."""
 
     engine_id: str
     role: Role
@@ -178,19 +179,26 @@ def classify_prefill(load: EngineLoad, read_queue: int, config: PDSchedulerConfi
 
 
 def pick_prefill_engine(
-    pes: Sequence[EngineLoad], read_queues: Mapping[str, int], config: PDSchedulerConfig
+    pes: Sequence[EngineLoad], read_queues: Mapping[str, int], config: PDSchedulerConfig, num_tokens: int = 0
 ) -> EngineLoad | None:
-    """Never an overloaded PE; ideal before storage-pressed; then the fewest tokens (first listed on a tie)."""
+    """Never an overloaded PE, nor one without the KV room for the request's ``num_tokens`` (:func:`fits`; 0: room
+    not asked); ideal before storage-pressed; then the fewest tokens (first listed on a tie)."""
     for wanted in ("ideal", "storage_pressed"):
-        candidates = [e for e in pes if classify_prefill(e, read_queues[e.node], config) == wanted]
+        candidates = [
+            e for e in pes if classify_prefill(e, read_queues[e.node], config) == wanted and fits(e, num_tokens)
+        ]
         if candidates:
             return min(candidates, key=lambda e: e.tok)
     return None
 
 
-def fits(de: EngineLoad, num_tokens: int) -> bool:
-    """Whether the DE has the KV room for a request (ignoring fragmentation, as the paper does)."""
-    return de.kv_free_tokens is None or de.kv_free_tokens >= num_tokens
+def fits(engine: EngineLoad, num_tokens: int) -> bool:
+    """Whether the engine has the KV room for a request (ignoring fragmentation, as the paper does). A DE holds the
+    request's KV while it decodes; a PE holds the prompts of every request placed on it until each one's handoff:
+    the prefix a waiting request counts on (in memory when it arrived) stays there only while the requests placed
+    on the PE fit its memory together, and one evicted before its admission is computed again (the PE-side room
+    rule)."""
+    return engine.kv_free_tokens is None or engine.kv_free_tokens >= num_tokens
 
 
 def pick_decode_group(des: Sequence[EngineLoad], num_tokens: int) -> str | None:
@@ -255,7 +263,11 @@ def honor_prefetch(
     if where is None or config.kv_path == "oracle" or request.stored_tokens == 0:
         return pe, de, None
     for candidate in pes:
-        if candidate.engine_id == where and classify_prefill(candidate, queues[candidate.node], config) != "overloaded":
+        if (
+            candidate.engine_id == where
+            and classify_prefill(candidate, queues[candidate.node], config) != "overloaded"
+            and fits(candidate, request.num_tokens)
+        ):
             return candidate, de, "pe"
     for candidate in des:
         if candidate.engine_id == where and fits(candidate, request.num_tokens) and pe.node != candidate.node:
@@ -354,7 +366,7 @@ def schedule(queue: Sequence[PendingRequest], loads: Sequence[EngineLoad], confi
     for request in queue:
         pes = [state[i] for i in order if state[i].role == "prefill"]
         des = [state[i] for i in order if state[i].role == "decode"]
-        pe = pick_prefill_engine(pes, queues, config)
+        pe = pick_prefill_engine(pes, queues, config, request.num_tokens)
         group = pick_decode_group(des, request.num_tokens)
         if pe is None or group is None:
             break
@@ -371,7 +383,10 @@ def schedule(queue: Sequence[PendingRequest], loads: Sequence[EngineLoad], confi
             read_tokens = request.stored_tokens if read_node is not None else 0
         if read_node is not None:
             queues[read_node] += read_tokens
-        state[pe.engine_id] = dataclasses.replace(pe, seq=pe.seq + 1, tok=pe.tok + request.num_tokens)
+        pe_free = pe.kv_free_tokens - request.num_tokens if pe.kv_free_tokens is not None else None
+        state[pe.engine_id] = dataclasses.replace(
+            pe, seq=pe.seq + 1, tok=pe.tok + request.num_tokens, kv_free_tokens=pe_free
+        )
         free = de.kv_free_tokens - request.num_tokens if de.kv_free_tokens is not None else None
         state[de.engine_id] = dataclasses.replace(
             de, seq=de.seq + 1, tok=de.tok + request.num_tokens, kv_free_tokens=free

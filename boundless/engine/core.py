@@ -300,6 +300,7 @@ class EngineCore:
             return
         num_full = (len(token_ids) - 1) // self.kv.block_size  # the last token is always computed
         have = len(self.kv.memory_prefix(request_id, token_ids, num_full))
+        self.kv.note_memory_prefix(request_id, have)  # should it leave memory before the request's turn: counted
         if have < num_full:
             keys = self.kv.block_hashes(request_id, token_ids[: num_full * self.kv.block_size])[have:]
             self.kv.note_on_disk(keys[: self.executor.count_stored(keys)])

@@ -433,7 +433,7 @@ class Scheduler:
                 computed = prefix.num_tokens
                 num_new = min(request.num_tokens - computed, budget, limit - computed)
         if request.status is not RequestStatus.RUNNING:
-            self.kv.note_admitted(rid)
+            self.kv.note_admitted(rid, computed // self.kv.block_size)
             if request.num_computed_tokens == 0 and request.num_preemptions == 0:
                 request.num_cached_tokens = computed
                 self.stats.num_prompt_tokens_cached += computed

@@ -86,9 +86,9 @@ class TierCounters:
     load_timeouts: int = 0  # reads from the tier that a request stopped waiting for (stuck storage)
     # Stored blocks computed instead of read, by why (disk tier only): ``no_host_room`` (known stored, no host
     # room to load them when the request was admitted), ``unwaited_probe`` (found by a probe the request did not
-    # wait for), ``load_timeout`` (loaded too late), ``evicted_before_admission`` (loaded, then evicted from
-    # host memory before the request's turn), ``load_came_back_short`` (known stored, but missing or unreadable
-    # when loaded).
+    # wait for), ``load_timeout`` (loaded too late), ``evicted_before_admission`` (loaded, or in memory when the
+    # request arrived, then evicted before its turn), ``load_came_back_short`` (known stored, but missing or
+    # unreadable when loaded).
     recomputed_blocks: dict[str, int] = field(default_factory=dict)
     # Stored blocks read a second time (disk tier only): a waiting request's prefix left memory before its turn
     # and was read again (not recomputed, so not in ``recomputed_blocks``).
@@ -117,6 +117,10 @@ class _DiskLookup:
     settled: bool = False  # nothing more to read for it
     limit: int | None = None  # reads stop before this block (blocks from there on come from a peer)
     room_short: int = 0  # stored blocks its last plan could not load for want of host room (0: none)
+    room_short_from: int = 0  # the first of them
+    arrival_prefix: int = 0  # leading blocks memory held when it arrived (stored too, unless writes are off)
+    counted_from: int | None = None  # the lowest block counted in recomputed_blocks for it (counts run upwards)
+    arrival_lost: tuple[int, int] = (0, 0)  # blocks [first, end) of its arrival prefix counted at its admission
     reloads: int = 0  # times its loaded prefix was read again after leaving memory before its turn
     keep: int = 0  # free host blocks of its own prefix that plan had to keep (a load may not evict them)
     admitted: bool = False  # admitted: blocks a read finds from now on were computed instead
@@ -705,6 +709,7 @@ class KVCacheManager:
             if start < lookup.loaded_upto:
                 reason = "load_came_back_short" if self._came_back_short(lookup) else "evicted_before_admission"
                 self._count_recomputed(reason, lookup.loaded_upto - start)
+                lookup.counted_from = min(start, lookup.counted_from if lookup.counted_from is not None else start)
             lookup.settled = True
             return None
         # Read only the run of blocks memory lacks: blocks after it still in memory (loaded before, held for the
@@ -728,6 +733,7 @@ class KVCacheManager:
         lookup.keep = len(own_free_in_host)
         room = min(known, self._prefetch_room(lookup.keep))
         lookup.room_short = known - max(room, 0)
+        lookup.room_short_from = start + max(room, 0)
         if room <= 0:
             return None  # host memory has no room for it now: try again at a later step
         # Loading must not evict the blocks of this very prefix, whatever the eviction order: they are held while
@@ -845,9 +851,10 @@ class KVCacheManager:
             read, found = job.read, result.num_found
             lookup = self._lookups.get(job.request_id)
             if lookup is not None and lookup.admitted and read.is_probe and found:
-                self._count_recomputed("unwaited_probe", found)
+                self._count_recomputed("unwaited_probe", _outside(lookup.arrival_lost, job.start, found))
             elif job.timed_out and found:
-                self._count_recomputed("load_timeout", found)
+                counted = _outside(lookup.arrival_lost, job.start, found) if lookup is not None else found
+                self._count_recomputed("load_timeout", counted)
             for key in read.keys[:found]:
                 self._remember_on_disk(key)
             if found < len(read.keys):
@@ -872,15 +879,30 @@ class KVCacheManager:
                 if found < len(read.keys):
                     lookup.disk_end = job.start + found
 
-    def note_admitted(self, request_id: str) -> None:
-        """The request was admitted: count the stored blocks it computes for want of host room (what a probe in
-        flight finds for it is counted when the probe ends)."""
+    def note_memory_prefix(self, request_id: str, num_blocks: int) -> None:
+        """The request arrived with its first ``num_blocks`` blocks in memory (device or host): should some of them be
+        evicted before its admission and computed then, they are counted (:meth:`note_admitted`)."""
+        if self.has_disk:
+            self._lookups.setdefault(request_id, _DiskLookup()).arrival_prefix = num_blocks
+
+    def note_admitted(self, request_id: str, cached_blocks: int = 0) -> None:
+        """The request was admitted with its first ``cached_blocks`` blocks in memory: count the stored blocks it
+        computes for want of host room, and those of its prefix in memory at its arrival that were evicted since and
+        not read again (``evicted_before_admission``: stored, as every block memory holds is unless writes are off,
+        and computed now; blocks a count before already covers are not counted twice). What a probe in flight finds
+        for it is counted when the probe ends."""
         lookup = self._lookups.get(request_id)
         if lookup is None or lookup.admitted:
             return
         lookup.admitted = True
         if lookup.room_short:
             self._count_recomputed("no_host_room", lookup.room_short)
+            before = lookup.counted_from
+            lookup.counted_from = lookup.room_short_from if before is None else min(before, lookup.room_short_from)
+        end = lookup.arrival_prefix if lookup.counted_from is None else min(lookup.arrival_prefix, lookup.counted_from)
+        if self.write_policy != "off" and cached_blocks < end:
+            self._count_recomputed("evicted_before_admission", end - cached_blocks)
+            lookup.arrival_lost = (cached_blocks, end)
 
     def waits_for_host_room(self, request_id: str) -> bool:
         """Whether a waiting request whose stored blocks found no host room should wait for room rather than
@@ -916,6 +938,8 @@ class KVCacheManager:
         return lookup.disk_end is not None and lookup.disk_end < lookup.loaded_upto
 
     def _count_recomputed(self, reason: str, blocks: int) -> None:
+        if blocks <= 0:
+            return
         counts = self.counters[DISK].recomputed_blocks
         counts[reason] = counts.get(reason, 0) + blocks
 
@@ -1310,3 +1334,10 @@ class KVCacheManager:
         if lookup is not None:
             lookup.limit = None
             lookup.settled = False
+
+
+def _outside(span: tuple[int, int], first: int, count: int) -> int:
+    """How many of the blocks ``first`` to ``first + count`` lie outside ``span`` ([first, end)): a read's finding
+    counted as recomputed once only, where the request's admission counted part of it already."""
+    overlap = max(0, min(first + count, span[1]) - max(first, span[0]))
+    return count - overlap

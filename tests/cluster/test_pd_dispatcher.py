@@ -161,6 +161,30 @@ def test_a_decode_engine_takes_calls_only_while_its_kv_memory_has_room() -> None
     assert [p.request_id for p in decisions] == ["x"] and [c.request_id for c in f.queue] == ["y"]
 
 
+def test_a_prefill_engine_takes_calls_only_while_its_memory_holds_their_prompts_together() -> None:
+    # Two DEs with room for every call, one PE whose memory holds 100 tokens: the DEs' room alone would put all three
+    # 40-token calls on the PE at once, and the prefix one of them found in the PE's memory at its arrival would be
+    # evicted by the others before its admission (and computed again).
+    instances = {"p0": PDInstance("prefill", "p0", "addr-p0", 100)}
+    instances |= {f"d{i}": PDInstance("decode", f"d{i}", f"addr-d{i}", 1000) for i in range(2)}
+    d = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
+    decisions = [x for rid in "abc" for x in d.submit(rid, list(range(40)), PARAMS)]
+    assert [p.request_id for p in decisions] == ["a", "b"] and [c.request_id for c in d.queue] == ["c"]
+    # Each placed call takes its prompt in whole blocks (48 tokens) until its handoff.
+    assert {load.engine_id: load.kv_free_tokens for load in d.loads()}["p0"] == 100 - 2 * 48
+    (send,) = d.prepare_done(decisions[0], PrepareResult("ok", IntakeAnswer(0)))
+    assert d.add_done(send, OK) == []
+    # a's handoff frees its room on the PE (it decodes on its DE from there): c is placed now.
+    _, follow = d.receive("p0", delta("a", [7], "x", "handoff"))
+    assert [type(x) for x in follow] == [Continue, Prepare] and follow[1].request_id == "c"
+    assert d.submit("late", list(range(40)), PARAMS) == []  # b and c fill the PE again: the next call waits
+    assert [c.request_id for c in d.queue] == ["late"] and d.calls["c"].phase == "preparing"
+    # A PE with no call has room for anything: a call longer than its memory still goes there.
+    e = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
+    (prepare,) = e.submit("long", list(range(150)), PARAMS)
+    assert isinstance(prepare, Prepare) and e.calls["long"].prefill_engine == "p0"
+
+
 def reading_ahead(kv_path: str = "dualpath", des: int = 1) -> PDDispatcher:
     """A PE and DEs with room for one 60-token call at a time, and host memory whose prefetch share holds two of
     their stored prompts (48 tokens each)."""

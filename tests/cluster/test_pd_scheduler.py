@@ -56,6 +56,20 @@ def test_prefill_prefers_ideal_over_pressed_then_fewest_tokens_and_never_overloa
     assert pick_prefill_engine(pes[:1], queues, CFG) is None
 
 
+def test_a_prefill_engine_without_room_for_the_prompt_is_skipped_and_none_left_stops_the_round() -> None:
+    roomy, full = pe("roomy", "n0", tok=900), EngineLoad("full", "prefill", "n1", "pg", kv_free_tokens=50)
+    queues = {"n0": 0, "n1": 0}
+    # The full PE has the fewest tokens, but not the room for a 100-token prompt beside what it holds.
+    assert pick_prefill_engine([full, roomy], queues, CFG, 100).engine_id == "roomy"
+    assert pick_prefill_engine([full, roomy], queues, CFG, 50).engine_id == "full"
+    loads = [EngineLoad("p", "prefill", "n0", "pg", kv_free_tokens=250), de("d", "n1")]
+    result = schedule([req("a", 100), req("b", 100), req("c", 100), req("d", 10)], loads, CFG)
+    # Two prompts fit in the PE's 250 tokens; the third waits for a handoff, and the fourth behind it (FIFO).
+    assert [p.request_id for p in result.placements] == ["a", "b"]
+    assert [r.request_id for r in result.waiting] == ["c", "d"]
+    assert {e.engine_id: e.kv_free_tokens for e in result.loads}["p"] == 50
+
+
 def test_a_request_waits_while_every_prefill_engine_is_overloaded_and_fifo_holds() -> None:
     loads = [pe("p", "n0", tok=2000), de("d", "n1")]
     result = schedule([req("big", 500), req("small", 1)], loads, CFG)

@@ -71,7 +71,7 @@ def test_a_request_waiting_for_its_loads_holds_nobody_up() -> None:
     assert s.requests["first"].status is RequestStatus.WAITING
 
 
-def _disk_engine(loaded: LoadedModel, store, tmp_path: Path) -> EngineCore:
+def _disk_engine(loaded: LoadedModel, store, tmp_path: Path, max_num_seqs: int = 256) -> EngineCore:
     arch = loaded.arch
     per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, 16, loaded.dtype)
     config = EngineConfig(
@@ -82,7 +82,7 @@ def _disk_engine(loaded: LoadedModel, store, tmp_path: Path) -> EngineCore:
             kv_disk_path=str(tmp_path),
             kv_write_policy="through",
         ),
-        scheduler=SchedulerConfig(policy="fcfs"),
+        scheduler=SchedulerConfig(policy="fcfs", max_num_seqs=max_num_seqs),
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
     executor = build_model_executor(loaded, config, layout, store=store)
@@ -218,6 +218,27 @@ def test_a_colocated_engine_loads_blocks_another_engine_wrote_behind_its_prefix_
     # Counted on arrival (a stat each), so loaded, not probed behind its prefix in memory and computed meanwhile.
     stats = core.stats()
     assert stats.kv_tiers[DISK].hit_tokens == 2 * 16 and core.kv.counters[DISK].recomputed_blocks == {}
+
+
+def test_a_prefix_in_memory_at_arrival_evicted_before_admission_and_computed_is_counted(
+    tiny_llama: LoadedModel, dict_store: type, tmp_path: Path
+) -> None:
+    # One seat: a call waits while another runs, as a PE's calls wait behind each other's prefills.
+    core = _disk_engine(tiny_llama, dict_store(), tmp_path, max_num_seqs=1)
+    context = [(13 * j) % 300 + 3 for j in range(70)]  # four full blocks
+    outputs: dict[str, list[int]] = {}
+    core.add_request("first", context, PARAMS)
+    cold = _tokens(core, "first", outputs)
+    core.executor.kv_io.flush()  # written through: the store holds the four blocks too
+    core.add_request("busy", [5, 6, 7, 8, 9], PARAMS)
+    core.step()
+    core.add_request("next", context, PARAMS)  # its whole context in memory at its arrival: nothing to read
+    core.step()
+    assert core.scheduler.requests["next"].status is RequestStatus.WAITING
+    _evict_from_memory(core.kv)  # other calls' admissions and loads take the memory before its turn
+    assert core.kv.memory_prefix(None, context, 4) == []
+    assert _tokens(core, "next", outputs) == cold  # computed again, with the same tokens
+    assert core.stats().kv_tiers[DISK].recomputed_blocks == {"evicted_before_admission": 4}
 
 
 def _three_on_disk(s: Scheduler) -> dict[str, list[int]]:
