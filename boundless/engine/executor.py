@@ -26,7 +26,7 @@ from boundless.kv.remote_io import RemoteIO
 from boundless.kv.remote_moves import RemoteReport
 from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS, TierIO
 from boundless.kv.tiers import BlockStore, KVTier
-from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, TierId
+from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, TierId, plan_transfers
 
 # A step with nothing to run but disk reads in flight waits this long at most for one to finish, so that an
 # engine waiting only for the disk does not spin.
@@ -202,21 +202,16 @@ class LandingCopies:
         self.num_layers = num_layers
         self.count_waits = count_waits
         self.clock = clock
-        by_pair: dict[tuple[TierId, TierId], tuple[list[int], list[int]]] = {}
-        for t in transfers:
-            src, dst = by_pair.setdefault((t.src.tier, t.dst.tier), ([], []))
-            src.append(t.src.block_id)
-            dst.append(t.dst.block_id)
         self._copies = []
-        for (src_tier, dst_tier), (src_ids, dst_ids) in by_pair.items():
-            src_data = tiers[src_tier].data  # type: ignore[attr-defined]
-            dst_data = tiers[dst_tier].data  # type: ignore[attr-defined]
+        for batch in plan_transfers(transfers):  # one read and one write per pair of tiers, as apply_transfers
+            src_data = tiers[batch.src_tier].data  # type: ignore[attr-defined]
+            dst_data = tiers[batch.dst_tier].data  # type: ignore[attr-defined]
             self._copies.append(
                 (
                     src_data,
-                    torch.tensor(src_ids, dtype=torch.long, device=src_data.device),
+                    torch.tensor(batch.src_ids, dtype=torch.long, device=src_data.device),
                     dst_data,
-                    torch.tensor(dst_ids, dtype=torch.long, device=dst_data.device),
+                    torch.tensor(batch.dst_ids, dtype=torch.long, device=dst_data.device),
                 )
             )
         self.copied = 0  # layers copied so far
