@@ -531,11 +531,7 @@ class EngineCore:
         if sched.window == 1:
             self.step_times.record(shapes_of(sched), elapsed, now, arrivals, departures)
         else:  # each pass of the window is a step of its own shape to the step-time models, ended in turn
-            passes = list(result.pass_seconds)
-            shapes = window_shapes(sched)
-            for j, seconds in enumerate(passes):
-                events = (arrivals, departures) if j == 0 else (0, 0)
-                self.step_times.record(shapes[j], seconds, now - sum(passes[j + 1 :]), *events)
+            self.step_times.record_window(window_shapes(sched), list(result.pass_seconds), now, arrivals, departures)
         if self._prefill_batching == "attention" and c.steps // REFIT_EVERY_STEPS > steps_before // REFIT_EVERY_STEPS:
             self._refit_prefill_time()
         outputs = []

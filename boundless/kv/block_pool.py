@@ -28,7 +28,7 @@ class NoFreeBlocksError(RuntimeError):
     """Raised when more blocks are asked for than the pool has free."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: a cluster's pools hold millions (1,152 engines: 2.3 M), each a GC-tracked dict otherwise
 class KVBlock:
     block_id: int
     ref_count: int = 0
