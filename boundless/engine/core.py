@@ -548,13 +548,13 @@ class EngineCore:
             for sampled_token in tokens:
                 request.append_output(sampled_token.token_id)
                 kept += 1
-                c.generation_tokens += 1
                 stop_string = detok.add(sampled_token.token_id)
                 status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
                 if stop_string:
                     request.stop_reason = detok.stopped_by
                 if status is not None:
                     break  # the window's tokens past a stop are discarded
+            c.generation_tokens += kept
             if request.first_token_time is None:
                 request.first_token_time = now
             if len(tokens) > 1:
