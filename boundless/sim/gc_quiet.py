@@ -23,8 +23,7 @@ RUN_THRESHOLDS = (100_000, 20, 10)
 def quiet_collector(thresholds: tuple[int, int, int] = RUN_THRESHOLDS) -> Iterator[None]:
     """Freeze what exists now out of the collector's walks and collect less often, until the block ends."""
     before = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
+    gc.freeze()  # (without a collection first: the little garbage frozen with it is freed at the end, unfrozen)
     gc.set_threshold(*thresholds)
     try:
         yield
