@@ -14,8 +14,9 @@ from pathlib import Path
 import openai
 import pytest
 from one_engine import one_engine_texts
+from served_cluster import served_cluster
 
-from boundless.api.launch import ServerThread, start_in_thread
+from boundless.api.launch import ServerThread
 from boundless.cluster.client import ClusterClient
 from boundless.config import ClusterConfig
 from boundless.llm import engine_config
@@ -31,10 +32,6 @@ CONTEXT_TOKENS = 400  # 25 blocks per agent: its push takes a while over the slo
 def dualpath_cluster(
     model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ClusterClient, ServerThread]]:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
     store = tmp_path_factory.mktemp("store")
     config = engine_config(
         str(model_dirs["tiny-llama"]),
@@ -56,12 +53,8 @@ def dualpath_cluster(
         net_gbps=0.02,
         kv_handoff_timeout_s=20.0,
     )
-    client = ClusterClient(config, cluster)
-    server = start_in_thread(client, "tiny")
-    yield client, server
-    server.stop()
-    client.shutdown()
-    ray.shutdown()
+    with served_cluster(config, cluster) as served:
+        yield served
 
 
 def _complete_all(server: ServerThread, prompts: list[list[int]], max_tokens: int, during) -> list[str]:
