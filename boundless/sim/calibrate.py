@@ -50,7 +50,7 @@ from boundless.sim.cost import (
 )
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import fitted_profile_dict, load_profile
-from boundless.sim.served_grid import MODEL_NAME, run_served_grid, run_served_programs
+from boundless.sim.served_grid import MODEL_NAME, run_programs_on_a_fresh_engine, run_served_grid
 from boundless.sim.step_model import (
     StepTimeModel,
     contention,
@@ -269,12 +269,14 @@ def calibrate_served(
     form: str = "cpu-kernels",
     arrivals: tuple[CalibrationGrid, CalibrationGrid] | None = (ARRIVALS_GRID, HELD_OUT_ARRIVALS_GRID),
     programs: tuple[list[list[ProgramSpec]], list[list[ProgramSpec]]] | None = None,
+    programs_config: EngineConfig | None = None,
 ) -> Calibration:
     """The grids through a served engine (or cluster), fitted on every step (least absolute error); with
     ``arrivals``, also a grid of requests arriving one at a time over a shared prefix, and a held-out one; with
     ``programs``, also the steps of served programs (the first runs, fitted) and of others (held out): the
-    workloads' own steps, with the server's arrivals and departures beside them as validate serves them (one run
-    at a time, each its workload's programs at their arrival times)."""
+    workloads' own steps, with the server's arrivals and departures beside them, served as validate serves them:
+    each run its workload's programs at their arrival times on a fresh engine (or cluster) with ``programs_config``
+    (validate's engine flags; default ``config``)."""
     vocab = loaded.arch.vocab_size
     with served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
         start = time.monotonic()
@@ -285,13 +287,13 @@ def calibrate_served(
         held = run_served_grid(served, held_out, vocab, seed=1) if held_out is not None else []
         if arrivals is not None and held_out is not None:
             held += run_served_grid(served, arrivals[1], vocab, seed=4)
-        held_programs: list[AttentionSample] = []
-        if programs is not None:
-            for run in programs[0]:
-                samples += run_served_programs(served, run, vocab)
-            for run in programs[1]:
-                held_programs += run_served_programs(served, run, vocab)
-        wall = time.monotonic() - start
+    held_programs: list[AttentionSample] = []
+    if programs is not None:
+        for run in programs[0]:
+            samples += run_programs_on_a_fresh_engine(loaded, programs_config or config, cluster, run)
+        for run in programs[1]:
+            held_programs += run_programs_on_a_fresh_engine(loaded, programs_config or config, cluster, run)
+    wall = time.monotonic() - start
     others = cluster.instances - 1 if cluster is not None else 0
     result = fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster), others))
     if not held_programs:
@@ -421,7 +423,12 @@ def run(args: argparse.Namespace) -> dict:
     if programs is not None and not args.served:
         raise SystemExit("--workloads needs --served (the programs' steps are a served engine's)")
     if args.served:
-        result = calibrate_served(loaded, config, grid, held_out, cluster, args.form, programs=programs)
+        # The programs run as validate runs them: its engine flags (the engine's defaults), not the grid's smaller
+        # pool and step budget (the grid's budget is below its longest prompt, to chunk it).
+        programs_config = EngineConfig(model=config.model)
+        result = calibrate_served(
+            loaded, config, grid, held_out, cluster, args.form, programs=programs, programs_config=programs_config
+        )
     else:
         if cluster is not None:
             raise SystemExit("--instances above 1 needs --served (a cluster is calibrated as it is served)")
@@ -480,8 +487,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def calibration_programs(args: argparse.Namespace) -> tuple[list[list[ProgramSpec]], list[list[ProgramSpec]]]:
-    """``--workloads``' programs to fit on (``--workload-seed``) and to hold out (the next seed), a run per workload:
-    the shapes and rates validate runs, never its programs (validate's ``--bench-seed`` is 0 by default)."""
+    """``--workloads``' programs to fit on (``--program-runs`` runs per workload, seeds from ``--workload-seed``) and
+    to hold out (a run per workload, the next seed): the shapes and rates validate runs, never its programs
+    (validate's ``--bench-seed`` is 0 by default). Each run is served on a fresh engine, as each of validate's
+    repeats is, so several fitted runs sample several engines' levels."""
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in names:
         if w not in WORKLOADS or w == "trace":
@@ -491,13 +500,19 @@ def calibration_programs(args: argparse.Namespace) -> tuple[list[list[ProgramSpe
     def programs(seed: int) -> list[list[ProgramSpec]]:
         return [make_programs(w, args.num_programs, args.rate, seed, shape) for w in names]
 
-    return programs(args.workload_seed), programs(args.workload_seed + 1)
+    runs = max(1, args.program_runs)
+    fitted_runs = [run for seed in range(args.workload_seed, args.workload_seed + runs) for run in programs(seed)]
+    return fitted_runs, programs(args.workload_seed + runs)
 
 
 def _programs_description(args: argparse.Namespace) -> str:
+    runs = max(1, args.program_runs)
+    last = args.workload_seed + runs - 1
+    seeds = f"seed {args.workload_seed}" if runs == 1 else f"seeds {args.workload_seed}-{last}"
     return (
         f"{args.workloads}: {args.num_programs} programs each at {args.rate}/s (scale {args.scale}, tool wait"
-        f" {args.tool_wait} s), seed {args.workload_seed} fitted, seed {args.workload_seed + 1} held out"
+        f" {args.tool_wait} s), {seeds} fitted, seed {last + 1} held out, each run on a fresh engine with validate's"
+        " engine flags"
     )
 
 
@@ -634,7 +649,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload-seed",
         type=int,
         default=101,
-        help="the fitted programs' seed (the held-out ones': the next); keep it off validate's --bench-seed",
+        help="the first fitted run's seed (the held-out run's: the one after the fitted runs'); keep them off"
+        " validate's --bench-seed",
+    )
+    parser.add_argument(
+        "--program-runs",
+        type=int,
+        default=1,
+        help="with --workloads: fitted runs of each workload (seeds from --workload-seed), each on a fresh engine as"
+        " validate's repeats are; the held-out run's seed is the next",
     )
     parser.add_argument("--num-programs", type=int, default=8, help="with --workloads: programs of each workload")
     parser.add_argument("--rate", type=float, default=0.25, help="with --workloads: programs per second")
