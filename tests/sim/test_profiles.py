@@ -204,7 +204,12 @@ def test_calibration_programs_are_a_run_per_workload_of_other_seeds_than_validat
     import argparse
 
     args = argparse.Namespace(
-        workloads="chat,mapreduce", workload_seed=101, num_programs=3, rate=0.25, scale=0.1, tool_wait=0.2,
+        workloads="chat,mapreduce",
+        workload_seed=101,
+        num_programs=3,
+        rate=0.25,
+        scale=0.1,
+        tool_wait=0.2,
         program_runs=1,
     )
     fitted_runs, held_runs = calibration_programs(args)
