@@ -17,6 +17,10 @@ shapes measures how well the fit predicts steps it was not fitted on.
 real side runs), since serving slows every step of this machine's engine. There the fit takes each shape's
 **median** over the passes (:func:`median_per_shape`): the serving's own share of a step is part of what the
 simulator must charge, and it is in every pass, while a burst of outside load hits one.
+
+``--served --workloads`` also fits served programs' steps, and holds out another seed's: each run on a fresh engine
+(or cluster) with validate's engine flags, as each of validate's repeats is served (``run_programs_on_a_fresh_engine``):
+the same shapes cost a level of their own on each fresh engine, so ``--program-runs`` fitted runs sample several.
 """
 
 from __future__ import annotations
