@@ -152,6 +152,27 @@ class Calibration:
     # ones, and than validate's), and how the fit predicts them.
     held_out_programs: tuple[AttentionSample, ...] = ()
     held_out_programs_error: ProgramsError | None = None
+    # The steps of each served program run, in order: the fitted runs' (the last of ``samples``) and the held-out
+    # runs' (``held_out_programs``). Each ran on a fresh engine, at its own level (:func:`program_run_ratios`).
+    fitted_program_runs: tuple[int, ...] = ()
+    held_out_program_runs: tuple[int, ...] = ()
+
+
+def program_run_ratios(result: Calibration) -> tuple[list[float], list[float]]:
+    """Each program run's steps over the fit's time for them: the fitted runs', then the held-out runs'."""
+    fitted_steps = result.samples[len(result.samples) - sum(result.fitted_program_runs) :]
+
+    def ratios(steps: Sequence[AttentionSample], runs: Sequence[int]) -> list[float]:
+        ends = list(itertools.accumulate(runs))
+        return [
+            programs_error(result.model, steps[end - n : end], result.fit.others).ratio
+            for n, end in zip(runs, ends, strict=True)
+            if n
+        ]
+
+    return ratios(fitted_steps, result.fitted_program_runs), ratios(
+        result.held_out_programs, result.held_out_program_runs
+    )
 
 
 def run_grid(core: EngineCore, grid: CalibrationGrid, seed: int = 0) -> list[AttentionSample]:
@@ -291,19 +312,30 @@ def calibrate_served(
         held = run_served_grid(served, held_out, vocab, seed=1) if held_out is not None else []
         if arrivals is not None and held_out is not None:
             held += run_served_grid(served, arrivals[1], vocab, seed=4)
-    held_programs: list[AttentionSample] = []
-    if programs is not None:
-        for run in programs[0]:
-            samples += run_programs_on_a_fresh_engine(loaded, programs_config or config, cluster, run)
-        for run in programs[1]:
-            held_programs += run_programs_on_a_fresh_engine(loaded, programs_config or config, cluster, run)
+    fitted_runs: list[list[AttentionSample]] = []
+    held_runs: list[list[AttentionSample]] = []
+    for runs, out in zip(programs or ([], []), (fitted_runs, held_runs), strict=True):
+        out += [run_programs_on_a_fresh_engine(loaded, programs_config or config, cluster, run) for run in runs]
+    samples += [s for run in fitted_runs for s in run]
     wall = time.monotonic() - start
     others = cluster.instances - 1 if cluster is not None else 0
     result = fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster), others))
-    if not held_programs:
-        return result
-    error = programs_error(result.model, held_programs, others)
-    return dataclasses.replace(result, held_out_programs=tuple(held_programs), held_out_programs_error=error)
+    return with_program_runs(result, [len(r) for r in fitted_runs], held_runs)
+
+
+def with_program_runs(
+    result: Calibration, fitted_runs: Sequence[int], held_runs: Sequence[Sequence[AttentionSample]]
+) -> Calibration:
+    """``result`` with its fitted program runs' step counts, the held-out runs' steps and the fit's error on them."""
+    held = tuple(s for run in held_runs for s in run)
+    error = programs_error(result.model, held, result.fit.others) if held else None
+    return dataclasses.replace(
+        result,
+        held_out_programs=held,
+        held_out_programs_error=error,
+        fitted_program_runs=tuple(fitted_runs),
+        held_out_program_runs=tuple(len(r) for r in held_runs),
+    )
 
 
 def engine_threads(cluster: ClusterConfig | None) -> int:
@@ -382,6 +414,14 @@ def _print_result(result: Calibration) -> None:
     print(f"held-out shapes: {_error_text(result.held_out_error)}")
     if result.held_out_programs_error is not None:
         print(f"held-out programs: {_programs_text(result.held_out_programs_error)}")
+    if result.fitted_program_runs or result.held_out_program_runs:
+        fitted_runs, held_runs = program_run_ratios(result)
+        print(
+            "each program run (a fresh engine each) over the fit: fitted "
+            + " ".join(f"x{r:.3f}" for r in fitted_runs)
+            + ", held out "
+            + " ".join(f"x{r:.3f}" for r in held_runs)
+        )
     print(_model_text(result.model))
 
 
@@ -400,6 +440,10 @@ def _calibration_figures(result: Calibration) -> dict:
         "held_out_error": vars(result.held_out_error) if result.held_out_error else None,
         "median_rel_error": result.fit_error.median,
         "held_out_programs_error": vars(result.held_out_programs_error) if result.held_out_programs_error else None,
+        "program_run_steps": {
+            "fitted": list(result.fitted_program_runs),
+            "held_out": list(result.held_out_program_runs),
+        },
     }
 
 
@@ -539,9 +583,11 @@ def refit(args: argparse.Namespace) -> dict:
     spec = FitSpec(args.form, per_shape, calibration.get("threads", 1), calibration.get("instances", 1) - 1)
     result = fitted(samples, held, calibration.get("wall_s", 0.0), spec)
     held_programs = samples_from_json(calibration.get("held_out_program_samples", []))
-    if held_programs:
-        error = programs_error(result.model, held_programs, spec.others)
-        result = dataclasses.replace(result, held_out_programs=tuple(held_programs), held_out_programs_error=error)
+    # Profiles from before the runs were kept: their held-out programs as one run.
+    runs = calibration.get("program_run_steps") or {"fitted": [], "held_out": [len(held_programs)]}
+    ends = list(itertools.accumulate(runs["held_out"]))
+    held_runs = [held_programs[end - n : end] for n, end in zip(runs["held_out"], ends, strict=True)]
+    result = with_program_runs(result, runs["fitted"], held_runs)
     print(f"{args.refit}: {len(samples)} + {len(held)} held-out steps, refitted")
     _print_result(result)
     for path in args.check:
@@ -592,6 +638,10 @@ def print_check(path: str, instances: int, models: dict[str, StepTimeModel]) -> 
         for kind, (n, _) in ratios[next(iter(models))].items():
             figures = ", ".join(f"{name} x{r[kind][1]:.3f}" for name, r in ratios.items())
             print(f"  {kind:18s} {n:5d} steps  {figures}")
+        # Each run (a fresh engine each) apart: the level a run's engine steps at, beside the calibration's runs'.
+        for name, m in models.items():
+            runs = [programs_error(m, samples_from_json(run), instances - 1).ratio for run in case["real_steps"] if run]
+            print(f"  each run, {name}: " + " ".join(f"x{r:.3f}" for r in runs))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

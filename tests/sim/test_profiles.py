@@ -30,6 +30,7 @@ from boundless.sim.calibrate import (
     median_per_shape,
     median_rel_error,
     profile_json,
+    program_run_ratios,
     run_grid,
     same_shape_ratios,
     step_shape,
@@ -260,6 +261,14 @@ def test_calibrate_served_serves_each_program_run_on_a_fresh_engine_with_validat
     first = result.held_out_programs[0]  # the second run's first step: its first call's prefill
     assert first.arrivals >= 1 and first.shapes[0].new >= 2 * 16  # two full blocks a reused engine would have cached
     assert all(c.cached == 0 for c in first.shapes)
+    # Each run's steps are kept apart (the fitted run's are the last of the fitted steps), each run's level told.
+    assert result.held_out_program_runs == (len(result.held_out_programs),)
+    (fitted_steps,) = result.fitted_program_runs
+    assert sum(s.arrivals for s in result.samples[-fitted_steps:]) == sum(p.num_calls for p in run)
+    fitted_ratios, held_ratios = program_run_ratios(result)
+    assert len(fitted_ratios) == len(held_ratios) == 1
+    assert result.held_out_programs_error is not None
+    assert held_ratios[0] == pytest.approx(result.held_out_programs_error.ratio)
 
 
 @pytest.mark.slow
