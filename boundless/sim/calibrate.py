@@ -414,7 +414,7 @@ def _print_result(result: Calibration) -> None:
     print(f"held-out shapes: {_error_text(result.held_out_error)}")
     if result.held_out_programs_error is not None:
         print(f"held-out programs: {_programs_text(result.held_out_programs_error)}")
-    if result.fitted_program_runs or result.held_out_program_runs:
+    if result.fitted_program_runs:  # kept since runs are served on fresh engines
         fitted_runs, held_runs = program_run_ratios(result)
         print(
             "each program run (a fresh engine each) over the fit: fitted "
