@@ -329,7 +329,10 @@ class RemoteIO:
             inc.gate.open_through(layer)
 
     def _complete(self, inc: _Incoming) -> None:
-        if inc.count is not None:  # counted first: every layer is in place already, and the gate open
+        if inc.count is not None:  # counted first: its layers were landed as they came
+            # The transport may have finished the last messages after this poll's landing looked at them and before
+            # the stream was seen whole: land those now, or a step would read host blocks their bytes never reached.
+            self._land_layers(inc)
             valid = self._valid(inc, inc.count)
             with self._changed:
                 self._gates_to_retire.append(inc.recv.dst_ids)
