@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -35,9 +35,11 @@ if TYPE_CHECKING:  # the scheduler imports the prefill batcher, which imports th
 MAX_TRIM_ROUNDS = 5
 
 
-@dataclass(frozen=True)
-class ChunkShape:
-    """One request's part of a step: ``new`` tokens computed over ``cached`` tokens that already have KV."""
+class ChunkShape(NamedTuple):
+    """One request's part of a step: ``new`` tokens computed over ``cached`` tokens that already have KV.
+
+    A named tuple rather than a dataclass: the engine makes one per chunk per forward pass (a multi-step window's
+    too), and the simulator's speed is bounded by that per-pass Python (docs/simulation.md, Speed)."""
 
     cached: int
     new: int
@@ -166,18 +168,33 @@ def nonnegative_lstsq(a: np.ndarray, b: np.ndarray, use: Sequence[bool]) -> np.n
     return coef / scale
 
 
+# A recorded step or multi-step window: each pass's shapes, each pass's seconds, when the last pass ended, arrivals,
+# departures, and how many of its passes have shapes (the samples it makes).
+_Pending = tuple[Sequence[Sequence[ChunkShape]], Sequence[float], float, int, int, int]
+
+
 class AttentionTimeRecorder:
     """The engine's latest ``capacity`` step measurements, and the model fitted from them.
 
-    The engine records each step (``record(shapes_of(sched), result.elapsed_s)``) and refits when it
-    likes (every so many steps); old samples age out, so the fit follows the machine's state.
-    :meth:`drain` hands the samples recorded since the last drain to whoever collects them from several
-    engines (the KV-lending gManager, through heartbeats).
+    The engine records each step (``record(shapes_of(sched), result.elapsed_s)``, or a multi-step window's passes
+    with :meth:`record_window`) and refits when it likes (every so many steps); old samples age out, so the fit
+    follows the machine's state. :meth:`drain` hands the samples recorded since the last drain to whoever collects
+    them from several engines (the KV-lending gManager, through heartbeats).
+
+    Samples are made when :attr:`samples` is read, not when a step is recorded: most engines never read them (only
+    lending, attention-time prefill batching and calibration do), and only the latest ``capacity`` are kept, so a
+    step that ages out before a read is never made (making a sample for every pass of every window was a large part
+    of the simulator's per-pass cost, and of its garbage collector's). A read returns what making each sample at
+    once would have kept.
     """
 
     def __init__(self, capacity: int = 512) -> None:
-        self.samples: deque[AttentionSample] = deque(maxlen=capacity)
+        self.capacity = capacity
+        self._samples: deque[AttentionSample] = deque(maxlen=capacity)
         self._undrained = 0  # of the samples held, how many (the newest) no drain has handed over yet
+        # Recorded, not yet made samples, oldest first (a step is a window of one pass), and their count.
+        self._pending: deque[_Pending] = deque()
+        self._pending_samples = 0
 
     def record(
         self,
@@ -188,12 +205,56 @@ class AttentionTimeRecorder:
         departures: int = 0,
     ) -> None:
         if shapes:
-            self.samples.append(AttentionSample(tuple(shapes), seconds, ended_at, arrivals, departures))
-            self._undrained = min(self._undrained + 1, len(self.samples))
+            self._add_pending(((tuple(shapes),), (seconds,), ended_at, arrivals, departures, 1))
+
+    def record_window(
+        self,
+        pass_shapes: Sequence[Sequence[ChunkShape]],
+        pass_seconds: Sequence[float],
+        ended_at: float,
+        arrivals: int = 0,
+        departures: int = 0,
+    ) -> None:
+        """A multi-step window's passes, each a step of its own shape to the step-time models, ended in turn (pass
+        ``j`` at ``ended_at`` less the later passes' seconds); the window's arrivals and departures go with its first
+        pass. Made into samples when read."""
+        made = sum(1 for shapes in pass_shapes if shapes)
+        if made:
+            self._add_pending((pass_shapes, pass_seconds, ended_at, arrivals, departures, made))
+
+    def _add_pending(self, entry: _Pending) -> None:
+        self._pending.append(entry)
+        self._pending_samples += entry[5]
+        # Steps whose samples the later ones would push out of the deque are never made.
+        while self._pending_samples - self._pending[0][5] >= self.capacity:
+            self._pending_samples -= self._pending.popleft()[5]
+
+    @property
+    def samples(self) -> deque[AttentionSample]:
+        """The latest ``capacity`` samples, oldest first."""
+        if self._pending:
+            self._make_pending()
+        return self._samples
+
+    def _make_pending(self) -> None:
+        made = self._pending_samples
+        for pass_shapes, passes, ended_at, arrivals, departures, _ in self._pending:
+            for j, seconds in enumerate(passes):
+                shapes = pass_shapes[j]
+                if shapes:
+                    events = (arrivals, departures) if j == 0 else (0, 0)
+                    self._samples.append(
+                        AttentionSample(tuple(shapes), seconds, ended_at - sum(passes[j + 1 :]), *events)
+                    )
+        self._pending.clear()
+        self._pending_samples = 0
+        # As if each had been appended in turn: the undrained count grows by one each, up to what the deque holds.
+        self._undrained = min(self._undrained + made, len(self._samples))
 
     def drain(self) -> list[AttentionSample]:
         """The samples recorded since the last drain, oldest first (those that aged out meanwhile are lost)."""
-        new = list(self.samples)[len(self.samples) - self._undrained :]
+        samples = self.samples
+        new = list(samples)[len(samples) - self._undrained :]
         self._undrained = 0
         return new
 

@@ -531,11 +531,7 @@ class EngineCore:
         if sched.window == 1:
             self.step_times.record(shapes_of(sched), elapsed, now, arrivals, departures)
         else:  # each pass of the window is a step of its own shape to the step-time models, ended in turn
-            passes = list(result.pass_seconds)
-            shapes = window_shapes(sched)
-            for j, seconds in enumerate(passes):
-                events = (arrivals, departures) if j == 0 else (0, 0)
-                self.step_times.record(shapes[j], seconds, now - sum(passes[j + 1 :]), *events)
+            self.step_times.record_window(window_shapes(sched), list(result.pass_seconds), now, arrivals, departures)
         if self._prefill_batching == "attention" and c.steps // REFIT_EVERY_STEPS > steps_before // REFIT_EVERY_STEPS:
             self._refit_prefill_time()
         outputs = []
@@ -552,13 +548,13 @@ class EngineCore:
             for sampled_token in tokens:
                 request.append_output(sampled_token.token_id)
                 kept += 1
-                c.generation_tokens += 1
                 stop_string = detok.add(sampled_token.token_id)
                 status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
                 if stop_string:
                     request.stop_reason = detok.stopped_by
                 if status is not None:
                     break  # the window's tokens past a stop are discarded
+            c.generation_tokens += kept
             if request.first_token_time is None:
                 request.first_token_time = now
             if len(tokens) > 1:

@@ -36,14 +36,12 @@ def window_iteration(sched: SchedulerOutput, j: int, last_tokens: Mapping[str, i
     return SchedulerOutput(chunks=chunks)
 
 
-def iteration_shapes(sched: SchedulerOutput, j: int) -> tuple[ChunkShape, ...]:
-    """The chunk shapes of pass ``j`` (from 0) of a step's window (``shapes_of`` of that pass's batch)."""
-    return tuple(ChunkShape(c.start_pos + j, len(c.token_ids)) for c in sched.chunks if c.num_steps > j)
-
-
 def window_shapes(sched: SchedulerOutput) -> list[tuple[ChunkShape, ...]]:
-    """Every pass's :func:`iteration_shapes`, made once per step: the simulator's executor prices them and the engine
-    records them for its step-time models."""
+    """Every pass's chunk shapes (pass ``j`` from 0: each chunk with more than ``j`` passes, ``j`` positions on), made
+    once per step: the simulator's executor prices them and the engine records them for its step-time models."""
     if sched.pass_shapes is None:
-        sched.pass_shapes = [iteration_shapes(sched, j) for j in range(sched.window)]
+        rows = [(c.start_pos, len(c.token_ids), c.num_steps) for c in sched.chunks]
+        sched.pass_shapes = [
+            tuple([ChunkShape(start + j, new) for start, new, steps in rows if steps > j]) for j in range(sched.window)
+        ]
     return sched.pass_shapes

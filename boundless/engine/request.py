@@ -84,17 +84,18 @@ class Request:
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last sampled token implies, if any (stop strings are checked elsewhere)."""
-        if not self.output_token_ids:
+        output = self.output_token_ids
+        if not output:
             return None
-        last = self.output_token_ids[-1]
+        last, num_output = output[-1], len(output)  # (once: every sampled token comes here)
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens:
+        if num_output >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

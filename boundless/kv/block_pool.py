@@ -28,7 +28,8 @@ class NoFreeBlocksError(RuntimeError):
     """Raised when more blocks are asked for than the pool has free."""
 
 
-@dataclass(eq=False)
+# Slots: a simulated cluster's pools hold millions of blocks (2.3 M at 1,152 engines), each with a dict otherwise.
+@dataclass(eq=False, slots=True)
 class KVBlock:
     block_id: int
     ref_count: int = 0
@@ -91,16 +92,17 @@ class BlockPool:
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         out = []
+        blocks, free, on_evict = self.blocks, self._free, self.on_evict  # (looked up once: a hot loop)
         for _ in range(n):
-            block = self.blocks[self._free.pop()]
+            block = blocks[free.pop()]
             block.ref_count = 1
             if block.block_hash is not None:
                 name, tokens = block.block_hash, block.token_ids
                 self._evict(block)
-                if self.on_evict is not None:
+                if on_evict is not None:
                     assert tokens is not None
-                    self.on_evict(block, name, tokens)  # while the order still knows who owned it
-            self._free.own(block.block_id, owner, fresh=True)
+                    on_evict(block, name, tokens)  # while the order still knows who owned it
+            free.own(block.block_id, owner, fresh=True)
             out.append(block)
         return out
 

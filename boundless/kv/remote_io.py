@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 _POLL_S = 0.001  # the receiver's poll while streams are in flight (the transport moves bytes on its own)
+# With a transport that signals its deliveries (``wait_delivery``), the receiver sleeps until the next one, and looks
+# this often at most without one (a message that came before its receive was posted, a deadline, a peer never seen).
+_IDLE_LOOK_S = 0.01
 _COUNT = -1  # a piece that is a counted-first stream's count
 
 
@@ -249,6 +252,7 @@ class RemoteIO:
         self._new_incoming.put(_Incoming(recv, staging, trailer, handles, self.clock() + self.timeout_s, count))
 
     def _receive_loop(self) -> None:
+        wait_delivery = getattr(self.transport, "wait_delivery", None)
         while not self._closed:
             if not self._incoming:
                 item = self._new_incoming.get()
@@ -263,11 +267,15 @@ class RemoteIO:
                 if item is None:
                     return
                 self._incoming.append(item)
+            seen = self.transport.deliveries if wait_delivery is not None else 0
             for inc in list(self._incoming):
                 if self._poll(inc):
                     self._incoming.remove(inc)
             if self._incoming:
-                time.sleep(_POLL_S)
+                if wait_delivery is not None:
+                    wait_delivery(seen, _IDLE_LOOK_S)
+                else:
+                    time.sleep(_POLL_S)
 
     def _poll(self, inc: _Incoming) -> bool:
         """Make progress on a receive; True once it is finished (complete, failed or timed out)."""
@@ -329,7 +337,10 @@ class RemoteIO:
             inc.gate.open_through(layer)
 
     def _complete(self, inc: _Incoming) -> None:
-        if inc.count is not None:  # counted first: every layer is in place already, and the gate open
+        if inc.count is not None:  # counted first: its layers were landed as they came
+            # The transport may have finished the last messages after this poll's landing looked at them and before
+            # the stream was seen whole: land those now, or a step would read host blocks their bytes never reached.
+            self._land_layers(inc)
             valid = self._valid(inc, inc.count)
             with self._changed:
                 self._gates_to_retire.append(inc.recv.dst_ids)

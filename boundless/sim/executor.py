@@ -214,9 +214,14 @@ class CostModelExecutor:
         pass_seconds: list[float] = []
         if sched.window > 1:  # multi-step decoding: the batch's later passes, each chunk one position on
             pass_seconds.append(seconds)
+            steps = [(c.request_id, c.num_steps) for c in sched.chunks]
             for j in range(1, sched.window):
-                later.append({c.request_id: sampled[c.request_id] for c in sched.chunks if c.num_steps > j})
-                pass_seconds.append(self._pass_time(sched, j))
+                later.append({rid: sampled[rid] for rid, n in steps if n > j})
+            if self._shape_cost is not None:  # priced from each pass's shapes (no batch to build)
+                predict, shapes = self._shape_cost.predict, window_shapes(sched)
+                pass_seconds += [predict(shapes[j]) for j in range(1, sched.window)]
+            else:
+                pass_seconds += [self._pass_time(sched, j) for j in range(1, sched.window)]
             seconds = sum(pass_seconds)
         if copied:  # the copies go before the forward pass, as the model executor applies them
             seconds += self.host_copy_latency_s + copied / self.host_copy_bytes_per_s
@@ -244,10 +249,8 @@ class CostModelExecutor:
         return StepResult(sampled, seconds, report, remote_report, tuple(later), tuple(pass_seconds))
 
     def _pass_time(self, sched: SchedulerOutput, j: int) -> float:
-        """Seconds of pass ``j`` of a multi-step window: from its chunk shapes when the cost model prices shapes (no
-        batch to build), else from that pass's batch."""
-        if self._shape_cost is not None:
-            return self._shape_cost.predict(window_shapes(sched)[j])
+        """Seconds of pass ``j`` of a multi-step window, from that pass's batch (a cost model that does not price
+        shapes)."""
         return self.cost.step_time(window_iteration(sched, j, _PLACEHOLDERS))
 
     def close(self) -> None:

@@ -94,9 +94,11 @@ class RooflineStepCost:
         if not shapes:
             return 0.0
         s = self.shape
-        tokens = sum(c.new for c in shapes)
-        cached = sum(c.cached for c in shapes)
-        pairs = sum(c.pairs for c in shapes)
+        tokens = cached = pairs = 0
+        for c in shapes:  # one loop (the simulator prices every forward pass); pairs as ChunkShape counts them
+            tokens += c.new
+            cached += c.cached
+            pairs += c.new * c.cached + c.new * (c.new + 1) // 2
         flops = 2 * s.params * tokens + 4 * s.layers * s.q_heads * s.head_dim * pairs
         nbytes = s.params * s.bytes_per_param + s.kv_bytes_per_token * (cached + tokens)
         compute = flops / (self.peak_flops * self.compute_efficiency)

@@ -44,6 +44,7 @@ from boundless.programs.ref import ProgramRef
 from boundless.sim.cost import CostModel, StepCost
 from boundless.sim.engine import DEFAULT_DISK_COST, HOST_COPY, SimulatedModel, simulated_engine
 from boundless.sim.executor import DiskCost
+from boundless.sim.gc_quiet import quiet_collector
 from boundless.sim.lending import SimulatedLending, lending_max_model_len, simulated_lending
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import HardwareProfile
@@ -286,6 +287,10 @@ class Simulator:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
     def run(self, programs: list[ProgramSpec], progress: Progress | None = None) -> list[SimResult]:
+        with quiet_collector():
+            return self._run(programs, progress)
+
+    def _run(self, programs: list[ProgramSpec], progress: Progress | None) -> list[SimResult]:
         sims = []
         for spec in programs:
             rng, system = self.tokens.start(spec)

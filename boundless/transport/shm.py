@@ -125,6 +125,10 @@ class ShmTransport:
         self.timeout_s = timeout_s
         self.inline_max = inline_max
         self._lock = threading.RLock()
+        # Receives completed or failed so far, and their signal: a receiver with many streams in flight sleeps
+        # until the next one (:meth:`wait_delivery`) rather than polling them.
+        self._deliveries = 0
+        self._delivered = threading.Condition(self._lock)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.address + ".sock")
@@ -183,6 +187,22 @@ class ShmTransport:
             block=self._block,
         )
 
+    @property
+    def deliveries(self) -> int:
+        """How many receives have completed or failed so far (for :meth:`wait_delivery`)."""
+        return self._deliveries
+
+    def wait_delivery(self, seen: int, timeout_s: float) -> None:
+        """Wait until a receive has completed or failed after the first ``seen`` (:attr:`deliveries`, read before
+        the caller last looked at its receives, so none is missed), ``timeout_s`` at most."""
+        with self._delivered:
+            self._delivered.wait_for(lambda: self._deliveries != seen or self._closed, timeout=timeout_s)
+
+    def _delivery(self) -> None:
+        """A receive completed or failed (under the lock)."""
+        self._deliveries += 1
+        self._delivered.notify_all()
+
     def _cancel_send(self, peer: str, op: _SendOp) -> None:
         """A send given up before it left: it never will (its tensors may be reused at once)."""
         with self._lock:
@@ -199,6 +219,7 @@ class ShmTransport:
             if self._closed:
                 return
             self._closed = True
+            self._delivered.notify_all()
             for out in self._out.values():
                 out.sock.close()
                 if out.slot is not None:
@@ -405,6 +426,7 @@ class ShmTransport:
                 posting.target.done = True
             except TransportError as e:
                 posting.target.error = e
+            self._delivery()
 
     # -- peers gone ---------------------------------------------------------------------------------
 
@@ -424,3 +446,4 @@ class ShmTransport:
         gone = self._gone.get(peer) or self._mark_gone(peer, "gone")
         for posting in self._matcher.postings_from(peer):
             posting.target.error = gone
+        self._delivery()

@@ -15,8 +15,9 @@ import httpx
 import openai
 import pytest
 from one_engine import one_engine_texts
+from served_cluster import served_cluster
 
-from boundless.api.launch import ServerThread, start_in_thread
+from boundless.api.launch import ServerThread
 from boundless.cluster.client import ClusterClient
 from boundless.cluster.pd_dispatcher import DropPrefetch, Prefetch
 from boundless.config import ClusterConfig
@@ -30,10 +31,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationW
 def pd_cluster(
     model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ClusterClient, ServerThread]]:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
     store = tmp_path_factory.mktemp("store")
     config = engine_config(
         str(model_dirs["tiny-llama"]), max_model_len=1024, kv_cache_gb=0.02, kv_host_gb=0.02, kv_disk_path=str(store)
@@ -47,12 +44,8 @@ def pd_cluster(
         net_gbps=8.0,
         kv_handoff_timeout_s=20.0,
     )
-    client = ClusterClient(config, cluster)
-    server = start_in_thread(client, "tiny")
-    yield client, server
-    server.stop()
-    client.shutdown()
-    ray.shutdown()
+    with served_cluster(config, cluster) as served:
+        yield served
 
 
 def test_calls_are_prefilled_handed_off_and_decoded_with_one_engines_tokens(

@@ -386,6 +386,55 @@ def test_de_read_pushes_only_the_blocks_the_prefill_engine_lacks(
         p.de_net.close()
 
 
+class _DoneLate:
+    """A stream's last layer's receive that says "not done" until the trailer after it is done, and once more then:
+    the transport finishing both just after the receiver looked at the layer, while the receiver is between landing
+    the stream's layers and seeing it whole."""
+
+    def __init__(self, handle, posted: list) -> None:
+        self.handle = handle
+        self.posted = posted  # the stream's receives as posted: the trailer's is the last, once posted
+        self.hidden = True
+
+    def done(self) -> bool:
+        if self.hidden:
+            trailer = self.posted[-1]
+            self.hidden = trailer is self or not trailer.done()
+            return False
+        return self.handle.done()
+
+    def wait(self, timeout_s: float):
+        return self.handle.wait(timeout_s)
+
+
+@pytest.mark.timeout(60)  # without the landing, the forward pass waits forever for a layer its stream never opens
+def test_a_pushs_last_layer_finished_while_its_receiver_looked_elsewhere_is_landed_before_use(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    p = _pe_holding_context(tiny_llama, shm_dir, tmp_path / "store")
+    posted: list[object] = []
+    recv = p.pe_net.recv
+    last_layer = p.pe.executor.num_layers  # the push's messages: its count, its layers, its trailer
+
+    def late_recv(peer: str, tag: int, tensor):
+        handle = recv(peer, tag, tensor)
+        if tag == 2:
+            posted.append(_DoneLate(handle, posted) if len(posted) == last_layer else handle)
+            return posted[-1]
+        return handle
+
+    p.pe_net.recv = late_recv  # type: ignore[method-assign]
+    try:
+        prompt = CONTEXT + APPEND + MORE
+        answer, first, rest = _disaggregated(p, "r", prompt, push=True)
+        assert answer.push_blocks == 2 and len(posted) == last_layer + 2
+        assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, prompt)
+        assert p.pe.stats().kv_tiers[PEER].hit_tokens == 2 * BLOCK
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
 def test_a_prefill_engines_blocks_gone_before_its_prefill_are_read_from_the_store(
     tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
 ) -> None:

@@ -4,13 +4,21 @@ recorded steps gives them back."""
 
 from __future__ import annotations
 
+import random
+from collections import deque
 from pathlib import Path
 
 import pytest
 
 from boundless.cluster.perf_model import fit_step_time_model
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from boundless.engine.attention_time import AttentionTimeModel, AttentionTimeRecorder, ChunkShape, shapes_of
+from boundless.engine.attention_time import (
+    AttentionSample,
+    AttentionTimeModel,
+    AttentionTimeRecorder,
+    ChunkShape,
+    shapes_of,
+)
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.sim.engine import SimulatedModel, simulated_engine
@@ -30,6 +38,61 @@ def test_the_recorder_drains_each_sample_once() -> None:
     recorder.record(steps[0], 0.1)
     assert [s.shapes[0].cached for s in recorder.drain()] == [0]
     assert len(recorder.samples) == 3  # a drain takes nothing away from the engine's own fit
+
+
+class EagerRecorder:
+    """What the recorder keeps, made at once: every pass a sample, appended to a deque of ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.samples: deque[AttentionSample] = deque(maxlen=capacity)
+        self.undrained = 0
+
+    def append(self, sample: AttentionSample) -> None:
+        self.samples.append(sample)
+        self.undrained = min(self.undrained + 1, len(self.samples))
+
+    def drain(self) -> list[AttentionSample]:
+        new = list(self.samples)[len(self.samples) - self.undrained :]
+        self.undrained = 0
+        return new
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_recorder_makes_what_recording_each_pass_at_once_would(seed: int) -> None:
+    """The recorder makes its samples when read; over random steps, windows (some passes without shapes), drains and
+    reads, what it returns is what making each pass's sample when recorded gives, to the bit (ended_at included)."""
+    rng = random.Random(seed)
+    capacity = rng.choice([1, 3, 8, 40])
+    lazy, eager = AttentionTimeRecorder(capacity=capacity), EagerRecorder(capacity)
+    now = 0.0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.3:
+            shapes = [ChunkShape(rng.randrange(100), rng.randrange(1, 9)) for _ in range(rng.randrange(3))]
+            now += rng.random()
+            seconds, events = rng.random(), (rng.randrange(3), rng.randrange(3))
+            lazy.record(shapes, seconds, now, *events)
+            if shapes:
+                eager.append(AttentionSample(tuple(shapes), seconds, now, *events))
+        elif op < 0.8:
+            passes = [
+                tuple(ChunkShape(rng.randrange(100) + j, 1) for _ in range(rng.choice([0, 1, 1, 2])))
+                for j in range(rng.randrange(1, 12))
+            ]
+            seconds = [rng.random() / 7 for _ in passes]
+            now += sum(seconds)
+            events = (rng.randrange(3), rng.randrange(3))
+            lazy.record_window(passes, seconds, now, *events)
+            for j, shapes in enumerate(passes):
+                if shapes:
+                    ended = now - sum(seconds[j + 1 :])
+                    eager.append(AttentionSample(shapes, seconds[j], ended, *(events if j == 0 else (0, 0))))
+        elif op < 0.9:
+            assert lazy.drain() == eager.drain()
+        else:
+            assert list(lazy.samples) == list(eager.samples)
+    assert list(lazy.samples) == list(eager.samples)
+    assert lazy.drain() == eager.drain()
 
 
 class KnownCost:

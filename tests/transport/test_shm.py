@@ -5,6 +5,7 @@ was never there or has closed."""
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,3 +67,34 @@ def test_a_peer_never_there_or_closed_is_gone(two: tuple[ShmTransport, ShmTransp
     b.close()
     with pytest.raises(PeerGone):
         a.recv(b.address, 2, torch.zeros(1)).wait(timeout_s=3)
+
+
+def test_a_receiver_sleeps_until_a_delivery_and_wakes_for_it(two: tuple[ShmTransport, ShmTransport]) -> None:
+    a, b = two
+    got = torch.zeros(100_000)
+    handle = b.recv(a.address, 3, got)
+    seen = b.deliveries
+    woke = threading.Event()
+
+    def receiver() -> None:
+        b.wait_delivery(seen, timeout_s=30.0)
+        woke.set()
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    assert not woke.wait(0.2)  # nothing has come: it sleeps
+    sent = torch.randn(100_000)
+    a.send(b.address, 3, sent).wait()
+    assert woke.wait(10.0)  # woken by the delivery, long before its timeout
+    thread.join()
+    assert handle.done() and torch.equal(got, sent) and b.deliveries == seen + 1
+    # A delivery before the wait (after ``seen`` was read) is not missed: the wait returns at once.
+    seen = b.deliveries
+    late = b.recv(a.address, 4, torch.zeros(3))
+    a.send(b.address, 4, torch.ones(3)).wait()
+    late.wait(10.0)
+    woke.clear()
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    assert woke.wait(10.0)
+    thread.join()
