@@ -85,7 +85,8 @@ class PDSchedulerConfig:
     ``z``: the high-token threshold of a DE; None derives it per round from the group's state
     (the paper's rule, see the module docstring); a number fixes it.
 
-    ``kv_path``: ``basic`` (PE reads only), ``dualpath`` (shorter queue) or ``oracle`` (no reads).
+    ``kv_path``: ``basic`` (PE reads only), ``dualpath`` (the link that finishes the read first) or ``oracle``
+    (no reads).
     """
 
     alpha: int = ALPHA_STEPS * 2048
