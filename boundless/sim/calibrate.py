@@ -17,6 +17,10 @@ shapes measures how well the fit predicts steps it was not fitted on.
 real side runs), since serving slows every step of this machine's engine. There the fit takes each shape's
 **median** over the passes (:func:`median_per_shape`): the serving's own share of a step is part of what the
 simulator must charge, and it is in every pass, while a burst of outside load hits one.
+
+``--served --workloads`` also fits served programs' steps, and holds out another seed's: each run on a fresh engine
+(or cluster) with validate's engine flags, as each of validate's repeats is served (``run_programs_on_a_fresh_engine``):
+the same shapes cost a level of their own on each fresh engine, so ``--program-runs`` fitted runs sample several.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from boundless.sim.cost import (
 )
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import fitted_profile_dict, load_profile
-from boundless.sim.served_grid import MODEL_NAME, run_served_grid, run_served_programs
+from boundless.sim.served_grid import MODEL_NAME, run_programs_on_a_fresh_engine, run_served_grid
 from boundless.sim.step_model import (
     StepTimeModel,
     contention,
@@ -148,6 +152,27 @@ class Calibration:
     # ones, and than validate's), and how the fit predicts them.
     held_out_programs: tuple[AttentionSample, ...] = ()
     held_out_programs_error: ProgramsError | None = None
+    # The steps of each served program run, in order: the fitted runs' (the last of ``samples``) and the held-out
+    # runs' (``held_out_programs``). Each ran on a fresh engine, at its own level (:func:`program_run_ratios`).
+    fitted_program_runs: tuple[int, ...] = ()
+    held_out_program_runs: tuple[int, ...] = ()
+
+
+def program_run_ratios(result: Calibration) -> tuple[list[float], list[float]]:
+    """Each program run's steps over the fit's time for them: the fitted runs', then the held-out runs'."""
+    fitted_steps = result.samples[len(result.samples) - sum(result.fitted_program_runs) :]
+
+    def ratios(steps: Sequence[AttentionSample], runs: Sequence[int]) -> list[float]:
+        ends = list(itertools.accumulate(runs))
+        return [
+            programs_error(result.model, steps[end - n : end], result.fit.others).ratio
+            for n, end in zip(runs, ends, strict=True)
+            if n
+        ]
+
+    return ratios(fitted_steps, result.fitted_program_runs), ratios(
+        result.held_out_programs, result.held_out_program_runs
+    )
 
 
 def run_grid(core: EngineCore, grid: CalibrationGrid, seed: int = 0) -> list[AttentionSample]:
@@ -269,12 +294,14 @@ def calibrate_served(
     form: str = "cpu-kernels",
     arrivals: tuple[CalibrationGrid, CalibrationGrid] | None = (ARRIVALS_GRID, HELD_OUT_ARRIVALS_GRID),
     programs: tuple[list[list[ProgramSpec]], list[list[ProgramSpec]]] | None = None,
+    programs_config: EngineConfig | None = None,
 ) -> Calibration:
     """The grids through a served engine (or cluster), fitted on every step (least absolute error); with
     ``arrivals``, also a grid of requests arriving one at a time over a shared prefix, and a held-out one; with
     ``programs``, also the steps of served programs (the first runs, fitted) and of others (held out): the
-    workloads' own steps, with the server's arrivals and departures beside them as validate serves them (one run
-    at a time, each its workload's programs at their arrival times)."""
+    workloads' own steps, with the server's arrivals and departures beside them, served as validate serves them:
+    each run its workload's programs at their arrival times on a fresh engine (or cluster) with ``programs_config``
+    (validate's engine flags; default ``config``)."""
     vocab = loaded.arch.vocab_size
     with served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
         start = time.monotonic()
@@ -285,19 +312,30 @@ def calibrate_served(
         held = run_served_grid(served, held_out, vocab, seed=1) if held_out is not None else []
         if arrivals is not None and held_out is not None:
             held += run_served_grid(served, arrivals[1], vocab, seed=4)
-        held_programs: list[AttentionSample] = []
-        if programs is not None:
-            for run in programs[0]:
-                samples += run_served_programs(served, run, vocab)
-            for run in programs[1]:
-                held_programs += run_served_programs(served, run, vocab)
-        wall = time.monotonic() - start
+    fitted_runs: list[list[AttentionSample]] = []
+    held_runs: list[list[AttentionSample]] = []
+    for runs, out in zip(programs or ([], []), (fitted_runs, held_runs), strict=True):
+        out += [run_programs_on_a_fresh_engine(loaded, programs_config or config, cluster, run) for run in runs]
+    samples += [s for run in fitted_runs for s in run]
+    wall = time.monotonic() - start
     others = cluster.instances - 1 if cluster is not None else 0
     result = fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster), others))
-    if not held_programs:
-        return result
-    error = programs_error(result.model, held_programs, others)
-    return dataclasses.replace(result, held_out_programs=tuple(held_programs), held_out_programs_error=error)
+    return with_program_runs(result, [len(r) for r in fitted_runs], held_runs)
+
+
+def with_program_runs(
+    result: Calibration, fitted_runs: Sequence[int], held_runs: Sequence[Sequence[AttentionSample]]
+) -> Calibration:
+    """``result`` with its fitted program runs' step counts, the held-out runs' steps and the fit's error on them."""
+    held = tuple(s for run in held_runs for s in run)
+    error = programs_error(result.model, held, result.fit.others) if held else None
+    return dataclasses.replace(
+        result,
+        held_out_programs=held,
+        held_out_programs_error=error,
+        fitted_program_runs=tuple(fitted_runs),
+        held_out_program_runs=tuple(len(r) for r in held_runs),
+    )
 
 
 def engine_threads(cluster: ClusterConfig | None) -> int:
@@ -376,6 +414,14 @@ def _print_result(result: Calibration) -> None:
     print(f"held-out shapes: {_error_text(result.held_out_error)}")
     if result.held_out_programs_error is not None:
         print(f"held-out programs: {_programs_text(result.held_out_programs_error)}")
+    if result.fitted_program_runs:  # kept since runs are served on fresh engines
+        fitted_runs, held_runs = program_run_ratios(result)
+        print(
+            "each program run (a fresh engine each) over the fit: fitted "
+            + " ".join(f"x{r:.3f}" for r in fitted_runs)
+            + ", held out "
+            + " ".join(f"x{r:.3f}" for r in held_runs)
+        )
     print(_model_text(result.model))
 
 
@@ -394,6 +440,10 @@ def _calibration_figures(result: Calibration) -> dict:
         "held_out_error": vars(result.held_out_error) if result.held_out_error else None,
         "median_rel_error": result.fit_error.median,
         "held_out_programs_error": vars(result.held_out_programs_error) if result.held_out_programs_error else None,
+        "program_run_steps": {
+            "fitted": list(result.fitted_program_runs),
+            "held_out": list(result.held_out_program_runs),
+        },
     }
 
 
@@ -421,7 +471,12 @@ def run(args: argparse.Namespace) -> dict:
     if programs is not None and not args.served:
         raise SystemExit("--workloads needs --served (the programs' steps are a served engine's)")
     if args.served:
-        result = calibrate_served(loaded, config, grid, held_out, cluster, args.form, programs=programs)
+        # The programs run as validate runs them: its engine flags (the engine's defaults), not the grid's smaller
+        # pool and step budget (the grid's budget is below its longest prompt, to chunk it).
+        programs_config = EngineConfig(model=config.model)
+        result = calibrate_served(
+            loaded, config, grid, held_out, cluster, args.form, programs=programs, programs_config=programs_config
+        )
     else:
         if cluster is not None:
             raise SystemExit("--instances above 1 needs --served (a cluster is calibrated as it is served)")
@@ -480,8 +535,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def calibration_programs(args: argparse.Namespace) -> tuple[list[list[ProgramSpec]], list[list[ProgramSpec]]]:
-    """``--workloads``' programs to fit on (``--workload-seed``) and to hold out (the next seed), a run per workload:
-    the shapes and rates validate runs, never its programs (validate's ``--bench-seed`` is 0 by default)."""
+    """``--workloads``' programs to fit on (``--program-runs`` runs per workload, seeds from ``--workload-seed``) and
+    to hold out (a run per workload, the next seed): the shapes and rates validate runs, never its programs
+    (validate's ``--bench-seed`` is 0 by default). Each run is served on a fresh engine, as each of validate's
+    repeats is, so several fitted runs sample several engines' levels."""
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in names:
         if w not in WORKLOADS or w == "trace":
@@ -491,13 +548,19 @@ def calibration_programs(args: argparse.Namespace) -> tuple[list[list[ProgramSpe
     def programs(seed: int) -> list[list[ProgramSpec]]:
         return [make_programs(w, args.num_programs, args.rate, seed, shape) for w in names]
 
-    return programs(args.workload_seed), programs(args.workload_seed + 1)
+    runs = max(1, args.program_runs)
+    fitted_runs = [run for seed in range(args.workload_seed, args.workload_seed + runs) for run in programs(seed)]
+    return fitted_runs, programs(args.workload_seed + runs)
 
 
 def _programs_description(args: argparse.Namespace) -> str:
+    runs = max(1, args.program_runs)
+    last = args.workload_seed + runs - 1
+    seeds = f"seed {args.workload_seed}" if runs == 1 else f"seeds {args.workload_seed}-{last}"
     return (
         f"{args.workloads}: {args.num_programs} programs each at {args.rate}/s (scale {args.scale}, tool wait"
-        f" {args.tool_wait} s), seed {args.workload_seed} fitted, seed {args.workload_seed + 1} held out"
+        f" {args.tool_wait} s), {seeds} fitted, seed {last + 1} held out, each run on a fresh engine with validate's"
+        " engine flags"
     )
 
 
@@ -520,9 +583,11 @@ def refit(args: argparse.Namespace) -> dict:
     spec = FitSpec(args.form, per_shape, calibration.get("threads", 1), calibration.get("instances", 1) - 1)
     result = fitted(samples, held, calibration.get("wall_s", 0.0), spec)
     held_programs = samples_from_json(calibration.get("held_out_program_samples", []))
-    if held_programs:
-        error = programs_error(result.model, held_programs, spec.others)
-        result = dataclasses.replace(result, held_out_programs=tuple(held_programs), held_out_programs_error=error)
+    # Profiles from before the runs were kept: their held-out programs as one run.
+    runs = calibration.get("program_run_steps") or {"fitted": [], "held_out": [len(held_programs)]}
+    ends = list(itertools.accumulate(runs["held_out"]))
+    held_runs = [held_programs[end - n : end] for n, end in zip(runs["held_out"], ends, strict=True)]
+    result = with_program_runs(result, runs["fitted"], held_runs)
     print(f"{args.refit}: {len(samples)} + {len(held)} held-out steps, refitted")
     _print_result(result)
     for path in args.check:
@@ -573,6 +638,10 @@ def print_check(path: str, instances: int, models: dict[str, StepTimeModel]) -> 
         for kind, (n, _) in ratios[next(iter(models))].items():
             figures = ", ".join(f"{name} x{r[kind][1]:.3f}" for name, r in ratios.items())
             print(f"  {kind:18s} {n:5d} steps  {figures}")
+        # Each run (a fresh engine each) apart: the level a run's engine steps at, beside the calibration's runs'.
+        for name, m in models.items():
+            runs = [programs_error(m, samples_from_json(run), instances - 1).ratio for run in case["real_steps"] if run]
+            print(f"  each run, {name}: " + " ".join(f"x{r:.3f}" for r in runs))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -634,7 +703,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload-seed",
         type=int,
         default=101,
-        help="the fitted programs' seed (the held-out ones': the next); keep it off validate's --bench-seed",
+        help="the first fitted run's seed (the held-out run's: the one after the fitted runs'); keep them off"
+        " validate's --bench-seed",
+    )
+    parser.add_argument(
+        "--program-runs",
+        type=int,
+        default=1,
+        help="with --workloads: fitted runs of each workload (seeds from --workload-seed), each on a fresh engine as"
+        " validate's repeats are; the held-out run's seed is the next",
     )
     parser.add_argument("--num-programs", type=int, default=8, help="with --workloads: programs of each workload")
     parser.add_argument("--rate", type=float, default=0.25, help="with --workloads: programs per second")

@@ -23,11 +23,13 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from boundless.bench.programs import ProgramRunner, ServedEngine
+from boundless.bench.programs import ProgramRunner, ServedEngine, served_engine
 from boundless.engine.attention_time import AttentionSample
 
 if TYPE_CHECKING:
     from boundless.bench.workloads import ProgramSpec
+    from boundless.config import ClusterConfig, EngineConfig
+    from boundless.model.loader import LoadedModel
     from boundless.sim.calibrate import CalibrationGrid
 
 MODEL_NAME = "calibrate"
@@ -79,6 +81,19 @@ def run_served_programs(served: ServedEngine, programs: list[ProgramSpec], vocab
     runner = ProgramRunner(served.url, MODEL_NAME, served.max_model_len, vocab)
     _, steps = asyncio.run(taking_steps(runner.run(programs, "calibration programs"), served.take_steps))
     return steps
+
+
+def run_programs_on_a_fresh_engine(
+    loaded: LoadedModel, config: EngineConfig, cluster: ClusterConfig | None, programs: list[ProgramSpec]
+) -> list[AttentionSample]:
+    """``programs`` as one of ``simulate validate``'s real runs serves them: a fresh engine (or cluster) with
+    ``config``, nothing run on it before, behind the server; every step the engines ran.
+
+    Served steps of the same shapes cost a level of their own on each fresh engine (1.03-1.24x between validate's
+    repeats of the same programs, ``docs/simulation.md``, Validation), and validate serves each repeat on a fresh
+    one: a calibration that serves its programs on the engine that ran its grid samples one level, not theirs."""
+    with served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
+        return run_served_programs(served, programs, loaded.arch.vocab_size)
 
 
 async def taking_steps(

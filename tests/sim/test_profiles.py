@@ -30,6 +30,7 @@ from boundless.sim.calibrate import (
     median_per_shape,
     median_rel_error,
     profile_json,
+    program_run_ratios,
     run_grid,
     same_shape_ratios,
     step_shape,
@@ -204,7 +205,13 @@ def test_calibration_programs_are_a_run_per_workload_of_other_seeds_than_validat
     import argparse
 
     args = argparse.Namespace(
-        workloads="chat,mapreduce", workload_seed=101, num_programs=3, rate=0.25, scale=0.1, tool_wait=0.2
+        workloads="chat,mapreduce",
+        workload_seed=101,
+        num_programs=3,
+        rate=0.25,
+        scale=0.1,
+        tool_wait=0.2,
+        program_runs=1,
     )
     fitted_runs, held_runs = calibration_programs(args)
     shape = WorkloadShape(scale=0.1, tool_wait_s=0.2)
@@ -212,6 +219,10 @@ def test_calibration_programs_are_a_run_per_workload_of_other_seeds_than_validat
     assert held_runs == [make_programs(w, 3, 0.25, 102, shape) for w in ("chat", "mapreduce")]
     validated = {p.program_id for w in ("chat", "mapreduce") for p in make_programs(w, 3, 0.25, 0, shape)}
     assert validated.isdisjoint(p.program_id for run in fitted_runs + held_runs for p in run)
+    # Several fitted runs (each served on a fresh engine): consecutive seeds, the held-out run's seed after them.
+    fitted_runs, held_runs = calibration_programs(argparse.Namespace(**{**vars(args), "program_runs": 2}))
+    assert fitted_runs == [make_programs(w, 3, 0.25, s, shape) for s in (101, 102) for w in ("chat", "mapreduce")]
+    assert held_runs == [make_programs(w, 3, 0.25, 103, shape) for w in ("chat", "mapreduce")]
     with pytest.raises(SystemExit):
         calibration_programs(argparse.Namespace(**{**vars(args), "workloads": "chat,nope"}))
 
@@ -233,6 +244,31 @@ def test_calibrate_served_fits_served_programs_steps_and_holds_out_others(tiny_l
     assert sum(s.arrivals for s in held) == sum(p.num_calls for p in held_runs[0])
     error = result.held_out_programs_error
     assert error is not None and error.steps == len(held) and error.ratio > 0 and error.median >= 0
+
+
+def test_calibrate_served_serves_each_program_run_on_a_fresh_engine_with_validates_flags(
+    tiny_llama: LoadedModel,
+) -> None:
+    # Validate serves each repeat on a fresh engine, so the calibration's program runs are too: the same programs run
+    # again find nothing of the first run cached (one engine for both would hit the first call's prompt blocks).
+    grid_config = EngineConfig(model=ModelConfig(), cache=CacheConfig(num_kv_blocks=64))
+    programs_config = EngineConfig(model=ModelConfig(), cache=CacheConfig(num_kv_blocks=512))
+    grid = CalibrationGrid((1,), (8,), output_tokens=3, repeats=1)
+    run = make_programs("mapreduce", 2, 4.0, 101, WorkloadShape(scale=0.05, tool_wait_s=0.05))
+    result = calibrate_served(
+        tiny_llama, grid_config, grid, arrivals=None, programs=([run], [run]), programs_config=programs_config
+    )
+    first = result.held_out_programs[0]  # the second run's first step: its first call's prefill
+    assert first.arrivals >= 1 and first.shapes[0].new >= 2 * 16  # two full blocks a reused engine would have cached
+    assert all(c.cached == 0 for c in first.shapes)
+    # Each run's steps are kept apart (the fitted run's are the last of the fitted steps), each run's level told.
+    assert result.held_out_program_runs == (len(result.held_out_programs),)
+    (fitted_steps,) = result.fitted_program_runs
+    assert sum(s.arrivals for s in result.samples[-fitted_steps:]) == sum(p.num_calls for p in run)
+    fitted_ratios, held_ratios = program_run_ratios(result)
+    assert len(fitted_ratios) == len(held_ratios) == 1
+    assert result.held_out_programs_error is not None
+    assert held_ratios[0] == pytest.approx(result.held_out_programs_error.ratio)
 
 
 @pytest.mark.slow
