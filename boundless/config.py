@@ -318,7 +318,8 @@ class ClusterConfig:
         default="dualpath",
         metadata={
             "help": "where stored KV is read: basic (on the prefill engine), dualpath (on the prefill or the "
-            "decode engine, whichever node's storage queue is shorter) or oracle (no storage I/O; benchmarks only)"
+            "decode engine, whichever node's storage link would finish the read first) or oracle (no storage I/O; "
+            "benchmarks only)"
         },
     )
     storage_gbps: float | None = field(

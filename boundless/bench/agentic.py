@@ -11,7 +11,7 @@ Setups, each with a fresh, empty store (``--kv-disk-path`` semantics, written th
   transport, behind the PD dispatcher and its scheduler, ``--kv-path`` set to the mode. Every engine is a node
   of its own with an emulated storage link at ``--storage-gbps`` and a network link at ``--net-gbps``
   (``cluster/links.py``): under ``basic`` every stored block crosses the PE's storage link, under ``dualpath``
-  the scheduler sends each turn's read through whichever node's link has the shorter queue, and under
+  the scheduler sends each turn's read through whichever node's link would finish it first, and under
   ``oracle`` no engine has a storage link (the reads still happen, for the right outputs, but wait for nothing).
 - ``colocated``: one engine that prefills and decodes, reading through one storage link at ``--storage-gbps``.
 

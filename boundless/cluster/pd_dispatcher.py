@@ -102,6 +102,16 @@ class PDInstance:
 
 
 @dataclass(frozen=True)
+class ServedBy:
+    """The engines that served a program's last call, and its prompt's length: what their memories likely hold of
+    the program's next call (:meth:`PDDispatcher._in_memory`)."""
+
+    prefill_engine: str
+    decode_engine: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class Prepare:
     """Make ``instance_id`` the decode engine of a call, its KV coming as ``plan`` says."""
 
@@ -211,6 +221,7 @@ class PDDispatcher(Dispatcher):
         self.placed_stored_tokens: Counter[str] = Counter()  # their estimated stored tokens, by read path
         self.prefetches: Counter[str] = Counter()  # reads ahead decided for waiting calls, by the path they serve
         self._history: dict[str, list[int]] = {}  # program id -> its last call's tokens
+        self._served: dict[str, ServedBy] = {}  # program id -> the engines of its last call
         self._next_tag = 1
         self.order_by_program = order_by_program
         self._next_seq = 0
@@ -318,6 +329,7 @@ class PDDispatcher(Dispatcher):
             decisions.append(AbortOn(call.decode_engine, call.request_id))  # its first token ended it
         if call.program is not None:
             self._history[call.program.program_id] = call.prompt + call.output_token_ids
+            self._served[call.program.program_id] = ServedBy(call.prefill_engine, call.decode_engine, len(call.prompt))
             if delta.finish_time is not None:
                 service = call.prefill_service_s + delta.service_s
                 wait = max(0.0, (delta.finish_time - delta.arrival_time) - delta.service_s)
@@ -383,6 +395,7 @@ class PDDispatcher(Dispatcher):
         dropped = super().expire()
         for pid in dropped:
             self._history.pop(pid, None)
+            self._served.pop(pid, None)
         return dropped
 
     # -- decisions ---------------------------------------------------------------------------------
@@ -484,7 +497,25 @@ class PDDispatcher(Dispatcher):
     def _pending(self, call: PDCall) -> PendingRequest:
         alive = call.prefetch_engine and self.views[call.prefetch_engine].alive
         stored = min(call.stored_tokens, call.num_tokens)
-        return PendingRequest(call.request_id, call.num_tokens, stored, call.prefetch_engine if alive else None)
+        prefetched = call.prefetch_engine if alive else None
+        return PendingRequest(call.request_id, call.num_tokens, stored, prefetched, self._in_memory(call, stored))
+
+    def _in_memory(self, call: PDCall, stored: int) -> dict[str, int]:
+        """Of the call's stored tokens, the leading ones each engine likely still holds in memory: those of its
+        program's last call, on the engines that served it (the PE its prompt's full blocks, computed, read or
+        pushed there; the DE the prompt and output it decoded). The scheduler weighs each read path by what it would
+        really read (``read_tokens``): a next turn's context is mostly in memory, and counting it whole on the link
+        it is placed on would steer the next whole-context read to the other link. An estimate: memory may have let
+        the blocks go since (the engine then reads them, and its node's reported queue shows it)."""
+        served = self._served.get(call.program.program_id) if call.program is not None else None
+        if served is None:
+            return {}
+        held: dict[str, int] = {}
+        if served.prefill_engine and self.views[served.prefill_engine].alive:
+            held[served.prefill_engine] = min(stored, served.prompt_tokens // self.block_size * self.block_size)
+        if served.decode_engine and self.views[served.decode_engine].alive:
+            held[served.decode_engine] = stored
+        return held
 
     def prefetch_room(self) -> dict[str, int]:
         """Tokens each live engine may still read ahead for calls not placed yet: ``PREFETCH_HOST_SHARE`` of its host

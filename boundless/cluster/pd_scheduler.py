@@ -15,15 +15,19 @@ order, one round at a time:
    the fewest requests among those that stay at or under the high-token threshold ``Z`` after taking
    it; only when every DE would pass ``Z`` does the one with the fewest tokens take it (a DE far
    above the others risks running out of KV memory and preempting). A DE must have the KV room.
-3. **Read path.** ``dualpath`` reads the request's stored KV on whichever node's storage queue is
-   shorter: the PE's (storage -> PE) or the DE's (storage -> DE -> PE over the compute network); a tie,
-   or a PE and DE on one node, reads on the PE (one hop fewer). ``basic`` always reads on the PE (the
-   single-path baseline); ``oracle`` reads nothing (no storage I/O: an upper bound for benchmarks).
+3. **Read path.** ``dualpath`` reads the request's stored KV on whichever node's storage link would
+   finish it first: the PE's (storage -> PE) or the DE's (storage -> DE -> PE over the compute network),
+   each node's queue plus the tokens that path would read for this request (:func:`read_tokens`: the
+   stored tokens less what the reading engines likely hold in memory already; every node's link has one
+   rate, so tokens compare as times). A tie reads on the DE (the PE's node also computes the prefill);
+   a request the PE holds whole, or a PE and DE on one node, reads on the PE (nothing to balance).
+   ``basic`` always reads on the PE (the single-path baseline); ``oracle`` reads nothing (no storage
+   I/O: an upper bound for benchmarks).
 
 Every placement is accounted before the next request is placed: the PE's and DE's ``seq`` and
-``tok`` grow, the DE's free KV shrinks, and the read lands in its node's queue. The request at the
-head of the queue that finds no PE or no DE stops the round (strict FIFO, as the paper's PE
-scheduling); the rest wait for the next reports.
+``tok`` grow, the DE's free KV shrinks, and the read (the tokens its path reads) lands in its node's
+queue. The request at the head of the queue that finds no PE or no DE stops the round (strict FIFO,
+as the paper's PE scheduling); the rest wait for the next reports.
 
 Where this differs from the paper: the paper's engine groups *pull* work (a group's leader asks,
 the scheduler answers), and DE requests pass through a global pool and per-group private queues.
@@ -45,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from boundless.config import KV_PATHS, ClusterConfig, SchedulerConfig
@@ -81,7 +85,8 @@ class PDSchedulerConfig:
     ``z``: the high-token threshold of a DE; None derives it per round from the group's state
     (the paper's rule, see the module docstring); a number fixes it.
 
-    ``kv_path``: ``basic`` (PE reads only), ``dualpath`` (shorter queue) or ``oracle`` (no reads).
+    ``kv_path``: ``basic`` (PE reads only), ``dualpath`` (the link that finishes the read first) or ``oracle``
+    (no reads).
     """
 
     alpha: int = ALPHA_STEPS * 2048
@@ -128,12 +133,15 @@ class EngineLoad:
 
 @dataclass(frozen=True)
 class PendingRequest:
-    """A request waiting for its engines: its prompt tokens, and how many of them have KV in storage."""
+    """A request waiting for its engines: its prompt tokens, how many of them have KV in storage, and how many
+    leading ones of those each engine likely holds in memory (``in_memory``: the engines that served its program's
+    last call; a read there skips them, so the bytes a path carries are not the stored tokens alone)."""
 
     request_id: str
     num_tokens: int
     stored_tokens: int = 0
     prefetched_on: str | None = None  # the engine its stored KV was read into ahead of its placement (see below)
+    in_memory: Mapping[str, int] = field(default_factory=dict, hash=False)  # engine id -> leading stored tokens held
 
     def __post_init__(self) -> None:
         if not 0 <= self.stored_tokens <= self.num_tokens:
@@ -235,13 +243,42 @@ def pick_decode_engine(group: Sequence[EngineLoad], num_tokens: int, z: float) -
     return min(room, key=lambda e: e.tok, default=None)
 
 
-def choose_read_path(mode: KVPath, request: PendingRequest, pe_queue: int, de_queue: int, same_node: bool) -> ReadPath:
-    """PE-read or DE-read for the request's stored KV (``none`` when there is nothing to read, or under oracle)."""
+def read_tokens(request: PendingRequest, path: ReadPath, pe_id: str, de_id: str) -> int:
+    """The stored tokens a path reads from storage for the request on engines ``pe_id`` and ``de_id``: PE-read,
+    what the PE does not hold; DE-read, what neither holds (the DE reads only what the PE lacks, and serves from its
+    own memory what it holds: ``EngineCore.prepare_intake``). An estimate: memory may have let blocks go since."""
+    held_pe = request.in_memory.get(pe_id, 0)
+    if path == "pe":
+        return max(0, request.stored_tokens - held_pe)
+    if path == "de":
+        return max(0, request.stored_tokens - max(held_pe, request.in_memory.get(de_id, 0)))
+    return 0
+
+
+def choose_read_path(
+    mode: KVPath,
+    request: PendingRequest,
+    pe_queue: int,
+    de_queue: int,
+    same_node: bool,
+    pe_id: str = "",
+    de_id: str = "",
+) -> ReadPath:
+    """PE-read or DE-read for the request's stored KV (``none`` when there is nothing to read, or under oracle).
+
+    ``dualpath`` takes the path whose node would finish the read first: its queue plus what that path reads for
+    this request (:func:`read_tokens` on engines ``pe_id`` and ``de_id``), so the bytes each link carries balance,
+    not only the queues' lengths (a request whose context the DE holds adds nothing to the DE's link, and a whole
+    context read adds all of it). A tie goes to the DE: the PE's node also computes every prefill. A request the
+    PE holds whole reads nothing either way: PE-read, without a push."""
     if mode == "oracle" or request.stored_tokens == 0:
         return "none"
     if mode == "basic" or same_node:
         return "pe"
-    return "de" if de_queue < pe_queue else "pe"
+    pe_read = read_tokens(request, "pe", pe_id, de_id)
+    if pe_read == 0:
+        return "pe"
+    return "de" if de_queue + read_tokens(request, "de", pe_id, de_id) <= pe_queue + pe_read else "pe"
 
 
 def honor_prefetch(
@@ -282,24 +319,27 @@ def prefetch_target(
     queues: Mapping[str, int],
     room: Mapping[str, int],
     config: PDSchedulerConfig,
-) -> tuple[EngineLoad, ReadPath] | None:
-    """Where a waiting request's stored KV is read ahead of its placement, by the placement's own rules as far as
-    they do not depend on room it lacks now: the PE it would get (the scheduler's PE rule), the DE whose node's read
-    queue is the shortest (the fewest tokens on a tie; a DE's KV room is what the request waits for, and its placement
-    then goes to that DE when it has room), and the read path by the shorter queue; should that engine's
-    prefetch room (``room``, tokens) not hold the request's stored tokens, the other path's engine under
-    ``dualpath``. None: no engine has the room (or nothing to read)."""
+) -> tuple[EngineLoad, ReadPath, int] | None:
+    """Where a waiting request's stored KV is read ahead of its placement, and how many tokens that reads, by the
+    placement's own rules as far as they do not depend on room it lacks now: the PE it would get (the scheduler's PE
+    rule), the DE whose node's read queue is the shortest (the fewest tokens on a tie; a DE's KV room is what the
+    request waits for, and its placement then goes to that DE when it has room), and the read path by
+    :func:`choose_read_path`; should that engine's prefetch room (``room``, tokens) not hold what it would read, the
+    other path's engine under ``dualpath``. The tokens are 0 when the engines likely hold the request's context
+    already (nothing to read ahead). None: no engine has the room (or nothing is stored)."""
     if config.kv_path == "oracle" or request.stored_tokens == 0 or not pes or not des:
         return None
     pe = pick_prefill_engine(pes, queues, config) or min(pes, key=lambda e: e.tok)
     de = min(des, key=lambda e: (queues[e.node], e.tok))
-    path = choose_read_path(config.kv_path, request, queues[pe.node], queues[de.node], pe.node == de.node)
-    options = [(pe, "pe"), (de, "de")] if path == "pe" else [(de, "de"), (pe, "pe")]
+    ids = (pe.engine_id, de.engine_id)
+    path = choose_read_path(config.kv_path, request, queues[pe.node], queues[de.node], pe.node == de.node, *ids)
+    options: list[tuple[EngineLoad, ReadPath]] = [(pe, "pe"), (de, "de")] if path == "pe" else [(de, "de"), (pe, "pe")]
     if config.kv_path == "basic" or pe.node == de.node:
         options = [(pe, "pe")]
     for engine, p in options:
-        if room.get(engine.engine_id, 0) >= request.stored_tokens:
-            return engine, p  # type: ignore[return-value]
+        tokens = read_tokens(request, p, *ids)
+        if room.get(engine.engine_id, 0) >= tokens:
+            return engine, p, tokens
     return None
 
 
@@ -322,9 +362,10 @@ def plan_prefetches(
 ) -> tuple[tuple[ReadAhead, ...], dict[str, int]]:
     """Reads ahead for requests still waiting for a placement, in FIFO order (those placed next first), each on
     :func:`prefetch_target`'s engine, while engines have prefetch room (``room``: tokens of host memory each may
-    hold for requests not placed yet); requests already prefetched are skipped, and the first that fits nowhere
-    ends the round (its room goes to it as soon as there is some). Each read joins its node's queue before the
-    next is decided, as a placement's does. Returns the prefetches and the node read queues with them."""
+    hold for requests not placed yet); requests already prefetched, or whose context the engines likely hold
+    already, are skipped, and the first that fits nowhere ends the round (its room goes to it as soon as there is
+    some). Each read joins its node's queue before the next is decided, as a placement's does. Returns the
+    prefetches and the node read queues with them."""
     queues: dict[str, int] = {}
     for e in loads:
         queues[e.node] = max(queues.get(e.node, 0), e.read_queue)
@@ -338,10 +379,12 @@ def plan_prefetches(
         target = prefetch_target(request, pes, des, queues, left, config)
         if target is None:
             break
-        engine, path = target
-        left[engine.engine_id] -= request.stored_tokens
-        queues[engine.node] += request.stored_tokens
-        out.append(ReadAhead(request.request_id, engine.engine_id, path, request.stored_tokens))
+        engine, path, tokens = target
+        if tokens == 0:
+            continue  # in memory where it would be read: nothing to read ahead, and no room to hold
+        left[engine.engine_id] -= tokens
+        queues[engine.node] += tokens
+        out.append(ReadAhead(request.request_id, engine.engine_id, path, tokens))
     return tuple(out), queues
 
 
@@ -376,13 +419,14 @@ def schedule(queue: Sequence[PendingRequest], loads: Sequence[EngineLoad], confi
         assert de is not None  # the group was chosen for having a DE with room
         pe, de, prefetched = honor_prefetch(request, pe, de, pes, des, queues, config)
         if prefetched is not None:  # its read is under way (or done) there: no second read, no new queueing
-            path, read_node, read_tokens = prefetched, (pe if prefetched == "pe" else de).node, 0
+            path, read_node, tokens = prefetched, (pe if prefetched == "pe" else de).node, 0
         else:
-            path = choose_read_path(config.kv_path, request, queues[pe.node], queues[de.node], pe.node == de.node)
+            ids = (pe.engine_id, de.engine_id)
+            path = choose_read_path(config.kv_path, request, queues[pe.node], queues[de.node], pe.node == de.node, *ids)
             read_node = {"pe": pe.node, "de": de.node, "none": None}[path]
-            read_tokens = request.stored_tokens if read_node is not None else 0
+            tokens = read_tokens(request, path, *ids)
         if read_node is not None:
-            queues[read_node] += read_tokens
+            queues[read_node] += tokens
         pe_free = pe.kv_free_tokens - request.num_tokens if pe.kv_free_tokens is not None else None
         state[pe.engine_id] = dataclasses.replace(
             pe, seq=pe.seq + 1, tok=pe.tok + request.num_tokens, kv_free_tokens=pe_free
@@ -391,7 +435,7 @@ def schedule(queue: Sequence[PendingRequest], loads: Sequence[EngineLoad], confi
         state[de.engine_id] = dataclasses.replace(
             de, seq=de.seq + 1, tok=de.tok + request.num_tokens, kv_free_tokens=free
         )
-        placements.append(Placement(request.request_id, pe.engine_id, de.engine_id, path, read_node, read_tokens))
+        placements.append(Placement(request.request_id, pe.engine_id, de.engine_id, path, read_node, tokens))
         placed += 1
     new_loads = tuple(dataclasses.replace(state[i], read_queue=queues[state[i].node]) for i in order)
     return ScheduleResult(tuple(placements), tuple(queue[placed:]), new_loads, queues)

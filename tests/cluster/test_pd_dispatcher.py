@@ -74,24 +74,34 @@ def test_a_call_is_prepared_on_a_de_prefilled_on_a_pe_and_continued_on_the_de() 
     assert d.calls == {} and {(load.seq, load.tok) for load in d.loads()} == {(0, 0)}
 
 
-def test_a_programs_next_call_reads_its_stored_prefix_on_the_shorter_storage_queue() -> None:
+def test_a_programs_next_call_reads_its_stored_prefix_where_the_links_finish_first() -> None:
     d = dispatcher()
     program = ProgramRef("agent")
     first = list(range(40))
     prepared(d, "t1", first, IntakeAnswer(0), program)
     d.receive("p0", delta("t1", [50], "a", "handoff"))
-    d.receive("d0", delta("t1", [51, 52], "bc", "length"))
-    # The next turn extends the last one: two full blocks of it are in the store. The PE's node reads a lot.
+    d.receive("d0", delta("t1", list(range(51, 58)), "bcdefgh", "length"))
+    # The next turn extends the last one: three full blocks of it are in the store, the PE's memory holds the first
+    # two (the last prompt's), the DE's all three (it decoded the rest). The PE's node reads a lot.
     d.report("p0", 1000)
     d.report("d0", 0)
-    (prepare,) = d.submit("t2", first + [50, 51, 52] + list(range(60, 80)), PARAMS, program)
+    (prepare,) = d.submit("t2", first + list(range(50, 58)) + list(range(60, 80)), PARAMS, program)
     assert isinstance(prepare, Prepare) and prepare.plan.push_tag is not None  # DE-read
     assert prepare.prefill_engine == "p0"  # asked first what it holds, so that the DE pushes only the rest
-    answer = IntakeAnswer(send_from_block=2, push_blocks=1, push_from=1)  # the PE holds block 0
+    answer = IntakeAnswer(send_from_block=3, push_blocks=1, push_from=2)  # the PE holds blocks 0 and 1
     (send,) = d.prepare_done(prepare, PrepareResult("ok", answer))
     assert send.handoff.recv_tag == prepare.plan.push_tag
-    assert (send.handoff.recv_from, send.handoff.recv_blocks) == (1, 1)
-    assert d.placements == {"pe": 1, "de": 1} and d.placed_stored_tokens["de"] == 32
+    assert (send.handoff.recv_from, send.handoff.recv_blocks) == (2, 1)
+    assert d.placements == {"de": 2} and d.placed_stored_tokens["de"] == 32 + 48  # the first call's tie: the DE
+    # What the DE holds it pushes from memory: nothing joins its node's read queue (the stored estimate did, 48).
+    assert (d.read_queues["p0"], d.read_queues["d0"]) == (1000, 0)
+    assert d.add_done(send, OK) == []
+    d.receive("p0", delta("t2", [90], "x", "handoff"))
+    d.receive("d0", delta("t2", [91], "y", "length"))
+    # A next turn the PE holds whole (the last prompt plus no new full block) reads on the PE, its long queue
+    # notwithstanding: nothing to read on either path, and no push.
+    (prepare,) = d.submit("t3", first + list(range(50, 58)) + list(range(60, 80)) + [90], PARAMS, program)
+    assert prepare.plan.push_tag is None and d.placements == {"pe": 1, "de": 2}
     # Under basic the PE always reads, whatever the queues.
     b = dispatcher(kv_path="basic")
     b.report("p0", 1000)
@@ -118,22 +128,15 @@ def test_a_programs_first_call_counts_its_prompts_full_blocks_as_stored() -> Non
 
 def test_reads_placed_between_reports_count_in_their_nodes_queue() -> None:
     d = dispatcher(des=1)
-    stored = {}
-    for name in ("a", "b"):  # two agents, each on its second turn: 64 tokens of stored context
-        program = ProgramRef(name)
-        prepared(d, f"{name}1", list(range(64)), IntakeAnswer(0), program)
-        d.receive("p0", delta(f"{name}1", [50], "a", "handoff"))
-        d.receive("d0", delta(f"{name}1", [51, 52], "bc", "length"))
-        stored[name] = program
     d.report("p0", 40)
     d.report("d0", 0)
-    before = dict(d.placements)
-    (first,) = d.submit("a2", list(range(64)) + [50, 51, 52, 9], PARAMS, stored["a"])
-    assert first.plan.push_tag is not None  # DE-read: the DE's queue is shorter
+    # Two agents resumed with 64 tokens of context each in the store, in neither engine's memory.
+    (first,) = d.submit("a", list(range(64)) + [9], PARAMS, ProgramRef("a"))
+    assert first.plan.push_tag is not None  # DE-read: the DE's node finishes the read first (0 + 64 < 40 + 64)
     # No report since: the 64 tokens placed on the DE's node make its queue the longer one now.
-    (second,) = d.submit("b2", list(range(64)) + [50, 51, 52, 9], PARAMS, stored["b"])
+    (second,) = d.submit("b", list(range(64)) + [9], PARAMS, ProgramRef("b"))
     assert second.plan.push_tag is None
-    assert d.placements["de"] - before.get("de", 0) == 1 and d.placements["pe"] - before.get("pe", 0) == 1
+    assert d.placements == {"de": 1, "pe": 1}
     assert {load.engine_id: load.read_queue for load in d.loads()} == {"p0": 40 + 64, "d0": 64}
     d.report("d0", 0)  # a report replaces the estimate
     assert {load.engine_id: load.read_queue for load in d.loads()}["d0"] == 0
@@ -199,19 +202,20 @@ def test_calls_waiting_for_a_des_room_have_their_stored_context_read_ahead_where
     d = reading_ahead()
     d.report("p0", 0)
     d.report("d0", 0)
-    prepared(d, "a", list(range(60)), IntakeAnswer(0), ProgramRef("A"))  # a reads its 48 stored tokens on the PE
-    # b waits for the DE's room; its 48 stored tokens are read ahead on the DE's node (its queue is the shorter).
+    prepare, _ = prepared(d, "a", list(range(60)), IntakeAnswer(0), ProgramRef("A"))
+    assert prepare.plan.push_tag is not None  # a reads its 48 stored tokens on the DE (the queues tie)
+    # b waits for the DE's room; its 48 stored tokens are read ahead on the PE's node (its queue is the shorter).
     (ahead,) = d.submit("b", list(range(100, 160)), PARAMS, ProgramRef("B"))
-    assert ahead == Prefetch("d0", "b", list(range(100, 160)))
+    assert ahead == Prefetch("p0", "b", list(range(100, 160)))
     (ahead,) = d.submit("c", list(range(200, 260)), PARAMS, ProgramRef("C"))
-    assert ahead.instance_id == "p0"  # the DE's queue has b's read now: c reads ahead on the PE's node
-    # The queues change; b is still placed where its blocks are: DE-read on d0, and nothing is dropped.
-    d.report("d0", 5000)
+    assert ahead.instance_id == "d0"  # b's read ties the queues again: c reads ahead on the DE's node
+    # The queues change; b is still placed where its blocks are: PE-read on p0, and nothing is dropped.
+    d.report("p0", 5000)
     d.receive("p0", delta("a", [7], "x", "handoff"))
     _, follow = d.receive("d0", delta("a", [8], "y", "length"))
     (prepare,) = follow
-    assert isinstance(prepare, Prepare) and prepare.request_id == "b" and prepare.plan.push_tag is not None
-    assert d.prefetches == {"de": 1, "pe": 1} and d.placements == {"pe": 1, "de": 1}
+    assert isinstance(prepare, Prepare) and prepare.request_id == "b" and prepare.plan.push_tag is None
+    assert d.prefetches == {"pe": 1, "de": 1} and d.placements == {"de": 1, "pe": 1}
 
 
 def test_read_ahead_is_bounded_by_each_engines_host_room_and_freed_by_placement() -> None:

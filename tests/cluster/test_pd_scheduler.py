@@ -17,6 +17,7 @@ from boundless.cluster.pd_scheduler import (
     pick_prefill_engine,
     plan_prefetches,
     read_queue_tokens,
+    read_tokens,
     schedule,
 )
 from boundless.config import ClusterConfig, ConfigError, SchedulerConfig, from_flags
@@ -149,11 +150,47 @@ def test_read_path_per_mode() -> None:
     stored = req("r", 1000, stored=900)
     assert choose_read_path("dualpath", stored, pe_queue=500, de_queue=100, same_node=False) == "de"
     assert choose_read_path("dualpath", stored, pe_queue=100, de_queue=500, same_node=False) == "pe"
-    assert choose_read_path("dualpath", stored, pe_queue=300, de_queue=300, same_node=False) == "pe"  # tie: fewer hops
+    assert choose_read_path("dualpath", stored, pe_queue=300, de_queue=300, same_node=False) == "de"  # tie: the DE
     assert choose_read_path("dualpath", stored, pe_queue=500, de_queue=0, same_node=True) == "pe"  # one NIC either way
     assert choose_read_path("basic", stored, pe_queue=500, de_queue=0, same_node=False) == "pe"
     assert choose_read_path("oracle", stored, pe_queue=0, de_queue=0, same_node=False) == "none"
     assert choose_read_path("dualpath", req("cold", 1000), pe_queue=500, de_queue=0, same_node=False) == "none"
+
+
+def test_each_path_reads_what_its_engines_lack() -> None:
+    # The PE served the program's last prompt (416 tokens of the 480 stored), the DE decoded it (all 480).
+    turn = PendingRequest("next", 500, 480, in_memory={"p": 416, "d": 480})
+    assert read_tokens(turn, "pe", "p", "d") == 64  # the blocks the DE wrote after the PE's prompt
+    assert read_tokens(turn, "de", "p", "d") == 0  # the DE pushes them from its memory
+    assert read_tokens(turn, "pe", "p2", "d2") == 480 and read_tokens(turn, "de", "p2", "d2") == 480  # other engines
+    assert read_tokens(turn, "de", "p", "d2") == 64  # a DE that holds nothing reads only what the PE lacks
+    assert read_tokens(turn, "none", "p", "d") == 0
+
+
+def test_the_path_balances_the_bytes_each_link_will_carry_not_the_queues_lengths() -> None:
+    # The DE holds this turn's context: DE-read adds nothing to its link, PE-read would read it all on the PE's,
+    # so the DE's longer queue still finishes first (the old rule, shorter queue, read it on the PE).
+    held = PendingRequest("held", 500, 480, in_memory={"d": 480})
+    assert choose_read_path("dualpath", held, pe_queue=0, de_queue=200, same_node=False, pe_id="p", de_id="d") == "de"
+    # Queue plus read: 100 + 64 on the PE against 170 + 0 on the DE; at 164 a tie, which goes to the DE.
+    turn = PendingRequest("next", 500, 480, in_memory={"p": 416, "d": 480})
+    assert choose_read_path("dualpath", turn, pe_queue=100, de_queue=170, same_node=False, pe_id="p", de_id="d") == "pe"
+    assert choose_read_path("dualpath", turn, pe_queue=100, de_queue=164, same_node=False, pe_id="p", de_id="d") == "de"
+    # The PE holds all of it: nothing to read on either path, so no push either.
+    whole = PendingRequest("whole", 500, 480, in_memory={"p": 480})
+    assert choose_read_path("dualpath", whole, pe_queue=500, de_queue=0, same_node=False, pe_id="p", de_id="d") == "pe"
+
+
+def test_a_round_queues_the_reads_its_paths_will_carry() -> None:
+    # A next turn (its context on both engines) then a whole first context, both links idle. The old rule read the
+    # turn on the PE (a tie) and counted its 480 stored tokens there, which sent the first context to the DE; both
+    # links looked equally loaded, while the PE's would carry 64 tokens and the DE's 480. Now the turn reads nothing
+    # on the DE, and the first context's tie goes to the DE as well: the queues say what each link will carry.
+    loads = [pe("p", "np"), de("d", "nd")]
+    queue = [PendingRequest("next", 500, 480, in_memory={"p": 416, "d": 480}), req("first", 500, 480)]
+    result = schedule(queue, loads, PDSchedulerConfig(alpha=10**6, beta=10**6))
+    assert [(p.read_path, p.read_tokens) for p in result.placements] == [("de", 0), ("de", 480)]
+    assert dict(result.read_queues) == {"np": 0, "nd": 480}
 
 
 def test_dualpath_spreads_reads_over_both_nodes_where_basic_piles_them_on_the_prefill_node() -> None:
@@ -161,7 +198,7 @@ def test_dualpath_spreads_reads_over_both_nodes_where_basic_piles_them_on_the_pr
     queue = [req(f"r{i}", 1000, stored=900) for i in range(4)]
     loose = PDSchedulerConfig(alpha=10**6, beta=10**6)
     dual = schedule(queue, loads, loose)
-    assert [p.read_path for p in dual.placements] == ["pe", "de", "pe", "de"]
+    assert [p.read_path for p in dual.placements] == ["de", "pe", "de", "pe"]
     assert dict(dual.read_queues) == {"np": 1800, "nd": 1800}
     basic = schedule(queue, loads, PDSchedulerConfig(alpha=10**6, beta=10**6, kv_path="basic"))
     assert dict(basic.read_queues) == {"np": 3600, "nd": 0}
@@ -223,10 +260,11 @@ def test_a_request_read_ahead_is_placed_where_its_blocks_are_and_reads_nothing_m
     # Read ahead on the DE: DE-read, whatever the queues say.
     (placed,) = schedule([PendingRequest("b", 100, 80, prefetched_on="d")], loads, CFG).placements
     assert (placed.decode_engine, placed.read_path, placed.read_tokens) == ("d", "de", 0)
-    # Read ahead on a PE that is overloaded now: the rules' PE, and the rules' path (its blocks there are cache).
+    # Read ahead on a PE that is overloaded now: the rules' PE, and the rules' path (its blocks there are cache; the
+    # queues tie, so the DE reads).
     over = [pe("p0", "n0"), pe("p1", "n1", tok=5000), de("d", "n2", free=1000)]
     (placed,) = schedule([ahead], over, CFG).placements
-    assert (placed.prefill_engine, placed.read_path, placed.read_tokens) == ("p0", "pe", 80)
+    assert (placed.prefill_engine, placed.read_path, placed.read_tokens) == ("p0", "de", 80)
 
 
 def test_thresholds_default_to_multiples_of_the_step_budget_and_flags_override_them() -> None:
