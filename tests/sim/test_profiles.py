@@ -260,7 +260,8 @@ def test_calibrate_served_serves_each_program_run_on_a_fresh_engine_with_validat
     )
     first = result.held_out_programs[0]  # the second run's first step: its first call's prefill
     assert first.arrivals >= 1 and first.shapes[0].new >= 2 * 16  # two full blocks a reused engine would have cached
-    assert all(c.cached == 0 for c in first.shapes)
+    # Nothing was cached before it (calls arriving in the same step may share the blocks the first one computes).
+    assert first.shapes[0].cached == 0
     # Each run's steps are kept apart (the fitted run's are the last of the fitted steps), each run's level told.
     assert result.held_out_program_runs == (len(result.held_out_programs),)
     (fitted_steps,) = result.fitted_program_runs
@@ -444,8 +445,9 @@ def test_refit_fits_a_shipped_profiles_kept_steps_again_and_writes_a_profile_tha
     assert isinstance(refitted, FittedStepCost) and refitted.model.threads == 2
     spec = FitSpec("cpu-kernels", "all", 2)
     assert fit_profile_model(samples_from_json(calibration["samples"]), spec) == refitted.model  # deterministic
-    # The held-out shapes it was never fitted on: the new form does better on its worst than the shipped one.
+    # The held-out shapes it was never fitted on: this form does no worse on its worst than the shipped one (which is
+    # of this form since stop 24: the same fit).
     assert (
         calibration["held_out_error"]["worst"]
-        < json.loads(shipped.read_text())["calibration"]["held_out_error"]["worst"]
+        <= json.loads(shipped.read_text())["calibration"]["held_out_error"]["worst"]
     )
