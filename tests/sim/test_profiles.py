@@ -334,7 +334,10 @@ def test_shipped_profiles_load_with_their_sources() -> None:
             calibration = json.loads((PROFILE_DIR / f"{name}.json").read_text())["calibration"]
             samples = samples_from_json(calibration["samples"])
             spec = FitSpec(
-                calibration.get("form", "linear"), calibration.get("per_shape", "fastest"), calibration["threads"]
+                calibration.get("form", "linear"),
+                calibration.get("per_shape", "fastest"),
+                calibration["threads"],
+                calibration.get("others", 0),  # a cluster's: the engines beside each step, whose contention is fitted
             )
             assert fit_profile_model(samples, spec) == profile.step.model
     with pytest.raises(ValueError, match="h100"):
