@@ -391,6 +391,13 @@ def plan_prefetches(
 # -- a round --------------------------------------------------------------------------------------
 
 
+def _placed_on(engine: EngineLoad, num_tokens: int) -> EngineLoad:
+    """The engine's load with a request of ``num_tokens`` placed on it: one more request, its tokens, and their KV
+    taken from its free room (a PE holds the prompt until the handoff, a DE the request while it decodes)."""
+    free = engine.kv_free_tokens - num_tokens if engine.kv_free_tokens is not None else None
+    return dataclasses.replace(engine, seq=engine.seq + 1, tok=engine.tok + num_tokens, kv_free_tokens=free)
+
+
 def schedule(queue: Sequence[PendingRequest], loads: Sequence[EngineLoad], config: PDSchedulerConfig) -> ScheduleResult:
     """Place the queue's requests in FIFO order on a PE and a DE each, with their read paths, until one
     finds no PE or no DE. ``loads`` holds the latest report of every live engine."""
@@ -427,14 +434,8 @@ def schedule(queue: Sequence[PendingRequest], loads: Sequence[EngineLoad], confi
             tokens = read_tokens(request, path, *ids)
         if read_node is not None:
             queues[read_node] += tokens
-        pe_free = pe.kv_free_tokens - request.num_tokens if pe.kv_free_tokens is not None else None
-        state[pe.engine_id] = dataclasses.replace(
-            pe, seq=pe.seq + 1, tok=pe.tok + request.num_tokens, kv_free_tokens=pe_free
-        )
-        free = de.kv_free_tokens - request.num_tokens if de.kv_free_tokens is not None else None
-        state[de.engine_id] = dataclasses.replace(
-            de, seq=de.seq + 1, tok=de.tok + request.num_tokens, kv_free_tokens=free
-        )
+        state[pe.engine_id] = _placed_on(pe, request.num_tokens)
+        state[de.engine_id] = _placed_on(de, request.num_tokens)
         placements.append(Placement(request.request_id, pe.engine_id, de.engine_id, path, read_node, tokens))
         placed += 1
     new_loads = tuple(dataclasses.replace(state[i], read_queue=queues[state[i].node]) for i in order)
