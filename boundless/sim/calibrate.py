@@ -163,16 +163,17 @@ def program_run_ratios(result: Calibration) -> tuple[list[float], list[float]]:
     fitted_steps = result.samples[len(result.samples) - sum(result.fitted_program_runs) :]
 
     def ratios(steps: Sequence[AttentionSample], runs: Sequence[int]) -> list[float]:
-        ends = list(itertools.accumulate(runs))
-        return [
-            programs_error(result.model, steps[end - n : end], result.fit.others).ratio
-            for n, end in zip(runs, ends, strict=True)
-            if n
-        ]
+        return [programs_error(result.model, run, result.fit.others).ratio for run in split_runs(steps, runs) if run]
 
     return ratios(fitted_steps, result.fitted_program_runs), ratios(
         result.held_out_programs, result.held_out_program_runs
     )
+
+
+def split_runs(steps: Sequence[AttentionSample], counts: Sequence[int]) -> list[Sequence[AttentionSample]]:
+    """``steps`` cut into consecutive runs of ``counts`` steps each."""
+    ends = itertools.accumulate(counts)
+    return [steps[end - n : end] for n, end in zip(counts, ends, strict=True)]
 
 
 def run_grid(core: EngineCore, grid: CalibrationGrid, seed: int = 0) -> list[AttentionSample]:
@@ -585,9 +586,7 @@ def refit(args: argparse.Namespace) -> dict:
     held_programs = samples_from_json(calibration.get("held_out_program_samples", []))
     # Profiles from before the runs were kept: their held-out programs as one run.
     runs = calibration.get("program_run_steps") or {"fitted": [], "held_out": [len(held_programs)]}
-    ends = list(itertools.accumulate(runs["held_out"]))
-    held_runs = [held_programs[end - n : end] for n, end in zip(runs["held_out"], ends, strict=True)]
-    result = with_program_runs(result, runs["fitted"], held_runs)
+    result = with_program_runs(result, runs["fitted"], split_runs(held_programs, runs["held_out"]))
     print(f"{args.refit}: {len(samples)} + {len(held)} held-out steps, refitted")
     _print_result(result)
     for path in args.check:
