@@ -18,6 +18,7 @@ from boundless.cluster.pd_dispatcher import PDDispatcher
 from boundless.config import CacheConfig, ClusterConfig, ModelConfig, add_flags, engine_config_from_flags
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
+from boundless.sim.failures import InstanceFailure, check_failures, parse_failures
 from boundless.sim.longctx import add_longctx_arguments, run_longctx
 from boundless.sim.profiles import load_profile, profile_names
 from boundless.sim.progress import VirtualTimeBar
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace) -> dict:
     profile = load_profile(args.profile) if args.profile else None
     cost = None if profile else CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
     clusters = cluster_configs_from_flags(args)
+    failures = failures_from_flags(args, clusters)
     if args.workload == "longctx":  # Infinite-LLM's experiment: its own rows (sim/longctx.py)
         return run_longctx(args, base, model, profile, cost, clusters[0])
     rows: list[dict] = []
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> dict:
                     profile=profile,
                     instances_per_node=args.instances_per_node,
                     fast_forward=args.fast_forward,
+                    failures=failures,
                 )
                 label = f"{policy}{'/' + cluster.kv_path if cluster.disaggregated else ''} @ {rate}/s"
                 bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, label, args.progress)
@@ -83,7 +86,15 @@ def run(args: argparse.Namespace) -> dict:
         + (f" ({scheduled} of {steps} steps scheduled)" if scheduled < steps else "")
     )
     failed = sum(row["failed_calls"] for row in rows)
-    if failed:  # a refused call takes no time: the latencies above would flatter the run
+    if failures:
+        for row in rows:
+            lost = ", ".join(f"{iid} at {t:g} s" for iid, t in row["instances_lost"].items())
+            print(
+                f"{row['policy']} @ {row['rate']}/s{' ' + row['roles'] if row['roles'] else ''}: lost {lost or 'none'};"
+                f" {row['failovers']} calls failed over, {row['failed_calls']} failed;"
+                f" {row['programs_finished']} of {row['programs']} programs finished"
+            )
+    elif failed:  # a refused call takes no time: the latencies above would flatter the run
         print(f"{failed} calls were refused by the engine (too long for --max-model-len): these figures are invalid")
     result = {
         "workload": args.workload,
@@ -109,6 +120,21 @@ def run(args: argparse.Namespace) -> dict:
     if args.plot:
         write_plot(args.plot, rows, args, profile.name if profile else "linear model")
     return result
+
+
+def failures_from_flags(args: argparse.Namespace, clusters: list[ClusterConfig]) -> list[InstanceFailure]:
+    """``--fail``'s instance failures, checked against every cluster of the run (SystemExit with what is wrong)."""
+    if not args.fail:
+        return []
+    try:
+        failures = parse_failures(args.fail)
+        if args.workload == "longctx":
+            raise ValueError("the longctx workload does not simulate failures")
+        for cluster in clusters:
+            check_failures(failures, cluster)
+    except ValueError as e:
+        raise SystemExit(f"--fail: {e}") from None
+    return failures
 
 
 def workload_programs(workload: str, count: int, rate: float, seed: int, shape: WorkloadShape) -> list[ProgramSpec]:
@@ -141,6 +167,10 @@ def result_row(sim: Simulator, results: list[SimResult], rate: float, policy: st
         "simulated_s": sim.clock.now,
         "steps": sim.num_steps,
         "failed_calls": sum(r.failed_calls for r in results),
+        "failovers": sim.dispatcher.num_failovers if sim.dispatcher is not None else 0,
+        "instances_lost": dict(sim.lost),  # instance -> when the dispatcher was told
+        "programs": len(results),
+        "programs_finished": sum(r.finished for r in results),
         "avg_call_latency_s": {kind: statistics.fmean(v) for kind, v in sorted(sim.call_latencies.items())},
     }
     if isinstance(sim.dispatcher, PDDispatcher):
@@ -217,6 +247,7 @@ CLUSTER_FLAGS = (
     "locality_threshold",
     "locality_max_imbalance",
     "heartbeat_interval_s",
+    "heartbeat_timeout_s",
     "prefill_instances",
     "decode_instances",
     "kv_path",
@@ -310,6 +341,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="run an instance's steps back to back while nothing else is due before the next one ends (the same "
         "results; --no-fast-forward: every step through the event heap)",
+    )
+    parser.add_argument(
+        "--fail",
+        metavar="ID@SECONDS[:hang],...",
+        help="instances that fail during each run (ids 0..N-1, or p0.., d0.. with roles): a crash (the default) is "
+        "seen at once, as Ray fails the calls to a dead actor; a hang when the heartbeat times out "
+        "(--heartbeat-timeout-s later); the dispatcher fails their calls over to the live instances",
     )
     fields = {f.name: f for f in dataclasses.fields(ClusterConfig)}
     for name in CLUSTER_FLAGS:

@@ -22,11 +22,11 @@ import heapq
 import itertools
 import random
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from boundless.bench.workloads import CallSpec, ProgramSpec, PromptTokens, call_kind, call_prompt
-from boundless.cluster.dispatcher import AbortOn, AddResult, Dispatcher, Fail, Send
+from boundless.cluster.dispatcher import AbortOn, AddResult, Dispatcher, Fail, MarkDead, Send
 from boundless.cluster.links import Link, gbps_to_bytes_per_s
 from boundless.cluster.pd_dispatcher import Continue, PDDecision, PDDispatcher, PDInstance, Prepare, PrepareResult
 from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
@@ -44,6 +44,7 @@ from boundless.programs.ref import ProgramRef
 from boundless.sim.cost import CostModel, StepCost
 from boundless.sim.engine import DEFAULT_DISK_COST, HOST_COPY, SimulatedModel, simulated_engine
 from boundless.sim.executor import DiskCost
+from boundless.sim.failures import InstanceFailure, check_failures
 from boundless.sim.gc_quiet import quiet_collector
 from boundless.sim.lending import SimulatedLending, lending_max_model_len, simulated_lending
 from boundless.sim.links import LinkSpec
@@ -99,6 +100,15 @@ class Placement:
     program_id: str
     instance_id: str
     num_prompt_tokens: int
+    at_s: float = 0.0  # when it was placed
+
+
+@dataclass(frozen=True)
+class CallOutcome:
+    """A completed call: the output tokens its program got, of the ``max_tokens`` it asked for."""
+
+    output_tokens: int
+    max_tokens: int
 
 
 @dataclass
@@ -113,15 +123,17 @@ class _Call:
 
 @dataclass
 class SimInstance:
-    """An engine instance and the step it is running: ``step`` is set from the step's start to its end."""
+    """An engine instance and the step it is running: ``step`` is set from the step's start to its end. A ``dead``
+    one (``sim/failures.py``) runs nothing more: its step in flight never ends."""
 
     instance_id: str
     core: EngineCore
     step: tuple[SchedulerOutput, StepResult] | None = None
+    dead: bool = False
 
 
-# Event kinds, in the heap as (time, sequence, kind, payload).
-_STAGE, _CALL, _STEP_END, _WAKE = 0, 1, 2, 3
+# Event kinds, in the heap as (time, sequence, kind, payload); only a run with failures has the last two.
+_STAGE, _CALL, _STEP_END, _WAKE, _FAIL, _DETECT = 0, 1, 2, 3, 4, 5
 
 # Without a profile, the compute network prefill/decode handoffs cross: 400 Gbit/s per GPU (a DGX H100's CNIC).
 DEFAULT_NETWORK = LinkSpec(50e9, 5e-6)
@@ -153,6 +165,7 @@ class Simulator:
         instances_per_node: int = 0,
         compact_prompts: bool = True,
         fast_forward: bool = True,
+        failures: Sequence[InstanceFailure] = (),
     ) -> None:
         self.clock = VirtualClock()
         # Run an instance's steps back to back, off the event heap, while nothing else is due before its next step
@@ -164,6 +177,9 @@ class Simulator:
             host_copy, disk_cost, network = profile.host_copy, profile.disk_cost, profile.network
         cost = cost or CostModel()
         self.cluster = cluster or ClusterConfig(instances=instances)
+        check_failures(failures, self.cluster)
+        self.failures = list(failures)
+        self.lost: dict[str, float] = {}  # instance -> when the dispatcher was told it is lost
         self.dispatcher: Dispatcher | None = None
         self.instances = {}
         self.storage_links: list[Link] = []
@@ -225,8 +241,10 @@ class Simulator:
         self._seq = itertools.count()
         self._calls: dict[str, _Call] = {}
         self.call_latencies: dict[str, list[float]] = {}  # call_kind -> each completed call's submit-to-finish
+        self.call_outcomes: dict[str, CallOutcome] = {}  # request id -> what it produced, for each completed call
         self._ids = itertools.count()
         self._ready: set[str] = set()  # idle instances that may have work to start
+        self._open_programs = 0  # programs of the run not finished yet
         self._next_expiry = 0.0
 
     def _build_roles(
@@ -252,7 +270,7 @@ class Simulator:
         oracle = self.cluster.kv_path == "oracle"
         if oracle:
             disk_cost = DiskCost(float("inf"), disk_cost.write_bytes_per_s, 0.0)
-        self.fabric = KVFabric(lambda iid, t: self._at(t, _WAKE, iid))
+        self.fabric = KVFabric(lambda iid, t: self._at(t, _WAKE, iid), self.cluster.kv_handoff_timeout_s)
         store: OrderedDict[BlockHash, None] = OrderedDict()
         nodes: dict[str, str] = {}
         self._storage_of: dict[str, Link | None] = {}  # each engine's node storage link (None under oracle)
@@ -296,15 +314,25 @@ class Simulator:
             rng, system = self.tokens.start(spec)
             sims.append(SimProgram(spec, rng, system))
             self._at(spec.arrival_s, _STAGE, sims[-1])
+        self._open_programs = len(sims)
+        for failure in self.failures:
+            self._at(failure.at_s, _FAIL, failure)
+            if failure.hang:
+                self._at(failure.detected_at(self.cluster.heartbeat_timeout_s), _DETECT, failure)
         events, clock = self._events, self.clock
         while events or self._ready:
             # Deliver every event due now (those it makes for now too), then start the idle instances' steps;
             # instances made ready while steps start (an idle step that applied ended streams) go round again.
             if not self._ready:
+                if events[0][2] >= _FAIL and not self._open_programs:
+                    heapq.heappop(events)  # a failure after every program finished: the run is over
+                    continue
                 clock.now = events[0][0]
             while events and events[0][0] <= clock.now:  # (fast-forwarded steps move the clock on)
                 _, _, kind, payload = heapq.heappop(events)
                 if kind == _STEP_END:
+                    if payload.dead:  # type: ignore[attr-defined]
+                        continue  # its instance stopped mid-step: the step never ends
                     self._step_end(payload)  # type: ignore[arg-type]
                     if self.fast_forward:
                         self._step_alone(payload)  # type: ignore[arg-type]
@@ -312,8 +340,13 @@ class Simulator:
                     self._start_stage(payload)  # type: ignore[arg-type]
                 elif kind == _CALL:
                     self._submit(*payload)  # type: ignore[misc]
-                elif self.instances[payload].step is None:  # type: ignore[index]
-                    self._ready.add(payload)  # type: ignore[arg-type]  # a stream of this idle instance ended
+                elif kind == _WAKE:
+                    if self.instances[payload].step is None:  # type: ignore[index]
+                        self._ready.add(payload)  # type: ignore[arg-type]  # a stream of this idle instance ended
+                elif kind == _FAIL:
+                    self._fail(payload)  # type: ignore[arg-type]
+                else:
+                    self._lose(payload.instance_id, "heartbeat failed: GetTimeoutError")  # type: ignore[attr-defined]
             now = clock.now
             if self._beat_due(now):
                 self._heartbeat(now)
@@ -370,6 +403,33 @@ class Simulator:
 
     # -- instances ---------------------------------------------------------------------------
 
+    # -- failures (sim/failures.py) ------------------------------------------------------------
+
+    def _fail(self, failure: InstanceFailure) -> None:
+        """The instance stops; a crash is seen at once (Ray fails the calls to a dead actor as they are made), a hang
+        at its detection event, ``heartbeat_timeout_s`` later."""
+        self._stop(failure.instance_id)
+        if not failure.hang:
+            self._lose(failure.instance_id, "drain failed: RayActorError")
+
+    def _stop(self, instance_id: str) -> None:
+        """The instance runs nothing more: its step in flight never ends (nor delivers its tokens), and its KV
+        streams not ended by now never complete (their live ends time out: ``sim/remote.py``)."""
+        inst = self.instances[instance_id]
+        if inst.dead:
+            return
+        inst.dead, inst.step = True, None
+        self._ready.discard(instance_id)
+        if self.fabric is not None:
+            self.fabric.lose(instance_id, self.clock.now)
+
+    def _lose(self, instance_id: str, reason: str) -> None:
+        """Tell the dispatcher the instance is lost, as the transport's poller or heartbeat does, and carry out what
+        it decides (its calls resent elsewhere, with the tokens they produced)."""
+        assert self.dispatcher is not None
+        self.lost.setdefault(instance_id, self.clock.now)
+        self._carry_out(self.dispatcher.instance_lost(instance_id, reason))
+
     def _contention_beside(self, instance_id: str) -> Callable[[], float]:
         """The share of the other instances mid-step now: a step starting now runs beside them (a fitted
         profile's contention, as ``sim/step_model.py`` measures it from the steps' overlaps)."""
@@ -402,7 +462,7 @@ class Simulator:
 
     def _begin_step(self, inst: SimInstance) -> float | None:
         """Start the instance's next step: the time it ends, or None when it has none to run now."""
-        if inst.step is not None or not inst.core.has_unfinished():
+        if inst.step is not None or inst.dead or not inst.core.has_unfinished():
             return None
         sched = inst.core.schedule()
         if sched.is_empty:  # nothing it can run until a call arrives or ends
@@ -443,6 +503,7 @@ class Simulator:
             call.output_token_ids.extend(delta.new_token_ids)
             if delta.finished:
                 del self._calls[delta.request_id]
+                self.call_outcomes[delta.request_id] = CallOutcome(len(call.output_token_ids), call.spec.output)
                 self._call_done(call)
         self._carry_out(decisions)
 
@@ -451,6 +512,7 @@ class Simulator:
     def _start_stage(self, sp: SimProgram) -> None:
         if sp.stage >= len(sp.spec.stages):
             sp.finish_s = self.clock.now
+            self._open_programs -= 1
             return
         stage = sp.spec.stages[sp.stage]
         sp.pending = len(stage)
@@ -474,7 +536,7 @@ class Simulator:
 
     def _carry_out(self, decisions: Iterable[PDDecision]) -> None:
         """Carry out the dispatcher's decisions and those that follow, as ``DispatcherFrontEnd`` does, with the
-        instances at hand (``MarkDead`` needs failures, which simulated instances do not have)."""
+        instances at hand (``MarkDead``: the transport kills the instance, so a hung one stays stopped)."""
         queue = deque(decisions)
         while queue:
             decision = queue.popleft()
@@ -487,7 +549,9 @@ class Simulator:
             elif isinstance(decision, AbortOn):
                 self.instances[decision.instance_id].core.abort(decision.request_id)
                 self._ready.add(decision.instance_id)
-            elif isinstance(decision, Fail):  # refused
+            elif isinstance(decision, MarkDead):
+                self._stop(decision.instance_id)
+            elif isinstance(decision, Fail):  # refused, or no live instance left to take it
                 call = self._calls.pop(decision.request_id, None)
                 if call is not None:
                     self._refused(call)
@@ -509,7 +573,9 @@ class Simulator:
             return AddResult("invalid", str(e), e.param)
         self._calls[send.request_id] = call
         self.placements.append(
-            Placement(send.request_id, call.program.spec.program_id, send.instance_id, len(send.prompt))
+            Placement(
+                send.request_id, call.program.spec.program_id, send.instance_id, len(send.prompt), self.clock.now
+            )
         )
         self._ready.add(send.instance_id)
         return AddResult("ok")

@@ -1,0 +1,80 @@
+"""Instances that fail in a simulation (``boundless simulate --fail``): when each stops, and when the cluster sees it.
+
+A failed instance stops where it is: the step it is running never ends (its tokens are never delivered), it starts
+no other, and its KV streams never complete, as a crashed or hung engine's. The cluster is told as the Ray transport
+(``cluster/client.py``) would find out: a *crash* at once (Ray fails every call to a dead actor, the poller's
+pending ``drain`` first), a *hang* ``heartbeat_timeout_s`` later (the poller's ``drain`` and the heartbeat time out;
+until then the instance still takes calls, which it never runs). The dispatcher then decides what the real cluster's
+does (``Dispatcher.instance_lost``), and the simulator carries it out (``sim/simulator.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from boundless.config import ClusterConfig
+
+
+@dataclass(frozen=True)
+class InstanceFailure:
+    """Instance ``instance_id`` stops at ``at_s`` (virtual seconds from the run's start); ``hang``: it stops answering
+    instead of dying, and is found out by a missed heartbeat."""
+
+    instance_id: str
+    at_s: float
+    hang: bool = False
+
+    def detected_at(self, heartbeat_timeout_s: float) -> float:
+        """When the cluster calls it lost."""
+        return self.at_s + (heartbeat_timeout_s if self.hang else 0.0)
+
+    def describe(self) -> str:
+        return f"{self.instance_id}@{self.at_s:g}{':hang' if self.hang else ''}"
+
+
+def parse_failures(text: str) -> list[InstanceFailure]:
+    """``ID@SECONDS[:hang]`` comma-separated (``1@30,p0@12.5:hang``); raises ValueError naming the bad item."""
+    failures = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        iid, at, rest = item.partition("@")
+        seconds, _, kind = rest.partition(":")
+        if not iid or not at or kind not in ("", "hang", "crash"):
+            raise ValueError(f"{item!r} is not ID@SECONDS or ID@SECONDS:hang")
+        try:
+            at_s = float(seconds)
+        except ValueError:
+            raise ValueError(f"{item!r}: {seconds!r} is not a number of seconds") from None
+        failures.append(InstanceFailure(iid.strip(), at_s, kind == "hang"))
+    return failures
+
+
+def instance_ids(cluster: ClusterConfig) -> list[str]:
+    """The instances of a simulated cluster, as the simulator names them: ``0``.. or, with roles, ``p0``.. ``d0``.."""
+    if cluster.disaggregated:
+        prefill, decode = cluster.roles
+        return [f"p{i}" for i in range(prefill)] + [f"d{i}" for i in range(decode)]
+    return [str(i) for i in range(cluster.instances)]
+
+
+def check_failures(failures: Collection[InstanceFailure], cluster: ClusterConfig) -> None:
+    """Raise ValueError for failures the simulated ``cluster`` cannot carry out."""
+    if not failures:
+        return
+    ids = instance_ids(cluster)
+    if len(ids) < 2:
+        raise ValueError("one instance has no dispatcher and nothing to fail over to: use --instances 2 or more")
+    if cluster.kv_lending == "on":
+        raise ValueError("instance failures are not simulated with KV lending")
+    seen = set()
+    for failure in failures:
+        if failure.instance_id not in ids:
+            raise ValueError(f"no instance {failure.instance_id!r} in this cluster (its instances: {', '.join(ids)})")
+        if failure.instance_id in seen:
+            raise ValueError(f"instance {failure.instance_id!r} fails more than once")
+        if not (math.isfinite(failure.at_s) and failure.at_s >= 0):
+            raise ValueError(f"{failure.describe()}: the time must be a number of seconds, not negative")
+        seen.add(failure.instance_id)
