@@ -573,9 +573,7 @@ class Simulator:
             return AddResult("invalid", str(e), e.param)
         self._calls[send.request_id] = call
         self.placements.append(
-            Placement(
-                send.request_id, call.program.spec.program_id, send.instance_id, len(send.prompt), self.clock.now
-            )
+            Placement(send.request_id, call.program.spec.program_id, send.instance_id, len(send.prompt), self.clock.now)
         )
         self._ready.add(send.instance_id)
         return AddResult("ok")
