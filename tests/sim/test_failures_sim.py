@@ -1,0 +1,177 @@
+"""Instances that fail in the simulator (``--fail``): the real dispatchers fail their calls over, KV streams with
+them time out, and every program still finishes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from boundless.bench.workloads import ProgramSpec, WorkloadShape, agent_sessions, make_programs
+from boundless.cli import main
+from boundless.cluster.links import Link
+from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.kv.remote_moves import RemoteRecv, RemoteSend
+from boundless.kv.transfer import HOST, BlockRef
+from boundless.sim.engine import SimulatedModel
+from boundless.sim.failures import InstanceFailure, check_failures, parse_failures
+from boundless.sim.profiles import load_profile
+from boundless.sim.remote import KVFabric
+from boundless.sim.simulator import SimResult, Simulator
+
+SHAPE = WorkloadShape(scale=0.05, call_scale=0.25, tool_wait_s=0.1)  # as tests/sim/test_pd_sim.py
+
+
+@pytest.fixture(scope="module")
+def model() -> SimulatedModel:
+    return SimulatedModel.read(ModelConfig())
+
+
+def _cluster_run(
+    model: SimulatedModel, failures: list[InstanceFailure], programs: list[ProgramSpec] | None = None
+) -> tuple[Simulator, list[SimResult]]:
+    config = EngineConfig(cache=CacheConfig(num_kv_blocks=200), scheduler=SchedulerConfig(policy="plas"))
+    sim = Simulator(config, model, instances=4, cluster=ClusterConfig(instances=4), failures=failures)
+    return sim, sim.run(programs or make_programs("mapreduce", 16, rate=2.0, seed=1))
+
+
+def _pd_run(model: SimulatedModel, failures: list[InstanceFailure]) -> tuple[Simulator, list[SimResult]]:
+    config = EngineConfig(
+        cache=CacheConfig(num_kv_blocks=400, kv_disk_path="unused-by-the-simulator", kv_host_gb=0.5),
+        scheduler=SchedulerConfig(policy="fcfs"),
+    )
+    cluster = ClusterConfig(prefill_instances=2, decode_instances=2, kv_path="basic", kv_handoff_timeout_s=2.0)
+    sim = Simulator(config, model, cluster=cluster, profile=load_profile("h100"), failures=failures)
+    return sim, sim.run(agent_sessions(12, 0.0, 1, SHAPE))
+
+
+def _assert_nothing_lost(sim: Simulator, results: list[SimResult], programs: list[ProgramSpec]) -> None:
+    assert all(r.finished for r in results) and not any(r.failed_calls for r in results)
+    assert [r.output_tokens for r in results] == [p.output_tokens for p in programs]  # every token, once
+    # The live engines hold nothing at the end: no call, no stream waiting for a peer that is gone.
+    assert not [iid for iid, inst in sim.instances.items() if not inst.dead and inst.core.has_unfinished()]
+
+
+def _moved(sim: Simulator, instance_id: str) -> set[str]:
+    """Calls placed on ``instance_id`` and on another instance too (failed over)."""
+    on = {p.request_id for p in sim.placements if p.instance_id == instance_id}
+    return on & {p.request_id for p in sim.placements if p.instance_id != instance_id}
+
+
+def test_failure_flags_are_parsed_and_checked() -> None:
+    assert parse_failures("1@30, p0@12.5:hang") == [InstanceFailure("1", 30.0), InstanceFailure("p0", 12.5, True)]
+    four, roles = ClusterConfig(instances=4), ClusterConfig(prefill_instances=1, decode_instances=2)
+    check_failures(parse_failures("0@1,3@2"), four)
+    check_failures(parse_failures("p0@1,d1@2"), roles)
+    for text in ("1", "1@", "@3", "1@soon", "1@3:sleep"):
+        with pytest.raises(ValueError):
+            parse_failures(text)
+    for text, cluster, why in (
+        ("4@1", four, "no instance '4'"),
+        ("0@1", roles, "no instance '0'"),
+        ("1@-1", four, "not negative"),
+        ("1@inf", four, "not negative"),
+        ("1@1,1@2", four, "more than once"),
+        ("0@1", ClusterConfig(instances=1), "one instance"),
+        ("0@1", ClusterConfig(instances=2, kv_lending="on"), "KV lending"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            check_failures(parse_failures(text), cluster)
+
+
+def test_simulate_refuses_a_bad_fail_flag_before_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="--fail: no instance '9'"):
+        main(["simulate", "--instances", "2", "--fail", "9@1", "--no-progress"])
+    with pytest.raises(SystemExit, match="--fail: one instance"):
+        main(["simulate", "--fail", "0@1", "--no-progress"])
+    assert "rate/s" not in capsys.readouterr().out  # no row ran
+
+
+def test_a_run_with_a_failure_is_a_function_of_its_seed(model: SimulatedModel) -> None:
+    sim, results = _cluster_run(model, [InstanceFailure("1", 10.0)])
+    again, again_results = _cluster_run(model, [InstanceFailure("1", 10.0)])
+    assert results == again_results and sim.placements == again.placements and sim.lost == again.lost
+    _, healthy = _cluster_run(model, [])
+    assert results != healthy  # the failure changed the run
+
+
+def test_a_crashed_instance_s_calls_finish_elsewhere_with_the_tokens_they_had(model: SimulatedModel) -> None:
+    programs = make_programs("mapreduce", 16, rate=2.0, seed=1)
+    sim, results = _cluster_run(model, [InstanceFailure("1", 10.0)], programs)
+    _assert_nothing_lost(sim, results, programs)
+    assert sim.lost == {"1": 10.0}  # a crash is seen at once
+    moved = _moved(sim, "1")
+    assert sim.dispatcher is not None and sim.dispatcher.num_failovers == len(moved) > 0
+    # Each moved call produced exactly what it asked for: the tokens it had (resent with the call) and the rest.
+    assert all(sim.call_outcomes[r].output_tokens == sim.call_outcomes[r].max_tokens for r in moved)
+    frozen = sim.instances["1"].core.scheduler.requests  # the dead engine as it stopped
+    assert any(frozen[r].num_output_tokens > 0 for r in moved)  # some had tokens out before the crash
+    assert not [p for p in sim.placements if p.instance_id == "1" and p.at_s >= 10.0]
+
+
+def test_a_hung_instance_is_lost_when_its_heartbeat_times_out(model: SimulatedModel) -> None:
+    programs = make_programs("mapreduce", 16, rate=2.0, seed=1)
+    sim, results = _cluster_run(model, [InstanceFailure("1", 6.0, hang=True)], programs)
+    _assert_nothing_lost(sim, results, programs)
+    assert sim.lost == {"1": 6.0 + ClusterConfig().heartbeat_timeout_s}
+    moved = _moved(sim, "1")
+    assert sim.dispatcher is not None and sim.dispatcher.num_failovers == len(moved) > 0
+    assert all(sim.call_outcomes[r].output_tokens == sim.call_outcomes[r].max_tokens for r in moved)
+    # Until then the router still sent it calls, which it never ran; after, none.
+    late = {p.request_id for p in sim.placements if p.instance_id == "1" and p.at_s > 6.0}
+    assert late and late <= moved
+    assert not [p for p in sim.placements if p.instance_id == "1" and p.at_s >= sim.lost["1"]]
+
+
+@pytest.mark.parametrize("lost", ["d0", "p0"])
+def test_a_pd_cluster_loses_an_engine_and_every_program_finishes(model: SimulatedModel, lost: str) -> None:
+    programs = agent_sessions(12, 0.0, 1, SHAPE)
+    sim, results = _pd_run(model, [InstanceFailure(lost, 0.8)])
+    _assert_nothing_lost(sim, results, programs)
+    assert sim.lost == {lost: 0.8} and sim.dispatcher is not None and sim.dispatcher.num_failovers > 0
+    assert not [p for p in sim.placements if p.instance_id == lost and p.at_s >= 0.8]
+    if lost == "p0":  # a decode engine waited for a handoff the lost PE never finished, and gave up on it
+        timeouts = [inst.core.stats().remote_io.recv_timeouts for iid, inst in sim.instances.items() if iid != lost]
+        assert sum(timeouts) > 0
+
+
+def test_a_pd_decode_engine_that_hangs_fails_the_handoffs_sent_to_it(model: SimulatedModel) -> None:
+    programs = agent_sessions(12, 0.0, 1, SHAPE)
+    sim, results = _pd_run(model, [InstanceFailure("d1", 0.8, hang=True)])
+    _assert_nothing_lost(sim, results, programs)
+    assert sim.dispatcher is not None and sim.dispatcher.num_failovers > 0
+    sends = [sim.instances[p].core.stats().remote_io for p in ("p0", "p1")]
+    assert sum(s.send_failures for s in sends if s is not None) > 0  # the PEs' streams to it timed out
+
+
+def test_a_lost_peer_s_streams_time_out_and_those_that_ended_stand() -> None:
+    woken: list[tuple[str, float]] = []
+    fabric = KVFabric(lambda iid, t: woken.append((iid, t)), timeout_s=2.0)
+    a, b = (fabric.attach(x, x, Link(f"net-{x}", 1e9), 0.0, 1000) for x in ("a", "b"))
+    src = (BlockRef(HOST, 0),)
+    b.start([RemoteRecv(1, "a", 7, (0,), 1), RemoteRecv(2, "a", 8, (1,), 1)], [], 0.0, 0.0)
+    a.start([], [RemoteSend(1, "b", 7, src, 1)], 0.0, 0.0)  # arrives at 1e-6 s: ends before the loss
+    a.start([], [RemoteSend(2, "b", 9, src, 1, layerwise=True)], 0.0, 5.0)  # ends with its step, after the loss
+    fabric.lose("a", 1.0)
+    b.start([RemoteRecv(3, "a", 9, (2,), 1)], [], 1.5, 1.5)  # posted after: its stream arrives after the loss
+    report = b.report(10.0)
+    ended = {(d.recv_id, d.num_valid, d.error is None) for d in report.recvs}
+    assert ended == {(1, 1, True), (2, 0, False), (3, 0, False)}
+    assert report.stats is not None and report.stats.recv_timeouts == 2 and report.stats.streams_received == 1
+    assert ("b", 2.0) in woken and ("b", 3.5) in woken  # receive 2 at its deadline (posted at 0), 3 at 1.5 + 2
+    fabric.lose("b", 1.0)
+    a2 = fabric.attach("c", "c", Link("net-c", 1e9), 0.0, 1000)
+    a2.start([], [RemoteSend(3, "b", 1, src, 1)], 4.0, 4.0)  # to a lost peer: nobody takes it
+    assert [(d.send_id, d.error is not None) for d in a2.report(6.0).sends] == [(3, True)]
+
+
+def test_simulate_reports_the_failover(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run.json"
+    args = ["simulate", "--workload", "mapreduce", "--instances", "4", "--policies", "plas", "--rates", "2"]
+    args += ["--num-programs", "16", "--num-kv-blocks", "200", "--bench-seed", "1", "--fail", "1@10"]
+    assert main([*args, "--no-progress", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["instances_lost"] == {"1": 10.0} and row["failovers"] > 0 and row["failed_calls"] == 0
+    assert row["programs_finished"] == row["programs"] == 16
+    assert f"lost 1 at 10 s; {row['failovers']} calls failed over" in capsys.readouterr().out
