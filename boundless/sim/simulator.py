@@ -377,6 +377,8 @@ class Simulator:
         assert self.dispatcher is not None
         if isinstance(self.dispatcher, PDDispatcher):
             for iid, link in self._storage_of.items():
+                if not self.dispatcher.views[iid].alive:
+                    continue  # lost: the transport asks it nothing more
                 queued = 0
                 if link is not None:
                     link.advance(now)
