@@ -12,6 +12,10 @@ prompts the real benchmark sends (same tokens, same compaction).
 Events, not threads: a heap of (time, sequence number) orders arrivals, tool waits and the ends of
 instances' steps, and ties are broken by the order the events were made, so a run is a function of
 its inputs and seed alone.
+
+Instances may fail (``sim/failures.py``): a failed one stops mid-step, the dispatcher is told as the
+transport would tell it, and its decisions (``MarkDead``, sends resumed elsewhere, requeues) are carried
+out here as ``DispatcherFrontEnd`` carries them out.
 """
 
 from __future__ import annotations
