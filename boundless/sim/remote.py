@@ -144,8 +144,12 @@ class SimulatedRemoteIO:
             self._send_failed(send_id, address, now + timeout)
 
     def next_done(self) -> float | None:
-        """When the next of its streams ends; None when none has a known end (a receive still unsent)."""
-        return min([t for t, _ in self._done_recvs] + [t for t, _ in self._done_sends], default=None)
+        """When the next of its streams ends; None when none has a known end (a receive still unsent). A stream
+        failing at its deadline does not count: an engine with nothing else to do sleeps until woken then (the
+        fabric wakes it) or until a call comes, where a step lasting until the deadline would keep out the calls
+        that come meanwhile (the real engine's loop takes them at once)."""
+        recvs = [t for t, d in self._done_recvs if d.error is None]
+        return min(recvs + [t for t, d in self._done_sends if d.error is None], default=None)
 
     def report(self, now: float) -> RemoteReport:
         """The streams ended by ``now``, with the running counters."""

@@ -155,9 +155,10 @@ def test_a_lost_peer_s_streams_time_out_and_those_that_ended_stand() -> None:
     a.start([], [RemoteSend(2, "b", 9, src, 1, layerwise=True)], 0.0, 5.0)  # ends with its step, after the loss
     fabric.lose("a", 1.0)
     b.start([RemoteRecv(3, "a", 9, (2,), 1)], [], 1.5, 1.5)  # posted after: its stream arrives after the loss
+    # A deadline wakes the engine; an idle engine does not sleep through it as through a stream (calls may come).
+    assert b.next_done() == 1e-6 and b.report(1.0).recvs and b.next_done() is None
     report = b.report(10.0)
-    ended = {(d.recv_id, d.num_valid, d.error is None) for d in report.recvs}
-    assert ended == {(1, 1, True), (2, 0, False), (3, 0, False)}
+    assert {(d.recv_id, d.num_valid, d.error is None) for d in report.recvs} == {(2, 0, False), (3, 0, False)}
     assert report.stats is not None and report.stats.recv_timeouts == 2 and report.stats.streams_received == 1
     assert ("b", 2.0) in woken and ("b", 3.5) in woken  # receive 2 at its deadline (posted at 0), 3 at 1.5 + 2
     fabric.lose("b", 1.0)
