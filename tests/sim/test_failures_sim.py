@@ -176,3 +176,18 @@ def test_simulate_reports_the_failover(tmp_path: Path, capsys: pytest.CaptureFix
     assert row["instances_lost"] == {"1": 10.0} and row["failovers"] > 0 and row["failed_calls"] == 0
     assert row["programs_finished"] == row["programs"] == 16
     assert f"lost 1 at 10 s; {row['failovers']} calls failed over" in capsys.readouterr().out
+
+
+def test_failures_give_the_same_rows_with_fast_forward_and_without(tmp_path: Path) -> None:
+    args = ["simulate", "--workload", "agent", "--policies", "fcfs", "--rates", "0", "--num-programs", "12"]
+    args += ["--scale", "0.05", "--call-scale", "0.25", "--roles", "2:2", "--kv-paths", "basic,dualpath"]
+    args += ["--profile", "h100", "--num-kv-blocks", "400", "--kv-host-gb", "0.5", "--kv-disk-path", "unused"]
+    args += ["--kv-disk-gb", "1", "--kv-handoff-timeout-s", "2", "--fail", "d0@0.8,p1@0.9:hang", "--no-progress"]
+    rows = []
+    for flag in ("--fast-forward", "--no-fast-forward"):
+        out = tmp_path / f"{flag}.json"
+        assert main([*args, flag, "--json", str(out)]) == 0
+        rows.append(json.loads(out.read_text())["rows"])
+    assert rows[0] == rows[1]
+    assert all(r["failovers"] > 0 and r["programs_finished"] == r["programs"] == 24 for r in rows[0])
+    assert [r["instances_lost"] for r in rows[0]] == [{"d0": 0.8, "p1": 5.9}] * 2
