@@ -3,9 +3,11 @@
 A failed instance stops where it is: the step it is running never ends (its tokens are never delivered), it starts
 no other, and its KV streams never complete, as a crashed or hung engine's. The cluster is told as the Ray transport
 (``cluster/client.py``) would find out: a *crash* at once (Ray fails every call to a dead actor, the poller's
-pending ``drain`` first), a *hang* ``heartbeat_timeout_s`` later (the poller's ``drain`` and the heartbeat time out;
-until then the instance still takes calls, which it never runs). The dispatcher then decides what the real cluster's
-does (``Dispatcher.instance_lost``), and the simulator carries it out (``sim/simulator.py``).
+pending ``drain`` first), a *hang* (its process stops answering) ``heartbeat_timeout_s`` later, when the poller's
+``drain`` times out. Until then a hung instance takes the calls the router sends it and never runs them (the real
+front end's ``add`` would block up to the timeout and fail the call over; the simulator does not stall the
+dispatcher meanwhile). The dispatcher then decides what the real cluster's does (``Dispatcher.instance_lost``), and
+the simulator carries it out (``sim/simulator.py``).
 """
 
 from __future__ import annotations
