@@ -191,3 +191,10 @@ def test_failures_give_the_same_rows_with_fast_forward_and_without(tmp_path: Pat
     assert rows[0] == rows[1]
     assert all(r["failovers"] > 0 and r["programs_finished"] == r["programs"] == 24 for r in rows[0])
     assert [r["instances_lost"] for r in rows[0]] == [{"d0": 0.8, "p1": 5.9}] * 2
+
+
+def test_a_failure_due_after_the_last_program_does_not_happen(model: SimulatedModel) -> None:
+    programs = make_programs("chat", 8, rate=2.0, seed=1)
+    healthy, results = _cluster_run(model, [], programs)
+    late, late_results = _cluster_run(model, [InstanceFailure("1", 1e6, hang=True)], programs)
+    assert late_results == results and late.clock.now == healthy.clock.now and late.lost == {}
