@@ -269,6 +269,13 @@ class ClusterConfig:
     )
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between instance heartbeats"})
     heartbeat_timeout_s: float = field(default=5.0, metadata={"help": "an instance silent this long is dead"})
+    step_timeout_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "an instance whose engine has been inside one step (a forward pass) this long is stuck: it is "
+            "marked dead and its calls fail over (an idle engine is never timed out)"
+        },
+    )
     # Prefill/decode disaggregation (DualPath): the roles, the transport between them, the inter-engine
     # scheduler's thresholds, in tokens (cluster/pd_scheduler.py), and the emulated links (cluster/links.py).
     prefill_instances: int = field(
@@ -381,6 +388,7 @@ class ClusterConfig:
         _require(
             self.heartbeat_timeout_s > self.heartbeat_interval_s, "heartbeat_timeout_s", "must exceed the interval"
         )
+        _require(self.step_timeout_s > 0, "step_timeout_s", "must be positive")
         for name in ("pd_alpha", "pd_beta", "pd_z"):
             value = getattr(self, name)
             _require(value is None or value >= 0, name, "must not be negative")

@@ -9,8 +9,9 @@ which routes calls, keeps the process table (so program priorities are global) a
 failover. What is left here is the transport: the actors, a poller thread per instance that
 drains its deltas, a heartbeat thread that collects load and KV usage, the streams to the HTTP
 handlers, and telling Ray's errors apart: an instance whose ``add`` raised fails that call and
-keeps serving; one that died or does not answer in ``heartbeat_timeout_s`` is lost, and its calls
-are resent elsewhere with the tokens already produced.
+keeps serving; one that died, does not answer in ``heartbeat_timeout_s`` or whose engine has been inside one
+step for ``step_timeout_s`` (a forward pass that never returns: ``cluster/stuck_step.py``) is lost, and its
+calls are resent elsewhere with the tokens already produced.
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ from boundless.cluster.pd_dispatcher import (
 )
 from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
 from boundless.cluster.routing import Router
+from boundless.cluster.stuck_step import stuck_step
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import EngineDeadError, QueueFullError, RequestStream, StreamRegistry
 from boundless.engine.core import EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.step_watch import StepReport
 from boundless.kv.transfer import DISK
 from boundless.model.loader import resolve_model_path
 from boundless.model.tokenizer import load_tokenizer
@@ -83,9 +86,10 @@ class DispatcherFrontEnd:
     """The HTTP server's engine interface (``submit``, ``abort``) over a cluster dispatcher, and the loop that
     carries out the dispatcher's decisions. Subclasses own the instances and say how each decision reaches
     one (``_add``, ``_prepare``, ``_continue``, ``_mark_dead``, ``_abort_on``, ``_peer_lost``): Ray actors in
-    :class:`ClusterClient`, direct calls in ``cluster/local_pd.py``. They set ``dispatcher``, ``streams`` and
-    ``lock`` (held around the dispatcher and the calls its decisions make)."""
+    :class:`ClusterClient`, direct calls in ``cluster/local_pd.py``. They set ``config``, ``dispatcher``,
+    ``streams`` and ``lock`` (held around the dispatcher and the calls its decisions make)."""
 
+    config: ClusterConfig
     dispatcher: Dispatcher
     streams: StreamRegistry
     lock: threading.RLock
@@ -141,6 +145,20 @@ class DispatcherFrontEnd:
             elif isinstance(decision, DropPrefetch):
                 self._drop_prefetch(decision)
         return failure
+
+    def _lose(self, iid: str, reason: str) -> None:
+        """The instance is lost (dead, silent or stuck): the dispatcher's decisions for it are carried out."""
+        with self.lock:
+            self._carry_out(self.dispatcher.instance_lost(iid, reason))
+
+    def _watch_step(self, iid: str, step: StepReport | None) -> bool:
+        """The watchdog over a heartbeat's step in flight: an instance stuck in one step past ``--step-timeout-s``
+        is lost, as a dead one (``cluster/stuck_step.py``). True if it was."""
+        reason = stuck_step(step, self.config.step_timeout_s)
+        if reason is None:
+            return False
+        self._lose(iid, reason)
+        return True
 
     def _prepare_decode(self, prepare: Prepare) -> PrepareResult:
         """Carry out a Prepare: under DE-read the prefill engine is asked first how much of the prompt it holds, so
@@ -433,10 +451,6 @@ class ClusterClient(DispatcherFrontEnd):
             log.error("request %s: %s", request_id, message)
             return AddResult("failed", message)
 
-    def _lose(self, iid: str, reason: str) -> None:
-        with self.lock:
-            self._carry_out(self.dispatcher.instance_lost(iid, reason))
-
     # -- background threads -------------------------------------------------------------------
 
     def _poll(self, iid: str) -> None:
@@ -475,6 +489,8 @@ class ClusterClient(DispatcherFrontEnd):
                     beat: Heartbeat = ray.get(inst.actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
                 except Exception as e:
                     self._lose(iid, f"heartbeat failed: {type(e).__name__}")
+                    continue
+                if self._watch_step(iid, beat.step):
                     continue
                 inst.stats, inst.links = beat.stats, beat.links
                 if self.lending is not None and beat.lending is not None:

@@ -29,6 +29,7 @@ from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.handoff import HandoffPlan, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.step_watch import StepReport
 from boundless.model.loader import LoadedModel, load_model
 from boundless.programs.ref import ProgramRef
 from boundless.transport.endpoints import EndpointSpec, open_endpoint
@@ -71,12 +72,14 @@ class RoleSetup:
 
 @dataclass
 class Heartbeat:
-    """What an instance says of itself: its engine's stats, its emulated links' (storage, network), and with KV
-    lending its rManager's report and step times for the gManager."""
+    """What an instance says of itself: its engine's stats, its emulated links' (storage, network), with KV lending
+    its rManager's report and step times for the gManager, and the step its engine is running (None when idle or
+    between steps), for the front end's watchdog (``cluster/stuck_step.py``)."""
 
     stats: EngineStats
     links: list[LinkStats] = field(default_factory=list)
     lending: LendingHeartbeat | None = None
+    step: StepReport | None = None
 
 
 class EngineInstance:
@@ -237,7 +240,7 @@ class EngineInstance:
 
     def heartbeat(self) -> Heartbeat:
         lending = self.lending.heartbeat() if self.lending is not None else None
-        return Heartbeat(self.loop.stats()["0"], self.links.stats(), lending)
+        return Heartbeat(self.loop.stats()["0"], self.links.stats(), lending, self.loop.step_in_flight())
 
     # -- KV lending (``cluster/lending_instance.py``) -----------------------------------------------------------
 
@@ -269,6 +272,11 @@ class EngineInstance:
 
     def lend_release(self, move_id: str) -> None:
         self._lending().release(move_id)
+
+    def stop(self) -> None:
+        """Stop the engine loop at its next step's end, without waiting for it: the instance was declared lost, and
+        a stuck step may never end. (An actor is killed instead; this is for instances in one process.)"""
+        self.loop.stop()
 
     def shutdown(self) -> None:
         self.loop.shutdown()

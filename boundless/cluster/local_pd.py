@@ -6,14 +6,16 @@ engine loop thread, its endpoint of the KV transport (shared memory by default) 
 network links. The dispatcher's decisions (prepare the DE, send the call to the PE, continue on the DE) are
 carried out by the loop ``ClusterClient`` uses (``DispatcherFrontEnd``), calling the instances instead of
 their actors; a poller thread per instance hands its deltas to the dispatcher, and a heartbeat thread reports
-each node's storage read queue. What is left out is what only processes need: failover of a lost instance
-(nothing here dies alone) and Ray's error kinds. The benchmark (``bench/agentic.py``) and tests use it where a
-Ray actor per engine would be too heavy; it offers the HTTP server's engine interface (``submit`` returning a
-stream), as the Ray cluster does.
+each node's storage read queue and watches each engine's step in flight: an engine stuck in one step past
+``--step-timeout-s`` is lost (``cluster/stuck_step.py``), its loop told to stop, and its calls fail over as in the
+Ray cluster. What is left out is what only processes need: other deaths (nothing here dies alone) and Ray's error
+kinds. The benchmark (``bench/agentic.py``) and tests use it where a Ray actor per engine would be too heavy; it
+offers the HTTP server's engine interface (``submit`` returning a stream), as the Ray cluster does.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 from collections.abc import Callable
@@ -36,6 +38,8 @@ from boundless.engine.async_engine import StreamRegistry
 from boundless.engine.core import EngineStats
 from boundless.model.loader import LoadedModel
 from boundless.programs.process_table import ProcessTable
+
+log = logging.getLogger(__name__)
 
 
 class LocalPDCluster(DispatcherFrontEnd):
@@ -116,7 +120,8 @@ class LocalPDCluster(DispatcherFrontEnd):
         return _call(lambda: inst.continue_request(cont.request_id, cont.resume))
 
     def _mark_dead(self, mark: MarkDead) -> None:
-        self.instances[mark.instance_id].shutdown()
+        log.error("instance %s is dead (%s); failing over its calls", mark.instance_id, mark.reason)
+        self.instances[mark.instance_id].stop()  # a stuck step is not waited for: it may never end
 
     def _abort_on(self, abort: AbortOn) -> None:
         self.instances[abort.instance_id].abort(abort.request_id)
@@ -131,7 +136,7 @@ class LocalPDCluster(DispatcherFrontEnd):
 
     def _poll(self, iid: str) -> None:
         inst = self.instances[iid]
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.dispatcher.views[iid].alive:
             for delta in inst.drain(0.1):
                 with self.lock:
                     shown, decisions = self.dispatcher.receive(iid, delta)
@@ -143,7 +148,12 @@ class LocalPDCluster(DispatcherFrontEnd):
     def _heartbeats(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):
             for iid, inst in self.instances.items():
-                queued = read_queue_tokens(storage_queue_bytes(inst.links.stats()), self._kv_bytes_per_token)
+                if not self.dispatcher.views[iid].alive:
+                    continue
+                beat = inst.heartbeat()
+                if self._watch_step(iid, beat.step):
+                    continue
+                queued = read_queue_tokens(storage_queue_bytes(beat.links), self._kv_bytes_per_token)
                 with self.lock:
                     self.dispatcher.report(iid, queued)
             with self.lock:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Protocol
@@ -23,6 +24,7 @@ from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
+from boundless.engine.step_watch import StepReport, StepWatch
 from boundless.programs.ref import ProgramRef
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,8 @@ class StepHooks(Protocol):
 
 class EngineLoop:
     """Steps an :class:`EngineCore` in a background thread; every delta goes to ``sink``. ``hooks`` (set before
-    the first request, or at construction) run between steps and see failed steps first."""
+    the first request, or at construction) run between steps and see failed steps first. ``step_watch`` times the
+    step in flight on ``clock`` (:meth:`step_in_flight`), for a watchdog: the step runs outside ``lock``."""
 
     def __init__(
         self,
@@ -61,11 +64,13 @@ class EngineLoop:
         sink: Callable[[RequestDelta], None],
         max_waiting: int = 1024,
         hooks: StepHooks | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.core = core
         self.sink = sink
         self.max_waiting = max_waiting
         self.hooks = hooks
+        self.step_watch = StepWatch(clock)
         self.lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -87,6 +92,10 @@ class EngineLoop:
     def wake(self) -> None:
         """Step now if idle (something for the hooks came in)."""
         self._wake.set()
+
+    def step_in_flight(self) -> StepReport | None:
+        """The step running now (how long it has run, its size), or None between steps; never waits for the lock."""
+        return self.step_watch.report()
 
     def add_finished_listener(self, fn: Callable[[RequestDelta], None]) -> None:
         """``fn(delta)`` is called (in the engine thread) with every request's final delta."""
@@ -180,10 +189,14 @@ class EngineLoop:
         with self.lock:
             self.core.abort(request_id)
 
-    def shutdown(self) -> None:
-        """Stop the loop, then let the engine finish its writes to the disk store (bounded)."""
+    def stop(self) -> None:
+        """Tell the loop to stop after the step in flight; returns at once (:meth:`shutdown` waits)."""
         self._stop.set()
         self._wake.set()
+
+    def shutdown(self) -> None:
+        """Stop the loop, then let the engine finish its writes to the disk store (bounded)."""
+        self.stop()
         self._thread.join(timeout=10)
         if self._thread.is_alive():
             return  # a step is stuck: closing the engine would race it
@@ -204,9 +217,11 @@ class EngineLoop:
                 self._wake.wait(timeout=0.05 if sched is not None else 1.0)
                 self._wake.clear()
                 continue
+            self.step_watch.begin(sched)
             try:
                 result = core.execute(sched)
             except Exception as e:  # a failed step must not take the server down: fail its requests, go on
+                self.step_watch.end()
                 with self.lock:
                     if self.hooks is not None and self.hooks.step_failed(e, sched):
                         continue
@@ -215,6 +230,7 @@ class EngineLoop:
                     for delta in core.fail_step(sched, e):
                         self._emit(delta)
                 continue
+            self.step_watch.end()
             with self.lock:
                 for delta in core.finish_step(sched, result):
                     self._emit(delta)

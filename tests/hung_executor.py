@@ -1,0 +1,51 @@
+"""An executor whose forward pass hangs: the tests' fault for an engine stuck inside a step (a kernel that never
+returns, a deadlocked collective)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from boundless.engine.scheduler import SchedulerOutput
+
+
+class HangTrap:
+    """Springs once, on the first step ``catches`` (of any executor sharing the trap); the step it caught hangs
+    until :meth:`release`."""
+
+    def __init__(self, catches: Callable[[SchedulerOutput], bool]) -> None:
+        self.catches = catches
+        self.sprung = threading.Event()
+        self._released = threading.Event()
+        self._lock = threading.Lock()
+
+    def springs(self, sched: SchedulerOutput) -> bool:
+        with self._lock:
+            if self.sprung.is_set() or not self.catches(sched):
+                return False
+            self.sprung.set()
+            return True
+
+    def hold(self) -> None:
+        self._released.wait()
+
+    def release(self) -> None:
+        self._released.set()
+
+
+class HungExecutor:
+    """Runs ``inner``'s steps, except that the step ``trap`` catches hangs before its forward pass; everything else
+    is ``inner``'s."""
+
+    def __init__(self, inner: Any, trap: HangTrap) -> None:
+        self.inner = inner
+        self.trap = trap
+
+    def execute(self, sched: SchedulerOutput) -> Any:
+        if self.trap.springs(sched):
+            self.trap.hold()
+        return self.inner.execute(sched)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
