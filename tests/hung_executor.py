@@ -17,13 +17,15 @@ class HangTrap:
     def __init__(self, catches: Callable[[SchedulerOutput], bool]) -> None:
         self.catches = catches
         self.sprung = threading.Event()
+        self.caught_by = ""  # the name of the executor whose step it caught
         self._released = threading.Event()
         self._lock = threading.Lock()
 
-    def springs(self, sched: SchedulerOutput) -> bool:
+    def springs(self, sched: SchedulerOutput, name: str = "") -> bool:
         with self._lock:
             if self.sprung.is_set() or not self.catches(sched):
                 return False
+            self.caught_by = name
             self.sprung.set()
             return True
 
@@ -36,14 +38,15 @@ class HangTrap:
 
 class HungExecutor:
     """Runs ``inner``'s steps, except that the step ``trap`` catches hangs before its forward pass; everything else
-    is ``inner``'s."""
+    is ``inner``'s. ``name`` tells the trap whose step it caught."""
 
-    def __init__(self, inner: Any, trap: HangTrap) -> None:
+    def __init__(self, inner: Any, trap: HangTrap, name: str = "") -> None:
         self.inner = inner
         self.trap = trap
+        self.name = name
 
     def execute(self, sched: SchedulerOutput) -> Any:
-        if self.trap.springs(sched):
+        if self.trap.springs(sched, self.name):
             self.trap.hold()
         return self.inner.execute(sched)
 

@@ -6,7 +6,10 @@ no other, and its KV streams never complete, as a crashed or hung engine's. The 
 pending ``drain`` first), a *hang* (its process stops answering) ``heartbeat_timeout_s`` later, when the poller's
 ``drain`` times out. Until then a hung instance takes the calls the router sends it and never runs them (the real
 front end's ``add`` would block up to the timeout and fail the call over; the simulator does not stall the
-dispatcher meanwhile). The dispatcher then decides what the real cluster's does (``Dispatcher.instance_lost``), and
+dispatcher meanwhile). A *stuck* engine (its forward pass never returns, inside a process that still answers) keeps
+taking calls too; its step in flight, or the next one it starts, never ends, and the front end's step watchdog
+(``cluster/stuck_step.py``, the real rule on the report its heartbeat carries) finds it once that step has run
+``step_timeout_s``. The dispatcher then decides what the real cluster's does (``Dispatcher.instance_lost``), and
 the simulator carries it out (``sim/simulator.py``).
 """
 
@@ -22,35 +25,39 @@ from boundless.config import ClusterConfig
 @dataclass(frozen=True)
 class InstanceFailure:
     """Instance ``instance_id`` stops at ``at_s`` (virtual seconds from the run's start); ``hang``: it stops answering
-    instead of dying, and is found out by a missed heartbeat."""
+    instead of dying, and is found out by a missed heartbeat; ``stuck``: its engine is stuck in a step (the one in
+    flight, or the next) while the process answers, and is found out by the step watchdog."""
 
     instance_id: str
     at_s: float
     hang: bool = False
+    stuck: bool = False
 
     def detected_at(self, heartbeat_timeout_s: float) -> float:
-        """When the cluster calls it lost."""
+        """When the cluster calls a crashed or hung instance lost (a stuck one: when its step has run too long)."""
         return self.at_s + (heartbeat_timeout_s if self.hang else 0.0)
 
     def describe(self) -> str:
-        return f"{self.instance_id}@{self.at_s:g}{':hang' if self.hang else ''}"
+        kind = ":hang" if self.hang else ":stuck" if self.stuck else ""
+        return f"{self.instance_id}@{self.at_s:g}{kind}"
 
 
 def parse_failures(text: str) -> list[InstanceFailure]:
-    """``ID@SECONDS[:hang]`` comma-separated (``1@30,p0@12.5:hang``); raises ValueError naming the bad item."""
+    """``ID@SECONDS[:hang|:stuck]`` comma-separated (``1@30,p0@12.5:hang``); raises ValueError naming the bad
+    item."""
     failures = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
         iid, at, rest = item.partition("@")
         seconds, _, kind = rest.partition(":")
-        if not iid or not at or kind not in ("", "hang", "crash"):
-            raise ValueError(f"{item!r} is not ID@SECONDS or ID@SECONDS:hang")
+        if not iid or not at or kind not in ("", "hang", "stuck", "crash"):
+            raise ValueError(f"{item!r} is not ID@SECONDS, ID@SECONDS:hang or ID@SECONDS:stuck")
         try:
             at_s = float(seconds)
         except ValueError:
             raise ValueError(f"{item!r}: {seconds!r} is not a number of seconds") from None
-        failures.append(InstanceFailure(iid.strip(), at_s, kind == "hang"))
+        failures.append(InstanceFailure(iid.strip(), at_s, kind == "hang", kind == "stuck"))
     return failures
 
 

@@ -248,6 +248,7 @@ CLUSTER_FLAGS = (
     "locality_max_imbalance",
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
+    "step_timeout_s",
     "prefill_instances",
     "decode_instances",
     "kv_path",
@@ -344,10 +345,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fail",
-        metavar="ID@SECONDS[:hang],...",
+        metavar="ID@SECONDS[:hang|:stuck],...",
         help="instances that fail during each run (ids 0..N-1, or p0.., d0.. with roles): a crash (the default) is "
         "seen at once, as Ray fails the calls to a dead actor; a hang when the heartbeat times out "
-        "(--heartbeat-timeout-s later); the dispatcher fails their calls over to the live instances",
+        "(--heartbeat-timeout-s later); stuck (an engine whose step in flight, or next, never ends) when that "
+        "step has run --step-timeout-s; the dispatcher fails their calls over to the live instances",
     )
     fields = {f.name: f for f in dataclasses.fields(ClusterConfig)}
     for name in CLUSTER_FLAGS:

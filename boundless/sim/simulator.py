@@ -35,6 +35,7 @@ from boundless.cluster.links import Link, gbps_to_bytes_per_s
 from boundless.cluster.pd_dispatcher import Continue, PDDecision, PDDispatcher, PDInstance, Prepare, PrepareResult
 from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
 from boundless.cluster.routing import Router
+from boundless.cluster.stuck_step import stuck_step
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.errors import InvalidRequestError
@@ -42,6 +43,7 @@ from boundless.engine.executor import StepResult
 from boundless.engine.request import Request
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
+from boundless.engine.step_watch import StepReport
 from boundless.kv.block_hash import BlockHash
 from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
@@ -127,17 +129,20 @@ class _Call:
 
 @dataclass
 class SimInstance:
-    """An engine instance and the step it is running: ``step`` is set from the step's start to its end. A ``dead``
-    one (``sim/failures.py``) runs nothing more: its step in flight never ends."""
+    """An engine instance and the step it is running: ``step`` is set from the step's start (``step_started``) to
+    its end. A ``dead`` one (``sim/failures.py``) runs nothing more: its step in flight never ends. A ``stuck`` one
+    is alive, but its step in flight (or the next it starts) never ends, until the step watchdog finds it."""
 
     instance_id: str
     core: EngineCore
     step: tuple[SchedulerOutput, StepResult] | None = None
+    step_started: float = 0.0
     dead: bool = False
+    stuck: bool = False
 
 
-# Event kinds, in the heap as (time, sequence, kind, payload); only a run with failures has the last two.
-_STAGE, _CALL, _STEP_END, _WAKE, _FAIL, _DETECT = 0, 1, 2, 3, 4, 5
+# Event kinds, in the heap as (time, sequence, kind, payload); only a run with failures has the last three.
+_STAGE, _CALL, _STEP_END, _WAKE, _FAIL, _DETECT, _STUCK = 0, 1, 2, 3, 4, 5, 6
 
 # Without a profile, the compute network prefill/decode handoffs cross: 400 Gbit/s per GPU (a DGX H100's CNIC).
 DEFAULT_NETWORK = LinkSpec(50e9, 5e-6)
@@ -335,8 +340,8 @@ class Simulator:
             while events and events[0][0] <= clock.now:  # (fast-forwarded steps move the clock on)
                 _, _, kind, payload = heapq.heappop(events)
                 if kind == _STEP_END:
-                    if payload.dead:  # type: ignore[attr-defined]
-                        continue  # its instance stopped mid-step: the step never ends
+                    if payload.dead or payload.stuck:  # type: ignore[attr-defined]
+                        continue  # its instance stopped or is stuck mid-step: the step never ends
                     self._step_end(payload)  # type: ignore[arg-type]
                     if self.fast_forward:
                         self._step_alone(payload)  # type: ignore[arg-type]
@@ -349,6 +354,8 @@ class Simulator:
                         self._ready.add(payload)  # type: ignore[arg-type]  # a stream of this idle instance ended
                 elif kind == _FAIL:
                     self._fail(payload)  # type: ignore[arg-type]
+                elif kind == _STUCK:
+                    self._watch_step(payload)  # type: ignore[arg-type]
                 else:
                     self._lose(payload.instance_id, "heartbeat failed: GetTimeoutError")  # type: ignore[attr-defined]
             now = clock.now
@@ -413,10 +420,35 @@ class Simulator:
 
     def _fail(self, failure: InstanceFailure) -> None:
         """The instance stops; a crash is seen at once (Ray fails the calls to a dead actor as they are made), a hang
-        at its detection event, ``heartbeat_timeout_s`` later."""
+        at its detection event, ``heartbeat_timeout_s`` later. A stuck one does not stop: its step in flight (or its
+        next) never ends, and the step watchdog finds it (``_watch_step``)."""
+        if failure.stuck:
+            inst = self.instances[failure.instance_id]
+            inst.stuck = True
+            if inst.step is not None:
+                self._at(self._stuck_found_at(inst), _STUCK, inst)
+            return
         self._stop(failure.instance_id)
         if not failure.hang:
             self._lose(failure.instance_id, "drain failed: RayActorError")
+
+    def _stuck_found_at(self, inst: SimInstance) -> float:
+        """When the front end's step watchdog finds ``inst`` stuck in its step in flight: at a heartbeat past
+        ``step_timeout_s`` of the step, a heartbeat interval after that at the latest (the real loop's phase is
+        not modelled: the latest is taken)."""
+        found = inst.step_started + self.cluster.step_timeout_s + self.cluster.heartbeat_interval_s
+        return max(self.clock.now, found)
+
+    def _watch_step(self, inst: SimInstance) -> None:
+        """The heartbeat's watchdog (``cluster/stuck_step.py``), on the report a stuck instance's heartbeat carries:
+        its step in flight, how long it has run and its size."""
+        if inst.dead or inst.step is None:
+            return
+        sched = inst.step[0]
+        report = StepReport(self.clock.now - inst.step_started, len(sched.chunks), sched.num_tokens, sched.window)
+        reason = stuck_step(report, self.cluster.step_timeout_s)
+        if reason is not None:
+            self._lose(inst.instance_id, reason)
 
     def _stop(self, instance_id: str) -> None:
         """The instance runs nothing more: its step in flight never ends (nor delivers its tokens), and its KV
@@ -483,7 +515,9 @@ class Simulator:
             if reported:
                 self._ready.add(inst.instance_id)
             return None
-        inst.step = (sched, result)
+        inst.step, inst.step_started = (sched, result), self.clock.now
+        if inst.stuck:  # the step it was stuck in: it never ends
+            self._at(self._stuck_found_at(inst), _STUCK, inst)
         self.num_steps += sched.window  # forward passes (a multi-step window runs several)
         self.num_scheduled += 1
         return self.clock.now + result.elapsed_s

@@ -29,19 +29,31 @@ def model() -> SimulatedModel:
 
 
 def _cluster_run(
-    model: SimulatedModel, failures: list[InstanceFailure], programs: list[ProgramSpec] | None = None
+    model: SimulatedModel,
+    failures: list[InstanceFailure],
+    programs: list[ProgramSpec] | None = None,
+    cluster: ClusterConfig | None = None,
 ) -> tuple[Simulator, list[SimResult]]:
     config = EngineConfig(cache=CacheConfig(num_kv_blocks=200), scheduler=SchedulerConfig(policy="plas"))
-    sim = Simulator(config, model, instances=4, cluster=ClusterConfig(instances=4), failures=failures)
+    cluster = cluster or ClusterConfig(instances=4)
+    sim = Simulator(config, model, instances=cluster.instances, cluster=cluster, failures=failures)
     return sim, sim.run(programs or make_programs("mapreduce", 16, rate=2.0, seed=1))
 
 
-def _pd_run(model: SimulatedModel, failures: list[InstanceFailure]) -> tuple[Simulator, list[SimResult]]:
+def _pd_run(
+    model: SimulatedModel, failures: list[InstanceFailure], step_timeout_s: float = 120.0
+) -> tuple[Simulator, list[SimResult]]:
     config = EngineConfig(
         cache=CacheConfig(num_kv_blocks=400, kv_disk_path="unused-by-the-simulator", kv_host_gb=0.5),
         scheduler=SchedulerConfig(policy="fcfs"),
     )
-    cluster = ClusterConfig(prefill_instances=2, decode_instances=2, kv_path="basic", kv_handoff_timeout_s=2.0)
+    cluster = ClusterConfig(
+        prefill_instances=2,
+        decode_instances=2,
+        kv_path="basic",
+        kv_handoff_timeout_s=2.0,
+        step_timeout_s=step_timeout_s,
+    )
     sim = Simulator(config, model, cluster=cluster, profile=load_profile("h100"), failures=failures)
     return sim, sim.run(agent_sessions(12, 0.0, 1, SHAPE))
 
@@ -61,6 +73,7 @@ def _moved(sim: Simulator, instance_id: str) -> set[str]:
 
 def test_failure_flags_are_parsed_and_checked() -> None:
     assert parse_failures("1@30, p0@12.5:hang") == [InstanceFailure("1", 30.0), InstanceFailure("p0", 12.5, True)]
+    assert parse_failures("d1@2:stuck") == [InstanceFailure("d1", 2.0, stuck=True)]
     four, roles = ClusterConfig(instances=4), ClusterConfig(prefill_instances=1, decode_instances=2)
     check_failures(parse_failures("0@1,3@2"), four)
     check_failures(parse_failures("p0@1,d1@2"), roles)
@@ -122,6 +135,38 @@ def test_a_hung_instance_is_lost_when_its_heartbeat_times_out(model: SimulatedMo
     late = {p.request_id for p in sim.placements if p.instance_id == "1" and p.at_s > 6.0}
     assert late and late <= moved
     assert not [p for p in sim.placements if p.instance_id == "1" and p.at_s >= sim.lost["1"]]
+
+
+def test_an_instance_stuck_in_a_step_is_lost_by_the_step_watchdog(model: SimulatedModel) -> None:
+    programs = make_programs("mapreduce", 16, rate=2.0, seed=1)
+    runs = {}
+    for limit in (3.0, 1.0):
+        cluster = ClusterConfig(instances=4, step_timeout_s=limit)
+        runs[limit] = _cluster_run(model, [InstanceFailure("1", 6.0, stuck=True)], programs, cluster)
+    sim, results = runs[3.0]
+    _assert_nothing_lost(sim, results, programs)
+    started = sim.instances["1"].step_started  # the step it was stuck in
+    assert started <= 6.0  # it was mid-step at 6 s: that step never ended
+    # Found at a heartbeat past the limit, a heartbeat interval at the latest; the same step with a lower limit: sooner.
+    assert sim.lost["1"] == pytest.approx(started + 3.0 + ClusterConfig().heartbeat_interval_s)
+    assert runs[1.0][0].lost["1"] == pytest.approx(sim.lost["1"] - 2.0)
+    moved = _moved(sim, "1")
+    assert sim.dispatcher is not None and sim.dispatcher.num_failovers == len(moved) > 0
+    assert all(sim.call_outcomes[r].output_tokens == sim.call_outcomes[r].max_tokens for r in moved)
+    # Until then it took calls (its process answers) and ran none of them; after, it got none.
+    late = {p.request_id for p in sim.placements if p.instance_id == "1" and p.at_s > 6.0}
+    assert late and late <= moved
+    assert not [p for p in sim.placements if p.instance_id == "1" and p.at_s >= sim.lost["1"]]
+
+
+def test_a_pd_decode_engine_stuck_in_a_step_is_lost_and_every_program_finishes(model: SimulatedModel) -> None:
+    programs = agent_sessions(12, 0.0, 1, SHAPE)
+    sim, results = _pd_run(model, [InstanceFailure("d0", 0.8, stuck=True)], step_timeout_s=2.0)
+    _assert_nothing_lost(sim, results, programs)
+    assert sim.lost["d0"] == pytest.approx(
+        sim.instances["d0"].step_started + 2.0 + ClusterConfig().heartbeat_interval_s
+    )
+    assert sim.dispatcher is not None and sim.dispatcher.num_failovers > 0
 
 
 @pytest.mark.parametrize("lost", ["d0", "p0"])
