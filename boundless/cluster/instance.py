@@ -29,6 +29,7 @@ from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.handoff import HandoffPlan, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.scheduler import SchedulerOutput
 from boundless.engine.step_watch import StepReport
 from boundless.model.loader import LoadedModel, load_model
 from boundless.programs.ref import ProgramRef
@@ -37,6 +38,9 @@ from boundless.transport.endpoints import EndpointSpec, open_endpoint
 # Test hook: with this variable set in an instance's environment, ``add`` raises for a request whose
 # seed equals its value, as a request that trips a bug in the engine would.
 FAIL_ADD_SEED_ENV = "BOUNDLESS_TEST_FAIL_ADD_SEED"
+# Test hook: the instance whose id this variable names hangs for ever in its first step that decodes a request
+# already 3 tokens in, as an engine whose forward pass never returns (a hung kernel): the step watchdog's test.
+HANG_STEP_ENV = "BOUNDLESS_TEST_HANG_STEP_INSTANCE"
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,25 @@ class InstanceInfo:
     kv_blocks: int = 0  # its device KV pool
     host_blocks: int = 0  # its host KV memory (what the dispatcher's reads ahead for waiting calls may use a share of)
     lending: bool = False  # it lends and borrows KV; ``kv_address`` is its rManager's id
+
+
+class _HangingExecutor:
+    """The ``HANG_STEP_ENV`` test hook: ``inner``, but its first step that decodes a request 3 tokens in never
+    returns."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self._hung = False
+
+    def execute(self, sched: SchedulerOutput) -> object:
+        if not self._hung and any(c.num_output_tokens >= 3 and len(c.token_ids) == 1 for c in sched.chunks):
+            self._hung = True
+            log.error("test hook %s: this step hangs for ever", HANG_STEP_ENV)
+            threading.Event().wait()
+        return self.inner.execute(sched)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
 
 
 @dataclass(frozen=True)
@@ -119,6 +142,8 @@ class EngineInstance:
             self.core.connect(
                 self.transport, throttle=net.transfer if net else None, timeout_s=role.cluster.kv_handoff_timeout_s
             )
+        if os.environ.get(HANG_STEP_ENV) == instance_id:
+            self.core.executor = _HangingExecutor(self.core.executor)  # type: ignore[assignment]
         self._outbox: list[RequestDelta] = []
         self._ready = threading.Condition()
         self.loop = EngineLoop(self.core, self._sink, max_waiting)
