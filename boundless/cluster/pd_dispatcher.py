@@ -440,17 +440,21 @@ class PDDispatcher(Dispatcher):
         seq: Counter[str] = Counter()
         tok: Counter[str] = Counter()
         kv: Counter[str] = Counter()  # KV an engine's calls will take: whole blocks (on a DE with their outputs' room)
-        for call in self.calls.values():
-            engines = []
-            if call.phase in ("preparing", "prefilling"):
-                engines.append(call.prefill_engine)
-                kv[call.prefill_engine] += self._prompt_footprint(call)
-            if call.phase != "queued" and call.decode_engine:
-                engines.append(call.decode_engine)
-                kv[call.decode_engine] += self._kv_footprint(call)
-            for engine in engines:
-                seq[engine] += 1
-                tok[engine] += call.num_tokens
+        for call in self.calls.values():  # (every call in the cluster, on every placement round: kept lean)
+            phase = call.phase
+            if phase == "queued":
+                continue
+            num_tokens = len(call.prompt) + len(call.output_token_ids)  # call.num_tokens
+            if phase == "preparing" or phase == "prefilling":
+                pe = call.prefill_engine
+                seq[pe] += 1
+                tok[pe] += num_tokens
+                kv[pe] += self._prompt_footprint(call)
+            de = call.decode_engine
+            if de:
+                seq[de] += 1
+                tok[de] += num_tokens
+                kv[de] += self._kv_footprint(call)
         longest_queued = max((c.num_tokens for c in self.queue), default=0)
         queues: dict[str, int] = {}
         for iid, q in self.read_queues.items():
