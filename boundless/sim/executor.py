@@ -223,8 +223,12 @@ class CostModelExecutor:
         if sched.window > 1:  # multi-step decoding: the batch's later passes, each chunk one position on
             pass_seconds.append(seconds)
             steps = [(c.request_id, c.num_steps) for c in sched.chunks]
+            ends = {n for _, n in steps}
+            tokens: dict[str, SampledToken] = {}
             for j in range(1, sched.window):
-                later.append({rid: sampled[rid] for rid, n in steps if n > j})
+                if j == 1 or j in ends:  # the passes between two chunks' ends sample the same requests: one dict
+                    tokens = {rid: sampled[rid] for rid, n in steps if n > j}
+                later.append(tokens)
             if self._window_cost is not None:  # priced from the window's rows (no shapes to make)
                 pass_seconds += self._window_cost.predict_passes(window_shapes(sched).rows, 1, sched.window)
             elif self._shape_cost is not None:  # priced from each pass's shapes (no batch to build)
