@@ -41,7 +41,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, overload
 
 from boundless.cluster.dispatcher import (
     AbortOn,
@@ -187,6 +187,35 @@ class PDCall(InflightCall):
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output_token_ids)
+
+
+class QueueView(Sequence[PendingRequest]):
+    """The queued calls as the scheduler reads them, each :class:`PendingRequest` made when first read: a round reads
+    the queue only as far as it places or reads ahead, while the queue may hold a call of every waiting agent (making
+    them all, on every call's arrival and end, was most of a large cluster's dispatcher time)."""
+
+    def __init__(self, calls: list[PDCall], pending: Callable[[PDCall], PendingRequest]) -> None:
+        self._calls = list(calls)  # as the round starts: placing takes calls off the queue
+        self._pending = pending
+        self._made: dict[int, PendingRequest] = {}
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    @overload
+    def __getitem__(self, i: int) -> PendingRequest: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[PendingRequest]: ...
+
+    def __getitem__(self, i: int | slice) -> PendingRequest | list[PendingRequest]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self._calls))[i]  # a negative index counts from the end; out of range raises
+        made = self._made.get(i)
+        if made is None:
+            made = self._made[i] = self._pending(self._calls[i])
+        return made
 
 
 class PDDispatcher(Dispatcher):
@@ -411,17 +440,21 @@ class PDDispatcher(Dispatcher):
         seq: Counter[str] = Counter()
         tok: Counter[str] = Counter()
         kv: Counter[str] = Counter()  # KV an engine's calls will take: whole blocks (on a DE with their outputs' room)
-        for call in self.calls.values():
-            engines = []
-            if call.phase in ("preparing", "prefilling"):
-                engines.append(call.prefill_engine)
-                kv[call.prefill_engine] += self._prompt_footprint(call)
-            if call.phase != "queued" and call.decode_engine:
-                engines.append(call.decode_engine)
-                kv[call.decode_engine] += self._kv_footprint(call)
-            for engine in engines:
-                seq[engine] += 1
-                tok[engine] += call.num_tokens
+        for call in self.calls.values():  # (every call in the cluster, on every placement round: kept lean)
+            phase = call.phase
+            if phase == "queued":
+                continue
+            num_tokens = len(call.prompt) + len(call.output_token_ids)  # call.num_tokens
+            if phase == "preparing" or phase == "prefilling":
+                pe = call.prefill_engine
+                seq[pe] += 1
+                tok[pe] += num_tokens
+                kv[pe] += self._prompt_footprint(call)
+            de = call.decode_engine
+            if de:
+                seq[de] += 1
+                tok[de] += num_tokens
+                kv[de] += self._kv_footprint(call)
         longest_queued = max((c.num_tokens for c in self.queue), default=0)
         queues: dict[str, int] = {}
         for iid, q in self.read_queues.items():
@@ -465,8 +498,7 @@ class PDDispatcher(Dispatcher):
             for call in list(self.queue):
                 failed += self._fail(call, "unavailable", "no live prefill or decode engine")
             return failed
-        pending = [self._pending(c) for c in self.queue]
-        result = schedule(pending, self.loads(), self.config)
+        result = schedule(QueueView(self.queue, self._pending), self.loads(), self.config)
         decisions: list[PDDecision] = []
         # The placed reads join their nodes' queues until the engines report again: calls placed meanwhile (one
         # at a time, as calls end) see them, instead of all taking the path the last report made shorter.
@@ -539,8 +571,7 @@ class PDDispatcher(Dispatcher):
         room = self.prefetch_room()
         if not room:
             return []
-        pending = [self._pending(c) for c in self.queue]
-        planned, queues = plan_prefetches(pending, self.loads(), room, self.config)
+        planned, queues = plan_prefetches(QueueView(self.queue, self._pending), self.loads(), room, self.config)
         if not planned:
             return []
         for iid, inst in self.instances.items():

@@ -166,9 +166,20 @@ class ScheduleResult:
     node read queues with the placements accounted (valid until the engines' next reports)."""
 
     placements: tuple[Placement, ...]
-    waiting: tuple[PendingRequest, ...]
-    loads: tuple[EngineLoad, ...]
+    queue: Sequence[PendingRequest]  # the round's queue, its first ``len(placements)`` placed
+    placed: Mapping[str, EngineLoad]  # every engine's load with the placements, by id in the loads' order
     read_queues: Mapping[str, int]
+
+    @property
+    def waiting(self) -> tuple[PendingRequest, ...]:
+        """The requests left waiting, in order."""
+        return tuple(self.queue[len(self.placements) :])
+
+    @property
+    def loads(self) -> tuple[EngineLoad, ...]:
+        """Every engine's load with the placements and its node's read queue accounted, made when read (the
+        dispatcher reads only the queues, and it schedules on every call's arrival and end)."""
+        return tuple(dataclasses.replace(e, read_queue=self.read_queues[e.node]) for e in self.placed.values())
 
 
 def read_queue_tokens(queued_bytes: int, kv_bytes_per_token: int) -> int:
@@ -400,19 +411,17 @@ def _placed_on(engine: EngineLoad, num_tokens: int) -> EngineLoad:
 
 def schedule(queue: Sequence[PendingRequest], loads: Sequence[EngineLoad], config: PDSchedulerConfig) -> ScheduleResult:
     """Place the queue's requests in FIFO order on a PE and a DE each, with their read paths, until one
-    finds no PE or no DE. ``loads`` holds the latest report of every live engine."""
+    finds no PE or no DE. ``loads`` holds the latest report of every live engine. The queue is read in order, as
+    far as the round goes (and whole for a DE group's Z): a dispatcher may make its requests as they are read."""
     state = {e.engine_id: e for e in loads}
     order = [e.engine_id for e in loads]
     queues: dict[str, int] = {}
     for e in loads:  # engines of a node report one queue; reports a moment apart may differ: keep the longest
         queues[e.node] = max(queues.get(e.node, 0), e.read_queue)
+    # Each DE group's Z, from the loads before any placement: made for a group when a request first goes there (a
+    # pass over the queue per group; most calls place one request, or none).
     z_by_group: dict[str, float] = {}
-    if config.z is None:
-        for g in {e.group for e in loads if e.role == "decode"}:
-            members = [e for e in loads if e.role == "decode" and e.group == g]
-            z_by_group[g] = high_token_threshold(members, (r.num_tokens for r in queue))
     placements: list[Placement] = []
-    placed = 0
     for request in queue:
         pes = [state[i] for i in order if state[i].role == "prefill"]
         des = [state[i] for i in order if state[i].role == "decode"]
@@ -421,7 +430,13 @@ def schedule(queue: Sequence[PendingRequest], loads: Sequence[EngineLoad], confi
         if pe is None or group is None:
             break
         members = [de for de in des if de.group == group]
-        z = float(config.z) if config.z is not None else z_by_group[group]
+        if config.z is not None:
+            z = float(config.z)
+        else:
+            if group not in z_by_group:
+                before = [e for e in loads if e.role == "decode" and e.group == group]
+                z_by_group[group] = high_token_threshold(before, (r.num_tokens for r in queue))
+            z = z_by_group[group]
         de = pick_decode_engine(members, request.num_tokens, z)
         assert de is not None  # the group was chosen for having a DE with room
         pe, de, prefetched = honor_prefetch(request, pe, de, pes, des, queues, config)
@@ -437,6 +452,4 @@ def schedule(queue: Sequence[PendingRequest], loads: Sequence[EngineLoad], confi
         state[pe.engine_id] = _placed_on(pe, request.num_tokens)
         state[de.engine_id] = _placed_on(de, request.num_tokens)
         placements.append(Placement(request.request_id, pe.engine_id, de.engine_id, path, read_node, tokens))
-        placed += 1
-    new_loads = tuple(dataclasses.replace(state[i], read_queue=queues[state[i].node]) for i in order)
-    return ScheduleResult(tuple(placements), tuple(queue[placed:]), new_loads, queues)
+    return ScheduleResult(tuple(placements), queue, state, queues)

@@ -214,11 +214,14 @@ class AttentionTimeRecorder:
         ended_at: float,
         arrivals: int = 0,
         departures: int = 0,
+        made: int | None = None,
     ) -> None:
         """A multi-step window's passes, each a step of its own shape to the step-time models, ended in turn (pass
         ``j`` at ``ended_at`` less the later passes' seconds); the window's arrivals and departures go with its first
-        pass. Made into samples when read."""
-        made = sum(1 for shapes in pass_shapes if shapes)
+        pass. Made into samples when read. ``made``: how many passes have shapes, when the caller knows (counting
+        them would make a lazy window's shapes: ``multi_step.WindowPasses``, whose every pass has some)."""
+        if made is None:
+            made = sum(1 for shapes in pass_shapes if shapes)
         if made:
             self._add_pending((pass_shapes, pass_seconds, ended_at, arrivals, departures, made))
 

@@ -531,7 +531,8 @@ class EngineCore:
         if sched.window == 1:
             self.step_times.record(shapes_of(sched), elapsed, now, arrivals, departures)
         else:  # each pass of the window is a step of its own shape to the step-time models, ended in turn
-            self.step_times.record_window(window_shapes(sched), list(result.pass_seconds), now, arrivals, departures)
+            passes = window_shapes(sched)
+            self.step_times.record_window(passes, list(result.pass_seconds), now, arrivals, departures, len(passes))
         if self._prefill_batching == "attention" and c.steps // REFIT_EVERY_STEPS > steps_before // REFIT_EVERY_STEPS:
             self._refit_prefill_time()
         outputs = []
@@ -543,17 +544,18 @@ class EngineCore:
             tokens = [token]
             if result.later:  # a multi-step window: its later passes' tokens, in order
                 tokens += [t for t in (p.get(request_id) for p in result.later) if t is not None]
-            kept = 0
-            status = None
-            for sampled_token in tokens:
-                request.append_output(sampled_token.token_id)
-                kept += 1
-                stop_string = detok.add(sampled_token.token_id)
-                status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
-                if stop_string:
-                    request.stop_reason = detok.stopped_by
-                if status is not None:
-                    break  # the window's tokens past a stop are discarded
+            if detok.enabled or len(tokens) == 1:
+                kept, status = 0, None
+                for kept, sampled_token in enumerate(tokens, 1):  # noqa: B007 (kept: the tokens applied, after)
+                    request.append_output(sampled_token.token_id)
+                    stop_string = detok.add(sampled_token.token_id)
+                    status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
+                    if stop_string:
+                        request.stop_reason = detok.stopped_by
+                    if status is not None:
+                        break  # the window's tokens past a stop are discarded
+            else:  # a window's tokens without text (no stop strings): its stop and length rules in one pass
+                kept, status = request.append_outputs([t.token_id for t in tokens])
             c.generation_tokens += kept
             if request.first_token_time is None:
                 request.first_token_time = now

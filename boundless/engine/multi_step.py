@@ -14,7 +14,8 @@ instead of once per pass (the point of it: a GPU engine's Python per step, and t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import overload
 
 from boundless.engine.attention_time import ChunkShape
 from boundless.engine.scheduler import SchedulerOutput
@@ -36,12 +37,45 @@ def window_iteration(sched: SchedulerOutput, j: int, last_tokens: Mapping[str, i
     return SchedulerOutput(chunks=chunks)
 
 
-def window_shapes(sched: SchedulerOutput) -> list[tuple[ChunkShape, ...]]:
-    """Every pass's chunk shapes (pass ``j`` from 0: each chunk with more than ``j`` passes, ``j`` positions on), made
-    once per step: the simulator's executor prices them and the engine records them for its step-time models."""
+# A window's chunk as its passes see it: (start position, new tokens, passes).
+PassRow = tuple[int, int, int]
+
+
+class WindowPasses(Sequence[tuple[ChunkShape, ...]]):
+    """Each pass's chunk shapes of a multi-step window (pass ``j`` from 0: each chunk with more than ``j`` passes,
+    ``j`` positions on), each made when first indexed. Every pass has a chunk (the window is its longest chunk's
+    passes). Most are never made: a cost that prices ``rows`` directly and a step-time recorder that makes samples
+    only when they are read leave them alone (the simulator's per-pass cost)."""
+
+    __slots__ = ("_made", "rows")
+
+    def __init__(self, rows: list[PassRow], window: int) -> None:
+        self.rows = rows
+        self._made: list[tuple[ChunkShape, ...] | None] = [None] * window
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    @overload
+    def __getitem__(self, j: int) -> tuple[ChunkShape, ...]: ...
+
+    @overload
+    def __getitem__(self, j: slice) -> list[tuple[ChunkShape, ...]]: ...
+
+    def __getitem__(self, j: int | slice) -> tuple[ChunkShape, ...] | list[tuple[ChunkShape, ...]]:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        shapes = self._made[j]
+        if shapes is None:
+            j = j % len(self._made)
+            shapes = self._made[j] = tuple([ChunkShape(start + j, new) for start, new, steps in self.rows if steps > j])
+        return shapes
+
+
+def window_shapes(sched: SchedulerOutput) -> WindowPasses:
+    """Every pass's chunk shapes (:class:`WindowPasses`), once per step: the simulator's executor prices them and
+    the engine records them for its step-time models."""
     if sched.pass_shapes is None:
         rows = [(c.start_pos, len(c.token_ids), c.num_steps) for c in sched.chunks]
-        sched.pass_shapes = [
-            tuple([ChunkShape(start + j, new) for start, new, steps in rows if steps > j]) for j in range(sched.window)
-        ]
+        sched.pass_shapes = WindowPasses(rows, sched.window)
     return sched.pass_shapes

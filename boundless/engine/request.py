@@ -82,6 +82,29 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def append_outputs(self, token_ids: list[int]) -> tuple[int, RequestStatus | None]:
+        """Append a multi-step window's sampled tokens in turn up to the first that finishes the request: how many
+        were kept, and the finished status (None: it goes on). What :meth:`append_output` then :meth:`check_stop`
+        on each token gives, in one pass (the engine's per-token Python: tests/engine/test_multi_step.py compares
+        the two); stop strings need the text of each token, so a request with text is applied a token at a time."""
+        before = len(self.output_token_ids)
+        max_tokens = self.max_tokens
+        kept = max(1, min(len(token_ids), max_tokens - before))  # the token that reaches max_tokens is the last kept
+        status = RequestStatus.FINISHED_LENGTH if before + kept >= max_tokens else None
+        params = self.sampling_params
+        eos = () if params.ignore_eos else self.eos_token_ids
+        if eos or params.stop_token_ids:  # the first stopping token from min_tokens on (it wins over the length)
+            for i in range(max(0, params.min_tokens - before - 1), kept):
+                token = token_ids[i]
+                if token in eos or token in params.stop_token_ids:
+                    kept, status = i + 1, RequestStatus.FINISHED_STOPPED
+                    self.stop_reason = None if token in eos else token
+                    break
+        window = token_ids[:kept]
+        self.output_token_ids.extend(window)
+        self.all_token_ids.extend(window)
+        return kept, status
+
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last sampled token implies, if any (stop strings are checked elsewhere)."""
         output = self.output_token_ids

@@ -28,7 +28,7 @@ once its loads are done. The streams are plain moves in the output (``kv/remote_
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from boundless.attention.backend import RemoteKV
@@ -91,8 +91,8 @@ class SchedulerOutput:
     num_remote_in_flight: int = 0
     # Multi-step decoding: forward passes the step runs for its batch (the longest chunk's ``num_steps``).
     window: int = 1
-    # Each pass's chunk shapes, made once when first asked for (multi_step.window_shapes).
-    pass_shapes: list[tuple[ChunkShape, ...]] | None = None
+    # Each pass's chunk shapes, made once when first asked for (multi_step.window_shapes: a WindowPasses).
+    pass_shapes: Sequence[tuple[ChunkShape, ...]] | None = None
 
     @property
     def num_tokens(self) -> int:

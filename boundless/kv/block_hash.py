@@ -15,25 +15,31 @@ from collections.abc import Sequence
 BlockHash = bytes
 
 
+_NO_PARENT = b"\x00" * 16
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], fingerprint: str) -> BlockHash:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent if parent is not None else b"\x00" * 16)
-    h.update(fingerprint.encode())
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+    parent = parent if parent is not None else _NO_PARENT
+    return hashlib.blake2b(parent + fingerprint.encode() + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, fingerprint: str
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, fingerprint: str, num_tokens: int | None = None
 ) -> list[BlockHash]:
-    """Append to ``hashes`` the names of every full block of ``token_ids`` not yet named.
+    """Append to ``hashes`` the names of every full block of ``token_ids`` (of its first ``num_tokens``) not yet named.
 
     ``hashes`` already names the first ``len(hashes)`` blocks; the call is incremental so that a
-    decoding request pays for each block once.
+    decoding request pays for each block once. The names are :func:`hash_block`'s; the new blocks' tokens are
+    packed once (this runs for every prompt's blocks at admission).
     """
-    num_full = len(token_ids) // block_size
-    parent = hashes[-1] if hashes else None
-    for b in range(len(hashes), num_full):
-        parent = hash_block(parent, token_ids[b * block_size : (b + 1) * block_size], fingerprint)
+    limit = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+    start, num_full = len(hashes), limit // block_size
+    if start >= num_full:
+        return hashes
+    packed = array("q", token_ids[start * block_size : num_full * block_size]).tobytes()
+    fp, width, blake2b = fingerprint.encode(), block_size * 8, hashlib.blake2b
+    parent = hashes[-1] if hashes else _NO_PARENT
+    for off in range(0, len(packed), width):
+        parent = blake2b(parent + fp + packed[off : off + width], digest_size=16).digest()
         hashes.append(parent)
     return hashes

@@ -345,9 +345,11 @@ class KVCacheManager:
     def num_allocated_blocks(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
 
-    def block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
+    def block_hashes(self, request_id: str, token_ids: Sequence[int], num_tokens: int | None = None) -> list[BlockHash]:
+        """The names of the request's full blocks of ``token_ids`` (its first ``num_tokens``), kept for the request:
+        each block is hashed once. The list may name more blocks than asked for (named by an earlier call)."""
         hashes = self._hashes.setdefault(request_id, [])
-        return extend_block_hashes(hashes, token_ids, self.block_size, self.fingerprint)
+        return extend_block_hashes(hashes, token_ids, self.block_size, self.fingerprint, num_tokens)
 
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> CachedPrefix:
         """The longest run of leading full blocks in memory: each on the device, else in host memory.
@@ -601,7 +603,7 @@ class KVCacheManager:
         num_full = min(num_tokens, len(token_ids)) // self.block_size
         if num_full <= start:
             return
-        hashes = self.block_hashes(request_id, token_ids[: num_full * self.block_size])
+        hashes = self.block_hashes(request_id, token_ids, num_full * self.block_size)
         bs = self.block_size
         for i in range(start, num_full):
             block = table[i - first]

@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 from boundless.cluster.links import Link, Traffic
 from boundless.engine.attention_time import ChunkShape
 from boundless.engine.executor import StepResult
-from boundless.engine.multi_step import window_iteration, window_shapes
+from boundless.engine.multi_step import PassRow, window_iteration, window_shapes
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.kv.block_hash import BlockHash
@@ -42,6 +42,13 @@ class ShapeCost(Protocol):
     """A step cost that prices a step from its chunk shapes alone (the profiles' fitted and roofline models)."""
 
     def predict(self, shapes: Sequence[ChunkShape]) -> float: ...
+
+
+@runtime_checkable
+class WindowCost(Protocol):
+    """A step cost that prices a multi-step window's passes from its rows, without their shapes (the roofline)."""
+
+    def predict_passes(self, rows: Sequence[PassRow], first: int, end: int) -> list[float]: ...
 
 
 class _AnyPlaceholder(dict):
@@ -188,6 +195,7 @@ class CostModelExecutor:
     ) -> None:
         self.cost = cost
         self._shape_cost = cost if isinstance(cost, ShapeCost) else None  # (checked once: a Protocol check is slow)
+        self._window_cost = cost if isinstance(cost, WindowCost) else None
         self.bytes_per_block = bytes_per_block
         self.host_copy_bytes_per_s = host_copy_bytes_per_s
         self.host_copy_latency_s = host_copy_latency_s
@@ -215,9 +223,15 @@ class CostModelExecutor:
         if sched.window > 1:  # multi-step decoding: the batch's later passes, each chunk one position on
             pass_seconds.append(seconds)
             steps = [(c.request_id, c.num_steps) for c in sched.chunks]
+            ends = {n for _, n in steps}
+            tokens: dict[str, SampledToken] = {}
             for j in range(1, sched.window):
-                later.append({rid: sampled[rid] for rid, n in steps if n > j})
-            if self._shape_cost is not None:  # priced from each pass's shapes (no batch to build)
+                if j == 1 or j in ends:  # the passes between two chunks' ends sample the same requests: one dict
+                    tokens = {rid: sampled[rid] for rid, n in steps if n > j}
+                later.append(tokens)
+            if self._window_cost is not None:  # priced from the window's rows (no shapes to make)
+                pass_seconds += self._window_cost.predict_passes(window_shapes(sched).rows, 1, sched.window)
+            elif self._shape_cost is not None:  # priced from each pass's shapes (no batch to build)
                 predict, shapes = self._shape_cost.predict, window_shapes(sched)
                 pass_seconds += [predict(shapes[j]) for j in range(1, sched.window)]
             else:

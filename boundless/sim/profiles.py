@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from boundless.engine.attention_time import ChunkShape, shapes_of
+from boundless.engine.multi_step import PassRow
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.sim.cost import StepCost
 from boundless.sim.executor import DiskCost
@@ -93,12 +94,32 @@ class RooflineStepCost:
     def predict(self, shapes: Sequence[ChunkShape]) -> float:
         if not shapes:
             return 0.0
-        s = self.shape
         tokens = cached = pairs = 0
         for c in shapes:  # one loop (the simulator prices every forward pass); pairs as ChunkShape counts them
             tokens += c.new
             cached += c.cached
             pairs += c.new * c.cached + c.new * (c.new + 1) // 2
+        return self._seconds(tokens, cached, pairs)
+
+    def predict_passes(self, rows: Sequence[PassRow], first: int, end: int) -> list[float]:
+        """Seconds of passes ``first`` to ``end - 1`` of a multi-step window of ``rows``
+        (``multi_step.WindowPasses.rows``): what :meth:`predict` gives each pass's shapes, summed from the rows without
+        making the shapes (a pass's shapes: each row with more than ``j`` passes, ``j`` positions on)."""
+        seconds = []
+        for j in range(first, end):
+            tokens = cached = pairs = 0
+            for start, new, steps in rows:
+                if steps > j:
+                    tokens += new
+                    cached += start + j
+                    pairs += new * (start + j) + new * (new + 1) // 2
+            seconds.append(self._seconds(tokens, cached, pairs))
+        return seconds
+
+    def _seconds(self, tokens: int, cached: int, pairs: int) -> float:
+        """A pass of ``tokens`` new tokens over ``cached`` with KV, ``pairs`` query-key pairs: the slower of its
+        compute and its memory traffic, plus the step's overhead."""
+        s = self.shape
         flops = 2 * s.params * tokens + 4 * s.layers * s.q_heads * s.head_dim * pairs
         nbytes = s.params * s.bytes_per_param + s.kv_bytes_per_token * (cached + tokens)
         compute = flops / (self.peak_flops * self.compute_efficiency)

@@ -3,16 +3,19 @@ exact block accounting, fewer scheduler calls."""
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
 
 from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.async_engine import EngineLoop
+from boundless.engine.attention_time import ChunkShape
 from boundless.engine.core import EngineCore, RequestDelta
+from boundless.engine.multi_step import window_shapes
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
-from boundless.engine.scheduler import Scheduler, SchedulerOutput
+from boundless.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from boundless.kv.manager import KVCacheManager
 from boundless.model.loader import LoadedModel
 from boundless.programs.policy import FCFSPolicy
@@ -143,6 +146,62 @@ def test_the_scheduler_plans_a_window_only_for_a_batch_of_decodes_with_room() ->
     assert kv.num_allocated_blocks("b") == kv.blocks_for_tokens(10 + 4)  # its passes' slots, up front
     _apply(s, out)
     assert "a" not in s.requests and s.requests["b"].num_computed_tokens == 14
+
+
+def test_a_windows_pass_shapes_are_made_when_indexed_and_are_each_chunk_j_positions_on() -> None:
+    sched = SchedulerOutput(
+        chunks=[
+            ScheduledChunk("a", [1], 40, [], True, SamplingParams(), 1, (), num_steps=4),
+            ScheduledChunk("b", [2], 9, [], True, SamplingParams(), 1, (), num_steps=2),
+        ],
+        window=4,
+    )
+    passes = window_shapes(sched)
+    assert window_shapes(sched) is passes and len(passes) == 4 and passes.rows == [(40, 1, 4), (9, 1, 2)]
+    assert passes._made == [None] * 4  # nothing made until asked for
+    assert passes[1] == (ChunkShape(41, 1), ChunkShape(10, 1))
+    assert passes._made[0] is None and passes._made[2] is None
+    assert list(passes) == [
+        (ChunkShape(40, 1), ChunkShape(9, 1)),
+        (ChunkShape(41, 1), ChunkShape(10, 1)),
+        (ChunkShape(42, 1),),
+        (ChunkShape(43, 1),),
+    ]
+    assert passes[-1] == passes[3] and passes[1:3] == [passes[1], passes[2]]
+
+
+def test_a_windows_tokens_applied_at_once_stop_where_each_token_in_turn_would() -> None:
+    rng = random.Random(3)
+    for _ in range(2000):
+        max_tokens = rng.choice([None, rng.randint(1, 12)])
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=rng.randint(0, 6 if max_tokens is None else min(6, max_tokens)),
+            ignore_eos=rng.random() < 0.3,
+            stop_token_ids=rng.sample(range(5), rng.randint(0, 2)),
+        )
+        prompt = list(range(10, 10 + rng.randint(1, 6)))
+        done = [rng.randrange(6) for _ in range(rng.randint(0, 4))]
+        max_model_len = len(prompt) + rng.randint(len(done) + 1, 16)
+        window = [rng.randrange(6) for _ in range(rng.randint(1, 8))]
+        one, each = (_decoding(prompt, params, max_model_len, done) for _ in range(2))
+        kept, status = one.append_outputs(window)
+        each_kept, each_status = 0, None
+        for token in window:
+            each.append_output(token)
+            each_kept += 1
+            each_status = each.check_stop()
+            if each_status is not None:
+                break
+        assert (kept, status, one.stop_reason) == (each_kept, each_status, each.stop_reason)
+        assert one.output_token_ids == each.output_token_ids and one.all_token_ids == each.all_token_ids
+
+
+def _decoding(prompt: list[int], params: SamplingParams, max_model_len: int, done: list[int]) -> Request:
+    request = Request("r", prompt, params, 0.0, eos_token_ids=(0, 1), max_model_len=max_model_len)
+    for token in done:
+        request.append_output(token)
+    return request
 
 
 def _apply(s: Scheduler, out: SchedulerOutput) -> None:

@@ -17,6 +17,7 @@ from boundless.engine.attention_time import (
     ChunkShape,
     shapes_of,
 )
+from boundless.engine.multi_step import WindowPasses
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.model.loader import LoadedModel
 from boundless.sim.calibrate import (
@@ -357,6 +358,19 @@ def test_roofline_profiles_order_the_gpus_as_their_figures() -> None:
     assert h100.predict([ChunkShape(8000, 4096)]) > h100.predict(prefill)
     data = json.loads((Path(__file__).parents[2] / "boundless/sim/profiles/h100.json").read_text())
     assert profile_from_dict(data).step == h100
+
+
+def test_the_roofline_prices_a_windows_passes_from_its_rows_as_from_their_shapes() -> None:
+    h100 = load_profile("h100").step
+    assert isinstance(h100, RooflineStepCost)
+    rng = random.Random(5)
+    for _ in range(50):
+        window = rng.randint(1, 32)
+        rows = [(rng.randint(0, 9000), rng.choice([1, 1, 3]), rng.randint(1, window)) for _ in range(rng.randint(1, 9))]
+        rows[0] = (rows[0][0], rows[0][1], window)
+        passes = WindowPasses(rows, window)
+        first = rng.randint(0, window - 1)
+        assert h100.predict_passes(rows, first, window) == [h100.predict(passes[j]) for j in range(first, window)]
 
 
 def test_validate_compares_the_prediction_with_the_median_of_the_measured_runs() -> None:
