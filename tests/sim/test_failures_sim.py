@@ -71,6 +71,18 @@ def _moved(sim: Simulator, instance_id: str) -> set[str]:
     return on & {p.request_id for p in sim.placements if p.instance_id != instance_id}
 
 
+def _assert_failed_over_after(sim: Simulator, instance_id: str, failed_at: float) -> None:
+    """The calls of an instance that stopped answering at ``failed_at`` but was found out only later: every call
+    placed on it failed over with its whole output, those the router sent it in between too (it took them and ran
+    none), and none was placed on it once it was lost."""
+    moved = _moved(sim, instance_id)
+    assert sim.dispatcher is not None and sim.dispatcher.num_failovers == len(moved) > 0
+    assert all(sim.call_outcomes[r].output_tokens == sim.call_outcomes[r].max_tokens for r in moved)
+    late = {p.request_id for p in sim.placements if p.instance_id == instance_id and p.at_s > failed_at}
+    assert late and late <= moved
+    assert not [p for p in sim.placements if p.instance_id == instance_id and p.at_s >= sim.lost[instance_id]]
+
+
 def test_failure_flags_are_parsed_and_checked() -> None:
     assert parse_failures("1@30, p0@12.5:hang") == [InstanceFailure("1", 30.0), InstanceFailure("p0", 12.5, True)]
     assert parse_failures("d1@2:stuck") == [InstanceFailure("d1", 2.0, stuck=True)]
@@ -128,13 +140,7 @@ def test_a_hung_instance_is_lost_when_its_heartbeat_times_out(model: SimulatedMo
     sim, results = _cluster_run(model, [InstanceFailure("1", 6.0, hang=True)], programs)
     _assert_nothing_lost(sim, results, programs)
     assert sim.lost == {"1": 6.0 + ClusterConfig().heartbeat_timeout_s}
-    moved = _moved(sim, "1")
-    assert sim.dispatcher is not None and sim.dispatcher.num_failovers == len(moved) > 0
-    assert all(sim.call_outcomes[r].output_tokens == sim.call_outcomes[r].max_tokens for r in moved)
-    # Until then the router still sent it calls, which it never ran; after, none.
-    late = {p.request_id for p in sim.placements if p.instance_id == "1" and p.at_s > 6.0}
-    assert late and late <= moved
-    assert not [p for p in sim.placements if p.instance_id == "1" and p.at_s >= sim.lost["1"]]
+    _assert_failed_over_after(sim, "1", 6.0)
 
 
 def test_an_instance_stuck_in_a_step_is_lost_by_the_step_watchdog(model: SimulatedModel) -> None:
@@ -150,13 +156,7 @@ def test_an_instance_stuck_in_a_step_is_lost_by_the_step_watchdog(model: Simulat
     # Found at a heartbeat past the limit, a heartbeat interval at the latest; the same step with a lower limit: sooner.
     assert sim.lost["1"] == pytest.approx(started + 3.0 + ClusterConfig().heartbeat_interval_s)
     assert runs[1.0][0].lost["1"] == pytest.approx(sim.lost["1"] - 2.0)
-    moved = _moved(sim, "1")
-    assert sim.dispatcher is not None and sim.dispatcher.num_failovers == len(moved) > 0
-    assert all(sim.call_outcomes[r].output_tokens == sim.call_outcomes[r].max_tokens for r in moved)
-    # Until then it took calls (its process answers) and ran none of them; after, it got none.
-    late = {p.request_id for p in sim.placements if p.instance_id == "1" and p.at_s > 6.0}
-    assert late and late <= moved
-    assert not [p for p in sim.placements if p.instance_id == "1" and p.at_s >= sim.lost["1"]]
+    _assert_failed_over_after(sim, "1", 6.0)
 
 
 def test_a_pd_decode_engine_stuck_in_a_step_is_lost_and_every_program_finishes(model: SimulatedModel) -> None:
