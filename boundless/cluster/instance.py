@@ -28,6 +28,7 @@ from boundless.engine.attention_time import AttentionSample
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.handoff import HandoffPlan, IntakePlan
+from boundless.engine.hung_executor import HangTrap, HungExecutor
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.engine.step_watch import StepReport
@@ -62,23 +63,9 @@ class InstanceInfo:
     lending: bool = False  # it lends and borrows KV; ``kv_address`` is its rManager's id
 
 
-class _HangingExecutor:
-    """The ``HANG_STEP_ENV`` test hook: ``inner``, but its first step that decodes a request 3 tokens in never
-    returns."""
-
-    def __init__(self, inner: object) -> None:
-        self.inner = inner
-        self._hung = False
-
-    def execute(self, sched: SchedulerOutput) -> object:
-        if not self._hung and any(c.num_output_tokens >= 3 and len(c.token_ids) == 1 for c in sched.chunks):
-            self._hung = True
-            log.error("test hook %s: this step hangs for ever", HANG_STEP_ENV)
-            threading.Event().wait()
-        return self.inner.execute(sched)  # type: ignore[attr-defined]
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
+def _decodes_three_in(sched: SchedulerOutput) -> bool:
+    """The ``HANG_STEP_ENV`` hook's step: the first that decodes a request already 3 tokens in."""
+    return any(c.num_output_tokens >= 3 and len(c.token_ids) == 1 for c in sched.chunks)
 
 
 @dataclass(frozen=True)
@@ -143,7 +130,9 @@ class EngineInstance:
                 self.transport, throttle=net.transfer if net else None, timeout_s=role.cluster.kv_handoff_timeout_s
             )
         if os.environ.get(HANG_STEP_ENV) == instance_id:
-            self.core.executor = _HangingExecutor(self.core.executor)  # type: ignore[assignment]
+            log.error("test hook %s: this instance's first step decoding a request 3 tokens in hangs", HANG_STEP_ENV)
+            trap = HangTrap(_decodes_three_in)  # never released: the step hangs for ever
+            self.core.executor = HungExecutor(self.core.executor, trap)  # type: ignore[assignment]
         self._outbox: list[RequestDelta] = []
         self._ready = threading.Condition()
         self.loop = EngineLoop(self.core, self._sink, max_waiting)

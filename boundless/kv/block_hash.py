@@ -19,8 +19,13 @@ _NO_PARENT = b"\x00" * 16
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], fingerprint: str) -> BlockHash:
-    parent = parent if parent is not None else _NO_PARENT
-    return hashlib.blake2b(parent + fingerprint.encode() + array("q", token_ids).tobytes(), digest_size=16).digest()
+    return _name(parent if parent is not None else _NO_PARENT, fingerprint.encode(), array("q", token_ids).tobytes())
+
+
+def _name(parent: BlockHash, fingerprint: bytes, packed_tokens: bytes) -> BlockHash:
+    """A block's name from its parent's, the model fingerprint and its tokens as int64 bytes: the one layout every
+    name has (names are kept in the disk store, so it must not change)."""
+    return hashlib.blake2b(parent + fingerprint + packed_tokens, digest_size=16).digest()
 
 
 def extend_block_hashes(
@@ -37,9 +42,9 @@ def extend_block_hashes(
     if start >= num_full:
         return hashes
     packed = array("q", token_ids[start * block_size : num_full * block_size]).tobytes()
-    fp, width, blake2b = fingerprint.encode(), block_size * 8, hashlib.blake2b
+    fp, width = fingerprint.encode(), block_size * 8
     parent = hashes[-1] if hashes else _NO_PARENT
     for off in range(0, len(packed), width):
-        parent = blake2b(parent + fp + packed[off : off + width], digest_size=16).digest()
+        parent = _name(parent, fp, packed[off : off + width])
         hashes.append(parent)
     return hashes

@@ -94,21 +94,16 @@ class RooflineStepCost:
     def predict(self, shapes: Sequence[ChunkShape]) -> float:
         if not shapes:
             return 0.0
-        tokens = cached = pairs = 0
-        for c in shapes:  # one loop (the simulator prices every forward pass); pairs as ChunkShape counts them
-            tokens += c.new
-            cached += c.cached
-            pairs += c.new * c.cached + c.new * (c.new + 1) // 2
-        return self._seconds(tokens, cached, pairs)
+        return self.predict_passes([(c.cached, c.new, 1) for c in shapes], 0, 1)[0]  # a window of one pass
 
     def predict_passes(self, rows: Sequence[PassRow], first: int, end: int) -> list[float]:
         """Seconds of passes ``first`` to ``end - 1`` of a multi-step window of ``rows``
-        (``multi_step.WindowPasses.rows``): what :meth:`predict` gives each pass's shapes, summed from the rows without
-        making the shapes (a pass's shapes: each row with more than ``j`` passes, ``j`` positions on)."""
+        (``multi_step.WindowPasses.rows``), summed from the rows without making each pass's shapes (pass ``j``'s: each
+        row with more than ``j`` passes, ``j`` positions on). :meth:`predict` is a window of one pass."""
         seconds = []
         for j in range(first, end):
             tokens = cached = pairs = 0
-            for start, new, steps in rows:
+            for start, new, steps in rows:  # (the simulator prices every forward pass here); pairs as ChunkShape's
                 if steps > j:
                     tokens += new
                     cached += start + j

@@ -8,11 +8,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from hung_executor import HangTrap, HungExecutor
 from one_engine import one_engine_texts
 
 from boundless.cluster.local_pd import LocalPDCluster
 from boundless.config import ClusterConfig
+from boundless.engine.hung_executor import HangTrap, HungExecutor
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.llm import engine_config

@@ -6,11 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
-from hung_executor import HangTrap, HungExecutor
-
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.async_engine import EngineLoop
 from boundless.engine.core import EngineCore, RequestDelta
+from boundless.engine.hung_executor import HangTrap, HungExecutor
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel
 

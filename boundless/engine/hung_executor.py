@@ -1,5 +1,6 @@
-"""An executor whose forward pass hangs: the tests' fault for an engine stuck inside a step (a kernel that never
-returns, a deadlocked collective)."""
+"""An executor whose forward pass hangs: the injected fault for an engine stuck inside a step (a kernel that never
+returns, a deadlocked collective), for the step watchdog's tests and the cluster instance's ``HANG_STEP_ENV``
+test hook (``cluster/instance.py``)."""
 
 from __future__ import annotations
 
