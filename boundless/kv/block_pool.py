@@ -92,9 +92,10 @@ class BlockPool:
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         out = []
-        blocks, free, on_evict = self.blocks, self._free, self.on_evict  # (looked up once: a hot loop)
+        blocks, on_evict = self.blocks, self.on_evict  # (looked up once: a hot loop)
+        pop, own = self._free.pop, self._free.own
         for _ in range(n):
-            block = blocks[free.pop()]
+            block = blocks[pop()]
             block.ref_count = 1
             if block.block_hash is not None:
                 name, tokens = block.block_hash, block.token_ids
@@ -102,7 +103,7 @@ class BlockPool:
                 if on_evict is not None:
                     assert tokens is not None
                     on_evict(block, name, tokens)  # while the order still knows who owned it
-            free.own(block.block_id, owner, fresh=True)
+            own(block.block_id, owner, True)  # fresh: whoever owned it before no longer does
             out.append(block)
         return out
 
@@ -117,6 +118,32 @@ class BlockPool:
         self.stats.hits += 1
         return block
 
+    def lookup_run(
+        self, hashes: Sequence[BlockHash], token_ids: Sequence[int], first: int, end: int, block_size: int
+    ) -> list[KVBlock]:
+        """The cached blocks of blocks ``first`` to ``end`` of a token sequence (block ``i`` named ``hashes[i]``, with
+        tokens ``token_ids[i * block_size : (i + 1) * block_size]``) as far as they run unbroken from ``first``: what
+        :meth:`lookup` of each in turn finds before its first miss, counted alike (a prompt's prefix in one call)."""
+        if not self.enable_caching:
+            return []
+        run = self.peek_run(hashes, token_ids, first, end, block_size)
+        stats = self.stats
+        stats.queries += len(run) + (first + len(run) < end)  # the miss that ended the run is a query too
+        stats.hits += len(run)
+        return run
+
+    def peek_run(
+        self, hashes: Sequence[BlockHash], token_ids: Sequence[int], first: int, end: int, block_size: int
+    ) -> list[KVBlock]:
+        """As :meth:`lookup_run`, without counting queries (what :meth:`peek` of each in turn finds)."""
+        cached, bs, out = self._cached, block_size, []
+        for i in range(first, end):
+            block = cached.get(hashes[i])
+            if block is None or block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+                break
+            out.append(block)
+        return out
+
     def peek(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """As :meth:`lookup`, without counting a query (for moves between tiers, not prefix lookups)."""
         block = self._cached.get(block_hash)
@@ -128,11 +155,12 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVBlock], owner: str | None = None) -> None:
         """Take a reference (for ``owner``'s program) on blocks found by :meth:`lookup`, reviving them if free."""
+        remove, own = self._free.remove, self._free.own
         for block in blocks:
             if block.ref_count == 0:
-                self._free.remove(block.block_id)
+                remove(block.block_id)
             block.ref_count += 1
-            self._free.own(block.block_id, owner)
+            own(block.block_id, owner)
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference on each block; blocks that reach zero join the free queue's tail.
@@ -140,12 +168,14 @@ class BlockPool:
         Callers pass a request's blocks tail first, so that its last blocks (least likely to be
         shared) are evicted before its first ones.
         """
+        add = self._free.add
         for block in blocks:
-            if block.ref_count <= 0:
+            left = block.ref_count - 1
+            if left < 0:
                 raise RuntimeError(f"block {block.block_id} freed twice")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free.add(block.block_id, named=block.block_hash is not None)
+            block.ref_count = left
+            if left == 0:
+                add(block.block_id, block.block_hash is not None)  # named
 
     def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
         """Name a full block so later requests can share it."""
@@ -157,6 +187,28 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+
+    def cache_run(
+        self,
+        blocks: Sequence[KVBlock],
+        hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        first: int,
+        block_size: int,
+    ) -> None:
+        """Name a run of full blocks: ``blocks[j]`` is block ``i = first + j`` of a token sequence, named ``hashes[i]``,
+        with tokens ``token_ids[i * block_size : (i + 1) * block_size]``; :meth:`cache` of each in turn (a request's
+        new full blocks in one call)."""
+        if not self.enable_caching:
+            return
+        cached, bs, i = self._cached, block_size, first
+        for block in blocks:
+            name = hashes[i]
+            if block.block_hash is None and name not in cached:
+                block.block_hash = name
+                block.token_ids = tuple(token_ids[i * bs : (i + 1) * bs])
+                cached[name] = block
+            i += 1
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):

@@ -362,19 +362,40 @@ class KVCacheManager:
             return prefix
         max_blocks = (len(token_ids) - 1) // self.block_size
         hashes = self.block_hashes(request_id, token_ids)
-        host = self.pools.get(HOST)
-        bs = self.block_size
-        for i in range(max_blocks):
-            tokens = token_ids[i * bs : (i + 1) * bs]
-            block, tier = self.pool.lookup(hashes[i], tokens), DEVICE
-            if block is None and host is not None:
-                block, tier = host.lookup(hashes[i], tokens), HOST
+        prefix.blocks, prefix.tiers = self._memory_run(hashes, token_ids, 0, max_blocks, count=True)
+        prefix.origins = [
+            self._origins.get(block.block_id, HOST) if tier == HOST else tier
+            for block, tier in zip(prefix.blocks, prefix.tiers, strict=True)
+        ]
+        return prefix
+
+    def _memory_run(
+        self, hashes: Sequence[BlockHash], token_ids: Sequence[int], first: int, end: int, count: bool = False
+    ) -> tuple[list[KVBlock], list[TierId]]:
+        """The leading run of full blocks ``first`` to ``end`` of ``token_ids`` (block ``i`` named ``hashes[i]``) that
+        memory holds, each on the device, else in host memory: the blocks and their tiers. ``count``: looked up as a
+        prefix lookup is (the pools count the queries and hits), else peeked at."""
+        bs, host = self.block_size, self.pools.get(HOST)
+        device_run = self.pool.lookup_run if count else self.pool.peek_run
+        host_get = None if host is None else host.lookup if count else host.peek
+        blocks: list[KVBlock] = []
+        tiers: list[TierId] = []
+        i = first
+        while i < end:
+            run = device_run(hashes, token_ids, i, end, bs)  # runs of device blocks in one call
+            if run:
+                blocks += run
+                tiers += [DEVICE] * len(run)
+                i += len(run)
+                if i >= end:
+                    break
+            block = host_get(hashes[i], token_ids[i * bs : (i + 1) * bs]) if host_get is not None else None
             if block is None:
                 break
-            prefix.blocks.append(block)
-            prefix.tiers.append(tier)
-            prefix.origins.append(self._origins.get(block.block_id, tier) if tier == HOST else tier)
-        return prefix
+            blocks.append(block)
+            tiers.append(HOST)
+            i += 1
+        return blocks, tiers
 
     def blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None = None) -> int:
         """How many more free blocks an allocation up to ``num_tokens_after`` tokens would need (<= 0: none)."""
@@ -604,12 +625,12 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self.block_hashes(request_id, token_ids, num_full * self.block_size)
-        bs = self.block_size
-        for i in range(start, num_full):
-            block = table[i - first]
-            self.pool.cache(block, hashes[i], token_ids[i * bs : (i + 1) * bs])
-            if self.write_policy == "through" and block.block_hash == hashes[i]:
-                self._filled_by_step.append((block, hashes[i]))
+        blocks = table[start - first : num_full - first]
+        self.pool.cache_run(blocks, hashes, token_ids, start, self.block_size)
+        if self.write_policy == "through":
+            for i, block in enumerate(blocks, start):
+                if block.block_hash == hashes[i]:
+                    self._filled_by_step.append((block, hashes[i]))
         self._num_named[request_id] = num_full
 
     # -- the disk store ---------------------------------------------------------------------------
@@ -680,18 +701,15 @@ class KVCacheManager:
         max_blocks = (len(token_ids) - 1) // bs
         hashes = self.block_hashes(request_id, token_ids)
         host = self.pools[HOST]
-        start = 0
+        in_memory, tiers = self._memory_run(hashes, token_ids, 0, max_blocks)
+        start = len(in_memory)
         own_free_in_host: list[KVBlock] = []
-        while start < max_blocks:
-            tokens = token_ids[start * bs : (start + 1) * bs]
-            if self.pool.peek(hashes[start], tokens) is None:
-                in_host = host.peek(hashes[start], tokens)
-                if in_host is None:
-                    break
-                host.refresh(in_host, self._programs.get(request_id))
-                if in_host.ref_count == 0:
-                    own_free_in_host.append(in_host)
-            start += 1
+        owner = self._programs.get(request_id)
+        for block, tier in zip(in_memory, tiers, strict=True):
+            if tier == HOST:  # used by the request: the last of its equals to go
+                host.refresh(block, owner)
+                if block.ref_count == 0:
+                    own_free_in_host.append(block)
         end = max_blocks if lookup.disk_end is None else min(max_blocks, lookup.disk_end)
         if lookup.limit is not None and start >= min(end, lookup.limit):
             return None  # what is left comes from a peer (or, should that fail, may be read later)
@@ -1165,19 +1183,13 @@ class KVCacheManager:
         """The leading run of full blocks ``first`` to ``num_blocks`` of ``token_ids`` that memory holds (each on the
         device, else in host memory), without counting a lookup. ``request_id`` None: for no request here (its
         block names are not kept)."""
-        head = token_ids[: num_blocks * self.block_size]
+        head = num_blocks * self.block_size
         if request_id is None:
-            hashes = extend_block_hashes([], head, self.block_size, self.fingerprint)
+            hashes = extend_block_hashes([], token_ids, self.block_size, self.fingerprint, head)
         else:
-            hashes = self.block_hashes(request_id, head)
-        bs = self.block_size
-        out = []
-        for i in range(first, min(num_blocks, len(hashes))):
-            ref = self._in_memory(hashes[i], token_ids[i * bs : (i + 1) * bs])
-            if ref is None:
-                break
-            out.append(ref)
-        return out
+            hashes = self.block_hashes(request_id, token_ids, head)
+        blocks, tiers = self._memory_run(hashes, token_ids, first, min(num_blocks, len(hashes)))
+        return [BlockRef(tier, block.block_id) for block, tier in zip(blocks, tiers, strict=True)]
 
     def hold_prefix(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> int:
         """Hold the leading run of the first ``num_blocks`` blocks in memory for a request that has not arrived

@@ -1,0 +1,122 @@
+"""A run of blocks in one call: the block pool's and the cache manager's batched operations against the same work done a
+block at a time, over random pools and prompts (names with other tokens included, so a collision check that a run
+skipped would show)."""
+
+from __future__ import annotations
+
+import random
+
+from boundless.kv.block_hash import BlockHash, extend_block_hashes
+from boundless.kv.block_pool import BlockPool, KVBlock
+from boundless.kv.manager import KVCacheManager
+from boundless.kv.transfer import DEVICE, HOST
+
+BS = 4
+
+
+def _names(pool: BlockPool) -> list[tuple[BlockHash | None, tuple[int, ...] | None]]:
+    return [(b.block_hash, b.token_ids) for b in pool.blocks]
+
+
+def _random_pool(rng: random.Random, tokens: list[int], hashes: list[BlockHash]) -> BlockPool:
+    """A pool holding some of the prompt's blocks (some under their name with other tokens), some of them in use."""
+    pool = BlockPool(len(hashes) + 4)
+    blocks = pool.allocate(len(hashes) + 4)
+    for i, block in enumerate(blocks[: len(hashes)]):
+        roll = rng.random()
+        if roll < 0.7:
+            pool.cache(block, hashes[i], tokens[i * BS : (i + 1) * BS])
+        elif roll < 0.8:
+            pool.cache(block, hashes[i], [t + 1 for t in tokens[i * BS : (i + 1) * BS]])  # a name's collision
+    pool.free([b for b in blocks if rng.random() < 0.5])
+    return pool
+
+
+def test_a_run_looked_up_finds_and_counts_what_lookups_in_turn_do() -> None:
+    rng = random.Random(7)
+    for _ in range(400):
+        tokens = [rng.randrange(5) for _ in range(BS * rng.randrange(1, 12) + rng.randrange(BS))]
+        hashes = extend_block_hashes([], tokens, BS, "fp")
+        pool = _random_pool(rng, tokens, hashes)
+        first = rng.randrange(len(hashes) + 1)
+        end = rng.randrange(first, len(hashes) + 1)
+        before = (pool.stats.queries, pool.stats.hits)
+        expected = []
+        for i in range(first, end):
+            block = pool.lookup(hashes[i], tokens[i * BS : (i + 1) * BS])
+            if block is None:
+                break
+            expected.append(block)
+        one_by_one = (pool.stats.queries - before[0], pool.stats.hits - before[1])
+        assert pool.peek_run(hashes, tokens, first, end, BS) == expected
+        run = pool.lookup_run(hashes, tokens, first, end, BS)
+        assert run == expected
+        assert (pool.stats.queries - before[0] - one_by_one[0], pool.stats.hits - before[1] - one_by_one[1]) == (
+            one_by_one
+        )
+
+
+def test_a_run_named_names_what_naming_each_block_in_turn_does() -> None:
+    rng = random.Random(11)
+    for _ in range(400):
+        tokens = [rng.randrange(5) for _ in range(BS * rng.randrange(1, 12))]
+        hashes = extend_block_hashes([], tokens, BS, "fp")
+        seed = rng.random()
+        twins = [_random_pool(random.Random(seed), tokens, hashes) for _ in range(2)]
+        first = rng.randrange(len(hashes) + 1)
+        end = rng.randrange(first, len(hashes) + 1)
+        picks = [rng.randrange(len(twins[0].blocks)) for _ in range(end - first)]  # a block may come twice
+        run: list[KVBlock] = [twins[0].blocks[p] for p in picks]
+        twins[0].cache_run(run, hashes, tokens, first, BS)
+        for i, p in zip(range(first, end), picks, strict=True):
+            twins[1].cache(twins[1].blocks[p], hashes[i], tokens[i * BS : (i + 1) * BS])
+        assert _names(twins[0]) == _names(twins[1])
+        twins[0].check_invariants()
+
+
+def _manager_with_history(rng: random.Random, prompts: list[list[int]]) -> KVCacheManager:
+    """A manager with a small device and host memory, after random requests came and went (evictions demote blocks
+    to host memory, and host memory evicts in turn)."""
+    kv = KVCacheManager(12, BS, True, "fp", num_host_blocks=6)
+    for n in range(30):
+        rid = f"old{n}"
+        tokens = rng.choice(prompts)[: rng.randrange(2, 40)]
+        kv.begin_step()
+        if kv.allocate(rid, tokens, len(tokens), kv.find_cached_prefix(rid, tokens)):
+            if rng.random() < 0.7:
+                kv.free(rid)
+        else:
+            kv.free(rid)
+    return kv
+
+
+def test_a_cached_prefix_is_each_block_on_the_device_else_in_host_memory() -> None:
+    rng = random.Random(3)
+    for _ in range(150):
+        prompts = [[rng.randrange(3) for _ in range(40)] for _ in range(3)]
+        kv = _manager_with_history(rng, prompts)
+        tokens = rng.choice(prompts)[: rng.randrange(1, 41)]
+        hashes = extend_block_hashes([], tokens, BS, "fp")
+        device, host = kv.pool, kv.pools[HOST]
+        counts = (device.stats.queries, device.stats.hits, host.stats.queries, host.stats.hits)
+        expected = []  # a block at a time: the device, else host memory
+        for i in range((len(tokens) - 1) // BS):
+            block, tier = device.lookup(hashes[i], tokens[i * BS : (i + 1) * BS]), DEVICE
+            if block is None:
+                block, tier = host.lookup(hashes[i], tokens[i * BS : (i + 1) * BS]), HOST
+            if block is None:
+                break
+            expected.append((block, tier))
+        one_by_one = [
+            s - c
+            for s, c in zip(
+                (device.stats.queries, device.stats.hits, host.stats.queries, host.stats.hits), counts, strict=True
+            )
+        ]
+        prefix = kv.find_cached_prefix("new", tokens)
+        assert list(zip(prefix.blocks, prefix.tiers, strict=True)) == expected
+        after = (device.stats.queries, device.stats.hits, host.stats.queries, host.stats.hits)
+        assert [a - c - o for a, c, o in zip(after, counts, one_by_one, strict=True)] == one_by_one
+        refs = kv.memory_prefix(None, tokens, len(tokens) // BS)
+        assert len(refs) >= len(expected)
+        assert [(r.tier, r.block_id) for r in refs[: len(expected)]] == [(t, b.block_id) for b, t in expected]
