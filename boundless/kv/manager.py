@@ -429,19 +429,21 @@ class KVCacheManager:
             # Both kinds of hit are held before any new block is taken, so that no eviction this allocation
             # causes (and no demotion that follows from it) reuses a block of the prefix.
             self.pool.touch(on_device, owner)
-            if in_host:
+            if not in_host:
+                table += prefix.blocks
+            else:
                 self.pools[HOST].touch(in_host, owner)
                 self._held.append((HOST, in_host))
                 for b in in_host:
                     self._origins.pop(b.block_id, None)
-            fresh = iter(self.pool.allocate(len(in_host), owner))
-            for block, tier in zip(prefix.blocks, prefix.tiers, strict=True):
-                if tier == DEVICE:
-                    table.append(block)
-                else:
-                    dst = next(fresh)
-                    self._move(BlockRef(HOST, block.block_id), BlockRef(DEVICE, dst.block_id))
-                    table.append(dst)
+                fresh = iter(self.pool.allocate(len(in_host), owner))
+                for block, tier in zip(prefix.blocks, prefix.tiers, strict=True):
+                    if tier == DEVICE:
+                        table.append(block)
+                    else:
+                        dst = next(fresh)
+                        self._move(BlockRef(HOST, block.block_id), BlockRef(DEVICE, dst.block_id))
+                        table.append(dst)
         num_new = self.blocks_for_tokens(num_tokens_after) - len(table) - self.num_lent_blocks(request_id)
         if num_new > 0:
             table.extend(self.pool.allocate(num_new, owner))
@@ -653,7 +655,7 @@ class KVCacheManager:
         """Load the request's blocks ``[first, end)`` (known stored) for a DE-read push, apart from its own prefix:
         the blocks before ``first`` that this engine lacks come from the prefill engine, which holds them. Started
         by the next :meth:`plan_disk_read`; until then the request counts as reading (its push waits)."""
-        self._lookups.setdefault(request_id, _DiskLookup()).push_span = (first, end)
+        self._lookup_of(request_id).push_span = (first, end)
 
     @property
     def disk_stalled(self) -> bool:
@@ -678,6 +680,14 @@ class KVCacheManager:
         self.counters[DISK].load_timeouts += expired
         return expired
 
+    def _lookup_of(self, request_id: str) -> _DiskLookup:
+        """The request's progress through the store, begun now if not yet (made only then: this runs every step for
+        every waiting request)."""
+        lookup = self._lookups.get(request_id)
+        if lookup is None:
+            lookup = self._lookups[request_id] = _DiskLookup()
+        return lookup
+
     def plan_disk_read(self, request_id: str, token_ids: Sequence[int], now: float = 0.0) -> DiskRead | None:
         """The read from the store to start for a waiting request, if any: its blocks that follow those in
         memory are probed for (when the store's holdings are unknown) or loaded into host blocks reserved
@@ -686,7 +696,7 @@ class KVCacheManager:
         memory has no room, or the store is stuck (:attr:`disk_stalled`)."""
         if not self.has_disk:
             return None
-        lookup = self._lookups.setdefault(request_id, _DiskLookup())
+        lookup = self._lookup_of(request_id)
         lookup.room_short = 0
         if self.disk_stalled:
             lookup.push_span = None  # the push goes without them: the prefill engine reads or computes them
@@ -903,7 +913,7 @@ class KVCacheManager:
         """The request arrived with its first ``num_blocks`` blocks in memory (device or host): should some of them be
         evicted before its admission and computed then, they are counted (:meth:`note_admitted`)."""
         if self.has_disk:
-            self._lookups.setdefault(request_id, _DiskLookup()).arrival_prefix = num_blocks
+            self._lookup_of(request_id).arrival_prefix = num_blocks
 
     def note_admitted(self, request_id: str, cached_blocks: int = 0) -> None:
         """The request was admitted with its first ``cached_blocks`` blocks in memory: count the stored blocks it
@@ -1109,7 +1119,7 @@ class KVCacheManager:
         self.note_on_disk(keys[:stored])
         if stored == 0:
             return 0
-        self._lookups.setdefault(request_id, _DiskLookup()).prefetch_span = (have, have + stored)
+        self._lookup_of(request_id).prefetch_span = (have, have + stored)
         self._prefetch_tokens[request_id] = tuple(token_ids[: (have + stored) * bs])
         return stored
 
@@ -1229,7 +1239,7 @@ class KVCacheManager:
         self._next_remote_id += 1
         self._intakes[recv.recv_id] = _Intake(request_id, first, blocks, keys, tokens)
         self._recvs.append(recv)
-        self._lookups.setdefault(request_id, _DiskLookup()).limit = first
+        self._lookup_of(request_id).limit = first
         return recv
 
     def host_room(self, count: int) -> bool:
