@@ -9,23 +9,33 @@ instance. Partial (not yet full) blocks have no name and are never shared.
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections.abc import Sequence
 
 BlockHash = bytes
 
 
 _NO_PARENT = b"\x00" * 16
+# A name's hash before any byte: each name copies it (cheaper than making a new one, and the same digest).
+_EMPTY = hashlib.blake2b(digest_size=16)
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], fingerprint: str) -> BlockHash:
-    return _name(parent if parent is not None else _NO_PARENT, fingerprint.encode(), array("q", token_ids).tobytes())
+    return _name(parent if parent is not None else _NO_PARENT, fingerprint.encode(), _pack(token_ids))
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    """Token ids as native int64 bytes, one after another (``array("q", token_ids).tobytes()``, in a third of the
+    time)."""
+    return struct.pack(f"{len(token_ids)}q", *token_ids)
 
 
 def _name(parent: BlockHash, fingerprint: bytes, packed_tokens: bytes) -> BlockHash:
-    """A block's name from its parent's, the model fingerprint and its tokens as int64 bytes: the one layout every
-    name has (names are kept in the disk store, so it must not change)."""
-    return hashlib.blake2b(parent + fingerprint + packed_tokens, digest_size=16).digest()
+    """A block's name from its parent's, the model fingerprint and its tokens as int64 bytes (:func:`_pack`): the one
+    layout every name has (names are kept in the disk store, so it must not change)."""
+    h = _EMPTY.copy()
+    h.update(parent + fingerprint + packed_tokens)
+    return h.digest()
 
 
 def extend_block_hashes(
@@ -41,7 +51,7 @@ def extend_block_hashes(
     start, num_full = len(hashes), limit // block_size
     if start >= num_full:
         return hashes
-    packed = array("q", token_ids[start * block_size : num_full * block_size]).tobytes()
+    packed = _pack(token_ids[start * block_size : num_full * block_size])
     fp, width = fingerprint.encode(), block_size * 8
     parent = hashes[-1] if hashes else _NO_PARENT
     for off in range(0, len(packed), width):

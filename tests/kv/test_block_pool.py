@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import random
+from array import array
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -159,3 +163,21 @@ def test_block_names_chain_and_include_the_model() -> None:
     # The same block after another prefix, or under another model, has another name.
     assert hash_block(None, tokens[4:], "m") != names[1]
     assert extend_block_hashes([], tokens, 4, "other") != names
+
+
+def test_block_names_keep_their_layout() -> None:
+    """Names are kept in the disk store: each is blake2b (16 bytes) of the parent's name, the fingerprint and the
+    tokens as native int64s, however they are packed and hashed."""
+    rng = random.Random(5)
+    for _ in range(200):
+        tokens = [rng.randrange(-(2**40), 2**40) for _ in range(rng.randrange(0, 50))]
+        expected, parent = [], b"\x00" * 16
+        for i in range(len(tokens) // 4):
+            packed = array("q", tokens[i * 4 : (i + 1) * 4]).tobytes()
+            parent = hashlib.blake2b(parent + b"fp" + packed, digest_size=16).digest()
+            expected.append(parent)
+        assert extend_block_hashes([], tokens, 4, "fp") == expected
+        parents = [None, *expected]
+        assert [hash_block(parents[i], tokens[i * 4 : (i + 1) * 4], "fp") for i in range(len(expected))] == expected
+    # One name written down: a layout that changed would lose every store written before.
+    assert hash_block(None, [1, 2, 3, 4], "m").hex() == "532121ac89a1ab149c0421dbb172c1d1"
