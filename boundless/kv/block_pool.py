@@ -118,32 +118,6 @@ class BlockPool:
         self.stats.hits += 1
         return block
 
-    def lookup_run(
-        self, hashes: Sequence[BlockHash], token_ids: Sequence[int], first: int, end: int, block_size: int
-    ) -> list[KVBlock]:
-        """The cached blocks of blocks ``first`` to ``end`` of a token sequence (block ``i`` named ``hashes[i]``, with
-        tokens ``token_ids[i * block_size : (i + 1) * block_size]``) as far as they run unbroken from ``first``: what
-        :meth:`lookup` of each in turn finds before its first miss, counted alike (a prompt's prefix in one call)."""
-        if not self.enable_caching:
-            return []
-        run = self.peek_run(hashes, token_ids, first, end, block_size)
-        stats = self.stats
-        stats.queries += len(run) + (first + len(run) < end)  # the miss that ended the run is a query too
-        stats.hits += len(run)
-        return run
-
-    def peek_run(
-        self, hashes: Sequence[BlockHash], token_ids: Sequence[int], first: int, end: int, block_size: int
-    ) -> list[KVBlock]:
-        """As :meth:`lookup_run`, without counting queries (what :meth:`peek` of each in turn finds)."""
-        cached, bs, out = self._cached, block_size, []
-        for i in range(first, end):
-            block = cached.get(hashes[i])
-            if block is None or block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
-                break
-            out.append(block)
-        return out
-
     def peek(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """As :meth:`lookup`, without counting a query (for moves between tiers, not prefix lookups)."""
         block = self._cached.get(block_hash)
@@ -240,3 +214,45 @@ class BlockPool:
                 assert self._cached.get(block.block_hash) is block, block
         for h, block in self._cached.items():
             assert block.block_hash == h
+
+
+def find_run(
+    pools: Sequence[BlockPool],
+    hashes: Sequence[BlockHash],
+    token_ids: Sequence[int],
+    first: int,
+    end: int,
+    block_size: int,
+    count: bool = False,
+) -> tuple[list[KVBlock], list[int]]:
+    """The leading run of blocks ``first`` to ``end`` of a token sequence (block ``i`` named ``hashes[i]``, with tokens
+    ``token_ids[i * block_size : (i + 1) * block_size]``) that the pools hold, each from the first pool holding it:
+    the blocks, and the index in ``pools`` of each one's pool. What :meth:`BlockPool.peek` of each block in each pool
+    in turn finds, up to the first block none holds; ``count``: :meth:`BlockPool.lookup`'s, counted alike (a query in
+    each pool tried, a hit in the one that held it). One call for a prompt's prefix, in memory tiers tried in order."""
+    # (A lookup in a pool without caching finds nothing and counts nothing.)
+    caches = [pool._cached if pool.enable_caching or not count else {} for pool in pools]
+    queries = [0] * len(pools)
+    blocks: list[KVBlock] = []
+    where: list[int] = []
+    bs = block_size
+    for i in range(first, end):
+        name, tokens = hashes[i], None
+        for k, cached in enumerate(caches):
+            queries[k] += 1
+            block = cached.get(name)
+            if block is not None:
+                if tokens is None:
+                    tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+                if block.token_ids == tokens:  # else a name's collision: not this block
+                    blocks.append(block)
+                    where.append(k)
+                    break
+        else:
+            break
+    if count:
+        for k, pool in enumerate(pools):
+            if pool.enable_caching:
+                pool.stats.queries += queries[k]
+                pool.stats.hits += where.count(k)
+    return blocks, where

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from boundless.attention.backend import RemoteKV
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
-from boundless.kv.block_pool import BlockPool, KVBlock
+from boundless.kv.block_pool import BlockPool, KVBlock, find_run
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone
 from boundless.kv.eviction import FINISHED, ProgramKeys, ProgramRanking, order_factory
 from boundless.kv.remote_moves import RemoteRecv, RemoteRecvCount, RemoteRecvDone, RemoteSendDone
@@ -196,6 +196,9 @@ class KVCacheManager:
                 on_evict=self._demote_from_host,
                 order=order,
             )
+        # Where a prefix is looked for: each block on the device, else in host memory.
+        self._memory_tiers = [t for t in (DEVICE, HOST) if t in self.pools]
+        self._memory_pools = [self.pools[t] for t in self._memory_tiers]
         self.has_disk = disk and HOST in self.pools and self.pools[HOST].enable_caching
         self.write_policy = write_policy if self.has_disk else "off"
         self.load_timeout_s = load_timeout_s
@@ -375,27 +378,9 @@ class KVCacheManager:
         """The leading run of full blocks ``first`` to ``end`` of ``token_ids`` (block ``i`` named ``hashes[i]``) that
         memory holds, each on the device, else in host memory: the blocks and their tiers. ``count``: looked up as a
         prefix lookup is (the pools count the queries and hits), else peeked at."""
-        bs, host = self.block_size, self.pools.get(HOST)
-        device_run = self.pool.lookup_run if count else self.pool.peek_run
-        host_get = None if host is None else host.lookup if count else host.peek
-        blocks: list[KVBlock] = []
-        tiers: list[TierId] = []
-        i = first
-        while i < end:
-            run = device_run(hashes, token_ids, i, end, bs)  # runs of device blocks in one call
-            if run:
-                blocks += run
-                tiers += [DEVICE] * len(run)
-                i += len(run)
-                if i >= end:
-                    break
-            block = host_get(hashes[i], token_ids[i * bs : (i + 1) * bs]) if host_get is not None else None
-            if block is None:
-                break
-            blocks.append(block)
-            tiers.append(HOST)
-            i += 1
-        return blocks, tiers
+        blocks, where = find_run(self._memory_pools, hashes, token_ids, first, end, self.block_size, count=count)
+        tiers = self._memory_tiers
+        return blocks, [tiers[k] for k in where]
 
     def blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None = None) -> int:
         """How many more free blocks an allocation up to ``num_tokens_after`` tokens would need (<= 0: none)."""

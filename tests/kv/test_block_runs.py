@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
-from boundless.kv.block_pool import BlockPool, KVBlock
+from boundless.kv.block_pool import BlockPool, KVBlock, find_run
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.transfer import DEVICE, HOST
 
@@ -32,28 +32,35 @@ def _random_pool(rng: random.Random, tokens: list[int], hashes: list[BlockHash])
     return pool
 
 
-def test_a_run_looked_up_finds_and_counts_what_lookups_in_turn_do() -> None:
+def test_a_run_found_across_pools_is_what_lookups_in_turn_find_and_count() -> None:
     rng = random.Random(7)
-    for _ in range(400):
+    for _ in range(600):
         tokens = [rng.randrange(5) for _ in range(BS * rng.randrange(1, 12) + rng.randrange(BS))]
         hashes = extend_block_hashes([], tokens, BS, "fp")
-        pool = _random_pool(rng, tokens, hashes)
+        pools = [_random_pool(rng, tokens, hashes) for _ in range(rng.randrange(1, 4))]
+        if rng.random() < 0.2:
+            rng.choice(pools).enable_caching = False  # found by a peek, never counted by a lookup
         first = rng.randrange(len(hashes) + 1)
         end = rng.randrange(first, len(hashes) + 1)
-        before = (pool.stats.queries, pool.stats.hits)
-        expected = []
-        for i in range(first, end):
-            block = pool.lookup(hashes[i], tokens[i * BS : (i + 1) * BS])
-            if block is None:
-                break
-            expected.append(block)
-        one_by_one = (pool.stats.queries - before[0], pool.stats.hits - before[1])
-        assert pool.peek_run(hashes, tokens, first, end, BS) == expected
-        run = pool.lookup_run(hashes, tokens, first, end, BS)
-        assert run == expected
-        assert (pool.stats.queries - before[0] - one_by_one[0], pool.stats.hits - before[1] - one_by_one[1]) == (
-            one_by_one
-        )
+        for count in (False, True):
+            before = [(p.stats.queries, p.stats.hits) for p in pools]
+            expected = []  # each block in each pool in turn
+            for i in range(first, end):
+                found = None
+                for k, pool in enumerate(pools):
+                    get = pool.lookup if count else pool.peek
+                    block = get(hashes[i], tokens[i * BS : (i + 1) * BS])
+                    if block is not None:
+                        found = (block, k)
+                        break
+                if found is None:
+                    break
+                expected.append(found)
+            one_by_one = [(p.stats.queries - q, p.stats.hits - h) for p, (q, h) in zip(pools, before, strict=True)]
+            blocks, where = find_run(pools, hashes, tokens, first, end, BS, count=count)
+            assert list(zip(blocks, where, strict=True)) == expected
+            twice = [(p.stats.queries - q, p.stats.hits - h) for p, (q, h) in zip(pools, before, strict=True)]
+            assert twice == [(2 * q, 2 * h) for q, h in one_by_one]
 
 
 def test_a_run_named_names_what_naming_each_block_in_turn_does() -> None:
