@@ -877,15 +877,15 @@ class KVCacheManager:
             if not read.is_probe and host is not None:
                 blocks = [host.blocks[i] for i in read.dst_ids]
                 waiting = job.request_id in self._lookups and not job.timed_out
-                kept = []
+                kept: set[int] = set()  # block ids (a read's blocks are distinct)
                 for block, key, tokens in zip(blocks[:found], read.keys, job.tokens, strict=False):
                     host.cache(block, key, tokens)
                     if block.block_hash == key:
                         self._origins[block.block_id] = DISK
                         if waiting:  # the read's reference becomes the waiting request's
                             self._prefetched[block.block_id] = job.request_id
-                            kept.append(block)
-                host.free(reversed([b for b in blocks if b not in kept]))
+                            kept.add(block.block_id)
+                host.free(reversed([b for b in blocks if b.block_id not in kept]))
                 self.counters[DISK].blocks_read += found
                 self.counters[HOST].blocks_written += found
             lookup = self._lookups.get(job.request_id)
@@ -1322,7 +1322,7 @@ class KVCacheManager:
                 host.free(reversed(intake.blocks))
                 self._reopen_lookup(intake)
                 continue
-            kept = []
+            kept: set[int] = set()  # block ids (a stream's blocks are distinct)
             valid = min(done.num_valid, len(intake.blocks))
             for block, key, tokens in zip(intake.blocks[:valid], intake.keys, intake.tokens, strict=False):
                 assert host is not None
@@ -1331,9 +1331,9 @@ class KVCacheManager:
                     self._origins[block.block_id] = PEER
                     if intake.request_id is not None:  # the stream's reference becomes the waiting request's
                         self._held_for.setdefault(intake.request_id, []).append((HOST, block))
-                        kept.append(block)
+                        kept.add(block.block_id)
             if host is not None:
-                host.free(reversed([b for b in intake.blocks if b not in kept]))
+                host.free(reversed([b for b in intake.blocks if b.block_id not in kept]))
             self.counters[PEER].blocks_read += valid
             self.counters[HOST].blocks_written += valid
             self._reopen_lookup(intake)

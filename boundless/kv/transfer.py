@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from boundless.kv.tiers import KVTier
 
@@ -32,16 +33,16 @@ DISK: TierId = "disk"  # addressed by block name, not by id: its moves are kv/di
 PEER: TierId = "peer"  # other instances, reached by block streams (kv/remote_moves.py): an origin, not a pool
 
 
-@dataclass(frozen=True)
-class BlockRef:
+# Named tuples (immutable, hashable, and made in half a frozen dataclass's time): a busy engine makes three for every
+# block it moves between tiers.
+class BlockRef(NamedTuple):
     """A KV block in a tier: the tier and the block's id in that tier's pool."""
 
     tier: TierId
     block_id: int
 
 
-@dataclass(frozen=True)
-class BlockTransfer:
+class BlockTransfer(NamedTuple):
     """Copy one block's KV (all layers) from ``src`` to ``dst``."""
 
     src: BlockRef
