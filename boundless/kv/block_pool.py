@@ -166,21 +166,20 @@ class BlockPool:
         self,
         blocks: Sequence[KVBlock],
         hashes: Sequence[BlockHash],
-        token_ids: Sequence[int],
+        block_tokens: Sequence[tuple[int, ...]],
         first: int,
-        block_size: int,
     ) -> None:
         """Name a run of full blocks: ``blocks[j]`` is block ``i = first + j`` of a token sequence, named ``hashes[i]``,
-        with tokens ``token_ids[i * block_size : (i + 1) * block_size]``; :meth:`cache` of each in turn (a request's
-        new full blocks in one call)."""
+        with tokens ``block_tokens[i]`` (kept as they are: the tuple is shared); :meth:`cache` of each in turn (a
+        request's new full blocks in one call)."""
         if not self.enable_caching:
             return
-        cached, bs, i = self._cached, block_size, first
+        cached, i = self._cached, first
         for block in blocks:
             name = hashes[i]
             if block.block_hash is None and name not in cached:
                 block.block_hash = name
-                block.token_ids = tuple(token_ids[i * bs : (i + 1) * bs])
+                block.token_ids = block_tokens[i]
                 cached[name] = block
             i += 1
 
@@ -219,35 +218,32 @@ class BlockPool:
 def find_run(
     pools: Sequence[BlockPool],
     hashes: Sequence[BlockHash],
-    token_ids: Sequence[int],
+    block_tokens: Sequence[tuple[int, ...]],
     first: int,
     end: int,
-    block_size: int,
     count: bool = False,
 ) -> tuple[list[KVBlock], list[int]]:
     """The leading run of blocks ``first`` to ``end`` of a token sequence (block ``i`` named ``hashes[i]``, with tokens
-    ``token_ids[i * block_size : (i + 1) * block_size]``) that the pools hold, each from the first pool holding it:
-    the blocks, and the index in ``pools`` of each one's pool. What :meth:`BlockPool.peek` of each block in each pool
-    in turn finds, up to the first block none holds; ``count``: :meth:`BlockPool.lookup`'s, counted alike (a query in
-    each pool tried, a hit in the one that held it). One call for a prompt's prefix, in memory tiers tried in order."""
+    ``block_tokens[i]``) that the pools hold, each from the first pool holding it: the blocks, and the index in
+    ``pools`` of each one's pool. What :meth:`BlockPool.peek` of each block in each pool in turn finds, up to the first
+    block none holds; ``count``: :meth:`BlockPool.lookup`'s, counted alike (a query in each pool tried, a hit in the
+    one that held it). One call for a prompt's prefix, in memory tiers tried in order."""
     # (A lookup in a pool without caching finds nothing and counts nothing.)
     caches = [pool._cached if pool.enable_caching or not count else {} for pool in pools]
     queries = [0] * len(pools)
     blocks: list[KVBlock] = []
     where: list[int] = []
-    bs = block_size
     for i in range(first, end):
-        name, tokens = hashes[i], None
+        name, tokens = hashes[i], block_tokens[i]
         for k, cached in enumerate(caches):
             queries[k] += 1
             block = cached.get(name)
-            if block is not None:
-                if tokens is None:
-                    tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-                if block.token_ids == tokens:  # else a name's collision: not this block
-                    blocks.append(block)
-                    where.append(k)
-                    break
+            # The tokens are checked (a name's collision is not this block); a block named by the same request
+            # holds the very same tuple.
+            if block is not None and (block.token_ids is tokens or block.token_ids == tokens):
+                blocks.append(block)
+                where.append(k)
+                break
         else:
             break
     if count:
@@ -256,3 +252,22 @@ def find_run(
                 pool.stats.queries += queries[k]
                 pool.stats.hits += where.count(k)
     return blocks, where
+
+
+def find_held(
+    pools: Sequence[BlockPool],
+    hashes: Sequence[BlockHash],
+    block_tokens: Sequence[tuple[int, ...]],
+    first: int,
+    end: int,
+) -> int:
+    """The first of blocks ``first`` to ``end`` (as in :func:`find_run`) that some pool holds (:meth:`BlockPool.peek`);
+    ``end`` when none does: where a run of blocks missing from memory ends."""
+    caches = [pool._cached for pool in pools]
+    for i in range(first, end):
+        name, tokens = hashes[i], block_tokens[i]
+        for cached in caches:
+            block = cached.get(name)
+            if block is not None and (block.token_ids is tokens or block.token_ids == tokens):
+                return i
+    return end

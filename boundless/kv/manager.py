@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from boundless.attention.backend import RemoteKV
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
-from boundless.kv.block_pool import BlockPool, KVBlock, find_run
+from boundless.kv.block_pool import BlockPool, KVBlock, find_held, find_run
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone
 from boundless.kv.eviction import FINISHED, ProgramKeys, ProgramRanking, order_factory
 from boundless.kv.remote_moves import RemoteRecv, RemoteRecvCount, RemoteRecvDone, RemoteSendDone
@@ -217,6 +217,9 @@ class KVCacheManager:
         self._lent: dict[str, list[LentSpan]] = {}
         self._dropped_lent: list[tuple[str, list[LentSpan]]] = []
         self._hashes: dict[str, list[BlockHash]] = {}
+        # Each request's full blocks' tokens, a tuple a block, made once (_block_tokens): lookups compare them with
+        # cached blocks' (a waiting request's store plan looks its prefix up every step), named blocks keep them.
+        self._tokens: dict[str, list[tuple[int, ...]]] = {}
         self._num_named: dict[str, int] = {}
         # The disk store.
         self._known_on_disk: OrderedDict[BlockHash, None] = OrderedDict()
@@ -365,20 +368,35 @@ class KVCacheManager:
             return prefix
         max_blocks = (len(token_ids) - 1) // self.block_size
         hashes = self.block_hashes(request_id, token_ids)
-        prefix.blocks, prefix.tiers = self._memory_run(hashes, token_ids, 0, max_blocks, count=True)
+        tokens = self._block_tokens(request_id, token_ids, max_blocks)
+        prefix.blocks, prefix.tiers = self._memory_run(hashes, tokens, 0, max_blocks, count=True)
         prefix.origins = [
             self._origins.get(block.block_id, HOST) if tier == HOST else tier
             for block, tier in zip(prefix.blocks, prefix.tiers, strict=True)
         ]
         return prefix
 
+    def _block_tokens(self, request_id: str | None, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, ...]]:
+        """The tokens of each of the first ``num_blocks`` full blocks of ``token_ids``, kept for the request (made once
+        a block) unless ``request_id`` is None. The list may hold more blocks than asked for."""
+        kept = [] if request_id is None else self._tokens.setdefault(request_id, [])
+        if len(kept) < num_blocks:
+            bs = self.block_size
+            kept += [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(len(kept), num_blocks)]
+        return kept
+
     def _memory_run(
-        self, hashes: Sequence[BlockHash], token_ids: Sequence[int], first: int, end: int, count: bool = False
+        self,
+        hashes: Sequence[BlockHash],
+        block_tokens: Sequence[tuple[int, ...]],
+        first: int,
+        end: int,
+        count: bool = False,
     ) -> tuple[list[KVBlock], list[TierId]]:
-        """The leading run of full blocks ``first`` to ``end`` of ``token_ids`` (block ``i`` named ``hashes[i]``) that
-        memory holds, each on the device, else in host memory: the blocks and their tiers. ``count``: looked up as a
-        prefix lookup is (the pools count the queries and hits), else peeked at."""
-        blocks, where = find_run(self._memory_pools, hashes, token_ids, first, end, self.block_size, count=count)
+        """The leading run of full blocks ``first`` to ``end`` (block ``i`` named ``hashes[i]``, holding
+        ``block_tokens[i]``) that memory holds, each on the device, else in host memory: the blocks and their tiers.
+        ``count``: looked up as a prefix lookup is (the pools count the queries and hits), else peeked at."""
+        blocks, where = find_run(self._memory_pools, hashes, block_tokens, first, end, count=count)
         tiers = self._memory_tiers
         return blocks, [tiers[k] for k in where]
 
@@ -454,6 +472,7 @@ class KVCacheManager:
             tier, blocks = swapped
             self.pools[tier].free(reversed(blocks))
         self._hashes.pop(request_id, None)
+        self._tokens.pop(request_id, None)
         self._num_named.pop(request_id, None)
         self._lookups.pop(request_id, None)
         self._drop_prefetched(request_id)
@@ -613,7 +632,7 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(request_id, token_ids, num_full * self.block_size)
         blocks = table[start - first : num_full - first]
-        self.pool.cache_run(blocks, hashes, token_ids, start, self.block_size)
+        self.pool.cache_run(blocks, hashes, self._block_tokens(request_id, token_ids, num_full), start)
         if self.write_policy == "through":
             for i, block in enumerate(blocks, start):
                 if block.block_hash == hashes[i]:
@@ -695,8 +714,9 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         hashes = self.block_hashes(request_id, token_ids)
+        block_tokens = self._block_tokens(request_id, token_ids, max_blocks)
         host = self.pools[HOST]
-        in_memory, tiers = self._memory_run(hashes, token_ids, 0, max_blocks)
+        in_memory, tiers = self._memory_run(hashes, block_tokens, 0, max_blocks)
         start = len(in_memory)
         own_free_in_host: list[KVBlock] = []
         owner = self._programs.get(request_id)
@@ -729,9 +749,7 @@ class KVCacheManager:
             return None
         # Read only the run of blocks memory lacks: blocks after it still in memory (loaded before, held for the
         # request) are not read again; the next plan goes on after them.
-        gap_end = start + 1
-        while gap_end < end and self._in_memory(hashes[gap_end], token_ids[gap_end * bs : (gap_end + 1) * bs]) is None:
-            gap_end += 1
+        gap_end = find_held(self._memory_pools, hashes, block_tokens, start + 1, end)
         keys = hashes[start:gap_end]
         known = 0
         while known < len(keys) and keys[known] in self._known_on_disk:
@@ -759,7 +777,7 @@ class KVCacheManager:
         self._hold_while_loading(request_id, token_ids, start)
         if reloading:
             self.counters[DISK].reloaded_blocks += room
-        tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(start, start + room))
+        tokens = tuple(block_tokens[start : start + room])
         lookup.loaded_upto = start + room
         return self._start_read(
             request_id, start, tuple(keys[:room]), tuple(b.block_id for b in dst), tokens, waits=True, now=now
@@ -785,15 +803,6 @@ class KVCacheManager:
         dst = self.pools[HOST].allocate(room, self._programs.get(request_id))  # held by the read until it is done
         tokens = tuple(tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(first, first + room))
         return self._start_read(request_id, first, keys, tuple(b.block_id for b in dst), tokens, waits=True, now=now)
-
-    def _in_memory(self, key: BlockHash, tokens: Sequence[int]) -> BlockRef | None:
-        """Where memory holds the block named ``key``: on the device, else in host memory; None when neither does."""
-        block = self.pool.peek(key, tokens)
-        if block is not None:
-            return BlockRef(DEVICE, block.block_id)
-        host = self.pools.get(HOST)
-        block = host.peek(key, tokens) if host is not None else None
-        return BlockRef(HOST, block.block_id) if block is not None else None
 
     def _hold_while_loading(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> None:
         """Hold the request's first ``num_blocks`` blocks (all in memory: the load starts after them) until its
@@ -1169,6 +1178,7 @@ class KVCacheManager:
                 job.request_id = _NOBODY
         self._lookups.pop(request_id, None)
         self._hashes.pop(request_id, None)
+        self._tokens.pop(request_id, None)
 
     # -- streams between instances (kv/remote_moves.py) ----------------------------------------------------
 
@@ -1183,7 +1193,8 @@ class KVCacheManager:
             hashes = extend_block_hashes([], token_ids, self.block_size, self.fingerprint, head)
         else:
             hashes = self.block_hashes(request_id, token_ids, head)
-        blocks, tiers = self._memory_run(hashes, token_ids, first, min(num_blocks, len(hashes)))
+        end = min(num_blocks, len(hashes))
+        blocks, tiers = self._memory_run(hashes, self._block_tokens(request_id, token_ids, end), first, end)
         return [BlockRef(tier, block.block_id) for block, tier in zip(blocks, tiers, strict=True)]
 
     def hold_prefix(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> int:

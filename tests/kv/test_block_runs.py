@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
-from boundless.kv.block_pool import BlockPool, KVBlock, find_run
+from boundless.kv.block_pool import BlockPool, KVBlock, find_held, find_run
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.transfer import DEVICE, HOST
 
@@ -32,7 +32,7 @@ def _random_pool(rng: random.Random, tokens: list[int], hashes: list[BlockHash])
     return pool
 
 
-def test_a_run_found_across_pools_is_what_lookups_in_turn_find_and_count() -> None:
+def test_a_run_found_across_pools_is_what_lookups_in_turn_find_and_count_and_where_a_gap_ends() -> None:
     rng = random.Random(7)
     for _ in range(600):
         tokens = [rng.randrange(5) for _ in range(BS * rng.randrange(1, 12) + rng.randrange(BS))]
@@ -57,10 +57,13 @@ def test_a_run_found_across_pools_is_what_lookups_in_turn_find_and_count() -> No
                     break
                 expected.append(found)
             one_by_one = [(p.stats.queries - q, p.stats.hits - h) for p, (q, h) in zip(pools, before, strict=True)]
-            blocks, where = find_run(pools, hashes, tokens, first, end, BS, count=count)
+            block_tokens = [tuple(tokens[i * BS : (i + 1) * BS]) for i in range(len(hashes))]
+            blocks, where = find_run(pools, hashes, block_tokens, first, end, count=count)
             assert list(zip(blocks, where, strict=True)) == expected
             twice = [(p.stats.queries - q, p.stats.hits - h) for p, (q, h) in zip(pools, before, strict=True)]
             assert twice == [(2 * q, 2 * h) for q, h in one_by_one]
+        held = [i for i in range(first, end) if any(p.peek(hashes[i], tokens[i * BS : (i + 1) * BS]) for p in pools)]
+        assert find_held(pools, hashes, block_tokens, first, end) == (held[0] if held else end)
 
 
 def test_a_run_named_names_what_naming_each_block_in_turn_does() -> None:
@@ -74,7 +77,7 @@ def test_a_run_named_names_what_naming_each_block_in_turn_does() -> None:
         end = rng.randrange(first, len(hashes) + 1)
         picks = [rng.randrange(len(twins[0].blocks)) for _ in range(end - first)]  # a block may come twice
         run: list[KVBlock] = [twins[0].blocks[p] for p in picks]
-        twins[0].cache_run(run, hashes, tokens, first, BS)
+        twins[0].cache_run(run, hashes, [tuple(tokens[i * BS : (i + 1) * BS]) for i in range(len(hashes))], first)
         for i, p in zip(range(first, end), picks, strict=True):
             twins[1].cache(twins[1].blocks[p], hashes[i], tokens[i * BS : (i + 1) * BS])
         assert _names(twins[0]) == _names(twins[1])
