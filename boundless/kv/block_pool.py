@@ -93,7 +93,7 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         out = []
         blocks, on_evict = self.blocks, self.on_evict  # (looked up once: a hot loop)
-        pop, own = self._free.pop, self._free.own
+        pop, own = self._free.pop, self._free.own if self._free.keeps_owners else None
         for _ in range(n):
             block = blocks[pop()]
             block.ref_count = 1
@@ -103,7 +103,8 @@ class BlockPool:
                 if on_evict is not None:
                     assert tokens is not None
                     on_evict(block, name, tokens)  # while the order still knows who owned it
-            own(block.block_id, owner, True)  # fresh: whoever owned it before no longer does
+            if own is not None:
+                own(block.block_id, owner, True)  # fresh: whoever owned it before no longer does
             out.append(block)
         return out
 
@@ -129,12 +130,13 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVBlock], owner: str | None = None) -> None:
         """Take a reference (for ``owner``'s program) on blocks found by :meth:`lookup`, reviving them if free."""
-        remove, own = self._free.remove, self._free.own
+        remove, own = self._free.remove, self._free.own if self._free.keeps_owners else None
         for block in blocks:
             if block.ref_count == 0:
                 remove(block.block_id)
             block.ref_count += 1
-            own(block.block_id, owner)
+            if own is not None:
+                own(block.block_id, owner)
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference on each block; blocks that reach zero join the free queue's tail.

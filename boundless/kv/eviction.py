@@ -41,6 +41,9 @@ PRUNE_OWNERS_ABOVE = 8
 class EvictionOrder(Protocol):
     """The free blocks of one pool, in the order allocations take them."""
 
+    # Whether the order keeps the programs that own blocks (:meth:`own`): one that does not need not be told.
+    keeps_owners: bool
+
     def __len__(self) -> int: ...
 
     def __contains__(self, block_id: int) -> bool: ...
@@ -79,6 +82,8 @@ class EvictionOrder(Protocol):
 
 class LRUOrder:
     """The least recently used free block first, named or not: one ordered queue (freed blocks join its tail)."""
+
+    keeps_owners = False
 
     def __init__(self, block_ids: Iterable[int]) -> None:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(block_ids)
@@ -226,6 +231,8 @@ class ProgramAwareOrder:
     leaves a stale entry behind, skipped when it comes up and cleared when the heap grows to twice its live
     entries. A program is followed (its key, its free blocks) while it owns a block of the pool.
     """
+
+    keeps_owners = True
 
     def __init__(self, block_ids: Iterable[int], ranking: ProgramRanking) -> None:
         self.keys = ProgramKeys(ranking)

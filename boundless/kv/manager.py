@@ -209,6 +209,9 @@ class KVCacheManager:
         # Blocks below the device that this step's transfers read or write: held until the step's copies are
         # done (freed by begin_step), so that no other move of the same step takes one and overwrites it.
         self._held: list[tuple[TierId, list[KVBlock]]] = []
+        # The host copies the latest demotions made, while they are the last blocks held: the next one joins them
+        # (freed in the same order, in one call).
+        self._demoted: list[KVBlock] = []
         self._transfers: list[BlockTransfer] = []  # this step's, in the order decided
         self._tables: dict[str, list[KVBlock]] = {}
         # Each table's block ids, kept as the table grows (tables only grow, or are replaced whole): a decode step
@@ -636,7 +639,11 @@ class KVCacheManager:
         for owner in owners:  # the copy belongs to the programs the device block did
             host.order.own(copy.block_id, owner)
         host.cache(copy, name, tokens)
-        self._held.append((HOST, [copy]))
+        if self._held and self._held[-1][1] is self._demoted:
+            self._demoted.append(copy)
+        else:
+            self._demoted = [copy]
+            self._held.append((HOST, self._demoted))
         self._move(BlockRef(DEVICE, block.block_id), BlockRef(HOST, copy.block_id))
 
     def _demote_from_host(self, block: KVBlock, name: BlockHash, tokens: tuple[int, ...]) -> None:
