@@ -205,6 +205,11 @@ class KVCacheManager:
         self.write_policy = write_policy if self.has_disk else "off"
         self.load_timeout_s = load_timeout_s
         self.counters: dict[TierId, TierCounters] = {t: TierCounters() for t in (*self.pools, DISK, PEER)}
+        # Looked up once for demotions (one per named block a device allocation reuses): host memory if it keeps
+        # evicted blocks, the device's counters, and who owns a device block.
+        self._host_cache = self.pools[HOST] if HOST in self.pools and self.pools[HOST].enable_caching else None
+        self._device_counters = self.counters[DEVICE]
+        self._device_owners = self.pool.order.owners
         self._swapped: dict[str, tuple[TierId, list[KVBlock]]] = {}
         # Blocks below the device that this step's transfers read or write: held until the step's copies are
         # done (freed by begin_step), so that no other move of the same step takes one and overwrites it.
@@ -620,11 +625,11 @@ class KVCacheManager:
         """A device allocation reuses a named block: keep its KV in host memory, unless host memory already
         has it (then it only counts as used) or has no room (then it goes to the store under write-back).
         The copy is decided before any move that writes the block, so the executor copies it first."""
-        self.counters[DEVICE].evictions += 1
-        host = self.pools.get(HOST)
-        if host is None or not host.enable_caching:
+        self._device_counters.evictions += 1
+        host = self._host_cache
+        if host is None:
             return
-        owners = self.pool.order.owners(block.block_id)
+        owners = self._device_owners(block.block_id)
         existing = host.peek(name, tokens)
         if existing is not None:
             host.refresh(existing)
