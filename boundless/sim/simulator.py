@@ -252,6 +252,7 @@ class Simulator:
         self.call_latencies: dict[str, list[float]] = {}  # call_kind -> each completed call's submit-to-finish
         self.call_outcomes: dict[str, CallOutcome] = {}  # request id -> what it produced, for each completed call
         self._ids = itertools.count()
+        self._params: dict[int, SamplingParams] = {}  # the calls' sampling parameters, by output length
         self._ready: set[str] = set()  # idle instances that may have work to start
         self._open_programs = 0  # programs of the run not finished yet
         self._next_expiry = 0.0
@@ -564,8 +565,11 @@ class Simulator:
         limit = self.max_model_len if self.compact_prompts else 1 << 62
         prompt = call_prompt(spec, sp.system, sp.contexts, sp.outputs, new_input, limit)
         rid = f"c{next(self._ids)}"
-        # Nothing reads a simulated call's text: its tokens are decoded by no one (the engine skips the per-token work).
-        params = SamplingParams(max_tokens=spec.output, ignore_eos=True, detokenize=False)
+        params = self._params.get(spec.output)  # (immutable: one per output length, checked once)
+        if params is None:
+            # Nothing reads a simulated call's text: its tokens are decoded by no one (the engine skips that work).
+            params = SamplingParams(max_tokens=spec.output, ignore_eos=True, detokenize=False)
+            self._params[spec.output] = params
         program = ProgramRef(sp.spec.program_id, spec.thread_id, spec.parents)
         call = _Call(sp, spec, prompt, submit_s=self.clock.now)
         if self.dispatcher is None:
