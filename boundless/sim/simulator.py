@@ -70,11 +70,12 @@ class VirtualClock:
 
 @dataclass
 class SimProgram:
-    """A program in flight: its prompt tokens, its threads' conversations, the stage it is at."""
+    """A program: the stage it is at, and while in flight its prompt tokens and its threads' conversations (made when it
+    arrives and dropped when it finishes: a long run's programs would otherwise hold them all, a generator each)."""
 
     spec: ProgramSpec
-    rng: random.Random
-    system: list[int]
+    rng: random.Random | None = None
+    system: list[int] = field(default_factory=list)
     stage: int = 0
     pending: int = 0
     contexts: dict[str, list[int]] = field(default_factory=dict)  # thread -> its conversation so far
@@ -321,8 +322,7 @@ class Simulator:
     def _run(self, programs: list[ProgramSpec], progress: Progress | None) -> list[SimResult]:
         sims = []
         for spec in programs:
-            rng, system = self.tokens.start(spec)
-            sims.append(SimProgram(spec, rng, system))
+            sims.append(SimProgram(spec))
             self._at(spec.arrival_s, _STAGE, sims[-1])
         self._open_programs = len(sims)
         for failure in self.failures:
@@ -551,9 +551,12 @@ class Simulator:
     # -- programs ----------------------------------------------------------------------------
 
     def _start_stage(self, sp: SimProgram) -> None:
+        if sp.stage == 0 and sp.rng is None:  # it arrives (its tokens are its own generator's: drawn now or before)
+            sp.rng, sp.system = self.tokens.start(sp.spec)
         if sp.stage >= len(sp.spec.stages):
             sp.finish_s = self.clock.now
             self._open_programs -= 1
+            sp.rng, sp.system, sp.contexts, sp.outputs = None, [], {}, {}
             return
         stage = sp.spec.stages[sp.stage]
         sp.pending = len(stage)
@@ -561,6 +564,7 @@ class Simulator:
             self._at(self.clock.now + call.tool_wait_s, _CALL, (sp, call))
 
     def _submit(self, sp: SimProgram, spec: CallSpec) -> None:
+        assert sp.rng is not None, "a call of a program that has not arrived"
         new_input = self.tokens.draw(sp.rng, spec.new_input)
         limit = self.max_model_len if self.compact_prompts else 1 << 62
         prompt = call_prompt(spec, sp.system, sp.contexts, sp.outputs, new_input, limit)
