@@ -165,8 +165,11 @@ def call_prompt(
     base = contexts.get(call.parents[0], system) if call.parents else system
     joined = [t for p in call.parents[1:] for t in outputs.get(p, [])]
     prompt = base + joined + new_input
+    room = max_model_len - call.output - 1
+    if len(prompt) <= room:
+        return prompt  # (as compaction says; without comparing the system prompt, once per call)
     has_system = prompt[: len(system)] == system
-    cut = compaction(len(prompt), len(system) if has_system else 0, max_model_len - call.output - 1)
+    cut = compaction(len(prompt), len(system) if has_system else 0, room)
     if cut is not None:
         head, total = cut
         prompt = prompt[:head] + prompt[len(prompt) - (total - head) :]
