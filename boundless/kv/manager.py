@@ -48,8 +48,6 @@ DISK_AGE_S = 24 * 3600.0
 # (at 0.2 Gbit/s, 8 blocks of SmolLM2-135M are 0.23 s; a first context, ~31 blocks, 0.9 s). Two keep the link busy
 # between the engine's steps, which start the next chunk.
 PREFETCH_READ_BLOCKS = 8
-# Programs whose last request's block names and tokens are kept for the program's next request (block_hashes).
-MAX_REMEMBERED_PROGRAMS = 64
 PREFETCH_READS_IN_FLIGHT = 2
 # The owner of a read whose call was dropped while it was in flight: no request has this id, so its blocks land as
 # cache for nobody.
@@ -230,9 +228,6 @@ class KVCacheManager:
         # Each request's full blocks' tokens, a tuple a block, made once (_block_tokens): lookups compare them with
         # cached blocks' (a waiting request's store plan looks its prefix up every step), named blocks keep them.
         self._tokens: dict[str, list[tuple[int, ...]]] = {}
-        # The names and blocks' tokens of each program's last request freed here, the least recently freed first: a
-        # program's next call begins with the context its last one ended with, whose blocks need not be hashed again.
-        self._program_names: OrderedDict[str, tuple[list[BlockHash], list[tuple[int, ...]]]] = OrderedDict()
         self._num_named: dict[str, int] = {}
         # The disk store.
         self._known_on_disk: OrderedDict[BlockHash, None] = OrderedDict()
@@ -367,42 +362,8 @@ class KVCacheManager:
     def block_hashes(self, request_id: str, token_ids: Sequence[int], num_tokens: int | None = None) -> list[BlockHash]:
         """The names of the request's full blocks of ``token_ids`` (its first ``num_tokens``), kept for the request:
         each block is hashed once. The list may name more blocks than asked for (named by an earlier call)."""
-        hashes = self._hashes.get(request_id)
-        if hashes is None:
-            hashes = self._hashes[request_id] = self._names_from_program(request_id, token_ids, num_tokens)
+        hashes = self._hashes.setdefault(request_id, [])
         return extend_block_hashes(hashes, token_ids, self.block_size, self.fingerprint, num_tokens)
-
-    def _names_from_program(self, request_id: str, token_ids: Sequence[int], num_tokens: int | None) -> list[BlockHash]:
-        """The names of the request's leading full blocks that its program's last request here had too: the same
-        tokens from the first block on give the same names (a chain), so they are not hashed again. Their tokens'
-        tuples become the request's (the same objects: a block named by either holds them)."""
-        program = self._programs.get(request_id)
-        last = self._program_names.get(program) if program is not None else None
-        if last is None or request_id in self._tokens:
-            return []
-        names, tuples = last
-        bs = self.block_size
-        limit = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
-        mine: list[tuple[int, ...]] = []
-        for i in range(min(limit // bs, len(names), len(tuples))):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            if tokens != tuples[i]:
-                break
-            mine.append(tuples[i])
-        self._tokens[request_id] = mine
-        return names[: len(mine)]
-
-    def _remember_names(self, request_id: str) -> None:
-        """Keep the request's block names and tokens for its program's next request (at most
-        ``MAX_REMEMBERED_PROGRAMS`` programs', the least recently freed forgotten first)."""
-        program = self._programs.get(request_id)
-        hashes, tokens = self._hashes.get(request_id), self._tokens.get(request_id)
-        if program is None or not hashes or not tokens:
-            return
-        self._program_names[program] = (hashes, tokens)
-        self._program_names.move_to_end(program)
-        if len(self._program_names) > MAX_REMEMBERED_PROGRAMS:
-            self._program_names.popitem(last=False)
 
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> CachedPrefix:
         """The longest run of leading full blocks in memory: each on the device, else in host memory.
@@ -518,7 +479,6 @@ class KVCacheManager:
         if swapped is not None:
             tier, blocks = swapped
             self.pools[tier].free(reversed(blocks))
-        self._remember_names(request_id)
         self._hashes.pop(request_id, None)
         self._tokens.pop(request_id, None)
         self._num_named.pop(request_id, None)

@@ -130,38 +130,3 @@ def test_a_cached_prefix_is_each_block_on_the_device_else_in_host_memory() -> No
         refs = kv.memory_prefix(None, tokens, len(tokens) // BS)
         assert len(refs) >= len(expected)
         assert [(r.tier, r.block_id) for r in refs[: len(expected)]] == [(t, b.block_id) for b, t in expected]
-
-
-def test_names_taken_from_a_programs_last_request_are_the_names_hashing_gives() -> None:
-    """A program's next request takes the names its last one had where the blocks' tokens match from the first on;
-    they must be what hashing its own tokens gives, whatever the prompts share (a whole context, part of a block, a
-    block changed in the middle, nothing) and however many tokens are asked for."""
-    rng = random.Random(13)
-    kv = KVCacheManager(64, BS, True, "fp")
-    contexts: dict[str, list[int]] = {}
-    reused = 0
-    for n in range(600):
-        program = f"p{rng.randrange(6)}"
-        context = contexts.get(program, [])
-        roll = rng.random()
-        if roll < 0.6:
-            tokens = context + [rng.randrange(4) for _ in range(rng.randrange(0, 12))]  # the next call: more input
-        elif roll < 0.8 and context:
-            tokens = list(context)
-            tokens[rng.randrange(len(tokens))] += 1  # one token changed: names from its block on differ
-        else:
-            tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
-        rid = f"r{n}"
-        kv.set_program(rid, program)
-        num_tokens = rng.choice([None, rng.randrange(len(tokens) + 1)])
-        hashes = kv.block_hashes(rid, tokens, num_tokens)
-        limit = len(tokens) if num_tokens is None else num_tokens
-        assert hashes == extend_block_hashes([], tokens, BS, "fp", limit)
-        reused += bool(kv._tokens.get(rid))
-        assert kv.block_hashes(rid, tokens) == extend_block_hashes([], tokens, BS, "fp")
-        assert kv._block_tokens(rid, tokens, len(tokens) // BS)[: len(tokens) // BS] == [
-            tuple(tokens[i * BS : (i + 1) * BS]) for i in range(len(tokens) // BS)
-        ]
-        contexts[program] = tokens + [rng.randrange(4) for _ in range(rng.randrange(0, 6))]  # its output
-        kv.end_request(rid)
-    assert reused > 100  # names were taken, not only hashed
