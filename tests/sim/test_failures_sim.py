@@ -278,7 +278,10 @@ def test_a_crashed_instance_is_restarted_empty_and_serves_calls_once_back(model:
     assert not _placed_while_down(sim, "1")
     after = [p for p in sim.placements if p.instance_id == "1" and p.at_s >= 13.0]
     assert len(after) >= 10  # it takes its share again
-    assert sim.instances["1"].core.stats().generation_tokens > 0  # the fresh engine served them
+    # A fresh engine served them: it generated their tokens and nothing from before the crash.
+    assert sim.instances["1"].core.stats().generation_tokens == sum(
+        sim.call_outcomes[p.request_id].output_tokens for p in after
+    )
     assert sim.dispatcher is not None and sim.dispatcher.restarts.counts("1") == (1, 1, 0)
     again = _restart_run(model)
     assert again[1] == results and again[0].placements == sim.placements  # a function of its flags
