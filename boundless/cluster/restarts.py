@@ -7,7 +7,7 @@ up to ``max_restarts`` per instance (0: never). The front end carries out a :cla
 or a fresh engine loop in process, with the instance's id, config and role) and tells the dispatcher when the
 new instance answers its first heartbeat; only then does it take calls again, with an empty KV cache and no load.
 A restart that fails (the actor does not start, or dies before its first heartbeat) counts as a restart and is
-retried under the same limit, after the longer delay. Kubernetes restarts a crashed container the same way
+retried under the same limit, after the longer delay. Kubernetes backs off a crashing container's restarts alike
 (10 s, doubling to 5 min); the Ray actors here are made with ``max_restarts=0`` so that the dispatcher, which
 knows what the instance held, decides instead of Ray.
 """
