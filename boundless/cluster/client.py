@@ -597,12 +597,11 @@ class ClusterClient(DispatcherFrontEnd):
 
 
 def instance_state(dispatcher: Dispatcher, iid: str) -> str:
-    """An instance's state as ``/cluster`` shows it: alive, dead (a restart due), starting (restarted, not yet
-    ready) or retired (lost, and no restart left)."""
+    """An instance's state as ``/cluster`` shows it: alive, restarting (lost; its restart is due or under way, and
+    it takes no call until it is ready) or dead (lost, and no restart coming)."""
     if dispatcher.views[iid].alive:
         return "alive"
-    state = dispatcher.restarts.state(iid)
-    return state if state in ("starting", "retired") else "dead"
+    return "restarting" if dispatcher.restarts.state(iid) in ("down", "starting") else "dead"
 
 
 def restart_metrics(dispatcher: Dispatcher) -> Iterator[Metric]:
