@@ -455,8 +455,8 @@ class ClusterClient(DispatcherFrontEnd):
             actor = self._start_actor(iid)
             with self.lock:
                 self._starting[iid] = actor
-            info = ray.get(actor.info.remote(), timeout=STARTUP_TIMEOUT_S)  # type: ignore[attr-defined]
-            beat = ray.get(actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)  # type: ignore[attr-defined]
+            info = ray.get(actor.info.remote(), timeout=STARTUP_TIMEOUT_S)
+            beat = ray.get(actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
         except Exception as e:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
@@ -546,7 +546,7 @@ class ClusterClient(DispatcherFrontEnd):
 
         while not self._stop.is_set() and self.dispatcher.views[iid].alive and self.instances[iid] is inst:
             try:
-                deltas = ray.get(inst.actor.drain.remote(0.1), timeout=self.config.heartbeat_timeout_s)  # type: ignore[attr-defined]
+                deltas = ray.get(inst.actor.drain.remote(0.1), timeout=self.config.heartbeat_timeout_s)
             except Exception as e:
                 if not self._stop.is_set():
                     self._lose_current(iid, inst, f"drain failed: {type(e).__name__}")
@@ -573,7 +573,7 @@ class ClusterClient(DispatcherFrontEnd):
                 if not self.dispatcher.views[iid].alive:
                     continue
                 try:
-                    beat: Heartbeat = ray.get(inst.actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)  # type: ignore[attr-defined]
+                    beat: Heartbeat = ray.get(inst.actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
                 except Exception as e:
                     self._lose_current(iid, inst, f"heartbeat failed: {type(e).__name__}")
                     continue

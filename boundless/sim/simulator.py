@@ -201,7 +201,7 @@ class Simulator:
         self.lost: dict[str, float] = {}  # instance -> when the dispatcher was told it is lost
         self.instance_startup_s = instance_startup_s
         self.restarted: dict[str, float] = {}  # instance -> when its restart took calls again
-        self._restart_checks: set[float] = set()  # when a restart is due (an event each)
+        self._restart_checks: set[float] = set()  # when restarts are due (an event each, not yet delivered)
         self.dispatcher: Dispatcher | None = None
         self.instances = {}
         self._new_engine: dict[str, Callable[[], EngineCore]] = {}  # a fresh engine of each instance (a restart)
@@ -381,7 +381,7 @@ class Simulator:
                 elif kind == _STUCK:
                     self._watch_step(payload)  # type: ignore[arg-type]
                 elif kind == _RESTART:
-                    self._carry_out(self.dispatcher.restarts_due())  # type: ignore[union-attr]
+                    self._start_due_restarts()
                 elif kind == _BACK:
                     self._rejoin(payload)  # type: ignore[arg-type]
                 else:
@@ -499,6 +499,12 @@ class Simulator:
         if due is not None and due not in self._restart_checks:  # the front end's heartbeat finds it due then
             self._restart_checks.add(due)
             self._at(due, _RESTART, None)
+
+    def _start_due_restarts(self) -> None:
+        """The restarts due now, as the front end's heartbeat asks for them."""
+        assert self.dispatcher is not None
+        self._restart_checks.discard(self.clock.now)
+        self._carry_out(self.dispatcher.restarts_due())
 
     def _rejoin(self, instance_id: str) -> None:
         """A restarted instance answers its first heartbeat: a fresh engine (an empty cache, the same sizes, links
