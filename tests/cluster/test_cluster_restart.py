@@ -108,3 +108,4 @@ def test_a_killed_instance_is_restarted_and_takes_calls_again(
     finally:
         server.stop()
         client.shutdown()
+        ray.shutdown()
