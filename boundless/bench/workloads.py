@@ -13,6 +13,8 @@ import dataclasses
 import json
 import math
 import random
+import sys
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,8 +125,21 @@ class PromptTokens:
         self.shared = self.draw(random.Random(seed), SHARED_SYSTEM_PROMPT)
 
     def draw(self, rng: random.Random, n: int) -> list[int]:
-        """``n`` token ids, above the low ids where tokenizers keep their special tokens."""
-        return [rng.randrange(100, self.vocab) for _ in range(n)]
+        """``n`` token ids, above the low ids where tokenizers keep their special tokens: those
+        ``[rng.randrange(100, vocab) for _ in range(n)]`` gives, from the generator's 32-bit words taken in batches
+        (``randrange`` keeps a word's top bits when they fall in the range and draws the next word when not; one
+        word at a time, it was most of a simulated call's submission)."""
+        width = self.vocab - 100
+        shift = 32 - width.bit_length()
+        out: list[int] = []
+        while len(out) < n:
+            need = n - len(out)
+            # getrandbits fills a wide number from its least significant word up, in the order it draws them.
+            words = array("I", rng.getrandbits(32 * need).to_bytes(4 * need, "little"))
+            if sys.byteorder == "big":
+                words.byteswap()
+            out += [100 + r for r in [w >> shift for w in words] if r < width]
+        return out
 
     def start(self, spec: ProgramSpec) -> tuple[random.Random, list[int]]:
         """A program's generator (for its calls' new inputs) and its whole system prompt."""
@@ -150,8 +165,11 @@ def call_prompt(
     base = contexts.get(call.parents[0], system) if call.parents else system
     joined = [t for p in call.parents[1:] for t in outputs.get(p, [])]
     prompt = base + joined + new_input
+    room = max_model_len - call.output - 1
+    if len(prompt) <= room:
+        return prompt  # (as compaction says; without comparing the system prompt, once per call)
     has_system = prompt[: len(system)] == system
-    cut = compaction(len(prompt), len(system) if has_system else 0, max_model_len - call.output - 1)
+    cut = compaction(len(prompt), len(system) if has_system else 0, room)
     if cut is not None:
         head, total = cut
         prompt = prompt[:head] + prompt[len(prompt) - (total - head) :]

@@ -138,6 +138,7 @@ class Dispatcher:
         self.load_index = LoadIndex(self.views.values())  # the views by load, refiled on every change below
         self.router = router
         self.table = table
+        table.track_removed = True  # the router forgets the homes of the programs it drops
         self.clock = clock
         self.inflight: dict[str, InflightCall] = {}
         self.pending: dict[str, InflightCall] = {}  # sent, the instance's answer not in yet
@@ -273,7 +274,7 @@ class Dispatcher:
     def expire(self) -> list[str]:
         """Drop programs idle past the table's TTL, and their homes; returns their ids."""
         dropped = self.table.expire(self.clock())
-        self.router.retain(self.table)
+        self.router.forget(self.table.take_removed(), self.table)  # (those the size cap dropped too)
         return dropped
 
     def _route(self, call: InflightCall) -> list[Decision]:

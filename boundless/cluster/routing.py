@@ -120,10 +120,11 @@ class Router:
         self.homes[program_id] = choice.instance_id
         return choice.instance_id
 
-    def retain(self, program_ids: Container[str]) -> None:
-        """Forget the homes of programs not in ``program_ids`` (those the process table dropped)."""
-        for pid in [p for p in self.homes if p not in program_ids]:
-            del self.homes[pid]
+    def forget(self, dropped: Iterable[str], table: Container[str]) -> None:
+        """Forget the homes of the programs the process table dropped (``dropped``) and does not hold again."""
+        for pid in dropped:
+            if pid not in table:
+                self.homes.pop(pid, None)
 
     def drop_instance(self, instance_id: str) -> None:
         """Programs whose home died find a new one at their next call."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.config import EngineConfig
-from boundless.engine.attention_time import AttentionTimeRecorder, shapes_of
+from boundless.engine.attention_time import AttentionTimeRecorder
 from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer
 from boundless.engine.errors import InvalidRequestError
@@ -528,11 +528,10 @@ class EngineCore:
         c.busy_seconds += elapsed
         now = self.clock()
         arrivals, departures = sched.arrivals, sched.departures
-        if sched.window == 1:
-            self.step_times.record(shapes_of(sched), elapsed, now, arrivals, departures)
-        else:  # each pass of the window is a step of its own shape to the step-time models, ended in turn
-            passes = window_shapes(sched)
-            self.step_times.record_window(passes, list(result.pass_seconds), now, arrivals, departures, len(passes))
+        if sched.chunks:  # each pass of a window is a step of its own shape to the step-time models, ended in turn
+            passes = window_shapes(sched)  # (made when a sample is read)
+            seconds = list(result.pass_seconds) if sched.window > 1 else [elapsed]
+            self.step_times.record_window(passes, seconds, now, arrivals, departures, len(passes))
         if self._prefill_batching == "attention" and c.steps // REFIT_EVERY_STEPS > steps_before // REFIT_EVERY_STEPS:
             self._refit_prefill_time()
         outputs = []

@@ -21,13 +21,16 @@ class RequestStatus(enum.Enum):
     FINISHED_HANDED_OFF = "handoff"  # prefilled here; decodes on another instance (engine/handoff.py)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """A sequence being generated.
 
     Progress is one counter: ``num_computed_tokens`` of ``num_tokens`` have KV in the cache.
     Prefill, chunked prefill, prefix-cache hits, recompute after preemption and decode all follow
     from it: each step computes some of the tokens not yet computed.
+
+    A request is equal only to itself (``eq=False``): the scheduler's queues find and remove requests by ``in``,
+    ``remove`` and ``index``, which compared every field of each request passed over (its token lists among them).
     """
 
     request_id: str

@@ -66,9 +66,16 @@ class ProcessTable:
         self.ttl_s = ttl_s
         self.max_programs = max_programs
         self.critical_path = critical_path  # ATLAS semantics; False sums all calls (PLAS)
-        self._programs: OrderedDict[str, ProgramRecord] = OrderedDict()  # least recently active first
+        # Least recently active first (each arrival and completion moves its program to the end), so an expiry scan
+        # stops at the first program active within the TTL; while the clock it is given never goes back.
+        self._programs: OrderedDict[str, ProgramRecord] = OrderedDict()
+        self._latest = -math.inf  # the latest time an activity was recorded at
+        self._ordered = True  # whether ``_programs`` is in the order of last activity (False: a clock went back)
         self.track_changes = False
         self._changed: set[str] = set()
+        # With ``track_removed`` on, the programs dropped (by the TTL or the size cap) until :meth:`take_removed`.
+        self.track_removed = False
+        self._removed: list[str] = []
         # The usual time programs spend idle between calls (an average over the last ~GAP_WINDOW gaps, of all
         # programs), or None before any program came back.
         self.typical_gap_s: float | None = None
@@ -82,6 +89,24 @@ class ProcessTable:
 
     def get(self, program_id: str) -> ProgramRecord | None:
         return self._programs.get(program_id)
+
+    def take_removed(self) -> list[str]:
+        """The programs dropped since the last call (with ``track_removed``), oldest first; some may be back."""
+        out, self._removed = self._removed, []
+        return out
+
+    def _drop(self, program_id: str) -> None:
+        del self._programs[program_id]
+        self.mark_changed(program_id)
+        if self.track_removed:
+            self._removed.append(program_id)
+
+    def _active_at(self, program_id: str, now: float) -> None:
+        """The program did something at ``now``: it goes last in the order of activity."""
+        self._programs.move_to_end(program_id)
+        if now < self._latest:
+            self._ordered = False
+        self._latest = max(self._latest, now)
 
     def take_changed(self) -> set[str]:
         """The programs whose records changed (or were dropped) since the last call (with ``track_changes``)."""
@@ -109,7 +134,7 @@ class ProcessTable:
             rec.longest_gap_s = max(rec.longest_gap_s, gap)
             typical = self.typical_gap_s
             self.typical_gap_s = gap if typical is None else typical + (gap - typical) / GAP_WINDOW
-        self._programs.move_to_end(program.program_id)
+        self._active_at(program.program_id, now)
         rec.active_calls += 1
         rec.last_arrival = now
         self.mark_changed(program.program_id)
@@ -144,7 +169,7 @@ class ProcessTable:
             rec.service_s = max(rec.service_s, thread.service_s)
         else:
             rec.service_s = rec.total_service_s
-        self._programs.move_to_end(program.program_id)
+        self._active_at(program.program_id, now)
         self.mark_changed(program.program_id)
         return rec
 
@@ -165,9 +190,10 @@ class ProcessTable:
         the starvation check divides summed wait by summed service, and a local sum alone would
         make a program that ran elsewhere look starved at once."""
         rec = self._programs.get(program_id)
-        if rec is None:
+        if rec is None:  # no activity here yet: first in the order of activity
             rec = ProgramRecord(program_id)
             self._programs[program_id] = rec
+            self._programs.move_to_end(program_id, last=False)
         rec.service_s = max(rec.service_s, service_s)
         rec.total_service_s = max(rec.total_service_s, service_s if total_service_s is None else total_service_s)
         rec.waiting_s = max(rec.waiting_s, waiting_s)
@@ -182,13 +208,20 @@ class ProcessTable:
         return self.expire(now)
 
     def expire(self, now: float) -> list[str]:
-        """Drop programs with no active call and no activity for ``ttl_s``; returns their ids."""
+        """Drop programs with no active call and no activity for ``ttl_s``; returns their ids.
+
+        The scan goes in the order of activity and stops at the first program active within the TTL (those after it
+        are too): a cluster's table holds the programs of the last TTL (tens of thousands, at a simulated 1,152 GPUs),
+        and its dispatcher expires at every heartbeat."""
         dropped = []
-        for pid, rec in list(self._programs.items()):
-            if rec.active_calls == 0 and now - rec.last_activity >= self.ttl_s:
-                del self._programs[pid]
+        for pid, rec in self._programs.items():
+            if now - rec.last_activity < self.ttl_s:
+                if self._ordered:
+                    break
+            elif rec.active_calls == 0:
                 dropped.append(pid)
-                self.mark_changed(pid)
+        for pid in dropped:
+            self._drop(pid)
         return dropped
 
     def _evict(self, now: float) -> None:
@@ -200,5 +233,4 @@ class ProcessTable:
             if len(self._programs) <= self.max_programs:
                 break
             if rec.active_calls == 0:
-                del self._programs[pid]
-                self.mark_changed(pid)
+                self._drop(pid)

@@ -59,6 +59,9 @@ class _AnyPlaceholder(dict):
 
 
 _PLACEHOLDERS = _AnyPlaceholder()
+# A step's report of an executor without a disk or a fabric (immutable: one for every step).
+_NO_TIER_REPORT = TierReport()
+_NO_REMOTE_REPORT = RemoteReport()
 
 
 @dataclass(frozen=True)
@@ -212,16 +215,20 @@ class CostModelExecutor:
         now = self.clock() if self.clock is not None else self._elapsed
         sampled = {c.request_id: SampledToken(self._placeholder(c)) for c in sched.chunks if c.sample}
         copied = len(sched.transfers) * self.bytes_per_block  # between memory tiers, a block each
+        pass_seconds: list[float] = []  # a window's, each pass's (empty: one pass)
         if not sched.chunks:
             seconds = 0.0
         elif self.contention is not None:  # a multi-step window's later passes are charged alone
             seconds = self.cost.step_time(sched, self.contention())  # type: ignore[call-arg]
+        elif self._window_cost is not None:  # every pass priced from the window's rows (no shapes to make)
+            pass_seconds = self._window_cost.predict_passes(window_shapes(sched).rows, 0, sched.window)
+            seconds = pass_seconds[0]
         else:
             seconds = self.cost.step_time(sched)
         later: list[dict[str, SampledToken]] = []
-        pass_seconds: list[float] = []
-        if sched.window > 1:  # multi-step decoding: the batch's later passes, each chunk one position on
-            pass_seconds.append(seconds)
+        if sched.window == 1:
+            pass_seconds = []
+        else:  # multi-step decoding: the batch's later passes, each chunk one position on
             steps = [(c.request_id, c.num_steps) for c in sched.chunks]
             ends = {n for _, n in steps}
             tokens: dict[str, SampledToken] = {}
@@ -229,13 +236,11 @@ class CostModelExecutor:
                 if j == 1 or j in ends:  # the passes between two chunks' ends sample the same requests: one dict
                     tokens = {rid: sampled[rid] for rid, n in steps if n > j}
                 later.append(tokens)
-            if self._window_cost is not None:  # priced from the window's rows (no shapes to make)
-                pass_seconds += self._window_cost.predict_passes(window_shapes(sched).rows, 1, sched.window)
-            elif self._shape_cost is not None:  # priced from each pass's shapes (no batch to build)
+            if not pass_seconds and self._shape_cost is not None:  # priced from each pass's shapes (no batch to build)
                 predict, shapes = self._shape_cost.predict, window_shapes(sched)
-                pass_seconds += [predict(shapes[j]) for j in range(1, sched.window)]
-            else:
-                pass_seconds += [self._pass_time(sched, j) for j in range(1, sched.window)]
+                pass_seconds = [seconds] + [predict(shapes[j]) for j in range(1, sched.window)]
+            elif not pass_seconds:
+                pass_seconds = [seconds] + [self._pass_time(sched, j) for j in range(1, sched.window)]
             seconds = sum(pass_seconds)
         if copied:  # the copies go before the forward pass, as the model executor applies them
             seconds += self.host_copy_latency_s + copied / self.host_copy_bytes_per_s
@@ -257,8 +262,8 @@ class CostModelExecutor:
             known = [w for w in waits if w is not None]
             if known:
                 seconds = max(seconds, min(known) - now)
-        report = self.disk.report(now + seconds) if self.disk is not None else TierReport()
-        remote_report = self.remote.report(now + seconds) if self.remote is not None else RemoteReport()
+        report = self.disk.report(now + seconds) if self.disk is not None else _NO_TIER_REPORT
+        remote_report = self.remote.report(now + seconds) if self.remote is not None else _NO_REMOTE_REPORT
         self._elapsed += seconds
         return StepResult(sampled, seconds, report, remote_report, tuple(later), tuple(pass_seconds))
 

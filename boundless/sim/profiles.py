@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -100,26 +101,34 @@ class RooflineStepCost:
         """Seconds of passes ``first`` to ``end - 1`` of a multi-step window of ``rows``
         (``multi_step.WindowPasses.rows``), summed from the rows without making each pass's shapes (pass ``j``'s: each
         row with more than ``j`` passes, ``j`` positions on). :meth:`predict` is a window of one pass."""
+        per_token, per_pair, weight_bytes, kv_bytes, flop_rate, byte_rate = self._factors
+        overhead = self.step_overhead_s
         seconds = []
         for j in range(first, end):
             tokens = cached = pairs = 0
-            for start, new, steps in rows:  # (the simulator prices every forward pass here); pairs as ChunkShape's
+            for start, new, steps in rows:  # pairs as ChunkShape's
                 if steps > j:
                     tokens += new
                     cached += start + j
                     pairs += new * (start + j) + new * (new + 1) // 2
-            seconds.append(self._seconds(tokens, cached, pairs))
+            compute = (per_token * tokens + per_pair * pairs) / flop_rate
+            memory = (weight_bytes + kv_bytes * (cached + tokens)) / byte_rate
+            seconds.append(overhead + (compute if compute > memory else memory))
         return seconds
 
-    def _seconds(self, tokens: int, cached: int, pairs: int) -> float:
-        """A pass of ``tokens`` new tokens over ``cached`` with KV, ``pairs`` query-key pairs: the slower of its
-        compute and its memory traffic, plus the step's overhead."""
+    @cached_property
+    def _factors(self) -> tuple[float, int, float, int, float, float]:
+        """The per-pass formula's constant factors (per new token, per query-key pair, the weights' bytes, the KV bytes
+        per token, and the two rates), made once: the simulator prices every forward pass."""
         s = self.shape
-        flops = 2 * s.params * tokens + 4 * s.layers * s.q_heads * s.head_dim * pairs
-        nbytes = s.params * s.bytes_per_param + s.kv_bytes_per_token * (cached + tokens)
-        compute = flops / (self.peak_flops * self.compute_efficiency)
-        memory = nbytes / (self.hbm_bytes_per_s * self.memory_efficiency)
-        return self.step_overhead_s + max(compute, memory)
+        return (
+            2 * s.params,
+            4 * s.layers * s.q_heads * s.head_dim,
+            s.params * s.bytes_per_param,
+            s.kv_bytes_per_token,
+            self.peak_flops * self.compute_efficiency,
+            self.hbm_bytes_per_s * self.memory_efficiency,
+        )
 
 
 @dataclass(frozen=True)

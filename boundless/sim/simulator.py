@@ -72,11 +72,12 @@ class VirtualClock:
 
 @dataclass
 class SimProgram:
-    """A program in flight: its prompt tokens, its threads' conversations, the stage it is at."""
+    """A program: the stage it is at, and while in flight its prompt tokens and its threads' conversations (made when it
+    arrives and dropped when it finishes: a long run's programs would otherwise hold them all, a generator each)."""
 
     spec: ProgramSpec
-    rng: random.Random
-    system: list[int]
+    rng: random.Random | None = None
+    system: list[int] = field(default_factory=list)
     stage: int = 0
     pending: int = 0
     contexts: dict[str, list[int]] = field(default_factory=dict)  # thread -> its conversation so far
@@ -268,6 +269,7 @@ class Simulator:
         self.call_latencies: dict[str, list[float]] = {}  # call_kind -> each completed call's submit-to-finish
         self.call_outcomes: dict[str, CallOutcome] = {}  # request id -> what it produced, for each completed call
         self._ids = itertools.count()
+        self._params: dict[int, SamplingParams] = {}  # the calls' sampling parameters, by output length
         self._ready: set[str] = set()  # idle instances that may have work to start
         self._open_programs = 0  # programs of the run not finished yet
         self._next_expiry = 0.0
@@ -344,8 +346,7 @@ class Simulator:
     def _run(self, programs: list[ProgramSpec], progress: Progress | None) -> list[SimResult]:
         sims = []
         for spec in programs:
-            rng, system = self.tokens.start(spec)
-            sims.append(SimProgram(spec, rng, system))
+            sims.append(SimProgram(spec))
             self._at(spec.arrival_s, _STAGE, sims[-1])
         self._open_programs = len(sims)
         for failure in self.failures:
@@ -601,9 +602,12 @@ class Simulator:
     # -- programs ----------------------------------------------------------------------------
 
     def _start_stage(self, sp: SimProgram) -> None:
+        if sp.stage == 0 and sp.rng is None:  # it arrives (its tokens are its own generator's: drawn now or before)
+            sp.rng, sp.system = self.tokens.start(sp.spec)
         if sp.stage >= len(sp.spec.stages):
             sp.finish_s = self.clock.now
             self._open_programs -= 1
+            sp.rng, sp.system, sp.contexts, sp.outputs = None, [], {}, {}
             return
         stage = sp.spec.stages[sp.stage]
         sp.pending = len(stage)
@@ -611,12 +615,16 @@ class Simulator:
             self._at(self.clock.now + call.tool_wait_s, _CALL, (sp, call))
 
     def _submit(self, sp: SimProgram, spec: CallSpec) -> None:
+        assert sp.rng is not None, "a call of a program that has not arrived"
         new_input = self.tokens.draw(sp.rng, spec.new_input)
         limit = self.max_model_len if self.compact_prompts else 1 << 62
         prompt = call_prompt(spec, sp.system, sp.contexts, sp.outputs, new_input, limit)
         rid = f"c{next(self._ids)}"
-        # Nothing reads a simulated call's text: its tokens are decoded by no one (the engine skips the per-token work).
-        params = SamplingParams(max_tokens=spec.output, ignore_eos=True, detokenize=False)
+        params = self._params.get(spec.output)  # (immutable: one per output length, checked once)
+        if params is None:
+            # Nothing reads a simulated call's text: its tokens are decoded by no one (the engine skips that work).
+            params = SamplingParams(max_tokens=spec.output, ignore_eos=True, detokenize=False)
+            self._params[spec.output] = params
         program = ProgramRef(sp.spec.program_id, spec.thread_id, spec.parents)
         call = _Call(sp, spec, prompt, submit_s=self.clock.now)
         if self.dispatcher is None:

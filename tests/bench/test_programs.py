@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from boundless.bench.workloads import (
     MULTI_THREADED,
     WORKLOADS,
+    PromptTokens,
     WorkloadShape,
     compaction,
     load_agent_sessions,
@@ -48,6 +50,17 @@ def test_chat_lengths_follow_sharegpt_scaled() -> None:
     mean_calls = sum(p.num_calls for p in programs) / len(programs)
     assert 20 < mean_out < 36  # 277 x 0.1
     assert 5.0 < mean_calls < 8.0  # 6.66 calls per program
+
+
+@pytest.mark.parametrize("vocab", [101, 102, 228, 356, 32000, 49152, 100 + 2**15, 128256])
+def test_prompt_tokens_are_those_randrange_draws(vocab: int) -> None:
+    # The draws are taken from the generator's words in batches; the tokens, and the generator after them, must be
+    # what one randrange per token gives (the benchmark's and the simulator's prompts, run to run).
+    tokens = PromptTokens(vocab, seed=3)
+    for seed, n in itertools.product(range(12), [0, 1, 7, 64, 500]):
+        ours, theirs = random.Random(f"{seed}:{n}"), random.Random(f"{seed}:{n}")
+        assert tokens.draw(ours, n) == [theirs.randrange(100, vocab) for _ in range(n)]
+        assert ours.random() == theirs.random()
 
 
 def test_compaction_keeps_the_system_prompt_and_the_newest_half() -> None:

@@ -45,7 +45,7 @@ def test_homes_of_dropped_programs_are_forgotten() -> None:
     router = Router("locality", locality_threshold=100)
     for pid in ("a", "b", "c"):
         router.choose(views(0, 0), pid, 500)
-    router.retain({"b"})
+    router.forget(["a", "b", "c"], {"b"})  # dropped, and "b" back in the table since
     assert set(router.homes) == {"b"}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from boundless.engine.request import Request
@@ -128,6 +130,33 @@ def test_the_policies_expiry_scans_at_most_once_per_hundredth_of_the_ttl() -> No
     assert table.expire_due(now=100.0) == ["a"]  # idle for the TTL
     assert table.expire_due(now=100.6) == [] and "b" in table  # due, but within a scan interval of the last
     assert table.expire_due(now=101.0) == ["b"]  # dropped at most 1 s (ttl / 100) late
+
+
+@pytest.mark.parametrize("monotonic", [True, False])
+def test_expiry_drops_what_a_scan_of_every_program_drops(monotonic: bool) -> None:
+    # The scan stops at the first program active within the TTL: it must drop what passing over all of them would,
+    # with records made by a router's merge (never active here), the size cap, and a clock that goes back.
+    rng = random.Random(7)
+    table = ProcessTable(ttl_s=10.0, max_programs=40)
+    now, expired = 0.0, 0
+    for _ in range(4000):
+        now += rng.expovariate(2.0) if monotonic or rng.random() < 0.9 else -rng.uniform(0.0, 5.0)
+        pid, op = f"p{rng.randrange(60)}", rng.random()
+        if op < 0.4:
+            table.call_arrived(ProgramRef(pid), now)
+        elif op < 0.7:
+            table.call_finished(ProgramRef(pid), 0.1, 0.0, now)
+        elif op < 0.8:
+            table.call_abandoned(pid)
+        elif op < 0.9:
+            table.merge_remote(pid, 1.0, 0.5)
+        else:
+            records = table._programs.items()
+            due = [p for p, rec in records if rec.active_calls == 0 and now - rec.last_activity >= table.ttl_s]
+            assert table.expire(now) == due
+            assert not any(p in table for p in due)
+            expired += len(due)
+    assert expired > 20  # (the cases drop programs)
 
 
 def test_an_abandoned_call_does_not_keep_its_program_alive() -> None:
