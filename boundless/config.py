@@ -276,6 +276,16 @@ class ClusterConfig:
             "marked dead and its calls fail over (an idle engine is never timed out)"
         },
     )
+    restart_delay_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "a lost instance is started again this many seconds after its loss, twice as long after each "
+            "further loss of the same instance; it takes calls again from its first heartbeat"
+        },
+    )
+    max_restarts: int = field(
+        default=3, metadata={"help": "restarts per lost instance, those that fail included (0: never restart)"}
+    )
     # Prefill/decode disaggregation (DualPath): the roles, the transport between them, the inter-engine
     # scheduler's thresholds, in tokens (cluster/pd_scheduler.py), and the emulated links (cluster/links.py).
     prefill_instances: int = field(
@@ -389,6 +399,8 @@ class ClusterConfig:
             self.heartbeat_timeout_s > self.heartbeat_interval_s, "heartbeat_timeout_s", "must exceed the interval"
         )
         _require(self.step_timeout_s > 0, "step_timeout_s", "must be positive")
+        _require(self.restart_delay_s >= 0, "restart_delay_s", "must not be negative")
+        _require(self.max_restarts >= 0, "max_restarts", "must not be negative")
         for name in ("pd_alpha", "pd_beta", "pd_z"):
             value = getattr(self, name)
             _require(value is None or value >= 0, name, "must not be negative")

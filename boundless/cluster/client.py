@@ -11,7 +11,9 @@ drains its deltas, a heartbeat thread that collects load and KV usage, the strea
 handlers, and telling Ray's errors apart: an instance whose ``add`` raised fails that call and
 keeps serving; one that died, does not answer in ``heartbeat_timeout_s`` or whose engine has been inside one
 step for ``step_timeout_s`` (a forward pass that never returns: ``cluster/stuck_step.py``) is lost, and its
-calls are resent elsewhere with the tokens already produced.
+calls are resent elsewhere with the tokens already produced. A lost instance's actor is killed, and a fresh one
+started in its place when the dispatcher's restart is due (``cluster/restarts.py``); it takes calls from its first
+heartbeat. Each poller drains one actor: an earlier actor of a restarted instance cannot make it lost again.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from boundless.cluster.pd_dispatcher import (
     placement_counts,
 )
 from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
+from boundless.cluster.restarts import Restart, RestartPolicy
 from boundless.cluster.routing import Router
 from boundless.cluster.stuck_step import stuck_step
 from boundless.config import ClusterConfig, EngineConfig
@@ -66,6 +69,9 @@ from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
 
 log = logging.getLogger(__name__)
+
+# How long a restarted actor may take to start (Ray placing it, its model loading) before the restart counts as failed.
+STARTUP_TIMEOUT_S = 600.0
 
 
 class InstanceCallError(RuntimeError):
@@ -85,8 +91,8 @@ class Instance:
 class DispatcherFrontEnd:
     """The HTTP server's engine interface (``submit``, ``abort``) over a cluster dispatcher, and the loop that
     carries out the dispatcher's decisions. Subclasses own the instances and say how each decision reaches
-    one (``_add``, ``_prepare``, ``_continue``, ``_mark_dead``, ``_abort_on``, ``_peer_lost``): Ray actors in
-    :class:`ClusterClient`, direct calls in ``cluster/local_pd.py``. They set ``config``, ``dispatcher``,
+    one (``_add``, ``_prepare``, ``_continue``, ``_mark_dead``, ``_abort_on``, ``_peer_lost``, ``_restart``): Ray
+    actors in :class:`ClusterClient`, direct calls in ``cluster/local_pd.py``. They set ``config``, ``dispatcher``,
     ``streams`` and ``lock`` (held around the dispatcher and the calls its decisions make)."""
 
     config: ClusterConfig
@@ -144,12 +150,31 @@ class DispatcherFrontEnd:
                 self._prefetch(decision)
             elif isinstance(decision, DropPrefetch):
                 self._drop_prefetch(decision)
+            elif isinstance(decision, Restart):
+                log.warning("restarting instance %s (restart %d)", decision.instance_id, decision.attempt)
+                self._restart(decision)
         return failure
 
     def _lose(self, iid: str, reason: str) -> None:
         """The instance is lost (dead, silent or stuck): the dispatcher's decisions for it are carried out."""
         with self.lock:
             self._carry_out(self.dispatcher.instance_lost(iid, reason))
+
+    def _start_due_restarts(self) -> None:
+        """Start the lost instances whose restart is due (the heartbeat loop asks every round)."""
+        with self.lock:
+            self._carry_out(self.dispatcher.restarts_due())
+
+    def _rejoin(self, iid: str) -> None:
+        """A restarted instance answered its first heartbeat: it takes calls again."""
+        with self.lock:
+            log.warning("instance %s is back (restarted); it takes calls again", iid)
+            self._carry_out(self.dispatcher.instance_ready(iid))
+
+    def _restart_failed(self, iid: str, reason: str) -> None:
+        """A restart did not come up: counted, and tried again later as the policy allows."""
+        log.error("restart of instance %s failed: %s", iid, reason)
+        self._lose(iid, f"restart failed: {reason}")
 
     def _watch_step(self, iid: str, step: StepReport | None) -> bool:
         """The watchdog over a heartbeat's step in flight: an instance stuck in one step past ``--step-timeout-s``
@@ -184,6 +209,11 @@ class DispatcherFrontEnd:
         raise NotImplementedError
 
     def _mark_dead(self, mark: MarkDead) -> None:
+        raise NotImplementedError
+
+    def _restart(self, restart: Restart) -> None:
+        """Start a fresh instance in place of a lost one, without waiting for it (the lock is held): once it answers
+        a heartbeat, ``_rejoin``; if it does not come up, ``_restart_failed``."""
         raise NotImplementedError
 
     def _abort_on(self, abort: AbortOn) -> None:
@@ -231,6 +261,11 @@ class ClusterClient(DispatcherFrontEnd):
             iid: Instance(actor_cls.remote(iid, engine, max_waiting, threads, setups[iid], lending=lending_setups[iid]))
             for iid in roles
         }
+        # What a restart starts again: an actor of the same class, config and role (``_restart``).
+        self._start_actor: Callable[[str], object] = lambda iid: actor_cls.remote(
+            iid, engine, max_waiting, threads, setups[iid]
+        )
+        self._starting: dict[str, object] = {}  # instance id -> the actor of its restart, until it is ready
         for inst in self.instances.values():
             inst.info = ray.get(inst.actor.info.remote())
         self.lending = self._connect_lending(cluster) if cluster.kv_lending == "on" else None
@@ -241,24 +276,27 @@ class ClusterClient(DispatcherFrontEnd):
         if cluster.disaggregated:
             self.dispatcher = self._pd_dispatcher(engine, cluster, table)
         else:
+            # A restarted instance would have to join the lending agents' mesh again: not built, so no restarts.
+            restarts = RestartPolicy.from_config(cluster) if self.lending is None else None
             self.dispatcher = Dispatcher(
                 self.instances,
                 Router(cluster.routing, cluster.locality_threshold, cluster.locality_max_imbalance),
                 table,
                 time.monotonic,
                 self.lending,
+                restarts,
             )
         self.streams = StreamRegistry()
         self.lock = threading.RLock()  # around the dispatcher, and the adds its decisions send
         self._listeners: list[Callable[[RequestDelta], None]] = []
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._poll, args=(iid,), name=f"boundless-poll-{iid}", daemon=True)
-            for iid in self.instances
-        ]
+        self._threads = [self._poller(iid, inst) for iid, inst in self.instances.items()]
         self._threads.append(threading.Thread(target=self._heartbeats, name="boundless-heartbeat", daemon=True))
         for t in self._threads:
             t.start()
+
+    def _poller(self, iid: str, inst: Instance) -> threading.Thread:
+        return threading.Thread(target=self._poll, args=(iid, inst), name=f"boundless-poll-{iid}", daemon=True)
 
     def _connect_lending(self, cluster: ClusterConfig) -> ClusterLending:
         """Introduce the instances' lending agents to each other, and start the gManager."""
@@ -291,11 +329,15 @@ class ClusterClient(DispatcherFrontEnd):
         for iid, inst in self.instances.items():
             s = inst.stats
             view = self.dispatcher.views[iid]
+            losses, restarts, failed = self.dispatcher.restarts.counts(iid)
             entry = {
                 "id": iid,
                 "pid": inst.info.pid if inst.info else None,
                 "node": inst.info.node if inst.info else None,
-                "state": "alive" if view.alive else "dead",
+                "state": instance_state(self.dispatcher, iid),
+                "lost": losses,
+                "restarts": restarts,
+                "failed_restarts": failed,
                 "running": s.num_running if s else 0,
                 "waiting": s.num_waiting if s else 0,
                 "inflight": view.inflight,
@@ -326,6 +368,7 @@ class ClusterClient(DispatcherFrontEnd):
         views = self.dispatcher.views
         live = {iid: inst for iid, inst in self.instances.items() if views[iid].alive}
         yield from link_metrics({iid: inst.links for iid, inst in live.items()})
+        yield from restart_metrics(self.dispatcher)
         if not isinstance(self.dispatcher, PDDispatcher):
             return
         paths = CounterMetricFamily(
@@ -375,13 +418,18 @@ class ClusterClient(DispatcherFrontEnd):
         import ray
 
         self._stop.set()
-        for t in self._threads:
+        for t in list(self._threads):
             t.join(timeout=5)
         for iid, inst in self.instances.items():
             if self.dispatcher.views[iid].alive:
                 with contextlib.suppress(Exception):  # already gone
                     ray.get(inst.actor.shutdown.remote(), timeout=10)
             ray.kill(inst.actor)
+        with self.lock:
+            starting, self._starting = list(self._starting.values()), {}
+        for actor in starting:  # restarts under way
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
         if self._transport_dir:
             shutil.rmtree(self._transport_dir, ignore_errors=True)
 
@@ -393,6 +441,45 @@ class ClusterClient(DispatcherFrontEnd):
         log.error("instance %s is dead (%s); failing over its calls", mark.instance_id, mark.reason)
         with contextlib.suppress(Exception):  # a hung instance must not come back with stale work
             ray.kill(self.instances[mark.instance_id].actor)
+
+    def _restart(self, restart: Restart) -> None:
+        name = f"boundless-restart-{restart.instance_id}"
+        threading.Thread(target=self._start_again, args=(restart.instance_id,), name=name, daemon=True).start()
+
+    def _start_again(self, iid: str) -> None:
+        """A fresh actor for lost instance ``iid``: it takes calls from its first heartbeat (its model loaded)."""
+        import ray
+
+        actor = None
+        try:
+            actor = self._start_actor(iid)
+            with self.lock:
+                self._starting[iid] = actor
+            info = ray.get(actor.info.remote(), timeout=STARTUP_TIMEOUT_S)
+            beat = ray.get(actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+            with self.lock:
+                self._starting.pop(iid, None)
+            if not self._stop.is_set():
+                self._restart_failed(iid, f"{type(e).__name__}: {e}")
+            return
+        with self.lock:
+            if self._starting.pop(iid, None) is not actor or self._stop.is_set():
+                ray.kill(actor)  # shut down meanwhile
+                return
+            inst = self.instances[iid] = Instance(actor, info, beat.stats, beat.links)
+            poller = self._poller(iid, inst)
+            self._threads.append(poller)
+            self._rejoin(iid)
+            poller.start()
+
+    def _lose_current(self, iid: str, inst: Instance, reason: str) -> None:
+        """``inst`` failed: the instance is lost, unless ``inst`` is an earlier actor of a restarted instance."""
+        with self.lock:
+            if self.instances[iid] is inst:
+                self._lose(iid, reason)
 
     def _abort_on(self, abort: AbortOn) -> None:
         self.instances[abort.instance_id].actor.abort.remote(abort.request_id)
@@ -453,16 +540,16 @@ class ClusterClient(DispatcherFrontEnd):
 
     # -- background threads -------------------------------------------------------------------
 
-    def _poll(self, iid: str) -> None:
+    def _poll(self, iid: str, inst: Instance) -> None:
+        """Drain ``inst``'s deltas while it is the instance's current actor and alive."""
         import ray
 
-        actor = self.instances[iid].actor
-        while not self._stop.is_set() and self.dispatcher.views[iid].alive:
+        while not self._stop.is_set() and self.dispatcher.views[iid].alive and self.instances[iid] is inst:
             try:
-                deltas = ray.get(actor.drain.remote(0.1), timeout=self.config.heartbeat_timeout_s)
+                deltas = ray.get(inst.actor.drain.remote(0.1), timeout=self.config.heartbeat_timeout_s)
             except Exception as e:
                 if not self._stop.is_set():
-                    self._lose(iid, f"drain failed: {type(e).__name__}")
+                    self._lose_current(iid, inst, f"drain failed: {type(e).__name__}")
                 return
             for delta in deltas:
                 self._on_delta(iid, delta)
@@ -482,13 +569,13 @@ class ClusterClient(DispatcherFrontEnd):
         import ray
 
         while not self._stop.wait(self.config.heartbeat_interval_s):
-            for iid, inst in self.instances.items():
+            for iid, inst in list(self.instances.items()):
                 if not self.dispatcher.views[iid].alive:
                     continue
                 try:
                     beat: Heartbeat = ray.get(inst.actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
                 except Exception as e:
-                    self._lose(iid, f"heartbeat failed: {type(e).__name__}")
+                    self._lose_current(iid, inst, f"heartbeat failed: {type(e).__name__}")
                     continue
                 if self._watch_step(iid, beat.step):
                     continue
@@ -500,12 +587,39 @@ class ClusterClient(DispatcherFrontEnd):
                     queued = read_queue_tokens(storage_queue_bytes(beat.links), self._kv_bytes_per_token)
                     with self.lock:
                         self.dispatcher.report(iid, queued)
+            self._start_due_restarts()
             with self.lock:
                 self.dispatcher.expire()
                 orders = self.lending.orders() if self.lending is not None else []
             for order in orders:  # the debtor carries it out between its steps
                 actor = self.instances[order.instance_id].actor
                 actor.lend_move.remote(order.request_id, order.num_blocks, order.creditor)
+
+
+def instance_state(dispatcher: Dispatcher, iid: str) -> str:
+    """An instance's state as ``/cluster`` shows it: alive, restarting (lost; its restart is due or under way, and
+    it takes no call until it is ready) or dead (lost, and no restart coming)."""
+    if dispatcher.views[iid].alive:
+        return "alive"
+    return "restarting" if dispatcher.restarts.state(iid) in ("down", "starting") else "dead"
+
+
+def restart_metrics(dispatcher: Dispatcher) -> Iterator[Metric]:
+    """Each instance's losses and restarts, for ``/metrics``."""
+    lost = CounterMetricFamily("boundless_instance_lost", "times the instance was lost", labels=["instance"])
+    restarts = CounterMetricFamily(
+        "boundless_instance_restarts", "restarts of the instance that came up and took calls again", labels=["instance"]
+    )
+    failed = CounterMetricFamily(
+        "boundless_instance_restart_failures", "restarts of the instance that did not come up", labels=["instance"]
+    )
+    up = GaugeMetricFamily("boundless_instance_up", "1 while the instance takes calls, else 0", labels=["instance"])
+    for iid, view in dispatcher.views.items():
+        counts = dispatcher.restarts.counts(iid)
+        for family, value in zip((lost, restarts, failed), counts, strict=True):
+            family.add_metric([iid], float(value))
+        up.add_metric([iid], float(view.alive))
+    yield from (lost, restarts, failed, up)
 
 
 def failure_error(failure: Fail) -> Exception:
@@ -570,9 +684,9 @@ def make_pd_dispatcher(
     }
     first = next(iter(infos.values()))
     config = PDSchedulerConfig.from_configs(cluster, engine.scheduler)
-    return PDDispatcher(
-        members, table, time.monotonic, config, first.block_size, engine.scheduler.queue_order == "program"
-    )
+    order_by_program = engine.scheduler.queue_order == "program"
+    restarts = RestartPolicy.from_config(cluster)
+    return PDDispatcher(members, table, time.monotonic, config, first.block_size, order_by_program, restarts)
 
 
 def kv_bytes_per_token(infos: Mapping[str, InstanceInfo]) -> int:

@@ -7,7 +7,9 @@ call to an instance (with its program's global service and, after a failover, wh
 :class:`Fail` a call, :class:`MarkDead` an instance, :class:`AbortOn` an instance. It never does
 I/O, sleeps or starts threads, and reads time only from the clock it is given; the Ray transport
 (:mod:`boundless.cluster.client`) carries its decisions out, and a simulator can do the same with
-simulated instances.
+simulated instances. A lost instance is started again after a delay (:class:`~boundless.cluster.restarts.Restart`,
+``cluster/restarts.py``), and takes calls again from the first heartbeat of its new self
+(:meth:`Dispatcher.instance_ready`).
 
 An instance that does not answer (dead or hung) is marked dead and its calls go elsewhere; an
 instance that answers with an error fails that one call and keeps serving, so a request that trips
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from boundless.cluster.lending_cluster import ClusterLending, PeerLost
+from boundless.cluster.restarts import Restart, RestartPolicy, Restarts
 from boundless.cluster.routing import InstanceView, LoadIndex, NoLiveInstanceError, Router
 from boundless.engine.core import RequestDelta, Resume
 from boundless.engine.handoff import HandoffPlan
@@ -107,7 +110,7 @@ class AbortOn:
     request_id: str
 
 
-Decision = Send | Fail | MarkDead | AbortOn | PeerLost
+Decision = Send | Fail | MarkDead | AbortOn | PeerLost | Restart
 
 
 class Dispatcher:
@@ -117,6 +120,8 @@ class Dispatcher:
     A call is *pending* between its :class:`Send` and the instance's answer (:meth:`add_done`), then
     *in flight* until its final delta, an abort, or its instance's loss (which resends it). Whatever changes a
     view's load or liveness refiles it in ``load_index``, which the router reads in place of a pass over the views.
+    A lost instance is started again as ``restarts`` says (none without a policy); it is not alive, and gets no call,
+    until it is ready.
     """
 
     def __init__(
@@ -126,8 +131,10 @@ class Dispatcher:
         table: ProcessTable,
         clock: Callable[[], float],
         lending: ClusterLending | None = None,
+        restarts: RestartPolicy | None = None,
     ) -> None:
         self.views: dict[str, InstanceView] = {iid: InstanceView(iid) for iid in instance_ids}
+        self.restarts = Restarts(restarts or RestartPolicy(max_restarts=0), self.views)
         self.load_index = LoadIndex(self.views.values())  # the views by load, refiled on every change below
         self.router = router
         self.table = table
@@ -173,13 +180,14 @@ class Dispatcher:
         return [Fail(call.request_id, result.status, result.message, result.param)]
 
     def instance_lost(self, instance_id: str, reason: str) -> list[Decision]:
-        """The instance died or stopped answering: mark it dead and resend its calls elsewhere."""
+        """The instance died or stopped answering: mark it dead and resend its calls elsewhere. (A restarted one
+        lost before it was ready held no call: its restart failed, and is tried again as the policy allows.)"""
+        if self._lost_while_starting(instance_id):
+            return [MarkDead(instance_id, reason)]
         view = self.views[instance_id]
         if not view.alive:
             return []
-        view.alive = False
-        view.inflight = 0
-        self.load_index.update(instance_id)
+        self._set_alive(instance_id, False)
         self.router.drop_instance(instance_id)
         decisions: list[Decision] = [MarkDead(instance_id, reason)]
         if self.lending is not None:  # the others free what they lent it and recompute what it held
@@ -190,6 +198,37 @@ class Dispatcher:
             self.num_failovers += 1
             decisions += self._route(call)
         return decisions
+
+    def restarts_due(self) -> list[Decision]:
+        """The restarts of lost instances due by now (the front end asks on its heartbeats)."""
+        return list(self.restarts.due(self.clock()))
+
+    def next_restart_at(self) -> float | None:
+        """When the next restart is due, on the dispatcher's clock (None: none is)."""
+        return self.restarts.next_due()
+
+    def instance_ready(self, instance_id: str) -> list[Decision]:
+        """A restarted instance answered its first heartbeat: it takes calls from now, with no load (and an empty
+        cache: the router's homes on it went with its loss). Nothing for an instance not being restarted."""
+        if not self.restarts.ready(instance_id):
+            return []
+        self._set_alive(instance_id, True)
+        return []
+
+    def _lost_while_starting(self, instance_id: str) -> bool:
+        """A restarted instance lost before it was ready: its restart failed (counted; the next is scheduled)."""
+        if self.restarts.state(instance_id) != "starting":
+            return False
+        self.restarts.lost(instance_id, self.clock())
+        return True
+
+    def _set_alive(self, instance_id: str, alive: bool) -> None:
+        """A view's liveness changes (lost, or restarted and ready): it has no call either way, and is refiled."""
+        view = self.views[instance_id]
+        view.alive, view.inflight = alive, 0
+        self.load_index.update(instance_id)
+        if not alive:
+            self.restarts.lost(instance_id, self.clock())
 
     def on_delta(self, instance_id: str, delta: RequestDelta) -> bool:
         """Account for a delta from ``instance_id``; False for one nobody waits for (aborted, or a

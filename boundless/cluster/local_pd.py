@@ -8,9 +8,12 @@ carried out by the loop ``ClusterClient`` uses (``DispatcherFrontEnd``), calling
 their actors; a poller thread per instance hands its deltas to the dispatcher, and a heartbeat thread reports
 each node's storage read queue and watches each engine's step in flight: an engine stuck in one step past
 ``--step-timeout-s`` is lost (``cluster/stuck_step.py``), its loop told to stop, and its calls fail over as in the
-Ray cluster. What is left out is what only processes need: other deaths (nothing here dies alone) and Ray's error
-kinds. The benchmark (``bench/agentic.py``) and tests use it where a Ray actor per engine would be too heavy; it
-offers the HTTP server's engine interface (``submit`` returning a stream), as the Ray cluster does.
+Ray cluster. When the dispatcher's restart is due (``cluster/restarts.py``) the heartbeat thread closes the lost
+engine's transport endpoint (its peers see it gone) and makes a fresh engine of the same id and role over the same
+weights, with an empty KV cache; it takes calls from its first heartbeat. What is left out is what only processes
+need: other deaths (nothing here dies alone) and Ray's error kinds. The benchmark (``bench/agentic.py``) and tests
+use it where a Ray actor per engine would be too heavy; it offers the HTTP server's engine interface (``submit``
+returning a stream), as the Ray cluster does.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from boundless.cluster.instance import EngineInstance
 from boundless.cluster.links import LinkStats
 from boundless.cluster.pd_dispatcher import Continue, DropPrefetch, Prefetch, Prepare, PrepareResult
 from boundless.cluster.pd_scheduler import read_queue_tokens
+from boundless.cluster.restarts import Restart
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import StreamRegistry
 from boundless.engine.core import EngineStats
@@ -53,9 +57,12 @@ class LocalPDCluster(DispatcherFrontEnd):
         self.config = cluster
         self._transport_dir = transport_directory()
         setups = role_setups(cluster, self._transport_dir)
-        self.instances = {
-            iid: EngineInstance(iid, engine, max_waiting, role=setup, loaded=loaded) for iid, setup in setups.items()
-        }
+        self._new_engine: Callable[[str], EngineInstance] = lambda iid: EngineInstance(
+            iid, engine, max_waiting, role=setups[iid], loaded=loaded
+        )
+        self.instances = {iid: self._new_engine(iid) for iid in setups}
+        self._due: list[str] = []  # instances whose restart the heartbeat thread carries out next
+        self._replaced: list[EngineInstance] = []  # lost engines a restart replaced (shut down with the rest)
         infos = {iid: inst.info() for iid, inst in self.instances.items()}
         self.tokenizer = next(iter(self.instances.values())).core.tokenizer
         self.max_model_len = min(i.max_model_len for i in infos.values())
@@ -65,10 +72,7 @@ class LocalPDCluster(DispatcherFrontEnd):
         self.streams = StreamRegistry()
         self.lock = threading.RLock()  # around the dispatcher and the calls its decisions make
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._poll, args=(iid,), name=f"boundless-poll-{iid}", daemon=True)
-            for iid in self.instances
-        ]
+        self._threads = [self._poller(iid, inst) for iid, inst in self.instances.items()]
         self._threads.append(threading.Thread(target=self._heartbeats, name="boundless-heartbeat", daemon=True))
         for t in self._threads:
             t.start()
@@ -87,9 +91,9 @@ class LocalPDCluster(DispatcherFrontEnd):
 
     def shutdown(self) -> None:
         self._stop.set()
-        for t in self._threads:
+        for t in list(self._threads):
             t.join(timeout=5)
-        for inst in self.instances.values():
+        for inst in [*self.instances.values(), *self._replaced]:
             inst.shutdown()
         shutil.rmtree(self._transport_dir, ignore_errors=True)
 
@@ -123,6 +127,28 @@ class LocalPDCluster(DispatcherFrontEnd):
         log.error("instance %s is dead (%s); failing over its calls", mark.instance_id, mark.reason)
         self.instances[mark.instance_id].stop()  # a stuck step is not waited for: it may never end
 
+    def _restart(self, restart: Restart) -> None:
+        self._due.append(restart.instance_id)  # started by the heartbeat thread, out of the lock
+
+    def _start_again(self, iid: str) -> None:
+        """A fresh engine for lost instance ``iid``; it takes calls once it answers a heartbeat."""
+        old = self.instances[iid]
+        try:
+            if old.transport is not None:  # its peers see it gone, and connect to the new one at its address
+                old.transport.close()
+            inst = self._new_engine(iid)
+            inst.heartbeat()
+        except Exception as e:
+            self._restart_failed(iid, f"{type(e).__name__}: {e}")
+            return
+        with self.lock:
+            self._replaced.append(old)
+            self.instances[iid] = inst
+            poller = self._poller(iid, inst)
+            self._threads.append(poller)
+            self._rejoin(iid)
+            poller.start()
+
     def _abort_on(self, abort: AbortOn) -> None:
         self.instances[abort.instance_id].abort(abort.request_id)
 
@@ -134,9 +160,12 @@ class LocalPDCluster(DispatcherFrontEnd):
 
     # -- background threads -------------------------------------------------------------------
 
-    def _poll(self, iid: str) -> None:
-        inst = self.instances[iid]
-        while not self._stop.is_set() and self.dispatcher.views[iid].alive:
+    def _poller(self, iid: str, inst: EngineInstance) -> threading.Thread:
+        return threading.Thread(target=self._poll, args=(iid, inst), name=f"boundless-poll-{iid}", daemon=True)
+
+    def _poll(self, iid: str, inst: EngineInstance) -> None:
+        """Hand ``inst``'s deltas to the dispatcher while it is the instance's current engine and alive."""
+        while not self._stop.is_set() and self.dispatcher.views[iid].alive and self.instances[iid] is inst:
             for delta in inst.drain(0.1):
                 with self.lock:
                     shown, decisions = self.dispatcher.receive(iid, delta)
@@ -147,7 +176,7 @@ class LocalPDCluster(DispatcherFrontEnd):
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):
-            for iid, inst in self.instances.items():
+            for iid, inst in list(self.instances.items()):
                 if not self.dispatcher.views[iid].alive:
                     continue
                 beat = inst.heartbeat()
@@ -156,6 +185,11 @@ class LocalPDCluster(DispatcherFrontEnd):
                 queued = read_queue_tokens(storage_queue_bytes(beat.links), self._kv_bytes_per_token)
                 with self.lock:
                     self.dispatcher.report(iid, queued)
+            self._start_due_restarts()
+            with self.lock:
+                due, self._due = self._due, []
+            for iid in due:
+                self._start_again(iid)
             with self.lock:
                 self.dispatcher.expire()
 

@@ -24,7 +24,10 @@ PE's stream to fail on its own; at the handoff the call goes to another DE as a 
 plus the first token, which recomputes or reads the store: the engines' ordinary failover). A DE lost
 while decoding is the same failover. So no token is lost or repeated, and greedy outputs equal one
 engine's. Every stream has a timeout on both sides, and a DE drops a prepared call whose first token never
-comes, so no failure leaves blocks held.
+comes, so no failure leaves blocks held. A lost engine is started again as ``cluster/restarts.py`` decides: it takes
+calls from its first heartbeat (:meth:`PDDispatcher.instance_ready`), holding nothing (the memory the read paths
+counted on it is forgotten at its loss); while a role has no live engine but one being restarted, calls wait in the
+queue for it instead of failing.
 
 The read path needs each call's stored tokens. The dispatcher does not see the store; it estimates them
 from what it served: a program's next call usually extends its last one (prompt and output), whose full
@@ -63,6 +66,7 @@ from boundless.cluster.pd_scheduler import (
     plan_prefetches,
     schedule,
 )
+from boundless.cluster.restarts import RestartPolicy
 from boundless.cluster.routing import Router
 from boundless.engine.core import KV_STREAM_LOST, RequestDelta, Resume
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan
@@ -238,8 +242,9 @@ class PDDispatcher(Dispatcher):
         config: PDSchedulerConfig,
         block_size: int,
         order_by_program: bool = False,
+        restarts: RestartPolicy | None = None,
     ) -> None:
-        super().__init__(instances, Router("least-loaded"), table, clock)
+        super().__init__(instances, Router("least-loaded"), table, clock, restarts=restarts)
         self.instances = dict(instances)
         self.config = config
         self.block_size = block_size
@@ -368,11 +373,17 @@ class PDDispatcher(Dispatcher):
         return delta, decisions + self._place()
 
     def instance_lost(self, instance_id: str, reason: str) -> list[PDDecision]:  # type: ignore[override]
+        if self._lost_while_starting(instance_id):  # its restart failed: calls waiting for it may wait no longer
+            return [MarkDead(instance_id, reason), *self._place()]
         view = self.views[instance_id]
         if not view.alive:
             return []
-        view.alive = False
+        self._set_alive(instance_id, False)
         self.read_queues.pop(instance_id, None)
+        for pid, served in self._served.items():  # its memory is gone: a restarted engine starts empty
+            if instance_id in (served.prefill_engine, served.decode_engine):
+                pe, de = (("" if e == instance_id else e) for e in (served.prefill_engine, served.decode_engine))
+                self._served[pid] = ServedBy(pe, de, served.prompt_tokens)
         decisions: list[PDDecision] = [MarkDead(instance_id, reason)]
         requeue = []
         for call in self.queue:
@@ -396,6 +407,10 @@ class PDDispatcher(Dispatcher):
             self._reset(call)
             self.queue.insert(0, call)
         return decisions + self._place()
+
+    def instance_ready(self, instance_id: str) -> list[PDDecision]:  # type: ignore[override]
+        """A restarted engine takes calls again: the queue is placed, with it among the engines."""
+        return [*super().instance_ready(instance_id), *self._place()]
 
     def _place_again(self, call: PDCall) -> list[PDDecision]:
         """A call whose prefill failed with its DE-read push (nothing reached the client) goes back to the head of
@@ -494,6 +509,8 @@ class PDDispatcher(Dispatcher):
         if not self.queue:
             return []
         if not self.is_alive():
+            if all(self._live(role) or self._restarting(role) for role in ("prefill", "decode")):
+                return []  # the calls wait for an engine of the missing role being restarted
             failed: list[PDDecision] = []
             for call in list(self.queue):
                 failed += self._fail(call, "unavailable", "no live prefill or decode engine")
@@ -641,6 +658,11 @@ class PDDispatcher(Dispatcher):
 
     def _live(self, role: Role) -> bool:
         return any(self.views[iid].alive for iid, inst in self.instances.items() if inst.role == role)
+
+    def _restarting(self, role: Role) -> bool:
+        """Whether an engine of ``role`` is lost and will be started again."""
+        coming = ("down", "starting")
+        return any(self.restarts.state(iid) in coming for iid, inst in self.instances.items() if inst.role == role)
 
 
 def _free_kv(instance: PDInstance, calls: int, taken: int, longest_queued: int) -> int | None:

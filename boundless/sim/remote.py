@@ -222,6 +222,11 @@ class KVFabric:
             if other != address:
                 end.peer_lost(address, now)
 
+    def rejoin(self, address: str) -> None:
+        """An instance restarted at ``address`` (its new end attached) takes part in streams again; those of its
+        predecessor stay failed."""
+        self._lost.discard(address)
+
     def wake(self, instance_id: str, at: float) -> None:
         if self._wake is not None:
             self._wake(instance_id, at)

@@ -22,7 +22,7 @@ from boundless.sim.failures import InstanceFailure, check_failures, parse_failur
 from boundless.sim.longctx import add_longctx_arguments, run_longctx
 from boundless.sim.profiles import load_profile, profile_names
 from boundless.sim.progress import VirtualTimeBar
-from boundless.sim.simulator import SimResult, Simulator
+from boundless.sim.simulator import DEFAULT_INSTANCE_STARTUP_S, SimResult, Simulator
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> dict:
                     instances_per_node=args.instances_per_node,
                     fast_forward=args.fast_forward,
                     failures=failures,
+                    instance_startup_s=args.instance_startup_s,
                 )
                 label = f"{policy}{'/' + cluster.kv_path if cluster.disaggregated else ''} @ {rate}/s"
                 bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, label, args.progress)
@@ -89,10 +90,15 @@ def run(args: argparse.Namespace) -> dict:
     if failures:
         for row in rows:
             lost = ", ".join(f"{iid} at {t:g} s" for iid, t in row["instances_lost"].items())
+            back = ", ".join(
+                f"{iid} at {t:g} s ({row['calls_after_restart'][iid]} calls placed on it since)"
+                for iid, t in row["instances_restarted"].items()
+            )
             print(
                 f"{row['policy']} @ {row['rate']}/s{' ' + row['roles'] if row['roles'] else ''}: lost {lost or 'none'};"
                 f" {row['failovers']} calls failed over, {row['failed_calls']} failed;"
                 f" {row['programs_finished']} of {row['programs']} programs finished"
+                + (f"; restarted {back}" if back else "")
             )
     elif failed:  # a refused call takes no time: the latencies above would flatter the run
         print(f"{failed} calls were refused by the engine (too long for --max-model-len): these figures are invalid")
@@ -169,6 +175,11 @@ def result_row(sim: Simulator, results: list[SimResult], rate: float, policy: st
         "failed_calls": sum(r.failed_calls for r in results),
         "failovers": sim.dispatcher.num_failovers if sim.dispatcher is not None else 0,
         "instances_lost": dict(sim.lost),  # instance -> when the dispatcher was told
+        "instances_restarted": dict(sim.restarted),  # instance -> when its restart took calls again
+        "calls_after_restart": {
+            iid: sum(1 for p in sim.placements if p.instance_id == iid and p.at_s >= t)
+            for iid, t in sim.restarted.items()
+        },
         "programs": len(results),
         "programs_finished": sum(r.finished for r in results),
         "avg_call_latency_s": {kind: statistics.fmean(v) for kind, v in sorted(sim.call_latencies.items())},
@@ -249,6 +260,8 @@ CLUSTER_FLAGS = (
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
     "step_timeout_s",
+    "restart_delay_s",
+    "max_restarts",
     "prefill_instances",
     "decode_instances",
     "kv_path",
@@ -349,7 +362,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instances that fail during each run (ids 0..N-1, or p0.., d0.. with roles): a crash (the default) is "
         "seen at once, as Ray fails the calls to a dead actor; a hang when the heartbeat times out "
         "(--heartbeat-timeout-s later); stuck (an engine whose step in flight, or next, never ends) when that "
-        "step has run --step-timeout-s; the dispatcher fails their calls over to the live instances",
+        "step has run --step-timeout-s; the dispatcher fails their calls over to the live instances, and "
+        "restarts each lost one --restart-delay-s later (up to --max-restarts), back --instance-startup-s after that",
+    )
+    parser.add_argument(
+        "--instance-startup-s",
+        type=float,
+        default=DEFAULT_INSTANCE_STARTUP_S,
+        help="seconds from an instance's restart to its first heartbeat (its model's load), with --fail",
     )
     fields = {f.name: f for f in dataclasses.fields(ClusterConfig)}
     for name in CLUSTER_FLAGS:

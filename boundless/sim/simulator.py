@@ -14,8 +14,9 @@ instances' steps, and ties are broken by the order the events were made, so a ru
 its inputs and seed alone.
 
 Instances may fail (``sim/failures.py``): a failed one stops mid-step, the dispatcher is told as the
-transport would tell it, and its decisions (``MarkDead``, sends resumed elsewhere, requeues) are carried
-out here as ``DispatcherFrontEnd`` carries them out.
+transport would tell it, and its decisions (``MarkDead``, sends resumed elsewhere, requeues, and the lost
+instance's ``Restart`` when it is due) are carried out here as ``DispatcherFrontEnd`` carries them out: a
+restarted instance is a fresh engine, empty, back ``instance_startup_s`` after its restart.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from boundless.cluster.dispatcher import AbortOn, AddResult, Dispatcher, Fail, M
 from boundless.cluster.links import Link, gbps_to_bytes_per_s
 from boundless.cluster.pd_dispatcher import Continue, PDDecision, PDDispatcher, PDInstance, Prepare, PrepareResult
 from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
+from boundless.cluster.restarts import Restart, RestartPolicy
 from boundless.cluster.routing import Router
 from boundless.cluster.stuck_step import stuck_step
 from boundless.config import ClusterConfig, EngineConfig
@@ -142,8 +144,13 @@ class SimInstance:
     stuck: bool = False
 
 
-# Event kinds, in the heap as (time, sequence, kind, payload); only a run with failures has the last three.
-_STAGE, _CALL, _STEP_END, _WAKE, _FAIL, _DETECT, _STUCK = 0, 1, 2, 3, 4, 5, 6
+# Event kinds, in the heap as (time, sequence, kind, payload); only a run with failures has the last five.
+_STAGE, _CALL, _STEP_END, _WAKE, _FAIL, _DETECT, _STUCK, _RESTART, _BACK = 0, 1, 2, 3, 4, 5, 6, 7, 8
+
+# How long a restarted instance takes from its start to its first heartbeat, by default: a model's load (an 8B model's
+# 16 GB of weights from local NVMe at a few GB/s, CUDA graphs and warm-up) and the process's start; vLLM's and
+# SGLang's servers take 20-60 s to be ready for such a model.
+DEFAULT_INSTANCE_STARTUP_S = 30.0
 
 # Without a profile, the compute network prefill/decode handoffs cross: 400 Gbit/s per GPU (a DGX H100's CNIC).
 DEFAULT_NETWORK = LinkSpec(50e9, 5e-6)
@@ -176,7 +183,10 @@ class Simulator:
         compact_prompts: bool = True,
         fast_forward: bool = True,
         failures: Sequence[InstanceFailure] = (),
+        instance_startup_s: float = DEFAULT_INSTANCE_STARTUP_S,
     ) -> None:
+        if not instance_startup_s >= 0:
+            raise ValueError(f"instance_startup_s must not be negative (got {instance_startup_s})")
         self.clock = VirtualClock()
         # Run an instance's steps back to back, off the event heap, while nothing else is due before its next step
         # ends (``_step_alone``); the results are the same either way (tests/sim compares them).
@@ -190,8 +200,12 @@ class Simulator:
         check_failures(failures, self.cluster)
         self.failures = list(failures)
         self.lost: dict[str, float] = {}  # instance -> when the dispatcher was told it is lost
+        self.instance_startup_s = instance_startup_s
+        self.restarted: dict[str, float] = {}  # instance -> when its restart took calls again
+        self._restart_checks: set[float] = set()  # when restarts are due (an event each, not yet delivered)
         self.dispatcher: Dispatcher | None = None
         self.instances = {}
+        self._new_engine: dict[str, Callable[[], EngineCore]] = {}  # a fresh engine of each instance (a restart)
         self.storage_links: list[Link] = []
         self.fabric: KVFabric | None = None
         self.lending: SimulatedLending | None = None
@@ -217,10 +231,11 @@ class Simulator:
             max_len = lending_max_model_len(config, model, instances) if lending else None
             for i in range(instances):
                 link = self.storage_links[i // instances_per_node] if self.storage_links else None
-                core = simulated_engine(
-                    config, model, cost, self.clock, None, host_copy, disk_cost, link, max_model_len=max_len
-                )
-                self.instances[str(i)] = SimInstance(str(i), core)
+                make = self._new_engine[str(i)] = functools.partial(
+                    simulated_engine,
+                    config, model, cost, self.clock, None, host_copy, disk_cost, link, max_model_len=max_len,
+                )  # fmt: skip
+                self.instances[str(i)] = SimInstance(str(i), make())
             if instances > 1 and getattr(cost, "contended", False):
                 for iid, inst in self.instances.items():  # each step slows with the others stepping beside it
                     inst.core.executor.contention = self._contention_beside(iid)  # type: ignore[attr-defined]
@@ -235,7 +250,8 @@ class Simulator:
                 router = Router(
                     self.cluster.routing, self.cluster.locality_threshold, self.cluster.locality_max_imbalance
                 )
-                self.dispatcher = Dispatcher(self.instances, router, table, self.clock)
+                restarts = RestartPolicy.from_config(self.cluster)
+                self.dispatcher = Dispatcher(self.instances, router, table, self.clock, restarts=restarts)
         self.core = next(iter(self.instances.values())).core  # the engine, for one instance
         self.max_model_len = min(i.core.max_model_len for i in self.instances.values())
         # Without compaction a prompt goes as it is, and one longer than an instance admits is refused.
@@ -281,22 +297,27 @@ class Simulator:
         oracle = self.cluster.kv_path == "oracle"
         if oracle:
             disk_cost = DiskCost(float("inf"), disk_cost.write_bytes_per_s, 0.0)
-        self.fabric = KVFabric(lambda iid, t: self._at(t, _WAKE, iid), self.cluster.kv_handoff_timeout_s)
+        fabric = self.fabric = KVFabric(lambda iid, t: self._at(t, _WAKE, iid), self.cluster.kv_handoff_timeout_s)
         store: OrderedDict[BlockHash, None] = OrderedDict()
         nodes: dict[str, str] = {}
         self._storage_of: dict[str, Link | None] = {}  # each engine's node storage link (None under oracle)
+
+        def engine(iid: str, link: Link | None) -> EngineCore:
+            net = Link(f"net-{iid}", network.bytes_per_s)
+            remote = functools.partial(fabric.attach, iid, iid, net, network.latency_s)
+            core = simulated_engine(
+                config, model, cost, self.clock, None, host_copy, disk_cost, link, store, remote, kv_bytes_per_token
+            )
+            core.handoff_timeout_s = self.cluster.kv_handoff_timeout_s
+            return core
+
         for rank, iid in enumerate(roles):
             nodes[iid] = f"node{rank // per_node}"
             if not oracle and rank % per_node == 0:
                 self.storage_links.append(Link(f"storage-{nodes[iid]}", disk_cost.read_bytes_per_s * per_node))
             link = self._storage_of[iid] = self.storage_links[-1] if not oracle else None
-            net = Link(f"net-{iid}", network.bytes_per_s)
-            remote = functools.partial(self.fabric.attach, iid, iid, net, network.latency_s)
-            core = simulated_engine(
-                config, model, cost, self.clock, None, host_copy, disk_cost, link, store, remote, kv_bytes_per_token
-            )
-            core.handoff_timeout_s = self.cluster.kv_handoff_timeout_s
-            self.instances[iid] = SimInstance(iid, core)
+            make = self._new_engine[iid] = functools.partial(engine, iid, link)
+            self.instances[iid] = SimInstance(iid, make())
         members = {
             iid: PDInstance(
                 role,  # type: ignore[arg-type]
@@ -308,7 +329,10 @@ class Simulator:
         }
         table = ProcessTable(ttl_s=config.scheduler.program_ttl_s, critical_path=config.scheduler.policy == "atlas")
         pd_config = PDSchedulerConfig.from_configs(self.cluster, config.scheduler)
-        self.dispatcher = PDDispatcher(members, table, self.clock, pd_config, config.cache.block_size)
+        restarts = RestartPolicy.from_config(self.cluster)
+        self.dispatcher = PDDispatcher(
+            members, table, self.clock, pd_config, config.cache.block_size, restarts=restarts
+        )
         layout = next(iter(self.instances.values())).core.layout
         self._kv_bytes_per_token = kv_bytes_per_token or max(1, layout.bytes_per_block // layout.block_size)
 
@@ -357,6 +381,10 @@ class Simulator:
                     self._fail(payload)  # type: ignore[arg-type]
                 elif kind == _STUCK:
                     self._watch_step(payload)  # type: ignore[arg-type]
+                elif kind == _RESTART:
+                    self._start_due_restarts()
+                elif kind == _BACK:
+                    self._rejoin(payload)  # type: ignore[arg-type]
                 else:
                     self._lose(payload.instance_id, "heartbeat failed: GetTimeoutError")  # type: ignore[attr-defined]
             now = clock.now
@@ -468,12 +496,35 @@ class Simulator:
         assert self.dispatcher is not None
         self.lost.setdefault(instance_id, self.clock.now)
         self._carry_out(self.dispatcher.instance_lost(instance_id, reason))
+        due = self.dispatcher.next_restart_at()
+        if due is not None and due not in self._restart_checks:  # the front end's heartbeat finds it due then
+            self._restart_checks.add(due)
+            self._at(due, _RESTART, None)
+
+    def _start_due_restarts(self) -> None:
+        """The restarts due now, as the front end's heartbeat asks for them."""
+        assert self.dispatcher is not None
+        self._restart_checks.discard(self.clock.now)
+        self._carry_out(self.dispatcher.restarts_due())
+
+    def _rejoin(self, instance_id: str) -> None:
+        """A restarted instance answers its first heartbeat: a fresh engine (an empty cache, the same sizes, links
+        and store) in place of the lost one, whose steps and streams stay dead; the dispatcher takes it back."""
+        assert self.dispatcher is not None
+        old = self.instances[instance_id]
+        inst = self.instances[instance_id] = SimInstance(instance_id, self._new_engine[instance_id]())
+        if old.core.executor.contention is not None:  # type: ignore[attr-defined]
+            inst.core.executor.contention = self._contention_beside(instance_id)  # type: ignore[attr-defined]
+        if self.fabric is not None:
+            self.fabric.rejoin(instance_id)
+        self.restarted[instance_id] = self.clock.now
+        self._carry_out(self.dispatcher.instance_ready(instance_id))
 
     def _contention_beside(self, instance_id: str) -> Callable[[], float]:
         """The share of the other instances mid-step now: a step starting now runs beside them (a fitted
         profile's contention, as ``sim/step_model.py`` measures it from the steps' overlaps)."""
-        others = [inst for iid, inst in self.instances.items() if iid != instance_id]
-        return lambda: sum(1 for inst in others if inst.step is not None) / len(others)
+        others, instances = [iid for iid in self.instances if iid != instance_id], self.instances
+        return lambda: sum(1 for iid in others if instances[iid].step is not None) / len(others)  # (restarts too)
 
     def _start_step(self, inst: SimInstance) -> None:
         end = self._begin_step(inst)
@@ -599,6 +650,8 @@ class Simulator:
                 self._ready.add(decision.instance_id)
             elif isinstance(decision, MarkDead):
                 self._stop(decision.instance_id)
+            elif isinstance(decision, Restart):  # its first heartbeat once started (a model's load)
+                self._at(self.clock.now + self.instance_startup_s, _BACK, decision.instance_id)
             elif isinstance(decision, Fail):  # refused, or no live instance left to take it
                 call = self._calls.pop(decision.request_id, None)
                 if call is not None:

@@ -10,8 +10,9 @@ messages (``S`` then the receiver's ``A``, after which the slot takes the next m
 A progress thread per endpoint (blocked in ``select`` on the sockets) moves messages while the caller
 computes; waits poll too. The socket is also how death is seen: a peer that exits closes its connections
 (EOF on ours), and a peer that is gone refuses a new one, so a receive from a dead peer fails with
-:class:`PeerGone` at once rather than at its timeout. The syscalls on the socket order the slot's writes
-before its reads.
+:class:`PeerGone` at once rather than at its timeout. A peer once gone is connected to again when next used: an
+instance restarted in its place (``cluster/restarts.py``) listens at the same address. The syscalls on the socket
+order the slot's writes before its reads.
 """
 
 from __future__ import annotations
@@ -259,16 +260,17 @@ class ShmTransport:
     # -- sending ------------------------------------------------------------------------------------
 
     def _outgoing(self, peer: str) -> _Outgoing:
-        if peer in self._gone:
-            raise self._gone[peer]
         out = self._out.get(peer)
         if out is None:
+            # A peer gone is tried again: a restarted instance listens at its predecessor's address (a dead one's
+            # socket refuses at once).
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
                 sock.connect(peer + ".sock")
             except (FileNotFoundError, ConnectionRefusedError) as e:
                 sock.close()
                 raise self._mark_gone(peer, f"cannot connect: {e}") from e
+            self._gone.pop(peer, None)
             slot_path = f"{self.address}.to.{Path(peer).name}"
             hello = json.dumps({"peer": self.address, "slot": slot_path}).encode()
             sock.sendall(_HEADER.pack(_HELLO, 0, len(hello)) + hello)

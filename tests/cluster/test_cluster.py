@@ -29,9 +29,10 @@ POISON_SEED = 4242  # a request with this seed makes an instance's add raise (th
 def _cluster(model_dir: Path) -> ClusterClient:
     config = engine_config(str(model_dir), max_model_len=1024, kv_cache_gb=0.05)
     # A generous heartbeat timeout: on a loaded 2-core machine a slow heartbeat must not pass for
-    # a death. A killed process is still found at once, by its failing poll.
+    # a death. A killed process is still found at once, by its failing poll. No restarts: a lost instance stays
+    # lost here (tests/cluster/test_cluster_restart.py restarts one).
     cluster = ClusterConfig(
-        instances=2, locality_threshold=THRESHOLD, heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0
+        instances=2, locality_threshold=THRESHOLD, heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, max_restarts=0
     )
     return ClusterClient(config, cluster)
 

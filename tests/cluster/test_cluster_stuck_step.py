@@ -45,7 +45,9 @@ def test_an_instance_stuck_in_a_step_is_killed_and_its_calls_finish_on_the_other
     config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=1024, kv_cache_gb=0.05)
     # A tiny model's step takes milliseconds: 3 s in one is stuck. The heartbeat timeout stays generous (a loaded
     # machine), and is not what finds this instance: it answers every heartbeat.
-    cluster = ClusterConfig(instances=2, heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, step_timeout_s=3.0)
+    cluster = ClusterConfig(
+        instances=2, heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, step_timeout_s=3.0, max_restarts=0
+    )
     client = ClusterClient(config, cluster)
     server = start_in_thread(client, "tiny")
     prompts = [[40 + i, 41, 42, 43, 44] for i in range(8)]

@@ -1,5 +1,5 @@
-"""The cluster's decisions without Ray or threads: routing, accounting, failover, and telling a call
-that failed on its instance from an instance that is gone."""
+"""The cluster's decisions without Ray or threads: routing, accounting, failover, telling a call that failed on its
+instance from an instance that is gone, and starting a lost instance again."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from boundless.cluster.dispatcher import AbortOn, AddResult, Decision, Dispatcher, Fail, MarkDead, Send
+from boundless.cluster.restarts import Restart, RestartPolicy
 from boundless.cluster.routing import Router
 from boundless.engine.core import RequestDelta, Resume
 from boundless.engine.request import ProgramRef
@@ -27,10 +28,10 @@ class Clock:
         return self.now
 
 
-def dispatcher(n: int = 2, ttl_s: float = 60.0) -> tuple[Dispatcher, Clock]:
+def dispatcher(n: int = 2, ttl_s: float = 60.0, restarts: RestartPolicy | None = None) -> tuple[Dispatcher, Clock]:
     clock = Clock()
     router = Router("locality", locality_threshold=4, max_imbalance=4)
-    return Dispatcher([str(i) for i in range(n)], router, ProcessTable(ttl_s=ttl_s), clock), clock
+    return Dispatcher([str(i) for i in range(n)], router, ProcessTable(ttl_s=ttl_s), clock, restarts=restarts), clock
 
 
 def only_send(decisions: list[Decision]) -> Send:
@@ -178,3 +179,63 @@ def test_idle_programs_expire_with_their_homes_on_the_dispatchers_clock() -> Non
 def test_the_dispatcher_runs_without_ray() -> None:
     code = "import sys, boundless.cluster.dispatcher; assert 'ray' not in sys.modules, 'the dispatcher imports ray'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_lost_instance_is_restarted_after_the_delay_and_takes_calls_only_once_ready() -> None:
+    d, clock = dispatcher(3, restarts=RestartPolicy(delay_s=5.0, max_restarts=3))
+    calls = [placed(d, rid, [1, 2, 3, 4, 5, 6], ProgramRef(rid)) for rid in ("a", "b", "c")]
+    victim = calls[0].instance_id
+    d.instance_lost(victim, "drain failed")
+    assert d.next_restart_at() == 105.0
+    clock.now = 104.9
+    assert d.restarts_due() == []
+    clock.now = 105.0
+    assert d.restarts_due() == [Restart(victim, 1)]
+    assert d.restarts_due() == [] and d.next_restart_at() is None  # once
+    # Starting: nothing is routed to it (the others take every call, however loaded).
+    assert all(placed(d, f"s{i}", [1]).instance_id != victim for i in range(8))
+    assert not d.views[victim].alive and d.restarts.state(victim) == "starting"
+    # Its first heartbeat: it takes calls again, with no load (it holds none) and as nobody's home.
+    assert d.instance_ready(victim) == []
+    assert d.views[victim].alive and d.views[victim].inflight == 0
+    assert d.load_index.live_view(victim) is not None
+    assert victim not in d.router.homes.values()
+    assert only_send(d.submit("after", [1], PARAMS)).instance_id == victim  # the least loaded by far
+    assert d.restarts.counts(victim) == (1, 1, 0)
+    assert d.instance_ready(victim) == []  # ready twice is no news
+
+
+def test_restarts_back_off_and_stop_at_the_limit_failed_ones_included() -> None:
+    d, clock = dispatcher(2, restarts=RestartPolicy(delay_s=2.0, max_restarts=3))
+    due = []
+    d.instance_lost("1", "gone")
+    for outcome in ("ready", "failed", "ready"):
+        assert d.next_restart_at() is not None
+        due.append(d.next_restart_at() - clock.now)
+        clock.now = d.next_restart_at()
+        (restart,) = d.restarts_due()
+        if outcome == "ready":
+            d.instance_ready("1")
+            assert d.views["1"].alive
+            clock.now += 10.0
+            assert d.instance_lost("1", "gone again")[0] == MarkDead("1", "gone again")
+        else:  # it died before its first heartbeat: the restart failed, and is tried again later
+            assert d.instance_lost("1", "restart failed: ActorDiedError") == [
+                MarkDead("1", "restart failed: ActorDiedError")
+            ]
+            assert not d.views["1"].alive
+    assert due == [2.0, 4.0, 8.0]  # twice as long each time
+    assert restart == Restart("1", 3)
+    assert d.next_restart_at() is None and d.restarts_due() == []  # the limit: no fourth restart
+    assert d.restarts.state("1") == "retired" and d.restarts.counts("1") == (4, 2, 1)
+    clock.now += 1000.0
+    assert d.restarts_due() == [] and all(placed(d, f"n{i}", [1]).instance_id == "0" for i in range(4))
+
+
+def test_without_restarts_a_lost_instance_stays_dead() -> None:
+    for policy in (None, RestartPolicy(delay_s=0.0, max_restarts=0)):
+        d, clock = dispatcher(2, restarts=policy)
+        d.instance_lost("1", "gone")
+        clock.now += 1e6
+        assert d.restarts_due() == [] and d.next_restart_at() is None and d.instance_ready("1") == []
+        assert not d.views["1"].alive and d.restarts.state("1") == "retired"

@@ -59,6 +59,7 @@ def test_an_engine_stuck_in_a_step_is_lost_and_its_call_completes_elsewhere_with
         heartbeat_timeout_s=30.0,
         step_timeout_s=3.0,
         kv_handoff_timeout_s=20.0,
+        max_restarts=0,  # the stuck engine stays lost (tests/cluster/test_local_pd_restart.py restarts one)
     )
     prompt = [(11 * j) % 300 + 3 for j in range(40)]
     pd = LocalPDCluster(config, cluster, tiny_llama)

@@ -40,6 +40,7 @@ def pd_cluster(
         decode_instances=2,
         heartbeat_interval_s=0.2,
         heartbeat_timeout_s=30.0,
+        max_restarts=0,  # the engines killed here stay lost (tests/cluster/test_local_pd_restart.py restarts one)
         storage_gbps=8.0,
         net_gbps=8.0,
         kv_handoff_timeout_s=20.0,

@@ -12,6 +12,7 @@ from boundless.cluster.pd_dispatcher import (
     PROGRAM_ORDER_LEAD_S,
     Continue,
     DropPrefetch,
+    PDCall,
     PDDispatcher,
     PDInstance,
     Prefetch,
@@ -19,6 +20,7 @@ from boundless.cluster.pd_dispatcher import (
     PrepareResult,
 )
 from boundless.cluster.pd_scheduler import PDSchedulerConfig
+from boundless.cluster.restarts import Restart, RestartPolicy
 from boundless.engine.core import KV_STREAM_LOST, RequestDelta
 from boundless.engine.handoff import IntakeAnswer
 from boundless.engine.sampling_params import SamplingParams
@@ -30,11 +32,13 @@ OK = AddResult("ok")
 BLOCK = 16
 
 
-def dispatcher(pes: int = 1, des: int = 1, kv_path: str = "dualpath") -> PDDispatcher:
+def dispatcher(
+    pes: int = 1, des: int = 1, kv_path: str = "dualpath", restarts: RestartPolicy | None = None, clock=lambda: 100.0
+) -> PDDispatcher:
     instances = {f"p{i}": PDInstance("prefill", f"p{i}", f"addr-p{i}") for i in range(pes)}
     instances |= {f"d{i}": PDInstance("decode", f"d{i}", f"addr-d{i}") for i in range(des)}
     config = PDSchedulerConfig(alpha=64, beta=10_000, kv_path=kv_path)  # type: ignore[arg-type]
-    return PDDispatcher(instances, ProcessTable(), lambda: 100.0, config, BLOCK)
+    return PDDispatcher(instances, ProcessTable(), clock, config, BLOCK, restarts=restarts)
 
 
 def delta(rid: str, tokens: list[int], text: str, finish: str | None = None) -> RequestDelta:
@@ -411,3 +415,43 @@ def test_roles_come_from_the_flags_and_bad_values_fail_at_start_up() -> None:
         ClusterConfig(prefill_instances=1, kv_transport="carrier-pigeon")
     with pytest.raises(ConfigError, match="--decode-instances"):
         ClusterConfig(decode_instances=-1)
+
+
+def test_a_lost_engine_is_refiled_restarted_and_placed_on_only_once_ready_holding_nothing() -> None:
+    now = [100.0]
+    d = dispatcher(des=2, restarts=RestartPolicy(delay_s=5.0, max_restarts=1), clock=lambda: now[0])
+    program = ProgramRef("agent")
+    prepare, _ = prepared(d, "a", list(range(40)), IntakeAnswer(0), program)
+    de = prepare.instance_id
+    d.receive("p0", delta("a", [7], "x", "handoff"))
+    d.receive(de, delta("a", [8], "y", "length"))
+    next_turn = PDCall("next", list(range(48)), PARAMS, program)
+    assert d._in_memory(next_turn, 32).get(de) == 32  # it holds the agent's context
+    d.instance_lost(de, "gone")
+    assert d.load_index.live_view(de) is None  # refiled as dead (the router's index)
+    other = next(iid for iid in ("d0", "d1") if iid != de)
+    now[0] = 105.0
+    assert d.restarts_due() == [Restart(de, 1)]
+    for i in range(3):  # starting: every call goes to the other DE
+        (prep,) = d.submit(f"s{i}", list(range(40)), PARAMS)
+        assert isinstance(prep, Prepare) and prep.instance_id == other
+    assert d.instance_ready(de) == []  # nothing queued
+    assert d.load_index.live_view(de) is not None
+    assert de not in d._in_memory(next_turn, 32)  # restarted empty: the agent's context is not counted on it
+    (prep,) = d.submit("later", list(range(40)), PARAMS)
+    assert isinstance(prep, Prepare) and prep.instance_id == de  # the idle one, from its first heartbeat
+
+
+def test_calls_wait_for_the_only_decode_engine_while_it_restarts_and_fail_once_it_cannot() -> None:
+    now = [100.0]
+    d = dispatcher(restarts=RestartPolicy(delay_s=1.0, max_restarts=1), clock=lambda: now[0])
+    d.instance_lost("d0", "gone")
+    assert d.submit("a", list(range(40)), PARAMS) == []  # queued: a decode engine is coming back
+    now[0] = 101.0
+    assert d.restarts_due() == [Restart("d0", 1)]
+    (prepare,) = d.instance_ready("d0")  # back: the waiting call is placed on it
+    assert isinstance(prepare, Prepare) and prepare.instance_id == "d0" and prepare.request_id == "a"
+    d.instance_lost("d0", "gone again")  # no restart left: the queue's calls fail as before restarts
+    assert d.restarts.state("d0") == "retired"
+    (fail,) = d.submit("b", [1, 2, 3], PARAMS)
+    assert isinstance(fail, Fail) and fail.reason == "unavailable"

@@ -1,5 +1,5 @@
 """Instances that fail in the simulator (``--fail``): the real dispatchers fail their calls over, KV streams with
-them time out, and every program still finishes."""
+them time out, every program still finishes, and a lost instance is restarted and serves again."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from boundless.sim.engine import SimulatedModel
 from boundless.sim.failures import InstanceFailure, check_failures, parse_failures
 from boundless.sim.profiles import load_profile
 from boundless.sim.remote import KVFabric
-from boundless.sim.simulator import SimResult, Simulator
+from boundless.sim.simulator import Placement, SimResult, Simulator
 
 SHAPE = WorkloadShape(scale=0.05, call_scale=0.25, tool_wait_s=0.1)  # as tests/sim/test_pd_sim.py
 
@@ -33,15 +33,22 @@ def _cluster_run(
     failures: list[InstanceFailure],
     programs: list[ProgramSpec] | None = None,
     cluster: ClusterConfig | None = None,
+    startup_s: float = 30.0,
 ) -> tuple[Simulator, list[SimResult]]:
     config = EngineConfig(cache=CacheConfig(num_kv_blocks=200), scheduler=SchedulerConfig(policy="plas"))
     cluster = cluster or ClusterConfig(instances=4)
-    sim = Simulator(config, model, instances=cluster.instances, cluster=cluster, failures=failures)
+    sim = Simulator(
+        config, model, instances=cluster.instances, cluster=cluster, failures=failures, instance_startup_s=startup_s
+    )
     return sim, sim.run(programs or make_programs("mapreduce", 16, rate=2.0, seed=1))
 
 
 def _pd_run(
-    model: SimulatedModel, failures: list[InstanceFailure], step_timeout_s: float = 120.0
+    model: SimulatedModel,
+    failures: list[InstanceFailure],
+    step_timeout_s: float = 120.0,
+    restart_delay_s: float = 5.0,
+    startup_s: float = 30.0,
 ) -> tuple[Simulator, list[SimResult]]:
     config = EngineConfig(
         cache=CacheConfig(num_kv_blocks=400, kv_disk_path="unused-by-the-simulator", kv_host_gb=0.5),
@@ -53,8 +60,10 @@ def _pd_run(
         kv_path="basic",
         kv_handoff_timeout_s=2.0,
         step_timeout_s=step_timeout_s,
+        restart_delay_s=restart_delay_s,
     )
-    sim = Simulator(config, model, cluster=cluster, profile=load_profile("h100"), failures=failures)
+    profile = load_profile("h100")
+    sim = Simulator(config, model, cluster=cluster, profile=profile, failures=failures, instance_startup_s=startup_s)
     return sim, sim.run(agent_sessions(12, 0.0, 1, SHAPE))
 
 
@@ -74,13 +83,19 @@ def _moved(sim: Simulator, instance_id: str) -> set[str]:
 def _assert_failed_over_after(sim: Simulator, instance_id: str, failed_at: float) -> None:
     """The calls of an instance that stopped answering at ``failed_at`` but was found out only later: every call
     placed on it failed over with its whole output, those the router sent it in between too (it took them and ran
-    none), and none was placed on it once it was lost."""
+    none), and none was placed on it once it was lost (until its restart, if it came back)."""
     moved = _moved(sim, instance_id)
     assert sim.dispatcher is not None and sim.dispatcher.num_failovers == len(moved) > 0
     assert all(sim.call_outcomes[r].output_tokens == sim.call_outcomes[r].max_tokens for r in moved)
     late = {p.request_id for p in sim.placements if p.instance_id == instance_id and p.at_s > failed_at}
     assert late and late <= moved
-    assert not [p for p in sim.placements if p.instance_id == instance_id and p.at_s >= sim.lost[instance_id]]
+    assert not _placed_while_down(sim, instance_id)
+
+
+def _placed_while_down(sim: Simulator, instance_id: str) -> list[Placement]:
+    """Calls placed on ``instance_id`` between its loss and its restart's return (or the run's end)."""
+    back = sim.restarted.get(instance_id, float("inf"))
+    return [p for p in sim.placements if p.instance_id == instance_id and sim.lost[instance_id] <= p.at_s < back]
 
 
 def test_failure_flags_are_parsed_and_checked() -> None:
@@ -132,7 +147,7 @@ def test_a_crashed_instance_s_calls_finish_elsewhere_with_the_tokens_they_had(mo
     assert all(sim.call_outcomes[r].output_tokens == sim.call_outcomes[r].max_tokens for r in moved)
     frozen = sim.instances["1"].core.scheduler.requests  # the dead engine as it stopped
     assert any(frozen[r].num_output_tokens > 0 for r in moved)  # some had tokens out before the crash
-    assert not [p for p in sim.placements if p.instance_id == "1" and p.at_s >= 10.0]
+    assert not _placed_while_down(sim, "1")
 
 
 def test_a_hung_instance_is_lost_when_its_heartbeat_times_out(model: SimulatedModel) -> None:
@@ -175,7 +190,7 @@ def test_a_pd_cluster_loses_an_engine_and_every_program_finishes(model: Simulate
     sim, results = _pd_run(model, [InstanceFailure(lost, 0.8)])
     _assert_nothing_lost(sim, results, programs)
     assert sim.lost == {lost: 0.8} and sim.dispatcher is not None and sim.dispatcher.num_failovers > 0
-    assert not [p for p in sim.placements if p.instance_id == lost and p.at_s >= 0.8]
+    assert not _placed_while_down(sim, lost)
     if lost == "p0":  # a decode engine waited for a handoff the lost PE never finished, and gave up on it
         timeouts = [inst.core.stats().remote_io.recv_timeouts for iid, inst in sim.instances.items() if iid != lost]
         assert sum(timeouts) > 0
@@ -216,11 +231,15 @@ def test_simulate_reports_the_failover(tmp_path: Path, capsys: pytest.CaptureFix
     out = tmp_path / "run.json"
     args = ["simulate", "--workload", "mapreduce", "--instances", "4", "--policies", "plas", "--rates", "2"]
     args += ["--num-programs", "16", "--num-kv-blocks", "200", "--bench-seed", "1", "--fail", "1@10"]
+    args += ["--restart-delay-s", "1", "--instance-startup-s", "2"]
     assert main([*args, "--no-progress", "--json", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["instances_lost"] == {"1": 10.0} and row["failovers"] > 0 and row["failed_calls"] == 0
     assert row["programs_finished"] == row["programs"] == 16
-    assert f"lost 1 at 10 s; {row['failovers']} calls failed over" in capsys.readouterr().out
+    assert row["instances_restarted"] == {"1": 13.0} and row["calls_after_restart"]["1"] > 0
+    printed = capsys.readouterr().out
+    assert f"lost 1 at 10 s; {row['failovers']} calls failed over" in printed
+    assert f"restarted 1 at 13 s ({row['calls_after_restart']['1']} calls placed on it since)" in printed
 
 
 def test_failures_give_the_same_rows_with_fast_forward_and_without(tmp_path: Path) -> None:
@@ -243,3 +262,38 @@ def test_a_failure_due_after_the_last_program_does_not_happen(model: SimulatedMo
     healthy, results = _cluster_run(model, [], programs)
     late, late_results = _cluster_run(model, [InstanceFailure("1", 1e6, hang=True)], programs)
     assert late_results == results and late.clock.now == healthy.clock.now and late.lost == {}
+
+
+def _restart_run(model: SimulatedModel, max_restarts: int = 3) -> tuple[Simulator, list[SimResult]]:
+    """Instance 1 of 4 crashes at 10 s; its restart is due 1 s later and up 2 s after that (at 13 s)."""
+    cluster = ClusterConfig(instances=4, restart_delay_s=1.0, max_restarts=max_restarts)
+    return _cluster_run(model, [InstanceFailure("1", 10.0)], cluster=cluster, startup_s=2.0)
+
+
+def test_a_crashed_instance_is_restarted_empty_and_serves_calls_once_back(model: SimulatedModel) -> None:
+    programs = make_programs("mapreduce", 16, rate=2.0, seed=1)
+    sim, results = _restart_run(model)
+    _assert_nothing_lost(sim, results, programs)
+    assert sim.lost == {"1": 10.0} and sim.restarted == {"1": 13.0}  # the delay, then the startup
+    assert not _placed_while_down(sim, "1")
+    after = [p for p in sim.placements if p.instance_id == "1" and p.at_s >= 13.0]
+    assert len(after) >= 10  # it takes its share again
+    # A fresh engine served them: it generated their tokens and nothing from before the crash.
+    assert sim.instances["1"].core.stats().generation_tokens == sum(
+        sim.call_outcomes[p.request_id].output_tokens for p in after
+    )
+    assert sim.dispatcher is not None and sim.dispatcher.restarts.counts("1") == (1, 1, 0)
+    again = _restart_run(model)
+    assert again[1] == results and again[0].placements == sim.placements  # a function of its flags
+    # Without restarts the instance stays lost, and the others serve the rest.
+    never, never_results = _restart_run(model, max_restarts=0)
+    _assert_nothing_lost(never, never_results, programs)
+    assert never.restarted == {} and not [p for p in never.placements if p.instance_id == "1" and p.at_s >= 10.0]
+
+
+def test_a_pd_decode_engine_lost_comes_back_and_decodes_again(model: SimulatedModel) -> None:
+    programs = agent_sessions(12, 0.0, 1, SHAPE)
+    sim, results = _pd_run(model, [InstanceFailure("d0", 0.8)], restart_delay_s=0.1, startup_s=0.1)
+    _assert_nothing_lost(sim, results, programs)
+    assert sim.lost == {"d0": 0.8} and sim.restarted == {"d0": pytest.approx(1.0)}
+    assert sim.instances["d0"].core.stats().generation_tokens > 0  # the restarted DE decoded calls

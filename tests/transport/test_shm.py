@@ -1,6 +1,6 @@
 """Shared memory, two endpoints in one process (the two-process tests cover processes): tags that do not
 wait for each other, a message before its receive, the slot growing, sizes that do not match, a peer that
-was never there or has closed."""
+was never there or has closed, and one restarted at its address."""
 
 from __future__ import annotations
 
@@ -67,6 +67,23 @@ def test_a_peer_never_there_or_closed_is_gone(two: tuple[ShmTransport, ShmTransp
     b.close()
     with pytest.raises(PeerGone):
         a.recv(b.address, 2, torch.zeros(1)).wait(timeout_s=3)
+
+
+def test_a_peer_restarted_at_its_address_is_connected_to_again(two: tuple[ShmTransport, ShmTransport]) -> None:
+    a, b = two
+    a.send(b.address, 1, torch.zeros(1)).wait()
+    b.close()  # as a lost instance's endpoint: a sees it gone
+    with pytest.raises(PeerGone):
+        a.recv(b.address, 2, torch.zeros(1)).wait(timeout_s=3)
+    again = ShmTransport(Path(b.address).parent, "b", timeout_s=5)  # its restart, at the same address
+    try:
+        sent = torch.arange(4.0)
+        a.send(again.address, 3, sent).wait(timeout_s=3)
+        got = torch.zeros(4)
+        again.recv(a.address, 3, got).wait(timeout_s=3)
+        assert torch.equal(got, sent)
+    finally:
+        again.close()
 
 
 def test_a_receiver_sleeps_until_a_delivery_and_wakes_for_it(two: tuple[ShmTransport, ShmTransport]) -> None:
