@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +11,7 @@ import httpx
 import openai
 import pytest
 from one_engine import one_engine_texts
+from streams import kill_once_started, stream_all
 
 from boundless.api.launch import ServerThread, start_in_thread
 from boundless.cluster.client import ClusterClient
@@ -143,39 +142,7 @@ def test_killing_an_instance_mid_stream_loses_nothing(
         victim = client.instances["1"].info
         assert victim is not None
 
-        async def run() -> list[str]:
-            api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-            started = asyncio.Event()
-            count = 0
-
-            async def one(prompt: list[int]) -> str:
-                nonlocal count
-                stream = await api.completions.create(
-                    model="tiny",
-                    prompt=prompt,
-                    max_tokens=max_tokens,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                parts = []
-                async for chunk in stream:
-                    parts.append(chunk.choices[0].text if chunk.choices else "")
-                    if len(parts) == 3:
-                        count += 1
-                        if count == len(prompts):
-                            started.set()
-                return "".join(parts)
-
-            async def killer() -> None:
-                await started.wait()  # every stream has begun
-                os.kill(victim.pid, signal.SIGKILL)
-
-            results = await asyncio.gather(*(one(p) for p in prompts), killer())
-            await api.close()
-            return list(results[: len(prompts)])
-
-        texts = asyncio.run(run())
+        texts = stream_all(server.url, prompts, max_tokens, kill_once_started(victim.pid))
         assert client.dispatcher.num_failovers > 0  # the dead instance had streams in flight
         assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
         deadline = time.monotonic() + 10

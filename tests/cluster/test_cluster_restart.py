@@ -5,8 +5,6 @@ calls are routed to it again; ``/cluster`` and ``/metrics`` report the restart."
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import httpx
 import openai
 import pytest
 from one_engine import one_engine_texts
+from streams import kill_once_started, stream_all
 
 from boundless.api.launch import start_in_thread
 from boundless.cluster.client import ClusterClient
@@ -44,36 +43,8 @@ def test_a_killed_instance_is_restarted_and_takes_calls_again(
         victim = client.instances[VICTIM].info
         assert victim is not None
 
-        async def streams() -> list[str]:
-            api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-            started = asyncio.Event()
-            count = 0
-
-            async def one(prompt: list[int]) -> str:
-                nonlocal count
-                stream = await api.completions.create(
-                    model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                    extra_body={"ignore_eos": True},
-                )  # fmt: skip
-                parts = []
-                async for chunk in stream:
-                    parts.append(chunk.choices[0].text if chunk.choices else "")
-                    if len(parts) == 3:
-                        count += 1
-                        if count == len(prompts):
-                            started.set()
-                return "".join(parts)
-
-            async def killer() -> None:
-                await started.wait()  # every stream has begun
-                os.kill(victim.pid, signal.SIGKILL)
-
-            results = await asyncio.gather(*(one(p) for p in prompts), killer())
-            await api.close()
-            return list(results[: len(prompts)])
-
         # Every call finishes once, with its tokens: those on the killed instance resumed on the other.
-        texts = asyncio.run(asyncio.wait_for(streams(), timeout=240))
+        texts = stream_all(server.url, prompts, max_tokens, kill_once_started(victim.pid))
         assert client.dispatcher.num_failovers > 0
         assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
         # The restart: a new actor (another process) in its place, alive from its first heartbeat.

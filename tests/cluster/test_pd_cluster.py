@@ -16,6 +16,7 @@ import openai
 import pytest
 from one_engine import one_engine_texts
 from served_cluster import served_cluster
+from streams import kill_once_started, stream_all
 
 from boundless.api.launch import ServerThread
 from boundless.cluster.client import ClusterClient
@@ -93,36 +94,6 @@ def test_calls_are_prefilled_handed_off_and_decoded_with_one_engines_tokens(
     assert all(i["state"] == "alive" for i in httpx.get(server.url + "/cluster").json()["instances"])
 
 
-def _stream_all(server: ServerThread, prompts: list[list[int]], max_tokens: int, kill) -> list[str]:
-    """Stream every prompt at once; ``kill(started)`` runs beside them (``started`` is set once each has text)."""
-
-    async def run() -> list[str]:
-        api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        started = asyncio.Event()
-        count = 0
-
-        async def one(prompt: list[int]) -> str:
-            nonlocal count
-            stream = await api.completions.create(
-                model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            parts = []
-            async for chunk in stream:
-                parts.append(chunk.choices[0].text if chunk.choices else "")
-                if len(parts) == 3:
-                    count += 1
-                    if count == len(prompts):
-                        started.set()
-            return "".join(parts)
-
-        results = await asyncio.gather(*(one(p) for p in prompts), kill(started))
-        await api.close()
-        return list(results[: len(prompts)])
-
-    return asyncio.run(run())
-
-
 def _wait_dead(client: ClusterClient, iid: str) -> None:
     deadline = time.monotonic() + 10
     while client.dispatcher.views[iid].alive and time.monotonic() < deadline:
@@ -139,12 +110,9 @@ def test_a_decode_engine_killed_mid_stream_and_a_prefill_engine_killed_mid_prefi
     de = client.instances["d1"].info
     assert de is not None
 
-    async def kill_de(started: asyncio.Event) -> None:
-        await started.wait()  # every call is decoding
-        os.kill(de.pid, signal.SIGKILL)
-
-    failovers = client.dispatcher.num_failovers
-    assert _stream_all(server, prompts, max_tokens, kill_de) == one_engine_texts(tiny_llama, prompts, max_tokens)
+    failovers = client.dispatcher.num_failovers  # the DE killed once every call is decoding
+    texts = stream_all(server.url, prompts, max_tokens, kill_once_started(de.pid))
+    assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
     assert client.dispatcher.num_failovers > failovers  # the dead DE had calls decoding
     _wait_dead(client, "d1")
     # Now a prefill engine, while long prompts are being prefilled: those calls start over on the other.
@@ -164,7 +132,7 @@ def test_a_decode_engine_killed_mid_stream_and_a_prefill_engine_killed_mid_prefi
         os.kill(pe.pid, signal.SIGKILL)
 
     failovers = client.dispatcher.num_failovers
-    assert _stream_all(server, long_prompts, 20, kill_pe) == one_engine_texts(tiny_llama, long_prompts, 20)
+    assert stream_all(server.url, long_prompts, 20, kill_pe) == one_engine_texts(tiny_llama, long_prompts, 20)
     _wait_dead(client, "p1")
     assert client.dispatcher.num_failovers > failovers  # calls it was prefilling started over on the other
     states = {i["id"]: i["state"] for i in httpx.get(server.url + "/cluster").json()["instances"]}

@@ -5,8 +5,6 @@ later calls with one engine's greedy tokens."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import openai
 import pytest
 from one_engine import one_engine_texts
 from served_cluster import served_cluster
+from streams import kill_once_started, stream_all
 
 from boundless.config import ClusterConfig
 from boundless.llm import engine_config
@@ -48,35 +47,7 @@ def test_a_killed_decode_engine_is_restarted_and_decodes_again(
         prompts = [[30 + i] + [(11 * j + i) % 300 + 3 for j in range(40)] for i in range(6)]
         max_tokens = 120
 
-        async def streams() -> list[str]:
-            api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-            started = asyncio.Event()
-            count = 0
-
-            async def one(prompt: list[int]) -> str:
-                nonlocal count
-                stream = await api.completions.create(
-                    model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                    extra_body={"ignore_eos": True},
-                )  # fmt: skip
-                parts = []
-                async for chunk in stream:
-                    parts.append(chunk.choices[0].text if chunk.choices else "")
-                    if len(parts) == 3:
-                        count += 1
-                        if count == len(prompts):
-                            started.set()
-                return "".join(parts)
-
-            async def killer() -> None:
-                await started.wait()  # every call is decoding
-                os.kill(victim.pid, signal.SIGKILL)
-
-            results = await asyncio.gather(*(one(p) for p in prompts), killer())
-            await api.close()
-            return list(results[: len(prompts)])
-
-        texts = asyncio.run(asyncio.wait_for(streams(), timeout=240))
+        texts = stream_all(server.url, prompts, max_tokens, kill_once_started(victim.pid))  # once every call decodes
         assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
         deadline = time.monotonic() + 180
         entry: dict = {}
