@@ -4,15 +4,12 @@ calls are routed to it again; ``/cluster`` and ``/metrics`` report the restart."
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from one_engine import one_engine_texts
-from streams import kill_once_started, stream_all
+from streams import complete_all, kill_once_started, stream_all, wait_for_state
 
 from boundless.api.launch import start_in_thread
 from boundless.cluster.client import ClusterClient
@@ -48,13 +45,7 @@ def test_a_killed_instance_is_restarted_and_takes_calls_again(
         assert client.dispatcher.num_failovers > 0
         assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
         # The restart: a new actor (another process) in its place, alive from its first heartbeat.
-        deadline = time.monotonic() + 180
-        entry: dict = {}
-        while time.monotonic() < deadline:
-            entry = next(i for i in httpx.get(server.url + "/cluster").json()["instances"] if i["id"] == VICTIM)
-            if entry["state"] == "alive":
-                break
-            time.sleep(0.2)
+        entry = wait_for_state(server.url, VICTIM, "alive")
         assert entry["state"] == "alive" and entry["pid"] != victim.pid  # without restarts: dead for good
         assert (entry["lost"], entry["restarts"], entry["failed_restarts"]) == (1, 1, 0)
         metrics = httpx.get(server.url + "/metrics").text
@@ -62,18 +53,7 @@ def test_a_killed_instance_is_restarted_and_takes_calls_again(
         # Later calls go to both instances again, with one engine's tokens.
         later_prompts = [[60 + i, 61, 62] for i in range(8)]
 
-        async def later() -> list[tuple[str, str]]:
-            api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-
-            async def one(prompt: list[int]) -> tuple[str, str]:
-                r = await api.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
-                return r.choices[0].text, r.system_fingerprint or ""
-
-            results = await asyncio.gather(*(one(p) for p in later_prompts))
-            await api.close()
-            return list(results)
-
-        served = asyncio.run(asyncio.wait_for(later(), timeout=120))
+        served = complete_all(server.url, later_prompts, 16)
         assert [t for t, _ in served] == one_engine_texts(tiny_llama, later_prompts, 16)
         assert f"boundless-{VICTIM}" in {f for _, f in served}
     finally:

@@ -4,16 +4,12 @@ later calls with one engine's greedy tokens."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 from one_engine import one_engine_texts
 from served_cluster import served_cluster
-from streams import kill_once_started, stream_all
+from streams import complete_all, kill_once_started, stream_all, wait_for_state
 
 from boundless.config import ClusterConfig
 from boundless.llm import engine_config
@@ -49,29 +45,10 @@ def test_a_killed_decode_engine_is_restarted_and_decodes_again(
 
         texts = stream_all(server.url, prompts, max_tokens, kill_once_started(victim.pid))  # once every call decodes
         assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
-        deadline = time.monotonic() + 180
-        entry: dict = {}
-        while time.monotonic() < deadline:
-            entry = next(i for i in httpx.get(server.url + "/cluster").json()["instances"] if i["id"] == VICTIM)
-            if entry["state"] == "alive":
-                break
-            time.sleep(0.2)
+        entry = wait_for_state(server.url, VICTIM, "alive")
         assert entry["state"] == "alive" and entry["pid"] != victim.pid and entry["restarts"] == 1
         later_prompts = [[70 + i] + [(17 * j + i) % 300 + 3 for j in range(40)] for i in range(6)]
 
-        async def later() -> list[tuple[str, str]]:
-            api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-
-            async def one(prompt: list[int]) -> tuple[str, str]:
-                r = await api.completions.create(
-                    model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
-                )
-                return r.choices[0].text, r.system_fingerprint or ""
-
-            results = await asyncio.gather(*(one(p) for p in later_prompts))
-            await api.close()
-            return list(results)
-
-        served = asyncio.run(asyncio.wait_for(later(), timeout=120))
+        served = complete_all(server.url, later_prompts, 16)
         assert [t for t, _ in served] == one_engine_texts(tiny_llama, later_prompts, 16)
         assert f"boundless-{VICTIM}" in {f for _, f in served}  # decoded on the restarted engine
