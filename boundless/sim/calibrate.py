@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
-import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +44,6 @@ from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, mak
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import AttentionSample, ChunkShape, fit_attention_time
 from boundless.engine.core import EngineCore
-from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel, load_model
 from boundless.sim.cost import (
     DISK_LATENCY_S,
@@ -52,9 +51,11 @@ from boundless.sim.cost import (
     DISK_WRITE_BYTES_PER_S,
     HOST_COPY_BYTES_PER_S,
 )
+from boundless.sim.grid import WARM_UP_GRID, CalibrationGrid, fastest_per_shape, median_per_shape, run_grid, step_shape
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import fitted_profile_dict, load_profile
 from boundless.sim.served_grid import MODEL_NAME, run_programs_on_a_fresh_engine, run_served_grid
+from boundless.sim.speed_probe import PROBE_GRID, probe_seconds
 from boundless.sim.step_model import (
     StepTimeModel,
     contention,
@@ -66,24 +67,6 @@ from boundless.sim.step_model import (
 FORMS = ("cpu-kernels", "linear")
 # A step slower than this many times the fit's prediction was slowed by something else (as perf_model's).
 OUTLIER_FACTOR = 1.5
-
-
-@dataclass(frozen=True)
-class CalibrationGrid:
-    """The batch shapes to run: every number of requests with every prompt length, ``output_tokens`` each,
-    the whole grid ``repeats`` times."""
-
-    # 3 and 6 beside the powers of two: the matmul micro-kernel's 4-row groups make a decode of 6 cost as much as
-    # one of 8 (sim/step_model.py), which a grid of 1, 2, 4, 8 cannot show.
-    batch_sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
-    prompt_lens: tuple[int, ...] = (16, 128, 512, 1024)
-    output_tokens: int = 8
-    repeats: int = 2
-    # Served grids only: a cell's requests start this many seconds apart (0: all together), their prompts
-    # ``shared_prefix`` tokens in common, then ``prompt_len`` of their own: the programs' calls, a short prompt
-    # appended to a cached prefix while the cell's earlier requests decode.
-    arrival_gap_s: float = 0.0
-    shared_prefix: int = 0
 
 
 # Shapes the fit never sees, between and beside the default grid's, to measure its error on.
@@ -156,6 +139,8 @@ class Calibration:
     # runs' (``held_out_programs``). Each ran on a fresh engine, at its own level (:func:`program_run_ratios`).
     fitted_program_runs: tuple[int, ...] = ()
     held_out_program_runs: tuple[int, ...] = ()
+    # The speed probe's readings beside the runs (sim/speed_probe.py): the machine's level while the fit's steps ran.
+    probe_s: tuple[float, ...] = ()
 
 
 def program_run_ratios(result: Calibration) -> tuple[list[float], list[float]]:
@@ -174,52 +159,6 @@ def split_runs(steps: Sequence[AttentionSample], counts: Sequence[int]) -> list[
     """``steps`` cut into consecutive runs of ``counts`` steps each."""
     ends = itertools.accumulate(counts)
     return [steps[end - n : end] for n, end in zip(counts, ends, strict=True)]
-
-
-def run_grid(core: EngineCore, grid: CalibrationGrid, seed: int = 0) -> list[AttentionSample]:
-    """Run every shape of ``grid`` on ``core`` to the end, ``grid.repeats`` times; the steps it recorded.
-
-    Prompt lengths, not contents, decide the scheduler's steps, so every repeat runs the same step shapes."""
-    rng = random.Random(seed)
-    vocab = core.identity.vocab_size
-    ids = itertools.count()
-    params = SamplingParams(max_tokens=grid.output_tokens, ignore_eos=True)
-    core.step_times.drain()
-    samples: list[AttentionSample] = []
-    for _, batch, prompt_len in itertools.product(range(grid.repeats), grid.batch_sizes, grid.prompt_lens):
-        for _ in range(batch):  # random prompts: no prefix-cache hits between them
-            core.add_request(f"cal{next(ids)}", [rng.randrange(100, vocab) for _ in range(prompt_len)], params)
-        while core.has_unfinished():
-            core.step()
-        samples += core.step_times.drain()
-        core.reset_prefix_cache()
-    return samples
-
-
-def step_shape(sample: AttentionSample) -> tuple[ChunkShape, ...]:
-    """A step's chunk shapes in a fixed order: the same batch in another order costs the same."""
-    return tuple(sorted(sample.shapes, key=lambda c: (c.cached, c.new)))
-
-
-def fastest_per_shape(samples: Sequence[AttentionSample]) -> list[AttentionSample]:
-    """Each distinct step shape once, with its fastest measured time (in first-seen order).
-
-    Contention only adds time, so the minimum over repeats is the closest to what the shape itself costs."""
-    best: dict[tuple[ChunkShape, ...], float] = {}
-    for s in samples:
-        shape = step_shape(s)
-        best[shape] = min(best.get(shape, s.seconds), s.seconds)
-    return [AttentionSample(shapes, seconds) for shapes, seconds in best.items()]
-
-
-def median_per_shape(samples: Sequence[AttentionSample]) -> list[AttentionSample]:
-    """Each distinct step shape once, with the median of its measured times (in first-seen order).
-
-    For a served engine: what serving adds to a step is there in every pass, a burst of outside load in one."""
-    times: dict[tuple[ChunkShape, ...], list[float]] = {}
-    for s in samples:
-        times.setdefault(step_shape(s), []).append(s.seconds)
-    return [AttentionSample(shapes, statistics.median(seconds)) for shapes, seconds in times.items()]
 
 
 PerShape = Callable[[Sequence[AttentionSample]], list[AttentionSample]]
@@ -276,14 +215,20 @@ def calibrate(
     grid: CalibrationGrid,
     held_out: CalibrationGrid | None = None,
     form: str = "cpu-kernels",
+    probe: Callable[[], float] | None = None,
 ) -> Calibration:
-    """The grids on a bare engine stepped in a loop, fitted on each shape's fastest time."""
+    """The grids on a bare engine stepped in a loop, fitted on each shape's fastest time; ``probe`` (the speed
+    probe) is read before and after them."""
+    readings = [probe()] if probe is not None else []
     core = EngineCore.from_model(loaded, config)
     start = time.monotonic()
-    run_grid(core, CalibrationGrid((1,), (32,), 2, 1))  # warm-up: first calls allocate and compile
+    run_grid(core, WARM_UP_GRID)
     samples = run_grid(core, grid)
     held = run_grid(core, held_out, seed=1) if held_out is not None else []
-    return fitted(samples, held, time.monotonic() - start, FitSpec(form, "fastest", torch.get_num_threads()))
+    wall = time.monotonic() - start
+    readings += [probe()] if probe is not None else []
+    result = fitted(samples, held, wall, FitSpec(form, "fastest", torch.get_num_threads()))
+    return dataclasses.replace(result, probe_s=tuple(readings))
 
 
 def calibrate_served(
@@ -296,32 +241,46 @@ def calibrate_served(
     arrivals: tuple[CalibrationGrid, CalibrationGrid] | None = (ARRIVALS_GRID, HELD_OUT_ARRIVALS_GRID),
     programs: tuple[list[list[ProgramSpec]], list[list[ProgramSpec]]] | None = None,
     programs_config: EngineConfig | None = None,
+    probe: Callable[[], float] | None = None,
 ) -> Calibration:
     """The grids through a served engine (or cluster), fitted on every step (least absolute error); with
     ``arrivals``, also a grid of requests arriving one at a time over a shared prefix, and a held-out one; with
     ``programs``, also the steps of served programs (the first runs, fitted) and of others (held out): the
     workloads' own steps, with the server's arrivals and departures beside them, served as validate serves them:
     each run its workload's programs at their arrival times on a fresh engine (or cluster) with ``programs_config``
-    (validate's engine flags; default ``config``)."""
+    (validate's engine flags; default ``config``). ``probe`` (the speed probe) is read before the grids, after them
+    and after each program run: the machine's level over the whole calibration."""
+    readings: list[float] = []
+
+    def read_probe() -> None:
+        if probe is not None:
+            readings.append(probe())
+
     vocab = loaded.arch.vocab_size
+    read_probe()
     with served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
         start = time.monotonic()
-        run_served_grid(served, CalibrationGrid((1,), (32,), 2, 1), vocab, seed=2)  # warm-up, not kept
+        run_served_grid(served, WARM_UP_GRID, vocab, seed=2)  # not kept
         samples = run_served_grid(served, grid, vocab)
         if arrivals is not None:
             samples += run_served_grid(served, arrivals[0], vocab, seed=3)
         held = run_served_grid(served, held_out, vocab, seed=1) if held_out is not None else []
         if arrivals is not None and held_out is not None:
             held += run_served_grid(served, arrivals[1], vocab, seed=4)
+    read_probe()
     fitted_runs: list[list[AttentionSample]] = []
     held_runs: list[list[AttentionSample]] = []
     for runs, out in zip(programs or ([], []), (fitted_runs, held_runs), strict=True):
-        out += [run_programs_on_a_fresh_engine(loaded, programs_config or config, cluster, run) for run in runs]
+        for run in runs:
+            out.append(run_programs_on_a_fresh_engine(loaded, programs_config or config, cluster, run))
+            read_probe()
     samples += [s for run in fitted_runs for s in run]
     wall = time.monotonic() - start
     others = cluster.instances - 1 if cluster is not None else 0
     result = fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster), others))
-    return with_program_runs(result, [len(r) for r in fitted_runs], held_runs)
+    return dataclasses.replace(
+        with_program_runs(result, [len(r) for r in fitted_runs], held_runs), probe_s=tuple(readings)
+    )
 
 
 def with_program_runs(
@@ -423,7 +382,14 @@ def _print_result(result: Calibration) -> None:
             + ", held out "
             + " ".join(f"x{r:.3f}" for r in held_runs)
         )
+    if result.probe_s:
+        print(f"speed probe: {_probe_text(result.probe_s)}")
     print(_model_text(result.model))
+
+
+def _probe_text(readings: Sequence[float]) -> str:
+    spread = f"{min(readings):.3f}-{max(readings):.3f}"
+    return f"median {statistics.median(readings):.3f} s of {len(readings)} readings ({spread})"
 
 
 def _programs_text(e: ProgramsError) -> str:
@@ -469,6 +435,7 @@ def run(args: argparse.Namespace) -> dict:
     loaded = load_model(config.model.model, dtype=config.model.dtype)
     load_before = os.getloadavg()[0]
     programs = calibration_programs(args) if args.workloads else None
+    probe = functools.partial(probe_seconds, loaded, config.model, threads) if args.probe else None
     if programs is not None and not args.served:
         raise SystemExit("--workloads needs --served (the programs' steps are a served engine's)")
     if args.served:
@@ -476,12 +443,20 @@ def run(args: argparse.Namespace) -> dict:
         # pool and step budget (the grid's budget is below its longest prompt, to chunk it).
         programs_config = EngineConfig(model=config.model)
         result = calibrate_served(
-            loaded, config, grid, held_out, cluster, args.form, programs=programs, programs_config=programs_config
+            loaded,
+            config,
+            grid,
+            held_out,
+            cluster,
+            args.form,
+            programs=programs,
+            programs_config=programs_config,
+            probe=probe,
         )
     else:
         if cluster is not None:
             raise SystemExit("--instances above 1 needs --served (a cluster is calibrated as it is served)")
-        result = calibrate(loaded, config, grid, held_out, args.form)
+        result = calibrate(loaded, config, grid, held_out, args.form, probe=probe)
     load_after = os.getloadavg()[0]
     how = (
         f"served ({args.instances} instance{'s' if args.instances > 1 else ''} behind the HTTP server, the openai"
@@ -530,6 +505,8 @@ def run(args: argparse.Namespace) -> dict:
         "samples": samples_json(result.samples),
         "held_out_samples": samples_json(result.held_out),
         "held_out_program_samples": samples_json(result.held_out_programs),
+        "probe_grid": _grid_text(PROBE_GRID),
+        "probe_s": list(result.probe_s),
     }
     _write(args.out or "cpu-profile.json", data)
     return data
@@ -587,6 +564,7 @@ def refit(args: argparse.Namespace) -> dict:
     # Profiles from before the runs were kept: their held-out programs as one run.
     runs = calibration.get("program_run_steps") or {"fitted": [], "held_out": [len(held_programs)]}
     result = with_program_runs(result, runs["fitted"], split_runs(held_programs, runs["held_out"]))
+    result = dataclasses.replace(result, probe_s=tuple(calibration.get("probe_s", ())))
     print(f"{args.refit}: {len(samples)} + {len(held)} held-out steps, refitted")
     _print_result(result)
     for path in args.check:
@@ -716,6 +694,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=0.25, help="with --workloads: programs per second")
     parser.add_argument("--scale", type=float, default=0.1, help="with --workloads: as validate's --scale")
     parser.add_argument("--tool-wait", type=float, default=0.2, help="with --workloads: as validate's --tool-wait")
+    parser.add_argument(
+        "--probe",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the speed probe (sim/speed_probe.py) beside the runs and keep it in the profile, for validate to"
+        " tell the machine's speed then against the calibration's",
+    )
     parser.add_argument(
         "--refit",
         metavar="PROFILE",

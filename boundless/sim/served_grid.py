@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from boundless.bench.workloads import ProgramSpec
     from boundless.config import ClusterConfig, EngineConfig
     from boundless.model.loader import LoadedModel
-    from boundless.sim.calibrate import CalibrationGrid
+    from boundless.sim.grid import CalibrationGrid
 
 MODEL_NAME = "calibrate"
 T = TypeVar("T")

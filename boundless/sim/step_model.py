@@ -115,6 +115,10 @@ class StepTimeModel:
         """The per-term coefficients, in :data:`TERMS`' order."""
         return [getattr(self, t) for t in TERMS]
 
+    def scaled(self, factor: float) -> StepTimeModel:
+        """Every step ``factor`` times as long: the same machine running faster or slower as a whole."""
+        return StepTimeModel.from_coefficients([c * factor for c in self.coefficients], self.threads)
+
     @classmethod
     def from_coefficients(cls, coefficients: Sequence[float], threads: int) -> StepTimeModel:
         return cls(**dict(zip(TERMS, (float(c) for c in coefficients), strict=True)), threads=threads)

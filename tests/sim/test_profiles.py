@@ -21,23 +21,19 @@ from boundless.engine.multi_step import WindowPasses
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.model.loader import LoadedModel
 from boundless.sim.calibrate import (
-    CalibrationGrid,
     FitSpec,
     calibrate,
     calibrate_served,
     calibration_programs,
-    fastest_per_shape,
     fit_profile_model,
-    median_per_shape,
     median_rel_error,
     profile_json,
     program_run_ratios,
-    run_grid,
     same_shape_ratios,
-    step_shape,
 )
 from boundless.sim.cost import StepCost
 from boundless.sim.engine import SimulatedModel, simulated_engine
+from boundless.sim.grid import CalibrationGrid, fastest_per_shape, median_per_shape, run_grid, step_shape
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import (
     PROFILE_DIR,
@@ -316,9 +312,11 @@ def test_a_fitted_profile_round_trips_through_json(tmp_path: Path) -> None:
         for i, k in enumerate(("host_copy", "storage_read", "storage_write", "network"))
     }
     path = tmp_path / "p.json"
-    path.write_text(json.dumps(fitted_profile_dict("mine", "a test", KNOWN, links, {"step": "made up"})))
+    data = fitted_profile_dict("mine", "a test", KNOWN, links, {"step": "made up"})
+    path.write_text(json.dumps({**data, "calibration": {"probe_s": [0.5, 0.75]}}))
     profile = load_profile(str(path))
     assert isinstance(profile.step, FittedStepCost) and profile.step.model == KNOWN
+    assert profile.probe_s == (0.5, 0.75)  # the speed probe's readings, for validate to measure the machine by
     assert profile.storage_write == links["storage_write"] and profile.disk_cost.write_bytes_per_s == 3e9
 
 
