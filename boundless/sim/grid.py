@@ -1,7 +1,7 @@
 """The calibration grid: batch shapes run on a bare engine to the end, and its steps taken per shape.
 
-``simulate calibrate`` fits a profile on a grid's steps (``sim/calibrate.py``), and ``sim/speed_probe.py`` times a
-small fixed grid to tell the machine's speed now against a calibration's.
+``simulate calibrate`` fits a profile on the steps of a grid (``sim/calibrate.py``); a bare grid steps an
+``EngineCore`` in a loop, a served one goes through the HTTP server (``sim/served_grid.py``).
 """
 
 from __future__ import annotations

@@ -143,9 +143,6 @@ class HardwareProfile:
     storage_write: LinkSpec
     network: LinkSpec
     sources: dict[str, str] = field(default_factory=dict)
-    # A calibrated profile's readings of the speed probe (sim/speed_probe.py) while it was fitted: the machine's
-    # level then, for validate to measure its level against.
-    probe_s: tuple[float, ...] = ()
 
     @property
     def disk_cost(self) -> DiskCost:
@@ -191,14 +188,7 @@ def profile_from_dict(data: dict[str, Any]) -> HardwareProfile:
         name: LinkSpec(data["links"][name]["gbytes_per_s"] * 1e9, data["links"][name].get("latency_s", 0.0))
         for name in LINK_NAMES
     }
-    return HardwareProfile(
-        data["name"],
-        data.get("description", ""),
-        cost,
-        sources=data.get("sources", {}),
-        probe_s=tuple(data.get("calibration", {}).get("probe_s", ())),
-        **links,
-    )
+    return HardwareProfile(data["name"], data.get("description", ""), cost, sources=data.get("sources", {}), **links)
 
 
 def fitted_profile_dict(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import time
 
@@ -129,7 +130,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def failures_from_flags(args: argparse.Namespace, clusters: list[ClusterConfig]) -> list[InstanceFailure]:
-    """``--fail``'s instance failures, checked against every cluster of the run (SystemExit with what is wrong)."""
+    """``--fail``'s instance failures, checked against every cluster of the run, and ``--instance-startup-s``
+    (SystemExit with what is wrong)."""
+    if not (math.isfinite(args.instance_startup_s) and args.instance_startup_s >= 0):
+        raise SystemExit(f"--instance-startup-s: a number of seconds, not negative (got {args.instance_startup_s})")
     if not args.fail:
         return []
     try:

@@ -11,16 +11,17 @@ more (on this 2-core machine each of two instances runs torch on one core, so it
 one-thread profile's times). The defaults are fitted by ``calibrate --served`` on another grid of shapes,
 through the same server and client (and cluster): a served step costs more than the bare engine's. A
 simulation is deterministic: one run. Rows: average and p95 program latency and throughput (programs per
-second of makespan), predicted against measured, with the relative error. ``--json`` also keeps every step each
-real run took (``real_steps``, with its end time), for ``calibrate --refit --check`` to tell which step classes a
-profile gets wrong.
+second of makespan), predicted against measured, with the relative error; and, with a fitted profile, the same
+simulation again at the speed the real steps ran (:func:`at_step_speed`), to tell the simulator's error from the
+machine's. ``--json`` also keeps every step each real run took (``real_steps``, with its end time), for
+``calibrate --refit --check`` to tell which step classes a profile gets wrong.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
+import dataclasses
 import os
 import statistics
 import time
@@ -41,12 +42,10 @@ from boundless.config import (
     add_flags,
     engine_config_from_flags,
 )
-from boundless.sim.calibrate import engine_threads
 from boundless.sim.engine import SimulatedModel
-from boundless.sim.profiles import HardwareProfile, load_profile
+from boundless.sim.profiles import FittedStepCost, HardwareProfile, load_profile
 from boundless.sim.served_grid import taking_steps
 from boundless.sim.simulator import SimResult, Simulator
-from boundless.sim.speed_probe import at_speed, probe_seconds, speed_ratio
 from boundless.sim.step_model import StepTimeModel, contention, samples_json
 
 if TYPE_CHECKING:
@@ -86,11 +85,12 @@ def simulated_summary(results: list[SimResult]) -> dict[str, float]:
 def compare(
     predicted: dict[str, float],
     measured_runs: Sequence[dict[str, float]],
-    at_speed: dict[str, float] | None = None,
+    at_step_speed: dict[str, float] | None = None,
 ) -> list[dict]:
     """One row per metric: the prediction against the median of the measured runs, with every run and their
     spread ((max - min) / median): a prediction cannot be checked closer than the measurement repeats. With
-    ``at_speed`` (the prediction at the machine's probed speed), that one against the same median too."""
+    ``at_step_speed`` (the simulation again at the speed the real steps ran: :func:`at_step_speed`), that one
+    against the same median too."""
     rows = []
     for m in METRICS:
         runs = [float(r[m]) for r in measured_runs]
@@ -103,11 +103,23 @@ def compare(
             "spread": (max(runs) - min(runs)) / median,
             "rel_error": (predicted[m] - median) / median,
         }
-        if at_speed is not None:
-            row["predicted_at_speed"] = at_speed[m]
-            row["rel_error_at_speed"] = (at_speed[m] - median) / median
+        if at_step_speed is not None:
+            row["at_step_speed"] = at_step_speed[m]
+            row["rel_error_at_step_speed"] = (at_step_speed[m] - median) / median
         rows.append(row)
     return rows
+
+
+def at_step_speed(profile: HardwareProfile, ratio: float) -> HardwareProfile | None:
+    """``profile`` with every step ``ratio`` times its time (a fitted profile's; None for another).
+
+    Not a prediction: with ``ratio`` the real runs' own steps over the profile's time for their shapes, it is the
+    simulator given the speed the machine ran at, and its error what the simulator gets wrong beside the steps'
+    cost (queueing, batching, the server and the client). This machine's speed moves by 15% within half an hour
+    (docs/simulation.md, Validation), which no profile fitted before can carry."""
+    if not isinstance(profile.step, FittedStepCost):
+        return None
+    return dataclasses.replace(profile, step=FittedStepCost(profile.step.model.scaled(ratio)))
 
 
 def simulate(
@@ -147,34 +159,21 @@ def validate_case(
     profile: HardwareProfile,
     repeats: int,
     real_run: RealRun,
-    probe: Callable[[], float] | None = None,
 ) -> dict:
-    """Predicted against measured for one case: the simulation once, the real engine ``repeats`` times. With a
-    ``probe`` (the speed probe) and a profile that kept its calibration's readings, the probe is read before the
-    first run and after each, and the case is simulated again at the machine's speed so probed."""
+    """Predicted against measured for one case: the simulation once, the real engine ``repeats`` times."""
     programs = make_programs(case.workload, num_programs, rate, seed, shape)
     cluster = ClusterConfig(instances=case.instances)
     predicted = simulate(config, programs, profile, cluster)
-    read = probe if profile.probe_s else None  # a profile with no readings has no level to measure against
-    readings = [read()] if read is not None else []
-    measured = []
-    for _ in range(repeats):
-        measured.append(real_run(config, programs, cluster if case.instances > 1 else None, profile))
-        readings += [read()] if read is not None else []
-    speed = None
-    at_speed_predicted = None
-    if readings:
-        ratio = speed_ratio(readings, profile.probe_s)
-        speed = {"readings_s": readings, "calibration_s": list(profile.probe_s), "ratio": ratio}
-        at_speed_predicted = simulate(config, programs, at_speed(profile, ratio), cluster)
+    measured = [real_run(config, programs, cluster if case.instances > 1 else None, profile) for _ in range(repeats)]
+    engine = engine_figures(predicted, measured)
+    at_speed = at_step_speed(profile, engine["same_shape_ratio"])
     return {
         "workload": case.workload,
         "instances": case.instances,
         "profile": profile.name,
         "load_average": os.getloadavg()[0],
-        "rows": compare(predicted, measured, at_speed_predicted),
-        "speed": speed,
-        "engine": engine_figures(predicted, measured),
+        "rows": compare(predicted, measured, simulate(config, programs, at_speed, cluster) if at_speed else None),
+        "engine": engine,
         # Every step each real run took ([[cached, new] per request], seconds, as a profile keeps its samples):
         # what `calibrate --refit --check` measures against, to find which shapes a profile gets wrong.
         "real_steps": [samples_json(r.get("steps_taken", [])) for r in measured],
@@ -234,8 +233,8 @@ def table_rows(cases: Sequence[dict]) -> list[list[str]]:
             f"{r['measured']:.3f}",
             f"{r['spread']:.1%}",
             f"{r['rel_error']:+.1%}",
-            f"{r['predicted_at_speed']:.3f}" if "predicted_at_speed" in r else "-",
-            f"{r['rel_error_at_speed']:+.1%}" if "rel_error_at_speed" in r else "-",
+            f"{r['at_step_speed']:.3f}" if "at_step_speed" in r else "-",
+            f"{r['rel_error_at_step_speed']:+.1%}" if "rel_error_at_step_speed" in r else "-",
         ]
         for c in cases
         for r in c["rows"]
@@ -255,9 +254,6 @@ def run(args: argparse.Namespace) -> dict:
     profiles = {n: load_profile(args.profile if n == 1 else args.cluster_profile) for n in set(sizes)}
     loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
     real_run = serve_and_measure(loaded)
-    # Each engine's torch threads: all of this process's for one instance, a share of the cores for each of more.
-    threads = {n: engine_threads(ClusterConfig(instances=n) if n > 1 else None) for n in sizes}
-    probes = {n: functools.partial(probe_seconds, loaded, config.model, threads[n]) for n in sizes}
     load_before = os.getloadavg()[0]
     cases = [
         validate_case(
@@ -270,7 +266,6 @@ def run(args: argparse.Namespace) -> dict:
             profiles[n],
             args.repeats,
             real_run,
-            probes[n] if args.probe else None,
         )
         for w in workloads
         for n in sizes
@@ -284,7 +279,7 @@ def run(args: argparse.Namespace) -> dict:
             "measured (median)",
             "spread",
             "error",
-            "predicted at probed speed",
+            "at the real steps' speed",
             "error",
         ],
         table_rows(cases),
@@ -294,17 +289,10 @@ def run(args: argparse.Namespace) -> dict:
         print(
             f"{c['workload']} on {c['instances']}: engine busy {e['predicted_busy_s']:.1f} s predicted,"
             f" {e['measured_busy_s']:.1f} s measured; seconds per step x{e['step_time_ratio']:.2f} the profile's;"
-            f" the real steps took x{e['same_shape_ratio']:.2f} the profile's time for their own shapes"
+            f" the real steps took x{e['same_shape_ratio']:.2f} the profile's time for their own shapes (the last"
+            " columns: the simulation again with every step that much longer, to tell the simulator's error from"
+            " the machine's speed)"
         )
-        if c["speed"] is not None:
-            sp = c["speed"]
-            print(
-                f"  speed probe: x{sp['ratio']:.3f} the calibration's time (median of "
-                + " ".join(f"{x:.3f}" for x in sp["readings_s"])
-                + f" s against {statistics.median(sp['calibration_s']):.3f} s)"
-            )
-        elif args.probe:
-            print(f"  speed probe: not read (profile {c['profile']!r} kept no readings of it: calibrate again)")
     result = {
         "num_programs": args.num_programs,
         "rate": args.rate,
@@ -340,13 +328,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="cpu-served-2inst",
         help="the profile for more than one instance (calibrate --served --instances 2: each instance of two gets"
         " one core and shares them with the other and the driver)",
-    )
-    parser.add_argument(
-        "--probe",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="time the speed probe (sim/speed_probe.py) before and after each real run and also predict each case at"
-        " the machine's speed so measured against the calibration's (profiles calibrated with it only)",
     )
     parser.add_argument("--json", metavar="PATH", help="write each row with its relative error to this file")
     add_flags(parser, ModelConfig)

@@ -125,6 +125,8 @@ def test_simulate_refuses_a_bad_fail_flag_before_it_runs(capsys: pytest.CaptureF
         main(["simulate", "--instances", "2", "--fail", "9@1", "--no-progress"])
     with pytest.raises(SystemExit, match="--fail: one instance"):
         main(["simulate", "--fail", "0@1", "--no-progress"])
+    with pytest.raises(SystemExit, match="--instance-startup-s: a number of seconds, not negative"):
+        main(["simulate", "--instances", "2", "--fail", "1@1", "--instance-startup-s", "-1", "--no-progress"])
     assert "rate/s" not in capsys.readouterr().out  # no row ran
 
 

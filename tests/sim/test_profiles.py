@@ -3,8 +3,10 @@ its sources and orders the GPUs as their published figures do."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -26,10 +28,13 @@ from boundless.sim.calibrate import (
     calibrate_served,
     calibration_programs,
     fit_profile_model,
+    fitted,
     median_rel_error,
     profile_json,
     program_run_ratios,
+    programs_error,
     same_shape_ratios,
+    with_program_runs,
 )
 from boundless.sim.cost import StepCost
 from boundless.sim.engine import SimulatedModel, simulated_engine
@@ -198,6 +203,24 @@ def test_calibrate_served_fits_the_steps_a_served_engine_ran(tiny_llama: LoadedM
     assert result.held_out_error is not None and 3 * 2 * 34 + 2 * 12 + 32 <= held_computed <= 3 * 2 * 34 + 2 * 44
 
 
+def test_a_served_fit_is_set_at_its_fitted_program_runs_level() -> None:
+    # The fit is each step's median, below the programs' total where their steps' times are skewed (here: whole runs
+    # slower than the grid): the model is scaled to the fitted runs' median level, the held-out runs measured at it.
+    grid = _grid_samples(FittedStepCost(KNOWN), repeats=2)
+    runs = [[dataclasses.replace(s, seconds=s.seconds * f) for s in grid[:20]] for f in (1.3, 1.1, 1.2)]
+    result = fitted(grid + [s for run in runs for s in run], [], 0.0, FitSpec("cpu-kernels", "all", 2))
+    assert programs_error(result.model, runs[2]).ratio > 1.15  # the grid-led fit: 1.2x programs are 1.2x it
+    held = [dataclasses.replace(s, seconds=s.seconds * 1.2) for s in grid[20:40]]
+    leveled = with_program_runs(result, [len(run) for run in runs], [held])
+    assert leveled.program_level == statistics.median(programs_error(result.model, run).ratio for run in runs)
+    assert leveled.model == result.model.scaled(leveled.program_level)
+    fitted_ratios, _ = program_run_ratios(leveled)
+    assert statistics.median(fitted_ratios) == pytest.approx(1.0)
+    assert leveled.held_out_programs_error is not None
+    assert leveled.held_out_programs_error.ratio == pytest.approx(1.0, abs=0.02)  # held-out programs at their level
+    assert with_program_runs(result, [], [held]).model == result.model  # no program runs: the fit as it is
+
+
 def test_calibration_programs_are_a_run_per_workload_of_other_seeds_than_validates() -> None:
     import argparse
 
@@ -312,11 +335,9 @@ def test_a_fitted_profile_round_trips_through_json(tmp_path: Path) -> None:
         for i, k in enumerate(("host_copy", "storage_read", "storage_write", "network"))
     }
     path = tmp_path / "p.json"
-    data = fitted_profile_dict("mine", "a test", KNOWN, links, {"step": "made up"})
-    path.write_text(json.dumps({**data, "calibration": {"probe_s": [0.5, 0.75]}}))
+    path.write_text(json.dumps(fitted_profile_dict("mine", "a test", KNOWN, links, {"step": "made up"})))
     profile = load_profile(str(path))
     assert isinstance(profile.step, FittedStepCost) and profile.step.model == KNOWN
-    assert profile.probe_s == (0.5, 0.75)  # the speed probe's readings, for validate to measure the machine by
     assert profile.storage_write == links["storage_write"] and profile.disk_cost.write_bytes_per_s == 3e9
 
 
@@ -328,7 +349,7 @@ def test_shipped_profiles_load_with_their_sources() -> None:
         if isinstance(profile.step, RooflineStepCost):
             for figure in ("peak_bf16_tflops", "hbm_tbytes_per_s", "host_copy", "network", "storage"):
                 assert "datasheet" in profile.sources[figure] or "DGX" in profile.sources[figure], (name, figure)
-        else:  # fitted here, with the samples it was fitted on: they refit to its model
+        else:  # fitted here, with the samples it was fitted on: they refit to its model, at its programs' level
             assert "calibrate on this machine" in profile.sources["step"]
             calibration = json.loads((PROFILE_DIR / f"{name}.json").read_text())["calibration"]
             samples = samples_from_json(calibration["samples"])
@@ -338,7 +359,8 @@ def test_shipped_profiles_load_with_their_sources() -> None:
                 calibration["threads"],
                 calibration.get("others", 0),  # a cluster's: the engines beside each step, whose contention is fitted
             )
-            assert fit_profile_model(samples, spec) == profile.step.model
+            level = calibration.get("program_level", 1.0)
+            assert fit_profile_model(samples, spec).scaled(level) == profile.step.model
     with pytest.raises(ValueError, match="h100"):
         load_profile("no-such-gpu")
 
@@ -383,6 +405,34 @@ def test_validate_compares_the_prediction_with_the_median_of_the_measured_runs()
     assert rows[0]["measured"] == 4.0 and rows[0]["measured_runs"] == [4.0, 5.0, 3.0]
     assert rows[0]["rel_error"] == pytest.approx(-0.25) and rows[0]["spread"] == pytest.approx(0.5)
     assert rows[2]["rel_error"] == pytest.approx(0.0) and rows[2]["spread"] == 0.0
+    again = {**predicted, "avg_latency_s": 5.0}  # the simulation again at the real steps' speed
+    row = compare(predicted, runs, again)[0]
+    assert row["at_step_speed"] == 5.0 and row["rel_error_at_step_speed"] == pytest.approx(0.25)
+
+
+def test_a_case_is_simulated_again_at_the_speed_its_real_steps_ran(
+    model_dirs: dict[str, Path], tiny_llama: LoadedModel
+) -> None:
+    from boundless.config import ClusterConfig
+    from boundless.sim.validate import Case, at_step_speed, serve_and_measure, simulate, validate_case
+
+    profile = load_profile("cpu-served")
+    slower = at_step_speed(profile, 1.25)
+    assert slower is not None and isinstance(slower.step, FittedStepCost) and slower.host_copy == profile.host_copy
+    for shapes in ([ChunkShape(0, 300)], [ChunkShape(120, 1)] * 3, [ChunkShape(64, 32), ChunkShape(500, 1)]):
+        assert slower.step.predict(shapes) == pytest.approx(1.25 * profile.step.predict(shapes))
+    assert at_step_speed(load_profile("h100"), 1.25) is None  # a GPU's published figures: not this machine's steps
+    config = EngineConfig(model=ModelConfig(model=str(model_dirs["tiny-llama"])), cache=CacheConfig(num_kv_blocks=256))
+    shape = WorkloadShape(scale=0.05, tool_wait_s=0.05)
+    case = validate_case(Case("mapreduce", 1), config, shape, 2, 4.0, 0, profile, 1, serve_and_measure(tiny_llama))
+    # The tiny model steps far faster than the profile's 135M model: the simulation again at its speed.
+    ratio = case["engine"]["same_shape_ratio"]
+    assert 0 < ratio < 1
+    scaled = at_step_speed(profile, ratio)
+    assert scaled is not None
+    again = simulate(config, make_programs("mapreduce", 2, 4.0, 0, shape), scaled, ClusterConfig(instances=1))
+    avg = case["rows"][0]
+    assert avg["at_step_speed"] == again["avg_latency_s"] < avg["predicted"]
 
 
 def test_a_validated_simulation_is_a_function_of_its_flags() -> None:
@@ -459,7 +509,8 @@ def test_refit_fits_a_shipped_profiles_kept_steps_again_and_writes_a_profile_tha
     refitted = load_profile(str(out)).step
     assert isinstance(refitted, FittedStepCost) and refitted.model.threads == 2
     spec = FitSpec("cpu-kernels", "all", 2)
-    assert fit_profile_model(samples_from_json(calibration["samples"]), spec) == refitted.model  # deterministic
+    fit = fit_profile_model(samples_from_json(calibration["samples"]), spec)
+    assert fit.scaled(calibration["program_level"]) == refitted.model  # deterministic, at its program runs' level
     # The held-out shapes it was never fitted on: this form does no worse on its worst than the shipped one (which is
     # of this form since stop 24: the same fit).
     assert (
