@@ -144,13 +144,16 @@ class Calibration:
 def program_run_ratios(result: Calibration) -> tuple[list[float], list[float]]:
     """Each program run's steps over the fit's time for them: the fitted runs', then the held-out runs'."""
     fitted_steps = result.samples[len(result.samples) - sum(result.fitted_program_runs) :]
-
-    def ratios(steps: Sequence[AttentionSample], runs: Sequence[int]) -> list[float]:
-        return [programs_error(result.model, run, result.fit.others).ratio for run in split_runs(steps, runs) if run]
-
-    return ratios(fitted_steps, result.fitted_program_runs), ratios(
-        result.held_out_programs, result.held_out_program_runs
+    return run_ratios(result.model, fitted_steps, result.fitted_program_runs, result.fit.others), run_ratios(
+        result.model, result.held_out_programs, result.held_out_program_runs, result.fit.others
     )
+
+
+def run_ratios(
+    model: StepTimeModel, steps: Sequence[AttentionSample], counts: Sequence[int], others: int
+) -> list[float]:
+    """Each run of ``steps`` (consecutive, ``counts`` steps each; empty ones skipped): its seconds over the model's."""
+    return [programs_error(model, run, others).ratio for run in split_runs(steps, counts) if run]
 
 
 def split_runs(steps: Sequence[AttentionSample], counts: Sequence[int]) -> list[Sequence[AttentionSample]]:
@@ -261,9 +264,9 @@ def calibrate_served(
     return with_program_runs(result, [len(r) for r in fitted_runs], held_runs)
 
 
-def program_level(model: StepTimeModel, runs: Sequence[Sequence[AttentionSample]], others: int = 0) -> float:
-    """How much longer served programs' steps took in all than ``model`` says for them: the median over the
-    ``runs`` of each run's seconds over the model's (1.0 with none).
+def program_level(ratios: Sequence[float]) -> float:
+    """How much longer served programs' steps took in all than the fit says for them: the median of the fitted
+    runs' ``ratios`` (:func:`run_ratios`; 1.0 with none).
 
     The fit is least absolute relative error, each step's median, robust to the steps slowed by something else; but a
     served step's time is skewed (most near their shape's time, some much longer: a call arriving, the server
@@ -271,7 +274,6 @@ def program_level(model: StepTimeModel, runs: Sequence[Sequence[AttentionSample]
     one instance) the fitted program steps' median was x1.05 the fit and their total x1.12 (the grids' steps, an
     eighth of all, ran x0.92 it), the held-out programs took x1.13 it, and validate's latencies came out 6-15% short.
     So the model is scaled to the programs' total, and the fit still gives each term its share."""
-    ratios = [programs_error(model, run, others).ratio for run in runs if run]
     return statistics.median(ratios) if ratios else 1.0
 
 
@@ -281,12 +283,10 @@ def with_program_runs(
     """``result`` with its fitted program runs' step counts, its model at their level (:func:`program_level`, with
     the fit's errors on the grids measured again at it), the held-out runs' steps and the model's error on them."""
     fitted_steps = result.samples[len(result.samples) - sum(fitted_runs) :]
-    level = program_level(result.model, split_runs(fitted_steps, fitted_runs), result.fit.others)
+    level = program_level(run_ratios(result.model, fitted_steps, fitted_runs, result.fit.others))
     if level != 1.0:
-        spec = result.fit
         model = result.model.scaled(level)
-        held_grid = fit_error(model, result.held_out, spec.per_shape, spec.others) if result.held_out else None
-        fit = fit_error(model, result.samples, spec.per_shape, spec.others)
+        fit, held_grid = grid_errors(model, result.samples, result.held_out, result.fit)
         result = dataclasses.replace(result, model=model, fit_error=fit, held_out_error=held_grid)
     held = tuple(s for run in held_runs for s in run)
     error = programs_error(result.model, held, result.fit.others) if held else None
@@ -310,9 +310,16 @@ def engine_threads(cluster: ClusterConfig | None) -> int:
 def fitted(samples: list[AttentionSample], held: list[AttentionSample], wall_s: float, spec: FitSpec) -> Calibration:
     """The fit of the grid's steps, and its errors on them and on the held-out grid's."""
     model = fit_profile_model(samples, spec)
-    held_error = fit_error(model, held, spec.per_shape, spec.others) if held else None
-    fit = fit_error(model, samples, spec.per_shape, spec.others)
+    fit, held_error = grid_errors(model, samples, held, spec)
     return Calibration(model, samples, held, fit, held_error, wall_s, spec)
+
+
+def grid_errors(
+    model: StepTimeModel, samples: Sequence[AttentionSample], held: Sequence[AttentionSample], spec: FitSpec
+) -> tuple[FitError, FitError | None]:
+    """``model``'s errors on the fitted grid's steps, and on the held-out grid's (None without any)."""
+    held_error = fit_error(model, held, spec.per_shape, spec.others) if held else None
+    return fit_error(model, samples, spec.per_shape, spec.others), held_error
 
 
 def _grid(batch_sizes: str, prompt_lens: str, output_tokens: int, repeats: int) -> CalibrationGrid:
@@ -439,14 +446,7 @@ def run(args: argparse.Namespace) -> dict:
         # pool and step budget (the grid's budget is below its longest prompt, to chunk it).
         programs_config = EngineConfig(model=config.model)
         result = calibrate_served(
-            loaded,
-            config,
-            grid,
-            held_out,
-            cluster,
-            args.form,
-            programs=programs,
-            programs_config=programs_config,
+            loaded, config, grid, held_out, cluster, args.form, programs=programs, programs_config=programs_config
         )
     else:
         if cluster is not None:
