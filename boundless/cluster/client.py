@@ -155,6 +155,17 @@ class DispatcherFrontEnd:
                 self._restart(decision)
         return failure
 
+    def _receive(self, iid: str, delta: RequestDelta) -> RequestDelta | None:
+        """A delta from instance ``iid``: what the dispatcher shows of it goes to the call's stream, and what follows
+        from it is carried out, shown or not (a prefill that failed with its DE-read push shows nothing, and places
+        the call again: a Prepare dropped here would leave the call waiting for ever). Returns what was shown."""
+        with self.lock:
+            shown, decisions = self.dispatcher.receive(iid, delta)
+            if shown is not None:
+                self.streams.deliver(shown)
+            self._carry_out(decisions)
+        return shown
+
     def _lose(self, iid: str, reason: str) -> None:
         """The instance is lost (dead, silent or stuck): the dispatcher's decisions for it are carried out."""
         with self.lock:
@@ -412,7 +423,13 @@ class ClusterClient(DispatcherFrontEnd):
         )
         for path, n in sorted(self.dispatcher.prefetches.items()):
             ahead.add_metric([path], float(n))
-        yield from (placed, stored, ahead)
+        lost = CounterMetricFamily(
+            "boundless_pd_stream_losses",
+            "prefills failed because the DE-read push they were reading failed (its DE gone, a timeout); each call "
+            "placed again",
+        )
+        lost.add_metric([], float(self.dispatcher.num_stream_losses))
+        yield from (placed, stored, ahead, lost)
 
     def shutdown(self) -> None:
         import ray
@@ -555,13 +572,8 @@ class ClusterClient(DispatcherFrontEnd):
                 self._on_delta(iid, delta)
 
     def _on_delta(self, iid: str, delta: RequestDelta) -> None:
-        with self.lock:
-            shown, decisions = self.dispatcher.receive(iid, delta)
-            if shown is None:
-                return  # aborted, or a stale delta from before a failover
-            self.streams.deliver(shown)
-            self._carry_out(decisions)
-        if shown.finished:
+        shown = self._receive(iid, delta)
+        if shown is not None and shown.finished:
             for fn in self._listeners:
                 fn(shown)
 

@@ -251,7 +251,8 @@ class Dispatcher:
 
     def receive(self, instance_id: str, delta: RequestDelta) -> tuple[RequestDelta | None, list[Decision]]:
         """A delta from ``instance_id``: the delta to hand its client (None: nobody waits for it), and what
-        follows from it (nothing, without prefill and decode roles)."""
+        follows from it (nothing, without prefill and decode roles), to carry out whether or not anything is shown
+        (a prefill that failed with its push shows nothing, and places its call again)."""
         return (delta if self.on_delta(instance_id, delta) else None), []
 
     def abort(self, request_id: str) -> list[Decision]:

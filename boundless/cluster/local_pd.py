@@ -167,12 +167,7 @@ class LocalPDCluster(DispatcherFrontEnd):
         """Hand ``inst``'s deltas to the dispatcher while it is the instance's current engine and alive."""
         while not self._stop.is_set() and self.dispatcher.views[iid].alive and self.instances[iid] is inst:
             for delta in inst.drain(0.1):
-                with self.lock:
-                    shown, decisions = self.dispatcher.receive(iid, delta)
-                    if shown is None:
-                        continue  # aborted
-                    self.streams.deliver(shown)
-                    self._carry_out(decisions)
+                self._receive(iid, delta)
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):

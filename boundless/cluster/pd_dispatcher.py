@@ -254,6 +254,7 @@ class PDDispatcher(Dispatcher):
         self.placements: Counter[str] = Counter()  # calls placed, by read path
         self.placed_stored_tokens: Counter[str] = Counter()  # their estimated stored tokens, by read path
         self.prefetches: Counter[str] = Counter()  # reads ahead decided for waiting calls, by the path they serve
+        self.num_stream_losses = 0  # prefills failed with the DE-read push they were reading, each placed again
         self._history: dict[str, list[int]] = {}  # program id -> its last call's tokens
         self._served: dict[str, ServedBy] = {}  # program id -> the engines of its last call
         self._next_tag = 1
@@ -416,6 +417,7 @@ class PDDispatcher(Dispatcher):
         """A call whose prefill failed with its DE-read push (nothing reached the client) goes back to the head of
         the queue, its DE's half dropped; placed afresh, it reads or computes its KV again."""
         call.stream_losses += 1
+        self.num_stream_losses += 1
         self.num_failovers += 1
         decisions: list[PDDecision] = []
         if call.prepared and self.views[call.decode_engine].alive:

@@ -584,18 +584,19 @@ class Simulator:
             self._ready.update(self.instances)  # blocks moved: the creditors' room changed too
 
     def _on_delta(self, instance_id: str, delta: RequestDelta) -> None:
+        # With roles, the prefill engine's handoff shows as an unfinished delta, and a delta nobody waits for shows
+        # as None; what follows from a delta is carried out either way (a call placed again after its push failed
+        # shows nothing).
+        shown: RequestDelta | None = delta
         decisions: list[PDDecision] = []
         if self.dispatcher is not None:
             shown, decisions = self.dispatcher.receive(instance_id, delta)
-            if shown is None:
-                return  # a call nobody waits for
-            delta = shown  # with roles, the prefill engine's handoff shows as an unfinished delta
-        call = self._calls.get(delta.request_id)
-        if call is not None:
-            call.output_token_ids.extend(delta.new_token_ids)
-            if delta.finished:
-                del self._calls[delta.request_id]
-                self.call_outcomes[delta.request_id] = CallOutcome(len(call.output_token_ids), call.spec.output)
+        call = self._calls.get(shown.request_id) if shown is not None else None
+        if shown is not None and call is not None:
+            call.output_token_ids.extend(shown.new_token_ids)
+            if shown.finished:
+                del self._calls[shown.request_id]
+                self.call_outcomes[shown.request_id] = CallOutcome(len(call.output_token_ids), call.spec.output)
                 self._call_done(call)
         self._carry_out(decisions)
 

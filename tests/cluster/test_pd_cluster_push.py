@@ -1,6 +1,6 @@
-"""DualPath's DE-read path with Ray actors: a decode engine killed while it pushes an agent's stored context to the
-prefill engine (``--layerwise-load on``: the PE prefills as the push lands) loses no token; the call is placed again
-and every output equals one engine's."""
+"""DualPath's DE-read path with Ray actors: a decode engine killed while it pushes an agent's context to the prefill
+engine (``--layerwise-load on``: the PE prefills as the push lands) loses no token; the PE's failed prefill places the
+call again, and every output equals one engine's."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from pathlib import Path
 
 import openai
 import pytest
-from one_engine import one_engine_texts
+from one_engine import one_engine_outputs, one_engine_texts
 from served_cluster import served_cluster
 
 from boundless.api.launch import ServerThread
 from boundless.cluster.client import ClusterClient
+from boundless.cluster.pd_dispatcher import PDDispatcher
 from boundless.config import ClusterConfig
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
@@ -25,7 +26,13 @@ from boundless.model.loader import LoadedModel
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 AGENTS = 6
-CONTEXT_TOKENS = 400  # 25 blocks per agent: its push takes a while over the slow links below
+CONTEXT_TOKENS = 400  # 25 blocks: the prefill engine holds them after each agent's first turn
+# Each agent's first turn's output: its decode engine holds its KV (16 blocks) and the prefill engine does not, so
+# the second turn reads on the decode engine, which pushes those blocks to the prefill engine.
+FIRST_TURN_TOKENS = 256
+# From the push on the wire to its kill: time for the PE to take the push's count and run the call at its layer
+# gates, well before the push's first layer (64 KiB: ~0.2 s over the link below) lands.
+PE_TAKES_THE_PUSH_S = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +55,28 @@ def dualpath_cluster(
         heartbeat_interval_s=0.2,
         heartbeat_timeout_s=30.0,
         kv_path="dualpath",
-        # Slow links: a context's read and its push take a good part of a second, so the kill lands mid-push.
-        storage_gbps=0.02,
-        net_gbps=0.02,
+        # Slow links: a push of 16 blocks (128 KiB) takes ~0.4 s, so the kill (PE_TAKES_THE_PUSH_S after it starts)
+        # lands in it, with the PE's forward pass waiting at its layer gates.
+        storage_gbps=0.01,
+        net_gbps=0.0025,
         kv_handoff_timeout_s=20.0,
     )
     with served_cluster(config, cluster) as served:
         yield served
 
 
+def _pushing(client: ClusterClient, decode_engine: str) -> bool:
+    """Whether the decode engine's push is on the wire: KV bytes queued on its network link (the push's count went
+    ahead of them, so the PE has it, or will in a moment)."""
+    import ray
+
+    beat = ray.get(client.instances[decode_engine].actor.heartbeat.remote(), timeout=10)
+    return any(link.name == "net" and link.bytes_queued.get("kv", 0) > 0 for link in beat.links)
+
+
 def _complete_all(server: ServerThread, prompts: list[list[int]], max_tokens: int, during) -> list[str]:
     async def run() -> list[str]:
-        api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
         async def one(i: int, prompt: list[int]) -> str:
             r = await api.completions.create(
@@ -75,40 +92,46 @@ def _complete_all(server: ServerThread, prompts: list[list[int]], max_tokens: in
     return asyncio.run(run())
 
 
-def test_a_decode_engine_killed_while_it_pushes_a_stored_context_loses_no_token(
+def test_a_decode_engine_killed_while_it_pushes_a_context_loses_no_token(
     dualpath_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
 ) -> None:
     client, server = dualpath_cluster
+    dispatcher = client.dispatcher
+    assert isinstance(dispatcher, PDDispatcher)
     contexts = [[40 + i] + [(19 * j + 7 * i) % 300 + 3 for j in range(CONTEXT_TOKENS)] for i in range(AGENTS)]
 
     async def nothing() -> None:
         return None
 
-    # Each agent's first turn: its context is prefilled and written through to the shared store.
-    assert _complete_all(server, contexts, 4, nothing) == one_engine_texts(tiny_llama, contexts, 4)
-    # The next turns at once, each the context and a short append: the PE's storage queue fills, so some calls read
-    # their context on a DE and push it to the PE. The first DE seen pushing is killed mid-push.
-    turns = [c + [(5 * j + i) % 300 + 9 for j in range(20)] for i, c in enumerate(contexts)]
+    # Each agent's first turn: its context is prefilled (and written through to the shared store), its output decoded.
+    firsts = one_engine_outputs(tiny_llama, contexts, FIRST_TURN_TOKENS)
+    assert _complete_all(server, contexts, FIRST_TURN_TOKENS, nothing) == [out.text for out in firsts]
+    # The next turns at once, each the context, its output and a short append: the DE that decoded the output holds
+    # more of it than the PE, so it reads there and pushes the PE what the PE lacks. The DE of the first call placed
+    # is killed mid-push, its call prefilling on the PE as the push lands.
+    appends = [[(5 * j + i) % 300 + 9 for j in range(20)] for i in range(AGENTS)]
+    turns = [c + out.token_ids + a for c, out, a in zip(contexts, firsts, appends, strict=True)]
     killed: list[str] = []
 
     async def kill_a_pushing_de() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with client.lock:
-                pushing = [
-                    c.decode_engine
-                    for c in client.dispatcher.calls.values()
-                    if c.read_path == "de" and c.phase == "prefilling" and c.decode_engine
-                ]
-            if pushing:
-                info = client.instances[pushing[0]].info
+                prefilling = [c for c in dispatcher.calls.values() if c.read_path == "de" and c.phase == "prefilling"]
+            # The first call placed: its push goes first on its DE's link, and the PE, idle then, runs it first.
+            first = min(prefilling, key=lambda c: c.tag, default=None)
+            if first is not None and _pushing(client, first.decode_engine):
+                await asyncio.sleep(PE_TAKES_THE_PUSH_S)
+                info = client.instances[first.decode_engine].info
                 assert info is not None
                 os.kill(info.pid, signal.SIGKILL)
-                killed.append(pushing[0])
+                killed.append(first.decode_engine)
                 return
             await asyncio.sleep(0.002)
 
-    placed_again = client.dispatcher.num_failovers
+    losses, placed_again = dispatcher.num_stream_losses, dispatcher.num_failovers
     assert _complete_all(server, turns, 8, kill_a_pushing_de) == one_engine_texts(tiny_llama, turns, 8)
     assert killed, "no call read its context on a decode engine"
-    assert client.dispatcher.num_failovers > placed_again  # its calls were placed again (pushing or decoding)
+    # The kill cut a push for real: the PE's prefill reading it failed, and the call was placed again.
+    assert dispatcher.num_stream_losses > losses
+    assert dispatcher.num_failovers > placed_again

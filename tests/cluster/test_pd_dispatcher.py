@@ -3,8 +3,11 @@ happens when an engine is lost in each phase (nothing lost or repeated for the c
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
 
+from boundless.cluster.client import DispatcherFrontEnd
 from boundless.cluster.dispatcher import AbortOn, AddResult, Fail, MarkDead, Send
 from boundless.cluster.pd_dispatcher import (
     MAX_STREAM_LOSSES,
@@ -13,6 +16,7 @@ from boundless.cluster.pd_dispatcher import (
     Continue,
     DropPrefetch,
     PDCall,
+    PDDecision,
     PDDispatcher,
     PDInstance,
     Prefetch,
@@ -21,7 +25,8 @@ from boundless.cluster.pd_dispatcher import (
 )
 from boundless.cluster.pd_scheduler import PDSchedulerConfig
 from boundless.cluster.restarts import Restart, RestartPolicy
-from boundless.engine.core import KV_STREAM_LOST, RequestDelta
+from boundless.engine.async_engine import StreamRegistry
+from boundless.engine.core import KV_STREAM_LOST, RequestDelta, Resume
 from boundless.engine.handoff import IntakeAnswer
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.process_table import ProcessTable
@@ -347,6 +352,66 @@ def test_a_prefill_failed_with_its_push_places_the_call_again_and_loses_no_token
     assert d.continue_done(cont, OK) == []
     shown, _ = d.receive(other, delta("a", [8], "y", "length"))
     assert shown is not None and shown.finished and d.calls == {}
+
+
+class EnginesThatTakeEverything(DispatcherFrontEnd):
+    """The front end's loop (``cluster/client.py``: what the Ray client and ``local_pd`` share) over a dispatcher,
+    without Ray: every engine takes what it is sent (a DE-read push of 3 blocks), what reaches them is kept in
+    ``sent``, and the test plays the engines' deltas as their pollers hand them over (``_receive``)."""
+
+    def __init__(self, d: PDDispatcher) -> None:
+        self.dispatcher, self.streams, self.lock = d, StreamRegistry(), threading.RLock()
+        self.sent: list[PDDecision] = []
+
+    def _prepare(self, prepare: Prepare) -> PrepareResult:
+        self.sent.append(prepare)
+        return PrepareResult("ok", IntakeAnswer(0, push_blocks=3))
+
+    def _pe_holds(self, instance_id: str, prompt: list[int]) -> int:
+        return 0
+
+    def _add(self, send: Send) -> AddResult:
+        self.sent.append(send)
+        return OK
+
+    def _continue(self, cont: Continue) -> AddResult:
+        self.sent.append(cont)
+        return OK
+
+    def _mark_dead(self, mark: MarkDead) -> None:
+        self.sent.append(mark)
+
+    def _abort_on(self, abort: AbortOn) -> None:
+        self.sent.append(abort)
+
+
+def test_the_front_end_carries_out_the_placement_again_of_a_call_whose_push_failed() -> None:
+    """The PE's failed step shows the client nothing, but places the call again: the front end must carry that
+    out too (it once carried out only what came with a shown delta, and the call waited in ``preparing`` for ever,
+    its client with it)."""
+    engines = EnginesThatTakeEverything(dispatcher(des=2))
+    failed = dataclasses.replace(delta("a", [], "", "error"), stop_reason=KV_STREAM_LOST)
+
+    async def client() -> list[RequestDelta]:
+        stream = engines.submit("a", list(range(64)), PARAMS)
+        prepare, send = engines.sent
+        assert isinstance(prepare, Prepare) and isinstance(send, Send) and send.handoff is not None
+        lost = prepare.instance_id
+        engines._lose(lost, "gone")  # the DE dies mid-push, and the PE's step fails at a layer that never lands
+        assert engines._receive("p0", failed) is None
+        mark, again, send2 = engines.sent[2:]
+        assert mark == MarkDead(lost, "gone")
+        assert isinstance(again, Prepare) and again.instance_id != lost and again.plan.recv_tag != prepare.plan.recv_tag
+        assert isinstance(send2, Send) and send2.instance_id == "p0" and send2.handoff is not None
+        assert engines.dispatcher.calls["a"].phase == "prefilling"
+        engines._receive("p0", delta("a", [7], "x", "handoff"))
+        assert engines.sent[-1] == Continue(again.instance_id, "a", Resume((7,), 1))
+        engines._receive(again.instance_id, delta("a", [8], "y", "length"))
+        return [d async for d in stream]
+
+    deltas = asyncio.run(asyncio.wait_for(client(), timeout=10))
+    assert [t for d in deltas for t in d.new_token_ids] == [7, 8] and deltas[-1].finish_reason == "length"
+    assert engines.dispatcher.num_stream_losses == 1 and engines.dispatcher.calls == {}
 
 
 def test_a_call_whose_pushes_keep_failing_gets_the_error_in_the_end() -> None:
