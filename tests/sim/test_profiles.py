@@ -360,7 +360,10 @@ def test_shipped_profiles_load_with_their_sources() -> None:
                 calibration.get("others", 0),  # a cluster's: the engines beside each step, whose contention is fitted
             )
             level = calibration.get("program_level", 1.0)
-            assert fit_profile_model(samples, spec).scaled(level) == profile.step.model
+            refit = fit_profile_model(samples, spec).scaled(level)
+            # Equal up to the last bits: another CPU's BLAS may round a least-squares solve differently.
+            assert refit.threads == profile.step.model.threads
+            assert refit.coefficients == pytest.approx(profile.step.model.coefficients, rel=1e-9, abs=1e-15)
     with pytest.raises(ValueError, match="h100"):
         load_profile("no-such-gpu")
 
