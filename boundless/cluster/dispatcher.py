@@ -211,7 +211,7 @@ class Dispatcher:
         """A restarted instance answered its first heartbeat: it takes calls from now, with no load (and an empty
         cache: the router's homes on it went with its loss). Nothing for an instance not being restarted. With KV
         lending, the other instances are told it is back (at ``kv_address``, its transport's address now)."""
-        if not self.restarts.ready(instance_id):
+        if not self.restarts.ready(instance_id, self.clock()):
             return []
         self._set_alive(instance_id, True)
         return list(self.lending.instance_back(instance_id, kv_address)) if self.lending is not None else []

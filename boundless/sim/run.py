@@ -266,6 +266,7 @@ CLUSTER_FLAGS = (
     "step_timeout_s",
     "restart_delay_s",
     "max_restarts",
+    "restart_reset_s",
     "prefill_instances",
     "decode_instances",
     "kv_path",
