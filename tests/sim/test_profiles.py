@@ -495,6 +495,34 @@ def test_validate_runs_a_real_two_instance_cluster_beside_the_simulated_one(
     assert len(case["rows"]) == 3 and all(r["measured"] > 0 and r["predicted"] > 0 for r in case["rows"])
 
 
+@pytest.mark.slow
+def test_validate_runs_real_prefill_and_decode_engines_beside_the_simulated_ones(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    from boundless.cli import main
+
+    out = tmp_path / "v.json"
+    args = ["simulate", "validate", "--model", str(model_dirs["tiny-llama"]), "--num-programs", "3", "--rate", "1"]
+    args += ["--workloads", "chat", "--instances", "", "--roles", "1:1", "--repeats", "1", "--cluster-profile", "h100"]
+    args += ["--kv-disk-path", str(tmp_path / "store"), "--kv-write-policy", "through", "--kv-path", "dualpath"]
+    assert main([*args, "--json", str(out)]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["instances"], case["roles"], case["profile"]) == (2, "1P1D", "h100")
+    assert len(case["rows"]) == 3 and all(r["measured"] > 0 and r["predicted"] > 0 for r in case["rows"])
+    # Both engines stepped, real and simulated; each real run had a store of its own, removed after it.
+    assert case["engine"]["measured_steps"] > 0 and case["engine"]["predicted_steps"] > 0
+    assert list((tmp_path / "store").iterdir()) == []
+
+
+def test_validate_refuses_roles_that_are_not_p_colon_d(model_dirs: dict[str, Path]) -> None:
+    from boundless.cli import main
+
+    args = ["simulate", "validate", "--model", str(model_dirs["tiny-llama"]), "--instances", ""]
+    for roles, message in (("1", "not P:D"), ("0:2", "at least one engine of each role"), ("", "no case")):
+        with pytest.raises(SystemExit, match=message):
+            main([*args, "--roles", roles])
+
+
 def test_refit_fits_a_shipped_profiles_kept_steps_again_and_writes_a_profile_that_loads(tmp_path: Path) -> None:
     from boundless.cli import main
 
