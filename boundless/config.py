@@ -286,6 +286,13 @@ class ClusterConfig:
     max_restarts: int = field(
         default=3, metadata={"help": "restarts per lost instance, those that fail included (0: never restart)"}
     )
+    restart_reset_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "a restarted instance up this many seconds has its restarts forgotten: its next loss waits "
+            "--restart-delay-s again and counts against --max-restarts from zero (0: never)"
+        },
+    )
     # Prefill/decode disaggregation (DualPath): the roles, the transport between them, the inter-engine
     # scheduler's thresholds, in tokens (cluster/pd_scheduler.py), and the emulated links (cluster/links.py).
     prefill_instances: int = field(
@@ -401,6 +408,7 @@ class ClusterConfig:
         _require(self.step_timeout_s > 0, "step_timeout_s", "must be positive")
         _require(self.restart_delay_s >= 0, "restart_delay_s", "must not be negative")
         _require(self.max_restarts >= 0, "max_restarts", "must not be negative")
+        _require(self.restart_reset_s >= 0, "restart_reset_s", "must not be negative")
         for name in ("pd_alpha", "pd_beta", "pd_z"):
             value = getattr(self, name)
             _require(value is None or value >= 0, name, "must not be negative")

@@ -267,7 +267,7 @@ def served_engine(
     from boundless.engine.async_engine import AsyncEngine
     from boundless.engine.core import EngineCore
 
-    if cluster is not None and cluster.instances > 1:
+    if cluster is not None and (cluster.instances > 1 or cluster.disaggregated):
         from boundless.cluster.client import ClusterClient
 
         engine: EngineClient = ClusterClient(config, cluster)

@@ -38,7 +38,7 @@ from boundless.api.metrics import link_metrics
 from boundless.cluster.dispatcher import AbortOn, AddResult, Dispatcher, Fail, MarkDead, Send
 from boundless.cluster.gmanager import GManager
 from boundless.cluster.instance import EngineInstance, Heartbeat, InstanceInfo, RoleSetup
-from boundless.cluster.lending_cluster import ClusterLending, PeerLost
+from boundless.cluster.lending_cluster import ClusterLending, PeerBack, PeerLost
 from boundless.cluster.lending_instance import LendingSetup
 from boundless.cluster.links import LinkStats
 from boundless.cluster.pd_dispatcher import (
@@ -146,6 +146,8 @@ class DispatcherFrontEnd:
                 self._abort_on(decision)
             elif isinstance(decision, PeerLost):
                 self._peer_lost(decision)
+            elif isinstance(decision, PeerBack):
+                self._peer_back(decision)
             elif isinstance(decision, Prefetch):
                 self._prefetch(decision)
             elif isinstance(decision, DropPrefetch):
@@ -176,11 +178,12 @@ class DispatcherFrontEnd:
         with self.lock:
             self._carry_out(self.dispatcher.restarts_due())
 
-    def _rejoin(self, iid: str) -> None:
-        """A restarted instance answered its first heartbeat: it takes calls again."""
+    def _rejoin(self, iid: str, kv_address: str | None = None) -> None:
+        """A restarted instance answered its first heartbeat: it takes calls again (its KV transport at
+        ``kv_address``, for the lending peers)."""
         with self.lock:
             log.warning("instance %s is back (restarted); it takes calls again", iid)
-            self._carry_out(self.dispatcher.instance_ready(iid))
+            self._carry_out(self.dispatcher.instance_ready(iid, kv_address))
 
     def _restart_failed(self, iid: str, reason: str) -> None:
         """A restart did not come up: counted, and tried again later as the policy allows."""
@@ -233,6 +236,9 @@ class DispatcherFrontEnd:
     def _peer_lost(self, lost: PeerLost) -> None:
         raise NotImplementedError
 
+    def _peer_back(self, back: PeerBack) -> None:
+        raise NotImplementedError
+
     def _prefetch(self, prefetch: Prefetch) -> None:
         raise NotImplementedError
 
@@ -274,7 +280,7 @@ class ClusterClient(DispatcherFrontEnd):
         }
         # What a restart starts again: an actor of the same class, config and role (``_restart``).
         self._start_actor: Callable[[str], object] = lambda iid: actor_cls.remote(
-            iid, engine, max_waiting, threads, setups[iid]
+            iid, engine, max_waiting, threads, setups[iid], lending=lending_setups[iid]
         )
         self._starting: dict[str, object] = {}  # instance id -> the actor of its restart, until it is ready
         for inst in self.instances.values():
@@ -287,15 +293,13 @@ class ClusterClient(DispatcherFrontEnd):
         if cluster.disaggregated:
             self.dispatcher = self._pd_dispatcher(engine, cluster, table)
         else:
-            # A restarted instance would have to join the lending agents' mesh again: not built, so no restarts.
-            restarts = RestartPolicy.from_config(cluster) if self.lending is None else None
             self.dispatcher = Dispatcher(
                 self.instances,
                 Router(cluster.routing, cluster.locality_threshold, cluster.locality_max_imbalance),
                 table,
                 time.monotonic,
                 self.lending,
-                restarts,
+                RestartPolicy.from_config(cluster),
             )
         self.streams = StreamRegistry()
         self.lock = threading.RLock()  # around the dispatcher, and the adds its decisions send
@@ -473,6 +477,8 @@ class ClusterClient(DispatcherFrontEnd):
             with self.lock:
                 self._starting[iid] = actor
             info = ray.get(actor.info.remote(), timeout=STARTUP_TIMEOUT_S)
+            if self.lending is not None:  # its agent meets the live instances' before it takes a call
+                ray.get(actor.lend_connect.remote(self._lending_peers(iid, info, actor)), timeout=STARTUP_TIMEOUT_S)
             beat = ray.get(actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
         except Exception as e:
             with contextlib.suppress(Exception):
@@ -489,7 +495,7 @@ class ClusterClient(DispatcherFrontEnd):
             inst = self.instances[iid] = Instance(actor, info, beat.stats, beat.links)
             poller = self._poller(iid, inst)
             self._threads.append(poller)
-            self._rejoin(iid)
+            self._rejoin(iid, info.kv_address if self.lending is not None else None)
             poller.start()
 
     def _lose_current(self, iid: str, inst: Instance, reason: str) -> None:
@@ -503,6 +509,18 @@ class ClusterClient(DispatcherFrontEnd):
 
     def _peer_lost(self, lost: PeerLost) -> None:
         self.instances[lost.instance_id].actor.lend_peer_lost.remote(lost.lost)
+
+    def _lending_peers(self, iid: str, info: InstanceInfo, actor: object) -> dict[str, object]:
+        """What a restarted instance's lending agent is introduced to: the live instances' actors, and its own, by
+        transport address."""
+        assert self.lending is not None
+        with self.lock:
+            peers = {a: self.instances[i].actor for i, a in self.lending.live_addresses().items() if i != iid}
+        return {**peers, info.kv_address: actor}
+
+    def _peer_back(self, back: PeerBack) -> None:
+        # Not waited for, as PeerLost: the instance told calls the new actor from its next move or plan.
+        self.instances[back.instance_id].actor.lend_peer_back.remote(back.address, self.instances[back.back].actor)
 
     def _prefetch(self, prefetch: Prefetch) -> None:
         # Not waited for: a prefetch only saves a later read, and an instance that dies is found by its heartbeat.

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from boundless.cluster.lending_cluster import ClusterLending, PeerLost
+from boundless.cluster.lending_cluster import ClusterLending, PeerBack, PeerLost
 from boundless.cluster.restarts import Restart, RestartPolicy, Restarts
 from boundless.cluster.routing import InstanceView, LoadIndex, NoLiveInstanceError, Router
 from boundless.engine.core import RequestDelta, Resume
@@ -110,7 +110,7 @@ class AbortOn:
     request_id: str
 
 
-Decision = Send | Fail | MarkDead | AbortOn | PeerLost | Restart
+Decision = Send | Fail | MarkDead | AbortOn | PeerLost | PeerBack | Restart
 
 
 class Dispatcher:
@@ -207,13 +207,14 @@ class Dispatcher:
         """When the next restart is due, on the dispatcher's clock (None: none is)."""
         return self.restarts.next_due()
 
-    def instance_ready(self, instance_id: str) -> list[Decision]:
+    def instance_ready(self, instance_id: str, kv_address: str | None = None) -> list[Decision]:
         """A restarted instance answered its first heartbeat: it takes calls from now, with no load (and an empty
-        cache: the router's homes on it went with its loss). Nothing for an instance not being restarted."""
-        if not self.restarts.ready(instance_id):
+        cache: the router's homes on it went with its loss). Nothing for an instance not being restarted. With KV
+        lending, the other instances are told it is back (at ``kv_address``, its transport's address now)."""
+        if not self.restarts.ready(instance_id, self.clock()):
             return []
         self._set_alive(instance_id, True)
-        return []
+        return list(self.lending.instance_back(instance_id, kv_address)) if self.lending is not None else []
 
     def _lost_while_starting(self, instance_id: str) -> bool:
         """A restarted instance lost before it was ready: its restart failed (counted; the next is scheduled)."""

@@ -275,6 +275,10 @@ class EngineInstance:
     def lend_peer_lost(self, address: str) -> None:
         self._lending().peer_lost(address)
 
+    def lend_peer_back(self, address: str, actor: object) -> None:
+        """The instance at ``address``, lost before, was started again as ``actor``."""
+        self._lending().peer_back(address, actor)
+
     def lend_try_move(self, action: TryMove) -> bool:
         return self._lending().try_move(action)
 

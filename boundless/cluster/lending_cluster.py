@@ -8,7 +8,9 @@ holds the gManager and the map between the two, and turns what the cluster learn
 - when a plan is due, each :class:`~boundless.cluster.lending_plan.MoveOrder` becomes an :class:`OrderMove` for
   its debtor's instance (:meth:`orders`);
 - an instance lost becomes a :class:`PeerLost` for every other live instance, whose rManager frees what it lent
-  to it and recomputes what it held (:meth:`instance_lost`).
+  to it and recomputes what it held (:meth:`instance_lost`);
+- an instance started again in a lost one's place becomes a :class:`PeerBack` for every other live instance, whose
+  agent calls the new actor and may lend to it and borrow from it again (:meth:`instance_back`).
 
 Plain code over plain data, as the dispatcher: the Ray client carries the decisions out.
 """
@@ -38,6 +40,16 @@ class PeerLost:
 
     instance_id: str
     lost: str
+
+
+@dataclass(frozen=True)
+class PeerBack:
+    """Tell ``instance_id``'s rManager that instance ``back``, lost before, was started again at transport address
+    ``address``."""
+
+    instance_id: str
+    back: str
+    address: str
 
 
 class ClusterLending:
@@ -71,6 +83,23 @@ class ClusterLending:
         address = self.addresses[instance_id]
         self.gm.instance_lost(address)
         return [PeerLost(iid, address) for iid in self.addresses if iid not in self.lost]
+
+    def instance_back(self, instance_id: str, address: str | None = None) -> list[PeerBack]:
+        """A lost instance was started again (at ``address``, if its transport's address changed): the gManager hears
+        its heartbeats again, and every other live instance's rManager is told. Nothing for one not lost."""
+        if instance_id not in self.lost:
+            return []
+        self.lost.discard(instance_id)
+        if address is not None and address != self.addresses[instance_id]:
+            del self.instance_of[self.addresses[instance_id]]
+            self.addresses[instance_id] = address
+            self.instance_of[address] = instance_id
+        address = self.addresses[instance_id]
+        return [PeerBack(iid, instance_id, address) for iid in self.addresses if iid not in self.lost | {instance_id}]
+
+    def live_addresses(self) -> dict[str, str]:
+        """Each instance not lost: its transport address."""
+        return {iid: address for iid, address in self.addresses.items() if iid not in self.lost}
 
     def lending(self) -> dict[str, InstanceLending]:
         """Blocks lent, reserved and borrowed per instance id, as the gManager last heard them."""

@@ -150,6 +150,13 @@ class InstanceLending:
         with self.lock:
             self.agent.peer_lost(address)
 
+    def peer_back(self, address: str, actor: Any) -> None:
+        """The instance at ``address`` was started again: ``actor`` is its new actor."""
+        with self.lock:
+            if address != self.agent.instance_id:
+                self.control.peers[address] = actor
+            self.agent.peer_back(address)
+
     # -- the creditor's handlers (calls from debtors' control planes) ----------------------------------------------
 
     def try_move(self, action: TryMove) -> bool:

@@ -409,9 +409,9 @@ class PDDispatcher(Dispatcher):
             self.queue.insert(0, call)
         return decisions + self._place()
 
-    def instance_ready(self, instance_id: str) -> list[PDDecision]:  # type: ignore[override]
+    def instance_ready(self, instance_id: str, kv_address: str | None = None) -> list[PDDecision]:  # type: ignore[override]
         """A restarted engine takes calls again: the queue is placed, with it among the engines."""
-        return [*super().instance_ready(instance_id), *self._place()]
+        return [*super().instance_ready(instance_id, kv_address), *self._place()]
 
     def _place_again(self, call: PDCall) -> list[PDDecision]:
         """A call whose prefill failed with its DE-read push (nothing reached the client) goes back to the head of

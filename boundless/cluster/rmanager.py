@@ -495,6 +495,11 @@ class RManager:
         self.spans = {rid: spans for rid, spans in self.spans.items() if spans}
         return actions
 
+    def peer_back(self, instance_id: str) -> None:
+        """An instance lost earlier was started again in its place: a fresh one, which holds and owes nothing here
+        (what it lent or borrowed went at its loss, :meth:`peer_lost`), so moves to and from it may start again."""
+        self.lost_peers.discard(instance_id)
+
 
 def _with_own_blocks(state: LocalState, own_blocks: int) -> LocalState:
     return LocalState(own_blocks, state.batch_size, state.max_batch_size, state.requests, state.waiting_blocks)

@@ -397,6 +397,10 @@ class LendingAgent:
         """Another instance died (the cluster's heartbeat timeout): free what was lent to it, recompute what it held."""
         self.apply(self.rm.peer_lost(instance_id))
 
+    def peer_back(self, instance_id: str) -> None:
+        """Another instance, lost before, was started again in its place: it may lend and borrow again."""
+        self.rm.peer_back(instance_id)
+
     # -- the creditor's side (called through the control plane) ---------------------------------------------
 
     def on_try_move(self, action: TryMove) -> bool:

@@ -122,6 +122,9 @@ class TierIO:
         self._threads: list[threading.Thread] = []
         self._staging: torch.Tensor | None = None  # the loader's, for stores that read into a given buffer
         self._store_stats_at = -STORE_STATS_EVERY_S
+        # Held from asking the store for its stats until they are kept, so that they are kept in the order they were
+        # taken: a snapshot taken before a read's checksum failure must not overwrite the read's own, taken after.
+        self._store_stats_lock = threading.Lock()
         held_keys = getattr(store, "held_keys", None)
         self._held_at_open: tuple[bytes, ...] = tuple(held_keys()) if held_keys is not None else ()
         if store is not None and background:
@@ -167,17 +170,14 @@ class TierIO:
         """What finished since the last report; with ``wait_s``, wait that long at most for a read to finish
         when none has (a step with nothing else to do)."""
         now = time.monotonic()
-        store_stats = None
         if self.store is not None and now - self._store_stats_at >= STORE_STATS_EVERY_S:
             self._store_stats_at = now
-            store_stats = self.store.stats()
+            self._keep_store_stats()
         with self._done:
             if wait_s > 0 and not self._reads_done and self._reads_pending:
                 self._done.wait(timeout=wait_s)
             reads, self._reads_done = self._reads_done, []
             writes, self._writes_done = self._writes_done, []
-            if store_stats is not None:
-                self.stats.store = store_stats
             stats = DiskIOStats(**vars(self.stats))
             held, self._held_at_open = self._held_at_open, ()
         return TierReport(tuple(reads), tuple(writes), stats, held)
@@ -252,14 +252,12 @@ class TierIO:
         except Exception:  # the store does not raise for I/O trouble; anything else must not kill the loader
             log.exception("reading KV blocks from the store failed")
         seconds = self.clock() - start
-        store_stats = self._store_stats()
+        self._keep_store_stats()  # before the read is reported: its checksum failures come with it
         gate = LayerGate(self._num_layers()) if carry is not None and found else None
         with self._done:
             if gate is not None:  # before the read is reported: no step may use its blocks unguarded
                 for block_id in read.dst_ids[:found]:
                     self._gates[block_id] = gate
-            if store_stats is not None:
-                self.stats.store = store_stats
             if gate is not None:
                 self.stats.layerwise_loads += 1
             if read.is_probe:
@@ -397,23 +395,27 @@ class TierIO:
             written = self.store.write(write.keys, blocks)
         except Exception:  # the store does not raise for I/O trouble; anything else must not kill the writer
             log.exception("writing KV blocks to the store failed")
-        self._finish_write(write, written == len(write.keys), self._store_stats())
+        self._keep_store_stats()
+        self._finish_write(write, written == len(write.keys))
 
-    def _store_stats(self) -> object | None:
-        """The store's stats after one of its reads or writes: its checksum failures and write errors are then
-        in the report that brings the read's or write's result (the stats of DiskKVStore cost no I/O)."""
-        try:
-            return self.store.stats() if self.store is not None else None
-        except Exception:
-            log.exception("the KV store's stats failed")
-            return None
+    def _keep_store_stats(self) -> None:
+        """Ask the store for its stats and keep them for the next report. After one of its reads or writes, before
+        the result is reported: its checksum failures and write errors then come in the report that brings it."""
+        if self.store is None:
+            return
+        with self._store_stats_lock:
+            try:
+                stats = self.store.stats()
+            except Exception:
+                log.exception("the KV store's stats failed")
+                return
+            with self._lock:
+                self.stats.store = stats
 
-    def _finish_write(self, write: DiskWrite, written: bool, store_stats: object | None = None) -> None:
+    def _finish_write(self, write: DiskWrite, written: bool) -> None:
         # The store says how many landed, not which: all of them, or none that we count on.
         n = len(write.keys)
         with self._done:
-            if store_stats is not None:
-                self.stats.store = store_stats
             if written:
                 self.stats.blocks_written += n
                 self._writes_done.append(DiskWriteDone(written=write.keys))

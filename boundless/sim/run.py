@@ -266,6 +266,7 @@ CLUSTER_FLAGS = (
     "step_timeout_s",
     "restart_delay_s",
     "max_restarts",
+    "restart_reset_s",
     "prefill_instances",
     "decode_instances",
     "kv_path",
@@ -293,10 +294,26 @@ def cluster_config_from_flags(args: argparse.Namespace) -> ClusterConfig:
     return config
 
 
+def parse_roles(text: str | None) -> list[tuple[int, int]]:
+    """``--roles``: comma-separated ``P:D`` sizes (prefill engines, decode engines), each at least 1."""
+    sizes = []
+    for size in (text or "").split(","):
+        if not size.strip():
+            continue
+        try:
+            prefill, decode = (int(n) for n in size.split(":"))
+        except ValueError:
+            raise SystemExit(f"--roles: {size.strip()!r} is not P:D (prefill and decode engines, e.g. 1:2)") from None
+        if prefill < 1 or decode < 1:
+            raise SystemExit(f"--roles: {size.strip()!r} needs at least one engine of each role")
+        sizes.append((prefill, decode))
+    return sizes
+
+
 def cluster_configs_from_flags(args: argparse.Namespace) -> list[ClusterConfig]:
     """The clusters to run: the flags' one, or one per ``--roles`` size (``P:D``) and per ``--kv-paths`` path."""
     config = cluster_config_from_flags(args)
-    sizes = [tuple(int(n) for n in size.split(":")) for size in args.roles.split(",")] if args.roles else [None]
+    sizes: list[tuple[int, int] | None] = [*parse_roles(args.roles)] or [None]
     configs = []
     for size in sizes:
         sized = (

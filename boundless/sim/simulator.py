@@ -236,9 +236,6 @@ class Simulator:
                     config, model, cost, self.clock, None, host_copy, disk_cost, link, max_model_len=max_len,
                 )  # fmt: skip
                 self.instances[str(i)] = SimInstance(str(i), make())
-            if instances > 1 and getattr(cost, "contended", False):
-                for iid, inst in self.instances.items():  # each step slows with the others stepping beside it
-                    inst.core.executor.contention = self._contention_beside(iid)  # type: ignore[attr-defined]
             if lending:
                 cores = {iid: inst.core for iid, inst in self.instances.items()}
                 idle = lambda iid: self.instances[iid].step is None
@@ -252,6 +249,9 @@ class Simulator:
                 )
                 restarts = RestartPolicy.from_config(self.cluster)
                 self.dispatcher = Dispatcher(self.instances, router, table, self.clock, restarts=restarts)
+        if len(self.instances) > 1 and getattr(cost, "contended", False):
+            for iid, inst in self.instances.items():  # each step slows with the others stepping beside it
+                inst.core.executor.contention = self._contention_beside(iid)  # type: ignore[attr-defined]
         self.core = next(iter(self.instances.values())).core  # the engine, for one instance
         self.max_model_len = min(i.core.max_model_len for i in self.instances.values())
         # Without compaction a prompt goes as it is, and one longer than an instance admits is refused.

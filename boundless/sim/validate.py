@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import statistics
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,6 +46,7 @@ from boundless.config import (
 )
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import FittedStepCost, HardwareProfile, load_profile
+from boundless.sim.run import parse_roles
 from boundless.sim.served_grid import taking_steps
 from boundless.sim.simulator import SimResult, Simulator
 from boundless.sim.step_model import StepTimeModel, contention, samples_json
@@ -65,10 +68,22 @@ RealRun = Callable[[EngineConfig, list[ProgramSpec], ClusterConfig | None, Hardw
 
 @dataclass(frozen=True)
 class Case:
-    """One validated setting: a workload on a number of instances."""
+    """One validated setting: a workload on a number of instances, or on prefill and decode engines (``roles``:
+    how many of each, ``instances`` their sum)."""
 
     workload: str
     instances: int
+    roles: tuple[int, int] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.roles[0]}P{self.roles[1]}D" if self.roles else str(self.instances)
+
+    def cluster(self, base: ClusterConfig) -> ClusterConfig:
+        """``base`` (the flags' links and read path) sized for this case."""
+        if self.roles is None:
+            return dataclasses.replace(base, instances=self.instances)
+        return dataclasses.replace(base, instances=1, prefill_instances=self.roles[0], decode_instances=self.roles[1])
 
 
 def simulated_summary(results: list[SimResult]) -> dict[str, float]:
@@ -125,7 +140,8 @@ def at_step_speed(profile: HardwareProfile, ratio: float) -> HardwareProfile | N
 def simulate(
     config: EngineConfig, programs: list[ProgramSpec], profile: HardwareProfile, cluster: ClusterConfig
 ) -> dict[str, float]:
-    """The programs in the simulator, on ``cluster.instances`` instances behind the real dispatcher."""
+    """The programs in the simulator, on ``cluster.instances`` instances (or its prefill and decode engines) behind
+    the real dispatcher."""
     sim = Simulator(
         config, SimulatedModel.read(config.model), profile=profile, instances=cluster.instances, cluster=cluster
     )
@@ -159,17 +175,21 @@ def validate_case(
     profile: HardwareProfile,
     repeats: int,
     real_run: RealRun,
+    base: ClusterConfig | None = None,
 ) -> dict:
-    """Predicted against measured for one case: the simulation once, the real engine ``repeats`` times."""
+    """Predicted against measured for one case: the simulation once, the real engine ``repeats`` times. ``base``:
+    the cluster's flags other than its size (links, read path)."""
     programs = make_programs(case.workload, num_programs, rate, seed, shape)
-    cluster = ClusterConfig(instances=case.instances)
+    cluster = case.cluster(base or ClusterConfig())
     predicted = simulate(config, programs, profile, cluster)
-    measured = [real_run(config, programs, cluster if case.instances > 1 else None, profile) for _ in range(repeats)]
+    served = cluster if case.instances > 1 or case.roles else None
+    measured = [real_run(config, programs, served, profile) for _ in range(repeats)]
     engine = engine_figures(predicted, measured)
     at_speed = at_step_speed(profile, engine["same_shape_ratio"])
     return {
         "workload": case.workload,
         "instances": case.instances,
+        "roles": case.label if case.roles else "",
         "profile": profile.name,
         "load_average": os.getloadavg()[0],
         "rows": compare(predicted, measured, simulate(config, programs, at_speed, cluster) if at_speed else None),
@@ -188,14 +208,15 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
     def run(
         config: EngineConfig, programs: list[ProgramSpec], cluster: ClusterConfig | None, profile: HardwareProfile
     ) -> dict:
-        desc = "real engine" if cluster is None else f"real cluster of {cluster.instances}"
-        with served_engine(loaded, config, cluster) as served:
+        desc = "real engine" if cluster is None else "real cluster"
+        with fresh_store(config) as config, served_engine(loaded, config, cluster) as served:
             served.take_steps()
             runner = ProgramRunner(served.url, "bench", served.max_model_len, loaded.arch.vocab_size)
             results, steps = asyncio.run(taking_steps(runner.run(programs, desc), served.take_steps))
             if cluster is not None:
                 time.sleep(2 * cluster.heartbeat_interval_s)  # let the last heartbeats in
             stats = list(served.stats().values())
+        engines = len(stats)
         summary = summarize(results)
         if summary["failed_calls"]:
             raise RuntimeError(f"{summary['failed_calls']} calls failed on the real engine: {summary['first_error']}")
@@ -205,11 +226,23 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
             "busy_s": float(sum(s.busy_seconds for s in stats)),
             "steps": float(sum(s.steps for s in stats)),
             "taken_step_s": sum(s.seconds for s in steps),
-            "profile_step_s": profile_seconds(profile, steps, cluster.instances if cluster else 1),
+            "profile_step_s": profile_seconds(profile, steps, engines),
             "steps_taken": steps,
         }
 
     return run
+
+
+@contextlib.contextmanager
+def fresh_store(config: EngineConfig) -> Iterator[EngineConfig]:
+    """``config`` with its disk store (``--kv-disk-path``, if given) in a fresh directory, removed after: each real run
+    starts with an empty store, as the simulation does."""
+    if not config.cache.kv_disk_path:
+        yield config
+        return
+    os.makedirs(config.cache.kv_disk_path, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="boundless-validate-", dir=config.cache.kv_disk_path) as path:
+        yield dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_disk_path=path))
 
 
 def profile_seconds(profile: HardwareProfile, steps: Sequence[AttentionSample], instances: int) -> float:
@@ -227,7 +260,7 @@ def table_rows(cases: Sequence[dict]) -> list[list[str]]:
     return [
         [
             c["workload"],
-            str(c["instances"]),
+            c.get("roles") or str(c["instances"]),
             r["metric"],
             f"{r['predicted']:.3f}",
             f"{r['measured']:.3f}",
@@ -247,28 +280,35 @@ def run(args: argparse.Namespace) -> dict:
     config = engine_config_from_flags(args)
     shape = WorkloadShape(scale=args.scale, tool_wait_s=args.tool_wait)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    sizes = [int(n) for n in args.instances.split(",")]
+    sizes = [Case("", int(n)) for n in args.instances.split(",") if n.strip()]
+    sizes += [Case("", p + d, (p, d)) for p, d in parse_roles(args.roles)]
+    if not sizes:
+        raise SystemExit("--instances and --roles: no case to validate")
     for w in workloads:
         if w not in WORKLOADS or w == "trace":
             raise SystemExit(f"--workloads: unknown workload {w!r}")
-    profiles = {n: load_profile(args.profile if n == 1 else args.cluster_profile) for n in set(sizes)}
+    base = ClusterConfig(kv_path=args.kv_path, storage_gbps=args.storage_gbps, net_gbps=args.net_gbps)
+    # One engine: --profile; more (prefill and decode engines too), each on its share of the cores: --cluster-profile.
+    names = {c.instances: args.profile if c.instances == 1 else args.cluster_profile for c in sizes}
+    profiles = {n: load_profile(name) for n, name in names.items()}
     loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
     real_run = serve_and_measure(loaded)
     load_before = os.getloadavg()[0]
     cases = [
         validate_case(
-            Case(w, n),
+            dataclasses.replace(size, workload=w),
             config,
             shape,
             args.num_programs,
             args.rate,
             args.bench_seed,
-            profiles[n],
+            profiles[size.instances],
             args.repeats,
             real_run,
+            base,
         )
         for w in workloads
-        for n in sizes
+        for size in sizes
     ]
     print_table(
         [
@@ -286,8 +326,9 @@ def run(args: argparse.Namespace) -> dict:
     )
     for c in cases:
         e = c["engine"]
+        where = c.get("roles") or c["instances"]
         print(
-            f"{c['workload']} on {c['instances']}: engine busy {e['predicted_busy_s']:.1f} s predicted,"
+            f"{c['workload']} on {where}: engine busy {e['predicted_busy_s']:.1f} s predicted,"
             f" {e['measured_busy_s']:.1f} s measured; seconds per step x{e['step_time_ratio']:.2f} the profile's;"
             f" the real steps took x{e['same_shape_ratio']:.2f} the profile's time for their own shapes (the last"
             " columns: the simulation again with every step that much longer, to tell the simulator's error from"
@@ -301,7 +342,11 @@ def run(args: argparse.Namespace) -> dict:
         "load_average_before": load_before,
         "cases": cases,
         # Every row with its case, flat, for tables.
-        "rows": [{"workload": c["workload"], "instances": c["instances"], **r} for c in cases for r in c["rows"]],
+        "rows": [
+            {"workload": c["workload"], "instances": c["instances"], "roles": c["roles"], **r}
+            for c in cases
+            for r in c["rows"]
+        ],
     }
     if args.json:
         write_json(args.json, result)
@@ -310,7 +355,16 @@ def run(args: argparse.Namespace) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default="chat,mapreduce", help="comma-separated: chat, react, mapreduce, mcts")
-    parser.add_argument("--instances", default="1,2", help="comma-separated cluster sizes to validate")
+    parser.add_argument("--instances", default="1,2", help="comma-separated cluster sizes to validate ('' for none)")
+    parser.add_argument(
+        "--roles",
+        default="",
+        help="comma-separated prefill:decode engine counts to validate too (e.g. 1:1: a prefill engine and a decode "
+        "engine, real and simulated, with the read path --kv-path and the links --storage-gbps, --net-gbps)",
+    )
+    parser.add_argument("--kv-path", default="dualpath", help="with --roles: basic, dualpath or oracle")
+    parser.add_argument("--storage-gbps", type=float, help="with --roles: each engine's emulated storage NIC")
+    parser.add_argument("--net-gbps", type=float, help="with --roles: each engine's emulated compute-network NIC")
     parser.add_argument("--repeats", type=int, default=3, help="real runs per case (the simulation is deterministic)")
     parser.add_argument("--num-programs", type=int, default=16)
     parser.add_argument("--rate", type=float, default=0.2)

@@ -239,3 +239,34 @@ def test_without_restarts_a_lost_instance_stays_dead() -> None:
         clock.now += 1e6
         assert d.restarts_due() == [] and d.next_restart_at() is None and d.instance_ready("1") == []
         assert not d.views["1"].alive and d.restarts.state("1") == "retired"
+
+
+def test_an_instance_up_past_the_reset_starts_its_restarts_afresh() -> None:
+    d, clock = dispatcher(2, restarts=RestartPolicy(delay_s=2.0, max_restarts=2, reset_after_s=600.0))
+
+    def lose_and_restart() -> float:
+        d.instance_lost("1", "gone")
+        delay = d.next_restart_at() - clock.now
+        clock.now = d.next_restart_at()
+        assert len(d.restarts_due()) == 1
+        d.instance_ready("1")
+        return delay
+
+    assert [lose_and_restart(), lose_and_restart()] == [2.0, 4.0]
+    clock.now += 599.0  # up, but not long enough: the third loss is past the limit
+    d.instance_lost("1", "gone")
+    assert d.restarts.state("1") == "retired"
+
+    d, clock = dispatcher(2, restarts=RestartPolicy(delay_s=2.0, max_restarts=2, reset_after_s=600.0))
+    assert [lose_and_restart(), lose_and_restart()] == [2.0, 4.0]
+    clock.now += 600.0  # up ten minutes: its restarts are forgotten
+    assert [lose_and_restart(), lose_and_restart()] == [2.0, 4.0]
+    assert d.restarts.counts("1") == (4, 4, 0)  # what /metrics counts is not reset
+    d.instance_lost("1", "gone")  # lost at once after its last restart: the limit holds
+    assert d.restarts.state("1") == "retired"
+
+    d, clock = dispatcher(2, restarts=RestartPolicy(delay_s=2.0, max_restarts=1, reset_after_s=0.0))
+    lose_and_restart()
+    clock.now += 1e6  # 0: never reset
+    d.instance_lost("1", "gone")
+    assert d.restarts.state("1") == "retired"

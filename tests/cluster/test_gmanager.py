@@ -11,9 +11,10 @@ from lending_cases import BLOCK, GPU_LIKE, instance, request, samples_of
 
 from boundless.cluster.dispatcher import Dispatcher, MarkDead
 from boundless.cluster.gmanager import GManager, InstanceLending
-from boundless.cluster.lending_cluster import ClusterLending, OrderMove, PeerLost
+from boundless.cluster.lending_cluster import ClusterLending, OrderMove, PeerBack, PeerLost
 from boundless.cluster.lending_plan import LendingThresholds, MoveOrder
 from boundless.cluster.placement import Heartbeat, RequestPlacementEntry
+from boundless.cluster.restarts import Restart, RestartPolicy
 from boundless.cluster.rmanager import FreeLocalBlocks, LocalRequest, LocalState, RManager, SendBlocks, TryMove
 from boundless.cluster.routing import Router
 from boundless.config import ClusterConfig, ConfigError
@@ -206,3 +207,35 @@ def test_the_dispatcher_tells_the_rmanagers_when_an_instance_is_lost() -> None:
     d = Dispatcher(["0", "1", "2"], router, ProcessTable(ttl_s=60), lambda: 0.0, lending)
     decisions = d.instance_lost("2", "gone")
     assert decisions == [MarkDead("2", "gone"), PeerLost("0", "C"), PeerLost("1", "C")]
+
+
+def test_a_lost_instance_started_again_is_heard_again_and_every_live_one_told() -> None:
+    lending, _ = cluster_lending()
+    assert lending.instance_back("1") == []  # not lost: no news
+    lending.instance_lost("1")
+    lending.instance_lost("2")  # still down when "1" comes back: not told
+    assert lending.instance_back("1") == [PeerBack("0", "1", "B")]
+    assert lending.instance_back("1") == []  # told once
+    lending.on_heartbeat(debtor_beat())
+    lending.on_heartbeat(creditor_beat())  # the restarted instance's first heartbeat reaches the gManager
+    assert lending.orders() == [OrderMove("0", "a-long", 23, "B")]
+    assert lending.live_addresses() == {"0": "A", "1": "B"}
+
+
+def test_an_instance_started_again_at_a_new_address_is_known_by_it() -> None:
+    lending, _ = cluster_lending()
+    lending.instance_lost("0")
+    assert lending.instance_back("0", "A2") == [PeerBack("1", "0", "A2"), PeerBack("2", "0", "A2")]
+    assert lending.addresses["0"] == "A2" and lending.instance_of == {"A2": "0", "B": "1", "C": "2"}
+
+
+def test_the_dispatcher_tells_the_rmanagers_when_a_lost_instance_is_back() -> None:
+    lending, _ = cluster_lending()
+    router = Router("locality", locality_threshold=4, max_imbalance=4)
+    clock = [0.0]
+    d = Dispatcher(["0", "1", "2"], router, ProcessTable(ttl_s=60), lambda: clock[0], lending, RestartPolicy(1.0, 3))
+    d.instance_lost("2", "gone")
+    clock[0] = 1.0
+    assert d.restarts_due() == [Restart("2", 1)]
+    assert d.instance_ready("2", "C") == [PeerBack("0", "2", "C"), PeerBack("1", "2", "C")]
+    assert d.views["2"].alive and lending.lost == set()

@@ -1,7 +1,7 @@
 """KV lending across a 2-instance Ray cluster behind a real server: a long request whose instance runs out of
 blocks while calls of its program wait there gets blocks moved to the other instance; output unchanged. And the
-same with the creditor killed while it holds them (the debtor recomputes), and with the debtor killed (the
-creditor frees its blocks; the calls fail over): output unchanged."""
+same with the creditor killed while it holds them (the debtor recomputes; the creditor, restarted, lends again),
+and with the debtor killed (the creditor frees its blocks; the calls fail over): output unchanged."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 from lending_cases import GPU_LIKE
+from streams import wait_for_state
 
 from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
@@ -52,6 +53,7 @@ def lending_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient
         lending_min_gain=0.0,
         lending_reservation_timeout_s=10.0,
         kv_handoff_timeout_s=10.0,  # a round trip to a killed creditor fails within this
+        restart_delay_s=1.0,
     )
     client = ClusterClient(config, cluster)
     # The gManager plans with a fixed GPU-like cost model (a step's fixed cost dominates): the tiny model's steps
@@ -187,8 +189,13 @@ def test_a_creditor_killed_mid_decode_its_debtor_recomputes_output_unchanged(
     debtor = next(iid for iid in client.instances if iid != watch.killed)
     metrics = httpx.get(server.url + "/metrics").text
     assert _metric(metrics, "boundless_kv_lending_recomputed_requests_total", instance=debtor) >= 1
-    states = {i["id"]: i["state"] for i in httpx.get(server.url + "/cluster").json()["instances"]}
-    assert states == {debtor: "alive", watch.killed: "dead"}
+    # The creditor comes back (a fresh actor at its transport address) and its peer's agent lends to it again.
+    restarted = wait_for_state(server.url, watch.killed, "alive")
+    assert restarted["restarts"] == 1, restarted
+    with Watch(server.url) as again:
+        texts = asyncio.run(_workload(server.url))
+    assert texts == _offline(tiny_llama, [LONG, *WAITERS], [LONG_TOKENS] + [WAITER_TOKENS] * 2)
+    assert again.seen[watch.killed]["lent"] > 0 and again.seen[debtor]["borrowed"] > 0, again.seen
 
 
 def test_a_debtor_killed_mid_decode_its_creditor_frees_its_blocks(

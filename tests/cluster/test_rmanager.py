@@ -174,6 +174,20 @@ def test_a_lost_creditor_has_the_debtor_recompute_its_blocks_and_keep_those_in_f
     assert debtor.counters.blocks_recomputed == 8
 
 
+def test_a_lost_peer_started_again_lends_and_borrows_again_from_nothing() -> None:
+    debtor, creditor, _ = pair(creditor_blocks=64)
+    send = one(deliver_try(debtor, creditor, one(debtor.move_kvcache("long", 8, "B"), TryMove)), SendBlocks)
+    deliver_blocks(debtor, creditor, send)
+    debtor.peer_lost("B")
+    creditor.peer_lost("A")  # each saw the other go (one of them was restarted; neither knows which)
+    debtor.peer_back("B")
+    creditor.peer_back("A")
+    assert debtor.remote_spans("long") == [] and creditor.loans == {}  # nothing of before comes back
+    again = one(deliver_try(debtor, creditor, one(debtor.move_kvcache("long", 4, "B"), TryMove)), SendBlocks)
+    assert deliver_blocks(debtor, creditor, again, first_id=200) == [FreeLocalBlocks("long", 0, 4)]
+    assert creditor.lent_blocks == 4 and [s.num_blocks for s in debtor.remote_spans("long")] == [4]
+
+
 def test_a_request_that_finishes_mid_move_leaves_nothing_held_for_it() -> None:
     debtor, creditor, _ = pair(creditor_blocks=64)
     committed = one(deliver_try(debtor, creditor, one(debtor.move_kvcache("long", 8, "B"), TryMove)), SendBlocks)

@@ -7,6 +7,7 @@ blocks or fails on purpose; the persistent store (``kv/disk_store.py``) plugs in
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -212,6 +213,52 @@ def test_a_step_does_not_wait_for_a_slow_read_and_the_read_is_reported_when_done
         assert float(tiers[HOST].read_blocks([1]).unique()) == 3.0
     finally:
         store.release.set()
+        io.close()
+
+
+def test_a_read_that_fails_its_check_is_reported_with_the_store_stats_that_count_it(dict_store: type) -> None:
+    """The report's own ask for the store's stats can be overtaken by a read: a snapshot taken before the read's
+    checksum failure must not be what the report that brings the read carries (the failure was then lost to
+    ``/metrics`` until the next refresh)."""
+
+    class CheckedStore(dict_store):  # type: ignore[misc, valid-type]
+        """Reads of ``b"bad"`` fail their check (counted, as the disk store counts a damaged file). The stats asked
+        for outside the loader are taken, then held back until the loader has reported its read (or 0.5 s)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.failures = 0
+            self.go = threading.Event()
+            self.io: TierIO | None = None
+
+        def read(self, keys):
+            self.go.wait(timeout=30)
+            self.failures += keys.count(b"bad")
+            return [None if k == b"bad" else v for k, v in zip(keys, super().read(keys), strict=True)]
+
+        def stats(self) -> dict[str, int]:
+            taken = {"checksum_failures": self.failures}
+            if threading.current_thread().name != "boundless-kv-loader":
+                self.go.set()
+                deadline = time.monotonic() + 0.5
+                while self.io is not None and not self.io._reads_done and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            return taken
+
+    _, tiers = _memory(num_blocks=4, host_blocks=4)
+    store = CheckedStore()
+    io = store.io = TierIO(tiers, store)
+    try:
+        io.apply([DiskRead(7, (b"bad",), (0,))], [], [])
+        reads: tuple = ()
+        deadline = time.monotonic() + 30
+        while not reads and time.monotonic() < deadline:
+            report = io.report(wait_s=0.1)
+            reads = report.reads
+        assert [(r.read_id, r.num_found) for r in reads] == [(7, 0)]
+        assert report.io is not None and report.io.store == {"checksum_failures": 1}
+    finally:
+        store.go.set()
         io.close()
 
 
