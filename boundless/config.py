@@ -440,6 +440,11 @@ class ClusterConfig:
         return self.prefill_instances > 0 or self.decode_instances > 0
 
     @property
+    def num_engines(self) -> int:
+        """The engines the cluster runs: its instances, or its prefill and decode engines."""
+        return sum(self.roles) if self.disaggregated else self.instances
+
+    @property
     def roles(self) -> tuple[int, int]:
         """(prefill engines, decode engines): one of each at least when disaggregated."""
         return max(1, self.prefill_instances), max(1, self.decode_instances)

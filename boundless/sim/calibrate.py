@@ -53,7 +53,8 @@ from boundless.sim.cost import (
 from boundless.sim.grid import WARM_UP_GRID, CalibrationGrid, fastest_per_shape, median_per_shape, run_grid, step_shape
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import fitted_profile_dict, load_profile
-from boundless.sim.served_grid import MODEL_NAME, run_programs_on_a_fresh_engine, run_served_grid
+from boundless.sim.run import parse_roles
+from boundless.sim.served_grid import MODEL_NAME, fresh_store, run_programs_on_a_fresh_engine, run_served_grid
 from boundless.sim.step_model import (
     StepTimeModel,
     contention,
@@ -244,7 +245,10 @@ def calibrate_served(
     each run its workload's programs at their arrival times on a fresh engine (or cluster) with ``programs_config``
     (validate's engine flags; default ``config``)."""
     vocab = loaded.arch.vocab_size
-    with served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
+    with (
+        fresh_store(config) as grid_config,
+        served_engine(loaded, grid_config, cluster, model_name=MODEL_NAME) as served,
+    ):
         start = time.monotonic()
         run_served_grid(served, WARM_UP_GRID, vocab, seed=2)  # not kept
         samples = run_served_grid(served, grid, vocab)
@@ -259,7 +263,7 @@ def calibrate_served(
         out += [run_programs_on_a_fresh_engine(loaded, programs_config or config, cluster, run) for run in runs]
     samples += [s for run in fitted_runs for s in run]
     wall = time.monotonic() - start
-    others = cluster.instances - 1 if cluster is not None else 0
+    others = cluster.num_engines - 1 if cluster is not None else 0
     result = fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster), others))
     return with_program_runs(result, [len(r) for r in fitted_runs], held_runs)
 
@@ -304,7 +308,7 @@ def engine_threads(cluster: ClusterConfig | None) -> int:
     """Torch threads of each engine: this process's, or each actor's share of the cores (ClusterClient's rule)."""
     if cluster is None:
         return torch.get_num_threads()
-    return max(1, len(os.sched_getaffinity(0)) // cluster.instances)
+    return max(1, len(os.sched_getaffinity(0)) // cluster.num_engines)
 
 
 def fitted(samples: list[AttentionSample], held: list[AttentionSample], wall_s: float, spec: FitSpec) -> Calibration:
@@ -429,11 +433,13 @@ def run(args: argparse.Namespace) -> dict:
     )
     if args.threads:
         torch.set_num_threads(args.threads)
-    cluster = ClusterConfig(instances=args.instances) if args.instances > 1 else None
+    cluster = calibrated_cluster(args)
     threads = engine_threads(cluster)
+    # A disk store (--kv-disk-path) serves the grid and the programs as validate's: each program run on a fresh one.
+    store = {"kv_disk_path": args.kv_disk_path, "kv_write_policy": args.kv_write_policy} if args.kv_disk_path else {}
     config = EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype),
-        cache=CacheConfig(num_kv_blocks=args.num_kv_blocks),
+        cache=CacheConfig(num_kv_blocks=args.num_kv_blocks, **store),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
     )
     loaded = load_model(config.model.model, dtype=config.model.dtype)
@@ -444,7 +450,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.served:
         # The programs run as validate runs them: its engine flags (the engine's defaults), not the grid's smaller
         # pool and step budget (the grid's budget is below its longest prompt, to chunk it).
-        programs_config = EngineConfig(model=config.model)
+        programs_config = EngineConfig(model=config.model, cache=CacheConfig(**store))
         result = calibrate_served(
             loaded, config, grid, held_out, cluster, args.form, programs=programs, programs_config=programs_config
         )
@@ -454,10 +460,9 @@ def run(args: argparse.Namespace) -> dict:
         result = calibrate(loaded, config, grid, held_out, args.form)
     load_after = os.getloadavg()[0]
     how = (
-        f"served ({args.instances} instance{'s' if args.instances > 1 else ''} behind the HTTP server, the openai"
-        " client)"
+        f"served ({_cluster_text(cluster)} behind the HTTP server, the openai client)"
         if args.served
-        else "the engine stepped alone"
+        else ("the engine stepped alone")
     )
     print(
         f"{len(result.samples)} + {len(result.held_out)} held-out steps in {result.wall_s:.0f} s on {threads} threads,"
@@ -487,7 +492,9 @@ def run(args: argparse.Namespace) -> dict:
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu_count": os.cpu_count(),
         "served": args.served,
-        "instances": args.instances,
+        "instances": cluster.num_engines if cluster is not None else 1,  # engines: those beside each contend
+        "roles": args.roles or None,
+        "kv_disk_path": bool(args.kv_disk_path),
         "load_average_before": load_before,
         "load_average_after": load_after,
         "grid": _grid_text(grid),
@@ -503,6 +510,28 @@ def run(args: argparse.Namespace) -> dict:
     }
     _write(args.out or "cpu-profile.json", data)
     return data
+
+
+def calibrated_cluster(args: argparse.Namespace) -> ClusterConfig | None:
+    """The cluster calibrate serves on: ``--instances`` above 1, or one ``--roles`` size (prefill and decode engines
+    with ``--kv-path`` and the emulated links); None for one engine."""
+    roles = parse_roles(args.roles)
+    if len(roles) > 1 or (roles and args.instances > 1):
+        raise SystemExit("--roles: one P:D size, without --instances")
+    if roles:
+        if not args.served:
+            raise SystemExit("--roles needs --served (prefill and decode engines are calibrated as they are served)")
+        (prefill, decode), links = roles[0], {"storage_gbps": args.storage_gbps, "net_gbps": args.net_gbps}
+        return ClusterConfig(prefill_instances=prefill, decode_instances=decode, kv_path=args.kv_path, **links)
+    return ClusterConfig(instances=args.instances) if args.instances > 1 else None
+
+
+def _cluster_text(cluster: ClusterConfig | None) -> str:
+    if cluster is None:
+        return "1 instance"
+    if cluster.disaggregated:
+        return f"{cluster.roles[0]} prefill and {cluster.roles[1]} decode engines, {cluster.kv_path} read path"
+    return f"{cluster.instances} instances"
 
 
 def calibration_programs(args: argparse.Namespace) -> tuple[list[list[ProgramSpec]], list[list[ProgramSpec]]]:
@@ -650,6 +679,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="with --served: a Ray cluster of this many instances behind the dispatcher (as serve --instances)",
     )
+    parser.add_argument(
+        "--roles",
+        default="",
+        help="with --served: a prefill and decode cluster of this P:D size instead (as serve --prefill-instances P"
+        " --decode-instances D), with --kv-path and the links --storage-gbps, --net-gbps: validate --roles's profile",
+    )
+    parser.add_argument("--kv-path", default="dualpath", help="with --roles: basic, dualpath or oracle")
+    parser.add_argument("--storage-gbps", type=float, help="with --roles: each engine's emulated storage NIC")
+    parser.add_argument("--net-gbps", type=float, help="with --roles: each engine's emulated compute-network NIC")
+    parser.add_argument(
+        "--kv-disk-path",
+        help="serve with a disk KV store in a fresh directory under this one (each program run its own), as validate"
+        " does with the same flag",
+    )
+    parser.add_argument("--kv-write-policy", default=CacheConfig.kv_write_policy, help="with --kv-disk-path")
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
     # Below the longest prompt: long prompts run in chunks over cached context, which tells the per-pair
     # term from the per-token one.

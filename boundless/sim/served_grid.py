@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import os
 import random
-from collections.abc import Awaitable, Callable
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from boundless.bench.programs import ProgramRunner, ServedEngine, served_engine
@@ -83,6 +86,18 @@ def run_served_programs(served: ServedEngine, programs: list[ProgramSpec], vocab
     return steps
 
 
+@contextlib.contextmanager
+def fresh_store(config: EngineConfig) -> Iterator[EngineConfig]:
+    """``config`` with its disk store (``--kv-disk-path``, if given) in a fresh directory, removed after: each real run
+    starts with an empty store, as the simulation does."""
+    if not config.cache.kv_disk_path:
+        yield config
+        return
+    os.makedirs(config.cache.kv_disk_path, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="boundless-validate-", dir=config.cache.kv_disk_path) as path:
+        yield dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_disk_path=path))
+
+
 def run_programs_on_a_fresh_engine(
     loaded: LoadedModel, config: EngineConfig, cluster: ClusterConfig | None, programs: list[ProgramSpec]
 ) -> list[AttentionSample]:
@@ -91,8 +106,9 @@ def run_programs_on_a_fresh_engine(
 
     Served steps of the same shapes cost a level of their own on each fresh engine (1.03-1.24x between validate's
     repeats of the same programs, ``docs/simulation.md``, Validation), and validate serves each repeat on a fresh
-    one: a calibration that serves its programs on the engine that ran its grid samples one level, not theirs."""
-    with served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
+    one: a calibration that serves its programs on the engine that ran its grid samples one level, not theirs. Its
+    disk store (if ``config`` has one) is fresh too, as validate's."""
+    with fresh_store(config) as config, served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
         return run_served_programs(served, programs, loaded.arch.vocab_size)
 
 

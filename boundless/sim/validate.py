@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import os
 import statistics
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,7 +45,7 @@ from boundless.config import (
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import FittedStepCost, HardwareProfile, load_profile
 from boundless.sim.run import parse_roles
-from boundless.sim.served_grid import taking_steps
+from boundless.sim.served_grid import fresh_store, taking_steps
 from boundless.sim.simulator import SimResult, Simulator
 from boundless.sim.step_model import StepTimeModel, contention, samples_json
 
@@ -231,18 +229,6 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
         }
 
     return run
-
-
-@contextlib.contextmanager
-def fresh_store(config: EngineConfig) -> Iterator[EngineConfig]:
-    """``config`` with its disk store (``--kv-disk-path``, if given) in a fresh directory, removed after: each real run
-    starts with an empty store, as the simulation does."""
-    if not config.cache.kv_disk_path:
-        yield config
-        return
-    os.makedirs(config.cache.kv_disk_path, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="boundless-validate-", dir=config.cache.kv_disk_path) as path:
-        yield dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_disk_path=path))
 
 
 def profile_seconds(profile: HardwareProfile, steps: Sequence[AttentionSample], instances: int) -> float:

@@ -310,6 +310,28 @@ def test_calibrate_served_collects_the_steps_of_both_instances_of_a_cluster(
     assert all(s.ended_at > 0 for s in result.samples) and result.fit.others == 1
 
 
+@pytest.mark.slow
+def test_calibrate_served_on_prefill_and_decode_engines_fits_both_engines_steps(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    from boundless.cli import main
+
+    out, store = tmp_path / "pd.json", tmp_path / "store"
+    args = ["simulate", "calibrate", "--served", "--roles", "1:1", "--model", str(model_dirs["tiny-llama"])]
+    args += ["--batch-sizes", "2", "--prompt-lens", "8,64", "--output-tokens", "3", "--repeats", "1"]
+    args += ["--held-out-batch-sizes", "", "--num-kv-blocks", "64", "--kv-disk-path", str(store)]
+    args += ["--kv-write-policy", "through", "--workloads", "chat", "--num-programs", "2", "--rate", "2"]
+    assert main([*args, "--out", str(out), "--name", "pd"]) == 0
+    calibration = json.loads(out.read_text())["calibration"]
+    assert (calibration["instances"], calibration["roles"], calibration["kv_disk_path"]) == (2, "1:1", True)
+    samples = samples_from_json(calibration["samples"])
+    # Both engines' steps: the prefill engine's prefills and the decode engine's decodes.
+    assert any(all(c.new == 1 for c in s.shapes) for s in samples) and any(s.shapes[0].new > 1 for s in samples)
+    assert isinstance(load_profile(str(out)).step, FittedStepCost) and list(store.iterdir()) == []
+    with pytest.raises(SystemExit, match="one P:D size"):
+        main([*args, "--roles", "1:1,1:2", "--out", str(out)])
+
+
 def test_a_profile_is_written_with_one_step_per_line_and_reads_back_the_same() -> None:
     data = {"name": "p", "calibration": {"when": "now", "samples": [[[[0, 16]], 0.07], [[[16, 1]], 0.03]]}}
     data["calibration"]["held_out_samples"] = []
