@@ -495,6 +495,12 @@ def run(args: argparse.Namespace) -> dict:
         "instances": cluster.num_engines if cluster is not None else 1,  # engines: those beside each contend
         "roles": args.roles or None,
         "kv_disk_path": bool(args.kv_disk_path),
+        # What validate --roles must be given again: the read path and the emulated links the steps ran under.
+        **(
+            {"kv_path": args.kv_path, "storage_gbps": args.storage_gbps, "net_gbps": args.net_gbps}
+            if args.roles
+            else {}
+        ),
         "load_average_before": load_before,
         "load_average_after": load_after,
         "grid": _grid_text(grid),
@@ -530,7 +536,12 @@ def _cluster_text(cluster: ClusterConfig | None) -> str:
     if cluster is None:
         return "1 instance"
     if cluster.disaggregated:
-        return f"{cluster.roles[0]} prefill and {cluster.roles[1]} decode engines, {cluster.kv_path} read path"
+        links = "".join(
+            f", {name} {gbps:g} Gbit/s"
+            for name, gbps in (("storage", cluster.storage_gbps), ("network", cluster.net_gbps))
+            if gbps is not None
+        )
+        return f"{cluster.roles[0]} prefill and {cluster.roles[1]} decode engines, {cluster.kv_path} read path{links}"
     return f"{cluster.instances} instances"
 
 

@@ -274,9 +274,13 @@ def run(args: argparse.Namespace) -> dict:
         if w not in WORKLOADS or w == "trace":
             raise SystemExit(f"--workloads: unknown workload {w!r}")
     base = ClusterConfig(kv_path=args.kv_path, storage_gbps=args.storage_gbps, net_gbps=args.net_gbps)
-    # One engine: --profile; more (prefill and decode engines too), each on its share of the cores: --cluster-profile.
-    names = {c.instances: args.profile if c.instances == 1 else args.cluster_profile for c in sizes}
-    profiles = {n: load_profile(name) for n, name in names.items()}
+
+    # One engine: --profile; more, each on its share of the cores: --cluster-profile; prefill and decode engines:
+    # --roles-profile.
+    def profile_name(case: Case) -> str:
+        return args.roles_profile if case.roles else args.profile if case.instances == 1 else args.cluster_profile
+
+    profiles = {name: load_profile(name) for name in {profile_name(c) for c in sizes}}
     loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
     real_run = serve_and_measure(loaded)
     load_before = os.getloadavg()[0]
@@ -288,7 +292,7 @@ def run(args: argparse.Namespace) -> dict:
             args.num_programs,
             args.rate,
             args.bench_seed,
-            profiles[size.instances],
+            profiles[profile_name(size)],
             args.repeats,
             real_run,
             base,
@@ -368,6 +372,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="cpu-served-2inst",
         help="the profile for more than one instance (calibrate --served --instances 2: each instance of two gets"
         " one core and shares them with the other and the driver)",
+    )
+    parser.add_argument(
+        "--roles-profile",
+        default="cpu-served-1p1d",
+        help="the profile for --roles (calibrate --served --roles 1:1 with the same --kv-path, links and disk store:"
+        " the shipped one with --kv-path dualpath --storage-gbps 8 --net-gbps 16 --kv-write-policy through)",
     )
     parser.add_argument("--json", metavar="PATH", help="write each row with its relative error to this file")
     add_flags(parser, ModelConfig)

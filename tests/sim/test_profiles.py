@@ -525,7 +525,7 @@ def test_validate_runs_real_prefill_and_decode_engines_beside_the_simulated_ones
 
     out = tmp_path / "v.json"
     args = ["simulate", "validate", "--model", str(model_dirs["tiny-llama"]), "--num-programs", "3", "--rate", "1"]
-    args += ["--workloads", "chat", "--instances", "", "--roles", "1:1", "--repeats", "1", "--cluster-profile", "h100"]
+    args += ["--workloads", "chat", "--instances", "", "--roles", "1:1", "--repeats", "1", "--roles-profile", "h100"]
     args += ["--kv-disk-path", str(tmp_path / "store"), "--kv-write-policy", "through", "--kv-path", "dualpath"]
     assert main([*args, "--json", str(out)]) == 0
     (case,) = json.loads(out.read_text())["cases"]
