@@ -8,6 +8,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,6 +59,22 @@ def load(model_dirs: dict[str, Path]) -> Callable[[str], LoadedModel]:
         if name not in loaded:
             loaded[name] = load_model(name if name == "smollm2-135m" else str(model_dirs[name]), device=TEST_DEVICE)
         return loaded[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model(load: Callable[[str], LoadedModel]) -> Callable[[str], Any]:
+    """transformers' model of the same weights as ``load(name)``, made once a session (SmolLM2's dequantizes its GGUF
+    file, ~25 s here; the GGUF loader's test and the reference tests both compare with it)."""
+    from boundless.bench.offline import load_hf_reference
+
+    models: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in models:
+            models[name] = load_hf_reference(load(name))
+        return models[name]
 
     return get
 

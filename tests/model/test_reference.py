@@ -10,12 +10,12 @@ that come back from host memory or from the disk store; per-step logits agree wi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from boundless.attention import triton_paged
-from boundless.bench.offline import load_hf_reference
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore
@@ -45,10 +45,9 @@ TEXTS = [
 class Reference:
     """Greedy tokens and per-step logits of transformers, one prompt at a time (no padding)."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, model: Any) -> None:
         self.loaded = loaded
         self.prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
-        model = load_hf_reference(loaded)
         self.tokens: list[list[int]] = []
         self.logits: list[torch.Tensor] = []
         with torch.inference_mode():
@@ -70,15 +69,17 @@ class Reference:
 _REFERENCES: dict[str, Reference] = {}
 
 
-def _reference(name: str, load: Callable[[str], LoadedModel]) -> Reference:
+def _reference(name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]) -> Reference:
     if name not in _REFERENCES:
-        _REFERENCES[name] = Reference(load(name))
+        _REFERENCES[name] = Reference(load(name), hf_model(name))
     return _REFERENCES[name]
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def ref(request: pytest.FixtureRequest, load: Callable[[str], LoadedModel]) -> Reference:
-    return _reference(request.param, load)
+def ref(
+    request: pytest.FixtureRequest, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> Reference:
+    return _reference(request.param, load, hf_model)
 
 
 def _engine(loaded: LoadedModel, **cache_and_sched) -> EngineCore:
@@ -152,13 +153,15 @@ TRITON_MODELS = ["tiny-llama", pytest.param("tiny-qwen2", marks=pytest.mark.slow
 
 
 @pytest.mark.parametrize("name", TRITON_MODELS)
-def test_greedy_matches_transformers_on_the_triton_kernels(name: str, load: Callable[[str], LoadedModel]) -> None:
+def test_greedy_matches_transformers_on_the_triton_kernels(
+    name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
     loaded = load(name)
     if not triton_paged.available(loaded.device):
         pytest.skip("triton unavailable")
     if loaded.device.type == "cpu" and name == "smollm2-135m":
         pytest.skip("30 layers in Triton's interpreter: too slow for the CPU")
-    ref = _reference(name, load)
+    ref = _reference(name, load, hf_model)
     core = _engine(loaded, attention_backend="triton", max_num_batched_tokens=64)
     got = _run_greedy(core, ref.prompts)
     for i, (ours, theirs) in enumerate(zip(got, ref.tokens, strict=True)):
