@@ -54,7 +54,13 @@ from boundless.sim.grid import WARM_UP_GRID, CalibrationGrid, fastest_per_shape,
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import fitted_profile_dict, load_profile
 from boundless.sim.run import parse_roles
-from boundless.sim.served_grid import MODEL_NAME, fresh_store, run_programs_on_a_fresh_engine, run_served_grid
+from boundless.sim.served_grid import (
+    MODEL_NAME,
+    add_roles_arguments,
+    fresh_store,
+    run_programs_on_a_fresh_engine,
+    run_served_grid,
+)
 from boundless.sim.step_model import (
     StepTimeModel,
     contention,
@@ -690,15 +696,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="with --served: a Ray cluster of this many instances behind the dispatcher (as serve --instances)",
     )
-    parser.add_argument(
-        "--roles",
-        default="",
-        help="with --served: a prefill and decode cluster of this P:D size instead (as serve --prefill-instances P"
+    add_roles_arguments(
+        parser,
+        "with --served: a prefill and decode cluster of this P:D size instead (as serve --prefill-instances P"
         " --decode-instances D), with --kv-path and the links --storage-gbps, --net-gbps: validate --roles's profile",
     )
-    parser.add_argument("--kv-path", default="dualpath", help="with --roles: basic, dualpath or oracle")
-    parser.add_argument("--storage-gbps", type=float, help="with --roles: each engine's emulated storage NIC")
-    parser.add_argument("--net-gbps", type=float, help="with --roles: each engine's emulated compute-network NIC")
     parser.add_argument(
         "--kv-disk-path",
         help="serve with a disk KV store in a fresh directory under this one (each program run its own), as validate"

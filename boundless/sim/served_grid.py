@@ -16,6 +16,7 @@ with the shape it ran.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -96,6 +97,15 @@ def fresh_store(config: EngineConfig) -> Iterator[EngineConfig]:
     os.makedirs(config.cache.kv_disk_path, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="boundless-validate-", dir=config.cache.kv_disk_path) as path:
         yield dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_disk_path=path))
+
+
+def add_roles_arguments(parser: argparse.ArgumentParser, roles_help: str) -> None:
+    """``--roles`` (``roles_help`` says what it does in the command) and the prefill and decode cluster's read path
+    and emulated links, as ``simulate validate`` and ``simulate calibrate --served`` take them alike."""
+    parser.add_argument("--roles", default="", help=roles_help)
+    parser.add_argument("--kv-path", default="dualpath", help="with --roles: basic, dualpath or oracle")
+    parser.add_argument("--storage-gbps", type=float, help="with --roles: each engine's emulated storage NIC")
+    parser.add_argument("--net-gbps", type=float, help="with --roles: each engine's emulated compute-network NIC")
 
 
 def run_programs_on_a_fresh_engine(

@@ -45,7 +45,7 @@ from boundless.config import (
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import FittedStepCost, HardwareProfile, load_profile
 from boundless.sim.run import parse_roles
-from boundless.sim.served_grid import fresh_store, taking_steps
+from boundless.sim.served_grid import add_roles_arguments, fresh_store, taking_steps
 from boundless.sim.simulator import SimResult, Simulator
 from boundless.sim.step_model import StepTimeModel, contention, samples_json
 
@@ -346,15 +346,11 @@ def run(args: argparse.Namespace) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default="chat,mapreduce", help="comma-separated: chat, react, mapreduce, mcts")
     parser.add_argument("--instances", default="1,2", help="comma-separated cluster sizes to validate ('' for none)")
-    parser.add_argument(
-        "--roles",
-        default="",
-        help="comma-separated prefill:decode engine counts to validate too (e.g. 1:1: a prefill engine and a decode "
+    add_roles_arguments(
+        parser,
+        "comma-separated prefill:decode engine counts to validate too (e.g. 1:1: a prefill engine and a decode "
         "engine, real and simulated, with the read path --kv-path and the links --storage-gbps, --net-gbps)",
     )
-    parser.add_argument("--kv-path", default="dualpath", help="with --roles: basic, dualpath or oracle")
-    parser.add_argument("--storage-gbps", type=float, help="with --roles: each engine's emulated storage NIC")
-    parser.add_argument("--net-gbps", type=float, help="with --roles: each engine's emulated compute-network NIC")
     parser.add_argument("--repeats", type=int, default=3, help="real runs per case (the simulation is deterministic)")
     parser.add_argument("--num-programs", type=int, default=16)
     parser.add_argument("--rate", type=float, default=0.2)
