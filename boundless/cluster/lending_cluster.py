@@ -95,7 +95,7 @@ class ClusterLending:
             self.addresses[instance_id] = address
             self.instance_of[address] = instance_id
         address = self.addresses[instance_id]
-        return [PeerBack(iid, instance_id, address) for iid in self.addresses if iid not in self.lost | {instance_id}]
+        return [PeerBack(iid, instance_id, address) for iid in self.live_addresses() if iid != instance_id]
 
     def live_addresses(self) -> dict[str, str]:
         """Each instance not lost: its transport address."""

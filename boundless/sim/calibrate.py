@@ -58,6 +58,7 @@ from boundless.sim.served_grid import (
     MODEL_NAME,
     add_roles_arguments,
     fresh_store,
+    roles_cluster_base,
     run_programs_on_a_fresh_engine,
     run_served_grid,
 )
@@ -533,8 +534,8 @@ def calibrated_cluster(args: argparse.Namespace) -> ClusterConfig | None:
     if roles:
         if not args.served:
             raise SystemExit("--roles needs --served (prefill and decode engines are calibrated as they are served)")
-        (prefill, decode), links = roles[0], {"storage_gbps": args.storage_gbps, "net_gbps": args.net_gbps}
-        return ClusterConfig(prefill_instances=prefill, decode_instances=decode, kv_path=args.kv_path, **links)
+        (prefill, decode) = roles[0]
+        return dataclasses.replace(roles_cluster_base(args), prefill_instances=prefill, decode_instances=decode)
     return ClusterConfig(instances=args.instances) if args.instances > 1 else None
 
 

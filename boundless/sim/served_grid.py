@@ -28,11 +28,12 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from boundless.bench.programs import ProgramRunner, ServedEngine, served_engine
+from boundless.config import ClusterConfig
 from boundless.engine.attention_time import AttentionSample
 
 if TYPE_CHECKING:
     from boundless.bench.workloads import ProgramSpec
-    from boundless.config import ClusterConfig, EngineConfig
+    from boundless.config import EngineConfig
     from boundless.model.loader import LoadedModel
     from boundless.sim.grid import CalibrationGrid
 
@@ -106,6 +107,11 @@ def add_roles_arguments(parser: argparse.ArgumentParser, roles_help: str) -> Non
     parser.add_argument("--kv-path", default="dualpath", help="with --roles: basic, dualpath or oracle")
     parser.add_argument("--storage-gbps", type=float, help="with --roles: each engine's emulated storage NIC")
     parser.add_argument("--net-gbps", type=float, help="with --roles: each engine's emulated compute-network NIC")
+
+
+def roles_cluster_base(args: argparse.Namespace) -> ClusterConfig:
+    """The cluster of :func:`add_roles_arguments`' flags (read path, links), before it is sized."""
+    return ClusterConfig(kv_path=args.kv_path, storage_gbps=args.storage_gbps, net_gbps=args.net_gbps)
 
 
 def run_programs_on_a_fresh_engine(

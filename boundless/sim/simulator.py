@@ -591,8 +591,7 @@ class Simulator:
         decisions: list[PDDecision] = []
         if self.dispatcher is not None:
             shown, decisions = self.dispatcher.receive(instance_id, delta)
-        call = self._calls.get(shown.request_id) if shown is not None else None
-        if shown is not None and call is not None:
+        if shown is not None and (call := self._calls.get(shown.request_id)) is not None:
             call.output_token_ids.extend(shown.new_token_ids)
             if shown.finished:
                 del self._calls[shown.request_id]

@@ -45,7 +45,7 @@ from boundless.config import (
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import FittedStepCost, HardwareProfile, load_profile
 from boundless.sim.run import parse_roles
-from boundless.sim.served_grid import add_roles_arguments, fresh_store, taking_steps
+from boundless.sim.served_grid import add_roles_arguments, fresh_store, roles_cluster_base, taking_steps
 from boundless.sim.simulator import SimResult, Simulator
 from boundless.sim.step_model import StepTimeModel, contention, samples_json
 
@@ -180,7 +180,7 @@ def validate_case(
     programs = make_programs(case.workload, num_programs, rate, seed, shape)
     cluster = case.cluster(base or ClusterConfig())
     predicted = simulate(config, programs, profile, cluster)
-    served = cluster if case.instances > 1 or case.roles else None
+    served = cluster if cluster.num_engines > 1 else None
     measured = [real_run(config, programs, served, profile) for _ in range(repeats)]
     engine = engine_figures(predicted, measured)
     at_speed = at_step_speed(profile, engine["same_shape_ratio"])
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> dict:
     for w in workloads:
         if w not in WORKLOADS or w == "trace":
             raise SystemExit(f"--workloads: unknown workload {w!r}")
-    base = ClusterConfig(kv_path=args.kv_path, storage_gbps=args.storage_gbps, net_gbps=args.net_gbps)
+    base = roles_cluster_base(args)
 
     # One engine: --profile; more, each on its share of the cores: --cluster-profile; prefill and decode engines:
     # --roles-profile.

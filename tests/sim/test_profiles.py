@@ -502,17 +502,23 @@ def test_validate_prints_a_row_per_case_and_metric_with_the_measured_spread(
         assert min(r["measured_runs"]) <= r["measured"] <= max(r["measured_runs"]) and r["spread"] >= 0
 
 
-@pytest.mark.slow
-def test_validate_runs_a_real_two_instance_cluster_beside_the_simulated_one(
-    model_dirs: dict[str, Path], tmp_path: Path
-) -> None:
+def _validate_one_chat_case(model_dirs: dict[str, Path], tmp_path: Path, *flags: str) -> dict:
+    """``simulate validate`` of 3 chat programs, one real run, on the tiny model with ``flags``: its one case."""
     from boundless.cli import main
 
     out = tmp_path / "v.json"
     args = ["simulate", "validate", "--model", str(model_dirs["tiny-llama"]), "--num-programs", "3", "--rate", "1"]
-    args += ["--workloads", "chat", "--instances", "2", "--repeats", "1", "--cluster-profile", "h100"]
+    args += ["--workloads", "chat", "--repeats", "1", *flags]
     assert main([*args, "--json", str(out)]) == 0
     (case,) = json.loads(out.read_text())["cases"]
+    return case
+
+
+@pytest.mark.slow
+def test_validate_runs_a_real_two_instance_cluster_beside_the_simulated_one(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    case = _validate_one_chat_case(model_dirs, tmp_path, "--instances", "2", "--cluster-profile", "h100")
     assert case["instances"] == 2 and case["profile"] == "h100"
     assert len(case["rows"]) == 3 and all(r["measured"] > 0 and r["predicted"] > 0 for r in case["rows"])
 
@@ -521,14 +527,9 @@ def test_validate_runs_a_real_two_instance_cluster_beside_the_simulated_one(
 def test_validate_runs_real_prefill_and_decode_engines_beside_the_simulated_ones(
     model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    from boundless.cli import main
-
-    out = tmp_path / "v.json"
-    args = ["simulate", "validate", "--model", str(model_dirs["tiny-llama"]), "--num-programs", "3", "--rate", "1"]
-    args += ["--workloads", "chat", "--instances", "", "--roles", "1:1", "--repeats", "1", "--roles-profile", "h100"]
-    args += ["--kv-disk-path", str(tmp_path / "store"), "--kv-write-policy", "through", "--kv-path", "dualpath"]
-    assert main([*args, "--json", str(out)]) == 0
-    (case,) = json.loads(out.read_text())["cases"]
+    flags = ["--instances", "", "--roles", "1:1", "--roles-profile", "h100", "--kv-path", "dualpath"]
+    flags += ["--kv-disk-path", str(tmp_path / "store"), "--kv-write-policy", "through"]
+    case = _validate_one_chat_case(model_dirs, tmp_path, *flags)
     assert (case["instances"], case["roles"], case["profile"]) == (2, "1P1D", "h100")
     assert len(case["rows"]) == 3 and all(r["measured"] > 0 and r["predicted"] > 0 for r in case["rows"])
     # Both engines stepped, real and simulated; each real run had a store of its own, removed after it.
