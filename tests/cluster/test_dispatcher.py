@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from boundless.cluster.dispatcher import AbortOn, AddResult, Decision, Dispatcher, Fail, MarkDead, Send
 from boundless.cluster.restarts import Restart, RestartPolicy
 from boundless.cluster.routing import Router
@@ -270,3 +272,11 @@ def test_an_instance_up_past_the_reset_starts_its_restarts_afresh() -> None:
     clock.now += 1e6  # 0: never reset
     d.instance_lost("1", "gone")
     assert d.restarts.state("1") == "retired"
+
+
+def test_a_negative_restart_reset_is_a_flag_error() -> None:
+    from boundless.config import ClusterConfig, ConfigError
+
+    with pytest.raises(ConfigError, match="--restart-reset-s"):
+        ClusterConfig(restart_reset_s=-1.0)
+    assert RestartPolicy.from_config(ClusterConfig(restart_reset_s=0.0)).reset_after_s == 0.0
