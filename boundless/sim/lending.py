@@ -129,7 +129,10 @@ class SimulatedLendingData:
         return owed
 
 
-def _predict(cost: StepCost, shapes: Sequence[ChunkShape]) -> float:
+def _predict(cost: StepCost, shapes: Sequence[ChunkShape], contention: float = 0.0) -> float:
+    # A contended profile (a fitted one's per_contention_s) takes the contention; a roofline one does not.
+    if contention:
+        return cost.predict(shapes, contention)  # type: ignore[attr-defined]
     return cost.predict(shapes)  # type: ignore[attr-defined]
 
 
@@ -155,17 +158,20 @@ class LendingStepCost:
         self.network = network
         self.idle = idle
 
-    def step_time(self, sched: SchedulerOutput) -> float:
+    def step_time(self, sched: SchedulerOutput, contention: float = 0.0) -> float:
+        """``contention``: how much the other instances step beside this one, for a contended profile (the
+        simulator passes it when the profile's steps slow with it, as on ``cpu-served-2inst``)."""
         owed = self.data.take_owed()
         if not any(c.remote for c in sched.chunks):
-            return self.base.step_time(sched) + owed
+            base = self.base.step_time(sched, contention) if contention else self.base.step_time(sched)  # type: ignore[call-arg]
+            return base + owed
         shapes = shapes_of(sched)
         local_shapes = [
             ChunkShape(s.cached - sum(r.num_tokens for r in c.remote), s.new)
             for s, c in zip(shapes, sched.chunks, strict=True)
         ]
-        local = _predict(self.base, local_shapes)
-        local_attention = local - _predict(self.base, [ChunkShape(0, s.new) for s in local_shapes])
+        local = _predict(self.base, local_shapes, contention)
+        local_attention = local - _predict(self.base, [ChunkShape(0, s.new) for s in local_shapes], contention)
         layers = self.shape.layers
         computes, sent, received = [], 0, 0
         for creditor, rows, tokens in _by_creditor(sched):
@@ -174,7 +180,7 @@ class LendingStepCost:
                 ChunkShape(s.cached + tokens.get(c.request_id, 0), s.new)
                 for s, c in zip(local_shapes, sched.chunks, strict=True)
             ]
-            compute = max(0.0, _predict(self.base, with_remote) - local)
+            compute = max(0.0, _predict(self.base, with_remote, contention) - local)
             computes.append(compute)
             sent += self.shape.query_bytes(rows)
             received += self.shape.partial_bytes(rows)

@@ -15,6 +15,13 @@ second of makespan), predicted against measured, with the relative error; and, w
 simulation again at the speed the real steps ran (:func:`at_step_speed`), to tell the simulator's error from the
 machine's. ``--json`` also keeps every step each real run took (``real_steps``, with its end time), for
 ``calibrate --refit --check`` to tell which step classes a profile gets wrong.
+
+With ``--kv-lending on`` every ``--instances`` case is a cluster whose instances lend KV blocks to each other
+(Infinite-LLM), real and simulated (the real agents and gManager on the virtual clock, ``sim/lending.py``), with
+the ``--lending-*`` flags on both sides; its label is ``2L``. Lending happens only when one instance runs out of
+blocks while the other has room, so each such case also says how much was lent on each side (moves and blocks,
+from the real engines' stats and the simulated agents'), and warns when a side lent nothing: then its rows
+validate a cluster that did not lend.
 """
 
 from __future__ import annotations
@@ -36,12 +43,14 @@ from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, mak
 from boundless.config import (
     CacheConfig,
     ClusterConfig,
+    ConfigError,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
     add_flags,
     engine_config_from_flags,
 )
+from boundless.engine.builder import size_engine
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import FittedStepCost, HardwareProfile, load_profile
 from boundless.sim.run import parse_roles
@@ -51,12 +60,25 @@ from boundless.sim.step_model import StepTimeModel, contention, samples_json
 
 if TYPE_CHECKING:
     from boundless.engine.attention_time import AttentionSample
+    from boundless.engine.lending_stats import LendingStats
     from boundless.model.loader import LoadedModel
 
 METRICS = ("avg_latency_s", "p95_latency_s", "throughput_programs_per_s")
 # What the engines did, summed over instances: to tell a step model that is off (busy seconds per step differ)
 # from latency spent elsewhere (the same busy seconds, a different latency).
 ENGINE_FIGURES = ("busy_s", "steps")
+# What KV lending did in a run, summed over instances (real: the engines' ``LendingStats``; simulated: the agents').
+LENDING_FIGURES = ("moves", "blocks_moved", "bytes_moved", "round_trips")
+# The lending knobs validate takes, as ``boundless serve`` and ``simulate`` name them; both sides get them.
+LENDING_FLAGS = (
+    "lending_interval_s",
+    "lending_debtor_max_batch",
+    "lending_creditor_max_usage",
+    "lending_creditor_headroom",
+    "lending_min_gain",
+    "lending_lookahead_chunks",
+    "lending_reservation_timeout_s",
+)
 
 # One real run of the programs (on a cluster, or one engine for None): their summary (``bench programs``'s
 # ``summarize``), the engines' figures, and the profile's prediction for the steps they ran.
@@ -66,21 +88,24 @@ RealRun = Callable[[EngineConfig, list[ProgramSpec], ClusterConfig | None, Hardw
 
 @dataclass(frozen=True)
 class Case:
-    """One validated setting: a workload on a number of instances, or on prefill and decode engines (``roles``:
-    how many of each, ``instances`` their sum)."""
+    """One validated setting: a workload on a number of instances (lending KV blocks to each other with
+    ``lending``), or on prefill and decode engines (``roles``: how many of each, ``instances`` their sum)."""
 
     workload: str
     instances: int
     roles: tuple[int, int] | None = None
+    lending: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.roles[0]}P{self.roles[1]}D" if self.roles else str(self.instances)
+        if self.roles:
+            return f"{self.roles[0]}P{self.roles[1]}D"
+        return f"{self.instances}L" if self.lending else str(self.instances)
 
     def cluster(self, base: ClusterConfig) -> ClusterConfig:
-        """``base`` (the flags' links and read path) sized for this case."""
+        """``base`` (the flags' links, read path and lending knobs) sized for this case."""
         if self.roles is None:
-            return dataclasses.replace(base, instances=self.instances)
+            return dataclasses.replace(base, instances=self.instances, kv_lending="on" if self.lending else "off")
         return dataclasses.replace(base, instances=1, prefill_instances=self.roles[0], decode_instances=self.roles[1])
 
 
@@ -137,15 +162,36 @@ def at_step_speed(profile: HardwareProfile, ratio: float) -> HardwareProfile | N
 
 def simulate(
     config: EngineConfig, programs: list[ProgramSpec], profile: HardwareProfile, cluster: ClusterConfig
-) -> dict[str, float]:
+) -> dict:
     """The programs in the simulator, on ``cluster.instances`` instances (or its prefill and decode engines) behind
-    the real dispatcher."""
-    sim = Simulator(
-        config, SimulatedModel.read(config.model), profile=profile, instances=cluster.instances, cluster=cluster
-    )
+    the real dispatcher; with lending, what it lent (``lending``: :data:`LENDING_FIGURES`)."""
+    model = SimulatedModel.read(config.model)
+    sim = Simulator(config, model, profile=profile, instances=cluster.instances, cluster=cluster)
+    if sim.lending is not None:
+        # The simulator admits the cluster's memory with lending (as `bench longctx` sizes it); the real cluster
+        # admits what one instance does (ClusterClient takes its instances' max_model_len). The programs compact
+        # their conversations at the real one's, so that both sides send the same prompts.
+        sim.max_model_len = size_engine(config, model.arch, model.dtype).max_model_len
     summary = simulated_summary(sim.run(programs))
     counters = [i.core.counters for i in sim.instances.values()]
-    return {**summary, "busy_s": sum(c.busy_seconds for c in counters), "steps": sum(c.steps for c in counters)}
+    out: dict = {**summary, "busy_s": sum(c.busy_seconds for c in counters), "steps": sum(c.steps for c in counters)}
+    if sim.lending is not None:
+        totals = sim.lending.totals()
+        out["lending"] = {k: totals[k] for k in LENDING_FIGURES}
+    return out
+
+
+def lending_figures(predicted: dict, measured_runs: Sequence[dict]) -> dict:
+    """What was lent on each side, so that a row within 10% cannot hide a run that lent nothing: the simulation's
+    figures, every real run's, and whether either side lent nothing (in any real run)."""
+    real = [r.get("lending") or dict.fromkeys(LENDING_FIGURES, 0) for r in measured_runs]
+    simulated = predicted["lending"]
+    return {
+        "simulated": simulated,
+        "real_runs": real,
+        "simulated_lent_nothing": simulated["moves"] == 0,
+        "real_lent_nothing": any(r["moves"] == 0 for r in real),
+    }
 
 
 def engine_figures(predicted: dict[str, float], measured_runs: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -184,10 +230,12 @@ def validate_case(
     measured = [real_run(config, programs, served, profile) for _ in range(repeats)]
     engine = engine_figures(predicted, measured)
     at_speed = at_step_speed(profile, engine["same_shape_ratio"])
+    lending = {"lending": lending_figures(predicted, measured)} if case.lending else {}
     return {
         "workload": case.workload,
         "instances": case.instances,
         "roles": case.label if case.roles else "",
+        "kv_lending": "on" if case.lending else "off",
         "profile": profile.name,
         "load_average": os.getloadavg()[0],
         "rows": compare(predicted, measured, simulate(config, programs, at_speed, cluster) if at_speed else None),
@@ -195,6 +243,7 @@ def validate_case(
         # Every step each real run took ([[cached, new] per request], seconds, as a profile keeps its samples):
         # what `calibrate --refit --check` measures against, to find which shapes a profile gets wrong.
         "real_steps": [samples_json(r.get("steps_taken", [])) for r in measured],
+        **lending,
     }
 
 
@@ -219,7 +268,10 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
         if summary["failed_calls"]:
             raise RuntimeError(f"{summary['failed_calls']} calls failed on the real engine: {summary['first_error']}")
         figures = {m: float(summary[m]) for m in METRICS}  # type: ignore[arg-type]
+        lent = [s.lending for s in stats if s.lending is not None]
+        lending = {} if not lent else {"lending": real_lending(lent)}
         return {
+            **lending,
             **figures,
             "busy_s": float(sum(s.busy_seconds for s in stats)),
             "steps": float(sum(s.steps for s in stats)),
@@ -229,6 +281,16 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
         }
 
     return run
+
+
+def real_lending(stats: Sequence[LendingStats]) -> dict[str, int]:
+    """:data:`LENDING_FIGURES` of a real run from its instances' lending stats: the moves each debtor committed."""
+    return {
+        "moves": sum(s.moves_out for s in stats),
+        "blocks_moved": sum(s.blocks_out for s in stats),
+        "bytes_moved": sum(s.bytes_out for s in stats),
+        "round_trips": sum(s.round_trips for s in stats),
+    }
 
 
 def profile_seconds(profile: HardwareProfile, steps: Sequence[AttentionSample], instances: int) -> float:
@@ -242,11 +304,50 @@ def profile_seconds(profile: HardwareProfile, steps: Sequence[AttentionSample], 
     return sum(predict(s.shapes) for s in steps) if predict is not None else float("nan")
 
 
+def case_label(case: dict) -> str:
+    """A case's cluster as the table names it: ``2``, ``2L`` (lending) or ``1P1D``."""
+    if case.get("roles"):
+        return case["roles"]
+    return f"{case['instances']}L" if case.get("kv_lending") == "on" else str(case["instances"])
+
+
+def lending_lines(case: dict) -> list[str]:
+    """What a lending case lent on each side, and a warning for a side that lent nothing."""
+    if "lending" not in case:
+        return []
+    lent, where = case["lending"], f"{case['workload']} on {case_label(case)}"
+    sim = lent["simulated"]
+    real = ", ".join(f"{r['moves']} ({r['blocks_moved']} blocks)" for r in lent["real_runs"])
+    lines = [f"{where}: lending moves {sim['moves']} ({sim['blocks_moved']} blocks) simulated; real runs: {real}"]
+    if lent["real_lent_nothing"]:
+        lines.append(f"WARNING: {where}: a real run lent nothing; its rows do not validate lending")
+    if lent["simulated_lent_nothing"]:
+        lines.append(f"WARNING: {where}: the simulation lent nothing; its rows do not validate lending")
+    return lines
+
+
+def parse_cases(args: argparse.Namespace) -> list[Case]:
+    """The clusters to validate, from ``--instances``, ``--roles`` and ``--kv-lending``, before their workloads."""
+    lending = args.kv_lending == "on"
+    sizes = [Case("", int(n), lending=lending) for n in args.instances.split(",") if n.strip()]
+    roles = parse_roles(args.roles)
+    if lending and roles:
+        raise SystemExit(
+            "--kv-lending on: lends between the --instances cases; prefill and decode engines (--roles) do not lend"
+        )
+    if lending and any(c.instances < 2 for c in sizes):
+        raise SystemExit("--kv-lending on: needs --instances of 2 or more (one instance has no one to lend to)")
+    sizes += [Case("", p + d, (p, d)) for p, d in roles]
+    if not sizes:
+        raise SystemExit("--instances and --roles: no case to validate")
+    return sizes
+
+
 def table_rows(cases: Sequence[dict]) -> list[list[str]]:
     return [
         [
             c["workload"],
-            c.get("roles") or str(c["instances"]),
+            case_label(c),
             r["metric"],
             f"{r['predicted']:.3f}",
             f"{r['measured']:.3f}",
@@ -266,14 +367,14 @@ def run(args: argparse.Namespace) -> dict:
     config = engine_config_from_flags(args)
     shape = WorkloadShape(scale=args.scale, tool_wait_s=args.tool_wait)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    sizes = [Case("", int(n)) for n in args.instances.split(",") if n.strip()]
-    sizes += [Case("", p + d, (p, d)) for p, d in parse_roles(args.roles)]
-    if not sizes:
-        raise SystemExit("--instances and --roles: no case to validate")
+    sizes = parse_cases(args)
     for w in workloads:
         if w not in WORKLOADS or w == "trace":
             raise SystemExit(f"--workloads: unknown workload {w!r}")
-    base = roles_cluster_base(args)
+    try:
+        base = dataclasses.replace(roles_cluster_base(args), **{name: getattr(args, name) for name in LENDING_FLAGS})
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
 
     # One engine: --profile; more, each on its share of the cores: --cluster-profile; prefill and decode engines:
     # --roles-profile.
@@ -316,7 +417,9 @@ def run(args: argparse.Namespace) -> dict:
     )
     for c in cases:
         e = c["engine"]
-        where = c.get("roles") or c["instances"]
+        where = case_label(c)
+        for line in lending_lines(c):
+            print(line)
         print(
             f"{c['workload']} on {where}: engine busy {e['predicted_busy_s']:.1f} s predicted,"
             f" {e['measured_busy_s']:.1f} s measured; seconds per step x{e['step_time_ratio']:.2f} the profile's;"
@@ -333,7 +436,13 @@ def run(args: argparse.Namespace) -> dict:
         "cases": cases,
         # Every row with its case, flat, for tables.
         "rows": [
-            {"workload": c["workload"], "instances": c["instances"], "roles": c["roles"], **r}
+            {
+                "workload": c["workload"],
+                "instances": c["instances"],
+                "roles": c["roles"],
+                "kv_lending": c["kv_lending"],
+                **r,
+            }
             for c in cases
             for r in c["rows"]
         ],
@@ -341,6 +450,23 @@ def run(args: argparse.Namespace) -> dict:
     if args.json:
         write_json(args.json, result)
     return result
+
+
+def add_lending_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--kv-lending`` and the lending knobs, with ``boundless serve``'s names, defaults and help."""
+    fields = {f.name: f for f in dataclasses.fields(ClusterConfig)}
+    parser.add_argument(
+        "--kv-lending",
+        default="off",
+        choices=("on", "off"),
+        help="on: every --instances case (2 or more) is a cluster whose instances lend KV blocks to each other, real "
+        "and simulated, labelled 2L (not with --roles); its output says how much each side lent",
+    )
+    for name in LENDING_FLAGS:
+        f = fields[name]
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=type(f.default), default=f.default, help=f.metadata["help"]
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -351,6 +477,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "comma-separated prefill:decode engine counts to validate too (e.g. 1:1: a prefill engine and a decode "
         "engine, real and simulated, with the read path --kv-path and the links --storage-gbps, --net-gbps)",
     )
+    add_lending_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3, help="real runs per case (the simulation is deterministic)")
     parser.add_argument("--num-programs", type=int, default=16)
     parser.add_argument("--rate", type=float, default=0.2)
