@@ -197,8 +197,6 @@ class CostModelExecutor:
         remote: SimulatedRemoteIO | None = None,
     ) -> None:
         self.cost = cost
-        self._shape_cost = cost if isinstance(cost, ShapeCost) else None  # (checked once: a Protocol check is slow)
-        self._window_cost = cost if isinstance(cost, WindowCost) else None
         self.bytes_per_block = bytes_per_block
         self.host_copy_bytes_per_s = host_copy_bytes_per_s
         self.host_copy_latency_s = host_copy_latency_s
@@ -210,6 +208,19 @@ class CostModelExecutor:
         # (a fitted profile's per_contention_s: engines sharing this machine's memory); set by the simulator.
         self.contention: Callable[[], float] | None = None
         self._elapsed = 0.0  # the time, when no clock is given: the steps' seconds summed
+
+    @property
+    def cost(self) -> StepCost:
+        return self._cost
+
+    @cost.setter
+    def cost(self, cost: StepCost) -> None:
+        """A new cost (KV lending wraps the profile's in its own, ``sim/lending.py``) and what it can price: checked
+        once here, as a Protocol check is slow, and again when replaced, so that a wrapped window cost is not
+        called past its wrapper."""
+        self._cost = cost
+        self._shape_cost = cost if isinstance(cost, ShapeCost) else None
+        self._window_cost = cost if isinstance(cost, WindowCost) else None
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         now = self.clock() if self.clock is not None else self._elapsed

@@ -38,13 +38,15 @@ def model() -> SimulatedModel:
     return SimulatedModel.read(ModelConfig())
 
 
-def _run(model: SimulatedModel, mode: str, net_gbps: float | None = None, num_short: int = 12) -> dict:
+def _run(
+    model: SimulatedModel, mode: str, net_gbps: float | None = None, num_short: int = 12, profile: str = "cpu"
+) -> dict:
     shape = TraceShape(num_short=num_short, long_factors=(0.5, 1.5, 2.5))
     trace = make_trace(shape, pool_tokens(CONFIG, model), model.identity.vocab_size, rate=2.0, seed=0)
     programs = trace_programs(trace)
     cluster = ClusterConfig(instances=3, kv_lending="on" if mode == "lending" else "off", net_gbps=net_gbps, **LENDING)
     sim = Simulator(
-        CONFIG, model, None, instances=3, cluster=cluster, profile=load_profile("cpu"), compact_prompts=False
+        CONFIG, model, None, instances=3, cluster=cluster, profile=load_profile(profile), compact_prompts=False
     )
     return longctx_row(sim, sim.run(programs), programs, 2.0, mode)
 
@@ -62,6 +64,14 @@ def test_a_request_longer_than_one_pool_is_served_only_with_lending(model: Simul
     assert lending["longest_served"] > 2 * pool
     assert lending["lending"]["moves"] > 0 and lending["lending"]["round_trips"] > 0
     assert len(lending["long_latency_s"]) == 3
+
+
+def test_on_a_gpu_profile_the_steps_over_lent_blocks_cost_their_round_trips_too(model: SimulatedModel) -> None:
+    # A roofline profile prices a step's passes from its rows (WindowCost): the executor must still price the
+    # steps of a lending instance through the lending cost that wraps it, or lent blocks cost nothing.
+    lending = _run(model, "lending", profile="a100-80gb")
+    assert lending["lending"]["moves"] > 0 and lending["lending"]["round_trips"] > 0
+    assert lending["lending"]["exposed_wait_s"] >= 0
 
 
 def test_a_slower_network_makes_the_steps_over_lent_blocks_slower(model: SimulatedModel) -> None:

@@ -537,6 +537,23 @@ def test_validate_runs_real_prefill_and_decode_engines_beside_the_simulated_ones
     assert list((tmp_path / "store").iterdir()) == []
 
 
+@pytest.mark.slow
+def test_validate_runs_a_real_lending_cluster_beside_the_simulated_one_and_both_lend(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    # 4 chat programs on 2 instances of 16 blocks (256 tokens): a conversation or two fill an instance while the
+    # other has room. Plans every 0.5 s and any gain: the tiny model's calls are over in seconds.
+    flags = ["--instances", "2", "--kv-lending", "on", "--cluster-profile", "h100", "--num-kv-blocks", "16"]
+    flags += ["--num-programs", "4", "--lending-interval-s", "0.5", "--lending-min-gain", "0"]
+    case = _validate_one_chat_case(model_dirs, tmp_path, *flags)
+    assert (case["instances"], case["kv_lending"], case["profile"]) == (2, "on", "h100")
+    assert len(case["rows"]) == 3 and all(r["measured"] > 0 and r["predicted"] > 0 for r in case["rows"])
+    lent = case["lending"]
+    (real,) = lent["real_runs"]
+    assert real["moves"] > 0 and real["blocks_moved"] > 0 and not lent["real_lent_nothing"], lent
+    assert lent["simulated"]["moves"] > 0 and lent["simulated"]["blocks_moved"] > 0, lent
+
+
 def test_validate_refuses_roles_that_are_not_p_colon_d(model_dirs: dict[str, Path]) -> None:
     from boundless.cli import main
 
@@ -544,6 +561,63 @@ def test_validate_refuses_roles_that_are_not_p_colon_d(model_dirs: dict[str, Pat
     for roles, message in (("1", "not P:D"), ("0:2", "at least one engine of each role"), ("", "no case")):
         with pytest.raises(SystemExit, match=message):
             main([*args, "--roles", roles])
+
+
+def test_validate_refuses_lending_with_roles_or_one_instance(model_dirs: dict[str, Path]) -> None:
+    from boundless.cli import main
+
+    args = ["simulate", "validate", "--model", str(model_dirs["tiny-llama"]), "--kv-lending", "on"]
+    for flags, message in (
+        (["--instances", "1,2"], "needs --instances of 2 or more"),
+        (["--instances", "2", "--roles", "1:1"], "do not lend"),
+        (["--instances", "2", "--lending-interval-s", "0.1"], "--lending-interval-s"),  # under a heartbeat
+    ):
+        with pytest.raises(SystemExit, match=message):
+            main([*args, *flags])
+    with pytest.raises(SystemExit):  # neither on nor off: argparse's error
+        main([*args[:-1], "yes"])
+
+
+def _lending_validate_case(real_moves: int) -> dict:
+    """validate's lending case of 12 chat programs on 2 instances of 48 blocks (the simulation lends there), with a
+    stand-in real run that made ``real_moves`` moves."""
+    from boundless.sim.validate import Case, validate_case
+
+    def real_run(config, programs, cluster, profile) -> dict:
+        assert cluster is not None and cluster.kv_lending == "on" and cluster.instances == 2
+        lending = {"moves": real_moves, "blocks_moved": 3 * real_moves, "bytes_moved": 0, "round_trips": 0}
+        figures = {"avg_latency_s": 9.0, "p95_latency_s": 27.0, "throughput_programs_per_s": 0.17}
+        return {
+            **figures,
+            "busy_s": 80.0,
+            "steps": 1900.0,
+            "taken_step_s": 80.0,
+            "profile_step_s": 80.0,
+            "lending": lending,
+        }
+
+    config = EngineConfig(cache=CacheConfig(num_kv_blocks=48))
+    shape = WorkloadShape(scale=0.1, tool_wait_s=0.2)
+    # cpu-served-2inst is a contended profile: the simulator's steps over lent blocks take the contention too.
+    profile = load_profile("cpu-served-2inst")
+    return validate_case(Case("chat", 2, lending=True), config, shape, 12, 0.25, 0, profile, 1, real_run)
+
+
+def test_a_lending_case_says_what_each_side_lent_and_warns_when_the_real_one_lent_nothing() -> None:
+    from boundless.sim.validate import lending_lines, table_rows
+
+    case = _lending_validate_case(real_moves=0)
+    lent = case["lending"]
+    assert case["kv_lending"] == "on" and table_rows([case])[0][1] == "2L"
+    assert (
+        lent["simulated"]["moves"] > 0 and lent["simulated"]["blocks_moved"] > 0 and not lent["simulated_lent_nothing"]
+    )
+    assert lent["real_runs"] == [{"moves": 0, "blocks_moved": 0, "bytes_moved": 0, "round_trips": 0}]
+    assert lent["real_lent_nothing"]
+    assert any(line.startswith("WARNING") and "real run lent nothing" in line for line in lending_lines(case))
+    lent_too = _lending_validate_case(real_moves=4)
+    assert not lent_too["lending"]["real_lent_nothing"]
+    assert not any(line.startswith("WARNING") for line in lending_lines(lent_too))
 
 
 def test_refit_fits_a_shipped_profiles_kept_steps_again_and_writes_a_profile_that_loads(tmp_path: Path) -> None:
