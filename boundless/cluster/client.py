@@ -180,7 +180,7 @@ class DispatcherFrontEnd:
 
     def _rejoin(self, iid: str, kv_address: str | None = None) -> None:
         """A restarted instance answered its first heartbeat: it takes calls again (its KV transport at
-        ``kv_address``, for the lending peers)."""
+        ``kv_address``: the lending peers and the prefill and decode engines reach it there)."""
         with self.lock:
             log.warning("instance %s is back (restarted); it takes calls again", iid)
             self._carry_out(self.dispatcher.instance_ready(iid, kv_address))
@@ -495,7 +495,7 @@ class ClusterClient(DispatcherFrontEnd):
             inst = self.instances[iid] = Instance(actor, info, beat.stats, beat.links)
             poller = self._poller(iid, inst)
             self._threads.append(poller)
-            self._rejoin(iid, info.kv_address if self.lending is not None else None)
+            self._rejoin(iid, info.kv_address or None)
             poller.start()
 
     def _lose_current(self, iid: str, inst: Instance, reason: str) -> None:

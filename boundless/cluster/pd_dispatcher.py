@@ -410,8 +410,14 @@ class PDDispatcher(Dispatcher):
         return decisions + self._place()
 
     def instance_ready(self, instance_id: str, kv_address: str | None = None) -> list[PDDecision]:  # type: ignore[override]
-        """A restarted engine takes calls again: the queue is placed, with it among the engines."""
-        return [*super().instance_ready(instance_id, kv_address), *self._place()]
+        """A restarted engine takes calls again: the queue is placed, with it among the engines. Its KV is sent to
+        and read from ``kv_address`` from now: a transport that binds a fresh port (NIXL, Mooncake) gives the new
+        process another address than its predecessor's."""
+        was_alive = self.views[instance_id].alive
+        decisions = super().instance_ready(instance_id, kv_address)
+        if kv_address and not was_alive and self.views[instance_id].alive:  # it is back (not a stray answer)
+            self.instances[instance_id] = dataclasses.replace(self.instances[instance_id], address=kv_address)
+        return [*decisions, *self._place()]
 
     def _place_again(self, call: PDCall) -> list[PDDecision]:
         """A call whose prefill failed with its DE-read push (nothing reached the client) goes back to the head of

@@ -507,6 +507,28 @@ def test_a_lost_engine_is_refiled_restarted_and_placed_on_only_once_ready_holdin
     assert isinstance(prep, Prepare) and prep.instance_id == de  # the idle one, from its first heartbeat
 
 
+def test_engines_restarted_at_new_transport_addresses_are_sent_and_read_from_there() -> None:
+    # NIXL and Mooncake bind a fresh port in the new process: its KV address is not its predecessor's.
+    now = [100.0]
+    d = dispatcher(restarts=RestartPolicy(delay_s=1.0), clock=lambda: now[0])
+    for iid in ("p0", "d0"):
+        d.instance_lost(iid, "gone")
+    now[0] = 101.0
+    assert {r.instance_id for r in d.restarts_due()} == {"p0", "d0"}
+    assert d.instance_ready("p0", "addr-p0-new") == []
+    assert d.instance_ready("d0", "") == []  # a transport that kept its address (shm) says nothing new
+    d.instance_ready("p0", "addr-stray")  # ready twice is no news, nor a new address
+    prepare, send = prepared(d, "a", list(range(40)), IntakeAnswer(send_from_block=1))
+    assert prepare.plan.peer == "addr-p0-new"  # the DE reads from the new PE
+    assert send.handoff is not None and send.handoff.peer == "addr-d0"
+    d.instance_lost("d0", "gone again")
+    now[0] = 110.0
+    assert d.restarts_due() == [Restart("d0", 2)]
+    d.instance_ready("d0", "addr-d0-new")
+    _, send = prepared(d, "b", list(range(40)), IntakeAnswer(send_from_block=1))
+    assert send.handoff is not None and send.handoff.peer == "addr-d0-new"  # the PE sends to the new DE
+
+
 def test_calls_wait_for_the_only_decode_engine_while_it_restarts_and_fail_once_it_cannot() -> None:
     now = [100.0]
     d = dispatcher(restarts=RestartPolicy(delay_s=1.0, max_restarts=1), clock=lambda: now[0])

@@ -450,14 +450,16 @@ def test_a_case_is_simulated_again_at_the_speed_its_real_steps_ran(
     config = EngineConfig(model=ModelConfig(model=str(model_dirs["tiny-llama"])), cache=CacheConfig(num_kv_blocks=256))
     shape = WorkloadShape(scale=0.05, tool_wait_s=0.05)
     case = validate_case(Case("mapreduce", 1), config, shape, 2, 4.0, 0, profile, 1, serve_and_measure(tiny_llama))
-    # The tiny model steps far faster than the profile's 135M model: the simulation again at its speed.
+    # The simulation again at the speed the real steps ran. The tiny model usually steps faster than the profile's
+    # 135M model, but a loaded machine can make it slower: only the direction of the ratio is the machine's.
     ratio = case["engine"]["same_shape_ratio"]
-    assert 0 < ratio < 1
+    assert ratio > 0 and ratio != 1
     scaled = at_step_speed(profile, ratio)
     assert scaled is not None
     again = simulate(config, make_programs("mapreduce", 2, 4.0, 0, shape), scaled, ClusterConfig(instances=1))
     avg = case["rows"][0]
-    assert avg["at_step_speed"] == again["avg_latency_s"] < avg["predicted"]
+    assert avg["at_step_speed"] == again["avg_latency_s"]
+    assert (avg["at_step_speed"] < avg["predicted"]) == (ratio < 1)  # faster steps, sooner programs; and slower
 
 
 def test_a_validated_simulation_is_a_function_of_its_flags() -> None:
