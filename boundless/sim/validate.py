@@ -68,7 +68,9 @@ METRICS = ("avg_latency_s", "p95_latency_s", "throughput_programs_per_s")
 # from latency spent elsewhere (the same busy seconds, a different latency).
 ENGINE_FIGURES = ("busy_s", "steps")
 # What KV lending did in a run, summed over instances (real: the engines' ``LendingStats``; simulated: the agents').
-LENDING_FIGURES = ("moves", "blocks_moved", "bytes_moved", "round_trips")
+# ``exposed_wait_s``: the seconds debtors' layers waited for their creditors' partials after their own (the round
+# trips' cost the steps show), to tell a link the profile assumes from the real transport's.
+LENDING_FIGURES = ("moves", "blocks_moved", "bytes_moved", "round_trips", "exposed_wait_s")
 # The lending knobs validate takes, as ``boundless serve`` and ``simulate`` name them; both sides get them.
 LENDING_FLAGS = (
     "lending_interval_s",
@@ -283,13 +285,14 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
     return run
 
 
-def real_lending(stats: Sequence[LendingStats]) -> dict[str, int]:
+def real_lending(stats: Sequence[LendingStats]) -> dict[str, float]:
     """:data:`LENDING_FIGURES` of a real run from its instances' lending stats: the moves each debtor committed."""
     return {
         "moves": sum(s.moves_out for s in stats),
         "blocks_moved": sum(s.blocks_out for s in stats),
         "bytes_moved": sum(s.bytes_out for s in stats),
         "round_trips": sum(s.round_trips for s in stats),
+        "exposed_wait_s": sum(s.exposed_wait_s for s in stats),
     }
 
 
@@ -317,8 +320,14 @@ def lending_lines(case: dict) -> list[str]:
         return []
     lent, where = case["lending"], f"{case['workload']} on {case_label(case)}"
     sim = lent["simulated"]
-    real = ", ".join(f"{r['moves']} ({r['blocks_moved']} blocks)" for r in lent["real_runs"])
-    lines = [f"{where}: lending moves {sim['moves']} ({sim['blocks_moved']} blocks) simulated; real runs: {real}"]
+
+    def lent_line(r: dict) -> str:
+        per_trip = 1e6 * r.get("exposed_wait_s", 0.0) / max(1, r["round_trips"])
+        trips = f"{r['round_trips']} round trips, {per_trip:.0f} us exposed each"
+        return f"{r['moves']} ({r['blocks_moved']} blocks, {trips})"
+
+    real = ", ".join(lent_line(r) for r in lent["real_runs"])
+    lines = [f"{where}: lending moves {lent_line(sim)} simulated; real runs: {real}"]
     if lent["real_lent_nothing"]:
         lines.append(f"WARNING: {where}: a real run lent nothing; its rows do not validate lending")
     if lent["simulated_lent_nothing"]:
