@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -463,11 +464,14 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one ``--flag`` per field of the dataclass ``cls``."""
+def add_flags(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] | None = None) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls`` (or of those named in ``only``: a command that takes
+    some of a config's flags, under ``boundless serve``'s names, defaults and help)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         flag = "--" + f.name.replace("_", "-")
         tp = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")

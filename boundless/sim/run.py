@@ -392,11 +392,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_INSTANCE_STARTUP_S,
         help="seconds from an instance's restart to its first heartbeat (its model's load), with --fail",
     )
-    fields = {f.name: f for f in dataclasses.fields(ClusterConfig)}
-    for name in CLUSTER_FLAGS:
-        f = fields[name]
-        kind = type(f.default) if f.default is not None else (int if "int" in str(f.type) else float)
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
+    add_flags(parser, ClusterConfig, only=CLUSTER_FLAGS)
     # The engine's own flags (the scheduler's are added with them by the command line).
     add_longctx_arguments(parser)
     add_flags(parser, ModelConfig)

@@ -463,7 +463,6 @@ def run(args: argparse.Namespace) -> dict:
 
 def add_lending_arguments(parser: argparse.ArgumentParser) -> None:
     """``--kv-lending`` and the lending knobs, with ``boundless serve``'s names, defaults and help."""
-    fields = {f.name: f for f in dataclasses.fields(ClusterConfig)}
     parser.add_argument(
         "--kv-lending",
         default="off",
@@ -471,11 +470,7 @@ def add_lending_arguments(parser: argparse.ArgumentParser) -> None:
         help="on: every --instances case (2 or more) is a cluster whose instances lend KV blocks to each other, real "
         "and simulated, labelled 2L (not with --roles); its output says how much each side lent",
     )
-    for name in LENDING_FLAGS:
-        f = fields[name]
-        parser.add_argument(
-            "--" + name.replace("_", "-"), type=type(f.default), default=f.default, help=f.metadata["help"]
-        )
+    add_flags(parser, ClusterConfig, only=LENDING_FLAGS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
