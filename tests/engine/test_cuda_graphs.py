@@ -55,7 +55,7 @@ def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: list[int]) -
 
 def test_graph_buffers_give_the_eager_tokens(tiny_llama: LoadedModel) -> None:
     prompts = [[5 + i * 7 + j for j in range(3 + 9 * i)] for i in range(5)]
-    max_tokens = [20, 3, 17, 9, 24]  # requests leave mid-run: the batch shrinks through the buckets
+    max_tokens = [10, 3, 8, 5, 12]  # requests leave mid-run: the batch shrinks through the buckets (8, 4, 2, 1)
     expected = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, max_tokens)
     core = _engine(tiny_llama, "triton", graphs=True)
     replays = 0
@@ -68,4 +68,4 @@ def test_graph_buffers_give_the_eager_tokens(tiny_llama: LoadedModel) -> None:
 
     core.executor.runner.graphs.run = counting_run
     assert _greedy(core, prompts, max_tokens) == expected
-    assert replays >= 20  # the decode steps went through the buffers
+    assert replays >= 10  # the decode steps went through the buffers
