@@ -238,6 +238,7 @@ def validate_case(
         "instances": case.instances,
         "roles": case.label if case.roles else "",
         "kv_lending": "on" if case.lending else "off",
+        "label": case.label,  # the cluster as the table names it: 2, 2L (lending) or 1P1D
         "profile": profile.name,
         "load_average": os.getloadavg()[0],
         "rows": compare(predicted, measured, simulate(config, programs, at_speed, cluster) if at_speed else None),
@@ -307,18 +308,11 @@ def profile_seconds(profile: HardwareProfile, steps: Sequence[AttentionSample], 
     return sum(predict(s.shapes) for s in steps) if predict is not None else float("nan")
 
 
-def case_label(case: dict) -> str:
-    """A case's cluster as the table names it: ``2``, ``2L`` (lending) or ``1P1D``."""
-    if case.get("roles"):
-        return case["roles"]
-    return f"{case['instances']}L" if case.get("kv_lending") == "on" else str(case["instances"])
-
-
 def lending_lines(case: dict) -> list[str]:
     """What a lending case lent on each side, and a warning for a side that lent nothing."""
     if "lending" not in case:
         return []
-    lent, where = case["lending"], f"{case['workload']} on {case_label(case)}"
+    lent, where = case["lending"], f"{case['workload']} on {case['label']}"
     sim = lent["simulated"]
 
     def lent_line(r: dict) -> str:
@@ -356,7 +350,7 @@ def table_rows(cases: Sequence[dict]) -> list[list[str]]:
     return [
         [
             c["workload"],
-            case_label(c),
+            c["label"],
             r["metric"],
             f"{r['predicted']:.3f}",
             f"{r['measured']:.3f}",
@@ -426,7 +420,7 @@ def run(args: argparse.Namespace) -> dict:
     )
     for c in cases:
         e = c["engine"]
-        where = case_label(c)
+        where = c["label"]
         for line in lending_lines(c):
             print(line)
         print(
