@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +78,11 @@ def ours(metadata: dict[str, Any]) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def reference() -> Any:
+def reference(gguf_parsed_once: Callable[[], AbstractContextManager[None]]) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+    with gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
 
 
 def _digits_reference(reference: Any) -> RustTokenizer:
