@@ -1,4 +1,7 @@
-"""The command line: ``boundless serve`` as ``make serve`` runs it, ``bench serve`` against it, ``generate``."""
+"""The command line: ``boundless serve`` as ``make serve`` runs it, ``bench serve`` against it, ``generate``.
+
+``serve`` runs as ``make serve`` does, in its own process; the other commands run their ``main`` in this one (the
+same parsing and dispatch, without importing torch anew for each)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import httpx
 import pytest
 
 from boundless.api.launch import free_port
+from boundless.cli import main
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -74,26 +78,8 @@ def test_serve_with_no_flags_serves_the_bundled_model() -> None:
 def test_bench_serve_poisson_and_trace_replay(tiny_server: str, tmp_path: Path) -> None:
     out = tmp_path / "poisson.json"
     common = ["--base-url", tiny_server, "--model", "tiny", "--vocab-size", "300"]
-    subprocess.run(
-        _boundless(
-            "bench",
-            "serve",
-            *common,
-            "--num-requests",
-            "8",
-            "--rate",
-            "20",
-            "--input-len",
-            "16",
-            "--output-len",
-            "4",
-            "--json",
-            str(out),
-        ),
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    argv = ["bench", "serve", *common, "--num-requests", "8", "--rate", "20", "--input-len", "16", "--output-len", "4"]
+    assert main([*argv, "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["completed"] == 8 and figures["failed"] == 0
     assert 0 < figures["ttft_s_p50"] <= figures["ttft_s_p99"] and figures["output_token_throughput"] > 0
@@ -103,57 +89,19 @@ def test_bench_serve_poisson_and_trace_replay(tiny_server: str, tmp_path: Path) 
         rows = [f"2023-11-16 18:15:{10 + i:02d}.0000000,{300 + 40 * i},{20 + i}" for i in range(8)]
         trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
     out = tmp_path / "trace.json"
-    subprocess.run(
-        _boundless(
-            "bench",
-            "serve",
-            *common,
-            "--base-url",
-            tiny_server + "/v1",  # the API root works as well as the server's address
-            "--trace",
-            str(trace),
-            "--num-requests",
-            "6",
-            "--time-scale",
-            "0.05",
-            "--length-scale",
-            "0.05",
-            "--json",
-            str(out),
-        ),
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    argv = ["bench", "serve", *common, "--base-url", tiny_server + "/v1"]  # the API root works as well
+    argv += ["--trace", str(trace), "--num-requests", "6", "--time-scale", "0.05", "--length-scale", "0.05"]
+    assert main([*argv, "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["completed"] == 6 and figures["mean_input_len"] < 200
 
 
-def test_generate_prints_the_completion(model_dirs: dict[str, Path]) -> None:
-    done = subprocess.run(
-        _boundless(
-            "generate",
-            "The fox",
-            "--model",
-            str(model_dirs["tiny-llama"]),
-            "--max-tokens",
-            "4",
-            "--kv-cache-gb",
-            "0.05",
-        ),
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.stdout.strip()
+def test_generate_prints_the_completion(model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = str(model_dirs["tiny-llama"])
+    assert main(["generate", "The fox", "--model", tiny, "--max-tokens", "4", "--kv-cache-gb", "0.05"]) == 0
+    assert capsys.readouterr().out.strip()
 
 
-def test_bad_flag_values_fail_at_start_up(model_dirs: dict[str, Path]) -> None:
-    done = subprocess.run(
-        _boundless("generate", "x", "--model", str(model_dirs["tiny-llama"]), "--block-size", "12"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 2 and "--block-size" in done.stderr
+def test_bad_flag_values_fail_at_start_up(model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "x", "--model", str(model_dirs["tiny-llama"]), "--block-size", "12"]) == 2
+    assert "--block-size" in capsys.readouterr().err

@@ -6,8 +6,6 @@ import itertools
 import json
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from boundless.bench.workloads import (
     load_agent_sessions,
     make_programs,
 )
+from boundless.cli import main
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces" / "lmcache_agent_trace" / "miniswe"
 
@@ -89,11 +88,9 @@ def test_agent_sessions_replay(tmp_path: Path) -> None:
 
 def test_bench_programs_compares_policies(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "programs.json"
-    subprocess.run(
+    # In this process: the command line's parsing and dispatch are the same, without importing torch anew.
+    code = main(
         [
-            sys.executable,
-            "-m",
-            "boundless.cli",
             "bench",
             "programs",
             "--model",
@@ -119,11 +116,9 @@ def test_bench_programs_compares_policies(model_dirs: dict[str, Path], tmp_path:
             "4",
             "--out-dir",
             str(tmp_path),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
+        ]
     )
+    assert code == 0
     result = json.loads(out.read_text())
     assert [r["policy"] for r in result["rows"]] == ["fcfs", "atlas"]
     assert result["valid"] and result["invalid_reason"] is None
@@ -133,16 +128,13 @@ def test_bench_programs_compares_policies(model_dirs: dict[str, Path], tmp_path:
 
 
 def test_bench_programs_shows_failed_calls_and_marks_the_run_invalid(
-    model_dirs: dict[str, Path], tmp_path: Path
+    model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A 64-token context: of the three chat calls of seed 0 (36, 23 and 205 output tokens), the
     # third asks for more tokens than fit, and the server refuses it at once.
     out = tmp_path / "programs.json"
-    run = subprocess.run(
+    code = main(
         [
-            sys.executable,
-            "-m",
-            "boundless.cli",
             "bench",
             "programs",
             "--model",
@@ -165,18 +157,15 @@ def test_bench_programs_shows_failed_calls_and_marks_the_run_invalid(
             "0.05",
             "--json",
             str(out),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        ]
     )
+    assert code == 0
     result = json.loads(out.read_text())
     (row,) = result["rows"]
     assert (row["failed_calls"], row["calls"]) == (1, 3)
     assert "maximum context length" in row["first_error"]
     assert not result["valid"] and "fcfs at 4.0/s: 1 of 3" in result["invalid_reason"]
-    lines = run.stdout.splitlines()
+    lines = capsys.readouterr().out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("rate/s"))
     columns = dict(zip(re.split(r"\s{2,}", lines[at]), re.split(r"\s{2,}", lines[at + 2]), strict=True))
     assert columns["failed"] == "1/3"
