@@ -10,7 +10,8 @@ dispatcher meanwhile). A *stuck* engine (its forward pass never returns, inside 
 taking calls too; its step in flight, or the next one it starts, never ends, and the front end's step watchdog
 (``cluster/stuck_step.py``, the real rule on the report its heartbeat carries) finds it once that step has run
 ``step_timeout_s``. The dispatcher then decides what the real cluster's does (``Dispatcher.instance_lost``), and
-the simulator carries it out (``sim/simulator.py``).
+the simulator carries it out (``sim/simulator.py``); with KV lending, the other instances' agents free what they
+lent the lost one and recompute what it held for them (``sim/lending.py``).
 """
 
 from __future__ import annotations
@@ -76,8 +77,6 @@ def check_failures(failures: Collection[InstanceFailure], cluster: ClusterConfig
     ids = instance_ids(cluster)
     if len(ids) < 2:
         raise ValueError("one instance has no dispatcher and nothing to fail over to: use --instances 2 or more")
-    if cluster.kv_lending == "on":
-        raise ValueError("instance failures are not simulated with KV lending")
     seen = set()
     for failure in failures:
         if failure.instance_id not in ids:

@@ -25,7 +25,16 @@ the KV streams' executor side:
   The marginal cost under the roofline model is at most what the partials would cost as a kernel of their own.
 
 Bytes are the profile model's (fp32 queries and partials, as on the wire; the blocks at the profile model's KV
-bytes per token). No creditor fails in simulation, so ``peer_lost`` and recomputes of lost blocks never happen.
+bytes per token).
+
+Instances may fail (``sim/failures.py``). A stopped one answers no control message, sends no report and carries
+out no order (a dead or hung actor's calls fail). When the dispatcher is told it is lost, the real
+:class:`ClusterLending` (passed to it, as the Ray client passes its own) drops it from the gManager and makes a
+``PeerLost`` for every other instance, whose agent's ``peer_lost`` frees what it lent it and recomputes the requests
+that had blocks on it (``preempt_to_recompute``); an instance told mid-step carries it out between steps, and its
+step in flight, if it attended over blocks on the lost one, fails as the real one's round trip does
+(``InstanceLending.step_failed``). A restarted instance is a fresh engine with a fresh agent and rManager, and the
+others hear ``PeerBack`` (``Dispatcher.instance_ready``).
 """
 
 from __future__ import annotations
@@ -226,54 +235,129 @@ class SimulatedLending:
         idle: Callable[[str], bool],
     ) -> None:
         self.cluster = cluster
+        self.clock = clock
+        self.network = network
+        self.shape = shape
+        self.bytes_per_block = bytes_per_block
         self.idle = idle  # whether an instance is between steps (where its loop carries out move orders)
-        self.control = LocalControlPlane()
+        self.control = LocalControlPlane()  # its ``down``: the instances stopped (dead or hung), which answer nothing
         self.data: dict[str, SimulatedLendingData] = {}
         self.agents: dict[str, LendingAgent] = {}
+        self.retired: list[LendingAgent] = []  # the agents of lost instances, whose counts the totals keep
         for iid, core in cores.items():
-            num_blocks = core.layout.num_blocks
-            rm = RManager(
-                iid,
-                num_blocks,
-                core.layout.block_size,
-                core.clock,
-                cluster.lending_reservation_timeout_s,
-                headroom_blocks=int(cluster.lending_creditor_headroom * num_blocks),
-            )
-            link = Link(f"net-{iid}", network.bytes_per_s)
-            data = SimulatedLendingData(iid, link, network.latency_s, bytes_per_block, clock)
-            self.data[iid] = data
-            self.agents[iid] = self.control.add(
-                LendingAgent(
-                    core,
-                    rm,
-                    None,
-                    self.control,
-                    cluster.kv_handoff_timeout_s,
-                    data=data,
-                    lookahead_chunks=cluster.lending_lookahead_chunks,
-                )
-            )
-            executor = core.executor  # the cost-model executor: its steps now cost what lending adds
-            executor.cost = LendingStepCost(executor.cost, data, self.data, shape, network, idle)  # type: ignore[attr-defined]
+            self._attach(iid, core)
         self.lending = ClusterLending(GManager.from_config(cluster, clock), {iid: iid for iid in cores})
         self._orders: dict[str, deque[tuple[str, int, str]]] = {iid: deque() for iid in cores}
+        # What the cluster told an instance mid-step, in order: peers lost (True) and back (False).
+        self._told: dict[str, list[tuple[bool, str]]] = {iid: [] for iid in cores}
+
+    def _attach(self, instance_id: str, core: EngineCore) -> None:
+        """An agent with its rManager for the engine, and its steps priced with what lending adds."""
+        cluster, network = self.cluster, self.network
+        num_blocks = core.layout.num_blocks
+        rm = RManager(
+            instance_id,
+            num_blocks,
+            core.layout.block_size,
+            core.clock,
+            cluster.lending_reservation_timeout_s,
+            headroom_blocks=int(cluster.lending_creditor_headroom * num_blocks),
+        )
+        link = Link(f"net-{instance_id}", network.bytes_per_s)
+        data = SimulatedLendingData(instance_id, link, network.latency_s, self.bytes_per_block, self.clock)
+        self.data[instance_id] = data
+        self.agents[instance_id] = self.control.add(
+            LendingAgent(
+                core,
+                rm,
+                None,
+                self.control,
+                cluster.kv_handoff_timeout_s,
+                data=data,
+                lookahead_chunks=cluster.lending_lookahead_chunks,
+            )
+        )
+        executor = core.executor  # the cost-model executor: its steps now cost what lending adds
+        executor.cost = LendingStepCost(executor.cost, data, self.data, self.shape, network, self.idle)  # type: ignore[attr-defined]
 
     def heartbeat(self) -> bool:
         """The router's heartbeat round: each instance's rManager reports (with the step times its engine
         recorded), one mid-step too, as the real one does (the engine loop holds its lock only between steps, and
         the report counts the step in flight as done: ``Scheduler.tokens_after_step``), so a step longer than the
         heartbeat timeout does not leave its instance out of the plans; then a due plan's orders go to their
-        debtors. Whether blocks moved."""
+        debtors. A stopped instance reports nothing. Whether blocks moved."""
         for iid in self.agents:
-            self._report(iid)
+            if iid not in self.control.down:
+                self._report(iid)
         return self._plan()
 
     def between_steps(self, instance_id: str) -> bool:
-        """What the instance's loop does between steps: tell its rManager the engine's state (releasing the
-        remote blocks of requests it dropped) and carry out its orders. Whether any blocks moved."""
-        self.agents[instance_id].observe()
-        return self._carry_out(instance_id)
+        """What the instance's loop does between steps: hear of the peers lost and back while it stepped, tell its
+        rManager the engine's state (releasing the remote blocks of requests it dropped) and carry out its orders.
+        Whether any blocks moved or were freed."""
+        agent, told = self.agents[instance_id], self._told[instance_id]
+        freed = bool(told)
+        for lost, address in told:
+            (agent.peer_lost if lost else agent.peer_back)(address)
+        told.clear()
+        agent.observe()
+        return self._carry_out(instance_id) or freed
+
+    # -- failures (sim/failures.py) ---------------------------------------------------------------------------
+
+    def stop(self, instance_id: str) -> None:
+        """The instance stopped (died or hung): it answers no control message and carries out no order."""
+        self.control.down.add(instance_id)
+        self._orders[instance_id].clear()
+        self._told[instance_id].clear()
+
+    def peer_lost(self, instance_id: str, lost: str) -> None:
+        """The cluster's ``PeerLost``: the instance's agent frees what it lent ``lost`` and recomputes what it held
+        there; between its steps (at once when idle, else at its step's end). A stopped instance hears nothing."""
+        self._tell(instance_id, True, lost)
+
+    def peer_back(self, instance_id: str, address: str) -> None:
+        """The cluster's ``PeerBack``: the instance at ``address``, lost before, may lend and borrow again."""
+        self._tell(instance_id, False, address)
+
+    def _tell(self, instance_id: str, lost: bool, address: str) -> None:
+        if instance_id in self.control.down:
+            return
+        if not self.idle(instance_id):
+            self._told[instance_id].append((lost, address))
+        elif lost:
+            self.agents[instance_id].peer_lost(address)
+        else:
+            self.agents[instance_id].peer_back(address)
+
+    def attends_over_lost(self, instance_id: str, sched: SchedulerOutput) -> list[str]:
+        """The creditors the step attends over that are stopped, or that the instance was told are lost while it
+        ran (back since or not: its blocks there are gone): its round trip to them fails."""
+        gone = self.control.down | {address for lost, address in self._told[instance_id] if lost}
+        return sorted({r.creditor for c in sched.chunks for r in c.remote} & gone)
+
+    def step_failed(self, instance_id: str, sched: SchedulerOutput) -> bool:
+        """Whether the step ended in a failed round trip (``attends_over_lost``); if so it is dropped (its chunks
+        run again) and the creditors that stopped are taken as lost, as ``InstanceLending.step_failed`` does (those
+        the cluster told it of are, in order, by ``between_steps``)."""
+        lost = self.attends_over_lost(instance_id, sched)
+        if not lost:
+            return False
+        agent = self.agents[instance_id]
+        agent.core.scheduler.step_failed(sched)
+        for creditor in lost:
+            if creditor in self.control.down:
+                agent.peer_lost(creditor)
+        return True
+
+    def rejoin(self, instance_id: str, core: EngineCore) -> None:
+        """A restarted instance: a fresh agent and rManager over its fresh engine (the lost one's counts stay in
+        the totals); it reports from the next heartbeat."""
+        self.retired.append(self.agents[instance_id])
+        self._attach(instance_id, core)
+        self.control.down.discard(instance_id)
+
+    # -- plans ------------------------------------------------------------------------------------------------
 
     def _report(self, instance_id: str) -> None:
         agent = self.agents[instance_id]
@@ -283,9 +367,10 @@ class SimulatedLending:
 
     def _plan(self) -> bool:
         """A plan, if one is due (every live instance reported since the last); idle debtors carry out their
-        orders at once, busy ones between their steps."""
+        orders at once, busy ones between their steps. An order to a stopped instance is never carried out."""
         for order in self.lending.orders():
-            self._orders[order.instance_id].append((order.request_id, order.num_blocks, order.creditor))
+            if order.instance_id not in self.control.down:
+                self._orders[order.instance_id].append((order.request_id, order.num_blocks, order.creditor))
         moved = False
         for iid in sorted(self._orders):
             if self._orders[iid] and self.idle(iid):
@@ -299,18 +384,20 @@ class SimulatedLending:
         return moved
 
     def totals(self) -> dict[str, float]:
-        """What lending did over the run, summed over the instances."""
-        stats = [a.snapshot() for a in self.agents.values()]
+        """What lending did over the run, summed over the instances (lost ones included)."""
+        agents = [*self.retired, *self.agents.values()]
+        stats = [a.snapshot() for a in agents]
         gm = self.lending.gm.counters
         return {
             "plans": gm.plans,
             "moves_ordered": gm.moves_ordered,
             "moves": sum(s.moves_out for s in stats),
             "blocks_moved": sum(s.blocks_out for s in stats),
-            "bytes_moved": sum(d.move_bytes for d in self.data.values()),
+            "bytes_moved": sum(a.data.move_bytes for a in agents),  # type: ignore[attr-defined]
             "round_trips": sum(s.round_trips for s in stats),
             "round_trip_bytes": sum(s.round_trip_bytes for s in stats),
             "exposed_wait_s": sum(s.exposed_wait_s for s in stats),
+            "requests_recomputed": sum(s.requests_recomputed for s in stats),
         }
 
 

@@ -12,7 +12,8 @@ entry serves the very same trace on ``--instances`` simulated engines behind the
 Prompts go as they are (no compaction). A row: requests served, refused and left unserved (the run ended
 with them stalled), the longest context served, tokens per second (prompt and output of the served requests over
 the span from the first arrival to the last finish), the served requests' latency, the same for the short
-requests alone (their span ends with the last short one), each long request's latency, and what lending moved.
+requests alone (their span ends with the last short one), each long request's latency, and what lending moved;
+with ``--fail``, when each instance was lost and restarted.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from collections.abc import Sequence
 
 from boundless.bench.longctx_trace import TraceRequest, TraceShape, make_trace
 from boundless.bench.report import plot_sweep, print_table, write_json
@@ -30,6 +32,7 @@ from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.builder import size_engine
 from boundless.sim.cost import StepCost
 from boundless.sim.engine import SimulatedModel
+from boundless.sim.failures import InstanceFailure
 from boundless.sim.profiles import HardwareProfile
 from boundless.sim.progress import VirtualTimeBar
 from boundless.sim.simulator import SimResult, Simulator
@@ -111,6 +114,9 @@ def longctx_row(sim: Simulator, results: list[SimResult], programs: list[Program
         "simulated_s": sim.clock.now,
         "steps": sim.num_steps,
     }
+    if sim.failures:
+        row["instances_lost"] = dict(sim.lost)  # instance -> when the dispatcher was told
+        row["instances_restarted"] = dict(sim.restarted)
     if sim.lending is not None:
         row["lending"] = sim.lending.totals()
     return row
@@ -187,8 +193,10 @@ def run_longctx(
     profile: HardwareProfile | None,
     cost: StepCost | None,
     cluster: ClusterConfig,
+    failures: Sequence[InstanceFailure] = (),
 ) -> dict:
-    """Every rate of ``--rates`` and mode of ``--kv-modes`` on the trace (see the module); the JSON's data. No host
+    """Every rate of ``--rates`` and mode of ``--kv-modes`` on the trace (see the module), with ``failures`` in each
+    run (``--fail``); the JSON's data. No host
     tier, as ``bench longctx`` runs it: a request that loses its blocks is recomputed (a swapped-out request's
     swap-in counts its lent blocks as local ones, so with lending it could never come back). Separate instances
     admit one pool (``--max-model-len``, else the pool, whatever the simulated model's position limit)."""
@@ -213,6 +221,8 @@ def run_longctx(
                 cluster=mode_cluster(cluster, mode),
                 profile=profile,
                 compact_prompts=False,
+                failures=failures,
+                instance_startup_s=args.instance_startup_s,
             )
             bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, f"{mode} @ {rate}/s", args.progress)
             start = time.perf_counter()

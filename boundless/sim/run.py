@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> dict:
     clusters = cluster_configs_from_flags(args)
     failures = failures_from_flags(args, clusters)
     if args.workload == "longctx":  # Infinite-LLM's experiment: its own rows (sim/longctx.py)
-        return run_longctx(args, base, model, profile, cost, clusters[0])
+        return run_longctx(args, base, model, profile, cost, clusters[0], failures)
     rows: list[dict] = []
     walls: list[float] = []  # apart from the rows, which are a function of the flags alone
     cpus: list[float] = []  # the same runs' CPU seconds (steadier than wall time on a shared machine)
@@ -138,8 +138,6 @@ def failures_from_flags(args: argparse.Namespace, clusters: list[ClusterConfig])
         return []
     try:
         failures = parse_failures(args.fail)
-        if args.workload == "longctx":
-            raise ValueError("the longctx workload does not simulate failures")
         for cluster in clusters:
             check_failures(failures, cluster)
     except ValueError as e:

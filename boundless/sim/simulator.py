@@ -16,7 +16,9 @@ its inputs and seed alone.
 Instances may fail (``sim/failures.py``): a failed one stops mid-step, the dispatcher is told as the
 transport would tell it, and its decisions (``MarkDead``, sends resumed elsewhere, requeues, and the lost
 instance's ``Restart`` when it is due) are carried out here as ``DispatcherFrontEnd`` carries them out: a
-restarted instance is a fresh engine, empty, back ``instance_startup_s`` after its restart.
+restarted instance is a fresh engine, empty, back ``instance_startup_s`` after its restart. With KV lending the
+dispatcher holds the cluster's lending, as the Ray client's does, and its ``PeerLost`` and ``PeerBack`` go to the
+other instances' agents (``sim/lending.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 
 from boundless.bench.workloads import CallSpec, ProgramSpec, PromptTokens, call_kind, call_prompt
 from boundless.cluster.dispatcher import AbortOn, AddResult, Dispatcher, Fail, MarkDead, Send
+from boundless.cluster.lending_cluster import PeerBack, PeerLost
 from boundless.cluster.links import Link, gbps_to_bytes_per_s
 from boundless.cluster.pd_dispatcher import Continue, PDDecision, PDDispatcher, PDInstance, Prepare, PrepareResult
 from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
@@ -140,6 +143,7 @@ class SimInstance:
     core: EngineCore
     step: tuple[SchedulerOutput, StepResult] | None = None
     step_started: float = 0.0
+    step_ends: float = 0.0  # when the step in flight ends (its event; an earlier one for it is stale)
     dead: bool = False
     stuck: bool = False
 
@@ -248,7 +252,11 @@ class Simulator:
                     self.cluster.routing, self.cluster.locality_threshold, self.cluster.locality_max_imbalance
                 )
                 restarts = RestartPolicy.from_config(self.cluster)
-                self.dispatcher = Dispatcher(self.instances, router, table, self.clock, restarts=restarts)
+                # With lending, the gManager beside the router: the dispatcher tells it of lost and restarted ones.
+                cluster_lending = self.lending.lending if self.lending is not None else None
+                self.dispatcher = Dispatcher(
+                    self.instances, router, table, self.clock, lending=cluster_lending, restarts=restarts
+                )
         if len(self.instances) > 1 and getattr(cost, "contended", False):
             for iid, inst in self.instances.items():  # each step slows with the others stepping beside it
                 inst.core.executor.contention = self._contention_beside(iid)  # type: ignore[attr-defined]
@@ -363,10 +371,10 @@ class Simulator:
                     continue
                 clock.now = events[0][0]
             while events and events[0][0] <= clock.now:  # (fast-forwarded steps move the clock on)
-                _, _, kind, payload = heapq.heappop(events)
+                at, _, kind, payload = heapq.heappop(events)
                 if kind == _STEP_END:
-                    if payload.dead or payload.stuck:  # type: ignore[attr-defined]
-                        continue  # its instance stopped or is stuck mid-step: the step never ends
+                    if payload.dead or payload.stuck or at != payload.step_ends:  # type: ignore[attr-defined]
+                        continue  # its instance stopped or is stuck mid-step (the step never ends), or it ends later
                     self._step_end(payload)  # type: ignore[arg-type]
                     if self.fast_forward:
                         self._step_alone(payload)  # type: ignore[arg-type]
@@ -439,7 +447,7 @@ class Simulator:
         self._ready.update(self.instances)
         self._lending_idle_beats = self._lending_idle_beats + 1 if self.num_steps == self._lending_steps_seen else 0
         self._lending_steps_seen = self.num_steps
-        busy = [iid for iid, inst in self.instances.items() if inst.core.has_unfinished()]
+        busy = [iid for iid, inst in self.instances.items() if not inst.dead and inst.core.has_unfinished()]
         if busy and self._lending_idle_beats < LENDING_STALL_BEATS:
             self._at(now + self.cluster.heartbeat_interval_s, _WAKE, busy[0])
 
@@ -489,6 +497,24 @@ class Simulator:
         self._ready.discard(instance_id)
         if self.fabric is not None:
             self.fabric.lose(instance_id, self.clock.now)
+        if self.lending is not None:
+            self.lending.stop(instance_id)
+            self._round_trips_lost(instance_id)
+
+    def _round_trips_lost(self, instance_id: str) -> None:
+        """The steps in flight over blocks on a stopped creditor: their next round trip to it gets no answer, and
+        fails when its receive times out (``PartialClient.collect``: a peer that sends nothing is seen only then),
+        ``kv_handoff_timeout_s`` from now; the step ends then, failed (``SimulatedLending.step_failed``), unless a
+        round trip to another creditor that stopped before fails it sooner."""
+        assert self.lending is not None
+        down = self.lending.control.down
+        for inst in self.instances.values():
+            if inst.step is None:
+                continue
+            lost = set(self.lending.attends_over_lost(inst.instance_id, inst.step[0])) & down
+            if lost == {instance_id}:
+                inst.step_ends = self.clock.now + self.cluster.kv_handoff_timeout_s
+                self._at(inst.step_ends, _STEP_END, inst)
 
     def _lose(self, instance_id: str, reason: str) -> None:
         """Tell the dispatcher the instance is lost, as the transport's poller or heartbeat does, and carry out what
@@ -517,6 +543,8 @@ class Simulator:
             inst.core.executor.contention = self._contention_beside(instance_id)  # type: ignore[attr-defined]
         if self.fabric is not None:
             self.fabric.rejoin(instance_id)
+        if self.lending is not None:  # a fresh agent, as the restarted actor's (the others hear PeerBack)
+            self.lending.rejoin(instance_id, inst.core)
         self.restarted[instance_id] = self.clock.now
         self._carry_out(self.dispatcher.instance_ready(instance_id))
 
@@ -558,6 +586,9 @@ class Simulator:
         if sched.is_empty:  # nothing it can run until a call arrives or ends
             return None
         result = inst.core.execute(sched)
+        elapsed = result.elapsed_s
+        if self.lending is not None and self.lending.attends_over_lost(inst.instance_id, sched):
+            elapsed = self.cluster.kv_handoff_timeout_s  # its round trip waits for a stopped creditor, in vain
         if not sched.chunks and result.elapsed_s == 0 and sched.num_remote_in_flight:
             # Nothing to compute, and its streams end at a time not known yet (a peer has not sent): the step
             # is applied now and the instance sleeps until the fabric wakes it (or a call comes).
@@ -572,16 +603,19 @@ class Simulator:
             self._at(self._stuck_found_at(inst), _STUCK, inst)
         self.num_steps += sched.window  # forward passes (a multi-step window runs several)
         self.num_scheduled += 1
-        return self.clock.now + result.elapsed_s
+        inst.step_ends = self.clock.now + elapsed
+        return inst.step_ends
 
     def _step_end(self, inst: SimInstance) -> None:
         sched, result = inst.step  # type: ignore[misc]
         inst.step = None
         self._ready.add(inst.instance_id)
-        for delta in inst.core.finish_step(sched, result):
+        # A step over blocks on a creditor lost meanwhile fails (its round trip does): dropped, and run again.
+        failed = self.lending is not None and self.lending.step_failed(inst.instance_id, sched)
+        for delta in [] if failed else inst.core.finish_step(sched, result):
             self._on_delta(inst.instance_id, delta)
-        if self.lending is not None and self.lending.between_steps(inst.instance_id):
-            self._ready.update(self.instances)  # blocks moved: the creditors' room changed too
+        if self.lending is not None and (self.lending.between_steps(inst.instance_id) or failed):
+            self._ready.update(self.instances)  # blocks moved or freed: the creditors' room changed too
 
     def _on_delta(self, instance_id: str, delta: RequestDelta) -> None:
         # With roles, the prefill engine's handoff shows as an unfinished delta, and a delta nobody waits for shows
@@ -650,6 +684,11 @@ class Simulator:
                 self._ready.add(decision.instance_id)
             elif isinstance(decision, MarkDead):
                 self._stop(decision.instance_id)
+            elif isinstance(decision, PeerLost):  # it frees what it lent the lost one, recomputes what it held
+                self.lending.peer_lost(decision.instance_id, decision.lost)  # type: ignore[union-attr]
+                self._ready.update(self.instances)
+            elif isinstance(decision, PeerBack):
+                self.lending.peer_back(decision.instance_id, decision.address)  # type: ignore[union-attr]
             elif isinstance(decision, Restart):  # its first heartbeat once started (a model's load)
                 self._at(self.clock.now + self.instance_startup_s, _BACK, decision.instance_id)
             elif isinstance(decision, Fail):  # refused, or no live instance left to take it

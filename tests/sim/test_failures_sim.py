@@ -104,6 +104,7 @@ def test_failure_flags_are_parsed_and_checked() -> None:
     four, roles = ClusterConfig(instances=4), ClusterConfig(prefill_instances=1, decode_instances=2)
     check_failures(parse_failures("0@1,3@2"), four)
     check_failures(parse_failures("p0@1,d1@2"), roles)
+    check_failures(parse_failures("1@1"), ClusterConfig(instances=2, kv_lending="on"))  # (test_lending_sim.py)
     for text in ("1", "1@", "@3", "1@soon", "1@3:sleep"):
         with pytest.raises(ValueError):
             parse_failures(text)
@@ -114,7 +115,6 @@ def test_failure_flags_are_parsed_and_checked() -> None:
         ("1@inf", four, "not negative"),
         ("1@1,1@2", four, "more than once"),
         ("0@1", ClusterConfig(instances=1), "one instance"),
-        ("0@1", ClusterConfig(instances=2, kv_lending="on"), "KV lending"),
     ):
         with pytest.raises(ValueError, match=why):
             check_failures(parse_failures(text), cluster)

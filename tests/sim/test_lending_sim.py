@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from boundless.attention.backend import RemoteKV
 from boundless.bench.longctx_trace import TraceShape, make_trace
+from boundless.bench.workloads import ProgramSpec
 from boundless.cli import main
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import ChunkShape
@@ -16,9 +18,10 @@ from boundless.engine.request import RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.sim.engine import SimulatedModel
+from boundless.sim.failures import InstanceFailure
 from boundless.sim.longctx import longctx_row, pool_tokens, trace_programs
 from boundless.sim.profiles import load_profile
-from boundless.sim.simulator import Simulator
+from boundless.sim.simulator import SimResult, Simulator
 
 # Three instances of 64 blocks (1,024 tokens); plans as often as the bench's (before about every step at this
 # scale), and creditors that may lend most of their pool, as `bench longctx` sets them: a 2.5x request needs it.
@@ -250,3 +253,135 @@ def test_a_swapped_out_request_waits_for_its_local_blocks_only(model: SimulatedM
     assert b.status is RequestStatus.SWAPPED and core.kv.num_lent_blocks("b") == 10
     agent.observe()
     assert agent.rm.local.waiting_blocks == (core.kv.blocks_for_tokens(b.num_tokens) - 10,) == (65,)
+
+
+# -- failures: the real cluster's PeerLost and PeerBack, driven by the simulated dispatcher ----------------------
+
+
+def _failing(model: SimulatedModel, failures: list[InstanceFailure]) -> tuple[Simulator, list[ProgramSpec]]:
+    """The trace of ``_run`` on three lending instances, with ``failures``; a lost instance is restarted 1 s after its
+    loss and is back 2 s later, and a round trip to a creditor that stopped answering fails after 1 s. In the healthy
+    run, instance 1 holds 33 blocks lent by 0 at 8.5 s (0's step in flight then attends over them), and at 11 s 0
+    and 1 hold 61 and 19 blocks lent by 2."""
+    shape = TraceShape(num_short=12, long_factors=(0.5, 1.5, 2.5))
+    programs = trace_programs(make_trace(shape, pool_tokens(CONFIG, model), model.identity.vocab_size, 2.0, 0))
+    cluster = ClusterConfig(instances=3, kv_lending="on", restart_delay_s=1.0, kv_handoff_timeout_s=1.0, **LENDING)
+    sim = Simulator(
+        CONFIG,
+        model,
+        None,
+        instances=3,
+        cluster=cluster,
+        profile=load_profile("cpu"),
+        compact_prompts=False,
+        failures=failures,
+        instance_startup_s=2.0,
+    )
+    return sim, programs
+
+
+def _recomputed_at(sim: Simulator, instance_id: str) -> Callable[[float], None]:
+    """A progress callback that records in ``sim.recomputed_at`` when ``instance_id`` first recomputed lost blocks."""
+    assert sim.lending is not None
+    rm = sim.lending.agents[instance_id].rm
+
+    def watch(now: float) -> None:
+        if rm.counters.blocks_recomputed and not hasattr(sim, "recomputed_at"):
+            sim.recomputed_at = now  # type: ignore[attr-defined]
+
+    return watch
+
+
+def _loans(sim: Simulator, creditor: str, debtor: str) -> int:
+    """Blocks ``creditor`` holds lent by ``debtor`` (its rManager's ledger)."""
+    assert sim.lending is not None
+    return sum(len(loan.block_ids) for loan in sim.lending.agents[creditor].rm.loans.values() if loan.debtor == debtor)
+
+
+def _spans_on(sim: Simulator, debtor: str, creditor: str) -> int:
+    """Blocks of ``debtor``'s requests it records on ``creditor``."""
+    assert sim.lending is not None
+    spans = sim.lending.agents[debtor].rm.spans.values()
+    return sum(s.num_blocks for request in spans for s in request if s.creditor == creditor)
+
+
+def _assert_served_and_released(sim: Simulator, results: list[SimResult], programs: list[ProgramSpec]) -> None:
+    """Every request served with every token, and at the end no block lent, borrowed or held in any pool."""
+    assert all(r.finished and not r.failed_calls for r in results)
+    assert [r.output_tokens for r in results] == [p.output_tokens for p in programs]
+    assert sim.lending is not None
+    for iid, agent in sim.lending.agents.items():
+        assert not agent.rm.loans and not agent.rm.spans and agent.core.kv.pool.num_used == 0, iid
+
+
+def test_a_creditor_lost_while_it_lends_costs_its_debtor_a_recompute_and_nothing_else(model: SimulatedModel) -> None:
+    sim, programs = _failing(model, [InstanceFailure("1", 8.5)])
+    seen: dict[str, tuple[int, bool]] = {}
+    recomputed = _recomputed_at(sim, "0")
+
+    def watch(now: float) -> None:
+        recomputed(now)
+        assert sim.lending is not None
+        heard = "1" in sim.lending.lending.gm.heartbeats
+        if now < 8.5 or (now >= 9.5 and "after" not in seen):
+            seen["after" if now >= 8.5 else "before"] = (_spans_on(sim, "0", "1"), heard)
+
+    results = sim.run(programs, watch)
+    assert seen["before"] == (33, True)
+    # The gManager drops 1 at once; debtor 0's step in flight over 1's blocks fails when its round trip times out
+    # (1 s), and 0 recomputes the requests whose blocks were on 1.
+    assert seen["after"] == (0, False) and sim.recomputed_at == pytest.approx(9.5)  # type: ignore[attr-defined]
+    assert sim.lost == {"1": 8.5} and sim.restarted == {"1": 11.5}
+    assert sim.lending is not None
+    assert sim.lending.agents["0"].stats.requests_recomputed > 0
+    assert sim.lending.agents["0"].rm.counters.blocks_recomputed == 33
+    _assert_served_and_released(sim, results, programs)
+    # Back, 1 is a fresh instance with a fresh agent, which lends again; the lost one's counts stay in the totals.
+    assert [a.instance_id for a in sim.lending.retired] == ["1"]
+    assert sim.lending.agents["1"].stats.moves_in > 0
+    totals = sim.lending.totals()
+    assert totals["requests_recomputed"] == sim.lending.agents["0"].stats.requests_recomputed
+    assert totals["moves"] == sum(a.stats.moves_out for a in [*sim.lending.retired, *sim.lending.agents.values()])
+
+
+def test_a_debtor_lost_has_its_creditors_free_the_blocks_they_held_for_it(model: SimulatedModel) -> None:
+    sim, programs = _failing(model, [InstanceFailure("2", 11.0)])
+    seen: dict[str, tuple[int, int]] = {}
+
+    def watch(now: float) -> None:
+        if "after" not in seen:
+            seen["after" if now >= 11.0 else "before"] = (_loans(sim, "0", "2"), _loans(sim, "1", "2"))
+
+    results = sim.run(programs, watch)
+    assert seen["before"] == (61, 19)
+    assert seen["after"] == (0, 0)  # freed as the loss is known, not when the trace ends
+    assert sim.lost == {"2": 11.0} and sim.restarted == {"2": 14.0}
+    _assert_served_and_released(sim, results, programs)
+
+
+def test_a_creditor_that_hangs_fails_its_debtor_s_step_over_its_blocks(model: SimulatedModel) -> None:
+    """Hung at 8.5 s, instance 1 is lost at 13.5 s (the heartbeat timeout); before that, its debtor's step over its
+    blocks waits for the round trip in vain, fails at 9.5 s, and the debtor takes 1 as lost itself, as the real
+    agent does (``InstanceLending.step_failed``)."""
+    sim, programs = _failing(model, [InstanceFailure("1", 8.5, hang=True)])
+    results = sim.run(programs, _recomputed_at(sim, "0"))
+    assert sim.lost == {"1": 13.5} and sim.recomputed_at == pytest.approx(9.5)  # type: ignore[attr-defined]
+    assert sim.lending is not None and sim.lending.agents["0"].rm.counters.blocks_recomputed == 33
+    _assert_served_and_released(sim, results, programs)
+
+
+def test_a_lending_run_with_failures_is_a_function_of_its_flags_with_fast_forward_and_without(tmp_path: Path) -> None:
+    args = ["simulate", "--workload", "longctx", "--instances", "3", "--profile", "cpu", "--num-kv-blocks", "64"]
+    args += ["--max-num-batched-tokens", "256", "--rates", "2", "--num-programs", "12", "--no-progress"]
+    args += ["--heartbeat-interval-s", "0.1", "--lending-interval-s", "0.1", "--lending-creditor-max-usage", "0.9"]
+    args += ["--lending-creditor-headroom", "0.05", "--long-factors", "0.5,1.5,2.5", "--kv-modes", "lending"]
+    args += ["--fail", "1@8.5,2@12:hang", "--restart-delay-s", "1", "--instance-startup-s", "2"]
+    rows = []
+    for name, flag in (("a", "--fast-forward"), ("b", "--fast-forward"), ("c", "--no-fast-forward")):
+        out = tmp_path / f"{name}.json"
+        assert main([*args, flag, "--json", str(out)]) == 0
+        rows.append(json.loads(out.read_text())["rows"])
+    assert rows[0] == rows[1] == rows[2]
+    (row,) = rows[0]
+    assert row["served"] == row["requests"] and row["instances_lost"] == {"1": 8.5, "2": 17.0}
+    assert row["lending"]["requests_recomputed"] > 0
