@@ -137,7 +137,7 @@ class InstanceLending:
         if not isinstance(error, RemotePartialError):
             return False
         self.agent.core.scheduler.step_failed(sched)
-        self.agent.peer_lost(error.creditor)
+        self.agent.round_trip_failed(error.creditor)
         return True
 
     def heartbeat(self) -> Heartbeat:

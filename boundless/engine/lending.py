@@ -323,7 +323,7 @@ class LendingAgent:
                 result = core.execute(sched)
             except RemotePartialError as e:
                 core.scheduler.step_failed(sched)  # names of the blocks it was writing are dropped
-                self.peer_lost(e.creditor)
+                self.round_trip_failed(e.creditor)
             else:
                 deltas = core.finish_step(sched, result)
         self.observe()
@@ -400,6 +400,15 @@ class LendingAgent:
     def peer_back(self, instance_id: str) -> None:
         """Another instance, lost before, was started again in its place: it may lend and borrow again."""
         self.rm.peer_back(instance_id)
+
+    def round_trip_failed(self, creditor: str) -> None:
+        """A step's round trip to ``creditor`` failed: it is taken as lost, as :meth:`peer_lost`, unless no block is
+        held there any more. Then the cluster's ``PeerLost`` came first (a Ray instance runs it mid-step: the loop
+        holds its lock only between steps) and the requests are recomputed already; and a round trip waits up to its
+        timeout, so the creditor may be restarted at the same address by now (``PeerBack``): taken as lost again,
+        it would be refused as a creditor and a debtor for good, and what it borrowed since freed under it."""
+        if any(span.creditor == creditor for spans in self.rm.spans.values() for span in spans):
+            self.peer_lost(creditor)
 
     # -- the creditor's side (called through the control plane) ---------------------------------------------
 

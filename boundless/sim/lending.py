@@ -40,7 +40,7 @@ others hear ``PeerBack`` (``Dispatcher.instance_ready``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from boundless.cluster.gmanager import GManager
@@ -248,8 +248,7 @@ class SimulatedLending:
             self._attach(iid, core)
         self.lending = ClusterLending(GManager.from_config(cluster, clock), {iid: iid for iid in cores})
         self._orders: dict[str, deque[tuple[str, int, str]]] = {iid: deque() for iid in cores}
-        # What the cluster told an instance mid-step, in order: peers lost (True) and back (False).
-        self._told: dict[str, list[tuple[bool, str]]] = {iid: [] for iid in cores}
+        self._failing: dict[str, set[str]] = {}  # instance -> the stopped creditors its step in flight attends over
 
     def _attach(self, instance_id: str, core: EngineCore) -> None:
         """An agent with its rManager for the engine, and its steps priced with what lending adds."""
@@ -292,16 +291,10 @@ class SimulatedLending:
         return self._plan()
 
     def between_steps(self, instance_id: str) -> bool:
-        """What the instance's loop does between steps: hear of the peers lost and back while it stepped, tell its
-        rManager the engine's state (releasing the remote blocks of requests it dropped) and carry out its orders.
-        Whether any blocks moved or were freed."""
-        agent, told = self.agents[instance_id], self._told[instance_id]
-        freed = bool(told)
-        for lost, address in told:
-            (agent.peer_lost if lost else agent.peer_back)(address)
-        told.clear()
-        agent.observe()
-        return self._carry_out(instance_id) or freed
+        """What the instance's loop does between steps: tell its rManager the engine's state (releasing the remote
+        blocks of requests it dropped) and carry out its orders. Whether any blocks moved."""
+        self.agents[instance_id].observe()
+        return self._carry_out(instance_id)
 
     # -- failures (sim/failures.py) ---------------------------------------------------------------------------
 
@@ -309,45 +302,41 @@ class SimulatedLending:
         """The instance stopped (died or hung): it answers no control message and carries out no order."""
         self.control.down.add(instance_id)
         self._orders[instance_id].clear()
-        self._told[instance_id].clear()
+        self._failing.pop(instance_id, None)
 
     def peer_lost(self, instance_id: str, lost: str) -> None:
-        """The cluster's ``PeerLost``: the instance's agent frees what it lent ``lost`` and recomputes what it held
-        there; between its steps (at once when idle, else at its step's end). A stopped instance hears nothing."""
-        self._tell(instance_id, True, lost)
+        """The cluster's ``PeerLost``: the instance's agent frees what it lent ``lost`` and recomputes the requests
+        whose blocks were there; at once, mid-step too (the real actor's handler takes the engine loop's lock, which
+        the loop does not hold while a step runs). A stopped instance hears nothing."""
+        if instance_id not in self.control.down:
+            self.agents[instance_id].peer_lost(lost)
 
     def peer_back(self, instance_id: str, address: str) -> None:
         """The cluster's ``PeerBack``: the instance at ``address``, lost before, may lend and borrow again."""
-        self._tell(instance_id, False, address)
-
-    def _tell(self, instance_id: str, lost: bool, address: str) -> None:
-        if instance_id in self.control.down:
-            return
-        if not self.idle(instance_id):
-            self._told[instance_id].append((lost, address))
-        elif lost:
-            self.agents[instance_id].peer_lost(address)
-        else:
+        if instance_id not in self.control.down:
             self.agents[instance_id].peer_back(address)
 
-    def attends_over_lost(self, instance_id: str, sched: SchedulerOutput) -> list[str]:
-        """The creditors the step attends over that are stopped, or that the instance was told are lost while it
-        ran (back since or not: its blocks there are gone): its round trip to them fails."""
-        gone = self.control.down | {address for lost, address in self._told[instance_id] if lost}
-        return sorted({r.creditor for c in sched.chunks for r in c.remote} & gone)
+    def fails_over(self, instance_id: str, sched: SchedulerOutput, stopped: Collection[str]) -> bool:
+        """Record which of the ``stopped`` creditors the instance's step (starting, or in flight) attends over: its
+        round trip to them gets no answer, and the step fails (``step_failed``). Whether it was not failing
+        already (the first round trip to time out ends it)."""
+        lost = {r.creditor for c in sched.chunks for r in c.remote} & set(stopped)
+        if not lost:
+            return False
+        failing = instance_id in self._failing
+        self._failing.setdefault(instance_id, set()).update(lost)
+        return not failing
 
     def step_failed(self, instance_id: str, sched: SchedulerOutput) -> bool:
-        """Whether the step ended in a failed round trip (``attends_over_lost``); if so it is dropped (its chunks
-        run again) and the creditors that stopped are taken as lost, as ``InstanceLending.step_failed`` does (those
-        the cluster told it of are, in order, by ``between_steps``)."""
-        lost = self.attends_over_lost(instance_id, sched)
+        """Whether the step ended in a failed round trip (``fails_over``); if so it is dropped (its chunks run
+        again) and the agent takes those creditors as lost, as ``InstanceLending.step_failed`` does."""
+        lost = self._failing.pop(instance_id, None)
         if not lost:
             return False
         agent = self.agents[instance_id]
         agent.core.scheduler.step_failed(sched)
-        for creditor in lost:
-            if creditor in self.control.down:
-                agent.peer_lost(creditor)
+        for creditor in sorted(lost):
+            agent.round_trip_failed(creditor)
         return True
 
     def rejoin(self, instance_id: str, core: EngineCore) -> None:

@@ -373,7 +373,7 @@ class Simulator:
             while events and events[0][0] <= clock.now:  # (fast-forwarded steps move the clock on)
                 at, _, kind, payload = heapq.heappop(events)
                 if kind == _STEP_END:
-                    if payload.dead or payload.stuck or at != payload.step_ends:  # type: ignore[attr-defined]
+                    if payload.dead or payload.stuck or payload.step is None or at != payload.step_ends:  # type: ignore[attr-defined]
                         continue  # its instance stopped or is stuck mid-step (the step never ends), or it ends later
                     self._step_end(payload)  # type: ignore[arg-type]
                     if self.fast_forward:
@@ -507,12 +507,8 @@ class Simulator:
         ``kv_handoff_timeout_s`` from now; the step ends then, failed (``SimulatedLending.step_failed``), unless a
         round trip to another creditor that stopped before fails it sooner."""
         assert self.lending is not None
-        down = self.lending.control.down
         for inst in self.instances.values():
-            if inst.step is None:
-                continue
-            lost = set(self.lending.attends_over_lost(inst.instance_id, inst.step[0])) & down
-            if lost == {instance_id}:
+            if inst.step is not None and self.lending.fails_over(inst.instance_id, inst.step[0], (instance_id,)):
                 inst.step_ends = self.clock.now + self.cluster.kv_handoff_timeout_s
                 self._at(inst.step_ends, _STEP_END, inst)
 
@@ -587,7 +583,7 @@ class Simulator:
             return None
         result = inst.core.execute(sched)
         elapsed = result.elapsed_s
-        if self.lending is not None and self.lending.attends_over_lost(inst.instance_id, sched):
+        if self.lending is not None and self.lending.fails_over(inst.instance_id, sched, self.lending.control.down):
             elapsed = self.cluster.kv_handoff_timeout_s  # its round trip waits for a stopped creditor, in vain
         if not sched.chunks and result.elapsed_s == 0 and sched.num_remote_in_flight:
             # Nothing to compute, and its streams end at a time not known yet (a peer has not sent): the step

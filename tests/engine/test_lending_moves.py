@@ -213,6 +213,43 @@ def test_a_creditor_that_dies_has_its_blocks_recomputed_with_identical_output(lo
     assert not c2.rm.loans and c2.core.kv.pool.num_used == 0
 
 
+def test_a_creditor_back_before_the_round_trip_to_it_fails_is_not_taken_as_lost_again(load, make_cluster) -> None:
+    """A Ray instance hears the cluster's PeerLost mid-step (its loop holds its lock only between steps), and the
+    step's round trip to the dead creditor fails later, at its timeout, when the creditor may be restarted at the
+    same address already (PeerBack). Before, that failure took the creditor as lost again, for good: the debtor
+    refused it as a creditor and a debtor from then on (found by the simulator, ``tests/sim/test_lending_sim.py``)."""
+    loaded = load("tiny-qwen2")
+    want = reference(loaded, {"long": LONG})
+    cluster = make_cluster(loaded, 2)
+    debtor, creditor = cluster.agents
+    debtor.core.add_request("long", LONG, PARAMS)
+    rec = Recorded()
+    while debtor.core.scheduler.requests["long"].num_computed_tokens < 2 * CHUNK:
+        for d in debtor.step():
+            rec.add(d)
+    assert debtor.move_kvcache("long", 2, creditor.instance_id)
+    creditor.close()
+    cluster.nets[1].close()
+    cluster.control.down.add(creditor.instance_id)
+    execute = debtor.core.execute
+
+    def told_meanwhile(sched, *args, **kwargs):  # the cluster's word while the step's round trip is under way
+        debtor.core.execute = execute  # type: ignore[method-assign]
+        debtor.peer_lost(creditor.instance_id)
+        debtor.peer_back(creditor.instance_id)
+        return execute(sched, *args, **kwargs)
+
+    debtor.core.execute = told_meanwhile  # type: ignore[method-assign]
+    for d in debtor.step():  # its round trip to the creditor fails
+        rec.add(d)
+    assert debtor.stats.requests_recomputed == 1 and debtor.core.kv.num_lent_blocks("long") == 0
+    assert creditor.instance_id not in debtor.rm.lost_peers
+    while debtor.core.has_unfinished():
+        for d in debtor.step():
+            rec.add(d)
+    assert rec.tokens["long"] == want.tokens["long"]
+
+
 def test_a_debtor_that_dies_has_its_blocks_freed_by_its_creditor(load, make_cluster) -> None:
     loaded = load("tiny-llama")
     cluster = make_cluster(loaded, 2)
