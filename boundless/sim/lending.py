@@ -27,13 +27,15 @@ the KV streams' executor side:
 Bytes are the profile model's (fp32 queries and partials, as on the wire; the blocks at the profile model's KV
 bytes per token).
 
-Instances may fail (``sim/failures.py``). A stopped one answers no control message, sends no report and carries
-out no order (a dead or hung actor's calls fail). When the dispatcher is told it is lost, the real
-:class:`ClusterLending` (passed to it, as the Ray client passes its own) drops it from the gManager and makes a
-``PeerLost`` for every other instance, whose agent's ``peer_lost`` frees what it lent it and recomputes the requests
-that had blocks on it (``preempt_to_recompute``); an instance told mid-step carries it out between steps, and its
-step in flight, if it attended over blocks on the lost one, fails as the real one's round trip does
-(``InstanceLending.step_failed``). A restarted instance is a fresh engine with a fresh agent and rManager, and the
+Instances may fail (``sim/failures.py``). A stopped one answers no control message (a move to or from it fails at
+once: the wait of a call to a hung actor is not modelled), sends no report and carries out no order. A step in
+flight over its blocks, or one started over them, gets no partials: it ends ``kv_handoff_timeout_s`` after the
+stop (or its start), failed, as the real round trip's receive times out, and the debtor takes the creditor as lost
+(``InstanceLending.step_failed``, ``LendingAgent.round_trip_failed``). When the dispatcher is told an instance is
+lost, the real :class:`ClusterLending` (passed to it, as the Ray client passes its own) drops it from the gManager
+and makes a ``PeerLost`` for every other instance, whose agent's ``peer_lost`` frees what it lent the lost one and
+recomputes the requests that had blocks there (``preempt_to_recompute``), at once, mid-step too, as a Ray instance's
+handler runs while its loop steps. A restarted instance is a fresh engine with a fresh agent and rManager, and the
 others hear ``PeerBack`` (``Dispatcher.instance_ready``).
 """
 
