@@ -155,10 +155,8 @@ class LongCtxCluster:
             dataclasses.replace(engine, model=dataclasses.replace(engine.model, max_model_len=None)),
             loaded.arch,
             loaded.dtype,
+            pools=config.instances if setup == "lending" else 1,  # a request may hold the cluster's memory
         )
-        if setup == "lending":  # a request may hold the cluster's memory, not one pool
-            cluster_tokens = config.instances * config.pool_tokens
-            layout = dataclasses.replace(layout, max_model_len=min(cluster_tokens, loaded.arch.max_position_embeddings))
         self.control = LocalControlPlane()
         self.instances: list[Instance] = []
         for i in range(config.instances):

@@ -61,10 +61,14 @@ class ModelIdentity:
         return ModelIdentity(loaded.name, loaded.arch.vocab_size, eos, loaded.fingerprint, str(loaded.device))
 
 
-def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype) -> EngineLayout:
+def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, pools: int = 1) -> EngineLayout:
     """Blocks from ``--num-kv-blocks`` or ``--kv-cache-gb``, host blocks from ``--kv-host-gb``, the disk
     store's room from ``--kv-disk-gb`` (with ``--kv-disk-path``), and the context length: the asked one
-    (which must fit in the pool), or the model's capped by the pool."""
+    (which must fit in the pool), or the model's capped by the pool.
+
+    ``pools``: how many instances' pools one request may span. With KV lending a request may hold the
+    cluster's memory (its blocks beyond this pool live on creditors), so its context is capped by all of them.
+    """
     cache = config.cache
     bs = cache.block_size
     per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, bs, dtype)
@@ -73,7 +77,7 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype) -> En
     disk_bytes = int(cache.kv_disk_gb * (1 << 30)) if cache.kv_disk_path else 0
     if disk_bytes and num_host_blocks == 0:
         raise ConfigError(f"--kv-host-gb: {cache.host_gb} GiB holds no {per_block}-byte block; disk loads need one")
-    pool_tokens = num_blocks * bs
+    pool_tokens = num_blocks * bs * pools
     asked = config.model.max_model_len
     if asked is None:
         limit = arch.max_position_embeddings
@@ -82,8 +86,9 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype) -> En
         max_model_len = min(limit, pool_tokens)
     elif asked > pool_tokens:
         raise ConfigError(
-            f"--max-model-len: {asked} tokens do not fit in the KV pool ({pool_tokens} tokens); "
-            "raise --kv-cache-gb or --num-kv-blocks"
+            f"--max-model-len: {asked} tokens do not fit in the KV pool ({pool_tokens} tokens"
+            + (f" in {pools} instances' pools" if pools > 1 else "")
+            + "); raise --kv-cache-gb or --num-kv-blocks"
         )
     else:
         max_model_len = asked

@@ -3,7 +3,6 @@ in a real ``EngineLoop`` with ``InstanceLending`` as its step hooks, over a shar
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 from boundless.cluster.lending_instance import InstanceLending, LendingSetup
@@ -21,13 +20,13 @@ POOL = 40
 
 
 def _engine(loaded: LoadedModel) -> EngineCore:
-    """A pool of 40 blocks; with lending a request may hold more than one pool (its ``max_model_len``)."""
+    """A pool of 40 blocks; with lending a request may hold two pools (its ``max_model_len``)."""
     config = EngineConfig(
-        model=ModelConfig(max_model_len=POOL * BLOCK),
+        model=ModelConfig(max_model_len=2 * POOL * BLOCK),
         cache=CacheConfig(num_kv_blocks=POOL, enable_prefix_caching=True),
         scheduler=SchedulerConfig(policy="fcfs", max_num_batched_tokens=CHUNK),
     )
-    layout = dataclasses.replace(size_engine(config, loaded.arch, loaded.dtype), max_model_len=2 * POOL * BLOCK)
+    layout = size_engine(config, loaded.arch, loaded.dtype, pools=2)
     executor = build_model_executor(loaded, config, layout)
     return EngineCore(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor)
 

@@ -1,0 +1,26 @@
+"""How an engine is sized: its KV pool and, from it and the model, the longest context it admits."""
+
+from __future__ import annotations
+
+import pytest
+
+from boundless.config import ConfigError
+from boundless.engine.builder import size_engine
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel
+
+
+def test_a_context_is_capped_by_one_pool_or_with_lending_by_the_pools_it_may_span(tiny_llama: LoadedModel) -> None:
+    arch, dtype = tiny_llama.arch, tiny_llama.dtype
+    config = engine_config(tiny_llama.name, num_kv_blocks=8, block_size=16)
+    assert size_engine(config, arch, dtype).max_model_len == 8 * 16
+    # KV lending: a request's blocks beyond its own pool live on the other instances'.
+    three = size_engine(config, arch, dtype, pools=3)
+    assert three.max_model_len == 3 * 8 * 16 and three.num_blocks == 8  # the pool itself is unchanged
+    asked = engine_config(tiny_llama.name, num_kv_blocks=8, block_size=16, max_model_len=300)
+    assert size_engine(asked, arch, dtype, pools=3).max_model_len == 300
+    with pytest.raises(ConfigError, match="--max-model-len: 300 tokens do not fit in the KV pool"):
+        size_engine(asked, arch, dtype)
+    # The model's positions still cap it.
+    roomy = engine_config(tiny_llama.name, num_kv_blocks=arch.max_position_embeddings // 16, block_size=16)
+    assert size_engine(roomy, arch, dtype, pools=4).max_model_len == arch.max_position_embeddings
