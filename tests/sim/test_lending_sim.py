@@ -363,10 +363,20 @@ def test_a_debtor_lost_has_its_creditors_free_the_blocks_they_held_for_it(model:
 def test_a_creditor_that_hangs_fails_its_debtor_s_step_over_its_blocks(model: SimulatedModel) -> None:
     """Hung at 8.5 s, instance 1 is lost at 13.5 s (the heartbeat timeout); before that, its debtor's step over its
     blocks waits for the round trip in vain, fails at 9.5 s, and the debtor takes 1 as lost itself, as the real
-    agent does (``InstanceLending.step_failed``)."""
+    agent does (``InstanceLending.step_failed``). Hung, 1 answers no move (the gManager still plans with it)."""
     sim, programs = _failing(model, [InstanceFailure("1", 8.5, hang=True)])
-    results = sim.run(programs, _recomputed_at(sim, "0"))
+    assert sim.lending is not None
+    hung, moves_in = sim.lending.agents["1"], []
+    recomputed = _recomputed_at(sim, "0")
+
+    def watch(now: float) -> None:
+        recomputed(now)
+        if now < 8.5:
+            moves_in[:] = [hung.stats.moves_in]
+
+    results = sim.run(programs, watch)
     assert sim.lost == {"1": 13.5} and sim.recomputed_at == pytest.approx(9.5)  # type: ignore[attr-defined]
+    assert moves_in == [hung.stats.moves_in] == [7]
     assert sim.lending is not None and sim.lending.agents["0"].rm.counters.blocks_recomputed == 33
     _assert_served_and_released(sim, results, programs)
 
