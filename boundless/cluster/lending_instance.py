@@ -132,8 +132,9 @@ class InstanceLending:
             self.agent.move_kvcache(*self._orders.popleft())
 
     def step_failed(self, error: Exception, sched: SchedulerOutput) -> bool:
-        """A step whose round trip to a creditor failed runs again; the creditor is taken as lost. False for
-        any other error (the loop fails the step's requests)."""
+        """A step whose round trip to a creditor failed runs again; the creditor is taken as lost, unless the
+        cluster's word came first (``LendingAgent.round_trip_failed``). False for any other error (the loop fails
+        the step's requests)."""
         if not isinstance(error, RemotePartialError):
             return False
         self.agent.core.scheduler.step_failed(sched)

@@ -233,11 +233,11 @@ def test_a_creditor_back_before_the_round_trip_to_it_fails_is_not_taken_as_lost_
     cluster.control.down.add(creditor.instance_id)
     execute = debtor.core.execute
 
-    def told_meanwhile(sched, *args, **kwargs):  # the cluster's word while the step's round trip is under way
+    def told_meanwhile(sched):  # the cluster's word while the step's round trip is under way
         debtor.core.execute = execute  # type: ignore[method-assign]
         debtor.peer_lost(creditor.instance_id)
         debtor.peer_back(creditor.instance_id)
-        return execute(sched, *args, **kwargs)
+        return execute(sched)
 
     debtor.core.execute = told_meanwhile  # type: ignore[method-assign]
     for d in debtor.step():  # its round trip to the creditor fails
