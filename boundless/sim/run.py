@@ -103,6 +103,9 @@ def run(args: argparse.Namespace) -> dict:
             )
     elif failed:  # a refused call takes no time: the latencies above would flatter the run
         print(f"{failed} calls were refused by the engine (too long for --max-model-len): these figures are invalid")
+    if not failures:
+        for line in unfinished_lines(rows):
+            print(line)
     result = {
         "workload": args.workload,
         "num_programs": args.num_programs,
@@ -184,12 +187,34 @@ def result_row(sim: Simulator, results: list[SimResult], rate: float, policy: st
         },
         "programs": len(results),
         "programs_finished": sum(r.finished for r in results),
+        "lending_stalled_at_s": sim.lending_stalled_at,  # None: lending never stalled with work left
         "avg_call_latency_s": {kind: statistics.fmean(v) for kind, v in sorted(sim.call_latencies.items())},
     }
     if isinstance(sim.dispatcher, PDDispatcher):
         row["read_paths"] = dict(sorted(sim.dispatcher.placements.items()))
         row["storage_bytes_read"] = {link.name: link.stats().bytes_carried["kv"] for link in sim.storage_links}
     return row
+
+
+def unfinished_lines(rows: list[dict]) -> list[str]:
+    """A line for each run that left programs unfinished (its figures cover the finished ones), with why when KV
+    lending stalled."""
+    lines = []
+    for row in rows:
+        if row["programs_finished"] == row["programs"]:
+            continue
+        stalled = row["lending_stalled_at_s"]
+        why = (
+            f": KV lending stalled at {stalled:.0f} s (requests over one instance's pool, each holding its pool and"
+            " waiting for room only the others could lend; docs/lending.md)"
+            if stalled is not None
+            else ""
+        )
+        lines.append(
+            f"{row['policy']} @ {row['rate']}/s: {row['programs'] - row['programs_finished']} of {row['programs']}"
+            f" programs did not finish{why}; these figures are invalid"
+        )
+    return lines
 
 
 def print_rows(rows: list[dict]) -> None:

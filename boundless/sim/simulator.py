@@ -265,6 +265,9 @@ class Simulator:
         # Without compaction a prompt goes as it is, and one longer than an instance admits is refused.
         self.compact_prompts = compact_prompts
         self._lending_idle_beats = 0  # lending heartbeats in a row with no step started (a stall)
+        # When lending gave up on a stall with work left: requests over one pool, each holding its instance's pool
+        # and waiting for room only the others could lend (docs/lending.md, "Two requests over one pool").
+        self.lending_stalled_at: float | None = None
         self._lending_steps_seen = 0
         self.tokens = PromptTokens(model.identity.vocab_size, seed)
         self.placements: list[Placement] = []
@@ -450,6 +453,8 @@ class Simulator:
         busy = [iid for iid, inst in self.instances.items() if not inst.dead and inst.core.has_unfinished()]
         if busy and self._lending_idle_beats < LENDING_STALL_BEATS:
             self._at(now + self.cluster.heartbeat_interval_s, _WAKE, busy[0])
+        elif busy and self.lending_stalled_at is None:
+            self.lending_stalled_at = now - LENDING_STALL_BEATS * self.cluster.heartbeat_interval_s
 
     # -- instances ---------------------------------------------------------------------------
 

@@ -396,3 +396,19 @@ def test_a_lending_run_with_failures_is_a_function_of_its_flags_with_fast_forwar
     (row,) = rows[0]
     assert row["served"] == row["requests"] and row["instances_lost"] == {"1": 8.5, "2": 17.0}
     assert row["lending"]["requests_recomputed"] > 0
+
+
+def test_two_requests_over_one_pool_that_wait_for_each_other_are_reported_not_hidden(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Chat programs on two 48-block pools (768 tokens) that admit the cluster's memory: at 24 s a conversation of
+    # 814 tokens holds one pool and one of 778 the other; neither instance can lend, and no step runs again.
+    args = ["simulate", "--workload", "chat", "--instances", "2", "--kv-lending", "on", "--profile", "cpu"]
+    args += ["--num-kv-blocks", "48", "--rates", "1", "--num-programs", "12", "--policies", "fcfs", "--no-progress"]
+    out = tmp_path / "stall.json"
+    assert main([*args, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["programs_finished"] < row["programs"] and 0 < row["lending_stalled_at_s"] < row["simulated_s"]
+    printed = capsys.readouterr().out
+    assert f"{row['programs'] - row['programs_finished']} of 12 programs did not finish: KV lending stalled" in printed
+    assert "these figures are invalid" in printed
