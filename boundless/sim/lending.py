@@ -54,6 +54,7 @@ from boundless.engine.attention_time import ChunkShape, shapes_of
 from boundless.engine.builder import size_engine
 from boundless.engine.core import EngineCore
 from boundless.engine.lending import LendingAgent, LocalControlPlane, PartialCounters
+from boundless.engine.lending_stats import LendingStats
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.sim.cost import StepCost
 from boundless.sim.engine import SimulatedModel
@@ -377,18 +378,19 @@ class SimulatedLending:
     def totals(self) -> dict[str, float]:
         """What lending did over the run, summed over the instances (lost ones included)."""
         agents = [*self.retired, *self.agents.values()]
-        stats = [a.snapshot() for a in agents]
+        total = LendingStats.total(a.snapshot() for a in agents)
         gm = self.lending.gm.counters
         return {
             "plans": gm.plans,
             "moves_ordered": gm.moves_ordered,
-            "moves": sum(s.moves_out for s in stats),
-            "blocks_moved": sum(s.blocks_out for s in stats),
+            "moves": total.moves_out,
+            "blocks_moved": total.blocks_out,
+            # The bytes the simulated data side moved: the profile's model's when it states one, not --model's.
             "bytes_moved": sum(a.data.move_bytes for a in agents),  # type: ignore[attr-defined]
-            "round_trips": sum(s.round_trips for s in stats),
-            "round_trip_bytes": sum(s.round_trip_bytes for s in stats),
-            "exposed_wait_s": sum(s.exposed_wait_s for s in stats),
-            "requests_recomputed": sum(s.requests_recomputed for s in stats),
+            "round_trips": total.round_trips,
+            "round_trip_bytes": total.round_trip_bytes,
+            "exposed_wait_s": total.exposed_wait_s,
+            "requests_recomputed": total.requests_recomputed,
         }
 
 

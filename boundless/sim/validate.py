@@ -51,6 +51,7 @@ from boundless.config import (
     engine_config_from_flags,
 )
 from boundless.engine.builder import size_engine
+from boundless.engine.lending_stats import LendingStats
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import FittedStepCost, HardwareProfile, load_profile
 from boundless.sim.run import parse_roles
@@ -60,7 +61,6 @@ from boundless.sim.step_model import StepTimeModel, contention, samples_json
 
 if TYPE_CHECKING:
     from boundless.engine.attention_time import AttentionSample
-    from boundless.engine.lending_stats import LendingStats
     from boundless.model.loader import LoadedModel
 
 METRICS = ("avg_latency_s", "p95_latency_s", "throughput_programs_per_s")
@@ -288,12 +288,13 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
 
 def real_lending(stats: Sequence[LendingStats]) -> dict[str, float]:
     """:data:`LENDING_FIGURES` of a real run from its instances' lending stats: the moves each debtor committed."""
+    total = LendingStats.total(stats)
     return {
-        "moves": sum(s.moves_out for s in stats),
-        "blocks_moved": sum(s.blocks_out for s in stats),
-        "bytes_moved": sum(s.bytes_out for s in stats),
-        "round_trips": sum(s.round_trips for s in stats),
-        "exposed_wait_s": sum(s.exposed_wait_s for s in stats),
+        "moves": total.moves_out,
+        "blocks_moved": total.blocks_out,
+        "bytes_moved": total.bytes_out,
+        "round_trips": total.round_trips,
+        "exposed_wait_s": total.exposed_wait_s,
     }
 
 
