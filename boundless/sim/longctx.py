@@ -113,6 +113,7 @@ def longctx_row(sim: Simulator, results: list[SimResult], programs: list[Program
         "preemptions": sum(i.core.stats().num_preemptions for i in sim.instances.values()),
         "simulated_s": sim.clock.now,
         "steps": sim.num_steps,
+        "lending_stalled_at_s": sim.lending_stalled_at,  # None: lending never stalled with requests unserved
     }
     if sim.failures:
         row["instances_lost"] = dict(sim.lost)  # instance -> when the dispatcher was told
@@ -237,6 +238,13 @@ def run_longctx(
         f"simulated {simulated:.0f} s in {wall:.1f} s wall: {simulated / max(wall, 1e-9):.1f} simulated s per wall s,"
         f" {steps / max(wall, 1e-9):.0f} engine steps per wall s"
     )
+    for row in rows:
+        if row["lending_stalled_at_s"] is not None:
+            print(
+                f"{row['mode']} @ {row['rate']}/s: KV lending stalled at {row['lending_stalled_at_s']:.0f} s with"
+                f" {row['unserved']} requests unserved (requests over one pool waiting for each other's room;"
+                " docs/lending.md)"
+            )
     result = {
         "workload": "longctx",
         "instances": cluster.instances,

@@ -100,6 +100,7 @@ def test_a_lending_run_is_a_function_of_its_flags(tmp_path: Path) -> None:
     separate, lending = rows[0]
     assert separate["mode"] == "separate" and separate["refused"] == 2
     assert lending["mode"] == "lending" and lending["served"] == lending["requests"]
+    assert lending["lending_stalled_at_s"] is None  # (a stall would leave requests unserved, and say so)
 
 
 def test_lending_without_a_step_profile_is_a_command_line_error(capsys: pytest.CaptureFixture[str]) -> None:
