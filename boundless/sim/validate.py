@@ -50,7 +50,6 @@ from boundless.config import (
     add_flags,
     engine_config_from_flags,
 )
-from boundless.engine.builder import size_engine
 from boundless.engine.lending_stats import LendingStats
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import FittedStepCost, HardwareProfile, load_profile
@@ -168,12 +167,9 @@ def simulate(
     """The programs in the simulator, on ``cluster.instances`` instances (or its prefill and decode engines) behind
     the real dispatcher; with lending, what it lent (``lending``: :data:`LENDING_FIGURES`)."""
     model = SimulatedModel.read(config.model)
-    sim = Simulator(config, model, profile=profile, instances=cluster.instances, cluster=cluster)
-    if sim.lending is not None:
-        # The simulator admits the cluster's memory with lending (as `bench longctx` sizes it); the real cluster
-        # admits what one instance does (ClusterClient takes its instances' max_model_len). The programs compact
-        # their conversations at the real one's, so that both sides send the same prompts.
-        sim.max_model_len = size_engine(config, model.arch, model.dtype).max_model_len
+    # With lending, the engines admit one pool, as the real cluster's (`serve --kv-lending on`): the programs
+    # compact their conversations at the same length on both sides.
+    sim = Simulator(config, model, profile=profile, instances=cluster.instances, cluster=cluster, lending_pools=1)
     summary = simulated_summary(sim.run(programs))
     counters = [i.core.counters for i in sim.instances.values()]
     out: dict = {**summary, "busy_s": sum(c.busy_seconds for c in counters), "steps": sum(c.steps for c in counters)}

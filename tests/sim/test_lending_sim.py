@@ -413,3 +413,12 @@ def test_two_requests_over_one_pool_that_wait_for_each_other_are_reported_not_hi
     printed = capsys.readouterr().out
     assert f"{row['programs'] - row['programs_finished']} of 12 programs did not finish: KV lending stalled" in printed
     assert "these figures are invalid" in printed
+
+
+def test_lending_engines_admit_the_cluster_s_pools_or_one_as_the_server_does(model: SimulatedModel) -> None:
+    cluster = ClusterConfig(instances=3, kv_lending="on", **LENDING)
+    pool = pool_tokens(CONFIG, model)
+    spans = Simulator(CONFIG, model, None, instances=3, cluster=cluster, profile=load_profile("cpu"))
+    assert spans.max_model_len == 3 * pool  # as `bench longctx` sizes them
+    served = Simulator(CONFIG, model, None, instances=3, cluster=cluster, profile=load_profile("cpu"), lending_pools=1)
+    assert served.max_model_len == pool and served.lending is not None  # as `serve --kv-lending on` admits
