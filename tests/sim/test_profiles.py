@@ -544,15 +544,18 @@ def test_validate_runs_a_real_lending_cluster_beside_the_simulated_one_and_both_
     model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     # 4 chat programs on 2 instances of 16 blocks (256 tokens): a conversation or two fill an instance while the
-    # other has room. Plans every 0.5 s and any gain: the tiny model's calls are over in seconds.
+    # other has room. Plans every 0.5 s and any gain: the tiny model's calls are over in seconds. The real planner
+    # fits its model on the tiny model's wall-clock steps, so whether it finds a gain is noisy: one run in four
+    # lent nothing here (2 December), so two runs, of which one must lend.
     flags = ["--instances", "2", "--kv-lending", "on", "--cluster-profile", "h100", "--num-kv-blocks", "16"]
-    flags += ["--num-programs", "4", "--lending-interval-s", "0.5", "--lending-min-gain", "0"]
+    flags += ["--num-programs", "4", "--lending-interval-s", "0.5", "--lending-min-gain", "0", "--repeats", "2"]
     case = _validate_one_chat_case(model_dirs, tmp_path, *flags)
     assert (case["instances"], case["kv_lending"], case["profile"]) == (2, "on", "h100")
     assert len(case["rows"]) == 3 and all(r["measured"] > 0 and r["predicted"] > 0 for r in case["rows"])
     lent = case["lending"]
-    (real,) = lent["real_runs"]
-    assert real["moves"] > 0 and real["blocks_moved"] > 0 and not lent["real_lent_nothing"], lent
+    real = lent["real_runs"]
+    assert len(real) == 2 and any(r["moves"] > 0 and r["blocks_moved"] > 0 for r in real), lent
+    assert lent["real_lent_nothing"] == any(r["moves"] == 0 for r in real), lent
     assert lent["simulated"]["moves"] > 0 and lent["simulated"]["blocks_moved"] > 0, lent
 
 
