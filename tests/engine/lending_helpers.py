@@ -94,6 +94,13 @@ class Cluster:
             for delta in agent.step():
                 rec.add(delta)
 
+    def kill(self, index: int) -> None:
+        """Instance ``index`` dies without a word: its agent and transport close, and it answers no control call."""
+        agent = self.agents[index]
+        agent.close()
+        self.nets[index].close()
+        self.control.down.add(agent.instance_id)
+
 
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:

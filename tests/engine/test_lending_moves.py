@@ -15,7 +15,7 @@ from lending_helpers import BLOCK, CHUNK, LONG, PARAMS, Cluster, LocalControlPla
 from boundless.api.metrics import ServerMetrics
 from boundless.cluster.rmanager import SendBlocks
 from boundless.engine.core import EngineCore
-from boundless.engine.lending import stalled_growth
+from boundless.engine.lending import LendingAgent, stalled_growth
 from boundless.transport.blocks import BlocksReceive
 
 
@@ -184,6 +184,13 @@ def test_a_move_interrupted_halfway_leaves_both_sides_consistent(load, make_clus
     assert run.tokens == want.tokens["long"]
 
 
+def _compute_two_chunks(debtor: LendingAgent, rec: Recorded) -> None:
+    """The long request's first two chunks on ``debtor``, its deltas in ``rec``: blocks a move may take."""
+    while debtor.core.scheduler.requests["long"].num_computed_tokens < 2 * CHUNK:
+        for d in debtor.step():
+            rec.add(d)
+
+
 def test_a_creditor_that_dies_has_its_blocks_recomputed_with_identical_output(load, make_cluster) -> None:
     loaded = load("tiny-qwen2")
     want = reference(loaded, {"long": LONG})
@@ -191,9 +198,7 @@ def test_a_creditor_that_dies_has_its_blocks_recomputed_with_identical_output(lo
     debtor, c1, c2 = cluster.agents
     debtor.core.add_request("long", LONG, PARAMS)
     rec = Recorded()
-    while debtor.core.scheduler.requests["long"].num_computed_tokens < 2 * CHUNK:
-        for d in debtor.step():
-            rec.add(d)
+    _compute_two_chunks(debtor, rec)
     assert debtor.move_kvcache("long", 2, c1.instance_id)
     assert debtor.move_kvcache("long", 1, c2.instance_id)
     while len(rec.tokens.get("long", [])) < 3:
@@ -201,9 +206,7 @@ def test_a_creditor_that_dies_has_its_blocks_recomputed_with_identical_output(lo
             rec.add(d)
         c2.step()
     # c1 dies without a word: the next round trip to it fails, its blocks are recomputed here, c2's released.
-    c1.close()
-    cluster.nets[1].close()
-    cluster.control.down.add(c1.instance_id)
+    cluster.kill(1)
     while debtor.core.has_unfinished():
         for d in debtor.step():
             rec.add(d)
@@ -224,13 +227,9 @@ def test_a_creditor_back_before_the_round_trip_to_it_fails_is_not_taken_as_lost_
     debtor, creditor = cluster.agents
     debtor.core.add_request("long", LONG, PARAMS)
     rec = Recorded()
-    while debtor.core.scheduler.requests["long"].num_computed_tokens < 2 * CHUNK:
-        for d in debtor.step():
-            rec.add(d)
+    _compute_two_chunks(debtor, rec)
     assert debtor.move_kvcache("long", 2, creditor.instance_id)
-    creditor.close()
-    cluster.nets[1].close()
-    cluster.control.down.add(creditor.instance_id)
+    cluster.kill(1)
     execute = debtor.core.execute
 
     def told_meanwhile(sched):  # the cluster's word while the step's round trip is under way
