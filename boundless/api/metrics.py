@@ -99,6 +99,10 @@ def _lending_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
             "requests recomputed: blocks lost with a creditor",
             "requests_recomputed",
         ),
+        "boundless_kv_lending_held_requests": (
+            "requests dropped to recompute and held back to break a lending deadlock",
+            "requests_held",
+        ),
     }
     for name, (doc, attr) in plain.items():
         c = CounterMetricFamily(name, doc, labels=["instance"])

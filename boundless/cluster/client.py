@@ -621,9 +621,8 @@ class ClusterClient(DispatcherFrontEnd):
             with self.lock:
                 self.dispatcher.expire()
                 orders = self.lending.orders() if self.lending is not None else []
-            for order in orders:  # the debtor carries it out between its steps
-                actor = self.instances[order.instance_id].actor
-                actor.lend_move.remote(order.request_id, order.num_blocks, order.creditor)
+            for order in orders:  # the instance carries it out between its steps
+                self.instances[order.instance_id].actor.lend_order.remote(order)
 
 
 def instance_state(dispatcher: Dispatcher, iid: str) -> str:

@@ -10,7 +10,10 @@ the debtors' rManagers to carry out with the try/move protocol.
 
 It plans only from fresh state: every live instance must have reported since the last plan (so blocks ordered
 moved are not ordered again from a stale view), and instances silent past ``heartbeat_timeout_s`` take no part.
-Until the samples determine the model it plans nothing. Pure, like the dispatcher: no I/O, no threads, time
+Until the samples determine the model it plans no move.
+
+When requests that wait for room deadlock (``cluster/lending_deadlock.py``), a plan also holds one back, and a
+later plan releases it once those it yielded to run no more. Pure, like the dispatcher: no I/O, no threads, time
 only from the injected clock.
 """
 
@@ -20,7 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from boundless.cluster.lending_plan import LendingPlan, LendingThresholds, plan_lending
+from boundless.cluster.lending_deadlock import find_deadlock
+from boundless.cluster.lending_plan import HoldOrder, LendingPlan, LendingThresholds, ReleaseOrder, plan_lending
 from boundless.cluster.perf_model import NotEnoughSamplesError, fit_step_time_model
 from boundless.cluster.placement import Heartbeat, RequestPlacementEntry
 from boundless.config import ClusterConfig
@@ -46,6 +50,7 @@ class GManagerCounters:
     plans: int = 0
     moves_ordered: int = 0
     blocks_ordered: int = 0
+    holds_ordered: int = 0  # deadlocks broken
 
 
 class GManager:
@@ -70,6 +75,7 @@ class GManager:
         self._model_stale = False
         self._last_plan_at: float | None = None
         self.counters = GManagerCounters()
+        self.holds: dict[str, HoldOrder] = {}  # by request: held back by the deadlock breaker, not yet released
 
     @classmethod
     def from_config(cls, config: ClusterConfig, clock: Callable[[], float]) -> GManager:
@@ -94,6 +100,7 @@ class GManager:
         """The instance is gone: it neither borrows nor lends any more (its rManager's peers free and recompute)."""
         self.heartbeats.pop(instance_id, None)
         self._heard_at.pop(instance_id, None)
+        self.holds = {rid: h for rid, h in self.holds.items() if h.instance != instance_id}  # recomputed anywhere
 
     # -- what it knows ----------------------------------------------------------------------------------------
 
@@ -138,15 +145,32 @@ class GManager:
         return bool(live) and all(self._heard_at[iid] > self._last_plan_at for iid in live)
 
     def plan(self) -> LendingPlan:
-        """Plan moves over the live instances now (empty until the model is fitted)."""
+        """Plan moves over the live instances now (none until the model is fitted), and the deadlock breaker's holds
+        and releases."""
         self._last_plan_at = self.clock()
         model = self.model()
         live = self.live()
-        if model is None or len(live) < 2:
-            return LendingPlan((), 0.0, 0.0)
+        reports = [hb.instance for hb in live]
         requests = [r for hb in live for r in hb.requests]
-        result = plan_lending([hb.instance for hb in live], requests, model, self.thresholds)
-        self.counters.plans += 1
-        self.counters.moves_ordered += len(result.moves)
-        self.counters.blocks_ordered += sum(m.num_blocks for m in result.moves)
-        return result
+        result = LendingPlan((), 0.0, 0.0)
+        if model is not None and len(live) >= 2:
+            result = plan_lending(reports, requests, model, self.thresholds)
+            self.counters.plans += 1
+            self.counters.moves_ordered += len(result.moves)
+            self.counters.blocks_ordered += sum(m.num_blocks for m in result.moves)
+        holds: tuple[HoldOrder, ...] = ()
+        if not result.moves:
+            hold = find_deadlock(reports, requests, self.thresholds)
+            if hold is not None:
+                holds = (hold,)
+                self.holds[hold.request_id] = hold
+                self.counters.holds_ordered += 1
+        return LendingPlan(result.moves, result.throughput_before, result.throughput_after, holds, self._releases(live))
+
+    def _releases(self, live: list[Heartbeat]) -> tuple[ReleaseOrder, ...]:
+        """The held requests none of whose yielded-to requests runs any more on a live instance."""
+        running = {r.request_id for hb in live for r in hb.requests}
+        done = [h for h in self.holds.values() if not h.yields_to & running]
+        for h in done:
+            del self.holds[h.request_id]
+        return tuple(ReleaseOrder(h.request_id, h.instance) for h in done)

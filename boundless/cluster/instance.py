@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.cluster.dispatcher import AddResult
+from boundless.cluster.lending_cluster import LendingOrder
 from boundless.cluster.lending_instance import InstanceLending, LendingSetup
 from boundless.cluster.links import InstanceLinks, LinkStats, instance_links
 from boundless.cluster.pd_dispatcher import PrepareResult
@@ -267,9 +268,10 @@ class EngineInstance:
         """The other instances' actors, by transport address."""
         self._lending().connect(peers)
 
-    def lend_move(self, request_id: str, num_blocks: int, creditor: str) -> None:
-        """The gManager's order to this debtor; carried out between steps."""
-        self._lending().order(request_id, num_blocks, creditor)
+    def lend_order(self, order: LendingOrder) -> None:
+        """The gManager's order to this instance (a move of its blocks, a hold or a release); carried out between
+        steps."""
+        self._lending().order(order)
         self.loop.wake()
 
     def lend_peer_lost(self, address: str) -> None:

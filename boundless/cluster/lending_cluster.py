@@ -6,7 +6,8 @@ holds the gManager and the map between the two, and turns what the cluster learn
 
 - a heartbeat of an instance's rManager goes to the gManager (:meth:`on_heartbeat`);
 - when a plan is due, each :class:`~boundless.cluster.lending_plan.MoveOrder` becomes an :class:`OrderMove` for
-  its debtor's instance (:meth:`orders`);
+  its debtor's instance, and the deadlock breaker's holds and releases an :class:`OrderHold` and an
+  :class:`OrderRelease` for the held request's instance (:meth:`orders`);
 - an instance lost becomes a :class:`PeerLost` for every other live instance, whose rManager frees what it lent
   to it and recomputes what it held (:meth:`instance_lost`);
 - an instance started again in a lost one's place becomes a :class:`PeerBack` for every other live instance, whose
@@ -32,6 +33,26 @@ class OrderMove:
     request_id: str
     num_blocks: int
     creditor: str
+
+
+@dataclass(frozen=True)
+class OrderHold:
+    """Tell ``instance_id`` to drop ``request_id``'s KV to recompute and hold it back
+    (``cluster/lending_deadlock.py``)."""
+
+    instance_id: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class OrderRelease:
+    """Tell ``instance_id`` that ``request_id``, held back, may be admitted again."""
+
+    instance_id: str
+    request_id: str
+
+
+LendingOrder = OrderMove | OrderHold | OrderRelease
 
 
 @dataclass(frozen=True)
@@ -65,15 +86,17 @@ class ClusterLending:
         if self.instance_of.get(heartbeat.instance_id) not in self.lost:
             self.gm.on_heartbeat(heartbeat)
 
-    def orders(self) -> list[OrderMove]:
-        """The moves of a plan, if one is due; none otherwise."""
+    def orders(self) -> list[LendingOrder]:
+        """The moves, holds and releases of a plan, if one is due; none otherwise. None to a lost instance."""
         if not self.gm.due():
             return []
-        return [
-            OrderMove(self.instance_of[m.debtor], m.request_id, m.num_blocks, m.creditor)
-            for m in self.gm.plan().moves
-            if self.instance_of.get(m.debtor) not in self.lost
+        plan = self.gm.plan()
+        orders: list[LendingOrder] = [
+            OrderMove(self.instance_of[m.debtor], m.request_id, m.num_blocks, m.creditor) for m in plan.moves
         ]
+        orders += [OrderHold(self.instance_of[h.instance], h.request_id) for h in plan.holds]
+        orders += [OrderRelease(self.instance_of[r.instance], r.request_id) for r in plan.releases]
+        return [o for o in orders if o.instance_id not in self.lost]
 
     def instance_lost(self, instance_id: str) -> list[PeerLost]:
         """The instance died: the gManager forgets it, and every live instance's rManager is told."""

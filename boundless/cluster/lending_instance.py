@@ -3,7 +3,8 @@
 :class:`InstanceLending` puts an :class:`~boundless.engine.lending.LendingAgent` into an instance's engine loop:
 
 - between steps (under the loop's lock) it tells the rManager the engine's state and carries out the gManager's
-  move orders, which the router hands the actor at any time (:meth:`InstanceLending.order`);
+  orders (moves, and the deadlock breaker's holds and releases), which the router hands the actor at any time
+  (:meth:`InstanceLending.order`);
 - a step whose DistAttention round trip failed is dropped and its creditor taken as lost, as
   ``LendingAgent.step`` does (:meth:`InstanceLending.step_failed`);
 - each heartbeat expires stale reservations and moves, and carries the rManager's report and the step times
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from boundless.attention.partial_service import RemotePartialError
+from boundless.cluster.lending_cluster import LendingOrder
 from boundless.cluster.placement import Heartbeat
 from boundless.cluster.rmanager import RManager, SendBlocks, TryMove
 from boundless.config import ClusterConfig
@@ -113,7 +115,7 @@ class InstanceLending:
             lookahead_chunks=cluster.lending_lookahead_chunks,
         )
         self.lock = lock
-        self._orders: deque[tuple[str, int, str]] = deque()
+        self._orders: deque[LendingOrder] = deque()
         self._receives: dict[str, BlocksReceive] = {}
 
     def connect(self, peers: dict[str, Any]) -> None:
@@ -122,14 +124,14 @@ class InstanceLending:
 
     # -- in the engine loop -------------------------------------------------------------------------------------
 
-    def order(self, request_id: str, num_blocks: int, creditor: str) -> None:
+    def order(self, order: LendingOrder) -> None:
         """The gManager's order; carried out between steps."""
-        self._orders.append((request_id, num_blocks, creditor))
+        self._orders.append(order)
 
     def between_steps(self) -> None:
         self.agent.observe()
         while self._orders:
-            self.agent.move_kvcache(*self._orders.popleft())
+            self.agent.carry_out(self._orders.popleft())
 
     def step_failed(self, error: Exception, sched: SchedulerOutput) -> bool:
         """A step whose round trip to a creditor failed runs again; the creditor is taken as lost, unless the

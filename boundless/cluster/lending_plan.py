@@ -49,12 +49,33 @@ class MoveOrder:
 
 
 @dataclass(frozen=True)
+class HoldOrder:
+    """Tell ``instance`` (the rManager's id) to drop ``request_id``'s KV to recompute and hold it back until
+    released; ``yields_to``: the requests waiting for room that its blocks are freed for."""
+
+    request_id: str
+    instance: str
+    yields_to: frozenset[str]
+
+
+@dataclass(frozen=True)
+class ReleaseOrder:
+    """Tell ``instance`` that ``request_id``, held back, may be admitted again."""
+
+    request_id: str
+    instance: str
+
+
+@dataclass(frozen=True)
 class LendingPlan:
-    """The moves, and the cluster's modelled throughput (tokens/s) before and after them."""
+    """The moves, and the cluster's modelled throughput (tokens/s) before and after them; the gManager adds the
+    deadlock breaker's holds and releases (``cluster/lending_deadlock.py``)."""
 
     moves: tuple[MoveOrder, ...]
     throughput_before: float
     throughput_after: float
+    holds: tuple[HoldOrder, ...] = ()
+    releases: tuple[ReleaseOrder, ...] = ()
 
 
 @dataclass
@@ -97,6 +118,13 @@ class _Modelled:
     def lendable(self, headroom: float) -> int:
         keep = int(headroom * self.report.total_blocks + 0.5)
         return max(0, self.free - keep)
+
+
+def lendable_blocks(report: InstanceReport, thresholds: LendingThresholds) -> int:
+    """The blocks an instance may lend now: none above the creditor usage threshold, else its free blocks less its
+    headroom (as the planner counts a creditor)."""
+    node = _Modelled.of(report)
+    return node.lendable(thresholds.creditor_headroom) if node.usage <= thresholds.creditor_max_usage else 0
 
 
 def plan_lending(

@@ -29,6 +29,8 @@ class RequestReport:
 
     ``movable_blocks`` are the local blocks a move may take now: not the last one (new KV is written there)
     and none a move under way already takes. ``remote`` lists (creditor, blocks) for its blocks held elsewhere.
+    ``waits_for_room``: its local blocks fill its instance's pool and it has more to compute; it keeps them until
+    a move makes room (the deadlock breaker, ``cluster/lending_deadlock.py``, looks for such requests).
     """
 
     request_id: str
@@ -37,6 +39,7 @@ class RequestReport:
     local_blocks: int
     movable_blocks: int
     remote: tuple[tuple[str, int], ...] = ()
+    waits_for_room: bool = False
 
     @property
     def remote_blocks(self) -> int:

@@ -35,10 +35,12 @@ from boundless.engine.attention_time import AttentionSample
 
 @dataclass(frozen=True)
 class LocalRequest:
-    """A running request as its engine holds it: its context, and the blocks of it held here."""
+    """A running request as its engine holds it: its context, and the blocks of it held here. ``waits_for_room``:
+    its local blocks fill the whole pool and it has more to compute (``Scheduler.waits_for_room``)."""
 
     num_tokens: int
     local_blocks: int
+    waits_for_room: bool = False
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,7 @@ class RManager:
             local_blocks=req.local_blocks,
             movable_blocks=len(self._movable(request_id)),
             remote=tuple(sorted(by_creditor.items())),
+            waits_for_room=req.waits_for_room,
         )
 
     # -- debtor side ------------------------------------------------------------------------------------------

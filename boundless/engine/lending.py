@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from boundless.attention.dist_attention import DistributedAttention
 from boundless.attention.partial_service import PartialClient, PartialServer, RemotePartialError
 from boundless.attention.remote_partials import LentBlocks
+from boundless.cluster.lending_cluster import LendingOrder, OrderHold, OrderMove
 from boundless.cluster.rmanager import (
     FreeLentBlocks,
     FreeLocalBlocks,
@@ -70,6 +71,7 @@ class MoveStats:
     blocks_in: int = 0
     bytes_in: int = 0
     requests_recomputed: int = 0
+    requests_held: int = 0
 
 
 def next_chunk_needs(core: EngineCore, chunks: int = 1) -> list[tuple[str, int]]:
@@ -251,6 +253,7 @@ class LendingAgent:
             blocks_in=m.blocks_in,
             bytes_in=m.bytes_in,
             requests_recomputed=m.requests_recomputed,
+            requests_held=m.requests_held,
             round_trips=p.round_trips,
             round_trip_bytes=p.round_trip_bytes,
             partials_served=p.partials_served,
@@ -282,7 +285,9 @@ class LendingAgent:
         kv, sched = self.core.kv, self.core.scheduler
         running = [r for r in sched.running if r.status is RequestStatus.RUNNING]
         requests = {
-            r.request_id: LocalRequest(sched.tokens_after_step(r), kv.num_allocated_blocks(r.request_id))
+            r.request_id: LocalRequest(
+                sched.tokens_after_step(r), kv.num_allocated_blocks(r.request_id), sched.waits_for_room(r)
+            )
             for r in running
         }
         own = sum(req.local_blocks for req in requests.values())
@@ -298,9 +303,14 @@ class LendingAgent:
                 batch_size=len(running) - len(stalled),
                 max_batch_size=self.core.config.scheduler.max_num_seqs,
                 requests=requests,
-                # A swapped-out request's blocks on creditors stay there: it needs room for the rest only.
+                # A swapped-out request's blocks on creditors stay there: it needs room for the rest only. One held
+                # back by the deadlock breaker waits for no room: its freed blocks are for lending.
                 waiting_blocks=stalled
-                + tuple(kv.blocks_for_tokens(r.num_tokens) - kv.num_lent_blocks(r.request_id) for r in sched.waiting),
+                + tuple(
+                    kv.blocks_for_tokens(r.num_tokens) - kv.num_lent_blocks(r.request_id)
+                    for r in sched.waiting
+                    if r.request_id not in sched.held
+                ),
             )
         )
         actions: list[LendingAction] = []
@@ -338,6 +348,15 @@ class LendingAgent:
         before = self.rm.counters.moves_committed
         self.apply(self.rm.move_kvcache(request_id, num_blocks, creditor))
         return self.rm.counters.moves_committed > before
+
+    def carry_out(self, order: LendingOrder) -> bool:
+        """A gManager order to this instance (a move, a hold or a release): whether it changed anything."""
+        if isinstance(order, OrderMove):
+            return self.move_kvcache(order.request_id, order.num_blocks, order.creditor)
+        if isinstance(order, OrderHold):
+            return self.hold(order.request_id)
+        self.release(order.request_id)
+        return True
 
     def apply(self, actions: list[LendingAction]) -> None:
         """Carry out the rManager's actions, and those they lead to."""
@@ -383,15 +402,34 @@ class LendingAgent:
         span = next(s for s in self.rm.remote_spans(action.request_id) if s.first_block == action.first_block)
         self.core.kv.lend_leading_blocks(action.request_id, LentSpan(span.creditor, span.move_id, span.num_blocks))
 
-    def _recompute(self, request_id: str) -> list[LendingAction]:
-        """Blocks of the request were lost with their creditor: drop its KV and compute it again from its tokens
-        (prompt and output so far), as a preemption to recompute does; greedy output is unchanged. Its blocks on
-        other creditors are released (the recompute makes them anew here)."""
-        if not self.core.scheduler.preempt_to_recompute(request_id):
+    def _recompute(self, request_id: str, hold: bool = False) -> list[LendingAction]:
+        """Blocks of the request were lost with their creditor (or the deadlock breaker ``hold`` s it): drop its KV
+        and compute it again from its tokens (prompt and output so far), as a preemption to recompute does; greedy
+        output is unchanged. Its blocks on other creditors are released (the recompute makes them anew here)."""
+        sched = self.core.scheduler
+        if not (sched.hold(request_id) if hold else sched.preempt_to_recompute(request_id)):
             return []
-        self.stats.requests_recomputed += 1
+        if hold:
+            self.stats.requests_held += 1
+        else:
+            self.stats.requests_recomputed += 1
         self.core.kv.take_dropped_lent(request_id)
         return self.rm.request_finished(request_id)
+
+    def hold(self, request_id: str) -> bool:
+        """The gManager's deadlock breaker (``cluster/lending_deadlock.py``): drop the request's KV to recompute it
+        later, release its blocks on creditors, and admit it no more until :meth:`release`. Only while it still waits
+        for room (the order was planned from a heartbeat); False, and nothing done, otherwise."""
+        sched = self.core.scheduler
+        request = sched.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING or not sched.waits_for_room(request):
+            return False
+        self.apply(self._recompute(request_id, hold=True))
+        return True
+
+    def release(self, request_id: str) -> None:
+        """The gManager's release of a held request: it may be admitted again."""
+        self.core.scheduler.release(request_id)
 
     def peer_lost(self, instance_id: str) -> None:
         """Another instance died (the cluster's heartbeat timeout): free what was lent to it, recompute what it held."""

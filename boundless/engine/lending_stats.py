@@ -19,6 +19,7 @@ class LendingStats:
     blocks_in: int = 0
     bytes_in: int = 0
     requests_recomputed: int = 0  # requests whose blocks were lost with a creditor
+    requests_held: int = 0  # requests dropped and held back by the gManager's deadlock breaker
     round_trips: int = 0  # partial requests it sent and got answered (as a debtor)
     round_trip_bytes: int = 0  # their bytes, both ways
     partials_served: int = 0  # partial requests it answered (as a creditor)

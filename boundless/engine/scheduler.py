@@ -163,6 +163,9 @@ class Scheduler:
         # step runs (a heartbeat: the engine loop holds its lock only between steps) sees the request as the step
         # will leave it, not with its chunk's blocks taken and its tokens not yet counted.
         self.in_flight: dict[str, int] = {}
+        # KV lending's deadlock breaker (``cluster/lending_deadlock.py``): requests dropped to recompute that may not
+        # be admitted again until the gManager releases them, so that the blocks they freed go to another's growth.
+        self.held: set[str] = set()
 
     # -- queue changes ---------------------------------------------------------------------
 
@@ -186,6 +189,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.finish_time = self.clock()
+        self.held.discard(request_id)
         self.kv.end_request(request_id)
         self.policy.on_finish(request, request.finish_time)
         self._finished_since_step.append(request_id)
@@ -341,10 +345,11 @@ class Scheduler:
 
     def _held_back(self, request: Request) -> bool:
         """Whether a request may not run yet: its blocks are on their way from the store or a peer, it waits for
-        its first token (a decode engine's), or it still has its prefix to push (DE-read)."""
+        its first token (a decode engine's), it still has its prefix to push (DE-read), or KV lending holds it back."""
         rid = request.request_id
         return (
-            request.awaiting_resume
+            rid in self.held
+            or request.awaiting_resume
             or request.push is not None
             or self.kv.is_loading(rid)
             or self.kv.is_receiving(rid)
@@ -451,6 +456,26 @@ class Scheduler:
         is the cluster's); it then computes up to it, and grows past it once a move has taken some of its blocks,
         instead of waiting for room no eviction can make."""
         return (self.kv.num_lent_blocks(request_id) + self.kv.pool.num_blocks) * self.kv.block_size
+
+    def waits_for_room(self, request: Request) -> bool:
+        """Whether a running request's local blocks fill the whole pool, once the step decided has run, and it has
+        more to compute: only a move of its blocks to a creditor (KV lending) lets it grow, and it keeps its blocks
+        meanwhile (``_admit``). Two such requests on two instances with nowhere to lend wait for each other for good:
+        the gManager's deadlock breaker looks for them (``cluster/lending_deadlock.py``)."""
+        computed = self.tokens_after_step(request)
+        return computed < request.num_tokens and computed >= self._local_limit(request.request_id)
+
+    def hold(self, request_id: str) -> bool:
+        """Drop the request's KV to be recomputed and admit it no more until :meth:`release` (the gManager's deadlock
+        breaker: the blocks it freed are lent to another request's growth); False when it holds no KV here."""
+        if not self.preempt_to_recompute(request_id):
+            return False
+        self.held.add(request_id)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Admit a held request again (its turn comes by the policy's priority, as any waiting request's)."""
+        self.held.discard(request_id)
 
     def _evictable_blocks(self, order: list[Request], idx: int, chosen_ids: set[str]) -> int:
         """Device blocks held by requests below ``idx`` outside this step (shared ones may not all come free)."""

@@ -90,12 +90,14 @@ class BlockPool:
         """The free blocks, in the order allocations take them."""
         return self._free
 
-    def allocate(self, n: int, owner: str | None = None) -> list[KVBlock]:
-        """Take ``n`` blocks in the eviction order's turn, evicting their names; ``owner``'s program holds them."""
+    def allocate(self, n: int, owner: str | None = None, keep_evicted: bool = True) -> list[KVBlock]:
+        """Take ``n`` blocks in the eviction order's turn, evicting their names; ``owner``'s program holds them.
+        ``keep_evicted=False``: evicted blocks are not reported to ``on_evict`` (their KV is not kept below)."""
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         out = []
-        blocks, on_evict = self.blocks, self.on_evict  # (looked up once: a hot loop)
+        blocks = self.blocks  # (looked up once: a hot loop)
+        on_evict = self.on_evict if keep_evicted else None
         pop, own = self._free.pop, self._free.own if self._free.keeps_owners else None
         for _ in range(n):
             block_id = pop()

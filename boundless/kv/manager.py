@@ -340,10 +340,14 @@ class KVCacheManager:
         return out
 
     def allocate_unowned(self, count: int) -> list[int] | None:
-        """``count`` device blocks outside any request (a creditor's blocks lent to a debtor), or None."""
+        """``count`` device blocks outside any request (a creditor's blocks lent to a debtor), or None.
+
+        A named block taken is dropped, not demoted to host memory: a demotion is a copy the executor makes at the
+        next step's start, but a debtor's blocks are written into these at once, between steps (the copy would keep
+        the debtor's KV under the evicted block's name, and a later prefix hit would read it)."""
         if self.pool.num_free < count:
             return None
-        return [b.block_id for b in self.pool.allocate(count)]
+        return [b.block_id for b in self.pool.allocate(count, keep_evicted=False)]
 
     def free_unowned(self, block_ids: Sequence[int]) -> None:
         self.pool.free([self.pool.blocks[i] for i in reversed(block_ids)])

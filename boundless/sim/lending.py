@@ -46,7 +46,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from boundless.cluster.gmanager import GManager
-from boundless.cluster.lending_cluster import ClusterLending
+from boundless.cluster.lending_cluster import ClusterLending, LendingOrder
 from boundless.cluster.links import Link, Traffic, gbps_to_bytes_per_s
 from boundless.cluster.rmanager import RManager
 from boundless.config import ClusterConfig, ConfigError, EngineConfig
@@ -250,7 +250,7 @@ class SimulatedLending:
         for iid, core in cores.items():
             self._attach(iid, core)
         self.lending = ClusterLending(GManager.from_config(cluster, clock), {iid: iid for iid in cores})
-        self._orders: dict[str, deque[tuple[str, int, str]]] = {iid: deque() for iid in cores}
+        self._orders: dict[str, deque[LendingOrder]] = {iid: deque() for iid in cores}
         self._failing: dict[str, set[str]] = {}  # instance -> the stopped creditors its step in flight attends over
 
     def _attach(self, instance_id: str, core: EngineCore) -> None:
@@ -362,7 +362,7 @@ class SimulatedLending:
         orders at once, busy ones between their steps. An order to a stopped instance is never carried out."""
         for order in self.lending.orders():
             if order.instance_id not in self.control.down:
-                self._orders[order.instance_id].append((order.request_id, order.num_blocks, order.creditor))
+                self._orders[order.instance_id].append(order)
         moved = False
         for iid in sorted(self._orders):
             if self._orders[iid] and self.idle(iid):
@@ -372,7 +372,7 @@ class SimulatedLending:
     def _carry_out(self, instance_id: str) -> bool:
         agent, orders, moved = self.agents[instance_id], self._orders[instance_id], False
         while orders:
-            moved |= agent.move_kvcache(*orders.popleft())
+            moved |= agent.carry_out(orders.popleft())
         return moved
 
     def totals(self) -> dict[str, float]:
@@ -391,6 +391,7 @@ class SimulatedLending:
             "round_trip_bytes": total.round_trip_bytes,
             "exposed_wait_s": total.exposed_wait_s,
             "requests_recomputed": total.requests_recomputed,
+            "requests_held": total.requests_held,
         }
 
 

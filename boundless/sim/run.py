@@ -190,6 +190,8 @@ def result_row(sim: Simulator, results: list[SimResult], rate: float, policy: st
         "lending_stalled_at_s": sim.lending_stalled_at,  # None: lending never stalled with work left
         "avg_call_latency_s": {kind: statistics.fmean(v) for kind, v in sorted(sim.call_latencies.items())},
     }
+    if sim.lending is not None:
+        row["lending"] = sim.lending.totals()
     if isinstance(sim.dispatcher, PDDispatcher):
         row["read_paths"] = dict(sorted(sim.dispatcher.placements.items()))
         row["storage_bytes_read"] = {link.name: link.stats().bytes_carried["kv"] for link in sim.storage_links}
@@ -205,8 +207,8 @@ def unfinished_lines(rows: list[dict]) -> list[str]:
             continue
         stalled = row["lending_stalled_at_s"]
         why = (
-            f": KV lending stalled at {stalled:.0f} s (requests over one instance's pool, each holding its pool and"
-            " waiting for room only the others could lend; docs/lending.md)"
+            f": KV lending stalled at {stalled:.0f} s (requests over one instance's pool waiting for room no instance"
+            " could lend; docs/lending.md)"
             if stalled is not None
             else ""
         )

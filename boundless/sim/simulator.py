@@ -270,8 +270,8 @@ class Simulator:
         # Without compaction a prompt goes as it is, and one longer than an instance admits is refused.
         self.compact_prompts = compact_prompts
         self._lending_idle_beats = 0  # lending heartbeats in a row with no step started (a stall)
-        # When lending gave up on a stall with work left: requests over one pool, each holding its instance's pool
-        # and waiting for room only the others could lend (docs/lending.md, "Two requests over one pool").
+        # When lending gave up on a stall with work left: requests over one pool waiting for room no instance could
+        # lend (docs/lending.md, "Two requests over one pool").
         self.lending_stalled_at: float | None = None
         self._lending_steps_seen = 0
         self.tokens = PromptTokens(model.identity.vocab_size, seed)

@@ -104,18 +104,22 @@ class Cluster:
 
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
-    """``make(loaded, n, clock=None, max_model_len=512)``: n engines with lending agents; ``clock`` drives their
-    rManagers."""
+    """``make(loaded, n, clock=None, max_model_len=512, num_blocks=40)``: n engines of ``num_blocks`` blocks with
+    lending agents; ``clock`` drives their rManagers."""
     made: list[Cluster] = []
 
     def make(
-        loaded: LoadedModel, n: int, clock: Callable[[], float] | None = None, max_model_len: int = 512
+        loaded: LoadedModel,
+        n: int,
+        clock: Callable[[], float] | None = None,
+        max_model_len: int = 512,
+        num_blocks: int = 40,
     ) -> Cluster:
         control = LocalControlPlane()
         nets = [ShmTransport(tmp_path / f"shm{len(made)}", f"i{i}", timeout_s=10) for i in range(n)]
         agents = []
         for net in nets:
-            core = engine(loaded, max_model_len=max_model_len)
+            core = engine(loaded, num_blocks, max_model_len)
             rm = RManager(net.address, core.layout.num_blocks, BLOCK, clock or core.clock, reservation_timeout_s=30)
             agents.append(control.add(LendingAgent(core, rm, net, control, timeout_s=10)))
         cluster = Cluster(agents, nets, control)

@@ -471,3 +471,25 @@ def test_a_swap_out_short_of_host_room_takes_the_room_of_reads_ahead_first() -> 
     assert kv.allocate("running", list(range(100, 148)), 48)  # 12 device blocks: a swap-out needs 12 host blocks
     assert kv.release_prefetched([]) and host.num_used == 0  # the read ahead gave way (its blocks stay cached)
     assert len(kv.memory_prefix(None, prompt, 9)) == 9
+
+
+def test_blocks_taken_for_a_debtor_s_loan_drop_their_names_instead_of_copying_them_to_host_memory() -> None:
+    """A creditor's blocks lent to a debtor (KV lending) are written at once, between steps: a demotion of their old
+    KV to host memory would copy at the next step's start, after the debtor's KV overwrote it, and keep that under
+    the old name for a later prefix hit to read (a held-back request recomputed on the creditor produced other
+    tokens: tests/engine/test_lending_deadlock.py)."""
+    kv = KVCacheManager(8, 4, True, "fp", num_host_blocks=8)
+    prompt = list(range(32))
+    kv.allocate("earlier", prompt, 32)
+    kv.free("earlier")  # 8 named blocks, free
+    assert kv.find_cached_prefix("later", prompt).num_tokens == 28  # all but the last block would be reused
+    taken = kv.allocate_unowned(8)
+    assert taken is not None and kv.take_transfers() == []  # nothing copied down
+    assert kv.find_cached_prefix("later", prompt).num_tokens == 0  # and no name left, here or below
+    kv.free_unowned(taken)
+    assert kv.pool.num_free == 8 and kv.pools[HOST].num_free == 8
+    # A device allocation for a request still demotes what it evicts.
+    kv.allocate("again", prompt, 32)
+    kv.free("again")
+    kv.allocate("other", list(range(100, 132)), 32)
+    assert len(kv.take_transfers()) == 8 and kv.find_cached_prefix("later", prompt).num_tokens == 28

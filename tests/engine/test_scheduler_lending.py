@@ -65,6 +65,27 @@ def test_a_request_that_fills_the_pool_keeps_its_blocks_until_a_move_lets_it_gro
     assert _step(s).chunks == [] and s.stats.num_preemptions == 0
 
 
+def test_a_request_held_back_by_the_deadlock_breaker_gives_up_its_blocks_and_waits_for_its_release() -> None:
+    s = _scheduler()
+    s.add(_long())
+    short = Request("short", list(range(100, 108)), SamplingParams(max_tokens=2), arrival_time=1.0)
+    _step(s)
+    assert not s.waits_for_room(s.requests["long"])  # it grows still
+    _step(s)
+    assert s.waits_for_room(s.requests["long"])  # its 8 blocks fill the pool, 28 tokens to go
+    assert s.hold("long") and not s.hold("long")  # a second hold finds no KV to drop
+    assert s.requests["long"].status is RequestStatus.PREEMPTED and s.kv.pool.num_free == POOL
+    s.add(short)
+    out = _step(s)
+    assert _chunks(out) == [("short", 0, 8, 0)]  # the others run; the held one is passed over
+    while s.requests.get("short") is not None and s.requests["short"].num_output_tokens < 2:
+        _step(s)
+    s.finish("short", RequestStatus.FINISHED_LENGTH)
+    assert _step(s).chunks == []  # held until released
+    s.release("long")
+    assert _chunks(_step(s))[0][0] == "long" and s.requests["long"].status is RequestStatus.RUNNING
+
+
 def test_a_request_evicted_with_the_pool_full_of_its_blocks_comes_back_within_the_pool() -> None:
     """Its creditor was lost (``preempt_to_recompute``) with every block of the pool its own, cached: its prefix and
     next chunk exceed the pool. It comes back with all but the last cached block and computes that one; before, it

@@ -399,15 +399,28 @@ def test_a_lending_run_with_failures_is_a_function_of_its_flags_with_fast_forwar
     assert row["lending"]["requests_recomputed"] > 0
 
 
-def test_two_requests_over_one_pool_that_wait_for_each_other_are_reported_not_hidden(
+# Chat programs on two 48-block pools (768 tokens) that admit the cluster's memory. Without the deadlock breaker,
+# at 24 s a conversation of 814 tokens held one pool and one of 778 the other; neither instance could lend, no step
+# ran again, and 3 of the 12 programs never finished.
+OVER_ONE_POOL = ["simulate", "--workload", "chat", "--instances", "2", "--kv-lending", "on", "--profile", "cpu"]
+OVER_ONE_POOL += ["--num-kv-blocks", "48", "--rates", "1", "--num-programs", "12", "--policies", "fcfs"]
+
+
+def test_two_requests_over_one_pool_that_wait_for_each_other_are_served_by_holding_one_back(tmp_path: Path) -> None:
+    out = tmp_path / "held.json"
+    assert main([*OVER_ONE_POOL, "--no-progress", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["programs_finished"] == row["programs"] == 12 and row["lending_stalled_at_s"] is None
+    assert row["lending"]["requests_held"] > 0 and row["lending"]["moves"] > 0
+
+
+def test_requests_waiting_for_room_no_instance_can_lend_are_reported_not_hidden(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    # Chat programs on two 48-block pools (768 tokens) that admit the cluster's memory: at 24 s a conversation of
-    # 814 tokens holds one pool and one of 778 the other; neither instance can lend, and no step runs again.
-    args = ["simulate", "--workload", "chat", "--instances", "2", "--kv-lending", "on", "--profile", "cpu"]
-    args += ["--num-kv-blocks", "48", "--rates", "1", "--num-programs", "12", "--policies", "fcfs", "--no-progress"]
+    # A creditor keeps 99% of its pool: nothing is ever lent, so requests over one pool wait for good.
     out = tmp_path / "stall.json"
-    assert main([*args, "--json", str(out)]) == 0
+    args = [*OVER_ONE_POOL, "--lending-creditor-headroom", "0.99", "--no-progress", "--json", str(out)]
+    assert main(args) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["programs_finished"] < row["programs"] and 0 < row["lending_stalled_at_s"] < row["simulated_s"]
     printed = capsys.readouterr().out
