@@ -477,7 +477,7 @@ def test_blocks_taken_for_a_debtor_s_loan_drop_their_names_instead_of_copying_th
     """A creditor's blocks lent to a debtor (KV lending) are written at once, between steps: a demotion of their old
     KV to host memory would copy at the next step's start, after the debtor's KV overwrote it, and keep that under
     the old name for a later prefix hit to read (a held-back request recomputed on the creditor produced other
-    tokens: tests/engine/test_lending_deadlock.py)."""
+    tokens: tests/engine/test_lending_hold.py)."""
     kv = KVCacheManager(8, 4, True, "fp", num_host_blocks=8)
     prompt = list(range(32))
     kv.allocate("earlier", prompt, 32)
