@@ -79,12 +79,7 @@ class GManager:
 
     @classmethod
     def from_config(cls, config: ClusterConfig, clock: Callable[[], float]) -> GManager:
-        thresholds = LendingThresholds(
-            debtor_max_batch=config.lending_debtor_max_batch,
-            creditor_max_usage=config.lending_creditor_max_usage,
-            creditor_headroom=config.lending_creditor_headroom,
-            min_gain=config.lending_min_gain,
-        )
+        thresholds = LendingThresholds.from_config(config)
         return cls(thresholds, config.lending_interval_s, config.heartbeat_timeout_s, clock)
 
     # -- what it is told --------------------------------------------------------------------------------------

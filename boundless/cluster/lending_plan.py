@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from boundless.cluster.perf_model import decode_throughput
 from boundless.cluster.placement import InstanceReport, RequestReport
+from boundless.config import ClusterConfig
 from boundless.engine.attention_time import AttentionTimeModel
 
 
@@ -36,6 +37,16 @@ class LendingThresholds:
     creditor_max_usage: float = 0.6  # U_thres: instances using at most this share of their blocks may lend
     creditor_headroom: float = 0.1  # share of a creditor's blocks never lent (its requests grow into them)
     min_gain: float = 0.01  # share of the two instances' modelled throughput a move must gain (and the tolerance)
+
+    @classmethod
+    def from_config(cls, config: ClusterConfig) -> LendingThresholds:
+        """The ``--lending-*`` flags' thresholds."""
+        return cls(
+            debtor_max_batch=config.lending_debtor_max_batch,
+            creditor_max_usage=config.lending_creditor_max_usage,
+            creditor_headroom=config.lending_creditor_headroom,
+            min_gain=config.lending_min_gain,
+        )
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,15 @@ def lendable_blocks(report: InstanceReport, thresholds: LendingThresholds) -> in
     headroom (as the planner counts a creditor)."""
     node = _Modelled.of(report)
     return node.lendable(thresholds.creditor_headroom) if node.usage <= thresholds.creditor_max_usage else 0
+
+
+def request_pools(instances: int, thresholds: LendingThresholds) -> float:
+    """The pools' worth of KV one request can count on with lending across ``instances``: its own instance's, and
+    on each other one what a creditor lends before it stops being one (``creditor_max_usage`` of its pool, at most
+    all but its headroom). ``serve --kv-lending on`` admits contexts up to it (``size_engine``'s ``pools``): a
+    request longer would wait for good for room no plan lends."""
+    share = min(thresholds.creditor_max_usage, 1.0 - thresholds.creditor_headroom)
+    return 1.0 + (instances - 1) * max(0.0, share)
 
 
 def plan_lending(

@@ -61,13 +61,14 @@ class ModelIdentity:
         return ModelIdentity(loaded.name, loaded.arch.vocab_size, eos, loaded.fingerprint, str(loaded.device))
 
 
-def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, pools: int = 1) -> EngineLayout:
+def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, pools: float = 1) -> EngineLayout:
     """Blocks from ``--num-kv-blocks`` or ``--kv-cache-gb``, host blocks from ``--kv-host-gb``, the disk
     store's room from ``--kv-disk-gb`` (with ``--kv-disk-path``), and the context length: the asked one
     (which must fit in the pool), or the model's capped by the pool.
 
-    ``pools``: how many instances' pools one request may span. With KV lending a request may hold the
-    cluster's memory (its blocks beyond this pool live on creditors), so its context is capped by all of them.
+    ``pools``: how many instances' pools' worth of KV one request may hold. With KV lending its blocks beyond
+    this pool live on creditors, so its context is capped by what they lend (``lending_plan.request_pools``), or by
+    the cluster's memory (``bench longctx``).
     """
     cache = config.cache
     bs = cache.block_size
@@ -77,7 +78,7 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, pools
     disk_bytes = int(cache.kv_disk_gb * (1 << 30)) if cache.kv_disk_path else 0
     if disk_bytes and num_host_blocks == 0:
         raise ConfigError(f"--kv-host-gb: {cache.host_gb} GiB holds no {per_block}-byte block; disk loads need one")
-    pool_tokens = num_blocks * bs * pools
+    pool_tokens = int(num_blocks * pools) * bs
     asked = config.model.max_model_len
     if asked is None:
         limit = arch.max_position_embeddings
@@ -87,7 +88,7 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, pools
     elif asked > pool_tokens:
         raise ConfigError(
             f"--max-model-len: {asked} tokens do not fit in the KV pool ({pool_tokens} tokens"
-            + (f" in {pools} instances' pools" if pools > 1 else "")
+            + (f" in {pools:g} instances' pools" if pools > 1 else "")
             + "); raise --kv-cache-gb or --num-kv-blocks"
         )
     else:

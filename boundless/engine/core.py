@@ -218,10 +218,11 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         policy: SchedulingPolicy | None = None,
         read_link: ReadLink | None = None,
+        pools: float = 1,
     ) -> EngineCore:
         """An instance that runs ``loaded`` on its device (its store reads waiting for ``read_link``, an
-        emulated storage link, when given)."""
-        layout = size_engine(config, loaded.arch, loaded.dtype)
+        emulated storage link, when given); a request may hold ``pools`` pools' worth of KV (``size_engine``)."""
+        layout = size_engine(config, loaded.arch, loaded.dtype, pools)
         executor = build_model_executor(loaded, config, layout, read_link=read_link)
         return cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy)
 

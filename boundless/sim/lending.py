@@ -395,11 +395,11 @@ class SimulatedLending:
         }
 
 
-def lending_max_model_len(config: EngineConfig, model: SimulatedModel, instances: int) -> int:
-    """With lending a request may hold the cluster's memory, not one pool (as ``bench longctx`` sizes it:
-    ``size_engine``'s ``pools``); the simulated model's position limit does not apply (nothing runs it)."""
+def lending_max_model_len(config: EngineConfig, model: SimulatedModel, pools: float) -> int:
+    """With lending a request may hold ``pools`` pools' worth of KV, not one (as ``size_engine``'s ``pools``); the
+    simulated model's position limit does not apply (nothing runs it)."""
     layout = size_engine(config, model.arch, model.dtype)
-    return instances * layout.num_blocks * layout.block_size
+    return int(layout.num_blocks * pools) * layout.block_size
 
 
 def simulated_lending(

@@ -188,7 +188,7 @@ class Simulator:
         fast_forward: bool = True,
         failures: Sequence[InstanceFailure] = (),
         instance_startup_s: float = DEFAULT_INSTANCE_STARTUP_S,
-        lending_pools: int | None = None,
+        lending_pools: float | None = None,
     ) -> None:
         if not instance_startup_s >= 0:
             raise ValueError(f"instance_startup_s must not be negative (got {instance_startup_s})")
@@ -233,9 +233,9 @@ class Simulator:
                 nodes = -(-instances // instances_per_node)
                 self.storage_links = [Link(f"storage-node{k}", rate) for k in range(nodes)]
             lending = self.cluster.kv_lending == "on"
-            # With lending a request may span ``lending_pools`` instances' pools: all of them by default, as `bench
-            # longctx` and the paper size it; 1 as `serve --kv-lending on` admits (docs/lending.md, "Two requests
-            # over one pool"), where the engines are sized as without lending.
+            # With lending a request may hold ``lending_pools`` instances' pools' worth: all of them by default, as
+            # `bench longctx` and the paper size it; what creditors lend as `serve --kv-lending on` admits
+            # (``lending_plan.request_pools``); 1 sizes the engines as without lending.
             pools = instances if lending_pools is None else lending_pools
             max_len = lending_max_model_len(config, model, pools) if lending and pools > 1 else None
             for i in range(instances):

@@ -40,6 +40,7 @@ from boundless.bench.programs import ProgramRunner, served_engine, summarize
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, make_programs
+from boundless.cluster.lending_plan import LendingThresholds, request_pools
 from boundless.config import (
     CacheConfig,
     ClusterConfig,
@@ -167,9 +168,10 @@ def simulate(
     """The programs in the simulator, on ``cluster.instances`` instances (or its prefill and decode engines) behind
     the real dispatcher; with lending, what it lent (``lending``: :data:`LENDING_FIGURES`)."""
     model = SimulatedModel.read(config.model)
-    # With lending, the engines admit one pool, as the real cluster's (`serve --kv-lending on`): the programs
-    # compact their conversations at the same length on both sides.
-    sim = Simulator(config, model, profile=profile, instances=cluster.instances, cluster=cluster, lending_pools=1)
+    # With lending, the engines admit what the real cluster's do (`serve --kv-lending on`): the programs compact
+    # their conversations at the same length on both sides.
+    pools = request_pools(cluster.instances, LendingThresholds.from_config(cluster))
+    sim = Simulator(config, model, profile=profile, instances=cluster.instances, cluster=cluster, lending_pools=pools)
     summary = simulated_summary(sim.run(programs))
     counters = [i.core.counters for i in sim.instances.values()]
     out: dict = {**summary, "busy_s": sum(c.busy_seconds for c in counters), "steps": sum(c.steps for c in counters)}

@@ -212,3 +212,65 @@ def test_a_debtor_killed_mid_decode_its_creditor_frees_its_blocks(
     metrics = httpx.get(server.url + "/metrics").text
     assert _metric(metrics, "boundless_kv_blocks_lent", instance=creditor) == 0
     assert _metric(metrics, "boundless_kv_lending_moves_total", direction="in", instance=creditor) > 0
+
+
+# Two requests over one pool at once, one on each instance: each fills its pool and waits for room only the other
+# could lend. The server admits contexts up to what the other instance lends (1.6 pools: `request_pools`).
+SMALL_POOL = 16  # blocks: 256 tokens
+OVER_ONE_POOL = [[(13 * j + 7 * i) % 300 + 3 for j in range(300)] for i in range(2)]  # 19 blocks; 22 with output
+OVER_TOKENS = 40
+
+
+@pytest.fixture
+def small_pools_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient, ServerThread]]:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    config = engine_config(str(model_dirs["tiny-llama"]), num_kv_blocks=SMALL_POOL, policy="fcfs")
+    cluster = ClusterConfig(
+        instances=2,
+        routing="round-robin",  # one request on each instance
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=30.0,
+        kv_lending="on",
+        lending_interval_s=0.2,
+        lending_min_gain=0.0,
+        lending_reservation_timeout_s=10.0,
+        kv_handoff_timeout_s=10.0,
+    )
+    client = ClusterClient(config, cluster)
+    assert client.lending is not None
+    client.lending.gm.model = lambda: GPU_LIKE  # type: ignore[method-assign]  # (as lending_cluster's)
+    server = start_in_thread(client, "tiny")
+    yield client, server
+    server.stop()
+    client.shutdown()
+    ray.shutdown()
+
+
+def test_two_requests_over_one_pool_at_once_are_served_by_holding_one_back(
+    small_pools_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
+) -> None:
+    client, server = small_pools_cluster
+    assert client.max_model_len == int(SMALL_POOL * 1.6) * 16  # its pool and 60% of the other's
+
+    async def both() -> list[str]:
+        api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        calls = [
+            api.completions.create(
+                model="tiny", prompt=p, max_tokens=OVER_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+            )
+            for p in OVER_ONE_POOL
+        ]
+        texts = [c.choices[0].text for c in await asyncio.wait_for(asyncio.gather(*calls), timeout=240)]
+        await api.close()
+        return texts
+
+    texts = asyncio.run(both())
+    assert texts == _offline(tiny_llama, OVER_ONE_POOL, [OVER_TOKENS] * 2)
+    # The gManager found them waiting for each other: it held one back, lent its blocks to the other, released it.
+    assert client.lending.gm.counters.holds_ordered >= 1 and client.lending.gm.holds == {}
+    metrics = httpx.get(server.url + "/metrics").text
+    assert _metric(metrics, "boundless_kv_lending_held_requests_total") >= 1
+    assert _metric(metrics, "boundless_kv_lending_moves_total", direction="out") >= 2  # each borrowed in its turn

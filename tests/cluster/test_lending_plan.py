@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from lending_cases import ATTENTION_BOUND, GPU_LIKE, instance, request, samples_of
 
-from boundless.cluster.lending_plan import LendingThresholds, MoveOrder, plan_lending
+from boundless.cluster.lending_plan import LendingThresholds, MoveOrder, plan_lending, request_pools
 from boundless.cluster.perf_model import fit_step_time_model
 from boundless.engine.attention_time import AttentionTimeModel
 
@@ -133,3 +133,10 @@ def test_an_instance_that_lends_does_not_borrow_in_the_same_plan(gpu_like: Atten
     assert plan_lending(reports[1:], requests, gpu_like, THRESHOLDS).moves == (MoveOrder("b1", "B", "C", 6),)
     # Once it has lent A 23 blocks, it would have to borrow 29 to admit it: blocks going round, so it does not.
     assert plan_lending(reports, requests, gpu_like, THRESHOLDS).moves == (MoveOrder("a-long", "A", "B", 23),)
+
+
+def test_a_request_counts_on_its_pool_and_what_each_other_instance_lends_before_it_stops_being_a_creditor() -> None:
+    assert request_pools(1, LendingThresholds()) == 1.0
+    assert request_pools(3, LendingThresholds(creditor_max_usage=0.6, creditor_headroom=0.1)) == pytest.approx(2.2)
+    # A creditor never lends its headroom, whatever its usage threshold.
+    assert request_pools(2, LendingThresholds(creditor_max_usage=0.95, creditor_headroom=0.1)) == pytest.approx(1.9)

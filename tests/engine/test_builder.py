@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from boundless.cluster.lending_plan import LendingThresholds, request_pools
 from boundless.config import ConfigError
 from boundless.engine.builder import size_engine
 from boundless.llm import engine_config
@@ -21,6 +22,9 @@ def test_a_context_is_capped_by_one_pool_or_with_lending_by_the_pools_it_may_spa
     assert size_engine(asked, arch, dtype, pools=3).max_model_len == 300
     with pytest.raises(ConfigError, match="--max-model-len: 300 tokens do not fit in the KV pool"):
         size_engine(asked, arch, dtype)
+    # What the server admits with lending: its pool and what each other instance lends (60% of 8 blocks each).
+    served = size_engine(config, arch, dtype, pools=request_pools(3, LendingThresholds()))
+    assert served.max_model_len == int(8 * 2.2) * 16
     # The model's positions still cap it.
     roomy = engine_config(tiny_llama.name, num_kv_blocks=arch.max_position_embeddings // 16, block_size=16)
     assert size_engine(roomy, arch, dtype, pools=4).max_model_len == arch.max_position_embeddings
