@@ -22,7 +22,7 @@ from streams import wait_for_state
 from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
 from boundless.cluster.client import ClusterClient
-from boundless.config import ClusterConfig
+from boundless.config import ClusterConfig, EngineConfig
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
 
@@ -35,39 +35,45 @@ LONG_TOKENS, WAITER_TOKENS = 480, 16
 MAX_LEN = BLOCKS * 16
 
 
-@pytest.fixture
-def lending_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient, ServerThread]]:
+def _lending_server(config: EngineConfig, cluster: ClusterConfig) -> Iterator[tuple[ClusterClient, ServerThread]]:
+    """A Ray cluster lending KV behind a server, torn down after. The gManager plans with a fixed GPU-like cost model
+    (a step's fixed cost dominates): the tiny model's steps are so short that, timed on a loaded machine, a fit of
+    them leaves the planner's gain to noise. Its fit of the real step times (which the heartbeats carry) is checked
+    at the end: the instances' step times reached it and determine a model."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
-    # fcfs: the long call, first in, is never the one preempted when its instance runs short again
-    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=MAX_LEN, num_kv_blocks=BLOCKS, policy="fcfs")
-    cluster = ClusterConfig(
-        instances=2,
-        locality_threshold=48,  # the program's calls all go to its instance
-        heartbeat_interval_s=0.1,
-        heartbeat_timeout_s=30.0,
-        kv_lending="on",
-        lending_interval_s=0.2,
-        lending_min_gain=0.0,
-        lending_reservation_timeout_s=10.0,
-        kv_handoff_timeout_s=10.0,  # a round trip to a killed creditor fails within this
-        restart_delay_s=1.0,
-    )
     client = ClusterClient(config, cluster)
-    # The gManager plans with a fixed GPU-like cost model (a step's fixed cost dominates): the tiny model's steps
-    # are so short that, timed on a loaded machine, a fit of them leaves the planner's gain to noise. Its fit of
-    # the real step times (which the heartbeats carry) is checked apart.
     assert client.lending is not None
     fit = client.lending.gm.model
     client.lending.gm.model = lambda: GPU_LIKE  # type: ignore[method-assign]
     server = start_in_thread(client, "tiny")
     yield client, server
-    assert fit() is not None  # the instances' step times reached the gManager and determine a model
+    assert fit() is not None
     server.stop()
     client.shutdown()
     ray.shutdown()
+
+
+LENDING_FLAGS = dict(
+    heartbeat_interval_s=0.1,
+    heartbeat_timeout_s=30.0,
+    kv_lending="on",
+    lending_interval_s=0.2,
+    lending_min_gain=0.0,
+    lending_reservation_timeout_s=10.0,
+    kv_handoff_timeout_s=10.0,  # a round trip to a killed creditor fails within this
+)
+
+
+@pytest.fixture
+def lending_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient, ServerThread]]:
+    # fcfs: the long call, first in, is never the one preempted when its instance runs short again
+    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=MAX_LEN, num_kv_blocks=BLOCKS, policy="fcfs")
+    # The program's calls all go to its instance.
+    cluster = ClusterConfig(instances=2, locality_threshold=48, restart_delay_s=1.0, **LENDING_FLAGS)
+    yield from _lending_server(config, cluster)
 
 
 def _offline(loaded: LoadedModel, prompts: list[list[int]], max_tokens: list[int]) -> list[str]:
@@ -223,30 +229,9 @@ OVER_TOKENS = 40
 
 @pytest.fixture
 def small_pools_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient, ServerThread]]:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
     config = engine_config(str(model_dirs["tiny-llama"]), num_kv_blocks=SMALL_POOL, policy="fcfs")
-    cluster = ClusterConfig(
-        instances=2,
-        routing="round-robin",  # one request on each instance
-        heartbeat_interval_s=0.1,
-        heartbeat_timeout_s=30.0,
-        kv_lending="on",
-        lending_interval_s=0.2,
-        lending_min_gain=0.0,
-        lending_reservation_timeout_s=10.0,
-        kv_handoff_timeout_s=10.0,
-    )
-    client = ClusterClient(config, cluster)
-    assert client.lending is not None
-    client.lending.gm.model = lambda: GPU_LIKE  # type: ignore[method-assign]  # (as lending_cluster's)
-    server = start_in_thread(client, "tiny")
-    yield client, server
-    server.stop()
-    client.shutdown()
-    ray.shutdown()
+    # Round robin: one request on each instance.
+    yield from _lending_server(config, ClusterConfig(instances=2, routing="round-robin", **LENDING_FLAGS))
 
 
 def test_two_requests_over_one_pool_at_once_are_served_by_holding_one_back(
