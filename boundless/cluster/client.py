@@ -341,6 +341,7 @@ class ClusterClient(DispatcherFrontEnd):
 
     def cluster_info(self) -> list[dict]:
         out = []
+        held = self.lending.held() if self.lending is not None else {}
         for iid, inst in self.instances.items():
             s = inst.stats
             view = self.dispatcher.views[iid]
@@ -365,6 +366,7 @@ class ClusterClient(DispatcherFrontEnd):
                     "kv_blocks_lent": lending.lent if lending else 0,
                     "kv_blocks_reserved": lending.reserved if lending else 0,
                     "kv_blocks_borrowed": lending.borrowed if lending else 0,
+                    "requests_held": held.get(iid, []),
                 }
             if isinstance(self.dispatcher, PDDispatcher):
                 load = next((ld for ld in self.dispatcher.loads() if ld.engine_id == iid), None)

@@ -124,6 +124,15 @@ class ClusterLending:
         """Each instance not lost: its transport address."""
         return {iid: address for iid, address in self.addresses.items() if iid not in self.lost}
 
+    def held(self) -> dict[str, list[str]]:
+        """The requests the deadlock breaker holds back, by instance id (for ``/cluster``)."""
+        out: dict[str, list[str]] = {}
+        for hold in self.gm.holds.values():
+            iid = self.instance_of.get(hold.instance)
+            if iid is not None:
+                out.setdefault(iid, []).append(hold.request_id)
+        return {iid: sorted(rids) for iid, rids in out.items()}
+
     def lending(self) -> dict[str, InstanceLending]:
         """Blocks lent, reserved and borrowed per instance id, as the gManager last heard them."""
         return {self.instance_of[a]: view for a, view in self.gm.lending().items() if a in self.instance_of}

@@ -94,9 +94,9 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 class Watch:
-    """Polls ``/cluster`` while the requests run: the most blocks each instance lent and borrowed at once. With
-    ``kill`` ("lent" or "borrowed"), kills (SIGKILL) the first instance seen with blocks so, mid-decode of the
-    long request."""
+    """Polls ``/cluster`` while the requests run: the most blocks each instance lent and borrowed at once, and the
+    most requests it held back (the deadlock breaker's). With ``kill`` ("lent" or "borrowed"), kills (SIGKILL) the
+    first instance seen with blocks so, mid-decode of the long request."""
 
     def __init__(self, url: str, kill: str | None = None) -> None:
         self.url = url
@@ -118,9 +118,10 @@ class Watch:
         with httpx.Client() as http:
             while not self._done.wait(0.05):
                 for inst in http.get(self.url + "/cluster").json()["instances"]:
-                    best = self.seen.setdefault(inst["id"], {"lent": 0, "borrowed": 0})
+                    best = self.seen.setdefault(inst["id"], {"lent": 0, "borrowed": 0, "held": 0})
                     best["lent"] = max(best["lent"], inst["kv_blocks_lent"])
                     best["borrowed"] = max(best["borrowed"], inst["kv_blocks_borrowed"])
+                    best["held"] = max(best["held"], len(inst["requests_held"]))
                     if self.kill and self.killed is None and inst[f"kv_blocks_{self.kill}"] > 0:
                         os.kill(inst["pid"], signal.SIGKILL)
                         self.killed = inst["id"]
@@ -252,8 +253,10 @@ def test_two_requests_over_one_pool_at_once_are_served_by_holding_one_back(
         await api.close()
         return texts
 
-    texts = asyncio.run(both())
+    with Watch(server.url) as watch:
+        texts = asyncio.run(both())
     assert texts == _offline(tiny_llama, OVER_ONE_POOL, [OVER_TOKENS] * 2)
+    assert max(seen["held"] for seen in watch.seen.values()) == 1, watch.seen  # /cluster showed it held back
     # The gManager found them waiting for each other: it held one back, lent its blocks to the other, released it.
     assert client.lending.gm.counters.holds_ordered >= 1 and client.lending.gm.holds == {}
     metrics = httpx.get(server.url + "/metrics").text
