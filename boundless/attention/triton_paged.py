@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.attention.backend import AttentionBatch
+from boundless.attention.partials import AttentionPartial
 
 try:
     import triton
@@ -238,6 +239,23 @@ class TritonPagedAttention:
         for launch in meta.launches:
             self.attend(q, k_cache, v_cache, launch, out, meta.lse)
         return out
+
+    def forward_partial(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: TritonAttentionMetadata,
+    ) -> AttentionPartial:
+        """As :meth:`forward`, as one partial per row for DistAttention to merge with partials computed elsewhere
+        (``attention/partials.py``): the kernels' log-sum-exp is the partial's max (``m``), its sum is 1 (``e``) and
+        its output the normalized one (``o``). A row that attended to nothing is an empty partial (``e`` = 0)."""
+        out = self.forward(q, k, v, cache, meta)
+        assert meta.lse is not None
+        lse = meta.lse.unsqueeze(-1)
+        seen = torch.isfinite(lse)
+        return AttentionPartial(m=lse.nan_to_num(neginf=0.0), e=seen.to(lse.dtype), o=out)
 
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor

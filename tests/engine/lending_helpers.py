@@ -28,11 +28,13 @@ SHARED = LONG[:48] + [(7 * j) % 300 + 5 for j in range(20)]  # shares 3 full blo
 OTHER = [(11 * j) % 300 + 4 for j in range(40)]
 
 
-def engine(loaded: LoadedModel, num_blocks: int = 40, max_model_len: int = 512) -> EngineCore:
+def engine(
+    loaded: LoadedModel, num_blocks: int = 40, max_model_len: int = 512, attention_backend: str = "torch"
+) -> EngineCore:
     """An engine of ``num_blocks`` blocks; ``max_model_len`` may exceed its pool, as with lending a request may hold
     the cluster's memory (``bench longctx`` sizes it so)."""
     config = EngineConfig(
-        model=ModelConfig(max_model_len=min(max_model_len, num_blocks * BLOCK)),
+        model=ModelConfig(max_model_len=min(max_model_len, num_blocks * BLOCK), attention_backend=attention_backend),
         cache=CacheConfig(num_kv_blocks=num_blocks, enable_prefix_caching=True),
         scheduler=SchedulerConfig(policy="fcfs", max_num_batched_tokens=CHUNK),
     )
@@ -104,8 +106,8 @@ class Cluster:
 
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
-    """``make(loaded, n, clock=None, max_model_len=512, num_blocks=40)``: n engines of ``num_blocks`` blocks with
-    lending agents; ``clock`` drives their rManagers."""
+    """``make(loaded, n, clock=None, max_model_len=512, num_blocks=40, attention_backend="torch")``: n engines of
+    ``num_blocks`` blocks with lending agents; ``clock`` drives their rManagers."""
     made: list[Cluster] = []
 
     def make(
@@ -114,12 +116,13 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
         clock: Callable[[], float] | None = None,
         max_model_len: int = 512,
         num_blocks: int = 40,
+        attention_backend: str = "torch",
     ) -> Cluster:
         control = LocalControlPlane()
         nets = [ShmTransport(tmp_path / f"shm{len(made)}", f"i{i}", timeout_s=10) for i in range(n)]
         agents = []
         for net in nets:
-            core = engine(loaded, num_blocks, max_model_len)
+            core = engine(loaded, num_blocks, max_model_len, attention_backend)
             rm = RManager(net.address, core.layout.num_blocks, BLOCK, clock or core.clock, reservation_timeout_s=30)
             agents.append(control.add(LendingAgent(core, rm, net, control, timeout_s=10)))
         cluster = Cluster(agents, nets, control)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lending_helpers import BLOCK, CHUNK, LONG, OTHER, PARAMS, SHARED, Recorded, record, reference
 
-from boundless.attention import cpu_attention
+from boundless.attention import cpu_attention, triton_paged
 from boundless.engine.core import EngineCore
 
 
@@ -35,9 +35,18 @@ def test_distattention_on_the_pytorch_attention_path(load, make_cluster, monkeyp
     _spanning_request_matches_one_instance(load("tiny-llama"), make_cluster, 3)
 
 
-def _spanning_request_matches_one_instance(loaded, make_cluster, instances: int) -> None:
+@pytest.mark.skipif(not triton_paged.available(torch.device("cpu")), reason="triton unavailable")
+def test_distattention_on_the_triton_kernels(load, make_cluster) -> None:
+    """The local partials from the GPU backend's kernels (here in Triton's interpreter): their log-sum-exp is the
+    partial's max, merged with the creditors' as the other backends' partials are."""
+    _spanning_request_matches_one_instance(load("tiny-llama"), make_cluster, 2, attention_backend="triton")
+
+
+def _spanning_request_matches_one_instance(
+    loaded, make_cluster, instances: int, attention_backend: str = "torch"
+) -> None:
     want = reference(loaded, {"long": LONG, "shared": SHARED, "other": OTHER})
-    cluster = make_cluster(loaded, instances)
+    cluster = make_cluster(loaded, instances, attention_backend=attention_backend)
     debtor, creditors = cluster.agents[0], cluster.agents[1:]
     recs = [Recorded() for _ in cluster.agents]
     for agent, rec in zip(cluster.agents, recs, strict=True):
