@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of one device session (about 5 minutes on an H200), run from the repository root with
 # the device's own python3 (PyTorch, Triton, transformers; nothing installed): the Triton attention
-# kernels, the CUDA-graph runner and the transformers parity tests on CUDA, then `bench gpu`.
+# kernels, the CUDA-graph runner, the transformers parity tests and DistAttention on the kernels on CUDA, then
+# `bench gpu`.
 # Logs and figures go to ${OUT:-gpu-check}/.
 set -o pipefail
 out=${OUT:-gpu-check}
@@ -11,5 +12,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 BOUNDLESS_TEST_DEVICE=cuda timeout 180 python3 -m pytest -p no:cacheprovider -q --maxfail=5 -k "not smollm2" \
     tests/attention/test_triton_paged.py tests/engine/test_cuda_graphs.py tests/model/test_reference.py \
+    "tests/engine/test_dist_attention.py::test_distattention_on_the_triton_kernels" \
     2>&1 | tee "$out/pytest.log" | tail -15
 timeout 270 python3 -m boundless.bench.gpu --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log" | tail -45

@@ -120,7 +120,7 @@ class DistributedAttention:
         sent = time.perf_counter()
         local = self.local.forward_partial(q, k, v, cache, meta.inner)
         local_done = time.perf_counter()
-        remote = [(plan, self.client.collect(p)) for plan, p in pending]
+        remote = [(plan, self.client.collect(p).to(q.device)) for plan, p in pending]
         collected = time.perf_counter()
         out = self._merge(local, remote, meta)
         done = time.perf_counter()

@@ -28,6 +28,12 @@ class AttentionPartial:
     e: torch.Tensor
     o: torch.Tensor
 
+    def to(self, device: torch.device) -> AttentionPartial:
+        """The partial on ``device`` (a creditor's reply lands in host memory; a GPU debtor merges on its GPU)."""
+        if self.o.device == device:
+            return self
+        return AttentionPartial(m=self.m.to(device), e=self.e.to(device), o=self.o.to(device))
+
 
 def softmax_partial(scores: torch.Tensor, v: torch.Tensor) -> AttentionPartial:
     """The partial of already-scaled, already-masked ``scores`` [N, Q, T] against ``v`` [N, T, D]."""

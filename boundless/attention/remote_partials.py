@@ -80,7 +80,7 @@ def lent_partial(
     num_tokens = len(block_ids) * bs
     if (
         t <= NATIVE_MAX_ROWS
-        and cpu_attention.supports(d, q.device)
+        and cpu_attention.supports(d, k_cache.device)
         and q.dtype == k_cache.dtype == torch.float32
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -89,6 +89,7 @@ def lent_partial(
         # (a row sees positions up to its own, the last) then lets every row see every lent token.
         batch = cpu_attention.make_batch([1] * t, [num_tokens] * t, [list(block_ids)] * t)
         return cpu_attention.paged_partial(q.contiguous(), k_cache, v_cache, batch, scale)
+    q = q.to(device=k_cache.device, dtype=k_cache.dtype)  # a request lands in host memory, in fp32
     ids = torch.tensor(list(block_ids), dtype=torch.long, device=k_cache.device)
     keys = k_cache.index_select(1, ids).reshape(kvh, num_tokens, d)
     values = v_cache.index_select(1, ids).reshape(kvh, num_tokens, d)
