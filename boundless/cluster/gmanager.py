@@ -50,7 +50,7 @@ class GManagerCounters:
     plans: int = 0
     moves_ordered: int = 0
     blocks_ordered: int = 0
-    holds_ordered: int = 0  # deadlocks broken
+    holds_ordered: int = 0  # by the deadlock breaker (one an instance refused, its request no longer waiting, too)
 
 
 class GManager:
@@ -148,14 +148,15 @@ class GManager:
         reports = [hb.instance for hb in live]
         requests = [r for hb in live for r in hb.requests]
         result = LendingPlan((), 0.0, 0.0)
-        if model is not None and len(live) >= 2:
+        planned = model is not None and len(live) >= 2
+        if planned:
             result = plan_lending(reports, requests, model, self.thresholds)
             self.counters.plans += 1
             self.counters.moves_ordered += len(result.moves)
             self.counters.blocks_ordered += sum(m.num_blocks for m in result.moves)
         holds: tuple[HoldOrder, ...] = ()
         if not result.moves:
-            hold = find_deadlock(reports, requests, self.thresholds)
+            hold = find_deadlock(reports, requests, self.thresholds, planned)
             if hold is not None:
                 holds = (hold,)
                 self.holds[hold.request_id] = hold

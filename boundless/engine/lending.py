@@ -355,8 +355,7 @@ class LendingAgent:
             return self.move_kvcache(order.request_id, order.num_blocks, order.creditor)
         if isinstance(order, OrderHold):
             return self.hold(order.request_id)
-        self.release(order.request_id)
-        return True
+        return self.release(order.request_id)
 
     def apply(self, actions: list[LendingAction]) -> None:
         """Carry out the rManager's actions, and those they lead to."""
@@ -427,9 +426,9 @@ class LendingAgent:
         self.apply(self._recompute(request_id, hold=True))
         return True
 
-    def release(self, request_id: str) -> None:
-        """The gManager's release of a held request: it may be admitted again."""
-        self.core.scheduler.release(request_id)
+    def release(self, request_id: str) -> bool:
+        """The gManager's release of a held request: it may be admitted again (False: it was not held here)."""
+        return self.core.scheduler.release(request_id)
 
     def peer_lost(self, instance_id: str) -> None:
         """Another instance died (the cluster's heartbeat timeout): free what was lent to it, recompute what it held."""

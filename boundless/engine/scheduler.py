@@ -228,7 +228,9 @@ class Scheduler:
             # Every waiting request, from the step after it arrives: its blocks on disk start loading ahead of
             # its turn, highest priority first (host memory may not hold everyone's).
             for request in order:
-                if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and (
+                    request.request_id not in self.held  # its loads would pin the blocks it was held to free
+                ):
                     read = self.kv.plan_disk_read(request.request_id, request.all_token_ids, now)
                     if read is not None:
                         out.disk_reads.append(read)
@@ -471,11 +473,16 @@ class Scheduler:
         if not self.preempt_to_recompute(request_id):
             return False
         self.held.add(request_id)
+        self.kv.release_held_while_loading([request_id])  # no load of its prefix holds device blocks either
         return True
 
-    def release(self, request_id: str) -> None:
-        """Admit a held request again (its turn comes by the policy's priority, as any waiting request's)."""
+    def release(self, request_id: str) -> bool:
+        """Admit a held request again (its turn comes by the policy's priority, as any waiting request's); False
+        when it was not held."""
+        if request_id not in self.held:
+            return False
         self.held.discard(request_id)
+        return True
 
     def _evictable_blocks(self, order: list[Request], idx: int, chosen_ids: set[str]) -> int:
         """Device blocks held by requests below ``idx`` outside this step (shared ones may not all come free)."""

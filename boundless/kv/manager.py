@@ -347,7 +347,10 @@ class KVCacheManager:
         the debtor's KV under the evicted block's name, and a later prefix hit would read it)."""
         if self.pool.num_free < count:
             return None
-        return [b.block_id for b in self.pool.allocate(count, keep_evicted=False)]
+        evictions = self.pool.stats.evictions
+        ids = [b.block_id for b in self.pool.allocate(count, keep_evicted=False)]
+        self._device_counters.evictions += self.pool.stats.evictions - evictions
+        return ids
 
     def free_unowned(self, block_ids: Sequence[int]) -> None:
         self.pool.free([self.pool.blocks[i] for i in reversed(block_ids)])

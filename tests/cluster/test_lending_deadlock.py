@@ -51,9 +51,18 @@ def test_no_deadlock_while_anything_can_still_change() -> None:
     # An idle instance can lend: the planner moves blocks.
     idle = instance("C", 48, 0, batch=0, context=0)
     assert find_deadlock([full("A"), full("B"), idle], [a, b], THRESHOLDS) is None
+    # A request that cannot grow but does not fill its pool: its scheduler evicts it (or another) to make room,
+    # though its instance's batch is empty now.
+    stalled = request("c", "C", 30)
+    assert find_deadlock([full("A"), full("B"), instance("C", 48, 48, 0, 480)], [a, b, stalled], THRESHOLDS) is None
     # Above the creditor usage threshold nothing is lent, so a busy-but-idle pool does not stop the breaker.
     used = instance("C", 48, 40, batch=0, context=0)
     assert find_deadlock([full("A"), full("B"), used], [a, b], THRESHOLDS) is not None
+    # Room too small for either's next chunk: the planner, with a model, moved nothing, so it does not stop it.
+    little = instance("C", 48, 40, batch=0, context=0)
+    loose = dataclasses.replace(THRESHOLDS, creditor_max_usage=0.9)
+    assert find_deadlock([full("A"), full("B"), little], [a, b], loose) is None  # no plan yet: wait for one
+    assert find_deadlock([full("A"), full("B"), little], [a, b], loose, planned=True) is not None
 
 
 def beat(report: InstanceReport, *requests: RequestReport) -> Heartbeat:

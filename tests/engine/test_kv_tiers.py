@@ -493,3 +493,22 @@ def test_blocks_taken_for_a_debtor_s_loan_drop_their_names_instead_of_copying_th
     kv.free("again")
     kv.allocate("other", list(range(100, 132)), 32)
     assert len(kv.take_transfers()) == 8 and kv.find_cached_prefix("later", prompt).num_tokens == 28
+
+
+def test_a_request_held_back_by_kv_lending_loads_nothing_from_disk_until_released() -> None:
+    """The deadlock breaker's hold (``Scheduler.hold``) frees a request's blocks for another's growth: a load of its
+    stored prefix would pin its cached blocks on the device for it again, and the other would wait for good."""
+    s = _scheduler()
+    prompt = list(range(40))  # 10 blocks
+    _admit_cold(s, Request("held", prompt, SamplingParams(max_tokens=5), arrival_time=0.0))
+    _on_disk(s, "held", prompt)
+    assert s.hold("held")
+    # Blocks lent to another instance's request take every free block but 5 of its cached ones (its tail goes).
+    taken = s.kv.allocate_unowned(s.kv.pool.num_free - 5)
+    assert taken is not None and 0 < s.kv.find_cached_prefix("held", prompt).num_tokens < 36
+    out = s.schedule()
+    assert out.disk_reads == [] and out.chunks == [] and s.kv.pool.num_free == 5  # nothing pinned for it
+    s.kv.free_unowned(taken)
+    assert s.release("held") and not s.release("held")
+    (read,) = s.schedule().disk_reads  # released: its tail loads as any waiting request's
+    assert not read.is_probe and len(read.keys) > 0
