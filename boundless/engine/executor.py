@@ -107,6 +107,15 @@ class ModelExecutor:
         start = self.timer()
         self.runner.sampler.forget(sched.finished_ids)
         on_layer = None
+        snapshots, snapshot_error = None, None
+        if self.remote is not None and sched.remote_recvs and sched.disk_writes:
+            # The step's writes to the store copy their blocks before its receives are posted: a receive's host
+            # blocks may be ones evicted for it (KVCacheManager.expect_blocks), whose old KV a write-back is taking
+            # to the store, and a peer's data may land as soon as the receive is posted.
+            try:
+                snapshots = self.kv_io.snapshot_writes(sched.disk_writes)
+            except BaseException as e:  # raised below, once the streams and reads have started as ever
+                snapshots, snapshot_error = [], e
         if self.remote is not None:  # streams start whatever else happens: their peers wait for them
             on_layer = self.remote.start(sched.remote_recvs, sched.remote_sends)
         elif sched.remote_recvs or sched.remote_sends:
@@ -117,7 +126,9 @@ class ModelExecutor:
         landing = None
         try:
             transfers, landing = self._split_landing(sched.transfers)
-            self.kv_io.apply(sched.disk_reads, sched.disk_writes, transfers, sched.disk_ages)
+            self.kv_io.apply(sched.disk_reads, sched.disk_writes, transfers, sched.disk_ages, snapshots)
+            if snapshot_error is not None:
+                raise snapshot_error
             waits = self._layer_waits(sched)
             before_layer = _chain(waits.before_layer if waits is not None else None, landing)
             sampled = self.runner.sample(self.runner.forward(sched, on_layer, before_layer)) if sched.chunks else {}

@@ -3,7 +3,8 @@
 Each step, :meth:`TierIO.apply` takes the step's moves as the KV manager decided them, in three stages:
 
 1. snapshot the blocks the step writes to the store (device or host blocks, copied out before anything of
-   the step can overwrite them) and hand them to the background writer; a write that does not fit the
+   the step can overwrite them; the executor takes them before it posts the step's receives from peers,
+   ``snapshot_writes``) and hand them to the background writer; a write that does not fit the
    writer's bounded queue is dropped and counted instead, never waited for, so a slow disk never slows a
    step;
 2. hand the step's reads to the background loader, whatever else happens (a request waits for each), and its
@@ -133,24 +134,33 @@ class TierIO:
                 thread.start()
                 self._threads.append(thread)
 
+    def snapshot_writes(self, writes: Sequence[DiskWrite]) -> list[tuple[DiskWrite, _Snapshot]]:
+        """Stage 1 alone: the blocks of the step's writes as they are now (for :meth:`apply`'s ``snapshots``), taken
+        before anything may write into them (the executor's receives from a peer: a receive's host blocks may be
+        ones evicted for it, whose old KV a write-back is taking to the store)."""
+        snapshots = []
+        for write in writes:
+            if self._make_room_for(write):
+                try:
+                    snapshots.append((write, self._snapshot(write)))
+                except BaseException:
+                    self._finish_write(write, written=False)
+                    raise
+        return snapshots
+
     def apply(
         self,
         reads: Sequence[DiskRead],
         writes: Sequence[DiskWrite],
         transfers: Sequence[BlockTransfer],
         ages: Sequence[DiskAge] = (),
+        snapshots: list[tuple[DiskWrite, _Snapshot]] | None = None,
     ) -> None:
         """Start the step's disk writes, reads and eviction hints, then copy its transfers (see the module's
-        stages)."""
-        snapshots = []
+        stages); ``snapshots``: the writes' blocks taken already (``snapshot_writes``)."""
         try:
-            for write in writes:
-                if self._make_room_for(write):
-                    try:
-                        snapshots.append((write, self._snapshot(write)))
-                    except BaseException:
-                        self._finish_write(write, written=False)
-                        raise
+            if snapshots is None:
+                snapshots = self.snapshot_writes(writes)
         finally:
             for read in reads:  # a request waits for each read: it starts even if the step fails
                 self._submit_read(read)

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
-from boundless.engine.scheduler import Scheduler
-from boundless.kv.disk_moves import DiskReadDone, DiskWriteDone, TierReport
+from boundless.engine.scheduler import Scheduler, SchedulerOutput
+from boundless.kv.disk_moves import DiskReadDone, DiskWrite, DiskWriteDone, TierReport
 from boundless.kv.manager import KVCacheManager
+from boundless.kv.remote_moves import RemoteRecv, RemoteReport
 from boundless.kv.tensors import PagedKVCache
 from boundless.kv.transfer import DISK, HOST
 from boundless.model.loader import LoadedModel
@@ -512,3 +515,51 @@ def test_a_request_held_back_by_kv_lending_loads_nothing_from_disk_until_release
     assert s.release("held") and not s.release("held")
     (read,) = s.schedule().disk_reads  # released: its tail loads as any waiting request's
     assert not read.is_probe and len(read.keys) > 0
+
+
+class _FastPeer:
+    """A peer whose blocks land the moment a receive is posted (the executor's ``RemoteIO``, cut to what a step
+    without sends needs): each receive's host blocks are overwritten with 7s at once."""
+
+    def __init__(self, tiers) -> None:
+        self.host = tiers[HOST]
+        self.gates_for = None
+
+    def start(self, recvs, sends):
+        for recv in recvs:
+            blocks = self.host.read_blocks(recv.dst_ids)
+            self.host.write_blocks(recv.dst_ids, torch.full_like(blocks, 7.0))
+        return None
+
+    def recv_gates(self, host_block_ids):
+        return {}
+
+    def end_step(self, ok: bool) -> None:
+        pass
+
+    def report(self, wait_s: float = 0.0) -> RemoteReport:
+        return RemoteReport()
+
+
+def test_a_write_back_of_a_host_block_a_receive_reuses_stores_its_old_kv(
+    tiny_llama: LoadedModel, dict_store: type, tmp_path: Path
+) -> None:
+    """A receive from a peer (prefill/decode disaggregation) lands in host blocks the manager evicted for it
+    (``expect_blocks``); under write-back the evicted block's KV goes to the store in the same step. It is copied
+    before the receive is posted: a fast peer's KV landed first and was stored under the evicted block's name."""
+    store = dict_store()
+    core = _disk_engine(tiny_llama, store, tmp_path)
+    executor = core.executor
+    executor.connect(_FastPeer)
+    host = executor.tiers[HOST]
+    old = torch.randn_like(host.read_blocks([3]))
+    host.write_blocks([3], old)
+    key = b"evicted-block-name"
+    sched = SchedulerOutput(
+        disk_writes=[DiskWrite(HOST, (3,), (key,))],
+        remote_recvs=[RemoteRecv(recv_id=0, peer="prefill", tag=1, dst_ids=(3,), num_blocks=1)],
+    )
+    executor.execute(sched)
+    executor.kv_io.close()  # the writer finishes what it was handed
+    torch.testing.assert_close(store.blocks[key], old[:, :, :, 0], rtol=0, atol=0)
+    assert torch.all(host.read_blocks([3]) == 7.0)  # and the peer's KV is where it landed
