@@ -13,7 +13,7 @@ moved are not ordered again from a stale view), and instances silent past ``hear
 Until the samples determine the model it plans no move.
 
 When requests that wait for room deadlock (``cluster/lending_deadlock.py``), a plan also holds one back, and a
-later plan releases it once those it yielded to run no more. Pure, like the dispatcher: no I/O, no threads, time
+later plan releases it once those it yielded to are gone. Pure, like the dispatcher: no I/O, no threads, time
 only from the injected clock.
 """
 
@@ -164,9 +164,9 @@ class GManager:
         return LendingPlan(result.moves, result.throughput_before, result.throughput_after, holds, self._releases(live))
 
     def _releases(self, live: list[Heartbeat]) -> tuple[ReleaseOrder, ...]:
-        """The held requests none of whose yielded-to requests runs any more on a live instance."""
-        running = {r.request_id for hb in live for r in hb.requests}
-        done = [h for h in self.holds.values() if not h.yields_to & running]
+        """The held requests none of whose yielded-to requests is on a live instance any more (running or queued)."""
+        present = {r.request_id for hb in live for r in hb.requests} | {q for hb in live for q in hb.instance.queued}
+        done = [h for h in self.holds.values() if not h.yields_to & present]
         for h in done:
             del self.holds[h.request_id]
         return tuple(ReleaseOrder(h.request_id, h.instance) for h in done)

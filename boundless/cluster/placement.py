@@ -73,6 +73,7 @@ class InstanceReport:
     max_batch_size: int
     context_tokens: int
     waiting_blocks: tuple[int, ...] = ()
+    queued: tuple[str, ...] = ()  # its waiting requests (not those held back by the deadlock breaker)
     lent_blocks: int = 0  # held for debtors, filled
     reserved_blocks: int = 0  # promised to debtors, not yet filled
     borrowed_blocks: int = 0  # of its requests' blocks, those held by creditors

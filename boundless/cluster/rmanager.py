@@ -23,6 +23,7 @@ values for the transport and the engine to carry out (ask a creditor, send block
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -48,7 +49,8 @@ class LocalState:
     """The instance's own use of its KV pool, as its engine sees it.
 
     ``own_blocks`` counts the blocks its own requests hold, not those it holds for debtors (the rManager keeps
-    those); ``waiting_blocks`` gives the blocks each waiting request needs, in admission order.
+    those); ``waiting_blocks`` gives the blocks each waiting request needs, in admission order; ``queued`` names
+    the waiting requests (not those the deadlock breaker holds back).
     """
 
     own_blocks: int
@@ -56,6 +58,7 @@ class LocalState:
     max_batch_size: int
     requests: Mapping[str, LocalRequest] = field(default_factory=dict)
     waiting_blocks: tuple[int, ...] = ()
+    queued: tuple[str, ...] = ()
 
 
 # -- the ledger ---------------------------------------------------------------------------------------------
@@ -267,6 +270,7 @@ class RManager:
             max_batch_size=self.local.max_batch_size,
             context_tokens=local_context + self.lent_blocks * self.block_size,
             waiting_blocks=tuple(self.local.waiting_blocks),
+            queued=tuple(self.local.queued),
             lent_blocks=self.lent_blocks,
             reserved_blocks=self.reserved_blocks,
             borrowed_blocks=sum(self._remote_blocks(rid) for rid in self._requests),
@@ -505,4 +509,4 @@ class RManager:
 
 
 def _with_own_blocks(state: LocalState, own_blocks: int) -> LocalState:
-    return LocalState(own_blocks, state.batch_size, state.max_batch_size, state.requests, state.waiting_blocks)
+    return dataclasses.replace(state, own_blocks=own_blocks)

@@ -297,6 +297,7 @@ class LendingAgent:
         # further ahead lends before the request stalls for want of room.
         needs = next_chunk_needs(self.core, self.lookahead_chunks)
         stalled = tuple(need for _, need in stalled_growth(needs, free))
+        queued = [r for r in sched.waiting if r.request_id not in sched.held]
         self.rm.observe(
             LocalState(
                 own_blocks=own,
@@ -306,11 +307,8 @@ class LendingAgent:
                 # A swapped-out request's blocks on creditors stay there: it needs room for the rest only. One held
                 # back by the deadlock breaker waits for no room: its freed blocks are for lending.
                 waiting_blocks=stalled
-                + tuple(
-                    kv.blocks_for_tokens(r.num_tokens) - kv.num_lent_blocks(r.request_id)
-                    for r in sched.waiting
-                    if r.request_id not in sched.held
-                ),
+                + tuple(kv.blocks_for_tokens(r.num_tokens) - kv.num_lent_blocks(r.request_id) for r in queued),
+                queued=tuple(r.request_id for r in queued),
             )
         )
         actions: list[LendingAction] = []

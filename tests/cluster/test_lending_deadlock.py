@@ -38,6 +38,17 @@ def test_two_requests_that_fill_their_pools_with_nowhere_to_lend_are_a_deadlock(
     assert find_deadlock([full("A"), full("B")], [a_small, b_small], THRESHOLDS).request_id == "b"
 
 
+def test_one_request_waiting_for_room_beside_a_queued_one_that_needs_its_pool_is_a_deadlock() -> None:
+    """Seen in a real run: A's request fills A's pool and waits for room; a request swapped out on A has its
+    leading blocks on B, whose pool they fill (B is no creditor), and B's own queued request waits for room there.
+    Nothing runs and nothing can be lent. Holding A's request back lets the swapped one in: it ends, B's blocks free."""
+    a = waiting_for_room("a", "A", 48)
+    swapped_here = dataclasses.replace(full("A"), queued=("swapped",))
+    lender = dataclasses.replace(instance("B", 48, 43, batch=0, context=43 * 16), lent_blocks=43, queued=("b",))
+    hold = find_deadlock([swapped_here, lender], [a], THRESHOLDS)
+    assert hold == HoldOrder("a", "A", frozenset({"swapped", "b"}))  # it yields to every request there
+
+
 def test_no_deadlock_while_anything_can_still_change() -> None:
     a, b = waiting_for_room("a", "A", 48), waiting_for_room("b", "B", 48)
     # One request waiting alone is not a deadlock (it waits for a creditor, or is too long for the cluster).
@@ -80,10 +91,10 @@ def test_the_gmanager_holds_one_back_and_releases_it_once_those_it_yielded_to_ar
     clock = Clock()
     lending = ClusterLending(GManager(THRESHOLDS, 2.0, 5.0, clock), {"0": "A", "1": "B"})
     a, b = waiting_for_room("a", "A", 48), waiting_for_room("b", "B", 47)
-    lending.on_heartbeat(beat(full("A"), a))
+    lending.on_heartbeat(beat(dataclasses.replace(full("A"), queued=("q",)), a))
     lending.on_heartbeat(beat(full("B"), b))
     assert lending.orders() == [OrderHold("1", "b")]
-    assert lending.gm.holds == {"b": HoldOrder("b", "B", frozenset({"a"}))}
+    assert lending.gm.holds == {"b": HoldOrder("b", "B", frozenset({"a", "q"}))}
     assert lending.gm.counters.holds_ordered == 1 and lending.held() == {"1": ["b"]}
     # B dropped b: its pool is free, and the next plan lends it to a.
     clock.now += 2.0
@@ -91,13 +102,18 @@ def test_the_gmanager_holds_one_back_and_releases_it_once_those_it_yielded_to_ar
     lending.on_heartbeat(beat(instance("B", 48, 0, batch=0, context=0)))
     orders = lending.orders()
     assert len(orders) == 1 and isinstance(orders[0], OrderMove) and orders[0].instance_id == "0"
-    # a runs on, with blocks on B: b stays held.
+    # a runs on, with blocks on B (q, queued behind it, too): b stays held.
     clock.now += 2.0
     a_running = dataclasses.replace(a, local_blocks=40, remote=(("B", 30),), waits_for_room=False)
     lending.on_heartbeat(beat(instance("A", 48, 40, batch=1, context=1100), a_running))
     lending.on_heartbeat(beat(dataclasses.replace(instance("B", 48, 30, batch=0, context=480), lent_blocks=30)))
     assert not any(isinstance(o, OrderRelease) for o in lending.orders())
-    # a finished: b may be admitted again.
+    # a finished, but a request queued on A when b was held is still there: b waits for it too.
+    clock.now += 2.0
+    lending.on_heartbeat(beat(dataclasses.replace(instance("A", 48, 0, batch=0, context=0), queued=("q",))))
+    lending.on_heartbeat(beat(instance("B", 48, 0, batch=0, context=0)))
+    assert lending.orders() == []
+    # it ran and finished: b may be admitted again.
     clock.now += 2.0
     lending.on_heartbeat(beat(instance("A", 48, 0, batch=0, context=0)))
     lending.on_heartbeat(beat(instance("B", 48, 0, batch=0, context=0)))
