@@ -384,6 +384,14 @@ class ClusterConfig:
             "plans act on a heartbeat-old report, so looking further ahead lends before the request stalls"
         },
     )
+    lending_request_pools: float = field(
+        default=1.0,
+        metadata={
+            "help": "with --kv-lending on, how many instances' pools' worth of KV one request may hold (its context "
+            "limit): 1 admits one pool; more lets a request span instances, up to what the others lend, "
+            "experimental: a trace of such requests can still stall the cluster (docs/lending.md)"
+        },
+    )
     lending_reservation_timeout_s: float = field(
         default=2.0,
         metadata={"help": "a creditor's reservation that no data fills in this many seconds is dropped"},
@@ -434,6 +442,7 @@ class ClusterConfig:
         _require(self.lending_min_gain >= 0, "lending_min_gain", "must not be negative")
         _require(self.lending_reservation_timeout_s > 0, "lending_reservation_timeout_s", "must be positive")
         _require(self.lending_lookahead_chunks >= 1, "lending_lookahead_chunks", "must be >= 1")
+        _require(self.lending_request_pools >= 1, "lending_request_pools", "must be >= 1")
 
     @property
     def disaggregated(self) -> bool:

@@ -18,7 +18,7 @@ import torch
 from boundless.cluster.dispatcher import AddResult
 from boundless.cluster.lending_cluster import LendingOrder
 from boundless.cluster.lending_instance import InstanceLending, LendingSetup
-from boundless.cluster.lending_plan import LendingThresholds, request_pools
+from boundless.cluster.lending_plan import served_request_pools
 from boundless.cluster.links import InstanceLinks, LinkStats, instance_links
 from boundless.cluster.pd_dispatcher import PrepareResult
 from boundless.cluster.pd_scheduler import Role
@@ -120,12 +120,8 @@ class EngineInstance:
         if role is not None:
             self.links = instance_links(role.cluster, time.monotonic, time.sleep)
         storage = self.links.storage
-        # With KV lending a request may hold what the other instances lend beside this pool.
-        pools = (
-            1.0
-            if lending is None
-            else request_pools(lending.world_size, LendingThresholds.from_config(lending.cluster))
-        )
+        # With KV lending a request may hold what the other instances lend beside this pool (--lending-request-pools).
+        pools = 1.0 if lending is None else served_request_pools(lending.cluster)
         self.core = EngineCore.from_model(loaded, config, read_link=storage, pools=pools)
         self.transport = None
         if role is not None:

@@ -141,10 +141,16 @@ def lendable_blocks(report: InstanceReport, thresholds: LendingThresholds) -> in
 def request_pools(instances: int, thresholds: LendingThresholds) -> float:
     """The pools' worth of KV one request can count on with lending across ``instances``: its own instance's, and
     on each other one what a creditor lends before it stops being one (``creditor_max_usage`` of its pool, at most
-    all but its headroom). ``serve --kv-lending on`` admits contexts up to it (``size_engine``'s ``pools``): a
-    request longer would wait for good for room no plan lends."""
+    all but its headroom). ``serve --kv-lending on --lending-request-pools`` admits contexts up to it at most
+    (``size_engine``'s ``pools``): a request longer would wait for good for room no plan lends."""
     share = min(thresholds.creditor_max_usage, 1.0 - thresholds.creditor_headroom)
     return 1.0 + (instances - 1) * max(0.0, share)
+
+
+def served_request_pools(config: ClusterConfig) -> float:
+    """The pools' worth of KV a request may hold in ``serve --kv-lending on``: ``--lending-request-pools``, at most
+    what the others lend (:func:`request_pools`)."""
+    return min(config.lending_request_pools, request_pools(config.instances, LendingThresholds.from_config(config)))
 
 
 def plan_lending(

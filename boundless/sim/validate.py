@@ -40,7 +40,7 @@ from boundless.bench.programs import ProgramRunner, served_engine, summarize
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, make_programs
-from boundless.cluster.lending_plan import LendingThresholds, request_pools
+from boundless.cluster.lending_plan import served_request_pools
 from boundless.config import (
     CacheConfig,
     ClusterConfig,
@@ -80,6 +80,7 @@ LENDING_FLAGS = (
     "lending_min_gain",
     "lending_lookahead_chunks",
     "lending_reservation_timeout_s",
+    "lending_request_pools",
 )
 
 # One real run of the programs (on a cluster, or one engine for None): their summary (``bench programs``'s
@@ -170,7 +171,7 @@ def simulate(
     model = SimulatedModel.read(config.model)
     # With lending, the engines admit what the real cluster's do (`serve --kv-lending on`): the programs compact
     # their conversations at the same length on both sides.
-    pools = request_pools(cluster.instances, LendingThresholds.from_config(cluster))
+    pools = served_request_pools(cluster)
     sim = Simulator(config, model, profile=profile, instances=cluster.instances, cluster=cluster, lending_pools=pools)
     summary = simulated_summary(sim.run(programs))
     counters = [i.core.counters for i in sim.instances.values()]

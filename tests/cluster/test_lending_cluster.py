@@ -222,7 +222,8 @@ def test_a_debtor_killed_mid_decode_its_creditor_frees_its_blocks(
 
 
 # Two requests over one pool at once, one on each instance: each fills its pool and waits for room only the other
-# could lend. The server admits contexts up to what the other instance lends (1.6 pools: `request_pools`).
+# could lend. With --lending-request-pools the server admits contexts up to what the other instance lends (1.6
+# pools: `request_pools`).
 SMALL_POOL = 16  # blocks: 256 tokens
 OVER_ONE_POOL = [[(13 * j + 7 * i) % 300 + 3 for j in range(300)] for i in range(2)]  # 19 blocks; 22 with output
 OVER_TOKENS = 40
@@ -231,8 +232,10 @@ OVER_TOKENS = 40
 @pytest.fixture
 def small_pools_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient, ServerThread]]:
     config = engine_config(str(model_dirs["tiny-llama"]), num_kv_blocks=SMALL_POOL, policy="fcfs")
-    # Round robin: one request on each instance.
-    yield from _lending_server(config, ClusterConfig(instances=2, routing="round-robin", **LENDING_FLAGS))
+    # Round robin: one request on each instance. Contexts up to what the other instance lends (2 pools asked, 1.6
+    # allowed by the creditor usage threshold).
+    cluster = ClusterConfig(instances=2, routing="round-robin", lending_request_pools=2.0, **LENDING_FLAGS)
+    yield from _lending_server(config, cluster)
 
 
 def test_two_requests_over_one_pool_at_once_are_served_by_holding_one_back(

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 from lending_cases import ATTENTION_BOUND, GPU_LIKE, instance, request, samples_of
 
-from boundless.cluster.lending_plan import LendingThresholds, MoveOrder, plan_lending, request_pools
+from boundless.cluster.lending_plan import (
+    LendingThresholds,
+    MoveOrder,
+    plan_lending,
+    request_pools,
+    served_request_pools,
+)
 from boundless.cluster.perf_model import fit_step_time_model
+from boundless.config import ClusterConfig, ConfigError
 from boundless.engine.attention_time import AttentionTimeModel
 
 THRESHOLDS = LendingThresholds(debtor_max_batch=8, creditor_max_usage=0.6, creditor_headroom=0.1, min_gain=0.01)
@@ -140,3 +147,10 @@ def test_a_request_counts_on_its_pool_and_what_each_other_instance_lends_before_
     assert request_pools(3, LendingThresholds(creditor_max_usage=0.6, creditor_headroom=0.1)) == pytest.approx(2.2)
     # A creditor never lends its headroom, whatever its usage threshold.
     assert request_pools(2, LendingThresholds(creditor_max_usage=0.95, creditor_headroom=0.1)) == pytest.approx(1.9)
+
+    # The server admits one pool unless asked for more (--lending-request-pools), and never more than that.
+    assert served_request_pools(ClusterConfig(instances=3, kv_lending="on")) == 1.0
+    assert served_request_pools(ClusterConfig(instances=3, lending_request_pools=2.0)) == 2.0
+    assert served_request_pools(ClusterConfig(instances=3, lending_request_pools=9.0)) == pytest.approx(2.2)
+    with pytest.raises(ConfigError, match="--lending-request-pools: must be >= 1"):
+        ClusterConfig(lending_request_pools=0.5)
