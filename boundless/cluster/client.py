@@ -342,6 +342,7 @@ class ClusterClient(DispatcherFrontEnd):
     def cluster_info(self) -> list[dict]:
         out = []
         held = self.lending.held() if self.lending is not None else {}
+        waiting_for_room = self.lending.waiting_for_room() if self.lending is not None else {}
         for iid, inst in self.instances.items():
             s = inst.stats
             view = self.dispatcher.views[iid]
@@ -367,6 +368,7 @@ class ClusterClient(DispatcherFrontEnd):
                     "kv_blocks_reserved": lending.reserved if lending else 0,
                     "kv_blocks_borrowed": lending.borrowed if lending else 0,
                     "requests_held": held.get(iid, []),
+                    "requests_waiting_for_room": waiting_for_room.get(iid, 0),
                 }
             if isinstance(self.dispatcher, PDDispatcher):
                 load = next((ld for ld in self.dispatcher.loads() if ld.engine_id == iid), None)
@@ -380,12 +382,21 @@ class ClusterClient(DispatcherFrontEnd):
         return out
 
     def cluster_metrics(self) -> Iterator[Metric]:
-        """Series beyond the engines' own: the emulated links, and with roles the bytes per KV path and the
-        calls placed per read path."""
+        """Series beyond the engines' own: the emulated links, the instances' restarts, with KV lending the requests
+        waiting for room, and with roles the bytes per KV path and the calls placed per read path."""
         views = self.dispatcher.views
         live = {iid: inst for iid, inst in self.instances.items() if views[iid].alive}
         yield from link_metrics({iid: inst.links for iid, inst in live.items()})
         yield from restart_metrics(self.dispatcher)
+        if self.lending is not None:
+            waiting = GaugeMetricFamily(
+                "boundless_kv_lending_requests_waiting_for_room",
+                "running requests whose local KV fills the instance's pool, waiting for a move to grow (KV lending)",
+                labels=["instance"],
+            )
+            for iid, n in self.lending.waiting_for_room().items():
+                waiting.add_metric([iid], float(n))
+            yield waiting
         if not isinstance(self.dispatcher, PDDispatcher):
             return
         paths = CounterMetricFamily(

@@ -124,6 +124,15 @@ class ClusterLending:
         """Each instance not lost: its transport address."""
         return {iid: address for iid, address in self.addresses.items() if iid not in self.lost}
 
+    def waiting_for_room(self) -> dict[str, int]:
+        """Each instance's running requests whose local blocks fill its pool and that wait for a move to grow, as the
+        gManager last heard them (for ``/cluster`` and ``/metrics``: a count that stays up means lending stalled)."""
+        return {
+            self.instance_of[a]: sum(r.waits_for_room for r in hb.requests)
+            for a, hb in self.gm.heartbeats.items()
+            if a in self.instance_of
+        }
+
     def held(self) -> dict[str, list[str]]:
         """The requests the deadlock breaker holds back, by instance id (for ``/cluster``)."""
         out: dict[str, list[str]] = {}

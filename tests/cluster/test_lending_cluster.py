@@ -122,6 +122,7 @@ class Watch:
                     best["lent"] = max(best["lent"], inst["kv_blocks_lent"])
                     best["borrowed"] = max(best["borrowed"], inst["kv_blocks_borrowed"])
                     best["held"] = max(best["held"], len(inst["requests_held"]))
+                    best["waiting_for_room"] = max(best.get("waiting_for_room", 0), inst["requests_waiting_for_room"])
                     if self.kill and self.killed is None and inst[f"kv_blocks_{self.kill}"] > 0:
                         os.kill(inst["pid"], signal.SIGKILL)
                         self.killed = inst["id"]
@@ -260,8 +261,10 @@ def test_two_requests_over_one_pool_at_once_are_served_by_holding_one_back(
         texts = asyncio.run(both())
     assert texts == _offline(tiny_llama, OVER_ONE_POOL, [OVER_TOKENS] * 2)
     assert max(seen["held"] for seen in watch.seen.values()) == 1, watch.seen  # /cluster showed it held back
+    assert max(seen.get("waiting_for_room", 0) for seen in watch.seen.values()) == 1, watch.seen  # and waiting first
     # The gManager found them waiting for each other: it held one back, lent its blocks to the other, released it.
     assert client.lending.gm.counters.holds_ordered >= 1 and client.lending.gm.holds == {}
     metrics = httpx.get(server.url + "/metrics").text
     assert _metric(metrics, "boundless_kv_lending_held_requests_total") >= 1
+    assert "boundless_kv_lending_requests_waiting_for_room{" in metrics  # (none now: both are done)
     assert _metric(metrics, "boundless_kv_lending_moves_total", direction="out") >= 2  # each borrowed in its turn

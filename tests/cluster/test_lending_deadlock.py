@@ -96,6 +96,7 @@ def test_the_gmanager_holds_one_back_and_releases_it_once_those_it_yielded_to_ar
     assert lending.orders() == [OrderHold("1", "b")]
     assert lending.gm.holds == {"b": HoldOrder("b", "B", frozenset({"a", "q"}))}
     assert lending.gm.counters.holds_ordered == 1 and lending.held() == {"1": ["b"]}
+    assert lending.waiting_for_room() == {"0": 1, "1": 1}
     # B dropped b: its pool is free, and the next plan lends it to a.
     clock.now += 2.0
     lending.on_heartbeat(beat(full("A"), a))
@@ -118,7 +119,7 @@ def test_the_gmanager_holds_one_back_and_releases_it_once_those_it_yielded_to_ar
     lending.on_heartbeat(beat(instance("A", 48, 0, batch=0, context=0)))
     lending.on_heartbeat(beat(instance("B", 48, 0, batch=0, context=0)))
     assert lending.orders() == [OrderRelease("1", "b")]
-    assert lending.gm.holds == {} and lending.held() == {}
+    assert lending.gm.holds == {} and lending.held() == {} and lending.waiting_for_room() == {"0": 0, "1": 0}
 
 
 def test_a_hold_is_dropped_with_its_instance_and_released_when_those_it_yielded_to_are_lost() -> None:
