@@ -209,13 +209,26 @@ class LongCtxCluster:
             agent.observe()
             agent.apply(agent.rm.expire())
             self.gm.on_heartbeat(agent.rm.heartbeat(inst.core.step_times.drain()))
-        for order in self.gm.plan().moves:
+        plan = self.gm.plan()
+        for order in plan.moves:
             debtor = by_address[order.debtor]
             assert debtor.agent is not None
             start = time.perf_counter()
             debtor.agent.move_kvcache(order.request_id, order.num_blocks, order.creditor)
             debtor.clock += time.perf_counter() - start  # the debtor sends; its steps wait meanwhile
             self._wake(debtor.clock)
+        # The deadlock breaker's holds and releases (cluster/lending_deadlock.py), as a served cluster's instances
+        # carry them out; without them the gManager would count as held what nobody holds.
+        for hold in plan.holds:
+            agent = by_address[hold.instance].agent
+            assert agent is not None
+            if agent.hold(hold.request_id):
+                self._wake(by_address[hold.instance].clock)
+        for release in plan.releases:
+            agent = by_address[release.instance].agent
+            assert agent is not None
+            if agent.release(release.request_id):
+                self._wake(by_address[release.instance].clock)
 
     def _migrate_from(self, src: Instance) -> None:
         for rid, _ in stalled_growth(next_chunk_needs(src.core), src.core.kv.pool.num_free):

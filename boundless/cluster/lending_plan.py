@@ -62,7 +62,8 @@ class MoveOrder:
 @dataclass(frozen=True)
 class HoldOrder:
     """Tell ``instance`` (the rManager's id) to drop ``request_id``'s KV to recompute and hold it back until
-    released; ``yields_to``: the requests waiting for room that its blocks are freed for."""
+    released; ``yields_to``: every other request there at the hold, running or queued (it is released once none
+    of them is there any more)."""
 
     request_id: str
     instance: str

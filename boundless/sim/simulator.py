@@ -234,8 +234,8 @@ class Simulator:
                 self.storage_links = [Link(f"storage-node{k}", rate) for k in range(nodes)]
             lending = self.cluster.kv_lending == "on"
             # With lending a request may hold ``lending_pools`` instances' pools' worth: all of them by default, as
-            # `bench longctx` and the paper size it; what creditors lend as `serve --kv-lending on` admits
-            # (``lending_plan.request_pools``); 1 sizes the engines as without lending.
+            # `bench longctx` and the paper size it; what `serve --kv-lending on` admits (validate passes
+            # ``lending_plan.served_request_pools``); 1 sizes the engines as without lending.
             pools = instances if lending_pools is None else lending_pools
             max_len = lending_max_model_len(config, model, pools) if lending and pools > 1 else None
             for i in range(instances):
