@@ -103,6 +103,10 @@ def _lending_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
             "requests dropped to recompute and held back to break a lending deadlock",
             "requests_held",
         ),
+        "boundless_kv_lending_granted_requests": (
+            "requests longer than the pool the gManager let start",
+            "requests_granted",
+        ),
     }
     for name, (doc, attr) in plain.items():
         c = CounterMetricFamily(name, doc, labels=["instance"])

@@ -343,6 +343,7 @@ class ClusterClient(DispatcherFrontEnd):
         out = []
         held = self.lending.held() if self.lending is not None else {}
         waiting_for_room = self.lending.waiting_for_room() if self.lending is not None else {}
+        awaiting_grant = self.lending.awaiting_grant() if self.lending is not None else {}
         for iid, inst in self.instances.items():
             s = inst.stats
             view = self.dispatcher.views[iid]
@@ -369,6 +370,7 @@ class ClusterClient(DispatcherFrontEnd):
                     "kv_blocks_borrowed": lending.borrowed if lending else 0,
                     "requests_held": held.get(iid, []),
                     "requests_waiting_for_room": waiting_for_room.get(iid, 0),
+                    "requests_awaiting_grant": awaiting_grant.get(iid, []),
                 }
             if isinstance(self.dispatcher, PDDispatcher):
                 load = next((ld for ld in self.dispatcher.loads() if ld.engine_id == iid), None)

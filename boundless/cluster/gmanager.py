@@ -13,7 +13,9 @@ moved are not ordered again from a stale view), and instances silent past ``hear
 Until the samples determine the model it plans no move.
 
 When requests that wait for room deadlock (``cluster/lending_deadlock.py``), a plan also holds one back, and a
-later plan releases it once those it yielded to are gone. Pure, like the dispatcher: no I/O, no threads, time
+later plan releases it once those it yielded to are gone. Each plan also grants the requests longer than one
+pool that may start now, their instances and creditors taken by no other grant (``cluster/lending_grants.py``).
+Pure, like the dispatcher: no I/O, no threads, time
 only from the injected clock.
 """
 
@@ -24,7 +26,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from boundless.cluster.lending_deadlock import find_deadlock
-from boundless.cluster.lending_plan import HoldOrder, LendingPlan, LendingThresholds, ReleaseOrder, plan_lending
+from boundless.cluster.lending_grants import plan_grants
+from boundless.cluster.lending_plan import (
+    GrantOrder,
+    HoldOrder,
+    LendingPlan,
+    LendingThresholds,
+    ReleaseOrder,
+    plan_lending,
+    room_moves,
+)
 from boundless.cluster.perf_model import NotEnoughSamplesError, fit_step_time_model
 from boundless.cluster.placement import Heartbeat, RequestPlacementEntry
 from boundless.config import ClusterConfig
@@ -51,6 +62,7 @@ class GManagerCounters:
     moves_ordered: int = 0
     blocks_ordered: int = 0
     holds_ordered: int = 0  # by the deadlock breaker (one an instance refused, its request no longer waiting, too)
+    grants_ordered: int = 0  # to requests longer than one pool (cluster/lending_grants.py)
 
 
 class GManager:
@@ -76,6 +88,14 @@ class GManager:
         self._last_plan_at: float | None = None
         self.counters = GManagerCounters()
         self.holds: dict[str, HoldOrder] = {}  # by request: held back by the deadlock breaker, not yet released
+        # For the breaker's choice of victim: how often each request was held, and the order requests were first
+        # heard of in; forgotten once a request is neither held nor reported for a heartbeat timeout (a released
+        # one is reported again as soon as its instance has its release).
+        self.times_held: dict[str, int] = {}
+        self.arrival: dict[str, int] = {}
+        self._last_reported: dict[str, float] = {}
+        self._arrivals = 0
+        self.grants: dict[str, tuple[GrantOrder, float]] = {}  # by request: in force, with when it was given
 
     @classmethod
     def from_config(cls, config: ClusterConfig, clock: Callable[[], float]) -> GManager:
@@ -86,7 +106,17 @@ class GManager:
 
     def on_heartbeat(self, heartbeat: Heartbeat) -> None:
         self.heartbeats[heartbeat.instance_id] = heartbeat
-        self._heard_at[heartbeat.instance_id] = self.clock()
+        now = self._heard_at[heartbeat.instance_id] = self.clock()
+        report = heartbeat.instance
+        for request_id in (
+            *(r.request_id for r in heartbeat.requests),
+            *report.queued,
+            *(rid for rid, _ in report.awaiting_grant),
+        ):
+            if request_id not in self.arrival:
+                self._arrivals += 1
+                self.arrival[request_id] = self._arrivals
+            self._last_reported[request_id] = now
         if heartbeat.step_samples:
             self._samples.extend(heartbeat.step_samples)
             self._model_stale = True
@@ -96,6 +126,12 @@ class GManager:
         self.heartbeats.pop(instance_id, None)
         self._heard_at.pop(instance_id, None)
         self.holds = {rid: h for rid, h in self.holds.items() if h.instance != instance_id}  # recomputed anywhere
+        # Its requests are recomputed elsewhere (granted anew there); it lends to no grant any more.
+        self.grants = {
+            rid: (g, at)
+            for rid, (g, at) in self.grants.items()
+            if g.instance != instance_id and instance_id not in g.creditors
+        }
 
     # -- what it knows ----------------------------------------------------------------------------------------
 
@@ -140,8 +176,9 @@ class GManager:
         return bool(live) and all(self._heard_at[iid] > self._last_plan_at for iid in live)
 
     def plan(self) -> LendingPlan:
-        """Plan moves over the live instances now (none until the model is fitted), and the deadlock breaker's holds
-        and releases."""
+        """Plan moves over the live instances now (by the model once it is fitted; for requests waiting for room,
+        whatever a creditor may lend, model or not: ``room_moves``), and the deadlock breaker's holds and
+        releases."""
         self._last_plan_at = self.clock()
         model = self.model()
         live = self.live()
@@ -152,16 +189,56 @@ class GManager:
         if planned:
             result = plan_lending(reports, requests, model, self.thresholds)
             self.counters.plans += 1
-            self.counters.moves_ordered += len(result.moves)
-            self.counters.blocks_ordered += sum(m.num_blocks for m in result.moves)
+        room = room_moves(reports, requests, self.thresholds, result.moves) if len(live) >= 2 else ()
+        moves = result.moves + room
+        self.counters.moves_ordered += len(moves)
+        self.counters.blocks_ordered += sum(m.num_blocks for m in moves)
         holds: tuple[HoldOrder, ...] = ()
-        if not result.moves:
-            hold = find_deadlock(reports, requests, self.thresholds, planned)
+        if not moves:
+            # Whatever any instance may lend, the room moves offered it to the waiting requests: none could take it.
+            hold = find_deadlock(reports, requests, self.thresholds, True, self.times_held, self.arrival)
             if hold is not None:
                 holds = (hold,)
                 self.holds[hold.request_id] = hold
+                self.times_held[hold.request_id] = self.times_held.get(hold.request_id, 0) + 1
                 self.counters.holds_ordered += 1
-        return LendingPlan(result.moves, result.throughput_before, result.throughput_after, holds, self._releases(live))
+        releases = self._releases(live)
+        self._forget()
+        return LendingPlan(moves, result.throughput_before, result.throughput_after, holds, releases)
+
+    def grant(self) -> tuple[GrantOrder, ...]:
+        """End the grants whose request no live instance reports since the grant (finished, or lost), then give
+        the grants due now (``cluster/lending_grants.py``). Called at every heartbeat round, not only when a plan is
+        due: a request awaiting a grant holds nothing and runs nothing, so each interval waited is lost."""
+        live = self.live()
+        present = {r.request_id for hb in live for r in hb.requests} | self.holds.keys()
+        for hb in live:
+            present |= {*hb.instance.queued, *(rid for rid, _ in hb.instance.awaiting_grant)}
+        heard_since = min((self._heard_at[hb.instance_id] for hb in live), default=0.0)
+        for rid, (_, at) in list(self.grants.items()):
+            if rid not in present and heard_since > at:  # every instance reported after it, and none has it
+                del self.grants[rid]
+        now = self.clock()
+        grants = plan_grants(
+            [hb.instance for hb in live], [g for g, _ in self.grants.values()], self.thresholds, self.arrival
+        )
+        for grant in grants:
+            self.grants[grant.request_id] = (grant, now)
+        self.counters.grants_ordered += len(grants)
+        return grants
+
+    def _forget(self) -> None:
+        """Drop the victim-choice records of requests neither held nor reported for a heartbeat timeout (finished,
+        or lost with their instance)."""
+        now = self.clock()
+        for rid in self.holds:  # no instance reports a held request: the hold stands for it
+            self._last_reported[rid] = now
+        since = now - self.heartbeat_timeout_s
+        gone = [rid for rid, t in self._last_reported.items() if t < since]
+        for rid in gone:
+            del self._last_reported[rid]
+            self.arrival.pop(rid, None)
+            self.times_held.pop(rid, None)
 
     def _releases(self, live: list[Heartbeat]) -> tuple[ReleaseOrder, ...]:
         """The held requests none of whose yielded-to requests is on a live instance any more (running or queued)."""

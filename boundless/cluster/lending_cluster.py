@@ -7,7 +7,8 @@ holds the gManager and the map between the two, and turns what the cluster learn
 - a heartbeat of an instance's rManager goes to the gManager (:meth:`on_heartbeat`);
 - when a plan is due, each :class:`~boundless.cluster.lending_plan.MoveOrder` becomes an :class:`OrderMove` for
   its debtor's instance, and the deadlock breaker's holds and releases an :class:`OrderHold` and an
-  :class:`OrderRelease` for the held request's instance (:meth:`orders`);
+  :class:`OrderRelease` for the held request's instance, and its grants to requests longer than one pool an
+  :class:`OrderGrant` for the request's instance (:meth:`orders`);
 - an instance lost becomes a :class:`PeerLost` for every other live instance, whose rManager frees what it lent
   to it and recomputes what it held (:meth:`instance_lost`);
 - an instance started again in a lost one's place becomes a :class:`PeerBack` for every other live instance, whose
@@ -52,7 +53,15 @@ class OrderRelease:
     request_id: str
 
 
-LendingOrder = OrderMove | OrderHold | OrderRelease
+@dataclass(frozen=True)
+class OrderGrant:
+    """Tell ``instance_id`` that ``request_id``, longer than its pool, may start (``cluster/lending_grants.py``)."""
+
+    instance_id: str
+    request_id: str
+
+
+LendingOrder = OrderMove | OrderHold | OrderRelease | OrderGrant
 
 
 @dataclass(frozen=True)
@@ -87,15 +96,16 @@ class ClusterLending:
             self.gm.on_heartbeat(heartbeat)
 
     def orders(self) -> list[LendingOrder]:
-        """The moves, holds and releases of a plan, if one is due; none otherwise. None to a lost instance."""
-        if not self.gm.due():
-            return []
-        plan = self.gm.plan()
-        orders: list[LendingOrder] = [
-            OrderMove(self.instance_of[m.debtor], m.request_id, m.num_blocks, m.creditor) for m in plan.moves
-        ]
-        orders += [OrderHold(self.instance_of[h.instance], h.request_id) for h in plan.holds]
-        orders += [OrderRelease(self.instance_of[r.instance], r.request_id) for r in plan.releases]
+        """The moves, holds and releases of a plan, if one is due, and the grants due now (at every call: a
+        heartbeat round). None to a lost instance."""
+        orders: list[LendingOrder] = []
+        if self.gm.due():
+            plan = self.gm.plan()
+            debtor = self.instance_of
+            orders += [OrderMove(debtor[m.debtor], m.request_id, m.num_blocks, m.creditor) for m in plan.moves]
+            orders += [OrderHold(self.instance_of[h.instance], h.request_id) for h in plan.holds]
+            orders += [OrderRelease(self.instance_of[r.instance], r.request_id) for r in plan.releases]
+        orders += [OrderGrant(self.instance_of[g.instance], g.request_id) for g in self.gm.grant()]
         return [o for o in orders if o.instance_id not in self.lost]
 
     def instance_lost(self, instance_id: str) -> list[PeerLost]:
@@ -129,6 +139,15 @@ class ClusterLending:
         gManager last heard them (for ``/cluster`` and ``/metrics``: a count that stays up means lending stalled)."""
         return {
             self.instance_of[a]: sum(r.waits_for_room for r in hb.requests)
+            for a, hb in self.gm.heartbeats.items()
+            if a in self.instance_of
+        }
+
+    def awaiting_grant(self) -> dict[str, list[str]]:
+        """Each instance's requests longer than its pool waiting for the gManager's grant to start, as the gManager
+        last heard them (for ``/cluster``)."""
+        return {
+            self.instance_of[a]: [rid for rid, _ in hb.instance.awaiting_grant]
             for a, hb in self.gm.heartbeats.items()
             if a in self.instance_of
         }

@@ -79,6 +79,16 @@ class ReleaseOrder:
 
 
 @dataclass(frozen=True)
+class GrantOrder:
+    """Tell ``instance`` that ``request_id``, longer than its pool, may start (``cluster/lending_grants.py``);
+    ``creditors``: the instances counted on to lend it the rest, taken by no other grant while it is in force."""
+
+    request_id: str
+    instance: str
+    creditors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class LendingPlan:
     """The moves, and the cluster's modelled throughput (tokens/s) before and after them; the gManager adds the
     deadlock breaker's holds and releases (``cluster/lending_deadlock.py``)."""
@@ -189,6 +199,43 @@ def plan_lending(
             block_max -= best
     after = sum(n.throughput(model) for n in nodes.values())
     return LendingPlan(tuple(moves), before, after)
+
+
+def room_moves(
+    reports: Sequence[InstanceReport],
+    requests: Sequence[RequestReport],
+    thresholds: LendingThresholds,
+    planned: Sequence[MoveOrder] = (),
+) -> tuple[MoveOrder, ...]:
+    """Moves for the requests that wait for room (their local blocks fill their pool) and that the plan gave none:
+    each takes what the creditor with the most to lend may lend (``lendable_blocks``, less what the plan already
+    takes from it), up to its movable blocks. A request that cannot grow at all gains whatever the model says:
+    without these, one waited while an idle instance had its whole pool free, before the model was fitted (no
+    plan moves anything then) or when the model's gain fell under ``min_gain``."""
+    moved = {m.request_id for m in planned}
+    debtors = {m.debtor for m in planned}
+    taken: dict[str, int] = {}
+    for m in planned:
+        taken[m.creditor] = taken.get(m.creditor, 0) + m.num_blocks
+    room = {
+        r.instance_id: lendable_blocks(r, thresholds) - taken.get(r.instance_id, 0)
+        for r in reports
+        if r.instance_id not in debtors
+    }
+    out: list[MoveOrder] = []
+    waiting = sorted(
+        (r for r in requests if r.waits_for_room and r.request_id not in moved), key=lambda r: r.request_id
+    )
+    for request in waiting:
+        creditors = [iid for iid, n in room.items() if iid != request.instance_id and n > 0]
+        if not creditors or request.movable_blocks <= 0:
+            continue
+        creditor = max(creditors, key=lambda iid: (room[iid], iid))
+        k = min(request.movable_blocks, room[creditor])
+        out.append(MoveOrder(request.request_id, request.instance_id, creditor, k))
+        room[creditor] -= k
+        room.pop(request.instance_id, None)  # it borrows now: it lends nothing in the same plan
+    return tuple(out)
 
 
 def _longest(instance_id: str, requests: Iterable[RequestReport]) -> RequestReport | None:

@@ -73,7 +73,10 @@ class InstanceReport:
     max_batch_size: int
     context_tokens: int
     waiting_blocks: tuple[int, ...] = ()
-    queued: tuple[str, ...] = ()  # its waiting requests (not those held back by the deadlock breaker)
+    queued: tuple[str, ...] = ()  # its waiting requests (not those held back, nor those awaiting a grant)
+    # Requests longer than its pool waiting for the gManager's grant to start (``cluster/lending_grants.py``), in
+    # its scheduler's order, each with the blocks its peak needs (its prompt and ``max_tokens``).
+    awaiting_grant: tuple[tuple[str, int], ...] = ()
     lent_blocks: int = 0  # held for debtors, filled
     reserved_blocks: int = 0  # promised to debtors, not yet filled
     borrowed_blocks: int = 0  # of its requests' blocks, those held by creditors

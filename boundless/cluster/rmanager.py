@@ -50,7 +50,8 @@ class LocalState:
 
     ``own_blocks`` counts the blocks its own requests hold, not those it holds for debtors (the rManager keeps
     those); ``waiting_blocks`` gives the blocks each waiting request needs, in admission order; ``queued`` names
-    the waiting requests (not those the deadlock breaker holds back).
+    the waiting requests (not those the deadlock breaker holds back, nor those awaiting a grant);
+    ``awaiting_grant`` the requests longer than the pool that wait for the gManager's grant, with their peak blocks.
     """
 
     own_blocks: int
@@ -59,6 +60,7 @@ class LocalState:
     requests: Mapping[str, LocalRequest] = field(default_factory=dict)
     waiting_blocks: tuple[int, ...] = ()
     queued: tuple[str, ...] = ()
+    awaiting_grant: tuple[tuple[str, int], ...] = ()
 
 
 # -- the ledger ---------------------------------------------------------------------------------------------
@@ -271,6 +273,7 @@ class RManager:
             context_tokens=local_context + self.lent_blocks * self.block_size,
             waiting_blocks=tuple(self.local.waiting_blocks),
             queued=tuple(self.local.queued),
+            awaiting_grant=tuple(self.local.awaiting_grant),
             lent_blocks=self.lent_blocks,
             reserved_blocks=self.reserved_blocks,
             borrowed_blocks=sum(self._remote_blocks(rid) for rid in self._requests),

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from boundless.attention.dist_attention import DistributedAttention
 from boundless.attention.partial_service import PartialClient, PartialServer, RemotePartialError
 from boundless.attention.remote_partials import LentBlocks
-from boundless.cluster.lending_cluster import LendingOrder, OrderHold, OrderMove
+from boundless.cluster.lending_cluster import LendingOrder, OrderGrant, OrderHold, OrderMove
 from boundless.cluster.rmanager import (
     FreeLentBlocks,
     FreeLocalBlocks,
@@ -72,6 +72,7 @@ class MoveStats:
     bytes_in: int = 0
     requests_recomputed: int = 0
     requests_held: int = 0
+    requests_granted: int = 0
 
 
 def next_chunk_needs(core: EngineCore, chunks: int = 1) -> list[tuple[str, int]]:
@@ -242,6 +243,7 @@ class LendingAgent:
             data = TransportLendingData(core, transport, self._lent_blocks, self._lost_debtors.add, timeout_s)
         self.data = data
         core.lending_stats = self.snapshot
+        core.scheduler.grants_required = True  # a request longer than the pool starts on the gManager's grant
 
     def snapshot(self) -> LendingStats:
         m, p = self.stats, self.data.counters()
@@ -254,6 +256,7 @@ class LendingAgent:
             bytes_in=m.bytes_in,
             requests_recomputed=m.requests_recomputed,
             requests_held=m.requests_held,
+            requests_granted=m.requests_granted,
             round_trips=p.round_trips,
             round_trip_bytes=p.round_trip_bytes,
             partials_served=p.partials_served,
@@ -297,18 +300,22 @@ class LendingAgent:
         # further ahead lends before the request stalls for want of room.
         needs = next_chunk_needs(self.core, self.lookahead_chunks)
         stalled = tuple(need for _, need in stalled_growth(needs, free))
-        queued = [r for r in sched.waiting if r.request_id not in sched.held]
+        # Held back by the deadlock breaker, or awaiting a grant: they wait for no room (a held one's freed blocks are
+        # for lending; one awaiting a grant starts when the gManager says, not when blocks are free).
+        awaiting = sched.awaiting_grant()
+        waiting_grant = {rid for rid, _ in awaiting}
+        queued = [r for r in sched.waiting if r.request_id not in sched.held and r.request_id not in waiting_grant]
         self.rm.observe(
             LocalState(
                 own_blocks=own,
                 batch_size=len(running) - len(stalled),
                 max_batch_size=self.core.config.scheduler.max_num_seqs,
                 requests=requests,
-                # A swapped-out request's blocks on creditors stay there: it needs room for the rest only. One held
-                # back by the deadlock breaker waits for no room: its freed blocks are for lending.
+                # A swapped-out request's blocks on creditors stay there: it needs room for the rest only.
                 waiting_blocks=stalled
                 + tuple(kv.blocks_for_tokens(r.num_tokens) - kv.num_lent_blocks(r.request_id) for r in queued),
                 queued=tuple(r.request_id for r in queued),
+                awaiting_grant=tuple(awaiting),
             )
         )
         actions: list[LendingAction] = []
@@ -353,6 +360,8 @@ class LendingAgent:
             return self.move_kvcache(order.request_id, order.num_blocks, order.creditor)
         if isinstance(order, OrderHold):
             return self.hold(order.request_id)
+        if isinstance(order, OrderGrant):
+            return self.grant(order.request_id)
         return self.release(order.request_id)
 
     def apply(self, actions: list[LendingAction]) -> None:
@@ -422,6 +431,14 @@ class LendingAgent:
         if request is None or request.status is not RequestStatus.RUNNING or not sched.waits_for_room(request):
             return False
         self.apply(self._recompute(request_id, hold=True))
+        return True
+
+    def grant(self, request_id: str) -> bool:
+        """The gManager's grant (``cluster/lending_grants.py``): the request, longer than the pool, may start (False:
+        it is not here any more)."""
+        if not self.core.scheduler.grant(request_id):
+            return False
+        self.stats.requests_granted += 1
         return True
 
     def release(self, request_id: str) -> bool:

@@ -166,6 +166,10 @@ class Scheduler:
         # KV lending's deadlock breaker (``cluster/lending_deadlock.py``): requests dropped to recompute that may not
         # be admitted again until the gManager releases them, so that the blocks they freed go to another's growth.
         self.held: set[str] = set()
+        # KV lending's grants (``cluster/lending_grants.py``): with ``grants_required`` (set by the lending agent), a
+        # request whose peak needs more blocks than the pool starts only once the gManager granted it.
+        self.grants_required = False
+        self.granted: set[str] = set()
 
     # -- queue changes ---------------------------------------------------------------------
 
@@ -190,6 +194,7 @@ class Scheduler:
         request.status = status
         request.finish_time = self.clock()
         self.held.discard(request_id)
+        self.granted.discard(request_id)
         self.kv.end_request(request_id)
         self.policy.on_finish(request, request.finish_time)
         self._finished_since_step.append(request_id)
@@ -351,6 +356,7 @@ class Scheduler:
         rid = request.request_id
         return (
             rid in self.held
+            or (self.grants_required and self.awaits_grant(request))
             or request.awaiting_resume
             or request.push is not None
             or self.kv.is_loading(rid)
@@ -474,6 +480,35 @@ class Scheduler:
             return False
         self.held.add(request_id)
         self.kv.release_held_while_loading([request_id])  # no load of its prefix holds device blocks either
+        return True
+
+    def peak_blocks(self, request: Request) -> int:
+        """The blocks the request's KV reaches at most: its prompt and its ``max_tokens`` (its prompt alone when the
+        caller set no cap: its growth is then left to the lending plans)."""
+        capped = request.sampling_params.max_tokens is not None
+        return self.kv.blocks_for_tokens(request.num_prompt_tokens + (request.max_tokens if capped else 0))
+
+    def awaits_grant(self, request: Request) -> bool:
+        """Whether the request waits for the gManager's grant to start: it has not started (or was dropped to
+        recompute before its grant), it is not granted, and its peak needs more blocks than the pool."""
+        return (
+            request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            and request.request_id not in self.granted
+            and self.peak_blocks(request) > self.kv.pool.num_blocks
+        )
+
+    def awaiting_grant(self) -> list[tuple[str, int]]:
+        """The waiting requests that await a grant, in arrival order, with their peak blocks (for the heartbeat)."""
+        if not self.grants_required:
+            return []
+        return [(r.request_id, self.peak_blocks(r)) for r in self.waiting if self.awaits_grant(r)]
+
+    def grant(self, request_id: str) -> bool:
+        """The gManager's grant: the request may start although its peak needs more than the pool; False when it
+        is not here."""
+        if request_id not in self.requests:
+            return False
+        self.granted.add(request_id)
         return True
 
     def release(self, request_id: str) -> bool:

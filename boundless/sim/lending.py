@@ -392,6 +392,7 @@ class SimulatedLending:
             "exposed_wait_s": total.exposed_wait_s,
             "requests_recomputed": total.requests_recomputed,
             "requests_held": total.requests_held,
+            "requests_granted": total.requests_granted,
         }
 
 

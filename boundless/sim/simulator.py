@@ -274,6 +274,7 @@ class Simulator:
         # lend (docs/lending.md, "Two requests over one pool").
         self.lending_stalled_at: float | None = None
         self._lending_steps_seen = 0
+        self._lending_wake_at: float | None = None  # the heartbeat the lending chain of wakes waits for, if any
         self.tokens = PromptTokens(model.identity.vocab_size, seed)
         self.placements: list[Placement] = []
         self.num_steps = 0  # engine steps (forward passes)
@@ -456,8 +457,10 @@ class Simulator:
         self._lending_idle_beats = self._lending_idle_beats + 1 if self.num_steps == self._lending_steps_seen else 0
         self._lending_steps_seen = self.num_steps
         busy = [iid for iid, inst in self.instances.items() if not inst.dead and inst.core.has_unfinished()]
+        self._lending_wake_at = None
         if busy and self._lending_idle_beats < LENDING_STALL_BEATS:
-            self._at(now + self.cluster.heartbeat_interval_s, _WAKE, busy[0])
+            self._lending_wake_at = now + self.cluster.heartbeat_interval_s
+            self._at(self._lending_wake_at, _WAKE, busy[0])
         elif busy and self.lending_stalled_at is None:
             self.lending_stalled_at = now - LENDING_STALL_BEATS * self.cluster.heartbeat_interval_s
 
@@ -560,6 +563,14 @@ class Simulator:
         others, instances = [iid for iid in self.instances if iid != instance_id], self.instances
         return lambda: sum(1 for iid in others if instances[iid].step is not None) / len(others)  # (restarts too)
 
+    def _lending_wait(self, instance_id: str) -> None:
+        """An instance with work it cannot start (a request awaiting the gManager's grant, or held back) waits for
+        the next heartbeat: wake then, as the real loop's timer would, if no wake is already due and lending has not
+        given up on a stall."""
+        if self._lending_wake_at is None and self._lending_idle_beats < LENDING_STALL_BEATS:
+            self._lending_wake_at = max(self.clock.now, self._next_expiry)
+            self._at(self._lending_wake_at, _WAKE, instance_id)
+
     def _start_step(self, inst: SimInstance) -> None:
         end = self._begin_step(inst)
         if end is not None:
@@ -590,6 +601,8 @@ class Simulator:
             return None
         sched = inst.core.schedule()
         if sched.is_empty:  # nothing it can run until a call arrives or ends
+            if self.lending is not None:
+                self._lending_wait(inst.instance_id)
             return None
         result = inst.core.execute(sched)
         elapsed = result.elapsed_s

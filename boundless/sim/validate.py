@@ -70,7 +70,15 @@ ENGINE_FIGURES = ("busy_s", "steps")
 # What KV lending did in a run, summed over instances (real: the engines' ``LendingStats``; simulated: the agents').
 # ``exposed_wait_s``: the seconds debtors' layers waited for their creditors' partials after their own (the round
 # trips' cost the steps show), to tell a link the profile assumes from the real transport's.
-LENDING_FIGURES = ("moves", "blocks_moved", "bytes_moved", "round_trips", "exposed_wait_s", "requests_held")
+LENDING_FIGURES = (
+    "moves",
+    "blocks_moved",
+    "bytes_moved",
+    "round_trips",
+    "exposed_wait_s",
+    "requests_held",
+    "requests_granted",
+)
 # The lending knobs validate takes, as ``boundless serve`` and ``simulate`` name them; both sides get them.
 LENDING_FLAGS = (
     "lending_interval_s",
@@ -295,6 +303,7 @@ def real_lending(stats: Sequence[LendingStats]) -> dict[str, float]:
         "round_trips": total.round_trips,
         "exposed_wait_s": total.exposed_wait_s,
         "requests_held": total.requests_held,
+        "requests_granted": total.requests_granted,
     }
 
 
@@ -319,7 +328,8 @@ def lending_lines(case: dict) -> list[str]:
     def lent_line(r: dict) -> str:
         per_trip = 1e6 * r.get("exposed_wait_s", 0.0) / max(1, r["round_trips"])
         trips = f"{r['round_trips']} round trips, {per_trip:.0f} us exposed each"
-        return f"{r['moves']} ({r['blocks_moved']} blocks, {trips}, {r.get('requests_held', 0)} held)"
+        held, granted = r.get("requests_held", 0), r.get("requests_granted", 0)
+        return f"{r['moves']} ({r['blocks_moved']} blocks, {trips}, {held} held, {granted} granted)"
 
     real = ", ".join(lent_line(r) for r in lent["real_runs"])
     lines = [f"{where}: lending moves {lent_line(sim)} simulated; real runs: {real}"]

@@ -123,6 +123,7 @@ class Watch:
                     best["borrowed"] = max(best["borrowed"], inst["kv_blocks_borrowed"])
                     best["held"] = max(best["held"], len(inst["requests_held"]))
                     best["waiting_for_room"] = max(best.get("waiting_for_room", 0), inst["requests_waiting_for_room"])
+                    best["awaiting_grant"] = max(best.get("awaiting_grant", 0), len(inst["requests_awaiting_grant"]))
                     if self.kill and self.killed is None and inst[f"kv_blocks_{self.kill}"] > 0:
                         os.kill(inst["pid"], signal.SIGKILL)
                         self.killed = inst["id"]
@@ -222,9 +223,10 @@ def test_a_debtor_killed_mid_decode_its_creditor_frees_its_blocks(
     assert _metric(metrics, "boundless_kv_lending_moves_total", direction="in", instance=creditor) > 0
 
 
-# Two requests over one pool at once, one on each instance: each fills its pool and waits for room only the other
-# could lend. With --lending-request-pools the server admits contexts up to what the other instance lends (1.6
-# pools: `request_pools`).
+# Two requests over one pool at once, one on each instance: started together, each would fill its pool and wait for
+# room only the other could lend (the deadlock breaker then held one back). The gManager grants them one at a time
+# (cluster/lending_grants.py). With --lending-request-pools the server admits contexts up to what the other instance
+# lends (1.6 pools: `request_pools`).
 SMALL_POOL = 16  # blocks: 256 tokens
 OVER_ONE_POOL = [[(13 * j + 7 * i) % 300 + 3 for j in range(300)] for i in range(2)]  # 19 blocks; 22 with output
 OVER_TOKENS = 40
@@ -239,7 +241,7 @@ def small_pools_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterCl
     yield from _lending_server(config, cluster)
 
 
-def test_two_requests_over_one_pool_at_once_are_served_by_holding_one_back(
+def test_two_requests_over_one_pool_at_once_start_one_at_a_time_on_the_gmanager_s_grants(
     small_pools_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
 ) -> None:
     client, server = small_pools_cluster
@@ -260,11 +262,14 @@ def test_two_requests_over_one_pool_at_once_are_served_by_holding_one_back(
     with Watch(server.url) as watch:
         texts = asyncio.run(both())
     assert texts == _offline(tiny_llama, OVER_ONE_POOL, [OVER_TOKENS] * 2)
-    assert max(seen["held"] for seen in watch.seen.values()) == 1, watch.seen  # /cluster showed it held back
-    assert max(seen.get("waiting_for_room", 0) for seen in watch.seen.values()) == 1, watch.seen  # and waiting first
-    # The gManager found them waiting for each other: it held one back, lent its blocks to the other, released it.
-    assert client.lending.gm.counters.holds_ordered >= 1 and client.lending.gm.holds == {}
+    # /cluster showed one awaiting its grant, and the one granted waiting for room until a move; none held back.
+    assert max(seen["awaiting_grant"] for seen in watch.seen.values()) == 1, watch.seen
+    assert max(seen.get("waiting_for_room", 0) for seen in watch.seen.values()) == 1, watch.seen
+    assert max(seen["held"] for seen in watch.seen.values()) == 0, watch.seen
+    # The gManager granted one, lent it the other's blocks, then granted the other once the first was done.
+    assert client.lending.gm.counters.grants_ordered == 2 and client.lending.gm.counters.holds_ordered == 0
     metrics = httpx.get(server.url + "/metrics").text
-    assert _metric(metrics, "boundless_kv_lending_held_requests_total") >= 1
+    assert _metric(metrics, "boundless_kv_lending_granted_requests_total") == 2
+    assert _metric(metrics, "boundless_kv_lending_held_requests_total") == 0
     assert "boundless_kv_lending_requests_waiting_for_room{" in metrics  # (none now: both are done)
     assert _metric(metrics, "boundless_kv_lending_moves_total", direction="out") >= 2  # each borrowed in its turn

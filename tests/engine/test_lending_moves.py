@@ -293,6 +293,8 @@ def test_a_request_longer_than_its_pool_waits_for_moves_and_survives_a_lost_cred
     core = debtor.core
     pool = core.kv.pool.num_blocks
     core.add_request("huge", HUGE, PARAMS)
+    assert core.scheduler.awaiting_grant() == [("huge", 71)]  # longer than the pool: it starts on a grant
+    core.scheduler.grant("huge")  # the gManager's (cluster/lending_grants.py)
     request = core.scheduler.requests["huge"]
     rec = Recorded()
 

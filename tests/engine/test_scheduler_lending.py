@@ -124,3 +124,39 @@ def test_a_swapped_out_request_counts_its_blocks_on_creditors_as_theirs_at_swap_
     # Back, still with its 6 blocks on the creditor; it computes what fits the pool (8 local blocks).
     assert _chunks(out) == [("long", 48, 8, 6)]
     assert s.requests["long"].status is RequestStatus.RUNNING and s.kv.num_lent_blocks("long") == 6
+
+
+def test_a_request_whose_peak_needs_more_than_the_pool_starts_only_on_a_grant() -> None:
+    """With the lending agent's ``grants_required``, a request whose prompt and ``max_tokens`` need more blocks than
+    the pool waits, holding nothing, until the gManager's grant (cluster/lending_grants.py); others pass it."""
+    s = _scheduler()
+    s.grants_required = True
+    long = _long()
+    fits = Request("fits", list(range(100, 120)), SamplingParams(max_tokens=8), arrival_time=0.0)  # 7 blocks
+    s.add(long)
+    s.add(fits)
+    assert s.awaiting_grant() == [("long", 16)]  # 60 + 4 tokens
+    out = _step(s)
+    assert [c.request_id for c in out.chunks] == ["fits"] and s.kv.num_allocated_blocks("long") == 0
+    while s.requests["fits"].num_output_tokens < 8:
+        assert [c.request_id for c in _step(s).chunks] == ["fits"]
+    s.finish("fits", RequestStatus.FINISHED_LENGTH)
+    assert _step(s).chunks == [] and s.awaiting_grant() == [("long", 16)]  # the pool free, it still waits
+    assert not s.grant("nobody") and s.grant("long") and s.awaiting_grant() == []
+    assert _chunks(_step(s)) == [("long", 0, BUDGET, 0)]
+    # Dropped to recompute, it keeps its grant; finished, it is forgotten.
+    s.preempt_to_recompute("long")
+    assert s.awaiting_grant() == [] and "long" in s.granted
+    s.finish("long", RequestStatus.FINISHED_ABORTED)
+    assert s.granted == set()
+
+
+def test_a_request_without_max_tokens_counts_its_prompt_only_and_none_waits_without_the_agent() -> None:
+    s = _scheduler()
+    s.grants_required = True
+    uncapped = Request("u", list(range(28)), SamplingParams(max_tokens=None), arrival_time=0.0, max_model_len=64)
+    s.add(uncapped)
+    assert s.peak_blocks(uncapped) == 7 and s.awaiting_grant() == []  # 28 tokens; its growth is the plans' to lend
+    plain = _scheduler()  # no lending agent: nothing waits for a grant
+    plain.add(_long())
+    assert plain.awaiting_grant() == [] and _chunks(_step(plain)) == [("long", 0, BUDGET, 0)]
