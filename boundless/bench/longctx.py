@@ -229,6 +229,12 @@ class LongCtxCluster:
             assert agent is not None
             if agent.release(release.request_id):
                 self._wake(by_address[release.instance].clock)
+        # Its grants to requests longer than one pool (cluster/lending_grants.py): they start only on one.
+        for grant in self.gm.grant():
+            agent = by_address[grant.instance].agent
+            assert agent is not None
+            if agent.grant(grant.request_id):
+                self._wake(by_address[grant.instance].clock)
 
     def _migrate_from(self, src: Instance) -> None:
         for rid, _ in stalled_growth(next_chunk_needs(src.core), src.core.kv.pool.num_free):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+from boundless.cluster.lending_cluster import OrderGrant
 from boundless.cluster.lending_instance import InstanceLending, LendingSetup
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.async_engine import EngineLoop
@@ -58,6 +59,8 @@ def test_a_heartbeat_answers_while_a_long_step_runs_and_reports_what_the_step_wi
     try:
         prompt = [(5 * j) % 300 + 3 for j in range(POOL * BLOCK + 3 * CHUNK)]
         loop.add("long", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        lending.order(OrderGrant("i0", "long"))  # longer than the pool: it starts on the gManager's grant
+        loop.wake()
         assert entered.wait(timeout=60)
         beat = lending.heartbeat()
         answered.set()
