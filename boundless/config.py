@@ -388,8 +388,8 @@ class ClusterConfig:
         default=1.0,
         metadata={
             "help": "with --kv-lending on, how many instances' pools' worth of KV one request may hold (its context "
-            "limit): 1 admits one pool; more lets a request span instances, up to what the others lend, "
-            "experimental: a trace of such requests can still stall the cluster (docs/lending.md)"
+            "limit): 1 admits one pool; more lets a request span instances, up to what the others lend "
+            "(experimental: one longer than its pool starts on the gManager's grant, docs/lending.md)"
         },
     )
     lending_reservation_timeout_s: float = field(

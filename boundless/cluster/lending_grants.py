@@ -27,10 +27,12 @@ from boundless.cluster.lending_plan import GrantOrder, LendingThresholds
 from boundless.cluster.placement import InstanceReport
 
 
-def creditor_share_blocks(report: InstanceReport, thresholds: LendingThresholds) -> int:
-    """The blocks a grant counts on an instance lending: its pool's lendable share."""
+def creditor_share_blocks(report: InstanceReport, thresholds: LendingThresholds) -> float:
+    """The blocks a grant counts on an instance lending: its pool's lendable share. Not rounded, as
+    ``request_pools`` does not round it: the server's context limit on three 48-block pools is 105 blocks (2.2
+    pools), 57 beyond one pool, which two creditors of 28.8 cover and two of 28 would not."""
     share = min(thresholds.creditor_max_usage, 1.0 - thresholds.creditor_headroom)
-    return max(0, int(share * report.total_blocks))
+    return max(0.0, share * report.total_blocks)
 
 
 def plan_grants(
@@ -52,7 +54,7 @@ def plan_grants(
     for _, rid, host, blocks in awaiting:
         if host in taken:
             continue
-        beyond = blocks - reports[host].total_blocks
+        beyond: float = blocks - reports[host].total_blocks
         # Instances whose own requests await a grant lend last (they may host one); then the freest first.
         free = sorted(
             (r for iid, r in reports.items() if iid != host and iid not in taken),
@@ -66,7 +68,7 @@ def plan_grants(
             if share > 0:
                 creditors.append(r.instance_id)
                 beyond -= share
-        if beyond > 0:
+        if beyond > 1e-9:
             continue  # not enough instances free to lend it what it needs: it waits for a grant to end
         grant = GrantOrder(rid, host, tuple(creditors))
         grants.append(grant)

@@ -49,6 +49,9 @@ def test_a_request_needing_more_than_one_creditor_takes_several_or_waits() -> No
     hosts = [idle("A", (("a", 100),)), idle("B"), idle("C")]
     assert plan_grants(hosts, [], THRESHOLDS) == (GrantOrder("a", "A", ("B", "C")),)
     assert plan_grants(hosts[:2], [], THRESHOLDS) == ()  # one other instance cannot lend it enough: never granted
+    # The server's longest context on three 48-block pools (2.2 pools, 105 blocks) is granted: 57 blocks beyond its
+    # pool, on two creditors of 28.8 (rounded down to 28 each, it never would be).
+    assert plan_grants([idle("A", (("a", 105),)), idle("B"), idle("C")], [], THRESHOLDS)[0].creditors == ("B", "C")
     # A creditor that keeps everything (headroom 99%) counts for nothing.
     stingy = LendingThresholds(creditor_headroom=0.99)
     assert plan_grants([idle("A", (("a", 50),)), idle("B")], [], stingy) == ()
