@@ -10,13 +10,14 @@ the debtors' rManagers to carry out with the try/move protocol.
 
 It plans only from fresh state: every live instance must have reported since the last plan (so blocks ordered
 moved are not ordered again from a stale view), and instances silent past ``heartbeat_timeout_s`` take no part.
-Until the samples determine the model it plans no move.
+Until the samples determine the model it plans no move by it; a request that waits for room (its local blocks
+fill its pool) is lent what a creditor may lend, model or not (``lending_plan.room_moves``).
 
 When requests that wait for room deadlock (``cluster/lending_deadlock.py``), a plan also holds one back, and a
-later plan releases it once those it yielded to are gone. Each plan also grants the requests longer than one
-pool that may start now, their instances and creditors taken by no other grant (``cluster/lending_grants.py``).
-Pure, like the dispatcher: no I/O, no threads, time
-only from the injected clock.
+later plan releases it once those it yielded to are gone. At every heartbeat round (:meth:`grant`, not only when
+a plan is due) it grants the requests longer than one pool that may start now, their instances and creditors taken
+by no other grant (``cluster/lending_grants.py``). Pure, like the dispatcher: no I/O, no threads, time only from
+the injected clock.
 """
 
 from __future__ import annotations
