@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from boundless.cluster.placement import InstanceReport, RequestReport
+from boundless.cluster.placement import Heartbeat, InstanceReport, RequestReport
 from boundless.engine.attention_time import AttentionSample, AttentionTimeModel, ChunkShape
 
 BLOCK = 16
@@ -42,3 +42,17 @@ def instance(
 def request(rid: str, iid: str, blocks: int, tokens: int | None = None) -> RequestReport:
     """A request with all its blocks local; all but the last may move."""
     return RequestReport(rid, iid, tokens if tokens is not None else blocks * BLOCK, blocks, blocks - 1)
+
+
+def heartbeat(report: InstanceReport, *requests: RequestReport, samples: Sequence[AttentionSample] = ()) -> Heartbeat:
+    return Heartbeat(report, requests, tuple(samples))
+
+
+class ManualClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lending_cases import GPU_LIKE, instance, request, samples_of
+from lending_cases import GPU_LIKE, ManualClock, heartbeat, instance, request, samples_of
 
 from boundless.cluster.gmanager import GManager
 from boundless.cluster.lending_cluster import ClusterLending, OrderHold, OrderMove, OrderRelease
@@ -77,18 +77,11 @@ def test_no_deadlock_while_anything_can_still_change() -> None:
 
 
 def beat(report: InstanceReport, *requests: RequestReport) -> Heartbeat:
-    return Heartbeat(report, requests, tuple(samples_of(GPU_LIKE)))
-
-
-class Clock:
-    now = 10.0
-
-    def __call__(self) -> float:
-        return self.now
+    return heartbeat(report, *requests, samples=samples_of(GPU_LIKE))
 
 
 def test_the_gmanager_holds_one_back_and_releases_it_once_those_it_yielded_to_are_gone() -> None:
-    clock = Clock()
+    clock = ManualClock(10.0)
     lending = ClusterLending(GManager(THRESHOLDS, 2.0, 5.0, clock), {"0": "A", "1": "B"})
     a, b = waiting_for_room("a", "A", 48), waiting_for_room("b", "B", 47)
     lending.on_heartbeat(beat(dataclasses.replace(full("A"), queued=("q",)), a))
@@ -123,7 +116,7 @@ def test_the_gmanager_holds_one_back_and_releases_it_once_those_it_yielded_to_ar
 
 
 def test_a_hold_is_dropped_with_its_instance_and_released_when_those_it_yielded_to_are_lost() -> None:
-    clock = Clock()
+    clock = ManualClock(10.0)
     gm = GManager(THRESHOLDS, 2.0, 5.0, clock)
     c = waiting_for_room("c", "C", 48)
     gm.on_heartbeat(beat(full("A"), waiting_for_room("a", "A", 48)))

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from lending_cases import instance, request
+from lending_cases import ManualClock, instance, request
+from lending_cases import heartbeat as beat
 
 from boundless.cluster.gmanager import GManager
 from boundless.cluster.lending_deadlock import find_deadlock
 from boundless.cluster.lending_grants import plan_grants
 from boundless.cluster.lending_plan import GrantOrder, LendingThresholds, MoveOrder, room_moves
-from boundless.cluster.placement import Heartbeat, InstanceReport, RequestReport
+from boundless.cluster.placement import InstanceReport, RequestReport
 
 THRESHOLDS = LendingThresholds()  # a creditor counts on lending 60% of its pool
 
@@ -57,19 +58,8 @@ def test_a_request_needing_more_than_one_creditor_takes_several_or_waits() -> No
     assert plan_grants([idle("A", (("a", 50),)), idle("B")], [], stingy) == ()
 
 
-def beat(report: InstanceReport, *requests: RequestReport) -> Heartbeat:
-    return Heartbeat(report, tuple(requests))
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_gmanager_grants_at_every_round_and_ends_a_grant_once_every_instance_reported_it_gone() -> None:
-    clock = Clock()
+    clock = ManualClock()
     gm = GManager(THRESHOLDS, 2.0, 5.0, clock)
     gm.on_heartbeat(beat(idle("A", (("a", 70),))))
     gm.on_heartbeat(beat(idle("B", (("b", 70),))))
@@ -113,7 +103,7 @@ def test_a_request_waiting_for_room_is_lent_what_a_creditor_may_lend_without_a_m
 def test_the_gmanager_lends_to_a_request_waiting_for_room_before_its_model_is_fitted() -> None:
     # Seen with grants: the granted request filled its pool before the other instance had run a step, so no model
     # was fitted and no plan moved anything: it waited beside an idle pool for good.
-    gm = GManager(THRESHOLDS, 2.0, 5.0, Clock())
+    gm = GManager(THRESHOLDS, 2.0, 5.0, ManualClock())
     gm.on_heartbeat(beat(instance("A", 48, 48, batch=0, context=768, waiting=[4]), waiting("a", "A")))
     gm.on_heartbeat(beat(idle("B")))
     assert gm.model() is None
@@ -137,7 +127,7 @@ def test_the_gmanager_remembers_a_held_request_across_its_hold() -> None:
     """No heartbeat names a held request, and a hold may outlast the heartbeat timeout after which the gManager
     forgets requests nobody reports: its count of holds must survive it, or once released it is the first held again
     (seen: one request held 8 times over)."""
-    clock = Clock()
+    clock = ManualClock()
     gm = GManager(THRESHOLDS, 2.0, 5.0, clock)
     b = dataclasses.replace(waiting("b", "B"), remote=(("A", 10),))  # more blocks than a: a is held
     gm.on_heartbeat(beat(full("A"), waiting("a", "A")))
