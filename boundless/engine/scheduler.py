@@ -233,8 +233,9 @@ class Scheduler:
             # Every waiting request, from the step after it arrives: its blocks on disk start loading ahead of
             # its turn, highest priority first (host memory may not hold everyone's).
             for request in order:
-                if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and (
-                    request.request_id not in self.held  # its loads would pin the blocks it was held to free
+                if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and not (
+                    request.request_id in self.held  # its loads would pin the blocks it was held to free
+                    or (self.grants_required and self.awaits_grant(request))  # and these those a grant lends
                 ):
                     read = self.kv.plan_disk_read(request.request_id, request.all_token_ids, now)
                     if read is not None:

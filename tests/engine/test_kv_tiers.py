@@ -517,6 +517,21 @@ def test_a_request_held_back_by_kv_lending_loads_nothing_from_disk_until_release
     assert not read.is_probe and len(read.keys) > 0
 
 
+def test_a_request_awaiting_a_lending_grant_loads_nothing_from_disk_until_granted() -> None:
+    """A request longer than the pool waits for the gManager's grant (``cluster/lending_grants.py``) holding
+    nothing: a load of its stored prefix would pin device blocks its instance may be lending to a granted request."""
+    s = _scheduler()
+    s.grants_required = True
+    prompt = list(range(260))  # 65 blocks: one more than the pool
+    _on_disk(s, "long", prompt)
+    s.add(Request("long", prompt, SamplingParams(max_tokens=5), arrival_time=0.0))
+    out = s.schedule()
+    assert out.disk_reads == [] and out.chunks == [] and s.kv.pool.num_free == 64
+    assert s.grant("long")
+    (read,) = s.schedule().disk_reads  # granted: its prefix loads as any waiting request's
+    assert not read.is_probe and len(read.keys) > 0
+
+
 class _FastPeer:
     """A peer whose blocks land the moment a receive is posted (the executor's ``RemoteIO``, cut to what a step
     without sends needs): each receive's host blocks are overwritten with 7s at once."""
