@@ -212,9 +212,8 @@ class GManager:
         the grants due now (``cluster/lending_grants.py``). Called at every heartbeat round, not only when a plan is
         due: a request awaiting a grant holds nothing and runs nothing, so each interval waited is lost."""
         live = self.live()
-        present = {r.request_id for hb in live for r in hb.requests} | self.holds.keys()
-        for hb in live:
-            present |= {*hb.instance.queued, *(rid for rid, _ in hb.instance.awaiting_grant)}
+        present = _reported(live) | self.holds.keys()
+        present |= {rid for hb in live for rid, _ in hb.instance.awaiting_grant}
         heard_since = min((self._heard_at[hb.instance_id] for hb in live), default=0.0)
         for rid, (_, at) in list(self.grants.items()):
             if rid not in present and heard_since > at:  # every instance reported after it, and none has it
@@ -243,8 +242,13 @@ class GManager:
 
     def _releases(self, live: list[Heartbeat]) -> tuple[ReleaseOrder, ...]:
         """The held requests none of whose yielded-to requests is on a live instance any more (running or queued)."""
-        present = {r.request_id for hb in live for r in hb.requests} | {q for hb in live for q in hb.instance.queued}
+        present = _reported(live)
         done = [h for h in self.holds.values() if not h.yields_to & present]
         for h in done:
             del self.holds[h.request_id]
         return tuple(ReleaseOrder(h.request_id, h.instance) for h in done)
+
+
+def _reported(live: list[Heartbeat]) -> set[str]:
+    """The requests these heartbeats name running or queued (not those held back, nor those awaiting a grant)."""
+    return {r.request_id for hb in live for r in hb.requests} | {q for hb in live for q in hb.instance.queued}

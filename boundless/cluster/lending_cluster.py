@@ -101,10 +101,10 @@ class ClusterLending:
         orders: list[LendingOrder] = []
         if self.gm.due():
             plan = self.gm.plan()
-            debtor = self.instance_of
-            orders += [OrderMove(debtor[m.debtor], m.request_id, m.num_blocks, m.creditor) for m in plan.moves]
-            orders += [OrderHold(self.instance_of[h.instance], h.request_id) for h in plan.holds]
-            orders += [OrderRelease(self.instance_of[r.instance], r.request_id) for r in plan.releases]
+            iid = self.instance_of
+            orders += [OrderMove(iid[m.debtor], m.request_id, m.num_blocks, m.creditor) for m in plan.moves]
+            orders += [OrderHold(iid[h.instance], h.request_id) for h in plan.holds]
+            orders += [OrderRelease(iid[r.instance], r.request_id) for r in plan.releases]
         orders += [OrderGrant(self.instance_of[g.instance], g.request_id) for g in self.gm.grant()]
         return [o for o in orders if o.instance_id not in self.lost]
 

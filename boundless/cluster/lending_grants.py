@@ -12,8 +12,8 @@ So an instance starts a request whose peak (its prompt and its ``max_tokens``) n
 only once the gManager grants it (``Scheduler.grant``); until then it stays queued, holding nothing. The gManager
 grants in the order it first heard of the requests, each with its own instance and enough creditors for what it
 needs beyond its pool, none of them host or creditor of another grant in force: an instance counts on lending a
-share ``min(creditor_max_usage, 1 - creditor_headroom)`` of its pool, as ``lending_plan.request_pools`` counts
-it. A grant ends when its request is no longer reported anywhere (finished, or lost with its instance). A request
+share ``LendingThresholds.lend_share`` of its pool, as ``lending_plan.request_pools`` counts it. A grant ends when
+its request is no longer reported anywhere (finished, or lost with its instance). A request
 that no arrangement of the live instances can hold is never granted; the server does not admit one that needs
 more than ``request_pools`` (``size_engine``). A request without ``max_tokens`` is admitted on its prompt; past
 its pool it relies on the plans and the breaker, as before.
@@ -31,8 +31,7 @@ def creditor_share_blocks(report: InstanceReport, thresholds: LendingThresholds)
     """The blocks a grant counts on an instance lending: its pool's lendable share. Not rounded, as
     ``request_pools`` does not round it: the server's context limit on three 48-block pools is 105 blocks (2.2
     pools), 57 beyond one pool, which two creditors of 28.8 cover and two of 28 would not."""
-    share = min(thresholds.creditor_max_usage, 1.0 - thresholds.creditor_headroom)
-    return max(0.0, share * report.total_blocks)
+    return thresholds.lend_share * report.total_blocks
 
 
 def plan_grants(

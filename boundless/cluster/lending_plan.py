@@ -38,6 +38,12 @@ class LendingThresholds:
     creditor_headroom: float = 0.1  # share of a creditor's blocks never lent (its requests grow into them)
     min_gain: float = 0.01  # share of the two instances' modelled throughput a move must gain (and the tolerance)
 
+    @property
+    def lend_share(self) -> float:
+        """The share of its pool a creditor lends before it stops being one: ``creditor_max_usage``, at most all but
+        its headroom (what a request counts on from each other instance)."""
+        return max(0.0, min(self.creditor_max_usage, 1.0 - self.creditor_headroom))
+
     @classmethod
     def from_config(cls, config: ClusterConfig) -> LendingThresholds:
         """The ``--lending-*`` flags' thresholds."""
@@ -154,8 +160,7 @@ def request_pools(instances: int, thresholds: LendingThresholds) -> float:
     on each other one what a creditor lends before it stops being one (``creditor_max_usage`` of its pool, at most
     all but its headroom). ``serve --kv-lending on --lending-request-pools`` admits contexts up to it at most
     (``size_engine``'s ``pools``): a request longer would wait for good for room no plan lends."""
-    share = min(thresholds.creditor_max_usage, 1.0 - thresholds.creditor_headroom)
-    return 1.0 + (instances - 1) * max(0.0, share)
+    return 1.0 + (instances - 1) * thresholds.lend_share
 
 
 def served_request_pools(config: ClusterConfig) -> float:

@@ -235,7 +235,7 @@ class Scheduler:
             for request in order:
                 if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and not (
                     request.request_id in self.held  # its loads would pin the blocks it was held to free
-                    or (self.grants_required and self.awaits_grant(request))  # and these those a grant lends
+                    or self.awaits_grant(request)  # and these those a grant lends
                 ):
                     read = self.kv.plan_disk_read(request.request_id, request.all_token_ids, now)
                     if read is not None:
@@ -357,7 +357,7 @@ class Scheduler:
         rid = request.request_id
         return (
             rid in self.held
-            or (self.grants_required and self.awaits_grant(request))
+            or self.awaits_grant(request)
             or request.awaiting_resume
             or request.push is not None
             or self.kv.is_loading(rid)
@@ -490,18 +490,18 @@ class Scheduler:
         return self.kv.blocks_for_tokens(request.num_prompt_tokens + (request.max_tokens if capped else 0))
 
     def awaits_grant(self, request: Request) -> bool:
-        """Whether the request waits for the gManager's grant to start: it has not started (or was dropped to
-        recompute before its grant), it is not granted, and its peak needs more blocks than the pool."""
+        """Whether the request waits for the gManager's grant to start: grants are required here, it has not started
+        (or was dropped to recompute before its grant), it is not granted, and its peak needs more blocks than the
+        pool."""
         return (
-            request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            self.grants_required
+            and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             and request.request_id not in self.granted
             and self.peak_blocks(request) > self.kv.pool.num_blocks
         )
 
     def awaiting_grant(self) -> list[tuple[str, int]]:
         """The waiting requests that await a grant, in arrival order, with their peak blocks (for the heartbeat)."""
-        if not self.grants_required:
-            return []
         return [(r.request_id, self.peak_blocks(r)) for r in self.waiting if self.awaits_grant(r)]
 
     def grant(self, request_id: str) -> bool:
