@@ -208,7 +208,7 @@ class LongCtxCluster:
             assert agent is not None
             agent.observe()
             agent.apply(agent.rm.expire())
-            self.gm.on_heartbeat(agent.rm.heartbeat(inst.core.step_times.drain()))
+            self.gm.on_heartbeat(agent.heartbeat())
         plan = self.gm.plan()
         for order in plan.moves:
             debtor = by_address[order.debtor]

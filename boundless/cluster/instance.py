@@ -252,7 +252,8 @@ class EngineInstance:
 
     def take_step_times(self) -> list[AttentionSample]:
         """The steps the engine recorded (shapes, seconds) since the last take: ``simulate calibrate --served``
-        fits a cluster's step model from them. (KV lending's heartbeats take the same records: not both.)"""
+        fits a cluster's step model from them. (KV lending's heartbeats read the same records as a reader of their
+        own: each gets every step.)"""
         with self.loop.lock:
             return self.core.step_times.drain()
 

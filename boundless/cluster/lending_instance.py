@@ -147,7 +147,7 @@ class InstanceLending:
         with self.lock:
             self.agent.observe()
             self.agent.apply(self.agent.rm.expire())
-            return self.agent.rm.heartbeat(self.agent.core.step_times.drain())
+            return self.agent.heartbeat()
 
     def peer_lost(self, address: str) -> None:
         with self.lock:

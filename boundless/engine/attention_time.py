@@ -56,13 +56,16 @@ class AttentionSample:
     the simulator's contention fit tells steps of several engines that overlapped by it); and the requests that
     entered the engine since the step before it and those that left (``SchedulerOutput.arrivals``,
     ``finished_ids``): a served engine's server parses the ones and answers the others beside this step, on the
-    same cores."""
+    same cores. ``remote``: of the tokens the step attended to (its shapes' ``cached``), how many lay on other
+    instances (KV lending's lent blocks, attended over by round trips to their creditors): such a step's seconds
+    include the round trips' waits, which no model of its shapes alone describes."""
 
     shapes: tuple[ChunkShape, ...]
     seconds: float
     ended_at: float = 0.0
     arrivals: int = 0
     departures: int = 0
+    remote: int = 0
 
 
 def shapes_of(sched: SchedulerOutput) -> tuple[ChunkShape, ...]:
@@ -169,8 +172,12 @@ def nonnegative_lstsq(a: np.ndarray, b: np.ndarray, use: Sequence[bool]) -> np.n
 
 
 # A recorded step or multi-step window: each pass's shapes, each pass's seconds, when the last pass ended, arrivals,
-# departures, and how many of its passes have shapes (the samples it makes).
-_Pending = tuple[Sequence[Sequence[ChunkShape]], Sequence[float], float, int, int, int]
+# departures, how many of its passes have shapes (the samples it makes), and the remote tokens of its first pass.
+_Pending = tuple[Sequence[Sequence[ChunkShape]], Sequence[float], float, int, int, int, int]
+
+# The reader of the KV-lending heartbeats (the gManager's performance model), beside the default one (calibrate
+# --served, bench programs): each drains what it has not seen yet, so neither takes the other's steps.
+HEARTBEAT_READER = "heartbeat"
 
 
 class AttentionTimeRecorder:
@@ -191,7 +198,8 @@ class AttentionTimeRecorder:
     def __init__(self, capacity: int = 512) -> None:
         self.capacity = capacity
         self._samples: deque[AttentionSample] = deque(maxlen=capacity)
-        self._undrained = 0  # of the samples held, how many (the newest) no drain has handed over yet
+        self._recorded = 0  # samples recorded since the start, made or not (those aged out too)
+        self._read: dict[str, int] = {}  # each reader's ``_recorded`` at its last drain
         # Recorded, not yet made samples, oldest first (a step is a window of one pass), and their count.
         self._pending: deque[_Pending] = deque()
         self._pending_samples = 0
@@ -203,9 +211,10 @@ class AttentionTimeRecorder:
         ended_at: float = 0.0,
         arrivals: int = 0,
         departures: int = 0,
+        remote: int = 0,
     ) -> None:
         if shapes:
-            self._add_pending(((tuple(shapes),), (seconds,), ended_at, arrivals, departures, 1))
+            self._add_pending(((tuple(shapes),), (seconds,), ended_at, arrivals, departures, 1, remote))
 
     def record_window(
         self,
@@ -215,19 +224,22 @@ class AttentionTimeRecorder:
         arrivals: int = 0,
         departures: int = 0,
         made: int | None = None,
+        remote: int = 0,
     ) -> None:
         """A multi-step window's passes, each a step of its own shape to the step-time models, ended in turn (pass
         ``j`` at ``ended_at`` less the later passes' seconds); the window's arrivals and departures go with its first
         pass. Made into samples when read. ``made``: how many passes have shapes, when the caller knows (counting
-        them would make a lazy window's shapes: ``multi_step.WindowPasses``, whose every pass has some)."""
+        them would make a lazy window's shapes: ``multi_step.WindowPasses``, whose every pass has some). ``remote``:
+        the first pass's tokens on other instances (``AttentionSample.remote``; KV lending runs windows of one)."""
         if made is None:
             made = sum(1 for shapes in pass_shapes if shapes)
         if made:
-            self._add_pending((pass_shapes, pass_seconds, ended_at, arrivals, departures, made))
+            self._add_pending((pass_shapes, pass_seconds, ended_at, arrivals, departures, made, remote))
 
     def _add_pending(self, entry: _Pending) -> None:
         self._pending.append(entry)
         self._pending_samples += entry[5]
+        self._recorded += entry[5]
         # Steps whose samples the later ones would push out of the deque are never made.
         while self._pending_samples - self._pending[0][5] >= self.capacity:
             self._pending_samples -= self._pending.popleft()[5]
@@ -240,26 +252,24 @@ class AttentionTimeRecorder:
         return self._samples
 
     def _make_pending(self) -> None:
-        made = self._pending_samples
-        for pass_shapes, passes, ended_at, arrivals, departures, _ in self._pending:
+        for pass_shapes, passes, ended_at, arrivals, departures, _, remote in self._pending:
             for j, seconds in enumerate(passes):
                 shapes = pass_shapes[j]
                 if shapes:
-                    events = (arrivals, departures) if j == 0 else (0, 0)
+                    events = (arrivals, departures, remote) if j == 0 else (0, 0, 0)
                     self._samples.append(
                         AttentionSample(tuple(shapes), seconds, ended_at - sum(passes[j + 1 :]), *events)
                     )
         self._pending.clear()
         self._pending_samples = 0
-        # As if each had been appended in turn: the undrained count grows by one each, up to what the deque holds.
-        self._undrained = min(self._undrained + made, len(self._samples))
 
-    def drain(self) -> list[AttentionSample]:
-        """The samples recorded since the last drain, oldest first (those that aged out meanwhile are lost)."""
+    def drain(self, reader: str = "") -> list[AttentionSample]:
+        """The samples recorded since ``reader``'s last drain, oldest first (those that aged out meanwhile are
+        lost); a reader's first drain takes every sample held."""
         samples = self.samples
-        new = list(samples)[len(samples) - self._undrained :]
-        self._undrained = 0
-        return new
+        new = min(self._recorded - self._read.get(reader, 0), len(samples))
+        self._read[reader] = self._recorded
+        return list(samples)[len(samples) - new :] if new else []
 
     def fit(self) -> AttentionTimeModel | None:
         """The fitted model; None until samples of five different sizes can pin down its five terms."""

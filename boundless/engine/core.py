@@ -532,7 +532,9 @@ class EngineCore:
         if sched.chunks:  # each pass of a window is a step of its own shape to the step-time models, ended in turn
             passes = window_shapes(sched)  # (made when a sample is read)
             seconds = list(result.pass_seconds) if sched.window > 1 else [elapsed]
-            self.step_times.record_window(passes, seconds, now, arrivals, departures, len(passes))
+            # Tokens attended on other instances (lent blocks): the step's time holds the round trips' waits.
+            remote = sum(r.num_tokens for c in sched.chunks for r in c.remote) if self.lending_stats is not None else 0
+            self.step_times.record_window(passes, seconds, now, arrivals, departures, len(passes), remote)
         if self._prefill_batching == "attention" and c.steps // REFIT_EVERY_STEPS > steps_before // REFIT_EVERY_STEPS:
             self._refit_prefill_time()
         outputs = []

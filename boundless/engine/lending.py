@@ -29,6 +29,7 @@ from boundless.attention.dist_attention import DistributedAttention
 from boundless.attention.partial_service import PartialClient, PartialServer, RemotePartialError
 from boundless.attention.remote_partials import LentBlocks
 from boundless.cluster.lending_cluster import LendingOrder, OrderGrant, OrderHold, OrderMove
+from boundless.cluster.placement import Heartbeat
 from boundless.cluster.rmanager import (
     FreeLentBlocks,
     FreeLocalBlocks,
@@ -43,6 +44,7 @@ from boundless.cluster.rmanager import (
     SendBlocks,
     TryMove,
 )
+from boundless.engine.attention_time import HEARTBEAT_READER
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.executor import ModelExecutor
 from boundless.engine.lending_stats import LendingStats
@@ -269,6 +271,11 @@ class LendingAgent:
     @property
     def instance_id(self) -> str:
         return self.rm.instance_id
+
+    def heartbeat(self) -> Heartbeat:
+        """The rManager's report for the gManager, with the steps the engine ran since the last one (drained as
+        the heartbeats' reader, so a calibration taking the same steps takes all of them too)."""
+        return self.rm.heartbeat(self.core.step_times.drain(HEARTBEAT_READER))
 
     def close(self) -> None:
         self.data.close()

@@ -43,6 +43,7 @@ from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, mak
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import AttentionSample, ChunkShape, fit_attention_time
 from boundless.engine.core import EngineCore
+from boundless.engine.lending_stats import LendingStats
 from boundless.model.loader import LoadedModel, load_model
 from boundless.sim.cost import (
     DISK_LATENCY_S,
@@ -52,10 +53,11 @@ from boundless.sim.cost import (
 )
 from boundless.sim.grid import WARM_UP_GRID, CalibrationGrid, fastest_per_shape, median_per_shape, run_grid, step_shape
 from boundless.sim.links import LinkSpec
-from boundless.sim.profiles import fitted_profile_dict, load_profile
+from boundless.sim.profiles import fitted_profile_dict, load_profile, profile_from_dict
 from boundless.sim.run import parse_roles
 from boundless.sim.served_grid import (
     MODEL_NAME,
+    ServedProgramsRun,
     add_roles_arguments,
     fresh_store,
     roles_cluster_base,
@@ -64,11 +66,12 @@ from boundless.sim.served_grid import (
 )
 from boundless.sim.step_model import (
     StepTimeModel,
-    contention,
     fit_step_model,
+    local_steps,
     samples_from_json,
     samples_json,
 )
+from boundless.sim.validate import LENDING_FLAGS, add_lending_arguments, lending_cluster, simulate
 
 FORMS = ("cpu-kernels", "linear")
 # A step slower than this many times the fit's prediction was slowed by something else (as perf_model's).
@@ -108,12 +111,13 @@ class ProgramsError:
 
 
 def programs_error(model: StepTimeModel, samples: Sequence[AttentionSample], others: int = 0) -> ProgramsError:
-    """``model`` on served programs' steps (``others``: the engines beside each, for a contended model)."""
-    beside = contention(samples, others) if model.per_contention_s else [0.0] * len(samples)
-    predicted = [model.predict_sample(s, c) for s, c in zip(samples, beside, strict=True)]
-    errors = sorted(abs(p - s.seconds) / s.seconds for s, p in zip(samples, predicted, strict=True))
-    ratio = sum(s.seconds for s in samples) / sum(predicted)
-    return ProgramsError(len(samples), ratio, statistics.median(errors), errors[int(0.9 * (len(errors) - 1))])
+    """``model`` on served programs' steps (``others``: the engines beside each, for a contended model), those over
+    lent blocks left out (``local_steps``)."""
+    steps = local_steps(samples, others if model.per_contention_s else 0)
+    predicted = [model.predict_sample(s, c) for s, c in steps]
+    errors = sorted(abs(p - s.seconds) / s.seconds for (s, _), p in zip(steps, predicted, strict=True))
+    ratio = sum(s.seconds for s, _ in steps) / sum(predicted)
+    return ProgramsError(len(steps), ratio, statistics.median(errors), errors[int(0.9 * (len(errors) - 1))])
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,8 @@ class Calibration:
     # runs' (``held_out_programs``). Each ran on a fresh engine, at its own level (:func:`program_run_ratios`).
     fitted_program_runs: tuple[int, ...] = ()
     held_out_program_runs: tuple[int, ...] = ()
+    # With KV lending: what the fitted program runs lent, summed (their round trips and the waits they exposed).
+    program_lending: LendingStats | None = None
     # The fitted program runs' level over the fit of every step (:func:`program_level`); ``model`` is at it.
     program_level: float = 1.0
 
@@ -187,7 +193,8 @@ def fit_profile_model(samples: Sequence[AttentionSample], spec: FitSpec = FitSpe
     other than their shape."""
     chosen = PER_SHAPE[spec.per_shape](samples)
     if spec.form == "linear":  # exactly the fit the earlier profiles were made with
-        linear = fit_attention_time(chosen, relative=True, outlier_factor=OUTLIER_FACTOR)
+        local = [s for s in chosen if not s.remote]
+        linear = fit_attention_time(local, relative=True, outlier_factor=OUTLIER_FACTOR)
         return StepTimeModel.from_json(vars(linear))
     if spec.form != "cpu-kernels":
         raise ValueError(f"unknown step model form {spec.form!r}: one of {', '.join(FORMS)}")
@@ -196,7 +203,7 @@ def fit_profile_model(samples: Sequence[AttentionSample], spec: FitSpec = FitSpe
 
 
 def relative_errors(model: StepTimeModel, samples: Sequence[AttentionSample]) -> list[float]:
-    return [(model.predict_sample(s) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
+    return [(model.predict_sample(s) - s.seconds) / s.seconds for s in samples if s.seconds > 0 and not s.remote]
 
 
 def fit_error(
@@ -206,7 +213,7 @@ def fit_error(
     each shape's median error, every step predicted with the contention it ran under."""
     if others and model.per_contention_s:
         by_shape: dict[tuple[ChunkShape, ...], list[float]] = {}
-        for s, beside in zip(samples, contention(samples, others), strict=True):
+        for s, beside in local_steps(samples, others):
             by_shape.setdefault(step_shape(s), []).append((model.predict_sample(s, beside) - s.seconds) / s.seconds)
         errors = sorted(abs(statistics.median(e)) for e in by_shape.values())
     else:
@@ -264,15 +271,17 @@ def calibrate_served(
         held = run_served_grid(served, held_out, vocab, seed=1) if held_out is not None else []
         if arrivals is not None and held_out is not None:
             held += run_served_grid(served, arrivals[1], vocab, seed=4)
-    fitted_runs: list[list[AttentionSample]] = []
-    held_runs: list[list[AttentionSample]] = []
+    fitted_runs: list[ServedProgramsRun] = []
+    held_runs: list[ServedProgramsRun] = []
     for runs, out in zip(programs or ([], []), (fitted_runs, held_runs), strict=True):
         out += [run_programs_on_a_fresh_engine(loaded, programs_config or config, cluster, run) for run in runs]
-    samples += [s for run in fitted_runs for s in run]
+    samples += [s for run in fitted_runs for s in run.steps]
     wall = time.monotonic() - start
     others = cluster.num_engines - 1 if cluster is not None else 0
     result = fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster), others))
-    return with_program_runs(result, [len(r) for r in fitted_runs], held_runs)
+    result = with_program_runs(result, [len(r.steps) for r in fitted_runs], [r.steps for r in held_runs])
+    lent = [r.lending for r in fitted_runs if r.lending is not None]
+    return dataclasses.replace(result, program_lending=LendingStats.total(lent) if lent else None)
 
 
 def program_level(ratios: Sequence[float]) -> float:
@@ -429,6 +438,54 @@ def _calibration_figures(result: Calibration) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class LendingLatencyFit:
+    """The network link a lending profile gets (:func:`fit_lending_latency`), and the waits it was set from."""
+
+    network: LinkSpec
+    measured_per_round_trip_s: float
+    measured_round_trips: int
+    simulated_per_round_trip_s: float
+    rounds: int
+
+
+def latency_for_exposure(
+    latency_s: float, simulated_per_round_trip_s: float, measured_per_round_trip_s: float
+) -> float:
+    """The next latency to try: a round trip crosses the link twice (``sim/lending.py``: the queries out, the
+    partials back), so each second of latency exposes two of wait while any is exposed."""
+    return max(0.0, latency_s + (measured_per_round_trip_s - simulated_per_round_trip_s) / 2)
+
+
+def fit_lending_latency(
+    measured: LendingStats,
+    profile_dict: Callable[[LinkSpec], dict],
+    network: LinkSpec,
+    runs: Sequence[list[ProgramSpec]],
+    config: EngineConfig,
+    cluster: ClusterConfig,
+    rounds: int = 3,
+    tolerance: float = 0.02,
+) -> LendingLatencyFit:
+    """The network latency at which the simulator's debtors wait as long per round trip for their creditors'
+    partials (``exposed_wait_s``) as the real debtors of the fitted program ``runs`` did: the real round trip on
+    this machine is bound by each process getting its core and interpreter to answer (``docs/simulation.md``, KV
+    lending), not by bytes, so it is measured, not assumed. The runs are simulated on the fitted step model with
+    each latency tried (``profile_dict``: the profile with that link), at most ``rounds`` times, until within
+    ``tolerance``; the link returned is the last one simulated."""
+    target = measured.exposed_wait_s / max(1, measured.round_trips)
+    tried = 0
+    while True:
+        profile = profile_from_dict(profile_dict(network))
+        totals = [simulate(config, run, profile, cluster)["lending"] for run in runs]
+        simulated = sum(t["exposed_wait_s"] for t in totals) / max(1, sum(t["round_trips"] for t in totals))
+        tried += 1
+        if abs(simulated - target) <= tolerance * target or tried == rounds:
+            break
+        network = dataclasses.replace(network, latency_s=latency_for_exposure(network.latency_s, simulated, target))
+    return LendingLatencyFit(network, target, measured.round_trips, simulated, tried)
+
+
 def run(args: argparse.Namespace) -> dict:
     if args.refit:
         return refit(args)
@@ -457,7 +514,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.served:
         # The programs run as validate runs them: its engine flags (the engine's defaults), not the grid's smaller
         # pool and step budget (the grid's budget is below its longest prompt, to chunk it).
-        programs_config = EngineConfig(model=config.model, cache=CacheConfig(**store))
+        # With KV lending, on the grid's pool: lending is what a small pool makes (validate's lending case passes
+        # the same --num-kv-blocks).
+        lending = cluster is not None and cluster.kv_lending == "on"
+        pool = {"num_kv_blocks": args.num_kv_blocks} if lending else {}
+        programs_config = EngineConfig(model=config.model, cache=CacheConfig(**store, **pool))
         result = calibrate_served(
             loaded, config, grid, held_out, cluster, args.form, programs=programs, programs_config=programs_config
         )
@@ -482,6 +543,17 @@ def run(args: argparse.Namespace) -> dict:
         "storage_write": LinkSpec(DISK_WRITE_BYTES_PER_S, DISK_LATENCY_S),
         "network": LinkSpec(args.net_gbytes_per_s * 1e9, 5e-5),
     }
+    lending_fit = None
+    if cluster is not None and cluster.kv_lending == "on" and programs is not None and result.program_lending:
+        lending_fit = fit_lending_latency(
+            result.program_lending,
+            lambda network: fitted_profile_dict(args.name, "", result.model, {**links, "network": network}, {}),
+            links["network"],
+            programs[0],
+            programs_config,
+            cluster,
+        )
+        links["network"] = lending_fit.network
     sources = {
         "step": f"boundless simulate calibrate on this machine ({os.cpu_count()} cores, torch on {threads} threads):"
         f" {args.model} {args.dtype}, {how}, {_grid_text(grid)}, {_fit_text(result)};"
@@ -490,6 +562,15 @@ def run(args: argparse.Namespace) -> dict:
         "storage": "sim/cost.py DISK_*: a local NVMe drive's sequential bandwidths, not measured",
         "network": "assumption: shared-memory transport between processes on one machine; not measured",
     }
+    # None: the runs lent nothing, or made no round trip; the latency stays the assumption.
+    lending_fit_json = dataclasses.asdict(lending_fit) if lending_fit is not None else None
+    if lending_fit is not None:
+        sources["network"] = (
+            f"bandwidth assumed ({args.net_gbytes_per_s:g} GB/s); latency set so that the simulated debtors of the"
+            f" fitted program runs wait as long per round trip for their creditors' partials as the real ones did"
+            f" ({lending_fit.measured_per_round_trip_s * 1e6:.0f} us over {lending_fit.measured_round_trips}"
+            f" round trips; simulated {lending_fit.simulated_per_round_trip_s * 1e6:.0f} us)"
+        )
     description = (
         f"{args.model} {args.dtype} on this machine's CPU ({os.cpu_count()} cores, torch on {threads} threads"
         f"{' per instance' if cluster else ''}), {how}"
@@ -501,6 +582,12 @@ def run(args: argparse.Namespace) -> dict:
         "served": args.served,
         "instances": cluster.num_engines if cluster is not None else 1,  # engines: those beside each contend
         "roles": args.roles or None,
+        # What validate --kv-lending on must be given again: the knobs the lending ran under, and what it measured.
+        **(
+            {"kv_lending": {**{k: getattr(cluster, k) for k in LENDING_FLAGS}, "latency_fit": lending_fit_json}}
+            if cluster is not None and cluster.kv_lending == "on"
+            else {}
+        ),
         "kv_disk_path": bool(args.kv_disk_path),
         # What validate --roles must be given again: the read path and the emulated links the steps ran under.
         **(
@@ -531,11 +618,15 @@ def calibrated_cluster(args: argparse.Namespace) -> ClusterConfig | None:
     roles = parse_roles(args.roles)
     if len(roles) > 1 or (roles and args.instances > 1):
         raise SystemExit("--roles: one P:D size, without --instances")
+    if args.kv_lending == "on" and (roles or args.instances < 2 or not args.served):
+        raise SystemExit("--kv-lending on: needs --served and --instances of 2 or more, without --roles")
     if roles:
         if not args.served:
             raise SystemExit("--roles needs --served (prefill and decode engines are calibrated as they are served)")
         (prefill, decode) = roles[0]
         return dataclasses.replace(roles_cluster_base(args), prefill_instances=prefill, decode_instances=decode)
+    if args.kv_lending == "on":
+        return lending_cluster(ClusterConfig(instances=args.instances, kv_lending="on"), args)
     return ClusterConfig(instances=args.instances) if args.instances > 1 else None
 
 
@@ -549,6 +640,8 @@ def _cluster_text(cluster: ClusterConfig | None) -> str:
             if gbps is not None
         )
         return f"{cluster.roles[0]} prefill and {cluster.roles[1]} decode engines, {cluster.kv_path} read path{links}"
+    if cluster.kv_lending == "on":
+        return f"{cluster.instances} instances lending KV blocks ({cluster.lending_request_pools:g} pools a request)"
     return f"{cluster.instances} instances"
 
 
@@ -635,7 +728,7 @@ def same_shape_ratios(
     """By step class (and ``all``): how many steps, and their measured seconds over ``model``'s for the same
     shapes (validate's ``same_shape_ratio``), each step predicted with its contention (``others``: a cluster's)."""
     sums: dict[str, list[float]] = {}
-    for s, beside in zip(samples, contention(samples, others), strict=True):
+    for s, beside in local_steps(samples, others):
         # Steps after a departure also as a class of their own: the server's work beside them (per_departure_s).
         for kind in ("all", step_kind(s.shapes), *(["after a departure"] if s.departures else [])):
             n, measured, predicted = sums.setdefault(kind, [0, 0.0, 0.0])
@@ -701,6 +794,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "with --served: a prefill and decode cluster of this P:D size instead (as serve --prefill-instances P"
         " --decode-instances D), with --kv-path and the links --storage-gbps, --net-gbps: validate --roles's profile",
+    )
+    add_lending_arguments(
+        parser,
+        "on: with --served --instances 2 or more, the cluster's instances lend KV blocks to each other (as serve"
+        " --kv-lending on, with the --lending-* knobs); the program runs use --num-kv-blocks too; the steps over lent"
+        " blocks are left out of the fit, and the network latency is set from the runs' measured round trips:"
+        " validate --kv-lending on's profile",
     )
     parser.add_argument(
         "--kv-disk-path",

@@ -355,7 +355,7 @@ class SimulatedLending:
         agent = self.agents[instance_id]
         agent.observe()
         agent.apply(agent.rm.expire())
-        self.lending.on_heartbeat(agent.rm.heartbeat(agent.core.step_times.drain()))
+        self.lending.on_heartbeat(agent.heartbeat())
 
     def _plan(self) -> bool:
         """A plan, if one is due (every live instance reported since the last); idle debtors carry out their

@@ -24,12 +24,14 @@ import itertools
 import os
 import random
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from boundless.bench.programs import ProgramRunner, ServedEngine, served_engine
 from boundless.config import ClusterConfig
 from boundless.engine.attention_time import AttentionSample
+from boundless.engine.lending_stats import LendingStats
 
 if TYPE_CHECKING:
     from boundless.bench.workloads import ProgramSpec
@@ -114,18 +116,31 @@ def roles_cluster_base(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(kv_path=args.kv_path, storage_gbps=args.storage_gbps, net_gbps=args.net_gbps)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedProgramsRun:
+    """One served run of programs: every step the engines ran, and with KV lending what they lent (summed over the
+    instances; None without lending)."""
+
+    steps: list[AttentionSample]
+    lending: LendingStats | None = None
+
+
 def run_programs_on_a_fresh_engine(
     loaded: LoadedModel, config: EngineConfig, cluster: ClusterConfig | None, programs: list[ProgramSpec]
-) -> list[AttentionSample]:
+) -> ServedProgramsRun:
     """``programs`` as one of ``simulate validate``'s real runs serves them: a fresh engine (or cluster) with
-    ``config``, nothing run on it before, behind the server; every step the engines ran.
+    ``config``, nothing run on it before, behind the server; every step the engines ran, and what they lent.
 
     Served steps of the same shapes cost a level of their own on each fresh engine (1.03-1.24x between validate's
     repeats of the same programs, ``docs/simulation.md``, Validation), and validate serves each repeat on a fresh
     one: a calibration that serves its programs on the engine that ran its grid samples one level, not theirs. Its
     disk store (if ``config`` has one) is fresh too, as validate's."""
     with fresh_store(config) as config, served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
-        return run_served_programs(served, programs, loaded.arch.vocab_size)
+        steps = run_served_programs(served, programs, loaded.arch.vocab_size)
+        if cluster is not None and cluster.kv_lending == "on":
+            time.sleep(2 * cluster.heartbeat_interval_s)  # let the last heartbeats in, as validate does
+        lent = [s.lending for s in served.stats().values() if s.lending is not None]
+    return ServedProgramsRun(steps, LendingStats.total(lent) if lent else None)
 
 
 async def taking_steps(

@@ -167,14 +167,13 @@ def fit_step_model(
 
     With ``others`` (the engines beside the one measured, whose steps are among ``samples`` with their end
     times), each step's :func:`contention` is known and ``per_contention_s`` is fitted with the rest; without,
-    it stays 0."""
-    kept = [s for s in samples if s.shapes and s.seconds > 0]
+    it stays 0. Steps over lent blocks are left out (:func:`local_steps`)."""
+    kept = local_steps([s for s in samples if s.shapes and s.seconds > 0], others)
     if not kept:
         raise ValueError("no samples to fit")
-    beside = contention(kept, others)
-    x = np.array([features(s.shapes, threads, c, s.departures) for s, c in zip(kept, beside, strict=True)])
-    y = np.array([s.seconds for s in kept])
-    use = [t in terms and (t != "per_contention_s" or any(beside)) for t in TERMS]
+    x = np.array([features(s.shapes, threads, c, s.departures) for s, c in kept])
+    y = np.array([s.seconds for s, _ in kept])
+    use = [t in terms and (t != "per_contention_s" or any(c for _, c in kept)) for t in TERMS]
     return StepTimeModel.from_coefficients(_fit_trimmed(x, y, use, robust, outlier_factor), threads)
 
 
@@ -211,11 +210,14 @@ def _nnls(x: np.ndarray, y: np.ndarray, use: list[bool], weights: np.ndarray) ->
 
 def samples_json(samples: Sequence[AttentionSample]) -> list:
     """The measured steps, to refit or inspect: [[cached, new] per request], seconds, when the step ended (seconds on
-    the engines' shared monotonic clock) where known, then arrivals and departures where any."""
+    the engines' shared monotonic clock) where known, then arrivals and departures where any, then the tokens it
+    attended on other instances where any (KV lending)."""
     return [[[[c.cached, c.new] for c in s.shapes], s.seconds, *_step_tail(s)] for s in samples]
 
 
 def _step_tail(s: AttentionSample) -> list[float]:
+    if s.remote:
+        return [s.ended_at, s.arrivals, s.departures, s.remote]
     if s.arrivals or s.departures:
         return [s.ended_at, s.arrivals, s.departures]
     return [s.ended_at] if s.ended_at else []
@@ -224,6 +226,15 @@ def _step_tail(s: AttentionSample) -> list[float]:
 def samples_from_json(rows: Sequence) -> list[AttentionSample]:
     """The steps a profile's ``calibration`` (or a validate JSON's ``real_steps``) keeps, back as samples."""
     return [AttentionSample(tuple(ChunkShape(c, n) for c, n in row[0]), *row[1:]) for row in rows]
+
+
+def local_steps(samples: Sequence[AttentionSample], others: int = 0) -> list[tuple[AttentionSample, float]]:
+    """The steps that attended to local KV only, each with its :func:`contention` (taken over every step: one over
+    lent blocks ran beside the others all the same). A step over lent blocks (``AttentionSample.remote``, KV
+    lending) also waits for its creditors' partials, which its shapes do not describe; the simulator prices that
+    apart (``sim/lending.py``), so a step model is fitted and checked on the local steps."""
+    beside = contention(samples, others) if others else [0.0] * len(samples)
+    return [(s, c) for s, c in zip(samples, beside, strict=True) if not s.remote]
 
 
 def contention(samples: Sequence[AttentionSample], others: int) -> list[float]:

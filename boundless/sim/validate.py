@@ -57,7 +57,7 @@ from boundless.sim.profiles import FittedStepCost, HardwareProfile, load_profile
 from boundless.sim.run import parse_roles
 from boundless.sim.served_grid import add_roles_arguments, fresh_store, roles_cluster_base, taking_steps
 from boundless.sim.simulator import SimResult, Simulator
-from boundless.sim.step_model import StepTimeModel, contention, samples_json
+from boundless.sim.step_model import StepTimeModel, local_steps, samples_json
 
 if TYPE_CHECKING:
     from boundless.engine.attention_time import AttentionSample
@@ -285,7 +285,7 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
             **figures,
             "busy_s": float(sum(s.busy_seconds for s in stats)),
             "steps": float(sum(s.steps for s in stats)),
-            "taken_step_s": sum(s.seconds for s in steps),
+            "taken_step_s": sum(s.seconds for s in steps if not s.remote),  # as profile_step_s: the local steps
             "profile_step_s": profile_seconds(profile, steps, engines),
             "steps_taken": steps,
         }
@@ -309,13 +309,14 @@ def real_lending(stats: Sequence[LendingStats]) -> dict[str, float]:
 
 def profile_seconds(profile: HardwareProfile, steps: Sequence[AttentionSample], instances: int) -> float:
     """What the profile predicts for these real steps' shapes, summed; with a contended profile, each step with the
-    contention it ran under (the other engines' steps beside it, from their end times)."""
+    contention it ran under (the other engines' steps beside it, from their end times). Steps over lent blocks are
+    left out (``local_steps``: their round trips' waits are the lending cost's, not the step model's)."""
     model = getattr(profile.step, "model", None)
     if isinstance(model, StepTimeModel):  # a fitted profile: each step with its arrivals, departures, contention
-        beside = contention(steps, instances - 1) if model.per_contention_s else [0.0] * len(steps)
-        return sum(model.predict_sample(s, c) for s, c in zip(steps, beside, strict=True))
+        local = local_steps(steps, instances - 1 if model.per_contention_s else 0)
+        return sum(model.predict_sample(s, c) for s, c in local)
     predict = getattr(profile.step, "predict", None)  # a roofline profile predicts from shapes
-    return sum(predict(s.shapes) for s in steps) if predict is not None else float("nan")
+    return sum(predict(s.shapes) for s in steps if not s.remote) if predict is not None else float("nan")
 
 
 def lending_lines(case: dict) -> list[str]:
@@ -385,10 +386,7 @@ def run(args: argparse.Namespace) -> dict:
     for w in workloads:
         if w not in WORKLOADS or w == "trace":
             raise SystemExit(f"--workloads: unknown workload {w!r}")
-    try:
-        base = dataclasses.replace(roles_cluster_base(args), **{name: getattr(args, name) for name in LENDING_FLAGS})
-    except ConfigError as e:
-        raise SystemExit(str(e)) from None
+    base = lending_cluster(roles_cluster_base(args), args)
 
     # One engine: --profile; more, each on its share of the cores: --cluster-profile; prefill and decode engines:
     # --roles-profile.
@@ -466,16 +464,25 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def add_lending_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--kv-lending`` and the lending knobs, with ``boundless serve``'s names, defaults and help."""
-    parser.add_argument(
-        "--kv-lending",
-        default="off",
-        choices=("on", "off"),
-        help="on: every --instances case (2 or more) is a cluster whose instances lend KV blocks to each other, real "
-        "and simulated, labelled 2L (not with --roles); its output says how much each side lent",
-    )
+LENDING_HELP = (
+    "on: every --instances case (2 or more) is a cluster whose instances lend KV blocks to each other, real and"
+    " simulated, labelled 2L (not with --roles); its output says how much each side lent"
+)
+
+
+def add_lending_arguments(parser: argparse.ArgumentParser, kv_lending_help: str = LENDING_HELP) -> None:
+    """``--kv-lending`` (``kv_lending_help`` says what it does in the command) and the lending knobs, with
+    ``boundless serve``'s names, defaults and help."""
+    parser.add_argument("--kv-lending", default="off", choices=("on", "off"), help=kv_lending_help)
     add_flags(parser, ClusterConfig, only=LENDING_FLAGS)
+
+
+def lending_cluster(base: ClusterConfig, args: argparse.Namespace) -> ClusterConfig:
+    """``base`` with the lending knobs of :func:`add_lending_arguments`' flags (a flag error for a bad one)."""
+    try:
+        return dataclasses.replace(base, **{name: getattr(args, name) for name in LENDING_FLAGS})
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

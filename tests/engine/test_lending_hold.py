@@ -51,7 +51,7 @@ def _serve_both(load, make_cluster, grants: bool) -> tuple[list, list[Recorded],
         for agent in cluster.agents:  # each instance's heartbeat, as InstanceLending.heartbeat makes it
             agent.observe()
             agent.apply(agent.rm.expire())
-            lending.on_heartbeat(agent.rm.heartbeat(agent.core.step_times.drain()))
+            lending.on_heartbeat(agent.heartbeat())
         for order in lending.orders():
             orders.append(order)
             agent = agents[order.instance_id]

@@ -13,6 +13,7 @@ import pytest
 from boundless.cluster.perf_model import fit_step_time_model
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import (
+    HEARTBEAT_READER,
     AttentionSample,
     AttentionTimeModel,
     AttentionTimeRecorder,
@@ -38,6 +39,23 @@ def test_the_recorder_drains_each_sample_once() -> None:
     recorder.record(steps[0], 0.1)
     assert [s.shapes[0].cached for s in recorder.drain()] == [0]
     assert len(recorder.samples) == 3  # a drain takes nothing away from the engine's own fit
+
+
+def test_each_reader_drains_every_sample_once_whatever_the_others_took() -> None:
+    # KV lending's heartbeats and a calibration take the same engine's steps: neither may take the other's.
+    recorder = AttentionTimeRecorder(capacity=4)
+    for i in range(3):
+        recorder.record([ChunkShape(i, 1)], 0.1, remote=8 * (i == 1))
+    assert [(s.shapes[0].cached, s.remote) for s in recorder.drain(HEARTBEAT_READER)] == [(0, 0), (1, 8), (2, 0)]
+    recorder.record([ChunkShape(3, 1)], 0.1)
+    assert [s.shapes[0].cached for s in recorder.drain()] == [0, 1, 2, 3]
+    assert [s.shapes[0].cached for s in recorder.drain(HEARTBEAT_READER)] == [3]
+    for i in range(4, 10):
+        recorder.record([ChunkShape(i, 1)], 0.1)
+    # 6 new, 4 held: each reader gets the 4 the recorder still holds.
+    assert [s.shapes[0].cached for s in recorder.drain()] == [6, 7, 8, 9]
+    assert [s.shapes[0].cached for s in recorder.drain(HEARTBEAT_READER)] == [6, 7, 8, 9]
+    assert recorder.drain() == recorder.drain(HEARTBEAT_READER) == []
 
 
 class EagerRecorder:
