@@ -396,6 +396,13 @@ class ClusterConfig:
         default=2.0,
         metadata={"help": "a creditor's reservation that no data fills in this many seconds is dropped"},
     )
+    lending_grant_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "a request longer than its pool that the live instances could not hold even if all lent to it "
+            "(one was lost and has not come back) fails after this many seconds, with a 503"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require(self.instances >= 1, "instances", "must be >= 1")
@@ -443,6 +450,7 @@ class ClusterConfig:
         _require(self.lending_reservation_timeout_s > 0, "lending_reservation_timeout_s", "must be positive")
         _require(self.lending_lookahead_chunks >= 1, "lending_lookahead_chunks", "must be >= 1")
         _require(self.lending_request_pools >= 1, "lending_request_pools", "must be >= 1")
+        _require(self.lending_grant_timeout_s > 0, "lending_grant_timeout_s", "must be positive")
 
     @property
     def disaggregated(self) -> bool:

@@ -107,6 +107,10 @@ def _lending_metrics(snapshots: dict[str, EngineStats]) -> Iterator[Metric]:
             "requests longer than the pool the gManager let start",
             "requests_granted",
         ),
+        "boundless_kv_lending_refused_requests": (
+            "requests longer than the pool failed: the live instances could not hold them for the grant timeout",
+            "requests_refused",
+        ),
     }
     for name, (doc, attr) in plain.items():
         c = CounterMetricFamily(name, doc, labels=["instance"])

@@ -27,7 +27,7 @@ from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionReques
 from boundless.api.tool_calls import parse_tool_calls, template_messages
 from boundless.api.validation import header_identifier, require_token_ids, require_valid_text
 from boundless.config import ServerConfig
-from boundless.engine.core import EngineStats, RequestDelta
+from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
@@ -73,6 +73,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # why it finished; for an error, what failed
     cached_tokens: int = 0
     instance: str = ""  # the engine instance that produced its latest tokens
 
@@ -422,6 +423,7 @@ class OpenAIServer:
         choice.instance = delta.instance
         if delta.finished:
             choice.finish_reason = delta.finish_reason
+            choice.stop_reason = delta.stop_reason
             choice.cached_tokens = delta.num_cached_tokens
 
     async def _merged(self, streams: list[DeltaStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
@@ -470,6 +472,9 @@ class OpenAIServer:
                     s.abort()
                 raise APIError(499, "client disconnected")
         task.result()
+        if any(c.finish_reason == "error" and c.stop_reason == GRANT_REFUSED for c in choices):
+            # Not the engine's fault: the cluster lost the memory the request needs; it may come back.
+            raise APIError(503, GRANT_REFUSED, code="kv_capacity_unavailable", headers={"Retry-After": "10"})
         if any(c.finish_reason == "error" for c in choices):
             raise APIError(500, "the engine failed while generating; the request was dropped", code="engine_error")
         return choices

@@ -16,7 +16,8 @@ fill its pool) is lent what a creditor may lend, model or not (``lending_plan.ro
 When requests that wait for room deadlock (``cluster/lending_deadlock.py``), a plan also holds one back, and a
 later plan releases it once those it yielded to are gone. At every heartbeat round (:meth:`grant`, not only when
 a plan is due) it grants the requests longer than one pool that may start now, their instances and creditors taken
-by no other grant (``cluster/lending_grants.py``). Pure, like the dispatcher: no I/O, no threads, time only from
+by no other grant (``cluster/lending_grants.py``), and fails those the live instances have not been able to hold
+for ``grant_timeout_s`` (:meth:`refusals`). Pure, like the dispatcher: no I/O, no threads, time only from
 the injected clock.
 """
 
@@ -27,12 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from boundless.cluster.lending_deadlock import find_deadlock
-from boundless.cluster.lending_grants import plan_grants
+from boundless.cluster.lending_grants import plan_grants, ungrantable
 from boundless.cluster.lending_plan import (
     GrantOrder,
     HoldOrder,
     LendingPlan,
     LendingThresholds,
+    RefuseOrder,
     ReleaseOrder,
     plan_lending,
     room_moves,
@@ -64,6 +66,7 @@ class GManagerCounters:
     blocks_ordered: int = 0
     holds_ordered: int = 0  # by the deadlock breaker (one an instance refused, its request no longer waiting, too)
     grants_ordered: int = 0  # to requests longer than one pool (cluster/lending_grants.py)
+    grants_refused: int = 0  # requests the live instances could not hold for the grant timeout, failed
 
 
 class GManager:
@@ -76,6 +79,7 @@ class GManager:
         heartbeat_timeout_s: float,
         clock: Callable[[], float],
         max_samples: int = MAX_SAMPLES,
+        grant_timeout_s: float = 60.0,
     ) -> None:
         self.thresholds = thresholds
         self.interval_s = interval_s
@@ -97,11 +101,21 @@ class GManager:
         self._last_reported: dict[str, float] = {}
         self._arrivals = 0
         self.grants: dict[str, tuple[GrantOrder, float]] = {}  # by request: in force, with when it was given
+        # Requests awaiting a grant no arrangement of the live instances could give, with since when; failed past
+        # ``grant_timeout_s`` (:meth:`refusals`).
+        self.ungrantable_since: dict[str, float] = {}
+        self.grant_timeout_s = grant_timeout_s
 
     @classmethod
     def from_config(cls, config: ClusterConfig, clock: Callable[[], float]) -> GManager:
         thresholds = LendingThresholds.from_config(config)
-        return cls(thresholds, config.lending_interval_s, config.heartbeat_timeout_s, clock)
+        return cls(
+            thresholds,
+            config.lending_interval_s,
+            config.heartbeat_timeout_s,
+            clock,
+            grant_timeout_s=config.lending_grant_timeout_s,
+        )
 
     # -- what it is told --------------------------------------------------------------------------------------
 
@@ -226,6 +240,19 @@ class GManager:
             self.grants[grant.request_id] = (grant, now)
         self.counters.grants_ordered += len(grants)
         return grants
+
+    def refusals(self) -> tuple[RefuseOrder, ...]:
+        """The requests awaiting a grant that the live instances could not hold (``lending_grants.ungrantable``) for
+        ``grant_timeout_s`` together: their instance fails them (a lost instance that came back within it, or one
+        that had not reported yet, lets them start). Called at every heartbeat round, after :meth:`grant`."""
+        now = self.clock()
+        stuck = dict(ungrantable([hb.instance for hb in self.live()], self.thresholds))
+        self.ungrantable_since = {rid: self.ungrantable_since.get(rid, now) for rid in stuck}
+        due = [rid for rid, since in self.ungrantable_since.items() if now - since >= self.grant_timeout_s]
+        for rid in due:
+            del self.ungrantable_since[rid]
+        self.counters.grants_refused += len(due)
+        return tuple(RefuseOrder(rid, stuck[rid]) for rid in sorted(due))
 
     def _forget(self) -> None:
         """Drop the victim-choice records of requests neither held nor reported for a heartbeat timeout (finished,

@@ -8,7 +8,8 @@ holds the gManager and the map between the two, and turns what the cluster learn
 - when a plan is due, each :class:`~boundless.cluster.lending_plan.MoveOrder` becomes an :class:`OrderMove` for
   its debtor's instance, and the deadlock breaker's holds and releases an :class:`OrderHold` and an
   :class:`OrderRelease` for the held request's instance, and its grants to requests longer than one pool an
-  :class:`OrderGrant` for the request's instance (:meth:`orders`);
+  :class:`OrderGrant` for the request's instance, and its refusals of those the live instances cannot hold an
+  :class:`OrderRefuse` (:meth:`orders`);
 - an instance lost becomes a :class:`PeerLost` for every other live instance, whose rManager frees what it lent
   to it and recomputes what it held (:meth:`instance_lost`);
 - an instance started again in a lost one's place becomes a :class:`PeerBack` for every other live instance, whose
@@ -61,7 +62,16 @@ class OrderGrant:
     request_id: str
 
 
-LendingOrder = OrderMove | OrderHold | OrderRelease | OrderGrant
+@dataclass(frozen=True)
+class OrderRefuse:
+    """Tell ``instance_id`` to fail ``request_id``: it awaited a grant the live instances could not give it for the
+    grant timeout (``cluster/lending_grants.py``)."""
+
+    instance_id: str
+    request_id: str
+
+
+LendingOrder = OrderMove | OrderHold | OrderRelease | OrderGrant | OrderRefuse
 
 
 @dataclass(frozen=True)
@@ -96,8 +106,8 @@ class ClusterLending:
             self.gm.on_heartbeat(heartbeat)
 
     def orders(self) -> list[LendingOrder]:
-        """The moves, holds and releases of a plan, if one is due, and the grants due now (at every call: a
-        heartbeat round). None to a lost instance."""
+        """The moves, holds and releases of a plan, if one is due, and the grants and refusals due now (at every
+        call: a heartbeat round). None to a lost instance."""
         orders: list[LendingOrder] = []
         if self.gm.due():
             plan = self.gm.plan()
@@ -106,6 +116,7 @@ class ClusterLending:
             orders += [OrderHold(iid[h.instance], h.request_id) for h in plan.holds]
             orders += [OrderRelease(iid[r.instance], r.request_id) for r in plan.releases]
         orders += [OrderGrant(self.instance_of[g.instance], g.request_id) for g in self.gm.grant()]
+        orders += [OrderRefuse(self.instance_of[r.instance], r.request_id) for r in self.gm.refusals()]
         return [o for o in orders if o.instance_id not in self.lost]
 
     def instance_lost(self, instance_id: str) -> list[PeerLost]:

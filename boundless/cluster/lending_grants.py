@@ -13,10 +13,14 @@ only once the gManager grants it (``Scheduler.grant``); until then it stays queu
 grants in the order it first heard of the requests, each with its own instance and enough creditors for what it
 needs beyond its pool, none of them host or creditor of another grant in force: an instance counts on lending a
 share ``LendingThresholds.lend_share`` of its pool, as ``lending_plan.request_pools`` counts it. A grant ends when
-its request is no longer reported anywhere (finished, or lost with its instance). A request
-that no arrangement of the live instances can hold is never granted; the server does not admit one that needs
-more than ``request_pools`` (``size_engine``). A request without ``max_tokens`` is admitted on its prompt; past
-its pool it relies on the plans and the breaker, as before.
+its request is no longer reported anywhere (finished, or lost with its instance).
+
+A request that no arrangement of the live instances can hold (:func:`ungrantable`: one was lost, and the rest cannot
+lend it enough even all at once) is never granted; the gManager fails it once it has been so for
+``lending_grant_timeout_s`` (a lost instance restarted within it lets it start), and the client gets a 503, not a
+call that never ends. The server does not admit one that needs more than ``request_pools`` (``size_engine``). A
+request without ``max_tokens`` is admitted on its prompt; past its pool it relies on the plans and the breaker, as
+before.
 """
 
 from __future__ import annotations
@@ -32,6 +36,19 @@ def creditor_share_blocks(report: InstanceReport, thresholds: LendingThresholds)
     ``request_pools`` does not round it: the server's context limit on three 48-block pools is 105 blocks (2.2
     pools), 57 beyond one pool, which two creditors of 28.8 cover and two of 28 would not."""
     return thresholds.lend_share * report.total_blocks
+
+
+def ungrantable(instances: Sequence[InstanceReport], thresholds: LendingThresholds) -> list[tuple[str, str]]:
+    """The requests awaiting a grant (each with its instance) that these instances could not hold even if every
+    other one lent it its whole share and no grant were in force."""
+    lendable = {i.instance_id: creditor_share_blocks(i, thresholds) for i in instances}
+    everyone = sum(lendable.values())
+    return [
+        (rid, i.instance_id)
+        for i in instances
+        for rid, blocks in i.awaiting_grant
+        if blocks - i.total_blocks > everyone - lendable[i.instance_id] + 1e-9
+    ]
 
 
 def plan_grants(

@@ -30,7 +30,7 @@ from boundless.cluster.lending_cluster import LendingOrder
 from boundless.cluster.placement import Heartbeat
 from boundless.cluster.rmanager import RManager, SendBlocks, TryMove
 from boundless.config import ClusterConfig
-from boundless.engine.core import EngineCore
+from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.lending import LendingAgent
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.transport.base import KVTransport
@@ -128,10 +128,11 @@ class InstanceLending:
         """The gManager's order; carried out between steps."""
         self._orders.append(order)
 
-    def between_steps(self) -> None:
+    def between_steps(self) -> list[RequestDelta]:
         self.agent.observe()
         while self._orders:
             self.agent.carry_out(self._orders.popleft())
+        return self.agent.take_refused()
 
     def step_failed(self, error: Exception, sched: SchedulerOutput) -> bool:
         """A step whose round trip to a creditor failed runs again; the creditor is taken as lost, unless the

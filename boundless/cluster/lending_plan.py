@@ -95,6 +95,15 @@ class GrantOrder:
 
 
 @dataclass(frozen=True)
+class RefuseOrder:
+    """Tell ``instance`` to fail ``request_id``, which awaited a grant that the live instances could not give it for
+    ``lending_grant_timeout_s`` (``cluster/lending_grants.py``, :func:`ungrantable`)."""
+
+    request_id: str
+    instance: str
+
+
+@dataclass(frozen=True)
 class LendingPlan:
     """The moves, and the cluster's modelled throughput (tokens/s) before and after them; the gManager adds the
     deadlock breaker's holds and releases (``cluster/lending_deadlock.py``)."""

@@ -45,8 +45,8 @@ class EngineDeadError(RuntimeError):
 class StepHooks(Protocol):
     """What runs in the loop besides the engine's steps (KV lending: ``cluster/lending_instance.py``)."""
 
-    def between_steps(self) -> None:
-        """Called under the loop's lock before each schedule."""
+    def between_steps(self) -> list[RequestDelta]:
+        """Called under the loop's lock before each schedule; the deltas it returns (requests it ended) are sent."""
 
     def step_failed(self, error: Exception, sched: SchedulerOutput) -> bool:
         """Called under the loop's lock when a step raised; True if handled (the loop then fails nothing)."""
@@ -211,7 +211,8 @@ class EngineLoop:
         while not self._stop.is_set():
             with self.lock:
                 if self.hooks is not None:
-                    self.hooks.between_steps()
+                    for delta in self.hooks.between_steps():
+                        self._emit(delta)
                 sched = core.schedule() if core.has_work() else None
             if sched is None or sched.is_empty:
                 self._wake.wait(timeout=0.05 if sched is not None else 1.0)

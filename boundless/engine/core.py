@@ -53,6 +53,12 @@ PREFETCH_HOLD_S = 120.0
 # The stop reason of a request failed because a stream its step was reading failed (a DE-read push whose decode
 # engine went away mid-push): nothing of it reached the client, so a PD dispatcher places the call again.
 KV_STREAM_LOST = "kv stream lost"
+# The stop reason of a request longer than its pool that the gManager failed: the live instances could not hold it
+# for the grant timeout (cluster/lending_grants.py). The server answers it with a 503, not an engine error.
+GRANT_REFUSED = (
+    "the request needs more KV memory than the live instances can lend it (an instance was lost and has not come "
+    "back); retry later, or with a shorter prompt or max_tokens"
+)
 
 
 @dataclass

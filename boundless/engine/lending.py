@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from boundless.attention.dist_attention import DistributedAttention
 from boundless.attention.partial_service import PartialClient, PartialServer, RemotePartialError
 from boundless.attention.remote_partials import LentBlocks
-from boundless.cluster.lending_cluster import LendingOrder, OrderGrant, OrderHold, OrderMove
+from boundless.cluster.lending_cluster import LendingOrder, OrderGrant, OrderHold, OrderMove, OrderRefuse
 from boundless.cluster.placement import Heartbeat
 from boundless.cluster.rmanager import (
     FreeLentBlocks,
@@ -45,7 +45,7 @@ from boundless.cluster.rmanager import (
     TryMove,
 )
 from boundless.engine.attention_time import HEARTBEAT_READER
-from boundless.engine.core import EngineCore, RequestDelta
+from boundless.engine.core import GRANT_REFUSED, EngineCore, RequestDelta
 from boundless.engine.executor import ModelExecutor
 from boundless.engine.lending_stats import LendingStats
 from boundless.engine.request import RequestStatus
@@ -75,6 +75,7 @@ class MoveStats:
     requests_recomputed: int = 0
     requests_held: int = 0
     requests_granted: int = 0
+    requests_refused: int = 0
 
 
 def next_chunk_needs(core: EngineCore, chunks: int = 1) -> list[tuple[str, int]]:
@@ -246,6 +247,7 @@ class LendingAgent:
         self.data = data
         core.lending_stats = self.snapshot
         core.scheduler.grants_required = True  # a request longer than the pool starts on the gManager's grant
+        self._refused: list[RequestDelta] = []
 
     def snapshot(self) -> LendingStats:
         m, p = self.stats, self.data.counters()
@@ -259,6 +261,7 @@ class LendingAgent:
             requests_recomputed=m.requests_recomputed,
             requests_held=m.requests_held,
             requests_granted=m.requests_granted,
+            requests_refused=m.requests_refused,
             round_trips=p.round_trips,
             round_trip_bytes=p.round_trip_bytes,
             partials_served=p.partials_served,
@@ -362,13 +365,16 @@ class LendingAgent:
         return self.rm.counters.moves_committed > before
 
     def carry_out(self, order: LendingOrder) -> bool:
-        """A gManager order to this instance (a move, a hold or a release): whether it changed anything."""
+        """A gManager order to this instance (a move, a hold, a release, a grant or a refusal): whether it changed
+        anything. A refusal's final delta waits in :meth:`take_refused` for the loop to send."""
         if isinstance(order, OrderMove):
             return self.move_kvcache(order.request_id, order.num_blocks, order.creditor)
         if isinstance(order, OrderHold):
             return self.hold(order.request_id)
         if isinstance(order, OrderGrant):
             return self.grant(order.request_id)
+        if isinstance(order, OrderRefuse):
+            return self.refuse(order.request_id)
         return self.release(order.request_id)
 
     def apply(self, actions: list[LendingAction]) -> None:
@@ -447,6 +453,25 @@ class LendingAgent:
             return False
         self.stats.requests_granted += 1
         return True
+
+    def refuse(self, request_id: str) -> bool:
+        """The gManager's refusal (``cluster/lending_grants.py``): the request, still awaiting its grant, is failed
+        with :data:`GRANT_REFUSED`; its final delta is kept for :meth:`take_refused` (False, and nothing done: it
+        is not here, or it started meanwhile)."""
+        sched = self.core.scheduler
+        request = sched.requests.get(request_id)
+        if request is None or not sched.awaits_grant(request) or not self.core.abort(request_id):
+            return False
+        self.stats.requests_refused += 1
+        self._refused.append(
+            RequestDelta(request_id, [], "", [], finished=True, finish_reason="error", stop_reason=GRANT_REFUSED)
+        )
+        return True
+
+    def take_refused(self) -> list[RequestDelta]:
+        """The final deltas of the requests refused since the last call, for the engine loop to send."""
+        out, self._refused = self._refused, []
+        return out
 
     def release(self, request_id: str) -> bool:
         """The gManager's release of a held request: it may be admitted again (False: it was not held here)."""

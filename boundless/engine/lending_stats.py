@@ -21,6 +21,7 @@ class LendingStats:
     requests_recomputed: int = 0  # requests whose blocks were lost with a creditor
     requests_held: int = 0  # requests dropped and held back by the gManager's deadlock breaker
     requests_granted: int = 0  # requests longer than the pool the gManager let start (cluster/lending_grants.py)
+    requests_refused: int = 0  # requests longer than the pool the live instances could not hold, failed
     round_trips: int = 0  # partial requests it sent and got answered (as a debtor)
     round_trip_bytes: int = 0  # their bytes, both ways
     partials_served: int = 0  # partial requests it answered (as a creditor)

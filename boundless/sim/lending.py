@@ -52,7 +52,7 @@ from boundless.cluster.rmanager import RManager
 from boundless.config import ClusterConfig, ConfigError, EngineConfig
 from boundless.engine.attention_time import ChunkShape, shapes_of
 from boundless.engine.builder import size_engine
-from boundless.engine.core import EngineCore
+from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.lending import LendingAgent, LocalControlPlane, PartialCounters
 from boundless.engine.lending_stats import LendingStats
 from boundless.engine.scheduler import SchedulerOutput
@@ -252,6 +252,7 @@ class SimulatedLending:
         self.lending = ClusterLending(GManager.from_config(cluster, clock), {iid: iid for iid in cores})
         self._orders: dict[str, deque[LendingOrder]] = {iid: deque() for iid in cores}
         self._failing: dict[str, set[str]] = {}  # instance -> the stopped creditors its step in flight attends over
+        self._refused: list[tuple[str, RequestDelta]] = []  # (instance, final delta) of refused requests
 
     def _attach(self, instance_id: str, core: EngineCore) -> None:
         """An agent with its rManager for the engine, and its steps priced with what lending adds."""
@@ -373,7 +374,14 @@ class SimulatedLending:
         agent, orders, moved = self.agents[instance_id], self._orders[instance_id], False
         while orders:
             moved |= agent.carry_out(orders.popleft())
+        self._refused += [(instance_id, d) for d in agent.take_refused()]
         return moved
+
+    def take_refused(self) -> list[tuple[str, RequestDelta]]:
+        """The final deltas of the requests the gManager's refusals failed since the last call, with their
+        instances, for the simulator to deliver as the real loop sends them."""
+        out, self._refused = self._refused, []
+        return out
 
     def totals(self) -> dict[str, float]:
         """What lending did over the run, summed over the instances (lost ones included)."""
@@ -393,6 +401,7 @@ class SimulatedLending:
             "requests_recomputed": total.requests_recomputed,
             "requests_held": total.requests_held,
             "requests_granted": total.requests_granted,
+            "requests_refused": total.requests_refused,
         }
 
 

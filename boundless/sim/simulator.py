@@ -453,6 +453,7 @@ class Simulator:
         has stepped for ``LENDING_STALL_BEATS`` heartbeats."""
         assert self.lending is not None
         self.lending.heartbeat()
+        self._lending_refused()
         self._ready.update(self.instances)
         self._lending_idle_beats = self._lending_idle_beats + 1 if self.num_steps == self._lending_steps_seen else 0
         self._lending_steps_seen = self.num_steps
@@ -635,6 +636,15 @@ class Simulator:
             self._on_delta(inst.instance_id, delta)
         if self.lending is not None and (self.lending.between_steps(inst.instance_id) or failed):
             self._ready.update(self.instances)  # blocks moved or freed: the creditors' room changed too
+        if self.lending is not None:
+            self._lending_refused()
+
+    def _lending_refused(self) -> None:
+        """The calls the gManager's refusals failed (the live instances could not hold them): their final deltas
+        go to the dispatcher and the programs, as the real loop sends them."""
+        assert self.lending is not None
+        for instance_id, delta in self.lending.take_refused():
+            self._on_delta(instance_id, delta)
 
     def _on_delta(self, instance_id: str, delta: RequestDelta) -> None:
         # With roles, the prefill engine's handoff shows as an unfinished delta, and a delta nobody waits for shows
@@ -649,7 +659,10 @@ class Simulator:
             if shown.finished:
                 del self._calls[shown.request_id]
                 self.call_outcomes[shown.request_id] = CallOutcome(len(call.output_token_ids), call.spec.output)
-                self._call_done(call)
+                if shown.finish_reason == "error":  # the server answers it with an error: a failed call
+                    self._refused(call)
+                else:
+                    self._call_done(call)
         self._carry_out(decisions)
 
     # -- programs ----------------------------------------------------------------------------

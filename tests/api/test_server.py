@@ -15,7 +15,7 @@ from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
 from boundless.config import ServerConfig
 from boundless.engine.async_engine import AsyncEngine
-from boundless.engine.core import EngineCore
+from boundless.engine.core import GRANT_REFUSED, EngineCore, RequestDelta
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
 
@@ -312,3 +312,39 @@ def test_api_key_guards_every_route_but_health(tiny_llama: LoadedModel) -> None:
     finally:
         srv.stop()
         eng.shutdown()
+
+
+class RefuseWaiting:
+    """Step hooks in a lending agent's place (``LendingAgent.refuse``): every request still waiting before the next
+    schedule is failed as the gManager fails one that the live instances cannot hold."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    def between_steps(self) -> list[RequestDelta]:
+        waiting = [r.request_id for r in self.core.scheduler.waiting]
+        return [
+            RequestDelta(rid, [], "", [], finished=True, finish_reason="error", stop_reason=GRANT_REFUSED)
+            for rid in waiting
+            if self.core.abort(rid)
+        ]
+
+    def step_failed(self, error: Exception, sched) -> bool:
+        return False
+
+
+def test_a_request_the_cluster_cannot_hold_is_a_503_with_retry_after_and_the_server_serves_on(
+    server: ServerThread, engine: AsyncEngine, client: openai.OpenAI
+) -> None:
+    with engine.lock:
+        engine.hooks = RefuseWaiting(engine.core)
+    try:
+        raw = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            raw.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    finally:
+        with engine.lock:
+            engine.hooks = None
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "10"
+    assert e.value.body["code"] == "kv_capacity_unavailable" and e.value.body["message"] == GRANT_REFUSED
+    _good_request(client)

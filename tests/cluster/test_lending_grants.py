@@ -11,8 +11,8 @@ from lending_cases import heartbeat as beat
 
 from boundless.cluster.gmanager import GManager
 from boundless.cluster.lending_deadlock import find_deadlock
-from boundless.cluster.lending_grants import plan_grants
-from boundless.cluster.lending_plan import GrantOrder, LendingThresholds, MoveOrder, room_moves
+from boundless.cluster.lending_grants import plan_grants, ungrantable
+from boundless.cluster.lending_plan import GrantOrder, LendingThresholds, MoveOrder, RefuseOrder, room_moves
 from boundless.cluster.placement import InstanceReport, RequestReport
 
 THRESHOLDS = LendingThresholds()  # a creditor counts on lending 60% of its pool
@@ -79,6 +79,41 @@ def test_the_gmanager_grants_at_every_round_and_ends_a_grant_once_every_instance
     # An instance lost takes its grants (its requests are recomputed elsewhere) and those it lent to.
     gm.instance_lost("A")
     assert gm.grants == {}
+
+
+def test_a_request_no_live_instances_can_hold_is_refused_after_the_grant_timeout_unless_one_comes_back() -> None:
+    # 100 blocks on 48-block pools: A and two creditors (28.8 each) hold it; A and one do not.
+    assert ungrantable([idle("A", (("a", 100),)), idle("B"), idle("C")], THRESHOLDS) == []
+    assert ungrantable([idle("A", (("a", 100),)), idle("B")], THRESHOLDS) == [("a", "A")]
+    assert ungrantable([idle("A", (("a", 70),)), idle("B", (("b", 70),))], THRESHOLDS) == []  # one at a time
+    clock = ManualClock()
+    gm = GManager(THRESHOLDS, 2.0, 5.0, clock, grant_timeout_s=30.0)
+    for report in (idle("A", (("a", 100),)), idle("B"), idle("C")):
+        gm.on_heartbeat(beat(report))
+    assert gm.grant() == (GrantOrder("a", "A", ("B", "C")),) and gm.refusals() == ()
+    # C is lost before a starts: a waits for a grant no one can give.
+    gm.instance_lost("C")
+    clock.now = 1.0
+    gm.on_heartbeat(beat(idle("A", (("a", 100),))))
+    gm.on_heartbeat(beat(idle("B")))
+    assert gm.grant() == () and gm.refusals() == ()
+    clock.now = 20.0  # C back within the timeout: a is granted, nothing refused
+    gm.on_heartbeat(beat(idle("A", (("a", 100),))))
+    gm.on_heartbeat(beat(idle("B")))
+    gm.on_heartbeat(beat(idle("C")))
+    assert gm.grant() == (GrantOrder("a", "A", ("B", "C")),) and gm.refusals() == () and not gm.ungrantable_since
+    # Lost again, for good: refused once the timeout has passed since it was first seen ungrantable, and only once.
+    gm.instance_lost("C")
+    for now in (21.0, 40.0, 50.9):
+        clock.now = now
+        gm.on_heartbeat(beat(idle("A", (("a", 100),))))
+        gm.on_heartbeat(beat(idle("B")))
+        assert gm.grant() == () and gm.refusals() == ()
+    clock.now = 51.0
+    gm.on_heartbeat(beat(idle("A", (("a", 100),))))
+    gm.on_heartbeat(beat(idle("B")))
+    assert gm.refusals() == (RefuseOrder("a", "A"),) and gm.counters.grants_refused == 1
+    assert gm.refusals() == ()
 
 
 def waiting(rid: str, iid: str, blocks: int = 48) -> RequestReport:

@@ -117,8 +117,9 @@ class RerunOnce:
 
         core.execute = failing_once
 
-    def between_steps(self) -> None:
+    def between_steps(self) -> list:
         self.between += 1
+        return []
 
     def step_failed(self, error: Exception, sched) -> bool:
         if not isinstance(error, ConnectionError):

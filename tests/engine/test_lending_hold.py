@@ -9,8 +9,9 @@ from __future__ import annotations
 from lending_helpers import PARAMS, Recorded, reference
 
 from boundless.cluster.gmanager import GManager
-from boundless.cluster.lending_cluster import ClusterLending, OrderGrant, OrderHold, OrderRelease
+from boundless.cluster.lending_cluster import ClusterLending, OrderGrant, OrderHold, OrderRefuse, OrderRelease
 from boundless.cluster.lending_plan import LendingThresholds
+from boundless.engine.core import GRANT_REFUSED
 
 POOL = 12  # blocks: 192 tokens
 PROMPTS = {
@@ -93,3 +94,38 @@ def test_two_requests_over_one_pool_start_one_at_a_time_on_grants_and_none_is_he
     assert recs[0].tokens["a"] == want.tokens["a"] and recs[1].tokens["b"] == want.tokens["b"]
     for agent in cluster.agents:
         assert agent.rm.lent_blocks == 0 and agent.core.kv.pool.num_used == 0
+
+
+def test_a_request_over_its_pool_with_its_only_creditor_lost_fails_with_the_refusal_and_frees_its_engine(
+    load, make_cluster
+) -> None:
+    loaded = load("tiny-llama")
+    clock = Clock()
+    cluster = make_cluster(loaded, 2, clock, max_model_len=2 * POOL * 16, num_blocks=POOL)
+    agents = {str(i): agent for i, agent in enumerate(cluster.agents)}
+    gm = GManager(LendingThresholds(), interval_s=1.0, heartbeat_timeout_s=10.0, clock=clock, grant_timeout_s=5.0)
+    lending = ClusterLending(gm, {iid: agent.instance_id for iid, agent in agents.items()})
+    host = cluster.agents[0]
+    host.core.add_request("a", PROMPTS["a"], PARAMS)  # 14 blocks at its peak: two over its pool
+    host.core.add_request("short", PROMPTS["b"][:40], PARAMS)  # fits: runs while "a" waits, and after
+    lending.instance_lost("1")  # its only creditor, before any grant: "a" can never be granted
+    refused, finished = [], {}
+    for _ in range(20):
+        finished |= {d.request_id: d.finish_reason for d in host.step() if d.finished}
+        clock.now += 1.0
+        host.observe()
+        lending.on_heartbeat(host.heartbeat())
+        for order in lending.orders():
+            assert order == OrderRefuse("0", "a") and host.carry_out(order)
+        refused += host.take_refused()
+    (delta,) = refused
+    assert (delta.request_id, delta.finished, delta.finish_reason, delta.stop_reason) == (
+        "a",
+        True,
+        "error",
+        GRANT_REFUSED,
+    )
+    assert "a" not in host.core.scheduler.requests and not host.core.has_unfinished()
+    assert host.stats.requests_refused == 1 and gm.counters.grants_refused == 1
+    assert finished == {"short": "length"}  # served beside it, and nothing else ended
+    assert host.core.kv.pool.num_used == 0

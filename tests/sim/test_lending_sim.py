@@ -263,7 +263,9 @@ def test_a_swapped_out_request_waits_for_its_local_blocks_only(model: SimulatedM
 # -- failures: the real cluster's PeerLost and PeerBack, driven by the simulated dispatcher ----------------------
 
 
-def _failing(model: SimulatedModel, failures: list[InstanceFailure]) -> tuple[Simulator, list[ProgramSpec]]:
+def _failing(
+    model: SimulatedModel, failures: list[InstanceFailure], **knobs: float
+) -> tuple[Simulator, list[ProgramSpec]]:
     """The trace of ``_run`` on three lending instances, with ``failures``; a lost instance is restarted 1 s after its
     loss and is back 2 s later, and a round trip to a creditor that stopped answering fails after 1 s. In the healthy
     run, instance 1 holds 28 blocks lent by 0 at 8.5 s (0's step in flight then attends over them; 2 holds 32 more),
@@ -271,7 +273,9 @@ def _failing(model: SimulatedModel, failures: list[InstanceFailure]) -> tuple[Si
     gManager's grant (``cluster/lending_grants.py``)."""
     shape = TraceShape(num_short=12, long_factors=(0.5, 1.5, 2.5))
     programs = trace_programs(make_trace(shape, pool_tokens(CONFIG, model), model.identity.vocab_size, 2.0, 0))
-    cluster = ClusterConfig(instances=3, kv_lending="on", restart_delay_s=1.0, kv_handoff_timeout_s=1.0, **LENDING)
+    cluster = ClusterConfig(
+        instances=3, kv_lending="on", restart_delay_s=1.0, kv_handoff_timeout_s=1.0, **{**LENDING, **knobs}
+    )
     sim = Simulator(
         CONFIG,
         model,
@@ -284,6 +288,22 @@ def _failing(model: SimulatedModel, failures: list[InstanceFailure]) -> tuple[Si
         instance_startup_s=2.0,
     )
     return sim, programs
+
+
+def test_a_request_the_live_instances_cannot_hold_fails_after_the_grant_timeout(model: SimulatedModel) -> None:
+    # Instance 2 is lost for good at 1 s: the 2.5-pool request (arriving later) needs its host and both others
+    # lending (0.9 of 64 blocks each), so no grant can ever come. It fails 5 s after it was first seen so; the
+    # rest are served, the 1.5-pool one on the two left.
+    sim, programs = _failing(model, [InstanceFailure("2", 1.0)], max_restarts=0, lending_grant_timeout_s=5.0)
+    results = sim.run(programs)
+    assert sim.lending is not None
+    assert sim.lending.totals()["requests_refused"] == 1 and sim.lending.lending.gm.counters.grants_refused == 1
+    failed = [(p, r) for p, r in zip(programs, results, strict=True) if r.failed_calls]
+    assert len(failed) == 1 and failed[0][1].finished
+    pool = pool_tokens(CONFIG, model)
+    (call,) = failed[0][0].stages[0]
+    assert call.new_input > 2 * pool  # the 2.5-pool request
+    assert all(r.finished for r in results) and sim.lending_stalled_at is None
 
 
 def _recomputed_at(sim: Simulator, instance_id: str) -> Callable[[float], None]:
