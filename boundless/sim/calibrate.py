@@ -280,7 +280,7 @@ def calibrate_served(
     others = cluster.num_engines - 1 if cluster is not None else 0
     result = fitted(samples, held, wall, FitSpec(form, "all", engine_threads(cluster), others))
     result = with_program_runs(result, [len(r.steps) for r in fitted_runs], [r.steps for r in held_runs])
-    lent = [r.lending for r in fitted_runs if r.lending is not None]
+    lent = [lending for r in fitted_runs if (lending := r.lending) is not None]
     return dataclasses.replace(result, program_lending=LendingStats.total(lent) if lent else None)
 
 

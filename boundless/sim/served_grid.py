@@ -28,9 +28,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
-from boundless.bench.programs import ProgramRunner, ServedEngine, served_engine
+from boundless.bench.programs import ProgramResult, ProgramRunner, ServedEngine, served_engine
 from boundless.config import ClusterConfig
 from boundless.engine.attention_time import AttentionSample
+from boundless.engine.core import EngineStats
 from boundless.engine.lending_stats import LendingStats
 
 if TYPE_CHECKING:
@@ -81,15 +82,6 @@ def run_served_grid(served: ServedEngine, grid: CalibrationGrid, vocab: int, see
     return asyncio.run(passes())
 
 
-def run_served_programs(served: ServedEngine, programs: list[ProgramSpec], vocab: int) -> list[AttentionSample]:
-    """``programs`` through the server at their arrival times, as ``simulate validate``'s real side sends them (the
-    ``openai`` client, token-id prompts); every step the engines ran meanwhile, with its arrivals and departures."""
-    served.take_steps()
-    runner = ProgramRunner(served.url, MODEL_NAME, served.max_model_len, vocab)
-    _, steps = asyncio.run(taking_steps(runner.run(programs, "calibration programs"), served.take_steps))
-    return steps
-
-
 @contextlib.contextmanager
 def fresh_store(config: EngineConfig) -> Iterator[EngineConfig]:
     """``config`` with its disk store (``--kv-disk-path``, if given) in a fresh directory, removed after: each real run
@@ -118,29 +110,45 @@ def roles_cluster_base(args: argparse.Namespace) -> ClusterConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ServedProgramsRun:
-    """One served run of programs: every step the engines ran, and with KV lending what they lent (summed over the
-    instances; None without lending)."""
+    """One served run of programs: their results, every step the engines ran meanwhile (with its arrivals and
+    departures), and each engine's stats after it (with a cluster, once the last heartbeats are in)."""
 
+    results: list[ProgramResult]
     steps: list[AttentionSample]
-    lending: LendingStats | None = None
+    stats: list[EngineStats]
+
+    @property
+    def lending(self) -> LendingStats | None:
+        """What the instances lent, summed (None without KV lending)."""
+        lent = [s.lending for s in self.stats if s.lending is not None]
+        return LendingStats.total(lent) if lent else None
 
 
 def run_programs_on_a_fresh_engine(
-    loaded: LoadedModel, config: EngineConfig, cluster: ClusterConfig | None, programs: list[ProgramSpec]
+    loaded: LoadedModel,
+    config: EngineConfig,
+    cluster: ClusterConfig | None,
+    programs: list[ProgramSpec],
+    model_name: str = MODEL_NAME,
+    desc: str = "calibration programs",
 ) -> ServedProgramsRun:
     """``programs`` as one of ``simulate validate``'s real runs serves them: a fresh engine (or cluster) with
-    ``config``, nothing run on it before, behind the server; every step the engines ran, and what they lent.
+    ``config``, nothing run on it before, behind the server, the ``openai`` client sending token-id prompts at the
+    programs' arrival times; the run's results, steps and stats (validate's real side and ``calibrate --served``'s
+    program runs both run this).
 
     Served steps of the same shapes cost a level of their own on each fresh engine (1.03-1.24x between validate's
     repeats of the same programs, ``docs/simulation.md``, Validation), and validate serves each repeat on a fresh
     one: a calibration that serves its programs on the engine that ran its grid samples one level, not theirs. Its
     disk store (if ``config`` has one) is fresh too, as validate's."""
-    with fresh_store(config) as config, served_engine(loaded, config, cluster, model_name=MODEL_NAME) as served:
-        steps = run_served_programs(served, programs, loaded.arch.vocab_size)
-        if cluster is not None and cluster.kv_lending == "on":
-            time.sleep(2 * cluster.heartbeat_interval_s)  # let the last heartbeats in, as validate does
-        lent = [s.lending for s in served.stats().values() if s.lending is not None]
-    return ServedProgramsRun(steps, LendingStats.total(lent) if lent else None)
+    with fresh_store(config) as config, served_engine(loaded, config, cluster, model_name=model_name) as served:
+        served.take_steps()  # whatever ran before (a warm-up) is not the run's
+        runner = ProgramRunner(served.url, model_name, served.max_model_len, loaded.arch.vocab_size)
+        results, steps = asyncio.run(taking_steps(runner.run(programs, desc), served.take_steps))
+        if cluster is not None:
+            time.sleep(2 * cluster.heartbeat_interval_s)  # let the last heartbeats in
+        stats = list(served.stats().values())
+    return ServedProgramsRun(results, steps, stats)
 
 
 async def taking_steps(

@@ -27,16 +27,14 @@ validate a cluster that did not lend.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from boundless.bench.programs import ProgramRunner, served_engine, summarize
+from boundless.bench.programs import summarize
 from boundless.bench.report import print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, make_programs
@@ -55,7 +53,7 @@ from boundless.engine.lending_stats import LendingStats
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.profiles import FittedStepCost, HardwareProfile, load_profile
 from boundless.sim.run import parse_roles
-from boundless.sim.served_grid import add_roles_arguments, fresh_store, roles_cluster_base, taking_steps
+from boundless.sim.served_grid import add_roles_arguments, roles_cluster_base, run_programs_on_a_fresh_engine
 from boundless.sim.simulator import SimResult, Simulator
 from boundless.sim.step_model import StepTimeModel, local_steps, samples_json
 
@@ -266,20 +264,14 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
         config: EngineConfig, programs: list[ProgramSpec], cluster: ClusterConfig | None, profile: HardwareProfile
     ) -> dict:
         desc = "real engine" if cluster is None else "real cluster"
-        with fresh_store(config) as config, served_engine(loaded, config, cluster) as served:
-            served.take_steps()
-            runner = ProgramRunner(served.url, "bench", served.max_model_len, loaded.arch.vocab_size)
-            results, steps = asyncio.run(taking_steps(runner.run(programs, desc), served.take_steps))
-            if cluster is not None:
-                time.sleep(2 * cluster.heartbeat_interval_s)  # let the last heartbeats in
-            stats = list(served.stats().values())
+        served = run_programs_on_a_fresh_engine(loaded, config, cluster, programs, "bench", desc)
+        results, steps, stats = served.results, served.steps, served.stats
         engines = len(stats)
         summary = summarize(results)
         if summary["failed_calls"]:
             raise RuntimeError(f"{summary['failed_calls']} calls failed on the real engine: {summary['first_error']}")
         figures = {m: float(summary[m]) for m in METRICS}  # type: ignore[arg-type]
-        lent = [s.lending for s in stats if s.lending is not None]
-        lending = {} if not lent else {"lending": real_lending(lent)}
+        lending = {} if served.lending is None else {"lending": real_lending(served.lending)}
         return {
             **lending,
             **figures,
@@ -293,9 +285,9 @@ def serve_and_measure(loaded: LoadedModel) -> RealRun:
     return run
 
 
-def real_lending(stats: Sequence[LendingStats]) -> dict[str, float]:
-    """:data:`LENDING_FIGURES` of a real run from its instances' lending stats: the moves each debtor committed."""
-    total = LendingStats.total(stats)
+def real_lending(total: LendingStats) -> dict[str, float]:
+    """:data:`LENDING_FIGURES` of a real run from its instances' lending stats, summed: the moves each debtor
+    committed."""
     return {
         "moves": total.moves_out,
         "blocks_moved": total.blocks_out,
