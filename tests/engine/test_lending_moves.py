@@ -111,6 +111,10 @@ def test_moves_keep_every_block_its_own_and_the_output_unchanged(load, make_clus
     served = c1.data.server.stats.round_trips + c2.data.server.stats.round_trips
     assert served == debtor.data.client.stats.round_trips > 0
     assert f'boundless_distattn_round_trips_total{{instance="d"}} {float(served)}' in lines
+    # The engine records, with each step, the tokens it attended on creditors (simulate calibrate keeps those steps
+    # out of its step model): none before the first move, 3 blocks' worth after it, 5 after the second.
+    remote = [sample.remote for sample in debtor.core.step_times.drain()]
+    assert remote[0] == 0 and 3 * 16 in remote and 5 * 16 in remote and set(remote) <= {0, 3 * 16, 5 * 16}
 
 
 def test_a_refused_move_changes_nothing(load, make_cluster) -> None:
