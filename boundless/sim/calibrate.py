@@ -21,6 +21,12 @@ simulator must charge, and it is in every pass, while a burst of outside load hi
 ``--served --workloads`` also fits served programs' steps, and holds out another seed's: each run on a fresh engine
 (or cluster) with validate's engine flags, as each of validate's repeats is served (``run_programs_on_a_fresh_engine``):
 the same shapes cost a level of their own on each fresh engine, so ``--program-runs`` fitted runs sample several.
+
+``--served --instances 2 --kv-lending on`` calibrates a cluster whose instances lend KV blocks (with the
+``--lending-*`` knobs, its program runs on the grid's ``--num-kv-blocks``): the steps over lent blocks, which also
+wait for their creditors' partials, stay out of the step model (``step_model.local_steps``), and the network latency
+is set so that the simulated debtors of the fitted runs wait as long per round trip as the real ones did
+(:func:`fit_lending_latency`).
 """
 
 from __future__ import annotations
