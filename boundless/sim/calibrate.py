@@ -504,6 +504,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     cluster = calibrated_cluster(args)
+    lending = cluster is not None and cluster.kv_lending == "on"
     threads = engine_threads(cluster)
     # A disk store (--kv-disk-path) serves the grid and the programs as validate's: each program run on a fresh one.
     store = {"kv_disk_path": args.kv_disk_path, "kv_write_policy": args.kv_write_policy} if args.kv_disk_path else {}
@@ -522,7 +523,6 @@ def run(args: argparse.Namespace) -> dict:
         # pool and step budget (the grid's budget is below its longest prompt, to chunk it).
         # With KV lending, on the grid's pool: lending is what a small pool makes (validate's lending case passes
         # the same --num-kv-blocks).
-        lending = cluster is not None and cluster.kv_lending == "on"
         pool = {"num_kv_blocks": args.num_kv_blocks} if lending else {}
         programs_config = EngineConfig(model=config.model, cache=CacheConfig(**store, **pool))
         result = calibrate_served(
@@ -550,7 +550,8 @@ def run(args: argparse.Namespace) -> dict:
         "network": LinkSpec(args.net_gbytes_per_s * 1e9, 5e-5),
     }
     lending_fit = None
-    if cluster is not None and cluster.kv_lending == "on" and programs is not None and result.program_lending:
+    if lending and programs is not None and result.program_lending is not None:
+        assert cluster is not None
         lending_fit = fit_lending_latency(
             result.program_lending,
             lambda network: fitted_profile_dict(args.name, "", result.model, {**links, "network": network}, {}),
@@ -591,7 +592,7 @@ def run(args: argparse.Namespace) -> dict:
         # What validate --kv-lending on must be given again: the knobs the lending ran under, and what it measured.
         **(
             {"kv_lending": {**{k: getattr(cluster, k) for k in LENDING_FLAGS}, "latency_fit": lending_fit_json}}
-            if cluster is not None and cluster.kv_lending == "on"
+            if lending
             else {}
         ),
         "kv_disk_path": bool(args.kv_disk_path),

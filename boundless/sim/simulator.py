@@ -634,9 +634,9 @@ class Simulator:
         failed = self.lending is not None and self.lending.step_failed(inst.instance_id, sched)
         for delta in [] if failed else inst.core.finish_step(sched, result):
             self._on_delta(inst.instance_id, delta)
-        if self.lending is not None and (self.lending.between_steps(inst.instance_id) or failed):
-            self._ready.update(self.instances)  # blocks moved or freed: the creditors' room changed too
         if self.lending is not None:
+            if self.lending.between_steps(inst.instance_id) or failed:
+                self._ready.update(self.instances)  # blocks moved or freed: the creditors' room changed too
             self._lending_refused()
 
     def _lending_refused(self) -> None:
