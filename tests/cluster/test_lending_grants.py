@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from lending_cases import ManualClock, instance, request
 from lending_cases import heartbeat as beat
 
@@ -14,6 +15,7 @@ from boundless.cluster.lending_deadlock import find_deadlock
 from boundless.cluster.lending_grants import plan_grants, ungrantable
 from boundless.cluster.lending_plan import GrantOrder, LendingThresholds, MoveOrder, RefuseOrder, room_moves
 from boundless.cluster.placement import InstanceReport, RequestReport
+from boundless.config import ClusterConfig, ConfigError
 
 THRESHOLDS = LendingThresholds()  # a creditor counts on lending 60% of its pool
 
@@ -114,6 +116,10 @@ def test_a_request_no_live_instances_can_hold_is_refused_after_the_grant_timeout
     gm.on_heartbeat(beat(idle("B")))
     assert gm.refusals() == (RefuseOrder("a", "A"),) and gm.counters.grants_refused == 1
     assert gm.refusals() == ()
+    # The flag: the gManager of a cluster takes it; a timeout of nothing is a flag error.
+    assert GManager.from_config(ClusterConfig(lending_grant_timeout_s=12.0), clock).grant_timeout_s == 12.0
+    with pytest.raises(ConfigError, match="--lending-grant-timeout-s: must be positive"):
+        ClusterConfig(lending_grant_timeout_s=0.0)
 
 
 def waiting(rid: str, iid: str, blocks: int = 48) -> RequestReport:
