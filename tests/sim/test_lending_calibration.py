@@ -58,11 +58,12 @@ def _profile_with(network: LinkSpec) -> dict:
 
 
 def test_the_latency_fit_finds_the_latency_a_run_was_simulated_at() -> None:
-    # Validate's lending case (12 chat programs at 0.25/s on two 48-block pools, seed 5) simulated at a round trip of
-    # 1.5 ms each way stands for the real run; the fit, started at 50 us, must find that latency again.
+    # Half of validate's lending case (6 chat programs at 0.25/s on two 48-block pools; seed 0, which lends ~6,000
+    # round trips, against ~31,000 and 6 s a run for the 12 of seed 5) simulated at a round trip of 1.5 ms each way
+    # stands for the real run; the fit, started at 50 us, must find that latency again.
     config = EngineConfig(cache=CacheConfig(num_kv_blocks=48))
     cluster = ClusterConfig(instances=2, kv_lending="on", lending_request_pools=1.6)
-    runs = [make_programs("chat", 12, 0.25, 5, WorkloadShape())]
+    runs = [make_programs("chat", 6, 0.25, 0, WorkloadShape())]
     truth = LinkSpec(5e9, 1.5e-3)
     assert isinstance(load_profile(str(PROFILE)).step, FittedStepCost)
     lent = simulate(config, runs[0], profile_from_dict(_profile_with(truth)), cluster)["lending"]
