@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from boundless.native import huge_page_empty
+from boundless.native import huge_page_zeros
 
 
 class PagedKVCache:
@@ -36,7 +36,7 @@ class PagedKVCache:
         if torch.device(device).type == "cpu":
             # On huge pages: attention reads scattered blocks, a TLB miss each on 4 KiB pages.
             numel = num_layers * 2 * num_kv_heads * num_blocks * block_size * head_dim
-            self.data = huge_page_empty(numel, dtype).view(shape).zero_()
+            self.data = huge_page_zeros(numel, dtype).view(shape)
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
         # Views made once: every layer of every step asks for its pair.

@@ -1,9 +1,9 @@
 """Load a llama.cpp GGUF checkpoint: its architecture, its weights under Hugging Face names, and its tokenizer.
 
-The weights are dequantized to float32 with ``gguf.quants.dequantize`` (the reference numpy code that
-transformers uses too, so both give bit-identical tensors), and llama.cpp's Q/K row permutation is undone
-for ``llama`` files, so the result is a plain Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
-state dict.
+The weights are dequantized to float32 bit-identically with ``gguf.quants.dequantize`` (the reference numpy code
+that transformers uses; ``gguf_quants`` does the common types faster, to the same bits), and llama.cpp's Q/K row
+permutation is undone for ``llama`` files, so the result is a plain Hugging Face ``LlamaForCausalLM`` /
+``Qwen2ForCausalLM`` state dict.
 
 The header is parsed here rather than with ``gguf.GGUFReader``: that reader builds a numpy view for every
 element of every array, which costs seconds on a vocabulary of 50k-150k strings, while the loop below
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
-from gguf.quants import dequantize
 
 from boundless.model.arch import ModelArch, RopeScaling
+from boundless.model.gguf_quants import dequantize
 from boundless.model.tokenizer import Tokenizer
 
 __all__ = [
