@@ -11,9 +11,9 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import jinja2
 from fastapi import APIRouter, FastAPI, Request
@@ -33,6 +33,8 @@ from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.ref import ProgramRef
 
+T = TypeVar("T")
+
 
 class DeltaStream(Protocol):
     request_id: str
@@ -40,6 +42,47 @@ class DeltaStream(Protocol):
     def __aiter__(self) -> AsyncIterator[RequestDelta]: ...
 
     def abort(self) -> None: ...
+
+
+class _Replayed:
+    """A stream whose first delta was taken to look at: it comes again first, then the rest."""
+
+    def __init__(self, stream: DeltaStream, rest: AsyncIterator[RequestDelta], first: RequestDelta | None) -> None:
+        self.request_id = stream.request_id
+        self._stream, self._rest, self._first = stream, rest, first
+
+    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        if self._first is None:
+            return
+        yield self._first
+        if not self._first.finished:
+            async for delta in self._rest:
+                yield delta
+
+    def abort(self) -> None:
+        self._stream.abort()
+
+
+async def _while_connected(work: Coroutine[Any, Any, T], streams: list[DeltaStream], request: Request) -> T:
+    """Await ``work``; a client that disconnects meanwhile (checked every 0.5 s) aborts the streams: 499."""
+    task = asyncio.create_task(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            for s in streams:
+                s.abort()
+            raise APIError(499, "client disconnected")
+    return task.result()
+
+
+def _raise_for_failure(ends: list[tuple[str | None, str | None]]) -> None:
+    """The error for requests that ended so (finish and stop reasons), if any did not end well."""
+    if any(finish == "error" and stop == GRANT_REFUSED for finish, stop in ends):
+        # Not the engine's fault: the cluster lost the memory the request needs; it may come back.
+        raise APIError(503, GRANT_REFUSED, code="kv_capacity_unavailable", headers={"Retry-After": "10"})
+    if any(finish == "error" for finish, _ in ends):
+        raise APIError(500, "the engine failed while generating; the request was dropped", code="engine_error")
 
 
 class EngineClient(Protocol):
@@ -215,6 +258,7 @@ class OpenAIServer:
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            streams = await self._started(streams, request)
             gen = self._chat_events(rid, body.model, streams, len(ids), body.logprobs, use_tools, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream")
         choices = await self._collect(streams, request)
@@ -351,6 +395,7 @@ class OpenAIServer:
         prompt_len = sum(len(p) for p in prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            streams = await self._started(streams, request)
             return StreamingResponse(
                 self._completion_events(rid, body, streams, prompt_len, include_usage), media_type="text/event-stream"
             )
@@ -463,21 +508,27 @@ class OpenAIServer:
             async for index, delta in self._merged(streams):
                 self._apply(choices[index], delta)
 
-        task = asyncio.create_task(consume())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                for s in streams:
-                    s.abort()
-                raise APIError(499, "client disconnected")
-        task.result()
-        if any(c.finish_reason == "error" and c.stop_reason == GRANT_REFUSED for c in choices):
-            # Not the engine's fault: the cluster lost the memory the request needs; it may come back.
-            raise APIError(503, GRANT_REFUSED, code="kv_capacity_unavailable", headers={"Retry-After": "10"})
-        if any(c.finish_reason == "error" for c in choices):
-            raise APIError(500, "the engine failed while generating; the request was dropped", code="engine_error")
+        await _while_connected(consume(), streams, request)
+        _raise_for_failure([(c.finish_reason, c.stop_reason) for c in choices])
         return choices
+
+    async def _started(self, streams: list[DeltaStream], request: Request) -> list[DeltaStream]:
+        """A streamed response's streams once each has its first delta: a request refused or failed before it
+        started gets the status an unstreamed one gets (503, 500) instead of a 200 whose one chunk says "error".
+        The 200 then waits for the first token (a lending cluster refuses a request while it awaits its grant)."""
+        iterators = [s.__aiter__() for s in streams]
+
+        async def firsts() -> list[RequestDelta | None]:
+            return list(await asyncio.gather(*(anext(it, None) for it in iterators)))
+
+        first = await _while_connected(firsts(), streams, request)
+        try:
+            _raise_for_failure([(d.finish_reason, d.stop_reason) for d in first if d is not None and d.finished])
+        except APIError:
+            for s in streams:
+                s.abort()
+            raise
+        return [_Replayed(s, it, d) for s, it, d in zip(streams, iterators, first, strict=True)]
 
     @staticmethod
     def _usage(prompt_len: int, choices: list[Choice]) -> dict[str, Any]:

@@ -336,15 +336,24 @@ class RefuseWaiting:
 def test_a_request_the_cluster_cannot_hold_is_a_503_with_retry_after_and_the_server_serves_on(
     server: ServerThread, engine: AsyncEngine, client: openai.OpenAI
 ) -> None:
-    with engine.lock:
-        engine.hooks = RefuseWaiting(engine.core)
-    try:
-        raw = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        with pytest.raises(openai.APIStatusError) as e:
-            raw.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
-    finally:
+    raw = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Hi"}]
+    # Unstreamed and streamed (a streamed request's 200 waits for its first delta), chat and completions, n = 1 and 2.
+    calls = [
+        lambda: raw.chat.completions.create(model=MODEL, messages=messages, max_tokens=3),
+        lambda: list(raw.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, stream=True)),
+        lambda: list(raw.completions.create(model=MODEL, prompt="Hi", max_tokens=3, n=2, stream=True)),
+    ]
+    for call in calls:
         with engine.lock:
-            engine.hooks = None
-    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "10"
-    assert e.value.body["code"] == "kv_capacity_unavailable" and e.value.body["message"] == GRANT_REFUSED
-    _good_request(client)
+            engine.hooks = RefuseWaiting(engine.core)
+        try:
+            with pytest.raises(openai.APIStatusError) as e:
+                call()
+        finally:
+            with engine.lock:
+                engine.hooks = None
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "10"
+        assert e.value.body["code"] == "kv_capacity_unavailable" and e.value.body["message"] == GRANT_REFUSED
+        assert not engine.core.has_unfinished()
+        _good_request(client)
