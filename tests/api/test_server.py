@@ -318,13 +318,13 @@ class RefuseWaiting:
     """Step hooks in a lending agent's place (``LendingAgent.refuse``): every request still waiting before the next
     schedule is failed as the gManager fails one that the live instances cannot hold."""
 
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
+    def __init__(self, core: EngineCore, stop_reason: str | None = GRANT_REFUSED) -> None:
+        self.core, self.stop_reason = core, stop_reason
 
     def between_steps(self) -> list[RequestDelta]:
         waiting = [r.request_id for r in self.core.scheduler.waiting]
         return [
-            RequestDelta(rid, [], "", [], finished=True, finish_reason="error", stop_reason=GRANT_REFUSED)
+            RequestDelta(rid, [], "", [], finished=True, finish_reason="error", stop_reason=self.stop_reason)
             for rid in waiting
             if self.core.abort(rid)
         ]
@@ -357,3 +357,14 @@ def test_a_request_the_cluster_cannot_hold_is_a_503_with_retry_after_and_the_ser
         assert e.value.body["code"] == "kv_capacity_unavailable" and e.value.body["message"] == GRANT_REFUSED
         assert not engine.core.has_unfinished()
         _good_request(client)
+    # Any other failure before the first token is the unstreamed 500 too.
+    with engine.lock:
+        engine.hooks = RefuseWaiting(engine.core, stop_reason=None)
+    try:
+        with pytest.raises(openai.InternalServerError) as failed:
+            list(raw.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, stream=True))
+    finally:
+        with engine.lock:
+            engine.hooks = None
+    assert failed.value.body["code"] == "engine_error"
+    _good_request(client)
