@@ -132,11 +132,8 @@ class GManager:
                 self._arrivals += 1
                 self.arrival[request_id] = self._arrivals
             self._last_reported[request_id] = now
-        # Only steps over local KV: a debtor's step over lent blocks also waits for its creditors' partials (the
-        # network's and the creditors' time, not its own), which the model would otherwise read as context cost.
-        local = [s for s in heartbeat.step_samples if not s.remote]
-        if local:
-            self._samples.extend(local)
+        if heartbeat.step_samples:
+            self._samples.extend(heartbeat.step_samples)
             self._model_stale = True
 
     def instance_lost(self, instance_id: str) -> None:

@@ -59,25 +59,6 @@ def test_nothing_is_planned_until_the_engines_step_times_fit_the_model() -> None
     assert (gm.counters.plans, gm.counters.moves_ordered, gm.counters.blocks_ordered) == (1, 1, 23)
 
 
-def test_the_model_is_fitted_on_local_steps_only() -> None:
-    # A debtor's steps over lent blocks also wait for the creditors' partials: twice as long here, and all of them at
-    # the longest context, they would read as context cost; left out, the model is the local steps' own.
-    gm, _ = gmanager()
-    local = samples_of(GPU_LIKE)
-    lent = [
-        dataclasses.replace(s, seconds=2 * s.seconds, remote=sum(c.cached for c in s.shapes) // 2)
-        for s in samples_of(GPU_LIKE)
-        if max(c.cached for c in s.shapes) >= 2000
-    ]
-    report = instance("A", 64, 12, batch=3, context=180)
-    gm.on_heartbeat(Heartbeat(report, (), tuple(lent)))
-    assert gm.model() is None  # nothing local yet
-    gm.on_heartbeat(Heartbeat(report, (), tuple(local + lent)))
-    model = gm.model()
-    assert model.per_pair_s == pytest.approx(GPU_LIKE.per_pair_s, rel=1e-6)
-    assert model.base_s == pytest.approx(GPU_LIKE.base_s, rel=1e-6)
-
-
 def test_a_plan_is_due_once_the_interval_has_passed() -> None:
     gm, clock = gmanager()
     assert not gm.due()  # nobody has reported

@@ -380,7 +380,7 @@ def test_a_debtor_lost_has_its_creditors_free_the_blocks_they_held_for_it(model:
             seen["after" if now >= 11.0 else "before"] = (_loans(sim, "0", "2"), _loans(sim, "1", "2"))
 
     results = sim.run(programs, watch)
-    assert seen["before"] == (16, 34)
+    assert seen["before"] == (38, 14)
     assert seen["after"] == (0, 0)  # freed as the loss is known, not when the trace ends
     assert sim.lost == {"2": 11.0} and sim.restarted == {"2": 14.0}
     _assert_served_and_released(sim, results, programs)
@@ -402,7 +402,7 @@ def test_a_creditor_that_hangs_fails_its_debtor_s_step_over_its_blocks(model: Si
 
     results = sim.run(programs, watch)
     assert sim.lost == {"1": 13.5} and sim.recomputed_at == pytest.approx(9.5)  # type: ignore[attr-defined]
-    assert moves_in == [hung.stats.moves_in] == [6]
+    assert moves_in == [hung.stats.moves_in] == [7]
     assert sim.lending is not None and sim.lending.agents["0"].rm.counters.blocks_recomputed == 28
     _assert_served_and_released(sim, results, programs)
 
