@@ -1,7 +1,8 @@
 """KV lending across a 2-instance Ray cluster behind a real server: a long request whose instance runs out of
 blocks while calls of its program wait there gets blocks moved to the other instance; output unchanged. And the
 same with the creditor killed while it holds them (the debtor recomputes; the creditor, restarted, lends again),
-and with the debtor killed (the creditor frees its blocks; the calls fail over): output unchanged."""
+and with the debtor killed (the creditor frees its blocks; the calls fail over): output unchanged. Two requests
+over one pool start on the gManager's grants, one at a time; with the creditor lost for good, one is a 503."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -273,3 +275,48 @@ def test_two_requests_over_one_pool_at_once_start_one_at_a_time_on_the_gmanager_
     assert _metric(metrics, "boundless_kv_lending_held_requests_total") == 0
     assert "boundless_kv_lending_requests_waiting_for_room{" in metrics  # (none now: both are done)
     assert _metric(metrics, "boundless_kv_lending_moves_total", direction="out") >= 2  # each borrowed in its turn
+
+
+@pytest.fixture
+def no_restart_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient, ServerThread]]:
+    config = engine_config(str(model_dirs["tiny-llama"]), num_kv_blocks=SMALL_POOL, policy="fcfs")
+    # A lost instance stays lost, and a request no live instance can hold is refused 2 s after it is seen so.
+    cluster = ClusterConfig(
+        instances=2,
+        routing="round-robin",
+        lending_request_pools=2.0,
+        max_restarts=0,
+        lending_grant_timeout_s=2.0,
+        **LENDING_FLAGS,
+    )
+    yield from _lending_server(config, cluster)
+
+
+def test_a_request_over_one_pool_with_its_creditor_lost_for_good_is_a_503_and_the_rest_is_served(
+    no_restart_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
+) -> None:
+    client, server = no_restart_cluster
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    short = [40, 41, 42]
+    assert api.completions.create(model="tiny", prompt=short, max_tokens=4, temperature=0).choices  # both report
+    lost = next(i for i in httpx.get(server.url + "/cluster").json()["instances"] if i["id"] == "1")
+    os.kill(lost["pid"], signal.SIGKILL)
+    assert wait_for_state(server.url, "1", "dead")["state"] == "dead"
+    # 22 blocks with its output, on the one live instance's 16 and nothing to borrow: refused, streamed or not.
+    long = dict(model="tiny", prompt=OVER_ONE_POOL[0], max_tokens=OVER_TOKENS, extra_body={"ignore_eos": True})
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as refused:
+            reply = api.completions.create(**long, stream=stream)  # type: ignore[call-overload]
+            list(reply) if stream else reply
+        assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "10"
+        assert refused.value.body["code"] == "kv_capacity_unavailable"
+    # The live instance serves on, with the tokens a single engine gives.
+    text = api.completions.create(model="tiny", prompt=short, max_tokens=8, temperature=0).choices[0].text
+    assert text == _offline(tiny_llama, [short], [8])[0]
+    assert client.lending.gm.counters.grants_refused == 2
+    # /metrics has the instance's count from its latest heartbeat (every 0.1 s).
+    deadline = time.monotonic() + 10
+    while _metric(httpx.get(server.url + "/metrics").text, "boundless_kv_lending_refused_requests_total") < 2:
+        assert time.monotonic() < deadline, "the refusals never reached /metrics"
+        time.sleep(0.1)
+    assert _metric(httpx.get(server.url + "/metrics").text, "boundless_kv_lending_refused_requests_total") == 2
