@@ -148,7 +148,7 @@ def huge_page_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Ten
     nbytes = numel * item
     if platform.system() != "Linux" or nbytes < _HUGE_PAGE:
         return torch.zeros(numel, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE)  # the tensor keeps it alive
+    mapping = mmap.mmap(-1, nbytes + 2 * _HUGE_PAGE)  # (virtual only until touched; the tensor keeps it alive)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
     _advise_huge_pages(raw.data_ptr() + start, -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE)
