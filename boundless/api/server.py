@@ -521,10 +521,10 @@ class OpenAIServer:
         async def firsts() -> list[RequestDelta | None]:
             return list(await asyncio.gather(*(anext(it, None) for it in iterators)))
 
-        first = await _while_connected(firsts(), streams, request)
         try:
+            first = await _while_connected(firsts(), streams, request)
             _raise_for_failure([(d.finish_reason, d.stop_reason) for d in first if d is not None and d.finished])
-        except APIError:
+        except BaseException:  # refused, failed, or an instance's error: none of the others runs on unread
             for s in streams:
                 s.abort()
             raise
