@@ -9,8 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import multiprocessing
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+
+from tqdm import tqdm
 
 from boundless.bench.report import plot_sweep, print_table, write_json
 from boundless.bench.serve import percentile
@@ -26,60 +31,116 @@ from boundless.sim.progress import VirtualTimeBar
 from boundless.sim.simulator import DEFAULT_INSTANCE_STARTUP_S, SimResult, Simulator
 
 
-def run(args: argparse.Namespace) -> dict:
+@dataclass(frozen=True)
+class RowJob:
+    """One row of a sweep: a rate, a cluster and a policy. Rows share nothing: each is a run of its own."""
+
+    rate: float
+    cluster: ClusterConfig
+    policy: str
+
+
+@dataclass(frozen=True)
+class RowRun:
+    """A row's figures (a function of the flags alone) and what its run took."""
+
+    row: dict
+    wall_s: float
+    cpu_s: float
+    steps_alone: int  # steps fast-forwarded
+    steps_scheduled: int  # fewer than the steps with multi-step windows
+
+
+def row_jobs(args: argparse.Namespace) -> list[RowJob]:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    rates = [float(r) for r in args.rates.split(",")]
+    return [RowJob(rate, c, policy) for rate in rates for c in cluster_configs_from_flags(args) for policy in policies]
+
+
+def run_row(args: argparse.Namespace, job: RowJob, progress: bool) -> RowRun:
+    """Simulate one row of the sweep the flags ask for."""
     base = engine_config_from_flags(args)
     model = SimulatedModel.read(base.model)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    shape = WorkloadShape(
+    profile = load_profile(args.profile) if args.profile else None
+    cost = None if profile else CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
+    failures = failures_from_flags(args, cluster_configs_from_flags(args))
+    cluster = job.cluster
+    # With several cluster sizes the load grows with the cluster: --num-programs per prefill engine.
+    count = args.num_programs * (cluster.roles[0] if args.roles else 1)
+    programs = workload_programs(args.workload, count, job.rate, args.bench_seed, workload_shape(args))
+    config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=job.policy))
+    sim = Simulator(
+        config,
+        model,
+        cost,
+        instances=cluster.instances,
+        cluster=cluster,
+        profile=profile,
+        instances_per_node=args.instances_per_node,
+        fast_forward=args.fast_forward,
+        failures=failures,
+        instance_startup_s=args.instance_startup_s,
+    )
+    label = f"{job.policy}{'/' + cluster.kv_path if cluster.disaggregated else ''} @ {job.rate}/s"
+    bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, label, progress)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    results = sim.run(programs, bar)
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    bar.close()
+    row = result_row(sim, results, job.rate, job.policy, cluster)
+    return RowRun(row, wall_s, cpu_s, sim.num_steps_alone, sim.num_scheduled)
+
+
+def run_rows(args: argparse.Namespace, jobs: list[RowJob]) -> tuple[list[RowRun], float]:
+    """Every row, in order, and the sweep's wall seconds: one after another, or with ``--jobs N`` in N processes
+    (the rows are the same: each is a function of the flags)."""
+    workers = min(args.jobs, len(jobs))
+    if workers <= 1:
+        runs = [run_row(args, job, args.progress) for job in jobs]
+        return runs, sum(r.wall_s for r in runs)
+    start = time.perf_counter()
+    flags = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})  # (the command's function)
+    # Forked: the workers start without importing anything again; a row's bar would interleave, so one bar of rows.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = [pool.submit(run_row, flags, job, False) for job in jobs]
+        done = tqdm(total=len(jobs), desc=f"rows ({workers} processes)", unit="row", disable=not args.progress)
+        for _ in as_completed(futures):
+            done.update()
+        done.close()
+        runs = [f.result() for f in futures]
+    return runs, time.perf_counter() - start
+
+
+def workload_shape(args: argparse.Namespace) -> WorkloadShape:
+    return WorkloadShape(
         scale=args.scale,
         call_scale=args.call_scale,
         tool_wait_s=args.tool_wait,
         max_calls=args.max_calls,
         max_len=args.max_len,
     )
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs: at least 1 process, not {args.jobs}")
     profile = load_profile(args.profile) if args.profile else None
-    cost = None if profile else CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
     clusters = cluster_configs_from_flags(args)
     failures = failures_from_flags(args, clusters)
     if args.workload == "longctx":  # Infinite-LLM's experiment: its own rows (sim/longctx.py)
-        return run_longctx(args, base, model, profile, cost, clusters[0], failures)
-    rows: list[dict] = []
-    walls: list[float] = []  # apart from the rows, which are a function of the flags alone
-    cpus: list[float] = []  # the same runs' CPU seconds (steadier than wall time on a shared machine)
-    alone = 0  # steps fast-forwarded
-    scheduled = 0  # steps scheduled (fewer than the steps with multi-step windows)
-    for rate in [float(r) for r in args.rates.split(",")]:
-        for cluster in clusters:
-            # With several cluster sizes the load grows with the cluster: --num-programs per prefill engine.
-            count = args.num_programs * (cluster.roles[0] if args.roles else 1)
-            programs = workload_programs(args.workload, count, rate, args.bench_seed, shape)
-            for policy in policies:
-                config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=policy))
-                sim = Simulator(
-                    config,
-                    model,
-                    cost,
-                    instances=cluster.instances,
-                    cluster=cluster,
-                    profile=profile,
-                    instances_per_node=args.instances_per_node,
-                    fast_forward=args.fast_forward,
-                    failures=failures,
-                    instance_startup_s=args.instance_startup_s,
-                )
-                label = f"{policy}{'/' + cluster.kv_path if cluster.disaggregated else ''} @ {rate}/s"
-                bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, label, args.progress)
-                start, cpu_start = time.perf_counter(), time.process_time()
-                results = sim.run(programs, bar)
-                wall_s = time.perf_counter() - start
-                cpus.append(time.process_time() - cpu_start)
-                bar.close()
-                walls.append(wall_s)
-                alone += sim.num_steps_alone
-                scheduled += sim.num_scheduled
-                rows.append(result_row(sim, results, rate, policy, cluster))
+        if args.jobs > 1:
+            raise SystemExit("--jobs: the longctx workload runs its rows in one process")
+        base = engine_config_from_flags(args)
+        cost = None if profile else CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
+        return run_longctx(args, base, SimulatedModel.read(base.model), profile, cost, clusters[0], failures)
+    runs, wall = run_rows(args, row_jobs(args))
+    rows = [r.row for r in runs]
+    walls = [r.wall_s for r in runs]  # apart from the rows, which are a function of the flags alone
+    cpus = [r.cpu_s for r in runs]  # the same runs' CPU seconds (steadier than wall time on a shared machine)
+    alone = sum(r.steps_alone for r in runs)
+    scheduled = sum(r.steps_scheduled for r in runs)
     print_rows(rows)
-    simulated, wall, steps = sum(r["simulated_s"] for r in rows), sum(walls), sum(r["steps"] for r in rows)
+    simulated, steps = sum(r["simulated_s"] for r in rows), sum(r["steps"] for r in rows)
     gpus = ", ".join(dict.fromkeys(str(r["gpus"]) for r in rows))
     print(
         f"simulated {simulated:.0f} s of {gpus} instance(s) in {wall:.1f} s wall:"
@@ -394,6 +455,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of latency against rate, a line per policy")
     parser.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=True, help="a progress bar on stderr"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="run the sweep's rows (rates x clusters x policies) in this many processes at once; the rows are the "
+        "same, the speed's wall_s is then the sweep's (not with --workload longctx)",
     )
     parser.add_argument(
         "--fast-forward",

@@ -61,13 +61,20 @@ def test_simulate_command_is_deterministic_for_a_seed(tmp_path: Path) -> None:
     command = _readme_simulate()
     assert command[-2:] == ["--bench-seed", "1"]
     first = _simulate(tmp_path, "a", *command)
-    again = _simulate(tmp_path, "b", *command)
-    assert first["rows"] == again["rows"]
+    again = _simulate(tmp_path, "b", *command, "--jobs", "2")  # the rows in two processes: the same rows, in order
+    assert first["rows"] == again["rows"] and len(again["speed"]["row_cpu_s"]) == len(first["rows"]) == 3
     rows = {r["policy"]: r for r in first["rows"]}
     assert all(r["failed_calls"] == 0 for r in rows.values())
     assert rows["plas"]["avg_latency_s"] < rows["fcfs"]["avg_latency_s"] / 1.3  # program-aware pays here
     other_seed = _simulate(tmp_path, "c", *command[:-1], "2")
     assert other_seed["rows"] != first["rows"]
+
+
+def test_jobs_is_a_count_of_processes_and_longctx_runs_in_one(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--jobs: at least 1"):
+        _simulate(tmp_path, "none", "simulate", "--jobs", "0")
+    with pytest.raises(SystemExit, match="longctx workload runs its rows in one process"):
+        _simulate(tmp_path, "longctx", "simulate", "--workload", "longctx", "--jobs", "2")
 
 
 def test_calls_the_engine_refuses_are_counted_and_invalidate_the_figures(
