@@ -26,7 +26,7 @@ from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.failures import InstanceFailure, check_failures, parse_failures
 from boundless.sim.longctx import add_longctx_arguments, run_longctx
-from boundless.sim.profiles import load_profile, profile_names
+from boundless.sim.profiles import HardwareProfile, load_profile, profile_names
 from boundless.sim.progress import VirtualTimeBar
 from boundless.sim.simulator import DEFAULT_INSTANCE_STARTUP_S, SimResult, Simulator
 
@@ -62,7 +62,7 @@ def run_row(args: argparse.Namespace, job: RowJob, progress: bool) -> RowRun:
     base = engine_config_from_flags(args)
     model = SimulatedModel.read(base.model)
     profile = load_profile(args.profile) if args.profile else None
-    cost = None if profile else CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
+    cost = linear_cost(args, profile)
     failures = failures_from_flags(args, cluster_configs_from_flags(args))
     cluster = job.cluster
     # With several cluster sizes the load grows with the cluster: --num-programs per prefill engine.
@@ -111,6 +111,11 @@ def run_rows(args: argparse.Namespace, jobs: list[RowJob]) -> tuple[list[RowRun]
     return runs, time.perf_counter() - start
 
 
+def linear_cost(args: argparse.Namespace, profile: HardwareProfile | None) -> CostModel | None:
+    """The ``--step-*`` linear model, which prices steps when no ``--profile`` does."""
+    return None if profile else CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
+
+
 def workload_shape(args: argparse.Namespace) -> WorkloadShape:
     return WorkloadShape(
         scale=args.scale,
@@ -131,8 +136,8 @@ def run(args: argparse.Namespace) -> dict:
         if args.jobs > 1:
             raise SystemExit("--jobs: the longctx workload runs its rows in one process")
         base = engine_config_from_flags(args)
-        cost = None if profile else CostModel(args.step_base_s, args.step_per_token_s, args.step_per_seq_s)
-        return run_longctx(args, base, SimulatedModel.read(base.model), profile, cost, clusters[0], failures)
+        model = SimulatedModel.read(base.model)
+        return run_longctx(args, base, model, profile, linear_cost(args, profile), clusters[0], failures)
     runs, wall = run_rows(args, row_jobs(args))
     rows = [r.row for r in runs]
     walls = [r.wall_s for r in runs]  # apart from the rows, which are a function of the flags alone
