@@ -10,7 +10,9 @@ its step time, and the cluster's is the sum over instances. The step-time model 
 so a decode step of ``batch`` requests attending over ``context`` tokens in all (one query-key pair per token
 of context) takes ``base_s + (per_seq_s + per_token_s) * batch + per_pair_s * context``.
 
-The gManager fits it to the steps of all instances (their heartbeats carry each engine's samples) in
+The gManager fits it to the steps of all instances (their heartbeats carry each engine's samples; those over lent
+blocks too, whose waits for the creditors price lending: fitted without them, the planner lent more than paid,
+``docs/lending.md``) in
 relative error, so the many short decode steps weigh as much as the few long prefills, and without the steps
 far slower than the fit (slowed by something else than their batch and context). It refuses samples that
 cannot tell the cost of a request from the cost of its context.
