@@ -21,7 +21,7 @@ from boundless.bench.report import plot_sweep, print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, agent_sessions, make_programs
 from boundless.cluster.pd_dispatcher import PDDispatcher
-from boundless.config import CacheConfig, ClusterConfig, ModelConfig, add_flags, engine_config_from_flags
+from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, add_flags, engine_config_from_flags
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.failures import InstanceFailure, check_failures, parse_failures
@@ -51,34 +51,41 @@ class RowRun:
     steps_scheduled: int  # fewer than the steps with multi-step windows
 
 
-def row_jobs(args: argparse.Namespace) -> list[RowJob]:
+@dataclass(frozen=True)
+class RowContext:
+    """What every row of a sweep shares, made once from the flags (the model's metadata takes ~0.4 s to read)."""
+
+    base: EngineConfig
+    model: SimulatedModel
+    profile: HardwareProfile | None
+    cost: CostModel | None
+    failures: list[InstanceFailure]
+
+
+def row_jobs(args: argparse.Namespace, clusters: list[ClusterConfig]) -> list[RowJob]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     rates = [float(r) for r in args.rates.split(",")]
-    return [RowJob(rate, c, policy) for rate in rates for c in cluster_configs_from_flags(args) for policy in policies]
+    return [RowJob(rate, c, policy) for rate in rates for c in clusters for policy in policies]
 
 
-def run_row(args: argparse.Namespace, job: RowJob, progress: bool) -> RowRun:
+def run_row(args: argparse.Namespace, context: RowContext, job: RowJob, progress: bool) -> RowRun:
     """Simulate one row of the sweep the flags ask for."""
-    base = engine_config_from_flags(args)
-    model = SimulatedModel.read(base.model)
-    profile = load_profile(args.profile) if args.profile else None
-    cost = linear_cost(args, profile)
-    failures = failures_from_flags(args, cluster_configs_from_flags(args))
     cluster = job.cluster
     # With several cluster sizes the load grows with the cluster: --num-programs per prefill engine.
     count = args.num_programs * (cluster.roles[0] if args.roles else 1)
     programs = workload_programs(args.workload, count, job.rate, args.bench_seed, workload_shape(args))
+    base = context.base
     config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=job.policy))
     sim = Simulator(
         config,
-        model,
-        cost,
+        context.model,
+        context.cost,
         instances=cluster.instances,
         cluster=cluster,
-        profile=profile,
+        profile=context.profile,
         instances_per_node=args.instances_per_node,
         fast_forward=args.fast_forward,
-        failures=failures,
+        failures=context.failures,
         instance_startup_s=args.instance_startup_s,
     )
     label = f"{job.policy}{'/' + cluster.kv_path if cluster.disaggregated else ''} @ {job.rate}/s"
@@ -91,18 +98,18 @@ def run_row(args: argparse.Namespace, job: RowJob, progress: bool) -> RowRun:
     return RowRun(row, wall_s, cpu_s, sim.num_steps_alone, sim.num_scheduled)
 
 
-def run_rows(args: argparse.Namespace, jobs: list[RowJob]) -> tuple[list[RowRun], float]:
+def run_rows(args: argparse.Namespace, context: RowContext, jobs: list[RowJob]) -> tuple[list[RowRun], float]:
     """Every row, in order, and the sweep's wall seconds: one after another, or with ``--jobs N`` in N processes
     (the rows are the same: each is a function of the flags)."""
     workers = min(args.jobs, len(jobs))
     if workers <= 1:
-        runs = [run_row(args, job, args.progress) for job in jobs]
+        runs = [run_row(args, context, job, args.progress) for job in jobs]
         return runs, sum(r.wall_s for r in runs)
     start = time.perf_counter()
     flags = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})  # (the command's function)
     # Forked: the workers start without importing anything again; a row's bar would interleave, so one bar of rows.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = [pool.submit(run_row, flags, job, False) for job in jobs]
+        futures = [pool.submit(run_row, flags, context, job, False) for job in jobs]
         done = tqdm(total=len(jobs), desc=f"rows ({workers} processes)", unit="row", disable=not args.progress)
         for _ in as_completed(futures):
             done.update()
@@ -129,16 +136,16 @@ def workload_shape(args: argparse.Namespace) -> WorkloadShape:
 def run(args: argparse.Namespace) -> dict:
     if args.jobs < 1:
         raise SystemExit(f"--jobs: at least 1 process, not {args.jobs}")
+    if args.workload == "longctx" and args.jobs > 1:
+        raise SystemExit("--jobs: the longctx workload runs its rows in one process")
+    base = engine_config_from_flags(args)
     profile = load_profile(args.profile) if args.profile else None
     clusters = cluster_configs_from_flags(args)
     failures = failures_from_flags(args, clusters)
+    context = RowContext(base, SimulatedModel.read(base.model), profile, linear_cost(args, profile), failures)
     if args.workload == "longctx":  # Infinite-LLM's experiment: its own rows (sim/longctx.py)
-        if args.jobs > 1:
-            raise SystemExit("--jobs: the longctx workload runs its rows in one process")
-        base = engine_config_from_flags(args)
-        model = SimulatedModel.read(base.model)
-        return run_longctx(args, base, model, profile, linear_cost(args, profile), clusters[0], failures)
-    runs, wall = run_rows(args, row_jobs(args))
+        return run_longctx(args, base, context.model, profile, context.cost, clusters[0], failures)
+    runs, wall = run_rows(args, context, row_jobs(args, clusters))
     rows = [r.row for r in runs]
     walls = [r.wall_s for r in runs]  # apart from the rows, which are a function of the flags alone
     cpus = [r.cpu_s for r in runs]  # the same runs' CPU seconds (steadier than wall time on a shared machine)
