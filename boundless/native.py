@@ -129,39 +129,35 @@ def huge_page_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Ten
     """An uninitialized 1-D CPU tensor on 2 MiB-aligned memory that Linux is asked to back with
     transparent huge pages (``madvise``), for large arrays read in a scattered or streaming way
     (packed weights, the KV pool): fewer TLB misses. Elsewhere it is a plain ``torch.empty``."""
-    item = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * item
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if platform.system() != "Linux" or nbytes < _HUGE_PAGE:
         return torch.empty(numel, dtype=dtype)
-    raw = torch.empty(nbytes + 2 * _HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % _HUGE_PAGE
-    length = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
-    _advise_huge_pages(raw.data_ptr() + start, length)
-    return raw[start : start + nbytes].view(dtype)
+    return _huge_page_view(torch.empty(nbytes + 2 * _HUGE_PAGE, dtype=torch.uint8), nbytes, dtype)
 
 
 def huge_page_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A zeroed 1-D CPU tensor on 2 MiB-aligned memory with the huge-page hint (as :func:`huge_page_empty`), from an
     anonymous mapping: the kernel zeroes each page when it is first touched, so a large pool costs neither time nor
     resident memory until it is used (``zero_`` of the default 2 GiB KV pool took 1.5 s of start-up)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * item
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if platform.system() != "Linux" or nbytes < _HUGE_PAGE:
         return torch.zeros(numel, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes + 2 * _HUGE_PAGE)  # (virtual only until touched; the tensor keeps it alive)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    return _huge_page_view(torch.frombuffer(mapping, dtype=torch.uint8), nbytes, dtype)
+
+
+def _huge_page_view(raw: torch.Tensor, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """``nbytes`` of ``raw`` (bytes, 4 MiB more than that: room for the hint's whole pages) from its first 2 MiB
+    boundary, as ``dtype``, with Linux asked to back them with huge pages."""
     start = -raw.data_ptr() % _HUGE_PAGE
-    _advise_huge_pages(raw.data_ptr() + start, -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE)
-    return raw[start : start + nbytes].view(dtype)
-
-
-def _advise_huge_pages(address: int, length: int) -> None:
+    length = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(address, length, _MADV_HUGEPAGE)  # a hint: failure changes nothing
+        libc.madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE)  # a hint: failure changes nothing
     except (OSError, AttributeError):
         pass
+    return raw[start : start + nbytes].view(dtype)
 
 
 def threads() -> int:
