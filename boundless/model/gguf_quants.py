@@ -28,18 +28,19 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return _half(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()
 
 
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Each block's 16 bytes of 4-bit quants as 32 values: value i in the low nibble of byte i, 16 + i in the high."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    # [d: f16][16 bytes: value i in the low nibble of byte i, value 16 + i in the high one]: d * (q - 8)
-    qs = blocks[:, 2:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.int8) - 8
-    return _half(blocks, 0) * q.float()
+    # [d: f16][16 bytes of nibbles]: d * (q - 8)
+    return _half(blocks, 0) * (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).float()
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    # [d: f16][m: f16][16 bytes of nibbles, as Q4_0]: d * q + m
-    qs = blocks[:, 4:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
-    return _half(blocks, 0) * q + _half(blocks, 2)
+    # [d: f16][m: f16][16 bytes of nibbles]: d * q + m
+    return _half(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _half(blocks, 2)
 
 
 _KERNELS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
