@@ -47,11 +47,15 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: Bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Penalty | None = None  # accepted and ignored
-    frequency_penalty: Penalty | None = None  # accepted and ignored
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    # Token ids (as strings, OpenAI's JSON keys) to biases in [-100, 100]; the ids are checked against the vocabulary.
+    logit_bias: dict[str, Annotated[float, Strict(), AllowInfNan(False), Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     # vLLM extensions
     top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
     min_tokens: Int = 0
     ignore_eos: Bool = False
     stop_token_ids: list[Int] | None = None

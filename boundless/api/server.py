@@ -140,6 +140,11 @@ def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_p=body.min_p or 0.0,
+        logit_bias=tuple((int(t), b) for t, b in (body.logit_bias or {}).items()),
     )
 
 
@@ -157,6 +162,12 @@ def _check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: i
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
     require_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
+    bias_ids = []
+    for key in body.logit_bias or {}:
+        if not key.isascii() or not key.isdigit():
+            raise APIError(400, f"logit_bias: {key!r} is not a token id", "logit_bias", "invalid_value")
+        bias_ids.append(int(key))
+    require_token_ids(bias_ids, vocab_size, "logit_bias")
 
 
 # -- the app -------------------------------------------------------------------------------------

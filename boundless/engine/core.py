@@ -424,10 +424,14 @@ class EngineCore:
         vocab = self.identity.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        # The sampler indexes the logits with stop ids (min_tokens); one outside would fail the whole step.
+        # The sampler indexes the logits with stop ids (min_tokens) and biased ids; one outside would fail the whole
+        # step.
         bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad_stop is not None:
             raise InvalidRequestError(f"stop_token_ids: token id {bad_stop} is not in [0, {vocab})", "stop_token_ids")
+        bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise InvalidRequestError(f"logit_bias: token id {bad_bias} is not in [0, {vocab})", "logit_bias")
         wanted = params.max_tokens or 1
         if len(prompt_token_ids) + wanted > self.max_model_len:
             raise InvalidRequestError(

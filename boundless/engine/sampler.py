@@ -1,7 +1,9 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Turning logits into tokens: penalties and logit biases, greedy, temperature, min-p, top-k, top-p, per-request
+seeds, logprobs."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,18 +21,44 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass
+class TokenCounts:
+    """A penalized request's tokens as its penalties see them: the prompt's distinct ids and how often each output
+    token occurs, counted as the sampler draws them (a multi-step window's passes too, which the request's own list
+    holds only once the window ends)."""
+
+    prompt: torch.Tensor  # distinct prompt token ids (long)
+    output: Counter[int]
+    num_output_tokens: int  # how many output tokens are counted
+
+    @classmethod
+    def of(cls, chunk: ScheduledChunk, device: torch.device) -> TokenCounts:
+        """Counted from the chunk's history (the request's tokens before this step)."""
+        prompt = chunk.history[: chunk.num_prompt_tokens]
+        output = chunk.history[chunk.num_prompt_tokens : chunk.num_prompt_tokens + chunk.num_output_tokens]
+        if len(output) != chunk.num_output_tokens:
+            raise RuntimeError(
+                f"request {chunk.request_id}: {chunk.num_output_tokens} output tokens, {len(output)} in its history"
+            )
+        ids = torch.tensor(list(prompt), dtype=torch.long, device=device)
+        return cls(torch.unique(ids), Counter(output), len(output))
+
+
 class Sampler:
-    """Samples one token per row; seeded requests own a generator, so their samples do not depend on the batch."""
+    """Samples one token per row; seeded requests own a generator, so their samples do not depend on the batch.
+    Penalized requests' token counts are kept here between steps (:class:`TokenCounts`)."""
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._counts: dict[str, TokenCounts] = {}
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+            self._counts.pop(rid, None)
 
     def _generator_for(self, chunk: ScheduledChunk) -> torch.Generator:
         seed = chunk.sampling_params.seed
@@ -48,7 +76,8 @@ class Sampler:
         raw_logprobs = None
         if any(c.sampling_params.logprobs is not None for c in chunks):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._mask_early_stops(logits, chunks)
+        penalized = [i for i, c in enumerate(chunks) if c.sampling_params.penalized]
+        logits = self._adjusted(logits, chunks, penalized)
         greedy = [i for i, c in enumerate(chunks) if c.sampling_params.greedy]
         if len(greedy) == len(chunks):  # the common case: no copy of the logits rows
             tokens = cpu_kernels.argmax_rows(logits)
@@ -63,33 +92,73 @@ class Sampler:
             for j, i in enumerate(random_rows):
                 tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator_for(chunks[i]))[0]
         token_list = tokens.tolist()
+        for i in penalized:
+            counts = self._counts[chunks[i].request_id]
+            counts.output[token_list[i]] += 1
+            counts.num_output_tokens += 1
         out = [SampledToken(t) for t in token_list]
         if raw_logprobs is not None:
             self._fill_logprobs(raw_logprobs, tokens, chunks, out)
         return out
 
-    @staticmethod
-    def _mask_early_stops(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Forbid EOS and stop tokens for requests that have not reached ``min_tokens``."""
-        rows, cols = [], []
+    def _adjusted(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], penalized: list[int]) -> torch.Tensor:
+        """The logits to sample from: early stops forbidden, logit biases added, then penalties (vLLM's order).
+        A copy if any of them applies to a row."""
+        banned_rows, banned_ids, bias_rows, bias_ids, biases = [], [], [], [], []
         for i, c in enumerate(chunks):
             p = c.sampling_params
-            if c.num_output_tokens < p.min_tokens:
+            if c.num_output_tokens < p.min_tokens:  # forbid EOS and stop tokens before min_tokens
                 banned = set(p.stop_token_ids)
                 if not p.ignore_eos:
                     banned.update(c.eos_token_ids)
-                rows.extend([i] * len(banned))
-                cols.extend(banned)
-        if not rows:
+                banned_rows.extend([i] * len(banned))
+                banned_ids.extend(banned)
+            for token, bias in p.logit_bias:
+                bias_rows.append(i)
+                bias_ids.append(token)
+                biases.append(bias)
+        if not (banned_rows or bias_rows or penalized):
             return logits
         logits = logits.clone()
-        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+        device = logits.device
+        if bias_rows:
+            rows, ids = torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device)
+            logits[rows, ids] += torch.tensor(biases, device=device, dtype=logits.dtype)
+        if penalized:
+            self._penalize(logits, chunks, penalized)
+        if banned_rows:
+            logits[torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)] = float("-inf")
         return logits
+
+    def _penalize(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], rows: list[int]) -> None:
+        """Apply the rows' penalties in place: repetition over the prompt's and the output's tokens, then frequency
+        and presence over the output's."""
+        device = logits.device
+        for i in rows:
+            c = chunks[i]
+            p = c.sampling_params
+            counts = self._counts.get(c.request_id)
+            if counts is None or counts.num_output_tokens != c.num_output_tokens:
+                counts = self._counts[c.request_id] = TokenCounts.of(c, device)
+            row = logits[i]
+            output_ids = torch.tensor(list(counts.output), dtype=torch.long, device=device)
+            if p.repetition_penalty != 1.0:
+                seen = torch.unique(torch.cat([counts.prompt, output_ids]))
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            if output_ids.numel() and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+                times = torch.tensor(list(counts.output.values()), dtype=logits.dtype, device=device)
+                row[output_ids] -= p.frequency_penalty * times + p.presence_penalty
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         temps = torch.tensor([c.sampling_params.temperature for c in chunks], device=logits.device)
         logits = logits / temps.unsqueeze(1)
+        min_ps = torch.tensor([c.sampling_params.min_p for c in chunks], device=logits.device)
+        if bool((min_ps > 0).any()):
+            probs = logits.softmax(dim=-1)
+            floor = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
+            logits = logits.masked_fill(probs < floor, float("-inf"))
         vocab = logits.shape[-1]
         top_ks = [c.sampling_params.top_k for c in chunks]
         if any(0 < k < vocab for k in top_ks):

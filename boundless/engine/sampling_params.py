@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from boundless.engine.errors import InvalidRequestError
 
@@ -11,6 +12,7 @@ from boundless.engine.errors import InvalidRequestError
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
 GREEDY_BELOW = 1e-5  # temperatures under it sample greedily
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a token's logit bias
 
 
 class InvalidSamplingParams(InvalidRequestError):
@@ -27,6 +29,14 @@ class SamplingParams:
     asks for that many top alternatives per generated token (0: only the sampled token's). ``detokenize=False``
     (vLLM's) returns token ids only, with no text, and skips the per-token decoding (the simulator's calls: nothing
     reads their text); it cannot go with stop strings, which are found in the text.
+
+    Penalties, as OpenAI and vLLM define them: ``presence_penalty`` is subtracted from the logit of every token the
+    output holds so far and ``frequency_penalty`` once per occurrence (both in [-2, 2]); ``repetition_penalty``
+    (vLLM's and transformers', > 0) divides a positive logit and multiplies a negative one of every token in the
+    prompt or the output. ``logit_bias`` adds a bias in [-100, 100] to a token's logit (pairs of token id and bias).
+    They change the distribution sampled from, greedy included, not the reported ``logprobs`` (the model's raw
+    ones, as vLLM reports them). ``min_p`` (vLLM's) drops tokens less likely than ``min_p`` times the most likely
+    one after temperature.
     """
 
     n: int = 1
@@ -43,12 +53,26 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Whether a penalty needs the request's tokens so far (the scheduler hands them to the sampler only then).
+    penalized: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
+        object.__setattr__(
+            self,
+            "penalized",
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0,
+        )
         self._check("n", isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1")
         self._check("temperature", 0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]")
         self._check("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
@@ -77,6 +101,29 @@ class SamplingParams:
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be non-negative integers",
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            self._check(name, _is_number(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2]")
+        self._check(
+            "repetition_penalty",
+            _is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,
+            "repetition_penalty must be in (0, 100]",
+        )
+        self._check("min_p", _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
+        self._check(
+            "logit_bias",
+            all(
+                _is_int(t) and t >= 0 and _is_number(b) and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
+                for t, b in self.logit_bias
+            ),
+            f"logit_bias maps non-negative token ids to biases in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
+        )
+        self._check(
+            "logit_bias",
+            len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
+            "logit_bias names a token twice",
+        )
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in self.logit_bias))
 
     @staticmethod
     def _check(param: str, ok: bool, message: str) -> None:
@@ -99,3 +146,8 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float (not a bool): NaN would pass every range check."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

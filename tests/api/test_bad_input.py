@@ -162,9 +162,35 @@ CORPUS: list[Case] = [
     *both({"stop_token_ids": ["5"]}, "stop_token_ids.0"),
     *both({"stop_token_ids": 5}, "stop_token_ids"),
     completion({"stop_token_ids": [VOCAB - 1], "min_tokens": 1}, None, SERVED),
-    # penalties (accepted and ignored, but held to OpenAI's range), stream, stream_options
+    # penalties and logit_bias: OpenAI's ranges, vLLM's repetition_penalty and min_p, ids of the vocabulary
     *both({"presence_penalty": 2.5}, "presence_penalty"),
     *both({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+    *both({"repetition_penalty": 0.0}, "repetition_penalty"),
+    *both({"repetition_penalty": -1.0}, "repetition_penalty"),
+    *both({"repetition_penalty": "2"}, "repetition_penalty"),
+    *both({"min_p": 1.5}, "min_p"),
+    *both({"min_p": -0.1}, "min_p"),
+    *both({"logit_bias": {"5": 101}}, "logit_bias.5"),
+    *both({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    *both({"logit_bias": {"x": 1}}, "logit_bias"),
+    *both({"logit_bias": {"-1": 1}}, "logit_bias"),
+    *both({"logit_bias": {"\uff15": 1}}, "logit_bias"),  # a digit, not an ASCII one
+    *both({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+    *both({"logit_bias": {str(10**30): 1}}, "logit_bias"),
+    *both({"logit_bias": [5]}, "logit_bias"),
+    completion(
+        {
+            "logit_bias": {str(VOCAB - 1): -100, "0": 100.0},
+            "presence_penalty": -2,
+            "frequency_penalty": 2,
+            "repetition_penalty": 1.5,
+            "min_p": 0.5,
+            "temperature": 1.0,
+        },
+        None,
+        SERVED,
+    ),
+    # stream, stream_options
     *both({"stream": "false"}, "stream"),
     *both({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     *both({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),

@@ -152,6 +152,34 @@ def test_n_stop_and_logprobs(client: openai.OpenAI) -> None:
     assert len(cl.choices[0].logprobs.tokens) == 3 and all(len(t) <= 2 for t in cl.choices[0].logprobs.top_logprobs)
 
 
+def test_penalties_and_logit_bias_are_served_as_the_offline_engine_applies_them(
+    client: openai.OpenAI, smollm2: LoadedModel
+) -> None:
+    prompt = "a a a a a a a a a a a a a a a a"
+    forced = smollm2.tokenizer.encode(" banana")[0]
+    asks = [
+        {},
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 1.5, "extra_body": {"repetition_penalty": 1.3}},
+        {"logit_bias": {str(forced): 100}},
+    ]
+    served = [
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, **ask).choices[0].text
+        for ask in asks
+    ]
+    offline = LLM.from_config(engine_config(MODEL, max_model_len=MAX_LEN, kv_cache_gb=0.25), smollm2)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=2.0),
+        SamplingParams(temperature=0.0, max_tokens=12, presence_penalty=1.5, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=12, logit_bias={forced: 100.0}),
+    ]
+    expected = [offline.generate([prompt], p)[0].outputs[0].text for p in params]
+    assert served == expected
+    assert len(set(served[:3])) == 3  # each penalty changed the greedy text
+    assert served[3] == smollm2.tokenizer.decode([forced] * 12)
+
+
 def test_async_client_32_concurrent_streams_match_offline(aclient: openai.AsyncOpenAI, smollm2: LoadedModel) -> None:
     prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(32)]
 

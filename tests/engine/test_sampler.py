@@ -1,11 +1,13 @@
-"""The sampler on hand-made logits: greedy rows beside sampled ones, min_tokens, logprobs."""
+"""The sampler on hand-made logits: greedy rows beside sampled ones, min_tokens, logprobs, min-p, logit biases and
+penalties."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from boundless.engine.sampler import Sampler
-from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from boundless.engine.scheduler import ScheduledChunk
 
 
@@ -35,3 +37,111 @@ def test_all_greedy_batch_matches_torch_argmax() -> None:
     chunks = [chunk(f"r{i}", SamplingParams(temperature=0.0)) for i in range(32)]
     tokens = [t.token_id for t in Sampler(torch.device("cpu")).sample(logits, chunks)]
     assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
+    # Probabilities 0.5, 0.3, 0.15 and the rest spread thin: min_p 0.5 keeps tokens of at least 0.25, i.e. 0 and 1.
+    probs = torch.full((64,), 0.05 / 61)
+    probs[:3] = torch.tensor([0.5, 0.3, 0.15])
+    logits = probs.log().repeat(2, 1)
+    params = [SamplingParams(temperature=1.0, min_p=0.5), SamplingParams(temperature=1.0)]
+    sampler = Sampler(torch.device("cpu"))
+    seen: list[set[int]] = [set(), set()]
+    for step in range(300):
+        out = sampler.sample(logits, [chunk(f"r{i}-{step}", p) for i, p in enumerate(params)])
+        for i, token in enumerate(out):
+            seen[i].add(token.token_id)
+    assert seen[0] == {0, 1}
+    assert len(seen[1]) > 3  # without min_p the thin tail is drawn too
+
+
+def test_logit_bias_moves_greedy_and_sampled_rows_and_not_their_logprobs() -> None:
+    logits = torch.zeros(2, 20)
+    logits[:, 3] = 5.0
+    bias = ((3, -100.0), (8, 2.0))
+    chunks = [
+        chunk("g", SamplingParams(temperature=0.0, logit_bias=bias, logprobs=1)),
+        chunk("s", SamplingParams(temperature=0.5, seed=0, logit_bias=bias)),
+    ]
+    out = Sampler(torch.device("cpu")).sample(logits, chunks)
+    assert [t.token_id for t in out] == [8, 8]  # 3 forbidden; 8 is e^4 times likelier than any other at T=0.5
+    assert out[0].top_logprobs[0][0] == 3  # logprobs are the model's own, before the bias
+    assert logits[0, 3] == 5.0  # the caller's logits are left alone
+
+
+def _penalized(rid: str, prompt: list[int], outputs: list[int], **params) -> ScheduledChunk:
+    return ScheduledChunk(
+        rid,
+        [outputs[-1] if outputs else prompt[-1]],
+        len(prompt) + len(outputs) - 1,
+        [0],
+        True,
+        SamplingParams(temperature=0.0, **params),
+        len(outputs),
+        (),
+        history=prompt + outputs,
+        num_prompt_tokens=len(prompt),
+    )
+
+
+def test_penalties_count_a_request_first_seen_with_outputs_and_then_each_sampled_token() -> None:
+    """A request that arrives with outputs (a handoff from a prefill engine) is counted from its history; then the
+    sampler counts what it draws, so a repeated token loses more each time."""
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.zeros(1, 10)
+    logits[0, 4], logits[0, 6] = 3.0, 1.0
+    drawn = []
+    for step in range(4):
+        # The history does not grow (as in a multi-step window): the sampler's own counts carry it.
+        c = _penalized("r", [1, 2], [4, 4], frequency_penalty=0.6)
+        c = ScheduledChunk(**{**c.__dict__, "num_output_tokens": 2 + step})
+        drawn.append(sampler.sample(logits, [c])[0].token_id)
+    # 4 holds 3 - 0.6 * 2 = 1.8 > 1, then 1.2 > 1 once drawn again, then 0.6 < 1: 6 is drawn, and then 6's
+    # 1 - 0.6 = 0.4 < 0.6: 4 again.
+    assert drawn == [4, 4, 6, 4]
+    sampler.forget(["r"])
+    assert not sampler._counts
+
+
+def test_repetition_penalty_covers_the_prompt_and_divides_or_multiplies_by_sign() -> None:
+    logits = torch.tensor([[2.0, -1.0, 1.9, -1.2, 0.0]])
+    c = _penalized("r", [0, 1], [], repetition_penalty=2.0)
+    # 0 (in the prompt) becomes 1.0 < 1.9, so 2 wins; 1 becomes -2.0.
+    assert Sampler(torch.device("cpu")).sample(logits.clone(), [c])[0].token_id == 2
+    c = _penalized("q", [0, 1], [], repetition_penalty=2.0, logprobs=4)
+    out = Sampler(torch.device("cpu")).sample(logits.clone(), [c])[0]
+    assert out.token_id == 2 and out.rank == 2  # the raw logprobs: 0 was the likelier before the penalty
+
+
+def test_a_history_shorter_than_its_outputs_is_an_error_not_a_wrong_count() -> None:
+    c = _penalized("r", [1, 2], [4], presence_penalty=1.0)
+    c = ScheduledChunk(**{**c.__dict__, "num_output_tokens": 3})
+    with pytest.raises(RuntimeError, match="3 output tokens, 1 in its history"):
+        Sampler(torch.device("cpu")).sample(torch.zeros(1, 10), [c])
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": True}, "repetition_penalty"),
+        ({"min_p": 1.01}, "min_p"),
+        ({"logit_bias": ((5, 100.5),)}, "logit_bias"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+        ({"logit_bias": ((5, 1.0), (5, 2.0))}, "logit_bias"),
+        ({"logit_bias": ((5, "1"),)}, "logit_bias"),
+    ],
+)
+def test_out_of_range_penalties_and_biases_are_refused(params: dict, param: str) -> None:
+    with pytest.raises(InvalidSamplingParams) as err:
+        SamplingParams(**params)
+    assert err.value.param == param
+
+
+def test_penalties_mark_a_request_penalized_and_logit_bias_takes_a_dict() -> None:
+    assert not SamplingParams(logit_bias={5: 1}, min_p=0.2).penalized
+    assert SamplingParams(repetition_penalty=1.1).penalized and SamplingParams(presence_penalty=-0.1).penalized
+    assert SamplingParams(logit_bias={5: 1}).logit_bias == ((5, 1.0),)
+    assert SamplingParams(frequency_penalty=0.5).for_sample(1).penalized
