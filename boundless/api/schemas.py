@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StringConstraints, field_validator
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from boundless.engine.sampling_params import SEED_MAX, SEED_MIN
 
@@ -33,6 +43,29 @@ class StreamOptions(BaseModel):
     include_usage: Bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # (``schema`` is a BaseModel method)
+    strict: Bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON under a schema (``json_schema.schema``;
+    without one, any JSON object)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type json_schema, and that type needs it")
+        return self
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completions; unknown fields are accepted and ignored, as OpenAI does."""
 
@@ -47,6 +80,7 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: Bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None  # (on completions too, as vLLM takes it)
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     # Token ids (as strings, OpenAI's JSON keys) to biases in [-100, 100]; the ids are checked against the vocabulary.
@@ -125,7 +159,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: Bool = True
 
 

@@ -23,7 +23,14 @@ from starlette.types import ASGIApp
 from boundless.api.errors import APIError, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.metrics import ServerMetrics
-from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionRequest, InvalidContentPart, message_text
+from boundless.api.schemas import (
+    ROLES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidContentPart,
+    ResponseFormat,
+    message_text,
+)
 from boundless.api.tool_calls import parse_tool_calls, template_messages
 from boundless.api.validation import header_identifier, require_token_ids, require_valid_text
 from boundless.config import ServerConfig
@@ -31,6 +38,7 @@ from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.structured_output import StructuredOutput
 from boundless.programs.ref import ProgramRef
 
 T = TypeVar("T")
@@ -145,7 +153,16 @@ def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_p=body.min_p or 0.0,
         logit_bias=tuple((int(t), b) for t, b in (body.logit_bias or {}).items()),
+        structured=_structured(body.response_format),
     )
+
+
+def _structured(response_format: ResponseFormat | None) -> StructuredOutput | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+        return StructuredOutput("json_object")
+    return StructuredOutput.json_schema(response_format.json_schema.schema_)
 
 
 def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) -> ProgramRef | None:

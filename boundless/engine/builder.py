@@ -22,6 +22,7 @@ from boundless.engine.cuda_graphs import DecodeGraphs
 from boundless.engine.executor import ModelExecutor
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import Sampler
+from boundless.engine.structured_output import Grammars
 from boundless.kv.disk_store import DiskKVStore, StoreLayout
 from boundless.kv.tensors import PagedKVCache
 from boundless.kv.throttled_store import ReadLink, ThrottledStore
@@ -126,7 +127,7 @@ def build_model_executor(
             loaded.model, kv_cache, attention, config.scheduler.max_num_seqs, layout.max_model_len, loaded.device
         )
         graphs.capture()
-    sampler = Sampler(loaded.device, seed=config.model.seed)
+    sampler = Sampler(loaded.device, seed=config.model.seed, grammars=Grammars(loaded.tokenizer, arch.vocab_size))
     runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device, graphs)
     lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
     if store is None and layout.disk_bytes:

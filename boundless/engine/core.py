@@ -27,6 +27,7 @@ from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
+from boundless.engine.structured_output import check_structured_output
 from boundless.kv.disk_moves import DiskIOStats
 from boundless.kv.layer_gate import LayerLost
 from boundless.kv.manager import KVCacheManager
@@ -432,6 +433,8 @@ class EngineCore:
         bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad_bias is not None:
             raise InvalidRequestError(f"logit_bias: token id {bad_bias} is not in [0, {vocab})", "logit_bias")
+        if params.structured is not None:
+            check_structured_output(params.structured)
         wanted = params.max_tokens or 1
         if len(prompt_token_ids) + wanted > self.max_model_len:
             raise InvalidRequestError(

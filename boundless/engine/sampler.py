@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.engine.scheduler import ScheduledChunk
+from boundless.engine.structured_output import GrammarMatcher, Grammars, mask_logits
 from boundless.model import cpu_kernels
 
 
@@ -34,31 +35,53 @@ class TokenCounts:
     @classmethod
     def of(cls, chunk: ScheduledChunk, device: torch.device) -> TokenCounts:
         """Counted from the chunk's history (the request's tokens before this step)."""
-        prompt = chunk.history[: chunk.num_prompt_tokens]
-        output = chunk.history[chunk.num_prompt_tokens : chunk.num_prompt_tokens + chunk.num_output_tokens]
-        if len(output) != chunk.num_output_tokens:
-            raise RuntimeError(
-                f"request {chunk.request_id}: {chunk.num_output_tokens} output tokens, {len(output)} in its history"
-            )
-        ids = torch.tensor(list(prompt), dtype=torch.long, device=device)
+        output = _outputs(chunk)
+        ids = torch.tensor(list(chunk.history[: chunk.num_prompt_tokens]), dtype=torch.long, device=device)
         return cls(torch.unique(ids), Counter(output), len(output))
+
+
+def _outputs(chunk: ScheduledChunk) -> Sequence[int]:
+    """The output tokens the chunk's request had before this step (from its history)."""
+    output = chunk.history[chunk.num_prompt_tokens : chunk.num_prompt_tokens + chunk.num_output_tokens]
+    if len(output) != chunk.num_output_tokens:
+        raise RuntimeError(
+            f"request {chunk.request_id}: {chunk.num_output_tokens} output tokens, {len(output)} in its history"
+        )
+    return output
 
 
 class Sampler:
     """Samples one token per row; seeded requests own a generator, so their samples do not depend on the batch.
-    Penalized requests' token counts are kept here between steps (:class:`TokenCounts`)."""
+    Penalized requests' token counts (:class:`TokenCounts`) and structured requests' places in their grammars
+    (``grammars``, the engine's compiled ones) are kept here between steps, advanced by each token drawn."""
 
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, grammars: Grammars | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.grammars = grammars
         self._generators: dict[str, torch.Generator] = {}
         self._counts: dict[str, TokenCounts] = {}
+        self._matchers: dict[str, GrammarMatcher] = {}
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
             self._counts.pop(rid, None)
+            self._matchers.pop(rid, None)
+
+    def _matcher(self, chunk: ScheduledChunk) -> GrammarMatcher:
+        """The request's matcher, made (and given the outputs it already has) when first seen."""
+        matcher = self._matchers.get(chunk.request_id)
+        # (A matcher that took its end token stays: a window's passes after it draw tokens that are discarded.)
+        if matcher is None or (matcher.num_tokens != chunk.num_output_tokens and not matcher.done):
+            spec = chunk.sampling_params.structured
+            if self.grammars is None or spec is None:
+                raise RuntimeError("a structured request reached a sampler without grammars")
+            matcher = self.grammars.matcher(spec)
+            matcher.replay(_outputs(chunk))
+            self._matchers[chunk.request_id] = matcher
+        return matcher
 
     def _generator_for(self, chunk: ScheduledChunk) -> torch.Generator:
         seed = chunk.sampling_params.seed
@@ -77,7 +100,11 @@ class Sampler:
         if any(c.sampling_params.logprobs is not None for c in chunks):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         penalized = [i for i, c in enumerate(chunks) if c.sampling_params.penalized]
-        logits = self._adjusted(logits, chunks, penalized)
+        # Structured rows, with their matchers; one whose output is complete (a window's pass past its EOS, whose
+        # token is discarded) is left alone.
+        structured = [(i, self._matcher(c)) for i, c in enumerate(chunks) if c.sampling_params.structured]
+        structured = [(i, m) for i, m in structured if not m.done]
+        logits = self._adjusted(logits, chunks, penalized, structured)
         greedy = [i for i, c in enumerate(chunks) if c.sampling_params.greedy]
         if len(greedy) == len(chunks):  # the common case: no copy of the logits rows
             tokens = cpu_kernels.argmax_rows(logits)
@@ -96,14 +123,22 @@ class Sampler:
             counts = self._counts[chunks[i].request_id]
             counts.output[token_list[i]] += 1
             counts.num_output_tokens += 1
+        for i, matcher in structured:
+            matcher.accept(token_list[i])
         out = [SampledToken(t) for t in token_list]
         if raw_logprobs is not None:
             self._fill_logprobs(raw_logprobs, tokens, chunks, out)
         return out
 
-    def _adjusted(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], penalized: list[int]) -> torch.Tensor:
-        """The logits to sample from: early stops forbidden, logit biases added, then penalties (vLLM's order).
-        A copy if any of them applies to a row."""
+    def _adjusted(
+        self,
+        logits: torch.Tensor,
+        chunks: Sequence[ScheduledChunk],
+        penalized: list[int],
+        structured: list[tuple[int, GrammarMatcher]],
+    ) -> torch.Tensor:
+        """The logits to sample from: logit biases added, then penalties (vLLM's order), early stops and tokens
+        the grammar does not allow forbidden. A copy if any of them applies to a row."""
         banned_rows, banned_ids, bias_rows, bias_ids, biases = [], [], [], [], []
         for i, c in enumerate(chunks):
             p = c.sampling_params
@@ -117,7 +152,7 @@ class Sampler:
                 bias_rows.append(i)
                 bias_ids.append(token)
                 biases.append(bias)
-        if not (banned_rows or bias_rows or penalized):
+        if not (banned_rows or bias_rows or penalized or structured):
             return logits
         logits = logits.clone()
         device = logits.device
@@ -128,6 +163,8 @@ class Sampler:
             self._penalize(logits, chunks, penalized)
         if banned_rows:
             logits[torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)] = float("-inf")
+        if structured:
+            mask_logits(logits, [i for i, _ in structured], [m for _, m in structured])
         return logits
 
     def _penalize(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], rows: list[int]) -> None:

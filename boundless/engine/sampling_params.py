@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from boundless.engine.errors import InvalidRequestError
+from boundless.engine.structured_output import StructuredOutput
 
 # Seeds are signed 64-bit integers, as vLLM takes them; torch.Generator.manual_seed accepts all of them.
 SEED_MIN = -(2**63)
@@ -37,6 +38,10 @@ class SamplingParams:
     They change the distribution sampled from, greedy included, not the reported ``logprobs`` (the model's raw
     ones, as vLLM reports them). ``min_p`` (vLLM's) drops tokens less likely than ``min_p`` times the most likely
     one after temperature.
+
+    ``structured`` holds the output to a grammar (``response_format``: any JSON object, or JSON under a schema;
+    ``engine/structured_output.py``). It cannot go with ``ignore_eos`` or ``min_tokens``: the grammar allows EOS
+    only, and at once, where the output is complete.
     """
 
     n: int = 1
@@ -58,8 +63,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # Whether a penalty needs the request's tokens so far (the scheduler hands them to the sampler only then).
+    structured: StructuredOutput | None = None
+    # Whether a penalty needs the request's tokens so far; whether anything does (a grammar replays a handed-off
+    # request's): the scheduler hands them to the sampler only then.
     penalized: bool = field(init=False, repr=False, compare=False, default=False)
+    needs_history: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +81,7 @@ class SamplingParams:
             "penalized",
             self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0,
         )
+        object.__setattr__(self, "needs_history", self.penalized or self.structured is not None)
         self._check("n", isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1")
         self._check("temperature", 0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]")
         self._check("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
@@ -124,6 +133,9 @@ class SamplingParams:
             "logit_bias names a token twice",
         )
         object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in self.logit_bias))
+        if self.structured is not None:
+            self._check("response_format", not self.ignore_eos, "response_format cannot go with ignore_eos")
+            self._check("response_format", self.min_tokens == 0, "response_format cannot go with min_tokens")
 
     @staticmethod
     def _check(param: str, ok: bool, message: str) -> None:

@@ -64,8 +64,8 @@ class ScheduledChunk:
     # Multi-step decoding (``engine/multi_step.py``): forward passes this one-token decode takes in the step's window,
     # its slots allocated up front (1: an ordinary chunk).
     num_steps: int = 1
-    # Penalties (``SamplingParams.penalized``): the request's tokens so far, prompt then output (its own list, not
-    # a copy), and how many are the prompt's; empty otherwise.
+    # Penalties and grammars (``SamplingParams.needs_history``): the request's tokens so far, prompt then output
+    # (its own list, not a copy), and how many are the prompt's; empty otherwise.
     history: Sequence[int] = ()
     num_prompt_tokens: int = 0
 
@@ -297,7 +297,7 @@ class Scheduler:
                     first_block=first_block,
                     remote=remote,
                     num_steps=windows[request.request_id] if windows else 1,
-                    history=request.all_token_ids if request.sampling_params.penalized else (),
+                    history=request.all_token_ids if request.sampling_params.needs_history else (),
                     num_prompt_tokens=len(request.prompt_token_ids),
                 )
             )

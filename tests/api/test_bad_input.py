@@ -74,6 +74,10 @@ def _msg(**fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "Hello", **fields}]}
 
 
+def _schema(schema: Any) -> dict[str, Any]:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
 def _content(content: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}]}
 
@@ -190,6 +194,21 @@ CORPUS: list[Case] = [
         None,
         SERVED,
     ),
+    # response_format: OpenAI's three types, a schema xgrammar can use, and not with ignore_eos or min_tokens
+    *both({"response_format": "json"}, "response_format"),
+    *both({"response_format": {"type": "xml"}}, "response_format.type"),
+    *both({"response_format": {"type": "json_schema"}}, "response_format"),
+    *both({"response_format": {"type": "json_object", "json_schema": {"name": "x"}}}, "response_format"),
+    *both(
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"
+    ),
+    *both(_schema({"type": 5}), "response_format"),
+    *both(_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "response_format"),
+    *both({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
+    *both({"response_format": {"type": "json_object"}, "min_tokens": 1}, "response_format"),
+    completion({"response_format": {"type": "json_object"}}, None, SERVED),
+    chat(_schema({"type": "object", "properties": {"a": {"type": "integer"}}}), None, SERVED),
+    chat({"response_format": {"type": "text"}}, None, SERVED),
     # stream, stream_options
     *both({"stream": "false"}, "stream"),
     *both({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream

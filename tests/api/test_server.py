@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import json
 import time
 from collections.abc import Iterator
 
@@ -178,6 +179,34 @@ def test_penalties_and_logit_bias_are_served_as_the_offline_engine_applies_them(
     assert served == expected
     assert len(set(served[:3])) == 3  # each penalty changed the greedy text
     assert served[3] == smollm2.tokenizer.decode([forced] * 12)
+
+
+def test_response_format_holds_chat_to_a_json_schema_streamed_and_not(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Name a large city and its population."}],
+        "max_tokens": 60,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    }
+    whole = client.chat.completions.create(**ask)
+    value = json.loads(whole.choices[0].message.content)
+    assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+    assert whole.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(**ask, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole.choices[0].message.content
+    # JSON mode: an object, where the free answer is prose.
+    free = client.chat.completions.create(**{**ask, "response_format": {"type": "text"}})
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)
+    mode = client.chat.completions.create(**{**ask, "response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(mode.choices[0].message.content), dict)
 
 
 def test_async_client_32_concurrent_streams_match_offline(aclient: openai.AsyncOpenAI, smollm2: LoadedModel) -> None:

@@ -1,0 +1,161 @@
+"""Structured outputs: a request's tokens held to a grammar (OpenAI's ``response_format``: any JSON object, or JSON
+following a schema), with xgrammar, the library vLLM and SGLang use.
+
+Each step, the sampler asks a request's :class:`GrammarMatcher` which tokens may come next (a bitmask over the
+vocabulary), forbids the others in its logits, and tells the matcher the token it drew. A grammar is compiled once
+per engine for the tokenizer's vocabulary (:class:`Grammars`, cached by spec); a matcher is a request's position in
+it. The grammar allows the model's EOS only where the output is complete, so a request ends with valid JSON unless
+``max_tokens`` or a stop string cuts it first (``finish_reason`` says so, as OpenAI's does).
+
+xgrammar is imported on first use: an engine that serves no structured request never loads it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from boundless.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from boundless.model.tokenizer import Tokenizer
+
+StructuredKind = Literal["json_object", "json_schema"]
+# Compiled grammars an engine keeps (a schema's grammar is ~5 ms to compile for a 49 K vocabulary).
+MAX_GRAMMARS = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must be: ``json_object`` (any JSON object) or ``json_schema`` (JSON valid under
+    ``schema``, a JSON Schema as text)."""
+
+    kind: StructuredKind
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_object", "json_schema"):
+            raise InvalidRequestError(f"unknown structured output {self.kind!r}", "response_format")
+        if (self.kind == "json_schema") != (self.schema is not None):
+            raise InvalidRequestError("a json_schema output needs its schema, and only it", "response_format")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutput:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as e:  # installed by `make serve` and `make test`; optional for the package
+        raise InvalidRequestError(
+            "structured outputs (response_format) need the xgrammar package, which this server lacks",
+            "response_format",
+        ) from e
+    return xgrammar
+
+
+def check_structured_output(spec: StructuredOutput) -> None:
+    """Raise :class:`InvalidRequestError` unless the spec's grammar can be built (a schema xgrammar can read).
+    Needs no tokenizer: an engine checks a request before it queues it."""
+    _grammar(_xgrammar(), spec)
+
+
+def _grammar(xgr: Any, spec: StructuredOutput) -> Any:
+    if spec.kind == "json_object":
+        # An object, as OpenAI's JSON mode promises (xgrammar's built-in JSON grammar takes arrays and scalars too);
+        # not strict, so that it may hold any properties.
+        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False)
+    try:
+        return xgr.Grammar.from_json_schema(spec.schema)
+    except Exception as e:  # xgrammar raises RuntimeError or ValueError, with the reason
+        raise InvalidRequestError(f"response_format: the JSON schema cannot be used: {e}", "response_format") from e
+
+
+class Grammars:
+    """Grammars compiled for one tokenizer's vocabulary (``vocab_size``: the logits' width, which may exceed the
+    tokenizer's), with the model's EOS ids as the tokens that end an output; the last :data:`MAX_GRAMMARS` kept."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler: Any = None
+        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
+
+    def _compile(self, spec: StructuredOutput) -> Any:
+        compiled = self._compiled.get(spec)
+        if compiled is not None:
+            self._compiled.move_to_end(spec)
+            return compiled
+        xgr = _xgrammar()
+        if self._compiler is None:
+            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=1)
+        compiled = self._compiler.compile_grammar(_grammar(xgr, spec))
+        self._compiled[spec] = compiled
+        if len(self._compiled) > MAX_GRAMMARS:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _tokenizer_info(self, xgr: Any) -> Any:
+        """The vocabulary as xgrammar sees it, made as its ``TokenizerInfo.from_huggingface`` makes it from a fast
+        tokenizer (without transformers, which serving does not install): each id's token, and the vocabulary's
+        kind (byte-level, byte fallback, raw) and prefix space read from the Rust tokenizer's JSON (xgrammar's
+        reader of it is private: the version is pinned in the Makefile)."""
+        backend = self.tokenizer.backend
+        encoded = [""] * self.vocab_size
+        for token, token_id in backend.get_vocab(with_added_tokens=True).items():
+            if token_id < self.vocab_size:
+                encoded[token_id] = token
+        metadata = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+        if isinstance(metadata, str):
+            metadata = json.loads(metadata)
+        return xgr.TokenizerInfo(
+            encoded,
+            xgr.VocabType(metadata["vocab_type"]),
+            vocab_size=self.vocab_size,
+            stop_token_ids=list(self.tokenizer.eos_token_ids),
+            add_prefix_space=bool(metadata["add_prefix_space"]),
+        )
+
+    def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
+        return GrammarMatcher(_xgrammar().GrammarMatcher(self._compile(spec)))
+
+
+class GrammarMatcher:
+    """One request's place in its grammar: which tokens may come next, and each token it took."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+        self.num_tokens = 0  # tokens accepted
+
+    def accept(self, token_id: int) -> None:
+        if not self._matcher.accept_token(token_id):
+            raise RuntimeError(f"token {token_id} breaks the request's grammar")
+        self.num_tokens += 1
+
+    @property
+    def done(self) -> bool:
+        """The output is complete and its end token taken: nothing more is constrained."""
+        return bool(self._matcher.is_terminated())
+
+    def replay(self, token_ids: Sequence[int]) -> None:
+        """Accept tokens the request drew before this matcher was made (a prefill engine's, after a handoff)."""
+        for token_id in token_ids:
+            self.accept(token_id)
+
+
+def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
+    """Forbid, in place, every token that row ``rows[j]``'s grammar (``matchers[j]``) does not allow next."""
+    xgr = _xgrammar()
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+    for j, m in enumerate(matchers):
+        m._matcher.fill_next_token_bitmask(bitmask, j)
+    index = torch.tensor(rows, device=logits.device)
+    picked = logits[index].contiguous()  # (a copy: rows chosen by index)
+    xgr.apply_token_bitmask_inplace(picked, bitmask.to(logits.device))
+    logits[index] = picked
