@@ -66,6 +66,26 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs`` (in ``extra_body``): exactly one of a JSON schema (``json``, an object or its
+    text), a regular expression, a list of choices, an EBNF grammar, or ``json_object``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # (``json`` is a BaseModel method)
+    regex: str | None = None
+    choice: Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: Bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsParams:
+        given = [self.json_, self.regex, self.choice, self.grammar, self.json_object or None]
+        if sum(v is not None for v in given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object")
+        return self
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completions; unknown fields are accepted and ignored, as OpenAI does."""
 
@@ -81,6 +101,7 @@ class _SamplingFields(BaseModel):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None  # (on completions too, as vLLM takes it)
+    structured_outputs: StructuredOutputsParams | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     # Token ids (as strings, OpenAI's JSON keys) to biases in [-100, 100]; the ids are checked against the vocabulary.

@@ -28,10 +28,9 @@ from boundless.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     InvalidContentPart,
-    ResponseFormat,
     message_text,
 )
-from boundless.api.tool_calls import parse_tool_calls, template_messages
+from boundless.api.tool_calls import forced_call_schema, parse_tool_calls, template_messages
 from boundless.api.validation import header_identifier, require_token_ids, require_valid_text
 from boundless.config import ServerConfig
 from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
@@ -132,7 +131,12 @@ class Choice:
 # -- request -> engine inputs ------------------------------------------------------------------
 
 
-def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, logprobs: int | None):
+def _sampling_params(
+    body: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    structured: StructuredOutput | None,
+) -> SamplingParams:
     stop = body.stop if isinstance(body.stop, list) else ([] if body.stop is None else [body.stop])
     return SamplingParams(
         n=body.n,
@@ -153,16 +157,49 @@ def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_p=body.min_p or 0.0,
         logit_bias=tuple((int(t), b) for t, b in (body.logit_bias or {}).items()),
-        structured=_structured(body.response_format),
+        structured=structured,
     )
 
 
-def _structured(response_format: ResponseFormat | None) -> StructuredOutput | None:
-    if response_format is None or response_format.type == "text":
+def _forced_calls(body: ChatCompletionRequest) -> StructuredOutput | None:
+    """The grammar of a ``tool_choice`` that forces a call (``required`` or a named function), else None."""
+    choice = body.tool_choice
+    if choice is None or choice in ("none", "auto"):
         return None
-    if response_format.json_schema is None or response_format.json_schema.schema_ is None:
-        return StructuredOutput("json_object")
-    return StructuredOutput.json_schema(response_format.json_schema.schema_)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+    names = [t["function"]["name"] for t in tools]
+    if not tools:
+        raise APIError(400, "a tool_choice that forces a call needs tools", "tool_choice", "invalid_value")
+    if (body.response_format is not None and body.response_format.type != "text") or body.structured_outputs:
+        where = "structured_outputs" if body.structured_outputs else "response_format"
+        raise APIError(400, f"{where} cannot go with a tool_choice that forces a call", where, "invalid_value")
+    name = None if choice == "required" else choice.function.name  # type: ignore[union-attr]
+    if name is not None and name not in names:
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice", "invalid_value")
+    return StructuredOutput.json_schema(forced_call_schema(tools, name))
+
+
+def _structured(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
+    """The grammar ``response_format`` or ``structured_outputs`` asks for (not both), else None."""
+    response_format, wanted = body.response_format, body.structured_outputs
+    if response_format is not None and response_format.type != "text":
+        if wanted is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+        if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+            return StructuredOutput("json_object")
+        return StructuredOutput.json_schema(response_format.json_schema.schema_)
+    if wanted is None:
+        return None
+    where = "structured_outputs"
+    if wanted.json_ is not None:
+        return StructuredOutput.json_schema(wanted.json_, where)
+    if wanted.regex is not None:
+        return StructuredOutput("regex", wanted.regex, where)
+    if wanted.choice is not None:
+        return StructuredOutput.choice(wanted.choice, where)
+    if wanted.grammar is not None:
+        return StructuredOutput("grammar", wanted.grammar, where)
+    return StructuredOutput("json_object", None, where)
 
 
 def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) -> ProgramRef | None:
@@ -278,7 +315,7 @@ class OpenAIServer:
         use_tools = bool(body.tools) and body.tool_choice != "none"
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            params = _sampling_params(body, max_tokens, logprobs)
+            params = _sampling_params(body, max_tokens, logprobs, _forced_calls(body) or _structured(body))
             streams = self.submit_all(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used for the limit
             if e.param == "max_tokens" and body.max_completion_tokens is not None:
@@ -417,7 +454,8 @@ class OpenAIServer:
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         prompts = self.completion_prompts(body)
-        params = _sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        params = _sampling_params(body, max_tokens, body.logprobs, _structured(body))
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = self.submit_all(rid, prompts, params, _program(body, request))
         prompt_len = sum(len(p) for p in prompts)

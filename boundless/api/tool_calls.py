@@ -3,6 +3,9 @@
 Templates that take ``tools`` teach the model one of two shapes, and both are recognised:
 Hermes/Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, and a bare
 JSON object (or list of objects) with ``name`` and ``arguments`` or ``parameters`` (Llama 3.1).
+
+A ``tool_choice`` that forces a call (``required``, or a named function) holds the output to the second shape
+with a JSON schema (:func:`forced_call_schema`, as vLLM does), so the calls parse whatever the model would say.
 """
 
 from __future__ import annotations
@@ -72,6 +75,28 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         if calls and len(calls) == len(items):
             return None, calls
     return text, []
+
+
+def forced_call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
+    """The JSON schema of the output when a call is forced: ``name``'s call (``{"name": ..., "parameters": ...}``
+    with its parameters' schema), or with ``name=None`` (``required``) a list of one or more calls of any of the
+    tools. ``tools`` as the request sends them (``{"type": "function", "function": {...}}``)."""
+
+    def call(function: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {
+                "name": {"enum": [function["name"]]},
+                "parameters": function.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+
+    functions = [t["function"] for t in tools]
+    if name is not None:
+        return call(next(f for f in functions if f["name"] == name))
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [call(f) for f in functions]}}
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

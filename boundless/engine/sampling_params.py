@@ -40,8 +40,8 @@ class SamplingParams:
     one after temperature.
 
     ``structured`` holds the output to a grammar (``response_format``: any JSON object, or JSON under a schema;
-    ``engine/structured_output.py``). It cannot go with ``ignore_eos`` or ``min_tokens``: the grammar allows EOS
-    only, and at once, where the output is complete.
+    ``structured_outputs``: those, a regex, a choice, an EBNF grammar; ``engine/structured_output.py``). It cannot
+    go with ``ignore_eos`` or ``min_tokens``: the grammar allows EOS only, and at once, where the output is complete.
     """
 
     n: int = 1
@@ -134,8 +134,9 @@ class SamplingParams:
         )
         object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in self.logit_bias))
         if self.structured is not None:
-            self._check("response_format", not self.ignore_eos, "response_format cannot go with ignore_eos")
-            self._check("response_format", self.min_tokens == 0, "response_format cannot go with min_tokens")
+            where = self.structured.param
+            self._check(where, not self.ignore_eos, f"{where} cannot go with ignore_eos")
+            self._check(where, self.min_tokens == 0, f"{where} cannot go with min_tokens")
 
     @staticmethod
     def _check(param: str, ok: bool, message: str) -> None:

@@ -1,5 +1,6 @@
 """Structured outputs: a request's tokens held to a grammar (OpenAI's ``response_format``: any JSON object, or JSON
-following a schema), with xgrammar, the library vLLM and SGLang use.
+following a schema; vLLM's ``structured_outputs``: those, a regular expression, a choice of strings or an EBNF
+grammar), with xgrammar, the library vLLM and SGLang use.
 
 Each step, the sampler asks a request's :class:`GrammarMatcher` which tokens may come next (a bitmask over the
 vocabulary), forbids the others in its logits, and tells the matcher the token it drew. A grammar is compiled once
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -25,56 +26,77 @@ from boundless.engine.errors import InvalidRequestError
 if TYPE_CHECKING:
     from boundless.model.tokenizer import Tokenizer
 
-StructuredKind = Literal["json_object", "json_schema"]
+StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
+# Whitespace between two of JSON's tokens, at most: room for a pretty-printed object's newline and indent eight
+# levels deep, not for a weak model's endless run of blanks (what vLLM's --disable-any-whitespace is for).
+MAX_WHITESPACE = 32
 # Compiled grammars an engine keeps (a schema's grammar is ~5 ms to compile for a 49 K vocabulary).
 MAX_GRAMMARS = 256
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """What a request's output must be: ``json_object`` (any JSON object) or ``json_schema`` (JSON valid under
-    ``schema``, a JSON Schema as text)."""
+    """What a request's output must be: ``json_object`` (any JSON object), ``json_schema`` (JSON valid under the
+    JSON Schema ``definition``), ``regex`` (text matching the regular expression ``definition``), ``choice`` (one
+    of the strings in ``definition``, a JSON list) or ``grammar`` (text of the EBNF grammar ``definition``, in
+    xgrammar's dialect of GBNF, from its ``root`` rule). ``param``: the request's field it came from, which errors
+    name."""
 
     kind: StructuredKind
-    schema: str | None = None
+    definition: str | None = None
+    param: str = field(default="response_format", compare=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json_object", "json_schema"):
-            raise InvalidRequestError(f"unknown structured output {self.kind!r}", "response_format")
-        if (self.kind == "json_schema") != (self.schema is not None):
-            raise InvalidRequestError("a json_schema output needs its schema, and only it", "response_format")
+        if self.kind not in KINDS:
+            raise InvalidRequestError(f"unknown structured output {self.kind!r}", self.param)
+        if (self.kind == "json_object") != (self.definition is None):
+            raise InvalidRequestError(f"a {self.kind} output needs its definition, and only it", self.param)
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutput:
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+    def json_schema(cls, schema: dict[str, Any] | str, param: str = "response_format") -> StructuredOutput:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema), param)
+
+    @classmethod
+    def choice(cls, options: Sequence[str], param: str = "structured_outputs") -> StructuredOutput:
+        if not options or not all(isinstance(o, str) and o for o in options):
+            raise InvalidRequestError("a choice needs one or more non-empty strings", param)
+        return cls("choice", json.dumps(list(options), ensure_ascii=False), param)
 
 
-def _xgrammar() -> Any:
+def _xgrammar(param: str) -> Any:
     try:
         import xgrammar
     except ImportError as e:  # installed by `make serve` and `make test`; optional for the package
-        raise InvalidRequestError(
-            "structured outputs (response_format) need the xgrammar package, which this server lacks",
-            "response_format",
-        ) from e
+        raise InvalidRequestError("structured outputs need the xgrammar package, which this server lacks", param) from e
     return xgrammar
 
 
 def check_structured_output(spec: StructuredOutput) -> None:
-    """Raise :class:`InvalidRequestError` unless the spec's grammar can be built (a schema xgrammar can read).
-    Needs no tokenizer: an engine checks a request before it queues it."""
-    _grammar(_xgrammar(), spec)
+    """Raise :class:`InvalidRequestError` unless the spec's grammar can be built (a schema, regex or grammar
+    xgrammar can read). Needs no tokenizer: an engine checks a request before it queues it."""
+    _grammar(_xgrammar(spec.param), spec)
 
 
 def _grammar(xgr: Any, spec: StructuredOutput) -> Any:
-    if spec.kind == "json_object":
-        # An object, as OpenAI's JSON mode promises (xgrammar's built-in JSON grammar takes arrays and scalars too);
-        # not strict, so that it may hold any properties.
-        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False)
     try:
-        return xgr.Grammar.from_json_schema(spec.schema)
+        if spec.kind == "json_object":
+            # An object, as OpenAI's JSON mode promises (xgrammar's built-in JSON grammar takes arrays and scalars
+            # too); not strict, so that it may hold any properties.
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', strict_mode=False, max_whitespace_cnt=MAX_WHITESPACE
+            )
+        if spec.kind == "json_schema":
+            return xgr.Grammar.from_json_schema(spec.definition, max_whitespace_cnt=MAX_WHITESPACE)
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.definition)
+        if spec.kind == "choice":
+            # Each option a string literal of the grammar (JSON's escapes are the grammar's).
+            options = json.loads(spec.definition or "[]")
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+        return xgr.Grammar.from_ebnf(spec.definition)
     except Exception as e:  # xgrammar raises RuntimeError or ValueError, with the reason
-        raise InvalidRequestError(f"response_format: the JSON schema cannot be used: {e}", "response_format") from e
+        raise InvalidRequestError(f"{spec.param}: the {spec.kind} cannot be used: {e}", spec.param) from e
 
 
 class Grammars:
@@ -92,7 +114,7 @@ class Grammars:
         if compiled is not None:
             self._compiled.move_to_end(spec)
             return compiled
-        xgr = _xgrammar()
+        xgr = _xgrammar(spec.param)
         if self._compiler is None:
             self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=1)
         compiled = self._compiler.compile_grammar(_grammar(xgr, spec))
@@ -123,7 +145,7 @@ class Grammars:
         )
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
-        return GrammarMatcher(_xgrammar().GrammarMatcher(self._compile(spec)))
+        return GrammarMatcher(_xgrammar(spec.param).GrammarMatcher(self._compile(spec)))
 
 
 class GrammarMatcher:
@@ -151,7 +173,7 @@ class GrammarMatcher:
 
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
     """Forbid, in place, every token that row ``rows[j]``'s grammar (``matchers[j]``) does not allow next."""
-    xgr = _xgrammar()
+    xgr = _xgrammar("structured_outputs")
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
     for j, m in enumerate(matchers):
         m._matcher.fill_next_token_bitmask(bitmask, j)

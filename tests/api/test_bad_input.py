@@ -74,6 +74,9 @@ def _msg(**fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "Hello", **fields}]}
 
 
+_FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
 def _schema(schema: Any) -> dict[str, Any]:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
 
@@ -207,6 +210,19 @@ CORPUS: list[Case] = [
     *both({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
     *both({"response_format": {"type": "json_object"}, "min_tokens": 1}, "response_format"),
     completion({"response_format": {"type": "json_object"}}, None, SERVED),
+    # structured_outputs (vLLM's): exactly one of json, regex, choice, grammar and json_object, each one usable
+    *both({"structured_outputs": {}}, "structured_outputs"),
+    *both({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    *both({"structured_outputs": {"json_object": False}}, "structured_outputs"),
+    *both({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+    *both({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs"),
+    *both({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    *both({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    *both({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice.1"),
+    *both({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    *both({"structured_outputs": {"choice": ["a"]}, "ignore_eos": True}, "structured_outputs"),
+    completion({"structured_outputs": {"choice": ["yes", "no"]}}, None, SERVED),
+    chat({"structured_outputs": {"regex": "[0-9]{2}"}}, None, SERVED),
     chat(_schema({"type": "object", "properties": {"a": {"type": "integer"}}}), None, SERVED),
     chat({"response_format": {"type": "text"}}, None, SERVED),
     # stream, stream_options
@@ -273,6 +289,10 @@ CORPUS: list[Case] = [
     chat(_tool({"name": "f", "parameters": "x"}), "tools.0.function.parameters"),
     chat(_tool("f"), "tools.0.function"),
     chat({"tool_choice": "sometimes"}, "tool_choice"),
+    chat({"tool_choice": "required"}, "tool_choice"),  # without tools
+    chat({"tools": [_FN], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    chat({"tools": [_FN], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    chat({"tools": [_FN], "tool_choice": {"type": "function", "function": {"name": "f"}}}, None, SERVED),
     chat({"tool_choice": 5}, "tool_choice"),
     chat({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, None, SERVED),
     # prompt: string, list of strings, token ids out of range, empty

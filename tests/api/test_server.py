@@ -181,7 +181,7 @@ def test_penalties_and_logit_bias_are_served_as_the_offline_engine_applies_them(
     assert served[3] == smollm2.tokenizer.decode([forced] * 12)
 
 
-def test_response_format_holds_chat_to_a_json_schema_streamed_and_not(client: openai.OpenAI) -> None:
+def test_response_format_and_structured_outputs_hold_outputs_to_grammars(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",
         "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
@@ -207,6 +207,37 @@ def test_response_format_holds_chat_to_a_json_schema_streamed_and_not(client: op
         json.loads(free.choices[0].message.content)
     mode = client.chat.completions.create(**{**ask, "response_format": {"type": "json_object"}})
     assert isinstance(json.loads(mode.choices[0].message.content), dict)
+    # vLLM's structured_outputs: a choice.
+    pick = client.completions.create(
+        model=MODEL,
+        prompt="Review: the food was wonderful. Sentiment:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["positive", "negative"]}},
+    )
+    assert pick.choices[0].text in ("positive", "negative") and pick.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_required_gets_calls_of_the_tools(client: openai.OpenAI) -> None:
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[weather],
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
 
 
 def test_async_client_32_concurrent_streams_match_offline(aclient: openai.AsyncOpenAI, smollm2: LoadedModel) -> None:

@@ -101,3 +101,60 @@ def test_tools_and_tool_messages_reach_the_template(tmp_path: Path) -> None:
     finally:
         server.stop()
         engine.shutdown()
+
+
+UNITS = {
+    "type": "function",
+    "function": {
+        "name": "set_units",
+        "parameters": {
+            "type": "object",
+            "properties": {"metric": {"type": "boolean"}, "scale": {"enum": ["C", "F", "K"]}},
+            "required": ["metric", "scale"],
+        },
+    },
+}
+
+
+def test_a_named_tool_choice_makes_even_a_random_models_output_that_call(tmp_path: Path) -> None:
+    """The grammar holds the output to the named function's call: a random model, whose free text parses as no call,
+    answers with one, streamed and not; a name that is not among the tools is a 400."""
+    root = write_random_model(tmp_path / "m", TinySpec())
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    config["chat_template"] = HERMES_TEMPLATE.replace("\\n", "\n")
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = load_model(str(root))
+    engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
+    server = start_in_thread(engine, "tiny")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        ask = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Use Kelvin."}],
+            "tools": [WEATHER, UNITS],
+            "max_tokens": 200,
+            "temperature": 0,
+        }
+        free = client.chat.completions.create(**ask, tool_choice="auto")
+        assert not free.choices[0].message.tool_calls
+        forced = client.chat.completions.create(
+            **ask, tool_choice={"type": "function", "function": {"name": "set_units"}}
+        )
+        choice = forced.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0].function
+        arguments = json.loads(call.arguments)
+        assert call.name == "set_units" and isinstance(arguments["metric"], bool) and arguments["scale"] in "CFK"
+        stream = client.chat.completions.create(
+            **ask, tool_choice={"type": "function", "function": {"name": "set_units"}}, stream=True
+        )
+        streamed = [c.choices[0] for c in stream if c.choices]
+        calls = [t for c in streamed if c.delta.tool_calls for t in c.delta.tool_calls]
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("set_units", arguments)]
+        assert streamed[-1].finish_reason == "tool_calls"
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "nothing"}})
+        assert err.value.body["param"] == "tool_choice"
+    finally:
+        server.stop()
+        engine.shutdown()

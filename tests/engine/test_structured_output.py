@@ -4,6 +4,7 @@ noise), with multi-step windows, after a handoff's replay, and bad specs refused
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -125,3 +126,34 @@ def test_bad_specs_are_refused_before_anything_is_queued(tiny_llama: LoadedModel
     with pytest.raises(InvalidRequestError):
         StructuredOutput("json_schema")  # without its schema
     assert not core.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("spec", "valid"),
+    [
+        (StructuredOutput("regex", "[a-c]{3}-[0-9]{2}"), lambda text: re.fullmatch("[a-c]{3}-[0-9]{2}", text)),
+        (
+            StructuredOutput.choice(["yes", "no", 'a "quoted" maybe']),
+            lambda text: text in ("yes", "no", 'a "quoted" maybe'),
+        ),
+        (
+            StructuredOutput("grammar", 'root ::= ("ab" | "cd") [0-9] "!"'),
+            lambda text: re.fullmatch("(ab|cd)[0-9]!", text),
+        ),
+    ],
+)
+def test_regex_choice_and_grammar_outputs_of_a_random_model(tiny_llama: LoadedModel, spec, valid) -> None:
+    out = _run(_engine(tiny_llama), _requests(tiny_llama, spec, 4))
+    for rid, (text, reason) in out.items():
+        assert reason == "stop" and valid(text), f"{rid}: {text!r} ({reason})"
+    assert len({text for text, _ in out.values()}) > 1 or spec.kind == "choice"  # sampled rows differ
+
+
+@pytest.mark.parametrize("spec", [("regex", "[a-"), ("grammar", "root ::= missing"), ("json_schema", "{not json")])
+def test_definitions_xgrammar_cannot_read_are_refused(tiny_llama: LoadedModel, spec: tuple[str, str]) -> None:
+    core = _engine(tiny_llama)
+    with pytest.raises(InvalidRequestError) as err:
+        core.add_request(
+            "a", [1, 2], SamplingParams(structured=StructuredOutput(spec[0], spec[1], "structured_outputs"))
+        )
+    assert err.value.param == "structured_outputs" and spec[0] in str(err.value)
