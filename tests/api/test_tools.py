@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -13,7 +13,7 @@ from boundless.api.tool_calls import parse_tool_calls, template_messages
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.llm import engine_config
-from boundless.model.loader import load_model
+from boundless.model.loader import LoadedModel, load_model
 from boundless.model.random_model import TinySpec, write_random_model
 
 HERMES_TEMPLATE = (
@@ -63,8 +63,10 @@ def test_assistant_tool_call_arguments_become_objects_for_templates() -> None:
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the caller's copy is untouched
 
 
-def test_tools_and_tool_messages_reach_the_template(tmp_path: Path) -> None:
-    root = write_random_model(tmp_path / "m", TinySpec())
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoadedModel, openai.OpenAI]]:
+    """A random model whose chat template takes tools (Hermes style), served."""
+    root = write_random_model(tmp_path_factory.mktemp("hermes") / "m", TinySpec())
     config = json.loads((root / "tokenizer_config.json").read_text())
     config["chat_template"] = HERMES_TEMPLATE.replace("\\n", "\n")
     (root / "tokenizer_config.json").write_text(json.dumps(config))
@@ -72,35 +74,39 @@ def test_tools_and_tool_messages_reach_the_template(tmp_path: Path) -> None:
     engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
     server = start_in_thread(engine, "tiny")
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        messages = [
-            {"role": "user", "content": "Weather in Paris?"},
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {
-                        "id": "c1",
-                        "type": "function",
-                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-        ]
-        plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
-        with_tools = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=2)
-        expected = loaded.tokenizer.apply_chat_template(template_messages(messages), tools=[WEATHER])
-        assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in expected
-        assert with_tools.usage.prompt_tokens == len(loaded.tokenizer.encode(expected, add_special_tokens=False))
-        assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
-        none = client.chat.completions.create(
-            model="tiny", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=2
-        )
-        assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+        yield loaded, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_tools_and_tool_messages_reach_the_template(hermes: tuple[LoadedModel, openai.OpenAI]) -> None:
+    loaded, client = hermes
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    with_tools = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=2)
+    expected = loaded.tokenizer.apply_chat_template(template_messages(messages), tools=[WEATHER])
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in expected
+    assert with_tools.usage.prompt_tokens == len(loaded.tokenizer.encode(expected, add_special_tokens=False))
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+    none = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=2
+    )
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
 UNITS = {
@@ -116,45 +122,34 @@ UNITS = {
 }
 
 
-def test_a_named_tool_choice_makes_even_a_random_models_output_that_call(tmp_path: Path) -> None:
+def test_a_named_tool_choice_makes_even_a_random_models_output_that_call(
+    hermes: tuple[LoadedModel, openai.OpenAI],
+) -> None:
     """The grammar holds the output to the named function's call: a random model, whose free text parses as no call,
     answers with one, streamed and not; a name that is not among the tools is a 400."""
-    root = write_random_model(tmp_path / "m", TinySpec())
-    config = json.loads((root / "tokenizer_config.json").read_text())
-    config["chat_template"] = HERMES_TEMPLATE.replace("\\n", "\n")
-    (root / "tokenizer_config.json").write_text(json.dumps(config))
-    loaded = load_model(str(root))
-    engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
-    server = start_in_thread(engine, "tiny")
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        ask = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "Use Kelvin."}],
-            "tools": [WEATHER, UNITS],
-            "max_tokens": 200,
-            "temperature": 0,
-        }
-        free = client.chat.completions.create(**ask, tool_choice="auto")
-        assert not free.choices[0].message.tool_calls
-        forced = client.chat.completions.create(
-            **ask, tool_choice={"type": "function", "function": {"name": "set_units"}}
-        )
-        choice = forced.choices[0]
-        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
-        call = choice.message.tool_calls[0].function
-        arguments = json.loads(call.arguments)
-        assert call.name == "set_units" and isinstance(arguments["metric"], bool) and arguments["scale"] in "CFK"
-        stream = client.chat.completions.create(
-            **ask, tool_choice={"type": "function", "function": {"name": "set_units"}}, stream=True
-        )
-        streamed = [c.choices[0] for c in stream if c.choices]
-        calls = [t for c in streamed if c.delta.tool_calls for t in c.delta.tool_calls]
-        assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("set_units", arguments)]
-        assert streamed[-1].finish_reason == "tool_calls"
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "nothing"}})
-        assert err.value.body["param"] == "tool_choice"
-    finally:
-        server.stop()
-        engine.shutdown()
+    _, client = hermes
+    ask = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Use Kelvin."}],
+        "tools": [WEATHER, UNITS],
+        "max_tokens": 200,
+        "temperature": 0,
+    }
+    free = client.chat.completions.create(**ask, tool_choice="auto")
+    assert not free.choices[0].message.tool_calls
+    forced = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "set_units"}})
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0].function
+    arguments = json.loads(call.arguments)
+    assert call.name == "set_units" and isinstance(arguments["metric"], bool) and arguments["scale"] in "CFK"
+    stream = client.chat.completions.create(
+        **ask, tool_choice={"type": "function", "function": {"name": "set_units"}}, stream=True
+    )
+    streamed = [c.choices[0] for c in stream if c.choices]
+    calls = [t for c in streamed if c.delta.tool_calls for t in c.delta.tool_calls]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("set_units", arguments)]
+    assert streamed[-1].finish_reason == "tool_calls"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "nothing"}})
+    assert err.value.body["param"] == "tool_choice"
