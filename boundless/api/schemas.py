@@ -180,6 +180,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool = True  # false: at most one call (held to one with `required`, the first kept else)
     add_generation_prompt: Bool = True
 
 

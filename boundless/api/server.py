@@ -30,7 +30,7 @@ from boundless.api.schemas import (
     InvalidContentPart,
     message_text,
 )
-from boundless.api.tool_calls import forced_call_schema, parse_tool_calls, template_messages
+from boundless.api.tool_calls import ToolCall, forced_call_schema, parse_tool_calls, template_messages
 from boundless.api.validation import header_identifier, require_token_ids, require_valid_text
 from boundless.config import ServerConfig
 from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
@@ -161,6 +161,18 @@ def _sampling_params(
     )
 
 
+@dataclass(frozen=True)
+class _ToolUse:
+    """Whether a chat's output is read for tool calls, and whether it may make several (``parallel_tool_calls``)."""
+
+    used: bool
+    parallel: bool = True
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        content, calls = parse_tool_calls(text)
+        return content, calls if self.parallel else calls[:1]
+
+
 def _forced_calls(body: ChatCompletionRequest) -> StructuredOutput | None:
     """The grammar of a ``tool_choice`` that forces a call (``required`` or a named function), else None."""
     choice = body.tool_choice
@@ -176,7 +188,7 @@ def _forced_calls(body: ChatCompletionRequest) -> StructuredOutput | None:
     name = None if choice == "required" else choice.function.name  # type: ignore[union-attr]
     if name is not None and name not in names:
         raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice", "invalid_value")
-    return StructuredOutput.json_schema(forced_call_schema(tools, name))
+    return StructuredOutput.json_schema(forced_call_schema(tools, name, body.parallel_tool_calls))
 
 
 def _structured(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
@@ -312,7 +324,7 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        use_tools = bool(body.tools) and body.tool_choice != "none"
+        tools = _ToolUse(bool(body.tools) and body.tool_choice != "none", body.parallel_tool_calls)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             params = _sampling_params(body, max_tokens, logprobs, _forced_calls(body) or _structured(body))
@@ -324,15 +336,15 @@ class OpenAIServer:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             streams = await self._started(streams, request)
-            gen = self._chat_events(rid, body.model, streams, len(ids), body.logprobs, use_tools, include_usage)
+            gen = self._chat_events(rid, body.model, streams, len(ids), body.logprobs, tools, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream")
         choices = await self._collect(streams, request)
         out_choices = []
         for c in choices:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
             finish = c.finish_reason
-            if use_tools:
-                content, calls = parse_tool_calls(c.text)
+            if tools.used:
+                content, calls = tools.calls(c.text)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": [t.to_openai() for t in calls]}
                     finish = "tool_calls"
@@ -363,7 +375,7 @@ class OpenAIServer:
         streams: list[DeltaStream],
         prompt_len: int,
         want_logprobs: bool,
-        use_tools: bool,
+        tools: _ToolUse,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
@@ -396,10 +408,10 @@ class OpenAIServer:
         async for index, delta in self._merged(streams):
             c = choices[index]
             self._apply(c, delta)
-            if use_tools:
+            if tools.used:
                 if not delta.finished:
                     continue  # tool calls are recognised on the whole output; hold the text until then
-                content, calls = parse_tool_calls(c.text)
+                content, calls = tools.calls(c.text)
                 if calls:
                     if content:
                         yield chunk(

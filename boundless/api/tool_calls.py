@@ -77,10 +77,11 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     return text, []
 
 
-def forced_call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
+def forced_call_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool = True) -> dict[str, Any]:
     """The JSON schema of the output when a call is forced: ``name``'s call (``{"name": ..., "parameters": ...}``
     with its parameters' schema), or with ``name=None`` (``required``) a list of one or more calls of any of the
-    tools. ``tools`` as the request sends them (``{"type": "function", "function": {...}}``)."""
+    tools (one, unless ``parallel``). ``tools`` as the request sends them
+    (``{"type": "function", "function": {...}}``)."""
 
     def call(function: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -96,7 +97,10 @@ def forced_call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[st
     functions = [t["function"] for t in tools]
     if name is not None:
         return call(next(f for f in functions if f["name"] == name))
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [call(f) for f in functions]}}
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [call(f) for f in functions]}}
+    if not parallel:
+        calls["maxItems"] = 1
+    return calls
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from boundless.api.launch import start_in_thread
-from boundless.api.tool_calls import parse_tool_calls, template_messages
+from boundless.api.tool_calls import forced_call_schema, parse_tool_calls, template_messages
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.llm import engine_config
@@ -153,3 +153,40 @@ def test_a_named_tool_choice_makes_even_a_random_models_output_that_call(
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "nothing"}})
     assert err.value.body["param"] == "tool_choice"
+
+
+def test_required_without_parallel_calls_makes_exactly_one(hermes: tuple[LoadedModel, openai.OpenAI]) -> None:
+    _, client = hermes
+    counts = set()
+    for question in ("Units?", "Which scale?", "Metric or not?"):
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": question}],
+            tools=[UNITS],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=600,  # (room for the 32 blanks a random model may put between each two JSON tokens)
+            temperature=0,
+        )
+        assert r.choices[0].finish_reason == "tool_calls"
+        counts.add(len(r.choices[0].message.tool_calls))
+    assert counts == {1}
+
+
+def test_the_forced_schema_lists_each_tool_and_caps_the_calls_without_parallel_calls() -> None:
+    schema = forced_call_schema([WEATHER, UNITS], None, parallel=False)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [
+        {"enum": ["get_weather"]},
+        {"enum": ["set_units"]},
+    ]
+    named = forced_call_schema([WEATHER, UNITS], "set_units")
+    assert named["properties"]["parameters"] == UNITS["function"]["parameters"]
+
+
+def test_without_parallel_calls_only_the_first_parsed_call_is_kept() -> None:
+    from boundless.api.server import _ToolUse
+
+    text = '[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]'
+    assert [c.name for c in _ToolUse(True, parallel=False).calls(text)[1]] == ["f"]
+    assert [c.name for c in _ToolUse(True).calls(text)[1]] == ["f", "g"]
