@@ -168,24 +168,41 @@ class Sampler:
         return logits
 
     def _penalize(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], rows: list[int]) -> None:
-        """Apply the rows' penalties in place: repetition over the prompt's and the output's tokens, then frequency
-        and presence over the output's."""
-        device = logits.device
-        for i in rows:
+        """Apply the rows' penalties in place, all rows at once (as vLLM does, with dense per-row masks and counts;
+        a few host-to-device copies a step, not a few per row): repetition over the prompt's and the output's
+        tokens, then frequency and presence over the output's."""
+        device, vocab = logits.device, logits.shape[-1]
+        prompts, out_rows, out_ids, out_times = [], [], [], []
+        for j, i in enumerate(rows):
             c = chunks[i]
-            p = c.sampling_params
             counts = self._counts.get(c.request_id)
             if counts is None or counts.num_output_tokens != c.num_output_tokens:
                 counts = self._counts[c.request_id] = TokenCounts.of(c, device)
-            row = logits[i]
-            output_ids = torch.tensor(list(counts.output), dtype=torch.long, device=device)
-            if p.repetition_penalty != 1.0:
-                seen = torch.unique(torch.cat([counts.prompt, output_ids]))
-                values = row[seen]
-                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-            if output_ids.numel() and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
-                times = torch.tensor(list(counts.output.values()), dtype=logits.dtype, device=device)
-                row[output_ids] -= p.frequency_penalty * times + p.presence_penalty
+            prompts.append(counts.prompt)
+            out_rows.extend([j] * len(counts.output))
+            out_ids.extend(counts.output)
+            out_times.extend(counts.output.values())
+        params = [chunks[i].sampling_params for i in rows]
+        index = torch.tensor(rows, device=device)
+        picked = logits[index]
+        times = torch.zeros(len(rows), vocab, dtype=logits.dtype, device=device)
+        times[
+            torch.tensor(out_rows, dtype=torch.long, device=device),
+            torch.tensor(out_ids, dtype=torch.long, device=device),
+        ] = torch.tensor(out_times, dtype=logits.dtype, device=device)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = times > 0
+            prompt_rows = torch.repeat_interleave(
+                torch.arange(len(rows), device=device), torch.tensor([len(t) for t in prompts], device=device)
+            )
+            seen[prompt_rows, torch.cat(prompts)] = True
+            penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)
+            penalty = penalty.unsqueeze(1)
+            picked = torch.where(seen, torch.where(picked > 0, picked / penalty, picked * penalty), picked)
+        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)
+        picked = picked - frequency.unsqueeze(1) * times - presence.unsqueeze(1) * (times > 0)
+        logits[index] = picked
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
