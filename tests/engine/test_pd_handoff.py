@@ -5,6 +5,7 @@ free their blocks on both sides and the tokens are recomputed."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ from boundless.engine.core import KV_STREAM_LOST, EngineCore, RequestDelta, Resu
 from boundless.engine.handoff import HandoffPlan, IntakePlan
 from boundless.engine.request import RequestStatus
 from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.structured_output import StructuredOutput
 from boundless.kv.throttled_store import ThrottledStore
 from boundless.kv.transfer import HOST, PEER
 from boundless.model.loader import LoadedModel
@@ -161,6 +163,23 @@ def test_a_handed_off_request_decodes_the_colocated_tokens_from_the_received_blo
     # Nothing is held once the streams are reported: the PE's sent blocks and the DE's received ones are free.
     assert pair.pe.kv.pool.num_used == 0
     assert pair.de.kv.pool.num_used == 0 and pair.de.kv.pools[HOST].num_used == 0
+
+
+def test_a_structured_request_keeps_its_grammar_across_the_handoff(pair: Pair, tiny_llama: LoadedModel) -> None:
+    """The prefill engine draws the first token under the grammar; the decode engine's sampler replays it into a
+    matcher of its own and goes on: the colocated engine's tokens, valid JSON (a random model's)."""
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=200, structured=StructuredOutput.json_schema(schema))
+    _, first, rest = _disaggregated(pair, "s1", PROMPT, params)
+    tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+    assert tokens == _colocated(tiny_llama, PROMPT, params)
+    assert rest[-1].finish_reason == "stop"
+    assert json.loads(first.new_text + "".join(d.new_text for d in rest))["color"] in ("red", "green", "blue")
 
 
 CONTEXT = [(29 * j) % 300 + 3 for j in range(70)]  # a previous turn's context: 4 full blocks go to the store
