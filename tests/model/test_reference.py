@@ -218,9 +218,9 @@ PENALTY_CASES = {
 }
 
 
-# SmolLM2 takes ~10 s a case here: the case with all of them in the fast suite, the others in the slow one.
+# SmolLM2 takes ~7 s a case here: its cases are in the slow suite, the tiny models' in the fast one.
 PENALTY_PARAMS = [
-    pytest.param(name, case, marks=pytest.mark.slow if name == "smollm2-135m" and case != "all-windowed" else ())
+    pytest.param(name, case, marks=pytest.mark.slow if name == "smollm2-135m" else ())
     for name in MODELS
     for case in PENALTY_CASES
 ]
