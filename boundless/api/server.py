@@ -23,13 +23,7 @@ from starlette.types import ASGIApp
 from boundless.api.errors import APIError, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.metrics import ServerMetrics
-from boundless.api.schemas import (
-    ROLES,
-    ChatCompletionRequest,
-    CompletionRequest,
-    InvalidContentPart,
-    message_text,
-)
+from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionRequest, InvalidContentPart, message_text
 from boundless.api.tool_calls import ToolCall, forced_call_schema, parse_tool_calls, template_messages
 from boundless.api.validation import header_identifier, require_token_ids, require_valid_text
 from boundless.config import ServerConfig
@@ -188,7 +182,8 @@ def _forced_calls(body: ChatCompletionRequest) -> StructuredOutput | None:
     name = None if choice == "required" else choice.function.name  # type: ignore[union-attr]
     if name is not None and name not in names:
         raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice", "invalid_value")
-    return StructuredOutput.json_schema(forced_call_schema(tools, name, body.parallel_tool_calls))
+    # (A parameters schema xgrammar cannot use is then the tools' fault: errors name them.)
+    return StructuredOutput.json_schema(forced_call_schema(tools, name, body.parallel_tool_calls), "tools")
 
 
 def _structured(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:

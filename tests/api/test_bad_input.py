@@ -77,6 +77,10 @@ def _msg(**fields: Any) -> dict[str, Any]:
 _FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
+def _tool_with(parameters: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
 def _schema(schema: Any) -> dict[str, Any]:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
 
@@ -293,6 +297,7 @@ CORPUS: list[Case] = [
     chat({"tools": [_FN], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     chat({"tools": [_FN], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     chat({"tools": [_FN], "tool_choice": {"type": "function", "function": {"name": "f"}}}, None, SERVED),
+    chat({"tools": [_tool_with({"type": 5})], "tool_choice": "required"}, "tools"),  # parameters xgrammar can't use
     chat({"tool_choice": 5}, "tool_choice"),
     chat({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, None, SERVED),
     # prompt: string, list of strings, token ids out of range, empty
