@@ -35,6 +35,9 @@ def test_distattention_on_the_pytorch_attention_path(load, make_cluster, monkeyp
     _spanning_request_matches_one_instance(load("tiny-llama"), make_cluster, 3)
 
 
+# In Triton's interpreter on the CPU, ~15 s: the slow suite there (the kernels' partials and merge are checked in the
+# fast one, tests/attention/test_triton_paged.py); on CUDA it runs in scripts/gpu-check.sh.
+@pytest.mark.slow
 @pytest.mark.skipif(not triton_paged.available(torch.device("cpu")), reason="triton unavailable")
 def test_distattention_on_the_triton_kernels(load, make_cluster) -> None:
     """The local partials from the GPU backend's kernels (here in Triton's interpreter): their log-sum-exp is the
