@@ -31,7 +31,7 @@ from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
-from boundless.engine.structured_output import StructuredOutput
+from boundless.engine.structured_output import StructuredOutput, check_structured_output
 from boundless.programs.ref import ProgramRef
 
 T = TypeVar("T")
@@ -209,6 +209,13 @@ def _structured(body: ChatCompletionRequest | CompletionRequest) -> StructuredOu
     return StructuredOutput("json_object", None, where)
 
 
+async def _check_grammar(params: SamplingParams) -> None:
+    """Check a structured request's definition on a worker thread: the first one imports xgrammar (1.5 s), which
+    would stall every stream of the event loop."""
+    if params.structured is not None:
+        await asyncio.to_thread(check_structured_output, params.structured)
+
+
 def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) -> ProgramRef | None:
     program_id = body.program_id or header_identifier(request.headers, "X-Program-Id")
     thread_id = body.thread_id or header_identifier(request.headers, "X-Thread-Id")
@@ -323,6 +330,7 @@ class OpenAIServer:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             params = _sampling_params(body, max_tokens, logprobs, _forced_calls(body) or _structured(body))
+            await _check_grammar(params)
             streams = self.submit_all(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used for the limit
             if e.param == "max_tokens" and body.max_completion_tokens is not None:
@@ -463,6 +471,7 @@ class OpenAIServer:
         prompts = self.completion_prompts(body)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         params = _sampling_params(body, max_tokens, body.logprobs, _structured(body))
+        await _check_grammar(params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = self.submit_all(rid, prompts, params, _program(body, request))
         prompt_len = sum(len(p) for p in prompts)

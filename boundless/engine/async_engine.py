@@ -25,6 +25,7 @@ from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.engine.step_watch import StepReport, StepWatch
+from boundless.engine.structured_output import check_structured_output
 from boundless.programs.ref import ProgramRef
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._listeners: list[Callable[[RequestDelta], None]] = []
+        if core.grammars is not None:  # a request waiting for its grammar runs as soon as it is compiled
+            core.grammars.notify = self.wake
         self._thread = threading.Thread(target=self._run, name="boundless-engine", daemon=True)
         self._thread.start()
 
@@ -134,6 +137,8 @@ class EngineLoop:
         engine the request's prefill engine (``engine/handoff.py``)."""
         if not self._thread.is_alive():
             raise EngineDeadError("the engine loop has stopped")
+        if params.structured is not None:  # (outside the lock: the first imports xgrammar, 1.5 s the loop would wait)
+            check_structured_output(params.structured)
         with self.lock:
             if len(self.core.scheduler.waiting) >= self.max_waiting:
                 raise QueueFullError(retry_after_s=1.0)

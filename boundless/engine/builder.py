@@ -109,10 +109,12 @@ def build_model_executor(
     layout: EngineLayout,
     store: BlockStore | None = None,
     read_link: ReadLink | None = None,
+    grammars: Grammars | None = None,
 ) -> ModelExecutor:
     """The network, its KV memory (device and host, and the disk store: ``store``, else the one at
     ``--kv-disk-path``; its reads wait for ``read_link``, an emulated storage link, when given),
-    attention backend and sampler, ready to run steps."""
+    attention backend and sampler (compiling structured requests' grammars in ``grammars``, the engine's), ready to
+    run steps."""
     arch = loaded.arch
     loaded.model.prepare(layout.max_model_len)
     kv_cache = PagedKVCache(
@@ -127,7 +129,8 @@ def build_model_executor(
             loaded.model, kv_cache, attention, config.scheduler.max_num_seqs, layout.max_model_len, loaded.device
         )
         graphs.capture()
-    sampler = Sampler(loaded.device, seed=config.model.seed, grammars=Grammars(loaded.tokenizer, arch.vocab_size))
+    grammars = grammars or Grammars(loaded.tokenizer, arch.vocab_size)
+    sampler = Sampler(loaded.device, seed=config.model.seed, grammars=grammars)
     runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device, graphs)
     lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
     if store is None and layout.disk_bytes:

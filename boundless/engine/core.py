@@ -27,7 +27,7 @@ from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
-from boundless.engine.structured_output import check_structured_output
+from boundless.engine.structured_output import Grammars, StructuredOutput, check_structured_output
 from boundless.kv.disk_moves import DiskIOStats
 from boundless.kv.layer_gate import LayerLost
 from boundless.kv.manager import KVCacheManager
@@ -167,6 +167,7 @@ class EngineCore:
         executor: Executor,
         clock: Callable[[], float] = time.monotonic,
         policy: SchedulingPolicy | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -201,6 +202,10 @@ class EngineCore:
             max_num_seqs=config.scheduler.max_num_seqs,
             num_scheduler_steps=config.scheduler.num_scheduler_steps,
         )
+        # The executor's sampler's grammars (one compilation a spec for both): a structured request waits in its queue
+        # while its grammar compiles in the background (``_compiling``, by request id), as vLLM's requests do.
+        self.grammars = grammars
+        self._compiling: dict[str, StructuredOutput] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         # Every step's shapes and seconds: what the step-time models (the KV-lending planner's, the prefill
@@ -230,8 +235,9 @@ class EngineCore:
         """An instance that runs ``loaded`` on its device (its store reads waiting for ``read_link``, an
         emulated storage link, when given); a request may hold ``pools`` pools' worth of KV (``size_engine``)."""
         layout = size_engine(config, loaded.arch, loaded.dtype, pools)
-        executor = build_model_executor(loaded, config, layout, read_link=read_link)
-        return cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy)
+        grammars = Grammars(loaded.tokenizer, loaded.arch.vocab_size)
+        executor = build_model_executor(loaded, config, layout, read_link=read_link, grammars=grammars)
+        return cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy, grammars)
 
     def connect(
         self,
@@ -293,6 +299,10 @@ class EngineCore:
                 self.kv.note_on_disk(keys[handoff.recv_from : end])
         else:  # this engine reads what the store holds itself: PE-read, colocated, or resumed here
             self._count_stored_prefix(request_id, request.all_token_ids)
+        spec = params.structured
+        if spec is not None and self.grammars is not None and not self.grammars.prepare(spec):
+            self._compiling[request_id] = spec
+            self.scheduler.compiling.add(request_id)
         self.scheduler.add(request)
         return request
 
@@ -491,6 +501,8 @@ class EngineCore:
         if not self.has_unfinished() and self.kv.has_writes_to_hand_over():
             self.step()
         self.executor.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -498,11 +510,15 @@ class EngineCore:
         """Run one iteration; returns the requests that produced tokens (or finished)."""
         sched = self.schedule()
         if sched.is_empty:
+            if self._compiling and self.grammars is not None:  # nothing to run until a grammar is: wait for one
+                self.grammars.wait(self._compiling.values(), timeout_s=1.0)
             return []
         return self.finish_step(sched, self.execute(sched))
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (bookkeeping only; cheap)."""
+        if self._compiling:
+            self._admit_compiled()
         if self._awaiting:
             self._drop_stale_intakes()
         if self._prefetches:
@@ -510,6 +526,15 @@ class EngineCore:
             for request_id in [rid for rid, deadline in self._prefetches.items() if deadline < now]:
                 self.drop_prefetch(request_id)
         return self.scheduler.schedule()
+
+    def _admit_compiled(self) -> None:
+        """Let the requests whose grammars are compiled (or gone) be admitted."""
+        assert self.grammars is not None
+        requests = self.scheduler.requests
+        for request_id, spec in list(self._compiling.items()):
+            if request_id not in requests or self.grammars.ready(spec):
+                del self._compiling[request_id]
+                self.scheduler.compiling.discard(request_id)
 
     def _drop_stale_intakes(self) -> None:
         """Drop prepared requests whose first token never came (their blocks are freed)."""

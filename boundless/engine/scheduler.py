@@ -174,6 +174,8 @@ class Scheduler:
         # request whose peak needs more blocks than the pool starts only once the gManager granted it.
         self.grants_required = False
         self.granted: set[str] = set()
+        # Structured requests whose grammars are still compiling (``EngineCore``): not admitted until they are.
+        self.compiling: set[str] = set()
 
     # -- queue changes ---------------------------------------------------------------------
 
@@ -199,6 +201,7 @@ class Scheduler:
         request.finish_time = self.clock()
         self.held.discard(request_id)
         self.granted.discard(request_id)
+        self.compiling.discard(request_id)
         self.kv.end_request(request_id)
         self.policy.on_finish(request, request.finish_time)
         self._finished_since_step.append(request_id)
@@ -359,10 +362,12 @@ class Scheduler:
 
     def _held_back(self, request: Request) -> bool:
         """Whether a request may not run yet: its blocks are on their way from the store or a peer, it waits for
-        its first token (a decode engine's), it still has its prefix to push (DE-read), or KV lending holds it back."""
+        its first token (a decode engine's), it still has its prefix to push (DE-read), KV lending holds it back, or
+        its grammar is compiling."""
         rid = request.request_id
         return (
             rid in self.held
+            or rid in self.compiling
             or self.awaits_grant(request)
             or request.awaiting_resume
             or request.push is not None

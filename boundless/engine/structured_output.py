@@ -13,9 +13,12 @@ xgrammar is imported on first use: an engine that serves no structured request n
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -72,9 +75,11 @@ def _xgrammar(param: str) -> Any:
     return xgrammar
 
 
+@functools.lru_cache(maxsize=MAX_GRAMMARS)
 def check_structured_output(spec: StructuredOutput) -> None:
     """Raise :class:`InvalidRequestError` unless the spec's grammar can be built (a schema, regex or grammar
-    xgrammar can read). Needs no tokenizer: an engine checks a request before it queues it."""
+    xgrammar can read). Needs no tokenizer: an engine checks a request before it queues it. Remembered for the
+    specs that passed (a server's front end and its engine check each request)."""
     _grammar(_xgrammar(spec.param), spec)
 
 
@@ -101,27 +106,62 @@ def _grammar(xgr: Any, spec: StructuredOutput) -> Any:
 
 class Grammars:
     """Grammars compiled for one tokenizer's vocabulary (``vocab_size``: the logits' width, which may exceed the
-    tokenizer's), with the model's EOS ids as the tokens that end an output; the last :data:`MAX_GRAMMARS` kept."""
+    tokenizer's), with the model's EOS ids as the tokens that end an output; the last :data:`MAX_GRAMMARS` kept.
+
+    Compiling takes the engine's first structured request seconds (xgrammar reads the vocabulary) and each new
+    schema milliseconds to a second, so it runs on a thread of its own (:meth:`prepare`), mostly outside the GIL:
+    the engine holds the request back until :meth:`ready` says its grammar is, and its other requests keep stepping
+    meanwhile (vLLM's requests wait for their grammars alike). ``notify`` is called when a compilation ends (an
+    engine loop waiting for work wakes)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.notify: Callable[[], None] | None = None
         self._compiler: Any = None
-        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._compiled: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
+        self._lock = threading.Lock()  # the cache, shared with the compiling thread's callbacks
+        self._pool: ThreadPoolExecutor | None = None
+
+    def prepare(self, spec: StructuredOutput) -> bool:
+        """Start compiling the spec's grammar unless it is compiled or compiling; whether it is :meth:`ready`."""
+        with self._lock:
+            future = self._compiled.get(spec)
+            if future is not None:
+                self._compiled.move_to_end(spec)
+                return future.done()
+            if self._pool is None:  # one thread: compilations share the compiler and its cache, in turn
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+            future = self._pool.submit(self._compile, spec)
+            self._compiled[spec] = future
+            if len(self._compiled) > MAX_GRAMMARS:
+                self._compiled.popitem(last=False)  # (a matcher in use keeps its grammar alive)
+        future.add_done_callback(self._compiled_one)
+        return False
+
+    def ready(self, spec: StructuredOutput) -> bool:
+        """Whether the spec's grammar is compiled (or its compilation failed, which :meth:`matcher` raises)."""
+        with self._lock:
+            future = self._compiled.get(spec)
+        return future is None or future.done()  # (not prepared, or dropped: a matcher compiles it where it is)
+
+    def wait(self, specs: Iterable[StructuredOutput], timeout_s: float) -> None:
+        """Wait until one of these specs' grammars is ready, at most ``timeout_s`` (for an engine with nothing else
+        to do)."""
+        with self._lock:
+            futures = [f for f in (self._compiled.get(s) for s in specs) if f is not None]
+        if futures:
+            wait(futures, timeout_s, return_when=FIRST_COMPLETED)
+
+    def _compiled_one(self, _: Future[Any]) -> None:
+        if self.notify is not None:
+            self.notify()
 
     def _compile(self, spec: StructuredOutput) -> Any:
-        compiled = self._compiled.get(spec)
-        if compiled is not None:
-            self._compiled.move_to_end(spec)
-            return compiled
         xgr = _xgrammar(spec.param)
         if self._compiler is None:
             self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=1)
-        compiled = self._compiler.compile_grammar(_grammar(xgr, spec))
-        self._compiled[spec] = compiled
-        if len(self._compiled) > MAX_GRAMMARS:
-            self._compiled.popitem(last=False)
-        return compiled
+        return self._compiler.compile_grammar(_grammar(xgr, spec))
 
     def _tokenizer_info(self, xgr: Any) -> Any:
         """The vocabulary as xgrammar sees it: its own reading of a fast tokenizer (each id's token, the vocabulary's
@@ -135,7 +175,21 @@ class Grammars:
         )
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
-        return GrammarMatcher(_xgrammar(spec.param).GrammarMatcher(self._compile(spec)))
+        """A new matcher at the start of the spec's grammar (waiting for it, or compiling it, if it is not ready)."""
+        self.prepare(spec)
+        with self._lock:
+            future = self._compiled.get(spec)
+        compiled = future.result() if future is not None else self._pool_compile(spec)
+        return GrammarMatcher(_xgrammar(spec.param).GrammarMatcher(compiled))
+
+    def _pool_compile(self, spec: StructuredOutput) -> Any:
+        # Dropped from the cache between prepare and now (more than MAX_GRAMMARS specs at once): compiled again.
+        assert self._pool is not None
+        return self._pool.submit(self._compile, spec).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class GrammarMatcher:

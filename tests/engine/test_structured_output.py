@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -90,6 +91,45 @@ def test_multi_step_windows_give_the_tokens_of_single_steps(tiny_llama: LoadedMo
     windowed = _run(_engine(tiny_llama, 8), requests)
     assert windowed == single
     assert all(text.lstrip().startswith("{") for text, _ in single.values()), single
+
+
+def test_a_request_waits_for_its_grammar_while_the_others_step(
+    tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grammar compiles off the engine's steps (the first one reads the vocabulary: seconds for a real model's):
+    its request is not admitted until it is, and the engine's other requests run meanwhile."""
+    core = _engine(tiny_llama)
+    assert core.grammars is not None
+    gate = threading.Event()
+    compile_grammar = core.grammars._compile
+
+    def held_compile(spec: StructuredOutput) -> object:
+        assert gate.wait(30)
+        return compile_grammar(spec)
+
+    monkeypatch.setattr(core.grammars, "_compile", held_compile)
+    encode = tiny_llama.tokenizer.encode
+    spec = StructuredOutput.json_schema(SCHEMA)
+    core.add_request("json", encode("A color:"), SamplingParams(temperature=0.0, max_tokens=200, structured=spec))
+    core.add_request("free", encode("Some text"), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    free: list[int] = []
+    while len(free) < 8:
+        for delta in core.step():
+            assert delta.request_id == "free"
+            free.extend(delta.new_token_ids)
+    waiting = core.scheduler.requests["json"]
+    assert waiting.num_computed_tokens == 0 and not waiting.output_token_ids
+    assert core.step() == []  # nothing else to run: waits (bounded) for the grammar, which is held
+    gate.set()
+    text = ""
+    while core.has_unfinished():
+        for delta in core.step():
+            text += delta.new_text
+    value = json.loads(text)
+    assert value["color"] in COLORS
+    # A second request of the same schema finds it compiled: admitted at once.
+    core.add_request("again", encode("Another:"), SamplingParams(temperature=0.0, max_tokens=200, structured=spec))
+    assert not core.scheduler.compiling and core.step()
 
 
 def test_a_request_first_seen_with_outputs_is_replayed_into_its_grammar(tiny_llama: LoadedModel) -> None:
