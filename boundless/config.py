@@ -242,11 +242,15 @@ class ServerConfig:
     served_model_name: str | None = field(default=None, metadata={"help": "model name clients use (default: --model)"})
     max_waiting: int = field(default=512, metadata={"help": "waiting requests beyond which the server answers 429"})
     max_body_mb: float = field(default=8.0, metadata={"help": "largest request body, in MiB (else 413)"})
+    max_stored_responses: int = field(
+        default=1024, metadata={"help": "finished /v1/responses kept for previous_response_id and GET (oldest dropped)"}
+    )
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, "port", "must be in 1..65535")
         _require(self.max_waiting > 0, "max_waiting", "must be positive")
         _require(self.max_body_mb > 0, "max_body_mb", "must be positive")
+        _require(self.max_stored_responses >= 0, "max_stored_responses", "must not be negative")
 
 
 ROUTINGS = ("locality", "least-loaded", "round-robin")

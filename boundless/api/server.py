@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` and ``GET /metrics``. The app talks to an :class:`EngineClient`: one in-process
+``GET /health`` and ``GET /metrics``; OpenAI's Responses API (``/v1/responses``) is in
+:mod:`boundless.api.responses`. The app talks to an :class:`EngineClient`: one in-process
 engine (:class:`~boundless.engine.async_engine.AsyncEngine`) or a cluster router.
 """
 
@@ -125,7 +126,7 @@ class Choice:
 # -- request -> engine inputs ------------------------------------------------------------------
 
 
-def _sampling_params(
+def sampling_params(
     body: ChatCompletionRequest | CompletionRequest,
     max_tokens: int | None,
     logprobs: int | None,
@@ -156,7 +157,7 @@ def _sampling_params(
 
 
 @dataclass(frozen=True)
-class _ToolUse:
+class ToolUse:
     """Whether a chat's output is read for tool calls, and whether it may make several (``parallel_tool_calls``)."""
 
     used: bool
@@ -209,7 +210,7 @@ def _structured(body: ChatCompletionRequest | CompletionRequest) -> StructuredOu
     return StructuredOutput("json_object", None, where)
 
 
-async def _check_grammar(params: SamplingParams) -> None:
+async def check_grammar(params: SamplingParams) -> None:
     """Check a structured request's definition on a worker thread: the first one imports xgrammar (1.5 s), which
     would stall every stream of the event loop."""
     if params.structured is not None:
@@ -224,7 +225,7 @@ def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) 
     return ProgramRef(program_id, thread_id, tuple(body.parent_thread_ids or ()))
 
 
-def _check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> None:
+def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> None:
     """What chat and completions check alike before anything is tokenized or submitted."""
     require_valid_text(body.model_dump())
     if body.stream_options is not None and not body.stream:
@@ -319,18 +320,18 @@ class OpenAIServer:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        _check_common(body, self.tokenizer.vocab_size)
+        check_common(body, self.tokenizer.vocab_size)
         self.check_model(body.model)
         ids = self.chat_prompt(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        tools = _ToolUse(bool(body.tools) and body.tool_choice != "none", body.parallel_tool_calls)
+        tools = ToolUse(bool(body.tools) and body.tool_choice != "none", body.parallel_tool_calls)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            params = _sampling_params(body, max_tokens, logprobs, _forced_calls(body) or _structured(body))
-            await _check_grammar(params)
+            params = sampling_params(body, max_tokens, logprobs, _forced_calls(body) or _structured(body))
+            await check_grammar(params)
             streams = self.submit_all(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used for the limit
             if e.param == "max_tokens" and body.max_completion_tokens is not None:
@@ -378,7 +379,7 @@ class OpenAIServer:
         streams: list[DeltaStream],
         prompt_len: int,
         want_logprobs: bool,
-        tools: _ToolUse,
+        tools: ToolUse,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
@@ -464,14 +465,14 @@ class OpenAIServer:
         return prompts
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        _check_common(body, self.tokenizer.vocab_size)
+        check_common(body, self.tokenizer.vocab_size)
         self.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         prompts = self.completion_prompts(body)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        params = _sampling_params(body, max_tokens, body.logprobs, _structured(body))
-        await _check_grammar(params)
+        params = sampling_params(body, max_tokens, body.logprobs, _structured(body))
+        await check_grammar(params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = self.submit_all(rid, prompts, params, _program(body, request))
         prompt_len = sum(len(p) for p in prompts)
@@ -724,8 +725,14 @@ def build_app(client: EngineClient, model_name: str, config: ServerConfig | None
     config = config or ServerConfig()
     app = FastAPI(title="Boundless", version="0.1.0")
     app.state.server = OpenAIServer(client, model_name, config)
+    # (Imported here: the Responses routes are built on this module's chat path.)
+    from boundless.api.responses import ResponsesAPI, ResponseStore
+    from boundless.api.responses import routes as responses_routes
+
+    app.state.responses = ResponsesAPI(app.state.server, ResponseStore(config.max_stored_responses))
     install_error_handlers(app)
     app.include_router(routes)
+    app.include_router(responses_routes)
 
     outer: ASGIApp = BodyLimit(app, int(config.max_body_mb * (1 << 20)))
     if config.api_key:

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from boundless.api.launch import ServerThread, start_in_thread
+from boundless.api.responses import ResponsesRequest
 from boundless.api.schemas import ChatCompletionRequest, CompletionRequest
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
@@ -34,12 +35,14 @@ VOCAB = 384  # tiny-llama's; the fixture checks it
 MAX_LEN = 512
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 SURROGATE = "\ud800"  # a lone surrogate: JSON can spell it ("\\ud800"), UTF-8 cannot encode it
 DROP = object()  # as a value in a change: remove the key from the base body
 
 BASES = {
     CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2},
     COMPLETIONS: {"model": MODEL, "prompt": "Hello", "max_tokens": 2},
+    RESPONSES: {"model": MODEL, "input": "Hello", "max_output_tokens": 2},
 }
 
 
@@ -64,6 +67,10 @@ def chat(change: dict[str, Any], param: str | None, status: int = 400, **headers
 
 def completion(change: dict[str, Any], param: str | None, status: int = 400, **headers: str) -> Case:
     return Case(COMPLETIONS, change, status, param, headers)
+
+
+def response(change: dict[str, Any], param: str | None, status: int = 400) -> Case:
+    return Case(RESPONSES, change, status, param)
 
 
 def both(change: dict[str, Any], param: str | None, status: int = 400) -> list[Case]:
@@ -101,6 +108,9 @@ def _calls(*calls: Any) -> dict[str, Any]:
 
 
 WEATHER_CALL = {"name": "weather", "arguments": "{}"}
+
+
+_RESPONSE_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
 
 def _tool(function: Any) -> dict[str, Any]:
@@ -322,6 +332,40 @@ CORPUS: list[Case] = [
     completion({"echo": "true"}, "echo"),
     completion({"suffix": SURROGATE}, "suffix"),
     completion({"suffix": "and then"}, "suffix"),
+    # the Responses API: what it does not serve, shapes of input items, tools and formats, limits, unknown ids
+    response({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    response({"tools": [{"type": "function"}]}, "tools.0"),
+    response({"truncation": "auto"}, "truncation"),
+    response({"reasoning": {"effort": "high"}}, "reasoning"),
+    response({"include": ["file_search_call.results"]}, "include"),
+    response(
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"
+    ),
+    response({"input": [{"role": "user", "content": 5}]}, "input.0.content"),
+    response({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input.0.type"),
+    response({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input.0"),
+    response({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input.0"),
+    response({"input": [{"role": "robot", "content": "Hi"}]}, "input.0.role"),
+    response({"input": [{"role": "user", "content": "a" + SURROGATE}]}, "input.0.content"),
+    response({"input": []}, "input"),
+    response({"input": DROP}, "input"),
+    response({"instructions": SURROGATE}, "instructions"),
+    response({"tool_choice": "required"}, "tool_choice"),
+    response({"tools": [_RESPONSE_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    response(
+        {"tools": [_RESPONSE_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+        "text.format",
+    ),
+    response({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}, "text.format"),
+    response({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    response({"max_output_tokens": MAX_LEN}, "max_output_tokens"),
+    response({"max_output_tokens": 0}, "max_output_tokens"),
+    response({"top_logprobs": 21}, "top_logprobs"),
+    response({"previous_response_id": "resp_none"}, "previous_response_id", 404),
+    response({"model": "other"}, "model", 404),
+    response({"stream": "yes"}, "stream"),
+    response({"tools": [_RESPONSE_TOOL], "tool_choice": "none"}, None, SERVED),
+    response({"input": [{"type": "reasoning", "summary": []}, {"role": "developer", "content": "Hi"}]}, None, SERVED),
 ]
 
 # Bodies that are not a JSON object of valid text: (raw bytes, status, param).
@@ -423,7 +467,8 @@ def _fields(model: type) -> list[str]:
     route_field=st.sampled_from(
         [(CHAT, f) for f in _fields(ChatCompletionRequest)]
         + [(COMPLETIONS, f) for f in _fields(CompletionRequest)]
-        + [(CHAT, "an_extension"), (COMPLETIONS, "an_extension")]
+        + [(RESPONSES, f) for f in _fields(ResponsesRequest)]
+        + [(CHAT, "an_extension"), (COMPLETIONS, "an_extension"), (RESPONSES, "an_extension")]
     ),
     value=_json,
 )
@@ -437,7 +482,7 @@ def test_any_value_of_any_field_is_served_or_rejected_by_name(
     if r.status_code != 200:
         param = r.json()["error"]["param"]
         assert param == name or param.startswith(name + "."), (param, r.text[:300])
-        assert r.status_code == 400 or name == "model"
+        assert r.status_code == 400 or name in ("model", "previous_response_id")  # (404: none such)
 
 
 def test_after_generated_input_the_server_still_serves(server: ServerThread) -> None:

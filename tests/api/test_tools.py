@@ -3,27 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import openai
 import pytest
+from served_models import Served
 
-from boundless.api.launch import start_in_thread
 from boundless.api.tool_calls import forced_call_schema, parse_tool_calls, template_messages
-from boundless.engine.async_engine import AsyncEngine
-from boundless.engine.core import EngineCore
-from boundless.llm import engine_config
-from boundless.model.loader import LoadedModel, load_model
-from boundless.model.random_model import TinySpec, write_random_model
-
-HERMES_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\\nTools:\\n"
-    "{% for t in tools %}{{ t | tojson }}\\n{% endfor %}<|im_end|>\\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.content }}"
-    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
-    "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% endif %}"
-    "<|im_end|>\\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}"
-)
 
 WEATHER = {
     "type": "function",
@@ -63,25 +48,8 @@ def test_assistant_tool_call_arguments_become_objects_for_templates() -> None:
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the caller's copy is untouched
 
 
-@pytest.fixture(scope="module")
-def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoadedModel, openai.OpenAI]]:
-    """A random model whose chat template takes tools (Hermes style), served."""
-    root = write_random_model(tmp_path_factory.mktemp("hermes") / "m", TinySpec())
-    config = json.loads((root / "tokenizer_config.json").read_text())
-    config["chat_template"] = HERMES_TEMPLATE.replace("\\n", "\n")
-    (root / "tokenizer_config.json").write_text(json.dumps(config))
-    loaded = load_model(str(root))
-    engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
-    server = start_in_thread(engine, "tiny")
-    try:
-        yield loaded, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-    finally:
-        server.stop()
-        engine.shutdown()
-
-
-def test_tools_and_tool_messages_reach_the_template(hermes: tuple[LoadedModel, openai.OpenAI]) -> None:
-    loaded, client = hermes
+def test_tools_and_tool_messages_reach_the_template(hermes: Served) -> None:
+    loaded, client = hermes.loaded, hermes.client
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
         {
@@ -123,11 +91,11 @@ UNITS = {
 
 
 def test_a_named_tool_choice_makes_even_a_random_models_output_that_call(
-    hermes: tuple[LoadedModel, openai.OpenAI],
+    hermes: Served,
 ) -> None:
     """The grammar holds the output to the named function's call: a random model, whose free text parses as no call,
     answers with one, streamed and not; a name that is not among the tools is a 400."""
-    _, client = hermes
+    client = hermes.client
     ask = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Use Kelvin."}],
@@ -155,8 +123,8 @@ def test_a_named_tool_choice_makes_even_a_random_models_output_that_call(
     assert err.value.body["param"] == "tool_choice"
 
 
-def test_required_without_parallel_calls_makes_exactly_one(hermes: tuple[LoadedModel, openai.OpenAI]) -> None:
-    _, client = hermes
+def test_required_without_parallel_calls_makes_exactly_one(hermes: Served) -> None:
+    client = hermes.client
     counts = set()
     for question in ("Units?", "Which scale?", "Metric or not?"):
         r = client.chat.completions.create(
@@ -185,8 +153,8 @@ def test_the_forced_schema_lists_each_tool_and_caps_the_calls_without_parallel_c
 
 
 def test_without_parallel_calls_only_the_first_parsed_call_is_kept() -> None:
-    from boundless.api.server import _ToolUse
+    from boundless.api.server import ToolUse
 
     text = '[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]'
-    assert [c.name for c in _ToolUse(True, parallel=False).calls(text)[1]] == ["f"]
-    assert [c.name for c in _ToolUse(True).calls(text)[1]] == ["f", "g"]
+    assert [c.name for c in ToolUse(True, parallel=False).calls(text)[1]] == ["f"]
+    assert [c.name for c in ToolUse(True).calls(text)[1]] == ["f", "g"]

@@ -1,0 +1,532 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+
+A response runs as a chat completion does (the same chat template, tool-call parser, grammars and sampling): its
+``input`` (a string, or items: messages, function calls and their outputs), after ``instructions`` and the
+conversation of its ``previous_response_id`` chain, becomes the chat's messages; its output is a message and/or
+function calls. Responses are kept (``store``, the default) in a bounded in-memory :class:`ResponseStore` for their
+chain's next response and for ``GET``; a server restart forgets them, as it forgets everything else.
+
+A chain of responses is an agent program: each response is one call of the program named by the chain's first
+response (unless the client names one, ``program_id`` or ``X-Program-Id``), so the scheduler's program-level
+policies (PLAS, ATLAS) and locality routing see an agent that only chains ``previous_response_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from boundless.api.errors import APIError
+from boundless.api.schemas import (
+    MAX_TOP_LOGPROBS,
+    Bool,
+    ChatCompletionRequest,
+    Count,
+    Float,
+    Identifier,
+)
+from boundless.api.server import (
+    Choice,
+    DeltaStream,
+    OpenAIServer,
+    ToolUse,
+    check_common,
+    check_grammar,
+    sampling_params,
+)
+from boundless.api.tool_calls import ToolCall, forced_call_schema
+from boundless.api.validation import header_identifier, require_valid_text
+from boundless.engine.errors import InvalidRequestError
+from boundless.engine.structured_output import StructuredOutput
+from boundless.programs.ref import ProgramRef
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+# -- the request -----------------------------------------------------------------------------------
+
+
+class FunctionTool(BaseModel):
+    """A function the model may call (the Responses API's flat shape: no nested ``function``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class TextFormat(BaseModel):
+    """``text.format``: free text, any JSON object, or JSON under ``schema``."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # (``schema`` is a BaseModel method)
+    description: str | None = None
+    strict: Bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("a json_schema format needs its name and schema")
+        return self
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    format: TextFormat | None = None
+
+
+class FunctionChoice(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``; unknown fields are accepted and ignored, as OpenAI does."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[dict[str, Any]]  # items are read by ``conversation``
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools only (``function_tools``)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: Bool = True
+    max_output_tokens: Count | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS, strict=True)] | None = None
+    include: list[str] | None = None
+    stream: Bool = False
+    store: Bool = True
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    reasoning: dict[str, Any] | None = None
+    # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers); by default the chain's.
+    program_id: Identifier | None = None
+    thread_id: Identifier | None = None
+
+
+def function_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
+    """The request's tools, each a function (the hosted tools, web search and the like, are not served here)."""
+    out = []
+    for i, tool in enumerate(tools or ()):
+        kind = tool.get("type")
+        if kind != "function":
+            raise APIError(400, f"tools of type {kind!r} are not supported; only function tools", f"tools.{i}.type")
+        try:
+            out.append(FunctionTool.model_validate(tool))
+        except ValidationError as e:
+            raise APIError(400, f"tools.{i}: {e.errors()[0]['msg']}", f"tools.{i}") from e
+    return out
+
+
+def _item_text(content: Any, where: str) -> str:
+    """The text of an input message's content: a string, or parts of type input_text or output_text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, "a message's content must be a string or a list of parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+            raise APIError(400, f"content parts of type {kind!r} are not supported; only text", f"{where}.{j}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages for a response's input: messages as they are, a run of function calls as one assistant
+    message's ``tool_calls``, each call's output as a ``tool`` message."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise APIError(400, "input must not be empty", "input", "invalid_value")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(400, f"unknown role {role!r}", f"{where}.role")
+            text = _item_text(item.get("content"), f"{where}.content")
+            messages.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+            if not all(isinstance(v, str) for v in (call_id, name, arguments)):
+                raise APIError(400, "a function_call needs call_id, name and arguments as strings", where)
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or not isinstance(output, str):
+                raise APIError(400, "a function_call_output needs call_id and output as strings", where)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            continue  # (a reasoning model's summary from another server: nothing this model reads)
+        else:
+            raise APIError(400, f"input items of type {kind!r} are not supported", f"{where}.type")
+    return messages
+
+
+# -- kept responses --------------------------------------------------------------------------------
+
+
+@dataclass
+class StoredResponse:
+    """A finished response: its body, and the conversation a response chained to it continues."""
+
+    body: dict[str, Any]
+    messages: list[dict[str, Any]]  # without instructions (a chain does not inherit them, as OpenAI's does not)
+    program_id: str
+
+
+class ResponseStore:
+    """The last ``capacity`` stored responses, by id (the oldest forgotten first)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        self._kept[response_id] = stored
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        return self._kept.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._kept.pop(response_id, None) is not None
+
+
+def _not_found(response_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"no response with id {response_id!r} is stored here", param, "response_not_found")
+
+
+# -- running a response ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    """A response's request as the chat path runs it."""
+
+    response_id: str
+    created_at: float
+    body: ResponsesRequest
+    chat: ChatCompletionRequest
+    prompt: list[int]
+    messages: list[dict[str, Any]]  # the conversation without instructions: what a chained response continues
+    program: ProgramRef
+    logprobs: bool
+    tools_used: bool
+
+    @property
+    def message_id(self) -> str:
+        return f"msg_{self.response_id.removeprefix('resp_')}"
+
+
+class ResponsesAPI:
+    """The Responses routes over one :class:`~boundless.api.server.OpenAIServer` (its engine, template and
+    chat machinery) and a store of finished responses."""
+
+    def __init__(self, server: OpenAIServer, store: ResponseStore) -> None:
+        self.server = server
+        self.store = store
+
+    async def create(self, body: ResponsesRequest, request: Request) -> Response:
+        server = self.server
+        call = self._prepare(body, request)
+        chat = call.chat
+        check_common(chat, server.tokenizer.vocab_size)
+        tools = [t.model_dump(exclude_none=True) for t in chat.tools or ()]
+        logprobs = (body.top_logprobs or 0) if call.logprobs else None
+        try:
+            params = sampling_params(chat, chat.max_completion_tokens, logprobs, _structured(body, tools))
+            await check_grammar(params)
+            streams = server.submit_all(call.response_id, [call.prompt], params, call.program)
+        except InvalidRequestError as e:  # name the field the client used for the limit
+            if e.param == "max_tokens":
+                raise InvalidRequestError(str(e), "max_output_tokens") from e
+            raise
+        if body.stream:
+            streams = await server._started(streams, request)
+            return StreamingResponse(self._events(call, streams), media_type="text/event-stream")
+        (choice,) = await server._collect(streams, request)
+        return JSONResponse(self._finished(call, choice))
+
+    def _prepare(self, body: ResponsesRequest, request: Request) -> _Call:
+        server = self.server
+        require_valid_text(body.model_dump(by_alias=True))
+        server.check_model(body.model)
+        if body.truncation == "auto":
+            raise APIError(400, "truncation 'auto' is not supported; the context is never cut", "truncation")
+        if body.reasoning and body.reasoning.get("effort") is not None:
+            raise APIError(400, f"{server.model_name} does not reason: reasoning.effort is not supported", "reasoning")
+        unknown = [x for x in body.include or () if x != LOGPROBS_INCLUDE]
+        if unknown:
+            raise APIError(400, f"include {unknown[0]!r} is not supported", "include")
+        tools = function_tools(body.tools)
+        if isinstance(body.tool_choice, FunctionChoice) and body.tool_choice.name not in {t.name for t in tools}:
+            raise APIError(400, f"tool_choice names {body.tool_choice.name!r}, not among the tools", "tool_choice")
+        if body.tool_choice == "required" and not tools:
+            raise APIError(400, "a tool_choice that forces a call needs tools", "tool_choice", "invalid_value")
+        previous = None
+        if body.previous_response_id is not None:
+            previous = self.store.get(body.previous_response_id)
+            if previous is None:
+                raise _not_found(body.previous_response_id, "previous_response_id")
+        messages = (previous.messages if previous else []) + conversation(body.input)
+        instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        response_id = f"resp_{uuid.uuid4().hex}"
+        program_id = (
+            body.program_id
+            or header_identifier(request.headers, "X-Program-Id")
+            or (previous.program_id if previous else response_id)
+        )
+        thread_id = body.thread_id or header_identifier(request.headers, "X-Thread-Id")
+        logprobs = LOGPROBS_INCLUDE in (body.include or ()) or body.top_logprobs is not None
+        chat_tools = [{"type": "function", "function": t.model_dump(include=_CHAT_TOOL_FIELDS)} for t in tools]
+        try:
+            chat = ChatCompletionRequest.model_validate(
+                {
+                    "model": body.model,
+                    "messages": instructions + messages,
+                    "max_completion_tokens": body.max_output_tokens,
+                    "temperature": body.temperature,
+                    "top_p": body.top_p,
+                    "tools": chat_tools or None,
+                    "tool_choice": _chat_tool_choice(body.tool_choice),
+                    "parallel_tool_calls": body.parallel_tool_calls,
+                    "logprobs": logprobs,
+                    "top_logprobs": body.top_logprobs if logprobs else None,
+                    "user": body.user,
+                }
+            )
+        except ValidationError as e:  # (what was read above has the chat's shapes; a last guard)
+            raise APIError(400, f"input: {e.errors()[0]['msg']}", "input") from e
+        return _Call(
+            response_id,
+            time.time(),
+            body,
+            chat,
+            server.chat_prompt(chat),
+            messages,
+            ProgramRef(program_id, thread_id),
+            logprobs,
+            bool(tools) and body.tool_choice != "none",
+        )
+
+    # -- what a response says --------------------------------------------------------------------
+
+    def _envelope(self, call: _Call, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
+        body = call.body
+        fmt = body.text.format if body.text is not None else None
+        choice = body.tool_choice
+        return {
+            "id": call.response_id,
+            "object": "response",
+            "created_at": call.created_at,
+            "status": status,
+            "model": body.model,
+            "output": output,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": body.instructions,
+            "metadata": body.metadata or {},
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "max_output_tokens": body.max_output_tokens,
+            "previous_response_id": body.previous_response_id,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else (choice or "auto"),
+            "tools": [t.model_dump(exclude_none=True) for t in function_tools(body.tools)],
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "truncation": "disabled",
+            "store": body.store,
+            "user": body.user,
+            "usage": None,
+        }
+
+    def _message_item(self, call: _Call, choice: Choice, text: str, status: str) -> dict[str, Any]:
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+        if call.logprobs:
+            part["logprobs"] = self.server._chat_logprobs(choice.logprobs)
+        return {"type": "message", "id": call.message_id, "status": status, "role": "assistant", "content": [part]}
+
+    def _finished(self, call: _Call, choice: Choice) -> dict[str, Any]:
+        """The response's final body: a message (unless the output is calls alone), then each call; stored
+        unless ``store`` is false."""
+        content: str | None = choice.text
+        calls: list[ToolCall] = []
+        if call.tools_used:
+            content, calls = ToolUse(True, call.body.parallel_tool_calls).calls(choice.text)
+        incomplete = choice.finish_reason == "length" and not calls
+        items = []
+        if content or not calls:
+            items.append(self._message_item(call, choice, content or "", "incomplete" if incomplete else "completed"))
+        items += [_function_call_item(c) for c in calls]
+        out = self._envelope(call, "incomplete" if incomplete else "completed", items)
+        if incomplete:
+            out["incomplete_details"] = {"reason": "max_output_tokens"}
+        out["usage"] = {
+            "input_tokens": len(call.prompt),
+            "input_tokens_details": {"cached_tokens": choice.cached_tokens},
+            "output_tokens": len(choice.token_ids),
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": len(call.prompt) + len(choice.token_ids),
+        }
+        if call.body.store:
+            said: dict[str, Any] = {"role": "assistant", "content": content or ""}
+            if calls:
+                said["tool_calls"] = [c.to_openai() for c in calls]
+            self.store.put(call.response_id, StoredResponse(out, [*call.messages, said], call.program.program_id))
+        return out
+
+    async def _events(self, call: _Call, streams: list[DeltaStream]) -> AsyncIterator[bytes]:
+        """The response as server-sent events, in OpenAI's order. Text streams as it comes, unless the output is
+        read for function calls: then, as chat's does, it comes whole when the output ends."""
+        server = self.server
+        sequence = 0
+
+        def event(kind: str, **fields: Any) -> bytes:
+            nonlocal sequence
+            payload = {"type": kind, "sequence_number": sequence, **fields}
+            sequence += 1
+            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+        yield event("response.created", response=self._envelope(call, "in_progress", []))
+        yield event("response.in_progress", response=self._envelope(call, "in_progress", []))
+        choice = Choice(0)
+        streamed = not call.tools_used
+        at = {"item_id": call.message_id, "output_index": 0, "content_index": 0}
+        if streamed:
+            item = self._message_item(call, choice, "", "in_progress")
+            yield event("response.output_item.added", output_index=0, item={**item, "content": []})
+            yield event("response.content_part.added", **at, part=_EMPTY_TEXT)
+        async for _, delta in server._merged(streams):
+            server._apply(choice, delta)
+            if streamed and delta.new_text:
+                logprobs = server._chat_logprobs(delta.new_logprobs) if call.logprobs else []
+                yield event("response.output_text.delta", **at, delta=delta.new_text, logprobs=logprobs)
+        if choice.finish_reason == "error":
+            failed = self._envelope(call, "failed", [])
+            failed["error"] = {"code": "server_error", "message": "the engine failed while generating"}
+            yield event("response.failed", response=failed)
+            return
+        final = self._finished(call, choice)
+        for index, item in enumerate(final["output"]):
+            if item["type"] == "message":
+                part = item["content"][0]
+                at = {"item_id": item["id"], "output_index": index, "content_index": 0}
+                logprobs = part.get("logprobs", [])
+                if not streamed:
+                    added = {**item, "content": [], "status": "in_progress"}
+                    yield event("response.output_item.added", output_index=index, item=added)
+                    yield event("response.content_part.added", **at, part=_EMPTY_TEXT)
+                    if part["text"]:
+                        yield event("response.output_text.delta", **at, delta=part["text"], logprobs=logprobs)
+                yield event("response.output_text.done", **at, text=part["text"], logprobs=logprobs)
+                yield event("response.content_part.done", **at, part=part)
+            else:  # a function call, whole: its arguments are known once the output is parsed
+                at = {"item_id": item["id"], "output_index": index}
+                added = {**item, "arguments": "", "status": "in_progress"}
+                yield event("response.output_item.added", output_index=index, item=added)
+                yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+                yield event(
+                    "response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"]
+                )
+            yield event("response.output_item.done", output_index=index, item=item)
+        yield event(f"response.{final['status']}", response=final)  # completed, or incomplete
+
+
+_EMPTY_TEXT = {"type": "output_text", "text": "", "annotations": []}
+_CHAT_TOOL_FIELDS = {"name", "description", "parameters"}
+
+
+def _structured(body: ResponsesRequest, tools: list[dict[str, Any]]) -> StructuredOutput | None:
+    """The grammar of ``text.format`` or of a ``tool_choice`` that forces a call (not both)."""
+    fmt = body.text.format if body.text is not None else None
+    wants_json = fmt is not None and fmt.type != "text"
+    choice = body.tool_choice
+    if choice == "required" or isinstance(choice, FunctionChoice):
+        if wants_json:
+            raise APIError(400, "text.format cannot go with a tool_choice that forces a call", "text.format")
+        name = choice.name if isinstance(choice, FunctionChoice) else None
+        return StructuredOutput.json_schema(forced_call_schema(tools, name, body.parallel_tool_calls), "tools")
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutput("json_object", None, "text.format")
+    assert fmt.schema_ is not None
+    return StructuredOutput.json_schema(fmt.schema_, "text.format")
+
+
+def _function_call_item(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": f"fc_{call.id.removeprefix('call_')}",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": "completed",
+    }
+
+
+def _chat_tool_choice(choice: str | FunctionChoice | None) -> Any:
+    if isinstance(choice, FunctionChoice):
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice
+
+
+# -- routes ----------------------------------------------------------------------------------------
+
+routes = APIRouter()
+
+
+def _api(request: Request) -> ResponsesAPI:
+    return request.app.state.responses
+
+
+@routes.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    return await _api(request).create(body, request)
+
+
+@routes.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> Response:
+    stored = _api(request).store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return JSONResponse(stored.body)
+
+
+@routes.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> Response:
+    if not _api(request).store.delete(response_id):
+        raise _not_found(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -1,0 +1,53 @@
+"""A small random model served with a chat template that takes tools (Hermes style), for the API tests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+import openai
+
+from boundless.api.launch import start_in_thread
+from boundless.engine.async_engine import AsyncEngine
+from boundless.engine.core import EngineCore
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel, load_model
+from boundless.model.random_model import TinySpec, write_random_model
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\\nTools:\\n"
+    "{% for t in tools %}{{ t | tojson }}\\n{% endfor %}<|im_end|>\\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% endif %}"
+    "<|im_end|>\\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}"
+)
+
+
+class Served(NamedTuple):
+    """A model served on 127.0.0.1 as ``tiny``, with the real `openai` client pointed at it."""
+
+    loaded: LoadedModel
+    engine: AsyncEngine
+    url: str
+    client: openai.OpenAI
+
+
+@contextmanager
+def serve_hermes(directory: Path) -> Iterator[Served]:
+    """A random model written to ``directory`` whose chat template takes tools, served until the block ends."""
+    root = write_random_model(directory / "m", TinySpec())
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    config["chat_template"] = HERMES_TEMPLATE.replace("\\n", "\n")
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = load_model(str(root))
+    engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
+    server = start_in_thread(engine, "tiny")
+    try:
+        yield Served(loaded, engine, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0))
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -1,0 +1,186 @@
+"""OpenAI's Responses API on a real server and the real `openai` client: a response is the chat completion of its
+conversation (the same greedy tokens), chains continue the stored conversation as one program, streamed events
+come in OpenAI's order and add up to the response, function calls round-trip, and bad input is a 4xx naming the
+field (tests/api/test_bad_input.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+from served_models import Served
+
+from boundless.api.responses import ResponseStore, StoredResponse
+
+MODEL = "tiny"
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Rome", "Paris"]}},
+            "required": ["city"],
+        },
+    }
+]
+CHAT_TOOLS = [
+    {"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}},
+]
+
+
+@pytest.fixture(scope="module")
+def client(hermes: Served) -> openai.OpenAI:
+    return hermes.client
+
+
+def _chat(client: openai.OpenAI, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kwargs).choices[0]
+
+
+def test_a_response_is_the_chat_completion_of_its_conversation(client: openai.OpenAI, hermes: Served) -> None:
+    first = client.responses.create(
+        model=MODEL, input="Name a color.", instructions="Answer in one word.", max_output_tokens=12, temperature=0
+    )
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert first.output_text == chat.choices[0].message.content
+    assert first.usage is not None and chat.usage is not None
+    assert first.usage.input_tokens == chat.usage.prompt_tokens
+    assert first.usage.output_tokens == chat.usage.completion_tokens
+    assert (first.status == "incomplete") == (chat.choices[0].finish_reason == "length")
+    assert first.output[0].type == "message" and first.output[0].role == "assistant"
+
+    # A chained response continues the stored conversation (not its instructions, as OpenAI's does not).
+    second = client.responses.create(
+        model=MODEL, input="Another one?", previous_response_id=first.id, max_output_tokens=12, temperature=0
+    )
+    messages = [
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Another one?"},
+    ]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage is not None and second.usage.input_tokens == chat.usage.prompt_tokens  # type: ignore[union-attr]
+    assert second.previous_response_id == first.id
+
+    # The chain is one program to the scheduler, named by its first response; the chat calls were programs alone.
+    record = hermes.engine.core.policy.table.get(first.id)  # type: ignore[attr-defined]
+    assert record is not None and record.completed_calls == 2
+    assert hermes.engine.core.policy.table.get(second.id) is None  # type: ignore[attr-defined]
+
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
+def test_stored_responses_are_kept_found_and_deleted(client: openai.OpenAI) -> None:
+    kept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    unkept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    assert client.responses.retrieve(kept.id).id == kept.id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(model=MODEL, input="Hi", previous_response_id=unkept.id)
+    assert info.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+
+
+def test_the_store_keeps_the_latest_responses() -> None:
+    store = ResponseStore(capacity=2)
+    for i in range(3):
+        store.put(f"r{i}", StoredResponse({"id": f"r{i}"}, [], "p"))
+    assert store.get("r0") is None and store.get("r1") is not None and store.get("r2") is not None
+    assert store.delete("r1") and not store.delete("r1")
+
+
+def test_streamed_events_come_in_order_and_add_up_to_the_response(client: openai.OpenAI) -> None:
+    events = list(
+        client.responses.create(model=MODEL, input="Count to five.", max_output_tokens=16, temperature=0, stream=True)
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response  # type: ignore[union-attr]
+    assert deltas and deltas == final.output_text
+    assert kinds[-1] == f"response.{final.status}"
+    if final.status == "incomplete":
+        assert final.incomplete_details is not None and final.incomplete_details.reason == "max_output_tokens"
+    unstreamed = client.responses.create(model=MODEL, input="Count to five.", max_output_tokens=16, temperature=0)
+    assert unstreamed.output_text == deltas
+
+
+def test_a_function_call_round_trips(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "name": "get_weather"}
+    asked: dict[str, Any] = {"model": MODEL, "input": "Weather in Rome?", "tools": TOOLS, "temperature": 0}
+    response = client.responses.create(**asked, tool_choice=choice)
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    # The same call as the chat route forced alike makes.
+    chat = _chat(
+        client,
+        [{"role": "user", "content": "Weather in Rome?"}],
+        tools=CHAT_TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    assert json.loads(call.arguments) == json.loads(chat.message.tool_calls[0].function.arguments)
+
+    # Streamed: the call comes whole once the output is parsed, in OpenAI's events.
+    events = list(client.responses.create(**asked, tool_choice=choice, stream=True))
+    assert [e.type for e in events][2:] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    (streamed,) = events[-1].response.output  # type: ignore[union-attr]
+    assert streamed.arguments == call.arguments and events[3].delta == call.arguments  # type: ignore[union-attr]
+
+    # The call's output, chained: the model reads the whole exchange (the chat route given it alike agrees).
+    answer = client.responses.create(
+        model=MODEL,
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}],
+        tools=TOOLS,
+        max_output_tokens=8,
+        temperature=0,
+    )
+    messages = [
+        {"role": "user", "content": "Weather in Rome?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 24 C"},
+    ]
+    chat = _chat(client, messages, tools=CHAT_TOOLS, max_tokens=8)
+    assert answer.output_text == (chat.message.content or "")
+
+
+def test_text_format_holds_the_output_to_a_schema(client: openai.OpenAI) -> None:
+    # (A random model's output: only the grammar makes it JSON.)
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"]}
+    response = client.responses.create(
+        model=MODEL,
+        input="A color as JSON",
+        text={"format": {"type": "json_schema", "name": "color", "schema": schema}},
+        max_output_tokens=200,
+        temperature=0,
+    )
+    assert json.loads(response.output_text)["color"] in ("red", "blue")
+    assert response.text is not None and response.text.format.type == "json_schema"
