@@ -17,7 +17,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -270,8 +270,9 @@ class ResponsesAPI:
             await check_grammar(params)
             streams = server.submit_all(call.response_id, [call.prompt], params, call.program)
         except InvalidRequestError as e:  # name the field the client used for the limit
-            if e.param == "max_tokens":
-                raise InvalidRequestError(str(e), "max_output_tokens") from e
+            renamed = {"max_tokens": "max_output_tokens", "prompt": "input"}.get(e.param or "")
+            if renamed is not None:
+                raise InvalidRequestError(str(e), renamed) from e
             raise
         if body.stream:
             streams = await server._started(streams, request)
@@ -283,8 +284,6 @@ class ResponsesAPI:
         server = self.server
         require_valid_text(body.model_dump(by_alias=True))
         server.check_model(body.model)
-        if body.truncation == "auto":
-            raise APIError(400, "truncation 'auto' is not supported; the context is never cut", "truncation")
         if body.reasoning and body.reasoning.get("effort") is not None:
             raise APIError(400, f"{server.model_name} does not reason: reasoning.effort is not supported", "reasoning")
         unknown = [x for x in body.include or () if x != LOGPROBS_INCLUDE]
@@ -311,35 +310,70 @@ class ResponsesAPI:
         thread_id = body.thread_id or header_identifier(request.headers, "X-Thread-Id")
         logprobs = LOGPROBS_INCLUDE in (body.include or ()) or body.top_logprobs is not None
         chat_tools = [{"type": "function", "function": t.model_dump(include=_CHAT_TOOL_FIELDS)} for t in tools]
-        try:
-            chat = ChatCompletionRequest.model_validate(
-                {
-                    "model": body.model,
-                    "messages": instructions + messages,
-                    "max_completion_tokens": body.max_output_tokens,
-                    "temperature": body.temperature,
-                    "top_p": body.top_p,
-                    "tools": chat_tools or None,
-                    "tool_choice": _chat_tool_choice(body.tool_choice),
-                    "parallel_tool_calls": body.parallel_tool_calls,
-                    "logprobs": logprobs,
-                    "top_logprobs": body.top_logprobs if logprobs else None,
-                    "user": body.user,
-                }
-            )
-        except ValidationError as e:  # (what was read above has the chat's shapes; a last guard)
-            raise APIError(400, f"input: {e.errors()[0]['msg']}", "input") from e
+
+        def chat_of(turns: list[dict[str, Any]]) -> ChatCompletionRequest:
+            try:
+                return ChatCompletionRequest.model_validate(
+                    {
+                        "model": body.model,
+                        "messages": instructions + turns,
+                        "max_completion_tokens": body.max_output_tokens,
+                        "temperature": body.temperature,
+                        "top_p": body.top_p,
+                        "tools": chat_tools or None,
+                        "tool_choice": _chat_tool_choice(body.tool_choice),
+                        "parallel_tool_calls": body.parallel_tool_calls,
+                        "logprobs": logprobs,
+                        "top_logprobs": body.top_logprobs if logprobs else None,
+                        "user": body.user,
+                    }
+                )
+            except ValidationError as e:  # (what was read above has the chat's shapes; a last guard)
+                raise APIError(400, f"input: {e.errors()[0]['msg']}", "input") from e
+
+        chat = chat_of(messages)
+        prompt = server.chat_prompt(chat)
+        if body.truncation == "auto" and not self._fits(prompt, body):
+            chat, prompt = self._truncated(messages, chat_of, body)
         return _Call(
             response_id,
             time.time(),
             body,
             chat,
-            server.chat_prompt(chat),
+            prompt,
             messages,
             ProgramRef(program_id, thread_id),
             logprobs,
             bool(tools) and body.tool_choice != "none",
         )
+
+    def _fits(self, prompt: list[int], body: ResponsesRequest) -> bool:
+        return len(prompt) + (body.max_output_tokens or 1) <= self.server.client.max_model_len
+
+    def _truncated(
+        self,
+        messages: list[dict[str, Any]],
+        chat_of: Callable[[list[dict[str, Any]]], ChatCompletionRequest],
+        body: ResponsesRequest,
+    ) -> tuple[ChatCompletionRequest, list[int]]:
+        """``truncation: "auto"``: the conversation without its oldest turns, as few dropped as fit the context
+        (it starts at a user message, so no tool output loses its call); the instructions stay. Left as it is
+        when even the last turn alone does not fit (the engine's 400 says by how much)."""
+        starts = [i for i, m in enumerate(messages) if i > 0 and m["role"] == "user"]
+        lo, hi = 0, len(starts)  # the fewest cuts that fit are among starts[lo:hi]; hi: none found yet
+        best: tuple[ChatCompletionRequest, list[int]] | None = None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            chat = chat_of(messages[starts[mid] :])
+            prompt = self.server.chat_prompt(chat)
+            if self._fits(prompt, body):
+                best, hi = (chat, prompt), mid
+            else:
+                lo = mid + 1
+        if best is None:
+            chat = chat_of(messages)
+            return chat, self.server.chat_prompt(chat)
+        return best
 
     # -- what a response says --------------------------------------------------------------------
 
@@ -366,7 +400,7 @@ class ResponsesAPI:
             "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else (choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in function_tools(body.tools)],
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
-            "truncation": "disabled",
+            "truncation": body.truncation or "disabled",
             "store": body.store,
             "user": body.user,
             "usage": None,

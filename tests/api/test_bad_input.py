@@ -335,7 +335,7 @@ CORPUS: list[Case] = [
     # the Responses API: what it does not serve, shapes of input items, tools and formats, limits, unknown ids
     response({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     response({"tools": [{"type": "function"}]}, "tools.0"),
-    response({"truncation": "auto"}, "truncation"),
+    response({"truncation": "middle"}, "truncation"),
     response({"reasoning": {"effort": "high"}}, "reasoning"),
     response({"include": ["file_search_call.results"]}, "include"),
     response(

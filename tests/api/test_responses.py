@@ -172,6 +172,29 @@ def test_a_function_call_round_trips(client: openai.OpenAI) -> None:
     assert answer.output_text == (chat.message.content or "")
 
 
+def test_truncation_auto_drops_the_oldest_turns_to_fit(client: openai.OpenAI, hermes: Served) -> None:
+    turn = " ".join(["word"] * 100)  # 400 tokens for the random model's tokenizer
+    assert len(hermes.loaded.tokenizer.encode(turn)) == 400
+    asked: dict[str, Any] = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    first = client.responses.create(**asked, input=turn + " one")
+    second = client.responses.create(**asked, input=turn + " two", previous_response_id=first.id)
+    third: dict[str, Any] = {**asked, "input": turn + " three", "previous_response_id": second.id}
+    with pytest.raises(openai.BadRequestError) as info:  # three turns do not fit the 1,024-token context
+        client.responses.create(**third)
+    assert info.value.body["param"] == "max_output_tokens"  # type: ignore[index]  (as chat names its max_tokens)
+    cut = client.responses.create(**third, truncation="auto")
+    assert cut.truncation == "auto"
+    # The first turn is dropped, no more: the chat route given the last two turns reads the same prompt.
+    messages = [
+        {"role": "user", "content": turn + " two"},
+        {"role": "assistant", "content": second.output_text},
+        {"role": "user", "content": turn + " three"},
+    ]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert cut.usage is not None and chat.usage is not None
+    assert cut.usage.input_tokens == chat.usage.prompt_tokens and cut.output_text == chat.choices[0].message.content
+
+
 def test_text_format_holds_the_output_to_a_schema(client: openai.OpenAI) -> None:
     # (A random model's output: only the grammar makes it JSON.)
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"]}
