@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
-from boundless.engine.sampler import SampledToken
+from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel, load_model
 
@@ -39,13 +39,15 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A prompt and its ``n`` completions."""
+    """A prompt and its ``n`` completions; with ``SamplingParams.prompt_logprobs``, each prompt token's logprob given
+    the tokens before it (None for the first), as vLLM's ``RequestOutput.prompt_logprobs``."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def engine_config(model: str, **kwargs: Any) -> EngineConfig:
@@ -137,6 +139,8 @@ class LLM:
                 completion.token_ids.extend(delta.new_token_ids)
                 if completion.logprobs is not None:
                     completion.logprobs.extend(delta.new_logprobs)
+                if delta.prompt_logprobs is not None and result.prompt_logprobs is None:  # (each of n samples scores)
+                    result.prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
                     completion.finish_reason = delta.finish_reason
                     completion.stop_reason = delta.stop_reason

@@ -651,8 +651,9 @@ class PDDispatcher(Dispatcher):
 
     def _stored_estimate(self, call: PDCall) -> int:
         """Tokens of the call's prompt likely in the store: the full blocks it shares with its program's last call,
-        or, for a program's first call here, every full block of its prompt (see the module docstring)."""
-        if call.program is None:
+        or, for a program's first call here, every full block of its prompt (see the module docstring). None for a
+        call that scores its prompt (``prompt_logprobs``): its prefill engine computes every block, reading none."""
+        if call.program is None or call.params.prompt_logprobs is not None:
             return 0
         last = self._history.get(call.program.program_id)
         if last is None:

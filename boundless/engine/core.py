@@ -21,6 +21,7 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
 from boundless.engine.lending_stats import LendingStats
+from boundless.engine.logprobs import PromptLogprobs, PromptScores
 from boundless.engine.multi_step import window_shapes
 from boundless.engine.prefill_batching import step_quota
 from boundless.engine.request import Request, RequestStatus
@@ -82,6 +83,9 @@ class RequestDelta:
     finish_time: float | None = None
     service_s: float = 0.0  # model time the request has spent in the executor
     instance: str = "0"  # which engine instance produced it
+    # With its first token, a request that asked for them (``SamplingParams.prompt_logprobs``): each prompt token's
+    # logprob given the tokens before it (None for the first), vLLM's ``prompt_logprobs``.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -297,7 +301,8 @@ class EngineCore:
                 end = handoff.recv_from + handoff.recv_blocks
                 keys = self.kv.block_hashes(request_id, prompt[: end * self.kv.block_size])
                 self.kv.note_on_disk(keys[handoff.recv_from : end])
-        else:  # this engine reads what the store holds itself: PE-read, colocated, or resumed here
+        elif not request.scores_prompt:  # (one that scores its prompt computes every block: it reads nothing)
+            # This engine reads what the store holds itself: PE-read, colocated, or resumed here.
             self._count_stored_prefix(request_id, request.all_token_ids)
         spec = params.structured
         if spec is not None and self.grammars is not None and not self.grammars.prepare(spec):
@@ -369,6 +374,7 @@ class EngineCore:
         for the rest, which the prefill engine sends. Returns from which block it should send."""
         request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, None)
         request.awaiting_resume = True
+        request.prompt_logprobs = None  # its prefill engine scores the prompt (its first delta carries them)
         self._claim_prefetch(request_id)
         # Its first token comes after the PE's queue, prefill and stream, each stream bounded by the timeout.
         self._awaiting[request_id] = self.clock() + 2 * self.handoff_timeout_s
@@ -461,6 +467,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             program=program,
             output_token_ids=list(resume.output_token_ids) if resume else [],
+            # A resumed request's first delta went out on the instance it started on, prompt logprobs and all.
+            prompt_logprobs=[None] if params.prompt_logprobs is not None and resume is None else None,
         )
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         if resume is not None:
@@ -575,6 +583,7 @@ class EngineCore:
             self.step_times.record_window(passes, seconds, now, arrivals, departures, len(passes), remote)
         if self._prefill_batching == "attention" and c.steps // REFIT_EVERY_STEPS > steps_before // REFIT_EVERY_STEPS:
             self._refit_prefill_time()
+        self._apply_prompt_scores(result.prompt_scores)
         outputs = []
         for request_id, token in sampled.items():
             request = self.scheduler.requests.get(request_id)
@@ -626,9 +635,26 @@ class EngineCore:
                     first_token_time=request.first_token_time,
                     finish_time=request.finish_time,
                     service_s=request.service_s,
+                    prompt_logprobs=self._take_prompt_logprobs(request),
                 )
             )
         return outputs
+
+    def _apply_prompt_scores(self, scores: dict[str, PromptScores]) -> None:
+        """Append the prompt tokens a step scored to their requests' prompt logprobs (those aborted meanwhile, or
+        whose id a new request took, are skipped: the scores must follow the request's own)."""
+        for request_id, scored in scores.items():
+            request = self.scheduler.requests.get(request_id)
+            so_far = request.prompt_logprobs if request is not None else None
+            if so_far is not None and len(so_far) == scored.first:
+                so_far.extend(scored.tokens)
+
+    @staticmethod
+    def _take_prompt_logprobs(request: Request) -> PromptLogprobs | None:
+        """The request's prompt logprobs for the delta of its first token (the request keeps none after: its recompute
+        after a preemption may then take cached blocks, and scores nothing again)."""
+        scored, request.prompt_logprobs = request.prompt_logprobs, None
+        return scored
 
     def fail_step(self, sched: SchedulerOutput, error: BaseException) -> list[RequestDelta]:
         """A step that raised: the requests it leaves without their KV (its chunks, and requests its transfers were

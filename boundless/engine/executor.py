@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from boundless.engine.logprobs import PromptScores
 from boundless.engine.multi_step import window_iteration
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import SampledToken
@@ -39,7 +40,8 @@ class StepResult:
     and writes and the block streams between instances that finished meanwhile (for the scheduler).
 
     A multi-step window (``engine/multi_step.py``) has its first pass's tokens in ``sampled``, each later pass's in
-    ``later`` (for the chunks still in it), and each pass's seconds in ``pass_seconds`` (empty: one pass)."""
+    ``later`` (for the chunks still in it), and each pass's seconds in ``pass_seconds`` (empty: one pass).
+    ``prompt_scores``: the prompt tokens the step scored, by request id (``SamplingParams.prompt_logprobs``)."""
 
     sampled: dict[str, SampledToken]
     elapsed_s: float
@@ -47,6 +49,7 @@ class StepResult:
     remote_report: RemoteReport = field(default_factory=RemoteReport)
     later: tuple[dict[str, SampledToken], ...] = ()
     pass_seconds: tuple[float, ...] = ()
+    prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
 
 
 class Executor(Protocol):
@@ -122,6 +125,8 @@ class ModelExecutor:
             raise RuntimeError("a step moves KV to or from another instance, but this executor has no transport")
         later: list[dict[str, SampledToken]] = []
         pass_seconds: list[float] = []
+        sampled: dict[str, SampledToken] = {}
+        prompt_scores: dict[str, PromptScores] = {}
         waits = None
         landing = None
         try:
@@ -131,7 +136,9 @@ class ModelExecutor:
                 raise snapshot_error
             waits = self._layer_waits(sched)
             before_layer = _chain(waits.before_layer if waits is not None else None, landing)
-            sampled = self.runner.sample(self.runner.forward(sched, on_layer, before_layer)) if sched.chunks else {}
+            if sched.chunks:
+                step = self.runner.forward(sched, on_layer, before_layer)
+                sampled, prompt_scores = self.runner.sample(step), step.prompt_scores
             if landing is not None:
                 landing.finish()  # every layer copied (a step without a forward pass copies them here)
             if sched.window > 1:  # multi-step decoding: the same batch's next passes, each on the last one's tokens
@@ -159,7 +166,9 @@ class ModelExecutor:
         remote_report = (
             self.remote.report(wait_s=READ_WAIT_S if remote_wait else 0.0) if self.remote else RemoteReport()
         )
-        return StepResult(sampled, elapsed, tier_report, remote_report, tuple(later), tuple(pass_seconds))
+        return StepResult(
+            sampled, elapsed, tier_report, remote_report, tuple(later), tuple(pass_seconds), prompt_scores
+        )
 
     def _split_landing(
         self, transfers: Sequence[BlockTransfer]

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from boundless.engine.handoff import HandoffPlan, PrefixPush
+from boundless.engine.logprobs import PromptLogprobs
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.ref import ProgramRef
 
@@ -55,6 +56,10 @@ class Request:
     # A DE's request: held back until its first token comes from the PE; under DE-read, its prefix to push.
     awaiting_resume: bool = False
     push: PrefixPush | None = None
+    # Prompt logprobs (``SamplingParams.prompt_logprobs``): the prompt's tokens scored so far, in order (the first:
+    # None), until the delta of the first sampled token takes them; None when not asked for, taken, or scored by
+    # another engine (a resumed request's, a decode engine's: the prefill engine scores the prompt).
+    prompt_logprobs: PromptLogprobs | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -73,6 +78,27 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt tokens remain to score: every prompt position's logits are needed, so the request takes no
+        cached prefix (vLLM's rule; it still names its blocks for others)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def prompt_targets(self, start: int, end: int) -> tuple[list[int], int]:
+        """The prompt tokens a chunk of positions ``start`` to ``end`` (exclusive) scores that are not scored yet, and
+        the index of the first: position ``p``'s logits predict token ``p + 1``, so a chunk's last position scores the
+        next chunk's first token, and the prompt's last position (it samples) scores none."""
+        scored = self.prompt_logprobs
+        last = min(end, self.num_prompt_tokens - 1)
+        if scored is None or start + 1 > last:
+            return [], 0
+        if start + 1 > len(scored):  # never: a request that scores its prompt computes every position
+            raise RuntimeError(f"request {self.request_id}: prompt token {len(scored)} would be skipped unscored")
+        first = max(start + 1, len(scored))  # (recomputed after a preemption: the tokens scored before are skipped)
+        if first > last:
+            return [], 0
+        return self.prompt_token_ids[first : last + 1], first
 
     @property
     def max_tokens(self) -> int:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from boundless.attention.backend import AttentionBackend, AttentionBatch
 from boundless.engine.cuda_graphs import DecodeGraphs
-from boundless.engine.sampler import SampledToken, Sampler
+from boundless.engine.logprobs import PromptScores, PromptSpan, SampledToken, score_prompt_spans
+from boundless.engine.sampler import Sampler
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.kv.tensors import PagedKVCache
 from boundless.model.llama import LlamaModel
@@ -17,10 +18,12 @@ from boundless.model.llama import LlamaModel
 
 @dataclass
 class StepLogits:
-    """Next-token logits [rows, vocab] (fp32) for the chunks that sample, in that order."""
+    """Next-token logits [rows, vocab] (fp32) for the chunks that sample, in that order; and the prompt tokens the
+    step scored (``SamplingParams.prompt_logprobs``), by request id."""
 
     logits: torch.Tensor
     chunks: list[ScheduledChunk]
+    prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
 
 
 @dataclass
@@ -30,6 +33,7 @@ class FlatBatch:
     attention: AttentionBatch
     sample_indices: torch.Tensor
     sample_chunks: list[ScheduledChunk]
+    prompt_spans: list[PromptSpan] = field(default_factory=list)  # rows whose logits score prompt tokens
 
 
 class ModelRunner:
@@ -64,9 +68,16 @@ class ModelRunner:
         slots: list[int] = []
         sample_indices: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
+        prompt_spans: list[PromptSpan] = []
         for chunk in chunks:
             start = chunk.start_pos
             n = len(chunk.token_ids)
+            if chunk.prompt_targets:  # token t is scored by position t - 1's row
+                first_row = len(ids) + chunk.prompt_targets_from - 1 - start
+                top_k = chunk.sampling_params.prompt_logprobs or 0
+                prompt_spans.append(
+                    PromptSpan(chunk.request_id, first_row, chunk.prompt_targets, chunk.prompt_targets_from, top_k)
+                )
             ids.extend(chunk.token_ids)
             pos = range(start, start + n)
             positions.extend(pos)
@@ -93,6 +104,7 @@ class ModelRunner:
             attention=attention,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
             sample_chunks=sample_chunks,
+            prompt_spans=prompt_spans,
         )
 
     @torch.inference_mode()
@@ -106,10 +118,12 @@ class ModelRunner:
         layer ``i`` reads any (never in a CUDA graph)."""
         decodes_only = all(len(c.token_ids) == 1 for c in sched.chunks)
         remote = any(c.remote for c in sched.chunks)
+        scoring = any(c.prompt_targets for c in sched.chunks)  # (needs hidden states: a graph hands back logits)
         if (
             self.graphs is not None
             and decodes_only
             and not remote
+            and not scoring
             and on_layer is None
             and before_layer is None
             and self.graphs.fits(len(sched.chunks))
@@ -121,7 +135,8 @@ class ModelRunner:
             batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer
         )
         logits = self.model.compute_logits(hidden[batch.sample_indices])
-        return StepLogits(logits=logits, chunks=batch.sample_chunks)
+        scores = score_prompt_spans(hidden, batch.prompt_spans, self.model.compute_logits) if batch.prompt_spans else {}
+        return StepLogits(logits=logits, chunks=batch.sample_chunks, prompt_scores=scores)
 
     def _forward_graph(self, chunks: list[ScheduledChunk]) -> StepLogits:
         assert self.graphs is not None

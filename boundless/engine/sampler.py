@@ -5,21 +5,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from boundless.engine.logprobs import SampledToken, score_tokens
 from boundless.engine.scheduler import ScheduledChunk
 from boundless.engine.structured_output import GrammarMatcher, Grammars, mask_logits
 from boundless.model import cpu_kernels
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None  # of the sampled token under the model's raw distribution
-    rank: int | None = None  # 1 = the most likely token
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -237,17 +230,6 @@ class Sampler:
     ) -> None:
         rows = [i for i, c in enumerate(chunks) if c.sampling_params.logprobs is not None]
         idx = torch.tensor(rows, device=logprobs.device)
-        lp = logprobs[idx]
-        chosen = lp.gather(1, tokens[idx].unsqueeze(1))
-        ranks = (lp > chosen).sum(dim=1) + 1
-        k = max(chunks[i].sampling_params.logprobs or 0 for i in rows)
-        top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
-        chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
-        top_vals_l = top_vals.tolist() if top_vals is not None else None
-        top_ids_l = top_ids.tolist() if top_ids is not None else None
-        for j, i in enumerate(rows):
-            out[i].logprob = chosen_l[j]
-            out[i].rank = ranks_l[j]
-            n = chunks[i].sampling_params.logprobs or 0
-            if n and top_ids_l is not None and top_vals_l is not None:
-                out[i].top_logprobs = list(zip(top_ids_l[j][:n], top_vals_l[j][:n], strict=True))
+        top_ks = [chunks[i].sampling_params.logprobs or 0 for i in rows]
+        for i, token in zip(rows, score_tokens(logprobs[idx], tokens[idx], top_ks), strict=True):
+            out[i] = token

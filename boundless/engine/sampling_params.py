@@ -14,6 +14,7 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
 GREEDY_BELOW = 1e-5  # temperatures under it sample greedily
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a token's logit bias
+MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs, vLLM's default --max-logprobs)
 
 
 class InvalidSamplingParams(InvalidRequestError):
@@ -27,7 +28,9 @@ class SamplingParams:
     ``temperature == 0`` (or under ``GREEDY_BELOW``) is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``seed`` (a signed 64-bit integer) makes a request's samples reproducible whatever else is in the batch.
     ``stop_token_ids`` must be ids of the model's vocabulary (the engine knows its size). ``logprobs``
-    asks for that many top alternatives per generated token (0: only the sampled token's). ``detokenize=False``
+    asks for that many top alternatives per generated token (0: only the sampled token's); ``prompt_logprobs`` (vLLM's)
+    for each prompt token's logprob given the tokens before it, with that many alternatives (the first token has
+    none: nothing predicts it). ``detokenize=False``
     (vLLM's) returns token ids only, with no text, and skips the per-token decoding (the simulator's calls: nothing
     reads their text); it cannot go with stop strings, which are found in the text.
 
@@ -55,6 +58,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
@@ -102,7 +106,13 @@ class SamplingParams:
         if self.max_tokens is not None:
             self._check("min_tokens", self.min_tokens <= self.max_tokens, "min_tokens must not exceed max_tokens")
         if self.logprobs is not None:
-            self._check("logprobs", 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")
+            self._check("logprobs", 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            self._check(
+                "prompt_logprobs",
+                _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+            )
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         self._check("stop", self.detokenize or not self.stop, "stop strings need detokenize (found in the text)")
         self._check(

@@ -68,6 +68,10 @@ class ScheduledChunk:
     # (its own list, not a copy), and how many are the prompt's; empty otherwise.
     history: Sequence[int] = ()
     num_prompt_tokens: int = 0
+    # Prompt logprobs (``SamplingParams.prompt_logprobs``): the prompt tokens this chunk's positions predict and that
+    # are not scored yet, the first of them prompt token ``prompt_targets_from`` (predicted by the position before it).
+    prompt_targets: Sequence[int] = ()
+    prompt_targets_from: int = 0
 
 
 @dataclass
@@ -243,6 +247,7 @@ class Scheduler:
                 if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and not (
                     request.request_id in self.held  # its loads would pin the blocks it was held to free
                     or self.awaits_grant(request)  # and these those a grant lends
+                    or request.scores_prompt  # it computes every block (no cached prefix): nothing to load
                 ):
                     read = self.kv.plan_disk_read(request.request_id, request.all_token_ids, now)
                     if read is not None:
@@ -283,6 +288,9 @@ class Scheduler:
             first_block, remote = self.kv.remote_prefix(request.request_id)
             start = request.num_computed_tokens
             end = start + num_new
+            # (Checked here first: the simulator schedules many chunks a step, none of them scoring its prompt.)
+            scoring = request.prompt_logprobs is not None
+            targets, targets_from = request.prompt_targets(start, end) if scoring else ((), 0)
             if end == request.num_tokens and request.handoff is not None and not request.handoff_sent:
                 send = self._handoff_send(request)
                 if send is not None:
@@ -302,6 +310,8 @@ class Scheduler:
                     num_steps=windows[request.request_id] if windows else 1,
                     history=request.all_token_ids if request.sampling_params.needs_history else (),
                     num_prompt_tokens=len(request.prompt_token_ids),
+                    prompt_targets=targets,
+                    prompt_targets_from=targets_from,
                 )
             )
         if windows:
@@ -351,6 +361,8 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.RUNNING:
                 cached = request.num_computed_tokens
+            elif request.scores_prompt:  # it takes no cached prefix
+                cached = 0
             else:  # what its admission will find in memory (not counted as a lookup)
                 num_full = (request.num_tokens - 1) // bs
                 cached = len(self.kv.memory_prefix(request.request_id, request.all_token_ids, num_full)) * bs
@@ -432,7 +444,7 @@ class Scheduler:
         prefix = None
         limit = self._local_limit(rid)
         if request.status is not RequestStatus.RUNNING:
-            prefix = _prefix_within(self.kv.find_cached_prefix(rid, request.all_token_ids), limit)
+            prefix = self._cached_prefix(request, limit)
             computed = prefix.num_tokens
         else:
             computed = request.num_computed_tokens
@@ -469,6 +481,13 @@ class Scheduler:
             request.num_computed_tokens = computed
             self._to_running(request)
         return num_new
+
+    def _cached_prefix(self, request: Request, limit: int) -> CachedPrefix:
+        """The cached prefix a request being admitted starts from: none for one that scores its prompt (every prompt
+        position's logits are needed, as vLLM rules), else the longest in memory, within ``limit`` tokens."""
+        if request.scores_prompt:
+            return CachedPrefix(block_size=self.kv.block_size)
+        return _prefix_within(self.kv.find_cached_prefix(request.request_id, request.all_token_ids), limit)
 
     def _local_limit(self, request_id: str) -> int:
         """The most tokens the request's KV may reach with its local blocks filling the whole pool: its blocks on

@@ -5,6 +5,7 @@ free their blocks on both sides and the tokens are recomputed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -19,6 +20,7 @@ from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import KV_STREAM_LOST, EngineCore, RequestDelta, Resume
 from boundless.engine.handoff import HandoffPlan, IntakePlan
+from boundless.engine.logprobs import PromptLogprobs
 from boundless.engine.request import RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.structured_output import StructuredOutput
@@ -180,6 +182,35 @@ def test_a_structured_request_keeps_its_grammar_across_the_handoff(pair: Pair, t
     assert tokens == _colocated(tiny_llama, PROMPT, params)
     assert rest[-1].finish_reason == "stop"
     assert json.loads(first.new_text + "".join(d.new_text for d in rest))["color"] in ("red", "green", "blue")
+
+
+def _colocated_prompt_logprobs(loaded: LoadedModel, prompt: list[int], params: SamplingParams) -> PromptLogprobs:
+    core = _core(loaded)
+    core.add_request("ref", prompt, params)
+    scored = None
+    while core.has_unfinished():
+        for delta in core.step():
+            scored = delta.prompt_logprobs if scored is None else scored
+    assert scored is not None
+    return scored
+
+
+def _assert_same_prompt_logprobs(ours: PromptLogprobs | None, theirs: PromptLogprobs) -> None:
+    assert ours is not None and len(ours) == len(theirs) and ours[0] is None and theirs[0] is None
+    for a, b in zip(ours[1:], theirs[1:], strict=True):
+        assert a is not None and b is not None and (a.token_id, a.rank) == (b.token_id, b.rank)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+
+
+def test_the_prefill_engines_first_delta_carries_the_prompts_logprobs(pair: Pair, tiny_llama: LoadedModel) -> None:
+    """The prefill engine scores the prompt (every position: it takes no cached block) and its handoff delta carries
+    the prompt logprobs, those of one engine; the decode engine, which computes only the tail, scores nothing."""
+    params = dataclasses.replace(PARAMS, prompt_logprobs=2)
+    _, first, rest = _disaggregated(pair, "lp", PROMPT, params)
+    _assert_same_prompt_logprobs(first.prompt_logprobs, _colocated_prompt_logprobs(tiny_llama, PROMPT, params))
+    assert all(d.prompt_logprobs is None for d in rest)
+    assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, PROMPT)
 
 
 CONTEXT = [(29 * j) % 300 + 3 for j in range(70)]  # a previous turn's context: 4 full blocks go to the store
@@ -400,6 +431,25 @@ def test_de_read_pushes_only_the_blocks_the_prefill_engine_lacks(
         assert answer.send_from_block == 0 and rest[-1].num_cached_tokens == 8 * BLOCK
         _settle(p.pe, p.de)
         assert p.de.stats().remote_io.blocks_sent == 2
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
+def test_a_prefill_engine_scoring_the_prompt_computes_the_blocks_it_holds_and_is_pushed(
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+) -> None:
+    """A dispatcher plans no DE-read push for a call that scores its prompt (it reads nothing), but should blocks come
+    (the PE holds some, the DE pushes others) its prefill engine still computes and scores every position."""
+    p = _pe_holding_context(tiny_llama, shm_dir, tmp_path / "store")
+    try:
+        prompt = CONTEXT + APPEND + MORE
+        params = dataclasses.replace(PARAMS, prompt_logprobs=1)
+        answer, first, rest = _disaggregated(p, "lp", prompt, params, push=True)
+        assert answer.push_blocks == 2  # (blocks 4 and 5, which the prefill engine lacked)
+        _assert_same_prompt_logprobs(first.prompt_logprobs, _colocated_prompt_logprobs(tiny_llama, prompt, params))
+        assert first.num_cached_tokens == 0
+        assert first.new_token_ids + [t for d in rest for t in d.new_token_ids] == _colocated(tiny_llama, prompt)
     finally:
         p.pe_net.close()
         p.de_net.close()

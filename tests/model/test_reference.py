@@ -4,11 +4,13 @@ For the bundled SmolLM2 GGUF and two random tiny models (a Llama with GQA and ll
 scaling, a Qwen2 with q/k/v biases and untied embeddings): greedy outputs of 8+ prompts of mixed
 lengths run together are token-for-token those of ``transformers``, with prefix caching on and
 off, with chunked prefill under a tiny token budget and under forced preemption, and with prefixes
-that come back from host memory or from the disk store; per-step logits agree within 1e-3.
+that come back from host memory or from the disk store; per-step logits agree within 1e-3, and so do prompt logprobs
+with transformers' log-softmax of each prompt position.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -22,9 +24,11 @@ from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore
 from boundless.engine.executor import StepResult
+from boundless.engine.logprobs import PromptLogprobs
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.tensors import PagedKVCache
 from boundless.kv.transfer import DISK, HOST
+from boundless.llm import LLM, engine_config
 from boundless.model.loader import LoadedModel
 
 MAX_NEW = 12
@@ -325,3 +329,89 @@ def test_prefixes_from_host_memory_and_from_disk_match_transformers(
         # All its full blocks but the last token's, up to the half of host memory prefetches may take.
         expected = min((len(prompt) - 1) // 16, host_blocks // 2) * 16
         assert from_disk == expected, f"prompt {i}: {from_disk} tokens from disk, not {expected}"
+
+
+LOGPROB_TOL = 1e-3  # as the per-step logits
+PROMPT_TOP_K = 3
+
+
+def _hf_prompt_logprobs(model: Any, prompt: list[int], device: torch.device) -> torch.Tensor:
+    """transformers' log-softmax at each prompt position but the last: row ``i`` scores token ``i + 1``."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt], device=device)).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1].cpu()
+
+
+def _assert_prompt_logprobs_match(
+    scored: PromptLogprobs | None, prompt: list[int], theirs: torch.Tensor, k: int
+) -> None:
+    """Every prompt token scored (the first: None), its logprob, rank and top ``k`` those of ``theirs``."""
+    assert scored is not None and len(scored) == len(prompt) and scored[0] is None
+    worst = 0.0
+    for i in range(1, len(prompt)):
+        token, row = scored[i], theirs[i - 1]
+        assert token is not None and token.token_id == prompt[i]
+        worst = max(worst, abs(token.logprob - row[prompt[i]].item()))
+        # Its rank, give or take the tokens within the tolerance of it (a random model has near ties).
+        assert int((row > token.logprob + LOGPROB_TOL).sum()) + 1 <= token.rank
+        assert token.rank <= int((row > token.logprob - LOGPROB_TOL).sum()) + 1
+        assert len(token.top_logprobs) == k
+        top = torch.tensor([lp for _, lp in token.top_logprobs])
+        worst = max(worst, (top - row.topk(k).values).abs().max().item() if k else 0.0)
+        worst = max(worst, max((abs(lp - row[tid].item()) for tid, lp in token.top_logprobs), default=0.0))
+    assert worst < LOGPROB_TOL, f"largest logprob difference {worst}"
+
+
+# SmolLM2's cases are in the slow suite, the tiny models' in the fast one (a second or two each).
+PROMPT_LOGPROB_PARAMS = [
+    pytest.param(name, case, marks=pytest.mark.slow if name == "smollm2-135m" else ())
+    for name in MODELS
+    for case in ("cached-prefix", "recompute")
+]
+
+
+@pytest.mark.parametrize(("name", "case"), PROMPT_LOGPROB_PARAMS)
+def test_prompt_logprobs_match_transformers(
+    name: str, case: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """Each prompt token's logprob, rank and top alternatives are transformers' log-softmax of its logits on the same
+    weights. The prompts are prefilled in chunks of at most 16 tokens a step (a chunk's last position scores the next
+    chunk's first token), in one batch with requests that ask for none, and decoded in windows of 4 passes. In
+    ``cached-prefix`` the prefix cache holds the long prompt's blocks, which the scoring request must not take (it
+    needs every position's logits) while a plain one does; in ``recompute`` a pool too small for the batch drops
+    requests' KV to be recomputed (a scored token is not scored again)."""
+    ref, model = _reference(name, load, hf_model), hf_model(name)
+    loaded = ref.loaded
+    long_prompt = ref.prompts[7]
+    options: dict[str, Any] = {"max_num_batched_tokens": 16, "num_scheduler_steps": 4, "max_model_len": 512}
+    if case == "recompute":
+        blocks, max_len = _pool_for_preemption(ref.prompts, 16)
+        options.update(num_kv_blocks=blocks, max_model_len=max_len, swap_space_gb=0.0)
+    llm = LLM.from_config(engine_config(loaded.name, **options), loaded)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    scored = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=PROMPT_TOP_K, logprobs=PROMPT_TOP_K
+    )
+    if case == "cached-prefix":
+        llm.generate([long_prompt], greedy)  # its full blocks stay in the prefix cache
+        picks = [3, 7, 4, 1]
+        params = [greedy, scored, greedy, dataclasses.replace(scored, prompt_logprobs=0)]
+    else:
+        picks = list(range(len(ref.prompts)))
+        params = [scored if i % 2 == 0 else greedy for i in picks]
+    outs = llm.generate([ref.prompts[i] for i in picks], params)
+    for i, p, out in zip(picks, params, outs, strict=True):
+        assert out.outputs[0].token_ids == ref.tokens[i], f"prompt {i} diverges"
+        if p.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+            continue
+        theirs = _hf_prompt_logprobs(model, ref.prompts[i], loaded.device)
+        _assert_prompt_logprobs_match(out.prompt_logprobs, ref.prompts[i], theirs, p.prompt_logprobs)
+        assert out.outputs[0].logprobs is not None and len(out.outputs[0].logprobs) == MAX_NEW
+    stats = llm.engine.scheduler.stats
+    if case == "recompute":
+        assert stats.num_recomputed > 0
+        return
+    assert outs[1].num_cached_tokens == 0  # the scoring request computed its whole prompt
+    again = llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert again.num_cached_tokens >= len(long_prompt) // 16 * 16 - 16  # the cache held it all along
