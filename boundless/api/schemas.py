@@ -23,10 +23,10 @@ from pydantic import (
     model_validator,
 )
 
-from boundless.engine.sampling_params import SEED_MAX, SEED_MIN
+from boundless.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 MAX_N = 128  # samples per prompt, as OpenAI allows
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # alternatives per token: top_logprobs, logprobs and prompt_logprobs (the engine's)
 MAX_ID_CHARS = 256  # program and thread ids: the router keeps them in its process table
 MAX_PARENT_THREADS = 64
 
@@ -116,6 +116,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
+    # Each prompt token's logprob given the tokens before it, with this many alternatives (not -1, the vocabulary)
+    prompt_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers)
     program_id: Identifier | None = None
     thread_id: Identifier | None = None
@@ -186,6 +188,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: Annotated[int, Strict(), Field(ge=0)] | None = None  # 0 only with echo: the prompt alone (as vLLM)
     logprobs: Int | None = None
     echo: Bool = False
     suffix: str | None = None

@@ -30,7 +30,7 @@ from boundless.api.validation import header_identifier, require_token_ids, requi
 from boundless.config import ServerConfig
 from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
-from boundless.engine.sampler import SampledToken
+from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.structured_output import StructuredOutput, check_structured_output
 from boundless.programs.ref import ProgramRef
@@ -121,6 +121,7 @@ class Choice:
     stop_reason: str | int | None = None  # why it finished; for an error, what failed
     cached_tokens: int = 0
     instance: str = ""  # the engine instance that produced its latest tokens
+    prompt_logprobs: PromptLogprobs | None = None  # with its first token, when asked for
 
 
 # -- request -> engine inputs ------------------------------------------------------------------
@@ -131,6 +132,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     structured: StructuredOutput | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     stop = body.stop if isinstance(body.stop, list) else ([] if body.stop is None else [body.stop])
     return SamplingParams(
@@ -145,6 +147,7 @@ def sampling_params(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         presence_penalty=body.presence_penalty or 0.0,
@@ -230,6 +233,8 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: in
     require_valid_text(body.model_dump())
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
+    if body.stream and body.prompt_logprobs:  # (vLLM's rule: a streamed response has nowhere to put them)
+        raise APIError(400, "prompt_logprobs are not available with stream", "prompt_logprobs", "invalid_value")
     require_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
     bias_ids = []
     for key in body.logit_bias or {}:
@@ -330,7 +335,9 @@ class OpenAIServer:
         tools = ToolUse(bool(body.tools) and body.tool_choice != "none", body.parallel_tool_calls)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            params = sampling_params(body, max_tokens, logprobs, _forced_calls(body) or _structured(body))
+            structured = _forced_calls(body) or _structured(body)
+            prompt_logprobs = None if body.stream else body.prompt_logprobs  # (a stream has no place for them)
+            params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs)
             await check_grammar(params)
             streams = self.submit_all(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used for the limit
@@ -360,17 +367,18 @@ class OpenAIServer:
                     "finish_reason": finish,
                 }
             )
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.model,
-                "system_fingerprint": _fingerprint(choices),
-                "choices": out_choices,
-                "usage": self._usage(len(ids), choices),
-            }
-        )
+        response = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "system_fingerprint": _fingerprint(choices),
+            "choices": out_choices,
+            "usage": self._usage(len(ids), choices),
+        }
+        if body.prompt_logprobs is not None:  # vLLM's place for them in a chat response: beside the choices
+            response["prompt_logprobs"] = self._prompt_logprobs(choices[0].prompt_logprobs, body.prompt_logprobs)
+        return JSONResponse(response)
 
     async def _chat_events(
         self,
@@ -469,32 +477,42 @@ class OpenAIServer:
         self.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(
+                400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens", "invalid_value"
+            )
         prompts = self.completion_prompts(body)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        params = sampling_params(body, max_tokens, body.logprobs, _structured(body))
+        # The prompt alone: the engine still samples a token (a prompt ends in a step that samples), which the response
+        # leaves out, as vLLM's does.
+        prompt_only = body.echo and body.max_tokens == 0
+        max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)
+        params = sampling_params(body, max_tokens, body.logprobs, _structured(body), _prompt_logprobs_wanted(body))
         await check_grammar(params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = self.submit_all(rid, prompts, params, _program(body, request))
         prompt_len = sum(len(p) for p in prompts)
+        echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             streams = await self._started(streams, request)
-            return StreamingResponse(
-                self._completion_events(rid, body, streams, prompt_len, include_usage), media_type="text/event-stream"
-            )
+            events = self._completion_events(rid, body, streams, prompts, echoes, prompt_len, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
         choices = await self._collect(streams, request)
         out = []
         for c in choices:
-            prefix = self.tokenizer.decode(prompts[c.index // body.n]) if body.echo else ""
-            lp = self._completion_logprobs(c.logprobs, len(prefix)) if body.logprobs is not None else None
+            if prompt_only:
+                _drop_output(c)
+            prompt, echo = prompts[c.index // body.n], echoes[c.index // body.n]
             choice: dict[str, Any] = {
                 "index": c.index,
-                "text": prefix + c.text,
-                "logprobs": lp,
+                "text": echo + c.text,
+                "logprobs": self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, c.logprobs),
                 "finish_reason": c.finish_reason,
             }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs, body.prompt_logprobs)
             if body.return_token_ids:
-                choice["prompt_token_ids"] = prompts[c.index // body.n]
+                choice["prompt_token_ids"] = prompt
                 choice["token_ids"] = c.token_ids
             out.append(choice)
         return JSONResponse(
@@ -510,10 +528,19 @@ class OpenAIServer:
         )
 
     async def _completion_events(
-        self, rid: str, body: CompletionRequest, streams: list[DeltaStream], prompt_len: int, include_usage: bool
+        self,
+        rid: str,
+        body: CompletionRequest,
+        streams: list[DeltaStream],
+        prompts: list[list[int]],
+        echoes: list[str],
+        prompt_len: int,
+        include_usage: bool,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         choices = [Choice(i) for i in range(len(streams))]
+        echoed = [False] * len(streams)
+        prompt_only = body.echo and body.max_tokens == 0
 
         def chunk(choice_list: list[dict], usage: dict | None = None) -> bytes:
             payload: dict[str, Any] = {
@@ -532,11 +559,18 @@ class OpenAIServer:
             c = choices[index]
             offset = len(c.text)
             self._apply(c, delta)
-            lp = self._completion_logprobs(delta.new_logprobs, offset) if body.logprobs is not None else None
-            if delta.new_text or lp or delta.finished:
-                yield chunk(
-                    [{"index": index, "text": delta.new_text, "logprobs": lp, "finish_reason": delta.finish_reason}]
-                )
+            text, generated = delta.new_text, delta.new_logprobs
+            if prompt_only:
+                text, generated = "", []
+                _drop_output(c)
+            prompt, echo = prompts[index // body.n], echoes[index // body.n]
+            lp = self._completion_logprobs(generated, len(echo) + offset) if body.logprobs is not None else None
+            if body.echo and not echoed[index]:  # the prompt goes first, in the choice's first chunk
+                echoed[index] = True
+                text = echo + text
+                lp = self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, generated)
+            if text or lp or delta.finished:
+                yield chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}])
         if include_usage:
             yield chunk([], self._usage(prompt_len, choices))
         yield b"data: [DONE]\n\n"
@@ -549,6 +583,8 @@ class OpenAIServer:
         choice.token_ids.extend(delta.new_token_ids)
         choice.logprobs.extend(delta.new_logprobs)
         choice.instance = delta.instance
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             choice.finish_reason = delta.finish_reason
             choice.stop_reason = delta.stop_reason
@@ -645,6 +681,8 @@ class OpenAIServer:
         return out
 
     def _completion_logprobs(self, tokens: list[SampledToken], offset: int) -> dict[str, Any]:
+        """The completions API's logprobs of ``tokens``, their text offsets from ``offset`` on (a token without a
+        logprob, the echoed prompt's first, has None for it and for its alternatives, as vLLM's)."""
         texts = [self._token_text(t.token_id) for t in tokens]
         offsets = []
         pos = offset
@@ -654,9 +692,71 @@ class OpenAIServer:
         return {
             "tokens": texts,
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{self._token_text(tid): lp for tid, lp in t.top_logprobs} for t in tokens],
+            "top_logprobs": [
+                None if t.logprob is None else {self._token_text(tid): lp for tid, lp in t.top_logprobs} for t in tokens
+            ],
             "text_offset": offsets,
         }
+
+    def _choice_logprobs(
+        self,
+        body: CompletionRequest,
+        prompt: list[int],
+        echo: str,
+        scored: PromptLogprobs | None,
+        generated: list[SampledToken],
+    ) -> dict[str, Any] | None:
+        """A completion choice's ``logprobs``: with ``echo``, the prompt's tokens first (offsets from the echoed
+        text's start), then the generated tokens' (offsets from the end of ``echo``)."""
+        if body.logprobs is None:
+            return None
+        out = self._completion_logprobs(generated, len(echo))
+        if not body.echo:
+            return out
+        echoed = self._completion_logprobs(_echoed_tokens(prompt, scored, body.logprobs), 0)
+        return {key: echoed[key] + out[key] for key in out}
+
+    def _prompt_logprobs(self, scored: PromptLogprobs | None, top_k: int) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first), a map from token id to its logprob, rank
+        and text: the prompt's token, then its ``top_k`` most likely alternatives."""
+        if scored is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for token in scored:
+            if token is None:
+                out.append(None)
+                continue
+            entry = {str(token.token_id): self._logprob_entry(token.token_id, token.logprob, token.rank)}
+            for rank, (tid, lp) in enumerate(token.top_logprobs[:top_k], 1):
+                entry.setdefault(str(tid), self._logprob_entry(tid, lp, rank))
+            out.append(entry)
+        return out
+
+    def _logprob_entry(self, token_id: int, logprob: float | None, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token_id)}
+
+
+def _prompt_logprobs_wanted(body: CompletionRequest) -> int | None:
+    """The alternatives per prompt token the engine is to score: ``prompt_logprobs`` (unstreamed: a stream has no place
+    for them), and with ``echo`` the ``logprobs`` (the echoed tokens carry theirs, as vLLM's); None: none."""
+    asked = None if body.stream else body.prompt_logprobs
+    wanted = [k for k in (asked, body.logprobs if body.echo else None) if k is not None]
+    return max(wanted) if wanted else None
+
+
+def _echoed_tokens(prompt: list[int], scored: PromptLogprobs | None, top_k: int) -> list[SampledToken]:
+    """The prompt's tokens as an echo lists them: with their logprobs and ``top_k`` alternatives where scored."""
+    if scored is None or len(scored) != len(prompt):  # (none came: a choice that failed before its first token)
+        return [SampledToken(t) for t in prompt]
+    return [
+        SampledToken(t) if e is None else SampledToken(e.token_id, e.logprob, e.rank, e.top_logprobs[:top_k])
+        for t, e in zip(prompt, scored, strict=True)
+    ]
+
+
+def _drop_output(choice: Choice) -> None:
+    """An echo of the prompt alone (``max_tokens: 0``): the token the engine sampled is not part of the response."""
+    choice.text, choice.token_ids, choice.logprobs = "", [], []
 
 
 def _fingerprint(choices: list[Choice]) -> str:

@@ -151,6 +151,9 @@ CORPUS: list[Case] = [
     *both({"n": True}, "n"),
     # max_tokens / max_completion_tokens / min_tokens
     *both({"max_tokens": 0}, "max_tokens"),
+    chat({"max_tokens": 0, "echo": True}, "max_tokens"),  # (chat has no echo: an unknown field)
+    completion({"max_tokens": 0, "echo": True}, None, SERVED),  # the prompt alone, as vLLM's
+    completion({"max_tokens": 0, "echo": True, "logprobs": 2, "stream": True}, None, SERVED),
     *both({"max_tokens": -3}, "max_tokens"),
     *both({"max_tokens": 10**20}, "max_tokens"),
     *both({"max_tokens": MAX_LEN}, "max_tokens"),
@@ -169,6 +172,19 @@ CORPUS: list[Case] = [
     chat({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     chat({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     chat({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    # prompt_logprobs (vLLM's): 0 to the logprobs limit (not -1, the whole vocabulary), and not streamed; echo's own
+    *both({"prompt_logprobs": -1}, "prompt_logprobs"),
+    *both({"prompt_logprobs": 21}, "prompt_logprobs"),
+    *both({"prompt_logprobs": 10**30}, "prompt_logprobs"),
+    *both({"prompt_logprobs": 1.0}, "prompt_logprobs"),
+    *both({"prompt_logprobs": True}, "prompt_logprobs"),
+    *both({"prompt_logprobs": "2"}, "prompt_logprobs"),
+    *both({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    *both({"prompt_logprobs": 0, "stream": True}, None, SERVED),  # (nothing to return: vLLM serves it)
+    *both({"prompt_logprobs": 20, "n": 2}, None, SERVED),
+    completion({"echo": True, "logprobs": 21}, "logprobs"),
+    completion({"echo": True, "logprobs": 20, "prompt_logprobs": 0}, None, SERVED),
+    completion({"echo": True, "logprobs": 1, "stream": True}, None, SERVED),
     # stop: strings and lists, their encoding
     *both({"stop": ""}, "stop"),
     *both({"stop": [""]}, "stop"),

@@ -153,6 +153,74 @@ def test_n_stop_and_logprobs(client: openai.OpenAI) -> None:
     assert len(cl.choices[0].logprobs.tokens) == 3 and all(len(t) <= 2 for t in cl.choices[0].logprobs.top_logprobs)
 
 
+def _offline_scores(smollm2: LoadedModel, prompt: list[int], top_k: int) -> tuple[list, list]:
+    """The offline engine's prompt logprobs of ``prompt`` and its first greedy token's logprob (``top_k`` each)."""
+    offline = LLM.from_config(engine_config(MODEL, max_model_len=MAX_LEN, kv_cache_gb=0.25), smollm2)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=top_k, prompt_logprobs=top_k)
+    out = offline.generate([prompt], params)[0]
+    assert out.prompt_logprobs is not None and out.outputs[0].logprobs is not None
+    return out.prompt_logprobs, out.outputs[0].logprobs
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client: openai.OpenAI, smollm2: LoadedModel) -> None:
+    """lm-eval-harness's loglikelihood request (context + continuation, echo, logprobs 1, max_tokens 1, greedy): the
+    prompt's tokens come first in ``logprobs`` (the first with None), scored as the offline engine scores them, text
+    offsets counted from the echoed text; streamed the same; ``max_tokens: 0`` echoes the prompt alone."""
+    text = "The capital of France is Paris"
+    ids = smollm2.tokenizer.encode(text)
+    ask = dict(model=MODEL, prompt=text, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    whole = client.completions.create(**ask)
+    choice, lp = whole.choices[0], whole.choices[0].logprobs
+    echo = smollm2.tokenizer.decode(ids)
+    assert choice.text.startswith(echo) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    scored, generated = _offline_scores(smollm2, ids, 1)
+    expected = [t.logprob for t in scored[1:]] + [generated[0].logprob]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] == len(echo)
+    # What lm-eval reads: the continuation's logprob, and whether it is greedy (each token its position's top one).
+    continuation = sum(lp.token_logprobs[len(ids) - 1 : -1])
+    assert continuation == pytest.approx(scored[-1].logprob, abs=1e-4)
+    stream = list(client.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].text for c in stream) == choice.text
+    streamed = [c.choices[0].logprobs for c in stream if c.choices[0].logprobs is not None]
+    assert [t for part in streamed for t in part.tokens] == lp.tokens
+    assert [v for part in streamed for v in part.token_logprobs] == pytest.approx(lp.token_logprobs)
+    assert [o for part in streamed for o in part.text_offset] == lp.text_offset
+    for stream_it in (False, True):
+        alone = client.completions.create(**{**ask, "max_tokens": 0}, stream=stream_it)
+        chunks = list(alone) if stream_it else [alone]
+        assert "".join(c.choices[0].text for c in chunks) == echo
+        tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert len(tokens) == len(ids) and chunks[-1].choices[0].finish_reason == "length"
+    unstreamed = client.completions.create(**{**ask, "max_tokens": 0})
+    assert unstreamed.usage.completion_tokens == 0 and unstreamed.usage.prompt_tokens == len(ids)
+
+
+def test_prompt_logprobs_on_chat_and_completions_have_vllms_shape(client: openai.OpenAI, smollm2: LoadedModel) -> None:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) a map from token id to its logprob, rank and
+    text, the prompt's token and its top alternatives; beside the choices for chat, in each choice for completions."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    tok = smollm2.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    completion = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    scored, _ = _offline_scores(smollm2, ids, 2)
+    for served in (chat.model_extra["prompt_logprobs"], completion.choices[0].model_extra["prompt_logprobs"]):
+        assert len(served) == len(ids) and served[0] is None
+        for token, entry, offline in zip(ids[1:], served[1:], scored[1:], strict=True):
+            mine = entry[str(token)]
+            assert mine["logprob"] == pytest.approx(offline.logprob, abs=1e-4) and mine["rank"] == offline.rank
+            assert mine["decoded_token"] == tok.decode([token], skip_special_tokens=False)
+            assert len(entry) <= 3 and {e["rank"] for k, e in entry.items() if k != str(token)} <= {1, 2}
+    assert completion.choices[0].logprobs is None  # (no echo: the choice's own logprobs are not asked for)
+
+
 def test_penalties_and_logit_bias_are_served_as_the_offline_engine_applies_them(
     client: openai.OpenAI, smollm2: LoadedModel
 ) -> None:

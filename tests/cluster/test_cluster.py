@@ -13,6 +13,7 @@ import pytest
 from one_engine import one_engine_texts
 from streams import kill_once_started, stream_all
 
+from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
 from boundless.cluster.client import ClusterClient
 from boundless.cluster.instance import FAIL_ADD_SEED_ENV
@@ -129,6 +130,35 @@ def test_a_request_that_fails_in_add_fails_alone(cluster: tuple[ClusterClient, S
     ]
     assert {r.system_fingerprint for r in served} == {"boundless-0", "boundless-1"}
     assert client.dispatcher.num_failovers == 0
+
+
+def test_prompt_logprobs_come_back_through_the_cluster(
+    cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
+) -> None:
+    """An instance's first delta carries the prompt logprobs (as the sampled tokens' travel): echoed with ``logprobs``
+    and as vLLM's ``prompt_logprobs``, those one engine computes."""
+    _, server = cluster
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    prompt = [60 + (7 * i) % 200 for i in range(40)]
+    r = api.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"prompt_logprobs": 2},
+    )
+    llm = LLM.from_config(engine_config(tiny_llama.name, max_model_len=1024, kv_cache_gb=0.05), tiny_llama)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    expected = llm.generate([prompt], params)[0].prompt_logprobs
+    assert expected is not None
+    served = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(served) == len(prompt) and served[0] is None
+    for token, entry, offline in zip(prompt[1:], served[1:], expected[1:], strict=True):
+        assert entry[str(token)]["logprob"] == pytest.approx(offline.logprob, abs=1e-4)
+    echoed = r.choices[0].logprobs.token_logprobs
+    assert echoed[0] is None and echoed[1 : len(prompt)] == pytest.approx([t.logprob for t in expected[1:]], abs=1e-4)
 
 
 def test_killing_an_instance_mid_stream_loses_nothing(
