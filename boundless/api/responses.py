@@ -183,9 +183,10 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
-            if not isinstance(call_id, str) or not isinstance(output, str):
-                raise APIError(400, "a function_call_output needs call_id and output as strings", where)
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+            if not isinstance(call_id, str) or not isinstance(output, str | list):
+                raise APIError(400, "a function_call_output needs a call_id string and an output", where)
+            text = _item_text(output, f"{where}.output")  # (a string, or text parts)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
             continue  # (a reasoning model's summary from another server: nothing this model reads)
         else:

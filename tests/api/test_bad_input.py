@@ -113,6 +113,11 @@ WEATHER_CALL = {"name": "weather", "arguments": "{}"}
 _RESPONSE_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
 
+def _output(output: Any) -> dict[str, Any]:
+    """A Responses input item: a function call's output."""
+    return {"type": "function_call_output", "call_id": "c", "output": output}
+
+
 def _tool(function: Any) -> dict[str, Any]:
     return {"tools": [{"type": "function", "function": function}]}
 
@@ -361,6 +366,8 @@ CORPUS: list[Case] = [
     response({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input.0.type"),
     response({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input.0"),
     response({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input.0"),
+    response({"input": [_output([{"type": "x"}])]}, "input.0.output.0"),
+    response({"input": [_output([{"type": "input_text", "text": "sunny"}])]}, None, SERVED),
     response({"input": [{"role": "robot", "content": "Hi"}]}, "input.0.role"),
     response({"input": [{"role": "user", "content": "a" + SURROGATE}]}, "input.0.content"),
     response({"input": []}, "input"),

@@ -6,11 +6,12 @@ field (tests/api/test_bad_input.py)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-from served_models import Served
+from served_models import Served, serve_hermes
 
 from boundless.api.responses import ResponseStore, StoredResponse
 
@@ -30,6 +31,12 @@ TOOLS = [
 CHAT_TOOLS = [
     {"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}},
 ]
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serve_hermes(tmp_path_factory.mktemp("hermes")) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

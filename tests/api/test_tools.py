@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import openai
 import pytest
-from served_models import Served
+from served_models import Served, serve_hermes
 
 from boundless.api.tool_calls import forced_call_schema, parse_tool_calls, template_messages
 
@@ -18,6 +19,12 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serve_hermes(tmp_path_factory.mktemp("hermes")) as served:
+        yield served
 
 
 def test_parse_hermes_blocks() -> None:
