@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items``.
 
 A response runs as a chat completion does (the same chat template, tool-call parser, grammars and sampling): its
 ``input`` (a string, or items: messages, function calls and their outputs), after ``instructions`` and the
@@ -18,7 +19,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
@@ -194,6 +195,25 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
+def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's input as ``GET /v1/responses/{id}/input_items`` lists it: items with ids and statuses, a
+    message's text as a part (a string input is one user message)."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    out = []
+    for item in items:
+        item = {"type": "message", **item}
+        kind = item["type"]
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+        item.setdefault("id", f"{prefix}_{uuid.uuid4().hex}")
+        item.setdefault("status", "completed")
+        out.append(item)
+    return out
+
+
 # -- kept responses --------------------------------------------------------------------------------
 
 
@@ -204,6 +224,7 @@ class StoredResponse:
     body: dict[str, Any]
     messages: list[dict[str, Any]]  # without instructions (a chain does not inherit them, as OpenAI's does not)
     program_id: str
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # the request's input, as items with ids
 
 
 class ResponseStore:
@@ -439,7 +460,8 @@ class ResponsesAPI:
             said: dict[str, Any] = {"role": "assistant", "content": content or ""}
             if calls:
                 said["tool_calls"] = [c.to_openai() for c in calls]
-            self.store.put(call.response_id, StoredResponse(out, [*call.messages, said], call.program.program_id))
+            stored = StoredResponse(out, [*call.messages, said], call.program.program_id, input_items(call.body.input))
+            self.store.put(call.response_id, stored)
         return out
 
     async def _events(self, call: _Call, streams: list[DeltaStream]) -> AsyncIterator[bytes]:
@@ -558,6 +580,37 @@ async def get_response(response_id: str, request: Request) -> Response:
     if stored is None:
         raise _not_found(response_id)
     return JSONResponse(stored.body)
+
+
+@routes.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None
+) -> Response:
+    """The response's input items, a page at a time (OpenAI's cursor: ``after`` an item id, ``limit`` 1 to 100,
+    newest first unless ``order`` is ``asc``)."""
+    stored = _api(request).store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    if not 1 <= limit <= 100:
+        raise APIError(400, "limit must be between 1 and 100", "limit", "invalid_value")
+    if order not in ("asc", "desc"):
+        raise APIError(400, "order must be asc or desc", "order", "invalid_value")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"no input item {after!r} in this response", "after", "invalid_value")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )
 
 
 @routes.delete("/v1/responses/{response_id}")

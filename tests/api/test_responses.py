@@ -92,6 +92,19 @@ def test_stored_responses_are_kept_found_and_deleted(client: openai.OpenAI) -> N
     with pytest.raises(openai.NotFoundError) as info:
         client.responses.create(model=MODEL, input="Hi", previous_response_id=unkept.id)
     assert info.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    # Its input items, as the client lists them (a string input: one user message), newest first, a page at a time.
+    (item,) = client.responses.input_items.list(kept.id)
+    assert item.type == "message" and item.role == "user" and item.content[0].text == "Hi"  # type: ignore[union-attr]
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    three = client.responses.create(model=MODEL, input=turns, max_output_tokens=1)
+    page = client.responses.input_items.list(three.id, limit=2)
+    assert [i.content[0].text for i in page.data] == ["Bye", "Hello"] and page.has_more  # type: ignore[union-attr]
+    rest = client.responses.input_items.list(three.id, limit=2, after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["Hi"] and not rest.has_more  # type: ignore[union-attr]
     client.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(kept.id)
@@ -156,10 +169,11 @@ def test_a_function_call_round_trips(client: openai.OpenAI) -> None:
     assert streamed.arguments == call.arguments and events[3].delta == call.arguments  # type: ignore[union-attr]
 
     # The call's output, chained: the model reads the whole exchange (the chat route given it alike agrees).
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}
     answer = client.responses.create(
         model=MODEL,
         previous_response_id=response.id,
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}],
+        input=[output],
         tools=TOOLS,
         max_output_tokens=8,
         temperature=0,
@@ -177,6 +191,8 @@ def test_a_function_call_round_trips(client: openai.OpenAI) -> None:
     ]
     chat = _chat(client, messages, tools=CHAT_TOOLS, max_tokens=8)
     assert answer.output_text == (chat.message.content or "")
+    (listed,) = client.responses.input_items.list(answer.id)
+    assert (listed.type, listed.call_id, listed.output) == ("function_call_output", call.call_id, "Sunny, 24 C")  # type: ignore[union-attr]
 
 
 def test_truncation_auto_drops_the_oldest_turns_to_fit(client: openai.OpenAI, hermes: Served) -> None:
