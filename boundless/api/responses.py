@@ -45,7 +45,7 @@ from boundless.api.server import (
     sampling_params,
 )
 from boundless.api.tool_calls import ToolCall, forced_call_schema
-from boundless.api.validation import header_identifier, require_valid_text
+from boundless.api.validation import header_identifier, refuse_removed_fields, require_valid_text
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.structured_output import StructuredOutput
 from boundless.programs.ref import ProgramRef
@@ -305,6 +305,7 @@ class ResponsesAPI:
     def _prepare(self, body: ResponsesRequest, request: Request) -> _Call:
         server = self.server
         require_valid_text(body.model_dump(by_alias=True))
+        refuse_removed_fields(body.model_extra)
         server.check_model(body.model)
         if body.reasoning and body.reasoning.get("effort") is not None:
             raise APIError(400, f"{server.model_name} does not reason: reasoning.effort is not supported", "reasoning")

@@ -26,7 +26,12 @@ from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.metrics import ServerMetrics
 from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionRequest, InvalidContentPart, message_text
 from boundless.api.tool_calls import ToolCall, forced_call_schema, parse_tool_calls, template_messages
-from boundless.api.validation import header_identifier, require_token_ids, require_valid_text
+from boundless.api.validation import (
+    header_identifier,
+    refuse_removed_fields,
+    require_token_ids,
+    require_valid_text,
+)
 from boundless.config import ServerConfig
 from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
@@ -231,6 +236,7 @@ def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) 
 def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> None:
     """What chat and completions check alike before anything is tokenized or submitted."""
     require_valid_text(body.model_dump())
+    refuse_removed_fields(body.model_extra)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
     if body.stream and body.prompt_logprobs:  # (vLLM's rule: a streamed response has nowhere to put them)

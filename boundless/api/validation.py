@@ -49,6 +49,24 @@ def require_valid_text(body: Mapping[str, Any]) -> None:
         raise APIError(400, f"{path} is not valid Unicode (it holds a lone surrogate)", path, "invalid_encoding")
 
 
+# vLLM's structured-output fields before ``structured_outputs`` (removed in vLLM 0.12): each would otherwise be taken
+# as an unknown field and ignored, leaving the output unconstrained without a word.
+REMOVED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def refuse_removed_fields(extra: Mapping[str, Any] | None) -> None:
+    """400 for a field vLLM removed whose effect this server would silently drop, naming what replaced it."""
+    for name in extra or ():
+        if name in REMOVED_FIELDS:
+            new = f'{{"structured_outputs": {{"{REMOVED_FIELDS[name]}": ...}}}}'
+            raise APIError(400, f"{name} was removed (as in vLLM 0.12); send {new}", name, "unsupported_parameter")
+
+
 def require_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
     """400 unless every id is a token of the vocabulary."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)

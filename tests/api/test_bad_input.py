@@ -353,6 +353,12 @@ CORPUS: list[Case] = [
     completion({"echo": "true"}, "echo"),
     completion({"suffix": SURROGATE}, "suffix"),
     completion({"suffix": "and then"}, "suffix"),
+    # vLLM's removed structured-output fields: refused, not ignored (the output would be unconstrained)
+    *both({"guided_json": {"type": "object"}}, "guided_json"),
+    chat({"guided_choice": ["a", "b"]}, "guided_choice"),
+    completion({"guided_regex": "[a-z]+"}, "guided_regex"),
+    response({"guided_grammar": 'root ::= "a"'}, "guided_grammar"),
+    chat({"guided_decoding_backend": "xgrammar"}, None, SERVED),  # (no effect to lose: vLLM says drop it)
     # the Responses API: what it does not serve, shapes of input items, tools and formats, limits, unknown ids
     response({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     response({"tools": [{"type": "function"}]}, "tools.0"),
