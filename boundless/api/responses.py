@@ -297,9 +297,9 @@ class ResponsesAPI:
                 raise InvalidRequestError(str(e), renamed) from e
             raise
         if body.stream:
-            streams = await server._started(streams, request)
+            streams = await server.started(streams, request)
             return StreamingResponse(self._events(call, streams), media_type="text/event-stream")
-        (choice,) = await server._collect(streams, request)
+        (choice,) = await server.collect(streams, request)
         return JSONResponse(self._finished(call, choice))
 
     def _prepare(self, body: ResponsesRequest, request: Request) -> _Call:
@@ -432,7 +432,7 @@ class ResponsesAPI:
     def _message_item(self, call: _Call, choice: Choice, text: str, status: str) -> dict[str, Any]:
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
         if call.logprobs:
-            part["logprobs"] = self.server._chat_logprobs(choice.logprobs)
+            part["logprobs"] = self.server.chat_logprobs(choice.logprobs)
         return {"type": "message", "id": call.message_id, "status": status, "role": "assistant", "content": [part]}
 
     def _finished(self, call: _Call, choice: Choice) -> dict[str, Any]:
@@ -486,10 +486,10 @@ class ResponsesAPI:
             item = self._message_item(call, choice, "", "in_progress")
             yield event("response.output_item.added", output_index=0, item={**item, "content": []})
             yield event("response.content_part.added", **at, part=_EMPTY_TEXT)
-        async for _, delta in server._merged(streams):
-            server._apply(choice, delta)
+        async for _, delta in server.merged(streams):
+            server.apply_delta(choice, delta)
             if streamed and delta.new_text:
-                logprobs = server._chat_logprobs(delta.new_logprobs) if call.logprobs else []
+                logprobs = server.chat_logprobs(delta.new_logprobs) if call.logprobs else []
                 yield event("response.output_text.delta", **at, delta=delta.new_text, logprobs=logprobs)
         if choice.finish_reason == "error":
             failed = self._envelope(call, "failed", [])

@@ -352,10 +352,10 @@ class OpenAIServer:
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            streams = await self._started(streams, request)
+            streams = await self.started(streams, request)
             gen = self._chat_events(rid, body.model, streams, len(ids), body.logprobs, tools, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream")
-        choices = await self._collect(streams, request)
+        choices = await self.collect(streams, request)
         out_choices = []
         for c in choices:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -369,7 +369,7 @@ class OpenAIServer:
                 {
                     "index": c.index,
                     "message": message,
-                    "logprobs": {"content": self._chat_logprobs(c.logprobs)} if body.logprobs else None,
+                    "logprobs": {"content": self.chat_logprobs(c.logprobs)} if body.logprobs else None,
                     "finish_reason": finish,
                 }
             )
@@ -423,9 +423,9 @@ class OpenAIServer:
                     }
                 ]
             )
-        async for index, delta in self._merged(streams):
+        async for index, delta in self.merged(streams):
             c = choices[index]
-            self._apply(c, delta)
+            self.apply_delta(c, delta)
             if tools.used:
                 if not delta.finished:
                     continue  # tool calls are recognised on the whole output; hold the text until then
@@ -449,7 +449,7 @@ class OpenAIServer:
                 text = c.text
             else:
                 text = delta.new_text
-            lp = {"content": self._chat_logprobs(delta.new_logprobs)} if want_logprobs else None
+            lp = {"content": self.chat_logprobs(delta.new_logprobs)} if want_logprobs else None
             if text or lp:
                 yield chunk([{"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}])
             if delta.finished:
@@ -500,10 +500,10 @@ class OpenAIServer:
         echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            streams = await self._started(streams, request)
+            streams = await self.started(streams, request)
             events = self._completion_events(rid, body, streams, prompts, echoes, prompt_len, include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        choices = await self._collect(streams, request)
+        choices = await self.collect(streams, request)
         out = []
         for c in choices:
             if prompt_only:
@@ -561,10 +561,10 @@ class OpenAIServer:
                 payload["usage"] = usage
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
-        async for index, delta in self._merged(streams):
+        async for index, delta in self.merged(streams):
             c = choices[index]
             offset = len(c.text)
-            self._apply(c, delta)
+            self.apply_delta(c, delta)
             text, generated = delta.new_text, delta.new_logprobs
             if prompt_only:
                 text, generated = "", []
@@ -584,7 +584,7 @@ class OpenAIServer:
     # -- shared --------------------------------------------------------------------------------
 
     @staticmethod
-    def _apply(choice: Choice, delta: RequestDelta) -> None:
+    def apply_delta(choice: Choice, delta: RequestDelta) -> None:
         choice.text += delta.new_text
         choice.token_ids.extend(delta.new_token_ids)
         choice.logprobs.extend(delta.new_logprobs)
@@ -596,7 +596,7 @@ class OpenAIServer:
             choice.stop_reason = delta.stop_reason
             choice.cached_tokens = delta.num_cached_tokens
 
-    async def _merged(self, streams: list[DeltaStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    async def merged(self, streams: list[DeltaStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Deltas of several streams as they come; if the consumer goes away, every stream is aborted."""
         if len(streams) == 1:
             try:
@@ -625,19 +625,19 @@ class OpenAIServer:
             for s in streams:
                 s.abort()
 
-    async def _collect(self, streams: list[DeltaStream], request: Request) -> list[Choice]:
+    async def collect(self, streams: list[DeltaStream], request: Request) -> list[Choice]:
         """Run to completion; a client that disconnects meanwhile aborts its requests."""
         choices = [Choice(i) for i in range(len(streams))]
 
         async def consume() -> None:
-            async for index, delta in self._merged(streams):
-                self._apply(choices[index], delta)
+            async for index, delta in self.merged(streams):
+                self.apply_delta(choices[index], delta)
 
         await _while_connected(consume(), streams, request)
         _raise_for_failure([(c.finish_reason, c.stop_reason) for c in choices])
         return choices
 
-    async def _started(self, streams: list[DeltaStream], request: Request) -> list[DeltaStream]:
+    async def started(self, streams: list[DeltaStream], request: Request) -> list[DeltaStream]:
         """A streamed response's streams once each has its first delta: a request refused or failed before it
         started gets the status an unstreamed one gets (503, 500) instead of a 200 whose one chunk says "error".
         The 200 then waits for the first token (a lending cluster refuses a request while it awaits its grant)."""
@@ -669,7 +669,7 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _chat_logprobs(self, tokens: list[SampledToken]) -> list[dict[str, Any]]:
+    def chat_logprobs(self, tokens: list[SampledToken]) -> list[dict[str, Any]]:
         out = []
         for t in tokens:
             text = self._token_text(t.token_id)
