@@ -44,7 +44,7 @@ from boundless.api.server import (
     check_grammar,
     sampling_params,
 )
-from boundless.api.tool_calls import ToolCall, forced_call_schema
+from boundless.api.tool_calls import CallParser, ContentStream, ToolCall, forced_call_schema
 from boundless.api.validation import header_identifier, refuse_removed_fields, require_valid_text
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.structured_output import StructuredOutput
@@ -435,13 +435,18 @@ class ResponsesAPI:
             part["logprobs"] = self.server.chat_logprobs(choice.logprobs)
         return {"type": "message", "id": call.message_id, "status": status, "role": "assistant", "content": [part]}
 
-    def _finished(self, call: _Call, choice: Choice) -> dict[str, Any]:
+    def _finished(
+        self, call: _Call, choice: Choice, streamed: tuple[str, list[ToolCall]] | None = None
+    ) -> dict[str, Any]:
         """The response's final body: a message (unless the output is calls alone), then each call; stored
-        unless ``store`` is false."""
+        unless ``store`` is false. ``streamed``: the content and calls as a stream read them (its content keeps the
+        blanks the unstreamed one strips)."""
         content: str | None = choice.text
         calls: list[ToolCall] = []
-        if call.tools_used:
-            content, calls = ToolUse(True, call.body.parallel_tool_calls).calls(choice.text)
+        if streamed is not None:
+            content, calls = streamed
+        elif call.tools_used:
+            content, calls = self._calls_of(call)(choice.text)
         incomplete = choice.finish_reason == "length" and not calls
         items = []
         if content or not calls:
@@ -480,34 +485,44 @@ class ResponsesAPI:
         yield event("response.created", response=self._envelope(call, "in_progress", []))
         yield event("response.in_progress", response=self._envelope(call, "in_progress", []))
         choice = Choice(0)
-        streamed = not call.tools_used
+        # Read for function calls, the text streams until a call may have begun (ContentStream), as chat's does.
+        content = ContentStream() if call.tools_used else None
         at = {"item_id": call.message_id, "output_index": 0, "content_index": 0}
-        if streamed:
-            item = self._message_item(call, choice, "", "in_progress")
-            yield event("response.output_item.added", output_index=0, item={**item, "content": []})
-            yield event("response.content_part.added", **at, part=_EMPTY_TEXT)
+        sent, pending, opened = "", [], False
         async for _, delta in server.merged(streams):
             server.apply_delta(choice, delta)
-            if streamed and delta.new_text:
-                logprobs = server.chat_logprobs(delta.new_logprobs) if call.logprobs else []
-                yield event("response.output_text.delta", **at, delta=delta.new_text, logprobs=logprobs)
+            pending += delta.new_logprobs
+            piece = delta.new_text if content is None else ("" if delta.finished else content.feed(choice.text))
+            if not piece:
+                continue
+            if not opened:  # the message item opens with its first text
+                opened = True
+                item = self._message_item(call, choice, "", "in_progress")
+                yield event("response.output_item.added", output_index=0, item={**item, "content": []})
+                yield event("response.content_part.added", **at, part=_EMPTY_TEXT)
+            logprobs, pending = (server.chat_logprobs(pending) if call.logprobs else []), []
+            yield event("response.output_text.delta", **at, delta=piece, logprobs=logprobs)
+            sent += piece
         if choice.finish_reason == "error":
             failed = self._envelope(call, "failed", [])
             failed["error"] = {"code": "server_error", "message": "the engine failed while generating"}
             yield event("response.failed", response=failed)
             return
-        final = self._finished(call, choice)
+        rest, calls = content.finish(choice.text, self._calls_of(call)) if content is not None else ("", [])
+        final = self._finished(call, choice, (sent + rest, calls) if content is not None else None)
         for index, item in enumerate(final["output"]):
             if item["type"] == "message":
                 part = item["content"][0]
                 at = {"item_id": item["id"], "output_index": index, "content_index": 0}
                 logprobs = part.get("logprobs", [])
-                if not streamed:
+                if not opened:
                     added = {**item, "content": [], "status": "in_progress"}
                     yield event("response.output_item.added", output_index=index, item=added)
                     yield event("response.content_part.added", **at, part=_EMPTY_TEXT)
-                    if part["text"]:
-                        yield event("response.output_text.delta", **at, delta=part["text"], logprobs=logprobs)
+                unsent = part["text"][len(sent) :]
+                if unsent:
+                    unsent_logprobs = server.chat_logprobs(pending) if call.logprobs and opened else logprobs
+                    yield event("response.output_text.delta", **at, delta=unsent, logprobs=unsent_logprobs)
                 yield event("response.output_text.done", **at, text=part["text"], logprobs=logprobs)
                 yield event("response.content_part.done", **at, part=part)
             else:  # a function call, whole: its arguments are known once the output is parsed
@@ -520,6 +535,10 @@ class ResponsesAPI:
                 )
             yield event("response.output_item.done", output_index=index, item=item)
         yield event(f"response.{final['status']}", response=final)  # completed, or incomplete
+
+    @staticmethod
+    def _calls_of(call: _Call) -> CallParser:
+        return ToolUse(True, call.body.parallel_tool_calls).calls
 
 
 _EMPTY_TEXT = {"type": "output_text", "text": "", "annotations": []}

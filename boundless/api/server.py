@@ -25,7 +25,7 @@ from boundless.api.errors import APIError, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.metrics import ServerMetrics
 from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionRequest, InvalidContentPart, message_text
-from boundless.api.tool_calls import ToolCall, forced_call_schema, parse_tool_calls, template_messages
+from boundless.api.tool_calls import ContentStream, ToolCall, forced_call_schema, parse_tool_calls, template_messages
 from boundless.api.validation import (
     header_identifier,
     refuse_removed_fields,
@@ -423,37 +423,38 @@ class OpenAIServer:
                     }
                 ]
             )
+
+        def choice_chunk(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> bytes:
+            return chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}])
+
+        # Read for tool calls: content streams until a call may have begun (ContentStream); its logprobs go with it.
+        contents = [ContentStream() for _ in choices] if tools.used else []
+        pending: list[list[SampledToken]] = [[] for _ in choices]
         async for index, delta in self.merged(streams):
             c = choices[index]
             self.apply_delta(c, delta)
             if tools.used:
+                pending[index] += delta.new_logprobs
                 if not delta.finished:
-                    continue  # tool calls are recognised on the whole output; hold the text until then
-                content, calls = tools.calls(c.text)
-                if calls:
-                    if content:
-                        yield chunk(
-                            [{"index": index, "delta": {"content": content}, "logprobs": None, "finish_reason": None}]
-                        )
-                    yield chunk(
-                        [
-                            {
-                                "index": index,
-                                "delta": {"tool_calls": [t.to_openai(i) for i, t in enumerate(calls)]},
-                                "logprobs": None,
-                                "finish_reason": "tool_calls",
-                            }
-                        ]
-                    )
+                    text = contents[index].feed(c.text)
+                else:
+                    text, calls = contents[index].finish(c.text, tools.calls)
+                    if calls:
+                        if text:
+                            yield choice_chunk(index, {"content": text})
+                        calls_delta = {"tool_calls": [t.to_openai(i) for i, t in enumerate(calls)]}
+                        yield choice_chunk(index, calls_delta, finish="tool_calls")
+                        continue
+                if not text and not delta.finished:
                     continue
-                text = c.text
+                new_logprobs, pending[index] = pending[index], []
             else:
-                text = delta.new_text
-            lp = {"content": self.chat_logprobs(delta.new_logprobs)} if want_logprobs else None
-            if text or lp:
-                yield chunk([{"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}])
+                text, new_logprobs = delta.new_text, delta.new_logprobs
+            lp = {"content": self.chat_logprobs(new_logprobs)} if want_logprobs else None
+            if text or (lp and new_logprobs):
+                yield choice_chunk(index, {"content": text}, lp)
             if delta.finished:
-                yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}])
+                yield choice_chunk(index, {}, finish=delta.finish_reason)
         if include_usage:
             yield chunk([], self._usage(prompt_len, choices))
         yield b"data: [DONE]\n\n"

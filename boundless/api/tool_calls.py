@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,59 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         if calls and len(calls) == len(items):
             return None, calls
     return text, []
+
+
+TOOL_CALL_TAG = "<tool_call>"
+# Output text -> (its content, or None when it is calls alone; the calls in it).
+CallParser = Callable[[str], tuple[str | None, list[ToolCall]]]
+
+
+class ContentStream:
+    """The content of an output read for tool calls, streamed as it is made: text that cannot be part of a call goes
+    out at once; from a Hermes ``<tool_call>`` tag on (held back while the text ends in part of one), or an output that
+    opens with JSON (a bare call, Llama 3.1's), the rest waits for the parser at the end (:meth:`finish`)."""
+
+    def __init__(self) -> None:
+        self.sent = 0  # characters of the output sent as content
+        self.held = False  # a call has begun, or may have: nothing more is sent before the end
+
+    def feed(self, text: str) -> str:
+        """The output so far (``text``) -> the content to send now."""
+        if self.held:
+            return ""
+        if self.sent == 0:
+            head = text.lstrip()
+            if not head:
+                return ""
+            if head[0] in "{[":
+                self.held = True
+                return ""
+        tag = text.find(TOOL_CALL_TAG, max(self.sent - len(TOOL_CALL_TAG) + 1, 0))
+        if tag >= 0:
+            self.held, end = True, tag
+        else:
+            end = len(text) - _partial_tag(text)
+        piece = text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return piece
+
+    def finish(self, text: str, calls_of: CallParser) -> tuple[str, list[ToolCall]]:
+        """The whole output -> the content not sent yet, and the calls (``calls_of``: the parser). Sent and rest
+        together are the unstreamed response's content, but for the blanks around it (stripped there)."""
+        content, calls = calls_of(text)
+        if not calls:
+            return text[self.sent :], []
+        if not self.sent:
+            return content or "", calls
+        return _TAGGED.sub("", text)[self.sent :].rstrip(), calls
+
+
+def _partial_tag(text: str) -> int:
+    """Characters at the end of ``text`` that begin a tool-call tag (0: none)."""
+    for k in range(min(len(TOOL_CALL_TAG) - 1, len(text)), 0, -1):
+        if text.endswith(TOOL_CALL_TAG[:k]):
+            return k
+    return 0
 
 
 def forced_call_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool = True) -> dict[str, Any]:

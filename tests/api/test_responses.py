@@ -218,6 +218,16 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit(client: openai.OpenAI, he
     assert cut.usage.input_tokens == chat.usage.prompt_tokens and cut.output_text == chat.choices[0].message.content
 
 
+def test_with_tools_a_text_answer_streams_as_it_is_made(client: openai.OpenAI) -> None:
+    asked: dict[str, Any] = {"model": MODEL, "input": "Hi", "tools": TOOLS, "max_output_tokens": 24, "temperature": 0}
+    whole = client.responses.create(**asked)
+    assert [o.type for o in whole.output] == ["message"]  # a random model's text parses as no call
+    events = list(client.responses.create(**asked, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 5  # not held to the end
+    assert "".join(deltas) == whole.output_text == events[-1].response.output_text  # type: ignore[union-attr]
+
+
 def test_text_format_holds_the_output_to_a_schema(client: openai.OpenAI) -> None:
     # (A random model's output: only the grammar makes it JSON.)
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"]}

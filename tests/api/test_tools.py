@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
 from served_models import Served, serve_hermes
 
-from boundless.api.tool_calls import forced_call_schema, parse_tool_calls, template_messages
+from boundless.api.tool_calls import ContentStream, ToolCall, forced_call_schema, parse_tool_calls, template_messages
 
 WEATHER = {
     "type": "function",
@@ -25,6 +26,69 @@ WEATHER = {
 def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     with serve_hermes(tmp_path_factory.mktemp("hermes")) as served:
         yield served
+
+
+def _streamed(text: str, step: int = 1) -> tuple[list[str], str, list[ToolCall]]:
+    """The content a ContentStream sends as ``text`` grows ``step`` characters at a time, and what finish gives."""
+    stream = ContentStream()
+    sent = [stream.feed(text[:end]) for end in range(step, len(text), step)]
+    rest, calls = stream.finish(text, parse_tool_calls)
+    return [p for p in sent if p], rest, calls
+
+
+def test_content_streams_until_a_call_begins() -> None:
+    text = 'Let me check the weather. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    pieces, rest, calls = _streamed(text)
+    assert "".join(pieces) == "Let me check the weather. " and len(pieces) > 10  # as it came, a character at a time
+    assert not any("<" in p for p in pieces)  # never a tag's first characters
+    assert rest == "" and [c.name for c in calls] == ["get_weather"]
+    # Text after the calls comes at the end; sent and rest are the unstreamed content but for the blanks around it.
+    text = "Checking. <tool_call>" + '{"name": "f", "arguments": {}}' + "</tool_call> Done."
+    pieces, rest, calls = _streamed(text, step=3)
+    assert ("".join(pieces) + rest).strip() == parse_tool_calls(text)[0] == "Checking.  Done."
+    assert [c.name for c in calls] == ["f"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "A <toolbox> is not a tag; <tool_use> neither.",  # held while it could be one, then sent
+        "  Plain text, blanks first.",
+        "[1, 2] is a list, not calls.",
+        '{"not": "a call"}',
+    ],
+)
+def test_content_that_holds_no_call_arrives_whole(text: str) -> None:
+    pieces, rest, calls = _streamed(text)
+    assert "".join(pieces) + rest == text and not calls
+    if text[0] in "{[":  # an output that opens with JSON could be a bare call: held to the end
+        assert not pieces
+
+
+def test_a_bare_json_call_is_held_to_the_end() -> None:
+    pieces, rest, calls = _streamed('{"name": "get_weather", "arguments": {"city": "Rome"}}')
+    assert (
+        not pieces
+        and rest == ""
+        and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Rome"})]
+    )
+
+
+def test_with_tools_an_answer_without_calls_streams_as_it_is_made(hermes: Served) -> None:
+    ask: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [WEATHER],
+        "max_tokens": 24,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = hermes.client.chat.completions.create(**ask).choices[0]
+    assert not whole.message.tool_calls and whole.message.content  # a random model's text parses as no call
+    streamed = [c.choices[0] for c in hermes.client.chat.completions.create(**ask, stream=True, logprobs=True)]
+    assert sum(1 for c in streamed if c.delta.content) > 5  # not held to the end
+    assert "".join(c.delta.content or "" for c in streamed) == whole.message.content
+    assert sum(len(c.logprobs.content or []) for c in streamed if c.logprobs) == 24  # each token's, once
 
 
 def test_parse_hermes_blocks() -> None:
