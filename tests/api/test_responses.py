@@ -201,6 +201,8 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit(client: openai.OpenAI, he
     asked: dict[str, Any] = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
     first = client.responses.create(**asked, input=turn + " one")
     second = client.responses.create(**asked, input=turn + " two", previous_response_id=first.id)
+    # The chain's conversation is the same text again: its first turn's KV is found in the prefix cache.
+    assert second.usage is not None and second.usage.input_tokens_details.cached_tokens >= 384
     third: dict[str, Any] = {**asked, "input": turn + " three", "previous_response_id": second.id}
     with pytest.raises(openai.BadRequestError) as info:  # three turns do not fit the 1,024-token context
         client.responses.create(**third)
