@@ -51,6 +51,19 @@ from boundless.engine.structured_output import StructuredOutput
 from boundless.programs.ref import ProgramRef
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# What ``include`` may name (OpenAI's list). Only the logprobs have anything to add here: the others are data of items
+# (hosted tools' results, images, encrypted reasoning) no response of this server holds, so they add nothing.
+INCLUDABLE = frozenset(
+    {
+        LOGPROBS_INCLUDE,
+        "web_search_call.action.sources",
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "file_search_call.results",
+        "message.input_image.image_url",
+        "reasoning.encrypted_content",
+    }
+)
 
 
 # -- the request -----------------------------------------------------------------------------------
@@ -309,7 +322,7 @@ class ResponsesAPI:
         server.check_model(body.model)
         if body.reasoning and body.reasoning.get("effort") is not None:
             raise APIError(400, f"{server.model_name} does not reason: reasoning.effort is not supported", "reasoning")
-        unknown = [x for x in body.include or () if x != LOGPROBS_INCLUDE]
+        unknown = [x for x in body.include or () if x not in INCLUDABLE]
         if unknown:
             raise APIError(400, f"include {unknown[0]!r} is not supported", "include")
         tools = function_tools(body.tools)

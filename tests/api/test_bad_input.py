@@ -364,7 +364,9 @@ CORPUS: list[Case] = [
     response({"tools": [{"type": "function"}]}, "tools.0"),
     response({"truncation": "middle"}, "truncation"),
     response({"reasoning": {"effort": "high"}}, "reasoning"),
-    response({"include": ["file_search_call.results"]}, "include"),
+    response({"include": ["everything"]}, "include"),
+    # (data of items no response here holds: nothing to add)
+    response({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, None, SERVED),
     response(
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"
     ),
