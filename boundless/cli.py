@@ -91,6 +91,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         longctx.run(args)
         return 0
+    if args.bench_kind == "structured":
+        from boundless.bench import structured
+
+        structured.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -198,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_longctx.add_arguments(longctx)
     add_engine_flags(longctx)
     longctx.set_defaults(func=_bench)
+    from boundless.bench import structured as bench_structured
+
+    structured = bench_sub.add_parser(
+        "structured", help="JSON-schema outputs against free decoding, and a stream's pause at the first grammar"
+    )
+    bench_structured.add_arguments(structured)
+    add_engine_flags(structured)
+    structured.set_defaults(func=_bench)
     return parser
 
 
