@@ -53,6 +53,8 @@ def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: list[int]) -
     return [out[str(i)] for i in range(len(prompts))]
 
 
+# 10 s in Triton's interpreter on the CPU: in the slow suite there (scripts/gpu-check.sh runs it on CUDA).
+@pytest.mark.slow
 def test_graph_buffers_give_the_eager_tokens(tiny_llama: LoadedModel) -> None:
     prompts = [[5 + i * 7 + j for j in range(3 + 9 * i)] for i in range(5)]
     max_tokens = [10, 3, 8, 5, 12]  # requests leave mid-run: the batch shrinks through the buckets (8, 4, 2, 1)
