@@ -493,7 +493,7 @@ def _fields(model: type) -> list[str]:
     return sorted(model.model_fields)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     route_field=st.sampled_from(
         [(CHAT, f) for f in _fields(ChatCompletionRequest)]

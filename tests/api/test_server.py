@@ -63,6 +63,7 @@ def _good_request(client: openai.OpenAI) -> None:
 # -- behaviour ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # (6 s of waiting past the keep-alive)
 def test_an_idle_connection_outlives_the_clients_pool_expiry(server: ServerThread) -> None:
     """The server keeps an idle keep-alive connection open past httpx's 5 s pool expiry, so a client never sends
     a call on a connection the server is closing at that very moment (a failed call, with retries off)."""

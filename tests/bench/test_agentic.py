@@ -26,6 +26,8 @@ def test_agent_sessions_keep_their_lengths_whatever_their_arrivals() -> None:
         assert all(c.new_input < s.system_prompt / 4 for stage in s.stages for c in stage)
 
 
+# 11 s: in the slow suite (the PD modes and the dualpath push below stay in the fast one).
+@pytest.mark.slow
 def test_every_mode_serves_the_same_sessions_with_identical_outputs(
     model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:

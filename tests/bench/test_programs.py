@@ -172,6 +172,7 @@ def test_bench_programs_shows_failed_calls_and_marks_the_run_invalid(
     assert lines[at + 3].startswith("INVALID")
 
 
+@pytest.mark.slow  # (6 s; the policies' comparison above stays in the fast suite)
 def test_bench_programs_compares_kv_setups(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     from boundless.bench import programs
     from boundless.cli import build_parser

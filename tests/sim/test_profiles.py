@@ -266,6 +266,7 @@ def test_calibrate_served_fits_served_programs_steps_and_holds_out_others(tiny_l
     assert error is not None and error.steps == len(held) and error.ratio > 0 and error.median >= 0
 
 
+@pytest.mark.slow  # (6 s; the served calibration's fit is checked in the fast suite above)
 def test_calibrate_served_serves_each_program_run_on_a_fresh_engine_with_validates_flags(
     tiny_llama: LoadedModel,
 ) -> None:
