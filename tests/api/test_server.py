@@ -222,6 +222,7 @@ def test_prompt_logprobs_on_chat_and_completions_have_vllms_shape(client: openai
     assert completion.choices[0].logprobs is None  # (no echo: the choice's own logprobs are not asked for)
 
 
+@pytest.mark.slow  # (4 s; the sampler's parity with transformers, tests/model, and the fields' checks stay fast)
 def test_penalties_and_logit_bias_are_served_as_the_offline_engine_applies_them(
     client: openai.OpenAI, smollm2: LoadedModel
 ) -> None:

@@ -244,6 +244,7 @@ def test_simulate_reports_the_failover(tmp_path: Path, capsys: pytest.CaptureFix
     assert f"restarted 1 at 13 s ({row['calls_after_restart']['1']} calls placed on it since)" in printed
 
 
+@pytest.mark.slow  # (5 s; each failure's handling stays in the fast suite)
 def test_failures_give_the_same_rows_with_fast_forward_and_without(tmp_path: Path) -> None:
     args = ["simulate", "--workload", "agent", "--policies", "fcfs", "--rates", "0", "--num-programs", "12"]
     args += ["--scale", "0.05", "--call-scale", "0.25", "--roles", "2:2", "--kv-paths", "basic,dualpath"]

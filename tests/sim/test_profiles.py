@@ -609,6 +609,7 @@ def _lending_validate_case(real_moves: int) -> dict:
     return validate_case(Case("chat", 2, lending=True), config, shape, 12, 0.25, 0, profile, 1, real_run)
 
 
+@pytest.mark.slow  # (6 s: a real 2-instance lending run; validate's other cases stay in the fast suite)
 def test_a_lending_case_says_what_each_side_lent_and_warns_when_the_real_one_lent_nothing() -> None:
     from boundless.sim.validate import lending_lines, table_rows
 

@@ -105,6 +105,7 @@ def _simulated(
     return [r.latency_s for r in results], sim.core.stats()
 
 
+@pytest.mark.slow  # (5 s; tests/programs checks the policies' order on the real engine in the fast suite)
 def test_memory_bound_load_separates_the_policies(smollm2_sim: SimulatedModel) -> None:
     # A small KV pool (as on a GPU, and as in docs/programs.md): under fcfs, long programs' growing contexts
     # hold the memory.
