@@ -24,7 +24,7 @@ $(VENV)/.base: pyproject.toml
 # Triton runs the GPU attention kernels' tests on the CPU in its interpreter (3.7 is the first whose
 # interpreter works with NumPy 2.4). It is not in the package's extras: on a GPU machine PyTorch's
 # CUDA build brings the Triton it needs. The test extra's packages are read from pyproject.toml and installed with
-# it in one call (`pip install -e '.[test]'` rebuilt the package's editable wheel as well: ~15 s).
+# it in one call (`pip install -e '.[test]'` rebuilt the package's editable wheel as well).
 $(VENV)/.test: $(VENV)/.base
 	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['test']))" \
 		| $(BIN)/pip install --quiet triton==3.7.1 -r /dev/stdin
