@@ -125,11 +125,15 @@ class Grammars:
 
     def prepare(self, spec: StructuredOutput) -> bool:
         """Start compiling the spec's grammar unless it is compiled or compiling; whether it is :meth:`ready`."""
+        return self._future(spec).done()
+
+    def _future(self, spec: StructuredOutput) -> Future[Any]:
+        """The spec's compilation, started if it is not compiled or compiling."""
         with self._lock:
             future = self._compiled.get(spec)
             if future is not None:
                 self._compiled.move_to_end(spec)
-                return future.done()
+                return future
             if self._pool is None:  # one thread: compilations share the compiler and its cache, in turn
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
             future = self._pool.submit(self._compile, spec)
@@ -137,7 +141,7 @@ class Grammars:
             if len(self._compiled) > MAX_GRAMMARS:
                 self._compiled.popitem(last=False)  # (a matcher in use keeps its grammar alive)
         future.add_done_callback(self._compiled_one)
-        return False
+        return future
 
     def ready(self, spec: StructuredOutput) -> bool:
         """Whether the spec's grammar is compiled (or its compilation failed, which :meth:`matcher` raises)."""
@@ -176,16 +180,7 @@ class Grammars:
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A new matcher at the start of the spec's grammar (waiting for it, or compiling it, if it is not ready)."""
-        self.prepare(spec)
-        with self._lock:
-            future = self._compiled.get(spec)
-        compiled = future.result() if future is not None else self._pool_compile(spec)
-        return GrammarMatcher(_xgrammar(spec.param).GrammarMatcher(compiled))
-
-    def _pool_compile(self, spec: StructuredOutput) -> Any:
-        # Dropped from the cache between prepare and now (more than MAX_GRAMMARS specs at once): compiled again.
-        assert self._pool is not None
-        return self._pool.submit(self._compile, spec).result()
+        return GrammarMatcher(_xgrammar(spec.param).GrammarMatcher(self._future(spec).result()))
 
     def close(self) -> None:
         if self._pool is not None:
