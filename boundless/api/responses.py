@@ -278,7 +278,12 @@ class _Call:
     messages: list[dict[str, Any]]  # the conversation without instructions: what a chained response continues
     program: ProgramRef
     logprobs: bool
-    tools_used: bool
+    tools: list[FunctionTool]
+
+    @property
+    def tools_used(self) -> bool:
+        """Whether the output is read for function calls."""
+        return bool(self.tools) and self.body.tool_choice != "none"
 
     @property
     def message_id(self) -> str:
@@ -380,7 +385,7 @@ class ResponsesAPI:
             messages,
             ProgramRef(program_id, thread_id),
             logprobs,
-            bool(tools) and body.tool_choice != "none",
+            tools,
         )
 
     def _fits(self, prompt: list[int], body: ResponsesRequest) -> bool:
@@ -434,7 +439,7 @@ class ResponsesAPI:
             "previous_response_id": body.previous_response_id,
             "parallel_tool_calls": body.parallel_tool_calls,
             "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else (choice or "auto"),
-            "tools": [t.model_dump(exclude_none=True) for t in function_tools(body.tools)],
+            "tools": [t.model_dump(exclude_none=True) for t in call.tools],
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "truncation": body.truncation or "disabled",
             "store": body.store,
