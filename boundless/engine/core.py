@@ -207,9 +207,8 @@ class EngineCore:
             num_scheduler_steps=config.scheduler.num_scheduler_steps,
         )
         # The executor's sampler's grammars (one compilation a spec for both): a structured request waits in its queue
-        # while its grammar compiles in the background (``_compiling``, by request id), as vLLM's requests do.
+        # while its grammar compiles in the background (``Scheduler.compiling``), as vLLM's requests do.
         self.grammars = grammars
-        self._compiling: dict[str, StructuredOutput] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         # Every step's shapes and seconds: what the step-time models (the KV-lending planner's, the prefill
@@ -306,7 +305,6 @@ class EngineCore:
             self._count_stored_prefix(request_id, request.all_token_ids)
         spec = params.structured
         if spec is not None and self.grammars is not None and not self.grammars.prepare(spec):
-            self._compiling[request_id] = spec
             self.scheduler.compiling.add(request_id)
         self.scheduler.add(request)
         return request
@@ -518,14 +516,14 @@ class EngineCore:
         """Run one iteration; returns the requests that produced tokens (or finished)."""
         sched = self.schedule()
         if sched.is_empty:
-            if self._compiling and self.grammars is not None:  # nothing to run until a grammar is: wait for one
-                self.grammars.wait(self._compiling.values(), timeout_s=1.0)
+            if self.scheduler.compiling and self.grammars is not None:  # nothing to run until a grammar is: wait
+                self.grammars.wait(self._compiling_specs(), timeout_s=1.0)
             return []
         return self.finish_step(sched, self.execute(sched))
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (bookkeeping only; cheap)."""
-        if self._compiling:
+        if self.scheduler.compiling:
             self._admit_compiled()
         if self._awaiting:
             self._drop_stale_intakes()
@@ -535,14 +533,16 @@ class EngineCore:
                 self.drop_prefetch(request_id)
         return self.scheduler.schedule()
 
-    def _admit_compiled(self) -> None:
-        """Let the requests whose grammars are compiled (or gone) be admitted."""
-        assert self.grammars is not None
+    def _compiling_specs(self) -> list[StructuredOutput]:
         requests = self.scheduler.requests
-        for request_id, spec in list(self._compiling.items()):
-            if request_id not in requests or self.grammars.ready(spec):
-                del self._compiling[request_id]
-                self.scheduler.compiling.discard(request_id)
+        return [s for rid in self.scheduler.compiling if (s := requests[rid].sampling_params.structured) is not None]
+
+    def _admit_compiled(self) -> None:
+        """Let the requests whose grammars are compiled be admitted (a request that leaves leaves the set)."""
+        assert self.grammars is not None
+        requests, grammars = self.scheduler.requests, self.grammars
+        ready = [rid for rid in self.scheduler.compiling if grammars.ready(requests[rid].sampling_params.structured)]
+        self.scheduler.compiling.difference_update(ready)
 
     def _drop_stale_intakes(self) -> None:
         """Drop prepared requests whose first token never came (their blocks are freed)."""
