@@ -96,6 +96,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         structured.run(args)
         return 0
+    if args.bench_kind == "spec":
+        from boundless.bench import spec
+
+        spec.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -211,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_structured.add_arguments(structured)
     add_engine_flags(structured)
     structured.set_defaults(func=_bench)
+    from boundless.bench import spec as bench_spec
+
+    spec = bench_sub.add_parser(
+        "spec", help="speculative decoding (n-gram proposals) against plain decoding on agent calls that copy"
+    )
+    bench_spec.add_arguments(spec)
+    add_engine_flags(spec)
+    spec.set_defaults(func=_bench)
     return parser
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Sequence
@@ -173,6 +174,57 @@ class CacheConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's ``--speculative-config`` JSON names it. ``ngram`` (prompt lookup): the tokens
+    that followed the latest earlier occurrence of the sequence's last ``n`` tokens (``n`` from ``prompt_lookup_max``
+    down to ``prompt_lookup_min``) are proposed, up to ``num_speculative_tokens``, and verified in one forward pass
+    (``engine/speculative.py``). vLLM's defaults: one of the lookup bounds given alone sets the other, neither sets
+    both to 5."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """From the flag's JSON object; a bad one raises :class:`ConfigError` naming the key."""
+        try:
+            spec = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"--speculative-config: not JSON ({e})") from None
+        if not isinstance(spec, dict):
+            raise ConfigError("--speculative-config: must be a JSON object")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(spec) - known)
+        _require(not unknown, "speculative_config", f"unknown keys {unknown}; known: {sorted(known)}")
+        method = spec.get("method")
+        _require(
+            method in SPECULATIVE_METHODS,
+            "speculative_config",
+            f"method {method!r} is not one of {', '.join(SPECULATIVE_METHODS)} (draft models, EAGLE and MTP are not "
+            "built)",
+        )
+        num = spec.get("num_speculative_tokens")
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        for key, value in (("num_speculative_tokens", num), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            _require(
+                value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                "speculative_config",
+                f"{key} must be an integer >= 1, not {value!r}",
+            )
+        _require(num is not None, "speculative_config", "num_speculative_tokens is required")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = lo or hi, hi or lo
+        _require(lo <= hi, "speculative_config", "prompt_lookup_min must not exceed prompt_lookup_max")
+        return cls(method, num, lo, hi)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
@@ -183,6 +235,16 @@ class SchedulerConfig:
             "help": "multi-step decoding: a step of decodes only runs this many forward passes for the same batch, "
             "scheduled once (each request's slots allocated up front, tokens past its stop discarded); arrivals "
             "and finishes take effect at the window's end"
+        },
+    )
+    speculative_config: str | None = field(
+        default=None,
+        metadata={
+            "help": 'speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' proposes the tokens that followed the latest '
+            "earlier match of the sequence's last 4 to 2 tokens and verifies them in one forward pass (greedy output "
+            "unchanged, sampled output of the same distribution); requests with penalties or a grammar decode one "
+            "token a step"
         },
     )
     policy: str = field(
@@ -213,11 +275,22 @@ class SchedulerConfig:
         },
     )
 
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config) if self.speculative_config is not None else None
+
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
         _require(self.prefill_batching in ("tokens", "attention"), "prefill_batching", "must be tokens or attention")
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
         _require(self.num_scheduler_steps >= 1, "num_scheduler_steps", "must be >= 1")
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)
+            _require(
+                self.num_scheduler_steps == 1,
+                "speculative_config",
+                "does not combine with --num-scheduler-steps above 1 (a window's passes have no drafts to verify)",
+            )
         _require(self.policy in POLICIES, "policy", f"unknown policy {self.policy!r}; one of {', '.join(POLICIES)}")
         _require(self.num_queues >= 1, "num_queues", "must be >= 1")
         _require(self.queue_base_s > 0, "queue_base_s", "must be positive")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,8 @@ def engine_config(model: str, **kwargs: Any) -> EngineConfig:
     """An :class:`EngineConfig` from flat keyword arguments named as the config fields (and flags)."""
     parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}}
     for key, value in kwargs.items():
+        if key == "speculative_config" and isinstance(value, dict):  # vLLM's form: the flag's JSON as a dict
+            value = json.dumps(value)
         for cls, values in parts.items():
             if key in {f.name for f in dataclasses.fields(cls)}:
                 values[key] = value

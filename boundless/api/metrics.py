@@ -51,6 +51,14 @@ class _EngineStateCollector:
             ),
             "boundless_prefix_cache_hits": ("prompt tokens found in the prefix cache", lambda s: s.prefix_cache_hits),
             "boundless_engine_busy_seconds": ("seconds spent running the model", lambda s: s.busy_seconds),
+            "boundless_spec_decode_draft_tokens": (
+                "speculative decoding: tokens proposed and verified",
+                lambda s: s.spec_draft_tokens,
+            ),
+            "boundless_spec_decode_accepted_tokens": (
+                "speculative decoding: proposed tokens the model's samples matched",
+                lambda s: s.spec_accepted_tokens,
+            ),
         }
         for name, (doc, get) in counters.items():
             c = CounterMetricFamily(name, doc, labels=["instance"])

@@ -28,6 +28,7 @@ from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
+from boundless.engine.speculative import NgramProposer
 from boundless.engine.structured_output import Grammars, StructuredOutput, check_structured_output
 from boundless.kv.disk_moves import DiskIOStats
 from boundless.kv.layer_gate import LayerLost
@@ -102,6 +103,8 @@ class EngineCounters:
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     generation_tokens: int = 0
     computed_tokens: int = 0  # tokens run through the model (prefill, recompute and decode)
+    draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    accepted_tokens: int = 0  # of which the model's samples matched
     busy_seconds: float = 0.0
     finished: dict[str, int] = field(default_factory=dict)
 
@@ -145,6 +148,8 @@ class EngineStats:
     disk_io: DiskIOStats | None = None  # the disk store's loads and writes (with --kv-disk-path)
     remote_io: RemoteIOStats | None = None  # block streams to and from other instances (with a transport)
     lending: LendingStats | None = None  # KV lending and DistAttention (with a lending agent)
+    spec_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of which the model's samples matched (kept as output)
 
     @property
     def kv_usage(self) -> float:
@@ -205,6 +210,7 @@ class EngineCore:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs,
             num_scheduler_steps=config.scheduler.num_scheduler_steps,
+            propose=NgramProposer(spec).propose if (spec := config.scheduler.speculative) is not None else None,
         )
         # The executor's sampler's grammars (one compilation a spec for both): a structured request waits in its queue
         # while its grammar compiles in the background (``Scheduler.compiling``), as vLLM's requests do.
@@ -567,8 +573,14 @@ class EngineCore:
             self._disk_io = result.tier_report.io
         if result.remote_report.stats is not None:
             self._remote_io = result.remote_report.stats
-        self.scheduler.advance(sched, elapsed)
         c = self.counters
+        accepted = None
+        if self.scheduler.propose is not None:  # speculative decoding: a request's kept drafts are its later tokens
+            drafted = [ch for ch in sched.chunks if ch.draft_token_ids]
+            accepted = {ch.request_id: sum(ch.request_id in p for p in result.later) for ch in drafted}
+            c.draft_tokens += sum(len(ch.draft_token_ids) for ch in drafted)
+            c.accepted_tokens += sum(accepted.values())
+        self.scheduler.advance(sched, elapsed, accepted)
         steps_before = c.steps
         c.steps += sched.window
         c.computed_tokens += sched.num_tokens if sched.window == 1 else sum(ch.num_steps for ch in sched.chunks)
@@ -701,6 +713,8 @@ class EngineCore:
             disk_io=self._disk_io if self.kv.has_disk else None,
             remote_io=self._remote_io,
             lending=self.lending_stats() if self.lending_stats is not None else None,
+            spec_draft_tokens=c.draft_tokens,
+            spec_accepted_tokens=c.accepted_tokens,
         )
 
     def _tier_stats(self) -> dict[str, TierStats]:

@@ -40,7 +40,9 @@ class StepResult:
     and writes and the block streams between instances that finished meanwhile (for the scheduler).
 
     A multi-step window (``engine/multi_step.py``) has its first pass's tokens in ``sampled``, each later pass's in
-    ``later`` (for the chunks still in it), and each pass's seconds in ``pass_seconds`` (empty: one pass).
+    ``later`` (for the chunks still in it), and each pass's seconds in ``pass_seconds`` (empty: one pass). A step
+    with drafts (speculative decoding) has the tokens each request keeps after its first in ``later`` alike: the
+    ``j``-th of each in ``later[j - 1]``.
     ``prompt_scores``: the prompt tokens the step scored, by request id (``SamplingParams.prompt_logprobs``)."""
 
     sampled: dict[str, SampledToken]
@@ -138,7 +140,11 @@ class ModelExecutor:
             before_layer = _chain(waits.before_layer if waits is not None else None, landing)
             if sched.chunks:
                 step = self.runner.forward(sched, on_layer, before_layer)
-                sampled, prompt_scores = self.runner.sample(step), step.prompt_scores
+                sampled, accepted = self.runner.sample(step)
+                prompt_scores = step.prompt_scores
+                if accepted:  # speculative decoding: the tokens kept after the first, as a window's later passes
+                    depth = max(len(tokens) for tokens in accepted.values())
+                    later = [{rid: ts[j] for rid, ts in accepted.items() if len(ts) > j} for j in range(depth)]
             if landing is not None:
                 landing.finish()  # every layer copied (a step without a forward pass copies them here)
             if sched.window > 1:  # multi-step decoding: the same batch's next passes, each on the last one's tokens
@@ -146,7 +152,7 @@ class ModelExecutor:
                 last = {rid: t.token_id for rid, t in sampled.items()}
                 for j in range(1, sched.window):
                     begun = self.timer()
-                    tokens = self.runner.sample(self.runner.forward(window_iteration(sched, j, last)))
+                    tokens, _ = self.runner.sample(self.runner.forward(window_iteration(sched, j, last)))
                     later.append(tokens)
                     last = {rid: t.token_id for rid, t in tokens.items()}
                     pass_seconds.append(self.timer() - begun)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -12,13 +13,15 @@ from boundless.engine.cuda_graphs import DecodeGraphs
 from boundless.engine.logprobs import PromptScores, PromptSpan, SampledToken, score_prompt_spans
 from boundless.engine.sampler import Sampler
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
+from boundless.engine.speculative import accepted_tokens
 from boundless.kv.tensors import PagedKVCache
 from boundless.model.llama import LlamaModel
 
 
 @dataclass
 class StepLogits:
-    """Next-token logits [rows, vocab] (fp32) for the chunks that sample, in that order; and the prompt tokens the
+    """Next-token logits [rows, vocab] (fp32) for the chunks that sample, in that order (a chunk with drafts: a row
+    per position it samples at, each row's chunk counting the drafts before it as output); and the prompt tokens the
     step scored (``SamplingParams.prompt_logprobs``), by request id."""
 
     logits: torch.Tensor
@@ -83,7 +86,13 @@ class ModelRunner:
             positions.extend(pos)
             table, first = chunk.block_ids, chunk.first_block
             slots.extend(table[p // bs - first] * bs + p % bs for p in pos)
-            if chunk.sample:
+            if chunk.draft_token_ids:  # speculative decoding: sample after the last known token and each draft
+                drafts = len(chunk.draft_token_ids)
+                sample_indices.extend(range(len(ids) - 1 - drafts, len(ids)))
+                sample_chunks += [
+                    dataclasses.replace(chunk, num_output_tokens=chunk.num_output_tokens + j) for j in range(drafts + 1)
+                ]
+            elif chunk.sample:
                 sample_indices.append(len(ids) - 1)
                 sample_chunks.append(chunk)
         dev = self.device
@@ -156,8 +165,24 @@ class ModelRunner:
         return StepLogits(logits=logits, chunks=[chunks[i] for i in rows])
 
     @torch.inference_mode()
-    def sample(self, step: StepLogits) -> dict[str, SampledToken]:
+    def sample(self, step: StepLogits) -> tuple[dict[str, SampledToken], dict[str, list[SampledToken]]]:
+        """A token for each chunk that samples, by request id; and for each chunk with drafts, the tokens it keeps
+        after that one (``speculative.accepted_tokens``: the drafts that matched, then a correction or bonus)."""
         if not step.chunks:
-            return {}
+            return {}, {}
         tokens = self.sampler.sample(step.logits, step.chunks)
-        return {c.request_id: t for c, t in zip(step.chunks, tokens, strict=True)}
+        first: dict[str, SampledToken] = {}
+        later: dict[str, list[SampledToken]] = {}
+        i = 0
+        while i < len(tokens):
+            chunk = step.chunks[i]
+            first[chunk.request_id] = tokens[i]
+            drafts = chunk.draft_token_ids
+            if drafts:
+                rows = tokens[i : i + len(drafts) + 1]
+                kept = accepted_tokens([t.token_id for t in rows], drafts)
+                later[chunk.request_id] = rows[1:kept]
+                i += len(drafts) + 1
+            else:
+                i += 1
+        return first, later

@@ -28,7 +28,7 @@ once its loads are done. The streams are plain moves in the output (``kv/remote_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from boundless.attention.backend import RemoteKV
@@ -43,6 +43,8 @@ from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
 from boundless.programs.policy import SchedulingPolicy
 
 Clock = Callable[[], float]
+# Speculative decoding's proposer: up to ``limit`` tokens likely to follow ``token_ids`` (``engine/speculative.py``).
+Propose = Callable[[Sequence[int], int], list[int]]
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class ScheduledChunk:
     # are not scored yet, the first of them prompt token ``prompt_targets_from`` (predicted by the position before it).
     prompt_targets: Sequence[int] = ()
     prompt_targets_from: int = 0
+    # Speculative decoding (``engine/speculative.py``): the proposed tokens that end ``token_ids``, after the request's
+    # last known token; the step samples at each of those positions and keeps the samples that match.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -146,6 +151,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         num_scheduler_steps: int = 1,
+        propose: Propose | None = None,
     ) -> None:
         self.kv = kv
         self.policy = policy
@@ -167,6 +173,8 @@ class Scheduler:
         self.prefill_time: tuple[Predictor, float] | None = None
         # Multi-step decoding: a step of decodes only runs up to this many forward passes (engine/multi_step.py).
         self.num_scheduler_steps = num_scheduler_steps
+        # Speculative decoding: each decoding request's drafts, verified in its step (None: off).
+        self.propose = propose
         # Tokens of each request in the step decided and not yet recorded (``advance``): a view taken while the
         # step runs (a heartbeat: the engine loop holds its lock only between steps) sees the request as the step
         # will leave it, not with its chunk's blocks taken and its tokens not yet counted.
@@ -284,6 +292,7 @@ class Scheduler:
                 self.stats.num_kept += 1
         self._last_chosen = chosen_ids
         windows = self._plan_window(chosen) if self.num_scheduler_steps > 1 else None
+        drafts = self._plan_drafts(chosen, budget) if self.propose is not None else {}
         for request, num_new in chosen:
             first_block, remote = self.kv.remote_prefix(request.request_id)
             start = request.num_computed_tokens
@@ -295,10 +304,14 @@ class Scheduler:
                 send = self._handoff_send(request)
                 if send is not None:
                     out.remote_sends.append(send)
+            token_ids = request.all_token_ids[start:end]
+            draft = drafts.get(request.request_id)
+            if draft:
+                token_ids += draft
             out.chunks.append(
                 ScheduledChunk(
                     request_id=request.request_id,
-                    token_ids=request.all_token_ids[start:end],
+                    token_ids=token_ids,
                     start_pos=start,
                     block_ids=self.kv.block_ids(request.request_id),
                     sample=end == request.num_tokens,
@@ -312,12 +325,14 @@ class Scheduler:
                     num_prompt_tokens=len(request.prompt_token_ids),
                     prompt_targets=targets,
                     prompt_targets_from=targets_from,
+                    draft_token_ids=tuple(draft) if draft else (),
                 )
             )
         if windows:
             out.window = max(windows.values())
-        # The tokens each chunk computes (a window's: one per pass), until the step is recorded.
-        self.in_flight = {c.request_id: len(c.token_ids) + c.num_steps - 1 for c in out.chunks}
+        # The tokens each chunk computes for sure (a window's: one per pass; drafts may be rejected), until the step is
+        # recorded.
+        self.in_flight = {c.request_id: len(c.token_ids) - len(c.draft_token_ids) + c.num_steps - 1 for c in out.chunks}
         out.transfers = self.kv.take_transfers()
         out.disk_writes = self.kv.take_disk_writes()
         out.disk_ages = self.kv.take_disk_ages()
@@ -343,6 +358,32 @@ class Scheduler:
             allocated = kv.allocate(request.request_id, request.all_token_ids, ends[request.request_id])
             assert allocated, "the window's blocks were counted free"
         return steps
+
+    def _plan_drafts(self, chosen: list[tuple[Request, int]], budget: int) -> dict[str, list[int]]:
+        """Speculative decoding: the proposer's drafts for each chosen request that decodes its next token, within
+        the step's remaining token budget and the request's remaining output (its last sample is a token more), with
+        the slots for them allocated now. A request gets none when the device lacks free blocks for them (a draft
+        preempts nobody), or when its sampling keeps state per token (penalties, a grammar), it hands off after
+        this token, or some of its KV is lent."""
+        assert self.propose is not None
+        drafts: dict[str, list[int]] = {}
+        for request, num_new in chosen:
+            if budget <= 0:
+                break
+            rid = request.request_id
+            if (
+                num_new != 1
+                or request.num_computed_tokens + 1 != request.num_tokens
+                or request.handoff is not None
+                or request.sampling_params.needs_history
+                or self.kv.num_lent_blocks(rid)
+            ):
+                continue
+            draft = self.propose(request.all_token_ids, min(budget, request.max_tokens - request.num_output_tokens - 1))
+            if draft and self.kv.allocate(rid, request.all_token_ids, request.num_tokens + len(draft)):
+                drafts[rid] = draft
+                budget -= len(draft)
+        return drafts
 
     def tokens_after_step(self, request: Request) -> int:
         """The request's computed tokens once the step decided (if any) has run."""
@@ -650,8 +691,9 @@ class Scheduler:
         whose blocks have come (or failed to) may be admitted at the next step."""
         self.kv.finish_remote(report.recvs, report.sends, report.counts)
 
-    def advance(self, output: SchedulerOutput, service_s: float) -> None:
-        """Record that the step ran: each scheduled request computed its chunk.
+    def advance(self, output: SchedulerOutput, service_s: float, accepted: Mapping[str, int] | None = None) -> None:
+        """Record that the step ran: each scheduled request computed its chunk, of its drafts (speculative
+        decoding) only the ``accepted`` ones (by request id).
 
         ``service_s`` is the step's model execution time; every request in the batch spent it in
         the model executor, and is charged it as attained service (Autellix's measure).
@@ -662,7 +704,10 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue
-            request.num_computed_tokens += len(chunk.token_ids) + chunk.num_steps - 1  # a window's passes: one each
+            computed = len(chunk.token_ids) + chunk.num_steps - 1  # a window's passes: one each
+            if chunk.draft_token_ids:  # the drafts' KV counts up to the first rejected one
+                computed += (accepted or {}).get(chunk.request_id, 0) - len(chunk.draft_token_ids)
+            request.num_computed_tokens += computed
             request.service_s += service_s
             self.policy.on_service(request, service_s, now)
 

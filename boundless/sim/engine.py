@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from boundless.cluster.links import Link
-from boundless.config import EngineConfig, ModelConfig
+from boundless.config import ConfigError, EngineConfig, ModelConfig
 from boundless.engine.builder import ModelIdentity, size_engine
 from boundless.engine.core import EngineCore
 from boundless.kv.block_hash import BlockHash
@@ -90,6 +90,11 @@ def simulated_engine(
     reads and streams move per token when it is not ``model``'s (a profile's model: the GPU's, not the one
     whose tokenizer and block bookkeeping the engine uses). ``max_model_len``: the context it admits, in place of
     one pool's (KV lending: the cluster's memory, as ``bench longctx`` raises it)."""
+    if config.scheduler.speculative_config is not None:
+        raise ConfigError(
+            "--speculative-config: the simulator does not model speculative decoding (its executor samples no tokens "
+            "that drafts could be checked against)"
+        )
     layout = size_engine(config, model.arch, model.dtype)
     if max_model_len is not None:
         layout = dataclasses.replace(layout, max_model_len=max_model_len)

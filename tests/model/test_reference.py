@@ -91,7 +91,8 @@ def ref(
 def _engine(loaded: LoadedModel, **cache_and_sched) -> EngineCore:
     cache_keys = ("num_kv_blocks", "enable_prefix_caching", "block_size", "swap_space_gb")
     cache = {k: v for k, v in cache_and_sched.items() if k in cache_keys}
-    sched = {k: v for k, v in cache_and_sched.items() if k in ("max_num_batched_tokens", "num_scheduler_steps")}
+    sched_keys = ("max_num_batched_tokens", "num_scheduler_steps", "speculative_config")
+    sched = {k: v for k, v in cache_and_sched.items() if k in sched_keys}
     model = {k: v for k, v in cache_and_sched.items() if k in ("attention_backend", "enforce_eager")}
     cfg = EngineConfig(
         model=ModelConfig(max_model_len=cache_and_sched.get("max_model_len", 512), **model),
@@ -125,6 +126,8 @@ CONFIGS = {
     "chunked-prefill": {"max_num_batched_tokens": 7},
     "preemption-swap": {"preempt": True},
     "preemption-recompute": {"preempt": True, "swap_space_gb": 0.0},
+    # n-gram drafts checked in one pass (engine/speculative.py): greedy output must not change.
+    "speculative": {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'},
 }
 
 
@@ -160,6 +163,8 @@ def test_greedy_matches_transformers(ref: Reference, config: str) -> None:
         assert stats.num_recomputed > 0 and stats.num_swapped_out == 0
     if config == "chunked-prefill":
         assert core.counters.steps > sum(len(p) for p in ref.prompts) // 7
+    if config == "speculative":
+        assert core.counters.draft_tokens > 0  # drafts were checked (kept or not, the tokens are the same)
 
 
 # The GPU attention backend. On the CPU it runs in Triton's interpreter, in the slow suite: tiny-llama (grouped-query
@@ -201,7 +206,7 @@ def test_per_step_logits_match_transformers(ref: Reference) -> None:
         step = core.executor.runner.forward(sched)
         for chunk, row in zip(step.chunks, step.logits, strict=True):
             logits[chunk.request_id].append(row.cpu().clone())
-        core.finish_step(sched, StepResult(core.executor.runner.sample(step), 0.0))
+        core.finish_step(sched, StepResult(core.executor.runner.sample(step)[0], 0.0))
     worst = 0.0
     for i in range(len(ref.prompts)):
         ours = torch.stack(logits[str(i)])

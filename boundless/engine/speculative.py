@@ -1,0 +1,71 @@
+"""Speculative decoding with n-gram proposals (prompt lookup, vLLM's ``method: ngram``).
+
+A decoding request whose recent tokens occurred earlier in its prompt or output is likely to go on as it went on
+then: agents quote files, tool results and their own earlier turns. The scheduler asks :class:`NgramProposer` for
+the tokens that followed the latest earlier occurrence of the request's last ``n`` tokens, and schedules them after
+its last token as one chunk (``ScheduledChunk.draft_token_ids``); the forward pass computes logits at every
+position of it at once. :func:`accepted_tokens` then keeps, of the tokens sampled at those positions, those up to
+and including the first that differs from its draft.
+
+Why this is exact: the sample at position ``j`` is drawn from the model's distribution given the drafts before it.
+Draft ``j + 1`` is kept when that sample equals it (with probability ``p_j(draft)``, the rule of speculative
+sampling for a proposer that puts all its mass on one token), and when it differs, the sample, drawn from ``p_j``
+given that it is not the draft, is the correction (the residual distribution ``p_j`` without the draft,
+renormalized). So greedy output is the same as without speculation, token for token, and sampled output has the
+same distribution. The drafts' KV past the kept tokens is left in slots the next steps overwrite.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+from boundless.config import SpeculativeConfig
+
+
+class NgramProposer:
+    """Proposes up to ``num_speculative_tokens`` tokens: those that followed the latest earlier occurrence of the
+    sequence's last ``n`` tokens, for the longest ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``
+    that occurs. The search is a byte search over the tokens packed as 32-bit words (C speed, no Python loop per
+    position)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, token_ids: Sequence[int], limit: int) -> list[int]:
+        """At most ``min(limit, num_speculative_tokens)`` tokens to follow ``token_ids``; empty when no n-gram of
+        the sequence's end occurred before."""
+        k = min(limit, self.num_speculative_tokens)
+        length = len(token_ids)
+        if k <= 0 or length <= self.min_n:
+            return []
+        words = array("I", token_ids).tobytes()
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            at = _latest(words, words[-4 * n :], 4 * (length - 1))
+            if at is not None:
+                follow = at // 4 + n
+                return list(token_ids[follow : follow + k])
+        return []
+
+
+def _latest(words: bytes, pattern: bytes, end: int) -> int | None:
+    """The byte offset of the latest word-aligned occurrence of ``pattern`` ending at or before byte ``end``."""
+    while True:
+        at = words.rfind(pattern, 0, end)
+        if at < 0:
+            return None
+        if at % 4 == 0:
+            return at
+        end = at + len(pattern) - 1  # a match across word boundaries: look before it
+
+
+def accepted_tokens(samples: Sequence[int], drafts: Sequence[int]) -> int:
+    """How many of ``samples`` (one per position of a speculating chunk: after its last known token, then after
+    each draft) the request keeps: every sample up to and including the first that differs from the draft it
+    follows (all of them, the last a bonus token, when every draft matched)."""
+    for j, draft in enumerate(drafts):
+        if samples[j] != draft:
+            return j + 1
+    return len(drafts) + 1

@@ -1,0 +1,297 @@
+"""Speculative decoding with n-gram proposals (``--speculative-config``): the proposer, the verification's
+distribution, and the real engine giving the tokens plain decoding gives, in fewer steps."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import openai
+import pytest
+import torch
+
+from boundless.api.launch import start_in_thread
+from boundless.config import ConfigError, SchedulerConfig, SpeculativeConfig
+from boundless.engine.async_engine import AsyncEngine
+from boundless.engine.core import EngineCore
+from boundless.engine.runner import StepLogits
+from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
+from boundless.engine.speculative import NgramProposer, accepted_tokens
+from boundless.llm import LLM, engine_config
+from boundless.model.loader import LoadedModel
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Prompts that repeat themselves (an agent quoting a file, a list, a loop): the random model's greedy outputs loop too.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6],
+    list(range(20, 60)) + list(range(20, 30)),
+    [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9],
+    [100, 101, 102] * 12,
+]
+
+
+def _proposer(k: int = 3, lo: int = 1, hi: int = 3) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig("ngram", k, lo, hi))
+
+
+def test_the_tokens_after_the_latest_earlier_match_of_the_longest_suffix() -> None:
+    p = _proposer()
+    assert p.propose([1, 2, 3, 4, 9, 9, 1, 2, 3], 10) == [4, 9, 9]  # suffix [1, 2, 3] at 0
+    assert p.propose([5, 1, 2, 7, 1, 2, 8, 1, 2], 10) == [8, 1, 2]  # [1, 2] at 1 and 4: the latest
+    assert p.propose([7, 1, 2, 3, 8, 2, 3, 9, 1, 2, 3], 10) == [8, 2, 3]  # 3 tokens match at 1, beating 2 at 5
+    assert p.propose([1, 2, 3, 4, 5, 6], 10) == []  # nothing repeats
+    assert p.propose([1, 2, 3, 1, 2, 3, 1, 2], 2) == [3, 1]  # the caller's limit
+    assert _proposer(k=2).propose([1, 2, 3, 1, 2, 3, 1, 2], 10) == [3, 1]  # num_speculative_tokens
+    assert p.propose([4, 4], 10) == [4]  # the match may end right before the suffix
+    assert p.propose([4], 10) == []
+
+
+def test_lookup_bounds_and_word_alignment() -> None:
+    assert _proposer(lo=2).propose([5, 1, 6, 1], 10) == []  # one token matches, two are needed
+    assert _proposer(lo=2).propose([5, 1, 6, 5, 1], 10) == [6, 5, 1]
+    # Token bytes that match across word boundaries are no match: 256 = 00 01 00 00, 1 = 01 00 00 00.
+    assert _proposer(lo=1, hi=1).propose([256, 0, 7, 1], 10) == []
+    assert _proposer(lo=1, hi=1).propose([256, 0, 1, 7, 1], 10) == [7, 1]
+
+
+def test_accepted_tokens_keep_samples_through_the_first_mismatch() -> None:
+    assert accepted_tokens([4, 5, 6], [4, 5]) == 3  # both drafts matched: a bonus token
+    assert accepted_tokens([4, 6, 6], [4, 5]) == 2  # the second draft rejected: 6 corrects it
+    assert accepted_tokens([3, 5, 6], [4, 5]) == 1  # the first rejected: a later match does not count
+    assert accepted_tokens([3], []) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "not JSON"),
+        ("[1]", "JSON object"),
+        ('{"method": "eagle", "num_speculative_tokens": 3}', "method 'eagle'"),
+        ('{"method": "ngram"}', "num_speculative_tokens is required"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
+        ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens must be"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "exceed"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown keys ['model']"),
+    ],
+)
+def test_a_bad_config_names_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match="--speculative-config") as e:
+        SchedulerConfig(speculative_config=text)
+    assert message in str(e.value)
+
+
+def test_vllms_defaults_and_forms() -> None:
+    def parse(**spec: object) -> SpeculativeConfig:
+        return SpeculativeConfig.parse(json.dumps({"method": "ngram", "num_speculative_tokens": 3, **spec}))
+
+    assert parse() == SpeculativeConfig("ngram", 3, 5, 5)
+    assert parse(prompt_lookup_max=4) == SpeculativeConfig("ngram", 3, 4, 4)
+    assert parse(prompt_lookup_min=2) == SpeculativeConfig("ngram", 3, 2, 2)
+    with pytest.raises(ConfigError, match="num-scheduler-steps"):
+        SchedulerConfig(speculative_config=json.dumps(NGRAM), num_scheduler_steps=4)
+    # LLM(speculative_config={...}), vLLM's offline form, is the flag's JSON.
+    config = engine_config("m", speculative_config=NGRAM)
+    assert config.scheduler.speculative == SpeculativeConfig("ngram", 4, 1, 3)
+
+
+def _core(loaded: LoadedModel, spec: dict | None, num_blocks: int = 64, **cache: object) -> EngineCore:
+    options = {"max_model_len": min(256, num_blocks * 16), "num_kv_blocks": num_blocks, "policy": "fcfs", **cache}
+    if spec is not None:
+        options["speculative_config"] = spec
+    return EngineCore.from_model(loaded, engine_config("m", **options))
+
+
+def _run(core: EngineCore, params: SamplingParams, prompts: list[list[int]] = PROMPTS) -> tuple[dict, dict, int]:
+    """Each request's tokens and (finish reason, stop reason), and the steps that gave some request tokens (summed
+    over the requests); checks between steps that a request holds the blocks of its tokens with KV and at most those
+    of its drafts more."""
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, tuple] = {}
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params)
+        tokens[f"r{i}"] = []
+    steps = 0
+    while core.has_unfinished():
+        for delta in core.step():
+            steps += 1
+            tokens[delta.request_id] += delta.new_token_ids
+            if delta.finished:
+                reasons[delta.request_id] = (delta.finish_reason, delta.stop_reason)
+        for request in core.scheduler.running:
+            held = core.kv.num_allocated_blocks(request.request_id)
+            assert core.kv.blocks_for_tokens(request.num_computed_tokens) <= held
+            assert held <= core.kv.blocks_for_tokens(request.num_tokens + 4)
+    assert core.kv.pool.num_used == 0  # every block given back
+    return tokens, reasons, steps
+
+
+def _greedy(max_tokens: int = 40, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [
+        pytest.param({}, id="prefix-cache"),
+        pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
+        pytest.param({"num_blocks": 12, "kv_host_gb": 0}, id="preempted-recomputed"),
+        pytest.param({"num_blocks": 12}, id="preempted-swapped"),
+    ],
+)
+def test_greedy_tokens_are_plain_decodings_in_fewer_steps(tiny_llama: LoadedModel, cache: dict) -> None:
+    plain = _run(_core(tiny_llama, None, **cache), _greedy())
+    core = _core(tiny_llama, NGRAM, **cache)
+    spec = _run(core, _greedy())
+    assert spec[0] == plain[0]
+    assert spec[1] == plain[1]
+    stats = core.stats()
+    assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+    assert spec[2] < plain[2]  # accepted drafts are tokens without a step of their own
+    assert stats.generation_tokens == sum(len(t) for t in plain[0].values())
+    if "num_blocks" in cache:
+        assert stats.num_preemptions > 0
+
+
+def test_prefix_blocks_named_after_speculation_hold_the_right_kv(tiny_llama: LoadedModel) -> None:
+    """A second round of prompts that extend the first round's outputs: their cached prefixes were named after
+    steps with drafts (some rejected), and must give the tokens a fresh engine gives."""
+    core = _core(tiny_llama, NGRAM)
+    first, _, _ = _run(core, _greedy())
+    longer = [prompt + first[f"r{i}"] for i, prompt in enumerate(PROMPTS)]
+    again, _, _ = _run(core, _greedy(24), longer)
+    assert core.stats().prefix_cache_hits > 0
+    fresh, _, _ = _run(_core(tiny_llama, None, enable_prefix_caching=False), _greedy(24), longer)
+    assert again == fresh
+
+
+def test_stops_and_lengths_inside_accepted_drafts_are_exact(tiny_llama: LoadedModel) -> None:
+    plain, _, _ = _run(_core(tiny_llama, None), _greedy())
+    # A token each request's output holds past its start: the stop falls inside a step's accepted tokens.
+    stop = sorted({t for out in plain.values() for t in out[3:12]})[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=37, stop_token_ids=stop)
+    plain = _run(_core(tiny_llama, None), params)
+    spec = _run(_core(tiny_llama, NGRAM), params)
+    assert spec[:2] == plain[:2]
+    assert {reason for reason, _ in plain[1].values()} == {"stop", "length"}
+
+
+def test_logprobs_of_accepted_tokens_are_the_models(tiny_llama: LoadedModel) -> None:
+    params = _greedy(24, logprobs=3)
+    outs = []
+    for spec in (None, NGRAM):
+        core = _core(tiny_llama, spec)
+        for i, prompt in enumerate(PROMPTS):
+            core.add_request(f"r{i}", prompt, params)
+        got: dict[str, list] = {}
+        while core.has_unfinished():
+            for delta in core.step():
+                got.setdefault(delta.request_id, []).extend(delta.new_logprobs)
+        outs.append(got)
+    plain, spec = outs
+    assert spec.keys() == plain.keys()
+    for rid in plain:
+        assert [t.token_id for t in spec[rid]] == [t.token_id for t in plain[rid]]
+        assert [t.rank for t in spec[rid]] == [t.rank for t in plain[rid]]
+        assert [t.logprob for t in spec[rid]] == pytest.approx([t.logprob for t in plain[rid]], abs=1e-4)
+        for a, b in zip(spec[rid], plain[rid], strict=True):
+            assert [i for i, _ in a.top_logprobs] == [i for i, _ in b.top_logprobs]
+
+
+def test_verification_samples_from_the_models_distribution(tiny_llama: LoadedModel) -> None:
+    """Chunks with two drafts over fixed logits, sampled 6,000 times through the runner: the first token is drawn
+    from position 0's distribution whatever the drafts, a draft is kept with its probability under the model, and
+    the token after a kept draft from the next position's distribution (speculative sampling's guarantee)."""
+    runner = _core(tiny_llama, NGRAM).executor.runner  # type: ignore[attr-defined]
+    vocab = tiny_llama.arch.vocab_size
+    probs = torch.zeros(3, vocab)
+    probs[0, [4, 5, 6]] = torch.tensor([0.5, 0.3, 0.2])  # the first draft (5) has probability 0.3
+    probs[1, [7, 8]] = torch.tensor([0.6, 0.4])  # the second (7): 0.6
+    probs[2, [9, 10]] = torch.tensor([0.25, 0.75])
+    params = SamplingParams(temperature=1.0, max_tokens=10)
+    chunks = [
+        ScheduledChunk(f"r{i}", [3, 5, 7], 20, [0, 1], True, params, 4, (), draft_token_ids=(5, 7)) for i in range(1000)
+    ]
+    batch = runner.build_batch(SchedulerOutput(chunks=chunks))
+    assert [c.num_output_tokens for c in batch.sample_chunks[:3]] == [4, 5, 6]  # each row counts the drafts before it
+    assert batch.sample_indices.tolist() == list(range(3000))
+    logits = torch.log(probs.clamp_min(1e-30)).repeat(1000, 1)
+    n = 6000
+    first, after_five, third, lengths = Counter(), Counter(), Counter(), Counter()
+    for _ in range(n // 1000):
+        tokens, later = runner.sample(StepLogits(logits, batch.sample_chunks))
+        for rid, token in tokens.items():
+            out = [token.token_id] + [t.token_id for t in later[rid]]
+            first[out[0]] += 1
+            lengths[len(out)] += 1
+            if out[0] == 5:
+                after_five[out[1]] += 1
+                if out[1] == 7:
+                    third[out[2]] += 1
+    assert set(first) == {4, 5, 6} and set(after_five) <= {7, 8} and set(third) <= {9, 10}
+    for token, p in ((4, 0.5), (5, 0.3), (6, 0.2)):
+        assert first[token] / n == pytest.approx(p, abs=0.025)
+    kept_five = first[5]
+    assert after_five[7] / kept_five == pytest.approx(0.6, abs=0.04)
+    assert third[10] / after_five[7] == pytest.approx(0.75, abs=0.05)
+    # A token after each rejection, and a bonus token after both drafts were kept.
+    assert lengths[1] == n - kept_five and lengths[3] == after_five[7]
+
+
+def test_seeded_sampling_repeats_and_speculates(tiny_llama: LoadedModel) -> None:
+    params = SamplingParams(temperature=0.7, max_tokens=30, seed=3, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        core = _core(tiny_llama, NGRAM)
+        runs.append(_run(core, params)[0])
+        assert core.stats().spec_draft_tokens > 0
+    assert runs[0] == runs[1]
+    assert all(len(t) == 30 for t in runs[0].values())
+
+
+def test_served_greedy_completions_and_metrics(tiny_llama: LoadedModel, model_dirs: dict) -> None:
+    path = str(model_dirs["tiny-llama"])
+    options = {"max_model_len": 512, "kv_cache_gb": 0.05, "seed": 0}
+    greedy = {"max_tokens": 40, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    offline = LLM(path, **options)
+    try:
+        expected = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    finally:
+        offline.close()
+    engine = AsyncEngine(EngineCore.from_model(tiny_llama, engine_config(path, speculative_config=NGRAM, **options)))
+    server = start_in_thread(engine, "tiny")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        got = client.completions.create(model="tiny", prompt=prompt, **greedy)
+        chunks = client.completions.create(model="tiny", prompt=prompt, stream=True, **greedy)
+        streamed = "".join(c.choices[0].text for c in chunks)
+        metrics = openai.DefaultHttpxClient().get(server.url + "/metrics").text
+    finally:
+        server.stop()
+        engine.shutdown()
+    assert got.choices[0].text == streamed == expected[0].outputs[0].text
+    assert got.usage.completion_tokens == 40
+    accepted = [line for line in metrics.splitlines() if line.startswith("boundless_spec_decode_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0
+
+
+def test_requests_whose_sampling_keeps_state_per_token_get_no_drafts(tiny_llama: LoadedModel) -> None:
+    """A penalized request's counts (and a grammar's place) advance a token at a time: it decodes without drafts
+    beside requests that speculate."""
+    penalized = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2)
+    core = _core(tiny_llama, NGRAM)
+    spec = _run(core, penalized, PROMPTS[3:])[0]
+    assert core.stats().spec_draft_tokens == 0
+    assert spec == _run(_core(tiny_llama, None), penalized, PROMPTS[3:])[0]
+    _run(core, _greedy(), PROMPTS[3:])  # the same prompt unpenalized speculates
+    assert core.stats().spec_draft_tokens > 0
+
+
+def test_the_simulator_refuses_it() -> None:
+    from boundless.sim.engine import SimulatedModel, simulated_engine
+    from boundless.sim.profiles import load_profile
+
+    config = engine_config("smollm2-135m", speculative_config=NGRAM, num_kv_blocks=64)
+    with pytest.raises(ConfigError, match="does not model speculative decoding"):
+        simulated_engine(config, SimulatedModel.read(config.model), load_profile("cpu").step, lambda: 0.0)
