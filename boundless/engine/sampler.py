@@ -11,6 +11,7 @@ import torch
 
 from boundless.engine.logprobs import SampledToken, score_tokens
 from boundless.engine.scheduler import ScheduledChunk
+from boundless.engine.speculative import accepted_tokens
 from boundless.engine.structured_output import GrammarMatcher, Grammars, mask_logits
 from boundless.model import cpu_kernels
 
@@ -31,6 +32,11 @@ class TokenCounts:
         output = _outputs(chunk)
         ids = torch.tensor(list(chunk.history[: chunk.num_prompt_tokens]), dtype=torch.long, device=device)
         return cls(torch.unique(ids), Counter(output), len(output))
+
+
+def _same_chunk(chunks: Sequence[ScheduledChunk], i: int) -> bool:
+    """Whether row ``i`` is a later sampling position of the chunk of row ``i - 1`` (speculative decoding)."""
+    return i > 0 and chunks[i - 1].request_id == chunks[i].request_id
 
 
 def _outputs(chunk: ScheduledChunk) -> Sequence[int]:
@@ -93,10 +99,16 @@ class Sampler:
         if any(c.sampling_params.logprobs is not None for c in chunks):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         penalized = [i for i, c in enumerate(chunks) if c.sampling_params.penalized]
-        # Structured rows, with their matchers; one whose output is complete (a window's pass past its EOS, whose
-        # token is discarded) is left alone.
-        structured = [(i, self._matcher(c)) for i, c in enumerate(chunks) if c.sampling_params.structured]
-        structured = [(i, m) for i, m in structured if not m.done]
+        # Structured requests' first rows, with their matchers and drafts (speculative decoding: a row per position
+        # of the chunk follows); one whose output is complete (a window's pass past its EOS, whose token is
+        # discarded) is left alone.
+        structured = []
+        for i, c in enumerate(chunks):
+            if c.sampling_params.structured is None or (c.draft_token_ids and _same_chunk(chunks, i)):
+                continue
+            matcher = self._matcher(c)
+            if not matcher.done:
+                structured.append((i, matcher, c.draft_token_ids))
         logits = self._adjusted(logits, chunks, penalized, structured)
         greedy = [i for i, c in enumerate(chunks) if c.sampling_params.greedy]
         if len(greedy) == len(chunks):  # the common case: no copy of the logits rows
@@ -116,8 +128,13 @@ class Sampler:
             counts = self._counts[chunks[i].request_id]
             counts.output[token_list[i]] += 1
             counts.num_output_tokens += 1
-        for i, matcher in structured:
-            matcher.accept(token_list[i])
+        for i, matcher, drafts in structured:
+            # The tokens the request keeps: a speculating one's up to its first rejected draft (runner.sample).
+            samples = token_list[i : i + len(drafts) + 1]
+            for token in samples[: accepted_tokens(samples, drafts)] if drafts else samples:
+                if matcher.done:
+                    break  # a kept draft was the end token
+                matcher.accept(token)
         out = [SampledToken(t) for t in token_list]
         if raw_logprobs is not None:
             self._fill_logprobs(raw_logprobs, tokens, chunks, out)
@@ -128,7 +145,7 @@ class Sampler:
         logits: torch.Tensor,
         chunks: Sequence[ScheduledChunk],
         penalized: list[int],
-        structured: list[tuple[int, GrammarMatcher]],
+        structured: list[tuple[int, GrammarMatcher, tuple[int, ...]]],
     ) -> torch.Tensor:
         """The logits to sample from: logit biases added, then penalties (vLLM's order), early stops and tokens
         the grammar does not allow forbidden. A copy if any of them applies to a row."""
@@ -157,7 +174,8 @@ class Sampler:
         if banned_rows:
             logits[torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)] = float("-inf")
         if structured:
-            mask_logits(logits, [i for i, _ in structured], [m for _, m in structured])
+            rows, matchers, drafts = zip(*structured, strict=True)
+            mask_logits(logits, list(rows), list(matchers), drafts)
         return logits
 
     def _penalize(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], rows: list[int]) -> None:

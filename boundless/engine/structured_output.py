@@ -209,13 +209,42 @@ class GrammarMatcher:
         for token_id in token_ids:
             self.accept(token_id)
 
+    def fill_draft_masks(self, bitmask: Any, first: int, drafts: Sequence[int]) -> None:
+        """Speculative decoding: the masks of a chunk's sampling positions, bitmask rows ``first`` on (after the last
+        known token, then after each draft), each with the drafts before it taken, and then the drafts let go again
+        (the matcher ends where it began). Past a draft the grammar refuses, the rows are left open: the position
+        before it gives that draft no chance, so nothing sampled after it is kept."""
+        matcher = self._matcher
+        taken = 0
+        for j in range(len(drafts) + 1):
+            if matcher.is_terminated():
+                break  # a draft took the end token: the output is complete, and the rows after it are discarded
+            matcher.fill_next_token_bitmask(bitmask, first + j)
+            if j == len(drafts) or not matcher.accept_token(drafts[j]):
+                break
+            taken += 1
+        if taken:
+            matcher.rollback(taken)
 
-def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
-    """Forbid, in place, every token that row ``rows[j]``'s grammar (``matchers[j]``) does not allow next."""
+
+def mask_logits(
+    logits: torch.Tensor,
+    rows: list[int],
+    matchers: list[GrammarMatcher],
+    drafts: Sequence[Sequence[int]] | None = None,
+) -> None:
+    """Forbid, in place, every token that row ``rows[j]``'s grammar (``matchers[j]``) does not allow next. With
+    ``drafts`` (speculative decoding), ``matchers[j]`` covers ``len(drafts[j]) + 1`` rows from ``rows[j]``'s, one
+    per sampling position of its chunk (:meth:`GrammarMatcher.fill_draft_masks`; rows left open allow every token,
+    the bitmask's initial value)."""
     xgr = _xgrammar("structured_outputs")
+    drafts = drafts or [()] * len(matchers)
+    rows = [row + k for row, d in zip(rows, drafts, strict=True) for k in range(len(d) + 1)]
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
-    for j, m in enumerate(matchers):
-        m._matcher.fill_next_token_bitmask(bitmask, j)
+    first = 0
+    for m, d in zip(matchers, drafts, strict=True):
+        m.fill_draft_masks(bitmask, first, d)
+        first += len(d) + 1
     index = torch.tensor(rows, device=logits.device)
     picked = logits[index].contiguous()  # (a copy: rows chosen by index)
     xgr.apply_token_bitmask_inplace(picked, bitmask.to(logits.device))

@@ -18,6 +18,7 @@ from boundless.engine.runner import StepLogits
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.engine.speculative import NgramProposer, accepted_tokens
+from boundless.engine.structured_output import StructuredOutput
 from boundless.llm import LLM, engine_config
 from boundless.model.loader import LoadedModel
 
@@ -295,3 +296,53 @@ def test_the_simulator_refuses_it() -> None:
     config = engine_config("smollm2-135m", speculative_config=NGRAM, num_kv_blocks=64)
     with pytest.raises(ConfigError, match="does not model speculative decoding"):
         simulated_engine(config, SimulatedModel.read(config.model), load_profile("cpu").step, lambda: 0.0)
+
+
+FOX = "the quick brown fox jumps over the lazy dog"
+CHOICES = [FOX, "a slow green turtle walks under the busy cat"]
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"enum": CHOICES}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "structured",
+    [
+        pytest.param(lambda: StructuredOutput.choice(CHOICES), id="choice"),
+        pytest.param(lambda: StructuredOutput.json_schema(JSON_SCHEMA), id="json-schema"),
+    ],
+)
+def test_a_grammars_drafts_are_checked_against_it(tiny_llama: LoadedModel, structured) -> None:
+    """Drafts under a grammar: each position's mask is the grammar's after the drafts before it, a draft it refuses is
+    never kept, and the matcher goes on from the tokens kept; so the output is plain structured decoding's."""
+    pytest.importorskip("xgrammar")
+    spec = structured()
+    tokenizer = tiny_llama.tokenizer
+    prompts = [tokenizer.encode(f"Say it: {FOX}. Again: {FOX}. Once more:"), tokenizer.encode(f"{FOX}, {FOX}, {FOX}")]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured=spec)]
+    params.append(SamplingParams(temperature=0.8, max_tokens=60, structured=spec, seed=5))
+    outs = []
+    for config in (None, NGRAM):
+        core = _core(tiny_llama, config, num_blocks=64)
+        texts, reasons = {}, {}
+        for i, prompt in enumerate(prompts):
+            for j, p in enumerate(params):
+                core.add_request(f"r{i}{j}", prompt, p)
+                texts[f"r{i}{j}"] = ""
+        while core.has_unfinished():
+            for delta in core.step():
+                texts[delta.request_id] += delta.new_text
+                reasons[delta.request_id] = delta.finish_reason
+        outs.append((texts, core.stats()))
+    (plain, _), (spec_texts, stats) = outs
+    assert stats.spec_accepted_tokens > 0
+    greedy = {rid: t for rid, t in spec_texts.items() if rid.endswith("0")}
+    assert greedy == {rid: plain[rid] for rid in greedy}
+    for rid, text in spec_texts.items():  # sampled ones differ from plain draws, but keep to the grammar
+        if spec.kind == "choice":
+            assert text in CHOICES
+        elif reasons[rid] == "stop":  # (a random model's JSON may pad with blanks to the length limit)
+            assert json.loads(text)["name"] in CHOICES
