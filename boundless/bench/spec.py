@@ -1,13 +1,14 @@
 """``boundless bench spec``: speculative decoding with n-gram proposals against plain decoding, side by side.
 
 The same conversations, greedy, on two engines over the same loaded weights: one plain, one with
-``--speculative-config`` (n-gram proposals, default below), taking turns. Three kinds of agent call: **edit** (a
-source file and a small change to make to it: the answer copies most of the file), **extract** (a tool's JSON result
-and a request for some of its fields: the answer quotes it), and **free** (an open question: little to copy, so
-what speculation costs when it rarely hits). Calls run one at a time by default (an agent waiting for each answer:
-the regime speculation is for) or ``--concurrency`` at once. Per kind: output tokens per second of each engine and
-their ratio, the share of proposed tokens kept, tokens per forward pass of the speculating engine, and whether
-the outputs are the same (greedy: they must be).
+``--speculative-config`` (n-gram proposals, default below), taking turns. Four kinds of agent call: **edit** (a
+source file and a small change to make to it: the answer copies most of the file), **extract** (a tool's JSON
+result and a request for some of its fields: the answer quotes it), **json** (the same, answered under a JSON
+schema, as structured outputs and forced tool calls are: the drafts are checked against the grammar too), and
+**free** (an open question: little to copy, so what speculation costs when it rarely hits). Calls run one at a
+time by default (an agent waiting for each answer: the regime speculation is for) or ``--concurrency`` at once.
+Per kind: output tokens per second of each engine and their ratio, the share of proposed tokens kept, tokens per
+forward pass of the speculating engine, and whether the outputs are the same (greedy: they must be).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from boundless.bench.report import print_table, write_json
 from boundless.config import engine_config_from_flags
 from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.structured_output import StructuredOutput
 from boundless.llm import LLM
 from boundless.model.loader import load_model
 
@@ -72,7 +74,7 @@ def conversations(kind: str, num: int) -> list[list[dict[str, str]]]:
         if kind == "edit":
             source, change = _FILES[i % len(_FILES)]
             content = f"Here is a file:\n\n```python\n{source}```\n\n{change} Reply with the whole new file."
-        elif kind == "extract":
+        elif kind in ("extract", "json"):
             records = _RECORDS[i % len(_RECORDS) :] + _RECORDS[: i % len(_RECORDS)]
             content = (
                 f"The tool search_people returned:\n{json.dumps(records, indent=1)}\n\n"
@@ -86,7 +88,24 @@ def conversations(kind: str, num: int) -> list[list[dict[str, str]]]:
     return convs
 
 
-KINDS = ("edit", "extract", "free")
+KINDS = ("edit", "extract", "json", "free")
+# The json kind's answer: each person's name and email.
+PEOPLE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "people": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "email": {"type": "string"}},
+                "required": ["name", "email"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["people"],
+    "additionalProperties": False,
+}
 
 
 @dataclass
@@ -115,7 +134,8 @@ def _run(llm: LLM, convs: list, params: SamplingParams, concurrency: int) -> tup
 def measure(plain: LLM, spec: LLM, kind: str, num: int, max_tokens: int, rounds: int, concurrency: int) -> SpecFigures:
     """Both engines over the same conversations, taking turns; medians of ``rounds`` each."""
     convs = conversations(kind, num)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    structured = StructuredOutput.json_schema(PEOPLE_SCHEMA) if kind == "json" else None
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured=structured)
     plain_s, spec_s = [], []
     plain_out: list[list[int]] = []
     spec_out: list[list[int]] = []
@@ -166,8 +186,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     plain, spec = LLM.from_config(config, loaded), LLM.from_config(spec_config, loaded)
     warm = SamplingParams(temperature=0.0, max_tokens=8)
-    for llm in (plain, spec):  # the first steps' allocations and kernels' first calls
+    for llm in (plain, spec):  # the first steps' allocations and kernels' first calls, the json kind's grammar
         llm.chat(conversations("free", 2), warm)
+        if "json" in kinds:
+            llm.chat(
+                conversations("json", 1),
+                dataclasses.replace(warm, structured=StructuredOutput.json_schema(PEOPLE_SCHEMA)),
+            )
     figures = [
         measure(plain, spec, kind, args.num_conversations, args.max_tokens, args.rounds, args.concurrency)
         for kind in kinds
@@ -211,7 +236,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--spec", default=json.dumps(DEFAULT_SPEC), help="the speculating engine's --speculative-config"
     )
-    parser.add_argument("--kinds", default=",".join(KINDS), help="kinds of call, comma-separated: edit, extract, free")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"kinds of call, comma-separated: {', '.join(KINDS)}")
     parser.add_argument("--num-conversations", type=int, default=4, help="conversations per kind")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(

@@ -25,7 +25,7 @@ def test_bench_spec_reports_each_kind_with_identical_greedy_outputs(
     result = json.loads(out.read_text())
     assert result["spec"]["num_speculative_tokens"] == 3 and result["concurrency"] == 2
     figures = {f["kind"]: f for f in result["figures"]}
-    assert set(figures) == {"edit", "extract", "free"}
+    assert set(figures) == {"edit", "extract", "json", "free"}
     for fig in figures.values():
         assert fig["same_outputs"] == fig["conversations"] == 2  # greedy: speculation changes no token
         assert fig["spec_tokens_per_s"] == fig["output_tokens"] / fig["spec_s"]
