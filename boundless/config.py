@@ -243,7 +243,7 @@ class SchedulerConfig:
             "help": 'speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' proposes the tokens that followed the latest '
             "earlier match of the sequence's last 4 to 2 tokens and verifies them in one forward pass (greedy output "
-            "unchanged, sampled output of the same distribution); requests with penalties decode one token a step"
+            "unchanged, sampled output of the same distribution; grammars and penalties apply to each position)"
         },
     )
     policy: str = field(

@@ -98,7 +98,13 @@ class Sampler:
         raw_logprobs = None
         if any(c.sampling_params.logprobs is not None for c in chunks):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        penalized = [i for i, c in enumerate(chunks) if c.sampling_params.penalized]
+        # Penalized rows, each with the drafts before it in its chunk (speculative decoding: counted as outputs).
+        penalized: list[tuple[int, tuple[int, ...]]] = []
+        k = 0
+        for i, c in enumerate(chunks):
+            k = k + 1 if c.draft_token_ids and _same_chunk(chunks, i) else 0
+            if c.sampling_params.penalized:
+                penalized.append((i, c.draft_token_ids[:k]))
         # Structured requests' first rows, with their matchers and drafts (speculative decoding: a row per position
         # of the chunk follows); one whose output is complete (a window's pass past its EOS, whose token is
         # discarded) is left alone.
@@ -124,10 +130,15 @@ class Sampler:
             for j, i in enumerate(random_rows):
                 tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator_for(chunks[i]))[0]
         token_list = tokens.tolist()
-        for i in penalized:
+        for i, before in penalized:
+            if before:
+                continue  # a later position of a speculating chunk: its tokens are counted with the chunk's first
+            drafts = chunks[i].draft_token_ids
+            samples = token_list[i : i + len(drafts) + 1]
             counts = self._counts[chunks[i].request_id]
-            counts.output[token_list[i]] += 1
-            counts.num_output_tokens += 1
+            for token in samples[: accepted_tokens(samples, drafts)] if drafts else samples:
+                counts.output[token] += 1
+                counts.num_output_tokens += 1
         for i, matcher, drafts in structured:
             # The tokens the request keeps: a speculating one's up to its first rejected draft (runner.sample).
             samples = token_list[i : i + len(drafts) + 1]
@@ -144,7 +155,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         chunks: Sequence[ScheduledChunk],
-        penalized: list[int],
+        penalized: list[tuple[int, tuple[int, ...]]],
         structured: list[tuple[int, GrammarMatcher, tuple[int, ...]]],
     ) -> torch.Tensor:
         """The logits to sample from: logit biases added, then penalties (vLLM's order), early stops and tokens
@@ -178,21 +189,26 @@ class Sampler:
             mask_logits(logits, list(rows), list(matchers), drafts)
         return logits
 
-    def _penalize(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], rows: list[int]) -> None:
+    def _penalize(
+        self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], penalized: list[tuple[int, tuple[int, ...]]]
+    ) -> None:
         """Apply the rows' penalties in place, all rows at once (as vLLM does, with dense per-row masks and counts;
         a few host-to-device copies a step, not a few per row): repetition over the prompt's and the output's
-        tokens, then frequency and presence over the output's."""
+        tokens, then frequency and presence over the output's. A speculating chunk's later rows count the drafts
+        before them as output."""
         device, vocab = logits.device, logits.shape[-1]
+        rows = [i for i, _ in penalized]
         prompts, out_rows, out_ids, out_times = [], [], [], []
-        for j, i in enumerate(rows):
-            c = chunks[i]
+        for j, (i, before) in enumerate(penalized):
+            c = chunks[i - len(before)]  # the chunk's first row: the request's tokens before the step
             counts = self._counts.get(c.request_id)
             if counts is None or counts.num_output_tokens != c.num_output_tokens:
                 counts = self._counts[c.request_id] = TokenCounts.of(c, device)
+            output = counts.output + Counter(before) if before else counts.output
             prompts.append(counts.prompt)
-            out_rows.extend([j] * len(counts.output))
-            out_ids.extend(counts.output)
-            out_times.extend(counts.output.values())
+            out_rows.extend([j] * len(output))
+            out_ids.extend(output)
+            out_times.extend(output.values())
         params = [chunks[i].sampling_params for i in rows]
         index = torch.tensor(rows, device=device)
         picked = logits[index]

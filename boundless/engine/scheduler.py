@@ -363,8 +363,8 @@ class Scheduler:
         """Speculative decoding: the proposer's drafts for each chosen request that decodes its next token, within
         the step's remaining token budget and the request's remaining output (its last sample is a token more), with
         the slots for them allocated now. A request gets none when the device lacks free blocks for them (a draft
-        preempts nobody), or when its penalties count tokens (a count per token drawn), it hands off after this
-        token, or some of its KV is lent. A grammar's drafts are checked by the sampler (``fill_draft_masks``)."""
+        preempts nobody), or when it hands off after this token, or some of its KV is lent. The sampler masks a
+        grammar's positions and counts a penalized request's outputs with the drafts before each."""
         assert self.propose is not None
         drafts: dict[str, list[int]] = {}
         for request, num_new in chosen:
@@ -375,7 +375,6 @@ class Scheduler:
                 num_new != 1
                 or request.num_computed_tokens + 1 != request.num_tokens
                 or request.handoff is not None
-                or request.sampling_params.penalized
                 or self.kv.num_lent_blocks(rid)
             ):
                 continue

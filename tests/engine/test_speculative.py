@@ -3,6 +3,7 @@ distribution, and the real engine giving the tokens plain decoding gives, in few
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -277,16 +278,31 @@ def test_served_greedy_completions_and_metrics(tiny_llama: LoadedModel, model_di
     assert accepted and float(accepted[0].split()[-1]) > 0
 
 
-def test_requests_whose_sampling_keeps_state_per_token_get_no_drafts(tiny_llama: LoadedModel) -> None:
-    """A penalized request's counts (and a grammar's place) advance a token at a time: it decodes without drafts
-    beside requests that speculate."""
-    penalized = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2)
+def test_penalties_count_the_drafts_before_each_position(tiny_llama: LoadedModel) -> None:
+    """A penalized request's later positions see the drafts before them as output, and only the tokens kept are
+    counted after the step: over fixed logits, the draft's own count turns the second position's choice."""
+    runner = _core(tiny_llama, NGRAM).executor.runner  # type: ignore[attr-defined]
+    logits = torch.full((3, tiny_llama.arch.vocab_size), -5.0)
+    logits[0, 5] = 3.0  # the first draft (5) is the model's choice
+    logits[1, 5], logits[1, 6] = 3.0, 2.9  # 5 again, unless the kept draft's count (0.5) takes it below 6
+    logits[2, 7] = 3.0
+    params = SamplingParams(temperature=0.0, max_tokens=10, frequency_penalty=0.5)
+    history = [1, 2, 3, 9]  # prompt [1, 2, 3], one output (9) before the step
+    chunk = ScheduledChunk("r", [9, 5, 5], 3, [0], True, params, 1, (), history=history, num_prompt_tokens=3)
+    chunk = dataclasses.replace(chunk, draft_token_ids=(5, 5))
+    batch = runner.build_batch(SchedulerOutput(chunks=[chunk]))
+    tokens, later = runner.sample(StepLogits(logits, batch.sample_chunks))
+    assert [tokens["r"].token_id] + [t.token_id for t in later["r"]] == [5, 6]  # the second draft is rejected
+    counts = runner.sampler._counts["r"]
+    assert counts.output == {9: 1, 5: 1, 6: 1} and counts.num_output_tokens == 3  # the kept tokens only
+
+
+def test_penalized_greedy_tokens_are_plain_decodings(tiny_llama: LoadedModel) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, frequency_penalty=0.2)
+    plain = _run(_core(tiny_llama, None), params)
     core = _core(tiny_llama, NGRAM)
-    spec = _run(core, penalized, PROMPTS[3:])[0]
-    assert core.stats().spec_draft_tokens == 0
-    assert spec == _run(_core(tiny_llama, None), penalized, PROMPTS[3:])[0]
-    _run(core, _greedy(), PROMPTS[3:])  # the same prompt unpenalized speculates
-    assert core.stats().spec_draft_tokens > 0
+    assert _run(core, params)[:2] == plain[:2]
+    assert core.stats().spec_accepted_tokens > 0
 
 
 def test_the_simulator_refuses_it() -> None:
