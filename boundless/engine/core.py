@@ -210,7 +210,7 @@ class EngineCore:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs,
             num_scheduler_steps=config.scheduler.num_scheduler_steps,
-            propose=NgramProposer(spec).propose if (spec := config.scheduler.speculative) is not None else None,
+            proposer=NgramProposer(spec) if (spec := config.scheduler.speculative) is not None else None,
         )
         # The executor's sampler's grammars (one compilation a spec for both): a structured request waits in its queue
         # while its grammar compiles in the background (``Scheduler.compiling``), as vLLM's requests do.
@@ -575,7 +575,7 @@ class EngineCore:
             self._remote_io = result.remote_report.stats
         c = self.counters
         accepted = None
-        if self.scheduler.propose is not None:  # speculative decoding: a request's kept drafts are its later tokens
+        if self.scheduler.proposer is not None:  # speculative decoding: a request's kept drafts are its later tokens
             drafted = [ch for ch in sched.chunks if ch.draft_token_ids]
             accepted = {ch.request_id: sum(ch.request_id in p for p in result.later) for ch in drafted}
             c.draft_tokens += sum(len(ch.draft_token_ids) for ch in drafted)

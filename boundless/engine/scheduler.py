@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from boundless.attention.backend import RemoteKV
 from boundless.engine.attention_time import ChunkShape
@@ -43,8 +44,18 @@ from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer, TierId
 from boundless.programs.policy import SchedulingPolicy
 
 Clock = Callable[[], float]
-# Speculative decoding's proposer: up to ``limit`` tokens likely to follow ``token_ids`` (``engine/speculative.py``).
-Propose = Callable[[Sequence[int], int], list[int]]
+
+
+class DraftProposer(Protocol):
+    """Speculative decoding's proposer (``engine/speculative.py``)."""
+
+    def propose(self, request_id: str, token_ids: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens likely to follow the request's ``token_ids``."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request left: drop what was kept for it."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -151,7 +162,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         num_scheduler_steps: int = 1,
-        propose: Propose | None = None,
+        proposer: DraftProposer | None = None,
     ) -> None:
         self.kv = kv
         self.policy = policy
@@ -174,7 +185,7 @@ class Scheduler:
         # Multi-step decoding: a step of decodes only runs up to this many forward passes (engine/multi_step.py).
         self.num_scheduler_steps = num_scheduler_steps
         # Speculative decoding: each decoding request's drafts, verified in its step (None: off).
-        self.propose = propose
+        self.proposer = proposer
         # Tokens of each request in the step decided and not yet recorded (``advance``): a view taken while the
         # step runs (a heartbeat: the engine loop holds its lock only between steps) sees the request as the step
         # will leave it, not with its chunk's blocks taken and its tokens not yet counted.
@@ -214,6 +225,8 @@ class Scheduler:
         self.held.discard(request_id)
         self.granted.discard(request_id)
         self.compiling.discard(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         self.kv.end_request(request_id)
         self.policy.on_finish(request, request.finish_time)
         self._finished_since_step.append(request_id)
@@ -292,7 +305,7 @@ class Scheduler:
                 self.stats.num_kept += 1
         self._last_chosen = chosen_ids
         windows = self._plan_window(chosen) if self.num_scheduler_steps > 1 else None
-        drafts = self._plan_drafts(chosen, budget) if self.propose is not None else {}
+        drafts = self._plan_drafts(chosen, budget) if self.proposer is not None else {}
         for request, num_new in chosen:
             first_block, remote = self.kv.remote_prefix(request.request_id)
             start = request.num_computed_tokens
@@ -365,7 +378,7 @@ class Scheduler:
         the slots for them allocated now. A request gets none when the device lacks free blocks for them (a draft
         preempts nobody), or when it hands off after this token, or some of its KV is lent. The sampler masks a
         grammar's positions and counts a penalized request's outputs with the drafts before each."""
-        assert self.propose is not None
+        assert self.proposer is not None
         drafts: dict[str, list[int]] = {}
         for request, num_new in chosen:
             if budget <= 0:
@@ -378,7 +391,8 @@ class Scheduler:
                 or self.kv.num_lent_blocks(rid)
             ):
                 continue
-            draft = self.propose(request.all_token_ids, min(budget, request.max_tokens - request.num_output_tokens - 1))
+            limit = min(budget, request.max_tokens - request.num_output_tokens - 1)
+            draft = self.proposer.propose(rid, request.all_token_ids, limit)
             if draft and self.kv.allocate(rid, request.all_token_ids, request.num_tokens + len(draft)):
                 drafts[rid] = draft
                 budget -= len(draft)

@@ -39,22 +39,32 @@ def _proposer(k: int = 3, lo: int = 1, hi: int = 3) -> NgramProposer:
 
 def test_the_tokens_after_the_latest_earlier_match_of_the_longest_suffix() -> None:
     p = _proposer()
-    assert p.propose([1, 2, 3, 4, 9, 9, 1, 2, 3], 10) == [4, 9, 9]  # suffix [1, 2, 3] at 0
-    assert p.propose([5, 1, 2, 7, 1, 2, 8, 1, 2], 10) == [8, 1, 2]  # [1, 2] at 1 and 4: the latest
-    assert p.propose([7, 1, 2, 3, 8, 2, 3, 9, 1, 2, 3], 10) == [8, 2, 3]  # 3 tokens match at 1, beating 2 at 5
-    assert p.propose([1, 2, 3, 4, 5, 6], 10) == []  # nothing repeats
-    assert p.propose([1, 2, 3, 1, 2, 3, 1, 2], 2) == [3, 1]  # the caller's limit
-    assert _proposer(k=2).propose([1, 2, 3, 1, 2, 3, 1, 2], 10) == [3, 1]  # num_speculative_tokens
-    assert p.propose([4, 4], 10) == [4]  # the match may end right before the suffix
-    assert p.propose([4], 10) == []
+    assert p.propose("r1", [1, 2, 3, 4, 9, 9, 1, 2, 3], 10) == [4, 9, 9]  # suffix [1, 2, 3] at 0
+    assert p.propose("r2", [5, 1, 2, 7, 1, 2, 8, 1, 2], 10) == [8, 1, 2]  # [1, 2] at 1 and 4: the latest
+    assert p.propose("r3", [7, 1, 2, 3, 8, 2, 3, 9, 1, 2, 3], 10) == [8, 2, 3]  # 3 tokens match at 1, beating 2 at 5
+    assert p.propose("r4", [1, 2, 3, 4, 5, 6], 10) == []  # nothing repeats
+    assert p.propose("r5", [1, 2, 3, 1, 2, 3, 1, 2], 2) == [3, 1]  # the caller's limit
+    assert _proposer(k=2).propose("r6", [1, 2, 3, 1, 2, 3, 1, 2], 10) == [3, 1]  # num_speculative_tokens
+    assert p.propose("r7", [4, 4], 10) == [4]  # the match may end right before the suffix
+    assert p.propose("r8", [4], 10) == []
 
 
 def test_lookup_bounds_and_word_alignment() -> None:
-    assert _proposer(lo=2).propose([5, 1, 6, 1], 10) == []  # one token matches, two are needed
-    assert _proposer(lo=2).propose([5, 1, 6, 5, 1], 10) == [6, 5, 1]
+    assert _proposer(lo=2).propose("r9", [5, 1, 6, 1], 10) == []  # one token matches, two are needed
+    assert _proposer(lo=2).propose("r10", [5, 1, 6, 5, 1], 10) == [6, 5, 1]
     # Token bytes that match across word boundaries are no match: 256 = 00 01 00 00, 1 = 01 00 00 00.
-    assert _proposer(lo=1, hi=1).propose([256, 0, 7, 1], 10) == []
-    assert _proposer(lo=1, hi=1).propose([256, 0, 1, 7, 1], 10) == [7, 1]
+    assert _proposer(lo=1, hi=1).propose("r11", [256, 0, 7, 1], 10) == []
+    assert _proposer(lo=1, hi=1).propose("r12", [256, 0, 1, 7, 1], 10) == [7, 1]
+
+
+def test_a_requests_packing_is_extended_by_its_new_tokens_and_forgotten() -> None:
+    p = _proposer()
+    tokens = [1, 2, 3, 4, 5]
+    assert p.propose("a", tokens, 10) == []
+    tokens += [1, 2]  # the request's outputs: its packing grows by them
+    assert p.propose("a", tokens, 10) == [3, 4, 5] == _proposer().propose("b", tokens, 10)
+    p.forget("a")
+    assert p.propose("a", [7, 8, 7], 10) == [8, 7]  # a new request under the same id starts afresh
 
 
 def test_accepted_tokens_keep_samples_through_the_first_mismatch() -> None:
