@@ -34,9 +34,9 @@ BLOCK = 16
 PROMPT = [(17 * j) % 300 + 3 for j in range(75)]  # 4 full blocks and 11 tokens
 
 
-def _core(loaded: LoadedModel, disk: Path | None = None) -> EngineCore:
+def _core(loaded: LoadedModel, disk: Path | None = None, speculative: str | None = None) -> EngineCore:
     """An engine; with ``disk``, over the persistent store in that directory (shared by every engine given it,
-    as the instances of one node share theirs)."""
+    as the instances of one node share theirs); with ``speculative``, its ``--speculative-config``."""
     config = EngineConfig(
         model=ModelConfig(max_model_len=512),
         cache=CacheConfig(
@@ -46,7 +46,7 @@ def _core(loaded: LoadedModel, disk: Path | None = None) -> EngineCore:
             kv_write_policy="through",
             layerwise_load="on",  # the DE-read push test checks its layers go out as its load's arrive
         ),
-        scheduler=SchedulerConfig(policy="fcfs"),
+        scheduler=SchedulerConfig(policy="fcfs", speculative_config=speculative),
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
     executor = build_model_executor(loaded, config, layout)
@@ -66,9 +66,15 @@ def shm_dir(tmp_path: Path) -> Path:
     return tmp_path / "shm"
 
 
-def _pair(loaded: LoadedModel, shm_dir: Path, timeout_s: float = 10.0, disk: Path | None = None) -> Pair:
+def _pair(
+    loaded: LoadedModel,
+    shm_dir: Path,
+    timeout_s: float = 10.0,
+    disk: Path | None = None,
+    speculative: str | None = None,
+) -> Pair:
     pe_net, de_net = ShmTransport(shm_dir, "pe"), ShmTransport(shm_dir, "de")
-    pe, de = _core(loaded, disk), _core(loaded, disk)
+    pe, de = _core(loaded, disk, speculative), _core(loaded, disk, speculative)
     pe.connect(pe_net, timeout_s=timeout_s)
     de.connect(de_net, timeout_s=timeout_s)
     return Pair(pe, de, pe_net, de_net)
@@ -165,6 +171,24 @@ def test_a_handed_off_request_decodes_the_colocated_tokens_from_the_received_blo
     # Nothing is held once the streams are reported: the PE's sent blocks and the DE's received ones are free.
     assert pair.pe.kv.pool.num_used == 0
     assert pair.de.kv.pool.num_used == 0 and pair.de.kv.pools[HOST].num_used == 0
+
+
+def test_a_handed_off_request_speculates_on_its_decode_engine(tiny_llama: LoadedModel, shm_dir: Path) -> None:
+    """With speculative decoding on both engines: the prefill engine samples the first token and hands off (no
+    drafts), the decode engine speculates from the received prefix on; the tokens are the colocated plain ones."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    p = _pair(tiny_llama, shm_dir, speculative=spec)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        prompt = [100, 101, 102] * 25  # (the random model's greedy output repeats after it)
+        _, first, rest = _disaggregated(p, "r1", prompt, params)
+        tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+        assert tokens == _colocated(tiny_llama, prompt, params)
+        assert p.pe.stats().spec_draft_tokens == 0 and p.de.stats().spec_accepted_tokens > 0
+        assert len(rest) < 39  # kept drafts: fewer steps than tokens
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
 
 
 def test_a_structured_request_keeps_its_grammar_across_the_handoff(pair: Pair, tiny_llama: LoadedModel) -> None:
