@@ -51,6 +51,10 @@ class _EngineStateCollector:
             ),
             "boundless_prefix_cache_hits": ("prompt tokens found in the prefix cache", lambda s: s.prefix_cache_hits),
             "boundless_engine_busy_seconds": ("seconds spent running the model", lambda s: s.busy_seconds),
+            "boundless_spec_decode_drafts": (
+                "speculative decoding: requests' steps with drafts (accepted tokens over these: the mean kept)",
+                lambda s: s.spec_drafts,
+            ),
             "boundless_spec_decode_draft_tokens": (
                 "speculative decoding: tokens proposed and verified",
                 lambda s: s.spec_draft_tokens,

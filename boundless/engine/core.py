@@ -103,7 +103,8 @@ class EngineCounters:
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     generation_tokens: int = 0
     computed_tokens: int = 0  # tokens run through the model (prefill, recompute and decode)
-    draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    drafts: int = 0  # speculative decoding: chunks with drafts
+    draft_tokens: int = 0  # tokens proposed and verified
     accepted_tokens: int = 0  # of which the model's samples matched
     busy_seconds: float = 0.0
     finished: dict[str, int] = field(default_factory=dict)
@@ -148,7 +149,8 @@ class EngineStats:
     disk_io: DiskIOStats | None = None  # the disk store's loads and writes (with --kv-disk-path)
     remote_io: RemoteIOStats | None = None  # block streams to and from other instances (with a transport)
     lending: LendingStats | None = None  # KV lending and DistAttention (with a lending agent)
-    spec_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    spec_drafts: int = 0  # speculative decoding: chunks with drafts (accepted / drafts: the mean run kept)
+    spec_draft_tokens: int = 0  # tokens proposed and verified
     spec_accepted_tokens: int = 0  # of which the model's samples matched (kept as output)
 
     @property
@@ -578,6 +580,7 @@ class EngineCore:
         if self.scheduler.proposer is not None:  # speculative decoding: a request's kept drafts are its later tokens
             drafted = [ch for ch in sched.chunks if ch.draft_token_ids]
             accepted = {ch.request_id: sum(ch.request_id in p for p in result.later) for ch in drafted}
+            c.drafts += len(drafted)
             c.draft_tokens += sum(len(ch.draft_token_ids) for ch in drafted)
             c.accepted_tokens += sum(accepted.values())
         self.scheduler.advance(sched, elapsed, accepted)
@@ -713,6 +716,7 @@ class EngineCore:
             disk_io=self._disk_io if self.kv.has_disk else None,
             remote_io=self._remote_io,
             lending=self.lending_stats() if self.lending_stats is not None else None,
+            spec_drafts=c.drafts,
             spec_draft_tokens=c.draft_tokens,
             spec_accepted_tokens=c.accepted_tokens,
         )
