@@ -183,12 +183,14 @@ class SpeculativeConfig:
     that followed the latest earlier occurrence of the sequence's last ``n`` tokens (``n`` from ``prompt_lookup_max``
     down to ``prompt_lookup_min``) are proposed, up to ``num_speculative_tokens``, and verified in one forward pass
     (``engine/speculative.py``). vLLM's defaults: one of the lookup bounds given alone sets the other, neither sets
-    both to 5."""
+    both to 5. ``disable_by_batch_size`` (vLLM's key): a step that chose more requests than this proposes nothing (a
+    large batch is compute-bound, where drafts cost about what they save)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -199,7 +201,7 @@ class SpeculativeConfig:
             raise ConfigError(f"--speculative-config: not JSON ({e})") from None
         if not isinstance(spec, dict):
             raise ConfigError("--speculative-config: must be a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
         unknown = sorted(set(spec) - known)
         _require(not unknown, "speculative_config", f"unknown keys {unknown}; known: {sorted(known)}")
         method = spec.get("method")
@@ -211,7 +213,9 @@ class SpeculativeConfig:
         )
         num = spec.get("num_speculative_tokens")
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        for key, value in (("num_speculative_tokens", num), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        batch = spec.get("disable_by_batch_size")
+        checked = (("num_speculative_tokens", num), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi))
+        for key, value in (*checked, ("disable_by_batch_size", batch)):
             _require(
                 value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
                 "speculative_config",
@@ -222,7 +226,7 @@ class SpeculativeConfig:
             lo = hi = 5
         lo, hi = lo or hi, hi or lo
         _require(lo <= hi, "speculative_config", "prompt_lookup_min must not exceed prompt_lookup_max")
-        return cls(method, num, lo, hi)
+        return cls(method, num, lo, hi, batch)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,10 @@ Clock = Callable[[], float]
 
 
 class DraftProposer(Protocol):
-    """Speculative decoding's proposer (``engine/speculative.py``)."""
+    """Speculative decoding's proposer (``engine/speculative.py``); no drafts in a step of more than ``max_batch``
+    requests (None: no such limit)."""
+
+    max_batch: int | None
 
     def propose(self, request_id: str, token_ids: Sequence[int], limit: int) -> list[int]:
         """Up to ``limit`` tokens likely to follow the request's ``token_ids``."""
@@ -376,10 +379,13 @@ class Scheduler:
         """Speculative decoding: the proposer's drafts for each chosen request that decodes its next token, within
         the step's remaining token budget and the request's remaining output (its last sample is a token more), with
         the slots for them allocated now. A request gets none when the device lacks free blocks for them (a draft
-        preempts nobody), or when it hands off after this token, or some of its KV is lent. The sampler masks a
+        preempts nobody), or when it hands off after this token, or some of its KV is lent; none in a batch larger
+        than the proposer's ``max_batch``. The sampler masks a
         grammar's positions and counts a penalized request's outputs with the drafts before each."""
         assert self.proposer is not None
         drafts: dict[str, list[int]] = {}
+        if self.proposer.max_batch is not None and len(chosen) > self.proposer.max_batch:
+            return drafts
         for request, num_new in chosen:
             if budget <= 0:
                 break

@@ -34,6 +34,7 @@ class NgramProposer:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self.max_batch = config.disable_by_batch_size
         self._packed: dict[str, bytearray] = {}
 
     def propose(self, request_id: str, token_ids: Sequence[int], limit: int) -> list[int]:

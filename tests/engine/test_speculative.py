@@ -83,6 +83,7 @@ def test_accepted_tokens_keep_samples_through_the_first_mismatch() -> None:
         ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens must be"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "exceed"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown keys ['model']"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size must"),
     ],
 )
 def test_a_bad_config_names_what_is_wrong(text: str, message: str) -> None:
@@ -96,6 +97,7 @@ def test_vllms_defaults_and_forms() -> None:
         return SpeculativeConfig.parse(json.dumps({"method": "ngram", "num_speculative_tokens": 3, **spec}))
 
     assert parse() == SpeculativeConfig("ngram", 3, 5, 5)
+    assert parse(disable_by_batch_size=8) == SpeculativeConfig("ngram", 3, 5, 5, 8)
     assert parse(prompt_lookup_max=4) == SpeculativeConfig("ngram", 3, 4, 4)
     assert parse(prompt_lookup_min=2) == SpeculativeConfig("ngram", 3, 2, 2)
     with pytest.raises(ConfigError, match="num-scheduler-steps"):
@@ -162,6 +164,16 @@ def test_greedy_tokens_are_plain_decodings_in_fewer_steps(tiny_llama: LoadedMode
     assert stats.generation_tokens == sum(len(t) for t in plain[0].values())
     if "num_blocks" in cache:
         assert stats.num_preemptions > 0
+
+
+def test_no_drafts_in_a_batch_over_disable_by_batch_size(tiny_llama: LoadedModel) -> None:
+    core = _core(tiny_llama, {**NGRAM, "disable_by_batch_size": len(PROMPTS) - 1})
+    tokens, _, _ = _run(core, _greedy())
+    # The 4 requests decode together to their 40th token, every step over the limit: no drafts.
+    assert core.stats().spec_draft_tokens == 0
+    alone = _core(tiny_llama, {**NGRAM, "disable_by_batch_size": len(PROMPTS) - 1})
+    assert _run(alone, _greedy(), PROMPTS[:3])[0] == {rid: tokens[rid] for rid in ("r0", "r1", "r2")}
+    assert alone.stats().spec_accepted_tokens > 0  # 3 requests: within the limit
 
 
 def test_prefix_blocks_named_after_speculation_hold_the_right_kv(tiny_llama: LoadedModel) -> None:
