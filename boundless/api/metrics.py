@@ -69,6 +69,15 @@ class _EngineStateCollector:
             for inst, s in snapshots.items():
                 c.add_metric([inst], float(get(s)))
             yield c
+        c = CounterMetricFamily(
+            "boundless_spec_decode_accepted_tokens_per_position",
+            "speculative decoding: drafts kept, by their place among a step's drafts (0: the first)",
+            labels=["instance", "position"],
+        )
+        for inst, s in snapshots.items():
+            for position, kept in enumerate(s.spec_accepted_by_position):
+                c.add_metric([inst, str(position)], float(kept))
+        yield c
         yield from _tier_metrics(snapshots)
         yield from _lending_metrics(snapshots)
         kinds = {"kept": "num_kept", "swapped": "num_swapped_out", "recomputed": "num_recomputed"}

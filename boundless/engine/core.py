@@ -106,6 +106,7 @@ class EngineCounters:
     drafts: int = 0  # speculative decoding: chunks with drafts
     draft_tokens: int = 0  # tokens proposed and verified
     accepted_tokens: int = 0  # of which the model's samples matched
+    accepted_by_position: list[int] = field(default_factory=list)  # drafts kept, by their place in the chunk
     busy_seconds: float = 0.0
     finished: dict[str, int] = field(default_factory=dict)
 
@@ -152,6 +153,7 @@ class EngineStats:
     spec_drafts: int = 0  # speculative decoding: chunks with drafts (accepted / drafts: the mean run kept)
     spec_draft_tokens: int = 0  # tokens proposed and verified
     spec_accepted_tokens: int = 0  # of which the model's samples matched (kept as output)
+    spec_accepted_by_position: list[int] = field(default_factory=list)  # the j-th draft of a step kept, by j
 
     @property
     def kv_usage(self) -> float:
@@ -583,6 +585,12 @@ class EngineCore:
             c.drafts += len(drafted)
             c.draft_tokens += sum(len(ch.draft_token_ids) for ch in drafted)
             c.accepted_tokens += sum(accepted.values())
+            by_position = c.accepted_by_position
+            for kept in accepted.values():
+                if kept > len(by_position):
+                    by_position.extend([0] * (kept - len(by_position)))
+                for j in range(kept):
+                    by_position[j] += 1
         self.scheduler.advance(sched, elapsed, accepted)
         steps_before = c.steps
         c.steps += sched.window
@@ -719,6 +727,7 @@ class EngineCore:
             spec_drafts=c.drafts,
             spec_draft_tokens=c.draft_tokens,
             spec_accepted_tokens=c.accepted_tokens,
+            spec_accepted_by_position=list(c.accepted_by_position),
         )
 
     def _tier_stats(self) -> dict[str, TierStats]:

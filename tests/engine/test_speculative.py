@@ -160,6 +160,8 @@ def test_greedy_tokens_are_plain_decodings_in_fewer_steps(tiny_llama: LoadedMode
     stats = core.stats()
     assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
     assert 0 < stats.spec_drafts <= stats.spec_draft_tokens <= 4 * stats.spec_drafts
+    by_position = stats.spec_accepted_by_position  # a draft is kept only after those before it
+    assert sum(by_position) == stats.spec_accepted_tokens and by_position == sorted(by_position, reverse=True)
     assert spec[2] < plain[2]  # accepted drafts are tokens without a step of their own
     assert stats.generation_tokens == sum(len(t) for t in plain[0].values())
     if "num_blocks" in cache:
@@ -299,6 +301,7 @@ def test_served_greedy_completions_and_metrics(tiny_llama: LoadedModel, model_di
         engine.shutdown()
     assert got.choices[0].text == streamed == expected[0].outputs[0].text
     assert got.usage.completion_tokens == 40
+    assert 'boundless_spec_decode_accepted_tokens_per_position_total{instance="0",position="0"}' in metrics
     for name in ("drafts", "draft_tokens", "accepted_tokens"):
         lines = [line for line in metrics.splitlines() if line.startswith(f"boundless_spec_decode_{name}_total")]
         assert lines and float(lines[0].split()[-1]) > 0
