@@ -587,8 +587,7 @@ class EngineCore:
             c.accepted_tokens += sum(accepted.values())
             by_position = c.accepted_by_position
             for kept in accepted.values():
-                if kept > len(by_position):
-                    by_position.extend([0] * (kept - len(by_position)))
+                by_position.extend([0] * (kept - len(by_position)))  # (nothing when it is long enough)
                 for j in range(kept):
                     by_position[j] += 1
         self.scheduler.advance(sched, elapsed, accepted)

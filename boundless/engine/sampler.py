@@ -130,19 +130,22 @@ class Sampler:
             for j, i in enumerate(random_rows):
                 tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator_for(chunks[i]))[0]
         token_list = tokens.tolist()
+
+        def kept(i: int, drafts: tuple[int, ...]) -> list[int]:
+            """The tokens the request whose first row is ``i`` keeps: its sample, or a speculating one's up to its
+            first rejected draft (as ``runner.sample`` keeps them)."""
+            samples = token_list[i : i + len(drafts) + 1]
+            return samples[: accepted_tokens(samples, drafts)]
+
         for i, before in penalized:
             if before:
                 continue  # a later position of a speculating chunk: its tokens are counted with the chunk's first
-            drafts = chunks[i].draft_token_ids
-            samples = token_list[i : i + len(drafts) + 1]
             counts = self._counts[chunks[i].request_id]
-            for token in samples[: accepted_tokens(samples, drafts)] if drafts else samples:
+            for token in kept(i, chunks[i].draft_token_ids):
                 counts.output[token] += 1
                 counts.num_output_tokens += 1
         for i, matcher, drafts in structured:
-            # The tokens the request keeps: a speculating one's up to its first rejected draft (runner.sample).
-            samples = token_list[i : i + len(drafts) + 1]
-            for token in samples[: accepted_tokens(samples, drafts)] if drafts else samples:
+            for token in kept(i, drafts):
                 if matcher.done:
                     break  # a kept draft was the end token
                 matcher.accept(token)

@@ -380,8 +380,8 @@ class Scheduler:
         the step's remaining token budget and the request's remaining output (its last sample is a token more), with
         the slots for them allocated now. A request gets none when the device lacks free blocks for them (a draft
         preempts nobody), or when it hands off after this token, or some of its KV is lent; none in a batch larger
-        than the proposer's ``max_batch``. The sampler masks a
-        grammar's positions and counts a penalized request's outputs with the drafts before each."""
+        than the proposer's ``max_batch``. The sampler masks a grammar's positions and counts a penalized request's
+        outputs with the drafts before each."""
         assert self.proposer is not None
         drafts: dict[str, list[int]] = {}
         if self.proposer.max_batch is not None and len(chosen) > self.proposer.max_batch:
