@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -174,23 +175,43 @@ class CacheConfig:
             )
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
+_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
+_SUFFIX_KEYS = (
+    "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob",
+)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, as vLLM's ``--speculative-config`` JSON names it. ``ngram`` (prompt lookup): the tokens
-    that followed the latest earlier occurrence of the sequence's last ``n`` tokens (``n`` from ``prompt_lookup_max``
-    down to ``prompt_lookup_min``) are proposed, up to ``num_speculative_tokens``, and verified in one forward pass
-    (``engine/speculative.py``). vLLM's defaults: one of the lookup bounds given alone sets the other, neither sets
-    both to 5. ``disable_by_batch_size`` (vLLM's key): a step that chose more requests than this proposes nothing (a
-    large batch is compute-bound, where drafts cost about what they save)."""
+    """Speculative decoding, as vLLM's ``--speculative-config`` JSON names it (``engine/speculative.py``).
+
+    ``ngram`` (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's last ``n``
+    tokens (``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``), up to ``num_speculative_tokens``.
+    vLLM's defaults: one of the lookup bounds given alone sets the other, neither sets both to 5.
+
+    ``suffix`` (suffix decoding, Arctic Inference's, vLLM's ``method: suffix``): the likeliest continuation of the
+    sequence's end among the request's own tokens and the outputs of the last ``suffix_decoding_max_cached_requests``
+    requests (0: the request's own only), over matches of up to ``suffix_decoding_max_tree_depth`` tokens; a match
+    of ``m`` tokens proposes at most ``m * suffix_decoding_max_spec_factor`` tokens, each while its estimated
+    probability stays at least ``suffix_decoding_min_token_prob``. vLLM's defaults (24, 10,000, 1.0, 0.1), and
+    ``num_speculative_tokens`` defaults to the tree depth.
+
+    ``disable_by_batch_size`` (vLLM's key): a step that chose more requests than this proposes nothing (a large
+    batch is compute-bound, where drafts cost about what they save)."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10_000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -201,7 +222,7 @@ class SpeculativeConfig:
             raise ConfigError(f"--speculative-config: not JSON ({e})") from None
         if not isinstance(spec, dict):
             raise ConfigError("--speculative-config: must be a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        known = {"method", "num_speculative_tokens", "disable_by_batch_size", *_NGRAM_KEYS, *_SUFFIX_KEYS}
         unknown = sorted(set(spec) - known)
         _require(not unknown, "speculative_config", f"unknown keys {unknown}; known: {sorted(known)}")
         method = spec.get("method")
@@ -211,16 +232,46 @@ class SpeculativeConfig:
             f"method {method!r} is not one of {', '.join(SPECULATIVE_METHODS)} (draft models, EAGLE and MTP are not "
             "built)",
         )
-        num = spec.get("num_speculative_tokens")
-        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        batch = spec.get("disable_by_batch_size")
-        checked = (("num_speculative_tokens", num), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi))
-        for key, value in (*checked, ("disable_by_batch_size", batch)):
+        other = sorted(set(spec) & set(_SUFFIX_KEYS if method == "ngram" else _NGRAM_KEYS))
+        _require(not other, "speculative_config", f"{other} do not apply to method {method!r}")
+
+        def integer(key: str, least: int) -> int | None:
+            value = spec.get(key)
             _require(
-                value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= least),
                 "speculative_config",
-                f"{key} must be an integer >= 1, not {value!r}",
+                f"{key} must be an integer >= {least}, not {value!r}",
             )
+            return value
+
+        def number(key: str, default: float, most: float) -> float:
+            value = spec.get(key, default)
+            _require(
+                isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= most,
+                "speculative_config",
+                f"{key} must be a number >= 0{'' if most == math.inf else f' and <= {most:g}'}, not {value!r}",
+            )
+            return float(value)
+
+        num = integer("num_speculative_tokens", 1)
+        batch = integer("disable_by_batch_size", 1)
+        if method == "suffix":
+            depth = integer("suffix_decoding_max_tree_depth", 1) or cls.suffix_decoding_max_tree_depth
+            cached = integer("suffix_decoding_max_cached_requests", 0)
+            factor = number("suffix_decoding_max_spec_factor", cls.suffix_decoding_max_spec_factor, math.inf)
+            prob = number("suffix_decoding_min_token_prob", cls.suffix_decoding_min_token_prob, 1.0)
+            if cached is None:
+                cached = cls.suffix_decoding_max_cached_requests
+            return cls(
+                method,
+                num or depth,
+                disable_by_batch_size=batch,
+                suffix_decoding_max_tree_depth=depth,
+                suffix_decoding_max_cached_requests=cached,
+                suffix_decoding_max_spec_factor=factor,
+                suffix_decoding_min_token_prob=prob,
+            )
+        lo, hi = integer("prompt_lookup_min", 1), integer("prompt_lookup_max", 1)
         _require(num is not None, "speculative_config", "num_speculative_tokens is required")
         if lo is None and hi is None:
             lo = hi = 5
@@ -246,8 +297,10 @@ class SchedulerConfig:
         metadata={
             "help": 'speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' proposes the tokens that followed the latest '
-            "earlier match of the sequence's last 4 to 2 tokens and verifies them in one forward pass (greedy output "
-            "unchanged, sampled output of the same distribution; grammars and penalties apply to each position)"
+            'earlier match of the sequence\'s last 4 to 2 tokens; \'{"method": "suffix"}\' (suffix decoding) the '
+            "likeliest continuation among the request's tokens and the last 10,000 requests' outputs; either is "
+            "verified in one forward pass (greedy output unchanged, sampled output of the same distribution; grammars "
+            "and penalties apply to each position)"
         },
     )
     policy: str = field(

@@ -28,7 +28,7 @@ from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
-from boundless.engine.speculative import NgramProposer
+from boundless.engine.speculative import draft_proposer
 from boundless.engine.structured_output import Grammars, StructuredOutput, check_structured_output
 from boundless.kv.disk_moves import DiskIOStats
 from boundless.kv.layer_gate import LayerLost
@@ -214,7 +214,7 @@ class EngineCore:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs,
             num_scheduler_steps=config.scheduler.num_scheduler_steps,
-            proposer=NgramProposer(spec) if (spec := config.scheduler.speculative) is not None else None,
+            proposer=draft_proposer(config.scheduler.speculative),
         )
         # The executor's sampler's grammars (one compilation a spec for both): a structured request waits in its queue
         # while its grammar compiles in the background (``Scheduler.compiling``), as vLLM's requests do.

@@ -52,12 +52,13 @@ class DraftProposer(Protocol):
 
     max_batch: int | None
 
-    def propose(self, request_id: str, token_ids: Sequence[int], limit: int) -> list[int]:
-        """Up to ``limit`` tokens likely to follow the request's ``token_ids``."""
+    def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, limit: int) -> list[int]:
+        """Up to ``limit`` tokens likely to follow the request's ``token_ids`` (its prompt, then its output)."""
         ...
 
-    def forget(self, request_id: str) -> None:
-        """The request left: drop what was kept for it."""
+    def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        """The request left with these tokens: drop what was kept for it (a proposer that learns from outputs keeps
+        its output)."""
         ...
 
 
@@ -229,7 +230,7 @@ class Scheduler:
         self.granted.discard(request_id)
         self.compiling.discard(request_id)
         if self.proposer is not None:
-            self.proposer.forget(request_id)
+            self.proposer.finish(request_id, request.all_token_ids, request.num_prompt_tokens)
         self.kv.end_request(request_id)
         self.policy.on_finish(request, request.finish_time)
         self._finished_since_step.append(request_id)
@@ -398,7 +399,7 @@ class Scheduler:
             ):
                 continue
             limit = min(budget, request.max_tokens - request.num_output_tokens - 1)
-            draft = self.proposer.propose(rid, request.all_token_ids, limit)
+            draft = self.proposer.propose(rid, request.all_token_ids, request.num_prompt_tokens, limit)
             if draft and self.kv.allocate(rid, request.all_token_ids, request.num_tokens + len(draft)):
                 drafts[rid] = draft
                 budget -= len(draft)

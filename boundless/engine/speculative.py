@@ -17,10 +17,11 @@ same distribution. The drafts' KV past the kept tokens is left in slots the next
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 
 from boundless.config import SpeculativeConfig
+from boundless.engine.suffix_decoding import SuffixProposer
+from boundless.engine.token_search import occurrences, packed_tokens
 
 
 class NgramProposer:
@@ -28,7 +29,7 @@ class NgramProposer:
     sequence's last ``n`` tokens, for the longest ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``
     that occurs. The search is a byte search over the tokens packed as 32-bit words (C speed, no Python loop per
     position); each request's packing is kept and extended by its new tokens (packing 8 K tokens afresh took 3/4
-    of a proposal's time), until :meth:`forget`."""
+    of a proposal's time), until :meth:`finish`."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -37,38 +38,31 @@ class NgramProposer:
         self.max_batch = config.disable_by_batch_size
         self._packed: dict[str, bytearray] = {}
 
-    def propose(self, request_id: str, token_ids: Sequence[int], limit: int) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, limit: int) -> list[int]:
         """At most ``min(limit, num_speculative_tokens)`` tokens to follow ``token_ids`` (the request's tokens so far:
         they only grow); empty when no n-gram of the sequence's end occurred before."""
         k = min(limit, self.num_speculative_tokens)
         length = len(token_ids)
         if k <= 0 or length <= self.min_n:
             return []
-        words = self._packed.get(request_id)
-        if words is None or len(words) > 4 * length:
-            words = self._packed[request_id] = bytearray()
-        words += array("I", token_ids[len(words) // 4 :]).tobytes()
+        words = packed_tokens(self._packed, request_id, token_ids)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            at = _latest(words, words[-4 * n :], 4 * (length - 1))
+            at = next(occurrences(words, words[-4 * n :], 4 * (length - 1)), None)
             if at is not None:
                 follow = at // 4 + n
                 return list(token_ids[follow : follow + k])
         return []
 
-    def forget(self, request_id: str) -> None:
+    def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """Drop a finished request's packing."""
         self._packed.pop(request_id, None)
 
 
-def _latest(words: bytearray, pattern: bytearray, end: int) -> int | None:
-    """The byte offset of the latest word-aligned occurrence of ``pattern`` ending at or before byte ``end``."""
-    while True:
-        at = words.rfind(pattern, 0, end)
-        if at < 0:
-            return None
-        if at % 4 == 0:
-            return at
-        end = at + len(pattern) - 1  # a match across word boundaries: look before it
+def draft_proposer(config: SpeculativeConfig | None) -> NgramProposer | SuffixProposer | None:
+    """The proposer of the configured method (None: no speculative decoding)."""
+    if config is None:
+        return None
+    return SuffixProposer(config) if config.method == "suffix" else NgramProposer(config)
 
 
 def accepted_tokens(samples: Sequence[int], drafts: Sequence[int]) -> int:
