@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     from boundless.bench import spec as bench_spec
 
     spec = bench_sub.add_parser(
-        "spec", help="speculative decoding (n-gram proposals) against plain decoding on agent calls that copy"
+        "spec", help="speculative decoding (n-gram or suffix proposals) against plain decoding on agent calls"
     )
     bench_spec.add_arguments(spec)
     add_engine_flags(spec)

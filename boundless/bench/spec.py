@@ -1,14 +1,17 @@
-"""``boundless bench spec``: speculative decoding with n-gram proposals against plain decoding, side by side.
+"""``boundless bench spec``: speculative decoding against plain decoding, side by side.
 
 The same conversations, greedy, on two engines over the same loaded weights: one plain, one with
-``--speculative-config`` (n-gram proposals, default below), taking turns. Four kinds of agent call: **edit** (a
-source file and a small change to make to it: the answer copies most of the file), **extract** (a tool's JSON
-result and a request for some of its fields: the answer quotes it), **json** (the same, answered under a JSON
-schema, as structured outputs and forced tool calls are: the drafts are checked against the grammar too), and
-**free** (an open question: little to copy, so what speculation costs when it rarely hits). Calls run one at a
-time by default (an agent waiting for each answer: the regime speculation is for) or ``--concurrency`` at once.
-Per kind: output tokens per second of each engine and their ratio, the share of proposed tokens kept, tokens per
-forward pass of the speculating engine, and whether the outputs are the same (greedy: they must be).
+``--speculative-config`` (``--spec``: n-gram proposals by default, or suffix decoding), taking turns, each run on
+fresh engines (no prefix cache, and no cached outputs for suffix decoding, left from an earlier run). Five kinds of
+agent call: **edit** (a source file and a small change to make to it: the answer copies most of the file),
+**extract** (a tool's JSON result and a request for some of its fields: the answer quotes it), **json** (the same,
+answered under a JSON schema, as structured outputs are: the drafts are checked against the grammar too), **calls**
+(requests an agent turns into tool calls, under the forced-call grammar of ``tool_choice: required``: each answer
+is a call like the ones before it, which the prompt does not spell out), and **free** (an open question: little to
+copy, so what speculation costs when it rarely hits). Calls run one at a time by default (an agent waiting for each
+answer: the regime speculation is for) or ``--concurrency`` at once. Per kind: output tokens per second of each
+engine and their ratio, the share of proposed tokens kept, tokens per forward pass of the speculating engine, and
+whether the outputs are the same (greedy: they must be).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from boundless.api.tool_calls import forced_call_schema
 from boundless.bench.report import print_table, write_json
 from boundless.config import engine_config_from_flags
 from boundless.engine.sampling_params import SamplingParams
@@ -59,6 +64,39 @@ _RECORDS = [
     {"name": "Grace Hopper", "city": "New York", "email": "grace@example.com", "role": "admiral"},
     {"name": "Edsger Dijkstra", "city": "Eindhoven", "email": "edsger@example.com", "role": "professor"},
 ]
+# The calls kind: an agent's tools, and requests it turns into calls of them.
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather forecast for a city on a date",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "date": {"type": "string", "description": "YYYY-MM-DD"}},
+                "required": ["city", "date"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "book_table",
+            "description": "Book a table at a restaurant",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "restaurant": {"type": "string"},
+                    "people": {"type": "integer"},
+                    "time": {"type": "string", "description": "HH:MM"},
+                },
+                "required": ["restaurant", "people", "time"],
+            },
+        },
+    },
+]
+_CITIES = ["Paris", "Oslo", "Lisbon", "Kyoto", "Lima", "Cairo", "Denver", "Perth"]
+_RESTAURANTS = ["Chez Anna", "Luigi's", "The Blue Door", "Sakura", "El Faro", "Nordic Table", "Casa Verde", "Mama's"]
 _QUESTIONS = [
     "Why is the sky blue?",
     "What makes a good cup of tea?",
@@ -68,9 +106,17 @@ _QUESTIONS = [
 
 
 def conversations(kind: str, num: int) -> list[list[dict[str, str]]]:
-    """``num`` conversations of one kind of call (edit, extract or free)."""
+    """``num`` conversations of one kind of call (:data:`KINDS`)."""
     convs = []
     for i in range(num):
+        if kind == "calls":
+            if i % 2 == 0:
+                ask = f"What will the weather be in {_CITIES[i // 2 % 8]} on 2026-12-{4 + i % 20:02d}?"
+            else:
+                ask = f"Book a table for {2 + i % 5} at {_RESTAURANTS[i // 2 % 8]} at {18 + i % 4}:{15 * (i % 4):02d}."
+            system = f"You are an agent. Answer each request with tool calls. Tools: {json.dumps(TOOLS)}"
+            convs.append([{"role": "system", "content": system}, {"role": "user", "content": ask}])
+            continue
         if kind == "edit":
             source, change = _FILES[i % len(_FILES)]
             content = f"Here is a file:\n\n```python\n{source}```\n\n{change} Reply with the whole new file."
@@ -88,7 +134,7 @@ def conversations(kind: str, num: int) -> list[list[dict[str, str]]]:
     return convs
 
 
-KINDS = ("edit", "extract", "json", "free")
+KINDS = ("edit", "extract", "json", "calls", "free")
 # The json kind's answer: each person's name and email.
 PEOPLE_SCHEMA = {
     "type": "object",
@@ -131,26 +177,40 @@ def _run(llm: LLM, convs: list, params: SamplingParams, concurrency: int) -> tup
     return tokens, time.perf_counter() - start
 
 
-def measure(plain: LLM, spec: LLM, kind: str, num: int, max_tokens: int, rounds: int, concurrency: int) -> SpecFigures:
-    """Both engines over the same conversations, taking turns; medians of ``rounds`` each."""
+def structured_output(kind: str) -> StructuredOutput | None:
+    """The grammar a kind's answers are held to: the json kind's schema, the calls kind's forced calls."""
+    if kind == "json":
+        return StructuredOutput.json_schema(PEOPLE_SCHEMA)
+    if kind == "calls":
+        return StructuredOutput.json_schema(forced_call_schema(TOOLS, None), "tools")
+    return None
+
+
+def measure(
+    fresh: Callable[[bool], LLM], kind: str, num: int, max_tokens: int, rounds: int, concurrency: int
+) -> SpecFigures:
+    """Both engines over the same conversations, taking turns, each run on a fresh engine (``fresh(speculating)``);
+    medians of ``rounds`` each."""
     convs = conversations(kind, num)
-    structured = StructuredOutput.json_schema(PEOPLE_SCHEMA) if kind == "json" else None
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured=structured)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured=structured_output(kind))
     plain_s, spec_s = [], []
     plain_out: list[list[int]] = []
     spec_out: list[list[int]] = []
-    engine = spec.engine
-    draft0, accepted0 = engine.counters.draft_tokens, engine.counters.accepted_tokens
+    drafts = accepted = 0
     for turn in range(rounds):
-        for which in ("plain", "spec") if turn % 2 == 0 else ("spec", "plain"):
-            if which == "plain":
-                plain_out, seconds = _run(plain, convs, params, concurrency)
+        for speculating in (False, True) if turn % 2 == 0 else (True, False):
+            llm = fresh(speculating)
+            if not speculating:
+                plain_out, seconds = _run(llm, convs, params, concurrency)
                 plain_s.append(seconds)
             else:
-                spec_out, seconds = _run(spec, convs, params, concurrency)
+                counters = llm.engine.counters
+                draft0, accepted0 = counters.draft_tokens, counters.accepted_tokens  # (the warm-up's)
+                spec_out, seconds = _run(llm, convs, params, concurrency)
                 spec_s.append(seconds)
-    drafts = engine.counters.draft_tokens - draft0
-    accepted = engine.counters.accepted_tokens - accepted0
+                drafts += counters.draft_tokens - draft0
+                accepted += counters.accepted_tokens - accepted0
+            llm.close()
     tokens = sum(len(t) for t in spec_out)
     p, s = statistics.median(plain_s), statistics.median(spec_s)
     plain_tokens = sum(len(t) for t in plain_out)
@@ -184,24 +244,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec_config = dataclasses.replace(
         config, scheduler=dataclasses.replace(config.scheduler, speculative_config=args.spec)
     )
-    plain, spec = LLM.from_config(config, loaded), LLM.from_config(spec_config, loaded)
     warm = SamplingParams(temperature=0.0, max_tokens=8)
-    for llm in (plain, spec):  # the first steps' allocations and kernels' first calls, the json kind's grammar
-        llm.chat(conversations("free", 2), warm)
-        if "json" in kinds:
-            llm.chat(
-                conversations("json", 1),
-                dataclasses.replace(warm, structured=StructuredOutput.json_schema(PEOPLE_SCHEMA)),
-            )
+    hello = [{"role": "user", "content": "Say hello."}]  # no kind's conversation: nothing cached for the runs
+
+    def fresh(speculating: bool) -> LLM:
+        llm = LLM.from_config(spec_config if speculating else config, loaded)
+        llm.chat(hello, warm)  # the first steps' allocations and kernels' first calls
+        for kind in kinds:  # the grammars, compiled (one token of output: nothing a proposer could draft from)
+            if (structured := structured_output(kind)) is not None:
+                llm.chat(hello, dataclasses.replace(warm, max_tokens=1, structured=structured))
+        return llm
+
     figures = [
-        measure(plain, spec, kind, args.num_conversations, args.max_tokens, args.rounds, args.concurrency)
-        for kind in kinds
+        measure(fresh, kind, args.num_conversations, args.max_tokens, args.rounds, args.concurrency) for kind in kinds
     ]
-    plain.close()
-    spec.close()
     print(
         f"{args.num_conversations} conversations per kind, greedy, {args.max_tokens} tokens at most, "
-        f"{args.concurrency} at a time; medians of {args.rounds} runs each, taking turns; spec: {args.spec}"
+        f"{args.concurrency} at a time; medians of {args.rounds} runs each on fresh engines, taking turns; "
+        f"spec: {args.spec}"
     )
     print_table(
         ["kind", "plain tok/s", "spec tok/s", "spec / plain", "drafts kept", "tokens per pass", "same outputs"],

@@ -128,13 +128,19 @@ class SuffixProposer:
             while m < longest and end - m >= 0 and seq[end - m] == pattern[-1 - m]:
                 m += 1
             matched.append(m)
+        # The occurrences of a match of m tokens are those matching m or more: one group for each m up to the next
+        # length some occurrence matches. A walk allowed more tokens extends one allowed fewer (its score is no
+        # lower), so each group's best is its walk with the most tokens any of its m allow; a later group wins ties.
         best: tuple[float, list[int]] = (0.0, [])
-        for m in range(MIN_MATCH, max(matched) + 1):
-            group = [at for at, n in zip(found, matched, strict=True) if n >= m]
-            most = min(k, int(m * self.factor + 1e-6), self.depth - m)
+        lengths = sorted(set(matched))
+        low = MIN_MATCH
+        for high in lengths:
+            group = [at for at, n in zip(found, matched, strict=True) if n >= high]
+            most = max(min(k, int(m * self.factor + 1e-6), self.depth - m) for m in range(low, high + 1))
             score, draft = follow(group, most, self.min_prob)
             if score >= best[0]:
                 best = (score, draft)
+            low = high + 1
         return best
 
 
@@ -146,19 +152,29 @@ def follow(group: list[tuple[Sequence[int], int]], most: int, min_prob: float) -
     draft: list[int] = []
     prob, score = 1.0, 0.0
     while len(draft) < most:
-        counts: dict[int, int] = {}
-        for seq, end in group:
-            if end + 1 < len(seq):
-                token = seq[end + 1]
-                counts[token] = counts.get(token, 0) + 1
-        if not counts:
+        if len(group) == 1:  # one occurrence left: the rest of it, at the same probability
+            seq, end = group[0]
+            for token in seq[end + 1 : end + 1 + most - len(draft)]:
+                score += prob
+                draft.append(token)
             break
-        token, count = max(counts.items(), key=lambda item: item[1])
-        p = prob * count / len(group)
+        after: dict[int, list[tuple[Sequence[int], int]]] = {}  # each next token -> the occurrences it follows
+        for seq, end in group:
+            end += 1
+            if end < len(seq):
+                followed = after.get(seq[end])
+                if followed is None:
+                    after[seq[end]] = [(seq, end)]
+                else:
+                    followed.append((seq, end))
+        if not after:
+            break
+        token, followed = max(after.items(), key=lambda item: len(item[1]))
+        p = prob * len(followed) / len(group)
         if p < min_prob:
             break
         prob = p
         score += p
         draft.append(token)
-        group = [(seq, end + 1) for seq, end in group if end + 1 < len(seq) and seq[end + 1] == token]
+        group = followed
     return score, draft

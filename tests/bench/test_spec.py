@@ -25,7 +25,7 @@ def test_bench_spec_reports_each_kind_with_identical_greedy_outputs(
     result = json.loads(out.read_text())
     assert result["spec"]["num_speculative_tokens"] == 3 and result["concurrency"] == 2
     figures = {f["kind"]: f for f in result["figures"]}
-    assert set(figures) == {"edit", "extract", "json", "free"}
+    assert set(figures) == {"edit", "extract", "json", "calls", "free"}
     for fig in figures.values():
         assert fig["same_outputs"] == fig["conversations"] == 2  # greedy: speculation changes no token
         assert fig["spec_tokens_per_s"] == fig["output_tokens"] / fig["spec_s"]
@@ -33,6 +33,20 @@ def test_bench_spec_reports_each_kind_with_identical_greedy_outputs(
         assert 0.0 <= fig["acceptance"] <= 1.0 and fig["tokens_per_pass"] >= 1.0
     assert any(f["acceptance"] > 0 for f in figures.values())
     assert "spec / plain" in capsys.readouterr().out
+
+
+def test_bench_spec_with_suffix_decoding(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "suffix.json"
+    assert main(
+        [
+            "bench", "spec", "--model", str(model_dirs["tiny-llama"]), "--num-conversations", "3", "--kinds", "calls",
+            "--max-tokens", "24", "--rounds", "2", "--kv-cache-gb", "0.05",
+            "--spec", '{"method": "suffix", "num_speculative_tokens": 8}', "--json", str(out),
+        ]
+    ) == 0  # fmt: skip
+    (fig,) = json.loads(out.read_text())["figures"]
+    # Forced calls: each answer's opening is the one before it's, drafted from the cached outputs.
+    assert fig["same_outputs"] == 3 and fig["acceptance"] > 0
 
 
 def test_bench_spec_refuses_a_speculative_config_of_its_own(model_dirs: dict[str, Path]) -> None:
