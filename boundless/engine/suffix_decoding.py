@@ -102,19 +102,24 @@ class SuffixProposer:
             return
         start = len(output)
         output += token_ids[num_prompt_tokens + start :]
+        self._index_windows(number, output, start)
+        self._live += len(output) - start
+
+    def _index_windows(self, number: int, output: list[int], start: int) -> None:
+        """Index the windows of ``output`` (cached output ``number``) that end at ``start`` or later."""
         for end in range(max(start, MIN_MATCH - 1), len(output)):
             self._index.setdefault(tuple(output[end - MIN_MATCH + 1 : end + 1]), []).append(number << 32 | end)
         self._indexed += len(output) - start
-        self._live += len(output) - start
 
     def _evict(self, number: int) -> None:
         self._live -= len(self._outputs.pop(number))
-        if self._indexed > 2 * self._live + 1024:  # mostly evicted outputs' positions: index the live ones afresh
+        if self._indexed > 2 * self._live + 1024:
+            # Mostly evicted outputs' positions: index the live ones afresh (in the order of the outputs, where it
+            # was the order they were written in: ties between running outputs may go the other way after this).
             self._index.clear()
+            self._indexed = 0
             for n, output in self._outputs.items():
-                for end in range(MIN_MATCH - 1, len(output)):
-                    self._index.setdefault(tuple(output[end - MIN_MATCH + 1 : end + 1]), []).append(n << 32 | end)
-            self._indexed = self._live
+                self._index_windows(n, output, 0)
 
     def _best(self, found: list[tuple[Sequence[int], int]], pattern: list[int], k: int) -> tuple[float, list[int]]:
         """The best-scoring draft over the occurrences ``found`` (a token list and where in it the pattern's last

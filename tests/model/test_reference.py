@@ -128,6 +128,9 @@ CONFIGS = {
     "preemption-recompute": {"preempt": True, "swap_space_gb": 0.0},
     # n-gram drafts checked in one pass (engine/speculative.py): greedy output must not change.
     "speculative": {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'},
+    # Suffix decoding's drafts (engine/suffix_decoding.py), up to 8 a step; the prompts run twice, the second time
+    # drafted from the first time's outputs.
+    "suffix-decoding": {"speculative_config": '{"method": "suffix", "num_speculative_tokens": 8}'},
 }
 
 
@@ -150,8 +153,11 @@ def test_greedy_matches_transformers(ref: Reference, config: str) -> None:
     core = _engine(ref.loaded, **options)
     assert len(ref.prompts) >= 8 and len({len(p) for p in ref.prompts}) >= 6
     got = _run_greedy(core, ref.prompts)
-    for i, (ours, theirs) in enumerate(zip(got, ref.tokens, strict=True)):
-        assert ours == theirs, f"prompt {i} ({len(ref.prompts[i])} tokens) diverges"
+    if config == "suffix-decoding":
+        got += _run_greedy(core, ref.prompts, "again-")
+    for i, (ours, theirs) in enumerate(zip(got, ref.tokens * (len(got) // len(ref.tokens)), strict=True)):
+        n = i % len(ref.prompts)
+        assert ours == theirs, f"prompt {n} ({len(ref.prompts[n])} tokens) diverges"
     stats = core.scheduler.stats
     if config == "prefix-cache":
         assert stats.num_prompt_tokens_cached > 0
@@ -165,6 +171,8 @@ def test_greedy_matches_transformers(ref: Reference, config: str) -> None:
         assert core.counters.steps > sum(len(p) for p in ref.prompts) // 7
     if config == "speculative":
         assert core.counters.draft_tokens > 0  # drafts were checked (kept or not, the tokens are the same)
+    if config == "suffix-decoding":
+        assert core.counters.accepted_tokens >= 4 * len(ref.prompts)  # the second time's, from the first's outputs
 
 
 # The GPU attention backend. On the CPU it runs in Triton's interpreter, in the slow suite: tiny-llama (grouped-query
