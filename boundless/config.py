@@ -201,13 +201,17 @@ class SpeculativeConfig:
     ``num_speculative_tokens`` defaults to the tree depth.
 
     ``disable_by_batch_size`` (vLLM's key): a step that chose more requests than this proposes nothing (a large
-    batch is compute-bound, where drafts cost about what they save)."""
+    batch is compute-bound, where drafts cost about what they save). ``num_speculative_tokens_per_batch_size``
+    (vLLM's dynamic speculative decoding): ``[[start, end, k], ...]``, inclusive ranges of a step's number of
+    requests from 1, sorted and apart, each with its most drafts a request (0: none; a gap and the sizes past the last
+    range take the range before; never above ``num_speculative_tokens``)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10_000
     suffix_decoding_max_spec_factor: float = 1.0
@@ -222,7 +226,14 @@ class SpeculativeConfig:
             raise ConfigError(f"--speculative-config: not JSON ({e})") from None
         if not isinstance(spec, dict):
             raise ConfigError("--speculative-config: must be a JSON object")
-        known = {"method", "num_speculative_tokens", "disable_by_batch_size", *_NGRAM_KEYS, *_SUFFIX_KEYS}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "disable_by_batch_size",
+            "num_speculative_tokens_per_batch_size",
+            *_NGRAM_KEYS,
+            *_SUFFIX_KEYS,
+        }
         unknown = sorted(set(spec) - known)
         _require(not unknown, "speculative_config", f"unknown keys {unknown}; known: {sorted(known)}")
         method = spec.get("method")
@@ -255,6 +266,7 @@ class SpeculativeConfig:
 
         num = integer("num_speculative_tokens", 1)
         batch = integer("disable_by_batch_size", 1)
+        per_batch = _batch_size_schedule(spec.get("num_speculative_tokens_per_batch_size"))
         if method == "suffix":
             depth = integer("suffix_decoding_max_tree_depth", 1) or cls.suffix_decoding_max_tree_depth
             cached = integer("suffix_decoding_max_cached_requests", 0)
@@ -266,6 +278,7 @@ class SpeculativeConfig:
                 method,
                 num or depth,
                 disable_by_batch_size=batch,
+                num_speculative_tokens_per_batch_size=per_batch,
                 suffix_decoding_max_tree_depth=depth,
                 suffix_decoding_max_cached_requests=cached,
                 suffix_decoding_max_spec_factor=factor,
@@ -277,7 +290,47 @@ class SpeculativeConfig:
             lo = hi = 5
         lo, hi = lo or hi, hi or lo
         _require(lo <= hi, "speculative_config", "prompt_lookup_min must not exceed prompt_lookup_max")
-        return cls(method, num, lo, hi, batch)
+        return cls(method, num, lo, hi, batch, per_batch)
+
+    def max_drafts(self, batch_size: int) -> int:
+        """The most drafts a request may get in a step that chose ``batch_size`` requests (0: none)."""
+        if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
+            return 0
+        most = self.num_speculative_tokens
+        for start, _, k in self.num_speculative_tokens_per_batch_size or ():
+            if start > batch_size:
+                break
+            most = min(k, self.num_speculative_tokens)
+        return most
+
+
+def _batch_size_schedule(value: object) -> tuple[tuple[int, int, int], ...] | None:
+    """vLLM's ``num_speculative_tokens_per_batch_size``, checked (ranges from 1, sorted, apart, k >= 0)."""
+    if value is None:
+        return None
+    key = "num_speculative_tokens_per_batch_size"
+    _require(
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+            for e in value
+        ),
+        "speculative_config",
+        f"{key} must be a non-empty list of [range_start, range_end, num_speculative_tokens], not {value!r}",
+    )
+    schedule = tuple((start, end, k) for start, end, k in value)
+    previous_end = 0
+    for start, end, k in schedule:
+        _require(
+            previous_end < start <= end and k >= 0,
+            "speculative_config",
+            f"{key}: [{start}, {end}, {k}] must start after the range before it, end no earlier than it starts and "
+            "have a count >= 0",
+        )
+        previous_end = end
+    _require(schedule[0][0] == 1, "speculative_config", f"{key}: the first range must start at 1")
+    return schedule
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,11 @@ Clock = Callable[[], float]
 
 
 class DraftProposer(Protocol):
-    """Speculative decoding's proposer (``engine/speculative.py``); no drafts in a step of more than ``max_batch``
-    requests (None: no such limit)."""
+    """Speculative decoding's proposer (``engine/speculative.py``)."""
 
-    max_batch: int | None
+    def max_drafts(self, batch_size: int) -> int:
+        """The most drafts a request may get in a step that chose ``batch_size`` requests (0: none)."""
+        ...
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, limit: int) -> list[int]:
         """Up to ``limit`` tokens likely to follow the request's ``token_ids`` (its prompt, then its output)."""
@@ -380,12 +381,13 @@ class Scheduler:
         """Speculative decoding: the proposer's drafts for each chosen request that decodes its next token, within
         the step's remaining token budget and the request's remaining output (its last sample is a token more), with
         the slots for them allocated now. A request gets none when the device lacks free blocks for them (a draft
-        preempts nobody), or when it hands off after this token, or some of its KV is lent; none in a batch larger
-        than the proposer's ``max_batch``. The sampler masks a grammar's positions and counts a penalized request's
-        outputs with the drafts before each."""
+        preempts nobody), or when it hands off after this token, or some of its KV is lent; at most the proposer's
+        ``max_drafts`` for the step's number of requests. The sampler masks a grammar's positions and counts a
+        penalized request's outputs with the drafts before each."""
         assert self.proposer is not None
         drafts: dict[str, list[int]] = {}
-        if self.proposer.max_batch is not None and len(chosen) > self.proposer.max_batch:
+        most = self.proposer.max_drafts(len(chosen))
+        if most == 0:
             return drafts
         for request, num_new in chosen:
             if budget <= 0:
@@ -398,7 +400,7 @@ class Scheduler:
                 or self.kv.num_lent_blocks(rid)
             ):
                 continue
-            limit = min(budget, request.max_tokens - request.num_output_tokens - 1)
+            limit = min(budget, most, request.max_tokens - request.num_output_tokens - 1)
             draft = self.proposer.propose(rid, request.all_token_ids, request.num_prompt_tokens, limit)
             if draft and self.kv.allocate(rid, request.all_token_ids, request.num_tokens + len(draft)):
                 drafts[rid] = draft

@@ -35,7 +35,7 @@ class NgramProposer:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
-        self.max_batch = config.disable_by_batch_size
+        self.max_drafts = config.max_drafts  # by a step's number of requests
         self._packed: dict[str, bytearray] = {}
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, limit: int) -> list[int]:

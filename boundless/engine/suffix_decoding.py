@@ -37,7 +37,7 @@ class SuffixProposer:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.max_batch = config.disable_by_batch_size
+        self.max_drafts = config.max_drafts  # by a step's number of requests
         self.depth = config.suffix_decoding_max_tree_depth
         self.max_cached = config.suffix_decoding_max_cached_requests
         self.factor = config.suffix_decoding_max_spec_factor

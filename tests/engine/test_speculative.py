@@ -85,6 +85,15 @@ def test_accepted_tokens_keep_samples_through_the_first_mismatch() -> None:
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "exceed"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown keys ['model']"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size must"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 4, 1]]}',
+            "the first range must start at 1",
+        ),
+        (
+            '{"method": "suffix", "num_speculative_tokens_per_batch_size": [[1, 4, 8], [3, 8, 2]]}',
+            "[3, 8, 2] must start after the range before it",
+        ),
+        ('{"method": "suffix", "num_speculative_tokens_per_batch_size": [[1, 4]]}', "must be a non-empty list"),
     ],
 )
 def test_a_bad_config_names_what_is_wrong(text: str, message: str) -> None:
@@ -101,6 +110,11 @@ def test_vllms_defaults_and_forms() -> None:
     assert parse(disable_by_batch_size=8) == SpeculativeConfig("ngram", 3, 5, 5, 8)
     assert parse(prompt_lookup_max=4) == SpeculativeConfig("ngram", 3, 4, 4)
     assert parse(prompt_lookup_min=2) == SpeculativeConfig("ngram", 3, 2, 2)
+    # vLLM's dynamic speculative decoding: a gap and the sizes past the last range take the range before; never
+    # above num_speculative_tokens; disable_by_batch_size over it.
+    schedule = parse(num_speculative_tokens_per_batch_size=[[1, 1, 8], [2, 4, 2], [9, 16, 0], [17, 32, 1]])
+    assert [schedule.max_drafts(n) for n in (1, 2, 4, 5, 8, 9, 16, 17, 500)] == [3, 2, 2, 2, 2, 0, 0, 1, 1]
+    assert parse(disable_by_batch_size=8).max_drafts(8) == 3 and parse(disable_by_batch_size=8).max_drafts(9) == 0
     with pytest.raises(ConfigError, match="num-scheduler-steps"):
         SchedulerConfig(speculative_config=json.dumps(NGRAM), num_scheduler_steps=4)
     # LLM(speculative_config={...}), vLLM's offline form, is the flag's JSON.
@@ -172,14 +186,21 @@ def test_greedy_tokens_are_plain_decodings_in_fewer_steps(tiny_llama: LoadedMode
         assert stats.num_preemptions > 0
 
 
-def test_no_drafts_in_a_batch_over_disable_by_batch_size(tiny_llama: LoadedModel) -> None:
-    core = _core(tiny_llama, {**NGRAM, "disable_by_batch_size": len(PROMPTS) - 1})
+@pytest.mark.parametrize(
+    "limit",
+    [
+        pytest.param({"disable_by_batch_size": len(PROMPTS) - 1}, id="disable_by_batch_size"),
+        pytest.param({"num_speculative_tokens_per_batch_size": [[1, 2, 4], [4, 64, 0]]}, id="per-batch-size"),
+    ],
+)
+def test_no_drafts_in_a_batch_over_the_limit(tiny_llama: LoadedModel, limit: dict) -> None:
+    core = _core(tiny_llama, {**NGRAM, **limit})
     tokens, _, _ = _run(core, _greedy())
     # The 4 requests decode together to their 40th token, every step over the limit: no drafts.
     assert core.stats().spec_draft_tokens == 0
-    alone = _core(tiny_llama, {**NGRAM, "disable_by_batch_size": len(PROMPTS) - 1})
+    alone = _core(tiny_llama, {**NGRAM, **limit})
     assert _run(alone, _greedy(), PROMPTS[:3])[0] == {rid: tokens[rid] for rid in ("r0", "r1", "r2")}
-    assert alone.stats().spec_accepted_tokens > 0  # 3 requests: within the limit
+    assert alone.stats().spec_accepted_tokens > 0  # 3 requests: within the limit (3 takes the range before's 4)
 
 
 def test_prefix_blocks_named_after_speculation_hold_the_right_kv(tiny_llama: LoadedModel) -> None:
