@@ -299,7 +299,8 @@ def test_seeded_sampling_repeats_and_speculates(tiny_llama: LoadedModel) -> None
     assert all(len(t) == 30 for t in runs[0].values())
 
 
-def test_served_greedy_completions_and_metrics(tiny_llama: LoadedModel, model_dirs: dict) -> None:
+@pytest.mark.parametrize("spec", [pytest.param(NGRAM, id="ngram"), pytest.param(SUFFIX, id="suffix")])
+def test_served_greedy_completions_and_metrics(tiny_llama: LoadedModel, model_dirs: dict, spec: dict) -> None:
     openai = pytest.importorskip("openai")  # (a device machine may have no server packages: scripts/gpu-check.sh)
     pytest.importorskip("fastapi")
     from boundless.api.launch import start_in_thread
@@ -313,7 +314,7 @@ def test_served_greedy_completions_and_metrics(tiny_llama: LoadedModel, model_di
         expected = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     finally:
         offline.close()
-    engine = AsyncEngine(EngineCore.from_model(tiny_llama, engine_config(path, speculative_config=NGRAM, **options)))
+    engine = AsyncEngine(EngineCore.from_model(tiny_llama, engine_config(path, speculative_config=spec, **options)))
     server = start_in_thread(engine, "tiny")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
