@@ -25,7 +25,14 @@ from boundless.api.errors import APIError, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.metrics import ServerMetrics
 from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionRequest, InvalidContentPart, message_text
-from boundless.api.tool_calls import ContentStream, ToolCall, forced_call_schema, parse_tool_calls, template_messages
+from boundless.api.tool_calls import (
+    CallStream,
+    ContentStream,
+    ToolCall,
+    forced_call_schema,
+    parse_tool_calls,
+    template_messages,
+)
 from boundless.api.validation import (
     header_identifier,
     refuse_removed_fields,
@@ -427,8 +434,10 @@ class OpenAIServer:
         def choice_chunk(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> bytes:
             return chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}])
 
-        # Read for tool calls: content streams until a call may have begun (ContentStream); its logprobs go with it.
+        # Read for tool calls: content streams until a call may have begun (ContentStream), its logprobs with it;
+        # from there the calls stream as they are written (CallStream: a call's id and name, then its arguments).
         contents = [ContentStream() for _ in choices] if tools.used else []
+        call_streams = [CallStream(tools.parallel) for _ in choices] if tools.used else []
         pending: list[list[SampledToken]] = [[] for _ in choices]
         async for index, delta in self.merged(streams):
             c = choices[index]
@@ -437,13 +446,20 @@ class OpenAIServer:
                 pending[index] += delta.new_logprobs
                 if not delta.finished:
                     text = contents[index].feed(c.text)
+                    if contents[index].held and (
+                        calls_so_far := call_streams[index].feed(c.text, contents[index].sent)
+                    ):
+                        if text:
+                            yield choice_chunk(index, {"content": text})
+                            text = ""
+                        yield choice_chunk(index, {"tool_calls": calls_so_far})
                 else:
                     text, calls = contents[index].finish(c.text, tools.calls)
                     if calls:
                         if text:
                             yield choice_chunk(index, {"content": text})
-                        calls_delta = {"tool_calls": [t.to_openai(i) for i, t in enumerate(calls)]}
-                        yield choice_chunk(index, calls_delta, finish="tool_calls")
+                        rest = call_streams[index].finish(calls)
+                        yield choice_chunk(index, {"tool_calls": rest} if rest else {}, finish="tool_calls")
                         continue
                 if not text and not delta.finished:
                     continue

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from boundless.api.call_scanner import CallScanner, CallSpan, scan_calls
+
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -42,11 +44,17 @@ class ToolCall:
         return out
 
 
-def _as_call(obj: Any) -> ToolCall | None:
+def _as_call(obj: Any, text: str, span: CallSpan | None) -> ToolCall | None:
+    """A parsed call object -> the call; its arguments the model's own JSON text (``text``'s span), a string's
+    value, or ``{}`` when it gave none."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    if isinstance(args, str):
+        return ToolCall(obj["name"], args)
+    if span is not None and span.args_start is not None and span.args_end is not None:
+        return ToolCall(obj["name"], text[span.args_start : span.args_end])
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -56,9 +64,11 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         calls = []
         for block in tagged:
             try:
-                call = _as_call(json.loads(block))
+                obj = json.loads(block)
             except json.JSONDecodeError:
-                call = None
+                continue
+            spans = scan_calls(block)
+            call = _as_call(obj, block, spans[0] if spans else None)
             if call is not None:
                 calls.append(call)
         if calls:
@@ -72,7 +82,9 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         except json.JSONDecodeError:
             return text, []
         items = obj if isinstance(obj, list) else [obj]
-        calls = [c for c in (_as_call(i) for i in items) if c is not None]
+        spans = scan_calls(stripped) if all(isinstance(i, dict) for i in items) else []
+        found = (_as_call(i, stripped, spans[n] if n < len(spans) else None) for n, i in enumerate(items))
+        calls = [c for c in found if c is not None]
         if calls and len(calls) == len(items):
             return None, calls
     return text, []
@@ -121,6 +133,82 @@ class ContentStream:
         if not self.sent:
             return content or "", calls
         return _TAGGED.sub("", text)[self.sent :].rstrip(), calls
+
+
+class CallStream:
+    """Tool calls streamed as they are written, as OpenAI's and vLLM's chunks carry them: a call's first delta has
+    its index, id and name, once the name is complete and its arguments' object has begun, and the arguments' text
+    so far; the next ones the text added since. The calls are read from where :class:`ContentStream` held the
+    output (a Hermes ``<tool_call>`` block each, or the bare JSON the output opens with); ``parallel=False`` streams
+    the first call only. :meth:`finish` sends what the parsed calls have beyond what was streamed."""
+
+    def __init__(self, parallel: bool = True) -> None:
+        self.parallel = parallel
+        self._bare: bool | None = None  # the calls are the JSON the output opens with (else Hermes blocks)
+        self._scanners: list[CallScanner] = []  # one a document: the bare JSON, or each block's
+        self._ids: list[str] = []  # each begun call's id
+        self._names: list[str] = []  # and name
+        self._sent: list[str] = []  # and arguments sent
+
+    def feed(self, text: str, start: int) -> list[dict[str, Any]]:
+        """``text``: the output so far; ``start``: where the content stream held it. -> tool-call deltas to send."""
+        if self._bare is None:
+            head = text[start:].lstrip()
+            if not head:
+                return []
+            self._bare = head[0] in "{["
+            if self._bare:
+                self._scanners.append(CallScanner(len(text) - len(head)))
+        if self._scanners:
+            self._scanners[-1].feed(text)
+        while not self._bare and (not self._scanners or self._scanners[-1].done):
+            tag = text.find(TOOL_CALL_TAG, self._scanners[-1].pos if self._scanners else start)
+            if tag < 0:
+                break
+            self._scanners.append(CallScanner(tag + len(TOOL_CALL_TAG)))
+            self._scanners[-1].feed(text)
+        deltas: list[dict[str, Any]] = []
+        calls = [(scanner, call) for scanner in self._scanners for call in scanner.calls]
+        for index, (scanner, call) in enumerate(calls[: None if self.parallel else 1]):
+            if index == len(self._ids):
+                if call.name is None or call.args_start is None or call.args_opener not in "{[":
+                    break  # calls begin in order
+                self._ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                self._names.append(call.name)
+                self._sent.append("")
+                begun = {"index": index, "id": self._ids[index], "type": "function"}
+                deltas.append({**begun, "function": {"name": call.name, "arguments": ""}})
+            assert call.args_start is not None
+            end = call.args_end if call.args_end is not None else scanner.pos
+            piece = text[call.args_start + len(self._sent[index]) : end]
+            if piece:
+                self._sent[index] += piece
+                if deltas and deltas[-1]["index"] == index:
+                    deltas[-1]["function"]["arguments"] += piece
+                else:
+                    deltas.append({"index": index, "function": {"arguments": piece}})
+        return deltas
+
+    def finish(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """The parsed calls -> the deltas that complete them, the streamed ones keeping their ids. Should the calls
+        not be what was streamed (a block before them that did not parse, say), they come whole after the streamed
+        indices, which are left as they went out."""
+        if any(
+            index >= len(calls)
+            or calls[index].name != self._names[index]
+            or not calls[index].arguments.startswith(sent)
+            for index, sent in enumerate(self._sent)
+        ):
+            return [call.to_openai(len(self._ids) + index) for index, call in enumerate(calls)]
+        deltas = []
+        for index, call in enumerate(calls):
+            if index < len(self._ids):
+                call.id = self._ids[index]
+                if rest := call.arguments[len(self._sent[index]) :]:
+                    deltas.append({"index": index, "function": {"arguments": rest}})
+            else:
+                deltas.append(call.to_openai(index))
+        return deltas
 
 
 def _partial_tag(text: str) -> int:

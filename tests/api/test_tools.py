@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,7 +11,15 @@ import openai
 import pytest
 from served_models import Served, serve_hermes
 
-from boundless.api.tool_calls import ContentStream, ToolCall, forced_call_schema, parse_tool_calls, template_messages
+from boundless.api.call_scanner import CallScanner, scan_calls
+from boundless.api.tool_calls import (
+    CallStream,
+    ContentStream,
+    ToolCall,
+    forced_call_schema,
+    parse_tool_calls,
+    template_messages,
+)
 
 WEATHER = {
     "type": "function",
@@ -34,6 +43,17 @@ def _streamed(text: str, step: int = 1) -> tuple[list[str], str, list[ToolCall]]
     sent = [stream.feed(text[:end]) for end in range(step, len(text), step)]
     rest, calls = stream.finish(text, parse_tool_calls)
     return [p for p in sent if p], rest, calls
+
+
+def _calls_of(deltas: list) -> list[tuple[str, str, str]]:
+    """Streamed tool-call deltas put together as a client does: (id, name, arguments) by index."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, ["", "", ""])
+        call[0] += d.id or ""
+        call[1] += (d.function.name or "") if d.function else ""
+        call[2] += (d.function.arguments or "") if d.function else ""
+    return [tuple(calls[i]) for i in sorted(calls)]  # type: ignore[misc]
 
 
 def test_content_streams_until_a_call_begins() -> None:
@@ -186,8 +206,9 @@ def test_a_named_tool_choice_makes_even_a_random_models_output_that_call(
         **ask, tool_choice={"type": "function", "function": {"name": "set_units"}}, stream=True
     )
     streamed = [c.choices[0] for c in stream if c.choices]
-    calls = [t for c in streamed if c.delta.tool_calls for t in c.delta.tool_calls]
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("set_units", arguments)]
+    deltas = [t for c in streamed if c.delta.tool_calls for t in c.delta.tool_calls]
+    assert len(deltas) > 3  # the arguments as they were written
+    assert [(name, json.loads(args)) for _, name, args in _calls_of(deltas)] == [("set_units", arguments)]
     assert streamed[-1].finish_reason == "tool_calls"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "nothing"}})
@@ -229,3 +250,116 @@ def test_without_parallel_calls_only_the_first_parsed_call_is_kept() -> None:
     text = '[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]'
     assert [c.name for c in ToolUse(True, parallel=False).calls(text)[1]] == ["f"]
     assert [c.name for c in ToolUse(True).calls(text)[1]] == ["f", "g"]
+
+
+def _stream_calls(text: str, parallel: bool = True) -> tuple[str, list[dict], str, list[ToolCall], list[dict]]:
+    """``text`` fed a character at a time to a ContentStream and a CallStream, as the server feeds them: (content
+    sent, call deltas sent, content at the end, parsed calls, the deltas that complete them)."""
+    content, calls_stream = ContentStream(), CallStream(parallel)
+    sent, deltas = [], []
+    for end in range(1, len(text)):
+        sent.append(content.feed(text[:end]))
+        if content.held:
+            deltas += calls_stream.feed(text[:end], content.sent)
+    rest, calls = content.finish(text, lambda t: _parallel(parse_tool_calls(t), parallel))
+    return "".join(sent), deltas, rest, calls, calls_stream.finish(calls) if calls else []
+
+
+def _parallel(parsed: tuple[str | None, list[ToolCall]], parallel: bool) -> tuple[str | None, list[ToolCall]]:
+    return parsed[0], parsed[1] if parallel else parsed[1][:1]
+
+
+def _put_together(deltas: list[dict]) -> list[tuple[str, str, str]]:
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], ["", "", ""])
+        call[0] += d.get("id", "")
+        call[1] += d["function"].get("name", "")
+        call[2] += d["function"]["arguments"]
+    return [tuple(calls[i]) for i in sorted(calls)]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "rest"),
+    [
+        (
+            'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "n": 12}}</tool_call>',
+            "Checking. ",
+            "",
+        ),
+        # Braces and escapes inside strings, a second block, arguments before the name, text after the calls.
+        (
+            '<tool_call>\n{"name": "f", "arguments": {"a": [1, {"b": "}\\"{"}], "c": null}}\n</tool_call>\n'
+            '<tool_call>{"arguments": {"x": -1.5e3}, "name": "g"}</tool_call> Done.',
+            "",
+            "Done.",
+        ),
+        # The forced-call grammar's shape: a bare list with "parameters".
+        ('[{"name": "f", "parameters": {"q": "a b"}}, {"name": "g", "parameters": {}}]', "", ""),
+        ('{"name": "f", "arguments": {"path": "a.py", "text": "def f():\\n    return 1\\n"}}', "", ""),
+    ],
+)
+def test_calls_stream_as_they_are_written(text: str, content: str, rest: str) -> None:
+    sent, deltas, rest_got, calls, final = _stream_calls(text)
+    assert sent == content and rest_got == rest
+    assert len(deltas) > 10  # the arguments a character at a time, not whole at the end
+    assert deltas[0]["id"] and deltas[0]["function"]["name"] == calls[0].name  # the name comes first, whole
+    together = _put_together(deltas + final)
+    assert together == [(c.id, c.name, c.arguments) for c in calls]  # the parsed calls, ids and all
+    assert [json.loads(args) for _, _, args in together] == [json.loads(c.arguments) for c in calls]
+    # The arguments are the model's own JSON text, streamed or not.
+    assert all(c.arguments in text for c in calls) and parse_tool_calls(text)[1][0].arguments == calls[0].arguments
+
+
+def test_calls_that_cannot_stream_come_whole_at_the_end() -> None:
+    # Arguments given as a JSON string: its value is the arguments, known when the string ends.
+    _, deltas, _, calls, final = _stream_calls('{"name": "f", "arguments": "{\\"a\\": 1}"}')
+    assert deltas == [] and _put_together(final) == [(calls[0].id, "f", '{"a": 1}')]
+    # parallel_tool_calls false: the first call only.
+    two = (
+        '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+        + '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    )
+    _, deltas, _, calls, final = _stream_calls(two, parallel=False)
+    assert {d["index"] for d in deltas + final} == {0} and [c.name for c in calls] == ["f"]
+
+
+def test_a_call_cut_off_streams_as_far_as_it_got() -> None:
+    """Output that ends inside a call (max_tokens): what was streamed stays, nothing parses, the text is content at
+    the end (as unstreamed it is all content)."""
+    text = '<tool_call>{"name": "f", "arguments": {"a": "long'
+    _, deltas, rest, calls, final = _stream_calls(text)
+    assert calls == [] and final == [] and rest == text
+    assert _put_together(deltas) == [(deltas[0]["id"], "f", '{"a": "lon')]
+
+
+def test_the_scanner_finds_each_calls_arguments_in_any_layout() -> None:
+    rng = random.Random(0)
+
+    def value(depth: int) -> object:
+        kind = rng.randrange(6 if depth < 3 else 4)
+        return [
+            lambda: rng.randrange(-999, 999),
+            lambda: rng.choice(["", "a b", '}{"]', "é\\n", "\\u00e9"]),
+            lambda: rng.choice([True, False, None]),
+            lambda: rng.random() * 1e6,
+            lambda: {f"k{i}": value(depth + 1) for i in range(rng.randrange(4))},
+            lambda: [value(depth + 1) for _ in range(rng.randrange(4))],
+        ][kind]()
+
+    for _ in range(200):
+        calls = [
+            {"name": f"f{i}", ("arguments" if rng.random() < 0.5 else "parameters"): {"x": value(0), "y": value(0)}}
+            for i in range(rng.randrange(1, 4))
+        ]
+        doc = calls if len(calls) > 1 or rng.random() < 0.5 else calls[0]
+        text = json.dumps(doc, indent=rng.choice([None, 1, 2]), ensure_ascii=rng.random() < 0.5)
+        whole = scan_calls(text)
+        scanner = CallScanner(0)
+        for end in range(1, len(text) + 1, rng.randrange(1, 9)):
+            scanner.feed(text[:end])
+        scanner.feed(text)
+        assert scanner.calls == whole and scanner.done
+        assert [s.name for s in whole] == [c["name"] for c in calls]
+        got = [json.loads(text[s.args_start : s.args_end]) for s in whole]  # type: ignore[misc]
+        assert got == [c.get("arguments", c.get("parameters")) for c in calls]
