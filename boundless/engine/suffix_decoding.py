@@ -21,6 +21,7 @@ output's 3-token windows, and looks at the latest ``MAX_OCCURRENCES`` occurrence
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from itertools import islice
 
@@ -43,10 +44,11 @@ class SuffixProposer:
         self.factor = config.suffix_decoding_max_spec_factor
         self.min_prob = config.suffix_decoding_min_token_prob
         self._packed: dict[str, bytearray] = {}  # each running request's own tokens, packed for the byte search
-        self._outputs: dict[int, list[int]] = {}  # cached outputs by sequence number, oldest first
+        self._outputs: dict[int, array[int]] = {}  # cached outputs by sequence number, oldest first (4 bytes a token)
         self._writing: dict[str, int] = {}  # a running request's sequence number (while its output is cached)
-        # Each MIN_MATCH-token window of the cached outputs -> where it ends (number << 32 | position), oldest first.
-        self._index: dict[tuple[int, ...], list[int]] = {}
+        # Each MIN_MATCH-token window of the cached outputs (packed: _window) -> where it ends (number << 32 |
+        # position), oldest first. Packed ints and arrays: at the default 10,000 outputs the cache is ~3 M tokens.
+        self._index: dict[int, array[int]] = {}
         self._indexed = 0  # positions in the index, evicted outputs' included
         self._live = 0  # tokens of the cached outputs
         self._next = 0
@@ -68,7 +70,7 @@ class SuffixProposer:
         latest = islice(occurrences(words, words[-4 * MIN_MATCH :], len(words)), MAX_OCCURRENCES)
         own = [(token_ids, at // 4 + MIN_MATCH - 1) for at in latest]
         score, draft = self._best(own, pattern, k)
-        ends = self._index.get(tuple(pattern[-MIN_MATCH:]), ())
+        ends = self._index.get(_window(pattern, len(pattern) - 1), ())
         cached = []
         for packed in reversed(ends):
             output = self._outputs.get(packed >> 32)
@@ -94,21 +96,26 @@ class SuffixProposer:
         if number is None:
             number = self._writing[request_id] = self._next
             self._next += 1
-            self._outputs[number] = []
+            self._outputs[number] = array("I")
             while len(self._outputs) > self.max_cached:
                 self._evict(next(iter(self._outputs)))
         output = self._outputs.get(number)
         if output is None:  # evicted while running: the rest of it is not cached
             return
         start = len(output)
-        output += token_ids[num_prompt_tokens + start :]
+        output.extend(token_ids[num_prompt_tokens + start :])
         self._index_windows(number, output, start)
         self._live += len(output) - start
 
-    def _index_windows(self, number: int, output: list[int], start: int) -> None:
+    def _index_windows(self, number: int, output: array[int], start: int) -> None:
         """Index the windows of ``output`` (cached output ``number``) that end at ``start`` or later."""
+        index = self._index
         for end in range(max(start, MIN_MATCH - 1), len(output)):
-            self._index.setdefault(tuple(output[end - MIN_MATCH + 1 : end + 1]), []).append(number << 32 | end)
+            key = _window(output, end)
+            ends = index.get(key)
+            if ends is None:
+                ends = index[key] = array("q")
+            ends.append(number << 32 | end)
         self._indexed += len(output) - start
 
     def _evict(self, number: int) -> None:
@@ -147,6 +154,11 @@ class SuffixProposer:
                 best = (score, draft)
             low = high + 1
         return best
+
+
+def _window(tokens: Sequence[int], end: int) -> int:
+    """The ``MIN_MATCH`` tokens ending at ``end`` packed into one int (token ids fit 32 bits: ``token_search``)."""
+    return tokens[end - 2] | tokens[end - 1] << 32 | tokens[end] << 64
 
 
 def follow(group: list[tuple[Sequence[int], int]], most: int, min_prob: float) -> tuple[float, list[int]]:
