@@ -1,4 +1,6 @@
-"""Speculative decoding with n-gram proposals (prompt lookup, vLLM's ``method: ngram``).
+"""Speculative decoding with n-gram proposals (prompt lookup, vLLM's ``method: ngram``), and the verification every
+proposer's drafts go through (suffix decoding's proposer: ``engine/suffix_decoding.py``; :func:`draft_proposer`
+picks the configured one).
 
 A decoding request whose recent tokens occurred earlier in its prompt or output is likely to go on as it went on
 then: agents quote files, tool results and their own earlier turns. The scheduler asks :class:`NgramProposer` for
