@@ -246,8 +246,8 @@ class SpeculativeConfig:
         other = sorted(set(spec) & set(_SUFFIX_KEYS if method == "ngram" else _NGRAM_KEYS))
         _require(not other, "speculative_config", f"{other} do not apply to method {method!r}")
 
-        def integer(key: str, least: int) -> int | None:
-            value = spec.get(key)
+        def integer(key: str, least: int, default: int | None = None) -> int | None:
+            value = spec.get(key, default)
             _require(
                 value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= least),
                 "speculative_config",
@@ -268,12 +268,11 @@ class SpeculativeConfig:
         batch = integer("disable_by_batch_size", 1)
         per_batch = _batch_size_schedule(spec.get("num_speculative_tokens_per_batch_size"))
         if method == "suffix":
-            depth = integer("suffix_decoding_max_tree_depth", 1) or cls.suffix_decoding_max_tree_depth
-            cached = integer("suffix_decoding_max_cached_requests", 0)
+            depth = integer("suffix_decoding_max_tree_depth", 1, cls.suffix_decoding_max_tree_depth)
+            cached = integer("suffix_decoding_max_cached_requests", 0, cls.suffix_decoding_max_cached_requests)
             factor = number("suffix_decoding_max_spec_factor", cls.suffix_decoding_max_spec_factor, math.inf)
             prob = number("suffix_decoding_min_token_prob", cls.suffix_decoding_min_token_prob, 1.0)
-            if cached is None:
-                cached = cls.suffix_decoding_max_cached_requests
+            assert depth is not None and cached is not None  # (their defaults)
             return cls(
                 method,
                 num or depth,

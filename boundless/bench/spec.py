@@ -187,10 +187,15 @@ def structured_output(kind: str) -> StructuredOutput | None:
 
 
 def measure(
-    fresh: Callable[[bool], LLM], kind: str, num: int, max_tokens: int, rounds: int, concurrency: int
+    fresh: Callable[[bool, StructuredOutput | None], LLM],
+    kind: str,
+    num: int,
+    max_tokens: int,
+    rounds: int,
+    concurrency: int,
 ) -> SpecFigures:
-    """Both engines over the same conversations, taking turns, each run on a fresh engine (``fresh(speculating)``);
-    medians of ``rounds`` each."""
+    """Both engines over the same conversations, taking turns, each run on a fresh engine (``fresh(speculating,
+    grammar)``, warmed up with the kind's grammar); medians of ``rounds`` each."""
     convs = conversations(kind, num)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured=structured_output(kind))
     plain_s, spec_s = [], []
@@ -199,7 +204,7 @@ def measure(
     drafts = accepted = 0
     for turn in range(rounds):
         for speculating in (False, True) if turn % 2 == 0 else (True, False):
-            llm = fresh(speculating)
+            llm = fresh(speculating, params.structured)
             if not speculating:
                 plain_out, seconds = _run(llm, convs, params, concurrency)
                 plain_s.append(seconds)
@@ -247,12 +252,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warm = SamplingParams(temperature=0.0, max_tokens=8)
     hello = [{"role": "user", "content": "Say hello."}]  # no kind's conversation: nothing cached for the runs
 
-    def fresh(speculating: bool) -> LLM:
+    def fresh(speculating: bool, structured: StructuredOutput | None) -> LLM:
         llm = LLM.from_config(spec_config if speculating else config, loaded)
         llm.chat(hello, warm)  # the first steps' allocations and kernels' first calls
-        for kind in kinds:  # the grammars, compiled (one token of output: nothing a proposer could draft from)
-            if (structured := structured_output(kind)) is not None:
-                llm.chat(hello, dataclasses.replace(warm, max_tokens=1, structured=structured))
+        if structured is not None:  # the kind's grammar, compiled (one token: nothing a proposer could draft from)
+            llm.chat(hello, dataclasses.replace(warm, max_tokens=1, structured=structured))
         return llm
 
     figures = [

@@ -130,9 +130,10 @@ class SuffixProposer:
 
     def _best(self, found: list[tuple[Sequence[int], int]], pattern: list[int], k: int) -> tuple[float, list[int]]:
         """The best-scoring draft over the occurrences ``found`` (a token list and where in it the pattern's last
-        ``MIN_MATCH`` tokens end, latest first), for every length of match they give."""
-        longest = min(len(pattern), self.depth) - 1
-        if not found or longest < MIN_MATCH:
+        ``MIN_MATCH`` tokens end, latest first), for every length of match they give (up to the pattern's length
+        less one: the pattern is the sequence's last ``depth`` tokens at most, and longer than ``MIN_MATCH``)."""
+        longest = len(pattern) - 1
+        if not found:
             return 0.0, []
         matched = []  # each occurrence's match: how many of the pattern's last tokens it ends with
         for seq, end in found:
