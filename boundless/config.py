@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from boundless.model.lora import LoRAError, LoRAModule
 from boundless.programs.registry import POLICIES
 
 
@@ -53,6 +54,18 @@ class ModelConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "run every step eagerly: no CUDA graphs for decode steps"}
     )
+    enable_lora: bool = field(
+        default=False, metadata={"help": "serve LoRA adapters (PEFT checkpoints) beside the model"}
+    )
+    lora_modules: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "LoRA adapters to load at start-up, each name=path (or vLLM's JSON, "
+            '\'{"name": "sql", "path": "/adapters/sql"}\'); requests name one as their model'
+        },
+    )
+    max_loras: int = field(default=1, metadata={"help": "most LoRA adapters in one step"})
+    max_lora_rank: int = field(default=16, metadata={"help": "largest LoRA rank accepted"})
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", f"unknown dtype {self.dtype!r}")
@@ -63,6 +76,19 @@ class ModelConfig:
         )
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
+        _require(self.max_loras >= 1, "max_loras", "must be >= 1")
+        _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        _require(self.enable_lora or not self.lora_modules, "lora_modules", "needs --enable-lora")
+        names = [m.name for m in self.loras]
+        _require(len(set(names)) == len(names), "lora_modules", f"adapter names repeat: {names}")
+
+    @property
+    def loras(self) -> tuple[LoRAModule, ...]:
+        """``--lora-modules``, parsed."""
+        try:
+            return tuple(LoRAModule.parse(text) for text in self.lora_modules)
+        except LoRAError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -680,6 +706,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] | 
         default = f.default if f.default is not dataclasses.MISSING else None
         if tp is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif typing.get_origin(tp) is tuple:  # tuple[str, ...]: one or more values
+            group.add_argument(flag, nargs="+", type=typing.get_args(tp)[0], default=default, help=help_text)
         else:
             group.add_argument(flag, type=tp, default=default, help=f"{help_text} (default: {default})")
 
@@ -687,6 +715,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] | 
 def from_flags(cls: type[C], args: argparse.Namespace) -> C:
     """Build ``cls`` from parsed flags; a bad value raises :class:`ConfigError`."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
+    values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
     return cls(**values)
 
 
@@ -701,6 +730,8 @@ def to_flags(config: object) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, tuple):
+            flags += [flag, *map(str, value)]
         elif value is not None:
             flags += [flag, str(value)]
     return flags

@@ -16,6 +16,7 @@ from boundless.engine.core import EngineCore
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel, load_model
+from boundless.model.lora import LoRARequest
 
 Prompt = str | list[int]
 
@@ -107,14 +108,24 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt (a string or a list of token ids); results come in prompt order."""
+        """Complete each prompt (a string or a list of token ids); results come in prompt order. ``lora_request``
+        (vLLM's): the LoRA adapter to run with, for every prompt or one per prompt (``enable_lora=True``); it is
+        loaded on first use."""
         batch = _as_batch(prompts)
         if params is None:
             params = SamplingParams()
         per_prompt = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(per_prompt)} sampling params")
+        loras = [lora_request] * len(batch) if not isinstance(lora_request, Sequence) else list(lora_request)
+        if len(loras) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(loras)} LoRA requests")
+        for i, lora in enumerate(loras):
+            if lora is not None:
+                self.engine.add_lora(lora)
+                per_prompt[i] = dataclasses.replace(per_prompt[i], lora_name=lora.lora_name)
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         for prompt, p in zip(batch, per_prompt, strict=True):
@@ -158,6 +169,7 @@ class LLM:
         params: SamplingParams | None = None,
         tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -168,7 +180,7 @@ class LLM:
             )
             for conv in conversations
         ]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -51,7 +51,7 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
     engine = make_client(config, cluster or ClusterConfig(), server.max_waiting)
     name = server.served_model_name or config.model.model
     log.info("serving %s on http://%s:%d (context %d tokens)", name, server.host, server.port, engine.max_model_len)
-    app = build_app(engine, name, server)
+    app = build_app(engine, name, server, {m.name: m.path for m in config.model.loras})
     try:
         uvicorn.run(
             app,

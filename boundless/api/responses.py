@@ -279,6 +279,7 @@ class _Call:
     program: ProgramRef
     logprobs: bool
     tools: list[FunctionTool]
+    lora: str | None  # the LoRA adapter ``model`` names
 
     @property
     def tools_used(self) -> bool:
@@ -306,7 +307,9 @@ class ResponsesAPI:
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or ()]
         logprobs = (body.top_logprobs or 0) if call.logprobs else None
         try:
-            params = sampling_params(chat, chat.max_completion_tokens, logprobs, _structured(body, tools))
+            params = sampling_params(
+                chat, chat.max_completion_tokens, logprobs, _structured(body, tools), lora=call.lora
+            )
             await check_grammar(params)
             streams = server.submit_all(call.response_id, [call.prompt], params, call.program)
         except InvalidRequestError as e:  # name the field the client used for the limit
@@ -324,7 +327,7 @@ class ResponsesAPI:
         server = self.server
         require_valid_text(body.model_dump(by_alias=True))
         refuse_removed_fields(body.model_extra)
-        server.check_model(body.model)
+        lora = server.check_model(body.model)
         if body.reasoning and body.reasoning.get("effort") is not None:
             raise APIError(400, f"{server.model_name} does not reason: reasoning.effort is not supported", "reasoning")
         unknown = [x for x in body.include or () if x not in INCLUDABLE]
@@ -386,6 +389,7 @@ class ResponsesAPI:
             ProgramRef(program_id, thread_id),
             logprobs,
             tools,
+            lora,
         )
 
     def _fits(self, prompt: list[int], body: ResponsesRequest) -> bool:

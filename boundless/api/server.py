@@ -145,6 +145,7 @@ def sampling_params(
     logprobs: int | None,
     structured: StructuredOutput | None,
     prompt_logprobs: int | None = None,
+    lora: str | None = None,
 ) -> SamplingParams:
     stop = body.stop if isinstance(body.stop, list) else ([] if body.stop is None else [body.stop])
     return SamplingParams(
@@ -168,6 +169,7 @@ def sampling_params(
         min_p=body.min_p or 0.0,
         logit_bias=tuple((int(t), b) for t, b in (body.logit_bias or {}).items()),
         structured=structured,
+        lora_name=lora,
     )
 
 
@@ -263,9 +265,14 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: in
 class OpenAIServer:
     """Routes bound to one engine client and one served model name."""
 
-    def __init__(self, client: EngineClient, model_name: str, config: ServerConfig) -> None:
+    def __init__(
+        self, client: EngineClient, model_name: str, config: ServerConfig, loras: dict[str, str] | None = None
+    ) -> None:
         self.client = client
         self.model_name = model_name
+        self.loras = dict(loras or {})  # served LoRA adapters: name -> path (--lora-modules)
+        if model_name in self.loras:
+            raise ValueError(f"--lora-modules: the adapter name {model_name!r} is the served model's name")
         self.config = config
         self.metrics = ServerMetrics(client.stats, getattr(client, "cluster_metrics", None))
         client.add_finished_listener(self._observe)
@@ -278,14 +285,16 @@ class OpenAIServer:
     def tokenizer(self):
         return self.client.tokenizer
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                "model",
-                "model_not_found",
-            )
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404 for a name not served."""
+        if model == self.model_name:
+            return None
+        if model in self.loras:
+            return model
+        served = ", ".join(repr(name) for name in [self.model_name, *self.loras])
+        raise APIError(
+            404, f"the model {model!r} does not exist; this server serves {served}", "model", "model_not_found"
+        )
 
     def submit_all(
         self, base_id: str, prompts: list[list[int]], params: SamplingParams, program: ProgramRef | None
@@ -339,7 +348,7 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         check_common(body, self.tokenizer.vocab_size)
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         ids = self.chat_prompt(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
@@ -350,7 +359,7 @@ class OpenAIServer:
         try:
             structured = _forced_calls(body) or _structured(body)
             prompt_logprobs = None if body.stream else body.prompt_logprobs  # (a stream has no place for them)
-            params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs)
+            params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs, lora)
             await check_grammar(params)
             streams = self.submit_all(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used for the limit
@@ -497,7 +506,7 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         check_common(body, self.tokenizer.vocab_size)
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if body.max_tokens == 0 and not body.echo:
@@ -509,7 +518,9 @@ class OpenAIServer:
         # leaves out, as vLLM's does.
         prompt_only = body.echo and body.max_tokens == 0
         max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)
-        params = sampling_params(body, max_tokens, body.logprobs, _structured(body), _prompt_logprobs_wanted(body))
+        params = sampling_params(
+            body, max_tokens, body.logprobs, _structured(body), _prompt_logprobs_wanted(body), lora
+        )
         await check_grammar(params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = self.submit_all(rid, prompts, params, _program(body, request))
@@ -807,20 +818,16 @@ async def health(request: Request) -> Response:
 @routes.get("/v1/models")
 async def models(request: Request) -> Response:
     server = _server(request)
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": server.model_name,
-                    "object": "model",
-                    "created": server.created,
-                    "owned_by": "boundless",
-                    "max_model_len": server.client.max_model_len,
-                }
-            ],
-        }
-    )
+    base = {
+        "id": server.model_name,
+        "object": "model",
+        "created": server.created,
+        "owned_by": "boundless",
+        "max_model_len": server.client.max_model_len,
+    }
+    # LoRA adapters as vLLM lists them: the adapter's path as its root, the base model as its parent.
+    adapters = [{**base, "id": name, "root": path, "parent": server.model_name} for name, path in server.loras.items()]
+    return JSONResponse({"object": "list", "data": [base, *adapters]})
 
 
 @routes.get("/cluster")
@@ -843,11 +850,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _server(request).completions(body, request)
 
 
-def build_app(client: EngineClient, model_name: str, config: ServerConfig | None = None) -> ASGIApp:
-    """The ASGI app; guards (body size, API key) wrap the routes."""
+def build_app(
+    client: EngineClient, model_name: str, config: ServerConfig | None = None, loras: dict[str, str] | None = None
+) -> ASGIApp:
+    """The ASGI app; guards (body size, API key) wrap the routes. ``loras``: the LoRA adapters the engine loaded
+    (name -> path), served as models of their own."""
     config = config or ServerConfig()
     app = FastAPI(title="Boundless", version="0.1.0")
-    app.state.server = OpenAIServer(client, model_name, config)
+    app.state.server = OpenAIServer(client, model_name, config, loras)
     # (Imported here: the Responses routes are built on this module's chat path.)
     from boundless.api.responses import ResponsesAPI, ResponseStore
     from boundless.api.responses import routes as responses_routes

@@ -7,6 +7,7 @@ actor) drive it.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from boundless.kv.remote_moves import RemoteIOStats
 from boundless.kv.throttled_store import ReadLink
 from boundless.kv.transfer import DISK, PEER
 from boundless.model.loader import LoadedModel
+from boundless.model.lora import LoRAError, LoRARequest
 from boundless.model.tokenizer import Tokenizer
 from boundless.programs.eviction import PolicyRanking
 from boundless.programs.policy import SchedulingPolicy
@@ -215,7 +217,10 @@ class EngineCore:
             max_num_seqs=config.scheduler.max_num_seqs,
             num_scheduler_steps=config.scheduler.num_scheduler_steps,
             proposer=draft_proposer(config.scheduler.speculative),
+            max_loras=config.model.max_loras if config.model.enable_lora else None,
         )
+        # Loaded LoRA adapters by name: the fingerprint that names the KV their requests compute.
+        self.loras: dict[str, str] = {}
         # The executor's sampler's grammars (one compilation a spec for both): a structured request waits in its queue
         # while its grammar compiles in the background (``Scheduler.compiling``), as vLLM's requests do.
         self.grammars = grammars
@@ -250,7 +255,35 @@ class EngineCore:
         layout = size_engine(config, loaded.arch, loaded.dtype, pools)
         grammars = Grammars(loaded.tokenizer, loaded.arch.vocab_size)
         executor = build_model_executor(loaded, config, layout, read_link=read_link, grammars=grammars)
-        return cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy, grammars)
+        core = cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy, grammars)
+        for i, module in enumerate(config.model.loras, start=1):  # --lora-modules
+            core.add_lora(LoRARequest(module.name, i, module.path))
+        return core
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load a LoRA adapter (``model/lora.py``); requests name it by ``SamplingParams.lora_name``. Loading one
+        already loaded under that name again does nothing."""
+        if not self.config.model.enable_lora:
+            raise LoRAError("LoRA adapters need --enable-lora (LLM(..., enable_lora=True))")
+        if lora.lora_name in self.loras:
+            return
+        digest = self.executor.add_lora(lora, self.config.model.max_lora_rank)
+        self.loras[lora.lora_name] = hashlib.sha256(f"{self.identity.fingerprint}:lora:{digest}".encode()).hexdigest()[
+            :16
+        ]
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload an adapter; False if none has that name. One that unfinished requests run with stays."""
+        if name not in self.loras:
+            return False
+        users = sum(1 for r in self.scheduler.requests.values() if r.sampling_params.lora_name == name)
+        if users:
+            raise LoRAError(f"LoRA adapter {name!r} is in use by {users} unfinished requests")
+        self.executor.remove_lora(name)
+        del self.loras[name]
+        return True
 
     def connect(
         self,
@@ -459,6 +492,11 @@ class EngineCore:
             raise InvalidRequestError(f"logit_bias: token id {bad_bias} is not in [0, {vocab})", "logit_bias")
         if params.structured is not None:
             check_structured_output(params.structured)
+        namespace = None
+        if params.lora_name is not None:
+            namespace = self.loras.get(params.lora_name)
+            if namespace is None:
+                raise InvalidRequestError(f"LoRA adapter {params.lora_name!r} is not loaded", "model")
         wanted = params.max_tokens or 1
         if len(prompt_token_ids) + wanted > self.max_model_len:
             raise InvalidRequestError(
@@ -484,6 +522,8 @@ class EngineCore:
                 detok.add(token)
             detok.skip_emitted(resume.text_chars_sent)
         self._detokenizers[request_id] = detok
+        if namespace is not None:
+            self.kv.set_namespace(request_id, namespace)
         if program is not None:
             self.policy.merge_remote_service(program)
         self.counters.prompt_tokens += len(prompt_token_ids)

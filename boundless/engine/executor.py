@@ -28,6 +28,7 @@ from boundless.kv.remote_moves import RemoteReport
 from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS, TierIO
 from boundless.kv.tiers import BlockStore, KVTier
 from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, TierId, plan_transfers
+from boundless.model.lora import LoRARequest
 
 # A step with nothing to run but disk reads in flight waits this long at most for one to finish, so that an
 # engine waiting only for the disk does not spin.
@@ -65,6 +66,14 @@ class Executor(Protocol):
 
     def count_stored(self, keys: Sequence[BlockHash]) -> int:
         """How many leading ``keys`` the disk store holds (a probe, no load; 0 without a store)."""
+        ...
+
+    def add_lora(self, request: LoRARequest, max_rank: int) -> str:
+        """Load a LoRA adapter for the requests that name it; returns the digest of its weights."""
+        ...
+
+    def remove_lora(self, name: str) -> bool:
+        """Drop a loaded adapter; False if none has that name."""
         ...
 
 
@@ -107,6 +116,12 @@ class ModelExecutor:
 
     def count_stored(self, keys: Sequence[BlockHash]) -> int:
         return self.kv_io.count_stored(keys)
+
+    def add_lora(self, request: LoRARequest, max_rank: int) -> str:
+        return self.runner.add_lora(request, max_rank).digest
+
+    def remove_lora(self, name: str) -> bool:
+        return self.runner.remove_lora(name)
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         start = self.timer()

@@ -16,6 +16,7 @@ from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
 from boundless.engine.speculative import accepted_tokens
 from boundless.kv.tensors import PagedKVCache
 from boundless.model.llama import LlamaModel
+from boundless.model.lora import LoRAAdapter, LoRARequest, load_lora, lora_batch
 
 
 @dataclass
@@ -37,6 +38,7 @@ class FlatBatch:
     sample_indices: torch.Tensor
     sample_chunks: list[ScheduledChunk]
     prompt_spans: list[PromptSpan] = field(default_factory=list)  # rows whose logits score prompt tokens
+    lora_rows: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # each LoRA adapter's runs of rows
 
 
 class ModelRunner:
@@ -61,6 +63,16 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.graphs = graphs
+        self.loras: dict[str, LoRAAdapter] = {}  # loaded LoRA adapters by name (``add_lora``)
+
+    def add_lora(self, request: LoRARequest, max_rank: int) -> LoRAAdapter:
+        """Load an adapter (or replace one of the same name); its requests may run from the next step."""
+        adapter = load_lora(request, self.model.arch, self.model.embed_tokens.weight.dtype, self.device, max_rank)
+        self.loras[request.lora_name] = adapter
+        return adapter
+
+    def remove_lora(self, name: str) -> bool:
+        return self.loras.pop(name, None) is not None
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
         """Lay the step out flat, decodes first (the attention backend batches them)."""
@@ -72,9 +84,13 @@ class ModelRunner:
         sample_indices: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
         prompt_spans: list[PromptSpan] = []
+        lora_rows: dict[str, list[tuple[int, int]]] = {}
         for chunk in chunks:
             start = chunk.start_pos
             n = len(chunk.token_ids)
+            lora_name = chunk.sampling_params.lora_name
+            if lora_name is not None:
+                lora_rows.setdefault(lora_name, []).append((len(ids), len(ids) + n))
             if chunk.prompt_targets:  # token t is scored by position t - 1's row
                 first_row = len(ids) + chunk.prompt_targets_from - 1 - start
                 top_k = chunk.sampling_params.prompt_logprobs or 0
@@ -114,6 +130,7 @@ class ModelRunner:
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
             sample_chunks=sample_chunks,
             prompt_spans=prompt_spans,
+            lora_rows=lora_rows,
         )
 
     @torch.inference_mode()
@@ -128,11 +145,13 @@ class ModelRunner:
         decodes_only = all(len(c.token_ids) == 1 for c in sched.chunks)
         remote = any(c.remote for c in sched.chunks)
         scoring = any(c.prompt_targets for c in sched.chunks)  # (needs hidden states: a graph hands back logits)
+        adapted = any(c.sampling_params.lora_name is not None for c in sched.chunks)  # (graphs hold base weights only)
         if (
             self.graphs is not None
             and decodes_only
             and not remote
             and not scoring
+            and not adapted
             and on_layer is None
             and before_layer is None
             and self.graphs.fits(len(sched.chunks))
@@ -140,8 +159,9 @@ class ModelRunner:
             return self._forward_graph(sched.chunks)
         batch = self.build_batch(sched)
         meta = self.attention.prepare(batch.attention)
+        lora = lora_batch(self.loras, batch.lora_rows, self.device) if batch.lora_rows else None
         hidden = self.model(
-            batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer
+            batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer, lora
         )
         logits = self.model.compute_logits(hidden[batch.sample_indices])
         scores = score_prompt_spans(hidden, batch.prompt_spans, self.model.compute_logits) if batch.prompt_spans else {}

@@ -68,6 +68,10 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None
+    # The LoRA adapter the request runs with (None: the base model): set from vLLM's ``lora_request`` (``LLM``) or the
+    # request's ``model`` (the server). It travels in the parameters, so that every path a request takes (another
+    # instance after a failover, a decode engine after its prefill) runs it with the same weights.
+    lora_name: str | None = None
     # Whether a penalty needs the request's tokens so far; whether anything does (a grammar replays a handed-off
     # request's): the scheduler hands them to the sampler only then.
     penalized: bool = field(init=False, repr=False, compare=False, default=False)

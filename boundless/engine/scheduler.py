@@ -168,6 +168,7 @@ class Scheduler:
         max_num_seqs: int,
         num_scheduler_steps: int = 1,
         proposer: DraftProposer | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.kv = kv
         self.policy = policy
@@ -191,6 +192,8 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         # Speculative decoding: each decoding request's drafts, verified in its step (None: off).
         self.proposer = proposer
+        # LoRA: most distinct adapters in one step (vLLM's --max-loras); a request of another adapter waits its turn.
+        self.max_loras = max_loras
         # Tokens of each request in the step decided and not yet recorded (``advance``): a view taken while the
         # step runs (a heartbeat: the engine loop holds its lock only between steps) sees the request as the step
         # will leave it, not with its chunk's blocks taken and its tokens not yet counted.
@@ -285,11 +288,17 @@ class Scheduler:
         chosen: list[tuple[Request, int]] = []
         chosen_ids: set[str] = set()
         caps = self._prefill_caps(order) if self.prefill_time is not None else None
+        loras: set[str] = set()
         for idx, request in enumerate(order):
             if budget <= 0 or len(chosen) >= self.max_num_seqs:
                 break
             if self._held_back(request):
                 continue  # its blocks are on their way (from the store or a peer), or its first token is
+            lora = request.sampling_params.lora_name
+            if lora is not None and self.max_loras is not None and lora not in loras:
+                if len(loras) >= self.max_loras:
+                    continue  # the step's adapters are taken: next step (it keeps any KV it holds)
+                loras.add(lora)
             cap = budget
             if caps is not None and _prefilling(request):
                 if request.request_id not in caps:

@@ -267,6 +267,7 @@ class KVCacheManager:
         self._prefetch_tokens: dict[str, tuple[int, ...]] = {}
         # Which program each request belongs to: the owner of the blocks it takes (program-aware eviction).
         self._programs: dict[str, str] = {}
+        self._namespaces: dict[str, str] = {}  # request id -> the fingerprint naming its blocks (``set_namespace``)
         # Program-aware eviction on disk: the names each followed program's requests used, and how many followed
         # programs used each name; a name no program still alive uses is aged in the store (it goes first).
         self._disk_keys = ProgramKeys(ranking) if ranking is not None and self.has_disk else None
@@ -280,10 +281,16 @@ class KVCacheManager:
         finished programs (no later call can be known to need them), LRU among them."""
         self._programs[request_id] = program_id
 
+    def set_namespace(self, request_id: str, fingerprint: str) -> None:
+        """Name the request's blocks with ``fingerprint`` instead of the model's (until :meth:`end_request`): KV
+        computed with other weights (a LoRA adapter's) is shared only among requests with the same."""
+        self._namespaces[request_id] = fingerprint
+
     def end_request(self, request_id: str) -> None:
         """The request is done (finished or aborted): free its blocks and forget its program."""
         self.free(request_id)
         self._programs.pop(request_id, None)
+        self._namespaces.pop(request_id, None)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -370,7 +377,8 @@ class KVCacheManager:
         """The names of the request's full blocks of ``token_ids`` (its first ``num_tokens``), kept for the request:
         each block is hashed once. The list may name more blocks than asked for (named by an earlier call)."""
         hashes = self._hashes.setdefault(request_id, [])
-        return extend_block_hashes(hashes, token_ids, self.block_size, self.fingerprint, num_tokens)
+        fingerprint = self._namespaces.get(request_id, self.fingerprint) if self._namespaces else self.fingerprint
+        return extend_block_hashes(hashes, token_ids, self.block_size, fingerprint, num_tokens)
 
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> CachedPrefix:
         """The longest run of leading full blocks in memory: each on the device, else in host memory.

@@ -26,6 +26,7 @@ from boundless.attention.backend import AttentionBackend
 from boundless.kv.tensors import PagedKVCache
 from boundless.model import cpu_kernels
 from boundless.model.arch import ModelArch
+from boundless.model.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRABatch
 from boundless.model.rope import RotaryEmbedding, apply_rotary_
 
 # Token counts up to which the CPU multiplies as (weight @ x.T).T (see `linear`).
@@ -165,18 +166,31 @@ class DecoderLayer(nn.Module):
         attention: AttentionBackend,
         cache: tuple[torch.Tensor, torch.Tensor],
         attn_meta: Any,
+        lora: LoRABatch | None = None,
+        index: int = 0,
     ) -> torch.Tensor:
-        """The PyTorch path; updates ``hidden`` in place and returns it."""
+        """The PyTorch path; updates ``hidden`` in place and returns it. ``lora``: the step's adapters, applied to
+        their rows of each projection (``index``: this layer's number)."""
         t = hidden.shape[0]
-        qkv = linear(self.input_norm(hidden), self.qkv_weight, self.qkv_bias)
+        x = self.input_norm(hidden)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        if lora is not None:
+            lora.add_(index, QKV, x, qkv)
         q_size, kv_size, _ = self.qkv_sizes
         # q and k heads sit side by side in each row: rotate them together, in place.
         apply_rotary_(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k, v = (x.view(t, -1, self.head_dim) for x in qkv.split(self.qkv_sizes, dim=-1))
-        attn = attention.forward(q, k, v, cache, attn_meta)
-        hidden += linear(attn.reshape(t, -1), self.o_weight)
-        gate, up = linear(self.post_attention_norm(hidden), self.gate_up_weight).chunk(2, dim=-1)
-        hidden += linear(F.silu(gate, inplace=True).mul_(up), self.down_weight)
+        attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
+        out = linear(attn, self.o_weight)
+        hidden += out if lora is None else lora.add_(index, O_PROJ, attn, out)
+        x = self.post_attention_norm(hidden)
+        gate_up = linear(x, self.gate_up_weight)
+        if lora is not None:
+            lora.add_(index, GATE_UP, x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate, inplace=True).mul_(up)
+        out = linear(act, self.down_weight)
+        hidden += out if lora is None else lora.add_(index, DOWN, act, out)
         return hidden
 
     def forward_fused(
@@ -187,6 +201,8 @@ class DecoderLayer(nn.Module):
         attention: AttentionBackend,
         cache: tuple[torch.Tensor, torch.Tensor],
         attn_meta: Any,
+        lora: LoRABatch | None = None,
+        index: int = 0,
     ) -> torch.Tensor:
         """The GPU path: the PyTorch path's matmuls with the fused Triton kernels of
         :mod:`boundless.model.triton_ops` between them; updates ``hidden`` in place."""
@@ -194,15 +210,26 @@ class DecoderLayer(nn.Module):
 
         t = hidden.shape[0]
         norm_in, norm_post = self.input_norm, self.post_attention_norm
-        qkv = linear(ops.rms_norm(hidden, norm_in.weight, norm_in.eps), self.qkv_weight, self.qkv_bias)
+        x = ops.rms_norm(hidden, norm_in.weight, norm_in.eps)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        if lora is not None:
+            lora.add_(index, QKV, x, qkv)
         q_size, kv_size, _ = self.qkv_sizes
         heads = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         ops.rotary_(heads, positions, rope.cos, rope.sin)
         q, k, v = (x.view(t, -1, self.head_dim) for x in qkv.split(self.qkv_sizes, dim=-1))
-        attn = attention.forward(q, k, v, cache, attn_meta)
+        attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
+        out = linear(attn, self.o_weight)
+        if lora is not None:
+            lora.add_(index, O_PROJ, attn, out)
         # hidden += o_proj(attn), and its norm, in one kernel.
-        x = ops.rms_norm(hidden, norm_post.weight, norm_post.eps, delta=linear(attn.reshape(t, -1), self.o_weight))
-        hidden += linear(ops.silu_mul(linear(x, self.gate_up_weight)), self.down_weight)
+        x = ops.rms_norm(hidden, norm_post.weight, norm_post.eps, delta=out)
+        gate_up = linear(x, self.gate_up_weight)
+        if lora is not None:
+            lora.add_(index, GATE_UP, x, gate_up)
+        act = ops.silu_mul(gate_up)
+        out = linear(act, self.down_weight)
+        hidden += out if lora is None else lora.add_(index, DOWN, act, out)
         return hidden
 
     def forward_packed(
@@ -309,10 +336,13 @@ class LlamaModel(nn.Module):
         attn_meta: Any,
         on_layer: Callable[[int], None] | None = None,
         before_layer: Callable[[int], None] | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of a flat batch. ``on_layer(i)`` is called once layer ``i`` has
         stored the step's KV (a prefill engine streams it to a decode engine meanwhile); ``before_layer(i)``
-        before layer ``i`` reads any KV (a layerwise load waits there for that layer to arrive)."""
+        before layer ``i`` reads any KV (a layerwise load waits there for that layer to arrive). ``lora``: the LoRA
+        adapters of the step's requests and their rows (``model/lora.py``); such a step runs the PyTorch path on the
+        CPU (the native layers fuse each projection with what follows it)."""
         assert self.rope is not None, "call prepare first"
         hidden = self.embed_tokens(input_ids)
         if getattr(attention, "fused_layers", False):  # a GPU backend: the layers' fused Triton kernels too
@@ -321,17 +351,20 @@ class LlamaModel(nn.Module):
             for i, layer in enumerate(self.layers):
                 if before_layer is not None:
                     before_layer(i)
-                hidden = layer.forward_fused(hidden, positions, self.rope, attention, kv_cache.layer(i), attn_meta)
+                hidden = layer.forward_fused(
+                    hidden, positions, self.rope, attention, kv_cache.layer(i), attn_meta, lora, i
+                )
                 if on_layer is not None:
                     on_layer(i)
             return triton_ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
-        if self._packed_key is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+        native = self._packed_key is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
+        if native and lora is None:
             return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta, on_layer, before_layer)
         cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
-            hidden = layer(hidden, cos, sin, attention, kv_cache.layer(i), attn_meta)
+            hidden = layer(hidden, cos, sin, attention, kv_cache.layer(i), attn_meta, lora, i)
             if on_layer is not None:
                 on_layer(i)
         return self.norm(hidden)

@@ -24,6 +24,7 @@ from boundless.kv.disk_moves import (
     TierReport,
 )
 from boundless.kv.remote_moves import RemoteReport
+from boundless.model.lora import LoRAError, LoRARequest
 from boundless.sim.cost import (
     DISK_LATENCY_S,
     DISK_READ_BYTES_PER_S,
@@ -294,6 +295,13 @@ class CostModelExecutor:
         while found < len(keys) and keys[found] in self.disk.keys:
             found += 1
         return found
+
+    def add_lora(self, request: LoRARequest, max_rank: int) -> str:
+        """The cost models price the base model's steps only."""
+        raise LoRAError("the simulator does not model LoRA adapters")
+
+    def remove_lora(self, name: str) -> bool:
+        return False
 
     def _placeholder(self, chunk: ScheduledChunk) -> int:
         if self.token_id is not None:

@@ -1,0 +1,280 @@
+"""LoRA adapters: PEFT checkpoints loaded beside the base weights, applied per request in a shared batch.
+
+An adapter adds ``scale * B @ A`` to some of a layer's projection matrices (``A``: rank x in, ``B``: out x rank).
+It is never merged into the base weights: requests of different adapters, and of none, share one forward pass.
+Each layer's base matmuls run over every token, then for each adapter in the step its tokens' rows get
+``(x @ A.T) @ B.T`` added (vLLM's punica kernels do the same grouping on a GPU).
+
+The model fuses q/k/v and gate/up into one matrix each (``model/llama.py``), so an adapter's q, k and v (and gate
+and up) pairs are fused alike when loaded: their ``A``s stacked, their ``B``s (the scale folded in) placed block
+by block, one pair of matmuls per fused matrix. A projection the adapter leaves alone gets zero rows.
+
+Checkpoints are PEFT's ``save_pretrained`` layout: ``adapter_config.json`` and ``adapter_model.safetensors``,
+LoRA on the attention and MLP projections (``q_proj`` ... ``down_proj``), with ``lora_alpha``, ``use_rslora``,
+``rank_pattern`` and ``alpha_pattern``. Anything that would change the model elsewhere (DoRA, biases, trained
+embeddings or head, ``modules_to_save``) is refused with an error rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from boundless.model.arch import ModelArch
+
+# The four fused matrices of a layer an adapter may touch, in the order the layer applies them.
+QKV, O_PROJ, GATE_UP, DOWN = range(4)
+_PROJECTIONS = {  # PEFT module name -> (fused target, part index within it)
+    "q_proj": (QKV, 0),
+    "k_proj": (QKV, 1),
+    "v_proj": (QKV, 2),
+    "o_proj": (O_PROJ, 0),
+    "gate_proj": (GATE_UP, 0),
+    "up_proj": (GATE_UP, 1),
+    "down_proj": (DOWN, 0),
+}
+_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
+)
+
+
+class LoRAError(ValueError):
+    """An adapter cannot be loaded or used: the message says why."""
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter a request runs with, as vLLM names it: ``lora_name`` is how requests refer to it (the served
+    ``model`` name), ``lora_int_id`` a positive number unique among loaded adapters, ``lora_path`` a directory
+    with PEFT's ``adapter_config.json`` and ``adapter_model.safetensors``."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not self.lora_name:
+            raise LoRAError("a LoRA adapter needs a name")
+        if self.lora_int_id < 1:
+            raise LoRAError(f"LoRA adapter {self.lora_name!r}: lora_int_id must be positive, not {self.lora_int_id}")
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One ``--lora-modules`` entry: ``name=path``, or vLLM's JSON ``{"name": ..., "path": ...}``."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> LoRAModule:
+        text = text.strip()
+        if text.startswith("{"):
+            try:
+                spec = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise LoRAError(f"--lora-modules: {text!r} is not JSON ({e})") from None
+            if (
+                not isinstance(spec, dict)
+                or not isinstance(spec.get("name"), str)
+                or not isinstance(spec.get("path"), str)
+            ):
+                raise LoRAError(f'--lora-modules: {text!r} must be {{"name": ..., "path": ...}}')
+            name, path = spec["name"], spec["path"]
+        else:
+            name, sep, path = text.partition("=")
+            if not sep:
+                raise LoRAError(f"--lora-modules: {text!r} must be name=path")
+        if not name or not path:
+            raise LoRAError(f"--lora-modules: {text!r} needs both a name and a path")
+        return cls(name, path)
+
+
+# A fused target's low-rank pair: ``A`` [rank, in] and ``B`` [out, rank], the scale folded into ``B``.
+LoRAPair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class LoRAAdapter:
+    """A loaded adapter: per layer, the pair of each fused target it changes (None where it changes nothing), on the
+    model's device and in its dtype. ``digest`` identifies the weights: the KV it produces is named by it."""
+
+    request: LoRARequest
+    rank: int
+    layers: list[tuple[LoRAPair | None, ...]]
+    digest: str
+
+    @property
+    def name(self) -> str:
+        return self.request.lora_name
+
+
+def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -> float:
+    """PEFT's ``rank_pattern``/``alpha_pattern`` lookup: the first key that matches the end of the module's name."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?{key}$", module):
+            return value
+    return default
+
+
+def _read_config(path: Path) -> dict:
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise LoRAError(f"LoRA adapter {path}: no adapter_config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise LoRAError(f"LoRA adapter {path}: adapter_config.json is not JSON ({e})") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"LoRA adapter {path}: peft_type {config.get('peft_type')!r} is not LORA")
+    refused = {
+        "use_dora": "DoRA",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D weights)",
+        "modules_to_save": "modules_to_save (fully trained modules)",
+    }
+    for key, what in refused.items():
+        if config.get(key):
+            raise LoRAError(f"LoRA adapter {path}: {what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"LoRA adapter {path}: trained biases (bias={config['bias']!r}) are not supported")
+    return config
+
+
+def load_lora(
+    request: LoRARequest, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_rank: int
+) -> LoRAAdapter:
+    """Read a PEFT LoRA checkpoint for a model of ``arch``; every error names the adapter and what is wrong."""
+    from safetensors import safe_open
+
+    path = Path(request.lora_path).expanduser()
+    if not path.is_dir():
+        raise LoRAError(f"LoRA adapter {request.lora_name!r}: {path} is not a directory")
+    config = _read_config(path)
+    weights_file = path / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise LoRAError(f"LoRA adapter {request.lora_name!r}: {path} has no adapter_model.safetensors")
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(str(weights_file), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            match = _KEY.match(key)
+            if match is None or match.group(2) not in _PROJECTIONS:
+                raise LoRAError(
+                    f"LoRA adapter {request.lora_name!r}: weight {key!r} is not LoRA on a layer's attention or MLP "
+                    f"projections ({', '.join(_PROJECTIONS)})"
+                )
+            layer, module, side = int(match.group(1)), match.group(2), match.group(3)
+            if layer >= arch.num_layers:
+                raise LoRAError(
+                    f"LoRA adapter {request.lora_name!r}: {key!r} is past the model's {arch.num_layers} layers"
+                )
+            pairs.setdefault((layer, module), {})[side] = f.get_tensor(key)
+    if not pairs:
+        raise LoRAError(f"LoRA adapter {request.lora_name!r}: adapter_model.safetensors holds no LoRA weights")
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    out_sizes = {  # each part's rows within its fused matrix, and the input width
+        "q_proj": (0, q_size, arch.hidden_size),
+        "k_proj": (q_size, kv_size, arch.hidden_size),
+        "v_proj": (q_size + kv_size, kv_size, arch.hidden_size),
+        "o_proj": (0, arch.hidden_size, q_size),
+        "gate_proj": (0, arch.intermediate_size, arch.hidden_size),
+        "up_proj": (arch.intermediate_size, arch.intermediate_size, arch.hidden_size),
+        "down_proj": (0, arch.hidden_size, arch.intermediate_size),
+    }
+    fused_out = {
+        QKV: q_size + 2 * kv_size,
+        O_PROJ: arch.hidden_size,
+        GATE_UP: 2 * arch.intermediate_size,
+        DOWN: arch.hidden_size,
+    }
+    alpha = float(config.get("lora_alpha", config.get("r", 8)))
+    alpha_pattern = config.get("alpha_pattern") or {}
+    rslora = bool(config.get("use_rslora"))
+    # Per layer and fused target: the parts (A, scaled B, row offset) to fuse.
+    parts: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+    rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        name = f"model.layers.{layer}.{module}"
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: {name} lacks lora_{'B' if 'A' in ab else 'A'}")
+        a, b = ab["A"].float(), ab["B"].float()
+        start, rows, cols = out_sizes[module]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != cols or b.shape != (rows, r):
+            raise LoRAError(
+                f"LoRA adapter {request.lora_name!r}: {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
+                f"model needs A [rank, {cols}] and B [{rows}, rank]"
+            )
+        if r > max_rank:
+            raise LoRAError(
+                f"LoRA adapter {request.lora_name!r}: rank {r} of {name} exceeds --max-lora-rank {max_rank}"
+            )
+        rank = max(rank, r)
+        module_alpha = _pattern_value(alpha_pattern, name, alpha)
+        scale = module_alpha / math.sqrt(r) if rslora else module_alpha / r
+        target = _PROJECTIONS[module][0]
+        parts.setdefault((layer, target), []).append((a, b * scale, start))
+    layers: list[list[LoRAPair | None]] = [[None, None, None, None] for _ in range(arch.num_layers)]
+    for (layer, target), group in parts.items():
+        a_cat = torch.cat([a for a, _, _ in group])
+        b_fused = torch.zeros(fused_out[target], a_cat.shape[0])
+        col = 0
+        for a, b, start in group:
+            b_fused[start : start + b.shape[0], col : col + a.shape[0]] = b
+            col += a.shape[0]
+        layers[layer][target] = (a_cat.to(device, dtype).contiguous(), b_fused.to(device, dtype).contiguous())
+    digest = hashlib.sha256()
+    digest.update((path / "adapter_config.json").read_bytes())
+    with weights_file.open("rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            digest.update(piece)
+    return LoRAAdapter(request, rank, [tuple(layer) for layer in layers], digest.hexdigest()[:16])
+
+
+class LoRABatch:
+    """The adapters of one forward pass and the rows (flat-batch tokens) each applies to.
+
+    ``groups``: pairs of an adapter and its rows, a slice when they are one run (the usual case: a request's tokens
+    are consecutive), else an index tensor."""
+
+    def __init__(self, groups: Sequence[tuple[LoRAAdapter, slice | torch.Tensor]]) -> None:
+        self.groups = list(groups)
+
+    def add_(self, layer: int, target: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out[rows] += (x[rows] @ A.T) @ B.T`` for each adapter's rows (``out`` may be a view); returns ``out``."""
+        for adapter, rows in self.groups:
+            pair = adapter.layers[layer][target]
+            if pair is None:
+                continue
+            a, b = pair
+            if isinstance(rows, slice):
+                out[rows] += (x[rows] @ a.t()) @ b.t()
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+        return out
+
+
+def lora_batch(
+    adapters: Mapping[str, LoRAAdapter], rows_by_name: Mapping[str, Sequence[tuple[int, int]]], device: torch.device
+) -> LoRABatch:
+    """The batch's adapters from each adapter's runs of rows ``[start, end)`` (consecutive runs merged)."""
+    groups: list[tuple[LoRAAdapter, slice | torch.Tensor]] = []
+    for name, runs in rows_by_name.items():
+        merged: list[list[int]] = []
+        for start, end in sorted(runs):
+            if merged and merged[-1][1] == start:
+                merged[-1][1] = end
+            else:
+                merged.append([start, end])
+        if len(merged) == 1:
+            groups.append((adapters[name], slice(merged[0][0], merged[0][1])))
+        else:
+            index = [i for start, end in merged for i in range(start, end)]
+            groups.append((adapters[name], torch.tensor(index, dtype=torch.long, device=device)))
+    return LoRABatch(groups)

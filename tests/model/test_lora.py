@@ -1,0 +1,271 @@
+"""LoRA adapters compute what PEFT computes on transformers' model with the same adapter, in batches that mix them.
+
+Adapters are made and saved by PEFT itself (random ``A`` and ``B``: ``init_lora_weights=False``), then served by
+the engine beside the base model; every prompt runs three times in one batch (base, adapter 1, adapter 2) and each
+output must equal transformers' (base) or PEFT's (adapters) greedy output token for token.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.core import EngineCore
+from boundless.engine.errors import InvalidRequestError
+from boundless.engine.sampling_params import SamplingParams
+from boundless.llm import LLM
+from boundless.model.loader import LoadedModel
+from boundless.model.lora import LoRAError, LoRAModule, LoRARequest, load_lora
+
+MAX_NEW = 10
+TEXTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog.",
+    "Agents call language models many times in a loop, with tools between the calls. " * 3,
+    "def add(a, b):\n    return a + b\n",
+]
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Adapter 1: every projection, rank 8. Adapter 2: attention only, rank 4, rsLoRA, its own alpha for v.
+ADAPTERS = {
+    "all8": {"r": 8, "lora_alpha": 16, "target_modules": ALL_MODULES},
+    "attn4": {
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "use_rslora": True,
+        "alpha_pattern": {"v_proj": 2},
+    },
+}
+
+
+def write_adapter(hf_model: Any, path: Path, seed: int, **lora_kwargs: Any) -> Any:
+    """Save a random PEFT adapter for ``hf_model`` (left unchanged) at ``path``; returns PEFT's model with it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(init_lora_weights=False, **lora_kwargs))
+    with torch.no_grad():  # PEFT's default init of B is as large as A's; keep the change a perturbation
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.5)
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+def _greedy_reference(model: Any, prompts: list[list[int]], device: torch.device) -> list[list[int]]:
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            seq = model.generate(
+                input_ids=torch.tensor([p], device=device),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(seq[0, len(p) :].tolist())
+    return outs
+
+
+class AdapterCase:
+    """A model, two adapters written by PEFT, and the reference outputs of all three."""
+
+    def __init__(self, loaded: LoadedModel, hf: Any, root: Path) -> None:
+        self.loaded = loaded
+        self.prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
+        self.paths = {name: root / name for name in ADAPTERS}
+        self.expected = {None: _greedy_reference(hf, self.prompts, loaded.device)}
+        for seed, (name, kwargs) in enumerate(ADAPTERS.items()):
+            peft_model = write_adapter(hf, self.paths[name], seed, **kwargs)
+            self.expected[name] = _greedy_reference(peft_model, self.prompts, loaded.device)
+            del peft_model
+
+    def engine(self, **model: Any) -> EngineCore:
+        modules = tuple(f"{name}={path}" for name, path in self.paths.items())
+        config = EngineConfig(
+            model=ModelConfig(max_model_len=512, enable_lora=True, lora_modules=modules, **model),
+            cache=CacheConfig(num_kv_blocks=256),
+            scheduler=SchedulerConfig(),
+        )
+        return EngineCore.from_model(self.loaded, config)
+
+
+_CASES: dict[str, AdapterCase] = {}
+
+
+def _case(name: str, load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathFactory) -> AdapterCase:
+    if name not in _CASES:
+        _CASES[name] = AdapterCase(load(name), hf_model(name), tmp_path_factory.mktemp(f"lora-{name}"))
+    return _CASES[name]
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "smollm2-135m"])
+def case(
+    request: pytest.FixtureRequest, load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathFactory
+) -> AdapterCase:
+    return _case(request.param, load, hf_model, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama(load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathFactory) -> AdapterCase:
+    """The tiny Llama's case, for what does not depend on the model (the API, scheduling, errors)."""
+    return _case("tiny-llama", load, hf_model, tmp_path_factory)
+
+
+def _run(core: EngineCore, jobs: list[tuple[str, list[int], str | None]]) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    for rid, prompt, lora in jobs:
+        core.add_request(rid, prompt, dataclasses.replace(params, lora_name=lora))
+    out: dict[str, list[int]] = {rid: [] for rid, _, _ in jobs}
+    while core.has_unfinished():
+        for delta in core.step():
+            out[delta.request_id].extend(delta.new_token_ids)
+    return out
+
+
+def test_mixed_batch_matches_peft(case: AdapterCase) -> None:
+    """Base, adapter 1 and adapter 2 requests of every prompt in one batch: each equals its reference."""
+    core = case.engine(max_loras=2)
+    names = [None, *ADAPTERS]
+    jobs = [(f"{name}-{i}", p, name) for i, p in enumerate(case.prompts) for name in names]
+    got = _run(core, jobs)
+    for name in names:
+        assert [got[f"{name}-{i}"] for i in range(len(case.prompts))] == case.expected[name], name
+    # The adapters change the outputs (else the test could not tell them apart).
+    assert case.expected["all8"] != case.expected[None]
+    assert case.expected["attn4"] != case.expected[None]
+
+
+def test_prefix_cache_keeps_adapters_apart(case: AdapterCase) -> None:
+    """A prompt cached by the base model is not a prefix hit for an adapter's request (its KV differs), but is for
+    the same adapter's next request; outputs stay equal to the references throughout."""
+    core = case.engine(max_loras=1)
+    prompt = case.prompts[2]
+    index = 2
+    first = _run(core, [("base", prompt, None)])
+    assert first["base"] == case.expected[None][index]
+    got = _run(core, [("a", prompt, "all8")])
+    assert got["a"] == case.expected["all8"][index]
+    cached_a = core.scheduler.stats.num_prompt_tokens_cached
+    assert cached_a == 0, "the adapter's request reused the base model's KV"
+    got = _run(core, [("a2", prompt, "all8")])
+    assert got["a2"] == case.expected["all8"][index]
+    assert core.scheduler.stats.num_prompt_tokens_cached > cached_a  # its own KV is found again
+
+
+def test_offline_lora_request(llama: AdapterCase) -> None:
+    """vLLM's offline form: ``LLM(enable_lora=True)`` and ``generate(..., lora_request=LoRARequest(...))``, the
+    adapter loaded on first use; a list gives one per prompt."""
+    from boundless.llm import engine_config
+
+    llm = LLM.from_config(engine_config(str(llama.loaded.path), enable_lora=True, max_model_len=256), llama.loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    lora = LoRARequest("all8", 1, str(llama.paths["all8"]))
+    outs = llm.generate(llama.prompts[:2], params, lora_request=lora)
+    assert [o.outputs[0].token_ids for o in outs] == llama.expected["all8"][:2]
+    outs = llm.generate(llama.prompts[:2], params, lora_request=[None, lora])
+    assert [o.outputs[0].token_ids for o in outs] == [llama.expected[None][0], llama.expected["all8"][1]]
+
+
+def test_max_loras_bounds_a_step(llama: AdapterCase) -> None:
+    """With ``max_loras=1`` a step holds one adapter's requests (and the base model's); the others wait."""
+    core = llama.engine(max_loras=1)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i, lora in enumerate([None, "all8", "attn4", "all8"]):
+        core.add_request(str(i), llama.prompts[0], dataclasses.replace(params, lora_name=lora))
+    seen: list[set[str]] = []
+    while core.has_unfinished():
+        sched = core.schedule()
+        seen.append({c.sampling_params.lora_name for c in sched.chunks} - {None})
+        core.finish_step(sched, core.execute(sched))
+    assert all(len(s) <= 1 for s in seen)
+    assert {"all8"} in seen and {"attn4"} in seen
+
+
+def test_unknown_adapter_and_disabled_lora(llama: AdapterCase) -> None:
+    core = llama.engine()
+    params = SamplingParams(max_tokens=2, lora_name="nope")
+    with pytest.raises(InvalidRequestError, match="'nope' is not loaded"):
+        core.add_request("x", llama.prompts[0], params)
+    plain = EngineCore.from_model(llama.loaded, EngineConfig(model=ModelConfig(max_model_len=256)))
+    with pytest.raises(LoRAError, match="--enable-lora"):
+        plain.add_lora(LoRARequest("all8", 1, str(llama.paths["all8"])))
+    assert core.remove_lora("attn4") and "attn4" not in core.loras
+    assert not core.remove_lora("attn4")
+
+
+# -- the loader's errors ------------------------------------------------------------------------
+
+
+def _broken_copy(src: Path, dst: Path, config: dict | None = None, edit: Callable[[dict], None] | None = None) -> Path:
+    dst.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg.update(config or {})
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    if edit is not None:
+        edit(tensors)
+    save_file(tensors, str(dst / "adapter_model.safetensors"))
+    return dst
+
+
+def _drop_first_b(tensors: dict) -> None:
+    del tensors[next(k for k in sorted(tensors) if "lora_B" in k)]
+
+
+def _add_head(tensors: dict) -> None:
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 4)
+
+
+def _bad_shape(tensors: dict) -> None:
+    key = next(k for k in sorted(tensors) if "lora_A" in k)
+    tensors[key] = torch.zeros(8, 3)
+
+
+@pytest.mark.parametrize(
+    ("config", "edit", "message"),
+    [
+        ({"use_dora": True}, None, "DoRA"),
+        ({"bias": "lora_only"}, None, "biases"),
+        ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+        ({"peft_type": "IA3"}, None, "not LORA"),
+        (None, _drop_first_b, "lacks lora_B"),
+        (None, _add_head, "not LoRA on a layer"),
+        (None, _bad_shape, "this model needs A"),
+    ],
+)
+def test_loader_refuses_what_it_cannot_apply(
+    llama: AdapterCase, tmp_path: Path, config: dict | None, edit: Callable | None, message: str
+) -> None:
+    path = _broken_copy(llama.paths["all8"], tmp_path / "bad", config, edit)
+    loaded = llama.loaded
+    with pytest.raises(LoRAError, match=message):
+        load_lora(LoRARequest("bad", 1, str(path)), loaded.arch, loaded.dtype, loaded.device, 16)
+
+
+def test_rank_limit_and_paths(llama: AdapterCase, tmp_path: Path) -> None:
+    loaded = llama.loaded
+    with pytest.raises(LoRAError, match="exceeds --max-lora-rank 4"):
+        load_lora(LoRARequest("all8", 1, str(llama.paths["all8"])), loaded.arch, loaded.dtype, loaded.device, 4)
+    with pytest.raises(LoRAError, match="not a directory"):
+        load_lora(LoRARequest("x", 1, str(tmp_path / "missing")), loaded.arch, loaded.dtype, loaded.device, 16)
+    with pytest.raises(LoRAError, match=r"no adapter_config\.json"):
+        load_lora(LoRARequest("x", 1, str(tmp_path)), loaded.arch, loaded.dtype, loaded.device, 16)
+
+
+def test_lora_modules_parse() -> None:
+    assert LoRAModule.parse("sql=/a/b") == LoRAModule("sql", "/a/b")
+    assert LoRAModule.parse('{"name": "sql", "path": "/a/b", "base_model_name": "x"}') == LoRAModule("sql", "/a/b")
+    for bad in ("sql", "=/a", '{"name": 1}', "{nope"):
+        with pytest.raises(LoRAError):
+            LoRAModule.parse(bad)
