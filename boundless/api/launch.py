@@ -105,5 +105,7 @@ class ServerThread:
         self.thread.join(timeout=10)
 
 
-def start_in_thread(client: EngineClient, model_name: str, config: ServerConfig | None = None) -> ServerThread:
-    return ServerThread(build_app(client, model_name, config)).start()
+def start_in_thread(
+    client: EngineClient, model_name: str, config: ServerConfig | None = None, loras: dict[str, str] | None = None
+) -> ServerThread:
+    return ServerThread(build_app(client, model_name, config, loras)).start()

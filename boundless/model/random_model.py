@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from boundless.model.arch import ModelArch
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -161,4 +163,45 @@ def write_random_model(
         "model_max_length": spec.max_position_embeddings,
     }
     (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return root
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_random_lora(
+    path: str | Path,
+    arch: ModelArch,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    std: float = 0.05,
+    seed: int = 0,
+) -> Path:
+    """Write a random LoRA adapter for a model of ``arch`` at ``path`` in PEFT's layout (``adapter_config.json``,
+    ``adapter_model.safetensors``: what ``save_pretrained`` writes), for tests and benchmarks of adapters."""
+    g = torch.Generator().manual_seed(seed)
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    shapes = {  # (in, out) of each projection
+        "q_proj": (arch.hidden_size, q),
+        "k_proj": (arch.hidden_size, kv),
+        "v_proj": (arch.hidden_size, kv),
+        "o_proj": (q, arch.hidden_size),
+        "gate_proj": (arch.hidden_size, arch.intermediate_size),
+        "up_proj": (arch.hidden_size, arch.intermediate_size),
+        "down_proj": (arch.intermediate_size, arch.hidden_size),
+    }
+    tensors = {}
+    for layer in range(arch.num_layers):
+        for module in targets:
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            fan_in, fan_out = shapes[module]
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(root / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none"}
+    (root / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return root

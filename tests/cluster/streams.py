@@ -16,20 +16,25 @@ Beside = Callable[[asyncio.Event], Awaitable[None]]
 
 
 def stream_all(
-    url: str, prompts: list[list[int]], max_tokens: int, beside: Beside, timeout_s: float = 240.0
+    url: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    beside: Beside,
+    timeout_s: float = 240.0,
+    models: list[str] | None = None,
 ) -> list[str]:
     """Each prompt's greedy text, streamed from ``url`` at once; ``beside(started)`` runs beside them (``started`` is
-    set once each stream has text)."""
+    set once each stream has text). ``models``: each prompt's served model (default: ``tiny``)."""
 
     async def run() -> list[str]:
         api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         started = asyncio.Event()
         count = 0
 
-        async def one(prompt: list[int]) -> str:
+        async def one(prompt: list[int], model: str) -> str:
             nonlocal count
             stream = await api.completions.create(
-                model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
             parts = []
@@ -41,7 +46,8 @@ def stream_all(
                         started.set()
             return "".join(parts)
 
-        results = await asyncio.gather(*(one(p) for p in prompts), beside(started))
+        names = models or ["tiny"] * len(prompts)
+        results = await asyncio.gather(*(one(p, m) for p, m in zip(prompts, names, strict=True)), beside(started))
         await api.close()
         return list(results[: len(prompts)])
 

@@ -269,3 +269,43 @@ def test_lora_modules_parse() -> None:
     for bad in ("sql", "=/a", '{"name": 1}', "{nope"):
         with pytest.raises(LoRAError):
             LoRAModule.parse(bad)
+
+
+def test_served_adapters(llama: AdapterCase) -> None:
+    """The OpenAI server serves each adapter as a model of its own (vLLM's ``/v1/models`` entry: root, parent): the
+    real ``openai`` client's requests for the base model and both adapters, at once, each get their reference text;
+    an unknown model gets a 404."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from boundless.api.launch import start_in_thread
+    from boundless.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(llama.engine(max_loras=2))
+    server = start_in_thread(engine, "tiny", loras={name: str(path) for name, path in llama.paths.items()})
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    tokenizer = llama.loaded.tokenizer
+    try:
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {"tiny", *ADAPTERS}
+        assert models["all8"].model_extra["parent"] == "tiny"
+        assert models["all8"].model_extra["root"] == str(llama.paths["all8"])
+
+        def complete(model: str, prompt: list[int]) -> str:
+            reply = client.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True}
+            )
+            return reply.choices[0].text
+
+        jobs = [(name, i) for i in range(len(llama.prompts)) for name in (None, *ADAPTERS)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            texts = list(pool.map(lambda job: complete(job[0] or "tiny", llama.prompts[job[1]]), jobs))
+        for (name, i), text in zip(jobs, texts, strict=True):
+            # (A random model's output may end inside a character, which the stream holds back.)
+            assert text == tokenizer.decode(llama.expected[name][i]).rstrip("\ufffd"), (name, i)
+        with pytest.raises(openai.NotFoundError, match="'tiny', 'all8', 'attn4'"):
+            complete("nope", llama.prompts[0])
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -1,0 +1,61 @@
+"""LoRA adapters on a 2-instance Ray cluster: every instance loads ``--lora-modules``, a request runs with its adapter
+wherever it is routed, and after its instance dies it resumes on the other with the same adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from streams import kill_once_started, stream_all
+
+from boundless import LLM, SamplingParams
+from boundless.api.launch import start_in_thread
+from boundless.cluster.client import ClusterClient
+from boundless.config import ClusterConfig
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel
+from boundless.model.random_model import write_random_lora
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_adapter_requests_survive_an_instance_death(
+    model_dirs: dict[str, Path], tiny_llama: LoadedModel, tmp_path: Path
+) -> None:
+    import ray
+
+    adapter = write_random_lora(tmp_path / "ad", tiny_llama.arch, rank=8, std=0.3)
+    config = engine_config(
+        str(model_dirs["tiny-llama"]),
+        max_model_len=1024,
+        kv_cache_gb=0.05,
+        enable_lora=True,
+        lora_modules=(f"ad={adapter}",),
+    )
+    prompts = [[30 + i, 31, 32, 33, 34] for i in range(8)]
+    models = ["ad" if i % 2 else "tiny" for i in range(len(prompts))]
+    max_tokens = 200
+    # One engine in this process: the reference.
+    llm = LLM.from_config(config, tiny_llama)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    per_prompt = [dataclasses.replace(params, lora_name=None if m == "tiny" else m) for m in models]
+    expected = [r.outputs[0].text for r in llm.generate(prompts, per_prompt)]
+    base = [r.outputs[0].text for r in llm.generate(prompts[1::2], params)]
+    assert base != expected[1::2]  # the adapter changes the outputs
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = ClusterConfig(instances=2, heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, max_restarts=0)
+    client = ClusterClient(config, cluster)
+    server = start_in_thread(client, "tiny", loras={"ad": str(adapter)})
+    try:
+        victim = client.instances["1"].info
+        assert victim is not None
+        texts = stream_all(server.url, prompts, max_tokens, kill_once_started(victim.pid), models=models)
+        assert client.dispatcher.num_failovers > 0  # the dead instance had streams in flight
+        assert texts == expected
+    finally:
+        server.stop()
+        client.shutdown()
+        ray.shutdown()
