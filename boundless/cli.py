@@ -101,6 +101,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         spec.run(args)
         return 0
+    if args.bench_kind == "lora":
+        from boundless.bench import lora
+
+        lora.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -224,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_spec.add_arguments(spec)
     add_engine_flags(spec)
     spec.set_defaults(func=_bench)
+    from boundless.bench import lora as bench_lora
+
+    lora = bench_sub.add_parser("lora", help="LoRA adapters in one batch against PEFT's mixed-adapter batches")
+    bench_lora.add_arguments(lora)
+    add_engine_flags(lora)
+    lora.set_defaults(func=_bench)
     return parser
 
 

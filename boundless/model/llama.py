@@ -239,10 +239,14 @@ class DecoderLayer(nn.Module):
         attention: AttentionBackend,
         cache: tuple[torch.Tensor, torch.Tensor],
         attn_meta: Any,
+        lora: LoRABatch | None = None,
+        index: int = 0,
     ) -> torch.Tensor:
         """The native CPU path (fp32, weights packed); updates ``hidden`` in place."""
         packed = self.packed
         assert packed is not None
+        if lora is not None:
+            return self._forward_packed_lora(hidden, step, attention, cache, attn_meta, lora, index)
         rope = step.rope
         cpu_kernels.layer_in(
             hidden, self.input_norm.weight, self.input_norm.eps, step.x, packed.qkv, step.qkv,
@@ -255,6 +259,43 @@ class DecoderLayer(nn.Module):
             attn, hidden, packed.o, self.post_attention_norm.weight, self.post_attention_norm.eps, step.x,
             packed.gate_up, step.act, packed.down,
         )  # fmt: skip
+        return hidden
+
+    def _forward_packed_lora(
+        self,
+        hidden: torch.Tensor,
+        step: _PackedStep,
+        attention: AttentionBackend,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        attn_meta: Any,
+        lora: LoRABatch,
+        index: int,
+    ) -> torch.Tensor:
+        """The native path with LoRA adapters: the fused calls taken apart so that each projection's adapter rows
+        are added where the projection ends. RoPE is linear, so q and k rotate after their adapters' share is added,
+        as transformers does. Gate/up's native kernel returns the activation, so when an adapter changes gate or up
+        that matmul runs in PyTorch."""
+        packed = self.packed
+        assert packed is not None
+        rope, x, qkv = step.rope, step.x, step.qkv
+        cpu_kernels.rms_norm(hidden, self.input_norm.weight, self.input_norm.eps, x)
+        packed.qkv.matmul(x, qkv)
+        lora.add_(index, QKV, x, qkv)
+        cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, step.positions, rope.cos, rope.sin)
+        attn = attention.forward(step.q, step.k, step.v, cache, attn_meta).view(x.shape[0], -1)
+        if attn.stride(1) != 1 or attn.stride(0) != attn.shape[1]:
+            attn = attn.contiguous()
+        packed.o.matmul(attn, hidden, accumulate=True)
+        lora.add_(index, O_PROJ, attn, hidden)
+        cpu_kernels.rms_norm(hidden, self.post_attention_norm.weight, self.post_attention_norm.eps, x)
+        if lora.touches(index, GATE_UP):
+            gate_up = lora.add_(index, GATE_UP, x, linear(x, self.gate_up_weight))
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = torch.mul(F.silu(gate, inplace=True), up, out=step.act)
+        else:
+            act = packed.gate_up.matmul(x, step.act)
+        packed.down.matmul(act, hidden, accumulate=True)
+        lora.add_(index, DOWN, act, hidden)
         return hidden
 
 
@@ -341,8 +382,7 @@ class LlamaModel(nn.Module):
         """Final hidden states [tokens, hidden] of a flat batch. ``on_layer(i)`` is called once layer ``i`` has
         stored the step's KV (a prefill engine streams it to a decode engine meanwhile); ``before_layer(i)``
         before layer ``i`` reads any KV (a layerwise load waits there for that layer to arrive). ``lora``: the LoRA
-        adapters of the step's requests and their rows (``model/lora.py``); such a step runs the PyTorch path on the
-        CPU (the native layers fuse each projection with what follows it)."""
+        adapters of the step's requests and their rows (``model/lora.py``)."""
         assert self.rope is not None, "call prepare first"
         hidden = self.embed_tokens(input_ids)
         if getattr(attention, "fused_layers", False):  # a GPU backend: the layers' fused Triton kernels too
@@ -357,9 +397,8 @@ class LlamaModel(nn.Module):
                 if on_layer is not None:
                     on_layer(i)
             return triton_ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
-        native = self._packed_key is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
-        if native and lora is None:
-            return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta, on_layer, before_layer)
+        if self._packed_key is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta, on_layer, before_layer, lora)
         cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
@@ -378,6 +417,7 @@ class LlamaModel(nn.Module):
         attn_meta: Any,
         on_layer: Callable[[int], None] | None = None,
         before_layer: Callable[[int], None] | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         rope = self.rope
         assert rope is not None
@@ -389,7 +429,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
-            hidden = layer.forward_packed(hidden, step, attention, kv_cache.layer(i), attn_meta)
+            hidden = layer.forward_packed(hidden, step, attention, kv_cache.layer(i), attn_meta, lora, i)
             if on_layer is not None:
                 on_layer(i)
         return cpu_kernels.rms_norm(hidden, self.norm.weight, self.norm.eps, torch.empty_like(hidden))

@@ -246,6 +246,10 @@ class LoRABatch:
     def __init__(self, groups: Sequence[tuple[LoRAAdapter, slice | torch.Tensor]]) -> None:
         self.groups = list(groups)
 
+    def touches(self, layer: int, target: int) -> bool:
+        """Whether an adapter of the batch changes that fused matrix of that layer."""
+        return any(adapter.layers[layer][target] is not None for adapter, _ in self.groups)
+
     def add_(self, layer: int, target: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out[rows] += (x[rows] @ A.T) @ B.T`` for each adapter's rows (``out`` may be a view); returns ``out``."""
         for adapter, rows in self.groups:

@@ -146,6 +146,19 @@ def test_mixed_batch_matches_peft(case: AdapterCase) -> None:
     assert case.expected["attn4"] != case.expected[None]
 
 
+def test_mixed_batch_on_the_pytorch_path(llama: AdapterCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on the layers' PyTorch path (other dtypes and devices; the test above takes the native CPU path)."""
+    from boundless.model import llama as llama_module
+
+    monkeypatch.setattr(llama_module.cpu_kernels, "usable", lambda t: False)
+    core = llama.engine(max_loras=2)
+    assert all(layer.packed is None for layer in llama.loaded.model.layers)
+    names = [None, *ADAPTERS]
+    got = _run(core, [(f"{name}-{i}", p, name) for i, p in enumerate(llama.prompts) for name in names])
+    for name in names:
+        assert [got[f"{name}-{i}"] for i in range(len(llama.prompts))] == llama.expected[name], name
+
+
 def test_prefix_cache_keeps_adapters_apart(case: AdapterCase) -> None:
     """A prompt cached by the base model is not a prefix hit for an adapter's request (its KV differs), but is for
     the same adapter's next request; outputs stay equal to the references throughout."""
