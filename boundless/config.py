@@ -452,6 +452,13 @@ class ServerConfig:
     max_stored_responses: int = field(
         default=1024, metadata={"help": "finished /v1/responses kept for previous_response_id and GET (oldest dropped)"}
     )
+    allow_runtime_lora_updating: bool = field(
+        default=False,
+        metadata={
+            "help": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; with "
+            "--enable-lora and one instance)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, "port", "must be in 1..65535")

@@ -18,7 +18,8 @@ from typing import Any, Protocol, TypeVar
 
 import jinja2
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import ASGIApp
 
 from boundless.api.errors import APIError, install_error_handlers
@@ -45,6 +46,7 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.structured_output import StructuredOutput, check_structured_output
+from boundless.model.lora import LoRAError, LoRARequest
 from boundless.programs.ref import ProgramRef
 
 T = TypeVar("T")
@@ -271,6 +273,7 @@ class OpenAIServer:
         self.client = client
         self.model_name = model_name
         self.loras = dict(loras or {})  # served LoRA adapters: name -> path (--lora-modules)
+        self.lora_ids = {name: i for i, name in enumerate(self.loras, start=1)}  # as EngineCore.from_model numbers them
         if model_name in self.loras:
             raise ValueError(f"--lora-modules: the adapter name {model_name!r} is the served model's name")
         self.config = config
@@ -838,6 +841,60 @@ async def cluster(request: Request) -> Response:
 @routes.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(_server(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class LoadLoRARequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None  # (vLLM's; the name identifies the adapter)
+
+
+def _runtime_lora_updates(server: OpenAIServer) -> Any:
+    """The engine client that loads adapters at run time, or the error that says why there is none."""
+    if not server.config.allow_runtime_lora_updating:
+        raise APIError(404, "runtime LoRA updating is off: start the server with --allow-runtime-lora-updating")
+    if not hasattr(server.client, "add_lora"):
+        raise APIError(400, "runtime LoRA updating needs a single engine instance; use --lora-modules with a cluster")
+    return server.client
+
+
+@routes.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> Response:
+    """vLLM's route: load an adapter, served from now on as a model named ``lora_name``."""
+    server = _server(request)
+    client = _runtime_lora_updates(server)
+    name = body.lora_name
+    if name == server.model_name or name in server.loras:
+        raise APIError(400, f"the LoRA adapter {name!r} has already been loaded", "lora_name")
+    lora_id = 1 + max(server.lora_ids.values(), default=0)
+    try:
+        await asyncio.to_thread(client.add_lora, LoRARequest(name, lora_id, body.lora_path))
+    except LoRAError as e:
+        raise APIError(400, str(e), "lora_path") from e
+    server.loras[name] = body.lora_path
+    server.lora_ids[name] = lora_id
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@routes.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> Response:
+    """vLLM's route: unload an adapter (refused while unfinished requests run with it)."""
+    server = _server(request)
+    client = _runtime_lora_updates(server)
+    name = body.lora_name
+    if name not in server.loras:
+        raise APIError(404, f"the LoRA adapter {name!r} is not loaded", "lora_name", "model_not_found")
+    try:
+        await asyncio.to_thread(client.remove_lora, name)
+    except LoRAError as e:
+        raise APIError(400, str(e), "lora_name") from e
+    del server.loras[name]
+    server.lora_ids.pop(name, None)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 @routes.post("/v1/chat/completions")

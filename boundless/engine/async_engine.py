@@ -26,6 +26,7 @@ from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.engine.step_watch import StepReport, StepWatch
 from boundless.engine.structured_output import check_structured_output
+from boundless.model.lora import LoRARequest
 from boundless.programs.ref import ProgramRef
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,16 @@ class EngineLoop:
     def stats(self) -> dict[str, EngineStats]:
         with self.lock:
             return {"0": self.core.stats()}
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load a LoRA adapter between steps (``EngineCore.add_lora``)."""
+        with self.lock:
+            self.core.add_lora(lora)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload an adapter between steps; False if none has that name (``EngineCore.remove_lora``)."""
+        with self.lock:
+            return self.core.remove_lora(name)
 
     def cluster_info(self) -> list[dict]:
         """The one instance, as ``GET /cluster`` lists instances."""

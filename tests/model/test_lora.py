@@ -322,3 +322,55 @@ def test_served_adapters(llama: AdapterCase) -> None:
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_adapters_loaded_at_run_time(llama: AdapterCase, tmp_path: Path) -> None:
+    """vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``--allow-runtime-lora-updating``): a loaded
+    adapter is listed and served with its reference output, bad loads get a 400 that says why, and an unloaded one is
+    a 404 again; with the flag off the routes are a 404."""
+    import httpx
+    import openai
+
+    from boundless.api.launch import start_in_thread
+    from boundless.config import ServerConfig
+    from boundless.engine.async_engine import AsyncEngine
+
+    config = EngineConfig(model=ModelConfig(max_model_len=512, enable_lora=True), cache=CacheConfig(num_kv_blocks=128))
+    engine = AsyncEngine(EngineCore.from_model(llama.loaded, config))
+    server = start_in_thread(engine, "tiny", ServerConfig(allow_runtime_lora_updating=True))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    path = str(llama.paths["all8"])
+
+    def complete(model: str) -> str:
+        reply = client.completions.create(
+            model=model, prompt=llama.prompts[1], max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True}
+        )
+        return reply.choices[0].text
+
+    try:
+        with pytest.raises(openai.NotFoundError):
+            complete("sql")
+        loaded = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": path})
+        assert loaded.status_code == 200 and "added" in loaded.text
+        assert {m.id for m in client.models.list().data} == {"tiny", "sql"}
+        assert complete("sql") == llama.loaded.tokenizer.decode(llama.expected["all8"][1]).rstrip("\ufffd")
+        again = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": path})
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        bad = httpx.post(
+            server.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(tmp_path / "none")}
+        )
+        assert bad.status_code == 400 and "not a directory" in bad.json()["error"]["message"]
+        gone = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert gone.status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            complete("sql")
+        assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 404
+    finally:
+        server.stop()
+    off = start_in_thread(engine, "tiny")
+    try:
+        refused = httpx.post(off.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": path})
+        assert refused.status_code == 404 and "--allow-runtime-lora-updating" in refused.json()["error"]["message"]
+    finally:
+        off.stop()
+        engine.shutdown()
