@@ -75,9 +75,10 @@ class ModelRunner:
         return self.loras.pop(name, None) is not None
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
-        """Lay the step out flat, decodes first (the attention backend batches them)."""
+        """Lay the step out flat, decodes first (the attention backend batches them), each LoRA adapter's requests
+        together (its rows one run: no gather and scatter around its matmuls)."""
         bs = self.kv_cache.block_size
-        chunks = sorted(sched.chunks, key=lambda c: len(c.token_ids) != 1)
+        chunks = sorted(sched.chunks, key=_layout_order)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -206,3 +207,8 @@ class ModelRunner:
             else:
                 i += 1
         return first, later
+
+
+def _layout_order(chunk: ScheduledChunk) -> tuple[bool, str]:
+    lora = chunk.sampling_params.lora_name
+    return len(chunk.token_ids) != 1, "" if lora is None else lora

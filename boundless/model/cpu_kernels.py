@@ -125,6 +125,29 @@ class PackedWeight:
         )
         return out
 
+    def glu_halves(self, x: torch.Tensor) -> torch.Tensor:
+        """A GLU weight's ``x @ [gate; up].T (+ bias)`` before the activation, [*, 2I] with the gates first: the
+        packed matmul stores each panel's 12 gate and 12 up features side by side, which are put back in order
+        (LoRA adds its share to gate and up before SiLU)."""
+        assert self.glu and _rows_ok(x) and x.shape[1] == self.in_features and x.dtype == torch.float32
+        m, width = x.shape[0], self.packed.numel() // self.in_features  # panels x 24 columns
+        raw = torch.empty(m, width, dtype=torch.float32)
+        _lib().bl_gemm(
+            x.data_ptr(),
+            x.stride(0),
+            m,
+            self.in_features,
+            self.packed.data_ptr(),
+            width,
+            None if self.bias is None else self.bias.data_ptr(),
+            raw.data_ptr(),
+            raw.stride(0),
+            STORE,
+            native.threads(),
+        )
+        halves = raw.view(m, width // _PANEL, 2, _PANEL // 2).transpose(1, 2).reshape(m, 2, -1)
+        return halves[:, :, : self.out_features].reshape(m, 2 * self.out_features)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps))`` row by row, into ``out``."""

@@ -274,7 +274,7 @@ class DecoderLayer(nn.Module):
         """The native path with LoRA adapters: the fused calls taken apart so that each projection's adapter rows
         are added where the projection ends. RoPE is linear, so q and k rotate after their adapters' share is added,
         as transformers does. Gate/up's native kernel returns the activation, so when an adapter changes gate or up
-        that matmul runs in PyTorch."""
+        the matmul stores gate and up (``glu_halves``) and the activation follows in PyTorch."""
         packed = self.packed
         assert packed is not None
         rope, x, qkv = step.rope, step.x, step.qkv
@@ -289,7 +289,7 @@ class DecoderLayer(nn.Module):
         lora.add_(index, O_PROJ, attn, hidden)
         cpu_kernels.rms_norm(hidden, self.post_attention_norm.weight, self.post_attention_norm.eps, x)
         if lora.touches(index, GATE_UP):
-            gate_up = lora.add_(index, GATE_UP, x, linear(x, self.gate_up_weight))
+            gate_up = lora.add_(index, GATE_UP, x, packed.gate_up.glu_halves(x))
             gate, up = gate_up.chunk(2, dim=-1)
             act = torch.mul(F.silu(gate, inplace=True), up, out=step.act)
         else:

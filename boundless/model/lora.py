@@ -238,7 +238,7 @@ def load_lora(
 
 
 class LoRABatch:
-    """The adapters of one forward pass and the rows (flat-batch tokens) each applies to.
+    """The adapters of one forward pass and the rows (flat-batch tokens) each applies to, a pair of matmuls each.
 
     ``groups``: pairs of an adapter and its rows, a slice when they are one run (the usual case: a request's tokens
     are consecutive), else an index tensor."""

@@ -44,6 +44,14 @@ def test_packed_glu(shape: tuple[int, int, int]) -> None:
     packed = cpu_kernels.PackedWeight(w, glu=True)
     gate, up = F.linear(x.double(), w.double()).chunk(2, dim=-1)
     torch.testing.assert_close(packed.matmul(x).double(), F.silu(gate) * up, rtol=1e-5, atol=1e-4)
+    # Before the activation (LoRA adds its share there), gates first, with and without a bias; sizes not a multiple of
+    # the panel's 12 features leave padding that must not show.
+    bias = torch.randn(two_i, generator=gen)
+    for b in (None, bias):
+        halves = cpu_kernels.PackedWeight(w, b, glu=True).glu_halves(x)
+        torch.testing.assert_close(
+            halves.double(), F.linear(x.double(), w.double(), None if b is None else b.double()), rtol=1e-5, atol=1e-4
+        )
 
 
 def test_packed_matmul_strided_rows_and_storage() -> None:
