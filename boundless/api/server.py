@@ -40,7 +40,7 @@ from boundless.api.validation import (
     require_token_ids,
     require_valid_text,
 )
-from boundless.config import ServerConfig
+from boundless.config import ConfigError, ServerConfig
 from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
@@ -275,7 +275,7 @@ class OpenAIServer:
         self.loras = dict(loras or {})  # served LoRA adapters: name -> path (--lora-modules)
         self.lora_ids = {name: i for i, name in enumerate(self.loras, start=1)}  # as EngineCore.from_model numbers them
         if model_name in self.loras:
-            raise ValueError(f"--lora-modules: the adapter name {model_name!r} is the served model's name")
+            raise ConfigError(f"--lora-modules: the adapter name {model_name!r} is the served model's name")
         self.config = config
         self.metrics = ServerMetrics(client.stats, getattr(client, "cluster_metrics", None))
         client.add_finished_listener(self._observe)

@@ -263,19 +263,19 @@ class EngineCore:
     # -- LoRA adapters -----------------------------------------------------------------------
 
     def add_lora(self, lora: LoRARequest) -> None:
-        """Load a LoRA adapter (``model/lora.py``); requests name it by ``SamplingParams.lora_name``. Loading one
-        already loaded under that name again does nothing."""
+        """Load a LoRA adapter (``model/lora.py``); requests name it by ``SamplingParams.lora_name``. A name already
+        loaded is kept as it is (vLLM's rule), whatever the path: unload it first to replace it."""
         if not self.config.model.enable_lora:
             raise LoRAError("LoRA adapters need --enable-lora (LLM(..., enable_lora=True))")
         if lora.lora_name in self.loras:
             return
         digest = self.executor.add_lora(lora, self.config.model.max_lora_rank)
-        self.loras[lora.lora_name] = hashlib.sha256(f"{self.identity.fingerprint}:lora:{digest}".encode()).hexdigest()[
-            :16
-        ]
+        namespace = hashlib.sha256(f"{self.identity.fingerprint}:lora:{digest}".encode()).hexdigest()
+        self.loras[lora.lora_name] = namespace[:16]
 
     def remove_lora(self, name: str) -> bool:
-        """Unload an adapter; False if none has that name. One that unfinished requests run with stays."""
+        """Unload an adapter; False if none has that name. Refused (``LoRAError``) while unfinished requests run with
+        it."""
         if name not in self.loras:
             return False
         users = sum(1 for r in self.scheduler.requests.values() if r.sampling_params.lora_name == name)

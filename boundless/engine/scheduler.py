@@ -295,10 +295,8 @@ class Scheduler:
             if self._held_back(request):
                 continue  # its blocks are on their way (from the store or a peer), or its first token is
             lora = request.sampling_params.lora_name
-            if lora is not None and self.max_loras is not None and lora not in loras:
-                if len(loras) >= self.max_loras:
-                    continue  # the step's adapters are taken: next step (it keeps any KV it holds)
-                loras.add(lora)
+            if lora is not None and self.max_loras is not None and lora not in loras and len(loras) >= self.max_loras:
+                continue  # the step's adapters are taken: next step (it keeps any KV it holds)
             cap = budget
             if caps is not None and _prefilling(request):
                 if request.request_id not in caps:
@@ -314,6 +312,8 @@ class Scheduler:
             chosen.append((request, num_new))
             chosen_ids.add(request.request_id)
             budget -= num_new
+            if lora is not None:
+                loras.add(lora)
         for request in self.running:
             if request.request_id not in chosen_ids and request.request_id in self._last_chosen:
                 self.stats.num_kept += 1
