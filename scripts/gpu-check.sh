@@ -2,7 +2,8 @@
 # The GPU checks of one device session (about 5 minutes on an H200), run from the repository root with
 # the device's own python3 (PyTorch, Triton, transformers; nothing installed): the Triton attention
 # kernels, the CUDA-graph runner, the transformers parity tests (speculative decoding's among them), speculative
-# decoding's own tests and DistAttention on the kernels on CUDA, then
+# decoding's own tests, LoRA adapters against PEFT (skipped unless PEFT's wheel travels in .whl: `pip download
+# --no-deps peft==0.21.2`) and DistAttention on the kernels on CUDA, then
 # `bench gpu`. The sampler's tests run on CUDA too: penalties (in the parity tests) and structured outputs, whose
 # xgrammar the device lacks: they skip unless its wheels travel in .whl (the device tool's README; for its Python
 # 3.12: `pip download --no-deps --only-binary=:all: --python-version 3.12 ... xgrammar==0.2.9
@@ -22,5 +23,6 @@ BOUNDLESS_TEST_DEVICE=cuda timeout 180 python3 -m pytest -p no:cacheprovider -q 
     tests/attention/test_triton_paged.py tests/engine/test_cuda_graphs.py tests/model/test_reference.py \
     "tests/engine/test_dist_attention.py::test_distattention_on_the_triton_kernels" \
     tests/engine/test_structured_output.py tests/engine/test_speculative.py tests/engine/test_suffix_decoding.py \
+    tests/model/test_lora.py \
     2>&1 | tee "$out/pytest.log" | tail -15
 timeout 270 python3 -m boundless.bench.gpu --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log" | tail -45

@@ -111,11 +111,11 @@ class LocalPDCluster(DispatcherFrontEnd):
             lambda: inst.prepare(prepare.request_id, prepare.prompt, prepare.params, prepare.program, prepare.plan)
         )
 
-    def _pe_holds(self, instance_id: str, prompt: list[int]) -> int:
-        """The leading blocks of ``prompt`` a prefill engine holds in memory; 0 when it cannot say (its Send will
-        fail, and the call fail over, as for any lost PE)."""
+    def _pe_holds(self, instance_id: str, prompt: list[int], lora_name: str | None) -> int:
+        """The leading blocks of ``prompt`` a prefill engine holds in memory (under LoRA adapter ``lora_name``); 0
+        when it cannot say (its Send will fail, and the call fail over, as for any lost PE)."""
         try:
-            return self.instances[instance_id].memory_prefix_blocks(prompt)
+            return self.instances[instance_id].memory_prefix_blocks(prompt, lora_name)
         except Exception:
             return 0
 

@@ -391,13 +391,19 @@ class EngineCore:
         if self._prefetches.pop(request_id, None) is not None:
             self.kv.claim_prefetch(request_id)
 
-    def memory_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
+    def memory_prefix_blocks(self, prompt_token_ids: list[int], lora_name: str | None = None) -> int:
         """How many leading full blocks of a prompt this engine holds in memory (device or host), a lookup that takes
-        nothing: a DE-read call's decode engine pushes only the blocks after them (``engine/handoff.py``)."""
+        nothing: a DE-read call's decode engine pushes only the blocks after them (``engine/handoff.py``). With
+        ``lora_name``, the blocks its LoRA adapter computed (none if the adapter is not loaded here)."""
+        fingerprint = None
+        if lora_name is not None:
+            fingerprint = self.loras.get(lora_name)
+            if fingerprint is None:
+                return 0
         if not self.kv.pool.enable_caching:
             return 0
         num_full = len(prompt_token_ids) // self.kv.block_size
-        return len(self.kv.memory_prefix(None, prompt_token_ids, num_full))
+        return len(self.kv.memory_prefix(None, prompt_token_ids, num_full, fingerprint=fingerprint))
 
     def prepare_intake(
         self,

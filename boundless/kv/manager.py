@@ -1210,14 +1210,19 @@ class KVCacheManager:
     # -- streams between instances (kv/remote_moves.py) ----------------------------------------------------
 
     def memory_prefix(
-        self, request_id: str | None, token_ids: Sequence[int], num_blocks: int, first: int = 0
+        self,
+        request_id: str | None,
+        token_ids: Sequence[int],
+        num_blocks: int,
+        first: int = 0,
+        fingerprint: str | None = None,
     ) -> list[BlockRef]:
         """The leading run of full blocks ``first`` to ``num_blocks`` of ``token_ids`` that memory holds (each on the
         device, else in host memory), without counting a lookup. ``request_id`` None: for no request here (its
-        block names are not kept)."""
+        block names are not kept), named with ``fingerprint`` (default: the model's; ``set_namespace``)."""
         head = num_blocks * self.block_size
         if request_id is None:
-            hashes = extend_block_hashes([], token_ids, self.block_size, self.fingerprint, head)
+            hashes = extend_block_hashes([], token_ids, self.block_size, fingerprint or self.fingerprint, head)
         else:
             hashes = self.block_hashes(request_id, token_ids, head)
         end = min(num_blocks, len(hashes))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from boundless.engine.core import EngineCore
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampling_params import SamplingParams
-from boundless.llm import LLM
+from boundless.llm import LLM, engine_config
 from boundless.model.loader import LoadedModel
 from boundless.model.lora import LoRAError, LoRAModule, LoRARequest, load_lora
 
@@ -49,7 +50,9 @@ ADAPTERS = {
 
 def write_adapter(hf_model: Any, path: Path, seed: int, **lora_kwargs: Any) -> Any:
     """Save a random PEFT adapter for ``hf_model`` (left unchanged) at ``path``; returns PEFT's model with it."""
-    from peft import LoraConfig, get_peft_model
+    # (The test extra installs PEFT; a GPU machine's own packages may lack it: scripts/gpu-check.sh's notes.)
+    peft = pytest.importorskip("peft")
+    LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
 
     torch.manual_seed(seed)
     model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(init_lora_weights=False, **lora_kwargs))
@@ -159,6 +162,31 @@ def test_mixed_batch_on_the_pytorch_path(llama: AdapterCase, monkeypatch: pytest
         assert [got[f"{name}-{i}"] for i in range(len(llama.prompts))] == llama.expected[name], name
 
 
+_ON_CPU = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu") == "cpu"  # (conftest's TEST_DEVICE)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow if _ON_CPU else ()) for n in ("tiny-llama", "tiny-qwen2")]
+)
+def test_mixed_batch_on_the_triton_kernels(
+    name: str, load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The GPU path's fused layers with adapters (on the CPU in Triton's interpreter); on CUDA, steps of the base
+    model alone replay CUDA graphs and steps with adapters run eagerly, in one run."""
+    from boundless.attention import triton_paged
+
+    case = _case(name, load, hf_model, tmp_path_factory)
+    if not triton_paged.available(case.loaded.device):
+        pytest.skip("triton unavailable")
+    core = case.engine(max_loras=2, attention_backend="triton")
+    names = [None, *ADAPTERS]
+    got = _run(core, [(f"{n}-{i}", p, n) for i, p in enumerate(case.prompts) for n in names])
+    for n in names:
+        assert [got[f"{n}-{i}"] for i in range(len(case.prompts))] == case.expected[n], n
+    got = _run(core, [(f"again-{i}", p, None) for i, p in enumerate(case.prompts)])  # the base model alone
+    assert [got[f"again-{i}"] for i in range(len(case.prompts))] == case.expected[None]
+
+
 def test_prefix_cache_keeps_adapters_apart(case: AdapterCase) -> None:
     """A prompt cached by the base model is not a prefix hit for an adapter's request (its KV differs), but is for
     the same adapter's next request; outputs stay equal to the references throughout."""
@@ -174,12 +202,17 @@ def test_prefix_cache_keeps_adapters_apart(case: AdapterCase) -> None:
     got = _run(core, [("a2", prompt, "all8")])
     assert got["a2"] == case.expected["all8"][index]
     assert core.scheduler.stats.num_prompt_tokens_cached > cached_a  # its own KV is found again
+    # What a prefill engine says it holds (a DE-read call's push starts after it) is counted per adapter too.
+    held = len(prompt) // core.kv.block_size
+    assert core.memory_prefix_blocks(prompt) == held
+    assert core.memory_prefix_blocks(prompt, "all8") == held
+    assert core.memory_prefix_blocks(prompt, "attn4") == 0  # loaded, never run on this prompt
+    assert core.memory_prefix_blocks(prompt, "nope") == 0
 
 
 def test_offline_lora_request(llama: AdapterCase) -> None:
     """vLLM's offline form: ``LLM(enable_lora=True)`` and ``generate(..., lora_request=LoRARequest(...))``, the
     adapter loaded on first use; a list gives one per prompt."""
-    from boundless.llm import engine_config
 
     llm = LLM.from_config(engine_config(str(llama.loaded.path), enable_lora=True, max_model_len=256), llama.loaded)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -319,6 +352,20 @@ def test_served_adapters(llama: AdapterCase) -> None:
             assert text == tokenizer.decode(llama.expected[name][i]).rstrip("\ufffd"), (name, i)
         with pytest.raises(openai.NotFoundError, match="'tiny', 'all8', 'attn4'"):
             complete("nope", llama.prompts[0])
+        # The Responses API and chat take the adapter the same way: each answer is the offline engine's under it.
+        messages = [{"role": "user", "content": "Name a city."}]
+        offline = LLM.from_config(
+            engine_config(str(llama.loaded.path), enable_lora=True, max_model_len=512), llama.loaded
+        )
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+        want = offline.chat(messages, greedy, lora_request=LoRARequest("attn4", 1, str(llama.paths["attn4"])))
+        want_text = want[0].outputs[0].text
+        response = client.responses.create(
+            model="attn4", input=messages[0]["content"], max_output_tokens=MAX_NEW, temperature=0
+        )
+        assert response.model == "attn4" and response.output_text == want_text
+        chat = client.chat.completions.create(model="attn4", messages=messages, max_tokens=MAX_NEW, temperature=0)
+        assert chat.choices[0].message.content == want_text
     finally:
         server.stop()
         engine.shutdown()
