@@ -134,6 +134,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
     reasoning: dict[str, Any] | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's (chat's field)
     # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers); by default the chain's.
     program_id: Identifier | None = None
     thread_id: Identifier | None = None
@@ -370,6 +371,7 @@ class ResponsesAPI:
                         "logprobs": logprobs,
                         "top_logprobs": body.top_logprobs if logprobs else None,
                         "user": body.user,
+                        "cache_salt": body.cache_salt,
                     }
                 )
             except ValidationError as e:  # (what was read above has the chat's shapes; a last guard)

@@ -118,6 +118,8 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: Bool = False
     # Each prompt token's logprob given the tokens before it, with this many alternatives (not -1, the vocabulary)
     prompt_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # vLLM's: the prefix cache shares KV only among requests with the same salt (multi-tenant privacy)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers)
     program_id: Identifier | None = None
     thread_id: Identifier | None = None

@@ -172,6 +172,7 @@ def sampling_params(
         logit_bias=tuple((int(t), b) for t, b in (body.logit_bias or {}).items()),
         structured=structured,
         lora_name=lora,
+        cache_salt=body.cache_salt,
     )
 
 

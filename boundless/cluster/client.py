@@ -203,7 +203,7 @@ class DispatcherFrontEnd:
         """Carry out a Prepare: under DE-read the prefill engine is asked first how much of the prompt it holds, so
         that the decode engine loads and pushes only the rest (``IntakePlan.pe_holds``)."""
         if prepare.plan.push_tag is not None and prepare.prefill_engine:
-            holds = self._pe_holds(prepare.prefill_engine, prepare.prompt, prepare.params.lora_name)
+            holds = self._pe_holds(prepare.prefill_engine, prepare.prompt, prepare.params)
             prepare = dataclasses.replace(prepare, plan=dataclasses.replace(prepare.plan, pe_holds=holds))
         answer = self._prepare(prepare)
         if isinstance(answer, AddResult):
@@ -216,7 +216,7 @@ class DispatcherFrontEnd:
     def _prepare(self, prepare: Prepare) -> PrepareResult | AddResult:
         raise NotImplementedError
 
-    def _pe_holds(self, instance_id: str, prompt: list[int], lora_name: str | None) -> int:
+    def _pe_holds(self, instance_id: str, prompt: list[int], params: SamplingParams) -> int:
         raise NotImplementedError
 
     def _continue(self, cont: Continue) -> AddResult:
@@ -555,13 +555,13 @@ class ClusterClient(DispatcherFrontEnd):
         call = actor.prepare.remote(prepare.request_id, prepare.prompt, prepare.params, prepare.program, prepare.plan)
         return self._answer(call, prepare.instance_id, prepare.request_id)
 
-    def _pe_holds(self, instance_id: str, prompt: list[int], lora_name: str | None) -> int:
-        """The leading blocks of ``prompt`` a prefill engine holds in memory (under LoRA adapter ``lora_name``); 0
-        when it does not answer (its Send will fail, and the call fail over, as for any lost PE)."""
+    def _pe_holds(self, instance_id: str, prompt: list[int], params: SamplingParams) -> int:
+        """The leading blocks of ``prompt`` a prefill engine holds in memory for a call with ``params`` (its adapter,
+        its cache salt); 0 when it does not answer (its Send will fail, and the call fail over, as for any lost PE)."""
         import ray
 
         try:
-            call = self.instances[instance_id].actor.memory_prefix_blocks.remote(prompt, lora_name)
+            call = self.instances[instance_id].actor.memory_prefix_blocks.remote(prompt, params)
             return int(ray.get(call, timeout=self.config.heartbeat_timeout_s))
         except Exception as e:
             log.warning("prefill engine %s did not say what it holds: %s", instance_id, type(e).__name__)

@@ -215,10 +215,10 @@ class EngineInstance:
             return PrepareResult("busy", message=str(e))
         return PrepareResult("ok", answer)
 
-    def memory_prefix_blocks(self, prompt_token_ids: list[int], lora_name: str | None = None) -> int:
+    def memory_prefix_blocks(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         """How many leading full blocks of a prompt this engine holds in memory: asked of a DE-read call's prefill
         engine before its decode engine is prepared, so that the decode engine pushes only the rest."""
-        return self.loop.memory_prefix_blocks(prompt_token_ids, lora_name)
+        return self.loop.memory_prefix_blocks(prompt_token_ids, params)
 
     def prefetch(self, request_id: str, prompt_token_ids: list[int]) -> int:
         """Read a call's stored KV into host memory before the call comes here (``EngineCore.prefetch``); returns the

@@ -40,6 +40,7 @@ from boundless.cluster.restarts import Restart
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import StreamRegistry
 from boundless.engine.core import EngineStats
+from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel
 from boundless.programs.process_table import ProcessTable
 
@@ -111,11 +112,11 @@ class LocalPDCluster(DispatcherFrontEnd):
             lambda: inst.prepare(prepare.request_id, prepare.prompt, prepare.params, prepare.program, prepare.plan)
         )
 
-    def _pe_holds(self, instance_id: str, prompt: list[int], lora_name: str | None) -> int:
-        """The leading blocks of ``prompt`` a prefill engine holds in memory (under LoRA adapter ``lora_name``); 0
-        when it cannot say (its Send will fail, and the call fail over, as for any lost PE)."""
+    def _pe_holds(self, instance_id: str, prompt: list[int], params: SamplingParams) -> int:
+        """The leading blocks of ``prompt`` a prefill engine holds in memory for a call with ``params`` (its adapter,
+        its cache salt); 0 when it cannot say (its Send will fail, and the call fail over, as for any lost PE)."""
         try:
-            return self.instances[instance_id].memory_prefix_blocks(prompt, lora_name)
+            return self.instances[instance_id].memory_prefix_blocks(prompt, params)
         except Exception:
             return 0
 

@@ -188,11 +188,11 @@ class EngineLoop:
         with self.lock:
             self.core.drop_prefetch(request_id)
 
-    def memory_prefix_blocks(self, prompt_token_ids: list[int], lora_name: str | None = None) -> int:
+    def memory_prefix_blocks(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         """How many leading full blocks of a prompt this engine holds in memory
         (``EngineCore.memory_prefix_blocks``)."""
         with self.lock:
-            return self.core.memory_prefix_blocks(prompt_token_ids, lora_name)
+            return self.core.memory_prefix_blocks(prompt_token_ids, params)
 
     def continue_request(self, request_id: str, resume: Resume) -> bool:
         """Give a prepared request its first token (``EngineCore.continue_request``)."""

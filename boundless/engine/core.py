@@ -391,15 +391,24 @@ class EngineCore:
         if self._prefetches.pop(request_id, None) is not None:
             self.kv.claim_prefetch(request_id)
 
-    def memory_prefix_blocks(self, prompt_token_ids: list[int], lora_name: str | None = None) -> int:
+    def kv_namespace(self, params: SamplingParams) -> str | None:
+        """The fingerprint that names the KV a request with ``params`` computes, when it is not the model's: its LoRA
+        adapter's, salted with its ``cache_salt``. None: the model's. (An adapter not loaded here: its name, which
+        names no block.)"""
+        if params.lora_name is None and params.cache_salt is None:
+            return None
+        base = self.identity.fingerprint
+        if params.lora_name is not None:
+            base = self.loras.get(params.lora_name, f"unloaded:{params.lora_name}")
+        if params.cache_salt is None:
+            return base
+        return hashlib.sha256(f"{base}:salt:{params.cache_salt}".encode()).hexdigest()[:16]
+
+    def memory_prefix_blocks(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         """How many leading full blocks of a prompt this engine holds in memory (device or host), a lookup that takes
         nothing: a DE-read call's decode engine pushes only the blocks after them (``engine/handoff.py``). With
-        ``lora_name``, the blocks its LoRA adapter computed (none if the adapter is not loaded here)."""
-        fingerprint = None
-        if lora_name is not None:
-            fingerprint = self.loras.get(lora_name)
-            if fingerprint is None:
-                return 0
+        ``params``, the blocks a request with them may use (its LoRA adapter's, its cache salt's)."""
+        fingerprint = self.kv_namespace(params) if params is not None else None
         if not self.kv.pool.enable_caching:
             return 0
         num_full = len(prompt_token_ids) // self.kv.block_size
@@ -498,11 +507,9 @@ class EngineCore:
             raise InvalidRequestError(f"logit_bias: token id {bad_bias} is not in [0, {vocab})", "logit_bias")
         if params.structured is not None:
             check_structured_output(params.structured)
-        namespace = None
-        if params.lora_name is not None:
-            namespace = self.loras.get(params.lora_name)
-            if namespace is None:
-                raise InvalidRequestError(f"LoRA adapter {params.lora_name!r} is not loaded", "model")
+        if params.lora_name is not None and params.lora_name not in self.loras:
+            raise InvalidRequestError(f"LoRA adapter {params.lora_name!r} is not loaded", "model")
+        namespace = self.kv_namespace(params)
         wanted = params.max_tokens or 1
         if len(prompt_token_ids) + wanted > self.max_model_len:
             raise InvalidRequestError(

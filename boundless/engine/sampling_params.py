@@ -72,6 +72,9 @@ class SamplingParams:
     # request's ``model`` (the server). It travels in the parameters, so that every path a request takes (another
     # instance after a failover, a decode engine after its prefill) runs it with the same weights.
     lora_name: str | None = None
+    # vLLM's ``cache_salt``: KV is shared through the prefix cache only among requests with the same salt (and none
+    # with none), so that one tenant cannot learn another's prompts from how fast its own are answered.
+    cache_salt: str | None = None
     # Whether a penalty needs the request's tokens so far; whether anything does (a grammar replays a handed-off
     # request's): the scheduler hands them to the sampler only then.
     penalized: bool = field(init=False, repr=False, compare=False, default=False)
@@ -151,6 +154,11 @@ class SamplingParams:
             where = self.structured.param
             self._check(where, not self.ignore_eos, f"{where} cannot go with ignore_eos")
             self._check(where, self.min_tokens == 0, f"{where} cannot go with min_tokens")
+        self._check(
+            "cache_salt",
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+            "cache_salt must be a non-empty string if given",
+        )
 
     @staticmethod
     def _check(param: str, ok: bool, message: str) -> None:

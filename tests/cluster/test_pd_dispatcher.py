@@ -367,7 +367,7 @@ class EnginesThatTakeEverything(DispatcherFrontEnd):
         self.sent.append(prepare)
         return PrepareResult("ok", IntakeAnswer(0, push_blocks=3))
 
-    def _pe_holds(self, instance_id: str, prompt: list[int], lora_name: str | None) -> int:
+    def _pe_holds(self, instance_id: str, prompt: list[int], params: SamplingParams) -> int:
         return 0
 
     def _add(self, send: Send) -> AddResult:

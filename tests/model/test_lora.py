@@ -205,9 +205,9 @@ def test_prefix_cache_keeps_adapters_apart(case: AdapterCase) -> None:
     # What a prefill engine says it holds (a DE-read call's push starts after it) is counted per adapter too.
     held = len(prompt) // core.kv.block_size
     assert core.memory_prefix_blocks(prompt) == held
-    assert core.memory_prefix_blocks(prompt, "all8") == held
-    assert core.memory_prefix_blocks(prompt, "attn4") == 0  # loaded, never run on this prompt
-    assert core.memory_prefix_blocks(prompt, "nope") == 0
+    assert core.memory_prefix_blocks(prompt, SamplingParams(lora_name="all8")) == held
+    assert core.memory_prefix_blocks(prompt, SamplingParams(lora_name="attn4")) == 0  # loaded, not run on this prompt
+    assert core.memory_prefix_blocks(prompt, SamplingParams(lora_name="nope")) == 0
 
 
 def test_offline_lora_request(llama: AdapterCase) -> None:
