@@ -919,11 +919,13 @@ def build_app(
     # (Imported here: the Responses routes are built on this module's chat path.)
     from boundless.api.responses import ResponsesAPI, ResponseStore
     from boundless.api.responses import routes as responses_routes
+    from boundless.api.tokenize import routes as tokenize_routes
 
     app.state.responses = ResponsesAPI(app.state.server, ResponseStore(config.max_stored_responses))
     install_error_handlers(app)
     app.include_router(routes)
     app.include_router(responses_routes)
+    app.include_router(tokenize_routes)
 
     outer: ASGIApp = BodyLimit(app, int(config.max_body_mb * (1 << 20)))
     if config.api_key:

@@ -1,0 +1,99 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``: the served model's tokenizer over HTTP.
+
+Agents use them to count a prompt against the context before sending it, or to build prompts as token ids. A
+``/tokenize`` body is either a completion's (``prompt``, special tokens added by default) or a chat's (``messages``
+and ``tools`` through the chat template, with the generation prompt by default, no special tokens added: the
+template writes its own), and the answer is what the completion or chat route would feed the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from boundless.api.errors import APIError
+from boundless.api.schemas import Bool, ChatCompletionRequest, Int
+from boundless.api.validation import require_token_ids
+
+routes = APIRouter()
+
+
+class TokenizePrompt(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: Bool = True
+    return_token_strs: Bool = False
+
+
+class TokenizeChat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: Bool = True
+    add_special_tokens: Bool = False
+    return_token_strs: Bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[Int]
+
+
+def _validated(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """``body`` as ``model``; a mismatch is the 400 that FastAPI's own body checks give (naming the field)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
+        raise RequestValidationError(errors, body=body) from None
+
+
+@routes.post("/tokenize")
+async def tokenize(body: dict[str, Any], request: Request) -> Response:
+    server = request.app.state.server
+    chat = "messages" in body
+    spec = _validated(TokenizeChat if chat else TokenizePrompt, body)
+    if spec.model is not None:
+        server.check_model(spec.model)  # (an adapter's name too: it shares the tokenizer)
+    tokenizer = server.tokenizer
+    if chat:
+        fields = {
+            "model": spec.model or server.model_name,
+            "messages": spec.messages,
+            "tools": spec.tools,
+            "add_generation_prompt": spec.add_generation_prompt,
+        }
+        tokens = server.chat_prompt(_validated(ChatCompletionRequest, fields))
+        if spec.add_special_tokens and tokenizer.bos_token_id is not None:
+            tokens = [tokenizer.bos_token_id, *tokens]
+    else:
+        tokens = tokenizer.encode(spec.prompt, add_special_tokens=spec.add_special_tokens)
+    return JSONResponse(
+        {
+            "count": len(tokens),
+            "max_model_len": server.client.max_model_len,
+            "tokens": tokens,
+            "token_strs": tokenizer.convert_ids_to_tokens(tokens) if spec.return_token_strs else None,
+        }
+    )
+
+
+@routes.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    server = request.app.state.server
+    if body.model is not None:
+        server.check_model(body.model)
+    require_token_ids(body.tokens, server.tokenizer.vocab_size, "tokens")
+    if not body.tokens:
+        raise APIError(400, "tokens must not be empty", "tokens", "invalid_value")
+    return JSONResponse({"prompt": server.tokenizer.decode(body.tokens, skip_special_tokens=False)})
