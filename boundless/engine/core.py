@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from boundless.config import EngineConfig
+from boundless.config import ConfigError, EngineConfig
 from boundless.engine.attention_time import AttentionTimeRecorder
 from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer
@@ -256,8 +256,11 @@ class EngineCore:
         grammars = Grammars(loaded.tokenizer, loaded.arch.vocab_size)
         executor = build_model_executor(loaded, config, layout, read_link=read_link, grammars=grammars)
         core = cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy, grammars)
-        for i, module in enumerate(config.model.loras, start=1):  # --lora-modules
-            core.add_lora(LoRARequest(module.name, i, module.path))
+        for i, module in enumerate(config.model.loras, start=1):
+            try:
+                core.add_lora(LoRARequest(module.name, i, module.path))
+            except LoRAError as e:  # at start-up: the flag's fault, said as such
+                raise ConfigError(f"--lora-modules: {e}") from None
         return core
 
     # -- LoRA adapters -----------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampling_params import SamplingParams
@@ -307,6 +307,10 @@ def test_rank_limit_and_paths(llama: AdapterCase, tmp_path: Path) -> None:
         load_lora(LoRARequest("x", 1, str(tmp_path / "missing")), loaded.arch, loaded.dtype, loaded.device, 16)
     with pytest.raises(LoRAError, match=r"no adapter_config\.json"):
         load_lora(LoRARequest("x", 1, str(tmp_path)), loaded.arch, loaded.dtype, loaded.device, 16)
+    # At start-up the flag is named (the CLI prints it, no traceback).
+    config = ModelConfig(max_model_len=256, enable_lora=True, lora_modules=(f"x={tmp_path / 'missing'}",))
+    with pytest.raises(ConfigError, match="--lora-modules: LoRA adapter 'x'"):
+        EngineCore.from_model(loaded, EngineConfig(model=config))
 
 
 def test_lora_modules_parse() -> None:
