@@ -69,6 +69,15 @@ class _EngineStateCollector:
             for inst, s in snapshots.items():
                 c.add_metric([inst], float(get(s)))
             yield c
+        for name, doc, attr in (
+            ("boundless_lora_requests_running", "LoRA adapters: running requests, by adapter", "lora_running"),
+            ("boundless_lora_requests_waiting", "LoRA adapters: waiting requests, by adapter", "lora_waiting"),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["instance", "adapter"])
+            for inst, s in snapshots.items():
+                for adapter, count in getattr(s, attr).items():
+                    g.add_metric([inst, adapter], float(count))
+            yield g
         c = CounterMetricFamily(
             "boundless_spec_decode_accepted_tokens_per_position",
             "speculative decoding: drafts kept, by their place among a step's drafts (0: the first)",

@@ -156,6 +156,9 @@ class EngineStats:
     spec_draft_tokens: int = 0  # tokens proposed and verified
     spec_accepted_tokens: int = 0  # of which the model's samples matched (kept as output)
     spec_accepted_by_position: list[int] = field(default_factory=list)  # the j-th draft of a step kept, by j
+    # LoRA adapters (--enable-lora): the running and waiting requests of each loaded adapter, by name.
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:
@@ -783,7 +786,17 @@ class EngineCore:
             spec_draft_tokens=c.draft_tokens,
             spec_accepted_tokens=c.accepted_tokens,
             spec_accepted_by_position=list(c.accepted_by_position),
+            lora_running=self._lora_counts(self.scheduler.running),
+            lora_waiting=self._lora_counts(self.scheduler.waiting),
         )
+
+    def _lora_counts(self, requests: list[Request]) -> dict[str, int]:
+        counts = dict.fromkeys(self.loras, 0)
+        for r in requests:
+            name = r.sampling_params.lora_name
+            if name is not None:
+                counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def _tier_stats(self) -> dict[str, TierStats]:
         per_block = self.layout.bytes_per_block

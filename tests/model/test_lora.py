@@ -229,9 +229,14 @@ def test_max_loras_bounds_a_step(llama: AdapterCase) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for i, lora in enumerate([None, "all8", "attn4", "all8"]):
         core.add_request(str(i), llama.prompts[0], dataclasses.replace(params, lora_name=lora))
+    assert core.stats().lora_waiting == {"all8": 2, "attn4": 1} and core.stats().lora_running == {"all8": 0, "attn4": 0}
     seen: list[set[str]] = []
+    first = True
     while core.has_unfinished():
         sched = core.schedule()
+        if first:  # the base request and the first adapter's two run; the other adapter's waits (/metrics' gauges)
+            assert core.stats().lora_running == {"all8": 2, "attn4": 0} and core.stats().lora_waiting["attn4"] == 1
+            first = False
         seen.append({c.sampling_params.lora_name for c in sched.chunks} - {None})
         core.finish_step(sched, core.execute(sched))
     assert all(len(s) <= 1 for s in seen)
@@ -327,6 +332,7 @@ def test_served_adapters(llama: AdapterCase) -> None:
     an unknown model gets a 404."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import httpx
     import openai
 
     from boundless.api.launch import start_in_thread
@@ -356,6 +362,9 @@ def test_served_adapters(llama: AdapterCase) -> None:
             assert text == tokenizer.decode(llama.expected[name][i]).rstrip("\ufffd"), (name, i)
         with pytest.raises(openai.NotFoundError, match="'tiny', 'all8', 'attn4'"):
             complete("nope", llama.prompts[0])
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'boundless_lora_requests_running{adapter="all8",instance="0"} 0.0' in metrics
+        assert 'boundless_lora_requests_waiting{adapter="attn4",instance="0"} 0.0' in metrics
         # The Responses API and chat take the adapter the same way: each answer is the offline engine's under it.
         messages = [{"role": "user", "content": "Name a city."}]
         offline = LLM.from_config(
