@@ -263,6 +263,45 @@ void bl_rope(float* x, long ldx, long T, long heads, long D, const long* positio
   }
 }
 
+// A LoRA adapter's share of a projection, for its rows: out[t] += (x[t] @ A.T) @ B.T, with A [R, K] and B given
+// transposed, Bt [R, N]. Rank column r of B is nonzero only in columns span[2r] to span[2r + 1] (a fused q/k/v or
+// gate/up B is block-diagonal), so only those are touched. The rows are rows[0..count) (rows null: first..
+// first + count), in parallel. R <= 512.
+void bl_lora_add(const float* x, long ldx, const long* rows, long first, long count, const float* A, const float* Bt,
+                 const long* span, long R, long K, long N, float* out, long ldo, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (count >= 2 && nthreads > 1)
+  for (long i = 0; i < count; i++) {
+    const long t = rows ? rows[i] : first + i;
+    const float* xr = x + t * ldx;
+    float* o = out + t * ldo;
+    float s[512];
+    for (long r = 0; r < R; r++) {
+      const float* a = A + r * K;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      long k = 0;
+      for (; k + 16 <= K; k += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(xr + k), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(xr + k + 8), acc1);
+      }
+      for (; k + 8 <= K; k += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(xr + k), acc0);
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
+      float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+      for (; k < K; k++) sum += a[k] * xr[k];
+      s[r] = sum;
+    }
+    for (long r = 0; r < R; r++) {
+      const float* b = Bt + r * N;
+      const __m256 sv = _mm256_set1_ps(s[r]);
+      long n = span[2 * r];
+      const long end = span[2 * r + 1];
+      for (; n + 8 <= end; n += 8)
+        _mm256_storeu_ps(o + n, _mm256_fmadd_ps(_mm256_loadu_ps(b + n), sv, _mm256_loadu_ps(o + n)));
+      for (; n < end; n++) o[n] += b[n] * s[r];
+    }
+  }
+}
+
 // out[r] = the index of the first largest value of row r of x [R, N] (row stride ldx), as
 // torch.argmax; -1 for a row holding a NaN (the caller then defers to torch, which ranks NaN first).
 void bl_argmax_rows(const float* x, long ldx, long R, long N, long* out) {

@@ -26,6 +26,7 @@ _SIGNATURES = {
     "bl_layer_in": (None, [P, P, F, P, L, L, P, P, L, P, L, L, P, P, P, I]),
     "bl_layer_out": (None, [P, L, P, L, L, P, P, F, P, P, L, P, P, I]),
     "bl_argmax_rows": (None, [P, L, L, L, P]),
+    "bl_lora_add": (None, [P, L, P, L, L, P, P, P, L, L, L, P, L, I]),
 }
 
 _PANEL = 24  # output features per packed panel (NR in the C++ source)
@@ -222,6 +223,34 @@ def layer_out(
         attn.data_ptr(), attn.shape[1], hidden.data_ptr(), t, h, o_weight.packed.data_ptr(), norm_weight.data_ptr(),
         eps, x.data_ptr(), gate_up_weight.packed.data_ptr(), gate_up_weight.out_features, act.data_ptr(),
         down_weight.packed.data_ptr(), native.threads(),
+    )  # fmt: skip
+
+
+LORA_MAX_RANK = 512  # (the kernel's stack buffer)
+
+
+def lora_add_(
+    x: torch.Tensor,
+    rows: slice | torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    spans: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """``out[rows] += (x[rows] @ a.T) @ bt`` in place: a LoRA adapter's share of a projection for its rows (a slice, or
+    int64 indices), ``bt`` being ``B`` transposed [rank, N] and ``spans`` [rank, 2] each rank column's nonzero
+    columns of ``B``. One call for every row, where PyTorch takes four small ops."""
+    assert _rows_ok(x) and _rows_ok(out) and a.is_contiguous() and bt.is_contiguous() and spans.is_contiguous()
+    rank, k = a.shape
+    assert rank <= LORA_MAX_RANK and x.shape[1] == k and bt.shape == (rank, out.shape[1])
+    if isinstance(rows, slice):
+        index, first, count = None, rows.start, rows.stop - rows.start
+    else:
+        assert rows.dtype == torch.long and rows.is_contiguous()
+        index, first, count = rows.data_ptr(), 0, rows.numel()
+    _lib().bl_lora_add(
+        x.data_ptr(), x.stride(0), index, first, count, a.data_ptr(), bt.data_ptr(), spans.data_ptr(), rank, k,
+        out.shape[1], out.data_ptr(), out.stride(0), native.threads(),
     )  # fmt: skip
 
 

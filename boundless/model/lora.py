@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from boundless.model import cpu_kernels
 from boundless.model.arch import ModelArch
 
 # The four fused matrices of a layer an adapter may touch, in the order the layer applies them.
@@ -97,8 +98,16 @@ class LoRAModule:
         return cls(name, path)
 
 
-# A fused target's low-rank pair: ``A`` [rank, in] and ``B`` [out, rank], the scale folded into ``B``.
-LoRAPair = tuple[torch.Tensor, torch.Tensor]
+@dataclass
+class LoRAProjection:
+    """An adapter's low-rank pair for one fused matrix: ``a`` [rank, in] and ``b`` [out, rank], the scale folded into
+    ``b``. For the native CPU kernel (fp32 on the CPU), also ``b`` transposed and each rank column's nonzero rows of
+    ``b`` (a fused ``b`` is block-diagonal): ``bt`` [rank, out] and ``spans`` [rank, 2]."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    bt: torch.Tensor | None = None
+    spans: torch.Tensor | None = None
 
 
 @dataclass
@@ -108,7 +117,7 @@ class LoRAAdapter:
 
     request: LoRARequest
     rank: int
-    layers: list[tuple[LoRAPair | None, ...]]
+    layers: list[tuple[LoRAProjection | None, ...]]
     digest: str
 
     @property
@@ -220,15 +229,20 @@ def load_lora(
         scale = module_alpha / math.sqrt(r) if rslora else module_alpha / r
         target = _PROJECTIONS[module][0]
         parts.setdefault((layer, target), []).append((a, b * scale, start))
-    layers: list[list[LoRAPair | None]] = [[None, None, None, None] for _ in range(arch.num_layers)]
+    layers: list[list[LoRAProjection | None]] = [[None, None, None, None] for _ in range(arch.num_layers)]
     for (layer, target), group in parts.items():
         a_cat = torch.cat([a for a, _, _ in group])
         b_fused = torch.zeros(fused_out[target], a_cat.shape[0])
+        spans = torch.zeros(a_cat.shape[0], 2, dtype=torch.long)
         col = 0
         for a, b, start in group:
             b_fused[start : start + b.shape[0], col : col + a.shape[0]] = b
+            spans[col : col + a.shape[0]] = torch.tensor([start, start + b.shape[0]])
             col += a.shape[0]
-        layers[layer][target] = (a_cat.to(device, dtype).contiguous(), b_fused.to(device, dtype).contiguous())
+        proj = LoRAProjection(a_cat.to(device, dtype).contiguous(), b_fused.to(device, dtype).contiguous())
+        if cpu_kernels.usable(proj.a) and proj.a.shape[0] <= cpu_kernels.LORA_MAX_RANK:
+            proj.bt, proj.spans = proj.b.t().contiguous(), spans
+        layers[layer][target] = proj
     digest = hashlib.sha256()
     digest.update((path / "adapter_config.json").read_bytes())
     with weights_file.open("rb") as f:
@@ -252,11 +266,15 @@ class LoRABatch:
 
     def add_(self, layer: int, target: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out[rows] += (x[rows] @ A.T) @ B.T`` for each adapter's rows (``out`` may be a view); returns ``out``."""
+        native = x.dtype == torch.float32 and x.stride(-1) == 1 and out.stride(-1) == 1
         for adapter, rows in self.groups:
-            pair = adapter.layers[layer][target]
-            if pair is None:
+            proj = adapter.layers[layer][target]
+            if proj is None:
                 continue
-            a, b = pair
+            if native and proj.bt is not None:
+                cpu_kernels.lora_add_(x, rows, proj.a, proj.bt, proj.spans, out)
+                continue
+            a, b = proj.a, proj.b
             if isinstance(rows, slice):
                 out[rows] += (x[rows] @ a.t()) @ b.t()
             else:
