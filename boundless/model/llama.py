@@ -242,55 +242,41 @@ class DecoderLayer(nn.Module):
         lora: LoRABatch | None = None,
         index: int = 0,
     ) -> torch.Tensor:
-        """The native CPU path (fp32, weights packed); updates ``hidden`` in place."""
-        packed = self.packed
-        assert packed is not None
-        if lora is not None:
-            return self._forward_packed_lora(hidden, step, attention, cache, attn_meta, lora, index)
-        rope = step.rope
-        cpu_kernels.layer_in(
-            hidden, self.input_norm.weight, self.input_norm.eps, step.x, packed.qkv, step.qkv,
-            self.num_heads + self.num_kv_heads, self.head_dim, step.positions, rope.cos, rope.sin,
-        )  # fmt: skip
-        attn = attention.forward(step.q, step.k, step.v, cache, attn_meta).view(step.x.shape[0], -1)
-        if attn.stride(1) != 1 or attn.stride(0) != attn.shape[1]:
-            attn = attn.contiguous()
-        cpu_kernels.layer_out(
-            attn, hidden, packed.o, self.post_attention_norm.weight, self.post_attention_norm.eps, step.x,
-            packed.gate_up, step.act, packed.down,
-        )  # fmt: skip
-        return hidden
+        """The native CPU path (fp32, weights packed); updates ``hidden`` in place.
 
-    def _forward_packed_lora(
-        self,
-        hidden: torch.Tensor,
-        step: _PackedStep,
-        attention: AttentionBackend,
-        cache: tuple[torch.Tensor, torch.Tensor],
-        attn_meta: Any,
-        lora: LoRABatch,
-        index: int,
-    ) -> torch.Tensor:
-        """The native path with LoRA adapters: the fused calls taken apart so that each projection's adapter rows
-        are added where the projection ends. RoPE is linear, so q and k rotate after their adapters' share is added,
-        as transformers does. Gate/up's native kernel returns the activation, so when an adapter changes gate or up
-        the matmul stores gate and up (``glu_halves``) and the activation follows in PyTorch."""
+        Each half of the layer (up to attention, after it) is one fused call, unless a LoRA adapter of the step
+        changes one of its projections: that half's calls are then taken apart so that the adapters' rows are added
+        where each projection ends. RoPE is linear, so q and k rotate after their adapters' share is added, as
+        transformers does. Gate/up's kernel returns the activation, so when an adapter changes gate or up the matmul
+        stores gate and up (``glu_halves``) and the activation follows in PyTorch. (PEFT's default adapter on a
+        Llama changes q and v only: the second half stays fused.)"""
         packed = self.packed
         assert packed is not None
-        rope, x, qkv = step.rope, step.x, step.qkv
-        cpu_kernels.rms_norm(hidden, self.input_norm.weight, self.input_norm.eps, x)
-        packed.qkv.matmul(x, qkv)
-        lora.add_(index, QKV, x, qkv)
-        cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, step.positions, rope.cos, rope.sin)
+        rope, x = step.rope, step.x
+        heads = self.num_heads + self.num_kv_heads
+        if lora is None or not lora.touches(index, QKV):
+            cpu_kernels.layer_in(
+                hidden, self.input_norm.weight, self.input_norm.eps, x, packed.qkv, step.qkv, heads, self.head_dim,
+                step.positions, rope.cos, rope.sin,
+            )  # fmt: skip
+        else:
+            cpu_kernels.rms_norm(hidden, self.input_norm.weight, self.input_norm.eps, x)
+            lora.add_(index, QKV, x, packed.qkv.matmul(x, step.qkv))
+            cpu_kernels.rope_(step.qkv, heads, self.head_dim, step.positions, rope.cos, rope.sin)
         attn = attention.forward(step.q, step.k, step.v, cache, attn_meta).view(x.shape[0], -1)
         if attn.stride(1) != 1 or attn.stride(0) != attn.shape[1]:
             attn = attn.contiguous()
+        post = self.post_attention_norm
+        if lora is None or not any(lora.touches(index, t) for t in (O_PROJ, GATE_UP, DOWN)):
+            cpu_kernels.layer_out(
+                attn, hidden, packed.o, post.weight, post.eps, x, packed.gate_up, step.act, packed.down
+            )
+            return hidden
         packed.o.matmul(attn, hidden, accumulate=True)
         lora.add_(index, O_PROJ, attn, hidden)
-        cpu_kernels.rms_norm(hidden, self.post_attention_norm.weight, self.post_attention_norm.eps, x)
+        cpu_kernels.rms_norm(hidden, post.weight, post.eps, x)
         if lora.touches(index, GATE_UP):
-            gate_up = lora.add_(index, GATE_UP, x, packed.gate_up.glu_halves(x))
-            gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = lora.add_(index, GATE_UP, x, packed.gate_up.glu_halves(x)).chunk(2, dim=-1)
             act = torch.mul(F.silu(gate, inplace=True), up, out=step.act)
         else:
             act = packed.gate_up.matmul(x, step.act)

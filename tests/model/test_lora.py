@@ -35,16 +35,19 @@ TEXTS = [
     "def add(a, b):\n    return a + b\n",
 ]
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Adapter 1: every projection, rank 8. Adapter 2: attention only, rank 4, rsLoRA, its own alpha for v.
+# Adapter 1: every projection, rank 8. Adapter 2: q and v (PEFT's default on a Llama), rank 4, rsLoRA, its own
+# alpha for v. Adapter 3: the MLP only, rank 2. (On the native path a layer half no adapter of the step changes stays
+# one fused call: adapters 2 and 3 alone each leave one half fused.)
 ADAPTERS = {
     "all8": {"r": 8, "lora_alpha": 16, "target_modules": ALL_MODULES},
     "attn4": {
         "r": 4,
         "lora_alpha": 8,
-        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "target_modules": ["q_proj", "v_proj"],
         "use_rslora": True,
         "alpha_pattern": {"v_proj": 2},
     },
+    "mlp2": {"r": 2, "lora_alpha": 4, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
 }
 
 
@@ -65,6 +68,7 @@ def write_adapter(hf_model: Any, path: Path, seed: int, **lora_kwargs: Any) -> A
 
 
 def _greedy_reference(model: Any, prompts: list[list[int]], device: torch.device) -> list[list[int]]:
+    """Greedy outputs of exactly ``MAX_NEW`` tokens, EOS held back until then (the engine's ``min_tokens``)."""
     outs = []
     with torch.inference_mode():
         for p in prompts:
@@ -126,7 +130,7 @@ def llama(load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathF
 
 
 def _run(core: EngineCore, jobs: list[tuple[str, list[int], str | None]]) -> dict[str, list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)  # (transformers' min_new_tokens)
     for rid, prompt, lora in jobs:
         core.add_request(rid, prompt, dataclasses.replace(params, lora_name=lora))
     out: dict[str, list[int]] = {rid: [] for rid, _, _ in jobs}
@@ -138,7 +142,7 @@ def _run(core: EngineCore, jobs: list[tuple[str, list[int], str | None]]) -> dic
 
 def test_mixed_batch_matches_peft(case: AdapterCase) -> None:
     """Base, adapter 1 and adapter 2 requests of every prompt in one batch: each equals its reference."""
-    core = case.engine(max_loras=2)
+    core = case.engine(max_loras=3)
     names = [None, *ADAPTERS]
     jobs = [(f"{name}-{i}", p, name) for i, p in enumerate(case.prompts) for name in names]
     got = _run(core, jobs)
@@ -147,6 +151,17 @@ def test_mixed_batch_matches_peft(case: AdapterCase) -> None:
     # The adapters change the outputs (else the test could not tell them apart).
     assert case.expected["all8"] != case.expected[None]
     assert case.expected["attn4"] != case.expected[None]
+    assert case.expected["mlp2"] != case.expected[None]
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_each_adapter_alone_beside_the_base_model(llama: AdapterCase, name: str) -> None:
+    """One adapter in a step with the base model: the halves of each layer it leaves alone run fused."""
+    core = llama.engine()
+    jobs = [(f"{n}-{i}", p, n) for i, p in enumerate(llama.prompts) for n in (None, name)]
+    got = _run(core, jobs)
+    for n in (None, name):
+        assert [got[f"{n}-{i}"] for i in range(len(llama.prompts))] == llama.expected[n], n
 
 
 def test_mixed_batch_on_the_pytorch_path(llama: AdapterCase, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,7 +169,7 @@ def test_mixed_batch_on_the_pytorch_path(llama: AdapterCase, monkeypatch: pytest
     from boundless.model import llama as llama_module
 
     monkeypatch.setattr(llama_module.cpu_kernels, "usable", lambda t: False)
-    core = llama.engine(max_loras=2)
+    core = llama.engine(max_loras=3)
     assert all(layer.packed is None for layer in llama.loaded.model.layers)
     names = [None, *ADAPTERS]
     got = _run(core, [(f"{name}-{i}", p, name) for i, p in enumerate(llama.prompts) for name in names])
@@ -178,7 +193,7 @@ def test_mixed_batch_on_the_triton_kernels(
     case = _case(name, load, hf_model, tmp_path_factory)
     if not triton_paged.available(case.loaded.device):
         pytest.skip("triton unavailable")
-    core = case.engine(max_loras=2, attention_backend="triton")
+    core = case.engine(max_loras=3, attention_backend="triton")
     names = [None, *ADAPTERS]
     got = _run(core, [(f"{n}-{i}", p, n) for i, p in enumerate(case.prompts) for n in names])
     for n in names:
@@ -215,7 +230,7 @@ def test_offline_lora_request(llama: AdapterCase) -> None:
     adapter loaded on first use; a list gives one per prompt."""
 
     llm = LLM.from_config(engine_config(str(llama.loaded.path), enable_lora=True, max_model_len=256), llama.loaded)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)  # (transformers' min_new_tokens)
     lora = LoRARequest("all8", 1, str(llama.paths["all8"]))
     outs = llm.generate(llama.prompts[:2], params, lora_request=lora)
     assert [o.outputs[0].token_ids for o in outs] == llama.expected["all8"][:2]
@@ -229,13 +244,16 @@ def test_max_loras_bounds_a_step(llama: AdapterCase) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for i, lora in enumerate([None, "all8", "attn4", "all8"]):
         core.add_request(str(i), llama.prompts[0], dataclasses.replace(params, lora_name=lora))
-    assert core.stats().lora_waiting == {"all8": 2, "attn4": 1} and core.stats().lora_running == {"all8": 0, "attn4": 0}
+    stats = core.stats()
+    assert stats.lora_waiting == {"all8": 2, "attn4": 1, "mlp2": 0}
+    assert stats.lora_running == {"all8": 0, "attn4": 0, "mlp2": 0}
     seen: list[set[str]] = []
     first = True
     while core.has_unfinished():
         sched = core.schedule()
         if first:  # the base request and the first adapter's two run; the other adapter's waits (/metrics' gauges)
-            assert core.stats().lora_running == {"all8": 2, "attn4": 0} and core.stats().lora_waiting["attn4"] == 1
+            assert core.stats().lora_running == {"all8": 2, "attn4": 0, "mlp2": 0}
+            assert core.stats().lora_waiting["attn4"] == 1
             first = False
         seen.append({c.sampling_params.lora_name for c in sched.chunks} - {None})
         core.finish_step(sched, core.execute(sched))
@@ -350,7 +368,7 @@ def test_served_adapters(llama: AdapterCase) -> None:
 
         def complete(model: str, prompt: list[int]) -> str:
             reply = client.completions.create(
-                model=model, prompt=prompt, max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True}
+                model=model, prompt=prompt, max_tokens=MAX_NEW, temperature=0, extra_body={"min_tokens": MAX_NEW}
             )
             return reply.choices[0].text
 
@@ -403,7 +421,7 @@ def test_adapters_loaded_at_run_time(llama: AdapterCase, tmp_path: Path) -> None
 
     def complete(model: str) -> str:
         reply = client.completions.create(
-            model=model, prompt=llama.prompts[1], max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True}
+            model=model, prompt=llama.prompts[1], max_tokens=MAX_NEW, temperature=0, extra_body={"min_tokens": MAX_NEW}
         )
         return reply.choices[0].text
 
