@@ -1,8 +1,8 @@
 """``boundless bench lora``: many LoRA adapters served in one batch, against PEFT's mixed-adapter batches.
 
-Random adapters (PEFT's layout, every projection, ``--rank``) are written for the model; ``--num-prompts`` random
-prompts are spread over them round-robin. Three runs take turns on the same prompts, greedy, every output exactly
-``--output-len`` tokens:
+Random adapters (PEFT's layout, ``--rank``, on the projections ``--targets`` names: all seven by default) are
+written for the model; ``--num-prompts`` random prompts are spread over them round-robin. Three runs take turns on
+the same prompts, greedy, every output exactly ``--output-len`` tokens:
 
 - **peft**: transformers' model with every adapter loaded in PEFT, one left-padded ``generate`` over all prompts
   with ``adapter_names`` giving each row its adapter (PEFT's mixed-adapter batch inference);
@@ -31,12 +31,17 @@ from boundless.config import engine_config_from_flags
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import LLM
 from boundless.model.loader import LoadedModel, load_model
-from boundless.model.random_model import write_random_lora
+from boundless.model.random_model import LORA_TARGETS, write_random_lora
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-adapters", type=int, default=4, help="adapters the prompts are spread over")
-    parser.add_argument("--rank", type=int, default=16, help="each adapter's rank (every projection)")
+    parser.add_argument("--rank", type=int, default=16, help="each adapter's rank")
+    parser.add_argument(
+        "--targets",
+        default=",".join(LORA_TARGETS),
+        help="the projections the adapters change, comma-separated (PEFT's default on a Llama: q_proj,v_proj)",
+    )
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
@@ -77,6 +82,10 @@ def run(args: argparse.Namespace) -> dict:
     config = engine_config_from_flags(args)
     if args.num_adapters < 1 or args.repeats < 1:
         raise SystemExit("--num-adapters and --repeats must be at least 1")
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if not targets or unknown:
+        raise SystemExit(f"--targets: {unknown or 'none'} not among {', '.join(LORA_TARGETS)}")
     config = dataclasses.replace(
         config,
         model=dataclasses.replace(
@@ -87,7 +96,9 @@ def run(args: argparse.Namespace) -> dict:
     prompts = make_prompts(loaded, args.num_prompts, args.input_len, args.bench_seed)
     with tempfile.TemporaryDirectory(prefix="boundless-lora-") as tmp:
         paths = [
-            write_random_lora(Path(tmp) / f"a{i}", loaded.arch, rank=args.rank, alpha=2.0 * args.rank, seed=i)
+            write_random_lora(
+                Path(tmp) / f"a{i}", loaded.arch, rank=args.rank, alpha=2.0 * args.rank, targets=targets, seed=i
+            )
             for i in range(args.num_adapters)
         ]
         modules = tuple(f"a{i}={path}" for i, path in enumerate(paths))
@@ -124,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = [[name, f"{tokens / median[name]:.1f}", f"{median[name]:.2f}"] for name in systems]
     print(
         f"{args.num_prompts} prompts x {args.input_len} tokens, {args.output_len} out, over {args.num_adapters} "
-        f"adapters of rank {args.rank}; medians of {args.repeats} runs"
+        f"adapters of rank {args.rank} on {', '.join(targets)}; medians of {args.repeats} runs"
     )
     print_table(["system", "output tok/s", "seconds"], rows)
     same = sum(a == b for a, b in zip(outputs["boundless-lora"], outputs["peft"], strict=True))
@@ -132,6 +143,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": config.model.model,
         "num_adapters": args.num_adapters,
         "rank": args.rank,
+        "targets": list(targets),
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
