@@ -9,6 +9,7 @@ engine (:class:`~boundless.engine.async_engine.AsyncEngine`) or a cluster router
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -274,7 +275,8 @@ class OpenAIServer:
         self.client = client
         self.model_name = model_name
         self.loras = dict(loras or {})  # served LoRA adapters: name -> path (--lora-modules)
-        self.lora_ids = {name: i for i, name in enumerate(self.loras, start=1)}  # as EngineCore.from_model numbers them
+        # Ids for adapters loaded at run time, after those EngineCore.from_model gave --lora-modules (1, 2, ...).
+        self.next_lora_id = itertools.count(len(self.loras) + 1)
         if model_name in self.loras:
             raise ConfigError(f"--lora-modules: the adapter name {model_name!r} is the served model's name")
         self.config = config
@@ -871,13 +873,11 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> Response
     name = body.lora_name
     if name == server.model_name or name in server.loras:
         raise APIError(400, f"the LoRA adapter {name!r} has already been loaded", "lora_name")
-    lora_id = 1 + max(server.lora_ids.values(), default=0)
     try:
-        await asyncio.to_thread(client.add_lora, LoRARequest(name, lora_id, body.lora_path))
+        await asyncio.to_thread(client.add_lora, LoRARequest(name, next(server.next_lora_id), body.lora_path))
     except LoRAError as e:
         raise APIError(400, str(e), "lora_path") from e
     server.loras[name] = body.lora_path
-    server.lora_ids[name] = lora_id
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -894,7 +894,6 @@ async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> Resp
     except LoRAError as e:
         raise APIError(400, str(e), "lora_name") from e
     del server.loras[name]
-    server.lora_ids.pop(name, None)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -62,20 +64,10 @@ def _peft_model(loaded: LoadedModel, paths: list[Path]):
 
 
 def _peft_generate(model, prompts: list[list[int]], names: list[str], output_len: int, pad_id: int, device):
-    """PEFT's mixed-adapter batch: ``hf_generate``'s padded batch, each row with its adapter."""
-    generate = model.generate
-
-    def with_adapters(*args, **kwargs):
-        return generate(*args, adapter_names=names, **kwargs)
-
-    return hf_generate(_Adapted(with_adapters), prompts, output_len, pad_id, device)
-
-
-class _Adapted:
-    """A model whose ``generate`` passes PEFT's ``adapter_names`` (``hf_generate`` calls ``generate`` only)."""
-
-    def __init__(self, generate) -> None:
-        self.generate = generate
+    """PEFT's mixed-adapter batch: ``hf_generate``'s padded batch (it calls only ``generate``), each row with its
+    adapter (``adapter_names``)."""
+    adapted = SimpleNamespace(generate=functools.partial(model.generate, adapter_names=names))
+    return hf_generate(adapted, prompts, output_len, pad_id, device)
 
 
 def run(args: argparse.Namespace) -> dict:

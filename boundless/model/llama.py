@@ -179,7 +179,7 @@ class DecoderLayer(nn.Module):
         q_size, kv_size, _ = self.qkv_sizes
         # q and k heads sit side by side in each row: rotate them together, in place.
         apply_rotary_(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k, v = (x.view(t, -1, self.head_dim) for x in qkv.split(self.qkv_sizes, dim=-1))
+        q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
         out = linear(attn, self.o_weight)
         hidden += out if lora is None else lora.add_(index, O_PROJ, attn, out)
@@ -217,7 +217,7 @@ class DecoderLayer(nn.Module):
         q_size, kv_size, _ = self.qkv_sizes
         heads = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         ops.rotary_(heads, positions, rope.cos, rope.sin)
-        q, k, v = (x.view(t, -1, self.head_dim) for x in qkv.split(self.qkv_sizes, dim=-1))
+        q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
         out = linear(attn, self.o_weight)
         if lora is not None:

@@ -32,14 +32,14 @@ from boundless.model.arch import ModelArch
 
 # The four fused matrices of a layer an adapter may touch, in the order the layer applies them.
 QKV, O_PROJ, GATE_UP, DOWN = range(4)
-_PROJECTIONS = {  # PEFT module name -> (fused target, part index within it)
-    "q_proj": (QKV, 0),
-    "k_proj": (QKV, 1),
-    "v_proj": (QKV, 2),
-    "o_proj": (O_PROJ, 0),
-    "gate_proj": (GATE_UP, 0),
-    "up_proj": (GATE_UP, 1),
-    "down_proj": (DOWN, 0),
+_PROJECTIONS = {  # PEFT module name -> the fused matrix it is part of
+    "q_proj": QKV,
+    "k_proj": QKV,
+    "v_proj": QKV,
+    "o_proj": O_PROJ,
+    "gate_proj": GATE_UP,
+    "up_proj": GATE_UP,
+    "down_proj": DOWN,
 }
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
@@ -116,13 +116,8 @@ class LoRAAdapter:
     model's device and in its dtype. ``digest`` identifies the weights: the KV it produces is named by it."""
 
     request: LoRARequest
-    rank: int
     layers: list[tuple[LoRAProjection | None, ...]]
     digest: str
-
-    @property
-    def name(self) -> str:
-        return self.request.lora_name
 
 
 def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -> float:
@@ -207,7 +202,6 @@ def load_lora(
     rslora = bool(config.get("use_rslora"))
     # Per layer and fused target: the parts (A, scaled B, row offset) to fuse.
     parts: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
-    rank = 0
     for (layer, module), ab in sorted(pairs.items()):
         name = f"model.layers.{layer}.{module}"
         if set(ab) != {"A", "B"}:
@@ -224,10 +218,9 @@ def load_lora(
             raise LoRAError(
                 f"LoRA adapter {request.lora_name!r}: rank {r} of {name} exceeds --max-lora-rank {max_rank}"
             )
-        rank = max(rank, r)
         module_alpha = _pattern_value(alpha_pattern, name, alpha)
         scale = module_alpha / math.sqrt(r) if rslora else module_alpha / r
-        target = _PROJECTIONS[module][0]
+        target = _PROJECTIONS[module]
         parts.setdefault((layer, target), []).append((a, b * scale, start))
     layers: list[list[LoRAProjection | None]] = [[None, None, None, None] for _ in range(arch.num_layers)]
     for (layer, target), group in parts.items():
@@ -248,7 +241,7 @@ def load_lora(
     with weights_file.open("rb") as f:
         for piece in iter(lambda: f.read(1 << 20), b""):
             digest.update(piece)
-    return LoRAAdapter(request, rank, [tuple(layer) for layer in layers], digest.hexdigest()[:16])
+    return LoRAAdapter(request, [tuple(layer) for layer in layers], digest.hexdigest()[:16])
 
 
 class LoRABatch:
