@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from boundless import LLM, SamplingParams
+from boundless.config import EngineConfig
 from boundless.llm import CompletionOutput, engine_config
 from boundless.model.loader import LoadedModel
 
@@ -16,3 +19,18 @@ def one_engine_outputs(loaded: LoadedModel, prompts: list[list[int]], max_tokens
     llm = LLM.from_config(engine_config(loaded.name, max_model_len=1024, kv_cache_gb=0.05), loaded)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [r.outputs[0] for r in llm.generate(prompts, params)]
+
+
+def adapter_references(
+    loaded: LoadedModel, config: EngineConfig, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[SamplingParams], list[str]]:
+    """The calls of the LoRA cluster tests: every other prompt under the adapter ``ad`` of ``config``'s
+    ``--lora-modules``, the rest on the base model; each call's parameters and one engine's greedy text (checked to
+    differ from the base model's where the adapter runs, so that a call that lost its adapter shows)."""
+    llm = LLM.from_config(config, loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    per_call = [dataclasses.replace(params, lora_name="ad" if i % 2 else None) for i in range(len(prompts))]
+    expected = [r.outputs[0].text for r in llm.generate(prompts, per_call)]
+    base = [r.outputs[0].text for r in llm.generate(prompts[1::2], params)]
+    assert base != expected[1::2]  # the adapter changes the outputs
+    return per_call, expected

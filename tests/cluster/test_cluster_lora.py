@@ -3,13 +3,12 @@ wherever it is routed, and after its instance dies it resumes on the other with 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
+from one_engine import adapter_references
 from streams import kill_once_started, stream_all
 
-from boundless import LLM, SamplingParams
 from boundless.api.launch import start_in_thread
 from boundless.cluster.client import ClusterClient
 from boundless.config import ClusterConfig
@@ -34,15 +33,9 @@ def test_adapter_requests_survive_an_instance_death(
         lora_modules=(f"ad={adapter}",),
     )
     prompts = [[30 + i, 31, 32, 33, 34] for i in range(8)]
-    models = ["ad" if i % 2 else "tiny" for i in range(len(prompts))]
     max_tokens = 200
-    # One engine in this process: the reference.
-    llm = LLM.from_config(config, tiny_llama)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    per_prompt = [dataclasses.replace(params, lora_name=None if m == "tiny" else m) for m in models]
-    expected = [r.outputs[0].text for r in llm.generate(prompts, per_prompt)]
-    base = [r.outputs[0].text for r in llm.generate(prompts[1::2], params)]
-    assert base != expected[1::2]  # the adapter changes the outputs
+    per_call, expected = adapter_references(tiny_llama, config, prompts, max_tokens)  # one engine in this process
+    models = [p.lora_name or "tiny" for p in per_call]
 
     if ray.is_initialized():
         ray.shutdown()

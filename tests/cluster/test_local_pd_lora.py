@@ -5,10 +5,10 @@ greedy tokens; calls of the base model beside them keep theirs."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 
-from boundless import LLM
+from one_engine import adapter_references
+
 from boundless.cluster.local_pd import LocalPDCluster
 from boundless.config import ClusterConfig
 from boundless.engine.sampling_params import SamplingParams
@@ -32,11 +32,7 @@ def test_adapter_calls_prefilled_and_decoded_on_two_engines(
         lora_modules=(f"ad={adapter}",),
     )
     prompts = [[40 + i] + [(17 * j + i) % 300 + 3 for j in range(36)] for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    per_call = [dataclasses.replace(params, lora_name="ad" if i % 2 else None) for i in range(len(prompts))]
-    expected = [r.outputs[0].text for r in LLM.from_config(config, tiny_llama).generate(prompts, per_call)]
-    base = [r.outputs[0].text for r in LLM.from_config(config, tiny_llama).generate(prompts[1::2], params)]
-    assert base != expected[1::2]  # the adapter changes the outputs
+    per_call, expected = adapter_references(tiny_llama, config, prompts, MAX_TOKENS)
 
     pd = LocalPDCluster(config, ClusterConfig(prefill_instances=1, decode_instances=1), tiny_llama)
 

@@ -269,6 +269,12 @@ def test_unknown_adapter_and_disabled_lora(llama: AdapterCase) -> None:
     plain = EngineCore.from_model(llama.loaded, EngineConfig(model=ModelConfig(max_model_len=256)))
     with pytest.raises(LoRAError, match="--enable-lora"):
         plain.add_lora(LoRARequest("all8", 1, str(llama.paths["all8"])))
+    # An adapter that an unfinished request runs with stays loaded; once the request is gone it can go.
+    core.add_request("user", llama.prompts[0], SamplingParams(max_tokens=2, lora_name="attn4"))
+    with pytest.raises(LoRAError, match="in use by 1 unfinished requests"):
+        core.remove_lora("attn4")
+    assert "attn4" in core.loras
+    core.abort("user")
     assert core.remove_lora("attn4") and "attn4" not in core.loras
     assert not core.remove_lora("attn4")
 
