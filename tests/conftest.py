@@ -43,6 +43,8 @@ TINY_SPECS = {
     ),
     # q/k/v biases, untied embeddings, no GQA.
     "tiny-qwen2": TinySpec(kind="qwen2", num_heads=4, num_kv_heads=4, seed=1),
+    # Qwen3: a norm over each q and k head before RoPE, no biases, heads wider than hidden / heads, GQA.
+    "tiny-qwen3": TinySpec(kind="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, seed=2),
 }
 
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class ModelArch:
     """What the network looks like: enough to build it and to name its KV blocks.
 
     ``model_type`` is one of :data:`SUPPORTED_ARCHITECTURES`; Qwen2 differs from Llama only by
-    q/k/v biases, Mistral only by its name (and an optional sliding window, see ``sliding_window``).
+    q/k/v biases, Mistral only by its name (and an optional sliding window, see ``sliding_window``), Qwen3 by an
+    RMSNorm over each query and key head before RoPE (``qk_norm``) and no biases.
     """
 
     model_type: str
@@ -42,6 +43,7 @@ class ModelArch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
+    qk_norm: bool = False
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -57,7 +59,10 @@ class ModelArch:
 
     def fingerprint(self) -> str:
         """A stable digest of the architecture, part of every KV block's name."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        fields = asdict(self)
+        if not self.qk_norm:
+            del fields["qk_norm"]  # (added later: the models before it keep their blocks' names, on disk too)
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
@@ -97,6 +102,7 @@ class ModelArch:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
             rope_scaling=scaling,
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # GGUF architecture name -> ModelArch.model_type. llama.cpp stores Mistral models as ``llama``.
-_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # Per-layer GGUF tensor name -> Hugging Face suffix under ``model.layers.{i}.``.
 _LAYER_TENSORS = {
@@ -56,6 +56,8 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Qwen3's norms of each query and key head.
+_HEAD_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -232,7 +234,9 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     is_layer = len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()
     if is_layer and parts[2] in _LAYER_TENSORS and parts[3] in ("weight", "bias"):
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2 decoder tensors")
+    if is_layer and parts[2] in _HEAD_NORM_TENSORS and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{_HEAD_NORM_TENSORS[parts[2]]}.weight"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3 decoder tensors")
 
 
 def _expected_parameters(arch: ModelArch) -> set[str]:
@@ -243,6 +247,8 @@ def _expected_parameters(arch: ModelArch) -> set[str]:
         names.update(f"model.layers.{i}.{suffix}.weight" for suffix in _LAYER_TENSORS.values())
         if arch.qkv_bias:
             names.update(f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv")
+        if arch.qk_norm:
+            names.update(f"model.layers.{i}.{suffix}.weight" for suffix in _HEAD_NORM_TENSORS.values())
     return names
 
 
@@ -382,6 +388,7 @@ def model_arch_from_gguf(
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_shapes,
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
+        qk_norm=model_type == "qwen3",
         rope_scaling=_rope_scaling(meta, prefix, rope_factors, theta, head_dim),
         sliding_window=int(window) if window and model_type == "mistral" else None,
         bos_token_id=tokenizer.bos_token_id if tokenizer is not None else meta.get("tokenizer.ggml.bos_token_id"),
@@ -421,7 +428,7 @@ def _parallel_map(fn: Callable[[GGUFTensorInfo], np.ndarray], items: Iterable[GG
 def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> GGUFModel:
     """Read a GGUF file: architecture, dequantized weights under Hugging Face names, and tokenizer.
 
-    Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...) and ``qwen2`` architectures. ``dtype`` is what the
+    Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2`` and ``qwen3`` architectures. ``dtype`` is what the
     returned tensors are cast to after float32 dequantization.
     """
     path = Path(path)

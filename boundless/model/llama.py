@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in our own PyTorch modules.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) in our own PyTorch modules.
 
 The model takes a flat batch: every token of every sequence in one dimension, with its position,
 and an attention context prepared once per step. It never sees padding. Weights load from Hugging
@@ -128,6 +128,12 @@ class _PackedLayer:
             layer.gate_up_weight, glu=True, storage=take(layer.gate_up_weight, glu=True)
         )
         self.down = cpu_kernels.PackedWeight(layer.down_weight, storage=take(layer.down_weight))
+        q_norm, k_norm = layer.q_norm, layer.k_norm
+        self.head_norm = (
+            None
+            if q_norm is None or k_norm is None
+            else cpu_kernels.HeadNorm(q_norm.weight.detach(), k_norm.weight.detach(), layer.num_heads, q_norm.eps)
+        )
 
     @staticmethod
     def size(layer: DecoderLayer) -> int:
@@ -156,7 +162,18 @@ class DecoderLayer(nn.Module):
         self.down_weight = nn.Parameter(torch.empty(arch.hidden_size, arch.intermediate_size))
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Qwen3: an RMSNorm over each query and each key head, before RoPE.
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.packed: _PackedLayer | None = None  # set by LlamaModel.prepare on the native path
+
+    def _norm_heads_(self, heads: torch.Tensor) -> None:
+        """Qwen3's norm of each query and key head (``heads``: [tokens, q + k heads, head_dim]), in place."""
+        if self.q_norm is None or self.k_norm is None:
+            return
+        q, k = heads[:, : self.num_heads], heads[:, self.num_heads :]
+        q.copy_(self.q_norm(q))
+        k.copy_(self.k_norm(k))
 
     def forward(
         self,
@@ -178,7 +195,9 @@ class DecoderLayer(nn.Module):
             lora.add_(index, QKV, x, qkv)
         q_size, kv_size, _ = self.qkv_sizes
         # q and k heads sit side by side in each row: rotate them together, in place.
-        apply_rotary_(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        heads = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        self._norm_heads_(heads)
+        apply_rotary_(heads, cos, sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
         out = linear(attn, self.o_weight)
@@ -216,6 +235,7 @@ class DecoderLayer(nn.Module):
             lora.add_(index, QKV, x, qkv)
         q_size, kv_size, _ = self.qkv_sizes
         heads = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        self._norm_heads_(heads)
         ops.rotary_(heads, positions, rope.cos, rope.sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
@@ -257,12 +277,12 @@ class DecoderLayer(nn.Module):
         if lora is None or not lora.touches(index, QKV):
             cpu_kernels.layer_in(
                 hidden, self.input_norm.weight, self.input_norm.eps, x, packed.qkv, step.qkv, heads, self.head_dim,
-                step.positions, rope.cos, rope.sin,
+                step.positions, rope.cos, rope.sin, packed.head_norm,
             )  # fmt: skip
         else:
             cpu_kernels.rms_norm(hidden, self.input_norm.weight, self.input_norm.eps, x)
             lora.add_(index, QKV, x, packed.qkv.matmul(x, step.qkv))
-            cpu_kernels.rope_(step.qkv, heads, self.head_dim, step.positions, rope.cos, rope.sin)
+            cpu_kernels.rope_(step.qkv, heads, self.head_dim, step.positions, rope.cos, rope.sin, packed.head_norm)
         attn = attention.forward(step.q, step.k, step.v, cache, attn_meta).view(x.shape[0], -1)
         if attn.stride(1) != 1 or attn.stride(0) != attn.shape[1]:
             attn = attn.contiguous()
@@ -478,6 +498,8 @@ class LlamaModel(nn.Module):
             "input_layernorm": layer.input_norm.weight,
             "post_attention_layernorm": layer.post_attention_norm.weight,
         }
+        if layer.q_norm is not None and layer.k_norm is not None:
+            simple.update(q_norm=layer.q_norm.weight, k_norm=layer.k_norm.weight)
         return simple.get(module), None
 
     def _expected_names(self) -> set[str]:
@@ -492,4 +514,6 @@ class LlamaModel(nn.Module):
                 names.update(p + f"self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj"))
             names.update(p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj"))
             names.update(p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight"))
+            if self.arch.qk_norm:
+                names.update(p + f"self_attn.{m}.weight" for m in ("q_norm", "k_norm"))
         return names

@@ -35,7 +35,8 @@ _CORPUS = [
 
 @dataclass(frozen=True)
 class TinySpec:
-    """The shape of a random model. ``kind`` is llama, qwen2 or mistral."""
+    """The shape of a random model. ``kind`` is llama, qwen2, qwen3 or mistral. ``head_dim``: by default
+    ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size)."""
 
     kind: str = "llama"
     vocab_size: int = 384
@@ -44,6 +45,7 @@ class TinySpec:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
+    head_dim: int | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     rope_scaling: dict | None = None
@@ -69,12 +71,21 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+def _head_dim(spec: TinySpec) -> int:
+    return spec.head_dim or spec.hidden_size // spec.num_heads
+
+
 def _config(spec: TinySpec) -> dict:
-    head_dim = spec.hidden_size // spec.num_heads
     cfg = {
-        "architectures": [
-            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[spec.kind]
-        ],
+        "architectures": [_ARCHITECTURES[spec.kind]],
         "model_type": spec.kind,
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
@@ -82,7 +93,7 @@ def _config(spec: TinySpec) -> dict:
         "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": head_dim,
+        "head_dim": _head_dim(spec),
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": 1e-6,
@@ -94,8 +105,10 @@ def _config(spec: TinySpec) -> dict:
     }
     if spec.rope_scaling:
         cfg["rope_scaling"] = spec.rope_scaling
-    if spec.kind == "qwen2":
+    if spec.kind in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
+    if spec.kind == "qwen3":
+        cfg["attention_bias"] = False
     if spec.kind == "mistral":
         cfg["sliding_window"] = None
     return cfg
@@ -105,7 +118,7 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
     """The random weights of ``spec`` by Hugging Face name, one tensor at a time (drawn on ``device``
     in fp32, then cast to ``spec.dtype``)."""
     g = torch.Generator(device=device).manual_seed(spec.seed)
-    head_dim = spec.hidden_size // spec.num_heads
+    head_dim = _head_dim(spec)
     h, i = spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
     dtype = getattr(torch, spec.dtype)
@@ -130,6 +143,9 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
             yield p + "self_attn.q_proj.bias", rand(q)
             yield p + "self_attn.k_proj.bias", rand(kv)
             yield p + "self_attn.v_proj.bias", rand(kv)
+        if spec.kind == "qwen3":
+            yield p + "self_attn.q_norm.weight", norm(head_dim)
+            yield p + "self_attn.k_norm.weight", norm(head_dim)
         yield p + "mlp.gate_proj.weight", rand(i, h)
         yield p + "mlp.up_proj.weight", rand(i, h)
         yield p + "mlp.down_proj.weight", rand(h, i)

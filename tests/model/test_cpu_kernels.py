@@ -96,13 +96,36 @@ def test_rope_in_place_matches_reference(head_dim: int) -> None:
     torch.testing.assert_close(torch_inplace, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("head_dim", [16, 128, 20])
+def test_rope_normalizes_each_head_first(head_dim: int) -> None:
+    """Qwen3's head norm in the RoPE pass: each query head (the first 3) by the query weight, each key head by the
+    key weight, then rotated; the rest of the row (v) untouched."""
+    t, q_heads, k_heads, eps = 9, 3, 2, 1e-6
+    heads = q_heads + k_heads
+    positions = torch.arange(t) * 7
+    table = torch.randn(128, head_dim // 2)
+    cos, sin = table.cos(), table.sin()
+    x = torch.randn(t, (heads + k_heads) * head_dim) * 4
+    q_w, k_w = torch.randn(head_dim), torch.randn(head_dim)
+
+    def norm(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+    expected = x.clone()
+    rows = expected[:, : heads * head_dim].view(t, heads, head_dim)
+    normed = torch.cat([norm(rows[:, :q_heads], q_w), norm(rows[:, q_heads:], k_w)], dim=1)
+    rows.copy_(apply_rotary(normed, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)))
+    cpu_kernels.rope_(x, heads, head_dim, positions, cos, sin, cpu_kernels.HeadNorm(q_w, k_w, q_heads, eps))
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_model_native_path_matches_torch_path(load) -> None:
-    """One step of the tiny Qwen2 (q/k/v biases) and Llama (GQA) on both paths, same logits."""
+    """One step of the tiny Qwen2 (q/k/v biases), Llama (GQA) and Qwen3 (head norms) on both paths, same logits."""
     from boundless.attention.backend import AttentionBatch
     from boundless.attention.paged import TorchPagedAttention
     from boundless.kv.tensors import PagedKVCache
 
-    for name in ("tiny-qwen2", "tiny-llama"):
+    for name in ("tiny-qwen2", "tiny-llama", "tiny-qwen3"):
         model = load(name).model
         arch = model.arch
         prompts = [[11], [5, 9, 13, 2, 7], [3, 3, 8]]  # a one-token sequence (a "decode") first

