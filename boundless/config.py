@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from boundless.api.reasoning import REASONING_PARSERS
 from boundless.model.lora import LoRAError, LoRAModule
 from boundless.programs.registry import POLICIES
 
@@ -459,12 +460,24 @@ class ServerConfig:
             "--enable-lora and one instance)"
         },
     )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={
+            "help": "deepseek_r1 or qwen3: return a reasoning model's thinking (<think>...</think>) as the message's "
+            "reasoning, apart from its content (vLLM's flag)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, "port", "must be in 1..65535")
         _require(self.max_waiting > 0, "max_waiting", "must be positive")
         _require(self.max_body_mb > 0, "max_body_mb", "must be positive")
         _require(self.max_stored_responses >= 0, "max_stored_responses", "must not be negative")
+        _require(
+            self.reasoning_parser in (None, *REASONING_PARSERS),
+            "reasoning_parser",
+            f"must be one of {', '.join(REASONING_PARSERS)}",
+        )
 
 
 ROUTINGS = ("locality", "least-loaded", "round-robin")

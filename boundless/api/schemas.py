@@ -186,6 +186,11 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool = True  # false: at most one call (held to one with `required`, the first kept else)
     add_generation_prompt: Bool = True
+    # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # With --reasoning-parser: OpenAI's effort, passed to the template as vLLM does; whether to return the reasoning
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    include_reasoning: Bool = True
 
 
 class CompletionRequest(_SamplingFields):

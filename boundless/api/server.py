@@ -26,6 +26,7 @@ from starlette.types import ASGIApp
 from boundless.api.errors import APIError, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.metrics import ServerMetrics
+from boundless.api.reasoning import ReasoningOutput, ReasoningParser
 from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionRequest, InvalidContentPart, message_text
 from boundless.api.tool_calls import (
     CallStream,
@@ -48,9 +49,14 @@ from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.structured_output import StructuredOutput, check_structured_output
 from boundless.model.lora import LoRAError, LoRARequest
+from boundless.model.tokenizer import REASONING_FIELDS
 from boundless.programs.ref import ProgramRef
 
 T = TypeVar("T")
+
+# What chat_template_kwargs may not set: the arguments the route itself passes, and the template (vLLM takes a
+# template from a request only when its server trusts them).
+_RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "add_generation_prompt", "chat_template"})
 
 
 class DeltaStream(Protocol):
@@ -280,6 +286,7 @@ class OpenAIServer:
         if model_name in self.loras:
             raise ConfigError(f"--lora-modules: the adapter name {model_name!r} is the served model's name")
         self.config = config
+        self.reasoning = ReasoningParser.named(config.reasoning_parser) if config.reasoning_parser else None
         self.metrics = ServerMetrics(client.stats, getattr(client, "cluster_metrics", None))
         client.add_finished_listener(self._observe)
         self.created = int(time.time())
@@ -342,15 +349,44 @@ class OpenAIServer:
                 msg["tool_call_id"] = m.tool_call_id
             if m.name:
                 msg["name"] = m.name
+            # An earlier turn's reasoning, under any of its names (templates that keep it read it; others ignore it)
+            msg.update((k, v) for k, v in (m.model_extra or {}).items() if k in REASONING_FIELDS and isinstance(v, str))
             messages.append(msg)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tool_choice != "none" else []
         try:
             prompt = self.tokenizer.apply_chat_template(
-                template_messages(messages), tools=tools or None, add_generation_prompt=body.add_generation_prompt
+                template_messages(messages),
+                tools=tools or None,
+                add_generation_prompt=body.add_generation_prompt,
+                **self._template_kwargs(body),
             )
         except (ValueError, jinja2.TemplateError) as e:  # the template rejected the conversation (raise_exception)
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
         return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def _template_kwargs(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        """vLLM's ``chat_template_kwargs``, and ``reasoning_effort`` (for a reasoning model only) as the template's
+        ``reasoning_effort``."""
+        kwargs = dict(body.chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KEYS & kwargs.keys())
+        if reserved:
+            raise APIError(
+                400, f"chat_template_kwargs cannot set {reserved[0]!r}", "chat_template_kwargs", "invalid_value"
+            )
+        if body.reasoning_effort is not None:
+            if self.reasoning is None:
+                raise APIError(
+                    400,
+                    f"{self.model_name} does not reason (no --reasoning-parser): reasoning_effort is not supported",
+                    "reasoning_effort",
+                )
+            kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        return kwargs
+
+    def reasoning_opened(self, prompt: list[int]) -> bool:
+        """Whether an output of ``prompt`` starts inside its reasoning (the template opened the think block)."""
+        assert self.reasoning is not None
+        return self.reasoning.opens_in_reasoning(self.tokenizer.decode(prompt[-8:], skip_special_tokens=False))
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         check_common(body, self.tokenizer.vocab_size)
@@ -372,20 +408,30 @@ class OpenAIServer:
             if e.param == "max_tokens" and body.max_completion_tokens is not None:
                 raise InvalidRequestError(str(e), "max_completion_tokens") from e
             raise
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning = ReasoningOutput(self.reasoning, self.reasoning_opened(ids), body.include_reasoning)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             streams = await self.started(streams, request)
-            gen = self._chat_events(rid, body.model, streams, len(ids), body.logprobs, tools, include_usage)
+            gen = self._chat_events(rid, body.model, streams, len(ids), body.logprobs, tools, include_usage, reasoning)
             return StreamingResponse(gen, media_type="text/event-stream")
         choices = await self.collect(streams, request)
         out_choices = []
         for c in choices:
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            text = c.text
+            message: dict[str, Any] = {"role": "assistant"}
+            if reasoning is not None:
+                split = reasoning.split(c.text)
+                text = split.content or ""
+                if reasoning.include:
+                    message.update(reasoning.fields(split.reasoning))
+            message["content"] = text if reasoning is None else (text or None)
             finish = c.finish_reason
             if tools.used:
-                content, calls = tools.calls(c.text)
+                content, calls = tools.calls(text)
                 if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": [t.to_openai() for t in calls]}
+                    message.update(content=content, tool_calls=[t.to_openai() for t in calls])
                     finish = "tool_calls"
             out_choices.append(
                 {
@@ -402,7 +448,7 @@ class OpenAIServer:
             "model": body.model,
             "system_fingerprint": _fingerprint(choices),
             "choices": out_choices,
-            "usage": self._usage(len(ids), choices),
+            "usage": self._usage(len(ids), choices, reasoning),
         }
         if body.prompt_logprobs is not None:  # vLLM's place for them in a chat response: beside the choices
             response["prompt_logprobs"] = self._prompt_logprobs(choices[0].prompt_logprobs, body.prompt_logprobs)
@@ -417,6 +463,7 @@ class OpenAIServer:
         want_logprobs: bool,
         tools: ToolUse,
         include_usage: bool,
+        reasoning: ReasoningOutput | None = None,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         choices = [Choice(i) for i in range(len(streams))]
@@ -451,25 +498,38 @@ class OpenAIServer:
 
         # Read for tool calls: content streams until a call may have begun (ContentStream), its logprobs with it;
         # from there the calls stream as they are written (CallStream: a call's id and name, then its arguments).
+        # With a reasoning parser, the reasoning streams first as it is written (ReasoningStream), and only the
+        # answer after it is content, read for calls.
         contents = [ContentStream() for _ in choices] if tools.used else []
         call_streams = [CallStream(tools.parallel) for _ in choices] if tools.used else []
+        thoughts = [reasoning.stream() for _ in choices] if reasoning is not None else []
         pending: list[list[SampledToken]] = [[] for _ in choices]
         async for index, delta in self.merged(streams):
             c = choices[index]
             self.apply_delta(c, delta)
+            answer, thought, new_answer = c.text, "", delta.new_text
+            if reasoning is not None:
+                thought, new_answer = thoughts[index].feed(c.text, final=delta.finished)
+                answer = thoughts[index].content
+                thought = thought if reasoning.include else ""
+            fields = ReasoningOutput.fields(thought) if thought else {}
             if tools.used:
                 pending[index] += delta.new_logprobs
+                if fields:
+                    new_logprobs, pending[index] = pending[index], []
+                    lp = {"content": self.chat_logprobs(new_logprobs)} if want_logprobs else None
+                    yield choice_chunk(index, fields, lp)
+                    fields = {}
                 if not delta.finished:
-                    text = contents[index].feed(c.text)
-                    if contents[index].held and (
-                        calls_so_far := call_streams[index].feed(c.text, contents[index].sent)
-                    ):
+                    text = contents[index].feed(answer)
+                    held, sent = contents[index].held, contents[index].sent
+                    if held and (calls_so_far := call_streams[index].feed(answer, sent)):
                         if text:
                             yield choice_chunk(index, {"content": text})
                             text = ""
                         yield choice_chunk(index, {"tool_calls": calls_so_far})
                 else:
-                    text, calls = contents[index].finish(c.text, tools.calls)
+                    text, calls = contents[index].finish(answer, tools.calls)
                     if calls:
                         if text:
                             yield choice_chunk(index, {"content": text})
@@ -480,14 +540,16 @@ class OpenAIServer:
                     continue
                 new_logprobs, pending[index] = pending[index], []
             else:
-                text, new_logprobs = delta.new_text, delta.new_logprobs
+                text, new_logprobs = new_answer, delta.new_logprobs
             lp = {"content": self.chat_logprobs(new_logprobs)} if want_logprobs else None
-            if text or (lp and new_logprobs):
-                yield choice_chunk(index, {"content": text}, lp)
+            if text or (lp and new_logprobs and not fields):
+                fields["content"] = text
+            if fields:
+                yield choice_chunk(index, fields, lp)
             if delta.finished:
                 yield choice_chunk(index, {}, finish=delta.finish_reason)
         if include_usage:
-            yield chunk([], self._usage(prompt_len, choices))
+            yield chunk([], self._usage(prompt_len, choices, reasoning))
         yield b"data: [DONE]\n\n"
 
     # -- completions -------------------------------------------------------------------------
@@ -689,16 +751,24 @@ class OpenAIServer:
             raise
         return [_Replayed(s, it, d) for s, it, d in zip(streams, iterators, first, strict=True)]
 
-    @staticmethod
-    def _usage(prompt_len: int, choices: list[Choice]) -> dict[str, Any]:
+    def _usage(
+        self, prompt_len: int, choices: list[Choice], reasoning: ReasoningOutput | None = None
+    ) -> dict[str, Any]:
         completion = sum(len(c.token_ids) for c in choices)
         cached = max((c.cached_tokens for c in choices), default=0)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt_len,
             "completion_tokens": completion,
             "total_tokens": prompt_len + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        if reasoning is not None:
+            thought = sum(self.reasoning_tokens(reasoning, c.token_ids) for c in choices)
+            usage["completion_tokens_details"] = {"reasoning_tokens": thought}
+        return usage
+
+    def reasoning_tokens(self, reasoning: ReasoningOutput, token_ids: list[int]) -> int:
+        return reasoning.tokens(token_ids, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

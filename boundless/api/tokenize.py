@@ -40,6 +40,7 @@ class TokenizeChat(BaseModel):
     add_generation_prompt: Bool = True
     add_special_tokens: Bool = False
     return_token_strs: Bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # as the chat route takes them
 
 
 class DetokenizeRequest(BaseModel):
@@ -72,6 +73,7 @@ async def tokenize(body: dict[str, Any], request: Request) -> Response:
             "messages": spec.messages,
             "tools": spec.tools,
             "add_generation_prompt": spec.add_generation_prompt,
+            "chat_template_kwargs": spec.chat_template_kwargs,
         }
         tokens = server.chat_prompt(_validated(ChatCompletionRequest, fields))
         if spec.add_special_tokens and tokenizer.bos_token_id is not None:

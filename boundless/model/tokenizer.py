@@ -273,13 +273,13 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """A message as transformers hands it to templates: keys set to None dropped, reasoning under every alias."""
     message = {key: value for key, value in message.items() if value is not None}
-    reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+    reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
     if reasoning is not None:
         message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import openai
 
 from boundless.api.launch import start_in_thread
+from boundless.config import ServerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.llm import engine_config
@@ -37,15 +38,18 @@ class Served(NamedTuple):
 
 
 @contextmanager
-def serve_hermes(directory: Path) -> Iterator[Served]:
-    """A random model written to ``directory`` whose chat template takes tools, served until the block ends."""
+def serve_hermes(
+    directory: Path, template: str = HERMES_TEMPLATE, server_config: ServerConfig | None = None
+) -> Iterator[Served]:
+    """A random model written to ``directory`` whose chat template takes tools (``template``, in which ``\\n`` stands
+    for a newline), served until the block ends."""
     root = write_random_model(directory / "m", TinySpec())
     config = json.loads((root / "tokenizer_config.json").read_text())
-    config["chat_template"] = HERMES_TEMPLATE.replace("\\n", "\n")
+    config["chat_template"] = template.replace("\\n", "\n")
     (root / "tokenizer_config.json").write_text(json.dumps(config))
     loaded = load_model(str(root))
     engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
-    server = start_in_thread(engine, "tiny")
+    server = start_in_thread(engine, "tiny", server_config)
     try:
         yield Served(loaded, engine, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0))
     finally:

@@ -164,6 +164,8 @@ CORPUS: list[Case] = [
     *both({"max_tokens": MAX_LEN}, "max_tokens"),
     *both({"max_tokens": "4"}, "max_tokens"),
     chat({"max_completion_tokens": 0}, "max_completion_tokens"),
+    chat({"reasoning_effort": "high"}, "reasoning_effort"),  # this model does not reason (no --reasoning-parser)
+    chat({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     chat({"max_completion_tokens": 10**20}, "max_completion_tokens"),
     chat({"max_completion_tokens": 2.0}, "max_completion_tokens"),
     *both({"min_tokens": -1}, "min_tokens"),

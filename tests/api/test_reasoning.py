@@ -1,0 +1,253 @@
+"""A reasoning model's thinking apart from its answer (``--reasoning-parser``): the parsers on their own, streamed in
+every chunking, and served: a random model held by a grammar to write ``<think>...</think>`` and then an answer or a
+tool call, read through the real `openai` client, streamed and not, with a Qwen3-style template that takes
+``enable_thinking`` and ``reasoning_effort``."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from served_models import Served, serve_hermes
+
+from boundless.api.reasoning import ReasoningOutput, ReasoningParser, ReasoningStream, Split
+from boundless.config import ServerConfig
+
+QWEN3 = ReasoningParser.named("qwen3")
+R1 = ReasoningParser.named("deepseek_r1")
+
+
+@pytest.mark.parametrize(
+    ("parser", "opened", "text", "expected"),
+    [
+        (QWEN3, False, "<think>\nfirst a, then b\n</think>\n\nAnswer.", Split("\nfirst a, then b\n", "\n\nAnswer.")),
+        (QWEN3, False, "  <think>x</think>y", Split("x", "y")),  # blanks before the tag
+        (QWEN3, False, "No thinking here.", Split(None, "No thinking here.")),  # enable_thinking off
+        (QWEN3, False, "An answer that mentions <think> later.", Split(None, "An answer that mentions <think> later.")),
+        (QWEN3, False, "<think>cut off before the end", Split("cut off before the end", None)),
+        (QWEN3, True, "the prompt opened it</think>answer", Split("the prompt opened it", "answer")),
+        (QWEN3, False, "<think></think>", Split("", None)),
+        (R1, False, "R1 never writes the start tag</think>answer", Split("R1 never writes the start tag", "answer")),
+        (R1, False, "<think>R1-0528 does</think>answer", Split("R1-0528 does", "answer")),
+        (R1, False, "still thinking", Split("still thinking", None)),
+        (R1, False, "a</think>b</think>c", Split("a", "b</think>c")),  # the first end tag ends it
+    ],
+)
+def test_split(parser: ReasoningParser, opened: bool, text: str, expected: Split) -> None:
+    assert parser.split(text, opened) == expected
+
+
+def test_where_an_output_starts() -> None:
+    assert QWEN3.opens_in_reasoning("<|im_start|>assistant\n<think>\n")  # a thinking-only model's template
+    assert not QWEN3.opens_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking turned off
+    assert not QWEN3.opens_in_reasoning("<|im_start|>assistant\n")
+    assert R1.opens_in_reasoning("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+        ReasoningParser.named("granite")
+
+
+TEXTS = [
+    "<think>\nfirst a, then b\n</think>\n\nThe answer.",
+    "  <think>x</think>y",
+    "No thinking here.",
+    "<thin> is not the tag",
+    "<think>cut off </thi",
+    "a</think>b</think>c",
+    "</think>",
+    "",
+    " \n ",
+]
+
+
+@pytest.mark.parametrize("parser", [QWEN3, R1], ids=["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_stream_sends_what_the_whole_output_splits_into(parser: ReasoningParser, opened: bool) -> None:
+    """In every chunking (pieces of 1 to 4 characters, 30 random ones per text), the pieces sent add up to the split
+    of the whole text, and nothing sent is taken back (a tag's start is held until it is known to be one)."""
+    rng = random.Random(0)
+    for text in TEXTS:
+        split = parser.split(text, opened)
+        for _ in range(30):
+            stream, reasoning, content, at = ReasoningStream(parser, opened), "", "", 0
+            while at < len(text):
+                at = min(len(text), at + rng.randint(1, 4))
+                new_reasoning, new_content = stream.feed(text[:at])
+                reasoning, content = reasoning + new_reasoning, content + new_content
+            new_reasoning, new_content = stream.feed(text, final=True)
+            reasoning, content = reasoning + new_reasoning, content + new_content
+            assert (reasoning, content or None) == (split.reasoning or "", split.content), text
+
+
+def test_reasoning_tokens_end_with_the_end_tag() -> None:
+    def decode(ids: Any) -> str:  # a token per character
+        return "".join(map(chr, ids))
+
+    def tokens(text: str, opened: bool = False) -> int:
+        return ReasoningOutput(QWEN3, opened).tokens([ord(ch) for ch in text], decode)
+
+    assert tokens("<think>ab</think>cd") == len("<think>ab</think>")
+    assert tokens("<think>cut off") == len("<think>cut off")
+    assert tokens("no reasoning") == 0
+    assert tokens("ab</think>cd", opened=True) == len("ab</think>")
+
+
+# -- served ------------------------------------------------------------------------------------------------------------
+
+# Hermes tool calls, a Qwen3-style generation prompt (thinking turned off closes an empty think block; a thinking-only
+# model opens one), earlier turns' reasoning rendered, and reasoning_effort shown in a system line.
+QWEN3_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|im_start|>system\\neffort: {{ reasoning_effort }}<|im_end|>\\n{% endif %}"
+    "{% if tools %}<|im_start|>system\\nTools:\\n"
+    "{% for t in tools %}{{ t | tojson }}\\n{% endfor %}<|im_end|>\\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% endif %}"
+    "<|im_end|>\\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\\n\\n</think>\\n\\n{% endif %}"
+    "{% if open_think is defined and open_think %}<think>\\n{% endif %}{% endif %}"
+)
+
+THINK_THEN_ANSWER = r"<think>[a-z ]{4,12}</think>[a-z ]{2,8}"
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+THINK_THEN_CALL = (
+    r'<think>[a-z ]{4,12}</think><tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>'
+)
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serve_hermes(
+        tmp_path_factory.mktemp("reasoning"), QWEN3_TEMPLATE, ServerConfig(reasoning_parser="qwen3")
+    ) as s:
+        yield s
+
+
+def _chat(served: Served, regex: str, **kwargs: Any) -> Any:
+    extra = {"structured_outputs": {"regex": regex}, **kwargs.pop("extra_body", {})}
+    return served.client.chat.completions.create(
+        model="tiny",
+        messages=kwargs.pop("messages", ASK),
+        max_tokens=kwargs.pop("max_tokens", 120),
+        temperature=0,
+        extra_body=extra,
+        **kwargs,
+    )
+
+
+def _streamed(served: Served, regex: str, **kwargs: Any) -> dict[str, Any]:
+    """A streamed chat's pieces put together: reasoning, content, tool calls, the finish reason, the usage."""
+    out: dict[str, Any] = {"reasoning": "", "reasoning_content": "", "content": "", "calls": {}, "finish": None}
+    for chunk in _chat(served, regex, stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            for key in ("reasoning", "reasoning_content", "content"):
+                out[key] += delta.get(key) or ""
+            for call in delta.get("tool_calls") or ():
+                entry = out["calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+                entry["name"] += call["function"].get("name") or ""
+                entry["arguments"] += call["function"].get("arguments") or ""
+            out["finish"] = choice.finish_reason or out["finish"]
+    return out
+
+
+def _text(served: Served, regex: str, **kwargs: Any) -> str:
+    """What the model writes under ``regex`` with no reasoning parser's reading: the plain completion."""
+    prompt = served.loaded.tokenizer.apply_chat_template(ASK, **kwargs)
+    reply = httpx.post(
+        served.url + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 120, "temperature": 0,
+              "structured_outputs": {"regex": regex}},
+        timeout=60,
+    )  # fmt: skip
+    return reply.json()["choices"][0]["text"]
+
+
+def test_reasoning_apart_from_the_answer(served: Served) -> None:
+    text = _text(served, THINK_THEN_ANSWER)
+    thought, answer = text.removeprefix("<think>").split("</think>")
+    reply = _chat(served, THINK_THEN_ANSWER)
+    message = reply.choices[0].message
+    assert message.content == answer and message.reasoning == thought and message.reasoning_content == thought
+    details = reply.usage.completion_tokens_details
+    assert 0 < details.reasoning_tokens < reply.usage.completion_tokens
+    # The tokens counted as reasoning are those up to the one that completes </think>.
+    ids = served.loaded.tokenizer.encode(text, add_special_tokens=False)
+    assert "</think>" in served.loaded.tokenizer.decode(ids[: details.reasoning_tokens])
+    assert "</think>" not in served.loaded.tokenizer.decode(ids[: details.reasoning_tokens - 1])
+    streamed = _streamed(served, THINK_THEN_ANSWER)
+    assert streamed["reasoning"] == streamed["reasoning_content"] == thought
+    assert streamed["content"] == answer and streamed["finish"] == reply.choices[0].finish_reason
+    assert streamed["usage"].completion_tokens_details.reasoning_tokens == details.reasoning_tokens
+
+
+def test_a_tool_call_after_the_reasoning(served: Served) -> None:
+    reply = _chat(served, THINK_THEN_CALL, tools=WEATHER)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == '{"city": "Paris"}'
+    streamed = _streamed(served, THINK_THEN_CALL, tools=WEATHER)
+    assert streamed["reasoning"] == choice.message.reasoning and streamed["content"] == ""
+    assert streamed["calls"] == {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert streamed["finish"] == "tool_calls"
+
+
+def test_thinking_turned_off_and_on_by_the_template(served: Served) -> None:
+    """``enable_thinking: false`` closes an empty think block in the prompt, so what the model writes is all answer;
+    a template that opens the block makes the output start inside the reasoning, with no start tag written."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    plain = _chat(served, "[a-z ]{4,12}", extra_body=off).choices[0].message
+    assert plain.reasoning is None and plain.content == _text(served, "[a-z ]{4,12}", enable_thinking=False)
+    # Without the kwarg the same words are still the answer (the output did not begin with <think>).
+    assert _chat(served, "[a-z ]{4,12}").choices[0].message.reasoning is None
+    opened = _chat(served, "[a-z ]{4,12}</think>[a-z ]{2,8}", extra_body={"chat_template_kwargs": {"open_think": True}})
+    text = _text(served, "[a-z ]{4,12}</think>[a-z ]{2,8}", open_think=True)
+    assert (opened.choices[0].message.reasoning, opened.choices[0].message.content) == tuple(text.split("</think>"))
+
+
+def test_include_reasoning_false_drops_it(served: Served) -> None:
+    message = _chat(served, THINK_THEN_ANSWER, extra_body={"include_reasoning": False}).choices[0].message
+    assert message.model_dump().get("reasoning") is None and message.content
+    assert "<think>" not in message.content
+    streamed = _streamed(served, THINK_THEN_ANSWER, extra_body={"include_reasoning": False})
+    assert streamed["reasoning"] == "" and streamed["content"] == message.content
+
+
+def test_template_variables_reach_the_template(served: Served) -> None:
+    def count(**body: Any) -> int:
+        reply = httpx.post(served.url + "/tokenize", json={"messages": ASK, **body}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["count"]
+
+    base = count()
+    assert count(chat_template_kwargs={"enable_thinking": False}) > base
+    # reasoning_effort reaches the template (a system line here), as the chat route's usage shows.
+    effort = _chat(served, "[a-z ]{2,4}", reasoning_effort="high", max_tokens=4)
+    assert effort.usage.prompt_tokens > _chat(served, "[a-z ]{2,4}", max_tokens=4).usage.prompt_tokens
+    # An earlier turn's reasoning, sent back under either name, is rendered by a template that reads it.
+    for key in ("reasoning_content", "reasoning"):
+        turns = [*ASK, {"role": "assistant", "content": "Sunny.", key: "look it up"}, {"role": "user", "content": "?"}]
+        without = [*ASK, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "?"}]
+        assert count(messages=turns) > count(messages=without)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ],
+)
+def test_bad_template_variables(served: Served, body: dict[str, Any], param: str) -> None:
+    reply = httpx.post(served.url + "/v1/chat/completions", json={"model": "tiny", "messages": ASK, **body}, timeout=30)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"].startswith(param)
