@@ -18,7 +18,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -27,13 +27,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from boundless.api.errors import APIError
+from boundless.api.reasoning import ReasoningOutput
 from boundless.api.schemas import (
     MAX_TOP_LOGPROBS,
+    REASONING_EFFORTS,
     Bool,
     ChatCompletionRequest,
     Count,
     Float,
     Identifier,
+    StructuredOutputsParams,
 )
 from boundless.api.server import (
     Choice,
@@ -43,6 +46,7 @@ from boundless.api.server import (
     check_common,
     check_grammar,
     sampling_params,
+    structured_outputs_grammar,
 )
 from boundless.api.tool_calls import CallParser, ContentStream, ToolCall, forced_call_schema
 from boundless.api.validation import header_identifier, refuse_removed_fields, require_valid_text
@@ -135,6 +139,8 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["disabled", "auto"] | None = None
     reasoning: dict[str, Any] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's (chat's field)
+    # vLLM's chat extension, here too: output held to a regex, a choice, a grammar or a schema
+    structured_outputs: StructuredOutputsParams | None = None
     # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers); by default the chain's.
     program_id: Identifier | None = None
     thread_id: Identifier | None = None
@@ -281,6 +287,7 @@ class _Call:
     logprobs: bool
     tools: list[FunctionTool]
     lora: str | None  # the LoRA adapter ``model`` names
+    reasoning: ReasoningOutput | None = None  # how the output's reasoning is read (with --reasoning-parser)
 
     @property
     def tools_used(self) -> bool:
@@ -290,6 +297,10 @@ class _Call:
     @property
     def message_id(self) -> str:
         return f"msg_{self.response_id.removeprefix('resp_')}"
+
+    @property
+    def reasoning_id(self) -> str:
+        return f"rs_{self.response_id.removeprefix('resp_')}"
 
 
 class ResponsesAPI:
@@ -329,8 +340,11 @@ class ResponsesAPI:
         require_valid_text(body.model_dump(by_alias=True))
         refuse_removed_fields(body.model_extra)
         lora = server.check_model(body.model)
-        if body.reasoning and body.reasoning.get("effort") is not None:
+        effort = (body.reasoning or {}).get("effort")
+        if effort is not None and server.reasoning is None:
             raise APIError(400, f"{server.model_name} does not reason: reasoning.effort is not supported", "reasoning")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}", "reasoning.effort")
         unknown = [x for x in body.include or () if x not in INCLUDABLE]
         if unknown:
             raise APIError(400, f"include {unknown[0]!r} is not supported", "include")
@@ -372,6 +386,8 @@ class ResponsesAPI:
                         "top_logprobs": body.top_logprobs if logprobs else None,
                         "user": body.user,
                         "cache_salt": body.cache_salt,
+                        "reasoning_effort": effort,
+                        "structured_outputs": body.structured_outputs,
                     }
                 )
             except ValidationError as e:  # (what was read above has the chat's shapes; a last guard)
@@ -392,6 +408,7 @@ class ResponsesAPI:
             logprobs,
             tools,
             lora,
+            None if server.reasoning is None else ReasoningOutput(server.reasoning, server.reasoning_opened(prompt)),
         )
 
     def _fits(self, prompt: list[int], body: ResponsesRequest) -> bool:
@@ -459,22 +476,33 @@ class ResponsesAPI:
             part["logprobs"] = self.server.chat_logprobs(choice.logprobs)
         return {"type": "message", "id": call.message_id, "status": status, "role": "assistant", "content": [part]}
 
+    @staticmethod
+    def _reasoning_item(call: _Call, text: str, status: str) -> dict[str, Any]:
+        part = {"type": "reasoning_text", "text": text}
+        return {"type": "reasoning", "id": call.reasoning_id, "summary": [], "content": [part], "status": status}
+
     def _finished(
         self, call: _Call, choice: Choice, streamed: tuple[str, list[ToolCall]] | None = None
     ) -> dict[str, Any]:
-        """The response's final body: a message (unless the output is calls alone), then each call; stored
-        unless ``store`` is false. ``streamed``: the content and calls as a stream read them (its content keeps the
-        blanks the unstreamed one strips)."""
+        """The response's final body: the reasoning (with a reasoning parser, when there is any), a message (unless
+        the output is calls alone, or reasoning cut off), then each call; stored unless ``store`` is false.
+        ``streamed``: the content and calls as a stream read them (its content keeps the blanks the unstreamed one
+        strips)."""
         content: str | None = choice.text
+        thought: str | None = None
+        if call.reasoning is not None:
+            split = call.reasoning.split(choice.text)
+            thought, content = split.reasoning, split.content or ""
         calls: list[ToolCall] = []
         if streamed is not None:
             content, calls = streamed
         elif call.tools_used:
-            content, calls = self._calls_of(call)(choice.text)
+            content, calls = self._calls_of(call)(content or "")
         incomplete = choice.finish_reason == "length" and not calls
-        items = []
-        if content or not calls:
-            items.append(self._message_item(call, choice, content or "", "incomplete" if incomplete else "completed"))
+        status = "incomplete" if incomplete else "completed"
+        items = [self._reasoning_item(call, thought, status)] if thought else []
+        if content or not (calls or thought):
+            items.append(self._message_item(call, choice, content or "", status))
         items += [_function_call_item(c) for c in calls]
         out = self._envelope(call, "incomplete" if incomplete else "completed", items)
         if incomplete:
@@ -483,11 +511,17 @@ class ResponsesAPI:
             "input_tokens": len(call.prompt),
             "input_tokens_details": {"cached_tokens": choice.cached_tokens},
             "output_tokens": len(choice.token_ids),
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": 0
+                if call.reasoning is None
+                else self.server.reasoning_tokens(call.reasoning, choice.token_ids)
+            },
             "total_tokens": len(call.prompt) + len(choice.token_ids),
         }
         if call.body.store:
             said: dict[str, Any] = {"role": "assistant", "content": content or ""}
+            if thought:
+                said["reasoning_content"] = thought  # (a template that keeps earlier reasoning renders it)
             if calls:
                 said["tool_calls"] = [c.to_openai() for c in calls]
             stored = StoredResponse(out, [*call.messages, said], call.program.program_id, input_items(call.body.input))
@@ -495,8 +529,10 @@ class ResponsesAPI:
         return out
 
     async def _events(self, call: _Call, streams: list[DeltaStream]) -> AsyncIterator[bytes]:
-        """The response as server-sent events, in OpenAI's order. Text streams as it comes, unless the output is
-        read for function calls: then, as chat's does, it comes whole when the output ends."""
+        """The response as server-sent events, in OpenAI's order. With a reasoning parser, the reasoning streams first
+        as it is written (a ``reasoning`` item at output 0, its ``reasoning_text`` deltas), closed when the answer
+        begins. Text streams as it comes, unless the output is read for function calls: then, as chat's does, it
+        comes whole when the output ends."""
         server = self.server
         sequence = 0
 
@@ -511,18 +547,46 @@ class ResponsesAPI:
         choice = Choice(0)
         # Read for function calls, the text streams until a call may have begun (ContentStream), as chat's does.
         content = ContentStream() if call.tools_used else None
-        at = {"item_id": call.message_id, "output_index": 0, "content_index": 0}
+        thoughts = call.reasoning.stream() if call.reasoning is not None else None
+        thought_at = {"item_id": call.reasoning_id, "output_index": 0, "content_index": 0}
+        thought, thought_closed = "", False
+        message_index = 0  # 1 once a reasoning item came first
+
+        def close_thought(item: dict[str, Any]) -> Iterator[bytes]:
+            nonlocal thought_closed
+            thought_closed = True
+            part = item["content"][0]
+            yield event("response.reasoning_text.done", **thought_at, text=part["text"])
+            yield event("response.content_part.done", **thought_at, part=part)
+            yield event("response.output_item.done", output_index=0, item=item)
+
         sent, pending, opened = "", [], False
         async for _, delta in server.merged(streams):
             server.apply_delta(choice, delta)
             pending += delta.new_logprobs
-            piece = delta.new_text if content is None else ("" if delta.finished else content.feed(choice.text))
+            answer, new_answer = choice.text, delta.new_text
+            if thoughts is not None:
+                new_thought, new_answer = thoughts.feed(choice.text, final=delta.finished)
+                answer = thoughts.content
+                if new_thought:
+                    if not thought:  # the reasoning item opens with its first text
+                        message_index = 1
+                        item = self._reasoning_item(call, "", "in_progress")
+                        yield event("response.output_item.added", output_index=0, item={**item, "content": []})
+                        yield event("response.content_part.added", **thought_at, part=item["content"][0])
+                    yield event("response.reasoning_text.delta", **thought_at, delta=new_thought)
+                    thought += new_thought
+            piece = new_answer if content is None else ("" if delta.finished else content.feed(answer))
             if not piece:
                 continue
+            if thought and not thought_closed:  # the answer begins: the reasoning is whole
+                for chunk in close_thought(self._reasoning_item(call, thought, "completed")):
+                    yield chunk
+            at = {"item_id": call.message_id, "output_index": message_index, "content_index": 0}
             if not opened:  # the message item opens with its first text
                 opened = True
                 item = self._message_item(call, choice, "", "in_progress")
-                yield event("response.output_item.added", output_index=0, item={**item, "content": []})
+                yield event("response.output_item.added", output_index=message_index, item={**item, "content": []})
                 yield event("response.content_part.added", **at, part=_EMPTY_TEXT)
             logprobs, pending = (server.chat_logprobs(pending) if call.logprobs else []), []
             yield event("response.output_text.delta", **at, delta=piece, logprobs=logprobs)
@@ -532,9 +596,15 @@ class ResponsesAPI:
             failed["error"] = {"code": "server_error", "message": "the engine failed while generating"}
             yield event("response.failed", response=failed)
             return
-        rest, calls = content.finish(choice.text, self._calls_of(call)) if content is not None else ("", [])
+        answer = thoughts.content if thoughts is not None else choice.text
+        rest, calls = content.finish(answer, self._calls_of(call)) if content is not None else ("", [])
         final = self._finished(call, choice, (sent + rest, calls) if content is not None else None)
         for index, item in enumerate(final["output"]):
+            if item["type"] == "reasoning":
+                if not thought_closed:
+                    for chunk in close_thought(item):
+                        yield chunk
+                continue
             if item["type"] == "message":
                 part = item["content"][0]
                 at = {"item_id": item["id"], "output_index": index, "content_index": 0}
@@ -570,14 +640,21 @@ _CHAT_TOOL_FIELDS = {"name", "description", "parameters"}
 
 
 def _structured(body: ResponsesRequest, tools: list[dict[str, Any]]) -> StructuredOutput | None:
-    """The grammar of ``text.format`` or of a ``tool_choice`` that forces a call (not both)."""
+    """The grammar of ``text.format``, of a ``tool_choice`` that forces a call or of ``structured_outputs`` (one of
+    them)."""
     fmt = body.text.format if body.text is not None else None
     wants_json = fmt is not None and fmt.type != "text"
     choice = body.tool_choice
-    if choice == "required" or isinstance(choice, FunctionChoice):
+    forced = choice == "required" or isinstance(choice, FunctionChoice)
+    if body.structured_outputs is not None:
+        if wants_json or forced:
+            where = "text.format" if wants_json else "tool_choice"
+            raise APIError(400, f"{where} cannot go with structured_outputs", "structured_outputs", "invalid_value")
+        return structured_outputs_grammar(body.structured_outputs)
+    if forced:
         if wants_json:
             raise APIError(400, "text.format cannot go with a tool_choice that forces a call", "text.format")
-        name = choice.name if isinstance(choice, FunctionChoice) else None
+        name = choice.name if isinstance(choice, FunctionChoice) else None  # type: ignore[union-attr]
         return StructuredOutput.json_schema(forced_call_schema(tools, name, body.parallel_tool_calls), "tools")
     if fmt is None or fmt.type == "text":
         return None

@@ -9,7 +9,7 @@ context length) by :mod:`boundless.api.validation` and the engine.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AllowInfNan,
@@ -177,6 +177,10 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]  # OpenAI's
+REASONING_EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None
@@ -189,7 +193,7 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
     # With --reasoning-parser: OpenAI's effort, passed to the template as vLLM does; whether to return the reasoning
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     include_reasoning: Bool = True
 
 

@@ -27,7 +27,14 @@ from boundless.api.errors import APIError, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.metrics import ServerMetrics
 from boundless.api.reasoning import ReasoningOutput, ReasoningParser
-from boundless.api.schemas import ROLES, ChatCompletionRequest, CompletionRequest, InvalidContentPart, message_text
+from boundless.api.schemas import (
+    ROLES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidContentPart,
+    StructuredOutputsParams,
+    message_text,
+)
 from boundless.api.tool_calls import (
     CallStream,
     ContentStream,
@@ -223,8 +230,11 @@ def _structured(body: ChatCompletionRequest | CompletionRequest) -> StructuredOu
         if response_format.json_schema is None or response_format.json_schema.schema_ is None:
             return StructuredOutput("json_object")
         return StructuredOutput.json_schema(response_format.json_schema.schema_)
-    if wanted is None:
-        return None
+    return None if wanted is None else structured_outputs_grammar(wanted)
+
+
+def structured_outputs_grammar(wanted: StructuredOutputsParams) -> StructuredOutput:
+    """The grammar of vLLM's ``structured_outputs``."""
     where = "structured_outputs"
     if wanted.json_ is not None:
         return StructuredOutput.json_schema(wanted.json_, where)

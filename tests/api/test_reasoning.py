@@ -251,3 +251,83 @@ def test_bad_template_variables(served: Served, body: dict[str, Any], param: str
     reply = httpx.post(served.url + "/v1/chat/completions", json={"model": "tiny", "messages": ASK, **body}, timeout=30)
     assert reply.status_code == 400
     assert reply.json()["error"]["param"].startswith(param)
+
+
+# -- the Responses API ---------------------------------------------------------------------------------------------
+
+
+def _respond(served: Served, regex: str, **kwargs: Any) -> Any:
+    extra = {"structured_outputs": {"regex": regex}, **kwargs.pop("extra_body", {})}
+    return served.client.responses.create(
+        model="tiny", input=ASK[0]["content"], max_output_tokens=120, temperature=0, extra_body=extra, **kwargs
+    )
+
+
+def test_responses_put_the_reasoning_in_its_own_item(served: Served) -> None:
+    thought, answer = _text(served, THINK_THEN_ANSWER).removeprefix("<think>").split("</think>")
+    response = _respond(served, THINK_THEN_ANSWER)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == thought and reasoning.summary == []
+    assert message.type == "message" and response.output_text == answer
+    chat = _chat(served, THINK_THEN_ANSWER)
+    thought_tokens = response.usage.output_tokens_details.reasoning_tokens
+    assert 0 < thought_tokens < response.usage.output_tokens
+    assert thought_tokens == chat.usage.completion_tokens_details.reasoning_tokens
+    # reasoning.effort reaches the template, as chat's reasoning_effort does.
+    effort = _respond(served, THINK_THEN_ANSWER, reasoning={"effort": "low"})
+    assert effort.usage.input_tokens > response.usage.input_tokens and effort.output[0].type == "reasoning"
+    # The next response of the chain sees this turn's reasoning (the template renders it): its prompt is the chat
+    # form of the conversation with the reasoning in the assistant turn.
+    follow = served.client.responses.create(
+        model="tiny", input="And tomorrow?", previous_response_id=response.id, max_output_tokens=1
+    )
+    turns = [
+        *ASK,
+        {"role": "assistant", "content": answer, "reasoning_content": thought},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    counted = httpx.post(served.url + "/tokenize", json={"messages": turns}, timeout=30).json()["count"]
+    assert follow.usage.input_tokens == counted
+
+
+def test_responses_stream_the_reasoning_first(served: Served) -> None:
+    whole = _respond(served, THINK_THEN_ANSWER)
+    events = list(_respond(served, THINK_THEN_ANSWER, stream=True))
+    kinds = [e.type for e in events]
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert thought == whole.output[0].content[0].text and text == whole.output_text
+    # The reasoning item (output 0) is opened, written and closed before the message (output 1) opens.
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message")]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [d.type for d in done] == ["reasoning", "message"] and done[0].content[0].text == thought
+    final = events[-1].response
+    assert kinds[-1] == "response.completed" and [o.type for o in final.output] == ["reasoning", "message"]
+
+
+def test_responses_a_function_call_after_the_reasoning(served: Served) -> None:
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    response = _respond(served, THINK_THEN_CALL, tools=tools)
+    assert [o.type for o in response.output] == ["reasoning", "function_call"]
+    assert response.output[1].name == "get_weather" and response.output[1].arguments == '{"city": "Paris"}'
+    events = list(_respond(served, THINK_THEN_CALL, tools=tools, stream=True))
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "function_call"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == (
+        response.output[0].content[0].text
+    )
+
+
+def test_responses_structured_outputs_go_alone(served: Served) -> None:
+    body = {
+        "model": "tiny",
+        "input": "Hi",
+        "structured_outputs": {"regex": "[a-z]+"},
+        "text": {"format": {"type": "json_object"}},
+    }
+    reply = httpx.post(served.url + "/v1/responses", json=body, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "structured_outputs"
+    bad_effort = {"model": "tiny", "input": "Hi", "reasoning": {"effort": "extreme"}}
+    reply = httpx.post(served.url + "/v1/responses", json=bad_effort, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "reasoning.effort"
