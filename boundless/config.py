@@ -467,6 +467,13 @@ class ServerConfig:
             "reasoning, apart from its content (vLLM's flag)"
         },
     )
+    structured_outputs_in_reasoning: bool = field(
+        default=False,
+        metadata={
+            "help": "with --reasoning-parser: hold the reasoning to a request's grammar too (vLLM's "
+            "enable_in_reasoning); by default the grammar begins once the model has finished thinking"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, "port", "must be in 1..65535")

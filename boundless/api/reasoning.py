@@ -50,6 +50,10 @@ class ReasoningParser:
         """Whether an output of a prompt ending with ``prompt_tail`` starts inside the reasoning."""
         return self.always_opens or prompt_tail.rstrip().endswith(self.start)
 
+    def closed_in(self, prompt_tail: str) -> bool:
+        """Whether a prompt ending with ``prompt_tail`` closed the thinking (Qwen3's ``enable_thinking: false``)."""
+        return prompt_tail.rstrip().endswith(self.end)
+
     def split(self, text: str, opened: bool) -> Split:
         """A finished output's reasoning and answer (``opened``: :meth:`opens_in_reasoning` of its prompt)."""
         reasoning, content, seen = self.visible(text, opened, final=True)

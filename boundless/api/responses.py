@@ -319,9 +319,8 @@ class ResponsesAPI:
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or ()]
         logprobs = (body.top_logprobs or 0) if call.logprobs else None
         try:
-            params = sampling_params(
-                chat, chat.max_completion_tokens, logprobs, _structured(body, tools), lora=call.lora
-            )
+            structured = server.after_reasoning(_structured(body, tools), call.prompt)
+            params = sampling_params(chat, chat.max_completion_tokens, logprobs, structured, lora=call.lora)
             await check_grammar(params)
             streams = server.submit_all(call.response_id, [call.prompt], params, call.program)
         except InvalidRequestError as e:  # name the field the client used for the limit

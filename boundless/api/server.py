@@ -9,6 +9,7 @@ engine (:class:`~boundless.engine.async_engine.AsyncEngine`) or a cluster router
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import time
@@ -393,10 +394,24 @@ class OpenAIServer:
             kwargs.setdefault("reasoning_effort", body.reasoning_effort)
         return kwargs
 
+    def _prompt_tail(self, prompt: list[int]) -> str:
+        return self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
+
     def reasoning_opened(self, prompt: list[int]) -> bool:
         """Whether an output of ``prompt`` starts inside its reasoning (the template opened the think block)."""
         assert self.reasoning is not None
-        return self.reasoning.opens_in_reasoning(self.tokenizer.decode(prompt[-8:], skip_special_tokens=False))
+        return self.reasoning.opens_in_reasoning(self._prompt_tail(prompt))
+
+    def after_reasoning(self, structured: StructuredOutput | None, prompt: list[int]) -> StructuredOutput | None:
+        """A reasoning model's grammar begins once it has finished thinking (its end tag), as vLLM's does, unless the
+        prompt closed the thinking already or ``--structured-outputs-in-reasoning`` holds the thinking to it too."""
+        parser = self.reasoning
+        if structured is None or parser is None or self.config.structured_outputs_in_reasoning:
+            return structured
+        if parser.closed_in(self._prompt_tail(prompt)):
+            return structured
+        end = tuple(self.tokenizer.encode(parser.end, add_special_tokens=False))
+        return dataclasses.replace(structured, after=end)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         check_common(body, self.tokenizer.vocab_size)
@@ -409,7 +424,7 @@ class OpenAIServer:
         tools = ToolUse(bool(body.tools) and body.tool_choice != "none", body.parallel_tool_calls)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            structured = _forced_calls(body) or _structured(body)
+            structured = self.after_reasoning(_forced_calls(body) or _structured(body), ids)
             prompt_logprobs = None if body.stream else body.prompt_logprobs  # (a stream has no place for them)
             params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs, lora)
             await check_grammar(params)

@@ -12,7 +12,7 @@ import torch
 from boundless.engine.logprobs import SampledToken, score_tokens
 from boundless.engine.scheduler import ScheduledChunk
 from boundless.engine.speculative import accepted_tokens
-from boundless.engine.structured_output import GrammarMatcher, Grammars, mask_logits
+from boundless.engine.structured_output import GrammarMatcher, Grammars, grammar_start, mask_logits
 from boundless.model import cpu_kernels
 
 
@@ -62,24 +62,50 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         self._counts: dict[str, TokenCounts] = {}
         self._matchers: dict[str, GrammarMatcher] = {}
+        # Grammars that begin after given tokens (StructuredOutput.after): where each began in its request's output,
+        # and, while one waits, the outputs drawn so far (a window's passes too, which the history lacks).
+        self._starts: dict[str, int] = {}
+        self._waiting: dict[str, list[int]] = {}
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
             self._counts.pop(rid, None)
             self._matchers.pop(rid, None)
+            self._starts.pop(rid, None)
+            self._waiting.pop(rid, None)
+
+    def _waits(self, chunk: ScheduledChunk) -> bool:
+        """Whether the request's grammar has yet to begin: its ``after`` tokens are not in its output so far."""
+        spec = chunk.sampling_params.structured
+        rid = chunk.request_id
+        if spec is None or not spec.after or rid in self._starts:
+            return False
+        drawn = self._waiting.get(rid)
+        if drawn is None or len(drawn) != chunk.num_output_tokens:
+            drawn = self._waiting[rid] = list(_outputs(chunk))
+        start = grammar_start(drawn, spec.after)
+        if start is None:
+            return True
+        self._starts[rid] = start
+        return False
 
     def _matcher(self, chunk: ScheduledChunk) -> GrammarMatcher:
-        """The request's matcher, made (and given the outputs it already has) when first seen."""
-        matcher = self._matchers.get(chunk.request_id)
+        """The request's matcher, made (and given the outputs it already has since its grammar began) when first
+        seen."""
+        rid = chunk.request_id
+        matcher = self._matchers.get(rid)
+        start = self._starts.get(rid, 0)
         # (A matcher that took its end token stays: a window's passes after it draw tokens that are discarded.)
-        if matcher is None or (matcher.num_tokens != chunk.num_output_tokens and not matcher.done):
+        if matcher is None or (matcher.num_tokens + start != chunk.num_output_tokens and not matcher.done):
             spec = chunk.sampling_params.structured
             if self.grammars is None or spec is None:
                 raise RuntimeError("a structured request reached a sampler without grammars")
+            drawn = self._waiting.pop(rid, None)
+            outputs = drawn if drawn is not None and len(drawn) == chunk.num_output_tokens else _outputs(chunk)
             matcher = self.grammars.matcher(spec)
-            matcher.replay(_outputs(chunk))
-            self._matchers[chunk.request_id] = matcher
+            matcher.replay(outputs[start:])
+            self._matchers[rid] = matcher
         return matcher
 
     def _generator_for(self, chunk: ScheduledChunk) -> torch.Generator:
@@ -108,9 +134,12 @@ class Sampler:
         # Structured requests' first rows, with their matchers and drafts (speculative decoding: a row per position
         # of the chunk follows); one whose output is complete (a window's pass past its EOS, whose token is
         # discarded) is left alone.
-        structured = []
+        structured, waiting = [], []
         for i, c in enumerate(chunks):
             if c.sampling_params.structured is None or (c.draft_token_ids and _same_chunk(chunks, i)):
+                continue
+            if self._waits(c):  # free until its grammar begins (a reasoning model's thinking)
+                waiting.append(i)
                 continue
             matcher = self._matcher(c)
             if not matcher.done:
@@ -149,6 +178,8 @@ class Sampler:
                 if matcher.done:
                     break  # a kept draft was the end token
                 matcher.accept(token)
+        for i in waiting:
+            self._waiting[chunks[i].request_id] += kept(i, chunks[i].draft_token_ids)
         out = [SampledToken(t) for t in token_list]
         if raw_logprobs is not None:
             self._fill_logprobs(raw_logprobs, tokens, chunks, out)

@@ -37,6 +37,7 @@ from boundless.engine.attention_time import ChunkShape
 from boundless.engine.prefill_batching import Predictor, PrefillCandidate, fill_prefill_batch
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.structured_output import grammar_start
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskWrite, TierReport
 from boundless.kv.manager import CachedPrefix, KVCacheManager
 from boundless.kv.remote_moves import RemoteRecv, RemoteReport, RemoteSend
@@ -390,7 +391,8 @@ class Scheduler:
         """Speculative decoding: the proposer's drafts for each chosen request that decodes its next token, within
         the step's remaining token budget and the request's remaining output (its last sample is a token more), with
         the slots for them allocated now. A request gets none when the device lacks free blocks for them (a draft
-        preempts nobody), or when it hands off after this token, or some of its KV is lent; at most the proposer's
+        preempts nobody), or when it hands off after this token, or some of its KV is lent, or its grammar waits to
+        begin (a draft could carry it past its start unchecked); at most the proposer's
         ``max_drafts`` for the step's number of requests. The sampler masks a grammar's positions and counts a
         penalized request's outputs with the drafts before each."""
         assert self.proposer is not None
@@ -407,6 +409,7 @@ class Scheduler:
                 or request.num_computed_tokens + 1 != request.num_tokens
                 or request.handoff is not None
                 or self.kv.num_lent_blocks(rid)
+                or _grammar_waits(request)
             ):
                 continue
             limit = min(budget, most, request.max_tokens - request.num_output_tokens - 1)
@@ -741,6 +744,12 @@ class Scheduler:
             request.num_computed_tokens += computed
             request.service_s += service_s
             self.policy.on_service(request, service_s, now)
+
+
+def _grammar_waits(request: Request) -> bool:
+    """Whether the request's grammar begins after tokens its output does not hold yet (StructuredOutput.after)."""
+    spec = request.sampling_params.structured
+    return spec is not None and bool(spec.after) and grammar_start(request.output_token_ids, spec.after) is None
 
 
 def window_lengths(chosen: list[tuple[Request, int]], num_scheduler_steps: int) -> dict[str, int] | None:

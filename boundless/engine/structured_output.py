@@ -44,11 +44,14 @@ class StructuredOutput:
     JSON Schema ``definition``), ``regex`` (text matching the regular expression ``definition``), ``choice`` (one
     of the strings in ``definition``, a JSON list) or ``grammar`` (text of the EBNF grammar ``definition``, in
     xgrammar's dialect of GBNF, from its ``root`` rule). ``param``: the request's field it came from, which errors
-    name."""
+    name. ``after``: token ids that the grammar begins after (a reasoning model's end of thinking, ``</think>``):
+    until the output holds them it is free, so the model thinks first, as vLLM lets it; they are not part of the
+    grammar, so one compilation serves every ``after``."""
 
     kind: StructuredKind
     definition: str | None = None
     param: str = field(default="response_format", compare=False)
+    after: tuple[int, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -65,6 +68,22 @@ class StructuredOutput:
         if not options or not all(isinstance(o, str) and o for o in options):
             raise InvalidRequestError("a choice needs one or more non-empty strings", param)
         return cls("choice", json.dumps(list(options), ensure_ascii=False), param)
+
+
+def grammar_start(outputs: Sequence[int], after: Sequence[int]) -> int | None:
+    """Where a grammar that begins ``after`` those tokens begins in ``outputs``: just past their first occurrence
+    (0 with no ``after``), or None while they have not occurred."""
+    if not after:
+        return 0
+    first, n = after[0], len(after)
+    at = -1
+    while True:
+        try:
+            at = outputs.index(first, at + 1)  # (a C scan: the thinking before the tag may be thousands of tokens)
+        except ValueError:
+            return None
+        if tuple(outputs[at : at + n]) == tuple(after):
+            return at + n
 
 
 def _xgrammar(param: str) -> Any:

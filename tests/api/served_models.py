@@ -39,11 +39,21 @@ class Served(NamedTuple):
 
 @contextmanager
 def serve_hermes(
-    directory: Path, template: str = HERMES_TEMPLATE, server_config: ServerConfig | None = None
+    directory: Path,
+    template: str = HERMES_TEMPLATE,
+    server_config: ServerConfig | None = None,
+    added_tokens: tuple[str, ...] = (),
 ) -> Iterator[Served]:
     """A random model written to ``directory`` whose chat template takes tools (``template``, in which ``\\n`` stands
-    for a newline), served until the block ends."""
-    root = write_random_model(directory / "m", TinySpec())
+    for a newline), served until the block ends. ``added_tokens``: tokens of one id each in its vocabulary beside the
+    trained ones (not special: they stay in decoded text), as Qwen3's ``<think>`` and ``</think>`` are."""
+    root = write_random_model(directory / "m", TinySpec(vocab_size=384 + len(added_tokens)))
+    if added_tokens:
+        from tokenizers import AddedToken, Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+        tokenizer.save(str(root / "tokenizer.json"))
     config = json.loads((root / "tokenizer_config.json").read_text())
     config["chat_template"] = template.replace("\\n", "\n")
     (root / "tokenizer_config.json").write_text(json.dumps(config))

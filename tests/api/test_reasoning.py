@@ -5,6 +5,7 @@ tool call, read through the real `openai` client, streamed and not, with a Qwen3
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -122,7 +123,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     with serve_hermes(
-        tmp_path_factory.mktemp("reasoning"), QWEN3_TEMPLATE, ServerConfig(reasoning_parser="qwen3")
+        tmp_path_factory.mktemp("reasoning"),
+        QWEN3_TEMPLATE,
+        ServerConfig(reasoning_parser="qwen3", structured_outputs_in_reasoning=True),
     ) as s:
         yield s
 
@@ -331,3 +334,69 @@ def test_responses_structured_outputs_go_alone(served: Served) -> None:
     bad_effort = {"model": "tiny", "input": "Hi", "reasoning": {"effort": "extreme"}}
     reply = httpx.post(served.url + "/v1/responses", json=bad_effort, timeout=30)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "reasoning.effort"
+
+
+# -- a grammar begins after the thinking (the default) ----------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """Served with ``<think>`` and ``</think>`` as tokens of their own, as Qwen3's are, and grammars beginning after
+    the thinking (no --structured-outputs-in-reasoning)."""
+    with serve_hermes(
+        tmp_path_factory.mktemp("thinker"),
+        QWEN3_TEMPLATE,
+        ServerConfig(reasoning_parser="qwen3"),
+        added_tokens=("<think>", "</think>"),
+    ) as s:
+        yield s
+
+
+def _ends_thinking_after_a_few_tokens(thinker: Served, tools: Any = None) -> tuple[dict[str, float], str]:
+    """A logit bias on ``</think>`` under which the model, free, ends its thinking after some tokens of its own; and
+    that thinking. A random model never writes the tag unbiased; the least bias that makes it write the tag within
+    40 tokens (found by bisection) makes it write it where the model's own choice was weakest, seldom first."""
+    (end,) = thinker.loaded.tokenizer.encode("</think>", add_special_tokens=False)
+    prompt = thinker.loaded.tokenizer.apply_chat_template(ASK, tools=tools, open_think=True)
+
+    def free(bias: float) -> str:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, "logit_bias": {str(end): bias}}
+        return httpx.post(thinker.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+    lo, hi = 0.0, 60.0  # the tag is not written at lo, is at hi
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if "</think>" in free(mid) else (mid, hi)
+    thought = free(hi).split("</think>")[0]
+    assert thought, "the least bias that ends the thinking ends it at once"
+    return {str(end): hi}, thought
+
+
+def test_a_grammar_begins_once_the_model_has_thought(thinker: Served) -> None:
+    bias, thought = _ends_thinking_after_a_few_tokens(thinker)
+    opened = {"chat_template_kwargs": {"open_think": True}}  # a thinking model's template: the output thinks first
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    reply = thinker.client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=200, temperature=0, logit_bias=bias, response_format=schema,
+        extra_body=opened,
+    )  # fmt: skip
+    message = reply.choices[0].message
+    assert message.reasoning == thought  # the model's own thinking, not held to the schema
+    assert json.loads(message.content)["city"] in ("Paris", "Rome")  # then the answer, held to it
+    # A forced tool call, the agent's case: the call's JSON comes after the thinking.
+    bias, thought = _ends_thinking_after_a_few_tokens(thinker, WEATHER)
+    forced = thinker.client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=200, temperature=0, logit_bias=bias, tools=WEATHER,
+        tool_choice="required", extra_body=opened,
+    )  # fmt: skip
+    choice = forced.choices[0]
+    assert choice.message.reasoning == thought and choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    # With the thinking turned off by the template, the grammar holds the output from its first token.
+    off = thinker.client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=200, temperature=0, response_format=schema,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    assert off.choices[0].message.reasoning is None and json.loads(off.choices[0].message.content)["city"]

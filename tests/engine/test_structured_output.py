@@ -32,11 +32,11 @@ SCHEMA = {
 }
 
 
-def _engine(loaded: LoadedModel, windows: int = 1) -> EngineCore:
+def _engine(loaded: LoadedModel, windows: int = 1, speculative: str | None = None) -> EngineCore:
     cfg = EngineConfig(
         model=ModelConfig(max_model_len=512),
         cache=CacheConfig(num_kv_blocks=256),
-        scheduler=SchedulerConfig(num_scheduler_steps=windows),
+        scheduler=SchedulerConfig(num_scheduler_steps=windows, speculative_config=speculative),
     )
     return EngineCore.from_model(loaded, cfg)
 
@@ -200,3 +200,74 @@ def test_definitions_xgrammar_cannot_read_are_refused(tiny_llama: LoadedModel, s
             "a", [1, 2], SamplingParams(structured=StructuredOutput(spec[0], spec[1], "structured_outputs"))
         )
     assert err.value.param == "structured_outputs" and spec[0] in str(err.value)
+
+
+def _free_greedy(loaded: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:
+    core = _engine(loaded)
+    core.add_request("free", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    tokens: list[int] = []
+    while core.has_unfinished():
+        for delta in core.step():
+            tokens += delta.new_token_ids
+    return tokens
+
+
+@pytest.mark.parametrize(
+    ("windows", "speculative"),
+    [(1, None), (4, None), (1, '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}')],
+    ids=["steps", "windows", "speculative"],
+)
+def test_a_grammar_that_begins_after_given_tokens(tiny_llama: LoadedModel, windows: int, speculative: str) -> None:
+    """A reasoning model's grammar waits for its end of thinking (``after``): until then the output is the model's
+    own, token for token; then it follows the grammar. A grammar whose ``after`` never comes holds nothing. In
+    multi-step windows and with speculative drafts (none while the grammar waits) alike."""
+    tokenizer = tiny_llama.tokenizer
+    prompt = tokenizer.encode("Think first, then answer:")
+    free = _free_greedy(tiny_llama, prompt, 24)
+    # The "end of thinking": the free output's fourth token and the one after it (a tag of two tokens), where they
+    # first occur.
+    after = tuple(free[3:5])
+    at = next(i for i in range(len(free)) if tuple(free[i : i + 2]) == after)
+    spec = StructuredOutput("regex", "[a-z]{6}", "structured_outputs", after=after)
+    unseen = next(t for t in range(tiny_llama.arch.vocab_size) if t not in free)
+    never = StructuredOutput("regex", "[a-z]{6}", "structured_outputs", after=(unseen,))
+    out: dict[str, list[int]] = {"after": [], "never": []}
+    core = _engine(tiny_llama, windows, speculative)
+    for rid, s in (("after", spec), ("never", never)):
+        core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=24, structured=s))
+    while core.has_unfinished():
+        for delta in core.step():
+            out[delta.request_id] += delta.new_token_ids
+    assert out["after"][: at + 2] == free[: at + 2]  # the thinking: free
+    rest = tokenizer.decode(out["after"][at + 2 :])
+    assert re.fullmatch("[a-z]{6}", rest), rest  # the answer: held to the grammar
+    assert not re.fullmatch("[a-z]{6}", tokenizer.decode(free[at + 2 : len(out["after"])]))  # (it would not be)
+    assert out["never"] and out["never"] == free[: len(out["never"])]  # (free to end at EOS: no ignore_eos here)
+
+
+def test_a_grammar_after_given_tokens_is_replayed_from_them(tiny_llama: LoadedModel) -> None:
+    """A decode engine takes over a request whose thinking ended on the prefill engine: its matcher starts at the
+    tokens after the end of thinking, not at the output's first."""
+    tokenizer = tiny_llama.tokenizer
+    prompt = tokenizer.encode("A color:")
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    started = tokenizer.encode("hmm, green</think>", add_special_tokens=False) + tokenizer.encode('{"color": "gr')
+    sampler = Sampler(torch.device("cpu"), grammars=Grammars(tokenizer, tiny_llama.arch.vocab_size))
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMA), after=end)
+    chunk = ScheduledChunk(
+        "r",
+        [started[-1]],
+        len(prompt) + len(started) - 1,
+        [0],
+        True,
+        SamplingParams(temperature=1.0, seed=0, structured=spec),
+        len(started),
+        (),
+        history=prompt + started,
+        num_prompt_tokens=len(prompt),
+    )
+    for seed in range(8):  # whatever the logits favour, only "green"'s rest can come next
+        logits = torch.randn(1, tiny_llama.arch.vocab_size, generator=torch.Generator().manual_seed(seed))
+        token = Sampler.sample(sampler, logits, [chunk])[0].token_id
+        sampler.forget(["r"])
+        assert 'een"'.startswith(tokenizer.decode([token])), tokenizer.decode([token])
