@@ -48,7 +48,7 @@ from boundless.api.server import (
     sampling_params,
     structured_outputs_grammar,
 )
-from boundless.api.tool_calls import CallParser, ContentStream, ToolCall, forced_call_schema
+from boundless.api.tool_calls import CallParser, ContentStream, ToolCall, forced_call_schema, parameter_types
 from boundless.api.validation import header_identifier, refuse_removed_fields, require_valid_text
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.structured_output import StructuredOutput
@@ -631,7 +631,8 @@ class ResponsesAPI:
 
     @staticmethod
     def _calls_of(call: _Call) -> CallParser:
-        return ToolUse(True, call.body.parallel_tool_calls).calls
+        tools = [t.model_dump(exclude_none=True) for t in call.chat.tools or ()]
+        return ToolUse(True, call.body.parallel_tool_calls, parameter_types(tools)).calls
 
 
 _EMPTY_TEXT = {"type": "output_text", "text": "", "annotations": []}

@@ -39,8 +39,10 @@ from boundless.api.schemas import (
 from boundless.api.tool_calls import (
     CallStream,
     ContentStream,
+    ParameterTypes,
     ToolCall,
     forced_call_schema,
+    parameter_types,
     parse_tool_calls,
     template_messages,
 )
@@ -193,13 +195,15 @@ def sampling_params(
 
 @dataclass(frozen=True)
 class ToolUse:
-    """Whether a chat's output is read for tool calls, and whether it may make several (``parallel_tool_calls``)."""
+    """Whether a chat's output is read for tool calls, whether it may make several (``parallel_tool_calls``), and
+    the tools' parameter schemas (``types``, for calls whose values are text: Qwen3-Coder's)."""
 
     used: bool
     parallel: bool = True
+    types: ParameterTypes = field(default_factory=dict)
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        content, calls = parse_tool_calls(text)
+        content, calls = parse_tool_calls(text, self.types)
         return content, calls if self.parallel else calls[:1]
 
 
@@ -421,7 +425,11 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        tools = ToolUse(bool(body.tools) and body.tool_choice != "none", body.parallel_tool_calls)
+        tools = ToolUse(
+            bool(body.tools) and body.tool_choice != "none",
+            body.parallel_tool_calls,
+            parameter_types([t.model_dump(exclude_none=True) for t in body.tools or ()]),
+        )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             structured = self.after_reasoning(_forced_calls(body) or _structured(body), ids)

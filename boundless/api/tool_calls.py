@@ -1,8 +1,10 @@
 """Tool calls in model output, parsed back into OpenAI ``tool_calls``.
 
-Templates that take ``tools`` teach the model one of two shapes, and both are recognised:
-Hermes/Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, and a bare
-JSON object (or list of objects) with ``name`` and ``arguments`` or ``parameters`` (Llama 3.1).
+Templates that take ``tools`` teach the model one of three shapes, and all are recognised:
+Hermes/Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; the same blocks holding
+Qwen3-Coder's XML, ``<function=NAME><parameter=KEY>VALUE</parameter>...</function>``, whose values are text read
+by the tool's parameter schema (:func:`parameter_types`); and a bare JSON object (or list of objects) with ``name``
+and ``arguments`` or ``parameters`` (Llama 3.1).
 
 A ``tool_choice`` that forces a call (``required``, or a named function) holds the output to the second shape
 with a JSON schema (:func:`forced_call_schema`, as vLLM does), so the calls parse whatever the model would say.
@@ -10,6 +12,7 @@ with a JSON schema (:func:`forced_call_schema`, as vLLM does), so the calls pars
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import re
@@ -21,6 +24,22 @@ from typing import Any
 from boundless.api.call_scanner import CallScanner, CallSpan, scan_calls
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+_INTEGER = re.compile(r"-?\d+")
+
+# Each tool's parameters' schemas (function name -> parameter name -> schema): how an XML call's values are read.
+ParameterTypes = dict[str, dict[str, Any]]
+
+
+def parameter_types(tools: list[dict[str, Any]] | None) -> ParameterTypes:
+    """The parameter schemas of ``tools`` as a chat request sends them (``{"type": "function", "function": {...}}``)."""
+    out: ParameterTypes = {}
+    for tool in tools or ():
+        function = tool.get("function") or {}
+        if isinstance(function.get("name"), str):
+            out[function["name"]] = (function.get("parameters") or {}).get("properties") or {}
+    return out
 
 
 @dataclass
@@ -57,8 +76,50 @@ def _as_call(obj: Any, text: str, span: CallSpan | None) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Split model output into (remaining content or None, tool calls)."""
+def _typed(value: str, schema: Any) -> Any:
+    """An XML call's parameter text as its schema's type says (vLLM's qwen3_coder parser reads them so): a string
+    stays text, as does a value of no known type or one that does not read as its type."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    if kinds == {None} or "string" in kinds:
+        return value
+    text = value.strip()
+    if "null" in kinds and text.lower() == "null":
+        return None
+    if "integer" in kinds and _INTEGER.fullmatch(text):
+        return int(text)
+    if "number" in kinds:
+        with contextlib.suppress(ValueError):
+            return int(text) if _INTEGER.fullmatch(text) else float(text)
+    if "boolean" in kinds and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if kinds & {"object", "array"}:
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(text)
+        with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
+            return ast.literal_eval(text)  # (Python's dict and list literals, which models write too)
+    return value
+
+
+def _xml_call(block: str, types: ParameterTypes) -> ToolCall | None:
+    """Qwen3-Coder's call in a ``<tool_call>`` block, or None. A value loses one newline at each end (the template
+    writes each on lines of its own); the arguments are then JSON text, as OpenAI returns them."""
+    found = _XML_FUNCTION.search(block)
+    if found is None:
+        return None
+    name = found.group(1).strip()
+    schemas = types.get(name, {})
+    args = {}
+    for key, raw in _XML_PARAMETER.findall(found.group(2)):
+        value = raw.removeprefix("\n")
+        value = value[:-1] if value.endswith("\n") else value
+        args[key.strip()] = _typed(value, schemas.get(key.strip()))
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def parse_tool_calls(text: str, types: ParameterTypes | None = None) -> tuple[str | None, list[ToolCall]]:
+    """Split model output into (remaining content or None, tool calls). ``types``: the tools' parameter schemas, for
+    Qwen3-Coder's XML calls."""
     tagged = _TAGGED.findall(text)
     if tagged:
         calls = []
@@ -66,6 +127,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
             try:
                 obj = json.loads(block)
             except json.JSONDecodeError:
+                if (xml := _xml_call(block, types or {})) is not None:
+                    calls.append(xml)
                 continue
             spans = scan_calls(block)
             call = _as_call(obj, block, spans[0] if spans else None)

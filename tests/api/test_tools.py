@@ -17,6 +17,7 @@ from boundless.api.tool_calls import (
     ContentStream,
     ToolCall,
     forced_call_schema,
+    parameter_types,
     parse_tool_calls,
     template_messages,
 )
@@ -363,3 +364,98 @@ def test_the_scanner_finds_each_calls_arguments_in_any_layout() -> None:
         assert [s.name for s in whole] == [c["name"] for c in calls]
         got = [json.loads(text[s.args_start : s.args_end]) for s in whole]  # type: ignore[misc]
         assert got == [c.get("arguments", c.get("parameters")) for c in calls]
+
+
+# -- Qwen3-Coder's XML calls -------------------------------------------------------------------------------------------
+
+EDIT = {
+    "type": "function",
+    "function": {
+        "name": "edit",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string"},
+                "line": {"type": "integer"},
+                "scale": {"type": "number"},
+                "dry_run": {"type": "boolean"},
+                "tags": {"type": "array"},
+                "options": {"type": "object"},
+                "note": {"type": ["string", "null"]},
+            },
+        },
+    },
+}
+
+XML_CALLS = (
+    "I will edit it.\n<tool_call>\n<function=edit>\n<parameter=path>\nsrc/a.py\n</parameter>\n"
+    "<parameter=line>\n12\n</parameter>\n<parameter=scale>\n0.5\n</parameter>\n"
+    "<parameter=dry_run>\nfalse\n</parameter>\n<parameter=tags>\n['x', \"y\"]\n</parameter>\n"
+    '<parameter=options>\n{"indent": 4}\n</parameter>\n<parameter=note>\nline one\n  line two\n</parameter>\n'
+    "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\n007\n</parameter>\n"
+    "</function>\n</tool_call>"
+)
+XML_ARGS = [
+    {
+        "path": "src/a.py",
+        "line": 12,
+        "scale": 0.5,
+        "dry_run": False,
+        "tags": ["x", "y"],
+        "options": {"indent": 4},
+        "note": "line one\n  line two",
+    },
+    {"city": "007"},  # a string stays a string, though it reads as a number
+]
+
+
+def test_parse_qwen3_coder_xml_calls() -> None:
+    types = parameter_types([EDIT, WEATHER])
+    content, calls = parse_tool_calls(XML_CALLS, types)
+    assert content == "I will edit it."
+    assert [c.name for c in calls] == ["edit", "get_weather"]
+    assert [json.loads(c.arguments) for c in calls] == XML_ARGS
+    # Without the schemas every value is text; a value that does not read as its type stays text too.
+    assert json.loads(parse_tool_calls(XML_CALLS)[1][0].arguments)["line"] == "12"
+    odd = "<tool_call><function=edit><parameter=line>twelve</parameter></function></tool_call>"
+    assert json.loads(parse_tool_calls(odd, types)[1][0].arguments) == {"line": "twelve"}
+    # A block that is neither JSON nor XML is no call.
+    assert parse_tool_calls("<tool_call>not json</tool_call>", types) == ("<tool_call>not json</tool_call>", [])
+
+
+def test_xml_calls_streamed_come_whole_at_the_end() -> None:
+    """The content before the first block streams; the calls, whose values are only typed once read whole, come
+    with the finish, as the unstreamed response has them."""
+    types = parameter_types([EDIT, WEATHER])
+    content, calls_stream = ContentStream(), CallStream()
+    sent, deltas = "", []
+    for end in range(1, len(XML_CALLS)):
+        sent += content.feed(XML_CALLS[:end])
+        if content.held:
+            deltas += calls_stream.feed(XML_CALLS[:end], content.sent)
+    from boundless.api.server import ToolUse
+
+    rest, calls = content.finish(XML_CALLS, ToolUse(True, types=types).calls)
+    assert sent + rest == "I will edit it.\n" and deltas == []
+    together = _put_together(calls_stream.finish(calls))
+    assert [json.loads(args) for _, _, args in together] == XML_ARGS
+
+
+def test_served_xml_calls_with_their_types(hermes: Served) -> None:
+    """A model writing Qwen3-Coder's calls (held to them by a regex here), through the real client, streamed and
+    not: the calls' arguments are typed by the request's tools."""
+    regex = r"<tool_call>\n<function=edit>\n<parameter=line>\n[1-9]\n</parameter>\n</function>\n</tool_call>"
+    asked = {"model": "tiny", "messages": [{"role": "user", "content": "Edit it."}], "tools": [EDIT, WEATHER]}
+    extra = {"structured_outputs": {"regex": regex}}
+    reply = hermes.client.chat.completions.create(**asked, max_tokens=200, temperature=0, extra_body=extra)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    line = json.loads(call.function.arguments)["line"]
+    assert call.function.name == "edit" and isinstance(line, int) and 1 <= line <= 9
+    chunks = list(
+        hermes.client.chat.completions.create(**asked, max_tokens=200, temperature=0, extra_body=extra, stream=True)
+    )
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert [(name, args) for _, name, args in _calls_of(deltas)] == [("edit", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
