@@ -45,6 +45,10 @@ TINY_SPECS = {
     "tiny-qwen2": TinySpec(kind="qwen2", num_heads=4, num_kv_heads=4, seed=1),
     # Qwen3: a norm over each q and k head before RoPE, no biases, heads wider than hidden / heads, GQA.
     "tiny-qwen3": TinySpec(kind="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, seed=2),
+    # Qwen3-MoE: 8 experts, 2 a token, layers 0 and 2 sparse and layer 1 dense (mlp_only_layers).
+    "tiny-qwen3-moe": TinySpec(
+        kind="qwen3_moe", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, seed=3, mlp_only_layers=(1,)
+    ),
 }
 
 

@@ -124,7 +124,8 @@ def build_model_executor(
     attention = make_attention(config, arch, layout, loaded.device, loaded.dtype)
     graphs = None
     on_gpu = isinstance(attention, triton_paged.TritonPagedAttention) and loaded.device.type == "cuda"
-    if on_gpu and not config.model.enforce_eager:
+    # (A mixture of experts reads its routing back to the host each layer, which a graph cannot capture: eager.)
+    if on_gpu and not config.model.enforce_eager and not arch.num_experts:
         graphs = DecodeGraphs(
             loaded.model, kv_cache, attention, config.scheduler.max_num_seqs, layout.max_model_len, loaded.device
         )

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,9 @@ class ModelArch:
 
     ``model_type`` is one of :data:`SUPPORTED_ARCHITECTURES`; Qwen2 differs from Llama only by
     q/k/v biases, Mistral only by its name (and an optional sliding window, see ``sliding_window``), Qwen3 by an
-    RMSNorm over each query and key head before RoPE (``qk_norm``) and no biases.
+    RMSNorm over each query and key head before RoPE (``qk_norm``) and no biases, Qwen3-MoE from Qwen3 by a sparse
+    mixture of experts in place of the MLP of its ``sparse_layers`` (``num_experts``, each token's
+    ``num_experts_per_tok``, each expert's ``moe_intermediate_size``; ``model/moe.py``).
     """
 
     model_type: str
@@ -44,6 +46,11 @@ class ModelArch:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -56,12 +63,20 @@ class ModelArch:
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, not {self.num_experts_per_tok}")
 
     def fingerprint(self) -> str:
         """A stable digest of the architecture, part of every KV block's name."""
         fields = asdict(self)
+        # (Fields added later, at their defaults, are left out: the models before them keep their blocks' names, on
+        # disk too.)
         if not self.qk_norm:
-            del fields["qk_norm"]  # (added later: the models before it keep their blocks' names, on disk too)
+            del fields["qk_norm"]
+        if not self.num_experts:
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
+                del fields[name]
+            del fields["sparse_layers"]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
@@ -88,12 +103,17 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         use_window = cfg.get("use_sliding_window", model_type == "mistral")
+        num_layers = cfg["num_hidden_layers"]
+        experts = int(cfg.get("num_experts") or 0) if model_type == "qwen3_moe" else 0
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in range(num_layers) if experts and i not in dense and (i + 1) % step == 0)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or hidden // num_heads,
@@ -102,7 +122,12 @@ class ModelArch:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            num_experts=experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if experts else False,
+            sparse_layers=sparse,
             rope_scaling=scaling,
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

@@ -27,6 +27,7 @@ from boundless.kv.tensors import PagedKVCache
 from boundless.model import cpu_kernels
 from boundless.model.arch import ModelArch
 from boundless.model.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRABatch
+from boundless.model.moe import SparseMoE
 from boundless.model.rope import RotaryEmbedding, apply_rotary_
 
 # Token counts up to which the CPU multiplies as (weight @ x.T).T (see `linear`).
@@ -124,10 +125,13 @@ class _PackedLayer:
 
         self.qkv = cpu_kernels.PackedWeight(layer.qkv_weight, layer.qkv_bias, storage=take(layer.qkv_weight))
         self.o = cpu_kernels.PackedWeight(layer.o_weight, storage=take(layer.o_weight))
-        self.gate_up = cpu_kernels.PackedWeight(
-            layer.gate_up_weight, glu=True, storage=take(layer.gate_up_weight, glu=True)
-        )
-        self.down = cpu_kernels.PackedWeight(layer.down_weight, storage=take(layer.down_weight))
+        self.gate_up: cpu_kernels.PackedWeight | None = None
+        self.down: cpu_kernels.PackedWeight | None = None
+        if layer.gate_up_weight is not None and layer.down_weight is not None:  # (a sparse layer's experts: PyTorch)
+            self.gate_up = cpu_kernels.PackedWeight(
+                layer.gate_up_weight, glu=True, storage=take(layer.gate_up_weight, glu=True)
+            )
+            self.down = cpu_kernels.PackedWeight(layer.down_weight, storage=take(layer.down_weight))
         q_norm, k_norm = layer.q_norm, layer.k_norm
         self.head_norm = (
             None
@@ -138,16 +142,17 @@ class _PackedLayer:
     @staticmethod
     def size(layer: DecoderLayer) -> int:
         size = cpu_kernels.PackedWeight.packed_size
-        return (
-            size(layer.qkv_weight.shape)
-            + size(layer.o_weight.shape)
-            + size(layer.gate_up_weight.shape, glu=True)
-            + size(layer.down_weight.shape)
-        )
+        total = size(layer.qkv_weight.shape) + size(layer.o_weight.shape)
+        if layer.gate_up_weight is not None and layer.down_weight is not None:
+            total += size(layer.gate_up_weight.shape, glu=True) + size(layer.down_weight.shape)
+        return total
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    """One decoder layer: attention, then the MLP, or in a sparse layer (``index`` among ``arch.sparse_layers``) the
+    mixture of experts."""
+
+    def __init__(self, arch: ModelArch, index: int = 0) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
@@ -158,8 +163,12 @@ class DecoderLayer(nn.Module):
         self.qkv_weight = nn.Parameter(torch.empty(q_size + 2 * kv_size, arch.hidden_size))
         self.qkv_bias = nn.Parameter(torch.zeros(q_size + 2 * kv_size)) if arch.qkv_bias else None
         self.o_weight = nn.Parameter(torch.empty(arch.hidden_size, q_size))
-        self.gate_up_weight = nn.Parameter(torch.empty(2 * arch.intermediate_size, arch.hidden_size))
-        self.down_weight = nn.Parameter(torch.empty(arch.hidden_size, arch.intermediate_size))
+        self.moe = SparseMoE(arch) if index in arch.sparse_layers else None
+        self.gate_up_weight: nn.Parameter | None = None
+        self.down_weight: nn.Parameter | None = None
+        if self.moe is None:
+            self.gate_up_weight = nn.Parameter(torch.empty(2 * arch.intermediate_size, arch.hidden_size))
+            self.down_weight = nn.Parameter(torch.empty(arch.hidden_size, arch.intermediate_size))
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Qwen3: an RMSNorm over each query and each key head, before RoPE.
@@ -203,6 +212,10 @@ class DecoderLayer(nn.Module):
         out = linear(attn, self.o_weight)
         hidden += out if lora is None else lora.add_(index, O_PROJ, attn, out)
         x = self.post_attention_norm(hidden)
+        if self.moe is not None:
+            hidden += self.moe(x)
+            return hidden
+        assert self.gate_up_weight is not None and self.down_weight is not None
         gate_up = linear(x, self.gate_up_weight)
         if lora is not None:
             lora.add_(index, GATE_UP, x, gate_up)
@@ -244,6 +257,10 @@ class DecoderLayer(nn.Module):
             lora.add_(index, O_PROJ, attn, out)
         # hidden += o_proj(attn), and its norm, in one kernel.
         x = ops.rms_norm(hidden, norm_post.weight, norm_post.eps, delta=out)
+        if self.moe is not None:
+            hidden += self.moe(x)
+            return hidden
+        assert self.gate_up_weight is not None and self.down_weight is not None
         gate_up = linear(x, self.gate_up_weight)
         if lora is not None:
             lora.add_(index, GATE_UP, x, gate_up)
@@ -287,20 +304,26 @@ class DecoderLayer(nn.Module):
         if attn.stride(1) != 1 or attn.stride(0) != attn.shape[1]:
             attn = attn.contiguous()
         post = self.post_attention_norm
-        if lora is None or not any(lora.touches(index, t) for t in (O_PROJ, GATE_UP, DOWN)):
-            cpu_kernels.layer_out(
-                attn, hidden, packed.o, post.weight, post.eps, x, packed.gate_up, step.act, packed.down
-            )
+        gate_up, down = packed.gate_up, packed.down
+        if (gate_up is not None and down is not None) and (
+            lora is None or not any(lora.touches(index, t) for t in (O_PROJ, GATE_UP, DOWN))
+        ):
+            cpu_kernels.layer_out(attn, hidden, packed.o, post.weight, post.eps, x, gate_up, step.act, down)
             return hidden
         packed.o.matmul(attn, hidden, accumulate=True)
-        lora.add_(index, O_PROJ, attn, hidden)
+        if lora is not None:
+            lora.add_(index, O_PROJ, attn, hidden)
         cpu_kernels.rms_norm(hidden, post.weight, post.eps, x)
+        if self.moe is not None:
+            hidden += self.moe(x)
+            return hidden
+        assert lora is not None and gate_up is not None and down is not None
         if lora.touches(index, GATE_UP):
-            gate, up = lora.add_(index, GATE_UP, x, packed.gate_up.glu_halves(x)).chunk(2, dim=-1)
+            gate, up = lora.add_(index, GATE_UP, x, gate_up.glu_halves(x)).chunk(2, dim=-1)
             act = torch.mul(F.silu(gate, inplace=True), up, out=step.act)
         else:
-            act = packed.gate_up.matmul(x, step.act)
-        packed.down.matmul(act, hidden, accumulate=True)
+            act = gate_up.matmul(x, step.act)
+        down.matmul(act, hidden, accumulate=True)
         lora.add_(index, DOWN, act, hidden)
         return hidden
 
@@ -310,14 +333,20 @@ class _PackedStep:
     into the qkv buffer), the positions and the RoPE table."""
 
     def __init__(
-        self, layer: DecoderLayer, tokens: int, positions: torch.Tensor, rope: RotaryEmbedding, ws: _Workspace
+        self,
+        layer: DecoderLayer,
+        tokens: int,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        ws: _Workspace,
+        act_width: int,
     ):
         packed = layer.packed
         assert packed is not None
         hidden_size = packed.o.out_features
         self.x = ws.get("x", tokens, hidden_size)
         self.qkv = ws.get("qkv", tokens, packed.qkv.out_features)
-        self.act = ws.get("act", tokens, packed.gate_up.out_features)
+        self.act = ws.get("act", tokens, act_width)  # (the dense layers' activations; 0 wide with none)
         self.q, self.k, self.v = (y.view(tokens, -1, layer.head_dim) for y in self.qkv.split(layer.qkv_sizes, dim=-1))
         self.positions = positions
         self.rope = rope
@@ -334,7 +363,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(
             arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = (
             None if arch.tie_word_embeddings else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
@@ -431,7 +460,8 @@ class LlamaModel(nn.Module):
         if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < rope.cos.shape[0]:
             raise ValueError(f"positions beyond the RoPE table of {rope.cos.shape[0]}")
         hidden = hidden.contiguous()
-        step = _PackedStep(self.layers[0], hidden.shape[0], positions, rope, self._workspace)
+        act_width = next((g.out_features for layer in self.layers if layer.packed and (g := layer.packed.gate_up)), 0)
+        step = _PackedStep(self.layers[0], hidden.shape[0], positions, rope, self._workspace, act_width)
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
@@ -457,6 +487,10 @@ class LlamaModel(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue  # derived buffers, and a tied head saved beside its embedding
+            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):  # transformers 5's stacked form
+                kind = "gate_proj up_proj" if name.endswith("gate_up_proj") else "down_proj"
+                prefix = name.rsplit(".", 1)[0]
+                seen.update(f"{prefix}.{e}.{m}.weight" for e in range(arch.num_experts) for m in kind.split())
             target, rows = self._target(name, offsets, mlp_offsets)
             if target is None:
                 raise ValueError(f"unexpected weight {name!r}")
@@ -484,6 +518,9 @@ class LlamaModel(nn.Module):
         if len(parts) < 5 or parts[0] != "model" or parts[1] != "layers":
             return None, None
         layer = self.layers[int(parts[2])]
+        if layer.moe is not None and parts[3] == "mlp":
+            found = layer.moe.target(".".join(parts[4:]))
+            return (None, None) if found is None else found
         module, leaf = parts[-2], parts[-1]
         if module in offsets:
             start, size = offsets[module]
@@ -512,7 +549,11 @@ class LlamaModel(nn.Module):
             names.update(p + f"self_attn.{m}.weight" for m in projections)
             if self.arch.qkv_bias:
                 names.update(p + f"self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj"))
-            names.update(p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj"))
+            moe = self.layers[i].moe
+            if moe is not None:
+                names.update(p + "mlp." + n for n in moe.expected_names())
+            else:
+                names.update(p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj"))
             names.update(p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight"))
             if self.arch.qk_norm:
                 names.update(p + f"self_attn.{m}.weight" for m in ("q_norm", "k_norm"))

@@ -206,6 +206,11 @@ def load_lora(
         name = f"model.layers.{layer}.{module}"
         if set(ab) != {"A", "B"}:
             raise LoRAError(f"LoRA adapter {request.lora_name!r}: {name} lacks lora_{'B' if 'A' in ab else 'A'}")
+        if layer in arch.sparse_layers and _PROJECTIONS[module] in (GATE_UP, DOWN):
+            raise LoRAError(
+                f"LoRA adapter {request.lora_name!r}: {name} is a mixture-of-experts layer's MLP; adapters of the "
+                "experts are not supported (the attention's are)"
+            )
         a, b = ab["A"].float(), ab["B"].float()
         start, rows, cols = out_sizes[module]
         r = a.shape[0]

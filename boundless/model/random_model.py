@@ -35,8 +35,10 @@ _CORPUS = [
 
 @dataclass(frozen=True)
 class TinySpec:
-    """The shape of a random model. ``kind`` is llama, qwen2, qwen3 or mistral. ``head_dim``: by default
-    ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size)."""
+    """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe or mistral. ``head_dim``: by default
+    ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size). A qwen3_moe
+    model's layers are sparse (``num_experts`` experts of ``moe_intermediate_size``, ``num_experts_per_tok`` a
+    token), but for ``mlp_only_layers``."""
 
     kind: str = "llama"
     vocab_size: int = 384
@@ -53,6 +55,10 @@ class TinySpec:
     weight_std: float = 0.3  # large enough that greedy choices are not near-ties
     seed: int = 0
     dtype: str = "float32"  # of the weights written
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    mlp_only_layers: tuple[int, ...] = ()
 
 
 def _train_tokenizer(vocab_size: int):
@@ -75,6 +81,7 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
 }
 
@@ -105,10 +112,20 @@ def _config(spec: TinySpec) -> dict:
     }
     if spec.rope_scaling:
         cfg["rope_scaling"] = spec.rope_scaling
-    if spec.kind in ("qwen2", "qwen3"):
+    if spec.kind in ("qwen2", "qwen3", "qwen3_moe"):
         cfg["use_sliding_window"] = False
-    if spec.kind == "qwen3":
+    if spec.kind in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
+    if spec.kind == "qwen3_moe":
+        cfg.update(
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(spec.mlp_only_layers),
+            output_router_logits=False,
+        )
     if spec.kind == "mistral":
         cfg["sliding_window"] = None
     return cfg
@@ -143,12 +160,20 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
             yield p + "self_attn.q_proj.bias", rand(q)
             yield p + "self_attn.k_proj.bias", rand(kv)
             yield p + "self_attn.v_proj.bias", rand(kv)
-        if spec.kind == "qwen3":
+        if spec.kind in ("qwen3", "qwen3_moe"):
             yield p + "self_attn.q_norm.weight", norm(head_dim)
             yield p + "self_attn.k_norm.weight", norm(head_dim)
-        yield p + "mlp.gate_proj.weight", rand(i, h)
-        yield p + "mlp.up_proj.weight", rand(i, h)
-        yield p + "mlp.down_proj.weight", rand(h, i)
+        if spec.kind == "qwen3_moe" and layer not in spec.mlp_only_layers:
+            m = spec.moe_intermediate_size
+            yield p + "mlp.gate.weight", rand(spec.num_experts, h)
+            for e in range(spec.num_experts):
+                yield p + f"mlp.experts.{e}.gate_proj.weight", rand(m, h)
+                yield p + f"mlp.experts.{e}.up_proj.weight", rand(m, h)
+                yield p + f"mlp.experts.{e}.down_proj.weight", rand(h, m)
+        else:
+            yield p + "mlp.gate_proj.weight", rand(i, h)
+            yield p + "mlp.up_proj.weight", rand(i, h)
+            yield p + "mlp.down_proj.weight", rand(h, i)
         yield p + "input_layernorm.weight", norm(h)
         yield p + "post_attention_layernorm.weight", norm(h)
 

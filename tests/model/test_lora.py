@@ -26,6 +26,7 @@ from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import LLM, engine_config
 from boundless.model.loader import LoadedModel
 from boundless.model.lora import LoRAError, LoRAModule, LoRARequest, load_lora
+from boundless.model.random_model import write_random_lora
 
 MAX_NEW = 10
 TEXTS = [
@@ -458,3 +459,34 @@ def test_adapters_loaded_at_run_time(llama: AdapterCase, tmp_path: Path) -> None
     finally:
         off.stop()
         engine.shutdown()
+
+
+def test_mixture_of_experts_takes_attention_adapters_not_the_experts(
+    load: Callable, hf_model: Callable, tmp_path: Path
+) -> None:
+    """On a Qwen3-MoE model an adapter of q and v (PEFT's) computes what PEFT computes; one of the MLP names, which
+    the experts are, is refused with the reason."""
+    loaded = load("tiny-qwen3-moe")
+    hf = hf_model("tiny-qwen3-moe")
+    prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
+    expected = _greedy_reference(write_adapter(hf, tmp_path / "qv", 0, **ADAPTERS["attn4"]), prompts, loaded.device)
+    base = _greedy_reference(hf, prompts, loaded.device)
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=512, enable_lora=True, lora_modules=(f"qv={tmp_path / 'qv'}",)),
+        cache=CacheConfig(num_kv_blocks=256),
+        scheduler=SchedulerConfig(),
+    )
+    core = EngineCore.from_model(loaded, config)
+    for i, p in enumerate(prompts):
+        for lora in (None, "qv"):
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, lora_name=lora)
+            core.add_request(f"{lora}-{i}", p, params)
+    out: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for delta in core.step():
+            out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    assert [out[f"qv-{i}"] for i in range(len(prompts))] == expected != base
+    assert [out[f"None-{i}"] for i in range(len(prompts))] == base
+    mlp = write_random_lora(tmp_path / "mlp", loaded.arch, targets=("q_proj", "gate_proj"))
+    with pytest.raises(LoRAError, match="mixture-of-experts"):
+        load_lora(LoRARequest("mlp", 1, str(mlp)), loaded.arch, torch.float32, torch.device("cpu"), 16)

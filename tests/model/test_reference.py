@@ -1,11 +1,11 @@
 """Boundless computes what Hugging Face transformers computes on the same weights.
 
 For the bundled SmolLM2 GGUF and three random tiny models (a Llama with GQA and llama3 rope scaling, a Qwen2
-with q/k/v biases and untied embeddings, a Qwen3 with its norm of each q and k head): greedy outputs of 8+
-prompts of mixed lengths run together are token-for-token those of ``transformers``, with prefix caching on
-and off, with chunked prefill under a tiny token budget and under forced preemption, and with prefixes that
-come back from host memory or from the disk store; per-step logits agree within 1e-3, and so do prompt
-logprobs with transformers' log-softmax of each prompt position.
+with q/k/v biases and untied embeddings, a Qwen3 with its norm of each q and k head, a Qwen3-MoE with sparse
+and dense layers): greedy outputs of 8+ prompts of mixed lengths run together are token-for-token those of
+``transformers``, with prefix caching on and off, with chunked prefill under a tiny token budget and under
+forced preemption, and with prefixes that come back from host memory or from the disk store; per-step logits
+agree within 1e-3, and so do prompt logprobs with transformers' log-softmax of each prompt position.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from boundless.llm import LLM, engine_config
 from boundless.model.loader import LoadedModel
 
 MAX_NEW = 12
-MODELS = ["smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+MODELS = ["smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
 
 # Mixed lengths, with shared prefixes (so the prefix cache has something to find).
 TEXTS = [
@@ -184,6 +184,7 @@ TRITON_MODELS = [
     pytest.param("tiny-llama", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-qwen2", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-qwen3", marks=pytest.mark.slow if _ON_CPU else ()),
+    pytest.param("tiny-qwen3-moe", marks=pytest.mark.slow if _ON_CPU else ()),
     "smollm2-135m",
 ]
 

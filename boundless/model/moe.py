@@ -1,0 +1,92 @@
+"""A sparse mixture-of-experts MLP (Qwen3-MoE): each token's hidden state goes to its top-k experts, chosen by a
+router, and their outputs are summed with the router's weights.
+
+The experts' weights are stacked, as transformers 5 keeps them: ``gate_up`` [experts, 2 * intermediate, hidden]
+(gate rows, then up rows) and ``down`` [experts, hidden, intermediate]. Checkpoints on disk name each expert's
+matrices apart (``mlp.experts.{e}.gate_proj.weight``...); :meth:`SparseMoE.target` places them.
+
+A step groups its tokens by expert (one sort), so each expert that any token chose runs one matmul pair over all of
+its tokens: with few tokens (decoding) that is at most ``tokens * top_k`` experts' weights read, not all of them.
+Choosing the experts reads the routing back to the host (which experts, how many tokens each), so a step with a
+sparse layer cannot be captured in a CUDA graph: the runner runs such models eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from boundless.model.arch import ModelArch
+
+
+class SparseMoE(nn.Module):
+    """The router and the stacked experts of one sparse layer."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        experts, inter, hidden = arch.num_experts, arch.moe_intermediate_size, arch.hidden_size
+        self.top_k = arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
+        self.inter = inter
+        self.router = nn.Parameter(torch.empty(experts, hidden))
+        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.down = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts [tokens, top_k] and their weights, as transformers' router computes them: a softmax
+        in fp32 over the router's logits, the top k, renormalized to sum to one with ``norm_topk_prob``."""
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum for each row of ``x`` [tokens, hidden]."""
+        experts, weights = self.route(x)
+        out = torch.zeros_like(x)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.router.shape[0]).tolist()  # (the one read to the host)
+        tokens = order // self.top_k
+        picked = weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = tokens[start : start + count]
+            gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[expert])
+            out.index_add_(0, rows, y * picked[start : start + count, None])
+            start += count
+        return out
+
+    def target(self, name: str) -> tuple[torch.Tensor, tuple[int, int] | None] | None:
+        """Where a checkpoint tensor named ``name`` (below the layer's ``mlp.``) goes: (the parameter, or one expert's
+        slice of it; the rows within it), or None for a name that is not this block's."""
+        parts = name.split(".")
+        if parts == ["gate", "weight"]:
+            return self.router, None
+        if parts[:1] != ["experts"]:
+            return None
+        if parts[1:] == ["gate_up_proj"]:  # transformers 5's stacked form
+            return self.gate_up, None
+        if parts[1:] == ["down_proj"]:
+            return self.down, None
+        if len(parts) != 4 or not parts[1].isdigit() or parts[3] != "weight":
+            return None
+        expert = int(parts[1])
+        if expert >= self.router.shape[0]:
+            return None
+        rows = {"gate_proj": (0, self.inter), "up_proj": (self.inter, self.inter)}.get(parts[2])
+        if rows is not None:
+            return self.gate_up[expert], rows
+        return (self.down[expert], None) if parts[2] == "down_proj" else None
+
+    def expected_names(self) -> list[str]:
+        """The per-expert names a checkpoint holds this block's weights under, below the layer's ``mlp.``."""
+        names = ["gate.weight"]
+        for e in range(self.router.shape[0]):
+            names += [f"experts.{e}.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+        return names
