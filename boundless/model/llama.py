@@ -132,6 +132,16 @@ class _PackedLayer:
                 layer.gate_up_weight, glu=True, storage=take(layer.gate_up_weight, glu=True)
             )
             self.down = cpu_kernels.PackedWeight(layer.down_weight, storage=take(layer.down_weight))
+        # A sparse layer's experts, each packed as a dense MLP is (SiLU(gate) * up in the first matmul's epilogue).
+        self.experts: list[tuple[cpu_kernels.PackedWeight, cpu_kernels.PackedWeight]] = []
+        if layer.moe is not None:
+            for gate_up, down in zip(layer.moe.gate_up, layer.moe.down, strict=True):
+                self.experts.append(
+                    (
+                        cpu_kernels.PackedWeight(gate_up, glu=True, storage=take(gate_up, glu=True)),
+                        cpu_kernels.PackedWeight(down, storage=take(down)),
+                    )
+                )
         q_norm, k_norm = layer.q_norm, layer.k_norm
         self.head_norm = (
             None
@@ -145,6 +155,9 @@ class _PackedLayer:
         total = size(layer.qkv_weight.shape) + size(layer.o_weight.shape)
         if layer.gate_up_weight is not None and layer.down_weight is not None:
             total += size(layer.gate_up_weight.shape, glu=True) + size(layer.down_weight.shape)
+        if layer.moe is not None:
+            experts = layer.moe.gate_up.shape[0]
+            total += experts * (size(layer.moe.gate_up.shape[1:], glu=True) + size(layer.moe.down.shape[1:]))
         return total
 
 
@@ -315,7 +328,7 @@ class DecoderLayer(nn.Module):
             lora.add_(index, O_PROJ, attn, hidden)
         cpu_kernels.rms_norm(hidden, post.weight, post.eps, x)
         if self.moe is not None:
-            hidden += self.moe(x)
+            hidden += self.moe(x, packed.experts)
             return hidden
         assert lora is not None and gate_up is not None and down is not None
         if lora.touches(index, GATE_UP):

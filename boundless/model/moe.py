@@ -13,11 +13,17 @@ sparse layer cannot be captured in a CUDA graph: the runner runs such models eag
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from boundless.model.arch import ModelArch
+
+if TYPE_CHECKING:
+    from boundless.model.cpu_kernels import PackedWeight
 
 
 class SparseMoE(nn.Module):
@@ -42,8 +48,9 @@ class SparseMoE(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The experts' weighted sum for each row of ``x`` [tokens, hidden]."""
+    def forward(self, x: torch.Tensor, packed: Sequence[tuple[PackedWeight, PackedWeight]] = ()) -> torch.Tensor:
+        """The experts' weighted sum for each row of ``x`` [tokens, hidden]. ``packed``: each expert's gate/up and
+        down packed for the native CPU kernels (the activation in the first matmul's epilogue), else PyTorch."""
         experts, weights = self.route(x)
         out = torch.zeros_like(x)
         flat = experts.flatten()
@@ -56,8 +63,12 @@ class SparseMoE(nn.Module):
             if not count:
                 continue
             rows = tokens[start : start + count]
-            gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert])
+            if packed:
+                gate_up, down = packed[expert]
+                y = down.matmul(gate_up.matmul(x[rows]))
+            else:
+                gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down[expert])
             out.index_add_(0, rows, y * picked[start : start + count, None])
             start += count
         return out
