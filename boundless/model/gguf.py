@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # GGUF architecture name -> ModelArch.model_type. llama.cpp stores Mistral models as ``llama``.
-_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
 # Per-layer GGUF tensor name -> Hugging Face suffix under ``model.layers.{i}.``.
 _LAYER_TENSORS = {
@@ -58,6 +58,10 @@ _LAYER_TENSORS = {
 }
 # Qwen3's norms of each query and key head.
 _HEAD_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# A sparse layer's router, and its experts' matrices stacked [experts, rows, cols], each expert's slice loaded under
+# its Hugging Face name (mlp.experts.{e}.gate_proj.weight...).
+_ROUTER_TENSOR = "ffn_gate_inp"
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -236,6 +240,10 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
     if is_layer and parts[2] in _HEAD_NORM_TENSORS and parts[3] == "weight":
         return f"model.layers.{parts[1]}.{_HEAD_NORM_TENSORS[parts[2]]}.weight"
+    if is_layer and parts[2] == _ROUTER_TENSOR and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.mlp.gate.weight"
+    if is_layer and parts[2] in _EXPERT_TENSORS and parts[3] == "weight":  # stacked: split by expert at load
+        return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_EXPERT_TENSORS[parts[2]]}.weight"
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3 decoder tensors")
 
 
@@ -244,7 +252,12 @@ def _expected_parameters(arch: ModelArch) -> set[str]:
     if not arch.tie_word_embeddings:
         names.add("lm_head.weight")
     for i in range(arch.num_layers):
-        names.update(f"model.layers.{i}.{suffix}.weight" for suffix in _LAYER_TENSORS.values())
+        layer = {f"model.layers.{i}.{suffix}.weight" for suffix in _LAYER_TENSORS.values()}
+        if i in arch.sparse_layers:
+            layer -= {f"model.layers.{i}.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
+            layer.add(f"model.layers.{i}.mlp.gate.weight")
+            layer.update(f"model.layers.{i}.mlp.experts.{{}}.{m}.weight" for m in _EXPERT_TENSORS.values())
+        names.update(layer)
         if arch.qkv_bias:
             names.update(f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv")
         if arch.qk_norm:
@@ -373,6 +386,8 @@ def model_arch_from_gguf(
         raise ValueError("GGUF model applies RoPE to part of each head only, which ModelArch cannot express")
     theta = _f32(key("rope.freq_base", 10000.0))
     model_type = _model_type(meta)
+    experts = int(meta.get(f"{prefix}.expert_count", 0)) if model_type == "qwen3_moe" else 0
+    sparse = tuple(i for i in range(int(key("block_count"))) if f"blk.{i}.{_ROUTER_TENSOR}.weight" in tensor_shapes)
     window = meta.get(f"{prefix}.attention.sliding_window")
     return ModelArch(
         model_type=model_type,
@@ -388,7 +403,12 @@ def model_arch_from_gguf(
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_shapes,
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        num_experts=experts,
+        num_experts_per_tok=int(key("expert_used_count")) if experts else 0,
+        moe_intermediate_size=int(key("expert_feed_forward_length")) if experts else 0,
+        norm_topk_prob=bool(experts),  # (llama.cpp's qwen3moe always renormalizes the chosen experts' weights)
+        sparse_layers=sparse if experts else (),
         rope_scaling=_rope_scaling(meta, prefix, rope_factors, theta, head_dim),
         sliding_window=int(window) if window and model_type == "mistral" else None,
         bos_token_id=tokenizer.bos_token_id if tokenizer is not None else meta.get("tokenizer.ggml.bos_token_id"),
@@ -428,8 +448,8 @@ def _parallel_map(fn: Callable[[GGUFTensorInfo], np.ndarray], items: Iterable[GG
 def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> GGUFModel:
     """Read a GGUF file: architecture, dequantized weights under Hugging Face names, and tokenizer.
 
-    Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2`` and ``qwen3`` architectures. ``dtype`` is what the
-    returned tensors are cast to after float32 dequantization.
+    Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3`` and ``qwen3moe`` architectures.
+    ``dtype`` is what the returned tensors are cast to after float32 dequantization.
     """
     path = Path(path)
     buf = _map(path)
@@ -444,6 +464,7 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     # Check names before the expensive part: unknown tensors raise in hf_tensor_name, missing ones here.
     wanted = [info for name, info in header.tensors.items() if hf_tensor_name(name) is not None]
     missing = _expected_parameters(arch) - {hf_tensor_name(info.name) for info in wanted}
+    missing = {name.format("*") for name in missing}
     if missing:
         raise ValueError(f"{path}: GGUF file lacks tensors for {sorted(missing)[:5]} ({len(missing)} in all)")
 
@@ -457,5 +478,10 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
         elif permute and ".attn_k." in info.name:
             array = _unpermute_rows(array, arch.num_kv_heads)
         tensor = torch.from_numpy(array)
-        tensors[hf_tensor_name(info.name)] = tensor if dtype == torch.float32 else tensor.to(dtype)
+        tensor = tensor if dtype == torch.float32 else tensor.to(dtype)
+        name = hf_tensor_name(info.name)
+        if "{}" in name:  # a stacked experts' tensor: each expert's matrix under its own name (views, no copy)
+            tensors.update((name.format(e), tensor[e]) for e in range(tensor.shape[0]))
+        else:
+            tensors[name] = tensor
     return GGUFModel(arch=arch, tensors=tensors, tokenizer=tokenizer, metadata=meta)

@@ -171,7 +171,8 @@ def write_tiny_gguf(
     model's heads are wider than ``hidden / heads``, as Qwen3's are (the file says so with ``key_length``)."""
     rng = np.random.default_rng(0)
     hidden, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
-    head_dim = 32 if arch == "qwen3" else 16
+    head_dim = 32 if arch in ("qwen3", "qwen3moe") else 16
+    experts, expert_inter = 4, 32
     vocab = len(TOKENS)
     writer = gguf.GGUFWriter(path, arch=arch)
     writer.add_name(name)
@@ -182,13 +183,17 @@ def write_tiny_gguf(
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(head_dim)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(2)
+        writer.add_expert_feed_forward_length(expert_inter)
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3") else "llama-bpe")
+    writer.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3", "qwen3moe") else "llama-bpe")
     writer.add_token_list(TOKENS)
     writer.add_token_types([1] * 256 + [3, 3])
     writer.add_token_merges([])
@@ -202,7 +207,7 @@ def write_tiny_gguf(
         if gguf_name in skip:
             return
         stored = _llama_cpp_permute(w, permute_heads) if permute_heads and arch == "llama" else w
-        kind = qtype if w.ndim == 2 else GGMLQuantizationType.F32  # norms and biases stay F32, as in llama.cpp
+        kind = qtype if w.ndim >= 2 else GGMLQuantizationType.F32  # norms and biases stay F32, as in llama.cpp
         data, _ = _quantized(stored, kind)
         # Blocks run along rows and the permutation moves whole rows, so unpermuting after is exact.
         expected[hf_name] = _quantized(w, kind)[1]
@@ -223,11 +228,23 @@ def write_tiny_gguf(
             add(f"blk.{i}.attn_q.bias", f"{p}.self_attn.q_proj.bias", rand(heads * head_dim))
             add(f"blk.{i}.attn_k.bias", f"{p}.self_attn.k_proj.bias", rand(kv_heads * head_dim))
             add(f"blk.{i}.attn_v.bias", f"{p}.self_attn.v_proj.bias", rand(kv_heads * head_dim))
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             add(f"blk.{i}.attn_q_norm.weight", f"{p}.self_attn.q_norm.weight", rand(head_dim))
             add(f"blk.{i}.attn_k_norm.weight", f"{p}.self_attn.k_norm.weight", rand(head_dim))
         add(f"blk.{i}.attn_output.weight", f"{p}.self_attn.o_proj.weight", rand(hidden, heads * head_dim))
         add(f"blk.{i}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight", rand(hidden))
+        if arch == "qwen3moe":  # llama.cpp's stacked experts [experts, rows, cols]; each expert's is loaded apart
+            add(f"blk.{i}.ffn_gate_inp.weight", f"{p}.mlp.gate.weight", rand(experts, hidden))
+            for gguf_part, hf_part, shape in (
+                ("ffn_gate_exps", "gate_proj", (expert_inter, hidden)),
+                ("ffn_up_exps", "up_proj", (expert_inter, hidden)),
+                ("ffn_down_exps", "down_proj", (hidden, expert_inter)),
+            ):
+                add(f"blk.{i}.{gguf_part}.weight", f"{p}.mlp.experts.{gguf_part}", rand(experts, *shape))
+                stacked = expected.pop(f"{p}.mlp.experts.{gguf_part}", None)
+                for e in range(experts if stacked is not None else 0):
+                    expected[f"{p}.mlp.experts.{e}.{hf_part}.weight"] = stacked[e]
+            continue
         add(f"blk.{i}.ffn_gate.weight", f"{p}.mlp.gate_proj.weight", rand(inter, hidden))
         add(f"blk.{i}.ffn_up.weight", f"{p}.mlp.up_proj.weight", rand(inter, hidden))
         add(f"blk.{i}.ffn_down.weight", f"{p}.mlp.down_proj.weight", rand(hidden, inter))
@@ -306,6 +323,28 @@ def test_qwen3_reads_its_head_norms_and_wide_heads(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "no-norms.gguf", arch="qwen3", skip=("blk.0.attn_q_norm.weight",))
     with pytest.raises(ValueError, match="q_norm"):
         load_gguf(tmp_path / "no-norms.gguf")
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32], ids=lambda q: q.name)
+def test_qwen3_moe_reads_its_router_and_stacked_experts(tmp_path: Path, qtype: GGMLQuantizationType) -> None:
+    # llama.cpp's own names for the router and the stacked experts (gguf's tensor-name map).
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, 2)
+    assert names.get_name("model.layers.1.mlp.gate") == "blk.1.ffn_gate_inp"
+    assert names.get_name("model.layers.1.mlp.experts.down_proj") == "blk.1.ffn_down_exps"
+    path = tmp_path / "qwen3moe.gguf"
+    expected = write_tiny_gguf(path, arch="qwen3moe", tied=False, qtype=qtype)
+    model = load_gguf(path)
+    _assert_tensors(model, expected)  # each expert's matrices under its own name, dequantized from the stack
+    arch = model.arch
+    assert arch.model_type == "qwen3_moe" and arch.qk_norm and arch.sparse_layers == (0, 1)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (4, 2, 32)
+    assert arch.norm_topk_prob
+    net = LlamaModel(arch)
+    net.load_weights(model.tensors.items())
+    assert torch.equal(net.layers[1].moe.down[3], model.tensors["model.layers.1.mlp.experts.3.down_proj.weight"])
+    write_tiny_gguf(tmp_path / "no-experts.gguf", arch="qwen3moe", skip=("blk.0.ffn_up_exps.weight",))
+    with pytest.raises(ValueError, match="up_proj"):
+        load_gguf(tmp_path / "no-experts.gguf")
 
 
 def test_bfloat16_dtype(tmp_path: Path) -> None:
