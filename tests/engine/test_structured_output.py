@@ -137,21 +137,30 @@ def test_a_request_first_seen_with_outputs_is_replayed_into_its_grammar(tiny_lla
     tokenizer = tiny_llama.tokenizer
     prompt = tokenizer.encode("A color:")
     started = tokenizer.encode('{"color": "gr')
-    sampler = Sampler(torch.device("cpu"), grammars=Grammars(tokenizer, tiny_llama.arch.vocab_size))
+    _assert_only_greens_rest_comes_next(tiny_llama, prompt, started, StructuredOutput.json_schema(SCHEMA))
+
+
+def _assert_only_greens_rest_comes_next(
+    loaded: LoadedModel, prompt: list[int], started: list[int], spec: StructuredOutput
+) -> None:
+    """A sampler that first sees the request with ``started`` as its outputs (a handoff), whose JSON so far ends in
+    ``"gr``, draws only the rest of "green" whatever the logits favour."""
+    tokenizer = loaded.tokenizer
+    sampler = Sampler(torch.device("cpu"), grammars=Grammars(tokenizer, loaded.arch.vocab_size))
     chunk = ScheduledChunk(
         "r",
         [started[-1]],
         len(prompt) + len(started) - 1,
         [0],
         True,
-        SamplingParams(temperature=1.0, seed=0, structured=StructuredOutput.json_schema(SCHEMA)),
+        SamplingParams(temperature=1.0, seed=0, structured=spec),
         len(started),
         (),
         history=prompt + started,
         num_prompt_tokens=len(prompt),
     )
-    for seed in range(8):  # whatever the logits favour, only "green"'s rest can come next
-        logits = torch.randn(1, tiny_llama.arch.vocab_size, generator=torch.Generator().manual_seed(seed))
+    for seed in range(8):
+        logits = torch.randn(1, loaded.arch.vocab_size, generator=torch.Generator().manual_seed(seed))
         token = Sampler.sample(sampler, logits, [chunk])[0].token_id
         sampler.forget(["r"])
         assert 'een"'.startswith(tokenizer.decode([token])), tokenizer.decode([token])
@@ -252,22 +261,5 @@ def test_a_grammar_after_given_tokens_is_replayed_from_them(tiny_llama: LoadedMo
     prompt = tokenizer.encode("A color:")
     end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
     started = tokenizer.encode("hmm, green</think>", add_special_tokens=False) + tokenizer.encode('{"color": "gr')
-    sampler = Sampler(torch.device("cpu"), grammars=Grammars(tokenizer, tiny_llama.arch.vocab_size))
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA), after=end)
-    chunk = ScheduledChunk(
-        "r",
-        [started[-1]],
-        len(prompt) + len(started) - 1,
-        [0],
-        True,
-        SamplingParams(temperature=1.0, seed=0, structured=spec),
-        len(started),
-        (),
-        history=prompt + started,
-        num_prompt_tokens=len(prompt),
-    )
-    for seed in range(8):  # whatever the logits favour, only "green"'s rest can come next
-        logits = torch.randn(1, tiny_llama.arch.vocab_size, generator=torch.Generator().manual_seed(seed))
-        token = Sampler.sample(sampler, logits, [chunk])[0].token_id
-        sampler.forget(["r"])
-        assert 'een"'.startswith(tokenizer.decode([token])), tokenizer.decode([token])
+    _assert_only_greens_rest_comes_next(tiny_llama, prompt, started, spec)
