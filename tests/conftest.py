@@ -49,6 +49,8 @@ TINY_SPECS = {
     "tiny-qwen3-moe": TinySpec(
         kind="qwen3_moe", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, seed=3, mlp_only_layers=(1,)
     ),
+    # Mixtral: Mistral with 8 experts (2 a token) in every layer, under their own names (w1, w3, w2).
+    "tiny-mixtral": TinySpec(kind="mixtral", num_heads=4, num_kv_heads=2, seed=4),
 }
 
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class ModelArch:
     q/k/v biases, Mistral only by its name (and an optional sliding window, see ``sliding_window``), Qwen3 by an
     RMSNorm over each query and key head before RoPE (``qk_norm``) and no biases, Qwen3-MoE from Qwen3 by a sparse
     mixture of experts in place of the MLP of its ``sparse_layers`` (``num_experts``, each token's
-    ``num_experts_per_tok``, each expert's ``moe_intermediate_size``; ``model/moe.py``).
+    ``num_experts_per_tok``, each expert's ``moe_intermediate_size``; ``model/moe.py``), and Mixtral from Mistral the
+    same way in every layer.
     """
 
     model_type: str
@@ -102,9 +103,11 @@ class ModelArch:
         )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        use_window = cfg.get("use_sliding_window", model_type == "mistral")
+        use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral"))
         num_layers = cfg["num_hidden_layers"]
-        experts = int(cfg.get("num_experts") or 0) if model_type == "qwen3_moe" else 0
+        experts = {"qwen3_moe": int(cfg.get("num_experts") or 0), "mixtral": int(cfg.get("num_local_experts") or 0)}
+        experts = experts.get(model_type, 0)
+        expert_size = cfg.get("moe_intermediate_size") if model_type == "qwen3_moe" else cfg.get("intermediate_size")
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(cfg.get("mlp_only_layers") or ())
         sparse = tuple(i for i in range(num_layers) if experts and i not in dense and (i + 1) % step == 0)
@@ -125,8 +128,9 @@ class ModelArch:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if experts else False,
+            moe_intermediate_size=int(expert_size or 0) if experts else 0,
+            # (Mixtral always renormalizes its chosen experts' weights.)
+            norm_topk_prob=(model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False))) if experts else False,
             sparse_layers=sparse,
             rope_scaling=scaling,
             sliding_window=cfg.get("sliding_window") if use_window else None,

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) in our own PyTorch modules.
+"""A Llama-family decoder (Llama 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, SmolLM2) in our own PyTorch modules.
 
 The model takes a flat batch: every token of every sequence in one dimension, with its position,
 and an attention context prepared once per step. It never sees padding. Weights load from Hugging
@@ -531,7 +531,7 @@ class LlamaModel(nn.Module):
         if len(parts) < 5 or parts[0] != "model" or parts[1] != "layers":
             return None, None
         layer = self.layers[int(parts[2])]
-        if layer.moe is not None and parts[3] == "mlp":
+        if layer.moe is not None and parts[3] in (layer.moe.block, "mlp"):  # ("mlp": transformers 5's own saves)
             found = layer.moe.target(".".join(parts[4:]))
             return (None, None) if found is None else found
         module, leaf = parts[-2], parts[-1]
@@ -564,7 +564,7 @@ class LlamaModel(nn.Module):
                 names.update(p + f"self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj"))
             moe = self.layers[i].moe
             if moe is not None:
-                names.update(p + "mlp." + n for n in moe.expected_names())
+                names.update(f"{p}{moe.block}.{n}" for n in moe.expected_names())
             else:
                 names.update(p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj"))
             names.update(p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight"))

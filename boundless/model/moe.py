@@ -1,9 +1,10 @@
-"""A sparse mixture-of-experts MLP (Qwen3-MoE): each token's hidden state goes to its top-k experts, chosen by a
-router, and their outputs are summed with the router's weights.
+"""A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): each token's hidden state goes to its top-k experts, chosen
+by a router, and their outputs are summed with the router's weights.
 
 The experts' weights are stacked, as transformers 5 keeps them: ``gate_up`` [experts, 2 * intermediate, hidden]
 (gate rows, then up rows) and ``down`` [experts, hidden, intermediate]. Checkpoints on disk name each expert's
-matrices apart (``mlp.experts.{e}.gate_proj.weight``...); :meth:`SparseMoE.target` places them.
+matrices apart (Qwen3-MoE's ``mlp.experts.{e}.gate_proj.weight``..., Mixtral's
+``block_sparse_moe.experts.{e}.w1.weight``, ``w3`` up and ``w2`` down); :meth:`SparseMoE.target` places them.
 
 A step groups its tokens by expert (one sort), so each expert that any token chose runs one matmul pair over all of
 its tokens: with few tokens (decoding) that is at most ``tokens * top_k`` experts' weights read, not all of them.
@@ -35,6 +36,12 @@ class SparseMoE(nn.Module):
         self.top_k = arch.num_experts_per_tok
         self.norm_topk_prob = arch.norm_topk_prob
         self.inter = inter
+        # Each expert's matrices by their checkpoint names: Mixtral's w1 (gate), w3 (up), w2 (down).
+        mixtral = arch.model_type == "mixtral"
+        self.block = "block_sparse_moe" if mixtral else "mlp"
+        self.names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {
+            "gate": "gate_proj", "up": "up_proj", "down": "down_proj"
+        }  # fmt: skip
         self.router = nn.Parameter(torch.empty(experts, hidden))
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
@@ -74,8 +81,8 @@ class SparseMoE(nn.Module):
         return out
 
     def target(self, name: str) -> tuple[torch.Tensor, tuple[int, int] | None] | None:
-        """Where a checkpoint tensor named ``name`` (below the layer's ``mlp.``) goes: (the parameter, or one expert's
-        slice of it; the rows within it), or None for a name that is not this block's."""
+        """Where a checkpoint tensor named ``name`` (below the layer's :attr:`block`) goes: (the parameter, or one
+        expert's slice of it; the rows within it), or None for a name that is not this block's."""
         parts = name.split(".")
         if parts == ["gate", "weight"]:
             return self.router, None
@@ -90,14 +97,15 @@ class SparseMoE(nn.Module):
         expert = int(parts[1])
         if expert >= self.router.shape[0]:
             return None
-        rows = {"gate_proj": (0, self.inter), "up_proj": (self.inter, self.inter)}.get(parts[2])
+        names = self.names
+        rows = {names["gate"]: (0, self.inter), names["up"]: (self.inter, self.inter)}.get(parts[2])
         if rows is not None:
             return self.gate_up[expert], rows
-        return (self.down[expert], None) if parts[2] == "down_proj" else None
+        return (self.down[expert], None) if parts[2] == names["down"] else None
 
     def expected_names(self) -> list[str]:
-        """The per-expert names a checkpoint holds this block's weights under, below the layer's ``mlp.``."""
+        """The per-expert names a checkpoint holds this block's weights under, below the layer's :attr:`block`."""
         names = ["gate.weight"]
         for e in range(self.router.shape[0]):
-            names += [f"experts.{e}.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+            names += [f"experts.{e}.{self.names[m]}.weight" for m in ("gate", "up", "down")]
         return names

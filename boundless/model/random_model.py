@@ -35,10 +35,11 @@ _CORPUS = [
 
 @dataclass(frozen=True)
 class TinySpec:
-    """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe or mistral. ``head_dim``: by default
-    ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size). A qwen3_moe
+    """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral or mixtral. ``head_dim``: by
+    default ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size). A qwen3_moe
     model's layers are sparse (``num_experts`` experts of ``moe_intermediate_size``, ``num_experts_per_tok`` a
-    token), but for ``mlp_only_layers``."""
+    token), but for ``mlp_only_layers``; a mixtral model's are all sparse, its experts ``moe_intermediate_size`` wide
+    too."""
 
     kind: str = "llama"
     vocab_size: int = 384
@@ -83,6 +84,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -126,8 +128,15 @@ def _config(spec: TinySpec) -> dict:
             mlp_only_layers=list(spec.mlp_only_layers),
             output_router_logits=False,
         )
-    if spec.kind == "mistral":
+    if spec.kind in ("mistral", "mixtral"):
         cfg["sliding_window"] = None
+    if spec.kind == "mixtral":  # (its intermediate_size is each expert's)
+        cfg.update(
+            intermediate_size=spec.moe_intermediate_size,
+            num_local_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            output_router_logits=False,
+        )
     return cfg
 
 
@@ -170,6 +179,13 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
                 yield p + f"mlp.experts.{e}.gate_proj.weight", rand(m, h)
                 yield p + f"mlp.experts.{e}.up_proj.weight", rand(m, h)
                 yield p + f"mlp.experts.{e}.down_proj.weight", rand(h, m)
+        elif spec.kind == "mixtral":
+            m = spec.moe_intermediate_size
+            yield p + "block_sparse_moe.gate.weight", rand(spec.num_experts, h)
+            for e in range(spec.num_experts):
+                yield p + f"block_sparse_moe.experts.{e}.w1.weight", rand(m, h)
+                yield p + f"block_sparse_moe.experts.{e}.w3.weight", rand(m, h)
+                yield p + f"block_sparse_moe.experts.{e}.w2.weight", rand(h, m)
         else:
             yield p + "mlp.gate_proj.weight", rand(i, h)
             yield p + "mlp.up_proj.weight", rand(i, h)

@@ -126,7 +126,7 @@ def test_model_native_path_matches_torch_path(load) -> None:
     from boundless.attention.paged import TorchPagedAttention
     from boundless.kv.tensors import PagedKVCache
 
-    for name in ("tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"):
+    for name in ("tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"):
         model = load(name).model
         arch = model.arch
         prompts = [[11], [5, 9, 13, 2, 7], [3, 3, 8]]  # a one-token sequence (a "decode") first

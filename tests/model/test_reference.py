@@ -144,6 +144,15 @@ GREEDY_PARAMS = [
 ]
 
 
+def test_mixtral_greedy_matches_transformers(
+    load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """Mixtral's experts (the same mixture as Qwen3-MoE's, under their own names, every layer sparse), in one batch
+    with prefix caching; the other configurations run on tiny-qwen3-moe."""
+    ref = _reference("tiny-mixtral", load, hf_model)
+    assert _run_greedy(_engine(ref.loaded), ref.prompts) == ref.tokens
+
+
 @pytest.mark.parametrize(("ref", "config"), GREEDY_PARAMS, indirect=["ref"])
 def test_greedy_matches_transformers(ref: Reference, config: str) -> None:
     options = dict(CONFIGS[config])
