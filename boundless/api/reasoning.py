@@ -32,8 +32,8 @@ class Split:
 @dataclass(frozen=True)
 class ReasoningParser:
     """How a model marks its reasoning: between ``start`` and ``end``. ``always_opens``: the output starts inside the
-    reasoning whatever the prompt (DeepSeek-R1's template opens it); else only when the prompt ends with ``start``
-    or the output begins with it."""
+    reasoning unless the prompt closed it (DeepSeek-R1's template opens it); else only when the prompt ends with
+    ``start`` or the output begins with it. ``opened`` below: :meth:`opens_in_reasoning` of the output's prompt."""
 
     name: str
     start: str = "<think>"
@@ -47,7 +47,11 @@ class ReasoningParser:
         return cls(name, always_opens=name == "deepseek_r1")
 
     def opens_in_reasoning(self, prompt_tail: str) -> bool:
-        """Whether an output of a prompt ending with ``prompt_tail`` starts inside the reasoning."""
+        """Whether an output of a prompt ending with ``prompt_tail`` starts inside the reasoning: not when the prompt
+        closed it (thinking turned off), else always for a model whose template opens it, else when the prompt
+        opened it."""
+        if self.closed_in(prompt_tail):
+            return False
         return self.always_opens or prompt_tail.rstrip().endswith(self.start)
 
     def closed_in(self, prompt_tail: str) -> bool:
@@ -62,7 +66,6 @@ class ReasoningParser:
     def visible(self, text: str, opened: bool, final: bool) -> tuple[str, str, bool]:
         """``(reasoning, content, reasoning_seen)`` of ``text``. Before the output is final, what may still be part
         of a tag is held back, so that each is a prefix of what a longer ``text`` gives (a stream sends each once)."""
-        opened = opened or self.always_opens
         lead = text.lstrip()
         if lead.startswith(self.start):
             begin = len(text) - len(lead) + len(self.start)

@@ -469,10 +469,14 @@ class ResponsesAPI:
             "usage": None,
         }
 
-    def _message_item(self, call: _Call, choice: Choice, text: str, status: str) -> dict[str, Any]:
+    def _message_item(
+        self, call: _Call, choice: Choice, text: str, status: str, thought_tokens: int = 0
+    ) -> dict[str, Any]:
+        """The message item; its logprobs are those of the output's tokens after the ``thought_tokens`` of its
+        reasoning."""
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
         if call.logprobs:
-            part["logprobs"] = self.server.chat_logprobs(choice.logprobs)
+            part["logprobs"] = self.server.chat_logprobs(choice.logprobs[thought_tokens:])
         return {"type": "message", "id": call.message_id, "status": status, "role": "assistant", "content": [part]}
 
     @staticmethod
@@ -489,9 +493,11 @@ class ResponsesAPI:
         strips)."""
         content: str | None = choice.text
         thought: str | None = None
+        thought_tokens = 0
         if call.reasoning is not None:
             split = call.reasoning.split(choice.text)
             thought, content = split.reasoning, split.content or ""
+            thought_tokens = self.server.reasoning_tokens(call.reasoning, choice.token_ids)
         calls: list[ToolCall] = []
         if streamed is not None:
             content, calls = streamed
@@ -499,9 +505,11 @@ class ResponsesAPI:
             content, calls = self._calls_of(call)(content or "")
         incomplete = choice.finish_reason == "length" and not calls
         status = "incomplete" if incomplete else "completed"
-        items = [self._reasoning_item(call, thought, status)] if thought else []
+        # The reasoning is whole once the answer began (a stream has said so by then); cut off only inside it.
+        thought_cut = incomplete and call.reasoning is not None and call.reasoning.parser.end not in choice.text
+        items = [self._reasoning_item(call, thought, "incomplete" if thought_cut else "completed")] if thought else []
         if content or not (calls or thought):
-            items.append(self._message_item(call, choice, content or "", status))
+            items.append(self._message_item(call, choice, content or "", status, thought_tokens))
         items += [_function_call_item(c) for c in calls]
         out = self._envelope(call, "incomplete" if incomplete else "completed", items)
         if incomplete:
@@ -510,11 +518,7 @@ class ResponsesAPI:
             "input_tokens": len(call.prompt),
             "input_tokens_details": {"cached_tokens": choice.cached_tokens},
             "output_tokens": len(choice.token_ids),
-            "output_tokens_details": {
-                "reasoning_tokens": 0
-                if call.reasoning is None
-                else self.server.reasoning_tokens(call.reasoning, choice.token_ids)
-            },
+            "output_tokens_details": {"reasoning_tokens": thought_tokens},
             "total_tokens": len(call.prompt) + len(choice.token_ids),
         }
         if call.body.store:
@@ -575,6 +579,8 @@ class ResponsesAPI:
                         yield event("response.content_part.added", **thought_at, part=item["content"][0])
                     yield event("response.reasoning_text.delta", **thought_at, delta=new_thought)
                     thought += new_thought
+                if not thoughts.content:
+                    pending = []  # (the reasoning's tokens and its end tag's: not the message's logprobs)
             piece = new_answer if content is None else ("" if delta.finished else content.feed(answer))
             if not piece:
                 continue

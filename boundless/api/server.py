@@ -64,9 +64,11 @@ from boundless.programs.ref import ProgramRef
 
 T = TypeVar("T")
 
-# What chat_template_kwargs may not set: the arguments the route itself passes, and the template (vLLM takes a
-# template from a request only when its server trusts them).
-_RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "add_generation_prompt", "chat_template"})
+# What chat_template_kwargs may not set: the arguments the route itself passes, the template (vLLM takes a template
+# from a request only when its server trusts them), and the functions templates call.
+_RESERVED_TEMPLATE_KEYS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "chat_template", "raise_exception", "strftime_now", "namespace"}
+)
 
 
 class DeltaStream(Protocol):
@@ -375,7 +377,8 @@ class OpenAIServer:
                 add_generation_prompt=body.add_generation_prompt,
                 **self._template_kwargs(body),
             )
-        except (ValueError, jinja2.TemplateError) as e:  # the template rejected the conversation (raise_exception)
+        # The template rejected the conversation (raise_exception), or a variable the request gave it does not fit.
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 

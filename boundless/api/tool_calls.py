@@ -24,9 +24,13 @@ from typing import Any
 from boundless.api.call_scanner import CallScanner, CallSpan, scan_calls
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|(?=<function=)|\Z)", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 _INTEGER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")  # JSON's: no NaN, no Infinity
+# Schema types as models and tools sometimes spell them (Python's names), as vLLM's parser reads them.
+_TYPE_ALIASES = {"int": "integer", "float": "number", "double": "number", "bool": "boolean", "dict": "object",
+                 "list": "array", "str": "string"}  # fmt: skip
 
 # Each tool's parameters' schemas (function name -> parameter name -> schema): how an XML call's values are read.
 ParameterTypes = dict[str, dict[str, Any]]
@@ -80,41 +84,58 @@ def _typed(value: str, schema: Any) -> Any:
     """An XML call's parameter text as its schema's type says (vLLM's qwen3_coder parser reads them so): a string
     stays text, as does a value of no known type or one that does not read as its type."""
     kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    kinds = {_TYPE_ALIASES.get(k, k) for k in (kinds if isinstance(kinds, list) else [kinds])}
     if kinds == {None} or "string" in kinds:
         return value
     text = value.strip()
-    if "null" in kinds and text.lower() == "null":
+    if text.lower() in ("null", "none"):
         return None
     if "integer" in kinds and _INTEGER.fullmatch(text):
         return int(text)
-    if "number" in kinds:
-        with contextlib.suppress(ValueError):
-            return int(text) if _INTEGER.fullmatch(text) else float(text)
+    if "number" in kinds and _NUMBER.fullmatch(text):
+        return int(text) if _INTEGER.fullmatch(text) else float(text)
     if "boolean" in kinds and text.lower() in ("true", "false"):
         return text.lower() == "true"
-    if kinds & {"object", "array"}:
-        with contextlib.suppress(json.JSONDecodeError):
-            return json.loads(text)
-        with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
-            return ast.literal_eval(text)  # (Python's dict and list literals, which models write too)
+    wanted = tuple(t for k, t in (("object", dict), ("array", list)) if k in kinds)
+    if wanted:
+        parsed: Any = None
+        with contextlib.suppress(ValueError):  # (NaN and Infinity, which JSON lacks, refused too)
+            parsed = json.loads(text, parse_constant=_refuse)
+        if parsed is None:
+            with contextlib.suppress(ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                parsed = ast.literal_eval(text)  # (Python's dict and list literals, which models write too)
+        if isinstance(parsed, wanted) and _is_json(parsed):
+            return parsed
     return value
 
 
-def _xml_call(block: str, types: ParameterTypes) -> ToolCall | None:
-    """Qwen3-Coder's call in a ``<tool_call>`` block, or None. A value loses one newline at each end (the template
-    writes each on lines of its own); the arguments are then JSON text, as OpenAI returns them."""
-    found = _XML_FUNCTION.search(block)
-    if found is None:
-        return None
-    name = found.group(1).strip()
-    schemas = types.get(name, {})
-    args = {}
-    for key, raw in _XML_PARAMETER.findall(found.group(2)):
-        value = raw.removeprefix("\n")
-        value = value[:-1] if value.endswith("\n") else value
-        args[key.strip()] = _typed(value, schemas.get(key.strip()))
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+def _refuse(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _is_json(value: Any) -> bool:
+    """Whether ``value`` writes as JSON (a Python literal may hold sets, bytes, tuples as keys, NaN)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _xml_calls(block: str, types: ParameterTypes) -> list[ToolCall]:
+    """Qwen3-Coder's calls in a ``<tool_call>`` block (a ``<function=...>`` each). A value loses one newline at each
+    end (the template writes each on lines of its own); the arguments are then JSON text, as OpenAI returns them."""
+    calls = []
+    for found in _XML_FUNCTION.finditer(block):
+        name = found.group(1).strip()
+        schemas = types.get(name, {})
+        args = {}
+        for key, raw in _XML_PARAMETER.findall(found.group(2)):
+            value = raw.removeprefix("\n")
+            value = value[:-1] if value.endswith("\n") else value
+            args[key.strip()] = _typed(value, schemas.get(key.strip()))
+        calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+    return calls
 
 
 def parse_tool_calls(text: str, types: ParameterTypes | None = None) -> tuple[str | None, list[ToolCall]]:
@@ -127,8 +148,7 @@ def parse_tool_calls(text: str, types: ParameterTypes | None = None) -> tuple[st
             try:
                 obj = json.loads(block)
             except json.JSONDecodeError:
-                if (xml := _xml_call(block, types or {})) is not None:
-                    calls.append(xml)
+                calls += _xml_calls(block, types or {})
                 continue
             spans = scan_calls(block)
             call = _as_call(obj, block, spans[0] if spans else None)

@@ -386,6 +386,11 @@ def model_arch_from_gguf(
         raise ValueError("GGUF model applies RoPE to part of each head only, which ModelArch cannot express")
     theta = _f32(key("rope.freq_base", 10000.0))
     model_type = _model_type(meta)
+    if model_type != "qwen3_moe" and any(_ROUTER_TENSOR in name for name in tensor_shapes):
+        raise ValueError(
+            f"this GGUF {prefix} model is a mixture of experts (Mixtral's, in llama.cpp's layout), which this loader "
+            "does not read; Qwen3-MoE's (qwen3moe) it does, and Mixtral loads from a Hugging Face directory"
+        )
     experts = int(meta.get(f"{prefix}.expert_count", 0)) if model_type == "qwen3_moe" else 0
     sparse = tuple(i for i in range(int(key("block_count"))) if f"blk.{i}.{_ROUTER_TENSOR}.weight" in tensor_shapes)
     window = meta.get(f"{prefix}.attention.sliding_window")

@@ -500,10 +500,6 @@ class LlamaModel(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue  # derived buffers, and a tied head saved beside its embedding
-            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):  # transformers 5's stacked form
-                kind = "gate_proj up_proj" if name.endswith("gate_up_proj") else "down_proj"
-                prefix = name.rsplit(".", 1)[0]
-                seen.update(f"{prefix}.{e}.{m}.weight" for e in range(arch.num_experts) for m in kind.split())
             target, rows = self._target(name, offsets, mlp_offsets)
             if target is None:
                 raise ValueError(f"unexpected weight {name!r}")
@@ -512,11 +508,22 @@ class LlamaModel(nn.Module):
                 if dest.shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
                 dest.copy_(tensor)
-            seen.add(name)
+            seen.update(self._loaded_names(name))
         expected = self._expected_names()
         missing = expected - seen
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+    def _loaded_names(self, name: str) -> list[str]:
+        """The checkpoint names (as :meth:`_expected_names` has them) a loaded tensor stands for: itself, or for an
+        experts' tensor those its block's names give it (each expert of a stacked tensor, Mixtral's own names)."""
+        parts = name.split(".")
+        if len(parts) > 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+            moe = self.layers[int(parts[2])].moe
+            if moe is not None and parts[3] in (moe.block, "mlp"):
+                prefix = ".".join(parts[:3])
+                return [f"{prefix}.{moe.block}.{n}" for n in moe.loaded_names(".".join(parts[4:]))]
+        return [name]
 
     def _target(
         self, name: str, offsets: dict[str, tuple[int, int]], mlp_offsets: dict[str, int]

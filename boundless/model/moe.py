@@ -103,6 +103,20 @@ class SparseMoE(nn.Module):
             return self.gate_up[expert], rows
         return (self.down[expert], None) if parts[2] == names["down"] else None
 
+    def loaded_names(self, name: str) -> list[str]:
+        """The per-expert names (:meth:`expected_names`') a tensor :meth:`target` placed stands for."""
+        parts = name.split(".")
+        experts = range(self.router.shape[0])
+        if parts[1:] == ["gate_up_proj"]:
+            return [f"experts.{e}.{self.names[m]}.weight" for e in experts for m in ("gate", "up")]
+        if parts[1:] == ["down_proj"]:
+            return [f"experts.{e}.{self.names['down']}.weight" for e in experts]
+        if len(parts) == 4 and parts[0] == "experts":
+            canonical = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up"}
+            canonical["w2"] = "down"
+            return [f"experts.{parts[1]}.{self.names[canonical[parts[2]]]}.weight"]
+        return [name]
+
     def expected_names(self) -> list[str]:
         """The per-expert names a checkpoint holds this block's weights under, below the layer's :attr:`block`."""
         names = ["gate.weight"]

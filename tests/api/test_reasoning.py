@@ -31,10 +31,11 @@ R1 = ReasoningParser.named("deepseek_r1")
         (QWEN3, False, "<think>cut off before the end", Split("cut off before the end", None)),
         (QWEN3, True, "the prompt opened it</think>answer", Split("the prompt opened it", "answer")),
         (QWEN3, False, "<think></think>", Split("", None)),
-        (R1, False, "R1 never writes the start tag</think>answer", Split("R1 never writes the start tag", "answer")),
-        (R1, False, "<think>R1-0528 does</think>answer", Split("R1-0528 does", "answer")),
-        (R1, False, "still thinking", Split("still thinking", None)),
-        (R1, False, "a</think>b</think>c", Split("a", "b</think>c")),  # the first end tag ends it
+        (R1, True, "R1 never writes the start tag</think>answer", Split("R1 never writes the start tag", "answer")),
+        (R1, True, "<think>R1-0528 does</think>answer", Split("R1-0528 does", "answer")),
+        (R1, True, "still thinking", Split("still thinking", None)),
+        (R1, True, "a</think>b</think>c", Split("a", "b</think>c")),  # the first end tag ends it
+        (R1, False, "the prompt closed the thinking", Split(None, "the prompt closed the thinking")),
     ],
 )
 def test_split(parser: ReasoningParser, opened: bool, text: str, expected: Split) -> None:
@@ -46,6 +47,7 @@ def test_where_an_output_starts() -> None:
     assert not QWEN3.opens_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking turned off
     assert not QWEN3.opens_in_reasoning("<|im_start|>assistant\n")
     assert R1.opens_in_reasoning("<|im_start|>assistant\n")
+    assert not R1.opens_in_reasoning("<|Assistant|><think>\n\n</think>\n\n")  # closed by the prompt
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         ReasoningParser.named("granite")
 
@@ -246,6 +248,7 @@ def test_template_variables_reach_the_template(served: Served) -> None:
     [
         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"namespace": 1}}, "chat_template_kwargs"),  # (a function templates call)
         ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ],
@@ -294,8 +297,9 @@ def test_responses_put_the_reasoning_in_its_own_item(served: Served) -> None:
 
 
 def test_responses_stream_the_reasoning_first(served: Served) -> None:
-    whole = _respond(served, THINK_THEN_ANSWER)
-    events = list(_respond(served, THINK_THEN_ANSWER, stream=True))
+    logprobs = {"include": ["message.output_text.logprobs"]}
+    whole = _respond(served, THINK_THEN_ANSWER, **logprobs)
+    events = list(_respond(served, THINK_THEN_ANSWER, stream=True, **logprobs))
     kinds = [e.type for e in events]
     thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -308,6 +312,11 @@ def test_responses_stream_the_reasoning_first(served: Served) -> None:
     assert [d.type for d in done] == ["reasoning", "message"] and done[0].content[0].text == thought
     final = events[-1].response
     assert kinds[-1] == "response.completed" and [o.type for o in final.output] == ["reasoning", "message"]
+    # The message's logprobs are its own tokens', not the reasoning's: streamed and whole, they spell its text (the
+    # whole one's with the EOS that ended it).
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert "".join(streamed) == text
+    assert "".join(lp.token for lp in whole.output[1].content[0].logprobs) == text + "<|im_end|>"
 
 
 def test_responses_a_function_call_after_the_reasoning(served: Served) -> None:

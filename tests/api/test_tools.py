@@ -419,6 +419,22 @@ def test_parse_qwen3_coder_xml_calls() -> None:
     assert json.loads(parse_tool_calls(XML_CALLS)[1][0].arguments)["line"] == "12"
     odd = "<tool_call><function=edit><parameter=line>twelve</parameter></function></tool_call>"
     assert json.loads(parse_tool_calls(odd, types)[1][0].arguments) == {"line": "twelve"}
+    # Values that would not write as JSON (NaN, a Python set, a scalar where an array is wanted) stay text; Python's
+    # type names are read as JSON Schema's; two functions in one block are two calls.
+    odd_values = (
+        "<tool_call><function=edit><parameter=scale>nan</parameter><parameter=tags>{1, 2}</parameter>"
+        "<parameter=options>5</parameter></function><function=get_weather><parameter=city>Rome</parameter>"
+        "</function></tool_call>"
+    )
+    content, calls = parse_tool_calls(odd_values, types)
+    assert [json.loads(c.arguments) for c in calls] == [
+        {"scale": "nan", "tags": "{1, 2}", "options": "5"},
+        {"city": "Rome"},
+    ]
+    python_names = parameter_types([{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"n": {"type": "int"}, "ok": {"type": "bool"}}}}}])  # fmt: skip
+    plain = "<tool_call><function=f><parameter=n>3</parameter><parameter=ok>True</parameter></function></tool_call>"
+    assert json.loads(parse_tool_calls(plain, python_names)[1][0].arguments) == {"n": 3, "ok": True}
     # A block that is neither JSON nor XML is no call.
     assert parse_tool_calls("<tool_call>not json</tool_call>", types) == ("<tool_call>not json</tool_call>", [])
 

@@ -345,6 +345,11 @@ def test_qwen3_moe_reads_its_router_and_stacked_experts(tmp_path: Path, qtype: G
     write_tiny_gguf(tmp_path / "no-experts.gguf", arch="qwen3moe", skip=("blk.0.ffn_up_exps.weight",))
     with pytest.raises(ValueError, match="up_proj"):
         load_gguf(tmp_path / "no-experts.gguf")
+    # A llama file with experts (Mixtral's GGUF layout) is refused as such, not as a file missing its MLP.
+    router = np.zeros((4, 64), dtype=np.float32)
+    write_tiny_gguf(tmp_path / "mixtral.gguf", extra_tensors={"blk.0.ffn_gate_inp.weight": router})
+    with pytest.raises(ValueError, match="mixture of experts"):
+        load_gguf(tmp_path / "mixtral.gguf")
 
 
 def test_bfloat16_dtype(tmp_path: Path) -> None:

@@ -1,0 +1,109 @@
+"""The mixture of experts on its own: the grouped computation against a token-by-token one, on PyTorch and on the
+packed native kernels, and the checkpoint's three layouts (per-expert names, Mixtral's names, transformers 5's stacked
+tensors) loading the same weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from boundless.model import cpu_kernels
+from boundless.model.arch import ModelArch
+from boundless.model.llama import LlamaModel
+from boundless.model.moe import SparseMoE
+from boundless.model.random_model import TinySpec, random_weights
+
+
+def _arch(kind: str = "qwen3_moe", norm_topk_prob: bool = True) -> ModelArch:
+    return ModelArch(
+        model_type=kind, vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=12, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
+        tie_word_embeddings=True, qk_norm=kind == "qwen3_moe", num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=40, norm_topk_prob=norm_topk_prob, sparse_layers=(0, 1),
+    )  # fmt: skip
+
+
+def _one_token_at_a_time(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token through each of its experts, as the model's definition reads."""
+    out = torch.zeros_like(x)
+    experts, weights = moe.route(x)
+    for t in range(x.shape[0]):
+        for k in range(moe.top_k):
+            e = int(experts[t, k])
+            gate, up = F.linear(x[t], moe.gate_up[e]).chunk(2)
+            out[t] += weights[t, k] * F.linear(F.silu(gate) * up, moe.down[e])
+    return out
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_grouped_experts_equal_a_token_at_a_time(norm_topk_prob: bool, tokens: int) -> None:
+    torch.manual_seed(tokens)
+    moe = SparseMoE(_arch(norm_topk_prob=norm_topk_prob))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+        x = torch.randn(tokens, 48)
+        expected = _one_token_at_a_time(moe, x)
+        torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-5)
+        _, weights = moe.route(x)
+        assert torch.allclose(weights.sum(-1), torch.ones(tokens)) == norm_topk_prob
+        if cpu_kernels.available():  # each expert packed for the native kernels, as the native path has them
+            packed = [
+                (cpu_kernels.PackedWeight(gu.contiguous(), glu=True), cpu_kernels.PackedWeight(d.contiguous()))
+                for gu, d in zip(moe.gate_up, moe.down, strict=True)
+            ]
+            torch.testing.assert_close(moe(x, packed), expected, rtol=1e-4, atol=1e-4)
+
+
+def _stacked(weights: dict[str, torch.Tensor], block: str, names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
+    """The same weights as transformers 5 saves them: each layer's experts in two stacked tensors under ``mlp``."""
+    down = names[2]
+    out, layers = {}, set()
+    for name, tensor in weights.items():
+        if f".{block}.experts." in name:
+            layers.add(name.split(f".{block}.")[0])
+        else:
+            out[name.replace(f".{block}.", ".mlp.")] = tensor
+    for layer in layers:
+        count = sum(1 for n in weights if n.startswith(f"{layer}.{block}.experts.") and n.endswith(f".{down}.weight"))
+        experts = [[weights[f"{layer}.{block}.experts.{e}.{m}.weight"] for m in names] for e in range(count)]
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in experts])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([d for _, _, d in experts])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "block", "names"),
+    [("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")), ("mixtral", "block_sparse_moe", ("w1", "w3", "w2"))],
+)
+def test_per_expert_and_stacked_checkpoints_load_the_same(kind: str, block: str, names: tuple[str, str, str]) -> None:
+    spec = TinySpec(kind=kind, num_layers=2, seed=5)
+    weights = dict(random_weights(spec))
+    arch = ModelArch.from_hf_config(
+        {"model_type": kind, "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+         "intermediate_size": spec.moe_intermediate_size if kind == "mixtral" else spec.intermediate_size,
+         "num_hidden_layers": 2, "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+         "num_experts": spec.num_experts, "num_local_experts": spec.num_experts,
+         "num_experts_per_tok": spec.num_experts_per_tok, "moe_intermediate_size": spec.moe_intermediate_size,
+         "norm_topk_prob": True}
+    )  # fmt: skip
+    assert arch.sparse_layers == (0, 1) and arch.norm_topk_prob
+    per_expert, stacked = LlamaModel(arch), LlamaModel(arch)
+    per_expert.load_weights(weights.items())
+    stacked.load_weights(_stacked(weights, block, names).items())
+    for (name, a), (_, b) in zip(per_expert.named_parameters(), stacked.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    gate, up, _ = names
+    assert torch.equal(
+        per_expert.layers[1].moe.gate_up[3], torch.cat([weights[f"model.layers.1.{block}.experts.3.{m}.weight"]
+                                                          for m in (gate, up)])
+    )  # fmt: skip
+    # A missing expert is named.
+    incomplete = {n: t for n, t in weights.items() if n != f"model.layers.0.{block}.experts.2.{names[2]}.weight"}
+    with pytest.raises(ValueError, match=f"experts.2.{names[2]}"):
+        LlamaModel(arch).load_weights(incomplete.items())
+    assert dataclasses.replace(arch, num_experts=0, sparse_layers=()).fingerprint() != arch.fingerprint()
