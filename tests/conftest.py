@@ -51,6 +51,8 @@ TINY_SPECS = {
     ),
     # Mixtral: Mistral with 8 experts (2 a token) in every layer, under their own names (w1, w3, w2).
     "tiny-mixtral": TinySpec(kind="mixtral", num_heads=4, num_kv_heads=2, seed=4),
+    # Phi-3 (Phi-4): q/k/v and gate/up fused in the checkpoint itself.
+    "tiny-phi3": TinySpec(kind="phi3", num_heads=4, num_kv_heads=2, seed=6),
 }
 
 

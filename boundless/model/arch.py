@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ModelArch:
     RMSNorm over each query and key head before RoPE (``qk_norm``) and no biases, Qwen3-MoE from Qwen3 by a sparse
     mixture of experts in place of the MLP of its ``sparse_layers`` (``num_experts``, each token's
     ``num_experts_per_tok``, each expert's ``moe_intermediate_size``; ``model/moe.py``), and Mixtral from Mistral the
-    same way in every layer.
+    same way in every layer. Phi-3 (Phi-4) is a Llama whose checkpoint fuses q/k/v and gate/up as this model does.
     """
 
     model_type: str
@@ -94,6 +94,8 @@ class ModelArch:
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
         if kind not in ("default", "linear", "llama3"):
             raise ValueError(f"unsupported rope scaling type {kind!r}")
+        if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+            raise ValueError("RoPE on part of each head (partial_rotary_factor) is not supported")
         scaling = RopeScaling(
             kind=kind,
             factor=float(rope.get("factor", 1.0)),
@@ -103,7 +105,7 @@ class ModelArch:
         )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral"))
+        use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3"))
         num_layers = cfg["num_hidden_layers"]
         experts = {"qwen3_moe": int(cfg.get("num_experts") or 0), "mixtral": int(cfg.get("num_local_experts") or 0)}
         experts = experts.get(model_type, 0)

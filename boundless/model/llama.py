@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, SmolLM2) in our own PyTorch modules.
+"""A Llama-family decoder (Llama 2/3, Mistral, Mixtral, Phi-3, Qwen2, Qwen3, Qwen3-MoE, SmolLM2) in our own PyTorch
+modules.
 
 The model takes a flat batch: every token of every sequence in one dimension, with its position,
 and an attention context prepared once per step. It never sees padding. Weights load from Hugging
@@ -95,6 +96,10 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+# Checkpoint matrices that are already this model's fused ones (Phi-3's), by module name.
+_FUSED = {"qkv_proj": "qkv_weight", "gate_up_proj": "gate_up_weight"}
 
 
 class _Workspace(threading.local):
@@ -542,6 +547,8 @@ class LlamaModel(nn.Module):
             found = layer.moe.target(".".join(parts[4:]))
             return (None, None) if found is None else found
         module, leaf = parts[-2], parts[-1]
+        if module in _FUSED:  # Phi-3's checkpoint fuses them as this model does
+            return getattr(layer, _FUSED[module]), None
         if module in offsets:
             start, size = offsets[module]
             if leaf == "weight":
@@ -563,7 +570,8 @@ class LlamaModel(nn.Module):
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if self.lm_head is not None:
             names.add("lm_head.weight")
-        projections = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        phi3 = self.arch.model_type == "phi3"
+        projections = ["qkv_proj", "o_proj"] if phi3 else ["q_proj", "k_proj", "v_proj", "o_proj"]
         for i in range(self.arch.num_layers):
             p = f"model.layers.{i}."
             names.update(p + f"self_attn.{m}.weight" for m in projections)
@@ -573,7 +581,8 @@ class LlamaModel(nn.Module):
             if moe is not None:
                 names.update(f"{p}{moe.block}.{n}" for n in moe.expected_names())
             else:
-                names.update(p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj"))
+                mlp = ("gate_up_proj", "down_proj") if phi3 else ("gate_proj", "up_proj", "down_proj")
+                names.update(p + f"mlp.{m}.weight" for m in mlp)
             names.update(p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight"))
             if self.arch.qk_norm:
                 names.update(p + f"self_attn.{m}.weight" for m in ("q_norm", "k_norm"))

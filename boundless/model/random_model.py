@@ -35,11 +35,11 @@ _CORPUS = [
 
 @dataclass(frozen=True)
 class TinySpec:
-    """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral or mixtral. ``head_dim``: by
-    default ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size). A qwen3_moe
-    model's layers are sparse (``num_experts`` experts of ``moe_intermediate_size``, ``num_experts_per_tok`` a
-    token), but for ``mlp_only_layers``; a mixtral model's are all sparse, its experts ``moe_intermediate_size`` wide
-    too."""
+    """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral, mixtral or phi3. ``head_dim``:
+    by default ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size). A
+    qwen3_moe model's layers are sparse (``num_experts`` experts of ``moe_intermediate_size``,
+    ``num_experts_per_tok`` a token), but for ``mlp_only_layers``; a mixtral model's are all sparse, its experts
+    ``moe_intermediate_size`` wide too."""
 
     kind: str = "llama"
     vocab_size: int = 384
@@ -85,6 +85,7 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -128,8 +129,10 @@ def _config(spec: TinySpec) -> dict:
             mlp_only_layers=list(spec.mlp_only_layers),
             output_router_logits=False,
         )
-    if spec.kind in ("mistral", "mixtral"):
+    if spec.kind in ("mistral", "mixtral", "phi3"):
         cfg["sliding_window"] = None
+    if spec.kind == "phi3":
+        cfg["pad_token_id"] = 0  # (Phi-3's default, 32000, is past a small vocabulary)
     if spec.kind == "mixtral":  # (its intermediate_size is each expert's)
         cfg.update(
             intermediate_size=spec.moe_intermediate_size,
@@ -161,9 +164,12 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
         yield "lm_head.weight", rand(spec.vocab_size, h)
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}."
-        yield p + "self_attn.q_proj.weight", rand(q, h)
-        yield p + "self_attn.k_proj.weight", rand(kv, h)
-        yield p + "self_attn.v_proj.weight", rand(kv, h)
+        if spec.kind == "phi3":  # q/k/v in one matrix, as are gate/up below
+            yield p + "self_attn.qkv_proj.weight", torch.cat([rand(q, h), rand(kv, h), rand(kv, h)])
+        else:
+            yield p + "self_attn.q_proj.weight", rand(q, h)
+            yield p + "self_attn.k_proj.weight", rand(kv, h)
+            yield p + "self_attn.v_proj.weight", rand(kv, h)
         yield p + "self_attn.o_proj.weight", rand(h, q)
         if spec.kind == "qwen2":
             yield p + "self_attn.q_proj.bias", rand(q)
@@ -186,6 +192,9 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
                 yield p + f"block_sparse_moe.experts.{e}.w1.weight", rand(m, h)
                 yield p + f"block_sparse_moe.experts.{e}.w3.weight", rand(m, h)
                 yield p + f"block_sparse_moe.experts.{e}.w2.weight", rand(h, m)
+        elif spec.kind == "phi3":
+            yield p + "mlp.gate_up_proj.weight", torch.cat([rand(i, h), rand(i, h)])
+            yield p + "mlp.down_proj.weight", rand(h, i)
         else:
             yield p + "mlp.gate_proj.weight", rand(i, h)
             yield p + "mlp.up_proj.weight", rand(i, h)

@@ -144,12 +144,14 @@ GREEDY_PARAMS = [
 ]
 
 
-def test_mixtral_greedy_matches_transformers(
-    load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-phi3"])
+def test_more_architectures_greedy_match_transformers(
+    name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
-    """Mixtral's experts (the same mixture as Qwen3-MoE's, under their own names, every layer sparse), in one batch
-    with prefix caching; the other configurations run on tiny-qwen3-moe."""
-    ref = _reference("tiny-mixtral", load, hf_model)
+    """Mixtral (the same mixture of experts as Qwen3-MoE's, under its own names, in every layer) and Phi-3 (a Llama
+    whose checkpoint fuses q/k/v and gate/up), in one batch with prefix caching; the other configurations run on the
+    architectures above."""
+    ref = _reference(name, load, hf_model)
     assert _run_greedy(_engine(ref.loaded), ref.prompts) == ref.tokens
 
 
