@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from boundless.api.reasoning import REASONING_PARSERS
+from boundless.api.tool_calls import TOOL_CALL_PARSERS
 from boundless.model.lora import LoRAError, LoRAModule
 from boundless.programs.registry import POLICIES
 
@@ -467,6 +468,20 @@ class ServerConfig:
             "reasoning, apart from its content (vLLM's flag)"
         },
     )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata={
+            "help": "read tool calls in this shape only (vLLM's names): hermes (JSON in <tool_call> tags), qwen3_coder "
+            "or qwen3_xml (Qwen3-Coder's XML in them), llama3_json (bare JSON); without it, all of them"
+        },
+    )
+    enable_auto_tool_choice: bool = field(
+        default=False,
+        metadata={
+            "help": "vLLM's flag, accepted so its command lines run: here tool calls are read whenever a request "
+            "sends tools and tool_choice is not none"
+        },
+    )
     structured_outputs_in_reasoning: bool = field(
         default=False,
         metadata={
@@ -481,12 +496,18 @@ class ServerConfig:
         _require(self.max_body_mb > 0, "max_body_mb", "must be positive")
         _require(self.max_stored_responses >= 0, "max_stored_responses", "must not be negative")
         _require(
+            self.tool_call_parser in (None, *TOOL_CALL_PARSER_NAMES),
+            "tool_call_parser",
+            f"must be one of {', '.join(TOOL_CALL_PARSER_NAMES)}",
+        )
+        _require(
             self.reasoning_parser in (None, *REASONING_PARSERS),
             "reasoning_parser",
             f"must be one of {', '.join(REASONING_PARSERS)}",
         )
 
 
+TOOL_CALL_PARSER_NAMES = tuple(TOOL_CALL_PARSERS)
 ROUTINGS = ("locality", "least-loaded", "round-robin")
 KV_PATHS = ("basic", "dualpath", "oracle")
 KV_TRANSPORTS = ("shm", "nixl", "mooncake")

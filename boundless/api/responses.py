@@ -549,7 +549,7 @@ class ResponsesAPI:
         yield event("response.in_progress", response=self._envelope(call, "in_progress", []))
         choice = Choice(0)
         # Read for function calls, the text streams until a call may have begun (ContentStream), as chat's does.
-        content = ContentStream() if call.tools_used else None
+        content = ContentStream(self._tool_use(call).formats) if call.tools_used else None
         thoughts = call.reasoning.stream() if call.reasoning is not None else None
         thought_at = {"item_id": call.reasoning_id, "output_index": 0, "content_index": 0}
         thought, thought_closed = "", False
@@ -635,10 +635,13 @@ class ResponsesAPI:
             yield event("response.output_item.done", output_index=index, item=item)
         yield event(f"response.{final['status']}", response=final)  # completed, or incomplete
 
-    @staticmethod
-    def _calls_of(call: _Call) -> CallParser:
+    def _tool_use(self, call: _Call) -> ToolUse:
         tools = [t.model_dump(exclude_none=True) for t in call.chat.tools or ()]
-        return ToolUse(True, call.body.parallel_tool_calls, parameter_types(tools)).calls
+        forced = call.body.tool_choice == "required" or isinstance(call.body.tool_choice, FunctionChoice)
+        return ToolUse(True, call.body.parallel_tool_calls, parameter_types(tools), self.server.call_formats(forced))
+
+    def _calls_of(self, call: _Call) -> CallParser:
+        return self._tool_use(call).calls
 
 
 _EMPTY_TEXT = {"type": "output_text", "text": "", "annotations": []}

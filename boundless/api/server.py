@@ -37,6 +37,10 @@ from boundless.api.schemas import (
     message_text,
 )
 from boundless.api.tool_calls import (
+    ALL_FORMATS,
+    BARE_JSON,
+    TOOL_CALL_PARSERS,
+    CallFormats,
     CallStream,
     ContentStream,
     ParameterTypes,
@@ -197,15 +201,17 @@ def sampling_params(
 
 @dataclass(frozen=True)
 class ToolUse:
-    """Whether a chat's output is read for tool calls, whether it may make several (``parallel_tool_calls``), and
-    the tools' parameter schemas (``types``, for calls whose values are text: Qwen3-Coder's)."""
+    """Whether a chat's output is read for tool calls, whether it may make several (``parallel_tool_calls``), the
+    tools' parameter schemas (``types``, for calls whose values are text: Qwen3-Coder's), and the shapes of call read
+    (``formats``: ``--tool-call-parser``'s, and bare JSON when a forced call's grammar writes it)."""
 
     used: bool
     parallel: bool = True
     types: ParameterTypes = field(default_factory=dict)
+    formats: CallFormats = ALL_FORMATS
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        content, calls = parse_tool_calls(text, self.types)
+        content, calls = parse_tool_calls(text, self.types, self.formats)
         return content, calls if self.parallel else calls[:1]
 
 
@@ -401,6 +407,13 @@ class OpenAIServer:
             kwargs.setdefault("reasoning_effort", body.reasoning_effort)
         return kwargs
 
+    def call_formats(self, forced: bool) -> CallFormats:
+        """The shapes of call an output is read for: ``--tool-call-parser``'s (all without it), and bare JSON when a
+        forced call's grammar writes the output."""
+        parser = self.config.tool_call_parser
+        formats = ALL_FORMATS if parser is None else TOOL_CALL_PARSERS[parser]
+        return formats | {BARE_JSON} if forced else formats
+
     def _prompt_tail(self, prompt: list[int]) -> str:
         return self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
 
@@ -432,6 +445,7 @@ class OpenAIServer:
             bool(body.tools) and body.tool_choice != "none",
             body.parallel_tool_calls,
             parameter_types([t.model_dump(exclude_none=True) for t in body.tools or ()]),
+            self.call_formats(forced=_forced_calls(body) is not None),
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
@@ -536,7 +550,7 @@ class OpenAIServer:
         # from there the calls stream as they are written (CallStream: a call's id and name, then its arguments).
         # With a reasoning parser, the reasoning streams first as it is written (ReasoningStream), and only the
         # answer after it is content, read for calls.
-        contents = [ContentStream() for _ in choices] if tools.used else []
+        contents = [ContentStream(tools.formats) for _ in choices] if tools.used else []
         call_streams = [CallStream(tools.parallel) for _ in choices] if tools.used else []
         thoughts = [reasoning.stream() for _ in choices] if reasoning is not None else []
         pending: list[list[SampledToken]] = [[] for _ in choices]

@@ -35,6 +35,18 @@ _TYPE_ALIASES = {"int": "integer", "float": "number", "double": "number", "bool"
 # Each tool's parameters' schemas (function name -> parameter name -> schema): how an XML call's values are read.
 ParameterTypes = dict[str, dict[str, Any]]
 
+# The shapes of calls in an output: JSON in <tool_call> blocks, XML in them, and bare JSON.
+TAGGED_JSON, TAGGED_XML, BARE_JSON = "tagged-json", "tagged-xml", "bare-json"
+CallFormats = frozenset[str]
+ALL_FORMATS: CallFormats = frozenset({TAGGED_JSON, TAGGED_XML, BARE_JSON})
+# vLLM's --tool-call-parser names -> the shapes each reads (without the flag, all of them).
+TOOL_CALL_PARSERS: dict[str, CallFormats] = {
+    "hermes": frozenset({TAGGED_JSON}),
+    "qwen3_coder": frozenset({TAGGED_XML}),
+    "qwen3_xml": frozenset({TAGGED_XML}),
+    "llama3_json": frozenset({BARE_JSON}),
+}
+
 
 def parameter_types(tools: list[dict[str, Any]] | None) -> ParameterTypes:
     """The parameter schemas of ``tools`` as a chat request sends them (``{"type": "function", "function": {...}}``)."""
@@ -138,17 +150,21 @@ def _xml_calls(block: str, types: ParameterTypes) -> list[ToolCall]:
     return calls
 
 
-def parse_tool_calls(text: str, types: ParameterTypes | None = None) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(
+    text: str, types: ParameterTypes | None = None, formats: CallFormats = ALL_FORMATS
+) -> tuple[str | None, list[ToolCall]]:
     """Split model output into (remaining content or None, tool calls). ``types``: the tools' parameter schemas, for
-    Qwen3-Coder's XML calls."""
-    tagged = _TAGGED.findall(text)
+    Qwen3-Coder's XML calls; ``formats``: the shapes of call read (``--tool-call-parser``)."""
+    tagged = _TAGGED.findall(text) if formats & {TAGGED_JSON, TAGGED_XML} else []
     if tagged:
         calls = []
         for block in tagged:
             try:
-                obj = json.loads(block)
+                obj = json.loads(block) if TAGGED_JSON in formats else None
             except json.JSONDecodeError:
-                calls += _xml_calls(block, types or {})
+                obj = None
+            if obj is None:
+                calls += _xml_calls(block, types or {}) if TAGGED_XML in formats else []
                 continue
             spans = scan_calls(block)
             call = _as_call(obj, block, spans[0] if spans else None)
@@ -159,7 +175,7 @@ def parse_tool_calls(text: str, types: ParameterTypes | None = None) -> tuple[st
             return (rest or None), calls
         return text, []
     stripped = text.strip()
-    if stripped.startswith(("{", "[")):
+    if BARE_JSON in formats and stripped.startswith(("{", "[")):
         try:
             obj = json.loads(stripped)
         except json.JSONDecodeError:
@@ -183,9 +199,11 @@ class ContentStream:
     out at once; from a Hermes ``<tool_call>`` tag on (held back while the text ends in part of one), or an output that
     opens with JSON (a bare call, Llama 3.1's), the rest waits for the parser at the end (:meth:`finish`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, formats: CallFormats = ALL_FORMATS) -> None:
         self.sent = 0  # characters of the output sent as content
         self.held = False  # a call has begun, or may have: nothing more is sent before the end
+        self.bare = BARE_JSON in formats  # an output that opens with JSON may be a call
+        self.tagged = bool(formats & {TAGGED_JSON, TAGGED_XML})  # a <tool_call> tag begins one
 
     def feed(self, text: str) -> str:
         """The output so far (``text``) -> the content to send now."""
@@ -195,14 +213,14 @@ class ContentStream:
             head = text.lstrip()
             if not head:
                 return ""
-            if head[0] in "{[":
+            if self.bare and head[0] in "{[":
                 self.held = True
                 return ""
-        tag = text.find(TOOL_CALL_TAG, max(self.sent - len(TOOL_CALL_TAG) + 1, 0))
+        tag = text.find(TOOL_CALL_TAG, max(self.sent - len(TOOL_CALL_TAG) + 1, 0)) if self.tagged else -1
         if tag >= 0:
             self.held, end = True, tag
         else:
-            end = len(text) - _partial_tag(text)
+            end = len(text) - (_partial_tag(text) if self.tagged else 0)
         piece = text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return piece

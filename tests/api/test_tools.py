@@ -13,6 +13,11 @@ from served_models import Served, serve_hermes
 
 from boundless.api.call_scanner import CallScanner, scan_calls
 from boundless.api.tool_calls import (
+    ALL_FORMATS,
+    BARE_JSON,
+    TAGGED_JSON,
+    TAGGED_XML,
+    TOOL_CALL_PARSERS,
     CallStream,
     ContentStream,
     ToolCall,
@@ -21,6 +26,7 @@ from boundless.api.tool_calls import (
     parse_tool_calls,
     template_messages,
 )
+from boundless.config import ServerConfig
 
 WEATHER = {
     "type": "function",
@@ -475,3 +481,58 @@ def test_served_xml_calls_with_their_types(hermes: Served) -> None:
     deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
     assert [(name, args) for _, name, args in _calls_of(deltas)] == [("edit", call.function.arguments)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+# -- --tool-call-parser -----------------------------------------------------------------------------------------------
+
+HERMES = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+XML = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+BARE = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize(
+    ("parser", "read"),
+    [(None, {HERMES, XML, BARE}), ("hermes", {HERMES}), ("qwen3_coder", {XML}), ("llama3_json", {BARE})],
+)
+def test_a_tool_call_parser_reads_its_shape_only(parser: str | None, read: set[str]) -> None:
+    formats = ALL_FORMATS if parser is None else TOOL_CALL_PARSERS[parser]
+    for text in (HERMES, XML, BARE):
+        content, calls = parse_tool_calls(text, {}, formats)
+        assert (text in read) == bool(calls) and (content is None if calls else content == text), (parser, text)
+        # Streamed, an output is held from where a call of a shape read could begin (a tag, when a tagged shape is
+        # read, whatever the block holds), and what is not a call comes as content in the end.
+        stream = ContentStream(formats)
+        sent = "".join(stream.feed(text[:end]) for end in range(1, len(text) + 1))
+        could_begin = TAGGED_JSON in formats or TAGGED_XML in formats if text != BARE else BARE_JSON in formats
+        assert stream.held == could_begin and (sent == "" if could_begin else sent == text)
+        rest, calls = stream.finish(text, lambda t: parse_tool_calls(t, {}, formats))
+        assert (sent + rest == text) == (not calls)
+
+
+@pytest.fixture(scope="module")
+def hermes_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serve_hermes(
+        tmp_path_factory.mktemp("hermes-only"), server_config=ServerConfig(tool_call_parser="hermes")
+    ) as s:
+        yield s
+
+
+def test_served_with_a_tool_call_parser(hermes_only: Served) -> None:
+    """``--tool-call-parser hermes``: an XML call is the answer's text, not a call; a forced call (its grammar writes
+    bare JSON) is still read."""
+    asked = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}
+    xml = XML.replace("\n", "\\n")
+    reply = hermes_only.client.chat.completions.create(
+        **asked, max_tokens=200, temperature=0, extra_body={"structured_outputs": {"regex": xml}}
+    )
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content == XML
+    forced = hermes_only.client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Units?"}],
+        tools=[UNITS],
+        max_tokens=600,  # (a schema of enums and booleans, and room for the blanks a random model writes)
+        temperature=0,
+        tool_choice="required",
+    )
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert forced.choices[0].message.tool_calls[0].function.name == "set_units"
