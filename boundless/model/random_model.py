@@ -89,6 +89,13 @@ _ARCHITECTURES = {
 }
 
 
+# A mixture of experts' checkpoint names: its block, and each expert's gate, up and down matrices.
+_EXPERT_NAMES = {
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+}
+
+
 def _head_dim(spec: TinySpec) -> int:
     return spec.head_dim or spec.hidden_size // spec.num_heads
 
@@ -178,20 +185,14 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
         if spec.kind in ("qwen3", "qwen3_moe"):
             yield p + "self_attn.q_norm.weight", norm(head_dim)
             yield p + "self_attn.k_norm.weight", norm(head_dim)
-        if spec.kind == "qwen3_moe" and layer not in spec.mlp_only_layers:
+        if spec.kind in _EXPERT_NAMES and layer not in spec.mlp_only_layers:
+            block, gate, up, down = _EXPERT_NAMES[spec.kind]
             m = spec.moe_intermediate_size
-            yield p + "mlp.gate.weight", rand(spec.num_experts, h)
+            yield p + f"{block}.gate.weight", rand(spec.num_experts, h)
             for e in range(spec.num_experts):
-                yield p + f"mlp.experts.{e}.gate_proj.weight", rand(m, h)
-                yield p + f"mlp.experts.{e}.up_proj.weight", rand(m, h)
-                yield p + f"mlp.experts.{e}.down_proj.weight", rand(h, m)
-        elif spec.kind == "mixtral":
-            m = spec.moe_intermediate_size
-            yield p + "block_sparse_moe.gate.weight", rand(spec.num_experts, h)
-            for e in range(spec.num_experts):
-                yield p + f"block_sparse_moe.experts.{e}.w1.weight", rand(m, h)
-                yield p + f"block_sparse_moe.experts.{e}.w3.weight", rand(m, h)
-                yield p + f"block_sparse_moe.experts.{e}.w2.weight", rand(h, m)
+                yield p + f"{block}.experts.{e}.{gate}.weight", rand(m, h)
+                yield p + f"{block}.experts.{e}.{up}.weight", rand(m, h)
+                yield p + f"{block}.experts.{e}.{down}.weight", rand(h, m)
         elif spec.kind == "phi3":
             yield p + "mlp.gate_up_proj.weight", torch.cat([rand(i, h), rand(i, h)])
             yield p + "mlp.down_proj.weight", rand(h, i)
