@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from boundless.api.tool_calls import partial_tag
+
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
@@ -81,16 +83,8 @@ class ReasoningParser:
             return text[begin:end], text[end + len(self.end) :], True
         body = text[begin:]
         if not final:
-            body = body[: len(body) - _partial_tag(body, self.end)]
+            body = body[: len(body) - partial_tag(body, self.end)]
         return body, "", True
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (shorter than ``tag``)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ReasoningStream:

@@ -174,6 +174,11 @@ def parse_tool_calls(
             rest = _TAGGED.sub("", text).strip()
             return (rest or None), calls
         return text, []
+    if TAGGED_XML in formats and (at := text.find(XML_FUNCTION_TAG)) >= 0:
+        # Qwen3-Coder's calls without their block's tags (or without the closing one)
+        calls = _xml_calls(text[at:], types or {})
+        if calls:
+            return (_content_before_calls(text).strip() or None), calls
     stripped = text.strip()
     if BARE_JSON in formats and stripped.startswith(("{", "[")):
         try:
@@ -190,6 +195,7 @@ def parse_tool_calls(
 
 
 TOOL_CALL_TAG = "<tool_call>"
+XML_FUNCTION_TAG = "<function="
 # Output text -> (its content, or None when it is calls alone; the calls in it).
 CallParser = Callable[[str], tuple[str | None, list[ToolCall]]]
 
@@ -203,7 +209,10 @@ class ContentStream:
         self.sent = 0  # characters of the output sent as content
         self.held = False  # a call has begun, or may have: nothing more is sent before the end
         self.bare = BARE_JSON in formats  # an output that opens with JSON may be a call
-        self.tagged = bool(formats & {TAGGED_JSON, TAGGED_XML})  # a <tool_call> tag begins one
+        # The tags that begin one: <tool_call>, and <function= (Qwen3-Coder's call without its block's tag).
+        self.tags = ([TOOL_CALL_TAG] if formats & {TAGGED_JSON, TAGGED_XML} else []) + (
+            [XML_FUNCTION_TAG] if TAGGED_XML in formats else []
+        )
 
     def feed(self, text: str) -> str:
         """The output so far (``text``) -> the content to send now."""
@@ -216,11 +225,11 @@ class ContentStream:
             if self.bare and head[0] in "{[":
                 self.held = True
                 return ""
-        tag = text.find(TOOL_CALL_TAG, max(self.sent - len(TOOL_CALL_TAG) + 1, 0)) if self.tagged else -1
-        if tag >= 0:
-            self.held, end = True, tag
+        found = [at for t in self.tags if (at := text.find(t, max(self.sent - len(t) + 1, 0))) >= 0]
+        if found:
+            self.held, end = True, min(found)
         else:
-            end = len(text) - (_partial_tag(text) if self.tagged else 0)
+            end = len(text) - max((partial_tag(text, t) for t in self.tags), default=0)
         piece = text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return piece
@@ -233,7 +242,7 @@ class ContentStream:
             return text[self.sent :], []
         if not self.sent:
             return content or "", calls
-        return _TAGGED.sub("", text)[self.sent :].rstrip(), calls
+        return _content_before_calls(text)[self.sent :].rstrip(), calls
 
 
 class CallStream:
@@ -312,10 +321,17 @@ class CallStream:
         return deltas
 
 
-def _partial_tag(text: str) -> int:
-    """Characters at the end of ``text`` that begin a tool-call tag (0: none)."""
-    for k in range(min(len(TOOL_CALL_TAG) - 1, len(text)), 0, -1):
-        if text.endswith(TOOL_CALL_TAG[:k]):
+def _content_before_calls(text: str) -> str:
+    """An output that holds calls without its tagged blocks, and cut where an untagged XML call begins."""
+    text = _TAGGED.sub("", text)
+    at = text.find(XML_FUNCTION_TAG)
+    return text if at < 0 else text[:at].rstrip().removesuffix(TOOL_CALL_TAG)
+
+
+def partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (shorter than ``tag``; 0: none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
             return k
     return 0
 

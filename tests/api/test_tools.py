@@ -536,3 +536,24 @@ def test_served_with_a_tool_call_parser(hermes_only: Served) -> None:
     )
     assert forced.choices[0].finish_reason == "tool_calls"
     assert forced.choices[0].message.tool_calls[0].function.name == "set_units"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Checking.\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>",  # no block tags
+        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>",  # no end
+    ],
+)
+def test_xml_calls_without_their_block_tags(text: str) -> None:
+    """Qwen3-Coder sometimes drops the ``<tool_call>`` tags around its call: the call is still read, streamed and
+    not, and the text before it is the content; a parser of JSON shapes only leaves it as text."""
+    content, calls = parse_tool_calls(text, parameter_types([WEATHER]))
+    assert content == "Checking." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    stream = ContentStream()
+    sent = "".join(stream.feed(text[:end]) for end in range(1, len(text) + 1))
+    rest, streamed = stream.finish(text, lambda t: parse_tool_calls(t, parameter_types([WEATHER])))
+    assert (sent + rest).strip() == "Checking." and [c.arguments for c in streamed] == [c.arguments for c in calls]
+    assert parse_tool_calls(text, {}, TOOL_CALL_PARSERS["hermes"]) == (text, [])
