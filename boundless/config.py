@@ -468,6 +468,14 @@ class ServerConfig:
             "reasoning, apart from its content (vLLM's flag)"
         },
     )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: a request's omitted sampling parameters (temperature, top_p, top_k, min_p, "
+            "repetition_penalty, max_tokens) default to the model's generation_config.json, as vLLM's do; vllm: to "
+            "the API's own defaults"
+        },
+    )
     tool_call_parser: str | None = field(
         default=None,
         metadata={
@@ -495,6 +503,7 @@ class ServerConfig:
         _require(self.max_waiting > 0, "max_waiting", "must be positive")
         _require(self.max_body_mb > 0, "max_body_mb", "must be positive")
         _require(self.max_stored_responses >= 0, "max_stored_responses", "must not be negative")
+        _require(self.generation_config in ("auto", "vllm"), "generation_config", "must be auto or vllm")
         _require(
             self.tool_call_parser in (None, *TOOL_CALL_PARSER_NAMES),
             "tool_call_parser",

@@ -16,6 +16,7 @@ from boundless.api.server import EngineClient, build_app
 from boundless.config import ClusterConfig, EngineConfig, ServerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
+from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults, model_sampling_defaults
 from boundless.model.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,12 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
     engine = make_client(config, cluster or ClusterConfig(), server.max_waiting)
     name = server.served_model_name or config.model.model
     log.info("serving %s on http://%s:%d (context %d tokens)", name, server.host, server.port, engine.max_model_len)
-    app = build_app(engine, name, server, {m.name: m.path for m in config.model.loras})
+    defaults = model_sampling_defaults(config.model.model, server.generation_config)
+    if defaults.given():
+        log.info(
+            "requests' omitted sampling parameters default to the model's generation_config.json: %s", defaults.given()
+        )
+    app = build_app(engine, name, server, {m.name: m.path for m in config.model.loras}, defaults)
     try:
         uvicorn.run(
             app,
@@ -106,6 +112,10 @@ class ServerThread:
 
 
 def start_in_thread(
-    client: EngineClient, model_name: str, config: ServerConfig | None = None, loras: dict[str, str] | None = None
+    client: EngineClient,
+    model_name: str,
+    config: ServerConfig | None = None,
+    loras: dict[str, str] | None = None,
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> ServerThread:
-    return ServerThread(build_app(client, model_name, config, loras)).start()
+    return ServerThread(build_app(client, model_name, config, loras, defaults)).start()

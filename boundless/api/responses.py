@@ -320,7 +320,9 @@ class ResponsesAPI:
         logprobs = (body.top_logprobs or 0) if call.logprobs else None
         try:
             structured = server.after_reasoning(_structured(body, tools), call.prompt)
-            params = sampling_params(chat, chat.max_completion_tokens, logprobs, structured, lora=call.lora)
+            params = sampling_params(
+                chat, chat.max_completion_tokens, logprobs, structured, lora=call.lora, defaults=server.defaults
+            )
             await check_grammar(params)
             streams = server.submit_all(call.response_id, [call.prompt], params, call.program)
         except InvalidRequestError as e:  # name the field the client used for the limit

@@ -62,6 +62,7 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.structured_output import StructuredOutput, check_structured_output
+from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults
 from boundless.model.lora import LoRAError, LoRARequest
 from boundless.model.tokenizer import REASONING_FIELDS
 from boundless.programs.ref import ProgramRef
@@ -171,15 +172,22 @@ def sampling_params(
     structured: StructuredOutput | None,
     prompt_logprobs: int | None = None,
     lora: str | None = None,
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> SamplingParams:
+    """The engine's parameters for a request; what it leaves out is the model's default (``defaults``, from its
+    ``generation_config.json``), else the API's."""
+
+    def given(value: Any, default: Any, fallback: Any) -> Any:
+        return value if value is not None else (default if default is not None else fallback)
+
     stop = body.stop if isinstance(body.stop, list) else ([] if body.stop is None else [body.stop])
     return SamplingParams(
         n=body.n,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
+        temperature=given(body.temperature, defaults.temperature, 1.0),
+        top_p=given(body.top_p, defaults.top_p, 1.0),
+        top_k=given(body.top_k, defaults.top_k, 0),
         seed=body.seed,
-        max_tokens=max_tokens,
+        max_tokens=given(max_tokens, defaults.max_tokens, None),
         min_tokens=body.min_tokens,
         stop=tuple(stop),
         stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -190,8 +198,8 @@ def sampling_params(
         include_stop_str_in_output=body.include_stop_str_in_output,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        min_p=body.min_p or 0.0,
+        repetition_penalty=given(body.repetition_penalty, defaults.repetition_penalty, 1.0),
+        min_p=given(body.min_p, defaults.min_p, 0.0),
         logit_bias=tuple((int(t), b) for t, b in (body.logit_bias or {}).items()),
         structured=structured,
         lora_name=lora,
@@ -299,9 +307,15 @@ class OpenAIServer:
     """Routes bound to one engine client and one served model name."""
 
     def __init__(
-        self, client: EngineClient, model_name: str, config: ServerConfig, loras: dict[str, str] | None = None
+        self,
+        client: EngineClient,
+        model_name: str,
+        config: ServerConfig,
+        loras: dict[str, str] | None = None,
+        defaults: SamplingDefaults = NO_DEFAULTS,
     ) -> None:
         self.client = client
+        self.defaults = defaults  # the model's sampling defaults (generation_config.json), for what requests omit
         self.model_name = model_name
         self.loras = dict(loras or {})  # served LoRA adapters: name -> path (--lora-modules)
         # Ids for adapters loaded at run time, after those EngineCore.from_model gave --lora-modules (1, 2, ...).
@@ -451,7 +465,7 @@ class OpenAIServer:
         try:
             structured = self.after_reasoning(_forced_calls(body) or _structured(body), ids)
             prompt_logprobs = None if body.stream else body.prompt_logprobs  # (a stream has no place for them)
-            params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs, lora)
+            params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs, lora, self.defaults)
             await check_grammar(params)
             streams = self.submit_all(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used for the limit
@@ -637,7 +651,7 @@ class OpenAIServer:
         prompt_only = body.echo and body.max_tokens == 0
         max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)
         params = sampling_params(
-            body, max_tokens, body.logprobs, _structured(body), _prompt_logprobs_wanted(body), lora
+            body, max_tokens, body.logprobs, _structured(body), _prompt_logprobs_wanted(body), lora, self.defaults
         )
         await check_grammar(params)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -1028,13 +1042,17 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 
 def build_app(
-    client: EngineClient, model_name: str, config: ServerConfig | None = None, loras: dict[str, str] | None = None
+    client: EngineClient,
+    model_name: str,
+    config: ServerConfig | None = None,
+    loras: dict[str, str] | None = None,
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> ASGIApp:
     """The ASGI app; guards (body size, API key) wrap the routes. ``loras``: the LoRA adapters the engine loaded
-    (name -> path), served as models of their own."""
+    (name -> path), served as models of their own; ``defaults``: the model's sampling defaults."""
     config = config or ServerConfig()
     app = FastAPI(title="Boundless", version="0.1.0")
-    app.state.server = OpenAIServer(client, model_name, config, loras)
+    app.state.server = OpenAIServer(client, model_name, config, loras, defaults)
     # (Imported here: the Responses routes are built on this module's chat path.)
     from boundless.api.responses import ResponsesAPI, ResponseStore
     from boundless.api.responses import routes as responses_routes

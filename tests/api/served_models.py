@@ -15,6 +15,7 @@ from boundless.config import ServerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.llm import engine_config
+from boundless.model.generation_config import model_sampling_defaults
 from boundless.model.loader import LoadedModel, load_model
 from boundless.model.random_model import TinySpec, write_random_model
 
@@ -43,10 +44,13 @@ def serve_hermes(
     template: str = HERMES_TEMPLATE,
     server_config: ServerConfig | None = None,
     added_tokens: tuple[str, ...] = (),
+    generation_config: dict | None = None,
 ) -> Iterator[Served]:
     """A random model written to ``directory`` whose chat template takes tools (``template``, in which ``\\n`` stands
     for a newline), served until the block ends. ``added_tokens``: tokens of one id each in its vocabulary beside the
-    trained ones (not special: they stay in decoded text), as Qwen3's ``<think>`` and ``</think>`` are."""
+    trained ones (not special: they stay in decoded text), as Qwen3's ``<think>`` and ``</think>`` are.
+    ``generation_config``: the model's ``generation_config.json`` (its sampling defaults, which the server applies as
+    ``boundless serve`` does)."""
     root = write_random_model(directory / "m", TinySpec(vocab_size=384 + len(added_tokens)))
     if added_tokens:
         from tokenizers import AddedToken, Tokenizer
@@ -57,9 +61,12 @@ def serve_hermes(
     config = json.loads((root / "tokenizer_config.json").read_text())
     config["chat_template"] = template.replace("\\n", "\n")
     (root / "tokenizer_config.json").write_text(json.dumps(config))
+    if generation_config is not None:
+        (root / "generation_config.json").write_text(json.dumps(generation_config))
     loaded = load_model(str(root))
     engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
-    server = start_in_thread(engine, "tiny", server_config)
+    mode = (server_config or ServerConfig()).generation_config
+    server = start_in_thread(engine, "tiny", server_config, defaults=model_sampling_defaults(str(root), mode))
     try:
         yield Served(loaded, engine, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0))
     finally:

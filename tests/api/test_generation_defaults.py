@@ -1,0 +1,41 @@
+"""A model's sampling defaults (its ``generation_config.json``) applied to what requests leave out, as vLLM's
+``--generation-config auto`` does, through the real server and `openai` client; ``vllm`` keeps the API's own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from served_models import Served, serve_hermes
+
+from boundless.config import ServerConfig
+
+
+@pytest.fixture(scope="module", params=["auto", "vllm"])
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Served]]:
+    # Greedy by default, 5 tokens at most: what a request that sets neither then gets (--generation-config auto).
+    config = {"temperature": 0.0, "max_new_tokens": 5}
+    with serve_hermes(
+        tmp_path_factory.mktemp(f"genconfig-{request.param}"),
+        server_config=ServerConfig(generation_config=request.param),
+        generation_config=config,
+    ) as s:
+        yield request.param, s
+
+
+def test_omitted_parameters_take_the_models_defaults(served: tuple[str, Served]) -> None:
+    mode, s = served
+    messages = [{"role": "user", "content": "Tell me about the fox."}]
+
+    def chat(**kwargs) -> tuple[str, int]:
+        reply = s.client.chat.completions.create(model="tiny", messages=messages, seed=1, **kwargs)
+        return reply.choices[0].message.content, reply.usage.completion_tokens
+
+    greedy = chat(temperature=0, max_tokens=5, extra_body={"min_tokens": 5})
+    plain = chat(extra_body={"min_tokens": 5})
+    if mode == "auto":
+        assert plain == greedy  # greedy and 5 tokens, from generation_config.json
+    else:
+        assert plain != greedy and plain[1] > 5  # the API's own: temperature 1, to the context's end
+    # A value the request gives wins over the model's.
+    assert chat(temperature=0, max_tokens=3)[1] == 3
