@@ -48,7 +48,7 @@ from boundless.api.server import (
     sampling_params,
     structured_outputs_grammar,
 )
-from boundless.api.tool_calls import CallParser, ContentStream, ToolCall, forced_call_schema, parameter_types
+from boundless.api.tool_calls import ContentStream, ToolCall, forced_call_schema, parameter_types
 from boundless.api.validation import header_identifier, refuse_removed_fields, require_valid_text
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.structured_output import StructuredOutput
@@ -286,13 +286,14 @@ class _Call:
     program: ProgramRef
     logprobs: bool
     tools: list[FunctionTool]
+    tool_use: ToolUse  # whether and how the output is read for function calls
     lora: str | None  # the LoRA adapter ``model`` names
     reasoning: ReasoningOutput | None = None  # how the output's reasoning is read (with --reasoning-parser)
 
     @property
     def tools_used(self) -> bool:
         """Whether the output is read for function calls."""
-        return bool(self.tools) and self.body.tool_choice != "none"
+        return self.tool_use.used
 
     @property
     def message_id(self) -> str:
@@ -408,6 +409,12 @@ class ResponsesAPI:
             ProgramRef(program_id, thread_id),
             logprobs,
             tools,
+            ToolUse(
+                bool(tools) and body.tool_choice != "none",
+                body.parallel_tool_calls,
+                parameter_types(chat_tools),
+                server.call_formats(_forces_call(body)),
+            ),
             lora,
             None if server.reasoning is None else ReasoningOutput(server.reasoning, server.reasoning_opened(prompt)),
         )
@@ -504,7 +511,7 @@ class ResponsesAPI:
         if streamed is not None:
             content, calls = streamed
         elif call.tools_used:
-            content, calls = self._calls_of(call)(content or "")
+            content, calls = call.tool_use.calls(content or "")
         incomplete = choice.finish_reason == "length" and not calls
         status = "incomplete" if incomplete else "completed"
         # The reasoning is whole once the answer began (a stream has said so by then); cut off only inside it.
@@ -551,7 +558,7 @@ class ResponsesAPI:
         yield event("response.in_progress", response=self._envelope(call, "in_progress", []))
         choice = Choice(0)
         # Read for function calls, the text streams until a call may have begun (ContentStream), as chat's does.
-        content = ContentStream(self._tool_use(call).formats) if call.tools_used else None
+        content = ContentStream(call.tool_use.formats) if call.tools_used else None
         thoughts = call.reasoning.stream() if call.reasoning is not None else None
         thought_at = {"item_id": call.reasoning_id, "output_index": 0, "content_index": 0}
         thought, thought_closed = "", False
@@ -604,7 +611,7 @@ class ResponsesAPI:
             yield event("response.failed", response=failed)
             return
         answer = thoughts.content if thoughts is not None else choice.text
-        rest, calls = content.finish(answer, self._calls_of(call)) if content is not None else ("", [])
+        rest, calls = content.finish(answer, call.tool_use.calls) if content is not None else ("", [])
         final = self._finished(call, choice, (sent + rest, calls) if content is not None else None)
         for index, item in enumerate(final["output"]):
             if item["type"] == "reasoning":
@@ -637,17 +644,14 @@ class ResponsesAPI:
             yield event("response.output_item.done", output_index=index, item=item)
         yield event(f"response.{final['status']}", response=final)  # completed, or incomplete
 
-    def _tool_use(self, call: _Call) -> ToolUse:
-        tools = [t.model_dump(exclude_none=True) for t in call.chat.tools or ()]
-        forced = call.body.tool_choice == "required" or isinstance(call.body.tool_choice, FunctionChoice)
-        return ToolUse(True, call.body.parallel_tool_calls, parameter_types(tools), self.server.call_formats(forced))
-
-    def _calls_of(self, call: _Call) -> CallParser:
-        return self._tool_use(call).calls
-
 
 _EMPTY_TEXT = {"type": "output_text", "text": "", "annotations": []}
 _CHAT_TOOL_FIELDS = {"name", "description", "parameters"}
+
+
+def _forces_call(body: ResponsesRequest) -> bool:
+    """Whether the request's ``tool_choice`` forces a call (``required``, or a named function)."""
+    return body.tool_choice == "required" or isinstance(body.tool_choice, FunctionChoice)
 
 
 def _structured(body: ResponsesRequest, tools: list[dict[str, Any]]) -> StructuredOutput | None:
@@ -656,7 +660,7 @@ def _structured(body: ResponsesRequest, tools: list[dict[str, Any]]) -> Structur
     fmt = body.text.format if body.text is not None else None
     wants_json = fmt is not None and fmt.type != "text"
     choice = body.tool_choice
-    forced = choice == "required" or isinstance(choice, FunctionChoice)
+    forced = _forces_call(body)
     if body.structured_outputs is not None:
         if wants_json or forced:
             where = "text.format" if wants_json else "tool_choice"

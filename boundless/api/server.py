@@ -455,15 +455,16 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        forced = _forced_calls(body)
         tools = ToolUse(
             bool(body.tools) and body.tool_choice != "none",
             body.parallel_tool_calls,
             parameter_types([t.model_dump(exclude_none=True) for t in body.tools or ()]),
-            self.call_formats(forced=_forced_calls(body) is not None),
+            self.call_formats(forced=forced is not None),
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            structured = self.after_reasoning(_forced_calls(body) or _structured(body), ids)
+            structured = self.after_reasoning(forced or _structured(body), ids)
             prompt_logprobs = None if body.stream else body.prompt_logprobs  # (a stream has no place for them)
             params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs, lora, self.defaults)
             await check_grammar(params)

@@ -171,8 +171,7 @@ def parse_tool_calls(
             if call is not None:
                 calls.append(call)
         if calls:
-            rest = _TAGGED.sub("", text).strip()
-            return (rest or None), calls
+            return (_content_before_calls(text).strip() or None), calls
         return text, []
     if TAGGED_XML in formats and (at := text.find(XML_FUNCTION_TAG)) >= 0:
         # Qwen3-Coder's calls without their block's tags (or without the closing one)
@@ -322,8 +321,10 @@ class CallStream:
 
 
 def _content_before_calls(text: str) -> str:
-    """An output that holds calls without its tagged blocks, and cut where an untagged XML call begins."""
-    text = _TAGGED.sub("", text)
+    """An output that holds calls, less the calls: its tagged blocks taken out, or, when it has none (Qwen3-Coder's
+    calls without their tags), cut where the first ``<function=`` begins."""
+    if _TAGGED.search(text):
+        return _TAGGED.sub("", text)
     at = text.find(XML_FUNCTION_TAG)
     return text if at < 0 else text[:at].rstrip().removesuffix(TOOL_CALL_TAG)
 

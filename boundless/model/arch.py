@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+# The architectures that norm each query and key head before RoPE (ModelArch.qk_norm), whatever the file format.
+QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ class ModelArch:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in QK_NORM_ARCHITECTURES,
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             moe_intermediate_size=int(expert_size or 0) if experts else 0,

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-from boundless.model.arch import ModelArch, RopeScaling
+from boundless.model.arch import QK_NORM_ARCHITECTURES, ModelArch, RopeScaling
 from boundless.model.gguf_quants import dequantize
 from boundless.model.tokenizer import Tokenizer
 
@@ -408,7 +408,7 @@ def model_arch_from_gguf(
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_shapes,
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in QK_NORM_ARCHITECTURES,
         num_experts=experts,
         num_experts_per_tok=int(key("expert_used_count")) if experts else 0,
         moe_intermediate_size=int(key("expert_feed_forward_length")) if experts else 0,

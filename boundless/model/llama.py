@@ -132,7 +132,7 @@ class _PackedLayer:
         self.o = cpu_kernels.PackedWeight(layer.o_weight, storage=take(layer.o_weight))
         self.gate_up: cpu_kernels.PackedWeight | None = None
         self.down: cpu_kernels.PackedWeight | None = None
-        if layer.gate_up_weight is not None and layer.down_weight is not None:  # (a sparse layer's experts: PyTorch)
+        if layer.gate_up_weight is not None and layer.down_weight is not None:  # (a sparse layer has experts instead)
             self.gate_up = cpu_kernels.PackedWeight(
                 layer.gate_up_weight, glu=True, storage=take(layer.gate_up_weight, glu=True)
             )
@@ -389,6 +389,7 @@ class LlamaModel(nn.Module):
         self.rope: RotaryEmbedding | None = None
         self.head: PackedLinear | _PackedHead | None = None
         self._packed_key: tuple | None = None  # identity of the weights the layers were packed from
+        self._act_width = 0
         self._workspace = _Workspace()
 
     def prepare(self, max_positions: int) -> None:
@@ -417,6 +418,8 @@ class LlamaModel(nn.Module):
             for layer, size in zip(self.layers, sizes, strict=True):
                 layer.packed = _PackedLayer(layer, arena, offset)
                 offset += size
+            # The dense layers' activation width (the step's act buffer; 0 with no dense layer).
+            self._act_width = self.arch.intermediate_size if any(lay.moe is None for lay in self.layers) else 0
             head = native.huge_page_empty(cpu_kernels.PackedWeight.packed_size(head_weight.shape))
             self.head = _PackedHead(cpu_kernels.PackedWeight(head_weight, storage=head))
         self._packed_key = key
@@ -478,8 +481,7 @@ class LlamaModel(nn.Module):
         if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < rope.cos.shape[0]:
             raise ValueError(f"positions beyond the RoPE table of {rope.cos.shape[0]}")
         hidden = hidden.contiguous()
-        act_width = next((g.out_features for layer in self.layers if layer.packed and (g := layer.packed.gate_up)), 0)
-        step = _PackedStep(self.layers[0], hidden.shape[0], positions, rope, self._workspace, act_width)
+        step = _PackedStep(self.layers[0], hidden.shape[0], positions, rope, self._workspace, self._act_width)
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
@@ -519,16 +521,25 @@ class LlamaModel(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
 
+    def _in_experts(self, name: str) -> tuple[str, SparseMoE, str] | None:
+        """For a name in a sparse layer's block: (the layer's prefix, its experts, the name below the block), else
+        None. The block is the model's own name for it, or ``mlp`` (transformers 5 saves every model's so)."""
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return None
+        moe = self.layers[int(parts[2])].moe
+        if moe is None or parts[3] not in (moe.block, "mlp"):
+            return None
+        return ".".join(parts[:3]), moe, ".".join(parts[4:])
+
     def _loaded_names(self, name: str) -> list[str]:
         """The checkpoint names (as :meth:`_expected_names` has them) a loaded tensor stands for: itself, or for an
-        experts' tensor those its block's names give it (each expert of a stacked tensor, Mixtral's own names)."""
-        parts = name.split(".")
-        if len(parts) > 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-            moe = self.layers[int(parts[2])].moe
-            if moe is not None and parts[3] in (moe.block, "mlp"):
-                prefix = ".".join(parts[:3])
-                return [f"{prefix}.{moe.block}.{n}" for n in moe.loaded_names(".".join(parts[4:]))]
-        return [name]
+        experts' tensor those its block's names give it (each expert of a stacked tensor)."""
+        found = self._in_experts(name)
+        if found is None:
+            return [name]
+        prefix, moe, below = found
+        return [f"{prefix}.{moe.block}.{n}" for n in moe.loaded_names(below)]
 
     def _target(
         self, name: str, offsets: dict[str, tuple[int, int]], mlp_offsets: dict[str, int]
@@ -543,9 +554,9 @@ class LlamaModel(nn.Module):
         if len(parts) < 5 or parts[0] != "model" or parts[1] != "layers":
             return None, None
         layer = self.layers[int(parts[2])]
-        if layer.moe is not None and parts[3] in (layer.moe.block, "mlp"):  # ("mlp": transformers 5's own saves)
-            found = layer.moe.target(".".join(parts[4:]))
-            return (None, None) if found is None else found
+        if (experts := self._in_experts(name)) is not None:
+            _, moe, below = experts
+            return moe.target(below) or (None, None)
         module, leaf = parts[-2], parts[-1]
         if module in _FUSED:  # Phi-3's checkpoint fuses them as this model does
             return getattr(layer, _FUSED[module]), None

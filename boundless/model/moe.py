@@ -104,17 +104,13 @@ class SparseMoE(nn.Module):
         return (self.down[expert], None) if parts[2] == names["down"] else None
 
     def loaded_names(self, name: str) -> list[str]:
-        """The per-expert names (:meth:`expected_names`') a tensor :meth:`target` placed stands for."""
-        parts = name.split(".")
+        """The per-expert names (:meth:`expected_names`') a tensor :meth:`target` placed stands for: a stacked
+        tensor, every expert's; any other, its own name (:meth:`target` takes only this block's names)."""
         experts = range(self.router.shape[0])
-        if parts[1:] == ["gate_up_proj"]:
+        if name == "experts.gate_up_proj":
             return [f"experts.{e}.{self.names[m]}.weight" for e in experts for m in ("gate", "up")]
-        if parts[1:] == ["down_proj"]:
+        if name == "experts.down_proj":
             return [f"experts.{e}.{self.names['down']}.weight" for e in experts]
-        if len(parts) == 4 and parts[0] == "experts":
-            canonical = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up"}
-            canonical["w2"] = "down"
-            return [f"experts.{parts[1]}.{self.names[canonical[parts[2]]]}.weight"]
         return [name]
 
     def expected_names(self) -> list[str]:
