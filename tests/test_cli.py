@@ -105,3 +105,12 @@ def test_generate_prints_the_completion(model_dirs: dict[str, Path], capsys: pyt
 def test_bad_flag_values_fail_at_start_up(model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "x", "--model", str(model_dirs["tiny-llama"]), "--block-size", "12"]) == 2
     assert "--block-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag", [("--tool-call-parser", "x"), ("--reasoning-parser", "granite"), ("--generation-config", "hf")]
+)
+def test_bad_server_flag_values_fail_at_start_up(flag: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Before anything loads, with the flag named and its values listed."""
+    assert main(["serve", *flag]) == 2
+    assert f"boundless: {flag[0]}: must be" in capsys.readouterr().err
