@@ -68,9 +68,18 @@ class ModelConfig:
     )
     max_loras: int = field(default=1, metadata={"help": "most LoRA adapters in one step"})
     max_lora_rank: int = field(default=16, metadata={"help": "largest LoRA rank accepted"})
+    hf_overrides: str = field(
+        default="",
+        metadata={
+            "help": "a JSON object whose keys replace those of the model directory's config.json (vLLM's), e.g. "
+            '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' '
+            "for Qwen's long contexts"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", f"unknown dtype {self.dtype!r}")
+        _ = self.overrides  # (a bad one fails here, naming the flag)
         _require(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
@@ -91,6 +100,18 @@ class ModelConfig:
             return tuple(LoRAModule.parse(text) for text in self.lora_modules)
         except LoRAError as e:
             raise ConfigError(str(e)) from None
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """``hf_overrides`` read: the keys to replace in ``config.json``."""
+        if not self.hf_overrides:
+            return {}
+        try:
+            value = json.loads(self.hf_overrides)
+        except ValueError as e:
+            raise ConfigError(f"--hf-overrides: not JSON ({e})") from None
+        _require(isinstance(value, dict), "hf_overrides", "must be a JSON object")
+        return value
 
 
 @dataclass(frozen=True)

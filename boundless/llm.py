@@ -56,7 +56,7 @@ def engine_config(model: str, **kwargs: Any) -> EngineConfig:
     """An :class:`EngineConfig` from flat keyword arguments named as the config fields (and flags)."""
     parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}}
     for key, value in kwargs.items():
-        if key == "speculative_config" and isinstance(value, dict):  # vLLM's form: the flag's JSON as a dict
+        if key in ("speculative_config", "hf_overrides") and isinstance(value, dict):  # vLLM's: the flag's JSON, a dict
             value = json.dumps(value)
         for cls, values in parts.items():
             if key in {f.name for f in dataclasses.fields(cls)}:
@@ -91,7 +91,9 @@ class LLM:
 
     def _start(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         if loaded is None:
-            loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+            loaded = load_model(
+                config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
+            )
         self.engine = EngineCore.from_model(loaded, config)
         self._ids = itertools.count()
 

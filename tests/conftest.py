@@ -53,6 +53,16 @@ TINY_SPECS = {
     "tiny-mixtral": TinySpec(kind="mixtral", num_heads=4, num_kv_heads=2, seed=4),
     # Phi-3 (Phi-4): q/k/v and gate/up fused in the checkpoint itself.
     "tiny-phi3": TinySpec(kind="phi3", num_heads=4, num_kv_heads=2, seed=6),
+    # Qwen3 with YaRN (factor 4 over an original 32 positions: most prompts run past it, where it interpolates).
+    "tiny-qwen3-yarn": TinySpec(
+        kind="qwen3",
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        seed=7,
+        max_position_embeddings=128,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    ),
 }
 
 

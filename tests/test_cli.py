@@ -105,6 +105,8 @@ def test_generate_prints_the_completion(model_dirs: dict[str, Path], capsys: pyt
 def test_bad_flag_values_fail_at_start_up(model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "x", "--model", str(model_dirs["tiny-llama"]), "--block-size", "12"]) == 2
     assert "--block-size" in capsys.readouterr().err
+    assert main(["generate", "x", "--model", str(model_dirs["tiny-llama"]), "--hf-overrides", "[1]"]) == 2
+    assert "--hf-overrides: must be a JSON object" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

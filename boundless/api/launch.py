@@ -31,7 +31,9 @@ def resolve_api_key(config: ServerConfig) -> ServerConfig:
 
 def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
     """One engine in this process, as ``boundless serve`` runs it by default."""
-    loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+    loaded = load_model(
+        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
+    )
     return AsyncEngine(EngineCore.from_model(loaded, config), max_waiting=max_waiting)
 
 

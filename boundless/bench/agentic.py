@@ -299,7 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from boundless.model.loader import load_model
 
     base = engine_config_from_flags(args)
-    loaded = load_model(base.model.model, dtype=base.model.dtype, device=base.model.device)
+    loaded = load_model(base.model.model, base.model.dtype, base.model.device, hf_overrides=base.model.overrides)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:

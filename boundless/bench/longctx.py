@@ -471,7 +471,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from boundless.model.loader import load_model
 
     base = engine_config_from_flags(args)
-    loaded = load_model(base.model.model, dtype=base.model.dtype, device=base.model.device)
+    loaded = load_model(base.model.model, base.model.dtype, base.model.device, hf_overrides=base.model.overrides)
     setups = tuple(s.strip() for s in args.setups.split(",") if s.strip())
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:

@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> dict:
             config.model, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=max(16, args.rank)
         ),
     )
-    loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+    loaded = load_model(
+        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
+    )
     prompts = make_prompts(loaded, args.num_prompts, args.input_len, args.bench_seed)
     with tempfile.TemporaryDirectory(prefix="boundless-lora-") as tmp:
         paths = [

@@ -84,7 +84,9 @@ def _timed(fn) -> tuple[float, object]:
 
 def run(args: argparse.Namespace) -> dict:
     config = engine_config_from_flags(args)
-    loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+    loaded = load_model(
+        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
+    )
     prompts = make_prompts(loaded, args.num_prompts, args.input_len, args.bench_seed)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")

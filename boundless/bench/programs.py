@@ -347,7 +347,7 @@ def run(args: argparse.Namespace) -> dict:
     shape = WorkloadShape(
         scale=args.scale, call_scale=args.call_scale, tool_wait_s=args.tool_wait, max_len=args.max_len
     )
-    loaded = load_model(base.model.model, dtype=base.model.dtype, device=base.model.device)
+    loaded = load_model(base.model.model, base.model.dtype, base.model.device, hf_overrides=base.model.overrides)
     rows = []
     for rate in rates:
         # Rate 0 means unloaded: each program runs alone, after the previous one.

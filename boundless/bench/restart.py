@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> dict:
     store, cold_store = work / "store", work / "cold-store"
     startup = args.startup_timeout
     # The vocabulary and the context length, for the prompts (the servers load the model themselves).
-    loaded = load_model(config.model.model, dtype=config.model.dtype, device="cpu")
+    loaded = load_model(config.model.model, config.model.dtype, "cpu", hf_overrides=config.model.overrides)
     vocab = loaded.arch.vocab_size
     del loaded
     try:

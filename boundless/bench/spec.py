@@ -245,7 +245,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for kind in kinds:
         if kind not in KINDS:
             raise SystemExit(f"--kinds: unknown kind {kind!r}; of {', '.join(KINDS)}")
-    loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+    loaded = load_model(
+        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
+    )
     spec_config = dataclasses.replace(
         config, scheduler=dataclasses.replace(config.scheduler, speculative_config=args.spec)
     )

@@ -142,7 +142,9 @@ def measure_pause(llm: LLM, model: str, stream_tokens: int) -> PauseFigures:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = engine_config_from_flags(args)
-    loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+    loaded = load_model(
+        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
+    )
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     # The pause first, on a fresh engine in a process that has not used xgrammar yet: the first structured request.

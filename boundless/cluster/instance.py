@@ -115,7 +115,9 @@ class EngineInstance:
         fail_seed = os.environ.get(FAIL_ADD_SEED_ENV)
         self._fail_add_seed = int(fail_seed) if fail_seed else None
         if loaded is None:  # an actor loads its own; instances in one process may share one
-            loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+            loaded = load_model(
+                config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
+            )
         self.links = InstanceLinks(None, None)
         if role is not None:
             self.links = instance_links(role.cluster, time.monotonic, time.sleep)

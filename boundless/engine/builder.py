@@ -82,7 +82,7 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, pools
     pool_tokens = int(num_blocks * pools) * bs
     asked = config.model.max_model_len
     if asked is None:
-        limit = arch.max_position_embeddings
+        limit = arch.context_length
         if arch.sliding_window:
             limit = min(limit, arch.sliding_window)  # no windowed attention: stay where attention is exact
         max_model_len = min(limit, pool_tokens)

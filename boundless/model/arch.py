@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -12,15 +13,67 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")
 
 
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. ``kind`` is ``default``, ``linear`` or ``llama3``."""
+    """RoPE frequency scaling. ``kind`` is ``default``, ``linear``, ``llama3`` or ``yarn``.
+
+    YaRN (Qwen2.5's and Qwen3's long contexts): frequencies that turn fewer than ``beta_slow`` times over the original
+    context are interpolated by ``factor``, those that turn more than ``beta_fast`` times are kept, and a ramp blends
+    the band between; cos and sin are scaled by ``attention_factor`` (:func:`yarn_scaling` resolves it)."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+# RopeScaling's YaRN fields: left out of a fingerprint unless the scaling is YaRN (models before them keep their names).
+_YARN_FIELDS = ("beta_fast", "beta_slow", "attention_factor", "truncate")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context ``factor`` times longer (the paper's Eq. 21, as transformers has it)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_scaling(
+    factor: float | None,
+    original_max_position_embeddings: int,
+    max_position_embeddings: int,
+    attention_factor: float | None = None,
+    mscale: float | None = None,
+    mscale_all_dim: float | None = None,
+    beta_fast: float | None = None,
+    beta_slow: float | None = None,
+    truncate: bool = True,
+) -> RopeScaling:
+    """A YaRN scaling from a config's values, as transformers reads them: without ``factor`` the ratio of the two
+    context lengths, without ``attention_factor`` the mscale of the factor (or the ratio of the mscales of
+    ``mscale`` and ``mscale_all_dim`` when both are given), betas 32 and 1 by default."""
+    if factor is None:
+        factor = max_position_embeddings / original_max_position_embeddings
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return RopeScaling(
+        kind="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=int(original_max_position_embeddings),
+        beta_fast=float(beta_fast or 32),
+        beta_slow=float(beta_slow or 1),
+        attention_factor=float(attention_factor),
+        truncate=bool(truncate),
+    )
 
 
 @dataclass(frozen=True)
@@ -69,6 +122,15 @@ class ModelArch:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, not {self.num_experts_per_tok}")
 
+    @property
+    def context_length(self) -> int:
+        """The longest context the model is made for: ``max_position_embeddings``, or with YaRN the original context
+        times the factor when that is longer (vLLM's derived maximum: Qwen3's 32,768 x 4)."""
+        if self.rope_scaling.kind == "yarn":
+            scaled = int(self.rope_scaling.original_max_position_embeddings * self.rope_scaling.factor)
+            return max(self.max_position_embeddings, scaled)
+        return self.max_position_embeddings
+
     def fingerprint(self) -> str:
         """A stable digest of the architecture, part of every KV block's name."""
         fields = asdict(self)
@@ -80,6 +142,9 @@ class ModelArch:
             for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
                 del fields[name]
             del fields["sparse_layers"]
+        if self.rope_scaling.kind != "yarn":
+            for name in _YARN_FIELDS:
+                del fields["rope_scaling"][name]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
@@ -94,17 +159,33 @@ class ModelArch:
         rope = {**legacy, **rope}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-        if kind not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope scaling type {kind!r}")
+        if kind not in ROPE_SCALINGS:
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
         if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
             raise ValueError("RoPE on part of each head (partial_rotary_factor) is not supported")
-        scaling = RopeScaling(
-            kind=kind,
-            factor=float(rope.get("factor", 1.0)),
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
-        )
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        if kind == "yarn":
+            # (transformers: the config's own original_max_position_embeddings first, else the model's context.)
+            original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+            scaling = yarn_scaling(
+                rope.get("factor"),
+                int(original or max_positions),
+                max_positions,
+                rope.get("attention_factor"),
+                rope.get("mscale"),
+                rope.get("mscale_all_dim"),
+                rope.get("beta_fast"),
+                rope.get("beta_slow"),
+                rope.get("truncate", True),
+            )
+        else:
+            scaling = RopeScaling(
+                kind=kind,
+                factor=float(rope.get("factor", 1.0)),
+                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+            )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3"))
@@ -126,7 +207,7 @@ class ModelArch:
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type in QK_NORM_ARCHITECTURES,

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-from boundless.model.arch import QK_NORM_ARCHITECTURES, ModelArch, RopeScaling
+from boundless.model.arch import QK_NORM_ARCHITECTURES, ModelArch, RopeScaling, yarn_scaling
 from boundless.model.gguf_quants import dequantize
 from boundless.model.tokenizer import Tokenizer
 
@@ -325,7 +325,12 @@ def llama3_rope_scaling_from_factors(
 
 
 def _rope_scaling(
-    meta: Mapping[str, Any], prefix: str, rope_factors: np.ndarray | None, theta: float, head_dim: int
+    meta: Mapping[str, Any],
+    prefix: str,
+    rope_factors: np.ndarray | None,
+    theta: float,
+    head_dim: int,
+    context_length: int,
 ) -> RopeScaling:
     kind = meta.get(f"{prefix}.rope.scaling.type", "none")
     if rope_factors is not None:
@@ -336,8 +341,17 @@ def _rope_scaling(
     if kind == "linear" or (kind == "none" and f"{prefix}.rope.scale_linear" in meta):
         factor = meta.get(f"{prefix}.rope.scaling.factor", meta.get(f"{prefix}.rope.scale_linear", 1.0))
         return RopeScaling("linear", _f32(factor)) if factor != 1.0 else RopeScaling()
+    if kind == "yarn":  # (convert_hf_to_gguf writes the factor and the original context; the rest are defaults)
+        scales = ("attn_factor", "yarn_attn_factor", "yarn_log_multiplier")
+        scaled = [k for k in scales if f"{prefix}.rope.scaling.{k}" in meta]
+        if scaled:
+            raise ValueError(f"unsupported YaRN scaling: llama.cpp's {', '.join(scaled)} (DeepSeek's attention scale)")
+        original = int(meta.get(f"{prefix}.rope.scaling.original_context_length", context_length))
+        factor = _f32(meta.get(f"{prefix}.rope.scaling.factor", 1.0))
+        beta_fast, beta_slow = (meta.get(f"{prefix}.rope.scaling.yarn_beta_{k}") for k in ("fast", "slow"))
+        return yarn_scaling(factor, original, context_length, beta_fast=beta_fast, beta_slow=beta_slow)
     if kind != "none":
-        raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: none, linear, llama3)")
+        raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: none, linear, llama3, yarn)")
     return RopeScaling()
 
 
@@ -414,7 +428,7 @@ def model_arch_from_gguf(
         moe_intermediate_size=int(key("expert_feed_forward_length")) if experts else 0,
         norm_topk_prob=bool(experts),  # (llama.cpp's qwen3moe always renormalizes the chosen experts' weights)
         sparse_layers=sparse if experts else (),
-        rope_scaling=_rope_scaling(meta, prefix, rope_factors, theta, head_dim),
+        rope_scaling=_rope_scaling(meta, prefix, rope_factors, theta, head_dim, int(key("context_length", 2048))),
         sliding_window=int(window) if window and model_type == "mistral" else None,
         bos_token_id=tokenizer.bos_token_id if tokenizer is not None else meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tokenizer.eos_token_ids if tokenizer is not None else (),

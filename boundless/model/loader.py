@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from boundless.config import ConfigError
 from boundless.model.arch import ModelArch
 from boundless.model.llama import LlamaModel
 
@@ -91,19 +92,34 @@ def _source_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def check_overrides(path: Path, overrides: Mapping[str, Any] | None) -> None:
+    """Refuse ``--hf-overrides`` for a GGUF file: its hyperparameters are not a ``config.json``."""
+    if overrides and path.is_file():
+        raise ConfigError("--hf-overrides: it replaces keys of a model directory's config.json; a GGUF file has none")
+
+
+def hf_config(path: Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A model directory's ``config.json``, with ``overrides``' keys in place of its own (a whole value each: an
+    override of ``rope_scaling`` replaces the dict, as vLLM's ``--hf-overrides`` does)."""
+    return {**json.loads((path / "config.json").read_text()), **(overrides or {})}
+
+
 def load_model(
     name: str,
     dtype: str = "float32",
     device: str = "cpu",
     weights: tuple[str, Iterator[tuple[str, torch.Tensor]]] | None = None,
+    hf_overrides: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a bundled model, a Hugging Face directory or a GGUF file onto ``device`` in ``dtype``.
 
     ``weights``, a pair (identity, tensors by Hugging Face name), replaces the checkpoint's tensors:
     a directory with only its config and tokenizer then makes a model whose weights are drawn in memory
     (benchmarks of large random models, with nothing written to disk). The identity enters the KV
-    fingerprint."""
+    fingerprint. ``hf_overrides`` (vLLM's ``--hf-overrides``): keys that replace ``config.json``'s
+    (:func:`hf_config`)."""
     path = resolve_model_path(name)
+    check_overrides(path, hf_overrides)
     torch_dtype = DTYPES[dtype]
     dev = torch.device(device)
     if path.is_file():
@@ -115,7 +131,7 @@ def load_model(
     else:
         from boundless.model.tokenizer import Tokenizer
 
-        arch = ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
+        arch = ModelArch.from_hf_config(hf_config(path, hf_overrides))
         tokenizer = Tokenizer.from_hf_dir(path)
         tensors = _safetensors_weights(path) if weights is None else weights[1]
     with torch.device("meta"):

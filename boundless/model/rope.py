@@ -25,7 +25,31 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(head_dim, theta, scaling)
     return inv_freq
+
+
+def _yarn_frequencies(dim: int, base: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's frequencies (NTK-by-parts): those that turn fewer than ``beta_slow`` times over the original context
+    interpolated by the factor, those that turn more than ``beta_fast`` times kept, a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns this many times over the context
+        return (dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (no empty ramp)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (scaling.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp  # the share of each frequency extrapolated (kept as it is)
+    return interpolation * (1 - kept) + extrapolation * kept
 
 
 class RotaryEmbedding:
@@ -35,8 +59,10 @@ class RotaryEmbedding:
         inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        self.cos = freqs.cos().to(device=device, dtype=dtype)
-        self.sin = freqs.sin().to(device=device, dtype=dtype)
+        # YaRN scales cos and sin (so q.k by its square) before they are cast, as transformers does.
+        scale = arch.rope_scaling.attention_factor if arch.rope_scaling.kind == "yarn" else 1.0
+        self.cos = (freqs.cos() * scale).to(device=device, dtype=dtype)
+        self.sin = (freqs.sin() * scale).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for these positions, shaped [tokens, 1, head_dim / 2]."""

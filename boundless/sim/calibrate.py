@@ -513,7 +513,7 @@ def run(args: argparse.Namespace) -> dict:
         cache=CacheConfig(num_kv_blocks=args.num_kv_blocks, **store),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
     )
-    loaded = load_model(config.model.model, dtype=config.model.dtype)
+    loaded = load_model(config.model.model, config.model.dtype, hf_overrides=config.model.overrides)
     load_before = os.getloadavg()[0]
     programs = calibration_programs(args) if args.workloads else None
     if programs is not None and not args.served:

@@ -386,7 +386,9 @@ def run(args: argparse.Namespace) -> dict:
         return args.roles_profile if case.roles else args.profile if case.instances == 1 else args.cluster_profile
 
     profiles = {name: load_profile(name) for name in {profile_name(c) for c in sizes}}
-    loaded = load_model(config.model.model, dtype=config.model.dtype, device=config.model.device)
+    loaded = load_model(
+        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
+    )
     real_run = serve_and_measure(loaded)
     load_before = os.getloadavg()[0]
     cases = [

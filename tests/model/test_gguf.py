@@ -20,6 +20,7 @@ from tokenizers import pre_tokenizers
 from boundless.model.arch import ModelArch, RopeScaling
 from boundless.model.gguf import (
     GGUFModel,
+    _rope_scaling,
     hf_tensor_name,
     llama3_rope_scaling_from_factors,
     load_gguf,
@@ -166,6 +167,7 @@ def write_tiny_gguf(
     rope_factors: np.ndarray | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     skip: tuple[str, ...] = (),
+    yarn: tuple[float, int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer model with random weights; return the float32 HF-layout tensors loading must give. A qwen3
     model's heads are wider than ``hidden / heads``, as Qwen3's are (the file says so with ``key_length``)."""
@@ -191,6 +193,10 @@ def write_tiny_gguf(
         writer.add_expert_used_count(2)
         writer.add_expert_feed_forward_length(expert_inter)
     writer.add_rope_freq_base(500000.0)
+    if yarn is not None:  # (factor, original context), as convert_hf_to_gguf writes a YaRN config
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(yarn[0])
+        writer.add_rope_scaling_orig_ctx_len(yarn[1])
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3", "qwen3moe") else "llama-bpe")
@@ -391,6 +397,24 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path) -> None:
     model = load_gguf(path)
     assert model.arch.rope_scaling == RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
     assert set(model.tensors) == set(expected)  # rope_freqs is not a parameter
+
+
+def test_yarn_rope_scaling(tmp_path: Path) -> None:
+    """A Qwen3 file written with YaRN reads as its config.json does (transformers' defaults for what the file leaves
+    out); llama.cpp's own attention scales, which no config.json of these models has, are refused."""
+    path = tmp_path / "yarn.gguf"
+    write_tiny_gguf(path, arch="qwen3", yarn=(4.0, 1024))
+    arch = load_gguf(path).arch
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    config = {"model_type": "qwen3", "vocab_size": len(TOKENS), "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 4096,
+              "rope_scaling": yarn}  # fmt: skip
+    assert arch.rope_scaling == ModelArch.from_hf_config(config).rope_scaling
+    assert arch.rope_scaling.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    assert arch.context_length == 4096
+    meta = {"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.yarn_log_multiplier": 0.1}
+    with pytest.raises(ValueError, match="yarn_log_multiplier"):
+        _rope_scaling(meta, "qwen3", None, 1e6, 32, 4096)
 
 
 @pytest.mark.parametrize(("factor", "low", "high"), [(8.0, 1.0, 4.0), (16.0, 2.0, 8.0), (4.0, 0.5, 3.0)])

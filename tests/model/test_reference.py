@@ -144,13 +144,13 @@ GREEDY_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-phi3"])
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-phi3", "tiny-qwen3-yarn"])
 def test_more_architectures_greedy_match_transformers(
     name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
-    """Mixtral (the same mixture of experts as Qwen3-MoE's, under its own names, in every layer) and Phi-3 (a Llama
-    whose checkpoint fuses q/k/v and gate/up), in one batch with prefix caching; the other configurations run on the
-    architectures above."""
+    """Mixtral (the same mixture of experts as Qwen3-MoE's, under its own names, in every layer), Phi-3 (a Llama
+    whose checkpoint fuses q/k/v and gate/up) and a Qwen3 with YaRN RoPE scaling, in one batch with prefix caching;
+    the other configurations run on the architectures above."""
     ref = _reference(name, load, hf_model)
     assert _run_greedy(_engine(ref.loaded), ref.prompts) == ref.tokens
 
@@ -217,6 +217,19 @@ def test_greedy_matches_transformers_on_the_triton_kernels(
 
 
 def test_per_step_logits_match_transformers(ref: Reference) -> None:
+    _check_per_step_logits(ref)
+
+
+def test_yarn_per_step_logits_match_transformers(
+    load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """YaRN's frequencies and its scale of cos and sin, position by position (prompts past the original context)."""
+    ref = _reference("tiny-qwen3-yarn", load, hf_model)
+    assert max(len(p) for p in ref.prompts) > 32
+    _check_per_step_logits(ref)
+
+
+def _check_per_step_logits(ref: Reference) -> None:
     core = _engine(ref.loaded, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     for i, p in enumerate(ref.prompts):

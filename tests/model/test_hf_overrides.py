@@ -1,0 +1,51 @@
+"""vLLM's ``--hf-overrides``: keys that replace a model directory's ``config.json`` (YaRN for a long context)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from boundless import LLM
+from boundless.config import ConfigError, ModelConfig
+from boundless.model.loader import load_model
+from boundless.sim.engine import SimulatedModel
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+def test_overrides_replace_config_keys(model_dirs: dict[str, Path]) -> None:
+    """A Qwen3 of 2,048 positions served with YaRN over 1,024 of them: its RoPE is YaRN's, its context 4,096 by
+    default, its KV named apart from the same weights without the override; the simulator reads it alike."""
+    path = str(model_dirs["tiny-qwen3"])
+    plain, yarn = load_model(path), load_model(path, hf_overrides={"rope_scaling": YARN})
+    assert plain.arch.rope_scaling.kind == "default" and plain.arch.context_length == 2048
+    assert yarn.arch.rope_scaling.kind == "yarn" and yarn.arch.context_length == 4096
+    assert plain.fingerprint != yarn.fingerprint
+    llm = LLM(path, hf_overrides={"rope_scaling": YARN}, kv_cache_gb=0.05)  # vLLM's form: a dict
+    assert llm.engine.max_model_len == 4096
+    assert (
+        llm.generate(
+            "The fox",
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    simulated = SimulatedModel.read(
+        ModelConfig(model=path, hf_overrides='{"rope_scaling": {"type": "yarn", "factor": 4}}')
+    )
+    assert simulated.arch.rope_scaling.kind == "yarn" and simulated.arch.context_length == 8192
+
+
+@pytest.mark.parametrize(("text", "error"), [("{", "not JSON"), ("[1]", "must be a JSON object")])
+def test_bad_overrides_are_refused(text: str, error: str) -> None:
+    with pytest.raises(ConfigError, match=f"--hf-overrides: {error}"):
+        ModelConfig(hf_overrides=text)
+
+
+def test_a_gguf_file_takes_no_overrides() -> None:
+    """Its hyperparameters are not a config.json: refused before anything loads (the bundled model is a GGUF file)."""
+    with pytest.raises(ConfigError, match=r"--hf-overrides: .*GGUF"):
+        LLM("smollm2-135m", hf_overrides={"rope_scaling": YARN})
+    with pytest.raises(ConfigError, match=r"--hf-overrides: .*GGUF"):
+        SimulatedModel.read(ModelConfig(hf_overrides='{"max_position_embeddings": 4096}'))
