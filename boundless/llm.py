@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,9 @@ from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel, load_model
 from boundless.model.lora import LoRARequest
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt), ``{"prompt_token_ids": ids}``
+# (TokensPrompt).
+Prompt = str | list[int] | Mapping[str, Any]
 
 
 @dataclass
@@ -112,10 +114,11 @@ class LLM:
         use_tqdm: bool = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt (a string or a list of token ids); results come in prompt order. ``lora_request``
+        """Complete each prompt (a string, a list of token ids, or vLLM's ``{"prompt": ...}`` or
+        ``{"prompt_token_ids": [...]}``); results come in prompt order. ``lora_request``
         (vLLM's): the LoRA adapter to run with, for every prompt or one per prompt (``enable_lora=True``); it is
         loaded on first use."""
-        batch = _as_batch(prompts)
+        batch = [_prompt_input(p) for p in _as_batch(prompts)]
         if params is None:
             params = SamplingParams()
         per_prompt = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
@@ -131,7 +134,7 @@ class LLM:
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         for prompt, p in zip(batch, per_prompt, strict=True):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
             rid = str(next(self._ids))
             result = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
             results.append(result)
@@ -186,9 +189,27 @@ class LLM:
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) for p in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _prompt_input(prompt: Prompt) -> str | list[int]:
+    """One prompt as a text or as token ids; anything else is a clear error (before any request of the batch is
+    queued)."""
+    if isinstance(prompt, Mapping):
+        keys = set(prompt)
+        if len(keys) != 1 or not keys <= {"prompt", "prompt_token_ids"}:
+            raise ValueError(
+                f"a prompt dict holds 'prompt' (a text) or 'prompt_token_ids', as vLLM's TextPrompt and TokensPrompt;"
+                f" got keys {sorted(keys)}"
+            )
+        prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise TypeError(f"a prompt is a string, a list of token ids or a prompt dict, not {prompt!r:.60}")

@@ -37,6 +37,20 @@ def test_generate_accepts_text_and_token_ids(llm: LLM) -> None:
     assert len(out.token_ids) <= 8
 
 
+def test_vllm_prompt_dicts(llm: LLM) -> None:
+    """vLLM's TextPrompt and TokensPrompt give what a text and token ids give; a prompt of another shape is a clear
+    error and leaves nothing of its batch queued."""
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    ids = llm.tokenizer.encode("The capital of France is")
+    outs = llm.generate([{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}, ids], params)
+    assert outs[0].prompt_token_ids == ids and len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(["Hi", {"prompt": "x", "cache_salt": "a"}], params)
+    with pytest.raises(TypeError, match="a prompt is a string"):
+        llm.generate(["Hi", [1, "2"]], params)
+    assert not llm.engine.has_unfinished()
+
+
 def test_max_tokens_and_ignore_eos(llm: LLM) -> None:
     out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"

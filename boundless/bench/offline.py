@@ -15,7 +15,7 @@ from boundless.bench.report import print_table, write_json
 from boundless.config import engine_config_from_flags
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import LLM
-from boundless.model.loader import LoadedModel, load_model
+from boundless.model.loader import LoadedModel, hf_config, load_model
 
 
 @dataclass
@@ -52,6 +52,9 @@ def load_hf_reference(loaded: LoadedModel):
     if path.is_file():
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **options)
     else:
+        if loaded.hf_overrides:  # (--hf-overrides: transformers' config made from the same keys)
+            config = hf_config(path, loaded.hf_overrides)
+            options["config"] = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
         model = AutoModelForCausalLM.from_pretrained(str(path), **options)
     return model.to(loaded.device).eval()
 

@@ -6,7 +6,7 @@ import hashlib
 import importlib.util
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,7 @@ class LoadedModel:
     fingerprint: str  # names KV blocks: equal fingerprints mean interchangeable KV
     dtype: torch.dtype
     device: torch.device
+    hf_overrides: Mapping[str, Any] = field(default_factory=dict)  # what replaced config.json's keys (for a reference)
 
 
 def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -150,4 +151,5 @@ def load_model(
         fingerprint=fingerprint,
         dtype=torch_dtype,
         device=dev,
+        hf_overrides=dict(hf_overrides or {}),
     )

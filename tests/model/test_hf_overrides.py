@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from boundless import LLM
+from boundless import LLM, SamplingParams
 from boundless.config import ConfigError, ModelConfig
+from boundless.llm import engine_config
 from boundless.model.loader import load_model
 from boundless.sim.engine import SimulatedModel
 
@@ -35,6 +36,22 @@ def test_overrides_replace_config_keys(model_dirs: dict[str, Path]) -> None:
         ModelConfig(model=path, hf_overrides='{"rope_scaling": {"type": "yarn", "factor": 4}}')
     )
     assert simulated.arch.rope_scaling.kind == "yarn" and simulated.arch.context_length == 8192
+
+
+def test_overridden_model_matches_transformers_with_the_same_overrides(model_dirs: dict[str, Path]) -> None:
+    """tiny-qwen3's weights served with YaRN over 16 of its positions compute what transformers computes with the same
+    override (the reference bench offline builds); without the override the tokens differ."""
+    from boundless.bench.offline import hf_generate, load_hf_reference
+
+    overrides = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}
+    loaded = load_model(str(model_dirs["tiny-qwen3"]), hf_overrides=overrides)
+    prompts = [loaded.tokenizer.encode(t) for t in ("The quick brown fox jumps over the lazy dog. " * 3, "Paris")]
+    want = hf_generate(load_hf_reference(loaded), prompts, 12, 0, loaded.device)
+    llm = LLM.from_config(engine_config(str(loaded.path), hf_overrides=overrides, max_model_len=256), loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)] == want
+    plain = load_model(str(model_dirs["tiny-qwen3"]))
+    assert hf_generate(load_hf_reference(plain), prompts, 12, 0, plain.device) != want
 
 
 @pytest.mark.parametrize(("text", "error"), [("{", "not JSON"), ("[1]", "must be a JSON object")])
