@@ -105,6 +105,17 @@ def hf_config(path: Path, overrides: Mapping[str, Any] | None = None) -> dict[st
     return {**json.loads((path / "config.json").read_text()), **(overrides or {})}
 
 
+def hf_arch(path: Path, overrides: Mapping[str, Any] | None = None) -> ModelArch:
+    """A model directory's architecture, from its ``config.json`` with ``overrides`` (a config the overrides made
+    unservable is a :class:`ConfigError` naming the flag)."""
+    try:
+        return ModelArch.from_hf_config(hf_config(path, overrides))
+    except ValueError as e:
+        if overrides:
+            raise ConfigError(f"--hf-overrides: {e}") from None
+        raise
+
+
 def load_model(
     name: str,
     dtype: str = "float32",
@@ -132,7 +143,7 @@ def load_model(
     else:
         from boundless.model.tokenizer import Tokenizer
 
-        arch = ModelArch.from_hf_config(hf_config(path, hf_overrides))
+        arch = hf_arch(path, hf_overrides)
         tokenizer = Tokenizer.from_hf_dir(path)
         tensors = _safetensors_weights(path) if weights is None else weights[1]
     with torch.device("meta"):

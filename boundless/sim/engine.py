@@ -26,7 +26,7 @@ from boundless.kv.block_hash import BlockHash
 from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS
 from boundless.model.arch import ModelArch
 from boundless.model.gguf import model_arch_from_gguf, read_gguf_header
-from boundless.model.loader import DTYPES, check_overrides, hf_config, resolve_model_path
+from boundless.model.loader import DTYPES, check_overrides, hf_arch, resolve_model_path
 from boundless.model.tokenizer import Tokenizer
 from boundless.programs.policy import SchedulingPolicy
 from boundless.sim.cost import HOST_COPY_BYTES_PER_S, StepCost
@@ -60,7 +60,7 @@ class SimulatedModel:
             arch = model_arch_from_gguf(header.metadata, shapes, tokenizer=tokenizer)
         else:
             tokenizer = Tokenizer.from_hf_dir(path)
-            arch = ModelArch.from_hf_config(hf_config(path, config.overrides))
+            arch = hf_arch(path, config.overrides)
         eos = tuple(sorted(set(tokenizer.eos_token_ids) | set(arch.eos_token_ids)))  # as ModelIdentity.of
         # Its own fingerprint: a simulated instance's KV blocks are never a real one's.
         fingerprint = hashlib.sha256(f"sim:{arch.fingerprint()}:{config.dtype}".encode()).hexdigest()[:16]

@@ -60,6 +60,11 @@ def test_bad_overrides_are_refused(text: str, error: str) -> None:
         ModelConfig(hf_overrides=text)
 
 
+def test_overrides_the_model_cannot_follow_name_the_flag(model_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match="--hf-overrides: unsupported rope scaling type 'dynamic'"):
+        load_model(str(model_dirs["tiny-qwen3"]), hf_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2}})
+
+
 def test_a_gguf_file_takes_no_overrides() -> None:
     """Its hyperparameters are not a config.json: refused before anything loads (the bundled model is a GGUF file)."""
     with pytest.raises(ConfigError, match=r"--hf-overrides: .*GGUF"):
