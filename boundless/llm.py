@@ -15,7 +15,7 @@ from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from boundless.engine.core import EngineCore
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import SamplingParams
-from boundless.model.loader import LoadedModel, load_model
+from boundless.model.loader import LoadedModel, load_configured_model
 from boundless.model.lora import LoRARequest
 
 # A text, token ids, or vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt), ``{"prompt_token_ids": ids}``
@@ -93,9 +93,7 @@ class LLM:
 
     def _start(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         if loaded is None:
-            loaded = load_model(
-                config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
-            )
+            loaded = load_configured_model(config.model)
         self.engine = EngineCore.from_model(loaded, config)
         self._ids = itertools.count()
 

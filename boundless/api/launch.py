@@ -17,7 +17,7 @@ from boundless.config import ClusterConfig, EngineConfig, ServerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults, model_sampling_defaults
-from boundless.model.loader import load_model
+from boundless.model.loader import load_configured_model
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,7 @@ def resolve_api_key(config: ServerConfig) -> ServerConfig:
 
 def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
     """One engine in this process, as ``boundless serve`` runs it by default."""
-    loaded = load_model(
-        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
-    )
+    loaded = load_configured_model(config.model)
     return AsyncEngine(EngineCore.from_model(loaded, config), max_waiting=max_waiting)
 
 

@@ -296,10 +296,10 @@ def identical_outputs(runs: dict[str, list[TurnResult]]) -> tuple[bool, str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from boundless.model.loader import load_model
+    from boundless.model.loader import load_configured_model
 
     base = engine_config_from_flags(args)
-    loaded = load_model(base.model.model, base.model.dtype, base.model.device, hf_overrides=base.model.overrides)
+    loaded = load_configured_model(base.model)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:

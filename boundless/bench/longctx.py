@@ -468,10 +468,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from boundless.model.loader import load_model
+    from boundless.model.loader import load_configured_model
 
     base = engine_config_from_flags(args)
-    loaded = load_model(base.model.model, base.model.dtype, base.model.device, hf_overrides=base.model.overrides)
+    loaded = load_configured_model(base.model)
     setups = tuple(s.strip() for s in args.setups.split(",") if s.strip())
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:

@@ -32,7 +32,7 @@ from boundless.bench.report import print_table, write_json
 from boundless.config import engine_config_from_flags
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import LLM
-from boundless.model.loader import LoadedModel, load_model
+from boundless.model.loader import LoadedModel, load_configured_model
 from boundless.model.random_model import LORA_TARGETS, write_random_lora
 
 
@@ -84,9 +84,7 @@ def run(args: argparse.Namespace) -> dict:
             config.model, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=max(16, args.rank)
         ),
     )
-    loaded = load_model(
-        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
-    )
+    loaded = load_configured_model(config.model)
     prompts = make_prompts(loaded, args.num_prompts, args.input_len, args.bench_seed)
     with tempfile.TemporaryDirectory(prefix="boundless-lora-") as tmp:
         paths = [

@@ -15,7 +15,7 @@ from boundless.bench.report import print_table, write_json
 from boundless.config import engine_config_from_flags
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import LLM
-from boundless.model.loader import LoadedModel, hf_config, load_model
+from boundless.model.loader import LoadedModel, hf_config, load_configured_model
 
 
 @dataclass
@@ -87,9 +87,7 @@ def _timed(fn) -> tuple[float, object]:
 
 def run(args: argparse.Namespace) -> dict:
     config = engine_config_from_flags(args)
-    loaded = load_model(
-        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
-    )
+    loaded = load_configured_model(config.model)
     prompts = make_prompts(loaded, args.num_prompts, args.input_len, args.bench_seed)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")

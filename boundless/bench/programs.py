@@ -328,7 +328,7 @@ def _serve_and_run(
 
 
 def run(args: argparse.Namespace) -> dict:
-    from boundless.model.loader import load_model
+    from boundless.model.loader import load_configured_model
 
     base = engine_config_from_flags(args)
     cluster_base = from_flags(ClusterConfig, args)
@@ -347,7 +347,7 @@ def run(args: argparse.Namespace) -> dict:
     shape = WorkloadShape(
         scale=args.scale, call_scale=args.call_scale, tool_wait_s=args.tool_wait, max_len=args.max_len
     )
-    loaded = load_model(base.model.model, base.model.dtype, base.model.device, hf_overrides=base.model.overrides)
+    loaded = load_configured_model(base.model)
     rows = []
     for rate in rates:
         # Rate 0 means unloaded: each program runs alone, after the previous one.

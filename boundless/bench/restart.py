@@ -232,7 +232,7 @@ def drop_page_cache(root: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from boundless.model.loader import load_model
+    from boundless.model.loader import load_configured_model
 
     config = engine_config_from_flags(args)
     parent = Path(args.kv_disk_path or tempfile.gettempdir())
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> dict:
     store, cold_store = work / "store", work / "cold-store"
     startup = args.startup_timeout
     # The vocabulary and the context length, for the prompts (the servers load the model themselves).
-    loaded = load_model(config.model.model, config.model.dtype, "cpu", hf_overrides=config.model.overrides)
+    loaded = load_configured_model(config.model, "cpu")
     vocab = loaded.arch.vocab_size
     del loaded
     try:

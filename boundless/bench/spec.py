@@ -31,7 +31,7 @@ from boundless.config import engine_config_from_flags
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.structured_output import StructuredOutput
 from boundless.llm import LLM
-from boundless.model.loader import load_model
+from boundless.model.loader import load_configured_model
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
@@ -245,9 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for kind in kinds:
         if kind not in KINDS:
             raise SystemExit(f"--kinds: unknown kind {kind!r}; of {', '.join(KINDS)}")
-    loaded = load_model(
-        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
-    )
+    loaded = load_configured_model(config.model)
     spec_config = dataclasses.replace(
         config, scheduler=dataclasses.replace(config.scheduler, speculative_config=args.spec)
     )

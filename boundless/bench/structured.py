@@ -24,7 +24,7 @@ from boundless.config import engine_config_from_flags
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.structured_output import StructuredOutput
 from boundless.llm import LLM
-from boundless.model.loader import load_model
+from boundless.model.loader import load_configured_model
 
 SCHEMA = {
     "type": "object",
@@ -142,9 +142,7 @@ def measure_pause(llm: LLM, model: str, stream_tokens: int) -> PauseFigures:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = engine_config_from_flags(args)
-    loaded = load_model(
-        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
-    )
+    loaded = load_configured_model(config.model)
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     # The pause first, on a fresh engine in a process that has not used xgrammar yet: the first structured request.

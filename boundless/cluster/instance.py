@@ -34,7 +34,7 @@ from boundless.engine.hung_executor import HangTrap, HungExecutor
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.engine.step_watch import StepReport
-from boundless.model.loader import LoadedModel, load_model
+from boundless.model.loader import LoadedModel, load_configured_model
 from boundless.programs.ref import ProgramRef
 from boundless.transport.endpoints import EndpointSpec, open_endpoint
 
@@ -115,9 +115,7 @@ class EngineInstance:
         fail_seed = os.environ.get(FAIL_ADD_SEED_ENV)
         self._fail_add_seed = int(fail_seed) if fail_seed else None
         if loaded is None:  # an actor loads its own; instances in one process may share one
-            loaded = load_model(
-                config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
-            )
+            loaded = load_configured_model(config.model)
         self.links = InstanceLinks(None, None)
         if role is not None:
             self.links = instance_links(role.cluster, time.monotonic, time.sleep)

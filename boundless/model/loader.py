@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from boundless.config import ConfigError
+from boundless.config import ConfigError, ModelConfig
 from boundless.model.arch import ModelArch
 from boundless.model.llama import LlamaModel
 
@@ -164,3 +164,9 @@ def load_model(
         device=dev,
         hf_overrides=dict(hf_overrides or {}),
     )
+
+
+def load_configured_model(config: ModelConfig, device: str | None = None) -> LoadedModel:
+    """:func:`load_model` of what a :class:`ModelConfig` names: its model, dtype, device (``device`` instead, when
+    given) and ``--hf-overrides``."""
+    return load_model(config.model, config.dtype, device or config.device, hf_overrides=config.overrides)

@@ -59,8 +59,8 @@ class RotaryEmbedding:
         inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        # YaRN scales cos and sin (so q.k by its square) before they are cast, as transformers does.
-        scale = arch.rope_scaling.attention_factor if arch.rope_scaling.kind == "yarn" else 1.0
+        # YaRN scales cos and sin (so q.k by its square) before they are cast, as transformers does (1 otherwise).
+        scale = arch.rope_scaling.attention_factor
         self.cos = (freqs.cos() * scale).to(device=device, dtype=dtype)
         self.sin = (freqs.sin() * scale).to(device=device, dtype=dtype)
 

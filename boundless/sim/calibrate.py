@@ -50,7 +50,7 @@ from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConf
 from boundless.engine.attention_time import AttentionSample, ChunkShape, fit_attention_time
 from boundless.engine.core import EngineCore
 from boundless.engine.lending_stats import LendingStats
-from boundless.model.loader import LoadedModel, load_model
+from boundless.model.loader import LoadedModel, load_configured_model
 from boundless.sim.cost import (
     DISK_LATENCY_S,
     DISK_READ_BYTES_PER_S,
@@ -513,7 +513,7 @@ def run(args: argparse.Namespace) -> dict:
         cache=CacheConfig(num_kv_blocks=args.num_kv_blocks, **store),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
     )
-    loaded = load_model(config.model.model, config.model.dtype, hf_overrides=config.model.overrides)
+    loaded = load_configured_model(config.model, "cpu")
     load_before = os.getloadavg()[0]
     programs = calibration_programs(args) if args.workloads else None
     if programs is not None and not args.served:

@@ -369,7 +369,7 @@ def table_rows(cases: Sequence[dict]) -> list[list[str]]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from boundless.model.loader import load_model
+    from boundless.model.loader import load_configured_model
 
     config = engine_config_from_flags(args)
     shape = WorkloadShape(scale=args.scale, tool_wait_s=args.tool_wait)
@@ -386,9 +386,7 @@ def run(args: argparse.Namespace) -> dict:
         return args.roles_profile if case.roles else args.profile if case.instances == 1 else args.cluster_profile
 
     profiles = {name: load_profile(name) for name in {profile_name(c) for c in sizes}}
-    loaded = load_model(
-        config.model.model, config.model.dtype, config.model.device, hf_overrides=config.model.overrides
-    )
+    loaded = load_configured_model(config.model)
     real_run = serve_and_measure(loaded)
     load_before = os.getloadavg()[0]
     cases = [
