@@ -96,9 +96,14 @@ def _gguf_parsed_once() -> Iterator[None]:
     took 8.6 s each time here) and rebuilds ``gguf``'s tensor-name map for every module (397 times, 11.5 s);
     its tokenizer parses the file a third time. Both are pure functions of their arguments, and transformers
     imports them from ``gguf`` at call time, so sharing them changes nothing it makes (the weights are equal to
-    the bit) and takes a third of the time.
+    the bit) and takes a third of the time. Without ``gguf`` (a GPU machine may lack it) there is no GGUF file to
+    load, and nothing to share.
     """
-    import gguf
+    try:
+        import gguf
+    except ModuleNotFoundError:
+        yield
+        return
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
 

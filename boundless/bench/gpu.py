@@ -66,6 +66,8 @@ def _stage(results: dict, name: str, fn: Callable[[], Any]) -> Any:
     try:
         out = fn()
         results[name] = out
+        # Printed as it comes, so a run cut short by its lease still leaves its figures in the log.
+        print(json.dumps(out, default=str), flush=True)
         return out
     except Exception as e:  # one part failing must not cost the rest of the run
         traceback.print_exc()
@@ -139,7 +141,22 @@ def kernel_busy_fraction(fn: Callable[[], Any]) -> dict:
         elif hi > end:
             busy += hi - end
             end = hi
-    return {"wall_s": wall, "busy_s": busy / 1e9, "busy_fraction": busy / 1e9 / wall, "gpu_events": len(spans)}
+    return {
+        "wall_s": wall, "busy_s": busy / 1e9, "busy_fraction": busy / 1e9 / wall, "gpu_events": len(spans),
+        "top_kernels": _top_kernels(prof),
+    }  # fmt: skip
+
+
+def _top_kernels(prof: Any, limit: int = 15) -> list[dict]:
+    """The kernels that took the most GPU time under the profiler: where the next speed-up is."""
+    rows = []
+    for e in prof.key_averages():
+        self_us = getattr(e, "self_device_time_total", None)
+        if self_us is None:
+            self_us = getattr(e, "self_cuda_time_total", 0)
+        if self_us > 0:
+            rows.append({"kernel": e.key[:120], "calls": e.count, "gpu_ms": round(self_us / 1e3, 3)})
+    return sorted(rows, key=lambda r: -r["gpu_ms"])[:limit]
 
 
 def _engine_config(path: Path, args: argparse.Namespace, max_num_seqs: int):
@@ -253,6 +270,8 @@ def _summary(results: dict) -> None:
     busy = results.get("busy_1b") or {}
     if "busy_fraction" in busy:
         print(f"GPU busy during the decode-heavy run: {busy['busy_fraction']:.1%} of {busy['wall_s']:.2f} s")
+        for row in busy.get("top_kernels", []):
+            print(f"  {row['gpu_ms']:10.3f} ms {row['calls']:7d} x  {row['kernel']}")
     dec = results.get("decode_8b") or {}
     if "decode_step_s" in dec:
         print(
