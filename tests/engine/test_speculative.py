@@ -265,7 +265,7 @@ def test_verification_samples_from_the_models_distribution(tiny_llama: LoadedMod
     batch = runner.build_batch(SchedulerOutput(chunks=chunks))
     assert [c.num_output_tokens for c in batch.sample_chunks[:3]] == [4, 5, 6]  # each row counts the drafts before it
     assert batch.sample_indices.tolist() == list(range(3000))
-    logits = torch.log(probs.clamp_min(1e-30)).repeat(1000, 1)
+    logits = torch.log(probs.clamp_min(1e-30)).repeat(1000, 1).to(tiny_llama.device)  # where the model's logits are
     n = 6000
     first, after_five, third, lengths = Counter(), Counter(), Counter(), Counter()
     for _ in range(n // 1000):
