@@ -19,11 +19,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-BOUNDLESS_TEST_DEVICE=cuda timeout 170 python3 -m pytest -p no:cacheprovider -q --maxfail=5 \
+BOUNDLESS_TEST_DEVICE=cuda timeout 180 python3 -m pytest -p no:cacheprovider -q --maxfail=5 \
     -k "not smollm2 and not simulator_refuses" \
     tests/attention/test_triton_paged.py tests/engine/test_cuda_graphs.py tests/model/test_reference.py \
     "tests/engine/test_dist_attention.py::test_distattention_on_the_triton_kernels" \
     tests/engine/test_structured_output.py tests/engine/test_speculative.py tests/engine/test_suffix_decoding.py \
-    tests/model/test_lora.py \
+    tests/model/test_lora.py tests/engine/test_multi_step.py tests/engine/test_detokenizer.py \
     2>&1 | tee "$out/pytest.log" | tail -15
-timeout 270 python3 -m boundless.bench.gpu --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log" | tail -45
+timeout 240 python3 -m boundless.bench.gpu --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log" | tail -45

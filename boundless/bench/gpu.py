@@ -159,11 +159,11 @@ def _top_kernels(prof: Any, limit: int = 15) -> list[dict]:
     return sorted(rows, key=lambda r: -r["gpu_ms"])[:limit]
 
 
-def _engine_config(path: Path, args: argparse.Namespace, max_num_seqs: int):
+def _engine_config(path: Path, args: argparse.Namespace, max_num_seqs: int, num_scheduler_steps: int = 1):
     return engine_config(
         str(path), dtype="bfloat16", device=args.device, max_model_len=args.max_model_len,
         kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        swap_space_gb=0.0, attention_backend=args.attention_backend,
+        swap_space_gb=0.0, attention_backend=args.attention_backend, num_scheduler_steps=num_scheduler_steps,
     )  # fmt: skip
 
 
@@ -185,9 +185,84 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
     n, i, o = cases[0]
     prompts = make_prompts(loaded, n, i, seed=0)
     ours = systems[1]
+    assert isinstance(ours, BoundlessSystem)
     if loaded.device.type == "cuda":
         _stage(results, "busy_1b", lambda: kernel_busy_fraction(lambda: ours.generate(prompts, o)))
+    _stage(results, "host_split_1b", lambda: host_split(ours, prompts, o))
+    _stage(results, "host_profile_1b", lambda: host_profile(lambda: ours.generate(prompts, o)))
     systems.clear()
+    if args.window > 1:
+        # The same decode-heavy case with multi-step decoding: the scheduler and the deltas once per window.
+        windowed = BoundlessSystem(LLM.from_config(_engine_config(Path(path), args, 256, args.window), loaded))
+        hf_figures = (results.get(f"offline_1b_{n}x{i}x{o}") or {}).get("figures", [])
+        hf_rate = next((f["output_tokens_per_s"] for f in hf_figures if f["system"] == "huggingface"), None)
+        _stage(results, f"window{args.window}_1b_{n}x{i}x{o}", lambda: timed_run(windowed, prompts, o, hf_rate))
+
+
+def timed_run(system: BoundlessSystem, prompts: list[list[int]], output_len: int, baseline_rate: float | None) -> dict:
+    """Boundless alone on a case already measured against the baseline: its output tokens per second (after a
+    warm-up), and the ratio to the baseline's rate from that measurement."""
+    system.generate(prompts[:4], 4)
+    start = time.perf_counter()
+    outputs = system.generate(prompts, output_len)
+    seconds = time.perf_counter() - start
+    rate = sum(len(o) for o in outputs) / seconds
+    ratio = rate / baseline_rate if baseline_rate else None
+    return {"seconds": seconds, "output_tokens_per_s": rate, "ratio_to_baseline": ratio}
+
+
+def host_split(system: BoundlessSystem, prompts: list[list[int]], output_len: int) -> dict:
+    """Where a run's wall time goes, step by step: deciding steps (``EngineCore.schedule``), running them
+    (``execute``: building the inputs, the forward pass and sampling, which waits for the GPU) and applying their
+    tokens (``finish_step``: outputs, stops, text). Seconds in all, and per step."""
+    core = system.llm.engine
+    spent = {"schedule": 0.0, "execute": 0.0, "finish_step": 0.0}
+    steps = 0
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        return wrapper
+
+    originals = {name: getattr(core, name) for name in spent}
+    for name, fn in originals.items():
+        setattr(core, name, timed(name, fn))
+    try:
+        before = core.counters.steps
+        start = time.perf_counter()
+        system.generate(prompts, output_len)
+        wall = time.perf_counter() - start
+        steps = core.counters.steps - before
+    finally:
+        for name in originals:
+            delattr(core, name)  # the class's methods again
+    out: dict[str, Any] = {"wall_s": wall, "steps": steps}
+    for name, seconds in spent.items():
+        out[f"{name}_s"] = seconds
+        out[f"{name}_ms_per_step"] = 1e3 * seconds / max(steps, 1)
+    out["other_s"] = wall - sum(spent.values())
+    return out
+
+
+def host_profile(fn: Callable[[], Any], limit: int = 40) -> dict:
+    """The run under ``cProfile``: the functions that took the most time of their own (the profiler slows Python
+    down, the shares hold)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(limit)
+    return {"top_tottime": text.getvalue()}
 
 
 def weight_stream_bytes(loaded: LoadedModel) -> int:
@@ -209,7 +284,7 @@ def decode_roofline(args: argparse.Namespace, results: dict, root: Path) -> dict
     ours = BoundlessSystem(llm)
     batch, input_len, output_len = (4, 16, 8) if args.tiny else (64, 128, 128)
     prompts = make_prompts(loaded, batch, input_len, seed=0)
-    ours.generate(prompts[:2], 4)
+    ours.generate(prompts, 4)  # the whole batch: every kernel its steps take is compiled before the timed runs
     start = time.perf_counter()
     ours.generate(prompts, 1)
     prefill_s = time.perf_counter() - start
@@ -272,6 +347,18 @@ def _summary(results: dict) -> None:
         print(f"GPU busy during the decode-heavy run: {busy['busy_fraction']:.1%} of {busy['wall_s']:.2f} s")
         for row in busy.get("top_kernels", []):
             print(f"  {row['gpu_ms']:10.3f} ms {row['calls']:7d} x  {row['kernel']}")
+    split = results.get("host_split_1b") or {}
+    if "steps" in split:
+        print(
+            f"decode-heavy run, per step: schedule {split['schedule_ms_per_step']:.2f} ms, execute "
+            f"{split['execute_ms_per_step']:.2f} ms, finish_step {split['finish_step_ms_per_step']:.2f} ms "
+            f"({split['steps']} steps in {split['wall_s']:.2f} s)"
+        )
+    for key, value in results.items():
+        if key.startswith("window") and isinstance(value, dict) and "output_tokens_per_s" in value:
+            ratio = value["ratio_to_baseline"]
+            versus = f", {ratio:.2f}x transformers" if ratio else ""
+            print(f"{key}: {value['output_tokens_per_s']:.0f} tok/s{versus}")
     dec = results.get("decode_8b") or {}
     if "decode_step_s" in dec:
         print(
@@ -295,6 +382,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--json", metavar="PATH", default="bench-gpu.json", help="write the figures here")
     parser.add_argument("--attention-backend", default="triton", help="torch or triton (the GPU kernels)")
+    parser.add_argument(
+        "--window", type=int, default=8, help="also run the decode-heavy case with this many scheduler steps (1: not)"
+    )
     parser.add_argument("--tiny", action="store_true", help="small shapes, to check the benchmark itself (CPU too)")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from boundless.config import ConfigError, EngineConfig
 from boundless.engine.attention_time import AttentionTimeRecorder
 from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
-from boundless.engine.detokenizer import IncrementalDetokenizer
+from boundless.engine.detokenizer import IncrementalDetokenizer, add_tokens
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
@@ -665,27 +665,18 @@ class EngineCore:
         if self._prefill_batching == "attention" and c.steps // REFIT_EVERY_STEPS > steps_before // REFIT_EVERY_STEPS:
             self._refit_prefill_time()
         self._apply_prompt_scores(result.prompt_scores)
-        outputs = []
+        applied: list[tuple[Request, IncrementalDetokenizer, list[SampledToken]]] = []
         for request_id, token in sampled.items():
             request = self.scheduler.requests.get(request_id)
             if request is None:
                 continue
-            detok = self._detokenizers[request_id]
             tokens = [token]
             if result.later:  # a multi-step window: its later passes' tokens, in order
                 tokens += [t for t in (p.get(request_id) for p in result.later) if t is not None]
-            if detok.enabled or len(tokens) == 1:
-                kept, status = 0, None
-                for kept, sampled_token in enumerate(tokens, 1):  # noqa: B007 (kept: the tokens applied, after)
-                    request.append_output(sampled_token.token_id)
-                    stop_string = detok.add(sampled_token.token_id)
-                    status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
-                    if stop_string:
-                        request.stop_reason = detok.stopped_by
-                    if status is not None:
-                        break  # the window's tokens past a stop are discarded
-            else:  # a window's tokens without text (no stop strings): its stop and length rules in one pass
-                kept, status = request.append_outputs([t.token_id for t in tokens])
+            applied.append((request, self._detokenizers[request_id], tokens))
+        outputs = []
+        for (request, detok, tokens), (kept, status) in zip(applied, _apply_tokens(applied), strict=True):
+            request_id, token = request.request_id, tokens[0]
             c.generation_tokens += kept
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -831,3 +822,37 @@ class EngineCore:
     @torch.inference_mode()
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
+
+
+def _apply_tokens(
+    applied: Sequence[tuple[Request, IncrementalDetokenizer, Sequence[SampledToken]]],
+) -> list[tuple[int, RequestStatus | None]]:
+    """Append each request's sampled tokens in order up to its first stop (a window's tokens past it are discarded):
+    how many each kept, and its finished status (None: it goes on). The requests' ``j``-th tokens are applied
+    together, their text decoded in one call (``add_tokens``); a window's tokens without text (no stop strings) take
+    their stop and length rules in one pass."""
+    results: list[tuple[int, RequestStatus | None]] = [(0, None)] * len(applied)
+    active = []
+    for i, (request, detok, tokens) in enumerate(applied):
+        if detok.enabled or len(tokens) == 1:
+            active.append(i)
+        else:
+            results[i] = request.append_outputs([t.token_id for t in tokens])
+    j = 0
+    while active:
+        token_ids = [applied[i][2][j].token_id for i in active]
+        for i, token_id in zip(active, token_ids, strict=True):
+            applied[i][0].append_output(token_id)
+        stops = add_tokens([applied[i][1] for i in active], token_ids)
+        going = []
+        for i, stop_string in zip(active, stops, strict=True):
+            request, detok, tokens = applied[i]
+            status = RequestStatus.FINISHED_STOPPED if stop_string else request.check_stop()
+            if stop_string:
+                request.stop_reason = detok.stopped_by
+            results[i] = (j + 1, status)
+            if status is None and j + 1 < len(tokens):
+                going.append(i)
+        active = going
+        j += 1
+    return results

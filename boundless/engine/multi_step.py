@@ -13,7 +13,6 @@ instead of once per pass (the point of it: a GPU engine's Python per step, and t
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import overload
 
@@ -24,16 +23,7 @@ from boundless.engine.scheduler import SchedulerOutput
 def window_iteration(sched: SchedulerOutput, j: int, last_tokens: Mapping[str, int]) -> SchedulerOutput:
     """Pass ``j`` (from 1) of a multi-step window: each chunk with more than ``j`` passes decodes the token pass
     ``j - 1`` sampled for it (``last_tokens``), one position on."""
-    chunks = [
-        dataclasses.replace(
-            c,
-            token_ids=[last_tokens[c.request_id]],
-            start_pos=c.start_pos + j,
-            num_output_tokens=c.num_output_tokens + j,
-        )
-        for c in sched.chunks
-        if c.num_steps > j
-    ]
+    chunks = [c.next_pass(last_tokens[c.request_id], j) for c in sched.chunks if c.num_steps > j]
     return SchedulerOutput(chunks=chunks)
 
 

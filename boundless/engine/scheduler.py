@@ -95,6 +95,18 @@ class ScheduledChunk:
     # last known token; the step samples at each of those positions and keeps the samples that match.
     draft_token_ids: tuple[int, ...] = ()
 
+    def next_pass(self, token_id: int, j: int) -> ScheduledChunk:
+        """Pass ``j`` of a multi-step window: this chunk decoding ``token_id``, ``j`` positions on. A copy of the
+        fields, not ``dataclasses.replace`` (which runs ``__init__`` again: 12 us a chunk, every chunk of every
+        pass, most of a GPU window's Python)."""
+        chunk = object.__new__(ScheduledChunk)
+        fields = chunk.__dict__
+        fields.update(self.__dict__)
+        fields["token_ids"] = [token_id]
+        fields["start_pos"] = self.start_pos + j
+        fields["num_output_tokens"] = self.num_output_tokens + j
+        return chunk
+
 
 @dataclass
 class SchedulerOutput:
@@ -529,6 +541,8 @@ class Scheduler:
             # would come back to the same wall) and lose its KV, here and on its creditors.
             return None
         num_new = min(request.num_tokens - computed, budget, limit - computed)
+        if prefix is None and self.kv.allocate(rid, request.all_token_ids, computed + num_new):
+            return num_new  # a running request's growth, with room: the common case
         short = self.kv.blocks_short(rid, computed + num_new, prefix)
         if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
             if request.status is RequestStatus.RUNNING:

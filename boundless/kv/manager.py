@@ -444,6 +444,8 @@ class KVCacheManager:
         hits get new device blocks and host-to-device transfers. Returns False, changing nothing, when the
         device pool lacks free blocks.
         """
+        if prefix is None and self._within_blocks(request_id, num_tokens_after):
+            return True
         if self._blocks_short(request_id, num_tokens_after, prefix) > 0:
             return False
         owner = self._programs.get(request_id)
@@ -479,6 +481,21 @@ class KVCacheManager:
         self._release_held_for(request_id)
         self._release_held_while_loading(request_id)
         return True
+
+    def _within_blocks(self, request_id: str, num_tokens_after: int) -> bool:
+        """Whether an allocation up to ``num_tokens_after`` tokens has nothing to do: the request's blocks hold them,
+        no block becomes full (to be named), and nothing is lent, held or prefetched anywhere. Most decode steps of a
+        running request: checked first, since the engine asks it of every request every step."""
+        table = self._tables.get(request_id)
+        return (
+            table is not None
+            and num_tokens_after <= len(table) * self.block_size
+            and (
+                not self.pool.enable_caching
+                or num_tokens_after // self.block_size <= self._num_named.get(request_id, 0)
+            )
+            and not (self._lent or self._held_for or self._held_while_loading or self._prefetched)
+        )
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks (tail first, so its tail is evicted first) and forget it."""

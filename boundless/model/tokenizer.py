@@ -486,6 +486,10 @@ class Tokenizer:
         """Text for ``ids``; incomplete UTF-8 sequences come out as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """:meth:`decode` for many sequences, in one call (in parallel in Rust)."""
+        return self._backend.decode_batch([list(ids) for ids in seqs], skip_special_tokens=skip_special_tokens)
+
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """The vocabulary strings of ``ids`` (byte-level spelling, e.g. ``Ġworld``)."""
         tokens = []

@@ -39,6 +39,15 @@ def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
         n, _, o = (int(x) for x in key.removeprefix("offline_1b_").split("x"))
         assert all(f["output_tokens"] == n * o for f in case["figures"])  # counted from the outputs
         assert case["hf_attention"] == "sdpa"
+    split = results["host_split_1b"]  # the decode-heavy run's wall time, split among the engine's phases
+    assert split["steps"] > 0 and 0 < split["execute_s"] < split["wall_s"] and split["schedule_s"] > 0
+    assert split["schedule_s"] + split["execute_s"] + split["finish_step_s"] <= split["wall_s"]
+    assert (
+        "EngineCore" in results["host_profile_1b"]["top_tottime"]
+        or "scheduler" in results["host_profile_1b"]["top_tottime"]
+    )
+    window = results["window8_1b_4x16x8"]  # multi-step decoding on the same case, against the same baseline
+    assert window["output_tokens_per_s"] > 0 and window["ratio_to_baseline"] > 0
     decode = results["decode_8b"]
     assert decode["decode_step_s"] > 0 and decode["roofline_step_s"] > 0
     # The 8B stand-in's weights were drawn in memory: its directory holds no checkpoint.

@@ -27,6 +27,10 @@ class CountingDecoder:
         self.decodes += 1
         return self.tokenizer.decode(ids, skip_special_tokens)  # type: ignore[attr-defined]
 
+    def decode_batch(self, seqs: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        self.decodes += len(seqs)
+        return self.tokenizer.decode_batch(seqs, skip_special_tokens)  # type: ignore[attr-defined]
+
 
 def _run(loaded: LoadedModel, k: int, detokenize: bool) -> tuple[dict, dict, dict, int]:
     config = EngineConfig(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TEST_DEVICE
 from lending_helpers import BLOCK, CHUNK, LONG, OTHER, PARAMS, SHARED, Recorded, record, reference
 
 from boundless.attention import cpu_attention, triton_paged
@@ -39,11 +38,13 @@ def test_distattention_on_the_pytorch_attention_path(load, make_cluster, monkeyp
 # In Triton's interpreter on the CPU, ~15 s: the slow suite there (the kernels' partials and merge are checked in the
 # fast one, tests/attention/test_triton_paged.py); on CUDA it runs in scripts/gpu-check.sh.
 @pytest.mark.slow
-@pytest.mark.skipif(not triton_paged.available(torch.device(TEST_DEVICE)), reason="triton unavailable")
 def test_distattention_on_the_triton_kernels(load, make_cluster) -> None:
     """The local partials from the GPU backend's kernels (here in Triton's interpreter): their log-sum-exp is the
     partial's max, merged with the creditors' as the other backends' partials are."""
-    _spanning_request_matches_one_instance(load("tiny-llama"), make_cluster, 2, attention_backend="triton")
+    loaded = load("tiny-llama")
+    if not triton_paged.available(loaded.device):
+        pytest.skip("triton unavailable")
+    _spanning_request_matches_one_instance(loaded, make_cluster, 2, attention_backend="triton")
 
 
 def _spanning_request_matches_one_instance(
