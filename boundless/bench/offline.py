@@ -101,11 +101,15 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def compare(systems: list[BenchSystem], prompts: list[list[int]], output_len: int, repeats: int) -> dict:
+def compare(
+    systems: list[BenchSystem], prompts: list[list[int]], output_len: int, repeats: int, warm_up_prompts: int = 2
+) -> dict:
     """Run the systems on the same prompts, taking turns (the first to run alternates, so a slow spell
-    of a noisy machine or a warm cache favours neither), print the table and the ratio, return the figures."""
+    of a noisy machine or a warm cache favours neither), print the table and the ratio, return the figures.
+    Each first generates 4 tokens for the first ``warm_up_prompts`` prompts (on a GPU, all of them: the kernels
+    a whole batch's shapes take compile at their first launch, a second or more that is no part of the run)."""
     for sys_ in systems:
-        sys_.generate(prompts[:2], 4)  # warm up
+        sys_.generate(prompts[:warm_up_prompts], 4)
     runs: list[dict[str, _Run]] = []
     for turn in range(repeats):
         order = systems[turn % len(systems) :] + systems[: turn % len(systems)]
