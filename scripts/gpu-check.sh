@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of one device session (about 5 minutes on an H200), run from the repository root with
+# The GPU checks of one device session (about 4 minutes on an H200), run from the repository root with
 # the device's own python3 (PyTorch, Triton, transformers; nothing installed): the Triton attention
 # kernels, the CUDA-graph runner, the transformers parity tests (speculative decoding's among them), speculative
 # decoding's own tests, LoRA adapters against PEFT (skipped unless PEFT's wheel travels in .whl: `pip download

@@ -375,7 +375,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shapes", default="1b,8b", help="which shapes: 1b (against transformers), 8b (decode)")
     parser.add_argument("--cases", type=int, default=len(OFFLINE_CASES), help="how many of the 1B cases to run")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per system (medians: a first run on a GPU runs cold)"
+    )
     parser.add_argument("--workdir", default="/tmp/boundless-bench-gpu", help="where the random checkpoints go")
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--kv-cache-gb", type=float, default=16.0)
