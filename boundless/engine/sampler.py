@@ -156,8 +156,17 @@ class Sampler:
         random_rows = [i for i, c in enumerate(chunks) if not c.sampling_params.greedy]
         if random_rows:
             probs = self._filtered_probs(logits[random_rows], [chunks[i] for i in random_rows])
+            # The rows of requests without a seed draw together from the shared generator, in one launch (a launch
+            # per row was a GPU step's longest host loop); a seeded request draws from its own generator, its
+            # stream independent of the batch it is in.
+            shared = [j for j, i in enumerate(random_rows) if chunks[i].sampling_params.seed is None]
+            if shared:
+                rows = probs if len(shared) == len(random_rows) else probs[shared]
+                drawn = torch.multinomial(rows, 1, generator=self.generator).squeeze(1)
+                tokens[torch.tensor([random_rows[j] for j in shared], device=tokens.device)] = drawn
             for j, i in enumerate(random_rows):
-                tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator_for(chunks[i]))[0]
+                if chunks[i].sampling_params.seed is not None:
+                    tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator_for(chunks[i]))[0]
         token_list = tokens.tolist()
 
         def kept(i: int, drafts: tuple[int, ...]) -> list[int]:
@@ -269,8 +278,9 @@ class Sampler:
     def _filtered_probs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         temps = torch.tensor([c.sampling_params.temperature for c in chunks], device=logits.device)
         logits = logits / temps.unsqueeze(1)
-        min_ps = torch.tensor([c.sampling_params.min_p for c in chunks], device=logits.device)
-        if bool((min_ps > 0).any()):
+        # (Which filters apply is read from the parameters, not the tensors: no wait for the device.)
+        if any(c.sampling_params.min_p > 0 for c in chunks):
+            min_ps = torch.tensor([c.sampling_params.min_p for c in chunks], device=logits.device)
             probs = logits.softmax(dim=-1)
             floor = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
             logits = logits.masked_fill(probs < floor, float("-inf"))
@@ -281,8 +291,8 @@ class Sampler:
             sorted_desc = logits.sort(dim=-1, descending=True).values
             kth = sorted_desc.gather(1, (ks - 1).unsqueeze(1))
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        top_ps = torch.tensor([c.sampling_params.top_p for c in chunks], device=logits.device)
-        if bool((top_ps < 1.0).any()):
+        if any(c.sampling_params.top_p < 1.0 for c in chunks):
+            top_ps = torch.tensor([c.sampling_params.top_p for c in chunks], device=logits.device)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             sorted_probs = sorted_logits.softmax(dim=-1)
             # Drop a token when the tokens strictly more likely already reach top_p (the top one always stays).

@@ -39,6 +39,37 @@ def test_all_greedy_batch_matches_torch_argmax() -> None:
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
+def test_unseeded_rows_draw_together_each_from_its_own_row_and_seeded_rows_alone() -> None:
+    """Rows without a seed are drawn in one call from the shared generator: each from its own distribution (row i
+    puts all but nothing outside tokens 2i and 2i + 1, evenly); a seeded row draws the same tokens whatever the rows
+    around it."""
+    n, vocab = 6, 40
+    logits = torch.full((n, vocab), -30.0)
+    for i in range(n):
+        logits[i, 2 * i] = logits[i, 2 * i + 1] = 0.0
+    sampler = Sampler(torch.device("cpu"))
+    counts = torch.zeros(n, vocab)
+    for step in range(200):
+        out = sampler.sample(logits, [chunk(f"r{i}-{step}", SamplingParams(temperature=1.0)) for i in range(n)])
+        for i, token in enumerate(out):
+            counts[i, token.token_id] += 1
+    for i in range(n):
+        assert counts[i, 2 * i] + counts[i, 2 * i + 1] == 200  # its own row's tokens only
+        assert 60 < counts[i, 2 * i] < 140  # both of them, about evenly
+
+    def seeded_tokens(batch: int) -> list[int]:
+        fresh = Sampler(torch.device("cpu"))
+        tokens = []
+        for step in range(20):
+            chunks = [chunk("s", SamplingParams(temperature=1.0, seed=7))]
+            chunks += [chunk(f"o{i}-{step}", SamplingParams(temperature=1.0)) for i in range(batch)]
+            tokens.append(fresh.sample(logits[: batch + 1], chunks)[0].token_id)
+        return tokens
+
+    alone = seeded_tokens(0)
+    assert alone == seeded_tokens(5) and len(set(alone)) == 2
+
+
 def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
     # Probabilities 0.5, 0.3, 0.15 and the rest spread thin: min_p 0.5 keeps tokens of at least 0.25, i.e. 0 and 1.
     probs = torch.full((64,), 0.05 / 61)
