@@ -86,6 +86,12 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, pools
         if arch.sliding_window:
             limit = min(limit, arch.sliding_window)  # no windowed attention: stay where attention is exact
         max_model_len = min(limit, pool_tokens)
+    elif arch.sliding_window and asked > arch.sliding_window:
+        # Attention here is over the whole context: past the window it would differ from the model's.
+        raise ConfigError(
+            f"--max-model-len: {asked} tokens exceed the model's sliding window ({arch.sliding_window}); attention "
+            "is computed over the whole context, so beyond the window outputs would not be the model's"
+        )
     elif asked > pool_tokens:
         raise ConfigError(
             f"--max-model-len: {asked} tokens do not fit in the KV pool ({pool_tokens} tokens"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from boundless.cluster.lending_plan import LendingThresholds, request_pools
@@ -28,3 +30,16 @@ def test_a_context_is_capped_by_one_pool_or_with_lending_by_the_pools_it_may_spa
     # The model's positions still cap it.
     roomy = engine_config(tiny_llama.name, num_kv_blocks=arch.max_position_embeddings // 16, block_size=16)
     assert size_engine(roomy, arch, dtype, pools=4).max_model_len == arch.max_position_embeddings
+
+
+def test_a_windowed_model_admits_no_context_past_its_window(tiny_llama: LoadedModel) -> None:
+    """Attention runs over the whole context: a sliding-window model's default context stops at its window, and an
+    asked one beyond it is refused (its outputs would differ from the model's there)."""
+    arch = dataclasses.replace(tiny_llama.arch, sliding_window=64)
+    config = engine_config(tiny_llama.name, num_kv_blocks=32, block_size=16)
+    assert size_engine(config, arch, tiny_llama.dtype).max_model_len == 64
+    within = engine_config(tiny_llama.name, num_kv_blocks=32, block_size=16, max_model_len=64)
+    assert size_engine(within, arch, tiny_llama.dtype).max_model_len == 64
+    past = engine_config(tiny_llama.name, num_kv_blocks=32, block_size=16, max_model_len=65)
+    with pytest.raises(ConfigError, match=r"--max-model-len: 65 tokens exceed the model's sliding window \(64\)"):
+        size_engine(past, arch, tiny_llama.dtype)
