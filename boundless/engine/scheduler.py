@@ -64,9 +64,11 @@ class DraftProposer(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass
 class ScheduledChunk:
-    """Tokens of one request to compute in a step."""
+    """Tokens of one request to compute in a step. Not changed once made (not frozen only because a frozen
+    dataclass's ``__init__`` sets each field through ``object.__setattr__``: 3.5 us a chunk against 1.3, a
+    millisecond of a 256-request step's Python on a GPU)."""
 
     request_id: str
     token_ids: list[int]
@@ -97,14 +99,12 @@ class ScheduledChunk:
 
     def next_pass(self, token_id: int, j: int) -> ScheduledChunk:
         """Pass ``j`` of a multi-step window: this chunk decoding ``token_id``, ``j`` positions on. A copy of the
-        fields, not ``dataclasses.replace`` (which runs ``__init__`` again: 12 us a chunk, every chunk of every
-        pass, most of a GPU window's Python)."""
+        fields, not ``dataclasses.replace`` (which runs ``__init__`` again, for every chunk of every pass)."""
         chunk = object.__new__(ScheduledChunk)
-        fields = chunk.__dict__
-        fields.update(self.__dict__)
-        fields["token_ids"] = [token_id]
-        fields["start_pos"] = self.start_pos + j
-        fields["num_output_tokens"] = self.num_output_tokens + j
+        chunk.__dict__.update(self.__dict__)
+        chunk.token_ids = [token_id]
+        chunk.start_pos = self.start_pos + j
+        chunk.num_output_tokens = self.num_output_tokens + j
         return chunk
 
 
