@@ -68,6 +68,13 @@ class ModelConfig:
     )
     max_loras: int = field(default=1, metadata={"help": "most LoRA adapters in one step"})
     max_lora_rank: int = field(default=16, metadata={"help": "largest LoRA rank accepted"})
+    allow_long_max_model_len: bool = field(
+        default=False,
+        metadata={
+            "help": "accept a --max-model-len past the model's context (its positions, or YaRN's derived length), as "
+            "vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 does: the model was not trained there"
+        },
+    )
     hf_overrides: str = field(
         default="",
         metadata={

@@ -92,6 +92,11 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, pools
             f"--max-model-len: {asked} tokens exceed the model's sliding window ({arch.sliding_window}); attention "
             "is computed over the whole context, so beyond the window outputs would not be the model's"
         )
+    elif asked > arch.context_length and not config.model.allow_long_max_model_len:
+        raise ConfigError(
+            f"--max-model-len: {asked} tokens exceed the model's context ({arch.context_length}); outputs past it "
+            "are not what the model was trained for. Pass --allow-long-max-model-len to run it anyway"
+        )
     elif asked > pool_tokens:
         raise ConfigError(
             f"--max-model-len: {asked} tokens do not fit in the KV pool ({pool_tokens} tokens"

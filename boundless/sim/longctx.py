@@ -204,7 +204,8 @@ def run_longctx(
     base = dataclasses.replace(base, cache=dataclasses.replace(base.cache, kv_host_gb=0.0))
     pool = pool_tokens(base, model)
     if base.model.max_model_len is None:  # one pool, not the simulated model's position limit (lending ignores it)
-        base = dataclasses.replace(base, model=dataclasses.replace(base.model, max_model_len=pool))
+        model_config = dataclasses.replace(base.model, max_model_len=pool, allow_long_max_model_len=True)
+        base = dataclasses.replace(base, model=model_config)
     shape = trace_shape_from_flags(args)
     modes = [m.strip() for m in args.kv_modes.split(",") if m.strip()]
     if unknown := [m for m in modes if m not in KV_MODES]:

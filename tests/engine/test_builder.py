@@ -43,3 +43,18 @@ def test_a_windowed_model_admits_no_context_past_its_window(tiny_llama: LoadedMo
     past = engine_config(tiny_llama.name, num_kv_blocks=32, block_size=16, max_model_len=65)
     with pytest.raises(ConfigError, match=r"--max-model-len: 65 tokens exceed the model's sliding window \(64\)"):
         size_engine(past, arch, tiny_llama.dtype)
+
+
+def test_a_context_past_the_models_is_refused_unless_allowed(tiny_llama: LoadedModel) -> None:
+    """As vLLM: an asked context longer than the model's positions stops start-up, naming the flag that allows it."""
+    arch, dtype = tiny_llama.arch, tiny_llama.dtype
+    blocks = 2 * arch.context_length // 16
+    past = engine_config(tiny_llama.name, num_kv_blocks=blocks, max_model_len=arch.context_length + 1)
+    with pytest.raises(ConfigError, match=r"exceed the model's context .* --allow-long-max-model-len"):
+        size_engine(past, arch, dtype)
+    allowed = engine_config(
+        tiny_llama.name, num_kv_blocks=blocks, max_model_len=arch.context_length + 1, allow_long_max_model_len=True
+    )
+    assert size_engine(allowed, arch, dtype).max_model_len == arch.context_length + 1
+    at = engine_config(tiny_llama.name, num_kv_blocks=blocks, max_model_len=arch.context_length)
+    assert size_engine(at, arch, dtype).max_model_len == arch.context_length

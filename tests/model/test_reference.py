@@ -95,7 +95,10 @@ def _engine(loaded: LoadedModel, **cache_and_sched) -> EngineCore:
     sched = {k: v for k, v in cache_and_sched.items() if k in sched_keys}
     model = {k: v for k, v in cache_and_sched.items() if k in ("attention_backend", "enforce_eager")}
     cfg = EngineConfig(
-        model=ModelConfig(max_model_len=cache_and_sched.get("max_model_len", 512), **model),
+        # 512 tokens, or the model's context where shorter (tiny-qwen3-yarn's: 128).
+        model=ModelConfig(
+            max_model_len=cache_and_sched.get("max_model_len", min(512, loaded.arch.context_length)), **model
+        ),
         cache=CacheConfig(**cache),
         scheduler=SchedulerConfig(**sched),
     )
