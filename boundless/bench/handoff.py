@@ -69,10 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
 
 
-def _config(model: str, max_tokens: int) -> EngineConfig:
+def _config(loaded: LoadedModel, max_tokens: int) -> EngineConfig:
     blocks = max_tokens // 16 + 8
     return EngineConfig(
-        model=ModelConfig(model=model, max_model_len=blocks * 16),
+        model=ModelConfig(model=loaded.name, max_model_len=min(blocks * 16, loaded.arch.context_length)),
         cache=CacheConfig(num_kv_blocks=blocks, kv_host_gb=blocks * 1.0e-3, enable_prefix_caching=True),
         scheduler=SchedulerConfig(policy="fcfs", max_num_batched_tokens=max(2048, max_tokens)),
     )
@@ -105,7 +105,7 @@ def _one(pe: EngineCore, de: EngineCore, pe_net: ShmTransport, de_net: ShmTransp
 
 def measure(loaded: LoadedModel, lengths: list[int], net_gbps: float, repeats: int) -> list[dict[str, Any]]:
     rows = []
-    config = _config(loaded.name, max(lengths))
+    config = _config(loaded, max(lengths))
     generator = torch.Generator().manual_seed(0)
     vocab = loaded.arch.vocab_size
     with tempfile.TemporaryDirectory(prefix="boundless-handoff-", dir="/dev/shm") as directory:
@@ -139,7 +139,7 @@ def _receive_config(loaded: LoadedModel, store: str, max_tokens: int) -> EngineC
     arch = loaded.arch
     per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, 16, loaded.dtype)
     return EngineConfig(
-        model=ModelConfig(model=loaded.name, max_model_len=blocks * 16),
+        model=ModelConfig(model=loaded.name, max_model_len=min(blocks * 16, arch.context_length)),
         # Host memory for three contexts: a load may take half of it (the prefetch share).
         cache=CacheConfig(
             num_kv_blocks=blocks, kv_host_gb=3 * blocks * per_block / (1 << 30), kv_disk_path=store,
