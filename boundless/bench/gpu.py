@@ -196,19 +196,24 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
         windowed = BoundlessSystem(LLM.from_config(_engine_config(Path(path), args, 256, args.window), loaded))
         hf_figures = (results.get(f"offline_1b_{n}x{i}x{o}") or {}).get("figures", [])
         hf_rate = next((f["output_tokens_per_s"] for f in hf_figures if f["system"] == "huggingface"), None)
-        _stage(results, f"window{args.window}_1b_{n}x{i}x{o}", lambda: timed_run(windowed, prompts, o, hf_rate))
+        _stage(
+            results,
+            f"window{args.window}_1b_{n}x{i}x{o}",
+            lambda: measured_alone(windowed, prompts, o, args.repeats, hf_rate),
+        )
 
 
-def timed_run(system: BoundlessSystem, prompts: list[list[int]], output_len: int, baseline_rate: float | None) -> dict:
-    """Boundless alone on a case already measured against the baseline: its output tokens per second (after a
-    warm-up), and the ratio to the baseline's rate from that measurement."""
-    system.generate(prompts, 4)  # the whole batch: its kernels compile here, not in the timed run
-    start = time.perf_counter()
-    outputs = system.generate(prompts, output_len)
-    seconds = time.perf_counter() - start
-    rate = sum(len(o) for o in outputs) / seconds
-    ratio = rate / baseline_rate if baseline_rate else None
-    return {"seconds": seconds, "output_tokens_per_s": rate, "ratio_to_baseline": ratio}
+def measured_alone(
+    system: BoundlessSystem, prompts: list[list[int]], output_len: int, repeats: int, baseline_rate: float | None
+) -> dict:
+    """Boundless alone on a case already measured against the baseline (``compare`` with one system: the same
+    whole-batch warm-up and medians), its output tokens per second, and the ratio to the baseline's rate from
+    that measurement."""
+    result = compare([system], prompts, output_len, repeats, len(prompts))
+    rate = result["figures"][0]["output_tokens_per_s"]
+    result["output_tokens_per_s"] = rate
+    result["ratio_to_baseline"] = rate / baseline_rate if baseline_rate else None
+    return result
 
 
 def host_split(system: BoundlessSystem, prompts: list[list[int]], output_len: int) -> dict:

@@ -159,14 +159,17 @@ class Sampler:
             # The rows of requests without a seed draw together from the shared generator, in one launch (a launch
             # per row was a GPU step's longest host loop); a seeded request draws from its own generator, its
             # stream independent of the batch it is in.
-            shared = [j for j, i in enumerate(random_rows) if chunks[i].sampling_params.seed is None]
+            shared: list[int] = []
+            seeded: list[int] = []
+            for j, i in enumerate(random_rows):
+                (shared if chunks[i].sampling_params.seed is None else seeded).append(j)
             if shared:
                 rows = probs if len(shared) == len(random_rows) else probs[shared]
                 drawn = torch.multinomial(rows, 1, generator=self.generator).squeeze(1)
                 tokens[torch.tensor([random_rows[j] for j in shared], device=tokens.device)] = drawn
-            for j, i in enumerate(random_rows):
-                if chunks[i].sampling_params.seed is not None:
-                    tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator_for(chunks[i]))[0]
+            for j in seeded:
+                i = random_rows[j]
+                tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator_for(chunks[i]))[0]
         token_list = tokens.tolist()
 
         def kept(i: int, drafts: tuple[int, ...]) -> list[int]:
