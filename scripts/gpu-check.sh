@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of one device session (about 4 minutes on an H200), run from the repository root with
+# The GPU checks of one device session (about 5 minutes on an H200), run from the repository root with
 # the device's own python3 (PyTorch, Triton, transformers; nothing installed): the Triton attention
 # kernels, the CUDA-graph runner, the transformers parity tests (speculative decoding's among them), speculative
 # decoding's own tests, LoRA adapters against PEFT (skipped unless PEFT's wheel travels in .whl: `pip download
@@ -26,4 +26,4 @@ BOUNDLESS_TEST_DEVICE=cuda timeout 180 python3 -m pytest -p no:cacheprovider -q 
     tests/engine/test_structured_output.py tests/engine/test_speculative.py tests/engine/test_suffix_decoding.py \
     tests/model/test_lora.py tests/engine/test_multi_step.py tests/engine/test_detokenizer.py \
     2>&1 | tee "$out/pytest.log" | tail -15
-timeout 240 python3 -m boundless.bench.gpu --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log" | tail -45
+timeout 300 python3 -m boundless.bench.gpu --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log" | tail -45

@@ -191,16 +191,19 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
     _stage(results, "host_split_1b", lambda: host_split(ours, prompts, o))
     _stage(results, "host_profile_1b", lambda: host_profile(lambda: ours.generate(prompts, o)))
     systems.clear()
-    if args.window > 1:
-        # The same decode-heavy case with multi-step decoding: the scheduler and the deltas once per window.
-        windowed = BoundlessSystem(LLM.from_config(_engine_config(Path(path), args, 256, args.window), loaded))
-        hf_figures = (results.get(f"offline_1b_{n}x{i}x{o}") or {}).get("figures", [])
-        hf_rate = next((f["output_tokens_per_s"] for f in hf_figures if f["system"] == "huggingface"), None)
-        _stage(
-            results,
-            f"window{args.window}_1b_{n}x{i}x{o}",
-            lambda: measured_alone(windowed, prompts, o, args.repeats, hf_rate),
-        )
+    hf_figures = (results.get(f"offline_1b_{n}x{i}x{o}") or {}).get("figures", [])
+    hf_rate = next((f["output_tokens_per_s"] for f in hf_figures if f["system"] == "huggingface"), None)
+    windows = [w for w in (int(x) for x in args.windows.split(",") if x.strip()) if w > 1]
+    for window in windows:
+        # The same decode-heavy case with multi-step decoding: the scheduler and the deltas once per window, its
+        # passes back to back on the device (CUDA graphs).
+        windowed = BoundlessSystem(LLM.from_config(_engine_config(Path(path), args, 256, window), loaded))
+        key = f"window{window}_1b_{n}x{i}x{o}"
+        _stage(results, key, lambda s=windowed: measured_alone(s, prompts, o, args.repeats, hf_rate))
+        if window == max(windows):
+            if loaded.device.type == "cuda":
+                _stage(results, f"busy_{key}", lambda s=windowed: kernel_busy_fraction(lambda: s.generate(prompts, o)))
+            _stage(results, f"host_split_{key}", lambda s=windowed: host_split(s, prompts, o))
 
 
 def measured_alone(
@@ -352,18 +355,20 @@ def _summary(results: dict) -> None:
         print(f"GPU busy during the decode-heavy run: {busy['busy_fraction']:.1%} of {busy['wall_s']:.2f} s")
         for row in busy.get("top_kernels", []):
             print(f"  {row['gpu_ms']:10.3f} ms {row['calls']:7d} x  {row['kernel']}")
-    split = results.get("host_split_1b") or {}
-    if "steps" in split:
-        print(
-            f"decode-heavy run, per step: schedule {split['schedule_ms_per_step']:.2f} ms, execute "
-            f"{split['execute_ms_per_step']:.2f} ms, finish_step {split['finish_step_ms_per_step']:.2f} ms "
-            f"({split['steps']} steps in {split['wall_s']:.2f} s)"
-        )
+    for key, split in results.items():
+        if key.startswith("host_split") and isinstance(split, dict) and "steps" in split:
+            print(
+                f"{key}, per step: schedule {split['schedule_ms_per_step']:.2f} ms, execute "
+                f"{split['execute_ms_per_step']:.2f} ms, finish_step {split['finish_step_ms_per_step']:.2f} ms "
+                f"({split['steps']} steps in {split['wall_s']:.2f} s)"
+            )
     for key, value in results.items():
         if key.startswith("window") and isinstance(value, dict) and "output_tokens_per_s" in value:
             ratio = value["ratio_to_baseline"]
             versus = f", {ratio:.2f}x transformers" if ratio else ""
             print(f"{key}: {value['output_tokens_per_s']:.0f} tok/s{versus}")
+        if key.startswith("busy_window") and isinstance(value, dict) and "busy_fraction" in value:
+            print(f"{key}: GPU busy {value['busy_fraction']:.1%} of {value['wall_s']:.2f} s")
     dec = results.get("decode_8b") or {}
     if "decode_step_s" in dec:
         print(
@@ -390,7 +395,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", default="bench-gpu.json", help="write the figures here")
     parser.add_argument("--attention-backend", default="triton", help="torch or triton (the GPU kernels)")
     parser.add_argument(
-        "--window", type=int, default=8, help="also run the decode-heavy case with this many scheduler steps (1: not)"
+        "--windows",
+        default="8,16",
+        help="also run the decode-heavy case with each of these numbers of scheduler steps (empty: not)",
     )
     parser.add_argument("--tiny", action="store_true", help="small shapes, to check the benchmark itself (CPU too)")
 

@@ -13,11 +13,13 @@ forward pass over the same buffers eagerly: everything but the graph itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 
 import torch
 
 from boundless.attention.triton_paged import TritonAttentionMetadata, TritonPagedAttention
+from boundless.engine.scheduler import ScheduledChunk
 from boundless.kv.tensors import PagedKVCache
 from boundless.model.llama import LlamaModel
 
@@ -111,6 +113,71 @@ class DecodeGraphs:
         block_tables: Sequence[Sequence[int]],
     ) -> torch.Tensor:
         """Logits [n, vocab] of a decode-only step of n sequences; valid until the next run."""
+        return self._replay(self._load(input_ids, positions, slots, seq_lens, block_tables))[: len(input_ids)]
+
+    def run_window(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        draw: Callable[[torch.Tensor], torch.Tensor],
+        timer: Callable[[], float],
+    ) -> tuple[torch.Tensor, list[float]]:
+        """A multi-step window's passes (``engine/multi_step.py``) of one-token decodes, all on the device: each pass
+        replays the graph and ``draw`` picks its tokens from its logits; the next pass's inputs are made from them
+        there (the tokens, each position and context one on, the slot from the block table the window's blocks are
+        in already), so the host neither waits for a pass nor builds the next one: the GPU runs the window back to
+        back. A chunk with fewer passes (``num_steps``) than the window turns into padding after its last.
+
+        Returns the tokens [window, n] (row ``i`` of pass ``j`` is chunk ``i``'s when it has more than ``j``
+        passes) and each pass's seconds (CUDA events on the GPU: nothing waits for them until the window ends)."""
+        n = len(chunks)
+        bs = self.kv_cache.block_size
+        window = max(c.num_steps for c in chunks)
+        positions = [c.start_pos for c in chunks]
+        b = self._load(
+            [c.token_ids[0] for c in chunks],
+            positions,
+            [c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, positions, strict=True)],
+            [p + 1 for p in positions],
+            [c.block_ids for c in chunks],
+        )
+        dev = self.device
+        steps = torch.tensor([c.num_steps for c in chunks], device=dev)
+        rows = torch.arange(n, device=dev)
+        tokens = torch.empty(window, n, dtype=torch.long, device=dev)
+        on_gpu = dev.type == "cuda"
+        marks: list = []
+        for j in range(window):
+            marks.append(torch.cuda.Event(enable_timing=True) if on_gpu else timer())
+            if on_gpu:
+                marks[-1].record()
+            tokens[j] = draw(self._replay(b)[:n])
+            if j + 1 < window:
+                # Rows still decoding move one position on; a finished row stays where it was (its table's index
+                # stays in range) and becomes padding: no KV stored, nothing attended.
+                active = steps > j + 1
+                self.input_ids[:n].copy_(tokens[j])
+                pos = self.positions[:n] + active
+                self.positions[:n].copy_(pos)
+                slot = self.block_tables[rows, pos // bs].long() * bs + pos % bs
+                self.slots[:n].copy_(torch.where(active, slot, -1))
+                self.seq_lens[:n].copy_(torch.where(active, pos + 1, 0))
+        if on_gpu:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+            marks[-1].synchronize()
+            return tokens, [a.elapsed_time(z) / 1e3 for a, z in itertools.pairwise(marks)]
+        marks.append(timer())
+        return tokens, [z - a for a, z in itertools.pairwise(marks)]
+
+    def _load(
+        self,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> int:
+        """Copy a step's inputs into the buffers (padding rows after them); returns the bucket that holds them."""
         n = len(input_ids)
         b = next(size for size in self.buckets if size >= n)
         # The previous step's copies out of the staging buffer are done: its tokens were read back.
@@ -127,11 +194,14 @@ class DecodeGraphs:
         flat = [x for t in block_tables for x in (*t, *([0] * (width - len(t))))]
         table = torch.tensor(flat, dtype=torch.int32).view(n, width)
         self.block_tables[:n, :width].copy_(table)
+        return b
+
+    def _replay(self, b: int) -> torch.Tensor:
+        """The logits [b, vocab] of the buffers' first ``b`` rows: the bucket's graph replayed (eagerly without one)."""
         if b in self._graphs:
             graph, logits = self._graphs[b]
             graph.replay()
-        else:
-            if b not in self._metas:
-                self._metas[b] = self._meta(b)
-            logits = self._forward(b, self._metas[b])
-        return logits[:n]
+            return logits
+        if b not in self._metas:
+            self._metas[b] = self._meta(b)
+        return self._forward(b, self._metas[b])

@@ -153,7 +153,16 @@ class ModelExecutor:
                 raise snapshot_error
             waits = self._layer_waits(sched)
             before_layer = _chain(waits.before_layer if waits is not None else None, landing)
-            if sched.chunks:
+            # Multi-step decoding on CUDA graphs: the whole window on the device, no host work between its passes.
+            windowed = None
+            if sched.window > 1 and on_layer is None and before_layer is None:
+                windowed = self.runner.run_window(sched, self.timer)
+            if windowed is not None:
+                passes, seconds = windowed
+                sampled, later = passes[0], passes[1:]
+                # (The first pass's seconds hold the step's work before it, as when the passes run one by one.)
+                pass_seconds = [self.timer() - start - sum(seconds[1:]), *seconds[1:]]
+            elif sched.chunks:
                 step = self.runner.forward(sched, on_layer, before_layer)
                 sampled, accepted = self.runner.sample(step)
                 prompt_scores = step.prompt_scores
@@ -162,7 +171,7 @@ class ModelExecutor:
                     later = [{rid: ts[j] for rid, ts in accepted.items() if len(ts) > j} for j in range(depth)]
             if landing is not None:
                 landing.finish()  # every layer copied (a step without a forward pass copies them here)
-            if sched.window > 1:  # multi-step decoding: the same batch's next passes, each on the last one's tokens
+            if sched.window > 1 and windowed is None:  # multi-step decoding: the next passes, each on the last's tokens
                 pass_seconds.append(self.timer() - start)
                 last = {rid: t.token_id for rid, t in sampled.items()}
                 for j in range(1, sched.window):

@@ -186,6 +186,29 @@ class ModelRunner:
         return StepLogits(logits=logits, chunks=[chunks[i] for i in rows])
 
     @torch.inference_mode()
+    def run_window(
+        self, sched: SchedulerOutput, timer: Callable[[], float]
+    ) -> tuple[list[dict[str, SampledToken]], list[float]] | None:
+        """A multi-step window's passes on the device, with no host work between them (``DecodeGraphs.run_window``):
+        each pass's tokens by request id, and its seconds. None when the window cannot run so: no graphs, a chunk
+        the graphs do not take (lent blocks, a LoRA adapter), or one whose sampling needs the host each pass
+        (``Sampler.draws_alone``); the executor then runs its passes one by one."""
+        chunks = sched.chunks
+        graphs = self.graphs
+        if (
+            graphs is None
+            or not graphs.fits(len(chunks))
+            or any(c.remote or c.sampling_params.lora_name is not None for c in chunks)
+            or not all(map(self.sampler.draws_alone, chunks))
+        ):
+            return None
+        tokens, seconds = graphs.run_window(chunks, lambda logits: self.sampler.draw(logits, chunks), timer)
+        passes = []
+        for j, row in enumerate(tokens.tolist()):  # (the one wait for the device in the window)
+            passes.append({c.request_id: SampledToken(t) for c, t in zip(chunks, row, strict=True) if c.num_steps > j})
+        return passes, seconds
+
+    @torch.inference_mode()
     def sample(self, step: StepLogits) -> tuple[dict[str, SampledToken], dict[str, list[SampledToken]]]:
         """A token for each chunk that samples, by request id; and for each chunk with drafts, the tokens it keeps
         after that one (``speculative.accepted_tokens``: the drafts that matched, then a correction or bonus)."""

@@ -144,32 +144,7 @@ class Sampler:
             matcher = self._matcher(c)
             if not matcher.done:
                 structured.append((i, matcher, c.draft_token_ids))
-        logits = self._adjusted(logits, chunks, penalized, structured)
-        greedy = [i for i, c in enumerate(chunks) if c.sampling_params.greedy]
-        if len(greedy) == len(chunks):  # the common case: no copy of the logits rows
-            tokens = cpu_kernels.argmax_rows(logits)
-        else:
-            tokens = torch.empty(len(chunks), dtype=torch.long, device=logits.device)
-            if greedy:
-                idx = torch.tensor(greedy, device=logits.device)
-                tokens[idx] = cpu_kernels.argmax_rows(logits[idx])
-        random_rows = [i for i, c in enumerate(chunks) if not c.sampling_params.greedy]
-        if random_rows:
-            probs = self._filtered_probs(logits[random_rows], [chunks[i] for i in random_rows])
-            # The rows of requests without a seed draw together from the shared generator, in one launch (a launch
-            # per row was a GPU step's longest host loop); a seeded request draws from its own generator, its
-            # stream independent of the batch it is in.
-            shared: list[int] = []
-            seeded: list[int] = []
-            for j, i in enumerate(random_rows):
-                (shared if chunks[i].sampling_params.seed is None else seeded).append(j)
-            if shared:
-                rows = probs if len(shared) == len(random_rows) else probs[shared]
-                drawn = torch.multinomial(rows, 1, generator=self.generator).squeeze(1)
-                tokens[torch.tensor([random_rows[j] for j in shared], device=tokens.device)] = drawn
-            for j in seeded:
-                i = random_rows[j]
-                tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator_for(chunks[i]))[0]
+        tokens = self.draw(self._adjusted(logits, chunks, penalized, structured), chunks)
         token_list = tokens.tolist()
 
         def kept(i: int, drafts: tuple[int, ...]) -> list[int]:
@@ -196,6 +171,49 @@ class Sampler:
         if raw_logprobs is not None:
             self._fill_logprobs(raw_logprobs, tokens, chunks, out)
         return out
+
+    @staticmethod
+    def draws_alone(chunk: ScheduledChunk) -> bool:
+        """Whether the chunk's next tokens depend on its logits (and its generator) alone: no penalties, grammar,
+        logit biases, logprobs, drafts, or stop tokens still forbidden (``min_tokens``). A multi-step window of such
+        chunks may draw each pass's tokens on the device with no host work between passes
+        (``DecodeGraphs.run_window``): :meth:`draw` is all of their sampling."""
+        p = chunk.sampling_params
+        return (
+            p.logprobs is None
+            and not p.needs_history
+            and not p.logit_bias
+            and chunk.num_output_tokens >= p.min_tokens
+            and not chunk.draft_token_ids
+        )
+
+    def draw(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """A token id per row of ``logits`` (adjusted already), on their device, without waiting for it: greedy rows
+        their argmax, the others a draw from their filtered distribution."""
+        greedy = [i for i, c in enumerate(chunks) if c.sampling_params.greedy]
+        if len(greedy) == len(chunks):  # the common case: no copy of the logits rows
+            return cpu_kernels.argmax_rows(logits)
+        tokens = torch.empty(len(chunks), dtype=torch.long, device=logits.device)
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            tokens[idx] = cpu_kernels.argmax_rows(logits[idx])
+        random_rows = [i for i, c in enumerate(chunks) if not c.sampling_params.greedy]
+        probs = self._filtered_probs(logits[random_rows], [chunks[i] for i in random_rows])
+        # The rows of requests without a seed draw together from the shared generator, in one launch (a launch per
+        # row was a GPU step's longest host loop); a seeded request draws from its own generator, its stream
+        # independent of the batch it is in.
+        shared: list[int] = []
+        seeded: list[int] = []
+        for j, i in enumerate(random_rows):
+            (shared if chunks[i].sampling_params.seed is None else seeded).append(j)
+        if shared:
+            rows = probs if len(shared) == len(random_rows) else probs[shared]
+            drawn = torch.multinomial(rows, 1, generator=self.generator).squeeze(1)
+            tokens[torch.tensor([random_rows[j] for j in shared], device=tokens.device)] = drawn
+        for j in seeded:
+            i = random_rows[j]
+            tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator_for(chunks[i]))[0]
+        return tokens
 
     def _adjusted(
         self,

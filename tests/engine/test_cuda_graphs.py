@@ -28,10 +28,11 @@ def test_buckets_cover_every_batch_size() -> None:
         assert any(b >= n for b in batch_buckets(40))
 
 
-def _engine(loaded: LoadedModel, backend: str, graphs: bool) -> EngineCore:
+def _engine(loaded: LoadedModel, backend: str, graphs: bool, window: int = 1) -> EngineCore:
     config = engine_config(
-        loaded.name, max_model_len=256, num_kv_blocks=64, attention_backend=backend, enforce_eager=True
-    )
+        loaded.name, max_model_len=256, num_kv_blocks=64, attention_backend=backend, enforce_eager=True,
+        num_scheduler_steps=window,
+    )  # fmt: skip
     core = EngineCore.from_model(loaded, config)
     runner = core.executor.runner
     if graphs:
@@ -44,8 +45,13 @@ def _engine(loaded: LoadedModel, backend: str, graphs: bool) -> EngineCore:
 
 
 def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True)):
-        core.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    return _generate(core, prompts, params)
+
+
+def _generate(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(str(i), p, sp)
     out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while core.has_unfinished():
         for delta in core.step():
@@ -71,3 +77,53 @@ def test_graph_buffers_give_the_eager_tokens(tiny_llama: LoadedModel) -> None:
     core.executor.runner.graphs.run = counting_run
     assert _greedy(core, prompts, max_tokens) == expected
     assert replays >= 10  # the decode steps went through the buffers
+
+
+def _count_device_windows(core: EngineCore) -> list[int]:
+    """Patches the runner to count the windows it ran on the device (``run_window`` not None); returns the count."""
+    runner = core.executor.runner
+    original = runner.run_window
+    count = [0]
+
+    def counting(*args, **kwargs):
+        out = original(*args, **kwargs)
+        count[0] += out is not None
+        return out
+
+    runner.run_window = counting
+    return count
+
+
+def test_a_window_on_the_device_gives_the_tokens_of_single_steps(tiny_llama: LoadedModel) -> None:
+    """Multi-step windows whose passes feed each other on the device (``DecodeGraphs.run_window``): the tokens of the
+    eager engine stepping one token at a time, with requests that end mid-window (their rows turn into padding)."""
+    prompts = [[5 + i * 7 + j for j in range(3 + 9 * i)] for i in range(4)]
+    max_tokens = [9, 3, 6, 2]
+    expected = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, max_tokens)
+    core = _engine(tiny_llama, "triton", graphs=True, window=4)
+    windows = _count_device_windows(core)
+    assert _greedy(core, prompts, max_tokens) == expected
+    assert windows[0] >= 2  # (prefill, then windows of 4, 4 passes: 9 tokens need two after the first)
+
+
+def test_a_device_window_draws_what_passes_one_by_one_draw(tiny_llama: LoadedModel) -> None:
+    """Random sampling in a device window takes the same draws from the same generators as the window's passes run
+    one by one (shared and per-request seeds); a request whose sampling needs the host each pass (logprobs) sends the
+    window back to the passes one by one, with the same tokens."""
+    prompts = [[3 + i * 5 + j for j in range(4 + 6 * i)] for i in range(3)]
+
+    def params(logprobs: int | None) -> list[SamplingParams]:
+        return [
+            SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=5, ignore_eos=True),
+            SamplingParams(temperature=1.0, top_k=5, max_tokens=6, ignore_eos=True, logprobs=logprobs),
+        ]
+
+    for logprobs, device_windows in ((None, True), (1, False)):
+        one_by_one = _engine(tiny_llama, "triton", graphs=True, window=4)
+        one_by_one.executor.runner.run_window = lambda *a, **k: None
+        expected = _generate(one_by_one, prompts, params(logprobs))
+        core = _engine(tiny_llama, "triton", graphs=True, window=4)
+        windows = _count_device_windows(core)
+        assert _generate(core, prompts, params(logprobs)) == expected
+        assert (windows[0] > 0) == device_windows
