@@ -17,7 +17,7 @@ import torch
 from boundless.config import ConfigError, EngineConfig
 from boundless.engine.attention_time import AttentionTimeRecorder
 from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
-from boundless.engine.detokenizer import IncrementalDetokenizer, add_tokens
+from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
@@ -829,15 +829,22 @@ def _apply_tokens(
 ) -> list[tuple[int, RequestStatus | None]]:
     """Append each request's sampled tokens in order up to its first stop (a window's tokens past it are discarded):
     how many each kept, and its finished status (None: it goes on). The requests' ``j``-th tokens are applied
-    together, their text decoded in one call (``add_tokens``); a window's tokens without text (no stop strings) take
-    their stop and length rules in one pass."""
+    together, their text decoded in one call (``add_tokens``). A window's tokens without stop strings take their stop
+    and length rules in one pass, and the kept ones' text comes from one decode of each window (``add_runs``): only
+    a stop string needs each token's text before the next token is taken."""
     results: list[tuple[int, RequestStatus | None]] = [(0, None)] * len(applied)
     active = []
+    runs: list[tuple[IncrementalDetokenizer, list[int]]] = []  # windows' kept tokens whose text comes in one decode
     for i, (request, detok, tokens) in enumerate(applied):
-        if detok.enabled or len(tokens) == 1:
+        if len(tokens) == 1 or detok.stop:
             active.append(i)
         else:
-            results[i] = request.append_outputs([t.token_id for t in tokens])
+            token_ids = [t.token_id for t in tokens]
+            results[i] = request.append_outputs(token_ids)
+            if detok.enabled:
+                runs.append((detok, token_ids[: results[i][0]]))
+    if runs:
+        add_runs([d for d, _ in runs], [r for _, r in runs])
     j = 0
     while active:
         token_ids = [applied[i][2][j].token_id for i in active]

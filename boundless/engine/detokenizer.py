@@ -39,6 +39,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stopped_by: str | None = None
         self._emitted = 0
+        self.text_pending = False
 
     def add(self, token_id: int) -> bool:
         """Add a token; True when its text completed a stop string (the text is then cut there)."""
@@ -49,13 +50,16 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         return self._ids[self._prefix_offset : self._read_offset], self._ids[self._prefix_offset :]
 
-    def _resolve(self, prefix: str, full: str) -> bool:
-        """Take the decoded windows' new text, if it forms whole characters; True when it completed a stop string."""
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+    def _resolve(self, prefix: str, full: str, left_off: int = 0) -> bool:
+        """Take the decoded windows' new text, if it forms whole characters (``full``: the window up to its last
+        ``left_off`` tokens); True when it completed a stop string. ``text_pending`` says whether it took none
+        because the text ends inside a character."""
+        self.text_pending = full.endswith("\ufffd")
+        if len(full) <= len(prefix) or self.text_pending:
             return False  # no whole new character yet
         delta = full[len(prefix) :]
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._read_offset = len(self._ids) - left_off
         before = len(self.text)
         self.text += delta
         return self._check_stop(before)
@@ -109,3 +113,44 @@ def add_tokens(detokenizers: Sequence[IncrementalDetokenizer], token_ids: Sequen
         for k, i in enumerate(members):
             stops[i] = detokenizers[i]._resolve(texts[2 * k], texts[2 * k + 1])
     return stops
+
+
+def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequence[int]]) -> None:
+    """Add a run of tokens to each detokenizer (a multi-step window's kept tokens; requests without stop strings,
+    whose text cannot cut their tokens short), each run's text from one decode of its window, all of them in one
+    call, where a token at a time decoded two windows per token. What a token at a time gives: byte-level pieces
+    join across a run as across steps, and a run whose text ends inside a character takes its longest head that
+    does not (decoded again a token shorter at a time), leaving the rest for later tokens, as a token at a time
+    leaves it."""
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, detok in enumerate(detokenizers):
+        if detok.stop:
+            raise ValueError("a run of tokens goes to a detokenizer without stop strings")
+        if detok.enabled and runs[i]:
+            groups.setdefault((id(detok.tokenizer), detok.skip_special_tokens), []).append(i)
+    for (_, skip), members in groups.items():
+        tokenizer = detokenizers[members[0]].tokenizer
+        seqs: list[list[int]] = []
+        for i in members:
+            detok = detokenizers[i]
+            detok._ids += runs[i]
+            seqs += [detok._ids[detok._prefix_offset : detok._read_offset], detok._ids[detok._prefix_offset :]]
+        texts = tokenizer.decode_batch(seqs, skip)
+        prefixes = {i: texts[2 * k] for k, i in enumerate(members)}
+        cut = 0  # tokens left off the end of each run still to resolve
+        unresolved = [i for k, i in enumerate(members) if not detokenizers[i]._resolve(prefixes[i], texts[2 * k + 1])]
+        while True:
+            unresolved = [i for i in unresolved if detokenizers[i].text_pending and len(runs[i]) > cut + 1]
+            if not unresolved:
+                break
+            cut += 1
+            heads = []
+            for i in unresolved:
+                detok = detokenizers[i]
+                heads.append(detok._ids[detok._prefix_offset : len(detok._ids) - cut])
+            texts = tokenizer.decode_batch(heads, skip)
+            unresolved = [
+                i
+                for i, text in zip(unresolved, texts, strict=True)
+                if not detokenizers[i]._resolve(prefixes[i], text, cut)
+            ]

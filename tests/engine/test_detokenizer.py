@@ -3,10 +3,13 @@ no decoding is done for it."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
+from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens
 from boundless.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from boundless.model.loader import LoadedModel
 
@@ -69,3 +72,44 @@ def test_stop_strings_need_the_text() -> None:
     with pytest.raises(InvalidSamplingParams) as err:
         SamplingParams(stop=["\n"], detokenize=False)
     assert err.value.param == "stop"
+
+
+def _streams(loaded: LoadedModel, seed: int) -> list[list[int]]:
+    """Token streams whose text often ends a token inside a character: random ids (byte pieces among them) and text
+    with accents, CJK and emoji."""
+    rng = random.Random(seed)
+    tok = loaded.tokenizer
+    text = "héllo wörld, 世界 🙂🚀 naïve café — ünïcödé 日本語のテキスト " * 3
+    return [
+        tok.encode(text, add_special_tokens=False),
+        [rng.randrange(loaded.arch.vocab_size) for _ in range(200)],
+        [rng.randrange(loaded.arch.vocab_size) for _ in range(200)],
+    ]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "smollm2"])
+def test_a_run_of_tokens_gives_the_text_of_a_token_at_a_time(model: str, request: pytest.FixtureRequest) -> None:
+    """``add_runs`` (a multi-step window's tokens in one decode) against ``add_tokens`` a token at a time, over runs of
+    1 to 16 tokens: the same text after every run, also where a run ends inside a character (the tiny tokenizer's
+    random ids do so about every other run); and fewer decodes."""
+    loaded: LoadedModel = request.getfixturevalue(model)
+    params = SamplingParams(max_tokens=1000)
+    streams = _streams(loaded, seed=3)
+    rng = random.Random(5)
+    one = [IncrementalDetokenizer(CountingDecoder(loaded.tokenizer), [1, 2, 3], params) for _ in streams]
+    runs = [IncrementalDetokenizer(CountingDecoder(loaded.tokenizer), [1, 2, 3], params) for _ in streams]
+    cursors = [0] * len(streams)
+    pending = 0
+    while any(c < len(s) for c, s in zip(cursors, streams, strict=True)):
+        chunk = [s[c : c + rng.randint(1, 16)] for c, s in zip(cursors, streams, strict=True)]
+        for k in range(max(map(len, chunk))):
+            live = [i for i, r in enumerate(chunk) if len(r) > k]
+            add_tokens([one[i] for i in live], [chunk[i][k] for i in live])
+        add_runs(runs, chunk)
+        for a, b in zip(one, runs, strict=True):
+            assert b.text == a.text
+        cursors = [c + len(r) for c, r in zip(cursors, chunk, strict=True)]
+        inside = [loaded.tokenizer.decode(s[:c]).endswith("\ufffd") for c, s in zip(cursors, streams, strict=True)]
+        pending += sum(inside)
+    assert all(d.text for d in runs) and pending > 0  # (runs ended inside a character)
+    assert sum(d.tokenizer.decodes for d in runs) < sum(d.tokenizer.decodes for d in one) / 2
