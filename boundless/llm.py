@@ -15,6 +15,7 @@ from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from boundless.engine.core import EngineCore
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import SamplingParams
+from boundless.gc_quiet import frozen_heap
 from boundless.model.loader import LoadedModel, load_configured_model
 from boundless.model.lora import LoRARequest
 
@@ -149,6 +150,13 @@ class LLM:
                     raise
                 children[cid] = (result, completion)
         bar = tqdm(total=len(children), disable=not use_tqdm, desc="generate")
+        with frozen_heap():  # (the collector's full walks skip the model and the engine: boundless/gc_quiet.py)
+            self._run(children, bar)
+        bar.close()
+        return results
+
+    def _run(self, children: dict[str, tuple[RequestOutput, CompletionOutput]], bar: tqdm) -> None:
+        """Step the engine until every request is done, filling each one's output from the deltas."""
         while self.engine.has_unfinished():
             for delta in self.engine.step():
                 result, completion = children[delta.request_id]
@@ -163,8 +171,6 @@ class LLM:
                     completion.stop_reason = delta.stop_reason
                     result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
                     bar.update(1)
-        bar.close()
-        return results
 
     def chat(
         self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -205,3 +207,33 @@ def test_a_refused_prompt_fails_the_batch_and_leaves_nothing_queued(llm: LLM) ->
     assert not llm.engine.has_unfinished()
     out = llm.generate([[5, 6, 7]], params)[0]  # the next batch sees only its own results
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_generate_keeps_the_heap_before_it_out_of_the_collectors_walks(llm: LLM) -> None:
+    """The objects that exist when ``generate`` starts (the model, the engine) are frozen while it steps, and back in
+    the collector's care after, also when it fails."""
+    before = gc.get_freeze_count()
+    seen: list[int] = []
+    step = llm.engine.step
+
+    def counting_step():
+        seen.append(gc.get_freeze_count())
+        return step()
+
+    llm.engine.step = counting_step  # type: ignore[method-assign]
+    try:
+        llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert seen and min(seen) > before + 1000
+        assert gc.get_freeze_count() == before
+
+        def failing_step():
+            raise RuntimeError("step failed")
+
+        llm.engine.step = failing_step  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            llm.generate("Hello", SamplingParams(max_tokens=3))
+        assert gc.get_freeze_count() == before
+    finally:
+        del llm.engine.step
+        for rid in list(llm.engine.scheduler.requests):  # (the failed call's request)
+            llm.engine.abort(rid)

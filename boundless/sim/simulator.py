@@ -49,6 +49,7 @@ from boundless.engine.request import Request
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.engine.step_watch import StepReport
+from boundless.gc_quiet import quiet_collector
 from boundless.kv.block_hash import BlockHash
 from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
@@ -56,7 +57,6 @@ from boundless.sim.cost import CostModel, StepCost
 from boundless.sim.engine import DEFAULT_DISK_COST, HOST_COPY, SimulatedModel, simulated_engine
 from boundless.sim.executor import DiskCost
 from boundless.sim.failures import InstanceFailure, check_failures
-from boundless.sim.gc_quiet import quiet_collector
 from boundless.sim.lending import SimulatedLending, lending_max_model_len, simulated_lending
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import HardwareProfile
