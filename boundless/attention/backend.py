@@ -7,6 +7,7 @@ and the scheduler know nothing else about it, so a GPU kernel backend can replac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,3 +64,15 @@ class AttentionBackend(Protocol):
         """Store ``k``, ``v`` [tokens, kv_heads, head_dim] in ``cache`` and attend with ``q``
         [tokens, heads, head_dim]; returns [tokens, heads, head_dim]."""
         ...
+
+
+def padded_table(tables: Sequence[Sequence[int]], width: int) -> list[int]:
+    """Block tables as one row-major list of ``width`` ids a row, each padded with zeros (a step's tables become one
+    tensor from it: a tensor per row cost ~3 us each, a millisecond of a 256-request step). Rows longer than
+    ``width`` are not allowed."""
+    pad = [0] * width
+    flat: list[int] = []
+    for t in tables:
+        flat += t
+        flat += pad[: width - len(t)]
+    return flat

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from boundless import native
+from boundless.attention.backend import padded_table
 from boundless.attention.partials import AttentionPartial
 from boundless.native import F, I, L, P
 
@@ -58,10 +59,7 @@ class NativeBatch:
 
 def make_batch(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]) -> NativeBatch:
     width = max(1, max((len(t) for t in block_tables), default=1))
-    tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
-    for i, t in enumerate(block_tables):
-        if t:
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    tables = torch.tensor(padded_table(block_tables, width), dtype=torch.int32).view(len(block_tables), width)
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)

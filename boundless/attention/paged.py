@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.attention import cpu_attention
-from boundless.attention.backend import AttentionBatch
+from boundless.attention.backend import AttentionBatch, padded_table
 from boundless.attention.partials import AttentionPartial, merge_partials, scores_partial
 
 
@@ -61,8 +61,8 @@ class TorchPagedAttention:
 
     def _gather_index(self, tables: list[list[int]], num_blocks_each: int, device: torch.device) -> torch.Tensor:
         """Row indices into the cache viewed as [kv_heads * blocks, block_size, head_dim]."""
-        padded = [t[:num_blocks_each] + [0] * (num_blocks_each - len(t[:num_blocks_each])) for t in tables]
-        table = torch.tensor(padded, dtype=torch.long).view(1, -1)
+        flat = padded_table([t[:num_blocks_each] for t in tables], num_blocks_each)
+        table = torch.tensor(flat, dtype=torch.long).view(1, -1)
         heads = torch.arange(self.num_kv_heads, dtype=torch.long).view(-1, 1) * self.num_blocks
         return (table + heads).view(-1).to(device)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from boundless.attention.backend import AttentionBatch
+from boundless.attention.backend import AttentionBatch, padded_table
 from boundless.attention.partials import AttentionPartial
 
 try:
@@ -155,7 +155,7 @@ class TritonPagedAttention:
             qlens = batch.query_lens[lo:hi]
             tables = batch.block_tables[lo:hi]
             width = max(1, max(len(t) for t in tables))
-            flat = [b for t in tables for b in (*t, *([0] * (width - len(t))))]
+            flat = padded_table(tables, width)
             starts = [0]
             for q in qlens:
                 starts.append(starts[-1] + q)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from boundless.attention.backend import padded_table
 from boundless.attention.triton_paged import TritonAttentionMetadata, TritonPagedAttention
 from boundless.engine.scheduler import ScheduledChunk
 from boundless.kv.tensors import PagedKVCache
@@ -191,8 +192,7 @@ class DecodeGraphs:
         self.slots[:b].copy_(dev[:, 2])
         self.seq_lens[:b].copy_(dev[:, 3])
         width = max(len(t) for t in block_tables)
-        flat = [x for t in block_tables for x in (*t, *([0] * (width - len(t))))]
-        table = torch.tensor(flat, dtype=torch.int32).view(n, width)
+        table = torch.tensor(padded_table(block_tables, width), dtype=torch.int32).view(n, width)
         self.block_tables[:n, :width].copy_(table)
         return b
 

@@ -11,6 +11,7 @@ import torch
 from paged_cases import paged_case
 
 from boundless.attention import cpu_attention
+from boundless.attention.backend import padded_table
 from boundless.attention.paged import TorchPagedAttention
 from boundless.attention.partials import AttentionPartial, combine_partials, merge_partials, scores_partial
 
@@ -144,3 +145,10 @@ def test_empty_partial_contributes_nothing() -> None:
     full = AttentionPartial(m=torch.zeros(2, 3, 1), e=torch.full((2, 3, 1), 2.0), o=o)
     empty = AttentionPartial(m=torch.zeros(2, 3, 1), e=torch.zeros(2, 3, 1), o=torch.zeros(2, 3, 8))
     torch.testing.assert_close(merge_partials([full, empty]), o / 2)
+
+
+def test_padded_table_lays_rows_out_with_zeros() -> None:
+    """A step's block tables as one flat list (the backends' and the graph buffers' one tensor): rows in order, each
+    padded to the width, empty rows all zeros."""
+    assert padded_table([[4, 5], [], [7, 8, 9]], 3) == [4, 5, 0, 0, 0, 0, 7, 8, 9]
+    assert padded_table([(1,)], 1) == [1] and padded_table([], 4) == []
