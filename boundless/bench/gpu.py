@@ -57,6 +57,8 @@ TINY_SHAPES = {
     "llama-3.1-8b": TinySpec(num_heads=4, num_kv_heads=1, num_layers=3, dtype="bfloat16", seed=2),
 }
 TINY_CASES = [(4, 16, 8), (2, 40, 6), (1, 90, 4)]
+# ``--shapes host``: a model that costs little next to the engine's Python for a step's batch.
+HOST_PROXY_SPEC = TinySpec(vocab_size=2048, hidden_size=64, intermediate_size=128, num_layers=1)
 
 
 def _stage(results: dict, name: str, fn: Callable[[], Any]) -> Any:
@@ -193,7 +195,7 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
     systems.clear()
     hf_figures = (results.get(f"offline_1b_{n}x{i}x{o}") or {}).get("figures", [])
     hf_rate = next((f["output_tokens_per_s"] for f in hf_figures if f["system"] == "huggingface"), None)
-    windows = [w for w in (int(x) for x in args.windows.split(",") if x.strip()) if w > 1]
+    windows = _windows(args)
     for window in windows:
         # The same decode-heavy case with multi-step decoding: the scheduler and the deltas once per window, its
         # passes back to back on the device (CUDA graphs).
@@ -317,21 +319,53 @@ def decode_roofline(args: argparse.Namespace, results: dict, root: Path) -> dict
     return out
 
 
+def host_proxy(args: argparse.Namespace, results: dict, root: Path) -> None:
+    """The engine's host work on the decode-heavy case's batch (256 x 128 in / 128 out; ``--tiny``: its first tiny
+    case) with a one-layer model 64 wide, on the device asked: on the CPU the model then costs little, and what is
+    left is mostly the engine's Python per step, which on a GPU runs between its kernels. For a single step and each
+    ``--windows`` window: the wall time and its split among the engine's phases (the median of ``--repeats`` runs,
+    after a whole-batch warm-up)."""
+    path = write_random_model(root / "host-proxy", HOST_PROXY_SPEC)
+    loaded = load_model(str(path), device=args.device)
+    n, i, o = (TINY_CASES if args.tiny else OFFLINE_CASES)[0]
+    prompts = make_prompts(loaded, n, i, seed=0)
+    for window in [1, *_windows(args)]:
+        config = engine_config(
+            str(path), device=args.device, max_model_len=2 * (i + o), max_num_seqs=n, max_num_batched_tokens=n * i,
+            num_scheduler_steps=window, swap_space_gb=0.0,
+            attention_backend=args.attention_backend if loaded.device.type == "cuda" else "torch",
+        )  # fmt: skip
+        system = BoundlessSystem(LLM.from_config(config, loaded))
+        system.generate(prompts, 4)
+        runs = sorted((host_split(system, prompts, o) for _ in range(args.repeats)), key=lambda r: r["wall_s"])
+        results[f"host_proxy_window{window}"] = runs[len(runs) // 2]
+        print(json.dumps({f"host_proxy_window{window}": runs[len(runs) // 2]}), flush=True)
+
+
+def _windows(args: argparse.Namespace) -> list[int]:
+    return [w for w in (int(x) for x in args.windows.split(",") if x.strip()) if w > 1]
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
-    if device.type != "cuda" and not args.tiny:
-        raise SystemExit("bench gpu needs a CUDA device (or --tiny, which checks the benchmark on small shapes)")
+    shapes = {s.strip() for s in args.shapes.split(",")}
+    if device.type != "cuda" and not args.tiny and shapes != {"host"}:
+        raise SystemExit(
+            "bench gpu needs a CUDA device (or --tiny, which checks the benchmark on small shapes; or --shapes host)"
+        )
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
     results: dict = {"args": vars(args) | {"func": None}}
     if device.type == "cuda":
         _stage(results, "ceilings", lambda: measure_ceilings(device))
-    if "1b" in args.shapes:
+    if "host" in shapes:
+        _stage(results, "host_proxy", lambda: host_proxy(args, results, root))
+    if "1b" in shapes:
         bench_small_shape(args, results, root)
         gc.collect()  # its models are garbage now: free their GPU memory for the next shape
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if "8b" in args.shapes:
+    if "8b" in shapes:
         _stage(results, "decode_8b", lambda: decode_roofline(args, results, root))
     write_json(args.json, results)
     _summary(results)
@@ -356,7 +390,7 @@ def _summary(results: dict) -> None:
         for row in busy.get("top_kernels", []):
             print(f"  {row['gpu_ms']:10.3f} ms {row['calls']:7d} x  {row['kernel']}")
     for key, split in results.items():
-        if key.startswith("host_split") and isinstance(split, dict) and "steps" in split:
+        if key.startswith(("host_split", "host_proxy")) and isinstance(split, dict) and "steps" in split:
             print(
                 f"{key}, per step: schedule {split['schedule_ms_per_step']:.2f} ms, execute "
                 f"{split['execute_ms_per_step']:.2f} ms, finish_step {split['finish_step_ms_per_step']:.2f} ms "
@@ -383,7 +417,12 @@ def _summary(results: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--shapes", default="1b,8b", help="which shapes: 1b (against transformers), 8b (decode)")
+    parser.add_argument(
+        "--shapes",
+        default="1b,8b",
+        help="which shapes: 1b (against transformers), 8b (decode), host (the engine's host work on a tiny model: "
+        "any device)",
+    )
     parser.add_argument("--cases", type=int, default=len(OFFLINE_CASES), help="how many of the 1B cases to run")
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs per system (medians: a first run on a GPU runs cold)"

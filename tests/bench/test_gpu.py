@@ -55,3 +55,20 @@ def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
     assert decode["decode_step_s"] > 0 and decode["roofline_step_s"] > 0
     # The 8B stand-in's weights were drawn in memory: its directory holds no checkpoint.
     assert not list((tmp_path / "models" / "llama-8b").glob("*.safetensors"))
+
+
+def test_bench_gpu_host_proxy_splits_each_windows_steps(tmp_path: Path) -> None:
+    """``--shapes host``: the engine's host work on a one-layer model, any device (the CPU here), for a single step
+    and each window: every pass of the run counted, the phases' times within its wall time."""
+    parser = argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    args = parser.parse_args(
+        ["--shapes", "host", "--tiny", "--device", TEST_DEVICE, "--workdir", str(tmp_path), "--windows", "4",
+         "--repeats", "1", "--json", str(tmp_path / "host.json"), "--attention-backend", BACKEND]
+    )  # fmt: skip
+    results = gpu.run(args)
+    o = gpu.TINY_CASES[0][2]
+    for window in (1, 4):
+        split = results[f"host_proxy_window{window}"]
+        assert split["steps"] == o  # (a window's passes count as steps: the output's passes, plus none for prefill)
+        assert 0 < split["schedule_s"] + split["execute_s"] + split["finish_step_s"] <= split["wall_s"]
