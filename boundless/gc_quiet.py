@@ -44,7 +44,11 @@ def quiet_collector() -> Iterator[None]:
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """Keep the objects that exist now out of the collector's walks until the block ends (it still collects what the
-    block allocates; garbage frozen with them is collected once they are unfrozen)."""
+    block allocates; garbage frozen with them is collected once they are unfrozen). Nothing, where objects are frozen
+    already (``boundless serve``'s start-up heap, a caller's own freeze): unfreezing at the end would undo that."""
+    if gc.get_freeze_count():
+        yield
+        return
     gc.freeze()
     try:
         yield

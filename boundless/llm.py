@@ -150,8 +150,13 @@ class LLM:
                     raise
                 children[cid] = (result, completion)
         bar = tqdm(total=len(children), disable=not use_tqdm, desc="generate")
-        with frozen_heap():  # (the collector's full walks skip the model and the engine: boundless/gc_quiet.py)
-            self._run(children, bar)
+        try:
+            with frozen_heap():  # (the collector's full walks skip the model and the engine: boundless/gc_quiet.py)
+                self._run(children, bar)
+        except BaseException:
+            for cid in children:  # a failed run leaves nothing of it queued: the next call's steps would meet it
+                self.engine.abort(cid)
+            raise
         bar.close()
         return results
 

@@ -319,7 +319,7 @@ def decode_roofline(args: argparse.Namespace, results: dict, root: Path) -> dict
     return out
 
 
-def host_proxy(args: argparse.Namespace, results: dict, root: Path) -> None:
+def host_proxy(args: argparse.Namespace, root: Path) -> dict:
     """The engine's host work on the decode-heavy case's batch (256 x 128 in / 128 out; ``--tiny``: its first tiny
     case) with a one-layer model 64 wide, on the device asked: on the CPU the model then costs little, and what is
     left is mostly the engine's Python per step, which on a GPU runs between its kernels. For a single step and each
@@ -329,6 +329,7 @@ def host_proxy(args: argparse.Namespace, results: dict, root: Path) -> None:
     loaded = load_model(str(path), device=args.device)
     n, i, o = (TINY_CASES if args.tiny else OFFLINE_CASES)[0]
     prompts = make_prompts(loaded, n, i, seed=0)
+    splits = {}
     for window in [1, *_windows(args)]:
         config = engine_config(
             str(path), device=args.device, max_model_len=2 * (i + o), max_num_seqs=n, max_num_batched_tokens=n * i,
@@ -338,8 +339,9 @@ def host_proxy(args: argparse.Namespace, results: dict, root: Path) -> None:
         system = BoundlessSystem(LLM.from_config(config, loaded))
         system.generate(prompts, 4)
         runs = sorted((host_split(system, prompts, o) for _ in range(args.repeats)), key=lambda r: r["wall_s"])
-        results[f"host_proxy_window{window}"] = runs[len(runs) // 2]
-        print(json.dumps({f"host_proxy_window{window}": runs[len(runs) // 2]}), flush=True)
+        splits[f"window{window}"] = runs[len(runs) // 2]
+        print(json.dumps({f"host_proxy_window{window}": splits[f"window{window}"]}), flush=True)
+    return splits
 
 
 def _windows(args: argparse.Namespace) -> list[int]:
@@ -359,7 +361,7 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         _stage(results, "ceilings", lambda: measure_ceilings(device))
     if "host" in shapes:
-        _stage(results, "host_proxy", lambda: host_proxy(args, results, root))
+        _stage(results, "host_proxy", lambda: host_proxy(args, root))
     if "1b" in shapes:
         bench_small_shape(args, results, root)
         gc.collect()  # its models are garbage now: free their GPU memory for the next shape
@@ -389,8 +391,10 @@ def _summary(results: dict) -> None:
         print(f"GPU busy during the decode-heavy run: {busy['busy_fraction']:.1%} of {busy['wall_s']:.2f} s")
         for row in busy.get("top_kernels", []):
             print(f"  {row['gpu_ms']:10.3f} ms {row['calls']:7d} x  {row['kernel']}")
-    for key, split in results.items():
-        if key.startswith(("host_split", "host_proxy")) and isinstance(split, dict) and "steps" in split:
+    splits = {k: v for k, v in results.items() if k.startswith("host_split")}
+    splits.update({f"host_proxy_{k}": v for k, v in (results.get("host_proxy") or {}).items() if isinstance(v, dict)})
+    for key, split in splits.items():
+        if isinstance(split, dict) and "steps" in split:
             print(
                 f"{key}, per step: schedule {split['schedule_ms_per_step']:.2f} ms, execute "
                 f"{split['execute_ms_per_step']:.2f} ms, finish_step {split['finish_step_ms_per_step']:.2f} ms "

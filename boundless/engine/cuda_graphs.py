@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -119,17 +120,21 @@ class DecodeGraphs:
     def run_window(
         self,
         chunks: Sequence[ScheduledChunk],
-        draw: Callable[[torch.Tensor], torch.Tensor],
+        plan: Callable[[Sequence[ScheduledChunk]], Any],
+        draw: Callable[[torch.Tensor, Any], torch.Tensor],
         timer: Callable[[], float],
     ) -> tuple[torch.Tensor, list[float]]:
         """A multi-step window's passes (``engine/multi_step.py``) of one-token decodes, all on the device: each pass
-        replays the graph and ``draw`` picks its tokens from its logits; the next pass's inputs are made from them
-        there (the tokens, each position and context one on, the slot from the block table the window's blocks are
-        in already), so the host neither waits for a pass nor builds the next one: the GPU runs the window back to
-        back. A chunk with fewer passes (``num_steps``) than the window turns into padding after its last.
+        replays the graph and ``draw(logits, plan(rows))`` picks the tokens of the rows still decoding; the next pass's
+        inputs are made there from them (the tokens, each position and context length one on, the slot from the block
+        table the window's blocks are in already), so the host neither waits for a pass nor builds the next one: the
+        GPU runs the window back to back. A chunk with fewer passes (``num_steps``) than the window turns into padding
+        after its last, and draws nothing more (the shared generator's draws are those of the passes one by one). The
+        plans and row indices of every pass are made before the first: nothing is copied from the host between
+        passes.
 
-        Returns the tokens [window, n] (row ``i`` of pass ``j`` is chunk ``i``'s when it has more than ``j``
-        passes) and each pass's seconds (CUDA events on the GPU: nothing waits for them until the window ends)."""
+        Returns the tokens [window, n] (row ``i`` of pass ``j`` is chunk ``i``'s when it has more than ``j`` passes,
+        else 0) and each pass's seconds (CUDA events on the GPU: nothing waits for them until the window ends)."""
         n = len(chunks)
         bs = self.kv_cache.block_size
         window = max(c.num_steps for c in chunks)
@@ -142,16 +147,29 @@ class DecodeGraphs:
             [c.block_ids for c in chunks],
         )
         dev = self.device
+        # Each pass's rows (those with more passes than it), made before the first pass: the sets shrink as rows end.
+        passes: list[tuple[torch.Tensor | None, Any]] = []
+        made: dict[int, tuple[torch.Tensor | None, Any]] = {}
+        for j in range(window):
+            rows = [i for i, c in enumerate(chunks) if c.num_steps > j]
+            if len(rows) not in made:
+                index = None if len(rows) == n else torch.tensor(rows, dtype=torch.long, device=dev)
+                made[len(rows)] = (index, plan([chunks[i] for i in rows]))
+            passes.append(made[len(rows)])
         steps = torch.tensor([c.num_steps for c in chunks], device=dev)
-        rows = torch.arange(n, device=dev)
-        tokens = torch.empty(window, n, dtype=torch.long, device=dev)
+        table_rows = torch.arange(n, device=dev)
+        tokens = torch.zeros(window, n, dtype=torch.long, device=dev)  # (a padding row's 0 is a valid input id)
         on_gpu = dev.type == "cuda"
         marks: list = []
-        for j in range(window):
+        for j, (index, rows_plan) in enumerate(passes):
             marks.append(torch.cuda.Event(enable_timing=True) if on_gpu else timer())
             if on_gpu:
                 marks[-1].record()
-            tokens[j] = draw(self._replay(b)[:n])
+            logits = self._replay(b)[:n]
+            if index is None:
+                tokens[j] = draw(logits, rows_plan)
+            else:
+                tokens[j].index_copy_(0, index, draw(logits[index], rows_plan))
             if j + 1 < window:
                 # Rows still decoding move one position on; a finished row stays where it was (its table's index
                 # stays in range) and becomes padding: no KV stored, nothing attended.
@@ -159,7 +177,7 @@ class DecodeGraphs:
                 self.input_ids[:n].copy_(tokens[j])
                 pos = self.positions[:n] + active
                 self.positions[:n].copy_(pos)
-                slot = self.block_tables[rows, pos // bs].long() * bs + pos % bs
+                slot = self.block_tables[table_rows, pos // bs].long() * bs + pos % bs
                 self.slots[:n].copy_(torch.where(active, slot, -1))
                 self.seq_lens[:n].copy_(torch.where(active, pos + 1, 0))
         if on_gpu:

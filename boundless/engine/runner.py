@@ -202,7 +202,10 @@ class ModelRunner:
             or not all(map(self.sampler.draws_alone, chunks))
         ):
             return None
-        tokens, seconds = graphs.run_window(chunks, lambda logits: self.sampler.draw(logits, chunks), timer)
+        sampler, vocab = self.sampler, self.model.arch.vocab_size
+        tokens, seconds = graphs.run_window(
+            chunks, lambda rows: sampler.plan_draw(rows, self.device, vocab), sampler.draw_planned, timer
+        )
         passes = []
         for j, row in enumerate(tokens.tolist()):  # (the one wait for the device in the window)
             passes.append({c.request_id: SampledToken(t) for c, t in zip(chunks, row, strict=True) if c.num_steps > j})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -188,31 +188,63 @@ class Sampler:
         )
 
     def draw(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """A token id per row of ``logits`` (adjusted already), on their device, without waiting for it: greedy rows
-        their argmax, the others a draw from their filtered distribution."""
+        """A token id per row of ``logits`` (adjusted already): greedy rows their argmax, the others a draw from their
+        filtered distribution."""
+        return self.draw_planned(logits, self.plan_draw(chunks, logits.device, logits.shape[-1]))
+
+    def plan_draw(self, chunks: Sequence[ScheduledChunk], device: torch.device, vocab: int) -> DrawPlan:
+        """What drawing tokens for these rows needs, made once: a window's passes draw for the same rows with no copy
+        from the host between them (each would wait for the device)."""
         greedy = [i for i, c in enumerate(chunks) if c.sampling_params.greedy]
-        if len(greedy) == len(chunks):  # the common case: no copy of the logits rows
-            return cpu_kernels.argmax_rows(logits)
-        tokens = torch.empty(len(chunks), dtype=torch.long, device=logits.device)
-        if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            tokens[idx] = cpu_kernels.argmax_rows(logits[idx])
+        if len(greedy) == len(chunks):
+            return DrawPlan(len(chunks))
         random_rows = [i for i, c in enumerate(chunks) if not c.sampling_params.greedy]
-        probs = self._filtered_probs(logits[random_rows], [chunks[i] for i in random_rows])
+        params = [chunks[i].sampling_params for i in random_rows]
+        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        shared = [j for j, p in enumerate(params) if p.seed is None]
+
+        def rows(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return DrawPlan(
+            num_rows=len(chunks),
+            greedy=rows(greedy) if greedy else None,
+            random=rows(random_rows),
+            temperatures=torch.tensor([p.temperature for p in params], device=device).unsqueeze(1),
+            min_ps=(
+                torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+                if any(p.min_p > 0 for p in params)
+                else None
+            ),
+            top_ks=rows(top_ks).unsqueeze(1) if any(k < vocab for k in top_ks) else None,
+            top_ps=(
+                torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+                if any(p.top_p < 1.0 for p in params)
+                else None
+            ),
+            shared=(rows(shared), rows([random_rows[j] for j in shared])) if shared else None,
+            all_shared=len(shared) == len(random_rows),
+            seeded=[(j, random_rows[j], self._generator_for(chunks[random_rows[j]])) for j, p in enumerate(params)
+                    if p.seed is not None],
+        )  # fmt: skip
+
+    def draw_planned(self, logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:
+        """:meth:`draw` with its plan made: nothing copied from the host, so nothing waits for the device."""
+        if plan.random is None:  # the common case: no copy of the logits rows
+            return cpu_kernels.argmax_rows(logits)
+        tokens = torch.empty(plan.num_rows, dtype=torch.long, device=logits.device)
+        if plan.greedy is not None:
+            tokens[plan.greedy] = cpu_kernels.argmax_rows(logits[plan.greedy])
+        probs = _filtered_probs(logits[plan.random], plan)
         # The rows of requests without a seed draw together from the shared generator, in one launch (a launch per
         # row was a GPU step's longest host loop); a seeded request draws from its own generator, its stream
         # independent of the batch it is in.
-        shared: list[int] = []
-        seeded: list[int] = []
-        for j, i in enumerate(random_rows):
-            (shared if chunks[i].sampling_params.seed is None else seeded).append(j)
-        if shared:
-            rows = probs if len(shared) == len(random_rows) else probs[shared]
-            drawn = torch.multinomial(rows, 1, generator=self.generator).squeeze(1)
-            tokens[torch.tensor([random_rows[j] for j in shared], device=tokens.device)] = drawn
-        for j in seeded:
-            i = random_rows[j]
-            tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator_for(chunks[i]))[0]
+        if plan.shared is not None:
+            among, rows = plan.shared
+            drawn = torch.multinomial(probs if plan.all_shared else probs[among], 1, generator=self.generator)
+            tokens[rows] = drawn.squeeze(1)
+        for j, i, generator in plan.seeded:
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generator)[0]
         return tokens
 
     def _adjusted(
@@ -296,34 +328,6 @@ class Sampler:
         logits[index] = picked
 
     @staticmethod
-    def _filtered_probs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        temps = torch.tensor([c.sampling_params.temperature for c in chunks], device=logits.device)
-        logits = logits / temps.unsqueeze(1)
-        # (Which filters apply is read from the parameters, not the tensors: no wait for the device.)
-        if any(c.sampling_params.min_p > 0 for c in chunks):
-            min_ps = torch.tensor([c.sampling_params.min_p for c in chunks], device=logits.device)
-            probs = logits.softmax(dim=-1)
-            floor = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
-            logits = logits.masked_fill(probs < floor, float("-inf"))
-        vocab = logits.shape[-1]
-        top_ks = [c.sampling_params.top_k for c in chunks]
-        if any(0 < k < vocab for k in top_ks):
-            ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
-            sorted_desc = logits.sort(dim=-1, descending=True).values
-            kth = sorted_desc.gather(1, (ks - 1).unsqueeze(1))
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if any(c.sampling_params.top_p < 1.0 for c in chunks):
-            top_ps = torch.tensor([c.sampling_params.top_p for c in chunks], device=logits.device)
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # Drop a token when the tokens strictly more likely already reach top_p (the top one always stays).
-            drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps.unsqueeze(1)
-            drop[:, 0] = False
-            mask = torch.zeros_like(drop).scatter_(1, order, drop)
-            logits = logits.masked_fill(mask, float("-inf"))
-        return logits.softmax(dim=-1)
-
-    @staticmethod
     def _fill_logprobs(
         logprobs: torch.Tensor, tokens: torch.Tensor, chunks: Sequence[ScheduledChunk], out: list[SampledToken]
     ) -> None:
@@ -332,3 +336,46 @@ class Sampler:
         top_ks = [chunks[i].sampling_params.logprobs or 0 for i in rows]
         for i, token in zip(rows, score_tokens(logprobs[idx], tokens[idx], top_ks), strict=True):
             out[i] = token
+
+
+@dataclass
+class DrawPlan:
+    """What :meth:`Sampler.draw_planned` needs of a set of rows, on their device: which rows are greedy and which
+    draw (``random``: None when all are greedy), the drawing rows' temperatures and filters (each None where no row
+    uses it), and which of them draw from the shared
+    generator (their places among the drawing rows, and their rows) or from their own (seeded: place, row,
+    generator)."""
+
+    num_rows: int
+    greedy: torch.Tensor | None = None
+    random: torch.Tensor | None = None
+    temperatures: torch.Tensor | None = None
+    min_ps: torch.Tensor | None = None
+    top_ks: torch.Tensor | None = None
+    top_ps: torch.Tensor | None = None
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None
+    all_shared: bool = False
+    seeded: list[tuple[int, int, torch.Generator]] = field(default_factory=list)
+
+
+def _filtered_probs(logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:
+    """The drawing rows' distributions: temperature, then min-p, top-k and top-p where a row asks for them."""
+    assert plan.temperatures is not None
+    logits = logits / plan.temperatures
+    if plan.min_ps is not None:
+        probs = logits.softmax(dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * plan.min_ps
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    if plan.top_ks is not None:
+        sorted_desc = logits.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, plan.top_ks - 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if plan.top_ps is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens strictly more likely already reach top_p (the top one always stays).
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= plan.top_ps
+        drop[:, 0] = False
+        mask = torch.zeros_like(drop).scatter_(1, order, drop)
+        logits = logits.masked_fill(mask, float("-inf"))
+    return logits.softmax(dim=-1)

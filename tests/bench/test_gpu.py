@@ -69,6 +69,6 @@ def test_bench_gpu_host_proxy_splits_each_windows_steps(tmp_path: Path) -> None:
     results = gpu.run(args)
     o = gpu.TINY_CASES[0][2]
     for window in (1, 4):
-        split = results[f"host_proxy_window{window}"]
+        split = results["host_proxy"][f"window{window}"]
         assert split["steps"] == o  # (a window's passes count as steps: the output's passes, plus none for prefill)
         assert 0 < split["schedule_s"] + split["execute_s"] + split["finish_step_s"] <= split["wall_s"]

@@ -96,27 +96,30 @@ def _count_device_windows(core: EngineCore) -> list[int]:
 
 def test_a_window_on_the_device_gives_the_tokens_of_single_steps(tiny_llama: LoadedModel) -> None:
     """Multi-step windows whose passes feed each other on the device (``DecodeGraphs.run_window``): the tokens of the
-    eager engine stepping one token at a time, with requests that end mid-window (their rows turn into padding)."""
-    prompts = [[5 + i * 7 + j for j in range(3 + 9 * i)] for i in range(4)]
-    max_tokens = [9, 3, 6, 2]
+    eager engine stepping one token at a time, with requests that end mid-window before and between others (their
+    rows turn into padding: a row that ran one pass too many would write KV into a slot it does not own)."""
+    prompts = [[3 + i * 11 + j for j in range(5 + 13 * i)] for i in range(6)]
+    max_tokens = [3, 17, 2, 9, 11, 6]
     expected = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, max_tokens)
-    core = _engine(tiny_llama, "triton", graphs=True, window=4)
+    core = _engine(tiny_llama, "triton", graphs=True, window=8)
     windows = _count_device_windows(core)
     assert _greedy(core, prompts, max_tokens) == expected
-    assert windows[0] >= 2  # (prefill, then windows of 4, 4 passes: 9 tokens need two after the first)
+    assert windows[0] >= 2  # (prefill, then windows of 8: 17 tokens need two after the first)
 
 
 def test_a_device_window_draws_what_passes_one_by_one_draw(tiny_llama: LoadedModel) -> None:
     """Random sampling in a device window takes the same draws from the same generators as the window's passes run
-    one by one (shared and per-request seeds); a request whose sampling needs the host each pass (logprobs) sends the
-    window back to the passes one by one, with the same tokens."""
-    prompts = [[3 + i * 5 + j for j in range(4 + 6 * i)] for i in range(3)]
+    one by one: shared and per-request seeds, with the shared generator's first row ending first (a finished row
+    draws nothing more); a request whose sampling needs the host each pass (logprobs) sends the window back to the
+    passes one by one, with the same tokens."""
+    prompts = [[3 + i * 5 + j for j in range(4 + 6 * i)] for i in range(4)]
 
     def params(logprobs: int | None) -> list[SamplingParams]:
         return [
-            SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True),
-            SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=5, ignore_eos=True),
-            SamplingParams(temperature=1.0, top_k=5, max_tokens=6, ignore_eos=True, logprobs=logprobs),
+            SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),  # (ends after 2 passes of 4)
+            SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=6, ignore_eos=True),
+            SamplingParams(temperature=1.0, top_k=5, min_p=0.01, max_tokens=7, ignore_eos=True, logprobs=logprobs),
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
         ]
 
     for logprobs, device_windows in ((None, True), (1, False)):
