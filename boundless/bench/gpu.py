@@ -183,7 +183,9 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
     cases = (TINY_CASES if args.tiny else OFFLINE_CASES)[: args.cases]
     for n, i, o in cases:
         prompts = make_prompts(loaded, n, i, seed=0)
-        _stage(results, f"offline_1b_{n}x{i}x{o}", lambda p=prompts, o=o: compare(systems, p, o, args.repeats, len(p)))
+        _stage(
+            results, f"offline_1b_{n}x{i}x{o}", lambda p=prompts, o=o: compare(systems, p, o, args.repeats, len(p), o)
+        )
     n, i, o = cases[0]
     prompts = make_prompts(loaded, n, i, seed=0)
     ours = systems[1]
@@ -212,9 +214,9 @@ def measured_alone(
     system: BoundlessSystem, prompts: list[list[int]], output_len: int, repeats: int, baseline_rate: float | None
 ) -> dict:
     """Boundless alone on a case already measured against the baseline (``compare`` with one system: the same
-    whole-batch warm-up and medians), its output tokens per second, and the ratio to the baseline's rate from
+    warm-up on the whole case and medians), its output tokens per second, and the ratio to the baseline's rate from
     that measurement."""
-    result = compare([system], prompts, output_len, repeats, len(prompts))
+    result = compare([system], prompts, output_len, repeats, len(prompts), output_len)
     rate = result["figures"][0]["output_tokens_per_s"]
     result["output_tokens_per_s"] = rate
     result["ratio_to_baseline"] = rate / baseline_rate if baseline_rate else None

@@ -102,14 +102,20 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def compare(
-    systems: list[BenchSystem], prompts: list[list[int]], output_len: int, repeats: int, warm_up_prompts: int = 2
+    systems: list[BenchSystem],
+    prompts: list[list[int]],
+    output_len: int,
+    repeats: int,
+    warm_up_prompts: int = 2,
+    warm_up_tokens: int = 4,
 ) -> dict:
     """Run the systems on the same prompts, taking turns (the first to run alternates, so a slow spell
     of a noisy machine or a warm cache favours neither), print the table and the ratio, return the figures.
-    Each first generates 4 tokens for the first ``warm_up_prompts`` prompts (on a GPU, all of them: the kernels
-    a whole batch's shapes take compile at their first launch, a second or more that is no part of the run)."""
+    Each first generates ``warm_up_tokens`` tokens for the first ``warm_up_prompts`` prompts (on a GPU, the whole
+    case: a first run there took transformers 4-5x its later runs and Boundless 1.3-2.6x, after a warm-up of 4
+    tokens of the whole batch)."""
     for sys_ in systems:
-        sys_.generate(prompts[:warm_up_prompts], 4)
+        sys_.generate(prompts[:warm_up_prompts], warm_up_tokens)
     runs: list[dict[str, _Run]] = []
     for turn in range(repeats):
         order = systems[turn % len(systems) :] + systems[: turn % len(systems)]
