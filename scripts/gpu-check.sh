@@ -24,6 +24,7 @@ BOUNDLESS_TEST_DEVICE=cuda timeout 180 python3 -m pytest -p no:cacheprovider -q 
     tests/attention/test_triton_paged.py tests/engine/test_cuda_graphs.py tests/model/test_reference.py \
     "tests/engine/test_dist_attention.py::test_distattention_on_the_triton_kernels" \
     tests/engine/test_structured_output.py tests/engine/test_speculative.py tests/engine/test_suffix_decoding.py \
+    tests/engine/test_sampler.py \
     tests/model/test_lora.py tests/engine/test_multi_step.py tests/engine/test_detokenizer.py \
     2>&1 | tee "$out/pytest.log" | tail -15
 timeout 300 python3 -m boundless.bench.gpu --shapes host,1b,8b --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log" | tail -45
