@@ -31,7 +31,7 @@ def _require(ok: bool, flag: str, message: str) -> None:
         raise ConfigError(f"--{flag.replace('_', '-')}: {message}")
 
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_WRITE_POLICIES = ("through", "back", "off")
 KV_EVICTIONS = ("lru", "program")
 
@@ -47,10 +47,11 @@ class ModelConfig:
     )
     seed: int = field(default=0, metadata={"help": "seed of the generator shared by requests that set no seed"})
     attention_backend: str = field(
-        default="torch",
+        default="auto",
         metadata={
-            "help": "torch (PyTorch, and native kernels on the CPU) or triton (paged-attention kernels for CUDA, "
-            "with CUDA graphs for decode steps; on the CPU only under TRITON_INTERPRET=1)"
+            "help": "auto (triton on CUDA where Triton is installed, else torch), torch (PyTorch, and native kernels "
+            "on the CPU) or triton (paged-attention kernels for CUDA, with CUDA graphs for decode steps; on the CPU "
+            "only under TRITON_INTERPRET=1)"
         },
     )
     enforce_eager: bool = field(

@@ -175,8 +175,11 @@ def build_model_executor(
 def make_attention(
     config: EngineConfig, arch: ModelArch, layout: EngineLayout, device: torch.device, dtype: torch.dtype
 ) -> AttentionBackend:
-    """The attention backend ``--attention-backend`` names."""
+    """The attention backend ``--attention-backend`` names (``auto``: the Triton kernels on CUDA, else PyTorch's; on
+    the CPU always PyTorch's, whose native kernels Triton's interpreter is far slower than)."""
     name = config.model.attention_backend
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_paged.available(device) else "torch"
     if name == "triton":
         if not triton_paged.available(device):
             raise ConfigError(
