@@ -335,8 +335,7 @@ def host_proxy(args: argparse.Namespace, root: Path) -> dict:
     for window in [1, *_windows(args)]:
         config = engine_config(
             str(path), device=args.device, max_model_len=2 * (i + o), max_num_seqs=n, max_num_batched_tokens=n * i,
-            num_scheduler_steps=window, swap_space_gb=0.0,
-            attention_backend=args.attention_backend if loaded.device.type == "cuda" else "torch",
+            num_scheduler_steps=window, swap_space_gb=0.0, attention_backend=args.attention_backend,
         )  # fmt: skip
         system = BoundlessSystem(LLM.from_config(config, loaded))
         system.generate(prompts, 4)
@@ -438,7 +437,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=16.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--json", metavar="PATH", default="bench-gpu.json", help="write the figures here")
-    parser.add_argument("--attention-backend", default="triton", help="torch or triton (the GPU kernels)")
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="auto (triton on CUDA, else torch), torch or triton (the GPU kernels)",
+    )
     parser.add_argument(
         "--windows",
         default="8,16",

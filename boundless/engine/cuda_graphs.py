@@ -106,16 +106,9 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
-    def run(
-        self,
-        input_ids: Sequence[int],
-        positions: Sequence[int],
-        slots: Sequence[int],
-        seq_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-    ) -> torch.Tensor:
-        """Logits [n, vocab] of a decode-only step of n sequences; valid until the next run."""
-        return self._replay(self._load(input_ids, positions, slots, seq_lens, block_tables))[: len(input_ids)]
+    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Logits [n, vocab] of a decode-only step of n one-token chunks; valid until the next run."""
+        return self._replay(self._load(chunks))[: len(chunks)]
 
     def run_window(
         self,
@@ -138,14 +131,7 @@ class DecodeGraphs:
         n = len(chunks)
         bs = self.kv_cache.block_size
         window = max(c.num_steps for c in chunks)
-        positions = [c.start_pos for c in chunks]
-        b = self._load(
-            [c.token_ids[0] for c in chunks],
-            positions,
-            [c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, positions, strict=True)],
-            [p + 1 for p in positions],
-            [c.block_ids for c in chunks],
-        )
+        b = self._load(chunks)
         dev = self.device
         # Each pass's rows (those with more passes than it), made before the first pass: the sets shrink as rows end.
         passes: list[tuple[torch.Tensor | None, Any]] = []
@@ -188,20 +174,20 @@ class DecodeGraphs:
         marks.append(timer())
         return tokens, [z - a for a, z in itertools.pairwise(marks)]
 
-    def _load(
-        self,
-        input_ids: Sequence[int],
-        positions: Sequence[int],
-        slots: Sequence[int],
-        seq_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-    ) -> int:
-        """Copy a step's inputs into the buffers (padding rows after them); returns the bucket that holds them."""
-        n = len(input_ids)
+    def _load(self, chunks: Sequence[ScheduledChunk]) -> int:
+        """Copy the inputs of a step of one-token chunks into the buffers (padding rows after them): each chunk's token,
+        position, KV slot, context length and block table. Returns the bucket that holds them."""
+        n = len(chunks)
         b = next(size for size in self.buckets if size >= n)
+        bs = self.kv_cache.block_size
+        positions = [c.start_pos for c in chunks]
+        slots = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, positions, strict=True)]
+        block_tables = [c.block_ids for c in chunks]
         # The previous step's copies out of the staging buffer are done: its tokens were read back.
         staging = self._staging
-        staging[:n] = torch.tensor([input_ids, positions, slots, seq_lens], dtype=torch.long).t()
+        staging[:n] = torch.tensor(
+            [[c.token_ids[0] for c in chunks], positions, slots, [p + 1 for p in positions]], dtype=torch.long
+        ).t()
         staging[n:b, 2] = -1  # padding rows: no KV stored, nothing attended
         staging[n:b, 3] = 0
         dev = staging[:b].to(self.device, non_blocking=True)

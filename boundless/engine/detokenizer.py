@@ -100,12 +100,7 @@ def add_tokens(detokenizers: Sequence[IncrementalDetokenizer], token_ids: Sequen
     The windows of all of them are decoded in one call of each tokenizer and flag (a step's requests share one): two
     decodes per token from Python were a tenth of a 256-request decode step's Python."""
     stops = [False] * len(detokenizers)
-    groups: dict[tuple[int, bool], list[int]] = {}
-    for i, detok in enumerate(detokenizers):
-        if detok.enabled:
-            groups.setdefault((id(detok.tokenizer), detok.skip_special_tokens), []).append(i)
-    for (_, skip), members in groups.items():
-        tokenizer = detokenizers[members[0]].tokenizer
+    for tokenizer, skip, members in _by_tokenizer(detokenizers, [detok.enabled for detok in detokenizers]):
         seqs: list[list[int]] = []
         for i in members:
             seqs += detokenizers[i]._windows(token_ids[i])
@@ -122,14 +117,10 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
     join across a run as across steps, and a run whose text ends inside a character takes its longest head that
     does not (decoded again a token shorter at a time), leaving the rest for later tokens, as a token at a time
     leaves it."""
-    groups: dict[tuple[int, bool], list[int]] = {}
-    for i, detok in enumerate(detokenizers):
-        if detok.stop:
-            raise ValueError("a run of tokens goes to a detokenizer without stop strings")
-        if detok.enabled and runs[i]:
-            groups.setdefault((id(detok.tokenizer), detok.skip_special_tokens), []).append(i)
-    for (_, skip), members in groups.items():
-        tokenizer = detokenizers[members[0]].tokenizer
+    if any(detok.stop for detok in detokenizers):
+        raise ValueError("a run of tokens goes to a detokenizer without stop strings")
+    taking = [detok.enabled and bool(run) for detok, run in zip(detokenizers, runs, strict=True)]
+    for tokenizer, skip, members in _by_tokenizer(detokenizers, taking):
         seqs: list[list[int]] = []
         for i in members:
             detok = detokenizers[i]
@@ -154,3 +145,15 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
                 for i, text in zip(unresolved, texts, strict=True)
                 if not detokenizers[i]._resolve(prefixes[i], text, cut)
             ]
+
+
+def _by_tokenizer(
+    detokenizers: Sequence[IncrementalDetokenizer], taking: Sequence[bool]
+) -> list[tuple[Decoder, bool, list[int]]]:
+    """The detokenizers ``taking`` a token, by the tokenizer and flag their windows decode with (one batched call
+    each; a step's requests share one): the tokenizer, ``skip_special_tokens`` and their indices."""
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, detok in enumerate(detokenizers):
+        if taking[i]:
+            groups.setdefault((id(detok.tokenizer), detok.skip_special_tokens), []).append(i)
+    return [(detokenizers[members[0]].tokenizer, skip, members) for (_, skip), members in groups.items()]

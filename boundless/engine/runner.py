@@ -170,16 +170,7 @@ class ModelRunner:
 
     def _forward_graph(self, chunks: list[ScheduledChunk]) -> StepLogits:
         assert self.graphs is not None
-        bs = self.kv_cache.block_size
-        positions = [c.start_pos for c in chunks]
-        slots = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, positions, strict=True)]
-        logits = self.graphs.run(
-            [c.token_ids[0] for c in chunks],
-            positions,
-            slots,
-            [p + 1 for p in positions],
-            [c.block_ids for c in chunks],
-        )
+        logits = self.graphs.run(chunks)
         rows = [i for i, c in enumerate(chunks) if c.sample]
         if len(rows) < len(chunks):  # a one-token chunk in the middle of a prompt samples nothing
             logits = logits[torch.tensor(rows, device=logits.device)]

@@ -342,9 +342,8 @@ class Sampler:
 class DrawPlan:
     """What :meth:`Sampler.draw_planned` needs of a set of rows, on their device: which rows are greedy and which
     draw (``random``: None when all are greedy), the drawing rows' temperatures and filters (each None where no row
-    uses it), and which of them draw from the shared
-    generator (their places among the drawing rows, and their rows) or from their own (seeded: place, row,
-    generator)."""
+    uses it), and which of them draw from the shared generator (their places among the drawing rows, and their rows)
+    or from their own (seeded: place, row, generator)."""
 
     num_rows: int
     greedy: torch.Tensor | None = None
