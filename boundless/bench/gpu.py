@@ -346,12 +346,18 @@ def host_proxy(args: argparse.Namespace, root: Path) -> dict:
 
 
 def _windows(args: argparse.Namespace) -> list[int]:
-    return [w for w in (int(x) for x in args.windows.split(",") if x.strip()) if w > 1]
+    try:
+        return [w for w in (int(x) for x in args.windows.split(",") if x.strip()) if w > 1]
+    except ValueError:
+        raise SystemExit(f"--windows: numbers of scheduler steps separated by commas, not {args.windows!r}") from None
 
 
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
-    shapes = {s.strip() for s in args.shapes.split(",")}
+    shapes = {s.strip() for s in args.shapes.split(",") if s.strip()}
+    if unknown := shapes - {"host", "1b", "8b"}:
+        raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; host, 1b or 8b")
+    _windows(args)  # (a bad --windows stops the run before anything is built)
     if device.type != "cuda" and not args.tiny and shapes != {"host"}:
         raise SystemExit(
             "bench gpu needs a CUDA device (or --tiny, which checks the benchmark on small shapes; or --shapes host)"

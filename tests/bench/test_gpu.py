@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import TEST_DEVICE
 
@@ -72,3 +73,13 @@ def test_bench_gpu_host_proxy_splits_each_windows_steps(tmp_path: Path) -> None:
         split = results["host_proxy"][f"window{window}"]
         assert split["steps"] == o  # (a window's passes count as steps: the output's passes, plus none for prefill)
         assert 0 < split["schedule_s"] + split["execute_s"] + split["finish_step_s"] <= split["wall_s"]
+
+
+@pytest.mark.parametrize("flags", [["--shapes", "1b,2b"], ["--windows", "8,sixteen"]])
+def test_bench_gpu_refuses_unknown_shapes_and_windows(flags: list[str], tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    args = parser.parse_args(["--tiny", "--device", "cpu", "--workdir", str(tmp_path), *flags])
+    with pytest.raises(SystemExit, match=flags[0]):
+        gpu.run(args)
+    assert not list(tmp_path.iterdir())  # nothing was built
