@@ -401,6 +401,14 @@ class SchedulerConfig:
             "and finishes take effect at the window's end"
         },
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata={
+            "help": "with --num-scheduler-steps above 1 on CUDA graphs: decide and queue the next window while this "
+            "one runs on the GPU, its first tokens taken there (vLLM's --async-scheduling); a request that stops "
+            "in a window has run one more, its tokens dropped, and an arrival waits for the window in flight"
+        },
+    )
     speculative_config: str | None = field(
         default=None,
         metadata={

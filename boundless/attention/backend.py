@@ -66,6 +66,16 @@ class AttentionBackend(Protocol):
         ...
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device`` without waiting for it: to a GPU through pinned memory, a copy queued in
+    stream order (a copy from pageable memory waits for all the work queued before it, which would stall a host
+    launching the next step while the GPU runs this one). PyTorch's pinned allocator keeps the buffer until the copy
+    has run."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def padded_table(tables: Sequence[Sequence[int]], width: int) -> list[int]:
     """Block tables as one row-major list of ``width`` ids a row, each padded with zeros (a step's tables become one
     tensor from it: a tensor per row cost ~3 us each, a millisecond of a 256-request step). Rows longer than

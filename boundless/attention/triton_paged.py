@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from boundless.attention.backend import AttentionBatch, padded_table
+from boundless.attention.backend import AttentionBatch, padded_table, to_device
 from boundless.attention.partials import AttentionPartial
 
 try:
@@ -202,10 +202,7 @@ class TritonPagedAttention:
     def _upload(self, arrays: list[list[int]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         """One host-to-device copy for all of a step's int32 metadata; views into it."""
         sizes = [len(a) for a in arrays]
-        host = torch.tensor([x for a in arrays for x in a], dtype=torch.int32)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
+        dev = to_device(torch.tensor([x for a in arrays for x in a], dtype=torch.int32), self.device)
         views, offset = [], 0
         for size, shape in zip(sizes, shapes, strict=True):
             views.append(dev[offset : offset + size].view(shape))

@@ -19,7 +19,7 @@ from boundless.engine.attention_time import AttentionTimeRecorder
 from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens
 from boundless.engine.errors import InvalidRequestError
-from boundless.engine.executor import Executor, ModelExecutor, StepResult
+from boundless.engine.executor import Executor, ModelExecutor, PendingStep, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
 from boundless.engine.lending_stats import LendingStats
 from boundless.engine.logprobs import PromptLogprobs, PromptScores
@@ -242,6 +242,8 @@ class EngineCore:
         self._awaiting: dict[str, float] = {}
         # Calls read ahead for (``prefetch``), by the time past which a call that has not come is dropped.
         self._prefetches: dict[str, float] = {}
+        # Asynchronous scheduling: the window decided and queued while the last one ran, read at the next step.
+        self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
 
     @classmethod
     def from_model(
@@ -582,13 +584,28 @@ class EngineCore:
     # -- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        """Run one iteration; returns the requests that produced tokens (or finished)."""
-        sched = self.schedule()
-        if sched.is_empty:
-            if self.scheduler.compiling and self.grammars is not None:  # nothing to run until a grammar is: wait
-                self.grammars.wait(self._compiling_specs(), timeout_s=1.0)
-            return []
-        return self.finish_step(sched, self.execute(sched))
+        """Run one iteration; returns the requests that produced tokens (or finished). With asynchronous scheduling
+        the window after this one is decided and queued on the device before this one's tokens are read back; the
+        next call reads it."""
+        if self._ahead is not None:
+            sched, launched = self._ahead
+            self._ahead = None
+        else:
+            sched = self.schedule()
+            if sched.is_empty:
+                if self.scheduler.compiling and self.grammars is not None:  # nothing to run until a grammar is: wait
+                    self.grammars.wait(self._compiling_specs(), timeout_s=1.0)
+                return []
+            launched = self.launch(sched)
+        try:
+            ahead = self.schedule_ahead(sched, launched)
+            if ahead is not None:
+                self._ahead = (ahead, self.launch(ahead, launched))
+            result = launched.wait()
+        except BaseException:
+            self._ahead = None  # (the caller fails the requests; a window queued behind a failed one is dropped)
+            raise
+        return self.finish_step(sched, result)
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (bookkeeping only; cheap)."""
@@ -626,6 +643,25 @@ class EngineCore:
         request bookkeeping (requests aborted meanwhile are skipped by :meth:`finish_step`).
         """
         return self.executor.execute(sched)
+
+    def launch(self, sched: SchedulerOutput, follows: PendingStep | None = None) -> PendingStep:
+        """Start a scheduled step (``ModelExecutor.launch``): a window on CUDA graphs is queued on the device, any
+        other step runs to its end; ``PendingStep.wait`` gives its result. Touches only the executor, as
+        :meth:`execute` does. ``follows``: the window still running that a window decided ahead follows."""
+        launch = getattr(self.executor, "launch", None)
+        if launch is None:  # an executor that runs each step to its end (the simulator's, a test's)
+            assert follows is None
+            return PendingStep(self.executor, sched, 0.0, result=self.executor.execute(sched))
+        return launch(sched, follows)
+
+    def schedule_ahead(self, sched: SchedulerOutput, launched: PendingStep) -> SchedulerOutput | None:
+        """Asynchronous scheduling (``--async-scheduling``): the window after ``sched``, decided while ``sched`` runs
+        on the device (``Scheduler.schedule_ahead``); launch it with ``follows=launched`` before waiting for
+        ``launched``. None when it is off, ``sched`` did not run as a device window, or the next step needs the
+        ordinary decision."""
+        if not self.config.scheduler.async_scheduling or launched.window is None:
+            return None
+        return self.scheduler.schedule_ahead(sched)
 
     def finish_step(self, sched: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
         """Apply a step's results: finished disk reads and writes, progress, tokens, detokenizing, stops."""

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from boundless.attention.backend import padded_table
+from boundless.attention.backend import padded_table, to_device
 from boundless.attention.triton_paged import TritonAttentionMetadata, TritonPagedAttention
 from boundless.engine.scheduler import ScheduledChunk
 from boundless.kv.tensors import PagedKVCache
@@ -31,6 +32,31 @@ def batch_buckets(max_batch: int) -> list[int]:
     replays the smallest bucket that holds it)."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
     return sorted(set(sizes) | {max_batch})
+
+
+@dataclass
+class DeviceWindow:
+    """A multi-step window queued on the device (:meth:`DecodeGraphs.launch_window`): its tokens [window, n] there (row
+    ``i`` of pass ``j`` is chunk ``i``'s when it has more than ``j`` passes, else 0) and the marks around its passes
+    (CUDA events on a GPU, the timer's readings elsewhere). Reading either back waits for the window."""
+
+    chunks: list[ScheduledChunk]
+    tokens: torch.Tensor
+    marks: list
+
+    def seconds(self) -> list[float]:
+        """Each pass's seconds (waits for the window to end)."""
+        if self.marks and isinstance(self.marks[-1], torch.cuda.Event):
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(z) / 1e3 for a, z in itertools.pairwise(self.marks)]
+        return [z - a for a, z in itertools.pairwise(self.marks)]
+
+    def last_tokens(self, request_ids: Sequence[str]) -> torch.Tensor:
+        """The last token each of these requests draws in the window, on the device (nothing waits)."""
+        n = len(self.chunks)
+        row = {c.request_id: i for i, c in enumerate(self.chunks)}
+        index = [(self.chunks[row[rid]].num_steps - 1) * n + row[rid] for rid in request_ids]
+        return self.tokens.view(-1).index_select(0, to_device(torch.tensor(index), self.tokens.device))
 
 
 class DecodeGraphs:
@@ -61,8 +87,6 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.programs = torch.arange(n, dtype=torch.int32, device=device)
-        # Pinned staging for a step's per-row inputs (id, position, slot, context length), copied in one go.
-        self._staging = torch.zeros(n, 4, dtype=torch.long, pin_memory=device.type == "cuda")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._metas: dict[int, TritonAttentionMetadata] = {}
 
@@ -110,39 +134,43 @@ class DecodeGraphs:
         """Logits [n, vocab] of a decode-only step of n one-token chunks; valid until the next run."""
         return self._replay(self._load(chunks))[: len(chunks)]
 
-    def run_window(
+    def launch_window(
         self,
         chunks: Sequence[ScheduledChunk],
         plan: Callable[[Sequence[ScheduledChunk]], Any],
         draw: Callable[[torch.Tensor, Any], torch.Tensor],
         timer: Callable[[], float],
-    ) -> tuple[torch.Tensor, list[float]]:
-        """A multi-step window's passes (``engine/multi_step.py``) of one-token decodes, all on the device: each pass
-        replays the graph and ``draw(logits, plan(rows))`` picks the tokens of the rows still decoding; the next pass's
-        inputs are made there from them (the tokens, each position and context length one on, the slot from the block
-        table the window's blocks are in already), so the host neither waits for a pass nor builds the next one: the
-        GPU runs the window back to back. A chunk with fewer passes (``num_steps``) than the window turns into padding
-        after its last, and draws nothing more (the shared generator's draws are those of the passes one by one). The
-        plans and row indices of every pass are made before the first: nothing is copied from the host between
-        passes.
+        follows: DeviceWindow | None = None,
+    ) -> DeviceWindow:
+        """Queue a multi-step window's passes (``engine/multi_step.py``) of one-token decodes, all on the device: each
+        pass replays the graph and ``draw(logits, plan(rows))`` picks the tokens of the rows still decoding; the next
+        pass's inputs are made there from them (the tokens, each position and context length one on, the slot from the
+        block table the window's blocks are in already), so the host neither waits for a pass nor builds the next one:
+        the GPU runs the window back to back. A chunk with fewer passes (``num_steps``) than the window turns into
+        padding after its last, and draws nothing more (the shared generator's draws are those of the passes one by
+        one). The plans and row indices of every pass are made before the first, and every copy from the host is
+        queued in stream order: nothing waits for the device, which may still be running the window before.
 
-        Returns the tokens [window, n] (row ``i`` of pass ``j`` is chunk ``i``'s when it has more than ``j`` passes,
-        else 0) and each pass's seconds (CUDA events on the GPU: nothing waits for them until the window ends)."""
+        ``follows``: the window still running whose tokens are this one's first inputs (asynchronous scheduling,
+        ``Scheduler.schedule_ahead``): each chunk's first token is its request's last token there, taken on the
+        device (the chunks' own ``token_ids`` are placeholders)."""
         n = len(chunks)
         bs = self.kv_cache.block_size
         window = max(c.num_steps for c in chunks)
         b = self._load(chunks)
         dev = self.device
+        if follows is not None:
+            self.input_ids[:n].copy_(follows.last_tokens([c.request_id for c in chunks]))
         # Each pass's rows (those with more passes than it), made before the first pass: the sets shrink as rows end.
         passes: list[tuple[torch.Tensor | None, Any]] = []
         made: dict[int, tuple[torch.Tensor | None, Any]] = {}
         for j in range(window):
             rows = [i for i, c in enumerate(chunks) if c.num_steps > j]
             if len(rows) not in made:
-                index = None if len(rows) == n else torch.tensor(rows, dtype=torch.long, device=dev)
+                index = None if len(rows) == n else to_device(torch.tensor(rows, dtype=torch.long), dev)
                 made[len(rows)] = (index, plan([chunks[i] for i in rows]))
             passes.append(made[len(rows)])
-        steps = torch.tensor([c.num_steps for c in chunks], device=dev)
+        steps = to_device(torch.tensor([c.num_steps for c in chunks]), dev)
         table_rows = torch.arange(n, device=dev)
         tokens = torch.zeros(window, n, dtype=torch.long, device=dev)  # (a padding row's 0 is a valid input id)
         on_gpu = dev.type == "cuda"
@@ -169,10 +197,9 @@ class DecodeGraphs:
         if on_gpu:
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()
-            marks[-1].synchronize()
-            return tokens, [a.elapsed_time(z) / 1e3 for a, z in itertools.pairwise(marks)]
-        marks.append(timer())
-        return tokens, [z - a for a, z in itertools.pairwise(marks)]
+        else:
+            marks.append(timer())
+        return DeviceWindow(list(chunks), tokens, marks)
 
     def _load(self, chunks: Sequence[ScheduledChunk]) -> int:
         """Copy the inputs of a step of one-token chunks into the buffers (padding rows after them): each chunk's token,
@@ -183,21 +210,21 @@ class DecodeGraphs:
         positions = [c.start_pos for c in chunks]
         slots = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, positions, strict=True)]
         block_tables = [c.block_ids for c in chunks]
-        # The previous step's copies out of the staging buffer are done: its tokens were read back.
-        staging = self._staging
+        staging = torch.zeros(b, 4, dtype=torch.long)
         staging[:n] = torch.tensor(
             [[c.token_ids[0] for c in chunks], positions, slots, [p + 1 for p in positions]], dtype=torch.long
         ).t()
         staging[n:b, 2] = -1  # padding rows: no KV stored, nothing attended
         staging[n:b, 3] = 0
-        dev = staging[:b].to(self.device, non_blocking=True)
+        # (Copies in stream order, each from its own pinned buffer: the window before may still be running.)
+        dev = to_device(staging, self.device)
         self.input_ids[:b].copy_(dev[:, 0])
         self.positions[:b].copy_(dev[:, 1])
         self.slots[:b].copy_(dev[:, 2])
         self.seq_lens[:b].copy_(dev[:, 3])
         width = max(len(t) for t in block_tables)
         table = torch.tensor(padded_table(block_tables, width), dtype=torch.int32).view(n, width)
-        self.block_tables[:n, :width].copy_(table)
+        self.block_tables[:n, :width].copy_(to_device(table, self.device))
         return b
 
     def _replay(self, b: int) -> torch.Tensor:

@@ -15,9 +15,10 @@ from typing import Protocol
 
 import torch
 
+from boundless.engine.cuda_graphs import DeviceWindow
 from boundless.engine.logprobs import PromptScores
 from boundless.engine.multi_step import window_iteration
-from boundless.engine.runner import ModelRunner
+from boundless.engine.runner import ModelRunner, window_tokens
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.kv.block_hash import BlockHash
@@ -53,6 +54,49 @@ class StepResult:
     later: tuple[dict[str, SampledToken], ...] = ()
     pass_seconds: tuple[float, ...] = ()
     prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
+
+
+class PendingStep:
+    """A step handed to :meth:`ModelExecutor.launch`: its :class:`StepResult` from :meth:`wait`. A multi-step window
+    on CUDA graphs is still on the device until then (``window``); any other step has its result already."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        sched: SchedulerOutput,
+        start: float,
+        result: StepResult | None = None,
+        window: DeviceWindow | None = None,
+        follows: bool = False,
+    ) -> None:
+        self.executor = executor
+        self.sched = sched
+        self.start = start
+        self.result = result
+        self.window = window
+        self.follows = follows  # its first inputs were the window before's tokens, on the device
+
+    def wait(self) -> StepResult:
+        """The step's result: a window's tokens read back (the one wait for the device in the window)."""
+        if self.result is not None:
+            return self.result
+        ex = self.executor
+        assert self.window is not None and isinstance(ex, ModelExecutor)
+        try:
+            passes, seconds = window_tokens(self.window)
+        except BaseException:
+            if ex.remote is not None:
+                ex.remote.end_step(ok=False)
+            raise
+        if self.follows:
+            # Launched while the window before ran: the wall time since the launch holds that window's passes; the
+            # device's own times are this one's.
+            pass_seconds, elapsed = seconds, sum(seconds)
+        else:
+            # (The first pass's seconds hold the step's work before it, as when the passes run one by one.)
+            pass_seconds, elapsed = [ex.timer() - self.start - sum(seconds[1:]), *seconds[1:]], None
+        self.result = ex._result(self.sched, passes[0], passes[1:], pass_seconds, {}, self.start, elapsed)
+        return self.result
 
 
 class Executor(Protocol):
@@ -124,7 +168,16 @@ class ModelExecutor:
         return self.runner.remove_lora(name)
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        return self.launch(sched).wait()
+
+    def launch(self, sched: SchedulerOutput, follows: PendingStep | None = None) -> PendingStep:
+        """Start a step: a multi-step window on CUDA graphs is queued on the device and read back by
+        :meth:`PendingStep.wait` (the host may decide and queue the next window meanwhile: asynchronous scheduling);
+        any other step runs to its end here. ``follows``: the window still running whose last tokens are this one's
+        first inputs (``Scheduler.schedule_ahead``); it must have run on the device."""
         start = self.timer()
+        after = follows.window if follows is not None else None
+        assert follows is None or after is not None, "a window ahead follows one on the device"
         self.runner.sampler.forget(sched.finished_ids)
         on_layer = None
         snapshots, snapshot_error = None, None
@@ -155,14 +208,12 @@ class ModelExecutor:
             before_layer = _chain(waits.before_layer if waits is not None else None, landing)
             # Multi-step decoding on CUDA graphs: the whole window on the device, no host work between its passes.
             windowed = None
-            if sched.window > 1 and on_layer is None and before_layer is None:
-                windowed = self.runner.run_window(sched, self.timer)
+            if (sched.window > 1 or after is not None) and on_layer is None and before_layer is None:
+                windowed = self.runner.launch_window(sched, self.timer, after)
             if windowed is not None:
-                passes, seconds = windowed
-                sampled, later = passes[0], passes[1:]
-                # (The first pass's seconds hold the step's work before it, as when the passes run one by one.)
-                pass_seconds = [self.timer() - start - sum(seconds[1:]), *seconds[1:]]
-            elif sched.chunks:
+                return PendingStep(self, sched, start, window=windowed, follows=after is not None)
+            assert after is None, "a window ahead runs on the device"
+            if sched.chunks:
                 step = self.runner.forward(sched, on_layer, before_layer)
                 sampled, accepted = self.runner.sample(step)
                 prompt_scores = step.prompt_scores
@@ -187,9 +238,26 @@ class ModelExecutor:
         finally:
             if waits is not None:
                 self.kv_io.count_layer_waits(waits.waited_s, waits.timeouts)
+        return PendingStep(
+            self, sched, start, result=self._result(sched, sampled, later, pass_seconds, prompt_scores, start)
+        )
+
+    def _result(
+        self,
+        sched: SchedulerOutput,
+        sampled: dict[str, SampledToken],
+        later: Sequence[dict[str, SampledToken]],
+        pass_seconds: Sequence[float],
+        prompt_scores: dict[str, PromptScores],
+        start: float,
+        elapsed: float | None = None,
+    ) -> StepResult:
+        """A step's result once its tokens are in: its block streams ended, the disk I/O and streams finished
+        meanwhile collected, its seconds (``elapsed``, else since ``start``)."""
         if self.remote is not None:
             self.remote.end_step(ok=True)
-        elapsed = self.timer() - start
+        if elapsed is None:
+            elapsed = self.timer() - start
         idle = not sched.chunks
         remote_wait = idle and sched.num_remote_in_flight > 0 and not sched.num_reads_in_flight
         tier_report = self.kv_io.report(wait_s=READ_WAIT_S if idle and sched.num_reads_in_flight else 0.0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.attention.backend import AttentionBackend, AttentionBatch
-from boundless.engine.cuda_graphs import DecodeGraphs
+from boundless.engine.cuda_graphs import DecodeGraphs, DeviceWindow
 from boundless.engine.logprobs import PromptScores, PromptSpan, SampledToken, score_prompt_spans
 from boundless.engine.sampler import Sampler
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -177,13 +177,14 @@ class ModelRunner:
         return StepLogits(logits=logits, chunks=[chunks[i] for i in rows])
 
     @torch.inference_mode()
-    def run_window(
-        self, sched: SchedulerOutput, timer: Callable[[], float]
-    ) -> tuple[list[dict[str, SampledToken]], list[float]] | None:
-        """A multi-step window's passes on the device, with no host work between them (``DecodeGraphs.run_window``):
-        each pass's tokens by request id, and its seconds. None when the window cannot run so: no graphs, a chunk
-        the graphs do not take (lent blocks, a LoRA adapter), or one whose sampling needs the host each pass
-        (``Sampler.draws_alone``); the executor then runs its passes one by one."""
+    def launch_window(
+        self, sched: SchedulerOutput, timer: Callable[[], float], follows: DeviceWindow | None = None
+    ) -> DeviceWindow | None:
+        """Queue a multi-step window's passes on the device, with no host work between them
+        (``DecodeGraphs.launch_window``); :func:`window_tokens` reads its tokens back. None when the window cannot run
+        so: no graphs, a chunk the graphs do not take (lent blocks, a LoRA adapter), or one whose sampling needs the
+        host each pass (``Sampler.draws_alone``); the executor then runs its passes one by one. ``follows``: the window
+        still running whose last tokens are this one's first inputs (``Scheduler.schedule_ahead``)."""
         chunks = sched.chunks
         graphs = self.graphs
         if (
@@ -192,15 +193,12 @@ class ModelRunner:
             or any(c.remote or c.sampling_params.lora_name is not None for c in chunks)
             or not all(map(self.sampler.draws_alone, chunks))
         ):
+            assert follows is None, "a window ahead follows one on the device, and draws as it did"
             return None
         sampler, vocab = self.sampler, self.model.arch.vocab_size
-        tokens, seconds = graphs.run_window(
-            chunks, lambda rows: sampler.plan_draw(rows, self.device, vocab), sampler.draw_planned, timer
+        return graphs.launch_window(
+            chunks, lambda rows: sampler.plan_draw(rows, self.device, vocab), sampler.draw_planned, timer, follows
         )
-        passes = []
-        for j, row in enumerate(tokens.tolist()):  # (the one wait for the device in the window)
-            passes.append({c.request_id: SampledToken(t) for c, t in zip(chunks, row, strict=True) if c.num_steps > j})
-        return passes, seconds
 
     @torch.inference_mode()
     def sample(self, step: StepLogits) -> tuple[dict[str, SampledToken], dict[str, list[SampledToken]]]:
@@ -229,3 +227,13 @@ class ModelRunner:
 def _layout_order(chunk: ScheduledChunk) -> tuple[bool, str]:
     lora = chunk.sampling_params.lora_name
     return len(chunk.token_ids) != 1, "" if lora is None else lora
+
+
+def window_tokens(window: DeviceWindow) -> tuple[list[dict[str, SampledToken]], list[float]]:
+    """A device window's tokens, each pass's by request id, and each pass's seconds: the one wait for the device in
+    the window."""
+    chunks = window.chunks
+    passes = []
+    for j, row in enumerate(window.tokens.tolist()):
+        passes.append({c.request_id: SampledToken(t) for c, t in zip(chunks, row, strict=True) if c.num_steps > j})
+    return passes, window.seconds()

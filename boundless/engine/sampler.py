@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from boundless.attention.backend import to_device
 from boundless.engine.logprobs import SampledToken, score_tokens
 from boundless.engine.scheduler import ScheduledChunk
 from boundless.engine.speculative import accepted_tokens
@@ -177,7 +178,7 @@ class Sampler:
         """Whether the chunk's next tokens depend on its logits (and its generator) alone: no penalties, grammar,
         logit biases, logprobs, drafts, or stop tokens still forbidden (``min_tokens``). A multi-step window of such
         chunks may draw each pass's tokens on the device with no host work between passes
-        (``DecodeGraphs.run_window``): :meth:`draw` is all of their sampling."""
+        (``DecodeGraphs.launch_window``): :meth:`draw` is all of their sampling."""
         p = chunk.sampling_params
         return (
             p.logprobs is None
@@ -203,25 +204,21 @@ class Sampler:
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         shared = [j for j, p in enumerate(params) if p.seed is None]
 
+        # (Copied in stream order: a window planned while the last one runs does not wait for it.)
         def rows(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
+            return to_device(torch.tensor(values, dtype=torch.long), device)
+
+        def column(values: list[float]) -> torch.Tensor:
+            return to_device(torch.tensor(values), device).unsqueeze(1)
 
         return DrawPlan(
             num_rows=len(chunks),
             greedy=rows(greedy) if greedy else None,
             random=rows(random_rows),
-            temperatures=torch.tensor([p.temperature for p in params], device=device).unsqueeze(1),
-            min_ps=(
-                torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
-                if any(p.min_p > 0 for p in params)
-                else None
-            ),
+            temperatures=column([p.temperature for p in params]),
+            min_ps=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
             top_ks=rows(top_ks).unsqueeze(1) if any(k < vocab for k in top_ks) else None,
-            top_ps=(
-                torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
-                if any(p.top_p < 1.0 for p in params)
-                else None
-            ),
+            top_ps=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
             shared=(rows(shared), rows([random_rows[j] for j in shared])) if shared else None,
             all_shared=len(shared) == len(random_rows),
             seeded=[(j, random_rows[j], self._generator_for(chunks[random_rows[j]])) for j, p in enumerate(params)

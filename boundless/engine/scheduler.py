@@ -64,6 +64,11 @@ class DraftProposer(Protocol):
         ...
 
 
+# The input of a chunk decided ahead (Scheduler.schedule_ahead): its real token is on the device, drawn by the window
+# before. Not a token id, so that a chunk that ran with it would fail loudly.
+AHEAD_TOKEN = -1
+
+
 @dataclass
 class ScheduledChunk:
     """Tokens of one request to compute in a step. Not changed once made (not frozen only because a frozen
@@ -164,6 +169,7 @@ class SchedulerStats:
     num_swapped_in: int = 0
     num_recomputed: int = 0
     num_prompt_tokens_cached: int = 0
+    num_ahead: int = 0  # windows decided while the one before ran (schedule_ahead)
     # Of those, by the tier their KV was found in: device, host, or disk (loaded ahead of admission).
     cached_tokens_by_tier: dict[TierId, int] = field(default_factory=dict)
 
@@ -379,6 +385,76 @@ class Scheduler:
         out.num_reads_in_flight = self.kv.num_reads_in_flight
         out.remote_recvs = self.kv.take_remote_recvs()
         out.num_remote_in_flight = self.kv.num_remote_in_flight
+        return out
+
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Asynchronous scheduling: the window after ``prev``, decided while ``prev`` still runs on the device, its
+        tokens unknown. Its chunks are ``prev``'s requests one window on (each chunk's first input is its request's
+        last token in ``prev``, taken on the device: its ``token_ids`` hold :data:`AHEAD_TOKEN`), less those whose
+        output ends in ``prev`` by length; a request that ``prev`` ends otherwise (a stop token or string, an abort) is
+        in it too, and its tokens are dropped when it is recorded (it was removed by then). None when the next step
+        needs the ordinary decision: ``prev`` was not a multi-step window, a running request is not in it, a request
+        waits (it is admitted at the next ordinary step, a window later), blocks are on their way or lent, or the
+        device lacks the window's blocks; the engine then waits for ``prev`` and schedules as ever."""
+        if (
+            prev.window <= 1
+            or self.waiting
+            or self.kv.has_disk
+            or self.kv.num_remote_in_flight
+            or self.proposer is not None
+        ):
+            return None
+        running = {r.request_id: r for r in self.running}
+        if any(rid not in self.in_flight for rid in running):
+            return None  # (a running request left out of prev: the ordinary decision orders them)
+        kv = self.kv
+        plan: list[tuple[Request, int, int]] = []  # (request, first position, passes)
+        need = 0
+        for chunk in prev.chunks:
+            request = running.get(chunk.request_id)
+            if request is None:
+                continue  # it left while prev ran
+            rid = request.request_id
+            if kv.num_lent_blocks(rid) or chunk.num_steps != self.in_flight[rid]:
+                return None
+            outputs = request.num_output_tokens + chunk.num_steps
+            if outputs >= request.max_tokens:
+                continue  # its output ends in prev
+            start = request.num_computed_tokens + chunk.num_steps
+            steps = min(self.num_scheduler_steps, request.max_tokens - outputs)
+            plan.append((request, start, steps))
+            need += max(0, kv.blocks_for_tokens(start + steps) - kv.num_allocated_blocks(rid))
+        if not plan or need > kv.pool.num_free:
+            return None
+        kv.begin_step()
+        departures = len(self._finished_since_step) if len(self.requests) > self._arrived_since_step else 0
+        out = SchedulerOutput(
+            finished_ids=self._finished_since_step, arrivals=self._arrived_since_step, departures=departures
+        )
+        self._finished_since_step = []
+        self._arrived_since_step = 0
+        for request, start, steps in plan:
+            rid = request.request_id
+            allocated = kv.allocate(rid, request.all_token_ids, start + steps)
+            assert allocated, "the window's blocks were counted free"
+            out.chunks.append(
+                ScheduledChunk(
+                    request_id=rid,
+                    token_ids=[AHEAD_TOKEN],
+                    start_pos=start,
+                    block_ids=kv.block_ids(rid),
+                    sample=True,
+                    sampling_params=request.sampling_params,
+                    num_output_tokens=request.num_output_tokens + self.in_flight[rid],
+                    eos_token_ids=request.eos_token_ids,
+                    num_steps=steps,
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                )
+            )
+            self.in_flight[rid] += steps
+        out.window = max(steps for _, _, steps in plan)
+        out.transfers = kv.take_transfers()  # (evictions of named blocks down to host memory, for the new blocks)
+        self.stats.num_ahead += 1
         return out
 
     def _plan_window(self, chosen: list[tuple[Request, int]]) -> dict[str, int] | None:
@@ -747,8 +823,13 @@ class Scheduler:
         the model executor, and is charged it as attained service (Autellix's measure).
         """
         now = self.clock()
-        self.in_flight = {}
+        in_flight = self.in_flight
         for chunk in output.chunks:
+            # (A window decided ahead may be in flight still: only this step's tokens leave the count.)
+            left = in_flight.pop(chunk.request_id, 0) - (len(chunk.token_ids) - len(chunk.draft_token_ids))
+            left -= chunk.num_steps - 1
+            if left > 0:
+                in_flight[chunk.request_id] = left
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue

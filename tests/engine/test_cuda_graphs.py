@@ -28,10 +28,12 @@ def test_buckets_cover_every_batch_size() -> None:
         assert any(b >= n for b in batch_buckets(40))
 
 
-def _engine(loaded: LoadedModel, backend: str, graphs: bool, window: int = 1) -> EngineCore:
+def _engine(
+    loaded: LoadedModel, backend: str, graphs: bool, window: int = 1, async_scheduling: bool = False
+) -> EngineCore:
     config = engine_config(
         loaded.name, max_model_len=256, num_kv_blocks=64, attention_backend=backend, enforce_eager=True,
-        num_scheduler_steps=window,
+        num_scheduler_steps=window, async_scheduling=async_scheduling,
     )  # fmt: skip
     core = EngineCore.from_model(loaded, config)
     runner = core.executor.runner
@@ -80,9 +82,9 @@ def test_graph_buffers_give_the_eager_tokens(tiny_llama: LoadedModel) -> None:
 
 
 def _count_device_windows(core: EngineCore) -> list[int]:
-    """Patches the runner to count the windows it ran on the device (``run_window`` not None); returns the count."""
+    """Patches the runner to count the windows it ran on the device (``launch_window`` not None); returns the count."""
     runner = core.executor.runner
-    original = runner.run_window
+    original = runner.launch_window
     count = [0]
 
     def counting(*args, **kwargs):
@@ -90,12 +92,12 @@ def _count_device_windows(core: EngineCore) -> list[int]:
         count[0] += out is not None
         return out
 
-    runner.run_window = counting
+    runner.launch_window = counting
     return count
 
 
 def test_a_window_on_the_device_gives_the_tokens_of_single_steps(tiny_llama: LoadedModel) -> None:
-    """Multi-step windows whose passes feed each other on the device (``DecodeGraphs.run_window``): the tokens of the
+    """Multi-step windows whose passes feed each other on the device (``DecodeGraphs.launch_window``): the tokens of the
     eager engine stepping one token at a time, with requests that end mid-window before and between others (their
     rows turn into padding: a row that ran one pass too many would write KV into a slot it does not own)."""
     prompts = [[3 + i * 11 + j for j in range(5 + 13 * i)] for i in range(6)]
@@ -124,9 +126,51 @@ def test_a_device_window_draws_what_passes_one_by_one_draw(tiny_llama: LoadedMod
 
     for logprobs, device_windows in ((None, True), (1, False)):
         one_by_one = _engine(tiny_llama, "triton", graphs=True, window=4)
-        one_by_one.executor.runner.run_window = lambda *a, **k: None
+        one_by_one.executor.runner.launch_window = lambda *a, **k: None
         expected = _generate(one_by_one, prompts, params(logprobs))
         core = _engine(tiny_llama, "triton", graphs=True, window=4)
         windows = _count_device_windows(core)
         assert _generate(core, prompts, params(logprobs)) == expected
         assert (windows[0] > 0) == device_windows
+
+
+def _outputs(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
+    """Each request's tokens, text and finish and stop reasons."""
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(str(i), p, sp)
+    out: dict[str, list] = {str(i): [[], "", None, None] for i in range(len(prompts))}
+    while core.has_unfinished():
+        for delta in core.step():
+            row = out[delta.request_id]
+            row[0] += delta.new_token_ids
+            row[1] += delta.new_text
+            if delta.finished:
+                row[2:] = [delta.finish_reason, delta.stop_reason]
+    return [tuple(out[str(i)]) for i in range(len(prompts))]
+
+
+def test_async_windows_give_the_tokens_of_windows_in_turn(tiny_llama: LoadedModel) -> None:
+    """Asynchronous scheduling: each window after the first is decided and queued before the one before is read, its
+    first tokens taken on the device. The outputs are those of windows in turn: requests ending by length before and
+    between others, by a stop token and by a stop string in the middle of a window (they ran in the window decided
+    ahead too; its tokens for them are dropped); and every block comes back."""
+    prompts = [[3 + i * 11 + j for j in range(4 + 5 * i)] for i in range(6)]
+    free = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, [16] * 6)
+    text = tiny_llama.tokenizer.decode(free[4])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=22, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[free[2][9]]),  # (its first at 9 or before)
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, stop=[text[len(text) // 2 : len(text) // 2 + 3]]),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+    ]
+    expected = _outputs(_engine(tiny_llama, "torch", graphs=False, window=4), prompts, params)
+    core = _engine(tiny_llama, "triton", graphs=True, window=4, async_scheduling=True)
+    windows = _count_device_windows(core)
+    assert _outputs(core, prompts, params) == expected
+    assert expected[2][2] == "stop" and len(expected[2][0]) <= 10 and expected[4][2] == "stop"
+    assert windows[0] >= 5 and core.scheduler.stats.num_ahead == windows[0] - 1  # (every window after the first)
+    while core._ahead is not None:  # a window queued for requests that had all ended: read, nothing applied
+        assert core.step() == []
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
