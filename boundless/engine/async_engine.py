@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
+from boundless.engine.executor import PendingStep
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
@@ -224,28 +225,45 @@ class EngineLoop:
 
     def _run(self) -> None:
         core = self.core
-        while not self._stop.is_set():
-            with self.lock:
-                if self.hooks is not None:
-                    for delta in self.hooks.between_steps():
-                        self._emit(delta)
-                sched = core.schedule() if core.has_work() else None
-            if sched is None or sched.is_empty:
-                self._wake.wait(timeout=0.05 if sched is not None else 1.0)
-                self._wake.clear()
-                continue
+        # Asynchronous scheduling: the window decided and queued while the last one ran, and what it follows.
+        ahead: tuple[SchedulerOutput, PendingStep] | None = None
+        while not self._stop.is_set() or ahead is not None:  # (a window in flight is read before the loop stops)
+            if ahead is None:
+                with self.lock:
+                    if self.hooks is not None:
+                        for delta in self.hooks.between_steps():
+                            self._emit(delta)
+                    sched = core.schedule() if core.has_work() else None
+                if sched is None or sched.is_empty:
+                    self._wake.wait(timeout=0.05 if sched is not None else 1.0)
+                    self._wake.clear()
+                    continue
+                launched = None
+            else:
+                (sched, launched), ahead = ahead, None
             self.step_watch.begin(sched)
+            failed = [sched]
             try:
-                result = core.execute(sched)
+                if launched is None:
+                    launched = core.launch(sched)
+                if self.hooks is None and not self._stop.is_set():  # (KV lending's hooks act between steps)
+                    with self.lock:
+                        nxt = core.schedule_ahead(sched, launched)
+                    if nxt is not None:
+                        failed.append(nxt)
+                        ahead = (nxt, core.launch(nxt, launched))
+                result = launched.wait()
             except Exception as e:  # a failed step must not take the server down: fail its requests, go on
                 self.step_watch.end()
+                ahead = None  # (a window queued behind a failed one fails with it)
                 with self.lock:
                     if self.hooks is not None and self.hooks.step_failed(e, sched):
                         continue
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 with self.lock:
-                    for delta in core.fail_step(sched, e):
-                        self._emit(delta)
+                    for failed_sched in failed:
+                        for delta in core.fail_step(failed_sched, e):
+                            self._emit(delta)
                 continue
             self.step_watch.end()
             with self.lock:

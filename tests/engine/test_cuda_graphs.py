@@ -4,11 +4,15 @@ steps replay captured CUDA graphs; on the CPU the same buffers run eagerly (Trit
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from boundless.attention import triton_paged
-from boundless.engine.core import EngineCore
+from boundless.engine.async_engine import EngineLoop
+from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import engine_config
@@ -173,4 +177,42 @@ def test_async_windows_give_the_tokens_of_windows_in_turn(tiny_llama: LoadedMode
     assert windows[0] >= 5 and core.scheduler.stats.num_ahead == windows[0] - 1  # (every window after the first)
     while core._ahead is not None:  # a window queued for requests that had all ended: read, nothing applied
         assert core.step() == []
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
+
+
+def test_async_windows_in_the_served_loop_take_arrivals_and_aborts(tiny_llama: LoadedModel) -> None:
+    """The served engine's loop with asynchronous scheduling: requests that arrive while windows run wait for the
+    window in flight and are admitted (the pipeline drains for them), one aborted mid-run stops, the others get the
+    tokens the engine gives each alone, and every block comes back."""
+    prompts = [[7 + i * 13 + j for j in range(4 + 3 * i)] for i in range(6)]
+    max_tokens = [18, 14, 16, 12, 10, 9]
+    expected = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, max_tokens)
+    core = _engine(tiny_llama, "triton", graphs=True, window=4, async_scheduling=True)
+    deltas: dict[str, list[RequestDelta]] = {str(i): [] for i in range(6)}
+    done = threading.Event()
+
+    def sink(delta: RequestDelta) -> None:
+        deltas[delta.request_id].append(delta)
+        if delta.finished and all(d and d[-1].finished for d in deltas.values()):
+            done.set()
+
+    engine = EngineLoop(core, sink)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+        for i in range(4):
+            engine.add(str(i), prompts[i], params[i])
+        deadline = time.monotonic() + 60
+        while sum(len(d.new_token_ids) for d in deltas["0"]) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for i in (4, 5):
+            engine.add(str(i), prompts[i], params[i])
+        engine.abort("3")
+        sink(RequestDelta("3", [], "", [], finished=True, finish_reason="abort"))  # (an abort emits nothing)
+        assert done.wait(60)
+    finally:
+        engine.shutdown()
+    for i in (0, 1, 2, 4, 5):
+        assert [t for d in deltas[str(i)] for t in d.new_token_ids] == expected[i], i
+    assert len([t for d in deltas["3"] for t in d.new_token_ids]) < max_tokens[3]
+    assert core.scheduler.stats.num_ahead >= 2
     assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
