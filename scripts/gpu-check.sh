@@ -4,7 +4,7 @@
 # kernels, the CUDA-graph runner, the transformers parity tests (speculative decoding's among them), speculative
 # decoding's own tests, LoRA adapters against PEFT (skipped unless PEFT's wheel travels in .whl: `pip download
 # --no-deps peft==0.21.2`) and DistAttention on the kernels on CUDA, then
-# `bench gpu`. The sampler's tests run on CUDA too: penalties (in the parity tests) and structured outputs, whose
+# `bench gpu` (windows of 16, with and without --async-scheduling). The sampler's tests run on CUDA too: penalties (in the parity tests) and structured outputs, whose
 # xgrammar the device lacks: they skip unless its wheels travel in .whl (the device tool's README; for its Python
 # 3.12: `pip download --no-deps --only-binary=:all: --python-version 3.12 ... xgrammar==0.2.9
 # apache-tvm-ffi==0.1.15.post2`), installed below when present.
@@ -27,4 +27,4 @@ BOUNDLESS_TEST_DEVICE=cuda timeout 180 python3 -m pytest -p no:cacheprovider -q 
     tests/engine/test_sampler.py \
     tests/model/test_lora.py tests/engine/test_multi_step.py tests/engine/test_detokenizer.py \
     2>&1 | tee "$out/pytest.log" | tail -15
-timeout 300 python3 -m boundless.bench.gpu --shapes host,1b,8b --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log" | tail -45
+timeout 300 python3 -m boundless.bench.gpu --shapes host,1b,8b --windows 16 --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log" | tail -45

@@ -161,11 +161,18 @@ def _top_kernels(prof: Any, limit: int = 15) -> list[dict]:
     return sorted(rows, key=lambda r: -r["gpu_ms"])[:limit]
 
 
-def _engine_config(path: Path, args: argparse.Namespace, max_num_seqs: int, num_scheduler_steps: int = 1):
+def _engine_config(
+    path: Path,
+    args: argparse.Namespace,
+    max_num_seqs: int,
+    num_scheduler_steps: int = 1,
+    async_scheduling: bool = False,
+):
     return engine_config(
         str(path), dtype="bfloat16", device=args.device, max_model_len=args.max_model_len,
         kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs,
         swap_space_gb=0.0, attention_backend=args.attention_backend, num_scheduler_steps=num_scheduler_steps,
+        async_scheduling=async_scheduling,
     )  # fmt: skip
 
 
@@ -198,11 +205,14 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
     hf_figures = (results.get(f"offline_1b_{n}x{i}x{o}") or {}).get("figures", [])
     hf_rate = next((f["output_tokens_per_s"] for f in hf_figures if f["system"] == "huggingface"), None)
     windows = _windows(args)
-    for window in windows:
-        # The same decode-heavy case with multi-step decoding: the scheduler and the deltas once per window, its
-        # passes back to back on the device (CUDA graphs).
-        windowed = BoundlessSystem(LLM.from_config(_engine_config(Path(path), args, 256, window), loaded))
-        key = f"window{window}_1b_{n}x{i}x{o}"
+    # The same decode-heavy case with multi-step decoding: the scheduler and the deltas once per window, its passes
+    # back to back on the device (CUDA graphs); the largest window also with asynchronous scheduling (the next window
+    # decided and queued while one runs).
+    runs = [(w, False) for w in windows] + ([(max(windows), True)] if windows else [])
+    for window, ahead in runs:
+        config = _engine_config(Path(path), args, 256, window, async_scheduling=ahead)
+        windowed = BoundlessSystem(LLM.from_config(config, loaded))
+        key = f"{'async_' if ahead else ''}window{window}_1b_{n}x{i}x{o}"
         _stage(results, key, lambda s=windowed: measured_alone(s, prompts, o, args.repeats, hf_rate))
         if window == max(windows):
             if loaded.device.type == "cuda":
@@ -224,26 +234,39 @@ def measured_alone(
 
 
 def host_split(system: BoundlessSystem, prompts: list[list[int]], output_len: int) -> dict:
-    """Where a run's wall time goes, step by step: deciding steps (``EngineCore.schedule``), running them
-    (``execute``: building the inputs, the forward pass and sampling, which waits for the GPU) and applying their
-    tokens (``finish_step``: outputs, stops, text). Seconds in all, and per step."""
+    """Where a run's wall time goes, step by step: deciding steps (``EngineCore.schedule``, and ``schedule_ahead``
+    with asynchronous scheduling), running them (``execute``: launching a step, which builds the inputs, runs the
+    forward pass and samples, and waiting for a window on the device; ``wait_s`` is that wait alone) and applying
+    their tokens (``finish_step``: outputs, stops, text). Seconds in all, and per step."""
     core = system.llm.engine
-    spent = {"schedule": 0.0, "execute": 0.0, "finish_step": 0.0}
+    spent = {"schedule": 0.0, "execute": 0.0, "finish_step": 0.0, "wait": 0.0}
     steps = 0
 
-    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(fn: Callable[..., Any], *names: str) -> Callable[..., Any]:
         def wrapper(*a: Any) -> Any:
             start = time.perf_counter()
             try:
                 return fn(*a)
             finally:
-                spent[name] += time.perf_counter() - start
+                for name in names:
+                    spent[name] += time.perf_counter() - start
 
         return wrapper
 
-    originals = {name: getattr(core, name) for name in spent}
-    for name, fn in originals.items():
-        setattr(core, name, timed(name, fn))
+    def launch(*a: Any) -> Any:
+        launched = launch_step(*a)
+        launched.wait = timed(launched.wait, "execute", "wait")
+        return launched
+
+    launch_step = timed(core.launch, "execute")
+    patches = {
+        "schedule": timed(core.schedule, "schedule"),
+        "schedule_ahead": timed(core.schedule_ahead, "schedule"),
+        "launch": launch,
+        "finish_step": timed(core.finish_step, "finish_step"),
+    }
+    for name, fn in patches.items():
+        setattr(core, name, fn)
     try:
         before = core.counters.steps
         start = time.perf_counter()
@@ -251,13 +274,13 @@ def host_split(system: BoundlessSystem, prompts: list[list[int]], output_len: in
         wall = time.perf_counter() - start
         steps = core.counters.steps - before
     finally:
-        for name in originals:
+        for name in patches:
             delattr(core, name)  # the class's methods again
     out: dict[str, Any] = {"wall_s": wall, "steps": steps}
     for name, seconds in spent.items():
         out[f"{name}_s"] = seconds
         out[f"{name}_ms_per_step"] = 1e3 * seconds / max(steps, 1)
-    out["other_s"] = wall - sum(spent.values())
+    out["other_s"] = wall - sum(v for k, v in spent.items() if k != "wait")
     return out
 
 
@@ -325,23 +348,26 @@ def host_proxy(args: argparse.Namespace, root: Path) -> dict:
     """The engine's host work on the decode-heavy case's batch (256 x 128 in / 128 out; ``--tiny``: its first tiny
     case) with a one-layer model 64 wide, on the device asked: on the CPU the model then costs little, and what is
     left is mostly the engine's Python per step, which on a GPU runs between its kernels. For a single step and each
-    ``--windows`` window: the wall time and its split among the engine's phases (the median of ``--repeats`` runs,
-    after a whole-batch warm-up)."""
+    ``--windows`` window, and the largest with asynchronous scheduling: the wall time and its split among the engine's
+    phases (the median of ``--repeats`` runs, after a whole-batch warm-up)."""
     path = write_random_model(root / "host-proxy", HOST_PROXY_SPEC)
     loaded = load_model(str(path), device=args.device)
     n, i, o = (TINY_CASES if args.tiny else OFFLINE_CASES)[0]
     prompts = make_prompts(loaded, n, i, seed=0)
     splits = {}
-    for window in [1, *_windows(args)]:
+    windows = _windows(args)
+    for window, ahead in [(1, False), *((w, False) for w in windows), *([(max(windows), True)] if windows else [])]:
         config = engine_config(
             str(path), device=args.device, max_model_len=2 * (i + o), max_num_seqs=n, max_num_batched_tokens=n * i,
             num_scheduler_steps=window, swap_space_gb=0.0, attention_backend=args.attention_backend,
+            async_scheduling=ahead,
         )  # fmt: skip
         system = BoundlessSystem(LLM.from_config(config, loaded))
         system.generate(prompts, 4)
         runs = sorted((host_split(system, prompts, o) for _ in range(args.repeats)), key=lambda r: r["wall_s"])
-        splits[f"window{window}"] = runs[len(runs) // 2]
-        print(json.dumps({f"host_proxy_window{window}": splits[f"window{window}"]}), flush=True)
+        key = f"{'async_' if ahead else ''}window{window}"
+        splits[key] = runs[len(runs) // 2]
+        print(json.dumps({f"host_proxy_{key}": splits[key]}), flush=True)
     return splits
 
 
@@ -408,7 +434,7 @@ def _summary(results: dict) -> None:
                 f"({split['steps']} steps in {split['wall_s']:.2f} s)"
             )
     for key, value in results.items():
-        if key.startswith("window") and isinstance(value, dict) and "output_tokens_per_s" in value:
+        if key.startswith(("window", "async_window")) and isinstance(value, dict) and "output_tokens_per_s" in value:
             ratio = value["ratio_to_baseline"]
             versus = f", {ratio:.2f}x transformers" if ratio else ""
             print(f"{key}: {value['output_tokens_per_s']:.0f} tok/s{versus}")
