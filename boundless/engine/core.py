@@ -21,6 +21,7 @@ from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_t
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, PendingStep, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
+from boundless.engine.hung_executor import HungExecutor
 from boundless.engine.lending_stats import LendingStats
 from boundless.engine.logprobs import PromptLogprobs, PromptScores
 from boundless.engine.multi_step import window_shapes
@@ -648,11 +649,10 @@ class EngineCore:
         """Start a scheduled step (``ModelExecutor.launch``): a window on CUDA graphs is queued on the device, any
         other step runs to its end; ``PendingStep.wait`` gives its result. Touches only the executor, as
         :meth:`execute` does. ``follows``: the window still running that a window decided ahead follows."""
-        launch = getattr(self.executor, "launch", None)
-        if launch is None:  # an executor that runs each step to its end (the simulator's, a test's)
-            assert follows is None
-            return PendingStep(self.executor, sched, 0.0, result=self.executor.execute(sched))
-        return launch(sched, follows)
+        if follows is None and not self.config.scheduler.async_scheduling:  # (nothing to overlap: a plain step)
+            return PendingStep(self.executor, sched, 0.0, result=self.execute(sched))
+        assert isinstance(self.executor, ModelExecutor | HungExecutor), "asynchronous scheduling runs the model"
+        return self.executor.launch(sched, follows)
 
     def schedule_ahead(self, sched: SchedulerOutput, launched: PendingStep) -> SchedulerOutput | None:
         """Asynchronous scheduling (``--async-scheduling``): the window after ``sched``, decided while ``sched`` runs

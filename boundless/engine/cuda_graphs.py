@@ -43,6 +43,14 @@ class DeviceWindow:
     chunks: list[ScheduledChunk]
     tokens: torch.Tensor
     marks: list
+    host_tokens: torch.Tensor  # the tokens' copy in host memory, complete once ``copied`` has passed
+    copied: torch.cuda.Event | None = None
+
+    def read(self) -> list[list[int]]:
+        """The tokens, pass by pass (waits for the window's own passes and their copy, not for what follows them)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_tokens.tolist()
 
     def seconds(self) -> list[float]:
         """Each pass's seconds (waits for the window to end)."""
@@ -197,9 +205,16 @@ class DecodeGraphs:
         if on_gpu:
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()
-        else:
-            marks.append(timer())
-        return DeviceWindow(list(chunks), tokens, marks)
+            # The tokens' copy to the host is queued now, behind this window's passes and ahead of a window queued
+            # after it: reading them back then waits for this window alone (a copy made at the read would wait for
+            # everything queued by then).
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            return DeviceWindow(list(chunks), tokens, marks, host, copied)
+        marks.append(timer())
+        return DeviceWindow(list(chunks), tokens, marks, tokens)
 
     def _load(self, chunks: Sequence[ScheduledChunk]) -> int:
         """Copy the inputs of a step of one-token chunks into the buffers (padding rows after them): each chunk's token,

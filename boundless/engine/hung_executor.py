@@ -51,5 +51,10 @@ class HungExecutor:
             self.trap.hold()
         return self.inner.execute(sched)
 
+    def launch(self, sched: SchedulerOutput, follows: Any = None) -> Any:
+        if self.trap.springs(sched, self.name):
+            self.trap.hold()
+        return self.inner.launch(sched, follows)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -234,6 +234,6 @@ def window_tokens(window: DeviceWindow) -> tuple[list[dict[str, SampledToken]], 
     the window."""
     chunks = window.chunks
     passes = []
-    for j, row in enumerate(window.tokens.tolist()):
+    for j, row in enumerate(window.read()):
         passes.append({c.request_id: SampledToken(t) for c, t in zip(chunks, row, strict=True) if c.num_steps > j})
     return passes, window.seconds()
