@@ -202,22 +202,33 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
     _stage(results, "host_split_1b", lambda: host_split(ours, prompts, o))
     _stage(results, "host_profile_1b", lambda: host_profile(lambda: ours.generate(prompts, o)))
     systems.clear()
-    hf_figures = (results.get(f"offline_1b_{n}x{i}x{o}") or {}).get("figures", [])
-    hf_rate = next((f["output_tokens_per_s"] for f in hf_figures if f["system"] == "huggingface"), None)
+
+    def hf_rate(n: int, i: int, o: int) -> float | None:
+        figures = (results.get(f"offline_1b_{n}x{i}x{o}") or {}).get("figures", [])
+        return next((f["output_tokens_per_s"] for f in figures if f["system"] == "huggingface"), None)
+
     windows = _windows(args)
     # The same decode-heavy case with multi-step decoding: the scheduler and the deltas once per window, its passes
     # back to back on the device (CUDA graphs); the largest window also with asynchronous scheduling (the next window
-    # decided and queued while one runs).
+    # decided and queued while one runs), on every case.
     runs = [(w, False) for w in windows] + ([(max(windows), True)] if windows else [])
     for window, ahead in runs:
         config = _engine_config(Path(path), args, 256, window, async_scheduling=ahead)
         windowed = BoundlessSystem(LLM.from_config(config, loaded))
-        key = f"{'async_' if ahead else ''}window{window}_1b_{n}x{i}x{o}"
-        _stage(results, key, lambda s=windowed: measured_alone(s, prompts, o, args.repeats, hf_rate))
-        if window == max(windows):
-            if loaded.device.type == "cuda":
-                _stage(results, f"busy_{key}", lambda s=windowed: kernel_busy_fraction(lambda: s.generate(prompts, o)))
-            _stage(results, f"host_split_{key}", lambda s=windowed: host_split(s, prompts, o))
+        for case in cases if ahead else cases[:1]:
+            case_prompts = prompts if case == cases[0] else make_prompts(loaded, case[0], case[1], seed=0)
+            key = f"{'async_' if ahead else ''}window{window}_1b_{'x'.join(map(str, case))}"
+            _stage(
+                results,
+                key,
+                lambda s=windowed, p=case_prompts, c=case: measured_alone(s, p, c[2], args.repeats, hf_rate(*c)),
+            )
+            if window == max(windows) and case == cases[0]:
+                if loaded.device.type == "cuda":
+                    _stage(
+                        results, f"busy_{key}", lambda s=windowed: kernel_busy_fraction(lambda: s.generate(prompts, o))
+                    )
+                _stage(results, f"host_split_{key}", lambda s=windowed: host_split(s, prompts, o))
 
 
 def measured_alone(

@@ -54,6 +54,8 @@ def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
         assert window["output_tokens_per_s"] > 0 and window["ratio_to_baseline"] > 0
         split = results[f"host_split_{key}_1b_4x16x8"] if key != "window8" else None
         assert split is None or (split["steps"] >= 8 and split["schedule_s"] > 0)  # (a window's passes are steps)
+    for n, i, o in gpu.TINY_CASES:  # asynchronous scheduling on every case, against each case's baseline
+        assert results[f"async_window16_1b_{n}x{i}x{o}"]["ratio_to_baseline"] > 0
     decode = results["decode_8b"]
     assert decode["decode_step_s"] > 0 and decode["roofline_step_s"] > 0
     # The 8B stand-in's weights were drawn in memory: its directory holds no checkpoint.
