@@ -246,7 +246,8 @@ class EngineLoop:
             try:
                 if launched is None:
                     launched = core.launch(sched)
-                if self.hooks is None and not self._stop.is_set():  # (KV lending's hooks act between steps)
+                # (KV lending's hooks act between steps.)
+                if core.config.scheduler.async_scheduling and self.hooks is None and not self._stop.is_set():
                     with self.lock:
                         nxt = core.schedule_ahead(sched, launched)
                     if nxt is not None:

@@ -21,7 +21,6 @@ from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_t
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, PendingStep, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
-from boundless.engine.hung_executor import HungExecutor
 from boundless.engine.lending_stats import LendingStats
 from boundless.engine.logprobs import PromptLogprobs, PromptScores
 from boundless.engine.multi_step import window_shapes
@@ -649,10 +648,11 @@ class EngineCore:
         """Start a scheduled step (``ModelExecutor.launch``): a window on CUDA graphs is queued on the device, any
         other step runs to its end; ``PendingStep.wait`` gives its result. Touches only the executor, as
         :meth:`execute` does. ``follows``: the window still running that a window decided ahead follows."""
-        if follows is None and not self.config.scheduler.async_scheduling:  # (nothing to overlap: a plain step)
+        launch = getattr(self.executor, "launch", None) if self.config.scheduler.async_scheduling else None
+        if launch is None:  # a plain step (nothing to overlap, or an executor that runs each step to its end)
+            assert follows is None
             return PendingStep(self.executor, sched, 0.0, result=self.execute(sched))
-        assert isinstance(self.executor, ModelExecutor | HungExecutor), "asynchronous scheduling runs the model"
-        return self.executor.launch(sched, follows)
+        return launch(sched, follows)
 
     def schedule_ahead(self, sched: SchedulerOutput, launched: PendingStep) -> SchedulerOutput | None:
         """Asynchronous scheduling (``--async-scheduling``): the window after ``sched``, decided while ``sched`` runs
@@ -702,10 +702,11 @@ class EngineCore:
             self._refit_prefill_time()
         self._apply_prompt_scores(result.prompt_scores)
         applied: list[tuple[Request, IncrementalDetokenizer, list[SampledToken]]] = []
+        decided_for = sched.requests
         for request_id, token in sampled.items():
             request = self.scheduler.requests.get(request_id)
-            if request is None:
-                continue
+            if request is None or (decided_for is not None and decided_for.get(request_id) is not request):
+                continue  # it left while the step ran (and its id may be a new request's)
             tokens = [token]
             if result.later:  # a multi-step window: its later passes' tokens, in order
                 tokens += [t for t in (p.get(request_id) for p in result.later) if t is not None]

@@ -140,6 +140,9 @@ class SchedulerOutput:
     window: int = 1
     # Each pass's chunk shapes, made once when first asked for (multi_step.window_shapes: a WindowPasses).
     pass_shapes: Sequence[tuple[ChunkShape, ...]] | None = None
+    # The requests the step was decided for, by id: its results go to these alone (a request that left while the
+    # step ran, its id then taken by a new one, is not the new one; None: any request of the id).
+    requests: dict[str, Request] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -337,6 +340,7 @@ class Scheduler:
             if request.request_id not in chosen_ids and request.request_id in self._last_chosen:
                 self.stats.num_kept += 1
         self._last_chosen = chosen_ids
+        out.requests = {request.request_id: request for request, _ in chosen}
         windows = self._plan_window(chosen) if self.num_scheduler_steps > 1 else None
         drafts = self._plan_drafts(chosen, budget) if self.proposer is not None else {}
         for request, num_new in chosen:
@@ -433,6 +437,7 @@ class Scheduler:
         )
         self._finished_since_step = []
         self._arrived_since_step = 0
+        out.requests = {request.request_id: request for request, _, _ in plan}
         for request, start, steps in plan:
             rid = request.request_id
             allocated = kv.allocate(rid, request.all_token_ids, start + steps)
@@ -823,7 +828,7 @@ class Scheduler:
         the model executor, and is charged it as attained service (Autellix's measure).
         """
         now = self.clock()
-        in_flight = self.in_flight
+        in_flight, decided_for = self.in_flight, output.requests
         for chunk in output.chunks:
             # (A window decided ahead may be in flight still: only this step's tokens leave the count.)
             left = in_flight.pop(chunk.request_id, 0) - (len(chunk.token_ids) - len(chunk.draft_token_ids))
@@ -831,8 +836,8 @@ class Scheduler:
             if left > 0:
                 in_flight[chunk.request_id] = left
             request = self.requests.get(chunk.request_id)
-            if request is None:
-                continue
+            if request is None or (decided_for is not None and decided_for.get(chunk.request_id) is not request):
+                continue  # it left while the step ran (and its id may be a new request's)
             computed = len(chunk.token_ids) + chunk.num_steps - 1  # a window's passes: one each
             if chunk.draft_token_ids:  # the drafts' KV counts up to the first rejected one
                 computed += (accepted or {}).get(chunk.request_id, 0) - len(chunk.draft_token_ids)

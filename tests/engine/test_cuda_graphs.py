@@ -153,11 +153,32 @@ def _outputs(core: EngineCore, prompts: list[list[int]], params: list[SamplingPa
     return [tuple(out[str(i)]) for i in range(len(prompts))]
 
 
+def _no_waits_ahead(core: EngineCore) -> None:
+    """On CUDA: launching a window decided ahead must not wait for the device (it would wait for the window before
+    it, and the overlap would be gone); PyTorch's sync debug mode raises on any call that waits meanwhile."""
+    if core.executor.runner.device.type != "cuda":
+        return
+    original = core.launch
+
+    def launch(sched, follows=None):
+        if follows is None:
+            return original(sched, follows)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(sched, follows)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    core.launch = launch
+
+
 def test_async_windows_give_the_tokens_of_windows_in_turn(tiny_llama: LoadedModel) -> None:
     """Asynchronous scheduling: each window after the first is decided and queued before the one before is read, its
-    first tokens taken on the device. The outputs are those of windows in turn: requests ending by length before and
-    between others, by a stop token and by a stop string in the middle of a window (they ran in the window decided
-    ahead too; its tokens for them are dropped); and every block comes back."""
+    first tokens taken on the device (on CUDA, with nothing waiting for the device meanwhile). The outputs are those
+    of windows in turn: requests ending by length before and between others, by a stop token and by a stop string in
+    the middle of a window (they ran in the window decided ahead too; its tokens for them are dropped), greedy and
+    seeded. A window queued for requests that all stopped is not given to new requests that take their ids; a request
+    that arrives while windows run is admitted at the second step after; and every block comes back."""
     prompts = [[3 + i * 11 + j for j in range(4 + 5 * i)] for i in range(6)]
     free = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, [16] * 6)
     text = tiny_llama.tokenizer.decode(free[4])
@@ -165,18 +186,33 @@ def test_async_windows_give_the_tokens_of_windows_in_turn(tiny_llama: LoadedMode
         SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=22, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[free[2][9]]),  # (its first at 9 or before)
-        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=13, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=20, stop=[text[len(text) // 2 : len(text) // 2 + 3]]),
         SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
     ]
-    expected = _outputs(_engine(tiny_llama, "torch", graphs=False, window=4), prompts, params)
+    expected = _outputs(_engine(tiny_llama, "triton", graphs=True, window=4), prompts, params)
     core = _engine(tiny_llama, "triton", graphs=True, window=4, async_scheduling=True)
+    _no_waits_ahead(core)
     windows = _count_device_windows(core)
     assert _outputs(core, prompts, params) == expected
     assert expected[2][2] == "stop" and len(expected[2][0]) <= 10 and expected[4][2] == "stop"
     assert windows[0] >= 5 and core.scheduler.stats.num_ahead == windows[0] - 1  # (every window after the first)
-    while core._ahead is not None:  # a window queued for requests that had all ended: read, nothing applied
-        assert core.step() == []
+
+    # Both requests stop mid-window: the window queued after is theirs, not the next requests' of the same ids.
+    assert _outputs(core, [prompts[2], prompts[4]], [params[2], params[4]]) == [expected[2], expected[4]]
+    assert core._ahead is not None
+    assert _outputs(core, [prompts[5], prompts[0]], [params[5], params[0]]) == [expected[5], expected[0]]
+
+    # An arrival while windows run waits for the window in flight only.
+    core.add_request("long", prompts[1], params[1])
+    for _ in range(3):  # the prefill, a window, and the window after it queued
+        core.step()
+    assert core._ahead is not None
+    core.add_request("late", prompts[5], params[5])
+    first = next(k for k in range(1, 5) if any(d.request_id == "late" and d.new_token_ids for d in core.step()))
+    assert first == 2  # (the window ahead is read, then the arrival's prefill runs)
+    while core.has_unfinished() or core._ahead is not None:
+        core.step()
     assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
 
 
@@ -215,4 +251,55 @@ def test_async_windows_in_the_served_loop_take_arrivals_and_aborts(tiny_llama: L
         assert [t for d in deltas[str(i)] for t in d.new_token_ids] == expected[i], i
     assert len([t for d in deltas["3"] for t in d.new_token_ids]) < max_tokens[3]
     assert core.scheduler.stats.num_ahead >= 2
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
+
+
+def test_a_failed_window_in_the_served_loop_fails_the_window_queued_behind_it(tiny_llama: LoadedModel) -> None:
+    """Asynchronous scheduling in the served loop: a window whose read-back raises while the window after it is
+    queued fails the requests of both (an error each, once), and the loop goes on: a later request gets its tokens and
+    every block comes back."""
+    prompts = [[5 + i * 7 + j for j in range(6 + 4 * i)] for i in range(3)]
+    expected = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, [20, 20, 6])
+    core = _engine(tiny_llama, "triton", graphs=True, window=4, async_scheduling=True)
+    launch, launches = core.executor.launch, []
+
+    def failing_third(sched, follows=None):
+        pending = launch(sched, follows)
+        launches.append(follows is not None)
+        if len(launches) == 3:  # (the prefill, the first window, then this one, decided ahead)
+
+            def wait():
+                raise RuntimeError("injected: the device failed")
+
+            pending.wait = wait
+        return pending
+
+    core.executor.launch = failing_third
+    deltas: dict[str, list[RequestDelta]] = {}
+    finished = threading.Event()
+
+    def sink(delta: RequestDelta) -> None:
+        deltas.setdefault(delta.request_id, []).append(delta)
+        if delta.finished:
+            finished.set()
+
+    engine = EngineLoop(core, sink)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        for i in range(2):
+            engine.add(str(i), prompts[i], params)
+        deadline = time.monotonic() + 60
+        while not all(deltas.get(str(i)) and deltas[str(i)][-1].finished for i in range(2)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert launches[2] and len(launches) >= 4  # the failed window followed one, and one was queued behind it
+        for i in range(2):
+            ends = [d for d in deltas[str(i)] if d.finished]
+            assert [(d.finish_reason, d.stop_reason) for d in ends] == [("error", "engine step failed")]
+        finished.clear()
+        engine.add("after", prompts[2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        assert finished.wait(60)
+    finally:
+        engine.shutdown()
+    assert [t for d in deltas["after"] for t in d.new_token_ids] == expected[2]
     assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
