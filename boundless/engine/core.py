@@ -603,7 +603,11 @@ class EngineCore:
                 self._ahead = (ahead, self.launch(ahead, launched))
             result = launched.wait()
         except BaseException:
-            self._ahead = None  # (the caller fails the requests; a window queued behind a failed one is dropped)
+            # The caller fails the requests. The blocks the steps were to write (a window ahead's demotions among them:
+            # their copies land only when it is read back) lose their names, and a window queued behind is dropped.
+            for failed in (sched, *(self._ahead[:1] if self._ahead is not None else ())):
+                self.scheduler.step_failed(failed)
+            self._ahead = None
             raise
         return self.finish_step(sched, result)
 

@@ -23,6 +23,7 @@ from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.kv.block_hash import BlockHash
 from boundless.kv.disk_moves import TierReport
+from boundless.kv.host_copies import HostCopies, queue_host_copies
 from boundless.kv.layer_gate import LayerGate, LayerWaits
 from boundless.kv.remote_io import RemoteIO
 from boundless.kv.remote_moves import RemoteReport
@@ -68,6 +69,7 @@ class PendingStep:
         result: StepResult | None = None,
         window: DeviceWindow | None = None,
         follows: bool = False,
+        copies: HostCopies | None = None,
     ) -> None:
         self.executor = executor
         self.sched = sched
@@ -75,6 +77,7 @@ class PendingStep:
         self.result = result
         self.window = window
         self.follows = follows  # its first inputs were the window before's tokens, on the device
+        self.copies = copies  # its demotions to host memory, landed once it is read back
 
     def wait(self) -> StepResult:
         """The step's result: a window's tokens read back (the one wait for the device in the window)."""
@@ -84,6 +87,8 @@ class PendingStep:
         assert self.window is not None and isinstance(ex, ModelExecutor)
         try:
             passes, seconds = window_tokens(self.window)
+            if self.copies is not None:  # (queued before the window's passes: run by now)
+                self.copies.land()
         except BaseException:
             if ex.remote is not None:
                 ex.remote.end_step(ok=False)
@@ -201,6 +206,9 @@ class ModelExecutor:
         landing = None
         try:
             transfers, landing = self._split_landing(sched.transfers)
+            host_copies = None
+            if after is not None:  # a window ahead: its demotions' copies queued behind the window running
+                transfers, host_copies = queue_host_copies(transfers, self.tiers)
             self.kv_io.apply(sched.disk_reads, sched.disk_writes, transfers, sched.disk_ages, snapshots)
             if snapshot_error is not None:
                 raise snapshot_error
@@ -211,7 +219,7 @@ class ModelExecutor:
             if (sched.window > 1 or after is not None) and on_layer is None and before_layer is None:
                 windowed = self.runner.launch_window(sched, self.timer, after)
             if windowed is not None:
-                return PendingStep(self, sched, start, window=windowed, follows=after is not None)
+                return PendingStep(self, sched, start, window=windowed, follows=after is not None, copies=host_copies)
             assert after is None, "a window ahead runs on the device"
             if sched.chunks:
                 step = self.runner.forward(sched, on_layer, before_layer)

@@ -15,6 +15,7 @@ from boundless.engine.async_engine import EngineLoop
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from boundless.engine.sampling_params import SamplingParams
+from boundless.kv.transfer import DEVICE, HOST
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
 
@@ -33,10 +34,15 @@ def test_buckets_cover_every_batch_size() -> None:
 
 
 def _engine(
-    loaded: LoadedModel, backend: str, graphs: bool, window: int = 1, async_scheduling: bool = False
+    loaded: LoadedModel,
+    backend: str,
+    graphs: bool,
+    window: int = 1,
+    async_scheduling: bool = False,
+    num_kv_blocks: int = 64,
 ) -> EngineCore:
     config = engine_config(
-        loaded.name, max_model_len=256, num_kv_blocks=64, attention_backend=backend, enforce_eager=True,
+        loaded.name, max_model_len=256, num_kv_blocks=num_kv_blocks, attention_backend=backend, enforce_eager=True,
         num_scheduler_steps=window, async_scheduling=async_scheduling,
     )  # fmt: skip
     core = EngineCore.from_model(loaded, config)
@@ -303,3 +309,35 @@ def test_a_failed_window_in_the_served_loop_fails_the_window_queued_behind_it(ti
         engine.shutdown()
     assert [t for d in deltas["after"] for t in d.new_token_ids] == expected[2]
     assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
+
+
+def test_a_window_ahead_keeps_the_blocks_it_evicts_in_host_memory(tiny_llama: LoadedModel) -> None:
+    """A window decided ahead whose new blocks evict named ones (a full prefix cache, host memory below): their KV is
+    copied down in the device's stream order and lands when the window is read back, so later requests that find
+    those blocks in host memory get the outputs of the engine without asynchronous scheduling."""
+    first = [[9 + i * 17 + j % 40 for j in range(88)] for i in range(2)]  # 5 full blocks each, named once done
+    growing = [[200 + i * 3 + j for j in range(8)] for i in range(2)]  # their decodes take every block
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True)
+
+    def run(core: EngineCore) -> list[tuple]:
+        return (
+            _outputs(core, first, [params] * 2)
+            + _outputs(core, growing, [long] * 2)
+            + _outputs(core, first, [params] * 2)  # their blocks: in host memory now
+        )
+
+    expected = run(_engine(tiny_llama, "torch", graphs=False, window=8, num_kv_blocks=16))
+    core = _engine(tiny_llama, "triton", graphs=True, window=8, async_scheduling=True, num_kv_blocks=16)
+    _no_waits_ahead(core)
+    launch, demotions = core.launch, []
+
+    def counting(sched, follows=None):
+        if follows is not None:
+            demotions.append(sum(t.src.tier == DEVICE and t.dst.tier == HOST for t in sched.transfers))
+        return launch(sched, follows)
+
+    core.launch = counting
+    assert run(core) == expected
+    assert sum(demotions) >= 1  # (a window ahead evicted named blocks and kept them below)
+    assert core.scheduler.stats.cached_tokens_by_tier.get(HOST, 0) > 0  # (the last requests found them there)
