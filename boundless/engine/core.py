@@ -587,17 +587,19 @@ class EngineCore:
         """Run one iteration; returns the requests that produced tokens (or finished). With asynchronous scheduling
         the window after this one is decided and queued on the device before this one's tokens are read back; the
         next call reads it."""
+        launched: PendingStep | None = None
         if self._ahead is not None:
-            sched, launched = self._ahead
-            self._ahead = None
+            (sched, launched), self._ahead = self._ahead, None
         else:
             sched = self.schedule()
             if sched.is_empty:
                 if self.scheduler.compiling and self.grammars is not None:  # nothing to run until a grammar is: wait
                     self.grammars.wait(self._compiling_specs(), timeout_s=1.0)
                 return []
-            launched = self.launch(sched)
+        ahead = None
         try:
+            if launched is None:
+                launched = self.launch(sched)
             ahead = self.schedule_ahead(sched, launched)
             if ahead is not None:
                 self._ahead = (ahead, self.launch(ahead, launched))
@@ -605,7 +607,7 @@ class EngineCore:
         except BaseException:
             # The caller fails the requests. The blocks the steps were to write (a window ahead's demotions among them:
             # their copies land only when it is read back) lose their names, and a window queued behind is dropped.
-            for failed in (sched, *(self._ahead[:1] if self._ahead is not None else ())):
+            for failed in (sched, ahead) if ahead is not None else (sched,):
                 self.scheduler.step_failed(failed)
             self._ahead = None
             raise

@@ -440,8 +440,11 @@ class Scheduler:
         out.requests = {request.request_id: request for request, _, _ in plan}
         for request, start, steps in plan:
             rid = request.request_id
-            allocated = kv.allocate(rid, request.all_token_ids, start + steps)
-            assert allocated, "the window's blocks were counted free"
+            if not kv.allocate(rid, request.all_token_ids, start + steps):
+                # (Counted free above.) The copies to host memory decided so far will not run: no name may point at
+                # the blocks they were to fill.
+                kv.forget(t.dst for t in kv.take_transfers())
+                raise RuntimeError(f"a window ahead found fewer free blocks than counted for {rid}")
             out.chunks.append(
                 ScheduledChunk(
                     request_id=rid,

@@ -48,6 +48,6 @@ def queue_host_copies(
             buffer = torch.empty(rows.shape, dtype=host.dtype, pin_memory=True)
             buffer.copy_(rows, non_blocking=True)
         else:
-            buffer = rows.to(host.dtype)
+            buffer = rows.to("cpu", host.dtype)
         batches.append((tiers[HOST], batch.dst_ids, buffer))
     return (), HostCopies(batches)

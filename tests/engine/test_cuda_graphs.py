@@ -341,3 +341,52 @@ def test_a_window_ahead_keeps_the_blocks_it_evicts_in_host_memory(tiny_llama: Lo
     assert run(core) == expected
     assert sum(demotions) >= 1  # (a window ahead evicted named blocks and kept them below)
     assert core.scheduler.stats.cached_tokens_by_tier.get(HOST, 0) > 0  # (the last requests found them there)
+
+
+# (A read-back that fails is in the fast suite in the served loop's test above; here it is the slow suite's.)
+@pytest.mark.parametrize("fails", ["launch", pytest.param("wait", marks=pytest.mark.slow)])
+def test_a_failed_window_ahead_leaves_no_name_on_the_host_blocks_it_was_to_fill(
+    tiny_llama: LoadedModel, fails: str
+) -> None:
+    """A window ahead whose launch or read-back raises after it decided copies into host memory: those host blocks
+    lose their names (their copies never landed), so the next requests with those prompts compute them again and get
+    the synchronous engine's outputs."""
+    first = [[9 + i * 17 + j % 40 for j in range(88)] for i in range(2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 2
+    expected = _outputs(_engine(tiny_llama, "torch", graphs=False, window=8, num_kv_blocks=16), first, params)
+    core = _engine(tiny_llama, "triton", graphs=True, window=8, async_scheduling=True, num_kv_blocks=16)
+    assert _outputs(core, first, params) == expected
+    launch, doomed = core.executor.launch, []
+
+    class Injected(RuntimeError):
+        pass
+
+    def failing(sched, follows=None):
+        demotions = [t.dst.block_id for t in sched.transfers if t.src.tier == DEVICE and t.dst.tier == HOST]
+        if follows is None or not demotions or doomed:
+            return launch(sched, follows)
+        doomed.extend(demotions)
+        if fails == "launch":
+            raise Injected("the launch failed")
+        pending = launch(sched, follows)
+
+        def wait():
+            raise Injected("the read-back failed")
+
+        pending.wait = wait
+        return pending
+
+    core.executor.launch = failing
+    long = SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True)
+    for i in range(2):
+        core.add_request(str(i), [200 + i * 3 + j for j in range(8)], long)
+    with pytest.raises(Injected):
+        while core.has_unfinished():
+            core.step()
+    for i in range(2):
+        core.abort(str(i))  # (as LLM.generate does when a step raises)
+    host = core.kv.pools[HOST]
+    assert doomed and all(host.blocks[b].block_hash is None for b in doomed)
+    core.executor.launch = launch
+    assert _outputs(core, first, params) == expected
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks
