@@ -143,6 +143,7 @@ class SchedulerOutput:
     # The requests the step was decided for, by id: its results go to these alone (a request that left while the
     # step ran, its id then taken by a new one, is not the new one; None: any request of the id).
     requests: dict[str, Request] | None = None
+    decided_ahead: bool = False  # by Scheduler.schedule_ahead, while the step before it ran
 
     @property
     def num_tokens(self) -> int:
@@ -220,6 +221,7 @@ class Scheduler:
         # step runs (a heartbeat: the engine loop holds its lock only between steps) sees the request as the step
         # will leave it, not with its chunk's blocks taken and its tokens not yet counted.
         self.in_flight: dict[str, int] = {}
+        self._ahead_in_flight = 0  # windows decided ahead (schedule_ahead) not yet recorded
         # KV lending's deadlock breaker (``cluster/lending_deadlock.py``): requests dropped to recompute that may not
         # be admitted again until the gManager releases them, so that the blocks they freed go to another's growth.
         self.held: set[str] = set()
@@ -461,6 +463,8 @@ class Scheduler:
             )
             self.in_flight[rid] += steps
         out.window = max(steps for _, _, steps in plan)
+        out.decided_ahead = True
+        self._ahead_in_flight += 1
         out.transfers = kv.take_transfers()  # (evictions of named blocks down to host memory, for the new blocks)
         self.stats.num_ahead += 1
         return out
@@ -798,6 +802,7 @@ class Scheduler:
         names, so no later request reads KV that was never written. Its
         disk reads were started whatever happened (their requests wait for them as usual)."""
         self.in_flight = {}
+        self._ahead_in_flight = 0
         bs = self.kv.block_size
         written = [t.dst for t in output.transfers]
         for chunk in output.chunks:
@@ -831,13 +836,18 @@ class Scheduler:
         the model executor, and is charged it as attained service (Autellix's measure).
         """
         now = self.clock()
-        in_flight, decided_for = self.in_flight, output.requests
+        decided_for = output.requests
+        if self._ahead_in_flight:  # a window decided ahead may be in flight still: only this step's tokens leave
+            in_flight = self.in_flight
+            for chunk in output.chunks:
+                left = in_flight.pop(chunk.request_id, 0) - (len(chunk.token_ids) - len(chunk.draft_token_ids))
+                left -= chunk.num_steps - 1
+                if left > 0:
+                    in_flight[chunk.request_id] = left
+            self._ahead_in_flight -= output.decided_ahead
+        else:  # the one step in flight
+            self.in_flight = {}
         for chunk in output.chunks:
-            # (A window decided ahead may be in flight still: only this step's tokens leave the count.)
-            left = in_flight.pop(chunk.request_id, 0) - (len(chunk.token_ids) - len(chunk.draft_token_ids))
-            left -= chunk.num_steps - 1
-            if left > 0:
-                in_flight[chunk.request_id] = left
             request = self.requests.get(chunk.request_id)
             if request is None or (decided_for is not None and decided_for.get(chunk.request_id) is not request):
                 continue  # it left while the step ran (and its id may be a new request's)
