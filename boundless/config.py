@@ -404,9 +404,9 @@ class SchedulerConfig:
     async_scheduling: bool = field(
         default=False,
         metadata={
-            "help": "with --num-scheduler-steps above 1 on CUDA graphs: decide and queue the next window while this "
-            "one runs on the GPU, its first tokens taken there (vLLM's --async-scheduling); a request that stops "
-            "in a window has run one more, its tokens dropped, and an arrival waits for the window in flight"
+            "help": "on CUDA graphs: decide and queue the next decode step (or --num-scheduler-steps window) while "
+            "this one runs on the GPU, its first tokens taken there (vLLM's --async-scheduling); a request that "
+            "stops in a step has run one more, its tokens dropped, and an arrival waits for the step in flight"
         },
     )
     speculative_config: str | None = field(

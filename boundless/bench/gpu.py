@@ -210,12 +210,12 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
     windows = _windows(args)
     # The same decode-heavy case with multi-step decoding: the scheduler and the deltas once per window, its passes
     # back to back on the device (CUDA graphs); the largest window also with asynchronous scheduling (the next window
-    # decided and queued while one runs), on every case.
-    runs = [(w, False) for w in windows] + ([(max(windows), True)] if windows else [])
+    # decided and queued while one runs), on every case; and single steps with it (each a window of one pass).
+    runs = [(w, False) for w in windows] + ([(max(windows), True)] if windows else []) + [(1, True)]
     for window, ahead in runs:
         config = _engine_config(Path(path), args, 256, window, async_scheduling=ahead)
         windowed = BoundlessSystem(LLM.from_config(config, loaded))
-        for case in cases if ahead else cases[:1]:
+        for case in cases if ahead and window > 1 else cases[:1]:
             case_prompts = prompts if case == cases[0] else make_prompts(loaded, case[0], case[1], seed=0)
             key = f"{'async_' if ahead else ''}window{window}_1b_{'x'.join(map(str, case))}"
             _stage(
@@ -223,7 +223,7 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
                 key,
                 lambda s=windowed, p=case_prompts, c=case: measured_alone(s, p, c[2], args.repeats, hf_rate(*c)),
             )
-            if window == max(windows) and case == cases[0]:
+            if windows and window == max(windows) and case == cases[0]:
                 if loaded.device.type == "cuda":
                     _stage(
                         results, f"busy_{key}", lambda s=windowed: kernel_busy_fraction(lambda: s.generate(prompts, o))

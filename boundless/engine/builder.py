@@ -169,6 +169,7 @@ def build_model_executor(
         store=store,
         layerwise_load=config.cache.layerwise_load == "on",
         layer_wait_timeout_s=config.cache.kv_load_timeout_s,
+        device_steps=config.scheduler.async_scheduling,
     )
 
 

@@ -137,6 +137,8 @@ class ModelExecutor:
     ``layerwise_load``: loads from a store behind an emulated link are usable layer by layer as they arrive
     (``kv/layer_gate.py``); a step's forward pass waits at each layer for that layer of the loads it copies
     in, ``layer_wait_timeout_s`` at most (then goes on: the bytes are in host memory already).
+    ``device_steps`` (asynchronous scheduling): a step of one-token decodes runs as a device window of one pass too,
+    so that the next step can be queued behind it (``EngineCore.schedule_ahead``).
     """
 
     def __init__(
@@ -148,8 +150,10 @@ class ModelExecutor:
         write_queue_blocks: int = DEFAULT_WRITE_QUEUE_BLOCKS,
         layerwise_load: bool = False,
         layer_wait_timeout_s: float = 10.0,
+        device_steps: bool = False,
     ) -> None:
         self.runner = runner
+        self.device_steps = device_steps
         self.tiers: dict[TierId, KVTier] = {DEVICE: runner.kv_cache, **lower_tiers}
         self.timer = timer
         self.kv_io = TierIO(self.tiers, store, write_queue_blocks, layerwise=layerwise_load)
@@ -216,7 +220,8 @@ class ModelExecutor:
             before_layer = _chain(waits.before_layer if waits is not None else None, landing)
             # Multi-step decoding on CUDA graphs: the whole window on the device, no host work between its passes.
             windowed = None
-            if (sched.window > 1 or after is not None) and on_layer is None and before_layer is None:
+            on_device = sched.window > 1 or after is not None or (self.device_steps and _decodes_only(sched))
+            if on_device and on_layer is None and before_layer is None:
                 windowed = self.runner.launch_window(sched, self.timer, after)
             if windowed is not None:
                 return PendingStep(self, sched, start, window=windowed, follows=after is not None, copies=host_copies)
@@ -362,6 +367,13 @@ class LandingCopies:
             rows = src_data[layer].index_select(2, src_ids)
             dst_data[layer].index_copy_(2, dst_ids, rows.to(device=dst_data.device, dtype=dst_data.dtype))
         self.copied = layer + 1
+
+
+def _decodes_only(sched: SchedulerOutput) -> bool:
+    """Whether every chunk of the step decodes one token and samples the next (no prefill, no drafts)."""
+    return bool(sched.chunks) and all(
+        len(c.token_ids) == 1 and c.sample and not c.draft_token_ids for c in sched.chunks
+    )
 
 
 def _chain(waits: Callable[[int], None] | None, landing: LandingCopies | None) -> Callable[[int], None] | None:

@@ -394,21 +394,16 @@ class Scheduler:
         return out
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
-        """Asynchronous scheduling: the window after ``prev``, decided while ``prev`` still runs on the device, its
-        tokens unknown. Its chunks are ``prev``'s requests one window on (each chunk's first input is its request's
+        """Asynchronous scheduling: the window after ``prev`` (a step of decodes run on the device: a multi-step window,
+        or a single step as a window of one pass), decided while ``prev`` still runs there, its tokens unknown. Its
+        chunks are ``prev``'s requests one window on (each chunk's first input is its request's
         last token in ``prev``, taken on the device: its ``token_ids`` hold :data:`AHEAD_TOKEN`), less those whose
         output ends in ``prev`` by length; a request that ``prev`` ends otherwise (a stop token or string, an abort) is
         in it too, and its tokens are dropped when it is recorded (it was removed by then). None when the next step
-        needs the ordinary decision: ``prev`` was not a multi-step window, a running request is not in it, a request
+        needs the ordinary decision: ``prev`` was not all decodes, a running request is not in it, a request
         waits (it is admitted at the next ordinary step, a window later), blocks are on their way or lent, or the
         device lacks the window's blocks; the engine then waits for ``prev`` and schedules as ever."""
-        if (
-            prev.window <= 1
-            or self.waiting
-            or self.kv.has_disk
-            or self.kv.num_remote_in_flight
-            or self.proposer is not None
-        ):
+        if self.waiting or self.kv.has_disk or self.kv.num_remote_in_flight or self.proposer is not None:
             return None
         running = {r.request_id: r for r in self.running}
         if any(rid not in self.in_flight for rid in running):
@@ -421,8 +416,13 @@ class Scheduler:
             if request is None:
                 continue  # it left while prev ran
             rid = request.request_id
-            if kv.num_lent_blocks(rid) or chunk.num_steps != self.in_flight[rid]:
-                return None
+            if (
+                kv.num_lent_blocks(rid)
+                or len(chunk.token_ids) != 1
+                or not chunk.sample
+                or chunk.num_steps != self.in_flight[rid]
+            ):
+                return None  # (the engine asks only after a step of decodes ran on the device)
             outputs = request.num_output_tokens + chunk.num_steps
             if outputs >= request.max_tokens:
                 continue  # its output ends in prev

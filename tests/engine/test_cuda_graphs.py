@@ -390,3 +390,22 @@ def test_a_failed_window_ahead_leaves_no_name_on_the_host_blocks_it_was_to_fill(
     core.executor.launch = launch
     assert _outputs(core, first, params) == expected
     assert core.kv.pool.num_free == core.kv.pool.num_blocks
+
+
+def test_async_single_steps_run_as_device_windows_of_one_pass(tiny_llama: LoadedModel) -> None:
+    """Asynchronous scheduling without multi-step windows: each decode step runs on the device as a window of one pass
+    and the next is queued behind it; the outputs are the single steps' (by length and by a stop token)."""
+    prompts = [[4 + i * 9 + j for j in range(5 + 6 * i)] for i in range(3)]
+    free = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, [8] * 3)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[free[1][4]]),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+    ]
+    expected = _outputs(_engine(tiny_llama, "torch", graphs=False), prompts, params)
+    core = _engine(tiny_llama, "triton", graphs=True, async_scheduling=True)
+    _no_waits_ahead(core)
+    windows = _count_device_windows(core)
+    assert _outputs(core, prompts, params) == expected
+    assert expected[1][2] == "stop"
+    assert windows[0] >= 6 and core.scheduler.stats.num_ahead == windows[0] - 1
