@@ -400,10 +400,11 @@ class Scheduler:
         last token in ``prev``, taken on the device: its ``token_ids`` hold :data:`AHEAD_TOKEN`), less those whose
         output ends in ``prev`` by length; a request that ``prev`` ends otherwise (a stop token or string, an abort) is
         in it too, and its tokens are dropped when it is recorded (it was removed by then). None when the next step
-        needs the ordinary decision: ``prev`` was not all decodes, a running request is not in it, a request
-        waits (it is admitted at the next ordinary step, a window later), blocks are on their way or lent, or the
-        device lacks the window's blocks; the engine then waits for ``prev`` and schedules as ever."""
-        if self.waiting or self.kv.has_disk or self.kv.num_remote_in_flight or self.proposer is not None:
+        needs the ordinary decision: ``prev`` was not all decodes, a running request is not in it, a waiting request
+        would be admitted (it is, at the next ordinary step, a window later; :meth:`_would_admit`), blocks are on their
+        way or lent, or the device lacks the window's blocks; the engine then waits for ``prev`` and schedules as
+        ever."""
+        if self.kv.has_disk or self.kv.num_remote_in_flight or self.proposer is not None:
             return None
         running = {r.request_id: r for r in self.running}
         if any(rid not in self.in_flight for rid in running):
@@ -430,7 +431,7 @@ class Scheduler:
             steps = min(self.num_scheduler_steps, request.max_tokens - outputs)
             plan.append((request, start, steps))
             need += max(0, kv.blocks_for_tokens(start + steps) - kv.num_allocated_blocks(rid))
-        if not plan or need > kv.pool.num_free:
+        if not plan or need > kv.pool.num_free or (self.waiting and self._would_admit([r for r, _, _ in plan])):
             return None
         kv.begin_step()
         departures = len(self._finished_since_step) if len(self.requests) > self._arrived_since_step else 0
@@ -468,6 +469,15 @@ class Scheduler:
         out.transfers = kv.take_transfers()  # (evictions of named blocks down to host memory, for the new blocks)
         self.stats.num_ahead += 1
         return out
+
+    def _would_admit(self, continuing: list[Request]) -> bool:
+        """Whether the ordinary decision after the step in flight would take a waiting request: one ranks among the
+        policy's first ``max_num_seqs`` beside the requests that go on (a full batch of requests that outrank every
+        waiting one keeps running ahead; a waiting request that outranks one of them, or a free slot, ends it)."""
+        now = self.clock()
+        self.policy.update(now)
+        order = sorted(continuing + self.waiting, key=lambda r: self.policy.priority(r, now))
+        return any(r.status is not RequestStatus.RUNNING for r in order[: self.max_num_seqs])
 
     def _plan_window(self, chosen: list[tuple[Request, int]]) -> dict[str, int] | None:
         """Multi-step decoding: when every chosen request decodes one token (no prefill, no handoff, no lent blocks),

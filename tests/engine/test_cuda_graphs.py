@@ -40,10 +40,11 @@ def _engine(
     window: int = 1,
     async_scheduling: bool = False,
     num_kv_blocks: int = 64,
+    **options: object,
 ) -> EngineCore:
     config = engine_config(
         loaded.name, max_model_len=256, num_kv_blocks=num_kv_blocks, attention_backend=backend, enforce_eager=True,
-        num_scheduler_steps=window, async_scheduling=async_scheduling,
+        num_scheduler_steps=window, async_scheduling=async_scheduling, **options,
     )  # fmt: skip
     core = EngineCore.from_model(loaded, config)
     runner = core.executor.runner
@@ -409,3 +410,26 @@ def test_async_single_steps_run_as_device_windows_of_one_pass(tiny_llama: Loaded
     assert _outputs(core, prompts, params) == expected
     assert expected[1][2] == "stop"
     assert windows[0] >= 6 and core.scheduler.stats.num_ahead == windows[0] - 1
+
+
+def test_a_full_batch_runs_ahead_while_requests_wait_behind_it(tiny_llama: LoadedModel) -> None:
+    """More requests than ``max_num_seqs``: while the running ones outrank every waiting one (first come, first
+    served) and fill the batch, windows are still decided ahead; a waiting request enters when a slot frees, as the
+    ordinary decision would have it. The outputs are those without asynchronous scheduling."""
+    prompts = [[6 + i * 13 + j for j in range(4 + 3 * i)] for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (14, 18, 9, 6)]
+    options = {"max_num_seqs": 2, "policy": "fcfs"}
+    expected = _outputs(_engine(tiny_llama, "torch", graphs=False, window=4, **options), prompts, params)
+    core = _engine(tiny_llama, "triton", graphs=True, window=4, async_scheduling=True, **options)
+    decide, waiting_behind = core.scheduler.schedule_ahead, []
+
+    def noting(prev):
+        ahead = decide(prev)
+        if ahead is not None:
+            waiting_behind.append(len(core.scheduler.waiting))
+        return ahead
+
+    core.scheduler.schedule_ahead = noting
+    assert _outputs(core, prompts, params) == expected
+    assert max(waiting_behind) == 2  # (the first two ran ahead with the other two waiting)
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks
