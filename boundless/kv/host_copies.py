@@ -15,14 +15,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from boundless.attention.backend import to_device
 from boundless.kv.tiers import KVTier
 from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, TierId, plan_transfers
 
 
 class HostCopies:
-    """Device-to-host block copies in flight: each batch's host tier, its blocks there, and the pinned buffer its
-    blocks' KV lands in."""
+    """Device-to-host block copies in flight: each batch's host tier, its blocks there, and the buffer (pinned on a
+    GPU) their KV lands in first."""
 
     def __init__(self, batches: list[tuple[KVTier, tuple[int, ...], torch.Tensor]]) -> None:
         self.batches = batches
@@ -30,7 +29,7 @@ class HostCopies:
     def land(self) -> None:
         """Write the copied blocks into host memory (after the device has run the copies: the caller waited)."""
         for tier, dst_ids, buffer in self.batches:
-            tier.data.index_copy_(3, torch.tensor(dst_ids, dtype=torch.long), buffer)  # type: ignore[attr-defined]
+            tier.write_blocks(dst_ids, buffer)
 
 
 def queue_host_copies(
@@ -42,12 +41,10 @@ def queue_host_copies(
         return transfers, None
     batches = []
     for batch in plan_transfers(transfers):
-        device, host = tiers[DEVICE].data, tiers[HOST].data  # type: ignore[attr-defined]
-        rows = device.index_select(3, to_device(torch.tensor(batch.src_ids, dtype=torch.long), device.device))
-        if device.device.type == "cuda":
-            buffer = torch.empty(rows.shape, dtype=host.dtype, pin_memory=True)
+        rows = tiers[DEVICE].read_blocks(batch.src_ids)  # (a gather queued on the device)
+        buffer = rows
+        if rows.device.type == "cuda":
+            buffer = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             buffer.copy_(rows, non_blocking=True)
-        else:
-            buffer = rows.to("cpu", host.dtype)
         batches.append((tiers[HOST], batch.dst_ids, buffer))
     return (), HostCopies(batches)

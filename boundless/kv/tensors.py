@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from boundless.attention.backend import to_device
 from boundless.native import huge_page_zeros
 
 
@@ -52,9 +53,11 @@ class PagedKVCache:
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A copy of these blocks' KV across all layers: [layers, 2, kv_heads, n, block_size, head_dim]."""
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.data.device)
-        return self.data.index_select(3, idx)
+        return self.data.index_select(3, self._index(block_ids))
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.data.device)
-        self.data.index_copy_(3, idx, blocks.to(device=self.data.device, dtype=self.data.dtype))
+        self.data.index_copy_(3, self._index(block_ids), blocks.to(device=self.data.device, dtype=self.data.dtype))
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        # (Copied in stream order: a copy queued behind a window still running does not wait for it.)
+        return to_device(torch.tensor(list(block_ids), dtype=torch.long), self.data.device)
