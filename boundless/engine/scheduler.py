@@ -382,9 +382,8 @@ class Scheduler:
             )
         if windows:
             out.window = max(windows.values())
-        # The tokens each chunk computes for sure (a window's: one per pass; drafts may be rejected), until the step is
-        # recorded.
-        self.in_flight = {c.request_id: len(c.token_ids) - len(c.draft_token_ids) + c.num_steps - 1 for c in out.chunks}
+        # Each chunk's tokens, until the step is recorded.
+        self.in_flight = {c.request_id: _sure_tokens(c) for c in out.chunks}
         out.transfers = self.kv.take_transfers()
         out.disk_writes = self.kv.take_disk_writes()
         out.disk_ages = self.kv.take_disk_ages()
@@ -850,8 +849,7 @@ class Scheduler:
         if self._ahead_in_flight:  # a window decided ahead may be in flight still: only this step's tokens leave
             in_flight = self.in_flight
             for chunk in output.chunks:
-                left = in_flight.pop(chunk.request_id, 0) - (len(chunk.token_ids) - len(chunk.draft_token_ids))
-                left -= chunk.num_steps - 1
+                left = in_flight.pop(chunk.request_id, 0) - _sure_tokens(chunk)
                 if left > 0:
                     in_flight[chunk.request_id] = left
             self._ahead_in_flight -= output.decided_ahead
@@ -867,6 +865,12 @@ class Scheduler:
             request.num_computed_tokens += computed
             request.service_s += service_s
             self.policy.on_service(request, service_s, now)
+
+
+def _sure_tokens(chunk: ScheduledChunk) -> int:
+    """The tokens a chunk computes for sure: its tokens, one more for each later pass of a window; drafts may be
+    rejected."""
+    return len(chunk.token_ids) - len(chunk.draft_token_ids) + chunk.num_steps - 1
 
 
 def _grammar_waits(request: Request) -> bool:
