@@ -211,13 +211,12 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
     # The same decode-heavy case with multi-step decoding: the scheduler and the deltas once per window, its passes
     # back to back on the device (CUDA graphs); the largest window also with asynchronous scheduling (the next window
     # decided and queued while one runs), on every case; and single steps with it (each a window of one pass).
-    runs = [(w, False) for w in windows] + ([(max(windows), True)] if windows else []) + [(1, True)]
-    for window, ahead in runs:
+    for window, ahead in [*_window_runs(windows), (1, True)]:
         config = _engine_config(Path(path), args, 256, window, async_scheduling=ahead)
         windowed = BoundlessSystem(LLM.from_config(config, loaded))
         for case in cases if ahead and window > 1 else cases[:1]:
             case_prompts = prompts if case == cases[0] else make_prompts(loaded, case[0], case[1], seed=0)
-            key = f"{'async_' if ahead else ''}window{window}_1b_{'x'.join(map(str, case))}"
+            key = f"{_run_name(window, ahead)}_1b_{'x'.join(map(str, case))}"
             _stage(
                 results,
                 key,
@@ -366,8 +365,7 @@ def host_proxy(args: argparse.Namespace, root: Path) -> dict:
     n, i, o = (TINY_CASES if args.tiny else OFFLINE_CASES)[0]
     prompts = make_prompts(loaded, n, i, seed=0)
     splits = {}
-    windows = _windows(args)
-    for window, ahead in [(1, False), *((w, False) for w in windows), *([(max(windows), True)] if windows else [])]:
+    for window, ahead in [(1, False), *_window_runs(_windows(args))]:
         config = engine_config(
             str(path), device=args.device, max_model_len=2 * (i + o), max_num_seqs=n, max_num_batched_tokens=n * i,
             num_scheduler_steps=window, swap_space_gb=0.0, attention_backend=args.attention_backend,
@@ -376,10 +374,20 @@ def host_proxy(args: argparse.Namespace, root: Path) -> dict:
         system = BoundlessSystem(LLM.from_config(config, loaded))
         system.generate(prompts, 4)
         runs = sorted((host_split(system, prompts, o) for _ in range(args.repeats)), key=lambda r: r["wall_s"])
-        key = f"{'async_' if ahead else ''}window{window}"
+        key = _run_name(window, ahead)
         splits[key] = runs[len(runs) // 2]
         print(json.dumps({f"host_proxy_{key}": splits[key]}), flush=True)
     return splits
+
+
+def _window_runs(windows: list[int]) -> list[tuple[int, bool]]:
+    """(scheduler steps, asynchronous scheduling) of each windowed run: every window, then the largest again with
+    asynchronous scheduling."""
+    return [(w, False) for w in windows] + ([(max(windows), True)] if windows else [])
+
+
+def _run_name(window: int, ahead: bool) -> str:
+    return f"{'async_' if ahead else ''}window{window}"
 
 
 def _windows(args: argparse.Namespace) -> list[int]:
