@@ -13,6 +13,7 @@ forward pass over the same buffers eagerly: everything but the graph itself.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -125,16 +126,26 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for b in reversed(self.buckets):
-                meta = self._meta(b)
-                self._forward(b, meta)  # compiles the kernels and settles the allocator
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._forward(b, meta)
-                self._graphs[b] = (graph, logits)
-                self._metas[b] = meta
+        # No garbage collection while capturing: a collection there may free another engine's graphs (an earlier
+        # `LLM` in the same process, left in a reference cycle), and freeing one mid-capture invalidates the capture
+        # ("operation failed due to a previous error during capture"). PyTorch no longer collects before a capture.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(stream):
+                for b in reversed(self.buckets):
+                    meta = self._meta(b)
+                    self._forward(b, meta)  # compiles the kernels and settles the allocator
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        logits = self._forward(b, meta)
+                    self._graphs[b] = (graph, logits)
+                    self._metas[b] = meta
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
