@@ -136,8 +136,11 @@ def kernel_busy_fraction(fn: Callable[[], Any]) -> dict:
             spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
     spans.sort()
     busy, end = 0, None
+    gaps: list[tuple[int, int]] = []  # (idle ns, when it began: ns after the first activity)
     for lo, hi in spans:
         if end is None or lo > end:
+            if end is not None:
+                gaps.append((lo - end, end - spans[0][0]))
             busy += hi - lo
             end = hi
         elif hi > end:
@@ -145,8 +148,23 @@ def kernel_busy_fraction(fn: Callable[[], Any]) -> dict:
             end = hi
     return {
         "wall_s": wall, "busy_s": busy / 1e9, "busy_fraction": busy / 1e9 / wall, "gpu_events": len(spans),
-        "top_kernels": _top_kernels(prof),
+        "top_kernels": _top_kernels(prof), **idle_gaps(gaps, wall - busy / 1e9),
     }  # fmt: skip
+
+
+def idle_gaps(gaps: list[tuple[int, int]], idle_s: float, limit: int = 10) -> dict:
+    """Where the GPU's idle time lies between its first and last activity: the longest gaps (ms, and when each began,
+    ms after the first activity), and how much of it is in gaps over a millisecond; the rest of ``idle_s`` (the wall
+    time not busy) is before the first activity and after the last. Few long gaps are host work between phases (a
+    prefill's inputs, the step after it); many short ones are the host's work between steps."""
+    longest = sorted(gaps, reverse=True)[:limit]
+    inside = sum(g for g, _ in gaps) / 1e9
+    return {
+        "idle_gaps_ms": [[round(g / 1e6, 2), round(at / 1e6, 1)] for g, at in longest],
+        "idle_in_gaps_over_1ms_s": sum(g for g, _ in gaps if g > 1_000_000) / 1e9,
+        "idle_between_s": inside,
+        "idle_outside_s": idle_s - inside,
+    }
 
 
 def _top_kernels(prof: Any, limit: int = 15) -> list[dict]:
@@ -222,11 +240,14 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
                 key,
                 lambda s=windowed, p=case_prompts, c=case: measured_alone(s, p, c[2], args.repeats, hf_rate(*c)),
             )
+            if windows and window == max(windows) and loaded.device.type == "cuda" and (ahead or case == cases[0]):
+                # (Every case with asynchronous scheduling: where the long prompts' time goes, too.)
+                _stage(
+                    results,
+                    f"busy_{key}",
+                    lambda s=windowed, p=case_prompts, c=case: kernel_busy_fraction(lambda: s.generate(p, c[2])),
+                )
             if windows and window == max(windows) and case == cases[0]:
-                if loaded.device.type == "cuda":
-                    _stage(
-                        results, f"busy_{key}", lambda s=windowed: kernel_busy_fraction(lambda: s.generate(prompts, o))
-                    )
                 _stage(results, f"host_split_{key}", lambda s=windowed: host_split(s, prompts, o))
 
 
@@ -457,8 +478,13 @@ def _summary(results: dict) -> None:
             ratio = value["ratio_to_baseline"]
             versus = f", {ratio:.2f}x transformers" if ratio else ""
             print(f"{key}: {value['output_tokens_per_s']:.0f} tok/s{versus}")
-        if key.startswith("busy_window") and isinstance(value, dict) and "busy_fraction" in value:
-            print(f"{key}: GPU busy {value['busy_fraction']:.1%} of {value['wall_s']:.2f} s")
+        if key.startswith(("busy_window", "busy_async")) and isinstance(value, dict) and "busy_fraction" in value:
+            gaps = ", ".join(f"{g} ms at {at} ms" for g, at in value.get("idle_gaps_ms", [])[:4])
+            print(
+                f"{key}: GPU busy {value['busy_fraction']:.1%} of {value['wall_s']:.2f} s; idle before and after "
+                f"{value.get('idle_outside_s', 0) * 1e3:.0f} ms, between {value.get('idle_between_s', 0) * 1e3:.0f} ms "
+                f"(longest: {gaps})"
+            )
     dec = results.get("decode_8b") or {}
     if "decode_step_s" in dec:
         print(

@@ -87,3 +87,14 @@ def test_bench_gpu_refuses_unknown_shapes_and_windows(flags: list[str], tmp_path
     with pytest.raises(SystemExit, match=flags[0]):
         gpu.run(args)
     assert not list(tmp_path.iterdir())  # nothing was built
+
+
+def test_idle_gaps_says_where_the_gpu_waited() -> None:
+    """The GPU's idle time between activities: the longest gaps first, each with when it began after the first
+    activity; the idle time outside the first and last activity is the rest of the run's idle time."""
+    gaps = [(500_000, 1_000_000), (30_000_000, 2_000_000), (2_000_000, 40_000_000)]  # (ns idle, ns after the first)
+    out = gpu.idle_gaps(gaps, idle_s=0.05)
+    assert out["idle_gaps_ms"] == [[30.0, 2.0], [2.0, 40.0], [0.5, 1.0]]
+    assert out["idle_in_gaps_over_1ms_s"] == pytest.approx(0.032)
+    assert out["idle_between_s"] == pytest.approx(0.0325)
+    assert out["idle_outside_s"] == pytest.approx(0.0175)
