@@ -98,6 +98,9 @@ class DecodeGraphs:
         self.programs = torch.arange(n, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._metas: dict[int, TritonAttentionMetadata] = {}
+        # The RoPE table the graphs read, by address: kept alive if another engine built on the same model needs a
+        # longer one (``LlamaModel.prepare``), whose memory would otherwise be reused under these graphs.
+        self._rope = model.rope
 
     def fits(self, num_decodes: int) -> bool:
         return 0 < num_decodes <= self.max_batch

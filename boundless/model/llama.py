@@ -394,10 +394,19 @@ class LlamaModel(nn.Module):
 
     def prepare(self, max_positions: int) -> None:
         """Once the weights are loaded: build the RoPE table and pack the LM head (and, for the
-        native CPU path, every layer's matrices: once, until the weights change)."""
+        native CPU path, every layer's matrices: once, until the weights change). An engine built
+        on a model already prepared for as many positions keeps its table: another engine's CUDA
+        graphs read that table by its address."""
         weight = self.embed_tokens.weight
         head_weight = weight if self.lm_head is None else self.lm_head.data
-        self.rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype)
+        rope = self.rope
+        if (
+            rope is None
+            or rope.cos.shape[0] < max_positions
+            or rope.cos.device != weight.device
+            or rope.cos.dtype != weight.dtype
+        ):
+            self.rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype)
         if not cpu_kernels.usable(weight):
             for layer in self.layers:
                 layer.packed = None

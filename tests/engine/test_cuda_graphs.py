@@ -45,6 +45,8 @@ def test_no_collection_runs_while_graphs_are_captured(tiny_llama: LoadedModel) -
         if phase == "start":
             captures.append(torch.cuda.is_current_stream_capturing())
 
+    prompts = [[5 + i * 7 + j for j in range(3 + 4 * i)] for i in range(3)]
+    expected = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, [6, 4, 5])
     threshold = gc.get_threshold()
     gc.callbacks.append(seen)
     gc.set_threshold(1, 1, 1)
@@ -55,8 +57,18 @@ def test_no_collection_runs_while_graphs_are_captured(tiny_llama: LoadedModel) -
         gc.callbacks.remove(seen)
     assert captures and not any(captures)  # collections ran around the capture, none during it
     assert gc.isenabled()
+    assert _greedy(core, prompts, [6, 4, 5]) == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graphs are captured on CUDA only")
+def test_graphs_keep_their_tokens_when_another_engine_is_built_on_the_model(tiny_llama: LoadedModel) -> None:
+    """Engines built one after another on one loaded model (``bench gpu``, several ``LLM``s in a process): a later
+    engine with the same or a longer context must not move what an earlier one's graphs read by address (the RoPE
+    table: the H200 gave a graph engine's decodes as zeros once another engine had been built after it)."""
     prompts = [[5 + i * 7 + j for j in range(3 + 4 * i)] for i in range(3)]
+    core = _engine(tiny_llama, "triton", graphs=True)
     expected = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, [6, 4, 5])
+    _engine(tiny_llama, "torch", graphs=False, max_model_len=512)  # (a longer table than the graphs were captured on)
     assert _greedy(core, prompts, [6, 4, 5]) == expected
 
 
@@ -67,17 +79,23 @@ def _engine(
     window: int = 1,
     async_scheduling: bool = False,
     num_kv_blocks: int = 64,
+    max_model_len: int = 256,
     **options: object,
 ) -> EngineCore:
     config = engine_config(
-        loaded.name, max_model_len=256, num_kv_blocks=num_kv_blocks, attention_backend=backend, enforce_eager=True,
-        num_scheduler_steps=window, async_scheduling=async_scheduling, **options,
+        loaded.name, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, attention_backend=backend,
+        enforce_eager=True, num_scheduler_steps=window, async_scheduling=async_scheduling, **options,
     )  # fmt: skip
     core = EngineCore.from_model(loaded, config)
     runner = core.executor.runner
     if graphs:
         runner.graphs = DecodeGraphs(
-            runner.model, runner.kv_cache, runner.attention, max_batch=6, max_model_len=256, device=loaded.device
+            runner.model,
+            runner.kv_cache,
+            runner.attention,
+            max_batch=6,
+            max_model_len=max_model_len,
+            device=loaded.device,
         )
         if loaded.device.type == "cuda":
             runner.graphs.capture()

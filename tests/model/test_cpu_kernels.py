@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from boundless import native
 from boundless.model import cpu_kernels
+from boundless.model.loader import LoadedModel
 from boundless.model.rope import apply_rotary, apply_rotary_
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels unavailable here")
@@ -197,3 +198,17 @@ def test_lora_add_matches_torch(rank: int) -> None:
         got = out.clone()
         cpu_kernels.lora_add_(x, rows, a, b.t().contiguous(), spans, got)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_prepare_keeps_a_rope_table_long_enough(tiny_llama: LoadedModel) -> None:
+    """A second engine on the same loaded model keeps the RoPE table when it is long enough (an earlier engine's CUDA
+    graphs read it by address); a longer context builds a longer one with the same rows."""
+    model = tiny_llama.model
+    model.prepare(256)
+    table = model.rope
+    model.prepare(128)
+    assert model.rope is table
+    model.prepare(512)
+    assert model.rope is not table and model.rope.cos.shape[0] == 512
+    torch.testing.assert_close(model.rope.cos[:256], table.cos, rtol=0, atol=0)
+    torch.testing.assert_close(model.rope.sin[:256], table.sin, rtol=0, atol=0)
