@@ -141,6 +141,14 @@ def build_model_executor(
             loaded.model, kv_cache, attention, config.scheduler.max_num_seqs, layout.max_model_len, loaded.device
         )
         graphs.capture()
+    elif config.scheduler.async_scheduling:
+        log.warning(
+            "--async-scheduling has no effect here: it overlaps steps run on CUDA graphs (the triton backend on CUDA, "
+            "without --enforce-eager), and this engine runs %s on %s%s",
+            type(attention).__name__,
+            loaded.device.type,
+            " with --enforce-eager" if config.model.enforce_eager else "",
+        )
     grammars = grammars or Grammars(loaded.tokenizer, arch.vocab_size)
     sampler = Sampler(loaded.device, seed=config.model.seed, grammars=grammars)
     runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device, graphs)

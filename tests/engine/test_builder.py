@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 
 from boundless.cluster.lending_plan import LendingThresholds, request_pools
 from boundless.config import ConfigError
 from boundless.engine.builder import size_engine
+from boundless.engine.core import EngineCore
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
 
@@ -58,3 +60,19 @@ def test_a_context_past_the_models_is_refused_unless_allowed(tiny_llama: LoadedM
     assert size_engine(allowed, arch, dtype).max_model_len == arch.context_length + 1
     at = engine_config(tiny_llama.name, num_kv_blocks=blocks, max_model_len=arch.context_length)
     assert size_engine(at, arch, dtype).max_model_len == arch.context_length
+
+
+def test_async_scheduling_without_graphs_says_it_does_nothing(
+    tiny_llama: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--async-scheduling`` overlaps steps run on CUDA graphs; an engine without them (the CPU, PyTorch's backend,
+    ``--enforce-eager``) says at start-up that the flag changes nothing, and runs as without it."""
+    config = engine_config(tiny_llama.name, num_kv_blocks=8, async_scheduling=True)
+    with caplog.at_level(logging.WARNING, logger="boundless.engine.builder"):
+        core = EngineCore.from_model(tiny_llama, config)
+    assert core.executor.runner.graphs is None
+    assert "--async-scheduling has no effect here" in caplog.text and "TorchPagedAttention" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="boundless.engine.builder"):
+        EngineCore.from_model(tiny_llama, engine_config(tiny_llama.name, num_kv_blocks=8))
+    assert "--async-scheduling" not in caplog.text
