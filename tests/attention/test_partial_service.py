@@ -4,6 +4,7 @@ the context equals attention over the whole context."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,6 +90,10 @@ def test_round_trip_over_shm_merges_to_attention_over_the_whole_context(ends, ca
             for rows, ids in ((slice(0, 3), [3, 5, 8]), (slice(3, 5), [1, 0])):
                 want = _reference(q[rows], _dense(ids + local_ids, kl), _dense(ids + local_ids, v_cache))
                 torch.testing.assert_close(got[rows], want, atol=1e-5, rtol=1e-5)
+        # (The server counts a reply once its send has completed, which may be after the client has read it.)
+        deadline = time.monotonic() + 10
+        while server.stats.round_trips < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert client.stats.round_trips == 2 and server.stats.round_trips == 2
         # A move the creditor does not hold is answered with an error, not a hang.
         with pytest.raises(RemotePartialError, match="status 1"):
