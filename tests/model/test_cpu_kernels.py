@@ -203,12 +203,14 @@ def test_lora_add_matches_torch(rank: int) -> None:
 def test_prepare_keeps_a_rope_table_long_enough(tiny_llama: LoadedModel) -> None:
     """A second engine on the same loaded model keeps the RoPE table when it is long enough (an earlier engine's CUDA
     graphs read it by address); a longer context builds a longer one with the same rows."""
-    model = tiny_llama.model
+    model = tiny_llama.model  # (shared: other tests may have prepared it for longer already)
     model.prepare(256)
     table = model.rope
+    length = table.cos.shape[0]
     model.prepare(128)
+    model.prepare(length)
     assert model.rope is table
-    model.prepare(512)
-    assert model.rope is not table and model.rope.cos.shape[0] == 512
-    torch.testing.assert_close(model.rope.cos[:256], table.cos, rtol=0, atol=0)
-    torch.testing.assert_close(model.rope.sin[:256], table.sin, rtol=0, atol=0)
+    model.prepare(2 * length)
+    assert model.rope is not table and model.rope.cos.shape[0] == 2 * length
+    torch.testing.assert_close(model.rope.cos[:length], table.cos, rtol=0, atol=0)
+    torch.testing.assert_close(model.rope.sin[:length], table.sin, rtol=0, atol=0)
