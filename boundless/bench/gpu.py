@@ -346,19 +346,28 @@ def decode_roofline(args: argparse.Namespace, results: dict, root: Path) -> dict
     spec = (TINY_SHAPES if args.tiny else SHAPES)["llama-3.1-8b"]
     path = write_random_model(root / "llama-8b", spec, weights=False)  # config and tokenizer only
     loaded = load_model(str(path), "bfloat16", args.device, weights=("random-8b", random_weights(spec, args.device)))
-    llm = LLM.from_config(_engine_config(path, args, 64), loaded)
-    ours = BoundlessSystem(llm)
     batch, input_len, output_len = (4, 16, 8) if args.tiny else (64, 128, 128)
     prompts = make_prompts(loaded, batch, input_len, seed=0)
-    ours.generate(prompts, 4)  # the whole batch: every kernel its steps take is compiled before the timed runs
-    start = time.perf_counter()
-    ours.generate(prompts, 1)
-    prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    outputs = ours.generate(prompts, output_len)
-    total_s = time.perf_counter() - start
-    assert all(len(o) == output_len for o in outputs)
-    step_s = (total_s - prefill_s) / (output_len - 1)
+
+    def decode_step(window: int, ahead: bool) -> tuple[float, float, float]:
+        """Seconds of the prefill, of the whole run and of one decode step (the run less the prefill, over the
+        steps after the first token)."""
+        gc.collect()  # (an engine before this one is garbage: its KV pool goes before this one's is taken)
+        ours = BoundlessSystem(LLM.from_config(_engine_config(path, args, 64, window, ahead), loaded))
+        ours.generate(prompts, 4)  # the whole batch: every kernel its steps take is compiled before the timed runs
+        start = time.perf_counter()
+        ours.generate(prompts, 1)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        outputs = ours.generate(prompts, output_len)
+        total_s = time.perf_counter() - start
+        assert all(len(o) == output_len for o in outputs)
+        return prefill_s, total_s, (total_s - prefill_s) / (output_len - 1)
+
+    prefill_s, total_s, step_s = decode_step(1, False)
+    # The same decode in windows (the largest --windows) decided ahead: the host's work per step off the GPU's path.
+    windows = _windows(args)
+    windowed = decode_step(max(windows), True)[2] if windows else None
     arch = loaded.arch
     kv_per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 2
     kv_bytes = batch * (input_len + output_len / 2) * kv_per_token  # context read per step, on average
@@ -372,6 +381,9 @@ def decode_roofline(args: argparse.Namespace, results: dict, root: Path) -> dict
         "bandwidth_bytes_per_s": bandwidth, "roofline_step_s": roofline_s, "step_over_roofline": step_s / roofline_s,
         "decode_tokens_per_s": batch / step_s,
     }  # fmt: skip
+    if windowed is not None:
+        key = f"{_run_name(max(windows), True)}_decode_step_s"
+        out |= {key: windowed, f"{key.removesuffix('_decode_step_s')}_step_over_roofline": windowed / roofline_s}
     return out
 
 
@@ -492,6 +504,13 @@ def _summary(results: dict) -> None:
             f"{dec['roofline_step_s'] * 1e3:.2f} ms ({dec['step_over_roofline']:.2f}x), "
             f"{dec['decode_tokens_per_s']:.0f} tok/s"
         )
+        for key, value in dec.items():
+            if key.endswith("_decode_step_s"):
+                name = key.removesuffix("_decode_step_s")
+                print(
+                    f"8B batch-64 decode, {name}: {value * 1e3:.2f} ms per step "
+                    f"({dec[f'{name}_step_over_roofline']:.2f}x the roofline)"
+                )
     errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
     if errors:
         print("errors: " + json.dumps(errors))

@@ -58,6 +58,8 @@ def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
         assert results[f"async_window16_1b_{n}x{i}x{o}"]["ratio_to_baseline"] > 0
     decode = results["decode_8b"]
     assert decode["decode_step_s"] > 0 and decode["roofline_step_s"] > 0
+    # The same decode in windows of the largest --windows, decided ahead.
+    assert decode["async_window16_decode_step_s"] > 0 and decode["async_window16_step_over_roofline"] > 0
     # The 8B stand-in's weights were drawn in memory: its directory holds no checkpoint.
     assert not list((tmp_path / "models" / "llama-8b").glob("*.safetensors"))
 
