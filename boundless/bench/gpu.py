@@ -134,9 +134,19 @@ def kernel_busy_fraction(fn: Callable[[], Any]) -> dict:
     for e in prof.profiler.kineto_results.events():
         if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0:
             spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
-    spans.sort()
+    busy, gaps = merge_spans(spans)
+    return {
+        "wall_s": wall, "busy_s": busy / 1e9, "busy_fraction": busy / 1e9 / wall, "gpu_events": len(spans),
+        "top_kernels": _top_kernels(prof), **idle_gaps(gaps, wall - busy / 1e9),
+    }  # fmt: skip
+
+
+def merge_spans(spans: list[tuple[int, int]]) -> tuple[int, list[tuple[int, int]]]:
+    """The time covered by the union of these (start, end) intervals (ns), and the gaps between them: (idle ns, when
+    the gap began, ns after the first interval's start)."""
+    spans = sorted(spans)
     busy, end = 0, None
-    gaps: list[tuple[int, int]] = []  # (idle ns, when it began: ns after the first activity)
+    gaps: list[tuple[int, int]] = []
     for lo, hi in spans:
         if end is None or lo > end:
             if end is not None:
@@ -146,10 +156,7 @@ def kernel_busy_fraction(fn: Callable[[], Any]) -> dict:
         elif hi > end:
             busy += hi - end
             end = hi
-    return {
-        "wall_s": wall, "busy_s": busy / 1e9, "busy_fraction": busy / 1e9 / wall, "gpu_events": len(spans),
-        "top_kernels": _top_kernels(prof), **idle_gaps(gaps, wall - busy / 1e9),
-    }  # fmt: skip
+    return busy, gaps
 
 
 def idle_gaps(gaps: list[tuple[int, int]], idle_s: float, limit: int = 10) -> dict:

@@ -142,12 +142,15 @@ def build_model_executor(
         )
         graphs.capture()
     elif config.scheduler.async_scheduling:
+        why = (
+            "--enforce-eager" if config.model.enforce_eager
+            else "a mixture of experts (run eagerly)" if on_gpu
+            else f"{type(attention).__name__} on {loaded.device.type}"
+        )  # fmt: skip
         log.warning(
             "--async-scheduling has no effect here: it overlaps steps run on CUDA graphs (the triton backend on CUDA, "
-            "without --enforce-eager), and this engine runs %s on %s%s",
-            type(attention).__name__,
-            loaded.device.type,
-            " with --enforce-eager" if config.model.enforce_eager else "",
+            "without --enforce-eager, for models without experts); this engine has none: %s",
+            why,
         )
     grammars = grammars or Grammars(loaded.tokenizer, arch.vocab_size)
     sampler = Sampler(loaded.device, seed=config.model.seed, grammars=grammars)

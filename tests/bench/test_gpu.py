@@ -100,3 +100,12 @@ def test_idle_gaps_says_where_the_gpu_waited() -> None:
     assert out["idle_in_gaps_over_1ms_s"] == pytest.approx(0.032)
     assert out["idle_between_s"] == pytest.approx(0.0325)
     assert out["idle_outside_s"] == pytest.approx(0.0175)
+
+
+def test_merge_spans_covers_overlaps_once_and_lists_the_gaps() -> None:
+    """The GPU's busy time is the union of its activities (overlapping or touching ones count once); the gaps are
+    where none ran, each with when it began after the first activity started."""
+    spans = [(30, 40), (0, 10), (5, 12), (12, 15), (50, 60), (55, 58)]
+    busy, gaps = gpu.merge_spans(spans)
+    assert busy == 15 + 10 + 10
+    assert gaps == [(15, 15), (10, 40)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -58,6 +59,19 @@ def test_no_collection_runs_while_graphs_are_captured(tiny_llama: LoadedModel) -
     assert captures and not any(captures)  # collections ran around the capture, none during it
     assert gc.isenabled()
     assert _greedy(core, prompts, [6, 4, 5]) == expected
+
+
+def test_graphs_keep_the_rope_table_they_read_alive(tiny_llama: LoadedModel) -> None:
+    """A captured graph reads the RoPE table by address: when a later engine on the same model needs a longer table
+    (``LlamaModel.prepare``), the graphs still hold theirs, so its memory is not reused under them."""
+    core = _engine(tiny_llama, "triton", graphs=True)
+    table = weakref.ref(tiny_llama.model.rope)
+    tiny_llama.model.prepare(2 * tiny_llama.model.rope.cos.shape[0])
+    gc.collect()
+    assert table() is not None and table() is not tiny_llama.model.rope
+    del core
+    gc.collect()
+    assert table() is None  # (held by the graphs alone)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="graphs are captured on CUDA only")
