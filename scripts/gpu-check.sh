@@ -4,7 +4,8 @@
 # - the Triton attention kernels, the CUDA-graph runner (asynchronous scheduling's tests under
 #   torch.cuda.set_sync_debug_mode("error")), the transformers parity tests and DistAttention on the kernels;
 # - `bench gpu` (windows of 16, with and without --async-scheduling; the GPU's busy share and idle gaps).
-# GPU_CHECK_PART=more is a second run of ~4 minutes: the sampler's, speculative and suffix decoding's, structured
+# GPU_CHECK_PART=more is a second run of ~6 minutes: `bench gpu --shapes tiles` (the attention kernels' tile shapes
+# swept on the 1B shape, against SDPA) and the sampler's, speculative and suffix decoding's, structured
 # outputs', LoRA's (against PEFT, skipped unless its wheel travels in .whl: `pip download --no-deps peft==0.21.2`),
 # multi-step's and the detokenizer's tests on CUDA. Structured outputs need xgrammar, absent there: they skip unless
 # its wheels travel in .whl (the device tool's README; for its Python 3.12: `pip download --no-deps
@@ -22,6 +23,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 if [ "${GPU_CHECK_PART:-main}" = more ]; then
+    # The attention kernels' tile shapes on the 1B shape's prefill and decode, against SDPA (~1-2 minutes).
+    timeout 200 python3 -m boundless.bench.gpu --shapes tiles --json "$out/bench-tiles.json" 2>&1 \
+        | tee "$out/bench-tiles.log" | tail -12
     # The sampler's and the decoding features' test files on CUDA (~4 minutes): a second device run.
     BOUNDLESS_TEST_DEVICE=cuda timeout 300 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
         -k "not smollm2 and not simulator_refuses" \

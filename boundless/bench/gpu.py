@@ -30,6 +30,7 @@ import torch
 
 from boundless.bench.offline import BoundlessSystem, HuggingFaceSystem, compare, make_prompts
 from boundless.bench.report import print_table, write_json
+from boundless.bench.timing import device_seconds
 from boundless.llm import LLM, engine_config
 from boundless.model.loader import LoadedModel, load_model
 from boundless.model.random_model import TinySpec, random_weights, write_random_model
@@ -80,20 +81,6 @@ def _stage(results: dict, name: str, fn: Callable[[], Any]) -> Any:
         print(f"== {name}: {time.perf_counter() - start:.1f} s", flush=True)
 
 
-def _time_cuda(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn`` by CUDA events, after a warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def measure_ceilings(device: torch.device) -> dict:
     """What this device moves and computes: a 4 GiB device-to-device copy (bytes read + written) and an
     8192^3 bf16 matrix product, on random data."""
@@ -101,12 +88,12 @@ def measure_ceilings(device: torch.device) -> dict:
     def copy_seconds() -> float:
         src = torch.randn(1 << 30, device=device)  # 4 GiB of fp32
         dst = torch.empty_like(src)
-        return _time_cuda(lambda: dst.copy_(src), device, 10)
+        return device_seconds(lambda: dst.copy_(src), device, 10)
 
     def matmul_seconds() -> float:
         a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
         b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-        return _time_cuda(lambda: a @ b, device, 10)
+        return device_seconds(lambda: a @ b, device, 10)
 
     copy_s = copy_seconds()
     mm_s = matmul_seconds()
@@ -440,10 +427,10 @@ def _windows(args: argparse.Namespace) -> list[int]:
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     shapes = {s.strip() for s in args.shapes.split(",") if s.strip()}
-    if unknown := shapes - {"host", "1b", "8b"}:
-        raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; host, 1b or 8b")
+    if unknown := shapes - {"host", "1b", "8b", "tiles"}:
+        raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; host, 1b, 8b or tiles")
     _windows(args)  # (a bad --windows stops the run before anything is built)
-    if device.type != "cuda" and not args.tiny and shapes != {"host"}:
+    if device.type != "cuda" and not args.tiny and not shapes <= {"host"}:
         raise SystemExit(
             "bench gpu needs a CUDA device (or --tiny, which checks the benchmark on small shapes; or --shapes host)"
         )
@@ -461,6 +448,11 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
     if "8b" in shapes:
         _stage(results, "decode_8b", lambda: decode_roofline(args, results, root))
+    if "tiles" in shapes:
+        from boundless.bench import attention_tiles
+
+        dtype = torch.float32 if args.tiny and device.type != "cuda" else torch.bfloat16
+        _stage(results, "tiles", lambda: attention_tiles.sweep(device, dtype, args.tiny, args.repeats))
     write_json(args.json, results)
     _summary(results)
     return results
@@ -518,6 +510,11 @@ def _summary(results: dict) -> None:
                     f"8B batch-64 decode, {name}: {value * 1e3:.2f} ms per step "
                     f"({dec[f'{name}_step_over_roofline']:.2f}x the roofline)"
                 )
+    if isinstance(results.get("tiles"), dict) and "error" not in results["tiles"]:
+        from boundless.bench.attention_tiles import summary_rows
+
+        print("attention of the 1B shape, one layer (ms): the default tiles, the fastest giving the same output, SDPA")
+        print_table(["case", "default", "fastest", "its tiles", "sdpa"], summary_rows(results["tiles"]))
     errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
     if errors:
         print("errors: " + json.dumps(errors))
@@ -529,7 +526,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shapes",
         default="1b,8b",
         help="which shapes: 1b (against transformers), 8b (decode), host (the engine's host work on a tiny model: "
-        "any device)",
+        "any device), tiles (the attention kernels' tile shapes swept on the 1B shape's attention)",
     )
     parser.add_argument("--cases", type=int, default=len(OFFLINE_CASES), help="how many of the 1B cases to run")
     parser.add_argument(

@@ -12,7 +12,7 @@ import torch
 from conftest import TEST_DEVICE
 
 from boundless.attention import triton_paged
-from boundless.bench import gpu
+from boundless.bench import attention_tiles, gpu
 
 # The GPU kernels on CUDA; else the PyTorch path. (Triton's interpreter runs them on the CPU too, but slowly: the
 # kernels' own tests cover them there, and this test is about the benchmark's parts.)
@@ -109,3 +109,22 @@ def test_merge_spans_covers_overlaps_once_and_lists_the_gaps() -> None:
     busy, gaps = gpu.merge_spans(spans)
     assert busy == 15 + 10 + 10
     assert gaps == [(15, 15), (10, 40)]
+
+
+@pytest.mark.skipif(not triton_paged.available(DEVICE), reason="the Triton kernels do not run here")
+def test_bench_gpu_sweeps_the_attention_tiles(tmp_path: Path) -> None:
+    """``--shapes tiles``: every tile shape of a case's kind runs the case and gives the default shape's output; the
+    fastest of them is picked; SDPA runs the same attention where its mask is the kernel's, and agrees with it."""
+    parser = argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    args = parser.parse_args(
+        ["--tiny", "--shapes", "tiles", "--device", TEST_DEVICE, "--json", str(tmp_path / "t.json"), "--repeats", "1"]
+    )
+    tiles = gpu.run(args)["tiles"]
+    assert set(tiles) == {case.name for case in attention_tiles.TINY_CASES}
+    for name, case in tiles.items():
+        assert len(case["configs"]) == 2 and all(row["ok"] for row in case["configs"]), name
+        assert case["best"]["seconds"] == min(row["seconds"] for row in case["configs"])
+        chunked = name.startswith("chunk")  # (SDPA's causal mask would differ: not run)
+        assert ("sdpa_s" in case) != chunked
+        assert chunked or case["sdpa_max_abs_diff"] < (1e-3 if DEVICE.type == "cpu" else 5e-2)  # (fp32; bf16)

@@ -1,0 +1,248 @@
+"""``bench gpu --shapes tiles``: the Triton attention kernels' tile shapes swept on the 1B shape's attention.
+
+Each case is one layer's attention of a step the offline cases take: whole prompts of 8,000 tokens in one chunk (the
+long-prompt case's prefill), a chunk of a prompt over its cached first half, 256 decodes over 256 tokens of context
+(the decode-heavy case) and 8 decodes over 8,000 (the long case's decode). Every tile shape of the grid runs each
+case of its kind (prefill or decode) on the same inputs; its output is checked against the default shape's, and
+its time set beside the default's and beside PyTorch's ``scaled_dot_product_attention`` on the same tensors laid
+out densely (FlashAttention on a GPU), where that computes the same thing. The next step for a case is then a
+measurement away: a tile default, or a kernel change, or neither (it is at SDPA's speed already).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from boundless.attention import triton_paged
+from boundless.attention.backend import AttentionBatch
+from boundless.attention.triton_paged import TileConfig, TritonPagedAttention
+from boundless.bench.timing import device_seconds
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class TileCase:
+    """One step's attention: (query tokens, context after the step) per sequence, decodes (one query token) only or
+    prefill chunks only."""
+
+    name: str
+    chunks: tuple[tuple[int, int], ...]
+
+    @property
+    def decode(self) -> bool:
+        return all(q == 1 for q, _ in self.chunks)
+
+    def flops(self, shape: AttentionShape) -> float:
+        """Two matrix products (scores and values) over every (query, visible key) pair."""
+        pairs = sum(q * (ctx - q) + q * (q + 1) // 2 for q, ctx in self.chunks)
+        return 4.0 * pairs * shape.heads * shape.head_dim
+
+
+LLAMA_1B = AttentionShape(heads=32, kv_heads=8, head_dim=64, block_size=16)
+CASES = (
+    TileCase("prefill_2x8000", ((8000, 8000),) * 2),
+    TileCase("chunk_4000_over_8000", ((4000, 8000),) * 2),
+    TileCase("decode_256x256", ((1, 256),) * 256),
+    TileCase("decode_8x8000", ((1, 8000),) * 8),
+)
+TINY_SHAPE = AttentionShape(heads=4, kv_heads=2, head_dim=16, block_size=4)
+TINY_CASES = (
+    TileCase("prefill_2x24", ((24, 24),) * 2),
+    TileCase("chunk_8_over_20", ((8, 20),) * 2),
+    TileCase("decode_4x20", ((1, 20),) * 4),
+)
+
+
+def tile_grid(decode: bool, tiny: bool = False) -> list[TileConfig]:
+    """The tile shapes swept for a kind of case: the default's first."""
+    base = TileConfig()
+    if tiny:  # (Triton's interpreter: two shapes that run quickly)
+        return [
+            TileConfig(prefill_rows=32, kv_tile=32, prefill_warps=4, stages=1),
+            TileConfig(prefill_rows=16, kv_tile=16, prefill_warps=4, stages=1),
+        ]
+    if decode:
+        grid = [
+            dataclasses.replace(base, kv_tile=tile, decode_warps=warps, stages=stages)
+            for tile in (32, 64, 128)
+            for warps in (2, 4, 8)
+            for stages in (2, 3)
+        ]
+    else:
+        grid = [
+            dataclasses.replace(base, prefill_rows=rows, kv_tile=tile, prefill_warps=warps, stages=stages)
+            for rows in (64, 128)
+            for tile in (32, 64, 128)
+            for warps in (4, 8)
+            for stages in (2, 3)
+        ]
+    return [base] + [t for t in grid if t != base]
+
+
+@dataclass
+class CaseTensors:
+    """A case's inputs: the step's batch, the KV cache with random context, and the new tokens' q, k and v."""
+
+    batch: AttentionBatch
+    cache: tuple[torch.Tensor, torch.Tensor]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    num_blocks: int
+
+
+def case_tensors(case: TileCase, shape: AttentionShape, dtype: torch.dtype, device: torch.device) -> CaseTensors:
+    """Random inputs for ``case``: each sequence's blocks drawn at random from the pool (the KV of its cached
+    context is random too), its new tokens' slots at the end of its context."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    bs = shape.block_size
+    blocks_each = [-(-ctx // bs) for _, ctx in case.chunks]
+    num_blocks = sum(blocks_each) + 1
+    free = list(range(1, num_blocks))
+    random.Random(0).shuffle(free)
+    tables, slots = [], []
+    for (q, ctx), nb in zip(case.chunks, blocks_each, strict=True):
+        table = [free.pop() for _ in range(nb)]
+        tables.append(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(ctx - q, ctx)]
+    tokens = sum(q for q, _ in case.chunks)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(device=device, dtype=dtype)
+
+    cache = (
+        rand(shape.kv_heads, num_blocks, bs, shape.head_dim),
+        rand(shape.kv_heads, num_blocks, bs, shape.head_dim),
+    )
+    batch = AttentionBatch(
+        num_decodes=len(case.chunks) if case.decode else 0,
+        query_lens=[q for q, _ in case.chunks],
+        seq_lens=[ctx for _, ctx in case.chunks],
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_size=bs,
+        device=device,
+    )
+    q = rand(tokens, shape.heads, shape.head_dim)
+    k = rand(tokens, shape.kv_heads, shape.head_dim)
+    v = rand(tokens, shape.kv_heads, shape.head_dim)
+    return CaseTensors(batch, cache, q, k, v, num_blocks)
+
+
+def kernel_run(
+    tensors: CaseTensors, shape: AttentionShape, tiles: TileConfig, dtype: torch.dtype, device: torch.device
+) -> Callable[[], torch.Tensor]:
+    """The case's attention with these tiles, as the engine runs it: the step's metadata made once, then each call
+    stores the new tokens' KV and attends."""
+    backend = TritonPagedAttention(
+        shape.heads, shape.kv_heads, shape.head_dim, tensors.num_blocks, shape.block_size, device, dtype, tiles=tiles
+    )
+    meta = backend.prepare(tensors.batch)
+    return lambda: backend.forward(tensors.q, tensors.k, tensors.v, tensors.cache, meta)
+
+
+def sdpa_run(tensors: CaseTensors, case: TileCase, shape: AttentionShape) -> Callable[[], torch.Tensor] | None:
+    """PyTorch's fused attention on the same case laid out densely (every sequence as long as the longest context:
+    the cases' sequences are), or None where its causal mask would differ from the kernel's (a chunk over a cached
+    prefix: SDPA aligns the mask to the top left)."""
+    lens = {ctx for _, ctx in case.chunks}
+    if len(lens) != 1 or not (case.decode or all(q == ctx for q, ctx in case.chunks)):
+        return None
+    (ctx,) = lens
+    n, bs = len(case.chunks), shape.block_size
+    table = torch.tensor(tensors.batch.block_tables, device=tensors.q.device)  # [n, blocks]
+    positions = torch.arange(ctx, device=table.device)
+    slots = table[:, positions // bs] * bs + positions % bs  # [n, ctx]
+
+    def dense(cache: torch.Tensor) -> torch.Tensor:  # [n, kv_heads, ctx, head_dim]
+        flat = cache.view(shape.kv_heads, -1, shape.head_dim)
+        return flat[:, slots].permute(1, 0, 2, 3).contiguous()
+
+    k, v = dense(tensors.cache[0]), dense(tensors.cache[1])
+    q = tensors.q.view(n, -1, shape.heads, shape.head_dim).transpose(1, 2).contiguous()  # [n, heads, q, head_dim]
+    causal = not case.decode
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def sweep_case(
+    case: TileCase,
+    shape: AttentionShape,
+    grid: Sequence[TileConfig],
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+) -> dict:
+    """Every tile shape of ``grid`` on ``case`` (the first is the default, whose output the others must give), and
+    SDPA: seconds, TFLOP/s, and the fastest shape that gives the default's output."""
+    tensors = case_tensors(case, shape, dtype, device)
+    flops = case.flops(shape)
+    tolerance = 2e-5 if dtype == torch.float32 else 3e-2
+    reference = None
+    rows = []
+    for tiles in grid:
+        run = kernel_run(tensors, shape, tiles, dtype, device)
+        try:
+            out = run().float()
+            seconds = device_seconds(run, device, repeats)
+        except Exception as e:  # a shape the device cannot run (shared memory): noted, the sweep goes on
+            rows.append({"tiles": dataclasses.asdict(tiles), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        if reference is None:
+            reference = out
+        diff = float((out - reference).abs().max())
+        rows.append({
+            "tiles": dataclasses.asdict(tiles), "seconds": seconds, "tflops": flops / seconds / 1e12,
+            "max_abs_diff": diff, "ok": diff <= tolerance,
+        })  # fmt: skip
+    timed = [r for r in rows if r.get("ok")]
+    out: dict = {
+        "chunks": len(case.chunks), "tokens": sum(q for q, _ in case.chunks), "flops": flops, "configs": rows,
+        "default_s": rows[0].get("seconds"), "best": min(timed, key=lambda r: r["seconds"]) if timed else None,
+    }  # fmt: skip
+    sdpa = sdpa_run(tensors, case, shape)  # (after the kernels ran: the cache holds the new tokens' KV too)
+    if sdpa is not None:
+        dense = sdpa().float()  # [sequences, heads, query tokens, head_dim]
+        out["sdpa_s"] = device_seconds(sdpa, device, repeats)
+        out["sdpa_tflops"] = flops / out["sdpa_s"] / 1e12
+        if reference is not None:
+            rows_first = dense.transpose(1, 2).reshape(reference.shape)
+            out["sdpa_max_abs_diff"] = float((rows_first - reference).abs().max())
+    return out
+
+
+def sweep(device: torch.device, dtype: torch.dtype, tiny: bool = False, repeats: int = 5) -> dict:
+    """Every case of the 1B shape (``tiny``: small ones, for the interpreter) over its kind's tile grid."""
+    if not triton_paged.available(device):
+        raise RuntimeError("the Triton kernels cannot run here (CUDA, or the CPU with TRITON_INTERPRET=1)")
+    shape, cases = (TINY_SHAPE, TINY_CASES) if tiny else (LLAMA_1B, CASES)
+    return {case.name: sweep_case(case, shape, tile_grid(case.decode, tiny), dtype, device, repeats) for case in cases}
+
+
+def summary_rows(results: dict) -> list[list[str]]:
+    """A row per case: the default tiles' time, the fastest shape's and SDPA's."""
+
+    def ms(seconds: float | None) -> str:
+        return f"{seconds * 1e3:.3f}" if seconds is not None else "-"
+
+    rows = []
+    for name, case in results.items():
+        best = case.get("best") or {}
+        tiles = best.get("tiles") or {}
+        shape = ",".join(f"{k}={v}" for k, v in tiles.items() if TileConfig.__dataclass_fields__[k].default != v)
+        rows.append(
+            [name, ms(case.get("default_s")), ms(best.get("seconds")), shape or "default", ms(case.get("sdpa_s"))]
+        )
+    return rows
