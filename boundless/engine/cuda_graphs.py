@@ -24,6 +24,7 @@ import torch
 from boundless.attention.backend import padded_table, to_device
 from boundless.attention.triton_paged import TritonAttentionMetadata, TritonPagedAttention
 from boundless.engine.scheduler import ScheduledChunk
+from boundless.engine.window_inputs import advance
 from boundless.kv.tensors import PagedKVCache
 from boundless.model.llama import LlamaModel
 
@@ -193,7 +194,6 @@ class DecodeGraphs:
                 made[len(rows)] = (index, plan([chunks[i] for i in rows]))
             passes.append(made[len(rows)])
         steps = to_device(torch.tensor([c.num_steps for c in chunks]), dev)
-        table_rows = torch.arange(n, device=dev)
         tokens = torch.zeros(window, n, dtype=torch.long, device=dev)  # (a padding row's 0 is a valid input id)
         on_gpu = dev.type == "cuda"
         marks: list = []
@@ -209,13 +209,10 @@ class DecodeGraphs:
             if j + 1 < window:
                 # Rows still decoding move one position on; a finished row stays where it was (its table's index
                 # stays in range) and becomes padding: no KV stored, nothing attended.
-                active = steps > j + 1
-                self.input_ids[:n].copy_(tokens[j])
-                pos = self.positions[:n] + active
-                self.positions[:n].copy_(pos)
-                slot = self.block_tables[table_rows, pos // bs].long() * bs + pos % bs
-                self.slots[:n].copy_(torch.where(active, slot, -1))
-                self.seq_lens[:n].copy_(torch.where(active, pos + 1, 0))
+                advance(
+                    tokens[j], steps, j + 1, self.input_ids, self.positions, self.slots, self.seq_lens,
+                    self.block_tables, bs,
+                )  # fmt: skip
         if on_gpu:
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()

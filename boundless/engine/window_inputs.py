@@ -1,0 +1,97 @@
+"""The next pass's inputs in a device window (``DecodeGraphs.launch_window``), made on the device from the tokens the
+pass drew: each row still decoding takes its token, moves one position on and gets the slot of that position from its
+block table; a row whose passes have ended stays where it was and becomes padding (no KV stored, nothing attended).
+
+One Triton kernel does it (one launch a pass, where PyTorch's ops took about fifteen: the host's launches between
+the passes were a tenth of a window's host work on the H200). :func:`advance_reference` is the same in PyTorch ops,
+for devices without the kernels and for the tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU's path takes PyTorch's ops
+    triton = None
+
+
+def advance_reference(
+    tokens: torch.Tensor,
+    steps: torch.Tensor,
+    next_pass: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> None:
+    """Rows ``[0, n)`` of the buffers (``n = len(tokens)``) made ready for pass ``next_pass``: a row with more passes
+    (``steps > next_pass``) takes its token, one position on, the slot there and its context length; the others keep
+    their position, with slot -1 and context length 0."""
+    n = tokens.shape[0]
+    active = steps > next_pass
+    input_ids[:n].copy_(tokens)
+    pos = positions[:n] + active
+    positions[:n].copy_(pos)
+    rows = torch.arange(n, device=tokens.device)
+    slot = block_tables[rows, pos // block_size].long() * block_size + pos % block_size
+    slots[:n].copy_(torch.where(active, slot, -1))
+    seq_lens[:n].copy_(torch.where(active, pos + 1, 0))
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n", "next_pass"])  # (one compiled kernel for every batch and pass)
+    def _advance_kernel(
+        tokens_ptr, steps_ptr, input_ids_ptr, positions_ptr, slots_ptr, seq_lens_ptr, block_tables_ptr,
+        stride_bt, n, next_pass, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < n
+        token = tl.load(tokens_ptr + rows, mask=ok, other=0)
+        active = tl.load(steps_ptr + rows, mask=ok, other=0) > next_pass
+        tl.store(input_ids_ptr + rows, token, mask=ok)
+        pos = tl.load(positions_ptr + rows, mask=ok, other=0) + active.to(tl.int64)
+        tl.store(positions_ptr + rows, pos, mask=ok)
+        block = tl.load(block_tables_ptr + rows.to(tl.int64) * stride_bt + pos // PAGE, mask=ok, other=0)
+        slot = block.to(tl.int64) * PAGE + pos % PAGE
+        tl.store(slots_ptr + rows, tl.where(active, slot, -1), mask=ok)
+        tl.store(seq_lens_ptr + rows, tl.where(active, pos + 1, 0).to(tl.int32), mask=ok)
+
+
+def kernel_usable(device: torch.device) -> bool:
+    """Whether :func:`advance` launches the kernel here: CUDA with Triton, or Triton's interpreter on the CPU."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def advance(
+    tokens: torch.Tensor,
+    steps: torch.Tensor,
+    next_pass: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> None:
+    """:func:`advance_reference` in one kernel launch where the kernel runs (queued in stream order: nothing waits)."""
+    n = tokens.shape[0]
+    if not kernel_usable(tokens.device):
+        advance_reference(tokens, steps, next_pass, input_ids, positions, slots, seq_lens, block_tables, block_size)
+        return
+    assert tokens.is_contiguous() and steps.is_contiguous() and block_tables.stride(1) == 1
+    assert input_ids.dtype == positions.dtype == slots.dtype == torch.long and seq_lens.dtype == torch.int32
+    block = 256
+    _advance_kernel[(triton.cdiv(n, block),)](
+        tokens, steps, input_ids, positions, slots, seq_lens, block_tables, block_tables.stride(0), n, next_pass,
+        PAGE=block_size, BLOCK=block,
+    )  # fmt: skip
