@@ -1,8 +1,7 @@
-"""Compile the Triton kernels (attention, and the layers' fused ops) for a GPU target without a GPU (``python -m
-boundless.attention.triton_compile``): what the device would compile at the first step, checked
-ahead, with the shared memory each variant takes. The tests run it, so a kernel the interpreter
-accepts but the compiler refuses (a global that is not constexpr, a shape a dot cannot take) fails
-on the CPU too."""
+"""Compile the Triton kernels (attention, the layers' fused ops, a device window's next inputs) for a GPU target
+without a GPU (``python -m boundless.attention.triton_compile``): what the device would compile at the first step,
+checked ahead, with the shared memory each variant takes. The tests run it, so a kernel the interpreter accepts but
+the compiler refuses (a global that is not constexpr, a shape a dot cannot take) fails on the CPU too."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from boundless.attention import triton_kernels as kernels
+from boundless.engine import window_inputs
 from boundless.model import triton_ops
 
 _ATTENTION_ARGS = {
@@ -84,6 +84,12 @@ def compile_all(capability: int = 90) -> dict[str, int]:
             dict(out_ptr=ptr, gate_up_ptr=ptr, stride_out="i32", stride_in="i32", n_cols="i32"),
             dict(BLOCK=1024), target, 4, 1,
         )  # fmt: skip
+    shared["window_inputs/advance"] = compile_kernel(
+        window_inputs._advance_kernel,
+        dict(tokens_ptr="*i64", steps_ptr="*i64", input_ids_ptr="*i64", positions_ptr="*i64", slots_ptr="*i64",
+             seq_lens_ptr="*i32", block_tables_ptr="*i32", stride_bt="i32", n="i32", next_pass="i32"),
+        dict(PAGE=16, BLOCK=256), target, 4, 1,
+    )  # fmt: skip
     return shared
 
 
