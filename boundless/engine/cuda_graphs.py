@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -184,15 +185,16 @@ class DecodeGraphs:
         dev = self.device
         if follows is not None:
             self.input_ids[:n].copy_(follows.last_tokens([c.request_id for c in chunks]))
-        # Each pass's rows (those with more passes than it), made before the first pass: the sets shrink as rows end.
+        # Each pass's rows (those with more passes than it), made before the first pass: the set shrinks as rows end,
+        # so it is made again only after a pass where some end (a row ends after its ``num_steps`` passes).
+        ending = Counter(c.num_steps for c in chunks)
         passes: list[tuple[torch.Tensor | None, Any]] = []
-        made: dict[int, tuple[torch.Tensor | None, Any]] = {}
         for j in range(window):
-            rows = [i for i, c in enumerate(chunks) if c.num_steps > j]
-            if len(rows) not in made:
+            if j == 0 or ending[j]:
+                rows = [i for i, c in enumerate(chunks) if c.num_steps > j]
                 index = None if len(rows) == n else to_device(torch.tensor(rows, dtype=torch.long), dev)
-                made[len(rows)] = (index, plan([chunks[i] for i in rows]))
-            passes.append(made[len(rows)])
+                current = (index, plan([chunks[i] for i in rows]))
+            passes.append(current)
         steps = to_device(torch.tensor([c.num_steps for c in chunks]), dev)
         tokens = torch.zeros(window, n, dtype=torch.long, device=dev)  # (a padding row's 0 is a valid input id)
         on_gpu = dev.type == "cuda"
