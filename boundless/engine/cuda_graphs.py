@@ -25,7 +25,7 @@ import torch
 from boundless.attention.backend import padded_table, to_device
 from boundless.attention.triton_paged import TritonAttentionMetadata, TritonPagedAttention
 from boundless.engine.scheduler import ScheduledChunk
-from boundless.engine.window_inputs import advance
+from boundless.engine.window_inputs import StepInputs, advance
 from boundless.kv.tensors import PagedKVCache
 from boundless.model.llama import LlamaModel
 
@@ -98,6 +98,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.programs = torch.arange(n, dtype=torch.int32, device=device)
+        self.inputs = StepInputs(self.input_ids, self.positions, self.slots, self.seq_lens, self.block_tables)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._metas: dict[int, TritonAttentionMetadata] = {}
         # The RoPE table the graphs read, by address: kept alive if another engine built on the same model needs a
@@ -211,10 +212,7 @@ class DecodeGraphs:
             if j + 1 < window:
                 # Rows still decoding move one position on; a finished row stays where it was (its table's index
                 # stays in range) and becomes padding: no KV stored, nothing attended.
-                advance(
-                    tokens[j], steps, j + 1, self.input_ids, self.positions, self.slots, self.seq_lens,
-                    self.block_tables, bs,
-                )  # fmt: skip
+                advance(tokens[j], steps, j + 1, self.inputs, bs)
         if on_gpu:
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()

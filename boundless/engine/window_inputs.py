@@ -10,6 +10,7 @@ for devices without the kernels and for the tests.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -20,29 +21,33 @@ except ImportError:  # the CPU's path takes PyTorch's ops
     triton = None
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """The input buffers a decode step's graph reads (``DecodeGraphs``), a row per sequence: token, position, KV slot
+    (-1: a padding row, nothing stored), context length (0: nothing attended) and block table."""
+
+    input_ids: torch.Tensor  # long
+    positions: torch.Tensor  # long
+    slots: torch.Tensor  # long
+    seq_lens: torch.Tensor  # int32
+    block_tables: torch.Tensor  # int32 [rows, max blocks]
+
+
 def advance_reference(
-    tokens: torch.Tensor,
-    steps: torch.Tensor,
-    next_pass: int,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    block_size: int,
+    tokens: torch.Tensor, steps: torch.Tensor, next_pass: int, inputs: StepInputs, block_size: int
 ) -> None:
     """Rows ``[0, n)`` of the buffers (``n = len(tokens)``) made ready for pass ``next_pass``: a row with more passes
     (``steps > next_pass``) takes its token, one position on, the slot there and its context length; the others keep
     their position, with slot -1 and context length 0."""
     n = tokens.shape[0]
     active = steps > next_pass
-    input_ids[:n].copy_(tokens)
-    pos = positions[:n] + active
-    positions[:n].copy_(pos)
+    inputs.input_ids[:n].copy_(tokens)
+    pos = inputs.positions[:n] + active
+    inputs.positions[:n].copy_(pos)
     rows = torch.arange(n, device=tokens.device)
-    slot = block_tables[rows, pos // block_size].long() * block_size + pos % block_size
-    slots[:n].copy_(torch.where(active, slot, -1))
-    seq_lens[:n].copy_(torch.where(active, pos + 1, 0))
+    slot = inputs.block_tables[rows, pos // block_size].long() * block_size + pos % block_size
+    inputs.slots[:n].copy_(torch.where(active, slot, -1))
+    inputs.seq_lens[:n].copy_(torch.where(active, pos + 1, 0))
 
 
 if triton is not None:
@@ -72,26 +77,18 @@ def kernel_usable(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def advance(
-    tokens: torch.Tensor,
-    steps: torch.Tensor,
-    next_pass: int,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    block_size: int,
-) -> None:
+def advance(tokens: torch.Tensor, steps: torch.Tensor, next_pass: int, inputs: StepInputs, block_size: int) -> None:
     """:func:`advance_reference` in one kernel launch where the kernel runs (queued in stream order: nothing waits)."""
     n = tokens.shape[0]
     if not kernel_usable(tokens.device):
-        advance_reference(tokens, steps, next_pass, input_ids, positions, slots, seq_lens, block_tables, block_size)
+        advance_reference(tokens, steps, next_pass, inputs, block_size)
         return
-    assert tokens.is_contiguous() and steps.is_contiguous() and block_tables.stride(1) == 1
-    assert input_ids.dtype == positions.dtype == slots.dtype == torch.long and seq_lens.dtype == torch.int32
+    tables = inputs.block_tables
+    assert tokens.is_contiguous() and steps.is_contiguous() and tables.stride(1) == 1
+    assert inputs.input_ids.dtype == inputs.positions.dtype == inputs.slots.dtype == torch.long
+    assert inputs.seq_lens.dtype == torch.int32
     block = 256
     _advance_kernel[(triton.cdiv(n, block),)](
-        tokens, steps, input_ids, positions, slots, seq_lens, block_tables, block_tables.stride(0), n, next_pass,
-        PAGE=block_size, BLOCK=block,
+        tokens, steps, inputs.input_ids, inputs.positions, inputs.slots, inputs.seq_lens, tables, tables.stride(0), n,
+        next_pass, PAGE=block_size, BLOCK=block,
     )  # fmt: skip

@@ -34,12 +34,13 @@ def test_the_kernel_makes_the_inputs_pytorch_makes(n: int) -> None:
     got = {k: v.clone().to(DEVICE) for k, v in state.items()}
     want = {k: v.clone() for k, v in state.items()}
     window_inputs.advance(
-        tokens.to(DEVICE), steps.to(DEVICE), 2, got["input_ids"], got["positions"], got["slots"], got["seq_lens"],
-        tables.to(DEVICE), block_size,
-    )  # fmt: skip
-    window_inputs.advance_reference(
-        tokens, steps, 2, want["input_ids"], want["positions"], want["slots"], want["seq_lens"], tables, block_size
+        tokens.to(DEVICE),
+        steps.to(DEVICE),
+        2,
+        window_inputs.StepInputs(**got, block_tables=tables.to(DEVICE)),
+        block_size,
     )
+    window_inputs.advance_reference(tokens, steps, 2, window_inputs.StepInputs(**want, block_tables=tables), block_size)
     for key in state:
         assert torch.equal(got[key].cpu(), want[key]), key
         assert torch.equal(got[key].cpu()[n:], state[key][n:]), key  # (rows past the window's)
