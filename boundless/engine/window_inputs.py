@@ -2,9 +2,9 @@
 pass drew: each row still decoding takes its token, moves one position on and gets the slot of that position from its
 block table; a row whose passes have ended stays where it was and becomes padding (no KV stored, nothing attended).
 
-One Triton kernel does it (one launch a pass, where PyTorch's ops took about fifteen: the host's launches between
-the passes were a tenth of a window's host work on the H200). :func:`advance_reference` is the same in PyTorch ops,
-for devices without the kernels and for the tests.
+One Triton kernel does it: one launch a pass, where PyTorch's ops took about fifteen, each launched from the host
+(with windows decided ahead, the host's work per window is about the GPU's). :func:`advance_reference` is the same in
+PyTorch ops, for devices without the kernels and for the tests.
 """
 
 from __future__ import annotations
