@@ -87,7 +87,7 @@ def compile_all(capability: int = 90) -> dict[str, int]:
     shared["window_inputs/advance"] = compile_kernel(
         window_inputs._advance_kernel,
         dict(tokens_ptr="*i64", steps_ptr="*i64", input_ids_ptr="*i64", positions_ptr="*i64", slots_ptr="*i64",
-             seq_lens_ptr="*i32", block_tables_ptr="*i32", stride_bt="i32", n="i32", next_pass="i32"),
+             seq_lens_ptr="*i32", block_tables_ptr="*i32", stride_bt="i32", n="i32", j="i32"),
         dict(PAGE=16, BLOCK=256), target, 4, 1,
     )  # fmt: skip
     return shared

@@ -129,6 +129,10 @@ class DecodeGraphs:
         assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
         self.slots.fill_(-1)
         self.seq_lens.zero_()
+        # The window-inputs kernel compiled now rather than at the first window (every row inactive: the padding the
+        # buffers hold stays as it is).
+        rows = torch.zeros(1, self.max_batch, dtype=torch.long, device=self.device)
+        advance(rows, 0, rows[0], self.inputs, self.kv_cache.block_size)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -212,7 +216,7 @@ class DecodeGraphs:
             if j + 1 < window:
                 # Rows still decoding move one position on; a finished row stays where it was (its table's index
                 # stays in range) and becomes padding: no KV stored, nothing attended.
-                advance(tokens[j], steps, j + 1, self.inputs, bs)
+                advance(tokens, j, steps, self.inputs, bs)
         if on_gpu:
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()

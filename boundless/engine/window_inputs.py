@@ -33,15 +33,13 @@ class StepInputs:
     block_tables: torch.Tensor  # int32 [rows, max blocks]
 
 
-def advance_reference(
-    tokens: torch.Tensor, steps: torch.Tensor, next_pass: int, inputs: StepInputs, block_size: int
-) -> None:
-    """Rows ``[0, n)`` of the buffers (``n = len(tokens)``) made ready for pass ``next_pass``: a row with more passes
-    (``steps > next_pass``) takes its token, one position on, the slot there and its context length; the others keep
-    their position, with slot -1 and context length 0."""
-    n = tokens.shape[0]
-    active = steps > next_pass
-    inputs.input_ids[:n].copy_(tokens)
+def advance_reference(tokens: torch.Tensor, j: int, steps: torch.Tensor, inputs: StepInputs, block_size: int) -> None:
+    """Rows ``[0, n)`` of the buffers made ready for the pass after pass ``j`` from that pass's tokens (``tokens``:
+    the window's, [window, n]): a row with more passes (``steps > j + 1``) takes its token, one position on, the
+    slot there and its context length; the others keep their position, with slot -1 and context length 0."""
+    n = tokens.shape[1]
+    active = steps > j + 1
+    inputs.input_ids[:n].copy_(tokens[j])
     pos = inputs.positions[:n] + active
     inputs.positions[:n].copy_(pos)
     rows = torch.arange(n, device=tokens.device)
@@ -51,16 +49,17 @@ def advance_reference(
 
 
 if triton is not None:
-
-    @triton.jit(do_not_specialize=["n", "next_pass"])  # (one compiled kernel for every batch and pass)
+    # (One compiled kernel for every batch size and pass: the window's tokens are passed whole, their row found in
+    # the kernel, so the pointer's alignment is the allocation's whatever the pass.)
+    @triton.jit(do_not_specialize=["n", "j"])
     def _advance_kernel(
         tokens_ptr, steps_ptr, input_ids_ptr, positions_ptr, slots_ptr, seq_lens_ptr, block_tables_ptr,
-        stride_bt, n, next_pass, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+        stride_bt, n, j, PAGE: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = rows < n
-        token = tl.load(tokens_ptr + rows, mask=ok, other=0)
-        active = tl.load(steps_ptr + rows, mask=ok, other=0) > next_pass
+        token = tl.load(tokens_ptr + j.to(tl.int64) * n + rows, mask=ok, other=0)
+        active = tl.load(steps_ptr + rows, mask=ok, other=0) > j + 1
         tl.store(input_ids_ptr + rows, token, mask=ok)
         pos = tl.load(positions_ptr + rows, mask=ok, other=0) + active.to(tl.int64)
         tl.store(positions_ptr + rows, pos, mask=ok)
@@ -77,18 +76,19 @@ def kernel_usable(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def advance(tokens: torch.Tensor, steps: torch.Tensor, next_pass: int, inputs: StepInputs, block_size: int) -> None:
+def advance(tokens: torch.Tensor, j: int, steps: torch.Tensor, inputs: StepInputs, block_size: int) -> None:
     """:func:`advance_reference` in one kernel launch where the kernel runs (queued in stream order: nothing waits)."""
-    n = tokens.shape[0]
+    n = tokens.shape[1]
     if not kernel_usable(tokens.device):
-        advance_reference(tokens, steps, next_pass, inputs, block_size)
+        advance_reference(tokens, j, steps, inputs, block_size)
         return
     tables = inputs.block_tables
     assert tokens.is_contiguous() and steps.is_contiguous() and tables.stride(1) == 1
+    buffers = (inputs.input_ids, inputs.positions, inputs.slots, inputs.seq_lens)
+    assert all(b.stride(0) == 1 for b in buffers)
     assert inputs.input_ids.dtype == inputs.positions.dtype == inputs.slots.dtype == torch.long
     assert inputs.seq_lens.dtype == torch.int32
     block = 256
     _advance_kernel[(triton.cdiv(n, block),)](
-        tokens, steps, inputs.input_ids, inputs.positions, inputs.slots, inputs.seq_lens, tables, tables.stride(0), n,
-        next_pass, PAGE=block_size, BLOCK=block,
+        tokens, steps, *buffers, tables, tables.stride(0), n, j, PAGE=block_size, BLOCK=block,
     )  # fmt: skip

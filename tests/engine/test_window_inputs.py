@@ -30,17 +30,15 @@ def test_the_kernel_makes_the_inputs_pytorch_makes(n: int) -> None:
         "slots": torch.randint(-1, 50, (rows,), generator=gen),
         "seq_lens": torch.randint(0, 50, (rows,), generator=gen).to(torch.int32),
     }
-    tokens = torch.randint(0, 1000, (n,), generator=gen)
+    tokens = torch.randint(0, 1000, (3, n), generator=gen)  # (the window's: pass 1's row is taken)
     got = {k: v.clone().to(DEVICE) for k, v in state.items()}
     want = {k: v.clone() for k, v in state.items()}
     window_inputs.advance(
-        tokens.to(DEVICE),
-        steps.to(DEVICE),
-        2,
-        window_inputs.StepInputs(**got, block_tables=tables.to(DEVICE)),
+        tokens.to(DEVICE), 1, steps.to(DEVICE), window_inputs.StepInputs(**got, block_tables=tables.to(DEVICE)),
         block_size,
-    )
-    window_inputs.advance_reference(tokens, steps, 2, window_inputs.StepInputs(**want, block_tables=tables), block_size)
+    )  # fmt: skip
+    window_inputs.advance_reference(tokens, 1, steps, window_inputs.StepInputs(**want, block_tables=tables), block_size)
+    assert torch.equal(want["input_ids"][:n], tokens[1])
     for key in state:
         assert torch.equal(got[key].cpu(), want[key]), key
         assert torch.equal(got[key].cpu()[n:], state[key][n:]), key  # (rows past the window's)
