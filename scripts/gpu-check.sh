@@ -4,7 +4,8 @@
 # - the Triton attention kernels, the CUDA-graph runner (asynchronous scheduling's tests under
 #   torch.cuda.set_sync_debug_mode("error")), the transformers parity tests and DistAttention on the kernels;
 # - `bench gpu` (windows of 16, with and without --async-scheduling; the GPU's busy share and idle gaps).
-# GPU_CHECK_PART=more is a second run of ~6 minutes: `bench gpu --shapes tiles` (the attention kernels' tile shapes
+# GPU_CHECK_PART=more is a run of ~6 minutes for a later session (both parts with their machine starts pass a
+# session's 15 minutes of device time): `bench gpu --shapes tiles` (the attention kernels' tile shapes
 # swept on the 1B shape, against SDPA) and the sampler's, speculative and suffix decoding's, structured
 # outputs', LoRA's (against PEFT, skipped unless its wheel travels in .whl: `pip download --no-deps peft==0.21.2`),
 # multi-step's and the detokenizer's tests on CUDA. Structured outputs need xgrammar, absent there: they skip unless

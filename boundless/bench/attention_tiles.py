@@ -58,6 +58,7 @@ CASES = (
     TileCase("decode_256x256", ((1, 256),) * 256),
     TileCase("decode_8x8000", ((1, 8000),) * 8),
 )
+INNER_CALLS = 10  # calls timed back to back per repeat (a decode's attention is tens of microseconds)
 TINY_SHAPE = AttentionShape(heads=4, kv_heads=2, head_dim=16, block_size=4)
 TINY_CASES = (
     TileCase("prefill_2x24", ((24, 24),) * 2),
@@ -196,7 +197,7 @@ def sweep_case(
         run = kernel_run(tensors, shape, tiles, dtype, device)
         try:
             out = run().float()
-            seconds = device_seconds(run, device, repeats)
+            seconds = device_seconds(run, device, repeats, inner=INNER_CALLS)
         except Exception as e:  # a shape the device cannot run (shared memory): noted, the sweep goes on
             rows.append({"tiles": dataclasses.asdict(tiles), "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
@@ -215,7 +216,7 @@ def sweep_case(
     sdpa = sdpa_run(tensors, case, shape)  # (after the kernels ran: the cache holds the new tokens' KV too)
     if sdpa is not None:
         dense = sdpa().float()  # [sequences, heads, query tokens, head_dim]
-        out["sdpa_s"] = device_seconds(sdpa, device, repeats)
+        out["sdpa_s"] = device_seconds(sdpa, device, repeats, inner=INNER_CALLS)
         out["sdpa_tflops"] = flops / out["sdpa_s"] / 1e12
         if reference is not None:
             rows_first = dense.transpose(1, 2).reshape(reference.shape)
@@ -223,16 +224,22 @@ def sweep_case(
     return out
 
 
-def sweep(device: torch.device, dtype: torch.dtype, tiny: bool = False, repeats: int = 5) -> dict:
-    """Every case of the 1B shape (``tiny``: small ones, for the interpreter) over its kind's tile grid."""
+def cases(tiny: bool = False) -> tuple[AttentionShape, tuple[TileCase, ...]]:
+    """The 1B shape's attention and its cases (``tiny``: small ones, for the interpreter)."""
+    return (TINY_SHAPE, TINY_CASES) if tiny else (LLAMA_1B, CASES)
+
+
+def sweep(case: TileCase, device: torch.device, dtype: torch.dtype, tiny: bool = False, repeats: int = 5) -> dict:
+    """``case`` over its kind's tile grid."""
     if not triton_paged.available(device):
         raise RuntimeError("the Triton kernels cannot run here (CUDA, or the CPU with TRITON_INTERPRET=1)")
-    shape, cases = (TINY_SHAPE, TINY_CASES) if tiny else (LLAMA_1B, CASES)
-    return {case.name: sweep_case(case, shape, tile_grid(case.decode, tiny), dtype, device, repeats) for case in cases}
+    shape, _ = cases(tiny)
+    return sweep_case(case, shape, tile_grid(case.decode, tiny), dtype, device, repeats)
 
 
 def summary_rows(results: dict) -> list[list[str]]:
-    """A row per case: the default tiles' time, the fastest shape's and SDPA's."""
+    """A row per case (``results``: by case name): the default tiles' time, the fastest shape's (as it differs from
+    the default) and SDPA's."""
 
     def ms(seconds: float | None) -> str:
         return f"{seconds * 1e3:.3f}" if seconds is not None else "-"
@@ -240,9 +247,9 @@ def summary_rows(results: dict) -> list[list[str]]:
     rows = []
     for name, case in results.items():
         best = case.get("best") or {}
-        tiles = best.get("tiles") or {}
-        shape = ",".join(f"{k}={v}" for k, v in tiles.items() if TileConfig.__dataclass_fields__[k].default != v)
+        default = case["configs"][0]["tiles"] if case.get("configs") else {}
+        changed = ",".join(f"{k}={v}" for k, v in (best.get("tiles") or {}).items() if default.get(k) != v)
         rows.append(
-            [name, ms(case.get("default_s")), ms(best.get("seconds")), shape or "default", ms(case.get("sdpa_s"))]
+            [name, ms(case.get("default_s")), ms(best.get("seconds")), changed or "default", ms(case.get("sdpa_s"))]
         )
     return rows

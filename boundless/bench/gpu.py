@@ -452,7 +452,9 @@ def run(args: argparse.Namespace) -> dict:
         from boundless.bench import attention_tiles
 
         dtype = torch.float32 if args.tiny and device.type != "cuda" else torch.bfloat16
-        _stage(results, "tiles", lambda: attention_tiles.sweep(device, dtype, args.tiny, args.repeats))
+        sweep = attention_tiles.sweep
+        for case in attention_tiles.cases(args.tiny)[1]:  # (a stage each: a run cut short keeps the cases done)
+            _stage(results, f"tiles_{case.name}", lambda c=case: sweep(c, device, dtype, args.tiny, args.repeats))
     write_json(args.json, results)
     _summary(results)
     return results
@@ -510,11 +512,12 @@ def _summary(results: dict) -> None:
                     f"8B batch-64 decode, {name}: {value * 1e3:.2f} ms per step "
                     f"({dec[f'{name}_step_over_roofline']:.2f}x the roofline)"
                 )
-    if isinstance(results.get("tiles"), dict) and "error" not in results["tiles"]:
+    tiles = {k.removeprefix("tiles_"): v for k, v in results.items() if k.startswith("tiles_") and "error" not in v}
+    if tiles:
         from boundless.bench.attention_tiles import summary_rows
 
-        print("attention of the 1B shape, one layer (ms): the default tiles, the fastest giving the same output, SDPA")
-        print_table(["case", "default", "fastest", "its tiles", "sdpa"], summary_rows(results["tiles"]))
+        print("attention, one layer (ms): the default tiles, the fastest giving the same output, SDPA")
+        print_table(["case", "default", "fastest", "its tiles", "sdpa"], summary_rows(tiles))
     errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
     if errors:
         print("errors: " + json.dumps(errors))
