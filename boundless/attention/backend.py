@@ -76,6 +76,19 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``tensor``'s copy in host memory without waiting for it: from a GPU into pinned memory, queued in stream order
+    behind the work that makes it, with an event recorded at its end (the copy is complete once the event has
+    passed); a tensor elsewhere is returned as it is, with no event."""
+    if not tensor.is_cuda:
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 def padded_table(tables: Sequence[Sequence[int]], width: int) -> list[int]:
     """Block tables as one row-major list of ``width`` ids a row, each padded with zeros (a step's tables become one
     tensor from it: a tensor per row cost ~3 us each, a millisecond of a 256-request step). Rows longer than

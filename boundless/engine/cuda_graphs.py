@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from boundless.attention.backend import padded_table, to_device
+from boundless.attention.backend import padded_table, to_device, to_host
 from boundless.attention.triton_paged import TritonAttentionMetadata, TritonPagedAttention
 from boundless.engine.scheduler import ScheduledChunk
 from boundless.engine.window_inputs import StepInputs, advance
@@ -223,10 +223,7 @@ class DecodeGraphs:
             # The tokens' copy to the host is queued now, behind this window's passes and ahead of a window queued
             # after it: reading them back then waits for this window alone (a copy made at the read would wait for
             # everything queued by then).
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
+            host, copied = to_host(tokens)
             return DeviceWindow(list(chunks), tokens, marks, host, copied)
         marks.append(timer())
         return DeviceWindow(list(chunks), tokens, marks, tokens)

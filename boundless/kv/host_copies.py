@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from boundless.attention.backend import to_host
 from boundless.kv.tiers import KVTier
 from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, TierId, plan_transfers
 
@@ -41,10 +42,6 @@ def queue_host_copies(
         return transfers, None
     batches = []
     for batch in plan_transfers(transfers):
-        rows = tiers[DEVICE].read_blocks(batch.src_ids)  # (a gather queued on the device)
-        buffer = rows
-        if rows.device.type == "cuda":
-            buffer = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            buffer.copy_(rows, non_blocking=True)
+        buffer, _ = to_host(tiers[DEVICE].read_blocks(batch.src_ids))  # (a gather queued on the device, then its copy)
         batches.append((tiers[HOST], batch.dst_ids, buffer))
     return (), HostCopies(batches)

@@ -27,6 +27,7 @@ from collections.abc import Callable, MutableMapping, Sequence
 
 import torch
 
+from boundless.attention.backend import to_host
 from boundless.kv.disk_moves import (
     DiskAge,
     DiskIOStats,
@@ -368,14 +369,7 @@ class TierIO:
 
     def _snapshot(self, write: DiskWrite) -> _Snapshot:
         """The blocks' KV as it is now, in host memory; from a GPU the copy runs on, and an event marks its end."""
-        blocks = self.tiers[write.src_tier].read_blocks(write.src_ids)
-        if not blocks.is_cuda:
-            return blocks, None
-        host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
-        host.copy_(blocks, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
+        return to_host(self.tiers[write.src_tier].read_blocks(write.src_ids))
 
     def _write_loop(self) -> None:
         while (item := self._write_queue.get()) is not None:
