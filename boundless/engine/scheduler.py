@@ -278,16 +278,8 @@ class Scheduler:
         below the device (host memory) if one has room, else dropped to be recomputed.
         """
         now = self.clock()
-        self.kv.begin_step()
+        out = self._begin_output()
         self.policy.update(now)
-        # Departures count when some request here came before the last step: the engine went on at once (after the
-        # last requests left it waited, and the server answered them beside no step).
-        departures = len(self._finished_since_step) if len(self.requests) > self._arrived_since_step else 0
-        out = SchedulerOutput(
-            finished_ids=self._finished_since_step, arrivals=self._arrived_since_step, departures=departures
-        )
-        self._finished_since_step = []
-        self._arrived_since_step = 0
         budget = self.max_num_batched_tokens
         order = sorted(self.running + self.waiting, key=lambda r: self.policy.priority(r, now))
         if self.kv.has_disk:
@@ -432,13 +424,7 @@ class Scheduler:
             need += max(0, kv.blocks_for_tokens(start + steps) - kv.num_allocated_blocks(rid))
         if not plan or need > kv.pool.num_free or (self.waiting and self._would_admit([r for r, _, _ in plan])):
             return None
-        kv.begin_step()
-        departures = len(self._finished_since_step) if len(self.requests) > self._arrived_since_step else 0
-        out = SchedulerOutput(
-            finished_ids=self._finished_since_step, arrivals=self._arrived_since_step, departures=departures
-        )
-        self._finished_since_step = []
-        self._arrived_since_step = 0
+        out = self._begin_output()
         out.requests = {request.request_id: request for request, _, _ in plan}
         for request, start, steps in plan:
             rid = request.request_id
@@ -467,6 +453,20 @@ class Scheduler:
         self._ahead_in_flight += 1
         out.transfers = kv.take_transfers()  # (evictions of named blocks down to host memory, for the new blocks)
         self.stats.num_ahead += 1
+        return out
+
+    def _begin_output(self) -> SchedulerOutput:
+        """A step's decision begun: the KV manager's step opened, the step's output with the requests that finished and
+        arrived since the last one (taken: the next step starts from none)."""
+        self.kv.begin_step()
+        # Departures count when some request here came before the last step: the engine went on at once (after the
+        # last requests left it waited, and the server answered them beside no step).
+        departures = len(self._finished_since_step) if len(self.requests) > self._arrived_since_step else 0
+        out = SchedulerOutput(
+            finished_ids=self._finished_since_step, arrivals=self._arrived_since_step, departures=departures
+        )
+        self._finished_since_step = []
+        self._arrived_since_step = 0
         return out
 
     def _would_admit(self, continuing: list[Request]) -> bool:
