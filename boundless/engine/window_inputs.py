@@ -9,10 +9,11 @@ PyTorch ops, for devices without the kernels and for the tests.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from boundless.attention import triton_paged
 
 try:
     import triton
@@ -69,17 +70,10 @@ if triton is not None:
         tl.store(seq_lens_ptr + rows, tl.where(active, pos + 1, 0).to(tl.int32), mask=ok)
 
 
-def kernel_usable(device: torch.device) -> bool:
-    """Whether :func:`advance` launches the kernel here: CUDA with Triton, or Triton's interpreter on the CPU."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-
-
 def advance(tokens: torch.Tensor, j: int, steps: torch.Tensor, inputs: StepInputs, block_size: int) -> None:
     """:func:`advance_reference` in one kernel launch where the kernel runs (queued in stream order: nothing waits)."""
     n = tokens.shape[1]
-    if not kernel_usable(tokens.device):
+    if triton is None or not triton_paged.available(tokens.device):
         advance_reference(tokens, j, steps, inputs, block_size)
         return
     tables = inputs.block_tables

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from boundless.attention import triton_paged
 from boundless.engine import window_inputs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.skipif(not window_inputs.kernel_usable(DEVICE), reason="the kernel does not run here")
+@pytest.mark.skipif(not triton_paged.available(DEVICE), reason="the kernel does not run here")
 @pytest.mark.parametrize("n", [1, 7, 300])
 def test_the_kernel_makes_the_inputs_pytorch_makes(n: int) -> None:
     """Rows still decoding take their token, move one position on (into a new block at a block's edge) and get its
