@@ -234,14 +234,15 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
                 key,
                 lambda s=windowed, p=case_prompts, c=case: measured_alone(s, p, c[2], args.repeats, hf_rate(*c)),
             )
-            if windows and window == max(windows) and loaded.device.type == "cuda" and (ahead or case == cases[0]):
+            largest = bool(windows) and window == max(windows)
+            if largest and loaded.device.type == "cuda" and (ahead or case == cases[0]):
                 # (Every case with asynchronous scheduling: where the long prompts' time goes, too.)
                 _stage(
                     results,
                     f"busy_{key}",
                     lambda s=windowed, p=case_prompts, c=case: kernel_busy_fraction(lambda: s.generate(p, c[2])),
                 )
-            if windows and window == max(windows) and case == cases[0]:
+            if largest and case == cases[0]:
                 _stage(results, f"host_split_{key}", lambda s=windowed: host_split(s, prompts, o))
 
 
