@@ -14,7 +14,7 @@ from tqdm import tqdm
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
-from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
 from boundless.gc_quiet import frozen_heap
 from boundless.model.loader import LoadedModel, load_configured_model
 from boundless.model.lora import LoRARequest
@@ -130,6 +130,8 @@ class LLM:
             if lora is not None:
                 self.engine.add_lora(lora)
                 per_prompt[i] = dataclasses.replace(per_prompt[i], lora_name=lora.lora_name)
+        # The outputs are read when the batch is done (as vLLM's LLM does): each text is decoded once, at its end.
+        per_prompt = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in per_prompt]
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         for prompt, p in zip(batch, per_prompt, strict=True):

@@ -390,6 +390,7 @@ class ResponsesAPI:
                         "cache_salt": body.cache_salt,
                         "reasoning_effort": effort,
                         "structured_outputs": body.structured_outputs,
+                        "stream": body.stream,  # (whether its text comes as it is made, or at the end)
                     }
                 )
             except ValidationError as e:  # (what was read above has the chat's shapes; a last guard)

@@ -60,7 +60,7 @@ from boundless.config import ConfigError, ServerConfig
 from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
-from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
 from boundless.engine.structured_output import StructuredOutput, check_structured_output
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults
 from boundless.model.lora import LoRAError, LoRARequest
@@ -204,6 +204,8 @@ def sampling_params(
         structured=structured,
         lora_name=lora,
         cache_salt=body.cache_salt,
+        # A response that is not streamed is read at the end: its text is decoded once, then (as vLLM's server asks).
+        output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
     )
 
 

@@ -17,7 +17,7 @@ import torch
 from boundless.config import ConfigError, EngineConfig
 from boundless.engine.attention_time import AttentionTimeRecorder
 from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
-from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens
+from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens, flush
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, PendingStep, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
@@ -718,7 +718,14 @@ class EngineCore:
                 tokens += [t for t in (p.get(request_id) for p in result.later) if t is not None]
             applied.append((request, self._detokenizers[request_id], tokens))
         outputs = []
-        for (request, detok, tokens), (kept, status) in zip(applied, _apply_tokens(applied), strict=True):
+        results = _apply_tokens(applied)
+        # Requests that end now and take their text at the end: decoded together, once.
+        ending = [
+            d for (_, d, _), (_, status) in zip(applied, results, strict=True) if d.pending and status is not None
+        ]
+        if ending:
+            flush(ending)
+        for (request, detok, tokens), (kept, status) in zip(applied, results, strict=True):
             request_id, token = request.request_id, tokens[0]
             c.generation_tokens += kept
             if request.first_token_time is None:
@@ -874,17 +881,21 @@ def _apply_tokens(
     how many each kept, and its finished status (None: it goes on). The requests' ``j``-th tokens are applied
     together, their text decoded in one call (``add_tokens``). A window's tokens without stop strings take their stop
     and length rules in one pass, and the kept ones' text comes from one decode of each window (``add_runs``): only
-    a stop string needs each token's text before the next token is taken."""
+    a stop string needs each token's text before the next token is taken. So do the tokens of a request without
+    text, or of one that takes its text at the end (their kept tokens wait in its ``pending``)."""
     results: list[tuple[int, RequestStatus | None]] = [(0, None)] * len(applied)
     active = []
     runs: list[tuple[IncrementalDetokenizer, list[int]]] = []  # windows' kept tokens whose text comes in one decode
     for i, (request, detok, tokens) in enumerate(applied):
-        if len(tokens) == 1 or detok.stop:
+        pending = detok.pending
+        if pending is None and detok.enabled and (len(tokens) == 1 or detok.stop):
             active.append(i)
-        else:
+        else:  # no stop strings: the stop and length rules of all its tokens in one pass
             token_ids = [t.token_id for t in tokens]
             results[i] = request.append_outputs(token_ids)
-            if detok.enabled:
+            if pending is not None:  # its text comes at the end, decoded once
+                pending += token_ids[: results[i][0]]
+            elif detok.enabled:
                 runs.append((detok, token_ids[: results[i][0]]))
     if runs:
         add_runs([d for d, _ in runs], [r for _, r in runs])

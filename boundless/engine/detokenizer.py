@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
 
 # Prompt tokens kept as left context for the first output tokens.
 _CONTEXT_TOKENS = 5
@@ -24,7 +24,11 @@ class Decoder(Protocol):
 
 class IncrementalDetokenizer:
     """The output text of one request, grown token by token, cut at the first stop string (no text at all, and
-    no decoding, for a request that asked for none: ``SamplingParams.detokenize``)."""
+    no decoding, for a request that asked for none: ``SamplingParams.detokenize``).
+
+    A request that takes its text at the end (``RequestOutputKind.FINAL_ONLY``) hands out none before it, and
+    without stop strings its tokens wait in ``pending`` and are decoded once, at the end (:func:`flush`), as one
+    run: the text a token at a time gives (:func:`add_runs`), without a step's two decodes for each token."""
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
@@ -32,6 +36,9 @@ class IncrementalDetokenizer:
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.enabled = params.detokenize
+        self.final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
+        # (None: each token is decoded as it comes.)
+        self.pending: list[int] | None = [] if self.final_only and self.enabled and not self.stop else None
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -43,6 +50,9 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> bool:
         """Add a token; True when its text completed a stop string (the text is then cut there)."""
+        if self.pending is not None:
+            self.pending.append(token_id)
+            return False
         return add_tokens([self], [token_id])[0]
 
     def _windows(self, token_id: int) -> tuple[list[int], list[int]]:
@@ -86,7 +96,12 @@ class IncrementalDetokenizer:
         self._emitted = min(num_chars, len(self.text))
 
     def take_delta(self, finished: bool) -> str:
-        """Text not yet handed out. Until the end, holds back a tail that could start a stop string."""
+        """Text not yet handed out. Until the end, holds back a tail that could start a stop string (and all of it,
+        for a request that takes its text at the end)."""
+        if self.final_only and not finished:
+            return ""
+        if self.pending:
+            flush([self])
         end = len(self.text)
         if not finished and self._max_stop > 1:
             end = max(self._emitted, end - (self._max_stop - 1))
@@ -145,6 +160,17 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
                 for i, text in zip(unresolved, texts, strict=True)
                 if not detokenizers[i]._resolve(prefixes[i], text, cut)
             ]
+
+
+def flush(detokenizers: Sequence[IncrementalDetokenizer]) -> None:
+    """Decode the tokens waiting in each detokenizer's ``pending`` (requests that take their text at the end), all
+    in one call (:func:`add_runs`)."""
+    runs = []
+    for detok in detokenizers:
+        assert detok.pending is not None, "only a final-only request's tokens wait"
+        runs.append(detok.pending)
+        detok.pending = []
+    add_runs(detokenizers, runs)
 
 
 def _by_tokenizer(

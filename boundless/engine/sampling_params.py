@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -21,6 +22,16 @@ class InvalidSamplingParams(InvalidRequestError):
     """A sampling parameter is out of range."""
 
 
+class RequestOutputKind(enum.Enum):
+    """When a request's text comes (vLLM's names): ``DELTA``, with each token as it is made (a stream);
+    ``FINAL_ONLY``, whole with the request's last delta, the deltas before it carrying tokens only. A final-only
+    request without stop strings is decoded once, at its end, instead of at every step (``LLM.generate`` and a
+    response that is not streamed read the text at the end alone)."""
+
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping rules, with the meanings OpenAI and vLLM give them.
@@ -32,7 +43,8 @@ class SamplingParams:
     for each prompt token's logprob given the tokens before it, with that many alternatives (the first token has
     none: nothing predicts it). ``detokenize=False``
     (vLLM's) returns token ids only, with no text, and skips the per-token decoding (the simulator's calls: nothing
-    reads their text); it cannot go with stop strings, which are found in the text.
+    reads their text); it cannot go with stop strings, which are found in the text. ``output_kind``
+    (:class:`RequestOutputKind`) says whether the text comes with each delta or whole at the end.
 
     Penalties, as OpenAI and vLLM define them: ``presence_penalty`` is subtracted from the logit of every token the
     output holds so far and ``frequency_penalty`` once per occurrence (both in [-2, 2]); ``repetition_penalty``
@@ -62,6 +74,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -122,6 +135,9 @@ class SamplingParams:
             )
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         self._check("stop", self.detokenize or not self.stop, "stop strings need detokenize (found in the text)")
+        self._check(
+            "output_kind", isinstance(self.output_kind, RequestOutputKind), "output_kind must be a RequestOutputKind"
+        )
         self._check(
             "stop_token_ids",
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),

@@ -1,5 +1,6 @@
 """``SamplingParams.detokenize``: a request that asks for no text gets the tokens and finish of one that does, and
-no decoding is done for it."""
+no decoding is done for it. ``SamplingParams.output_kind``: a request that takes its text at the end gets the text of
+one that takes it token by token, whole in its last delta, decoded once."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
-from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens
-from boundless.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens, flush
+from boundless.engine.sampling_params import InvalidSamplingParams, RequestOutputKind, SamplingParams
 from boundless.model.loader import LoadedModel
 
 PROMPTS = [list(range(5, 5 + n)) for n in (7, 19, 33)]
@@ -35,7 +36,16 @@ class CountingDecoder:
         return self.tokenizer.decode_batch(seqs, skip_special_tokens)  # type: ignore[attr-defined]
 
 
-def _run(loaded: LoadedModel, k: int, detokenize: bool) -> tuple[dict, dict, dict, int]:
+def _run(
+    loaded: LoadedModel,
+    k: int,
+    detokenize: bool = True,
+    kind: RequestOutputKind = RequestOutputKind.DELTA,
+    stop: tuple[str, ...] = (),
+    texts: list[tuple[str, bool]] | None = None,
+) -> tuple[dict, dict, dict, int]:
+    """Each prompt of ``PROMPTS`` run to its end: tokens, text and (finish reason, output tokens) by request, and the
+    decodes asked of the tokenizer; ``texts`` gets each delta's text and whether it was the last."""
     config = EngineConfig(
         model=ModelConfig(max_model_len=256),
         cache=CacheConfig(num_kv_blocks=64),
@@ -47,13 +57,17 @@ def _run(loaded: LoadedModel, k: int, detokenize: bool) -> tuple[dict, dict, dic
     text: dict[str, str] = {}
     ends: dict[str, tuple] = {}
     for i, prompt in enumerate(PROMPTS):
-        params = SamplingParams(temperature=0.0, max_tokens=9 + 7 * i, ignore_eos=True, detokenize=detokenize)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=9 + 7 * i, ignore_eos=True, detokenize=detokenize, output_kind=kind, stop=stop
+        )
         core.add_request(f"r{i}", prompt, params)
         tokens[f"r{i}"], text[f"r{i}"] = [], ""
     while core.has_unfinished():
         for delta in core.step():
             tokens[delta.request_id] += delta.new_token_ids
             text[delta.request_id] += delta.new_text
+            if texts is not None:
+                texts.append((delta.new_text, delta.finished))
             if delta.finished:
                 ends[delta.request_id] = (delta.finish_reason, delta.num_output_tokens)
     return tokens, text, ends, decoder.decodes
@@ -113,3 +127,58 @@ def test_a_run_of_tokens_gives_the_text_of_a_token_at_a_time(model: str, request
         pending += sum(inside)
     assert all(d.text for d in runs) and pending > 0  # (runs ended inside a character)
     assert sum(d.tokenizer.decodes for d in runs) < sum(d.tokenizer.decodes for d in one) / 2
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_text_at_the_end_is_the_text_token_by_token_decoded_once(tiny_llama: LoadedModel, k: int) -> None:
+    """``FINAL_ONLY`` without stop strings: the tokens, finishes and text of ``DELTA``, the text whole in the last delta
+    (none before it), from one decode of each output (two windows a request, and a few more where an output ends
+    inside a character) where ``DELTA`` decodes two windows a token."""
+    tokens, text, ends, decodes = _run(tiny_llama, k)
+    texts: list[tuple[str, bool]] = []
+    final_tokens, final_text, final_ends, final_decodes = _run(
+        tiny_llama, k, kind=RequestOutputKind.FINAL_ONLY, texts=texts
+    )
+    assert final_tokens == tokens and final_ends == ends and final_text == text
+    assert all(t == "" for t, last in texts if not last) and sum(1 for t, last in texts if last and t) == len(PROMPTS)
+    assert final_decodes <= 4 * len(PROMPTS) < decodes
+
+
+def test_text_at_the_end_with_stop_strings_is_cut_as_token_by_token(tiny_llama: LoadedModel) -> None:
+    """``FINAL_ONLY`` with a stop string (decoded a token at a time: the string is found in the text): the tokens, the
+    cut and the finish of ``DELTA``, the text in the last delta alone."""
+    _, text, _, _ = _run(tiny_llama, 1)
+    stop = (text["r2"][12:15],)  # (found in the third output's text, maybe in the others too)
+    tokens, text, ends, _ = _run(tiny_llama, 1, stop=stop)
+    texts: list[tuple[str, bool]] = []
+    final_tokens, final_text, final_ends, _ = _run(
+        tiny_llama, 1, kind=RequestOutputKind.FINAL_ONLY, stop=stop, texts=texts
+    )
+    assert ends["r2"][0] == "stop" and final_tokens == tokens and final_ends == ends and final_text == text
+    assert all(t == "" for t, last in texts if not last)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "smollm2"])
+def test_a_whole_output_at_the_end_gives_the_text_of_a_token_at_a_time(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    """``flush`` of a whole output at once (a final-only request's end) against ``add_tokens`` a token at a time, for
+    every length of each stream: the same text, also where the output ends inside a character."""
+    loaded: LoadedModel = request.getfixturevalue(model)
+    params = SamplingParams(max_tokens=1000)
+    final = SamplingParams(max_tokens=1000, output_kind=RequestOutputKind.FINAL_ONLY)
+    inside = 0
+    for stream in _streams(loaded, seed=7):
+        one = IncrementalDetokenizer(loaded.tokenizer, [1, 2, 3], params)
+        for n, token in enumerate(stream, start=1):
+            one.add(token)
+            if n % 7 and n != len(stream):
+                continue  # (every seventh length, and the whole stream)
+            whole = IncrementalDetokenizer(loaded.tokenizer, [1, 2, 3], final)
+            for t in stream[:n]:
+                assert not whole.add(t)
+            assert whole.text == "" and whole.take_delta(finished=False) == ""
+            flush([whole])
+            assert whole.text == one.text and whole.take_delta(finished=True) == one.text
+            inside += one.text_pending
+    assert inside > 0  # (some outputs ended inside a character)
