@@ -39,6 +39,24 @@ def test_generate_accepts_text_and_token_ids(llm: LLM) -> None:
     assert len(out.token_ids) <= 8
 
 
+def test_generate_decodes_each_output_once_at_its_end(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LLM.generate`` reads its outputs when the batch is done (``RequestOutputKind.FINAL_ONLY``, as vLLM's LLM asks):
+    each text is decoded at its end, two windows a request, not two a token; and it is the text of its tokens."""
+    windows = []
+    batch_decode = llm.tokenizer.decode_batch
+
+    def counted(seqs, skip_special_tokens=True):
+        windows.extend(seqs)
+        return batch_decode(seqs, skip_special_tokens)
+
+    monkeypatch.setattr(llm.engine.tokenizer, "decode_batch", counted)  # (the session's tokenizer: put back after)
+    outs = llm.generate(["The sea is", "Once upon a time"], SamplingParams(temperature=0.0, max_tokens=24))
+    assert all(len(o.outputs[0].token_ids) > 8 for o in outs)
+    assert len(windows) <= 2 * 2 + 2  # (a text that ends inside a character is decoded again a token shorter)
+    for o in outs:
+        assert o.outputs[0].text == llm.tokenizer.decode(o.outputs[0].token_ids)
+
+
 def test_vllm_prompt_dicts(llm: LLM) -> None:
     """vLLM's TextPrompt and TokensPrompt give what a text and token ids give; a prompt of another shape is a clear
     error and leaves nothing of its batch queued."""

@@ -14,9 +14,12 @@ import pytest
 
 from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
+from boundless.api.schemas import ChatCompletionRequest, CompletionRequest
+from boundless.api.server import sampling_params
 from boundless.config import ServerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import GRANT_REFUSED, EngineCore, RequestDelta
+from boundless.engine.sampling_params import RequestOutputKind
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
 
@@ -111,8 +114,20 @@ def test_streamed_chat_concatenates_to_the_unstreamed_text(client: openai.OpenAI
             parts.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
     assert "".join(parts) == whole.choices[0].message.content
+    assert sum(1 for p in parts if p) > 3  # the text as it is made (the unstreamed one is decoded at its end alone)
     assert finish == whole.choices[0].finish_reason
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_response_not_streamed_takes_its_text_at_the_end() -> None:
+    """Its text is read once it is done: the engine decodes it then, once (``FINAL_ONLY``); a stream's comes as it is
+    made (``DELTA``)."""
+    messages = [{"role": "user", "content": "Hi"}]
+    for stream, kind in ((False, RequestOutputKind.FINAL_ONLY), (True, RequestOutputKind.DELTA)):
+        chat = ChatCompletionRequest(model=MODEL, messages=messages, stream=stream)
+        completion = CompletionRequest(model=MODEL, prompt="Hi", stream=stream)
+        assert sampling_params(chat, 8, None, None).output_kind is kind
+        assert sampling_params(completion, 8, None, None).output_kind is kind
 
 
 def test_completions_and_streaming(client: openai.OpenAI) -> None:
