@@ -126,12 +126,15 @@ def add_tokens(detokenizers: Sequence[IncrementalDetokenizer], token_ids: Sequen
 
 
 def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequence[int]]) -> None:
-    """Add a run of tokens to each detokenizer (a multi-step window's kept tokens; requests without stop strings,
-    whose text cannot cut their tokens short), each run's text from one decode of its window, all of them in one
-    call, where a token at a time decoded two windows per token. What a token at a time gives: byte-level pieces
-    join across a run as across steps, and a run whose text ends inside a character takes its longest head that
-    does not (decoded again a token shorter at a time), leaving the rest for later tokens, as a token at a time
-    leaves it."""
+    """Add a run of tokens to each detokenizer (a multi-step window's kept tokens, a final-only request's whole output;
+    requests without stop strings, whose text cannot cut their tokens short), each run's text from one decode of its
+    window, all of them in one call, where a token at a time decoded two windows per token. What a token at a time
+    gives: byte-level pieces join across a run as across steps, and a run whose text ends inside a character takes
+    its longest head that does not (decoded again a token shorter at a time), leaving the rest for later tokens, as
+    a token at a time leaves it. A run with a replacement character before its end (bytes that are no UTF-8) is
+    taken a token at a time instead: a byte fallback (SentencePiece's) decodes a run of bytes with a bad one as a
+    replacement character a byte, the valid characters before it included, which a token at a time took as they
+    came."""
     if any(detok.stop for detok in detokenizers):
         raise ValueError("a run of tokens goes to a detokenizer without stop strings")
     taking = [detok.enabled and bool(run) for detok, run in zip(detokenizers, runs, strict=True)]
@@ -143,8 +146,15 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
             seqs += [detok._ids[detok._prefix_offset : detok._read_offset], detok._ids[detok._prefix_offset :]]
         texts = tokenizer.decode_batch(seqs, skip)
         prefixes = {i: texts[2 * k] for k, i in enumerate(members)}
+        singly, unresolved = [], []
+        for k, i in enumerate(members):
+            detok, full = detokenizers[i], texts[2 * k + 1]
+            if "\ufffd" in full[len(prefixes[i]) :].rstrip("\ufffd"):
+                del detok._ids[-len(runs[i]) :]
+                singly.append(i)
+            elif not detok._resolve(prefixes[i], full):
+                unresolved.append(i)
         cut = 0  # tokens left off the end of each run still to resolve
-        unresolved = [i for k, i in enumerate(members) if not detokenizers[i]._resolve(prefixes[i], texts[2 * k + 1])]
         while True:
             unresolved = [i for i in unresolved if detokenizers[i].text_pending and len(runs[i]) > cut + 1]
             if not unresolved:
@@ -160,6 +170,9 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
                 for i, text in zip(unresolved, texts, strict=True)
                 if not detokenizers[i]._resolve(prefixes[i], text, cut)
             ]
+        for j in range(max((len(runs[i]) for i in singly), default=0)):
+            live = [i for i in singly if len(runs[i]) > j]
+            add_tokens([detokenizers[i] for i in live], [runs[i][j] for i in live])
 
 
 def flush(detokenizers: Sequence[IncrementalDetokenizer]) -> None:

@@ -4,15 +4,19 @@ one that takes it token by token, whole in its last delta, decoded once."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
 from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens, flush
 from boundless.engine.sampling_params import InvalidSamplingParams, RequestOutputKind, SamplingParams
 from boundless.model.loader import LoadedModel
+from boundless.model.tokenizer import load_tokenizer
 
 PROMPTS = [list(range(5, 5 + n)) for n in (7, 19, 33)]
 
@@ -126,18 +130,20 @@ def test_a_run_of_tokens_gives_the_text_of_a_token_at_a_time(model: str, request
         inside = [loaded.tokenizer.decode(s[:c]).endswith("\ufffd") for c, s in zip(cursors, streams, strict=True)]
         pending += sum(inside)
     assert all(d.text for d in runs) and pending > 0  # (runs ended inside a character)
-    assert sum(d.tokenizer.decodes for d in runs) < sum(d.tokenizer.decodes for d in one) / 2
+    # Valid text takes one decode a run; random ids' runs that hold bytes that are no text go a token at a time.
+    assert runs[0].tokenizer.decodes < one[0].tokenizer.decodes / 2
 
 
 @pytest.mark.parametrize("k", [1, 8])
-def test_text_at_the_end_is_the_text_token_by_token_decoded_once(tiny_llama: LoadedModel, k: int) -> None:
+def test_text_at_the_end_is_the_text_token_by_token_decoded_once(smollm2: LoadedModel, k: int) -> None:
     """``FINAL_ONLY`` without stop strings: the tokens, finishes and text of ``DELTA``, the text whole in the last delta
     (none before it), from one decode of each output (two windows a request, and a few more where an output ends
-    inside a character) where ``DELTA`` decodes two windows a token."""
-    tokens, text, ends, decodes = _run(tiny_llama, k)
+    inside a character) where ``DELTA`` decodes two windows a token. (SmolLM2: a random model's text is mostly bytes
+    that are no UTF-8, which go a token at a time.)"""
+    tokens, text, ends, decodes = _run(smollm2, k)
     texts: list[tuple[str, bool]] = []
     final_tokens, final_text, final_ends, final_decodes = _run(
-        tiny_llama, k, kind=RequestOutputKind.FINAL_ONLY, texts=texts
+        smollm2, k, kind=RequestOutputKind.FINAL_ONLY, texts=texts
     )
     assert final_tokens == tokens and final_ends == ends and final_text == text
     assert all(t == "" for t, last in texts if not last) and sum(1 for t, last in texts if last and t) == len(PROMPTS)
@@ -182,3 +188,58 @@ def test_a_whole_output_at_the_end_gives_the_text_of_a_token_at_a_time(
             assert whole.text == one.text and whole.take_delta(finished=True) == one.text
             inside += one.text_pending
     assert inside > 0  # (some outputs ended inside a character)
+
+
+def _byte_fallback_tokenizer(root: Path) -> object:
+    """A small Llama-2-style tokenizer: SentencePiece's metaspace and a byte fallback, whose decoder turns a run of
+    bytes that holds one that is no UTF-8 into a replacement character a byte, valid characters before it included."""
+    corpus = ["hello world, the quick brown fox jumps over the lazy dog. héllo wörld café naïve"] * 20
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    root.mkdir()
+    (root / "tokenizer.json").write_text(json.dumps(spec))
+    config = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": len(vocab)}))
+    return load_tokenizer(root)
+
+
+def test_runs_with_bytes_that_are_no_text_give_the_text_of_a_token_at_a_time(tmp_path: Path) -> None:
+    """A byte fallback's bad byte in a run (a window's, or a final-only output's whole): the text of a token at a
+    time, where one decode of the run would have turned the valid characters before it into replacement characters
+    too; runs of valid text still take one decode."""
+    tokenizer = _byte_fallback_tokenizer(tmp_path / "spm")
+    byte = {b: tokenizer.backend.token_to_id(f"<0x{b:02X}>") for b in range(256)}  # type: ignore[attr-defined]
+    text = tokenizer.encode("hello café wörld", add_special_tokens=False)  # type: ignore[attr-defined]
+    nihon = [byte[b] for b in "日本".encode()]
+    rng = random.Random(11)
+    streams = [
+        nihon + [byte[0xE8]] + text,  # two characters, then a byte that starts one and never ends it
+        text + nihon + text,
+        [rng.randrange(len(byte) + 3, len(byte) + 200) for _ in range(60)]
+        + [rng.choice(list(byte.values())) for _ in range(60)],
+    ]
+    params = SamplingParams(max_tokens=1000)
+    final = SamplingParams(max_tokens=1000, output_kind=RequestOutputKind.FINAL_ONLY)
+    for stream in streams:
+        one = IncrementalDetokenizer(CountingDecoder(tokenizer), [1], params)
+        for token in stream:
+            one.add(token)
+        whole = IncrementalDetokenizer(CountingDecoder(tokenizer), [1], final)
+        for token in stream:
+            whole.add(token)
+        windows = IncrementalDetokenizer(CountingDecoder(tokenizer), [1], params)
+        for start in range(0, len(stream), 5):
+            add_runs([windows], [stream[start : start + 5]])
+        assert whole.take_delta(finished=True) == one.text == windows.text
+    valid = IncrementalDetokenizer(CountingDecoder(tokenizer), [1], final)
+    for token in streams[1]:
+        valid.add(token)
+    assert valid.take_delta(finished=True) == tokenizer.decode(streams[1]) and valid.tokenizer.decodes == 2  # type: ignore[attr-defined]
