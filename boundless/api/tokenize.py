@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from boundless.api.errors import APIError
 from boundless.api.schemas import Bool, ChatCompletionRequest, Int
-from boundless.api.validation import require_token_ids
+from boundless.api.validation import require_token_ids, require_valid_text
 
 routes = APIRouter()
 
@@ -64,6 +64,7 @@ async def tokenize(body: dict[str, Any], request: Request) -> Response:
     server = request.app.state.server
     chat = "messages" in body
     spec = _validated(TokenizeChat if chat else TokenizePrompt, body)
+    require_valid_text(spec.model_dump())
     if spec.model is not None:
         server.check_model(spec.model)  # (an adapter's name too: it shares the tokenizer)
     tokenizer = server.tokenizer

@@ -16,6 +16,9 @@ from boundless.engine.speculative import accepted_tokens
 from boundless.engine.structured_output import GrammarMatcher, Grammars, grammar_start, mask_logits
 from boundless.model import cpu_kernels
 
+# The largest penalized logit, either way: divided by the least temperature that samples (``GREEDY_BELOW``,
+# 1e-5), it stays finite in float32 (at most ~3.4e38).
+PENALIZED_LOGIT_LIMIT = 1e30
 
 @dataclass
 class TokenCounts:
@@ -322,7 +325,9 @@ class Sampler:
         frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)
         presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)
         picked = picked - frequency.unsqueeze(1) * times - presence.unsqueeze(1) * (times > 0)
-        logits[index] = picked
+        # A tiny repetition penalty (1e-38 is in its range) divides a logit past float32's largest: an infinite logit
+        # would make the row's distribution NaN and fail the step, every request of it.
+        logits[index] = picked.clamp(-PENALIZED_LOGIT_LIMIT, PENALIZED_LOGIT_LIMIT)
 
     @staticmethod
     def _fill_logprobs(

@@ -3,6 +3,7 @@ feed the engine, their count against the context, and back to text; bad input ge
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -17,7 +18,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def _post(served: Served, route: str, body: dict) -> httpx.Response:
-    return httpx.post(served.url + route, json=body, timeout=30)
+    # (json.dumps escapes a lone surrogate, which httpx's own encoding cannot send)
+    return httpx.post(
+        served.url + route, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=30
+    )
 
 
 def test_tokenize_a_prompt_and_back(served: Served) -> None:
@@ -55,6 +59,8 @@ def test_tokenize_a_chat_as_the_chat_route_sees_it(served: Served) -> None:
         ("/tokenize", {"prompt": 5}, 400, "prompt"),
         ("/tokenize", {"messages": []}, 400, "messages"),
         ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        ("/tokenize", {"prompt": "a\ud800b"}, 400, "prompt"),  # a lone surrogate (was a 500)
+        ("/tokenize", {"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages.0.content"),
         ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
         ("/detokenize", {"tokens": []}, 400, "tokens"),
         ("/detokenize", {"tokens": ["a"]}, 400, "tokens.0"),
