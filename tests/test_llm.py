@@ -122,6 +122,22 @@ def test_stop_strings_cut_the_text(llm: LLM) -> None:
     assert kept.text == text[: text.index(stop) + len(stop)]
 
 
+def test_stop_strings_count_from_the_token_after_min_tokens(llm: LLM) -> None:
+    """vLLM's rule: a stop string ending in the text of the first ``min_tokens`` tokens stops nothing; the first one
+    ending after it does (it may begin before)."""
+    prompt, stop = "The capital of France is", " "
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    first = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, stop=[stop], ignore_eos=True))
+    assert first[0].outputs[0].text == free.text[: free.text.index(stop)] and len(first[0].outputs[0].token_ids) < 5
+    held = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=20, stop=[stop], min_tokens=5, ignore_eos=True)
+    )[0].outputs[0]
+    head = llm.tokenizer.decode(free.token_ids[:5])  # the first five tokens' text
+    end = free.text.index(stop, len(head) - len(stop) + 1)
+    assert held.finish_reason == "stop" and len(held.token_ids) > 5
+    assert held.text == free.text[:end]
+
+
 def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     free = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
     first, second = free.outputs[0].token_ids[:2]

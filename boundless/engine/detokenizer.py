@@ -40,6 +40,10 @@ class IncrementalDetokenizer:
         # (None: each token is decoded as it comes.)
         self.pending: list[int] | None = [] if self.final_only and self.enabled and not self.stop else None
         self._max_stop = max((len(s) for s in self.stop), default=0)
+        # Stop strings count from the token after the first ``min_tokens`` (vLLM's rule): text that ends before it
+        # stops nothing.
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0  # tokens taken
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -51,13 +55,14 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> bool:
         """Add a token; True when its text completed a stop string (the text is then cut there)."""
         if self.pending is not None:
-            self.pending.append(token_id)
+            self.pending.append(token_id)  # (counted when it is decoded)
             return False
         return add_tokens([self], [token_id])[0]
 
     def _windows(self, token_id: int) -> tuple[list[int], list[int]]:
         """Take the token; the two windows to decode: the text before it and the text with it."""
         self._ids.append(token_id)
+        self.num_tokens += 1
         return self._ids[self._prefix_offset : self._read_offset], self._ids[self._prefix_offset :]
 
     def _resolve(self, prefix: str, full: str, left_off: int = 0) -> bool:
@@ -75,7 +80,7 @@ class IncrementalDetokenizer:
         return self._check_stop(before)
 
     def _check_stop(self, before: int) -> bool:
-        if not self.stop:
+        if not self.stop or self.num_tokens <= self.min_tokens:
             return False
         # Only a stop string that ends inside the new text can be new.
         start = max(0, before - self._max_stop + 1)
@@ -143,6 +148,7 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
         for i in members:
             detok = detokenizers[i]
             detok._ids += runs[i]
+            detok.num_tokens += len(runs[i])
             seqs += [detok._ids[detok._prefix_offset : detok._read_offset], detok._ids[detok._prefix_offset :]]
         texts = tokenizer.decode_batch(seqs, skip)
         prefixes = {i: texts[2 * k] for k, i in enumerate(members)}
@@ -151,6 +157,7 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
             detok, full = detokenizers[i], texts[2 * k + 1]
             if "\ufffd" in full[len(prefixes[i]) :].rstrip("\ufffd"):
                 del detok._ids[-len(runs[i]) :]
+                detok.num_tokens -= len(runs[i])
                 singly.append(i)
             elif not detok._resolve(prefixes[i], full):
                 unresolved.append(i)
