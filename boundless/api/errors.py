@@ -93,6 +93,8 @@ def _error_param(loc: tuple, body: Any, missing: bool) -> str | None:
     The location also names the branches of unions (``str``, ``list[int]``); walking the body along it keeps
     only the keys and indices the client wrote. ``missing``: the last key is a required field that is absent.
     """
+    if loc[:1] in (("query",), ("path",), ("header",)):  # a URL's parameter (``?limit=abc``): its name
+        return ".".join(str(part) for part in loc[1:]) or None
     parts = loc[1:] if loc[:1] == ("body",) else loc
     path: list[str] = []
     node = body

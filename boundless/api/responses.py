@@ -36,6 +36,7 @@ from boundless.api.schemas import (
     Count,
     Float,
     Identifier,
+    NullIsDefault,
     StructuredOutputsParams,
 )
 from boundless.api.server import (
@@ -114,7 +115,7 @@ class FunctionChoice(BaseModel):
     name: str
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(NullIsDefault):
     """``POST /v1/responses``; unknown fields are accepted and ignored, as OpenAI does."""
 
     model_config = ConfigDict(extra="allow")

@@ -86,7 +86,26 @@ class StructuredOutputsParams(BaseModel):
         return self
 
 
-class _SamplingFields(BaseModel):
+class NullIsDefault(BaseModel):
+    """A request body whose optional fields take their defaults when sent as ``null``: OpenAI's API marks ``n``,
+    ``stream``, ``logprobs``, ``echo`` and the like nullable, and vLLM types them ``Optional`` alike. A required
+    field sent as ``null`` is still refused."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        nulls = {
+            k
+            for k, v in data.items()
+            if v is None and k in fields and not fields[k].is_required() and fields[k].default is not None
+        }
+        return {k: v for k, v in data.items() if k not in nulls} if nulls else data
+
+
+class _SamplingFields(NullIsDefault):
     """Fields shared by chat and completions; unknown fields are accepted and ignored, as OpenAI does."""
 
     model_config = ConfigDict(extra="allow")

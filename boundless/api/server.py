@@ -287,7 +287,7 @@ def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) 
 
 def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> None:
     """What chat and completions check alike before anything is tokenized or submitted."""
-    require_valid_text(body.model_dump())
+    require_valid_text(body.model_dump(by_alias=True))
     refuse_removed_fields(body.model_extra)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")

@@ -64,7 +64,7 @@ async def tokenize(body: dict[str, Any], request: Request) -> Response:
     server = request.app.state.server
     chat = "messages" in body
     spec = _validated(TokenizeChat if chat else TokenizePrompt, body)
-    require_valid_text(spec.model_dump())
+    require_valid_text(spec.model_dump(by_alias=True))
     if spec.model is not None:
         server.check_model(spec.model)  # (an adapter's name too: it shares the tokenizer)
     tokenizer = server.tokenizer

@@ -212,6 +212,12 @@ CORPUS: list[Case] = [
     *both({"repetition_penalty": 0.0}, "repetition_penalty"),
     *both({"repetition_penalty": -1.0}, "repetition_penalty"),
     *both({"repetition_penalty": "2"}, "repetition_penalty"),
+    # (a logit divided past float32's largest made the step's distributions NaN: every request of it failed)
+    *[
+        Case(r, {"repetition_penalty": p, "temperature": 1.0}, SERVED, None)
+        for r in (CHAT, COMPLETIONS)
+        for p in (1e-38, 1e-300)
+    ],
     *both({"min_p": 1.5}, "min_p"),
     *both({"min_p": -0.1}, "min_p"),
     *both({"logit_bias": {"5": 101}}, "logit_bias.5"),
@@ -243,6 +249,9 @@ CORPUS: list[Case] = [
         {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"
     ),
     *both(_schema({"type": 5}), "response_format"),
+    # a schema xgrammar builds but cannot compile (the compile failed in the engine's step, every request of it)
+    *both(_schema({"type": "string", "minLength": -5}), "response_format"),
+    *both(_schema({"enum": ["a" + SURROGATE]}), "response_format.json_schema.schema.enum.0"),
     *both(_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "response_format"),
     *both({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
     *both({"response_format": {"type": "json_object"}, "min_tokens": 1}, "response_format"),
@@ -254,6 +263,7 @@ CORPUS: list[Case] = [
     *both({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
     *both({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs"),
     *both({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    *both({"structured_outputs": {"json": {"type": "string", "minLength": -5}}}, "structured_outputs"),
     *both({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     *both({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice.1"),
     *both({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
@@ -331,6 +341,17 @@ CORPUS: list[Case] = [
     chat({"tools": [_FN], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     chat({"tools": [_FN], "tool_choice": {"type": "function", "function": {"name": "f"}}}, None, SERVED),
     chat({"tools": [_tool_with({"type": 5})], "tool_choice": "required"}, "tools"),  # parameters xgrammar can't use
+    chat(
+        {
+            "tools": [_tool_with({"type": "object", "properties": {"a": {"type": "string", "minLength": -5}}})],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
+    # nullable fields (OpenAI's n, stream, logprobs, echo, parallel_tool_calls): null is the default
+    chat({"n": None, "logprobs": None, "stream": None, "parallel_tool_calls": None, "tools": [_FN]}, None, SERVED),
+    completion({"n": None, "echo": None, "stream": None, "min_tokens": None}, None, SERVED),
+    chat({"model": None}, "model"),
     chat({"tool_choice": 5}, "tool_choice"),
     chat({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, None, SERVED),
     # prompt: string, list of strings, token ids out of range, empty
@@ -391,6 +412,11 @@ CORPUS: list[Case] = [
     ),
     response({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}, "text.format"),
     response({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    response(
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "minLength": -5}}}},
+        "text.format",
+    ),
+    response({"stream": None, "store": None, "parallel_tool_calls": None}, None, SERVED),
     response({"max_output_tokens": MAX_LEN}, "max_output_tokens"),
     response({"max_output_tokens": 0}, "max_output_tokens"),
     response({"top_logprobs": 21}, "top_logprobs"),
