@@ -20,6 +20,7 @@ from boundless.model import cpu_kernels
 # 1e-5), it stays finite in float32 (at most ~3.4e38).
 PENALIZED_LOGIT_LIMIT = 1e30
 
+
 @dataclass
 class TokenCounts:
     """A penalized request's tokens as its penalties see them: the prompt's distinct ids and how often each output
