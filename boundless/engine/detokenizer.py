@@ -17,6 +17,8 @@ _CONTEXT_TOKENS = 5
 
 
 class Decoder(Protocol):
+    byte_fallback: bool  # (``Tokenizer.byte_fallback``)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]: ...
@@ -137,9 +139,10 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
     gives: byte-level pieces join across a run as across steps, and a run whose text ends inside a character takes
     its longest head that does not (decoded again a token shorter at a time), leaving the rest for later tokens, as
     a token at a time leaves it. A run with a replacement character before its end (bytes that are no UTF-8) is
-    taken a token at a time instead: a byte fallback (SentencePiece's) decodes a run of bytes with a bad one as a
-    replacement character a byte, the valid characters before it included, which a token at a time took as they
-    came."""
+    taken a token at a time instead where the tokenizer falls back to bytes (``Decoder.byte_fallback``,
+    SentencePiece's): it decodes a run of bytes with a bad one as a replacement character a byte, the valid
+    characters before it included, which a token at a time took as they came. (Byte-level BPE's decoder replaces
+    the bad bytes alone, so a run gives a token at a time's text there too.)"""
     if any(detok.stop for detok in detokenizers):
         raise ValueError("a run of tokens goes to a detokenizer without stop strings")
     taking = [detok.enabled and bool(run) for detok, run in zip(detokenizers, runs, strict=True)]
@@ -155,7 +158,7 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
         singly, unresolved = [], []
         for k, i in enumerate(members):
             detok, full = detokenizers[i], texts[2 * k + 1]
-            if "\ufffd" in full[len(prefixes[i]) :].rstrip("\ufffd"):
+            if tokenizer.byte_fallback and "\ufffd" in full[len(prefixes[i]) :].rstrip("\ufffd"):
                 del detok._ids[-len(runs[i]) :]
                 detok.num_tokens -= len(runs[i])
                 singly.append(i)

@@ -318,6 +318,8 @@ class Tokenizer:
         special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
         named_ids = (backend.token_to_id(token) for token in self._named_tokens.values())
         self._all_special_ids = tuple(sorted(special | {i for i in named_ids if i is not None}))
+        decoder = backend.decoder
+        self._byte_fallback = decoder is not None and b'"ByteFallback"' in decoder.__getstate__()
 
     # -- construction ------------------------------------------------------------------------------
 
@@ -428,6 +430,13 @@ class Tokenizer:
     def backend(self) -> RustTokenizer:
         """The underlying ``tokenizers.Tokenizer`` (do not modify it: instances are shared)."""
         return self._backend
+
+    @property
+    def byte_fallback(self) -> bool:
+        """Whether the decoder falls back to bytes (SentencePiece's, Llama-2's and Mistral's): a run of byte tokens
+        with one that is no UTF-8 decodes as a replacement character a byte, the valid characters before it included
+        (byte-level BPE's decodes only the bad bytes so)."""
+        return self._byte_fallback
 
     @property
     def vocab_size(self) -> int:
