@@ -30,7 +30,8 @@ class IncrementalDetokenizer:
 
     A request that takes its text at the end (``RequestOutputKind.FINAL_ONLY``) hands out none before it, and
     without stop strings its tokens wait in ``pending`` and are decoded once, at the end (:func:`flush`), as one
-    run: the text a token at a time gives (:func:`add_runs`), without a step's two decodes for each token."""
+    run: the text a token at a time gives (:func:`add_runs`), without a step's two decodes for each token (but for a
+    tokenizer that falls back to bytes, whose runs go a token at a time)."""
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
@@ -138,15 +139,21 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
     window, all of them in one call, where a token at a time decoded two windows per token. What a token at a time
     gives: byte-level pieces join across a run as across steps, and a run whose text ends inside a character takes
     its longest head that does not (decoded again a token shorter at a time), leaving the rest for later tokens, as
-    a token at a time leaves it. A run with a replacement character before its end (bytes that are no UTF-8) is
-    taken a token at a time instead where the tokenizer falls back to bytes (``Decoder.byte_fallback``,
-    SentencePiece's): it decodes a run of bytes with a bad one as a replacement character a byte, the valid
-    characters before it included, which a token at a time took as they came. (Byte-level BPE's decoder replaces
-    the bad bytes alone, so a run gives a token at a time's text there too.)"""
+    a token at a time leaves it.
+
+    A tokenizer that falls back to bytes (``Decoder.byte_fallback``: SentencePiece's, Llama-2's, Mistral's, Gemma's)
+    takes its runs a token at a time: its decoder turns a group of byte tokens with a bad byte into a replacement
+    character a byte, the valid characters before it included, so its text depends on where each decoded window
+    begins, which a token at a time moves token by token (byte-level BPE's replaces the bad bytes alone)."""
     if any(detok.stop for detok in detokenizers):
         raise ValueError("a run of tokens goes to a detokenizer without stop strings")
     taking = [detok.enabled and bool(run) for detok, run in zip(detokenizers, runs, strict=True)]
     for tokenizer, skip, members in _by_tokenizer(detokenizers, taking):
+        if tokenizer.byte_fallback:
+            for j in range(max(len(runs[i]) for i in members)):
+                live = [i for i in members if len(runs[i]) > j]
+                add_tokens([detokenizers[i] for i in live], [runs[i][j] for i in live])
+            continue
         seqs: list[list[int]] = []
         for i in members:
             detok = detokenizers[i]
@@ -155,16 +162,8 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
             seqs += [detok._ids[detok._prefix_offset : detok._read_offset], detok._ids[detok._prefix_offset :]]
         texts = tokenizer.decode_batch(seqs, skip)
         prefixes = {i: texts[2 * k] for k, i in enumerate(members)}
-        singly, unresolved = [], []
-        for k, i in enumerate(members):
-            detok, full = detokenizers[i], texts[2 * k + 1]
-            if tokenizer.byte_fallback and "\ufffd" in full[len(prefixes[i]) :].rstrip("\ufffd"):
-                del detok._ids[-len(runs[i]) :]
-                detok.num_tokens -= len(runs[i])
-                singly.append(i)
-            elif not detok._resolve(prefixes[i], full):
-                unresolved.append(i)
         cut = 0  # tokens left off the end of each run still to resolve
+        unresolved = [i for k, i in enumerate(members) if not detokenizers[i]._resolve(prefixes[i], texts[2 * k + 1])]
         while True:
             unresolved = [i for i in unresolved if detokenizers[i].text_pending and len(runs[i]) > cut + 1]
             if not unresolved:
@@ -180,9 +179,6 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
                 for i, text in zip(unresolved, texts, strict=True)
                 if not detokenizers[i]._resolve(prefixes[i], text, cut)
             ]
-        for j in range(max((len(runs[i]) for i in singly), default=0)):
-            live = [i for i in singly if len(runs[i]) > j]
-            add_tokens([detokenizers[i] for i in live], [runs[i][j] for i in live])
 
 
 def flush(detokenizers: Sequence[IncrementalDetokenizer]) -> None:
