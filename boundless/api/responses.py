@@ -325,7 +325,7 @@ class ResponsesAPI:
             params = sampling_params(
                 chat, chat.max_completion_tokens, logprobs, structured, lora=call.lora, defaults=server.defaults
             )
-            await check_grammar(params)
+            await check_grammar(params, server.tokenizer.vocab_size)
             streams = server.submit_all(call.response_id, [call.prompt], params, call.program)
         except InvalidRequestError as e:  # name the field the client used for the limit
             renamed = {"max_tokens": "max_output_tokens", "prompt": "input"}.get(e.param or "")

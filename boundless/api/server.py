@@ -270,11 +270,11 @@ def structured_outputs_grammar(wanted: StructuredOutputsParams) -> StructuredOut
     return StructuredOutput("json_object", None, where)
 
 
-async def check_grammar(params: SamplingParams) -> None:
-    """Check a structured request's definition on a worker thread: the first one imports xgrammar (1.5 s), which
-    would stall every stream of the event loop."""
+async def check_grammar(params: SamplingParams, vocab_size: int) -> None:
+    """Check a structured request's definition for a vocabulary of ``vocab_size`` ids on a worker thread: the first
+    one imports xgrammar (1.5 s), which would stall every stream of the event loop."""
     if params.structured is not None:
-        await asyncio.to_thread(check_structured_output, params.structured)
+        await asyncio.to_thread(check_structured_output, params.structured, vocab_size)
 
 
 def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) -> ProgramRef | None:
@@ -469,7 +469,7 @@ class OpenAIServer:
             structured = self.after_reasoning(forced or _structured(body), ids)
             prompt_logprobs = None if body.stream else body.prompt_logprobs  # (a stream has no place for them)
             params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs, lora, self.defaults)
-            await check_grammar(params)
+            await check_grammar(params, self.tokenizer.vocab_size)
             streams = self.submit_all(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used for the limit
             if e.param == "max_tokens" and body.max_completion_tokens is not None:
@@ -656,7 +656,7 @@ class OpenAIServer:
         params = sampling_params(
             body, max_tokens, body.logprobs, _structured(body), _prompt_logprobs_wanted(body), lora, self.defaults
         )
-        await check_grammar(params)
+        await check_grammar(params, self.tokenizer.vocab_size)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = self.submit_all(rid, prompts, params, _program(body, request))
         prompt_len = sum(len(p) for p in prompts)

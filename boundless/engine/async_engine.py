@@ -150,7 +150,7 @@ class EngineLoop:
         if not self._thread.is_alive():
             raise EngineDeadError("the engine loop has stopped")
         if params.structured is not None:  # (outside the lock: the first imports xgrammar, 1.5 s the loop would wait)
-            check_structured_output(params.structured)
+            check_structured_output(params.structured, self.core.identity.vocab_size)
         with self.lock:
             if len(self.core.scheduler.waiting) >= self.max_waiting:
                 raise QueueFullError(retry_after_s=1.0)

@@ -514,7 +514,7 @@ class EngineCore:
         if bad_bias is not None:
             raise InvalidRequestError(f"logit_bias: token id {bad_bias} is not in [0, {vocab})", "logit_bias")
         if params.structured is not None:
-            check_structured_output(params.structured)
+            check_structured_output(params.structured, vocab)
         if params.lora_name is not None and params.lora_name not in self.loras:
             raise InvalidRequestError(f"LoRA adapter {params.lora_name!r} is not loaded", "model")
         namespace = self.kv_namespace(params)

@@ -16,10 +16,6 @@ from boundless.engine.speculative import accepted_tokens
 from boundless.engine.structured_output import GrammarMatcher, Grammars, grammar_start, mask_logits
 from boundless.model import cpu_kernels
 
-# The largest penalized logit, either way: divided by the least temperature that samples (``GREEDY_BELOW``,
-# 1e-5), it stays finite in float32 (at most ~3.4e38).
-PENALIZED_LOGIT_LIMIT = 1e30
-
 
 @dataclass
 class TokenCounts:
@@ -314,21 +310,33 @@ class Sampler:
             torch.tensor(out_rows, dtype=torch.long, device=device),
             torch.tensor(out_ids, dtype=torch.long, device=device),
         ] = torch.tensor(out_times, dtype=logits.dtype, device=device)
+        seen = None
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = times > 0
             prompt_rows = torch.repeat_interleave(
                 torch.arange(len(rows), device=device), torch.tensor([len(t) for t in prompts], device=device)
             )
             seen[prompt_rows, torch.cat(prompts)] = True
-            penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)
-            penalty = penalty.unsqueeze(1)
-            picked = torch.where(seen, torch.where(picked > 0, picked / penalty, picked * penalty), picked)
-        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)
-        presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)
-        picked = picked - frequency.unsqueeze(1) * times - presence.unsqueeze(1) * (times > 0)
-        # A tiny repetition penalty (1e-38 is in its range) divides a logit past float32's largest: an infinite logit
-        # would make the row's distribution NaN and fail the step, every request of it.
-        logits[index] = picked.clamp(-PENALIZED_LOGIT_LIMIT, PENALIZED_LOGIT_LIMIT)
+
+        def penalized(dtype: torch.dtype) -> torch.Tensor:
+            row = picked.to(dtype)
+            if seen is not None:
+                penalty = torch.tensor([p.repetition_penalty for p in params], dtype=dtype, device=device).unsqueeze(1)
+                row = torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row)
+            frequency = torch.tensor([p.frequency_penalty for p in params], dtype=dtype, device=device)
+            presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype, device=device)
+            return row - frequency.unsqueeze(1) * times - presence.unsqueeze(1) * (times > 0)
+
+        result = penalized(logits.dtype)
+        if seen is not None:
+            # A tiny repetition penalty (1e-38 is in its range) divides a logit past float32's largest, and an
+            # infinite logit makes the row's distribution NaN (the step failed, every request of it). Such rows are
+            # made again in float64 (up to ~1e308), less the row's largest: a shift changes no draw and no argmax,
+            # and what falls below float32's range has a probability of 0 there too. Other rows are unchanged.
+            wide = penalized(torch.float64)
+            wide = (wide - wide.max(dim=-1, keepdim=True).values).to(logits.dtype)
+            result = torch.where(torch.isfinite(result).all(dim=-1, keepdim=True), result, wide)
+        logits[index] = result
 
     @staticmethod
     def _fill_logprobs(

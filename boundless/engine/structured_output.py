@@ -96,35 +96,30 @@ def _xgrammar(param: str) -> Any:
 
 
 @functools.lru_cache(maxsize=MAX_GRAMMARS)
-def check_structured_output(spec: StructuredOutput) -> None:
+def check_structured_output(spec: StructuredOutput, vocab_size: int) -> None:
     """Raise :class:`InvalidRequestError` unless the spec's grammar can be built and compiled (a schema, regex or
-    grammar xgrammar can read). Needs no tokenizer: an engine checks a request before it queues it. Remembered for
-    the specs that passed (a server's front end and its engine check each request).
+    grammar xgrammar can read) for a vocabulary of ``vocab_size`` ids. Needs no tokenizer: an engine checks a request
+    before it queues it. Remembered for the specs that passed (a server's front end and its engine check each
+    request).
 
-    It is compiled for a stand-in vocabulary of three tokens (a millisecond): xgrammar builds some grammars it then
-    cannot compile (a JSON schema's negative ``minLength`` writes a rule its own parser refuses), and a compilation
-    that fails in the engine's step would fail the step's every request, not this one alone."""
+    It is compiled for a stand-in vocabulary: ``vocab_size`` ids, three of them with text (a millisecond for a
+    schema: the vocabulary's text is what a real compilation spends its time on). xgrammar builds some grammars it
+    then cannot compile (a JSON schema's negative ``minLength``), and a compilation that failed in the engine's step
+    would fail the step's every request, not this one alone; the ids let a grammar name tokens
+    (``TokenTagDispatch``). A compiler of its own each call, without a cache: checks run on the server's worker
+    threads at once, and a cache would keep every schema checked."""
     xgr = _xgrammar(spec.param)
     grammar = _grammar(xgr, spec)
-    with _CHECK_LOCK:  # (the server checks on worker threads; one compiler, in turn)
-        global _check_compiler
-        if _check_compiler is None:
-            _check_compiler = xgr.GrammarCompiler(
-                xgr.TokenizerInfo(["a", "b", "</s>"], stop_token_ids=[2]), max_threads=1
-            )
-        try:
-            _check_compiler.compile_grammar(grammar)
-        except Exception as e:  # xgrammar raises RuntimeError with the reason
-            raise InvalidRequestError(f"{spec.param}: the {spec.kind} cannot be used: {_reason(e)}", spec.param) from e
+    info = xgr.TokenizerInfo(["a", "b", "</s>"], vocab_size=max(vocab_size, 3), stop_token_ids=[2])
+    try:
+        xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_grammar(grammar)
+    except Exception as e:  # xgrammar raises RuntimeError with the reason
+        raise InvalidRequestError(f"{spec.param}: the {spec.kind} cannot be used: {_reason(e)}", spec.param) from e
 
 
 def _reason(error: Exception) -> str:
     """xgrammar's message without the time and C++ source line it begins with (``[20:29:36] /project/...cc:820: ``)."""
     return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(error)).strip()
-
-
-_CHECK_LOCK = threading.Lock()
-_check_compiler: Any = None
 
 
 def _grammar(xgr: Any, spec: StructuredOutput) -> Any:

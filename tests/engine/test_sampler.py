@@ -3,6 +3,8 @@ penalties."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -112,6 +114,26 @@ def _penalized(rid: str, prompt: list[int], outputs: list[int], **params) -> Sch
         (),
         history=prompt + outputs,
         num_prompt_tokens=len(prompt),
+    )
+
+
+@pytest.mark.parametrize("penalty", [1e-38, 1e-300])
+def test_a_tiny_repetition_penalty_keeps_its_rows_order_and_a_finite_distribution(penalty: float) -> None:
+    """A penalty that divides a logit past float32's largest (9 / 1e-38): its row was NaN and the step failed. The
+    likelier seen token still wins, greedy or drawn (the other is ~7e38 below it); the other rows are unchanged."""
+    logits = torch.zeros(2, 10)
+    logits[:, 3], logits[:, 5] = 2.0, 9.0  # both seen: 5 the likelier
+    greedy = _penalized("g", [3, 5], [], repetition_penalty=penalty)
+    plain = _penalized("p", [3, 5], [], repetition_penalty=2.0)
+    sampler = Sampler(torch.device("cpu"))
+    assert [t.token_id for t in sampler.sample(logits.clone(), [greedy, plain])] == [5, 5]
+    drawn = _penalized("d", [3, 5], [], repetition_penalty=penalty)
+    drawn = dataclasses.replace(drawn, sampling_params=SamplingParams(temperature=1.0, repetition_penalty=penalty))
+    assert {sampler.sample(logits.clone(), [drawn])[0].token_id for _ in range(20)} == {5}
+    adjusted = sampler._adjusted(logits.clone(), [greedy, plain], [(0, ()), (1, ())], [])
+    assert torch.isfinite(adjusted[0, 5]) and adjusted[0, 5] == adjusted[0].max()
+    assert torch.equal(
+        adjusted[1], torch.where(torch.arange(10) == 3, 1.0, torch.where(torch.arange(10) == 5, 4.5, 0.0))
     )
 
 

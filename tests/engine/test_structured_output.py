@@ -16,7 +16,7 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampler import Sampler
 from boundless.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from boundless.engine.scheduler import ScheduledChunk
-from boundless.engine.structured_output import Grammars, StructuredOutput
+from boundless.engine.structured_output import Grammars, StructuredOutput, check_structured_output
 from boundless.model.loader import LoadedModel
 
 # `make test` installs xgrammar; a device machine has it only when its wheels travel (scripts/gpu-check.sh).
@@ -209,6 +209,24 @@ def test_definitions_xgrammar_cannot_read_are_refused(tiny_llama: LoadedModel, s
             "a", [1, 2], SamplingParams(structured=StructuredOutput(spec[0], spec[1], "structured_outputs"))
         )
     assert err.value.param == "structured_outputs" and spec[0] in str(err.value)
+
+
+def test_grammars_xgrammar_builds_but_cannot_compile_are_refused(tiny_llama: LoadedModel) -> None:
+    """A schema's negative ``minLength`` builds a grammar that xgrammar's compiler refuses: compiled in an engine's
+    step, it failed the step's every request. The check compiles it for a stand-in of the model's vocabulary: the
+    request is refused as it is added, its message without xgrammar's log prefix; a grammar that names token ids
+    (``TokenTagDispatch``) passes within the vocabulary and is refused past it."""
+    core = _engine(tiny_llama)
+    bad = StructuredOutput.json_schema({"type": "string", "minLength": -5})
+    with pytest.raises(InvalidRequestError) as err:
+        core.add_request("a", [1, 2], SamplingParams(structured=bad))
+    assert err.value.param == "response_format" and "-5" in str(err.value)
+    assert "/project/" not in str(err.value) and not core.has_unfinished()
+    vocab = tiny_llama.arch.vocab_size
+    named = StructuredOutput("grammar", f'root ::= TokenTagDispatch(({vocab - 1}, a))\na ::= "x"', "structured_outputs")
+    check_structured_output(named, vocab)
+    with pytest.raises(InvalidRequestError):
+        check_structured_output(named, vocab - 1)
 
 
 def _free_greedy(loaded: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:
