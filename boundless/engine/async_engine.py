@@ -234,6 +234,8 @@ class EngineLoop:
                         for delta in self.hooks.between_steps():
                             self._emit(delta)
                     sched = core.schedule() if core.has_work() else None
+                    for delta in core.take_rejected():  # (requests failed as the step was decided)
+                        self._emit(delta)
                 if sched is None or sched.is_empty:
                     self._wake.wait(timeout=0.05 if sched is not None else 1.0)
                     self._wake.clear()

@@ -244,6 +244,8 @@ class EngineCore:
         self._prefetches: dict[str, float] = {}
         # Asynchronous scheduling: the window decided and queued while the last one ran, read at the next step.
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
+        # Final deltas of requests failed between steps (a grammar whose compilation failed), for the loop to send.
+        self._rejected: list[RequestDelta] = []
 
     @classmethod
     def from_model(
@@ -357,6 +359,8 @@ class EngineCore:
         spec = params.structured
         if spec is not None and self.grammars is not None and not self.grammars.prepare(spec):
             self.scheduler.compiling.add(request_id)
+        elif spec is not None and self.grammars is not None and (error := self.grammars.error(spec)) is not None:
+            raise InvalidRequestError(error, spec.param)
         self.scheduler.add(request)
         return request
 
@@ -595,7 +599,7 @@ class EngineCore:
             if sched.is_empty:
                 if self.scheduler.compiling and self.grammars is not None:  # nothing to run until a grammar is: wait
                     self.grammars.wait(self._compiling_specs(), timeout_s=1.0)
-                return []
+                return self.take_rejected()
         ahead = None
         try:
             if launched is None:
@@ -611,7 +615,7 @@ class EngineCore:
                 self.scheduler.step_failed(failed)
             self._ahead = None
             raise
-        return self.finish_step(sched, result)
+        return self.take_rejected() + self.finish_step(sched, result)
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (bookkeeping only; cheap)."""
@@ -630,11 +634,25 @@ class EngineCore:
         return [s for rid in self.scheduler.compiling if (s := requests[rid].sampling_params.structured) is not None]
 
     def _admit_compiled(self) -> None:
-        """Let the requests whose grammars are compiled be admitted (a request that leaves leaves the set)."""
+        """Let the requests whose grammars are compiled be admitted (a request that leaves leaves the set). One whose
+        compilation failed is failed alone, its final delta kept for :meth:`take_rejected`: in a step, the sampler
+        would have raised for it and failed the step's every request."""
         assert self.grammars is not None
         requests, grammars = self.scheduler.requests, self.grammars
         ready = [rid for rid in self.scheduler.compiling if grammars.ready(requests[rid].sampling_params.structured)]
         self.scheduler.compiling.difference_update(ready)
+        for rid in ready:
+            spec = requests[rid].sampling_params.structured
+            error = grammars.error(spec) if spec is not None else None
+            if error is not None and self.abort(rid):
+                self._rejected.append(
+                    RequestDelta(rid, [], "", [], finished=True, finish_reason="error", stop_reason=error)
+                )
+
+    def take_rejected(self) -> list[RequestDelta]:
+        """The final deltas of requests failed between steps since the last call (a grammar that did not compile)."""
+        out, self._rejected = self._rejected, []
+        return out
 
     def _drop_stale_intakes(self) -> None:
         """Drop prepared requests whose first token never came (their blocks are freed)."""

@@ -188,6 +188,13 @@ class Grammars:
             future = self._compiled.get(spec)
         return future is None or future.done()  # (not prepared, or dropped: a matcher compiles it where it is)
 
+    def error(self, spec: StructuredOutput) -> str | None:
+        """Why the spec's compilation failed, if it ended so (None: it compiled, or it has not ended)."""
+        with self._lock:
+            future = self._compiled.get(spec)
+        error = future.exception() if future is not None and future.done() else None
+        return None if error is None else str(error)
+
     def wait(self, specs: Iterable[StructuredOutput], timeout_s: float) -> None:
         """Wait until one of these specs' grammars is ready, at most ``timeout_s`` (for an engine with nothing else
         to do)."""
@@ -204,7 +211,11 @@ class Grammars:
         xgr = _xgrammar(spec.param)
         if self._compiler is None:
             self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=1)
-        return self._compiler.compile_grammar(_grammar(xgr, spec))
+        grammar = _grammar(xgr, spec)
+        try:
+            return self._compiler.compile_grammar(grammar)
+        except Exception as e:  # (xgrammar's RuntimeError, with the reason)
+            raise InvalidRequestError(f"{spec.param}: the {spec.kind} cannot be used: {_reason(e)}", spec.param) from e
 
     def _tokenizer_info(self, xgr: Any) -> Any:
         """The vocabulary as xgrammar sees it: its own reading of a fast tokenizer (each id's token, the vocabulary's

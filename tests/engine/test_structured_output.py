@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from boundless.engine.core import EngineCore
+from boundless.engine import async_engine as async_engine_module
+from boundless.engine import core as core_module
+from boundless.engine.async_engine import EngineLoop
+from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampler import Sampler
 from boundless.engine.sampling_params import InvalidSamplingParams, SamplingParams
@@ -227,6 +230,74 @@ def test_grammars_xgrammar_builds_but_cannot_compile_are_refused(tiny_llama: Loa
     check_structured_output(named, vocab)
     with pytest.raises(InvalidRequestError):
         check_structured_output(named, vocab - 1)
+
+
+def test_a_grammar_that_fails_to_compile_in_the_engine_fails_its_request_alone(
+    tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should a grammar pass the check and fail the engine's compilation, its request ends with an error between
+    steps (``take_rejected``) and the others run on; in a step, the sampler raised for it and failed every request
+    of the step. A request of that grammar that comes after the failure is refused as it is added."""
+    monkeypatch.setattr(core_module, "check_structured_output", lambda spec, vocab_size: None)  # (as if it passed)
+    core = _engine(tiny_llama)
+    assert core.grammars is not None
+    gate, compile_grammar = threading.Event(), core.grammars._compile
+
+    def held_compile(spec: StructuredOutput) -> object:
+        assert gate.wait(30)  # (until the request is queued: its compilation fails in the background)
+        return compile_grammar(spec)
+
+    monkeypatch.setattr(core.grammars, "_compile", held_compile)
+    bad = StructuredOutput.json_schema({"type": "string", "minLength": -5})
+    free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    core.add_request("free", [1, 2, 3], free)
+    core.add_request("bad", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, structured=bad))
+    assert "bad" in core.scheduler.compiling
+    gate.set()
+    ends: dict[str, tuple[str | None, str | int | None, int]] = {}
+    while core.has_unfinished():
+        for delta in core.step():
+            if delta.finished:
+                ends[delta.request_id] = (delta.finish_reason, delta.stop_reason, delta.num_output_tokens)
+    assert ends["free"] == ("length", None, 8)
+    reason, why, outputs = ends["bad"]
+    assert reason == "error" and outputs == 0 and "response_format: the json_schema cannot be used" in str(why)
+    with pytest.raises(InvalidRequestError) as err:
+        core.add_request("again", [1, 2, 3], SamplingParams(structured=bad))
+    assert err.value.param == "response_format" and not core.has_unfinished()
+
+
+def test_the_served_loop_sends_a_failed_grammars_error_and_serves_on(
+    tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's loop sends the error of a request whose grammar failed to compile in the engine (its final delta,
+    taken as the step is decided); the other request is served."""
+    for module in (core_module, async_engine_module):
+        monkeypatch.setattr(module, "check_structured_output", lambda spec, vocab_size: None)  # (as if it passed)
+    core = _engine(tiny_llama)
+    assert core.grammars is not None
+    gate, compile_grammar = threading.Event(), core.grammars._compile
+    monkeypatch.setattr(core.grammars, "_compile", lambda spec: gate.wait(30) and compile_grammar(spec))
+    finals: dict[str, RequestDelta] = {}
+    both = threading.Event()
+
+    def sink(delta: RequestDelta) -> None:
+        if delta.finished:
+            finals[delta.request_id] = delta
+            if len(finals) == 2:
+                both.set()
+
+    loop = EngineLoop(core, sink)
+    try:
+        bad = StructuredOutput.json_schema({"type": "string", "minLength": -5})
+        loop.add("bad", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, structured=bad))
+        loop.add("free", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        gate.set()
+        assert both.wait(60)
+        assert finals["bad"].finish_reason == "error" and "cannot be used" in str(finals["bad"].stop_reason)
+        assert finals["free"].finish_reason == "length" and loop.is_alive()
+    finally:
+        loop.shutdown()
 
 
 def _free_greedy(loaded: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:
