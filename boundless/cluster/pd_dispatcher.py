@@ -250,6 +250,8 @@ class PDDispatcher(Dispatcher):
         self.block_size = block_size
         self.calls: dict[str, PDCall] = {}
         self.queue: list[PDCall] = []
+        # Calls with their first token whose decode engines are all lost, one being restarted: sent on when it is back.
+        self.awaiting_decode: list[PDCall] = []
         self.read_queues: dict[str, int] = {}  # tokens, per instance, as last reported
         self.placements: Counter[str] = Counter()  # calls placed, by read path
         self.placed_stored_tokens: Counter[str] = Counter()  # their estimated stored tokens, by read path
@@ -375,7 +377,7 @@ class PDDispatcher(Dispatcher):
 
     def instance_lost(self, instance_id: str, reason: str) -> list[PDDecision]:  # type: ignore[override]
         if self._lost_while_starting(instance_id):  # its restart failed: calls waiting for it may wait no longer
-            return [MarkDead(instance_id, reason), *self._place()]
+            return [MarkDead(instance_id, reason), *self._route_awaiting_decode(), *self._place()]
         view = self.views[instance_id]
         if not view.alive:
             return []
@@ -417,7 +419,16 @@ class PDDispatcher(Dispatcher):
         decisions = super().instance_ready(instance_id, kv_address)
         if kv_address and not was_alive and self.views[instance_id].alive:  # it is back (not a stray answer)
             self.instances[instance_id] = dataclasses.replace(self.instances[instance_id], address=kv_address)
-        return [*decisions, *self._place()]
+        return [*decisions, *self._route_awaiting_decode(), *self._place()]
+
+    def _route_awaiting_decode(self) -> list[PDDecision]:
+        """Send on the calls that wait for a decode engine: to one back, or failed if none is live or coming."""
+        waiting, self.awaiting_decode = self.awaiting_decode, []
+        decisions: list[PDDecision] = []
+        for call in waiting:
+            if self.calls.get(call.request_id) is call:  # (not aborted meanwhile)
+                decisions += self._route_decode(call)
+        return decisions
 
     def _place_again(self, call: PDCall) -> list[PDDecision]:
         """A call whose prefill failed with its DE-read push (nothing reached the client) goes back to the head of
@@ -437,6 +448,8 @@ class PDDispatcher(Dispatcher):
         if call is None:
             return []
         self._release(call.program)
+        if call in self.awaiting_decode:
+            self.awaiting_decode.remove(call)
         if call.phase == "queued":
             self.queue.remove(call)
             return self._drop_prefetch(call) + self._place()
@@ -620,6 +633,10 @@ class PDDispatcher(Dispatcher):
         """Send a call that has its first token to the live DE with the fewest tokens, as a resumed request."""
         tokens = {load.engine_id: load.tok for load in self.loads() if load.role == "decode"}
         if not tokens:
+            if self._restarting("decode"):  # it waits for the restarted DE (instance_ready), its tokens kept
+                call.phase, call.decode_engine, call.instance, call.prepared = "continuing", "", "", False
+                self.awaiting_decode.append(call)
+                return []
             return self._fail(call, "unavailable", "no live decode engine")
         de = min(tokens, key=lambda iid: tokens[iid])
         call.phase, call.decode_engine, call.instance, call.prepared = "continuing", de, "", False
@@ -630,6 +647,8 @@ class PDDispatcher(Dispatcher):
         self.calls.pop(call.request_id, None)
         if call in self.queue:
             self.queue.remove(call)
+        if call in self.awaiting_decode:
+            self.awaiting_decode.remove(call)
         self._release(call.program)
         decisions = self._abort_halves(call) + self._drop_prefetch(call)
         reason = status if status in ("invalid", "busy", "failed") else "unavailable"

@@ -542,3 +542,45 @@ def test_calls_wait_for_the_only_decode_engine_while_it_restarts_and_fail_once_i
     assert d.restarts.state("d0") == "retired"
     (fail,) = d.submit("b", [1, 2, 3], PARAMS)
     assert isinstance(fail, Fail) and fail.reason == "unavailable"
+
+
+def _decoding_on_d0(d, rids: tuple[str, ...]) -> None:
+    for rid in rids:
+        prepared(d, rid, list(range(40)), IntakeAnswer(0))
+        (cont,) = d.receive("p0", delta(rid, [7], "x", "handoff"))[1]
+        d.continue_done(cont, OK)
+        d.receive("d0", delta(rid, [8, 9], "yz"))
+
+
+def test_a_call_decoding_on_the_only_decode_engine_waits_for_its_restart_and_goes_on_there() -> None:
+    """The only DE lost mid-decode (a review's kill of it): its calls keep their tokens and wait for its restart
+    (they failed at once), then go on there as resumed calls; an abort meanwhile drops one; lost again with no restart
+    left, they fail as unavailable."""
+    now = [100.0]
+    d = dispatcher(restarts=RestartPolicy(delay_s=1.0, max_restarts=1), clock=lambda: now[0])
+    _decoding_on_d0(d, ("a", "b", "c"))
+    decisions = d.instance_lost("d0", "killed")
+    assert not any(isinstance(x, (Fail, Send)) for x in decisions)  # they wait: a DE is coming back
+    assert d.abort("b") == []
+    now[0] = 101.0
+    assert d.restarts_due() == [Restart("d0", 1)]
+    sends = [x for x in d.instance_ready("d0") if isinstance(x, Send)]
+    assert [(x.request_id, x.instance_id, x.resume.output_token_ids) for x in sends] == [
+        ("a", "d0", (7, 8, 9)),
+        ("c", "d0", (7, 8, 9)),
+    ]
+    for send in sends:
+        d.add_done(send, OK)
+    fails = {x.request_id: x.reason for x in d.instance_lost("d0", "killed again") if isinstance(x, Fail)}
+    assert fails == {"a": "unavailable", "c": "unavailable"}
+
+
+def test_calls_waiting_for_a_decode_engine_fail_when_its_restart_fails_with_none_left() -> None:
+    now = [100.0]
+    d = dispatcher(restarts=RestartPolicy(delay_s=1.0, max_restarts=1), clock=lambda: now[0])
+    _decoding_on_d0(d, ("a",))
+    assert not any(isinstance(x, Fail) for x in d.instance_lost("d0", "killed"))
+    now[0] = 101.0
+    assert d.restarts_due() == [Restart("d0", 1)]
+    fails = [x for x in d.instance_lost("d0", "its restart failed") if isinstance(x, Fail)]
+    assert [(x.request_id, x.reason) for x in fails] == [("a", "unavailable")]
