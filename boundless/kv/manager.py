@@ -925,8 +925,11 @@ class KVCacheManager:
                 self._count_recomputed("load_timeout", counted)
             for key in read.keys[:found]:
                 self._remember_on_disk(key)
-            if found < len(read.keys):
-                self._known_on_disk.pop(read.keys[found], None)
+            # A read stops at the first block it lacks (missing, or failing its check). Those after it are not known
+            # to be there either: forgotten, they are written again once computed (kept, a bad one after the first
+            # was never written again, and every later start missed from there).
+            for key in read.keys[found:]:
+                self._known_on_disk.pop(key, None)
             if not read.is_probe and host is not None:
                 blocks = [host.blocks[i] for i in read.dst_ids]
                 waiting = job.request_id in self._lookups and not job.timed_out

@@ -200,6 +200,35 @@ def test_a_restarted_engine_loads_what_an_earlier_one_wrote_even_behind_a_prefix
     assert after.stats().kv_tiers[DISK].hit_tokens == 5 * 16 + 2 * 16
 
 
+def test_blocks_gone_from_the_store_after_the_first_a_read_lacks_are_written_again(
+    tiny_llama: LoadedModel, tmp_path: Path
+) -> None:
+    """Two block files deleted while an engine serves (it knew them from its start): its read stops at the first, and
+    both are computed and written again, so the store holds the whole prompt again. (The manager forgot only the
+    first block a read lacked: the second, still "known", was never written again, and every later start missed from
+    there.)"""
+    from boundless.kv.block_hash import extend_block_hashes
+    from boundless.kv.disk_store import DiskKVStore, StoreLayout
+
+    layout = StoreLayout.of_model(tiny_llama, 16)
+    prompt = list(range(3, 62))  # 59 + 6 tokens: four full blocks
+    first = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)
+    outputs: dict[str, list[int]] = {}
+    first.add_request("a", prompt, PARAMS)
+    _tokens(first, "a", outputs)
+    first.close()
+    store = DiskKVStore(tmp_path, layout, 1 << 30)
+    second = _disk_engine(tiny_llama, store, tmp_path)  # knows the four blocks from its start
+    keys = extend_block_hashes([], prompt, 16, tiny_llama.fingerprint)
+    for key in keys[1:3]:
+        (path,) = tmp_path.rglob(key.hex() + ".kv")
+        path.unlink()
+    second.add_request("b", prompt, PARAMS)
+    assert _tokens(second, "b", outputs) == outputs["a"]
+    second.close()
+    assert all(store.contains(key) for key in keys[:4])
+
+
 def test_a_colocated_engine_loads_blocks_another_engine_wrote_behind_its_prefix_in_memory(
     tiny_llama: LoadedModel, tmp_path: Path
 ) -> None:
