@@ -658,11 +658,14 @@ class Scheduler:
         if request.status is not RequestStatus.RUNNING:
             self.kv.note_admitted(rid, computed // self.kv.block_size)
             if request.num_computed_tokens == 0 and request.num_preemptions == 0:
-                request.num_cached_tokens = computed
-                self.stats.num_prompt_tokens_cached += computed
+                # Of the prompt only: a request resumed elsewhere (a failover) finds its earlier outputs cached too,
+                # which are no prompt tokens of its client's (a hit rate past 1, cached tokens past the prompt's).
+                cached = min(computed, request.num_prompt_tokens)
+                request.num_cached_tokens = cached
+                self.stats.num_prompt_tokens_cached += cached
                 if prefix is not None:
                     by_tier = self.stats.cached_tokens_by_tier
-                    for tier, tokens in prefix.tokens_by_origin().items():
+                    for tier, tokens in prefix.tokens_by_origin(cached).items():
                         by_tier[tier] = by_tier.get(tier, 0) + tokens
             request.num_computed_tokens = computed
             self._to_running(request)

@@ -69,10 +69,14 @@ class CachedPrefix:
     def num_tokens(self) -> int:
         return len(self.blocks) * self.block_size
 
-    def tokens_by_origin(self) -> dict[TierId, int]:
+    def tokens_by_origin(self, limit: int | None = None) -> dict[TierId, int]:
+        """The prefix's tokens by the tier each block came from; of its first ``limit`` tokens only, if given."""
         out: dict[TierId, int] = {}
-        for origin in self.origins:
-            out[origin] = out.get(origin, 0) + self.block_size
+        for i, origin in enumerate(self.origins):
+            n = self.block_size if limit is None else min(self.block_size, limit - i * self.block_size)
+            if n <= 0:
+                break
+            out[origin] = out.get(origin, 0) + n
         return out
 
 

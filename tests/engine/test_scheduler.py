@@ -65,6 +65,22 @@ def test_prefix_cache_hit_skips_computed_tokens() -> None:
     assert s.requests["b"].num_cached_tokens == 16
 
 
+def test_a_resumed_request_counts_cached_tokens_of_its_prompt_only() -> None:
+    """A call resumed on another instance (a failover) comes with its outputs so far, which that instance may hold
+    cached too: its cached tokens and the hit count are of its prompt only (they exceeded the prompt, and the hit
+    rate went past 1)."""
+    s, _ = make_scheduler(budget=64)
+    s.add(request("a", 24, 0.0))  # its prompt: the resumed call's prompt and outputs so far
+    run_step(s)
+    prompt, outputs = list(range(8)), list(range(8, 24))
+    s.add(Request("r", prompt, SamplingParams(max_tokens=30), arrival_time=1.0, output_token_ids=outputs))
+    out = run_step(s)
+    chunk = next(c for c in out.chunks if c.request_id == "r")
+    assert chunk.start_pos == 20  # it computes only its last block's tokens: the rest is cached
+    assert s.requests["r"].num_cached_tokens == 8 and s.stats.num_prompt_tokens_cached == 8
+    assert s.stats.cached_tokens_by_tier == {DEVICE: 8}
+
+
 def test_memory_pressure_preempts_the_latest_arrival() -> None:
     s, _ = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False)
     s.add(request("old", 8, 0.0, max_tokens=20))
