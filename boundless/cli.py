@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from boundless.config import ClusterConfig, ConfigError, SchedulerConfig, ServerConfig, add_engine_flags, add_flags
+from boundless.engine.errors import InvalidRequestError
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -15,19 +16,26 @@ def _generate(args: argparse.Namespace) -> int:
     from boundless.llm import LLM
 
     config = engine_config_from_flags(args)
+    try:  # (before the model loads: a bad value is a flag's error, found at once)
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            seed=args.sample_seed,
+        )
+    except InvalidRequestError as e:
+        raise ConfigError(f"--{(e.param or 'prompt').replace('_', '-')}: {e}") from e
     llm = LLM.from_config(config)
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.sample_seed,
-    )
-    if args.chat:
-        results = llm.chat([{"role": "user", "content": args.prompt}], params)
-    else:
-        results = llm.generate(args.prompt, params)
-    llm.close()
+    try:
+        if args.chat:
+            results = llm.chat([{"role": "user", "content": args.prompt}], params)
+        else:
+            results = llm.generate(args.prompt, params)
+    except InvalidRequestError as e:  # the prompt, or max_tokens past the context
+        raise ConfigError(f"--{e.param.replace('_', '-')}: {e}" if e.param and e.param != "prompt" else str(e)) from e
+    finally:
+        llm.close()
     print(results[0].outputs[0].text)
     return 0
 

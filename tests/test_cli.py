@@ -110,6 +110,28 @@ def test_bad_flag_values_fail_at_start_up(model_dirs: dict[str, Path], capsys: p
 
 
 @pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--max-tokens", "-1"], "--max-tokens: max_tokens must be a positive integer"),
+        (["--temperature", "-1"], "--temperature: temperature must be in [0, 2]"),
+        (["--top-k", "-7"], "--top-k: "),
+        (["--max-tokens", "9000"], "--max-tokens: this model's maximum context length is"),
+        (["--model", "/nonexistent"], "model '/nonexistent' is neither"),
+    ],
+)
+def test_generate_with_a_bad_value_says_so_and_exits_2(
+    model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    """A sampling flag's value, a prompt too long for the context, a model that is not there: one line naming the flag,
+    exit status 2 (each was a traceback and status 1)."""
+    tiny = ["--model", str(model_dirs["tiny-llama"]), "--kv-cache-gb", "0.05", "--max-model-len", "512"]
+    assert main(["generate", "The fox", *tiny, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("boundless: ") and said in err and "Traceback" not in err
+    assert main(["generate", "", *tiny]) == 2 and "the prompt is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     "flag", [("--tool-call-parser", "x"), ("--reasoning-parser", "granite"), ("--generation-config", "hf")]
 )
 def test_bad_server_flag_values_fail_at_start_up(flag: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,8 +27,9 @@ BUNDLED_MODELS = {
 }
 
 
-class ModelNotFoundError(FileNotFoundError):
-    pass
+class ModelNotFoundError(ConfigError, FileNotFoundError):
+    """``--model`` names no bundled model, GGUF file or model directory (a configuration error: the command line
+    says so and exits 2)."""
 
 
 def resolve_model_path(name: str) -> Path:
