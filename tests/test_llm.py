@@ -182,6 +182,36 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     assert llm.tokenizer.decode(expected, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
 
 
+def test_chat_takes_the_servers_message_shapes(llm: LLM) -> None:
+    """Content as text parts, an assistant turn of tool calls alone (content None, or left out), ``developer``: the
+    prompt the plain shapes give (each failed in the template: a list concatenated to a string, an undefined content);
+    a part the server refuses is refused here too."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    plain = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{**call, "function": {"name": "f", "arguments": {"a": 1}}}],
+        },
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    shaped = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    expected = llm.chat(plain, params)[0].prompt_token_ids
+    assert llm.chat(shaped, params)[0].prompt_token_ids == expected
+    no_content = [m if m["role"] != "assistant" else {"role": "assistant", "tool_calls": [call]} for m in shaped]
+    assert llm.chat(no_content, params)[0].prompt_token_ids == expected
+    with pytest.raises(ValueError, match="image_url"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
+
+
 def test_prefix_cache_computes_only_new_tokens(smollm2: LoadedModel) -> None:
     llm = LLM.from_config(_config(smollm2, block_size=16), smollm2)
     core = llm.engine

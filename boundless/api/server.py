@@ -24,17 +24,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from starlette.types import ASGIApp
 
+from boundless.api.conversation import InvalidMessage, template_conversation
 from boundless.api.errors import APIError, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.metrics import ServerMetrics
 from boundless.api.reasoning import ReasoningOutput, ReasoningParser
 from boundless.api.schemas import (
-    ROLES,
     ChatCompletionRequest,
     CompletionRequest,
-    InvalidContentPart,
     StructuredOutputsParams,
-    message_text,
 )
 from boundless.api.tool_calls import (
     ALL_FORMATS,
@@ -48,7 +46,6 @@ from boundless.api.tool_calls import (
     forced_call_schema,
     parameter_types,
     parse_tool_calls,
-    template_messages,
 )
 from boundless.api.validation import (
     header_identifier,
@@ -64,7 +61,6 @@ from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
 from boundless.engine.structured_output import StructuredOutput, check_structured_output
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults
 from boundless.model.lora import LoRAError, LoRARequest
-from boundless.model.tokenizer import REASONING_FIELDS
 from boundless.programs.ref import ProgramRef
 
 T = TypeVar("T")
@@ -369,32 +365,14 @@ class OpenAIServer:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages", "invalid_value")
-        messages = []
-        for i, m in enumerate(body.messages):
-            if m.role not in ROLES:
-                raise APIError(
-                    400, f"unknown role {m.role!r}; expected one of {', '.join(ROLES)}", f"messages.{i}.role"
-                )
-            if m.content is None and m.role != "assistant":
-                raise APIError(400, f"a {m.role} message needs content", f"messages.{i}.content", "invalid_value")
-            try:
-                text = message_text(m.content)
-            except InvalidContentPart as e:
-                raise APIError(400, str(e), f"messages.{i}.content.{e.index}", "invalid_value") from e
-            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text}
-            if m.tool_calls:
-                msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
-            if m.tool_call_id:
-                msg["tool_call_id"] = m.tool_call_id
-            if m.name:
-                msg["name"] = m.name
-            # An earlier turn's reasoning, under any of its names (templates that keep it read it; others ignore it)
-            msg.update((k, v) for k, v in (m.model_extra or {}).items() if k in REASONING_FIELDS and isinstance(v, str))
-            messages.append(msg)
+        try:
+            messages = template_conversation([m.model_dump(exclude_none=True) for m in body.messages])
+        except InvalidMessage as e:
+            raise APIError(400, str(e), e.param, e.code) from e
         tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tool_choice != "none" else []
         try:
             prompt = self.tokenizer.apply_chat_template(
-                template_messages(messages),
+                messages,
                 tools=tools or None,
                 add_generation_prompt=body.add_generation_prompt,
                 **self._template_kwargs(body),
