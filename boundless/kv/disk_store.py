@@ -27,6 +27,8 @@ import itertools
 import json
 import logging
 import os
+import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -271,7 +273,8 @@ class DiskKVStore:
         """``read(fd, size)`` on the block's file; None when it is missing, unreadable or fails its checks."""
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # (Non-blocking: a FIFO under a block's name would block the loader's thread in open until a writer came.)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -279,6 +282,9 @@ class DiskKVStore:
             return None
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, a device: no block file
+                self._reject(path, st.st_ino, key, BlockFileError("not a regular file"))
+                return None
             try:
                 result = read(fd, st.st_size)
             except BlockFileError as e:
@@ -301,8 +307,12 @@ class DiskKVStore:
         self._warn_once("bad", f"disk KV store {self.root}: {path.name} failed its check ({error}); removed")
         try:
             # Only the file we read: another process may have renamed a good copy into place since.
-            if os.stat(path).st_ino == inode:
-                os.unlink(path)
+            st = os.stat(path)
+            if st.st_ino == inode:
+                if stat.S_ISDIR(st.st_mode):  # (unlink refuses one, and every write of the block would fail on it)
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
         except OSError:
             pass
 
@@ -483,6 +493,8 @@ class DiskKVStore:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue  # removed meanwhile
+                if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                    continue  # a directory or a FIFO under a block's name holds no block (a read removes it)
                 if name.endswith(_SUFFIX) and len(name) == _KEY_HEX + len(_SUFFIX):
                     try:
                         index[bytes.fromhex(name[:_KEY_HEX])] = _Entry(st.st_size, st.st_mtime_ns)

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -180,6 +181,41 @@ def test_a_truncated_file_is_not_contained_and_is_counted_and_removed(tmp_path: 
     assert not store.contains(key_of(0))  # a probe (one stat) sees it: it is never read, yet still counted
     assert store.stats().checksum_failures == 1 and store.stats().blocks_held == 0
     assert not _file(store, 0).exists()
+
+
+def _directory(path: Path) -> None:
+    path.mkdir()
+    (path / "inside").write_bytes(b"x")
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+@pytest.mark.parametrize("make", [_directory, _fifo], ids=["directory", "fifo"])
+def test_something_not_a_file_under_a_blocks_name_is_removed_and_the_block_written_again(
+    tmp_path: Path, make: Callable[[Path], None]
+) -> None:
+    """A directory or a FIFO where a block file goes: a read neither blocks (a FIFO's open waited for a writer, the
+    loader's thread with it, for good) nor serves it; it is counted and removed, also a directory (unlink refused it,
+    and every write of the block then failed, turning writes off); a new start does not index it."""
+    store = DiskKVStore(tmp_path, LAYOUT, BIG)
+    store.write([key_of(1)], blocks_of([1]))
+    path = _file(store, 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    make(path)
+    fresh = DiskKVStore(tmp_path, LAYOUT, BIG)
+    assert fresh.stats().blocks_held == 1  # not indexed
+    assert not fresh.contains(key_of(0)) and not path.exists()
+    make(path)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(store.read([key_of(0)])), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert got == [[None]], "the read blocked"
+    assert not path.exists() and store.stats().checksum_failures >= 1
+    assert store.write([key_of(0)], blocks_of([0])) == 1
+    assert torch.equal(store.read([key_of(0)])[0], block_of(0))
 
 
 def test_eviction_removes_the_least_recently_used(tmp_path: Path) -> None:
