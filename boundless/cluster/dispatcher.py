@@ -142,6 +142,8 @@ class Dispatcher:
         self.clock = clock
         self.inflight: dict[str, InflightCall] = {}
         self.pending: dict[str, InflightCall] = {}  # sent, the instance's answer not in yet
+        # Calls with no live instance while one is being restarted: routed when one is back (``instance_ready``).
+        self.awaiting: dict[str, InflightCall] = {}
         self.num_failovers = 0  # calls resent after their instance was lost
         self.lending = lending  # KV lending's gManager, told of lost instances
 
@@ -182,8 +184,8 @@ class Dispatcher:
     def instance_lost(self, instance_id: str, reason: str) -> list[Decision]:
         """The instance died or stopped answering: mark it dead and resend its calls elsewhere. (A restarted one
         lost before it was ready held no call: its restart failed, and is tried again as the policy allows.)"""
-        if self._lost_while_starting(instance_id):
-            return [MarkDead(instance_id, reason)]
+        if self._lost_while_starting(instance_id):  # its restart failed: calls waiting may wait no longer
+            return [MarkDead(instance_id, reason), *self._route_awaiting()]
         view = self.views[instance_id]
         if not view.alive:
             return []
@@ -214,7 +216,16 @@ class Dispatcher:
         if not self.restarts.ready(instance_id, self.clock()):
             return []
         self._set_alive(instance_id, True)
-        return list(self.lending.instance_back(instance_id, kv_address)) if self.lending is not None else []
+        back = list(self.lending.instance_back(instance_id, kv_address)) if self.lending is not None else []
+        return back + self._route_awaiting()
+
+    def _route_awaiting(self) -> list[Decision]:
+        """Route the calls that wait for an instance: to one back, or failed if none is live or coming."""
+        waiting, self.awaiting = self.awaiting, {}
+        decisions: list[Decision] = []
+        for call in waiting.values():
+            decisions += self._route(call)
+        return decisions
 
     def _lost_while_starting(self, instance_id: str) -> bool:
         """A restarted instance lost before it was ready: its restart failed (counted; the next is scheduled)."""
@@ -258,6 +269,10 @@ class Dispatcher:
 
     def abort(self, request_id: str) -> list[Decision]:
         """Nobody waits for the call any more."""
+        waiting = self.awaiting.pop(request_id, None)
+        if waiting is not None:
+            self._release(waiting.program)
+            return []
         call = self.pending.pop(request_id, None)
         if call is not None:  # its add is under way: add_done tells the instance to drop it
             self._release(call.program)
@@ -285,6 +300,9 @@ class Dispatcher:
             num_tokens = len(call.prompt) + len(call.output_token_ids)
             iid = self.router.choose(self.views.values(), pid, num_tokens, self.load_index)
         except NoLiveInstanceError as e:
+            if any(self.restarts.state(iid) in ("down", "starting") for iid in self.views):
+                self.awaiting[call.request_id] = call  # an instance is being restarted: the call waits for it
+                return []
             self._release(call.program)
             return [Fail(call.request_id, "unavailable", str(e))]
         self.pending[call.request_id] = call

@@ -234,6 +234,35 @@ def test_restarts_back_off_and_stop_at_the_limit_failed_ones_included() -> None:
     assert d.restarts_due() == [] and all(placed(d, f"n{i}", [1]).instance_id == "0" for i in range(4))
 
 
+def test_with_every_instance_lost_calls_wait_for_a_restart_and_go_on_there() -> None:
+    """No live instance, one being restarted: calls in flight (with their tokens) and new calls wait for it, an abort
+    drops one, and all go to it once it is ready (they failed at once, in flight or new); when its restart fails with
+    none left, those waiting fail as unavailable."""
+    d, clock = dispatcher(1, restarts=RestartPolicy(delay_s=1.0, max_restarts=2))
+    placed(d, "a", [1, 2, 3])
+    d.receive("0", delta("a", [7, 8], "xy"))
+    assert d.instance_lost("0", "killed") == [MarkDead("0", "killed")]  # "a" waits: no Fail
+    assert d.submit("b", [4, 5], PARAMS) == [] and d.submit("c", [6], PARAMS) == []
+    assert d.abort("c") == []
+    clock.now += 1.0
+    assert d.restarts_due() == [Restart("0", 1)]
+    sends = d.instance_ready("0")
+    assert [(x.request_id, x.resume.output_token_ids if x.resume else None) for x in sends] == [  # type: ignore[union-attr]
+        ("a", (7, 8)),
+        ("b", None),
+    ]
+    for send in sends:
+        d.add_done(send, AddResult("ok"))  # type: ignore[arg-type]
+    assert d.instance_lost("0", "killed again") == [MarkDead("0", "killed again")]  # both wait again
+    clock.now += 2.0
+    assert d.restarts_due() == [Restart("0", 2)]
+    fails = d.instance_lost("0", "its restart failed")  # the last restart: nothing is coming
+    assert sorted((x.request_id, x.reason) for x in fails if isinstance(x, Fail)) == [
+        ("a", "unavailable"),
+        ("b", "unavailable"),
+    ]
+
+
 def test_without_restarts_a_lost_instance_stays_dead() -> None:
     for policy in (None, RestartPolicy(delay_s=0.0, max_restarts=0)):
         d, clock = dispatcher(2, restarts=policy)
