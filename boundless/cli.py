@@ -25,7 +25,8 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.sample_seed,
         )
     except InvalidRequestError as e:
-        raise ConfigError(f"--{(e.param or 'prompt').replace('_', '-')}: {e}") from e
+        flag = {"seed": "sample-seed"}.get(e.param or "", (e.param or "").replace("_", "-"))  # (--seed: the engine's)
+        raise ConfigError(f"--{flag}: {e}") from e
     llm = LLM.from_config(config)
     try:
         if args.chat:

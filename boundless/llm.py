@@ -188,14 +188,15 @@ class LLM:
         lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate. Messages take the
-        server's shapes (``api/conversation.py``): content as text parts, an assistant turn of tool calls alone."""
+        server's shapes (``api/conversation.py``): content as text parts, an assistant turn of tool calls alone; any
+        role and any other key a template reads pass as given."""
         from boundless.api.conversation import template_conversation  # (pydantic's schemas: loaded when chatting)
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.encode(
                 self.tokenizer.apply_chat_template(
-                    template_conversation(conv),  # type: ignore[arg-type]
+                    template_conversation(conv, strict=False),  # type: ignore[arg-type]
                     tools=tools,
                     add_generation_prompt=True,
                 ),

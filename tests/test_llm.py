@@ -210,6 +210,9 @@ def test_chat_takes_the_servers_message_shapes(llm: LLM) -> None:
     assert llm.chat(no_content, params)[0].prompt_token_ids == expected
     with pytest.raises(ValueError, match="image_url"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
+    # Unlike the server, any role and any other key pass as given (a template may read them: Llama-3.1's ipython).
+    other = llm.chat([*plain, {"role": "ipython", "content": "7", "weight": 0}], params)[0].prompt_token_ids
+    assert other[: len(expected) - 3] == expected[: len(expected) - 3] and len(other) > len(expected)
 
 
 def test_prefix_cache_computes_only_new_tokens(smollm2: LoadedModel) -> None:

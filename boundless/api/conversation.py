@@ -25,21 +25,25 @@ class InvalidMessage(ValueError):
         self.code = code
 
 
-def template_conversation(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The messages as a chat template reads them (see the module docstring); raises :class:`InvalidMessage`."""
+def template_conversation(messages: Sequence[Mapping[str, Any]], strict: bool = True) -> list[dict[str, Any]]:
+    """The messages as a chat template reads them (see the module docstring); raises :class:`InvalidMessage`.
+    ``strict`` (the server's): OpenAI's roles only, content on every message but an assistant's, and the keys the
+    API defines. Otherwise (``LLM.chat``) any role, and every other key, pass as given (a template may read them:
+    Llama-3.1's ``ipython`` role), as transformers passes them."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = m.get("role")
-        if role not in ROLES:
+        if strict and role not in ROLES:
             raise InvalidMessage(f"unknown role {role!r}; expected one of {', '.join(ROLES)}", f"messages.{i}.role")
         content = m.get("content")
-        if content is None and role != "assistant":
+        if strict and content is None and role != "assistant":
             raise InvalidMessage(f"a {role} message needs content", f"messages.{i}.content", "invalid_value")
         try:
-            text = message_text(content)
+            text = message_text(content) if content is not None or role == "assistant" else None
         except InvalidContentPart as e:
             raise InvalidMessage(str(e), f"messages.{i}.content.{e.index}", "invalid_value") from e
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
+        msg: dict[str, Any] = {} if strict else dict(m)
+        msg.update(role="system" if role == "developer" else role, content=text)
         for key in ("tool_calls", "tool_call_id", "name"):
             if m.get(key):
                 msg[key] = m[key]

@@ -359,8 +359,6 @@ class EngineCore:
         spec = params.structured
         if spec is not None and self.grammars is not None and not self.grammars.prepare(spec):
             self.scheduler.compiling.add(request_id)
-        elif spec is not None and self.grammars is not None and (error := self.grammars.error(spec)) is not None:
-            raise InvalidRequestError(error, spec.param)
         self.scheduler.add(request)
         return request
 
@@ -519,6 +517,10 @@ class EngineCore:
             raise InvalidRequestError(f"logit_bias: token id {bad_bias} is not in [0, {vocab})", "logit_bias")
         if params.structured is not None:
             check_structured_output(params.structured, vocab)
+            # A grammar this engine failed to compile already (it passed the check): refused before anything is set up.
+            error = self.grammars.error(params.structured) if self.grammars is not None else None
+            if error is not None:
+                raise InvalidRequestError(error, params.structured.param)
         if params.lora_name is not None and params.lora_name not in self.loras:
             raise InvalidRequestError(f"LoRA adapter {params.lora_name!r} is not loaded", "model")
         namespace = self.kv_namespace(params)

@@ -342,7 +342,7 @@ class LendingAgent:
         requests with blocks there are recomputed, so none fails and greedy output is unchanged."""
         core = self.core
         sched = core.schedule()
-        deltas: list[RequestDelta] = []
+        deltas: list[RequestDelta] = core.take_rejected()  # (requests failed as the step was decided)
         if not sched.is_empty:
             try:
                 result = core.execute(sched)
@@ -350,7 +350,7 @@ class LendingAgent:
                 core.scheduler.step_failed(sched)  # names of the blocks it was writing are dropped
                 self.round_trip_failed(e.creditor)
             else:
-                deltas = core.finish_step(sched, result)
+                deltas += core.finish_step(sched, result)
         self.observe()
         return deltas
 

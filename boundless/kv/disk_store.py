@@ -285,6 +285,7 @@ class DiskKVStore:
             if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, a device: no block file
                 self._reject(path, st.st_ino, key, BlockFileError("not a regular file"))
                 return None
+            os.set_blocking(fd, True)  # (a file's reads as ever: some network file systems honour the flag)
             try:
                 result = read(fd, st.st_size)
             except BlockFileError as e:

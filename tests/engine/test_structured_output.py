@@ -262,9 +262,11 @@ def test_a_grammar_that_fails_to_compile_in_the_engine_fails_its_request_alone(
     assert ends["free"] == ("length", None, 8)
     reason, why, outputs = ends["bad"]
     assert reason == "error" and outputs == 0 and "response_format: the json_schema cannot be used" in str(why)
+    prompt_tokens = core.stats().prompt_tokens
     with pytest.raises(InvalidRequestError) as err:
         core.add_request("again", [1, 2, 3], SamplingParams(structured=bad))
     assert err.value.param == "response_format" and not core.has_unfinished()
+    assert core.stats().prompt_tokens == prompt_tokens  # refused before anything was set up for it
 
 
 def test_the_served_loop_sends_a_failed_grammars_error_and_serves_on(
