@@ -139,3 +139,26 @@ def test_bad_server_flag_values_fail_at_start_up(flag: tuple[str, str], capsys: 
     """Before anything loads, with the flag named and its values listed."""
     assert main(["serve", *flag]) == 2
     assert f"boundless: {flag[0]}: must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--rates", "abc"], "--rates: 'abc' is not comma-separated numbers"),
+        (["--rates", "1,,2"], "--rates: "),
+        (["--rates", "-1"], "--rates: no value may be negative"),
+        (["--num-programs", "0"], "--num-programs: must be positive"),
+        (["--scale", "-1"], "--scale: must be positive"),
+        (["--step-base-s", "-1"], "--step-base-s: must not be negative"),
+        (["--policies", "fcfs,"], "--policies: "),
+        (["--profile", "nonexistent"], "--profile: no profile 'nonexistent'"),
+    ],
+)
+def test_simulate_with_a_bad_value_says_so_before_it_runs(
+    capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    """Each ran a meaningless sweep (a negative rate, scale or step time) or failed with a traceback; now it stops
+    with the flag's message, as simulate's other checks do, before any row runs."""
+    with pytest.raises(SystemExit, match=said):
+        main(["simulate", "--num-programs", "2", "--policies", "fcfs", "--no-progress", *args])
+    assert "rate/s" not in capsys.readouterr().out

@@ -63,9 +63,37 @@ class RowContext:
 
 
 def row_jobs(args: argparse.Namespace, clusters: list[ClusterConfig]) -> list[RowJob]:
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    rates = [float(r) for r in args.rates.split(",")]
-    return [RowJob(rate, c, policy) for rate in rates for c in clusters for policy in policies]
+    policies = [p.strip() for p in args.policies.split(",")]
+    if not all(policies):
+        raise SystemExit(f"--policies: {args.policies!r} names an empty policy (comma-separated, e.g. fcfs,plas)")
+    return [RowJob(rate, c, policy) for rate in _rates(args.rates) for c in clusters for policy in policies]
+
+
+def _rates(text: str) -> list[float]:
+    """``--rates``: programs a second, comma-separated (0: all arrive at once)."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--rates: {text!r} is not comma-separated numbers") from None
+    if not all(v >= 0 for v in values):  # (NaN too)
+        raise SystemExit(f"--rates: no value may be negative: {text!r}")
+    return values
+
+
+def check_workload_flags(args: argparse.Namespace) -> None:
+    """The workload's flags: counts and sizes positive, waits not negative (each ran a meaningless sweep, or failed
+    with a traceback)."""
+    positive = {"--num-programs": args.num_programs, "--scale": args.scale, "--call-scale": args.call_scale}
+    positive |= {"--max-calls": args.max_calls, "--max-len": args.max_len}
+    for flag, value in positive.items():
+        if not value > 0:
+            raise SystemExit(f"{flag}: must be positive, not {value}")
+    not_negative = {"--tool-wait": args.tool_wait, "--instances-per-node": args.instances_per_node}
+    not_negative |= {"--step-base-s": args.step_base_s, "--step-per-token-s": args.step_per_token_s}
+    not_negative |= {"--step-per-seq-s": args.step_per_seq_s}
+    for flag, value in not_negative.items():
+        if not value >= 0:
+            raise SystemExit(f"{flag}: must not be negative, not {value}")
 
 
 def run_row(args: argparse.Namespace, context: RowContext, job: RowJob, progress: bool) -> RowRun:
@@ -138,8 +166,12 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--jobs: at least 1 process, not {args.jobs}")
     if args.workload == "longctx" and args.jobs > 1:
         raise SystemExit("--jobs: the longctx workload runs its rows in one process")
+    check_workload_flags(args)
     base = engine_config_from_flags(args)
-    profile = load_profile(args.profile) if args.profile else None
+    try:
+        profile = load_profile(args.profile) if args.profile else None
+    except (ValueError, OSError) as e:  # (a file that is not a profile: JSON's error is a ValueError)
+        raise SystemExit(f"--profile: {e}") from None
     clusters = cluster_configs_from_flags(args)
     failures = failures_from_flags(args, clusters)
     context = RowContext(base, SimulatedModel.read(base.model), profile, linear_cost(args, profile), failures)
