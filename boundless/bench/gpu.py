@@ -173,6 +173,11 @@ def _top_kernels(prof: Any, limit: int = 15) -> list[dict]:
     return sorted(rows, key=lambda r: -r["gpu_ms"])[:limit]
 
 
+def _default_len(args: argparse.Namespace) -> int:
+    """``--max-model-len`` unless given: the tiny shapes' context is 2,048 tokens, under the full ones' 8,192."""
+    return 512 if args.tiny else 8192
+
+
 def _engine_config(
     path: Path,
     args: argparse.Namespace,
@@ -181,7 +186,7 @@ def _engine_config(
     async_scheduling: bool = False,
 ):
     return engine_config(
-        str(path), dtype="bfloat16", device=args.device, max_model_len=args.max_model_len,
+        str(path), dtype="bfloat16", device=args.device, max_model_len=args.max_model_len or _default_len(args),
         kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs,
         swap_space_gb=0.0, attention_backend=args.attention_backend, num_scheduler_steps=num_scheduler_steps,
         async_scheduling=async_scheduling,
@@ -537,7 +542,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=3, help="timed runs per system (medians: a first run on a GPU runs cold)"
     )
     parser.add_argument("--workdir", default="/tmp/boundless-bench-gpu", help="where the random checkpoints go")
-    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="default 8192 (the --tiny shapes: 512, within their context)"
+    )
     parser.add_argument("--kv-cache-gb", type=float, default=16.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--json", metavar="PATH", default="bench-gpu.json", help="write the figures here")
