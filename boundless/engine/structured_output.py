@@ -114,12 +114,14 @@ def check_structured_output(spec: StructuredOutput, vocab_size: int) -> None:
     try:
         xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_grammar(grammar)
     except Exception as e:  # xgrammar raises RuntimeError with the reason
-        raise InvalidRequestError(f"{spec.param}: the {spec.kind} cannot be used: {_reason(e)}", spec.param) from e
+        raise _unusable(spec, e) from e
 
 
-def _reason(error: Exception) -> str:
-    """xgrammar's message without the time and C++ source line it begins with (``[20:29:36] /project/...cc:820: ``)."""
-    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(error)).strip()
+def _unusable(spec: StructuredOutput, error: Exception) -> InvalidRequestError:
+    """The request's error for a definition xgrammar refused (building or compiling its grammar), with xgrammar's
+    reason without the time and C++ source line it begins with (``[20:29:36] /project/...cc:820: ``)."""
+    reason = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(error)).strip()
+    return InvalidRequestError(f"{spec.param}: the {spec.kind} cannot be used: {reason}", spec.param)
 
 
 def _grammar(xgr: Any, spec: StructuredOutput) -> Any:
@@ -140,7 +142,7 @@ def _grammar(xgr: Any, spec: StructuredOutput) -> Any:
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
         return xgr.Grammar.from_ebnf(spec.definition)
     except Exception as e:  # xgrammar raises RuntimeError or ValueError, with the reason
-        raise InvalidRequestError(f"{spec.param}: the {spec.kind} cannot be used: {_reason(e)}", spec.param) from e
+        raise _unusable(spec, e) from e
 
 
 class Grammars:
@@ -215,7 +217,7 @@ class Grammars:
         try:
             return self._compiler.compile_grammar(grammar)
         except Exception as e:  # (xgrammar's RuntimeError, with the reason)
-            raise InvalidRequestError(f"{spec.param}: the {spec.kind} cannot be used: {_reason(e)}", spec.param) from e
+            raise _unusable(spec, e) from e
 
     def _tokenizer_info(self, xgr: Any) -> Any:
         """The vocabulary as xgrammar sees it: its own reading of a fast tokenizer (each id's token, the vocabulary's
