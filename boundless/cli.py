@@ -25,8 +25,7 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.sample_seed,
         )
     except InvalidRequestError as e:
-        flag = {"seed": "sample-seed"}.get(e.param or "", (e.param or "").replace("_", "-"))  # (--seed: the engine's)
-        raise ConfigError(f"--{flag}: {e}") from e
+        raise _flag_error(e) from e
     llm = LLM.from_config(config)
     try:
         if args.chat:
@@ -34,11 +33,20 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             results = llm.generate(args.prompt, params)
     except InvalidRequestError as e:  # the prompt, or max_tokens past the context
-        raise ConfigError(f"--{e.param.replace('_', '-')}: {e}" if e.param and e.param != "prompt" else str(e)) from e
+        raise _flag_error(e) from e
     finally:
         llm.close()
     print(results[0].outputs[0].text)
     return 0
+
+
+def _flag_error(error: InvalidRequestError) -> ConfigError:
+    """``generate``'s refused value as the error of the flag that gave it (``seed``: ``--sample-seed``, not the engine's
+    ``--seed``); the prompt, an argument, is named by the message alone."""
+    if error.param is None or error.param == "prompt":
+        return ConfigError(str(error))
+    flag = {"seed": "sample-seed"}.get(error.param, error.param.replace("_", "-"))
+    return ConfigError(f"--{flag}: {error}")
 
 
 def _serve(args: argparse.Namespace) -> int:
