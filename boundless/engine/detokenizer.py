@@ -46,8 +46,8 @@ class IncrementalDetokenizer:
         # Stop strings count from the token after the first ``min_tokens`` (vLLM's rule): text that ends before it
         # stops nothing.
         self.min_tokens = params.min_tokens
-        self.num_tokens = 0  # tokens taken
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._num_context = len(self._ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""
@@ -62,10 +62,14 @@ class IncrementalDetokenizer:
             return False
         return add_tokens([self], [token_id])[0]
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens taken (decoded, or decoded a window at a time): those after the prompt's context."""
+        return len(self._ids) - self._num_context
+
     def _windows(self, token_id: int) -> tuple[list[int], list[int]]:
         """Take the token; the two windows to decode: the text before it and the text with it."""
         self._ids.append(token_id)
-        self.num_tokens += 1
         return self._ids[self._prefix_offset : self._read_offset], self._ids[self._prefix_offset :]
 
     def _resolve(self, prefix: str, full: str, left_off: int = 0) -> bool:
@@ -158,7 +162,6 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
         for i in members:
             detok = detokenizers[i]
             detok._ids += runs[i]
-            detok.num_tokens += len(runs[i])
             seqs += [detok._ids[detok._prefix_offset : detok._read_offset], detok._ids[detok._prefix_offset :]]
         texts = tokenizer.decode_batch(seqs, skip)
         prefixes = {i: texts[2 * k] for k, i in enumerate(members)}
