@@ -328,11 +328,12 @@ class Sampler:
             return row - frequency.unsqueeze(1) * times - presence.unsqueeze(1) * (times > 0)
 
         result = penalized(logits.dtype)
-        if seen is not None:
+        if seen is not None and any(p.repetition_penalty < 1.0 for p in params):
             # A tiny repetition penalty (1e-38 is in its range) divides a logit past float32's largest, and an
             # infinite logit makes the row's distribution NaN (the step failed, every request of it). Such rows are
             # made again in float64 (up to ~1e308), less the row's largest: a shift changes no draw and no argmax,
-            # and what falls below float32's range has a probability of 0 there too. Other rows are unchanged.
+            # and what falls below float32's range has a probability of 0 there too. Other rows are unchanged. (Only
+            # a penalty under 1 divides a logit up: with none, nothing is made twice.)
             wide = penalized(torch.float64)
             wide = (wide - wide.max(dim=-1, keepdim=True).values).to(logits.dtype)
             result = torch.where(torch.isfinite(result).all(dim=-1, keepdim=True), result, wide)
