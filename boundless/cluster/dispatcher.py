@@ -142,7 +142,9 @@ class Dispatcher:
         self.clock = clock
         self.inflight: dict[str, InflightCall] = {}
         self.pending: dict[str, InflightCall] = {}  # sent, the instance's answer not in yet
-        # Calls with no live instance while one is being restarted: routed when one is back (``instance_ready``).
+        # Calls with no live instance to go to while one is being restarted: routed when one is back
+        # (``instance_ready``), or failed when no restart is left (``_route_awaiting``). The PD dispatcher keeps here
+        # the calls that wait for a decode engine.
         self.awaiting: dict[str, InflightCall] = {}
         self.num_failovers = 0  # calls resent after their instance was lost
         self.lending = lending  # KV lending's gManager, told of lost instances
@@ -220,12 +222,17 @@ class Dispatcher:
         return back + self._route_awaiting()
 
     def _route_awaiting(self) -> list[Decision]:
-        """Route the calls that wait for an instance: to one back, or failed if none is live or coming."""
+        """Route the calls that wait for an instance: to one back, or failed if none is live or coming (each again
+        as :meth:`_route_waiting` routes it, which may make it wait again)."""
         waiting, self.awaiting = self.awaiting, {}
         decisions: list[Decision] = []
         for call in waiting.values():
-            decisions += self._route(call)
+            decisions += self._route_waiting(call)
         return decisions
+
+    def _route_waiting(self, call: InflightCall) -> list[Decision]:
+        """Route a call that waited for a restarted instance (the PD dispatcher's go to a decode engine)."""
+        return self._route(call)
 
     def _lost_while_starting(self, instance_id: str) -> bool:
         """A restarted instance lost before it was ready: its restart failed (counted; the next is scheduled)."""

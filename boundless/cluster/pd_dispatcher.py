@@ -251,7 +251,6 @@ class PDDispatcher(Dispatcher):
         self.calls: dict[str, PDCall] = {}
         self.queue: list[PDCall] = []
         # Calls with their first token whose decode engines are all lost, one being restarted: sent on when it is back.
-        self.awaiting_decode: list[PDCall] = []
         self.read_queues: dict[str, int] = {}  # tokens, per instance, as last reported
         self.placements: Counter[str] = Counter()  # calls placed, by read path
         self.placed_stored_tokens: Counter[str] = Counter()  # their estimated stored tokens, by read path
@@ -377,7 +376,7 @@ class PDDispatcher(Dispatcher):
 
     def instance_lost(self, instance_id: str, reason: str) -> list[PDDecision]:  # type: ignore[override]
         if self._lost_while_starting(instance_id):  # its restart failed: calls waiting for it may wait no longer
-            return [MarkDead(instance_id, reason), *self._route_awaiting_decode(), *self._place()]
+            return [MarkDead(instance_id, reason), *self._route_awaiting(), *self._place()]
         view = self.views[instance_id]
         if not view.alive:
             return []
@@ -419,16 +418,12 @@ class PDDispatcher(Dispatcher):
         decisions = super().instance_ready(instance_id, kv_address)
         if kv_address and not was_alive and self.views[instance_id].alive:  # it is back (not a stray answer)
             self.instances[instance_id] = dataclasses.replace(self.instances[instance_id], address=kv_address)
-        return [*decisions, *self._route_awaiting_decode(), *self._place()]
+        return [*decisions, *self._place()]  # (the base routed the calls that waited for a decode engine)
 
-    def _route_awaiting_decode(self) -> list[PDDecision]:
-        """Send on the calls that wait for a decode engine: to one back, or failed if none is live or coming."""
-        waiting, self.awaiting_decode = self.awaiting_decode, []
-        decisions: list[PDDecision] = []
-        for call in waiting:
-            if self.calls.get(call.request_id) is call:  # (not aborted meanwhile)
-                decisions += self._route_decode(call)
-        return decisions
+    def _route_waiting(self, call: InflightCall) -> list[PDDecision]:  # type: ignore[override]
+        """A call that waited for a decode engine goes on at one back, or fails if none is live or coming."""
+        assert isinstance(call, PDCall)
+        return self._route_decode(call) if self.calls.get(call.request_id) is call else []
 
     def _place_again(self, call: PDCall) -> list[PDDecision]:
         """A call whose prefill failed with its DE-read push (nothing reached the client) goes back to the head of
@@ -448,8 +443,7 @@ class PDDispatcher(Dispatcher):
         if call is None:
             return []
         self._release(call.program)
-        if call in self.awaiting_decode:
-            self.awaiting_decode.remove(call)
+        self.awaiting.pop(request_id, None)
         if call.phase == "queued":
             self.queue.remove(call)
             return self._drop_prefetch(call) + self._place()
@@ -635,7 +629,7 @@ class PDDispatcher(Dispatcher):
         if not tokens:
             if self._restarting("decode"):  # it waits for the restarted DE (instance_ready), its tokens kept
                 call.phase, call.decode_engine, call.instance, call.prepared = "continuing", "", "", False
-                self.awaiting_decode.append(call)
+                self.awaiting[call.request_id] = call
                 return []
             return self._fail(call, "unavailable", "no live decode engine")
         de = min(tokens, key=lambda iid: tokens[iid])
@@ -647,8 +641,7 @@ class PDDispatcher(Dispatcher):
         self.calls.pop(call.request_id, None)
         if call in self.queue:
             self.queue.remove(call)
-        if call in self.awaiting_decode:
-            self.awaiting_decode.remove(call)
+        self.awaiting.pop(call.request_id, None)
         self._release(call.program)
         decisions = self._abort_halves(call) + self._drop_prefetch(call)
         reason = status if status in ("invalid", "busy", "failed") else "unavailable"
