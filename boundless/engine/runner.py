@@ -99,10 +99,14 @@ class ModelRunner:
                     PromptSpan(chunk.request_id, first_row, chunk.prompt_targets, chunk.prompt_targets_from, top_k)
                 )
             ids.extend(chunk.token_ids)
-            pos = range(start, start + n)
-            positions.extend(pos)
             table, first = chunk.block_ids, chunk.first_block
-            slots.extend(table[p // bs - first] * bs + p % bs for p in pos)
+            if n == 1:  # a decode: most rows of a step, spared the generator
+                positions.append(start)
+                slots.append(table[start // bs - first] * bs + start % bs)
+            else:
+                pos = range(start, start + n)
+                positions.extend(pos)
+                slots.extend(table[p // bs - first] * bs + p % bs for p in pos)
             if chunk.draft_token_ids:  # speculative decoding: sample after the last known token and each draft
                 drafts = len(chunk.draft_token_ids)
                 sample_indices.extend(range(len(ids) - 1 - drafts, len(ids)))

@@ -564,12 +564,10 @@ class Scheduler:
         return (
             rid in self.held
             or rid in self.compiling
-            or self.awaits_grant(request)
             or request.awaiting_resume
             or request.push is not None
-            or self.kv.is_loading(rid)
-            or self.kv.is_receiving(rid)
-            or (self.wait_for_host_room and self.kv.waits_for_host_room(rid))
+            or (self.grants_required and self.awaits_grant(request))
+            or self.kv.holds_back(rid, self.wait_for_host_room)
         )
 
     def _handoff_send(self, request: Request) -> RemoteSend | None:

@@ -698,6 +698,17 @@ class KVCacheManager:
         lookup = self._lookups.get(request_id)
         return lookup is not None and lookup.in_flight is not None and lookup.waits
 
+    def holds_back(self, request_id: str, wait_for_host_room: bool) -> bool:
+        """Whether the request's KV keeps it from running yet: it waits for a read from the store
+        (:meth:`is_loading`), for blocks from a peer (:meth:`is_receiving`) or, with ``wait_for_host_room``, for host
+        room (:meth:`waits_for_host_room`). Asked of every request every step: a request with no store lookup and no
+        stream in flight is answered with two lookups."""
+        if request_id in self._lookups and (
+            self.is_loading(request_id) or (wait_for_host_room and self.waits_for_host_room(request_id))
+        ):
+            return True
+        return bool(self._intakes) and self.is_receiving(request_id)
+
     def has_read_in_flight(self, request_id: str) -> bool:
         """Whether a read from the store for the request (a probe or a load) is in flight, or a push's load is due."""
         lookup = self._lookups.get(request_id)
