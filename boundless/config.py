@@ -505,6 +505,13 @@ class ServerConfig:
             "reasoning, apart from its content (vLLM's flag)"
         },
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "the chat template of chat requests, instead of the model's (which a base model may lack): a Jinja "
+            "file's path, or the template itself (vLLM's flag)"
+        },
+    )
     generation_config: str = field(
         default="auto",
         metadata={

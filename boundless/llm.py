@@ -186,10 +186,13 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRARequest | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate. Messages take the
         server's shapes (``api/conversation.py``): content as text parts, an assistant turn of tool calls alone; any
-        role and any other key a template reads pass as given."""
+        role and any other key a template reads pass as given. ``chat_template``: a template's source (or the name of
+        one of the model's) instead of the model's; ``chat_template_kwargs``: more variables for it (vLLM's)."""
         from boundless.api.conversation import template_conversation  # (pydantic's schemas: loaded when chatting)
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -199,6 +202,8 @@ class LLM:
                     template_conversation(conv, strict=False),  # type: ignore[arg-type]
                     tools=tools,
                     add_generation_prompt=True,
+                    chat_template=chat_template,
+                    **(chat_template_kwargs or {}),
                 ),
                 add_special_tokens=False,
             )

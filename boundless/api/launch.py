@@ -13,7 +13,7 @@ from dataclasses import replace
 import uvicorn
 from starlette.types import ASGIApp
 
-from boundless.api.server import EngineClient, build_app
+from boundless.api.server import EngineClient, build_app, configured_chat_template
 from boundless.config import ClusterConfig, EngineConfig, ServerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
@@ -49,6 +49,7 @@ def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) 
 def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | None = None) -> None:
     """Load the model and serve until interrupted."""
     server = resolve_api_key(server)
+    configured_chat_template(server)  # a bad --chat-template fails before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = make_client(config, cluster or ClusterConfig(), server.max_waiting)
     # What start-up built (the model's objects, the imported modules, the engine) lives as long as the server: out

@@ -61,6 +61,7 @@ from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
 from boundless.engine.structured_output import StructuredOutput, check_structured_output
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults
 from boundless.model.lora import LoRAError, LoRARequest
+from boundless.model.tokenizer import load_chat_template
 from boundless.programs.ref import ProgramRef
 
 T = TypeVar("T")
@@ -298,6 +299,16 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: in
     require_token_ids(bias_ids, vocab_size, "logit_bias")
 
 
+def configured_chat_template(config: ServerConfig) -> str | None:
+    """The template ``--chat-template`` gives (a file's or the flag's own text), checked; None without the flag."""
+    if config.chat_template is None:
+        return None
+    try:
+        return load_chat_template(config.chat_template)
+    except ValueError as e:
+        raise ConfigError(f"--chat-template: {e}") from e
+
+
 # -- the app -------------------------------------------------------------------------------------
 
 
@@ -321,6 +332,7 @@ class OpenAIServer:
         if model_name in self.loras:
             raise ConfigError(f"--lora-modules: the adapter name {model_name!r} is the served model's name")
         self.config = config
+        self.chat_template = configured_chat_template(config)  # None: the model's own
         self.reasoning = ReasoningParser.named(config.reasoning_parser) if config.reasoning_parser else None
         self.metrics = ServerMetrics(client.stats, getattr(client, "cluster_metrics", None))
         client.add_finished_listener(self._observe)
@@ -375,6 +387,7 @@ class OpenAIServer:
                 messages,
                 tools=tools or None,
                 add_generation_prompt=body.add_generation_prompt,
+                chat_template=self.chat_template,
                 **self._template_kwargs(body),
             )
         # The template rejected the conversation (raise_exception), or a variable the request gave it does not fit.

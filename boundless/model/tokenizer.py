@@ -273,6 +273,30 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def load_chat_template(value: str) -> str:
+    """A chat template given as a Jinja file's path or as the template itself, checked to compile; raises
+    ``ValueError``. vLLM's ``--chat-template`` rule: a value that names no file is the template if it holds ``{`` or a
+    line break, and a mistyped path otherwise (an error, not a template that prints the path)."""
+    try:
+        is_file = Path(value).expanduser().is_file()
+    except OSError:  # a template too long to be a file's name
+        is_file = False
+    if is_file:
+        try:
+            source = Path(value).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read {value}: {e}") from e
+    elif "{" in value or "\n" in value:
+        source = value
+    else:
+        raise ValueError(f"{value!r} is no file, nor a template (it has no '{{')")
+    try:
+        _compile_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"not a valid Jinja template: {e.message} (line {e.lineno})") from e
+    return source
+
+
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
