@@ -129,6 +129,14 @@ class CacheConfig:
     num_kv_blocks: int | None = field(
         default=None, metadata={"help": "size of the KV pool in blocks (overrides --kv-cache-gb)"}
     )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata={
+            "help": "on CUDA, instead of --kv-cache-gb: the KV pool takes this fraction of the GPU's memory less "
+            "what is in use once the weights are loaded (theirs and any other process's); the rest of the memory is "
+            "left to activations and CUDA graphs (vLLM's flag; sized as SGLang's --mem-fraction-static)"
+        },
+    )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "share full KV blocks between requests"})
     kv_host_gb: float | None = field(
         default=None,
@@ -202,6 +210,11 @@ class CacheConfig:
         )
         _require(self.kv_cache_gb > 0, "kv_cache_gb", "must be positive")
         _require(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be positive")
+        _require(
+            self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            "must be in (0, 1]",
+        )
         _require(self.kv_host_gb is None or self.kv_host_gb >= 0, "kv_host_gb", "must not be negative")
         _require(self.swap_space_gb is None or self.swap_space_gb >= 0, "swap_space_gb", "must not be negative")
         _require(

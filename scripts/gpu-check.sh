@@ -41,5 +41,6 @@ BOUNDLESS_TEST_DEVICE=cuda timeout 190 python3 -m pytest -p no:cacheprovider -q 
     -k "not smollm2 and not simulator_refuses" \
     tests/attention/test_triton_paged.py tests/engine/test_cuda_graphs.py tests/model/test_reference.py \
     "tests/engine/test_dist_attention.py::test_distattention_on_the_triton_kernels" \
+    "tests/engine/test_builder.py::test_gpu_memory_utilization_on_cuda" \
     2>&1 | tee "$out/pytest.log" | tail -15
 timeout 250 python3 -m boundless.bench.gpu --shapes host,1b,8b --windows 16 --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log" | tail -45

@@ -47,6 +47,22 @@ class EngineLayout:
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """A CUDA device's memory as the driver reports it (``torch.cuda.mem_get_info``): free and total bytes."""
+
+    free: int
+    total: int
+
+    @staticmethod
+    def of(device: torch.device) -> DeviceMemory | None:
+        """The device's memory now; None for a device that is not CUDA."""
+        if device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceMemory(free, total)
+
+
+@dataclass(frozen=True)
 class ModelIdentity:
     """What the engine's bookkeeping knows of its model: no weights."""
 
@@ -62,10 +78,17 @@ class ModelIdentity:
         return ModelIdentity(loaded.name, loaded.arch.vocab_size, eos, loaded.fingerprint, str(loaded.device))
 
 
-def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, pools: float = 1) -> EngineLayout:
-    """Blocks from ``--num-kv-blocks`` or ``--kv-cache-gb``, host blocks from ``--kv-host-gb``, the disk
-    store's room from ``--kv-disk-gb`` (with ``--kv-disk-path``), and the context length: the asked one
-    (which must fit in the pool), or the model's capped by the pool.
+def size_engine(
+    config: EngineConfig,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    pools: float = 1,
+    memory: DeviceMemory | None = None,
+) -> EngineLayout:
+    """Blocks from ``--num-kv-blocks``, ``--gpu-memory-utilization`` (of ``memory``, the device's once the weights are
+    loaded) or ``--kv-cache-gb``, host blocks from ``--kv-host-gb``, the disk store's room from ``--kv-disk-gb`` (with
+    ``--kv-disk-path``), and the context length: the asked one (which must fit in the pool), or the model's capped by
+    the pool.
 
     ``pools``: how many instances' pools' worth of KV one request may hold. With KV lending its blocks beyond
     this pool live on creditors, so its context is capped by what they lend (``lending_plan.request_pools``), or by
@@ -74,7 +97,14 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, pools
     cache = config.cache
     bs = cache.block_size
     per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, bs, dtype)
-    num_blocks = cache.num_kv_blocks or max(1, int(cache.kv_cache_gb * (1 << 30)) // per_block)
+    if cache.num_kv_blocks:
+        num_blocks = cache.num_kv_blocks
+    elif cache.gpu_memory_utilization is not None:
+        num_blocks = _blocks_in_fraction(cache.gpu_memory_utilization, memory, per_block)
+        gib = num_blocks * per_block / (1 << 30)
+        log.info("KV pool: %d blocks (%.2f GiB) by --gpu-memory-utilization", num_blocks, gib)
+    else:
+        num_blocks = max(1, int(cache.kv_cache_gb * (1 << 30)) // per_block)
     num_host_blocks = int(cache.host_gb * (1 << 30)) // per_block
     disk_bytes = int(cache.kv_disk_gb * (1 << 30)) if cache.kv_disk_path else 0
     if disk_bytes and num_host_blocks == 0:
@@ -106,6 +136,21 @@ def size_engine(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, pools
     else:
         max_model_len = asked
     return EngineLayout(bs, num_blocks, num_host_blocks, per_block, max_model_len, disk_bytes)
+
+
+def _blocks_in_fraction(fraction: float, memory: DeviceMemory | None, per_block: int) -> int:
+    """The KV blocks that fit in ``fraction`` of the device's memory less what is in use (SGLang's static fraction)."""
+    if memory is None:
+        raise ConfigError("--gpu-memory-utilization sizes the KV pool on a CUDA device; elsewhere give --kv-cache-gb")
+    gib = 1 << 30
+    in_use = memory.total - memory.free
+    room = int(fraction * memory.total) - in_use
+    if room < per_block:
+        raise ConfigError(
+            f"--gpu-memory-utilization: {fraction:g} of the device's {memory.total / gib:.1f} GiB leaves no room for "
+            f"KV: {in_use / gib:.1f} GiB is in use with the weights loaded; raise it"
+        )
+    return room // per_block
 
 
 def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> BlockStore:

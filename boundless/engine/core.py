@@ -16,7 +16,7 @@ import torch
 
 from boundless.config import ConfigError, EngineConfig
 from boundless.engine.attention_time import AttentionTimeRecorder
-from boundless.engine.builder import EngineLayout, ModelIdentity, build_model_executor, size_engine
+from boundless.engine.builder import DeviceMemory, EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens, flush
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, PendingStep, StepResult
@@ -259,7 +259,7 @@ class EngineCore:
     ) -> EngineCore:
         """An instance that runs ``loaded`` on its device (its store reads waiting for ``read_link``, an
         emulated storage link, when given); a request may hold ``pools`` pools' worth of KV (``size_engine``)."""
-        layout = size_engine(config, loaded.arch, loaded.dtype, pools)
+        layout = size_engine(config, loaded.arch, loaded.dtype, pools, DeviceMemory.of(loaded.device))
         grammars = Grammars(loaded.tokenizer, loaded.arch.vocab_size)
         executor = build_model_executor(loaded, config, layout, read_link=read_link, grammars=grammars)
         core = cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy, grammars)

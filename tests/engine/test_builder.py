@@ -6,10 +6,11 @@ import dataclasses
 import logging
 
 import pytest
+import torch
 
 from boundless.cluster.lending_plan import LendingThresholds, request_pools
 from boundless.config import ConfigError
-from boundless.engine.builder import size_engine
+from boundless.engine.builder import DeviceMemory, size_engine
 from boundless.engine.core import EngineCore
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
@@ -76,3 +77,39 @@ def test_async_scheduling_without_graphs_says_it_does_nothing(
     with caplog.at_level(logging.WARNING, logger="boundless.engine.builder"):
         EngineCore.from_model(tiny_llama, engine_config(tiny_llama.name, num_kv_blocks=8))
     assert "--async-scheduling" not in caplog.text
+
+
+def test_gpu_memory_utilization_gives_the_pool_that_fraction_less_what_is_in_use(tiny_llama: LoadedModel) -> None:
+    """vLLM's flag, sized as SGLang's static fraction: of 0.5 of 80 GiB with 24 GiB in use (the weights, others), the
+    pool takes 16 GiB; the context is capped by it as by any pool. Not on a device that is not CUDA, nor when the
+    fraction leaves no room (each said at start-up, naming the flag)."""
+    arch, dtype = tiny_llama.arch, tiny_llama.dtype
+    gib = 1 << 30
+    config = engine_config(tiny_llama.name, gpu_memory_utilization=0.5, block_size=16)
+    per_block = size_engine(config, arch, dtype, memory=DeviceMemory(free=56 * gib, total=80 * gib)).bytes_per_block
+    layout = size_engine(config, arch, dtype, memory=DeviceMemory(free=56 * gib, total=80 * gib))
+    assert layout.num_blocks == 16 * gib // per_block
+    small = size_engine(config, arch, dtype, memory=DeviceMemory(free=40 * gib + 8 * per_block, total=80 * gib))
+    assert small.num_blocks == 8 and small.max_model_len == 8 * 16
+    # --num-kv-blocks still wins; --kv-cache-gb is what the flag replaces.
+    fixed = engine_config(tiny_llama.name, gpu_memory_utilization=0.5, num_kv_blocks=3)
+    assert size_engine(fixed, arch, dtype, memory=DeviceMemory(free=56 * gib, total=80 * gib)).num_blocks == 3
+    with pytest.raises(ConfigError, match="--gpu-memory-utilization sizes the KV pool on a CUDA device"):
+        size_engine(config, arch, dtype)
+    with pytest.raises(ConfigError, match=r"--gpu-memory-utilization: 0.5 .* 60.0 GiB is in use"):
+        size_engine(config, arch, dtype, memory=DeviceMemory(free=20 * gib, total=80 * gib))
+    for bad in (0.0, 1.5):
+        with pytest.raises(ConfigError, match=r"--gpu-memory-utilization: must be in \(0, 1\]"):
+            engine_config(tiny_llama.name, gpu_memory_utilization=bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device's memory")
+def test_gpu_memory_utilization_on_cuda(tiny_llama: LoadedModel) -> None:
+    """On a GPU the engine reads the device's memory as it is built: its pool is the fraction less what is in use."""
+    from boundless.model.loader import load_model
+
+    loaded = load_model(tiny_llama.name, device="cuda")
+    free, total = torch.cuda.mem_get_info()
+    core = EngineCore.from_model(loaded, engine_config(tiny_llama.name, gpu_memory_utilization=0.3, block_size=16))
+    expected = (int(0.3 * total) - (total - free)) // core.layout.bytes_per_block
+    assert expected > 0 and abs(core.layout.num_blocks - expected) <= expected // 100 + 1
