@@ -21,7 +21,15 @@ from boundless.bench.report import plot_sweep, print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, agent_sessions, make_programs
 from boundless.cluster.pd_dispatcher import PDDispatcher
-from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, add_flags, engine_config_from_flags
+from boundless.config import (
+    CacheConfig,
+    ClusterConfig,
+    EngineConfig,
+    ModelConfig,
+    add_flags,
+    comma_numbers,
+    engine_config_from_flags,
+)
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.failures import InstanceFailure, check_failures, parse_failures
@@ -66,18 +74,8 @@ def row_jobs(args: argparse.Namespace, clusters: list[ClusterConfig]) -> list[Ro
     policies = [p.strip() for p in args.policies.split(",")]
     if not all(policies):
         raise SystemExit(f"--policies: {args.policies!r} names an empty policy (comma-separated, e.g. fcfs,plas)")
-    return [RowJob(rate, c, policy) for rate in _rates(args.rates) for c in clusters for policy in policies]
-
-
-def _rates(text: str) -> list[float]:
-    """``--rates``: programs a second, comma-separated (0: all arrive at once)."""
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"--rates: {text!r} is not comma-separated numbers") from None
-    if not all(v >= 0 for v in values):  # (NaN too)
-        raise SystemExit(f"--rates: no value may be negative: {text!r}")
-    return values
+    rates = comma_numbers("--rates", args.rates, float)  # programs a second (0: all arrive at once)
+    return [RowJob(rate, c, policy) for rate in rates for c in clusters for policy in policies]
 
 
 def check_workload_flags(args: argparse.Namespace) -> None:
