@@ -162,3 +162,68 @@ def test_simulate_with_a_bad_value_says_so_before_it_runs(
     with pytest.raises(SystemExit, match=said):
         main(["simulate", "--num-programs", "2", "--policies", "fcfs", "--no-progress", *args])
     assert "rate/s" not in capsys.readouterr().out
+
+
+# A longctx run that gets past the cluster's own checks (lending needs 2 instances and a profile) and is quick:
+# an unchecked trace flag would run its meaningless rows, or fail with a traceback.
+LONGCTX = ["simulate", "--workload", "longctx", "--instances", "2", "--profile", "cpu", "--num-programs", "4"]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--short-prompt", "abc"], "--short-prompt: 'abc' is not comma-separated whole numbers"),
+        (["--short-prompt=-5,10"], "--short-prompt: every value must be positive"),
+        (["--short-prompt", "10"], "--short-prompt: min,max"),
+        (["--short-prompt", "200,10"], "--short-prompt: min,max"),
+        (["--short-output", "0,4"], "--short-output: every value must be positive"),
+        (["--long-factors", "x"], "--long-factors: 'x' is not comma-separated numbers"),
+        (["--long-factors=-1"], "--long-factors: every value must be positive"),
+        (["--long-factors", "0.75,nan"], "--long-factors: every value must be a finite number"),
+        (["--rates=-1"], "--rates: no value may be negative"),
+        (["--rates", "abc"], "--rates: 'abc' is not comma-separated numbers"),
+        (["--kv-modes", ","], "--kv-modes: no mode"),
+    ],
+)
+def test_simulate_longctx_with_a_bad_trace_flag_says_so_before_it_runs(
+    capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    """Each ran rows of meaningless requests (a negative factor's long request cut to one token, a negative rate)
+    or failed with a traceback; now the flag's one line, as simulate's other flags, before any row runs."""
+    with pytest.raises(SystemExit, match=said):
+        main([*LONGCTX, "--rates", "1", "--no-progress", *args])
+    assert "rate/s" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        ([*LONGCTX, "--long-output", "0"], "argument --long-output: must be at least 1, not 0"),
+    ],
+)
+def test_a_count_below_1_or_a_negative_rate_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    """argparse refuses it (status 2, the flag named) before the command runs: each ran its work first (up to a
+    minute of measuring, a model's load) and then failed with a traceback, or ran a meaningless benchmark."""
+    _no_work(monkeypatch)
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2 and said in capsys.readouterr().err
+
+
+def _no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command that got past its flags fails the test at once, rather than load a model or measure for a minute."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the command ran: its flags were not refused")
+
+    from boundless.bench import gpu, offline, programs
+    from boundless.model import loader
+    from boundless.sim import calibrate
+
+    # (Where each command takes the function from: validate and bench programs import it when they run.)
+    for module in (loader, calibrate, offline):
+        monkeypatch.setattr(module, "load_configured_model", refuse)
+    monkeypatch.setattr(programs, "make_programs", refuse)
+    monkeypatch.setattr(gpu, "_stage", refuse)
