@@ -34,7 +34,7 @@ from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.failures import InstanceFailure, check_failures, parse_failures
 from boundless.sim.longctx import add_longctx_arguments, run_longctx
-from boundless.sim.profiles import HardwareProfile, load_profile, profile_names
+from boundless.sim.profiles import HardwareProfile, profile_from_flag, profile_names
 from boundless.sim.progress import VirtualTimeBar
 from boundless.sim.simulator import DEFAULT_INSTANCE_STARTUP_S, SimResult, Simulator
 
@@ -166,10 +166,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("--jobs: the longctx workload runs its rows in one process")
     check_workload_flags(args)
     base = engine_config_from_flags(args)
-    try:
-        profile = load_profile(args.profile) if args.profile else None
-    except (ValueError, OSError) as e:  # (a file that is not a profile: JSON's error is a ValueError)
-        raise SystemExit(f"--profile: {e}") from None
+    profile = profile_from_flag("--profile", args.profile) if args.profile else None
     clusters = cluster_configs_from_flags(args)
     failures = failures_from_flags(args, clusters)
     context = RowContext(base, SimulatedModel.read(base.model), profile, linear_cost(args, profile), failures)
