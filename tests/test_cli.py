@@ -199,6 +199,8 @@ def test_simulate_longctx_with_a_bad_trace_flag_says_so_before_it_runs(
     ("argv", "said"),
     [
         ([*LONGCTX, "--long-output", "0"], "argument --long-output: must be at least 1, not 0"),
+        (["simulate", "calibrate", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
+        (["simulate", "calibrate", "--output-tokens", "0"], "argument --output-tokens: must be at least 1, not 0"),
     ],
 )
 def test_a_count_below_1_or_a_negative_rate_is_a_usage_error(
@@ -227,3 +229,34 @@ def _no_work(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(module, "load_configured_model", refuse)
     monkeypatch.setattr(programs, "make_programs", refuse)
     monkeypatch.setattr(gpu, "_stage", refuse)
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--batch-sizes", "0"], "--batch-sizes: every value must be positive: '0'"),
+        (["--prompt-lens", "16,x"], "--prompt-lens: '16,x' is not comma-separated whole numbers"),
+        (["--held-out-batch-sizes=-3"], "--held-out-batch-sizes: every value must be positive"),
+    ],
+)
+def test_calibrate_checks_its_grid_before_it_measures(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], said: str
+) -> None:
+    """A batch size of 0 failed only when the fit found no steps, after ~50 s of measuring."""
+    _no_work(monkeypatch)
+    with pytest.raises(SystemExit, match=said):
+        main(["simulate", "calibrate", *args])
+
+
+def test_calibrate_refits_a_shipped_profile_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--refit cpu`` takes the shipped profile's name, as ``--profile`` does (it was a FileNotFoundError's
+    traceback); one without measured steps, or none at all, is the flag's one line."""
+    out = tmp_path / "refit.json"
+    assert main(["simulate", "calibrate", "--refit", "cpu", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["calibration"]["refit_of"] == "cpu"
+    with pytest.raises(SystemExit, match="--refit: the profile 'h100' keeps no measured steps"):
+        main(["simulate", "calibrate", "--refit", "h100"])
+    with pytest.raises(SystemExit, match="--refit: no profile 'bogus': a path, or one of"):
+        main(["simulate", "calibrate", "--refit", "bogus"])
+    with pytest.raises(SystemExit, match="--check: no file"):
+        main(["simulate", "calibrate", "--refit", "cpu", "--check", str(tmp_path / "missing.json")])
