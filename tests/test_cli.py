@@ -201,6 +201,7 @@ def test_simulate_longctx_with_a_bad_trace_flag_says_so_before_it_runs(
         ([*LONGCTX, "--long-output", "0"], "argument --long-output: must be at least 1, not 0"),
         (["simulate", "calibrate", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
         (["simulate", "calibrate", "--output-tokens", "0"], "argument --output-tokens: must be at least 1, not 0"),
+        (["simulate", "validate", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
     ],
 )
 def test_a_count_below_1_or_a_negative_rate_is_a_usage_error(
@@ -260,3 +261,19 @@ def test_calibrate_refits_a_shipped_profile_by_name(tmp_path: Path, capsys: pyte
         main(["simulate", "calibrate", "--refit", "bogus"])
     with pytest.raises(SystemExit, match="--check: no file"):
         main(["simulate", "calibrate", "--refit", "cpu", "--check", str(tmp_path / "missing.json")])
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--profile", "bogus"], "--profile: no profile 'bogus'"),
+        (["--instances", "2", "--cluster-profile", "bogus"], "--cluster-profile: no profile 'bogus'"),
+    ],
+)
+def test_validate_with_a_missing_profile_says_which_flag(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], said: str
+) -> None:
+    """Before the model loads (it was a ValueError's traceback)."""
+    _no_work(monkeypatch)
+    with pytest.raises(SystemExit, match=said):
+        main(["simulate", "validate", "--instances", "1", "--workloads", "chat", *args])
