@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -202,6 +203,7 @@ def test_simulate_longctx_with_a_bad_trace_flag_says_so_before_it_runs(
         (["simulate", "calibrate", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
         (["simulate", "calibrate", "--output-tokens", "0"], "argument --output-tokens: must be at least 1, not 0"),
         (["simulate", "validate", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
+        (["bench", "serve", "--num-requests", "0"], "argument --num-requests: must be at least 1, not 0"),
     ],
 )
 def test_a_count_below_1_or_a_negative_rate_is_a_usage_error(
@@ -277,3 +279,24 @@ def test_validate_with_a_missing_profile_says_which_flag(
     _no_work(monkeypatch)
     with pytest.raises(SystemExit, match=said):
         main(["simulate", "validate", "--instances", "1", "--workloads", "chat", *args])
+
+
+def test_bench_serve_with_a_missing_trace_says_so(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"--trace: No such file or directory: '.*missing\.jsonl'"):
+        main(["bench", "serve", "--trace", str(tmp_path / "missing.jsonl"), "--base-url", "http://127.0.0.1:9"])
+
+
+def test_bench_serve_without_a_server_says_it_cannot_reach_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """A port nothing listens on: every request failed, and it printed a table of NaN and exited 0."""
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit, match=re.escape(f"--base-url: cannot reach the server at {url}/v1")):
+        main(["bench", "serve", "--base-url", url, "--num-requests", "2", "--rate", "100"])
+    assert "nan" not in capsys.readouterr().out
+
+
+def test_bench_serve_with_a_model_the_server_lacks_says_so(
+    tiny_server: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit, match=r"--model: the server at \S+ does not serve 'nope'"):
+        main(["bench", "serve", "--base-url", tiny_server, "--model", "nope", "--num-requests", "2", "--rate", "100"])
+    assert "nan" not in capsys.readouterr().out
