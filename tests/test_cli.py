@@ -204,6 +204,9 @@ def test_simulate_longctx_with_a_bad_trace_flag_says_so_before_it_runs(
         (["simulate", "calibrate", "--output-tokens", "0"], "argument --output-tokens: must be at least 1, not 0"),
         (["simulate", "validate", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
         (["bench", "serve", "--num-requests", "0"], "argument --num-requests: must be at least 1, not 0"),
+        (["bench", "offline", "--num-prompts", "0"], "argument --num-prompts: must be at least 1, not 0"),
+        (["bench", "programs", "--num-programs", "0"], "argument --num-programs: must be at least 1, not 0"),
+        (["bench", "programs", "--rate=-1"], "argument --rate: must be a finite number, not negative: '-1'"),
     ],
 )
 def test_a_count_below_1_or_a_negative_rate_is_a_usage_error(
@@ -215,6 +218,13 @@ def test_a_count_below_1_or_a_negative_rate_is_a_usage_error(
     with pytest.raises(SystemExit) as stopped:
         main(argv)
     assert stopped.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_bench_programs_checks_its_sweep_rates_before_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``--sweep``, ``--rates`` as simulate's: a negative rate ran its programs at meaningless arrival times."""
+    _no_work(monkeypatch)
+    with pytest.raises(SystemExit, match=r"--rates: no value may be negative: '0\.1,-1'"):
+        main(["bench", "programs", "--sweep", "--rates", "0.1,-1"])
 
 
 def _no_work(monkeypatch: pytest.MonkeyPatch) -> None:
