@@ -207,6 +207,8 @@ def test_simulate_longctx_with_a_bad_trace_flag_says_so_before_it_runs(
         (["bench", "offline", "--num-prompts", "0"], "argument --num-prompts: must be at least 1, not 0"),
         (["bench", "programs", "--num-programs", "0"], "argument --num-programs: must be at least 1, not 0"),
         (["bench", "programs", "--rate=-1"], "argument --rate: must be a finite number, not negative: '-1'"),
+        (["bench", "gpu", "--cases", "0"], "argument --cases: must be at least 1, not 0"),
+        (["bench", "gpu", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
     ],
 )
 def test_a_count_below_1_or_a_negative_rate_is_a_usage_error(
