@@ -312,3 +312,17 @@ def test_bench_serve_with_a_model_the_server_lacks_says_so(
     with pytest.raises(SystemExit, match=r"--model: the server at \S+ does not serve 'nope'"):
         main(["bench", "serve", "--base-url", tiny_server, "--model", "nope", "--num-requests", "2", "--rate", "100"])
     assert "nan" not in capsys.readouterr().out
+
+
+def test_a_cluster_with_a_missing_model_says_so_before_ray_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each actor's load failed, a RayActorError's traceback; now the model's one line, as with one instance."""
+    import ray
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Ray started before the model was found")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    assert main(["serve", "--instances", "2", "--model", "/nonexistent"]) == 2
+    assert "boundless: model '/nonexistent' is neither" in capsys.readouterr().err
