@@ -2,7 +2,8 @@
 
 Requests arrive by a Poisson process (``--rate``) or replay a trace's arrivals and lengths
 (``--trace``). Prompts are random token ids of the scheduled length (sent as token ids, so their
-length is exact), each streamed through the async ``openai`` client.
+length is exact), each streamed through the async ``openai`` client. One small request goes first, as vLLM's
+benchmark sends: a server that cannot be reached, or refuses the flags, stops the run with the flag's one line.
 """
 
 from __future__ import annotations
