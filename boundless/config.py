@@ -826,6 +826,50 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] | 
             group.add_argument(flag, type=tp, default=default, help=f"{help_text} (default: {default})")
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for a count: a whole number of at least 1. argparse names the flag in the error and
+    exits 2 before the command runs (a count of 0 ran to a traceback, or nothing, after the work had begun)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse ``type`` for a rate or a wait: a finite number, not negative (as :func:`positive_int`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not negative: {text!r}")
+    return value
+
+
+N = TypeVar("N", int, float)
+
+
+def comma_numbers(flag: str, text: str, kind: type[N], positive: bool = False) -> list[N]:
+    """A flag's comma-separated numbers (``--rates``, a grid's sizes), each finite and not negative, or with
+    ``positive`` above 0. Checked when the command runs, as simulate's own flags are: what is wrong exits with the
+    flag's one line (SystemExit)."""
+    try:
+        values = [kind(v) for v in text.split(",")]
+    except ValueError:
+        numbers = "whole numbers" if kind is int else "numbers"
+        raise SystemExit(f"{flag}: {text!r} is not comma-separated {numbers}") from None
+    if not all(math.isfinite(v) for v in values):  # (NaN too)
+        raise SystemExit(f"{flag}: every value must be a finite number: {text!r}")
+    if positive and not all(v > 0 for v in values):
+        raise SystemExit(f"{flag}: every value must be positive: {text!r}")
+    if not all(v >= 0 for v in values):
+        raise SystemExit(f"{flag}: no value may be negative: {text!r}")
+    return values
+
+
 def from_flags(cls: type[C], args: argparse.Namespace) -> C:
     """Build ``cls`` from parsed flags; a bad value raises :class:`ConfigError`."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]

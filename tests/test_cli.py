@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -162,3 +163,166 @@ def test_simulate_with_a_bad_value_says_so_before_it_runs(
     with pytest.raises(SystemExit, match=said):
         main(["simulate", "--num-programs", "2", "--policies", "fcfs", "--no-progress", *args])
     assert "rate/s" not in capsys.readouterr().out
+
+
+# A longctx run that gets past the cluster's own checks (lending needs 2 instances and a profile) and is quick:
+# an unchecked trace flag would run its meaningless rows, or fail with a traceback.
+LONGCTX = ["simulate", "--workload", "longctx", "--instances", "2", "--profile", "cpu", "--num-programs", "4"]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--short-prompt", "abc"], "--short-prompt: 'abc' is not comma-separated whole numbers"),
+        (["--short-prompt=-5,10"], "--short-prompt: every value must be positive"),
+        (["--short-prompt", "10"], "--short-prompt: min,max"),
+        (["--short-prompt", "200,10"], "--short-prompt: min,max"),
+        (["--short-output", "0,4"], "--short-output: every value must be positive"),
+        (["--long-factors", "x"], "--long-factors: 'x' is not comma-separated numbers"),
+        (["--long-factors=-1"], "--long-factors: every value must be positive"),
+        (["--long-factors", "0.75,nan"], "--long-factors: every value must be a finite number"),
+        (["--rates=-1"], "--rates: no value may be negative"),
+        (["--rates", "abc"], "--rates: 'abc' is not comma-separated numbers"),
+        (["--kv-modes", ","], "--kv-modes: no mode"),
+    ],
+)
+def test_simulate_longctx_with_a_bad_trace_flag_says_so_before_it_runs(
+    capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    """Each ran rows of meaningless requests (a negative factor's long request cut to one token, a negative rate)
+    or failed with a traceback; now the flag's one line, as simulate's other flags, before any row runs."""
+    with pytest.raises(SystemExit, match=said):
+        main([*LONGCTX, "--rates", "1", "--no-progress", *args])
+    assert "rate/s" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        ([*LONGCTX, "--long-output", "0"], "argument --long-output: must be at least 1, not 0"),
+        (["simulate", "calibrate", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
+        (["simulate", "calibrate", "--output-tokens", "0"], "argument --output-tokens: must be at least 1, not 0"),
+        (["simulate", "validate", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
+        (["bench", "serve", "--num-requests", "0"], "argument --num-requests: must be at least 1, not 0"),
+        (["bench", "offline", "--num-prompts", "0"], "argument --num-prompts: must be at least 1, not 0"),
+        (["bench", "programs", "--num-programs", "0"], "argument --num-programs: must be at least 1, not 0"),
+        (["bench", "programs", "--rate=-1"], "argument --rate: must be a finite number, not negative: '-1'"),
+        (["bench", "gpu", "--cases", "0"], "argument --cases: must be at least 1, not 0"),
+        (["bench", "gpu", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
+    ],
+)
+def test_a_count_below_1_or_a_negative_rate_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    """argparse refuses it (status 2, the flag named) before the command runs: each ran its work first (up to a
+    minute of measuring, a model's load) and then failed with a traceback, or ran a meaningless benchmark."""
+    _no_work(monkeypatch)
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_bench_programs_checks_its_sweep_rates_before_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``--sweep``, ``--rates`` as simulate's: a negative rate ran its programs at meaningless arrival times."""
+    _no_work(monkeypatch)
+    with pytest.raises(SystemExit, match=r"--rates: no value may be negative: '0\.1,-1'"):
+        main(["bench", "programs", "--sweep", "--rates", "0.1,-1"])
+
+
+def _no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command that got past its flags fails the test at once, rather than load a model or measure for a minute."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the command ran: its flags were not refused")
+
+    from boundless.bench import gpu, offline, programs
+    from boundless.model import loader
+    from boundless.sim import calibrate
+
+    # (Where each command takes the function from: validate and bench programs import it when they run.)
+    for module in (loader, calibrate, offline):
+        monkeypatch.setattr(module, "load_configured_model", refuse)
+    monkeypatch.setattr(programs, "make_programs", refuse)
+    monkeypatch.setattr(gpu, "_stage", refuse)
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--batch-sizes", "0"], "--batch-sizes: every value must be positive: '0'"),
+        (["--prompt-lens", "16,x"], "--prompt-lens: '16,x' is not comma-separated whole numbers"),
+        (["--held-out-batch-sizes=-3"], "--held-out-batch-sizes: every value must be positive"),
+    ],
+)
+def test_calibrate_checks_its_grid_before_it_measures(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], said: str
+) -> None:
+    """A batch size of 0 failed only when the fit found no steps, after ~50 s of measuring."""
+    _no_work(monkeypatch)
+    with pytest.raises(SystemExit, match=said):
+        main(["simulate", "calibrate", *args])
+
+
+def test_calibrate_refits_a_shipped_profile_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--refit cpu`` takes the shipped profile's name, as ``--profile`` does (it was a FileNotFoundError's
+    traceback); one without measured steps, or none at all, is the flag's one line."""
+    out = tmp_path / "refit.json"
+    assert main(["simulate", "calibrate", "--refit", "cpu", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["calibration"]["refit_of"] == "cpu"
+    with pytest.raises(SystemExit, match="--refit: the profile 'h100' keeps no measured steps"):
+        main(["simulate", "calibrate", "--refit", "h100"])
+    with pytest.raises(SystemExit, match="--refit: no profile 'bogus': a path, or one of"):
+        main(["simulate", "calibrate", "--refit", "bogus"])
+    with pytest.raises(SystemExit, match="--check: no file"):
+        main(["simulate", "calibrate", "--refit", "cpu", "--check", str(tmp_path / "missing.json")])
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--profile", "bogus"], "--profile: no profile 'bogus'"),
+        (["--instances", "2", "--cluster-profile", "bogus"], "--cluster-profile: no profile 'bogus'"),
+    ],
+)
+def test_validate_with_a_missing_profile_says_which_flag(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], said: str
+) -> None:
+    """Before the model loads (it was a ValueError's traceback)."""
+    _no_work(monkeypatch)
+    with pytest.raises(SystemExit, match=said):
+        main(["simulate", "validate", "--instances", "1", "--workloads", "chat", *args])
+
+
+def test_bench_serve_with_a_missing_trace_says_so(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"--trace: No such file or directory: '.*missing\.jsonl'"):
+        main(["bench", "serve", "--trace", str(tmp_path / "missing.jsonl"), "--base-url", "http://127.0.0.1:9"])
+
+
+def test_bench_serve_without_a_server_says_it_cannot_reach_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """A port nothing listens on: every request failed, and it printed a table of NaN and exited 0."""
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit, match=re.escape(f"--base-url: cannot reach the server at {url}/v1")):
+        main(["bench", "serve", "--base-url", url, "--num-requests", "2", "--rate", "100"])
+    assert "nan" not in capsys.readouterr().out
+
+
+def test_bench_serve_with_a_model_the_server_lacks_says_so(
+    tiny_server: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit, match=r"--model: the server at \S+ does not serve 'nope'"):
+        main(["bench", "serve", "--base-url", tiny_server, "--model", "nope", "--num-requests", "2", "--rate", "100"])
+    assert "nan" not in capsys.readouterr().out
+
+
+def test_a_cluster_with_a_missing_model_says_so_before_ray_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each actor's load failed, a RayActorError's traceback; now the model's one line, as with one instance."""
+    import ray
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Ray started before the model was found")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    assert main(["serve", "--instances", "2", "--model", "/nonexistent"]) == 2
+    assert "boundless: model '/nonexistent' is neither" in capsys.readouterr().err

@@ -31,6 +31,7 @@ import torch
 from boundless.bench.offline import BoundlessSystem, HuggingFaceSystem, compare, make_prompts
 from boundless.bench.report import print_table, write_json
 from boundless.bench.timing import device_seconds
+from boundless.config import positive_int
 from boundless.llm import LLM, engine_config
 from boundless.model.loader import LoadedModel, load_model
 from boundless.model.random_model import TinySpec, random_weights, write_random_model
@@ -436,6 +437,10 @@ def run(args: argparse.Namespace) -> dict:
     if unknown := shapes - {"host", "1b", "8b", "tiles"}:
         raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; host, 1b, 8b or tiles")
     _windows(args)  # (a bad --windows stops the run before anything is built)
+    if device.type == "cuda" and not torch.cuda.is_available():  # (else each stage failed, and the run exited 0)
+        raise SystemExit(
+            f"--device {args.device}: CUDA is not available here; --device cpu runs --tiny or --shapes host on the CPU"
+        )
     if device.type != "cuda" and not args.tiny and not shapes <= {"host"}:
         raise SystemExit(
             "bench gpu needs a CUDA device (or --tiny, which checks the benchmark on small shapes; or --shapes host)"
@@ -537,9 +542,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="which shapes: 1b (against transformers), 8b (decode), host (the engine's host work on a tiny model: "
         "any device), tiles (the attention kernels' tile shapes swept on the 1B shape's attention)",
     )
-    parser.add_argument("--cases", type=int, default=len(OFFLINE_CASES), help="how many of the 1B cases to run")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="timed runs per system (medians: a first run on a GPU runs cold)"
+        "--cases", type=positive_int, default=len(OFFLINE_CASES), help="how many of the 1B cases to run"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed runs per system (medians: a first run on a GPU runs cold)",
     )
     parser.add_argument("--workdir", default="/tmp/boundless-bench-gpu", help="where the random checkpoints go")
     parser.add_argument(

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from boundless.bench.report import print_table, write_json
-from boundless.config import engine_config_from_flags
+from boundless.config import engine_config_from_flags, positive_int
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import LLM
 from boundless.model.loader import LoadedModel, hf_config, load_configured_model
@@ -89,8 +89,6 @@ def run(args: argparse.Namespace) -> dict:
     config = engine_config_from_flags(args)
     loaded = load_configured_model(config.model)
     prompts = make_prompts(loaded, args.num_prompts, args.input_len, args.bench_seed)
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be at least 1")
     systems: list[BenchSystem] = [BoundlessSystem(LLM.from_config(config, loaded))]
     if not args.skip_hf:
         systems.insert(0, HuggingFaceSystem(loaded))
@@ -227,11 +225,11 @@ class HuggingFaceSystem(BenchSystem):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--num-prompts", type=positive_int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true", help="run only Boundless")
     parser.add_argument(
-        "--repeats", type=int, default=1, help="timed runs per system, taking turns; figures are the medians"
+        "--repeats", type=positive_int, default=1, help="timed runs per system, taking turns; figures are the medians"
     )
     parser.add_argument("--bench-seed", dest="bench_seed", type=int, default=0, help="seed of the random prompts")

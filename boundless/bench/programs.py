@@ -54,8 +54,11 @@ from boundless.config import (
     ConfigError,
     EngineConfig,
     add_flags,
+    comma_numbers,
     engine_config_from_flags,
     from_flags,
+    non_negative_float,
+    positive_int,
 )
 from boundless.engine.attention_time import AttentionSample
 from boundless.engine.core import EngineStats
@@ -343,7 +346,7 @@ def run(args: argparse.Namespace) -> dict:
     for name in kv_names:
         if name is not None:
             kv_config(base, name, None)  # a bad name fails before any run
-    rates = [float(r) for r in (args.rates.split(",") if args.sweep else [str(args.rate)])]
+    rates = comma_numbers("--rates", args.rates, float) if args.sweep else [args.rate]
     shape = WorkloadShape(
         scale=args.scale, call_scale=args.call_scale, tool_wait_s=args.tool_wait, max_len=args.max_len
     )
@@ -484,10 +487,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--routings", help="with --instances N > 1: comma-separated routings to compare (default: all three)"
     )
-    parser.add_argument("--rate", type=float, default=0.2, help="program arrivals per second (0: one at a time)")
+    parser.add_argument(
+        "--rate", type=non_negative_float, default=0.2, help="program arrivals per second (0: one at a time)"
+    )
     parser.add_argument("--sweep", action="store_true", help="run every policy at every rate of --rates")
     parser.add_argument("--rates", default="0.05,0.1,0.2,0.4")
-    parser.add_argument("--num-programs", type=int, default=30)
+    parser.add_argument("--num-programs", type=positive_int, default=30)
     parser.add_argument("--scale", type=float, default=0.1, help="multiply the workload's token lengths")
     parser.add_argument("--call-scale", type=float, default=1.0, help="multiply the calls per program")
     parser.add_argument("--tool-wait", type=float, default=0.2, help="mean seconds of tool/user time between calls")

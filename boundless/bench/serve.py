@@ -2,7 +2,8 @@
 
 Requests arrive by a Poisson process (``--rate``) or replay a trace's arrivals and lengths
 (``--trace``). Prompts are random token ids of the scheduled length (sent as token ids, so their
-length is exact), each streamed through the async ``openai`` client.
+length is exact), each streamed through the async ``openai`` client. One small request goes first, as vLLM's
+benchmark sends: a server that cannot be reached, or refuses the flags, stops the run with the flag's one line.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from boundless.bench.report import print_table, write_json
 from boundless.bench.traces import TraceRequest, load_trace, poisson_schedule
+from boundless.config import positive_int
+
+if TYPE_CHECKING:
+    import openai
 
 
 @dataclass
@@ -74,10 +80,28 @@ def api_root(base_url: str) -> str:
     return root if root.endswith("/v1") else root + "/v1"
 
 
+async def check_server(client: openai.AsyncOpenAI, model: str) -> None:
+    """One small request before the load, as vLLM's benchmark sends: a server that cannot be reached, or that
+    refuses the flags, is the flag's one line (SystemExit), not a table of NaN after every request has failed."""
+    import openai
+
+    try:
+        await client.completions.create(model=model, prompt=[100] * 4, max_tokens=1, temperature=0.0)
+    except openai.APIConnectionError as e:  # (a timeout too)
+        raise SystemExit(f"--base-url: cannot reach the server at {client.base_url} ({e})") from None
+    except openai.AuthenticationError as e:
+        raise SystemExit(f"--api-key: the server refused it ({e})") from None
+    except openai.NotFoundError as e:
+        raise SystemExit(f"--model: the server at {client.base_url} does not serve {model!r} ({e})") from None
+    except openai.APIStatusError as e:
+        raise SystemExit(f"--base-url: the server at {client.base_url} refused a test request ({e})") from None
+
+
 async def run_load(base_url: str, model: str, schedule: list[TraceRequest], vocab: int, api_key: str) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=api_root(base_url), api_key=api_key, max_retries=0, timeout=3600)
+    await check_server(client, model)
     rng = random.Random(0)
     bar = tqdm(total=len(schedule), desc="requests", unit="req")
     start = time.perf_counter()
@@ -119,14 +143,7 @@ async def run_load(base_url: str, model: str, schedule: list[TraceRequest], voca
 
 def run(args: argparse.Namespace) -> dict:
     if args.trace:
-        schedule = load_trace(
-            args.trace,
-            max_requests=args.num_requests,
-            time_scale=args.time_scale,
-            length_scale=args.length_scale,
-            max_input_len=args.max_input_len,
-            max_output_len=args.max_output_len,
-        )
+        schedule = trace_schedule(args)
     else:
         schedule = poisson_schedule(args.num_requests, args.rate, args.input_len, args.output_len, seed=args.bench_seed)
     summary = asyncio.run(run_load(args.base_url, args.model, schedule, args.vocab_size, args.api_key))
@@ -150,11 +167,28 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+def trace_schedule(args: argparse.Namespace) -> list[TraceRequest]:
+    """``--trace``'s requests; a file that is not there, or holds no requests, is the flag's one line."""
+    try:
+        return load_trace(
+            args.trace,
+            max_requests=args.num_requests,
+            time_scale=args.time_scale,
+            length_scale=args.length_scale,
+            max_input_len=args.max_input_len,
+            max_output_len=args.max_output_len,
+        )
+    except OSError as e:
+        raise SystemExit(f"--trace: {e.strerror or e}: {args.trace!r}") from None
+    except ValueError as e:
+        raise SystemExit(f"--trace: {e}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (with or without /v1)")
     parser.add_argument("--model", default="smollm2-135m", help="the model name the server serves")
     parser.add_argument("--api-key", default="unused")
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=positive_int, default=64)
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second (without --trace)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)

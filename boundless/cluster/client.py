@@ -252,6 +252,9 @@ class ClusterClient(DispatcherFrontEnd):
     def __init__(self, engine: EngineConfig, cluster: ClusterConfig, max_waiting: int = 1024) -> None:
         import ray
 
+        # Here, before Ray starts: a model that is not there is one line (ModelNotFoundError, a ConfigError), where
+        # each actor's load failed with a RayActorError's traceback.
+        model_path = resolve_model_path(engine.model.model)
         self.engine_config = engine
         self.config = cluster
         if not ray.is_initialized():
@@ -286,7 +289,7 @@ class ClusterClient(DispatcherFrontEnd):
         for inst in self.instances.values():
             inst.info = ray.get(inst.actor.info.remote())
         self.lending = self._connect_lending(cluster) if cluster.kv_lending == "on" else None
-        self.tokenizer = load_tokenizer(resolve_model_path(engine.model.model))
+        self.tokenizer = load_tokenizer(model_path)
         self.max_model_len = min(i.info.max_model_len for i in self.instances.values() if i.info)
         table = ProcessTable(ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas")
         self.dispatcher: Dispatcher

@@ -46,7 +46,15 @@ import torch
 
 from boundless.bench.programs import served_engine
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, make_programs
-from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.config import (
+    CacheConfig,
+    ClusterConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    comma_numbers,
+    positive_int,
+)
 from boundless.engine.attention_time import AttentionSample, ChunkShape, fit_attention_time
 from boundless.engine.core import EngineCore
 from boundless.engine.lending_stats import LendingStats
@@ -59,7 +67,13 @@ from boundless.sim.cost import (
 )
 from boundless.sim.grid import WARM_UP_GRID, CalibrationGrid, fastest_per_shape, median_per_shape, run_grid, step_shape
 from boundless.sim.links import LinkSpec
-from boundless.sim.profiles import fitted_profile_dict, load_profile, profile_from_dict
+from boundless.sim.profiles import (
+    FittedStepCost,
+    fitted_profile_dict,
+    profile_data,
+    profile_from_dict,
+    profile_from_flag,
+)
 from boundless.sim.run import parse_roles
 from boundless.sim.served_grid import (
     MODEL_NAME,
@@ -348,10 +362,15 @@ def grid_errors(
     return fit_error(model, samples, spec.per_shape, spec.others), held_error
 
 
-def _grid(batch_sizes: str, prompt_lens: str, output_tokens: int, repeats: int) -> CalibrationGrid:
+def _grid(
+    batch_sizes: str, prompt_lens: str, output_tokens: int, repeats: int, held_out: bool = False
+) -> CalibrationGrid:
+    """The grid of the flags' sizes (``held_out``: the held-out grid's flags), checked before anything is measured:
+    a batch size of 0 failed only when the fit found no steps, after every shape had run."""
+    flag = "--held-out-" if held_out else "--"
     return CalibrationGrid(
-        tuple(int(b) for b in batch_sizes.split(",")),
-        tuple(int(p) for p in prompt_lens.split(",")),
+        tuple(comma_numbers(f"{flag}batch-sizes", batch_sizes, int, positive=True)),
+        tuple(comma_numbers(f"{flag}prompt-lens", prompt_lens, int, positive=True)),
         output_tokens,
         repeats,
     )
@@ -497,7 +516,7 @@ def run(args: argparse.Namespace) -> dict:
         return refit(args)
     grid = _grid(args.batch_sizes, args.prompt_lens, args.output_tokens, args.repeats)
     held_out = (
-        _grid(args.held_out_batch_sizes, args.held_out_prompt_lens, HELD_OUT_GRID.output_tokens, args.repeats)
+        _grid(args.held_out_batch_sizes, args.held_out_prompt_lens, HELD_OUT_GRID.output_tokens, args.repeats, True)
         if args.held_out_batch_sizes
         else None
     )
@@ -692,11 +711,18 @@ def _write(path: str, data: dict) -> None:
 def refit(args: argparse.Namespace) -> dict:
     """``calibrate --refit PROFILE``: the profile's kept steps fitted again (in ``--form``), offline; its errors on
     the same fitted and held-out shapes, and with ``--check`` on the steps a validate run measured."""
-    data = json.loads(Path(args.refit).read_text())
+    # A shipped profile by name, as --profile takes one, or a file; checked before anything is fitted.
+    before = profile_from_flag("--refit", args.refit).step
+    data = profile_data(args.refit)
+    if "calibration" not in data or not isinstance(before, FittedStepCost):  # (a roofline profile: published figures)
+        raise SystemExit(
+            f"--refit: the profile {args.refit!r} keeps no measured steps (simulate calibrate writes those)"
+        )
+    if missing := [path for path in args.check if not Path(path).is_file()]:  # (read only after the refit)
+        raise SystemExit(f"--check: no file {missing[0]!r}")
     calibration = data["calibration"]
     samples = samples_from_json(calibration["samples"])
     held = samples_from_json(calibration.get("held_out_samples", []))
-    before = load_profile(args.refit).step.model  # type: ignore[attr-defined]
     per_shape = args.per_shape or ("all" if calibration.get("served") else "fastest")
     spec = FitSpec(args.form, per_shape, calibration.get("threads", 1), calibration.get("instances", 1) - 1)
     result = fitted(samples, held, calibration.get("wall_s", 0.0), spec)
@@ -707,7 +733,7 @@ def refit(args: argparse.Namespace) -> dict:
     print(f"{args.refit}: {len(samples)} + {len(held)} held-out steps, refitted")
     _print_result(result)
     for path in args.check:
-        print_check(path, calibration.get("instances", 1), {"before": before, "refit": result.model})
+        print_check(path, calibration.get("instances", 1), {"before": before.model, "refit": result.model})
     step = fitted_profile_dict(data["name"], data.get("description", ""), result.model, {}, {})["step"]
     sources = dict(data.get("sources", {}))
     sources["step"] = (
@@ -770,9 +796,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=ModelConfig.dtype)
     parser.add_argument("--batch-sizes", default=",".join(map(str, default.batch_sizes)))
     parser.add_argument("--prompt-lens", default=",".join(map(str, default.prompt_lens)))
-    parser.add_argument("--output-tokens", type=int, default=default.output_tokens)
+    parser.add_argument("--output-tokens", type=positive_int, default=default.output_tokens)
     parser.add_argument(
-        "--repeats", type=int, default=default.repeats, help="passes over the grid; the fit takes each shape's fastest"
+        "--repeats",
+        type=positive_int,
+        default=default.repeats,
+        help="passes over the grid; the fit takes each shape's fastest",
     )
     parser.add_argument(
         "--held-out-batch-sizes",

@@ -28,7 +28,7 @@ from boundless.bench.longctx_trace import TraceRequest, TraceShape, make_trace
 from boundless.bench.report import plot_sweep, print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import SHARED_SYSTEM_PROMPT, CallSpec, ProgramSpec
-from boundless.config import ClusterConfig, EngineConfig
+from boundless.config import ClusterConfig, EngineConfig, comma_numbers, positive_int
 from boundless.engine.builder import size_engine
 from boundless.sim.cost import StepCost
 from boundless.sim.engine import SimulatedModel
@@ -61,13 +61,33 @@ def pool_tokens(config: EngineConfig, model: SimulatedModel) -> int:
 
 
 def trace_shape_from_flags(args: argparse.Namespace) -> TraceShape:
+    """The trace's lengths from the flags (SystemExit naming the flag: a bad one was a traceback, or a run of
+    meaningless requests, such as long ones of a negative factor cut to one token)."""
     return TraceShape(
         num_short=args.num_programs,
-        short_prompt=tuple(int(x) for x in args.short_prompt.split(",")),  # type: ignore[arg-type]
-        short_output=tuple(int(x) for x in args.short_output.split(",")),  # type: ignore[arg-type]
-        long_factors=tuple(float(x) for x in args.long_factors.split(",")),
+        short_prompt=_length_range("--short-prompt", args.short_prompt),
+        short_output=_length_range("--short-output", args.short_output),
+        long_factors=tuple(comma_numbers("--long-factors", args.long_factors, float, positive=True)),
         long_output=args.long_output,
     )
+
+
+def _length_range(flag: str, text: str) -> tuple[int, int]:
+    """``min,max`` token lengths, each at least 1, the first not above the second."""
+    lengths = comma_numbers(flag, text, int, positive=True)
+    if len(lengths) != 2 or lengths[0] > lengths[1]:
+        raise SystemExit(f"{flag}: min,max (two lengths, the first not above the second), not {text!r}")
+    return lengths[0], lengths[1]
+
+
+def kv_modes_from_flags(args: argparse.Namespace) -> list[str]:
+    """``--kv-modes``: one or more of separate, lending."""
+    modes = [m.strip() for m in args.kv_modes.split(",") if m.strip()]
+    if unknown := [m for m in modes if m not in KV_MODES]:
+        raise SystemExit(f"--kv-modes: unknown {', '.join(unknown)} (separate, lending)")
+    if not modes:  # (no row would run: an empty table)
+        raise SystemExit(f"--kv-modes: no mode in {args.kv_modes!r} (separate, lending)")
+    return modes
 
 
 def mode_cluster(cluster: ClusterConfig, mode: str) -> ClusterConfig:
@@ -184,7 +204,7 @@ def add_longctx_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--long-factors", default="0.75,1.5,2.5", help="long prompts as multiples of one instance's KV pool"
     )
-    group.add_argument("--long-output", type=int, default=16, help="tokens each long request generates")
+    group.add_argument("--long-output", type=positive_int, default=16, help="tokens each long request generates")
 
 
 def run_longctx(
@@ -201,17 +221,16 @@ def run_longctx(
     tier, as ``bench longctx`` runs it: a request that loses its blocks is recomputed (a swapped-out request's
     swap-in counts its lent blocks as local ones, so with lending it could never come back). Separate instances
     admit one pool (``--max-model-len``, else the pool, whatever the simulated model's position limit)."""
+    # The flags first: a bad one stops the command before any engine is sized.
+    shape, modes = trace_shape_from_flags(args), kv_modes_from_flags(args)
+    rates = comma_numbers("--rates", args.rates, float)  # requests a second (0: all arrive at once)
     base = dataclasses.replace(base, cache=dataclasses.replace(base.cache, kv_host_gb=0.0))
     pool = pool_tokens(base, model)
     if base.model.max_model_len is None:  # one pool, not the simulated model's position limit (lending ignores it)
         model_config = dataclasses.replace(base.model, max_model_len=pool, allow_long_max_model_len=True)
         base = dataclasses.replace(base, model=model_config)
-    shape = trace_shape_from_flags(args)
-    modes = [m.strip() for m in args.kv_modes.split(",") if m.strip()]
-    if unknown := [m for m in modes if m not in KV_MODES]:
-        raise SystemExit(f"--kv-modes: unknown {', '.join(unknown)} (separate, lending)")
     rows, walls = [], []
-    for rate in [float(r) for r in args.rates.split(",")]:
+    for rate in rates:
         trace = make_trace(shape, pool, model.identity.vocab_size, rate, args.bench_seed)
         programs = trace_programs(trace)
         for mode in modes:

@@ -158,14 +158,29 @@ def profile_names() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
-def load_profile(name_or_path: str) -> HardwareProfile:
-    """A shipped profile by name (``cpu``, ``a100-80gb``, ``h100``, ``h200``) or a profile file by path."""
+def profile_data(name_or_path: str) -> dict[str, Any]:
+    """A profile's JSON: a shipped profile by name (``cpu``, ``a100-80gb``, ``h100``, ``h200``) or a profile file by
+    path (ValueError without either)."""
     path = Path(name_or_path)
     if not path.is_file():
         path = PROFILE_DIR / f"{name_or_path}.json"
         if not path.is_file():
             raise ValueError(f"no profile {name_or_path!r}: a path, or one of {', '.join(profile_names())}")
-    return profile_from_dict(json.loads(path.read_text()))
+    return json.loads(path.read_text())
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A shipped profile by name or a profile file by path (:func:`profile_data`)."""
+    return profile_from_dict(profile_data(name_or_path))
+
+
+def profile_from_flag(flag: str, name_or_path: str) -> HardwareProfile:
+    """:func:`load_profile` for a command's flag: no such profile, or a file that is not one, exits with the flag's
+    one line (SystemExit), not a traceback."""
+    try:
+        return load_profile(name_or_path)
+    except (ValueError, OSError) as e:  # (a file that is not a profile: JSON's error is a ValueError)
+        raise SystemExit(f"{flag}: {e}") from None
 
 
 def profile_from_dict(data: dict[str, Any]) -> HardwareProfile:

@@ -21,12 +21,20 @@ from boundless.bench.report import plot_sweep, print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, agent_sessions, make_programs
 from boundless.cluster.pd_dispatcher import PDDispatcher
-from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, add_flags, engine_config_from_flags
+from boundless.config import (
+    CacheConfig,
+    ClusterConfig,
+    EngineConfig,
+    ModelConfig,
+    add_flags,
+    comma_numbers,
+    engine_config_from_flags,
+)
 from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.failures import InstanceFailure, check_failures, parse_failures
 from boundless.sim.longctx import add_longctx_arguments, run_longctx
-from boundless.sim.profiles import HardwareProfile, load_profile, profile_names
+from boundless.sim.profiles import HardwareProfile, profile_from_flag, profile_names
 from boundless.sim.progress import VirtualTimeBar
 from boundless.sim.simulator import DEFAULT_INSTANCE_STARTUP_S, SimResult, Simulator
 
@@ -66,18 +74,8 @@ def row_jobs(args: argparse.Namespace, clusters: list[ClusterConfig]) -> list[Ro
     policies = [p.strip() for p in args.policies.split(",")]
     if not all(policies):
         raise SystemExit(f"--policies: {args.policies!r} names an empty policy (comma-separated, e.g. fcfs,plas)")
-    return [RowJob(rate, c, policy) for rate in _rates(args.rates) for c in clusters for policy in policies]
-
-
-def _rates(text: str) -> list[float]:
-    """``--rates``: programs a second, comma-separated (0: all arrive at once)."""
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"--rates: {text!r} is not comma-separated numbers") from None
-    if not all(v >= 0 for v in values):  # (NaN too)
-        raise SystemExit(f"--rates: no value may be negative: {text!r}")
-    return values
+    rates = comma_numbers("--rates", args.rates, float)  # programs a second (0: all arrive at once)
+    return [RowJob(rate, c, policy) for rate in rates for c in clusters for policy in policies]
 
 
 def check_workload_flags(args: argparse.Namespace) -> None:
@@ -168,10 +166,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("--jobs: the longctx workload runs its rows in one process")
     check_workload_flags(args)
     base = engine_config_from_flags(args)
-    try:
-        profile = load_profile(args.profile) if args.profile else None
-    except (ValueError, OSError) as e:  # (a file that is not a profile: JSON's error is a ValueError)
-        raise SystemExit(f"--profile: {e}") from None
+    profile = profile_from_flag("--profile", args.profile) if args.profile else None
     clusters = cluster_configs_from_flags(args)
     failures = failures_from_flags(args, clusters)
     context = RowContext(base, SimulatedModel.read(base.model), profile, linear_cost(args, profile), failures)

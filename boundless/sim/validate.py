@@ -48,10 +48,11 @@ from boundless.config import (
     SchedulerConfig,
     add_flags,
     engine_config_from_flags,
+    positive_int,
 )
 from boundless.engine.lending_stats import LendingStats
 from boundless.sim.engine import SimulatedModel
-from boundless.sim.profiles import FittedStepCost, HardwareProfile, load_profile
+from boundless.sim.profiles import FittedStepCost, HardwareProfile, profile_from_flag
 from boundless.sim.run import parse_roles
 from boundless.sim.served_grid import add_roles_arguments, roles_cluster_base, run_programs_on_a_fresh_engine
 from boundless.sim.simulator import SimResult, Simulator
@@ -382,10 +383,14 @@ def run(args: argparse.Namespace) -> dict:
 
     # One engine: --profile; more, each on its share of the cores: --cluster-profile; prefill and decode engines:
     # --roles-profile.
-    def profile_name(case: Case) -> str:
-        return args.roles_profile if case.roles else args.profile if case.instances == 1 else args.cluster_profile
+    def profile_flag(case: Case) -> tuple[str, str]:
+        """The flag that names ``case``'s profile, and its value."""
+        if case.roles:
+            return "--roles-profile", args.roles_profile
+        return ("--profile", args.profile) if case.instances == 1 else ("--cluster-profile", args.cluster_profile)
 
-    profiles = {name: load_profile(name) for name in {profile_name(c) for c in sizes}}
+    # Before the model loads: a profile that is not there is its flag's one line.
+    profiles = {name: profile_from_flag(flag, name) for flag, name in {profile_flag(c) for c in sizes}}
     loaded = load_configured_model(config.model)
     real_run = serve_and_measure(loaded)
     load_before = os.getloadavg()[0]
@@ -397,7 +402,7 @@ def run(args: argparse.Namespace) -> dict:
             args.num_programs,
             args.rate,
             args.bench_seed,
-            profiles[profile_name(size)],
+            profiles[profile_flag(size)[1]],
             args.repeats,
             real_run,
             base,
@@ -486,7 +491,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "engine, real and simulated, with the read path --kv-path and the links --storage-gbps, --net-gbps)",
     )
     add_lending_arguments(parser)
-    parser.add_argument("--repeats", type=int, default=3, help="real runs per case (the simulation is deterministic)")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=3, help="real runs per case (the simulation is deterministic)"
+    )
     parser.add_argument("--num-programs", type=int, default=16)
     parser.add_argument("--rate", type=float, default=0.2)
     parser.add_argument("--scale", type=float, default=0.1)

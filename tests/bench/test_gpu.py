@@ -91,6 +91,19 @@ def test_bench_gpu_refuses_unknown_shapes_and_windows(flags: list[str], tmp_path
     assert not list(tmp_path.iterdir())  # nothing was built
 
 
+def test_bench_gpu_without_cuda_says_so_before_anything_is_built(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--device cuda`` (the default) where CUDA is not: each stage failed with a traceback, and the run exited 0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    args = parser.parse_args(["--tiny", "--workdir", str(tmp_path), "--json", str(tmp_path / "bench.json")])
+    with pytest.raises(SystemExit, match="--device cuda: CUDA is not available here; --device cpu runs"):
+        gpu.run(args)
+    assert not list(tmp_path.iterdir())  # nothing was built
+
+
 def test_idle_gaps_says_where_the_gpu_waited() -> None:
     """The GPU's idle time between activities: the longest gaps first, each with when it began after the first
     activity; the idle time outside the first and last activity is the rest of the run's idle time."""
