@@ -209,6 +209,13 @@ def test_simulate_longctx_with_a_bad_trace_flag_says_so_before_it_runs(
         (["bench", "programs", "--rate=-1"], "argument --rate: must be a finite number, not negative: '-1'"),
         (["bench", "gpu", "--cases", "0"], "argument --cases: must be at least 1, not 0"),
         (["bench", "gpu", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
+        (["bench", "serve", "--rate=-2"], "argument --rate: must be a finite number, not negative: '-2'"),
+        (["bench", "serve", "--input-len", "0"], "argument --input-len: must be at least 1, not 0"),
+        (["bench", "serve", "--time-scale", "nan"], "argument --time-scale: must be a finite number"),
+        (["bench", "offline", "--output-len", "0"], "argument --output-len: must be at least 1, not 0"),
+        (["bench", "longctx", "--rate=-1"], "argument --rate: must be a finite number, not negative: '-1'"),
+        (["simulate", "validate", "--num-programs", "0"], "argument --num-programs: must be at least 1, not 0"),
+        (["simulate", "calibrate", "--rate=-1"], "argument --rate: must be a finite number, not negative: '-1'"),
     ],
 )
 def test_a_count_below_1_or_a_negative_rate_is_a_usage_error(
@@ -326,3 +333,11 @@ def test_a_cluster_with_a_missing_model_says_so_before_ray_starts(
     monkeypatch.setattr(ray, "init", refuse)
     assert main(["serve", "--instances", "2", "--model", "/nonexistent"]) == 2
     assert "boundless: model '/nonexistent' is neither" in capsys.readouterr().err
+
+
+def test_bench_longctx_checks_its_long_factors_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A factor that is not a positive number was a traceback (``abc``) or a meaningless long request (``-1``)."""
+    _no_work(monkeypatch)
+    for bad, said in (("abc", "is not comma-separated numbers"), ("1,-1", "every value must be positive")):
+        with pytest.raises(SystemExit, match=f"--long-factors: .*{said}"):
+            main(["bench", "longctx", "--long-factors", bad])

@@ -55,7 +55,7 @@ from boundless.bench.workloads import (
     with_arrivals,
 )
 from boundless.cluster.links import Link, LinkStats, ThrottledLink, gbps_to_bytes_per_s
-from boundless.config import ClusterConfig, EngineConfig, engine_config_from_flags
+from boundless.config import ClusterConfig, EngineConfig, engine_config_from_flags, non_negative_float
 from boundless.engine.builder import size_engine
 from boundless.kv.transfer import DISK
 from boundless.model.loader import LoadedModel
@@ -533,7 +533,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-turns", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=512, help="cap on one turn's append and output tokens")
     parser.add_argument("--tool-wait", type=float, default=0.5, help="online: mean seconds of tool time before a turn")
-    parser.add_argument("--rate", type=float, default=0.5, help="online: session arrivals per second")
+    parser.add_argument("--rate", type=non_negative_float, default=0.5, help="online: session arrivals per second")
     parser.add_argument("--storage-gbps", type=float, default=0.2, help="each engine's emulated storage link")
     parser.add_argument("--net-gbps", type=float, default=8.0, help="each engine's emulated compute-network link")
     parser.add_argument("--sweep-gbps", default="", help="offline basic and dualpath at each of these storage Gbit/s")

@@ -45,7 +45,7 @@ from boundless.cluster.gmanager import GManager
 from boundless.cluster.kv_migration import Endpoint, migrate_request
 from boundless.cluster.lending_plan import LendingThresholds
 from boundless.cluster.rmanager import RManager
-from boundless.config import EngineConfig, engine_config_from_flags
+from boundless.config import EngineConfig, comma_numbers, engine_config_from_flags, non_negative_float
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.errors import InvalidRequestError
@@ -454,7 +454,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-short", type=int, default=30, help="short requests in the trace")
     parser.add_argument("--long-factors", default="0.75,1.5,2.5",
                         help="the long requests' prompts, in multiples of one instance's pool")  # fmt: skip
-    parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second (0: all at once)")
+    parser.add_argument(
+        "--rate", type=non_negative_float, default=1.0, help="Poisson arrivals per second (0: all at once)"
+    )
     parser.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
     parser.add_argument("--creditor-max-usage", type=float, default=0.9, help="U_thres of the lending planner")
     parser.add_argument("--creditor-headroom", type=float, default=0.05, help="share of a creditor never lent")
@@ -470,6 +472,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from boundless.model.loader import load_configured_model
 
+    long_factors = tuple(comma_numbers("--long-factors", args.long_factors, float, positive=True))  # (before the load)
     base = engine_config_from_flags(args)
     loaded = load_configured_model(base.model)
     setups = tuple(s.strip() for s in args.setups.split(",") if s.strip())
@@ -488,7 +491,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             creditor_headroom=args.creditor_headroom,
         ),
     )
-    shape = TraceShape(num_short=args.num_short, long_factors=tuple(float(x) for x in args.long_factors.split(",")))
+    shape = TraceShape(num_short=args.num_short, long_factors=long_factors)
     trace = make_trace(shape, config.pool_tokens, loaded.arch.vocab_size, args.rate, args.bench_seed)
     longs = [r.context for r in trace if r.long]
     print(

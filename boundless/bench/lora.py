@@ -29,7 +29,7 @@ import torch
 
 from boundless.bench.offline import hf_generate, load_hf_reference, make_prompts
 from boundless.bench.report import print_table, write_json
-from boundless.config import engine_config_from_flags
+from boundless.config import engine_config_from_flags, positive_int
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import LLM
 from boundless.model.loader import LoadedModel, load_configured_model
@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the projections the adapters change, comma-separated (PEFT's default on a Llama: q_proj,v_proj)",
     )
     parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--input-len", type=positive_int, default=128)
+    parser.add_argument("--output-len", type=positive_int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each system, taking turns (medians)")
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument("--json", help="write the figures here")

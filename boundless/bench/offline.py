@@ -226,8 +226,8 @@ class HuggingFaceSystem(BenchSystem):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=positive_int, default=32)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--input-len", type=positive_int, default=128)
+    parser.add_argument("--output-len", type=positive_int, default=128)
     parser.add_argument("--skip-hf", action="store_true", help="run only Boundless")
     parser.add_argument(
         "--repeats", type=positive_int, default=1, help="timed runs per system, taking turns; figures are the medians"

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from boundless.bench.report import print_table, write_json
 from boundless.bench.traces import TraceRequest, load_trace, poisson_schedule
-from boundless.config import positive_int
+from boundless.config import non_negative_float, positive_int
 
 if TYPE_CHECKING:
     import openai
@@ -189,12 +189,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="the model name the server serves")
     parser.add_argument("--api-key", default="unused")
     parser.add_argument("--num-requests", type=positive_int, default=64)
-    parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second (without --trace)")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--rate", type=non_negative_float, default=2.0, help="Poisson arrivals per second (without --trace)"
+    )
+    parser.add_argument("--input-len", type=positive_int, default=128)
+    parser.add_argument("--output-len", type=positive_int, default=64)
     parser.add_argument("--trace", help="replay a trace: Azure .csv or Mooncake .jsonl from ../shared/traces")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times")
-    parser.add_argument("--length-scale", type=float, default=1.0, help="multiply trace lengths")
+    parser.add_argument("--time-scale", type=non_negative_float, default=1.0, help="multiply trace arrival times")
+    parser.add_argument("--length-scale", type=non_negative_float, default=1.0, help="multiply trace lengths")
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, default=49152, help="token ids of random prompts stay below this")

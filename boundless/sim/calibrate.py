@@ -53,6 +53,7 @@ from boundless.config import (
     ModelConfig,
     SchedulerConfig,
     comma_numbers,
+    non_negative_float,
     positive_int,
 )
 from boundless.engine.attention_time import AttentionSample, ChunkShape, fit_attention_time
@@ -876,8 +877,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --workloads: fitted runs of each workload (seeds from --workload-seed), each on a fresh engine as"
         " validate's repeats are; the held-out run's seed is the next",
     )
-    parser.add_argument("--num-programs", type=int, default=8, help="with --workloads: programs of each workload")
-    parser.add_argument("--rate", type=float, default=0.25, help="with --workloads: programs per second")
+    parser.add_argument(
+        "--num-programs", type=positive_int, default=8, help="with --workloads: programs of each workload"
+    )
+    parser.add_argument("--rate", type=non_negative_float, default=0.25, help="with --workloads: programs per second")
     parser.add_argument("--scale", type=float, default=0.1, help="with --workloads: as validate's --scale")
     parser.add_argument("--tool-wait", type=float, default=0.2, help="with --workloads: as validate's --tool-wait")
     parser.add_argument(

@@ -48,6 +48,7 @@ from boundless.config import (
     SchedulerConfig,
     add_flags,
     engine_config_from_flags,
+    non_negative_float,
     positive_int,
 )
 from boundless.engine.lending_stats import LendingStats
@@ -494,8 +495,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats", type=positive_int, default=3, help="real runs per case (the simulation is deterministic)"
     )
-    parser.add_argument("--num-programs", type=int, default=16)
-    parser.add_argument("--rate", type=float, default=0.2)
+    parser.add_argument("--num-programs", type=positive_int, default=16)
+    parser.add_argument("--rate", type=non_negative_float, default=0.2)
     parser.add_argument("--scale", type=float, default=0.1)
     parser.add_argument("--tool-wait", type=float, default=0.2)
     parser.add_argument("--bench-seed", type=int, default=0)
