@@ -321,6 +321,15 @@ def test_bench_serve_with_a_model_the_server_lacks_says_so(
     assert "nan" not in capsys.readouterr().out
 
 
+def test_bench_serve_whose_every_request_fails_says_why(tiny_server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The server answers the test request but refuses every request of the load (prompts past its context): the
+    server's error and a failing status, not a table of NaN and status 0."""
+    argv = ["bench", "serve", "--base-url", tiny_server, "--model", "tiny", "--vocab-size", "300", "--rate", "100"]
+    with pytest.raises(SystemExit, match=r"bench serve: all 2 requests failed: BadRequestError.*maximum context"):
+        main([*argv, "--num-requests", "2", "--input-len", "5000", "--output-len", "2"])
+    assert "nan" not in capsys.readouterr().out
+
+
 def test_a_cluster_with_a_missing_model_says_so_before_ray_starts(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

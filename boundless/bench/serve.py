@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -148,6 +149,8 @@ def run(args: argparse.Namespace) -> dict:
         schedule = poisson_schedule(args.num_requests, args.rate, args.input_len, args.output_len, seed=args.bench_seed)
     summary = asyncio.run(run_load(args.base_url, args.model, schedule, args.vocab_size, args.api_key))
     summary.update({"base_url": args.base_url, "rate": None if args.trace else args.rate, "trace": args.trace})
+    if not summary["completed"]:  # (the server died or refused them after the test request): no figures to print
+        raise SystemExit(f"bench serve: all {summary['requests']} requests failed: {'; '.join(summary['errors'])}")
     rows = [
         [
             metric,
@@ -162,6 +165,8 @@ def run(args: argparse.Namespace) -> dict:
         f"{summary['completed']}/{summary['requests']} requests in {summary['duration_s']:.1f} s: "
         f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} output tok/s"
     )
+    if summary["failed"]:
+        print(f"{summary['failed']} requests failed: {'; '.join(summary['errors'])}", file=sys.stderr)
     if args.json:
         write_json(args.json, summary | {"args": {k: v for k, v in vars(args).items() if k != "func"}})
     return summary
