@@ -223,6 +223,9 @@ class CompletionRequest(_SamplingFields):
     echo: Bool = False
     suffix: str | None = None
     return_token_ids: Bool = False  # extension (as vLLM): each choice carries its prompt and output token ids
+    # OpenAI's: best_of candidates, the n with the highest logprob per token returned. Only best_of == n is served
+    # (vLLM's V1 engine takes only that too); more is refused by the route, not dropped.
+    best_of: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod

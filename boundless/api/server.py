@@ -635,6 +635,10 @@ class OpenAIServer:
         lora = self.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+        if body.best_of is not None and body.best_of < body.n:
+            raise APIError(400, f"best_of ({body.best_of}) must not be below n ({body.n})", "best_of", "invalid_value")
+        if body.best_of is not None and body.best_of > body.n:
+            raise APIError(400, "best_of above n is not supported (send n alone)", "best_of", "unsupported_parameter")
         if body.max_tokens == 0 and not body.echo:
             raise APIError(
                 400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens", "invalid_value"

@@ -376,6 +376,12 @@ CORPUS: list[Case] = [
     completion({"echo": "true"}, "echo"),
     completion({"suffix": SURROGATE}, "suffix"),
     completion({"suffix": "and then"}, "suffix"),
+    # best_of: OpenAI's type and its rule (not below n); above n, not served (vLLM V1's neither), not dropped
+    completion({"best_of": "x"}, "best_of"),
+    completion({"best_of": 1, "n": 2}, "best_of"),
+    completion({"best_of": 3, "n": 2}, "best_of"),
+    completion({"best_of": 2, "n": 2}, None, SERVED),
+    completion({"best_of": None}, None, SERVED),
     # vLLM's removed structured-output fields: refused, not ignored (the output would be unconstrained)
     *both({"guided_json": {"type": "object"}}, "guided_json"),
     chat({"guided_choice": ["a", "b"]}, "guided_choice"),
