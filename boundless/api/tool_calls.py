@@ -4,7 +4,8 @@ Templates that take ``tools`` teach the model one of three shapes, and all are r
 Hermes/Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; the same blocks holding
 Qwen3-Coder's XML, ``<function=NAME><parameter=KEY>VALUE</parameter>...</function>``, whose values are text read
 by the tool's parameter schema (:func:`parameter_types`); and a bare JSON object (or list of objects) with ``name``
-and ``arguments`` or ``parameters`` (Llama 3.1).
+and ``arguments`` or ``parameters`` (Llama 3.1), naming one of the request's tools: without tags, JSON is as likely
+an answer (``{"name": "Bob", "age": 3}``), so it is a call only in that shape, as vLLM's ``llama3_json`` reads it.
 
 A ``tool_choice`` that forces a call (``required``, or a named function) holds the output to the second shape
 with a JSON schema (:func:`forced_call_schema`, as vLLM does), so the calls parse whatever the model would say.
@@ -17,11 +18,11 @@ import contextlib
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from boundless.api.call_scanner import CallScanner, CallSpan, scan_calls
+from boundless.api.call_scanner import ARGUMENT_KEYS, CallScanner, CallSpan, scan_calls
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|(?=<function=)|\Z)", re.DOTALL)
@@ -92,6 +93,17 @@ def _as_call(obj: Any, text: str, span: CallSpan | None) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def _bare_call(obj: Any, tools: Collection[str] | None) -> bool:
+    """Whether a JSON object written without tags is a call: a ``name`` with ``arguments`` or ``parameters`` (vLLM's
+    ``llama3_json`` rule), the name one of ``tools`` (the request's tool names; None: not known, any name)."""
+    return (
+        isinstance(obj, dict)
+        and isinstance(obj.get("name"), str)
+        and any(key in obj for key in ARGUMENT_KEYS)
+        and (tools is None or obj["name"] in tools)
+    )
+
+
 def _typed(value: str, schema: Any) -> Any:
     """An XML call's parameter text as its schema's type says (vLLM's qwen3_coder parser reads them so): a string
     stays text, as does a value of no known type or one that does not read as its type."""
@@ -153,8 +165,9 @@ def _xml_calls(block: str, types: ParameterTypes) -> list[ToolCall]:
 def parse_tool_calls(
     text: str, types: ParameterTypes | None = None, formats: CallFormats = ALL_FORMATS
 ) -> tuple[str | None, list[ToolCall]]:
-    """Split model output into (remaining content or None, tool calls). ``types``: the tools' parameter schemas, for
-    Qwen3-Coder's XML calls; ``formats``: the shapes of call read (``--tool-call-parser``)."""
+    """Split model output into (remaining content or None, tool calls). ``types``: the request's tools' parameter
+    schemas by name, for Qwen3-Coder's XML calls, and the names a bare JSON call may have (None: not known, any);
+    ``formats``: the shapes of call read (``--tool-call-parser``)."""
     tagged = _TAGGED.findall(text) if formats & {TAGGED_JSON, TAGGED_XML} else []
     if tagged:
         calls = []
@@ -185,11 +198,10 @@ def parse_tool_calls(
         except json.JSONDecodeError:
             return text, []
         items = obj if isinstance(obj, list) else [obj]
-        spans = scan_calls(stripped) if all(isinstance(i, dict) for i in items) else []
-        found = (_as_call(i, stripped, spans[n] if n < len(spans) else None) for n, i in enumerate(items))
-        calls = [c for c in found if c is not None]
-        if calls and len(calls) == len(items):
-            return None, calls
+        if items and all(_bare_call(i, types) for i in items):
+            spans = scan_calls(stripped)
+            found = (_as_call(i, stripped, spans[n] if n < len(spans) else None) for n, i in enumerate(items))
+            return None, [c for c in found if c is not None]
     return text, []
 
 
@@ -249,10 +261,12 @@ class CallStream:
     its index, id and name, once the name is complete and its arguments' object has begun, and the arguments' text
     so far; the next ones the text added since. The calls are read from where :class:`ContentStream` held the
     output (a Hermes ``<tool_call>`` block each, or the bare JSON the output opens with); ``parallel=False`` streams
-    the first call only. :meth:`finish` sends what the parsed calls have beyond what was streamed."""
+    the first call only; ``tools``: the request's tool names, the only names a bare call may have, as the parser
+    reads it (None: not known, any). :meth:`finish` sends what the parsed calls have beyond what was streamed."""
 
-    def __init__(self, parallel: bool = True) -> None:
+    def __init__(self, parallel: bool = True, tools: Collection[str] | None = None) -> None:
         self.parallel = parallel
+        self.tools = tools
         self._bare: bool | None = None  # the calls are the JSON the output opens with (else Hermes blocks)
         self._scanners: list[CallScanner] = []  # one a document: the bare JSON, or each block's
         self._ids: list[str] = []  # each begun call's id
@@ -282,6 +296,8 @@ class CallStream:
             if index == len(self._ids):
                 if call.name is None or call.args_start is None or call.args_opener not in "{[":
                     break  # calls begin in order
+                if self._bare and self.tools is not None and call.name not in self.tools:
+                    break  # JSON naming none of the tools is an answer, not a call (the parser reads it so)
                 self._ids.append(f"call_{uuid.uuid4().hex[:24]}")
                 self._names.append(call.name)
                 self._sent.append("")
