@@ -162,35 +162,49 @@ def _xml_calls(block: str, types: ParameterTypes) -> list[ToolCall]:
     return calls
 
 
+def _block_calls(block: str, types: ParameterTypes | None, formats: CallFormats) -> list[ToolCall]:
+    """The calls in a ``<tool_call>`` block's text: its JSON call, or else Qwen3-Coder's XML ones (of ``formats``)."""
+    try:
+        obj = json.loads(block) if TAGGED_JSON in formats else None
+    except json.JSONDecodeError:
+        obj = None
+    if obj is None:
+        return _xml_calls(block, types or {}) if TAGGED_XML in formats else []
+    spans = scan_calls(block)
+    call = _as_call(obj, block, spans[0] if spans else None)
+    return [] if call is None else [call]
+
+
+def _unclosed_block(text: str) -> tuple[int, str]:
+    """Where a last ``<tool_call>`` block that the output never closed begins (its tag, after every closed block),
+    and its text; ``(-1, "")`` when there is none. Its calls are calls when they parse, as vLLM's Hermes parser
+    reads such a block: the model stopped before the end tag. A block cut off inside its JSON does not parse, and
+    stays content."""
+    ends = [found.end() for found in _TAGGED.finditer(text)]
+    at = text.find(TOOL_CALL_TAG, ends[-1] if ends else 0)
+    return (at, text[at + len(TOOL_CALL_TAG) :].strip()) if at >= 0 else (-1, "")
+
+
 def parse_tool_calls(
     text: str, types: ParameterTypes | None = None, formats: CallFormats = ALL_FORMATS
 ) -> tuple[str | None, list[ToolCall]]:
     """Split model output into (remaining content or None, tool calls). ``types``: the request's tools' parameter
     schemas by name, for Qwen3-Coder's XML calls, and the names a bare JSON call may have (None: not known, any);
     ``formats``: the shapes of call read (``--tool-call-parser``)."""
-    tagged = _TAGGED.findall(text) if formats & {TAGGED_JSON, TAGGED_XML} else []
-    if tagged:
-        calls = []
-        for block in tagged:
-            try:
-                obj = json.loads(block) if TAGGED_JSON in formats else None
-            except json.JSONDecodeError:
-                obj = None
-            if obj is None:
-                calls += _xml_calls(block, types or {}) if TAGGED_XML in formats else []
-                continue
-            spans = scan_calls(block)
-            call = _as_call(obj, block, spans[0] if spans else None)
-            if call is not None:
-                calls.append(call)
+    if formats & {TAGGED_JSON, TAGGED_XML}:
+        closed = _TAGGED.findall(text)
+        at, tail = _unclosed_block(text)
+        blocks = closed + ([tail] if at >= 0 else [])
+        calls = [call for block in blocks for call in _block_calls(block, types, formats)]
         if calls:
-            return (_content_before_calls(text).strip() or None), calls
-        return text, []
+            return (_content_before_calls(text, formats).strip() or None), calls
+        if closed:
+            return text, []
     if TAGGED_XML in formats and (at := text.find(XML_FUNCTION_TAG)) >= 0:
-        # Qwen3-Coder's calls without their block's tags (or without the closing one)
+        # Qwen3-Coder's calls without their block's tags
         calls = _xml_calls(text[at:], types or {})
         if calls:
-            return (_content_before_calls(text).strip() or None), calls
+            return (_content_before_calls(text, formats).strip() or None), calls
     stripped = text.strip()
     if BARE_JSON in formats and stripped.startswith(("{", "[")):
         try:
@@ -219,6 +233,7 @@ class ContentStream:
     def __init__(self, formats: CallFormats = ALL_FORMATS) -> None:
         self.sent = 0  # characters of the output sent as content
         self.held = False  # a call has begun, or may have: nothing more is sent before the end
+        self.formats = formats
         self.bare = BARE_JSON in formats  # an output that opens with JSON may be a call
         # The tags that begin one: <tool_call>, and <function= (Qwen3-Coder's call without its block's tag).
         self.tags = ([TOOL_CALL_TAG] if formats & {TAGGED_JSON, TAGGED_XML} else []) + (
@@ -253,7 +268,7 @@ class ContentStream:
             return text[self.sent :], []
         if not self.sent:
             return content or "", calls
-        return _content_before_calls(text)[self.sent :].rstrip(), calls
+        return _content_before_calls(text, self.formats)[self.sent :].rstrip(), calls
 
 
 class CallStream:
@@ -336,9 +351,13 @@ class CallStream:
         return deltas
 
 
-def _content_before_calls(text: str) -> str:
-    """An output that holds calls, less the calls: its tagged blocks taken out, or, when it has none (Qwen3-Coder's
-    calls without their tags), cut where the first ``<function=`` begins."""
+def _content_before_calls(text: str, formats: CallFormats) -> str:
+    """An output that holds calls, less the calls: its closed blocks taken out, and its unclosed last block when that
+    holds calls (of ``formats``), or, when it has no block (Qwen3-Coder's calls without their tags), cut where the
+    first ``<function=`` begins."""
+    at, tail = _unclosed_block(text)
+    if at >= 0 and _block_calls(tail, None, formats):
+        return _TAGGED.sub("", text[:at])
     if _TAGGED.search(text):
         return _TAGGED.sub("", text)
     at = text.find(XML_FUNCTION_TAG)

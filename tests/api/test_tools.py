@@ -402,6 +402,38 @@ def test_a_call_cut_off_streams_as_far_as_it_got() -> None:
     assert _put_together(deltas) == [(deltas[0]["id"], "f", '{"a": "lon')]
 
 
+UNCLOSED = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'  # (and then EOS)
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        (UNCLOSED, None),
+        ("Checking. " + UNCLOSED + "\n", "Checking."),
+        ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n' + UNCLOSED, None),
+    ],
+)
+def test_an_unclosed_last_block_whose_json_is_whole_is_a_call(text: str, content: str | None) -> None:
+    """vLLM's Hermes rule: a last ``<tool_call>`` block the model never closed (it stopped before the end tag) is a
+    call when its JSON is whole; streamed and not alike (before, the stream sent the call and then its text as
+    content too, and the unstreamed response had the text alone)."""
+    parsed, calls = parse_tool_calls(text)
+    assert parsed == content and calls[-1].name == "get_weather" and calls[-1].arguments == '{"city": "Paris"}'
+    sent, deltas, rest, streamed, final = _stream_calls(text)
+    assert (sent + rest).strip() == (content or "")
+    assert _put_together(deltas + final) == [(c.id, c.name, c.arguments) for c in streamed]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+
+
+def test_an_unclosed_last_block_whose_json_is_not_whole_stays_content() -> None:
+    """After a closed call, a last block cut off (max_tokens) stays in the content, as it does alone."""
+    cut = '<tool_call>{"name": "g", "arguments": {"a": 1}'
+    content, calls = parse_tool_calls(HERMES + cut)
+    assert content == cut and [c.name for c in calls] == ["get_weather"]
+    sent, _, rest, streamed, _ = _stream_calls(HERMES + cut)
+    assert sent + rest == cut and [c.name for c in streamed] == ["get_weather"]
+
+
 def test_the_scanner_finds_each_calls_arguments_in_any_layout() -> None:
     rng = random.Random(0)
 
@@ -523,6 +555,28 @@ def test_xml_calls_streamed_come_whole_at_the_end() -> None:
     assert sent + rest == "I will edit it.\n" and deltas == []
     together = _put_together(calls_stream.finish(calls))
     assert [json.loads(args) for _, _, args in together] == XML_ARGS
+
+
+def test_served_call_without_its_end_tag(hermes: Served) -> None:
+    """A model that writes a whole call and stops before ``</tool_call>`` (held to it by a regex here) made the
+    call, streamed and not."""
+    extra = {"structured_outputs": {"regex": re.escape(UNCLOSED)}}
+    asked: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [WEATHER],
+        "max_tokens": 200,  # (the tiny vocabulary's tokens are short)
+        "extra_body": extra,
+    }
+    choice = hermes.client.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    chunks = [c.choices[0] for c in hermes.client.chat.completions.create(**asked, stream=True)]
+    deltas = [d for c in chunks for d in c.delta.tool_calls or ()]
+    assert [(name, args) for _, name, args in _calls_of(deltas)] == [("get_weather", '{"city": "Paris"}')]
+    assert not "".join(c.delta.content or "" for c in chunks) and chunks[-1].finish_reason == "tool_calls"
 
 
 def test_served_xml_calls_with_their_types(hermes: Served) -> None:
