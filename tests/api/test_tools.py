@@ -270,6 +270,29 @@ def test_a_named_tool_choice_makes_even_a_random_models_output_that_call(
     assert err.value.body["param"] == "tool_choice"
 
 
+def test_parameters_that_are_not_an_objects_schema_get_openais_error(hermes: Served) -> None:
+    """A call's arguments are a JSON object, so a tool's parameters must be an object's schema: else a 400 with
+    OpenAI's message and code (before, a forced call's "arguments" were then a JSON string, not an object)."""
+    expected = (
+        "Invalid schema for function 'f': schema must be a JSON Schema of 'type: \"object\"', got 'type: \"string\"'."
+    )
+    chat_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        hermes.client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=[chat_tool], tool_choice="required"
+        )
+    error = err.value.body
+    assert (error["param"], error["code"]) == ("tools.0.function.parameters", "invalid_function_parameters")
+    assert error["message"].endswith(expected)
+    with pytest.raises(openai.BadRequestError) as err:
+        hermes.client.responses.create(
+            model="tiny", input="Hi", tools=[{"type": "function", **chat_tool["function"]}], tool_choice="required"
+        )
+    error = err.value.body
+    assert (error["param"], error["code"]) == ("tools.0.parameters", "invalid_function_parameters")
+    assert error["message"].endswith(expected)
+
+
 def test_required_without_parallel_calls_makes_exactly_one(hermes: Served) -> None:
     client = hermes.client
     counts = set()
