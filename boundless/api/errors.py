@@ -9,9 +9,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from boundless.api.schemas import INVALID_FUNCTION_PARAMETERS
 from boundless.cluster.client import InstanceCallError
 from boundless.engine.async_engine import EngineDeadError, QueueFullError
 from boundless.engine.errors import InvalidRequestError
@@ -28,6 +30,9 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+# OpenAI's error codes that a request schema's validator gives as its error's type; any other invalid field's code
+# is invalid_value.
+VALIDATOR_CODES = frozenset({INVALID_FUNCTION_PARAMETERS})
 
 
 class APIError(Exception):
@@ -75,16 +80,34 @@ def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
     return json.dumps(error_body(status, message, code=code)).encode()
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    """The message, param and code of a body's first error."""
     errors = exc.errors()
     if not errors:
-        return "invalid request", None
+        return "invalid request", None, "invalid_value"
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None, "invalid_value"
     param = _error_param(tuple(first.get("loc", ())), getattr(exc, "body", None), first.get("type") == "missing")
-    message = first.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix for ValueError
-    return f"{param or 'body'}: {message}", param
+    return _field_message(first, param), param, _field_code(first)
+
+
+def _field_message(error: Any, param: str | None) -> str:
+    message = error.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix for ValueError
+    return f"{param or 'body'}: {message}"
+
+
+def _field_code(error: Any) -> str:
+    return error["type"] if error.get("type") in VALIDATOR_CODES else "invalid_value"
+
+
+def part_error(exc: ValidationError, where: str, part: Any) -> APIError:
+    """The first error of a part of the body validated on its own (``part``, at ``where`` in the body, e.g.
+    ``tools.0``), answered as the body's own would be: the param the path to the field, the code its validator's."""
+    first = exc.errors()[0]
+    inner = _error_param(tuple(first["loc"]), part, first["type"] == "missing")
+    param = f"{where}.{inner}" if inner else where
+    return APIError(400, _field_message(first, param), param, _field_code(first))
 
 
 def _error_param(loc: tuple, body: Any, missing: bool) -> str | None:
@@ -121,8 +144,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return error_response(400, message, param, "invalid_value")
+        message, param, code = _validation_message(exc)
+        return error_response(400, message, param, code)
 
     @app.exception_handler(QueueFullError)
     async def _busy(_: Request, exc: QueueFullError) -> JSONResponse:

@@ -24,9 +24,18 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from boundless.api.errors import APIError
+from boundless.api.errors import APIError, part_error
 from boundless.api.reasoning import ReasoningOutput
 from boundless.api.schemas import (
     MAX_TOP_LOGPROBS,
@@ -35,9 +44,12 @@ from boundless.api.schemas import (
     ChatCompletionRequest,
     Count,
     Float,
+    FunctionName,
     Identifier,
     NullIsDefault,
     StructuredOutputsParams,
+    check_distinct_names,
+    object_schema,
 )
 from boundless.api.server import (
     Choice,
@@ -80,10 +92,15 @@ class FunctionTool(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal["function"]
-    name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: Bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, parameters: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        return object_schema(parameters, info)
 
 
 class TextFormat(BaseModel):
@@ -157,7 +174,11 @@ def function_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
         try:
             out.append(FunctionTool.model_validate(tool))
         except ValidationError as e:
-            raise APIError(400, f"tools.{i}: {e.errors()[0]['msg']}", f"tools.{i}") from e
+            raise part_error(e, f"tools.{i}", tool) from e
+    try:
+        check_distinct_names([t.name for t in out])
+    except ValueError as e:
+        raise APIError(400, f"tools: {e}", "tools", "invalid_value") from e
     return out
 
 

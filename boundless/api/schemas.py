@@ -19,9 +19,11 @@ from pydantic import (
     Strict,
     StrictBool,
     StringConstraints,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from boundless.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
@@ -37,6 +39,12 @@ Count = Annotated[int, Strict(), Field(ge=1)]
 Seed = Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)]
 Penalty = Annotated[float, Strict(), AllowInfNan(False), Field(ge=-2.0, le=2.0)]
 Identifier = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
+# A tool's name, as OpenAI allows it: ^[a-zA-Z0-9_-]{1,64}$.
+FunctionName = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+
+# OpenAI's error code for a tool whose parameters are not an object's schema. The error's type (a validator's
+# PydanticCustomError) is the error's code: see errors.VALIDATOR_CODES.
+INVALID_FUNCTION_PARAMETERS = "invalid_function_parameters"
 
 
 class StreamOptions(BaseModel):
@@ -172,12 +180,39 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+def object_schema(parameters: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+    """A function's ``parameters`` (a field validator's value, validated after the function's ``name``), which must
+    be an object's schema, as OpenAI's must: a call's arguments are a JSON object, and a forced call's grammar writes
+    what the schema allows. ``{}`` passes, as leaving them out does (no parameters)."""
+    if parameters and parameters.get("type") != "object":
+        raise PydanticCustomError(
+            INVALID_FUNCTION_PARAMETERS,
+            f"Invalid schema for function '{info.data.get('name', '')}': schema must be a JSON Schema of "
+            f"'type: \"object\"', got 'type: \"{parameters.get('type')}\"'.",
+        )
+    return parameters
+
+
+def check_distinct_names(names: list[str]) -> None:
+    """Refuse tools of the same name (ValueError): a call names its function, so each tool's must be its own."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"two tools are named {name!r}: each function's name must be unique")
+        seen.add(name)
+
+
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, parameters: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        return object_schema(parameters, info)
 
 
 class Tool(BaseModel):
@@ -214,6 +249,12 @@ class ChatCompletionRequest(_SamplingFields):
     # With --reasoning-parser: OpenAI's effort, passed to the template as vLLM does; whether to return the reasoning
     reasoning_effort: ReasoningEffort | None = None
     include_reasoning: Bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tools(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        check_distinct_names([t.function.name for t in tools or ()])
+        return tools
 
 
 class CompletionRequest(_SamplingFields):

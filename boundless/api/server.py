@@ -209,12 +209,13 @@ def sampling_params(
 @dataclass(frozen=True)
 class ToolUse:
     """Whether a chat's output is read for tool calls, whether it may make several (``parallel_tool_calls``), the
-    tools' parameter schemas (``types``, for calls whose values are text: Qwen3-Coder's), and the shapes of call read
-    (``formats``: ``--tool-call-parser``'s, and bare JSON when a forced call's grammar writes it)."""
+    tools' parameter schemas by name (``types``: the names a bare JSON call may have, and the types of the values of
+    calls whose values are text, Qwen3-Coder's; None: not known, any name), and the shapes of call read (``formats``:
+    ``--tool-call-parser``'s, and bare JSON when a forced call's grammar writes it)."""
 
     used: bool
     parallel: bool = True
-    types: ParameterTypes = field(default_factory=dict)
+    types: ParameterTypes | None = None
     formats: CallFormats = ALL_FORMATS
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -559,7 +560,7 @@ class OpenAIServer:
         # With a reasoning parser, the reasoning streams first as it is written (ReasoningStream), and only the
         # answer after it is content, read for calls.
         contents = [ContentStream(tools.formats) for _ in choices] if tools.used else []
-        call_streams = [CallStream(tools.parallel) for _ in choices] if tools.used else []
+        call_streams = [CallStream(tools.parallel, tools.types) for _ in choices] if tools.used else []
         thoughts = [reasoning.stream() for _ in choices] if reasoning is not None else []
         pending: list[list[SampledToken]] = [[] for _ in choices]
         async for index, delta in self.merged(streams):

@@ -4,7 +4,8 @@ Templates that take ``tools`` teach the model one of three shapes, and all are r
 Hermes/Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; the same blocks holding
 Qwen3-Coder's XML, ``<function=NAME><parameter=KEY>VALUE</parameter>...</function>``, whose values are text read
 by the tool's parameter schema (:func:`parameter_types`); and a bare JSON object (or list of objects) with ``name``
-and ``arguments`` or ``parameters`` (Llama 3.1).
+and ``arguments`` or ``parameters`` (Llama 3.1), naming one of the request's tools: without tags, JSON is as likely
+an answer (``{"name": "Bob", "age": 3}``), so it is a call only in that shape, as vLLM's ``llama3_json`` reads it.
 
 A ``tool_choice`` that forces a call (``required``, or a named function) holds the output to the second shape
 with a JSON schema (:func:`forced_call_schema`, as vLLM does), so the calls parse whatever the model would say.
@@ -17,11 +18,11 @@ import contextlib
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from boundless.api.call_scanner import CallScanner, CallSpan, scan_calls
+from boundless.api.call_scanner import ARGUMENT_KEYS, CallScanner, CallSpan, scan_calls
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|(?=<function=)|\Z)", re.DOTALL)
@@ -92,6 +93,17 @@ def _as_call(obj: Any, text: str, span: CallSpan | None) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def _bare_call(obj: Any, tools: Collection[str] | None) -> bool:
+    """Whether a JSON object written without tags is a call: a ``name`` with ``arguments`` or ``parameters`` (vLLM's
+    ``llama3_json`` rule), the name one of ``tools`` (the request's tool names; None: not known, any name)."""
+    return (
+        isinstance(obj, dict)
+        and isinstance(obj.get("name"), str)
+        and any(key in obj for key in ARGUMENT_KEYS)
+        and (tools is None or obj["name"] in tools)
+    )
+
+
 def _typed(value: str, schema: Any) -> Any:
     """An XML call's parameter text as its schema's type says (vLLM's qwen3_coder parser reads them so): a string
     stays text, as does a value of no known type or one that does not read as its type."""
@@ -150,34 +162,49 @@ def _xml_calls(block: str, types: ParameterTypes) -> list[ToolCall]:
     return calls
 
 
+def _block_calls(block: str, types: ParameterTypes | None, formats: CallFormats) -> list[ToolCall]:
+    """The calls in a ``<tool_call>`` block's text: its JSON call, or else Qwen3-Coder's XML ones (of ``formats``)."""
+    try:
+        obj = json.loads(block) if TAGGED_JSON in formats else None
+    except json.JSONDecodeError:
+        obj = None
+    if obj is None:
+        return _xml_calls(block, types or {}) if TAGGED_XML in formats else []
+    spans = scan_calls(block)
+    call = _as_call(obj, block, spans[0] if spans else None)
+    return [] if call is None else [call]
+
+
+def _unclosed_block(text: str) -> tuple[int, str]:
+    """Where a last ``<tool_call>`` block that the output never closed begins (its tag, after every closed block),
+    and its text; ``(-1, "")`` when there is none. Its calls are calls when they parse, as vLLM's Hermes parser
+    reads such a block: the model stopped before the end tag. A block cut off inside its JSON does not parse, and
+    stays content."""
+    ends = [found.end() for found in _TAGGED.finditer(text)]
+    at = text.find(TOOL_CALL_TAG, ends[-1] if ends else 0)
+    return (at, text[at + len(TOOL_CALL_TAG) :].strip()) if at >= 0 else (-1, "")
+
+
 def parse_tool_calls(
     text: str, types: ParameterTypes | None = None, formats: CallFormats = ALL_FORMATS
 ) -> tuple[str | None, list[ToolCall]]:
-    """Split model output into (remaining content or None, tool calls). ``types``: the tools' parameter schemas, for
-    Qwen3-Coder's XML calls; ``formats``: the shapes of call read (``--tool-call-parser``)."""
-    tagged = _TAGGED.findall(text) if formats & {TAGGED_JSON, TAGGED_XML} else []
-    if tagged:
-        calls = []
-        for block in tagged:
-            try:
-                obj = json.loads(block) if TAGGED_JSON in formats else None
-            except json.JSONDecodeError:
-                obj = None
-            if obj is None:
-                calls += _xml_calls(block, types or {}) if TAGGED_XML in formats else []
-                continue
-            spans = scan_calls(block)
-            call = _as_call(obj, block, spans[0] if spans else None)
-            if call is not None:
-                calls.append(call)
+    """Split model output into (remaining content or None, tool calls). ``types``: the request's tools' parameter
+    schemas by name, for Qwen3-Coder's XML calls, and the names a bare JSON call may have (None: not known, any);
+    ``formats``: the shapes of call read (``--tool-call-parser``)."""
+    if formats & {TAGGED_JSON, TAGGED_XML}:
+        closed = _TAGGED.findall(text)
+        at, tail = _unclosed_block(text)
+        blocks = closed + ([tail] if at >= 0 else [])
+        calls = [call for block in blocks for call in _block_calls(block, types, formats)]
         if calls:
-            return (_content_before_calls(text).strip() or None), calls
-        return text, []
+            return (_content_before_calls(text, formats).strip() or None), calls
+        if closed:
+            return text, []
     if TAGGED_XML in formats and (at := text.find(XML_FUNCTION_TAG)) >= 0:
-        # Qwen3-Coder's calls without their block's tags (or without the closing one)
+        # Qwen3-Coder's calls without their block's tags
         calls = _xml_calls(text[at:], types or {})
         if calls:
-            return (_content_before_calls(text).strip() or None), calls
+            return (_content_before_calls(text, formats).strip() or None), calls
     stripped = text.strip()
     if BARE_JSON in formats and stripped.startswith(("{", "[")):
         try:
@@ -185,11 +212,10 @@ def parse_tool_calls(
         except json.JSONDecodeError:
             return text, []
         items = obj if isinstance(obj, list) else [obj]
-        spans = scan_calls(stripped) if all(isinstance(i, dict) for i in items) else []
-        found = (_as_call(i, stripped, spans[n] if n < len(spans) else None) for n, i in enumerate(items))
-        calls = [c for c in found if c is not None]
-        if calls and len(calls) == len(items):
-            return None, calls
+        if items and all(_bare_call(i, types) for i in items):
+            spans = scan_calls(stripped)
+            found = (_as_call(i, stripped, spans[n] if n < len(spans) else None) for n, i in enumerate(items))
+            return None, [c for c in found if c is not None]
     return text, []
 
 
@@ -207,6 +233,7 @@ class ContentStream:
     def __init__(self, formats: CallFormats = ALL_FORMATS) -> None:
         self.sent = 0  # characters of the output sent as content
         self.held = False  # a call has begun, or may have: nothing more is sent before the end
+        self.formats = formats
         self.bare = BARE_JSON in formats  # an output that opens with JSON may be a call
         # The tags that begin one: <tool_call>, and <function= (Qwen3-Coder's call without its block's tag).
         self.tags = ([TOOL_CALL_TAG] if formats & {TAGGED_JSON, TAGGED_XML} else []) + (
@@ -241,7 +268,7 @@ class ContentStream:
             return text[self.sent :], []
         if not self.sent:
             return content or "", calls
-        return _content_before_calls(text)[self.sent :].rstrip(), calls
+        return _content_before_calls(text, self.formats)[self.sent :].rstrip(), calls
 
 
 class CallStream:
@@ -249,10 +276,12 @@ class CallStream:
     its index, id and name, once the name is complete and its arguments' object has begun, and the arguments' text
     so far; the next ones the text added since. The calls are read from where :class:`ContentStream` held the
     output (a Hermes ``<tool_call>`` block each, or the bare JSON the output opens with); ``parallel=False`` streams
-    the first call only. :meth:`finish` sends what the parsed calls have beyond what was streamed."""
+    the first call only; ``tools``: the request's tool names, the only names a bare call may have, as the parser
+    reads it (None: not known, any). :meth:`finish` sends what the parsed calls have beyond what was streamed."""
 
-    def __init__(self, parallel: bool = True) -> None:
+    def __init__(self, parallel: bool = True, tools: Collection[str] | None = None) -> None:
         self.parallel = parallel
+        self.tools = tools
         self._bare: bool | None = None  # the calls are the JSON the output opens with (else Hermes blocks)
         self._scanners: list[CallScanner] = []  # one a document: the bare JSON, or each block's
         self._ids: list[str] = []  # each begun call's id
@@ -282,6 +311,8 @@ class CallStream:
             if index == len(self._ids):
                 if call.name is None or call.args_start is None or call.args_opener not in "{[":
                     break  # calls begin in order
+                if self._bare and self.tools is not None and call.name not in self.tools:
+                    break  # JSON naming none of the tools is an answer, not a call (the parser reads it so)
                 self._ids.append(f"call_{uuid.uuid4().hex[:24]}")
                 self._names.append(call.name)
                 self._sent.append("")
@@ -320,9 +351,13 @@ class CallStream:
         return deltas
 
 
-def _content_before_calls(text: str) -> str:
-    """An output that holds calls, less the calls: its tagged blocks taken out, or, when it has none (Qwen3-Coder's
-    calls without their tags), cut where the first ``<function=`` begins."""
+def _content_before_calls(text: str, formats: CallFormats) -> str:
+    """An output that holds calls, less the calls: its closed blocks taken out, and its unclosed last block when that
+    holds calls (of ``formats``), or, when it has no block (Qwen3-Coder's calls without their tags), cut where the
+    first ``<function=`` begins."""
+    at, tail = _unclosed_block(text)
+    if at >= 0 and _block_calls(tail, None, formats):
+        return _TAGGED.sub("", text[:at])
     if _TAGGED.search(text):
         return _TAGGED.sub("", text)
     at = text.find(XML_FUNCTION_TAG)

@@ -335,12 +335,21 @@ CORPUS: list[Case] = [
     chat(_tool({"name": SURROGATE}), "tools.0.function.name"),
     chat(_tool({"name": "f", "parameters": "x"}), "tools.0.function.parameters"),
     chat(_tool("f"), "tools.0.function"),
+    # OpenAI's rules for tools: a name of ^[a-zA-Z0-9_-]{1,64}$, parameters an object's schema, no name twice
+    chat(_tool({"name": "get weather!"}), "tools.0.function.name"),
+    chat(_tool({"name": "f" * 65}), "tools.0.function.name"),
+    chat(_tool({"name": "get_weather-2"}), None, SERVED),
+    chat({"tools": [_tool_with({"type": "string"})], "tool_choice": "required"}, "tools.0.function.parameters"),
+    chat({"tools": [_tool_with({"properties": {"a": {"type": "string"}}})]}, "tools.0.function.parameters"),
+    chat({"tools": [_tool_with({"type": ["object", "null"]})]}, "tools.0.function.parameters"),
+    chat({"tools": [_tool_with({})], "tool_choice": "required"}, None, SERVED),  # (no parameters, as leaving them out)
+    chat({"tools": [_FN, _tool_with({"type": "object"})]}, "tools"),
     chat({"tool_choice": "sometimes"}, "tool_choice"),
     chat({"tool_choice": "required"}, "tool_choice"),  # without tools
     chat({"tools": [_FN], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     chat({"tools": [_FN], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     chat({"tools": [_FN], "tool_choice": {"type": "function", "function": {"name": "f"}}}, None, SERVED),
-    chat({"tools": [_tool_with({"type": 5})], "tool_choice": "required"}, "tools"),  # parameters xgrammar can't use
+    chat({"tools": [_tool_with({"type": 5})], "tool_choice": "required"}, "tools.0.function.parameters"),
     chat(
         {
             "tools": [_tool_with({"type": "object", "properties": {"a": {"type": "string", "minLength": -5}}})],
@@ -390,7 +399,10 @@ CORPUS: list[Case] = [
     chat({"guided_decoding_backend": "xgrammar"}, None, SERVED),  # (no effect to lose: vLLM says drop it)
     # the Responses API: what it does not serve, shapes of input items, tools and formats, limits, unknown ids
     response({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-    response({"tools": [{"type": "function"}]}, "tools.0"),
+    response({"tools": [{"type": "function"}]}, "tools.0.name"),
+    response({"tools": [{"type": "function", "name": "get weather!"}]}, "tools.0.name"),
+    response({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools.0.parameters"),
+    response({"tools": [_RESPONSE_TOOL, {"type": "function", "name": "f"}]}, "tools"),
     response({"truncation": "middle"}, "truncation"),
     response({"reasoning": {"effort": "high"}}, "reasoning"),
     response({"include": ["everything"]}, "include"),

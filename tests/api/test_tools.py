@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from boundless.api.tool_calls import (
     TOOL_CALL_PARSERS,
     CallStream,
     ContentStream,
+    ParameterTypes,
     ToolCall,
     forced_call_schema,
     parameter_types,
@@ -118,6 +120,29 @@ def test_with_tools_an_answer_without_calls_streams_as_it_is_made(hermes: Served
     assert sum(len(c.logprobs.content or []) for c in streamed if c.logprobs) == 24  # each token's, once
 
 
+def test_served_json_answer_with_a_name_stays_the_answer(hermes: Served) -> None:
+    """A JSON answer that has a "name" (held to it by a regex) is the content, streamed, not streamed and in the
+    Responses API; before, it was a call to a function named "Bob", with its answer lost."""
+    answer = '{"name": "Bob", "age": 3}'
+    extra = {"structured_outputs": {"regex": re.escape(answer)}}
+    asked: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [WEATHER],
+        "max_tokens": 50,
+        "extra_body": extra,
+    }
+    reply = hermes.client.chat.completions.create(**asked).choices[0]
+    assert (reply.message.content, reply.message.tool_calls, reply.finish_reason) == (answer, None, "stop")
+    chunks = [c.choices[0] for c in hermes.client.chat.completions.create(**asked, stream=True)]
+    assert "".join(c.delta.content or "" for c in chunks) == answer
+    assert not any(c.delta.tool_calls for c in chunks) and chunks[-1].finish_reason == "stop"
+    response = hermes.client.responses.create(
+        model="tiny", input="hi", tools=[{"type": "function", **WEATHER["function"]}], extra_body=extra
+    )
+    assert [item.type for item in response.output] == ["message"] and response.output_text == answer
+
+
 def test_parse_hermes_blocks() -> None:
     text = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     content, calls = parse_tool_calls(text)
@@ -133,9 +158,32 @@ def test_parse_bare_json_calls() -> None:
     assert [c.name for c in calls] == ["f", "g"] and calls[1].arguments == "{}"
 
 
-@pytest.mark.parametrize("text", ["plain text", '{"not": "a call"}', "<tool_call>not json</tool_call>", "{broken"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain text",
+        '{"not": "a call"}',
+        "<tool_call>not json</tool_call>",
+        "{broken",
+        '{"name": "Bob", "age": 3}',  # a JSON answer with a name: no arguments, so no call
+        '[{"name": "Bob"}, {"name": "Ann", "arguments": {}}]',
+    ],
+)
 def test_text_without_calls_is_left_alone(text: str) -> None:
     assert parse_tool_calls(text) == (text, [])
+
+
+def test_bare_json_is_a_call_only_with_arguments_and_a_tools_name() -> None:
+    """Bare JSON (no tags) is read as a call as vLLM's llama3_json parser reads it, with ``arguments`` or
+    ``parameters``, and only when it names one of the request's tools: a model answering in JSON is common. Inside
+    a ``<tool_call>`` block, which says a call is meant, a name alone is a call with no arguments."""
+    types = parameter_types([WEATHER])
+    for answer in ('{"name": "Bob", "arguments": {"age": 3}}', '{"name": "get_weather", "city": "Paris"}'):
+        assert parse_tool_calls(answer, types) == (answer, [])
+    content, calls = parse_tool_calls('{"name": "get_weather", "arguments": {"city": "Paris"}}', types)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    content, calls = parse_tool_calls('<tool_call>{"name": "get_weather"}</tool_call>', types)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", "{}")]
 
 
 def test_assistant_tool_call_arguments_become_objects_for_templates() -> None:
@@ -222,6 +270,29 @@ def test_a_named_tool_choice_makes_even_a_random_models_output_that_call(
     assert err.value.body["param"] == "tool_choice"
 
 
+def test_parameters_that_are_not_an_objects_schema_get_openais_error(hermes: Served) -> None:
+    """A call's arguments are a JSON object, so a tool's parameters must be an object's schema: else a 400 with
+    OpenAI's message and code (before, a forced call's "arguments" were then a JSON string, not an object)."""
+    expected = (
+        "Invalid schema for function 'f': schema must be a JSON Schema of 'type: \"object\"', got 'type: \"string\"'."
+    )
+    chat_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        hermes.client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=[chat_tool], tool_choice="required"
+        )
+    error = err.value.body
+    assert (error["param"], error["code"]) == ("tools.0.function.parameters", "invalid_function_parameters")
+    assert error["message"].endswith(expected)
+    with pytest.raises(openai.BadRequestError) as err:
+        hermes.client.responses.create(
+            model="tiny", input="Hi", tools=[{"type": "function", **chat_tool["function"]}], tool_choice="required"
+        )
+    error = err.value.body
+    assert (error["param"], error["code"]) == ("tools.0.parameters", "invalid_function_parameters")
+    assert error["message"].endswith(expected)
+
+
 def test_required_without_parallel_calls_makes_exactly_one(hermes: Served) -> None:
     client = hermes.client
     counts = set()
@@ -259,16 +330,19 @@ def test_without_parallel_calls_only_the_first_parsed_call_is_kept() -> None:
     assert [c.name for c in ToolUse(True).calls(text)[1]] == ["f", "g"]
 
 
-def _stream_calls(text: str, parallel: bool = True) -> tuple[str, list[dict], str, list[ToolCall], list[dict]]:
+def _stream_calls(
+    text: str, parallel: bool = True, types: ParameterTypes | None = None
+) -> tuple[str, list[dict], str, list[ToolCall], list[dict]]:
     """``text`` fed a character at a time to a ContentStream and a CallStream, as the server feeds them: (content
-    sent, call deltas sent, content at the end, parsed calls, the deltas that complete them)."""
-    content, calls_stream = ContentStream(), CallStream(parallel)
+    sent, call deltas sent, content at the end, parsed calls, the deltas that complete them). ``types``: the
+    request's tools (None: not known)."""
+    content, calls_stream = ContentStream(), CallStream(parallel, types)
     sent, deltas = [], []
     for end in range(1, len(text)):
         sent.append(content.feed(text[:end]))
         if content.held:
             deltas += calls_stream.feed(text[:end], content.sent)
-    rest, calls = content.finish(text, lambda t: _parallel(parse_tool_calls(t), parallel))
+    rest, calls = content.finish(text, lambda t: _parallel(parse_tool_calls(t, types), parallel))
     return "".join(sent), deltas, rest, calls, calls_stream.finish(calls) if calls else []
 
 
@@ -331,6 +405,17 @@ def test_calls_that_cannot_stream_come_whole_at_the_end() -> None:
     assert {d["index"] for d in deltas + final} == {0} and [c.name for c in calls] == ["f"]
 
 
+@pytest.mark.parametrize(
+    "text",
+    ['{"name": "Bob", "age": 3}', '{"name": "Bob", "arguments": {"age": 3}}', '[{"name": "Bob", "parameters": {}}]'],
+)
+def test_bare_json_that_is_no_call_streams_no_call(text: str) -> None:
+    """What the parser reads as an answer (no arguments, or a name that is none of the tools) streams no call
+    either: it is the content, at the end."""
+    sent, deltas, rest, calls, final = _stream_calls(text, types=parameter_types([WEATHER]))
+    assert deltas == [] and calls == [] and final == [] and sent + rest == text
+
+
 def test_a_call_cut_off_streams_as_far_as_it_got() -> None:
     """Output that ends inside a call (max_tokens): what was streamed stays, nothing parses, the text is content at
     the end (as unstreamed it is all content)."""
@@ -338,6 +423,38 @@ def test_a_call_cut_off_streams_as_far_as_it_got() -> None:
     _, deltas, rest, calls, final = _stream_calls(text)
     assert calls == [] and final == [] and rest == text
     assert _put_together(deltas) == [(deltas[0]["id"], "f", '{"a": "lon')]
+
+
+UNCLOSED = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'  # (and then EOS)
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        (UNCLOSED, None),
+        ("Checking. " + UNCLOSED + "\n", "Checking."),
+        ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n' + UNCLOSED, None),
+    ],
+)
+def test_an_unclosed_last_block_whose_json_is_whole_is_a_call(text: str, content: str | None) -> None:
+    """vLLM's Hermes rule: a last ``<tool_call>`` block the model never closed (it stopped before the end tag) is a
+    call when its JSON is whole; streamed and not alike (before, the stream sent the call and then its text as
+    content too, and the unstreamed response had the text alone)."""
+    parsed, calls = parse_tool_calls(text)
+    assert parsed == content and calls[-1].name == "get_weather" and calls[-1].arguments == '{"city": "Paris"}'
+    sent, deltas, rest, streamed, final = _stream_calls(text)
+    assert (sent + rest).strip() == (content or "")
+    assert _put_together(deltas + final) == [(c.id, c.name, c.arguments) for c in streamed]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+
+
+def test_an_unclosed_last_block_whose_json_is_not_whole_stays_content() -> None:
+    """After a closed call, a last block cut off (max_tokens) stays in the content, as it does alone."""
+    cut = '<tool_call>{"name": "g", "arguments": {"a": 1}'
+    content, calls = parse_tool_calls(HERMES + cut)
+    assert content == cut and [c.name for c in calls] == ["get_weather"]
+    sent, _, rest, streamed, _ = _stream_calls(HERMES + cut)
+    assert sent + rest == cut and [c.name for c in streamed] == ["get_weather"]
 
 
 def test_the_scanner_finds_each_calls_arguments_in_any_layout() -> None:
@@ -463,6 +580,28 @@ def test_xml_calls_streamed_come_whole_at_the_end() -> None:
     assert [json.loads(args) for _, _, args in together] == XML_ARGS
 
 
+def test_served_call_without_its_end_tag(hermes: Served) -> None:
+    """A model that writes a whole call and stops before ``</tool_call>`` (held to it by a regex here) made the
+    call, streamed and not."""
+    extra = {"structured_outputs": {"regex": re.escape(UNCLOSED)}}
+    asked: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [WEATHER],
+        "max_tokens": 200,  # (the tiny vocabulary's tokens are short)
+        "extra_body": extra,
+    }
+    choice = hermes.client.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    chunks = [c.choices[0] for c in hermes.client.chat.completions.create(**asked, stream=True)]
+    deltas = [d for c in chunks for d in c.delta.tool_calls or ()]
+    assert [(name, args) for _, name, args in _calls_of(deltas)] == [("get_weather", '{"city": "Paris"}')]
+    assert not "".join(c.delta.content or "" for c in chunks) and chunks[-1].finish_reason == "tool_calls"
+
+
 def test_served_xml_calls_with_their_types(hermes: Served) -> None:
     """A model writing Qwen3-Coder's calls (held to them by a regex here), through the real client, streamed and
     not: the calls' arguments are typed by the request's tools."""
@@ -496,8 +635,9 @@ BARE = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 )
 def test_a_tool_call_parser_reads_its_shape_only(parser: str | None, read: set[str]) -> None:
     formats = ALL_FORMATS if parser is None else TOOL_CALL_PARSERS[parser]
+    types = parameter_types([WEATHER])  # (the request's tools: a bare call names one)
     for text in (HERMES, XML, BARE):
-        content, calls = parse_tool_calls(text, {}, formats)
+        content, calls = parse_tool_calls(text, types, formats)
         assert (text in read) == bool(calls) and (content is None if calls else content == text), (parser, text)
         # Streamed, an output is held from where a call of a shape read could begin (a tag, when a tagged shape is
         # read, whatever the block holds), and what is not a call comes as content in the end.
@@ -505,7 +645,7 @@ def test_a_tool_call_parser_reads_its_shape_only(parser: str | None, read: set[s
         sent = "".join(stream.feed(text[:end]) for end in range(1, len(text) + 1))
         could_begin = TAGGED_JSON in formats or TAGGED_XML in formats if text != BARE else BARE_JSON in formats
         assert stream.held == could_begin and (sent == "" if could_begin else sent == text)
-        rest, calls = stream.finish(text, lambda t: parse_tool_calls(t, {}, formats))
+        rest, calls = stream.finish(text, lambda t: parse_tool_calls(t, types, formats))
         assert (sent + rest == text) == (not calls)
 
 
