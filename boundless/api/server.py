@@ -865,11 +865,20 @@ class OpenAIServer:
         return {
             "tokens": texts,
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [
-                None if t.logprob is None else {self._token_text(tid): lp for tid, lp in t.top_logprobs} for t in tokens
-            ],
+            "top_logprobs": [self._top_logprobs(t) for t in tokens],
             "text_offset": offsets,
         }
+
+    def _top_logprobs(self, token: SampledToken) -> dict[str, float] | None:
+        """A completion token's ``top_logprobs``: the token itself first, then its most likely alternatives. OpenAI's
+        rule: "The API will always return the logprob of the sampled token, so there may be up to logprobs+1 elements
+        in the response" (vLLM's too). A token without a logprob (the echoed prompt's first) has None, as vLLM's."""
+        if token.logprob is None:
+            return None
+        top = {self._token_text(token.token_id): token.logprob}
+        for token_id, logprob in token.top_logprobs:
+            top.setdefault(self._token_text(token_id), logprob)
+        return top
 
     def _choice_logprobs(
         self,

@@ -7,6 +7,7 @@ import http.client
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -169,6 +170,28 @@ def test_n_stop_and_logprobs(client: openai.OpenAI) -> None:
     assert len(cl.choices[0].logprobs.tokens) == 3 and all(len(t) <= 2 for t in cl.choices[0].logprobs.top_logprobs)
 
 
+def _completion_logprobs(client: openai.OpenAI, **ask: Any) -> tuple[str, dict[str, list], dict[str, list]]:
+    """A completion's text and its choice's ``logprobs``, unstreamed and streamed (the chunks' put together)."""
+    whole = client.completions.create(**ask).choices[0]
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**ask, stream=True) if c.choices[0].logprobs]
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    streamed = {key: [v for part in chunks for v in getattr(part, key)] for key in keys}
+    return whole.text, {key: getattr(whole.logprobs, key) for key in keys}, streamed
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(client: openai.OpenAI) -> None:
+    """OpenAI's legacy ``logprobs``: "The API will always return the logprob of the sampled token, so there may be up
+    to logprobs+1 elements in the response" (vLLM's too): tokens sampled at a high temperature, not always the most
+    likely, are among their ``top_logprobs``, as are the echoed prompt's; streamed and not."""
+    ask = dict(model=MODEL, prompt="Once upon a time", max_tokens=4, logprobs=1, temperature=1.5, seed=5, echo=True)
+    _, whole, streamed = _completion_logprobs(client, **ask)
+    for lp in (whole, streamed):
+        scored = list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True))[1:]
+        assert all(top[token] == pytest.approx(logprob) and len(top) <= 2 for token, logprob, top in scored)
+        assert any(len(top) == 2 for _, _, top in scored[-4:])  # a sampled token that was not the most likely
+    assert streamed == whole
+
+
 def _offline_scores(smollm2: LoadedModel, prompt: list[int], top_k: int) -> tuple[list, list]:
     """The offline engine's prompt logprobs of ``prompt`` and its first greedy token's logprob (``top_k`` each)."""
     offline = LLM.from_config(engine_config(MODEL, max_model_len=MAX_LEN, kv_cache_gb=0.25), smollm2)
@@ -193,7 +216,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client: openai.Ope
     scored, generated = _offline_scores(smollm2, ids, 1)
     expected = [t.logprob for t in scored[1:]] + [generated[0].logprob]
     assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
-    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    # Each token's alternatives: the most likely one, and the token itself when it is not that one (OpenAI's "up to
+    # logprobs+1"), as vLLM's.
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= 2
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] == len(echo)
     # What lm-eval reads: the continuation's logprob, and whether it is greedy (each token its position's top one).
     continuation = sum(lp.token_logprobs[len(ids) - 1 : -1])
