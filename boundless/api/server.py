@@ -27,6 +27,7 @@ from starlette.types import ASGIApp
 from boundless.api.conversation import InvalidMessage, template_conversation
 from boundless.api.errors import APIError, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
+from boundless.api.logprobs import StreamedOffsets, TokenStarts, text_offsets
 from boundless.api.metrics import ServerMetrics
 from boundless.api.reasoning import ReasoningOutput, ReasoningParser
 from boundless.api.schemas import (
@@ -668,10 +669,12 @@ class OpenAIServer:
             if prompt_only:
                 _drop_output(c)
             prompt, echo = prompts[c.index // body.n], echoes[c.index // body.n]
+            starts = TokenStarts(self.tokenizer, prompt, body.skip_special_tokens).add(t.token_id for t in c.logprobs)
+            offsets = text_offsets(starts, len(echo), len(c.text))
             choice: dict[str, Any] = {
                 "index": c.index,
                 "text": echo + c.text,
-                "logprobs": self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, c.logprobs),
+                "logprobs": self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, c.logprobs, offsets),
                 "finish_reason": c.finish_reason,
             }
             if body.prompt_logprobs is not None:
@@ -706,6 +709,11 @@ class OpenAIServer:
         choices = [Choice(i) for i in range(len(streams))]
         echoed = [False] * len(streams)
         prompt_only = body.echo and body.max_tokens == 0
+        offsets_of: list[StreamedOffsets] = []  # (each choice's tokens, with their text_offset)
+        if body.logprobs is not None:
+            for i in range(len(streams)):
+                starts = TokenStarts(self.tokenizer, prompts[i // body.n], body.skip_special_tokens)
+                offsets_of.append(StreamedOffsets(starts, len(echoes[i // body.n])))
 
         def chunk(choice_list: list[dict], usage: dict | None = None) -> bytes:
             payload: dict[str, Any] = {
@@ -722,18 +730,20 @@ class OpenAIServer:
 
         async for index, delta in self.merged(streams):
             c = choices[index]
-            offset = len(c.text)
             self.apply_delta(c, delta)
             text, generated = delta.new_text, delta.new_logprobs
             if prompt_only:
                 text, generated = "", []
                 _drop_output(c)
             prompt, echo = prompts[index // body.n], echoes[index // body.n]
-            lp = self._completion_logprobs(generated, len(echo) + offset) if body.logprobs is not None else None
+            lp, tokens, offsets = None, [], []
+            if offsets_of:
+                tokens, offsets = offsets_of[index].take(generated, len(c.text), delta.finished)
+                lp = self._completion_logprobs(tokens, offsets)
             if body.echo and not echoed[index]:  # the prompt goes first, in the choice's first chunk
                 echoed[index] = True
                 text = echo + text
-                lp = self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, generated)
+                lp = self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, tokens, offsets)
             if text or lp or delta.finished:
                 yield chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}])
         if include_usage:
@@ -853,17 +863,10 @@ class OpenAIServer:
             )
         return out
 
-    def _completion_logprobs(self, tokens: list[SampledToken], offset: int) -> dict[str, Any]:
-        """The completions API's logprobs of ``tokens``, their text offsets from ``offset`` on (a token without a
-        logprob, the echoed prompt's first, has None for it and for its alternatives, as vLLM's)."""
-        texts = [self._token_text(t.token_id) for t in tokens]
-        offsets = []
-        pos = offset
-        for text in texts:
-            offsets.append(pos)
-            pos += len(text)
+    def _completion_logprobs(self, tokens: list[SampledToken], offsets: list[int]) -> dict[str, Any]:
+        """The completions API's logprobs of ``tokens``, at ``offsets`` in the choice's text (:func:`text_offsets`)."""
         return {
-            "tokens": texts,
+            "tokens": [self._token_text(t.token_id) for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [self._top_logprobs(t) for t in tokens],
             "text_offset": offsets,
@@ -887,15 +890,18 @@ class OpenAIServer:
         echo: str,
         scored: PromptLogprobs | None,
         generated: list[SampledToken],
+        offsets: list[int],
     ) -> dict[str, Any] | None:
-        """A completion choice's ``logprobs``: with ``echo``, the prompt's tokens first (offsets from the echoed
-        text's start), then the generated tokens' (offsets from the end of ``echo``)."""
+        """A completion choice's ``logprobs``: with ``echo``, the prompt's tokens first (at their starts in the echoed
+        text, decoded as it was), then the ``generated`` tokens at their ``offsets``."""
         if body.logprobs is None:
             return None
-        out = self._completion_logprobs(generated, len(echo))
+        out = self._completion_logprobs(generated, offsets)
         if not body.echo:
             return out
-        echoed = self._completion_logprobs(_echoed_tokens(prompt, scored, body.logprobs), 0)
+        echo_starts = TokenStarts(self.tokenizer, ()).add(prompt)  # (the echo is the prompt decoded alone)
+        echoed_tokens = _echoed_tokens(prompt, scored, body.logprobs)
+        echoed = self._completion_logprobs(echoed_tokens, text_offsets(echo_starts, 0, len(echo)))
         return {key: echoed[key] + out[key] for key in out}
 
     def _prompt_logprobs(self, scored: PromptLogprobs | None, top_k: int) -> list[dict[str, Any] | None] | None:

@@ -192,6 +192,33 @@ def test_completion_top_logprobs_hold_the_sampled_token(client: openai.OpenAI) -
     assert streamed == whole
 
 
+@pytest.mark.parametrize(
+    ("prompt", "echo", "said", "stop"),
+    [
+        ("Emoji:", False, "🦜 ok", None),  # tokens that split a character
+        ("I love 🦜 so!", True, " Yes.", None),  # the echoed prompt's, then the generated text's
+        ("Count:", False, " one two three", ["two t"]),  # a stop string cuts the text short of its tokens
+    ],
+)
+def test_completion_text_offsets_are_where_tokens_start(
+    client: openai.OpenAI, prompt: str, echo: bool, said: str, stop: list[str] | None
+) -> None:
+    """A token's ``text_offset`` is the length of the choice's text decoded up to the token before it (the text a
+    client has when it arrives; the echoed prompt's first, then the generated text's from the echo's end): they never
+    decrease or pass the text, each whole token is found at its own, and a stream's are the unstreamed response's."""
+    extra = {"structured_outputs": {"choice": [said]}}
+    ask = dict(model=MODEL, prompt=prompt, echo=echo, stop=stop, max_tokens=16, logprobs=0, temperature=0)
+    text, whole, streamed = _completion_logprobs(client, **ask, extra_body=extra)
+    assert text == (prompt if echo else "") + (said[: said.index(stop[0])] if stop else said)
+    offsets = whole["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text) and streamed == whole
+    for token, at in zip(whole["tokens"], offsets, strict=True):
+        if "\ufffd" not in token and at + len(token) <= len(text):  # (not part of a character, nor past the text)
+            assert text[at : at + len(token)] == token
+    pieces = [at for token, at in zip(whole["tokens"], offsets, strict=True) if "\ufffd" in token]
+    assert len(pieces) > 1 and len(set(pieces)) == 1 if "🦜" in text else not pieces  # all where the character starts
+
+
 def _offline_scores(smollm2: LoadedModel, prompt: list[int], top_k: int) -> tuple[list, list]:
     """The offline engine's prompt logprobs of ``prompt`` and its first greedy token's logprob (``top_k`` each)."""
     offline = LLM.from_config(engine_config(MODEL, max_model_len=MAX_LEN, kv_cache_gb=0.25), smollm2)
