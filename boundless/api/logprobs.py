@@ -2,7 +2,9 @@
 
 A token's place is where its text starts: the length of the text the tokens before it decode to, as the engine's
 detokenizer makes that text (whole characters only: a token that ends inside a character adds nothing until the one
-that completes it). The completions API gives it as ``text_offset``.
+that completes it). The completions API gives it as ``text_offset``; the chat and Responses APIs list the tokens of
+the message's content alone (OpenAI's ``logprobs.content``: "message content tokens"), those whose text starts in the
+content's part of the output (:func:`content_tokens`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from collections.abc import Iterable, Sequence
 from boundless.engine.detokenizer import Decoder, IncrementalDetokenizer
 from boundless.engine.logprobs import SampledToken
 from boundless.engine.sampling_params import SamplingParams
+
+# A part of a text: its characters [start, end).
+Span = tuple[int, int]
 
 
 class TokenStarts:
@@ -37,6 +42,72 @@ def text_offsets(starts: Iterable[int], base: int, length: int) -> list[int]:
     the choice's text holds from ``base`` on (after the echoed prompt). A start past the text's end (tokens of a stop
     string the text was cut at) is its end: an offset never passes the text it points into."""
     return [base + min(start, length) for start in starts]
+
+
+def content_tokens(
+    tokens: Sequence[SampledToken], starts: Sequence[int], spans: Sequence[Span], length: int
+) -> list[SampledToken]:
+    """The ``tokens`` of an output (``length`` characters) that belong to its content, whose parts are ``spans``: those
+    whose text starts in a part. A token that straddles a part's end (one holding both the blank before a tool call
+    and the call's tag) belongs where it starts; one with no text of its own at the output's end (the end-of-sequence
+    token) belongs with the text it follows, when a part ends the output."""
+    return [t for t, start in zip(tokens, starts, strict=True) if _starts_in(min(start, length), spans, length)]
+
+
+def _starts_in(start: int, spans: Sequence[Span], length: int) -> bool:
+    return any(a <= start < b or start == b == length for a, b in spans)
+
+
+class StreamedContent:
+    """A streamed message's content logprobs: a token's go out once its text is known to be content, those of the
+    reasoning before it and of tool calls never, so that the chunks together list what the unstreamed message does
+    (:meth:`finish`). ``starts`` None: every token is content (no reasoning or calls to tell apart), and goes out at
+    once."""
+
+    def __init__(self, starts: TokenStarts | None) -> None:
+        self._starts = starts
+        self._tokens: list[SampledToken] = []
+        self._at: list[int] = []  # each token's start
+        self._decided = 0  # tokens known to be content or not
+        self._sent = 0  # content tokens sent
+
+    def add(self, tokens: Sequence[SampledToken]) -> None:
+        """The output's next tokens."""
+        self._tokens += tokens
+        if self._starts is not None:
+            self._at += self._starts.add(t.token_id for t in tokens)
+
+    def release(self, text: str, answer: str | None, sent: int | None) -> list[SampledToken]:
+        """The tokens now known to be content, the output so far being ``text``, whose end after any reasoning is
+        ``answer`` (None: the answer has not begun), of which ``sent`` characters went out as content (None: all of it
+        goes out as it comes, the output being read for no calls). A token that starts before the answer is not
+        content (the reasoning's); one that starts before the last sent character that is not blank is (blanks that
+        end what was sent are dropped should a call follow them)."""
+        if self._starts is None:
+            out = self._tokens[self._decided :]
+            self._decided = len(self._tokens)
+        elif answer is None:
+            return []
+        else:
+            start = len(text) - len(answer)
+            known = None if sent is None else start + len(answer[:sent].rstrip())
+            out = []
+            while self._decided < len(self._tokens) and (known is None or self._at[self._decided] < known):
+                if self._at[self._decided] >= start:
+                    out.append(self._tokens[self._decided])
+                self._decided += 1
+        self._sent += len(out)
+        return out
+
+    def finish(self, spans: Sequence[Span], length: int) -> list[SampledToken]:
+        """The content tokens not sent yet, the output (``length`` characters) being whole and its content ``spans``
+        known. (Those sent were content whatever came after them: the first of the whole message's.)"""
+        if self._starts is None:
+            out = self._tokens[self._sent :]
+        else:
+            out = content_tokens(self._tokens, self._at, spans, length)[self._sent :]
+        self._sent += len(out)
+        return out
 
 
 class StreamedOffsets:

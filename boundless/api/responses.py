@@ -501,15 +501,16 @@ class ResponsesAPI:
             "usage": None,
         }
 
-    def _message_item(
-        self, call: _Call, choice: Choice, text: str, status: str, thought_tokens: int = 0
-    ) -> dict[str, Any]:
-        """The message item; its logprobs are those of the output's tokens after the ``thought_tokens`` of its
-        reasoning."""
+    def _message_item(self, call: _Call, choice: Choice, text: str, status: str) -> dict[str, Any]:
+        """The message item; its logprobs are those of its text's tokens, as chat's message lists them (not the
+        reasoning's or the function calls')."""
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
         if call.logprobs:
-            part["logprobs"] = self.server.chat_logprobs(choice.logprobs[thought_tokens:])
-        return {"type": "message", "id": call.message_id, "status": status, "role": "assistant", "content": [part]}
+            server = self.server
+            skip = call.chat.skip_special_tokens
+            tokens = server.message_logprobs(choice, call.prompt, skip, call.tool_use, call.reasoning)
+            part["logprobs"] = server.chat_logprobs(tokens)
+        return {**_message_without_content(call, status), "content": [part]}
 
     @staticmethod
     def _reasoning_item(call: _Call, text: str, status: str) -> dict[str, Any]:
@@ -541,7 +542,7 @@ class ResponsesAPI:
         thought_cut = incomplete and call.reasoning is not None and call.reasoning.parser.end not in choice.text
         items = [self._reasoning_item(call, thought, "incomplete" if thought_cut else "completed")] if thought else []
         if content or not (calls or thought):
-            items.append(self._message_item(call, choice, content or "", status, thought_tokens))
+            items.append(self._message_item(call, choice, content or "", status))
         items += [_function_call_item(c) for c in calls]
         out = self._envelope(call, "incomplete" if incomplete else "completed", items)
         if incomplete:
@@ -595,10 +596,15 @@ class ResponsesAPI:
             yield event("response.content_part.done", **thought_at, part=part)
             yield event("response.output_item.done", output_index=0, item=item)
 
-        sent, pending, opened = "", [], False
+        # The message's logprobs go with its text, as chat's do: those of its content's tokens alone.
+        tracked = None
+        if call.logprobs:
+            tracked = server.streamed_content(call.prompt, call.chat.skip_special_tokens, call.tool_use, call.reasoning)
+        sent, sent_logprobs, opened = "", 0, False
         async for _, delta in server.merged(streams):
             server.apply_delta(choice, delta)
-            pending += delta.new_logprobs
+            if tracked is not None:
+                tracked.add(delta.new_logprobs)
             answer, new_answer = choice.text, delta.new_text
             if thoughts is not None:
                 new_thought, new_answer = thoughts.feed(choice.text, final=delta.finished)
@@ -611,8 +617,6 @@ class ResponsesAPI:
                         yield event("response.content_part.added", **thought_at, part=item["content"][0])
                     yield event("response.reasoning_text.delta", **thought_at, delta=new_thought)
                     thought += new_thought
-                if not thoughts.content:
-                    pending = []  # (the reasoning's tokens and its end tag's: not the message's logprobs)
             piece = new_answer if content is None else ("" if delta.finished else content.feed(answer))
             if not piece:
                 continue
@@ -622,12 +626,16 @@ class ResponsesAPI:
             at = {"item_id": call.message_id, "output_index": message_index, "content_index": 0}
             if not opened:  # the message item opens with its first text
                 opened = True
-                item = self._message_item(call, choice, "", "in_progress")
-                yield event("response.output_item.added", output_index=message_index, item={**item, "content": []})
+                item = _message_without_content(call, "in_progress")
+                yield event("response.output_item.added", output_index=message_index, item=item)
                 yield event("response.content_part.added", **at, part=_EMPTY_TEXT)
-            logprobs, pending = (server.chat_logprobs(pending) if call.logprobs else []), []
-            yield event("response.output_text.delta", **at, delta=piece, logprobs=logprobs)
-            sent += piece
+            new_logprobs = []
+            if tracked is not None:
+                begun = answer if thoughts is None or answer else None
+                sent_so_far = None if content is None else content.sent  # (None: the answer all goes out as it comes)
+                new_logprobs = server.chat_logprobs(tracked.release(choice.text, begun, sent_so_far))
+            yield event("response.output_text.delta", **at, delta=piece, logprobs=new_logprobs)
+            sent, sent_logprobs = sent + piece, sent_logprobs + len(new_logprobs)
         if choice.finish_reason == "error":
             failed = self._envelope(call, "failed", [])
             failed["error"] = {"code": "server_error", "message": "the engine failed while generating"}
@@ -650,9 +658,10 @@ class ResponsesAPI:
                     added = {**item, "content": [], "status": "in_progress"}
                     yield event("response.output_item.added", output_index=index, item=added)
                     yield event("response.content_part.added", **at, part=_EMPTY_TEXT)
-                unsent = part["text"][len(sent) :]
-                if unsent:
-                    unsent_logprobs = server.chat_logprobs(pending) if call.logprobs and opened else logprobs
+                # What the deltas have not carried: the text that came whole at the end, and the logprobs of the tokens
+                # whose text had not gone out (the end-of-sequence token's, at least).
+                unsent, unsent_logprobs = part["text"][len(sent) :], logprobs[sent_logprobs:]
+                if unsent or unsent_logprobs:
                     yield event("response.output_text.delta", **at, delta=unsent, logprobs=unsent_logprobs)
                 yield event("response.output_text.done", **at, text=part["text"], logprobs=logprobs)
                 yield event("response.content_part.done", **at, part=part)
@@ -670,6 +679,11 @@ class ResponsesAPI:
 
 _EMPTY_TEXT = {"type": "output_text", "text": "", "annotations": []}
 _CHAT_TOOL_FIELDS = {"name", "description", "parameters"}
+
+
+def _message_without_content(call: _Call, status: str) -> dict[str, Any]:
+    """The message item with no content yet (as ``response.output_item.added`` opens it)."""
+    return {"type": "message", "id": call.message_id, "status": status, "role": "assistant", "content": []}
 
 
 def _forces_call(body: ResponsesRequest) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import json
 import time
@@ -27,7 +28,14 @@ from starlette.types import ASGIApp
 from boundless.api.conversation import InvalidMessage, template_conversation
 from boundless.api.errors import APIError, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
-from boundless.api.logprobs import StreamedOffsets, TokenStarts, text_offsets
+from boundless.api.logprobs import (
+    Span,
+    StreamedContent,
+    StreamedOffsets,
+    TokenStarts,
+    content_tokens,
+    text_offsets,
+)
 from boundless.api.metrics import ServerMetrics
 from boundless.api.reasoning import ReasoningOutput, ReasoningParser
 from boundless.api.schemas import (
@@ -47,6 +55,7 @@ from boundless.api.tool_calls import (
     forced_call_schema,
     parameter_types,
     parse_tool_calls,
+    spans_around_calls,
 )
 from boundless.api.validation import (
     header_identifier,
@@ -222,6 +231,17 @@ class ToolUse:
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, calls = parse_tool_calls(text, self.types, self.formats)
         return content, calls if self.parallel else calls[:1]
+
+    def content_spans(self, answer: str) -> list[Span]:
+        """The parts of an ``answer`` that are its message's content: all of it, unless it holds calls; then the parts
+        around them that are not blank, less the blanks that end each (the content is stripped of them)."""
+        content, calls = self.calls(answer) if self.used else (answer, [])
+        if not calls:
+            return [(0, len(answer))]
+        if content is None:
+            return []
+        around = [(start, answer[start:end].rstrip()) for start, end in spans_around_calls(answer, self.formats)]
+        return [(start, start + len(kept)) for start, kept in around if kept]
 
 
 def _forced_calls(body: ChatCompletionRequest) -> StructuredOutput | None:
@@ -474,9 +494,16 @@ class OpenAIServer:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             streams = await self.started(streams, request)
-            gen = self._chat_events(rid, body.model, streams, len(ids), body.logprobs, tools, include_usage, reasoning)
+            logprobs_of = None
+            if body.logprobs:
+                logprobs_of = functools.partial(self.streamed_content, ids, body.skip_special_tokens, tools, reasoning)
+            gen = self._chat_events(rid, body.model, streams, len(ids), logprobs_of, tools, include_usage, reasoning)
             return StreamingResponse(gen, media_type="text/event-stream")
         choices = await self.collect(streams, request)
+
+        def message_logprobs(c: Choice) -> list[SampledToken]:
+            return self.message_logprobs(c, ids, body.skip_special_tokens, tools, reasoning)
+
         out_choices = []
         for c in choices:
             text = c.text
@@ -497,7 +524,7 @@ class OpenAIServer:
                 {
                     "index": c.index,
                     "message": message,
-                    "logprobs": {"content": self.chat_logprobs(c.logprobs)} if body.logprobs else None,
+                    "logprobs": {"content": self.chat_logprobs(message_logprobs(c))} if body.logprobs else None,
                     "finish_reason": finish,
                 }
             )
@@ -520,11 +547,13 @@ class OpenAIServer:
         model: str,
         streams: list[DeltaStream],
         prompt_len: int,
-        want_logprobs: bool,
+        logprobs_of: Callable[[], StreamedContent] | None,
         tools: ToolUse,
         include_usage: bool,
         reasoning: ReasoningOutput | None = None,
     ) -> AsyncIterator[bytes]:
+        """A chat completion's chunks. ``logprobs_of``: a choice's content logprobs as they are known to be content
+        (None: not asked for)."""
         created = int(time.time())
         choices = [Choice(i) for i in range(len(streams))]
 
@@ -559,14 +588,32 @@ class OpenAIServer:
         # Read for tool calls: content streams until a call may have begun (ContentStream), its logprobs with it;
         # from there the calls stream as they are written (CallStream: a call's id and name, then its arguments).
         # With a reasoning parser, the reasoning streams first as it is written (ReasoningStream), and only the
-        # answer after it is content, read for calls.
+        # answer after it is content, read for calls. The logprobs are the content's tokens' alone (StreamedContent):
+        # none of the reasoning's or the calls', as the unstreamed message's.
         contents = [ContentStream(tools.formats) for _ in choices] if tools.used else []
         call_streams = [CallStream(tools.parallel, tools.types) for _ in choices] if tools.used else []
         thoughts = [reasoning.stream() for _ in choices] if reasoning is not None else []
-        pending: list[list[SampledToken]] = [[] for _ in choices]
+        logprobs = [logprobs_of() for _ in choices] if logprobs_of is not None else []
+
+        def content_logprobs(index: int, answer: str, finished: bool) -> list[SampledToken]:
+            """Choice ``index``'s content tokens to send now: those known to be content by what of its ``answer`` went
+            out as content; once it finished, the rest of its message's."""
+            if not logprobs:
+                return []
+            c = choices[index]
+            if finished:
+                return logprobs[index].finish(self.message_spans(c.text, tools, reasoning), len(c.text))
+            begun = answer if reasoning is None or answer else None
+            return logprobs[index].release(c.text, begun, contents[index].sent if tools.used else None)
+
+        def lp(tokens: list[SampledToken]) -> dict[str, Any] | None:
+            return {"content": self.chat_logprobs(tokens)} if logprobs else None
+
         async for index, delta in self.merged(streams):
             c = choices[index]
             self.apply_delta(c, delta)
+            if logprobs:
+                logprobs[index].add(delta.new_logprobs)
             answer, thought, new_answer = c.text, "", delta.new_text
             if reasoning is not None:
                 thought, new_answer = thoughts[index].feed(c.text, final=delta.finished)
@@ -574,38 +621,35 @@ class OpenAIServer:
                 thought = thought if reasoning.include else ""
             fields = ReasoningOutput.fields(thought) if thought else {}
             if tools.used:
-                pending[index] += delta.new_logprobs
                 if fields:
-                    new_logprobs, pending[index] = pending[index], []
-                    lp = {"content": self.chat_logprobs(new_logprobs)} if want_logprobs else None
-                    yield choice_chunk(index, fields, lp)
+                    yield choice_chunk(index, fields)
                     fields = {}
                 if not delta.finished:
                     text = contents[index].feed(answer)
                     held, sent = contents[index].held, contents[index].sent
                     if held and (calls_so_far := call_streams[index].feed(answer, sent)):
                         if text:
-                            yield choice_chunk(index, {"content": text})
+                            yield choice_chunk(index, {"content": text}, lp(content_logprobs(index, answer, False)))
                             text = ""
                         yield choice_chunk(index, {"tool_calls": calls_so_far})
                 else:
                     text, calls = contents[index].finish(answer, tools.calls)
                     if calls:
-                        if text:
-                            yield choice_chunk(index, {"content": text})
+                        new_logprobs = content_logprobs(index, answer, True)
+                        if text or new_logprobs:
+                            yield choice_chunk(index, {"content": text}, lp(new_logprobs))
                         rest = call_streams[index].finish(calls)
                         yield choice_chunk(index, {"tool_calls": rest} if rest else {}, finish="tool_calls")
                         continue
                 if not text and not delta.finished:
                     continue
-                new_logprobs, pending[index] = pending[index], []
             else:
-                text, new_logprobs = new_answer, delta.new_logprobs
-            lp = {"content": self.chat_logprobs(new_logprobs)} if want_logprobs else None
-            if text or (lp and new_logprobs and not fields):
+                text = new_answer
+            new_logprobs = content_logprobs(index, answer, delta.finished)
+            if text or new_logprobs:
                 fields["content"] = text
             if fields:
-                yield choice_chunk(index, fields, lp)
+                yield choice_chunk(index, fields, lp(new_logprobs) if "content" in fields else None)
             if delta.finished:
                 yield choice_chunk(index, {}, finish=delta.finish_reason)
         if include_usage:
@@ -846,7 +890,42 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def message_spans(self, text: str, tools: ToolUse, reasoning: ReasoningOutput | None) -> list[Span]:
+        """Where a chat message's content lies in its output's ``text``: in the answer after the reasoning (with a
+        reasoning parser), around the tool calls (:meth:`ToolUse.content_spans`)."""
+        answer: str | None = text if reasoning is None else reasoning.split(text).content
+        if answer is None:
+            return []
+        begins = len(text) - len(answer)  # (the answer ends the output)
+        return [(begins + start, begins + end) for start, end in tools.content_spans(answer)]
+
+    def message_logprobs(
+        self,
+        choice: Choice,
+        prompt: list[int],
+        skip_special_tokens: bool,
+        tools: ToolUse,
+        reasoning: ReasoningOutput | None,
+    ) -> list[SampledToken]:
+        """A chat message's logprobs (OpenAI's ``logprobs.content``, "message content tokens"): its content's tokens,
+        not its reasoning's or its tool calls' (:func:`~boundless.api.logprobs.content_tokens`)."""
+        spans = self.message_spans(choice.text, tools, reasoning)
+        if spans == [(0, len(choice.text))]:  # all of it: every token (no need to find where each starts)
+            return choice.logprobs
+        starts = TokenStarts(self.tokenizer, prompt, skip_special_tokens).add(t.token_id for t in choice.logprobs)
+        return content_tokens(choice.logprobs, starts, spans, len(choice.text))
+
+    def streamed_content(
+        self, prompt: list[int], skip_special_tokens: bool, tools: ToolUse, reasoning: ReasoningOutput | None
+    ) -> StreamedContent:
+        """A streamed chat message's logprobs, as :meth:`message_logprobs` lists them; where each token starts is found
+        only when there are reasoning or calls to tell apart from the content."""
+        if not tools.used and reasoning is None:
+            return StreamedContent(None)
+        return StreamedContent(TokenStarts(self.tokenizer, prompt, skip_special_tokens))
+
     def chat_logprobs(self, tokens: list[SampledToken]) -> list[dict[str, Any]]:
+        """Tokens' logprobs in the chat API's shape (each with its ``top_logprobs``)."""
         out = []
         for t in tokens:
             text = self._token_text(t.token_id)

@@ -352,16 +352,28 @@ class CallStream:
 
 
 def _content_before_calls(text: str, formats: CallFormats) -> str:
-    """An output that holds calls, less the calls: its closed blocks taken out, and its unclosed last block when that
-    holds calls (of ``formats``), or, when it has no block (Qwen3-Coder's calls without their tags), cut where the
-    first ``<function=`` begins."""
+    """An output that holds calls, less the calls (:func:`spans_around_calls`)."""
+    return "".join(text[start:end] for start, end in spans_around_calls(text, formats))
+
+
+def spans_around_calls(text: str, formats: CallFormats) -> list[tuple[int, int]]:
+    """The parts ``[start, end)`` of an output that holds calls that are not the calls: around its closed blocks, and
+    before its unclosed last block when that holds calls (of ``formats``), or, when it has no block (Qwen3-Coder's
+    calls without their tags), before the first ``<function=`` (and before a ``<tool_call>`` just before it, blanks
+    between); none empty. (Where a message's content lies in its output: its logprobs are those of its content's
+    tokens.)"""
     at, tail = _unclosed_block(text)
-    if at >= 0 and _block_calls(tail, None, formats):
-        return _TAGGED.sub("", text[:at])
-    if _TAGGED.search(text):
-        return _TAGGED.sub("", text)
-    at = text.find(XML_FUNCTION_TAG)
-    return text if at < 0 else text[:at].rstrip().removesuffix(TOOL_CALL_TAG)
+    unclosed = at >= 0 and bool(_block_calls(tail, None, formats))
+    if unclosed or _TAGGED.search(text):
+        end = at if unclosed else len(text)  # (every closed block ends before an unclosed one)
+        bounds = [0, *(i for found in _TAGGED.finditer(text, 0, end) for i in found.span()), end]
+        spans = list(zip(bounds[::2], bounds[1::2], strict=True))
+    elif (at := text.find(XML_FUNCTION_TAG)) >= 0:
+        head = text[:at].rstrip()
+        spans = [(0, len(head) - len(TOOL_CALL_TAG) if head.endswith(TOOL_CALL_TAG) else at)]
+    else:
+        spans = [(0, len(text))]
+    return [(start, end) for start, end in spans if start < end]
 
 
 def partial_tag(text: str, tag: str) -> int:

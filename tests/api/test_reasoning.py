@@ -192,6 +192,18 @@ def test_reasoning_apart_from_the_answer(served: Served) -> None:
     assert streamed["usage"].completion_tokens_details.reasoning_tokens == details.reasoning_tokens
 
 
+@pytest.mark.parametrize("tools", [None, WEATHER], ids=["no tools", "tools"])
+def test_chat_logprobs_are_the_answers_tokens(served: Served, tools: Any) -> None:
+    """A chat message's logprobs are its content's tokens (OpenAI's "message content tokens"), not the reasoning's or
+    its end tag's: streamed and not, they spell the answer and the EOS that ended it, read for calls or not."""
+    kwargs: dict[str, Any] = {"logprobs": True} if tools is None else {"logprobs": True, "tools": tools}
+    whole = _chat(served, THINK_THEN_ANSWER, **kwargs).choices[0]
+    tokens = [t.token for t in whole.logprobs.content]
+    assert "".join(tokens) == whole.message.content + "<|im_end|>" and whole.message.reasoning
+    chunks = list(_chat(served, THINK_THEN_ANSWER, stream=True, **kwargs))
+    assert [t.token for c in chunks for t in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])] == tokens
+
+
 def test_a_tool_call_after_the_reasoning(served: Served) -> None:
     reply = _chat(served, THINK_THEN_CALL, tools=WEATHER)
     choice = reply.choices[0]
@@ -312,11 +324,11 @@ def test_responses_stream_the_reasoning_first(served: Served) -> None:
     assert [d.type for d in done] == ["reasoning", "message"] and done[0].content[0].text == thought
     final = events[-1].response
     assert kinds[-1] == "response.completed" and [o.type for o in final.output] == ["reasoning", "message"]
-    # The message's logprobs are its own tokens', not the reasoning's: streamed and whole, they spell its text (the
-    # whole one's with the EOS that ended it).
+    # The message's logprobs are its own tokens', not the reasoning's: streamed and whole alike, they spell its text and
+    # the EOS that ended it (whose logprob the last delta carries, with no text).
     streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
-    assert "".join(streamed) == text
-    assert "".join(lp.token for lp in whole.output[1].content[0].logprobs) == text + "<|im_end|>"
+    assert streamed == [lp.token for lp in whole.output[1].content[0].logprobs]
+    assert "".join(streamed) == text + "<|im_end|>"
 
 
 def test_responses_a_function_call_after_the_reasoning(served: Served) -> None:

@@ -6,6 +6,7 @@ field (tests/api/test_bad_input.py)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -231,6 +232,31 @@ def test_with_tools_a_text_answer_streams_as_it_is_made(client: openai.OpenAI) -
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert len(deltas) > 5  # not held to the end
     assert "".join(deltas) == whole.output_text == events[-1].response.output_text  # type: ignore[union-attr]
+
+
+def test_the_messages_logprobs_are_its_texts_tokens(client: openai.OpenAI) -> None:
+    """``message.output_text.logprobs`` are the message's text's tokens' alone, not the function call's: the deltas'
+    together, the ``output_text.done`` event's and the final message's are the same list, and the unstreamed
+    message's."""
+    said = 'Ok. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    asked: dict[str, Any] = {
+        "model": MODEL,
+        "input": "Weather in Rome?",
+        "tools": TOOLS,
+        "max_output_tokens": 200,
+        "temperature": 0,
+        "include": ["message.output_text.logprobs"],
+        "extra_body": {"structured_outputs": {"regex": re.escape(said).replace("\\ ", " ")}},
+    }
+    whole = client.responses.create(**asked)
+    assert [o.type for o in whole.output] == ["message", "function_call"] and whole.output_text == "Ok."
+    tokens = [lp.token for lp in whole.output[0].content[0].logprobs]
+    assert "".join(tokens) == "Ok."
+    events = list(client.responses.create(**asked, stream=True))
+    deltas = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    (done,) = [[lp.token for lp in e.logprobs] for e in events if e.type == "response.output_text.done"]
+    final = [lp.token for lp in events[-1].response.output[0].content[0].logprobs]  # type: ignore[union-attr]
+    assert deltas == done == final == tokens
 
 
 def test_text_format_holds_the_output_to_a_schema(client: openai.OpenAI) -> None:

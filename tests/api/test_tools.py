@@ -13,6 +13,7 @@ import pytest
 from served_models import Served, serve_hermes
 
 from boundless.api.call_scanner import CallScanner, scan_calls
+from boundless.api.logprobs import content_tokens
 from boundless.api.tool_calls import (
     ALL_FORMATS,
     BARE_JSON,
@@ -29,6 +30,7 @@ from boundless.api.tool_calls import (
     template_messages,
 )
 from boundless.config import ServerConfig
+from boundless.engine.logprobs import SampledToken
 
 WEATHER = {
     "type": "function",
@@ -141,6 +143,63 @@ def test_served_json_answer_with_a_name_stays_the_answer(hermes: Served) -> None
         model="tiny", input="hi", tools=[{"type": "function", **WEATHER["function"]}], extra_body=extra
     )
     assert [item.type for item in response.output] == ["message"] and response.output_text == answer
+
+
+def _content_of(text: str, pieces: list[str], tools: Any) -> list[str]:
+    """The pieces (an output's tokens' texts, which make up ``text``) that :func:`content_tokens` keeps as content."""
+    starts = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    tokens = [SampledToken(i) for i in range(len(pieces))]
+    kept = content_tokens(tokens, starts, tools.content_spans(text), len(text))
+    return [pieces[t.token_id] for t in kept]
+
+
+def test_a_messages_logprobs_are_its_contents_tokens() -> None:
+    """OpenAI's ``logprobs.content`` lists "message content tokens": a call's are not among them. A token belongs where
+    its text starts: one that holds the blank before a call and the call's tag is the call's (the content drops the
+    blank); the end-of-sequence token (no text) goes with the content when content ends the output."""
+    from boundless.api.server import ToolUse
+
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    pieces = ["Sure", ".", " <tool_call>", call.removeprefix("<tool_call>"), " Done", ".", ""]
+    assert _content_of("".join(pieces), pieces, ToolUse(True)) == ["Sure", ".", " Done", ".", ""]
+    pieces = ["Sure", ". ", call, ""]  # (". " starts in the content: it is content, blank and all)
+    assert _content_of("".join(pieces), pieces, ToolUse(True)) == ["Sure", ". "]
+    pieces = ["Sure", ".", " <tool_call>", call.removeprefix("<tool_call>").removesuffix("</tool_call>"), ""]
+    assert _content_of("".join(pieces), pieces, ToolUse(True)) == ["Sure", "."]  # (a call in a block left unclosed)
+    pieces = ['{"name": "f", ', '"arguments": {}}', ""]  # a bare call: no content at all
+    assert _content_of("".join(pieces), pieces, ToolUse(True)) == []
+    pieces = ["No", " call", " here.", ""]  # no call, or tools not read: all of it
+    assert (
+        _content_of("".join(pieces), pieces, ToolUse(True))
+        == pieces
+        == _content_of("No call here.", pieces, ToolUse(False))
+    )
+
+
+def test_logprobs_leave_out_the_calls_tokens_streamed_or_not(hermes: Served) -> None:
+    """The message's logprobs are its content's tokens', streamed as unstreamed: the text around a Hermes block (not
+    the blank before it, which the content drops), none for a bare call (the message has no content)."""
+    ask: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER],
+        "max_tokens": 200,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    block = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    for said, content, spelled in [
+        (f"Sure. {block} Done.", "Sure.  Done.", "Sure. Done.<|im_end|>"),
+        ('{"name": "get_weather", "arguments": {"city": "Paris"}}', None, ""),
+    ]:
+        extra = {"structured_outputs": {"regex": re.escape(said).replace("\\ ", " ")}}
+        whole = hermes.client.chat.completions.create(**ask, extra_body=extra).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content == content
+        tokens = [t.token for t in whole.logprobs.content]
+        assert "".join(tokens) == spelled
+        chunks = list(hermes.client.chat.completions.create(**ask, extra_body=extra, stream=True))
+        streamed = [t.token for c in chunks for t in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+        assert streamed == tokens
 
 
 def test_parse_hermes_blocks() -> None:
