@@ -344,7 +344,13 @@ class ResponsesAPI:
         try:
             structured = server.after_reasoning(_structured(body, tools), call.prompt)
             params = sampling_params(
-                chat, chat.max_completion_tokens, logprobs, structured, lora=call.lora, defaults=server.defaults
+                chat,
+                chat.max_completion_tokens,
+                logprobs,
+                structured,
+                lora=call.lora,
+                defaults=server.defaults,
+                room=server.client.max_model_len - len(call.prompt),
             )
             await check_grammar(params, server.tokenizer.vocab_size)
             streams = server.submit_all(call.response_id, [call.prompt], params, call.program)

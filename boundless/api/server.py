@@ -180,12 +180,19 @@ def sampling_params(
     prompt_logprobs: int | None = None,
     lora: str | None = None,
     defaults: SamplingDefaults = NO_DEFAULTS,
+    room: int | None = None,
 ) -> SamplingParams:
     """The engine's parameters for a request; what it leaves out is the model's default (``defaults``, from its
-    ``generation_config.json``), else the API's."""
+    ``generation_config.json``), else the API's. ``room``: the tokens the prompt leaves in the context, to which the
+    model's default ``max_tokens`` is capped, as vLLM caps it (a request that sets no limit is not refused for the
+    default's: a limit the client sets is still checked whole)."""
 
     def given(value: Any, default: Any, fallback: Any) -> Any:
         return value if value is not None else (default if default is not None else fallback)
+
+    default_max_tokens = defaults.max_tokens
+    if default_max_tokens is not None and room is not None and room >= 1:
+        default_max_tokens = min(default_max_tokens, room)
 
     stop = body.stop if isinstance(body.stop, list) else ([] if body.stop is None else [body.stop])
     return SamplingParams(
@@ -194,7 +201,7 @@ def sampling_params(
         top_p=given(body.top_p, defaults.top_p, 1.0),
         top_k=given(body.top_k, defaults.top_k, 0),
         seed=body.seed,
-        max_tokens=given(max_tokens, defaults.max_tokens, None),
+        max_tokens=given(max_tokens, default_max_tokens, None),
         min_tokens=body.min_tokens,
         stop=tuple(stop),
         stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -481,7 +488,8 @@ class OpenAIServer:
         try:
             structured = self.after_reasoning(forced or _structured(body), ids)
             prompt_logprobs = None if body.stream else body.prompt_logprobs  # (a stream has no place for them)
-            params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs, lora, self.defaults)
+            room = self.client.max_model_len - len(ids)
+            params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs, lora, self.defaults, room)
             await check_grammar(params, self.tokenizer.vocab_size)
             streams = self.submit_all(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used for the limit

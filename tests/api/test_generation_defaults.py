@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from served_models import Served, serve_hermes
 
@@ -39,3 +40,28 @@ def test_omitted_parameters_take_the_models_defaults(served: tuple[str, Served])
         assert plain != greedy and plain[1] > 5  # the API's own: temperature 1, to the context's end
     # A value the request gives wins over the model's.
     assert chat(temperature=0, max_tokens=3)[1] == 3
+
+
+def test_the_models_default_max_tokens_is_capped_to_the_context_left(served: tuple[str, Served]) -> None:
+    """A prompt 3 tokens short of the context: with the model's default of 5 tokens (``auto``) the request runs to the
+    context's end, as vLLM caps a default, where it was refused for tokens the client never asked for; a limit the
+    client sets is still checked whole (400)."""
+    _, s = served
+
+    def prompt_tokens(text: str) -> int:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
+        return httpx.post(s.url + "/tokenize", json=body, timeout=60).json()["count"]
+
+    text = "fox " * 1000
+    while prompt_tokens(text) > 1024 - 3:
+        text = text[:-4]
+    while prompt_tokens(text + "a") <= 1024 - 3:
+        text += "a"
+    assert prompt_tokens(text) == 1024 - 3
+    messages = [{"role": "user", "content": text}]
+    reply = s.client.chat.completions.create(model="tiny", messages=messages, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+    response = s.client.responses.create(model="tiny", input=text, extra_body={"ignore_eos": True})
+    assert response.usage.output_tokens == 3 and response.status == "incomplete"
+    with pytest.raises(Exception, match="maximum context length"):
+        s.client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
