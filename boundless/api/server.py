@@ -141,6 +141,9 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
+    # The most requests that may wait at once (``--max-waiting`` of one engine); None: no one such queue.
+    max_waiting: int | None
+
     def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
     ) -> DeltaStream: ...
@@ -388,7 +391,18 @@ class OpenAIServer:
     def submit_all(
         self, base_id: str, prompts: list[list[int]], params: SamplingParams, program: ProgramRef | None
     ) -> list[DeltaStream]:
-        """Submit every (prompt, sample) pair; on any error, abort those already submitted."""
+        """Submit every (prompt, sample) pair; on any error, abort those already submitted. A request of more samples
+        than ``--max-waiting`` lets wait is refused (400): its samples would be refused as the queue filled (429), again
+        at every retry, the server idle or not."""
+        limit = self.client.max_waiting
+        if limit is not None and (samples := len(prompts) * params.n) > limit:
+            raise APIError(
+                400,
+                f"{samples} samples (n x prompts) exceed the {limit} requests this server lets wait (--max-waiting); "
+                "send fewer at a time",
+                "n",
+                "invalid_value",
+            )
         streams: list[DeltaStream] = []
         try:
             for p_idx, ids in enumerate(prompts):

@@ -99,6 +99,8 @@ class DispatcherFrontEnd:
     dispatcher: Dispatcher
     streams: StreamRegistry
     lock: threading.RLock
+    # No one queue limits a request's samples: the dispatcher spreads them over the instances (each with its own).
+    max_waiting: int | None = None
 
     def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None

@@ -517,6 +517,12 @@ def test_full_waiting_queue_gets_429_with_retry_after(tiny_llama: LoadedModel) -
         assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
         ok = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200
+        # More samples than may ever wait: a 400 that says why, not a 429 at every retry of an idle server.
+        for body in ({"prompt": "hi", "n": 3}, {"prompt": ["a", "b", "c"]}):
+            too_many = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "max_tokens": 2, **body})
+            assert too_many.status_code == 400 and "--max-waiting" in too_many.json()["error"]["message"]
+        two = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 2})
+        assert two.status_code == 200 and len(two.json()["choices"]) == 2
     finally:
         srv.stop()
         eng.shutdown()
