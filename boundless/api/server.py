@@ -810,7 +810,8 @@ class OpenAIServer:
                 echoed[index] = True
                 text = echo + text
                 lp = self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, tokens, offsets)
-            if text or lp or delta.finished:
+            # (A delta whose tokens are all held back, their text not out yet, makes no chunk.)
+            if text or tokens or delta.finished:
                 yield chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}])
         if include_usage:
             yield chunk([], self._usage(prompt_len, choices))

@@ -173,7 +173,10 @@ def test_n_stop_and_logprobs(client: openai.OpenAI) -> None:
 def _completion_logprobs(client: openai.OpenAI, **ask: Any) -> tuple[str, dict[str, list], dict[str, list]]:
     """A completion's text and its choice's ``logprobs``, unstreamed and streamed (the chunks' put together)."""
     whole = client.completions.create(**ask).choices[0]
-    chunks = [c.choices[0].logprobs for c in client.completions.create(**ask, stream=True) if c.choices[0].logprobs]
+    parts = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
+    # Every chunk says something: text, tokens or the end (a delta whose tokens are held back makes none).
+    assert all(p.text or (p.logprobs and p.logprobs.tokens) or p.finish_reason for p in parts)
+    chunks = [p.logprobs for p in parts if p.logprobs]
     keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     streamed = {key: [v for part in chunks for v in getattr(part, key)] for key in keys}
     return whole.text, {key: getattr(whole.logprobs, key) for key in keys}, streamed
