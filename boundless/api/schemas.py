@@ -39,8 +39,10 @@ Count = Annotated[int, Strict(), Field(ge=1)]
 Seed = Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)]
 Penalty = Annotated[float, Strict(), AllowInfNan(False), Field(ge=-2.0, le=2.0)]
 Identifier = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
-# A tool's name, as OpenAI allows it: ^[a-zA-Z0-9_-]{1,64}$.
-FunctionName = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+# A tool's name: OpenAI's characters (letters, digits, _ and -) and the separators agents' tool names use (MCP's
+# `server.tool`, and `:` and `/`), up to MCP's 128. OpenAI's own rule (64, no separators) refused names that vLLM,
+# which checks none, serves.
+FunctionName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[a-zA-Z0-9_.:/-]+$")]
 
 # OpenAI's error code for a tool whose parameters are not an object's schema. The error's type (a validator's
 # PydanticCustomError) is the error's code: see errors.VALIDATOR_CODES.

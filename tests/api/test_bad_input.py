@@ -337,7 +337,9 @@ CORPUS: list[Case] = [
     chat(_tool("f"), "tools.0.function"),
     # OpenAI's rules for tools: a name of ^[a-zA-Z0-9_-]{1,64}$, parameters an object's schema, no name twice
     chat(_tool({"name": "get weather!"}), "tools.0.function.name"),
-    chat(_tool({"name": "f" * 65}), "tools.0.function.name"),
+    chat(_tool({"name": "f" * 129}), "tools.0.function.name"),
+    # agents' names (MCP's server.tool, namespaces): served, as vLLM serves them
+    chat({"tools": [{"type": "function", "function": {"name": n}} for n in ("fs.read", "srv/x", "m:t")]}, None, SERVED),
     chat(_tool({"name": "get_weather-2"}), None, SERVED),
     chat({"tools": [_tool_with({"type": "string"})], "tool_choice": "required"}, "tools.0.function.parameters"),
     chat({"tools": [_tool_with({"properties": {"a": {"type": "string"}}})]}, "tools.0.function.parameters"),
