@@ -18,6 +18,7 @@ from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
 from boundless.gc_quiet import frozen_heap
 from boundless.model.loader import LoadedModel, load_configured_model
 from boundless.model.lora import LoRARequest
+from boundless.model.tokenizer import load_chat_template
 
 # A text, token ids, or vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt), ``{"prompt_token_ids": ids}``
 # (TokensPrompt).
@@ -191,19 +192,23 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate. Messages take the
         server's shapes (``api/conversation.py``): content as text parts, an assistant turn of tool calls alone; any
-        role and any other key a template reads pass as given. ``chat_template``: a template's source (or the name of
-        one of the model's) instead of the model's; ``chat_template_kwargs``: more variables for it (vLLM's)."""
+        role and any other key a template reads pass as given. ``chat_template``: the name of one of the model's
+        templates, or a template (its text, or a Jinja file's path, as ``serve --chat-template`` takes it) instead of
+        the model's; ``chat_template_kwargs``: more variables for it, which may also set ``add_generation_prompt`` and
+        ``tools`` (vLLM's)."""
         from boundless.api.conversation import template_conversation  # (pydantic's schemas: loaded when chatting)
 
+        given = {"tools": tools, "add_generation_prompt": True, "chat_template": chat_template}
+        variables = {**given, **(chat_template_kwargs or {})}
+        template = variables["chat_template"]
+        if template is not None and template not in self.tokenizer.chat_templates:
+            variables["chat_template"] = load_chat_template(template)  # (a file's path, or the text checked)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.encode(
                 self.tokenizer.apply_chat_template(
                     template_conversation(conv, strict=False),  # type: ignore[arg-type]
-                    tools=tools,
-                    add_generation_prompt=True,
-                    chat_template=chat_template,
-                    **(chat_template_kwargs or {}),
+                    **variables,
                 ),
                 add_special_tokens=False,
             )

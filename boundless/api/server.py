@@ -420,6 +420,13 @@ class OpenAIServer:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages", "invalid_value")
+        if (body.model_extra or {}).get("chat_template") is not None:  # (vLLM's rule, unless its server trusts them)
+            raise APIError(
+                400,
+                "a request cannot send its own chat template: the server's serves (--chat-template, else the model's)",
+                "chat_template",
+                "unsupported_parameter",
+            )
         try:
             messages = template_conversation([m.model_dump(exclude_none=True) for m in body.messages])
         except InvalidMessage as e:

@@ -387,6 +387,8 @@ CORPUS: list[Case] = [
     completion({"echo": "true"}, "echo"),
     completion({"suffix": SURROGATE}, "suffix"),
     completion({"suffix": "and then"}, "suffix"),
+    chat({"chat_template": "{{ 1/0 }}"}, "chat_template"),  # not the request's (vLLM's rule): refused, not dropped
+    chat({"chat_template": None}, None, SERVED),
     # best_of: OpenAI's type and its rule (not below n); above n, not served (vLLM V1's neither), not dropped
     completion({"best_of": "x"}, "best_of"),
     completion({"best_of": 1, "n": 2}, "best_of"),

@@ -88,7 +88,7 @@ def test_a_bad_chat_template_is_refused_before_the_model_loads(
     assert err.startswith("boundless: --chat-template: ") and said in err and "Traceback" not in err
 
 
-def test_llm_chat_takes_a_template(base_model: Path) -> None:
+def test_llm_chat_takes_a_template(base_model: Path, tmp_path: Path) -> None:
     """``LLM.chat(chat_template=...)`` renders with it (vLLM's argument), and its kwargs reach the template."""
     llm = LLM(str(base_model), max_model_len=512, kv_cache_gb=0.05)
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -98,3 +98,11 @@ def test_llm_chat_takes_a_template(base_model: Path) -> None:
     assert out.prompt_token_ids == llm.tokenizer.encode(RENDERED, add_special_tokens=False)
     tagged = llm.chat(MESSAGES, params, chat_template=TEMPLATE + "{{ tag }}", chat_template_kwargs={"tag": "!"})[0]
     assert tagged.prompt_token_ids == llm.tokenizer.encode(RENDERED + "!", add_special_tokens=False)
+    # A file's path, as serve --chat-template takes it; the kwargs may set the route's own variables too (vLLM's).
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    bare = llm.chat(
+        MESSAGES, params, chat_template=str(tmp_path / "t.jinja"), chat_template_kwargs={"add_generation_prompt": False}
+    )[0]
+    assert bare.prompt_token_ids == llm.tokenizer.encode(RENDERED[:-1], add_special_tokens=False)
+    with pytest.raises(ValueError, match="is no file, nor a template"):
+        llm.chat(MESSAGES, params, chat_template="/no/such.jinja")
