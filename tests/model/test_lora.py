@@ -329,6 +329,66 @@ def test_loader_refuses_what_it_cannot_apply(
         load_lora(LoRARequest("bad", 1, str(path)), loaded.arch, loaded.dtype, loaded.device, 16)
 
 
+def _write_config(text: str) -> Callable[[Path], None]:
+    return lambda path: (path / "adapter_config.json").write_text(text)
+
+
+def _write_weights(data: bytes) -> Callable[[Path], None]:
+    return lambda path: (path / "adapter_model.safetensors").write_bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (_write_weights(b"garbage, not safetensors"), "not a readable safetensors file"),
+        (_write_weights(b""), "not a readable safetensors file"),
+        (_write_config("[]"), "must hold a JSON object, not list"),
+        (_write_config('"x"'), "must hold a JSON object, not str"),
+        (_write_config('{"r": 8, "lora_alpha": "abc"}'), "lora_alpha must be a number, not 'abc'"),
+        (_write_config('{"r": 8, "lora_alpha": null}'), "lora_alpha must be a number, not None"),
+        (_write_config('{"r": 8, "lora_alpha": NaN}'), "lora_alpha must be a number"),
+        (_write_config('{"r": 8, "alpha_pattern": {"(": 2}}'), r"key '\(' is not a regular expression"),
+        (_write_config('{"r": 8, "alpha_pattern": [1]}'), "alpha_pattern must be an object"),
+        (_write_config('{"r": 8, "alpha_pattern": {"q_proj": "x"}}'), "must be a number, not 'x'"),
+        (lambda path: (path / "adapter_config.json").write_bytes(b"\xff\xfe{}"), "not UTF-8 text"),
+    ],
+    ids=[
+        "garbage-weights",
+        "empty-weights",
+        "config-list",
+        "config-str",
+        "alpha-str",
+        "alpha-null",
+        "alpha-nan",
+        "pattern-regex",
+        "pattern-list",
+        "pattern-value",
+        "config-not-utf8",
+    ],
+)
+def test_loader_turns_malformed_files_into_lora_errors(
+    llama: AdapterCase, tmp_path: Path, spoil: Callable[[Path], None], message: str
+) -> None:
+    """However an adapter's files are malformed, loading it is a ``LoRAError`` that says how (the server's 400,
+    ``--lora-modules``' one line), never the reader's own exception (a 500, a traceback)."""
+    path = _broken_copy(llama.paths["all8"], tmp_path / "bad")
+    spoil(path)
+    loaded = llama.loaded
+    with pytest.raises(LoRAError, match=message):
+        load_lora(LoRARequest("bad", 1, str(path)), loaded.arch, loaded.dtype, loaded.device, 16)
+    # At start-up, the flag's one line.
+    config = ModelConfig(max_model_len=256, enable_lora=True, lora_modules=(f"bad={path}",))
+    with pytest.raises(ConfigError, match=f"--lora-modules: .*{message}"):
+        EngineCore.from_model(loaded, EngineConfig(model=config))
+
+
+def test_loader_refuses_paths_the_file_system_refuses(llama: AdapterCase) -> None:
+    """A path component over 255 bytes is the OS's error (``is_dir`` raises it): a ``LoRAError`` too."""
+    loaded = llama.loaded
+    with pytest.raises(LoRAError, match="cannot use the path .*File name too long"):
+        load_lora(LoRARequest("x", 1, "/" + "a" * 300), loaded.arch, loaded.dtype, loaded.device, 16)
+
+
 def test_rank_limit_and_paths(llama: AdapterCase, tmp_path: Path) -> None:
     loaded = llama.loaded
     with pytest.raises(LoRAError, match="exceeds --max-lora-rank 4"):
