@@ -1097,6 +1097,7 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> Response
     """vLLM's route: load an adapter, served from now on as a model named ``lora_name``."""
     server = _server(request)
     client = _runtime_lora_updates(server)
+    require_valid_text(body.model_dump())
     name = body.lora_name
     if name == server.model_name or name in server.loras:
         raise APIError(400, f"the LoRA adapter {name!r} has already been loaded", "lora_name")
@@ -1113,6 +1114,7 @@ async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> Resp
     """vLLM's route: unload an adapter (refused while unfinished requests run with it)."""
     server = _server(request)
     client = _runtime_lora_updates(server)
+    require_valid_text(body.model_dump())
     name = body.lora_name
     if name not in server.loras:
         raise APIError(404, f"the LoRA adapter {name!r} is not loaded", "lora_name", "model_not_found")

@@ -385,7 +385,7 @@ def test_loader_turns_malformed_files_into_lora_errors(
 def test_loader_refuses_paths_the_file_system_refuses(llama: AdapterCase) -> None:
     """A path component over 255 bytes is the OS's error (``is_dir`` raises it): a ``LoRAError`` too."""
     loaded = llama.loaded
-    with pytest.raises(LoRAError, match="cannot use the path .*File name too long"):
+    with pytest.raises(LoRAError, match=r"cannot use the path .*File name too long"):
         load_lora(LoRARequest("x", 1, "/" + "a" * 300), loaded.arch, loaded.dtype, loaded.device, 16)
 
 
@@ -512,6 +512,17 @@ def test_adapters_loaded_at_run_time(llama: AdapterCase, tmp_path: Path) -> None
         with pytest.raises(openai.NotFoundError):
             complete("sql")
         assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 404
+        # A name that is not valid Unicode (a lone surrogate) is refused as every route refuses one, and nothing is
+        # registered: the model list and the metrics, which would have to encode it, stay served.
+        for route in ("load_lora_adapter", "unload_lora_adapter"):
+            surrogate = httpx.post(
+                f"{server.url}/v1/{route}",
+                content=b'{"lora_name": "bad\\ud800name", "lora_path": "%s"}' % path.encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            assert surrogate.status_code == 400 and surrogate.json()["error"]["code"] == "invalid_encoding", route
+        assert {m.id for m in client.models.list().data} == {"tiny"}
+        assert httpx.get(server.url + "/metrics").status_code == 200
     finally:
         server.stop()
     off = start_in_thread(engine, "tiny")
