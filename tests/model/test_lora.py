@@ -270,6 +270,11 @@ def test_unknown_adapter_and_disabled_lora(llama: AdapterCase) -> None:
     plain = EngineCore.from_model(llama.loaded, EngineConfig(model=ModelConfig(max_model_len=256)))
     with pytest.raises(LoRAError, match="--enable-lora"):
         plain.add_lora(LoRARequest("all8", 1, str(llama.paths["all8"])))
+    # A name already loaded is refused (vLLM's rule), not silently kept: unload it first.
+    before = core.loras["all8"]
+    with pytest.raises(LoRAError, match="'all8' has already been loaded"):
+        core.add_lora(LoRARequest("all8", 9, str(llama.paths["attn4"])))
+    assert core.loras["all8"] == before
     # An adapter that an unfinished request runs with stays loaded; once the request is gone it can go.
     core.add_request("user", llama.prompts[0], SamplingParams(max_tokens=2, lora_name="attn4"))
     with pytest.raises(LoRAError, match="in use by 1 unfinished requests"):
@@ -531,6 +536,72 @@ def test_adapters_loaded_at_run_time(llama: AdapterCase, tmp_path: Path) -> None
         assert refused.status_code == 404 and "--allow-runtime-lora-updating" in refused.json()["error"]["message"]
     finally:
         off.stop()
+        engine.shutdown()
+
+
+def test_concurrent_loads_of_one_name(llama: AdapterCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two loads of one name at once: the first (its reader held until the second has its answer) loads, the second
+    is refused as already loaded; the listing and the requests both use the first's adapter."""
+    import threading
+
+    import httpx
+
+    from boundless.api.launch import start_in_thread
+    from boundless.config import ServerConfig
+    from boundless.engine import runner
+    from boundless.engine.async_engine import AsyncEngine
+
+    reading, release = threading.Event(), threading.Event()
+    real_load = runner.load_lora
+
+    def slow_load(request: LoRARequest, *args: Any) -> Any:
+        reading.set()
+        release.wait(10)
+        return real_load(request, *args)
+
+    monkeypatch.setattr(runner, "load_lora", slow_load)
+    config = EngineConfig(model=ModelConfig(max_model_len=512, enable_lora=True), cache=CacheConfig(num_kv_blocks=128))
+    engine = AsyncEngine(EngineCore.from_model(llama.loaded, config))
+    server = start_in_thread(engine, "tiny", ServerConfig(allow_runtime_lora_updating=True))
+    first_path, second_path = str(llama.paths["all8"]), str(llama.paths["attn4"])
+
+    def load(path: str) -> httpx.Response:
+        return httpx.post(
+            server.url + "/v1/load_lora_adapter", json={"lora_name": "race", "lora_path": path}, timeout=30
+        )
+
+    try:
+        replies: list[httpx.Response] = []
+        first = threading.Thread(target=lambda: replies.append(load(first_path)))
+        first.start()
+        assert reading.wait(10)
+        second = threading.Thread(target=lambda: replies.append(load(second_path)))
+        second.start()
+        second.join(10)
+        assert not second.is_alive()  # refused at once, not after waiting for the first's load
+        release.set()
+        first.join(30)
+        second.join(30)
+        assert sorted(r.status_code for r in replies) == [200, 400], [r.text for r in replies]
+        refused = next(r for r in replies if r.status_code == 400)
+        assert second_path in refused.request.content.decode() and "already been loaded" in refused.text
+        models = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [m["root"] for m in models if m["id"] == "race"] == [first_path]
+        reply = httpx.post(
+            server.url + "/v1/completions",
+            json={
+                "model": "race",
+                "prompt": llama.prompts[1],
+                "max_tokens": MAX_NEW,
+                "temperature": 0,
+                "min_tokens": MAX_NEW,
+            },
+            timeout=30,
+        ).json()
+        assert reply["choices"][0]["text"] == llama.loaded.tokenizer.decode(llama.expected["all8"][1]).rstrip("\ufffd")
+    finally:
+        release.set()
+        server.stop()
         engine.shutdown()
 
 
