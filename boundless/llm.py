@@ -117,7 +117,7 @@ class LLM:
         """Complete each prompt (a string, a list of token ids, or vLLM's ``{"prompt": ...}`` or
         ``{"prompt_token_ids": [...]}``); results come in prompt order. ``lora_request``
         (vLLM's): the LoRA adapter to run with, for every prompt or one per prompt (``enable_lora=True``); it is
-        loaded on first use."""
+        loaded on first use (a name already loaded runs with the adapter loaded under it)."""
         batch = [_prompt_input(p) for p in _as_batch(prompts)]
         if params is None:
             params = SamplingParams()
@@ -129,7 +129,8 @@ class LLM:
             raise ValueError(f"{len(batch)} prompts but {len(loras)} LoRA requests")
         for i, lora in enumerate(loras):
             if lora is not None:
-                self.engine.add_lora(lora)
+                if lora.lora_name not in self.engine.loras:  # (one loaded already is used as it is)
+                    self.engine.add_lora(lora)
                 per_prompt[i] = dataclasses.replace(per_prompt[i], lora_name=lora.lora_name)
         # The outputs are read when the batch is done (as vLLM's LLM does): each text is decoded once, at its end.
         per_prompt = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in per_prompt]

@@ -361,6 +361,8 @@ class OpenAIServer:
         self.loras = dict(loras or {})  # served LoRA adapters: name -> path (--lora-modules)
         # Ids for adapters loaded at run time, after those EngineCore.from_model gave --lora-modules (1, 2, ...).
         self.next_lora_id = itertools.count(len(self.loras) + 1)
+        # Names whose load_lora_adapter is under way: taken, so that a second load of one is refused at once.
+        self.loras_loading: set[str] = set()
         if model_name in self.loras:
             raise ConfigError(f"--lora-modules: the adapter name {model_name!r} is the served model's name")
         self.config = config
@@ -1127,14 +1129,20 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> Response
     """vLLM's route: load an adapter, served from now on as a model named ``lora_name``."""
     server = _server(request)
     client = _runtime_lora_updates(server)
+    require_valid_text(body.model_dump())
     name = body.lora_name
-    if name == server.model_name or name in server.loras:
+    if name == server.model_name or name in server.loras or name in server.loras_loading:
         raise APIError(400, f"the LoRA adapter {name!r} has already been loaded", "lora_name")
+    # The name is taken before the load runs in its thread (no await between the check and this), so a concurrent
+    # load of it is refused above rather than loading too and leaving the listing and the engine disagreeing.
+    server.loras_loading.add(name)
     try:
         await asyncio.to_thread(client.add_lora, LoRARequest(name, next(server.next_lora_id), body.lora_path))
+        server.loras[name] = body.lora_path
     except LoRAError as e:
         raise APIError(400, str(e), "lora_path") from e
-    server.loras[name] = body.lora_path
+    finally:
+        server.loras_loading.discard(name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -1143,14 +1151,17 @@ async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> Resp
     """vLLM's route: unload an adapter (refused while unfinished requests run with it)."""
     server = _server(request)
     client = _runtime_lora_updates(server)
+    require_valid_text(body.model_dump())
     name = body.lora_name
+    not_loaded = APIError(404, f"the LoRA adapter {name!r} is not loaded", "lora_name", "model_not_found")
     if name not in server.loras:
-        raise APIError(404, f"the LoRA adapter {name!r} is not loaded", "lora_name", "model_not_found")
+        raise not_loaded
     try:
-        await asyncio.to_thread(client.remove_lora, name)
+        removed = await asyncio.to_thread(client.remove_lora, name)
     except LoRAError as e:
         raise APIError(400, str(e), "lora_name") from e
-    del server.loras[name]
+    if server.loras.pop(name, None) is None or not removed:  # a concurrent unload of it got there first
+        raise not_loaded
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 

@@ -274,11 +274,11 @@ class EngineCore:
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Load a LoRA adapter (``model/lora.py``); requests name it by ``SamplingParams.lora_name``. A name already
-        loaded is kept as it is (vLLM's rule), whatever the path: unload it first to replace it."""
+        loaded is refused (``LoRAError``; vLLM's rule), whatever the path: unload it first to replace it."""
         if not self.config.model.enable_lora:
             raise LoRAError("LoRA adapters need --enable-lora (LLM(..., enable_lora=True))")
         if lora.lora_name in self.loras:
-            return
+            raise LoRAError(f"the LoRA adapter {lora.lora_name!r} has already been loaded")
         digest = self.executor.add_lora(lora, self.config.model.max_lora_rank)
         namespace = hashlib.sha256(f"{self.identity.fingerprint}:lora:{digest}".encode()).hexdigest()
         self.loras[lora.lora_name] = namespace[:16]

@@ -121,21 +121,64 @@ class LoRAAdapter:
 
 
 def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -> float:
-    """PEFT's ``rank_pattern``/``alpha_pattern`` lookup: the first key that matches the end of the module's name."""
+    """PEFT's ``rank_pattern``/``alpha_pattern`` lookup: the first key that matches the end of the module's name
+    (the keys are checked to be regular expressions when the config is read)."""
     for key, value in patterns.items():
         if re.match(rf"(.*\.)?{key}$", module):
             return value
     return default
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_config_types(path: Path, config: dict) -> None:
+    """The fields the loader reads hold what PEFT writes there, or a ``LoRAError`` says which does not."""
+    for key in ("r", "lora_alpha"):
+        if key in config and not _is_number(config[key]):
+            raise LoRAError(f"LoRA adapter {path}: adapter_config.json's {key} must be a number, not {config[key]!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise LoRAError(
+                f"LoRA adapter {path}: adapter_config.json's {key} must be an object of module patterns to numbers, "
+                f"not {patterns!r}"
+            )
+        for pattern, value in patterns.items():
+            if not _is_number(value):
+                raise LoRAError(
+                    f"LoRA adapter {path}: adapter_config.json's {key}[{pattern!r}] must be a number, not {value!r}"
+                )
+            try:
+                re.compile(rf"(.*\.)?{pattern}$")
+            except re.error as e:
+                raise LoRAError(
+                    f"LoRA adapter {path}: adapter_config.json's {key} key {pattern!r} is not a regular expression "
+                    f"({e})"
+                ) from None
+
+
 def _read_config(path: Path) -> dict:
     config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise LoRAError(f"LoRA adapter {path}: no adapter_config.json")
     try:
+        if not config_file.is_file():
+            raise LoRAError(f"LoRA adapter {path}: no adapter_config.json")
         config = json.loads(config_file.read_text())
+    except OSError as e:
+        raise LoRAError(f"LoRA adapter {path}: cannot read adapter_config.json ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise LoRAError(f"LoRA adapter {path}: adapter_config.json is not UTF-8 text ({e})") from None
     except json.JSONDecodeError as e:
         raise LoRAError(f"LoRA adapter {path}: adapter_config.json is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise LoRAError(
+            f"LoRA adapter {path}: adapter_config.json must hold a JSON object, not {type(config).__name__} "
+            f"{config!r:.40}"
+        )
+    _check_config_types(path, config)
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"LoRA adapter {path}: peft_type {config.get('peft_type')!r} is not LORA")
     refused = {
@@ -151,34 +194,59 @@ def _read_config(path: Path) -> dict:
     return config
 
 
+def _read_weights(
+    request: LoRARequest, weights_file: Path, arch: ModelArch
+) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """The adapter's tensors by (layer, PEFT module) and side (``A``/``B``); a file safetensors cannot read is a
+    ``LoRAError`` that says so."""
+    from safetensors import SafetensorError, safe_open
+
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights_file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                match = _KEY.match(key)
+                if match is None or match.group(2) not in _PROJECTIONS:
+                    raise LoRAError(
+                        f"LoRA adapter {request.lora_name!r}: weight {key!r} is not LoRA on a layer's attention or "
+                        f"MLP projections ({', '.join(_PROJECTIONS)})"
+                    )
+                layer, module, side = int(match.group(1)), match.group(2), match.group(3)
+                if layer >= arch.num_layers:
+                    raise LoRAError(
+                        f"LoRA adapter {request.lora_name!r}: {key!r} is past the model's {arch.num_layers} layers"
+                    )
+                pairs.setdefault((layer, module), {})[side] = f.get_tensor(key)
+    except SafetensorError as e:
+        raise LoRAError(
+            f"LoRA adapter {request.lora_name!r}: {weights_file.name} is not a readable safetensors file ({e})"
+        ) from None
+    except OSError as e:
+        raise LoRAError(
+            f"LoRA adapter {request.lora_name!r}: cannot read {weights_file.name} ({e.strerror or e})"
+        ) from None
+    return pairs
+
+
 def load_lora(
     request: LoRARequest, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_rank: int
 ) -> LoRAAdapter:
-    """Read a PEFT LoRA checkpoint for a model of ``arch``; every error names the adapter and what is wrong."""
-    from safetensors import safe_open
-
+    """Read a PEFT LoRA checkpoint for a model of ``arch``; every error names the adapter and what is wrong: a
+    malformed or unreadable checkpoint is a ``LoRAError``, never another exception."""
     path = Path(request.lora_path).expanduser()
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except (OSError, ValueError) as e:  # a path the file system refuses: too long, a NUL, not encodable
+        raise LoRAError(
+            f"LoRA adapter {request.lora_name!r}: cannot use the path {request.lora_path!r} ({e})"
+        ) from None
+    if not is_dir:
         raise LoRAError(f"LoRA adapter {request.lora_name!r}: {path} is not a directory")
     config = _read_config(path)
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise LoRAError(f"LoRA adapter {request.lora_name!r}: {path} has no adapter_model.safetensors")
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(str(weights_file), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            match = _KEY.match(key)
-            if match is None or match.group(2) not in _PROJECTIONS:
-                raise LoRAError(
-                    f"LoRA adapter {request.lora_name!r}: weight {key!r} is not LoRA on a layer's attention or MLP "
-                    f"projections ({', '.join(_PROJECTIONS)})"
-                )
-            layer, module, side = int(match.group(1)), match.group(2), match.group(3)
-            if layer >= arch.num_layers:
-                raise LoRAError(
-                    f"LoRA adapter {request.lora_name!r}: {key!r} is past the model's {arch.num_layers} layers"
-                )
-            pairs.setdefault((layer, module), {})[side] = f.get_tensor(key)
+    pairs = _read_weights(request, weights_file, arch)
     if not pairs:
         raise LoRAError(f"LoRA adapter {request.lora_name!r}: adapter_model.safetensors holds no LoRA weights")
     q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -213,7 +281,7 @@ def load_lora(
             )
         a, b = ab["A"].float(), ab["B"].float()
         start, rows, cols = out_sizes[module]
-        r = a.shape[0]
+        r = a.shape[0] if a.dim() == 2 else -1
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != cols or b.shape != (rows, r):
             raise LoRAError(
                 f"LoRA adapter {request.lora_name!r}: {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
@@ -242,10 +310,13 @@ def load_lora(
             proj.bt, proj.spans = proj.b.t().contiguous(), spans
         layers[layer][target] = proj
     digest = hashlib.sha256()
-    digest.update((path / "adapter_config.json").read_bytes())
-    with weights_file.open("rb") as f:
-        for piece in iter(lambda: f.read(1 << 20), b""):
-            digest.update(piece)
+    try:
+        digest.update((path / "adapter_config.json").read_bytes())
+        with weights_file.open("rb") as f:
+            for piece in iter(lambda: f.read(1 << 20), b""):
+                digest.update(piece)
+    except OSError as e:
+        raise LoRAError(f"LoRA adapter {request.lora_name!r}: cannot read {path} ({e.strerror or e})") from None
     return LoRAAdapter(request, [tuple(layer) for layer in layers], digest.hexdigest()[:16])
 
 

@@ -270,6 +270,11 @@ def test_unknown_adapter_and_disabled_lora(llama: AdapterCase) -> None:
     plain = EngineCore.from_model(llama.loaded, EngineConfig(model=ModelConfig(max_model_len=256)))
     with pytest.raises(LoRAError, match="--enable-lora"):
         plain.add_lora(LoRARequest("all8", 1, str(llama.paths["all8"])))
+    # A name already loaded is refused (vLLM's rule), not silently kept: unload it first.
+    before = core.loras["all8"]
+    with pytest.raises(LoRAError, match="'all8' has already been loaded"):
+        core.add_lora(LoRARequest("all8", 9, str(llama.paths["attn4"])))
+    assert core.loras["all8"] == before
     # An adapter that an unfinished request runs with stays loaded; once the request is gone it can go.
     core.add_request("user", llama.prompts[0], SamplingParams(max_tokens=2, lora_name="attn4"))
     with pytest.raises(LoRAError, match="in use by 1 unfinished requests"):
@@ -327,6 +332,66 @@ def test_loader_refuses_what_it_cannot_apply(
     loaded = llama.loaded
     with pytest.raises(LoRAError, match=message):
         load_lora(LoRARequest("bad", 1, str(path)), loaded.arch, loaded.dtype, loaded.device, 16)
+
+
+def _write_config(text: str) -> Callable[[Path], None]:
+    return lambda path: (path / "adapter_config.json").write_text(text)
+
+
+def _write_weights(data: bytes) -> Callable[[Path], None]:
+    return lambda path: (path / "adapter_model.safetensors").write_bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (_write_weights(b"garbage, not safetensors"), "not a readable safetensors file"),
+        (_write_weights(b""), "not a readable safetensors file"),
+        (_write_config("[]"), "must hold a JSON object, not list"),
+        (_write_config('"x"'), "must hold a JSON object, not str"),
+        (_write_config('{"r": 8, "lora_alpha": "abc"}'), "lora_alpha must be a number, not 'abc'"),
+        (_write_config('{"r": 8, "lora_alpha": null}'), "lora_alpha must be a number, not None"),
+        (_write_config('{"r": 8, "lora_alpha": NaN}'), "lora_alpha must be a number"),
+        (_write_config('{"r": 8, "alpha_pattern": {"(": 2}}'), r"key '\(' is not a regular expression"),
+        (_write_config('{"r": 8, "alpha_pattern": [1]}'), "alpha_pattern must be an object"),
+        (_write_config('{"r": 8, "alpha_pattern": {"q_proj": "x"}}'), "must be a number, not 'x'"),
+        (lambda path: (path / "adapter_config.json").write_bytes(b"\xff\xfe{}"), "not UTF-8 text"),
+    ],
+    ids=[
+        "garbage-weights",
+        "empty-weights",
+        "config-list",
+        "config-str",
+        "alpha-str",
+        "alpha-null",
+        "alpha-nan",
+        "pattern-regex",
+        "pattern-list",
+        "pattern-value",
+        "config-not-utf8",
+    ],
+)
+def test_loader_turns_malformed_files_into_lora_errors(
+    llama: AdapterCase, tmp_path: Path, spoil: Callable[[Path], None], message: str
+) -> None:
+    """However an adapter's files are malformed, loading it is a ``LoRAError`` that says how (the server's 400,
+    ``--lora-modules``' one line), never the reader's own exception (a 500, a traceback)."""
+    path = _broken_copy(llama.paths["all8"], tmp_path / "bad")
+    spoil(path)
+    loaded = llama.loaded
+    with pytest.raises(LoRAError, match=message):
+        load_lora(LoRARequest("bad", 1, str(path)), loaded.arch, loaded.dtype, loaded.device, 16)
+    # At start-up, the flag's one line.
+    config = ModelConfig(max_model_len=256, enable_lora=True, lora_modules=(f"bad={path}",))
+    with pytest.raises(ConfigError, match=f"--lora-modules: .*{message}"):
+        EngineCore.from_model(loaded, EngineConfig(model=config))
+
+
+def test_loader_refuses_paths_the_file_system_refuses(llama: AdapterCase) -> None:
+    """A path component over 255 bytes is the OS's error (``is_dir`` raises it): a ``LoRAError`` too."""
+    loaded = llama.loaded
+    with pytest.raises(LoRAError, match=r"cannot use the path .*File name too long"):
+        load_lora(LoRARequest("x", 1, "/" + "a" * 300), loaded.arch, loaded.dtype, loaded.device, 16)
 
 
 def test_rank_limit_and_paths(llama: AdapterCase, tmp_path: Path) -> None:
@@ -452,6 +517,17 @@ def test_adapters_loaded_at_run_time(llama: AdapterCase, tmp_path: Path) -> None
         with pytest.raises(openai.NotFoundError):
             complete("sql")
         assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 404
+        # A name that is not valid Unicode (a lone surrogate) is refused as every route refuses one, and nothing is
+        # registered: the model list and the metrics, which would have to encode it, stay served.
+        for route in ("load_lora_adapter", "unload_lora_adapter"):
+            surrogate = httpx.post(
+                f"{server.url}/v1/{route}",
+                content=b'{"lora_name": "bad\\ud800name", "lora_path": "%s"}' % path.encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            assert surrogate.status_code == 400 and surrogate.json()["error"]["code"] == "invalid_encoding", route
+        assert {m.id for m in client.models.list().data} == {"tiny"}
+        assert httpx.get(server.url + "/metrics").status_code == 200
     finally:
         server.stop()
     off = start_in_thread(engine, "tiny")
@@ -460,6 +536,72 @@ def test_adapters_loaded_at_run_time(llama: AdapterCase, tmp_path: Path) -> None
         assert refused.status_code == 404 and "--allow-runtime-lora-updating" in refused.json()["error"]["message"]
     finally:
         off.stop()
+        engine.shutdown()
+
+
+def test_concurrent_loads_of_one_name(llama: AdapterCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two loads of one name at once: the first (its reader held until the second has its answer) loads, the second
+    is refused as already loaded; the listing and the requests both use the first's adapter."""
+    import threading
+
+    import httpx
+
+    from boundless.api.launch import start_in_thread
+    from boundless.config import ServerConfig
+    from boundless.engine import runner
+    from boundless.engine.async_engine import AsyncEngine
+
+    reading, release = threading.Event(), threading.Event()
+    real_load = runner.load_lora
+
+    def slow_load(request: LoRARequest, *args: Any) -> Any:
+        reading.set()
+        release.wait(10)
+        return real_load(request, *args)
+
+    monkeypatch.setattr(runner, "load_lora", slow_load)
+    config = EngineConfig(model=ModelConfig(max_model_len=512, enable_lora=True), cache=CacheConfig(num_kv_blocks=128))
+    engine = AsyncEngine(EngineCore.from_model(llama.loaded, config))
+    server = start_in_thread(engine, "tiny", ServerConfig(allow_runtime_lora_updating=True))
+    first_path, second_path = str(llama.paths["all8"]), str(llama.paths["attn4"])
+
+    def load(path: str) -> httpx.Response:
+        return httpx.post(
+            server.url + "/v1/load_lora_adapter", json={"lora_name": "race", "lora_path": path}, timeout=30
+        )
+
+    try:
+        replies: list[httpx.Response] = []
+        first = threading.Thread(target=lambda: replies.append(load(first_path)))
+        first.start()
+        assert reading.wait(10)
+        second = threading.Thread(target=lambda: replies.append(load(second_path)))
+        second.start()
+        second.join(10)
+        assert not second.is_alive()  # refused at once, not after waiting for the first's load
+        release.set()
+        first.join(30)
+        second.join(30)
+        assert sorted(r.status_code for r in replies) == [200, 400], [r.text for r in replies]
+        refused = next(r for r in replies if r.status_code == 400)
+        assert second_path in refused.request.content.decode() and "already been loaded" in refused.text
+        models = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [m["root"] for m in models if m["id"] == "race"] == [first_path]
+        reply = httpx.post(
+            server.url + "/v1/completions",
+            json={
+                "model": "race",
+                "prompt": llama.prompts[1],
+                "max_tokens": MAX_NEW,
+                "temperature": 0,
+                "min_tokens": MAX_NEW,
+            },
+            timeout=30,
+        ).json()
+        assert reply["choices"][0]["text"] == llama.loaded.tokenizer.decode(llama.expected["all8"][1]).rstrip("\ufffd")
+    finally:
+        release.set()
+        server.stop()
         engine.shutdown()
 
 
