@@ -434,8 +434,6 @@ def _put_together(deltas: list[dict]) -> list[tuple[str, str, str]]:
             "",
             "Done.",
         ),
-        # The forced-call grammar's shape: a bare list with "parameters".
-        ('[{"name": "f", "parameters": {"q": "a b"}}, {"name": "g", "parameters": {}}]', "", ""),
         ('{"name": "f", "arguments": {"path": "a.py", "text": "def f():\\n    return 1\\n"}}', "", ""),
     ],
 )
@@ -473,6 +471,47 @@ def test_bare_json_that_is_no_call_streams_no_call(text: str) -> None:
     either: it is the content, at the end."""
     sent, deltas, rest, calls, final = _stream_calls(text, types=parameter_types([WEATHER]))
     assert deltas == [] and calls == [] and final == [] and sent + rest == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "nope", "parameters": {}}]',
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time"}]',
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, 3]',
+    ],
+)
+def test_a_bare_list_with_an_item_that_is_no_call_streams_no_call(text: str) -> None:
+    """The parser reads a bare list as calls only when every item is one; else it is an answer, all of it. Streamed
+    alike: no call, not even at the list's end (before, the first item's call went out before the second was seen,
+    then the list as content)."""
+    types = parameter_types([WEATHER, {"type": "function", "function": {"name": "get_time"}}])
+    assert parse_tool_calls(text, types) == (text, [])
+    sent, deltas, rest, calls, final = _stream_calls(text, types=types)
+    assert deltas == [] and calls == [] and final == [] and sent + rest == text
+    content, calls_stream = ContentStream(), CallStream(True, types)
+    for end in range(1, len(text) + 1):  # (the list closed, too)
+        content.feed(text[:end])
+        assert calls_stream.feed(text[:end], content.sent) == []
+
+
+def test_a_bare_lists_calls_go_out_once_it_has_closed() -> None:
+    """The forced-call grammar's shape, a bare list with "parameters": its calls go out whole when it closes, or at
+    the end, with the parsed calls' ids."""
+    text = '[{"name": "f", "parameters": {"q": "a b"}}, {"name": "g", "parameters": {}}]'
+    sent, deltas, rest, calls, final = _stream_calls(text)  # (fed up to the last character)
+    assert (sent, deltas, rest) == ("", [], "")
+    assert _put_together(final) == [(c.id, c.name, c.arguments) for c in calls]
+    content, calls_stream = ContentStream(), CallStream()
+    fed = []
+    for end in range(1, len(text) + 1):
+        content.feed(text[:end])
+        fed.append(calls_stream.feed(text[:end], content.sent))
+    assert not any(fed[:-1])
+    rest, calls = content.finish(text, parse_tool_calls)
+    assert rest == "" and calls_stream.finish(calls) == []
+    assert _put_together(fed[-1]) == [(c.id, c.name, c.arguments) for c in calls]
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"q": "a b"}'), ("g", "{}")]
 
 
 def test_a_call_cut_off_streams_as_far_as_it_got() -> None:
