@@ -244,14 +244,20 @@ class ToolUse:
 
     def content_spans(self, answer: str) -> list[Span]:
         """The parts of an ``answer`` that are its message's content: all of it, unless it holds calls; then the parts
-        around them that are not blank, less the blanks that end each (the content is stripped of them)."""
+        around them from the first that is not blank to the last, less the blanks that end the last: the content is
+        the parts joined, then stripped, so blanks between the parts stay in it. The blanks that begin the first are
+        kept: a token that starts in them holds the content's first word as often as not (`` Done`` after a call),
+        and a stream sends them with the text they precede."""
         content, calls = self.calls(answer) if self.used else (answer, [])
         if not calls:
             return [(0, len(answer))]
         if content is None:
             return []
-        around = [(start, answer[start:end].rstrip()) for start, end in spans_around_calls(answer, self.formats)]
-        return [(start, start + len(kept)) for start, kept in around if kept]
+        spans = spans_around_calls(answer, self.formats)
+        texts = [i for i, (start, end) in enumerate(spans) if answer[start:end].strip()]
+        spans = spans[texts[0] : texts[-1] + 1]  # (content: one part at least is not blank)
+        start, end = spans[-1]
+        return [*spans[:-1], (start, start + len(answer[start:end].rstrip()))]
 
 
 def _forced_calls(body: ChatCompletionRequest) -> StructuredOutput | None:

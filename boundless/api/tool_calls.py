@@ -275,7 +275,8 @@ class CallStream:
     """Tool calls streamed as they are written, as OpenAI's and vLLM's chunks carry them: a call's first delta has
     its index, id and name, once the name is complete and its arguments' object has begun, and the arguments' text
     so far; the next ones the text added since. The calls are read from where :class:`ContentStream` held the
-    output (a Hermes ``<tool_call>`` block each, or the bare JSON the output opens with); ``parallel=False`` streams
+    output (a Hermes ``<tool_call>`` block each, or the bare JSON the output opens with: a list's calls only once the
+    list has closed and is calls throughout, as the parser reads it); ``parallel=False`` streams
     the first call only; ``tools``: the request's tool names, the only names a bare call may have, as the parser
     reads it (None: not known, any). :meth:`finish` sends what the parsed calls have beyond what was streamed."""
 
@@ -283,6 +284,7 @@ class CallStream:
         self.parallel = parallel
         self.tools = tools
         self._bare: bool | None = None  # the calls are the JSON the output opens with (else Hermes blocks)
+        self._list_calls: bool | None = None  # that JSON, a list that has closed, is calls throughout
         self._scanners: list[CallScanner] = []  # one a document: the bare JSON, or each block's
         self._ids: list[str] = []  # each begun call's id
         self._names: list[str] = []  # and name
@@ -299,6 +301,8 @@ class CallStream:
                 self._scanners.append(CallScanner(len(text) - len(head)))
         if self._scanners:
             self._scanners[-1].feed(text)
+        if self._bare and not self._bare_list_is_calls(text):
+            return []
         while not self._bare and (not self._scanners or self._scanners[-1].done):
             tag = text.find(TOOL_CALL_TAG, self._scanners[-1].pos if self._scanners else start)
             if tag < 0:
@@ -328,6 +332,23 @@ class CallStream:
                 else:
                     deltas.append({"index": index, "function": {"arguments": piece}})
         return deltas
+
+    def _bare_list_is_calls(self, text: str) -> bool:
+        """Whether the bare JSON the output opens with may stream its calls: an object may (the first call decides,
+        as the parser reads it); a list only once it has closed, parsed, and every item is a call (the parser's rule:
+        a list with one item that is no call is an answer, all of it, and no call of it may have gone out before)."""
+        scanner = self._scanners[0]
+        if text[scanner.start] != "[":
+            return True
+        if not scanner.done:
+            return False
+        if self._list_calls is None:  # (read once, when the list has closed)
+            try:
+                items = json.loads(text[scanner.start : scanner.pos])
+            except json.JSONDecodeError:
+                items = []
+            self._list_calls = bool(items) and all(_bare_call(item, self.tools) for item in items)
+        return self._list_calls
 
     def finish(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
         """The parsed calls -> the deltas that complete them, the streamed ones keeping their ids. Should the calls

@@ -13,7 +13,7 @@ import pytest
 from served_models import Served, serve_hermes
 
 from boundless.api.call_scanner import CallScanner, scan_calls
-from boundless.api.logprobs import content_tokens
+from boundless.api.logprobs import StreamedContent, content_tokens
 from boundless.api.tool_calls import (
     ALL_FORMATS,
     BARE_JSON,
@@ -155,13 +155,16 @@ def _content_of(text: str, pieces: list[str], tools: Any) -> list[str]:
 
 def test_a_messages_logprobs_are_its_contents_tokens() -> None:
     """OpenAI's ``logprobs.content`` lists "message content tokens": a call's are not among them. A token belongs where
-    its text starts: one that holds the blank before a call and the call's tag is the call's (the content drops the
-    blank); the end-of-sequence token (no text) goes with the content when content ends the output."""
+    its text starts: one that holds the blank before a call that ends the content and the call's tag is the call's
+    (the content drops the blank), but content where the blank stays in it (text follows the call); the
+    end-of-sequence token (no text) goes with the content when content ends the output."""
     from boundless.api.server import ToolUse
 
     call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
-    pieces = ["Sure", ".", " <tool_call>", call.removeprefix("<tool_call>"), " Done", ".", ""]
-    assert _content_of("".join(pieces), pieces, ToolUse(True)) == ["Sure", ".", " Done", ".", ""]
+    pieces = ["Sure", ".", " <tool_call>", call.removeprefix("<tool_call>"), ""]
+    assert _content_of("".join(pieces), pieces, ToolUse(True)) == ["Sure", "."]
+    pieces = ["Sure", ".", " <tool_call>", call.removeprefix("<tool_call>"), " Done", ".", ""]  # ("Sure.  Done.")
+    assert _content_of("".join(pieces), pieces, ToolUse(True)) == ["Sure", ".", " <tool_call>", " Done", ".", ""]
     pieces = ["Sure", ". ", call, ""]  # (". " starts in the content: it is content, blank and all)
     assert _content_of("".join(pieces), pieces, ToolUse(True)) == ["Sure", ". "]
     pieces = ["Sure", ".", " <tool_call>", call.removeprefix("<tool_call>").removesuffix("</tool_call>"), ""]
@@ -176,9 +179,51 @@ def test_a_messages_logprobs_are_its_contents_tokens() -> None:
     )
 
 
+class _Starts:
+    """Token starts known in advance (a TokenStarts without a tokenizer)."""
+
+    def __init__(self, starts: list[int]) -> None:
+        self._starts = iter(starts)
+
+    def add(self, token_ids: Iterator[int]) -> list[int]:
+        return [next(self._starts) for _ in token_ids]
+
+
+def test_blanks_between_content_and_calls_keep_their_logprobs_streamed_or_not() -> None:
+    """The content is the parts around the calls joined, then stripped: blanks between the parts stay in it, and so
+    do their tokens, streamed (ContentStream and StreamedContent fed a token at a time) as unstreamed (before, the
+    blanks that ended each part were dropped: of ``A\\n\\n\\n\\nB``, two newlines' tokens). A token that starts in the
+    blanks that begin the content (`` B`` after a call) is the content's, as the stream sends it."""
+    from boundless.api.server import ToolUse
+
+    tools = ToolUse(True, types=parameter_types([WEATHER]))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    for pieces in (
+        ["A", "\n", "\n", call, "\n", "\n", "B", ""],
+        ["\n", "A", "\n\n", call, "\n\n", call, " ", "\n", "B", ""],
+        ["\n", call, "\n\n", "B", "\n", call, "\n", ""],
+        ["A", call, "\n\n", call, " B", call, " ", call, "\n", ""],
+    ):
+        text = "".join(pieces)
+        content, calls = tools.calls(text)
+        assert calls and content is not None
+        unstreamed = _content_of(text, pieces, tools)
+        assert "".join(unstreamed).lstrip() == content  # (a token of blanks alone may begin it, as it begins the text)
+        starts = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+        stream, logprobs, streamed, sent = ContentStream(), StreamedContent(_Starts(starts)), [], ""
+        for i in range(len(pieces)):
+            logprobs.add([SampledToken(i)])
+            sent += stream.feed(text[: starts[i] + len(pieces[i])])
+            streamed += logprobs.release(text, text, stream.sent)
+        rest, _ = stream.finish(text, tools.calls)
+        streamed += logprobs.finish(tools.content_spans(text), len(text))
+        assert (sent + rest).strip() == content
+        assert [pieces[t.token_id] for t in streamed] == unstreamed
+
+
 def test_logprobs_leave_out_the_calls_tokens_streamed_or_not(hermes: Served) -> None:
-    """The message's logprobs are its content's tokens', streamed as unstreamed: the text around a Hermes block (not
-    the blank before it, which the content drops), none for a bare call (the message has no content)."""
+    """The message's logprobs are its content's tokens', streamed as unstreamed: the text around a Hermes block, the
+    blanks between included, as the content keeps them; none for a bare call (the message has no content)."""
     ask: dict[str, Any] = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Weather in Paris?"}],
@@ -189,7 +234,7 @@ def test_logprobs_leave_out_the_calls_tokens_streamed_or_not(hermes: Served) -> 
     }
     block = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     for said, content, spelled in [
-        (f"Sure. {block} Done.", "Sure.  Done.", "Sure. Done.<|im_end|>"),
+        (f"Sure. {block} Done.", "Sure.  Done.", "Sure.  Done.<|im_end|>"),
         ('{"name": "get_weather", "arguments": {"city": "Paris"}}', None, ""),
     ]:
         extra = {"structured_outputs": {"regex": re.escape(said).replace("\\ ", " ")}}
@@ -434,8 +479,6 @@ def _put_together(deltas: list[dict]) -> list[tuple[str, str, str]]:
             "",
             "Done.",
         ),
-        # The forced-call grammar's shape: a bare list with "parameters".
-        ('[{"name": "f", "parameters": {"q": "a b"}}, {"name": "g", "parameters": {}}]', "", ""),
         ('{"name": "f", "arguments": {"path": "a.py", "text": "def f():\\n    return 1\\n"}}', "", ""),
     ],
 )
@@ -473,6 +516,47 @@ def test_bare_json_that_is_no_call_streams_no_call(text: str) -> None:
     either: it is the content, at the end."""
     sent, deltas, rest, calls, final = _stream_calls(text, types=parameter_types([WEATHER]))
     assert deltas == [] and calls == [] and final == [] and sent + rest == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "nope", "parameters": {}}]',
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time"}]',
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, 3]',
+    ],
+)
+def test_a_bare_list_with_an_item_that_is_no_call_streams_no_call(text: str) -> None:
+    """The parser reads a bare list as calls only when every item is one; else it is an answer, all of it. Streamed
+    alike: no call, not even at the list's end (before, the first item's call went out before the second was seen,
+    then the list as content)."""
+    types = parameter_types([WEATHER, {"type": "function", "function": {"name": "get_time"}}])
+    assert parse_tool_calls(text, types) == (text, [])
+    sent, deltas, rest, calls, final = _stream_calls(text, types=types)
+    assert deltas == [] and calls == [] and final == [] and sent + rest == text
+    content, calls_stream = ContentStream(), CallStream(True, types)
+    for end in range(1, len(text) + 1):  # (the list closed, too)
+        content.feed(text[:end])
+        assert calls_stream.feed(text[:end], content.sent) == []
+
+
+def test_a_bare_lists_calls_go_out_once_it_has_closed() -> None:
+    """The forced-call grammar's shape, a bare list with "parameters": its calls go out whole when it closes, or at
+    the end, with the parsed calls' ids."""
+    text = '[{"name": "f", "parameters": {"q": "a b"}}, {"name": "g", "parameters": {}}]'
+    sent, deltas, rest, calls, final = _stream_calls(text)  # (fed up to the last character)
+    assert (sent, deltas, rest) == ("", [], "")
+    assert _put_together(final) == [(c.id, c.name, c.arguments) for c in calls]
+    content, calls_stream = ContentStream(), CallStream()
+    fed = []
+    for end in range(1, len(text) + 1):
+        content.feed(text[:end])
+        fed.append(calls_stream.feed(text[:end], content.sent))
+    assert not any(fed[:-1])
+    rest, calls = content.finish(text, parse_tool_calls)
+    assert rest == "" and calls_stream.finish(calls) == []
+    assert _put_together(fed[-1]) == [(c.id, c.name, c.arguments) for c in calls]
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"q": "a b"}'), ("g", "{}")]
 
 
 def test_a_call_cut_off_streams_as_far_as_it_got() -> None:
