@@ -237,6 +237,7 @@ class ToolUse:
     parallel: bool = True
     types: ParameterTypes | None = None
     formats: CallFormats = ALL_FORMATS
+    forced: bool = False  # tool_choice required or named: the grammar writes calls throughout
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, calls = parse_tool_calls(text, self.types, self.formats)
@@ -512,6 +513,7 @@ class OpenAIServer:
             body.parallel_tool_calls,
             parameter_types([t.model_dump(exclude_none=True) for t in body.tools or ()]),
             self.call_formats(forced=forced is not None),
+            forced is not None,
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
@@ -628,7 +630,7 @@ class OpenAIServer:
         # answer after it is content, read for calls. The logprobs are the content's tokens' alone (StreamedContent):
         # none of the reasoning's or the calls', as the unstreamed message's.
         contents = [ContentStream(tools.formats) for _ in choices] if tools.used else []
-        call_streams = [CallStream(tools.parallel, tools.types) for _ in choices] if tools.used else []
+        call_streams = [CallStream(tools.parallel, tools.types, tools.forced) for _ in choices] if tools.used else []
         thoughts = [reasoning.stream() for _ in choices] if reasoning is not None else []
         logprobs = [logprobs_of() for _ in choices] if logprobs_of is not None else []
 

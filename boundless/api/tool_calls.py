@@ -278,11 +278,13 @@ class CallStream:
     output (a Hermes ``<tool_call>`` block each, or the bare JSON the output opens with: a list's calls only once the
     list has closed and is calls throughout, as the parser reads it); ``parallel=False`` streams
     the first call only; ``tools``: the request's tool names, the only names a bare call may have, as the parser
-    reads it (None: not known, any). :meth:`finish` sends what the parsed calls have beyond what was streamed."""
+    reads it (None: not known, any); ``forced``: a forced call's (its grammar writes calls throughout, so a list's
+    stream as they are written). :meth:`finish` sends what the parsed calls have beyond what was streamed."""
 
-    def __init__(self, parallel: bool = True, tools: Collection[str] | None = None) -> None:
+    def __init__(self, parallel: bool = True, tools: Collection[str] | None = None, forced: bool = False) -> None:
         self.parallel = parallel
         self.tools = tools
+        self.forced = forced
         self._bare: bool | None = None  # the calls are the JSON the output opens with (else Hermes blocks)
         self._list_calls: bool | None = None  # that JSON, a list that has closed, is calls throughout
         self._scanners: list[CallScanner] = []  # one a document: the bare JSON, or each block's
@@ -338,7 +340,7 @@ class CallStream:
         as the parser reads it); a list only once it has closed, parsed, and every item is a call (the parser's rule:
         a list with one item that is no call is an answer, all of it, and no call of it may have gone out before)."""
         scanner = self._scanners[0]
-        if text[scanner.start] != "[":
+        if self.forced or text[scanner.start] != "[":
             return True
         if not scanner.done:
             return False

@@ -559,6 +559,21 @@ def test_a_bare_lists_calls_go_out_once_it_has_closed() -> None:
     assert [(c.name, c.arguments) for c in calls] == [("f", '{"q": "a b"}'), ("g", "{}")]
 
 
+def test_a_forced_calls_list_streams_its_arguments_as_they_are_written() -> None:
+    """tool_choice required or named: the grammar writes calls throughout, so the list's calls stream piece by piece
+    (as OpenAI's forced calls do), not whole at the close; the pieces put together are the parsed calls."""
+    text = '[{"name": "f", "parameters": {"q": "a b"}}, {"name": "g", "parameters": {}}]'
+    content, calls_stream = ContentStream(), CallStream(forced=True)
+    fed = []
+    for end in range(1, len(text) + 1):
+        content.feed(text[:end])
+        fed.append(calls_stream.feed(text[:end], content.sent))
+    assert sum(1 for deltas in fed[:-1] if deltas) > 3  # before the list has closed, in several pieces
+    rest, calls = content.finish(text, parse_tool_calls)
+    deltas = [d for part in fed for d in part] + calls_stream.finish(calls)
+    assert rest == "" and _put_together(deltas) == [(c.id, c.name, c.arguments) for c in calls]
+
+
 def test_a_call_cut_off_streams_as_far_as_it_got() -> None:
     """Output that ends inside a call (max_tokens): what was streamed stays, nothing parses, the text is content at
     the end (as unstreamed it is all content)."""
