@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -15,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from boundless.api.schemas import INVALID_FUNCTION_PARAMETERS
 from boundless.cluster.client import InstanceCallError
-from boundless.engine.async_engine import EngineDeadError, QueueFullError
+from boundless.engine.async_engine import SHUTTING_DOWN, EngineDeadError, QueueFullError, ShuttingDownError
 from boundless.engine.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc), code="engine_unavailable")
 
+    @app.exception_handler(ShuttingDownError)
+    async def _shutting_down(_: Request, exc: ShuttingDownError) -> JSONResponse:
+        return error_response(503, str(exc), code="server_shutting_down")
+
     @app.exception_handler(InstanceCallError)
     async def _instance_failed(_: Request, exc: InstanceCallError) -> JSONResponse:
         # The call alone failed on an instance; its message says which and with what exception.
@@ -204,3 +209,10 @@ class UnexpectedErrors:
             if started:
                 raise
             await _unexpected(exc)(scope, receive, send)
+        except asyncio.CancelledError:
+            # uvicorn cancels the requests still running when its graceful shutdown times out (the server ends
+            # those it can first: launch.py). One line, not a traceback per request; a response not yet begun still
+            # gets its error object, one under way is cut off.
+            log.warning("%s %s cancelled: the server is shutting down", scope.get("method"), scope.get("path"))
+            if not started:
+                await error_response(503, SHUTTING_DOWN, code="server_shutting_down")(scope, receive, send)

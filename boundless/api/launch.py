@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import socket
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from types import FrameType
 
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.main import STARTUP_FAILURE
 
 from boundless.api.server import EngineClient, build_app, configured_chat_template
 from boundless.config import ClusterConfig, EngineConfig, ServerConfig
@@ -65,17 +70,46 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
             "requests' omitted sampling parameters default to the model's generation_config.json: %s", defaults.given()
         )
     app = build_app(engine, name, server, {m.name: m.path for m in config.model.loras}, defaults)
+    http = uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
     try:
-        uvicorn.run(
-            app,
-            host=server.host,
-            port=server.port,
-            log_level="info",
-            timeout_graceful_shutdown=5,
-            timeout_keep_alive=KEEP_ALIVE_S,
-        )
+        http_server = Server(http, engine.end_requests)
+        with contextlib.suppress(KeyboardInterrupt):  # (as uvicorn.run: the signal, raised again once it is handled)
+            http_server.run()
     finally:
         engine.shutdown()
+    if not http_server.started:  # (as uvicorn.run)
+        sys.exit(STARTUP_FAILURE)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which on SIGINT or SIGTERM first ends the requests in flight (``end_requests``: each with a
+    503 error object, a stream with an error event and ``[DONE]``) and refuses new ones, so that its graceful shutdown
+    waits for no generation: uvicorn would wait out its timeout, then cancel them, each cut off without an error."""
+
+    def __init__(self, config: uvicorn.Config, end_requests: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.end_requests = end_requests
+        self.interrupted = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # (A signal handler: it runs in the middle of whatever the main thread runs; shutdown() ends the requests.)
+        self.interrupted = True
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.interrupted and self.end_requests is not None:
+            try:
+                self.end_requests()
+            except Exception:
+                log.exception("ending the requests in flight failed")
+        await super().shutdown(sockets)
 
 
 # Seconds the server keeps an idle connection open. Longer than clients keep idle connections in their pools
@@ -95,13 +129,14 @@ def free_port() -> int:
 class ServerThread:
     """An HTTP server on 127.0.0.1 in a background thread, for tests and embedding."""
 
-    def __init__(self, app: ASGIApp, port: int | None = None) -> None:
+    def __init__(self, app: ASGIApp, port: int | None = None, end_requests: Callable[[], None] | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
             app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE_S
         )
-        self.server = uvicorn.Server(config)
+        # (stop() ends no request: tests start one server after another on an engine; handle_exit() does.)
+        self.server = Server(config, end_requests)
         self.thread = threading.Thread(target=self.server.run, name="boundless-http", daemon=True)
 
     def start(self, timeout: float = 30.0) -> ServerThread:
@@ -125,4 +160,5 @@ def start_in_thread(
     loras: dict[str, str] | None = None,
     defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> ServerThread:
-    return ServerThread(build_app(client, model_name, config, loras, defaults)).start()
+    app = build_app(client, model_name, config, loras, defaults)
+    return ServerThread(app, end_requests=getattr(client, "end_requests", None)).start()

@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp
 
 from boundless.api.conversation import InvalidMessage, template_conversation
-from boundless.api.errors import APIError, install_error_handlers
+from boundless.api.errors import APIError, error_bytes, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.logprobs import (
     Span,
@@ -64,6 +64,7 @@ from boundless.api.validation import (
     require_valid_text,
 )
 from boundless.config import ConfigError, ServerConfig
+from boundless.engine.async_engine import SHUTTING_DOWN
 from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
@@ -123,13 +124,30 @@ async def _while_connected(work: Coroutine[Any, Any, T], streams: list[DeltaStre
     return task.result()
 
 
-def _raise_for_failure(ends: list[tuple[str | None, str | None]]) -> None:
+def _failure(ends: list[tuple[str | None, str | None]]) -> APIError | None:
     """The error for requests that ended so (finish and stop reasons), if any did not end well."""
+    if any(finish == "error" and stop == SHUTTING_DOWN for finish, stop in ends):
+        return APIError(503, SHUTTING_DOWN, code="server_shutting_down")
     if any(finish == "error" and stop == GRANT_REFUSED for finish, stop in ends):
         # Not the engine's fault: the cluster lost the memory the request needs; it may come back.
-        raise APIError(503, GRANT_REFUSED, code="kv_capacity_unavailable", headers={"Retry-After": "10"})
+        return APIError(503, GRANT_REFUSED, code="kv_capacity_unavailable", headers={"Retry-After": "10"})
     if any(finish == "error" for finish, _ in ends):
-        raise APIError(500, "the engine failed while generating; the request was dropped", code="engine_error")
+        return APIError(500, "the engine failed while generating; the request was dropped", code="engine_error")
+    return None
+
+
+def _raise_for_failure(ends: list[tuple[str | None, str | None]]) -> None:
+    if (error := _failure(ends)) is not None:
+        raise error
+
+
+def _failure_event(choices: list[Choice]) -> bytes:
+    """A stream's error event, before its ``[DONE]``, if a choice ended with an error: the error object an unstreamed
+    request gets (its finish chunk says only "error")."""
+    error = _failure([(c.finish_reason, c.stop_reason) for c in choices])
+    if error is None:
+        return b""
+    return b"data: " + error_bytes(error.status, error.message, error.code) + b"\n\n"
 
 
 class EngineClient(Protocol):
@@ -155,6 +173,9 @@ class EngineClient(Protocol):
     def add_finished_listener(self, fn: Callable[[RequestDelta], None]) -> None: ...
 
     def cluster_info(self) -> list[dict]: ...
+
+    def end_requests(self) -> None:
+        """End every request in flight with an error (stop reason ``SHUTTING_DOWN``) and refuse new ones."""
 
 
 @dataclass
@@ -693,6 +714,8 @@ class OpenAIServer:
                 yield choice_chunk(index, {}, finish=delta.finish_reason)
         if include_usage:
             yield chunk([], self._usage(prompt_len, choices, reasoning))
+        if failed := _failure_event(choices):
+            yield failed
         yield b"data: [DONE]\n\n"
 
     # -- completions -------------------------------------------------------------------------
@@ -832,6 +855,8 @@ class OpenAIServer:
                 yield chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}])
         if include_usage:
             yield chunk([], self._usage(prompt_len, choices))
+        if failed := _failure_event(choices):
+            yield failed
         yield b"data: [DONE]\n\n"
 
     # -- shared --------------------------------------------------------------------------------

@@ -120,6 +120,11 @@ class DispatcherFrontEnd:
         with self.lock:
             self._carry_out(self.dispatcher.abort(request_id))
 
+    def end_requests(self) -> None:
+        """End every call in flight with an error and refuse new ones: the server is shutting down."""
+        for request_id in self.streams.end_all():
+            self.abort(request_id)
+
     def _carry_out(self, decisions: Iterable[PDDecision], caller: str | None = None) -> Fail | None:
         """Carry out ``decisions`` and those that follow from their outcomes. Holds ``self.lock``.
 

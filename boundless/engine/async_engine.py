@@ -45,6 +45,18 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped."""
 
 
+# The stop reason of a request the server ended because it is shutting down (SIGINT, SIGTERM): the HTTP layer answers
+# it with a 503 (server_shutting_down), not an engine error.
+SHUTTING_DOWN = "the server is shutting down; retry the request on another server or once this one is back"
+
+
+class ShuttingDownError(EngineDeadError):
+    """A request submitted after the server began to shut down."""
+
+    def __init__(self) -> None:
+        super().__init__(SHUTTING_DOWN)
+
+
 class StepHooks(Protocol):
     """What runs in the loop besides the engine's steps (KV lending: ``cluster/lending_instance.py``)."""
 
@@ -311,6 +323,7 @@ class StreamRegistry:
     def __init__(self) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
+        self._ended = False  # (end_all: no stream opens again)
 
     def __contains__(self, request_id: str) -> bool:
         with self._lock:
@@ -320,6 +333,8 @@ class StreamRegistry:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self._ended:
+                raise ShuttingDownError()
             self._streams[request_id] = (loop, queue)
         return RequestStream(abort, request_id, queue)
 
@@ -338,6 +353,17 @@ class StreamRegistry:
     def close(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
+
+    def end_all(self) -> list[str]:
+        """End every open stream with an error (stop reason :data:`SHUTTING_DOWN`) and open no more: the server is
+        shutting down. Returns the ended requests' ids, for the caller to abort them."""
+        with self._lock:
+            self._ended = True
+            streams, self._streams = self._streams, {}
+        for request_id, (loop, queue) in streams.items():
+            delta = RequestDelta(request_id, [], "", [], True, finish_reason="error", stop_reason=SHUTTING_DOWN)
+            loop.call_soon_threadsafe(queue.put_nowait, delta)
+        return list(streams)
 
     def deliver(self, delta: RequestDelta) -> None:
         with self._lock:
@@ -375,3 +401,9 @@ class AsyncEngine(EngineLoop):
     def abort(self, request_id: str) -> None:
         self.streams.close(request_id)
         super().abort(request_id)
+
+    def end_requests(self) -> None:
+        """End every request in flight with an error and refuse new ones (:meth:`StreamRegistry.end_all`): the server
+        is shutting down."""
+        for request_id in self.streams.end_all():
+            self.abort(request_id)
