@@ -58,6 +58,7 @@ from boundless.api.server import (
     ToolUse,
     check_common,
     check_grammar,
+    failure_error,
     sampling_params,
     structured_outputs_grammar,
 )
@@ -644,7 +645,9 @@ class ResponsesAPI:
             sent, sent_logprobs = sent + piece, sent_logprobs + len(new_logprobs)
         if choice.finish_reason == "error":
             failed = self._envelope(call, "failed", [])
-            failed["error"] = {"code": "server_error", "message": "the engine failed while generating"}
+            error = failure_error([(choice.finish_reason, choice.stop_reason)])
+            assert error is not None
+            failed["error"] = {"code": error.code or "server_error", "message": error.message}
             yield event("response.failed", response=failed)
             return
         answer = thoughts.content if thoughts is not None else choice.text

@@ -124,8 +124,9 @@ async def _while_connected(work: Coroutine[Any, Any, T], streams: list[DeltaStre
     return task.result()
 
 
-def _failure(ends: list[tuple[str | None, str | None]]) -> APIError | None:
-    """The error for requests that ended so (finish and stop reasons), if any did not end well."""
+def failure_error(ends: list[tuple[str | None, str | None]]) -> APIError | None:
+    """The error for requests that ended so (finish and stop reasons), if any did not end well (one mapping for every
+    route, streamed or not)."""
     if any(finish == "error" and stop == SHUTTING_DOWN for finish, stop in ends):
         return APIError(503, SHUTTING_DOWN, code="server_shutting_down")
     if any(finish == "error" and stop == GRANT_REFUSED for finish, stop in ends):
@@ -137,14 +138,14 @@ def _failure(ends: list[tuple[str | None, str | None]]) -> APIError | None:
 
 
 def _raise_for_failure(ends: list[tuple[str | None, str | None]]) -> None:
-    if (error := _failure(ends)) is not None:
+    if (error := failure_error(ends)) is not None:
         raise error
 
 
 def _failure_event(choices: list[Choice]) -> bytes:
     """A stream's error event, before its ``[DONE]``, if a choice ended with an error: the error object an unstreamed
     request gets (its finish chunk says only "error")."""
-    error = _failure([(c.finish_reason, c.stop_reason) for c in choices])
+    error = failure_error([(c.finish_reason, c.stop_reason) for c in choices])
     if error is None:
         return b""
     return b"data: " + error_bytes(error.status, error.message, error.code) + b"\n\n"

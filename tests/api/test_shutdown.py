@@ -36,12 +36,17 @@ def test_a_signal_ends_the_requests_in_flight_with_error_objects() -> None:
         with httpx.stream("POST", f"{server.url}/v1/completions", json={**long, "prompt": "x", "stream": True}) as r:
             results["cs"] = [line for line in r.iter_lines() if line]
 
+    def response_stream() -> None:
+        body = {"model": "m", "input": "Tell a long story", "max_output_tokens": 8000, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/responses", json={**body, "ignore_eos": True}, timeout=60) as r:
+            results["rs"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
     def unary() -> None:
         r = httpx.post(f"{server.url}/v1/completions", json={**long, "prompt": "x"}, timeout=60)
         results["u"] = (r.status_code, r.headers["content-type"], r.json())
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-    threads += [threading.Thread(target=completion_stream), threading.Thread(target=unary)]
+    threads += [threading.Thread(target=f) for f in (completion_stream, response_stream, unary)]
     try:
         for t in threads:
             t.start()
@@ -67,6 +72,9 @@ def test_a_signal_ends_the_requests_in_flight_with_error_objects() -> None:
         assert error["code"] == "server_shutting_down", (key, error)
         finish = json.loads(lines[-3].removeprefix("data: "))["choices"][0]["finish_reason"]
         assert finish == "error", (key, lines[-3])
+    # The Responses API's stream fails with the same error object (it said the engine had failed).
+    failed = json.loads(results["rs"][-1].removeprefix("data: "))  # type: ignore[index]
+    assert failed["type"] == "response.failed" and failed["response"]["error"]["code"] == "server_shutting_down"
 
 
 def test_a_request_after_the_signal_is_refused_with_an_error_object() -> None:
