@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -58,6 +59,25 @@ def _serve(*args: str) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_stops_its_engine_on_sigterm_and_sigint(model_dirs: dict[str, Path], sig: signal.Signals) -> None:
+    """What systemd, Docker and Kubernetes send (SIGTERM) shuts the engine down as Ctrl-C does: uvicorn raised SIGTERM
+    again under its default handler once it had stopped, which ended the process before the engine's shutdown (the
+    disk store's last writes)."""
+    port = free_port()
+    args = ["serve", "--port", str(port), "--model", str(model_dirs["tiny-llama"]), "--kv-cache-gb", "0.05"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(_boundless(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "stopped: the engine's writes are handed over" in out
+    assert proc.returncode == (128 + signal.SIGTERM if sig == signal.SIGTERM else 0)
 
 
 @pytest.fixture(scope="module")

@@ -209,10 +209,30 @@ class UnexpectedErrors:
             if started:
                 raise
             await _unexpected(exc)(scope, receive, send)
+
+
+class CancelledRequests:
+    """The outermost layer: a request uvicorn cancels, its graceful shutdown timed out with the request still running
+    (the server ends those it can first: ``launch.Server``) or its body still arriving, logs one line, not a
+    traceback; one whose response has not begun still gets its 503 error object, one under way is cut off."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
         except asyncio.CancelledError:
-            # uvicorn cancels the requests still running when its graceful shutdown times out (the server ends
-            # those it can first: launch.py). One line, not a traceback per request; a response not yet begun still
-            # gets its error object, one under way is cut off.
             log.warning("%s %s cancelled: the server is shutting down", scope.get("method"), scope.get("path"))
             if not started:
                 await error_response(503, SHUTTING_DOWN, code="server_shutting_down")(scope, receive, send)

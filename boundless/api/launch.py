@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -78,14 +79,23 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
         timeout_graceful_shutdown=5,
         timeout_keep_alive=KEEP_ALIVE_S,
     )
+    # uvicorn raises the signal again once it has shut down, under the handler it found: SIGTERM's default one would
+    # end the process there, before the engine's shutdown below (the disk store's last writes, the executor's).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         http_server = Server(http, engine.end_requests)
         with contextlib.suppress(KeyboardInterrupt):  # (as uvicorn.run: the signal, raised again once it is handled)
             http_server.run()
     finally:
         engine.shutdown()
+        log.info("stopped: the engine's writes are handed over")
     if not http_server.started:  # (as uvicorn.run)
         sys.exit(STARTUP_FAILURE)
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM's handler once uvicorn is done with it: exit as the signal would (128 + its number), cleanly."""
+    raise SystemExit(128 + signum)
 
 
 class Server(uvicorn.Server):

@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp
 
 from boundless.api.conversation import InvalidMessage, template_conversation
-from boundless.api.errors import APIError, error_bytes, install_error_handlers
+from boundless.api.errors import APIError, CancelledRequests, error_bytes, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.logprobs import (
     Span,
@@ -1235,4 +1235,4 @@ def build_app(
     outer: ASGIApp = BodyLimit(app, int(config.max_body_mb * (1 << 20)))
     if config.api_key:
         outer = APIKeyAuth(outer, config.api_key)
-    return outer
+    return CancelledRequests(outer)

@@ -87,3 +87,27 @@ def test_a_request_after_the_signal_is_refused_with_an_error_object() -> None:
         server.stop()
         engine.shutdown()
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+
+
+def test_a_request_cancelled_before_its_response_gets_the_error_object() -> None:
+    """uvicorn cancels what still runs when its graceful shutdown times out, a body still arriving among them (read by
+    the body limit, outside the routes' error handling): the outermost layer answers a response not yet begun with the
+    503 object, where Starlette's last resort sent a plain-text 500 and a traceback."""
+    import asyncio
+
+    from boundless.api.errors import CancelledRequests
+
+    async def reading_forever(scope: dict, receive: object, send: object) -> None:
+        raise asyncio.CancelledError
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    asyncio.run(CancelledRequests(reading_forever)({"type": "http", "method": "POST", "path": "/x"}, receive, send))
+    assert sent[0]["status"] == 503
+    assert json.loads(sent[1]["body"])["error"]["code"] == "server_shutting_down"
