@@ -353,14 +353,13 @@ class CallStream:
         return self._list_calls
 
     def finish(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        """The parsed calls -> the deltas that complete them, the streamed ones keeping their ids. Should the calls
-        not be what was streamed (a block before them that did not parse, say), they come whole after the streamed
-        indices, which are left as they went out."""
+        """The parsed calls -> the deltas that complete them, the streamed ones keeping their ids. A streamed call past
+        the parsed ones (a last block cut off inside its JSON) is left as it went out: what was sent cannot be taken
+        back. Should the calls not be what was streamed (a block before them that did not parse, say), they come whole
+        after the streamed indices, which are left as they went out."""
         if any(
-            index >= len(calls)
-            or calls[index].name != self._names[index]
-            or not calls[index].arguments.startswith(sent)
-            for index, sent in enumerate(self._sent)
+            calls[index].name != self._names[index] or not calls[index].arguments.startswith(sent)
+            for index, sent in enumerate(self._sent[: len(calls)])
         ):
             return [call.to_openai(len(self._ids) + index) for index, call in enumerate(calls)]
         deltas = []

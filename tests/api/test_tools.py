@@ -583,6 +583,22 @@ def test_a_call_cut_off_streams_as_far_as_it_got() -> None:
     assert _put_together(deltas) == [(deltas[0]["id"], "f", '{"a": "lon')]
 
 
+def test_a_block_cut_off_after_a_whole_one_streams_no_second_copy_of_the_first() -> None:
+    """A whole call, then a block cut off inside its JSON (max_tokens): the parser reads the first alone. The stream
+    completes the first and leaves the cut one as it went out (it cannot be taken back), where it sent the first again
+    whole at a third index."""
+    whole = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    text = "A\n" + whole + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    _, deltas, _, calls, final = _stream_calls(text)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    streamed = _put_together(deltas + final)
+    assert [(name, args) for _, name, args in streamed] == [
+        ("get_weather", '{"city": "Paris"}'),
+        ("get_weather", '{"city": "P'),  # (fed up to the output's last character but one)
+    ]
+    assert streamed[0][0] == calls[0].id
+
+
 UNCLOSED = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'  # (and then EOS)
 
 
