@@ -180,7 +180,36 @@ def _unexpected(exc: Exception) -> JSONResponse:
     return error_response(500, f"internal error: {type(exc).__name__}")
 
 
-class UnexpectedErrors:
+class _AnswersBeforeResponse:
+    """An ASGI layer that runs the app noting whether its response has begun, and hands an exception of ``caught`` to
+    :meth:`_handle` with that: a response not begun can still be answered with an error object."""
+
+    caught: type[BaseException]
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except self.caught as exc:
+            await self._handle(exc, started, scope, receive, send)
+
+    async def _handle(self, exc: BaseException, started: bool, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class UnexpectedErrors(_AnswersBeforeResponse):
     """A 500 error object for an exception no handler took, the connection kept open.
 
     Starlette's own last resort (``ServerErrorMiddleware``) re-raises after answering, and uvicorn then
@@ -189,50 +218,23 @@ class UnexpectedErrors:
     client it is incomplete.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    caught = Exception
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:
-            if started:
-                raise
-            await _unexpected(exc)(scope, receive, send)
+    async def _handle(self, exc: BaseException, started: bool, scope: Scope, receive: Receive, send: Send) -> None:
+        if started:
+            raise exc
+        assert isinstance(exc, Exception)
+        await _unexpected(exc)(scope, receive, send)
 
 
-class CancelledRequests:
+class CancelledRequests(_AnswersBeforeResponse):
     """The outermost layer: a request uvicorn cancels, its graceful shutdown timed out with the request still running
     (the server ends those it can first: ``launch.Server``) or its body still arriving, logs one line, not a
     traceback; one whose response has not begun still gets its 503 error object, one under way is cut off."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    caught = asyncio.CancelledError
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except asyncio.CancelledError:
-            log.warning("%s %s cancelled: the server is shutting down", scope.get("method"), scope.get("path"))
-            if not started:
-                await error_response(503, SHUTTING_DOWN, code="server_shutting_down")(scope, receive, send)
+    async def _handle(self, exc: BaseException, started: bool, scope: Scope, receive: Receive, send: Send) -> None:
+        log.warning("%s %s cancelled: the server is shutting down", scope.get("method"), scope.get("path"))
+        if not started:
+            await error_response(503, SHUTTING_DOWN, code="server_shutting_down")(scope, receive, send)
