@@ -776,12 +776,15 @@ class OpenAIServer:
             if prompt_only:
                 _drop_output(c)
             prompt, echo = prompts[c.index // body.n], echoes[c.index // body.n]
-            starts = TokenStarts(self.tokenizer, prompt, body.skip_special_tokens).add(t.token_id for t in c.logprobs)
-            offsets = text_offsets(starts, len(echo), len(c.text))
+            logprobs = None
+            if body.logprobs is not None:  # (where each token starts: decoded again, so only when asked for)
+                starts = TokenStarts(self.tokenizer, prompt, body.skip_special_tokens)
+                offsets = text_offsets(starts.add(t.token_id for t in c.logprobs), len(echo), len(c.text))
+                logprobs = self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, c.logprobs, offsets)
             choice: dict[str, Any] = {
                 "index": c.index,
                 "text": echo + c.text,
-                "logprobs": self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, c.logprobs, offsets),
+                "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
             }
             if body.prompt_logprobs is not None:
