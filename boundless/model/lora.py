@@ -120,11 +120,16 @@ class LoRAAdapter:
     digest: str
 
 
+def _module_regex(key: str) -> str:
+    """A ``rank_pattern``/``alpha_pattern`` key as PEFT matches it: against the end of a module's name."""
+    return rf"(.*\.)?{key}$"
+
+
 def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -> float:
     """PEFT's ``rank_pattern``/``alpha_pattern`` lookup: the first key that matches the end of the module's name
     (the keys are checked to be regular expressions when the config is read)."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?{key}$", module):
+        if re.match(_module_regex(key), module):
             return value
     return default
 
@@ -153,7 +158,7 @@ def _check_config_types(path: Path, config: dict) -> None:
                     f"LoRA adapter {path}: adapter_config.json's {key}[{pattern!r}] must be a number, not {value!r}"
                 )
             try:
-                re.compile(rf"(.*\.)?{pattern}$")
+                re.compile(_module_regex(pattern))
             except re.error as e:
                 raise LoRAError(
                     f"LoRA adapter {path}: adapter_config.json's {key} key {pattern!r} is not a regular expression "
