@@ -652,7 +652,11 @@ class OpenAIServer:
         # answer after it is content, read for calls. The logprobs are the content's tokens' alone (StreamedContent):
         # none of the reasoning's or the calls', as the unstreamed message's.
         contents = [ContentStream(tools.formats) for _ in choices] if tools.used else []
-        call_streams = [CallStream(tools.parallel, tools.types, tools.forced) for _ in choices] if tools.used else []
+        call_streams = (
+            [CallStream(tools.parallel, tools.types, tools.forced, tools.formats) for _ in choices]
+            if tools.used
+            else []
+        )
         thoughts = [reasoning.stream() for _ in choices] if reasoning is not None else []
         logprobs = [logprobs_of() for _ in choices] if logprobs_of is not None else []
 

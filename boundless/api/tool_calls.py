@@ -6,6 +6,8 @@ Qwen3-Coder's XML, ``<function=NAME><parameter=KEY>VALUE</parameter>...</functio
 by the tool's parameter schema (:func:`parameter_types`); and a bare JSON object (or list of objects) with ``name``
 and ``arguments`` or ``parameters`` (Llama 3.1), naming one of the request's tools: without tags, JSON is as likely
 an answer (``{"name": "Bob", "age": 3}``), so it is a call only in that shape, as vLLM's ``llama3_json`` reads it.
+Llama 3.2 and Llama 4 write a fourth: a Python list of calls with keyword arguments, ``[get_weather(city="Paris")]``
+(vLLM's ``pythonic``), likewise a call only when the whole output is that list and every name is one of the tools.
 
 A ``tool_choice`` that forces a call (``required``, or a named function) holds the output to the second shape
 with a JSON schema (:func:`forced_call_schema`, as vLLM does), so the calls parse whatever the model would say.
@@ -36,16 +38,17 @@ _TYPE_ALIASES = {"int": "integer", "float": "number", "double": "number", "bool"
 # Each tool's parameters' schemas (function name -> parameter name -> schema): how an XML call's values are read.
 ParameterTypes = dict[str, dict[str, Any]]
 
-# The shapes of calls in an output: JSON in <tool_call> blocks, XML in them, and bare JSON.
-TAGGED_JSON, TAGGED_XML, BARE_JSON = "tagged-json", "tagged-xml", "bare-json"
+# The shapes of calls in an output: JSON in <tool_call> blocks, XML in them, bare JSON, and a Python list of calls.
+TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC = "tagged-json", "tagged-xml", "bare-json", "pythonic"
 CallFormats = frozenset[str]
-ALL_FORMATS: CallFormats = frozenset({TAGGED_JSON, TAGGED_XML, BARE_JSON})
+ALL_FORMATS: CallFormats = frozenset({TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC})
 # vLLM's --tool-call-parser names -> the shapes each reads (without the flag, all of them).
 TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "hermes": frozenset({TAGGED_JSON}),
     "qwen3_coder": frozenset({TAGGED_XML}),
     "qwen3_xml": frozenset({TAGGED_XML}),
     "llama3_json": frozenset({BARE_JSON}),
+    "pythonic": frozenset({PYTHONIC}),
 }
 
 
@@ -162,6 +165,33 @@ def _xml_calls(block: str, types: ParameterTypes) -> list[ToolCall]:
     return calls
 
 
+def _pythonic_calls(text: str, tools: Collection[str] | None) -> list[ToolCall]:
+    """Llama 3.2's and Llama 4's calls: ``text`` is a Python list of calls by name with keyword arguments of literal
+    values (``[get_weather(city="Paris"), get_time()]``), as vLLM's ``pythonic`` parser reads it; the names among
+    ``tools`` (None: any). The arguments become JSON text. Anything else (a value that is not a literal, a positional
+    argument, a list that is data) is no call: ``[]``."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return []
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return []
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args):
+            return []
+        if (tools is not None and node.func.id not in tools) or any(k.arg is None for k in node.keywords):
+            return []  # (a name of no tool, or **kwargs)
+        try:
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return []
+        if not _is_json(args):
+            return []
+        calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
 def _block_calls(block: str, types: ParameterTypes | None, formats: CallFormats) -> list[ToolCall]:
     """The calls in a ``<tool_call>`` block's text: its JSON call, or else Qwen3-Coder's XML ones (of ``formats``)."""
     try:
@@ -210,12 +240,14 @@ def parse_tool_calls(
         try:
             obj = json.loads(stripped)
         except json.JSONDecodeError:
-            return text, []
+            obj = None
         items = obj if isinstance(obj, list) else [obj]
-        if items and all(_bare_call(i, types) for i in items):
+        if obj is not None and items and all(_bare_call(i, types) for i in items):
             spans = scan_calls(stripped)
             found = (_as_call(i, stripped, spans[n] if n < len(spans) else None) for n, i in enumerate(items))
             return None, [c for c in found if c is not None]
+    if PYTHONIC in formats and stripped.startswith("[") and (calls := _pythonic_calls(stripped, types)):
+        return None, calls
     return text, []
 
 
@@ -228,13 +260,15 @@ CallParser = Callable[[str], tuple[str | None, list[ToolCall]]]
 class ContentStream:
     """The content of an output read for tool calls, streamed as it is made: text that cannot be part of a call goes
     out at once; from a Hermes ``<tool_call>`` tag on (held back while the text ends in part of one), or an output that
-    opens with JSON (a bare call, Llama 3.1's), the rest waits for the parser at the end (:meth:`finish`)."""
+    opens with JSON (a bare call, Llama 3.1's) or a list (Llama 3.2's Python calls), the rest waits for the parser at
+    the end (:meth:`finish`)."""
 
     def __init__(self, formats: CallFormats = ALL_FORMATS) -> None:
         self.sent = 0  # characters of the output sent as content
         self.held = False  # a call has begun, or may have: nothing more is sent before the end
         self.formats = formats
-        self.bare = BARE_JSON in formats  # an output that opens with JSON may be a call
+        # An output that opens with one of these may be calls: JSON (bare calls), a list (Python calls too).
+        self.openers = ("{[" if BARE_JSON in formats else "") + ("[" if PYTHONIC in formats else "")
         # The tags that begin one: <tool_call>, and <function= (Qwen3-Coder's call without its block's tag).
         self.tags = ([TOOL_CALL_TAG] if formats & {TAGGED_JSON, TAGGED_XML} else []) + (
             [XML_FUNCTION_TAG] if TAGGED_XML in formats else []
@@ -248,7 +282,7 @@ class ContentStream:
             head = text.lstrip()
             if not head:
                 return ""
-            if self.bare and head[0] in "{[":
+            if head[0] in self.openers:
                 self.held = True
                 return ""
         found = [at for t in self.tags if (at := text.find(t, max(self.sent - len(t) + 1, 0))) >= 0]
@@ -279,12 +313,21 @@ class CallStream:
     list has closed and is calls throughout, as the parser reads it); ``parallel=False`` streams
     the first call only; ``tools``: the request's tool names, the only names a bare call may have, as the parser
     reads it (None: not known, any); ``forced``: a forced call's (its grammar writes calls throughout, so a list's
-    stream as they are written). :meth:`finish` sends what the parsed calls have beyond what was streamed."""
+    stream as they are written); ``formats``: the shapes the parser reads (an output that opens with a list, read
+    for Python calls only, streams none: they come whole from :meth:`finish`, as do Python calls always). :meth:`finish`
+    sends what the parsed calls have beyond what was streamed."""
 
-    def __init__(self, parallel: bool = True, tools: Collection[str] | None = None, forced: bool = False) -> None:
+    def __init__(
+        self,
+        parallel: bool = True,
+        tools: Collection[str] | None = None,
+        forced: bool = False,
+        formats: CallFormats = ALL_FORMATS,
+    ) -> None:
         self.parallel = parallel
         self.tools = tools
         self.forced = forced
+        self.bare_json = BARE_JSON in formats
         self._bare: bool | None = None  # the calls are the JSON the output opens with (else Hermes blocks)
         self._list_calls: bool | None = None  # that JSON, a list that has closed, is calls throughout
         self._scanners: list[CallScanner] = []  # one a document: the bare JSON, or each block's
@@ -340,6 +383,8 @@ class CallStream:
         as the parser reads it); a list only once it has closed, parsed, and every item is a call (the parser's rule:
         a list with one item that is no call is an answer, all of it, and no call of it may have gone out before)."""
         scanner = self._scanners[0]
+        if not self.bare_json:
+            return False
         if self.forced or text[scanner.start] != "[":
             return True
         if not scanner.done:

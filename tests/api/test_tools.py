@@ -17,6 +17,7 @@ from boundless.api.logprobs import StreamedContent, content_tokens
 from boundless.api.tool_calls import (
     ALL_FORMATS,
     BARE_JSON,
+    PYTHONIC,
     TAGGED_JSON,
     TAGGED_XML,
     TOOL_CALL_PARSERS,
@@ -435,18 +436,18 @@ def test_without_parallel_calls_only_the_first_parsed_call_is_kept() -> None:
 
 
 def _stream_calls(
-    text: str, parallel: bool = True, types: ParameterTypes | None = None
+    text: str, parallel: bool = True, types: ParameterTypes | None = None, formats: frozenset[str] = ALL_FORMATS
 ) -> tuple[str, list[dict], str, list[ToolCall], list[dict]]:
     """``text`` fed a character at a time to a ContentStream and a CallStream, as the server feeds them: (content
     sent, call deltas sent, content at the end, parsed calls, the deltas that complete them). ``types``: the
-    request's tools (None: not known)."""
-    content, calls_stream = ContentStream(), CallStream(parallel, types)
+    request's tools (None: not known); ``formats``: the shapes read."""
+    content, calls_stream = ContentStream(formats), CallStream(parallel, types, formats=formats)
     sent, deltas = [], []
     for end in range(1, len(text)):
         sent.append(content.feed(text[:end]))
         if content.held:
             deltas += calls_stream.feed(text[:end], content.sent)
-    rest, calls = content.finish(text, lambda t: _parallel(parse_tool_calls(t, types), parallel))
+    rest, calls = content.finish(text, lambda t: _parallel(parse_tool_calls(t, types, formats), parallel))
     return "".join(sent), deltas, rest, calls, calls_stream.finish(calls) if calls else []
 
 
@@ -801,23 +802,36 @@ def test_served_xml_calls_with_their_types(hermes: Served) -> None:
 HERMES = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 XML = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 BARE = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+PYTHON = '[get_weather(city="Paris")]'
 
 
 @pytest.mark.parametrize(
     ("parser", "read"),
-    [(None, {HERMES, XML, BARE}), ("hermes", {HERMES}), ("qwen3_coder", {XML}), ("llama3_json", {BARE})],
+    [
+        (None, {HERMES, XML, BARE, PYTHON}),
+        ("hermes", {HERMES}),
+        ("qwen3_coder", {XML}),
+        ("llama3_json", {BARE}),
+        ("pythonic", {PYTHON}),
+    ],
 )
 def test_a_tool_call_parser_reads_its_shape_only(parser: str | None, read: set[str]) -> None:
     formats = ALL_FORMATS if parser is None else TOOL_CALL_PARSERS[parser]
     types = parameter_types([WEATHER])  # (the request's tools: a bare call names one)
-    for text in (HERMES, XML, BARE):
+    for text in (HERMES, XML, BARE, PYTHON):
         content, calls = parse_tool_calls(text, types, formats)
         assert (text in read) == bool(calls) and (content is None if calls else content == text), (parser, text)
+        if calls:
+            assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
         # Streamed, an output is held from where a call of a shape read could begin (a tag, when a tagged shape is
-        # read, whatever the block holds), and what is not a call comes as content in the end.
+        # read, whatever the block holds; JSON or a list opening it), and what is not a call comes as content in the
+        # end.
         stream = ContentStream(formats)
         sent = "".join(stream.feed(text[:end]) for end in range(1, len(text) + 1))
-        could_begin = TAGGED_JSON in formats or TAGGED_XML in formats if text != BARE else BARE_JSON in formats
+        could_begin = {
+            BARE: BARE_JSON in formats,
+            PYTHON: bool(formats & {BARE_JSON, PYTHONIC}),
+        }.get(text, TAGGED_JSON in formats or TAGGED_XML in formats)
         assert stream.held == could_begin and (sent == "" if could_begin else sent == text)
         rest, calls = stream.finish(text, lambda t: parse_tool_calls(t, types, formats))
         assert (sent + rest == text) == (not calls)
@@ -871,3 +885,116 @@ def test_xml_calls_without_their_block_tags(text: str) -> None:
     rest, streamed = stream.finish(text, lambda t: parse_tool_calls(t, parameter_types([WEATHER])))
     assert (sent + rest).strip() == "Checking." and [c.arguments for c in streamed] == [c.arguments for c in calls]
     assert parse_tool_calls(text, {}, TOOL_CALL_PARSERS["hermes"]) == (text, [])
+
+
+# -- Python calls (Llama 3.2, Llama 4: vLLM's pythonic parser) ---------------------------------------------------------
+
+EDIT_FILE = {"type": "function", "function": {"name": "edit_file", "parameters": {"type": "object"}}}
+
+
+def test_parse_python_calls() -> None:
+    """A list of calls with keyword arguments of literal values: each a call, the values as JSON (Python's ``True``
+    and ``None`` as ``true`` and ``null``), in order."""
+    types = parameter_types([WEATHER, EDIT_FILE])
+    text = (
+        ' [get_weather(city="Paris"), edit_file(path=\'a.py\', lines=[1, 2], opts={"dry": True, "n": None}),'
+        " get_weather()]\n"
+    )
+    content, calls = parse_tool_calls(text, types)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("edit_file", {"path": "a.py", "lines": [1, 2], "opts": {"dry": True, "n": None}}),
+        ("get_weather", {}),
+    ]
+    assert calls[1].arguments == '{"path": "a.py", "lines": [1, 2], "opts": {"dry": true, "n": null}}'
+    assert len({c.id for c in calls}) == 3
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[1, 2, 3]",  # a list that is data
+        "[]",
+        '[get_weather("Paris")]',  # a positional argument
+        "[get_weather(city=paris)]",  # a value that is no literal
+        '[get_weather(city="Paris"), send_mail(to="x")]',  # a name of no tool
+        '[os.system(cmd="ls")]',  # a dotted name
+        '[get_weather(**{"city": "Paris"})]',
+        "[get_weather(city={1, 2})]",  # a set: no JSON
+        'Sure: [get_weather(city="Paris")]',  # not the whole output
+        '[get_weather(city="Paris")',  # cut off
+    ],
+)
+def test_python_that_is_no_call_list_is_the_answer(text: str) -> None:
+    """vLLM's pythonic rule: the whole output a list of calls of the tools by name, keyword arguments of literals;
+    anything else is the answer, all of it, streamed or not."""
+    types = parameter_types([WEATHER])
+    assert parse_tool_calls(text, types) == (text, [])
+    sent, deltas, rest, calls, final = _stream_calls(text, types=types)
+    assert deltas == [] and calls == [] and final == [] and sent + rest == text
+
+
+@pytest.mark.parametrize("formats", [ALL_FORMATS, TOOL_CALL_PARSERS["pythonic"]])
+def test_python_calls_come_whole_at_the_end_of_a_stream(formats: frozenset[str]) -> None:
+    """Streamed, the list is held from its opening bracket and its calls come whole once it has closed and parsed
+    (braces and brackets inside its strings and values do not end it early)."""
+    text = '[edit_file(path="a]b}.py", text="{[", n=[{"k": 1}]), get_weather(city="Paris")]'
+    types = parameter_types([WEATHER, EDIT_FILE])
+    sent, deltas, rest, calls, final = _stream_calls(text, types=types, formats=formats)
+    assert sent == "" and deltas == [] and rest == "" and [c.name for c in calls] == ["edit_file", "get_weather"]
+    assert [(name, json.loads(args)) for _, name, args in _put_together(final)] == [
+        ("edit_file", {"path": "a]b}.py", "text": "{[", "n": [{"k": 1}]}),
+        ("get_weather", {"city": "Paris"}),
+    ]
+
+
+def test_with_python_calls_alone_a_json_list_streams_no_call() -> None:
+    """``--tool-call-parser pythonic``: a JSON list of calls is the answer, so the stream sends no call of it, even
+    once the list has closed (where a reader of bare JSON sends its calls)."""
+    text = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    types = parameter_types([WEATHER])
+    for formats, streamed in ((TOOL_CALL_PARSERS["pythonic"], []), (ALL_FORMATS, ["get_weather"])):
+        content, calls = ContentStream(formats), CallStream(True, types, formats=formats)
+        deltas = []
+        for end in range(1, len(text) + 1):
+            content.feed(text[:end])
+            deltas += calls.feed(text[:end], content.sent)
+        assert [d["function"]["name"] for d in deltas if "id" in d] == streamed
+        assert parse_tool_calls(text, types, formats)[1] == [] or streamed
+
+
+@pytest.fixture(scope="module")
+def pythonic_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serve_hermes(
+        tmp_path_factory.mktemp("pythonic"), server_config=ServerConfig(tool_call_parser="pythonic")
+    ) as s:
+        yield s
+
+
+def test_served_python_calls(pythonic_only: Served) -> None:
+    """A model writing Llama 3.2's calls (held to them by a regex here) under ``--tool-call-parser pythonic``, through
+    the real client, streamed and not: the calls, their arguments as JSON, ``finish_reason`` ``tool_calls``; a
+    Hermes block is then the answer's text."""
+    asked = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER, EDIT_FILE]}
+    regex = r'\[get_weather\(city="Paris"\), edit_file\(path="a\.py", dry=True\)\]'
+    extra = {"structured_outputs": {"regex": regex}}
+    reply = pythonic_only.client.chat.completions.create(**asked, max_tokens=200, temperature=0, extra_body=extra)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"}), ("edit_file", {"path": "a.py", "dry": True})]
+    chunks = list(
+        pythonic_only.client.chat.completions.create(
+            **asked, max_tokens=200, temperature=0, extra_body=extra, stream=True
+        )
+    )
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert [(name, json.loads(args)) for _, name, args in _calls_of(deltas)] == calls
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    hermes_text = HERMES.replace("{", "\\{").replace("}", "\\}")
+    tagged = pythonic_only.client.chat.completions.create(
+        **asked, max_tokens=200, temperature=0, extra_body={"structured_outputs": {"regex": hermes_text}}
+    )
+    assert tagged.choices[0].message.tool_calls is None and tagged.choices[0].message.content == HERMES
