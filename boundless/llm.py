@@ -113,17 +113,23 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt (a string, a list of token ids, or vLLM's ``{"prompt": ...}`` or
         ``{"prompt_token_ids": [...]}``); results come in prompt order. ``lora_request``
         (vLLM's): the LoRA adapter to run with, for every prompt or one per prompt (``enable_lora=True``); it is
-        loaded on first use (a name already loaded runs with the adapter loaded under it)."""
+        loaded on first use (a name already loaded runs with the adapter loaded under it). ``priority`` (vLLM's): each
+        prompt's class of service, smaller first (``SamplingParams.priority``)."""
         batch = [_prompt_input(p) for p in _as_batch(prompts)]
         if params is None:
             params = SamplingParams()
         per_prompt = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(per_prompt)} sampling params")
+        if priority is not None:
+            if len(priority) != len(batch):
+                raise ValueError(f"{len(batch)} prompts but {len(priority)} priorities")
+            per_prompt = [dataclasses.replace(p, priority=rank) for p, rank in zip(per_prompt, priority, strict=True)]
         loras = [lora_request] * len(batch) if not isinstance(lora_request, Sequence) else list(lora_request)
         if len(loras) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(loras)} LoRA requests")

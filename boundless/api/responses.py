@@ -46,6 +46,7 @@ from boundless.api.schemas import (
     Float,
     FunctionName,
     Identifier,
+    Int,
     NullIsDefault,
     StructuredOutputsParams,
     check_distinct_names,
@@ -158,6 +159,7 @@ class ResponsesRequest(NullIsDefault):
     truncation: Literal["disabled", "auto"] | None = None
     reasoning: dict[str, Any] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's (chat's field)
+    priority: Int = 0  # vLLM's (chat's field): a class of service, smaller first
     # vLLM's chat extension, here too: output held to a regex, a choice, a grammar or a schema
     structured_outputs: StructuredOutputsParams | None = None
     # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers); by default the chain's.
@@ -417,6 +419,7 @@ class ResponsesAPI:
                         "top_logprobs": body.top_logprobs if logprobs else None,
                         "user": body.user,
                         "cache_salt": body.cache_salt,
+                        "priority": body.priority,
                         "reasoning_effort": effort,
                         "structured_outputs": body.structured_outputs,
                         "stream": body.stream,  # (whether its text comes as it is made, or at the end)

@@ -149,6 +149,8 @@ class _SamplingFields(NullIsDefault):
     prompt_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # vLLM's: the prefix cache shares KV only among requests with the same salt (multi-tenant privacy)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM's: a class of service, smaller first; the scheduler's policy orders requests within one
+    priority: Int = 0
     # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers)
     program_id: Identifier | None = None
     thread_id: Identifier | None = None

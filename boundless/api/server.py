@@ -243,6 +243,7 @@ def sampling_params(
         structured=structured,
         lora_name=lora,
         cache_salt=body.cache_salt,
+        priority=body.priority,
         # A response that is not streamed is read at the end: its text is decoded once, then (as vLLM's server asks).
         output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
     )

@@ -88,6 +88,11 @@ class SamplingParams:
     # vLLM's ``cache_salt``: KV is shared through the prefix cache only among requests with the same salt (and none
     # with none), so that one tenant cannot learn another's prompts from how fast its own are answered.
     cache_salt: str | None = None
+    # vLLM's request ``priority``: a class of service, smaller first. The scheduler orders requests by it, then by its
+    # policy within a class (fcfs, plas, atlas...), so a request outranks every one of a larger value, waiting or
+    # running (it takes a running one's place, as the policy's own order does). 0 for all: the policy's order alone.
+    # It travels in the parameters, so that every instance a request reaches ranks it alike.
+    priority: int = 0
     # Whether a penalty needs the request's tokens so far; whether anything does (a grammar replays a handed-off
     # request's): the scheduler hands them to the sampler only then.
     penalized: bool = field(init=False, repr=False, compare=False, default=False)
@@ -123,6 +128,7 @@ class SamplingParams:
                 "max_tokens must be a positive integer",
             )
         self._check("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0")
+        self._check("priority", _is_int(self.priority), "priority must be an integer")
         if self.max_tokens is not None:
             self._check("min_tokens", self.min_tokens <= self.max_tokens, "min_tokens must not exceed max_tokens")
         if self.logprobs is not None:

@@ -281,7 +281,7 @@ class Scheduler:
         out = self._begin_output()
         self.policy.update(now)
         budget = self.max_num_batched_tokens
-        order = sorted(self.running + self.waiting, key=lambda r: self.policy.priority(r, now))
+        order = sorted(self.running + self.waiting, key=self._ranking(now))
         if self.kv.has_disk:
             # A request waits for its blocks on disk at most the load timeout (stuck storage): then it is
             # admitted and computes them.
@@ -469,13 +469,19 @@ class Scheduler:
         self._arrived_since_step = 0
         return out
 
+    def _ranking(self, now: float) -> Callable[[Request], tuple]:
+        """The sort key of the order of service: the request's ``priority`` class (vLLM's; smaller first), then the
+        policy's priority within it."""
+        policy_priority = self.policy.priority
+        return lambda r: (r.sampling_params.priority, policy_priority(r, now))
+
     def _would_admit(self, continuing: list[Request]) -> bool:
         """Whether the ordinary decision after the step in flight would take a waiting request: one ranks among the
         policy's first ``max_num_seqs`` beside the requests that go on (a full batch of requests that outrank every
         waiting one keeps running ahead; a waiting request that outranks one of them, or a free slot, ends it)."""
         now = self.clock()
         self.policy.update(now)
-        order = sorted(continuing + self.waiting, key=lambda r: self.policy.priority(r, now))
+        order = sorted(continuing + self.waiting, key=self._ranking(now))
         return any(r.status is not RequestStatus.RUNNING for r in order[: self.max_num_seqs])
 
     def _plan_window(self, chosen: list[tuple[Request, int]]) -> dict[str, int] | None:

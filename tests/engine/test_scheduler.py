@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
@@ -118,6 +120,42 @@ def test_policy_decides_order_not_queue_position() -> None:
     s.add(request("early", 4, 1.0, first=10))
     out = s.schedule()
     assert [c.request_id for c in out.chunks] == ["early"]
+
+
+def _ranked(rid: str, t: float, priority: int, first: int, max_tokens: int = 8) -> Request:
+    return Request(rid, list(range(first, first + 4)), SamplingParams(max_tokens=max_tokens, priority=priority), t)
+
+
+def test_a_requests_priority_class_comes_before_the_policys_order() -> None:
+    """vLLM's ``priority``: smaller first, whatever the arrival (fcfs) within the step's one slot; equal classes
+    keep the policy's order."""
+    s, _ = make_scheduler(budget=4)
+    s.add(_ranked("early-low", 1.0, 5, 0))
+    s.add(_ranked("late-high", 9.0, -2, 10))
+    s.add(_ranked("mid-high", 5.0, -2, 20))
+    assert [c.request_id for c in s.schedule().chunks] == ["mid-high"]
+
+
+def test_a_higher_priority_arrival_takes_a_running_requests_slot() -> None:
+    """With one sequence slot, a running request of priority 1 gives its slot to one of priority 0 that arrives
+    later (keeping its KV), and runs again once that one has finished."""
+    s, clock = make_scheduler(budget=16)
+    s.max_num_seqs = 1
+    s.add(_ranked("background", 0.0, 1, 0, max_tokens=20))
+    for _ in range(3):
+        clock.now += 1.0
+        assert [c.request_id for c in run_step(s).chunks] == ["background"]
+    s.add(_ranked("urgent", clock.now, 0, 40, max_tokens=2))
+    assert [c.request_id for c in run_step(s).chunks] == ["urgent"]
+    assert s.requests["background"].status is RequestStatus.RUNNING and s.kv.num_allocated_blocks("background") > 0
+    run_step(s)
+    s.finish("urgent", RequestStatus.FINISHED_LENGTH)
+    assert [c.request_id for c in run_step(s).chunks] == ["background"]
+
+
+def test_priority_must_be_an_integer() -> None:
+    with pytest.raises(ValueError, match="priority"):
+        SamplingParams(priority=1.5)  # type: ignore[arg-type]
 
 
 def _priority_scheduler(num_blocks: int, host_blocks: int, max_num_seqs: int = 16):
