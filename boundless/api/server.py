@@ -1122,9 +1122,9 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@routes.get("/v1/models")
-async def models(request: Request) -> Response:
-    server = _server(request)
+def _model_cards(server: OpenAIServer) -> list[dict[str, Any]]:
+    """The models served: the base model, then its LoRA adapters as vLLM lists them (the adapter's path as its root,
+    the base model as its parent)."""
     base = {
         "id": server.model_name,
         "object": "model",
@@ -1132,9 +1132,22 @@ async def models(request: Request) -> Response:
         "owned_by": "boundless",
         "max_model_len": server.client.max_model_len,
     }
-    # LoRA adapters as vLLM lists them: the adapter's path as its root, the base model as its parent.
     adapters = [{**base, "id": name, "root": path, "parent": server.model_name} for name, path in server.loras.items()]
-    return JSONResponse({"object": "list", "data": [base, *adapters]})
+    return [base, *adapters]
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": _model_cards(_server(request))})
+
+
+@routes.get("/v1/models/{model:path}")
+async def model(model: str, request: Request) -> Response:
+    """OpenAI's retrieve (``client.models.retrieve``): one model's card; 404 ``model_not_found`` for a name not served
+    (a model id may hold slashes, as Hugging Face names do)."""
+    server = _server(request)
+    server.check_model(model)
+    return JSONResponse(next(card for card in _model_cards(server) if card["id"] == model))
 
 
 @routes.get("/cluster")

@@ -86,6 +86,10 @@ def test_an_idle_connection_outlives_the_clients_pool_expiry(server: ServerThrea
 def test_models_and_health(server: ServerThread, client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL) == models.data[0]  # OpenAI's retrieve
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/none-such")
+    assert missing.value.code == "model_not_found" and "none-such" in missing.value.message
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 

@@ -438,6 +438,7 @@ def test_served_adapters(llama: AdapterCase) -> None:
         assert set(models) == {"tiny", *ADAPTERS}
         assert models["all8"].model_extra["parent"] == "tiny"
         assert models["all8"].model_extra["root"] == str(llama.paths["all8"])
+        assert client.models.retrieve("all8") == models["all8"]  # (OpenAI's retrieve: one card, the listing's)
 
         def complete(model: str, prompt: list[int]) -> str:
             reply = client.completions.create(
