@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from boundless.config import ClusterConfig, ConfigError, SchedulerConfig, ServerConfig, add_engine_flags, add_flags
+from boundless.config_file import ConfigFileError, add_config_flag, expand_config_file
 from boundless.engine.errors import InvalidRequestError
 
 
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    add_config_flag(srv)
     add_engine_flags(srv)
     add_flags(srv, ServerConfig)
     add_flags(srv, ClusterConfig)
@@ -255,14 +257,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The commands that take --config (vLLM's serve does).
+CONFIG_FILE_COMMANDS = ("serve",)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] and argv[0] in CONFIG_FILE_COMMANDS:
+            argv = [argv[0], *expand_config_file(_subcommand(parser, argv[0]), argv[1:])]
+    except ConfigFileError as e:
+        print(f"boundless: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as e:
         print(f"boundless: {e}", file=sys.stderr)
         return 2
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of ``boundless NAME``."""
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[name]
 
 
 if __name__ == "__main__":

@@ -81,8 +81,53 @@ def test_serve_stops_its_engine_on_sigterm_and_sigint(model_dirs: dict[str, Path
 
 
 @pytest.fixture(scope="module")
-def tiny_server(model_dirs: dict[str, Path]) -> Iterator[str]:
-    yield from _serve("--model", str(model_dirs["tiny-llama"]), "--served-model-name", "tiny", "--kv-cache-gb", "0.05")
+def tiny_server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A tiny model served with some of its flags from a YAML file (vLLM's ``--config``): the served name the tests
+    below ask for comes from it."""
+    config = tmp_path_factory.mktemp("config") / "serve.yaml"
+    config.write_text(f"model: {model_dirs['tiny-llama']}\nserved_model_name: tiny\nkv-cache-gb: 0.05\n")
+    yield from _serve("--config", str(config))
+
+
+def test_a_config_file_gives_flags_that_the_command_line_overrides(tmp_path: Path) -> None:
+    """``serve --config``: each key a flag (``-`` or ``_``), a switch set either way, a list for a flag of several
+    values, a mapping as a JSON flag's text; a flag on the command line wins, before or after ``--config``."""
+    from boundless.cli import _subcommand, build_parser
+    from boundless.config_file import expand_config_file
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "max-num-seqs: 3\nenable_prefix_caching: false\nasync-scheduling: true\nport: 9001\n"
+        "lora-modules: [a=/x, b=/y]\nspeculative-config: {method: ngram, num_speculative_tokens: 3}\n"
+        "api-key:\n"
+    )
+    parser = build_parser()
+    for given in (["--config", str(config), "--port", "9002"], ["--port", "9002", f"--config={config}"]):
+        args = parser.parse_args(["serve", *expand_config_file(_subcommand(parser, "serve"), given)])
+        assert (args.max_num_seqs, args.enable_prefix_caching, args.async_scheduling) == (3, False, True)
+        assert args.port == 9002 and args.lora_modules == ["a=/x", "b=/y"] and args.api_key is None
+        assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("max-num-seq: 3\n", "'max-num-seq' is not a flag of this command"),
+        ("- port\n", "must be a mapping of flag names to values"),
+        ("port: [1\n", "not YAML"),
+        ("enable-prefix-caching: maybe\n", "'enable-prefix-caching' is a switch: true or false"),
+        (None, "cannot read it"),
+    ],
+)
+def test_a_config_file_that_says_no_flag_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str | None, said: str
+) -> None:
+    config = tmp_path / "serve.yaml"
+    if text is not None:
+        config.write_text(text)
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("boundless: --config ") and said in err and len(err.strip().splitlines()) == 1
 
 
 def test_serve_with_no_flags_serves_the_bundled_model() -> None:
