@@ -190,7 +190,7 @@ class LLM:
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-        params: SamplingParams | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRARequest | None = None,
@@ -202,7 +202,7 @@ class LLM:
         role and any other key a template reads pass as given. ``chat_template``: the name of one of the model's
         templates, or a template (its text, or a Jinja file's path, as ``serve --chat-template`` takes it) instead of
         the model's; ``chat_template_kwargs``: more variables for it, which may also set ``add_generation_prompt`` and
-        ``tools`` (vLLM's)."""
+        ``tools`` (vLLM's). ``params``: for every conversation, or one per conversation (vLLM's)."""
         from boundless.api.conversation import template_conversation  # (pydantic's schemas: loaded when chatting)
 
         given = {"tools": tools, "add_generation_prompt": True, "chat_template": chat_template}

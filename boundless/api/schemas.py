@@ -239,6 +239,22 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]  # OpenAI'
 REASONING_EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
 
 
+class PredictionText(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs (``prediction``): text the answer is likely to hold, as a string or text parts."""
+
+    type: Literal["content"]
+    content: str | list[PredictionText]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None
@@ -253,6 +269,8 @@ class ChatCompletionRequest(_SamplingFields):
     # With --reasoning-parser: OpenAI's effort, passed to the template as vLLM does; whether to return the reasoning
     reasoning_effort: ReasoningEffort | None = None
     include_reasoning: Bool = True
+    # OpenAI's Predicted Outputs: drafts for speculative decoding; the answer is the same, sooner
+    prediction: Prediction | None = None
 
     @field_validator("tools")
     @classmethod

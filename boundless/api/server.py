@@ -190,6 +190,9 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # why it finished; for an error, what failed
     cached_tokens: int = 0
+    # Predicted Outputs: the prediction's drafts kept and rejected (OpenAI's accepted / rejected_prediction_tokens)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     instance: str = ""  # the engine instance that produced its latest tokens
     prompt_logprobs: PromptLogprobs | None = None  # with its first token, when asked for
 
@@ -544,6 +547,9 @@ class OpenAIServer:
             prompt_logprobs = None if body.stream else body.prompt_logprobs  # (a stream has no place for them)
             room = self.client.max_model_len - len(ids)
             params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs, lora, self.defaults, room)
+            if body.prediction is not None:
+                prediction = self.tokenizer.encode(body.prediction.text, add_special_tokens=False)
+                params = dataclasses.replace(params, prediction=tuple(prediction))
             await check_grammar(params, self.tokenizer.vocab_size)
             streams = self.submit_all(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used for the limit
@@ -559,7 +565,10 @@ class OpenAIServer:
             logprobs_of = None
             if body.logprobs:
                 logprobs_of = functools.partial(self.streamed_content, ids, body.skip_special_tokens, tools, reasoning)
-            gen = self._chat_events(rid, body.model, streams, len(ids), logprobs_of, tools, include_usage, reasoning)
+            predicted = body.prediction is not None
+            gen = self._chat_events(
+                rid, body.model, streams, len(ids), logprobs_of, tools, include_usage, reasoning, predicted
+            )
             return StreamingResponse(gen, media_type="text/event-stream")
         choices = await self.collect(streams, request)
 
@@ -597,7 +606,7 @@ class OpenAIServer:
             "model": body.model,
             "system_fingerprint": _fingerprint(choices),
             "choices": out_choices,
-            "usage": self._usage(len(ids), choices, reasoning),
+            "usage": self._usage(len(ids), choices, reasoning, body.prediction is not None),
         }
         if body.prompt_logprobs is not None:  # vLLM's place for them in a chat response: beside the choices
             response["prompt_logprobs"] = self._prompt_logprobs(choices[0].prompt_logprobs, body.prompt_logprobs)
@@ -613,9 +622,10 @@ class OpenAIServer:
         tools: ToolUse,
         include_usage: bool,
         reasoning: ReasoningOutput | None = None,
+        predicted: bool = False,
     ) -> AsyncIterator[bytes]:
         """A chat completion's chunks. ``logprobs_of``: a choice's content logprobs as they are known to be content
-        (None: not asked for)."""
+        (None: not asked for); ``predicted``: the request brought a prediction (its usage counts the drafts)."""
         created = int(time.time())
         choices = [Choice(i) for i in range(len(streams))]
 
@@ -719,7 +729,7 @@ class OpenAIServer:
             if delta.finished:
                 yield choice_chunk(index, {}, finish=delta.finish_reason)
         if include_usage:
-            yield chunk([], self._usage(prompt_len, choices, reasoning))
+            yield chunk([], self._usage(prompt_len, choices, reasoning, predicted))
         if failed := _failure_event(choices):
             yield failed
         yield b"data: [DONE]\n\n"
@@ -882,6 +892,8 @@ class OpenAIServer:
             choice.finish_reason = delta.finish_reason
             choice.stop_reason = delta.stop_reason
             choice.cached_tokens = delta.num_cached_tokens
+            choice.accepted_prediction_tokens = delta.num_accepted_prediction_tokens
+            choice.rejected_prediction_tokens = delta.num_rejected_prediction_tokens
 
     async def merged(self, streams: list[DeltaStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Deltas of several streams as they come; if the consumer goes away, every stream is aborted."""
@@ -943,8 +955,10 @@ class OpenAIServer:
         return [_Replayed(s, it, d) for s, it, d in zip(streams, iterators, first, strict=True)]
 
     def _usage(
-        self, prompt_len: int, choices: list[Choice], reasoning: ReasoningOutput | None = None
+        self, prompt_len: int, choices: list[Choice], reasoning: ReasoningOutput | None = None, predicted: bool = False
     ) -> dict[str, Any]:
+        """OpenAI's usage: tokens in and out, the prompt's cached tokens, and (when there are) the reasoning's tokens
+        and a prediction's drafts kept and rejected."""
         completion = sum(len(c.token_ids) for c in choices)
         cached = max((c.cached_tokens for c in choices), default=0)
         usage: dict[str, Any] = {
@@ -956,6 +970,11 @@ class OpenAIServer:
         if reasoning is not None:
             thought = sum(self.reasoning_tokens(reasoning, c.token_ids) for c in choices)
             usage["completion_tokens_details"] = {"reasoning_tokens": thought}
+        if predicted:
+            usage.setdefault("completion_tokens_details", {}).update(
+                accepted_prediction_tokens=sum(c.accepted_prediction_tokens for c in choices),
+                rejected_prediction_tokens=sum(c.rejected_prediction_tokens for c in choices),
+            )
         return usage
 
     def reasoning_tokens(self, reasoning: ReasoningOutput, token_ids: list[int]) -> int:

@@ -80,6 +80,9 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    # Predicted Outputs (``SamplingParams.prediction``): the prediction's drafts kept and rejected so far.
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
     # Engine-clock timestamps, for latency metrics (set on every delta).
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -700,9 +703,16 @@ class EngineCore:
             self._remote_io = result.remote_report.stats
         c = self.counters
         accepted = None
-        if self.scheduler.proposer is not None:  # speculative decoding: a request's kept drafts are its later tokens
+        scheduler = self.scheduler
+        # Speculative decoding (and Predicted Outputs): a request's kept drafts are its later tokens.
+        if scheduler.proposer is not None or scheduler.predictions.active:
             drafted = [ch for ch in sched.chunks if ch.draft_token_ids]
             accepted = {ch.request_id: sum(ch.request_id in p for p in result.later) for ch in drafted}
+            for ch in drafted:
+                request = scheduler.requests.get(ch.request_id)
+                if request is not None and scheduler.predictions.has(ch.request_id):
+                    request.num_accepted_prediction_tokens += accepted[ch.request_id]
+                    request.num_rejected_prediction_tokens += len(ch.draft_token_ids) - accepted[ch.request_id]
             c.drafts += len(drafted)
             c.draft_tokens += sum(len(ch.draft_token_ids) for ch in drafted)
             c.accepted_tokens += sum(accepted.values())
@@ -773,6 +783,8 @@ class EngineCore:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     num_output_tokens=request.num_output_tokens,
+                    num_accepted_prediction_tokens=request.num_accepted_prediction_tokens,
+                    num_rejected_prediction_tokens=request.num_rejected_prediction_tokens,
                     arrival_time=request.arrival_time,
                     first_token_time=request.first_token_time,
                     finish_time=request.finish_time,

@@ -46,6 +46,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
+    # Predicted Outputs (``SamplingParams.prediction``): its drafts kept and rejected so far.
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
     service_s: float = 0.0  # model execution time spent on this request (attained service)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -93,6 +93,9 @@ class SamplingParams:
     # running (it takes a running one's place, as the policy's own order does). 0 for all: the policy's order alone.
     # It travels in the parameters, so that every instance a request reaches ranks it alike.
     priority: int = 0
+    # OpenAI's Predicted Outputs: tokens the answer is likely to hold (a file being rewritten). They are drafts for
+    # speculative decoding (``engine/prediction.py``): the answer is the same with or without them, only faster.
+    prediction: tuple[int, ...] = ()
     # Whether a penalty needs the request's tokens so far; whether anything does (a grammar replays a handed-off
     # request's): the scheduler hands them to the sampler only then.
     penalized: bool = field(init=False, repr=False, compare=False, default=False)
@@ -103,6 +106,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "prediction", tuple(self.prediction))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         object.__setattr__(
@@ -129,6 +133,7 @@ class SamplingParams:
             )
         self._check("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0")
         self._check("priority", _is_int(self.priority), "priority must be an integer")
+        self._check("prediction", all(_is_int(t) and t >= 0 for t in self.prediction), "prediction must be token ids")
         if self.max_tokens is not None:
             self._check("min_tokens", self.min_tokens <= self.max_tokens, "min_tokens must not exceed max_tokens")
         if self.logprobs is not None:

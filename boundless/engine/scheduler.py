@@ -34,6 +34,7 @@ from typing import Protocol
 
 from boundless.attention.backend import RemoteKV
 from boundless.engine.attention_time import ChunkShape
+from boundless.engine.prediction import PredictionProposer
 from boundless.engine.prefill_batching import Predictor, PrefillCandidate, fill_prefill_batch
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
@@ -215,6 +216,8 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         # Speculative decoding: each decoding request's drafts, verified in its step (None: off).
         self.proposer = proposer
+        # OpenAI's Predicted Outputs: the drafts of requests that bring a prediction, whatever ``proposer`` is.
+        self.predictions = PredictionProposer()
         # LoRA: most distinct adapters in one step (vLLM's --max-loras); a request of another adapter waits its turn.
         self.max_loras = max_loras
         # Tokens of each request in the step decided and not yet recorded (``advance``): a view taken while the
@@ -240,6 +243,8 @@ class Scheduler:
         self.waiting.append(request)
         self._arrived_since_step += 1
         self.policy.on_arrival(request, self.clock())
+        if request.sampling_params.prediction:
+            self.predictions.add(request.request_id, request.sampling_params.prediction)
         if request.program is not None:  # its blocks are its program's (a call without one: nobody's)
             self.kv.set_program(request.request_id, request.program.program_id)
 
@@ -259,6 +264,8 @@ class Scheduler:
         self.compiling.discard(request_id)
         if self.proposer is not None:
             self.proposer.finish(request_id, request.all_token_ids, request.num_prompt_tokens)
+        if self.predictions.active:
+            self.predictions.finish(request_id)
         self.kv.end_request(request_id)
         self.policy.on_finish(request, request.finish_time)
         self._finished_since_step.append(request_id)
@@ -335,8 +342,10 @@ class Scheduler:
                 self.stats.num_kept += 1
         self._last_chosen = chosen_ids
         out.requests = {request.request_id: request for request, _ in chosen}
-        windows = self._plan_window(chosen) if self.num_scheduler_steps > 1 else None
-        drafts = self._plan_drafts(chosen, budget) if self.proposer is not None else {}
+        # A step with a request that brings a prediction drafts from it, in single steps (a window's passes take none).
+        predicting = self.predictions.active and any(self.predictions.has(r.request_id) for r, _ in chosen)
+        windows = self._plan_window(chosen) if self.num_scheduler_steps > 1 and not predicting else None
+        drafts = self._plan_drafts(chosen, budget) if self.proposer is not None or predicting else {}
         for request, num_new in chosen:
             first_block, remote = self.kv.remote_prefix(request.request_id)
             start = request.num_computed_tokens
@@ -395,7 +404,7 @@ class Scheduler:
         would be admitted (it is, at the next ordinary step, a window later; :meth:`_would_admit`), blocks are on their
         way or lent, or the device lacks the window's blocks; the engine then waits for ``prev`` and schedules as
         ever."""
-        if self.kv.has_disk or self.kv.num_remote_in_flight or self.proposer is not None:
+        if self.kv.has_disk or self.kv.num_remote_in_flight or self.proposer is not None or self.predictions.active:
             return None
         running = {r.request_id: r for r in self.running}
         if any(rid not in self.in_flight for rid in running):
@@ -509,26 +518,30 @@ class Scheduler:
         preempts nobody), or when it hands off after this token, or some of its KV is lent, or its grammar waits to
         begin (a draft could carry it past its start unchecked); at most the proposer's
         ``max_drafts`` for the step's number of requests. The sampler masks a grammar's positions and counts a
-        penalized request's outputs with the drafts before each."""
-        assert self.proposer is not None
+        penalized request's outputs with the drafts before each. A request that brings a prediction drafts from it
+        (``self.predictions``), the others from ``self.proposer`` (if any)."""
         drafts: dict[str, list[int]] = {}
-        most = self.proposer.max_drafts(len(chosen))
-        if most == 0:
-            return drafts
+        most = self.proposer.max_drafts(len(chosen)) if self.proposer is not None else 0
         for request, num_new in chosen:
             if budget <= 0:
                 break
             rid = request.request_id
+            proposer: DraftProposer | None = self.proposer
+            limit = most
+            if self.predictions.has(rid):
+                proposer, limit = self.predictions, self.predictions.max_drafts(len(chosen))
             if (
-                num_new != 1
+                proposer is None
+                or limit == 0
+                or num_new != 1
                 or request.num_computed_tokens + 1 != request.num_tokens
                 or request.handoff is not None
                 or self.kv.num_lent_blocks(rid)
                 or _grammar_waits(request)
             ):
                 continue
-            limit = min(budget, most, request.max_tokens - request.num_output_tokens - 1)
-            draft = self.proposer.propose(rid, request.all_token_ids, request.num_prompt_tokens, limit)
+            limit = min(budget, limit, request.max_tokens - request.num_output_tokens - 1)
+            draft = proposer.propose(rid, request.all_token_ids, request.num_prompt_tokens, limit)
             if draft and self.kv.allocate(rid, request.all_token_ids, request.num_tokens + len(draft)):
                 drafts[rid] = draft
                 budget -= len(draft)

@@ -27,3 +27,11 @@ def occurrences(words: bytearray, pattern: bytes | bytearray, end: int) -> Itera
         if at % 4 == 0:
             yield at
         end = at + len(pattern) - 1  # before this one (a match across word boundaries included)
+
+
+def first_occurrence(words: bytes | bytearray, pattern: bytes | bytearray, start: int = 0) -> int:
+    """The byte offset of the first word-aligned occurrence of ``pattern`` at or after byte ``start``; -1 if none."""
+    at = words.find(pattern, start)
+    while at >= 0 and at % 4:
+        at = words.find(pattern, at + 1)
+    return at

@@ -607,3 +607,39 @@ def test_a_request_the_cluster_cannot_hold_is_a_503_with_retry_after_and_the_ser
             engine.hooks = None
     assert failed.value.body["code"] == "engine_error"
     _good_request(client)
+
+
+def test_predicted_outputs_give_the_same_answer_and_count_the_drafts(client: openai.OpenAI) -> None:
+    """OpenAI's ``prediction``: the answer is the one without it (greedy), streamed or not, and the usage counts the
+    prediction's drafts the answer kept and rejected; a prediction that is the answer keeps most of it."""
+    asked = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "List the days of the week, one per line."}],
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    plain = client.chat.completions.create(**asked)
+    answer = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details is None  # (no prediction, no reasoning: nothing to detail)
+    right = client.chat.completions.create(**asked, prediction={"type": "content", "content": answer})
+    assert right.choices[0].message.content == answer
+    details = right.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= plain.usage.completion_tokens // 2
+    parts = [{"type": "text", "text": answer[:10]}, {"type": "text", "text": "Caturday" + answer[18:]}]
+    edited = client.chat.completions.create(
+        **asked, prediction={"type": "content", "content": parts}, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(edited)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    usage = chunks[-1].usage.completion_tokens_details
+    assert usage.accepted_prediction_tokens > 0 and usage.rejected_prediction_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "prediction",
+    [{"type": "text", "content": "x"}, {"type": "content"}, {"type": "content", "content": [{"type": "image"}]}, "x"],
+)
+def test_a_prediction_that_is_not_openais_shape_is_a_400(server: ServerThread, prediction: object) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prediction": prediction}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prediction"), r.text

@@ -1,0 +1,94 @@
+"""OpenAI's Predicted Outputs (``SamplingParams.prediction``): drafts from a request's own prediction, verified as
+speculative decoding's are: the same tokens as without a prediction, in fewer steps when the prediction is right."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+
+import pytest
+
+from boundless.engine.core import EngineCore
+from boundless.engine.prediction import PredictionProposer
+from boundless.engine.sampling_params import SamplingParams
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6], list(range(20, 44)), [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+def _core(loaded: LoadedModel, **options: object) -> EngineCore:
+    config = engine_config("m", max_model_len=256, num_kv_blocks=64, policy="fcfs", **options)
+    return EngineCore.from_model(loaded, config)
+
+
+def _run(core: EngineCore, params: list[SamplingParams]) -> tuple[dict[str, list[int]], dict[str, tuple], Counter]:
+    """Each request's tokens, its (accepted, rejected) prediction tokens at the end, and the steps that gave it
+    tokens."""
+    tokens: dict[str, list[int]] = {}
+    counts: dict[str, tuple] = {}
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+        core.add_request(f"r{i}", prompt, p)
+        tokens[f"r{i}"] = []
+    steps: Counter = Counter()
+    while core.has_unfinished():
+        for delta in core.step():
+            steps[delta.request_id] += 1
+            tokens[delta.request_id] += delta.new_token_ids
+            if delta.finished:
+                counts[delta.request_id] = (delta.num_accepted_prediction_tokens, delta.num_rejected_prediction_tokens)
+    assert core.kv.pool.num_used == 0  # every block given back, drafts' too
+    return tokens, counts, steps
+
+
+def _greedy(prediction: list[int] = ()) -> SamplingParams:  # type: ignore[assignment]
+    return SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prediction=tuple(prediction))
+
+
+@pytest.mark.parametrize("options", [{}, {"enable_prefix_caching": False}, {"num_scheduler_steps": 4}])
+def test_a_right_prediction_gives_the_same_tokens_in_fewer_steps(tiny_llama: LoadedModel, options: dict) -> None:
+    plain, counts, plain_steps = _run(_core(tiny_llama, **options), [_greedy()] * 3)
+    assert all(c == (0, 0) for c in counts.values())
+    # Request 0 predicted exactly, request 1 with an edit in the middle, request 2 with its first token then noise.
+    edited = plain["r1"][:15] + [300, 301, 302] + plain["r1"][18:]
+    noise = plain["r2"][:1] + random.Random(0).choices(range(384), k=40)
+    predicted, counts, steps = _run(
+        _core(tiny_llama, **options), [_greedy(plain["r0"]), _greedy(edited), _greedy(noise)]
+    )
+    assert predicted == plain
+    assert counts["r0"][0] >= 30  # (drafts of 8: the last token of each step is the model's own)
+    assert counts["r1"][0] >= 25 and counts["r1"][1] > 0  # back on the prediction after the edit
+    assert counts["r2"][0] < 8 and counts["r2"][1] > 0  # noise: drafted, and rejected
+    # Most of its tokens come 9 a step (a window of 4 passes without a prediction)
+    assert steps["r0"] * (3 if "num_scheduler_steps" not in options else 1.5) < plain_steps["r0"]
+
+
+def test_sampled_outputs_are_the_same_with_a_prediction(tiny_llama: LoadedModel) -> None:
+    """A seeded sample keeps its tokens whatever is drafted (a draft is kept only where the sample equals it)."""
+    seeded = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=30, ignore_eos=True) for i in range(3)]
+    plain, _, _ = _run(_core(tiny_llama), seeded)
+    with_prediction = [dataclasses.replace(s, prediction=tuple(plain[f"r{i}"])) for i, s in enumerate(seeded)]
+    again, counts, _ = _run(_core(tiny_llama), with_prediction)
+    assert again == plain and sum(a for a, _ in counts.values()) > 0
+
+
+def test_the_proposer_follows_the_prediction_and_finds_its_way_back() -> None:
+    p = PredictionProposer(num_drafts=3)
+    prompt = [1, 2]
+    p.add("r", [10, 11, 12, 13, 14, 15, 16, 17, 13, 14, 20])
+    assert p.propose("r", prompt, 2, 10) == [10, 11, 12]  # nothing written yet: the prediction's start
+    assert p.propose("r", prompt + [10, 11, 12, 13], 2, 10) == [14, 15, 16]  # its end follows
+    # An edit (99), then back on the prediction: "13 14" occurs twice, the place after the last drafts is taken.
+    out = prompt + [10, 11, 12, 13, 14, 15, 16, 99, 13, 14]
+    assert p.propose("r", out, 2, 10) == [20]
+    assert p.propose("r", prompt + [50, 51], 2, 2) == []  # nowhere in the prediction
+    assert p.propose("r", prompt + [10, 11], 2, 1) == [12]  # the caller's limit
+    assert p.active and p.has("r")
+    p.finish("r")
+    assert not p.active and p.propose("r", prompt, 2, 10) == []
+
+
+def test_prediction_must_be_token_ids() -> None:
+    with pytest.raises(ValueError, match="prediction"):
+        SamplingParams(prediction=(1, -2))
