@@ -12,6 +12,11 @@ copy, so what speculation costs when it rarely hits). Calls run one at a time by
 answer: the regime speculation is for) or ``--concurrency`` at once. Per kind: output tokens per second of each
 engine and their ratio, the share of proposed tokens kept, tokens per forward pass of the speculating engine, and
 whether the outputs are the same (greedy: they must be).
+
+``--spec prediction`` measures OpenAI's Predicted Outputs instead: the second engine has no proposer, and each edit
+call brings the file it edits as its ``prediction`` (the answer is the file with the change made), as an agent that
+rewrites a file sends it; the other kinds have nothing to predict, so their calls bring none (the engines then do the
+same work).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from boundless.llm import LLM
 from boundless.model.loader import load_configured_model
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# --spec's value for Predicted Outputs: drafts from each call's prediction, not from a proposer.
+PREDICTION = "prediction"
 
 _FILES = [
     (
@@ -105,6 +112,14 @@ _QUESTIONS = [
 ]
 
 
+def predictions(kind: str, num: int) -> list[str | None]:
+    """What each of :func:`conversations`' calls would bring as its ``prediction``: an edit's file, as the answer
+    writes it (a fenced block); None for the other kinds."""
+    if kind != "edit":
+        return [None] * num
+    return [f"```python\n{_FILES[i % len(_FILES)][0]}```" for i in range(num)]
+
+
 def conversations(kind: str, num: int) -> list[list[dict[str, str]]]:
     """``num`` conversations of one kind of call (:data:`KINDS`)."""
     convs = []
@@ -169,11 +184,11 @@ class SpecFigures:
     conversations: int
 
 
-def _run(llm: LLM, convs: list, params: SamplingParams, concurrency: int) -> tuple[list[list[int]], float]:
+def _run(llm: LLM, convs: list, params: list[SamplingParams], concurrency: int) -> tuple[list[list[int]], float]:
     start = time.perf_counter()
     tokens: list[list[int]] = []
     for i in range(0, len(convs), concurrency):
-        tokens += [o.outputs[0].token_ids for o in llm.chat(convs[i : i + concurrency], params)]
+        tokens += [o.outputs[0].token_ids for o in llm.chat(convs[i : i + concurrency], params[i : i + concurrency])]
     return tokens, time.perf_counter() - start
 
 
@@ -193,11 +208,14 @@ def measure(
     max_tokens: int,
     rounds: int,
     concurrency: int,
+    predicted: bool = False,
 ) -> SpecFigures:
     """Both engines over the same conversations, taking turns, each run on a fresh engine (``fresh(speculating,
-    grammar)``, warmed up with the kind's grammar); medians of ``rounds`` each."""
+    grammar)``, warmed up with the kind's grammar); medians of ``rounds`` each. ``predicted``: the speculating
+    engine's calls bring their :func:`predictions` (Predicted Outputs)."""
     convs = conversations(kind, num)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured=structured_output(kind))
+    plain_params = [params] * num
     plain_s, spec_s = [], []
     plain_out: list[list[int]] = []
     spec_out: list[list[int]] = []
@@ -206,12 +224,22 @@ def measure(
         for speculating in (False, True) if turn % 2 == 0 else (True, False):
             llm = fresh(speculating, params.structured)
             if not speculating:
-                plain_out, seconds = _run(llm, convs, params, concurrency)
+                plain_out, seconds = _run(llm, convs, plain_params, concurrency)
                 plain_s.append(seconds)
             else:
                 counters = llm.engine.counters
                 draft0, accepted0 = counters.draft_tokens, counters.accepted_tokens  # (the warm-up's)
-                spec_out, seconds = _run(llm, convs, params, concurrency)
+                spec_params = plain_params
+                if predicted:
+                    spec_params = [
+                        params
+                        if text is None
+                        else dataclasses.replace(
+                            params, prediction=tuple(llm.tokenizer.encode(text, add_special_tokens=False))
+                        )
+                        for text in predictions(kind, num)
+                    ]
+                spec_out, seconds = _run(llm, convs, spec_params, concurrency)
                 spec_s.append(seconds)
                 drafts += counters.draft_tokens - draft0
                 accepted += counters.accepted_tokens - accepted0
@@ -246,9 +274,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if kind not in KINDS:
             raise SystemExit(f"--kinds: unknown kind {kind!r}; of {', '.join(KINDS)}")
     loaded = load_configured_model(config.model)
-    spec_config = dataclasses.replace(
-        config, scheduler=dataclasses.replace(config.scheduler, speculative_config=args.spec)
-    )
+    predicted = args.spec == PREDICTION
+    spec_config = config  # (Predicted Outputs: the plain engine, its calls bringing predictions)
+    if not predicted:
+        spec_config = dataclasses.replace(
+            config, scheduler=dataclasses.replace(config.scheduler, speculative_config=args.spec)
+        )
     warm = SamplingParams(temperature=0.0, max_tokens=8)
     hello = [{"role": "user", "content": "Say hello."}]  # no kind's conversation: nothing cached for the runs
 
@@ -260,7 +291,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return llm
 
     figures = [
-        measure(fresh, kind, args.num_conversations, args.max_tokens, args.rounds, args.concurrency) for kind in kinds
+        measure(fresh, kind, args.num_conversations, args.max_tokens, args.rounds, args.concurrency, predicted)
+        for kind in kinds
     ]
     print(
         f"{args.num_conversations} conversations per kind, greedy, {args.max_tokens} tokens at most, "
@@ -284,7 +316,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     result = {
         "model": config.model.model,
-        "spec": json.loads(args.spec),
+        "spec": args.spec if predicted else json.loads(args.spec),
         "num_conversations": args.num_conversations,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
@@ -298,7 +330,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--spec", default=json.dumps(DEFAULT_SPEC), help="the speculating engine's --speculative-config"
+        "--spec",
+        default=json.dumps(DEFAULT_SPEC),
+        help=f"the speculating engine's --speculative-config, or {PREDICTION!r}: a plain engine whose edit calls "
+        "bring their file as OpenAI's prediction (Predicted Outputs)",
     )
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"kinds of call, comma-separated: {', '.join(KINDS)}")
     parser.add_argument("--num-conversations", type=int, default=4, help="conversations per kind")

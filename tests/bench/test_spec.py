@@ -57,3 +57,18 @@ def test_bench_spec_refuses_a_speculative_config_of_its_own(model_dirs: dict[str
                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
             ]
         )  # fmt: skip
+
+
+def test_bench_spec_of_predicted_outputs(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """``--spec prediction``: a plain engine whose edit calls bring their file as the prediction; the same outputs."""
+    out = tmp_path / "prediction.json"
+    assert main(
+        [
+            "bench", "spec", "--model", str(model_dirs["tiny-llama"]), "--num-conversations", "2",
+            "--kinds", "edit,free", "--max-tokens", "16", "--rounds", "1", "--kv-cache-gb", "0.05",
+            "--spec", "prediction", "--json", str(out),
+        ]
+    ) == 0  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["spec"] == "prediction"
+    assert all(f["same_outputs"] == f["conversations"] == 2 for f in result["figures"])
