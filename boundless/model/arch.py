@@ -190,7 +190,9 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3"))
         num_layers = cfg["num_hidden_layers"]
-        experts = {"qwen3_moe": int(cfg.get("num_experts") or 0), "mixtral": int(cfg.get("num_local_experts") or 0)}
+        # (transformers 5 saves Qwen3-MoE's num_experts as num_local_experts, Mixtral's name, which it maps it to.)
+        qwen3_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+        experts = {"qwen3_moe": int(qwen3_experts or 0), "mixtral": int(cfg.get("num_local_experts") or 0)}
         experts = experts.get(model_type, 0)
         expert_size = cfg.get("moe_intermediate_size") if model_type == "qwen3_moe" else cfg.get("intermediate_size")
         step = int(cfg.get("decoder_sparse_step") or 1)
