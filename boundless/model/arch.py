@@ -163,6 +163,9 @@ class ModelArch:
             raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
         if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
             raise ValueError("RoPE on part of each head (partial_rotary_factor) is not supported")
+        # (The MLPs here are SiLU-gated; transformers builds whatever activation the config names.)
+        if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r}: this model's MLPs are SiLU-gated (silu)")
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         if kind == "yarn":
             # (transformers: the config's own original_max_position_embeddings first, else the model's context.)

@@ -14,7 +14,8 @@ from boundless.model.rope import inverse_frequencies
 
 def test_configs_this_model_cannot_follow_are_refused() -> None:
     """Phi-3's variants with RoPE on part of each head (Phi-4-mini) or longrope scaling (its 128k models) are refused
-    by name rather than run wrongly; a Phi-3 config of full RoPE reads as the fused Llama it is."""
+    by name rather than run wrongly, as is any architecture's MLP of another activation than SiLU (it ran as SiLU); a
+    Phi-3 config of full RoPE reads as the fused Llama it is."""
     base = {"model_type": "phi3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 1, "num_attention_heads": 4, "sliding_window": 2047}  # fmt: skip
     arch = ModelArch.from_hf_config(base)
@@ -23,6 +24,11 @@ def test_configs_this_model_cannot_follow_are_refused() -> None:
         ModelArch.from_hf_config({**base, "partial_rotary_factor": 0.75})
     with pytest.raises(ValueError, match="longrope"):
         ModelArch.from_hf_config({**base, "rope_scaling": {"type": "longrope", "short_factor": [1.0]}})
+    # An MLP of another activation (transformers builds the config's hidden_act; this model's MLPs are SiLU-gated).
+    assert ModelArch.from_hf_config({**base, "hidden_act": "swish"}) == arch
+    for model_type in ("llama", "qwen3_moe"):
+        with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+            ModelArch.from_hf_config({**base, "model_type": model_type, "hidden_act": "gelu"})
 
 
 _QWEN3 = {"model_type": "qwen3", "vocab_size": 100, "hidden_size": 256, "intermediate_size": 64,
