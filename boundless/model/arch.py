@@ -166,6 +166,12 @@ class ModelArch:
         # (The MLPs here are SiLU-gated; transformers builds whatever activation the config names.)
         if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}: this model's MLPs are SiLU-gated (silu)")
+        # transformers' Llama and Qwen3 put attention_bias on o_proj too, and Llama's mlp_bias on the MLP: biases this
+        # model has not (Mistral, Mixtral and Phi-3 read neither field; Qwen2 has q/k/v biases whatever it says).
+        if cfg.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe"):
+            raise ValueError("attention_bias is not supported: it biases o_proj too, which this model cannot")
+        if cfg.get("mlp_bias") and model_type == "llama":
+            raise ValueError("mlp_bias is not supported: this model's MLPs have no biases")
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         if kind == "yarn":
             # (transformers: the config's own original_max_position_embeddings first, else the model's context.)
@@ -214,7 +220,7 @@ class ModelArch:
             rope_theta=float(theta),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=model_type == "qwen2",
             qk_norm=model_type in QK_NORM_ARCHITECTURES,
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,

@@ -166,3 +166,27 @@ def test_configs_transformers_saves_read_as_transformers_reads_them(case: str, t
     assert (arch.rope_theta, arch.rope_scaling.kind) == (rope["rope_theta"], rope["rope_type"])
     assert arch.rope_scaling.factor == rope.get("factor", 1.0)
     assert arch.sliding_window == getattr(config, "sliding_window", None)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("field", ["attention_bias", "mlp_bias"])
+def test_projection_biases_are_transformers_or_refused(model_type: str, field: str) -> None:
+    """With attention_bias or mlp_bias set, the q/k/v biases are those transformers' model of the config has, and a
+    config whose model biases o_proj or the MLP (Llama's, Qwen3's) is refused naming the field: its checkpoint was
+    refused with a shape error on o_proj.bias, and a Mistral's or Phi-3's, whose models read neither field, asked for
+    q/k/v biases its checkpoint has not."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # (Phi-3's default pad token, 32000, is past this vocabulary.)
+    config = AutoConfig.for_model(model_type, **{**_SAVED, "num_hidden_layers": 1, "pad_token_id": 0, field: True})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    q = getattr(attention, "q_proj", None) or attention.qkv_proj
+    dense = [m for m in mlp.modules() if isinstance(m, torch.nn.Linear)]
+    cfg = {**config.to_dict(), field: True}
+    if attention.o_proj.bias is not None or any(m.bias is not None for m in dense):
+        with pytest.raises(ValueError, match=f"{field} is not supported"):
+            ModelArch.from_hf_config(cfg)
+        return
+    assert ModelArch.from_hf_config(cfg).qkv_bias == (q.bias is not None)
