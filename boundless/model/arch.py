@@ -163,6 +163,15 @@ class ModelArch:
             raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
         if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
             raise ValueError("RoPE on part of each head (partial_rotary_factor) is not supported")
+        # (The MLPs here are SiLU-gated; transformers builds whatever activation the config names.)
+        if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r}: this model's MLPs are SiLU-gated (silu)")
+        # transformers' Llama and Qwen3 put attention_bias on o_proj too, and Llama's mlp_bias on the MLP: biases this
+        # model has not (Mistral, Mixtral and Phi-3 read neither field; Qwen2 has q/k/v biases whatever it says).
+        if cfg.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe"):
+            raise ValueError("attention_bias is not supported: it biases o_proj too, which this model cannot")
+        if cfg.get("mlp_bias") and model_type == "llama":
+            raise ValueError("mlp_bias is not supported: this model's MLPs have no biases")
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         if kind == "yarn":
             # (transformers: the config's own original_max_position_embeddings first, else the model's context.)
@@ -190,7 +199,9 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3"))
         num_layers = cfg["num_hidden_layers"]
-        experts = {"qwen3_moe": int(cfg.get("num_experts") or 0), "mixtral": int(cfg.get("num_local_experts") or 0)}
+        # (transformers 5 saves Qwen3-MoE's num_experts as num_local_experts, Mixtral's name, which it maps it to.)
+        qwen3_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+        experts = {"qwen3_moe": int(qwen3_experts or 0), "mixtral": int(cfg.get("num_local_experts") or 0)}
         experts = experts.get(model_type, 0)
         expert_size = cfg.get("moe_intermediate_size") if model_type == "qwen3_moe" else cfg.get("intermediate_size")
         step = int(cfg.get("decoder_sparse_step") or 1)
@@ -209,7 +220,7 @@ class ModelArch:
             rope_theta=float(theta),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=model_type == "qwen2",
             qk_norm=model_type in QK_NORM_ARCHITECTURES,
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,

@@ -195,6 +195,25 @@ def _hf_chat_templates(root: Path, config: Mapping[str, Any]) -> dict[str, str]:
     return templates
 
 
+# The tokenizer classes whose pipeline transformers 5 builds itself, as its LlamaTokenizer does, taking only the
+# vocabulary, merges and post-processor from tokenizer.json (Llama 2's, Mistral's, Phi-3's tokenizer_class).
+_LLAMA_TOKENIZER_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+
+
+def _as_transformers_llama_tokenizer(backend: RustTokenizer, config: Mapping[str, Any]) -> None:
+    """Give ``backend`` the pipeline transformers 5's LlamaTokenizer builds, in place of tokenizer.json's: no
+    normalizer (the file's prefixes every piece with ``▁``, after each special token too, and doubles a leading
+    space's), a Metaspace pre-tokenizer that prefixes the first piece only (every piece with ``legacy: true``, none
+    without ``add_prefix_space``), and a decoder that strips the prefix's space."""
+    add_prefix_space = config.get("add_prefix_space")
+    add_prefix_space = True if add_prefix_space is None else bool(add_prefix_space)
+    scheme = ("always" if config.get("legacy", False) else "first") if add_prefix_space else "never"
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix_space else []))
+
+
 def _added_token(content: str, spec: Mapping[str, Any]) -> AddedToken:
     return AddedToken(
         content,
@@ -410,6 +429,8 @@ class Tokenizer:
             raise ValueError(f"{root} has no tokenizer.json (only fast tokenizers are supported)")
         backend = RustTokenizer.from_file(str(root / "tokenizer.json"))
         config = _read_json(root / "tokenizer_config.json")
+        if config.get("tokenizer_class") in _LLAMA_TOKENIZER_CLASSES and isinstance(backend.model, models.BPE):
+            _as_transformers_llama_tokenizer(backend, config)
         special_map = _read_json(root / "special_tokens_map.json")
         generation = _read_json(root / "generation_config.json")
         model_config = _read_json(root / "config.json")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,7 +14,8 @@ from boundless.model.rope import inverse_frequencies
 
 def test_configs_this_model_cannot_follow_are_refused() -> None:
     """Phi-3's variants with RoPE on part of each head (Phi-4-mini) or longrope scaling (its 128k models) are refused
-    by name rather than run wrongly; a Phi-3 config of full RoPE reads as the fused Llama it is."""
+    by name rather than run wrongly, as is any architecture's MLP of another activation than SiLU (it ran as SiLU); a
+    Phi-3 config of full RoPE reads as the fused Llama it is."""
     base = {"model_type": "phi3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 1, "num_attention_heads": 4, "sliding_window": 2047}  # fmt: skip
     arch = ModelArch.from_hf_config(base)
@@ -20,6 +24,11 @@ def test_configs_this_model_cannot_follow_are_refused() -> None:
         ModelArch.from_hf_config({**base, "partial_rotary_factor": 0.75})
     with pytest.raises(ValueError, match="longrope"):
         ModelArch.from_hf_config({**base, "rope_scaling": {"type": "longrope", "short_factor": [1.0]}})
+    # An MLP of another activation (transformers builds the config's hidden_act; this model's MLPs are SiLU-gated).
+    assert ModelArch.from_hf_config({**base, "hidden_act": "swish"}) == arch
+    for model_type in ("llama", "qwen3_moe"):
+        with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+            ModelArch.from_hf_config({**base, "model_type": model_type, "hidden_act": "gelu"})
 
 
 _QWEN3 = {"model_type": "qwen3", "vocab_size": 100, "hidden_size": 256, "intermediate_size": 64,
@@ -89,3 +98,95 @@ def test_fingerprints_of_models_before_yarn_are_unchanged() -> None:
     a = ModelArch.from_hf_config({**base, "rope_scaling": yarn}).fingerprint()
     b = ModelArch.from_hf_config({**base, "rope_scaling": {**yarn, "beta_fast": 16}}).fingerprint()
     assert len({a, b, "76a26585d3a03bfc"}) == 3
+
+
+# Configs as transformers 5 makes and saves them (its own field names: rope_parameters, Qwen3-MoE's experts as
+# num_local_experts), each with the settings its real checkpoints vary.
+_SAVED = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+SAVED_CASES = {
+    "llama3": (
+        "llama",
+        {
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 500000.0,
+            },
+        },
+    ),
+    "mistral": ("mistral", {"head_dim": 16, "sliding_window": 100}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phi3": ("phi3", {"sliding_window": 2047}),
+    "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": 100, "max_window_layers": 2}),
+    "qwen3": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen3_moe-step": ("qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 3, "decoder_sparse_step": 2}),
+}
+
+
+@pytest.mark.parametrize("case", SAVED_CASES)
+def test_configs_transformers_saves_read_as_transformers_reads_them(case: str, tmp_path: Path) -> None:
+    """A config.json that transformers itself wrote gives the network transformers builds from it: its experts and
+    which layers have them, RoPE, heads, norms, tied head and window (a Qwen3-MoE's saved by transformers 5 names its
+    experts num_local_experts: read as none, the model was dense and its checkpoint refused)."""
+    from transformers import AutoConfig
+
+    model_type, values = SAVED_CASES[case]
+    AutoConfig.for_model(model_type, **{**_SAVED, **values}).save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    arch = ModelArch.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    experts = config.num_local_experts if model_type in ("mixtral", "qwen3_moe") else 0
+    if model_type == "qwen3_moe":
+        step, dense = config.decoder_sparse_step, config.mlp_only_layers
+        sparse = tuple(i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+        assert arch.moe_intermediate_size == config.moe_intermediate_size
+    else:
+        sparse = tuple(range(config.num_hidden_layers)) if experts else ()
+    if experts:
+        assert arch.num_experts_per_tok == config.num_experts_per_tok
+    assert (arch.num_experts, arch.sparse_layers) == (experts, sparse)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert (arch.num_heads, arch.num_kv_heads, arch.head_dim) == (4, 2, head_dim)
+    assert arch.rms_norm_eps == config.rms_norm_eps and arch.tie_word_embeddings == config.tie_word_embeddings
+    rope = config.rope_parameters
+    assert (arch.rope_theta, arch.rope_scaling.kind) == (rope["rope_theta"], rope["rope_type"])
+    assert arch.rope_scaling.factor == rope.get("factor", 1.0)
+    assert arch.sliding_window == getattr(config, "sliding_window", None)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("field", ["attention_bias", "mlp_bias"])
+def test_projection_biases_are_transformers_or_refused(model_type: str, field: str) -> None:
+    """With attention_bias or mlp_bias set, the q/k/v biases are those transformers' model of the config has, and a
+    config whose model biases o_proj or the MLP (Llama's, Qwen3's) is refused naming the field: its checkpoint was
+    refused with a shape error on o_proj.bias, and a Mistral's or Phi-3's, whose models read neither field, asked for
+    q/k/v biases its checkpoint has not."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # (Phi-3's default pad token, 32000, is past this vocabulary.)
+    config = AutoConfig.for_model(model_type, **{**_SAVED, "num_hidden_layers": 1, "pad_token_id": 0, field: True})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    q = getattr(attention, "q_proj", None) or attention.qkv_proj
+    dense = [m for m in mlp.modules() if isinstance(m, torch.nn.Linear)]
+    cfg = {**config.to_dict(), field: True}
+    if attention.o_proj.bias is not None or any(m.bias is not None for m in dense):
+        with pytest.raises(ValueError, match=f"{field} is not supported"):
+            ModelArch.from_hf_config(cfg)
+        return
+    assert ModelArch.from_hf_config(cfg).qkv_bias == (q.bias is not None)

@@ -11,9 +11,12 @@ agree within 1e-3, and so do prompt logprobs with transformers' log-softmax of e
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +32,7 @@ from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.tensors import PagedKVCache
 from boundless.kv.transfer import DISK, HOST
 from boundless.llm import LLM, engine_config
-from boundless.model.loader import LoadedModel
+from boundless.model.loader import LoadedModel, load_model
 
 MAX_NEW = 12
 MODELS = ["smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
@@ -156,6 +159,20 @@ def test_more_architectures_greedy_match_transformers(
     the other configurations run on the architectures above."""
     ref = _reference(name, load, hf_model)
     assert _run_greedy(_engine(ref.loaded), ref.prompts) == ref.tokens
+
+
+def test_a_config_saved_by_transformers_5_matches_transformers(
+    load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any], model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """tiny-qwen3-moe's weights under the config.json transformers 5 writes for them (its experts as
+    num_local_experts, RoPE in rope_parameters): transformers' greedy tokens (read as a dense model, it was refused)."""
+    from transformers import AutoConfig
+
+    ref = _reference("tiny-qwen3-moe", load, hf_model)
+    path = shutil.copytree(model_dirs["tiny-qwen3-moe"], tmp_path / "resaved")
+    AutoConfig.from_pretrained(path).save_pretrained(path)
+    assert "num_local_experts" in json.loads((path / "config.json").read_text())
+    assert _run_greedy(_engine(load_model(str(path), device=ref.loaded.device.type)), ref.prompts) == ref.tokens
 
 
 @pytest.mark.parametrize(("ref", "config"), GREEDY_PARAMS, indirect=["ref"])

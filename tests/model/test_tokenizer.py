@@ -11,8 +11,8 @@ from typing import Any
 
 import jinja2
 import pytest
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from boundless.model.gguf import read_gguf_metadata
 from boundless.model.tokenizer import SUPPORTED_GGUF_PRE_TOKENIZERS, Tokenizer, load_tokenizer
@@ -386,3 +386,49 @@ def test_from_hf_dir_of_saved_smollm2(tmp_path: Path, reference: Any) -> None:
     for conversation in CONVERSATIONS:
         expected = reloaded.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         assert ours.apply_chat_template(conversation) == expected
+
+
+def _llama2_hf_dir(root: Path, **config: Any) -> Path:
+    """A Llama-2-style directory as its conversion wrote it: a tokenizer.json of SentencePiece's BPE with a byte
+    fallback, whose normalizer prefixes ``▁`` and turns spaces into it, and tokenizer_class LlamaTokenizer."""
+    corpus = ["Hello world, this is a tiny corpus.", "Numbers 123 456 and café naïve", "def f(x):\n    return x\n"]
+    backend = RustTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens])
+    backend.train_from_iterator([text.replace(" ", "\u2581") for text in corpus * 20], trainer)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.add_special_tokens([AddedToken("[INST]", special=True, normalized=False)])
+    root.mkdir()
+    backend.save(str(root / "tokenizer.json"))
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "add_bos_token": True, **config}  # fmt: skip
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return root
+
+
+LLAMA2_TEXTS = ["Hello world", " leading space", "  two spaces", "trailing ", "\n newline", "<s>[INST] Hi [/INST]",
+                "x [INST] y", "</s> after", "café 日本語 😀 zyx", "tabs\tand\r\nCRLF", "", " "]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config", [{}, {"legacy": True}, {"add_prefix_space": False}], ids=["default", "legacy", "no-prefix"]
+)
+def test_llama_tokenizer_class_matches_transformers(tmp_path: Path, config: dict[str, Any]) -> None:
+    """A tokenizer_class of LlamaTokenizer (Llama 2's, Mistral's, Phi-3's directories) tokenizes as transformers 5
+    does, which builds that class's pipeline itself: the ``▁`` prefix on the first piece only (not again after a
+    special token, nor doubled before a leading space; on every piece with legacy, on none without
+    add_prefix_space), where tokenizer.json's normalizer gave other ids to a chat prompt's text after ``<s>``."""
+    from transformers import AutoTokenizer
+
+    root = _llama2_hf_dir(tmp_path / "llama2", **config)
+    reference, ours = AutoTokenizer.from_pretrained(root), Tokenizer.from_hf_dir(root)
+    for text in LLAMA2_TEXTS:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids), text
