@@ -18,8 +18,10 @@ from collections.abc import Sequence
 
 from boundless.engine.token_search import first_occurrence
 
-# Drafts a step from a prediction: a verified position costs about a prefill token, and a copied answer keeps most.
-PREDICTION_DRAFTS = 8
+# Drafts a step from a prediction, at most and at first. A request's number follows how its last drafts fared: all
+# kept, twice as many next time (a copied stretch: each pass keeps more); one rejected, one more than were kept (an
+# edited stretch: a verified position costs about a prefill token, wasted when it is rejected).
+MAX_DRAFTS, FIRST_DRAFTS = 16, 4
 # The lengths of the output's end looked up in the prediction (a single token matches too often to realign on).
 MAX_MATCH, MIN_MATCH = 8, 2
 
@@ -28,10 +30,13 @@ class PredictionProposer:
     """Drafts from the predictions of the requests that have one (:meth:`add` when they arrive, :meth:`finish` when
     they leave); the scheduler's ``DraftProposer`` for those requests."""
 
-    def __init__(self, num_drafts: int = PREDICTION_DRAFTS) -> None:
+    def __init__(self, num_drafts: int = MAX_DRAFTS, first_drafts: int = FIRST_DRAFTS) -> None:
         self.num_drafts = num_drafts
+        self.first_drafts = min(first_drafts, num_drafts)
         self._predictions: dict[str, tuple[Sequence[int], bytes]] = {}  # request -> (tokens, packed)
         self._resume: dict[str, int] = {}  # request -> where in its prediction the last drafts ended
+        self._length: dict[str, int] = {}  # request -> how many drafts it gets next
+        self._last: dict[str, tuple[int, list[int]]] = {}  # request -> (its length then, its last drafts)
 
     @property
     def active(self) -> bool:
@@ -42,6 +47,7 @@ class PredictionProposer:
         if prediction:
             self._predictions[request_id] = (prediction, array("I", prediction).tobytes())
             self._resume[request_id] = 0
+            self._length[request_id] = self.first_drafts
 
     def has(self, request_id: str) -> bool:
         return request_id in self._predictions
@@ -50,11 +56,14 @@ class PredictionProposer:
         return self.num_drafts
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, limit: int) -> list[int]:
-        """Up to ``min(limit, num_drafts)`` tokens of the request's prediction likely to follow ``token_ids`` (its
-        prompt, then its output); empty when the output's end is nowhere in the prediction."""
+        """Up to ``limit`` tokens of the request's prediction likely to follow ``token_ids`` (its prompt, then its
+        output), as many as its last drafts earned (:data:`MAX_DRAFTS`); empty when the output's end is nowhere in the
+        prediction."""
         found = self._predictions.get(request_id)
-        k = min(limit, self.num_drafts)
-        if found is None or k <= 0:
+        if found is None:
+            return []
+        k = min(limit, self._next_length(request_id, token_ids))
+        if k <= 0:
             return []
         prediction, words = found
         output = len(token_ids) - num_prompt_tokens
@@ -76,8 +85,22 @@ class PredictionProposer:
                 return []
         drafts = list(prediction[follow : follow + k])
         self._resume[request_id] = follow + len(drafts)
+        if drafts:
+            self._last[request_id] = (len(token_ids), drafts)
         return drafts
 
+    def _next_length(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """How many drafts the request gets now, from how many of its last ones its output kept."""
+        last = self._last.pop(request_id, None)
+        length = self._length[request_id]
+        if last is not None:
+            at, drafts = last
+            written = token_ids[at : at + len(drafts)]
+            kept = next((j for j, (w, d) in enumerate(zip(written, drafts, strict=False)) if w != d), len(written))
+            length = min(2 * length, self.num_drafts) if kept == len(drafts) else kept + 1
+            self._length[request_id] = length
+        return length
+
     def finish(self, request_id: str, token_ids: Sequence[int] = (), num_prompt_tokens: int = 0) -> None:
-        self._predictions.pop(request_id, None)
-        self._resume.pop(request_id, None)
+        for kept in (self._predictions, self._resume, self._length, self._last):
+            kept.pop(request_id, None)

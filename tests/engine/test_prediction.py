@@ -89,6 +89,25 @@ def test_the_proposer_follows_the_prediction_and_finds_its_way_back() -> None:
     assert not p.active and p.propose("r", prompt, 2, 10) == []
 
 
+def test_the_drafts_grow_while_they_are_kept_and_shrink_when_they_are_not() -> None:
+    """Four drafts first; all kept: twice as many next time (up to 16); one rejected: one more than were kept."""
+    p = PredictionProposer()
+    prediction = list(range(100, 160))
+    p.add("r", prediction)
+    out = [1]
+    lengths = []
+    for _ in range(4):  # the model writes the prediction: every draft kept, then the model's own next token
+        drafts = p.propose("r", out, 1, 100)
+        lengths.append(len(drafts))
+        out += drafts + [prediction[len(out) - 1 + len(drafts)]]
+    assert lengths == [4, 8, 16, 16]
+    drafts = p.propose("r", out, 1, 100)
+    out += drafts[:2] + [7]  # two kept, then the model writes something else
+    assert len(p.propose("r", out + [8, 9], 1, 100)) == 0  # (off the prediction: no drafts)
+    out += prediction[50:52]
+    assert p.propose("r", out, 1, 100) == prediction[52:55]  # back on it: 3 drafts (2 kept + 1)
+
+
 def test_prediction_must_be_token_ids() -> None:
     with pytest.raises(ValueError, match="prediction"):
         SamplingParams(prediction=(1, -2))
