@@ -196,16 +196,25 @@ class LLM:
         lora_request: LoRARequest | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate. Messages take the
         server's shapes (``api/conversation.py``): content as text parts, an assistant turn of tool calls alone; any
         role and any other key a template reads pass as given. ``chat_template``: the name of one of the model's
         templates, or a template (its text, or a Jinja file's path, as ``serve --chat-template`` takes it) instead of
         the model's; ``chat_template_kwargs``: more variables for it, which may also set ``add_generation_prompt`` and
-        ``tools`` (vLLM's). ``params``: for every conversation, or one per conversation (vLLM's)."""
+        ``tools`` (vLLM's). ``params``: for every conversation, or one per conversation (vLLM's).
+        ``continue_final_message`` (vLLM's, with ``add_generation_prompt=False``): the last message is continued, not
+        closed (an answer's beginning given for the model to go on from)."""
         from boundless.api.conversation import template_conversation  # (pydantic's schemas: loaded when chatting)
 
-        given = {"tools": tools, "add_generation_prompt": True, "chat_template": chat_template}
+        given = {
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "chat_template": chat_template,
+        }
         variables = {**given, **(chat_template_kwargs or {})}
         template = variables["chat_template"]
         if template is not None and template not in self.tokenizer.chat_templates:

@@ -264,6 +264,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool = True  # false: at most one call (held to one with `required`, the first kept else)
     add_generation_prompt: Bool = True
+    # vLLM's: the last message (an assistant's) is continued, not closed: an answer's beginning given for the model
+    continue_final_message: Bool = False
     # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking)
     chat_template_kwargs: dict[str, Any] | None = None
     # With --reasoning-parser: OpenAI's effort, passed to the template as vLLM does; whether to return the reasoning

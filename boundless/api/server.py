@@ -80,7 +80,16 @@ T = TypeVar("T")
 # What chat_template_kwargs may not set: the arguments the route itself passes, the template (vLLM takes a template
 # from a request only when its server trusts them), and the functions templates call.
 _RESERVED_TEMPLATE_KEYS = frozenset(
-    {"messages", "tools", "add_generation_prompt", "chat_template", "raise_exception", "strftime_now", "namespace"}
+    {
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "raise_exception",
+        "strftime_now",
+        "namespace",
+    }
 )
 
 
@@ -467,12 +476,20 @@ class OpenAIServer:
         except InvalidMessage as e:
             raise APIError(400, str(e), e.param, e.code) from e
         tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tool_choice != "none" else []
+        if body.continue_final_message and body.add_generation_prompt:  # (vLLM's default is True: it must be unset)
+            raise APIError(
+                400,
+                "continue_final_message continues the last message: set add_generation_prompt to false with it",
+                "continue_final_message",
+                "invalid_value",
+            )
         try:
             prompt = self.tokenizer.apply_chat_template(
                 messages,
                 tools=tools or None,
                 add_generation_prompt=body.add_generation_prompt,
                 chat_template=self.chat_template,
+                continue_final_message=body.continue_final_message,
                 **self._template_kwargs(body),
             )
         # The template rejected the conversation (raise_exception), or a variable the request gave it does not fit.

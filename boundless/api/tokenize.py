@@ -38,6 +38,7 @@ class TokenizeChat(BaseModel):
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
     add_special_tokens: Bool = False
     return_token_strs: Bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # as the chat route takes them
@@ -74,6 +75,7 @@ async def tokenize(body: dict[str, Any], request: Request) -> Response:
             "messages": spec.messages,
             "tools": spec.tools,
             "add_generation_prompt": spec.add_generation_prompt,
+            "continue_final_message": spec.continue_final_message,
             "chat_template_kwargs": spec.chat_template_kwargs,
         }
         tokens = server.chat_prompt(_validated(ChatCompletionRequest, fields))

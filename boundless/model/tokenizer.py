@@ -573,32 +573,76 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render a conversation to a prompt string, as transformers' ``apply_chat_template(tokenize=False)``.
 
         ``tools`` are JSON schemas. ``chat_template`` is the name of one of :attr:`chat_templates` or a template
         source; by default the ``tool_use`` template is used when tools are given and the model has one.
+        ``continue_final_message`` (transformers'): the prompt ends where the last message's text does, without what
+        closes its turn, so that the model goes on writing it (a prefilled answer); not with ``add_generation_prompt``.
         Extra keyword arguments (``documents``, ``enable_thinking``...) are passed to the template, overriding
         the special-token variables (``bos_token``, ``eos_token``...). Note that the rendered text often already
         starts with BOS: encode it with ``add_special_tokens=False``.
         """
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         template = _compile_template(self._select_template(chat_template, tools))
         variables = {**self._named_tokens, "documents": None, **kwargs}
-        return template.render(
+        final_text = ""
+        if continue_final_message:
+            messages, final_text = _tag_final_message(messages)
+        rendered = template.render(
             messages=[_template_message(m) for m in messages],
             tools=list(tools) if tools is not None else None,
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
+        return _cut_at_tag(rendered, final_text) if continue_final_message else rendered
 
     def __repr__(self) -> str:
         return (
             f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
             f"eos_token_ids={self.eos_token_ids}, chat_template={'yes' if self.chat_template else 'no'})"
         )
+
+
+# Put after the final message's text for continue_final_message, then cut at (transformers' tag, to the character).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], str]:
+    """The conversation with :data:`_CONTINUE_TAG` after its final message's text (its last text part's), and that
+    text, as transformers marks where ``continue_final_message`` cuts."""
+    final = dict(messages[-1])
+    content = final.get("content")
+    if isinstance(content, list | tuple):
+        parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        at = next((i for i in reversed(range(len(parts))) if isinstance(parts[i], dict) and "text" in parts[i]), None)
+        if at is None:
+            raise ValueError("continue_final_message is set but the final message has no text to continue")
+        text = parts[at]["text"]
+        parts[at]["text"] = text + _CONTINUE_TAG
+        final["content"] = parts
+    elif isinstance(content, str):
+        text = content
+        final["content"] = content + _CONTINUE_TAG
+    else:
+        raise ValueError("continue_final_message is set but the final message has no text to continue")
+    return [*messages[:-1], final], text
+
+
+def _cut_at_tag(rendered: str, text: str) -> str:
+    """``rendered`` (with :data:`_CONTINUE_TAG`) up to the final message's end: at the tag, or before the blanks a
+    template that strips the message left before it."""
+    tag = _CONTINUE_TAG.strip()
+    if text.strip() not in rendered or tag not in rendered:
+        raise ValueError("continue_final_message is set but the chat template does not write the final message")
+    at = rendered.rindex(tag)
+    return rendered[:at] if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else rendered[:at].rstrip()
 
 
 @functools.lru_cache(maxsize=16)

@@ -643,3 +643,27 @@ def test_a_prediction_that_is_not_openais_shape_is_a_400(server: ServerThread, p
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prediction": prediction}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("prediction"), r.text
+
+
+def test_continue_final_message_continues_the_assistants_text(server: ServerThread, client: openai.OpenAI) -> None:
+    """vLLM's ``continue_final_message``: the prompt ends at the last (assistant) message's text, its turn left open,
+    and the answer goes on from it: the completion of that very prompt. With ``add_generation_prompt`` left on, a
+    400."""
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    asked = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages, **asked}, timeout=60).json()["tokens"]
+    prompt = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\nThe capital of France is")
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=asked
+    )
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == plain.choices[0].text and reply.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as both:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_body={"continue_final_message": True}
+        )
+    assert both.value.body["param"] == "continue_final_message"

@@ -145,6 +145,38 @@ def test_smollm2_chat_template_matches_transformers(
     assert ours.encode(prompt, add_special_tokens=False) == list(token_ids)
 
 
+@pytest.mark.parametrize(
+    "final",
+    [
+        "The answer is",  # plain
+        '  {\n  "name": ',  # blanks before and after, kept as the template keeps them
+        "Done.\n\n",
+    ],
+)
+def test_continue_final_message_matches_transformers(ours: Tokenizer, reference: Any, final: Any) -> None:
+    """``continue_final_message``: the prompt ends at the last message's text, its turn left open, as transformers
+    cuts it; with ``add_generation_prompt``, or a final message the template does not write, an error."""
+    conversation = [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": final}]
+    expected = reference.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    got = ours.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True)
+    assert got == expected and not got.endswith("<|im_end|>\n")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        ours.apply_chat_template(conversation, continue_final_message=True)
+    stripping = "{% for m in messages %}{{ m.role }}: {{ m.content | trim }}\n{% endfor %}"
+    assert ours.apply_chat_template(
+        conversation, add_generation_prompt=False, continue_final_message=True, chat_template=stripping
+    ) == reference.apply_chat_template(
+        conversation, tokenize=False, continue_final_message=True, chat_template=stripping
+    )  # fmt: skip
+    hidden = "{% for m in messages %}{{ m.role }}: ...{% endfor %}"
+    with pytest.raises(ValueError, match="final message"):
+        ours.apply_chat_template(
+            conversation, add_generation_prompt=False, continue_final_message=True, chat_template=hidden
+        )
+
+
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-2"])
 def test_gguf_pre_tokenizers_match_transformers(metadata: dict[str, Any], pre: str) -> None:
     """The SmolLM2 vocabulary under the other pre-tokenizers: same pieces as transformers builds for them."""
