@@ -2,8 +2,9 @@
 
 A call goes through four phases, each a decision the transport carries out and answers:
 
-1. **queued**: it waits in a FIFO (by default; or ordered by its program's first arrival, as the engines order
-   their own queues with ``--queue-order program``: see :class:`PDDispatcher`) until the inter-engine scheduler
+1. **queued**: it waits in a FIFO within its ``priority`` class, a smaller class first, as the engines rank calls
+   (by arrival by default; or by its program's first arrival, as the engines order their own queues with
+   ``--queue-order program``: see :class:`PDDispatcher`) until the inter-engine scheduler
    (``cluster/pd_scheduler.py``) places it on a prefill engine (PE) and a decode engine (DE) and picks its read
    path, from the load the dispatcher counts itself (each engine's calls and their tokens, exact as every call
    passes here) and the storage read queues the engines report;
@@ -183,7 +184,7 @@ class PDCall(InflightCall):
     tag: int = 0  # of this placement's streams (a placement's answers are told from an earlier one's by it)
     prepared: bool = False  # the DE answered its Prepare (it holds the call's half)
     prefill_service_s: float = 0.0
-    order: tuple[float, int] = (0.0, 0)  # its place in the queue: smaller goes first
+    order: tuple[int, float, int] = (0, 0.0, 0)  # its place in the queue: smaller goes first
     prefetch_engine: str = ""  # where its stored KV is read ahead while it waits (see Prefetch)
     prefetch_tokens: int = 0  # what that read counts against the engine's prefetch room
     stream_losses: int = 0  # prefills failed with the push they were reading (placed again each time)
@@ -281,7 +282,9 @@ class PDDispatcher(Dispatcher):
                 first_arrival = max(record.first_arrival, now - PROGRAM_ORDER_LEAD_S)
         call = PDCall(request_id, list(prompt), params, program)
         call.stored_tokens = self._stored_estimate(call)
-        call.order = (first_arrival, self._next_seq)
+        # Its priority class first, as the engines rank it (Scheduler._ranking): a call of a smaller one waits behind
+        # none of a larger one's for a DE's room.
+        call.order = (params.priority, first_arrival, self._next_seq)
         self._next_seq += 1
         self.calls[request_id] = call
         # Before the first call that goes after it (at the tail in call order); a call put back at the head after
