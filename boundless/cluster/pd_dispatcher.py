@@ -17,8 +17,8 @@ A call goes through four phases, each a decision the transport carries out and a
    client as an ordinary one (not finished);
 4. **decoding**: :class:`Continue` gives the DE the first token; its deltas go to the client to the end.
 
-Failures: a PE lost before its handoff puts the call back at the head of the queue (nothing reached the
-client; the DE's half is aborted), and so does a PE whose prefill failed because the DE-read push it was
+Failures: a PE lost before its handoff puts the call back at the head of the queue, of its priority class (nothing
+reached the client; the DE's half is aborted), and so does a PE whose prefill failed because the DE-read push it was
 reading as it landed failed (its DE gone mid-push, a timeout: finish reason ``error``, stop reason
 ``KV_STREAM_LOST``), up to ``MAX_STREAM_LOSSES`` times a call. A DE lost before the handoff leaves the
 PE's stream to fail on its own; at the handoff the call goes to another DE as a resumed request (prompt
@@ -410,7 +410,7 @@ class PDDispatcher(Dispatcher):
         for call in reversed(requeue):
             self.num_failovers += 1
             self._reset(call)
-            self.queue.insert(0, call)
+            self._put_back(call)
         return decisions + self._place()
 
     def instance_ready(self, instance_id: str, kv_address: str | None = None) -> list[PDDecision]:  # type: ignore[override]
@@ -430,7 +430,7 @@ class PDDispatcher(Dispatcher):
 
     def _place_again(self, call: PDCall) -> list[PDDecision]:
         """A call whose prefill failed with its DE-read push (nothing reached the client) goes back to the head of
-        the queue, its DE's half dropped; placed afresh, it reads or computes its KV again."""
+        the queue (:meth:`_put_back`), its DE's half dropped; placed afresh, it reads or computes its KV again."""
         call.stream_losses += 1
         self.num_stream_losses += 1
         self.num_failovers += 1
@@ -438,8 +438,14 @@ class PDDispatcher(Dispatcher):
         if call.prepared and self.views[call.decode_engine].alive:
             decisions.append(AbortOn(call.decode_engine, call.request_id))
         self._reset(call)
-        self.queue.insert(0, call)
+        self._put_back(call)
         return decisions + self._place()
+
+    def _put_back(self, call: PDCall) -> None:
+        """A call placed before, started over: at the head of its priority class in the queue (ahead of the calls of
+        its class, which came after it; behind those of a smaller class, which outrank it)."""
+        at = next((i for i, other in enumerate(self.queue) if other.order[0] >= call.order[0]), len(self.queue))
+        self.queue.insert(at, call)
 
     def abort(self, request_id: str) -> list[PDDecision]:  # type: ignore[override]
         call = self.calls.pop(request_id, None)
