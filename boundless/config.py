@@ -537,8 +537,8 @@ class ServerConfig:
         default=None,
         metadata={
             "help": "read tool calls in this shape only (vLLM's names): hermes (JSON in <tool_call> tags), qwen3_coder "
-            "or qwen3_xml (Qwen3-Coder's XML in them), llama3_json (bare JSON), pythonic (a Python list of calls, "
-            "Llama 3.2's and 4's); without it, all of them"
+            "or qwen3_xml (Qwen3-Coder's XML in them), llama3_json (bare JSON), pythonic or llama4_pythonic (a Python "
+            "list of calls, Llama 3.2's and 4's); without it, all of them"
         },
     )
     enable_auto_tool_choice: bool = field(

@@ -1173,6 +1173,7 @@ def _model_cards(server: OpenAIServer) -> list[dict[str, Any]]:
 
 
 @routes.get("/v1/models")
+@routes.get("/v1/models/")  # (else the retrieve route below takes it for a model named "": it was the listing)
 async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": _model_cards(_server(request))})
 

@@ -49,6 +49,7 @@ TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "qwen3_xml": frozenset({TAGGED_XML}),
     "llama3_json": frozenset({BARE_JSON}),
     "pythonic": frozenset({PYTHONIC}),
+    "llama4_pythonic": frozenset({PYTHONIC}),  # (vLLM's name for Llama 4's: the same list, its tags special tokens)
 }
 
 

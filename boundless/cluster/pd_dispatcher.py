@@ -2,8 +2,9 @@
 
 A call goes through four phases, each a decision the transport carries out and answers:
 
-1. **queued**: it waits in a FIFO (by default; or ordered by its program's first arrival, as the engines order
-   their own queues with ``--queue-order program``: see :class:`PDDispatcher`) until the inter-engine scheduler
+1. **queued**: it waits in a FIFO within its ``priority`` class, a smaller class first, as the engines rank calls
+   (by arrival by default; or by its program's first arrival, as the engines order their own queues with
+   ``--queue-order program``: see :class:`PDDispatcher`) until the inter-engine scheduler
    (``cluster/pd_scheduler.py``) places it on a prefill engine (PE) and a decode engine (DE) and picks its read
    path, from the load the dispatcher counts itself (each engine's calls and their tokens, exact as every call
    passes here) and the storage read queues the engines report;
@@ -16,8 +17,8 @@ A call goes through four phases, each a decision the transport carries out and a
    client as an ordinary one (not finished);
 4. **decoding**: :class:`Continue` gives the DE the first token; its deltas go to the client to the end.
 
-Failures: a PE lost before its handoff puts the call back at the head of the queue (nothing reached the
-client; the DE's half is aborted), and so does a PE whose prefill failed because the DE-read push it was
+Failures: a PE lost before its handoff puts the call back at the head of the queue, of its priority class (nothing
+reached the client; the DE's half is aborted), and so does a PE whose prefill failed because the DE-read push it was
 reading as it landed failed (its DE gone mid-push, a timeout: finish reason ``error``, stop reason
 ``KV_STREAM_LOST``), up to ``MAX_STREAM_LOSSES`` times a call. A DE lost before the handoff leaves the
 PE's stream to fail on its own; at the handoff the call goes to another DE as a resumed request (prompt
@@ -183,7 +184,7 @@ class PDCall(InflightCall):
     tag: int = 0  # of this placement's streams (a placement's answers are told from an earlier one's by it)
     prepared: bool = False  # the DE answered its Prepare (it holds the call's half)
     prefill_service_s: float = 0.0
-    order: tuple[float, int] = (0.0, 0)  # its place in the queue: smaller goes first
+    order: tuple[int, float, int] = (0, 0.0, 0)  # its place in the queue: smaller goes first
     prefetch_engine: str = ""  # where its stored KV is read ahead while it waits (see Prefetch)
     prefetch_tokens: int = 0  # what that read counts against the engine's prefetch room
     stream_losses: int = 0  # prefills failed with the push they were reading (placed again each time)
@@ -281,7 +282,9 @@ class PDDispatcher(Dispatcher):
                 first_arrival = max(record.first_arrival, now - PROGRAM_ORDER_LEAD_S)
         call = PDCall(request_id, list(prompt), params, program)
         call.stored_tokens = self._stored_estimate(call)
-        call.order = (first_arrival, self._next_seq)
+        # Its priority class first, as the engines rank it (Scheduler._ranking): a call of a smaller one waits behind
+        # none of a larger one's for a DE's room.
+        call.order = (params.priority, first_arrival, self._next_seq)
         self._next_seq += 1
         self.calls[request_id] = call
         # Before the first call that goes after it (at the tail in call order); a call put back at the head after
@@ -407,7 +410,7 @@ class PDDispatcher(Dispatcher):
         for call in reversed(requeue):
             self.num_failovers += 1
             self._reset(call)
-            self.queue.insert(0, call)
+            self._put_back(call)
         return decisions + self._place()
 
     def instance_ready(self, instance_id: str, kv_address: str | None = None) -> list[PDDecision]:  # type: ignore[override]
@@ -427,7 +430,7 @@ class PDDispatcher(Dispatcher):
 
     def _place_again(self, call: PDCall) -> list[PDDecision]:
         """A call whose prefill failed with its DE-read push (nothing reached the client) goes back to the head of
-        the queue, its DE's half dropped; placed afresh, it reads or computes its KV again."""
+        the queue (:meth:`_put_back`), its DE's half dropped; placed afresh, it reads or computes its KV again."""
         call.stream_losses += 1
         self.num_stream_losses += 1
         self.num_failovers += 1
@@ -435,8 +438,14 @@ class PDDispatcher(Dispatcher):
         if call.prepared and self.views[call.decode_engine].alive:
             decisions.append(AbortOn(call.decode_engine, call.request_id))
         self._reset(call)
-        self.queue.insert(0, call)
+        self._put_back(call)
         return decisions + self._place()
+
+    def _put_back(self, call: PDCall) -> None:
+        """A call placed before, started over: at the head of its priority class in the queue (ahead of the calls of
+        its class, which came after it; behind those of a smaller class, which outrank it)."""
+        at = next((i for i, other in enumerate(self.queue) if other.order[0] >= call.order[0]), len(self.queue))
+        self.queue.insert(at, call)
 
     def abort(self, request_id: str) -> list[PDDecision]:  # type: ignore[override]
         call = self.calls.pop(request_id, None)

@@ -90,6 +90,8 @@ def test_models_and_health(server: ServerThread, client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("org/none-such")
     assert missing.value.code == "model_not_found" and "none-such" in missing.value.message
+    listing = httpx.get(server.url + "/v1/models/", follow_redirects=True)  # (a slash at its end: the listing still)
+    assert listing.status_code == 200 and [m["id"] for m in listing.json()["data"]] == [MODEL]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 

@@ -813,9 +813,11 @@ PYTHON = '[get_weather(city="Paris")]'
         ("qwen3_coder", {XML}),
         ("llama3_json", {BARE}),
         ("pythonic", {PYTHON}),
+        ("llama4_pythonic", {PYTHON}),  # (vLLM's name for Llama 4's, whose command lines name it)
     ],
 )
 def test_a_tool_call_parser_reads_its_shape_only(parser: str | None, read: set[str]) -> None:
+    ServerConfig(tool_call_parser=parser)  # (the flag takes the name)
     formats = ALL_FORMATS if parser is None else TOOL_CALL_PARSERS[parser]
     types = parameter_types([WEATHER])  # (the request's tools: a bare call names one)
     for text in (HERMES, XML, BARE, PYTHON):

@@ -293,6 +293,38 @@ def test_under_program_order_an_agents_next_call_goes_before_later_programs_call
     assert [c.request_id for c in d.queue] == ["b1", "a2"]
 
 
+def test_a_call_of_a_smaller_priority_waits_behind_none_of_a_larger_one() -> None:
+    """vLLM's ``priority`` ranks calls queued for a DE's room as the engines rank them: a call of class 0 that comes
+    after one of class 1 is placed first once the DE has room (the queue is FIFO within a class)."""
+    instances = {"p0": PDInstance("prefill", "p0", "addr-p0"), "d0": PDInstance("decode", "d0", "addr-d0", 80)}
+    d = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
+    prepared(d, "a", list(range(60)), IntakeAnswer(0))  # fills the DE: the calls below wait
+    background, urgent = dataclasses.replace(PARAMS, priority=1), dataclasses.replace(PARAMS, priority=0)
+    assert d.submit("bg1", list(range(100, 160)), background) == []
+    assert d.submit("bg2", list(range(200, 260)), background) == []
+    assert d.submit("urgent", list(range(300, 360)), urgent) == []
+    assert [c.request_id for c in d.queue] == ["urgent", "bg1", "bg2"]
+    d.receive("p0", delta("a", [7], "x", "handoff"))
+    _, follow = d.receive("d0", delta("a", [8], "y", "length"))  # a ends: the DE has room for one
+    assert [p.request_id for p in follow if isinstance(p, Prepare)] == ["urgent"]
+
+
+def test_a_call_started_over_goes_back_behind_the_waiting_calls_of_a_smaller_priority() -> None:
+    """A call of class 1 whose PE is lost before its handoff goes back to the head of its class in the queue, not
+    of the queue: a call of class 0 waiting for the DE's room is placed first."""
+    instances = {f"p{i}": PDInstance("prefill", f"p{i}", f"addr-p{i}") for i in range(2)}
+    instances["d0"] = PDInstance("decode", "d0", "addr-d0", 80)
+    d = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK)
+    background, urgent = dataclasses.replace(PARAMS, priority=1), dataclasses.replace(PARAMS, priority=0)
+    (prepare,) = d.submit("bg", list(range(60)), background)  # fills the DE
+    (send,) = d.prepare_done(prepare, PrepareResult("ok", IntakeAnswer(0)))
+    assert isinstance(send, Send) and d.add_done(send, OK) == []
+    assert d.submit("urgent", list(range(100, 160)), urgent) == []  # waits for the DE's room
+    follow = d.instance_lost(send.instance_id, "gone")  # bg starts over: its room on the DE comes free
+    assert [p.request_id for p in follow if isinstance(p, Prepare)] == ["urgent"]
+    assert [c.request_id for c in d.queue] == ["bg"]
+
+
 def test_a_first_token_that_ends_the_call_releases_the_des_half() -> None:
     d = dispatcher()
     prepared(d, "a", list(range(20)), IntakeAnswer(0))
