@@ -39,12 +39,12 @@ def one_slot(model_dir: Path) -> Iterator[str]:
 
 def test_a_call_of_a_smaller_priority_runs_before_one_in_flight(one_slot: str) -> None:
     """A long stream of priority 1 holds the only slot; a call of priority 0 sent while it runs is answered before
-    the stream ends (first come first served alone would make it wait for the stream's 1,500 tokens)."""
+    the stream ends (first come first served alone would make it wait for the stream's 2,000 tokens)."""
     client = openai.OpenAI(base_url=one_slot + "/v1", api_key="x", max_retries=0)
     events: list[str] = []
     long_call = {"ignore_eos": True, "priority": 1}
     stream = client.completions.create(
-        model="tiny", prompt="a b c", max_tokens=1500, temperature=0, stream=True, extra_body=long_call
+        model="tiny", prompt="a b c", max_tokens=2000, temperature=0, stream=True, extra_body=long_call
     )
     chunks = iter(stream)
     next(chunks)  # the long call is running
