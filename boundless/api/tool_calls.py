@@ -269,7 +269,7 @@ class ContentStream:
         self.held = False  # a call has begun, or may have: nothing more is sent before the end
         self.formats = formats
         # An output that opens with one of these may be calls: JSON (bare calls), a list (Python calls too).
-        self.openers = ("{[" if BARE_JSON in formats else "") + ("[" if PYTHONIC in formats else "")
+        self.openers = "{[" if BARE_JSON in formats else "[" if PYTHONIC in formats else ""
         # The tags that begin one: <tool_call>, and <function= (Qwen3-Coder's call without its block's tag).
         self.tags = ([TOOL_CALL_TAG] if formats & {TAGGED_JSON, TAGGED_XML} else []) + (
             [XML_FUNCTION_TAG] if TAGGED_XML in formats else []
