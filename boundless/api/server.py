@@ -146,6 +146,12 @@ def failure_error(ends: list[tuple[str | None, str | None]]) -> APIError | None:
     return None
 
 
+def _stop_reason(finish: str | None, stop: str | int | None) -> str | int | None:
+    """vLLM's ``stop_reason`` of a choice: the stop string or stop token id that ended it; None for the model's end of
+    sequence or any other end (an error's own reason is not the client's to read)."""
+    return stop if finish == "stop" else None
+
+
 def _raise_for_failure(ends: list[tuple[str | None, str | None]]) -> None:
     if (error := failure_error(ends)) is not None:
         raise error
@@ -614,6 +620,7 @@ class OpenAIServer:
                     "message": message,
                     "logprobs": {"content": self.chat_logprobs(message_logprobs(c))} if body.logprobs else None,
                     "finish_reason": finish,
+                    "stop_reason": _stop_reason(c.finish_reason, c.stop_reason),
                 }
             )
         response = {
@@ -672,7 +679,10 @@ class OpenAIServer:
             )
 
         def choice_chunk(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> bytes:
-            return chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}])
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = _stop_reason(choices[index].finish_reason, choices[index].stop_reason)
+            return chunk([choice])
 
         # Read for tool calls: content streams until a call may have begun (ContentStream), its logprobs with it;
         # from there the calls stream as they are written (CallStream: a call's id and name, then its arguments).
@@ -818,6 +828,7 @@ class OpenAIServer:
                 "text": echo + c.text,
                 "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
+                "stop_reason": _stop_reason(c.finish_reason, c.stop_reason),
             }
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs, body.prompt_logprobs)
@@ -888,7 +899,10 @@ class OpenAIServer:
                 lp = self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, tokens, offsets)
             # (A delta whose tokens are all held back, their text not out yet, makes no chunk.)
             if text or tokens or delta.finished:
-                yield chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}])
+                piece = {"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}
+                if delta.finished:
+                    piece["stop_reason"] = _stop_reason(c.finish_reason, c.stop_reason)
+                yield chunk([piece])
         if include_usage:
             yield chunk([], self._usage(prompt_len, choices))
         if failed := _failure_event(choices):

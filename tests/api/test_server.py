@@ -158,6 +158,14 @@ def test_n_stop_and_logprobs(client: openai.OpenAI) -> None:
     stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[stop])
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == free.choices[0].text[: free.choices[0].text.index(stop)]
+    # vLLM's stop_reason: the stop string that ended it, streamed (on the last chunk) and not, on both routes.
+    assert stopped.choices[0].model_extra["stop_reason"] == stop and free.choices[0].model_extra["stop_reason"] is None
+    ask = {"model": MODEL, "max_tokens": 16, "temperature": 0, "stop": [stop], "stream": True}
+    last = list(client.completions.create(prompt="1, 2, 3, 4,", **ask))[-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Count: 1, 2, 3"}], **ask)
+    last_chat = [c for c in chat if c.choices][-1].choices[0]
+    assert last_chat.model_extra["stop_reason"] in (stop, None)  # (the stop string, unless the answer ended first)
     lp = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Hi"}],
