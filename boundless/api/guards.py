@@ -68,16 +68,20 @@ class BodyLimit:
 
 
 class APIKeyAuth:
-    """401 unless ``Authorization: Bearer <key>``, on every route but the open ones."""
+    """401 unless ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's), on every
+    route but the open ones."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
-            given = dict(scope.get("headers", [])).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope.get("headers", []))
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            keyed = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)
+            if not (bearer or keyed):
                 await _send_error(
                     send, 401, "missing or invalid API key", "invalid_api_key", [(b"www-authenticate", b"Bearer")]
                 )

@@ -1293,7 +1293,8 @@ def build_app(
     config = config or ServerConfig()
     app = FastAPI(title="Boundless", version="0.1.0")
     app.state.server = OpenAIServer(client, model_name, config, loras, defaults)
-    # (Imported here: the Responses routes are built on this module's chat path.)
+    # (Imported here: the Responses and Messages routes are built on this module's chat path.)
+    from boundless.api.messages import routes as messages_routes
     from boundless.api.responses import ResponsesAPI, ResponseStore
     from boundless.api.responses import routes as responses_routes
     from boundless.api.tokenize import routes as tokenize_routes
@@ -1302,6 +1303,7 @@ def build_app(
     install_error_handlers(app)
     app.include_router(routes)
     app.include_router(responses_routes)
+    app.include_router(messages_routes)
     app.include_router(tokenize_routes)
 
     outer: ASGIApp = BodyLimit(app, int(config.max_body_mb * (1 << 20)))

@@ -10,6 +10,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 from served_models import Served, serve_hermes
@@ -421,3 +422,22 @@ def test_a_grammar_begins_once_the_model_has_thought(thinker: Served) -> None:
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )  # fmt: skip
     assert off.choices[0].message.reasoning is None and json.loads(off.choices[0].message.content)["city"]
+
+
+def test_anthropic_messages_put_the_reasoning_in_a_thinking_block(served: Served) -> None:
+    """``/v1/messages``: a ``thinking`` block before the text, streamed as ``thinking_delta`` events first."""
+    thought, answer = _text(served, THINK_THEN_ANSWER).removeprefix("<think>").split("</think>")
+    client = anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0)
+    ask = {"model": "tiny", "max_tokens": 120, "messages": ASK}
+    extra = {"temperature": 0, "structured_outputs": {"regex": THINK_THEN_ANSWER}}
+    message = client.messages.create(**ask, extra_body=extra)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
+        ("thinking", thought),
+        ("text", answer),
+    ]
+    with client.messages.stream(**ask, extra_body=extra) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert kinds.index("text_delta") > max(i for i, k in enumerate(kinds) if k == "thinking_delta")
+    assert [b.type for b in streamed.content] == ["thinking", "text"]
+    assert streamed.content[0].thinking == thought and streamed.content[1].text == answer

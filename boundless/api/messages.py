@@ -1,0 +1,416 @@
+"""Anthropic's Messages API (``POST /v1/messages``), as vLLM serves it: over the chat route.
+
+Agents written for Anthropic's API (Claude Code and its kin) speak it. A request is read into a chat request
+(:func:`chat_fields`): the system prompt, user turns of text blocks, ``tool_result`` blocks as tool messages, assistant
+turns of text and ``tool_use`` blocks as tool calls, ``tools`` with their ``input_schema``, ``tool_choice`` (``auto``,
+``any`` = ``required``, ``tool``, ``none``, ``disable_parallel_tool_use``), ``stop_sequences``, ``temperature``,
+``top_p``, ``top_k``, ``max_tokens``, and the chat route's own fields given beside them (vLLM's extensions, such as
+``structured_outputs``). A last assistant turn is a prefill the answer continues (Anthropic's rule:
+``continue_final_message``). The chat route then does everything it does for its own requests (template, program
+scheduling, tool-call parsing, the reasoning parser, structured calls, errors), and its answer is written back in
+Anthropic's shapes: content blocks (``thinking`` with a reasoning parser, ``text``, ``tool_use``), its
+``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``), and usage with the prompt's cached
+tokens as ``cache_read_input_tokens``; streamed, Anthropic's events (:class:`EventWriter`). Errors are Anthropic's
+objects, ``{"type": "error", "error": {"type", "message"}}``, with the status the chat route gives.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from boundless.api.errors import APIError, part_error
+from boundless.api.schemas import Bool, ChatCompletionRequest, Count, Float, Identifier, Int, NullIsDefault
+
+routes = APIRouter()
+
+# Anthropic's error types by status.
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+_STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(BaseModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: Bool = False
+
+
+class AnthropicMessage(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class TextBlock(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class MessagesRequest(NullIsDefault):
+    """A ``POST /v1/messages`` body: Anthropic's fields, and the program identity of the OpenAI routes."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: Count
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: Float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: Float | None = None
+    top_k: Int | None = None
+    stream: Bool = False
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    program_id: Identifier | None = None
+    thread_id: Identifier | None = None
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A block list's (or a string's) text: its text blocks joined (a tool result's content)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: expected a string or a list of text blocks", where)
+    texts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise APIError(400, f"{where}.{j}: only text blocks are supported here", f"{where}.{j}")
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
+    """The conversation as the chat route's messages (OpenAI's shapes)."""
+    out: list[dict[str, Any]] = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
+        out.append({"role": "system", "content": system})
+    for i, message in enumerate(body.messages):
+        blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
+        texts: list[dict[str, str]] = []
+        calls: list[dict[str, Any]] = []
+        for j, block in enumerate(blocks):
+            where = f"messages.{i}.content.{j}"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append({"type": "text", "text": block["text"]})
+            elif kind == "tool_result" and message.role == "user" and isinstance(block.get("tool_use_id"), str):
+                text = _text_of(block.get("content", ""), f"{where}.content")
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+            elif kind == "tool_use" and message.role == "assistant" and isinstance(block.get("input"), dict):
+                if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
+                    raise APIError(400, f"{where}: a tool_use block needs its id and name", where)
+                arguments = json.dumps(block["input"], ensure_ascii=False)
+                function = {"name": block["name"], "arguments": arguments}
+                calls.append({"id": block["id"], "type": "function", "function": function})
+            elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
+                continue  # (an earlier turn's thinking: templates drop it from the history)
+            else:
+                raise APIError(400, f"{where}: a {message.role} turn cannot hold a block of type {kind!r}", where)
+        if message.role == "user":
+            if texts:
+                out.append({"role": "user", "content": texts})
+        else:
+            turn: dict[str, Any] = {"role": "assistant", "content": "".join(t["text"] for t in texts) or None}
+            if calls:
+                turn["tool_calls"] = calls
+            out.append(turn)
+    return out
+
+
+def chat_fields(body: MessagesRequest, reasons: bool) -> dict[str, Any]:
+    """The chat request that does what ``body`` asks (``reasons``: the server has a reasoning parser)."""
+    fields: dict[str, Any] = {
+        "model": body.model,
+        "messages": chat_messages(body),
+        "max_tokens": body.max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "stop": body.stop_sequences,
+        "stream": body.stream,
+        "stream_options": {"include_usage": True} if body.stream else None,
+        "program_id": body.program_id,
+        "thread_id": body.thread_id,
+    }
+    if body.metadata and isinstance(body.metadata.get("user_id"), str):
+        fields["user"] = body.metadata["user_id"]
+    if body.messages[-1].role == "assistant":  # a prefill: the answer goes on from it
+        fields.update(add_generation_prompt=False, continue_final_message=True)
+    if body.tools:
+        fields["tools"] = [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+            }
+            for t in body.tools
+        ]
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool" and not choice.name:
+            raise APIError(400, "tool_choice: a choice of type tool names the tool", "tool_choice.name")
+        named = {"type": "function", "function": {"name": choice.name}}
+        fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type, named)
+        fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    # The chat route's own fields given beside Anthropic's (vLLM's extensions: structured_outputs, seed, min_p,
+    # priority, cache_salt, chat_template_kwargs...), where the request has not set them above.
+    for key, value in (body.model_extra or {}).items():
+        if key in ChatCompletionRequest.model_fields and key not in fields:
+            fields[key] = value
+    if body.thinking is not None:
+        kind = body.thinking.get("type")
+        if kind == "enabled" and not reasons:
+            raise APIError(400, f"{body.model} does not think (no --reasoning-parser): no thinking", "thinking")
+        if kind == "disabled" and reasons:
+            fields["chat_template_kwargs"] = {"enable_thinking": False}  # (Qwen3's switch; others' templates ignore it)
+        elif kind not in ("enabled", "disabled"):
+            raise APIError(400, "thinking.type must be enabled or disabled", "thinking.type")
+    return fields
+
+
+def _usage(usage: dict[str, Any] | None) -> dict[str, int]:
+    """Anthropic's usage from the chat's: input tokens less those read from the prefix cache, which it counts apart."""
+    usage = usage or {}
+    prompt = usage.get("prompt_tokens", 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": prompt - cached,
+        "output_tokens": usage.get("completion_tokens", 0),
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def stop_of(finish: str | None, stop: str | int | None) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` from a chat choice's finish and vLLM's ``stop_reason``."""
+    if finish == "stop" and isinstance(stop, str):
+        return "stop_sequence", stop
+    return _STOP_REASONS.get(finish or "", "end_turn"), None
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments (JSON text) as Anthropic's ``input`` object (text that is no JSON object: under ``{}``'s
+    place, kept whole as the model wrote it, so nothing is lost)."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def message_of(chat: dict[str, Any], model: str) -> dict[str, Any]:
+    """An unstreamed chat completion as Anthropic's message."""
+    choice = chat["choices"][0]
+    message = choice["message"]
+    content: list[dict[str, Any]] = []
+    if message.get("reasoning"):
+        content.append({"type": "thinking", "thinking": message["reasoning"], "signature": ""})
+    if message.get("content"):
+        content.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls") or ():
+        function = call["function"]
+        tool_input = _tool_input(function["arguments"])
+        content.append({"type": "tool_use", "id": call["id"], "name": function["name"], "input": tool_input})
+    stop_reason, stop_sequence = stop_of(choice["finish_reason"], choice.get("stop_reason"))
+    return {
+        "id": "msg_" + chat["id"].removeprefix("chatcmpl-"),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": _usage(chat.get("usage")),
+    }
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
+
+
+class EventWriter:
+    """A chat completion's stream (its chunks, read back) as Anthropic's events: ``message_start``; for each content
+    block ``content_block_start``, its deltas (``thinking_delta``, ``text_delta``, ``input_json_delta``: a call's
+    arguments as the chat streams them) and ``content_block_stop``; ``message_delta`` with the stop reason and the
+    usage; ``message_stop``. An error the chat stream ends with is Anthropic's ``error`` event."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.block: str | None = None  # the open block's type
+        self.index = -1  # its index
+        self.calls: dict[int, int] = {}  # a streamed call's index -> its block's
+        self.finish: tuple[str, str | None] = ("end_turn", None)
+        self.usage: dict[str, Any] | None = None
+
+    def start(self, chat_id: str) -> bytes:
+        message = {
+            "id": "msg_" + chat_id.removeprefix("chatcmpl-"),
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+        return _event("message_start", {"message": message})
+
+    def _open(self, block: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self.index += 1
+        self.block = block["type"]
+        return [*out, _event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def _close(self) -> list[bytes]:
+        if self.block is None:
+            return []
+        self.block = None
+        return [_event("content_block_stop", {"index": self.index})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        """The events of one chat chunk."""
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        out: list[bytes] = []
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                if self.block != "thinking":
+                    out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning"]}))
+            if delta.get("content"):
+                if self.block != "text":
+                    out += self._open({"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls") or ():
+                function = call.get("function") or {}
+                if call.get("id"):  # a call begins: its block
+                    out += self._open({"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}})
+                    self.calls[call["index"]] = self.index
+                if function.get("arguments") and self.calls.get(call["index"]) == self.index:
+                    out.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
+            if choice.get("finish_reason"):
+                self.finish = stop_of(choice["finish_reason"], choice.get("stop_reason"))
+        return out
+
+    def end(self) -> list[bytes]:
+        reason, sequence = self.finish
+        return [
+            *self._close(),
+            _event(
+                "message_delta",
+                {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(self.usage)},
+            ),
+            _event("message_stop", {}),
+        ]
+
+    async def events(self, chunks: AsyncIterator[bytes | str]) -> AsyncIterator[bytes]:
+        """Anthropic's events from the chat stream's server-sent events."""
+        started = False
+        async for piece in chunks:
+            text = piece.decode() if isinstance(piece, bytes) else piece
+            for line in text.splitlines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if "error" in chunk:  # the chat stream's failure: Anthropic's error event, and no more
+                    error = chunk["error"]
+                    status = {"server_shutting_down": 503, "kv_capacity_unavailable": 503}.get(error.get("code"), 500)
+                    yield _event("error", anthropic_error(status, error.get("message", "error")))
+                    return
+                if not started:
+                    started = True
+                    yield self.start(chunk["id"])
+                for event in self.chunk(chunk):
+                    yield event
+        for event in self.end():
+            yield event
+
+
+@routes.post("/v1/messages")
+async def create_message(body: dict[str, Any], request: Request) -> Response:
+    server = request.app.state.server
+    try:
+        try:
+            asked = MessagesRequest.model_validate(body)
+        except ValidationError as e:
+            raise part_error(e, "body", body) from None
+        chat = ChatCompletionRequest.model_validate(chat_fields(asked, server.reasoning is not None))
+        answer = await server.chat(chat, request)
+    except APIError as e:
+        message = e.message.removeprefix("body.").removeprefix("body: ")
+        return JSONResponse(anthropic_error(e.status, message), status_code=e.status, headers=e.headers)
+    except ValidationError as e:
+        error = part_error(e, "body", body)
+        return JSONResponse(anthropic_error(400, error.message), status_code=400)
+    except Exception as e:  # the app's own mapping (queue full, engine dead...), in Anthropic's shape
+        handled = await _openai_error(request, e)
+        if handled is None:
+            raise
+        return handled
+    if isinstance(answer, StreamingResponse):
+        writer = EventWriter(asked.model)
+        return StreamingResponse(writer.events(answer.body_iterator), media_type="text/event-stream")
+    return JSONResponse(message_of(json.loads(answer.body), asked.model))
+
+
+@routes.post("/v1/messages/count_tokens")
+async def count_tokens(body: dict[str, Any], request: Request) -> Response:
+    """Anthropic's token count of a request's prompt (the one ``/v1/messages`` would run), ``{"input_tokens": n}``."""
+    server = request.app.state.server
+    try:
+        try:
+            asked = MessagesRequest.model_validate({"max_tokens": 1, **body})
+        except ValidationError as e:
+            raise part_error(e, "body", body) from None
+        server.check_model(asked.model)
+        chat = ChatCompletionRequest.model_validate(chat_fields(asked, server.reasoning is not None))
+        prompt = server.chat_prompt(chat)
+    except APIError as e:
+        message = e.message.removeprefix("body.").removeprefix("body: ")
+        return JSONResponse(anthropic_error(e.status, message), status_code=e.status)
+    return JSONResponse({"input_tokens": len(prompt)})
+
+
+async def _openai_error(request: Request, error: Exception) -> JSONResponse | None:
+    """The app's response to ``error`` (its exception handlers'), in Anthropic's shape; None if it has none."""
+    for kind in type(error).__mro__:
+        handler = request.app.exception_handlers.get(kind)
+        if handler is not None and kind is not Exception:
+            response = await handler(request, error)
+            message = json.loads(response.body)["error"]["message"]
+            headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+            status = response.status_code
+            return JSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
+    return None

@@ -1,0 +1,148 @@
+"""Anthropic's Messages API (``POST /v1/messages``) through the real ``anthropic`` client: the chat route's answers
+in Anthropic's shapes, streamed and not, with tools, prefills, stop sequences, errors and its API-key header."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import anthropic
+import httpx
+import openai
+import pytest
+from served_models import Served, serve_hermes
+
+from boundless.config import ServerConfig
+
+# (Enums and a boolean: a random model under the call's grammar ends its JSON soon, where a string may run on.)
+UNITS_TOOL = {
+    "name": "set_units",
+    "description": "Set the units of the forecast",
+    "input_schema": {
+        "type": "object",
+        "properties": {"metric": {"type": "boolean"}, "scale": {"enum": ["C", "F", "K"]}},
+        "required": ["metric", "scale"],
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# (Sampling parameters are not in the newest client's signature; the API takes them, as older clients send them.)
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serve_hermes(tmp_path_factory.mktemp("messages"), server_config=ServerConfig(api_key="secret")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=served.url, api_key="secret", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def chat(served: Served) -> openai.OpenAI:
+    """The OpenAI client of the same server, its key given as OpenAI's clients give it."""
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="secret", max_retries=0)
+
+
+def test_a_message_is_the_chat_answer_in_anthropics_shape(chat: openai.OpenAI, client: anthropic.Anthropic) -> None:
+    """Text, stop reason and usage are the chat completion's of the same conversation (greedy), the prompt's cached
+    tokens counted apart; the streamed events make the same message."""
+    system = "Answer briefly."
+    message = client.messages.create(model="tiny", max_tokens=12, system=system, messages=ASK, extra_body=GREEDY)
+    answer = chat.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": system}, *ASK], max_tokens=12, temperature=0
+    )
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [b.type for b in message.content] == ["text"]
+    assert message.content[0].text == answer.choices[0].message.content
+    assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[answer.choices[0].finish_reason]
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == answer.usage.prompt_tokens
+    assert usage.output_tokens == answer.usage.completion_tokens
+    with client.messages.stream(model="tiny", max_tokens=12, system=system, messages=ASK, extra_body=GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        streamed = stream.get_final_message()
+    assert text == message.content[0].text and [(b.type, b.text) for b in streamed.content] == [("text", text)]
+    assert streamed.stop_reason == message.stop_reason and streamed.usage.output_tokens == usage.output_tokens
+    count = client.messages.count_tokens(model="tiny", system=system, messages=ASK)
+    assert count.input_tokens == answer.usage.prompt_tokens
+
+
+def test_a_stop_sequence_is_named(client: anthropic.Anthropic) -> None:
+    free = client.messages.create(model="tiny", max_tokens=12, messages=ASK, extra_body=GREEDY).content[0].text
+    stop = free[4:7]  # (not at the start: the answer is then some text)
+    message = client.messages.create(
+        model="tiny", max_tokens=12, messages=ASK, extra_body=GREEDY, stop_sequences=[stop]
+    )
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert message.content[0].text == free[: free.index(stop)]
+
+
+def test_a_forced_tool_is_a_tool_use_block_and_its_result_goes_back(client: anthropic.Anthropic) -> None:
+    """``tool_choice`` ``tool``: a ``tool_use`` block with its input as an object, ``stop_reason`` ``tool_use``,
+    streamed alike (its input as JSON deltas); the next turn takes the ``tool_result`` into the prompt."""
+    ask = {"model": "tiny", "max_tokens": 600, "messages": ASK, "extra_body": GREEDY, "tools": [UNITS_TOOL]}
+    forced = {"type": "tool", "name": "set_units"}
+    message = client.messages.create(**ask, tool_choice=forced)
+    (call,) = [b for b in message.content if b.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and call.name == "set_units"
+    assert isinstance(call.input["metric"], bool) and call.input["scale"] in ("C", "F", "K")
+    with client.messages.stream(**ask, tool_choice=forced) as stream:
+        partial = [e.partial_json for e in stream if e.type == "input_json"]
+        streamed = stream.get_final_message()
+    (streamed_call,) = [b for b in streamed.content if b.type == "tool_use"]
+    assert streamed_call.input == call.input and json.loads("".join(partial)) == call.input
+    assert streamed.stop_reason == "tool_use"
+    then = [
+        *ASK,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name, "input": call.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C"}]},
+    ]
+    before = client.messages.count_tokens(model="tiny", messages=ASK, tools=[UNITS_TOOL]).input_tokens
+    after = client.messages.count_tokens(model="tiny", messages=then, tools=[UNITS_TOOL]).input_tokens
+    assert after > before
+    assert client.messages.create(**{**ask, "messages": then}).stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_a_last_assistant_turn_is_continued(chat: openai.OpenAI, client: anthropic.Anthropic) -> None:
+    """Anthropic's prefill: the answer goes on from a last assistant turn (the chat route's continue_final_message)."""
+    prefill = [*ASK, {"role": "assistant", "content": "The weather in Paris is"}]
+    message = client.messages.create(model="tiny", max_tokens=8, messages=prefill, extra_body=GREEDY)
+    answer = chat.chat.completions.create(
+        model="tiny",
+        messages=prefill,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert message.content[0].text == answer.choices[0].message.content
+
+
+def test_errors_are_anthropics(served: Served, client: anthropic.Anthropic) -> None:
+    headers = {"x-api-key": "secret"}
+    no_limit = httpx.post(served.url + "/v1/messages", json={"model": "tiny", "messages": ASK}, headers=headers)
+    assert no_limit.status_code == 400 and no_limit.json()["type"] == "error"
+    assert no_limit.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in no_limit.text
+    image = [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]
+    with pytest.raises(anthropic.BadRequestError, match="image"):
+        client.messages.create(model="tiny", max_tokens=4, messages=image)
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        client.messages.create(model="claude-none", max_tokens=4, messages=ASK)
+    assert unknown.value.body == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": unknown.value.body["error"]["message"]},
+    }
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=served.url, api_key="wrong", max_retries=0).messages.create(
+            model="tiny", max_tokens=4, messages=ASK
+        )
+    # OpenAI's clients still send the key as a bearer token.
+    r = httpx.post(
+        served.url + "/v1/messages",
+        json={"model": "tiny", "max_tokens": 2, "messages": ASK},
+        headers={"Authorization": "Bearer secret"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["type"] == "message"
