@@ -839,12 +839,15 @@ def test_a_tool_call_parser_reads_its_shape_only(parser: str | None, read: set[s
         assert (sent + rest == text) == (not calls)
 
 
+def _served_with_parser(tmp_path_factory: pytest.TempPathFactory, parser: str) -> Iterator[Served]:
+    """The tiny model served with ``--tool-call-parser parser``."""
+    with serve_hermes(tmp_path_factory.mktemp(parser), server_config=ServerConfig(tool_call_parser=parser)) as s:
+        yield s
+
+
 @pytest.fixture(scope="module")
 def hermes_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with serve_hermes(
-        tmp_path_factory.mktemp("hermes-only"), server_config=ServerConfig(tool_call_parser="hermes")
-    ) as s:
-        yield s
+    yield from _served_with_parser(tmp_path_factory, "hermes")
 
 
 def test_served_with_a_tool_call_parser(hermes_only: Served) -> None:
@@ -968,10 +971,7 @@ def test_with_python_calls_alone_a_json_list_streams_no_call() -> None:
 
 @pytest.fixture(scope="module")
 def pythonic_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with serve_hermes(
-        tmp_path_factory.mktemp("pythonic"), server_config=ServerConfig(tool_call_parser="pythonic")
-    ) as s:
-        yield s
+    yield from _served_with_parser(tmp_path_factory, "pythonic")
 
 
 def test_served_python_calls(pythonic_only: Served) -> None:
