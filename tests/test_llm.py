@@ -151,6 +151,31 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     assert first not in held.token_ids[:4] and len(held.token_ids) >= 4
 
 
+@pytest.mark.parametrize("stop", [(), ("<never>",)], ids=["decoded-at-its-end", "decoded-a-token-at-a-time"])
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm: LLM, stop: tuple[str, ...]) -> None:
+    """vLLM's rule: the token that stopped the output (one of stop_token_ids, or EOS) is among its token ids, and its
+    text is in the output's text only with include_stop_str_in_output. (A stop string decodes a token at a time.)"""
+    free = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    first, second = free.outputs[0].token_ids[:2]
+    assert llm.tokenizer.decode([first, second]) != llm.tokenizer.decode([first])  # (the stop token has text)
+    for include in (False, True):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=10, stop=stop, stop_token_ids=[second], include_stop_str_in_output=include
+        )
+        out = llm.generate("Count: 1, 2, 3,", params)[0].outputs[0]
+        assert out.token_ids == [first, second] and out.stop_reason == second
+        assert out.text == llm.tokenizer.decode([first, second] if include else [first])
+    eos = [{"role": "user", "content": "Say just: ok"}]
+    for include in (False, True):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=40, stop=stop, skip_special_tokens=False, include_stop_str_in_output=include
+        )
+        out = llm.chat(eos, params)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason is None
+        assert out.text == llm.tokenizer.decode(out.token_ids[: None if include else -1], skip_special_tokens=False)
+        assert out.text.endswith("<|im_end|>") == include
+
+
 def test_logprobs_are_the_model_distribution(llm: LLM, smollm2: LoadedModel) -> None:
     prompt = llm.tokenizer.encode("The sky is")
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True))[0].outputs[0]

@@ -546,7 +546,7 @@ class EngineCore:
             # A resumed request's first delta went out on the instance it started on, prompt logprobs and all.
             prompt_logprobs=[None] if params.prompt_logprobs is not None and resume is None else None,
         )
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self.eos_token_ids)
         if resume is not None:
             for token in resume.output_token_ids:
                 detok.add(token)

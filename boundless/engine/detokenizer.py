@@ -33,7 +33,13 @@ class IncrementalDetokenizer:
     run: the text a token at a time gives (:func:`add_runs`), without a step's two decodes for each token (but for a
     tokenizer that falls back to bytes, whose runs go a token at a time)."""
 
-    def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
@@ -46,6 +52,10 @@ class IncrementalDetokenizer:
         # Stop strings count from the token after the first ``min_tokens`` (vLLM's rule): text that ends before it
         # stops nothing.
         self.min_tokens = params.min_tokens
+        # The tokens that end the request where they are sampled (from min_tokens on): EOS, unless ignore_eos, and
+        # stop_token_ids. Their text is left out of the output unless include_stop_str_in_output, as vLLM leaves it.
+        ending = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._stop_ids_left_out = frozenset(() if self.include_stop else ending)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._num_context = len(self._ids)
         self._prefix_offset = 0
@@ -61,6 +71,10 @@ class IncrementalDetokenizer:
             self.pending.append(token_id)  # (counted when it is decoded)
             return False
         return add_tokens([self], [token_id])[0]
+
+    def _left_out(self, token_id: int, num_tokens: int) -> bool:
+        """Whether ``token_id``, the output's ``num_tokens``-th token, is a stop token whose text is left out."""
+        return token_id in self._stop_ids_left_out and num_tokens >= self.min_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -127,7 +141,11 @@ def add_tokens(detokenizers: Sequence[IncrementalDetokenizer], token_ids: Sequen
     The windows of all of them are decoded in one call of each tokenizer and flag (a step's requests share one): two
     decodes per token from Python were a tenth of a 256-request decode step's Python."""
     stops = [False] * len(detokenizers)
-    for tokenizer, skip, members in _by_tokenizer(detokenizers, [detok.enabled for detok in detokenizers]):
+    taking = [
+        detok.enabled and not detok._left_out(token_id, detok.num_tokens + 1)
+        for detok, token_id in zip(detokenizers, token_ids, strict=True)
+    ]
+    for tokenizer, skip, members in _by_tokenizer(detokenizers, taking):
         seqs: list[list[int]] = []
         for i in members:
             seqs += detokenizers[i]._windows(token_ids[i])
@@ -151,6 +169,11 @@ def add_runs(detokenizers: Sequence[IncrementalDetokenizer], runs: Sequence[Sequ
     begins, which a token at a time moves token by token (byte-level BPE's replaces the bad bytes alone)."""
     if any(detok.stop for detok in detokenizers):
         raise ValueError("a run of tokens goes to a detokenizer without stop strings")
+    # (A run's stop token can only be its last: the request ends there.)
+    runs = [
+        run[:-1] if run and detok._left_out(run[-1], detok.num_tokens + len(run)) else run
+        for detok, run in zip(detokenizers, runs, strict=True)
+    ]
     taking = [detok.enabled and bool(run) for detok, run in zip(detokenizers, runs, strict=True)]
     for tokenizer, skip, members in _by_tokenizer(detokenizers, taking):
         if tokenizer.byte_fallback:
