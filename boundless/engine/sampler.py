@@ -40,6 +40,17 @@ def _same_chunk(chunks: Sequence[ScheduledChunk], i: int) -> bool:
     return i > 0 and chunks[i - 1].request_id == chunks[i].request_id
 
 
+def _checked_drafts(chunks: Sequence[ScheduledChunk]) -> list[int | None]:
+    """Each row's draft, the token its sample is checked against (speculative decoding): a speculating chunk's rows
+    check its drafts in turn, its last none (a bonus token); None for a row without drafts."""
+    checks: list[int | None] = []
+    k = 0
+    for i, c in enumerate(chunks):
+        k = k + 1 if c.draft_token_ids and _same_chunk(chunks, i) else 0
+        checks.append(c.draft_token_ids[k] if k < len(c.draft_token_ids) else None)
+    return checks
+
+
 def _outputs(chunk: ScheduledChunk) -> Sequence[int]:
     """The output tokens the chunk's request had before this step (from its history)."""
     output = chunk.history[chunk.num_prompt_tokens : chunk.num_prompt_tokens + chunk.num_output_tokens]
@@ -203,6 +214,7 @@ class Sampler:
         params = [chunks[i].sampling_params for i in random_rows]
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         shared = [j for j, p in enumerate(params) if p.seed is None]
+        checks = _checked_drafts(chunks)
 
         # (Copied in stream order: a window planned while the last one runs does not wait for it.)
         def rows(values: list[int]) -> torch.Tensor:
@@ -221,8 +233,8 @@ class Sampler:
             top_ps=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
             shared=(rows(shared), rows([random_rows[j] for j in shared])) if shared else None,
             all_shared=len(shared) == len(random_rows),
-            seeded=[(j, random_rows[j], self._generator_for(chunks[random_rows[j]])) for j, p in enumerate(params)
-                    if p.seed is not None],
+            seeded=[(j, random_rows[j], self._generator_for(chunks[random_rows[j]]), checks[random_rows[j]])
+                    for j, p in enumerate(params) if p.seed is not None],
         )  # fmt: skip
 
     def draw_planned(self, logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:
@@ -240,8 +252,17 @@ class Sampler:
             among, rows = plan.shared
             drawn = torch.multinomial(probs if plan.all_shared else probs[among], 1, generator=self.generator)
             tokens[rows] = drawn.squeeze(1)
-        for j, i, generator in plan.seeded:
+        # A speculating seeded request draws its rows in order and none after the first that rejects its draft (their
+        # tokens are dropped): its generator then takes a draw per kept token, as without drafts, so its samples are
+        # those of the same request unspeculated, whatever was drafted.
+        rejected: set[int] = set()
+        for j, i, generator, draft in plan.seeded:
+            if id(generator) in rejected:
+                tokens[i] = 0  # (a row after the rejection: dropped)
+                continue
             tokens[i] = torch.multinomial(probs[j], 1, generator=generator)[0]
+            if draft is not None and int(tokens[i]) != draft:
+                rejected.add(id(generator))
         return tokens
 
     def _adjusted(
@@ -355,7 +376,7 @@ class DrawPlan:
     """What :meth:`Sampler.draw_planned` needs of a set of rows, on their device: which rows are greedy and which
     draw (``random``: None when all are greedy), the drawing rows' temperatures and filters (each None where no row
     uses it), and which of them draw from the shared generator (their places among the drawing rows, and their rows)
-    or from their own (seeded: place, row, generator)."""
+    or from their own (seeded: place, row, generator, and the draft the row's sample is checked against, if any)."""
 
     num_rows: int
     greedy: torch.Tensor | None = None
@@ -366,7 +387,7 @@ class DrawPlan:
     top_ps: torch.Tensor | None = None
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
     all_shared: bool = False
-    seeded: list[tuple[int, int, torch.Generator]] = field(default_factory=list)
+    seeded: list[tuple[int, int, torch.Generator, int | None]] = field(default_factory=list)
 
 
 def _filtered_probs(logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:

@@ -300,6 +300,19 @@ def test_seeded_sampling_repeats_and_speculates(tiny_llama: LoadedModel) -> None
 
 
 @pytest.mark.parametrize("spec", [pytest.param(NGRAM, id="ngram"), pytest.param(SUFFIX, id="suffix")])
+def test_seeded_samples_are_the_unspeculated_ones(tiny_llama: LoadedModel, spec: dict) -> None:
+    """A seeded request's samples are its own whatever was drafted: those of the same request without speculation,
+    drafts rejected along the way and all (a rejected draft's later rows draw nothing from its generator)."""
+    params = SamplingParams(temperature=0.1, max_tokens=30, seed=3, ignore_eos=True)
+    plain = _run(_core(tiny_llama, None), params)[0]
+    core = _core(tiny_llama, spec)
+    _run(core, dataclasses.replace(params, seed=4))  # (outputs that suffix decoding drafts from, not all kept)
+    assert _run(core, params)[0] == plain
+    stats = core.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens  # drafts kept and drafts rejected
+
+
+@pytest.mark.parametrize("spec", [pytest.param(NGRAM, id="ngram"), pytest.param(SUFFIX, id="suffix")])
 def test_served_greedy_completions_and_metrics(tiny_llama: LoadedModel, model_dirs: dict, spec: dict) -> None:
     openai = pytest.importorskip("openai")  # (a device machine may have no server packages: scripts/gpu-check.sh)
     pytest.importorskip("fastapi")
