@@ -703,16 +703,18 @@ class EngineCore:
             self._remote_io = result.remote_report.stats
         c = self.counters
         accepted = None
+        predicted: dict[str, tuple[int, int]] = {}
         scheduler = self.scheduler
         # Speculative decoding (and Predicted Outputs): a request's kept drafts are its later tokens.
         if scheduler.proposer is not None or scheduler.predictions.active:
             drafted = [ch for ch in sched.chunks if ch.draft_token_ids]
             accepted = {ch.request_id: sum(ch.request_id in p for p in result.later) for ch in drafted}
-            for ch in drafted:
-                request = scheduler.requests.get(ch.request_id)
-                if request is not None and scheduler.predictions.has(ch.request_id):
-                    request.num_accepted_prediction_tokens += accepted[ch.request_id]
-                    request.num_rejected_prediction_tokens += len(ch.draft_token_ids) - accepted[ch.request_id]
+            # A prediction's drafts, and how many the verification kept (counted below, as its output keeps them).
+            predicted = {
+                ch.request_id: (len(ch.draft_token_ids), accepted[ch.request_id])
+                for ch in drafted
+                if scheduler.predictions.has(ch.request_id)
+            }
             c.drafts += len(drafted)
             c.draft_tokens += sum(len(ch.draft_token_ids) for ch in drafted)
             c.accepted_tokens += sum(accepted.values())
@@ -764,6 +766,13 @@ class EngineCore:
                 # The window's KV: the blocks its passes filled get their names (as the next steps' allocations would
                 # have named them), before a finished request's blocks are freed.
                 self.kv.name_full_blocks(request_id, request.all_token_ids, request.num_tokens - 1)
+            if request_id in predicted:
+                # The kept drafts the output holds: those after a stop (a stop token or string among them) are not in
+                # it, and count as rejected (OpenAI's: prediction tokens that did not appear in the completion).
+                num_drafts, num_kept = predicted[request_id]
+                in_output = min(num_kept, kept)
+                request.num_accepted_prediction_tokens += in_output
+                request.num_rejected_prediction_tokens += num_drafts - in_output
             if status is None and request.handoff is not None:
                 status = RequestStatus.FINISHED_HANDED_OFF  # its first token; it decodes on its decode engine
             if status is not None:

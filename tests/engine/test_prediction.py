@@ -111,3 +111,17 @@ def test_the_drafts_grow_while_they_are_kept_and_shrink_when_they_are_not() -> N
 def test_prediction_must_be_token_ids() -> None:
     with pytest.raises(ValueError, match="prediction"):
         SamplingParams(prediction=(1, -2))
+
+
+def test_drafts_kept_past_a_stop_are_not_counted_as_accepted(tiny_llama: LoadedModel) -> None:
+    """A stop token among a pass's kept drafts ends the output there: the drafts after it are not in the completion,
+    so they count as rejected (OpenAI's accepted_prediction_tokens are the prediction's tokens the completion holds)."""
+    plain, _, _ = _run(_core(tiny_llama), [_greedy()] * 3)
+    out = plain["r0"]
+    at = next(i for i in range(8, 40) if out[i] not in out[:i])  # (its first place: the output ends there)
+    params = [_greedy(plain[f"r{i}"]) for i in range(3)]
+    params[0] = dataclasses.replace(params[0], stop_token_ids=(out[at],))
+    tokens, counts, _ = _run(_core(tiny_llama), params)
+    assert tokens["r0"] == out[: at + 1]
+    accepted, rejected = counts["r0"]
+    assert 0 < accepted <= len(tokens["r0"]) - 1 and rejected > 0  # (its first token is the prefill's, no draft's)
