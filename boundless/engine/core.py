@@ -518,6 +518,10 @@ class EngineCore:
         bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad_bias is not None:
             raise InvalidRequestError(f"logit_bias: token id {bad_bias} is not in [0, {vocab})", "logit_bias")
+        # A prediction's tokens are drafts the model reads, as a prompt's.
+        bad_predicted = next((t for t in params.prediction if t >= vocab), None)
+        if bad_predicted is not None:
+            raise InvalidRequestError(f"prediction: token id {bad_predicted} is not in [0, {vocab})", "prediction")
         if params.structured is not None:
             check_structured_output(params.structured, vocab)
             # A grammar this engine failed to compile already (it passed the check): refused before anything is set up.

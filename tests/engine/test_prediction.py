@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from boundless.engine.core import EngineCore
+from boundless.engine.errors import InvalidRequestError
 from boundless.engine.prediction import PredictionProposer
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import engine_config
@@ -125,3 +126,14 @@ def test_drafts_kept_past_a_stop_are_not_counted_as_accepted(tiny_llama: LoadedM
     assert tokens["r0"] == out[: at + 1]
     accepted, rejected = counts["r0"]
     assert 0 < accepted <= len(tokens["r0"]) - 1 and rejected > 0  # (its first token is the prefill's, no draft's)
+
+
+def test_a_prediction_outside_the_vocabulary_is_refused(tiny_llama: LoadedModel) -> None:
+    """Its tokens are drafts the model reads: one outside the vocabulary failed the step of every request in it (an
+    IndexError in the embedding), as a prompt's would; it is refused as the request arrives, as a prompt's is."""
+    core = _core(tiny_llama)
+    plain, _, _ = _run(core, [_greedy()] * 3)
+    with pytest.raises(InvalidRequestError, match="prediction"):
+        core.add_request("bad", PROMPTS[0], _greedy([*plain["r0"][:2], 10**6]))
+    again, _, _ = _run(core, [_greedy(plain[f"r{i}"]) for i in range(3)])
+    assert again == plain
