@@ -180,6 +180,8 @@ def chat_fields(body: MessagesRequest, reasons: bool) -> dict[str, Any]:
     for key, value in (body.model_extra or {}).items():
         if key in ChatCompletionRequest.model_fields and key not in fields:
             fields[key] = value
+    if fields.get("n") not in (None, 1):  # (streamed, several choices' deltas would run into the same blocks)
+        raise APIError(400, "n: a message is one answer (Anthropic's API has no n)", "n")
     if body.thinking is not None:
         kind = body.thinking.get("type")
         if kind == "enabled" and not reasons:

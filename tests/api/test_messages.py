@@ -138,6 +138,11 @@ def test_errors_are_anthropics(served: Served, client: anthropic.Anthropic) -> N
         anthropic.Anthropic(base_url=served.url, api_key="wrong", max_retries=0).messages.create(
             model="tiny", max_tokens=4, messages=ASK
         )
+    # vLLM's n (the chat route's, beside Anthropic's fields): a message is one answer, streamed or not. (Several
+    # choices ran into the same content blocks when streamed, and the usage counted them all.)
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError, match="n"):
+            client.messages.create(model="tiny", max_tokens=4, messages=ASK, stream=stream, extra_body={"n": 2})
     # OpenAI's clients still send the key as a bearer token.
     r = httpx.post(
         served.url + "/v1/messages",
