@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from boundless.api.errors import APIError, part_error
 from boundless.api.schemas import Bool, ChatCompletionRequest, Count, Float, Identifier, Int, NullIsDefault
+from boundless.api.server import ChatStream
 
 routes = APIRouter()
 
@@ -264,8 +265,9 @@ class EventWriter:
     arguments as the chat streams them) and ``content_block_stop``; ``message_delta`` with the stop reason and the
     usage; ``message_stop``. An error the chat stream ends with is Anthropic's ``error`` event."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, input_tokens: int = 0, cached_tokens: int = 0) -> None:
         self.model = model
+        self.input_tokens, self.cached_tokens = input_tokens, cached_tokens  # the prompt's, for message_start
         self.block: str | None = None  # the open block's type
         self.index = -1  # its index
         self.calls: dict[int, int] = {}  # a streamed call's index -> its block's
@@ -281,7 +283,9 @@ class EventWriter:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": _usage(
+                {"prompt_tokens": self.input_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+            ),
         }
         return _event("message_start", {"message": message})
 
@@ -381,8 +385,8 @@ async def create_message(body: dict[str, Any], request: Request) -> Response:
         if handled is None:
             raise
         return handled
-    if isinstance(answer, StreamingResponse):
-        writer = EventWriter(asked.model)
+    if isinstance(answer, ChatStream):  # (message_start counts the prompt, as Anthropic's does)
+        writer = EventWriter(asked.model, answer.prompt_tokens, answer.cached_tokens)
         return StreamingResponse(writer.events(answer.body_iterator), media_type="text/event-stream")
     return JSONResponse(message_of(json.loads(answer.body), asked.model))
 

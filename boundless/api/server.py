@@ -119,6 +119,21 @@ class _Replayed:
     def abort(self) -> None:
         self._stream.abort()
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Its prompt's tokens read from the prefix cache (its first delta's)."""
+        return self._first.num_cached_tokens if self._first is not None else 0
+
+
+class ChatStream(StreamingResponse):
+    """A streamed chat completion, with what its prompt is known to be as it starts (the Messages route's
+    ``message_start`` counts it, as Anthropic's does): its tokens, and those read from the prefix cache."""
+
+    def __init__(self, content: AsyncIterator[bytes], prompt_tokens: int, cached_tokens: int) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+
 
 async def _while_connected(work: Coroutine[Any, Any, T], streams: list[DeltaStream], request: Request) -> T:
     """Await ``work``; a client that disconnects meanwhile (checked every 0.5 s) aborts the streams: 499."""
@@ -592,7 +607,8 @@ class OpenAIServer:
             gen = self._chat_events(
                 rid, body.model, streams, len(ids), logprobs_of, tools, include_usage, reasoning, predicted
             )
-            return StreamingResponse(gen, media_type="text/event-stream")
+            cached = max((s.num_cached_tokens for s in streams if isinstance(s, _Replayed)), default=0)
+            return ChatStream(gen, len(ids), cached)
         choices = await self.collect(streams, request)
 
         def message_logprobs(c: Choice) -> list[SampledToken]:

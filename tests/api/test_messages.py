@@ -68,6 +68,16 @@ def test_a_message_is_the_chat_answer_in_anthropics_shape(chat: openai.OpenAI, c
     assert streamed.stop_reason == message.stop_reason and streamed.usage.output_tokens == usage.output_tokens
     count = client.messages.count_tokens(model="tiny", system=system, messages=ASK)
     assert count.input_tokens == answer.usage.prompt_tokens
+    # Anthropic's message_start counts the prompt already (its input_tokens were 0 until message_delta's usage).
+    events = client.messages.create(
+        model="tiny", max_tokens=2, system=system, messages=ASK, extra_body=GREEDY, stream=True
+    )
+    started = next(iter(events))
+    assert started.type == "message_start"
+    begun = started.message.usage
+    assert begun.input_tokens + begun.cache_read_input_tokens == answer.usage.prompt_tokens and begun.input_tokens > 0
+    assert begun.cache_read_input_tokens > 0  # (the conversation's prefix cached by the calls before)
+    events.close()
 
 
 def test_a_stop_sequence_is_named(client: anthropic.Anthropic) -> None:
