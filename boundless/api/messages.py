@@ -346,7 +346,7 @@ class EventWriter:
         started = False
         async for piece in chunks:
             text = piece.decode() if isinstance(piece, bytes) else piece
-            for line in text.splitlines():
+            for line in text.split("\n"):  # (not splitlines(): it splits too at U+2028 or U+0085 inside JSON text)
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line.removeprefix("data: "))

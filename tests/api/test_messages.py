@@ -161,3 +161,14 @@ def test_errors_are_anthropics(served: Served, client: anthropic.Anthropic) -> N
         timeout=60,
     )
     assert r.status_code == 200 and r.json()["type"] == "message"
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])
+def test_a_streamed_text_may_hold_any_line_separator(client: anthropic.Anthropic, separator: str) -> None:
+    """The chat stream's JSON writes U+2028, U+2029 and U+0085 as they are: read back line by line they split the
+    chunk's JSON, and the stream broke off (an unterminated string) where the unstreamed message had the text."""
+    ask = {"model": "tiny", "max_tokens": 12, "messages": ASK}
+    extra = {**GREEDY, "structured_outputs": {"regex": f"ab{separator}cd"}}
+    assert client.messages.create(**ask, extra_body=extra).content[0].text == f"ab{separator}cd"
+    with client.messages.stream(**ask, extra_body=extra) as stream:
+        assert stream.get_final_message().content[0].text == f"ab{separator}cd"
