@@ -188,7 +188,8 @@ def chat_fields(body: MessagesRequest, reasons: bool) -> dict[str, Any]:
         if kind == "enabled" and not reasons:
             raise APIError(400, f"{body.model} does not think (no --reasoning-parser): no thinking", "thinking")
         if kind == "disabled" and reasons:
-            fields["chat_template_kwargs"] = {"enable_thinking": False}  # (Qwen3's switch; others' templates ignore it)
+            # (Qwen3's switch, beside the request's own chat_template_kwargs; others' templates ignore it)
+            fields["chat_template_kwargs"] = {**(fields.get("chat_template_kwargs") or {}), "enable_thinking": False}
         elif kind not in ("enabled", "disabled"):
             raise APIError(400, "thinking.type must be enabled or disabled", "thinking.type")
     return fields

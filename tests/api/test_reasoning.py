@@ -441,3 +441,15 @@ def test_anthropic_messages_put_the_reasoning_in_a_thinking_block(served: Served
     assert kinds.index("text_delta") > max(i for i, k in enumerate(kinds) if k == "thinking_delta")
     assert [b.type for b in streamed.content] == ["thinking", "text"]
     assert streamed.content[0].thinking == thought and streamed.content[1].text == answer
+
+
+def test_anthropic_thinking_disabled_keeps_the_requests_template_variables(served: Served) -> None:
+    """``thinking`` ``disabled`` sets Qwen3's ``enable_thinking`` beside the request's own ``chat_template_kwargs``
+    (vLLM's, given beside Anthropic's fields): they were replaced by it, and the template lost them."""
+    client = anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0)
+    off = {"model": "tiny", "messages": ASK, "thinking": {"type": "disabled"}}
+    plain = client.messages.count_tokens(**off).input_tokens
+    opened = client.messages.count_tokens(**off, extra_body={"chat_template_kwargs": {"open_think": True}})
+    on = client.messages.count_tokens(model="tiny", messages=ASK).input_tokens
+    assert plain > on  # (the empty thinking the template writes when it is off)
+    assert opened.input_tokens > plain  # (and "<think>" opened after it, as the request's variable asks)
