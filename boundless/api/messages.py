@@ -184,9 +184,9 @@ def chat_fields(body: MessagesRequest, reasons: bool) -> dict[str, Any]:
     if fields.get("n") not in (None, 1):  # (streamed, several choices' deltas would run into the same blocks)
         raise APIError(400, "n: a message is one answer (Anthropic's API has no n)", "n")
     if body.thinking is not None:
+        # Enabled on a model that does not think (no --reasoning-parser): served without thinking blocks, as agents
+        # written for Anthropic's models send it whatever model they are pointed at.
         kind = body.thinking.get("type")
-        if kind == "enabled" and not reasons:
-            raise APIError(400, f"{body.model} does not think (no --reasoning-parser): no thinking", "thinking")
         if kind == "disabled" and reasons:
             # (Qwen3's switch, beside the request's own chat_template_kwargs; others' templates ignore it)
             fields["chat_template_kwargs"] = {**(fields.get("chat_template_kwargs") or {}), "enable_thinking": False}

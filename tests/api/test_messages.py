@@ -172,3 +172,12 @@ def test_a_streamed_text_may_hold_any_line_separator(client: anthropic.Anthropic
     assert client.messages.create(**ask, extra_body=extra).content[0].text == f"ab{separator}cd"
     with client.messages.stream(**ask, extra_body=extra) as stream:
         assert stream.get_final_message().content[0].text == f"ab{separator}cd"
+
+
+def test_thinking_asked_of_a_model_that_does_not_think_is_served_without_it(client: anthropic.Anthropic) -> None:
+    """Agents written for Anthropic's models send ``thinking``; without a reasoning parser the answer is the same as
+    without it (no thinking block), not an error."""
+    plain = client.messages.create(model="tiny", max_tokens=8, messages=ASK, extra_body=GREEDY)
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    asked = client.messages.create(model="tiny", max_tokens=8, messages=ASK, extra_body=GREEDY, thinking=thinking)
+    assert [(b.type, b.text) for b in asked.content] == [(b.type, b.text) for b in plain.content]
