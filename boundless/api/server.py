@@ -1007,7 +1007,8 @@ class OpenAIServer:
         """OpenAI's usage: tokens in and out, the prompt's cached tokens, and (when there are) the reasoning's tokens
         and a prediction's drafts kept and rejected."""
         completion = sum(len(c.token_ids) for c in choices)
-        cached = max((c.cached_tokens for c in choices), default=0)
+        # The prompt's tokens cached before the request: those every sample found (one sample may find another's).
+        cached = min((c.cached_tokens for c in choices), default=0)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt_len,
             "completion_tokens": completion,

@@ -677,3 +677,20 @@ def test_continue_final_message_continues_the_assistants_text(server: ServerThre
             model=MODEL, messages=messages, max_tokens=2, extra_body={"continue_final_message": True}
         )
     assert both.value.body["param"] == "continue_final_message"
+
+
+def test_cached_tokens_of_n_samples_are_the_prompts_not_a_siblings(tiny_llama: LoadedModel) -> None:
+    """With ``n`` > 1, the prompt's cached tokens are those it found before the request (OpenAI's meaning): not the
+    blocks one sample finds computed by another (a token budget of 32 admits the samples a chunk at a time, so the
+    second finds the first's)."""
+    eng = _engine(tiny_llama, max_model_len=512, max_num_batched_tokens=32)
+    srv = start_in_thread(eng, "tiny")
+    try:
+        body = {"model": "tiny", "prompt": list(range(10, 110)), "max_tokens": 2, "n": 2}
+        first = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        again = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # now the prompt's own (6 full blocks)
+    finally:
+        srv.stop()
+        eng.shutdown()
