@@ -369,23 +369,11 @@ class EventWriter:
 async def create_message(body: dict[str, Any], request: Request) -> Response:
     server = request.app.state.server
     try:
-        try:
-            asked = MessagesRequest.model_validate(body)
-        except ValidationError as e:
-            raise part_error(e, "body", body) from None
+        asked = MessagesRequest.model_validate(body)
         chat = ChatCompletionRequest.model_validate(chat_fields(asked, server.reasoning is not None))
         answer = await server.chat(chat, request)
-    except APIError as e:
-        message = e.message.removeprefix("body.").removeprefix("body: ")
-        return JSONResponse(anthropic_error(e.status, message), status_code=e.status, headers=e.headers)
-    except ValidationError as e:
-        error = part_error(e, "body", body)
-        return JSONResponse(anthropic_error(400, error.message), status_code=400)
-    except Exception as e:  # the app's own mapping (queue full, engine dead...), in Anthropic's shape
-        handled = await _openai_error(request, e)
-        if handled is None:
-            raise
-        return handled
+    except Exception as e:
+        return await _anthropic_error(request, body, e)
     if isinstance(answer, ChatStream):  # (message_start counts the prompt, as Anthropic's does)
         writer = EventWriter(asked.model, answer.prompt_tokens, answer.cached_tokens)
         return StreamingResponse(writer.events(answer.body_iterator), media_type="text/event-stream")
@@ -397,27 +385,27 @@ async def count_tokens(body: dict[str, Any], request: Request) -> Response:
     """Anthropic's token count of a request's prompt (the one ``/v1/messages`` would run), ``{"input_tokens": n}``."""
     server = request.app.state.server
     try:
-        try:
-            asked = MessagesRequest.model_validate({"max_tokens": 1, **body})
-        except ValidationError as e:
-            raise part_error(e, "body", body) from None
+        asked = MessagesRequest.model_validate({"max_tokens": 1, **body})
         server.check_model(asked.model)
         chat = ChatCompletionRequest.model_validate(chat_fields(asked, server.reasoning is not None))
         prompt = server.chat_prompt(chat)
-    except APIError as e:
-        message = e.message.removeprefix("body.").removeprefix("body: ")
-        return JSONResponse(anthropic_error(e.status, message), status_code=e.status)
+    except Exception as e:
+        return await _anthropic_error(request, body, e)
     return JSONResponse({"input_tokens": len(prompt)})
 
 
-async def _openai_error(request: Request, error: Exception) -> JSONResponse | None:
-    """The app's response to ``error`` (its exception handlers'), in Anthropic's shape; None if it has none."""
+async def _anthropic_error(request: Request, body: dict[str, Any], error: Exception) -> JSONResponse:
+    """The app's answer to ``error`` (its exception handlers': the status, message and ``Retry-After`` every route
+    gives), in Anthropic's shape; a body that does not validate (Anthropic's fields, or the chat request they make) is
+    a 400 naming the field. An error the app has no answer for is raised again (its 500)."""
+    if isinstance(error, ValidationError):
+        error = part_error(error, "body", body)
     for kind in type(error).__mro__:
         handler = request.app.exception_handlers.get(kind)
         if handler is not None and kind is not Exception:
             response = await handler(request, error)
-            message = json.loads(response.body)["error"]["message"]
+            message = json.loads(response.body)["error"]["message"].removeprefix("body.").removeprefix("body: ")
             headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
             status = response.status_code
             return JSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
-    return None
+    raise error

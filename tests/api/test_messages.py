@@ -135,6 +135,11 @@ def test_errors_are_anthropics(served: Served, client: anthropic.Anthropic) -> N
     no_limit = httpx.post(served.url + "/v1/messages", json={"model": "tiny", "messages": ASK}, headers=headers)
     assert no_limit.status_code == 400 and no_limit.json()["type"] == "error"
     assert no_limit.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in no_limit.text
+    # A chat field given beside Anthropic's (vLLM's extensions) that does not validate: a 400 naming it, on both routes.
+    bad = {"model": "tiny", "max_tokens": 2, "messages": ASK, "priority": "high"}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(served.url + path, json=bad, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("priority: "), (path, r.text)
     image = [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]
     with pytest.raises(anthropic.BadRequestError, match="image"):
         client.messages.create(model="tiny", max_tokens=4, messages=image)
