@@ -607,8 +607,8 @@ class OpenAIServer:
             gen = self._chat_events(
                 rid, body.model, streams, len(ids), logprobs_of, tools, include_usage, reasoning, predicted
             )
-            cached = max((s.num_cached_tokens for s in streams if isinstance(s, _Replayed)), default=0)
-            return ChatStream(gen, len(ids), cached)
+            # (The prompt's cached tokens as the usage counts them: those every sample found.)
+            return ChatStream(gen, len(ids), min(s.num_cached_tokens for s in streams))
         choices = await self.collect(streams, request)
 
         def message_logprobs(c: Choice) -> list[SampledToken]:
@@ -983,7 +983,7 @@ class OpenAIServer:
         _raise_for_failure([(c.finish_reason, c.stop_reason) for c in choices])
         return choices
 
-    async def started(self, streams: list[DeltaStream], request: Request) -> list[DeltaStream]:
+    async def started(self, streams: list[DeltaStream], request: Request) -> list[_Replayed]:
         """A streamed response's streams once each has its first delta: a request refused or failed before it
         started gets the status an unstreamed one gets (503, 500) instead of a 200 whose one chunk says "error".
         The 200 then waits for the first token (a lending cluster refuses a request while it awaits its grant)."""
