@@ -40,15 +40,24 @@ def _same_chunk(chunks: Sequence[ScheduledChunk], i: int) -> bool:
     return i > 0 and chunks[i - 1].request_id == chunks[i].request_id
 
 
-def _checked_drafts(chunks: Sequence[ScheduledChunk]) -> list[int | None]:
-    """Each row's draft, the token its sample is checked against (speculative decoding): a speculating chunk's rows
-    check its drafts in turn, its last none (a bonus token); None for a row without drafts."""
-    checks: list[int | None] = []
+def _draft_places(chunks: Sequence[ScheduledChunk]) -> list[int]:
+    """Each row's place among its chunk's rows (speculative decoding: a speculating chunk has a row per position,
+    after its last known token and after each draft); 0 for a chunk's first row, and for every row without drafts."""
+    places: list[int] = []
     k = 0
     for i, c in enumerate(chunks):
         k = k + 1 if c.draft_token_ids and _same_chunk(chunks, i) else 0
-        checks.append(c.draft_token_ids[k] if k < len(c.draft_token_ids) else None)
-    return checks
+        places.append(k)
+    return places
+
+
+def _checked_drafts(chunks: Sequence[ScheduledChunk]) -> list[int | None]:
+    """Each row's draft, the token its sample is checked against (speculative decoding): a speculating chunk's rows
+    check its drafts in turn, its last none (a bonus token); None for a row without drafts."""
+    return [
+        c.draft_token_ids[k] if k < len(c.draft_token_ids) else None
+        for c, k in zip(chunks, _draft_places(chunks), strict=True)
+    ]
 
 
 def _outputs(chunk: ScheduledChunk) -> Sequence[int]:
@@ -137,12 +146,11 @@ class Sampler:
         if any(c.sampling_params.logprobs is not None for c in chunks):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         # Penalized rows, each with the drafts before it in its chunk (speculative decoding: counted as outputs).
-        penalized: list[tuple[int, tuple[int, ...]]] = []
-        k = 0
-        for i, c in enumerate(chunks):
-            k = k + 1 if c.draft_token_ids and _same_chunk(chunks, i) else 0
-            if c.sampling_params.penalized:
-                penalized.append((i, c.draft_token_ids[:k]))
+        penalized = [
+            (i, c.draft_token_ids[:k])
+            for i, (c, k) in enumerate(zip(chunks, _draft_places(chunks), strict=True))
+            if c.sampling_params.penalized
+        ]
         # Structured requests' first rows, with their matchers and drafts (speculative decoding: a row per position
         # of the chunk follows); one whose output is complete (a window's pass past its EOS, whose token is
         # discarded) is left alone.
