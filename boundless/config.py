@@ -541,6 +541,14 @@ class ServerConfig:
             "list of calls, Llama 3.2's and 4's); without it, all of them"
         },
     )
+    strict_tool_calls: bool = field(
+        default=False,
+        metadata={
+            "help": "hold every tool call to its tool's schema under tool_choice auto, as if each tool said strict: "
+            "true (vLLM's VLLM_ENFORCE_STRICT_TOOL_CALLING); by default only the calls of tools that say so are held, "
+            "where the call format is known (a tagged --tool-call-parser, or a chat template that writes <tool_call>)"
+        },
+    )
     enable_auto_tool_choice: bool = field(
         default=False,
         metadata={

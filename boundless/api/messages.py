@@ -49,6 +49,7 @@ class AnthropicTool(BaseModel):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: Bool | None = None  # Anthropic's strict tool use: calls held to input_schema (api/strict_calls.py)
 
 
 class AnthropicToolChoice(BaseModel):
@@ -165,7 +166,12 @@ def chat_fields(body: MessagesRequest, reasons: bool) -> dict[str, Any]:
         fields["tools"] = [
             {
                 "type": "function",
-                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.input_schema,
+                    "strict": t.strict,
+                },
             }
             for t in body.tools
         ]

@@ -345,7 +345,8 @@ class ResponsesAPI:
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or ()]
         logprobs = (body.top_logprobs or 0) if call.logprobs else None
         try:
-            structured = server.after_reasoning(_structured(body, tools), call.prompt)
+            wanted = _structured(body, tools) or server.strict_calls(tools, body.tool_choice, body.parallel_tool_calls)
+            structured = server.after_reasoning(wanted, call.prompt)
             params = sampling_params(
                 chat,
                 chat.max_completion_tokens,
@@ -690,7 +691,7 @@ class ResponsesAPI:
 
 
 _EMPTY_TEXT = {"type": "output_text", "text": "", "annotations": []}
-_CHAT_TOOL_FIELDS = {"name", "description", "parameters"}
+_CHAT_TOOL_FIELDS = {"name", "description", "parameters", "strict"}
 
 
 def _message_without_content(call: _Call, status: str) -> dict[str, Any]:

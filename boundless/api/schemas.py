@@ -62,23 +62,51 @@ class JsonSchemaFormat(BaseModel):
     strict: Bool | None = None
 
 
+class TagStructure(BaseModel):
+    """One part of vLLM's first ``structural_tag`` response format: text from ``begin`` to ``end`` holding JSON under
+    ``schema``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    begin: str
+    schema_: dict[str, Any] = Field(alias="schema")  # (``schema`` is a BaseModel method)
+    end: str
+
+
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: free text, any JSON object, or JSON under a schema (``json_schema.schema``;
-    without one, any JSON object)."""
+    without one, any JSON object); and vLLM's and SGLang's ``structural_tag``: xgrammar's structural tag (its
+    ``format``), or vLLM's first shape of it (``structures`` that begin at one of the ``triggers``)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[TagStructure] | None = None
+    triggers: list[Annotated[str, StringConstraints(min_length=1)]] | None = None
 
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("json_schema goes with type json_schema, and that type needs it")
+        tagged = self.format is not None or self.structures is not None
+        if (self.type == "structural_tag") != tagged or (self.structures is None) != (self.triggers is None):
+            raise ValueError("a structural_tag needs its format (or vLLM's structures and triggers), and only it")
         return self
+
+    def structural_tag(self) -> dict[str, Any]:
+        """The structural tag, in xgrammar's shape (vLLM's first shape as its triggered tags)."""
+        if self.format is not None:
+            return {"type": "structural_tag", "format": self.format}
+        tags = []
+        for part in self.structures or ():
+            content = {"type": "json_schema", "json_schema": part.schema_}
+            tags.append({"type": "tag", "begin": part.begin, "content": content, "end": part.end})
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": self.triggers, "tags": tags}}
 
 
 class StructuredOutputsParams(BaseModel):
     """vLLM's ``structured_outputs`` (in ``extra_body``): exactly one of a JSON schema (``json``, an object or its
-    text), a regular expression, a list of choices, an EBNF grammar, or ``json_object``."""
+    text), a regular expression, a list of choices, an EBNF grammar, ``json_object``, or a structural tag."""
 
     model_config = ConfigDict(populate_by_name=True)
 
@@ -87,12 +115,13 @@ class StructuredOutputsParams(BaseModel):
     choice: Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1)] | None = None
     grammar: str | None = None
     json_object: Bool | None = None
+    structural_tag: dict[str, Any] | str | None = None  # xgrammar's structural tag, or its JSON text (vLLM's)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputsParams:
-        given = [self.json_, self.regex, self.choice, self.grammar, self.json_object or None]
+        given = [self.json_, self.regex, self.choice, self.grammar, self.json_object or None, self.structural_tag]
         if sum(v is not None for v in given) != 1:
-            raise ValueError("give exactly one of json, regex, choice, grammar and json_object")
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object and structural_tag")
         return self
 
 
@@ -212,6 +241,7 @@ class FunctionDefinition(BaseModel):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: Bool | None = None  # calls held to ``parameters`` under tool_choice auto too (api/strict_calls.py)
 
     @field_validator("parameters")
     @classmethod

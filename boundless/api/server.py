@@ -43,6 +43,7 @@ from boundless.api.schemas import (
     CompletionRequest,
     StructuredOutputsParams,
 )
+from boundless.api.strict_calls import strict_call_format, strict_calls_tag, structural_tag_text
 from boundless.api.tool_calls import (
     ALL_FORMATS,
     BARE_JSON,
@@ -342,6 +343,8 @@ def _structured(body: ChatCompletionRequest | CompletionRequest) -> StructuredOu
     if response_format is not None and response_format.type != "text":
         if wanted is not None:
             raise APIError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+        if response_format.type == "structural_tag":
+            return StructuredOutput("structural_tag", structural_tag_text(response_format.structural_tag()))
         if response_format.json_schema is None or response_format.json_schema.schema_ is None:
             return StructuredOutput("json_object")
         return StructuredOutput.json_schema(response_format.json_schema.schema_)
@@ -359,6 +362,9 @@ def structured_outputs_grammar(wanted: StructuredOutputsParams) -> StructuredOut
         return StructuredOutput.choice(wanted.choice, where)
     if wanted.grammar is not None:
         return StructuredOutput("grammar", wanted.grammar, where)
+    if wanted.structural_tag is not None:
+        tag = wanted.structural_tag
+        return StructuredOutput("structural_tag", tag if isinstance(tag, str) else structural_tag_text(tag), where)
     return StructuredOutput("json_object", None, where)
 
 
@@ -430,6 +436,10 @@ class OpenAIServer:
             raise ConfigError(f"--lora-modules: the adapter name {model_name!r} is the served model's name")
         self.config = config
         self.chat_template = configured_chat_template(config)  # None: the model's own
+        templates = client.tokenizer.chat_templates
+        tools_template = self.chat_template or templates.get("tool_use") or templates.get("default")
+        # The format a strict tool's calls are held to under tool_choice auto (None: not known, not held).
+        self.strict_format = strict_call_format(self.call_formats(forced=False), tools_template)
         self.reasoning = ReasoningParser.named(config.reasoning_parser) if config.reasoning_parser else None
         self.metrics = ServerMetrics(client.stats, getattr(client, "cluster_metrics", None))
         client.add_finished_listener(self._observe)
@@ -544,6 +554,14 @@ class OpenAIServer:
         formats = ALL_FORMATS if parser is None else TOOL_CALL_PARSERS[parser]
         return formats | {BARE_JSON} if forced else formats
 
+    def strict_calls(self, tools: list[dict[str, Any]], choice: object, parallel: bool) -> StructuredOutput | None:
+        """The grammar that holds the calls of strict tools (chat-shaped) to their schemas under ``tool_choice`` auto
+        (``api/strict_calls.py``), or None: another choice, no strict tool, or a call format not known."""
+        if choice not in (None, "auto") or self.strict_format is None:
+            return None
+        tag = strict_calls_tag(tools, self.strict_format, parallel, self.config.strict_tool_calls)
+        return None if tag is None else StructuredOutput("structural_tag", structural_tag_text(tag), "tools")
+
     def _prompt_tail(self, prompt: list[int]) -> str:
         return self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
 
@@ -572,16 +590,20 @@ class OpenAIServer:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         forced = _forced_calls(body)
+        tool_dicts = [t.model_dump(exclude_none=True) for t in body.tools or ()]
         tools = ToolUse(
             bool(body.tools) and body.tool_choice != "none",
             body.parallel_tool_calls,
-            parameter_types([t.model_dump(exclude_none=True) for t in body.tools or ()]),
+            parameter_types(tool_dicts),
             self.call_formats(forced=forced is not None),
             forced is not None,
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            structured = self.after_reasoning(forced or _structured(body), ids)
+            wanted = forced or _structured(body)
+            if wanted is None:  # (an answer held to a format is the answer: its calls are not read apart from it)
+                wanted = self.strict_calls(tool_dicts, body.tool_choice, body.parallel_tool_calls)
+            structured = self.after_reasoning(wanted, ids)
             prompt_logprobs = None if body.stream else body.prompt_logprobs  # (a stream has no place for them)
             room = self.client.max_model_len - len(ids)
             params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs, lora, self.defaults, room)

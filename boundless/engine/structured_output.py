@@ -30,8 +30,8 @@ from boundless.engine.errors import InvalidRequestError
 if TYPE_CHECKING:
     from boundless.model.tokenizer import Tokenizer
 
-StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
-KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
+StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "structural_tag"]
+KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 # Whitespace between two of JSON's tokens, at most: room for a pretty-printed object's newline and indent eight
 # levels deep, not for a weak model's endless run of blanks (what vLLM's --disable-any-whitespace is for).
 MAX_WHITESPACE = 32
@@ -43,11 +43,12 @@ MAX_GRAMMARS = 256
 class StructuredOutput:
     """What a request's output must be: ``json_object`` (any JSON object), ``json_schema`` (JSON valid under the
     JSON Schema ``definition``), ``regex`` (text matching the regular expression ``definition``), ``choice`` (one
-    of the strings in ``definition``, a JSON list) or ``grammar`` (text of the EBNF grammar ``definition``, in
-    xgrammar's dialect of GBNF, from its ``root`` rule). ``param``: the request's field it came from, which errors
-    name. ``after``: token ids that the grammar begins after (a reasoning model's end of thinking, ``</think>``):
-    until the output holds them it is free, so the model thinks first, as vLLM lets it; they are not part of the
-    grammar, so one compilation serves every ``after``."""
+    of the strings in ``definition``, a JSON list), ``grammar`` (text of the EBNF grammar ``definition``, in
+    xgrammar's dialect of GBNF, from its ``root`` rule) or ``structural_tag`` (xgrammar's structural tag, its JSON:
+    free text with parts held to formats, such as tool calls held to their schemas once the model begins one).
+    ``param``: the request's field it came from, which errors name. ``after``: token ids that the grammar begins
+    after (a reasoning model's end of thinking, ``</think>``): until the output holds them it is free, so the model
+    thinks first, as vLLM lets it; they are not part of the grammar, so one compilation serves every ``after``."""
 
     kind: StructuredKind
     definition: str | None = None
@@ -140,6 +141,8 @@ def _grammar(xgr: Any, spec: StructuredOutput) -> Any:
             # Each option a string literal of the grammar (JSON's escapes are the grammar's).
             options = json.loads(spec.definition or "[]")
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+        if spec.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec.definition)
         return xgr.Grammar.from_ebnf(spec.definition)
     except Exception as e:  # xgrammar raises RuntimeError or ValueError, with the reason
         raise _unusable(spec, e) from e

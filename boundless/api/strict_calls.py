@@ -1,0 +1,90 @@
+"""Strict function calling under ``tool_choice: auto``: a call the model begins is held to its tool's schema.
+
+OpenAI's ``strict: true`` on a function tool promises that a call's arguments follow the tool's parameters schema,
+whether the model chose to call (``auto``) or was made to. A forced call (``required``, a named function) is held to
+a JSON schema of the calls from its first token (``tool_calls.forced_call_schema``). Under ``auto`` the model may
+answer in text, so the output cannot be held to calls from the start; it is held to a *structural tag* instead
+(xgrammar's, as vLLM and SGLang use it): text is free until the model writes the opening of a call in the model's own
+call format (the trigger, ``<tool_call>``), and from there the call must name one of the tools and give it arguments
+its schema allows, then close; then text is free again (or, without ``parallel_tool_calls``, the output ends).
+
+The call format is the one the server reads (``--tool-call-parser``), or, without the flag, the one the chat template
+teaches: Qwen3-Coder's XML calls where the template writes ``<function=``, Hermes' JSON where it writes
+``<tool_call>``. Other formats (bare JSON, Python lists) have no trigger that tells a call from an answer, so there a
+``strict`` tool is served as vLLM serves it without a structural tag: its calls are read, not held.
+
+A tool is held to its schema when it says ``strict: true`` (or every tool, with ``--strict-tool-calls``, as vLLM's
+``VLLM_ENFORCE_STRICT_TOOL_CALLING`` and SGLang's ``SGLANG_TOOL_STRICT_LEVEL`` do); once any tool of a request is,
+the others' calls are held to their names and to a JSON object (an XML call's to its tags), so that every call the
+model begins parses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from boundless.api.tool_calls import TAGGED_JSON, TAGGED_XML, TOOL_CALL_TAG, XML_FUNCTION_TAG, CallFormats
+from boundless.engine.structured_output import MAX_WHITESPACE
+
+# The call formats that a structural tag can hold: each one's trigger, a call's opening (before and after its name),
+# and its end. Hermes' JSON call as Qwen's templates write it; Qwen3-Coder's XML call as its template does.
+_JSON_OPEN, _JSON_ARGUMENTS, _JSON_END = '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"
+_XML_OPEN, _XML_AFTER_NAME, _XML_END = "<tool_call>\n<function=", ">\n", "\n</function>\n</tool_call>"
+# No parameters: a call's arguments are the empty object.
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def strict_call_format(formats: CallFormats, template: str | None) -> str | None:
+    """The call format a strict call is held to: the server's ``--tool-call-parser``'s when it reads one tagged format
+    (``formats``), else the one the chat template writes (``template``: its source); None when neither says."""
+    tagged = formats & {TAGGED_JSON, TAGGED_XML}
+    if len(tagged) == 1 and len(formats) == 1:
+        return next(iter(tagged))
+    if len(formats) > 1 and template is not None:  # (no parser: every format is read, so the template decides)
+        if XML_FUNCTION_TAG in template:
+            return TAGGED_XML
+        if TOOL_CALL_TAG in template:
+            return TAGGED_JSON
+    return None
+
+
+def is_strict(tool: dict[str, Any]) -> bool:
+    """Whether a chat-shaped tool (``{"type": "function", "function": {...}}``) asks for strict calls."""
+    return bool((tool.get("function") or {}).get("strict"))
+
+
+def strict_calls_tag(
+    tools: Sequence[dict[str, Any]], call_format: str, parallel: bool, every_tool: bool = False
+) -> dict[str, Any] | None:
+    """The structural tag (xgrammar's JSON) that holds an ``auto`` output's calls in ``call_format`` to ``tools``
+    (chat-shaped), or None when no tool is strict (``every_tool``: all are). ``parallel``: False ends the output with
+    its first call (OpenAI's ``parallel_tool_calls: false``)."""
+    if not tools or not (every_tool or any(is_strict(t) for t in tools)):
+        return None
+    tags = []
+    for tool in tools:
+        function = tool["function"]
+        name, schema = function["name"], function.get("parameters") or _NO_PARAMETERS
+        strict = every_tool or bool(function.get("strict"))
+        # (Blanks capped as in every JSON grammar here, structured_output.MAX_WHITESPACE.)
+        content: dict[str, Any] = {"type": "json_schema", "max_whitespace_cnt": MAX_WHITESPACE}
+        if call_format == TAGGED_JSON:
+            content["json_schema"] = schema if strict else {"type": "object"}
+            begin, end = _JSON_OPEN + name + _JSON_ARGUMENTS, _JSON_END
+        else:
+            content = content | {"json_schema": schema, "style": "qwen_xml"} if strict else {"type": "any_text"}
+            begin, end = _XML_OPEN + name + _XML_AFTER_NAME, _XML_END
+        tags.append({"type": "tag", "begin": begin, "content": content, "end": end})
+    trigger = TOOL_CALL_TAG if call_format == TAGGED_JSON else _XML_OPEN
+    return {
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel},
+    }
+
+
+def structural_tag_text(tag: dict[str, Any]) -> str:
+    """A structural tag as the grammar's definition (its JSON, keys in a fixed order so that equal tags share one
+    compiled grammar)."""
+    return json.dumps(tag, sort_keys=True, ensure_ascii=False)

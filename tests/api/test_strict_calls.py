@@ -1,0 +1,304 @@
+"""Strict function calling under ``tool_choice: auto`` (``strict: true``, ``--strict-tool-calls``), and vLLM's
+``structural_tag`` response format, which it is built on."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+from served_models import HERMES_TEMPLATE, Served, serve_hermes
+
+from boundless.api.strict_calls import strict_call_format, strict_calls_tag, structural_tag_text
+from boundless.api.tool_calls import ALL_FORMATS, TAGGED_JSON, TAGGED_XML, TOOL_CALL_PARSERS
+from boundless.config import ServerConfig
+from boundless.engine.structured_output import Grammars, StructuredOutput
+from boundless.model.loader import load_model
+from boundless.model.random_model import TinySpec, write_random_model
+
+UNITS = {
+    "type": "function",
+    "function": {
+        "name": "set_units",
+        "parameters": {
+            "type": "object",
+            "properties": {"metric": {"type": "boolean"}, "scale": {"type": "string", "enum": ["C", "F", "K"]}},
+            "required": ["metric", "scale"],
+            "additionalProperties": False,
+        },
+    },
+}
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def strict(tool: dict) -> dict:
+    return {"type": "function", "function": {**tool["function"], "strict": True}}
+
+
+# -- which format, which tag ------------------------------------------------------------------------------------------
+
+
+def test_the_call_format_is_the_parsers_or_else_the_templates() -> None:
+    assert strict_call_format(TOOL_CALL_PARSERS["hermes"], None) == TAGGED_JSON
+    assert strict_call_format(TOOL_CALL_PARSERS["qwen3_coder"], None) == TAGGED_XML
+    # Formats with no trigger that tells a call from an answer are not held.
+    assert strict_call_format(TOOL_CALL_PARSERS["llama3_json"], "<tool_call>") is None
+    assert strict_call_format(TOOL_CALL_PARSERS["pythonic"], "<tool_call>") is None
+    # Without a parser the template says: Qwen3-Coder's writes both tags, Hermes' only the first.
+    assert strict_call_format(ALL_FORMATS, HERMES_TEMPLATE) == TAGGED_JSON
+    assert strict_call_format(ALL_FORMATS, "<tool_call>\n<function={{ name }}>") == TAGGED_XML
+    assert strict_call_format(ALL_FORMATS, "{{ messages }}") is None
+    assert strict_call_format(ALL_FORMATS, None) is None
+
+
+def test_no_tag_unless_a_tool_is_strict() -> None:
+    assert strict_calls_tag([UNITS, CITY], TAGGED_JSON, parallel=True) is None
+    assert strict_calls_tag([], TAGGED_JSON, parallel=True, every_tool=True) is None
+    assert strict_calls_tag([UNITS], TAGGED_JSON, parallel=True, every_tool=True) is not None
+    tag = strict_calls_tag([strict(UNITS), CITY], TAGGED_JSON, parallel=False)
+    assert tag is not None and tag["format"]["stop_after_first"] is True
+
+
+@pytest.fixture(scope="module")
+def tiny_grammars(tmp_path_factory: pytest.TempPathFactory) -> Grammars:
+    root = write_random_model(tmp_path_factory.mktemp("strict") / "m", TinySpec(vocab_size=384))
+    loaded = load_model(str(root))
+    return Grammars(loaded.tokenizer, loaded.arch.vocab_size)
+
+
+def accepts(grammars: Grammars, tag: dict, text: str) -> bool:
+    """Whether the tag's grammar takes ``text`` whole and may end there."""
+    matcher = grammars.matcher(StructuredOutput("structural_tag", structural_tag_text(tag)))
+    try:
+        matcher.replay(grammars.tokenizer.encode(text, add_special_tokens=False))
+    except RuntimeError:
+        return False
+    return bool(matcher._matcher.is_completed())
+
+
+def json_call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def test_a_strict_tools_calls_are_held_to_its_schema_and_text_stays_free(tiny_grammars: Grammars) -> None:
+    tag = strict_calls_tag([strict(UNITS), CITY], TAGGED_JSON, parallel=True)
+    assert tag is not None
+    ok = json_call("set_units", '{"metric": true, "scale": "K"}')
+    assert accepts(tiny_grammars, tag, "No call needed, just text.")
+    assert accepts(tiny_grammars, tag, "Setting it. " + ok + " Done.")
+    assert not accepts(tiny_grammars, tag, json_call("set_units", '{"metric": "yes", "scale": "K"}'))
+    assert not accepts(tiny_grammars, tag, json_call("set_units", '{"metric": true, "scale": "X"}'))
+    assert not accepts(tiny_grammars, tag, json_call("set_units", '{"metric": true}'))  # a required one left out
+    assert not accepts(tiny_grammars, tag, json_call("launch", "{}"))  # no such tool
+    # A tool that is not strict: its name, and any object.
+    assert accepts(tiny_grammars, tag, json_call("get_weather", '{"town": 3}'))
+    assert not accepts(tiny_grammars, tag, json_call("get_weather", '"Paris"'))
+    # Calls one after another, unless parallel calls are off: then the first ends the output.
+    assert accepts(tiny_grammars, tag, ok + ok)
+    single = strict_calls_tag([strict(UNITS)], TAGGED_JSON, parallel=False)
+    assert single is not None
+    assert accepts(tiny_grammars, single, "Text. " + ok) and not accepts(tiny_grammars, single, ok + " More.")
+
+
+def test_xml_calls_are_held_to_the_schema_as_qwen3_coder_writes_them(tiny_grammars: Grammars) -> None:
+    tag = strict_calls_tag([strict(UNITS), CITY], TAGGED_XML, parallel=True)
+    assert tag is not None
+
+    def xml(name: str, **values: str) -> str:
+        parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+        return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+    assert accepts(tiny_grammars, tag, "Sure. " + xml("set_units", metric="true", scale="F"))
+    assert not accepts(tiny_grammars, tag, xml("set_units", metric="maybe", scale="F"))
+    assert not accepts(tiny_grammars, tag, xml("set_units", metric="true", scale="F", extra="1"))
+    assert accepts(tiny_grammars, tag, xml("get_weather", anything="goes"))
+
+
+# -- served ----------------------------------------------------------------------------------------------------------
+
+
+def _serve(directory: Path, strict_tool_calls: bool = False) -> Iterator[Served]:
+    # <tool_call> is one token of the vocabulary, as in Qwen's, so that a logit bias can make the random model open a
+    # call; what it writes in the call is then the grammar's doing.
+    config = ServerConfig(strict_tool_calls=strict_tool_calls)
+    with serve_hermes(directory, server_config=config, added_tokens=("<tool_call>", "</tool_call>")) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from _serve(tmp_path_factory.mktemp("strict-served"))
+
+
+def _opens_calls(served: Served) -> dict[str, int]:
+    """A logit bias that makes the model open a call wherever the grammar lets it."""
+    (tag,) = served.loaded.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    return {str(tag): 100}
+
+
+def _ask(served: Served, tools: list[dict], **extra: object) -> dict:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Use Kelvin."}],
+        "tools": tools,
+        "max_tokens": 600,  # (room for the 32 blanks a random model may put between each two JSON tokens)
+        "temperature": 0,
+        "logit_bias": _opens_calls(served),
+        **extra,
+    }
+
+
+def _units_call(arguments: str) -> None:
+    values = json.loads(arguments)
+    assert set(values) == {"metric", "scale"} and isinstance(values["metric"], bool) and values["scale"] in "CFK"
+
+
+def test_a_call_the_model_opens_is_held_to_a_strict_tools_schema(hermes: Served) -> None:
+    """The random model, made to open a call, writes garbage without strict (no call parses) and a call that follows
+    the schema with it, streamed and not; without parallel calls it stops after the first."""
+    client = hermes.client
+    loose = client.chat.completions.create(**_ask(hermes, [UNITS]), tool_choice="auto")
+    assert not loose.choices[0].message.tool_calls
+    held = client.chat.completions.create(**_ask(hermes, [strict(UNITS)], parallel_tool_calls=False))
+    choice = held.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    assert choice.message.tool_calls[0].function.name == "set_units"
+    _units_call(choice.message.tool_calls[0].function.arguments)
+    stream = client.chat.completions.create(**_ask(hermes, [strict(UNITS)], parallel_tool_calls=False), stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    arguments = "".join(t.function.arguments or "" for c in chunks for t in c.delta.tool_calls or ())
+    assert arguments == choice.message.tool_calls[0].function.arguments
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_parallel_calls_each_follow_their_schema(hermes: Served) -> None:
+    reply = hermes.client.chat.completions.create(**_ask(hermes, [strict(UNITS)], max_tokens=700))
+    calls = reply.choices[0].message.tool_calls or []
+    whole = calls if reply.choices[0].finish_reason != "length" else calls[:-1]  # (the last may be cut off)
+    assert len(whole) >= 2
+    for call in whole:
+        assert call.function.name == "set_units"
+        _units_call(call.function.arguments)
+
+
+def test_a_format_or_a_forced_choice_takes_the_place_of_strict_calls(hermes: Served) -> None:
+    """tool_choice none reads no calls; an answer held to JSON is the answer; a forced call keeps its own grammar."""
+    client = hermes.client
+    none = client.chat.completions.create(**_ask(hermes, [strict(UNITS)]), tool_choice="none")
+    assert not none.choices[0].message.tool_calls
+    as_json = client.chat.completions.create(**_ask(hermes, [strict(UNITS)]), response_format={"type": "json_object"})
+    assert not as_json.choices[0].message.tool_calls
+    forced = client.chat.completions.create(**_ask(hermes, [strict(UNITS)]), tool_choice="required")
+    _units_call(forced.choices[0].message.tool_calls[0].function.arguments)
+
+
+def _compiled_tags(served: Served) -> list[str]:
+    """The structural tags the engine compiled grammars for (what its requests were held to)."""
+    compiled = served.engine.core.grammars._compiled
+    return [spec.definition for spec in compiled if spec.kind == "structural_tag" and spec.definition]
+
+
+def test_strict_tools_through_the_responses_and_messages_apis(hermes: Served) -> None:
+    """Anthropic's API is the chat route's, logit bias included: the call is held. The Responses API has no logit bias
+    to make the random model open a call, so what shows its tools are held is the grammar its request compiled."""
+    claude_like = anthropic.Anthropic(base_url=hermes.url, api_key="x", max_retries=0)
+    message = claude_like.messages.create(
+        model="tiny",
+        max_tokens=600,
+        messages=[{"role": "user", "content": "Use Kelvin."}],
+        tools=[{"name": "set_units", "input_schema": UNITS["function"]["parameters"], "strict": True}],
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        extra_body={"temperature": 0, "logit_bias": _opens_calls(hermes)},
+    )
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and len(uses) == 1
+    _units_call(json.dumps(uses[0].input))
+    schema = {**UNITS["function"]["parameters"], "properties": {"level": {"type": "integer"}}, "required": ["level"]}
+    function = {"type": "function", "name": "set_level", "parameters": schema}
+    for strict_field in (False, True):
+        hermes.client.responses.create(
+            model="tiny", input="Level?", tools=[{**function, "strict": strict_field}], max_output_tokens=4
+        )
+        assert any("set_level" in tag for tag in _compiled_tags(hermes)) == strict_field
+
+
+def test_strict_tool_calls_hold_every_tool(tmp_path: Path) -> None:
+    """--strict-tool-calls: a tool that does not say strict is held all the same."""
+    for served in _serve(tmp_path, strict_tool_calls=True):
+        reply = served.client.chat.completions.create(**_ask(served, [UNITS], parallel_tool_calls=False))
+        (call,) = reply.choices[0].message.tool_calls
+        _units_call(call.function.arguments)
+
+
+# -- structural_tag response format (vLLM's, SGLang's) ----------------------------------------------------------------
+
+TAGGED_NUMBER = {
+    "type": "tag",
+    "begin": "<n>",
+    "content": {
+        "type": "json_schema",
+        "json_schema": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+        "max_whitespace_cnt": 2,
+    },
+    "end": "</n>",
+}
+
+
+def test_a_structural_tag_response_format_holds_the_output(hermes: Served) -> None:
+    client = hermes.client
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "A number."}], "max_tokens": 100, "temperature": 0}
+    reply = client.chat.completions.create(
+        **ask,
+        response_format={"type": "structural_tag", "format": TAGGED_NUMBER},  # type: ignore[typeddict-item]
+    )
+    found = re.fullmatch(r"<n>(.*)</n>", reply.choices[0].message.content or "", re.DOTALL)
+    assert found and isinstance(json.loads(found.group(1))["x"], int)
+    # vLLM's structured_outputs takes the tag as its JSON text; here an object too.
+    wrapped = {"type": "structural_tag", "format": TAGGED_NUMBER}
+    for tag in (json.dumps(wrapped), wrapped):
+        same = client.chat.completions.create(**ask, extra_body={"structured_outputs": {"structural_tag": tag}})
+        assert same.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_vllms_first_structural_tag_shape(tiny_grammars: Grammars) -> None:
+    """``structures`` that begin at one of the ``triggers``: free text, each structure held to its schema."""
+    from boundless.api.schemas import ResponseFormat
+
+    legacy = ResponseFormat.model_validate(
+        {
+            "type": "structural_tag",
+            "structures": [{"begin": "<n>", "schema": TAGGED_NUMBER["content"]["json_schema"], "end": "</n>"}],
+            "triggers": ["<n>"],
+        }
+    )
+    tag = legacy.structural_tag()
+    assert accepts(tiny_grammars, tag, 'Here: <n>{"x": 3}</n> and text.')
+    assert not accepts(tiny_grammars, tag, 'Here: <n>{"x": "3"}</n>')
+
+
+@pytest.mark.parametrize(
+    ("fmt", "param"),
+    [
+        ({"type": "structural_tag"}, "response_format"),
+        ({"type": "structural_tag", "format": {"type": "no_such_format"}}, "response_format"),
+        ({"type": "structural_tag", "format": TAGGED_NUMBER, "triggers": ["<n>"]}, "response_format"),
+    ],
+)
+def test_a_bad_structural_tag_is_a_400(hermes: Served, fmt: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        hermes.client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            response_format=fmt,  # type: ignore[arg-type]
+        )
+    assert err.value.body["param"].startswith(param)
