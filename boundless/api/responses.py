@@ -165,6 +165,8 @@ class ResponsesRequest(NullIsDefault):
     # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers); by default the chain's.
     program_id: Identifier | None = None
     thread_id: Identifier | None = None
+    # OpenAI's cache key (Codex sends its conversation's id): the program, unless program_id or X-Program-Id says
+    prompt_cache_key: Identifier | None = None
 
 
 def function_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
@@ -398,6 +400,7 @@ class ResponsesAPI:
         program_id = (
             body.program_id
             or header_identifier(request.headers, "X-Program-Id")
+            or body.prompt_cache_key
             or (previous.program_id if previous else response_id)
         )
         thread_id = body.thread_id or header_identifier(request.headers, "X-Thread-Id")

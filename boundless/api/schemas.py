@@ -184,6 +184,9 @@ class _SamplingFields(NullIsDefault):
     program_id: Identifier | None = None
     thread_id: Identifier | None = None
     parent_thread_ids: Annotated[list[Identifier], Field(max_length=MAX_PARENT_THREADS)] | None = None
+    # OpenAI's: requests that share it share cached prefixes (Codex sends its conversation's id). Here it names the
+    # program the request belongs to unless program_id or X-Program-Id does: the same scheduling and locality.
+    prompt_cache_key: Identifier | None = None
 
 
 class FunctionCall(BaseModel):

@@ -376,7 +376,7 @@ async def check_grammar(params: SamplingParams, vocab_size: int) -> None:
 
 
 def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) -> ProgramRef | None:
-    program_id = body.program_id or header_identifier(request.headers, "X-Program-Id")
+    program_id = body.program_id or header_identifier(request.headers, "X-Program-Id") or body.prompt_cache_key
     thread_id = body.thread_id or header_identifier(request.headers, "X-Thread-Id")
     if not program_id:
         return None

@@ -80,6 +80,11 @@ def test_a_response_is_the_chat_completion_of_its_conversation(client: openai.Op
     record = hermes.engine.core.policy.table.get(first.id)  # type: ignore[attr-defined]
     assert record is not None and record.completed_calls == 2
     assert hermes.engine.core.policy.table.get(second.id) is None  # type: ignore[attr-defined]
+    # OpenAI's prompt_cache_key (Codex's conversation id) names the chain's program instead.
+    keyed = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, prompt_cache_key="conv-7")
+    client.responses.create(model=MODEL, input="More", previous_response_id=keyed.id, max_output_tokens=2)
+    record = hermes.engine.core.policy.table.get("conv-7")  # type: ignore[attr-defined]
+    assert record is not None and record.completed_calls == 2
 
     assert client.responses.retrieve(second.id).output_text == second.output_text
 

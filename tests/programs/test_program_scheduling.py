@@ -81,3 +81,25 @@ def test_a_routers_view_of_a_program_reaches_the_policy(tiny_llama: LoadedModel,
     # The router's figures, plus this call's own service and wait on top of its summed ones.
     assert rec.service_s >= 7.0 and rec.total_service_s >= 9.0 and rec.waiting_s >= 3.0
     assert rec.completed_calls == 1
+
+
+def test_openais_prompt_cache_key_names_the_program(tiny_llama: LoadedModel) -> None:
+    """An agent that knows only OpenAI's API (Codex sends its conversation's id as ``prompt_cache_key``) is one
+    program to the scheduler; ``program_id`` and ``X-Program-Id`` still come first."""
+    engine = AsyncEngine(EngineCore.from_model(tiny_llama, engine_config(tiny_llama.name, kv_cache_gb=0.05)))
+    server = start_in_thread(engine, "tiny")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    try:
+        for extra in ({"prompt_cache_key": "conv-1"}, {"prompt_cache_key": "conv-1"}, {"program_id": "agent"}):
+            client.completions.create(model="tiny", prompt="step", max_tokens=2, extra_body=extra)
+        client.completions.create(
+            model="tiny", prompt="step", max_tokens=2, extra_body={"prompt_cache_key": "conv-1", "program_id": "agent"}
+        )
+        client.with_options(default_headers={"X-Program-Id": "agent"}).completions.create(
+            model="tiny", prompt="step", max_tokens=2, extra_body={"prompt_cache_key": "conv-1"}
+        )
+        table = engine.core.scheduler.policy.table
+        assert (table.get("conv-1").completed_calls, table.get("agent").completed_calls) == (2, 3)
+    finally:
+        server.stop()
+        engine.shutdown()
