@@ -180,6 +180,8 @@ class _SamplingFields(NullIsDefault):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # vLLM's: a class of service, smaller first; the scheduler's policy orders requests within one
     priority: Int = 0
+    # vLLM's: the prompt keeps its last this many tokens (-1: as many as the context holds), for a history grown long
+    truncate_prompt_tokens: Annotated[int, Strict(), Field(ge=-1)] | None = None
     # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers)
     program_id: Identifier | None = None
     thread_id: Identifier | None = None

@@ -400,6 +400,21 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: in
     require_token_ids(bias_ids, vocab_size, "logit_bias")
 
 
+def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context's length), for an agent
+    whose history has outgrown the context; the prompt whole without it."""
+    if keep is None:
+        return ids
+    if keep == 0 or keep > max_model_len:
+        raise APIError(
+            400,
+            f"truncate_prompt_tokens must be -1 or 1 to the model's context ({max_model_len}), not {keep}",
+            "truncate_prompt_tokens",
+            "invalid_value",
+        )
+    return ids[-(max_model_len if keep == -1 else keep) :]
+
+
 def configured_chat_template(config: ServerConfig) -> str | None:
     """The template ``--chat-template`` gives (a file's or the flag's own text), checked; None without the flag."""
     if config.chat_template is None:
@@ -584,7 +599,7 @@ class OpenAIServer:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         check_common(body, self.tokenizer.vocab_size)
         lora = self.check_model(body.model)
-        ids = self.chat_prompt(body)
+        ids = truncated_prompt(self.chat_prompt(body), body.truncate_prompt_tokens, self.client.max_model_len)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -817,7 +832,7 @@ class OpenAIServer:
             raise APIError(400, "prompt must not be empty", "prompt")
         for ids in prompts:  # token ids the client sent must be in the vocabulary (the tokenizer's are)
             require_token_ids(ids, self.tokenizer.vocab_size, "prompt")
-        return prompts
+        return [truncated_prompt(ids, body.truncate_prompt_tokens, self.client.max_model_len) for ids in prompts]
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         check_common(body, self.tokenizer.vocab_size)

@@ -694,3 +694,31 @@ def test_cached_tokens_of_n_samples_are_the_prompts_not_a_siblings(tiny_llama: L
     finally:
         srv.stop()
         eng.shutdown()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client: openai.OpenAI, smollm2: LoadedModel) -> None:
+    """vLLM's truncate_prompt_tokens: the prompt's last tokens, as if they had been sent alone; -1 the context's length;
+    0 or more than the context a 400."""
+    text = "one two three four five six seven eight nine ten"
+    ids = smollm2.tokenizer.encode(text)
+    alone = client.completions.create(model=MODEL, prompt=ids[-4:], max_tokens=6, temperature=0)
+    cut = client.completions.create(
+        model=MODEL, prompt=text, max_tokens=6, temperature=0, extra_body={"truncate_prompt_tokens": 4}
+    )
+    assert cut.usage is not None and cut.usage.prompt_tokens == 4
+    assert cut.choices[0].text == alone.choices[0].text
+    whole = client.completions.create(model=MODEL, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 5},
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 5
+    for keep in (0, 10**6):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(
+                model=MODEL, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": keep}
+            )
+        assert err.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
