@@ -196,8 +196,14 @@ def chat_fields(body: MessagesRequest, reasons: bool) -> dict[str, Any]:
         if kind == "disabled" and reasons:
             # (Qwen3's switch, beside the request's own chat_template_kwargs; others' templates ignore it)
             fields["chat_template_kwargs"] = {**(fields.get("chat_template_kwargs") or {}), "enable_thinking": False}
-        elif kind not in ("enabled", "disabled"):
-            raise APIError(400, "thinking.type must be enabled or disabled", "thinking.type")
+        elif kind not in ("enabled", "disabled", "adaptive"):  # (adaptive: the model decides how long, as enabled)
+            raise APIError(400, "thinking.type must be enabled, adaptive or disabled", "thinking.type")
+        budget = body.thinking.get("budget_tokens")
+        if kind == "enabled" and budget is not None:
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+                raise APIError(400, "thinking.budget_tokens must be a positive integer", "thinking.budget_tokens")
+            if reasons:  # the thinking closed after that many tokens (engine/thinking_budget.py)
+                fields.setdefault("thinking_token_budget", budget)
     return fields
 
 

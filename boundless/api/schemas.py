@@ -308,6 +308,8 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: Bool = True
     # OpenAI's Predicted Outputs: drafts for speculative decoding; the answer is the same, sooner
     prediction: Prediction | None = None
+    # vLLM's, with --reasoning-parser: the thinking closes (its end tag forced) after this many tokens
+    thinking_token_budget: Annotated[int, Strict(), Field(ge=0)] | None = None
 
     @field_validator("tools")
     @classmethod

@@ -71,6 +71,7 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
 from boundless.engine.structured_output import StructuredOutput, check_structured_output
+from boundless.engine.thinking_budget import ThinkingBudget
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults
 from boundless.model.lora import LoRAError, LoRARequest
 from boundless.model.tokenizer import load_chat_template
@@ -577,6 +578,28 @@ class OpenAIServer:
         tag = strict_calls_tag(tools, self.strict_format, parallel, self.config.strict_tool_calls)
         return None if tag is None else StructuredOutput("structural_tag", structural_tag_text(tag), "tools")
 
+    def thinking_budget(self, tokens: int | None, prompt: list[int]) -> ThinkingBudget | None:
+        """The budget that closes a reasoning model's thinking after ``tokens`` tokens (``thinking_token_budget``)
+        for an output of ``prompt``: its end tag forced then; None without one, or when the prompt turned thinking
+        off. A 400 on a model that does not reason: the tags are the reasoning parser's."""
+        parser = self.reasoning
+        if tokens is None:
+            return None
+        if parser is None:
+            raise APIError(
+                400,
+                f"{self.model_name} does not reason (no --reasoning-parser): thinking_token_budget is not supported",
+                "thinking_token_budget",
+            )
+        tail = self._prompt_tail(prompt)
+        if parser.closed_in(tail):
+            return None
+
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+        return ThinkingBudget(tokens, ids(parser.end), () if parser.opens_in_reasoning(tail) else ids(parser.start))
+
     def _prompt_tail(self, prompt: list[int]) -> str:
         return self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
 
@@ -625,6 +648,9 @@ class OpenAIServer:
             if body.prediction is not None:
                 prediction = self.tokenizer.encode(body.prediction.text, add_special_tokens=False)
                 params = dataclasses.replace(params, prediction=tuple(prediction))
+            if body.thinking_token_budget is not None:
+                budget = self.thinking_budget(body.thinking_token_budget, ids)
+                params = dataclasses.replace(params, thinking_budget=budget)
             await check_grammar(params, self.tokenizer.vocab_size)
             streams = self.submit_all(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used for the limit

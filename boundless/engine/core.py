@@ -522,6 +522,9 @@ class EngineCore:
         bad_predicted = next((t for t in params.prediction if t >= vocab), None)
         if bad_predicted is not None:
             raise InvalidRequestError(f"prediction: token id {bad_predicted} is not in [0, {vocab})", "prediction")
+        budget = params.thinking_budget
+        if budget is not None and not all(0 <= t < vocab for t in (*budget.start, *budget.end)):
+            raise InvalidRequestError(f"thinking budget: tag ids must be in [0, {vocab})", "thinking_token_budget")
         if params.structured is not None:
             check_structured_output(params.structured, vocab)
             # A grammar this engine failed to compile already (it passed the check): refused before anything is set up.

@@ -87,6 +87,10 @@ class Sampler:
         # and, while one waits, the outputs drawn so far (a window's passes too, which the history lacks).
         self._starts: dict[str, int] = {}
         self._waiting: dict[str, list[int]] = {}
+        # Requests with a thinking budget (SamplingParams.thinking_budget): the outputs drawn so far while they think
+        # (a window's passes too), and those whose thinking has closed (nothing more to force).
+        self._thinking: dict[str, list[int]] = {}
+        self._thought: set[str] = set()
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -95,6 +99,8 @@ class Sampler:
             self._matchers.pop(rid, None)
             self._starts.pop(rid, None)
             self._waiting.pop(rid, None)
+            self._thinking.pop(rid, None)
+            self._thought.discard(rid)
 
     def _waits(self, chunk: ScheduledChunk) -> bool:
         """Whether the request's grammar has yet to begin: its ``after`` tokens are not in its output so far."""
@@ -129,6 +135,27 @@ class Sampler:
             self._matchers[rid] = matcher
         return matcher
 
+    def _forced_ends(self, chunks: Sequence[ScheduledChunk], places: list[int]) -> list[tuple[int, int]]:
+        """The rows whose request has spent its thinking budget, each with the token it must take: its thinking's end
+        tag, a token at a time (``engine/thinking_budget.py``). A request whose grammar holds its thinking too
+        (``--structured-outputs-in-reasoning``) is left to the grammar."""
+        forced = []
+        for i, (c, k) in enumerate(zip(chunks, places, strict=True)):
+            p = c.sampling_params
+            budget, rid = p.thinking_budget, c.request_id
+            if budget is None or rid in self._thought or (p.structured is not None and not p.structured.after):
+                continue
+            drawn = self._thinking.get(rid)
+            if drawn is None or len(drawn) != c.num_output_tokens - k:  # (a later row's chunk counts the drafts before)
+                drawn = self._thinking[rid] = list(_outputs(c))
+            outputs = [*drawn, *c.draft_token_ids[:k]] if k else drawn
+            token = budget.forced(outputs)
+            if token is not None:
+                forced.append((i, token))
+            elif not k and budget.closed(outputs):
+                self._thought.add(rid)
+        return forced
+
     def _generator_for(self, chunk: ScheduledChunk) -> torch.Generator:
         seed = chunk.sampling_params.seed
         if seed is None:
@@ -146,9 +173,10 @@ class Sampler:
         if any(c.sampling_params.logprobs is not None for c in chunks):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         # Penalized rows, each with the drafts before it in its chunk (speculative decoding: counted as outputs).
+        places = _draft_places(chunks)
         penalized = [
             (i, c.draft_token_ids[:k])
-            for i, (c, k) in enumerate(zip(chunks, _draft_places(chunks), strict=True))
+            for i, (c, k) in enumerate(zip(chunks, places, strict=True))
             if c.sampling_params.penalized
         ]
         # Structured requests' first rows, with their matchers and drafts (speculative decoding: a row per position
@@ -164,7 +192,8 @@ class Sampler:
             matcher = self._matcher(c)
             if not matcher.done:
                 structured.append((i, matcher, c.draft_token_ids))
-        tokens = self.draw(self._adjusted(logits, chunks, penalized, structured), chunks)
+        forced = self._forced_ends(chunks, places)
+        tokens = self.draw(self._adjusted(logits, chunks, penalized, structured, forced), chunks)
         token_list = tokens.tolist()
 
         def kept(i: int, drafts: tuple[int, ...]) -> list[int]:
@@ -187,6 +216,10 @@ class Sampler:
                 matcher.accept(token)
         for i in waiting:
             self._waiting[chunks[i].request_id] += kept(i, chunks[i].draft_token_ids)
+        if self._thinking:  # (the outputs of requests thinking under a budget, as drawn)
+            for i, (c, k) in enumerate(zip(chunks, places, strict=True)):
+                if not k and c.request_id in self._thinking and c.request_id not in self._thought:
+                    self._thinking[c.request_id] += kept(i, c.draft_token_ids)
         out = [SampledToken(t) for t in token_list]
         if raw_logprobs is not None:
             self._fill_logprobs(raw_logprobs, tokens, chunks, out)
@@ -279,9 +312,11 @@ class Sampler:
         chunks: Sequence[ScheduledChunk],
         penalized: list[tuple[int, tuple[int, ...]]],
         structured: list[tuple[int, GrammarMatcher, tuple[int, ...]]],
+        forced: list[tuple[int, int]],
     ) -> torch.Tensor:
         """The logits to sample from: logit biases added, then penalties (vLLM's order), early stops and tokens
-        the grammar does not allow forbidden. A copy if any of them applies to a row."""
+        the grammar does not allow forbidden, and ``forced`` rows (row, token) held to their token. A copy if any of
+        them applies to a row."""
         banned_rows, banned_ids, bias_rows, bias_ids, biases = [], [], [], [], []
         for i, c in enumerate(chunks):
             p = c.sampling_params
@@ -295,7 +330,7 @@ class Sampler:
                 bias_rows.append(i)
                 bias_ids.append(token)
                 biases.append(bias)
-        if not (banned_rows or bias_rows or penalized or structured):
+        if not (banned_rows or bias_rows or penalized or structured or forced):
             return logits
         logits = logits.clone()
         device = logits.device
@@ -309,6 +344,10 @@ class Sampler:
         if structured:
             rows, matchers, drafts = zip(*structured, strict=True)
             mask_logits(logits, list(rows), list(matchers), drafts)
+        if forced:
+            rows, ids = (torch.tensor(column, device=device) for column in zip(*forced, strict=True))
+            logits[rows] = float("-inf")
+            logits[rows, ids] = 0.0
         return logits
 
     def _penalize(

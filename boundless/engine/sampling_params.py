@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.structured_output import StructuredOutput
+from boundless.engine.thinking_budget import ThinkingBudget
 
 # Seeds are signed 64-bit integers, as vLLM takes them; torch.Generator.manual_seed accepts all of them.
 SEED_MIN = -(2**63)
@@ -96,6 +97,9 @@ class SamplingParams:
     # OpenAI's Predicted Outputs: tokens the answer is likely to hold (a file being rewritten). They are drafts for
     # speculative decoding (``engine/prediction.py``): the answer is the same with or without them, only faster.
     prediction: tuple[int, ...] = ()
+    # vLLM's ``thinking_token_budget``: a reasoning model's thinking closed, its end tag forced, after this many tokens
+    # (``engine/thinking_budget.py``). None: it thinks as long as it likes.
+    thinking_budget: ThinkingBudget | None = None
     # Whether a penalty needs the request's tokens so far; whether anything does (a grammar replays a handed-off
     # request's): the scheduler hands them to the sampler only then.
     penalized: bool = field(init=False, repr=False, compare=False, default=False)
@@ -114,7 +118,9 @@ class SamplingParams:
             "penalized",
             self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0,
         )
-        object.__setattr__(self, "needs_history", self.penalized or self.structured is not None)
+        object.__setattr__(
+            self, "needs_history", self.penalized or self.structured is not None or self.thinking_budget is not None
+        )
         self._check("n", isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1")
         self._check("temperature", 0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]")
         self._check("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
@@ -134,6 +140,11 @@ class SamplingParams:
         self._check("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0")
         self._check("priority", _is_int(self.priority), "priority must be an integer")
         self._check("prediction", all(_is_int(t) and t >= 0 for t in self.prediction), "prediction must be token ids")
+        self._check(
+            "thinking_token_budget",
+            self.thinking_budget is None or isinstance(self.thinking_budget, ThinkingBudget),
+            "thinking_budget must be a ThinkingBudget",
+        )
         if self.max_tokens is not None:
             self._check("min_tokens", self.min_tokens <= self.max_tokens, "min_tokens must not exceed max_tokens")
         if self.logprobs is not None:

@@ -165,6 +165,8 @@ CORPUS: list[Case] = [
     *both({"max_tokens": "4"}, "max_tokens"),
     chat({"max_completion_tokens": 0}, "max_completion_tokens"),
     chat({"reasoning_effort": "high"}, "reasoning_effort"),  # this model does not reason (no --reasoning-parser)
+    chat({"thinking_token_budget": 100}, "thinking_token_budget"),  # nor has it tags to close its thinking with
+    chat({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
     chat({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     chat({"max_completion_tokens": 10**20}, "max_completion_tokens"),
     chat({"max_completion_tokens": 2.0}, "max_completion_tokens"),

@@ -453,3 +453,54 @@ def test_anthropic_thinking_disabled_keeps_the_requests_template_variables(serve
     on = client.messages.count_tokens(model="tiny", messages=ASK).input_tokens
     assert plain > on  # (the empty thinking the template writes when it is off)
     assert opened.input_tokens > plain  # (and "<think>" opened after it, as the request's variable asks)
+
+
+# -- a thinking budget ------------------------------------------------------------------------------------------------
+
+
+def test_a_thinking_budget_closes_the_thinking_then_the_model_answers(thinker: Served) -> None:
+    """``thinking_token_budget`` (vLLM's) and Anthropic's ``budget_tokens``: the random model, which never ends its
+    thinking on its own, thinks its own first tokens, then the end tag is forced and it answers; streamed alike. The
+    thinking is counted in the usage's reasoning tokens, tag included."""
+    prompt = thinker.loaded.tokenizer.apply_chat_template(ASK, open_think=True)
+    free = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    first = httpx.post(thinker.url + "/v1/completions", json=free, timeout=60).json()["choices"][0]["text"]
+    assert "</think>" not in first
+    opened = {"chat_template_kwargs": {"open_think": True}}
+    ask = {"model": "tiny", "messages": ASK, "max_tokens": 30, "temperature": 0}
+    unbudgeted = thinker.client.chat.completions.create(**ask, extra_body=opened)
+    assert unbudgeted.choices[0].message.content is None  # all of it thinking
+    reply = thinker.client.chat.completions.create(**ask, extra_body={**opened, "thinking_token_budget": 6})
+    message = reply.choices[0].message
+    assert message.reasoning == first and message.content  # type: ignore[attr-defined]
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 7  # type: ignore[union-attr]
+    stream = thinker.client.chat.completions.create(
+        **ask, stream=True, extra_body={**opened, "thinking_token_budget": 6}
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == first
+    assert "".join(d.content or "" for d in deltas) == message.content
+    claude_like = anthropic.Anthropic(base_url=thinker.url, api_key="x", max_retries=0)
+    budgeted = claude_like.messages.create(
+        model="tiny",
+        max_tokens=30,
+        messages=ASK,
+        thinking={"type": "enabled", "budget_tokens": 6},
+        extra_body={"temperature": 0, **opened},
+    )
+    assert [b.type for b in budgeted.content] == ["thinking", "text"]
+    assert budgeted.content[0].thinking == first  # type: ignore[union-attr]
+
+
+def test_a_bad_thinking_budget_is_a_400(thinker: Served) -> None:
+    bad = {"model": "tiny", "messages": ASK, "max_tokens": 4, "thinking_token_budget": -1}
+    reply = httpx.post(thinker.url + "/v1/chat/completions", json=bad, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "thinking_token_budget"
+    anthropic_bad = {
+        "model": "tiny",
+        "max_tokens": 4,
+        "messages": ASK,
+        "thinking": {"type": "enabled", "budget_tokens": 0},
+    }
+    reply = httpx.post(thinker.url + "/v1/messages", json=anthropic_bad, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
