@@ -63,7 +63,7 @@ from boundless.api.server import (
     sampling_params,
     structured_outputs_grammar,
 )
-from boundless.api.tool_calls import ContentStream, ToolCall, forced_call_schema, parameter_types
+from boundless.api.tool_calls import ContentStream, ToolCall, parameter_types
 from boundless.api.validation import header_identifier, refuse_removed_fields, require_valid_text
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.structured_output import StructuredOutput
@@ -347,7 +347,9 @@ class ResponsesAPI:
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or ()]
         logprobs = (body.top_logprobs or 0) if call.logprobs else None
         try:
-            wanted = _structured(body, tools) or server.strict_calls(tools, body.tool_choice, body.parallel_tool_calls)
+            wanted = _structured(body, tools, server) or server.strict_calls(
+                tools, body.tool_choice, body.parallel_tool_calls
+            )
             structured = server.after_reasoning(wanted, call.prompt)
             params = sampling_params(
                 chat,
@@ -707,7 +709,7 @@ def _forces_call(body: ResponsesRequest) -> bool:
     return body.tool_choice == "required" or isinstance(body.tool_choice, FunctionChoice)
 
 
-def _structured(body: ResponsesRequest, tools: list[dict[str, Any]]) -> StructuredOutput | None:
+def _structured(body: ResponsesRequest, tools: list[dict[str, Any]], server: OpenAIServer) -> StructuredOutput | None:
     """The grammar of ``text.format``, of a ``tool_choice`` that forces a call or of ``structured_outputs`` (one of
     them)."""
     fmt = body.text.format if body.text is not None else None
@@ -723,7 +725,7 @@ def _structured(body: ResponsesRequest, tools: list[dict[str, Any]]) -> Structur
         if wants_json:
             raise APIError(400, "text.format cannot go with a tool_choice that forces a call", "text.format")
         name = choice.name if isinstance(choice, FunctionChoice) else None  # type: ignore[union-attr]
-        return StructuredOutput.json_schema(forced_call_schema(tools, name, body.parallel_tool_calls), "tools")
+        return server.forced_calls(tools, name, body.parallel_tool_calls)
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":

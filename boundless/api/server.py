@@ -43,7 +43,7 @@ from boundless.api.schemas import (
     CompletionRequest,
     StructuredOutputsParams,
 )
-from boundless.api.strict_calls import strict_call_format, strict_calls_tag, structural_tag_text
+from boundless.api.strict_calls import forced_calls_tag, strict_call_format, strict_calls_tag, structural_tag_text
 from boundless.api.tool_calls import (
     ALL_FORMATS,
     BARE_JSON,
@@ -319,8 +319,11 @@ class ToolUse:
         return [*spans[:-1], (start, start + len(answer[start:end].rstrip()))]
 
 
-def _forced_calls(body: ChatCompletionRequest) -> StructuredOutput | None:
-    """The grammar of a ``tool_choice`` that forces a call (``required`` or a named function), else None."""
+def _forced_calls(
+    body: ChatCompletionRequest, grammar: Callable[[list[dict[str, Any]], str | None, bool], StructuredOutput]
+) -> StructuredOutput | None:
+    """The grammar of a ``tool_choice`` that forces a call (``required`` or a named function), else None:
+    ``grammar(tools, name, parallel)`` (``OpenAIServer.forced_calls``) once the choice is checked."""
     choice = body.tool_choice
     if choice is None or choice in ("none", "auto"):
         return None
@@ -335,7 +338,7 @@ def _forced_calls(body: ChatCompletionRequest) -> StructuredOutput | None:
     if name is not None and name not in names:
         raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice", "invalid_value")
     # (A parameters schema xgrammar cannot use is then the tools' fault: errors name them.)
-    return StructuredOutput.json_schema(forced_call_schema(tools, name, body.parallel_tool_calls), "tools")
+    return grammar(tools, name, body.parallel_tool_calls)
 
 
 def _structured(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
@@ -454,7 +457,9 @@ class OpenAIServer:
         self.chat_template = configured_chat_template(config)  # None: the model's own
         templates = client.tokenizer.chat_templates
         tools_template = self.chat_template or templates.get("tool_use") or templates.get("default")
-        # The format a strict tool's calls are held to under tool_choice auto (None: not known, not held).
+        # The model's call format (None: not known): a strict tool's calls under tool_choice auto are held to it, and
+        # forced calls are written in it.
+        self.strict_format: str | None = None
         self.strict_format = strict_call_format(self.call_formats(forced=False), tools_template)
         self.reasoning = ReasoningParser.named(config.reasoning_parser) if config.reasoning_parser else None
         self.metrics = ServerMetrics(client.stats, getattr(client, "cluster_metrics", None))
@@ -568,7 +573,16 @@ class OpenAIServer:
         forced call's grammar writes the output."""
         parser = self.config.tool_call_parser
         formats = ALL_FORMATS if parser is None else TOOL_CALL_PARSERS[parser]
-        return formats | {BARE_JSON} if forced else formats
+        return formats | {BARE_JSON} if forced and self.strict_format is None else formats
+
+    def forced_calls(self, tools: list[dict[str, Any]], name: str | None, parallel: bool) -> StructuredOutput:
+        """The grammar of a ``tool_choice`` that forces a call (``name``'s, or with None any tool's): the calls in
+        the model's own format where it is known (``strict_format``: a structural tag, as SGLang holds them, so the
+        model writes what it was trained to), else a JSON list of calls (vLLM's; read as bare JSON)."""
+        if self.strict_format is None:
+            return StructuredOutput.json_schema(forced_call_schema(tools, name, parallel), "tools")
+        tag = forced_calls_tag(tools, self.strict_format, parallel, name)
+        return StructuredOutput("structural_tag", structural_tag_text(tag), "tools")
 
     def strict_calls(self, tools: list[dict[str, Any]], choice: object, parallel: bool) -> StructuredOutput | None:
         """The grammar that holds the calls of strict tools (chat-shaped) to their schemas under ``tool_choice`` auto
@@ -627,7 +641,7 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        forced = _forced_calls(body)
+        forced = _forced_calls(body, self.forced_calls)
         tool_dicts = [t.model_dump(exclude_none=True) for t in body.tools or ()]
         tools = ToolUse(
             bool(body.tools) and body.tool_choice != "none",

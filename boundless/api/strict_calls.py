@@ -63,6 +63,35 @@ def strict_calls_tag(
     its first call (OpenAI's ``parallel_tool_calls: false``)."""
     if not tools or not (every_tool or any(is_strict(t) for t in tools)):
         return None
+    triggered = {"type": "triggered_tags", "triggers": [_trigger(call_format)], "stop_after_first": not parallel}
+    return {"type": "structural_tag", "format": triggered | {"tags": _call_tags(tools, call_format, every_tool)}}
+
+
+def forced_calls_tag(
+    tools: Sequence[dict[str, Any]], call_format: str, parallel: bool, name: str | None
+) -> dict[str, Any]:
+    """The structural tag of a ``tool_choice`` that forces a call, in the model's own call format (as SGLang holds
+    forced calls): the output is one call of ``name``'s tool, or with ``name=None`` (``required``) one or more calls
+    of any of the tools (one, unless ``parallel``), a line apart, each held to its tool's schema, and nothing else."""
+    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    calls = {
+        "type": "tags_with_separator",
+        "tags": _call_tags(chosen, call_format, every_tool=True),
+        "separator": "\n",
+        "at_least_one": True,
+        "stop_after_first": name is not None or not parallel,
+    }
+    return {"type": "structural_tag", "format": calls}
+
+
+def _trigger(call_format: str) -> str:
+    return TOOL_CALL_TAG if call_format == TAGGED_JSON else _XML_OPEN
+
+
+def _call_tags(tools: Sequence[dict[str, Any]], call_format: str, every_tool: bool) -> list[dict[str, Any]]:
+    """A tag per tool: its call's opening in ``call_format`` with its name, then its arguments, held to its schema
+    where the tool is strict (``every_tool``: all are), else to any object (an XML call's to any text), then the
+    call's end."""
     tags = []
     for tool in tools:
         function = tool["function"]
@@ -77,11 +106,7 @@ def strict_calls_tag(
             content = content | {"json_schema": schema, "style": "qwen_xml"} if strict else {"type": "any_text"}
             begin, end = _XML_OPEN + name + _XML_AFTER_NAME, _XML_END
         tags.append({"type": "tag", "begin": begin, "content": content, "end": end})
-    trigger = TOOL_CALL_TAG if call_format == TAGGED_JSON else _XML_OPEN
-    return {
-        "type": "structural_tag",
-        "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel},
-    }
+    return tags
 
 
 def structural_tag_text(tag: dict[str, Any]) -> str:

@@ -9,8 +9,9 @@ an answer (``{"name": "Bob", "age": 3}``), so it is a call only in that shape, a
 Llama 3.2 and Llama 4 write a fourth: a Python list of calls with keyword arguments, ``[get_weather(city="Paris")]``
 (vLLM's ``pythonic``), likewise a call only when the whole output is that list and every name is one of the tools.
 
-A ``tool_choice`` that forces a call (``required``, or a named function) holds the output to the second shape
-with a JSON schema (:func:`forced_call_schema`, as vLLM does), so the calls parse whatever the model would say.
+A ``tool_choice`` that forces a call (``required``, or a named function) holds the output to the model's own tagged
+calls where the server knows its format (``api/strict_calls.py``), else to the bare JSON shape with a JSON schema
+(:func:`forced_call_schema`, as vLLM does), so the calls parse whatever the model would say.
 """
 
 from __future__ import annotations

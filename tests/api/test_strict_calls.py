@@ -13,7 +13,7 @@ import openai
 import pytest
 from served_models import HERMES_TEMPLATE, Served, serve_hermes
 
-from boundless.api.strict_calls import strict_call_format, strict_calls_tag, structural_tag_text
+from boundless.api.strict_calls import forced_calls_tag, strict_call_format, strict_calls_tag, structural_tag_text
 from boundless.api.tool_calls import ALL_FORMATS, TAGGED_JSON, TAGGED_XML, TOOL_CALL_PARSERS
 from boundless.config import ServerConfig
 from boundless.engine.structured_output import Grammars, StructuredOutput
@@ -124,6 +124,23 @@ def test_xml_calls_are_held_to_the_schema_as_qwen3_coder_writes_them(tiny_gramma
     assert accepts(tiny_grammars, tag, xml("get_weather", anything="goes"))
 
 
+def test_forced_calls_are_written_in_the_models_own_format(tiny_grammars: Grammars) -> None:
+    """tool_choice required or named, where the call format is known: the output is the calls, in that format, each
+    held to its schema, a line apart; nothing else."""
+    ok = json_call("set_units", '{"metric": false, "scale": "C"}')
+    city = json_call("get_weather", '{"city": "Rome"}')
+    required = forced_calls_tag([UNITS, CITY], TAGGED_JSON, parallel=True, name=None)
+    assert accepts(tiny_grammars, required, ok) and accepts(tiny_grammars, required, ok + "\n" + city)
+    assert not accepts(tiny_grammars, required, "")  # a call is required
+    assert not accepts(tiny_grammars, required, "Sure. " + ok) and not accepts(tiny_grammars, required, ok + " Done.")
+    assert not accepts(tiny_grammars, required, json_call("get_weather", "{}"))  # its schema's required city
+    single = forced_calls_tag([UNITS, CITY], TAGGED_JSON, parallel=False, name=None)
+    assert accepts(tiny_grammars, single, city) and not accepts(tiny_grammars, single, ok + "\n" + city)
+    named = forced_calls_tag([UNITS, CITY], TAGGED_JSON, parallel=True, name="get_weather")
+    assert accepts(tiny_grammars, named, city) and not accepts(tiny_grammars, named, ok)
+    assert not accepts(tiny_grammars, named, city + "\n" + city)  # a named choice is one call
+
+
 # -- served ----------------------------------------------------------------------------------------------------------
 
 
@@ -144,6 +161,12 @@ def _opens_calls(served: Served) -> dict[str, int]:
     """A logit bias that makes the model open a call wherever the grammar lets it."""
     (tag,) = served.loaded.tokenizer.encode("<tool_call>", add_special_tokens=False)
     return {str(tag): 100}
+
+
+def _compiled_tags(served: Served) -> list[str]:
+    """The structural tags the engine compiled grammars for (what its requests were held to)."""
+    compiled = served.engine.core.grammars._compiled
+    return [spec.definition for spec in compiled if spec.kind == "structural_tag" and spec.definition]
 
 
 def _ask(served: Served, tools: list[dict], **extra: object) -> dict:
@@ -192,7 +215,8 @@ def test_parallel_calls_each_follow_their_schema(hermes: Served) -> None:
 
 
 def test_a_format_or_a_forced_choice_takes_the_place_of_strict_calls(hermes: Served) -> None:
-    """tool_choice none reads no calls; an answer held to JSON is the answer; a forced call keeps its own grammar."""
+    """tool_choice none reads no calls; an answer held to JSON is the answer; a forced call keeps its own grammar,
+    which writes the calls in the template's format."""
     client = hermes.client
     none = client.chat.completions.create(**_ask(hermes, [strict(UNITS)]), tool_choice="none")
     assert not none.choices[0].message.tool_calls
@@ -200,12 +224,7 @@ def test_a_format_or_a_forced_choice_takes_the_place_of_strict_calls(hermes: Ser
     assert not as_json.choices[0].message.tool_calls
     forced = client.chat.completions.create(**_ask(hermes, [strict(UNITS)]), tool_choice="required")
     _units_call(forced.choices[0].message.tool_calls[0].function.arguments)
-
-
-def _compiled_tags(served: Served) -> list[str]:
-    """The structural tags the engine compiled grammars for (what its requests were held to)."""
-    compiled = served.engine.core.grammars._compiled
-    return [spec.definition for spec in compiled if spec.kind == "structural_tag" and spec.definition]
+    assert any('"tags_with_separator"' in tag for tag in _compiled_tags(hermes))
 
 
 def test_strict_tools_through_the_responses_and_messages_apis(hermes: Served) -> None:

@@ -852,7 +852,7 @@ def hermes_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 def test_served_with_a_tool_call_parser(hermes_only: Served) -> None:
     """``--tool-call-parser hermes``: an XML call is the answer's text, not a call; a forced call (its grammar writes
-    bare JSON) is still read."""
+    Hermes' own blocks) is read."""
     asked = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}
     xml = XML.replace("\n", "\\n")
     reply = hermes_only.client.chat.completions.create(
