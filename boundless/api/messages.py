@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from boundless.api.agent_sessions import claude_code_session
 from boundless.api.errors import APIError, part_error
 from boundless.api.schemas import Bool, ChatCompletionRequest, Count, Float, Identifier, Int, NullIsDefault
 from boundless.api.server import ChatStream
@@ -160,6 +161,9 @@ def chat_fields(body: MessagesRequest, reasons: bool) -> dict[str, Any]:
     }
     if body.metadata and isinstance(body.metadata.get("user_id"), str):
         fields["user"] = body.metadata["user_id"]
+        # Claude Code's session, below an explicit program_id or X-Program-Id (api/agent_sessions.py)
+        if (session := claude_code_session(body.metadata["user_id"])) is not None:
+            fields["prompt_cache_key"] = session
     if body.messages[-1].role == "assistant":  # a prefill: the answer goes on from it
         fields.update(add_generation_prompt=False, continue_final_message=True)
     if body.tools:

@@ -35,6 +35,7 @@ from pydantic import (
     model_validator,
 )
 
+from boundless.api.agent_sessions import header_session
 from boundless.api.errors import APIError, part_error
 from boundless.api.reasoning import ReasoningOutput
 from boundless.api.schemas import (
@@ -403,6 +404,7 @@ class ResponsesAPI:
             body.program_id
             or header_identifier(request.headers, "X-Program-Id")
             or body.prompt_cache_key
+            or header_session(request.headers)
             or (previous.program_id if previous else response_id)
         )
         thread_id = body.thread_id or header_identifier(request.headers, "X-Thread-Id")

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from starlette.types import ASGIApp
 
+from boundless.api.agent_sessions import header_session
 from boundless.api.conversation import InvalidMessage, template_conversation
 from boundless.api.errors import APIError, CancelledRequests, error_bytes, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
@@ -380,8 +381,11 @@ async def check_grammar(params: SamplingParams, vocab_size: int) -> None:
 
 
 def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) -> ProgramRef | None:
-    program_id = body.program_id or header_identifier(request.headers, "X-Program-Id") or body.prompt_cache_key
-    thread_id = body.thread_id or header_identifier(request.headers, "X-Thread-Id")
+    headers = request.headers
+    # An agent written for Boundless names its program; others name their session (api/agent_sessions.py).
+    named = body.program_id or header_identifier(headers, "X-Program-Id")
+    program_id = named or body.prompt_cache_key or header_session(headers)
+    thread_id = body.thread_id or header_identifier(headers, "X-Thread-Id")
     if not program_id:
         return None
     return ProgramRef(program_id, thread_id, tuple(body.parent_thread_ids or ()))

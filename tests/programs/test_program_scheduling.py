@@ -83,9 +83,10 @@ def test_a_routers_view_of_a_program_reaches_the_policy(tiny_llama: LoadedModel,
     assert rec.completed_calls == 1
 
 
-def test_openais_prompt_cache_key_names_the_program(tiny_llama: LoadedModel) -> None:
-    """An agent that knows only OpenAI's API (Codex sends its conversation's id as ``prompt_cache_key``) is one
-    program to the scheduler; ``program_id`` and ``X-Program-Id`` still come first."""
+def test_agents_sessions_name_their_programs(tiny_llama: LoadedModel) -> None:
+    """An agent that knows only OpenAI's or Anthropic's API is one program to the scheduler: OpenAI's
+    ``prompt_cache_key`` (Codex sends its conversation's id there), Claude Code's and Codex's session headers;
+    ``program_id`` and ``X-Program-Id`` still come first."""
     engine = AsyncEngine(EngineCore.from_model(tiny_llama, engine_config(tiny_llama.name, kv_cache_gb=0.05)))
     server = start_in_thread(engine, "tiny")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
@@ -98,8 +99,17 @@ def test_openais_prompt_cache_key_names_the_program(tiny_llama: LoadedModel) -> 
         client.with_options(default_headers={"X-Program-Id": "agent"}).completions.create(
             model="tiny", prompt="step", max_tokens=2, extra_body={"prompt_cache_key": "conv-1"}
         )
+        # Claude Code's and Codex's session headers, below the body's own cache key.
+        for header in ("X-Claude-Code-Session-Id", "session_id", "session-id"):
+            client.with_options(default_headers={header: "session-9"}).completions.create(
+                model="tiny", prompt="step", max_tokens=2
+            )
+        client.with_options(default_headers={"X-Claude-Code-Session-Id": "session-9"}).completions.create(
+            model="tiny", prompt="step", max_tokens=2, extra_body={"prompt_cache_key": "conv-1"}
+        )
         table = engine.core.scheduler.policy.table
-        assert (table.get("conv-1").completed_calls, table.get("agent").completed_calls) == (2, 3)
+        assert table.get("agent").completed_calls == 3
+        assert (table.get("conv-1").completed_calls, table.get("session-9").completed_calls) == (3, 3)
     finally:
         server.stop()
         engine.shutdown()
