@@ -29,6 +29,30 @@ HERMES_TEMPLATE = (
 )
 
 
+# Two tools the API tests give (chat-shaped): one with a string parameter, one whose values a grammar can only
+# write a few ways (a boolean, an enum).
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+UNITS = {
+    "type": "function",
+    "function": {
+        "name": "set_units",
+        "parameters": {
+            "type": "object",
+            "properties": {"metric": {"type": "boolean"}, "scale": {"enum": ["C", "F", "K"]}},
+            "required": ["metric", "scale"],
+        },
+    },
+}
+
+
 class Served(NamedTuple):
     """A model served on 127.0.0.1 as ``tiny``, with the real `openai` client pointed at it."""
 

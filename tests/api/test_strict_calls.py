@@ -11,7 +11,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from served_models import HERMES_TEMPLATE, Served, serve_hermes
+from served_models import HERMES_TEMPLATE, UNITS, WEATHER, Served, serve_hermes
 
 from boundless.api.strict_calls import forced_calls_tag, strict_call_format, strict_calls_tag, structural_tag_text
 from boundless.api.tool_calls import ALL_FORMATS, TAGGED_JSON, TAGGED_XML, TOOL_CALL_PARSERS
@@ -19,26 +19,6 @@ from boundless.config import ServerConfig
 from boundless.engine.structured_output import Grammars, StructuredOutput
 from boundless.model.loader import load_model
 from boundless.model.random_model import TinySpec, write_random_model
-
-UNITS = {
-    "type": "function",
-    "function": {
-        "name": "set_units",
-        "parameters": {
-            "type": "object",
-            "properties": {"metric": {"type": "boolean"}, "scale": {"type": "string", "enum": ["C", "F", "K"]}},
-            "required": ["metric", "scale"],
-            "additionalProperties": False,
-        },
-    },
-}
-CITY = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 
 
 def strict(tool: dict) -> dict:
@@ -62,10 +42,10 @@ def test_the_call_format_is_the_parsers_or_else_the_templates() -> None:
 
 
 def test_no_tag_unless_a_tool_is_strict() -> None:
-    assert strict_calls_tag([UNITS, CITY], TAGGED_JSON, parallel=True) is None
+    assert strict_calls_tag([UNITS, WEATHER], TAGGED_JSON, parallel=True) is None
     assert strict_calls_tag([], TAGGED_JSON, parallel=True, every_tool=True) is None
     assert strict_calls_tag([UNITS], TAGGED_JSON, parallel=True, every_tool=True) is not None
-    tag = strict_calls_tag([strict(UNITS), CITY], TAGGED_JSON, parallel=False)
+    tag = strict_calls_tag([strict(UNITS), WEATHER], TAGGED_JSON, parallel=False)
     assert tag is not None and tag["format"]["stop_after_first"] is True
 
 
@@ -91,7 +71,7 @@ def json_call(name: str, arguments: str) -> str:
 
 
 def test_a_strict_tools_calls_are_held_to_its_schema_and_text_stays_free(tiny_grammars: Grammars) -> None:
-    tag = strict_calls_tag([strict(UNITS), CITY], TAGGED_JSON, parallel=True)
+    tag = strict_calls_tag([strict(UNITS), WEATHER], TAGGED_JSON, parallel=True)
     assert tag is not None
     ok = json_call("set_units", '{"metric": true, "scale": "K"}')
     assert accepts(tiny_grammars, tag, "No call needed, just text.")
@@ -111,7 +91,7 @@ def test_a_strict_tools_calls_are_held_to_its_schema_and_text_stays_free(tiny_gr
 
 
 def test_xml_calls_are_held_to_the_schema_as_qwen3_coder_writes_them(tiny_grammars: Grammars) -> None:
-    tag = strict_calls_tag([strict(UNITS), CITY], TAGGED_XML, parallel=True)
+    tag = strict_calls_tag([strict(UNITS), WEATHER], TAGGED_XML, parallel=True)
     assert tag is not None
 
     def xml(name: str, **values: str) -> str:
@@ -129,14 +109,14 @@ def test_forced_calls_are_written_in_the_models_own_format(tiny_grammars: Gramma
     held to its schema, a line apart; nothing else."""
     ok = json_call("set_units", '{"metric": false, "scale": "C"}')
     city = json_call("get_weather", '{"city": "Rome"}')
-    required = forced_calls_tag([UNITS, CITY], TAGGED_JSON, parallel=True, name=None)
+    required = forced_calls_tag([UNITS, WEATHER], TAGGED_JSON, parallel=True, name=None)
     assert accepts(tiny_grammars, required, ok) and accepts(tiny_grammars, required, ok + "\n" + city)
     assert not accepts(tiny_grammars, required, "")  # a call is required
     assert not accepts(tiny_grammars, required, "Sure. " + ok) and not accepts(tiny_grammars, required, ok + " Done.")
     assert not accepts(tiny_grammars, required, json_call("get_weather", "{}"))  # its schema's required city
-    single = forced_calls_tag([UNITS, CITY], TAGGED_JSON, parallel=False, name=None)
+    single = forced_calls_tag([UNITS, WEATHER], TAGGED_JSON, parallel=False, name=None)
     assert accepts(tiny_grammars, single, city) and not accepts(tiny_grammars, single, ok + "\n" + city)
-    named = forced_calls_tag([UNITS, CITY], TAGGED_JSON, parallel=True, name="get_weather")
+    named = forced_calls_tag([UNITS, WEATHER], TAGGED_JSON, parallel=True, name="get_weather")
     assert accepts(tiny_grammars, named, city) and not accepts(tiny_grammars, named, ok)
     assert not accepts(tiny_grammars, named, city + "\n" + city)  # a named choice is one call
 

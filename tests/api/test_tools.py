@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 import pytest
-from served_models import Served, serve_hermes
+from served_models import UNITS, WEATHER, Served, serve_hermes
 
 from boundless.api.call_scanner import CallScanner, scan_calls
 from boundless.api.logprobs import StreamedContent, content_tokens
@@ -32,15 +32,6 @@ from boundless.api.tool_calls import (
 )
 from boundless.config import ServerConfig
 from boundless.engine.logprobs import SampledToken
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 
 
 @pytest.fixture(scope="module")
@@ -326,19 +317,6 @@ def test_tools_and_tool_messages_reach_the_template(hermes: Served) -> None:
         model="tiny", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=2
     )
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens
-
-
-UNITS = {
-    "type": "function",
-    "function": {
-        "name": "set_units",
-        "parameters": {
-            "type": "object",
-            "properties": {"metric": {"type": "boolean"}, "scale": {"enum": ["C", "F", "K"]}},
-            "required": ["metric", "scale"],
-        },
-    },
-}
 
 
 def test_a_named_tool_choice_makes_even_a_random_models_output_that_call(
