@@ -130,7 +130,7 @@ def test_a_tiny_repetition_penalty_keeps_its_rows_order_and_a_finite_distributio
     drawn = _penalized("d", [3, 5], [], repetition_penalty=penalty)
     drawn = dataclasses.replace(drawn, sampling_params=SamplingParams(temperature=1.0, repetition_penalty=penalty))
     assert {sampler.sample(logits.clone(), [drawn])[0].token_id for _ in range(20)} == {5}
-    adjusted = sampler._adjusted(logits.clone(), [greedy, plain], [(0, ()), (1, ())], [])
+    adjusted = sampler._adjusted(logits.clone(), [greedy, plain], [(0, ()), (1, ())], [], [])
     assert torch.isfinite(adjusted[0, 5]) and adjusted[0, 5] == adjusted[0].max()
     assert torch.equal(
         adjusted[1], torch.where(torch.arange(10) == 3, 1.0, torch.where(torch.arange(10) == 5, 4.5, 0.0))
