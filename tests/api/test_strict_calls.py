@@ -121,6 +121,23 @@ def test_forced_calls_are_written_in_the_models_own_format(tiny_grammars: Gramma
     assert not accepts(tiny_grammars, named, city + "\n" + city)  # a named choice is one call
 
 
+def test_arguments_come_in_the_order_the_schema_declares(tiny_grammars: Grammars) -> None:
+    """xgrammar holds an object's properties to the schema's order: the tag must keep it (not sort it), for strict
+    calls, forced calls and a structural_tag response format alike."""
+    schema = {
+        "type": "object",
+        "properties": {"query": {"type": "integer"}, "limit": {"type": "integer"}},
+        "required": ["query", "limit"],
+    }
+    search = {"type": "function", "function": {"name": "search", "parameters": schema, "strict": True}}
+    declared = json_call("search", '{"query": 1, "limit": 2}')
+    for tag in (
+        strict_calls_tag([search], TAGGED_JSON, parallel=True),
+        forced_calls_tag([search], TAGGED_JSON, parallel=True, name="search"),
+    ):
+        assert tag is not None and accepts(tiny_grammars, tag, declared)
+
+
 # -- served ----------------------------------------------------------------------------------------------------------
 
 
