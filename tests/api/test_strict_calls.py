@@ -302,6 +302,24 @@ def test_vllms_first_structural_tag_shape(tiny_grammars: Grammars) -> None:
     assert not accepts(tiny_grammars, tag, 'Here: <n>{"x": "3"}</n>')
 
 
+def test_vllms_first_structural_tag_shape_in_structured_outputs(tiny_grammars: Grammars) -> None:
+    """vLLM's structured_outputs.structural_tag takes its first shape too (its xgrammar backend compiles a tag with
+    ``structures`` and ``triggers`` the old way), as JSON text or an object."""
+    from boundless.api.schemas import StructuredOutputsParams
+    from boundless.api.server import structured_outputs_grammar
+
+    legacy = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<n>", "schema": TAGGED_NUMBER["content"]["json_schema"], "end": "</n>"}],
+        "triggers": ["<n>"],
+    }
+    for tag in (json.dumps(legacy), legacy):
+        spec = structured_outputs_grammar(StructuredOutputsParams.model_validate({"structural_tag": tag}))
+        matcher = tiny_grammars.matcher(spec)
+        matcher.replay(tiny_grammars.tokenizer.encode('Here: <n>{"x": 3}</n>.', add_special_tokens=False))
+        assert matcher._matcher.is_completed()
+
+
 @pytest.mark.parametrize(
     ("fmt", "param"),
     [
