@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp
 
-from boundless.api.agent_sessions import header_session
+from boundless.api.agent_sessions import cache_key_session, header_session
 from boundless.api.conversation import InvalidMessage, template_conversation
 from boundless.api.errors import APIError, CancelledRequests, error_bytes, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
@@ -396,7 +396,7 @@ def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) 
     headers = request.headers
     # An agent written for Boundless names its program; others name their session (api/agent_sessions.py).
     named = body.program_id or header_identifier(headers, "X-Program-Id")
-    program_id = named or body.prompt_cache_key or header_session(headers)
+    program_id = named or cache_key_session(body.prompt_cache_key) or header_session(headers)
     thread_id = body.thread_id or header_identifier(headers, "X-Thread-Id")
     if not program_id:
         return None
