@@ -29,6 +29,12 @@ def _usable(value: object) -> str | None:
     return value if isinstance(value, str) and 1 <= len(value) <= MAX_ID_CHARS else None
 
 
+def cache_key_session(key: str | None) -> str | None:
+    """OpenAI's ``prompt_cache_key`` as a program id, or None: OpenAI takes any string there (empty, long), and one
+    that cannot be a program id is ignored, as it was before it named programs, not refused."""
+    return _usable(key)
+
+
 def header_session(headers: Mapping[str, str]) -> str | None:
     """The session id an agent sent as a header (Claude Code's, Codex's), or None."""
     for name in SESSION_HEADERS:

@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from boundless.api.agent_sessions import header_session
+from boundless.api.agent_sessions import cache_key_session, header_session
 from boundless.api.errors import APIError, part_error
 from boundless.api.reasoning import ReasoningOutput
 from boundless.api.schemas import (
@@ -167,7 +167,7 @@ class ResponsesRequest(NullIsDefault):
     program_id: Identifier | None = None
     thread_id: Identifier | None = None
     # OpenAI's cache key (Codex sends its conversation's id): the program, unless program_id or X-Program-Id says
-    prompt_cache_key: Identifier | None = None
+    prompt_cache_key: str | None = None  # (one that cannot be a program id is ignored: api/agent_sessions.py)
 
 
 def function_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
@@ -403,7 +403,7 @@ class ResponsesAPI:
         program_id = (
             body.program_id
             or header_identifier(request.headers, "X-Program-Id")
-            or body.prompt_cache_key
+            or cache_key_session(body.prompt_cache_key)
             or header_session(request.headers)
             or (previous.program_id if previous else response_id)
         )

@@ -188,7 +188,7 @@ class _SamplingFields(NullIsDefault):
     parent_thread_ids: Annotated[list[Identifier], Field(max_length=MAX_PARENT_THREADS)] | None = None
     # OpenAI's: requests that share it share cached prefixes (Codex sends its conversation's id). Here it names the
     # program the request belongs to unless program_id or X-Program-Id does: the same scheduling and locality.
-    prompt_cache_key: Identifier | None = None
+    prompt_cache_key: str | None = None  # (one that cannot be a program id is ignored: api/agent_sessions.py)
 
 
 class FunctionCall(BaseModel):

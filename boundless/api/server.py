@@ -22,10 +22,10 @@ from typing import Any, Protocol, TypeVar
 import jinja2
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp
 
-from boundless.api.agent_sessions import header_session
+from boundless.api.agent_sessions import cache_key_session, header_session
 from boundless.api.conversation import InvalidMessage, template_conversation
 from boundless.api.errors import APIError, CancelledRequests, error_bytes, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
@@ -42,6 +42,7 @@ from boundless.api.reasoning import ReasoningOutput, ReasoningParser
 from boundless.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    ResponseFormat,
     StructuredOutputsParams,
 )
 from boundless.api.strict_calls import forced_calls_tag, strict_call_format, strict_calls_tag, structural_tag_text
@@ -369,6 +370,17 @@ def structured_outputs_grammar(wanted: StructuredOutputsParams) -> StructuredOut
         return StructuredOutput("grammar", wanted.grammar, where)
     if wanted.structural_tag is not None:
         tag = wanted.structural_tag
+        try:
+            parsed = json.loads(tag) if isinstance(tag, str) else tag
+        except json.JSONDecodeError:
+            parsed = None  # (xgrammar says what is wrong with it)
+        if isinstance(parsed, dict) and "structures" in parsed:
+            # vLLM's first shape (structures that begin at triggers), which its xgrammar backend still compiles
+            try:
+                legacy = ResponseFormat.model_validate({**parsed, "type": "structural_tag"})
+            except ValidationError as e:
+                raise APIError(400, f"the structural_tag is not one: {e.errors()[0]['msg']}", where) from e
+            return StructuredOutput("structural_tag", structural_tag_text(legacy.structural_tag()), where)
         return StructuredOutput("structural_tag", tag if isinstance(tag, str) else structural_tag_text(tag), where)
     return StructuredOutput("json_object", None, where)
 
@@ -384,7 +396,7 @@ def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) 
     headers = request.headers
     # An agent written for Boundless names its program; others name their session (api/agent_sessions.py).
     named = body.program_id or header_identifier(headers, "X-Program-Id")
-    program_id = named or body.prompt_cache_key or header_session(headers)
+    program_id = named or cache_key_session(body.prompt_cache_key) or header_session(headers)
     thread_id = body.thread_id or header_identifier(headers, "X-Thread-Id")
     if not program_id:
         return None

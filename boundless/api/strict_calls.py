@@ -110,6 +110,7 @@ def _call_tags(tools: Sequence[dict[str, Any]], call_format: str, every_tool: bo
 
 
 def structural_tag_text(tag: dict[str, Any]) -> str:
-    """A structural tag as the grammar's definition (its JSON, keys in a fixed order so that equal tags share one
-    compiled grammar)."""
-    return json.dumps(tag, sort_keys=True, ensure_ascii=False)
+    """A structural tag as the grammar's definition (its JSON). Keys keep their order: a schema's ``properties`` are
+    written in the order it declares them (xgrammar holds an object to that order), so sorting them would make a
+    call's arguments come in alphabetical order, not the schema's (what the model was taught, and OpenAI writes)."""
+    return json.dumps(tag, ensure_ascii=False)

@@ -46,3 +46,21 @@ def test_claude_codes_metadata_names_the_program_on_the_messages_api(tmp_path: P
             )
         record = served.engine.core.policy.table.get("cc-session-1")  # type: ignore[attr-defined]
         assert record is not None and record.completed_calls == 2
+
+
+def test_a_prompt_cache_key_that_cannot_name_a_program_is_ignored_not_refused() -> None:
+    """OpenAI takes any string as prompt_cache_key; one that is no program id (empty, too long) names no program, and
+    the request is served as it was before the key named programs."""
+    from boundless.api.responses import ResponsesRequest
+    from boundless.api.schemas import ChatCompletionRequest
+
+    for key in ("", "k" * 300):
+        chat = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": key}
+        )
+        ResponsesRequest.model_validate({"model": "m", "input": "hi", "prompt_cache_key": key})
+        from types import SimpleNamespace
+
+        from boundless.api.server import _program
+
+        assert _program(chat, SimpleNamespace(headers={})) is None  # type: ignore[arg-type]

@@ -121,6 +121,23 @@ def test_forced_calls_are_written_in_the_models_own_format(tiny_grammars: Gramma
     assert not accepts(tiny_grammars, named, city + "\n" + city)  # a named choice is one call
 
 
+def test_arguments_come_in_the_order_the_schema_declares(tiny_grammars: Grammars) -> None:
+    """xgrammar holds an object's properties to the schema's order: the tag must keep it (not sort it), for strict
+    calls, forced calls and a structural_tag response format alike."""
+    schema = {
+        "type": "object",
+        "properties": {"query": {"type": "integer"}, "limit": {"type": "integer"}},
+        "required": ["query", "limit"],
+    }
+    search = {"type": "function", "function": {"name": "search", "parameters": schema, "strict": True}}
+    declared = json_call("search", '{"query": 1, "limit": 2}')
+    for tag in (
+        strict_calls_tag([search], TAGGED_JSON, parallel=True),
+        forced_calls_tag([search], TAGGED_JSON, parallel=True, name="search"),
+    ):
+        assert tag is not None and accepts(tiny_grammars, tag, declared)
+
+
 # -- served ----------------------------------------------------------------------------------------------------------
 
 
@@ -283,6 +300,24 @@ def test_vllms_first_structural_tag_shape(tiny_grammars: Grammars) -> None:
     tag = legacy.structural_tag()
     assert accepts(tiny_grammars, tag, 'Here: <n>{"x": 3}</n> and text.')
     assert not accepts(tiny_grammars, tag, 'Here: <n>{"x": "3"}</n>')
+
+
+def test_vllms_first_structural_tag_shape_in_structured_outputs(tiny_grammars: Grammars) -> None:
+    """vLLM's structured_outputs.structural_tag takes its first shape too (its xgrammar backend compiles a tag with
+    ``structures`` and ``triggers`` the old way), as JSON text or an object."""
+    from boundless.api.schemas import StructuredOutputsParams
+    from boundless.api.server import structured_outputs_grammar
+
+    legacy = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<n>", "schema": TAGGED_NUMBER["content"]["json_schema"], "end": "</n>"}],
+        "triggers": ["<n>"],
+    }
+    for tag in (json.dumps(legacy), legacy):
+        spec = structured_outputs_grammar(StructuredOutputsParams.model_validate({"structural_tag": tag}))
+        matcher = tiny_grammars.matcher(spec)
+        matcher.replay(tiny_grammars.tokenizer.encode('Here: <n>{"x": 3}</n>.', add_special_tokens=False))
+        assert matcher._matcher.is_completed()
 
 
 @pytest.mark.parametrize(
