@@ -27,7 +27,6 @@ from typing import Any
 
 from boundless.api.call_scanner import ARGUMENT_KEYS, CallScanner, CallSpan, scan_calls
 
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|(?=<function=)|\Z)", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 _INTEGER = re.compile(r"-?\d+")
@@ -207,13 +206,45 @@ def _block_calls(block: str, types: ParameterTypes | None, formats: CallFormats)
     return [] if call is None else [call]
 
 
+_JSON = json.JSONDecoder()
+_END_TAG = "</tool_call>"
+
+
+def tagged_blocks(text: str, end: int | None = None) -> list[tuple[int, int, str]]:
+    """The closed ``<tool_call>`` blocks of ``text`` (within ``text[:end]``): each one's span, tags included, and its
+    text between the tags, stripped. A block whose text opens with JSON ends at the end tag after that JSON, so a
+    ``</tool_call>`` inside a string of its arguments (an agent writing about tool calls) does not cut it; any other
+    block (Qwen3-Coder's XML) ends at the first end tag."""
+    limit = len(text) if end is None else end
+    blocks, pos = [], 0
+    while (at := text.find(TOOL_CALL_TAG, pos, limit)) >= 0:
+        inner = at + len(TOOL_CALL_TAG)
+        first = len(text) - len(text[inner:].lstrip())
+        close = -1
+        if text.startswith("{", first):
+            try:
+                json_end = _JSON.raw_decode(text, first)[1]
+            except ValueError:
+                json_end = -1
+            after = len(text) - len(text[json_end:].lstrip()) if json_end >= 0 else -1
+            if after >= 0 and text.startswith(_END_TAG, after):
+                close = after
+        if close < 0:
+            close = text.find(_END_TAG, inner)
+        if close < 0 or close + len(_END_TAG) > limit:
+            break
+        blocks.append((at, close + len(_END_TAG), text[inner:close].strip()))
+        pos = close + len(_END_TAG)
+    return blocks
+
+
 def _unclosed_block(text: str) -> tuple[int, str]:
     """Where a last ``<tool_call>`` block that the output never closed begins (its tag, after every closed block),
     and its text; ``(-1, "")`` when there is none. Its calls are calls when they parse, as vLLM's Hermes parser
     reads such a block: the model stopped before the end tag. A block cut off inside its JSON does not parse, and
     stays content."""
-    ends = [found.end() for found in _TAGGED.finditer(text)]
-    at = text.find(TOOL_CALL_TAG, ends[-1] if ends else 0)
+    closed = tagged_blocks(text)
+    at = text.find(TOOL_CALL_TAG, closed[-1][1] if closed else 0)
     return (at, text[at + len(TOOL_CALL_TAG) :].strip()) if at >= 0 else (-1, "")
 
 
@@ -224,7 +255,7 @@ def parse_tool_calls(
     schemas by name, for Qwen3-Coder's XML calls, and the names a bare JSON call may have (None: not known, any);
     ``formats``: the shapes of call read (``--tool-call-parser``)."""
     if formats & {TAGGED_JSON, TAGGED_XML}:
-        closed = _TAGGED.findall(text)
+        closed = [inner for _, _, inner in tagged_blocks(text)]
         at, tail = _unclosed_block(text)
         blocks = closed + ([tail] if at >= 0 else [])
         calls = [call for block in blocks for call in _block_calls(block, types, formats)]
@@ -433,9 +464,9 @@ def spans_around_calls(text: str, formats: CallFormats) -> list[tuple[int, int]]
     tokens.)"""
     at, tail = _unclosed_block(text)
     unclosed = at >= 0 and bool(_block_calls(tail, None, formats))
-    if unclosed or _TAGGED.search(text):
+    if unclosed or tagged_blocks(text):
         end = at if unclosed else len(text)  # (every closed block ends before an unclosed one)
-        bounds = [0, *(i for found in _TAGGED.finditer(text, 0, end) for i in found.span()), end]
+        bounds = [0, *(i for start, stop, _ in tagged_blocks(text, end) for i in (start, stop)), end]
         spans = list(zip(bounds[::2], bounds[1::2], strict=True))
     elif (at := text.find(XML_FUNCTION_TAG)) >= 0:
         head = text[:at].rstrip()

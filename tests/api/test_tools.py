@@ -247,6 +247,25 @@ def test_parse_hermes_blocks() -> None:
     assert calls[0].to_openai()["type"] == "function" and calls[0].id.startswith("call_")
 
 
+def test_an_end_tag_inside_a_calls_arguments_does_not_cut_its_block() -> None:
+    """An agent writing about tool calls: ``</tool_call>`` in a string of the arguments is text, not the block's end
+    (a forced call's arguments were lost, returned as content), streamed or not; the content around is kept."""
+    call = '<tool_call>\n{"name": "note", "arguments": {"text": "Close with </tool_call>."}}\n</tool_call>'
+    content, calls = parse_tool_calls("Noted. " + call + " Done.")
+    assert content == "Noted.  Done." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("note", {"text": "Close with </tool_call>."})
+    ]
+    assert parse_tool_calls(call + call)[1][1].arguments == calls[0].arguments
+    _, deltas, rest, streamed, _ = _stream_calls("Noted. " + call)
+    assert [(name, json.loads(args)) for _, name, args in _put_together(deltas)] == [
+        ("note", {"text": "Close with </tool_call>."})
+    ]
+    assert [c.arguments for c in streamed] == [calls[0].arguments] and not rest.strip()
+    # A block that is not JSON (Qwen3-Coder's XML) still ends at its first end tag.
+    xml = "<tool_call>\n<function=note>\n<parameter=text>\nhi\n</parameter>\n</function>\n</tool_call>"
+    assert [c.name for c in parse_tool_calls(xml + " after")[1]] == ["note"]
+
+
 def test_parse_bare_json_calls() -> None:
     content, calls = parse_tool_calls('{"name": "f", "parameters": {"x": 1}}')
     assert content is None and calls[0].name == "f" and json.loads(calls[0].arguments) == {"x": 1}
