@@ -49,6 +49,7 @@ from boundless.api.strict_calls import forced_calls_tag, strict_call_format, str
 from boundless.api.tool_calls import (
     ALL_FORMATS,
     BARE_JSON,
+    TAGGED_JSON,
     TOOL_CALL_PARSERS,
     CallFormats,
     CallStream,
@@ -589,13 +590,15 @@ class OpenAIServer:
         forced call's grammar writes the output."""
         parser = self.config.tool_call_parser
         formats = ALL_FORMATS if parser is None else TOOL_CALL_PARSERS[parser]
-        return formats | {BARE_JSON} if forced and self.strict_format is None else formats
+        return formats | {BARE_JSON} if forced and self.strict_format != TAGGED_JSON else formats
 
     def forced_calls(self, tools: list[dict[str, Any]], name: str | None, parallel: bool) -> StructuredOutput:
         """The grammar of a ``tool_choice`` that forces a call (``name``'s, or with None any tool's): the calls in
-        the model's own format where it is known (``strict_format``: a structural tag, as SGLang holds them, so the
-        model writes what it was trained to), else a JSON list of calls (vLLM's; read as bare JSON)."""
-        if self.strict_format is None:
+        the model's own format where it is Hermes' JSON (``strict_format``: a structural tag, as SGLang holds them, so
+        the model writes what it was trained to), else a JSON list of calls (vLLM's; read as bare JSON). Not in
+        Qwen3-Coder's XML: xgrammar's XML values may carry blanks around them, which a string's schema then holds
+        only loosely, where the JSON list holds every value exactly."""
+        if self.strict_format != TAGGED_JSON:  # (Qwen3-Coder's XML leaves blanks around values: see below)
             return StructuredOutput.json_schema(forced_call_schema(tools, name, parallel), "tools")
         tag = forced_calls_tag(tools, self.strict_format, parallel, name)
         return StructuredOutput("structural_tag", structural_tag_text(tag), "tools")

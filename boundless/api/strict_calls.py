@@ -29,9 +29,10 @@ from boundless.api.tool_calls import TAGGED_JSON, TAGGED_XML, TOOL_CALL_TAG, XML
 from boundless.engine.structured_output import MAX_WHITESPACE
 
 # The call formats that a structural tag can hold: each one's trigger, a call's opening (before and after its name),
-# and its end. Hermes' JSON call as Qwen's templates write it; Qwen3-Coder's XML call as its template does.
+# and its end. Hermes' JSON call as Qwen's templates write it; Qwen3-Coder's XML call as its template does (the line
+# before </function> is the parameters' last blank, so that a call without parameters is the template's two lines).
 _JSON_OPEN, _JSON_ARGUMENTS, _JSON_END = '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"
-_XML_OPEN, _XML_AFTER_NAME, _XML_END = "<tool_call>\n<function=", ">\n", "\n</function>\n</tool_call>"
+_XML_OPEN, _XML_AFTER_NAME, _XML_END = "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"
 # No parameters: a call's arguments are the empty object.
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 

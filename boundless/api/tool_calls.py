@@ -54,13 +54,27 @@ TOOL_CALL_PARSERS: dict[str, CallFormats] = {
 
 
 def parameter_types(tools: list[dict[str, Any]] | None) -> ParameterTypes:
-    """The parameter schemas of ``tools`` as a chat request sends them (``{"type": "function", "function": {...}}``)."""
+    """The parameter schemas of ``tools`` as a chat request sends them (``{"type": "function", "function": {...}}``),
+    a parameter's local ``$ref`` (``#/$defs/...``) resolved against its tool's parameters."""
     out: ParameterTypes = {}
     for tool in tools or ():
         function = tool.get("function") or {}
         if isinstance(function.get("name"), str):
-            out[function["name"]] = (function.get("parameters") or {}).get("properties") or {}
+            root = function.get("parameters") or {}
+            properties = root.get("properties") or {}
+            out[function["name"]] = {key: _resolved(schema, root) for key, schema in properties.items()}
     return out
+
+
+def _resolved(schema: Any, root: dict[str, Any]) -> Any:
+    """``schema``, or the schema its local ``$ref`` points to in ``root`` (one level: what a parameter's type needs)."""
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return schema
+    found: Any = root
+    for part in ref[2:].split("/"):
+        found = found.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(found, dict) else None
+    return found if isinstance(found, dict) else schema
 
 
 @dataclass
@@ -108,11 +122,48 @@ def _bare_call(obj: Any, tools: Collection[str] | None) -> bool:
     )
 
 
+def _kinds(schema: Any) -> set[str | None]:
+    """The JSON types a schema allows: its ``type`` (one or a list, Python's names too), else its ``anyOf`` or
+    ``oneOf`` members' together; ``{None}`` when it does not say."""
+    if not isinstance(schema, dict):
+        return {None}
+    kinds = schema.get("type")
+    if kinds is None:
+        members = schema.get("anyOf") or schema.get("oneOf")
+        if isinstance(members, list) and members:
+            found = set().union(*(_kinds(m) for m in members))
+            return {None} if None in found else found
+    return {_TYPE_ALIASES.get(k, k) for k in (kinds if isinstance(kinds, list) else [kinds])}
+
+
+def _listed(text: str, schema: Any) -> tuple[bool, Any]:
+    """``(True, value)`` when the schema lists its values (``enum``, ``const``) and ``text`` is one of them, written
+    as text or as JSON, blanks around it aside; else ``(False, None)``."""
+    options = schema.get("enum") if isinstance(schema, dict) else None
+    if isinstance(schema, dict) and "const" in schema:
+        options = [schema["const"]]
+    if not isinstance(options, list):
+        return False, None
+    stripped = text.strip()
+    for option in options:
+        if isinstance(option, str) and option in (text, stripped):
+            return True, option
+    try:
+        parsed = json.loads(stripped)
+    except ValueError:
+        return False, None
+    # (1 == True in Python: a member matches only a value of its own type)
+    return next(((True, o) for o in options if type(o) is type(parsed) and o == parsed), (False, None))
+
+
 def _typed(value: str, schema: Any) -> Any:
     """An XML call's parameter text as its schema's type says (vLLM's qwen3_coder parser reads them so): a string
-    stays text, as does a value of no known type or one that does not read as its type."""
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = {_TYPE_ALIASES.get(k, k) for k in (kinds if isinstance(kinds, list) else [kinds])}
+    stays text, as does a value of no known type or one that does not read as its type. A schema that lists its values
+    (``enum``, ``const``) gives the one the text names, whatever blanks surround it."""
+    listed, option = _listed(value, schema)
+    if listed:
+        return option
+    kinds = _kinds(schema)
     if kinds == {None} or "string" in kinds:
         return value
     text = value.strip()

@@ -102,6 +102,9 @@ def test_xml_calls_are_held_to_the_schema_as_qwen3_coder_writes_them(tiny_gramma
     assert not accepts(tiny_grammars, tag, xml("set_units", metric="maybe", scale="F"))
     assert not accepts(tiny_grammars, tag, xml("set_units", metric="true", scale="F", extra="1"))
     assert accepts(tiny_grammars, tag, xml("get_weather", anything="goes"))
+    # A tool without parameters: the two lines Qwen3-Coder's template writes.
+    bare = strict_calls_tag([strict({"type": "function", "function": {"name": "now"}})], TAGGED_XML, parallel=True)
+    assert bare is not None and accepts(tiny_grammars, bare, "<tool_call>\n<function=now>\n</function>\n</tool_call>")
 
 
 def test_forced_calls_are_written_in_the_models_own_format(tiny_grammars: Grammars) -> None:
@@ -246,6 +249,20 @@ def test_strict_tools_through_the_responses_and_messages_apis(hermes: Served) ->
             model="tiny", input="Level?", tools=[{**function, "strict": strict_field}], max_output_tokens=4
         )
         assert any("set_level" in tag for tag in _compiled_tags(hermes)) == strict_field
+
+
+def test_on_qwen3_coders_format_forced_calls_stay_a_json_list(tmp_path: Path) -> None:
+    """A template that writes Qwen3-Coder's XML calls: a strict call under auto is held in that format (the grammar its
+    request compiled), but a forced call keeps vLLM's JSON list, whose values its schema holds exactly (xgrammar's
+    XML lets blanks surround a value)."""
+    template = HERMES_TEMPLATE.replace("Tools:", "Call a tool as <tool_call>\\n<function=NAME>. Tools:")
+    with serve_hermes(tmp_path, template) as served:
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "Units?"}], "max_tokens": 2}
+        served.client.chat.completions.create(**ask, tools=[UNITS], tool_choice="required")
+        assert [spec.kind for spec in served.engine.core.grammars._compiled] == ["json_schema"]
+        served.client.chat.completions.create(**ask, tools=[strict(UNITS)])
+        tags = _compiled_tags(served)
+        assert len(tags) == 1 and '"qwen_xml"' in tags[0] and "triggered_tags" in tags[0]
 
 
 def test_strict_tool_calls_hold_every_tool(tmp_path: Path) -> None:

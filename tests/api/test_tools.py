@@ -734,6 +734,28 @@ def test_parse_qwen3_coder_xml_calls() -> None:
     assert parse_tool_calls("<tool_call>not json</tool_call>", types) == ("<tool_call>not json</tool_call>", [])
 
 
+def test_xml_values_by_their_listed_values_unions_and_references() -> None:
+    """A parameter whose schema lists its values (enum, const) gives the value named, blanks around it aside (xgrammar's
+    XML grammar lets a held call write them), as JSON's type where the member is no string; anyOf's members' types
+    read the value; a local $ref is the schema it points to."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object",
+        "properties": {
+            "scale": {"enum": ["C", "F", "K"]},
+            "n": {"enum": [1, 2, 3]},
+            "flag": {"const": True},
+            "x": {"anyOf": [{"type": "integer"}, {"type": "boolean"}]},
+            "o": {"$ref": "#/$defs/O"},
+            "other": {"enum": ["a"]},
+        },
+        "$defs": {"O": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    }}}  # fmt: skip
+    parameters = {"scale": " \rK\t", "n": "\r2\t ", "flag": " true", "x": "7\n\n", "o": '{"a": 1}', "other": "b"}
+    block = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in parameters.items())
+    _, calls = parse_tool_calls(f"<tool_call>\n<function=f>\n{block}</function>\n</tool_call>", parameter_types([tool]))
+    assert json.loads(calls[0].arguments) == {"scale": "K", "n": 2, "flag": True, "x": 7, "o": {"a": 1}, "other": "b"}
+
+
 def test_xml_calls_streamed_come_whole_at_the_end() -> None:
     """The content before the first block streams; the calls, whose values are only typed once read whole, come
     with the finish, as the unstreamed response has them."""
