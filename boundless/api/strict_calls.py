@@ -46,7 +46,7 @@ def strict_call_format(formats: CallFormats, template: str | None) -> str | None
     if len(formats) > 1 and template is not None:  # (no parser: every format is read, so the template decides)
         if XML_FUNCTION_TAG in template:
             return TAGGED_XML
-        if TOOL_CALL_TAG in template:
+        if TOOL_CALL_TAG in template and "<arg_key>" not in template:  # (GLM-4.5's tags hold a format of its own)
             return TAGGED_JSON
     return None
 

@@ -148,12 +148,14 @@ class Sampler:
             drawn = self._thinking.get(rid)
             if drawn is None or len(drawn) != c.num_output_tokens - k:  # (a later row's chunk counts the drafts before)
                 drawn = self._thinking[rid] = list(_outputs(c))
+            if budget.within(len(drawn) + k):
+                continue  # (the common step: nothing read but the count)
             outputs = [*drawn, *c.draft_token_ids[:k]] if k else drawn
             token = budget.forced(outputs)
             if token is not None:
                 forced.append((i, token))
-            elif not k and budget.closed(outputs):
-                self._thought.add(rid)
+            elif not k:
+                self._thought.add(rid)  # past the budget and free: closed, or never thinking
         return forced
 
     def _generator_for(self, chunk: ScheduledChunk) -> torch.Generator:

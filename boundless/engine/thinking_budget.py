@@ -37,15 +37,18 @@ class ThinkingBudget:
         if not self.end:
             raise ValueError("a thinking budget needs the end tag's token ids")
 
+    def within(self, num_outputs: int) -> bool:
+        """Whether an output of this many tokens is within the budget: nothing to force yet, whatever the tokens (the
+        check of every step, without reading them)."""
+        return num_outputs - len(self.start) < self.tokens
+
     def forced(self, outputs: Sequence[int]) -> int | None:
         """The token that must follow ``outputs`` (a request's output so far) to close its thinking, or None: free
         (not thinking, within the budget, or closed)."""
         begin = len(self.start)
-        if begin and tuple(outputs[:begin]) != self.start:
+        if self.within(len(outputs)) or (begin and tuple(outputs[:begin]) != self.start) or self.closed(outputs):
             return None
         thought = outputs[begin:]
-        if len(thought) < self.tokens or self.closed(outputs):
-            return None
         # The end tag's first tokens already written at the output's end (forced a step ago, or the model's own).
         end = self.end
         written = next(k for k in range(min(len(end) - 1, len(thought)), -1, -1) if _ends_with(thought, end[:k]))

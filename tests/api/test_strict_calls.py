@@ -38,6 +38,7 @@ def test_the_call_format_is_the_parsers_or_else_the_templates() -> None:
     assert strict_call_format(ALL_FORMATS, HERMES_TEMPLATE) == TAGGED_JSON
     assert strict_call_format(ALL_FORMATS, "<tool_call>\n<function={{ name }}>") == TAGGED_XML
     assert strict_call_format(ALL_FORMATS, "{{ messages }}") is None
+    assert strict_call_format(ALL_FORMATS, "<tool_call>{{ name }}\n<arg_key>") is None  # GLM-4.5's own format
     assert strict_call_format(ALL_FORMATS, None) is None
 
 

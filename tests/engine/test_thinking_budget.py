@@ -41,6 +41,7 @@ def test_an_output_thinks_only_when_it_begins_with_the_start_tag() -> None:
     assert budget.forced([1, 7, 2, 3, 4]) is None and budget.closed([1, 7, 2, 3])  # no thinking
     assert not budget.closed([]) and not budget.closed([7, 1, 2])
     assert ThinkingBudget(0, END).forced([]) == 300  # no thinking at all
+    assert budget.within(2) and not budget.within(3)  # (the start tag not counted)
     with pytest.raises(ValueError):
         ThinkingBudget(-1, END)
     with pytest.raises(ValueError):
