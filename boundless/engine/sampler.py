@@ -345,7 +345,10 @@ class Sampler:
             logits[torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)] = float("-inf")
         if structured:
             rows, matchers, drafts = zip(*structured, strict=True)
-            mask_logits(logits, list(rows), list(matchers), drafts)
+            for row in mask_logits(logits, list(rows), list(matchers), drafts):
+                # A grammar at a dead end allows nothing: the request's end token ends it alone (GrammarMatcher).
+                end = chunks[row].eos_token_ids[0] if chunks[row].eos_token_ids else 0
+                forced = [*forced, (row, end)]
         if forced:
             rows, ids = (torch.tensor(column, device=device) for column in zip(*forced, strict=True))
             logits[rows] = float("-inf")

@@ -103,19 +103,29 @@ def check_structured_output(spec: StructuredOutput, vocab_size: int) -> None:
     before it queues it. Remembered for the specs that passed (a server's front end and its engine check each
     request).
 
-    It is compiled for a stand-in vocabulary: ``vocab_size`` ids, three of them with text (a millisecond for a
-    schema: the vocabulary's text is what a real compilation spends its time on). xgrammar builds some grammars it
+    It is compiled for a stand-in vocabulary: ``vocab_size`` ids, the first 256 each a byte and the next the end (a
+    millisecond for a schema: the vocabulary's text is what a real compilation spends its time on), and refused if it
+    allows no first token at all. xgrammar builds some grammars it
     then cannot compile (a JSON schema's negative ``minLength``), and a compilation that failed in the engine's step
     would fail the step's every request, not this one alone; the ids let a grammar name tokens
     (``TokenTagDispatch``). A compiler of its own each call, without a cache: checks run on the server's worker
     threads at once, and a cache would keep every schema checked."""
     xgr = _xgrammar(spec.param)
     grammar = _grammar(xgr, spec)
-    info = xgr.TokenizerInfo(["a", "b", "</s>"], vocab_size=max(vocab_size, 3), stop_token_ids=[2])
+    # Every byte a token of its own, then the end token: whether the grammar allows any first byte (or the end) is
+    # whether it allows any output at all, whatever the real vocabulary.
+    vocab: list[bytes | str] = [bytes([b]) for b in range(256)]
+    info = xgr.TokenizerInfo(
+        vocab + ["</s>"], xgr.VocabType.RAW, vocab_size=max(vocab_size, len(vocab) + 1), stop_token_ids=[len(vocab)]
+    )
     try:
-        xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_grammar(grammar)
+        compiled = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_grammar(grammar)
     except Exception as e:  # xgrammar raises RuntimeError with the reason
         raise _unusable(spec, e) from e
+    first = xgr.allocate_token_bitmask(1, info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first)
+    if not bool(first.any()):  # (root ::= root; a character class of nothing): each step would have no token to take
+        raise InvalidRequestError(f"{spec.param}: the {spec.kind} allows no output at all", spec.param)
 
 
 def _unusable(spec: StructuredOutput, error: Exception) -> InvalidRequestError:
@@ -243,21 +253,30 @@ class Grammars:
 
 
 class GrammarMatcher:
-    """One request's place in its grammar: which tokens may come next, and each token it took."""
+    """One request's place in its grammar: which tokens may come next, and each token it took. A grammar may reach a
+    place where it allows no token at all (a dead end its check at the start could not see, such as a character class
+    of nothing after a first character): there the sampler takes the request's end token instead and the matcher is
+    ``done``, so the request ends alone rather than failing its step's every request."""
 
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
         self.num_tokens = 0  # tokens accepted
+        self.dead_end = False  # the grammar allowed no token: ended by the end token
+        self._empty_at: set[int] = set()  # places (tokens accepted) whose mask allowed no token
 
     def accept(self, token_id: int) -> None:
         if not self._matcher.accept_token(token_id):
+            if self.num_tokens in self._empty_at:
+                self.dead_end = True  # (the end token the sampler took there)
+                return
             raise RuntimeError(f"token {token_id} breaks the request's grammar")
         self.num_tokens += 1
 
     @property
     def done(self) -> bool:
-        """The output is complete and its end token taken: nothing more is constrained."""
-        return bool(self._matcher.is_terminated())
+        """The output is complete and its end token taken (or the grammar reached a dead end): nothing more is
+        constrained."""
+        return self.dead_end or bool(self._matcher.is_terminated())
 
     def replay(self, token_ids: Sequence[int]) -> None:
         """Accept tokens the request drew before this matcher was made (a prefill engine's, after a handoff)."""
@@ -275,6 +294,9 @@ class GrammarMatcher:
             if matcher.is_terminated():
                 break  # a draft took the end token: the output is complete, and the rows after it are discarded
             matcher.fill_next_token_bitmask(bitmask, first + j)
+            if not bool(bitmask[first + j].any()):
+                self._empty_at.add(self.num_tokens + j)
+                break  # (a dead end: no draft is allowed here either)
             if j == len(drafts) or not matcher.accept_token(drafts[j]):
                 break
             taken += 1
@@ -287,11 +309,12 @@ def mask_logits(
     rows: list[int],
     matchers: list[GrammarMatcher],
     drafts: Sequence[Sequence[int]] | None = None,
-) -> None:
+) -> list[int]:
     """Forbid, in place, every token that row ``rows[j]``'s grammar (``matchers[j]``) does not allow next. With
     ``drafts`` (speculative decoding), ``matchers[j]`` covers ``len(drafts[j]) + 1`` rows from ``rows[j]``'s, one
     per sampling position of its chunk (:meth:`GrammarMatcher.fill_draft_masks`; rows left open allow every token,
-    the bitmask's initial value)."""
+    the bitmask's initial value). Returns the rows whose grammar allows no token (a dead end), all forbidden: the
+    caller gives each its request's end token."""
     xgr = _xgrammar("structured_outputs")
     drafts = drafts or [()] * len(matchers)
     rows = [row + k for row, d in zip(rows, drafts, strict=True) for k in range(len(d) + 1)]
@@ -304,3 +327,4 @@ def mask_logits(
     picked = logits[index].contiguous()  # (a copy: rows chosen by index)
     xgr.apply_token_bitmask_inplace(picked, bitmask.to(logits.device))
     logits[index] = picked
+    return [rows[k] for k in (~bitmask.any(dim=1)).nonzero().flatten().tolist()]

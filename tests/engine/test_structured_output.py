@@ -184,6 +184,37 @@ def test_bad_specs_are_refused_before_anything_is_queued(tiny_llama: LoadedModel
 
 
 @pytest.mark.parametrize(
+    "spec",
+    [StructuredOutput("grammar", "root ::= root"), StructuredOutput("regex", "[^\\x00-\\U0010ffff]")],
+)
+def test_a_grammar_that_allows_no_output_is_refused(tiny_llama: LoadedModel, spec: StructuredOutput) -> None:
+    """A grammar with no first token (nor an end) would leave every step nothing to take: refused up front (a 400)."""
+    with pytest.raises(InvalidRequestError, match="allows no output"):
+        _engine(tiny_llama).add_request("a", tiny_llama.tokenizer.encode("x"), SamplingParams(structured=spec))
+
+
+@pytest.mark.parametrize("speculative", [None, '{"method": "ngram", "num_speculative_tokens": 3}'])
+def test_a_grammar_at_a_dead_end_ends_its_request_alone(tiny_llama: LoadedModel, speculative: str | None) -> None:
+    """A grammar that allows a first character and then nothing: its request ends there (its end token), and the
+    requests stepping beside it, greedy and sampled, are served as if it were not there; before, the step failed and
+    took them with it."""
+    dead = StructuredOutput("regex", "a[^\\x00-\\U0010ffff]")
+    prompt = tiny_llama.tokenizer.encode("Say something.")
+    others = {
+        "greedy": (prompt, SamplingParams(temperature=0.0, max_tokens=12)),
+        "sampled": (prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=12)),
+    }
+    alone = _run(_engine(tiny_llama, speculative=speculative), others)
+    ends = {"greedy-dead": SamplingParams(temperature=0.0, structured=dead), "sampled-dead": None}
+    ends["sampled-dead"] = SamplingParams(temperature=1.0, seed=1, structured=dead)
+    together = _run(
+        _engine(tiny_llama, speculative=speculative), others | {rid: (prompt, p) for rid, p in ends.items()}
+    )
+    assert {rid: together[rid] for rid in others} == alone
+    assert together["greedy-dead"] == ("a", "stop") and together["sampled-dead"] == ("a", "stop")
+
+
+@pytest.mark.parametrize(
     ("spec", "valid"),
     [
         (StructuredOutput("regex", "[a-c]{3}-[0-9]{2}"), lambda text: re.fullmatch("[a-c]{3}-[0-9]{2}", text)),
