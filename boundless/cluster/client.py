@@ -298,6 +298,10 @@ class ClusterClient(DispatcherFrontEnd):
         self.lending = self._connect_lending(cluster) if cluster.kv_lending == "on" else None
         self.tokenizer = load_tokenizer(model_path)
         self.max_model_len = min(i.info.max_model_len for i in self.instances.values() if i.info)
+        if not cluster.disaggregated:
+            # The dispatcher spreads a request's samples over the instances' queues: more than all of them hold can
+            # never wait (a 400, where each try got a 429 for good).
+            self.max_waiting = max_waiting * len(self.instances)
         table = ProcessTable(ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas")
         self.dispatcher: Dispatcher
         if cluster.disaggregated:

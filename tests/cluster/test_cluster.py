@@ -132,6 +132,17 @@ def test_a_request_that_fails_in_add_fails_alone(cluster: tuple[ClusterClient, S
     assert client.dispatcher.num_failovers == 0
 
 
+def test_more_samples_than_every_queue_holds_is_a_400(cluster: tuple[ClusterClient, ServerThread]) -> None:
+    """The instances' queues hold 2 x 1,024 requests (--max-waiting each): 20 prompts x 128 samples could never wait,
+    so a 400 naming n, as one engine answers; before, a 429 with Retry-After at every try."""
+    client, server = cluster
+    assert client.max_waiting == 2048
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model="tiny", prompt=["hi"] * 20, n=128, max_tokens=1)
+    assert err.value.body["param"] == "n"  # type: ignore[index]
+
+
 def test_prompt_logprobs_come_back_through_the_cluster(
     cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
 ) -> None:
