@@ -300,22 +300,41 @@ class ToolUse:
     formats: CallFormats = ALL_FORMATS
     forced: bool = False  # tool_choice required or named: the grammar writes calls throughout
 
-    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def calls(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """The output's content and calls. ``cut``: it ended at ``max_tokens``; calls it began that do not parse then
+        come as far as they were written (:meth:`begun_calls`), as OpenAI returns a call cut off."""
         content, calls = parse_tool_calls(text, self.types, self.formats)
+        if cut and not calls and (begun := self.begun_calls(text))[1]:
+            content, calls = (text[: begun[0]].strip() or None), begun[1]
         return content, calls if self.parallel else calls[:1]
 
-    def content_spans(self, answer: str) -> list[Span]:
+    def begun_calls(self, text: str) -> tuple[int, list[ToolCall]]:
+        """Where the calls an output had begun start, and those calls, whole or as far as their arguments got: what a
+        stream of it sent (:class:`ContentStream`, :class:`CallStream`), so that a cut-off output's streamed and
+        unstreamed responses say the same; ``(len(text), [])`` when it began none."""
+        contents = ContentStream(self.formats)
+        contents.feed(text)
+        if not contents.held:
+            return len(text), []
+        stream = CallStream(self.parallel, self.types, self.forced, self.formats)
+        stream.feed(text, contents.sent)
+        return contents.sent, stream.begun()
+
+    def content_spans(self, answer: str, cut: bool = False) -> list[Span]:
         """The parts of an ``answer`` that are its message's content: all of it, unless it holds calls; then the parts
         around them from the first that is not blank to the last, less the blanks that end the last: the content is
         the parts joined, then stripped, so blanks between the parts stay in it. The blanks that begin the first are
         kept: a token that starts in them holds the content's first word as often as not (`` Done`` after a call),
-        and a stream sends them with the text they precede."""
-        content, calls = self.calls(answer) if self.used else (answer, [])
+        and a stream sends them with the text they precede. ``cut``: as :meth:`calls`."""
+        content, calls = self.calls(answer, cut) if self.used else (answer, [])
         if not calls:
             return [(0, len(answer))]
         if content is None:
             return []
-        spans = spans_around_calls(answer, self.formats)
+        if not parse_tool_calls(answer, self.types, self.formats)[1]:  # (calls cut off: the content precedes them)
+            spans = [(0, self.begun_calls(answer)[0])]
+        else:
+            spans = spans_around_calls(answer, self.formats)
         texts = [i for i, (start, end) in enumerate(spans) if answer[start:end].strip()]
         spans = spans[texts[0] : texts[-1] + 1]  # (content: one part at least is not blank)
         start, end = spans[-1]
@@ -722,10 +741,12 @@ class OpenAIServer:
             message["content"] = text if reasoning is None else (text or None)
             finish = c.finish_reason
             if tools.used:
-                content, calls = tools.calls(text)
+                parsed = tools.calls(text)
+                # (Calls cut off by max_tokens come as far as they got, and the output ended at its length.)
+                content, calls = parsed if parsed[1] or finish != "length" else tools.calls(text, cut=True)
                 if calls:
                     message.update(content=content, tool_calls=[t.to_openai() for t in calls])
-                    finish = "tool_calls"
+                    finish = "tool_calls" if parsed[1] else finish
             out_choices.append(
                 {
                     "index": c.index,
@@ -817,7 +838,8 @@ class OpenAIServer:
                 return []
             c = choices[index]
             if finished:
-                return logprobs[index].finish(self.message_spans(c.text, tools, reasoning), len(c.text))
+                spans = self.message_spans(c.text, tools, reasoning, c.finish_reason == "length")
+                return logprobs[index].finish(spans, len(c.text))
             begun = answer if reasoning is None or answer else None
             return logprobs[index].release(c.text, begun, contents[index].sent if tools.used else None)
 
@@ -849,6 +871,17 @@ class OpenAIServer:
                         yield choice_chunk(index, {"tool_calls": calls_so_far})
                 else:
                     text, calls = contents[index].finish(answer, tools.calls)
+                    held = contents[index].held
+                    last = call_streams[index].feed(answer, contents[index].sent) if held and not calls else []
+                    if not calls and c.finish_reason == "length" and call_streams[index].begun():
+                        # Cut off while writing its calls: they stand as far as they were written (the last delta's
+                        # text too), as the unstreamed response has them (ToolUse.calls); the text held for them is
+                        # not content.
+                        new_logprobs = content_logprobs(index, answer, True)
+                        if new_logprobs:
+                            yield choice_chunk(index, {"content": ""}, lp(new_logprobs))
+                        yield choice_chunk(index, {"tool_calls": last} if last else {}, finish="length")
+                        continue
                     if calls:
                         new_logprobs = content_logprobs(index, answer, True)
                         if text or new_logprobs:
@@ -1127,14 +1160,16 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def message_spans(self, text: str, tools: ToolUse, reasoning: ReasoningOutput | None) -> list[Span]:
+    def message_spans(
+        self, text: str, tools: ToolUse, reasoning: ReasoningOutput | None, cut: bool = False
+    ) -> list[Span]:
         """Where a chat message's content lies in its output's ``text``: in the answer after the reasoning (with a
-        reasoning parser), around the tool calls (:meth:`ToolUse.content_spans`)."""
+        reasoning parser), around the tool calls (:meth:`ToolUse.content_spans`; ``cut``: it ended at max_tokens)."""
         answer: str | None = text if reasoning is None else reasoning.split(text).content
         if answer is None:
             return []
         begins = len(text) - len(answer)  # (the answer ends the output)
-        return [(begins + start, begins + end) for start, end in tools.content_spans(answer)]
+        return [(begins + start, begins + end) for start, end in tools.content_spans(answer, cut)]
 
     def message_logprobs(
         self,
@@ -1146,7 +1181,7 @@ class OpenAIServer:
     ) -> list[SampledToken]:
         """A chat message's logprobs (OpenAI's ``logprobs.content``, "message content tokens"): its content's tokens,
         not its reasoning's or its tool calls' (:func:`~boundless.api.logprobs.content_tokens`)."""
-        spans = self.message_spans(choice.text, tools, reasoning)
+        spans = self.message_spans(choice.text, tools, reasoning, choice.finish_reason == "length")
         if spans == [(0, len(choice.text))]:  # all of it: every token (no need to find where each starts)
             return choice.logprobs
         starts = TokenStarts(self.tokenizer, prompt, skip_special_tokens).add(t.token_id for t in choice.logprobs)

@@ -481,6 +481,10 @@ class CallStream:
             self._list_calls = bool(items) and all(_bare_call(item, self.tools) for item in items)
         return self._list_calls
 
+    def begun(self) -> list[ToolCall]:
+        """The calls streamed so far, with their ids, each's arguments as far as they went out."""
+        return [ToolCall(name, sent, id_) for id_, name, sent in zip(self._ids, self._names, self._sent, strict=True)]
+
     def finish(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
         """The parsed calls -> the deltas that complete them, the streamed ones keeping their ids. A streamed call past
         the parsed ones (a last block cut off inside its JSON) is left as it went out: what was sent cannot be taken

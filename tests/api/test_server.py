@@ -395,6 +395,45 @@ def test_tool_choice_required_gets_calls_of_the_tools(client: openai.OpenAI) -> 
         assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
 
 
+@pytest.mark.parametrize("max_tokens", [25, 44])
+def test_forced_calls_cut_off_by_max_tokens_come_as_far_as_they_got(client: openai.OpenAI, max_tokens: int) -> None:
+    """A forced call cut off by max_tokens: the calls as far as they were written (a whole first one, the last one's
+    arguments so far), no content, finish_reason length; streamed the same. Before, the unstreamed response had the
+    raw JSON as content and no call, while the stream sent the calls and then that text again as content (and
+    Anthropic's client built a tool_use the unstreamed message lacked)."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Call get_weather for Tokyo and Berlin."}],
+        "tools": [weather],
+        "tool_choice": "required",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None and whole.message.tool_calls
+    calls: dict[int, list[str]] = {}
+    content, finish = "", None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+        for call in delta.tool_calls or ():
+            entry = calls.setdefault(call.index, ["", ""])
+            entry[0] += call.function.name or ""
+            entry[1] += call.function.arguments or ""
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        tuple(calls[i]) for i in sorted(calls)
+    ]
+    assert (content, finish) == ("", "length")
+
+
 def test_async_client_32_concurrent_streams_match_offline(aclient: openai.AsyncOpenAI, smollm2: LoadedModel) -> None:
     prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(32)]
 
