@@ -70,7 +70,7 @@ from boundless.api.validation import (
 from boundless.config import ConfigError, ServerConfig
 from boundless.engine.async_engine import SHUTTING_DOWN
 from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
-from boundless.engine.errors import InvalidRequestError
+from boundless.engine.errors import NO_ROOM_AFTER_FAILOVER, InvalidRequestError
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
 from boundless.engine.structured_output import StructuredOutput, check_structured_output
@@ -158,6 +158,8 @@ def failure_error(ends: list[tuple[str | None, str | None]]) -> APIError | None:
     route, streamed or not)."""
     if any(finish == "error" and stop == SHUTTING_DOWN for finish, stop in ends):
         return APIError(503, SHUTTING_DOWN, code="server_shutting_down")
+    if any(finish == "error" and stop == NO_ROOM_AFTER_FAILOVER for finish, stop in ends):
+        return APIError(503, NO_ROOM_AFTER_FAILOVER, code="instance_lost", headers={"Retry-After": "5"})
     if any(finish == "error" and stop == GRANT_REFUSED for finish, stop in ends):
         # Not the engine's fault: the cluster lost the memory the request needs; it may come back.
         return APIError(503, GRANT_REFUSED, code="kv_capacity_unavailable", headers={"Retry-After": "10"})

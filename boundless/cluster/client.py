@@ -59,7 +59,7 @@ from boundless.cluster.stuck_step import stuck_step
 from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import EngineDeadError, QueueFullError, RequestStream, StreamRegistry
 from boundless.engine.core import EngineStats, RequestDelta
-from boundless.engine.errors import InvalidRequestError
+from boundless.engine.errors import NO_ROOM_AFTER_FAILOVER, InvalidRequestError
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.step_watch import StepReport
 from boundless.kv.transfer import DISK
@@ -692,10 +692,11 @@ def failure_error(failure: Fail) -> Exception:
 
 
 def failure_delta(failure: Fail) -> RequestDelta:
-    """The last delta of a call that failed after it started (while failing over)."""
-    return RequestDelta(
-        failure.request_id, [], "", [], finished=True, finish_reason="error", stop_reason=failure.message
-    )
+    """The last delta of a call that failed after it started (while failing over): one that found no room (every
+    queue full, or no instance left) ends as the server's state, which the API answers with a 503 to retry."""
+    no_room = failure.reason in ("busy", "unavailable")
+    reason = NO_ROOM_AFTER_FAILOVER if no_room else failure.message
+    return RequestDelta(failure.request_id, [], "", [], finished=True, finish_reason="error", stop_reason=reason)
 
 
 def _instance_unreachable(e: Exception) -> bool:

@@ -180,6 +180,11 @@ class Dispatcher:
             # Marking the instance dead first keeps the router off it when this call is routed again.
             lost = self.instance_lost(send.instance_id, f"add failed: {result.message}")
             return lost + self._route(call)
+        if result.status == "busy" and call.failovers and self._restart_coming():
+            # Moved off a lost instance onto one whose queue is full: it waits for the lost one's restart (the room
+            # that went with it), as calls wait when no instance is live.
+            self.awaiting[call.request_id] = call
+            return []
         self._release(call.program)
         return [Fail(call.request_id, result.status, result.message, result.param)]
 
@@ -307,7 +312,7 @@ class Dispatcher:
             num_tokens = len(call.prompt) + len(call.output_token_ids)
             iid = self.router.choose(self.views.values(), pid, num_tokens, self.load_index)
         except NoLiveInstanceError as e:
-            if any(self.restarts.state(iid) in ("down", "starting") for iid in self.views):
+            if self._restart_coming():
                 self.awaiting[call.request_id] = call  # an instance is being restarted: the call waits for it
                 return []
             self._release(call.program)
@@ -315,6 +320,10 @@ class Dispatcher:
         self.pending[call.request_id] = call
         resume = Resume(tuple(call.output_token_ids), call.text_chars_sent) if call.output_token_ids else None
         return [Send(iid, call.request_id, call.prompt, call.params, self._global_view(call.program), resume)]
+
+    def _restart_coming(self) -> bool:
+        """Whether a lost instance is being restarted (or will be): calls may wait for it."""
+        return any(self.restarts.state(iid) in ("down", "starting") for iid in self.views)
 
     def _global_view(self, program: ProgramRef | None) -> ProgramRef | None:
         """The program with its service and waiting as the router knows them across instances."""

@@ -9,3 +9,8 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+# The end of a call whose instance was lost while no other could take it (every queue full, or none live and none
+# coming back): the server's state, not the request's fault, so a 503 to retry, not an engine error.
+NO_ROOM_AFTER_FAILOVER = "the request's instance was lost and no other could take it; retry the request"

@@ -263,6 +263,38 @@ def test_with_every_instance_lost_calls_wait_for_a_restart_and_go_on_there() -> 
     ]
 
 
+def test_a_call_moved_onto_a_full_queue_waits_for_the_lost_instances_restart() -> None:
+    """Its instance lost, a call moved to one whose queue is full waits for the restart (the room lost with it) and
+    goes on there once it is ready; without a restart coming, it fails as busy, which the API answers with a 503 to
+    retry (it was a 500, an engine error)."""
+    d, clock = dispatcher(2, restarts=RestartPolicy(delay_s=1.0, max_restarts=1))
+    first = placed(d, "a", [1, 2, 3])
+    d.receive(first.instance_id, delta("a", [7], "x"))
+    (mark, send) = d.instance_lost(first.instance_id, "killed")
+    assert isinstance(mark, MarkDead) and isinstance(send, Send) and send.instance_id != first.instance_id
+    assert d.add_done(send, AddResult("busy", "queue full")) == []  # it waits
+    clock.now += 1.0
+    assert d.restarts_due() == [Restart(first.instance_id, 1)]
+    (again,) = d.instance_ready(first.instance_id)
+    assert isinstance(again, Send) and again.request_id == "a" and again.resume == Resume((7,), 1)
+    d2, _ = dispatcher(2)  # no restarts
+    lost = placed(d2, "b", [1, 2, 3])
+    (_, moved) = d2.instance_lost(lost.instance_id, "killed")
+    assert d2.add_done(moved, AddResult("busy", "queue full")) == [Fail("b", "busy", "queue full")]  # type: ignore[arg-type]
+
+
+def test_a_moved_call_that_finds_no_room_ends_as_a_503_to_retry() -> None:
+    from boundless.api.server import failure_error
+    from boundless.cluster.client import failure_delta
+
+    for reason in ("busy", "unavailable"):
+        end = failure_delta(Fail("a", reason, "queue full"))  # type: ignore[arg-type]
+        error = failure_error([(end.finish_reason, end.stop_reason)])
+        assert error is not None and error.status == 503 and error.headers == {"Retry-After": "5"}
+    end = failure_delta(Fail("a", "failed", "RuntimeError: boom"))
+    assert failure_error([(end.finish_reason, end.stop_reason)]).status == 500  # type: ignore[union-attr]
+
+
 def test_without_restarts_a_lost_instance_stays_dead() -> None:
     for policy in (None, RestartPolicy(delay_s=0.0, max_restarts=0)):
         d, clock = dispatcher(2, restarts=policy)
