@@ -126,7 +126,7 @@ def test_where_the_prediction_has_nothing_the_drafts_are_prompt_lookups() -> Non
     assert p.propose("r", out + [2, 3], 7, 10) == [4, 5, 6] and not p.from_prediction
     out += [2, 3, 4, 5, 6, 7, 12, 13]  # back on the prediction: its drafts again
     assert p.propose("r", out, 7, 10) == [14, 15] and p.from_prediction
-    assert p.propose("r", out + [8, 8], 7, 10) == [] and not p.from_prediction  # neither has "8 8" (nor "7 8")
+    assert p.propose("r", out + [8, 8], 7, 10) == [] and not p.from_prediction  # "8 8" in neither
     assert p.propose("other", prompt + [3, 4], 7, 10) == []  # no prediction: nothing drafted for it here
     p.finish("r")
     p.add("r", [10, 11])  # a new request under the same id, longer: its own tokens looked up, not the last one's
@@ -182,7 +182,7 @@ def test_a_wrong_prediction_drafts_by_prompt_lookup(smollm2: LoadedModel, monkey
     answer = plain["r0"]
     assert plain_steps["r0"] == 40
     unrelated = tuple(t for t in range(1000, 1100) if t not in prompt and t not in answer)[:40]
-    mixed = (*answer[:8], *unrelated)  # (none of the answer's pairs of tokens past its 8th in it: checked below)
+    mixed = (*answer[:8], *unrelated)  # (the answer's later pairs of tokens are not in it: only its start drafts)
     params = [dataclasses.replace(greedy, prediction=unrelated), dataclasses.replace(greedy, prediction=mixed)]
     core = _core(smollm2)
     tokens, counts, steps = _run(core, params, [prompt, prompt])
