@@ -716,11 +716,12 @@ class EngineCore:
         if scheduler.proposer is not None or scheduler.predictions.active:
             drafted = [ch for ch in sched.chunks if ch.draft_token_ids]
             accepted = {ch.request_id: sum(ch.request_id in p for p in result.later) for ch in drafted}
-            # A prediction's drafts, and how many the verification kept (counted below, as its output keeps them).
+            # A prediction's drafts, and how many the verification kept (counted below, as its output keeps them);
+            # not the prompt lookup's drafts of a request whose prediction had none (no prediction tokens).
             predicted = {
                 ch.request_id: (len(ch.draft_token_ids), accepted[ch.request_id])
                 for ch in drafted
-                if scheduler.predictions.has(ch.request_id)
+                if ch.request_id in sched.predicted
             }
             c.drafts += len(drafted)
             c.draft_tokens += sum(len(ch.draft_token_ids) for ch in drafted)

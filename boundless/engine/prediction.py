@@ -9,6 +9,18 @@ place), so that the drafts find their way back after an edit. The drafts are ver
 (``engine/speculative.py``): the output is the one the request would have had without a prediction, token for token
 when greedy; a prediction only makes it come in fewer steps. The kept and rejected drafts are counted per request,
 OpenAI's ``accepted_prediction_tokens`` and ``rejected_prediction_tokens``.
+
+A step where the output's end is nowhere in the prediction (the model wrote what the prediction lacks: a preamble, a
+line of its own, a passage of the prompt) gets its drafts by prompt lookup over the request's own prompt and output
+instead: :class:`~boundless.engine.speculative.NgramProposer`'s matching (the same code, the latest earlier
+occurrence of the sequence's last :data:`MAX_MATCH` down to :data:`MIN_MATCH` tokens), as many as the request's
+length allows (below); so a wrong prediction still drafts where the answer repeats its context, as the server's n-gram
+proposer would. Those drafts are verified as the prediction's, and how they fare sets the next length as theirs
+does, but they are not prediction tokens: OpenAI's counts are of the prediction's tokens the completion holds or
+lacks, and a lookup draft is a token of the request's own text, so neither ``accepted_prediction_tokens`` nor
+``rejected_prediction_tokens`` counts it. (:attr:`PredictionProposer.from_prediction` says which the drafts just
+proposed were; the scheduler names the step's requests whose drafts are their prediction's in
+``SchedulerOutput.predicted``, and the engine counts only those.)
 """
 
 from __future__ import annotations
@@ -16,6 +28,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+from boundless.config import SpeculativeConfig
+from boundless.engine.speculative import NgramProposer
 from boundless.engine.token_search import first_occurrence
 
 # Drafts a step from a prediction, at most and at first. A request's number follows how its last drafts fared: all
@@ -37,6 +51,10 @@ class PredictionProposer:
         self._resume: dict[str, int] = {}  # request -> where in its prediction the last drafts ended
         self._length: dict[str, int] = {}  # request -> how many drafts it gets next
         self._last: dict[str, tuple[int, list[int]]] = {}  # request -> (its length then, its last drafts)
+        # Where the prediction has no drafts: prompt lookup over the request's own tokens (its matching, its packing).
+        self._lookup = NgramProposer(SpeculativeConfig("ngram", num_drafts, MIN_MATCH, MAX_MATCH))
+        # Whether the drafts :meth:`propose` returned last are the prediction's (False: prompt lookup's, or none).
+        self.from_prediction = False
 
     @property
     def active(self) -> bool:
@@ -56,15 +74,35 @@ class PredictionProposer:
         return self.num_drafts
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, limit: int) -> list[int]:
-        """Up to ``limit`` tokens of the request's prediction likely to follow ``token_ids`` (its prompt, then its
-        output), as many as its last drafts earned (:data:`MAX_DRAFTS`); empty when the output's end is nowhere in the
-        prediction."""
+        """Up to ``limit`` tokens likely to follow ``token_ids`` (the request's prompt, then its output), as many as
+        its last drafts earned (:data:`MAX_DRAFTS`): its prediction's, else, when the output's end is nowhere in the
+        prediction, prompt lookup's over ``token_ids`` (:attr:`from_prediction` says which); empty when neither has
+        any, or the request brought no prediction."""
+        self.from_prediction = False
         found = self._predictions.get(request_id)
         if found is None:
             return []
         k = min(limit, self._next_length(request_id, token_ids))
         if k <= 0:
             return []
+        drafts = self._predicted(request_id, found, token_ids, num_prompt_tokens, k)
+        self.from_prediction = bool(drafts)
+        if not drafts:
+            drafts = self._lookup.propose(request_id, token_ids, num_prompt_tokens, k)
+        if drafts:
+            self._last[request_id] = (len(token_ids), drafts)
+        return drafts
+
+    def _predicted(
+        self,
+        request_id: str,
+        found: tuple[Sequence[int], bytes],
+        token_ids: Sequence[int],
+        num_prompt_tokens: int,
+        k: int,
+    ) -> list[int]:
+        """Up to ``k`` tokens of the prediction likely to follow ``token_ids``; empty when the output's end is nowhere
+        in it."""
         prediction, words = found
         output = len(token_ids) - num_prompt_tokens
         if output <= MAX_MATCH and list(token_ids[num_prompt_tokens:]) == list(prediction[:output]):
@@ -85,8 +123,6 @@ class PredictionProposer:
                 return []
         drafts = list(prediction[follow : follow + k])
         self._resume[request_id] = follow + len(drafts)
-        if drafts:
-            self._last[request_id] = (len(token_ids), drafts)
         return drafts
 
     def _next_length(self, request_id: str, token_ids: Sequence[int]) -> int:
@@ -104,3 +140,4 @@ class PredictionProposer:
     def finish(self, request_id: str, token_ids: Sequence[int] = (), num_prompt_tokens: int = 0) -> None:
         for kept in (self._predictions, self._resume, self._length, self._last):
             kept.pop(request_id, None)
+        self._lookup.finish(request_id, token_ids, num_prompt_tokens)

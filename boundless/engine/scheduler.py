@@ -145,6 +145,10 @@ class SchedulerOutput:
     # step ran, its id then taken by a new one, is not the new one; None: any request of the id).
     requests: dict[str, Request] | None = None
     decided_ahead: bool = False  # by Scheduler.schedule_ahead, while the step before it ran
+    # Predicted Outputs: the requests whose drafts this step are their prediction's, counted as prediction tokens
+    # kept or rejected (a request with a prediction drafts by prompt lookup where its prediction has none:
+    # ``engine/prediction.py``; those drafts are no prediction tokens).
+    predicted: set[str] = field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:
@@ -345,7 +349,7 @@ class Scheduler:
         # A step with a request that brings a prediction drafts from it, in single steps (a window's passes take none).
         predicting = self.predictions.active and any(self.predictions.has(r.request_id) for r, _ in chosen)
         windows = self._plan_window(chosen) if self.num_scheduler_steps > 1 and not predicting else None
-        drafts = self._plan_drafts(chosen, budget) if self.proposer is not None or predicting else {}
+        drafts = self._plan_drafts(chosen, budget, out.predicted) if self.proposer is not None or predicting else {}
         for request, num_new in chosen:
             first_block, remote = self.kv.remote_prefix(request.request_id)
             start = request.num_computed_tokens
@@ -511,7 +515,7 @@ class Scheduler:
             assert allocated, "the window's blocks were counted free"
         return steps
 
-    def _plan_drafts(self, chosen: list[tuple[Request, int]], budget: int) -> dict[str, list[int]]:
+    def _plan_drafts(self, chosen: list[tuple[Request, int]], budget: int, predicted: set[str]) -> dict[str, list[int]]:
         """Speculative decoding: the proposer's drafts for each chosen request that decodes its next token, within
         the step's remaining token budget and the request's remaining output (its last sample is a token more), with
         the slots for them allocated now. A request gets none when the device lacks free blocks for them (a draft
@@ -519,7 +523,8 @@ class Scheduler:
         begin (a draft could carry it past its start unchecked); at most the proposer's
         ``max_drafts`` for the step's number of requests. The sampler masks a grammar's positions and counts a
         penalized request's outputs with the drafts before each. A request that brings a prediction drafts from it
-        (``self.predictions``), the others from ``self.proposer`` (if any)."""
+        (``self.predictions``; by prompt lookup where it has none), the others from ``self.proposer`` (if any); the
+        requests whose drafts are their prediction's go in ``predicted``."""
         drafts: dict[str, list[int]] = {}
         most = self.proposer.max_drafts(len(chosen)) if self.proposer is not None else 0
         for request, num_new in chosen:
@@ -545,6 +550,8 @@ class Scheduler:
             if draft and self.kv.allocate(rid, request.all_token_ids, request.num_tokens + len(draft)):
                 drafts[rid] = draft
                 budget -= len(draft)
+                if proposer is self.predictions and self.predictions.from_prediction:
+                    predicted.add(rid)
         return drafts
 
     def tokens_after_step(self, request: Request) -> int:

@@ -1,5 +1,6 @@
 """OpenAI's Predicted Outputs (``SamplingParams.prediction``): drafts from a request's own prediction, verified as
-speculative decoding's are: the same tokens as without a prediction, in fewer steps when the prediction is right."""
+speculative decoding's are: the same tokens as without a prediction, in fewer steps when the prediction is right;
+where the prediction has none, prompt lookup's over the request's own tokens, not counted as prediction tokens."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ def _core(loaded: LoadedModel, **options: object) -> EngineCore:
     return EngineCore.from_model(loaded, config)
 
 
-def _run(core: EngineCore, params: list[SamplingParams]) -> tuple[dict[str, list[int]], dict[str, tuple], Counter]:
+def _run(
+    core: EngineCore, params: list[SamplingParams], prompts: list[list[int]] = PROMPTS
+) -> tuple[dict[str, list[int]], dict[str, tuple], Counter]:
     """Each request's tokens, its (accepted, rejected) prediction tokens at the end, and the steps that gave it
     tokens."""
     tokens: dict[str, list[int]] = {}
     counts: dict[str, tuple] = {}
-    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         core.add_request(f"r{i}", prompt, p)
         tokens[f"r{i}"] = []
     steps: Counter = Counter()
@@ -104,9 +107,30 @@ def test_the_drafts_grow_while_they_are_kept_and_shrink_when_they_are_not() -> N
     assert lengths == [4, 8, 16, 16]
     drafts = p.propose("r", out, 1, 100)
     out += drafts[:2] + [7]  # two kept, then the model writes something else
-    assert len(p.propose("r", out + [8, 9], 1, 100)) == 0  # (off the prediction: no drafts)
+    assert len(p.propose("r", out + [8, 9], 1, 100)) == 0  # (off the prediction, and "7 8 9" new: no drafts)
     out += prediction[50:52]
     assert p.propose("r", out, 1, 100) == prediction[52:55]  # back on it: 3 drafts (2 kept + 1)
+
+
+def test_where_the_prediction_has_nothing_the_drafts_are_prompt_lookups() -> None:
+    """The output's end nowhere in the prediction: the tokens that followed its latest earlier occurrence in the
+    request's own prompt and output (the n-gram proposer's lookup), as many as the request's length allows, and
+    marked as not the prediction's; the prediction's own drafts first wherever it has some."""
+    p = PredictionProposer(num_drafts=4)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    p.add("r", [10, 11, 12, 13, 14, 15])
+    assert p.propose("r", prompt + [10], 7, 10) == [11, 12, 13, 14] and p.from_prediction
+    out = prompt + [10, 11, 12, 13, 14, 15, 3, 4]  # all four kept; then the answer quotes its prompt
+    assert p.propose("r", out, 7, 10) == [5, 6, 7, 10] and not p.from_prediction
+    out += [5, 6, 9]  # two of the lookup's drafts kept: three next (how they fared sets the length)
+    assert p.propose("r", out + [2, 3], 7, 10) == [4, 5, 6] and not p.from_prediction
+    out += [2, 3, 4, 5, 6, 7, 12, 13]  # back on the prediction: its drafts again
+    assert p.propose("r", out, 7, 10) == [14, 15] and p.from_prediction
+    assert p.propose("r", out + [8, 8], 7, 10) == [] and not p.from_prediction  # "8 8" in neither
+    assert p.propose("other", prompt + [3, 4], 7, 10) == []  # no prediction: nothing drafted for it here
+    p.finish("r")
+    p.add("r", [10, 11])  # a new request under the same id, longer: its own tokens looked up, not the last one's
+    assert p.propose("r", [*range(40, 70), 45, 46], 30, 10) == [47, 48, 49, 50]
 
 
 def test_prediction_must_be_token_ids() -> None:
@@ -137,3 +161,39 @@ def test_a_prediction_outside_the_vocabulary_is_refused(tiny_llama: LoadedModel)
         core.add_request("bad", PROMPTS[0], _greedy([*plain["r0"][:2], 10**6]))
     again, _, _ = _run(core, [_greedy(plain[f"r{i}"]) for i in range(3)])
     assert again == plain
+
+
+# An answer that copies its prompt: SmolLM2 asked to copy a list writes its items (and then some again).
+COPY = (
+    "Copy the list exactly.\nList: apples, pears, plums, figs, dates, limes, kiwis, grapes, melons, lemons, cherries, "
+    "peaches\nCopy: apples,"
+)
+
+
+def test_a_wrong_prediction_drafts_by_prompt_lookup(smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prediction that has none of the answer's tokens drafts nothing itself; the answer copies its prompt, so the
+    request's drafts are prompt lookup's over its own tokens: the tokens without a prediction, in under half the
+    steps, and none of them counted as prediction tokens. A prediction right at first, then wrong: its own drafts
+    counted as they fared, the lookup's drafts after them not (the counts are those of the same request without the
+    lookup)."""
+    prompt = smollm2.tokenizer.encode(COPY, add_special_tokens=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain, _, plain_steps = _run(_core(smollm2), [greedy], [prompt])
+    answer = plain["r0"]
+    assert plain_steps["r0"] == 40
+    unrelated = tuple(t for t in range(1000, 1100) if t not in prompt and t not in answer)[:40]
+    mixed = (*answer[:8], *unrelated)  # (the answer's later pairs of tokens are not in it: only its start drafts)
+    params = [dataclasses.replace(greedy, prediction=unrelated), dataclasses.replace(greedy, prediction=mixed)]
+    core = _core(smollm2)
+    tokens, counts, steps = _run(core, params, [prompt, prompt])
+    assert tokens == {"r0": answer, "r1": answer}
+    assert counts["r0"] == (0, 0)  # the prediction drafted nothing: every draft was the lookup's
+    assert core.stats().spec_accepted_tokens >= 40  # (both requests' kept drafts)
+    assert 2 * steps["r0"] < plain_steps["r0"]
+    # Without the lookup, the unrelated prediction drafts nothing at all, and the mixed one only its beginning.
+    off = _core(smollm2)
+    monkeypatch.setattr(off.scheduler.predictions._lookup, "propose", lambda *args: [])
+    tokens_off, counts_off, steps_off = _run(off, params, [prompt, prompt])
+    assert tokens_off == tokens
+    assert steps_off["r0"] == plain_steps["r0"] and steps["r1"] < steps_off["r1"]
+    assert counts["r1"] == counts_off["r1"] and 0 < counts["r1"][0] <= 7 and counts["r1"][1] > 0
