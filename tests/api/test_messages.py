@@ -186,3 +186,28 @@ def test_thinking_asked_of_a_model_that_does_not_think_is_served_without_it(clie
     thinking = {"type": "enabled", "budget_tokens": 1024}
     asked = client.messages.create(model="tiny", max_tokens=8, messages=ASK, extra_body=GREEDY, thinking=thinking)
     assert [(b.type, b.text) for b in asked.content] == [(b.type, b.text) for b in plain.content]
+
+
+CITY_TOOL = {
+    "name": "get_weather",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+@pytest.mark.parametrize("max_tokens", [45, 70])
+def test_a_tool_use_cut_off_by_max_tokens_has_the_input_the_stream_built(
+    client: anthropic.Anthropic, max_tokens: int
+) -> None:
+    """A forced call cut off by max_tokens inside its arguments: the unstreamed message's ``tool_use`` input is what
+    Anthropic's client builds from the stream's ``input_json_delta``s (their partial JSON read as jiter reads it);
+    before, it was ``{"arguments": <the JSON text so far>}``, a key the tool does not take, where the stream's was
+    the object so far."""
+    ask = {"model": "tiny", "max_tokens": max_tokens, "messages": ASK, "extra_body": GREEDY, "tools": [CITY_TOOL]}
+    forced = {"type": "tool", "name": "get_weather"}
+    message = client.messages.create(**ask, tool_choice=forced)
+    with client.messages.stream(**ask, tool_choice=forced) as stream:
+        streamed = stream.get_final_message()
+    (call,) = [b for b in message.content if b.type == "tool_use"]
+    (streamed_call,) = [b for b in streamed.content if b.type == "tool_use"]
+    assert message.stop_reason == streamed.stop_reason == "max_tokens"
+    assert call.input == streamed_call.input and "arguments" not in call.input
