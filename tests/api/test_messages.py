@@ -218,8 +218,9 @@ def test_calls_cut_off_after_a_whole_call_come_as_far_as_they_got(served: Served
     content, finish_reason length, the calls as far as they got, streamed alike, no logprobs for the calls' tokens;
     before, the next call's text so far was the content (its tokens content logprobs) and the finish tool_calls."""
     eos = {str(e): -100 for e in served.loaded.tokenizer.eos_token_ids}  # (the grammar then goes on to more calls)
-    tools = [{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}} for t in [CITY_TOOL]]
-    tools.append({"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}})
+    city = {"name": CITY_TOOL["name"], "parameters": CITY_TOOL["input_schema"]}
+    noop = {"name": "noop", "parameters": {"type": "object", "properties": {}}}
+    tools = [{"type": "function", "function": city}, {"type": "function", "function": noop}]
     for max_tokens in range(66, 110, 7):  # (past the first call: 60 tokens end it, its end tag and all)
         ask = {"model": "tiny", "messages": ASK, "tools": tools, "tool_choice": "required", "logit_bias": eos}
         ask |= {"max_tokens": max_tokens, "temperature": 0, "logprobs": True}
