@@ -275,7 +275,7 @@ def test_an_end_tag_inside_an_unclosed_calls_arguments_does_not_cut_its_block() 
     assert content == "Noted." and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("note", {"text": "Close with </tool_call>."})
     ]
-    sent, deltas, rest, streamed, _ = _stream_calls(text)
+    sent, _, rest, streamed, _ = _stream_calls(text)
     assert [c.arguments for c in streamed] == [calls[0].arguments] and (sent + rest).strip() == "Noted."
 
 
