@@ -20,6 +20,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import pydantic_core
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -231,12 +232,21 @@ def stop_of(finish: str | None, stop: str | int | None) -> tuple[str, str | None
     return _STOP_REASONS.get(finish or "", "end_turn"), None
 
 
-def _tool_input(arguments: str) -> dict[str, Any]:
+def _tool_input(arguments: str, cut: bool = False) -> dict[str, Any]:
     """A call's arguments (JSON text) as Anthropic's ``input`` object (text that is no JSON object: under ``{}``'s
-    place, kept whole as the model wrote it, so nothing is lost)."""
+    place, kept whole as the model wrote it, so nothing is lost). ``cut``: the output ended at ``max_tokens``, its
+    last call's arguments so far: read as partial JSON, as Anthropic's client reads the streamed ``input_json_delta``s
+    (jiter's partial mode: an unfinished string, number or literal is left out), so both say the same."""
     try:
         value = json.loads(arguments)
     except json.JSONDecodeError:
+        if cut:
+            try:
+                partial = pydantic_core.from_json(arguments, allow_partial=True) if arguments.strip() else {}
+            except ValueError:
+                partial = None
+            if isinstance(partial, dict):
+                return partial
         return {"arguments": arguments}
     return value if isinstance(value, dict) else {"arguments": value}
 
@@ -252,7 +262,7 @@ def message_of(chat: dict[str, Any], model: str) -> dict[str, Any]:
         content.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or ():
         function = call["function"]
-        tool_input = _tool_input(function["arguments"])
+        tool_input = _tool_input(function["arguments"], choice["finish_reason"] == "length")
         content.append({"type": "tool_use", "id": call["id"], "name": function["name"], "input": tool_input})
     stop_reason, stop_sequence = stop_of(choice["finish_reason"], choice.get("stop_reason"))
     return {

@@ -51,6 +51,7 @@ from boundless.api.tool_calls import (
     BARE_JSON,
     TAGGED_JSON,
     TOOL_CALL_PARSERS,
+    TOOL_CALL_TAG,
     CallFormats,
     CallStream,
     ContentStream,
@@ -60,6 +61,7 @@ from boundless.api.tool_calls import (
     parameter_types,
     parse_tool_calls,
     spans_around_calls,
+    tagged_blocks,
 )
 from boundless.api.validation import (
     header_identifier,
@@ -306,9 +308,25 @@ class ToolUse:
         """The output's content and calls. ``cut``: it ended at ``max_tokens``; calls it began that do not parse then
         come as far as they were written (:meth:`begun_calls`), as OpenAI returns a call cut off."""
         content, calls = parse_tool_calls(text, self.types, self.formats)
-        if cut and not calls and (begun := self.begun_calls(text))[1]:
+        if cut and self.cut_off(text, calls):
+            begun = self.begun_calls(text)
             content, calls = (text[: begun[0]].strip() or None), begun[1]
         return content, calls if self.parallel else calls[:1]
+
+    def cut_off(self, text: str, calls: list[ToolCall] | None = None) -> bool:
+        """Whether an output that ended at ``max_tokens`` was cut off inside a call it had begun: none of its calls
+        parse, or a later one had begun past those that do (its name written), or its text after the last closed
+        ``<tool_call>`` block is the start of another (``<tool_c``; ``<tool_call>`` with its name not yet whole)."""
+        if calls is None:
+            calls = parse_tool_calls(text, self.types, self.formats)[1]
+        begun = self.begun_calls(text)[1]
+        if not begun:
+            return False
+        if not calls or len(begun) > len(calls):
+            return True
+        closed = tagged_blocks(text)
+        tail = text[closed[-1][1] :].lstrip() if closed else ""
+        return bool(tail) and (tail.startswith(TOOL_CALL_TAG) or TOOL_CALL_TAG.startswith(tail))
 
     def begun_calls(self, text: str) -> tuple[int, list[ToolCall]]:
         """Where the calls an output had begun start, and those calls, whole or as far as their arguments got: what a
@@ -333,7 +351,7 @@ class ToolUse:
             return [(0, len(answer))]
         if content is None:
             return []
-        if not parse_tool_calls(answer, self.types, self.formats)[1]:  # (calls cut off: the content precedes them)
+        if cut and self.cut_off(answer):  # (calls cut off: the content precedes them)
             spans = [(0, self.begun_calls(answer)[0])]
         else:
             spans = spans_around_calls(answer, self.formats)
@@ -743,12 +761,12 @@ class OpenAIServer:
             message["content"] = text if reasoning is None else (text or None)
             finish = c.finish_reason
             if tools.used:
-                parsed = tools.calls(text)
                 # (Calls cut off by max_tokens come as far as they got, and the output ended at its length.)
-                content, calls = parsed if parsed[1] or finish != "length" else tools.calls(text, cut=True)
+                cut = finish == "length" and tools.cut_off(text)
+                content, calls = tools.calls(text, cut=cut)
                 if calls:
                     message.update(content=content, tool_calls=[t.to_openai() for t in calls])
-                    finish = "tool_calls" if parsed[1] else finish
+                    finish = finish if cut else "tool_calls"
             out_choices.append(
                 {
                     "index": c.index,
@@ -874,8 +892,9 @@ class OpenAIServer:
                 else:
                     text, calls = contents[index].finish(answer, tools.calls)
                     held = contents[index].held
-                    last = call_streams[index].feed(answer, contents[index].sent) if held and not calls else []
-                    if not calls and c.finish_reason == "length" and call_streams[index].begun():
+                    cut = c.finish_reason == "length" and tools.cut_off(answer, calls)
+                    last = call_streams[index].feed(answer, contents[index].sent) if held and (cut or not calls) else []
+                    if cut and call_streams[index].begun():
                         # Cut off while writing its calls: they stand as far as they were written (the last delta's
                         # text too), as the unstreamed response has them (ToolUse.calls); the text held for them is
                         # not content.

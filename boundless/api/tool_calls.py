@@ -271,7 +271,7 @@ def tagged_blocks(text: str, end: int | None = None) -> list[tuple[int, int, str
     while (at := text.find(TOOL_CALL_TAG, pos, limit)) >= 0:
         inner = at + len(TOOL_CALL_TAG)
         first = len(text) - len(text[inner:].lstrip())
-        close = -1
+        close, json_end = -1, -1
         if text.startswith("{", first):
             try:
                 json_end = _JSON.raw_decode(text, first)[1]
@@ -281,7 +281,8 @@ def tagged_blocks(text: str, end: int | None = None) -> list[tuple[int, int, str
             if after >= 0 and text.startswith(_END_TAG, after):
                 close = after
         if close < 0:
-            close = text.find(_END_TAG, inner)
+            # (Past a JSON that reads whole: an end tag inside its strings is no end, even with none right after it.)
+            close = text.find(_END_TAG, json_end if json_end >= 0 else inner)
         if close < 0 or close + len(_END_TAG) > limit:
             break
         blocks.append((at, close + len(_END_TAG), text[inner:close].strip()))

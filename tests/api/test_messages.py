@@ -186,3 +186,57 @@ def test_thinking_asked_of_a_model_that_does_not_think_is_served_without_it(clie
     thinking = {"type": "enabled", "budget_tokens": 1024}
     asked = client.messages.create(model="tiny", max_tokens=8, messages=ASK, extra_body=GREEDY, thinking=thinking)
     assert [(b.type, b.text) for b in asked.content] == [(b.type, b.text) for b in plain.content]
+
+
+CITY_TOOL = {
+    "name": "get_weather",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+@pytest.mark.parametrize("max_tokens", [45, 70])
+def test_a_tool_use_cut_off_by_max_tokens_has_the_input_the_stream_built(
+    client: anthropic.Anthropic, max_tokens: int
+) -> None:
+    """A forced call cut off by max_tokens inside its arguments: the unstreamed message's ``tool_use`` input is what
+    Anthropic's client builds from the stream's ``input_json_delta``s (their partial JSON read as jiter reads it);
+    before, it was ``{"arguments": <the JSON text so far>}``, a key the tool does not take, where the stream's was
+    the object so far."""
+    ask = {"model": "tiny", "max_tokens": max_tokens, "messages": ASK, "extra_body": GREEDY, "tools": [CITY_TOOL]}
+    forced = {"type": "tool", "name": "get_weather"}
+    message = client.messages.create(**ask, tool_choice=forced)
+    with client.messages.stream(**ask, tool_choice=forced) as stream:
+        streamed = stream.get_final_message()
+    (call,) = [b for b in message.content if b.type == "tool_use"]
+    (streamed_call,) = [b for b in streamed.content if b.type == "tool_use"]
+    assert message.stop_reason == streamed.stop_reason == "max_tokens"
+    assert call.input == streamed_call.input and "arguments" not in call.input
+
+
+def test_calls_cut_off_after_a_whole_call_come_as_far_as_they_got(served: Served, chat: openai.OpenAI) -> None:
+    """Forced calls (Hermes' format) cut off by max_tokens after a whole call, inside the next one's tag or JSON: no
+    content, finish_reason length, the calls as far as they got, streamed alike, no logprobs for the calls' tokens;
+    before, the next call's text so far was the content (its tokens content logprobs) and the finish tool_calls."""
+    eos = {str(e): -100 for e in served.loaded.tokenizer.eos_token_ids}  # (the grammar then goes on to more calls)
+    city = {"name": CITY_TOOL["name"], "parameters": CITY_TOOL["input_schema"]}
+    noop = {"name": "noop", "parameters": {"type": "object", "properties": {}}}
+    tools = [{"type": "function", "function": city}, {"type": "function", "function": noop}]
+    for max_tokens in range(66, 110, 7):  # (past the first call: 60 tokens end it, its end tag and all)
+        ask = {"model": "tiny", "messages": ASK, "tools": tools, "tool_choice": "required", "logit_bias": eos}
+        ask |= {"max_tokens": max_tokens, "temperature": 0, "logprobs": True}
+        whole = chat.chat.completions.create(**ask).choices[0]
+        calls: dict[int, list[str]] = {}
+        content, finish = "", None
+        for chunk in chat.chat.completions.create(**ask, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+            for call in delta.tool_calls or ():
+                entry = calls.setdefault(call.index, ["", ""])
+                entry[0] += call.function.name or ""
+                entry[1] += call.function.arguments or ""
+        assert (whole.finish_reason, whole.message.content, content, finish) == ("length", None, "", "length")
+        assert whole.message.tool_calls and not (whole.logprobs and whole.logprobs.content)
+        assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+            tuple(calls[i]) for i in sorted(calls)
+        ]

@@ -266,6 +266,19 @@ def test_an_end_tag_inside_a_calls_arguments_does_not_cut_its_block() -> None:
     assert [c.name for c in parse_tool_calls(xml + " after")[1]] == ["note"]
 
 
+def test_an_end_tag_inside_an_unclosed_calls_arguments_does_not_cut_its_block() -> None:
+    """A call the model ended before its end tag (vLLM's Hermes parser reads it), with ``</tool_call>`` in a string of
+    its arguments: the tag in the string is not the block's end, so the call is a call, as the stream sent it; before,
+    the unstreamed response had the text as content and no call while the stream sent the call and the text."""
+    text = 'Noted. <tool_call>\n{"name": "note", "arguments": {"text": "Close with </tool_call>."}}\n'
+    content, calls = parse_tool_calls(text)
+    assert content == "Noted." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("note", {"text": "Close with </tool_call>."})
+    ]
+    sent, _, rest, streamed, _ = _stream_calls(text)
+    assert [c.arguments for c in streamed] == [calls[0].arguments] and (sent + rest).strip() == "Noted."
+
+
 def test_parse_bare_json_calls() -> None:
     content, calls = parse_tool_calls('{"name": "f", "parameters": {"x": 1}}')
     assert content is None and calls[0].name == "f" and json.loads(calls[0].arguments) == {"x": 1}
