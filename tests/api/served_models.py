@@ -53,6 +53,22 @@ UNITS = {
 }
 
 
+def streamed_chat(client: openai.OpenAI, ask: dict) -> tuple[str, str | None, list[tuple[str, str]]]:
+    """A chat completion streamed and put together as a client does: its content, finish reason and tool calls
+    (name, arguments) in order of index."""
+    calls: dict[int, list[str]] = {}
+    content, finish = "", None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+        for call in delta.tool_calls or ():
+            entry = calls.setdefault(call.index, ["", ""])
+            entry[0] += call.function.name or ""
+            entry[1] += call.function.arguments or ""
+    return content, finish, [(calls[i][0], calls[i][1]) for i in sorted(calls)]
+
+
 class Served(NamedTuple):
     """A model served on 127.0.0.1 as ``tiny``, with the real `openai` client pointed at it."""
 

@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from served_models import Served, serve_hermes
+from served_models import Served, serve_hermes, streamed_chat
 
 from boundless.config import ServerConfig
 
@@ -225,18 +225,7 @@ def test_calls_cut_off_after_a_whole_call_come_as_far_as_they_got(served: Served
         ask = {"model": "tiny", "messages": ASK, "tools": tools, "tool_choice": "required", "logit_bias": eos}
         ask |= {"max_tokens": max_tokens, "temperature": 0, "logprobs": True}
         whole = chat.chat.completions.create(**ask).choices[0]
-        calls: dict[int, list[str]] = {}
-        content, finish = "", None
-        for chunk in chat.chat.completions.create(**ask, stream=True):
-            delta = chunk.choices[0].delta
-            content += delta.content or ""
-            finish = chunk.choices[0].finish_reason or finish
-            for call in delta.tool_calls or ():
-                entry = calls.setdefault(call.index, ["", ""])
-                entry[0] += call.function.name or ""
-                entry[1] += call.function.arguments or ""
+        content, finish, calls = streamed_chat(chat, ask)
         assert (whole.finish_reason, whole.message.content, content, finish) == ("length", None, "", "length")
         assert whole.message.tool_calls and not (whole.logprobs and whole.logprobs.content)
-        assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
-            tuple(calls[i]) for i in sorted(calls)
-        ]
+        assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == calls

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from served_models import streamed_chat
 
 from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
@@ -418,19 +419,8 @@ def test_forced_calls_cut_off_by_max_tokens_come_as_far_as_they_got(client: open
     }
     whole = client.chat.completions.create(**ask).choices[0]
     assert whole.finish_reason == "length" and whole.message.content is None and whole.message.tool_calls
-    calls: dict[int, list[str]] = {}
-    content, finish = "", None
-    for chunk in client.chat.completions.create(**ask, stream=True):
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        finish = chunk.choices[0].finish_reason or finish
-        for call in delta.tool_calls or ():
-            entry = calls.setdefault(call.index, ["", ""])
-            entry[0] += call.function.name or ""
-            entry[1] += call.function.arguments or ""
-    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
-        tuple(calls[i]) for i in sorted(calls)
-    ]
+    content, finish, calls = streamed_chat(client, ask)
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == calls
     assert (content, finish) == ("", "length")
 
 
