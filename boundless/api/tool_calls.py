@@ -145,9 +145,9 @@ def _listed(text: str, schema: Any) -> tuple[bool, Any]:
     if not isinstance(options, list):
         return False, None
     stripped = text.strip()
-    for option in options:
-        if isinstance(option, str) and option in (text, stripped):
-            return True, option
+    for written in (text, stripped):  # (as written first: a member may hold blanks of its own)
+        if written in options and isinstance(written, str):
+            return True, written
     try:
         parsed = json.loads(stripped)
     except ValueError:
@@ -164,6 +164,8 @@ def _typed(value: str, schema: Any) -> Any:
     if listed:
         return option
     kinds = _kinds(schema)
+    if "null" in kinds and value.strip().lower() in ("null", "none"):
+        return None  # (a string-or-null parameter's null, as vLLM's parser reads it)
     if kinds == {None} or "string" in kinds:
         return value
     text = value.strip()

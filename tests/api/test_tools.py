@@ -767,6 +767,11 @@ def test_xml_values_by_their_listed_values_unions_and_references() -> None:
     block = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in parameters.items())
     _, calls = parse_tool_calls(f"<tool_call>\n<function=f>\n{block}</function>\n</tool_call>", parameter_types([tool]))
     assert json.loads(calls[0].arguments) == {"scale": "K", "n": 2, "flag": True, "x": 7, "o": {"a": 1}, "other": "b"}
+    # A member written exactly wins over one its blanks stripped would name; a string-or-null parameter's null.
+    fussy = {"f": {"s": {"enum": ["x", " x"]}, "maybe": {"type": ["string", "null"]}}}
+    block = "<parameter=s>\n x\n</parameter>\n<parameter=maybe>\nnull\n</parameter>\n"
+    _, calls = parse_tool_calls(f"<tool_call>\n<function=f>\n{block}</function>\n</tool_call>", fussy)
+    assert json.loads(calls[0].arguments) == {"s": " x", "maybe": None}
 
 
 def test_xml_calls_streamed_come_whole_at_the_end() -> None:
