@@ -216,7 +216,11 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         with self.lock:
-            self.core.abort(request_id)
+            aborted = self.core.abort(request_id)
+        if aborted:  # (its listeners learn of it as of any end: /metrics counts requests their clients gave up on)
+            ended = RequestDelta(request_id, [], "", [], finished=True, finish_reason="abort")
+            for fn in self._listeners:
+                fn(ended)
 
     def stop(self) -> None:
         """Tell the loop to stop after the step in flight; returns at once (:meth:`shutdown` waits)."""

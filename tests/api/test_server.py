@@ -453,6 +453,8 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerThread, engine: AsyncE
     assert engine.stats()["0"].kv_blocks_used == 0 and engine.stats()["0"].num_running == 0
     metrics = httpx.get(server.url + "/metrics").text
     assert 'boundless_kv_blocks_used{instance="0"} 0.0' in metrics
+    # The request its client gave up on is counted as vLLM counts one (it was missing from the finished requests).
+    assert 'boundless_requests_finished_total{finish_reason="abort",instance="0"}' in metrics
 
 
 def test_metrics_expose_engine_and_latency_series(server: ServerThread, client: openai.OpenAI) -> None:
