@@ -407,11 +407,12 @@ def test_a_grammar_begins_once_the_model_has_thought(thinker: Served) -> None:
     message = reply.choices[0].message
     assert message.reasoning == thought  # the model's own thinking, not held to the schema
     assert json.loads(message.content)["city"] in ("Paris", "Rome")  # then the answer, held to it
-    # A forced tool call, the agent's case: the call's JSON comes after the thinking.
+    # A forced tool call, the agent's case: the call comes after the thinking (one: the random model would write more
+    # until max_tokens cut one off, which then ends as "length").
     bias, thought = _ends_thinking_after_a_few_tokens(thinker, WEATHER)
     forced = thinker.client.chat.completions.create(
         model="tiny", messages=ASK, max_tokens=200, temperature=0, logit_bias=bias, tools=WEATHER,
-        tool_choice="required", extra_body=opened,
+        tool_choice="required", parallel_tool_calls=False, extra_body=opened,
     )  # fmt: skip
     choice = forced.choices[0]
     assert choice.message.reasoning == thought and choice.finish_reason == "tool_calls"
