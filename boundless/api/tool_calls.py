@@ -263,14 +263,13 @@ _JSON = json.JSONDecoder()
 _END_TAG = "</tool_call>"
 
 
-def tagged_blocks(text: str, end: int | None = None) -> list[tuple[int, int, str]]:
-    """The closed ``<tool_call>`` blocks of ``text`` (within ``text[:end]``): each one's span, tags included, and its
-    text between the tags, stripped. A block whose text opens with JSON ends at the end tag after that JSON, so a
-    ``</tool_call>`` inside a string of its arguments (an agent writing about tool calls) does not cut it; any other
-    block (Qwen3-Coder's XML) ends at the first end tag."""
-    limit = len(text) if end is None else end
+def tagged_blocks(text: str) -> list[tuple[int, int, str]]:
+    """The closed ``<tool_call>`` blocks of ``text``: each one's span, tags included, and its text between the tags,
+    stripped. A block whose text opens with JSON ends at the end tag after that JSON, so a ``</tool_call>`` inside a
+    string of its arguments (an agent writing about tool calls) does not cut it; any other block (Qwen3-Coder's XML)
+    ends at the first end tag."""
     blocks, pos = [], 0
-    while (at := text.find(TOOL_CALL_TAG, pos, limit)) >= 0:
+    while (at := text.find(TOOL_CALL_TAG, pos)) >= 0:
         inner = at + len(TOOL_CALL_TAG)
         first = len(text) - len(text[inner:].lstrip())
         close, json_end = -1, -1
@@ -285,19 +284,18 @@ def tagged_blocks(text: str, end: int | None = None) -> list[tuple[int, int, str
         if close < 0:
             # (Past a JSON that reads whole: an end tag inside its strings is no end, even with none right after it.)
             close = text.find(_END_TAG, json_end if json_end >= 0 else inner)
-        if close < 0 or close + len(_END_TAG) > limit:
+        if close < 0:
             break
         blocks.append((at, close + len(_END_TAG), text[inner:close].strip()))
         pos = close + len(_END_TAG)
     return blocks
 
 
-def _unclosed_block(text: str) -> tuple[int, str]:
-    """Where a last ``<tool_call>`` block that the output never closed begins (its tag, after every closed block),
-    and its text; ``(-1, "")`` when there is none. Its calls are calls when they parse, as vLLM's Hermes parser
-    reads such a block: the model stopped before the end tag. A block cut off inside its JSON does not parse, and
-    stays content."""
-    closed = tagged_blocks(text)
+def _unclosed_block(text: str, closed: list[tuple[int, int, str]]) -> tuple[int, str]:
+    """Where a last ``<tool_call>`` block that the output never closed begins (its tag, after every closed block:
+    ``closed``, its :func:`tagged_blocks`), and its text; ``(-1, "")`` when there is none. Its calls are calls when
+    they parse, as vLLM's Hermes parser reads such a block: the model stopped before the end tag. A block cut off
+    inside its JSON does not parse, and stays content."""
     at = text.find(TOOL_CALL_TAG, closed[-1][1] if closed else 0)
     return (at, text[at + len(TOOL_CALL_TAG) :].strip()) if at >= 0 else (-1, "")
 
@@ -309,9 +307,9 @@ def parse_tool_calls(
     schemas by name, for Qwen3-Coder's XML calls, and the names a bare JSON call may have (None: not known, any);
     ``formats``: the shapes of call read (``--tool-call-parser``)."""
     if formats & {TAGGED_JSON, TAGGED_XML}:
-        closed = [inner for _, _, inner in tagged_blocks(text)]
-        at, tail = _unclosed_block(text)
-        blocks = closed + ([tail] if at >= 0 else [])
+        closed = tagged_blocks(text)
+        at, tail = _unclosed_block(text, closed)
+        blocks = [inner for _, _, inner in closed] + ([tail] if at >= 0 else [])
         calls = [call for block in blocks for call in _block_calls(block, types, formats)]
         if calls:
             return (_content_before_calls(text, formats).strip() or None), calls
@@ -520,11 +518,12 @@ def spans_around_calls(text: str, formats: CallFormats) -> list[tuple[int, int]]
     calls without their tags), before the first ``<function=`` (and before a ``<tool_call>`` just before it, blanks
     between); none empty. (Where a message's content lies in its output: its logprobs are those of its content's
     tokens.)"""
-    at, tail = _unclosed_block(text)
+    closed = tagged_blocks(text)
+    at, tail = _unclosed_block(text, closed)
     unclosed = at >= 0 and bool(_block_calls(tail, None, formats))
-    if unclosed or tagged_blocks(text):
+    if unclosed or closed:
         end = at if unclosed else len(text)  # (every closed block ends before an unclosed one)
-        bounds = [0, *(i for start, stop, _ in tagged_blocks(text, end) for i in (start, stop)), end]
+        bounds = [0, *(i for start, stop, _ in closed for i in (start, stop)), end]
         spans = list(zip(bounds[::2], bounds[1::2], strict=True))
     elif (at := text.find(XML_FUNCTION_TAG)) >= 0:
         head = text[:at].rstrip()
