@@ -13,6 +13,7 @@ xgrammar is imported on first use: an engine that serves no structured request n
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import re
@@ -294,14 +295,16 @@ class GrammarMatcher:
             if matcher.is_terminated():
                 break  # a draft took the end token: the output is complete, and the rows after it are discarded
             matcher.fill_next_token_bitmask(bitmask, first + j)
-            if not bool(bitmask[first + j].any()):
-                self._empty_at.add(self.num_tokens + j)
-                break  # (a dead end: no draft is allowed here either)
             if j == len(drafts) or not matcher.accept_token(drafts[j]):
                 break
             taken += 1
         if taken:
             matcher.rollback(taken)
+
+    def allowed_nothing(self, j: int) -> None:
+        """Its mask ``j`` positions on (a speculating chunk's row ``j``) allowed no token: a dead end, where the sampler
+        takes the end token (:meth:`accept` then ends it)."""
+        self._empty_at.add(self.num_tokens + j)
 
 
 def mask_logits(
@@ -319,12 +322,19 @@ def mask_logits(
     drafts = drafts or [()] * len(matchers)
     rows = [row + k for row, d in zip(rows, drafts, strict=True) for k in range(len(d) + 1)]
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+    firsts = []
     first = 0
     for m, d in zip(matchers, drafts, strict=True):
         m.fill_draft_masks(bitmask, first, d)
+        firsts.append(first)
         first += len(d) + 1
     index = torch.tensor(rows, device=logits.device)
     picked = logits[index].contiguous()  # (a copy: rows chosen by index)
     xgr.apply_token_bitmask_inplace(picked, bitmask.to(logits.device))
     logits[index] = picked
-    return [rows[k] for k in (~bitmask.any(dim=1)).nonzero().flatten().tolist()]
+    # Dead ends (rows left open allow every token, so only a filled row can be empty), each told to its matcher.
+    empty = (~bitmask.any(dim=1)).nonzero().flatten().tolist()
+    for k in empty:
+        owner = bisect.bisect_right(firsts, k) - 1
+        matchers[owner].allowed_nothing(k - firsts[owner])
+    return [rows[k] for k in empty]
