@@ -304,22 +304,34 @@ class ToolUse:
     formats: CallFormats = ALL_FORMATS
     forced: bool = False  # tool_choice required or named: the grammar writes calls throughout
 
-    def calls(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
-        """The output's content and calls. ``cut``: it ended at ``max_tokens``; calls it began that do not parse then
-        come as far as they were written (:meth:`begun_calls`), as OpenAI returns a call cut off."""
-        content, calls = parse_tool_calls(text, self.types, self.formats)
-        if cut and self.cut_off(text, calls):
-            begun = self.begun_calls(text)
-            content, calls = (text[: begun[0]].strip() or None), begun[1]
-        return content, calls if self.parallel else calls[:1]
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The output's content and calls (the parser a stream's :class:`ContentStream` finishes with)."""
+        content, calls, _ = self.read(text)
+        return content, calls
 
-    def cut_off(self, text: str, calls: list[ToolCall] | None = None) -> bool:
-        """Whether an output that ended at ``max_tokens`` was cut off inside a call it had begun: none of its calls
-        parse, or a later one had begun past those that do (its name written), or its text after the last closed
-        ``<tool_call>`` block is the start of another (``<tool_c``; ``<tool_call>`` with its name not yet whole)."""
-        if calls is None:
-            calls = parse_tool_calls(text, self.types, self.formats)[1]
-        begun = self.begun_calls(text)[1]
+    def read(self, text: str, at_length: bool = False) -> tuple[str | None, list[ToolCall], int | None]:
+        """The output's content and calls, and where its content ends when it was cut off inside a call (None: it
+        was not). ``at_length``: it ended at ``max_tokens``; calls it had begun are then read as far as they were
+        written (:meth:`begun_calls`), as OpenAI returns a call cut off, when it was cut inside one."""
+        content, calls = parse_tool_calls(text, self.types, self.formats)
+        cut_at = None
+        if at_length:
+            held_at, begun = self.begun_calls(text)
+            if self._cut_inside(text, calls, begun):
+                content, calls, cut_at = (text[:held_at].strip() or None), begun, held_at
+        return content, calls if self.parallel else calls[:1], cut_at
+
+    def cut_off(self, text: str, calls: list[ToolCall]) -> bool:
+        """Whether an output that ended at ``max_tokens``, whose parsed calls are ``calls``, was cut off inside a call
+        it had begun (:meth:`read` reads it so)."""
+        return self._cut_inside(text, calls, self.begun_calls(text)[1])
+
+    @staticmethod
+    def _cut_inside(text: str, calls: list[ToolCall], begun: list[ToolCall]) -> bool:
+        """Whether the output was cut off inside a call it had begun (``begun``: as a stream sent them): none of its
+        calls parse, or a later one had begun past those that do (its name written), or its text after the last
+        closed ``<tool_call>`` block is the start of another (``<tool_c``; ``<tool_call>`` with its name not yet
+        whole)."""
         if not begun:
             return False
         if not calls or len(begun) > len(calls):
@@ -340,21 +352,19 @@ class ToolUse:
         stream.feed(text, contents.sent)
         return contents.sent, stream.begun()
 
-    def content_spans(self, answer: str, cut: bool = False) -> list[Span]:
+    def content_spans(self, answer: str, at_length: bool = False) -> list[Span]:
         """The parts of an ``answer`` that are its message's content: all of it, unless it holds calls; then the parts
         around them from the first that is not blank to the last, less the blanks that end the last: the content is
         the parts joined, then stripped, so blanks between the parts stay in it. The blanks that begin the first are
         kept: a token that starts in them holds the content's first word as often as not (`` Done`` after a call),
-        and a stream sends them with the text they precede. ``cut``: as :meth:`calls`."""
-        content, calls = self.calls(answer, cut) if self.used else (answer, [])
+        and a stream sends them with the text they precede. ``at_length``: as :meth:`read` (calls cut off: the
+        content is what precedes them)."""
+        content, calls, cut_at = self.read(answer, at_length) if self.used else (answer, [], None)
         if not calls:
             return [(0, len(answer))]
         if content is None:
             return []
-        if cut and self.cut_off(answer):  # (calls cut off: the content precedes them)
-            spans = [(0, self.begun_calls(answer)[0])]
-        else:
-            spans = spans_around_calls(answer, self.formats)
+        spans = [(0, cut_at)] if cut_at is not None else spans_around_calls(answer, self.formats)
         texts = [i for i, (start, end) in enumerate(spans) if answer[start:end].strip()]
         spans = spans[texts[0] : texts[-1] + 1]  # (content: one part at least is not blank)
         start, end = spans[-1]
@@ -637,7 +647,7 @@ class OpenAIServer:
         the model writes what it was trained to), else a JSON list of calls (vLLM's; read as bare JSON). Not in
         Qwen3-Coder's XML: xgrammar's XML values may carry blanks around them, which a string's schema then holds
         only loosely, where the JSON list holds every value exactly."""
-        if self.strict_format != TAGGED_JSON:  # (Qwen3-Coder's XML leaves blanks around values: see below)
+        if self.strict_format != TAGGED_JSON:
             return StructuredOutput.json_schema(forced_call_schema(tools, name, parallel), "tools")
         tag = forced_calls_tag(tools, self.strict_format, parallel, name)
         return StructuredOutput("structural_tag", structural_tag_text(tag), "tools")
@@ -667,10 +677,12 @@ class OpenAIServer:
         if parser.closed_in(tail):
             return None
 
-        def ids(text: str) -> tuple[int, ...]:
-            return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        start = () if parser.opens_in_reasoning(tail) else self._tag_ids(parser.start)
+        return ThinkingBudget(tokens, self._tag_ids(parser.end), start)
 
-        return ThinkingBudget(tokens, ids(parser.end), () if parser.opens_in_reasoning(tail) else ids(parser.start))
+    def _tag_ids(self, tag: str) -> tuple[int, ...]:
+        """A reasoning tag's token ids, as the model writes it."""
+        return tuple(self.tokenizer.encode(tag, add_special_tokens=False))
 
     def _prompt_tail(self, prompt: list[int]) -> str:
         return self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
@@ -688,7 +700,7 @@ class OpenAIServer:
             return structured
         if parser.closed_in(self._prompt_tail(prompt)):
             return structured
-        end = tuple(self.tokenizer.encode(parser.end, add_special_tokens=False))
+        end = self._tag_ids(parser.end)
         return dataclasses.replace(structured, after=end)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -762,11 +774,10 @@ class OpenAIServer:
             finish = c.finish_reason
             if tools.used:
                 # (Calls cut off by max_tokens come as far as they got, and the output ended at its length.)
-                cut = finish == "length" and tools.cut_off(text)
-                content, calls = tools.calls(text, cut=cut)
+                content, calls, cut_at = tools.read(text, at_length=finish == "length")
                 if calls:
                     message.update(content=content, tool_calls=[t.to_openai() for t in calls])
-                    finish = finish if cut else "tool_calls"
+                    finish = finish if cut_at is not None else "tool_calls"
             out_choices.append(
                 {
                     "index": c.index,
@@ -1182,15 +1193,16 @@ class OpenAIServer:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def message_spans(
-        self, text: str, tools: ToolUse, reasoning: ReasoningOutput | None, cut: bool = False
+        self, text: str, tools: ToolUse, reasoning: ReasoningOutput | None, at_length: bool = False
     ) -> list[Span]:
         """Where a chat message's content lies in its output's ``text``: in the answer after the reasoning (with a
-        reasoning parser), around the tool calls (:meth:`ToolUse.content_spans`; ``cut``: it ended at max_tokens)."""
+        reasoning parser), around the tool calls (:meth:`ToolUse.content_spans`; ``at_length``: it ended at
+        max_tokens)."""
         answer: str | None = text if reasoning is None else reasoning.split(text).content
         if answer is None:
             return []
         begins = len(text) - len(answer)  # (the answer ends the output)
-        return [(begins + start, begins + end) for start, end in tools.content_spans(answer, cut)]
+        return [(begins + start, begins + end) for start, end in tools.content_spans(answer, at_length)]
 
     def message_logprobs(
         self,
