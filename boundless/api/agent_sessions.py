@@ -4,13 +4,14 @@ Autellix schedules programs, not calls, so a call must say which program it is p
 Boundless says so (``program_id``, ``X-Program-Id``); most agents are not, but they name their session anyway, for
 their providers' caches and accounting, and a session is what Boundless calls a program:
 
-- OpenAI's ``prompt_cache_key`` (Codex sends its conversation's id there), read by the routes themselves;
+- OpenAI's ``prompt_cache_key`` (Codex sends its conversation's id there);
 - Claude Code's ``X-Claude-Code-Session-Id`` header (v2.1.86 on), and before it the ``session_id`` inside its
   ``metadata.user_id`` (a JSON object from v2.1.78, ``user_..._account_..._session_<id>`` before);
 - Codex's ``session_id`` header (``session-id`` where a proxy rewrote it).
 
-An explicit ``program_id`` or ``X-Program-Id`` wins over all of them. A session id too long to be a program id
-(:data:`~boundless.api.schemas.MAX_ID_CHARS`) is ignored, not refused: the client did not send it for us.
+An explicit ``program_id`` or ``X-Program-Id`` wins over all of them (:func:`program_named`, every route's rule). A
+session id too long to be a program id (:data:`~boundless.api.schemas.MAX_ID_CHARS`) is ignored, not refused: the
+client did not send it for us.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 from collections.abc import Mapping
 
 from boundless.api.schemas import MAX_ID_CHARS
+from boundless.api.validation import header_identifier
 
 # Headers that carry an agent's session id, the most specific first.
 SESSION_HEADERS = ("X-Claude-Code-Session-Id", "session_id", "session-id")
@@ -29,10 +31,11 @@ def _usable(value: object) -> str | None:
     return value if isinstance(value, str) and 1 <= len(value) <= MAX_ID_CHARS else None
 
 
-def cache_key_session(key: str | None) -> str | None:
-    """OpenAI's ``prompt_cache_key`` as a program id, or None: OpenAI takes any string there (empty, long), and one
-    that cannot be a program id is ignored, as it was before it named programs, not refused."""
-    return _usable(key)
+def program_named(program_id: str | None, headers: Mapping[str, str], cache_key: str | None) -> str | None:
+    """The program a call names, or None: its ``program_id`` or ``X-Program-Id`` (held to a program id's limits), else
+    its agent's session: OpenAI's ``prompt_cache_key`` (``cache_key``; OpenAI takes any string there, and one that
+    cannot be a program id is ignored, as it was before it named programs, not refused), else a session header."""
+    return program_id or header_identifier(headers, "X-Program-Id") or _usable(cache_key) or header_session(headers)
 
 
 def header_session(headers: Mapping[str, str]) -> str | None:

@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from boundless.api.agent_sessions import cache_key_session, header_session
+from boundless.api.agent_sessions import program_named
 from boundless.api.errors import APIError, part_error
 from boundless.api.reasoning import ReasoningOutput
 from boundless.api.schemas import (
@@ -400,12 +400,8 @@ class ResponsesAPI:
         messages = (previous.messages if previous else []) + conversation(body.input)
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
         response_id = f"resp_{uuid.uuid4().hex}"
-        program_id = (
-            body.program_id
-            or header_identifier(request.headers, "X-Program-Id")
-            or cache_key_session(body.prompt_cache_key)
-            or header_session(request.headers)
-            or (previous.program_id if previous else response_id)
+        program_id = program_named(body.program_id, request.headers, body.prompt_cache_key) or (
+            previous.program_id if previous else response_id
         )
         thread_id = body.thread_id or header_identifier(request.headers, "X-Thread-Id")
         logprobs = LOGPROBS_INCLUDE in (body.include or ()) or body.top_logprobs is not None

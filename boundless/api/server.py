@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp
 
-from boundless.api.agent_sessions import cache_key_session, header_session
+from boundless.api.agent_sessions import program_named
 from boundless.api.conversation import InvalidMessage, template_conversation
 from boundless.api.errors import APIError, CancelledRequests, error_bytes, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
@@ -443,11 +443,9 @@ async def check_grammar(params: SamplingParams, vocab_size: int) -> None:
 
 
 def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) -> ProgramRef | None:
-    headers = request.headers
     # An agent written for Boundless names its program; others name their session (api/agent_sessions.py).
-    named = body.program_id or header_identifier(headers, "X-Program-Id")
-    program_id = named or cache_key_session(body.prompt_cache_key) or header_session(headers)
-    thread_id = body.thread_id or header_identifier(headers, "X-Thread-Id")
+    program_id = program_named(body.program_id, request.headers, body.prompt_cache_key)
+    thread_id = body.thread_id or header_identifier(request.headers, "X-Thread-Id")
     if not program_id:
         return None
     return ProgramRef(program_id, thread_id, tuple(body.parent_thread_ids or ()))
