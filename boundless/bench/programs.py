@@ -336,9 +336,9 @@ def run(args: argparse.Namespace) -> dict:
     base = engine_config_from_flags(args)
     cluster_base = from_flags(ClusterConfig, args)
     if cluster_base.instances > 1:
-        # Compare routings; the policy is --policy on every instance.
+        # Compare routings; each policy (--policies, else --policy) on every instance.
         routings = [r.strip() for r in (args.routings or "locality,round-robin,least-loaded").split(",") if r.strip()]
-        policies = [base.scheduler.policy]
+        policies = [p.strip() for p in (args.policies or base.scheduler.policy).split(",") if p.strip()]
     else:
         routings = [None]
         policies = [p.strip() for p in (args.policies or f"fcfs,{base.scheduler.policy}").split(",") if p.strip()]
@@ -389,8 +389,10 @@ def run(args: argparse.Namespace) -> dict:
     table = []
     for row in rows:
         # The baseline: the first KV setup of the same policy when comparing KV setups, else fcfs when comparing
-        # policies, round-robin when comparing routings.
-        ref = next((r for r in rows if r["rate"] == row["rate"] and _is_baseline(r, row, policies, kv_names)), None)
+        # policies, round-robin (else the first listed) of the same policy when comparing routings.
+        ref = next(
+            (r for r in rows if r["rate"] == row["rate"] and _is_baseline(r, row, policies, routings, kv_names)), None
+        )
         speedup = ref["avg_latency_s"] / row["avg_latency_s"] if ref else float("nan")
         row["avg_latency_vs_baseline"] = speedup
         table.append(
@@ -409,7 +411,7 @@ def run(args: argparse.Namespace) -> dict:
                 f"{speedup:.2f}x",
             ]
         )
-    baseline = "round-robin" if cluster_base.instances > 1 else "fcfs"
+    baseline = _baseline_routing(routings) if cluster_base.instances > 1 else "fcfs"
     if len(kv_names) > 1:
         baseline = str(kv_names[0])
     print_table(
@@ -458,11 +460,18 @@ def _label(row: dict) -> str:
     return row["policy"] + (f"/{row['routing']}" if row["routing"] else "") + (f"/{row['kv']}" if row["kv"] else "")
 
 
-def _is_baseline(candidate: dict, row: dict, policies: list[str], kv_names: list[str | None]) -> bool:
+def _baseline_routing(routings: list[str | None]) -> str:
+    """Round-robin when it is compared, else the first routing listed."""
+    return "round-robin" if "round-robin" in routings else str(routings[0])
+
+
+def _is_baseline(
+    candidate: dict, row: dict, policies: list[str], routings: list[str | None], kv_names: list[str | None]
+) -> bool:
     if len(kv_names) > 1:
         return candidate["policy"] == row["policy"] and candidate["kv"] == kv_names[0]
     if row["routing"]:
-        return candidate["routing"] == "round-robin"
+        return candidate["policy"] == row["policy"] and candidate["routing"] == _baseline_routing(routings)
     return candidate["policy"] == ("fcfs" if len(policies) > 1 else policies[0])
 
 
@@ -477,7 +486,10 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, ClusterConfig)
     parser.add_argument("--workload", choices=WORKLOADS, default="chat")
-    parser.add_argument("--policies", help="comma-separated policies to compare (default: fcfs and --policy)")
+    parser.add_argument(
+        "--policies",
+        help="comma-separated policies to compare (default: fcfs and --policy; with --instances N > 1, --policy)",
+    )
     parser.add_argument(
         "--kv-configs",
         help=f"comma-separated KV setups to run each policy under, the first the baseline: {', '.join(KV_CONFIGS)} "

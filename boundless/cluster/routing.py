@@ -1,7 +1,10 @@
 """Which instance serves a call (Autellix §4.3, data-locality-aware load balancing).
 
 Calls of up to ``locality_threshold`` tokens go to the least-loaded live instance: for short calls
-the shared system prompt is most of the input, and any instance has it cached. Longer calls go
+the shared system prompt is most of the input, and any instance has it cached. Among the least loaded, a
+short call goes to its program's home when that is one of them: the balance is the same either way, and
+the conversation so far is cached there (the rest of the prompt would be computed again anywhere else;
+SGLang's cache-aware router prefers the cached instance while loads are balanced). Longer calls go
 to the instance that holds their program's KV (its "home": where its last call ran, so the
 conversation so far is a prefix-cache hit there), unless that instance has more than
 ``max_imbalance`` calls beyond the least-loaded one: then queueing would cost more than
@@ -115,7 +118,10 @@ class Router:
         choice = least
         home_id = self.homes.get(program_id)
         home = index.live_view(home_id) if home_id is not None else None
-        if num_tokens > self.locality_threshold and home is not None and home.load - least.load <= self.max_imbalance:
+        if home is not None and (
+            home.load == least.load  # as idle as any: a short call too keeps its prefix cache hit there
+            or (num_tokens > self.locality_threshold and home.load - least.load <= self.max_imbalance)
+        ):
             choice = home
         self.homes[program_id] = choice.instance_id
         return choice.instance_id

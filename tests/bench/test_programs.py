@@ -198,3 +198,19 @@ def test_bench_programs_compares_kv_setups(model_dirs: dict[str, Path], tmp_path
         assert tiers == pytest.approx(row["prefix_cache_hit_rate"]) and tiers > 0
     assert rows[0]["avg_latency_vs_baseline"] == 1.0
     assert stores.is_dir() and not any(stores.iterdir())  # each run's store was fresh, and is gone
+
+
+def test_routings_are_compared_with_round_robin_else_the_first_listed() -> None:
+    """Each routing row's ratio is against the baseline routing of its own policy."""
+    from boundless.bench.programs import _is_baseline
+
+    rows = [{"policy": p, "routing": r, "kv": ""} for p in ("fcfs", "plas") for r in ("locality", "least-loaded")]
+
+    def baseline_of(row: dict, routings: list[str | None]) -> dict:
+        (ref,) = [r for r in rows if _is_baseline(r, row, ["fcfs", "plas"], routings, [None])]
+        return ref
+
+    assert baseline_of(rows[3], ["locality", "least-loaded"]) == rows[2]  # plas/locality
+    assert baseline_of(rows[1], ["least-loaded", "locality"]) == rows[1]
+    rows.append({"policy": "plas", "routing": "round-robin", "kv": ""})
+    assert baseline_of(rows[2], ["locality", "least-loaded", "round-robin"]) == rows[4]

@@ -32,6 +32,23 @@ def test_long_calls_stay_with_their_program_short_ones_balance() -> None:
     assert router.choose(views(1, 1), "p", 700) == other
 
 
+def test_a_short_call_goes_home_while_home_is_among_the_least_loaded() -> None:
+    """Short calls balance load; among equally loaded instances the program's home wins, since its conversation is
+    cached there (rotating would recompute it elsewhere at no gain in balance)."""
+    router = Router("locality", locality_threshold=100, max_imbalance=4)
+    home = router.choose(views(0, 0, 0), "p", 50)
+    assert [router.choose(views(0, 0, 0), "p", 50) for _ in range(6)] == [home] * 6
+    # Programs without a home still rotate among the idle instances.
+    assert {router.choose(views(0, 0, 0), f"q{i}", 50) for i in range(6)} == {"0", "1", "2"}
+    tied = [InstanceView(str(i), inflight=2) for i in range(3)]
+    assert router.choose(tied, "p", 50) == home
+    # One call more at home: the short call goes to a least-loaded instance, which becomes its home.
+    busier = [InstanceView(str(i), inflight=1 if str(i) == home else 0) for i in range(3)]
+    assert router.choose(busier, "p", 500) == home  # a long call tolerates the imbalance
+    moved = router.choose(busier, "p", 50)
+    assert moved != home and router.homes["p"] == moved
+
+
 def test_a_long_call_leaves_an_overloaded_home() -> None:
     router = Router("locality", locality_threshold=100, max_imbalance=4)
     home = router.choose(views(0, 0), "p", 500)
@@ -78,7 +95,10 @@ def least_loaded_by_scan(router: Router, views: list[InstanceView], program_id: 
     ties = [v for v in live if v.load == lowest]
     least = ties[router._next % len(ties)]
     home = next((v for v in live if v.instance_id == router.homes.get(program_id)), None)
-    if num_tokens > router.locality_threshold and home is not None and home.load - least.load <= router.max_imbalance:
+    if home is not None and (
+        home.load == least.load
+        or (num_tokens > router.locality_threshold and home.load - least.load <= router.max_imbalance)
+    ):
         return home.instance_id
     return least.instance_id
 
