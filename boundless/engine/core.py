@@ -7,6 +7,7 @@ actor) drive it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ import torch
 
 from boundless.config import ConfigError, EngineConfig
 from boundless.engine.attention_time import AttentionTimeRecorder
+from boundless.engine.bad_words import bad_words_token_ids
 from boundless.engine.builder import DeviceMemory, EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens, flush
 from boundless.engine.errors import InvalidRequestError
@@ -518,6 +520,17 @@ class EngineCore:
         bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad_bias is not None:
             raise InvalidRequestError(f"logit_bias: token id {bad_bias} is not in [0, {vocab})", "logit_bias")
+        bad_allowed = next((t for t in params.allowed_token_ids or () if t >= vocab), None)
+        if bad_allowed is not None:
+            raise InvalidRequestError(
+                f"allowed_token_ids: token id {bad_allowed} is not in [0, {vocab})", "allowed_token_ids"
+            )
+        if params.bad_words:  # (tokenized here, where every path of a request arrives: offline, served, an instance)
+            sequences = bad_words_token_ids(params.bad_words, lambda text: self.tokenizer.encode(text, False))
+            params = dataclasses.replace(params, bad_words_token_ids=sequences)
+        bad_word = next((t for word in params.bad_words_token_ids for t in word if t >= vocab), None)
+        if bad_word is not None:
+            raise InvalidRequestError(f"bad_words: token id {bad_word} is not in [0, {vocab})", "bad_words")
         # A prediction's tokens are drafts the model reads, as a prompt's.
         bad_predicted = next((t for t in params.prediction if t >= vocab), None)
         if bad_predicted is not None:

@@ -1,5 +1,5 @@
-"""Turning logits into tokens: penalties and logit biases, greedy, temperature, min-p, top-k, top-p, per-request
-seeds, logprobs."""
+"""Turning logits into tokens: penalties, logit biases and masks (allowed tokens, bad words, early stops, grammars),
+greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.attention.backend import to_device
+from boundless.engine.bad_words import banned_tokens, longest_prefix
 from boundless.engine.logprobs import SampledToken, score_tokens
 from boundless.engine.scheduler import ScheduledChunk
 from boundless.engine.speculative import accepted_tokens
@@ -83,14 +84,16 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         self._counts: dict[str, TokenCounts] = {}
         self._matchers: dict[str, GrammarMatcher] = {}
-        # Grammars that begin after given tokens (StructuredOutput.after): where each began in its request's output,
-        # and, while one waits, the outputs drawn so far (a window's passes too, which the history lacks).
+        # The outputs drawn so far (a window's passes too, which the history lacks) of requests whose sampling reads
+        # them (:meth:`_drawn_before`): a grammar that waits for its start, a thinking budget, bad words.
+        self._drawn: dict[str, list[int]] = {}
+        # Grammars that begin after given tokens (StructuredOutput.after): where each began in its request's output.
         self._starts: dict[str, int] = {}
-        self._waiting: dict[str, list[int]] = {}
-        # Requests with a thinking budget (SamplingParams.thinking_budget): the outputs drawn so far while they think
-        # (a window's passes too), and those whose thinking has closed (nothing more to force).
-        self._thinking: dict[str, list[int]] = {}
+        # Requests with a thinking budget (SamplingParams.thinking_budget) whose thinking has closed (nothing more to
+        # force).
         self._thought: set[str] = set()
+        # Requests with allowed_token_ids: the tokens they may not sample, a mask over the vocabulary made once.
+        self._disallowed: dict[str, torch.Tensor] = {}
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -98,9 +101,18 @@ class Sampler:
             self._counts.pop(rid, None)
             self._matchers.pop(rid, None)
             self._starts.pop(rid, None)
-            self._waiting.pop(rid, None)
-            self._thinking.pop(rid, None)
+            self._drawn.pop(rid, None)
             self._thought.discard(rid)
+            self._disallowed.pop(rid, None)
+
+    def _drawn_before(self, chunk: ScheduledChunk, k: int) -> list[int]:
+        """The outputs the request of a row drew before this step, ``k`` being the row's place in its chunk (a later
+        row's chunk counts the drafts before it as output); read from the history when not kept up to date here, and
+        kept from then on (:meth:`sample` adds the tokens each step keeps)."""
+        drawn = self._drawn.get(chunk.request_id)
+        if drawn is None or len(drawn) != chunk.num_output_tokens - k:
+            drawn = self._drawn[chunk.request_id] = list(_outputs(chunk))
+        return drawn
 
     def _waits(self, chunk: ScheduledChunk) -> bool:
         """Whether the request's grammar has yet to begin: its ``after`` tokens are not in its output so far."""
@@ -108,10 +120,7 @@ class Sampler:
         rid = chunk.request_id
         if spec is None or not spec.after or rid in self._starts:
             return False
-        drawn = self._waiting.get(rid)
-        if drawn is None or len(drawn) != chunk.num_output_tokens:
-            drawn = self._waiting[rid] = list(_outputs(chunk))
-        start = grammar_start(drawn, spec.after)
+        start = grammar_start(self._drawn_before(chunk, 0), spec.after)
         if start is None:
             return True
         self._starts[rid] = start
@@ -128,7 +137,7 @@ class Sampler:
             spec = chunk.sampling_params.structured
             if self.grammars is None or spec is None:
                 raise RuntimeError("a structured request reached a sampler without grammars")
-            drawn = self._waiting.pop(rid, None)
+            drawn = self._drawn.get(rid)
             outputs = drawn if drawn is not None and len(drawn) == chunk.num_output_tokens else _outputs(chunk)
             matcher = self.grammars.matcher(spec)
             matcher.replay(outputs[start:])
@@ -145,9 +154,7 @@ class Sampler:
             budget, rid = p.thinking_budget, c.request_id
             if budget is None or rid in self._thought or (p.structured is not None and not p.structured.after):
                 continue
-            drawn = self._thinking.get(rid)
-            if drawn is None or len(drawn) != c.num_output_tokens - k:  # (a later row's chunk counts the drafts before)
-                drawn = self._thinking[rid] = list(_outputs(c))
+            drawn = self._drawn_before(c, k)
             if budget.within(len(drawn) + k):
                 continue  # (the common step: nothing read but the count)
             outputs = [*drawn, *c.draft_token_ids[:k]] if k else drawn
@@ -157,6 +164,29 @@ class Sampler:
             elif not k:
                 self._thought.add(rid)  # past the budget and free: closed, or never thinking
         return forced
+
+    def _banned_words(self, chunks: Sequence[ScheduledChunk], places: list[int]) -> list[tuple[int, int]]:
+        """The rows' tokens that bad words ban (row, token): the last of each word's tokens where those before it end
+        the output (``engine/bad_words.py``); a speculating chunk's later rows count the drafts before them."""
+        banned = []
+        for i, (c, k) in enumerate(zip(chunks, places, strict=True)):
+            words = c.sampling_params.bad_words_token_ids
+            if not words:
+                continue
+            keep = longest_prefix(words)  # (0: words of one token, banned whatever came before)
+            recent = [*self._drawn_before(c, k)[-keep:], *c.draft_token_ids[:k]][-keep:] if keep else ()
+            banned += [(i, token) for token in banned_tokens(words, recent)]
+        return banned
+
+    def _disallowed_mask(self, chunk: ScheduledChunk, vocab: int, device: torch.device) -> torch.Tensor:
+        """The request's mask of the tokens ``allowed_token_ids`` leaves out (True: not allowed), made when first
+        seen."""
+        mask = self._disallowed.get(chunk.request_id)
+        if mask is None:
+            mask = torch.ones(vocab, dtype=torch.bool)
+            mask[list(chunk.sampling_params.allowed_token_ids or ())] = False
+            mask = self._disallowed[chunk.request_id] = to_device(mask, device)
+        return mask
 
     def _generator_for(self, chunk: ScheduledChunk) -> torch.Generator:
         seed = chunk.sampling_params.seed
@@ -184,18 +214,18 @@ class Sampler:
         # Structured requests' first rows, with their matchers and drafts (speculative decoding: a row per position
         # of the chunk follows); one whose output is complete (a window's pass past its EOS, whose token is
         # discarded) is left alone.
-        structured, waiting = [], []
+        structured = []
         for i, c in enumerate(chunks):
             if c.sampling_params.structured is None or (c.draft_token_ids and _same_chunk(chunks, i)):
                 continue
             if self._waits(c):  # free until its grammar begins (a reasoning model's thinking)
-                waiting.append(i)
                 continue
             matcher = self._matcher(c)
             if not matcher.done:
                 structured.append((i, matcher, c.draft_token_ids))
         forced = self._forced_ends(chunks, places)
-        tokens = self.draw(self._adjusted(logits, chunks, penalized, structured, forced), chunks)
+        word_bans = self._banned_words(chunks, places)
+        tokens = self.draw(self._adjusted(logits, chunks, penalized, structured, forced, word_bans), chunks)
         token_list = tokens.tolist()
 
         def kept(i: int, drafts: tuple[int, ...]) -> list[int]:
@@ -216,12 +246,10 @@ class Sampler:
                 if matcher.done:
                     break  # a kept draft was the end token
                 matcher.accept(token)
-        for i in waiting:
-            self._waiting[chunks[i].request_id] += kept(i, chunks[i].draft_token_ids)
-        if self._thinking:  # (the outputs of requests thinking under a budget, as drawn)
+        if self._drawn:  # (the outputs of requests whose sampling reads them, as drawn)
             for i, (c, k) in enumerate(zip(chunks, places, strict=True)):
-                if not k and c.request_id in self._thinking and c.request_id not in self._thought:
-                    self._thinking[c.request_id] += kept(i, c.draft_token_ids)
+                if not k and c.request_id in self._drawn:
+                    self._drawn[c.request_id] += kept(i, c.draft_token_ids)
         out = [SampledToken(t) for t in token_list]
         if raw_logprobs is not None:
             self._fill_logprobs(raw_logprobs, tokens, chunks, out)
@@ -230,14 +258,16 @@ class Sampler:
     @staticmethod
     def draws_alone(chunk: ScheduledChunk) -> bool:
         """Whether the chunk's next tokens depend on its logits (and its generator) alone: no penalties, grammar,
-        logit biases, logprobs, drafts, or stop tokens still forbidden (``min_tokens``). A multi-step window of such
-        chunks may draw each pass's tokens on the device with no host work between passes
+        logit biases, allowed tokens, bad words, logprobs, drafts, or stop tokens still forbidden (``min_tokens``). A
+        multi-step window of such chunks may draw each pass's tokens on the device with no host work between passes
         (``DecodeGraphs.launch_window``): :meth:`draw` is all of their sampling."""
         p = chunk.sampling_params
         return (
             p.logprobs is None
             and not p.needs_history
             and not p.logit_bias
+            and p.allowed_token_ids is None
+            and not p.bad_words_token_ids
             and chunk.num_output_tokens >= p.min_tokens
             and not chunk.draft_token_ids
         )
@@ -315,13 +345,20 @@ class Sampler:
         penalized: list[tuple[int, tuple[int, ...]]],
         structured: list[tuple[int, GrammarMatcher, tuple[int, ...]]],
         forced: list[tuple[int, int]],
+        word_bans: list[tuple[int, int]],
     ) -> torch.Tensor:
-        """The logits to sample from: logit biases added, then penalties (vLLM's order), early stops and tokens
-        the grammar does not allow forbidden, and ``forced`` rows (row, token) held to their token. A copy if any of
-        them applies to a row."""
-        banned_rows, banned_ids, bias_rows, bias_ids, biases = [], [], [], [], []
+        """The logits to sample from: tokens outside ``allowed_token_ids`` forbidden, logit biases added, then
+        penalties (vLLM's order), early stops, the tokens bad words ban (``word_bans``: row, token) and those the
+        grammar does not allow forbidden, and ``forced`` rows (row, token) held to their token. A copy if any of them
+        applies to a row. A row left with no token (a grammar's dead end; allowed tokens all forbidden) is held to its
+        request's end token: a request that can take nothing ends (a row of no token fails to draw, and with it the
+        step)."""
+        banned_rows, banned_ids = [row for row, _ in word_bans], [token for _, token in word_bans]
+        bias_rows, bias_ids, biases, allowed_rows = [], [], [], []
         for i, c in enumerate(chunks):
             p = c.sampling_params
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(i)
             if c.num_output_tokens < p.min_tokens:  # forbid EOS and stop tokens before min_tokens
                 banned = set(p.stop_token_ids)
                 if not p.ignore_eos:
@@ -332,10 +369,14 @@ class Sampler:
                 bias_rows.append(i)
                 bias_ids.append(token)
                 biases.append(bias)
-        if not (banned_rows or bias_rows or penalized or structured or forced):
+        if not (banned_rows or bias_rows or allowed_rows or penalized or structured or forced):
             return logits
         logits = logits.clone()
         device = logits.device
+        if allowed_rows:
+            allowed_index = torch.tensor(allowed_rows, device=device)
+            masks = [self._disallowed_mask(chunks[i], logits.shape[-1], device) for i in allowed_rows]
+            logits[allowed_index] = logits[allowed_index].masked_fill(torch.stack(masks), float("-inf"))
         if bias_rows:
             rows, ids = torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device)
             logits[rows, ids] += torch.tensor(biases, device=device, dtype=logits.dtype)
@@ -343,12 +384,17 @@ class Sampler:
             self._penalize(logits, chunks, penalized)
         if banned_rows:
             logits[torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)] = float("-inf")
+        dead_ends: list[int] = []
         if structured:
+            # A grammar at a dead end allows nothing: the request's end token ends it alone (GrammarMatcher).
             rows, matchers, drafts = zip(*structured, strict=True)
-            for row in mask_logits(logits, list(rows), list(matchers), drafts):
-                # A grammar at a dead end allows nothing: the request's end token ends it alone (GrammarMatcher).
-                end = chunks[row].eos_token_ids[0] if chunks[row].eos_token_ids else 0
-                forced = [*forced, (row, end)]
+            dead_ends += mask_logits(logits, list(rows), list(matchers), drafts)
+        if allowed_rows:  # (its tokens all forbidden: by min_tokens, bad words or a grammar)
+            empty = torch.isneginf(logits[allowed_index]).all(dim=-1).nonzero().flatten().tolist()
+            dead_ends += [allowed_rows[j] for j in empty]
+        held = {row for row, _ in forced}
+        for row in dict.fromkeys(r for r in dead_ends if r not in held):
+            forced = [*forced, (row, chunks[row].eos_token_ids[0] if chunks[row].eos_token_ids else 0)]
         if forced:
             rows, ids = (torch.tensor(column, device=device) for column in zip(*forced, strict=True))
             logits[rows] = float("-inf")

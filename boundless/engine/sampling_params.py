@@ -7,6 +7,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from boundless.engine.bad_words import MAX_BAD_WORDS
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.structured_output import StructuredOutput
 from boundless.engine.thinking_budget import ThinkingBudget
@@ -55,6 +56,11 @@ class SamplingParams:
     ones, as vLLM reports them). ``min_p`` (vLLM's) drops tokens less likely than ``min_p`` times the most likely
     one after temperature.
 
+    ``allowed_token_ids`` (vLLM's) are the only tokens that may be sampled (None: any); ``bad_words`` (vLLM's) are
+    words the output may not hold: the engine tokenizes each (:mod:`boundless.engine.bad_words`) into
+    ``bad_words_token_ids``, and the last token of each sequence is banned wherever the tokens before it end the output
+    so far. Both are masks on the logits, as ``logit_bias`` is applied, greedy and speculative rows alike.
+
     ``structured`` holds the output to a grammar (``response_format``: any JSON object, or JSON under a schema;
     ``structured_outputs``: those, a regex, a choice, an EBNF grammar; ``engine/structured_output.py``). It cannot
     go with ``ignore_eos`` or ``min_tokens``: the grammar allows EOS only, and at once, where the output is complete.
@@ -81,6 +87,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    # ``bad_words`` as token sequences (vLLM's ``_bad_words_token_ids``): filled by the engine from its tokenizer when a
+    # request arrives (``EngineCore``), so that every instance a request reaches bans the same tokens; a caller with
+    # token ids may give sequences here directly, with no ``bad_words``.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     structured: StructuredOutput | None = None
     # The LoRA adapter the request runs with (None: the base model): set from vLLM's ``lora_request`` (``LLM``) or the
     # request's ``model`` (the server). It travels in the parameters, so that every path a request takes (another
@@ -111,6 +123,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "prediction", tuple(self.prediction))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))  # (vLLM drops repeats)
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         object.__setattr__(
@@ -119,7 +137,12 @@ class SamplingParams:
             self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0,
         )
         object.__setattr__(
-            self, "needs_history", self.penalized or self.structured is not None or self.thinking_budget is not None
+            self,
+            "needs_history",
+            self.penalized
+            or self.structured is not None
+            or self.thinking_budget is not None
+            or any(len(word) > 1 for word in self.bad_words_token_ids),  # (a one-token word is banned everywhere)
         )
         self._check("n", isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1")
         self._check("temperature", 0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]")
@@ -188,6 +211,26 @@ class SamplingParams:
             "logit_bias names a token twice",
         )
         object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in self.logit_bias))
+        if self.allowed_token_ids is not None:
+            self._check("allowed_token_ids", bool(self.allowed_token_ids), "allowed_token_ids must not be empty")
+            self._check(
+                "allowed_token_ids",
+                all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids must be non-negative integers",
+            )
+        self._check(
+            "bad_words", all(isinstance(w, str) and w for w in self.bad_words), "bad_words must be non-empty strings"
+        )
+        self._check(
+            "bad_words",
+            all(w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_token_ids),
+            "bad_words_token_ids must be non-empty sequences of non-negative integers",
+        )
+        self._check(  # (each word is a sequence at least: a list too long is refused before it is tokenized)
+            "bad_words",
+            len(self.bad_words) <= MAX_BAD_WORDS and len(self.bad_words_token_ids) <= MAX_BAD_WORDS,
+            f"bad_words: more than {MAX_BAD_WORDS} token sequences (each word's, and after a space)",
+        )
         if self.structured is not None:
             where = self.structured.param
             self._check(where, not self.ignore_eos, f"{where} cannot go with ignore_eos")

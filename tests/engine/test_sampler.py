@@ -1,5 +1,5 @@
-"""The sampler on hand-made logits: greedy rows beside sampled ones, min_tokens, logprobs, min-p, logit biases and
-penalties."""
+"""The sampler on hand-made logits: greedy rows beside sampled ones, min_tokens, logprobs, min-p, logit biases,
+penalties, allowed tokens and bad words."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_a_tiny_repetition_penalty_keeps_its_rows_order_and_a_finite_distributio
     drawn = _penalized("d", [3, 5], [], repetition_penalty=penalty)
     drawn = dataclasses.replace(drawn, sampling_params=SamplingParams(temperature=1.0, repetition_penalty=penalty))
     assert {sampler.sample(logits.clone(), [drawn])[0].token_id for _ in range(20)} == {5}
-    adjusted = sampler._adjusted(logits.clone(), [greedy, plain], [(0, ()), (1, ())], [], [])
+    adjusted = sampler._adjusted(logits.clone(), [greedy, plain], [(0, ()), (1, ())], [], [], [])
     assert torch.isfinite(adjusted[0, 5]) and adjusted[0, 5] == adjusted[0].max()
     assert torch.equal(
         adjusted[1], torch.where(torch.arange(10) == 3, 1.0, torch.where(torch.arange(10) == 5, 4.5, 0.0))
@@ -185,6 +185,14 @@ def test_a_history_shorter_than_its_outputs_is_an_error_not_a_wrong_count() -> N
         ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
         ({"logit_bias": ((5, 1.0), (5, 2.0))}, "logit_bias"),
         ({"logit_bias": ((5, "1"),)}, "logit_bias"),
+        ({"allowed_token_ids": ()}, "allowed_token_ids"),
+        ({"allowed_token_ids": (3, -1)}, "allowed_token_ids"),
+        ({"allowed_token_ids": (3, True)}, "allowed_token_ids"),
+        ({"bad_words": ("ok", "")}, "bad_words"),
+        ({"bad_words": ("ok", 5)}, "bad_words"),
+        ({"bad_words": tuple(f"w{i}" for i in range(129))}, "bad_words"),
+        ({"bad_words_token_ids": ((3,), ())}, "bad_words"),
+        ({"bad_words_token_ids": ((3, -2),)}, "bad_words"),
     ],
 )
 def test_out_of_range_penalties_and_biases_are_refused(params: dict, param: str) -> None:
@@ -198,3 +206,74 @@ def test_penalties_mark_a_request_penalized_and_logit_bias_takes_a_dict() -> Non
     assert SamplingParams(repetition_penalty=1.1).penalized and SamplingParams(presence_penalty=-0.1).penalized
     assert SamplingParams(logit_bias={5: 1}).logit_bias == ((5, 1.0),)
     assert SamplingParams(frequency_penalty=0.5).for_sample(1).penalized
+
+
+def test_allowed_token_ids_hold_greedy_and_sampled_rows() -> None:
+    logits = torch.zeros(3, 30)
+    logits[:, 3] = 9.0  # the best token, not allowed
+    logits[:, 6] = 1.0  # the best allowed one
+    allowed = (5, 6, 7)
+    chunks = [
+        chunk("g", SamplingParams(temperature=0.0, allowed_token_ids=allowed)),
+        chunk("s", SamplingParams(temperature=1.0, allowed_token_ids=allowed)),
+        chunk("free", SamplingParams(temperature=0.0)),
+    ]
+    sampler = Sampler(torch.device("cpu"))
+    drawn = set()
+    for _ in range(100):
+        out = [t.token_id for t in sampler.sample(logits, chunks)]
+        assert out[0] == 6 and out[2] == 3
+        drawn.add(out[1])
+    assert drawn == {5, 6, 7}
+
+
+def _speculating(params: SamplingParams, outputs: list[int], drafts: tuple[int, ...]) -> list[ScheduledChunk]:
+    """A speculating chunk's rows as the runner makes them: one after the request's last token and one after each
+    draft, each counting the drafts before it as output."""
+    first = ScheduledChunk(
+        "spec", [outputs[-1], *drafts], 1, [0], True, params, len(outputs), (2,), history=[1, *outputs],
+        num_prompt_tokens=1, draft_token_ids=drafts,
+    )  # fmt: skip
+    return [dataclasses.replace(first, num_output_tokens=len(outputs) + j) for j in range(len(drafts) + 1)]
+
+
+def test_every_draft_row_is_masked_after_the_drafts_before_it() -> None:
+    """Speculative decoding: each row of a speculating chunk is held to the allowed tokens, and bad words ban a token
+    after the output and the drafts before the row (a draft the mask refuses is never kept). Every row's logits
+    favour 3 (not allowed), then 5, then 4."""
+    logits = torch.zeros(3, 20)
+    logits[:, 3], logits[:, 5], logits[:, 4] = 20.0, 9.0, 8.0
+    params = SamplingParams(temperature=0.0, allowed_token_ids=(2, 4, 5, 6), bad_words_token_ids=((4, 5), (5, 9)))
+    sampler = Sampler(torch.device("cpu"))
+    rows = _speculating(params, [6], drafts=(4, 5))
+    # After 6: 5. After the draft 4: not 5 (the word 4 5), so 4. After the drafts 4 5: 5 again.
+    assert [t.token_id for t in sampler.sample(logits, rows)] == [5, 4, 5]
+    # The request kept 5 (its first draft rejected). Its next step, in a window whose history has not grown, reads
+    # the outputs the sampler kept: after 6 5 the word 5 9 bans 9.
+    logits[:, 9] = 30.0
+    rows = _speculating(params, [6], drafts=())
+    later = dataclasses.replace(rows[0], num_output_tokens=2)
+    assert sampler.sample(logits[:1], [later])[0].token_id == 5
+
+
+def test_a_row_left_no_token_ends_its_request() -> None:
+    """Allowed tokens that other masks forbid all (EOS alone, before min_tokens) leave the row nothing to draw (a NaN
+    distribution, which failed the step): it takes its request's end token, greedy or drawn, as a grammar's dead end
+    does; the other rows are drawn as ever."""
+    logits = torch.zeros(3, 10)
+    logits[:, 7] = 5.0
+    stuck = {"allowed_token_ids": (2,), "min_tokens": 3}
+    chunks = [
+        chunk("g", SamplingParams(temperature=0.0, **stuck)),
+        chunk("s", SamplingParams(temperature=1.0, **stuck)),
+        chunk("free", SamplingParams(temperature=1.0, seed=0)),
+    ]
+    assert [t.token_id for t in Sampler(torch.device("cpu")).sample(logits, chunks)][:2] == [2, 2]
+
+
+def test_masked_rows_are_drawn_on_the_host_and_need_history_only_for_words_of_several_tokens() -> None:
+    assert not Sampler.draws_alone(chunk("a", SamplingParams(allowed_token_ids=(1, 2))))
+    assert not Sampler.draws_alone(chunk("b", SamplingParams(bad_words_token_ids=((5,),))))
+    assert not SamplingParams(bad_words_token_ids=((5,), (6,))).needs_history  # (banned everywhere)
+    assert SamplingParams(bad_words_token_ids=((5,), (6, 7))).needs_history
+    assert SamplingParams(bad_words=["a", "b", "a"], allowed_token_ids=[4, 3]).bad_words == ("a", "b")
