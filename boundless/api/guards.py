@@ -8,7 +8,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from boundless.api.errors import error_bytes
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/version")  # (vLLM asks no key for either)
 
 
 async def _send_error(send: Send, status: int, message: str, code: str, headers: list | None = None) -> None:

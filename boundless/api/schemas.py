@@ -172,6 +172,11 @@ class _SamplingFields(NullIsDefault):
     min_tokens: Int = 0
     ignore_eos: Bool = False
     stop_token_ids: list[Int] | None = None
+    # Only these tokens may be sampled (checked against the vocabulary); words the output may not hold
+    allowed_token_ids: list[Int] | None = None
+    bad_words: list[str] | None = None
+    # Logprobs' tokens as ``token_id:<id>``, for clients that need the ids (a token's text may be no whole character)
+    return_tokens_as_token_ids: Bool = False
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     # Each prompt token's logprob given the tokens before it, with this many alternatives (not -1, the vocabulary)

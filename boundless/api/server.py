@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` and ``GET /metrics``; OpenAI's Responses API (``/v1/responses``) is in
+``GET /health``, ``GET /version`` and ``GET /metrics``; OpenAI's Responses API (``/v1/responses``) is in
 :mod:`boundless.api.responses`. The app talks to an :class:`EngineClient`: one in-process
 engine (:class:`~boundless.engine.async_engine.AsyncEngine`) or a cluster router.
 """
@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp
 
+from boundless import __version__
 from boundless.api.agent_sessions import program_named
 from boundless.api.conversation import InvalidMessage, template_conversation
 from boundless.api.errors import APIError, CancelledRequests, error_bytes, install_error_handlers
@@ -282,6 +283,8 @@ def sampling_params(
         repetition_penalty=given(body.repetition_penalty, defaults.repetition_penalty, 1.0),
         min_p=given(body.min_p, defaults.min_p, 0.0),
         logit_bias=tuple((int(t), b) for t, b in (body.logit_bias or {}).items()),
+        allowed_token_ids=body.allowed_token_ids,
+        bad_words=tuple(body.bad_words or ()),
         structured=structured,
         lora_name=lora,
         cache_salt=body.cache_salt,
@@ -466,6 +469,7 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: in
             raise APIError(400, f"logit_bias: {key!r} is not a token id", "logit_bias", "invalid_value")
         bias_ids.append(int(key))
     require_token_ids(bias_ids, vocab_size, "logit_bias")
+    require_token_ids(body.allowed_token_ids or (), vocab_size, "allowed_token_ids")
 
 
 def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
@@ -749,8 +753,9 @@ class OpenAIServer:
             if body.logprobs:
                 logprobs_of = functools.partial(self.streamed_content, ids, body.skip_special_tokens, tools, reasoning)
             predicted = body.prediction is not None
+            as_ids = body.return_tokens_as_token_ids
             gen = self._chat_events(
-                rid, body.model, streams, len(ids), logprobs_of, tools, include_usage, reasoning, predicted
+                rid, body.model, streams, len(ids), logprobs_of, tools, include_usage, reasoning, predicted, as_ids
             )
             # (The prompt's cached tokens as the usage counts them: those every sample found.)
             return ChatStream(gen, len(ids), min(s.num_cached_tokens for s in streams))
@@ -780,7 +785,9 @@ class OpenAIServer:
                 {
                     "index": c.index,
                     "message": message,
-                    "logprobs": {"content": self.chat_logprobs(message_logprobs(c))} if body.logprobs else None,
+                    "logprobs": {"content": self.chat_logprobs(message_logprobs(c), body.return_tokens_as_token_ids)}
+                    if body.logprobs
+                    else None,
                     "finish_reason": finish,
                     "stop_reason": _stop_reason(c.finish_reason, c.stop_reason),
                 }
@@ -809,9 +816,11 @@ class OpenAIServer:
         include_usage: bool,
         reasoning: ReasoningOutput | None = None,
         predicted: bool = False,
+        as_ids: bool = False,
     ) -> AsyncIterator[bytes]:
         """A chat completion's chunks. ``logprobs_of``: a choice's content logprobs as they are known to be content
-        (None: not asked for); ``predicted``: the request brought a prediction (its usage counts the drafts)."""
+        (None: not asked for), their tokens as ids with ``as_ids`` (``return_tokens_as_token_ids``); ``predicted``: the
+        request brought a prediction (its usage counts the drafts)."""
         created = int(time.time())
         choices = [Choice(i) for i in range(len(streams))]
 
@@ -873,7 +882,7 @@ class OpenAIServer:
             return logprobs[index].release(c.text, begun, contents[index].sent if tools.used else None)
 
         def lp(tokens: list[SampledToken]) -> dict[str, Any] | None:
-            return {"content": self.chat_logprobs(tokens)} if logprobs else None
+            return {"content": self.chat_logprobs(tokens, as_ids)} if logprobs else None
 
         async for index, delta in self.merged(streams):
             c = choices[index]
@@ -1067,7 +1076,7 @@ class OpenAIServer:
             lp, tokens, offsets = None, [], []
             if offsets_of:
                 tokens, offsets = offsets_of[index].take(generated, len(c.text), delta.finished)
-                lp = self._completion_logprobs(tokens, offsets)
+                lp = self._completion_logprobs(tokens, offsets, body.return_tokens_as_token_ids)
             if body.echo and not echoed[index]:  # the prompt goes first, in the choice's first chunk
                 echoed[index] = True
                 text = echo + text
@@ -1187,8 +1196,10 @@ class OpenAIServer:
     def reasoning_tokens(self, reasoning: ReasoningOutput, token_ids: list[int]) -> int:
         return reasoning.tokens(token_ids, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    def _token_text(self, token_id: int, as_id: bool = False) -> str:
+        """A token as logprobs name it: its text, or with ``as_id`` (vLLM's ``return_tokens_as_token_ids``)
+        ``token_id:<id>``, for a client that needs the ids (a token's text may be part of a character, or another's)."""
+        return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def message_spans(
         self, text: str, tools: ToolUse, reasoning: ReasoningOutput | None, at_length: bool = False
@@ -1227,42 +1238,46 @@ class OpenAIServer:
             return StreamedContent(None)
         return StreamedContent(TokenStarts(self.tokenizer, prompt, skip_special_tokens))
 
-    def chat_logprobs(self, tokens: list[SampledToken]) -> list[dict[str, Any]]:
-        """Tokens' logprobs in the chat API's shape (each with its ``top_logprobs``)."""
+    def chat_logprobs(self, tokens: list[SampledToken], as_ids: bool = False) -> list[dict[str, Any]]:
+        """Tokens' logprobs in the chat API's shape (each with its ``top_logprobs``); ``as_ids``: each token named by
+        its id (:meth:`_token_text`), its ``bytes`` those of the name, as vLLM's."""
         out = []
         for t in tokens:
-            text = self._token_text(t.token_id)
+            text = self._token_text(t.token_id, as_ids)
             out.append(
                 {
                     "token": text,
                     "logprob": t.logprob,
                     "bytes": list(text.encode()),
                     "top_logprobs": [
-                        {"token": (s := self._token_text(tid)), "logprob": lp, "bytes": list(s.encode())}
+                        {"token": (s := self._token_text(tid, as_ids)), "logprob": lp, "bytes": list(s.encode())}
                         for tid, lp in t.top_logprobs
                     ],
                 }
             )
         return out
 
-    def _completion_logprobs(self, tokens: list[SampledToken], offsets: list[int]) -> dict[str, Any]:
-        """The completions API's logprobs of ``tokens``, at ``offsets`` in the choice's text (:func:`text_offsets`)."""
+    def _completion_logprobs(
+        self, tokens: list[SampledToken], offsets: list[int], as_ids: bool = False
+    ) -> dict[str, Any]:
+        """The completions API's logprobs of ``tokens``, at ``offsets`` in the choice's text (:func:`text_offsets`);
+        ``as_ids``: tokens named by their ids (:meth:`_token_text`; the offsets are still the text's)."""
         return {
-            "tokens": [self._token_text(t.token_id) for t in tokens],
+            "tokens": [self._token_text(t.token_id, as_ids) for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [self._top_logprobs(t) for t in tokens],
+            "top_logprobs": [self._top_logprobs(t, as_ids) for t in tokens],
             "text_offset": offsets,
         }
 
-    def _top_logprobs(self, token: SampledToken) -> dict[str, float] | None:
+    def _top_logprobs(self, token: SampledToken, as_ids: bool = False) -> dict[str, float] | None:
         """A completion token's ``top_logprobs``: the token itself first, then its most likely alternatives. OpenAI's
         rule: "The API will always return the logprob of the sampled token, so there may be up to logprobs+1 elements
         in the response" (vLLM's too). A token without a logprob (the echoed prompt's first) has None, as vLLM's."""
         if token.logprob is None:
             return None
-        top = {self._token_text(token.token_id): token.logprob}
+        top = {self._token_text(token.token_id, as_ids): token.logprob}
         for token_id, logprob in token.top_logprobs:
-            top.setdefault(self._token_text(token_id), logprob)
+            top.setdefault(self._token_text(token_id, as_ids), logprob)
         return top
 
     def _choice_logprobs(
@@ -1278,12 +1293,13 @@ class OpenAIServer:
         text, decoded as it was), then the ``generated`` tokens at their ``offsets``."""
         if body.logprobs is None:
             return None
-        out = self._completion_logprobs(generated, offsets)
+        out = self._completion_logprobs(generated, offsets, body.return_tokens_as_token_ids)
         if not body.echo:
             return out
         echo_starts = TokenStarts(self.tokenizer, ()).add(prompt)  # (the echo is the prompt decoded alone)
         echoed_tokens = _echoed_tokens(prompt, scored, body.logprobs)
-        echoed = self._completion_logprobs(echoed_tokens, text_offsets(echo_starts, 0, len(echo)))
+        echo_offsets = text_offsets(echo_starts, 0, len(echo))
+        echoed = self._completion_logprobs(echoed_tokens, echo_offsets, body.return_tokens_as_token_ids)
         return {key: echoed[key] + out[key] for key in out}
 
     def _prompt_logprobs(self, scored: PromptLogprobs | None, top_k: int) -> list[dict[str, Any] | None] | None:
@@ -1349,6 +1365,12 @@ async def health(request: Request) -> Response:
     if not _server(request).client.is_alive():
         return JSONResponse({"status": "unavailable"}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+@routes.get("/version")
+async def version() -> Response:
+    """vLLM's route: the server's version, which clients written for vLLM read to tell what it takes."""
+    return JSONResponse({"version": __version__})
 
 
 def _model_cards(server: OpenAIServer) -> list[dict[str, Any]]:

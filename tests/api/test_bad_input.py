@@ -208,6 +208,23 @@ CORPUS: list[Case] = [
     *both({"stop_token_ids": ["5"]}, "stop_token_ids.0"),
     *both({"stop_token_ids": 5}, "stop_token_ids"),
     completion({"stop_token_ids": [VOCAB - 1], "min_tokens": 1}, None, SERVED),
+    # allowed_token_ids and bad_words (vLLM's): ids of the vocabulary, words of some tokens, 128 sequences at most
+    *both({"allowed_token_ids": []}, "allowed_token_ids"),
+    *both({"allowed_token_ids": [VOCAB]}, "allowed_token_ids"),
+    *both({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    *both({"allowed_token_ids": ["5"]}, "allowed_token_ids.0"),
+    *both({"allowed_token_ids": 5}, "allowed_token_ids"),
+    *both({"bad_words": [""]}, "bad_words"),
+    *both({"bad_words": [" "]}, "bad_words"),  # (nothing left to ban once its blanks are dropped, as in vLLM)
+    *both({"bad_words": "hello"}, "bad_words"),
+    *both({"bad_words": [5]}, "bad_words.0"),
+    *both({"bad_words": [f"w{i}" for i in range(129)]}, "bad_words"),
+    *both({"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
+    # (allowed tokens that min_tokens forbids all: the row had nothing to draw, and the step failed)
+    *[
+        Case(r, {"allowed_token_ids": [2], "min_tokens": 2, "temperature": 1.0, "bad_words": ["Hello"]}, SERVED, None)
+        for r in (CHAT, COMPLETIONS)
+    ],
     # penalties and logit_bias: OpenAI's ranges, vLLM's repetition_penalty and min_p, ids of the vocabulary
     *both({"presence_penalty": 2.5}, "presence_penalty"),
     *both({"frequency_penalty": float("-inf")}, "frequency_penalty"),

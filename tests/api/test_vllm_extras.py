@@ -1,0 +1,128 @@
+"""vLLM's request extensions that agents' frameworks send, through the real `openai` client on SmolLM2:
+``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids`` (chat and completions, streamed or not), and
+``GET /version``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from boundless import __version__
+from boundless.api.launch import ServerThread, start_in_thread
+from boundless.engine.async_engine import AsyncEngine
+from boundless.engine.core import EngineCore
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel
+
+MODEL = "smollm2-135m"
+STORY = "Once upon a time, there was a little girl named"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2: LoadedModel) -> Iterator[ServerThread]:
+    engine = AsyncEngine(EngineCore.from_model(smollm2, engine_config(MODEL, max_model_len=512, kv_cache_gb=0.05)))
+    srv = start_in_thread(engine, MODEL)
+    yield srv
+    srv.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    """The ids of tokens named ``token_id:<id>`` (each must be)."""
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_completions_name_tokens_by_id_echo_and_stream_alike_and_hold_to_allowed_ids(
+    client: openai.OpenAI, smollm2: LoadedModel
+) -> None:
+    allowed = sorted({*smollm2.tokenizer.encode(" the beach and the sun, a dog"), *smollm2.tokenizer.eos_token_ids})
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True, "allowed_token_ids": allowed}
+    ask: dict[str, Any] = {"model": MODEL, "prompt": STORY, "max_tokens": 8, "temperature": 0.0, "logprobs": 2}
+    r = client.completions.create(**ask, echo=True, extra_body=extra).model_dump()["choices"][0]
+    prompt, output = r["prompt_token_ids"], r["token_ids"]
+    assert set(output) <= set(allowed)
+    assert _ids(r["logprobs"]["tokens"]) == prompt + output  # the echoed prompt's tokens too
+    assert r["logprobs"]["top_logprobs"][0] is None  # (the prompt's first token has no logprob)
+    assert all(_ids(list(top)) for top in r["logprobs"]["top_logprobs"][1:])
+    assert r["logprobs"]["text_offset"][len(prompt)] == len(r["text"]) - len(smollm2.tokenizer.decode(output))
+    streamed = []
+    for chunk in client.completions.create(**ask, stream=True, extra_body=extra):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.tokens
+            assert all(_ids(list(top)) for top in chunk.choices[0].logprobs.top_logprobs)
+    assert _ids(streamed) == output
+    plain = client.completions.create(**ask).choices[0].logprobs.tokens
+    assert not any(t.startswith("token_id:") for t in plain)  # (only when asked)
+
+
+def test_chat_logprobs_name_tokens_by_id_streamed_or_not_and_prompt_logprobs_keep_their_text(
+    client: openai.OpenAI,
+) -> None:
+    ask: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Name a color."}],
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    r = client.chat.completions.create(**ask, extra_body={"return_tokens_as_token_ids": True, "prompt_logprobs": 1})
+    content = r.choices[0].logprobs.content
+    ids = _ids([t.token for t in content])
+    assert all(t.bytes == list(t.token.encode()) for t in content)  # (vLLM's: the bytes of the name)
+    assert all(_ids([alt.token for alt in t.top_logprobs]) for t in content)
+    plain = client.chat.completions.create(**ask).choices[0]
+    texts = [t.token for t in plain.logprobs.content]
+    assert "".join(texts) == plain.message.content and len(texts) == len(ids)
+    prompt_logprobs = r.model_dump()["prompt_logprobs"]  # (vLLM leaves them as they are: keyed by id, with text)
+    assert not any(e["decoded_token"].startswith("token_id:") for entry in prompt_logprobs[1:] for e in entry.values())
+    streamed = []
+    for chunk in client.chat.completions.create(**ask, stream=True, extra_body={"return_tokens_as_token_ids": True}):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += [t.token for t in chunk.choices[0].logprobs.content or ()]
+    assert _ids(streamed) == ids
+
+
+def test_a_banned_word_reaches_the_engine_from_chat_and_completions(client: openai.OpenAI) -> None:
+    ask: dict[str, Any] = {"model": MODEL, "prompt": STORY, "max_tokens": 20, "temperature": 0.0}
+    plain = client.completions.create(**ask).choices[0].text
+    banned = client.completions.create(**ask, extra_body={"bad_words": ["the beach"]}).choices[0].text
+    assert banned.startswith(plain[: plain.index("the beach") + len("the")]) and "the beach" not in banned
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    said = client.chat.completions.create(**chat, max_tokens=12, temperature=0.0).choices[0].message.content
+    assert "Paris" in said
+    extra = {"bad_words": ["Paris"]}
+    again = client.chat.completions.create(**chat, max_tokens=12, temperature=0.0, extra_body=extra)
+    assert "Paris" not in again.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [49152]}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"bad_words": ["  "]}, "bad_words"),
+    ],
+)
+def test_bad_values_are_400s_naming_the_parameter(client: openai.OpenAI, extra: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_body=extra
+        )
+    assert err.value.body["param"] == param
+
+
+def test_version_is_vllms_route(server: ServerThread) -> None:
+    r = httpx.get(server.url + "/version")
+    assert r.status_code == 200 and r.json() == {"version": __version__}
