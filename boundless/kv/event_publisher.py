@@ -63,6 +63,7 @@ class ZmqEventPublisher:
         self._queue: queue.Queue[tuple[int, float, list[KVEvent]] | None] = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._next_seq = 0
+        self._numbering = threading.Lock()  # a reset from another thread than the engine's publishes too
         # Made here, so that an endpoint in use fails at start-up; used by the thread alone from then on.
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -87,13 +88,15 @@ class ZmqEventPublisher:
 
     def publish(self, events: list[KVEvent]) -> None:
         """Queue a step's events as the next batch (stamped now, on the wall clock, as vLLM's are); never blocks."""
-        seq, self._next_seq = self._next_seq, self._next_seq + 1
-        try:
-            self._queue.put_nowait((seq, time.time(), events))
-        except queue.Full:
-            self.dropped_batches += 1
-            if self.dropped_batches == 1:
-                log.warning("KV events: the publisher's queue is full; batches are dropped (their numbers skipped)")
+        with self._numbering:
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            try:
+                self._queue.put_nowait((seq, time.time(), events))
+                return
+            except queue.Full:
+                self.dropped_batches += 1
+        if self.dropped_batches == 1:
+            log.warning("KV events: the publisher's queue is full; batches are dropped (their numbers skipped)")
 
     def close(self) -> None:
         """Send what is queued (for at most ``CLOSE_TIMEOUT_S``), then stop the thread and close the sockets."""

@@ -46,7 +46,7 @@ def _event(event: KVEvent, block_size: int, as_map: bool) -> Any:
         fields: dict[str, Any] = {
             "block_hashes": [external_hash(h) for h in event.block_hashes],
             "parent_block_hash": parent,
-            "token_ids": event.token_ids,
+            "token_ids": [t for block in event.block_tokens for t in block],
             "block_size": block_size,
             "lora_id": lora_id,
             "medium": event.medium,

@@ -33,12 +33,13 @@ class LoraTag:
 @dataclass(slots=True)
 class BlockStored:
     """A run of consecutive full blocks named in ``medium``: ``block_hashes[0]``'s parent is ``parent_block_hash``
-    (None: it is a prompt's first block, or the tier does not say, as host memory does not), and ``token_ids`` are
-    the run's tokens, ``block_size`` a block (empty where the tier does not say)."""
+    (None: it is a prompt's first block, or the tier does not say, as host memory does not), and ``block_tokens[i]``
+    are block ``i``'s tokens (none where the tier does not say). The tuples are the cache's own, shared: the wire form
+    joins them, on the publisher's thread."""
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: list[int]
+    block_tokens: Sequence[tuple[int, ...]]
     medium: str
     lora: LoraTag | None = None
 
@@ -77,9 +78,9 @@ class KVEventLog:
         ``parent``. Below the device only the names are sent, as vLLM's CPU offloading sends them: its blocks are
         copies of device blocks whose chain the device events told."""
         if medium == MEDIUM_DEVICE:
-            self.events.append(BlockStored(list(names), parent, [t for block in tokens for t in block], medium, lora))
+            self.events.append(BlockStored(list(names), parent, tokens, medium, lora))
         else:
-            self.events.append(BlockStored(list(names), None, [], medium, lora))
+            self.events.append(BlockStored(list(names), None, (), medium, lora))
 
     def removed(self, medium: str, name: BlockHash) -> None:
         last = self.events[-1] if self.events else None

@@ -7,6 +7,7 @@ import json
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgpack
 import openai
@@ -19,9 +20,12 @@ from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.block_hash import extend_block_hashes
-from boundless.kv.event_publisher import offset_endpoint
+from boundless.kv.event_publisher import ZmqEventPublisher, offset_endpoint
 from boundless.kv.event_wire import external_hash
+from boundless.kv.events import AllBlocksCleared
 from boundless.model.loader import LoadedModel
+from boundless.model.lora import LoRARequest
+from boundless.model.random_model import write_random_lora
 
 BS = 16
 PROMPT = [(7 * j) % 300 + 3 for j in range(5 * BS)]  # five full blocks
@@ -108,9 +112,11 @@ def sub() -> Iterator[Subscriber]:
     s.close()
 
 
-def _engine(loaded: LoadedModel, kv_events: str, num_blocks: int = 64, host_gb: float = 0.0) -> EngineCore:
+def _engine(
+    loaded: LoadedModel, kv_events: str | None, num_blocks: int = 64, host_gb: float = 0.0, lora: bool = False
+) -> EngineCore:
     cache = CacheConfig(num_kv_blocks=num_blocks, kv_host_gb=host_gb, kv_events_config=kv_events)
-    model = ModelConfig(max_model_len=min(512, num_blocks * BS))
+    model = ModelConfig(max_model_len=min(512, num_blocks * BS), enable_lora=lora)
     return EngineCore.from_model(loaded, EngineConfig(model=model, cache=cache))
 
 
@@ -129,8 +135,8 @@ def _connected(core: EngineCore, sub: Subscriber) -> int:
     raise AssertionError("the subscriber never heard the publisher")
 
 
-def _run(core: EngineCore, rid: str, prompt: list[int], max_tokens: int = 2) -> None:
-    core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+def _run(core: EngineCore, rid: str, prompt: list[int], lora: str | None = None) -> None:
+    core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, lora_name=lora))
     while core.has_unfinished():
         core.step()
 
@@ -177,6 +183,22 @@ def test_a_prompts_blocks_are_stored_and_a_shared_prefix_stores_only_its_new_blo
         assert [(e["type"], e["block_hashes"], e["parent_block_hash"], e["token_ids"]) for e in stored] == [
             ("BlockStored", new[4:], names[3], second[4 * BS :])
         ]
+    finally:
+        core.close()
+
+
+def test_an_adapters_blocks_say_its_id_and_name(tiny_llama: LoadedModel, sub: Subscriber, tmp_path: Path) -> None:
+    core = _engine(tiny_llama, sub.config(), lora=True)
+    core.add_lora(LoRARequest("sql", 7, str(write_random_lora(tmp_path / "sql", tiny_llama.arch))))
+    try:
+        last = _connected(core, sub)
+        _run(core, "a", PROMPT, lora="sql")
+        (event,) = _events(sub.drain(), last)
+        namespace = core.kv_namespace(SamplingParams(lora_name="sql"))
+        assert namespace is not None
+        names = [external_hash(h) for h in extend_block_hashes([], PROMPT, BS, namespace)]
+        assert (event["lora_id"], event["lora_name"], event["block_hashes"]) == (7, "sql", names)
+        assert names != _names(core, PROMPT)  # the adapter's KV is not the base model's
     finally:
         core.close()
 
@@ -255,6 +277,26 @@ def test_the_array_format_and_a_ranks_port(tiny_llama: LoadedModel, sub: Subscri
         assert _events(batches, last) == [["BlockStored", _names(core, PROMPT), None, PROMPT, BS, None, "GPU", None]]
     finally:
         core.close()
+
+
+def test_a_full_queue_drops_batches_and_their_numbers_show_the_gap(sub: Subscriber) -> None:
+    """The engine never waits for the publisher: past ``max_queue_size`` waiting batches a batch is dropped and
+    counted, and its number is skipped, so a subscriber sees what it missed."""
+    config = KVEventsConfig.parse(sub.config(max_queue_size=1))
+    publisher = ZmqEventPublisher(config, BS)
+    try:
+        for _ in range(100):  # until the subscription has reached the publisher
+            publisher.publish([AllBlocksCleared()])
+            if sub.sub.poll(50):
+                break
+        first, sent = max(b.seq for b in [sub.receive(), *sub.drain()]) + 1, 2000
+        for _ in range(sent):
+            publisher.publish([AllBlocksCleared()])
+        seqs = [b.seq for b in sub.drain()]
+        assert publisher.dropped_batches > 0 and len(seqs) + publisher.dropped_batches == sent
+        assert seqs == sorted(set(seqs)) and seqs[0] >= first and seqs[-1] < first + sent
+    finally:
+        publisher.close()
 
 
 def test_events_off_make_nothing(tiny_llama: LoadedModel) -> None:
