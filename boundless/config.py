@@ -31,6 +31,16 @@ def _require(ok: bool, flag: str, message: str) -> None:
         raise ConfigError(f"--{flag.replace('_', '-')}: {message}")
 
 
+def _json_object(flag: str, text: str) -> dict[str, Any]:
+    """A flag's JSON object (``--speculative-config``'s, say); anything else raises :class:`ConfigError`."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--{flag.replace('_', '-')}: not JSON ({e})") from None
+    _require(isinstance(value, dict), flag, "must be a JSON object")
+    return value
+
+
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_WRITE_POLICIES = ("through", "back", "off")
 KV_EVICTIONS = ("lru", "program")
@@ -114,12 +124,7 @@ class ModelConfig:
         """``hf_overrides`` read: the keys to replace in ``config.json``."""
         if not self.hf_overrides:
             return {}
-        try:
-            value = json.loads(self.hf_overrides)
-        except ValueError as e:
-            raise ConfigError(f"--hf-overrides: not JSON ({e})") from None
-        _require(isinstance(value, dict), "hf_overrides", "must be a JSON object")
-        return value
+        return _json_object("hf_overrides", self.hf_overrides)
 
 
 KV_EVENT_PUBLISHERS = ("zmq", "null")
@@ -154,11 +159,7 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, text: str) -> KVEventsConfig:
         """From the flag's JSON object; a bad one raises :class:`ConfigError` naming the key."""
-        try:
-            spec = json.loads(text)
-        except ValueError as e:
-            raise ConfigError(f"--kv-events-config: not JSON ({e})") from None
-        _require(isinstance(spec, dict), "kv_events_config", "must be a JSON object")
+        spec = _json_object("kv_events_config", text)
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(spec) - set(known))
         _require(not unknown, "kv_events_config", f"unknown keys {unknown}; known: {sorted(known)}")
@@ -371,12 +372,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
         """From the flag's JSON object; a bad one raises :class:`ConfigError` naming the key."""
-        try:
-            spec = json.loads(text)
-        except ValueError as e:
-            raise ConfigError(f"--speculative-config: not JSON ({e})") from None
-        if not isinstance(spec, dict):
-            raise ConfigError("--speculative-config: must be a JSON object")
+        spec = _json_object("speculative_config", text)
         known = {
             "method",
             "num_speculative_tokens",
