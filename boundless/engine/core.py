@@ -233,10 +233,10 @@ class EngineCore:
             proposer=draft_proposer(config.scheduler.speculative),
             max_loras=config.model.max_loras if config.model.enable_lora else None,
         )
-        # Loaded LoRA adapters by name: the fingerprint that names the KV their requests compute, and the adapter's
-        # id (the events' lora_id).
+        # Loaded LoRA adapters by name: the fingerprint that names the KV their requests compute, and the adapter as
+        # the KV events name it (its id and name).
         self.loras: dict[str, str] = {}
-        self._lora_ids: dict[str, int] = {}
+        self._lora_tags: dict[str, LoraTag] = {}
         # The executor's sampler's grammars (one compilation a spec for both): a structured request waits in its queue
         # while its grammar compiles in the background (``Scheduler.compiling``), as vLLM's requests do.
         self.grammars = grammars
@@ -300,7 +300,7 @@ class EngineCore:
         digest = self.executor.add_lora(lora, self.config.model.max_lora_rank)
         namespace = hashlib.sha256(f"{self.identity.fingerprint}:lora:{digest}".encode()).hexdigest()
         self.loras[lora.lora_name] = namespace[:16]
-        self._lora_ids[lora.lora_name] = lora.lora_int_id
+        self._lora_tags[lora.lora_name] = LoraTag(lora.lora_int_id, lora.lora_name)
 
     def remove_lora(self, name: str) -> bool:
         """Unload an adapter; False if none has that name. Refused (``LoRAError``) while unfinished requests run with
@@ -312,7 +312,7 @@ class EngineCore:
             raise LoRAError(f"LoRA adapter {name!r} is in use by {users} unfinished requests")
         self.executor.remove_lora(name)
         del self.loras[name]
-        self._lora_ids.pop(name, None)
+        self._lora_tags.pop(name, None)
         return True
 
     def connect(
@@ -577,8 +577,7 @@ class EngineCore:
             detok.skip_emitted(resume.text_chars_sent)
         self._detokenizers[request_id] = detok
         if namespace is not None:
-            lora_id = self._lora_ids.get(params.lora_name) if params.lora_name is not None else None
-            lora = LoraTag(lora_id, params.lora_name) if lora_id is not None and params.lora_name is not None else None
+            lora = self._lora_tags.get(params.lora_name) if params.lora_name is not None else None
             self.kv.set_namespace(request_id, namespace, lora)
         if program is not None:
             self.policy.merge_remote_service(program)
