@@ -31,6 +31,16 @@ def _require(ok: bool, flag: str, message: str) -> None:
         raise ConfigError(f"--{flag.replace('_', '-')}: {message}")
 
 
+def _json_object(flag: str, text: str) -> dict[str, Any]:
+    """A flag's JSON object (``--speculative-config``'s, say); anything else raises :class:`ConfigError`."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--{flag.replace('_', '-')}: not JSON ({e})") from None
+    _require(isinstance(value, dict), flag, "must be a JSON object")
+    return value
+
+
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_WRITE_POLICIES = ("through", "back", "off")
 KV_EVICTIONS = ("lru", "program")
@@ -114,12 +124,69 @@ class ModelConfig:
         """``hf_overrides`` read: the keys to replace in ``config.json``."""
         if not self.hf_overrides:
             return {}
-        try:
-            value = json.loads(self.hf_overrides)
-        except ValueError as e:
-            raise ConfigError(f"--hf-overrides: not JSON ({e})") from None
-        _require(isinstance(value, dict), "hf_overrides", "must be a JSON object")
-        return value
+        return _json_object("hf_overrides", self.hf_overrides)
+
+
+KV_EVENT_PUBLISHERS = ("zmq", "null")
+KV_EVENT_FORMATS = ("map", "array")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events for KV-aware routers, as vLLM's ``--kv-events-config`` JSON names them (``kv/events.py``,
+    ``kv/event_publisher.py``): with ``enable_kv_cache_events`` and the ``zmq`` publisher, each step's stored and
+    removed blocks go out on a ZMQ PUB socket at ``endpoint`` (bound when it has ``*``, ``::``, ``ipc://`` or
+    ``inproc://``, else connected), under ``topic``; ``replay_endpoint`` (a ROUTER socket) resends the last
+    ``buffer_steps`` batches from a sequence number; ``hwm`` is the PUB socket's high-water mark and
+    ``max_queue_size`` the batches waiting for the publisher thread (beyond it a batch is dropped, not waited for).
+    ``event_format`` (ours): ``map``, each event a tagged map as vLLM sends them since its PR 42892, or ``array``,
+    the tagged arrays of vLLM 0.23 and before."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    event_format: str = "map"
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, text: str) -> KVEventsConfig:
+        """From the flag's JSON object; a bad one raises :class:`ConfigError` naming the key."""
+        spec = _json_object("kv_events_config", text)
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - set(known))
+        _require(not unknown, "kv_events_config", f"unknown keys {unknown}; known: {sorted(known)}")
+        hints = typing.get_type_hints(cls)
+        for key, value in spec.items():
+            want = _base_type(hints[key])
+            ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
+            _require(
+                ok or (value is None and known[key].default is None),
+                "kv_events_config",
+                f"{key} must be {want.__name__}, not {value!r}",
+            )
+        config = cls(**spec)
+        _require(config.publisher in KV_EVENT_PUBLISHERS, "kv_events_config", "publisher must be zmq or null")
+        _require(config.event_format in KV_EVENT_FORMATS, "kv_events_config", "event_format must be map or array")
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            _require(getattr(config, key) > 0, "kv_events_config", f"{key} must be positive")
+        _require(config.endpoint.startswith(_ZMQ_SCHEMES), "kv_events_config", "endpoint must be tcp, ipc or inproc")
+        _require(
+            config.replay_endpoint is None or config.replay_endpoint.startswith(_ZMQ_SCHEMES),
+            "kv_events_config",
+            "replay_endpoint must be tcp, ipc or inproc",
+        )
+        return config
+
+
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 @dataclass(frozen=True)
@@ -183,6 +250,16 @@ class CacheConfig:
             "that drops writes rather than slow a step), back (when they leave host memory) or off (read only)"
         },
     )
+    kv_events_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "KV cache events for KV-aware routers, as vLLM's JSON: '{\"enable_kv_cache_events\": true, "
+            '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\' publishes each '
+            "step's stored and removed blocks in vLLM's wire form on a ZMQ PUB socket (with --instances, instance i "
+            "on the port plus i); keys publisher (zmq or null), buffer_steps, hwm, max_queue_size, event_format (map "
+            "or array) as well"
+        },
+    )
     kv_eviction: str = field(
         default="lru",
         metadata={
@@ -198,6 +275,10 @@ class CacheConfig:
         if self.kv_host_gb is not None:
             return self.kv_host_gb
         return self.swap_space_gb if self.swap_space_gb is not None else 1.0
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        return KVEventsConfig.parse(self.kv_events_config) if self.kv_events_config is not None else None
 
     @property
     def host_caches(self) -> bool:
@@ -224,6 +305,7 @@ class CacheConfig:
         )
         _require(self.kv_disk_gb > 0, "kv_disk_gb", "must be positive")
         _require(self.kv_load_timeout_s > 0, "kv_load_timeout_s", "must be positive")
+        _ = self.kv_events  # a bad --kv-events-config fails here
         _require(self.layerwise_load in ("on", "off"), "layerwise_load", "must be on or off")
         _require(
             self.kv_eviction in KV_EVICTIONS,
@@ -290,12 +372,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
         """From the flag's JSON object; a bad one raises :class:`ConfigError` naming the key."""
-        try:
-            spec = json.loads(text)
-        except ValueError as e:
-            raise ConfigError(f"--speculative-config: not JSON ({e})") from None
-        if not isinstance(spec, dict):
-            raise ConfigError("--speculative-config: must be a JSON object")
+        spec = _json_object("speculative_config", text)
         known = {
             "method",
             "num_speculative_tokens",

@@ -60,7 +60,8 @@ def engine_config(model: str, **kwargs: Any) -> EngineConfig:
     """An :class:`EngineConfig` from flat keyword arguments named as the config fields (and flags)."""
     parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}}
     for key, value in kwargs.items():
-        if key in ("speculative_config", "hf_overrides") and isinstance(value, dict):  # vLLM's: the flag's JSON, a dict
+        # vLLM's: the flag's JSON, a dict
+        if key in ("speculative_config", "hf_overrides", "kv_events_config") and isinstance(value, dict):
             value = json.dumps(value)
         for cls, values in parts.items():
             if key in {f.name for f in dataclasses.fields(cls)}:

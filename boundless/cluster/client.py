@@ -284,14 +284,13 @@ class ClusterClient(DispatcherFrontEnd):
             }
         if cluster.disaggregated:
             setups = role_setups(cluster, self._transport_dir)
-        self.instances: dict[str, Instance] = {
-            iid: Instance(actor_cls.remote(iid, engine, max_waiting, threads, setups[iid], lending=lending_setups[iid]))
-            for iid in roles
-        }
+        # Each instance's KV events go out as its own data-parallel rank, on the endpoint's port plus that (vLLM's).
+        ranks = {iid: rank for rank, iid in enumerate(roles)}
         # What a restart starts again: an actor of the same class, config and role (``_restart``).
         self._start_actor: Callable[[str], object] = lambda iid: actor_cls.remote(
-            iid, engine, max_waiting, threads, setups[iid], lending=lending_setups[iid]
+            iid, engine, max_waiting, threads, setups[iid], lending=lending_setups[iid], events_rank=ranks[iid]
         )
+        self.instances: dict[str, Instance] = {iid: Instance(self._start_actor(iid)) for iid in roles}
         self._starting: dict[str, object] = {}  # instance id -> the actor of its restart, until it is ready
         for inst in self.instances.values():
             inst.info = ray.get(inst.actor.info.remote())

@@ -107,6 +107,7 @@ class EngineInstance:
         role: RoleSetup | None = None,
         loaded: LoadedModel | None = None,
         lending: LendingSetup | None = None,
+        events_rank: int = 0,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
@@ -122,7 +123,7 @@ class EngineInstance:
         storage = self.links.storage
         # With KV lending a request may hold what the other instances lend beside this pool (--lending-request-pools).
         pools = 1.0 if lending is None else served_request_pools(lending.cluster)
-        self.core = EngineCore.from_model(loaded, config, read_link=storage, pools=pools)
+        self.core = EngineCore.from_model(loaded, config, read_link=storage, pools=pools, events_rank=events_rank)
         self.transport = None
         if role is not None:
             spec = EndpointSpec(

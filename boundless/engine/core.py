@@ -34,6 +34,8 @@ from boundless.engine.scheduler import Scheduler, SchedulerOutput
 from boundless.engine.speculative import draft_proposer
 from boundless.engine.structured_output import Grammars, StructuredOutput, check_structured_output
 from boundless.kv.disk_moves import DiskIOStats
+from boundless.kv.event_publisher import ZmqEventPublisher, open_publisher
+from boundless.kv.events import KVEventLog, LoraTag
 from boundless.kv.layer_gate import LayerLost
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.remote_io import DEFAULT_TIMEOUT_S, RemoteIO
@@ -191,6 +193,7 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         policy: SchedulingPolicy | None = None,
         grammars: Grammars | None = None,
+        kv_events: ZmqEventPublisher | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -217,6 +220,11 @@ class EngineCore:
         # Under DE-read the decode engine's push comes counted first and the request runs as its layers land (set
         # alike on every engine of a cluster: both ends of a push must agree on its messages).
         self.kv.layerwise_receive = config.cache.layerwise_load == "on"
+        # KV cache events (--kv-events-config): the pools log the names they give and drop; each step's go to the
+        # publisher after the step (_publish_kv_events). Without a publisher no log is attached and nothing is made.
+        self.kv_events = kv_events
+        if kv_events is not None:
+            self.kv.enable_events(KVEventLog())
         self.scheduler = Scheduler(
             self.kv,
             self.policy,
@@ -227,8 +235,10 @@ class EngineCore:
             proposer=draft_proposer(config.scheduler.speculative),
             max_loras=config.model.max_loras if config.model.enable_lora else None,
         )
-        # Loaded LoRA adapters by name: the fingerprint that names the KV their requests compute.
+        # Loaded LoRA adapters by name: the fingerprint that names the KV their requests compute, and the adapter as
+        # the KV events name it (its id and name).
         self.loras: dict[str, str] = {}
+        self._lora_tags: dict[str, LoraTag] = {}
         # The executor's sampler's grammars (one compilation a spec for both): a structured request waits in its queue
         # while its grammar compiles in the background (``Scheduler.compiling``), as vLLM's requests do.
         self.grammars = grammars
@@ -261,13 +271,18 @@ class EngineCore:
         policy: SchedulingPolicy | None = None,
         read_link: ReadLink | None = None,
         pools: float = 1,
+        events_rank: int = 0,
     ) -> EngineCore:
         """An instance that runs ``loaded`` on its device (its store reads waiting for ``read_link``, an
-        emulated storage link, when given); a request may hold ``pools`` pools' worth of KV (``size_engine``)."""
+        emulated storage link, when given); a request may hold ``pools`` pools' worth of KV (``size_engine``). With
+        --kv-events-config its KV events go out as data-parallel rank ``events_rank`` (on its endpoint's port plus
+        that)."""
         layout = size_engine(config, loaded.arch, loaded.dtype, pools, DeviceMemory.of(loaded.device))
         grammars = Grammars(loaded.tokenizer, loaded.arch.vocab_size)
         executor = build_model_executor(loaded, config, layout, read_link=read_link, grammars=grammars)
-        core = cls(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor, clock, policy, grammars)
+        events = open_publisher(config.cache.kv_events, layout.block_size, events_rank)
+        identity = ModelIdentity.of(loaded)
+        core = cls(config, layout, identity, loaded.tokenizer, executor, clock, policy, grammars, events)
         for i, module in enumerate(config.model.loras, start=1):
             try:
                 core.add_lora(LoRARequest(module.name, i, module.path))
@@ -287,6 +302,7 @@ class EngineCore:
         digest = self.executor.add_lora(lora, self.config.model.max_lora_rank)
         namespace = hashlib.sha256(f"{self.identity.fingerprint}:lora:{digest}".encode()).hexdigest()
         self.loras[lora.lora_name] = namespace[:16]
+        self._lora_tags[lora.lora_name] = LoraTag(lora.lora_int_id, lora.lora_name)
 
     def remove_lora(self, name: str) -> bool:
         """Unload an adapter; False if none has that name. Refused (``LoRAError``) while unfinished requests run with
@@ -298,6 +314,7 @@ class EngineCore:
             raise LoRAError(f"LoRA adapter {name!r} is in use by {users} unfinished requests")
         self.executor.remove_lora(name)
         del self.loras[name]
+        self._lora_tags.pop(name, None)
         return True
 
     def connect(
@@ -573,7 +590,8 @@ class EngineCore:
             detok.skip_emitted(resume.text_chars_sent)
         self._detokenizers[request_id] = detok
         if namespace is not None:
-            self.kv.set_namespace(request_id, namespace)
+            lora = self._lora_tags.get(params.lora_name) if params.lora_name is not None else None
+            self.kv.set_namespace(request_id, namespace, lora)
         if program is not None:
             self.policy.merge_remote_service(program)
         self.counters.prompt_tokens += len(prompt_token_ids)
@@ -609,6 +627,9 @@ class EngineCore:
         self.executor.close()
         if self.grammars is not None:
             self.grammars.close()
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.close()
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -822,7 +843,15 @@ class EngineCore:
                     prompt_logprobs=self._take_prompt_logprobs(request),
                 )
             )
+        if self.kv_events is not None:
+            self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Hand the KV events since the last batch to the publisher, as one batch (a step's), if there are any."""
+        assert self.kv_events is not None and self.kv.events is not None
+        if self.kv.events.events:
+            self.kv_events.publish(self.kv.events.take())
 
     def _apply_prompt_scores(self, scores: dict[str, PromptScores]) -> None:
         """Append the prompt tokens a step scored to their requests' prompt logprobs (those aborted meanwhile, or
@@ -852,6 +881,8 @@ class EngineCore:
                 deltas.append(
                     RequestDelta(request_id, [], "", [], finished=True, finish_reason="error", stop_reason=reason)
                 )
+        if self.kv_events is not None:
+            self._publish_kv_events()
         return deltas
 
     def _refit_prefill_time(self) -> None:
@@ -934,6 +965,8 @@ class EngineCore:
     @torch.inference_mode()
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self._publish_kv_events()
 
 
 def _apply_tokens(

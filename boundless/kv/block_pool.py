@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from boundless.kv.block_hash import BlockHash
+from boundless.kv.events import MEDIUM_DEVICE, KVEventLog, LoraTag
 from boundless.kv.eviction import EvictionOrder, LRUOrder
 
 
@@ -63,6 +64,7 @@ class BlockPool:
         enable_caching: bool = True,
         on_evict: EvictionHook | None = None,
         order: OrderFactory = LRUOrder,
+        medium: str = MEDIUM_DEVICE,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
@@ -76,6 +78,10 @@ class BlockPool:
         self._free: EvictionOrder = order(range(num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
         self.stats = BlockPoolStats()
+        # Where names given and dropped are told (``kv/events.py``), as the tier ``medium``; None: nowhere, and no
+        # event is made.
+        self.events: KVEventLog | None = None
+        self.medium = medium
 
     @property
     def num_free(self) -> int:
@@ -168,8 +174,11 @@ class BlockPool:
             if left == 0:
                 add(block.block_id, block.block_hash is not None)  # named
 
-    def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Name a full block so later requests can share it."""
+    def cache(
+        self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int], parent: BlockHash | None = None
+    ) -> None:
+        """Name a full block so later requests can share it (``parent``: the name of the block before it, for the
+        events)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self._cached:
@@ -178,6 +187,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(self.medium, (block_hash,), parent, (block.token_ids,))
 
     def cache_run(
         self,
@@ -185,24 +196,50 @@ class BlockPool:
         hashes: Sequence[BlockHash],
         block_tokens: Sequence[tuple[int, ...]],
         first: int,
+        lora: LoraTag | None = None,
     ) -> None:
         """Name a run of full blocks: ``blocks[j]`` is block ``i = first + j`` of a token sequence, named ``hashes[i]``,
         with tokens ``block_tokens[i]`` (kept as they are: the tuple is shared); :meth:`cache` of each in turn (a
-        request's new full blocks in one call)."""
+        request's new full blocks in one call; ``lora``: the adapter that computes them, for the events)."""
         if not self.enable_caching:
             return
         cached, i = self._cached, first
+        named: list[int] | None = [] if self.events is not None else None
         for block in blocks:
             name = hashes[i]
             if block.block_hash is None and name not in cached:
                 block.block_hash = name
                 block.token_ids = block_tokens[i]
                 cached[name] = block
+                if named is not None:
+                    named.append(i)
             i += 1
+        if named:
+            self._report_runs(named, hashes, block_tokens, lora)
+
+    def _report_runs(
+        self,
+        named: list[int],
+        hashes: Sequence[BlockHash],
+        block_tokens: Sequence[tuple[int, ...]],
+        lora: LoraTag | None,
+    ) -> None:
+        """One stored event per run of consecutive blocks named (a block another already holds breaks a run)."""
+        assert self.events is not None
+        start = prev = named[0]
+        for i in [*named[1:], -1]:
+            if i != prev + 1:
+                parent = hashes[start - 1] if start > 0 else None
+                self.events.stored(self.medium, hashes[start : prev + 1], parent, block_tokens[start : prev + 1], lora)
+                start = i
+            prev = i
 
     def reset_prefix_cache(self) -> None:
+        """Drop every name (told as one ``AllBlocksCleared`` by the cache manager, not block by block)."""
+        events, self.events = self.events, None
         for block in list(self._cached.values()):
             self._evict(block)
+        self.events = events
 
     def uncache(self, blocks: Iterable[KVBlock]) -> None:
         """Drop these blocks' names (those that have one), so no lookup finds them again."""
@@ -213,6 +250,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]
+        if self.events is not None:
+            self.events.removed(self.medium, block.block_hash)
         block.block_hash = None
         block.token_ids = None
         self.stats.evictions += 1

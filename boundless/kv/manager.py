@@ -24,6 +24,7 @@ from boundless.attention.backend import RemoteKV
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
 from boundless.kv.block_pool import BlockPool, KVBlock, find_held, find_run
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone
+from boundless.kv.events import MEDIUM_HOST, KVEventLog, LoraTag
 from boundless.kv.eviction import FINISHED, ProgramKeys, ProgramRanking, order_factory
 from boundless.kv.remote_moves import RemoteRecv, RemoteRecvCount, RemoteRecvDone, RemoteSendDone
 from boundless.kv.transfer import DEVICE, DISK, HOST, PEER, BlockRef, BlockTransfer, TierId
@@ -199,6 +200,7 @@ class KVCacheManager:
                 enable_caching=enable_prefix_caching and host_caching,
                 on_evict=self._demote_from_host,
                 order=order,
+                medium=MEDIUM_HOST,
             )
         # Where a prefix is looked for: each block on the device, else in host memory.
         self._memory_tiers = [t for t in (DEVICE, HOST) if t in self.pools]
@@ -272,6 +274,8 @@ class KVCacheManager:
         # Which program each request belongs to: the owner of the blocks it takes (program-aware eviction).
         self._programs: dict[str, str] = {}
         self._namespaces: dict[str, str] = {}  # request id -> the fingerprint naming its blocks (``set_namespace``)
+        self._loras: dict[str, LoraTag] = {}  # request id -> the adapter computing its KV (for the events)
+        self.events: KVEventLog | None = None  # where the pools tell the names they give and drop (enable_events)
         # Program-aware eviction on disk: the names each followed program's requests used, and how many followed
         # programs used each name; a name no program still alive uses is aged in the store (it goes first).
         self._disk_keys = ProgramKeys(ranking) if ranking is not None and self.has_disk else None
@@ -285,16 +289,25 @@ class KVCacheManager:
         finished programs (no later call can be known to need them), LRU among them."""
         self._programs[request_id] = program_id
 
-    def set_namespace(self, request_id: str, fingerprint: str) -> None:
+    def set_namespace(self, request_id: str, fingerprint: str, lora: LoraTag | None = None) -> None:
         """Name the request's blocks with ``fingerprint`` instead of the model's (until :meth:`end_request`): KV
-        computed with other weights (a LoRA adapter's) is shared only among requests with the same."""
+        computed with other weights (a LoRA adapter's, ``lora``) is shared only among requests with the same."""
         self._namespaces[request_id] = fingerprint
+        if lora is not None:
+            self._loras[request_id] = lora
+
+    def enable_events(self, log: KVEventLog) -> None:
+        """Tell ``log`` every name the memory tiers give and drop from now on, and each reset (``kv/events.py``)."""
+        self.events = log
+        for pool in self.pools.values():
+            pool.events = log
 
     def end_request(self, request_id: str) -> None:
         """The request is done (finished or aborted): free its blocks and forget its program."""
         self.free(request_id)
         self._programs.pop(request_id, None)
         self._namespaces.pop(request_id, None)
+        self._loras.pop(request_id, None)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -372,7 +385,8 @@ class KVCacheManager:
         bs = self.block_size
         hashes = self.block_hashes(request_id, token_ids[: len(block_ids) * bs])
         for i, block_id in enumerate(block_ids):
-            self.pool.cache(self.pool.blocks[block_id], hashes[i], token_ids[i * bs : (i + 1) * bs])
+            parent = hashes[i - 1] if i > 0 else None
+            self.pool.cache(self.pool.blocks[block_id], hashes[i], token_ids[i * bs : (i + 1) * bs], parent)
 
     def num_allocated_blocks(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
@@ -531,6 +545,8 @@ class KVCacheManager:
         for pool in self.pools.values():
             pool.reset_prefix_cache()
         self._origins.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     # -- moves between tiers ------------------------------------------------------------------
 
@@ -680,7 +696,8 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(request_id, token_ids, num_full * self.block_size)
         blocks = table[start - first : num_full - first]
-        self.pool.cache_run(blocks, hashes, self._block_tokens(request_id, token_ids, num_full), start)
+        lora = self._loras.get(request_id) if self._loras else None
+        self.pool.cache_run(blocks, hashes, self._block_tokens(request_id, token_ids, num_full), start, lora)
         if self.write_policy == "through":
             for i, block in enumerate(blocks, start):
                 if block.block_hash == hashes[i]:

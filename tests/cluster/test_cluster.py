@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgpack
 import openai
 import pytest
+import zmq
 from one_engine import one_engine_texts
 from streams import kill_once_started, stream_all
 
@@ -26,8 +29,11 @@ THRESHOLD = 48  # tokens: longer calls are "long" and stay on their program's in
 POISON_SEED = 4242  # a request with this seed makes an instance's add raise (the instances' test hook)
 
 
-def _cluster(model_dir: Path) -> ClusterClient:
-    config = engine_config(str(model_dir), max_model_len=1024, kv_cache_gb=0.05)
+def _cluster(model_dir: Path, kv_events_port: int | None = None) -> ClusterClient:
+    # With a port, each instance publishes its KV events on it plus its index (vLLM's data-parallel rule).
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_events_port}", "topic": "kv"}
+    kv_events = {"kv_events_config": events} if kv_events_port is not None else {}
+    config = engine_config(str(model_dir), max_model_len=1024, kv_cache_gb=0.05, **kv_events)
     # A generous heartbeat timeout: on a loaded 2-core machine a slow heartbeat must not pass for
     # a death. A killed process is still found at once, by its failing poll. No restarts: a lost instance stays
     # lost here (tests/cluster/test_cluster_restart.py restarts one).
@@ -52,8 +58,40 @@ def ray_session() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dirs: dict[str, Path], ray_session: None) -> Iterator[tuple[ClusterClient, ServerThread]]:
-    client = _cluster(model_dirs["tiny-llama"])
+def kv_subscribers() -> Iterator[list[zmq.Socket]]:
+    """Two SUB sockets on 127.0.0.1, connected to consecutive ports: instance ``i`` binds the ``i``-th. (Subscribers
+    that bind, before Ray starts, hear nothing: Ray's processes inherit their listening sockets.)"""
+    port = _two_free_ports()
+    ctx = zmq.Context()
+    subs = [ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)]
+    for i, sub in enumerate(subs):
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(f"tcp://127.0.0.1:{port + i}")
+    yield subs
+    for sub in subs:
+        sub.close(0)
+    ctx.term()
+
+
+def _two_free_ports() -> int:
+    """A port of 127.0.0.1 free, as is the one after it."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    model_dirs: dict[str, Path], ray_session: None, kv_subscribers: list[zmq.Socket]
+) -> Iterator[tuple[ClusterClient, ServerThread]]:
+    port = int(kv_subscribers[0].getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+    client = _cluster(model_dirs["tiny-llama"], port)
     server = start_in_thread(client, "tiny")
     yield client, server
     server.stop()
@@ -107,6 +145,27 @@ def test_long_calls_stay_home_short_calls_spread_outputs_match(
     metrics = httpx.get(server.url + "/metrics").text
     assert 'boundless_generation_tokens_total{instance="0"}' in metrics
     assert 'boundless_generation_tokens_total{instance="1"}' in metrics
+
+
+def test_each_instance_publishes_its_kv_events_on_its_own_port(
+    cluster: tuple[ClusterClient, ServerThread], kv_subscribers: list[zmq.Socket]
+) -> None:
+    """--kv-events-config with --instances: the instance that served a prompt stores its blocks on its own port, its
+    batches saying its rank."""
+    _, server = cluster
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    prompt = [(13 * j) % 250 + 7 for j in range(64)]  # four full blocks, of no other test
+    r = api.completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+    )
+    rank = int(r.system_fingerprint.removeprefix("boundless-"))
+    sub, found = kv_subscribers[rank], []
+    while not found and sub.poll(5000):  # (earlier tests' batches come first)
+        _, _, payload = sub.recv_multipart()
+        _, events, batch_rank = msgpack.unpackb(payload)
+        assert batch_rank == rank
+        found = [e for e in events if e["type"] == "BlockStored" and e["token_ids"] == prompt]
+    assert len(found) == 1 and len(found[0]["block_hashes"]) == 4 and found[0]["parent_block_hash"] is None
 
 
 def test_a_request_that_fails_in_add_fails_alone(cluster: tuple[ClusterClient, ServerThread]) -> None:
