@@ -281,13 +281,18 @@ class EngineCore:
         grammars = Grammars(loaded.tokenizer, loaded.arch.vocab_size)
         executor = build_model_executor(loaded, config, layout, read_link=read_link, grammars=grammars)
         events = open_publisher(config.cache.kv_events, layout.block_size, events_rank)
-        identity = ModelIdentity.of(loaded)
-        core = cls(config, layout, identity, loaded.tokenizer, executor, clock, policy, grammars, events)
-        for i, module in enumerate(config.model.loras, start=1):
-            try:
-                core.add_lora(LoRARequest(module.name, i, module.path))
-            except LoRAError as e:  # at start-up: the flag's fault, said as such
-                raise ConfigError(f"--lora-modules: {e}") from None
+        try:
+            identity = ModelIdentity.of(loaded)
+            core = cls(config, layout, identity, loaded.tokenizer, executor, clock, policy, grammars, events)
+            for i, module in enumerate(config.model.loras, start=1):
+                try:
+                    core.add_lora(LoRARequest(module.name, i, module.path))
+                except LoRAError as e:  # at start-up: the flag's fault, said as such
+                    raise ConfigError(f"--lora-modules: {e}") from None
+        except BaseException:
+            if events is not None:  # (its thread and bound sockets would outlive the engine never made)
+                events.close()
+            raise
         return core
 
     # -- LoRA adapters -----------------------------------------------------------------------
