@@ -1240,13 +1240,14 @@ class OpenAIServer:
 
     def chat_logprobs(self, tokens: list[SampledToken], as_ids: bool = False) -> list[dict[str, Any]]:
         """Tokens' logprobs in the chat API's shape (each with its ``top_logprobs``); ``as_ids``: each token named by
-        its id (:meth:`_token_text`), its ``bytes`` those of the name, as vLLM's."""
+        its id (:meth:`_token_text`), as vLLM's: a sampled token's ``bytes`` still its text's (what a client joins
+        into the text, a character split across tokens too), an alternative's those of its name."""
         out = []
         for t in tokens:
-            text = self._token_text(t.token_id, as_ids)
+            text = self._token_text(t.token_id)
             out.append(
                 {
-                    "token": text,
+                    "token": self._token_text(t.token_id, as_ids) if as_ids else text,
                     "logprob": t.logprob,
                     "bytes": list(text.encode()),
                     "top_logprobs": [

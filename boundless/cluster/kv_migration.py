@@ -71,6 +71,11 @@ def migrate_request(
     except TransportError:
         kv_dst.free_unowned(dst_ids)  # nothing was named there: the request runs on where it was
         return None
+    # Named as the request names its blocks there (its adapter's, its cache salt's fingerprint), set before the first
+    # name: its hashes are kept from then on, and a block under the model's own names is any request's prefix.
+    namespace = dst.core.kv_namespace(request.sampling_params)
+    if namespace is not None:
+        kv_dst.set_namespace(request_id, namespace)
     kv_dst.name_unowned(request_id, dst_ids, tokens)
     kv_dst.free_unowned(dst_ids)  # cached and free: the request's admission below takes them as its prefix
     resume = Resume(tuple(request.output_token_ids), text_chars_sent=0)

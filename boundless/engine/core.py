@@ -281,13 +281,18 @@ class EngineCore:
         grammars = Grammars(loaded.tokenizer, loaded.arch.vocab_size)
         executor = build_model_executor(loaded, config, layout, read_link=read_link, grammars=grammars)
         events = open_publisher(config.cache.kv_events, layout.block_size, events_rank)
-        identity = ModelIdentity.of(loaded)
-        core = cls(config, layout, identity, loaded.tokenizer, executor, clock, policy, grammars, events)
-        for i, module in enumerate(config.model.loras, start=1):
-            try:
-                core.add_lora(LoRARequest(module.name, i, module.path))
-            except LoRAError as e:  # at start-up: the flag's fault, said as such
-                raise ConfigError(f"--lora-modules: {e}") from None
+        try:
+            identity = ModelIdentity.of(loaded)
+            core = cls(config, layout, identity, loaded.tokenizer, executor, clock, policy, grammars, events)
+            for i, module in enumerate(config.model.loras, start=1):
+                try:
+                    core.add_lora(LoRARequest(module.name, i, module.path))
+                except LoRAError as e:  # at start-up: the flag's fault, said as such
+                    raise ConfigError(f"--lora-modules: {e}") from None
+        except BaseException:
+            if events is not None:  # (its thread and bound sockets would outlive the engine never made)
+                events.close()
+            raise
         return core
 
     # -- LoRA adapters -----------------------------------------------------------------------
@@ -351,7 +356,7 @@ class EngineCore:
         engine (``engine/handoff.py``)."""
         request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, resume)
         request.handoff = handoff
-        self._claim_prefetch(request_id)
+        self._claim_prefetch(request_id, params)
         if handoff is not None and handoff.recv_blocks > 0:  # DE-read: the decode engine pushes what this one lacks
             prompt = request.prompt_token_ids
             if handoff.recv_from > 0:
@@ -419,9 +424,15 @@ class EngineCore:
         if self._prefetches.pop(request_id, None) is not None:
             self.kv.drop_prefetch(request_id)
 
-    def _claim_prefetch(self, request_id: str) -> None:
+    def _claim_prefetch(self, request_id: str, params: SamplingParams) -> None:
         if self._prefetches.pop(request_id, None) is not None:
-            self.kv.claim_prefetch(request_id)
+            if self.kv_namespace(params) is None:
+                self.kv.claim_prefetch(request_id)
+            else:
+                # Read ahead under the model's names (the prefetch knows no parameters), but the request names its KV
+                # under its adapter's or cache salt's: none of it is the request's, and the names the read kept for the
+                # request id would name its blocks as the model's. Let go, as cache.
+                self.kv.drop_prefetch(request_id)
 
     def kv_namespace(self, params: SamplingParams) -> str | None:
         """The fingerprint that names the KV a request with ``params`` computes, when it is not the model's: its LoRA
@@ -463,7 +474,7 @@ class EngineCore:
         request = self._new_request(request_id, prompt_token_ids, params, arrival_time, program, None)
         request.awaiting_resume = True
         request.prompt_logprobs = None  # its prefill engine scores the prompt (its first delta carries them)
-        self._claim_prefetch(request_id)
+        self._claim_prefetch(request_id, params)
         # Its first token comes after the PE's queue, prefill and stream, each stream bounded by the timeout.
         self._awaiting[request_id] = self.clock() + 2 * self.handoff_timeout_s
         prompt = request.prompt_token_ids

@@ -350,9 +350,9 @@ class Sampler:
         """The logits to sample from: tokens outside ``allowed_token_ids`` forbidden, logit biases added, then
         penalties (vLLM's order), early stops, the tokens bad words ban (``word_bans``: row, token) and those the
         grammar does not allow forbidden, and ``forced`` rows (row, token) held to their token. A copy if any of them
-        applies to a row. A row left with no token (a grammar's dead end; allowed tokens all forbidden) is held to its
-        request's end token: a request that can take nothing ends (a row of no token fails to draw, and with it the
-        step)."""
+        applies to a row. A row left with no token (a grammar's dead end; allowed tokens all forbidden; a grammar's
+        tokens all banned by bad words) is held to its request's end token: a request that can take nothing ends (a
+        row of no token fails to draw, and with it the step)."""
         banned_rows, banned_ids = [row for row, _ in word_bans], [token for _, token in word_bans]
         bias_rows, bias_ids, biases, allowed_rows = [], [], [], []
         for i, c in enumerate(chunks):
@@ -389,9 +389,19 @@ class Sampler:
             # A grammar at a dead end allows nothing: the request's end token ends it alone (GrammarMatcher).
             rows, matchers, drafts = zip(*structured, strict=True)
             dead_ends += mask_logits(logits, list(rows), list(matchers), drafts)
-        if allowed_rows:  # (its tokens all forbidden: by min_tokens, bad words or a grammar)
-            empty = torch.isneginf(logits[allowed_index]).all(dim=-1).nonzero().flatten().tolist()
-            dead_ends += [allowed_rows[j] for j in empty]
+        # Rows whose masks together leave no token: allowed tokens all forbidden (by min_tokens, bad words or a
+        # grammar), or a grammar's every token banned by bad words (a vocabulary less a few banned tokens is never
+        # empty). A grammar's is a dead end it is told of, so that it takes the end token.
+        places = {first + k: (m, k) for first, m, d in structured for k in range(len(d) + 1)}
+        masked = sorted({*allowed_rows, *(row for row in banned_rows if row in places)})
+        if masked:
+            empty = torch.isneginf(logits[torch.tensor(masked, device=device)]).all(dim=-1).nonzero().flatten()
+            empty_rows = [masked[j] for j in empty.tolist()]
+            dead_ends += empty_rows
+            for row in empty_rows:
+                if row in places:
+                    matcher, k = places[row]
+                    matcher.allowed_nothing(k)
         held = {row for row, _ in forced}
         for row in dict.fromkeys(r for r in dead_ends if r not in held):
             forced = [*forced, (row, chunks[row].eos_token_ids[0] if chunks[row].eos_token_ids else 0)]

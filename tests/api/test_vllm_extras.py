@@ -79,11 +79,13 @@ def test_chat_logprobs_name_tokens_by_id_streamed_or_not_and_prompt_logprobs_kee
     r = client.chat.completions.create(**ask, extra_body={"return_tokens_as_token_ids": True, "prompt_logprobs": 1})
     content = r.choices[0].logprobs.content
     ids = _ids([t.token for t in content])
-    assert all(t.bytes == list(t.token.encode()) for t in content)  # (vLLM's: the bytes of the name)
+    # vLLM's: a sampled token's bytes are its text's (the client's way to the text), an alternative's its name's.
+    assert all(alt.bytes == list(alt.token.encode()) for t in content for alt in t.top_logprobs)
     assert all(_ids([alt.token for alt in t.top_logprobs]) for t in content)
     plain = client.chat.completions.create(**ask).choices[0]
     texts = [t.token for t in plain.logprobs.content]
     assert "".join(texts) == plain.message.content and len(texts) == len(ids)
+    assert [t.bytes for t in content] == [t.bytes for t in plain.logprobs.content]
     prompt_logprobs = r.model_dump()["prompt_logprobs"]  # (vLLM leaves them as they are: keyed by id, with text)
     assert not any(e["decoded_token"].startswith("token_id:") for entry in prompt_logprobs[1:] for e in entry.values())
     streamed = []

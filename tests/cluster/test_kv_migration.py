@@ -4,7 +4,10 @@ engine's that ran it throughout."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+
+import pytest
 
 from boundless.cluster.kv_migration import Endpoint, migrate_request
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -37,17 +40,21 @@ def _run(core: EngineCore, tokens: dict[str, list[int]], steps: int | None = Non
         n += 1
 
 
-def test_migrated_request_continues_from_its_moved_blocks(tiny_llama, tmp_path: Path) -> None:
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_migrated_request_continues_from_its_moved_blocks(tiny_llama, tmp_path: Path, salt: str | None) -> None:
+    """With a ``cache_salt`` too: the moved blocks are named there under the salt, as the request's own admission
+    looks them up, and a request without it finds none of them."""
     want: dict[str, list[int]] = {}
     one = _engine(tiny_llama)
-    one.add_request("r", PROMPT, PARAMS)
+    params = dataclasses.replace(PARAMS, cache_salt=salt)
+    one.add_request("r", PROMPT, params)
     _run(one, want)
 
     src = Endpoint(_engine(tiny_llama), ShmTransport(tmp_path, "a", timeout_s=10))
     dst = Endpoint(_engine(tiny_llama), ShmTransport(tmp_path, "b", timeout_s=10))
     try:
         got: dict[str, list[int]] = {}
-        src.core.add_request("r", PROMPT, PARAMS)
+        src.core.add_request("r", PROMPT, params)
         _run(src.core, got, steps=6)  # 4 prefill chunks and 2 decodes: 102 tokens, 6 full blocks computed
         assert len(got["r"]) == 3
         moved = migrate_request(src, dst, "r")
@@ -63,6 +70,8 @@ def test_migrated_request_continues_from_its_moved_blocks(tiny_llama, tmp_path: 
         got["r"] += [t for d in deltas for t in d.new_token_ids]
         assert deltas[0].num_cached_tokens == 6 * 16  # admitted on the moved blocks, only the tail computed
         assert got["r"] == want["r"]
+        assert dst.core.memory_prefix_blocks(PROMPT, params) == 6
+        assert dst.core.memory_prefix_blocks(PROMPT, PARAMS) == (6 if salt is None else 0)  # (another tenant's)
     finally:
         src.transport.close()
         dst.transport.close()

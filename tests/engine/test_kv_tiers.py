@@ -8,6 +8,7 @@ until the persistent store (``kv/disk_store.py``) lands; it plugs in behind the 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -436,6 +437,25 @@ def test_a_context_read_ahead_for_a_call_not_here_yet_is_what_the_call_uses_and_
     assert stats.kv_tiers[DISK].hit_tokens == 64 and stats.kv_tiers[DISK].reloaded_blocks == 0
     assert stats.kv_tiers[DISK].recomputed_blocks == {} and not core.has_work()
     assert core.kv.pools[HOST].num_used == 0  # admitted: the hold went with it
+
+
+def test_a_read_ahead_for_a_call_that_comes_with_a_cache_salt_is_not_its_and_names_nothing_of_it(
+    tiny_llama: LoadedModel, dict_store: type, tmp_path: Path
+) -> None:
+    """The dispatcher reads ahead knowing only the prompt: under the model's names. A call that comes with a
+    ``cache_salt`` (or a LoRA adapter) names its KV under another fingerprint: it reuses nothing read ahead, and its
+    own blocks are named under its salt, not the model's (the names kept for the read were the request id's)."""
+    core = _disk_engine(tiny_llama, dict_store(), tmp_path)
+    prompt = [(17 * j) % 300 + 3 for j in range(70)]
+    cold = _stored_then_forgotten(core, prompt)
+    assert core.prefetch("call", prompt) == 4
+    _until(core, lambda: core.kv.num_reads_in_flight == 0 and len(core.kv.memory_prefix(None, prompt, 4)) == 4)
+    salted = dataclasses.replace(PARAMS, cache_salt="tenant-a")
+    core.add_request("call", prompt, salted)
+    assert _tokens(core, "call", {}) == cold
+    assert core.memory_prefix_blocks(prompt, salted) == 4  # its own blocks, under its salt
+    assert core.stats().kv_tiers[DISK].hit_tokens == 0  # nothing of the model's read ahead was its
+    assert core.kv.pools[HOST].num_used == 0 and not core.has_work()  # the read ahead is cache, held by nothing
 
 
 def test_a_read_ahead_whose_call_is_dropped_or_never_comes_leaves_only_cache(

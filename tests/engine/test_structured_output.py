@@ -214,6 +214,33 @@ def test_a_grammar_at_a_dead_end_ends_its_request_alone(tiny_llama: LoadedModel,
     assert together["greedy-dead"] == ("a", "stop") and together["sampled-dead"] == ("a", "stop")
 
 
+@pytest.mark.parametrize("speculative", [None, '{"method": "ngram", "num_speculative_tokens": 3}'])
+def test_a_grammar_that_allowed_tokens_or_bad_words_leave_nothing_ends_its_request_alone(
+    tiny_llama: LoadedModel, speculative: str | None
+) -> None:
+    """``allowed_token_ids`` none of which the grammar allows, or ``bad_words`` that ban the one token it allows: the
+    row has no token left, so the request takes its end token and ends (the grammar told of the dead end), and the
+    requests stepping beside it are served as if it were not there; before, the grammar refused the end token (or the
+    row of no token failed to draw) and the step failed with every request in it."""
+    tokenizer = tiny_llama.tokenizer
+    prompt = tokenizer.encode("Say something.")
+    others = {
+        "greedy": (prompt, SamplingParams(temperature=0.0, max_tokens=12)),
+        "sampled": (prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=12)),
+    }
+    alone = _run(_engine(tiny_llama, speculative=speculative), others)
+    letter_a = StructuredOutput("regex", "a")
+    masked = {
+        "allowed": SamplingParams(temperature=0.0, structured=letter_a, allowed_token_ids=tokenizer.encode("xyz")),
+        "bad-words": SamplingParams(temperature=1.0, seed=1, structured=letter_a, bad_words=["a"]),
+    }
+    together = _run(
+        _engine(tiny_llama, speculative=speculative), others | {rid: (prompt, p) for rid, p in masked.items()}
+    )
+    assert {rid: together[rid] for rid in others} == alone
+    assert together["allowed"] == ("", "stop") and together["bad-words"] == ("", "stop")
+
+
 @pytest.mark.parametrize(
     ("spec", "valid"),
     [

@@ -299,6 +299,18 @@ def test_a_full_queue_drops_batches_and_their_numbers_show_the_gap(sub: Subscrib
         publisher.close()
 
 
+def test_an_engine_that_fails_to_start_lets_its_endpoints_go(
+    tiny_llama: LoadedModel, sub: Subscriber, tmp_path: Path
+) -> None:
+    """An adapter of --lora-modules that does not load fails the start after the publisher bound its replay socket:
+    the publisher is closed with it, so the same config, fixed, starts in the same process (as a notebook retries)."""
+    cache = CacheConfig(num_kv_blocks=64, kv_events_config=sub.config())
+    broken = ModelConfig(max_model_len=512, enable_lora=True, lora_modules=(f"sql={tmp_path}",))
+    with pytest.raises(ConfigError, match="lora-modules"):
+        EngineCore.from_model(tiny_llama, EngineConfig(model=broken, cache=cache))
+    EngineCore.from_model(tiny_llama, EngineConfig(model=ModelConfig(max_model_len=512), cache=cache)).close()
+
+
 def test_events_off_make_nothing(tiny_llama: LoadedModel) -> None:
     for off in (None, '{"enable_kv_cache_events": false}', '{"enable_kv_cache_events": true, "publisher": "null"}'):
         core = _engine(tiny_llama, off, host_gb=0.01)
