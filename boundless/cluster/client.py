@@ -265,7 +265,10 @@ class ClusterClient(DispatcherFrontEnd):
         self.engine_config = engine
         self.config = cluster
         if not ray.is_initialized():
-            ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            # log_to_driver: the engines' warnings and errors (a store file failing its checks, writes off on a full
+            # disk, a failed step) show in the server's output, each line under its actor's pid, as a single engine's
+            # server prints them; without it they stayed in Ray's session files, unseen.
+            ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=True, configure_logging=False)
         gpu = engine.model.device.startswith("cuda")
         roles = _roles(cluster)
         threads = None if gpu else max(1, _local_cpus() // len(roles))

@@ -198,3 +198,28 @@ def test_killing_an_instance_mid_stream_loses_nothing(
     finally:
         server.stop()
         client.shutdown()
+
+
+def test_an_instances_warnings_reach_the_servers_output(
+    cluster: tuple[ClusterClient, ServerThread], capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The engines' own reports of their faults (a store file failing its checks, writes off on a full disk, a step
+    # that failed) are log lines in their processes; Ray kept them in its session's files, so an operator of a
+    # cluster saw none of them where a single engine's server prints them.
+    import ray
+
+    def warn_in_instance(instance: object, message: str) -> None:  # in the instance's process (pickled by value)
+        import logging
+
+        logging.getLogger("boundless.kv.disk_store").warning(message)
+
+    client, _ = cluster
+    message = f"store fault seen by the operator {os.getpid()}"
+    ray.get(client.instances["0"].actor.__ray_call__.remote(warn_in_instance, message), timeout=30)
+    seen = ""
+    deadline = time.monotonic() + 20  # Ray's log monitor forwards a worker's lines within about a second
+    while message not in seen and time.monotonic() < deadline:
+        time.sleep(0.2)
+        out, err = capfd.readouterr()
+        seen += out + err
+    assert message in seen
