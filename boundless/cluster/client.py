@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -56,7 +57,7 @@ from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
 from boundless.cluster.restarts import Restart, RestartPolicy
 from boundless.cluster.routing import Router
 from boundless.cluster.stuck_step import stuck_step
-from boundless.config import ClusterConfig, EngineConfig
+from boundless.config import ClusterConfig, ConfigError, EngineConfig
 from boundless.engine.async_engine import EngineDeadError, QueueFullError, RequestStream, StreamRegistry
 from boundless.engine.core import EngineStats, RequestDelta
 from boundless.engine.errors import NO_ROOM_AFTER_FAILOVER, InvalidRequestError
@@ -253,6 +254,14 @@ class DispatcherFrontEnd:
         raise NotImplementedError
 
 
+def _config_error(error: Exception) -> ConfigError | None:
+    """The configuration error an actor's start-up raised (a KV pool too small for ``--max-model-len``, say), as the
+    one line a single engine's server gives, where Ray's error held it at the end of the actor's traceback; None for
+    any other failure. Ray keeps only the text of an actor's start-up error."""
+    found = re.findall(r"^boundless\.[\w.]+\.(?:ConfigError|ModelNotFoundError): (.+)$", str(error), re.MULTILINE)
+    return ConfigError(found[-1]) if found else None
+
+
 class ClusterClient(DispatcherFrontEnd):
     """N engine instances as Ray actors behind one dispatcher; or P prefill and D decode engines."""
 
@@ -296,8 +305,16 @@ class ClusterClient(DispatcherFrontEnd):
             iid, engine, max_waiting, threads, setups[iid], lending=lending_setups[iid]
         )
         self._starting: dict[str, object] = {}  # instance id -> the actor of its restart, until it is ready
-        for inst in self.instances.values():
-            inst.info = ray.get(inst.actor.info.remote())
+        try:
+            for inst in self.instances.values():
+                inst.info = ray.get(inst.actor.info.remote())
+        except ray.exceptions.RayActorError as e:
+            for inst in self.instances.values():
+                ray.kill(inst.actor)
+            config_error = _config_error(e)
+            if config_error is None:
+                raise
+            raise config_error from None
         self.lending = self._connect_lending(cluster) if cluster.kv_lending == "on" else None
         self.tokenizer = load_tokenizer(model_path)
         self.max_model_len = min(i.info.max_model_len for i in self.instances.values() if i.info)

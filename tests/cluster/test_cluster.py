@@ -17,7 +17,7 @@ from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
 from boundless.cluster.client import ClusterClient
 from boundless.cluster.instance import FAIL_ADD_SEED_ENV
-from boundless.config import ClusterConfig
+from boundless.config import ClusterConfig, ConfigError
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
 
@@ -223,3 +223,15 @@ def test_an_instances_warnings_reach_the_servers_output(
         out, err = capfd.readouterr()
         seen += out + err
     assert message in seen
+
+
+def test_a_config_an_instance_refuses_is_one_clear_error(
+    cluster: tuple[ClusterClient, ServerThread], model_dirs: dict[str, Path]
+) -> None:
+    # Checked where the model is loaded, in each actor: the server stopped with Ray's error, the actor's whole
+    # traceback, where a single engine's server gives the one line (`boundless: --max-model-len: ...`).
+    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=1024, num_kv_blocks=8)
+    with pytest.raises(ConfigError) as refused:
+        ClusterClient(config, ClusterConfig(instances=2, max_restarts=0))
+    assert str(refused.value).startswith("--max-model-len: 1024 tokens do not fit in the KV pool (128 tokens)")
+    assert "Traceback" not in str(refused.value)
