@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -56,7 +57,7 @@ from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
 from boundless.cluster.restarts import Restart, RestartPolicy
 from boundless.cluster.routing import Router
 from boundless.cluster.stuck_step import stuck_step
-from boundless.config import ClusterConfig, EngineConfig
+from boundless.config import ClusterConfig, ConfigError, EngineConfig
 from boundless.engine.async_engine import EngineDeadError, QueueFullError, RequestStream, StreamRegistry
 from boundless.engine.core import EngineStats, RequestDelta
 from boundless.engine.errors import NO_ROOM_AFTER_FAILOVER, InvalidRequestError
@@ -253,6 +254,14 @@ class DispatcherFrontEnd:
         raise NotImplementedError
 
 
+def _config_error(error: Exception) -> ConfigError | None:
+    """The configuration error an actor's start-up raised (a KV pool too small for ``--max-model-len``, say), as the
+    one line a single engine's server gives, where Ray's error held it at the end of the actor's traceback; None for
+    any other failure. Ray keeps only the text of an actor's start-up error."""
+    found = re.findall(r"^boundless\.[\w.]+\.(?:ConfigError|ModelNotFoundError): (.+)$", str(error), re.MULTILINE)
+    return ConfigError(found[-1]) if found else None
+
+
 class ClusterClient(DispatcherFrontEnd):
     """N engine instances as Ray actors behind one dispatcher; or P prefill and D decode engines."""
 
@@ -265,7 +274,10 @@ class ClusterClient(DispatcherFrontEnd):
         self.engine_config = engine
         self.config = cluster
         if not ray.is_initialized():
-            ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            # log_to_driver: the engines' warnings and errors (a store file failing its checks, writes off on a full
+            # disk, a failed step) show in the server's output, each line under its actor's pid, as a single engine's
+            # server prints them; without it they stayed in Ray's session files, unseen.
+            ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=True, configure_logging=False)
         gpu = engine.model.device.startswith("cuda")
         roles = _roles(cluster)
         threads = None if gpu else max(1, _local_cpus() // len(roles))
@@ -292,8 +304,16 @@ class ClusterClient(DispatcherFrontEnd):
         )
         self.instances: dict[str, Instance] = {iid: Instance(self._start_actor(iid)) for iid in roles}
         self._starting: dict[str, object] = {}  # instance id -> the actor of its restart, until it is ready
-        for inst in self.instances.values():
-            inst.info = ray.get(inst.actor.info.remote())
+        try:
+            for inst in self.instances.values():
+                inst.info = ray.get(inst.actor.info.remote())
+        except ray.exceptions.RayActorError as e:
+            for inst in self.instances.values():
+                ray.kill(inst.actor)
+            config_error = _config_error(e)
+            if config_error is None:
+                raise
+            raise config_error from None
         self.lending = self._connect_lending(cluster) if cluster.kv_lending == "on" else None
         self.tokenizer = load_tokenizer(model_path)
         self.max_model_len = min(i.info.max_model_len for i in self.instances.values() if i.info)

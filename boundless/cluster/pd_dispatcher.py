@@ -184,6 +184,9 @@ class PDCall(InflightCall):
     tag: int = 0  # of this placement's streams (a placement's answers are told from an earlier one's by it)
     prepared: bool = False  # the DE answered its Prepare (it holds the call's half)
     prefill_service_s: float = 0.0
+    # Its prompt's tokens the PE found cached, reported to the client for the DE's deltas too: the DE finds every
+    # block the PE handed it, which no cache served the client's prompt (every call counted nearly all cached).
+    prompt_cached_tokens: int | None = None
     order: tuple[int, float, int] = (0, 0.0, 0)  # its place in the queue: smaller goes first
     prefetch_engine: str = ""  # where its stored KV is read ahead while it waits (see Prefetch)
     prefetch_tokens: int = 0  # what that read counts against the engine's prefetch room
@@ -350,6 +353,7 @@ class PDDispatcher(Dispatcher):
         call.text_chars_sent += len(delta.new_text)
         if delta.finish_reason == "handoff":
             call.prefill_service_s = delta.service_s
+            call.prompt_cached_tokens = delta.num_cached_tokens
             shown = dataclasses.replace(delta, finished=False, finish_reason=None, stop_reason=None)
             call.phase = "continuing"  # the PE is done with it: its room there (and its tokens) free for the queue
             if not self.views[call.decode_engine].alive:
@@ -358,6 +362,8 @@ class PDDispatcher(Dispatcher):
             call.instance = call.decode_engine
             resume = Resume(tuple(call.output_token_ids), call.text_chars_sent)
             return shown, [Continue(call.decode_engine, call.request_id, resume), *self._place()]
+        if call.prompt_cached_tokens is not None:
+            delta = dataclasses.replace(delta, num_cached_tokens=call.prompt_cached_tokens)
         if not delta.finished:
             return delta, []
         if _lost_its_push(call, delta) and call.stream_losses < MAX_STREAM_LOSSES:

@@ -22,6 +22,7 @@ never served.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -421,7 +422,9 @@ class DiskKVStore:
             write_block_file(
                 path, tmp, key, self._spec, payload, mtime_ns=stamp, durable=self._durable, mid_write=self._mid_write
             )
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError) as e:
+            if isinstance(e, NotADirectoryError):
+                self._clear_shard(path.parent)
             path.parent.mkdir(parents=True, exist_ok=True)  # a shard directory not yet made (or removed)
             write_block_file(
                 path, tmp, key, self._spec, payload, mtime_ns=stamp, durable=self._durable, mid_write=self._mid_write
@@ -430,6 +433,15 @@ class DiskKVStore:
             old = self._index.get(key)
             self._held_bytes += self._file_bytes - (old.size if old else 0)
             self._index[key] = _Entry(self._file_bytes, stamp)
+
+    def _clear_shard(self, shard: Path) -> None:
+        """Remove what is not a directory under a shard's name (a file put there): no block can be in it, and every
+        write of its blocks failed and turned all writes off for ``write_off_seconds``, again after each pause, for
+        good. Raises the ``OSError`` if the shard is a directory (the error came from above it) or cannot go."""
+        if shard.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory above the shard", str(shard.parent))
+        shard.unlink()
+        self._warn_once("shard", f"disk KV store {self.root}: {shard.name} was not a directory; removed")
 
     def _write_failed(self, error: OSError) -> None:
         with self._lock:

@@ -20,7 +20,7 @@ from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
 from boundless.cluster.client import ClusterClient
 from boundless.cluster.instance import FAIL_ADD_SEED_ENV
-from boundless.config import ClusterConfig
+from boundless.config import ClusterConfig, ConfigError
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
 
@@ -257,3 +257,40 @@ def test_killing_an_instance_mid_stream_loses_nothing(
     finally:
         server.stop()
         client.shutdown()
+
+
+def test_an_instances_warnings_reach_the_servers_output(
+    cluster: tuple[ClusterClient, ServerThread], capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The engines' own reports of their faults (a store file failing its checks, writes off on a full disk, a step
+    # that failed) are log lines in their processes; Ray kept them in its session's files, so an operator of a
+    # cluster saw none of them where a single engine's server prints them.
+    import ray
+
+    def warn_in_instance(instance: object, message: str) -> None:  # in the instance's process (pickled by value)
+        import logging
+
+        logging.getLogger("boundless.kv.disk_store").warning(message)
+
+    client, _ = cluster
+    message = f"store fault seen by the operator {os.getpid()}"
+    ray.get(client.instances["0"].actor.__ray_call__.remote(warn_in_instance, message), timeout=30)
+    seen = ""
+    deadline = time.monotonic() + 20  # Ray's log monitor forwards a worker's lines within about a second
+    while message not in seen and time.monotonic() < deadline:
+        time.sleep(0.2)
+        out, err = capfd.readouterr()
+        seen += out + err
+    assert message in seen
+
+
+def test_a_config_an_instance_refuses_is_one_clear_error(
+    cluster: tuple[ClusterClient, ServerThread], model_dirs: dict[str, Path]
+) -> None:
+    # Checked where the model is loaded, in each actor: the server stopped with Ray's error, the actor's whole
+    # traceback, where a single engine's server gives the one line (`boundless: --max-model-len: ...`).
+    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=1024, num_kv_blocks=8)
+    with pytest.raises(ConfigError) as refused:
+        ClusterClient(config, ClusterConfig(instances=2, max_restarts=0))
+    assert str(refused.value).startswith("--max-model-len: 1024 tokens do not fit in the KV pool (128 tokens)")
+    assert "Traceback" not in str(refused.value)

@@ -218,6 +218,23 @@ def test_something_not_a_file_under_a_blocks_name_is_removed_and_the_block_writt
     assert torch.equal(store.read([key_of(0)])[0], block_of(0))
 
 
+def test_a_file_under_a_shards_name_is_removed_and_its_blocks_written_again(tmp_path: Path) -> None:
+    """A file where a shard directory goes: every write of its blocks failed (not a directory) and turned all writes
+    off for a while, again after each pause, so the store wrote nothing for good. It is removed and the block
+    written; the other shards' blocks are untouched."""
+    store = DiskKVStore(tmp_path, LAYOUT, BIG)
+    store.write([key_of(1)], blocks_of([1]))
+    shard = _file(store, 0).parent
+    assert shard != _file(store, 1).parent
+    shutil.rmtree(shard, ignore_errors=True)
+    shard.write_bytes(b"not a directory")
+    assert store.read([key_of(0)]) == [None]  # a miss, not an error
+    assert store.write([key_of(0)], blocks_of([0])) == 1
+    assert store.stats().write_errors == 0 and store.stats().writes_enabled
+    assert shard.is_dir() and torch.equal(store.read([key_of(0)])[0], block_of(0))
+    assert torch.equal(store.read([key_of(1)])[0], block_of(1))
+
+
 def test_eviction_removes_the_least_recently_used(tmp_path: Path) -> None:
     clock = FakeClock()
     store = DiskKVStore(tmp_path, LAYOUT, 4 * FILE_BYTES, clock=clock, low_watermark=1.0)
