@@ -52,9 +52,12 @@ def test_the_models_default_max_tokens_is_capped_to_the_context_left(served: tup
         body = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
         return httpx.post(s.url + "/tokenize", json=body, timeout=60).json()["count"]
 
-    text = "fox " * 1000
-    while prompt_tokens(text) > 1024 - 3:
-        text = text[:-4]
+    # The most words that fit (by halves: a /tokenize call each), then single letters up to the mark.
+    fit, over = 0, 1000
+    while over - fit > 1:
+        mid = (fit + over) // 2
+        fit, over = (mid, over) if prompt_tokens("fox " * mid) <= 1024 - 3 else (fit, mid)
+    text = "fox " * fit
     while prompt_tokens(text + "a") <= 1024 - 3:
         text += "a"
     assert prompt_tokens(text) == 1024 - 3
