@@ -559,7 +559,8 @@ class EngineCore:
             )
         if params.bad_words:  # (tokenized here, where every path of a request arrives: offline, served, an instance)
             sequences = bad_words_token_ids(params.bad_words, lambda text: self.tokenizer.encode(text, False))
-            params = dataclasses.replace(params, bad_words_token_ids=sequences)
+            # (The words give way to their sequences: a request moved to another instance arrives with these alone.)
+            params = dataclasses.replace(params, bad_words=(), bad_words_token_ids=sequences)
         bad_word = next((t for word in params.bad_words_token_ids for t in word if t >= vocab), None)
         if bad_word is not None:
             raise InvalidRequestError(f"bad_words: token id {bad_word} is not in [0, {vocab})", "bad_words")
