@@ -1045,6 +1045,7 @@ class OpenAIServer:
         created = int(time.time())
         choices = [Choice(i) for i in range(len(streams))]
         echoed = [False] * len(streams)
+        shown = [False] * len(streams)  # (whether the choice's first chunk is out: it carries the prompt's ids)
         prompt_only = body.echo and body.max_tokens == 0
         offsets_of: list[StreamedOffsets] = []  # (each choice's tokens, with their text_offset)
         if body.logprobs is not None:
@@ -1068,9 +1069,9 @@ class OpenAIServer:
         async for index, delta in self.merged(streams):
             c = choices[index]
             self.apply_delta(c, delta)
-            text, generated = delta.new_text, delta.new_logprobs
+            text, generated, token_ids = delta.new_text, delta.new_logprobs, delta.new_token_ids
             if prompt_only:
-                text, generated = "", []
+                text, generated, token_ids = "", [], []
                 _drop_output(c)
             prompt, echo = prompts[index // body.n], echoes[index // body.n]
             lp, tokens, offsets = None, [], []
@@ -1081,11 +1082,16 @@ class OpenAIServer:
                 echoed[index] = True
                 text = echo + text
                 lp = self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, tokens, offsets)
-            # (A delta whose tokens are all held back, their text not out yet, makes no chunk.)
-            if text or tokens or delta.finished:
+            # (A delta whose tokens are all held back, their text not out yet, makes no chunk; unless the tokens' ids
+            # are asked for, which go out as they come, as vLLM's.)
+            if text or tokens or delta.finished or (body.return_token_ids and token_ids):
                 piece = {"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}
                 if delta.finished:
                     piece["stop_reason"] = _stop_reason(c.finish_reason, c.stop_reason)
+                if body.return_token_ids:  # (vLLM's: the prompt's ids in the choice's first chunk, each its new ones)
+                    piece["prompt_token_ids"] = None if shown[index] else prompt
+                    piece["token_ids"] = list(token_ids)
+                shown[index] = True
                 yield chunk([piece])
         if include_usage:
             yield chunk([], self._usage(prompt_len, choices))

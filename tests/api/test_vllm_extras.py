@@ -65,6 +65,28 @@ def test_completions_name_tokens_by_id_echo_and_stream_alike_and_hold_to_allowed
     assert not any(t.startswith("token_id:") for t in plain)  # (only when asked)
 
 
+def test_streamed_completions_carry_their_token_ids_as_vllm_streams_them(client: openai.OpenAI) -> None:
+    """vLLM's ``return_token_ids`` streamed: each choice's first chunk carries its prompt's ids, every chunk the ids of
+    its new tokens; together the same ids as the response not streamed."""
+    ask: dict[str, Any] = {"model": MODEL, "prompt": [STORY, "The capital of France is"], "max_tokens": 6, "n": 2}
+    ask |= {"temperature": 0.0, "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+    whole = client.completions.create(**ask).model_dump()["choices"]
+    assert all(len(c["token_ids"]) == 6 for c in whole)
+    prompts: dict[int, list] = {}
+    outputs: dict[int, list[int]] = {i: [] for i in range(4)}
+    for chunk in client.completions.create(**ask, stream=True):
+        for c in chunk.model_dump()["choices"]:
+            if c["index"] not in prompts:
+                prompts[c["index"]] = c["prompt_token_ids"]
+            else:
+                assert c["prompt_token_ids"] is None  # (the first chunk's alone)
+            outputs[c["index"]] += c["token_ids"]
+    assert prompts == {c["index"]: c["prompt_token_ids"] for c in whole}
+    assert outputs == {c["index"]: c["token_ids"] for c in whole}
+    plain = next(iter(client.completions.create(**ask | {"extra_body": {}}, stream=True))).model_dump()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain  # (only when asked)
+
+
 def test_chat_logprobs_name_tokens_by_id_streamed_or_not_and_prompt_logprobs_keep_their_text(
     client: openai.OpenAI,
 ) -> None:
