@@ -1,6 +1,6 @@
 """vLLM's request extensions that agents' frameworks send, through the real `openai` client on SmolLM2:
-``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids`` (chat and completions, streamed or not), and
-``GET /version``."""
+``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids`` and ``return_token_ids`` (chat and completions,
+streamed or not), and ``GET /version``."""
 
 from __future__ import annotations
 
@@ -85,6 +85,26 @@ def test_streamed_completions_carry_their_token_ids_as_vllm_streams_them(client:
     assert outputs == {c["index"]: c["token_ids"] for c in whole}
     plain = next(iter(client.completions.create(**ask | {"extra_body": {}}, stream=True))).model_dump()["choices"][0]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain  # (only when asked)
+
+
+def test_chat_carries_its_token_ids_streamed_or_not_as_vllm_sends_them(client: openai.OpenAI) -> None:
+    """vLLM's ``return_token_ids`` on chat: the prompt's ids beside the choices (streamed: in each choice's first
+    chunk), each choice's output ids in it (streamed: every chunk its tokens'); the same ids either way."""
+    ask: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Name a color."}], "n": 2}
+    ask |= {"max_tokens": 6, "temperature": 0.0, "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+    whole = client.chat.completions.create(**ask).model_dump()
+    assert whole["prompt_token_ids"] and all(len(c["token_ids"]) == 6 for c in whole["choices"])
+    prompts, outputs = [], {0: [], 1: []}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        data = chunk.model_dump()
+        if data.get("prompt_token_ids") is not None:
+            prompts.append(data["prompt_token_ids"])
+        for c in data["choices"]:
+            outputs[c["index"]] += c.get("token_ids") or []
+    assert prompts == [whole["prompt_token_ids"]] * 2  # (each choice's first chunk)
+    assert outputs == {c["index"]: c["token_ids"] for c in whole["choices"]}
+    plain = client.chat.completions.create(**ask | {"extra_body": {}}).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]  # (only when asked)
 
 
 def test_chat_logprobs_name_tokens_by_id_streamed_or_not_and_prompt_logprobs_keep_their_text(
