@@ -662,6 +662,8 @@ class ServerConfig:
 TOOL_CALL_PARSER_NAMES = tuple(TOOL_CALL_PARSERS)
 ROUTINGS = ("locality", "least-loaded", "round-robin")
 KV_PATHS = ("basic", "dualpath", "oracle")
+# ClusterConfig's fields that act with prefill and decode engines only (ClusterConfig.ignored_role_flags).
+ROLE_FLAGS = ("kv_path", "kv_handoff_timeout_s", "pd_alpha", "pd_beta", "pd_z", "storage_gbps", "net_gbps")
 KV_TRANSPORTS = ("shm", "nixl", "mooncake")
 
 
@@ -753,9 +755,9 @@ class ClusterConfig:
     kv_path: str = field(
         default="dualpath",
         metadata={
-            "help": "where stored KV is read: basic (on the prefill engine), dualpath (on the prefill or the "
-            "decode engine, whichever node's storage link would finish the read first) or oracle (no storage I/O; "
-            "benchmarks only)"
+            "help": "with prefill and decode engines, where stored KV is read: basic (on the prefill engine), "
+            "dualpath (on the prefill or the decode engine, whichever node's storage link would finish the read "
+            "first) or oracle (no storage I/O; benchmarks only)"
         },
     )
     storage_gbps: float | None = field(
@@ -862,6 +864,15 @@ class ClusterConfig:
         _require(self.lending_lookahead_chunks >= 1, "lending_lookahead_chunks", "must be >= 1")
         _require(self.lending_request_pools >= 1, "lending_request_pools", "must be >= 1")
         _require(self.lending_grant_timeout_s > 0, "lending_grant_timeout_s", "must be positive")
+
+    def ignored_role_flags(self) -> list[str]:
+        """The flags given that act with prefill and decode engines only (the README's "with roles"), as ``--flag``s:
+        without those engines they are accepted and ignored (``--kv-path`` as the others), and start-up says so. A flag
+        left at its default is none of them."""
+        if self.disaggregated:
+            return []
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [f"--{name.replace('_', '-')}" for name in ROLE_FLAGS if getattr(self, name) != defaults[name]]
 
     @property
     def disaggregated(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 from boundless import LLM, SamplingParams
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampling_params import InvalidSamplingParams
-from boundless.model.loader import LoadedModel
+from boundless.model.loader import LoadedModel, load_model
+from boundless.model.random_model import TinySpec, write_random_model
 
 
 @pytest.fixture
@@ -290,6 +292,27 @@ def test_out_of_vocabulary_stop_token_id_is_refused(llm: LLM) -> None:
     assert not llm.engine.has_unfinished()
     out = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    """A random model whose vocabulary (448 rows) is padded past its tokenizer's 384 tokens, as Qwen's is."""
+    root = write_random_model(tmp_path_factory.mktemp("padded") / "m", TinySpec(vocab_size=448))
+    loaded = load_model(str(root))
+    assert (loaded.arch.vocab_size, loaded.tokenizer.vocab_size) == (448, 384)
+    return LLM.from_config(_config(loaded, kv_cache_gb=0.02), loaded)
+
+
+def test_allowed_token_ids_past_the_tokenizer_are_refused(padded: LLM) -> None:
+    """An id in [tokenizer size, model vocabulary) has a row of logits but no text: refused as vLLM (and the server)
+    refuse it, not sampled."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    with pytest.raises(InvalidRequestError) as e:
+        padded.generate([5, 6, 7], dataclasses.replace(params, allowed_token_ids=[7, 400]))
+    assert e.value.param == "allowed_token_ids" and "400" in str(e.value) and "384" in str(e.value)
+    assert not padded.engine.has_unfinished()
+    out = padded.generate([5, 6, 7], dataclasses.replace(params, allowed_token_ids=[7, 383]))[0].outputs[0]
+    assert set(out.token_ids) <= {7, 383} and len(out.token_ids) == 2
 
 
 def test_a_refused_prompt_fails_the_batch_and_leaves_nothing_queued(llm: LLM) -> None:

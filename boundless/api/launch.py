@@ -44,7 +44,13 @@ def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
 
 def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) -> EngineClient:
     """One engine in this process, or with ``--instances N`` (or prefill and decode engines) a cluster of Ray
-    actors behind a router."""
+    actors behind a router. Flags that act with prefill and decode engines only are ignored without them, and said to
+    be."""
+    if ignored := cluster.ignored_role_flags():
+        log.warning(
+            "%s: with prefill and decode engines only (--prefill-instances, --decode-instances); ignored here",
+            ", ".join(ignored),
+        )
     if cluster.instances > 1 or cluster.ray_address or cluster.disaggregated:
         from boundless.cluster.client import ClusterClient
 

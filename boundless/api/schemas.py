@@ -177,6 +177,8 @@ class _SamplingFields(NullIsDefault):
     bad_words: list[str] | None = None
     # Logprobs' tokens as ``token_id:<id>``, for clients that need the ids (a token's text may be no whole character)
     return_tokens_as_token_ids: Bool = False
+    # vLLM's: the prompt's token ids and each choice's output's come with the response (streamed: as they go out)
+    return_token_ids: Bool = False
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     # Each prompt token's logprob given the tokens before it, with this many alternatives (not -1, the vocabulary)
@@ -329,7 +331,6 @@ class CompletionRequest(_SamplingFields):
     logprobs: Int | None = None
     echo: Bool = False
     suffix: str | None = None
-    return_token_ids: Bool = False  # extension (as vLLM): each choice carries its prompt and output token ids
     # OpenAI's: best_of candidates, the n with the highest logprob per token returned. Only best_of == n is served
     # (vLLM's V1 engine takes only that too); more is refused by the route, not dropped.
     best_of: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] | None = None

@@ -753,9 +753,19 @@ class OpenAIServer:
             if body.logprobs:
                 logprobs_of = functools.partial(self.streamed_content, ids, body.skip_special_tokens, tools, reasoning)
             predicted = body.prediction is not None
-            as_ids = body.return_tokens_as_token_ids
+            as_ids, prompt_ids = body.return_tokens_as_token_ids, (ids if body.return_token_ids else None)
             gen = self._chat_events(
-                rid, body.model, streams, len(ids), logprobs_of, tools, include_usage, reasoning, predicted, as_ids
+                rid,
+                body.model,
+                streams,
+                len(ids),
+                logprobs_of,
+                tools,
+                include_usage,
+                reasoning,
+                predicted,
+                as_ids,
+                prompt_ids,
             )
             # (The prompt's cached tokens as the usage counts them: those every sample found.)
             return ChatStream(gen, len(ids), min(s.num_cached_tokens for s in streams))
@@ -792,6 +802,8 @@ class OpenAIServer:
                     "stop_reason": _stop_reason(c.finish_reason, c.stop_reason),
                 }
             )
+            if body.return_token_ids:
+                out_choices[-1]["token_ids"] = c.token_ids
         response = {
             "id": rid,
             "object": "chat.completion",
@@ -801,6 +813,8 @@ class OpenAIServer:
             "choices": out_choices,
             "usage": self._usage(len(ids), choices, reasoning, body.prediction is not None),
         }
+        if body.return_token_ids:  # (vLLM's: the prompt's beside the choices, each choice's output's in it)
+            response["prompt_token_ids"] = ids
         if body.prompt_logprobs is not None:  # vLLM's place for them in a chat response: beside the choices
             response["prompt_logprobs"] = self._prompt_logprobs(choices[0].prompt_logprobs, body.prompt_logprobs)
         return JSONResponse(response)
@@ -817,14 +831,18 @@ class OpenAIServer:
         reasoning: ReasoningOutput | None = None,
         predicted: bool = False,
         as_ids: bool = False,
+        prompt_ids: list[int] | None = None,
     ) -> AsyncIterator[bytes]:
         """A chat completion's chunks. ``logprobs_of``: a choice's content logprobs as they are known to be content
         (None: not asked for), their tokens as ids with ``as_ids`` (``return_tokens_as_token_ids``); ``predicted``: the
-        request brought a prediction (its usage counts the drafts)."""
+        request brought a prediction (its usage counts the drafts); ``prompt_ids``: vLLM's ``return_token_ids`` (None:
+        not asked for), the prompt's ids in each choice's first chunk, and each chunk's tokens' ids in it (those of a
+        delta that made no chunk go with the next)."""
         created = int(time.time())
         choices = [Choice(i) for i in range(len(streams))]
+        unsent_ids: list[list[int]] = [[] for _ in choices]  # (each choice's token ids not in a chunk yet)
 
-        def chunk(choice_list: list[dict], usage: dict | None = None) -> bytes:
+        def chunk(choice_list: list[dict], usage: dict | None = None, **top: Any) -> bytes:
             body: dict[str, Any] = {
                 "id": rid,
                 "object": "chat.completion.chunk",
@@ -832,27 +850,27 @@ class OpenAIServer:
                 "model": model,
                 "system_fingerprint": _fingerprint(choices),
                 "choices": choice_list,
+                **top,
             }
             if include_usage:
                 body["usage"] = usage
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
         for c in choices:
-            yield chunk(
-                [
-                    {
-                        "index": c.index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
+            role = {
+                "index": c.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            yield chunk([role], **({} if prompt_ids is None else {"prompt_token_ids": prompt_ids}))  # (vLLM's place)
 
         def choice_chunk(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> bytes:
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = _stop_reason(choices[index].finish_reason, choices[index].stop_reason)
+            if prompt_ids is not None:
+                choice["token_ids"], unsent_ids[index] = unsent_ids[index], []
             return chunk([choice])
 
         # Read for tool calls: content streams until a call may have begun (ContentStream), its logprobs with it;
@@ -887,6 +905,7 @@ class OpenAIServer:
         async for index, delta in self.merged(streams):
             c = choices[index]
             self.apply_delta(c, delta)
+            unsent_ids[index] += delta.new_token_ids
             if logprobs:
                 logprobs[index].add(delta.new_logprobs)
             answer, thought, new_answer = c.text, "", delta.new_text
@@ -1045,6 +1064,7 @@ class OpenAIServer:
         created = int(time.time())
         choices = [Choice(i) for i in range(len(streams))]
         echoed = [False] * len(streams)
+        shown = [False] * len(streams)  # (whether the choice's first chunk is out: it carries the prompt's ids)
         prompt_only = body.echo and body.max_tokens == 0
         offsets_of: list[StreamedOffsets] = []  # (each choice's tokens, with their text_offset)
         if body.logprobs is not None:
@@ -1068,9 +1088,9 @@ class OpenAIServer:
         async for index, delta in self.merged(streams):
             c = choices[index]
             self.apply_delta(c, delta)
-            text, generated = delta.new_text, delta.new_logprobs
+            text, generated, token_ids = delta.new_text, delta.new_logprobs, delta.new_token_ids
             if prompt_only:
-                text, generated = "", []
+                text, generated, token_ids = "", [], []
                 _drop_output(c)
             prompt, echo = prompts[index // body.n], echoes[index // body.n]
             lp, tokens, offsets = None, [], []
@@ -1081,11 +1101,16 @@ class OpenAIServer:
                 echoed[index] = True
                 text = echo + text
                 lp = self._choice_logprobs(body, prompt, echo, c.prompt_logprobs, tokens, offsets)
-            # (A delta whose tokens are all held back, their text not out yet, makes no chunk.)
-            if text or tokens or delta.finished:
+            # (A delta whose tokens are all held back, their text not out yet, makes no chunk; unless the tokens' ids
+            # are asked for, which go out as they come, as vLLM's.)
+            if text or tokens or delta.finished or (body.return_token_ids and token_ids):
                 piece = {"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}
                 if delta.finished:
                     piece["stop_reason"] = _stop_reason(c.finish_reason, c.stop_reason)
+                if body.return_token_ids:  # (vLLM's: the prompt's ids in the choice's first chunk, each its new ones)
+                    piece["prompt_token_ids"] = None if shown[index] else prompt
+                    piece["token_ids"] = list(token_ids)
+                shown[index] = True
                 yield chunk([piece])
         if include_usage:
             yield chunk([], self._usage(prompt_len, choices))

@@ -45,6 +45,10 @@ class InflightCall:
     output_token_ids: list[int] = field(default_factory=list)
     text_chars_sent: int = 0
     failovers: int = 0
+    # The prompt's tokens a cache served it where it first ran, what every delta reports (None: nothing heard yet). A
+    # call resumed on another instance after a failover is its prompt and its output so far there, which that
+    # instance's count measures; one engine keeps its first admission's count through preemptions alike.
+    prompt_cached_tokens: int | None = None
 
 
 AddStatus = Literal["ok", "invalid", "busy", "failed", "unreachable"]
@@ -277,7 +281,13 @@ class Dispatcher:
         """A delta from ``instance_id``: the delta to hand its client (None: nobody waits for it), and what
         follows from it (nothing, without prefill and decode roles), to carry out whether or not anything is shown
         (a prefill that failed with its push shows nothing, and places its call again)."""
-        return (delta if self.on_delta(instance_id, delta) else None), []
+        call = self.inflight.get(delta.request_id)
+        if call is None or not self.on_delta(instance_id, delta):
+            return None, []
+        if call.prompt_cached_tokens is None:
+            call.prompt_cached_tokens = delta.num_cached_tokens
+            return delta, []
+        return dataclasses.replace(delta, num_cached_tokens=call.prompt_cached_tokens), []
 
     def abort(self, request_id: str) -> list[Decision]:
         """Nobody waits for the call any more."""

@@ -184,9 +184,6 @@ class PDCall(InflightCall):
     tag: int = 0  # of this placement's streams (a placement's answers are told from an earlier one's by it)
     prepared: bool = False  # the DE answered its Prepare (it holds the call's half)
     prefill_service_s: float = 0.0
-    # Its prompt's tokens the PE found cached, reported to the client for the DE's deltas too: the DE finds every
-    # block the PE handed it, which no cache served the client's prompt (every call counted nearly all cached).
-    prompt_cached_tokens: int | None = None
     order: tuple[int, float, int] = (0, 0.0, 0)  # its place in the queue: smaller goes first
     prefetch_engine: str = ""  # where its stored KV is read ahead while it waits (see Prefetch)
     prefetch_tokens: int = 0  # what that read counts against the engine's prefetch room
@@ -353,6 +350,8 @@ class PDDispatcher(Dispatcher):
         call.text_chars_sent += len(delta.new_text)
         if delta.finish_reason == "handoff":
             call.prefill_service_s = delta.service_s
+            # What the PE found cached, reported for the DE's deltas too (``prompt_cached_tokens``): the DE finds every
+            # block the PE handed it, which no cache served the client's prompt (every call counted nearly all cached).
             call.prompt_cached_tokens = delta.num_cached_tokens
             shown = dataclasses.replace(delta, finished=False, finish_reason=None, stop_reason=None)
             call.phase = "continuing"  # the PE is done with it: its room there (and its tokens) free for the queue

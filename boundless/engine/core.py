@@ -548,14 +548,19 @@ class EngineCore:
         bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad_bias is not None:
             raise InvalidRequestError(f"logit_bias: token id {bad_bias} is not in [0, {vocab})", "logit_bias")
-        bad_allowed = next((t for t in params.allowed_token_ids or () if t >= vocab), None)
+        # Only tokens the tokenizer knows may be allowed (vLLM's rule, and the server's): a model's vocabulary padded
+        # past its tokenizer's (Qwen's, for one) has rows no text maps to.
+        known = min(vocab, self.tokenizer.vocab_size)
+        bad_allowed = next((t for t in params.allowed_token_ids or () if t >= known), None)
         if bad_allowed is not None:
             raise InvalidRequestError(
-                f"allowed_token_ids: token id {bad_allowed} is not in [0, {vocab})", "allowed_token_ids"
+                f"allowed_token_ids: token id {bad_allowed} is not in the tokenizer's vocabulary, [0, {known})",
+                "allowed_token_ids",
             )
         if params.bad_words:  # (tokenized here, where every path of a request arrives: offline, served, an instance)
             sequences = bad_words_token_ids(params.bad_words, lambda text: self.tokenizer.encode(text, False))
-            params = dataclasses.replace(params, bad_words_token_ids=sequences)
+            # (The words give way to their sequences: a request moved to another instance arrives with these alone.)
+            params = dataclasses.replace(params, bad_words=(), bad_words_token_ids=sequences)
         bad_word = next((t for word in params.bad_words_token_ids for t in word if t >= vocab), None)
         if bad_word is not None:
             raise InvalidRequestError(f"bad_words: token id {bad_word} is not in [0, {vocab})", "bad_words")

@@ -90,8 +90,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     # ``bad_words`` as token sequences (vLLM's ``_bad_words_token_ids``): filled by the engine from its tokenizer when a
-    # request arrives (``EngineCore``), so that every instance a request reaches bans the same tokens; a caller with
-    # token ids may give sequences here directly, with no ``bad_words``.
+    # request arrives (``EngineCore``, which then drops the words), so that every instance a request reaches bans the
+    # same tokens; a caller with token ids may give sequences here directly, with no ``bad_words`` (both: refused).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     structured: StructuredOutput | None = None
     # The LoRA adapter the request runs with (None: the base model): set from vLLM's ``lora_request`` (``LLM``) or the
@@ -220,6 +220,13 @@ class SamplingParams:
             )
         self._check(
             "bad_words", all(isinstance(w, str) and w for w in self.bad_words), "bad_words must be non-empty strings"
+        )
+        # vLLM derives its token sequences from the words alone (its ``_bad_words_token_ids`` is internal): given both,
+        # one would silently replace the other.
+        self._check(
+            "bad_words",
+            not (self.bad_words and self.bad_words_token_ids),
+            "give bad_words or bad_words_token_ids, not both (the words' token sequences would replace the ids)",
         )
         self._check(
             "bad_words",

@@ -1,6 +1,6 @@
 """vLLM's request extensions that agents' frameworks send, through the real `openai` client on SmolLM2:
-``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids`` (chat and completions, streamed or not), and
-``GET /version``."""
+``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids`` and ``return_token_ids`` (chat and completions,
+streamed or not), and ``GET /version``."""
 
 from __future__ import annotations
 
@@ -63,6 +63,48 @@ def test_completions_name_tokens_by_id_echo_and_stream_alike_and_hold_to_allowed
     assert _ids(streamed) == output
     plain = client.completions.create(**ask).choices[0].logprobs.tokens
     assert not any(t.startswith("token_id:") for t in plain)  # (only when asked)
+
+
+def test_streamed_completions_carry_their_token_ids_as_vllm_streams_them(client: openai.OpenAI) -> None:
+    """vLLM's ``return_token_ids`` streamed: each choice's first chunk carries its prompt's ids, every chunk the ids of
+    its new tokens; together the same ids as the response not streamed."""
+    ask: dict[str, Any] = {"model": MODEL, "prompt": [STORY, "The capital of France is"], "max_tokens": 6, "n": 2}
+    ask |= {"temperature": 0.0, "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+    whole = client.completions.create(**ask).model_dump()["choices"]
+    assert all(len(c["token_ids"]) == 6 for c in whole)
+    prompts: dict[int, list] = {}
+    outputs: dict[int, list[int]] = {i: [] for i in range(4)}
+    for chunk in client.completions.create(**ask, stream=True):
+        for c in chunk.model_dump()["choices"]:
+            if c["index"] not in prompts:
+                prompts[c["index"]] = c["prompt_token_ids"]
+            else:
+                assert c["prompt_token_ids"] is None  # (the first chunk's alone)
+            outputs[c["index"]] += c["token_ids"]
+    assert prompts == {c["index"]: c["prompt_token_ids"] for c in whole}
+    assert outputs == {c["index"]: c["token_ids"] for c in whole}
+    plain = next(iter(client.completions.create(**ask | {"extra_body": {}}, stream=True))).model_dump()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain  # (only when asked)
+
+
+def test_chat_carries_its_token_ids_streamed_or_not_as_vllm_sends_them(client: openai.OpenAI) -> None:
+    """vLLM's ``return_token_ids`` on chat: the prompt's ids beside the choices (streamed: in each choice's first
+    chunk), each choice's output ids in it (streamed: every chunk its tokens'); the same ids either way."""
+    ask: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Name a color."}], "n": 2}
+    ask |= {"max_tokens": 6, "temperature": 0.0, "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+    whole = client.chat.completions.create(**ask).model_dump()
+    assert whole["prompt_token_ids"] and all(len(c["token_ids"]) == 6 for c in whole["choices"])
+    prompts, outputs = [], {0: [], 1: []}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        data = chunk.model_dump()
+        if data.get("prompt_token_ids") is not None:
+            prompts.append(data["prompt_token_ids"])
+        for c in data["choices"]:
+            outputs[c["index"]] += c.get("token_ids") or []
+    assert prompts == [whole["prompt_token_ids"]] * 2  # (each choice's first chunk)
+    assert outputs == {c["index"]: c["token_ids"] for c in whole["choices"]}
+    plain = client.chat.completions.create(**ask | {"extra_body": {}}).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]  # (only when asked)
 
 
 def test_chat_logprobs_name_tokens_by_id_streamed_or_not_and_prompt_logprobs_keep_their_text(

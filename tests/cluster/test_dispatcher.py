@@ -96,6 +96,24 @@ def test_a_lost_instance_is_marked_dead_and_its_calls_resume_elsewhere() -> None
     assert all(placed(d, f"n{i}", [1]).instance_id != victim for i in range(6))
 
 
+def test_a_resumed_call_reports_the_prompt_tokens_cached_where_it_first_ran() -> None:
+    """OpenAI's ``cached_tokens`` counts the prompt's tokens a cache served the call. Resumed on another instance, the
+    call's prompt there is its prompt and its output so far, whose count that instance reports: every delta keeps the
+    first instance's count, as one engine keeps its first admission's through preemptions (and the P/D dispatcher
+    the prefill engine's)."""
+    d, _ = dispatcher()
+    first = placed(d, "a", list(range(1, 40)))
+    shown, _ = d.receive(first.instance_id, delta("a", [50, 51], "hi", num_cached_tokens=16))
+    assert shown is not None and shown.num_cached_tokens == 16
+    resend = only_send(d.instance_lost(first.instance_id, "heartbeat failed")[1:])
+    assert d.add_done(resend, OK) == []
+    # The new instance found the prompt and both output tokens cached (a program's earlier call left them there).
+    for tokens, finished in (([52], False), ([53], True)):
+        shown, _ = d.receive(resend.instance_id, delta("a", tokens, "!", finished, num_cached_tokens=41))
+        assert shown is not None and shown.num_cached_tokens == 16
+    assert "a" not in d.inflight
+
+
 def test_a_call_that_fails_on_its_instance_fails_alone() -> None:
     d, _ = dispatcher()
     program = ProgramRef("p")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from boundless import LLM, SamplingParams
 from boundless.engine.bad_words import bad_words_token_ids, banned_tokens, longest_prefix
 from boundless.engine.errors import InvalidRequestError
+from boundless.engine.sampling_params import InvalidSamplingParams
+from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
 
 
@@ -46,3 +49,31 @@ def test_a_sequence_bans_its_last_token_where_the_tokens_before_it_end_the_outpu
     assert banned_tokens(words, [1, 2, 4]) == [7, 5]
     assert banned_tokens(words, [2]) == [7]  # (1 2 3 needs both before it)
     assert banned_tokens(words, [1, 2, 3]) == [7]  # completed already: nothing left to ban for it
+
+
+def test_bad_words_with_bad_words_token_ids_is_refused_not_replaced() -> None:
+    """vLLM derives its token sequences from the words alone; given both, the words' sequences silently replaced the
+    ids the caller gave, which were then never banned."""
+    with pytest.raises(InvalidSamplingParams) as err:
+        SamplingParams(bad_words=["Paris"], bad_words_token_ids=[[42]])
+    assert err.value.param == "bad_words" and "not both" in str(err.value)
+    assert SamplingParams(bad_words_token_ids=[[42]]).bad_words_token_ids == ((42,),)  # either alone is taken
+
+
+def test_the_engine_bans_a_words_sequences_in_place_of_the_words(smollm2: LoadedModel) -> None:
+    """What the engine keeps of a request with ``bad_words``: their sequences alone, so that the request is valid
+    again where it goes next (another instance, after a migration or a failover)."""
+    llm = LLM.from_config(engine_config(smollm2.name, max_model_len=256, kv_cache_gb=0.02), smollm2)
+    params = SamplingParams(temperature=0.0, max_tokens=1, bad_words=["Paris"])
+    core = llm.engine
+    core.add_request("r", smollm2.tokenizer.encode("The capital of France is"), params)
+    kept = core.scheduler.requests["r"].sampling_params
+    encode = smollm2.tokenizer.encode
+    assert kept.bad_words == () and kept.bad_words_token_ids == (
+        tuple(encode("Paris", add_special_tokens=False)),
+        tuple(encode(" Paris", add_special_tokens=False)),
+    )
+    core.add_request("moved", smollm2.tokenizer.encode("The capital of France is"), kept)  # (as a migration adds it)
+    assert core.scheduler.requests["moved"].sampling_params == kept
+    while core.has_unfinished():
+        core.step()

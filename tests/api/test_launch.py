@@ -1,0 +1,30 @@
+"""Starting the server's engine (``api/launch.py``): what start-up says of the flags it was given."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from boundless.api.launch import make_client
+from boundless.config import ClusterConfig
+from boundless.llm import engine_config
+
+
+def test_flags_of_prefill_and_decode_engines_are_ignored_without_them_and_start_up_says_so(
+    model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--kv-path`` as ``--pd-alpha`` and the other "with roles" flags: accepted without prefill and decode engines,
+    and ignored, which start-up says in one line (it said nothing of ``--kv-path``). Defaults are not named."""
+    cluster = ClusterConfig(kv_path="basic", pd_alpha=512, kv_handoff_timeout_s=60.0)
+    assert ClusterConfig(kv_path="basic", prefill_instances=1).ignored_role_flags() == []
+    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=256, kv_cache_gb=0.01)
+    with caplog.at_level(logging.WARNING, logger="boundless.api.launch"):
+        engine = make_client(config, cluster, max_waiting=8)
+    engine.shutdown()
+    said = [r.getMessage() for r in caplog.records if r.name == "boundless.api.launch"]
+    assert said == [
+        "--kv-path, --pd-alpha: with prefill and decode engines only (--prefill-instances, --decode-instances); "
+        "ignored here"
+    ]
