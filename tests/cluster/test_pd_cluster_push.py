@@ -1,6 +1,12 @@
 """DualPath's DE-read path with Ray actors: a decode engine killed while it pushes an agent's context to the prefill
 engine (``--layerwise-load on``: the PE prefills as the push lands) loses no token; the PE's failed prefill places the
-call again, and every output equals one engine's."""
+call again, and every output equals one engine's.
+
+The kill must land while the PE's forward pass reads the push: after the PE took the call (the push's count came) and
+before the push's last layer lands. Timed by a sleep after the push was seen on the wire, it missed now and then on a
+loaded machine (the DE's push landed before the kill, or the PE was not yet running its call): no prefill failed.
+So the DE is stopped (SIGSTOP) mid-push, where its push lands no further, and killed once the PE's forward pass is seen
+waiting for it."""
 
 from __future__ import annotations
 
@@ -30,9 +36,13 @@ CONTEXT_TOKENS = 400  # 25 blocks: the prefill engine holds them after each agen
 # Each agent's first turn's output: its decode engine holds its KV (16 blocks) and the prefill engine does not, so
 # the second turn reads on the decode engine, which pushes those blocks to the prefill engine.
 FIRST_TURN_TOKENS = 256
-# From the push on the wire to its kill: time for the PE to take the push's count and run the call at its layer
-# gates, well before the push's first layer (64 KiB: ~0.2 s over the link below) lands.
-PE_TAKES_THE_PUSH_S = 0.05
+# A layer of a push (64 KiB) crosses the link below in ~0.2 s: a PE step in flight this long waits at a gate of a push
+# that lands no further, the stopped DE's.
+PE_WAITS_FOR_THE_STOPPED_PUSH_S = 2.0
+# The PE has taken the stopped push's call by then (its count came before the layer the DE stopped in), well before
+# the push's receive times out (kv_handoff_timeout_s below); should it not have, the DE stopped between its pushes,
+# with none left to land, and goes on, to be stopped in a later one.
+PE_TAKES_THE_PUSH_S = 8.0
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +65,7 @@ def dualpath_cluster(
         heartbeat_interval_s=0.2,
         heartbeat_timeout_s=30.0,
         kv_path="dualpath",
-        # Slow links: a push of 16 blocks (128 KiB) takes ~0.4 s, so the kill (PE_TAKES_THE_PUSH_S after it starts)
-        # lands in it, with the PE's forward pass waiting at its layer gates.
+        # Slow links: a push of 16 blocks (128 KiB) takes ~0.4 s: the test sees it on the wire and stops its DE in it.
         storage_gbps=0.01,
         net_gbps=0.0025,
         kv_handoff_timeout_s=20.0,
@@ -72,6 +81,14 @@ def _pushing(client: ClusterClient, decode_engine: str) -> bool:
 
     beat = ray.get(client.instances[decode_engine].actor.heartbeat.remote(), timeout=10)
     return any(link.name == "net" and link.bytes_queued.get("kv", 0) > 0 for link in beat.links)
+
+
+def _step_running_s(client: ClusterClient, engine: str) -> float:
+    """How long the engine's step in flight has run (0 between steps)."""
+    import ray
+
+    beat = ray.get(client.instances[engine].actor.heartbeat.remote(), timeout=10)
+    return beat.step.running_s if beat.step is not None else 0.0
 
 
 def _complete_all(server: ServerThread, prompts: list[list[int]], max_tokens: int, during) -> list[str]:
@@ -118,20 +135,28 @@ def test_a_decode_engine_killed_while_it_pushes_a_context_loses_no_token(
         while time.monotonic() < deadline:
             with client.lock:
                 prefilling = [c for c in dispatcher.calls.values() if c.read_path == "de" and c.phase == "prefilling"]
-            # The first call placed: its push goes first on its DE's link, and the PE, idle then, runs it first.
+            # The first call placed: its push goes first on its DE's link.
             first = min(prefilling, key=lambda c: c.tag, default=None)
-            if first is not None and _pushing(client, first.decode_engine):
-                await asyncio.sleep(PE_TAKES_THE_PUSH_S)
-                info = client.instances[first.decode_engine].info
-                assert info is not None
-                os.kill(info.pid, signal.SIGKILL)
-                killed.append(first.decode_engine)
-                return
-            await asyncio.sleep(0.002)
+            if first is None or not _pushing(client, first.decode_engine):
+                await asyncio.sleep(0.002)
+                continue
+            # A layer of one of its pushes is crossing its link, the push's count gone ahead of it: stopped there, the
+            # DE lands no more of it, and the PE, which has the count, takes the call and waits at the layer's gate.
+            info = client.instances[first.decode_engine].info
+            assert info is not None
+            os.kill(info.pid, signal.SIGSTOP)
+            waited = time.monotonic() + PE_TAKES_THE_PUSH_S
+            while time.monotonic() < waited:
+                if _step_running_s(client, first.prefill_engine) > PE_WAITS_FOR_THE_STOPPED_PUSH_S:
+                    os.kill(info.pid, signal.SIGKILL)  # (a stopped process dies at SIGKILL)
+                    killed.append(first.decode_engine)
+                    return
+                await asyncio.sleep(0.05)
+            os.kill(info.pid, signal.SIGCONT)
 
     losses, placed_again = dispatcher.num_stream_losses, dispatcher.num_failovers
     assert _complete_all(server, turns, 8, kill_a_pushing_de) == one_engine_texts(tiny_llama, turns, 8)
-    assert killed, "no call read its context on a decode engine"
+    assert killed, "no PE's prefill waited for a decode engine's push"
     # The kill cut a push for real: the PE's prefill reading it failed, and the call was placed again.
     assert dispatcher.num_stream_losses > losses
     assert dispatcher.num_failovers > placed_again
