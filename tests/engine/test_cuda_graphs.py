@@ -27,6 +27,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+# The two heaviest of these in Triton's interpreter (~20 s each on this CPU): in the slow set here (`make test-all`),
+# to keep `make test` under ten minutes; scripts/gpu-check.sh runs every test of this file on CUDA. The fast set keeps
+# device windows, windows ahead in the served loop (arrivals, aborts, a failed window) and a full batch run ahead.
+_SLOW_ON_THE_INTERPRETER = pytest.mark.slow
+
+
 def test_buckets_cover_every_batch_size() -> None:
     assert batch_buckets(1) == [1]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
@@ -238,6 +244,7 @@ def _no_waits_ahead(core: EngineCore) -> None:
     core.launch = launch
 
 
+@_SLOW_ON_THE_INTERPRETER
 def test_async_windows_give_the_tokens_of_windows_in_turn(tiny_llama: LoadedModel) -> None:
     """Asynchronous scheduling: each window after the first is decided and queued before the one before is read, its
     first tokens taken on the device (on CUDA, with nothing waiting for the device meanwhile). The outputs are those
@@ -375,6 +382,7 @@ def test_a_failed_window_in_the_served_loop_fails_the_window_queued_behind_it(ti
     assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
 
 
+@_SLOW_ON_THE_INTERPRETER
 def test_a_window_ahead_keeps_the_blocks_it_evicts_in_host_memory(tiny_llama: LoadedModel) -> None:
     """A window decided ahead whose new blocks evict named ones (a full prefix cache, host memory below): their KV is
     copied down in the device's stream order and lands when the window is read back, so later requests that find
