@@ -286,7 +286,8 @@ class Dispatcher:
             return None, []
         if call.prompt_cached_tokens is None:
             call.prompt_cached_tokens = delta.num_cached_tokens
-            return delta, []
+        if delta.num_cached_tokens == call.prompt_cached_tokens:
+            return delta, []  # (most deltas: a copy only where the count differs)
         return dataclasses.replace(delta, num_cached_tokens=call.prompt_cached_tokens), []
 
     def abort(self, request_id: str) -> list[Decision]:

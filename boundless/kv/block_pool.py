@@ -286,13 +286,12 @@ def find_run(
     one that held it). One call for a prompt's prefix, in memory tiers tried in order."""
     # (A lookup in a pool without caching finds nothing and counts nothing.)
     caches = [pool._cached if pool.enable_caching or not count else {} for pool in pools]
-    queries = [0] * len(pools)
     blocks: list[KVBlock] = []
     where: list[int] = []
+    missed = False  # whether the run ended at a block no pool holds (every pool was asked for it)
     for i in range(first, end):
         name, tokens = hashes[i], block_tokens[i]
         for k, cached in enumerate(caches):
-            queries[k] += 1
             block = cached.get(name)
             # The tokens are checked (a name's collision is not this block); a block named by the same request
             # holds the very same tuple.
@@ -301,12 +300,17 @@ def find_run(
                 where.append(k)
                 break
         else:
+            missed = True
             break
     if count:
+        # Pool k was asked for each block found in it or a pool after it, and for the block that ended the run.
+        asked = len(where) + missed
         for k, pool in enumerate(pools):
+            hits = where.count(k)
             if pool.enable_caching:
-                pool.stats.queries += queries[k]
-                pool.stats.hits += where.count(k)
+                pool.stats.queries += asked
+                pool.stats.hits += hits
+            asked -= hits
     return blocks, where
 
 

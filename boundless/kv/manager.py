@@ -72,12 +72,14 @@ class CachedPrefix:
 
     def tokens_by_origin(self, limit: int | None = None) -> dict[TierId, int]:
         """The prefix's tokens by the tier each block came from; of its first ``limit`` tokens only, if given."""
-        out: dict[TierId, int] = {}
-        for i, origin in enumerate(self.origins):
-            n = self.block_size if limit is None else min(self.block_size, limit - i * self.block_size)
-            if n <= 0:
-                break
-            out[origin] = out.get(origin, 0) + n
+        bs, origins = self.block_size, self.origins
+        # The blocks wholly within the limit.
+        whole = len(origins) if limit is None else max(0, min(len(origins), limit // bs))
+        counted = origins[:whole]
+        # (Counted a tier at a time, in the order the tiers first come: most prefixes come from one tier.)
+        out = {origin: counted.count(origin) * bs for origin in dict.fromkeys(counted)}
+        if limit is not None and whole < len(origins) and limit > whole * bs:  # a block the limit cuts
+            out[origins[whole]] = out.get(origins[whole], 0) + limit - whole * bs
         return out
 
 
@@ -411,10 +413,13 @@ class KVCacheManager:
         hashes = self.block_hashes(request_id, token_ids)
         tokens = self._block_tokens(request_id, token_ids, max_blocks)
         prefix.blocks, prefix.tiers = self._memory_run(hashes, tokens, 0, max_blocks, count=True)
-        prefix.origins = [
-            self._origins.get(block.block_id, HOST) if tier == HOST else tier
-            for block, tier in zip(prefix.blocks, prefix.tiers, strict=True)
-        ]
+        if HOST in prefix.tiers:
+            prefix.origins = [
+                self._origins.get(block.block_id, HOST) if tier == HOST else tier
+                for block, tier in zip(prefix.blocks, prefix.tiers, strict=True)
+            ]
+        else:  # (all on the device, where a block's origin is its tier)
+            prefix.origins = list(prefix.tiers)
         return prefix
 
     def _block_tokens(self, request_id: str | None, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, ...]]:

@@ -103,14 +103,28 @@ class RooflineStepCost:
         row with more than ``j`` passes, ``j`` positions on). :meth:`predict` is a window of one pass."""
         per_token, per_pair, weight_bytes, kv_bytes, flop_rate, byte_rate = self._factors
         overhead = self.step_overhead_s
+        # Pass j's sums (pairs as ChunkShape's) over the rows with more than j passes, in integers (so exactly those
+        # summed row by row): kept as running sums, a row's terms dropped at the pass it ends, and j's terms added.
+        # A window's rows are summed once, not once a pass (32 passes a window in the simulator).
+        by_end = sorted(rows, key=lambda row: row[2])
+        tokens = starts = rows_left = pairs0 = 0  # pairs0: the pairs at j = 0
+        for start, new, _ in by_end:
+            tokens += new
+            starts += start
+            rows_left += 1
+            pairs0 += new * start + new * (new + 1) // 2
         seconds = []
+        k = 0  # by_end[:k] have ended
         for j in range(first, end):
-            tokens = cached = pairs = 0
-            for start, new, steps in rows:  # pairs as ChunkShape's
-                if steps > j:
-                    tokens += new
-                    cached += start + j
-                    pairs += new * (start + j) + new * (new + 1) // 2
+            while k < len(by_end) and by_end[k][2] <= j:
+                start, new, _ = by_end[k]
+                tokens -= new
+                starts -= start
+                rows_left -= 1
+                pairs0 -= new * start + new * (new + 1) // 2
+                k += 1
+            cached = starts + j * rows_left
+            pairs = pairs0 + j * tokens
             compute = (per_token * tokens + per_pair * pairs) / flop_rate
             memory = (weight_bytes + kv_bytes * (cached + tokens)) / byte_rate
             seconds.append(overhead + (compute if compute > memory else memory))
