@@ -236,6 +236,11 @@ class KVCacheManager:
         # Each request's full blocks' tokens, a tuple a block, made once (_block_tokens): lookups compare them with
         # cached blocks' (a waiting request's store plan looks its prefix up every step), named blocks keep them.
         self._tokens: dict[str, list[tuple[int, ...]]] = {}
+        # A program's latest request's names and blocks' tokens, as it freed them: (fingerprint, names, tokens) by
+        # program, a pool's worth of blocks at most in all (the oldest programs' go first). Its next call (a chat
+        # sends its conversation again) takes the names of the leading blocks it shares with them, unhashed.
+        self._program_names: dict[str, tuple[str, list[BlockHash], list[tuple[int, ...]]]] = {}
+        self._program_names_blocks = 0
         self._num_named: dict[str, int] = {}
         # The disk store.
         self._known_on_disk: OrderedDict[BlockHash, None] = OrderedDict()
@@ -397,8 +402,41 @@ class KVCacheManager:
         """The names of the request's full blocks of ``token_ids`` (its first ``num_tokens``), kept for the request:
         each block is hashed once. The list may name more blocks than asked for (named by an earlier call)."""
         hashes = self._hashes.setdefault(request_id, [])
-        fingerprint = self._namespaces.get(request_id, self.fingerprint) if self._namespaces else self.fingerprint
-        return extend_block_hashes(hashes, token_ids, self.block_size, fingerprint, num_tokens)
+        return extend_block_hashes(hashes, token_ids, self.block_size, self._fingerprint(request_id), num_tokens)
+
+    def _fingerprint(self, request_id: str) -> str:
+        """What the request's blocks' names are made with: its namespace's, else the model's."""
+        return self._namespaces.get(request_id, self.fingerprint) if self._namespaces else self.fingerprint
+
+    def _keep_program_names(self, request_id: str, hashes: list[BlockHash], tokens: list[tuple[int, ...]]) -> None:
+        """Keep a freed request's names and blocks' tokens for its program's next request (:meth:`_program_names`)."""
+        program = self._programs.get(request_id)
+        if program is None:
+            return
+        kept = self._program_names
+        old = kept.pop(program, None)
+        if old is not None:
+            self._program_names_blocks -= len(old[1])
+        num = min(len(hashes), len(tokens))
+        kept[program] = (self._fingerprint(request_id), hashes[:num], tokens[:num])
+        self._program_names_blocks += num
+        while self._program_names_blocks > self.pool.num_blocks:
+            self._program_names_blocks -= len(kept.pop(next(iter(kept)))[1])
+
+    def _taken_program_names(self, request_id: str, tokens: list[tuple[int, ...]]) -> list[BlockHash]:
+        """The names of the request's leading blocks (``tokens``, its blocks' tokens) that its program's latest
+        request had, with the same tokens and fingerprint (a name is its whole prefix's tokens' and the fingerprint's:
+        the same blocks, the same names). Its tokens take the kept tuples (equal), so that a block the latest request
+        named is known by identity in a lookup."""
+        kept = self._program_names.get(self._programs.get(request_id, ""))
+        if kept is None or kept[0] != self._fingerprint(request_id):
+            return []
+        _, names, kept_tokens = kept
+        num = min(len(names), len(tokens))
+        if tokens[:num] != kept_tokens[:num]:  # (a compacted conversation)
+            num = next(i for i in range(num) if tokens[i] != kept_tokens[i])
+        tokens[:num] = kept_tokens[:num]
+        return names[:num]
 
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> CachedPrefix:
         """The longest run of leading full blocks in memory: each on the device, else in host memory.
@@ -410,8 +448,10 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return prefix
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hashes = self.block_hashes(request_id, token_ids)
         tokens = self._block_tokens(request_id, token_ids, max_blocks)
+        if request_id not in self._hashes and self._program_names:  # (its first lookup)
+            self._hashes[request_id] = self._taken_program_names(request_id, tokens)
+        hashes = self.block_hashes(request_id, token_ids)
         prefix.blocks, prefix.tiers = self._memory_run(hashes, tokens, 0, max_blocks, count=True)
         if HOST in prefix.tiers:
             prefix.origins = [
@@ -534,8 +574,10 @@ class KVCacheManager:
         if swapped is not None:
             tier, blocks = swapped
             self.pools[tier].free(reversed(blocks))
-        self._hashes.pop(request_id, None)
-        self._tokens.pop(request_id, None)
+        hashes = self._hashes.pop(request_id, None)
+        tokens = self._tokens.pop(request_id, None)
+        if hashes and tokens:
+            self._keep_program_names(request_id, hashes, tokens)
         self._num_named.pop(request_id, None)
         self._lookups.pop(request_id, None)
         self._drop_prefetched(request_id)

@@ -130,3 +130,34 @@ def test_a_cached_prefix_is_each_block_on_the_device_else_in_host_memory() -> No
         refs = kv.memory_prefix(None, tokens, len(tokens) // BS)
         assert len(refs) >= len(expected)
         assert [(r.tier, r.block_id) for r in refs[: len(expected)]] == [(t, b.block_id) for b, t in expected]
+
+
+def test_a_programs_next_request_takes_the_names_its_last_one_had_for_the_blocks_they_share() -> None:
+    """A conversation sent again (longer, compacted, or in another namespace): its names are those hashed afresh, and
+    its lookups find what a manager that hashes every request afresh finds."""
+    rng = random.Random(5)
+    for _ in range(40):
+        kv, fresh = KVCacheManager(64, BS, True, "fp"), KVCacheManager(64, BS, True, "fp")  # fresh: no programs
+        conversation = [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
+        for call in range(6):
+            rid = f"r{call}"
+            kv.set_program(rid, "p")
+            namespace = rng.random() < 0.2
+            if namespace:
+                kv.set_namespace(rid, "fp-lora")
+                fresh.set_namespace(rid, "fp-lora")
+            prefix = kv.find_cached_prefix(rid, conversation)
+            expected = fresh.find_cached_prefix(rid, conversation)
+            assert kv.block_hashes(rid, conversation) == extend_block_hashes(
+                [], conversation, BS, "fp-lora" if namespace else "fp"
+            )
+            assert [b.block_id for b in prefix.blocks] == [b.block_id for b in expected.blocks]
+            for manager, found in ((kv, prefix), (fresh, expected)):
+                assert manager.allocate(rid, conversation, len(conversation), found)
+                manager.end_request(rid)
+            roll = rng.random()
+            if roll < 0.2:  # compacted: its head kept, a block's worth of its tail dropped
+                conversation = conversation[:BS] + conversation[2 * BS :]
+            elif roll < 0.3:  # another turn of the same tokens changed
+                conversation = [t + 1 for t in conversation]
+            conversation = conversation + [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
