@@ -138,7 +138,7 @@ class PromptTokens:
             words = array("I", rng.getrandbits(32 * need).to_bytes(4 * need, "little"))
             if sys.byteorder == "big":
                 words.byteswap()
-            out += [100 + r for r in [w >> shift for w in words] if r < width]
+            out += [100 + r for w in words if (r := w >> shift) < width]
         return out
 
     def start(self, spec: ProgramSpec) -> tuple[random.Random, list[int]]:

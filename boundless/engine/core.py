@@ -806,7 +806,7 @@ class EngineCore:
                 continue  # it left while the step ran (and its id may be a new request's)
             tokens = [token]
             if result.later:  # a multi-step window: its later passes' tokens, in order
-                tokens += [t for t in (p.get(request_id) for p in result.later) if t is not None]
+                tokens += [t for p in result.later if (t := p.get(request_id)) is not None]
             applied.append((request, self._detokenizers[request_id], tokens))
         outputs = []
         results = _apply_tokens(applied)

@@ -125,8 +125,11 @@ class Request:
         status = RequestStatus.FINISHED_LENGTH if before + kept >= max_tokens else None
         params = self.sampling_params
         eos = () if params.ignore_eos else self.eos_token_ids
-        if eos or params.stop_token_ids:  # the first stopping token from min_tokens on (it wins over the length)
-            for i in range(max(0, params.min_tokens - before - 1), kept):
+        first = max(0, params.min_tokens - before - 1)
+        # The first stopping token from min_tokens on (it wins over the length); looked for a token at a time only
+        # where the window holds one (most windows hold none).
+        if (eos or params.stop_token_ids) and not {*eos, *params.stop_token_ids}.isdisjoint(token_ids[first:kept]):
+            for i in range(first, kept):
                 token = token_ids[i]
                 if token in eos or token in params.stop_token_ids:
                     kept, status = i + 1, RequestStatus.FINISHED_STOPPED

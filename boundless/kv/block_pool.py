@@ -126,7 +126,7 @@ class BlockPool:
     def _make(self, block_id: int) -> KVBlock:
         """Make the blocks up to ``block_id`` (the ids before it too, should an order hand ids out of turn)."""
         blocks = self.blocks
-        blocks.extend(KVBlock(i) for i in range(len(blocks), block_id + 1))
+        blocks.extend(map(KVBlock, range(len(blocks), block_id + 1)))
         return blocks[block_id]
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:

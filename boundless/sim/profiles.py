@@ -113,9 +113,9 @@ class RooflineStepCost:
             starts += start
             rows_left += 1
             pairs0 += new * start + new * (new + 1) // 2
-        seconds = []
-        k = 0  # by_end[:k] have ended
-        for j in range(first, end):
+        seconds: list[float] = []
+        k, j = 0, first  # by_end[:k] have ended before pass j
+        while j < end:
             while k < len(by_end) and by_end[k][2] <= j:
                 start, new, _ = by_end[k]
                 tokens -= new
@@ -123,11 +123,15 @@ class RooflineStepCost:
                 rows_left -= 1
                 pairs0 -= new * start + new * (new + 1) // 2
                 k += 1
-            cached = starts + j * rows_left
-            pairs = pairs0 + j * tokens
-            compute = (per_token * tokens + per_pair * pairs) / flop_rate
-            memory = (weight_bytes + kv_bytes * (cached + tokens)) / byte_rate
-            seconds.append(overhead + (compute if compute > memory else memory))
+            until = min(end, by_end[k][2]) if k < len(by_end) else end  # the passes with the same rows as j
+            # Each pass's compute time, (per_token * tokens + per_pair * pairs) / flop_rate, and memory time,
+            # (weight_bytes + kv_bytes * (cached + tokens)) / byte_rate; the larger after the overhead.
+            per_tokens = per_token * tokens
+            passes = range(j, until)
+            computes = [(per_tokens + per_pair * (pairs0 + i * tokens)) / flop_rate for i in passes]
+            memories = [(weight_bytes + kv_bytes * (starts + i * rows_left + tokens)) / byte_rate for i in passes]
+            seconds += [overhead + (c if c > m else m) for c, m in zip(computes, memories, strict=True)]
+            j = until
         return seconds
 
     @cached_property
