@@ -516,8 +516,10 @@ class KVCacheManager:
         table = self._tables.setdefault(request_id, [])
         if prefix is not None and prefix.blocks:
             assert not table, "a cached prefix is only taken on the first allocation"
-            on_device = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == DEVICE]
-            in_host = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == HOST]
+            on_device = self._on_device(prefix)
+            in_host: list[KVBlock] = []
+            if on_device is not prefix.blocks:
+                in_host = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == HOST]
             # Both kinds of hit are held before any new block is taken, so that no eviction this allocation
             # causes (and no demotion that follows from it) reuses a block of the prefix.
             self.pool.touch(on_device, owner)
@@ -718,13 +720,20 @@ class KVCacheManager:
         if self.write_policy == "back":
             self._queue_write(HOST, block.block_id, name)
 
+    @staticmethod
+    def _on_device(prefix: CachedPrefix) -> list[KVBlock]:
+        """The prefix's blocks on the device: all of them (the list itself) when none is in host memory."""
+        if HOST not in prefix.tiers:
+            return prefix.blocks
+        return [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == DEVICE]
+
     def _blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None) -> int:
         have = len(self._tables.get(request_id, ())) + self.num_lent_blocks(request_id)
         if prefix is None:  # a running request growing: the common case, every step
             return max(self.blocks_for_tokens(num_tokens_after) - have, 0) - self.pool.num_free
-        on_device = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == DEVICE]
+        on_device = self._on_device(prefix)
         # Hits on free cached blocks leave the free queue, so they cost free capacity too.
-        revived = sum(1 for b in on_device if b.ref_count == 0)
+        revived = [b.ref_count for b in on_device].count(0)
         need = self.blocks_for_tokens(num_tokens_after) - have - len(on_device)
         return max(need, 0) + revived - self.pool.num_free
 

@@ -306,6 +306,8 @@ class CostModelExecutor:
     def _placeholder(self, chunk: ScheduledChunk) -> int:
         if self.token_id is not None:
             return self.token_id
+        if not chunk.sampling_params.stop_token_ids and PLACEHOLDER_TOKEN not in chunk.eos_token_ids:
+            return PLACEHOLDER_TOKEN  # (most chunks: no set made)
         ending = set(chunk.eos_token_ids) | set(chunk.sampling_params.stop_token_ids)
         token = PLACEHOLDER_TOKEN
         while token in ending:
