@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from boundless.kv.block_hash import BlockHash
 from boundless.kv.events import MEDIUM_DEVICE, KVEventLog, LoraTag
@@ -271,6 +272,9 @@ class BlockPool:
             assert block.block_hash == h
 
 
+_token_ids = attrgetter("token_ids")
+
+
 def find_run(
     pools: Sequence[BlockPool],
     hashes: Sequence[BlockHash],
@@ -286,10 +290,17 @@ def find_run(
     one that held it). One call for a prompt's prefix, in memory tiers tried in order."""
     # (A lookup in a pool without caching finds nothing and counts nothing.)
     caches = [pool._cached if pool.enable_caching or not count else {} for pool in pools]
-    blocks: list[KVBlock] = []
-    where: list[int] = []
+    # Most of a prefix is in the first pool (the device): its leading run there is found at once, the names looked up
+    # by map and the tokens compared as lists (a block named by a request holds that request's tuple), then the rest
+    # block by block.
+    found = list(map(caches[0].get, hashes[first:end])) if caches else []
+    head = found.index(None) if None in found else len(found)
+    if head and list(map(_token_ids, found[:head])) != block_tokens[first : first + head]:
+        head = next((j for j in range(head) if found[j].token_ids != block_tokens[first + j]), head)
+    blocks: list[KVBlock] = found[:head]
+    where: list[int] = [0] * head
     missed = False  # whether the run ended at a block no pool holds (every pool was asked for it)
-    for i in range(first, end):
+    for i in range(first + head, end):
         name, tokens = hashes[i], block_tokens[i]
         for k, cached in enumerate(caches):
             block = cached.get(name)
