@@ -22,6 +22,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,9 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param  # K and V
 
 
+_num_passes = itemgetter(2)  # a PassRow's
+
+
 @dataclass(frozen=True)
 class RooflineStepCost:
     """A step on a GPU: ``overhead + max(FLOPs / (peak * compute_eff), bytes / (bandwidth * memory_eff))``.
@@ -106,16 +110,16 @@ class RooflineStepCost:
         # Pass j's sums (pairs as ChunkShape's) over the rows with more than j passes, in integers (so exactly those
         # summed row by row): kept as running sums, a row's terms dropped at the pass it ends, and j's terms added.
         # A window's rows are summed once, not once a pass (32 passes a window in the simulator).
-        by_end = sorted(rows, key=lambda row: row[2])
-        tokens = starts = rows_left = pairs0 = 0  # pairs0: the pairs at j = 0
+        by_end = sorted(rows, key=_num_passes)
+        tokens = starts = pairs0 = 0  # pairs0: the pairs at j = 0
         for start, new, _ in by_end:
             tokens += new
             starts += start
-            rows_left += 1
             pairs0 += new * start + new * (new + 1) // 2
-        seconds: list[float] = []
-        k, j = 0, first  # by_end[:k] have ended before pass j
-        while j < end:
+        rows_left = len(by_end)
+        seconds = []
+        k = 0  # by_end[:k] have ended
+        for j in range(first, end):
             while k < len(by_end) and by_end[k][2] <= j:
                 start, new, _ = by_end[k]
                 tokens -= new
@@ -123,15 +127,9 @@ class RooflineStepCost:
                 rows_left -= 1
                 pairs0 -= new * start + new * (new + 1) // 2
                 k += 1
-            until = min(end, by_end[k][2]) if k < len(by_end) else end  # the passes with the same rows as j
-            # Each pass's compute time, (per_token * tokens + per_pair * pairs) / flop_rate, and memory time,
-            # (weight_bytes + kv_bytes * (cached + tokens)) / byte_rate; the larger after the overhead.
-            per_tokens = per_token * tokens
-            passes = range(j, until)
-            computes = [(per_tokens + per_pair * (pairs0 + i * tokens)) / flop_rate for i in passes]
-            memories = [(weight_bytes + kv_bytes * (starts + i * rows_left + tokens)) / byte_rate for i in passes]
-            seconds += [overhead + (c if c > m else m) for c, m in zip(computes, memories, strict=True)]
-            j = until
+            compute = (per_token * tokens + per_pair * (pairs0 + j * tokens)) / flop_rate
+            memory = (weight_bytes + kv_bytes * (starts + j * rows_left + tokens)) / byte_rate
+            seconds.append(overhead + (compute if compute > memory else memory))
         return seconds
 
     @cached_property
