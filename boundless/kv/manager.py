@@ -468,8 +468,7 @@ class KVCacheManager:
         kept = [] if request_id is None else self._tokens.setdefault(request_id, [])
         if len(kept) < num_blocks:
             bs = self.block_size
-            # (Cut by zip, bs tokens at a time from one iterator over the blocks' tokens: no slice a block.)
-            kept += zip(*[iter(token_ids[len(kept) * bs : num_blocks * bs])] * bs, strict=True)
+            kept += [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(len(kept), num_blocks)]
         return kept
 
     def _memory_run(
