@@ -164,7 +164,7 @@ def call_prompt(
     """
     base = contexts.get(call.parents[0], system) if call.parents else system
     joined = [t for p in call.parents[1:] for t in outputs.get(p, [])]
-    prompt = base + joined + new_input
+    prompt = [*base, *joined, *new_input]  # (one list made, not two)
     room = max_model_len - call.output - 1
     if len(prompt) <= room:
         return prompt  # (as compaction says; without comparing the system prompt, once per call)

@@ -791,7 +791,7 @@ class EngineCore:
         arrivals, departures = sched.arrivals, sched.departures
         if sched.chunks:  # each pass of a window is a step of its own shape to the step-time models, ended in turn
             passes = window_shapes(sched)  # (made when a sample is read)
-            seconds = list(result.pass_seconds) if sched.window > 1 else [elapsed]
+            seconds = result.pass_seconds if sched.window > 1 else (elapsed,)  # (kept by the recorder as they are)
             # Tokens attended on other instances (lent blocks): the step's time holds the round trips' waits.
             remote = sum(r.num_tokens for c in sched.chunks for r in c.remote) if self.lending_stats is not None else 0
             self.step_times.record_window(passes, seconds, now, arrivals, departures, len(passes), remote)

@@ -1179,6 +1179,8 @@ class KVCacheManager:
 
     def take_disk_writes(self) -> list[DiskWrite]:
         """This step's writes to the store, one per source tier, in the order decided."""
+        if not self._writes:
+            return []  # (every step without a store)
         by_tier: dict[TierId, tuple[list[int], list[BlockHash]]] = {}
         for tier, block_id, key in self._writes:
             ids, keys = by_tier.setdefault(tier, ([], []))

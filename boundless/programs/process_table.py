@@ -159,9 +159,9 @@ class ProcessTable:
         thread = rec.threads.setdefault(thread_id, ThreadRecord(thread_id))
         # The call started where its longest predecessor path ended: its own thread's previous calls
         # or any parent thread it joins (a DAG).
-        start = max(
-            [thread.service_s] + [rec.threads[p].service_s for p in program.parent_thread_ids if p in rec.threads]
-        )
+        start = thread.service_s
+        if program.parent_thread_ids:
+            start = max([start] + [rec.threads[p].service_s for p in program.parent_thread_ids if p in rec.threads])
         thread.service_s = start + service_s
         thread.waiting_s += waiting_s
         thread.calls += 1
