@@ -125,9 +125,11 @@ class BlockPool:
         return out
 
     def _make(self, block_id: int) -> KVBlock:
-        """Make the blocks up to ``block_id`` (the ids before it too, should an order hand ids out of turn)."""
+        """Make the blocks up to ``block_id`` (the ids before it too, should an order hand ids out of turn), and as
+        many more as there were (within the pool): made by doubling, an allocation that hands out fresh ids in turn
+        comes here (by an exception) a few times, not once a block."""
         blocks = self.blocks
-        blocks.extend(map(KVBlock, range(len(blocks), block_id + 1)))
+        blocks.extend(map(KVBlock, range(len(blocks), max(block_id + 1, min(self.num_blocks, 2 * len(blocks))))))
         return blocks[block_id]
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
