@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -538,7 +539,7 @@ class EngineCore:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.identity.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+        if max(prompt_token_ids) >= vocab or not _non_negative(prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         # The sampler indexes the logits with stop ids (min_tokens) and biased ids; one outside would fail the whole
         # step.
@@ -984,6 +985,16 @@ class EngineCore:
         self.kv.reset_prefix_cache()
         if self.kv_events is not None:
             self._publish_kv_events()
+
+
+def _non_negative(token_ids: Sequence[int]) -> bool:
+    """``min(token_ids) >= 0``, in half its time on a prompt of ints: an unsigned array takes them in C and refuses a
+    negative one (or one past 2**32, or another type: then min() answers)."""
+    try:
+        array("I", token_ids)
+    except (OverflowError, TypeError):
+        return min(token_ids) >= 0
+    return True
 
 
 def _apply_tokens(
