@@ -161,3 +161,82 @@ def test_a_programs_next_request_takes_the_names_its_last_one_had_for_the_blocks
             elif roll < 0.3:  # another turn of the same tokens changed
                 conversation = [t + 1 for t in conversation]
             conversation = conversation + [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+
+
+def test_a_programs_taken_names_through_preemptions_swaps_resets_and_host_memory() -> None:
+    """The names a program's requests take (their program's latest request's) through what a served request goes
+    through: recomputed after a preemption (freed, not ended), swapped out and in, the prefix cache reset, host memory
+    below the device, namespaces (an adapter's, a salt's) changing from call to call of one program. Its names are
+    those hashed afresh, and it finds, holds and counts what a manager of requests without programs does."""
+    rng = random.Random(13)
+    for _ in range(60):
+        device, host = rng.choice([12, 24]), rng.choice([0, 8, 24])
+        managers = [KVCacheManager(device, BS, True, "fp", num_host_blocks=host) for _ in range(2)]
+        kv, fresh = managers  # fresh: no programs
+        tokens: dict[str, list[int]] = {}
+        state: dict[str, str] = {}
+        namespace: dict[str, str] = {}
+        last: dict[str, list[int]] = {}
+        program: dict[str, str] = {}
+        for n in range(80):
+            for manager in managers:
+                manager.begin_step()
+            roll = rng.random()
+            if roll < 0.25 or not tokens:
+                rid = f"r{n}"
+                program[rid] = rng.choice("ab")
+                base = list(last.get(program[rid], []))
+                if rng.random() < 0.2 and len(base) > 2 * BS:  # compacted
+                    base = base[:BS] + base[2 * BS :]
+                tokens[rid] = base + [rng.randrange(3) for _ in range(rng.randrange(1, 10))]
+                state[rid] = "waiting"
+                kv.set_program(rid, program[rid])
+                if rng.random() < 0.3:
+                    namespace[rid] = rng.choice(["lora", "salt"])
+                    for manager in managers:
+                        manager.set_namespace(rid, namespace[rid])
+                continue
+            rid = rng.choice(sorted(tokens))
+            ids = tokens[rid]
+            if state[rid] == "waiting":
+                found = [m.find_cached_prefix(rid, ids) for m in managers]
+                assert kv.block_hashes(rid, ids) == extend_block_hashes([], ids, BS, namespace.get(rid, "fp"))
+                assert [[(b.block_id, t) for b, t in zip(p.blocks, p.tiers, strict=True)] for p in found] == [
+                    [(b.block_id, t) for b, t in zip(found[0].blocks, found[0].tiers, strict=True)]
+                ] * 2
+                admitted = {m.allocate(rid, ids, len(ids), p) for m, p in zip(managers, found, strict=True)}
+                assert len(admitted) == 1
+                if admitted.pop():
+                    state[rid] = "running"
+            elif state[rid] == "running" and roll < 0.6:
+                ids.append(rng.randrange(3))
+                assert len({m.allocate(rid, ids, len(ids)) for m in managers}) == 1  # both grew it, or neither
+            elif state[rid] == "running" and roll < 0.7:
+                swapped = [m.swap_out(rid) for m in managers]
+                assert (swapped[0] is None) == (swapped[1] is None)
+                state[rid] = "running" if swapped[0] is None else "swapped"
+            elif state[rid] == "swapped":
+                back = [m.swap_in(rid, ids, len(ids)) for m in managers]
+                assert (back[0] is None) == (back[1] is None)
+                state[rid] = "swapped" if back[0] is None else "running"
+            elif roll < 0.8:  # preempted: recomputed later
+                for manager in managers:
+                    manager.free(rid)
+                state[rid] = "waiting"
+            elif roll < 0.83:
+                for manager in managers:
+                    manager.reset_prefix_cache()
+            else:
+                for manager in managers:
+                    manager.end_request(rid)
+                last[program[rid]] = ids
+                del tokens[rid], state[rid]
+                namespace.pop(rid, None)
+            for tier, pool in kv.pools.items():
+                pool.check_invariants()
+                other = fresh.pools[tier]
+                assert (pool.num_free, pool.stats.queries, pool.stats.hits) == (
+                    other.num_free,
+                    other.stats.queries,
+                    other.stats.hits,
+                )
