@@ -992,7 +992,7 @@ def _non_negative(token_ids: Sequence[int]) -> bool:
     negative one (or one past 2**32, or another type: then min() answers)."""
     try:
         array("I", token_ids)
-    except (OverflowError, TypeError):
+    except (OverflowError, TypeError, ValueError):  # (ValueError: bytes of a length array cannot split)
         return min(token_ids) >= 0
     return True
 
