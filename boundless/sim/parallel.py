@@ -220,6 +220,7 @@ class ShardPool:
 
     def __init__(self, make_shard: Callable[[Sequence[int]], EngineShard], owners: Sequence[Sequence[int]]) -> None:
         self._local: EngineShard | None = None
+        self._done: list[WindowDone] = []  # the local shard's answer, until collected
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._cpu_start = 0.0
@@ -247,12 +248,18 @@ class ShardPool:
     def start(self) -> None:
         self._cpu_start = time.process_time()
 
-    def exchange(self, windows: Sequence[Window]) -> list[WindowDone]:
-        """Run a window on every shard (all at once, with workers) and return their answers in shard order."""
+    def dispatch(self, windows: Sequence[Window]) -> None:
+        """Start a window on every shard (the workers run it meanwhile; a shard in this process, at once)."""
         if self._local is not None:
-            return [self._local.run_window(windows[0])]
+            self._done = [self._local.run_window(windows[0])]
+            return
         for conn, window in zip(self._conns, windows, strict=True):
             conn.send(window)
+
+    def collect(self) -> list[WindowDone]:
+        """The shards' answers to the window dispatched last, in shard order."""
+        if self._local is not None:
+            return self._done
         return [self._recv(k) for k in range(len(self._conns))]
 
     def finish(self) -> list[ShardTotals]:
@@ -288,6 +295,14 @@ class ShardPool:
         return answer
 
 
+@dataclass(frozen=True)
+class _Flight:
+    """A window the shards run while main routes the next (pipelined): its end, and whether it added calls."""
+
+    end: float
+    adds: bool
+
+
 class WindowedSimulator(Simulator):
     """A plain cluster run in windows of ``sync_interval_s`` of virtual time, its instances in ``workers`` shards
     (instance ``i`` in shard ``i % workers``): the programs, the dispatcher and the results here, the engines in the
@@ -305,6 +320,7 @@ class WindowedSimulator(Simulator):
         fast_forward: bool = True,
         sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
         workers: int = 1,
+        pipeline: bool = False,
     ) -> None:
         cluster = cluster or ClusterConfig(instances=instances)
         if cluster.disaggregated or cluster.kv_lending == "on":
@@ -318,10 +334,15 @@ class WindowedSimulator(Simulator):
         super().__init__(config, model, cost, seed, instances, cluster, profile, fast_forward=fast_forward, owned=())
         self.sync_interval_s = sync_interval_s
         self.workers = workers
+        self.pipeline = pipeline
         self._worker_of = {str(i): i % workers for i in range(instances)}
         self._outbox: list[list[CallAdd]] = [[] for _ in range(workers)]
         self._not_before = -math.inf  # calls made from now on arrive no earlier (the window being applied has run)
         self._totals: list[ShardTotals] = []
+        if self.dispatcher is not None:
+            # The router hears of a finish at the end of its window: its process table records it then, and its clock
+            # never goes back (the table's expiry scans in the order of activity, which a clock going back spoils).
+            self.dispatcher.clock = lambda: max(self.clock.now, self._not_before)
         make = functools.partial(
             EngineShard, config, model, cost, seed, instances, cluster, profile, fast_forward=fast_forward
         )
@@ -344,26 +365,51 @@ class WindowedSimulator(Simulator):
 
     def _windows(self, progress: Progress | None) -> None:
         """Window after window until nothing is left to do: main's events (arrivals, calls) routed, the shards run,
-        their finished calls applied. A window is ``[k * D, (k + 1) * D)``; those where nothing is due are skipped."""
-        d, events, clock = self.sync_interval_s, self._events, self.clock
-        k, shards_next = 0, math.inf
+        their finished calls applied. A window is ``[k * D, (k + 1) * D)``; those in which nothing can happen are
+        skipped. Pipelined, main routes window k while the shards run window k - 1, and applies that window's finished
+        calls once window k is under way: the calls they make arrive from window k + 1 on."""
+        d, pool = self.sync_interval_s, self._pool
+        k, flight, shards_next = -1, None, math.inf
         while True:
-            due = min(events[0][0] if events else math.inf, shards_next)
-            if due == math.inf:
+            k = self._next_window(k, flight, shards_next)
+            if k is None:
+                if flight is not None:
+                    pool.collect()  # (a window that ran nothing)
                 return
-            k = max(k, self._window_of(due))
             end = (k + 1) * d
             self._advance(end)  # route the window's calls (and run the heartbeats due)
             outbox, self._outbox = self._outbox, [[] for _ in range(self.workers)]
-            done = self._pool.exchange([Window(end, adds) for adds in outbox])
-            self._not_before = end
-            for e in sorted((e for w in done for e in w.ends), key=lambda e: (e.at_s, e.instance, e.order)):
-                clock.now = e.at_s
-                self._on_delta(str(e.instance), _delta(e))
-            shards_next = min(w.next_event_s for w in done)
-            k += 1
+            windows = [Window(end, adds) for adds in outbox]
+            # Pipelined: the window before's answers, then this one out at once, its answers applied while it runs.
+            done = pool.collect() if flight is not None else []
+            pool.dispatch(windows)
+            if not self.pipeline:  # this window's answers
+                done = pool.collect()
+            shards_next = min((w.next_event_s for w in done), default=math.inf)
+            self._apply(done, end)
+            flight = _Flight(end, any(outbox)) if self.pipeline else None
             if progress is not None:
-                progress(clock.now)
+                progress(self.clock.now)
+
+    def _next_window(self, k: int, flight: _Flight | None, shards_next: float) -> int | None:
+        """The window after ``k`` to run: the next one, or, where nothing is due before it, the one something is due
+        in (None: nothing is left). ``shards_next``: the shards' earliest event, as of their last answers; a window
+        in flight (pipelined) that may have run something makes that unknown, and the next window is run."""
+        if flight is not None and (flight.adds or shards_next < flight.end):
+            return k + 1
+        due = min(self._events[0][0] if self._events else math.inf, shards_next)
+        if due == math.inf:
+            return None
+        return max(k + 1, self._window_of(due))
+
+    def _apply(self, done: list[WindowDone], not_before: float) -> None:
+        """The shards' finished calls, in the order (time, instance, order), to the dispatcher and the programs at
+        their finish times; the calls they make arrive at ``not_before`` at the earliest."""
+        self._not_before = not_before
+        clock = self.clock
+        for e in sorted((e for w in done for e in w.ends), key=lambda e: (e.at_s, e.instance, e.order)):
+            clock.now = e.at_s
+            self._on_delta(str(e.instance), _delta(e))
 
     def _window_of(self, t: float) -> int:
         """The window ``k`` with ``k * D <= t < (k + 1) * D`` (on the grid, whatever the float division rounds to)."""

@@ -115,6 +115,7 @@ def run_row(args: argparse.Namespace, context: RowContext, job: RowJob, progress
             fast_forward=args.fast_forward,
             sync_interval_s=sync_interval_s(args),
             workers=args.workers,
+            pipeline=args.pipeline,
         )
     else:
         sim = Simulator(
@@ -282,6 +283,7 @@ def run(args: argparse.Namespace) -> dict:
         },
         "workers": args.workers,
         "sync_interval_s": sync_interval_s(args) if windowed(args) else None,  # None: the serial simulator
+        "pipeline": windowed(args) and args.pipeline,
     }
     if args.json:
         write_json(args.json, result)
@@ -597,6 +599,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="with --sync-interval-s: run the instances' engines in this many processes (instance i in worker "
         f"i %% N); the rows are the same for any N; above 1 without --sync-interval-s, D is {DEFAULT_SYNC_INTERVAL_S}",
+    )
+    parser.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --sync-interval-s: main routes a window's calls while the engines run the window before, so the "
+        "router hears of a finish up to 2 D late and the calls it makes arrive a window later (other rows; the same "
+        "for any --workers)",
     )
     add_flags(parser, ClusterConfig, only=CLUSTER_FLAGS)
     # The engine's own flags (the scheduler's are added with them by the command line).
