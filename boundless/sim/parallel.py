@@ -460,8 +460,8 @@ class WindowedSimulator(Simulator):
     def num_preemptions(self) -> int:
         return sum(t.num_preemptions for t in self._totals)
 
-    def helpers_cpu_s(self) -> float:
-        return sum(t.cpu_s for t in self._totals)
+    def helper_cpu_s(self) -> list[float]:
+        return [t.cpu_s for t in self._totals] if self.workers > 1 else []  # (one shard runs in this process)
 
 
 def _delta(end: CallEnd) -> RequestDelta:

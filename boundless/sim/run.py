@@ -58,6 +58,7 @@ class RowRun:
     cpu_s: float
     steps_alone: int  # steps fast-forwarded
     steps_scheduled: int  # fewer than the steps with multi-step windows
+    worker_cpu_s: list[float] = dataclasses.field(default_factory=list)  # each worker process's (in cpu_s too)
 
 
 @dataclass(frozen=True)
@@ -134,10 +135,11 @@ def run_row(args: argparse.Namespace, context: RowContext, job: RowJob, progress
     bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, label, progress)
     start, cpu_start = time.perf_counter(), time.process_time()
     results = sim.run(programs, bar)
-    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start + sim.helpers_cpu_s()
+    wall_s, main_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    workers_cpu_s = sim.helper_cpu_s()
     bar.close()
     row = result_row(sim, results, job.rate, job.policy, cluster)
-    return RowRun(row, wall_s, cpu_s, sim.num_steps_alone, sim.num_scheduled)
+    return RowRun(row, wall_s, main_cpu_s + sum(workers_cpu_s), sim.num_steps_alone, sim.num_scheduled, workers_cpu_s)
 
 
 def run_rows(args: argparse.Namespace, context: RowContext, jobs: list[RowJob]) -> tuple[list[RowRun], float]:
@@ -280,6 +282,7 @@ def run(args: argparse.Namespace) -> dict:
             "row_wall_s": walls,
             "cpu_s": cpu,  # every process's (main's and the workers')
             "row_cpu_s": cpus,
+            "row_worker_cpu_s": [r.worker_cpu_s for r in runs],  # each worker process's CPU seconds, by row
         },
         "workers": args.workers,
         "sync_interval_s": sync_interval_s(args) if windowed(args) else None,  # None: the serial simulator

@@ -454,9 +454,9 @@ class Simulator:
         """The engines' preemptions over the run."""
         return sum(i.core.stats().num_preemptions for i in self.instances.values())
 
-    def helpers_cpu_s(self) -> float:
-        """CPU seconds other processes spent on the run (a windowed run's workers); none here."""
-        return 0.0
+    def helper_cpu_s(self) -> list[float]:
+        """The CPU seconds each other process spent on the run (a windowed run's workers); none here."""
+        return []
 
     def _beat_due(self, now: float) -> bool:
         return self.dispatcher is not None and now >= self._next_expiry
