@@ -11,7 +11,8 @@ prompts the real benchmark sends (same tokens, same compaction).
 
 Events, not threads: a heap of (time, sequence number) orders arrivals, tool waits and the ends of
 instances' steps, and ties are broken by the order the events were made, so a run is a function of
-its inputs and seed alone.
+its inputs and seed alone. A plain cluster can also run in windows of virtual time, its engines in several processes
+(``sim/parallel.py``), each shard on this loop run to a horizon (``_advance``).
 
 Instances may fail (``sim/failures.py``): a failed one stops mid-step, the dispatcher is told as the
 transport would tell it, and its decisions (``MarkDead``, sends resumed elsewhere, requeues, and the lost
