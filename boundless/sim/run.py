@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> dict:
     simulated, steps = sum(r["simulated_s"] for r in rows), sum(r["steps"] for r in rows)
     gpus = ", ".join(dict.fromkeys(str(r["gpus"]) for r in rows))
     cpu = sum(cpus)
-    processes = f" in {args.workers} worker processes" if args.workers > 1 else ""
+    processes = f" (main and {args.workers} worker processes)" if args.workers > 1 else ""
     print(
         f"simulated {simulated:.0f} s of {gpus} instance(s) in {wall:.1f} s wall, {cpu:.1f} s CPU{processes}:"
         f" {simulated / max(wall, 1e-9):.1f} simulated s per wall s,"
