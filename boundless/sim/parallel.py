@@ -36,6 +36,7 @@ import multiprocessing
 import struct
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -228,7 +229,7 @@ class ShardPool:
 
     def __init__(self, make_shard: Callable[[Sequence[int]], EngineShard], owners: Sequence[Sequence[int]]) -> None:
         self._local: EngineShard | None = None
-        self._done: list[WindowDone] = []  # the local shard's answer, until collected
+        self._done: deque[list[WindowDone]] = deque()  # the local shard's answers, until collected
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._cpu_start = 0.0
@@ -257,17 +258,18 @@ class ShardPool:
         self._cpu_start = time.process_time()
 
     def dispatch(self, windows: Sequence[Window]) -> None:
-        """Start a window on every shard (the workers run it meanwhile; a shard in this process, at once)."""
+        """Start a window on every shard (the workers run it meanwhile, after any window they run now; a shard in this
+        process, at once)."""
         if self._local is not None:
-            self._done = [self._local.run_window(windows[0])]
+            self._done.append([self._local.run_window(windows[0])])
             return
         for conn, window in zip(self._conns, windows, strict=True):
             conn.send(window)
 
     def collect(self) -> list[WindowDone]:
-        """The shards' answers to the window dispatched last, in shard order."""
+        """The shards' answers to the oldest window dispatched and not collected, in shard order."""
         if self._local is not None:
-            return self._done
+            return self._done.popleft()
         return [self._recv(k) for k in range(len(self._conns))]
 
     def finish(self) -> list[ShardTotals]:
@@ -387,12 +389,11 @@ class WindowedSimulator(Simulator):
             end = (k + 1) * d
             self._advance(end)  # route the window's calls (and run the heartbeats due)
             outbox, self._outbox = self._outbox, [[] for _ in range(self.workers)]
-            windows = [Window(end, adds) for adds in outbox]
-            # Pipelined: the window before's answers, then this one out at once, its answers applied while it runs.
-            done = pool.collect() if flight is not None else []
-            pool.dispatch(windows)
-            if not self.pipeline:  # this window's answers
-                done = pool.collect()
+            # Pipelined, the window goes out before the window before's answers come back: each worker finds it
+            # queued when it ends that one (no wait for main, nor for the slower worker), and main applies those
+            # answers while the workers run it.
+            pool.dispatch([Window(end, adds) for adds in outbox])
+            done = [] if self.pipeline and flight is None else pool.collect()
             shards_next = min((w.next_event_s for w in done), default=math.inf)
             self._apply(done, end)
             flight = _Flight(end, any(outbox)) if self.pipeline else None
