@@ -34,6 +34,7 @@ from boundless.sim.cost import CostModel
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.failures import InstanceFailure, check_failures, parse_failures
 from boundless.sim.longctx import add_longctx_arguments, run_longctx
+from boundless.sim.parallel import DEFAULT_SYNC_INTERVAL_S, WindowedSimulator
 from boundless.sim.profiles import HardwareProfile, profile_from_flag, profile_names
 from boundless.sim.progress import VirtualTimeBar
 from boundless.sim.simulator import DEFAULT_INSTANCE_STARTUP_S, SimResult, Simulator
@@ -57,6 +58,7 @@ class RowRun:
     cpu_s: float
     steps_alone: int  # steps fast-forwarded
     steps_scheduled: int  # fewer than the steps with multi-step windows
+    worker_cpu_s: list[float] = dataclasses.field(default_factory=list)  # each worker process's (in cpu_s too)
 
 
 @dataclass(frozen=True)
@@ -102,26 +104,42 @@ def run_row(args: argparse.Namespace, context: RowContext, job: RowJob, progress
     programs = workload_programs(args.workload, count, job.rate, args.bench_seed, workload_shape(args))
     base = context.base
     config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, policy=job.policy))
-    sim = Simulator(
-        config,
-        context.model,
-        context.cost,
-        instances=cluster.instances,
-        cluster=cluster,
-        profile=context.profile,
-        instances_per_node=args.instances_per_node,
-        fast_forward=args.fast_forward,
-        failures=context.failures,
-        instance_startup_s=args.instance_startup_s,
-    )
+    sim: Simulator
+    if windowed(args):  # the engines in windows of virtual time, in --workers processes (sim/parallel.py)
+        sim = WindowedSimulator(
+            config,
+            context.model,
+            context.cost,
+            instances=cluster.instances,
+            cluster=cluster,
+            profile=context.profile,
+            fast_forward=args.fast_forward,
+            sync_interval_s=sync_interval_s(args),
+            workers=args.workers,
+            pipeline=args.pipeline,
+        )
+    else:
+        sim = Simulator(
+            config,
+            context.model,
+            context.cost,
+            instances=cluster.instances,
+            cluster=cluster,
+            profile=context.profile,
+            instances_per_node=args.instances_per_node,
+            fast_forward=args.fast_forward,
+            failures=context.failures,
+            instance_startup_s=args.instance_startup_s,
+        )
     label = f"{job.policy}{'/' + cluster.kv_path if cluster.disaggregated else ''} @ {job.rate}/s"
     bar = VirtualTimeBar(programs[-1].arrival_s if programs else 0.0, label, progress)
     start, cpu_start = time.perf_counter(), time.process_time()
     results = sim.run(programs, bar)
-    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    wall_s, main_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    workers_cpu_s = sim.helper_cpu_s()
     bar.close()
     row = result_row(sim, results, job.rate, job.policy, cluster)
-    return RowRun(row, wall_s, cpu_s, sim.num_steps_alone, sim.num_scheduled)
+    return RowRun(row, wall_s, main_cpu_s + sum(workers_cpu_s), sim.num_steps_alone, sim.num_scheduled, workers_cpu_s)
 
 
 def run_rows(args: argparse.Namespace, context: RowContext, jobs: list[RowJob]) -> tuple[list[RowRun], float]:
@@ -142,6 +160,44 @@ def run_rows(args: argparse.Namespace, context: RowContext, jobs: list[RowJob]) 
         done.close()
         runs = [f.result() for f in futures]
     return runs, time.perf_counter() - start
+
+
+def windowed(args: argparse.Namespace) -> bool:
+    """Whether the run is windowed (``sim/parallel.py``): ``--sync-interval-s``, or ``--workers`` above 1."""
+    return args.sync_interval_s is not None or args.workers > 1
+
+
+def sync_interval_s(args: argparse.Namespace) -> float:
+    return DEFAULT_SYNC_INTERVAL_S if args.sync_interval_s is None else args.sync_interval_s
+
+
+def check_windowed_flags(
+    args: argparse.Namespace, clusters: list[ClusterConfig], profile: HardwareProfile | None
+) -> None:
+    """A windowed run is a plain cluster's: refuse (one line) what it does not simulate."""
+    if args.workers < 1:
+        raise SystemExit(f"--workers: at least 1 process, not {args.workers}")
+    if not windowed(args):
+        return
+    interval = sync_interval_s(args)
+    if not (math.isfinite(interval) and interval > 0):
+        raise SystemExit(f"--sync-interval-s: a positive number of virtual seconds, not {interval}")
+    refused = {
+        "--roles/--prefill-instances/--decode-instances": any(c.disaggregated for c in clusters),
+        "--kv-lending on": any(c.kv_lending == "on" for c in clusters),
+        "--fail": bool(args.fail),
+        "--instances-per-node": args.instances_per_node > 0,
+        "--workload longctx": args.workload == "longctx",
+        "--jobs": args.jobs > 1,
+        "a contended profile": bool(profile and getattr(profile.step, "contended", False)),
+    }
+    for flag, given in refused.items():
+        if given:
+            raise SystemExit(
+                f"--sync-interval-s/--workers: a windowed run simulates plain instances that share nothing, not {flag}"
+            )
+    if args.workers > clusters[0].instances:
+        raise SystemExit(f"--workers: at most one per instance ({clusters[0].instances}), not {args.workers}")
 
 
 def linear_cost(args: argparse.Namespace, profile: HardwareProfile | None) -> CostModel | None:
@@ -169,6 +225,7 @@ def run(args: argparse.Namespace) -> dict:
     profile = profile_from_flag("--profile", args.profile) if args.profile else None
     clusters = cluster_configs_from_flags(args)
     failures = failures_from_flags(args, clusters)
+    check_windowed_flags(args, clusters, profile)
     context = RowContext(base, SimulatedModel.read(base.model), profile, linear_cost(args, profile), failures)
     if args.workload == "longctx":  # Infinite-LLM's experiment: its own rows (sim/longctx.py)
         return run_longctx(args, base, context.model, profile, context.cost, clusters[0], failures)
@@ -181,8 +238,10 @@ def run(args: argparse.Namespace) -> dict:
     print_rows(rows)
     simulated, steps = sum(r["simulated_s"] for r in rows), sum(r["steps"] for r in rows)
     gpus = ", ".join(dict.fromkeys(str(r["gpus"]) for r in rows))
+    cpu = sum(cpus)
+    processes = f" (main and {args.workers} worker processes)" if args.workers > 1 else ""
     print(
-        f"simulated {simulated:.0f} s of {gpus} instance(s) in {wall:.1f} s wall:"
+        f"simulated {simulated:.0f} s of {gpus} instance(s) in {wall:.1f} s wall, {cpu:.1f} s CPU{processes}:"
         f" {simulated / max(wall, 1e-9):.1f} simulated s per wall s,"
         f" {steps / max(wall, 1e-9):.0f} engine steps per wall s"
         + (f" ({scheduled} of {steps} steps scheduled)" if scheduled < steps else "")
@@ -221,9 +280,13 @@ def run(args: argparse.Namespace) -> dict:
             "steps_scheduled": scheduled,
             "simulated_s_per_wall_s": simulated / max(wall, 1e-9),
             "row_wall_s": walls,
-            "cpu_s": sum(cpus),
+            "cpu_s": cpu,  # every process's (main's and the workers')
             "row_cpu_s": cpus,
+            "row_worker_cpu_s": [r.worker_cpu_s for r in runs],  # each worker process's CPU seconds, by row
         },
+        "workers": args.workers,
+        "sync_interval_s": sync_interval_s(args) if windowed(args) else None,  # None: the serial simulator
+        "pipeline": windowed(args) and args.pipeline,
     }
     if args.json:
         write_json(args.json, result)
@@ -266,14 +329,14 @@ def result_row(sim: Simulator, results: list[SimResult], rate: float, policy: st
         "policy": policy,
         "roles": f"{cluster.roles[0]}P{cluster.roles[1]}D" if cluster.disaggregated else "",
         "kv_path": cluster.kv_path if cluster.disaggregated else "",
-        "gpus": len(sim.instances),
+        "gpus": len(sim.instance_ids),
         "avg_latency_s": statistics.fmean(lat),
         "p95_latency_s": percentile(lat, 0.95),
         "p99_latency_s": percentile(lat, 0.99),
         "avg_latency_per_token_s": statistics.fmean(r.latency_s / max(1, r.output_tokens) for r in results),
         "jct_s": jct,
         "output_tokens_per_s": tokens / max(jct, 1e-9),
-        "preemptions": sum(i.core.stats().num_preemptions for i in sim.instances.values()),
+        "preemptions": sim.num_preemptions(),
         "calls_per_instance": calls_per_instance(sim),
         "simulated_s": sim.clock.now,
         "steps": sim.num_steps,
@@ -374,7 +437,7 @@ def write_plot(path: str, rows: list[dict], args: argparse.Namespace, hardware: 
 
 
 def calls_per_instance(sim: Simulator) -> dict[str, int]:
-    counts = dict.fromkeys(sim.instances, 0)
+    counts = dict.fromkeys(sim.instance_ids, 0)
     for placement in sim.placements:
         counts[placement.instance_id] += 1
     return counts
@@ -523,6 +586,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_INSTANCE_STARTUP_S,
         help="seconds from an instance's restart to its first heartbeat (its model's load), with --fail",
+    )
+    parser.add_argument(
+        "--sync-interval-s",
+        type=float,
+        metavar="D",
+        help="run the cluster in windows of D virtual seconds (sim/parallel.py): main routes each window's calls, the "
+        "engines run the window, and the router hears of the calls that finished at the window's end (up to D "
+        "late); plain instances only (no roles, KV lending, --fail, --instances-per-node); without it (and with "
+        "--workers 1) the serial simulator runs",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="with --sync-interval-s: run the instances' engines in this many processes (instance i in worker "
+        f"i %% N); the rows are the same for any N; above 1 without --sync-interval-s, D is {DEFAULT_SYNC_INTERVAL_S}",
+    )
+    parser.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --sync-interval-s: main routes a window's calls while the engines run the window before, so the "
+        "router hears of a finish up to 2 D late and the calls it makes arrive a window later (other rows; the same "
+        "for any --workers)",
     )
     add_flags(parser, ClusterConfig, only=CLUSTER_FLAGS)
     # The engine's own flags (the scheduler's are added with them by the command line).

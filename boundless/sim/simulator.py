@@ -11,7 +11,8 @@ prompts the real benchmark sends (same tokens, same compaction).
 
 Events, not threads: a heap of (time, sequence number) orders arrivals, tool waits and the ends of
 instances' steps, and ties are broken by the order the events were made, so a run is a function of
-its inputs and seed alone.
+its inputs and seed alone. A plain cluster can also run in windows of virtual time, its engines in several processes
+(``sim/parallel.py``), each shard on this loop run to a horizon (``_advance``).
 
 Instances may fail (``sim/failures.py``): a failed one stops mid-step, the dispatcher is told as the
 transport would tell it, and its decisions (``MarkDead``, sends resumed elsewhere, requeues, and the lost
@@ -27,9 +28,10 @@ import dataclasses
 import functools
 import heapq
 import itertools
+import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from boundless.bench.workloads import CallSpec, ProgramSpec, PromptTokens, call_kind, call_prompt
@@ -42,6 +44,7 @@ from boundless.cluster.restarts import Restart, RestartPolicy
 from boundless.cluster.routing import Router
 from boundless.cluster.stuck_step import stuck_step
 from boundless.config import ClusterConfig, EngineConfig
+from boundless.engine.builder import size_engine
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.executor import StepResult
@@ -189,7 +192,10 @@ class Simulator:
         failures: Sequence[InstanceFailure] = (),
         instance_startup_s: float = DEFAULT_INSTANCE_STARTUP_S,
         lending_pools: float | None = None,
+        owned: Collection[int] | None = None,
     ) -> None:
+        """``owned``: the instances (by index) this object builds engines for, when not all of them: a windowed run's
+        shards (``sim/parallel.py``) each hold some, and its main process none (the dispatcher still knows them all)."""
         if not instance_startup_s >= 0:
             raise ValueError(f"instance_startup_s must not be negative (got {instance_startup_s})")
         self.clock = VirtualClock()
@@ -238,7 +244,7 @@ class Simulator:
             # ``lending_plan.served_request_pools``); 1 sizes the engines as without lending.
             pools = instances if lending_pools is None else lending_pools
             max_len = lending_max_model_len(config, model, pools) if lending and pools > 1 else None
-            for i in range(instances):
+            for i in range(instances) if owned is None else sorted(owned):
                 link = self.storage_links[i // instances_per_node] if self.storage_links else None
                 make = self._new_engine[str(i)] = functools.partial(
                     simulated_engine,
@@ -260,13 +266,18 @@ class Simulator:
                 # With lending, the gManager beside the router: the dispatcher tells it of lost and restarted ones.
                 cluster_lending = self.lending.lending if self.lending is not None else None
                 self.dispatcher = Dispatcher(
-                    self.instances, router, table, self.clock, lending=cluster_lending, restarts=restarts
+                    [str(i) for i in range(instances)], router, table, self.clock, cluster_lending, restarts
                 )
         if len(self.instances) > 1 and getattr(cost, "contended", False):
             for iid, inst in self.instances.items():  # each step slows with the others stepping beside it
                 inst.core.executor.contention = self._contention_beside(iid)  # type: ignore[attr-defined]
-        self.core = next(iter(self.instances.values())).core  # the engine, for one instance
-        self.max_model_len = min(i.core.max_model_len for i in self.instances.values())
+        # Every instance of the cluster, built here or not (``owned``).
+        self.instance_ids = list(self.instances) if owned is None else [str(i) for i in range(instances)]
+        if self.instances:
+            self.core = next(iter(self.instances.values())).core  # the engine, for one instance
+            self.max_model_len = min(i.core.max_model_len for i in self.instances.values())
+        else:  # no engine here: the context they admit, as they are sized (no lending in a windowed run)
+            self.max_model_len = size_engine(config, model.arch, model.dtype).max_model_len
         # Without compaction a prompt goes as it is, and one longer than an instance admits is refused.
         self.compact_prompts = compact_prompts
         self._lending_idle_beats = 0  # lending heartbeats in a row with no step started (a stall)
@@ -290,6 +301,7 @@ class Simulator:
         self._ready: set[str] = set()  # idle instances that may have work to start
         self._open_programs = 0  # programs of the run not finished yet
         self._next_expiry = 0.0
+        self._horizon = math.inf  # events from this time on wait (a windowed run's shard runs a window at a time)
 
     def _build_roles(
         self,
@@ -361,17 +373,29 @@ class Simulator:
             return self._run(programs, progress)
 
     def _run(self, programs: list[ProgramSpec], progress: Progress | None) -> list[SimResult]:
+        sims = self._arrivals(programs)
+        for failure in self.failures:
+            self._at(failure.at_s, _FAIL, failure)
+            if failure.hang:
+                self._at(failure.detected_at(self.cluster.heartbeat_timeout_s), _DETECT, failure)
+        self._advance(math.inf, progress)
+        return self._results(sims)
+
+    def _arrivals(self, programs: list[ProgramSpec]) -> list[SimProgram]:
+        """The run's programs, each arriving (its first stage) at its arrival time."""
         sims = []
         for spec in programs:
             sims.append(SimProgram(spec))
             self._at(spec.arrival_s, _STAGE, sims[-1])
         self._open_programs = len(sims)
-        for failure in self.failures:
-            self._at(failure.at_s, _FAIL, failure)
-            if failure.hang:
-                self._at(failure.detected_at(self.cluster.heartbeat_timeout_s), _DETECT, failure)
+        return sims
+
+    def _advance(self, horizon: float, progress: Progress | None = None) -> None:
+        """Run the events before ``horizon`` (all of them: ``math.inf``) and the steps they start; those at or after
+        it stay on the heap."""
         events, clock = self._events, self.clock
-        while events or self._ready:
+        self._horizon = horizon
+        while self._ready or (events and events[0][0] < horizon):
             # Deliver every event due now (those it makes for now too), then start the idle instances' steps;
             # instances made ready while steps start (an idle step that applied ended streams) go round again.
             if not self._ready:
@@ -413,6 +437,8 @@ class Simulator:
                 self._start_step(self.instances[iid])
             if progress is not None:
                 progress(now)
+
+    def _results(self, sims: list[SimProgram]) -> list[SimResult]:
         return [
             SimResult(
                 sp.spec.program_id,
@@ -424,6 +450,14 @@ class Simulator:
             )
             for sp in sims
         ]
+
+    def num_preemptions(self) -> int:
+        """The engines' preemptions over the run."""
+        return sum(i.core.stats().num_preemptions for i in self.instances.values())
+
+    def helper_cpu_s(self) -> list[float]:
+        """The CPU seconds each other process spent on the run (a windowed run's workers); none here."""
+        return []
 
     def _beat_due(self, now: float) -> bool:
         return self.dispatcher is not None and now >= self._next_expiry
@@ -589,8 +623,9 @@ class Simulator:
             end = self._begin_step(inst)
             if end is None:
                 return
-            if (events and events[0][0] <= end) or self._beat_due(end):
-                self._at(end, _STEP_END, inst)  # something else comes first (or at the same time, queued before)
+            if (events and events[0][0] <= end) or self._beat_due(end) or end >= self._horizon:
+                # Something else comes first (or at the same time, queued before), or the step ends in a later window.
+                self._at(end, _STEP_END, inst)
                 return
             clock.now = end
             self.num_steps_alone += 1
