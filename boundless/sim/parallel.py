@@ -56,6 +56,24 @@ from boundless.sim.simulator import _CALL, Placement, Progress, SimResult, Simul
 
 # The sync interval a run with --workers > 1 takes when none is given: 20 ms of virtual time, a few decode passes.
 DEFAULT_SYNC_INTERVAL_S = 0.02
+# Main's own work (the programs, the dispatcher, the messages) for a second of its cluster's engines' work, as measured
+# on the light hour (1,152 instances, two processes: ~19 CPU s of it against ~80 s of the engines'): main keeps fewer
+# instances than a worker, so that it and each worker have about as much to do (shard_owners).
+MAIN_WORK_RATIO = 0.25
+
+
+def shard_owners(instances: int, workers: int, main_ratio: float = MAIN_WORK_RATIO) -> list[list[int]]:
+    """The instances (by index) of each of ``workers`` shards, the first main's: main keeps a share
+    ``(1 - main_ratio * (workers - 1)) / workers`` of them (none where that is not positive), the other shards the rest
+    equally, interleaved (each instance to the shard furthest behind its share; ties to the lower). Where the instances
+    go never changes a run's rows, only how the work is shared."""
+    main = max(0.0, (1 - main_ratio * (workers - 1)) / workers)
+    shares = [main] + [(1 - main) / (workers - 1)] * (workers - 1) if workers > 1 else [1.0]
+    owners: list[list[int]] = [[] for _ in range(workers)]
+    for i in range(instances):
+        behind = [share * (i + 1) - len(owned) for share, owned in zip(shares, owners, strict=True)]
+        owners[behind.index(max(behind))].append(i)
+    return owners
 
 
 def pack_tokens(tokens: list[int]) -> bytes:
@@ -224,22 +242,20 @@ def _serve(conn: Connection, make_shard: Callable[[Sequence[int]], EngineShard],
 
 
 class ShardPool:
-    """The shards: with one, in this process; with more, each in a forked worker process. The same calls either way,
-    so one worker is the same run as several."""
+    """The shards: the first in this process (its engines run between main's routing), each other in a forked worker
+    process. The same calls either way, so the split never changes a run."""
 
     def __init__(self, make_shard: Callable[[Sequence[int]], EngineShard], owners: Sequence[Sequence[int]]) -> None:
         self._local: EngineShard | None = None
-        self._done: deque[list[WindowDone]] = deque()  # the local shard's answers, until collected
+        self._done: deque[WindowDone] = deque()  # the local shard's answers, until collected
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._cpu_start = 0.0
-        if len(owners) == 1:
-            self._local = make_shard(owners[0])
-            return
-        # Forked (as --jobs): the workers start with the modules (torch too) imported, and build their engines at once.
+        # Forked (as --jobs) before this process builds its own engines (the workers would copy them): they start with
+        # the modules (torch too) imported, and build their engines at once.
         context = multiprocessing.get_context("fork")
         try:
-            for k, owned in enumerate(owners):
+            for k, owned in enumerate(owners[1:], start=1):
                 parent, child = context.Pipe()
                 proc = context.Process(
                     target=_serve, args=(child, make_shard, owned), name=f"sim-worker-{k}", daemon=True
@@ -248,7 +264,9 @@ class ShardPool:
                 child.close()
                 self._conns.append(parent)
                 self._procs.append(proc)
-            for k in range(len(owners)):
+            if owners[0]:
+                self._local = make_shard(owners[0])
+            for k in range(len(self._conns)):
                 self._recv(k)  # ready
         except BaseException:
             self.kill()
@@ -258,27 +276,24 @@ class ShardPool:
         self._cpu_start = time.process_time()
 
     def dispatch(self, windows: Sequence[Window]) -> None:
-        """Start a window on every shard (the workers run it meanwhile, after any window they run now; a shard in this
-        process, at once)."""
-        if self._local is not None:
-            self._done.append([self._local.run_window(windows[0])])
-            return
-        for conn, window in zip(self._conns, windows, strict=True):
+        """Start a window on every shard, one ``Window`` a shard: the workers run it meanwhile (after any window they
+        run now), the shard in this process at once, once the workers have theirs."""
+        for conn, window in zip(self._conns, windows[1:], strict=True):
             conn.send(window)
+        if self._local is not None:
+            self._done.append(self._local.run_window(windows[0]))
 
     def collect(self) -> list[WindowDone]:
-        """The shards' answers to the oldest window dispatched and not collected, in shard order."""
-        if self._local is not None:
-            return self._done.popleft()
-        return [self._recv(k) for k in range(len(self._conns))]
+        """The shards' answers to the oldest window dispatched and not collected."""
+        done = [self._done.popleft()] if self._local is not None else []
+        return done + [self._recv(k) for k in range(len(self._conns))]
 
     def finish(self) -> list[ShardTotals]:
-        """The shards' totals; the workers exit."""
-        if self._local is not None:
-            return [self._local.totals(0.0)]  # (its CPU time is this process's)
+        """The shards' totals (the local shard's CPU is this process's, counted as 0); the workers exit."""
         for conn in self._conns:
             conn.send(None)
-        totals = [self._recv(k) for k in range(len(self._conns))]
+        totals = [self._local.totals(0.0)] if self._local is not None else []
+        totals += [self._recv(k) for k in range(len(self._conns))]
         for proc in self._procs:
             proc.join()
         return totals
@@ -298,10 +313,10 @@ class ShardPool:
             answer = self._conns[k].recv()
         except EOFError:
             raise SimulationWorkerError(
-                f"simulation worker {k} exited without an answer (exit code {self._procs[k].exitcode})"
+                f"simulation worker {k + 1} exited without an answer (exit code {self._procs[k].exitcode})"
             ) from None
         if isinstance(answer, WorkerFailed):
-            raise SimulationWorkerError(f"simulation worker {k} failed:\n{answer.traceback}")
+            raise SimulationWorkerError(f"simulation worker {k + 1} failed:\n{answer.traceback}")
         return answer
 
 
@@ -345,7 +360,8 @@ class WindowedSimulator(Simulator):
         self.sync_interval_s = sync_interval_s
         self.workers = workers
         self.pipeline = pipeline
-        self._worker_of = {str(i): i % workers for i in range(instances)}
+        owners = shard_owners(instances, workers)
+        self._worker_of = {str(i): k for k, owned in enumerate(owners) for i in owned}
         self._outbox: list[list[CallAdd]] = [[] for _ in range(workers)]
         self._not_before = -math.inf  # calls made from now on arrive no earlier (the window being applied has run)
         self._totals: list[ShardTotals] = []
@@ -356,7 +372,7 @@ class WindowedSimulator(Simulator):
         make = functools.partial(
             EngineShard, config, model, cost, seed, instances, cluster, profile, fast_forward=fast_forward
         )
-        self._pool = ShardPool(lambda owned: make(owned=owned), [range(w, instances, workers) for w in range(workers)])
+        self._pool = ShardPool(lambda owned: make(owned=owned), owners)
 
     def _run(self, programs: list[ProgramSpec], progress: Progress | None) -> list[SimResult]:
         sims = self._arrivals(programs)
@@ -470,7 +486,7 @@ class WindowedSimulator(Simulator):
         return sum(t.num_preemptions for t in self._totals)
 
     def helper_cpu_s(self) -> list[float]:
-        return [t.cpu_s for t in self._totals] if self.workers > 1 else []  # (one shard runs in this process)
+        return [t.cpu_s for t in self._totals[1:]]  # (the first shard runs in this process)
 
 
 def _delta(end: CallEnd) -> RequestDelta:

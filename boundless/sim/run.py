@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> dict:
     simulated, steps = sum(r["simulated_s"] for r in rows), sum(r["steps"] for r in rows)
     gpus = ", ".join(dict.fromkeys(str(r["gpus"]) for r in rows))
     cpu = sum(cpus)
-    processes = f" (main and {args.workers} worker processes)" if args.workers > 1 else ""
+    processes = f" ({args.workers} processes: main and {args.workers - 1} forked)" if args.workers > 1 else ""
     print(
         f"simulated {simulated:.0f} s of {gpus} instance(s) in {wall:.1f} s wall, {cpu:.1f} s CPU{processes}:"
         f" {simulated / max(wall, 1e-9):.1f} simulated s per wall s,"
@@ -600,8 +600,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workers",
         type=int,
         default=1,
-        help="with --sync-interval-s: run the instances' engines in this many processes (instance i in worker "
-        f"i %% N); the rows are the same for any N; above 1 without --sync-interval-s, D is {DEFAULT_SYNC_INTERVAL_S}",
+        help="with --sync-interval-s: run the instances' engines in this many processes, main one of them (it keeps "
+        "fewer instances, beside its routing: sim/parallel.py's shard_owners); one a core; the rows are the same for "
+        f"any N; above 1 without --sync-interval-s, D is {DEFAULT_SYNC_INTERVAL_S}",
     )
     parser.add_argument(
         "--pipeline",

@@ -4,6 +4,7 @@ function of the flags, the seed and the window alone, whatever the number of wor
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,15 @@ from boundless.bench.workloads import make_programs
 from boundless.cli import main
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.sim.engine import SimulatedModel
-from boundless.sim.parallel import EngineShard, SimulationWorkerError, Window, WindowDone, WindowedSimulator
+from boundless.sim.parallel import (
+    MAIN_WORK_RATIO,
+    EngineShard,
+    SimulationWorkerError,
+    Window,
+    WindowDone,
+    WindowedSimulator,
+    shard_owners,
+)
 from boundless.sim.simulator import Simulator
 
 
@@ -33,17 +42,28 @@ def _windowed(model: SimulatedModel, workers: int, pipeline: bool = False, inter
     return sim, results
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
-def test_one_worker_and_two_give_the_same_run(model: SimulatedModel, pipeline: bool) -> None:
+@pytest.mark.parametrize(("pipeline", "workers"), [(False, 2), (True, 2), (False, 3)])
+def test_one_worker_and_more_give_the_same_run(model: SimulatedModel, pipeline: bool, workers: int) -> None:
     one, one_results = _windowed(model, 1, pipeline)
-    two, two_results = _windowed(model, 2, pipeline)
-    assert one_results == two_results and one.placements == two.placements
+    more, more_results = _windowed(model, workers, pipeline)
+    assert one_results == more_results and one.placements == more.placements
     assert (one.num_steps, one.num_preemptions(), one.call_latencies) == (
-        two.num_steps,
-        two.num_preemptions(),
-        two.call_latencies,
+        more.num_steps,
+        more.num_preemptions(),
+        more.call_latencies,
     )
     assert len({p.instance_id for p in one.placements}) == 3  # the router spread the load
+    assert len(more.helper_cpu_s()) == workers - 1  # main ran a shard, the others were forked
+
+
+def test_main_keeps_fewer_instances_than_a_worker_and_each_instance_is_in_one_shard() -> None:
+    assert shard_owners(5, 1) == [[0, 1, 2, 3, 4]]
+    owners = shard_owners(1152, 2)
+    assert sorted(i for owned in owners for i in owned) == list(range(1152))
+    assert len(owners[0]) == round(1152 * (1 - MAIN_WORK_RATIO) / 2)  # main's share: its routing is the rest
+    assert owners[0][:2] == [1, 3] and owners[0][-1] > 1140  # interleaved over the ids
+    many = shard_owners(40, 8)  # main's routing is a worker's share and more: it keeps none
+    assert many[0] == [] and all(len(owned) == 40 // 7 or len(owned) == 40 // 7 + 1 for owned in many[1:])
 
 
 def test_windows_move_the_results_a_little(model: SimulatedModel) -> None:
@@ -105,9 +125,13 @@ def test_workers_are_counted_and_bounded(tmp_path: Path) -> None:
 
 
 def test_a_workers_exception_is_one_error_in_main(model: SimulatedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    main_pid, run_window = os.getpid(), EngineShard.run_window
+
     def broken(self: EngineShard, window: Window) -> WindowDone:
+        if os.getpid() == main_pid:  # main's own shard runs
+            return run_window(self, window)
         raise ValueError("a shard's bug")
 
     monkeypatch.setattr(EngineShard, "run_window", broken)  # (the workers are forked: they have it too)
-    with pytest.raises(SimulationWorkerError, match=r"(?s)simulation worker 0 failed.*a shard's bug"):
+    with pytest.raises(SimulationWorkerError, match=r"(?s)simulation worker 1 failed.*a shard's bug"):
         _windowed(model, 2)
