@@ -21,9 +21,10 @@ links or contended step model, which the command line refuses), so a shard's eng
 the others, and the results are a function of the flags, the seed and ``D`` alone: the same for any number of workers
 (``tests/sim/test_parallel_sim.py``). Windows in which nothing is due are skipped (the grid of ``k * D`` stays).
 
-With one worker the shard runs in the main process, through the same calls; with more, each in a forked process
-(``multiprocessing``'s fork context, as ``--jobs``), over a pipe: a window's calls out, its finished calls back, token
-ids as packed 32-bit ints. A worker's exception ends the run with one error in main (``SimulationWorkerError``).
+``--workers W`` is W processes, one a core: the first shard runs in the main process, between its routing (with fewer
+instances: :func:`shard_owners`), the others each in a forked process (``multiprocessing``'s fork context, as
+``--jobs``), over a pipe: a window's calls out, its finished calls back, token ids as packed 32-bit ints. A worker's
+exception ends the run with one error in main (``SimulationWorkerError``).
 """
 
 from __future__ import annotations
@@ -330,8 +331,8 @@ class _Flight:
 
 class WindowedSimulator(Simulator):
     """A plain cluster run in windows of ``sync_interval_s`` of virtual time, its instances in ``workers`` shards
-    (instance ``i`` in shard ``i % workers``): the programs, the dispatcher and the results here, the engines in the
-    shards (module docstring)."""
+    (:func:`shard_owners`; the first in this process): the programs, the dispatcher and the results here, the engines
+    in the shards (module docstring)."""
 
     def __init__(
         self,
