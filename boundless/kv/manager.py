@@ -517,7 +517,7 @@ class KVCacheManager:
             assert not table, "a cached prefix is only taken on the first allocation"
             on_device = self._on_device(prefix)
             in_host: list[KVBlock] = []
-            if on_device is not prefix.blocks:
+            if HOST in prefix.tiers:
                 in_host = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == HOST]
             # Both kinds of hit are held before any new block is taken, so that no eviction this allocation
             # causes (and no demotion that follows from it) reuses a block of the prefix.

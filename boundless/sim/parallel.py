@@ -251,7 +251,6 @@ class ShardPool:
         self._done: deque[WindowDone] = deque()  # the local shard's answers, until collected
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
-        self._cpu_start = 0.0
         # Forked (as --jobs) before this process builds its own engines (the workers would copy them): they start with
         # the modules (torch too) imported, and build their engines at once.
         context = multiprocessing.get_context("fork")
@@ -272,9 +271,6 @@ class ShardPool:
         except BaseException:
             self.kill()
             raise
-
-    def start(self) -> None:
-        self._cpu_start = time.process_time()
 
     def dispatch(self, windows: Sequence[Window]) -> None:
         """Start a window on every shard, one ``Window`` a shard: the workers run it meanwhile (after any window they
@@ -362,7 +358,7 @@ class WindowedSimulator(Simulator):
         self.workers = workers
         self.pipeline = pipeline
         owners = shard_owners(instances, workers)
-        self._worker_of = {str(i): k for k, owned in enumerate(owners) for i in owned}
+        self._shard_of = {str(i): k for k, owned in enumerate(owners) for i in owned}
         self._outbox: list[list[CallAdd]] = [[] for _ in range(workers)]
         self._not_before = -math.inf  # calls made from now on arrive no earlier (the window being applied has run)
         self._totals: list[ShardTotals] = []
@@ -377,7 +373,6 @@ class WindowedSimulator(Simulator):
 
     def _run(self, programs: list[ProgramSpec], progress: Progress | None) -> list[SimResult]:
         sims = self._arrivals(programs)
-        self._pool.start()
         try:
             self._windows(progress)
             self._totals = self._pool.finish()
@@ -466,7 +461,7 @@ class WindowedSimulator(Simulator):
         self.placements.append(
             Placement(send.request_id, call.program.spec.program_id, send.instance_id, len(send.prompt), now)
         )
-        self._outbox[self._worker_of[send.instance_id]].append(
+        self._outbox[self._shard_of[send.instance_id]].append(
             CallAdd(
                 now,
                 send.instance_id,
