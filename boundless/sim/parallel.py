@@ -362,10 +362,6 @@ class WindowedSimulator(Simulator):
         self._outbox: list[list[CallAdd]] = [[] for _ in range(workers)]
         self._not_before = -math.inf  # calls made from now on arrive no earlier (the window being applied has run)
         self._totals: list[ShardTotals] = []
-        if self.dispatcher is not None:
-            # The router hears of a finish at the end of its window: its process table records it then, and its clock
-            # never goes back (the table's expiry scans in the order of activity, which a clock going back spoils).
-            self.dispatcher.clock = lambda: max(self.clock.now, self._not_before)
         make = functools.partial(
             EngineShard, config, model, cost, seed, instances, cluster, profile, fast_forward=fast_forward
         )
@@ -431,6 +427,11 @@ class WindowedSimulator(Simulator):
         for e in sorted((e for w in done for e in w.ends), key=lambda e: (e.at_s, e.instance, e.order)):
             clock.now = e.at_s
             self._on_delta(str(e.instance), _delta(e))
+
+    def _dispatcher_now(self) -> float:
+        """The router hears of a finish at the end of its window: its process table records it then, and its clock
+        never goes back (the table's expiry scans in the order of activity, which a clock going back spoils)."""
+        return max(self.clock.now, self._not_before)
 
     def _window_of(self, t: float) -> int:
         """The window ``k`` with ``k * D <= t < (k + 1) * D`` (on the grid, whatever the float division rounds to)."""

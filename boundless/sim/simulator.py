@@ -266,7 +266,7 @@ class Simulator:
                 # With lending, the gManager beside the router: the dispatcher tells it of lost and restarted ones.
                 cluster_lending = self.lending.lending if self.lending is not None else None
                 self.dispatcher = Dispatcher(
-                    [str(i) for i in range(instances)], router, table, self.clock, cluster_lending, restarts
+                    [str(i) for i in range(instances)], router, table, self._dispatcher_now, cluster_lending, restarts
                 )
         if len(self.instances) > 1 and getattr(cost, "contended", False):
             for iid, inst in self.instances.items():  # each step slows with the others stepping beside it
@@ -458,6 +458,10 @@ class Simulator:
     def helper_cpu_s(self) -> list[float]:
         """The CPU seconds each other process spent on the run (a windowed run's workers); none here."""
         return []
+
+    def _dispatcher_now(self) -> float:
+        """The dispatcher's clock: the virtual time (a windowed run's is when its router hears of a finish)."""
+        return self.clock.now
 
     def _beat_due(self, now: float) -> bool:
         return self.dispatcher is not None and now >= self._next_expiry
