@@ -58,9 +58,11 @@ from boundless.sim.simulator import _CALL, Placement, Progress, SimResult, Simul
 # The sync interval a run with --workers > 1 takes when none is given: 20 ms of virtual time, a few decode passes.
 DEFAULT_SYNC_INTERVAL_S = 0.02
 # Main's own work (the programs, the dispatcher, the messages) for a second of its cluster's engines' work, as measured
-# on the light hour (1,152 instances, two processes: ~19 CPU s of it against ~80 s of the engines'): main keeps fewer
-# instances than a worker, so that it and each worker have about as much to do (shard_owners).
-MAIN_WORK_RATIO = 0.25
+# on the light hour (1,152 instances, two processes): main keeps fewer instances than a worker, so that it and each
+# worker have about as much to do (shard_owners). 300 s of its arrivals want ~0.20 (~16 CPU s of main's own work against
+# ~77 s of the engines'); the whole hour ~0.18, as the engines' work a call grows once their pools fill (at 0.25 main
+# waited for the worker ~140 of the hour's 860 s).
+MAIN_WORK_RATIO = 0.19
 
 
 def shard_owners(instances: int, workers: int, main_ratio: float = MAIN_WORK_RATIO) -> list[list[int]]:
