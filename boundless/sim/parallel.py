@@ -22,7 +22,8 @@ the others, and the results are a function of the flags, the seed and ``D`` alon
 (``tests/sim/test_parallel_sim.py``). Windows in which nothing is due are skipped (the grid of ``k * D`` stays).
 
 ``--workers W`` is W processes, one a core: the first shard runs in the main process, between its routing (with fewer
-instances: :func:`shard_owners`), the others each in a forked process (``multiprocessing``'s fork context, as
+instances: :func:`shard_owners`; its windows in turn when main would otherwise wait for the workers' answers, and
+always after the workers have their next window: :meth:`ShardPool.collect`), the others each in a forked process (``multiprocessing``'s fork context, as
 ``--jobs``), over a pipe: a window's calls out, its finished calls back, token ids as packed 32-bit ints. A worker's
 exception ends the run with one error in main (``SimulationWorkerError``).
 """
@@ -59,10 +60,10 @@ from boundless.sim.simulator import _CALL, Placement, Progress, SimResult, Simul
 DEFAULT_SYNC_INTERVAL_S = 0.02
 # Main's own work (the programs, the dispatcher, the messages) for a second of its cluster's engines' work, as measured
 # on the light hour (1,152 instances, two processes): main keeps fewer instances than a worker, so that it and each
-# worker have about as much to do (shard_owners). 300 s of its arrivals want ~0.20 (~16 CPU s of main's own work against
-# ~77 s of the engines'); the whole hour ~0.18, as the engines' work a call grows once their pools fill (at 0.25 main
-# waited for the worker ~140 of the hour's 860 s).
-MAIN_WORK_RATIO = 0.19
+# worker have about as much to do (shard_owners). At 0.25 main waited for the worker ~140 of the hour's 860 s; at 0.19
+# it ran 677 CPU s against the worker's 655 in 724 (before main ran its own windows while it waits: ShardPool.collect),
+# and 300 s of arrivals ran 47 against 44.
+MAIN_WORK_RATIO = 0.21
 
 
 def shard_owners(instances: int, workers: int, main_ratio: float = MAIN_WORK_RATIO) -> list[list[int]]:
@@ -250,6 +251,7 @@ class ShardPool:
 
     def __init__(self, make_shard: Callable[[Sequence[int]], EngineShard], owners: Sequence[Sequence[int]]) -> None:
         self._local: EngineShard | None = None
+        self._queued: deque[Window] = deque()  # the local shard's windows, until run
         self._done: deque[WindowDone] = deque()  # the local shard's answers, until collected
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
@@ -276,21 +278,36 @@ class ShardPool:
 
     def dispatch(self, windows: Sequence[Window]) -> None:
         """Start a window on every shard, one ``Window`` a shard: the workers run it meanwhile (after any window they
-        run now), the shard in this process at once, once the workers have theirs."""
+        run now); the shard in this process runs it in :meth:`collect`."""
         for conn, window in zip(self._conns, windows[1:], strict=True):
             conn.send(window)
         if self._local is not None:
-            self._done.append(self._local.run_window(windows[0]))
+            self._queued.append(windows[0])
 
     def collect(self) -> list[WindowDone]:
-        """The shards' answers to the oldest window dispatched and not collected."""
+        """The shards' answers to the oldest window dispatched and not collected. The shard in this process runs its
+        windows here, in turn: the oldest one if it has not yet, then the next ones while a worker's answer is not
+        in. So this process goes back to routing (and the workers get their next window) as soon as the workers have
+        answered, and runs its own engines while it would otherwise wait; a shard's windows and answers are the same
+        whenever it runs them."""
+        if self._local is not None:
+            if not self._done:
+                self._run_local()
+            while self._queued and not all(conn.poll() for conn in self._conns):
+                self._run_local()
         done = [self._done.popleft()] if self._local is not None else []
         return done + [self._recv(k) for k in range(len(self._conns))]
+
+    def _run_local(self) -> None:
+        assert self._local is not None
+        self._done.append(self._local.run_window(self._queued.popleft()))
 
     def finish(self) -> list[ShardTotals]:
         """The shards' totals (the local shard's CPU is this process's, counted as 0); the workers exit."""
         for conn in self._conns:
             conn.send(None)
+        while self._queued:  # (none: every window dispatched was collected)
+            self._run_local()
         totals = [self._local.totals(0.0)] if self._local is not None else []
         totals += [self._recv(k) for k in range(len(self._conns))]
         for proc in self._procs:
