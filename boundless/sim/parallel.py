@@ -23,9 +23,9 @@ the others, and the results are a function of the flags, the seed and ``D`` alon
 
 ``--workers W`` is W processes, one a core: the first shard runs in the main process, between its routing (with fewer
 instances: :func:`shard_owners`; its windows in turn when main would otherwise wait for the workers' answers, and
-always after the workers have their next window: :meth:`ShardPool.collect`), the others each in a forked process (``multiprocessing``'s fork context, as
-``--jobs``), over a pipe: a window's calls out, its finished calls back, token ids as packed 32-bit ints. A worker's
-exception ends the run with one error in main (``SimulationWorkerError``).
+always after the workers have their next window: :meth:`ShardPool.collect`), the others each in a forked process
+(``multiprocessing``'s fork context, as ``--jobs``), over a pipe: a window's calls out, its finished calls back, token
+ids as packed 32-bit ints. A worker's exception ends the run with one error in main (``SimulationWorkerError``).
 """
 
 from __future__ import annotations
@@ -60,10 +60,9 @@ from boundless.sim.simulator import _CALL, Placement, Progress, SimResult, Simul
 DEFAULT_SYNC_INTERVAL_S = 0.02
 # Main's own work (the programs, the dispatcher, the messages) for a second of its cluster's engines' work, as measured
 # on the light hour (1,152 instances, two processes): main keeps fewer instances than a worker, so that it and each
-# worker have about as much to do (shard_owners). At 0.25 main waited for the worker ~140 of the hour's 860 s; at 0.19
-# it ran 677 CPU s against the worker's 655 in 724 (before main ran its own windows while it waits: ShardPool.collect),
-# and 300 s of arrivals ran 47 against 44.
-MAIN_WORK_RATIO = 0.21
+# worker have about as much to do (shard_owners). The hour (docs/simulation.md, Speed): at 0.25 main ran 724 CPU s
+# against the worker's 818, at 0.19 677 against 655, at 0.21 685 against 719.
+MAIN_WORK_RATIO = 0.20
 
 
 def shard_owners(instances: int, workers: int, main_ratio: float = MAIN_WORK_RATIO) -> list[list[int]]:
