@@ -907,9 +907,13 @@ class EngineCore:
         """Attention-time prefill batching: refit the step-time model on the latest steps; the scheduler bounds
         each step's prefills by its prediction, under the predicted time of a full step of fresh tokens."""
         model = self.step_times.fit()
-        if model is not None:
-            budget = self.scheduler.max_num_batched_tokens
-            self.scheduler.prefill_time = (model.predict, step_quota(model, budget))
+        if model is None:
+            return
+        quota = step_quota(model, self.scheduler.max_num_batched_tokens)
+        # A fit that puts a full step of fresh tokens at no time is degenerate (steps timed on a loaded machine): under
+        # a zero quota every prefill over cached context would go a block a step. The last fit stays (or the budget).
+        if quota > 0:
+            self.scheduler.prefill_time = (model.predict, quota)
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool

@@ -178,3 +178,27 @@ def test_an_engine_with_attention_batching_fits_its_predictor_from_its_own_steps
     predict, quota = core.scheduler.prefill_time
     assert quota > 0 and predict([ChunkShape(0, 64)]) == pytest.approx(quota)
     core.close()
+
+
+def test_a_degenerate_fit_leaves_the_engine_on_its_last_quota(tiny_llama) -> None:
+    """Steps that the recorder has at no time (its timings swamped by load) fit a model that puts a full step at
+    0 s: the engine keeps the quota it had (here none: the token budget alone), not a zero quota."""
+    from boundless.config import EngineConfig, ModelConfig, SchedulerConfig
+    from boundless.engine.core import EngineCore
+
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, prefill_batching="attention"),
+    )
+    core = EngineCore.from_model(tiny_llama, config)
+    for n in (3, 9, 17, 40, 70, 100, 130):
+        core.step_times.record([ChunkShape(0, n)], 0.0)
+    model = core.step_times.fit()
+    assert model is not None and step_quota(model, 64) == 0.0
+    core._refit_prefill_time()
+    assert core.scheduler.prefill_time is None
+    for n in (3, 9, 17, 40, 70, 100, 130):  # steps whose time grows with their tokens: a quota at last
+        core.step_times.record([ChunkShape(0, n)], 0.001 * n)
+    core._refit_prefill_time()
+    assert core.scheduler.prefill_time is not None and core.scheduler.prefill_time[1] > 0
+    core.close()
