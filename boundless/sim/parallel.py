@@ -305,8 +305,7 @@ class ShardPool:
         """The shards' totals (the local shard's CPU is this process's, counted as 0); the workers exit."""
         for conn in self._conns:
             conn.send(None)
-        while self._queued:  # (none: every window dispatched was collected)
-            self._run_local()
+        assert not self._queued, "a window of this process's shard was dispatched and never collected"
         totals = [self._local.totals(0.0)] if self._local is not None else []
         totals += [self._recv(k) for k in range(len(self._conns))]
         for proc in self._procs:
