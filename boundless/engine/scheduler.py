@@ -104,14 +104,26 @@ class ScheduledChunk:
     draft_token_ids: tuple[int, ...] = ()
 
     def next_pass(self, token_id: int, j: int) -> ScheduledChunk:
-        """Pass ``j`` of a multi-step window: this chunk decoding ``token_id``, ``j`` positions on. A copy of the
-        fields, not ``dataclasses.replace`` (which runs ``__init__`` again, for every chunk of every pass)."""
-        chunk = object.__new__(ScheduledChunk)
-        chunk.__dict__.update(self.__dict__)
-        chunk.token_ids = [token_id]
-        chunk.start_pos = self.start_pos + j
-        chunk.num_output_tokens = self.num_output_tokens + j
-        return chunk
+        """Pass ``j`` of a multi-step window: this chunk decoding ``token_id``, ``j`` positions on (made field by
+        field, not by ``dataclasses.replace``, which reads the fields by name, for every chunk of every pass)."""
+        return ScheduledChunk(
+            self.request_id,
+            [token_id],
+            self.start_pos + j,
+            self.block_ids,
+            self.sample,
+            self.sampling_params,
+            self.num_output_tokens + j,
+            self.eos_token_ids,
+            self.first_block,
+            self.remote,
+            self.num_steps,
+            self.history,
+            self.num_prompt_tokens,
+            self.prompt_targets,
+            self.prompt_targets_from,
+            self.draft_token_ids,
+        )
 
 
 @dataclass

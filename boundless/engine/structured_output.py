@@ -198,10 +198,11 @@ class Grammars:
         future.add_done_callback(self._compiled_one)
         return future
 
-    def ready(self, spec: StructuredOutput) -> bool:
-        """Whether the spec's grammar is compiled (or its compilation failed, which :meth:`matcher` raises)."""
+    def ready(self, spec: StructuredOutput | None) -> bool:
+        """Whether the spec's grammar is compiled (or its compilation failed, which :meth:`matcher` raises); no spec:
+        nothing to wait for."""
         with self._lock:
-            future = self._compiled.get(spec)
+            future = self._compiled.get(spec) if spec is not None else None
         return future is None or future.done()  # (not prepared, or dropped: a matcher compiles it where it is)
 
     def error(self, spec: StructuredOutput) -> str | None:

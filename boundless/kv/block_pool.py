@@ -20,12 +20,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import cast
+
+from mypy_extensions import mypyc_attr
 
 from boundless.kv.block_hash import BlockHash
 from boundless.kv.events import MEDIUM_DEVICE, KVEventLog, LoraTag
 from boundless.kv.eviction import EvictionOrder, LRUOrder
 
 
+@mypyc_attr(native_class=False)  # (compiled, a class that derives from RuntimeError must stay a Python class)
 class NoFreeBlocksError(RuntimeError):
     """Raised when more blocks are asked for than the pool has free."""
 
@@ -295,11 +299,12 @@ def find_run(
     # Most of a prefix is in the first pool (the device): its leading run there is found at once, the names looked up
     # by map and the tokens compared as lists (a block named by a request holds that request's tuple), then the rest
     # block by block.
-    found = list(map(caches[0].get, hashes[first:end])) if caches else []
+    found: list[KVBlock | None] = list(map(caches[0].get, hashes[first:end])) if caches else []
     head = found.index(None) if None in found else len(found)
-    if head and list(map(_token_ids, found[:head])) != block_tokens[first : first + head]:
-        head = next((j for j in range(head) if found[j].token_ids != block_tokens[first + j]), head)
-    blocks: list[KVBlock] = found[:head]
+    blocks = cast("list[KVBlock]", found[:head])  # (no None before ``head``)
+    if head and list(map(_token_ids, blocks)) != block_tokens[first : first + head]:
+        head = next((j for j in range(head) if blocks[j].token_ids != block_tokens[first + j]), head)
+        del blocks[head:]
     where: list[int] = [0] * head
     missed = False  # whether the run ended at a block no pool holds (every pool was asked for it)
     for i in range(first + head, end):

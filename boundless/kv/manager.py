@@ -1455,8 +1455,8 @@ class KVCacheManager:
         ends its own references go, and if it failed, the names it gave."""
         for count in counts:
             self._name_at_count(count)
-        for done in sends:
-            for tier, block in reversed(self._sends.pop(done.send_id, [])):
+        for sent in sends:
+            for tier, block in reversed(self._sends.pop(sent.send_id, [])):
                 self.pools[tier].free([block])
         host = self.pools.get(HOST)
         for done in recvs:

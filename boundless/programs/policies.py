@@ -25,6 +25,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar
 
 from boundless.programs.policy import Call, program_of
 from boundless.programs.process_table import ProcessTable
@@ -84,8 +85,8 @@ class CallState:
 class MultiLevelQueuePolicy:
     """The shared mechanism; subclasses choose where a new call starts."""
 
-    name = "mlq"
-    program_level = True
+    name: ClassVar[str] = "mlq"
+    program_level: ClassVar[bool] = True
 
     def __init__(self, config: QueueConfig | None = None, table: ProcessTable | None = None) -> None:
         self.config = config or QueueConfig()
@@ -188,17 +189,17 @@ class MultiLevelQueuePolicy:
 class MLFQPolicy(MultiLevelQueuePolicy):
     """Call-level multi-level feedback queue: every new call starts in Q1."""
 
-    name = "mlfq"
+    name: ClassVar[str] = "mlfq"
     program_level = False
 
 
 class PLASPolicy(MultiLevelQueuePolicy):
     """Program-level attained service: a call starts in the queue of its program's total service."""
 
-    name = "plas"
+    name: ClassVar[str] = "plas"
 
 
 class ATLASPolicy(MultiLevelQueuePolicy):
     """Adaptive thread-level attained service: a call starts in the queue of its program's critical path."""
 
-    name = "atlas"
+    name: ClassVar[str] = "atlas"

@@ -84,7 +84,7 @@ class ProcessTable:
     def __len__(self) -> int:
         return len(self._programs)
 
-    def __contains__(self, program_id: str) -> bool:
+    def __contains__(self, program_id: object) -> bool:
         return program_id in self._programs
 
     def get(self, program_id: str) -> ProgramRecord | None:

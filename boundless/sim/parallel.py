@@ -43,6 +43,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from mypy_extensions import mypyc_attr
+
 from boundless.bench.workloads import ProgramSpec
 from boundless.cluster.dispatcher import AddResult, Send
 from boundless.config import ClusterConfig, EngineConfig
@@ -98,7 +100,7 @@ class CallAdd:
     instance_id: str
     request_id: str
     prompt: bytes  # pack_tokens of the prompt's token ids
-    max_tokens: int
+    max_tokens: int | None
     program_id: str
     thread_id: str | None
     parents: tuple[str, ...]
@@ -158,6 +160,7 @@ class WorkerFailed:
     traceback: str
 
 
+@mypyc_attr(native_class=False)  # (compiled, a class that derives from RuntimeError must stay a Python class)
 class SimulationWorkerError(RuntimeError):
     """A worker process failed (its traceback in the message), or went away without a word."""
 
@@ -166,8 +169,20 @@ class EngineShard(Simulator):
     """Some instances' engines, run a window at a time by the serial simulator's event loop: main's calls are added at
     their arrival times, and the calls that finish are kept for main, in place of a dispatcher and programs."""
 
-    def __init__(self, *args: object, owned: Sequence[int], **kwargs: object) -> None:
-        super().__init__(*args, owned=owned, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: SimulatedModel,
+        cost: StepCost | None,
+        seed: int,
+        instances: int,
+        cluster: ClusterConfig | None,
+        profile: HardwareProfile | None,
+        *,
+        fast_forward: bool,
+        owned: Sequence[int],
+    ) -> None:
+        super().__init__(config, model, cost, seed, instances, cluster, profile, fast_forward=fast_forward, owned=owned)
         self.dispatcher = None  # main routes; a shard's loop has no heartbeat to run
         self._outputs: dict[str, list[int]] = {}  # request -> its output so far (sent when it finishes)
         self._ends: list[CallEnd] = []
@@ -406,11 +421,12 @@ class WindowedSimulator(Simulator):
         d, pool = self.sync_interval_s, self._pool
         k, flight, shards_next = -1, None, math.inf
         while True:
-            k = self._next_window(k, flight, shards_next)
-            if k is None:
+            after = self._next_window(k, flight, shards_next)
+            if after is None:
                 if flight is not None:
                     pool.collect()  # (a window that ran nothing)
                 return
+            k = after
             end = (k + 1) * d
             self._advance(end)  # route the window's calls (and run the heartbeats due)
             outbox, self._outbox = self._outbox, [[] for _ in range(self.workers)]

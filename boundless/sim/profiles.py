@@ -18,6 +18,7 @@ Links (``host_copy``, ``storage_read``, ``storage_write``, ``network``) are a ba
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,8 @@ from boundless.sim.executor import DiskCost
 from boundless.sim.links import LinkSpec
 from boundless.sim.step_model import TERMS, StepTimeModel
 
-PROFILE_DIR = Path(__file__).with_name("profiles")
+# (The package's directory, not this file's: compiled, the module is loaded from a build elsewhere.)
+PROFILE_DIR = Path(str(importlib.resources.files("boundless.sim"))) / "profiles"
 
 
 @dataclass(frozen=True)

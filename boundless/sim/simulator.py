@@ -297,7 +297,7 @@ class Simulator:
         self.call_latencies: dict[str, list[float]] = {}  # call_kind -> each completed call's submit-to-finish
         self.call_outcomes: dict[str, CallOutcome] = {}  # request id -> what it produced, for each completed call
         self._ids = itertools.count()
-        self._params: dict[int, SamplingParams] = {}  # the calls' sampling parameters, by output length
+        self._params: dict[int | None, SamplingParams] = {}  # the calls' sampling parameters, by output length
         self._ready: set[str] = set()  # idle instances that may have work to start
         self._open_programs = 0  # programs of the run not finished yet
         self._next_expiry = 0.0
@@ -690,7 +690,7 @@ class Simulator:
         # as None; what follows from a delta is carried out either way (a call placed again after its push failed
         # shows nothing).
         shown: RequestDelta | None = delta
-        decisions: list[PDDecision] = []
+        decisions: Sequence[PDDecision] = ()
         if self.dispatcher is not None:
             shown, decisions = self.dispatcher.receive(instance_id, delta)
         if shown is not None and (call := self._calls.get(shown.request_id)) is not None:

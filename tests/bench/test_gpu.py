@@ -43,10 +43,8 @@ def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
     split = results["host_split_1b"]  # the decode-heavy run's wall time, split among the engine's phases
     assert split["steps"] > 0 and 0 < split["execute_s"] < split["wall_s"] and split["schedule_s"] > 0
     assert split["schedule_s"] + split["execute_s"] + split["finish_step_s"] <= split["wall_s"]
-    assert (
-        "EngineCore" in results["host_profile_1b"]["top_tottime"]
-        or "scheduler" in results["host_profile_1b"]["top_tottime"]
-    )
+    # The engine's own functions in it (the scheduler's only where it runs from source: compiled, cProfile sees none).
+    assert "engine/core.py" in results["host_profile_1b"]["top_tottime"]
     # Multi-step decoding on the same case, against the same baseline; the largest window with asynchronous
     # scheduling too.
     for key in ("window8", "window16", "async_window16", "async_window1"):

@@ -492,15 +492,15 @@ def test_a_full_batch_runs_ahead_while_requests_wait_behind_it(tiny_llama: Loade
     options = {"max_num_seqs": 2, "policy": "fcfs"}
     expected = _outputs(_engine(tiny_llama, "torch", graphs=False, window=4, **options), prompts, params)
     core = _engine(tiny_llama, "triton", graphs=True, window=4, async_scheduling=True, **options)
-    decide, waiting_behind = core.scheduler.schedule_ahead, []
+    decide, waiting_behind = core.schedule_ahead, []
 
-    def noting(prev):
-        ahead = decide(prev)
+    def noting(prev, launched):
+        ahead = decide(prev, launched)
         if ahead is not None:
             waiting_behind.append(len(core.scheduler.waiting))
         return ahead
 
-    core.scheduler.schedule_ahead = noting
+    core.schedule_ahead = noting
     assert _outputs(core, prompts, params) == expected
     assert max(waiting_behind) == 2  # (the first two ran ahead with the other two waiting)
     assert core.kv.pool.num_free == core.kv.pool.num_blocks

@@ -147,7 +147,7 @@ def test_penalties_count_a_request_first_seen_with_outputs_and_then_each_sampled
     for step in range(4):
         # The history does not grow (as in a multi-step window): the sampler's own counts carry it.
         c = _penalized("r", [1, 2], [4, 4], frequency_penalty=0.6)
-        c = ScheduledChunk(**{**c.__dict__, "num_output_tokens": 2 + step})
+        c = dataclasses.replace(c, num_output_tokens=2 + step)
         drawn.append(sampler.sample(logits, [c])[0].token_id)
     # 4 holds 3 - 0.6 * 2 = 1.8 > 1, then 1.2 > 1 once drawn again, then 0.6 < 1: 6 is drawn, and then 6's
     # 1 - 0.6 = 0.4 < 0.6: 4 again.
@@ -168,7 +168,7 @@ def test_repetition_penalty_covers_the_prompt_and_divides_or_multiplies_by_sign(
 
 def test_a_history_shorter_than_its_outputs_is_an_error_not_a_wrong_count() -> None:
     c = _penalized("r", [1, 2], [4], presence_penalty=1.0)
-    c = ScheduledChunk(**{**c.__dict__, "num_output_tokens": 3})
+    c = dataclasses.replace(c, num_output_tokens=3)
     with pytest.raises(RuntimeError, match="3 output tokens, 1 in its history"):
         Sampler(torch.device("cpu")).sample(torch.zeros(1, 10), [c])
 

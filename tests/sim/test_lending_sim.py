@@ -14,6 +14,7 @@ from boundless.bench.workloads import ProgramSpec
 from boundless.cli import main
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import ChunkShape
+from boundless.engine.executor import StepResult
 from boundless.engine.request import RequestStatus
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -152,7 +153,7 @@ def test_a_step_over_lent_blocks_costs_its_local_part_the_round_trip_and_the_cre
     assert alone == pytest.approx(base.predict([ChunkShape(100_000, 1)]))  # no lent blocks: the step model
     # 80 K of its 100 K tokens on creditor "1", which is mid-step: the debtor waits for the round trip and the
     # creditor's attention over them (less its own local attention), and the creditor's next step pays for it.
-    sim.instances["1"].step = object()  # type: ignore[assignment]
+    sim.instances["1"].step = (SchedulerOutput(), StepResult({}, 0.0))  # (a step under way: any)
     lent = cost.step_time(decode((RemoteKV("1", ("m",), 80_000),)))
     creditor_work = base.predict([ChunkShape(100_000, 1)]) - local
     assert lent > local and sim.lending.data["1"].owed_s == pytest.approx(creditor_work)
@@ -202,7 +203,7 @@ def test_an_instance_whose_step_outlasts_the_heartbeat_timeout_stays_in_the_plan
         sched = core.schedule()
         core.finish_step(sched, core.execute(sched))
     core.schedule()  # the 4th chunk, which fills the pool, runs for 3 s
-    sim.instances["0"].step = object()  # type: ignore[assignment]
+    sim.instances["0"].step = (SchedulerOutput(), StepResult({}, 0.0))  # (a step under way: any)
     for _ in range(6):
         sim.clock.now += 0.5
         sim.lending.heartbeat()
@@ -306,14 +307,14 @@ def test_a_request_the_live_instances_cannot_hold_fails_after_the_grant_timeout(
     assert all(r.finished for r in results) and sim.lending_stalled_at is None
 
 
-def _recomputed_at(sim: Simulator, instance_id: str) -> Callable[[float], None]:
-    """A progress callback that records in ``sim.recomputed_at`` when ``instance_id`` first recomputed lost blocks."""
+def _recomputed_at(sim: Simulator, instance_id: str, into: dict[str, float]) -> Callable[[float], None]:
+    """A progress callback that records in ``into["at"]`` when ``instance_id`` first recomputed lost blocks."""
     assert sim.lending is not None
     rm = sim.lending.agents[instance_id].rm
 
     def watch(now: float) -> None:
-        if rm.counters.blocks_recomputed and not hasattr(sim, "recomputed_at"):
-            sim.recomputed_at = now  # type: ignore[attr-defined]
+        if rm.counters.blocks_recomputed:
+            into.setdefault("at", now)
 
     return watch
 
@@ -343,7 +344,8 @@ def _assert_served_and_released(sim: Simulator, results: list[SimResult], progra
 def test_a_creditor_lost_while_it_lends_costs_its_debtor_a_recompute_and_nothing_else(model: SimulatedModel) -> None:
     sim, programs = _failing(model, [InstanceFailure("1", 8.5)])
     seen: dict[str, tuple[int, bool, float]] = {}
-    recomputed = _recomputed_at(sim, "0")
+    recomputed_at: dict[str, float] = {}
+    recomputed = _recomputed_at(sim, "0", recomputed_at)
 
     def watch(now: float) -> None:
         recomputed(now)
@@ -357,7 +359,7 @@ def test_a_creditor_lost_while_it_lends_costs_its_debtor_a_recompute_and_nothing
     assert seen["before"][:2] == (28, True) and seen["before"][2] < 8.5 + 1.0
     # Told of the loss at once, the gManager drops 1 and debtor 0 recomputes the requests whose blocks were on 1;
     # 0's step in flight over them ends when its round trip times out (1 s), failed.
-    assert seen["after"] == (0, False, 9.5) and sim.recomputed_at == 8.5  # type: ignore[attr-defined]
+    assert seen["after"] == (0, False, 9.5) and recomputed_at["at"] == 8.5
     assert sim.lost == {"1": 8.5} and sim.restarted == {"1": 11.5}
     assert sim.lending is not None
     assert sim.lending.agents["0"].stats.requests_recomputed > 0
@@ -393,7 +395,8 @@ def test_a_creditor_that_hangs_fails_its_debtor_s_step_over_its_blocks(model: Si
     sim, programs = _failing(model, [InstanceFailure("1", 8.5, hang=True)])
     assert sim.lending is not None
     hung, moves_in = sim.lending.agents["1"], []
-    recomputed = _recomputed_at(sim, "0")
+    recomputed_at: dict[str, float] = {}
+    recomputed = _recomputed_at(sim, "0", recomputed_at)
 
     def watch(now: float) -> None:
         recomputed(now)
@@ -401,7 +404,7 @@ def test_a_creditor_that_hangs_fails_its_debtor_s_step_over_its_blocks(model: Si
             moves_in[:] = [hung.stats.moves_in]
 
     results = sim.run(programs, watch)
-    assert sim.lost == {"1": 13.5} and sim.recomputed_at == pytest.approx(9.5)  # type: ignore[attr-defined]
+    assert sim.lost == {"1": 13.5} and recomputed_at["at"] == pytest.approx(9.5)
     assert moves_in == [hung.stats.moves_in] == [7]
     assert sim.lending is not None and sim.lending.agents["0"].rm.counters.blocks_recomputed == 28
     _assert_served_and_released(sim, results, programs)

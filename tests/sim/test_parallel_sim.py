@@ -12,13 +12,13 @@ import pytest
 from boundless.bench.workloads import make_programs
 from boundless.cli import main
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.executor import StepResult
+from boundless.engine.scheduler import SchedulerOutput
 from boundless.sim.engine import SimulatedModel
+from boundless.sim.executor import CostModelExecutor
 from boundless.sim.parallel import (
     MAIN_WORK_RATIO,
-    EngineShard,
     SimulationWorkerError,
-    Window,
-    WindowDone,
     WindowedSimulator,
     shard_owners,
 )
@@ -125,13 +125,15 @@ def test_workers_are_counted_and_bounded(tmp_path: Path) -> None:
 
 
 def test_a_workers_exception_is_one_error_in_main(model: SimulatedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    main_pid, run_window = os.getpid(), EngineShard.run_window
+    # A step of an engine in a worker fails (the executor: the shard's own code may be compiled, its calls not
+    # patched).
+    main_pid, execute = os.getpid(), CostModelExecutor.execute
 
-    def broken(self: EngineShard, window: Window) -> WindowDone:
+    def broken(self: CostModelExecutor, sched: SchedulerOutput) -> StepResult:
         if os.getpid() == main_pid:  # main's own shard runs
-            return run_window(self, window)
+            return execute(self, sched)
         raise ValueError("a shard's bug")
 
-    monkeypatch.setattr(EngineShard, "run_window", broken)  # (the workers are forked: they have it too)
+    monkeypatch.setattr(CostModelExecutor, "execute", broken)  # (the workers are forked: they have it too)
     with pytest.raises(SimulationWorkerError, match=r"(?s)simulation worker 1 failed.*a shard's bug"):
         _windowed(model, 2)

@@ -1,0 +1,68 @@
+"""The hot modules compiled with mypyc: loaded when their build is there, the same results as their source."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from boundless import compiled
+from boundless.programs.policies import QueueConfig
+from boundless.sim.parallel import CallAdd, Window
+
+needs_build = pytest.mark.skipif(
+    compiled.installed() is None,
+    reason="no compiled build of these sources (make builds it: python -m boundless.compiled)",
+)
+
+
+def _python(code: str, **env: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip()
+
+
+@needs_build
+def test_the_modules_load_from_their_build_unless_turned_off() -> None:
+    code = "import boundless.kv.block_pool as m; from boundless.compiled import is_compiled; print(is_compiled(m))"
+    assert _python(code, BOUNDLESS_COMPILED="1") == "True"
+    assert _python(code, BOUNDLESS_COMPILED="0") == "False"
+
+
+def test_a_build_is_named_by_its_sources(tmp_path: Path) -> None:
+    # Another set of sources (here: fewer modules) is another build; the finder finds only what the build holds.
+    assert compiled.build_key() != compiled.build_key(compiled.MODULES[:-1])
+    finder = compiled.CompiledFinder(tmp_path)
+    assert finder.find_spec("boundless.kv.block_pool") is None  # (an empty build: the source's finder goes on)
+    assert finder.find_spec("json") is None
+
+
+@needs_build
+def test_frozen_dataclasses_of_compiled_modules_pickle() -> None:
+    # Compiled, mypyc's own pickling set a frozen dataclass's fields one by one and failed; the workers' windows and
+    # the engines' configs cross processes.
+    add = CallAdd(1.5, "3", "r", b"\x01\x00", None, "p", None, ("t",), None, None, None)
+    for value in (Window(0.02, [add]), QueueConfig()):
+        assert pickle.loads(pickle.dumps(value)) == value
+
+
+@needs_build
+def test_a_windowed_simulation_gives_the_same_rows_compiled_and_from_source(tmp_path: Path) -> None:
+    rows = {}
+    for flag in ("1", "0"):
+        out = tmp_path / f"run{flag}.json"
+        args = ["--workload", "chat", "--policies", "plas", "--profile", "h100", "--num-kv-blocks", "200"]
+        args += ["--rates", "4", "--num-programs", "24", "--instances", "4", "--num-scheduler-steps", "8"]
+        args += ["--sync-interval-s", "0.02", "--workers", "2", "--pipeline", "--no-progress", "--json", str(out)]
+        code = f"import sys; from boundless.cli import main; sys.exit(main({['simulate', *args]!r}))"
+        _python(code, BOUNDLESS_COMPILED=flag)
+        result = json.loads(out.read_text())
+        result.pop("speed")
+        rows[flag] = result
+    assert rows["1"]["rows"] and rows["1"] == rows["0"]
