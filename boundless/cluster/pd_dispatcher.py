@@ -271,7 +271,9 @@ class PDDispatcher(Dispatcher):
 
     # -- events ------------------------------------------------------------------------------------
 
-    def submit(
+    # (A dispatcher with roles decides more kinds than the plain one: its callers take either. At run time both are
+    # lists.)
+    def submit(  # type: ignore[override]
         self, request_id: str, prompt: list[int], params: SamplingParams, program: ProgramRef | None = None
     ) -> list[PDDecision]:
         now = self.clock()
@@ -342,7 +344,9 @@ class PDDispatcher(Dispatcher):
             return self.instance_lost(cont.instance_id, f"continue failed: {result.message}")
         return self._route_decode(call)  # it dropped the call (its first token came too late): resend it
 
-    def receive(self, instance_id: str, delta: RequestDelta) -> tuple[RequestDelta | None, list[PDDecision]]:
+    def receive(  # type: ignore[override]
+        self, instance_id: str, delta: RequestDelta
+    ) -> tuple[RequestDelta | None, list[PDDecision]]:
         call = self.calls.get(delta.request_id)
         if call is None or call.instance != instance_id:
             return None, []  # aborted, or stale (from an engine the call has left)

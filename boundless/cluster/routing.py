@@ -19,6 +19,8 @@ from bisect import bisect_left, insort
 from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 
 @dataclass
 class InstanceView:
@@ -39,6 +41,7 @@ class InstanceView:
         return self.inflight
 
 
+@mypyc_attr(native_class=False)  # (compiled, a class that derives from RuntimeError must stay a Python class)
 class NoLiveInstanceError(RuntimeError):
     pass
 

@@ -216,7 +216,7 @@ def fit_profile_model(samples: Sequence[AttentionSample], spec: FitSpec = FitSpe
     if spec.form == "linear":  # exactly the fit the earlier profiles were made with
         local = [s for s in chosen if not s.remote]
         linear = fit_attention_time(local, relative=True, outlier_factor=OUTLIER_FACTOR)
-        return StepTimeModel.from_json(vars(linear))
+        return StepTimeModel.from_json(dataclasses.asdict(linear))
     if spec.form != "cpu-kernels":
         raise ValueError(f"unknown step model form {spec.form!r}: one of {', '.join(FORMS)}")
     robust = spec.per_shape == "all"

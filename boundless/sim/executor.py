@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast
+
+from mypy_extensions import mypyc_attr
 
 from boundless.cluster.links import Link, Traffic
 from boundless.engine.attention_time import ChunkShape
@@ -38,20 +40,19 @@ from boundless.sim.remote import SimulatedRemoteIO
 PLACEHOLDER_TOKEN = 100
 
 
-@runtime_checkable
 class ShapeCost(Protocol):
     """A step cost that prices a step from its chunk shapes alone (the profiles' fitted and roofline models)."""
 
     def predict(self, shapes: Sequence[ChunkShape]) -> float: ...
 
 
-@runtime_checkable
 class WindowCost(Protocol):
     """A step cost that prices a multi-step window's passes from its rows, without their shapes (the roofline)."""
 
     def predict_passes(self, rows: Sequence[PassRow], first: int, end: int) -> list[float]: ...
 
 
+@mypyc_attr(native_class=False)  # (compiled, a class that derives from dict must stay a Python class)
 class _AnyPlaceholder(dict):
     """A window pass's input tokens for the cost model, which reads only the batch's shape."""
 
@@ -217,11 +218,11 @@ class CostModelExecutor:
     @cost.setter
     def cost(self, cost: StepCost) -> None:
         """A new cost (KV lending wraps the profile's in its own, ``sim/lending.py``) and what it can price: checked
-        once here, as a Protocol check is slow, and again when replaced, so that a wrapped window cost is not
-        called past its wrapper."""
+        once here, and again when replaced, so that a wrapped window cost is not called past its wrapper (by the
+        method's presence, as a runtime-checkable Protocol would: a compiled module's protocols are not checkable)."""
         self._cost = cost
-        self._shape_cost = cost if isinstance(cost, ShapeCost) else None
-        self._window_cost = cost if isinstance(cost, WindowCost) else None
+        self._shape_cost = cast(ShapeCost, cost) if callable(getattr(cost, "predict", None)) else None
+        self._window_cost = cast(WindowCost, cost) if callable(getattr(cost, "predict_passes", None)) else None
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         now = self.clock() if self.clock is not None else self._elapsed

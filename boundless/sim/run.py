@@ -527,9 +527,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=float, default=0.1)
     parser.add_argument("--tool-wait", type=float, default=0.2, help="mean seconds of tool/user time between calls")
     parser.add_argument("--call-scale", type=float, default=1.0, help="multiply the calls per program")
-    parser.add_argument("--max-calls", type=int, default=WorkloadShape.max_calls, help="cap on a program's calls")
+    parser.add_argument("--max-calls", type=int, default=WorkloadShape().max_calls, help="cap on a program's calls")
     parser.add_argument(
-        "--max-len", type=int, default=WorkloadShape.max_len, help="cap on one call's new input and output tokens"
+        "--max-len", type=int, default=WorkloadShape().max_len, help="cap on one call's new input and output tokens"
     )
     parser.add_argument(
         "--profile",

@@ -161,7 +161,7 @@ def test_a_step_of_two_blocks_takes_its_larger_block_on_each_of_two_threads() ->
 
 def test_a_linear_profile_loads_as_the_engines_own_model() -> None:
     linear = AttentionTimeModel(base_s=0.03, per_seq_s=0.002, per_token_s=0.0015, per_cached_s=2e-6, per_pair_s=3e-9)
-    model = StepTimeModel.from_json(vars(linear), threads=2)  # an earlier profile's coefficients
+    model = StepTimeModel.from_json(dataclasses.asdict(linear), threads=2)  # an earlier profile's coefficients
     for shapes in ([ChunkShape(0, 512)], [ChunkShape(300, 1)] * 6, [ChunkShape(0, 100), ChunkShape(40, 1)]):
         assert model.predict(shapes) == pytest.approx(linear.predict(shapes), rel=1e-12)
 
