@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from boundless.compiled import cache_root
+
 log = logging.getLogger(__name__)
 
 _FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
@@ -56,10 +58,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("BOUNDLESS_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "boundless"
-    )
-    return Path(root) / "native"
+    return cache_root() / "native"
 
 
 def _compiler() -> str | None:
