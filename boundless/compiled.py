@@ -5,7 +5,7 @@ step; a simulated cluster of a thousand instances spends nearly all of its time 
 as they are written (their type hints are the compiler's input), into C extensions: the classes become C structs,
 the calls between them C calls. The source stays the one copy; the build is a cache of it.
 
-- ``python -m boundless.compiled`` (``make`` runs it) builds :data:`MODULES` with mypyc into the cache directory
+- :func:`main` (``make`` runs it before serving or testing) builds :data:`MODULES` with mypyc into the cache directory
   (``$BOUNDLESS_CACHE_DIR`` or ``~/.cache/boundless``), under a key made of the modules' sources and the Python
   build; nothing to do when that build exists.
 - :func:`install` (``boundless/__init__.py``, first thing) puts a finder before the source's when the build of the
@@ -24,7 +24,6 @@ import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import logging
 import os
 import shutil
 import subprocess
@@ -34,11 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-log = logging.getLogger(__name__)
-
 # Compiled together; an interpreted class may not subclass a compiled one, so a subclass's module is here too. Not
-# here: the engine core and the dispatchers, whose methods tools and tests wrap on their instances (a compiled class
-# has no instance dictionary), and which cost a simulated step little (measured: the same run with the core compiled).
+# here: the engine core, whose methods tools and tests wrap on its instances (a compiled class has no instance
+# dictionary), and which costs a simulated step little (measured: the same run with the core compiled).
 MODULES: tuple[str, ...] = (
     "boundless.kv.block_hash",
     "boundless.kv.block_pool",
@@ -61,6 +58,8 @@ MODULES: tuple[str, ...] = (
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _FORMAT = "1"  # bumped when the build's layout changes
+_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+_DONE = "complete"  # written last: a build cut off midway is not used
 
 
 def enabled() -> bool:
@@ -94,10 +93,6 @@ def build_dir(modules: Sequence[str] = MODULES) -> Path:
 
 def _extension(root: Path, dotted: str) -> Path:
     return root.joinpath(*dotted.split(".")).with_name(dotted.rsplit(".", 1)[-1] + _SUFFIX)
-
-
-_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
-_DONE = "complete"  # written last: a build cut off midway is not used
 
 
 def _rebuild_frozen(cls: type, state: dict[str, object]) -> object:
@@ -167,8 +162,10 @@ def installed() -> CompiledFinder | None:
 def install() -> bool:
     """Load :data:`MODULES` from their build, where one of their current sources exists; whether it does. Before any of
     them is imported (a module imported already stays as it is)."""
-    if not enabled() or installed() is not None:
-        return installed() is not None
+    if installed() is not None:
+        return True
+    if not enabled():
+        return False
     try:
         root = build_dir()
     except OSError:  # a source not readable: the package is not laid out as built
@@ -187,7 +184,7 @@ def is_compiled(module: ModuleType) -> bool:
     return finder is not None and module.__name__ in finder.modules and Path(file).is_relative_to(finder.root)
 
 
-def build(modules: Sequence[str] = MODULES, *, quiet: bool = True) -> Path:
+def build(modules: Sequence[str] = MODULES) -> Path:
     """Compile ``modules`` with mypyc into their build directory (nothing to do if it is there); the directory. Raises
     ``RuntimeError`` when mypyc or the C compiler fails (with its output)."""
     dest = build_dir(modules)
@@ -203,9 +200,9 @@ def build(modules: Sequence[str] = MODULES, *, quiet: bool = True) -> Path:
         cmd += ["--follow-imports=silent"]  # (the modules not compiled are read for their types, not checked)
         cmd += [str(Path("boundless", *m.split(".")[1:]).with_suffix(".py")) for m in modules]
         env = {**os.environ, "MYPYC_OPT_LEVEL": os.environ.get("MYPYC_OPT_LEVEL", "3")}
-        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=quiet, text=True)
+        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"mypyc failed ({proc.returncode}):\n{(proc.stdout or '')[-4000:]}{proc.stderr or ''}")
+            raise RuntimeError(f"mypyc failed ({proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr}")
         out = Path(tmp) / "out"
         for name in modules:
             target = _extension(out, name)
@@ -223,10 +220,10 @@ def build(modules: Sequence[str] = MODULES, *, quiet: bool = True) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m boundless.compiled``: build the modules; a failure is reported and leaves the source to run."""
+    """Build the modules (``make`` runs this); a failure is reported and leaves the source to run."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m boundless.compiled", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="boundless.compiled", description=main.__doc__)
     parser.add_argument("--strict", action="store_true", help="exit non-zero when the build fails")
     args = parser.parse_args(argv)
     try:
@@ -235,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("boundless.compiled: mypyc is not installed; the modules run from source", file=sys.stderr)
         return 1 if args.strict else 0
     try:
-        dest = build(quiet=True)
+        dest = build()
     except (RuntimeError, OSError) as e:
         print(f"boundless.compiled: build failed, the modules run from source: {e}", file=sys.stderr)
         return 1 if args.strict else 0

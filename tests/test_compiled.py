@@ -17,7 +17,7 @@ from boundless.sim.parallel import CallAdd, Window
 
 needs_build = pytest.mark.skipif(
     compiled.installed() is None,
-    reason="no compiled build of these sources (make builds it: python -m boundless.compiled)",
+    reason="no compiled build of these sources (make builds it: boundless.compiled.main)",
 )
 
 
@@ -41,6 +41,18 @@ def test_a_build_is_named_by_its_sources(tmp_path: Path) -> None:
     finder = compiled.CompiledFinder(tmp_path)
     assert finder.find_spec("boundless.kv.block_pool") is None  # (an empty build: the source's finder goes on)
     assert finder.find_spec("json") is None
+
+
+def test_a_failed_build_is_reported_and_leaves_the_source_to_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def failing(modules: object = None) -> Path:
+        raise RuntimeError("mypyc failed (1):\nno C compiler")
+
+    monkeypatch.setattr(compiled, "build", failing)
+    assert compiled.main([]) == 0  # (make goes on: the source runs)
+    assert "build failed, the modules run from source" in capsys.readouterr().err
+    assert compiled.main(["--strict"]) == 1
 
 
 @needs_build
