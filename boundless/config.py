@@ -41,7 +41,7 @@ def _json_object(flag: str, text: str) -> dict[str, Any]:
     return value
 
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flex")
 KV_WRITE_POLICIES = ("through", "back", "off")
 KV_EVICTIONS = ("lru", "program")
 
@@ -60,8 +60,9 @@ class ModelConfig:
         default="auto",
         metadata={
             "help": "auto (triton on CUDA where Triton is installed, else torch), torch (PyTorch, and native kernels "
-            "on the CPU) or triton (paged-attention kernels for CUDA, with CUDA graphs for decode steps; on the CPU "
-            "only under TRITON_INTERPRET=1)"
+            "on the CPU), triton (paged-attention kernels for CUDA, with CUDA graphs for decode steps; on the CPU "
+            "only under TRITON_INTERPRET=1) or flex (PyTorch's FlexAttention: compiled on CUDA, without CUDA graphs; "
+            "its eager reference on the CPU, slow)"
         },
     )
     enforce_eager: bool = field(

@@ -38,6 +38,22 @@ def available(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write ``k``, ``v`` [tokens, kv_heads, head_dim] into the cache [kv_heads, blocks, block_size, head_dim] at
+    ``slots`` in one launch; slot -1 (a padding row) stores nothing."""
+    t = k.shape[0]
+    if t == 0:
+        return
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    assert k.stride(-1) == 1 and k.stride(-2) == head_dim and v.stride(-2) == head_dim
+    kernels.store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0),
+        NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, HEADS_POW2=_pow2(kv_heads), DIM_POW2=_pow2(head_dim),
+    )  # fmt: skip
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -258,15 +274,7 @@ class TritonPagedAttention:
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
         """Write ``k``, ``v`` [tokens, kv_heads, head_dim] into the cache at ``slots``."""
-        t = k.shape[0]
-        if t == 0:
-            return
-        assert k.stride(-1) == 1 and k.stride(-2) == self.head_dim and v.stride(-2) == self.head_dim
-        kernels.store_kv_kernel[(t,)](
-            k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0),
-            NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEADS_POW2=_pow2(self.num_kv_heads),
-            DIM_POW2=_pow2(self.head_dim),
-        )  # fmt: skip
+        store_kv(k, v, k_cache, v_cache, slots)
 
     def attend(
         self,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from boundless.attention import triton_paged
+from boundless.attention import flex_paged, triton_paged
 from boundless.attention.backend import AttentionBackend
 from boundless.attention.paged import TorchPagedAttention
 from boundless.config import ConfigError, EngineConfig
@@ -244,5 +244,11 @@ def make_attention(
             )
         return triton_paged.TritonPagedAttention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device, dtype
+        )
+    if name == "flex":
+        if not flex_paged.available():
+            raise ConfigError("--attention-backend: flex needs PyTorch 2.9 or later (FlexAttention's log-sum-exp)")
+        return flex_paged.FlexPagedAttention(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device
         )
     return TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks)

@@ -47,6 +47,12 @@ def test_distattention_on_the_triton_kernels(load, make_cluster) -> None:
     _spanning_request_matches_one_instance(loaded, make_cluster, 2, attention_backend="triton")
 
 
+def test_distattention_on_flex_attention(load, make_cluster) -> None:
+    """The local partials from FlexAttention's log-sum-exp, merged with the creditors' (the eager reference here,
+    the compiled kernel on CUDA)."""
+    _spanning_request_matches_one_instance(load("tiny-llama"), make_cluster, 2, attention_backend="flex")
+
+
 def _spanning_request_matches_one_instance(
     loaded, make_cluster, instances: int, attention_backend: str = "torch"
 ) -> None:

@@ -236,6 +236,28 @@ def test_greedy_matches_transformers_on_the_triton_kernels(
         assert ours == theirs, f"prompt {i} ({len(ref.prompts[i])} tokens) diverges"
 
 
+# FlexAttention (``--attention-backend flex``): on the CPU its eager reference scores every query against the whole
+# pool, so the pool is kept just large enough for the prompts; on CUDA it runs compiled (scripts/gpu-check.sh).
+FLEX_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", pytest.param("smollm2-135m", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("name", FLEX_MODELS)
+def test_greedy_matches_transformers_on_flex_attention(
+    name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    loaded = load(name)
+    ref = _reference(name, load, hf_model)
+    block_size = 16
+    context = min(512, loaded.arch.context_length)  # (_engine's --max-model-len, which the pool must hold)
+    blocks = max(sum(-(-(len(p) + MAX_NEW) // block_size) for p in ref.prompts), context // block_size) + 4
+    core = _engine(
+        loaded, attention_backend="flex", max_num_batched_tokens=64, num_kv_blocks=blocks, block_size=block_size
+    )
+    got = _run_greedy(core, ref.prompts)
+    for i, (ours, theirs) in enumerate(zip(got, ref.tokens, strict=True)):
+        assert ours == theirs, f"prompt {i} ({len(ref.prompts[i])} tokens) diverges"
+
+
 def test_per_step_logits_match_transformers(ref: Reference) -> None:
     _check_per_step_logits(ref)
 

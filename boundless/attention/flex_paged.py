@@ -1,0 +1,291 @@
+"""Paged attention with PyTorch's FlexAttention (``torch.nn.attention.flex_attention``), a kernel library of the field.
+
+FlexAttention generates a fused attention kernel from two small functions: which (query, key) pairs attend
+(``mask_mod``) and a :class:`BlockMask` that lists, per tile of queries, the key blocks worth visiting (those
+wholly visible, which skip ``mask_mod``, and those partly visible). Paged attention is one mask and one block mask:
+
+- The keys are the whole KV pool of a layer, viewed without a copy as one sequence per KV head: the cache is
+  [kv_heads, blocks, block_size, head_dim], so physical slot ``s`` is key ``s``.
+- A launch runs a set of sequences, one batch row each, with their queries padded to the longest (decodes: one).
+  The block mask lists each query tile's blocks from the sequence's block table: the blocks wholly before the
+  tile's first query are full, those up to its last query partial. A tile of padding lists nothing, so padding
+  costs memory, not work. Each sequence visits its own blocks only: no gather, no padding of the context.
+- ``mask_mod`` maps a key's physical block to its logical index in the row's sequence (an inverse block table
+  per launch, ``logical``: -1 where the block is not the sequence's) and keeps it when it is causal for the query.
+  It is exact on its own: PyTorch's eager reference (the CPU, the tests) applies it to every pair, the kernel
+  only to partial blocks.
+
+A step is two launches, its decodes and its prefill chunks (vLLM's FlexAttention backend packs every token into
+one row instead, so a tile of 16 decodes visits all 16 sequences' blocks). The log-sum-exp comes out with the
+output, so DistAttention's partials (``forward_partial``) work from it as from the Triton kernels.
+
+On CUDA the call is compiled by ``torch.compile`` (Triton kernels, the first call of each shape compiles); on the
+CPU it runs PyTorch's eager reference, which builds every (query, key) score of the pool: a correctness path for
+tests and small pools, not a fast one (the CPU's fast path is ``TorchPagedAttention``'s native kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from boundless.attention import triton_paged
+from boundless.attention.backend import AttentionBatch, padded_table, to_device
+from boundless.attention.partials import AttentionPartial
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+except ImportError:  # pragma: no cover - PyTorch before 2.9 has no AuxRequest
+    flex_attention = None  # type: ignore[assignment]
+
+
+def available() -> bool:
+    """Whether this PyTorch has FlexAttention with its log-sum-exp output (2.9 or later)."""
+    return flex_attention is not None
+
+
+DECODE_TILE = 128
+
+
+@dataclass
+class FlexLaunch:
+    """One FlexAttention call over the sequences whose tokens are rows ``[start, end)`` of the step's q."""
+
+    start: int
+    end: int
+    num_seqs: int
+    query_len: int  # the launch's queries per sequence, padded to the longest
+    rows: torch.Tensor | None  # [tokens] each token's row in the padded [num_seqs * query_len]; None: one each
+    block_mask: Any  # torch.nn.attention.flex_attention.BlockMask
+    kernel_options: dict[str, int]  # the compiled kernel's tile sizes (the eager reference has none)
+
+
+@dataclass
+class FlexAttentionMetadata:
+    slot_mapping: torch.Tensor  # [tokens] int64; -1 stores nothing (padding rows)
+    launches: list[FlexLaunch] = field(default_factory=list)
+    # Log-sum-exp of every (token, head) of the last layer run with this metadata: [tokens, heads] fp32.
+    lse: torch.Tensor | None = None
+
+
+@functools.cache
+def _compiled() -> Callable[..., Any]:
+    """FlexAttention compiled for CUDA (one compile per new shape; dynamic shapes after the first change)."""
+    return torch.compile(flex_attention, fullgraph=True)
+
+
+class FlexPagedAttention:
+    """Paged attention with FlexAttention: compiled on CUDA, PyTorch's eager reference elsewhere."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        prefill_tile: int | None = None,
+    ) -> None:
+        if not available():
+            raise RuntimeError("the flex attention backend needs PyTorch 2.9 or later (FlexAttention's AuxRequest)")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = device
+        self.scale = head_dim**-0.5
+        self.on_gpu = device.type == "cuda"
+        # The layers around attention: the fused Triton kernels on a GPU, as with the Triton backend.
+        self.fused_layers = self.on_gpu
+        # Query rows per tile of a prefill launch (the kernel's BLOCK_M); keys per tile are a page (BLOCK_N: the
+        # block mask's key blocks are pages, and a tile may not span two).
+        self.prefill_tile = prefill_tile or 64
+
+    # -- once per step -----------------------------------------------------------------------
+
+    def prepare(self, batch: AttentionBatch) -> FlexAttentionMetadata:
+        meta = FlexAttentionMetadata(slot_mapping=batch.slot_mapping)
+        nd, n = batch.num_decodes, len(batch.query_lens)
+        start = 0
+        for lo, hi in ((0, nd), (nd, n)):
+            if lo == hi:
+                continue
+            qlens = batch.query_lens[lo:hi]
+            tokens = sum(qlens)
+            meta.launches.append(
+                self._launch(start, qlens, batch.seq_lens[lo:hi], batch.block_tables[lo:hi], decode=hi <= nd)
+            )
+            start += tokens
+        return meta
+
+    def _launch(
+        self, start: int, qlens: list[int], seq_lens: list[int], tables: list[list[int]], decode: bool
+    ) -> FlexLaunch:
+        b = len(qlens)
+        query_len = max(qlens)
+        width = max(1, max(len(t) for t in tables))
+        # Query rows per tile: a decode's one query sits in a tile of 128 (FlexAttention's decoding kernel packs a KV
+        # head's query heads into rows of at least 16 and wants the tile a multiple of them); a prefill's tiles are
+        # ``prefill_tile`` rows, at least 16 (the matrix units' least).
+        tile = DECODE_TILE if decode else max(16, min(self.prefill_tile, _pow2(query_len)))
+        host = torch.tensor([*padded_table(tables, width), *qlens, *seq_lens], dtype=torch.int32)
+        dev = to_device(host, self.device)
+        table = dev[: b * width].view(b, width)
+        qlen = dev[b * width : b * width + b].long()
+        seq_len = dev[b * width + b :].long()
+        first_pos = seq_len - qlen  # the position of each sequence's first query
+        rows = None
+        if query_len > 1:  # each token's row in the padded queries: sequence * query_len + offset
+            offsets = torch.cat([torch.arange(q, dtype=torch.long) + i * query_len for i, q in enumerate(qlens)])
+            rows = to_device(offsets, self.device)
+        mask = self._block_mask(table, qlen, seq_len, first_pos, query_len, tile)
+        # A kernel tile of keys may not span two pages (the block mask's key blocks); a prefill's queries: its tile.
+        options = {"BLOCK_N": min(self.block_size, 128)} | ({} if decode else {"BLOCK_M": tile})
+        return FlexLaunch(start, start + sum(qlens), b, query_len, rows, mask, options)
+
+    def _block_mask(
+        self,
+        table: torch.Tensor,
+        qlen: torch.Tensor,
+        seq_len: torch.Tensor,
+        first_pos: torch.Tensor,
+        query_len: int,
+        tile: int,
+    ) -> Any:
+        """The launch's :class:`BlockMask`, made on the device from its block tables (no wait for it)."""
+        bs, dev = self.block_size, table.device
+        b, width = table.shape
+        tiles = -(-query_len // tile)
+        t = torch.arange(tiles, device=dev)
+        live = t * tile < qlen[:, None]  # a tile holding a query of the sequence (not padding only)
+        lo = first_pos[:, None] + t * tile  # its first and last query positions
+        hi = first_pos[:, None] + torch.minimum((t + 1) * tile, qlen[:, None]) - 1
+        full = torch.where(live, (lo + 1) // bs, 0)  # blocks wholly at or before the first query
+        partial = torch.where(live, hi // bs - full + 1, 0)  # the rest up to the last query's block
+        span = -(-tile // bs) + 1  # the most blocks a tile's queries reach into
+        picks = (full[:, :, None] + torch.arange(span, device=dev)).clamp_(max=width - 1)
+        partial_ids = table[:, None, :].expand(b, tiles, width).gather(2, picks)
+        full_ids = table[:, None, :].expand(b, tiles, width)
+        if not self.on_gpu:
+            # The CPU's kernel wants the lists as wide as the pool (the GPU's reads only the counted entries).
+            full_ids = torch.nn.functional.pad(full_ids, (0, self.num_blocks - width))
+            partial_ids = torch.nn.functional.pad(partial_ids, (0, self.num_blocks - span))
+        # The inverse block table: each row's logical index of every physical block (-1: not its block).
+        small = width < torch.iinfo(torch.int16).max
+        logical = torch.full((b, self.num_blocks), -1, dtype=torch.int16 if small else torch.int32, device=dev)
+        owned = torch.arange(width, device=dev)[None, :] < (seq_len[:, None] + bs - 1) // bs
+        index = torch.where(owned, table.long(), self.num_blocks)  # a padding entry goes to a column cut off
+        logical = torch.nn.functional.pad(logical, (0, 1)).scatter_(
+            1, index, torch.arange(width, device=dev, dtype=logical.dtype).expand(b, width)
+        )[:, : self.num_blocks]
+
+        def mask_mod(bi: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            block = logical[bi, kv // bs].to(torch.int64)
+            return (qi < qlen[bi]) & (block >= 0) & (block * bs + kv % bs <= first_pos[bi] + qi)
+
+        return BlockMask.from_kv_blocks(
+            partial[:, None].to(torch.int32),
+            partial_ids[:, None].to(torch.int32).contiguous(),
+            full[:, None].to(torch.int32),
+            full_ids[:, None].to(torch.int32).contiguous(),
+            BLOCK_SIZE=(tile, bs),
+            mask_mod=mask_mod,
+            seq_lengths=(query_len, self.num_blocks * bs),
+            compute_q_blocks=False,
+        )
+
+    # -- every layer ---------------------------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: FlexAttentionMetadata,
+    ) -> torch.Tensor:
+        k_cache, v_cache = cache
+        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full((q.shape[0], self.num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+        kvh, nb, bs, d = k_cache.shape
+        keys = k_cache.view(1, kvh, nb * bs, d)  # the pool as one sequence per KV head: slot s is key s
+        values = v_cache.view(1, kvh, nb * bs, d)
+        for launch in meta.launches:
+            rows_out, rows_lse = self._attend(q[launch.start : launch.end], keys, values, launch)
+            out[launch.start : launch.end] = rows_out
+            lse[launch.start : launch.end] = rows_lse
+        meta.lse = lse
+        return out
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, launch: FlexLaunch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output [tokens, heads, head_dim] and log-sum-exp [tokens, heads] of one launch's rows."""
+        b, ql = launch.num_seqs, launch.query_len
+        if launch.rows is None:
+            queries = q.view(b, 1, self.num_heads, self.head_dim)
+        else:
+            queries = q.new_zeros(b * ql, self.num_heads, self.head_dim)
+            queries[launch.rows] = q
+            queries = queries.view(b, ql, self.num_heads, self.head_dim)
+        call = _compiled() if self.on_gpu else flex_attention
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            o, aux = call(
+                queries.transpose(1, 2),
+                keys,
+                values,
+                block_mask=launch.block_mask,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+                return_aux=AuxRequest(lse=True),
+                kernel_options=launch.kernel_options if self.on_gpu else None,
+            )
+        o = o.transpose(1, 2).reshape(b * ql, self.num_heads, self.head_dim)
+        lse = aux.lse.transpose(1, 2).reshape(b * ql, self.num_heads).float()
+        if launch.rows is not None:
+            o, lse = o[launch.rows], lse[launch.rows]
+        return o, lse
+
+    def forward_partial(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: FlexAttentionMetadata,
+    ) -> AttentionPartial:
+        """As :meth:`forward`, as one partial per row (``attention/partials.py``): the log-sum-exp is the partial's
+        max (``m``), its sum is 1 (``e``) and its output the normalized one (``o``); a row that attended to nothing
+        is an empty partial (``e`` = 0)."""
+        out = self.forward(q, k, v, cache, meta)
+        assert meta.lse is not None
+        lse = meta.lse.unsqueeze(-1)
+        seen = torch.isfinite(lse)
+        return AttentionPartial(m=lse.nan_to_num(neginf=0.0), e=seen.to(lse.dtype), o=out)
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Write ``k``, ``v`` [tokens, kv_heads, head_dim] into the cache at ``slots`` (-1: nowhere)."""
+        if k.shape[0] == 0:
+            return
+        if self.on_gpu:  # the Triton backend's store kernel: it skips slot -1 without a wait for the device
+            triton_paged.store_kv(k, v, k_cache, v_cache, slots)
+            return
+        kvh, nb, bs, d = k_cache.shape
+        keep = slots >= 0
+        k_cache.view(kvh, nb * bs, d)[:, slots[keep]] = k[keep].transpose(0, 1)
+        v_cache.view(kvh, nb * bs, d)[:, slots[keep]] = v[keep].transpose(0, 1)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,194 @@
+"""The FlexAttention backend against a dense reference: decodes, prefill chunks over a cached prefix, GQA, head
+sizes that are not powers of two, pages of several sizes, blocks shared by two sequences (a cached prefix), padding
+rows; the log-sum-exp that comes out with the output, and the partials DistAttention merges.
+
+On the CPU FlexAttention runs its eager reference, which applies the mask to every (query, key) pair; the block
+mask, which the kernel alone reads, is checked by FlexAttention compiled for the CPU (``test_block_mask_*``); on
+CUDA the backend runs compiled."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from paged_cases import paged_case
+
+from boundless.attention import flex_paged
+from boundless.attention.backend import AttentionBatch
+from boundless.attention.paged import TorchPagedAttention
+from boundless.attention.partials import merge_partials
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not flex_paged.available(), reason="FlexAttention with AuxRequest needs torch 2.9+")
+
+SHAPES = [
+    # heads, kv heads, head dim, block size
+    (8, 2, 64, 16),
+    (4, 4, 16, 4),
+    (6, 2, 24, 64),  # group of 3, head size 24, pages larger than a tile
+]
+MIXES = {
+    "decodes": [(1, 1), (1, 17), (1, 200), (1, 64), (1, 33)],
+    "prefills": [(37, 37), (5, 5), (70, 70)],
+    "mixed": [(1, 70), (1, 3), (20, 20), (9, 40), (16, 16 + 16)],  # chunked prefill over a cached prefix
+}
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _backend(shape, num_blocks: int, **kw) -> flex_paged.FlexPagedAttention:
+    heads, kv_heads, head_dim, block_size = shape
+    return flex_paged.FlexPagedAttention(heads, kv_heads, head_dim, num_blocks, block_size, DEVICE, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_matches_dense(shape, mix: str, dtype: torch.dtype) -> None:
+    batch, cache, q, k, v, expected, expected_lse = paged_case(0, *shape, MIXES[mix], dtype, DEVICE)
+    backend = _backend(shape, cache[0].shape[1])
+    meta = backend.prepare(batch)
+    assert len(meta.launches) == len({ql == 1 for ql, _ in MIXES[mix]})  # decodes and prefills apart
+    out = backend.forward(q, k, v, cache, meta)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(meta.lse.double().cpu(), expected_lse, rtol=tol, atol=tol)
+    kvh, nb, bs, d = cache[0].shape
+    assert torch.equal(cache[0].view(kvh, nb * bs, d)[:, batch.slot_mapping], k.transpose(0, 1))
+    assert torch.equal(cache[1].view(kvh, nb * bs, d)[:, batch.slot_mapping], v.transpose(0, 1))
+
+
+def test_a_block_two_sequences_share_is_read_by_both() -> None:
+    """A cached prefix: two sequences' tables start with the same physical blocks; each reads them at its own
+    positions, and neither reads the other's own blocks (each is absent from the other's inverse table)."""
+    heads, kv_heads, d, bs = 4, 2, 16, 4
+    case = paged_case(3, heads, kv_heads, d, bs, [(1, 13), (1, 10)])
+    shared = case.batch.block_tables[0][:2]  # the first sequence's first 8 positions
+    nb = case.cache[0].shape[1]
+    tables = [case.batch.block_tables[0], shared + case.batch.block_tables[1][2:]]
+    for cache in case.cache:  # the second sequence's first 8 keys are the first's
+        cache[:, case.batch.block_tables[1][:2]] = cache[:, shared]
+    batch = AttentionBatch(1 + 1, [1, 1], [13, 10], tables, case.batch.slot_mapping, bs, DEVICE)
+    reference = TorchPagedAttention(heads, kv_heads, d, nb)
+    want = reference.forward(case.q, case.k, case.v, [c.clone() for c in case.cache], reference.prepare(batch))
+    backend = _backend((heads, kv_heads, d, bs), nb)
+    got = backend.forward(case.q, case.k, case.v, case.cache, backend.prepare(batch))
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_padding_rows_store_nothing_and_attend_to_nothing() -> None:
+    """A padded batch: slot -1 stores nothing, and a sequence of length 0 yields zeros and a log-sum-exp of -inf."""
+    heads, kv_heads, d, bs = 4, 2, 16, 16
+    batch, cache, q, k, v, expected, _ = paged_case(6, heads, kv_heads, d, bs, [(1, 20), (1, 7)], torch.float32, DEVICE)
+    before = [c.clone() for c in cache]
+    padded = AttentionBatch(
+        num_decodes=3,
+        query_lens=[1, 1, 1],
+        seq_lens=[*batch.seq_lens, 0],
+        block_tables=[*batch.block_tables, []],
+        slot_mapping=torch.cat([batch.slot_mapping, torch.tensor([-1], device=DEVICE)]),
+        block_size=bs,
+        device=DEVICE,
+    )
+    pad = lambda x: torch.cat([x, torch.randn(1, *x.shape[1:], device=DEVICE)])
+    backend = _backend((heads, kv_heads, d, bs), cache[0].shape[1])
+    meta = backend.prepare(padded)
+    out = backend.forward(pad(q), pad(k), pad(v), cache, meta)
+    torch.testing.assert_close(out[:2].double().cpu(), expected, rtol=2e-5, atol=2e-5)
+    assert torch.equal(out[2].cpu(), torch.zeros(heads, d))
+    assert meta.lse[2].eq(-math.inf).all()
+    changed = (cache[0] != before[0]).any(dim=-1).nonzero()
+    assert len(changed) == kv_heads * 2  # the two real tokens' slots, for every kv head
+
+
+def test_partials_merge_with_the_torch_backends() -> None:
+    """DistAttention's use: the partial of a split context from this backend merges with the PyTorch backend's
+    partial of the rest into attention over the whole."""
+    heads, kv_heads, d, bs = 8, 2, 32, 16
+    chunks = [(1, 96), (1, 40), (12, 64)]
+    batch, cache, q, k, v, expected, _ = paged_case(9, heads, kv_heads, d, bs, chunks, torch.float32, DEVICE)
+    nb = cache[0].shape[1]
+    # The first two blocks of every sequence are "remote": the rest's local part starts at a block boundary.
+    head_tables = [t[:2] for t in batch.block_tables]
+    local = AttentionBatch(
+        batch.num_decodes, batch.query_lens, [s - 32 for s in batch.seq_lens], [t[2:] for t in batch.block_tables],
+        batch.slot_mapping, bs, DEVICE,
+    )  # fmt: skip
+    backend = _backend((heads, kv_heads, d, bs), nb)
+    mine = backend.forward_partial(q, k, v, cache, backend.prepare(local))
+    reference = TorchPagedAttention(heads, kv_heads, d, nb)
+    # The remote part: every query sees all 32 earlier keys (a 0-token step over them).
+    kvh = cache[0].shape[0]
+    keys = torch.stack([cache[0][:, t].reshape(kvh, 32, d) for t in head_tables])
+    values = torch.stack([cache[1][:, t].reshape(kvh, 32, d) for t in head_tables])
+    seq_of = torch.repeat_interleave(torch.arange(3), torch.tensor(batch.query_lens))
+    kk = keys[seq_of].repeat_interleave(heads // kv_heads, dim=1)  # [tokens, heads, 32, d]
+    vv = values[seq_of].repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("thd,thsd->ths", q, kk) * reference.scale
+    m = scores.amax(-1, keepdim=True)
+    p = torch.exp(scores - m)
+    from boundless.attention.partials import AttentionPartial
+
+    theirs = AttentionPartial(m=m, e=p.sum(-1, keepdim=True), o=torch.einsum("ths,thsd->thd", p, vv))
+    merged = merge_partials([mine, theirs])
+    torch.testing.assert_close(merged.double().cpu(), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("tile", [16, 64])
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_block_mask_lists_every_visible_key_and_full_blocks_are_wholly_visible(shape, mix: str, tile: int) -> None:
+    """What the kernel reads and the eager reference does not: every key a query sees lies in a block its tile
+    lists, and a block listed full (visited without the mask) is seen whole by every query of the tile (tiles of
+    queries larger and smaller than pages)."""
+    batch, cache, *_ = paged_case(1, *shape, MIXES[mix])
+    backend = _backend(shape, cache[0].shape[1], prefill_tile=tile)
+    bs, nb = shape[3], cache[0].shape[1]
+    for launch in backend.prepare(batch).launches:
+        mask = launch.block_mask
+        b, ql = launch.num_seqs, launch.query_len
+        seen = torch.stack([
+            torch.stack([mask.mask_mod(torch.tensor(i), torch.tensor(0), torch.tensor(j), torch.arange(nb * bs))
+                         for j in range(ql)])
+            for i in range(b)
+        ]).cpu()  # [seqs, queries, keys]  # fmt: skip
+        q_tile = mask.BLOCK_SIZE[0]
+        for i in range(b):
+            for t in range(-(-ql // q_tile)):
+                full = mask.full_kv_indices[i, 0, t, : mask.full_kv_num_blocks[i, 0, t]].tolist()
+                listed = set(full) | set(mask.kv_indices[i, 0, t, : mask.kv_num_blocks[i, 0, t]].tolist())
+                rows = seen[i, t * q_tile : (t + 1) * q_tile].view(-1, nb, bs)
+                assert set(rows.any(dim=(0, 2)).nonzero().flatten().tolist()) <= listed
+                live = [j for j in range(t * q_tile, min((t + 1) * q_tile, ql)) if seen[i, j].any()]
+                for block in full:
+                    assert seen[i, live].view(len(live), nb, bs)[:, block].all()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="CUDA runs the kernel in every test")
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_block_mask_lists_what_the_kernel_must_visit(mix: str) -> None:
+    """FlexAttention compiled for the CPU reads the block mask (it visits the listed blocks alone and skips the
+    mask on full ones), as the GPU's kernel does: its output is the dense reference's, so the block mask lists
+    every visible key and calls full no block that is not. (The CPU's compiled kernel has no log-sum-exp: the
+    output alone.)"""
+    shape = (8, 2, 64, 16)
+    batch, cache, q, k, v, expected, _ = paged_case(0, *shape, MIXES[mix])
+    backend = _backend(shape, cache[0].shape[1], prefill_tile=16)
+    meta = backend.prepare(batch)
+    backend.store_kv(k, v, *cache, meta.slot_mapping)
+    kvh, nb, bs, d = cache[0].shape
+    keys, values = cache[0].view(1, kvh, nb * bs, d), cache[1].view(1, kvh, nb * bs, d)
+    compiled = torch.compile(flex_paged.flex_attention, dynamic=False)
+    out = torch.empty_like(q)
+    for launch in meta.launches:
+        rows = q[launch.start : launch.end]
+        b, ql = launch.num_seqs, launch.query_len
+        queries = rows.new_zeros(b * ql, *rows.shape[1:])
+        queries[launch.rows if launch.rows is not None else slice(None)] = rows
+        o = compiled(queries.view(b, ql, *rows.shape[1:]).transpose(1, 2), keys, values,
+                     block_mask=launch.block_mask, scale=backend.scale, enable_gqa=True)  # fmt: skip
+        o = o.transpose(1, 2).reshape(b * ql, *rows.shape[1:])
+        out[launch.start : launch.end] = o[launch.rows] if launch.rows is not None else o
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
