@@ -4,9 +4,11 @@
 # - the Triton attention kernels, the CUDA-graph runner (asynchronous scheduling's tests under
 #   torch.cuda.set_sync_debug_mode("error")), the transformers parity tests and DistAttention on the kernels;
 # - `bench gpu` (windows of 16, with and without --async-scheduling; the GPU's busy share and idle gaps).
-# GPU_CHECK_PART=more is a run of ~6 minutes for a later session (both parts with their machine starts pass a
-# session's 15 minutes of device time): `bench gpu --shapes tiles` (the attention kernels' tile shapes
-# swept on the 1B shape, against SDPA) and the sampler's, speculative and suffix decoding's, structured
+# GPU_CHECK_PART=flex (~8 minutes at most) and GPU_CHECK_PART=more (~5 minutes) are runs for later sessions (two
+# parts with their machine starts pass a session's 15 minutes of device time). flex: FlexAttention's tests on CUDA
+# (--attention-backend flex: the kernel library against our Triton kernels), then `bench gpu --shapes tiles` (the
+# attention kernels' tile shapes swept on the 1B shape, against FlexAttention and SDPA). more: the sampler's,
+# speculative and suffix decoding's, structured
 # outputs', LoRA's (against PEFT, skipped unless its wheel travels in .whl: `pip download --no-deps peft==0.21.2`),
 # multi-step's and the detokenizer's tests on CUDA. Structured outputs need xgrammar, absent there: they skip unless
 # its wheels travel in .whl (the device tool's README; for its Python 3.12: `pip download --no-deps
@@ -23,10 +25,18 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-if [ "${GPU_CHECK_PART:-main}" = more ]; then
-    # The attention kernels' tile shapes on the 1B shape's prefill and decode, against SDPA (~1-2 minutes).
-    timeout 200 python3 -m boundless.bench.gpu --shapes tiles --json "$out/bench-tiles.json" 2>&1 \
+if [ "${GPU_CHECK_PART:-main}" = flex ]; then
+    # FlexAttention (--attention-backend flex), compiled: its tests against the dense reference and the block mask,
+    # transformers' greedy tokens and DistAttention on it; then the attention kernels' tile shapes on the 1B shape's
+    # prefill and decode against FlexAttention and SDPA (each case and tile compiles FlexAttention once).
+    BOUNDLESS_TEST_DEVICE=cuda timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
+        -k "flex and not smollm2" tests/attention/test_flex_paged.py tests/model/test_reference.py \
+        tests/engine/test_dist_attention.py 2>&1 | tee "$out/pytest-flex.log" | tail -15
+    timeout 330 python3 -m boundless.bench.gpu --shapes tiles --json "$out/bench-tiles.json" 2>&1 \
         | tee "$out/bench-tiles.log" | tail -12
+    exit
+fi
+if [ "${GPU_CHECK_PART:-main}" = more ]; then
     # The sampler's and the decoding features' test files on CUDA (~4 minutes): a second device run.
     BOUNDLESS_TEST_DEVICE=cuda timeout 300 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
         -k "not smollm2 and not simulator_refuses" \
@@ -38,7 +48,7 @@ fi
 # The kernels, the graph runner and the parity tests (on the H200 the parity tests take ~4 s each: the whole
 # selection, the files above included, did not fit in 180 s), then the benchmark.
 BOUNDLESS_TEST_DEVICE=cuda timeout 190 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
-    -k "not smollm2 and not simulator_refuses" \
+    -k "not smollm2 and not simulator_refuses and not flex" \
     tests/attention/test_triton_paged.py tests/engine/test_cuda_graphs.py tests/model/test_reference.py \
     "tests/engine/test_dist_attention.py::test_distattention_on_the_triton_kernels" \
     "tests/engine/test_builder.py::test_gpu_memory_utilization_on_cuda" \

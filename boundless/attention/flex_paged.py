@@ -73,10 +73,18 @@ class FlexAttentionMetadata:
     lse: torch.Tensor | None = None
 
 
+# Compiles of FlexAttention one process may make before torch.compile gives up and runs the eager reference (which
+# on a GPU scores every query against the whole pool): each new tile, and each new shape where shapes are static.
+RECOMPILE_LIMIT = 64
+
+
 @functools.cache
-def _compiled() -> Callable[..., Any]:
-    """FlexAttention compiled for CUDA (one compile per new shape; dynamic shapes after the first change)."""
-    return torch.compile(flex_attention, fullgraph=True)
+def _compiled(dynamic: bool | None) -> Callable[..., Any]:
+    """FlexAttention compiled for CUDA. ``dynamic`` None: a compile per shape until one changes, then sizes that
+    change are symbolic (a symbolic batch loses the decoding kernel, which packs a KV head's query heads into one
+    program); False: a compile per shape."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
 
 
 class FlexPagedAttention:
@@ -91,6 +99,7 @@ class FlexPagedAttention:
         block_size: int,
         device: torch.device,
         prefill_tile: int | None = None,
+        dynamic: bool | None = None,
     ) -> None:
         if not available():
             raise RuntimeError("the flex attention backend needs PyTorch 2.9 or later (FlexAttention's AuxRequest)")
@@ -107,6 +116,7 @@ class FlexPagedAttention:
         # Query rows per tile of a prefill launch (the kernel's BLOCK_M); keys per tile are a page (BLOCK_N: the
         # block mask's key blocks are pages, and a tile may not span two).
         self.prefill_tile = prefill_tile or 64
+        self.dynamic = dynamic  # torch.compile's: see _compiled
 
     # -- once per step -----------------------------------------------------------------------
 
@@ -236,7 +246,7 @@ class FlexPagedAttention:
             queries = q.new_zeros(b * ql, self.num_heads, self.head_dim)
             queries[launch.rows] = q
             queries = queries.view(b, ql, self.num_heads, self.head_dim)
-        call = _compiled() if self.on_gpu else flex_attention
+        call = _compiled(self.dynamic) if self.on_gpu else flex_attention
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             o, aux = call(

@@ -4,9 +4,11 @@ Each case is one layer's attention of a step the offline cases take: whole promp
 long-prompt case's prefill), a chunk of a prompt over its cached first half, 256 decodes over 256 tokens of context
 (the decode-heavy case) and 8 decodes over 8,000 (the long case's decode). Every tile shape of the grid runs each
 case of its kind (prefill or decode) on the same inputs; its output is checked against the default shape's, and
-its time set beside the default's and beside PyTorch's ``scaled_dot_product_attention`` on the same tensors laid
-out densely (FlashAttention on a GPU), where that computes the same thing. The next step for a case is then a
-measurement away: a tile default, or a kernel change, or neither (it is at SDPA's speed already).
+its time set beside the default's, beside FlexAttention's on the same paged cache (``--attention-backend flex``, at
+a few query tiles for prefill) and beside PyTorch's ``scaled_dot_product_attention`` on the same tensors laid out
+densely (FlashAttention on a GPU), where that computes the same thing. The next step for a case is then a
+measurement away: a tile default, or a kernel change, or the kernel library in place of ours, or neither (it is at
+SDPA's speed already).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from boundless.attention import triton_paged
+from boundless.attention import flex_paged, triton_paged
 from boundless.attention.backend import AttentionBatch
+from boundless.attention.flex_paged import FlexPagedAttention
 from boundless.attention.triton_paged import TileConfig, TritonPagedAttention
 from boundless.bench.timing import device_seconds
 
@@ -155,6 +158,47 @@ def kernel_run(
     return lambda: backend.forward(tensors.q, tensors.k, tensors.v, tensors.cache, meta)
 
 
+FLEX_PREFILL_TILES = (32, 64, 128)  # FlexAttention's query rows per tile swept on prefill cases (its default first: 64)
+
+
+def flex_run(
+    tensors: CaseTensors, shape: AttentionShape, device: torch.device, prefill_tile: int | None = None
+) -> Callable[[], torch.Tensor]:
+    """The case's attention on FlexAttention (``--attention-backend flex``), as the engine runs it, compiled for the
+    case's shapes (the engine's compiles turn symbolic where shapes change, which a sweep of fixed cases would
+    measure after the first case)."""
+    backend = FlexPagedAttention(
+        shape.heads, shape.kv_heads, shape.head_dim, tensors.num_blocks, shape.block_size, device, prefill_tile,
+        dynamic=False,
+    )  # fmt: skip
+    meta = backend.prepare(tensors.batch)
+    return lambda: backend.forward(tensors.q, tensors.k, tensors.v, tensors.cache, meta)
+
+
+def flex_rows(
+    tensors: CaseTensors, case: TileCase, shape: AttentionShape, reference: torch.Tensor | None, repeats: int
+) -> list[dict]:
+    """FlexAttention on the case, for each of its tiles (one on a decode case): seconds, TFLOP/s and its difference
+    from the Triton kernel's output; a tile that fails (a compile error) is noted and the others go on."""
+    device = tensors.q.device
+    tolerance = 2e-5 if tensors.q.dtype == torch.float32 else 3e-2
+    rows = []
+    for tile in (None,) if case.decode else FLEX_PREFILL_TILES:
+        run = flex_run(tensors, shape, device, tile)
+        try:
+            out = run().float()
+            seconds = device_seconds(run, device, repeats, inner=INNER_CALLS)
+        except Exception as e:  # (the kernel failing to compile or run on this device: the sweep goes on)
+            rows.append({"prefill_tile": tile, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        row = {"prefill_tile": tile, "seconds": seconds, "tflops": case.flops(shape) / seconds / 1e12}
+        if reference is not None:
+            row["max_abs_diff"] = float((out - reference).abs().max())
+            row["ok"] = row["max_abs_diff"] <= tolerance
+        rows.append(row)
+    return rows
+
+
 def sdpa_run(tensors: CaseTensors, case: TileCase, shape: AttentionShape) -> Callable[[], torch.Tensor] | None:
     """PyTorch's fused attention on the same case laid out densely (every sequence as long as the longest context:
     the cases' sequences are), or None where its causal mask would differ from the kernel's (a chunk over a cached
@@ -213,6 +257,10 @@ def sweep_case(
         "chunks": len(case.chunks), "tokens": sum(q for q, _ in case.chunks), "flops": flops, "configs": rows,
         "default_s": rows[0].get("seconds"), "best": min(timed, key=lambda r: r["seconds"]) if timed else None,
     }  # fmt: skip
+    if flex_paged.available():
+        out["flex"] = flex_rows(tensors, case, shape, reference, repeats)
+        timed_flex = [r for r in out["flex"] if r.get("ok")]
+        out["flex_s"] = min(r["seconds"] for r in timed_flex) if timed_flex else None
     sdpa = sdpa_run(tensors, case, shape)  # (after the kernels ran: the cache holds the new tokens' KV too)
     if sdpa is not None:
         dense = sdpa().float()  # [sequences, heads, query tokens, head_dim]
@@ -239,7 +287,7 @@ def sweep(case: TileCase, device: torch.device, dtype: torch.dtype, tiny: bool =
 
 def summary_rows(results: dict) -> list[list[str]]:
     """A row per case (``results``: by case name): the default tiles' time, the fastest shape's (as it differs from
-    the default) and SDPA's."""
+    the default), FlexAttention's fastest that agrees with the kernel and SDPA's."""
 
     def ms(seconds: float | None) -> str:
         return f"{seconds * 1e3:.3f}" if seconds is not None else "-"
@@ -249,7 +297,6 @@ def summary_rows(results: dict) -> list[list[str]]:
         best = case.get("best") or {}
         default = case["configs"][0]["tiles"] if case.get("configs") else {}
         changed = ",".join(f"{k}={v}" for k, v in (best.get("tiles") or {}).items() if default.get(k) != v)
-        rows.append(
-            [name, ms(case.get("default_s")), ms(best.get("seconds")), changed or "default", ms(case.get("sdpa_s"))]
-        )
+        times = [ms(case.get("default_s")), ms(best.get("seconds")), changed or "default", ms(case.get("flex_s"))]
+        rows.append([name, *times, ms(case.get("sdpa_s"))])
     return rows

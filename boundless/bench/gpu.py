@@ -527,8 +527,8 @@ def _summary(results: dict) -> None:
     if tiles:
         from boundless.bench.attention_tiles import summary_rows
 
-        print("attention, one layer (ms): the default tiles, the fastest giving the same output, SDPA")
-        print_table(["case", "default", "fastest", "its tiles", "sdpa"], summary_rows(tiles))
+        print("attention, one layer (ms): the default tiles, the fastest giving the same output, FlexAttention, SDPA")
+        print_table(["case", "default", "fastest", "its tiles", "flex", "sdpa"], summary_rows(tiles))
     errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
     if errors:
         print("errors: " + json.dumps(errors))
