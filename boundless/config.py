@@ -61,8 +61,8 @@ class ModelConfig:
         metadata={
             "help": "auto (triton on CUDA where Triton is installed, else torch), torch (PyTorch, and native kernels "
             "on the CPU), triton (paged-attention kernels for CUDA, with CUDA graphs for decode steps; on the CPU "
-            "only under TRITON_INTERPRET=1) or flex (PyTorch's FlexAttention: compiled on CUDA, without CUDA graphs; "
-            "its eager reference on the CPU, slow)"
+            "only under TRITON_INTERPRET=1) or flex (PyTorch's FlexAttention: compiled on CUDA, with CUDA graphs for "
+            "decode steps; its eager reference on the CPU, slow)"
         },
     )
     enforce_eager: bool = field(

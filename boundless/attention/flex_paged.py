@@ -30,7 +30,7 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,6 +52,19 @@ def available() -> bool:
 DECODE_TILE = 128
 
 
+class MaskTensors(NamedTuple):
+    """A launch's block mask (counts [seqs, 1, tiles], ids [seqs, 1, tiles, width]; int32) and what its mask reads:
+    the inverse block table [seqs, pool blocks], each sequence's query count and first query position."""
+
+    partial_counts: torch.Tensor
+    partial_ids: torch.Tensor
+    full_counts: torch.Tensor
+    full_ids: torch.Tensor
+    logical: torch.Tensor
+    query_lens: torch.Tensor
+    first_positions: torch.Tensor
+
+
 @dataclass
 class FlexLaunch:
     """One FlexAttention call over the sequences whose tokens are rows ``[start, end)`` of the step's q."""
@@ -71,6 +84,9 @@ class FlexAttentionMetadata:
     launches: list[FlexLaunch] = field(default_factory=list)
     # Log-sum-exp of every (token, head) of the last layer run with this metadata: [tokens, heads] fp32.
     lse: torch.Tensor | None = None
+    # Metadata over buffers the caller refills (CUDA graphs, ``decode_metadata``): remakes the block mask's tensors
+    # in place from them; run before each forward pass, inside the captured graph.
+    refresh: Callable[[], None] | None = None
 
 
 # Compiles of FlexAttention one process may make before torch.compile gives up and runs the eager reference (which
@@ -155,12 +171,43 @@ class FlexPagedAttention:
         if query_len > 1:  # each token's row in the padded queries: sequence * query_len + offset
             offsets = torch.cat([torch.arange(q, dtype=torch.long) + i * query_len for i, q in enumerate(qlens)])
             rows = to_device(offsets, self.device)
-        mask = self._block_mask(table, qlen, seq_len, first_pos, query_len, tile)
+        mask = self._make_block_mask(
+            self._mask_tensors(table, qlen, seq_len, first_pos, query_len, tile), query_len, tile
+        )
         # A kernel tile of keys may not span two pages (the block mask's key blocks); a prefill's queries: its tile.
         options = {"BLOCK_N": min(self.block_size, 128)} | ({} if decode else {"BLOCK_M": tile})
         return FlexLaunch(start, start + sum(qlens), b, query_len, rows, mask, options)
 
-    def _block_mask(
+    def decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start: torch.Tensor,
+        programs: torch.Tensor,
+        max_context: int,
+    ) -> FlexAttentionMetadata:
+        """Metadata of a decode-only step over tensors the caller fills before each run (CUDA-graph replay), as
+        ``TritonPagedAttention.decode_metadata``: a padding row has slot -1 and context length 0, and attends to
+        nothing. The block mask's tensors live at fixed addresses; ``refresh`` remakes them from the buffers."""
+        b = seq_lens.shape[0]
+        ones = torch.ones(b, dtype=torch.long, device=seq_lens.device)
+
+        def made() -> MaskTensors:
+            seq_len = seq_lens.long()
+            return self._mask_tensors(block_tables, ones, seq_len, seq_len - 1, 1, DECODE_TILE)
+
+        held = made()
+
+        def refresh() -> None:
+            for mine, fresh in zip(held, made(), strict=True):
+                mine.copy_(fresh)
+
+        mask = self._make_block_mask(held, 1, DECODE_TILE)
+        launch = FlexLaunch(0, b, b, 1, None, mask, {"BLOCK_N": min(self.block_size, 128)})
+        return FlexAttentionMetadata(slot_mapping=slot_mapping, launches=[launch], refresh=refresh)
+
+    def _mask_tensors(
         self,
         table: torch.Tensor,
         qlen: torch.Tensor,
@@ -168,8 +215,8 @@ class FlexPagedAttention:
         first_pos: torch.Tensor,
         query_len: int,
         tile: int,
-    ) -> Any:
-        """The launch's :class:`BlockMask`, made on the device from its block tables (no wait for it)."""
+    ) -> MaskTensors:
+        """A launch's block mask and inverse block table, made on the device from its block tables (no wait for it)."""
         bs, dev = self.block_size, table.device
         b, width = table.shape
         tiles = -(-query_len // tile)
@@ -181,7 +228,7 @@ class FlexPagedAttention:
         partial = torch.where(live, hi // bs - full + 1, 0)  # the rest up to the last query's block
         span = -(-tile // bs) + 1  # the most blocks a tile's queries reach into
         picks = (full[:, :, None] + torch.arange(span, device=dev)).clamp_(max=width - 1)
-        partial_ids = table[:, None, :].expand(b, tiles, width).gather(2, picks)
+        partial_ids = table[:, None, :].expand(b, tiles, width).gather(2, picks.to(torch.int64))
         full_ids = table[:, None, :].expand(b, tiles, width)
         if not self.on_gpu:
             # The CPU's kernel wants the lists as wide as the pool (the GPU's reads only the counted entries).
@@ -189,22 +236,31 @@ class FlexPagedAttention:
             partial_ids = torch.nn.functional.pad(partial_ids, (0, self.num_blocks - span))
         # The inverse block table: each row's logical index of every physical block (-1: not its block).
         small = width < torch.iinfo(torch.int16).max
-        logical = torch.full((b, self.num_blocks), -1, dtype=torch.int16 if small else torch.int32, device=dev)
+        logical = torch.full((b, self.num_blocks + 1), -1, dtype=torch.int16 if small else torch.int32, device=dev)
         owned = torch.arange(width, device=dev)[None, :] < (seq_len[:, None] + bs - 1) // bs
         index = torch.where(owned, table.long(), self.num_blocks)  # a padding entry goes to a column cut off
-        logical = torch.nn.functional.pad(logical, (0, 1)).scatter_(
-            1, index, torch.arange(width, device=dev, dtype=logical.dtype).expand(b, width)
-        )[:, : self.num_blocks]
+        logical.scatter_(1, index, torch.arange(width, device=dev, dtype=logical.dtype).expand(b, width))
+        as_int = torch.int32
+        return MaskTensors(
+            partial[:, None].to(as_int), partial_ids[:, None].to(as_int).contiguous(), full[:, None].to(as_int),
+            full_ids[:, None].to(as_int).contiguous(), logical[:, : self.num_blocks].contiguous(), qlen.clone(),
+            first_pos.clone(),
+        )  # fmt: skip
+
+    def _make_block_mask(self, m: MaskTensors, query_len: int, tile: int) -> Any:
+        """The :class:`BlockMask` over these tensors (read by reference: refilling them in place changes it)."""
+        bs = self.block_size
+        logical, qlen, first_pos = m.logical, m.query_lens, m.first_positions
 
         def mask_mod(bi: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             block = logical[bi, kv // bs].to(torch.int64)
             return (qi < qlen[bi]) & (block >= 0) & (block * bs + kv % bs <= first_pos[bi] + qi)
 
         return BlockMask.from_kv_blocks(
-            partial[:, None].to(torch.int32),
-            partial_ids[:, None].to(torch.int32).contiguous(),
-            full[:, None].to(torch.int32),
-            full_ids[:, None].to(torch.int32).contiguous(),
+            m.partial_counts,
+            m.partial_ids,
+            m.full_counts,
+            m.full_ids,
             BLOCK_SIZE=(tile, bs),
             mask_mod=mask_mod,
             seq_lengths=(query_len, self.num_blocks * bs),

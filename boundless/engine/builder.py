@@ -179,7 +179,8 @@ def build_model_executor(
     )  # fmt: skip
     attention = make_attention(config, arch, layout, loaded.device, loaded.dtype)
     graphs = None
-    on_gpu = isinstance(attention, triton_paged.TritonPagedAttention) and loaded.device.type == "cuda"
+    graphed = (triton_paged.TritonPagedAttention, flex_paged.FlexPagedAttention)
+    on_gpu = isinstance(attention, graphed) and loaded.device.type == "cuda"
     # (A mixture of experts reads its routing back to the host each layer, which a graph cannot capture: eager.)
     if on_gpu and not config.model.enforce_eager and not arch.num_experts:
         graphs = DecodeGraphs(
@@ -193,8 +194,8 @@ def build_model_executor(
             else f"{type(attention).__name__} on {loaded.device.type}"
         )  # fmt: skip
         log.warning(
-            "--async-scheduling has no effect here: it overlaps steps run on CUDA graphs (the triton backend on CUDA, "
-            "without --enforce-eager, for models without experts); this engine has none: %s",
+            "--async-scheduling has no effect here: it overlaps steps run on CUDA graphs (the triton or flex backend "
+            "on CUDA, without --enforce-eager, for models without experts); this engine has none: %s",
             why,
         )
     grammars = grammars or Grammars(loaded.tokenizer, arch.vocab_size)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from boundless.attention.backend import padded_table, to_device, to_host
+from boundless.attention.flex_paged import FlexAttentionMetadata, FlexPagedAttention
 from boundless.attention.triton_paged import TritonAttentionMetadata, TritonPagedAttention
 from boundless.engine.scheduler import ScheduledChunk
 from boundless.engine.window_inputs import StepInputs, advance
@@ -77,7 +78,7 @@ class DecodeGraphs:
         self,
         model: LlamaModel,
         kv_cache: PagedKVCache,
-        attention: TritonPagedAttention,
+        attention: TritonPagedAttention | FlexPagedAttention,
         max_batch: int,
         max_model_len: int,
         device: torch.device,
@@ -100,7 +101,7 @@ class DecodeGraphs:
         self.programs = torch.arange(n, dtype=torch.int32, device=device)
         self.inputs = StepInputs(self.input_ids, self.positions, self.slots, self.seq_lens, self.block_tables)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._metas: dict[int, TritonAttentionMetadata] = {}
+        self._metas: dict[int, TritonAttentionMetadata | FlexAttentionMetadata] = {}
         # The RoPE table the graphs read, by address: kept alive if another engine built on the same model needs a
         # longer one (``LlamaModel.prepare``), whose memory would otherwise be reused under these graphs.
         self._rope = model.rope
@@ -108,7 +109,7 @@ class DecodeGraphs:
     def fits(self, num_decodes: int) -> bool:
         return 0 < num_decodes <= self.max_batch
 
-    def _meta(self, b: int) -> TritonAttentionMetadata:
+    def _meta(self, b: int) -> TritonAttentionMetadata | FlexAttentionMetadata:
         return self.attention.decode_metadata(
             self.slots[:b],
             self.block_tables[:b],
@@ -118,7 +119,9 @@ class DecodeGraphs:
             self.max_model_len,
         )
 
-    def _forward(self, b: int, meta: TritonAttentionMetadata) -> torch.Tensor:
+    def _forward(self, b: int, meta: TritonAttentionMetadata | FlexAttentionMetadata) -> torch.Tensor:
+        if isinstance(meta, FlexAttentionMetadata) and meta.refresh is not None:
+            meta.refresh()  # its block mask from the buffers (inside the graph: each replay remakes it)
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.attention, self.kv_cache, meta)
         return self.model.compute_logits(hidden)
 
