@@ -4,10 +4,11 @@
 # - the Triton attention kernels, the CUDA-graph runner (asynchronous scheduling's tests under
 #   torch.cuda.set_sync_debug_mode("error")), the transformers parity tests and DistAttention on the kernels;
 # - `bench gpu` (windows of 16, with and without --async-scheduling; the GPU's busy share and idle gaps).
-# GPU_CHECK_PART=flex (~8 minutes at most) and GPU_CHECK_PART=more (~5 minutes) are runs for later sessions (two
+# GPU_CHECK_PART=flex (~9.5 minutes at most) and GPU_CHECK_PART=more (~5 minutes) are runs for later sessions (two
 # parts with their machine starts pass a session's 15 minutes of device time). flex: FlexAttention's tests on CUDA
 # (--attention-backend flex: the kernel library against our Triton kernels), then `bench gpu --shapes tiles` (the
-# attention kernels' tile shapes swept on the 1B shape, against FlexAttention and SDPA). more: the sampler's,
+# attention kernels' tile shapes swept on the 1B shape, against FlexAttention and SDPA) and the engine on it on the
+# decode-heavy case. more: the sampler's,
 # speculative and suffix decoding's, structured
 # outputs', LoRA's (against PEFT, skipped unless its wheel travels in .whl: `pip download --no-deps peft==0.21.2`),
 # multi-step's and the detokenizer's tests on CUDA. Structured outputs need xgrammar, absent there: they skip unless
@@ -29,11 +30,15 @@ if [ "${GPU_CHECK_PART:-main}" = flex ]; then
     # FlexAttention (--attention-backend flex), compiled: its tests against the dense reference and the block mask,
     # transformers' greedy tokens and DistAttention on it; then the attention kernels' tile shapes on the 1B shape's
     # prefill and decode against FlexAttention and SDPA (each case and tile compiles FlexAttention once).
-    BOUNDLESS_TEST_DEVICE=cuda timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
+    BOUNDLESS_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
         -k "flex and not smollm2" tests/attention/test_flex_paged.py tests/model/test_reference.py \
-        tests/engine/test_dist_attention.py 2>&1 | tee "$out/pytest-flex.log" | tail -15
-    timeout 330 python3 -m boundless.bench.gpu --shapes tiles --json "$out/bench-tiles.json" 2>&1 \
+        tests/engine/test_dist_attention.py tests/engine/test_cuda_graphs.py 2>&1 | tee "$out/pytest-flex.log" | tail -15
+    timeout 240 python3 -m boundless.bench.gpu --shapes tiles --json "$out/bench-tiles.json" 2>&1 \
         | tee "$out/bench-tiles.log" | tail -12
+    # The engine on FlexAttention, with its CUDA graphs, on the decode-heavy case against transformers (last: the
+    # compiles of its shapes may not fit, and nothing after it is lost).
+    timeout 180 python3 -m boundless.bench.gpu --shapes 1b --cases 1 --windows 16 --attention-backend flex \
+        --json "$out/bench-flex.json" 2>&1 | tee "$out/bench-flex.log" | tail -25
     exit
 fi
 if [ "${GPU_CHECK_PART:-main}" = more ]; then

@@ -50,6 +50,8 @@ def available() -> bool:
 
 
 DECODE_TILE = 128
+# The most fp32 scores (bytes) a step's eager reference may make off CUDA: it scores every query against the pool.
+EAGER_SCORE_BYTES = 1 << 30
 
 
 class MaskTensors(NamedTuple):

@@ -249,6 +249,16 @@ def make_attention(
     if name == "flex":
         if not flex_paged.available():
             raise ConfigError("--attention-backend: flex needs PyTorch 2.9 or later (FlexAttention's log-sum-exp)")
+        pool = layout.num_blocks * layout.block_size
+        scores = config.scheduler.max_num_batched_tokens * arch.num_heads * pool * 4
+        if device.type != "cuda" and scores > flex_paged.EAGER_SCORE_BYTES:
+            raise ConfigError(
+                f"--attention-backend flex on {device.type} runs FlexAttention's eager reference, which scores a "
+                f"step's tokens against the whole KV pool: {scores / 2**30:.1f} GiB for --max-num-batched-tokens "
+                f"{config.scheduler.max_num_batched_tokens} over {pool} pool tokens (at most "
+                f"{flex_paged.EAGER_SCORE_BYTES / 2**30:.0f} GiB); shrink --num-kv-blocks or "
+                "--max-num-batched-tokens, or take --attention-backend torch, the CPU's fast path"
+            )
         return flex_paged.FlexPagedAttention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device
         )

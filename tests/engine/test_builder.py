@@ -115,3 +115,15 @@ def test_gpu_memory_utilization_on_cuda(tiny_llama: LoadedModel) -> None:
     core = EngineCore.from_model(loaded, engine_config(tiny_llama.name, gpu_memory_utilization=fraction))
     expected = (int(fraction * total) - (total - free)) // core.layout.bytes_per_block
     assert expected > 0 and abs(core.layout.num_blocks - expected) <= expected // 100 + 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the bound is the CPU's (CUDA runs the compiled kernel)")
+def test_flex_attention_off_cuda_refuses_a_pool_its_eager_reference_cannot_score(tiny_llama: LoadedModel) -> None:
+    """``--attention-backend flex`` on the CPU scores a step's tokens against the whole pool (PyTorch's eager
+    reference): a pool that would take more than a GiB of scores is refused with what to change, not run out of
+    memory; one that fits runs."""
+    big = engine_config(tiny_llama.name, num_kv_blocks=2**16, attention_backend="flex")
+    with pytest.raises(ConfigError, match=r"--attention-backend flex on cpu .* shrink --num-kv-blocks"):
+        EngineCore.from_model(tiny_llama, big)
+    small = engine_config(tiny_llama.name, num_kv_blocks=32, max_model_len=256, attention_backend="flex")
+    assert type(EngineCore.from_model(tiny_llama, small).executor.runner.attention).__name__ == "FlexPagedAttention"
