@@ -35,6 +35,15 @@ class AttentionPartial:
         return AttentionPartial(m=self.m.to(device), e=self.e.to(device), o=self.o.to(device))
 
 
+def partial_from_lse(out: torch.Tensor, lse: torch.Tensor) -> AttentionPartial:
+    """A normalized output [rows, heads, head_dim] and its log-sum-exp [rows, heads] (a fused kernel's) as a partial:
+    the log-sum-exp is its max (``m``) and its sum 1 (``e``); a row that attended to nothing (-inf) is an empty partial
+    (``e`` = 0)."""
+    lse = lse.unsqueeze(-1)
+    seen = torch.isfinite(lse)
+    return AttentionPartial(m=lse.nan_to_num(neginf=0.0), e=seen.to(lse.dtype), o=out)
+
+
 def softmax_partial(scores: torch.Tensor, v: torch.Tensor) -> AttentionPartial:
     """The partial of already-scaled, already-masked ``scores`` [N, Q, T] against ``v`` [N, T, D]."""
     scores = scores.float()  # softmax statistics in fp32 whatever the KV dtype

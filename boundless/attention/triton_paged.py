@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boundless.attention.backend import AttentionBatch, padded_table, to_device
-from boundless.attention.partials import AttentionPartial
+from boundless.attention.partials import AttentionPartial, partial_from_lse
 
 try:
     import triton
@@ -262,13 +262,10 @@ class TritonPagedAttention:
         meta: TritonAttentionMetadata,
     ) -> AttentionPartial:
         """As :meth:`forward`, as one partial per row for DistAttention to merge with partials computed elsewhere
-        (``attention/partials.py``): the kernels' log-sum-exp is the partial's max (``m``), its sum is 1 (``e``) and
-        its output the normalized one (``o``). A row that attended to nothing is an empty partial (``e`` = 0)."""
+        (``attention/partials.py``), made from the kernel's log-sum-exp."""
         out = self.forward(q, k, v, cache, meta)
         assert meta.lse is not None
-        lse = meta.lse.unsqueeze(-1)
-        seen = torch.isfinite(lse)
-        return AttentionPartial(m=lse.nan_to_num(neginf=0.0), e=seen.to(lse.dtype), o=out)
+        return partial_from_lse(out, meta.lse)
 
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor

@@ -3,12 +3,28 @@ their new tokens' q/k/v and a float64 dense reference (output and log-sum-exp)."
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from boundless.attention.backend import AttentionBatch
+
+# The backends' cases: (heads, kv heads, head dim, block size), and steps of (query tokens, context) per sequence.
+SHAPES = [
+    # heads, kv heads, head dim, block size
+    (8, 2, 64, 16),
+    (4, 4, 16, 4),
+    (6, 2, 24, 64),  # group of 3, head size 24, pages larger than a tile
+]
+MIXES = {
+    "decodes": [(1, 1), (1, 17), (1, 200), (1, 64), (1, 33)],
+    "prefills": [(37, 37), (5, 5), (70, 70)],
+    "mixed": [(1, 70), (1, 3), (20, 20), (9, 40), (16, 16 + 16)],  # chunked prefill over a cached prefix
+}
 
 
 @dataclass
@@ -80,3 +96,31 @@ def paged_case(
     cache = (k_cache.to(device), v_cache.to(device))
     q, k, v = (torch.cat(x).to(device) for x in (qs, ks, vs))
     return PagedCase(batch, cache, q, k, v, torch.stack(outs), torch.stack(lses))
+
+
+def check_padding_row(make_backend: Callable[[int], Any], device: torch.device) -> None:
+    """A CUDA graph's padded batch through a backend (``make_backend(num_blocks)``, of 4 heads over 2 KV heads of
+    16, pages of 16): a decode row of context 0 and slot -1 after two real ones stores nothing, yields zeros and a
+    log-sum-exp of -inf, and leaves the real rows' outputs as they are."""
+    heads, kv_heads, d, bs = 4, 2, 16, 16
+    case = paged_case(6, heads, kv_heads, d, bs, [(1, 20), (1, 7)], torch.float32, device)
+    batch, cache = case.batch, case.cache
+    before = [c.clone() for c in cache]
+    padded = AttentionBatch(
+        num_decodes=3,
+        query_lens=[1, 1, 1],
+        seq_lens=[*batch.seq_lens, 0],
+        block_tables=[*batch.block_tables, []],
+        slot_mapping=torch.cat([batch.slot_mapping, torch.tensor([-1], device=device)]),
+        block_size=bs,
+        device=device,
+    )
+    q, k, v = (torch.cat([x, torch.randn(1, *x.shape[1:], device=device)]) for x in (case.q, case.k, case.v))
+    backend = make_backend(cache[0].shape[1])
+    meta = backend.prepare(padded)
+    out = backend.forward(q, k, v, cache, meta)
+    torch.testing.assert_close(out[:2].double().cpu(), case.expected, rtol=2e-5, atol=2e-5)
+    assert torch.equal(out[2].cpu(), torch.zeros(heads, d))
+    assert meta.lse[2].eq(-math.inf).all()
+    changed = (cache[0] != before[0]).any(dim=-1).nonzero()
+    assert len(changed) == kv_heads * 2  # the two real tokens' slots, for every kv head

@@ -8,11 +8,9 @@ CUDA the backend runs compiled."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from paged_cases import paged_case
+from paged_cases import MIXES, SHAPES, check_padding_row, paged_case
 
 from boundless.attention import flex_paged
 from boundless.attention.backend import AttentionBatch
@@ -22,17 +20,6 @@ from boundless.attention.partials import merge_partials
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not flex_paged.available(), reason="FlexAttention with AuxRequest needs torch 2.9+")
 
-SHAPES = [
-    # heads, kv heads, head dim, block size
-    (8, 2, 64, 16),
-    (4, 4, 16, 4),
-    (6, 2, 24, 64),  # group of 3, head size 24, pages larger than a tile
-]
-MIXES = {
-    "decodes": [(1, 1), (1, 17), (1, 200), (1, 64), (1, 33)],
-    "prefills": [(37, 37), (5, 5), (70, 70)],
-    "mixed": [(1, 70), (1, 3), (20, 20), (9, 40), (16, 16 + 16)],  # chunked prefill over a cached prefix
-}
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
@@ -79,27 +66,7 @@ def test_a_block_two_sequences_share_is_read_by_both() -> None:
 
 def test_padding_rows_store_nothing_and_attend_to_nothing() -> None:
     """A padded batch: slot -1 stores nothing, and a sequence of length 0 yields zeros and a log-sum-exp of -inf."""
-    heads, kv_heads, d, bs = 4, 2, 16, 16
-    batch, cache, q, k, v, expected, _ = paged_case(6, heads, kv_heads, d, bs, [(1, 20), (1, 7)], torch.float32, DEVICE)
-    before = [c.clone() for c in cache]
-    padded = AttentionBatch(
-        num_decodes=3,
-        query_lens=[1, 1, 1],
-        seq_lens=[*batch.seq_lens, 0],
-        block_tables=[*batch.block_tables, []],
-        slot_mapping=torch.cat([batch.slot_mapping, torch.tensor([-1], device=DEVICE)]),
-        block_size=bs,
-        device=DEVICE,
-    )
-    pad = lambda x: torch.cat([x, torch.randn(1, *x.shape[1:], device=DEVICE)])
-    backend = _backend((heads, kv_heads, d, bs), cache[0].shape[1])
-    meta = backend.prepare(padded)
-    out = backend.forward(pad(q), pad(k), pad(v), cache, meta)
-    torch.testing.assert_close(out[:2].double().cpu(), expected, rtol=2e-5, atol=2e-5)
-    assert torch.equal(out[2].cpu(), torch.zeros(heads, d))
-    assert meta.lse[2].eq(-math.inf).all()
-    changed = (cache[0] != before[0]).any(dim=-1).nonzero()
-    assert len(changed) == kv_heads * 2  # the two real tokens' slots, for every kv head
+    check_padding_row(lambda num_blocks: _backend((4, 2, 16, 16), num_blocks), DEVICE)
 
 
 def test_partials_merge_with_the_torch_backends() -> None:
