@@ -157,15 +157,18 @@ def test_graph_buffers_give_the_eager_tokens(tiny_llama: LoadedModel) -> None:
     assert replays >= 10  # the decode steps went through the buffers
 
 
-@pytest.mark.parametrize("window", [1, 8])
-def test_graph_buffers_on_flex_attention_give_the_eager_tokens(tiny_llama: LoadedModel, window: int) -> None:
+@pytest.mark.parametrize("window, ahead", [(1, False), (8, False), (8, True)])
+def test_graph_buffers_on_flex_attention_give_the_eager_tokens(
+    tiny_llama: LoadedModel, window: int, ahead: bool
+) -> None:
     """The FlexAttention backend through the graph buffers (``FlexPagedAttention.decode_metadata``: its block mask
-    remade from the buffers before each pass, inside the graph on CUDA), single steps and windows on the device:
-    the eager engine's tokens while the batch shrinks through the buckets and the block tables grow."""
+    remade from the buffers before each pass, inside the graph on CUDA), single steps and windows on the device, and
+    windows decided ahead (``--async-scheduling``): the eager engine's tokens while the batch shrinks through the
+    buckets and the block tables grow."""
     prompts = [[5 + i * 7 + j for j in range(3 + 9 * i)] for i in range(5)]
     max_tokens = [10, 3, 8, 5, 17]  # (a block of 16 fills mid-run: the last request's table grows)
     expected = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, max_tokens)
-    core = _engine(tiny_llama, "flex", graphs=True, window=window)
+    core = _engine(tiny_llama, "flex", graphs=True, window=window, async_scheduling=ahead)
     graphs = core.executor.runner.graphs
     replays = 0
     original = graphs._replay
@@ -179,6 +182,7 @@ def test_graph_buffers_on_flex_attention_give_the_eager_tokens(tiny_llama: Loade
     assert _greedy(core, prompts, max_tokens) == expected
     assert replays >= 10  # the decode passes went through the buffers
     assert len(graphs._metas) >= 2  # (the shrinking batch went through buckets, each with its metadata)
+    assert (core.scheduler.stats.num_ahead > 0) == ahead
 
 
 def _count_device_windows(core: EngineCore) -> list[int]:
