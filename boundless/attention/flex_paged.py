@@ -135,6 +135,7 @@ class FlexPagedAttention:
         # block mask's key blocks are pages, and a tile may not span two).
         self.prefill_tile = prefill_tile or 64
         self.dynamic = dynamic  # torch.compile's: see _compiled
+        self._graph_inverse: torch.Tensor | None = None  # decode_metadata's inverse tables, one buffer
 
     # -- once per step -----------------------------------------------------------------------
 
@@ -200,6 +201,12 @@ class FlexPagedAttention:
             return self._mask_tensors(block_tables, ones, seq_len, seq_len - 1, 1, DECODE_TILE)
 
         held = made()
+        # The inverse tables ([rows, pool blocks] each, the bulk) of every bucket share one buffer: a replay remakes
+        # its rows before reading them, and the buckets replay one at a time.
+        shared = self._graph_inverse
+        if shared is None or shared.shape[0] < b or shared.dtype != held.logical.dtype:
+            shared = self._graph_inverse = torch.empty_like(held.logical)
+        held = held._replace(logical=shared[:b].copy_(held.logical))
 
         def refresh() -> None:
             for mine, fresh in zip(held, made(), strict=True):
