@@ -129,10 +129,13 @@ class FlexPagedAttention:
         self.device = device
         self.scale = head_dim**-0.5
         self.on_gpu = device.type == "cuda"
+        # Whether calls go through torch.compile (``_compiled``): on CUDA; a test may turn it on elsewhere, with a
+        # compiler of its own, to see what the engine's steps make torch.compile do.
+        self.compiled = self.on_gpu
         # The layers around attention: the fused Triton kernels on a GPU, as with the Triton backend.
         self.fused_layers = self.on_gpu
-        # Query rows per tile of a prefill launch (the kernel's BLOCK_M); keys per tile are a page (BLOCK_N: the
-        # block mask's key blocks are pages, and a tile may not span two).
+        # Query rows per tile of a prefill launch (the kernel's BLOCK_M: 16 or more, a power of two); keys per tile are
+        # a page (BLOCK_N: the block mask's key blocks are pages, and a tile may not span two).
         self.prefill_tile = prefill_tile or 64
         self.dynamic = dynamic  # torch.compile's: see _compiled
         self._graph_inverse: torch.Tensor | None = None  # decode_metadata's inverse tables, one buffer
@@ -162,8 +165,9 @@ class FlexPagedAttention:
         width = max(1, max(len(t) for t in tables))
         # Query rows per tile: a decode's one query sits in a tile of 128 (FlexAttention's decoding kernel packs a KV
         # head's query heads into rows of at least 16 and wants the tile a multiple of them); a prefill's tiles are
-        # ``prefill_tile`` rows, at least 16 (the matrix units' least).
-        tile = DECODE_TILE if decode else max(16, min(self.prefill_tile, _pow2(query_len)))
+        # ``prefill_tile`` rows whatever its length (a tile is part of what a compile is made for: one size, one
+        # compile).
+        tile = DECODE_TILE if decode else self.prefill_tile
         host = torch.tensor([*padded_table(tables, width), *qlens, *seq_lens], dtype=torch.int32)
         dev = to_device(host, self.device)
         table = dev[: b * width].view(b, width)
@@ -311,7 +315,7 @@ class FlexPagedAttention:
             queries = q.new_zeros(b * ql, self.num_heads, self.head_dim)
             queries[launch.rows] = q
             queries = queries.view(b, ql, self.num_heads, self.head_dim)
-        call = _compiled(self.dynamic) if self.on_gpu else flex_attention
+        call = _compiled(self.dynamic) if self.compiled else flex_attention
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             o, aux = call(
@@ -322,7 +326,7 @@ class FlexPagedAttention:
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
                 return_aux=AuxRequest(lse=True),
-                kernel_options=launch.kernel_options if self.on_gpu else None,
+                kernel_options=launch.kernel_options if self.compiled else None,
             )
         o = o.transpose(1, 2).reshape(b * ql, self.num_heads, self.head_dim)
         lse = aux.lse.transpose(1, 2).reshape(b * ql, self.num_heads).float()
@@ -357,7 +361,3 @@ class FlexPagedAttention:
         keep = slots >= 0
         k_cache.view(kvh, nb * bs, d)[:, slots[keep]] = k[keep].transpose(0, 1)
         v_cache.view(kvh, nb * bs, d)[:, slots[keep]] = v[keep].transpose(0, 1)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

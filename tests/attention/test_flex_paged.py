@@ -8,6 +8,9 @@ CUDA the backend runs compiled."""
 
 from __future__ import annotations
 
+import functools
+import random
+
 import pytest
 import torch
 from paged_cases import MIXES, SHAPES, check_padding_row, paged_case
@@ -16,6 +19,7 @@ from boundless.attention import flex_paged
 from boundless.attention.backend import AttentionBatch
 from boundless.attention.paged import TorchPagedAttention
 from boundless.attention.partials import merge_partials
+from boundless.engine.sampling_params import SamplingParams
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not flex_paged.available(), reason="FlexAttention with AuxRequest needs torch 2.9+")
@@ -159,3 +163,50 @@ def test_block_mask_lists_what_the_kernel_must_visit(mix: str) -> None:
         o = o.transpose(1, 2).reshape(b * ql, *rows.shape[1:])
         out[launch.start : launch.end] = o[launch.rows] if launch.rows is not None else o
     torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_an_engines_steps_compile_flex_attention_a_few_times(tiny_llama, monkeypatch) -> None:
+    """On CUDA every call goes through torch.compile, which compiles again whenever what it guards on changes: the
+    engine's steps change their batch and chunk lengths every step. Here torch.compile runs with its eager backend
+    (the same tracing and guards, PyTorch's ops for the kernel) over an engine's steps of shrinking batches, chunked
+    prompts and growing tables: a handful of compiles, not one a step (a compile takes seconds on a GPU, and past
+    the limit torch.compile gives up), and the tokens of the PyTorch backend."""
+    from torch._dynamo.utils import counters
+
+    from boundless.engine.core import EngineCore
+    from boundless.llm import engine_config
+
+    def eager_compiled(dynamic):
+        return torch.compile(flex_paged.flex_attention, backend="eager", fullgraph=True, dynamic=dynamic)
+
+    monkeypatch.setattr(flex_paged, "_compiled", functools.cache(eager_compiled))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
+    torch._dynamo.reset()
+
+    def run(backend: str) -> tuple[list[list[int]], int]:
+        config = engine_config(
+            tiny_llama.name, max_model_len=256, num_kv_blocks=48, attention_backend=backend,
+            max_num_batched_tokens=48,
+        )  # fmt: skip
+        core = EngineCore.from_model(tiny_llama, config)
+        attention = core.executor.runner.attention
+        if backend == "flex":
+            attention.compiled = True
+        rnd = random.Random(0)
+        for i in range(12):
+            prompt = [rnd.randrange(5, 200) for _ in range(rnd.randrange(3, 60))]
+            core.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=rnd.randrange(2, 24)))
+        out: dict[str, list[int]] = {str(i): [] for i in range(12)}
+        steps = 0
+        while core.has_unfinished():
+            for delta in core.step():
+                out[delta.request_id] += delta.new_token_ids
+            steps += 1
+        return [out[str(i)] for i in range(12)], steps
+
+    expected, _ = run("torch")
+    before = counters["stats"]["unique_graphs"]
+    got, steps = run("flex")
+    compiles = counters["stats"]["unique_graphs"] - before
+    assert got == expected
+    assert steps >= 20 and 1 <= compiles <= 6, (steps, compiles)
