@@ -180,7 +180,6 @@ def test_an_engines_steps_compile_flex_attention_a_few_times(tiny_llama, monkeyp
         return torch.compile(flex_paged.flex_attention, backend="eager", fullgraph=True, dynamic=dynamic)
 
     monkeypatch.setattr(flex_paged, "_compiled", functools.cache(eager_compiled))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
     torch._dynamo.reset()
 
     def run(backend: str) -> tuple[list[list[int]], int]:
