@@ -19,9 +19,10 @@ A step is two launches, its decodes and its prefill chunks (vLLM's FlexAttention
 one row instead, so a tile of 16 decodes visits all 16 sequences' blocks). The log-sum-exp comes out with the
 output, so DistAttention's partials (``forward_partial``) work from it as from the Triton kernels.
 
-On CUDA the call is compiled by ``torch.compile`` (Triton kernels, the first call of each shape compiles); on the
-CPU it runs PyTorch's eager reference, which builds every (query, key) score of the pool: a correctness path for
-tests and small pools, not a fast one (the CPU's fast path is ``TorchPagedAttention``'s native kernel).
+On CUDA the call is compiled by ``torch.compile`` (Triton kernels; a few compiles over an engine's shapes), and
+decode steps replay as CUDA graphs (``decode_metadata``: the block mask over the graph's buffers, remade before each
+pass). On the CPU it runs PyTorch's eager reference, which builds every (query, key) score of the pool: a correctness
+path for tests and small pools, not a fast one (the CPU's fast path is ``TorchPagedAttention``'s native kernel).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ EAGER_SCORE_BYTES = 1 << 30
 
 class MaskTensors(NamedTuple):
     """A launch's block mask (counts [seqs, 1, tiles], ids [seqs, 1, tiles, width]; int32) and what its mask reads:
-    the inverse block table [seqs, pool blocks], each sequence's query count and first query position."""
+    the inverse block table [seqs, pool blocks + 1] (the last column a sink for padding), each sequence's query count
+    and first query position."""
 
     partial_counts: torch.Tensor
     partial_ids: torch.Tensor
@@ -91,8 +93,9 @@ class FlexAttentionMetadata:
     refresh: Callable[[], None] | None = None
 
 
-# Compiles of FlexAttention one process may make before torch.compile gives up and runs the eager reference (which
-# on a GPU scores every query against the whole pool): each new tile, and each new shape where shapes are static.
+# Compiles of FlexAttention one process may make before torch.compile refuses another (an error under fullgraph, not
+# the eager reference, which on a GPU would score every query against the whole pool): each new tile size, and each
+# new shape where shapes are static.
 RECOMPILE_LIMIT = 64
 
 
@@ -251,13 +254,12 @@ class FlexPagedAttention:
         small = width < torch.iinfo(torch.int16).max
         logical = torch.full((b, self.num_blocks + 1), -1, dtype=torch.int16 if small else torch.int32, device=dev)
         owned = torch.arange(width, device=dev)[None, :] < (seq_len[:, None] + bs - 1) // bs
-        index = torch.where(owned, table.long(), self.num_blocks)  # a padding entry goes to a column cut off
+        index = torch.where(owned, table.long(), self.num_blocks)  # a padding entry goes to a column no key reads
         logical.scatter_(1, index, torch.arange(width, device=dev, dtype=logical.dtype).expand(b, width))
         as_int = torch.int32
         return MaskTensors(
             partial[:, None].to(as_int), partial_ids[:, None].to(as_int).contiguous(), full[:, None].to(as_int),
-            full_ids[:, None].to(as_int).contiguous(), logical[:, : self.num_blocks].contiguous(), qlen.clone(),
-            first_pos.clone(),
+            full_ids[:, None].to(as_int).contiguous(), logical, qlen, first_pos,
         )  # fmt: skip
 
     def _make_block_mask(self, m: MaskTensors, query_len: int, tile: int) -> Any:
