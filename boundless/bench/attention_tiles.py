@@ -158,7 +158,7 @@ def kernel_run(
     return lambda: backend.forward(tensors.q, tensors.k, tensors.v, tensors.cache, meta)
 
 
-FLEX_PREFILL_TILES = (32, 64, 128)  # FlexAttention's query rows per tile swept on prefill cases (its default first: 64)
+FLEX_PREFILL_TILES = (32, 64, 128)  # FlexAttention's query rows per tile swept on prefill cases (the engine's: 64)
 
 
 def flex_run(
@@ -184,8 +184,8 @@ def flex_rows(
     tolerance = 2e-5 if tensors.q.dtype == torch.float32 else 3e-2
     rows = []
     for tile in (None,) if case.decode else FLEX_PREFILL_TILES:
-        run = flex_run(tensors, shape, device, tile)
         try:
+            run = flex_run(tensors, shape, device, tile)
             out = run().float()
             seconds = device_seconds(run, device, repeats, inner=INNER_CALLS)
         except Exception as e:  # (the kernel failing to compile or run on this device: the sweep goes on)
