@@ -238,24 +238,56 @@ def test_greedy_matches_transformers_on_the_triton_kernels(
 
 # FlexAttention (``--attention-backend flex``): on the CPU its eager reference scores every query against the whole
 # pool, so the pool is kept just large enough for the prompts; on CUDA it runs compiled (scripts/gpu-check.sh).
-FLEX_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", pytest.param("smollm2-135m", marks=pytest.mark.slow)]
+FLEX_MODELS = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-qwen3-moe",
+    pytest.param("smollm2-135m", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("name", FLEX_MODELS)
 def test_greedy_matches_transformers_on_flex_attention(
     name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
-    loaded = load(name)
-    ref = _reference(name, load, hf_model)
+    _check_flex(_reference(name, load, hf_model), max_num_batched_tokens=64)
+
+
+@pytest.mark.parametrize("config", ["chunked-prefill", "speculative", "preemption-recompute"])
+def test_flex_attention_matches_transformers_under_the_engines_configurations(
+    config: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """Chunks of 7 tokens over cached prefixes, drafts checked in one pass (several query tokens over a cached
+    context) and requests preempted and recomputed, on tiny-llama."""
+    ref = _reference("tiny-llama", load, hf_model)
+    core = _check_flex(ref, **CONFIGS[config])
+    stats, counters = core.scheduler.stats, core.counters
+    assert {
+        "chunked-prefill": counters.steps > sum(len(p) for p in ref.prompts) // 7,
+        "speculative": counters.draft_tokens > 0,
+        "preemption-recompute": stats.num_recomputed > 0,
+    }[config]
+
+
+def _check_flex(ref: Reference, **options: Any) -> EngineCore:
+    """The engine on FlexAttention gives transformers' greedy tokens; returns it."""
     block_size = 16
-    context = min(512, loaded.arch.context_length)  # (_engine's --max-model-len, which the pool must hold)
-    blocks = max(sum(-(-(len(p) + MAX_NEW) // block_size) for p in ref.prompts), context // block_size) + 4
+    if options.pop("preempt", False):
+        blocks, max_len = _pool_for_preemption(ref.prompts, block_size)
+    else:
+        max_len = min(512, ref.loaded.arch.context_length)  # (_engine's --max-model-len, which the pool must hold)
+        # All prompts at once and no more: the CPU's eager reference scores every query against the whole pool.
+        blocks = max(sum(-(-(len(p) + MAX_NEW) // block_size) for p in ref.prompts), max_len // block_size) + 4
+    options.setdefault("max_num_batched_tokens", 64)
     core = _engine(
-        loaded, attention_backend="flex", max_num_batched_tokens=64, num_kv_blocks=blocks, block_size=block_size
-    )
+        ref.loaded, attention_backend="flex", num_kv_blocks=blocks, block_size=block_size, max_model_len=max_len,
+        **options,
+    )  # fmt: skip
     got = _run_greedy(core, ref.prompts)
     for i, (ours, theirs) in enumerate(zip(got, ref.tokens, strict=True)):
         assert ours == theirs, f"prompt {i} ({len(ref.prompts[i])} tokens) diverges"
+    return core
 
 
 def test_per_step_logits_match_transformers(ref: Reference) -> None:
