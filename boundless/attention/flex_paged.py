@@ -179,8 +179,10 @@ class FlexPagedAttention:
         first_pos = seq_len - qlen  # the position of each sequence's first query
         rows = None
         if query_len > 1:  # each token's row in the padded queries: sequence * query_len + offset
-            offsets = torch.cat([torch.arange(q, dtype=torch.long) + i * query_len for i, q in enumerate(qlens)])
-            rows = to_device(offsets, self.device)
+            counts = torch.tensor(qlens)
+            starts = torch.cumsum(counts, 0) - counts  # each sequence's first token among the launch's
+            pad = torch.arange(b) * query_len - starts  # a token's row less its index, for each sequence's tokens
+            rows = to_device(torch.arange(int(counts.sum())) + pad.repeat_interleave(counts), self.device)
         mask = self._make_block_mask(
             self._mask_tensors(table, qlen, seq_len, first_pos, query_len, tile), query_len, tile
         )
