@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TEST_DEVICE
 
 from boundless.attention import triton_paged
 from boundless.bench import attention_tiles, gpu
 
 # The GPU kernels on CUDA; else the PyTorch path. (Triton's interpreter runs them on the CPU too, but slowly: the
 # kernels' own tests cover them there, and this test is about the benchmark's parts.)
+TEST_DEVICE = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu")  # (conftest's: test modules do not import conftest, whose
+# module name another directory's conftest may hold when files of several directories run together)
 DEVICE = torch.device(TEST_DEVICE)
 BACKEND = "triton" if DEVICE.type == "cuda" and triton_paged.available(DEVICE) else "torch"
 
