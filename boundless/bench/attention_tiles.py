@@ -176,14 +176,20 @@ def flex_run(
 
 
 def flex_rows(
-    tensors: CaseTensors, case: TileCase, shape: AttentionShape, reference: torch.Tensor | None, repeats: int
+    tensors: CaseTensors,
+    case: TileCase,
+    shape: AttentionShape,
+    reference: torch.Tensor | None,
+    repeats: int,
+    prefill_tiles: Sequence[int | None] = FLEX_PREFILL_TILES,
 ) -> list[dict]:
-    """FlexAttention on the case, for each of its tiles (one on a decode case): seconds, TFLOP/s and its difference
-    from the Triton kernel's output; a tile that fails (a compile error) is noted and the others go on."""
+    """FlexAttention on the case, for each of its prefill tiles (None: the engine's; a decode case: that one alone):
+    seconds, TFLOP/s and its difference from the Triton kernel's output; a tile that fails (a compile error) is noted
+    and the others go on."""
     device = tensors.q.device
     tolerance = 2e-5 if tensors.q.dtype == torch.float32 else 3e-2
     rows = []
-    for tile in (None,) if case.decode else FLEX_PREFILL_TILES:
+    for tile in (None,) if case.decode else prefill_tiles:
         try:
             run = flex_run(tensors, shape, device, tile)
             out = run().float()
@@ -197,6 +203,30 @@ def flex_rows(
             row["ok"] = row["max_abs_diff"] <= tolerance
         rows.append(row)
     return rows
+
+
+LARGE_PAGE = 64  # FlexAttention reads a page a key tile (it may not span two): also timed at pages this large
+
+
+def large_pages(
+    case: TileCase, shape: AttentionShape, tiles: TileConfig, dtype: torch.dtype, device: torch.device, repeats: int
+) -> dict:
+    """The case again with pages of ``LARGE_PAGE`` tokens (``--block-size``), for our kernel's default tiles and for
+    FlexAttention at its default tile (its key tiles then as long as ours): seconds each, and FlexAttention's
+    difference from the kernel's output."""
+    big = dataclasses.replace(shape, block_size=LARGE_PAGE)
+    tensors = case_tensors(case, big, dtype, device)
+    found: dict = {}
+    try:
+        run = kernel_run(tensors, big, tiles, dtype, device)
+        reference = run().float()
+        found["default_s"] = device_seconds(run, device, repeats, inner=INNER_CALLS)
+        (flex,) = flex_rows(tensors, case, big, reference, repeats, prefill_tiles=(None,))
+        found["flex"] = flex
+        found["flex_s"] = flex.get("seconds") if flex.get("ok") else None
+    except Exception as e:  # (noted: the rest of the sweep goes on)
+        found["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return found
 
 
 def sdpa_run(tensors: CaseTensors, case: TileCase, shape: AttentionShape) -> Callable[[], torch.Tensor] | None:
@@ -261,6 +291,8 @@ def sweep_case(
         out["flex"] = flex_rows(tensors, case, shape, reference, repeats)
         timed_flex = [r for r in out["flex"] if r.get("ok")]
         out["flex_s"] = min(r["seconds"] for r in timed_flex) if timed_flex else None
+        if shape.block_size < LARGE_PAGE:
+            out[f"page{LARGE_PAGE}"] = large_pages(case, shape, grid[0], dtype, device, repeats)
     sdpa = sdpa_run(tensors, case, shape)  # (after the kernels ran: the cache holds the new tokens' KV too)
     if sdpa is not None:
         dense = sdpa().float()  # [sequences, heads, query tokens, head_dim]
@@ -287,7 +319,8 @@ def sweep(case: TileCase, device: torch.device, dtype: torch.dtype, tiny: bool =
 
 def summary_rows(results: dict) -> list[list[str]]:
     """A row per case (``results``: by case name): the default tiles' time, the fastest shape's (as it differs from
-    the default), FlexAttention's fastest that agrees with the kernel and SDPA's."""
+    the default), FlexAttention's fastest that agrees with the kernel, SDPA's, and at pages of ``LARGE_PAGE`` the
+    default tiles' and FlexAttention's."""
 
     def ms(seconds: float | None) -> str:
         return f"{seconds * 1e3:.3f}" if seconds is not None else "-"
@@ -298,5 +331,6 @@ def summary_rows(results: dict) -> list[list[str]]:
         default = case["configs"][0]["tiles"] if case.get("configs") else {}
         changed = ",".join(f"{k}={v}" for k, v in (best.get("tiles") or {}).items() if default.get(k) != v)
         times = [ms(case.get("default_s")), ms(best.get("seconds")), changed or "default", ms(case.get("flex_s"))]
-        rows.append([name, *times, ms(case.get("sdpa_s"))])
+        large = case.get(f"page{LARGE_PAGE}") or {}
+        rows.append([name, *times, ms(case.get("sdpa_s")), ms(large.get("default_s")), ms(large.get("flex_s"))])
     return rows

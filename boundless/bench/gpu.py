@@ -527,8 +527,12 @@ def _summary(results: dict) -> None:
     if tiles:
         from boundless.bench.attention_tiles import summary_rows
 
-        print("attention, one layer (ms): the default tiles, the fastest giving the same output, FlexAttention, SDPA")
-        print_table(["case", "default", "fastest", "its tiles", "flex", "sdpa"], summary_rows(tiles))
+        print(
+            "attention, one layer (ms): the default tiles, the fastest giving the same output, FlexAttention, SDPA; "
+            "at pages of 64: the default tiles, FlexAttention"
+        )
+        headers = ["case", "default", "fastest", "its tiles", "flex", "sdpa", "default p64", "flex p64"]
+        print_table(headers, summary_rows(tiles))
     errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
     if errors:
         print("errors: " + json.dumps(errors))

@@ -127,8 +127,8 @@ def test_merge_spans_covers_overlaps_once_and_lists_the_gaps() -> None:
 @pytest.mark.skipif(not triton_paged.available(DEVICE), reason="the Triton kernels do not run here")
 def test_bench_gpu_sweeps_the_attention_tiles(tmp_path: Path) -> None:
     """``--shapes tiles``: every tile shape of a case's kind runs the case and gives the default shape's output; the
-    fastest of them is picked; FlexAttention runs every case and agrees with the kernel; SDPA runs the same attention
-    where its mask is the kernel's, and agrees with it."""
+    fastest of them is picked; FlexAttention runs every case and agrees with the kernel, at the case's pages and at
+    pages of 64; SDPA runs the same attention where its mask is the kernel's, and agrees with it."""
     parser = argparse.ArgumentParser()
     gpu.add_arguments(parser)
     args = parser.parse_args(
@@ -144,6 +144,8 @@ def test_bench_gpu_sweeps_the_attention_tiles(tmp_path: Path) -> None:
         assert len(flex) == (1 if name.startswith("decode") else len(attention_tiles.FLEX_PREFILL_TILES))
         assert all(row["ok"] for row in flex), flex
         assert case["flex_s"] == min(row["seconds"] for row in flex)
+        large = case[f"page{attention_tiles.LARGE_PAGE}"]  # (the case again at pages of 64 tokens)
+        assert large["default_s"] > 0 and large["flex"]["ok"] and large["flex_s"] == large["flex"]["seconds"]
         chunked = name.startswith("chunk")  # (SDPA's causal mask would differ: not run)
         assert ("sdpa_s" in case) != chunked
         assert chunked or case["sdpa_max_abs_diff"] < (1e-3 if DEVICE.type == "cpu" else 5e-2)  # (fp32; bf16)
