@@ -35,11 +35,11 @@ if [ "${GPU_CHECK_PART:-main}" = flex ]; then
     BOUNDLESS_TEST_DEVICE=cuda timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
         -k "flex and not smollm2" tests/attention/test_flex_paged.py tests/engine/test_cuda_graphs.py \
         tests/engine/test_dist_attention.py tests/model/test_reference.py 2>&1 | tee "$out/pytest-flex.log" | tail -15
-    timeout 240 python3 -m boundless.bench.gpu --shapes tiles --json "$out/bench-tiles.json" 2>&1 \
+    timeout 260 python3 -m boundless.bench.gpu --shapes tiles --json "$out/bench-tiles.json" 2>&1 \
         | tee "$out/bench-tiles.log" | tail -12
     # The engine on FlexAttention, with its CUDA graphs, on the decode-heavy case against transformers (last: the
     # compiles of its shapes may not fit, and nothing after it is lost).
-    timeout 140 python3 -m boundless.bench.gpu --shapes 1b --cases 1 --windows 16 --attention-backend flex \
+    timeout 120 python3 -m boundless.bench.gpu --shapes 1b --cases 1 --windows 16 --attention-backend flex \
         --json "$out/bench-flex.json" 2>&1 | tee "$out/bench-flex.log" | tail -25
     exit
 fi
