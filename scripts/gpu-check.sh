@@ -4,7 +4,7 @@
 # - the Triton attention kernels, the CUDA-graph runner (asynchronous scheduling's tests under
 #   torch.cuda.set_sync_debug_mode("error")), the transformers parity tests and DistAttention on the kernels;
 # - `bench gpu` (windows of 16, with and without --async-scheduling; the GPU's busy share and idle gaps).
-# GPU_CHECK_PART=flex (~9.5 minutes at most) and GPU_CHECK_PART=more (~5 minutes) are runs for later sessions (two
+# GPU_CHECK_PART=flex (under 10 minutes) and GPU_CHECK_PART=more (~5 minutes) are runs for later sessions (two
 # parts with their machine starts pass a session's 15 minutes of device time). flex: FlexAttention's tests on CUDA
 # (--attention-backend flex: the kernel library against our Triton kernels), then `bench gpu --shapes tiles` (the
 # attention kernels' tile shapes swept on the 1B shape, against FlexAttention and SDPA) and the engine on it on the
