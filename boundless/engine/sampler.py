@@ -420,7 +420,10 @@ class Sampler:
         before them as output."""
         device, vocab = logits.device, logits.shape[-1]
         rows = [i for i, _ in penalized]
-        prompts, out_rows, out_ids, out_times = [], [], [], []
+        prompts: list[torch.Tensor] = []
+        out_rows: list[int] = []
+        out_ids: list[int] = []
+        out_times: list[int] = []
         for j, (i, before) in enumerate(penalized):
             c = chunks[i - len(before)]  # the chunk's first row: the request's tokens before the step
             counts = self._counts.get(c.request_id)
@@ -447,7 +450,7 @@ class Sampler:
             )
             seen[prompt_rows, torch.cat(prompts)] = True
 
-        def penalized(dtype: torch.dtype) -> torch.Tensor:
+        def penalties_applied(dtype: torch.dtype) -> torch.Tensor:
             row = picked.to(dtype)
             if seen is not None:
                 penalty = torch.tensor([p.repetition_penalty for p in params], dtype=dtype, device=device).unsqueeze(1)
@@ -456,14 +459,14 @@ class Sampler:
             presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype, device=device)
             return row - frequency.unsqueeze(1) * times - presence.unsqueeze(1) * (times > 0)
 
-        result = penalized(logits.dtype)
+        result = penalties_applied(logits.dtype)
         if seen is not None and any(p.repetition_penalty < 1.0 for p in params):
             # A tiny repetition penalty (1e-38 is in its range) divides a logit past float32's largest, and an
             # infinite logit makes the row's distribution NaN (the step failed, every request of it). Such rows are
             # made again in float64 (up to ~1e308), less the row's largest: a shift changes no draw and no argmax,
             # and what falls below float32's range has a probability of 0 there too. Other rows are unchanged. (Only
             # a penalty under 1 divides a logit up: with none, nothing is made twice.)
-            wide = penalized(torch.float64)
+            wide = penalties_applied(torch.float64)
             wide = (wide - wide.max(dim=-1, keepdim=True).values).to(logits.dtype)
             result = torch.where(torch.isfinite(result).all(dim=-1, keepdim=True), result, wide)
         logits[index] = result
