@@ -17,6 +17,7 @@ import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -188,7 +189,7 @@ def flex_rows(
     and the others go on."""
     device = tensors.q.device
     tolerance = 2e-5 if tensors.q.dtype == torch.float32 else 3e-2
-    rows = []
+    rows: list[dict[str, Any]] = []
     for tile in (None,) if case.decode else prefill_tiles:
         try:
             run = flex_run(tensors, shape, device, tile)
@@ -197,10 +198,10 @@ def flex_rows(
         except Exception as e:  # (the kernel failing to compile or run on this device: the sweep goes on)
             rows.append({"prefill_tile": tile, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
-        row = {"prefill_tile": tile, "seconds": seconds, "tflops": case.flops(shape) / seconds / 1e12}
+        row: dict[str, Any] = {"prefill_tile": tile, "seconds": seconds, "tflops": case.flops(shape) / seconds / 1e12}
         if reference is not None:
-            row["max_abs_diff"] = float((out - reference).abs().max())
-            row["ok"] = row["max_abs_diff"] <= tolerance
+            diff = float((out - reference).abs().max())
+            row |= {"max_abs_diff": diff, "ok": diff <= tolerance}
         rows.append(row)
     return rows
 
@@ -266,18 +267,18 @@ def sweep_case(
     flops = case.flops(shape)
     tolerance = 2e-5 if dtype == torch.float32 else 3e-2
     reference = None
-    rows = []
+    rows: list[dict[str, Any]] = []
     for tiles in grid:
         run = kernel_run(tensors, shape, tiles, dtype, device)
         try:
-            out = run().float()
+            got = run().float()
             seconds = device_seconds(run, device, repeats, inner=INNER_CALLS)
         except Exception as e:  # a shape the device cannot run (shared memory): noted, the sweep goes on
             rows.append({"tiles": dataclasses.asdict(tiles), "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
         if reference is None:
-            reference = out
-        diff = float((out - reference).abs().max())
+            reference = got
+        diff = float((got - reference).abs().max())
         rows.append({
             "tiles": dataclasses.asdict(tiles), "seconds": seconds, "tflops": flops / seconds / 1e12,
             "max_abs_diff": diff, "ok": diff <= tolerance,
