@@ -51,6 +51,9 @@ def available() -> bool:
 
 
 DECODE_TILE = 128
+# The fewest keys a tile of the GPU kernel may hold (Triton's matrix product wants an inner size of 16), and so the
+# smallest page: a key tile is a page.
+MIN_GPU_PAGE = 16
 # The most fp32 scores (bytes) a step's eager reference may make off CUDA: it scores every query against the pool.
 EAGER_SCORE_BYTES = 1 << 30
 
@@ -62,8 +65,8 @@ class MaskTensors(NamedTuple):
 
     partial_counts: torch.Tensor
     partial_ids: torch.Tensor
-    full_counts: torch.Tensor
-    full_ids: torch.Tensor
+    full_counts: torch.Tensor | None  # (None: no block listed full)
+    full_ids: torch.Tensor | None
     logical: torch.Tensor
     query_lens: torch.Tensor
     first_positions: torch.Tensor
@@ -132,6 +135,8 @@ class FlexPagedAttention:
         self.device = device
         self.scale = head_dim**-0.5
         self.on_gpu = device.type == "cuda"
+        if self.on_gpu and block_size < MIN_GPU_PAGE:
+            raise ValueError(f"FlexAttention on CUDA reads a page a key tile, and a tile needs {MIN_GPU_PAGE} keys")
         # Whether calls go through torch.compile (``_compiled``): on CUDA; a test may turn it on elsewhere, with a
         # compiler of its own, to see what the engine's steps make torch.compile do.
         self.compiled = self.on_gpu
@@ -184,7 +189,7 @@ class FlexPagedAttention:
             pad = torch.arange(b) * query_len - starts  # a token's row less its index, for each sequence's tokens
             rows = to_device(torch.arange(int(counts.sum())) + pad.repeat_interleave(counts), self.device)
         mask = self._make_block_mask(
-            self._mask_tensors(table, qlen, seq_len, first_pos, query_len, tile), query_len, tile
+            self._mask_tensors(table, qlen, seq_len, first_pos, query_len, tile, decode), query_len, tile
         )
         # A kernel tile of keys may not span two pages (the block mask's key blocks); a prefill's queries: its tile.
         options = {"BLOCK_N": min(self.block_size, 128)} | ({} if decode else {"BLOCK_M": tile})
@@ -207,7 +212,7 @@ class FlexPagedAttention:
 
         def made() -> MaskTensors:
             seq_len = seq_lens.long()
-            return self._mask_tensors(block_tables, ones, seq_len, seq_len - 1, 1, DECODE_TILE)
+            return self._mask_tensors(block_tables, ones, seq_len, seq_len - 1, 1, DECODE_TILE, decode=True)
 
         held = made()
         # The inverse tables ([rows, pool blocks] each, the bulk) of every bucket share one buffer: a replay remakes
@@ -219,7 +224,8 @@ class FlexPagedAttention:
 
         def refresh() -> None:
             for mine, fresh in zip(held, made(), strict=True):
-                mine.copy_(fresh)
+                if mine is not None and fresh is not None:
+                    mine.copy_(fresh)
 
         mask = self._make_block_mask(held, 1, DECODE_TILE)
         launch = FlexLaunch(0, b, b, 1, None, mask, {"BLOCK_N": min(self.block_size, 128)})
@@ -233,8 +239,12 @@ class FlexPagedAttention:
         first_pos: torch.Tensor,
         query_len: int,
         tile: int,
+        decode: bool = False,
     ) -> MaskTensors:
-        """A launch's block mask and inverse block table, made on the device from its block tables (no wait for it)."""
+        """A launch's block mask and inverse block table, made on the device from its block tables (no wait for it).
+        ``decode``: every block listed partial, none full. FlexAttention's decoding kernel splits a sequence's context
+        over programs by its partial blocks; it gives every full block to the last split, which would read a long
+        context alone."""
         bs, dev = self.block_size, table.device
         b, width = table.shape
         tiles = -(-query_len // tile)
@@ -259,6 +269,11 @@ class FlexPagedAttention:
         index = torch.where(owned, table.long(), self.num_blocks)  # a padding entry goes to a column no key reads
         logical.scatter_(1, index, torch.arange(width, device=dev, dtype=logical.dtype).expand(b, width))
         as_int = torch.int32
+        if decode:  # (one tile: the context's blocks, in order, all partial)
+            return MaskTensors(
+                (full + partial)[:, None].to(as_int), full_ids[:, None].to(as_int).contiguous(), None, None, logical,
+                qlen, first_pos,
+            )  # fmt: skip
         return MaskTensors(
             partial[:, None].to(as_int), partial_ids[:, None].to(as_int).contiguous(), full[:, None].to(as_int),
             full_ids[:, None].to(as_int).contiguous(), logical, qlen, first_pos,

@@ -249,6 +249,11 @@ def make_attention(
     if name == "flex":
         if not flex_paged.available():
             raise ConfigError("--attention-backend: flex needs PyTorch 2.9 or later (FlexAttention's log-sum-exp)")
+        if device.type == "cuda" and layout.block_size < flex_paged.MIN_GPU_PAGE:
+            raise ConfigError(
+                f"--attention-backend flex on CUDA reads a page a key tile, and a tile needs "
+                f"{flex_paged.MIN_GPU_PAGE} keys: --block-size {layout.block_size} is too small"
+            )
         pool = layout.num_blocks * layout.block_size
         scores = config.scheduler.max_num_batched_tokens * arch.num_heads * pool * 4
         if device.type != "cuda" and scores > flex_paged.EAGER_SCORE_BYTES:
