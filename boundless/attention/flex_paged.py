@@ -210,9 +210,9 @@ class FlexPagedAttention:
         b = seq_lens.shape[0]
         ones = torch.ones(b, dtype=torch.long, device=seq_lens.device)
 
-        def made() -> MaskTensors:
+        def made(logical: torch.Tensor | None = None) -> MaskTensors:
             seq_len = seq_lens.long()
-            return self._mask_tensors(block_tables, ones, seq_len, seq_len - 1, 1, DECODE_TILE, decode=True)
+            return self._mask_tensors(block_tables, ones, seq_len, seq_len - 1, 1, DECODE_TILE, True, logical)
 
         held = made()
         # The inverse tables ([rows, pool blocks] each, the bulk) of every bucket share one buffer: a replay remakes
@@ -223,8 +223,8 @@ class FlexPagedAttention:
         held = held._replace(logical=shared[:b].copy_(held.logical))
 
         def refresh() -> None:
-            for mine, fresh in zip(held, made(), strict=True):
-                if mine is not None and fresh is not None:
+            for mine, fresh in zip(held, made(held.logical), strict=True):  # (the inverse table remade in place)
+                if mine is not None and fresh is not None and fresh is not mine:
                     mine.copy_(fresh)
 
         mask = self._make_block_mask(held, 1, DECODE_TILE)
@@ -240,11 +240,12 @@ class FlexPagedAttention:
         query_len: int,
         tile: int,
         decode: bool = False,
+        logical: torch.Tensor | None = None,
     ) -> MaskTensors:
         """A launch's block mask and inverse block table, made on the device from its block tables (no wait for it).
         ``decode``: every block listed partial, none full. FlexAttention's decoding kernel splits a sequence's context
         over programs by its partial blocks; it gives every full block to the last split, which would read a long
-        context alone."""
+        context alone. ``logical``: the inverse table to remake in place ([seqs, pool blocks + 1]), else a new one."""
         bs, dev = self.block_size, table.device
         b, width = table.shape
         tiles = -(-query_len // tile)
@@ -263,8 +264,10 @@ class FlexPagedAttention:
             full_ids = torch.nn.functional.pad(full_ids, (0, self.num_blocks - width))
             partial_ids = torch.nn.functional.pad(partial_ids, (0, self.num_blocks - span))
         # The inverse block table: each row's logical index of every physical block (-1: not its block).
-        small = width < torch.iinfo(torch.int16).max
-        logical = torch.full((b, self.num_blocks + 1), -1, dtype=torch.int16 if small else torch.int32, device=dev)
+        if logical is None:
+            small = width < torch.iinfo(torch.int16).max
+            logical = torch.empty((b, self.num_blocks + 1), dtype=torch.int16 if small else torch.int32, device=dev)
+        logical.fill_(-1)
         owned = torch.arange(width, device=dev)[None, :] < (seq_len[:, None] + bs - 1) // bs
         index = torch.where(owned, table.long(), self.num_blocks)  # a padding entry goes to a column no key reads
         logical.scatter_(1, index, torch.arange(width, device=dev, dtype=logical.dtype).expand(b, width))
