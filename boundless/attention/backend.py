@@ -76,6 +76,19 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def upload_ints(
+    arrays: Sequence[Sequence[int]], shapes: Sequence[tuple[int, ...]], device: torch.device
+) -> list[torch.Tensor]:
+    """Int32 arrays (a step's block tables, lengths, indices) on ``device`` in one host-to-device copy (``to_device``):
+    a view of it per array, in ``shapes``."""
+    dev = to_device(torch.tensor([x for a in arrays for x in a], dtype=torch.int32), device)
+    views, offset = [], 0
+    for array, shape in zip(arrays, shapes, strict=True):
+        views.append(dev[offset : offset + len(array)].view(shape))
+        offset += len(array)
+    return views
+
+
 def to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """``tensor``'s copy in host memory without waiting for it: from a GPU into pinned memory, queued in stream order
     behind the work that makes it, with an event recorded at its end (the copy is complete once the event has

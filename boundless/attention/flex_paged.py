@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from boundless.attention import triton_paged
-from boundless.attention.backend import AttentionBatch, padded_table, to_device
+from boundless.attention.backend import AttentionBatch, padded_table, to_device, upload_ints
 from boundless.attention.partials import AttentionPartial, partial_from_lse
 
 try:
@@ -176,11 +177,10 @@ class FlexPagedAttention:
         # ``prefill_tile`` rows whatever its length (a tile is part of what a compile is made for: one size, one
         # compile).
         tile = DECODE_TILE if decode else self.prefill_tile
-        host = torch.tensor([*padded_table(tables, width), *qlens, *seq_lens], dtype=torch.int32)
-        dev = to_device(host, self.device)
-        table = dev[: b * width].view(b, width)
-        qlen = dev[b * width : b * width + b].long()
-        seq_len = dev[b * width + b :].long()
+        table, qlen, seq_len = upload_ints(
+            [padded_table(tables, width), qlens, seq_lens], [(b, width), (b,), (b,)], self.device
+        )
+        qlen, seq_len = qlen.long(), seq_len.long()
         first_pos = seq_len - qlen  # the position of each sequence's first query
         rows = None
         if query_len > 1:  # each token's row in the padded queries: sequence * query_len + offset
@@ -191,9 +191,12 @@ class FlexPagedAttention:
         mask = self._make_block_mask(
             self._mask_tensors(table, qlen, seq_len, first_pos, query_len, tile, decode), query_len, tile
         )
-        # A kernel tile of keys may not span two pages (the block mask's key blocks); a prefill's queries: its tile.
-        options = {"BLOCK_N": min(self.block_size, 128)} | ({} if decode else {"BLOCK_M": tile})
-        return FlexLaunch(start, start + sum(qlens), b, query_len, rows, mask, options)
+        return FlexLaunch(start, start + sum(qlens), b, query_len, rows, mask, self._kernel_options(decode, tile))
+
+    def _kernel_options(self, decode: bool, tile: int) -> dict[str, int]:
+        """The compiled kernel's tiles: a tile of keys may not span two pages (the block mask's key blocks); a
+        prefill's tile of queries is its block mask's (a decode's, the decoding kernel sizes itself)."""
+        return {"BLOCK_N": min(self.block_size, 128)} | ({} if decode else {"BLOCK_M": tile})
 
     def decode_metadata(
         self,
@@ -228,7 +231,7 @@ class FlexPagedAttention:
                     mine.copy_(fresh)
 
         mask = self._make_block_mask(held, 1, DECODE_TILE)
-        launch = FlexLaunch(0, b, b, 1, None, mask, {"BLOCK_N": min(self.block_size, 128)})
+        launch = FlexLaunch(0, b, b, 1, None, mask, self._kernel_options(True, DECODE_TILE))
         return FlexAttentionMetadata(slot_mapping=slot_mapping, launches=[launch], refresh=refresh)
 
     def _mask_tensors(
@@ -255,14 +258,7 @@ class FlexPagedAttention:
         hi = first_pos[:, None] + torch.minimum((t + 1) * tile, qlen[:, None]) - 1
         full = torch.where(live, (lo + 1) // bs, 0)  # blocks wholly at or before the first query
         partial = torch.where(live, hi // bs - full + 1, 0)  # the rest up to the last query's block
-        span = -(-tile // bs) + 1  # the most blocks a tile's queries reach into
-        picks = (full[:, :, None] + torch.arange(span, device=dev)).clamp_(max=width - 1)
-        partial_ids = table[:, None, :].expand(b, tiles, width).gather(2, picks.to(torch.int64))
-        full_ids = table[:, None, :].expand(b, tiles, width)
-        if not self.on_gpu:
-            # The CPU's kernel wants the lists as wide as the pool (the GPU's reads only the counted entries).
-            full_ids = torch.nn.functional.pad(full_ids, (0, self.num_blocks - width))
-            partial_ids = torch.nn.functional.pad(partial_ids, (0, self.num_blocks - span))
+        full_ids = self._widened(table[:, None, :].expand(b, tiles, width))
         # The inverse block table: each row's logical index of every physical block (-1: not its block).
         if logical is None:
             small = width < torch.iinfo(torch.int16).max
@@ -277,10 +273,18 @@ class FlexPagedAttention:
                 (full + partial)[:, None].to(as_int), full_ids[:, None].to(as_int).contiguous(), None, None, logical,
                 qlen, first_pos,
             )  # fmt: skip
+        span = -(-tile // bs) + 1  # the most blocks a tile's queries reach into
+        picks = (full[:, :, None] + torch.arange(span, device=dev)).clamp_(max=width - 1)
+        partial_ids = self._widened(table[:, None, :].expand(b, tiles, width).gather(2, picks.to(torch.int64)))
         return MaskTensors(
             partial[:, None].to(as_int), partial_ids[:, None].to(as_int).contiguous(), full[:, None].to(as_int),
             full_ids[:, None].to(as_int).contiguous(), logical, qlen, first_pos,
         )  # fmt: skip
+
+    def _widened(self, ids: torch.Tensor) -> torch.Tensor:
+        """Block lists as wide as the pool off CUDA: the CPU's compiled kernel wants them so (the GPU's reads only the
+        counted entries)."""
+        return ids if self.on_gpu else F.pad(ids, (0, self.num_blocks - ids.shape[-1]))
 
     def _make_block_mask(self, m: MaskTensors, query_len: int, tile: int) -> Any:
         """The :class:`BlockMask` over these tensors (read by reference: refilling them in place changes it)."""

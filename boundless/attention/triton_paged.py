@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from boundless.attention.backend import AttentionBatch, padded_table, to_device
+from boundless.attention.backend import AttentionBatch, padded_table, upload_ints
 from boundless.attention.partials import AttentionPartial, partial_from_lse
 
 try:
@@ -190,7 +190,7 @@ class TritonPagedAttention:
             splits = self.num_splits(hi - lo, max(batch.seq_lens[lo:hi])) if block_q == 1 else 1
             plans.append((tokens, tokens + starts[-1], block_q, splits, ids))
             tokens += starts[-1]
-        views = self._upload(ints, shapes)
+        views = upload_ints(ints, shapes, self.device)
         meta = TritonAttentionMetadata(slot_mapping=batch.slot_mapping)
         for start, end, block_q, splits, ids in plans:
             launch = KernelLaunch(start, end, *(views[i] for i in ids), block_q=block_q)
@@ -214,16 +214,6 @@ class TritonPagedAttention:
         launch = KernelLaunch(0, n, block_tables, seq_lens, query_start, programs, programs, block_q=1)
         self._set_splits(launch, self.num_splits(n, max_context))
         return TritonAttentionMetadata(slot_mapping=slot_mapping, launches=[launch])
-
-    def _upload(self, arrays: list[list[int]], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        """One host-to-device copy for all of a step's int32 metadata; views into it."""
-        sizes = [len(a) for a in arrays]
-        dev = to_device(torch.tensor([x for a in arrays for x in a], dtype=torch.int32), self.device)
-        views, offset = [], 0
-        for size, shape in zip(sizes, shapes, strict=True):
-            views.append(dev[offset : offset + size].view(shape))
-            offset += size
-        return views
 
     def _set_splits(self, launch: KernelLaunch, splits: int) -> None:
         launch.num_splits = splits

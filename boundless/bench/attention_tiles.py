@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from boundless.attention import flex_paged, triton_paged
-from boundless.attention.backend import AttentionBatch
+from boundless.attention.backend import AttentionBackend, AttentionBatch
 from boundless.attention.flex_paged import FlexPagedAttention
 from boundless.attention.triton_paged import TileConfig, TritonPagedAttention
 from boundless.bench.timing import device_seconds
@@ -156,6 +156,12 @@ def kernel_run(
     backend = TritonPagedAttention(
         shape.heads, shape.kv_heads, shape.head_dim, tensors.num_blocks, shape.block_size, device, dtype, tiles=tiles
     )
+    return _engine_run(backend, tensors)
+
+
+def _engine_run(backend: AttentionBackend, tensors: CaseTensors) -> Callable[[], torch.Tensor]:
+    """A layer's attention as the engine runs it: the step's metadata made once, then each call stores the new
+    tokens' KV and attends."""
     meta = backend.prepare(tensors.batch)
     return lambda: backend.forward(tensors.q, tensors.k, tensors.v, tensors.cache, meta)
 
@@ -173,8 +179,7 @@ def flex_run(
         shape.heads, shape.kv_heads, shape.head_dim, tensors.num_blocks, shape.block_size, device, prefill_tile,
         dynamic=False,
     )  # fmt: skip
-    meta = backend.prepare(tensors.batch)
-    return lambda: backend.forward(tensors.q, tensors.k, tensors.v, tensors.cache, meta)
+    return _engine_run(backend, tensors)
 
 
 def flex_rows(
