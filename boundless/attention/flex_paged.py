@@ -137,7 +137,10 @@ class FlexPagedAttention:
         self.scale = head_dim**-0.5
         self.on_gpu = device.type == "cuda"
         if self.on_gpu and block_size < MIN_GPU_PAGE:
-            raise ValueError(f"FlexAttention on CUDA reads a page a key tile, and a tile needs {MIN_GPU_PAGE} keys")
+            raise ValueError(
+                f"FlexAttention on CUDA reads a page a key tile, and a tile needs {MIN_GPU_PAGE} keys: "
+                f"--block-size {block_size} is too small"
+            )
         # Whether calls go through torch.compile (``_compiled``): on CUDA; a test may turn it on elsewhere, with a
         # compiler of its own, to see what the engine's steps make torch.compile do.
         self.compiled = self.on_gpu

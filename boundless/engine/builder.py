@@ -249,11 +249,6 @@ def make_attention(
     if name == "flex":
         if not flex_paged.available():
             raise ConfigError("--attention-backend: flex needs PyTorch 2.9 or later (FlexAttention's log-sum-exp)")
-        if device.type == "cuda" and layout.block_size < flex_paged.MIN_GPU_PAGE:
-            raise ConfigError(
-                f"--attention-backend flex on CUDA reads a page a key tile, and a tile needs "
-                f"{flex_paged.MIN_GPU_PAGE} keys: --block-size {layout.block_size} is too small"
-            )
         pool = layout.num_blocks * layout.block_size
         scores = config.scheduler.max_num_batched_tokens * arch.num_heads * pool * 4
         if device.type != "cuda" and scores > flex_paged.EAGER_SCORE_BYTES:
@@ -264,7 +259,10 @@ def make_attention(
                 f"{flex_paged.EAGER_SCORE_BYTES / 2**30:.0f} GiB); shrink --num-kv-blocks or "
                 "--max-num-batched-tokens, or take --attention-backend torch, the CPU's fast path"
             )
-        return flex_paged.FlexPagedAttention(
-            arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device
-        )
+        try:
+            return flex_paged.FlexPagedAttention(
+                arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device
+            )
+        except ValueError as e:  # (pages too small for its GPU kernel)
+            raise ConfigError(f"--attention-backend flex: {e}") from None
     return TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks)

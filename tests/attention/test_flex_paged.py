@@ -223,3 +223,11 @@ def test_an_engines_steps_compile_flex_attention_a_few_times(tiny_llama, monkeyp
     compiles = counters["stats"]["unique_graphs"] - before
     assert got == expected
     assert steps >= 20 and 1 <= compiles <= 6, (steps, compiles)
+
+
+def test_pages_too_small_for_the_gpu_kernel_are_refused() -> None:
+    """On CUDA a key tile is a page, and Triton's matrix product wants 16 keys: pages of 8 are refused with the flag
+    to change (nothing touches the device before the check, so it runs anywhere); off CUDA they run."""
+    with pytest.raises(ValueError, match="--block-size 8 is too small"):
+        flex_paged.FlexPagedAttention(4, 2, 16, 10, 8, torch.device("cuda"))
+    assert flex_paged.FlexPagedAttention(4, 2, 16, 10, 8, torch.device("cpu")).block_size == 8
