@@ -72,14 +72,24 @@ TINY_CASES = (
 )
 
 
-def tile_grid(decode: bool, tiny: bool = False) -> list[TileConfig]:
-    """The tile shapes swept for a kind of case: the default's first."""
+def tile_grid(decode: bool, tiny: bool = False, small: bool = False) -> list[TileConfig]:
+    """The tile shapes swept for a kind of case: the default's first. ``small``: the default and five neighbours
+    (a device session's run, where the whole grid's compiles would take minutes)."""
     base = TileConfig()
     if tiny:  # (Triton's interpreter: two shapes that run quickly)
         return [
             TileConfig(prefill_rows=32, kv_tile=32, prefill_warps=4, stages=1),
             TileConfig(prefill_rows=16, kv_tile=16, prefill_warps=4, stages=1),
         ]
+    if small:
+        changes = (
+            [dict(kv_tile=128), dict(kv_tile=32, decode_warps=2, stages=2), dict(decode_warps=8),
+             dict(kv_tile=128, decode_warps=8, stages=2), dict(decode_warps=2, stages=2)]
+            if decode
+            else [dict(prefill_rows=64, prefill_warps=4), dict(kv_tile=128), dict(prefill_warps=4),
+                  dict(prefill_rows=64, kv_tile=128, prefill_warps=4, stages=2), dict(kv_tile=32)]
+        )  # fmt: skip
+        return [base] + [dataclasses.replace(base, **c) for c in changes]
     if decode:
         grid = [
             dataclasses.replace(base, kv_tile=tile, decode_warps=warps, stages=stages)
@@ -316,12 +326,14 @@ def cases(tiny: bool = False) -> tuple[AttentionShape, tuple[TileCase, ...]]:
     return (TINY_SHAPE, TINY_CASES) if tiny else (LLAMA_1B, CASES)
 
 
-def sweep(case: TileCase, device: torch.device, dtype: torch.dtype, tiny: bool = False, repeats: int = 5) -> dict:
-    """``case`` over its kind's tile grid."""
+def sweep(
+    case: TileCase, device: torch.device, dtype: torch.dtype, tiny: bool = False, repeats: int = 5, small: bool = False
+) -> dict:
+    """``case`` over its kind's tile grid (``small``: the default and five neighbours)."""
     if not triton_paged.available(device):
         raise RuntimeError("the Triton kernels cannot run here (CUDA, or the CPU with TRITON_INTERPRET=1)")
     shape, _ = cases(tiny)
-    return sweep_case(case, shape, tile_grid(case.decode, tiny), dtype, device, repeats)
+    return sweep_case(case, shape, tile_grid(case.decode, tiny, small), dtype, device, repeats)
 
 
 def summary_rows(results: dict) -> list[list[str]]:

@@ -465,7 +465,11 @@ def run(args: argparse.Namespace) -> dict:
         dtype = torch.float32 if args.tiny and device.type != "cuda" else torch.bfloat16
         sweep = attention_tiles.sweep
         for case in attention_tiles.cases(args.tiny)[1]:  # (a stage each: a run cut short keeps the cases done)
-            _stage(results, f"tiles_{case.name}", lambda c=case: sweep(c, device, dtype, args.tiny, args.repeats))
+            _stage(
+                results,
+                f"tiles_{case.name}",
+                lambda c=case: sweep(c, device, dtype, args.tiny, args.repeats, args.tiles_grid == "small"),
+            )
     write_json(args.json, results)
     _summary(results)
     return results
@@ -571,6 +575,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--windows",
         default="8,16",
         help="also run the decode-heavy case with each of these numbers of scheduler steps (empty: not)",
+    )
+    parser.add_argument(
+        "--tiles-grid",
+        choices=("full", "small"),
+        default="full",
+        help="--shapes tiles: every tile shape of the grid, or the default and five neighbours a kind of case",
     )
     parser.add_argument("--tiny", action="store_true", help="small shapes, to check the benchmark itself (CPU too)")
 

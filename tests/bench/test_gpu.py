@@ -149,3 +149,14 @@ def test_bench_gpu_sweeps_the_attention_tiles(tmp_path: Path) -> None:
         chunked = name.startswith("chunk")  # (SDPA's causal mask would differ: not run)
         assert ("sdpa_s" in case) != chunked
         assert chunked or case["sdpa_max_abs_diff"] < (1e-3 if DEVICE.type == "cpu" else 5e-2)  # (fp32; bf16)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_the_small_tile_grid_is_the_default_and_its_neighbours_in_the_full_grid(decode: bool) -> None:
+    """``--tiles-grid small`` (a device session's run): the default first, then five other shapes, each one the full
+    sweep would also time (so its figures compare with a full sweep's)."""
+    small = attention_tiles.tile_grid(decode, small=True)
+    full = attention_tiles.tile_grid(decode)
+    assert small[0] == triton_paged.TileConfig() == full[0]
+    assert len(set(small)) == len(small) == 6
+    assert set(small) <= set(full)
