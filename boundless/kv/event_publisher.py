@@ -16,12 +16,14 @@ import queue
 import threading
 import time
 from collections import deque
-
-import zmq
+from typing import TYPE_CHECKING
 
 from boundless.config import KVEventsConfig
 from boundless.kv.event_wire import encode_batch
 from boundless.kv.events import KVEvent
+
+if TYPE_CHECKING:
+    import zmq
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._next_seq = 0
         self._numbering = threading.Lock()  # a reset from another thread than the engine's publishes too
+        import zmq  # (here: an engine that publishes no events needs no pyzmq, as on a GPU machine without it)
+
         # Made here, so that an endpoint in use fails at start-up; used by the thread alone from then on.
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
