@@ -146,6 +146,9 @@ class FlexPagedAttention:
         self.compiled = self.on_gpu
         # The layers around attention: the fused Triton kernels on a GPU, as with the Triton backend.
         self.fused_layers = self.on_gpu
+        # Block lists as wide as the pool (the CPU's compiled kernel wants them so), or only as wide as they need be
+        # (the GPU's kernel reads only the counted entries); a test may lay them out as the GPU's on the CPU.
+        self.pool_wide_lists = not self.on_gpu
         # Query rows per tile of a prefill launch (the kernel's BLOCK_M: 16 or more, a power of two); keys per tile are
         # a page (BLOCK_N: the block mask's key blocks are pages, and a tile may not span two).
         self.prefill_tile = prefill_tile or 64
@@ -261,7 +264,7 @@ class FlexPagedAttention:
         hi = first_pos[:, None] + torch.minimum((t + 1) * tile, qlen[:, None]) - 1
         full = torch.where(live, (lo + 1) // bs, 0)  # blocks wholly at or before the first query
         partial = torch.where(live, hi // bs - full + 1, 0)  # the rest up to the last query's block
-        full_ids = self._widened(table[:, None, :].expand(b, tiles, width))
+        listed = table[:, None, :].expand(b, tiles, width)
         # The inverse block table: each row's logical index of every physical block (-1: not its block).
         if logical is None:
             small = width < torch.iinfo(torch.int16).max
@@ -273,21 +276,24 @@ class FlexPagedAttention:
         as_int = torch.int32
         if decode:  # (one tile: the context's blocks, in order, all partial)
             return MaskTensors(
-                (full + partial)[:, None].to(as_int), full_ids[:, None].to(as_int).contiguous(), None, None, logical,
-                qlen, first_pos,
+                (full + partial)[:, None].to(as_int), self._widened(listed, width)[:, None].to(as_int).contiguous(),
+                None, None, logical, qlen, first_pos,
             )  # fmt: skip
         span = -(-tile // bs) + 1  # the most blocks a tile's queries reach into
         picks = (full[:, :, None] + torch.arange(span, device=dev)).clamp_(max=width - 1)
-        partial_ids = self._widened(table[:, None, :].expand(b, tiles, width).gather(2, picks.to(torch.int64)))
+        lists = max(width, span)
+        partial_ids = self._widened(listed.gather(2, picks.to(torch.int64)), lists)
+        full_ids = self._widened(listed, lists)
         return MaskTensors(
             partial[:, None].to(as_int), partial_ids[:, None].to(as_int).contiguous(), full[:, None].to(as_int),
             full_ids[:, None].to(as_int).contiguous(), logical, qlen, first_pos,
         )  # fmt: skip
 
-    def _widened(self, ids: torch.Tensor) -> torch.Tensor:
-        """Block lists as wide as the pool off CUDA: the CPU's compiled kernel wants them so (the GPU's reads only the
-        counted entries)."""
-        return ids if self.on_gpu else F.pad(ids, (0, self.num_blocks - ids.shape[-1]))
+    def _widened(self, ids: torch.Tensor, width: int) -> torch.Tensor:
+        """A block list padded to ``width`` entries, or to the pool's blocks (``pool_wide_lists``). The partial and
+        the full lists must be as wide: FlexAttention's GPU kernel (PyTorch 2.11's) finds a tile's full list with the
+        partial list's strides."""
+        return F.pad(ids, (0, (self.num_blocks if self.pool_wide_lists else width) - ids.shape[-1]))
 
     def _make_block_mask(self, m: MaskTensors, query_len: int, tile: int) -> Any:
         """The :class:`BlockMask` over these tensors (read by reference: refilling them in place changes it)."""

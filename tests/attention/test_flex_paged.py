@@ -150,6 +150,30 @@ def test_block_mask_lists_every_visible_key_and_full_blocks_are_wholly_visible(s
                     assert seen[i, live].view(len(live), nb, bs)[:, block].all()
 
 
+@pytest.mark.parametrize("tile", [16, 64])
+def test_the_gpu_kernel_finds_each_full_list_where_it_reads_it(tile: int) -> None:
+    """FlexAttention's GPU kernel (PyTorch 2.11's template) finds a tile's list of full blocks at the offset of its
+    list of partial blocks, computed with the partial list's strides: both lists must be as wide. Read that way,
+    each tile's full list is its sequence's first blocks. (The GPU's lists are laid out here on the CPU: with lists
+    of different widths, every sequence but the first read other blocks on the H200, and attended wrongly.)"""
+    shape = (8, 2, 64, 16)
+    batch, cache, *_ = paged_case(0, *shape, MIXES["mixed"])
+    backend = _backend(shape, cache[0].shape[1], prefill_tile=tile)
+    backend.pool_wide_lists = False  # (the GPU's layout of the lists)
+    (_, launch) = backend.prepare(batch).launches  # the prefill chunks, over cached prefixes: full blocks
+    mask = launch.block_mask
+    partial_ids, full_ids, full_counts = mask.kv_indices, mask.full_kv_indices, mask.full_kv_num_blocks
+    assert int(full_counts.sum()) > 0
+    tables = batch.block_tables[batch.num_decodes :]
+    stride_h, stride_m = partial_ids.stride(1), partial_ids.stride(2)
+    flat = full_ids.flatten()
+    for i, table in enumerate(tables):
+        for t in range(full_counts.shape[2]):
+            at = i * stride_h + t * stride_m  # (one head of the mask: the batch row i is its sparse_hz_offset)
+            count = int(full_counts[i, 0, t])
+            assert flat[at : at + count].tolist() == table[:count]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="CUDA runs the kernel in every test")
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -179,12 +203,16 @@ def test_block_mask_lists_what_the_kernel_must_visit(mix: str) -> None:
     torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
 
 
-def test_an_engines_steps_compile_flex_attention_a_few_times(tiny_llama, monkeypatch) -> None:
+@pytest.mark.parametrize("pool_wide", [True, False], ids=["cpu-lists", "gpu-lists"])
+def test_an_engines_steps_compile_flex_attention_a_few_times(tiny_llama, monkeypatch, pool_wide: bool) -> None:
     """On CUDA every call goes through torch.compile, which compiles again whenever what it guards on changes: the
     engine's steps change their batch and chunk lengths every step. Here torch.compile runs with its eager backend
     (the same tracing and guards, PyTorch's ops for the kernel) over an engine's steps of shrinking batches, chunked
     prompts and growing tables: a handful of compiles, not one a step (a compile takes seconds on a GPU, and past
-    the limit torch.compile gives up), and the tokens of the PyTorch backend."""
+    the limit torch.compile gives up), and the tokens of the backend with the same layers around attention
+    (PyTorch's on the CPU, the Triton kernels' on CUDA). The block lists laid out as the CPU's (as wide as the pool)
+    and as the GPU's (as wide as the step's longest table: a width that changes step to step). Without CUDA graphs:
+    their capture compiles too, once a bucket size."""
     from torch._dynamo.utils import counters
 
     from boundless.engine.core import EngineCore
@@ -199,12 +227,13 @@ def test_an_engines_steps_compile_flex_attention_a_few_times(tiny_llama, monkeyp
     def run(backend: str) -> tuple[list[list[int]], int]:
         config = engine_config(
             tiny_llama.name, max_model_len=256, num_kv_blocks=48, attention_backend=backend,
-            max_num_batched_tokens=48,
+            max_num_batched_tokens=48, enforce_eager=True,
         )  # fmt: skip
         core = EngineCore.from_model(tiny_llama, config)
         attention = core.executor.runner.attention
         if backend == "flex":
             attention.compiled = True
+            attention.pool_wide_lists = pool_wide
         rnd = random.Random(0)
         for i in range(12):
             prompt = [rnd.randrange(5, 200) for _ in range(rnd.randrange(3, 60))]
@@ -217,7 +246,8 @@ def test_an_engines_steps_compile_flex_attention_a_few_times(tiny_llama, monkeyp
             steps += 1
         return [out[str(i)] for i in range(12)], steps
 
-    expected, _ = run("torch")
+    # (The backend whose layers around attention are flex's: on CUDA both fuse them in Triton kernels.)
+    expected, _ = run("triton" if DEVICE.type == "cuda" else "torch")
     before = counters["stats"]["unique_graphs"]
     got, steps = run("flex")
     compiles = counters["stats"]["unique_graphs"] - before
