@@ -140,7 +140,9 @@ class LLM:
                     self.engine.add_lora(lora)
                 per_prompt[i] = dataclasses.replace(per_prompt[i], lora_name=lora.lora_name)
         # The outputs are read when the batch is done (as vLLM's LLM does): each text is decoded once, at its end.
-        per_prompt = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in per_prompt]
+        # (Made once for each params object given: a batch's prompts most often share one.)
+        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in per_prompt}
+        per_prompt = [final[id(p)] for p in per_prompt]
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         for prompt, p in zip(batch, per_prompt, strict=True):
@@ -256,6 +258,6 @@ def _prompt_input(prompt: Prompt) -> str | list[int]:
         prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, Sequence) and set(map(type, prompt)) <= {int}:  # (ints, not bools: the types, in one pass)
         return list(prompt)
     raise TypeError(f"a prompt is a string, a list of token ids or a prompt dict, not {prompt!r:.60}")

@@ -261,6 +261,8 @@ class SamplingParams:
     def for_sample(self, index: int) -> SamplingParams:
         """The params of the ``index``-th of ``n`` samples: one sample, and a seed of its own (``seed + index``,
         wrapped into the signed 64-bit range so that every seed the params accept has ``n`` children)."""
+        if self.n == 1:  # (its one sample's params are its own: frozen, so shared)
+            return self
         if self.seed is None:
             return dataclasses.replace(self, n=1)
         seed = (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
