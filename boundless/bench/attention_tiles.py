@@ -78,28 +78,28 @@ def tile_grid(decode: bool, tiny: bool = False, small: bool = False) -> list[Til
     base = TileConfig()
     if tiny:  # (Triton's interpreter: two shapes that run quickly)
         return [
-            TileConfig(prefill_rows=32, kv_tile=32, prefill_warps=4, stages=1),
-            TileConfig(prefill_rows=16, kv_tile=16, prefill_warps=4, stages=1),
+            TileConfig(prefill_rows=32, prefill_kv_tile=32, decode_kv_tile=32, prefill_warps=4, stages=1),
+            TileConfig(prefill_rows=16, prefill_kv_tile=16, decode_kv_tile=16, prefill_warps=4, stages=1),
         ]
     if small:
         changes = (
-            [dict(kv_tile=128), dict(kv_tile=32, decode_warps=2, stages=2), dict(decode_warps=8),
-             dict(kv_tile=128, decode_warps=8, stages=2), dict(decode_warps=2, stages=2)]
+            [dict(decode_kv_tile=64), dict(decode_kv_tile=32, decode_warps=2, stages=2), dict(decode_warps=8),
+             dict(decode_warps=8, stages=2), dict(decode_kv_tile=64, decode_warps=2, stages=2)]
             if decode
-            else [dict(prefill_rows=64, prefill_warps=4), dict(kv_tile=128), dict(prefill_warps=4),
-                  dict(prefill_rows=64, kv_tile=128, prefill_warps=4, stages=2), dict(kv_tile=32)]
+            else [dict(prefill_rows=64, prefill_warps=4), dict(prefill_kv_tile=128), dict(prefill_warps=4),
+                  dict(prefill_rows=64, prefill_kv_tile=128, prefill_warps=4, stages=2), dict(prefill_kv_tile=32)]
         )  # fmt: skip
         return [base] + [dataclasses.replace(base, **c) for c in changes]
     if decode:
         grid = [
-            dataclasses.replace(base, kv_tile=tile, decode_warps=warps, stages=stages)
+            dataclasses.replace(base, decode_kv_tile=tile, decode_warps=warps, stages=stages)
             for tile in (32, 64, 128)
             for warps in (2, 4, 8)
             for stages in (2, 3)
         ]
     else:
         grid = [
-            dataclasses.replace(base, prefill_rows=rows, kv_tile=tile, prefill_warps=warps, stages=stages)
+            dataclasses.replace(base, prefill_rows=rows, prefill_kv_tile=tile, prefill_warps=warps, stages=stages)
             for rows in (64, 128)
             for tile in (32, 64, 128)
             for warps in (4, 8)

@@ -41,6 +41,28 @@ def test_matches_dense(shape, mix: str, dtype: torch.dtype) -> None:
     assert torch.equal(cache[1].view(kvh, nb * bs, d)[:, batch.slot_mapping], v.transpose(0, 1))
 
 
+@pytest.mark.parametrize("decode_tile, prefill_tile", [(64, 16), (16, 64)])
+def test_decodes_and_prefill_chunks_take_their_own_key_tiles(decode_tile: int, prefill_tile: int) -> None:
+    """A step's decodes and prefill chunks each read keys in tiles of their kind's size (the H200's fastest differ:
+    128 for a decode, 64 for a prefill), the decodes' context split over programs by their own tile: the dense
+    reference's output either way."""
+    shape = (8, 2, 64, 16)
+    chunks = [(1, 1000), (1, 70), (20, 20), (9, 40), (16, 32)]
+    batch, cache, q, k, v, expected, expected_lse = paged_case(5, *shape, chunks, torch.float32, DEVICE)
+    backend = triton_paged.TritonPagedAttention(
+        *shape[:3], cache[0].shape[1], shape[3], DEVICE, torch.float32,
+        tiles=triton_paged.TileConfig(
+            prefill_rows=32, prefill_kv_tile=prefill_tile, decode_kv_tile=decode_tile, prefill_warps=4, stages=1
+        ),
+    )  # fmt: skip
+    backend.target_programs = 10**6  # (as if the GPU were huge: the decodes split by their tiles)
+    meta = backend.prepare(batch)
+    assert meta.launches[0].num_splits == {64: 4, 16: 15}[decode_tile]  # (4 tiles or more a split: 16 tiles, 63)
+    out = backend.forward(q, k, v, cache, meta)
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(meta.lse.double().cpu(), expected_lse, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("splits", [2, 3, 7])
 def test_split_context_merges_exactly(splits: int) -> None:
     """Decodes whose context is split over programs: the merged partials are attention over the whole."""
