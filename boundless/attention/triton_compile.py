@@ -42,16 +42,18 @@ def compile_all(capability: int = 90) -> dict[str, int]:
     for dtype, precision in (("bf16", None), ("fp32", "ieee")):
         ptr = f"*{dtype}"
         for head_dim in (64, 128):
-            for name, block_q, block_m, block_n, warps, stages, split in (
-                ("decode", 1, 16, 64, 4, 3, False),
-                ("decode-split", 1, 16, 64, 4, 3, True),
-                ("prefill", 32, 128, 64, 8, 3, False) if dtype == "bf16" else ("prefill", 16, 64, 32, 4, 2, False),
+            bf16 = dtype == "bf16"
+            for name, block_q, block_m, block_n, warps, stages, split, every in (
+                ("decode", 1, 16, 128 if bf16 else 32, 4, 3, False, False),
+                ("decode-split", 1, 16, 128 if bf16 else 32, 4, 3, True, False),
+                ("prefill", 32, 128, 64, 8, 3, False, False) if bf16 else ("prefill", 16, 64, 32, 4, 2, False, False),
+                ("prefill-every-tile-masked", 32, 128, 64, 8, 3, False, True),  # (the tile sweep's baseline)
             ):
                 types = dict(_ATTENTION_ARGS, q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr)
                 types["out_ptr"] = "*fp32" if split else ptr
                 consts = dict(
                     GROUP=4, NUM_HEADS=32, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16,
-                    HEAD_DIM=head_dim, DIM_POW2=head_dim, SPLIT=split, PRECISION=precision,
+                    HEAD_DIM=head_dim, DIM_POW2=head_dim, SPLIT=split, PRECISION=precision, MASK_EVERY_TILE=every,
                 )  # fmt: skip
                 key = f"attention/{dtype}/d{head_dim}/{name}"
                 shared[key] = compile_kernel(kernels.paged_attention_kernel, types, consts, target, warps, stages)

@@ -55,6 +55,42 @@ def store_kv_kernel(
 
 
 @triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_len, q_pos, dims,
+    dim_ok, scale_log2,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """One tile of keys into a block's online softmax. ``MASKED``: keys past the context or after a row's query are
+    left out (else the caller knows every row sees the whole tile: no mask, no test for rows that see nothing)."""
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_ok = n < kv_len
+        block = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & dim_ok[None, :]
+    else:
+        block = tl.load(table + n // PAGE).to(tl.int64)
+        kv_mask = dim_ok[None, :]
+    offs = cache_head + block * stride_cache_block + (n % PAGE) * HEAD_DIM
+    k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if MASKED:
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = m_new
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def paged_attention_kernel(
     out_ptr,  # [tokens, heads, head_dim], or [splits, tokens, heads, head_dim] fp32 when SPLIT
     lse_ptr,  # [tokens, heads] fp32, or [splits, tokens, heads] when SPLIT
@@ -85,6 +121,7 @@ def paged_attention_kernel(
     DIM_POW2: tl.constexpr,
     SPLIT: tl.constexpr,  # write partials per split (merged by merge_splits_kernel)
     PRECISION: tl.constexpr,  # "ieee" for fp32 dots in full precision (not tf32); None: the default
+    MASK_EVERY_TILE: tl.constexpr = False,  # the mask on every tile, as before 5 December (the tile sweep's baseline)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -125,24 +162,23 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, DIM_POW2], tl.float32)
     cache_head = kv_head.to(tl.int64) * stride_cache_head
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile in range(tile_lo, tile_hi):
-        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_len
-        block = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        offs = cache_head + block * stride_cache_block + (n % PAGE) * HEAD_DIM
-        kv_mask = n_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # Tiles every row of the block sees whole (keys at or before its first query, all in the context) take no mask:
+    # the causal diagonal and the context's end lie in the last one or two tiles.
+    if MASK_EVERY_TILE:
+        open_hi = tile_lo
+    else:
+        whole = tl.minimum(context_start + first - seq_start + 1, kv_len) // BLOCK_N
+        open_hi = tl.minimum(tl.maximum(whole, tile_lo), tile_hi)
+    for tile in range(tile_lo, open_hi):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_len, q_pos,
+            dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, False,
+        )  # fmt: skip
+    for tile in range(open_hi, tile_hi):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_len, q_pos,
+            dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, True,
+        )  # fmt: skip
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]

@@ -71,6 +71,9 @@ class TileConfig:
     prefill_warps: int = 8
     decode_warps: int = 4
     stages: int = 3
+    # The causal mask on every key tile, as before 5 December; else only on the tiles that need it (the last one or
+    # two of a block of queries). A baseline for the tile sweep, which measures the two.
+    mask_every_tile: bool = False
 
     @staticmethod
     def for_device(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
@@ -306,6 +309,7 @@ class TritonPagedAttention:
             BLOCK_N=self.tiles.decode_kv_tile if decode else self.tiles.prefill_kv_tile, PAGE=self.block_size,
             HEAD_DIM=self.head_dim, DIM_POW2=_pow2(self.head_dim),
             SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 else None,
+            MASK_EVERY_TILE=self.tiles.mask_every_tile,
             num_warps=self.tiles.decode_warps if decode else self.tiles.prefill_warps, num_stages=self.tiles.stages,
         )  # fmt: skip
         if split:

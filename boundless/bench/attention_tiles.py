@@ -73,8 +73,9 @@ TINY_CASES = (
 
 
 def tile_grid(decode: bool, tiny: bool = False, small: bool = False) -> list[TileConfig]:
-    """The tile shapes swept for a kind of case: the default's first. ``small``: the default and five neighbours
-    (a device session's run, where the whole grid's compiles would take minutes)."""
+    """The tile shapes swept for a kind of case: the default's first, then the default with the mask on every tile
+    (the kernel before 5 December). ``small``: the default and five neighbours (a device session's run, where the
+    whole grid's compiles would take minutes)."""
     base = TileConfig()
     if tiny:  # (Triton's interpreter: two shapes that run quickly)
         return [
@@ -83,11 +84,11 @@ def tile_grid(decode: bool, tiny: bool = False, small: bool = False) -> list[Til
         ]
     if small:
         changes = (
-            [dict(decode_kv_tile=64), dict(decode_kv_tile=32, decode_warps=2, stages=2), dict(decode_warps=8),
-             dict(decode_warps=8, stages=2), dict(decode_kv_tile=64, decode_warps=2, stages=2)]
+            [dict(mask_every_tile=True), dict(decode_kv_tile=64), dict(decode_warps=8),
+             dict(decode_kv_tile=64, decode_warps=2, stages=2), dict(decode_warps=2, stages=2)]
             if decode
-            else [dict(prefill_rows=64, prefill_warps=4), dict(prefill_kv_tile=128), dict(prefill_warps=4),
-                  dict(prefill_rows=64, prefill_kv_tile=128, prefill_warps=4, stages=2), dict(prefill_kv_tile=32)]
+            else [dict(mask_every_tile=True), dict(prefill_rows=64, prefill_warps=4), dict(prefill_kv_tile=128),
+                  dict(prefill_warps=4), dict(prefill_rows=64, prefill_kv_tile=128, prefill_warps=4, stages=2)]
         )  # fmt: skip
         return [base] + [dataclasses.replace(base, **c) for c in changes]
     if decode:
@@ -105,7 +106,7 @@ def tile_grid(decode: bool, tiny: bool = False, small: bool = False) -> list[Til
             for warps in (4, 8)
             for stages in (2, 3)
         ]
-    return [base] + [t for t in grid if t != base]
+    return [base, dataclasses.replace(base, mask_every_tile=True)] + [t for t in grid if t != base]
 
 
 @dataclass

@@ -352,17 +352,21 @@ def decode_roofline(args: argparse.Namespace, results: dict, root: Path) -> dict
 
     def decode_step(window: int, ahead: bool) -> tuple[float, float, float]:
         """Seconds of the prefill, of the whole run and of one decode step (the run less the prefill, over the
-        steps after the first token)."""
+        steps after the first token): medians of ``--repeats`` runs each."""
         gc.collect()  # (an engine before this one is garbage: its KV pool goes before this one's is taken)
         ours = BoundlessSystem(LLM.from_config(_engine_config(path, args, 64, window, ahead), loaded))
         ours.generate(prompts, 4)  # the whole batch: every kernel its steps take is compiled before the timed runs
-        start = time.perf_counter()
-        ours.generate(prompts, 1)
-        prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        outputs = ours.generate(prompts, output_len)
-        total_s = time.perf_counter() - start
-        assert all(len(o) == output_len for o in outputs)
+
+        def seconds(tokens: int) -> float:
+            runs = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                outputs = ours.generate(prompts, tokens)
+                runs.append(time.perf_counter() - start)
+                assert all(len(o) == tokens for o in outputs)
+            return sorted(runs)[len(runs) // 2]
+
+        prefill_s, total_s = seconds(1), seconds(output_len)
         return prefill_s, total_s, (total_s - prefill_s) / (output_len - 1)
 
     prefill_s, total_s, step_s = decode_step(1, False)

@@ -7,6 +7,8 @@ conftest), on the CPU; with one, on CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from paged_cases import MIXES, SHAPES, check_padding_row, paged_case
@@ -58,6 +60,30 @@ def test_decodes_and_prefill_chunks_take_their_own_key_tiles(decode_tile: int, p
     backend.target_programs = 10**6  # (as if the GPU were huge: the decodes split by their tiles)
     meta = backend.prepare(batch)
     assert meta.launches[0].num_splits == {64: 4, 16: 15}[decode_tile]  # (4 tiles or more a split: 16 tiles, 63)
+    out = backend.forward(q, k, v, cache, meta)
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(meta.lse.double().cpu(), expected_lse, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("mask_every_tile", [False, True], ids=["masked-tiles-only", "every-tile-masked"])
+def test_tiles_wholly_visible_take_no_mask(mask_every_tile: bool) -> None:
+    """The kernel masks only the tiles a block of queries does not see whole (the causal diagonal, the context's
+    end); the sweep's baseline masks every tile. Both are attention over the dense reference, for decodes whose
+    context is split over programs (a split may hold no whole tile, or only whole ones) and chunks over a cached
+    prefix whose blocks of queries start past several whole tiles."""
+    shape = (8, 2, 64, 16)
+    chunks = [(1, 1000), (1, 33), (1, 32), (70, 70), (40, 200), (16, 32)]
+    batch, cache, q, k, v, expected, expected_lse = paged_case(7, *shape, chunks, torch.float32, DEVICE)
+    tiles = dataclasses.replace(
+        triton_paged.TileConfig.for_device(DEVICE, torch.float32), mask_every_tile=mask_every_tile
+    )
+    backend = triton_paged.TritonPagedAttention(
+        *shape[:3], cache[0].shape[1], shape[3], DEVICE, torch.float32, tiles=tiles
+    )
+    backend.target_programs = 10**6  # (split the decodes' contexts: 3 of them)
+    backend.max_splits = 3
+    meta = backend.prepare(batch)
+    assert meta.launches[0].num_splits == 3
     out = backend.forward(q, k, v, cache, meta)
     torch.testing.assert_close(out.double().cpu(), expected, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(meta.lse.double().cpu(), expected_lse, rtol=2e-5, atol=2e-5)

@@ -57,9 +57,12 @@ def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
     for n, i, o in gpu.TINY_CASES:  # asynchronous scheduling on every case, against each case's baseline
         assert results[f"async_window16_1b_{n}x{i}x{o}"]["ratio_to_baseline"] > 0
     decode = results["decode_8b"]
-    assert decode["decode_step_s"] > 0 and decode["roofline_step_s"] > 0
+    # (A decode step is a difference of two timed runs: on these tiny shapes, noise may make it negative. The
+    # figures are there; the roofline is computed, not timed.)
+    assert isinstance(decode["decode_step_s"], float) and decode["roofline_step_s"] > 0
     # The same decode in windows of the largest --windows, decided ahead.
-    assert decode["async_window16_decode_step_s"] > 0 and decode["async_window16_step_over_roofline"] > 0
+    assert isinstance(decode["async_window16_decode_step_s"], float)
+    assert isinstance(decode["async_window16_step_over_roofline"], float)
     # The 8B stand-in's weights were drawn in memory: its directory holds no checkpoint.
     assert not list((tmp_path / "models" / "llama-8b").glob("*.safetensors"))
 
