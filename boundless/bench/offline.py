@@ -7,7 +7,7 @@ import gc
 import statistics
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -130,6 +130,7 @@ def compare(
         "figures": [asdict(f) for f in figures],
         "runs": [
             {name: {"seconds": r.seconds, "output_tokens": r.output_tokens, "single_decode_tokens_per_s": r.single}
+                   | r.details
              for name, r in run.items()}
             for run in runs
         ],
@@ -173,6 +174,7 @@ class _Run:
     output_tokens: int
     single: float
     outputs: list[list[int]]
+    details: dict = field(default_factory=dict)  # the system's own (BenchSystem.run_details)
 
 
 def _median_figures(system: str, runs: list[_Run]) -> OfflineFigures:
@@ -191,9 +193,14 @@ class BenchSystem(ABC):
         """Greedy generation of ``output_len`` tokens for every prompt, timed, and of one prompt
         alone (single-request decode: the time of ``output_len`` tokens less the time of one)."""
         total, outputs = _timed(lambda: self.generate(prompts, output_len))
+        details = self.run_details()
         t1, _ = _timed(lambda: self.generate(prompts[:1], 1))
         tn, _ = _timed(lambda: self.generate(prompts[:1], output_len))
-        return _Run(total, sum(len(o) for o in outputs), (output_len - 1) / (tn - t1), outputs)
+        return _Run(total, sum(len(o) for o in outputs), (output_len - 1) / (tn - t1), outputs, details)
+
+    def run_details(self) -> dict:
+        """What the system can tell of its last ``generate`` beyond its time (into each run's figures)."""
+        return {}
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]: ...
@@ -204,12 +211,41 @@ class BoundlessSystem(BenchSystem):
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
+        self._step_seconds: list[float] = []  # each engine step's of the last generate
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         # Every timed run starts cold: no prefix cache left from the last one.
-        self.llm.engine.reset_prefix_cache()
+        core = self.llm.engine
+        core.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        return [r.outputs[0].token_ids for r in self.llm.generate(prompts, params)]
+        times = self._step_seconds = []
+        step = core.step
+
+        def timed_step() -> list:
+            start = time.perf_counter()
+            try:
+                return step()
+            finally:
+                times.append(time.perf_counter() - start)
+
+        wrapped = core.__dict__.get("step")  # (a step already wrapped on the instance: put back after)
+        core.step = timed_step  # type: ignore[method-assign]
+        try:
+            return [r.outputs[0].token_ids for r in self.llm.generate(prompts, params)]
+        finally:
+            if wrapped is None:
+                del core.step  # the class's method again
+            else:
+                core.step = wrapped
+
+    def run_details(self) -> dict:
+        """The last run's engine steps, and its slowest (a first run's one-off cost shows there, not spread over the
+        steps)."""
+        times = self._step_seconds
+        if not times:
+            return {}
+        slowest = max(range(len(times)), key=times.__getitem__)
+        return {"steps": len(times), "slowest_step_s": times[slowest], "slowest_step": slowest}
 
 
 class HuggingFaceSystem(BenchSystem):

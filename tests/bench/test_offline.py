@@ -35,6 +35,12 @@ def test_bench_offline_reports_medians_of_alternating_runs(
     ratio = figures["boundless"]["output_tokens_per_s"] / figures["huggingface"]["output_tokens_per_s"]
     assert result["throughput_ratio"] == ratio
     assert len(result["throughput_ratio_per_run"]) == 3
+    # Each Boundless run's engine steps and its slowest, where a first run's one-off cost would show.
+    for run in result["runs"]:
+        ours = run["boundless"]
+        assert ours["steps"] >= 5 and 0 <= ours["slowest_step"] < ours["steps"]
+        assert 0 < ours["slowest_step_s"] <= ours["seconds"]
+        assert "steps" not in run["huggingface"]
     # Greedy on the same fp32 weights: the two systems agree token for token.
     assert result["identical_outputs"] == 3
     assert "throughput ratio per run" in capsys.readouterr().out
