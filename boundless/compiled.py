@@ -25,6 +25,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -80,8 +81,11 @@ def _source(name: str) -> Path:
 
 
 def build_key(modules: Sequence[str] = MODULES) -> str:
-    """The modules' sources and the Python build they are compiled for, hashed: a build's directory name."""
-    digest = hashlib.sha256(f"{_FORMAT}|{sys.implementation.cache_tag}|{sys.version}".encode())
+    """The modules' sources and the Python ABI they are compiled for (a minor version's, which its patch releases
+    keep: a build made with 3.12.1 loads in 3.12.3, as the GPU machine's check carries one), hashed: a build's
+    directory name."""
+    abi = f"{sys.implementation.cache_tag}|{_SUFFIX}|{platform.machine()}"
+    digest = hashlib.sha256(f"{_FORMAT}|{abi}".encode())
     for name in modules:
         digest.update(name.encode() + b"\0" + _source(name).read_bytes() + b"\0")
     return digest.hexdigest()[:20]

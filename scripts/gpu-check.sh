@@ -12,6 +12,9 @@
 # its wheels travel in .whl (the device tool's README; for its Python 3.12: `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 ... xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2`), installed below when
 # present.
+# Before a run, `bash scripts/device-build.sh` here builds the hot modules for the machine's Python into .device-build/:
+# carry it (run(..., carry=[".device-build"])), else the engine's host work there runs from source (the H200 runs of
+# 4-5 December did: their host figures are of the source).
 # Logs and figures go to ${OUT:-gpu-check}/.
 set -o pipefail
 out=${OUT:-gpu-check}
@@ -21,6 +24,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PWD:/tmp/site
 fi
+# The hot modules compiled for this Python where the run carries them (scripts/device-build.sh, run here first): the
+# engine's host work then runs as `make` builds it, as on a user's machine. Without them it runs from source.
+if [ -d .device-build/compiled ]; then
+    export BOUNDLESS_CACHE_DIR=$PWD/.device-build
+fi
+python3 -c "from boundless import compiled; from boundless.engine import scheduler; print('compiled modules:', compiled.is_compiled(scheduler))"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 if [ "${GPU_CHECK_PART:-main}" = flex ]; then
