@@ -5,7 +5,13 @@
 # loads in the machine's 3.12.3: the build's key is the ABI's. Needs a Python 3.12 here (PYTHON312, else python3.12
 # on the PATH or pyenv's) and PyPI for mypy.
 set -euo pipefail
-py=${PYTHON312:-$(command -v python3.12 || ls ~/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)}
+py=
+for candidate in ${PYTHON312:-} python3.12 ~/.pyenv/versions/3.12*/bin/python3.12; do  # (the first that runs 3.12)
+    if "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+        py=$candidate
+        break
+    fi
+done
 [ -n "$py" ] || { echo "device-build: no Python 3.12 here (set PYTHON312)" >&2; exit 1; }
 venv=${TMPDIR:-/tmp}/boundless-device-py312
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
