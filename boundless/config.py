@@ -68,6 +68,14 @@ class ModelConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "run every step eagerly: no CUDA graphs for decode steps"}
     )
+    flash_prefill: bool = field(
+        default=False,
+        metadata={
+            "help": "with the triton backend on CUDA, in bf16 or fp16: a step's prefill chunks, where each is a whole "
+            "prompt's start (nothing cached before it), attend in one call of FlashAttention's variable-length "
+            "kernel (PyTorch's); other chunks and decodes on the Triton kernels. Not yet run on a GPU"
+        },
+    )
     enable_lora: bool = field(
         default=False, metadata={"help": "serve LoRA adapters (PEFT checkpoints) beside the model"}
     )

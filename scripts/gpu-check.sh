@@ -62,13 +62,15 @@ fi
 # the order of what the session's figures need most; each stage gets what it asks or what is left of the run's
 # budget (GPU_CHECK_BUDGET seconds, 580 by default), so a slow stage costs the last ones, not the whole run.
 # 1. On CUDA: the graph runner's tests (both backends), FlexAttention's against the dense reference in bf16 and its
-#    block mask, the Triton kernel's tiles apart for decodes and prefills, DistAttention on both backends,
-#    transformers' greedy tokens on FlexAttention (tiny-llama).
+#    block mask, the Triton kernel's tiles apart for decodes and prefills and its unmasked tiles, --flash-prefill's
+#    FlashAttention call, DistAttention on both backends, transformers' greedy tokens on FlexAttention (tiny-llama).
 # 2. `bench gpu --shapes 1b,8b --windows 16`: #16's figures (the 1B cases against transformers, the GPU's busy share
 #    and idle gaps, the 8B decode against its roofline).
 # 3. `bench gpu --shapes tiles --tiles-grid small`: one layer's attention on our kernel's default tiles and five
-#    neighbours, on FlexAttention, and on SDPA (FlashAttention), for the 1B shape's prefill and decode cases.
-# 4. The engine on FlexAttention on the decode-heavy case, against transformers (what is left of the budget).
+#    neighbours (the mask on every tile among them), on FlexAttention, on SDPA (FlashAttention) and as
+#    --flash-prefill calls FlashAttention, for the 1B shape's prefill and decode cases.
+# 4. The 1B cases again with --flash-prefill (what is left of the budget; the engine on FlexAttention is in the flex
+#    part).
 deadline=$((SECONDS + ${GPU_CHECK_BUDGET:-580}))
 within() {  # the seconds a stage gets: what it asks, or what is left of the budget
     local left=$((deadline - SECONDS))
@@ -77,9 +79,11 @@ within() {  # the seconds a stage gets: what it asks, or what is left of the bud
 }
 BOUNDLESS_TEST_DEVICE=cuda timeout "$(within 170)" python3 -m pytest -p no:cacheprovider -q -rfE --tb=short \
     --maxfail=5 -k "not smollm2 and (bfloat16 or not matches_dense)" \
-    tests/engine/test_cuda_graphs.py tests/attention/test_flex_paged.py \
+    tests/attention/test_triton_paged.py::test_flash_prefill_matches_dense \
+    tests/attention/test_triton_paged.py::test_tiles_wholly_visible_take_no_mask \
     tests/attention/test_triton_paged.py::test_decodes_and_prefill_chunks_take_their_own_key_tiles \
     tests/engine/test_dist_attention.py::test_distattention_on_the_triton_kernels \
+    tests/engine/test_cuda_graphs.py tests/attention/test_flex_paged.py \
     tests/engine/test_dist_attention.py::test_distattention_on_flex_attention \
     "tests/model/test_reference.py::test_greedy_matches_transformers_on_flex_attention[tiny-llama]" \
     2>&1 | tee "$out/pytest.log" | tail -15
@@ -87,5 +91,5 @@ timeout "$(within 190)" python3 -m boundless.bench.gpu --shapes 1b,8b --windows 
     | tee "$out/bench.log" | tail -45
 timeout "$(within 80)" python3 -m boundless.bench.gpu --shapes tiles --tiles-grid small --repeats 3 \
     --json "$out/bench-tiles.json" 2>&1 | tee "$out/bench-tiles.log" | tail -12
-timeout "$(within 200)" python3 -m boundless.bench.gpu --shapes 1b --cases 1 --windows 16 --attention-backend flex \
-    --json "$out/bench-flex.json" 2>&1 | tee "$out/bench-flex.log" | tail -25
+timeout "$(within 200)" python3 -m boundless.bench.gpu --shapes 1b --windows 16 --flash-prefill \
+    --json "$out/bench-flash.json" 2>&1 | tee "$out/bench-flash.log" | tail -25

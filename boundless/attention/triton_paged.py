@@ -100,6 +100,10 @@ class KernelLaunch:
     # Split partials, [splits, tokens, heads, head_dim] and [splits, tokens, heads], when num_splits > 1.
     part_out: torch.Tensor | None = None
     part_lse: torch.Tensor | None = None
+    # Prefill chunks that each start their prompt (no cached context: their keys are the step's own): what
+    # FlashAttention's variable-length kernel can take whole (``flash_prefill``), with the longest chunk's length.
+    fresh: bool = False
+    max_query: int = 0
 
 
 @dataclass
@@ -127,6 +131,7 @@ class TritonPagedAttention:
         dtype: torch.dtype = torch.bfloat16,
         tiles: TileConfig | None = None,
         max_splits: int = 16,
+        flash_prefill: bool = False,
     ) -> None:
         if kernels is None:
             raise RuntimeError("the triton attention backend needs the triton package")
@@ -139,6 +144,8 @@ class TritonPagedAttention:
         self.device = device
         self.tiles = tiles or TileConfig.for_device(device, dtype)
         self.max_splits = max_splits
+        # A launch of whole prompts' starts goes to FlashAttention's variable-length kernel (CUDA, bf16/fp16).
+        self.flash_prefill = flash_prefill
         self.scale = head_dim**-0.5
         # Programs that fill the GPU: two per multiprocessor.
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -194,12 +201,15 @@ class TritonPagedAttention:
                 add(firsts, (len(firsts),)),
             )
             splits = self.num_splits(hi - lo, max(batch.seq_lens[lo:hi])) if block_q == 1 else 1
-            plans.append((tokens, tokens + starts[-1], block_q, splits, ids))
+            fresh = block_q > 1 and qlens == batch.seq_lens[lo:hi]  # (each chunk is its whole context)
+            plans.append((tokens, tokens + starts[-1], block_q, splits, ids, fresh, max(qlens)))
             tokens += starts[-1]
         views = upload_ints(ints, shapes, self.device)
         meta = TritonAttentionMetadata(slot_mapping=batch.slot_mapping)
-        for start, end, block_q, splits, ids in plans:
-            launch = KernelLaunch(start, end, *(views[i] for i in ids), block_q=block_q)
+        for start, end, block_q, splits, ids, fresh, max_query in plans:
+            launch = KernelLaunch(
+                start, end, *(views[i] for i in ids), block_q=block_q, fresh=fresh, max_query=max_query
+            )
             self._set_splits(launch, splits)
             meta.launches.append(launch)
         return meta
@@ -246,8 +256,28 @@ class TritonPagedAttention:
             meta.lse = torch.empty(q.shape[0], self.num_heads, dtype=torch.float32, device=q.device)
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         for launch in meta.launches:
-            self.attend(q, k_cache, v_cache, launch, out, meta.lse)
+            if launch.fresh and self.flash_prefill:
+                self.attend_fresh(q, k, v, launch, out, meta.lse)
+            else:
+                self.attend(q, k_cache, v_cache, launch, out, meta.lse)
         return out
+
+    def attend_fresh(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, launch: KernelLaunch, out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Attention of a launch of whole prompts' starts over their own keys, the step's ``k`` and ``v`` rows (causal),
+        in one call of FlashAttention's variable-length kernel (PyTorch's ``_flash_attention_forward``: grouped-query
+        heads as they are, the log-sum-exp out with the output)."""
+        rows = slice(launch.start, launch.end)
+        cu = launch.query_start  # [seqs + 1] int32: each chunk's first row, as FlashAttention's cumulative lengths
+        o, row_lse, *_ = torch.ops.aten._flash_attention_forward(
+            q[rows], k[rows], v[rows], cu, cu, launch.max_query, launch.max_query, 0.0, True, False, scale=self.scale
+        )
+        if row_lse.shape != (self.num_heads, launch.end - launch.start):  # (its unpadded layout: [heads, tokens])
+            raise RuntimeError(f"FlashAttention's log-sum-exp came back {tuple(row_lse.shape)}, not [heads, tokens]")
+        out[rows] = o
+        lse[rows] = row_lse.t()
 
     def forward_partial(
         self,

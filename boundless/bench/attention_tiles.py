@@ -223,6 +223,30 @@ def flex_rows(
     return rows
 
 
+def flash_row(
+    tensors: CaseTensors, case: TileCase, shape: AttentionShape, reference: torch.Tensor | None, repeats: int
+) -> dict:
+    """Whole prompts on FlashAttention's variable-length kernel as ``--flash-prefill`` runs them (the Triton backend
+    with ``flash_prefill``: its KV store, then one call for the launch): seconds, TFLOP/s and its difference from
+    the kernel's output; a failure is noted."""
+    device, dtype = tensors.q.device, tensors.q.dtype
+    try:
+        backend = TritonPagedAttention(
+            shape.heads, shape.kv_heads, shape.head_dim, tensors.num_blocks, shape.block_size, device, dtype,
+            flash_prefill=True,
+        )  # fmt: skip
+        run = _engine_run(backend, tensors)
+        got = run().float()
+        seconds = device_seconds(run, device, repeats, inner=INNER_CALLS)
+    except Exception as e:  # (FlashAttention refusing the call on this device: noted, the sweep goes on)
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    row: dict[str, Any] = {"seconds": seconds, "tflops": case.flops(shape) / seconds / 1e12}
+    if reference is not None:
+        diff = float((got - reference).abs().max())
+        row |= {"max_abs_diff": diff, "ok": diff <= (2e-5 if dtype == torch.float32 else 3e-2)}
+    return row
+
+
 LARGE_PAGE = 64  # FlexAttention reads a page a key tile (it may not span two): also timed at pages this large
 
 
@@ -311,6 +335,8 @@ def sweep_case(
         out["flex_s"] = min(r["seconds"] for r in timed_flex) if timed_flex else None
         if shape.block_size < LARGE_PAGE:
             out[f"page{LARGE_PAGE}"] = large_pages(case, shape, grid[0], dtype, device, repeats)
+    if device.type == "cuda" and not case.decode and all(q == ctx for q, ctx in case.chunks):
+        out["flash"] = flash_row(tensors, case, shape, reference, repeats)
     sdpa = sdpa_run(tensors, case, shape)  # (after the kernels ran: the cache holds the new tokens' KV too)
     if sdpa is not None:
         dense = sdpa().float()  # [sequences, heads, query tokens, head_dim]
@@ -352,5 +378,9 @@ def summary_rows(results: dict) -> list[list[str]]:
         changed = ",".join(f"{k}={v}" for k, v in (best.get("tiles") or {}).items() if default.get(k) != v)
         times = [ms(case.get("default_s")), ms(best.get("seconds")), changed or "default", ms(case.get("flex_s"))]
         large = case.get(f"page{LARGE_PAGE}") or {}
-        rows.append([name, *times, ms(case.get("sdpa_s")), ms(large.get("default_s")), ms(large.get("flex_s"))])
+        flash = case.get("flash") or {}
+        rows.append([
+            name, *times, ms(case.get("sdpa_s")), ms(flash.get("seconds") if flash.get("ok") else None),
+            ms(large.get("default_s")), ms(large.get("flex_s")),
+        ])  # fmt: skip
     return rows

@@ -190,7 +190,7 @@ def _engine_config(
         str(path), dtype="bfloat16", device=args.device, max_model_len=args.max_model_len or _default_len(args),
         kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs,
         swap_space_gb=0.0, attention_backend=args.attention_backend, num_scheduler_steps=num_scheduler_steps,
-        async_scheduling=async_scheduling,
+        async_scheduling=async_scheduling, flash_prefill=args.flash_prefill,
     )  # fmt: skip
 
 
@@ -536,10 +536,11 @@ def _summary(results: dict) -> None:
         from boundless.bench.attention_tiles import summary_rows
 
         print(
-            "attention, one layer (ms): the default tiles, the fastest giving the same output, FlexAttention, SDPA; "
-            "at pages of 64: the default tiles, FlexAttention"
+            "attention, one layer (ms): the default tiles, the fastest giving the same output, FlexAttention, SDPA, "
+            "FlashAttention's variable-length kernel as --flash-prefill calls it (whole prompts); at pages of 64: the "
+            "default tiles, FlexAttention"
         )
-        headers = ["case", "default", "fastest", "its tiles", "flex", "sdpa", "default p64", "flex p64"]
+        headers = ["case", "default", "fastest", "its tiles", "flex", "sdpa", "flash", "default p64", "flex p64"]
         print_table(headers, summary_rows(tiles))
     errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
     if errors:
@@ -574,6 +575,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         help="auto (triton on CUDA, else torch), torch or triton (the GPU kernels)",
+    )
+    parser.add_argument(
+        "--flash-prefill",
+        action="store_true",
+        help="the engines with --flash-prefill (whole prompts' prefill on FlashAttention's variable-length kernel)",
     )
     parser.add_argument(
         "--windows",

@@ -238,14 +238,19 @@ def make_attention(
     name = config.model.attention_backend
     if name == "auto":
         name = "triton" if device.type == "cuda" and triton_paged.available(device) else "torch"
+    if config.model.flash_prefill and name != "triton":
+        raise ConfigError(f"--flash-prefill goes with the triton attention backend, not {name}")
     if name == "triton":
         if not triton_paged.available(device):
             raise ConfigError(
                 "--attention-backend: triton needs CUDA and the triton package (or TRITON_INTERPRET=1 on the CPU)"
             )
+        if config.model.flash_prefill and not (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
+            raise ConfigError("--flash-prefill: FlashAttention runs on CUDA in bfloat16 or float16")
         return triton_paged.TritonPagedAttention(
-            arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device, dtype
-        )
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device, dtype,
+            flash_prefill=config.model.flash_prefill,
+        )  # fmt: skip
     if name == "flex":
         if not flex_paged.available():
             raise ConfigError("--attention-backend: flex needs PyTorch 2.9 or later (FlexAttention's log-sum-exp)")

@@ -89,6 +89,50 @@ def test_tiles_wholly_visible_take_no_mask(mask_every_tile: bool) -> None:
     torch.testing.assert_close(meta.lse.double().cpu(), expected_lse, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_a_launch_of_whole_prompts_starts_is_marked_fresh(mix: str) -> None:
+    """``--flash-prefill`` takes a launch whose chunks each start their prompt (their keys are the step's own) to
+    FlashAttention's variable-length kernel: such a launch is marked, with its longest chunk; a launch holding a
+    chunk over a cached prefix, and decodes, are not."""
+    shape = (8, 2, 64, 16)
+    batch, cache, *_ = paged_case(0, *shape, MIXES[mix], torch.float32, DEVICE)
+    meta = _backend(shape, cache[0].shape[1]).prepare(batch)
+    for launch in meta.launches:
+        chunks = MIXES[mix][len(MIXES[mix]) - len(launch.seq_lens) :] if launch.block_q > 1 else []
+        assert launch.fresh == (bool(chunks) and all(q == ctx for q, ctx in chunks))
+        assert launch.fresh == (mix == "prefills" and launch.block_q > 1)
+        assert not launch.fresh or launch.max_query == max(q for q, _ in chunks)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="FlashAttention runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES[:1] + SHAPES[2:], ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_flash_prefill_matches_dense(shape, dtype: torch.dtype) -> None:
+    """Whole prompts in one step through FlashAttention's variable-length kernel (``flash_prefill``), with q, k and v
+    as the strided views of a fused projection the model passes: the dense reference's output and log-sum-exp, and
+    the new tokens' KV stored in the cache for the steps after."""
+    chunks = [(37, 37), (5, 5), (70, 70), (16, 16)]
+    batch, cache, q, k, v, expected, expected_lse = paged_case(2, *shape, chunks, dtype, DEVICE)
+    heads, kv_heads, d, _ = shape
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [tokens, (heads + 2 kv) * d]
+    q, k, v = (
+        fused[:, a:b].view(-1, n, d)
+        for a, b, n in ((0, heads * d, heads), (heads * d, (heads + kv_heads) * d, kv_heads),
+                        ((heads + kv_heads) * d, (heads + 2 * kv_heads) * d, kv_heads))
+    )  # fmt: skip
+    backend = triton_paged.TritonPagedAttention(
+        heads, kv_heads, d, cache[0].shape[1], shape[3], DEVICE, dtype, flash_prefill=True
+    )
+    meta = backend.prepare(batch)
+    assert [launch.fresh for launch in meta.launches] == [True]
+    out = backend.forward(q, k, v, cache, meta)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(meta.lse.double().cpu(), expected_lse, rtol=tol, atol=tol)
+    kvh, nb, bs, _ = cache[0].shape
+    assert torch.equal(cache[0].view(kvh, nb * bs, d)[:, batch.slot_mapping], k.transpose(0, 1))
+
+
 @pytest.mark.parametrize("splits", [2, 3, 7])
 def test_split_context_merges_exactly(splits: int) -> None:
     """Decodes whose context is split over programs: the merged partials are attention over the whole."""

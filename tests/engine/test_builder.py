@@ -127,3 +127,14 @@ def test_flex_attention_off_cuda_refuses_a_pool_its_eager_reference_cannot_score
         EngineCore.from_model(tiny_llama, big)
     small = engine_config(tiny_llama.name, num_kv_blocks=32, max_model_len=256, attention_backend="flex")
     assert type(EngineCore.from_model(tiny_llama, small).executor.runner.attention).__name__ == "FlexPagedAttention"
+
+
+def test_flash_prefill_is_refused_where_flashattention_cannot_take_it(tiny_llama: LoadedModel) -> None:
+    """``--flash-prefill`` goes with the Triton backend, on CUDA, in bf16 or fp16: elsewhere it is refused at start-up
+    with the reason (not a step that fails later)."""
+    with pytest.raises(ConfigError, match="--flash-prefill goes with the triton attention backend, not torch"):
+        EngineCore.from_model(tiny_llama, engine_config(tiny_llama.name, attention_backend="torch", flash_prefill=True))
+    if tiny_llama.device.type != "cuda" or tiny_llama.model.embed_tokens.weight.dtype == torch.float32:
+        triton = engine_config(tiny_llama.name, attention_backend="triton", flash_prefill=True, num_kv_blocks=32)
+        with pytest.raises(ConfigError, match="FlashAttention runs on CUDA in bfloat16 or float16"):
+            EngineCore.from_model(tiny_llama, triton)
