@@ -98,6 +98,25 @@ def paged_case(
     return PagedCase(batch, cache, q, k, v, torch.stack(outs), torch.stack(lses))
 
 
+def fused_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v as the model hands them over: strided views into one fused projection's rows."""
+    d = q.shape[-1]
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    sizes = [q.shape[1] * d, k.shape[1] * d, v.shape[1] * d]
+    return tuple(x.view(x.shape[0], -1, d) for x in qkv.split(sizes, dim=1))
+
+
+def check_matches_dense(case: PagedCase, out: torch.Tensor, lse: torch.Tensor, tol: float) -> None:
+    """A step's output and log-sum-exp against ``case``'s dense reference, and its new tokens' K/V in the cache at
+    their slots."""
+    torch.testing.assert_close(out.double().cpu(), case.expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double().cpu(), case.expected_lse, rtol=tol, atol=tol)
+    kvh, nb, bs, d = case.cache[0].shape
+    slots = case.batch.slot_mapping
+    assert torch.equal(case.cache[0].view(kvh, nb * bs, d)[:, slots], case.k.transpose(0, 1))
+    assert torch.equal(case.cache[1].view(kvh, nb * bs, d)[:, slots], case.v.transpose(0, 1))
+
+
 def check_padding_row(make_backend: Callable[[int], Any], device: torch.device) -> None:
     """A CUDA graph's padded batch through a backend (``make_backend(num_blocks)``, of 4 heads over 2 KV heads of
     16, pages of 16): a decode row of context 0 and slot -1 after two real ones stores nothing, yields zeros and a

@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from paged_cases import MIXES, SHAPES, check_padding_row, paged_case
+from paged_cases import MIXES, SHAPES, check_matches_dense, check_padding_row, paged_case
 
 from boundless.attention import flex_paged
 from boundless.attention.backend import AttentionBatch
@@ -50,17 +50,12 @@ def _backend(shape, num_blocks: int, **kw) -> flex_paged.FlexPagedAttention:
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("shape", FLEX_SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
 def test_matches_dense(shape, mix: str, dtype: torch.dtype) -> None:
-    batch, cache, q, k, v, expected, expected_lse = paged_case(0, *shape, MIXES[mix], dtype, DEVICE)
-    backend = _backend(shape, cache[0].shape[1])
-    meta = backend.prepare(batch)
+    case = paged_case(0, *shape, MIXES[mix], dtype, DEVICE)
+    backend = _backend(shape, case.cache[0].shape[1])
+    meta = backend.prepare(case.batch)
     assert len(meta.launches) == len({ql == 1 for ql, _ in MIXES[mix]})  # decodes and prefills apart
-    out = backend.forward(q, k, v, cache, meta)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
-    torch.testing.assert_close(meta.lse.double().cpu(), expected_lse, rtol=tol, atol=tol)
-    kvh, nb, bs, d = cache[0].shape
-    assert torch.equal(cache[0].view(kvh, nb * bs, d)[:, batch.slot_mapping], k.transpose(0, 1))
-    assert torch.equal(cache[1].view(kvh, nb * bs, d)[:, batch.slot_mapping], v.transpose(0, 1))
+    out = backend.forward(case.q, case.k, case.v, case.cache, meta)
+    check_matches_dense(case, out, meta.lse, TOLERANCE[dtype])
 
 
 def test_a_block_two_sequences_share_is_read_by_both() -> None:

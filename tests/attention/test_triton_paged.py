@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from paged_cases import MIXES, SHAPES, check_padding_row, paged_case
+from paged_cases import MIXES, SHAPES, check_matches_dense, check_padding_row, fused_views, paged_case
 
 from boundless.attention import triton_paged
 
@@ -31,16 +31,11 @@ def _backend(shape, num_blocks: int, dtype: torch.dtype = torch.float32) -> trit
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
 def test_matches_dense(shape, mix: str, dtype: torch.dtype) -> None:
-    batch, cache, q, k, v, expected, expected_lse = paged_case(0, *shape, MIXES[mix], dtype, DEVICE)
-    backend = _backend(shape, cache[0].shape[1], dtype)
-    meta = backend.prepare(batch)
-    out = backend.forward(q, k, v, cache, meta)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
-    torch.testing.assert_close(meta.lse.double().cpu(), expected_lse, rtol=tol, atol=tol)
-    kvh, nb, bs, d = cache[0].shape
-    assert torch.equal(cache[0].view(kvh, nb * bs, d)[:, batch.slot_mapping], k.transpose(0, 1))
-    assert torch.equal(cache[1].view(kvh, nb * bs, d)[:, batch.slot_mapping], v.transpose(0, 1))
+    case = paged_case(0, *shape, MIXES[mix], dtype, DEVICE)
+    backend = _backend(shape, case.cache[0].shape[1], dtype)
+    meta = backend.prepare(case.batch)
+    out = backend.forward(case.q, case.k, case.v, case.cache, meta)
+    check_matches_dense(case, out, meta.lse, TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("decode_tile, prefill_tile", [(64, 16), (16, 64)])
@@ -112,25 +107,15 @@ def test_flash_prefill_matches_dense(shape, dtype: torch.dtype) -> None:
     as the strided views of a fused projection the model passes: the dense reference's output and log-sum-exp, and
     the new tokens' KV stored in the cache for the steps after."""
     chunks = [(37, 37), (5, 5), (70, 70), (16, 16)]
-    batch, cache, q, k, v, expected, expected_lse = paged_case(2, *shape, chunks, dtype, DEVICE)
-    heads, kv_heads, d, _ = shape
-    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [tokens, (heads + 2 kv) * d]
-    q, k, v = (
-        fused[:, a:b].view(-1, n, d)
-        for a, b, n in ((0, heads * d, heads), (heads * d, (heads + kv_heads) * d, kv_heads),
-                        ((heads + kv_heads) * d, (heads + 2 * kv_heads) * d, kv_heads))
-    )  # fmt: skip
+    case = paged_case(2, *shape, chunks, dtype, DEVICE)
+    heads, kv_heads, d, bs = shape
     backend = triton_paged.TritonPagedAttention(
-        heads, kv_heads, d, cache[0].shape[1], shape[3], DEVICE, dtype, flash_prefill=True
+        heads, kv_heads, d, case.cache[0].shape[1], bs, DEVICE, dtype, flash_prefill=True
     )
-    meta = backend.prepare(batch)
+    meta = backend.prepare(case.batch)
     assert [launch.fresh for launch in meta.launches] == [True]
-    out = backend.forward(q, k, v, cache, meta)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
-    torch.testing.assert_close(meta.lse.double().cpu(), expected_lse, rtol=tol, atol=tol)
-    kvh, nb, bs, _ = cache[0].shape
-    assert torch.equal(cache[0].view(kvh, nb * bs, d)[:, batch.slot_mapping], k.transpose(0, 1))
+    out = backend.forward(*fused_views(case.q, case.k, case.v), case.cache, meta)
+    check_matches_dense(case, out, meta.lse, TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("splits", [2, 3, 7])
@@ -153,10 +138,8 @@ def test_takes_strided_views_of_fused_qkv() -> None:
     """The model hands over q, k, v as views into its fused qkv rows."""
     heads, kv_heads, d, bs = 8, 2, 64, 16
     batch, cache, q, k, v, expected, _ = paged_case(5, heads, kv_heads, d, bs, MIXES["mixed"], torch.float32, DEVICE)
-    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
-    qs, ks, vs = (x.view(x.shape[0], -1, d) for x in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1))
     backend = _backend((heads, kv_heads, d, bs), cache[0].shape[1])
-    out = backend.forward(qs, ks, vs, cache, backend.prepare(batch))
+    out = backend.forward(*fused_views(q, k, v), cache, backend.prepare(batch))
     torch.testing.assert_close(out.double().cpu(), expected, rtol=2e-5, atol=2e-5)
 
 
