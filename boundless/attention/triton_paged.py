@@ -114,6 +114,13 @@ class TritonAttentionMetadata:
     lse: torch.Tensor | None = None
 
 
+def _flash_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether FlashAttention's kernel, which reads 16 bytes at a time, can take these views: rows and heads 8
+    elements apart (or a multiple), at 16-byte addresses (else the Triton kernel attends: a misaligned read would
+    fault the device, not raise)."""
+    return all(t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
+
+
 class TritonPagedAttention:
     """Paged attention on the GPU (and on the CPU under the Triton interpreter, for tests)."""
 
@@ -256,7 +263,7 @@ class TritonPagedAttention:
             meta.lse = torch.empty(q.shape[0], self.num_heads, dtype=torch.float32, device=q.device)
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         for launch in meta.launches:
-            if launch.fresh and self.flash_prefill:
+            if launch.fresh and self.flash_prefill and _flash_aligned(q, k, v):
                 self.attend_fresh(q, k, v, launch, out, meta.lse)
             else:
                 self.attend(q, k_cache, v_cache, launch, out, meta.lse)

@@ -114,7 +114,9 @@ def test_flash_prefill_matches_dense(shape, dtype: torch.dtype) -> None:
     )
     meta = backend.prepare(case.batch)
     assert [launch.fresh for launch in meta.launches] == [True]
-    out = backend.forward(*fused_views(case.q, case.k, case.v), case.cache, meta)
+    views = fused_views(case.q, case.k, case.v)
+    assert triton_paged._flash_aligned(*views)  # (FlashAttention takes them: not the Triton kernel's fallback)
+    out = backend.forward(*views, case.cache, meta)
     check_matches_dense(case, out, meta.lse, TOLERANCE[dtype])
 
 
@@ -146,3 +148,14 @@ def test_takes_strided_views_of_fused_qkv() -> None:
 def test_padding_rows_store_nothing_and_attend_to_nothing() -> None:
     """A CUDA graph pads its batch: slot -1 stores nothing, and a sequence of length 0 yields zeros."""
     check_padding_row(lambda num_blocks: _backend((4, 2, 16, 16), num_blocks), DEVICE)
+
+
+def test_views_flashattention_cannot_read_go_to_the_triton_kernel() -> None:
+    """FlashAttention reads 16 bytes at a time: q, k, v whose rows or heads are not 8 elements apart, or that start
+    off a 16-byte address, are not handed to it (a misaligned read would fault the device)."""
+    fused = torch.zeros(10, 3 * 64 + 8, dtype=torch.float16, device=DEVICE)
+    aligned = fused[:, :64].view(10, 1, 64)
+    assert triton_paged._flash_aligned(aligned, aligned, aligned)
+    assert not triton_paged._flash_aligned(aligned, fused[:, 1:65].view(10, 1, 64), aligned)  # 2 bytes in
+    odd_rows = torch.zeros(10, 1, 68, dtype=torch.float16, device=DEVICE)[:, :, :64]  # rows 68 elements apart
+    assert not triton_paged._flash_aligned(aligned, aligned, odd_rows)
