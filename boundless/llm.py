@@ -141,7 +141,8 @@ class LLM:
                 per_prompt[i] = dataclasses.replace(per_prompt[i], lora_name=lora.lora_name)
         # The outputs are read when the batch is done (as vLLM's LLM does): each text is decoded once, at its end.
         # (Made once for each params object given: a batch's prompts most often share one.)
-        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in per_prompt}
+        given = {id(p): p for p in per_prompt}
+        final = {key: dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for key, p in given.items()}
         per_prompt = [final[id(p)] for p in per_prompt]
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
