@@ -74,6 +74,9 @@ class TileConfig:
     # The causal mask on every key tile, as before 5 December; else only on the tiles that need it (the last one or
     # two of a block of queries). A baseline for the tile sweep, which measures the two.
     mask_every_tile: bool = False
+    # Programs per multiprocessor that split decodes aim for: a decode's context is split over programs when its
+    # batch alone leaves fewer (flash-decoding).
+    split_programs_per_sm: int = 2
 
     @staticmethod
     def for_device(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
@@ -154,9 +157,9 @@ class TritonPagedAttention:
         # A launch of whole prompts' starts goes to FlashAttention's variable-length kernel (CUDA, bf16/fp16).
         self.flash_prefill = flash_prefill
         self.scale = head_dim**-0.5
-        # Programs that fill the GPU: two per multiprocessor.
+        # Programs that fill the GPU (two per multiprocessor by default).
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        self.target_programs = 2 * sms
+        self.target_programs = self.tiles.split_programs_per_sm * sms
         self.decode_rows = max(self.tiles.decode_rows, _pow2(self.group))
         self.prefill_block_q = max(1, self.tiles.prefill_rows // self.group)
         self.prefill_rows = max(16, _pow2(self.prefill_block_q * self.group))

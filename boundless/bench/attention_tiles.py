@@ -74,8 +74,8 @@ TINY_CASES = (
 
 def tile_grid(decode: bool, tiny: bool = False, small: bool = False) -> list[TileConfig]:
     """The tile shapes swept for a kind of case: the default's first, then the default with the mask on every tile
-    (the kernel before 5 December). ``small``: the default and five neighbours (a device session's run, where the
-    whole grid's compiles would take minutes)."""
+    (the kernel before 5 December) and, for decodes, split over twice the programs. ``small``: the default and five
+    neighbours (a device session's run, where the whole grid's compiles would take minutes)."""
     base = TileConfig()
     if tiny:  # (Triton's interpreter: two shapes that run quickly)
         return [
@@ -84,7 +84,7 @@ def tile_grid(decode: bool, tiny: bool = False, small: bool = False) -> list[Til
         ]
     if small:
         changes = (
-            [dict(mask_every_tile=True), dict(decode_kv_tile=64), dict(decode_warps=8),
+            [dict(mask_every_tile=True), dict(decode_kv_tile=64), dict(split_programs_per_sm=4),
              dict(decode_kv_tile=64, decode_warps=2, stages=2), dict(decode_warps=2, stages=2)]
             if decode
             else [dict(mask_every_tile=True), dict(prefill_rows=64, prefill_warps=4), dict(prefill_kv_tile=128),
@@ -106,7 +106,10 @@ def tile_grid(decode: bool, tiny: bool = False, small: bool = False) -> list[Til
             for warps in (4, 8)
             for stages in (2, 3)
         ]
-    return [base, dataclasses.replace(base, mask_every_tile=True)] + [t for t in grid if t != base]
+    extra = [dataclasses.replace(base, mask_every_tile=True)]  # the kernel before 5 December
+    if decode:  # decodes split over more programs (the long ones: their batch leaves the GPU idle)
+        extra.append(dataclasses.replace(base, split_programs_per_sm=4))
+    return [base, *extra] + [t for t in grid if t != base]
 
 
 @dataclass
