@@ -259,6 +259,7 @@ def _prompt_input(prompt: Prompt) -> str | list[int]:
         prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, Sequence) and set(map(type, prompt)) <= {int}:  # (ints, not bools: the types, in one pass)
+    # (Ints, not bools: the types, gathered in one pass.)
+    if isinstance(prompt, Sequence) and all(issubclass(t, int) and t is not bool for t in set(map(type, prompt))):
         return list(prompt)
     raise TypeError(f"a prompt is a string, a list of token ids or a prompt dict, not {prompt!r:.60}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import gc
 
 import pytest
@@ -70,6 +71,11 @@ def test_vllm_prompt_dicts(llm: LLM) -> None:
         llm.generate(["Hi", {"prompt": "x", "cache_salt": "a"}], params)
     with pytest.raises(TypeError, match="a prompt is a string"):
         llm.generate(["Hi", [1, "2"]], params)
+    with pytest.raises(TypeError, match="a prompt is a string"):  # (a bool is an int to Python, not a token id)
+        llm.generate(["Hi", [ids[0], True]], params)
+    # An int of a subclass is a token id (an IntEnum's, say), as before the check took one pass.
+    first = enum.IntEnum("First", {"TOKEN": ids[0]}).TOKEN
+    assert llm.generate([[first, *ids[1:]]], params)[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
     assert not llm.engine.has_unfinished()
 
 

@@ -47,7 +47,7 @@ def compile_all(capability: int = 90) -> dict[str, int]:
                 ("decode", 1, 16, 128 if bf16 else 32, 4, 3, False, False),
                 ("decode-split", 1, 16, 128 if bf16 else 32, 4, 3, True, False),
                 ("prefill", 32, 128, 64, 8, 3, False, False) if bf16 else ("prefill", 16, 64, 32, 4, 2, False, False),
-                ("prefill-every-tile-masked", 32, 128, 64, 8, 3, False, True),  # (the tile sweep's baseline)
+                *([("prefill-every-tile-masked", 32, 128, 64, 8, 3, False, True)] if bf16 else []),  # (the sweep's)
             ):
                 types = dict(_ATTENTION_ARGS, q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr)
                 types["out_ptr"] = "*fp32" if split else ptr

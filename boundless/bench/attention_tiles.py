@@ -238,6 +238,10 @@ def flash_row(
             shape.heads, shape.kv_heads, shape.head_dim, tensors.num_blocks, shape.block_size, device, dtype,
             flash_prefill=True,
         )  # fmt: skip
+        launch = backend.prepare(tensors.batch).launches[-1]
+        views = (tensors.q, tensors.k, tensors.v)
+        if not (launch.fresh and triton_paged._flash_aligned(*views)):  # (else the Triton kernel's time, mislabelled)
+            raise RuntimeError("the case is not one --flash-prefill hands to FlashAttention")
         run = _engine_run(backend, tensors)
         got = run().float()
         seconds = device_seconds(run, device, repeats, inner=INNER_CALLS)
