@@ -1,0 +1,49 @@
+"""``scripts/gpu-check.sh`` is a device session's one run: a test it names that no longer exists (renamed, moved)
+would fail its whole pytest stage there, minutes of a lent GPU. Here every pytest call of the script collects, on the
+CPU, with the tests it names and its ``-k`` selection."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check.sh"
+# pytest's options in the script that do not choose tests (the rest: -k and the paths).
+RUN_OPTIONS = {"-p", "no:cacheprovider", "-q", "-rfE", "--tb=short"}
+
+
+def pytest_calls() -> list[list[str]]:
+    """Each pytest call's arguments that choose tests: ``-k`` and its expression, and the paths."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    calls = []
+    for line in text.splitlines():
+        if "-m pytest" not in line:
+            continue
+        words = shlex.split(line.split("-m pytest", 1)[1].split("2>&1", 1)[0])
+        calls.append([w for w in words if w not in RUN_OPTIONS and not re.fullmatch(r"--maxfail=\d+", w)])
+    return calls
+
+
+def test_the_script_has_its_pytest_calls() -> None:
+    assert len(pytest_calls()) == 3  # the default part, GPU_CHECK_PART=flex and =more
+
+
+@pytest.mark.parametrize("args", pytest_calls(), ids=lambda a: next(p for p in a if p.startswith("tests/")))
+def test_every_test_the_script_names_is_collected(args: list[str]) -> None:
+    paths = [a for a in args if a.startswith("tests/")]
+    assert paths and all(Path(SCRIPT.parents[1], p.split("::")[0]).is_file() for p in paths)
+    env = {**os.environ, "BOUNDLESS_TEST_DEVICE": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        cwd=SCRIPT.parents[1], env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    collected = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
+    # Every file the call names has a test it selects (a -k that matches nothing in a file drops it silently).
+    assert {p.split("::")[0] for p in paths} <= collected
