@@ -47,3 +47,20 @@ def test_every_test_the_script_names_is_collected(args: list[str]) -> None:
     collected = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
     # Every file the call names has a test it selects (a -k that matches nothing in a file drops it silently).
     assert {p.split("::")[0] for p in paths} <= collected
+
+
+def test_every_benchmark_call_of_the_script_parses() -> None:
+    """A flag of ``bench gpu`` renamed or gone would stop the device run's stage at its first line."""
+    import argparse
+
+    from boundless.bench import gpu
+
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    calls = [line.split("-m boundless.bench.gpu", 1)[1].split("2>&1", 1)[0] for line in text.splitlines()
+             if "-m boundless.bench.gpu" in line]  # fmt: skip
+    assert len(calls) >= 4
+    for call in calls:
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        gpu.add_arguments(parser)
+        args = parser.parse_args(shlex.split(call))
+        gpu._windows(args)  # (--windows is checked when a run starts)
