@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from boundless.attention import triton_paged
 from boundless.attention.backend import AttentionBatch, padded_table, to_device, upload_ints
-from boundless.attention.partials import AttentionPartial, partial_from_lse
+from boundless.attention.partials import PartialsFromLse
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
@@ -112,7 +112,7 @@ def _compiled(dynamic: bool | None) -> Callable[..., Any]:
     return torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
 
 
-class FlexPagedAttention:
+class FlexPagedAttention(PartialsFromLse):
     """Paged attention with FlexAttention: compiled on CUDA, PyTorch's eager reference elsewhere."""
 
     def __init__(
@@ -371,20 +371,6 @@ class FlexPagedAttention:
         if launch.rows is not None:
             o, lse = o[launch.rows], lse[launch.rows]
         return o, lse
-
-    def forward_partial(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
-        meta: FlexAttentionMetadata,
-    ) -> AttentionPartial:
-        """As :meth:`forward`, as one partial per row for DistAttention to merge with partials computed elsewhere
-        (``attention/partials.py``), made from the kernel's log-sum-exp."""
-        out = self.forward(q, k, v, cache, meta)
-        assert meta.lse is not None
-        return partial_from_lse(out, meta.lse)
 
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,6 +43,18 @@ def partial_from_lse(out: torch.Tensor, lse: torch.Tensor) -> AttentionPartial:
     lse = lse.unsqueeze(-1)
     seen = torch.isfinite(lse)
     return AttentionPartial(m=lse.nan_to_num(neginf=0.0), e=seen.to(lse.dtype), o=out)
+
+
+class PartialsFromLse:
+    """``forward_partial`` for a backend whose ``forward`` leaves each row's log-sum-exp in ``meta.lse`` (a fused
+    kernel's): its output as one partial per row, for DistAttention to merge with partials computed elsewhere."""
+
+    def forward_partial(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], meta: Any
+    ) -> AttentionPartial:
+        out = self.forward(q, k, v, cache, meta)  # type: ignore[attr-defined]
+        assert meta.lse is not None
+        return partial_from_lse(out, meta.lse)
 
 
 def softmax_partial(scores: torch.Tensor, v: torch.Tensor) -> AttentionPartial:

@@ -13,12 +13,13 @@ gathers, no padding to the longest context, no copies of K/V for grouped-query a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from boundless.attention.backend import AttentionBatch, padded_table, upload_ints
-from boundless.attention.partials import AttentionPartial, partial_from_lse
+from boundless.attention.partials import PartialsFromLse
 
 try:
     import triton
@@ -115,6 +116,9 @@ class TritonAttentionMetadata:
     launches: list[KernelLaunch] = field(default_factory=list)
     # Log-sum-exp of every (token, head) of the last layer run with this metadata: [tokens, heads] fp32.
     lse: torch.Tensor | None = None
+    # Run before each forward pass over buffers the caller refills (CUDA graphs): none, the kernels read the buffers
+    # as they are (FlexAttention's remakes its block mask).
+    refresh: Callable[[], None] | None = None
 
 
 def _flash_aligned(*tensors: torch.Tensor) -> bool:
@@ -124,7 +128,7 @@ def _flash_aligned(*tensors: torch.Tensor) -> bool:
     return all(t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(PartialsFromLse):
     """Paged attention on the GPU (and on the CPU under the Triton interpreter, for tests)."""
 
     # The model runs its layers with the fused Triton kernels of boundless.model.triton_ops around it.
@@ -288,20 +292,6 @@ class TritonPagedAttention:
             raise RuntimeError(f"FlashAttention's log-sum-exp came back {tuple(row_lse.shape)}, not [heads, tokens]")
         out[rows] = o
         lse[rows] = row_lse.t()
-
-    def forward_partial(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
-        meta: TritonAttentionMetadata,
-    ) -> AttentionPartial:
-        """As :meth:`forward`, as one partial per row for DistAttention to merge with partials computed elsewhere
-        (``attention/partials.py``), made from the kernel's log-sum-exp."""
-        out = self.forward(q, k, v, cache, meta)
-        assert meta.lse is not None
-        return partial_from_lse(out, meta.lse)
 
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor

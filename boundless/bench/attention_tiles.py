@@ -14,6 +14,7 @@ SDPA's speed already).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ def tile_grid(decode: bool, tiny: bool = False, small: bool = False) -> list[Til
             TileConfig(prefill_rows=16, prefill_kv_tile=16, decode_kv_tile=16, prefill_warps=4, stages=1),
         ]
     if small:
-        changes = (
+        changes: list[dict[str, Any]] = (
             [dict(mask_every_tile=True), dict(decode_kv_tile=64), dict(split_programs_per_sm=4),
              dict(decode_kv_tile=64, decode_warps=2, stages=2), dict(decode_warps=2, stages=2)]
             if decode
@@ -134,10 +135,10 @@ def case_tensors(case: TileCase, shape: AttentionShape, dtype: torch.dtype, devi
     free = list(range(1, num_blocks))
     random.Random(0).shuffle(free)
     tables, slots = [], []
-    for (q, ctx), nb in zip(case.chunks, blocks_each, strict=True):
+    for (new, ctx), nb in zip(case.chunks, blocks_each, strict=True):
         table = [free.pop() for _ in range(nb)]
         tables.append(table)
-        slots += [table[p // bs] * bs + p % bs for p in range(ctx - q, ctx)]
+        slots += [table[p // bs] * bs + p % bs for p in range(ctx - new, ctx)]
     tokens = sum(q for q, _ in case.chunks)
 
     def rand(*size: int) -> torch.Tensor:
@@ -208,22 +209,40 @@ def flex_rows(
     seconds, TFLOP/s and its difference from the Triton kernel's output; a tile that fails (a compile error) is noted
     and the others go on."""
     device = tensors.q.device
-    tolerance = 2e-5 if tensors.q.dtype == torch.float32 else 3e-2
-    rows: list[dict[str, Any]] = []
-    for tile in (None,) if case.decode else prefill_tiles:
-        try:
-            run = flex_run(tensors, shape, device, tile)
-            out = run().float()
-            seconds = device_seconds(run, device, repeats, inner=INNER_CALLS)
-        except Exception as e:  # (the kernel failing to compile or run on this device: the sweep goes on)
-            rows.append({"prefill_tile": tile, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            continue
-        row: dict[str, Any] = {"prefill_tile": tile, "seconds": seconds, "tflops": case.flops(shape) / seconds / 1e12}
-        if reference is not None:
-            diff = float((out - reference).abs().max())
-            row |= {"max_abs_diff": diff, "ok": diff <= tolerance}
-        rows.append(row)
-    return rows
+    return [
+        {"prefill_tile": tile}
+        | timed_row(functools.partial(flex_run, tensors, shape, device, tile), tensors, case, shape, reference, repeats)
+        for tile in ((None,) if case.decode else prefill_tiles)
+    ]
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """How far a kernel's output may lie from the reference kernel's in ``dtype``."""
+    return 2e-5 if dtype == torch.float32 else 3e-2
+
+
+def timed_row(
+    make_run: Callable[[], Callable[[], torch.Tensor]],
+    tensors: CaseTensors,
+    case: TileCase,
+    shape: AttentionShape,
+    reference: torch.Tensor | None,
+    repeats: int,
+) -> dict[str, Any]:
+    """One kernel on the case (``make_run`` builds its call): seconds, TFLOP/s and its difference from the reference
+    output; a kernel that fails to build, compile or run is noted (``error``) and the sweep goes on."""
+    device = tensors.q.device
+    try:
+        run = make_run()
+        out = run().float()
+        seconds = device_seconds(run, device, repeats, inner=INNER_CALLS)
+    except Exception as e:  # (the kernel failing on this device: noted)
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    row: dict[str, Any] = {"seconds": seconds, "tflops": case.flops(shape) / seconds / 1e12}
+    if reference is not None:
+        diff = float((out - reference).abs().max())
+        row |= {"max_abs_diff": diff, "ok": diff <= tolerance(tensors.q.dtype)}
+    return row
 
 
 def flash_row(
@@ -232,26 +251,19 @@ def flash_row(
     """Whole prompts on FlashAttention's variable-length kernel as ``--flash-prefill`` runs them (the Triton backend
     with ``flash_prefill``: its KV store, then one call for the launch): seconds, TFLOP/s and its difference from
     the kernel's output; a failure is noted."""
-    device, dtype = tensors.q.device, tensors.q.dtype
-    try:
+
+    def make_run() -> Callable[[], torch.Tensor]:
         backend = TritonPagedAttention(
-            shape.heads, shape.kv_heads, shape.head_dim, tensors.num_blocks, shape.block_size, device, dtype,
-            flash_prefill=True,
+            shape.heads, shape.kv_heads, shape.head_dim, tensors.num_blocks, shape.block_size, tensors.q.device,
+            tensors.q.dtype, flash_prefill=True,
         )  # fmt: skip
         launch = backend.prepare(tensors.batch).launches[-1]
         views = (tensors.q, tensors.k, tensors.v)
         if not (launch.fresh and triton_paged._flash_aligned(*views)):  # (else the Triton kernel's time, mislabelled)
             raise RuntimeError("the case is not one --flash-prefill hands to FlashAttention")
-        run = _engine_run(backend, tensors)
-        got = run().float()
-        seconds = device_seconds(run, device, repeats, inner=INNER_CALLS)
-    except Exception as e:  # (FlashAttention refusing the call on this device: noted, the sweep goes on)
-        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    row: dict[str, Any] = {"seconds": seconds, "tflops": case.flops(shape) / seconds / 1e12}
-    if reference is not None:
-        diff = float((got - reference).abs().max())
-        row |= {"max_abs_diff": diff, "ok": diff <= (2e-5 if dtype == torch.float32 else 3e-2)}
-    return row
+        return _engine_run(backend, tensors)
+
+    return timed_row(make_run, tensors, case, shape, reference, repeats)
 
 
 LARGE_PAGE = 64  # FlexAttention reads a page a key tile (it may not span two): also timed at pages this large
@@ -313,7 +325,6 @@ def sweep_case(
     SDPA: seconds, TFLOP/s, and the fastest shape that gives the default's output."""
     tensors = case_tensors(case, shape, dtype, device)
     flops = case.flops(shape)
-    tolerance = 2e-5 if dtype == torch.float32 else 3e-2
     reference = None
     rows: list[dict[str, Any]] = []
     for tiles in grid:
@@ -329,7 +340,7 @@ def sweep_case(
         diff = float((got - reference).abs().max())
         rows.append({
             "tiles": dataclasses.asdict(tiles), "seconds": seconds, "tflops": flops / seconds / 1e12,
-            "max_abs_diff": diff, "ok": diff <= tolerance,
+            "max_abs_diff": diff, "ok": diff <= tolerance(dtype),
         })  # fmt: skip
     timed = [r for r in rows if r.get("ok")]
     out: dict = {

@@ -120,8 +120,8 @@ class DecodeGraphs:
         )
 
     def _forward(self, b: int, meta: TritonAttentionMetadata | FlexAttentionMetadata) -> torch.Tensor:
-        if isinstance(meta, FlexAttentionMetadata) and meta.refresh is not None:
-            meta.refresh()  # its block mask from the buffers (inside the graph: each replay remakes it)
+        if meta.refresh is not None:
+            meta.refresh()  # (FlexAttention's block mask from the buffers: inside the graph, each replay remakes it)
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.attention, self.kv_cache, meta)
         return self.model.compute_logits(hidden)
 
