@@ -71,9 +71,9 @@ class ModelConfig:
     flash_prefill: bool = field(
         default=False,
         metadata={
-            "help": "with the triton backend on CUDA, in bf16 or fp16: a step's prefill chunks, where each is a whole "
-            "prompt's start (nothing cached before it), attend in one call of FlashAttention's variable-length "
-            "kernel (PyTorch's); other chunks and decodes on the Triton kernels. Not yet run on a GPU"
+            "help": "with the triton backend on CUDA, in bf16 or fp16: a step's prefill chunks attend in one call "
+            "of FlashAttention's variable-length kernel (PyTorch's), a chunk over a cached prefix over its context "
+            "gathered from the cache; decodes stay on the Triton kernels. Not yet run on a GPU"
         },
     )
     enable_lora: bool = field(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -104,10 +105,16 @@ class KernelLaunch:
     # Split partials, [splits, tokens, heads, head_dim] and [splits, tokens, heads], when num_splits > 1.
     part_out: torch.Tensor | None = None
     part_lse: torch.Tensor | None = None
-    # Prefill chunks that each start their prompt (no cached context: their keys are the step's own): what
-    # FlashAttention's variable-length kernel can take whole (``flash_prefill``), with the longest chunk's length.
+    # Prefill chunks that each start their prompt (no cached context: their keys are the step's own rows), with the
+    # longest chunk's length.
     fresh: bool = False
     max_query: int = 0
+    # FlashAttention's view of a prefill launch (``flash_prefill``): each sequence's first key in the launch's keys
+    # [seqs + 1] int32, the longest context, and where the keys lie in the cache (each sequence's whole context in
+    # order, [keys] int32; None for a fresh launch, whose keys are the step's rows).
+    key_start: torch.Tensor | None = None
+    max_key: int = 0
+    key_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -119,6 +126,49 @@ class TritonAttentionMetadata:
     # Run before each forward pass over buffers the caller refills (CUDA graphs): none, the kernels read the buffers
     # as they are (FlexAttention's remakes its block mask).
     refresh: Callable[[], None] | None = None
+
+
+class VarlenAttention(Protocol):
+    """Causal attention of variable-length sequences packed in rows, FlashAttention's variable-length call: q
+    [tokens, heads, head_dim] over k, v [keys, kv_heads, head_dim], sequence i's queries rows ``cu_q[i]:cu_q[i+1]``
+    and its keys ``cu_k[i]:cu_k[i+1]``, the causal mask aligned to the bottom right (a sequence's last query sees all
+    its keys). Returns the output [tokens, heads, head_dim] and the log-sum-exp [heads, tokens] (fp32)."""
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+        max_q: int, max_k: int, scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+
+
+def flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:class:`VarlenAttention` by FlashAttention's kernel in PyTorch (``_flash_attention_forward``, CUDA, bf16 or
+    fp16): grouped-query heads as they are, the mask aligned to the bottom right as FlashAttention's since 2.1."""
+    o, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+    )
+    if lse.shape != (q.shape[1], q.shape[0]):  # (its unpadded layout: [heads, tokens])
+        raise RuntimeError(f"FlashAttention's log-sum-exp came back {tuple(lse.shape)}, not [heads, tokens]")
+    return o, lse
+
+
+def key_slots(tables: torch.Tensor, key_start: torch.Tensor, num_keys: int, block_size: int) -> torch.Tensor:
+    """Where each sequence's keys lie in a paged cache, its whole context in order, the sequences one after another:
+    key ``j`` of the launch is position ``j - key_start[i]`` of the sequence ``i`` whose keys hold it (``tables``
+    [seqs, blocks] int32). Made on the device, from the tensors the launch uploaded: no per-token work on the host.
+    int32 [num_keys]."""
+    rows = torch.arange(num_keys, dtype=torch.int32, device=tables.device)
+    seq = torch.searchsorted(key_start[1:], rows, right=True)
+    pos = rows - key_start[seq]
+    return (tables[seq, pos // block_size] * block_size + pos % block_size).to(torch.int32)
+
+
+def gather_keys(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The rows of a cache [kv_heads, blocks, block_size, head_dim] at ``slots``, as [keys, kv_heads, head_dim]
+    (contiguous: FlashAttention's layout)."""
+    return cache.permute(1, 2, 0, 3).flatten(0, 1).index_select(0, slots)
 
 
 def _flash_aligned(*tensors: torch.Tensor) -> bool:
@@ -146,6 +196,7 @@ class TritonPagedAttention(PartialsFromLse):
         tiles: TileConfig | None = None,
         max_splits: int = 16,
         flash_prefill: bool = False,
+        varlen: VarlenAttention = flash_varlen,
     ) -> None:
         if kernels is None:
             raise RuntimeError("the triton attention backend needs the triton package")
@@ -158,8 +209,10 @@ class TritonPagedAttention(PartialsFromLse):
         self.device = device
         self.tiles = tiles or TileConfig.for_device(device, dtype)
         self.max_splits = max_splits
-        # A launch of whole prompts' starts goes to FlashAttention's variable-length kernel (CUDA, bf16/fp16).
+        # A step's prefill chunks go to FlashAttention's variable-length kernel (CUDA, bf16/fp16) in one call: the
+        # chunks over a cached prefix with their contexts gathered from the cache.
         self.flash_prefill = flash_prefill
+        self.varlen = varlen
         self.scale = head_dim**-0.5
         # Programs that fill the GPU (two per multiprocessor by default).
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -214,17 +267,31 @@ class TritonPagedAttention(PartialsFromLse):
                 add(seqs, (len(seqs),)),
                 add(firsts, (len(firsts),)),
             )
-            splits = self.num_splits(hi - lo, max(batch.seq_lens[lo:hi])) if block_q == 1 else 1
-            fresh = block_q > 1 and qlens == batch.seq_lens[lo:hi]  # (each chunk is its whole context)
-            plans.append((tokens, tokens + starts[-1], block_q, splits, ids, fresh, max(qlens)))
+            seq_lens = batch.seq_lens[lo:hi]
+            splits = self.num_splits(hi - lo, max(seq_lens)) if block_q == 1 else 1
+            fresh = block_q > 1 and qlens == seq_lens  # (each chunk is its whole context)
+            keys = None  # FlashAttention's keys of a launch over cached prefixes: their starts' view, their number
+            if block_q > 1 and self.flash_prefill and not fresh:
+                key_start = [0]
+                for length in seq_lens:
+                    key_start.append(key_start[-1] + length)
+                keys = (add(key_start, (hi - lo + 1,)), key_start[-1])
+            plans.append((tokens, tokens + starts[-1], block_q, splits, ids, fresh, max(qlens), max(seq_lens), keys))
             tokens += starts[-1]
         views = upload_ints(ints, shapes, self.device)
         meta = TritonAttentionMetadata(slot_mapping=batch.slot_mapping)
-        for start, end, block_q, splits, ids, fresh, max_query in plans:
+        for start, end, block_q, splits, ids, fresh, max_query, max_key, keys in plans:
             launch = KernelLaunch(
                 start, end, *(views[i] for i in ids), block_q=block_q, fresh=fresh, max_query=max_query
             )
             self._set_splits(launch, splits)
+            if block_q > 1 and self.flash_prefill:
+                launch.max_key = max_key
+                if keys is None:  # fresh: the keys are the step's rows, as the queries
+                    launch.key_start = launch.query_start
+                else:
+                    launch.key_start = views[keys[0]]
+                    launch.key_slots = key_slots(launch.block_tables, launch.key_start, keys[1], self.block_size)
             meta.launches.append(launch)
         return meta
 
@@ -270,26 +337,29 @@ class TritonPagedAttention(PartialsFromLse):
             meta.lse = torch.empty(q.shape[0], self.num_heads, dtype=torch.float32, device=q.device)
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         for launch in meta.launches:
-            if launch.fresh and self.flash_prefill and _flash_aligned(q, k, v):
-                self.attend_fresh(q, k, v, launch, out, meta.lse)
+            # (A gathered launch reads only q's rows where they are: its keys are copies.)
+            if launch.key_start is not None and _flash_aligned(q, *((k, v) if launch.key_slots is None else ())):
+                self.attend_flash(q, k, v, cache, launch, out, meta.lse)
             else:
                 self.attend(q, k_cache, v_cache, launch, out, meta.lse)
         return out
 
-    def attend_fresh(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, launch: KernelLaunch, out: torch.Tensor,
-        lse: torch.Tensor,
+    def attend_flash(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+        launch: KernelLaunch, out: torch.Tensor, lse: torch.Tensor,
     ) -> None:  # fmt: skip
-        """Attention of a launch of whole prompts' starts over their own keys, the step's ``k`` and ``v`` rows (causal),
-        in one call of FlashAttention's variable-length kernel (PyTorch's ``_flash_attention_forward``: grouped-query
-        heads as they are, the log-sum-exp out with the output)."""
+        """A launch of prefill chunks in one call of FlashAttention's variable-length kernel (:attr:`varlen`): a fresh
+        launch over its own ``k`` and ``v`` rows, else over each sequence's whole context gathered from the cache
+        (after the step's store: its own keys are there too)."""
         rows = slice(launch.start, launch.end)
-        cu = launch.query_start  # [seqs + 1] int32: each chunk's first row, as FlashAttention's cumulative lengths
-        o, row_lse, *_ = torch.ops.aten._flash_attention_forward(
-            q[rows], k[rows], v[rows], cu, cu, launch.max_query, launch.max_query, 0.0, True, False, scale=self.scale
+        assert launch.key_start is not None
+        if launch.key_slots is None:
+            keys, values = k[rows], v[rows]
+        else:
+            keys, values = gather_keys(cache[0], launch.key_slots), gather_keys(cache[1], launch.key_slots)
+        o, row_lse = self.varlen(
+            q[rows], keys, values, launch.query_start, launch.key_start, launch.max_query, launch.max_key, self.scale
         )
-        if row_lse.shape != (self.num_heads, launch.end - launch.start):  # (its unpadded layout: [heads, tokens])
-            raise RuntimeError(f"FlashAttention's log-sum-exp came back {tuple(row_lse.shape)}, not [heads, tokens]")
         out[rows] = o
         lse[rows] = row_lse.t()
 

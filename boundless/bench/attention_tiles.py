@@ -248,9 +248,10 @@ def timed_row(
 def flash_row(
     tensors: CaseTensors, case: TileCase, shape: AttentionShape, reference: torch.Tensor | None, repeats: int
 ) -> dict:
-    """Whole prompts on FlashAttention's variable-length kernel as ``--flash-prefill`` runs them (the Triton backend
-    with ``flash_prefill``: its KV store, then one call for the launch): seconds, TFLOP/s and its difference from
-    the kernel's output; a failure is noted."""
+    """Prefill chunks on FlashAttention's variable-length kernel as ``--flash-prefill`` runs them (the Triton backend
+    with ``flash_prefill``: its KV store, the chunks' contexts gathered from the cache where they have a cached
+    prefix, then one call for the launch): seconds, TFLOP/s and its difference from the kernel's output; a failure
+    is noted."""
 
     def make_run() -> Callable[[], torch.Tensor]:
         backend = TritonPagedAttention(
@@ -259,7 +260,8 @@ def flash_row(
         )  # fmt: skip
         launch = backend.prepare(tensors.batch).launches[-1]
         views = (tensors.q, tensors.k, tensors.v)
-        if not (launch.fresh and triton_paged._flash_aligned(*views)):  # (else the Triton kernel's time, mislabelled)
+        flash = launch.key_start is not None and triton_paged._flash_aligned(*views)
+        if not flash:  # (else the Triton kernel's time, mislabelled)
             raise RuntimeError("the case is not one --flash-prefill hands to FlashAttention")
         return _engine_run(backend, tensors)
 
@@ -353,7 +355,7 @@ def sweep_case(
         out["flex_s"] = min(r["seconds"] for r in timed_flex) if timed_flex else None
         if shape.block_size < LARGE_PAGE:
             out[f"page{LARGE_PAGE}"] = large_pages(case, shape, grid[0], dtype, device, repeats)
-    if device.type == "cuda" and not case.decode and all(q == ctx for q, ctx in case.chunks):
+    if device.type == "cuda" and not case.decode:
         out["flash"] = flash_row(tensors, case, shape, reference, repeats)
     sdpa = sdpa_run(tensors, case, shape)  # (after the kernels ran: the cache holds the new tokens' KV too)
     if sdpa is not None:

@@ -537,7 +537,7 @@ def _summary(results: dict) -> None:
 
         print(
             "attention, one layer (ms): the default tiles, the fastest giving the same output, FlexAttention, SDPA, "
-            "FlashAttention's variable-length kernel as --flash-prefill calls it (whole prompts); at pages of 64: the "
+            "FlashAttention's variable-length kernel as --flash-prefill calls it; at pages of 64: the "
             "default tiles, FlexAttention"
         )
         headers = ["case", "default", "fastest", "its tiles", "flex", "sdpa", "flash", "default p64", "flex p64"]
@@ -579,7 +579,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--flash-prefill",
         action="store_true",
-        help="the engines with --flash-prefill (whole prompts' prefill on FlashAttention's variable-length kernel)",
+        help="the engines with --flash-prefill (prefill chunks on FlashAttention's variable-length kernel)",
     )
     parser.add_argument(
         "--windows",

@@ -247,6 +247,8 @@ def make_attention(
             )
         if config.model.flash_prefill and not (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
             raise ConfigError("--flash-prefill: FlashAttention runs on CUDA in bfloat16 or float16")
+        if config.model.flash_prefill and not (arch.head_dim % 8 == 0 and arch.head_dim <= 256):
+            raise ConfigError(f"--flash-prefill: FlashAttention takes heads of 8 to 256 by 8, not {arch.head_dim}")
         return triton_paged.TritonPagedAttention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device, dtype,
             flash_prefill=config.model.flash_prefill,

@@ -11,7 +11,15 @@ import dataclasses
 
 import pytest
 import torch
-from paged_cases import MIXES, SHAPES, check_matches_dense, check_padding_row, fused_views, paged_case
+from paged_cases import (
+    MIXES,
+    SHAPES,
+    check_matches_dense,
+    check_padding_row,
+    dense_varlen,
+    fused_views,
+    paged_case,
+)
 
 from boundless.attention import triton_paged
 
@@ -99,21 +107,80 @@ def test_a_launch_of_whole_prompts_starts_is_marked_fresh(mix: str) -> None:
         assert not launch.fresh or launch.max_query == max(q for q, _ in chunks)
 
 
+@pytest.mark.parametrize("mix", ["prefills", "mixed"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_flash_prefill_takes_every_prefill_chunk_in_one_call(shape, mix: str) -> None:
+    """``--flash-prefill``: a step's prefill chunks in one variable-length call (FlashAttention's on CUDA; here its
+    dense equivalent, the same call): whole prompts over their own rows, chunks over a cached prefix over their
+    contexts gathered from the cache. The dense reference's output and log-sum-exp, with q, k and v the strided views
+    of a fused projection; decodes stay on the Triton kernel."""
+    calls = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        calls.append((q.shape[0], k.shape[0], cu_k.tolist()))
+        return dense_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+    case = paged_case(3, *shape, MIXES[mix], torch.float32, DEVICE)
+    heads, kv_heads, d, bs = shape
+    backend = triton_paged.TritonPagedAttention(
+        heads, kv_heads, d, case.cache[0].shape[1], bs, DEVICE, torch.float32, flash_prefill=True, varlen=varlen
+    )
+    meta = backend.prepare(case.batch)
+    out = backend.forward(*fused_views(case.q, case.k, case.v), case.cache, meta)
+    check_matches_dense(case, out, meta.lse, 2e-5)
+    prefills = [(q, ctx) for q, ctx in MIXES[mix] if q > 1]
+    contexts = [0]
+    for _, ctx in prefills:
+        contexts.append(contexts[-1] + ctx)
+    assert calls == [(sum(q for q, _ in prefills), contexts[-1], contexts)]  # (fresh: the keys are the queries' rows)
+
+
+def test_without_flash_prefill_every_chunk_takes_the_triton_kernel() -> None:
+    """Without ``flash_prefill`` no launch has FlashAttention's keys, and the variable-length call is never made."""
+    shape = (8, 2, 64, 16)
+    case = paged_case(4, *shape, MIXES["mixed"], torch.float32, DEVICE)
+
+    def varlen(*args):
+        raise AssertionError("the variable-length call was made")
+
+    backend = triton_paged.TritonPagedAttention(
+        *shape[:3], case.cache[0].shape[1], shape[3], DEVICE, torch.float32, varlen=varlen
+    )
+    meta = backend.prepare(case.batch)
+    assert all(launch.key_start is None and launch.key_slots is None for launch in meta.launches)
+    check_matches_dense(case, backend.forward(case.q, case.k, case.v, case.cache, meta), meta.lse, 2e-5)
+
+
+def test_key_slots_lay_each_context_out_in_order() -> None:
+    """The gathered keys of a launch: each sequence's context, position by position, through its block table."""
+    tables = torch.tensor([[5, 2, 0], [7, 1, 3]], dtype=torch.int32)
+    key_start = torch.tensor([0, 5, 14], dtype=torch.int32)  # contexts of 5 and 9, pages of 4
+    slots = triton_paged.key_slots(tables, key_start, 14, 4)
+    assert slots.tolist() == [20, 21, 22, 23, 8] + [28, 29, 30, 31, 4, 5, 6, 7, 12]
+    cache = torch.arange(2 * 8 * 4 * 3, dtype=torch.float32).view(2, 8, 4, 3)  # [kv_heads, blocks, page, head_dim]
+    keys = triton_paged.gather_keys(cache, slots)
+    assert keys.shape == (14, 2, 3) and keys.is_contiguous()
+    assert torch.equal(keys[4], cache[:, 2, 0]) and torch.equal(keys[13], cache[:, 3, 0])
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="FlashAttention runs on CUDA")
+@pytest.mark.parametrize("mix", ["prefills", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES[:1] + SHAPES[2:], ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
-def test_flash_prefill_matches_dense(shape, dtype: torch.dtype) -> None:
-    """Whole prompts in one step through FlashAttention's variable-length kernel (``flash_prefill``), with q, k and v
-    as the strided views of a fused projection the model passes: the dense reference's output and log-sum-exp, and
-    the new tokens' KV stored in the cache for the steps after."""
-    chunks = [(37, 37), (5, 5), (70, 70), (16, 16)]
+def test_flash_prefill_matches_dense(shape, dtype: torch.dtype, mix: str) -> None:
+    """A step's prefill chunks through FlashAttention's variable-length kernel (``flash_prefill``), whole prompts and
+    chunks over a cached prefix (its causal mask from the bottom right), with q, k and v as the strided views of a
+    fused projection the model passes: the dense reference's output and log-sum-exp, and the new tokens' KV stored in
+    the cache for the steps after."""
+    chunks = [(37, 37), (5, 5), (70, 70), (16, 16)] if mix == "prefills" else [(1, 50), (37, 90), (5, 5), (70, 300)]
     case = paged_case(2, *shape, chunks, dtype, DEVICE)
     heads, kv_heads, d, bs = shape
     backend = triton_paged.TritonPagedAttention(
         heads, kv_heads, d, case.cache[0].shape[1], bs, DEVICE, dtype, flash_prefill=True
     )
     meta = backend.prepare(case.batch)
-    assert [launch.fresh for launch in meta.launches] == [True]
+    prefill = meta.launches[-1]
+    assert prefill.key_start is not None and prefill.fresh == (mix == "prefills")
     views = fused_views(case.q, case.k, case.v)
     assert triton_paged._flash_aligned(*views)  # (FlashAttention takes them: not the Triton kernel's fallback)
     out = backend.forward(*views, case.cache, meta)
