@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from boundless.bench.host_phases import PhaseRecorder, gaps_by_phase, overlaps
+from boundless.bench.host_phases import split as split_phases
 from boundless.bench.offline import BoundlessSystem, HuggingFaceSystem, compare, make_prompts
 from boundless.bench.report import print_table, write_json
 from boundless.bench.timing import device_seconds
@@ -107,26 +109,49 @@ def measure_ceilings(device: torch.device) -> dict:
     }
 
 
-def kernel_busy_fraction(fn: Callable[[], Any]) -> dict:
+def kernel_busy_fraction(fn: Callable[[], Any], core: Any = None) -> dict:
     """The share of ``fn``'s wall time during which a kernel or copy ran on the GPU: the union of the
-    device activity intervals that the profiler records, over the wall time."""
+    device activity intervals that the profiler records, over the wall time. With the ``EngineCore`` that ``fn``
+    drives, also what its host was doing in the longest idle gaps, before the first kernel and after the last
+    (``idle_gaps_host``, ``idle_before_host``, ``idle_after_host``: milliseconds of each engine phase)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
+    recorder = PhaseRecorder(core) if core is not None else None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # A marker kernel at a known host time puts the host's clock on the profiler's (to within a launch's latency).
+        marked = time.perf_counter_ns()
+        torch.ones(1, device="cuda")
+        torch.cuda.synchronize()
+        start_ns = time.perf_counter_ns()
         start = time.perf_counter()
-        fn()
+        if recorder is not None:
+            with recorder:
+                fn()
+        else:
+            fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+        end_ns = time.perf_counter_ns()
     spans = []
     for e in prof.profiler.kineto_results.events():
         if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0:
             spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    spans.sort()
+    marker = spans.pop(0) if spans else None  # (the first: nothing else was queued before it)
     busy, gaps = merge_spans(spans)
-    return {
+    out = {
         "wall_s": wall, "busy_s": busy / 1e9, "busy_fraction": busy / 1e9 / wall, "gpu_events": len(spans),
         "top_kernels": _top_kernels(prof), **idle_gaps(gaps, wall - busy / 1e9),
     }  # fmt: skip
+    if recorder is not None and marker is not None and spans:
+        offset = marker[0] - marked  # host ns to the profiler's
+        first, last = spans[0][0], max(hi for _, hi in spans)
+        phases = recorder.phases
+        out["idle_gaps_host"] = gaps_by_phase(gaps, first, phases, offset)
+        out["idle_before_host"] = overlaps(start_ns + offset, first, phases, offset)
+        out["idle_after_host"] = overlaps(last, end_ns + offset, phases, offset)
+    return out
 
 
 def merge_spans(spans: list[tuple[int, int]]) -> tuple[int, list[tuple[int, int]]]:
@@ -216,7 +241,7 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
     ours = systems[1]
     assert isinstance(ours, BoundlessSystem)
     if loaded.device.type == "cuda":
-        _stage(results, "busy_1b", lambda: kernel_busy_fraction(lambda: ours.generate(prompts, o)))
+        _stage(results, "busy_1b", lambda: kernel_busy_fraction(lambda: ours.generate(prompts, o), ours.llm.engine))
     _stage(results, "host_split_1b", lambda: host_split(ours, prompts, o))
     _stage(results, "host_profile_1b", lambda: host_profile(lambda: ours.generate(prompts, o)))
     systems.clear()
@@ -246,7 +271,9 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
                 _stage(
                     results,
                     f"busy_{key}",
-                    lambda s=windowed, p=case_prompts, c=case: kernel_busy_fraction(lambda: s.generate(p, c[2])),
+                    lambda s=windowed, p=case_prompts, c=case: kernel_busy_fraction(
+                        lambda: s.generate(p, c[2]), s.llm.engine
+                    ),
                 )
             if largest and case == cases[0]:
                 _stage(results, f"host_split_{key}", lambda s=windowed: host_split(s, prompts, o))
@@ -271,49 +298,12 @@ def host_split(system: BoundlessSystem, prompts: list[list[int]], output_len: in
     forward pass and samples, and waiting for a window on the device; ``wait_s`` is that wait alone) and applying
     their tokens (``finish_step``: outputs, stops, text). Seconds in all, and per step."""
     core = system.llm.engine
-    spent = {"schedule": 0.0, "execute": 0.0, "finish_step": 0.0, "wait": 0.0}
-    steps = 0
-
-    def timed(fn: Callable[..., Any], *names: str) -> Callable[..., Any]:
-        def wrapper(*a: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*a)
-            finally:
-                for name in names:
-                    spent[name] += time.perf_counter() - start
-
-        return wrapper
-
-    def launch(*a: Any) -> Any:
-        launched = launch_step(*a)
-        launched.wait = timed(launched.wait, "execute", "wait")
-        return launched
-
-    launch_step = timed(core.launch, "execute")
-    patches = {
-        "schedule": timed(core.schedule, "schedule"),
-        "schedule_ahead": timed(core.schedule_ahead, "schedule"),
-        "launch": launch,
-        "finish_step": timed(core.finish_step, "finish_step"),
-    }
-    for name, fn in patches.items():
-        setattr(core, name, fn)
-    try:
+    with PhaseRecorder(core) as phases:
         before = core.counters.steps
         start = time.perf_counter()
         system.generate(prompts, output_len)
         wall = time.perf_counter() - start
-        steps = core.counters.steps - before
-    finally:
-        for name in patches:
-            delattr(core, name)  # the class's methods again
-    out: dict[str, Any] = {"wall_s": wall, "steps": steps}
-    for name, seconds in spent.items():
-        out[f"{name}_s"] = seconds
-        out[f"{name}_ms_per_step"] = 1e3 * seconds / max(steps, 1)
-    out["other_s"] = wall - sum(v for k, v in spent.items() if k != "wait")
-    return out
+    return split_phases(phases, wall, core.counters.steps - before)
 
 
 def host_profile(fn: Callable[[], Any], limit: int = 40) -> dict:
@@ -517,6 +507,15 @@ def _summary(results: dict) -> None:
                 f"{value.get('idle_outside_s', 0) * 1e3:.0f} ms, between {value.get('idle_between_s', 0) * 1e3:.0f} ms "
                 f"(longest: {gaps})"
             )
+            # What the host did meanwhile.
+            spans = [(f"the {g['ms']} ms at {g['at_ms']} ms", g["host"]) for g in value.get("idle_gaps_host", [])[:3]]
+            spans += [
+                (f"idle {w} the kernels", value[f"idle_{w}_host"])
+                for w in ("before", "after")
+                if f"idle_{w}_host" in value
+            ]
+            for what, host in spans:
+                print(f"  {what}, the host's (ms): " + ", ".join(f"{n} {ms:.1f}" for n, ms in list(host.items())[:3]))
     dec = results.get("decode_8b") or {}
     if "decode_step_s" in dec:
         print(
