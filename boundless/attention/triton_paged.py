@@ -12,6 +12,7 @@ gathers, no padding to the longest context, no copies of K/V for grouped-query a
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,6 +153,49 @@ def flash_varlen(
     if lse.shape != (q.shape[1], q.shape[0]):  # (its unpadded layout: [heads, tokens])
         raise RuntimeError(f"FlashAttention's log-sum-exp came back {tuple(lse.shape)}, not [heads, tokens]")
     return o, lse
+
+
+def varlen_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:class:`VarlenAttention` computed densely in float64, a sequence at a time (any device, slow): the reference
+    that FlashAttention's call is checked against, at start-up and in the tests."""
+    group = q.shape[1] // k.shape[1]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    for i in range(len(cq) - 1):
+        qi = q[cq[i] : cq[i + 1]].double()
+        ki, vi = (x[ck[i] : ck[i + 1]].double().repeat_interleave(group, dim=1) for x in (k, v))
+        nq, nk = qi.shape[0], ki.shape[0]
+        s = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+        rows, cols = torch.arange(nq, device=q.device), torch.arange(nk, device=q.device)
+        s = s.masked_fill(cols[None, :] > rows[:, None] + (nk - nq), -math.inf)  # (causal from the bottom right)
+        out[cq[i] : cq[i + 1]] = torch.einsum("hqk,khd->qhd", s.softmax(-1), vi).to(q.dtype)
+        lse[:, cq[i] : cq[i + 1]] = s.logsumexp(-1).float()
+    return out, lse
+
+
+def check_varlen(varlen: VarlenAttention, device: torch.device, dtype: torch.dtype) -> str | None:
+    """A variable-length call tried on a small case (two sequences, one over a longer context, grouped heads)
+    against :func:`varlen_reference`: None when it agrees, else what went wrong. ``--flash-prefill`` asks this of
+    FlashAttention's at start-up: a PyTorch build whose call is missing, or masks otherwise, is refused there, not
+    found in wrong outputs."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 64, generator=gen).to(device, dtype) for n, h in ((12, 4), (29, 2), (29, 2)))
+    cu_q = torch.tensor([0, 7, 12], dtype=torch.int32, device=device)  # 7 queries over 24 keys, then 5 over 5
+    cu_k = torch.tensor([0, 24, 29], dtype=torch.int32, device=device)
+    try:
+        out, lse = varlen(q, k, v, cu_q, cu_k, 7, 24, 0.125)
+    except Exception as e:  # (the call missing from this build, or refusing these tensors)
+        return f"{type(e).__name__}: {e}"
+    want_out, want_lse = varlen_reference(q, k, v, cu_q, cu_k, 7, 24, 0.125)
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    if tuple(lse.shape) != tuple(want_lse.shape):
+        return f"its log-sum-exp came back {tuple(lse.shape)}, not {tuple(want_lse.shape)}"
+    worst = max(float((out.float() - want_out.float()).abs().max()), float((lse - want_lse).abs().max()))
+    return None if worst <= tol else f"it differs from attention computed densely by {worst:.3g}"
 
 
 def key_slots(tables: torch.Tensor, key_start: torch.Tensor, num_keys: int, block_size: int) -> torch.Tensor:

@@ -249,6 +249,10 @@ def make_attention(
             raise ConfigError("--flash-prefill: FlashAttention runs on CUDA in bfloat16 or float16")
         if config.model.flash_prefill and not (arch.head_dim % 8 == 0 and arch.head_dim <= 256):
             raise ConfigError(f"--flash-prefill: FlashAttention takes heads of 8 to 256 by 8, not {arch.head_dim}")
+        if config.model.flash_prefill:
+            failed = triton_paged.check_varlen(triton_paged.flash_varlen, device, dtype)
+            if failed is not None:
+                raise ConfigError(f"--flash-prefill: FlashAttention's variable-length call failed its check: {failed}")
         return triton_paged.TritonPagedAttention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device, dtype,
             flash_prefill=config.model.flash_prefill,

@@ -3,7 +3,6 @@ their new tokens' q/k/v and a float64 dense reference (output and log-sum-exp)."
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from collections.abc import Callable
@@ -144,28 +143,3 @@ def check_padding_row(make_backend: Callable[[int], Any], device: torch.device) 
     assert meta.lse[2].eq(-math.inf).all()
     changed = (cache[0] != before[0]).any(dim=-1).nonzero()
     assert len(changed) == kv_heads * 2  # the two real tokens' slots, for every kv head
-
-
-def dense_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """FlashAttention's variable-length call (``triton_paged.VarlenAttention``) computed densely in float64, for the
-    CPU: each sequence's queries over its keys, causal from the bottom right, grouped-query heads shared. Checks
-    that ``max_q`` and ``max_k`` are the longest, as FlashAttention needs."""
-    heads, group = q.shape[1], q.shape[1] // k.shape[1]
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    assert max_q == max(b - a for a, b in itertools.pairwise(cq))
-    assert max_k == max(b - a for a, b in itertools.pairwise(ck))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(heads, q.shape[0], dtype=torch.float32, device=q.device)
-    for i in range(len(cq) - 1):
-        qi = q[cq[i] : cq[i + 1]].double()
-        ki, vi = (x[ck[i] : ck[i + 1]].double().repeat_interleave(group, dim=1) for x in (k, v))
-        nq, nk = qi.shape[0], ki.shape[0]
-        s = torch.einsum("qhd,khd->hqk", qi, ki) * scale
-        visible = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
-        s = s.masked_fill(~visible.to(s.device), -math.inf)
-        out[cq[i] : cq[i + 1]] = torch.einsum("hqk,khd->qhd", s.softmax(-1), vi).to(q.dtype)
-        lse[:, cq[i] : cq[i + 1]] = s.logsumexp(-1).float()
-    return out, lse

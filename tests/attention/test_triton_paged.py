@@ -16,7 +16,6 @@ from paged_cases import (
     SHAPES,
     check_matches_dense,
     check_padding_row,
-    dense_varlen,
     fused_views,
     paged_case,
 )
@@ -118,7 +117,9 @@ def test_flash_prefill_takes_every_prefill_chunk_in_one_call(shape, mix: str) ->
 
     def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         calls.append((q.shape[0], k.shape[0], cu_k.tolist()))
-        return dense_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+        lens_q, lens_k = torch.diff(cu_q).tolist(), torch.diff(cu_k).tolist()
+        assert (max_q, max_k) == (max(lens_q), max(lens_k))  # (FlashAttention's grid is sized by them)
+        return triton_paged.varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale)
 
     case = paged_case(3, *shape, MIXES[mix], torch.float32, DEVICE)
     heads, kv_heads, d, bs = shape
@@ -149,6 +150,35 @@ def test_without_flash_prefill_every_chunk_takes_the_triton_kernel() -> None:
     meta = backend.prepare(case.batch)
     assert all(launch.key_start is None and launch.key_slots is None for launch in meta.launches)
     check_matches_dense(case, backend.forward(case.q, case.k, case.v, case.cache, meta), meta.lse, 2e-5)
+
+
+def test_the_start_up_check_refuses_a_call_that_masks_or_answers_otherwise() -> None:
+    """``--flash-prefill``'s start-up check of the variable-length call: the reference passes; a call whose causal
+    mask is aligned to the top left (a query over a longer context sees too little), one whose log-sum-exp is laid
+    out [tokens, heads], and one that raises are each refused with what went wrong."""
+    reference = triton_paged.varlen_reference
+    assert triton_paged.check_varlen(reference, DEVICE, torch.float32) is None
+
+    def top_left(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        outs, lses = [], []
+        for i in range(len(cu_q) - 1):
+            a, b, c = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i])
+            one = torch.tensor([0, b - a], dtype=torch.int32)
+            out, lse = reference(q[a:b], k[c : c + b - a], v[c : c + b - a], one, one, b - a, b - a, scale)
+            outs.append(out)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def tokens_first(*args):
+        out, lse = reference(*args)
+        return out, lse.t()
+
+    def missing(*args):
+        raise RuntimeError("no such operator")
+
+    assert "differs from attention computed densely" in triton_paged.check_varlen(top_left, DEVICE, torch.float32)
+    assert "log-sum-exp came back (12, 4)" in triton_paged.check_varlen(tokens_first, DEVICE, torch.float32)
+    assert triton_paged.check_varlen(missing, DEVICE, torch.float32) == "RuntimeError: no such operator"
 
 
 def test_key_slots_lay_each_context_out_in_order() -> None:
