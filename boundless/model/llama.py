@@ -246,6 +246,7 @@ class DecoderLayer(nn.Module):
     def forward_fused(
         self,
         hidden: torch.Tensor,
+        delta: torch.Tensor | None,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         attention: AttentionBackend,
@@ -253,14 +254,17 @@ class DecoderLayer(nn.Module):
         attn_meta: Any,
         lora: LoRABatch | None = None,
         index: int = 0,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The GPU path: the PyTorch path's matmuls with the fused Triton kernels of
-        :mod:`boundless.model.triton_ops` between them; updates ``hidden`` in place."""
+        :mod:`boundless.model.triton_ops` between them. ``hidden + delta`` is the residual stream in (``delta``: the
+        layer before's MLP output, or None), added in place by this layer's first norm (one kernel for the add and
+        the norm, as vLLM's fused add-RMSNorm); returns ``hidden`` and this layer's MLP output, for the next layer's
+        norm (or the model's last) to add."""
         from boundless.model import triton_ops as ops
 
         t = hidden.shape[0]
         norm_in, norm_post = self.input_norm, self.post_attention_norm
-        x = ops.rms_norm(hidden, norm_in.weight, norm_in.eps)
+        x = ops.rms_norm(hidden, norm_in.weight, norm_in.eps, delta=delta)
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
         if lora is not None:
             lora.add_(index, QKV, x, qkv)
@@ -276,16 +280,14 @@ class DecoderLayer(nn.Module):
         # hidden += o_proj(attn), and its norm, in one kernel.
         x = ops.rms_norm(hidden, norm_post.weight, norm_post.eps, delta=out)
         if self.moe is not None:
-            hidden += self.moe(x)
-            return hidden
+            return hidden, self.moe(x)
         assert self.gate_up_weight is not None and self.down_weight is not None
         gate_up = linear(x, self.gate_up_weight)
         if lora is not None:
             lora.add_(index, GATE_UP, x, gate_up)
         act = ops.silu_mul(gate_up)
         out = linear(act, self.down_weight)
-        hidden += out if lora is None else lora.add_(index, DOWN, act, out)
-        return hidden
+        return hidden, out if lora is None else lora.add_(index, DOWN, act, out)
 
     def forward_packed(
         self,
@@ -453,15 +455,16 @@ class LlamaModel(nn.Module):
         if getattr(attention, "fused_layers", False):  # a GPU backend: the layers' fused Triton kernels too
             from boundless.model import triton_ops
 
+            delta = None  # each layer's MLP output, added to the stream by the next norm
             for i, layer in enumerate(self.layers):
                 if before_layer is not None:
                     before_layer(i)
-                hidden = layer.forward_fused(
-                    hidden, positions, self.rope, attention, kv_cache.layer(i), attn_meta, lora, i
+                hidden, delta = layer.forward_fused(
+                    hidden, delta, positions, self.rope, attention, kv_cache.layer(i), attn_meta, lora, i
                 )
                 if on_layer is not None:
                     on_layer(i)
-            return triton_ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+            return triton_ops.rms_norm(hidden, self.norm.weight, self.norm.eps, delta=delta)
         if self._packed_key is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
             return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta, on_layer, before_layer, lora)
         cos, sin = self.rope.lookup(positions)
