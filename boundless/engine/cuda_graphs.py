@@ -123,7 +123,9 @@ class DecodeGraphs:
         if meta.refresh is not None:
             meta.refresh()  # (FlexAttention's block mask from the buffers: inside the graph, each replay remakes it)
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.attention, self.kv_cache, meta)
-        return self.model.compute_logits(hidden)
+        # In the model's dtype: a window's greedy rows take their argmax there (``Sampler.draw_planned``); a single
+        # step's sampler takes them in fp32 (``ModelRunner``).
+        return self.model.compute_logits(hidden, float32=False)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -172,7 +172,7 @@ class ModelRunner:
 
     def _forward_graph(self, chunks: list[ScheduledChunk]) -> StepLogits:
         assert self.graphs is not None
-        logits = self.graphs.run(chunks)
+        logits = self.graphs.run(chunks).float()  # (the graphs' are in the model's dtype)
         rows = [i for i, c in enumerate(chunks) if c.sample]
         if len(rows) < len(chunks):  # a one-token chunk in the middle of a prompt samples nothing
             logits = logits[torch.tensor(rows, device=logits.device)]

@@ -311,13 +311,15 @@ class Sampler:
         )  # fmt: skip
 
     def draw_planned(self, logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:
-        """:meth:`draw` with its plan made: nothing copied from the host, so nothing waits for the device."""
+        """:meth:`draw` with its plan made: nothing copied from the host, so nothing waits for the device. ``logits``
+        may be in the model's dtype (a CUDA graph's): greedy rows take their argmax as they are, drawing rows in
+        fp32."""
         if plan.random is None:  # the common case: no copy of the logits rows
             return cpu_kernels.argmax_rows(logits)
         tokens = torch.empty(plan.num_rows, dtype=torch.long, device=logits.device)
         if plan.greedy is not None:
             tokens[plan.greedy] = cpu_kernels.argmax_rows(logits[plan.greedy])
-        probs = _filtered_probs(logits[plan.random], plan)
+        probs = _filtered_probs(logits[plan.random].float(), plan)
         # The rows of requests without a seed draw together from the shared generator, in one launch (a launch per
         # row was a GPU step's longest host loop); a seeded request draws from its own generator, its stream
         # independent of the batch it is in.

@@ -502,9 +502,12 @@ class LlamaModel(nn.Module):
                 on_layer(i)
         return cpu_kernels.rms_norm(hidden, self.norm.weight, self.norm.eps, torch.empty_like(hidden))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Next-token logits of ``hidden``'s rows: in fp32, as the sampler takes them; else in the model's dtype
+        (a greedy row's argmax is the same token, with no copy of [rows, vocab] in fp32 made and read)."""
         assert self.head is not None, "call prepare first"
-        return self.head(hidden).float()
+        logits = self.head(hidden)
+        return logits.float() if float32 else logits
 
     # -- weights -----------------------------------------------------------------------------
 

@@ -41,6 +41,28 @@ def test_all_greedy_batch_matches_torch_argmax() -> None:
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
+def test_a_windows_logits_in_the_models_dtype_draw_what_their_fp32_copy_draws() -> None:
+    """A CUDA graph hands a window's logits over in the model's dtype: greedy rows take their argmax as they are, the
+    drawing rows in fp32; the tokens are those of the same logits in fp32 (ties in bf16 included: the first index),
+    for an all-greedy batch and one with seeded and unseeded draws."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(6, 300, generator=gen) * 3).to(torch.bfloat16)
+    logits[0, 5] = logits[0, 40] = 20.0  # a tie in bf16
+    params = [SamplingParams(temperature=0.0)] * 3 + [
+        SamplingParams(temperature=0.8, seed=11),
+        SamplingParams(temperature=1.0, top_k=5, seed=12),
+        SamplingParams(temperature=0.0),
+    ]
+    for rows in (params[:3], params):
+        chunks = [chunk(f"r{i}", p) for i, p in enumerate(rows)]
+        drawn = []
+        for values in (logits[: len(rows)], logits[: len(rows)].float()):
+            sampler = Sampler(torch.device("cpu"))  # (fresh generators: the seeded rows draw alike)
+            drawn.append(sampler.draw_planned(values, sampler.plan_draw(chunks, values.device, 300)).tolist())
+        assert drawn[0] == drawn[1]
+        assert drawn[0][0] == 5
+
+
 def test_unseeded_rows_draw_together_each_from_its_own_row_and_seeded_rows_alone() -> None:
     """Rows without a seed are drawn in one call from the shared generator: each from its own distribution (row i
     puts all but nothing outside tokens 2i and 2i + 1, evenly); a seeded row draws the same tokens whatever the rows
