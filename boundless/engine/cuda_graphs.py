@@ -63,6 +63,29 @@ class DeviceWindow:
             return [a.elapsed_time(z) / 1e3 for a, z in itertools.pairwise(self.marks)]
         return [z - a for a, z in itertools.pairwise(self.marks)]
 
+    @staticmethod
+    def mark(on_gpu: bool, timer: Callable[[], float]) -> Any:
+        """A mark between a window's passes: a CUDA event recorded now on a GPU, the timer's reading elsewhere."""
+        if not on_gpu:
+            return timer()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def queued(
+        chunks: Sequence[ScheduledChunk], tokens: torch.Tensor, marks: list, timer: Callable[[], float]
+    ) -> DeviceWindow:
+        """The window whose passes were queued after ``marks``' first: its last mark, and on a GPU its tokens' copy to
+        the host queued now, behind its passes and ahead of a window queued after it (reading them back then waits for
+        this window alone: a copy made at the read would wait for everything queued by then)."""
+        on_gpu = tokens.is_cuda
+        marks.append(DeviceWindow.mark(on_gpu, timer))
+        if not on_gpu:
+            return DeviceWindow(list(chunks), tokens, marks, tokens)
+        host, copied = to_host(tokens)
+        return DeviceWindow(list(chunks), tokens, marks, host, copied)
+
     def last_tokens(self, request_ids: Sequence[str]) -> torch.Tensor:
         """The last token each of these requests draws in the window, on the device (nothing waits)."""
         n = len(self.chunks)
@@ -210,9 +233,7 @@ class DecodeGraphs:
         on_gpu = dev.type == "cuda"
         marks: list = []
         for j, (index, rows_plan) in enumerate(passes):
-            marks.append(torch.cuda.Event(enable_timing=True) if on_gpu else timer())
-            if on_gpu:
-                marks[-1].record()
+            marks.append(DeviceWindow.mark(on_gpu, timer))
             logits = self._replay(b)[:n]
             if index is None:
                 tokens[j] = draw(logits, rows_plan)
@@ -222,16 +243,7 @@ class DecodeGraphs:
                 # Rows still decoding move one position on; a finished row stays where it was (its table's index
                 # stays in range) and becomes padding: no KV stored, nothing attended.
                 advance(tokens, j, steps, self.inputs, bs)
-        if on_gpu:
-            marks.append(torch.cuda.Event(enable_timing=True))
-            marks[-1].record()
-            # The tokens' copy to the host is queued now, behind this window's passes and ahead of a window queued
-            # after it: reading them back then waits for this window alone (a copy made at the read would wait for
-            # everything queued by then).
-            host, copied = to_host(tokens)
-            return DeviceWindow(list(chunks), tokens, marks, host, copied)
-        marks.append(timer())
-        return DeviceWindow(list(chunks), tokens, marks, tokens)
+        return DeviceWindow.queued(chunks, tokens, marks, timer)
 
     def _load(self, chunks: Sequence[ScheduledChunk]) -> int:
         """Copy the inputs of a step of one-token chunks into the buffers (padding rows after them): each chunk's token,

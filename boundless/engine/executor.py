@@ -138,7 +138,8 @@ class ModelExecutor:
     (``kv/layer_gate.py``); a step's forward pass waits at each layer for that layer of the loads it copies
     in, ``layer_wait_timeout_s`` at most (then goes on: the bytes are in host memory already).
     ``device_steps`` (asynchronous scheduling): a step of one-token decodes runs as a device window of one pass too,
-    so that the next step can be queued behind it (``EngineCore.schedule_ahead``).
+    and so does a step with prefill whose every chunk samples, so that the next step can be queued behind it
+    (``EngineCore.schedule_ahead``).
     """
 
     def __init__(
@@ -223,6 +224,10 @@ class ModelExecutor:
             on_device = sched.window > 1 or after is not None or (self.device_steps and _decodes_only(sched))
             if on_device and on_layer is None and before_layer is None:
                 windowed = self.runner.launch_window(sched, self.timer, after)
+            elif self.device_steps and on_layer is None and before_layer is None:
+                # A step with prefill whose every chunk samples (a batch's last prefill): on the device too, so that
+                # the window after it can be decided and queued behind it.
+                windowed = self.runner.launch_on_device(sched, self.timer)
             if windowed is not None:
                 return PendingStep(self, sched, start, window=windowed, follows=after is not None, copies=host_copies)
             assert after is None, "a window ahead runs on the device"

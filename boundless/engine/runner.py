@@ -203,6 +203,34 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
+    def launch_on_device(self, sched: SchedulerOutput, timer: Callable[[], float]) -> DeviceWindow | None:
+        """Queue a step with prefill chunks on the device as a window of one pass (asynchronous scheduling): its
+        forward pass and its draws, its tokens left there, so the window decided after it can take its first inputs
+        from them while it runs (``Scheduler.schedule_ahead``; the step after a batch's last prefill). None when it
+        cannot run so: a chunk that does not sample (the middle of a prompt) or has drafts, scores its prompt, or
+        whose sampling needs the host (``Sampler.draws_alone``), or a batch the graphs would not take after it (no
+        graphs, too many rows, lent blocks, a LoRA adapter); it then runs to its end as ever."""
+        chunks = sched.chunks
+        graphs = self.graphs
+        if (
+            graphs is None
+            or not chunks
+            or not graphs.fits(len(chunks))
+            or any(
+                not c.sample or c.draft_token_ids or c.prompt_targets or c.remote or c.sampling_params.lora_name
+                for c in chunks
+            )
+            or not all(map(self.sampler.draws_alone, chunks))
+        ):
+            return None
+        marks = [DeviceWindow.mark(self.device.type == "cuda", timer)]
+        step = self.forward(sched)
+        sampler = self.sampler
+        plan = sampler.plan_draw(step.chunks, self.device, self.model.arch.vocab_size)
+        tokens = sampler.draw_planned(step.logits, plan).view(1, -1)
+        return DeviceWindow.queued(step.chunks, tokens, marks, timer)
+
+    @torch.inference_mode()
     def sample(self, step: StepLogits) -> tuple[dict[str, SampledToken], dict[str, list[SampledToken]]]:
         """A token for each chunk that samples, by request id; and for each chunk with drafts, the tokens it keeps
         after that one (``speculative.accepted_tokens``: the drafts that matched, then a correction or bonus)."""

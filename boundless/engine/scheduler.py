@@ -410,16 +410,16 @@ class Scheduler:
         return out
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
-        """Asynchronous scheduling: the window after ``prev`` (a step of decodes run on the device: a multi-step window,
-        or a single step as a window of one pass), decided while ``prev`` still runs there, its tokens unknown. Its
-        chunks are ``prev``'s requests one window on (each chunk's first input is its request's
-        last token in ``prev``, taken on the device: its ``token_ids`` hold :data:`AHEAD_TOKEN`), less those whose
-        output ends in ``prev`` by length; a request that ``prev`` ends otherwise (a stop token or string, an abort) is
-        in it too, and its tokens are dropped when it is recorded (it was removed by then). None when the next step
-        needs the ordinary decision: ``prev`` was not all decodes, a running request is not in it, a waiting request
-        would be admitted (it is, at the next ordinary step, a window later; :meth:`_would_admit`), blocks are on their
-        way or lent, or the device lacks the window's blocks; the engine then waits for ``prev`` and schedules as
-        ever."""
+        """Asynchronous scheduling: the window after ``prev`` (a step whose every chunk samples, run on the device: a
+        multi-step window, a single step of decodes or a batch's last prefill as a window of one pass), decided while
+        ``prev`` still runs there, its tokens unknown. Its chunks are ``prev``'s requests one window on (each chunk's
+        first input is its request's last token in ``prev``, taken on the device: its ``token_ids`` hold
+        :data:`AHEAD_TOKEN`), less those whose output ends in ``prev`` by length; a request that ``prev`` ends otherwise
+        (a stop token or string, an abort) is in it too, and its tokens are dropped when it is recorded (it was removed
+        by then). None when the next step needs the ordinary decision: a chunk of ``prev`` did not sample (the middle
+        of a prompt) or handed its request off, a running request is not in it, a waiting request would be admitted
+        (it is, at the next ordinary step, a window later; :meth:`_would_admit`), blocks are on their way or lent, or
+        the device lacks the window's blocks; the engine then waits for ``prev`` and schedules as ever."""
         if self.kv.has_disk or self.kv.num_remote_in_flight or self.proposer is not None or self.predictions.active:
             return None
         running = {r.request_id: r for r in self.running}
@@ -427,25 +427,29 @@ class Scheduler:
             return None  # (a running request left out of prev: the ordinary decision orders them)
         kv = self.kv
         plan: list[tuple[Request, int, int]] = []  # (request, first position, passes)
+        prev_outputs: dict[str, int] = {}  # the tokens each request draws in prev
         need = 0
         for chunk in prev.chunks:
             request = running.get(chunk.request_id)
             if request is None:
                 continue  # it left while prev ran
             rid = request.request_id
+            computed = _sure_tokens(chunk)  # (a decode's passes, or a prefill chunk's tokens)
             if (
                 kv.num_lent_blocks(rid)
-                or len(chunk.token_ids) != 1
                 or not chunk.sample
-                or chunk.num_steps != self.in_flight[rid]
+                or chunk.draft_token_ids
+                or request.handoff is not None
+                or computed != self.in_flight[rid]
             ):
-                return None  # (the engine asks only after a step of decodes ran on the device)
+                return None  # (the engine asks only after a step whose every chunk sampled ran on the device)
             outputs = request.num_output_tokens + chunk.num_steps
             if outputs >= request.max_tokens:
                 continue  # its output ends in prev
-            start = request.num_computed_tokens + chunk.num_steps
+            start = request.num_computed_tokens + computed
             steps = min(self.num_scheduler_steps, request.max_tokens - outputs)
             plan.append((request, start, steps))
+            prev_outputs[rid] = chunk.num_steps
             need += max(0, kv.blocks_for_tokens(start + steps) - kv.num_allocated_blocks(rid))
         if not plan or need > kv.pool.num_free or (self.waiting and self._would_admit([r for r, _, _ in plan])):
             return None
@@ -466,7 +470,7 @@ class Scheduler:
                     block_ids=kv.block_ids(rid),
                     sample=True,
                     sampling_params=request.sampling_params,
-                    num_output_tokens=request.num_output_tokens + self.in_flight[rid],
+                    num_output_tokens=request.num_output_tokens + prev_outputs[rid],
                     eos_token_ids=request.eos_token_ids,
                     num_steps=steps,
                     num_prompt_tokens=len(request.prompt_token_ids),
