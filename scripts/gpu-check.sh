@@ -82,6 +82,7 @@ BOUNDLESS_TEST_DEVICE=cuda timeout "$(within 170)" python3 -m pytest -p no:cache
     tests/attention/test_triton_paged.py::test_flash_prefill_matches_dense \
     tests/attention/test_triton_paged.py::test_flash_prefill_takes_every_prefill_chunk_in_one_call \
     tests/attention/test_triton_paged.py::test_the_start_up_check_refuses_a_call_that_masks_or_answers_otherwise \
+    tests/attention/test_triton_paged.py::test_flashattentions_call_passes_the_start_up_check \
     tests/attention/test_triton_paged.py::test_tiles_wholly_visible_take_no_mask \
     tests/attention/test_triton_paged.py::test_decodes_and_prefill_chunks_take_their_own_key_tiles \
     tests/engine/test_dist_attention.py::test_distattention_on_the_triton_kernels \

@@ -215,6 +215,20 @@ def gather_keys(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.permute(1, 2, 0, 3).flatten(0, 1).index_select(0, slots)
 
 
+# A launch over cached prefixes gathers its contexts for FlashAttention when they hold at most this many keys per
+# query row: a copy of the keys costs little beside attention that reads each of them for several queries, and the
+# copy's memory stays a few times the step's tokens.
+GATHERED_KEYS_PER_QUERY = 4
+
+
+def flash_takes(launch: KernelLaunch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``launch`` attends on FlashAttention (``flash_prefill``): it was prepared for it, and FlashAttention can
+    read the views it would take (q's rows; k's and v's too where its keys are the step's rows, not copies)."""
+    if launch.key_start is None:
+        return False
+    return _flash_aligned(q, *((k, v) if launch.key_slots is None else ()))
+
+
 def _flash_aligned(*tensors: torch.Tensor) -> bool:
     """Whether FlashAttention's kernel, which reads 16 bytes at a time, can take these views: rows and heads 8
     elements apart (or a multiple), at 16-byte addresses (else the Triton kernel attends: a misaligned read would
@@ -314,12 +328,18 @@ class TritonPagedAttention(PartialsFromLse):
             seq_lens = batch.seq_lens[lo:hi]
             splits = self.num_splits(hi - lo, max(seq_lens)) if block_q == 1 else 1
             fresh = block_q > 1 and qlens == seq_lens  # (each chunk is its whole context)
-            keys = None  # FlashAttention's keys of a launch over cached prefixes: their starts' view, their number
-            if block_q > 1 and self.flash_prefill and not fresh:
-                key_start = [0]
-                for length in seq_lens:
-                    key_start.append(key_start[-1] + length)
-                keys = (add(key_start, (hi - lo + 1,)), key_start[-1])
+            # FlashAttention's keys (``flash_prefill``): a fresh launch's are its rows ("rows"); a launch over cached
+            # prefixes gathers its contexts (their starts' view and their number), where they are few enough per query
+            # (a verify chunk of drafts over a long context stays on the Triton kernel).
+            keys: tuple[int, int] | str | None = None
+            if block_q > 1 and self.flash_prefill:
+                if fresh:
+                    keys = "rows"
+                elif sum(seq_lens) <= GATHERED_KEYS_PER_QUERY * starts[-1]:
+                    key_start = [0]
+                    for length in seq_lens:
+                        key_start.append(key_start[-1] + length)
+                    keys = (add(key_start, (hi - lo + 1,)), key_start[-1])
             plans.append((tokens, tokens + starts[-1], block_q, splits, ids, fresh, max(qlens), max(seq_lens), keys))
             tokens += starts[-1]
         views = upload_ints(ints, shapes, self.device)
@@ -329,13 +349,11 @@ class TritonPagedAttention(PartialsFromLse):
                 start, end, *(views[i] for i in ids), block_q=block_q, fresh=fresh, max_query=max_query
             )
             self._set_splits(launch, splits)
-            if block_q > 1 and self.flash_prefill:
-                launch.max_key = max_key
-                if keys is None:  # fresh: the keys are the step's rows, as the queries
-                    launch.key_start = launch.query_start
-                else:
-                    launch.key_start = views[keys[0]]
-                    launch.key_slots = key_slots(launch.block_tables, launch.key_start, keys[1], self.block_size)
+            if keys == "rows":  # fresh: the keys are the step's rows, as the queries
+                launch.key_start, launch.max_key = launch.query_start, max_key
+            elif isinstance(keys, tuple):
+                launch.key_start, launch.max_key = views[keys[0]], max_key
+                launch.key_slots = key_slots(launch.block_tables, launch.key_start, keys[1], self.block_size)
             meta.launches.append(launch)
         return meta
 
@@ -381,8 +399,7 @@ class TritonPagedAttention(PartialsFromLse):
             meta.lse = torch.empty(q.shape[0], self.num_heads, dtype=torch.float32, device=q.device)
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         for launch in meta.launches:
-            # (A gathered launch reads only q's rows where they are: its keys are copies.)
-            if launch.key_start is not None and _flash_aligned(q, *((k, v) if launch.key_slots is None else ())):
+            if flash_takes(launch, q, k, v):
                 self.attend_flash(q, k, v, cache, launch, out, meta.lse)
             else:
                 self.attend(q, k_cache, v_cache, launch, out, meta.lse)

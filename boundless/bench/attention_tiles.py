@@ -260,8 +260,7 @@ def flash_row(
         )  # fmt: skip
         launch = backend.prepare(tensors.batch).launches[-1]
         views = (tensors.q, tensors.k, tensors.v)
-        flash = launch.key_start is not None and triton_paged._flash_aligned(*views)
-        if not flash:  # (else the Triton kernel's time, mislabelled)
+        if not triton_paged.flash_takes(launch, *views):  # (else the Triton kernel's time, mislabelled)
             raise RuntimeError("the case is not one --flash-prefill hands to FlashAttention")
         return _engine_run(backend, tensors)
 

@@ -50,34 +50,36 @@ class PhaseRecorder:
 
     def __init__(self, core: Any) -> None:
         self.core = core
-        self.phases: list[Phase] = []
+        self.phases: list[Phase] = []  # filled when the block ends
+        # (name, start, end, the step): its shape is put in words after the run, not in the time measured.
+        self._calls: list[tuple[str, int, int, SchedulerOutput | None]] = []
 
-    def _timed(self, name: str, fn: Callable[..., Any], step: Callable[..., str] | None = None) -> Callable[..., Any]:
-        phases = self.phases
+    def _timed(self, name: str, fn: Callable[..., Any], step: Callable[..., Any] | None = None) -> Callable[..., Any]:
+        calls = self._calls
 
         def wrapper(*a: Any) -> Any:
             start = time.perf_counter_ns()
             try:
                 return fn(*a)
             finally:
-                phases.append(Phase(name, start, time.perf_counter_ns(), step(*a) if step is not None else ""))
+                calls.append((name, start, time.perf_counter_ns(), step(*a) if step is not None else None))
 
         return wrapper
 
     def __enter__(self) -> list[Phase]:
         core = self.core
-        launch_step = self._timed("launch", core.launch, lambda sched, *_: step_shape(sched))
+        launch_step = self._timed("launch", core.launch, lambda sched, *_: sched)
 
         def launch(*a: Any) -> Any:
             launched = launch_step(*a)
-            launched.wait = self._timed("wait", launched.wait, lambda: step_shape(launched.sched))
+            launched.wait = self._timed("wait", launched.wait, lambda: launched.sched)
             return launched
 
         self._patches = {
             "schedule": self._timed("schedule", core.schedule),
-            "schedule_ahead": self._timed("schedule_ahead", core.schedule_ahead, lambda sched, _: step_shape(sched)),
+            "schedule_ahead": self._timed("schedule_ahead", core.schedule_ahead, lambda sched, _: sched),
             "launch": launch,
-            "finish_step": self._timed("finish_step", core.finish_step, lambda sched, _: step_shape(sched)),
+            "finish_step": self._timed("finish_step", core.finish_step, lambda sched, _: sched),
         }
         for name, fn in self._patches.items():
             setattr(core, name, fn)
@@ -86,6 +88,10 @@ class PhaseRecorder:
     def __exit__(self, *exc: object) -> None:
         for name in self._patches:
             delattr(self.core, name)  # the class's methods again
+        self.phases.extend(
+            Phase(name, start, end, step_shape(sched) if sched is not None else "")
+            for name, start, end, sched in self._calls
+        )
 
 
 def split(phases: list[Phase], wall_s: float, steps: int) -> dict[str, Any]:

@@ -276,6 +276,8 @@ class PositionsAndSlots:
         bs = self.block_size
         lo, hi = start // bs - first_block, (start + n - 1) // bs - first_block
         spanned = np.asarray(table[lo : hi + 1], dtype=np.int64) * bs
+        if len(spanned) != hi - lo + 1:  # (a slice falls short silently: a missing slot would store KV elsewhere)
+            raise IndexError(f"positions {start}..{start + n - 1} run past the {len(table)} blocks of their table")
         offset = start % bs
         self._slots.append((spanned[:, None] + np.arange(bs)).ravel()[offset : offset + n])
         self._positions.append(np.arange(start, start + n, dtype=np.int64))

@@ -420,7 +420,13 @@ class Scheduler:
         of a prompt) or handed its request off, a running request is not in it, a waiting request would be admitted
         (it is, at the next ordinary step, a window later; :meth:`_would_admit`), blocks are on their way or lent, or
         the device lacks the window's blocks; the engine then waits for ``prev`` and schedules as ever."""
-        if self.kv.has_disk or self.kv.num_remote_in_flight or self.proposer is not None or self.predictions.active:
+        if (
+            self.kv.has_disk
+            or self.kv.num_remote_in_flight
+            or self.proposer is not None
+            or self.predictions.active
+            or prev.remote_sends  # (a stream prev sends ends with prev: a step launched meanwhile would cut it)
+        ):
             return None
         running = {r.request_id: r for r in self.running}
         if any(rid not in self.in_flight for rid in running):

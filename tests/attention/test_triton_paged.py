@@ -136,6 +136,31 @@ def test_flash_prefill_takes_every_prefill_chunk_in_one_call(shape, mix: str) ->
     assert calls == [(sum(q for q, _ in prefills), contexts[-1], contexts)]  # (fresh: the keys are the queries' rows)
 
 
+def test_short_chunks_over_long_contexts_stay_on_the_triton_kernel() -> None:
+    """A launch whose contexts hold more than ``GATHERED_KEYS_PER_QUERY`` keys per query row (a verify chunk of drafts,
+    a short turn over a long history) is not gathered for FlashAttention: its copy would cost more than the attention
+    it serves. The Triton kernel attends, with the dense reference's output."""
+    shape = (8, 2, 64, 16)
+    case = paged_case(8, *shape, [(1, 30), (4, 300), (3, 200)], torch.float32, DEVICE)
+
+    def varlen(*args):
+        raise AssertionError("the variable-length call was made")
+
+    backend = triton_paged.TritonPagedAttention(
+        *shape[:3], case.cache[0].shape[1], shape[3], DEVICE, torch.float32, flash_prefill=True, varlen=varlen
+    )
+    meta = backend.prepare(case.batch)
+    assert triton_paged.GATHERED_KEYS_PER_QUERY * 7 < 500 and meta.launches[-1].key_start is None
+    check_matches_dense(case, backend.forward(case.q, case.k, case.v, case.cache, meta), meta.lse, 2e-5)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="FlashAttention runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_flashattentions_call_passes_the_start_up_check(dtype: torch.dtype) -> None:
+    """The check ``--flash-prefill`` makes at start-up, on the device's own FlashAttention call."""
+    assert triton_paged.check_varlen(triton_paged.flash_varlen, DEVICE, dtype) is None
+
+
 def test_without_flash_prefill_every_chunk_takes_the_triton_kernel() -> None:
     """Without ``flash_prefill`` no launch has FlashAttention's keys, and the variable-length call is never made."""
     shape = (8, 2, 64, 16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from boundless.engine.runner import PositionsAndSlots
@@ -38,3 +39,10 @@ def test_positions_and_slots_follow_each_rows_block_table() -> None:
 def test_an_empty_step_has_no_rows() -> None:
     positions, slots = PositionsAndSlots(16).tensors(torch.device("cpu"))
     assert positions.shape == slots.shape == (0,)
+
+
+def test_a_run_past_its_block_table_is_refused() -> None:
+    """A chunk whose positions run past its block table is an error, not a shorter list of slots (a missing slot
+    would store a token's KV in another's place)."""
+    with pytest.raises(IndexError, match="run past the 2 blocks"):
+        PositionsAndSlots(16).add_run(20, 30, [3, 4], 0)
