@@ -184,6 +184,23 @@ def _median_figures(system: str, runs: list[_Run]) -> OfflineFigures:
     return OfflineFigures(system, int(tokens), secs, tokens / secs, single)
 
 
+# The CUDA caching allocator's counts a run's figures carry (their change over the run): memory taken from the device
+# and given back, and allocations retried after freeing its cache. A run that still grows the cache, or frees it
+# under pressure, shows here (a first timed run 2-4x its later ones on an H200 is not explained yet).
+ALLOCATOR_COUNTS = {
+    "num_device_alloc": "device_mallocs",
+    "num_device_free": "device_frees",
+    "num_alloc_retries": "alloc_retries",
+}
+
+
+def _allocator_counts() -> dict[str, int]:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {name: int(stats.get(key, 0)) for key, name in ALLOCATOR_COUNTS.items()}
+
+
 class BenchSystem(ABC):
     """A system under test: greedy generation over token-id prompts."""
 
@@ -192,8 +209,11 @@ class BenchSystem(ABC):
     def measure(self, prompts: list[list[int]], output_len: int) -> _Run:
         """Greedy generation of ``output_len`` tokens for every prompt, timed, and of one prompt
         alone (single-request decode: the time of ``output_len`` tokens less the time of one)."""
+        before = _allocator_counts()
         total, outputs = _timed(lambda: self.generate(prompts, output_len))
         details = self.run_details()
+        after = _allocator_counts()
+        details |= {name: count - before.get(name, 0) for name, count in after.items()}
         t1, _ = _timed(lambda: self.generate(prompts[:1], 1))
         tn, _ = _timed(lambda: self.generate(prompts[:1], output_len))
         return _Run(total, sum(len(o) for o in outputs), (output_len - 1) / (tn - t1), outputs, details)
