@@ -512,7 +512,8 @@ def test_async_single_steps_run_as_device_windows_of_one_pass(tiny_llama: Loaded
     assert windows[0] >= 6 and core.scheduler.stats.num_ahead == windows[0]  # (the first behind the prefill)
 
 
-def test_the_first_window_is_queued_behind_the_last_prefill(tiny_llama: LoadedModel) -> None:
+@pytest.mark.parametrize("logprobs", [None, pytest.param(2, marks=_SLOW_ON_THE_INTERPRETER)], ids=["draws", "logprobs"])
+def test_the_first_window_is_queued_behind_the_last_prefill(tiny_llama: LoadedModel, logprobs: int | None) -> None:
     """A step with prefill whose every chunk samples (a batch's last prefill) runs on the device like a window of one
     pass, and the first window is decided and queued behind it, its first tokens the prefill's draws taken on the
     device; a prefill step with the middle of a prompt runs as ever. The outputs are those without asynchronous
@@ -523,35 +524,33 @@ def test_the_first_window_is_queued_behind_the_last_prefill(tiny_llama: LoadedMo
     free = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, [3] * 5)
     options = {"max_num_batched_tokens": 96}
 
-    def params(logprobs: int | None) -> list[SamplingParams]:
-        return [
-            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-            SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[free[1][0]]),  # stops at its first token
-            SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-            SamplingParams(temperature=0.9, seed=5, max_tokens=7, ignore_eos=True, logprobs=logprobs),
-            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-        ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[free[1][0]]),  # stops at its first token
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=7, ignore_eos=True, logprobs=logprobs),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    ]
+    on_device = 1 if logprobs is None else 0
+    expected = _outputs(_engine(tiny_llama, "triton", graphs=True, window=4, **options), prompts, params)
+    core = _engine(tiny_llama, "triton", graphs=True, window=4, async_scheduling=True, **options)
+    _no_waits_ahead(core)
+    runner, prefills = core.executor.runner, []
+    launch_on_device = runner.launch_on_device
 
-    for logprobs, on_device in ((None, 1), (2, 0)):
-        expected = _outputs(_engine(tiny_llama, "triton", graphs=True, window=4, **options), prompts, params(logprobs))
-        core = _engine(tiny_llama, "triton", graphs=True, window=4, async_scheduling=True, **options)
-        _no_waits_ahead(core)
-        runner, prefills = core.executor.runner, []
-        launch_on_device = runner.launch_on_device
+    def noting(sched, timer, launch=launch_on_device, prefills=prefills):
+        window = launch(sched, timer)
+        prefills.append((sum(len(c.token_ids) > 1 for c in sched.chunks), window is not None))
+        return window
 
-        def noting(sched, timer, launch=launch_on_device, prefills=prefills):
-            window = launch(sched, timer)
-            prefills.append((sum(len(c.token_ids) > 1 for c in sched.chunks), window is not None))
-            return window
-
-        runner.launch_on_device = noting
-        windows = _count_device_windows(core)
-        assert _outputs(core, prompts, params(logprobs)) == expected
-        assert expected[1][0] == [free[1][0]] and expected[1][2] == "stop" and len(expected[2][0]) == 1
-        # Two steps of prefill: the first ends in the middle of a prompt (as ever), the second runs on the device.
-        assert [on for chunks, on in prefills if chunks] == [False, bool(on_device)]
-        assert core.scheduler.stats.num_ahead == windows[0] - 1 + on_device
-        assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
+    runner.launch_on_device = noting
+    windows = _count_device_windows(core)
+    assert _outputs(core, prompts, params) == expected
+    assert expected[1][0] == [free[1][0]] and expected[1][2] == "stop" and len(expected[2][0]) == 1
+    # Two steps of prefill: the first ends in the middle of a prompt (as ever), the second runs on the device.
+    assert [on for chunks, on in prefills if chunks] == [False, bool(on_device)]
+    assert core.scheduler.stats.num_ahead == windows[0] - 1 + on_device
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
 
 
 def test_a_full_batch_runs_ahead_while_requests_wait_behind_it(tiny_llama: LoadedModel) -> None:
