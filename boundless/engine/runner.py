@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from boundless.attention.backend import AttentionBackend, AttentionBatch
+from boundless.attention.backend import AttentionBackend, AttentionBatch, to_device
 from boundless.engine.cuda_graphs import DecodeGraphs, DeviceWindow
 from boundless.engine.logprobs import PromptScores, PromptSpan, SampledToken, score_prompt_spans
 from boundless.engine.sampler import Sampler
@@ -127,10 +127,10 @@ class ModelRunner:
             remote=tuple(c.remote for c in chunks) if any(c.remote for c in chunks) else (),
         )
         return FlatBatch(
-            input_ids=torch.from_numpy(np.fromiter(ids, np.int64, len(ids))).to(dev),
+            input_ids=to_device(torch.from_numpy(np.fromiter(ids, np.int64, len(ids))), dev),
             positions=positions,
             attention=attention,
-            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
+            sample_indices=to_device(torch.tensor(sample_indices, dtype=torch.long), dev),
             sample_chunks=sample_chunks,
             prompt_spans=prompt_spans,
             lora_rows=lora_rows,
@@ -289,12 +289,13 @@ class PositionsAndSlots:
             self._one_positions, self._one_slots = [], []
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The positions and the slots, int64 on ``device``."""
+        """The positions and the slots, int64 on ``device`` (copied through pinned memory: nothing waits for the
+        device)."""
         self._take_ones()
         out = []
         for parts in (self._positions, self._slots):
             joined = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-            out.append(torch.from_numpy(joined).to(device))
+            out.append(to_device(torch.from_numpy(joined), device))
         return out[0], out[1]
 
 
