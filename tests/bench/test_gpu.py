@@ -127,6 +127,7 @@ def test_merge_spans_covers_overlaps_once_and_lists_the_gaps() -> None:
     assert gaps == [(15, 15), (10, 40)]
 
 
+@pytest.mark.slow  # (13 s in the interpreter: make test stays under 10 minutes; `make test-all` runs it)
 @pytest.mark.skipif(not triton_paged.available(DEVICE), reason="the Triton kernels do not run here")
 def test_bench_gpu_sweeps_the_attention_tiles(tmp_path: Path) -> None:
     """``--shapes tiles``: every tile shape of a case's kind runs the case and gives the default shape's output; the
