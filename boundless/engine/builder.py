@@ -245,11 +245,11 @@ def make_attention(
             raise ConfigError(
                 "--attention-backend: triton needs CUDA and the triton package (or TRITON_INTERPRET=1 on the CPU)"
             )
-        if config.model.flash_prefill and not (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
-            raise ConfigError("--flash-prefill: FlashAttention runs on CUDA in bfloat16 or float16")
-        if config.model.flash_prefill and not (arch.head_dim % 8 == 0 and arch.head_dim <= 256):
-            raise ConfigError(f"--flash-prefill: FlashAttention takes heads of 8 to 256 by 8, not {arch.head_dim}")
         if config.model.flash_prefill:
+            if not (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
+                raise ConfigError("--flash-prefill: FlashAttention runs on CUDA in bfloat16 or float16")
+            if not (arch.head_dim % 8 == 0 and arch.head_dim <= 256):
+                raise ConfigError(f"--flash-prefill: FlashAttention takes heads of 8 to 256 by 8, not {arch.head_dim}")
             failed = triton_paged.check_varlen(triton_paged.flash_varlen, device, dtype)
             if failed is not None:
                 raise ConfigError(f"--flash-prefill: FlashAttention's variable-length call failed its check: {failed}")

@@ -189,17 +189,23 @@ class ModelRunner:
         still running whose last tokens are this one's first inputs (``Scheduler.schedule_ahead``)."""
         chunks = sched.chunks
         graphs = self.graphs
-        if (
-            graphs is None
-            or not graphs.fits(len(chunks))
-            or any(c.remote or c.sampling_params.lora_name is not None for c in chunks)
-            or not all(map(self.sampler.draws_alone, chunks))
-        ):
+        if graphs is None or not self._graphs_take(chunks):
             assert follows is None, "a window ahead follows one on the device, and draws as it did"
             return None
         sampler, vocab = self.sampler, self.model.arch.vocab_size
         return graphs.launch_window(
             chunks, lambda rows: sampler.plan_draw(rows, self.device, vocab), sampler.draw_planned, timer, follows
+        )
+
+    def _graphs_take(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether a window of these chunks' decodes runs on the graphs: there are graphs, the batch fits them, no chunk
+        has lent blocks or a LoRA adapter (the graphs hold the base weights), and each draws its tokens alone
+        (``Sampler.draws_alone``: no drafts, no sampling that needs the host each pass)."""
+        return (
+            self.graphs is not None
+            and self.graphs.fits(len(chunks))
+            and not any(c.remote or c.sampling_params.lora_name is not None for c in chunks)
+            and all(map(self.sampler.draws_alone, chunks))
         )
 
     @torch.inference_mode()
@@ -211,17 +217,7 @@ class ModelRunner:
         whose sampling needs the host (``Sampler.draws_alone``), or a batch the graphs would not take after it (no
         graphs, too many rows, lent blocks, a LoRA adapter); it then runs to its end as ever."""
         chunks = sched.chunks
-        graphs = self.graphs
-        if (
-            graphs is None
-            or not chunks
-            or not graphs.fits(len(chunks))
-            or any(
-                not c.sample or c.draft_token_ids or c.prompt_targets or c.remote or c.sampling_params.lora_name
-                for c in chunks
-            )
-            or not all(map(self.sampler.draws_alone, chunks))
-        ):
+        if not self._graphs_take(chunks) or any(not c.sample or c.prompt_targets for c in chunks):
             return None
         marks = [DeviceWindow.mark(self.device.type == "cuda", timer)]
         step = self.forward(sched)

@@ -432,8 +432,7 @@ class Scheduler:
         if any(rid not in self.in_flight for rid in running):
             return None  # (a running request left out of prev: the ordinary decision orders them)
         kv = self.kv
-        plan: list[tuple[Request, int, int]] = []  # (request, first position, passes)
-        prev_outputs: dict[str, int] = {}  # the tokens each request draws in prev
+        plan: list[tuple[Request, int, int, int]] = []  # (request, first position, passes, outputs after prev)
         need = 0
         for chunk in prev.chunks:
             request = running.get(chunk.request_id)
@@ -454,14 +453,13 @@ class Scheduler:
                 continue  # its output ends in prev
             start = request.num_computed_tokens + computed
             steps = min(self.num_scheduler_steps, request.max_tokens - outputs)
-            plan.append((request, start, steps))
-            prev_outputs[rid] = chunk.num_steps
+            plan.append((request, start, steps, outputs))
             need += max(0, kv.blocks_for_tokens(start + steps) - kv.num_allocated_blocks(rid))
-        if not plan or need > kv.pool.num_free or (self.waiting and self._would_admit([r for r, _, _ in plan])):
+        if not plan or need > kv.pool.num_free or (self.waiting and self._would_admit([r for r, *_ in plan])):
             return None
         out = self._begin_output()
-        out.requests = {request.request_id: request for request, _, _ in plan}
-        for request, start, steps in plan:
+        out.requests = {request.request_id: request for request, *_ in plan}
+        for request, start, steps, outputs in plan:
             rid = request.request_id
             if not kv.allocate(rid, request.all_token_ids, start + steps):
                 # (Counted free above.) The copies to host memory decided so far will not run: no name may point at
@@ -476,14 +474,14 @@ class Scheduler:
                     block_ids=kv.block_ids(rid),
                     sample=True,
                     sampling_params=request.sampling_params,
-                    num_output_tokens=request.num_output_tokens + prev_outputs[rid],
+                    num_output_tokens=outputs,
                     eos_token_ids=request.eos_token_ids,
                     num_steps=steps,
                     num_prompt_tokens=len(request.prompt_token_ids),
                 )
             )
             self.in_flight[rid] += steps
-        out.window = max(steps for _, _, steps in plan)
+        out.window = max(steps for _, _, steps, _ in plan)
         out.decided_ahead = True
         self._ahead_in_flight += 1
         out.transfers = kv.take_transfers()  # (evictions of named blocks down to host memory, for the new blocks)
