@@ -266,6 +266,16 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
                 lambda s=windowed, p=case_prompts, c=case: measured_alone(s, p, c[2], args.repeats, hf_rate(*c)),
             )
             largest = bool(windows) and window == max(windows)
+            if ahead and window > 1:
+                # The same with only windows decided ahead (the rule before steps with prefill were): in this run, so
+                # the two compare on one machine.
+                windowed.llm.engine.scheduler.decide_steps_ahead = False
+                _stage(
+                    results,
+                    f"{key}_windows_only",
+                    lambda s=windowed, p=case_prompts, c=case: measured_alone(s, p, c[2], args.repeats, hf_rate(*c)),
+                )
+                windowed.llm.engine.scheduler.decide_steps_ahead = True
             if largest and loaded.device.type == "cuda" and (ahead or case == cases[0]):
                 # (Every case with asynchronous scheduling: where the long prompts' time goes, too.)
                 _stage(

@@ -685,13 +685,17 @@ class EngineCore:
         """Decide the next step (bookkeeping only; cheap)."""
         if self.scheduler.compiling:
             self._admit_compiled()
+        self._drop_expired()
+        return self.scheduler.schedule()
+
+    def _drop_expired(self) -> None:
+        """Drop prepared requests whose first token never came, and prefetches past their deadline."""
         if self._awaiting:
             self._drop_stale_intakes()
         if self._prefetches:
             now = self.clock()
             for request_id in [rid for rid, deadline in self._prefetches.items() if deadline < now]:
                 self.drop_prefetch(request_id)
-        return self.scheduler.schedule()
 
     def _compiling_specs(self) -> list[StructuredOutput]:
         requests = self.scheduler.requests
@@ -743,12 +747,13 @@ class EngineCore:
         return launch(sched, follows)
 
     def schedule_ahead(self, sched: SchedulerOutput, launched: PendingStep) -> SchedulerOutput | None:
-        """Asynchronous scheduling (``--async-scheduling``): the window after ``sched``, decided while ``sched`` runs
-        on the device (``Scheduler.schedule_ahead``); launch it with ``follows=launched`` before waiting for
-        ``launched``. None when it is off, ``sched`` did not run as a device window, or the next step needs the
-        ordinary decision."""
+        """Asynchronous scheduling (``--async-scheduling``): the step after ``sched``, decided while ``sched`` runs
+        on the device (``Scheduler.schedule_ahead``: the next window, or the ordinary decision over the requests as
+        ``sched`` leaves them); launch it with ``follows=launched`` before waiting for ``launched``. None when it is
+        off, ``sched`` did not run on the device, or the next step needs the ordinary decision after ``sched``."""
         if not self.config.scheduler.async_scheduling or launched.window is None:
             return None
+        self._drop_expired()  # (steps may be decided ahead for as long as requests keep coming)
         return self.scheduler.schedule_ahead(sched)
 
     def finish_step(self, sched: SchedulerOutput, result: StepResult) -> list[RequestDelta]:

@@ -25,7 +25,7 @@ import torch
 from boundless.attention.backend import padded_table, to_device, to_host
 from boundless.attention.flex_paged import FlexAttentionMetadata, FlexPagedAttention
 from boundless.attention.triton_paged import TritonAttentionMetadata, TritonPagedAttention
-from boundless.engine.scheduler import ScheduledChunk
+from boundless.engine.scheduler import AHEAD_TOKEN, ScheduledChunk
 from boundless.engine.window_inputs import StepInputs, advance
 from boundless.kv.tensors import PagedKVCache
 from boundless.model.llama import LlamaModel
@@ -208,16 +208,21 @@ class DecodeGraphs:
         one). The plans and row indices of every pass are made before the first, and every copy from the host is
         queued in stream order: nothing waits for the device, which may still be running the window before.
 
-        ``follows``: the window still running whose tokens are this one's first inputs (asynchronous scheduling,
-        ``Scheduler.schedule_ahead``): each chunk's first token is its request's last token there, taken on the
-        device (the chunks' own ``token_ids`` are placeholders)."""
+        ``follows``: the step still running on the device whose tokens are the first inputs of this window's chunks
+        decided ahead (asynchronous scheduling, ``Scheduler.schedule_ahead``): each such chunk's first token is its
+        request's last token there, taken on the device (the chunk's own ``token_ids`` hold a placeholder)."""
         n = len(chunks)
         bs = self.kv_cache.block_size
         window = max(c.num_steps for c in chunks)
         b = self._load(chunks)
         dev = self.device
         if follows is not None:
-            self.input_ids[:n].copy_(follows.last_tokens([c.request_id for c in chunks]))
+            ahead = [i for i, c in enumerate(chunks) if c.token_ids[0] == AHEAD_TOKEN]
+            last = follows.last_tokens([chunks[i].request_id for i in ahead])
+            if len(ahead) == n:  # (the steady state: every row follows)
+                self.input_ids[:n].copy_(last)
+            else:  # (a request left out of the step before it, back in this one: its token is known)
+                self.input_ids.index_copy_(0, to_device(torch.tensor(ahead, dtype=torch.long), dev), last)
         # Each pass's rows (those with more passes than it), made before the first pass: the set shrinks as rows end,
         # so it is made again only after a pass where some end (a row ends after its ``num_steps`` passes).
         ending = Counter(c.num_steps for c in chunks)

@@ -221,18 +221,20 @@ class ModelExecutor:
             before_layer = _chain(waits.before_layer if waits is not None else None, landing)
             # Multi-step decoding on CUDA graphs: the whole window on the device, no host work between its passes.
             windowed = None
-            on_device = sched.window > 1 or after is not None or (self.device_steps and _decodes_only(sched))
-            if on_device and on_layer is None and before_layer is None:
-                windowed = self.runner.launch_window(sched, self.timer, after)
-            elif self.device_steps and on_layer is None and before_layer is None:
-                # A step with prefill whose every chunk samples (a batch's last prefill): on the device too, so that
-                # the window after it can be decided and queued behind it.
-                windowed = self.runner.launch_on_device(sched, self.timer)
+            decodes = _decodes_only(sched)
+            if on_layer is None and before_layer is None:
+                if sched.window > 1 or (decodes and (self.device_steps or after is not None)):
+                    windowed = self.runner.launch_window(sched, self.timer, after)
+                elif self.device_steps and not decodes:
+                    # A step with prefill: on the device too (a window of one pass), so that the step after it can be
+                    # decided and queued behind it.
+                    windowed = self.runner.launch_on_device(sched, self.timer, after)
             if windowed is not None:
                 return PendingStep(self, sched, start, window=windowed, follows=after is not None, copies=host_copies)
-            assert after is None, "a window ahead runs on the device"
             if sched.chunks:
-                step = self.runner.forward(sched, on_layer, before_layer)
+                # (A step decided ahead that cannot run on the device, its sampling on the host: queued behind the step
+                # it follows, whose draws are its inputs; reading its logits waits for both.)
+                step = self.runner.forward(sched, on_layer, before_layer, follows=after)
                 sampled, accepted = self.runner.sample(step)
                 prompt_scores = step.prompt_scores
                 if accepted:  # speculative decoding: the tokens kept after the first, as a window's later passes
@@ -249,6 +251,10 @@ class ModelExecutor:
                     later.append(tokens)
                     last = {rid: t.token_id for rid, t in tokens.items()}
                     pass_seconds.append(self.timer() - begun)
+            if host_copies is not None:  # (a step decided ahead, run here: its demotions land once the device ran them)
+                if self.runner.device.type == "cuda":
+                    torch.cuda.current_stream(self.runner.device).synchronize()
+                host_copies.land()
         except BaseException:
             if self.remote is not None:
                 self.remote.end_step(ok=False)

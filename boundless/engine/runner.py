@@ -13,7 +13,7 @@ from boundless.attention.backend import AttentionBackend, AttentionBatch, to_dev
 from boundless.engine.cuda_graphs import DecodeGraphs, DeviceWindow
 from boundless.engine.logprobs import PromptScores, PromptSpan, SampledToken, score_prompt_spans
 from boundless.engine.sampler import Sampler
-from boundless.engine.scheduler import ScheduledChunk, SchedulerOutput
+from boundless.engine.scheduler import AHEAD_TOKEN, ScheduledChunk, SchedulerOutput
 from boundless.engine.speculative import accepted_tokens
 from boundless.kv.tensors import PagedKVCache
 from boundless.model.llama import LlamaModel
@@ -40,6 +40,9 @@ class FlatBatch:
     sample_chunks: list[ScheduledChunk]
     prompt_spans: list[PromptSpan] = field(default_factory=list)  # rows whose logits score prompt tokens
     lora_rows: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # each LoRA adapter's runs of rows
+    # Rows of decodes decided ahead (their input is AHEAD_TOKEN: the token the step in flight draws), and their chunks.
+    ahead_rows: list[int] = field(default_factory=list)
+    ahead_chunks: list[ScheduledChunk] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -86,6 +89,8 @@ class ModelRunner:
         sample_chunks: list[ScheduledChunk] = []
         prompt_spans: list[PromptSpan] = []
         lora_rows: dict[str, list[tuple[int, int]]] = {}
+        ahead_rows: list[int] = []
+        ahead_chunks: list[ScheduledChunk] = []
         for chunk in chunks:
             start = chunk.start_pos
             n = len(chunk.token_ids)
@@ -102,6 +107,9 @@ class ModelRunner:
             table, first = chunk.block_ids, chunk.first_block
             if n == 1:  # a decode: most rows of a step
                 rows.add_one(start, table[start // bs - first] * bs + start % bs)
+                if chunk.token_ids[0] == AHEAD_TOKEN:
+                    ahead_rows.append(len(ids) - 1)
+                    ahead_chunks.append(chunk)
             else:
                 rows.add_run(start, n, table, first)
             if chunk.draft_token_ids:  # speculative decoding: sample after the last known token and each draft
@@ -134,6 +142,8 @@ class ModelRunner:
             sample_chunks=sample_chunks,
             prompt_spans=prompt_spans,
             lora_rows=lora_rows,
+            ahead_rows=ahead_rows,
+            ahead_chunks=ahead_chunks,
         )
 
     @torch.inference_mode()
@@ -142,15 +152,18 @@ class ModelRunner:
         sched: SchedulerOutput,
         on_layer: Callable[[int], None] | None = None,
         before_layer: Callable[[int], None] | None = None,
+        follows: DeviceWindow | None = None,
     ) -> StepLogits:
         """Run the step; ``on_layer(i)`` is called once layer ``i`` has stored its KV, ``before_layer(i)`` before
-        layer ``i`` reads any (never in a CUDA graph)."""
+        layer ``i`` reads any (never in a CUDA graph). ``follows``: the step still running on the device whose draws
+        are the inputs of this step's chunks decided ahead (``Scheduler.schedule_ahead``), taken there."""
         decodes_only = all(len(c.token_ids) == 1 for c in sched.chunks)
         remote = any(c.remote for c in sched.chunks)
         scoring = any(c.prompt_targets for c in sched.chunks)  # (needs hidden states: a graph hands back logits)
         adapted = any(c.sampling_params.lora_name is not None for c in sched.chunks)  # (graphs hold base weights only)
         if (
             self.graphs is not None
+            and follows is None
             and decodes_only
             and not remote
             and not scoring
@@ -161,6 +174,11 @@ class ModelRunner:
         ):
             return self._forward_graph(sched.chunks)
         batch = self.build_batch(sched)
+        if batch.ahead_rows:
+            if follows is None:
+                raise RuntimeError("a step decided ahead ran without the step whose tokens are its inputs")
+            rows = to_device(torch.tensor(batch.ahead_rows, dtype=torch.long), self.device)
+            batch.input_ids.index_copy_(0, rows, follows.last_tokens([c.request_id for c in batch.ahead_chunks]))
         meta = self.attention.prepare(batch.attention)
         lora = lora_batch(self.loras, batch.lora_rows, self.device) if batch.lora_rows else None
         hidden = self.model(
@@ -185,12 +203,12 @@ class ModelRunner:
         """Queue a multi-step window's passes on the device, with no host work between them
         (``DecodeGraphs.launch_window``); :func:`window_tokens` reads its tokens back. None when the window cannot run
         so: no graphs, a chunk the graphs do not take (lent blocks, a LoRA adapter), or one whose sampling needs the
-        host each pass (``Sampler.draws_alone``); the executor then runs its passes one by one. ``follows``: the window
-        still running whose last tokens are this one's first inputs (``Scheduler.schedule_ahead``)."""
+        host each pass (``Sampler.draws_alone``); the executor then runs its passes one by one. ``follows``: the step
+        still running on the device whose last tokens are the inputs of this window's chunks decided ahead
+        (``Scheduler.schedule_ahead``)."""
         chunks = sched.chunks
         graphs = self.graphs
         if graphs is None or not self._graphs_take(chunks):
-            assert follows is None, "a window ahead follows one on the device, and draws as it did"
             return None
         sampler, vocab = self.sampler, self.model.arch.vocab_size
         return graphs.launch_window(
@@ -209,21 +227,33 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def launch_on_device(self, sched: SchedulerOutput, timer: Callable[[], float]) -> DeviceWindow | None:
+    def launch_on_device(
+        self, sched: SchedulerOutput, timer: Callable[[], float], follows: DeviceWindow | None = None
+    ) -> DeviceWindow | None:
         """Queue a step with prefill chunks on the device as a window of one pass (asynchronous scheduling): its
-        forward pass and its draws, its tokens left there, so the window decided after it can take its first inputs
-        from them while it runs (``Scheduler.schedule_ahead``; the step after a batch's last prefill). None when it
-        cannot run so: a chunk that does not sample (the middle of a prompt) or has drafts, scores its prompt, or
-        whose sampling needs the host (``Sampler.draws_alone``), or a batch the graphs would not take after it (no
-        graphs, too many rows, lent blocks, a LoRA adapter); it then runs to its end as ever."""
+        forward pass and its draws, its tokens left there, so that the step decided after it can take its inputs from
+        them while it runs (``Scheduler.schedule_ahead``). ``follows``: the step still running whose draws are this
+        one's inputs for its chunks decided ahead. None when it cannot run so: no graphs (asynchronous scheduling
+        overlaps the steps of an engine on CUDA graphs), a chunk with lent blocks or drafts, one that scores its
+        prompt, or one that samples by rules that need the host (``Sampler.draws_alone``); it then runs to its end as
+        ever (after ``follows``, if any)."""
         chunks = sched.chunks
-        if not self._graphs_take(chunks) or any(not c.sample or c.prompt_targets for c in chunks):
+        sampling = [c for c in chunks if c.sample]
+        if (
+            self.graphs is None
+            or not chunks
+            or any(c.remote or c.prompt_targets or c.draft_token_ids for c in chunks)
+            or not all(map(self.sampler.draws_alone, sampling))
+        ):
             return None
         marks = [DeviceWindow.mark(self.device.type == "cuda", timer)]
-        step = self.forward(sched)
-        sampler = self.sampler
-        plan = sampler.plan_draw(step.chunks, self.device, self.model.arch.vocab_size)
-        tokens = sampler.draw_planned(step.logits, plan).view(1, -1)
+        step = self.forward(sched, follows=follows)
+        if step.chunks:
+            sampler = self.sampler
+            plan = sampler.plan_draw(step.chunks, self.device, self.model.arch.vocab_size)
+            tokens = sampler.draw_planned(step.logits, plan).view(1, -1)
+        else:  # (the middle of prompts only: nothing drawn)
+            tokens = torch.empty(1, 0, dtype=torch.long, device=self.device)
         return DeviceWindow.queued(step.chunks, tokens, marks, timer)
 
     @torch.inference_mode()

@@ -241,6 +241,12 @@ class Scheduler:
         # will leave it, not with its chunk's blocks taken and its tokens not yet counted.
         self.in_flight: dict[str, int] = {}
         self._ahead_in_flight = 0  # windows decided ahead (schedule_ahead) not yet recorded
+        # Asynchronous scheduling decides any step ahead, not only the next window of the requests in flight (False:
+        # windows alone, the earlier rule, kept for comparisons: ``bench gpu``).
+        self.decide_steps_ahead = True
+        # While a step is decided ahead by the ordinary decision (``_step_ahead``): the placeholders each request in
+        # flight holds at the end of its tokens for the tokens the step in flight draws (by request id); None otherwise.
+        self._placeholders: dict[str, int] | None = None
         # KV lending's deadlock breaker (``cluster/lending_deadlock.py``): requests dropped to recompute that may not
         # be admitted again until the gManager releases them, so that the blocks they freed go to another's growth.
         self.held: set[str] = set()
@@ -410,16 +416,19 @@ class Scheduler:
         return out
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
-        """Asynchronous scheduling: the window after ``prev`` (a step whose every chunk samples, run on the device: a
-        multi-step window, a single step of decodes or a batch's last prefill as a window of one pass), decided while
-        ``prev`` still runs there, its tokens unknown. Its chunks are ``prev``'s requests one window on (each chunk's
-        first input is its request's last token in ``prev``, taken on the device: its ``token_ids`` hold
-        :data:`AHEAD_TOKEN`), less those whose output ends in ``prev`` by length; a request that ``prev`` ends otherwise
-        (a stop token or string, an abort) is in it too, and its tokens are dropped when it is recorded (it was removed
-        by then). None when the next step needs the ordinary decision: a chunk of ``prev`` did not sample (the middle
-        of a prompt) or handed its request off, a running request is not in it, a waiting request would be admitted
-        (it is, at the next ordinary step, a window later; :meth:`_would_admit`), blocks are on their way or lent, or
-        the device lacks the window's blocks; the engine then waits for ``prev`` and schedules as ever."""
+        """Asynchronous scheduling: the step after ``prev`` (a step run on the device: a multi-step window, a single
+        step of decodes, or a step with prefill as a window of one pass), decided while ``prev`` still runs there, the
+        tokens it draws unknown. A chunk that decodes a token ``prev`` draws holds :data:`AHEAD_TOKEN` in its
+        ``token_ids``: its input is taken on the device from ``prev``'s tokens. A request that ``prev`` ends otherwise
+        than by length (a stop token or string, an abort) may be in it too; its tokens are dropped when it is recorded
+        (it was removed by then).
+
+        The next window of ``prev``'s requests when nothing else changes (:meth:`_window_ahead`: the steady state,
+        cheap), else the ordinary decision over the requests as ``prev`` leaves them (:meth:`_step_ahead`: admissions,
+        the rest of a prompt, the step after a prefill). None when the next step needs the ordinary decision after
+        ``prev``: blocks are on their way or lent, drafts, a handoff, a grammar compiling, or the device short of the
+        blocks a step could take (nothing is preempted under a step in flight); the engine then waits for ``prev`` and
+        schedules as ever."""
         if (
             self.kv.has_disk
             or self.kv.num_remote_in_flight
@@ -428,6 +437,15 @@ class Scheduler:
             or prev.remote_sends  # (a stream prev sends ends with prev: a step launched meanwhile would cut it)
         ):
             return None
+        ahead = self._window_ahead(prev)
+        return ahead if ahead is not None or not self.decide_steps_ahead else self._step_ahead(prev)
+
+    def _window_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The window after ``prev`` when ``prev``'s every chunk sampled and its requests simply go on: each chunk
+        ``prev``'s request one window on (each chunk's first input is its request's last token in ``prev``), less those
+        whose output ends in ``prev`` by length. None when a chunk of ``prev`` did not sample (the middle of a prompt),
+        a running request is not in it, a waiting request would be admitted (:meth:`_would_admit`), or the device lacks
+        the window's blocks."""
         running = {r.request_id: r for r in self.running}
         if any(rid not in self.in_flight for rid in running):
             return None  # (a running request left out of prev: the ordinary decision orders them)
@@ -447,7 +465,7 @@ class Scheduler:
                 or request.handoff is not None
                 or computed != self.in_flight[rid]
             ):
-                return None  # (the engine asks only after a step whose every chunk sampled ran on the device)
+                return None
             outputs = request.num_output_tokens + chunk.num_steps
             if outputs >= request.max_tokens:
                 continue  # its output ends in prev
@@ -487,6 +505,88 @@ class Scheduler:
         out.transfers = kv.take_transfers()  # (evictions of named blocks down to host memory, for the new blocks)
         self.stats.num_ahead += 1
         return out
+
+    def _step_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The ordinary decision (:meth:`schedule`) for the step after ``prev``, made while ``prev`` runs, as vLLM's
+        asynchronous scheduler makes it: each of ``prev``'s requests counts the tokens ``prev`` computes, and one that
+        samples in ``prev`` holds a placeholder (:data:`AHEAD_TOKEN`) for each token it draws there, for the decision's
+        length only. So the step may admit waiting requests, go on with the rest of a prompt, and decode the tokens
+        ``prev`` draws (a chunk of the one placeholder). A request whose output ends in ``prev`` by length is left out.
+
+        Within the decision: no request is preempted (it is declined unless the free blocks cover the most any step
+        takes: a step in flight may be writing any request's blocks), no block is named after a placeholder (the
+        allocations see the known tokens only; the next ordinary allocation names them), and nothing is read from
+        host memory (a prefix found there is cut to its leading device blocks, a swapped request waits): host blocks
+        may still be landing from a copy queued behind the step in flight."""
+        kv = self.kv
+        if (
+            self.compiling  # (admitted by the engine's ordinary decision, which looks at their compilation first)
+            or self.held
+            or self.grants_required
+            # (A chunk of n tokens takes at most n / block size + 1 new blocks.)
+            or kv.pool.num_free
+            < kv.blocks_for_tokens(self.max_num_batched_tokens) + min(self.max_num_seqs, len(self.requests))
+        ):
+            return None
+        decided_for = prev.requests
+        pretend: list[tuple[Request, int, int]] = []  # (request, tokens prev computes, placeholders)
+        ending: list[Request] = []
+        for chunk in prev.chunks:
+            rid = chunk.request_id
+            request = self.requests.get(rid)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # it left while prev ran
+            if decided_for is not None and decided_for.get(rid) is not request:
+                continue  # (a new request of the id)
+            computed = _sure_tokens(chunk)
+            if (
+                kv.num_lent_blocks(rid)
+                or chunk.draft_token_ids
+                or request.handoff is not None
+                or computed != self.in_flight.get(rid)
+            ):
+                return None
+            placeholders = chunk.num_steps if chunk.sample else 0
+            if placeholders and request.num_output_tokens + placeholders >= request.max_tokens:
+                ending.append(request)  # its output ends in prev
+                continue
+            pretend.append((request, computed, placeholders))
+        if not self.waiting and len(ending) == len(self.running):
+            return None  # nothing goes on
+        for request, computed, placeholders in pretend:
+            request.num_computed_tokens += computed
+            if placeholders:
+                request.output_token_ids.extend([AHEAD_TOKEN] * placeholders)
+                request.all_token_ids.extend([AHEAD_TOKEN] * placeholders)
+        if ending:
+            self.running = [r for r in self.running if r not in ending]
+        in_flight = self.in_flight
+        self._placeholders = {r.request_id: k for r, _, k in pretend if k}
+        try:
+            out = self.schedule()
+        finally:
+            self._placeholders = None
+            for request, computed, placeholders in pretend:
+                request.num_computed_tokens -= computed
+                if placeholders:
+                    del request.output_token_ids[-placeholders:]
+                    del request.all_token_ids[-placeholders:]
+            self.running += ending
+            for rid, tokens in self.in_flight.items():  # (schedule() counts its own step's only)
+                in_flight[rid] = in_flight.get(rid, 0) + tokens
+            self.in_flight = in_flight
+        # (Ruled out above: the free blocks cover the step, prefixes are cut to the device, swapped requests wait.)
+        assert not out.preempted_ids and all(t.dst.tier != DEVICE for t in out.transfers), "a step ahead moved KV in"
+        out.decided_ahead = True
+        self._ahead_in_flight += 1
+        self.stats.num_ahead += 1
+        return out
+
+    def _known_tokens(self, request: Request) -> Sequence[int]:
+        """The request's tokens that are known: all of them but the placeholders it holds while a step is decided
+        ahead (a block is named by its tokens when allocated: never after a placeholder)."""
+        placeholders = self._placeholders.get(request.request_id, 0) if self._placeholders else 0
+        return request.all_token_ids[:-placeholders] if placeholders else request.all_token_ids
 
     def _begin_output(self) -> SchedulerOutput:
         """A step's decision begun: the KV manager's step opened, the step's output with the requests that finished and
@@ -531,7 +631,7 @@ class Scheduler:
         if need > kv.pool.num_free:
             return None
         for request, _ in chosen:
-            allocated = kv.allocate(request.request_id, request.all_token_ids, ends[request.request_id])
+            allocated = kv.allocate(request.request_id, self._known_tokens(request), ends[request.request_id])
             assert allocated, "the window's blocks were counted free"
         return steps
 
@@ -614,6 +714,8 @@ class Scheduler:
             or request.push is not None
             or (self.grants_required and self.awaits_grant(request))
             or self.kv.holds_back(rid, self.wait_for_host_room)
+            # (A step decided ahead reads nothing from host memory: a swapped request's blocks may still be landing.)
+            or (self._placeholders is not None and request.status is RequestStatus.SWAPPED)
         )
 
     def _handoff_send(self, request: Request) -> RemoteSend | None:
@@ -682,14 +784,15 @@ class Scheduler:
             # would come back to the same wall) and lose its KV, here and on its creditors.
             return None
         num_new = min(request.num_tokens - computed, budget, limit - computed)
-        if prefix is None and self.kv.allocate(rid, request.all_token_ids, computed + num_new):
+        tokens = self._known_tokens(request)
+        if prefix is None and self.kv.allocate(rid, tokens, computed + num_new):
             return num_new  # a running request's growth, with room: the common case
         short = self.kv.blocks_short(rid, computed + num_new, prefix)
         if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
             if request.status is RequestStatus.RUNNING:
                 self._evict(request, out, order)  # it cannot grow and nothing below it can give way
             return None
-        while not self.kv.allocate(rid, request.all_token_ids, computed + num_new, prefix):
+        while not self.kv.allocate(rid, tokens, computed + num_new, prefix):
             if not self._make_room(order, idx, chosen_ids, out):
                 if request.status is RequestStatus.RUNNING:
                     self._evict(request, out, order)  # it cannot grow and nothing below it can give way
@@ -720,7 +823,11 @@ class Scheduler:
         position's logits are needed, as vLLM rules), else the longest in memory, within ``limit`` tokens."""
         if request.scores_prompt:
             return CachedPrefix(block_size=self.kv.block_size)
-        return _prefix_within(self.kv.find_cached_prefix(request.request_id, request.all_token_ids), limit)
+        prefix = _prefix_within(self.kv.find_cached_prefix(request.request_id, request.all_token_ids), limit)
+        if self._placeholders is not None and HOST in prefix.tiers:  # (decided ahead: host blocks may be landing)
+            keep = prefix.tiers.index(HOST)
+            prefix = CachedPrefix(prefix.blocks[:keep], prefix.tiers[:keep], prefix.origins[:keep], prefix.block_size)
+        return prefix
 
     def _local_limit(self, request_id: str) -> int:
         """The most tokens the request's KV may reach with its local blocks filling the whole pool: its blocks on

@@ -61,8 +61,8 @@ def record(core: EngineCore, rec: Recorded) -> None:
     runner = core.executor.runner
     forward = runner.forward
 
-    def recording(sched, on_layer=None, before_layer=None):
-        step = forward(sched, on_layer, before_layer)
+    def recording(sched, on_layer=None, before_layer=None, follows=None):
+        step = forward(sched, on_layer, before_layer, follows)
         for row, chunk in enumerate(step.chunks):
             rec.logits[(chunk.request_id, chunk.num_output_tokens)] = step.logits[row].clone()
         return step

@@ -517,15 +517,19 @@ def test_async_single_steps_run_as_device_windows_of_one_pass(tiny_llama: Loaded
 
 
 @pytest.mark.parametrize("logprobs", [None, pytest.param(2, marks=_SLOW_ON_THE_INTERPRETER)], ids=["draws", "logprobs"])
-def test_the_first_window_is_queued_behind_the_last_prefill(tiny_llama: LoadedModel, logprobs: int | None) -> None:
-    """A step with prefill whose every chunk samples (a batch's last prefill) runs on the device like a window of one
-    pass, and the first window is decided and queued behind it, its first tokens the prefill's draws taken on the
-    device; a prefill step with the middle of a prompt runs as ever. The outputs are those without asynchronous
-    scheduling: a request whose first token is a stop token (it ran in the window ahead; its tokens are dropped), one
-    of a single token (no window for it), seeded sampling. A request whose sampling needs the host (logprobs) keeps
-    the prefill off the device, and its first window is decided as ever."""
-    prompts = [[5 + i * 7 + j for j in range(9 + 8 * i)] for i in range(5)]  # 145 prompt tokens: two steps at 96
-    free = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, [3] * 5)
+def test_steps_with_prefill_run_on_the_device_and_the_next_is_queued_behind(
+    tiny_llama: LoadedModel, logprobs: int | None
+) -> None:
+    """Each step with prefill runs on the device like a window of one pass (its draws left there), and the step after
+    it is decided and queued behind it: the rest of a prompt the step before cut, the first decodes of the prompts it
+    ended (their inputs that step's draws, taken on the device) and a waiting request admitted; then the first window
+    behind the last prefill. The outputs are those without asynchronous scheduling: a request whose first token is a
+    stop token (it ran in the step ahead; its tokens are dropped), one of a single token, seeded sampling. A request
+    whose sampling needs the host (logprobs) keeps its steps off the device, and the steps after them are decided as
+    ever."""
+    # 125 prompt tokens, then one of 70 that waits: three steps at 96.
+    prompts = [[5 + i * 7 + j for j in range(9 + 8 * i)] for i in range(5)] + [[90 + j for j in range(70)]]
+    free = _greedy(_engine(tiny_llama, "torch", graphs=False), prompts, [3] * 6)
     options = {"max_num_batched_tokens": 96}
 
     params = [
@@ -534,26 +538,32 @@ def test_the_first_window_is_queued_behind_the_last_prefill(tiny_llama: LoadedMo
         SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
         SamplingParams(temperature=0.9, seed=5, max_tokens=7, ignore_eos=True, logprobs=logprobs),
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
     ]
-    on_device = 1 if logprobs is None else 0
     expected = _outputs(_engine(tiny_llama, "triton", graphs=True, window=4, **options), prompts, params)
     core = _engine(tiny_llama, "triton", graphs=True, window=4, async_scheduling=True, **options)
     _no_waits_ahead(core)
     runner, prefills = core.executor.runner, []
     launch_on_device = runner.launch_on_device
 
-    def noting(sched, timer, launch=launch_on_device, prefills=prefills):
-        window = launch(sched, timer)
-        prefills.append((sum(len(c.token_ids) > 1 for c in sched.chunks), window is not None))
+    def noting(sched, timer, follows=None, launch=launch_on_device, prefills=prefills):
+        window = launch(sched, timer, follows)
+        admitted = sum(c.start_pos == 0 for c in sched.chunks)
+        prefills.append((sched.decided_ahead, window is not None, follows is not None, admitted))
         return window
 
     runner.launch_on_device = noting
     windows = _count_device_windows(core)
     assert _outputs(core, prompts, params) == expected
     assert expected[1][0] == [free[1][0]] and expected[1][2] == "stop" and len(expected[2][0]) == 1
-    # Two steps of prefill: the first ends in the middle of a prompt (as ever), the second runs on the device.
-    assert [on for chunks, on in prefills if chunks] == [False, bool(on_device)]
-    assert core.scheduler.stats.num_ahead == windows[0] - 1 + on_device
+    # Three steps of prefill: the first admits five requests and ends in the middle of the fifth prompt; the second
+    # (its rest, the first four requests' first decodes, and the sixth request admitted) is decided while the first
+    # runs, and the third (the sixth prompt's rest, beside decodes) while the second runs.
+    if logprobs is None:
+        assert prefills == [(False, True, False, 5), (True, True, True, 1), (True, True, True, 0)]
+        assert core.scheduler.stats.num_ahead == windows[0] + 2  # (every window too, the first behind the prefill)
+    else:  # (the request with logprobs samples in each: they run as ever)
+        assert [p[:3] for p in prefills] == [(False, False, False)] * 3
     assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampling_params import SamplingParams
-from boundless.engine.scheduler import Scheduler, SchedulerOutput
+from boundless.engine.scheduler import AHEAD_TOKEN, Scheduler, SchedulerOutput
 from boundless.kv.manager import KVCacheManager
 from boundless.kv.transfer import DEVICE, HOST
 from boundless.programs.policies import PLASPolicy, QueueConfig
@@ -223,3 +223,126 @@ def test_a_failed_step_fails_the_requests_whose_kv_it_was_moving_and_forgets_its
     assert s.step_failed(out) == ["high", "low"]  # low's host blocks were never filled
     # high's two full blocks were named when allocated, but the forward pass never wrote them.
     assert kv.find_cached_prefix("again", high_prompt + [1]).num_tokens == 0
+
+
+# -- steps decided ahead (asynchronous scheduling) ------------------------------------------------
+
+
+def record(s: Scheduler, out: SchedulerOutput, sampled_token: int) -> None:
+    """The step ran: its tokens counted, and ``sampled_token`` appended for each chunk that samples."""
+    s.advance(out, service_s=0.01)
+    for c in out.chunks:
+        if c.sample and c.request_id in s.requests:
+            s.requests[c.request_id].append_output(sampled_token)
+
+
+def test_a_step_decided_ahead_is_the_ordinary_decision_after_the_step_in_flight() -> None:
+    """The step after one in flight, decided before its tokens are known (a prompt's rest beside a decode): the
+    decisions of ``test_chunked_prefill_and_decode_share_a_step``, the decode's input a placeholder for the token the
+    step in flight draws; the requests' counts as they were once it is decided."""
+    s, _ = make_scheduler(budget=10)
+    s.add(request("a", 4, 0.0))
+    s.add(request("b", 20, 1.0, first=100))
+    first = s.schedule()
+    ahead = s.schedule_ahead(first)
+    assert ahead is not None and ahead.decided_ahead
+    assert [(c.request_id, c.token_ids, c.start_pos) for c in ahead.chunks] == [
+        ("a", [AHEAD_TOKEN], 4),
+        ("b", list(range(106, 115)), 6),
+    ]
+    a, b = s.requests["a"], s.requests["b"]
+    assert (a.num_computed_tokens, a.all_token_ids, a.output_token_ids, b.num_computed_tokens) == (
+        0,
+        [0, 1, 2, 3],
+        [],
+        0,
+    )
+    assert s.in_flight == {"a": 5, "b": 15}  # (both steps' tokens)
+    record(s, first, 7)
+    record(s, ahead, 8)
+    assert s.in_flight == {} and (a.num_computed_tokens, b.num_computed_tokens) == (5, 15)
+    out = run_step(s)
+    assert [(c.request_id, c.token_ids, c.start_pos) for c in out.chunks] == [
+        ("a", [8], 5),
+        ("b", list(range(115, 120)), 15),
+    ]
+
+
+def test_a_step_decided_ahead_admits_and_leaves_out_an_output_that_ends_in_flight() -> None:
+    s, _ = make_scheduler(budget=10)
+    s.add(request("a", 4, 0.0, max_tokens=1))
+    first = s.schedule()
+    s.add(request("c", 3, 1.0, first=50))
+    ahead = s.schedule_ahead(first)
+    assert ahead is not None
+    assert [(c.request_id, c.start_pos, len(c.token_ids)) for c in ahead.chunks] == [("c", 0, 3)]
+    assert s.requests["a"] in s.running  # (it ends when the step in flight is recorded)
+    record(s, first, 7)
+    record(s, ahead, 8)
+    assert s.requests["a"].num_output_tokens == 1 and s.requests["c"].num_computed_tokens == 3
+
+
+def test_a_block_a_placeholder_fills_is_named_by_its_real_tokens() -> None:
+    """A decode decided ahead fills a block whose last token is the placeholder: the block is named once its token is
+    known (at the request's next allocation), so a later request with those tokens finds it cached."""
+    s, _ = make_scheduler(budget=16)
+    s.add(request("a", 3, 0.0))
+    first = s.schedule()
+    s.add(request("c", 3, 1.0, first=50))  # (waiting: the decision ahead is the ordinary one)
+    ahead = s.schedule_ahead(first)
+    assert ahead is not None and (ahead.chunks[0].token_ids, ahead.chunks[0].start_pos) == ([AHEAD_TOKEN], 3)
+    record(s, first, 60)
+    record(s, ahead, 61)
+    run_step(s)
+    s.add(Request("d", [0, 1, 2, 60, 99], SamplingParams(max_tokens=4), arrival_time=2.0))
+    run_step(s)
+    assert s.requests["d"].num_cached_tokens == 4
+
+
+def test_a_step_decided_ahead_swaps_nothing_in() -> None:
+    """Host blocks may still be landing from copies queued behind the step in flight: a step decided ahead does not
+    swap a request in (the ordinary step after it does)."""
+    clock = FakeClock()
+    kv = KVCacheManager(8, 4, True, "fp", num_host_blocks=8)
+    s = Scheduler(kv, PLASPolicy(QueueConfig(base_s=1.0, growth=4.0)), clock, 8, 16)
+    low = Request("low", list(range(24)), SamplingParams(max_tokens=50), 0.0, program=ProgramRef("L"))
+    s.add(low)
+    for _ in range(3):
+        s.advance(s.schedule(), service_s=2.0)  # (low drops to a lower queue)
+    low.append_output(1)
+    s.add(Request("high", list(range(50, 56)), SamplingParams(max_tokens=5), 1.0, program=ProgramRef("H")))
+    first = s.schedule()
+    assert [c.request_id for c in first.chunks] == ["high"] and low.status is RequestStatus.SWAPPED
+    s.finish("high", RequestStatus.FINISHED_ABORTED)  # (aborted while its step runs: room for low again)
+    s.add(Request("mid", list(range(60, 63)), SamplingParams(max_tokens=5), 2.0, program=ProgramRef("M")))
+    ahead = s.schedule_ahead(first)
+    assert ahead is not None and [c.request_id for c in ahead.chunks] == ["mid"]
+    assert low.status is RequestStatus.SWAPPED and not ahead.transfers
+    record(s, first, 7)
+    record(s, ahead, 8)
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["mid", "low"] and low.status is RequestStatus.RUNNING
+    assert [t.src.tier for t in out.transfers if t.dst.tier == DEVICE] == [HOST] * 6  # (the swap-in)
+
+
+def test_a_step_decided_ahead_takes_no_prefix_hit_in_host_memory() -> None:
+    """A waiting request whose prefix is partly in host memory, admitted in a step decided ahead, takes its device hits
+    and computes the rest (the copy of a host block may still be landing)."""
+    s, _ = make_scheduler(num_blocks=8, budget=8)
+    s.kv = kv = KVCacheManager(8, 4, True, "fp", num_host_blocks=8)
+    s.add(request("x", 8, 0.0, max_tokens=1))
+    run_step(s)
+    s.finish("x", RequestStatus.FINISHED_LENGTH)
+    s.add(request("y", 24, 1.0, first=100, max_tokens=1))
+    while s.requests["y"].num_output_tokens == 0:
+        run_step(s)
+    s.finish("y", RequestStatus.FINISHED_LENGTH)
+    s.add(request("z", 3, 2.0, first=200))
+    first = s.schedule()  # (z's block is x's second, the first in the pool's order: its KV goes down to host memory)
+    s.add(request("peer", 12, 3.0))  # x's two blocks, then its own
+    assert kv.find_cached_prefix("peer", list(range(12))).tiers == [DEVICE, HOST]
+    ahead = s.schedule_ahead(first)
+    assert ahead is not None
+    assert [(c.request_id, c.start_pos) for c in ahead.chunks] == [("z", 3), ("peer", 4)]
+    assert s.requests["peer"].num_cached_tokens == 4
+    assert all(t.dst.tier == HOST for t in ahead.transfers)  # (demotions for peer's new blocks: nothing read back)
