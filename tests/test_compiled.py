@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +43,17 @@ def test_a_build_is_named_by_its_sources(tmp_path: Path) -> None:
     finder = compiled.CompiledFinder(tmp_path)
     assert finder.find_spec("boundless.kv.block_pool") is None  # (an empty build: the source's finder goes on)
     assert finder.find_spec("json") is None
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mypyc") is None or shutil.which("cc") is None,
+    reason="no mypyc or no C compiler here: the modules run from source",
+)
+def test_the_sources_build_where_mypyc_and_a_c_compiler_are() -> None:
+    """A source that mypyc refuses (a type it cannot compile) fails here, with mypyc's message. ``make`` only reports
+    a failed build and runs the source, and the tests above then skip: the fault would go unseen. (The build ``make
+    test`` made before the tests is found at once.)"""
+    assert compiled.build().is_dir()  # (raises with mypyc's output when it fails)
 
 
 def test_a_failed_build_is_reported_and_leaves_the_source_to_run(

@@ -784,22 +784,22 @@ class Scheduler:
             # would come back to the same wall) and lose its KV, here and on its creditors.
             return None
         num_new = min(request.num_tokens - computed, budget, limit - computed)
-        tokens = self._known_tokens(request)
-        if prefix is None and self.kv.allocate(rid, tokens, computed + num_new):
+        known = self._known_tokens(request)
+        if prefix is None and self.kv.allocate(rid, known, computed + num_new):
             return num_new  # a running request's growth, with room: the common case
         short = self.kv.blocks_short(rid, computed + num_new, prefix)
         if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
             if request.status is RequestStatus.RUNNING:
                 self._evict(request, out, order)  # it cannot grow and nothing below it can give way
             return None
-        while not self.kv.allocate(rid, tokens, computed + num_new, prefix):
+        while not self.kv.allocate(rid, known, computed + num_new, prefix):
             if not self._make_room(order, idx, chosen_ids, out):
                 if request.status is RequestStatus.RUNNING:
                     self._evict(request, out, order)  # it cannot grow and nothing below it can give way
                 return None
             if prefix is not None and prefix.tiers.count(HOST):
                 # The swap-out that made room may have taken host blocks of the prefix: look again.
-                prefix = _prefix_within(self.kv.find_cached_prefix(rid, request.all_token_ids), limit)
+                prefix = self._cached_prefix(request, limit)
                 computed = prefix.num_tokens
                 num_new = min(request.num_tokens - computed, budget, limit - computed)
         if request.status is not RequestStatus.RUNNING:
