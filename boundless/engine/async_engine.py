@@ -271,6 +271,8 @@ class EngineLoop:
                     if nxt is not None:
                         failed.append(nxt)
                         ahead = (nxt, core.launch(nxt, launched))
+                        with self.lock:
+                            core.decode_pending(nxt)
                 result = launched.wait()
             except Exception as e:  # a failed step must not take the server down: fail its requests, go on
                 self.step_watch.end()

@@ -671,6 +671,7 @@ class EngineCore:
             ahead = self.schedule_ahead(sched, launched)
             if ahead is not None:
                 self._ahead = (ahead, self.launch(ahead, launched))
+                self.decode_pending(ahead)
             result = launched.wait()
         except BaseException:
             # The caller fails the requests. The blocks the steps were to write (a window ahead's demotions among them:
@@ -755,6 +756,17 @@ class EngineCore:
             return None
         self._drop_expired()  # (steps may be decided ahead for as long as requests keep coming)
         return self.scheduler.schedule_ahead(sched)
+
+    def decode_pending(self, queued: SchedulerOutput) -> None:
+        """The text so far of the requests that take theirs at the end (``RequestOutputKind.FINAL_ONLY``: their tokens
+        wait in ``pending``), decoded while the device runs the steps queued ahead, when ``queued`` is a multi-step
+        window (the host waits for the device then; a single step's host work is the pace). The same text as one
+        decode at the end (``detokenizer.add_runs``), whose decode, on the host's path after the last kernel, is then of
+        the last window's tokens alone."""
+        if queued.window > 1:
+            waiting = [d for d in self._detokenizers.values() if d.pending]
+            if waiting:
+                flush(waiting)
 
     def finish_step(self, sched: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
         """Apply a step's results: finished disk reads and writes, progress, tokens, detokenizing, stops."""

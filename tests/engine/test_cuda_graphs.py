@@ -16,7 +16,7 @@ from boundless.attention import triton_paged
 from boundless.engine.async_engine import EngineLoop
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.cuda_graphs import DecodeGraphs, batch_buckets
-from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
 from boundless.kv.transfer import DEVICE, HOST
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
@@ -537,7 +537,8 @@ def test_steps_with_prefill_run_on_the_device_and_the_next_is_queued_behind(
         SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[free[1][0]]),  # stops at its first token
         SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
         SamplingParams(temperature=0.9, seed=5, max_tokens=7, ignore_eos=True, logprobs=logprobs),
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        # (Its text at the end: decoded so far while the windows after the prefill run.)
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY),
         SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
     ]
     expected = _outputs(_engine(tiny_llama, "triton", graphs=True, window=4, **options), prompts, params)
@@ -554,6 +555,17 @@ def test_steps_with_prefill_run_on_the_device_and_the_next_is_queued_behind(
 
     runner.launch_on_device = noting
     windows = _count_device_windows(core)
+    decode_pending, decoded_early = core.decode_pending, []
+
+    def decoding(queued):
+        def waiting() -> int:
+            return sum(len(d.pending or ()) for d in core._detokenizers.values())
+
+        before = waiting()
+        decode_pending(queued)
+        decoded_early.append(before - waiting())
+
+    core.decode_pending = decoding
     assert _outputs(core, prompts, params) == expected
     assert expected[1][0] == [free[1][0]] and expected[1][2] == "stop" and len(expected[2][0]) == 1
     # Three steps of prefill: the first admits five requests and ends in the middle of the fifth prompt; the second
@@ -561,6 +573,7 @@ def test_steps_with_prefill_run_on_the_device_and_the_next_is_queued_behind(
     # runs, and the third (the sixth prompt's rest, beside decodes) while the second runs.
     if logprobs is None:
         assert prefills == [(False, True, False, 5), (True, True, True, 1), (True, True, True, 0)]
+        assert sum(decoded_early) > 0  # (the final-only request's tokens, before its end)
         assert core.scheduler.stats.num_ahead == windows[0] + 2  # (every window too, the first behind the prefill)
     else:  # (the request with logprobs samples in each: they run as ever)
         assert [p[:3] for p in prefills] == [(False, False, False)] * 3
