@@ -13,13 +13,21 @@ from typing import Any
 from boundless.engine.scheduler import SchedulerOutput
 
 # The split's names of the engine's calls: ``wait`` is inside ``execute`` (a window's read-back).
-SPLIT_NAMES = {"schedule": "schedule", "schedule_ahead": "schedule", "launch": "execute", "wait": "execute"}
+# ``decode_pending`` (text decoded while the device runs a window queued ahead) counts as applying tokens.
+SPLIT_NAMES = {
+    "schedule": "schedule",
+    "schedule_ahead": "schedule",
+    "launch": "execute",
+    "wait": "execute",
+    "decode_pending": "finish_step",
+}
 
 
 @dataclass(frozen=True)
 class Phase:
     """One call of an engine phase: ``name`` (``schedule``, ``schedule_ahead``, ``launch``, ``wait``,
-    ``finish_step``), its interval on ``time.perf_counter_ns``'s clock, and the step it was for (``step_shape``)."""
+    ``finish_step``, ``decode_pending``), its interval on ``time.perf_counter_ns``'s clock, and the step it was for
+    (``step_shape``)."""
 
     name: str
     start_ns: int
@@ -80,6 +88,7 @@ class PhaseRecorder:
             "schedule_ahead": self._timed("schedule_ahead", core.schedule_ahead, lambda sched, _: sched),
             "launch": launch,
             "finish_step": self._timed("finish_step", core.finish_step, lambda sched, _: sched),
+            "decode_pending": self._timed("decode_pending", core.decode_pending, lambda queued: queued),
         }
         for name, fn in self._patches.items():
             setattr(core, name, fn)
