@@ -58,10 +58,7 @@ class DeviceWindow:
 
     def seconds(self) -> list[float]:
         """Each pass's seconds (waits for the window to end)."""
-        if self.marks and isinstance(self.marks[-1], torch.cuda.Event):
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(z) / 1e3 for a, z in itertools.pairwise(self.marks)]
-        return [z - a for a, z in itertools.pairwise(self.marks)]
+        return [seconds_between(a, z) for a, z in itertools.pairwise(self.marks)]
 
     @staticmethod
     def mark(on_gpu: bool, timer: Callable[[], float]) -> Any:
@@ -91,7 +88,18 @@ class DeviceWindow:
         n = len(self.chunks)
         row = {c.request_id: i for i, c in enumerate(self.chunks)}
         index = [(self.chunks[row[rid]].num_steps - 1) * n + row[rid] for rid in request_ids]
-        return self.tokens.view(-1).index_select(0, to_device(torch.tensor(index), self.tokens.device))
+        return self.tokens.view(-1).index_select(
+            0, to_device(torch.tensor(index, dtype=torch.long), self.tokens.device)
+        )
+
+
+def seconds_between(a: Any, z: Any) -> float:
+    """Seconds between two marks (:meth:`DeviceWindow.mark`): on a GPU, of the device's time between the events
+    (waits for ``z``)."""
+    if isinstance(z, torch.cuda.Event):
+        z.synchronize()
+        return a.elapsed_time(z) / 1e3
+    return z - a
 
 
 class DecodeGraphs:
@@ -216,8 +224,8 @@ class DecodeGraphs:
         window = max(c.num_steps for c in chunks)
         b = self._load(chunks)
         dev = self.device
-        if follows is not None:
-            ahead = [i for i, c in enumerate(chunks) if c.token_ids[0] == AHEAD_TOKEN]
+        ahead = [i for i, c in enumerate(chunks) if c.token_ids[0] == AHEAD_TOKEN] if follows is not None else []
+        if follows is not None and ahead:
             last = follows.last_tokens([chunks[i].request_id for i in ahead])
             if len(ahead) == n:  # (the steady state: every row follows)
                 self.input_ids[:n].copy_(last)

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from boundless.engine.cuda_graphs import DeviceWindow
+from boundless.engine.cuda_graphs import DeviceWindow, seconds_between
 from boundless.engine.logprobs import PromptScores
 from boundless.engine.multi_step import window_iteration
 from boundless.engine.runner import ModelRunner, window_tokens
@@ -231,9 +231,11 @@ class ModelExecutor:
                     windowed = self.runner.launch_on_device(sched, self.timer, after)
             if windowed is not None:
                 return PendingStep(self, sched, start, window=windowed, follows=after is not None, copies=host_copies)
+            # A step decided ahead that cannot run on the device, its sampling on the host: queued behind the step it
+            # follows, whose draws are its inputs; reading its logits waits for both. Its seconds are its own, from
+            # marks on the device (the wall time since its launch holds the rest of the step before).
+            marks = [DeviceWindow.mark(self.runner.device.type == "cuda", self.timer)] if after is not None else []
             if sched.chunks:
-                # (A step decided ahead that cannot run on the device, its sampling on the host: queued behind the step
-                # it follows, whose draws are its inputs; reading its logits waits for both.)
                 step = self.runner.forward(sched, on_layer, before_layer, follows=after)
                 sampled, accepted = self.runner.sample(step)
                 prompt_scores = step.prompt_scores
@@ -242,8 +244,10 @@ class ModelExecutor:
                     later = [{rid: ts[j] for rid, ts in accepted.items() if len(ts) > j} for j in range(depth)]
             if landing is not None:
                 landing.finish()  # every layer copied (a step without a forward pass copies them here)
+            if marks:
+                marks.append(DeviceWindow.mark(self.runner.device.type == "cuda", self.timer))
             if sched.window > 1 and windowed is None:  # multi-step decoding: the next passes, each on the last's tokens
-                pass_seconds.append(self.timer() - start)
+                pass_seconds.append(seconds_between(*marks) if marks else self.timer() - start)
                 last = {rid: t.token_id for rid, t in sampled.items()}
                 for j in range(1, sched.window):
                     begun = self.timer()
@@ -262,8 +266,9 @@ class ModelExecutor:
         finally:
             if waits is not None:
                 self.kv_io.count_layer_waits(waits.waited_s, waits.timeouts)
+        elapsed = (sum(pass_seconds) if pass_seconds else seconds_between(*marks)) if marks else None
         return PendingStep(
-            self, sched, start, result=self._result(sched, sampled, later, pass_seconds, prompt_scores, start)
+            self, sched, start, result=self._result(sched, sampled, later, pass_seconds, prompt_scores, start, elapsed)
         )
 
     def _result(

@@ -247,6 +247,9 @@ class Scheduler:
         # While a step is decided ahead by the ordinary decision (``_step_ahead``): the placeholders each request in
         # flight holds at the end of its tokens for the tokens the step in flight draws (by request id); None otherwise.
         self._placeholders: dict[str, int] | None = None
+        # A step decided ahead found a request short of blocks (it evicts nobody): the next decision is the ordinary
+        # one, after the step in flight, which may preempt.
+        self._short_ahead = False
         # KV lending's deadlock breaker (``cluster/lending_deadlock.py``): requests dropped to recompute that may not
         # be admitted again until the gManager releases them, so that the blocks they freed go to another's growth.
         self.held: set[str] = set()
@@ -307,6 +310,8 @@ class Scheduler:
         below the device (host memory) if one has room, else dropped to be recomputed.
         """
         now = self.clock()
+        if self._placeholders is None:
+            self._short_ahead = False
         out = self._begin_output()
         self.policy.update(now)
         budget = self.max_num_batched_tokens
@@ -513,16 +518,21 @@ class Scheduler:
         length only. So the step may admit waiting requests, go on with the rest of a prompt, and decode the tokens
         ``prev`` draws (a chunk of the one placeholder). A request whose output ends in ``prev`` by length is left out.
 
-        Within the decision: no request is preempted (it is declined unless the free blocks cover the most any step
-        takes: a step in flight may be writing any request's blocks), no block is named after a placeholder (the
-        allocations see the known tokens only; the next ordinary allocation names them), and nothing is read from
-        host memory (a prefix found there is cut to its leading device blocks, a swapped request waits): host blocks
-        may still be landing from a copy queued behind the step in flight."""
+        Within the decision: no request is preempted (a step in flight may be writing any request's blocks): one
+        that finds too few free blocks ends the decision, in priority order, and the next decision is the ordinary
+        one; it is declined unless the free blocks cover the most a step takes, so that this is rare. No block is
+        named after a placeholder (the allocations name blocks of the known tokens only; the request's next
+        allocation names them). Nothing is read from host memory (a prefix found there is cut to its leading device
+        blocks, a swapped request waits): host blocks may still be landing from a copy queued behind the step in
+        flight. None when nothing would run."""
         kv = self.kv
         if (
-            self.compiling  # (admitted by the engine's ordinary decision, which looks at their compilation first)
+            self._short_ahead
+            or self.compiling  # (admitted by the engine's ordinary decision, which looks at their compilation first)
             or self.held
             or self.grants_required
+            # (A prefill engine's request sends its blocks in the step that ends its prompt: streams of one step only.)
+            or any(r.handoff is not None for r in self.waiting)
             # (A chunk of n tokens takes at most n / block size + 1 new blocks.)
             or kv.pool.num_free
             < kv.blocks_for_tokens(self.max_num_batched_tokens) + min(self.max_num_seqs, len(self.requests))
@@ -561,9 +571,17 @@ class Scheduler:
         if ending:
             self.running = [r for r in self.running if r not in ending]
         in_flight = self.in_flight
+        finished, arrived = self._finished_since_step, self._arrived_since_step
         self._placeholders = {r.request_id: k for r, _, k in pretend if k}
         try:
             out = self.schedule()
+        except BaseException:
+            # (No step to launch: the copies to host memory decided so far will not run, so no name may point at the
+            # blocks they were to fill; the departures and arrivals go to the next step.)
+            kv.forget(t.dst for t in kv.take_transfers())
+            self._finished_since_step = finished + self._finished_since_step
+            self._arrived_since_step += arrived
+            raise
         finally:
             self._placeholders = None
             for request, computed, placeholders in pretend:
@@ -575,18 +593,24 @@ class Scheduler:
             for rid, tokens in self.in_flight.items():  # (schedule() counts its own step's only)
                 in_flight[rid] = in_flight.get(rid, 0) + tokens
             self.in_flight = in_flight
-        # (Ruled out above: the free blocks cover the step, prefixes are cut to the device, swapped requests wait.)
+        # (Ruled out above: nobody is evicted, prefixes are cut to the device, swapped requests wait.)
         assert not out.preempted_ids and all(t.dst.tier != DEVICE for t in out.transfers), "a step ahead moved KV in"
+        if not out.chunks and not out.transfers:
+            # Nothing to run (those that go on are held back): the ordinary decision after prev, which gets the
+            # departures and arrivals this one took.
+            self._finished_since_step = out.finished_ids + self._finished_since_step
+            self._arrived_since_step += out.arrivals
+            return None
         out.decided_ahead = True
         self._ahead_in_flight += 1
         self.stats.num_ahead += 1
         return out
 
-    def _known_tokens(self, request: Request) -> Sequence[int]:
-        """The request's tokens that are known: all of them but the placeholders it holds while a step is decided
-        ahead (a block is named by its tokens when allocated: never after a placeholder)."""
+    def _num_known(self, request: Request) -> int | None:
+        """How many of the request's tokens are known while a step is decided ahead: all but the placeholders it holds
+        (a block is named by its tokens when allocated: never after a placeholder); None (all) otherwise."""
         placeholders = self._placeholders.get(request.request_id, 0) if self._placeholders else 0
-        return request.all_token_ids[:-placeholders] if placeholders else request.all_token_ids
+        return request.num_tokens - placeholders if placeholders else None
 
     def _begin_output(self) -> SchedulerOutput:
         """A step's decision begun: the KV manager's step opened, the step's output with the requests that finished and
@@ -631,7 +655,9 @@ class Scheduler:
         if need > kv.pool.num_free:
             return None
         for request, _ in chosen:
-            allocated = kv.allocate(request.request_id, self._known_tokens(request), ends[request.request_id])
+            allocated = kv.allocate(
+                request.request_id, request.all_token_ids, ends[request.request_id], num_known=self._num_known(request)
+            )
             assert allocated, "the window's blocks were counted free"
         return steps
 
@@ -784,24 +810,31 @@ class Scheduler:
             # would come back to the same wall) and lose its KV, here and on its creditors.
             return None
         num_new = min(request.num_tokens - computed, budget, limit - computed)
-        known = self._known_tokens(request)
-        if prefix is None and self.kv.allocate(rid, known, computed + num_new):
+        known = self._num_known(request)
+        if prefix is None and self.kv.allocate(rid, request.all_token_ids, computed + num_new, num_known=known):
             return num_new  # a running request's growth, with room: the common case
-        short = self.kv.blocks_short(rid, computed + num_new, prefix)
-        if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
-            if request.status is RequestStatus.RUNNING:
-                self._evict(request, out, order)  # it cannot grow and nothing below it can give way
-            return None
-        while not self.kv.allocate(rid, known, computed + num_new, prefix):
-            if not self._make_room(order, idx, chosen_ids, out):
+        if self._placeholders is not None:
+            # Decided ahead: nobody is evicted under a step in flight (its chunks may be writing any request's blocks).
+            # The decision ends here, in priority order; the next one is the ordinary decision, which may preempt.
+            if prefix is None or not self.kv.allocate(rid, request.all_token_ids, computed + num_new, prefix, known):
+                self._short_ahead = True
+                return None
+        else:
+            short = self.kv.blocks_short(rid, computed + num_new, prefix)
+            if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
                 if request.status is RequestStatus.RUNNING:
                     self._evict(request, out, order)  # it cannot grow and nothing below it can give way
                 return None
-            if prefix is not None and prefix.tiers.count(HOST):
-                # The swap-out that made room may have taken host blocks of the prefix: look again.
-                prefix = self._cached_prefix(request, limit)
-                computed = prefix.num_tokens
-                num_new = min(request.num_tokens - computed, budget, limit - computed)
+            while not self.kv.allocate(rid, request.all_token_ids, computed + num_new, prefix):
+                if not self._make_room(order, idx, chosen_ids, out):
+                    if request.status is RequestStatus.RUNNING:
+                        self._evict(request, out, order)  # it cannot grow and nothing below it can give way
+                    return None
+                if prefix is not None and prefix.tiers.count(HOST):
+                    # The swap-out that made room may have taken host blocks of the prefix: look again.
+                    prefix = _prefix_within(self.kv.find_cached_prefix(rid, request.all_token_ids), limit)
+                    computed = prefix.num_tokens
+                    num_new = min(request.num_tokens - computed, budget, limit - computed)
         if request.status is not RequestStatus.RUNNING:
             self.kv.note_admitted(rid, computed // self.kv.block_size)
             if request.num_computed_tokens == 0 and request.num_preemptions == 0:

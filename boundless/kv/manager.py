@@ -500,12 +500,15 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_tokens_after: int,
         prefix: CachedPrefix | None = None,
+        num_known: int | None = None,
     ) -> bool:
         """Make room for the request's KV up to ``num_tokens_after`` tokens.
 
         ``prefix`` (first allocation only) takes references on device hits instead of new blocks; its host
         hits get new device blocks and host-to-device transfers. Returns False, changing nothing, when the
-        device pool lacks free blocks.
+        device pool lacks free blocks. Full blocks are named by their tokens, of ``token_ids``' first ``num_known``
+        only if given (the rest are placeholders: a step decided ahead); a block left unnamed is named at a later
+        allocation.
         """
         if prefix is None and self._within_blocks(request_id, num_tokens_after):
             return True
@@ -540,7 +543,7 @@ class KVCacheManager:
         num_new = self.blocks_for_tokens(num_tokens_after) - len(table) - self.num_lent_blocks(request_id)
         if num_new > 0:
             table.extend(self.pool.allocate(num_new, owner))
-        self._name_full_blocks(request_id, token_ids, num_tokens_after)
+        self._name_full_blocks(request_id, token_ids, num_tokens_after if num_known is None else num_known)
         if self._prefetched:
             self._drop_prefetched(request_id)  # admitted: its hits hold their own references now
         self._release_held_for(request_id)

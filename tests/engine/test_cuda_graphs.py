@@ -17,6 +17,7 @@ from boundless.engine.async_engine import EngineLoop
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
+from boundless.engine.scheduler import AHEAD_TOKEN
 from boundless.kv.transfer import DEVICE, HOST
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
@@ -601,3 +602,40 @@ def test_a_full_batch_runs_ahead_while_requests_wait_behind_it(tiny_llama: Loade
     assert _outputs(core, prompts, params) == expected
     assert max(waiting_behind) == 2  # (the first two ran ahead with the other two waiting)
     assert core.kv.pool.num_free == core.kv.pool.num_blocks
+
+
+def test_a_step_decided_ahead_may_follow_with_none_of_its_rows(tiny_llama: LoadedModel) -> None:
+    """A step decided ahead of decodes only, none of whose rows follow the step in flight: the requests in that step
+    all end there by length, and the one that goes on was left out of it (an arrival that ranks first took its slot),
+    so its input is its known token. The outputs are those without asynchronous scheduling."""
+    options = {"max_num_seqs": 2, "policy": "fcfs", "max_num_batched_tokens": 32}
+
+    def run(core: EngineCore) -> dict[str, list[int]]:
+        def params(n: int) -> SamplingParams:
+            return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+        out: dict[str, list[int]] = {}
+        core.add_request("A", [5, 6, 7, 8, 9], params(3))
+        core.add_request("C", [30, 31, 32, 33], params(6))
+        for d in core.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        core.add_request("B", [50, 51, 52], params(1))
+        core.scheduler.requests["B"].arrival_time = -1.0  # (first in line: it takes C's slot)
+        while core.has_unfinished() or core._ahead is not None:
+            for d in core.step():
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        return out
+
+    expected = run(_engine(tiny_llama, "triton", graphs=True, **options))
+    core = _engine(tiny_llama, "triton", graphs=True, async_scheduling=True, **options)
+    decide, followed_by_none = core.schedule_ahead, []
+
+    def noting(prev, launched):
+        ahead = decide(prev, launched)
+        if ahead is not None and ahead.chunks and all(c.token_ids[0] != AHEAD_TOKEN for c in ahead.chunks):
+            followed_by_none.append([c.request_id for c in ahead.chunks])
+        return ahead
+
+    core.schedule_ahead = noting
+    assert run(core) == expected
+    assert followed_by_none == [["C"]]

@@ -346,3 +346,29 @@ def test_a_step_decided_ahead_takes_no_prefix_hit_in_host_memory() -> None:
     assert [(c.request_id, c.start_pos) for c in ahead.chunks] == [("z", 3), ("peer", 4)]
     assert s.requests["peer"].num_cached_tokens == 4
     assert all(t.dst.tier == HOST for t in ahead.transfers)  # (demotions for peer's new blocks: nothing read back)
+
+
+def test_a_step_decided_ahead_evicts_nobody() -> None:
+    """A prefix hit on free cached blocks takes blocks the free-block guard counted free, and may leave a request of
+    the step in flight short of blocks in the step decided ahead: it is left out, not evicted (the step in flight may
+    be writing its blocks), and the next decision is the ordinary one, after that step, which may preempt."""
+    kv = KVCacheManager(14, 4, True, "fp")
+    s = Scheduler(kv, FCFSPolicy(), FakeClock(), max_num_batched_tokens=16, max_num_seqs=4)
+    s.add(Request("P", list(range(1000, 1032)), SamplingParams(max_tokens=1), arrival_time=0.0))
+    while s.requests["P"].num_output_tokens == 0:
+        run_step(s)
+    s.finish("P", RequestStatus.FINISHED_LENGTH)  # (its 8 blocks stay cached, free)
+    s.add(Request("A", list(range(7)), SamplingParams(max_tokens=50), arrival_time=2.0))
+    s.add(Request("V", list(range(10, 17)), SamplingParams(max_tokens=50), arrival_time=3.0))
+    run_step(s)
+    first = s.schedule()  # A's and V's first decodes
+    s.add(Request("B", list(range(1000, 1032)) + [5], SamplingParams(max_tokens=5), arrival_time=1.0))  # P's blocks
+    ahead = s.schedule_ahead(first)
+    assert ahead is not None and [(c.request_id, c.start_pos) for c in ahead.chunks] == [("B", 32), ("A", 8)]
+    v = s.requests["V"]
+    assert not ahead.preempted_ids and v.status is RequestStatus.RUNNING and v.num_computed_tokens == 7
+    record(s, first, 9)
+    assert s.schedule_ahead(ahead) is None  # (V waits for the ordinary decision)
+    record(s, ahead, 9)
+    out = s.schedule()
+    assert out.preempted_ids == ["V"] and [c.request_id for c in out.chunks] == ["B", "A"]
