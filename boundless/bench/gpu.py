@@ -266,9 +266,9 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
                 lambda s=windowed, p=case_prompts, c=case: measured_alone(s, p, c[2], args.repeats, hf_rate(*c)),
             )
             largest = bool(windows) and window == max(windows)
-            if ahead and window > 1:
+            if ahead and window > 1 and case in (cases[0], cases[-1]):
                 # The same with only windows decided ahead (the rule before steps with prefill were): in this run, so
-                # the two compare on one machine.
+                # the two compare on one machine (the decode-heavy and the long-prompt cases: #16's targets).
                 windowed.llm.engine.scheduler.decide_steps_ahead = False
                 _stage(
                     results,

@@ -56,6 +56,13 @@ def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
         assert split is None or (split["steps"] >= 8 and split["schedule_s"] > 0)  # (a window's passes are steps)
     for n, i, o in gpu.TINY_CASES:  # asynchronous scheduling on every case, against each case's baseline
         assert results[f"async_window16_1b_{n}x{i}x{o}"]["ratio_to_baseline"] > 0
+    # Windows alone decided ahead, beside it, on the first and the last case (the decode-heavy and long-prompt ones).
+    first, last = ("x".join(map(str, c)) for c in (gpu.TINY_CASES[0], gpu.TINY_CASES[-1]))
+    assert {k for k in results if k.endswith("_windows_only")} == {
+        f"async_window16_1b_{first}_windows_only",
+        f"async_window16_1b_{last}_windows_only",
+    }
+    assert all(results[f"async_window16_1b_{c}_windows_only"]["output_tokens_per_s"] > 0 for c in (first, last))
     decode = results["decode_8b"]
     # (A decode step is a difference of two timed runs: on these tiny shapes, noise may make it negative. The
     # figures are there; the roofline is computed, not timed.)
