@@ -569,7 +569,8 @@ class Scheduler:
                 request.output_token_ids.extend([AHEAD_TOKEN] * placeholders)
                 request.all_token_ids.extend([AHEAD_TOKEN] * placeholders)
         if ending:
-            self.running = [r for r in self.running if r not in ending]
+            ended = {r.request_id for r in ending}
+            self.running = [r for r in self.running if r.request_id not in ended]
         in_flight = self.in_flight
         finished, arrived = self._finished_since_step, self._arrived_since_step
         self._placeholders = {r.request_id: k for r, _, k in pretend if k}
