@@ -18,6 +18,7 @@ failure does not cost the rest of the lease.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import time
@@ -270,11 +271,8 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
                 # The same with only windows decided ahead (the rule before steps with prefill were): in this run, so
                 # the two compare on one machine (the decode-heavy and the long-prompt cases: #16's targets).
                 windowed.llm.engine.scheduler.decide_steps_ahead = False
-                _stage(
-                    results,
-                    f"{key}_windows_only",
-                    lambda s=windowed, p=case_prompts, c=case: measured_alone(s, p, c[2], args.repeats, hf_rate(*c)),
-                )
+                alone = functools.partial(measured_alone, windowed, case_prompts, case[2], args.repeats, hf_rate(*case))
+                _stage(results, f"{key}_windows_only", alone)
                 windowed.llm.engine.scheduler.decide_steps_ahead = True
             if largest and loaded.device.type == "cuda" and (ahead or case == cases[0]):
                 # (Every case with asynchronous scheduling: where the long prompts' time goes, too.)
