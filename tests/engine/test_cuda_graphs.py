@@ -639,3 +639,45 @@ def test_a_step_decided_ahead_may_follow_with_none_of_its_rows(tiny_llama: Loade
     core.schedule_ahead = noting
     assert run(core) == expected
     assert followed_by_none == [["C"]]
+
+
+def test_a_step_decided_ahead_that_samples_on_the_host_runs_behind_the_step_it_follows(
+    tiny_llama: LoadedModel,
+) -> None:
+    """A request with logprobs admitted in a step decided ahead: that step cannot draw on the device, so it runs
+    after the step it follows on the stream, its decodes' inputs taken from that step's draws, and samples on the host.
+    The outputs are those without asynchronous scheduling (seeded and greedy requests)."""
+    prompts = [[5 + j for j in range(20)], [50 + j for j in range(37)], [120 + j for j in range(30)]]
+    params = [
+        SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=6, ignore_eos=True, logprobs=2),
+    ]
+    options = {"max_num_batched_tokens": 32}
+
+    def run(core: EngineCore) -> list[list[int]]:
+        out: dict[str, list[int]] = {str(i): [] for i in range(3)}
+        for i in range(2):
+            core.add_request(str(i), prompts[i], params[i])
+        core.step()  # (the first prefill step runs: the third request arrives while the second is decided)
+        core.add_request("2", prompts[2], params[2])
+        while core.has_unfinished() or core._ahead is not None:
+            for d in core.step():
+                out[d.request_id] += d.new_token_ids
+        return [out[str(i)] for i in range(3)]
+
+    expected = run(_engine(tiny_llama, "triton", graphs=True, **options))
+    core = _engine(tiny_llama, "triton", graphs=True, async_scheduling=True, **options)
+    runner, on_host = core.executor.runner, []
+    launch_on_device = runner.launch_on_device
+
+    def noting(sched, timer, follows=None):
+        window = launch_on_device(sched, timer, follows)
+        if window is None and follows is not None:
+            on_host.append(sorted(c.request_id for c in sched.chunks if c.token_ids[0] == AHEAD_TOKEN))
+        return window
+
+    runner.launch_on_device = noting
+    assert run(core) == expected
+    # The step admitting the request with logprobs, beside both first requests' decodes, which follow the step before.
+    assert on_host == [["0", "1"]]
