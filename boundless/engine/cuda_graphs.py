@@ -92,6 +92,15 @@ class DeviceWindow:
             0, to_device(torch.tensor(index, dtype=torch.long), self.tokens.device)
         )
 
+    def fill(self, ids: torch.Tensor, rows: Sequence[int], request_ids: Sequence[str]) -> None:
+        """Write into ``ids``' ``rows`` the last token each of these requests draws in the window, on the device
+        (nothing waits): the inputs of a step decided ahead's chunks that follow this window."""
+        last = self.last_tokens(request_ids)
+        if list(rows) == list(range(len(rows))):  # (the steady state: every row follows, in order)
+            ids[: len(rows)].copy_(last)
+        else:  # (a request left out of the step before, back: its token is known)
+            ids.index_copy_(0, to_device(torch.tensor(rows, dtype=torch.long), ids.device), last)
+
 
 def seconds_between(a: Any, z: Any) -> float:
     """Seconds between two marks (:meth:`DeviceWindow.mark`): on a GPU, of the device's time between the events
@@ -224,13 +233,10 @@ class DecodeGraphs:
         window = max(c.num_steps for c in chunks)
         b = self._load(chunks)
         dev = self.device
-        ahead = [i for i, c in enumerate(chunks) if c.token_ids[0] == AHEAD_TOKEN] if follows is not None else []
-        if follows is not None and ahead:
-            last = follows.last_tokens([chunks[i].request_id for i in ahead])
-            if len(ahead) == n:  # (the steady state: every row follows)
-                self.input_ids[:n].copy_(last)
-            else:  # (a request left out of the step before it, back in this one: its token is known)
-                self.input_ids.index_copy_(0, to_device(torch.tensor(ahead, dtype=torch.long), dev), last)
+        if follows is not None:
+            ahead = [i for i, c in enumerate(chunks) if c.token_ids[0] == AHEAD_TOKEN]
+            if ahead:
+                follows.fill(self.input_ids, ahead, [chunks[i].request_id for i in ahead])
         # Each pass's rows (those with more passes than it), made before the first pass: the set shrinks as rows end,
         # so it is made again only after a pass where some end (a row ends after its ``num_steps`` passes).
         ending = Counter(c.num_steps for c in chunks)

@@ -177,8 +177,7 @@ class ModelRunner:
         if batch.ahead_rows:
             if follows is None:
                 raise RuntimeError("a step decided ahead ran without the step whose tokens are its inputs")
-            rows = to_device(torch.tensor(batch.ahead_rows, dtype=torch.long), self.device)
-            batch.input_ids.index_copy_(0, rows, follows.last_tokens([c.request_id for c in batch.ahead_chunks]))
+            follows.fill(batch.input_ids, batch.ahead_rows, [c.request_id for c in batch.ahead_chunks])
         meta = self.attention.prepare(batch.attention)
         lora = lora_batch(self.loras, batch.lora_rows, self.device) if batch.lora_rows else None
         hidden = self.model(

@@ -451,33 +451,22 @@ class Scheduler:
         whose output ends in ``prev`` by length. None when a chunk of ``prev`` did not sample (the middle of a prompt),
         a running request is not in it, a waiting request would be admitted (:meth:`_would_admit`), or the device lacks
         the window's blocks."""
-        running = {r.request_id: r for r in self.running}
-        if any(rid not in self.in_flight for rid in running):
+        if any(r.request_id not in self.in_flight for r in self.running):
             return None  # (a running request left out of prev: the ordinary decision orders them)
+        found = self._in_flight(prev)
+        if found is None:
+            return None
         kv = self.kv
         plan: list[tuple[Request, int, int, int]] = []  # (request, first position, passes, outputs after prev)
         need = 0
-        for chunk in prev.chunks:
-            request = running.get(chunk.request_id)
-            if request is None:
-                continue  # it left while prev ran
-            rid = request.request_id
-            computed = _sure_tokens(chunk)  # (a decode's passes, or a prefill chunk's tokens)
-            if (
-                kv.num_lent_blocks(rid)
-                or not chunk.sample
-                or chunk.draft_token_ids
-                or request.handoff is not None
-                or computed != self.in_flight[rid]
-            ):
-                return None
+        for request, chunk in found[0]:  # (those whose output ends in prev are left out)
+            if not chunk.sample:
+                return None  # (the middle of a prompt: the ordinary decision goes on with it)
             outputs = request.num_output_tokens + chunk.num_steps
-            if outputs >= request.max_tokens:
-                continue  # its output ends in prev
-            start = request.num_computed_tokens + computed
+            start = request.num_computed_tokens + _sure_tokens(chunk)
             steps = min(self.num_scheduler_steps, request.max_tokens - outputs)
             plan.append((request, start, steps, outputs))
-            need += max(0, kv.blocks_for_tokens(start + steps) - kv.num_allocated_blocks(rid))
+            need += max(0, kv.blocks_for_tokens(start + steps) - kv.num_allocated_blocks(request.request_id))
         if not plan or need > kv.pool.num_free or (self.waiting and self._would_admit([r for r, *_ in plan])):
             return None
         out = self._begin_output()
@@ -511,6 +500,36 @@ class Scheduler:
         self.stats.num_ahead += 1
         return out
 
+    def _in_flight(self, prev: SchedulerOutput) -> tuple[list[tuple[Request, ScheduledChunk]], list[Request]] | None:
+        """``prev``'s requests still here (not one that left while it ran, nor a new request of its id), each with its
+        chunk, less those whose output ends in ``prev`` by length, which come second; None when the step after ``prev``
+        may not be decided ahead for one of them: it has lent blocks, drafts or a handoff, or another step of it is in
+        flight."""
+        going: list[tuple[Request, ScheduledChunk]] = []
+        ending: list[Request] = []
+        decided_for = prev.requests
+        for chunk in prev.chunks:
+            rid = chunk.request_id
+            request = self.requests.get(rid)
+            if (
+                request is None
+                or request.status is not RequestStatus.RUNNING
+                or (decided_for is not None and decided_for.get(rid) is not request)
+            ):
+                continue
+            if (
+                self.kv.num_lent_blocks(rid)
+                or chunk.draft_token_ids
+                or request.handoff is not None
+                or _sure_tokens(chunk) != self.in_flight.get(rid)
+            ):
+                return None
+            if chunk.sample and request.num_output_tokens + chunk.num_steps >= request.max_tokens:
+                ending.append(request)
+            else:
+                going.append((request, chunk))
+        return going, ending
+
     def _step_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """The ordinary decision (:meth:`schedule`) for the step after ``prev``, made while ``prev`` runs, as vLLM's
         asynchronous scheduler makes it: each of ``prev``'s requests counts the tokens ``prev`` computes, and one that
@@ -538,29 +557,12 @@ class Scheduler:
             < kv.blocks_for_tokens(self.max_num_batched_tokens) + min(self.max_num_seqs, len(self.requests))
         ):
             return None
-        decided_for = prev.requests
-        pretend: list[tuple[Request, int, int]] = []  # (request, tokens prev computes, placeholders)
-        ending: list[Request] = []
-        for chunk in prev.chunks:
-            rid = chunk.request_id
-            request = self.requests.get(rid)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # it left while prev ran
-            if decided_for is not None and decided_for.get(rid) is not request:
-                continue  # (a new request of the id)
-            computed = _sure_tokens(chunk)
-            if (
-                kv.num_lent_blocks(rid)
-                or chunk.draft_token_ids
-                or request.handoff is not None
-                or computed != self.in_flight.get(rid)
-            ):
-                return None
-            placeholders = chunk.num_steps if chunk.sample else 0
-            if placeholders and request.num_output_tokens + placeholders >= request.max_tokens:
-                ending.append(request)  # its output ends in prev
-                continue
-            pretend.append((request, computed, placeholders))
+        found = self._in_flight(prev)
+        if found is None:
+            return None
+        going, ending = found
+        # (request, tokens prev computes, placeholders for the tokens it draws)
+        pretend = [(r, _sure_tokens(c), c.num_steps if c.sample else 0) for r, c in going]
         if not self.waiting and len(ending) == len(self.running):
             return None  # nothing goes on
         for request, computed, placeholders in pretend:
