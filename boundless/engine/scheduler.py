@@ -584,6 +584,7 @@ class Scheduler:
             kv.forget(t.dst for t in kv.take_transfers())
             self._finished_since_step = finished + self._finished_since_step
             self._arrived_since_step += arrived
+            self.in_flight = in_flight  # (prev's counts alone)
             raise
         finally:
             self._placeholders = None
@@ -593,9 +594,9 @@ class Scheduler:
                     del request.output_token_ids[-placeholders:]
                     del request.all_token_ids[-placeholders:]
             self.running += ending
-            for rid, tokens in self.in_flight.items():  # (schedule() counts its own step's only)
-                in_flight[rid] = in_flight.get(rid, 0) + tokens
-            self.in_flight = in_flight
+        step_in_flight, self.in_flight = self.in_flight, in_flight  # (schedule() counts its own step's only)
+        for rid, tokens in step_in_flight.items():
+            in_flight[rid] = in_flight.get(rid, 0) + tokens
         # (Ruled out above: nobody is evicted, prefixes are cut to the device, swapped requests wait.)
         assert not out.preempted_ids and all(t.dst.tier != DEVICE for t in out.transfers), "a step ahead moved KV in"
         if not out.chunks and not out.transfers:

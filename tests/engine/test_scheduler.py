@@ -372,3 +372,42 @@ def test_a_step_decided_ahead_evicts_nobody() -> None:
     record(s, ahead, 9)
     out = s.schedule()
     assert out.preempted_ids == ["V"] and [c.request_id for c in out.chunks] == ["B", "A"]
+
+
+def test_a_decision_ahead_that_raises_leaves_the_requests_as_they_were() -> None:
+    """A fault inside a decision ahead: the requests in flight lose their placeholders and pretended counts, the
+    in-flight counts are the step in flight's alone, and the departures it had taken go to the next step."""
+    s, _ = make_scheduler(budget=10)
+    s.add(request("a", 4, 0.0))
+    s.add(request("b", 20, 1.0, first=100))
+    first = s.schedule()
+    s.add(request("x", 3, 2.0, first=50))
+    s.finish("x", RequestStatus.FINISHED_ABORTED)
+
+    class FailingPolicy:
+        """The policy, but its priority raises: the decision fails after it began."""
+
+        def __init__(self, policy: FCFSPolicy) -> None:
+            self.policy = policy
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.policy, name)
+
+        def priority(self, *args: object) -> float:
+            raise RuntimeError("a fault in the decision")
+
+    policy = s.policy
+    s.policy = FailingPolicy(policy)  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="a fault in the decision"):
+        s.schedule_ahead(first)
+    s.policy = policy
+    a, b = s.requests["a"], s.requests["b"]
+    assert (a.num_computed_tokens, a.all_token_ids, a.output_token_ids, b.num_computed_tokens) == (
+        0,
+        [0, 1, 2, 3],
+        [],
+        0,
+    )
+    assert s.in_flight == {"a": 4, "b": 6} and s.running == [a, b]
+    record(s, first, 7)
+    assert s.schedule().finished_ids == ["x"]
