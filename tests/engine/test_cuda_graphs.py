@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from device_waits import device_waits_refused
 
 from boundless.attention import triton_paged
 from boundless.engine.async_engine import EngineLoop
@@ -255,15 +256,18 @@ def _outputs(core: EngineCore, prompts: list[list[int]], params: list[SamplingPa
 
 
 def _no_waits_ahead(core: EngineCore) -> None:
-    """On CUDA: launching a window decided ahead must not wait for the device (it would wait for the window before
-    it, and the overlap would be gone); PyTorch's sync debug mode raises on any call that waits meanwhile."""
-    if core.executor.runner.device.type != "cuda":
-        return
+    """Launching a step decided ahead must not wait for the device (it would wait for the step before it, and the
+    overlap would be gone). On CUDA, PyTorch's sync debug mode raises on any call that waits meanwhile; on the CPU,
+    :func:`device_waits_refused` raises on the calls that would wait on a GPU."""
     original = core.launch
+    on_gpu = core.executor.runner.device.type == "cuda"
 
     def launch(sched, follows=None):
         if follows is None:
             return original(sched, follows)
+        if not on_gpu:
+            with device_waits_refused():
+                return original(sched, follows)
         torch.cuda.set_sync_debug_mode("error")
         try:
             return original(sched, follows)
@@ -590,6 +594,7 @@ def test_a_full_batch_runs_ahead_while_requests_wait_behind_it(tiny_llama: Loade
     options = {"max_num_seqs": 2, "policy": "fcfs"}
     expected = _outputs(_engine(tiny_llama, "torch", graphs=False, window=4, **options), prompts, params)
     core = _engine(tiny_llama, "triton", graphs=True, window=4, async_scheduling=True, **options)
+    _no_waits_ahead(core)
     decide, waiting_behind = core.schedule_ahead, []
 
     def noting(prev, launched):
@@ -628,6 +633,7 @@ def test_a_step_decided_ahead_may_follow_with_none_of_its_rows(tiny_llama: Loade
 
     expected = run(_engine(tiny_llama, "triton", graphs=True, **options))
     core = _engine(tiny_llama, "triton", graphs=True, async_scheduling=True, **options)
+    _no_waits_ahead(core)
     decide, followed_by_none = core.schedule_ahead, []
 
     def noting(prev, launched):
