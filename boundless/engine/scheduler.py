@@ -247,9 +247,10 @@ class Scheduler:
         # While a step is decided ahead by the ordinary decision (``_step_ahead``): the placeholders each request in
         # flight holds at the end of its tokens for the tokens the step in flight draws (by request id); None otherwise.
         self._placeholders: dict[str, int] | None = None
-        # A step decided ahead found a request short of blocks (it evicts nobody): the next decision is the ordinary
-        # one, after the step in flight, which may preempt.
-        self._short_ahead = False
+        # A step decided ahead ended at a request it may not take: one short of blocks (it evicts nobody), or one whose
+        # KV is in host memory (where blocks may still be landing). The next decision is the ordinary one, after the
+        # step in flight, which may preempt, swap in and load; else a run of steps ahead could pass it over for good.
+        self._ended_ahead = False
         # KV lending's deadlock breaker (``cluster/lending_deadlock.py``): requests dropped to recompute that may not
         # be admitted again until the gManager releases them, so that the blocks they freed go to another's growth.
         self.held: set[str] = set()
@@ -311,7 +312,7 @@ class Scheduler:
         """
         now = self.clock()
         if self._placeholders is None:
-            self._short_ahead = False
+            self._ended_ahead = False
         out = self._begin_output()
         self.policy.update(now)
         budget = self.max_num_batched_tokens
@@ -546,7 +547,7 @@ class Scheduler:
         flight. None when nothing would run."""
         kv = self.kv
         if (
-            self._short_ahead
+            self._ended_ahead
             or self.compiling  # (admitted by the engine's ordinary decision, which looks at their compilation first)
             or self.held
             or self.grants_required
@@ -744,8 +745,6 @@ class Scheduler:
             or request.push is not None
             or (self.grants_required and self.awaits_grant(request))
             or self.kv.holds_back(rid, self.wait_for_host_room)
-            # (A step decided ahead reads nothing from host memory: a swapped request's blocks may still be landing.)
-            or (self._placeholders is not None and request.status is RequestStatus.SWAPPED)
         )
 
     def _handoff_send(self, request: Request) -> RemoteSend | None:
@@ -785,6 +784,9 @@ class Scheduler:
         """Secure device KV for the request's next chunk; returns the chunk's length or None."""
         rid = request.request_id
         if request.status is RequestStatus.SWAPPED:
+            if self._placeholders is not None:  # (its blocks in host memory: the ordinary decision swaps it in)
+                self._end_ahead()
+                return None
             # Room for its swapped blocks and the chunk's growth comes first: were it evicted again
             # after its swap-in, it would be copied out of blocks the swap-in had not yet filled.
             # Its blocks on creditors (KV lending) stay there while it is swapped out: only its local ones count.
@@ -805,6 +807,9 @@ class Scheduler:
         limit = self._local_limit(rid)
         if request.status is not RequestStatus.RUNNING:
             prefix = self._cached_prefix(request, limit)
+            if self._placeholders is not None and HOST in prefix.tiers:  # (loaded by the ordinary decision)
+                self._end_ahead()
+                return None
             computed = prefix.num_tokens
         else:
             computed = request.num_computed_tokens
@@ -821,7 +826,7 @@ class Scheduler:
             # Decided ahead: nobody is evicted under a step in flight (its chunks may be writing any request's blocks).
             # The decision ends here, in priority order; the next one is the ordinary decision, which may preempt.
             if prefix is None or not self.kv.allocate(rid, request.all_token_ids, computed + num_new, prefix, known):
-                self._short_ahead = True
+                self._ended_ahead = True
                 return None
         else:
             short = self.kv.blocks_short(rid, computed + num_new, prefix)
@@ -860,11 +865,16 @@ class Scheduler:
         position's logits are needed, as vLLM rules), else the longest in memory, within ``limit`` tokens."""
         if request.scores_prompt:
             return CachedPrefix(block_size=self.kv.block_size)
-        prefix = _prefix_within(self.kv.find_cached_prefix(request.request_id, request.all_token_ids), limit)
-        if self._placeholders is not None and HOST in prefix.tiers:  # (decided ahead: host blocks may be landing)
-            keep = prefix.tiers.index(HOST)
-            prefix = CachedPrefix(prefix.blocks[:keep], prefix.tiers[:keep], prefix.origins[:keep], prefix.block_size)
-        return prefix
+        return _prefix_within(self.kv.find_cached_prefix(request.request_id, request.all_token_ids), limit)
+
+    def _end_ahead(self) -> None:
+        """End a decision ahead at a request whose KV is in host memory (swapped out, or a prefix found there): a step
+        decided ahead reads nothing from there, where blocks may still be landing from copies queued behind the step in
+        flight, and computing them again would throw away what memory holds (and give other cached-token counts than
+        the engine without asynchronous scheduling). Nothing below it runs in the step (priority order, as when a
+        request is short of blocks); the next decision is the ordinary one, after the step in flight, which swaps it
+        in or loads its prefix."""
+        self._ended_ahead = True
 
     def _local_limit(self, request_id: str) -> int:
         """The most tokens the request's KV may reach with its local blocks filling the whole pool: its blocks on

@@ -687,3 +687,35 @@ def test_a_step_decided_ahead_that_samples_on_the_host_runs_behind_the_step_it_f
     assert run(core) == expected
     # The step admitting the request with logprobs, beside both first requests' decodes, which follow the step before.
     assert on_host == [["0", "1"]]
+
+
+@_SLOW_ON_THE_INTERPRETER
+def test_a_request_admitted_while_steps_run_ahead_loads_its_prefix_from_host_memory(tiny_llama: LoadedModel) -> None:
+    """A request that arrives while windows run ahead, its prefix in host memory (evicted there by the requests
+    running): the decision ahead ends at it, and the ordinary decision after loads its prefix rather than computing
+    it again. Its output and its cached tokens are those of the engine without asynchronous scheduling."""
+    first = [[9 + i * 17 + j % 40 for j in range(88)] for i in range(2)]  # 5 full blocks each, named once done
+    growing = [[200 + i * 3 + j for j in range(8)] for i in range(2)]  # their decodes take the pool's free blocks
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True)
+
+    def run(core: EngineCore) -> tuple[list[int], int]:
+        _outputs(core, first, [short] * 2)
+        for i, prompt in enumerate(growing):
+            core.add_request(f"g{i}", prompt, long)
+        for _ in range(4):
+            core.step()
+        core.add_request("again", first[0], short)
+        tokens, cached = [], -1
+        while core.has_unfinished() or core._ahead is not None:
+            for d in core.step():
+                if d.request_id == "again":
+                    tokens += d.new_token_ids
+                    cached = d.num_cached_tokens if d.finished else cached
+        return tokens, cached
+
+    options = {"window": 8, "num_kv_blocks": 16, "max_num_batched_tokens": 32}
+    expected = run(_engine(tiny_llama, "torch", graphs=False, **options))
+    core = _engine(tiny_llama, "triton", graphs=True, async_scheduling=True, **options)
+    assert run(core) == expected  # (computing the host block again gave 64 cached tokens, not 80)
+    assert expected[1] == 80 and core.scheduler.stats.cached_tokens_by_tier.get(HOST, 0) > 0

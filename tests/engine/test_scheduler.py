@@ -301,7 +301,7 @@ def test_a_block_a_placeholder_fills_is_named_by_its_real_tokens() -> None:
 
 def test_a_step_decided_ahead_swaps_nothing_in() -> None:
     """Host blocks may still be landing from copies queued behind the step in flight: a step decided ahead does not
-    swap a request in (the ordinary step after it does)."""
+    swap a request in; it ends there, and the ordinary step after it does."""
     clock = FakeClock()
     kv = KVCacheManager(8, 4, True, "fp", num_host_blocks=8)
     s = Scheduler(kv, PLASPolicy(QueueConfig(base_s=1.0, growth=4.0)), clock, 8, 16)
@@ -319,15 +319,20 @@ def test_a_step_decided_ahead_swaps_nothing_in() -> None:
     assert ahead is not None and [c.request_id for c in ahead.chunks] == ["mid"]
     assert low.status is RequestStatus.SWAPPED and not ahead.transfers
     record(s, first, 7)
+    # The next decision is the ordinary one: a run of steps ahead, each passing low over, would keep it out for as
+    # long as mid runs (found so: 15 steps ahead, until mid's growth had taken the room low's swap-in needed).
+    assert s.schedule_ahead(ahead) is None
     record(s, ahead, 8)
     out = s.schedule()
     assert [c.request_id for c in out.chunks] == ["mid", "low"] and low.status is RequestStatus.RUNNING
     assert [t.src.tier for t in out.transfers if t.dst.tier == DEVICE] == [HOST] * 6  # (the swap-in)
 
 
-def test_a_step_decided_ahead_takes_no_prefix_hit_in_host_memory() -> None:
-    """A waiting request whose prefix is partly in host memory, admitted in a step decided ahead, takes its device hits
-    and computes the rest (the copy of a host block may still be landing)."""
+def test_a_step_decided_ahead_ends_at_a_prefix_hit_in_host_memory() -> None:
+    """A waiting request whose prefix is partly in host memory ends a step decided ahead (a host block may still be
+    landing from a copy queued behind the step in flight, and computing it again would throw away what memory holds):
+    the next decision is the ordinary one, which loads the host block, as the engine without asynchronous scheduling
+    does."""
     s, _ = make_scheduler(num_blocks=8, budget=8)
     s.kv = kv = KVCacheManager(8, 4, True, "fp", num_host_blocks=8)
     s.add(request("x", 8, 0.0, max_tokens=1))
@@ -343,9 +348,16 @@ def test_a_step_decided_ahead_takes_no_prefix_hit_in_host_memory() -> None:
     assert kv.find_cached_prefix("peer", list(range(12))).tiers == [DEVICE, HOST]
     ahead = s.schedule_ahead(first)
     assert ahead is not None
-    assert [(c.request_id, c.start_pos) for c in ahead.chunks] == [("z", 3), ("peer", 4)]
-    assert s.requests["peer"].num_cached_tokens == 4
-    assert all(t.dst.tier == HOST for t in ahead.transfers)  # (demotions for peer's new blocks: nothing read back)
+    assert [(c.request_id, c.start_pos) for c in ahead.chunks] == [("z", 3)]  # (peer waits)
+    assert all(t.dst.tier == HOST for t in ahead.transfers)  # (nothing read back)
+    record(s, first, 7)
+    assert s.schedule_ahead(ahead) is None  # (the ordinary decision next: a run of steps ahead would pass peer over)
+    record(s, ahead, 8)
+    out = s.schedule()
+    assert [(c.request_id, c.start_pos) for c in out.chunks] == [("z", 4), ("peer", 8)]
+    assert s.requests["peer"].num_cached_tokens == 8
+    # Its prefix loaded, both blocks: z's new block took the first one's device copy meanwhile (down to host memory).
+    assert [t.src.tier for t in out.transfers if t.dst.tier == DEVICE] == [HOST, HOST]
 
 
 def test_a_step_decided_ahead_evicts_nobody() -> None:
