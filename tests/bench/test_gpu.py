@@ -125,6 +125,25 @@ def test_idle_gaps_says_where_the_gpu_waited() -> None:
     assert out["idle_outside_s"] == pytest.approx(0.0175)
 
 
+def test_the_idle_time_between_activities_is_split_by_gap_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """A graph's kernels microseconds apart, eager launches, host work, a decision with the GPU idle: each class's
+    gaps and milliseconds (a gap on a class's bound falls in it), printed under the run's busy line."""
+    gaps = [(2_000, 0), (10_000, 5), (3_000, 9), (50_000, 20), (100_001, 30), (1_000_000, 40), (4_000_000, 50)]
+    assert gpu.gap_sizes(gaps) == {
+        "to_10us": {"gaps": 3, "ms": 0.015},
+        "to_100us": {"gaps": 1, "ms": 0.05},
+        "to_1ms": {"gaps": 2, "ms": 1.1},
+        "over_1ms": {"gaps": 1, "ms": 4.0},
+    }
+    busy = {"busy_fraction": 0.8, "wall_s": 0.05, **gpu.idle_gaps(gaps, idle_s=0.01)}
+    assert busy["idle_by_gap_size"] == gpu.gap_sizes(gaps)
+    gpu._summary({"busy_async_window16_1b": busy})
+    assert (
+        "between, by gap size: to 10us 0.0 ms in 3, to 100us 0.1 ms in 1, to 1ms 1.1 ms in 2, over 1ms 4.0 ms in 1"
+        in (capsys.readouterr().out)
+    )
+
+
 def test_merge_spans_covers_overlaps_once_and_lists_the_gaps() -> None:
     """The GPU's busy time is the union of its activities (overlapping or touching ones count once); the gaps are
     where none ran, each with when it began after the first activity started."""
