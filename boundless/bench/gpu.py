@@ -134,16 +134,18 @@ def kernel_busy_fraction(fn: Callable[[], Any], core: Any = None) -> dict:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
         end_ns = time.perf_counter_ns()
-    spans = []
+    named = []
     for e in prof.profiler.kineto_results.events():
         if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0:
-            spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
-    spans.sort()
-    marker = spans.pop(0) if spans else None  # (the first: nothing else was queued before it)
+            named.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
+    named.sort()
+    marker = named.pop(0) if named else None  # (the first: nothing else was queued before it)
+    spans = [(lo, hi) for lo, hi, _ in named]
     busy, gaps = merge_spans(spans)
     out = {
         "wall_s": wall, "busy_s": busy / 1e9, "busy_fraction": busy / 1e9 / wall, "gpu_events": len(spans),
         "top_kernels": _top_kernels(prof), **idle_gaps(gaps, wall - busy / 1e9),
+        "timeline_sample": timeline_sample(named),
     }  # fmt: skip
     if recorder is not None and marker is not None and spans:
         offset = marker[0] - marked  # host ns to the profiler's
@@ -153,6 +155,22 @@ def kernel_busy_fraction(fn: Callable[[], Any], core: Any = None) -> dict:
         out["idle_before_host"] = overlaps(start_ns + offset, first, phases, offset)
         out["idle_after_host"] = overlaps(last, end_ns + offset, phases, offset)
     return out
+
+
+def timeline_sample(events: list[tuple[int, int, str]], count: int = 250) -> list[list]:
+    """``count`` consecutive GPU activities from the middle of a run (by time), each as [name, microseconds, idle
+    microseconds before it since the activities before it ended]: a decode pass kernel by kernel, to see which
+    kernels the idle time between them sits around. ``events``: (start ns, end ns, name), sorted."""
+    if not events:
+        return []
+    middle = (events[0][0] + max(hi for _, hi, _ in events)) // 2
+    first = next((i for i, (lo, _, _) in enumerate(events) if lo >= middle), len(events) - 1)
+    ended = max(hi for _, hi, _ in events[:first]) if first else events[0][0]
+    rows = []
+    for lo, hi, name in events[first : first + count]:
+        rows.append([name[:80], round((hi - lo) / 1e3, 1), round(max(0, lo - ended) / 1e3, 1)])
+        ended = max(ended, hi)
+    return rows
 
 
 def merge_spans(spans: list[tuple[int, int]]) -> tuple[int, list[tuple[int, int]]]:

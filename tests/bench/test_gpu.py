@@ -144,6 +144,16 @@ def test_the_idle_time_between_activities_is_split_by_gap_size(capsys: pytest.Ca
     )
 
 
+def test_a_timeline_sample_lists_the_kernels_of_the_runs_middle_with_the_idle_time_before_each() -> None:
+    """Activities from the middle of the run on, each with its microseconds and the idle time since those before it
+    ended (none for one that overlaps them)."""
+    events = [(0, 10_000, "first"), (40_000, 50_000, "gemm"), (48_000, 52_000, "copy"), (55_000, 56_000, "norm"),
+              (65_000, 70_000, "last")]  # fmt: skip
+    assert gpu.timeline_sample(events, count=3) == [["gemm", 10.0, 30.0], ["copy", 4.0, 0.0], ["norm", 1.0, 3.0]]
+    assert gpu.timeline_sample(events[:1]) == [["first", 10.0, 0.0]]
+    assert gpu.timeline_sample([]) == []
+
+
 def test_merge_spans_covers_overlaps_once_and_lists_the_gaps() -> None:
     """The GPU's busy time is the union of its activities (overlapping or touching ones count once); the gaps are
     where none ran, each with when it began after the first activity started."""
