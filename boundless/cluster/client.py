@@ -521,9 +521,13 @@ class ClusterClient(DispatcherFrontEnd):
 
         actor = None
         try:
-            actor = self._start_actor(iid)
             with self.lock:
-                self._starting[iid] = actor
+                # Not after shutdown: an actor started then would start Ray again in this process (Ray starts itself
+                # for a call), a session the caller's ray.shutdown() never ends. Checked, and the actor registered,
+                # under the lock that shutdown takes to kill the restarts under way.
+                if self._stop.is_set():
+                    return
+                actor = self._starting[iid] = self._start_actor(iid)
             info = ray.get(actor.info.remote(), timeout=STARTUP_TIMEOUT_S)
             if self.lending is not None:  # its agent meets the live instances' before it takes a call
                 ray.get(actor.lend_connect.remote(self._lending_peers(iid, info, actor)), timeout=STARTUP_TIMEOUT_S)

@@ -4,6 +4,7 @@ calls are routed to it again; ``/cluster`` and ``/metrics`` report the restart."
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import httpx
@@ -13,6 +14,7 @@ from streams import complete_all, kill_once_started, stream_all, wait_for_state
 
 from boundless.api.launch import start_in_thread
 from boundless.cluster.client import ClusterClient
+from boundless.cluster.restarts import Restart
 from boundless.config import ClusterConfig
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
@@ -60,3 +62,26 @@ def test_a_killed_instance_is_restarted_and_takes_calls_again(
         server.stop()
         client.shutdown()
         ray.shutdown()
+
+
+def test_a_restart_decided_as_the_cluster_shuts_down_starts_nothing(model_dirs: dict[str, Path]) -> None:
+    """A restart whose thread runs after the client shut down (the heartbeat loop decided it just before) starts no
+    actor: one started then would start Ray again in this process, after the caller's ``ray.shutdown()``. Found so in
+    the lending cluster's tests: a second Ray session in pytest's process, whose loss ended the process a minute
+    later."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=1024, kv_cache_gb=0.05)
+    client = ClusterClient(config, ClusterConfig(instances=2, heartbeat_interval_s=0.2, max_restarts=2))
+    started: list[str] = []
+    start = client._start_actor
+    client._start_actor = lambda iid: started.append(iid) or start(iid)
+    client.shutdown()
+    ray.shutdown()
+    client._restart(Restart(VICTIM, 1))
+    for thread in threading.enumerate():
+        if thread.name == f"boundless-restart-{VICTIM}":
+            thread.join(timeout=30)
+    assert started == [] and not ray.is_initialized()
