@@ -505,11 +505,8 @@ class ClusterClient(DispatcherFrontEnd):
     # -- carrying out the dispatcher's decisions ----------------------------------------------------
 
     def _mark_dead(self, mark: MarkDead) -> None:
-        import ray
-
         log.error("instance %s is dead (%s); failing over its calls", mark.instance_id, mark.reason)
-        with contextlib.suppress(Exception):  # a hung instance must not come back with stale work
-            ray.kill(self.instances[mark.instance_id].actor)
+        _kill(self.instances[mark.instance_id].actor)  # (a hung instance must not come back with stale work)
 
     def _restart(self, restart: Restart) -> None:
         name = f"boundless-restart-{restart.instance_id}"
@@ -533,8 +530,7 @@ class ClusterClient(DispatcherFrontEnd):
                 ray.get(actor.lend_connect.remote(self._lending_peers(iid, info, actor)), timeout=STARTUP_TIMEOUT_S)
             beat = ray.get(actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
         except Exception as e:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+            _kill(actor)
             with self.lock:
                 self._starting.pop(iid, None)
             if not self._stop.is_set():
@@ -542,7 +538,7 @@ class ClusterClient(DispatcherFrontEnd):
             return
         with self.lock:
             if self._starting.pop(iid, None) is not actor or self._stop.is_set():
-                ray.kill(actor)  # shut down meanwhile
+                _kill(actor)  # shut down meanwhile
                 return
             inst = self.instances[iid] = Instance(actor, info, beat.stats, beat.links)
             poller = self._poller(iid, inst)
@@ -657,6 +653,8 @@ class ClusterClient(DispatcherFrontEnd):
                 try:
                     beat: Heartbeat = ray.get(inst.actor.heartbeat.remote(), timeout=self.config.heartbeat_timeout_s)
                 except Exception as e:
+                    if self._stop.is_set():  # (shut down meanwhile: Ray may be gone, and nothing is lost)
+                        return
                     self._lose_current(iid, inst, f"heartbeat failed: {type(e).__name__}")
                     continue
                 if self._watch_step(iid, beat.step):
@@ -669,12 +667,24 @@ class ClusterClient(DispatcherFrontEnd):
                     queued = read_queue_tokens(storage_queue_bytes(beat.links), self._kv_bytes_per_token)
                     with self.lock:
                         self.dispatcher.report(iid, queued)
+            if self._stop.is_set():
+                return
             self._start_due_restarts()
             with self.lock:
                 self.dispatcher.expire()
                 orders = self.lending.orders() if self.lending is not None else []
             for order in orders:  # the instance carries it out between its steps
                 self.instances[order.instance_id].actor.lend_order.remote(order)
+
+
+def _kill(actor: object | None) -> None:
+    """Kill an actor, quietly (it may be gone), unless Ray is down: a Ray call where Ray is not running starts it (a
+    thread of a client shut down would start a session in the caller's process that nothing ends)."""
+    import ray
+
+    if actor is not None and ray.is_initialized():
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
 
 
 def instance_state(dispatcher: Dispatcher, iid: str) -> str:
