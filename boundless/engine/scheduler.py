@@ -826,7 +826,7 @@ class Scheduler:
             # Decided ahead: nobody is evicted under a step in flight (its chunks may be writing any request's blocks).
             # The decision ends here, in priority order; the next one is the ordinary decision, which may preempt.
             if prefix is None or not self.kv.allocate(rid, request.all_token_ids, computed + num_new, prefix, known):
-                self._ended_ahead = True
+                self._end_ahead()
                 return None
         else:
             short = self.kv.blocks_short(rid, computed + num_new, prefix)
@@ -868,12 +868,15 @@ class Scheduler:
         return _prefix_within(self.kv.find_cached_prefix(request.request_id, request.all_token_ids), limit)
 
     def _end_ahead(self) -> None:
-        """End a decision ahead at a request whose KV is in host memory (swapped out, or a prefix found there): a step
-        decided ahead reads nothing from there, where blocks may still be landing from copies queued behind the step in
-        flight, and computing them again would throw away what memory holds (and give other cached-token counts than
-        the engine without asynchronous scheduling). Nothing below it runs in the step (priority order, as when a
-        request is short of blocks); the next decision is the ordinary one, after the step in flight, which swaps it
-        in or loads its prefix."""
+        """End a decision ahead at a request it may not take, and make the next decision the ordinary one, after the
+        step in flight: else a run of steps ahead could pass the request over for good. Nothing below it runs in the
+        step (priority order). The request is
+        - short of blocks: nobody is evicted under a step in flight (its chunks may be writing any request's blocks);
+          the ordinary decision may preempt;
+        - or holds KV in host memory (swapped out, or a prefix found there): a step decided ahead reads nothing from
+          there, where blocks may still be landing from copies queued behind the step in flight, and computing them
+          again would throw away what memory holds (and give other cached-token counts than the engine without
+          asynchronous scheduling); the ordinary decision swaps it in or loads its prefix."""
         self._ended_ahead = True
 
     def _local_limit(self, request_id: str) -> int:
