@@ -542,9 +542,10 @@ class Scheduler:
         that finds too few free blocks ends the decision, in priority order, and the next decision is the ordinary
         one; it is declined unless the free blocks cover the most a step takes, so that this is rare. No block is
         named after a placeholder (the allocations name blocks of the known tokens only; the request's next
-        allocation names them). Nothing is read from host memory (a prefix found there is cut to its leading device
-        blocks, a swapped request waits): host blocks may still be landing from a copy queued behind the step in
-        flight. None when nothing would run."""
+        allocation names them). Nothing is read from host memory (host blocks may still be landing from a copy queued
+        behind the step in flight): a request whose KV is there (swapped out, or a prefix found there) ends the
+        decision too, and the ordinary decision after swaps it in or loads it (:meth:`_end_ahead`). None when nothing
+        would run."""
         kv = self.kv
         if (
             self._ended_ahead
@@ -598,7 +599,7 @@ class Scheduler:
         step_in_flight, self.in_flight = self.in_flight, in_flight  # (schedule() counts its own step's only)
         for rid, tokens in step_in_flight.items():
             in_flight[rid] = in_flight.get(rid, 0) + tokens
-        # (Ruled out above: nobody is evicted, prefixes are cut to the device, swapped requests wait.)
+        # (Ruled out in _admit: nobody is evicted, nothing is swapped in or loaded from host memory.)
         assert not out.preempted_ids and all(t.dst.tier != DEVICE for t in out.transfers), "a step ahead moved KV in"
         if not out.chunks and not out.transfers:
             # Nothing to run (those that go on are held back): the ordinary decision after prev, which gets the
@@ -841,7 +842,7 @@ class Scheduler:
                     return None
                 if prefix is not None and prefix.tiers.count(HOST):
                     # The swap-out that made room may have taken host blocks of the prefix: look again.
-                    prefix = _prefix_within(self.kv.find_cached_prefix(rid, request.all_token_ids), limit)
+                    prefix = self._cached_prefix(request, limit)
                     computed = prefix.num_tokens
                     num_new = min(request.num_tokens - computed, budget, limit - computed)
         if request.status is not RequestStatus.RUNNING:
