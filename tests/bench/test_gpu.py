@@ -28,7 +28,7 @@ def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = parser.parse_args(
         ["--tiny", "--device", TEST_DEVICE, "--workdir", str(tmp_path / "models"), "--json", str(out),
-         "--max-model-len", "256", "--kv-cache-gb", "0.05", "--attention-backend", BACKEND]
+         "--max-model-len", "256", "--kv-cache-gb", "0.05", "--attention-backend", BACKEND, "--repeats", "1"]
     )  # fmt: skip
     results = gpu.run(args)
     assert json.loads(out.read_text()).keys() == results.keys()
