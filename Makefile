@@ -59,9 +59,11 @@ serve: $(VENV)/.base
 	$(BUILD_HOT)
 	$(BIN)/boundless serve --host $(HOST) --port $(PORT)
 
+# Two processes (pytest-xdist), a test file each at a time (a file's tests share its module fixtures: servers, peer
+# processes), each on its share of the cores (tests/conftest.py). PYTEST_ARGS="-n 0" runs them in this process.
 test: $(VENV)/.test
 	$(BUILD_HOT)
-	$(BIN)/python -m pytest -m "not slow" -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 test-all: $(VENV)/.test
 	$(BUILD_HOT)

@@ -15,6 +15,8 @@ from boundless.attention.backend import padded_table
 from boundless.attention.paged import TorchPagedAttention
 from boundless.attention.partials import AttentionPartial, combine_partials, merge_partials, scores_partial
 
+pytestmark = pytest.mark.usefixtures("parallel_native_kernels")  # (the native kernels' parallel loops too)
+
 
 def _case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: int, chunks: list[tuple[int, int]]):
     batch, cache, q, k, v, expected, _ = paged_case(seed, heads, kv_heads, head_dim, block_size, chunks)

@@ -13,7 +13,10 @@ from boundless.model import cpu_kernels
 from boundless.model.loader import LoadedModel
 from boundless.model.rope import apply_rotary, apply_rotary_
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels unavailable here")
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels unavailable here"),
+    pytest.mark.usefixtures("parallel_native_kernels"),  # (their parallel loops too, in make test's workers)
+]
 
 # (out features, in features, rows): panel and row-block tails, decode and prefill sizes.
 SHAPES = [(960, 576, 32), (50, 16, 7), (24, 8, 1), (576, 1536, 3), (26, 16, 300), (3072, 64, 2048)]
