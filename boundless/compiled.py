@@ -207,19 +207,24 @@ def build(modules: Sequence[str] = MODULES) -> Path:
         proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"mypyc failed ({proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr}")
-        out = Path(tmp) / "out"
-        for name in modules:
-            target = _extension(out, name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(_extension(work, name), target)
-        for lib in work.glob(f"*__mypyc{_SUFFIX}"):
-            shutil.copy2(lib, out / lib.name)
-        (out / _DONE).write_text(" ".join(modules) + "\n")
+        # Gathered beside its place, on the same file system (the temporary directory is often another: a tmpfs),
+        # so that the rename that puts it there is one step.
+        out = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
         try:
-            os.rename(out, dest)  # all at once: a reader finds the whole build or none
-        except OSError:
-            if not (dest / _DONE).is_file():  # (another build of the same sources won the race: fine)
-                raise
+            for name in modules:
+                target = _extension(out, name)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(_extension(work, name), target)
+            for lib in work.glob(f"*__mypyc{_SUFFIX}"):
+                shutil.copy2(lib, out / lib.name)
+            (out / _DONE).write_text(" ".join(modules) + "\n")
+            try:
+                os.rename(out, dest)  # all at once: a reader finds the whole build or none
+            except OSError:
+                if not (dest / _DONE).is_file():  # (another build of the same sources won the race: fine)
+                    raise
+        finally:
+            shutil.rmtree(out, ignore_errors=True)  # (nothing left where the rename took it)
     return dest
 
 

@@ -45,6 +45,35 @@ def test_a_build_is_named_by_its_sources(tmp_path: Path) -> None:
     assert finder.find_spec("json") is None
 
 
+def test_a_build_is_put_in_place_at_once_where_the_temporary_directory_is_another_file_system(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build is gathered beside its place and renamed there: a rename across file systems (a tmpfs ``/tmp``, the
+    cache on disk) fails (EXDEV), and the modules then ran from source. mypyc's run is stood in for: each module's
+    extension written where mypyc writes it."""
+    modules = compiled.MODULES[:2]
+    monkeypatch.setenv("BOUNDLESS_CACHE_DIR", str(tmp_path / "cache"))
+
+    def mypyc(cmd: list[str], cwd: Path, **kwargs: object) -> subprocess.CompletedProcess:
+        for name in modules:
+            compiled._extension(Path(cwd), name).write_bytes(b"built " + name.encode())
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    rename = os.rename
+
+    def one_file_system(src: str | Path, dst: str | Path) -> None:
+        if Path(src).parent != Path(dst).parent:  # (as if each directory were its own file system)
+            raise OSError(18, "Invalid cross-device link")  # (EXDEV)
+        rename(src, dst)
+
+    monkeypatch.setattr(compiled.subprocess, "run", mypyc)
+    monkeypatch.setattr(compiled.os, "rename", one_file_system)
+    dest = compiled.build(modules)
+    assert dest == compiled.build_dir(modules) and (dest / "complete").is_file()
+    assert all(compiled._extension(dest, name).read_bytes() == b"built " + name.encode() for name in modules)
+    assert sorted(p.name for p in dest.parent.iterdir()) == [dest.name]  # (nothing of the gathering left beside it)
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("mypyc") is None or shutil.which("cc") is None,
     reason="no mypyc or no C compiler here: the modules run from source",

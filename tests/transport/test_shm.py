@@ -4,6 +4,7 @@ was never there or has closed, and one restarted at its address."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from collections.abc import Iterator
@@ -18,7 +19,9 @@ from boundless.transport.shm import ShmTransport
 
 @pytest.fixture
 def two(tmp_path: Path) -> Iterator[tuple[ShmTransport, ShmTransport]]:
-    directory = Path("/dev/shm") / f"boundless-test-{tmp_path.name}" if Path("/dev/shm").is_dir() else tmp_path
+    # (A test's name alone is the same in another run on this machine, whose endpoints these would take over.)
+    name = f"boundless-test-{os.getpid()}-{tmp_path.name}"
+    directory = Path("/dev/shm") / name if Path("/dev/shm").is_dir() else tmp_path
     a, b = ShmTransport(directory, "a", timeout_s=5), ShmTransport(directory, "b", timeout_s=5)
     yield a, b
     a.close()
