@@ -331,20 +331,28 @@ def test_a_refused_prompt_fails_the_batch_and_leaves_nothing_queued(llm: LLM) ->
 
 
 def test_generate_keeps_the_heap_before_it_out_of_the_collectors_walks(llm: LLM) -> None:
-    """The objects that exist when ``generate`` starts (the model, the engine) are frozen while it steps, and back in
-    the collector's care after, also when it fails (its requests then leave the engine: the next call runs alone)."""
+    """The objects that exist when ``generate`` starts (the model, the engine) are frozen while it adds its requests
+    and steps, and back in the collector's care after, also when it fails (its requests then leave the engine: the
+    next call runs alone)."""
     before = gc.get_freeze_count()
     seen: list[int] = []
-    step = llm.engine.step
+    added: list[int] = []
+    step, add_request = llm.engine.step, llm.engine.add_request
 
     def counting_step():
         seen.append(gc.get_freeze_count())
         return step()
 
+    def counting_add(*args, **kwargs):
+        added.append(gc.get_freeze_count())
+        return add_request(*args, **kwargs)
+
     llm.engine.step = counting_step  # type: ignore[method-assign]
+    llm.engine.add_request = counting_add  # type: ignore[method-assign]
     try:
-        llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True))
+        llm.generate(["Hello", "Hi there"], SamplingParams(max_tokens=3, ignore_eos=True))
         assert seen and min(seen) > before + 1000
+        assert len(added) == 2 and min(added) > before + 1000  # (a collection the intake sets off walks no more)
         assert gc.get_freeze_count() == before
 
         def failing_step():
@@ -364,4 +372,4 @@ def test_generate_keeps_the_heap_before_it_out_of_the_collectors_walks(llm: LLM)
         finally:
             gc.unfreeze()
     finally:
-        del llm.engine.step
+        del llm.engine.step, llm.engine.add_request

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 from pathlib import Path
 
 import pytest
 
+from boundless.bench.offline import CollectorTime
 from boundless.cli import main
 
 
@@ -41,6 +43,20 @@ def test_bench_offline_reports_medians_of_alternating_runs(
         assert ours["steps"] >= 5 and 0 <= ours["slowest_step"] < ours["steps"]
         assert 0 < ours["slowest_step_s"] <= ours["seconds"]
         assert "steps" not in run["huggingface"]
+        for figures in run.values():  # the collector's work in each system's timed run
+            assert figures["gc_full_collections"] >= 0 and 0 <= figures["gc_s"] <= figures["seconds"]
     # Greedy on the same fp32 weights: the two systems agree token for token.
     assert result["identical_outputs"] == 3
     assert "throughput ratio per run" in capsys.readouterr().out
+
+
+def test_the_collectors_work_in_a_run_is_counted() -> None:
+    """A full collection (the oldest generation's) is counted as one, a young one only in the seconds."""
+    with CollectorTime() as collector:
+        gc.collect(0)
+        assert collector.full_collections == 0 and collector.seconds > 0
+        gc.collect()
+        gc.collect()
+    assert collector.full_collections == 2
+    gc.collect()  # (after the block: not counted)
+    assert collector.figures() == {"gc_full_collections": 2, "gc_s": collector.seconds}
