@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -209,7 +210,9 @@ def build(modules: Sequence[str] = MODULES) -> Path:
             raise RuntimeError(f"mypyc failed ({proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr}")
         # Gathered beside its place, on the same file system (the temporary directory is often another: a tmpfs),
         # so that the rename that puts it there is one step.
-        out = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+        # (os.mkdir, not mkdtemp, whose 0700 the build would keep: a cache others read must stay readable.)
+        out = dest.parent / f".{dest.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        out.mkdir()
         try:
             for name in modules:
                 target = _extension(out, name)

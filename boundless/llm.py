@@ -149,32 +149,31 @@ class LLM:
         # The collector's full walks skip the model and the engine (boundless/gc_quiet.py), from the first request
         # added: a full collection set off by the batch's intake walked the whole heap (0.18 s of a 0.9 s run of 256
         # requests on the host proxy; a process that holds another model too, as a benchmark's, walks more).
+        bar = tqdm(total=0, disable=not use_tqdm, desc="generate")
         with frozen_heap():
-            for prompt, p in zip(batch, per_prompt, strict=True):
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-                rid = str(next(self._ids))
-                result = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
-                results.append(result)
-                for i in range(p.n):
-                    child = p.for_sample(i)
-                    completion = CompletionOutput(i, "", [], None, logprobs=[] if p.logprobs is not None else None)
-                    result.outputs.append(completion)
-                    cid = f"{rid}-{i}" if p.n > 1 else rid
-                    try:
-                        self.engine.add_request(cid, ids, child)
-                    except Exception:
-                        for added in children:  # the batch fails whole: leave nothing of it queued
-                            self.engine.abort(added)
-                        raise
-                    children[cid] = (result, completion)
-            bar = tqdm(total=len(children), disable=not use_tqdm, desc="generate")
             try:
+                for prompt, p in zip(batch, per_prompt, strict=True):
+                    ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                    rid = str(next(self._ids))
+                    result = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
+                    results.append(result)
+                    for i in range(p.n):
+                        child = p.for_sample(i)
+                        completion = CompletionOutput(i, "", [], None, logprobs=[] if p.logprobs is not None else None)
+                        result.outputs.append(completion)
+                        cid = f"{rid}-{i}" if p.n > 1 else rid
+                        self.engine.add_request(cid, ids, child)
+                        children[cid] = (result, completion)
+                bar.total = len(children)
                 self._run(children, bar)
             except BaseException:
-                for cid in children:  # a failed run leaves nothing of it queued: the next call's steps would meet it
+                # The batch fails whole (a refused prompt, a failed step, an interrupt): nothing of it is left
+                # queued, where the next call's steps would meet it.
+                for cid in children:
                     self.engine.abort(cid)
                 raise
-        bar.close()
+            finally:
+                bar.close()
         return results
 
     def _run(self, children: dict[str, tuple[RequestOutput, CompletionOutput]], bar: tqdm) -> None:

@@ -26,11 +26,12 @@ from boundless.model.loader import LoadedModel, load_model  # noqa: E402 (after 
 from boundless.model.random_model import TinySpec, write_random_model  # noqa: E402
 
 # `make test` runs the tests in two processes (pytest-xdist's workers): each takes its share of the cores, and so do
-# the servers and engines its tests start (OMP_NUM_THREADS, inherited). Two OpenMP pools of every core each on the same
-# cores spin against each other: the fast set took 400 s that way, against 250 s with a core each.
+# the servers and engines its tests start in processes of their own (OMP_NUM_THREADS, inherited; a Ray cluster's
+# instances size themselves). Two OpenMP pools of every core each on the same cores spin against each other: the fast
+# set took 400 s that way, against 250 s with a core each.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)  # (the cores this process may use)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
     torch.set_num_threads(_THREADS)
 else:
@@ -77,10 +78,10 @@ TINY_SPECS = {
 
 @pytest.fixture
 def parallel_native_kernels() -> Iterator[None]:
-    """Two threads for the test, whatever the process's share of the cores: the native CPU kernels' parallel loops
-    (``omp parallel for``) run only with more than one, and a worker of ``make test`` has one core."""
+    """At least two threads for the test, whatever the process's share of the cores: the native CPU kernels' parallel
+    loops (``omp parallel for``) run only with more than one, and a worker of ``make test`` has one core."""
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(max(2, before))
     try:
         yield
     finally:

@@ -72,6 +72,7 @@ def test_a_build_is_put_in_place_at_once_where_the_temporary_directory_is_anothe
     assert dest == compiled.build_dir(modules) and (dest / "complete").is_file()
     assert all(compiled._extension(dest, name).read_bytes() == b"built " + name.encode() for name in modules)
     assert sorted(p.name for p in dest.parent.iterdir()) == [dest.name]  # (nothing of the gathering left beside it)
+    assert dest.stat().st_mode & 0o777 == dest.parent.stat().st_mode & 0o777  # (as readable as any directory made)
 
 
 @pytest.mark.skipif(

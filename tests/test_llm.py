@@ -321,11 +321,26 @@ def test_allowed_token_ids_past_the_tokenizer_are_refused(padded: LLM) -> None:
     assert set(out.token_ids) <= {7, 383} and len(out.token_ids) == 2
 
 
-def test_a_refused_prompt_fails_the_batch_and_leaves_nothing_queued(llm: LLM) -> None:
+def test_a_refused_prompt_fails_the_batch_and_leaves_nothing_queued(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4)
+    frozen = gc.get_freeze_count()
     with pytest.raises(InvalidRequestError):
         llm.generate([[5, 6, 7], [8, 9], []], params)  # the empty prompt is refused after two were added
-    assert not llm.engine.has_unfinished()
+    assert not llm.engine.has_unfinished() and gc.get_freeze_count() == frozen
+    # An interrupt while the batch's texts are encoded (after one request was added) leaves nothing queued either.
+    encode = llm.tokenizer.encode
+    calls = iter(range(2))
+
+    def interrupted(text: str, *args, **kwargs):
+        if next(calls):
+            raise KeyboardInterrupt
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Hello", "Hi"], params)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished() and gc.get_freeze_count() == frozen
     out = llm.generate([[5, 6, 7]], params)[0]  # the next batch sees only its own results
     assert len(out.outputs[0].token_ids) == 4
 

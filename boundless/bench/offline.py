@@ -201,11 +201,16 @@ def _allocator_counts() -> dict[str, int]:
     return {name: int(stats.get(key, 0)) for key, name in ALLOCATOR_COUNTS.items()}
 
 
+_OLDEST_GENERATION = 2  # (CPython's collector has three; a collection of the oldest walks everything not frozen)
+
+
 class CollectorTime:
     """The garbage collector's work while the block runs (``gc.callbacks``): its full collections and the seconds of
     all its collections. A full collection walks every object the process tracks and not frozen: on the host proxy,
     one set off by ``LLM.generate``'s intake, before its heap was frozen, took 0.18 s of a 0.9 s run (a candidate for
-    the H200's slow first timed runs: such time is in no engine step, so ``slowest_step`` would not show it)."""
+    the H200's slow first timed runs: such time is in no engine step, so ``slowest_step`` would not show it). (Python
+    3.14's incremental collector reports its old generation's work in increments: there the seconds tell more than
+    the count.)"""
 
     def __init__(self) -> None:
         self.full_collections = 0
@@ -217,7 +222,7 @@ class CollectorTime:
             self._start = time.perf_counter()
             return
         self.seconds += time.perf_counter() - self._start
-        self.full_collections += info["generation"] == len(gc.get_threshold()) - 1  # (the oldest generation's)
+        self.full_collections += info["generation"] == _OLDEST_GENERATION
 
     def __enter__(self) -> CollectorTime:
         gc.callbacks.append(self._note)

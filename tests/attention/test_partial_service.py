@@ -48,6 +48,7 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tor
 
 
 @pytest.mark.parametrize("rows", [5, 24])  # decode rows (the native kernel), a prefill chunk's (matmuls)
+@pytest.mark.usefixtures("parallel_native_kernels")  # (the native kernel's parallel loop too)
 @pytest.mark.parametrize("heads", [2, 4])  # MHA and GQA
 def test_lent_partial_native_and_torch_agree_with_softmax(caches, heads: int, rows: int) -> None:
     k_cache, v_cache = caches

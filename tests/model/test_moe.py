@@ -16,6 +16,8 @@ from boundless.model.llama import LlamaModel
 from boundless.model.moe import SparseMoE
 from boundless.model.random_model import TinySpec, random_weights
 
+pytestmark = pytest.mark.usefixtures("parallel_native_kernels")  # (the native kernels' parallel loops too)
+
 
 def _arch(kind: str = "qwen3_moe", norm_topk_prob: bool = True) -> ModelArch:
     return ModelArch(
