@@ -345,6 +345,12 @@ def test_a_refused_prompt_fails_the_batch_and_leaves_nothing_queued(llm: LLM, mo
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_a_progress_bar_counts_the_batchs_samples(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=2, n=2)
+    llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=True)
+    assert "4/4" in capsys.readouterr().err  # (two prompts, two samples each)
+
+
 def test_generate_keeps_the_heap_before_it_out_of_the_collectors_walks(llm: LLM) -> None:
     """The objects that exist when ``generate`` starts (the model, the engine) are frozen while it adds its requests
     and steps, and back in the collector's care after, also when it fails (its requests then leave the engine: the
