@@ -142,6 +142,10 @@ def compare(
     if repeats > 1:
         print(f"medians of {repeats} runs each, the systems taking turns:")
     print_table(["system", "output tok/s", "seconds", "single-request decode tok/s"], rows)
+    if repeats > 1:  # (a first run slower than the rest: whether the collector's work was the difference)
+        for sys_ in systems:
+            times = [(r[sys_.name].seconds, r[sys_.name].details["gc_s"]) for r in runs]
+            print(f"{sys_.name}'s runs: " + ", ".join(f"{s:.2f} s (collector {gc_s:.2f} s)" for s, gc_s in times))
     if len(figures) == 2:
         hf_fig, ours = figures
         result["throughput_ratio"] = ours.output_tokens_per_s / hf_fig.output_tokens_per_s

@@ -47,7 +47,9 @@ def test_bench_offline_reports_medians_of_alternating_runs(
             assert figures["gc_full_collections"] >= 0 and 0 <= figures["gc_s"] <= figures["seconds"]
     # Greedy on the same fp32 weights: the two systems agree token for token.
     assert result["identical_outputs"] == 3
-    assert "throughput ratio per run" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "throughput ratio per run" in out
+    assert "boundless's runs: " in out and out.count("(collector ") == 6  # (each run's time, beside its collector's)
 
 
 def test_the_collectors_work_in_a_run_is_counted() -> None:
