@@ -31,7 +31,8 @@ from boundless.model.random_model import TinySpec, write_random_model  # noqa: E
 # set took 400 s that way, against 250 s with a core each.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)  # (the cores this process may use)
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # (usable)
+    _THREADS = max(1, _CORES // _WORKERS)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
     torch.set_num_threads(_THREADS)
 else:
