@@ -149,7 +149,7 @@ class LLM:
         # The collector's full walks skip the model and the engine (boundless/gc_quiet.py), from the first request
         # added: a full collection set off by the batch's intake walked the whole heap (0.18 s of a 0.9 s run of 256
         # requests on the host proxy; a process that holds another model too, as a benchmark's, walks more).
-        bar: tqdm | None = None
+        bar = tqdm(total=sum(p.n for p in per_prompt), disable=not use_tqdm, desc="generate")
         with frozen_heap():
             try:
                 for prompt, p in zip(batch, per_prompt, strict=True):
@@ -164,7 +164,6 @@ class LLM:
                         cid = f"{rid}-{i}" if p.n > 1 else rid
                         self.engine.add_request(cid, ids, child)
                         children[cid] = (result, completion)
-                bar = tqdm(total=len(children), disable=not use_tqdm, desc="generate")
                 self._run(children, bar)
             except BaseException:
                 # The batch fails whole (a refused prompt, a failed step, an interrupt): nothing of it is left
@@ -173,8 +172,7 @@ class LLM:
                     self.engine.abort(cid)
                 raise
             finally:
-                if bar is not None:
-                    bar.close()
+                bar.close()
         return results
 
     def _run(self, children: dict[str, tuple[RequestOutput, CompletionOutput]], bar: tqdm) -> None:
