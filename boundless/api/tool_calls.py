@@ -394,12 +394,13 @@ class CallStream:
     """Tool calls streamed as they are written, as OpenAI's and vLLM's chunks carry them: a call's first delta has
     its index, id and name, once the name is complete and its arguments' object has begun, and the arguments' text
     so far; the next ones the text added since. The calls are read from where :class:`ContentStream` held the
-    output (a Hermes ``<tool_call>`` block each, or the bare JSON the output opens with: a list's calls only once the
-    list has closed and is calls throughout, as the parser reads it); ``parallel=False`` streams
-    the first call only; ``tools``: the request's tool names, the only names a bare call may have, as the parser
-    reads it (None: not known, any); ``forced``: a forced call's (its grammar writes calls throughout, so a list's
-    stream as they are written); ``formats``: the shapes the parser reads (an output that opens with a list, read
-    for Python calls only, streams none: they come whole from :meth:`finish`, as do Python calls always). :meth:`finish`
+    output: a Hermes ``<tool_call>`` block each, or, when a forced call's grammar writes it, the bare JSON the output
+    opens with. Bare JSON the model wrote unforced streams no call: the parser reads it as calls only when nothing but
+    blanks follows it (``{...} and more text`` is an answer, all of it), which is known only when the output ends, so
+    its calls come whole from :meth:`finish`. ``parallel=False`` streams the first call only; ``tools``: the
+    request's tool names, the only names a bare call may have, as the parser reads it (None: not known, any);
+    ``forced``: a forced call's (its grammar writes calls throughout, so bare ones stream as they are written);
+    ``formats``: the shapes the parser reads (Python calls come whole from :meth:`finish` always). :meth:`finish`
     sends what the parsed calls have beyond what was streamed."""
 
     def __init__(
@@ -414,7 +415,6 @@ class CallStream:
         self.forced = forced
         self.bare_json = BARE_JSON in formats
         self._bare: bool | None = None  # the calls are the JSON the output opens with (else Hermes blocks)
-        self._list_calls: bool | None = None  # that JSON, a list that has closed, is calls throughout
         self._scanners: list[CallScanner] = []  # one a document: the bare JSON, or each block's
         self._ids: list[str] = []  # each begun call's id
         self._names: list[str] = []  # and name
@@ -431,8 +431,8 @@ class CallStream:
                 self._scanners.append(CallScanner(len(text) - len(head)))
         if self._scanners:
             self._scanners[-1].feed(text)
-        if self._bare and not self._bare_list_is_calls(text):
-            return []
+        if self._bare and not (self.bare_json and self.forced):
+            return []  # (unforced, its calls wait for the end: see the class's docstring)
         while not self._bare and (not self._scanners or self._scanners[-1].done):
             tag = text.find(TOOL_CALL_TAG, self._scanners[-1].pos if self._scanners else start)
             if tag < 0:
@@ -462,25 +462,6 @@ class CallStream:
                 else:
                     deltas.append({"index": index, "function": {"arguments": piece}})
         return deltas
-
-    def _bare_list_is_calls(self, text: str) -> bool:
-        """Whether the bare JSON the output opens with may stream its calls: an object may (the first call decides,
-        as the parser reads it); a list only once it has closed, parsed, and every item is a call (the parser's rule:
-        a list with one item that is no call is an answer, all of it, and no call of it may have gone out before)."""
-        scanner = self._scanners[0]
-        if not self.bare_json:
-            return False
-        if self.forced or text[scanner.start] != "[":
-            return True
-        if not scanner.done:
-            return False
-        if self._list_calls is None:  # (read once, when the list has closed)
-            try:
-                items = json.loads(text[scanner.start : scanner.pos])
-            except json.JSONDecodeError:
-                items = []
-            self._list_calls = bool(items) and all(_bare_call(item, self.tools) for item in items)
-        return self._list_calls
 
     def begun(self) -> list[ToolCall]:
         """The calls streamed so far, with their ids, each's arguments as far as they went out."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 import pytest
-from served_models import UNITS, WEATHER, Served, serve_hermes
+from served_models import UNITS, WEATHER, Served, serve_hermes, streamed_chat
 
 from boundless.api.call_scanner import CallScanner, scan_calls
 from boundless.api.logprobs import StreamedContent, content_tokens
@@ -32,6 +32,8 @@ from boundless.api.tool_calls import (
 )
 from boundless.config import ServerConfig
 from boundless.engine.logprobs import SampledToken
+
+WEATHER_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}  # (a call of WEATHER, as JSON writes it)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +137,27 @@ def test_served_json_answer_with_a_name_stays_the_answer(hermes: Served) -> None
         model="tiny", input="hi", tools=[{"type": "function", **WEATHER["function"]}], extra_body=extra
     )
     assert [item.type for item in response.output] == ["message"] and response.output_text == answer
+
+
+@pytest.mark.parametrize("after", [" and more text", "\n\nDone.", "; " + json.dumps(WEATHER_CALL)])
+def test_served_bare_call_with_text_after_it_is_the_answer_streamed_or_not(hermes: Served, after: str) -> None:
+    """Bare JSON shaped like a call, then more text (held to it by a regex): the answer, no call, streamed or not.
+    Before, the stream sent the call as soon as its JSON was written, then the whole text as content."""
+    answer = json.dumps(WEATHER_CALL) + after
+    asked: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "weather in Paris?"}],
+        "tools": [WEATHER],
+        "max_tokens": 200,
+        "temperature": 0,
+        "extra_body": {"structured_outputs": {"regex": re.escape(answer)}},
+    }
+    reply = hermes.client.chat.completions.create(**asked).choices[0]
+    assert (reply.message.content, reply.message.tool_calls, reply.finish_reason) == (answer, None, "stop")
+    assert streamed_chat(hermes.client, asked) == (answer, "stop", [])
+    # Alone, the same JSON is a call, streamed too (whole, at the end).
+    asked["extra_body"] = {"structured_outputs": {"regex": re.escape(json.dumps(WEATHER_CALL))}}
+    assert streamed_chat(hermes.client, asked) == ("", "tool_calls", [("get_weather", '{"city": "Paris"}')])
 
 
 def _content_of(text: str, pieces: list[str], tools: Any) -> list[str]:
@@ -490,7 +513,6 @@ def _put_together(deltas: list[dict]) -> list[tuple[str, str, str]]:
             "",
             "Done.",
         ),
-        ('{"name": "f", "arguments": {"path": "a.py", "text": "def f():\\n    return 1\\n"}}', "", ""),
     ],
 )
 def test_calls_stream_as_they_are_written(text: str, content: str, rest: str) -> None:
@@ -509,6 +531,11 @@ def test_calls_that_cannot_stream_come_whole_at_the_end() -> None:
     # Arguments given as a JSON string: its value is the arguments, known when the string ends.
     _, deltas, _, calls, final = _stream_calls('{"name": "f", "arguments": "{\\"a\\": 1}"}')
     assert deltas == [] and _put_together(final) == [(calls[0].id, "f", '{"a": 1}')]
+    # A bare call the model wrote unforced: a call only if nothing follows it, known when the output ends.
+    text = '{"name": "f", "arguments": {"path": "a.py", "text": "def f():\\n    return 1\\n"}}'
+    _, deltas, rest, calls, final = _stream_calls(text)
+    assert deltas == [] and rest == "" and _put_together(final) == [(calls[0].id, "f", calls[0].arguments)]
+    assert calls[0].arguments == parse_tool_calls(text)[1][0].arguments and calls[0].arguments in text
     # parallel_tool_calls false: the first call only.
     two = (
         '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
@@ -551,23 +578,38 @@ def test_a_bare_list_with_an_item_that_is_no_call_streams_no_call(text: str) -> 
         assert calls_stream.feed(text[:end], content.sent) == []
 
 
-def test_a_bare_lists_calls_go_out_once_it_has_closed() -> None:
-    """The forced-call grammar's shape, a bare list with "parameters": its calls go out whole when it closes, or at
-    the end, with the parsed calls' ids."""
+def test_a_bare_lists_calls_go_out_when_the_output_ends() -> None:
+    """The forced-call grammar's shape, a bare list with "parameters", written unforced: its calls go out whole at the
+    end, with the parsed calls' ids, not when the list closes (text may follow it, and then it is no call)."""
     text = '[{"name": "f", "parameters": {"q": "a b"}}, {"name": "g", "parameters": {}}]'
-    sent, deltas, rest, calls, final = _stream_calls(text)  # (fed up to the last character)
-    assert (sent, deltas, rest) == ("", [], "")
-    assert _put_together(final) == [(c.id, c.name, c.arguments) for c in calls]
     content, calls_stream = ContentStream(), CallStream()
-    fed = []
-    for end in range(1, len(text) + 1):
+    for end in range(1, len(text) + 1):  # (the list closed, too)
         content.feed(text[:end])
-        fed.append(calls_stream.feed(text[:end], content.sent))
-    assert not any(fed[:-1])
+        assert calls_stream.feed(text[:end], content.sent) == []
     rest, calls = content.finish(text, parse_tool_calls)
-    assert rest == "" and calls_stream.finish(calls) == []
-    assert _put_together(fed[-1]) == [(c.id, c.name, c.arguments) for c in calls]
+    assert rest == "" and _put_together(calls_stream.finish(calls)) == [(c.id, c.name, c.arguments) for c in calls]
     assert [(c.name, c.arguments) for c in calls] == [("f", '{"q": "a b"}'), ("g", "{}")]
+
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        CALL + " and more text",
+        CALL + "\n\nDone.",
+        CALL + "; " + CALL,
+        "[" + CALL + "] and more text",
+    ],
+)
+def test_bare_json_with_text_after_it_streams_no_call(text: str) -> None:
+    """Bare JSON shaped like a call, then more text: the parser reads it all as the answer, so the stream sends no
+    call either. Before, the call went out as soon as its JSON was written, then the same text again as content."""
+    types = parameter_types([WEATHER])
+    assert parse_tool_calls(text, types) == (text, [])
+    sent, deltas, rest, calls, final = _stream_calls(text, types=types)
+    assert deltas == [] and calls == [] and final == [] and sent + rest == text
 
 
 def test_a_forced_calls_list_streams_its_arguments_as_they_are_written() -> None:
@@ -993,7 +1035,7 @@ def test_python_calls_come_whole_at_the_end_of_a_stream(formats: frozenset[str])
 
 def test_with_python_calls_alone_a_json_list_streams_no_call() -> None:
     """``--tool-call-parser pythonic``: a JSON list of calls is the answer, so the stream sends no call of it, even
-    once the list has closed (where a reader of bare JSON sends its calls)."""
+    at the end (where a reader of bare JSON sends its calls)."""
     text = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
     types = parameter_types([WEATHER])
     for formats, streamed in ((TOOL_CALL_PARSERS["pythonic"], []), (ALL_FORMATS, ["get_weather"])):
@@ -1002,8 +1044,9 @@ def test_with_python_calls_alone_a_json_list_streams_no_call() -> None:
         for end in range(1, len(text) + 1):
             content.feed(text[:end])
             deltas += calls.feed(text[:end], content.sent)
+        parsed = content.finish(text, lambda t, formats=formats: parse_tool_calls(t, types, formats))[1]
+        deltas += calls.finish(parsed) if parsed else []
         assert [d["function"]["name"] for d in deltas if "id" in d] == streamed
-        assert parse_tool_calls(text, types, formats)[1] == [] or streamed
 
 
 @pytest.fixture(scope="module")
