@@ -1,4 +1,4 @@
-"""The offline API: ``LLM(model).generate(prompts, params)`` and ``LLM.chat(messages, params)``."""
+"""The offline API: ``LLM(model).generate(prompts, sampling_params)`` and ``LLM.chat(messages, sampling_params)``."""
 
 from __future__ import annotations
 
@@ -11,49 +11,75 @@ from typing import Any
 
 from tqdm import tqdm
 
-from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
-from boundless.engine.logprobs import PromptLogprobs, SampledToken
-from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
+from boundless.engine.logprobs import PositionLogprobs, SampledToken, as_position_logprobs, named_tokens
+from boundless.engine.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt
 from boundless.gc_quiet import frozen_heap
 from boundless.model.loader import LoadedModel, load_configured_model
 from boundless.model.lora import LoRARequest
-from boundless.model.tokenizer import load_chat_template
+from boundless.model.tokenizer import Tokenizer, load_chat_template
 
 # A text, token ids, or vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt), ``{"prompt_token_ids": ids}``
-# (TokensPrompt).
+# (TokensPrompt, which may carry its text as ``prompt`` too), either with ``cache_salt``.
 Prompt = str | list[int] | Mapping[str, Any]
+
+# The keys of vLLM's prompt dicts this engine reads. Its multimodal keys are taken empty only: the models served here
+# read text.
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data", "mm_processor_kwargs"})
 
 
 @dataclass
 class CompletionOutput:
-    """One sampled continuation of a prompt."""
+    """One sampled continuation of a prompt, as vLLM's: ``logprobs`` (when asked for) hold, for each generated token,
+    its own and its top alternatives' :class:`~boundless.engine.logprobs.Logprob` by token id; ``cumulative_logprob``
+    is the sum of the generated tokens' logprobs."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None = None
-    logprobs: list[SampledToken] | None = None  # per generated token, when asked for
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
-    @property
-    def cumulative_logprob(self) -> float | None:
-        if self.logprobs is None:
-            return None
-        return sum(t.logprob or 0.0 for t in self.logprobs)
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
     """A prompt and its ``n`` completions; with ``SamplingParams.prompt_logprobs``, each prompt token's logprob given
-    the tokens before it (None for the first), as vLLM's ``RequestOutput.prompt_logprobs``."""
+    the tokens before it (None for the first), in vLLM's shape (:class:`CompletionOutput`'s ``logprobs``)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
-    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finished: bool = False
+
+
+@dataclass
+class _Sample:
+    """One of a prompt's samples while its batch runs: where its deltas go, and its scored tokens in the engine's
+    shape (made into vLLM's when the batch is done: every token's text in one decode)."""
+
+    result: RequestOutput
+    completion: CompletionOutput
+    params: SamplingParams
+    scored: list[SampledToken] | None
+    prompt_scored: list[SampledToken | None] | None = None
+
+
+@dataclass(frozen=True)
+class _PromptInput:
+    """A prompt as given: its text, or its token ids (and then perhaps its text too), and a ``cache_salt``."""
+
+    text: str | None
+    ids: list[int] | None
+    cache_salt: str | None = None
 
 
 def engine_config(model: str, **kwargs: Any) -> EngineConfig:
@@ -81,11 +107,12 @@ class LLM:
 
     ``LLM("smollm2-135m")`` loads the bundled model; any Hugging Face directory or GGUF file works.
     Keyword arguments are engine options (``dtype``, ``device``, ``max_model_len``, ``block_size``,
-    ``num_kv_blocks``, ``enable_prefix_caching``, ``max_num_batched_tokens``, ...).
+    ``num_kv_blocks``, ``enable_prefix_caching``, ``max_num_batched_tokens``, ...), and vLLM's engine arguments that
+    mean something here (:data:`VLLM_ENGINE_ARGS`).
     """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
-        self._start(engine_config(model, **kwargs), None)
+        self._start(engine_config(model, **vllm_engine_args(model, kwargs)), None)
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> LLM:
@@ -101,7 +128,11 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (vLLM's name)."""
         return self.engine.tokenizer
 
     def close(self) -> None:
@@ -111,20 +142,25 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt (a string, a list of token ids, or vLLM's ``{"prompt": ...}`` or
-        ``{"prompt_token_ids": [...]}``); results come in prompt order. ``lora_request``
+        ``{"prompt_token_ids": [...]}``); results come in prompt order. ``sampling_params``: for every prompt, or one
+        per prompt. As vLLM's, an output stops where the context is full (``finish_reason`` ``length``), whatever
+        ``max_tokens`` asked; a prompt that fills the context alone is refused. ``lora_request``
         (vLLM's): the LoRA adapter to run with, for every prompt or one per prompt (``enable_lora=True``); it is
         loaded on first use (a name already loaded runs with the adapter loaded under it). ``priority`` (vLLM's): each
         prompt's class of service, smaller first (``SamplingParams.priority``)."""
         batch = [_prompt_input(p) for p in _as_batch(prompts)]
-        if params is None:
-            params = SamplingParams()
-        per_prompt = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            per_prompt = [sampling_params] * len(batch)
+        else:
+            per_prompt = list(sampling_params)
         if len(per_prompt) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(per_prompt)} sampling params")
         if priority is not None:
@@ -139,13 +175,17 @@ class LLM:
                 if lora.lora_name not in self.engine.loras:  # (one loaded already is used as it is)
                     self.engine.add_lora(lora)
                 per_prompt[i] = dataclasses.replace(per_prompt[i], lora_name=lora.lora_name)
+        for i, prompt in enumerate(batch):
+            if prompt.cache_salt is not None:
+                per_prompt[i] = dataclasses.replace(per_prompt[i], cache_salt=prompt.cache_salt)
         # The outputs are read when the batch is done (as vLLM's LLM does): each text is decoded once, at its end.
         # (Made once for each params object given: a batch's prompts most often share one.)
         given = {id(p): p for p in per_prompt}
         final = {key: dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for key, p in given.items()}
         per_prompt = [final[id(p)] for p in per_prompt]
         results: list[RequestOutput] = []
-        children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
+        samples: dict[str, _Sample] = {}
+        max_model_len = self.engine.max_model_len
         # The collector's full walks skip the model and the engine (boundless/gc_quiet.py), from the first request
         # added: a full collection set off by the batch's intake walked the whole heap (0.18 s of a 0.9 s run of 256
         # requests on the host proxy; a process that holds another model too, as a benchmark's, walks more).
@@ -153,65 +193,91 @@ class LLM:
         with frozen_heap():
             try:
                 for prompt, p in zip(batch, per_prompt, strict=True):
-                    ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                    ids = self.tokenizer.encode(prompt.text) if prompt.ids is None else prompt.ids  # type: ignore[arg-type]
+                    ids = truncated_prompt(ids, p.truncate_prompt_tokens, max_model_len)
+                    p = _within_context(p, len(ids), max_model_len)
                     rid = str(next(self._ids))
-                    result = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
+                    result = RequestOutput(rid, prompt.text, ids)
                     results.append(result)
                     for i in range(p.n):
                         child = p.for_sample(i)
-                        completion = CompletionOutput(i, "", [], None, logprobs=[] if p.logprobs is not None else None)
+                        completion = CompletionOutput(i, "", [], None)
                         result.outputs.append(completion)
                         cid = f"{rid}-{i}" if p.n > 1 else rid
                         self.engine.add_request(cid, ids, child)
-                        children[cid] = (result, completion)
-                self._run(children, bar)
+                        samples[cid] = _Sample(result, completion, p, [] if p.logprobs is not None else None)
+                self._run(samples, bar)
             except BaseException:
                 # The batch fails whole (a refused prompt, a failed step, an interrupt): nothing of it is left
                 # queued, where the next call's steps would meet it.
-                for cid in children:
+                for cid in samples:
                     self.engine.abort(cid)
                 raise
             finally:
                 bar.close()
+        self._fill_logprobs(list(samples.values()))
         return results
 
-    def _run(self, children: dict[str, tuple[RequestOutput, CompletionOutput]], bar: tqdm) -> None:
+    def _run(self, samples: dict[str, _Sample], bar: tqdm) -> None:
         """Step the engine until every request is done, filling each one's output from the deltas."""
         while self.engine.has_unfinished():
             for delta in self.engine.step():
-                result, completion = children[delta.request_id]
+                sample = samples[delta.request_id]
+                result, completion = sample.result, sample.completion
                 completion.text += delta.new_text
                 completion.token_ids.extend(delta.new_token_ids)
-                if completion.logprobs is not None:
-                    completion.logprobs.extend(delta.new_logprobs)
-                if delta.prompt_logprobs is not None and result.prompt_logprobs is None:  # (each of n samples scores)
-                    result.prompt_logprobs = delta.prompt_logprobs
+                if sample.scored is not None:
+                    sample.scored.extend(delta.new_logprobs)
+                if delta.prompt_logprobs is not None and sample.prompt_scored is None:
+                    sample.prompt_scored = delta.prompt_logprobs
                 if delta.finished:
                     completion.finish_reason = delta.finish_reason
                     completion.stop_reason = delta.stop_reason
                     result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+                    result.finished = all(c.finish_reason is not None for c in result.outputs)
                     bar.update(1)
+
+    def _fill_logprobs(self, samples: list[_Sample]) -> None:
+        """The batch's logprobs in vLLM's shape, the tokens' texts from one decode for the whole batch."""
+        scored = [s for s in samples if s.scored is not None or s.prompt_scored is not None]
+        if not scored:
+            return
+        ids = sorted(
+            set().union(
+                *(named_tokens([*(s.scored or ()), *(s.prompt_scored or ())]) for s in scored if s.params.detokenize)
+            )
+        )
+        decoded = self.tokenizer.decode_batch([[t] for t in ids], skip_special_tokens=False)
+        texts = dict(zip(ids, decoded, strict=True))
+        for s in scored:
+            named = texts if s.params.detokenize else None
+            if s.scored is not None:
+                s.completion.logprobs = as_position_logprobs(s.scored, named)  # type: ignore[assignment]
+                s.completion.cumulative_logprob = sum(t.logprob or 0.0 for t in s.scored)
+            if s.prompt_scored is not None and s.result.prompt_logprobs is None:  # (each of n samples scores it)
+                s.result.prompt_logprobs = as_position_logprobs(s.prompt_scored, named)
 
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        tools: list[dict[str, Any]] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRARequest | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate. Messages take the
-        server's shapes (``api/conversation.py``): content as text parts, an assistant turn of tool calls alone; any
-        role and any other key a template reads pass as given. ``chat_template``: the name of one of the model's
-        templates, or a template (its text, or a Jinja file's path, as ``serve --chat-template`` takes it) instead of
-        the model's; ``chat_template_kwargs``: more variables for it, which may also set ``add_generation_prompt`` and
-        ``tools`` (vLLM's). ``params``: for every conversation, or one per conversation (vLLM's).
-        ``continue_final_message`` (vLLM's, with ``add_generation_prompt=False``): the last message is continued, not
-        closed (an answer's beginning given for the model to go on from)."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate; each output's
+        ``prompt`` is its conversation's rendered text. Messages take the server's shapes (``api/conversation.py``):
+        content as text parts, an assistant turn of tool calls alone; any role and any other key a template reads pass
+        as given. ``chat_template``: the name of one of the model's templates, or a template (its text, or a Jinja
+        file's path, as ``serve --chat-template`` takes it) instead of the model's; ``chat_template_kwargs``: more
+        variables for it, which may also set ``add_generation_prompt`` and ``tools`` (vLLM's). ``sampling_params``: for
+        every conversation, or one per conversation (vLLM's). ``continue_final_message`` (vLLM's, with
+        ``add_generation_prompt=False``): the last message is continued, not closed (an answer's beginning given for
+        the model to go on from)."""
         from boundless.api.conversation import template_conversation  # (pydantic's schemas: loaded when chatting)
 
         given = {
@@ -225,17 +291,56 @@ class LLM:
         if template is not None and template not in self.tokenizer.chat_templates:
             variables["chat_template"] = load_chat_template(template)  # (a file's path, or the text checked)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(
-                    template_conversation(conv, strict=False),  # type: ignore[arg-type]
-                    **variables,
-                ),
-                add_special_tokens=False,
-            )
+        texts = [
+            self.tokenizer.apply_chat_template(template_conversation(conv, strict=False), **variables)  # type: ignore[arg-type]
             for conv in conversations
         ]
-        return self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
+        prompts = [
+            {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
+            for text in texts
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+
+# vLLM's engine arguments (``LLM(...)``, ``vllm serve``) that this engine takes under another name.
+VLLM_RENAMED_ARGS = {"swap_space": "swap_space_gb"}
+
+
+def vllm_engine_args(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``LLM``'s keyword arguments with vLLM's engine arguments read: those with a meaning here under another name
+    renamed, those that ask for nothing more here taken (``tensor_parallel_size=1``, ``trust_remote_code``: no code
+    from a checkpoint is run here, ``disable_log_stats``: offline, nothing is logged), and those that ask for what this
+    engine does not do refused with the reason (:class:`ConfigError`)."""
+    out = dict(kwargs)
+    for old, new in VLLM_RENAMED_ARGS.items():
+        if old in out:
+            out[new] = out.pop(old)
+    out.pop("trust_remote_code", None)
+    out.pop("disable_log_stats", None)
+    if out.pop("tensor_parallel_size", 1) != 1:
+        raise ConfigError("tensor_parallel_size: a model runs on one device here; more instances serve more requests")
+    tokenizer = out.pop("tokenizer", None)
+    if tokenizer is not None and tokenizer != model:
+        raise ConfigError("tokenizer: the model's own is used (its directory's or its GGUF file's)")
+    if out.pop("enable_chunked_prefill", True) is False:
+        raise ConfigError(
+            "enable_chunked_prefill: prompts are always chunked to max_num_batched_tokens; set it to max_model_len "
+            "or more to take each prompt whole"
+        )
+    if out.pop("quantization", None) is not None:
+        raise ConfigError("quantization: a GGUF file's quantized weights are read as they are; no other is applied")
+    if out.pop("download_dir", None) is not None:
+        raise ConfigError("download_dir: nothing is downloaded; give a model directory, a GGUF file or a hub id cached")
+    return out
+
+
+def _within_context(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """The params with ``max_tokens`` (and ``min_tokens``) cut to what the context holds after the prompt, as vLLM's
+    LLM stops a request there. A prompt that fills the context alone is left to the engine's refusal."""
+    room = max_model_len - prompt_len
+    if room < 1 or params.max_tokens is None or params.max_tokens <= room:
+        return params
+    return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -247,20 +352,31 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _prompt_input(prompt: Prompt) -> str | list[int]:
-    """One prompt as a text or as token ids; anything else is a clear error (before any request of the batch is
-    queued)."""
+def _prompt_input(prompt: Prompt) -> _PromptInput:
+    """One prompt as given; anything else is a clear error (before any request of the batch is queued)."""
     if isinstance(prompt, Mapping):
         keys = set(prompt)
-        if len(keys) != 1 or not keys <= {"prompt", "prompt_token_ids"}:
+        if not keys <= PROMPT_KEYS or not keys & {"prompt", "prompt_token_ids"}:
             raise ValueError(
-                f"a prompt dict holds 'prompt' (a text) or 'prompt_token_ids', as vLLM's TextPrompt and TokensPrompt;"
-                f" got keys {sorted(keys)}"
+                "a prompt dict holds 'prompt' (a text) or 'prompt_token_ids', as vLLM's TextPrompt and TokensPrompt, "
+                f"and perhaps 'cache_salt'; got keys {sorted(keys)}"
             )
-        prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+        if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
+            raise ValueError("multi_modal_data: the models served here read text only")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"a prompt dict's 'prompt' is a text, not {text!r:.60}")
+        salt = prompt.get("cache_salt")
+        if "prompt_token_ids" in prompt:
+            return _PromptInput(text, _token_ids(prompt["prompt_token_ids"]), salt)
+        return _PromptInput(text, None, salt)
     if isinstance(prompt, str):
-        return prompt
+        return _PromptInput(prompt, None)
+    return _PromptInput(None, _token_ids(prompt))
+
+
+def _token_ids(prompt: object) -> list[int]:
     # (Ints, not bools: the types, gathered in one pass.)
     if isinstance(prompt, Sequence) and all(issubclass(t, int) and t is not bool for t in set(map(type, prompt))):
-        return list(prompt)
+        return list(prompt)  # type: ignore[arg-type]
     raise TypeError(f"a prompt is a string, a list of token ids or a prompt dict, not {prompt!r:.60}")

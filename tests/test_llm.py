@@ -11,7 +11,7 @@ import torch
 
 from boundless import LLM, SamplingParams
 from boundless.engine.errors import InvalidRequestError
-from boundless.engine.sampling_params import InvalidSamplingParams
+from boundless.engine.sampling_params import InvalidSamplingParams, truncated_prompt
 from boundless.model.loader import LoadedModel, load_model
 from boundless.model.random_model import TinySpec, write_random_model
 
@@ -67,8 +67,15 @@ def test_vllm_prompt_dicts(llm: LLM) -> None:
     ids = llm.tokenizer.encode("The capital of France is")
     outs = llm.generate([{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}, ids], params)
     assert outs[0].prompt_token_ids == ids and len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    # A TokensPrompt may carry its text (vLLM's): the ids are read, the text is the output's prompt.
+    both = llm.generate({"prompt_token_ids": ids, "prompt": "The capital of France is"}, params)[0]
+    assert both.prompt == "The capital of France is" and both.outputs[0].token_ids == outs[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="prompt_token_ids"):
-        llm.generate(["Hi", {"prompt": "x", "cache_salt": "a"}], params)
+        llm.generate(["Hi", {"prompt": "x", "images": []}], params)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(["Hi", {"cache_salt": "a"}], params)
+    with pytest.raises(ValueError, match="read text only"):
+        llm.generate(["Hi", {"prompt": "x", "multi_modal_data": {"image": "x.png"}}], params)
     with pytest.raises(TypeError, match="a prompt is a string"):
         llm.generate(["Hi", [1, "2"]], params)
     with pytest.raises(TypeError, match="a prompt is a string"):  # (a bool is an int to Python, not a token id)
@@ -184,19 +191,146 @@ def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm: LLM, stop: tuple[s
         assert out.text.endswith("<|im_end|>") == include
 
 
-def test_logprobs_are_the_model_distribution(llm: LLM, smollm2: LoadedModel) -> None:
+def test_logprobs_are_the_model_distribution_in_vllms_shape(llm: LLM, smollm2: LoadedModel) -> None:
+    """Each generated token's logprobs (vLLM's ``list[dict[int, Logprob]]``): the token itself first, then its top
+    alternatives by rank, each with its text alone; the values the log-softmax of the model's logits."""
     prompt = llm.tokenizer.encode("The sky is")
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True))[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 3
     first = out.logprobs[0]
-    assert first.rank == 1 and first.token_id == out.token_ids[0]
-    assert first.top_logprobs[0][0] == out.token_ids[0] and len(first.top_logprobs) == 5
+    token = out.token_ids[0]
+    assert next(iter(first)) == token and first[token].rank == 1 and len(first) == 5  # (greedy: it is the top one)
+    assert [e.rank for e in first.values()] == [1, 2, 3, 4, 5]
+    assert all(e.decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False) for t, e in first.items())
     # The first token's logprobs are the log-softmax of the prefill step's logits.
     ref = _dense_logprobs(smollm2, prompt)
     top = torch.topk(ref, 5)
-    assert [t for t, _ in first.top_logprobs] == top.indices.tolist()
-    assert max(abs(a - b) for (_, a), b in zip(first.top_logprobs, top.values.tolist(), strict=True)) < 1e-4
-    assert out.cumulative_logprob == pytest.approx(sum(t.logprob for t in out.logprobs))
+    assert list(first) == top.indices.tolist()
+    assert max(abs(e.logprob - b) for e, b in zip(first.values(), top.values.tolist(), strict=True)) < 1e-4
+    chosen = [position[t].logprob for position, t in zip(out.logprobs, out.token_ids, strict=True)]
+    assert out.cumulative_logprob == pytest.approx(sum(chosen))
+    # A sampled token outside the top alternatives comes first with its own rank; without text, no decoded_token.
+    sampled = SamplingParams(temperature=2.0, seed=3, max_tokens=8, logprobs=1, ignore_eos=True, detokenize=False)
+    out = llm.generate(prompt, sampled)[0].outputs[0]
+    assert out.logprobs is not None and out.text == ""
+    for position, t in zip(out.logprobs, out.token_ids, strict=True):
+        assert next(iter(position)) == t and all(e.decoded_token is None for e in position.values())
+        assert len(position) == (1 if position[t].rank == 1 else 2)
+    assert any(position[t].rank > 1 for position, t in zip(out.logprobs, out.token_ids, strict=True))
+
+
+def test_prompt_logprobs_in_vllms_shape(llm: LLM) -> None:
+    """``RequestOutput.prompt_logprobs``: None for the first prompt token, then each token's entry holding it with its
+    rank and text, and its top alternatives; the same as a generated token's where the text is the same."""
+    ids = llm.tokenizer.encode("The sky is blue and the grass is")
+    res = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2, logprobs=2))[0]
+    scored = res.prompt_logprobs
+    assert scored is not None and len(scored) == len(ids) and scored[0] is None
+    for t, position in zip(ids[1:], scored[1:], strict=True):
+        assert position is not None and next(iter(position)) == t and len(position) <= 3
+        assert position[t].decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
+        assert sorted(e.rank for k, e in position.items() if k != t or e.rank <= 2)[:2] == [1, 2]
+    # The next prompt's last token is this one's first generated token: scored alike.
+    longer = llm.generate(ids + res.outputs[0].token_ids, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert longer.prompt_logprobs is not None and res.outputs[0].logprobs is not None
+    last = longer.prompt_logprobs[-1]
+    assert last is not None and res.outputs[0].logprobs[0].keys() == last.keys()
+    for a, b in zip(res.outputs[0].logprobs[0].values(), last.values(), strict=True):
+        assert (
+            a.rank == b.rank and a.decoded_token == b.decoded_token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        )
+
+
+def test_vllms_names_and_fields(llm: LLM) -> None:
+    """What vLLM's code calls: ``sampling_params=``, ``get_tokenizer()``, ``RequestOutput.finished``,
+    ``CompletionOutput.finished()``, and a chat output's ``prompt`` (its conversation's rendered text)."""
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    out = llm.generate("Hello", sampling_params=params)[0]
+    assert out.finished and out.outputs[0].finished() and out.prompt == "Hello"
+    assert llm.get_tokenizer() is llm.tokenizer
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat = llm.chat(messages, sampling_params=params)[0]
+    assert chat.prompt == llm.tokenizer.apply_chat_template(messages)
+    assert chat.prompt_token_ids == llm.tokenizer.encode(chat.prompt, add_special_tokens=False)
+    assert chat.outputs[0].token_ids == llm.generate(chat.prompt_token_ids, params)[0].outputs[0].token_ids
+
+
+def test_an_output_stops_where_the_context_is_full(smollm2: LoadedModel) -> None:
+    """As vLLM's LLM: ``max_tokens`` past what the context holds after the prompt stops the output there (``length``),
+    ``min_tokens`` too; a prompt that fills the context alone is refused, and the rest of its batch with it."""
+    llm = LLM.from_config(_config(smollm2, max_model_len=64), smollm2)
+    near = list(range(1000, 1058))  # 58 tokens: room for 6
+    params = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=20, ignore_eos=True)
+    out = llm.generate([near, near[:10]], params)
+    assert len(out[0].outputs[0].token_ids) == 6 and out[0].outputs[0].finish_reason == "length"
+    assert len(out[1].outputs[0].token_ids) == 32  # (the other prompt's params are its own)
+    assert len(llm.generate(near, SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0].token_ids) == 6
+    with pytest.raises(InvalidRequestError, match="context length"):
+        llm.generate([near[:10], list(range(1000, 1064))], params)
+    assert not llm.engine.has_unfinished()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens are read (-1: as many as the context holds)."""
+    ids = llm.tokenizer.encode("one two three four five six seven eight nine ten")
+    params = SamplingParams(temperature=0.0, max_tokens=2, truncate_prompt_tokens=4)
+    out = llm.generate(ids, params)[0]
+    assert out.prompt_token_ids == ids[-4:]
+    assert (
+        out.outputs[0].token_ids
+        == llm.generate(ids[-4:], dataclasses.replace(params, truncate_prompt_tokens=None))[0].outputs[0].token_ids
+    )
+    assert truncated_prompt(list(range(10)), -1, 4) == [6, 7, 8, 9]  # (a context-long prompt is then refused)
+    for bad in (0, -2, True):
+        with pytest.raises(InvalidSamplingParams, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(InvalidSamplingParams, match="truncate_prompt_tokens"):
+        llm.generate(ids, SamplingParams(truncate_prompt_tokens=2000))
+
+
+def test_a_prompt_dicts_cache_salt_keeps_its_prefix_apart(llm: LLM) -> None:
+    """vLLM's prompt dicts may carry ``cache_salt``: a salted prompt shares no cached KV with the prompt unsalted."""
+    ids = llm.tokenizer.encode("You are a helpful assistant. " * 8)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate(ids, params)
+    assert llm.generate(ids, params)[0].num_cached_tokens > 0
+    salted = llm.generate({"prompt_token_ids": ids, "cache_salt": "tenant-a"}, params)[0]
+    assert salted.num_cached_tokens == 0
+    assert llm.generate({"prompt_token_ids": ids, "cache_salt": "tenant-a"}, params)[0].num_cached_tokens > 0
+
+
+def test_sampling_params_take_none_for_empty_and_refuse_other_types() -> None:
+    """vLLM's optional list and map fields take None; an int field refuses a bool or a float (``logprobs=2.5`` had
+    passed, then failed the whole batch's step)."""
+    p = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None, bad_words=None)
+    assert p.stop == () and p.stop_token_ids == () and p.logit_bias == () and p.bad_words == ()
+    for field, bad in [
+        ("logprobs", 2.5), ("logprobs", True), ("n", True), ("top_k", True), ("min_tokens", True),
+        ("min_tokens", 1.0), ("temperature", "1"), ("top_p", True),
+    ]:  # fmt: skip
+        with pytest.raises(InvalidSamplingParams) as e:
+            SamplingParams(**{field: bad})
+        assert e.value.param == field
+
+
+def test_vllms_engine_arguments() -> None:
+    """vLLM's ``LLM(...)`` arguments: those that mean something here are read, those that ask for nothing more are
+    taken, and those that ask for what this engine does not do are refused with the reason."""
+    from boundless.config import ConfigError
+    from boundless.llm import engine_config, vllm_engine_args
+
+    args = vllm_engine_args(
+        "m", {"swap_space": 2, "trust_remote_code": True, "tensor_parallel_size": 1, "disable_log_stats": True}
+    )
+    assert args == {"swap_space_gb": 2}
+    assert engine_config("m", **args).cache.swap_space_gb == 2
+    assert vllm_engine_args("m", {"tokenizer": "m", "enable_chunked_prefill": True}) == {}
+    for bad in (
+        {"tensor_parallel_size": 2}, {"tokenizer": "other"}, {"enable_chunked_prefill": False},
+        {"quantization": "awq"}, {"download_dir": "/x"},
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            vllm_engine_args("m", bad)
 
 
 def _dense_logprobs(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
@@ -280,7 +414,7 @@ def test_bad_requests_raise_clear_errors(llm: LLM) -> None:
     with pytest.raises(InvalidSamplingParams):
         SamplingParams(max_tokens=0)
     with pytest.raises(InvalidRequestError) as e:
-        llm.generate([1] * 1020, SamplingParams(max_tokens=10))
+        llm.generate([1] * 1024, SamplingParams(max_tokens=10))
     assert "context length" in str(e.value)
     with pytest.raises(InvalidRequestError):
         llm.generate([10**7], SamplingParams(max_tokens=1))

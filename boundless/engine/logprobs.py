@@ -4,7 +4,7 @@ the prompt's own tokens (``SamplingParams.prompt_logprobs``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,8 +22,50 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
-# A prompt's logprobs, vLLM's shape: one entry per prompt token, None for the first (nothing predicts it).
+# A prompt's logprobs, as the engine reports them: one entry per prompt token, None for the first (nothing predicts it).
 PromptLogprobs = list[SampledToken | None]
+
+
+@dataclass
+class Logprob:
+    """vLLM's ``Logprob``: a token's log-probability, its rank (1: the most likely) and its text alone (None when the
+    request asked for no text: ``SamplingParams.detokenize=False``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shape of one position's logprobs: by token id, the position's own token first, then its top alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+def as_position_logprobs(
+    scored: Sequence[SampledToken | None], texts: Mapping[int, str] | None
+) -> list[PositionLogprobs | None]:
+    """The engine's scored tokens in vLLM's shape (``CompletionOutput.logprobs``, ``RequestOutput.prompt_logprobs``),
+    each token's text from ``texts`` (by token id; None: no text)."""
+    texts = texts or {}
+    out: list[PositionLogprobs | None] = []
+    for s in scored:
+        if s is None:
+            out.append(None)
+            continue
+        position = {s.token_id: Logprob(_as_float(s.logprob), s.rank, texts.get(s.token_id))}
+        for rank, (tid, lp) in enumerate(s.top_logprobs, 1):
+            position.setdefault(tid, Logprob(lp, rank, texts.get(tid)))
+        out.append(position)
+    return out
+
+
+def named_tokens(scored: Iterable[SampledToken | None]) -> set[int]:
+    """Every token id the scored tokens name: their own and their alternatives'."""
+    return {tid for s in scored if s is not None for tid in (s.token_id, *(t for t, _ in s.top_logprobs))}
+
+
+def _as_float(logprob: float | None) -> float:
+    # (A scored token always has its logprob; None would be a token the model gave no probability.)
+    return float("-inf") if logprob is None else logprob
 
 
 @dataclass(frozen=True)

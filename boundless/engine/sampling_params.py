@@ -112,12 +112,20 @@ class SamplingParams:
     # vLLM's ``thinking_token_budget``: a reasoning model's thinking closed, its end tag forced, after this many tokens
     # (``engine/thinking_budget.py``). None: it thinks as long as it likes.
     thinking_budget: ThinkingBudget | None = None
+    # vLLM's ``truncate_prompt_tokens``: only the prompt's last this many tokens are read (-1: as many as the context
+    # holds), for a history that has outgrown the context. Applied where a prompt becomes ids (``truncated_prompt``:
+    # ``LLM.generate``, the server's routes).
+    truncate_prompt_tokens: int | None = None
     # Whether a penalty needs the request's tokens so far; whether anything does (a grammar replays a handed-off
     # request's): the scheduler hands them to the sampler only then.
     penalized: bool = field(init=False, repr=False, compare=False, default=False)
     needs_history: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
+        # None for a list or a mapping is "none", as vLLM's optional fields take it (``stop=cfg.get("stop")``).
+        for name in ("stop", "stop_token_ids", "bad_words", "bad_words_token_ids", "logit_bias", "prediction"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -144,10 +152,14 @@ class SamplingParams:
             or self.thinking_budget is not None
             or any(len(word) > 1 for word in self.bad_words_token_ids),  # (a one-token word is banned everywhere)
         )
-        self._check("n", isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1")
-        self._check("temperature", 0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]")
-        self._check("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
-        self._check("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be -1, 0 or positive")
+        self._check("n", _is_int(self.n) and self.n >= 1, "n must be an integer >= 1")
+        self._check(
+            "temperature",
+            _is_number(self.temperature) and 0.0 <= self.temperature <= 2.0,
+            "temperature must be in [0, 2]",
+        )
+        self._check("top_p", _is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        self._check("top_k", _is_int(self.top_k) and self.top_k >= -1, "top_k must be -1, 0 or positive")
         if self.seed is not None:
             self._check(
                 "seed",
@@ -160,7 +172,9 @@ class SamplingParams:
                 _is_int(self.max_tokens) and self.max_tokens >= 1,
                 "max_tokens must be a positive integer",
             )
-        self._check("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0")
+        self._check(
+            "min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be an integer >= 0"
+        )
         self._check("priority", _is_int(self.priority), "priority must be an integer")
         self._check("prediction", all(_is_int(t) and t >= 0 for t in self.prediction), "prediction must be token ids")
         self._check(
@@ -171,7 +185,11 @@ class SamplingParams:
         if self.max_tokens is not None:
             self._check("min_tokens", self.min_tokens <= self.max_tokens, "min_tokens must not exceed max_tokens")
         if self.logprobs is not None:
-            self._check("logprobs", 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]")
+            self._check(
+                "logprobs",
+                _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+            )
         if self.prompt_logprobs is not None:
             self._check(
                 "prompt_logprobs",
@@ -243,6 +261,15 @@ class SamplingParams:
             self._check(where, not self.ignore_eos, f"{where} cannot go with ignore_eos")
             self._check(where, self.min_tokens == 0, f"{where} cannot go with min_tokens")
         self._check(
+            "truncate_prompt_tokens",
+            self.truncate_prompt_tokens is None
+            or (
+                _is_int(self.truncate_prompt_tokens)
+                and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)
+            ),
+            "truncate_prompt_tokens must be -1 or a positive integer",
+        )
+        self._check(
             "cache_salt",
             self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
             "cache_salt must be a non-empty string if given",
@@ -267,6 +294,19 @@ class SamplingParams:
             return dataclasses.replace(self, n=1)
         seed = (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context's length); the prompt whole
+    with None."""
+    if keep is None:
+        return ids
+    if not _is_int(keep) or keep == 0 or keep < -1 or keep > max_model_len:
+        raise InvalidSamplingParams(
+            f"truncate_prompt_tokens must be -1 or 1 to the model's context ({max_model_len}), not {keep}",
+            "truncate_prompt_tokens",
+        )
+    return ids[-(max_model_len if keep == -1 else keep) :]
 
 
 def _is_int(value: object) -> bool:

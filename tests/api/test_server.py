@@ -108,6 +108,20 @@ def test_chat_usage_matches_the_tokenizer(client: openai.OpenAI, engine: AsyncEn
     assert r.choices[0].message.role == "assistant"
 
 
+def test_text_parts_reach_the_template_joined_by_newlines(client: openai.OpenAI, engine: AsyncEngine) -> None:
+    """A message's text parts are one text to the template, joined by newlines as vLLM joins them (they were joined
+    with nothing between: "Hellothere")."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=1, extra_body={"return_token_ids": True}
+    )
+    tok = engine.tokenizer
+    joined = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "Hello\nthere"}]), add_special_tokens=False
+    )
+    assert r.model_extra["prompt_token_ids"] == joined
+
+
 def test_streamed_chat_concatenates_to_the_unstreamed_text(client: openai.OpenAI) -> None:
     kwargs = dict(
         model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=24, temperature=0
@@ -238,12 +252,15 @@ def test_completion_text_offsets_are_where_tokens_start(
 
 
 def _offline_scores(smollm2: LoadedModel, prompt: list[int], top_k: int) -> tuple[list, list]:
-    """The offline engine's prompt logprobs of ``prompt`` and its first greedy token's logprob (``top_k`` each)."""
+    """The offline engine's logprob of each token of ``prompt`` (None for the first) and of its first greedy token
+    (``top_k`` alternatives asked for each): each token's own ``Logprob``."""
     offline = LLM.from_config(engine_config(MODEL, max_model_len=MAX_LEN, kv_cache_gb=0.25), smollm2)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=top_k, prompt_logprobs=top_k)
     out = offline.generate([prompt], params)[0]
-    assert out.prompt_logprobs is not None and out.outputs[0].logprobs is not None
-    return out.prompt_logprobs, out.outputs[0].logprobs
+    completion = out.outputs[0]
+    assert out.prompt_logprobs is not None and completion.logprobs is not None
+    scored = [None if p is None else p[t] for p, t in zip(out.prompt_logprobs, prompt, strict=True)]
+    return scored, [p[t] for p, t in zip(completion.logprobs, completion.token_ids, strict=True)]
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client: openai.OpenAI, smollm2: LoadedModel) -> None:

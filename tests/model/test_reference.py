@@ -27,7 +27,7 @@ from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore
 from boundless.engine.executor import StepResult
-from boundless.engine.logprobs import PromptLogprobs
+from boundless.engine.logprobs import PositionLogprobs
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.tensors import PagedKVCache
 from boundless.kv.transfer import DISK, HOST
@@ -470,22 +470,25 @@ def _hf_prompt_logprobs(model: Any, prompt: list[int], device: torch.device) -> 
 
 
 def _assert_prompt_logprobs_match(
-    scored: PromptLogprobs | None, prompt: list[int], theirs: torch.Tensor, k: int
+    scored: list[PositionLogprobs | None] | None, prompt: list[int], theirs: torch.Tensor, k: int
 ) -> None:
-    """Every prompt token scored (the first: None), its logprob, rank and top ``k`` those of ``theirs``."""
+    """Every prompt token scored (the first: None), in vLLM's shape (the token first, then its top ``k``
+    alternatives), its logprob, rank and top ``k`` those of ``theirs``."""
     assert scored is not None and len(scored) == len(prompt) and scored[0] is None
     worst = 0.0
     for i in range(1, len(prompt)):
-        token, row = scored[i], theirs[i - 1]
-        assert token is not None and token.token_id == prompt[i]
+        position, row = scored[i], theirs[i - 1]
+        assert position is not None and next(iter(position)) == prompt[i]
+        token = position[prompt[i]]
         worst = max(worst, abs(token.logprob - row[prompt[i]].item()))
         # Its rank, give or take the tokens within the tolerance of it (a random model has near ties).
+        assert token.rank is not None
         assert int((row > token.logprob + LOGPROB_TOL).sum()) + 1 <= token.rank
         assert token.rank <= int((row > token.logprob - LOGPROB_TOL).sum()) + 1
-        assert len(token.top_logprobs) == k
-        top = torch.tensor([lp for _, lp in token.top_logprobs])
+        assert len(position) in ((k, k + 1) if k else (1,))  # (the token is one of its top k, or besides them)
+        top = torch.tensor(sorted((e.logprob for e in position.values()), reverse=True)[:k])
         worst = max(worst, (top - row.topk(k).values).abs().max().item() if k else 0.0)
-        worst = max(worst, max((abs(lp - row[tid].item()) for tid, lp in token.top_logprobs), default=0.0))
+        worst = max(worst, max(abs(e.logprob - row[tid].item()) for tid, e in position.items()))
     assert worst < LOGPROB_TOL, f"largest logprob difference {worst}"
 
 
