@@ -1,9 +1,9 @@
 """A conversation in OpenAI's message shapes as chat templates read it: the one conversion the server's chat route
 (``OpenAIServer.chat_prompt``) and the offline ``LLM.chat`` share.
 
-Content given as a list of text parts is joined; an assistant turn that only made calls (content ``None`` or left
-out) has empty content, which templates read as text; ``developer`` is ``system``; a call's JSON arguments are
-objects (``template_messages``); an earlier turn's reasoning passes under its own name.
+Content given as a list of text parts is joined by newlines (as vLLM joins them); an assistant turn that only made
+calls (content ``None`` or left out) has empty content, which templates read as text; ``developer`` is ``system``; a
+call's JSON arguments are objects (``template_messages``); an earlier turn's reasoning passes under its own name.
 """
 
 from __future__ import annotations

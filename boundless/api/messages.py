@@ -27,7 +27,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from boundless.api.agent_sessions import claude_code_session
 from boundless.api.errors import APIError, part_error
-from boundless.api.schemas import Bool, ChatCompletionRequest, Count, Float, Identifier, Int, NullIsDefault
+from boundless.api.schemas import (
+    TEXT_PART_SEPARATOR,
+    Bool,
+    ChatCompletionRequest,
+    Count,
+    Float,
+    Identifier,
+    Int,
+    NullIsDefault,
+)
 from boundless.api.server import ChatStream
 
 routes = APIRouter()
@@ -93,7 +102,8 @@ class MessagesRequest(NullIsDefault):
 
 
 def _text_of(content: Any, where: str) -> str:
-    """A block list's (or a string's) text: its text blocks joined (a tool result's content)."""
+    """A block list's (or a string's) text: its text blocks joined as chat's parts are (a tool result's content, as
+    vLLM joins it)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -103,13 +113,14 @@ def _text_of(content: Any, where: str) -> str:
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise APIError(400, f"{where}.{j}: only text blocks are supported here", f"{where}.{j}")
         texts.append(block["text"])
-    return "".join(texts)
+    return TEXT_PART_SEPARATOR.join(texts)
 
 
 def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
     """The conversation as the chat route's messages (OpenAI's shapes)."""
     out: list[dict[str, Any]] = []
     if body.system:
+        # (A system prompt's blocks are joined with nothing between, as vLLM joins them, unlike a turn's parts.)
         system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
         out.append({"role": "system", "content": system})
     for i, message in enumerate(body.messages):
@@ -138,7 +149,7 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
             if texts:
                 out.append({"role": "user", "content": texts})
         else:
-            turn: dict[str, Any] = {"role": "assistant", "content": "".join(t["text"] for t in texts) or None}
+            turn: dict[str, Any] = {"role": "assistant", "content": texts or None}  # (joined as a user's are)
             if calls:
                 turn["tool_calls"] = calls
             out.append(turn)

@@ -41,6 +41,7 @@ from boundless.api.reasoning import ReasoningOutput
 from boundless.api.schemas import (
     MAX_TOP_LOGPROBS,
     REASONING_EFFORTS,
+    TEXT_PART_SEPARATOR,
     Bool,
     ChatCompletionRequest,
     Count,
@@ -189,7 +190,9 @@ def function_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
 
 
 def _item_text(content: Any, where: str) -> str:
-    """The text of an input message's content: a string, or parts of type input_text or output_text."""
+    """The text of an input message's content: a string, or parts of type input_text or output_text, joined as chat's
+    parts are, as vLLM joins a Responses message's (which keeps an assistant message's first part alone: here none is
+    dropped)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -200,7 +203,7 @@ def _item_text(content: Any, where: str) -> str:
         if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
             raise APIError(400, f"content parts of type {kind!r} are not supported; only text", f"{where}.{j}")
         texts.append(part["text"])
-    return "".join(texts)
+    return TEXT_PART_SEPARATOR.join(texts)
 
 
 def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

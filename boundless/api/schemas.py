@@ -380,8 +380,13 @@ class InvalidContentPart(ValueError):
         self.index = index
 
 
+# Between a message's text parts: vLLM joins them so (its chat_utils), and a template then reads them as one text.
+TEXT_PART_SEPARATOR = "\n"
+
+
 def message_text(content: str | list[dict[str, Any]] | None) -> str:
-    """The text of a message whose content may be a list of parts (only text parts are supported)."""
+    """The text of a message whose content may be a list of parts (only text parts are supported), the parts joined
+    by :data:`TEXT_PART_SEPARATOR`."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -394,4 +399,4 @@ def message_text(content: str | list[dict[str, Any]] | None) -> str:
         if not isinstance(text, str):
             raise InvalidContentPart(i, "a text part needs a string 'text'")
         texts.append(text)
-    return "".join(texts)
+    return TEXT_PART_SEPARATOR.join(texts)

@@ -116,6 +116,46 @@ def test_a_forced_tool_is_a_tool_use_block_and_its_result_goes_back(client: anth
     assert client.messages.create(**{**ask, "messages": then}).stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 
+def _text_blocks(*texts: str) -> list[dict[str, str]]:
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def test_text_blocks_reach_the_template_joined_by_newlines(served: Served, client: anthropic.Anthropic) -> None:
+    """A turn's text blocks, and a tool result's, are joined by newlines, as the chat route joins a message's parts
+    and as vLLM converts them (they were joined with nothing between); the system prompt's blocks are joined with
+    nothing between, as vLLM joins them."""
+    call = {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Paris"}}
+    messages = [
+        {"role": "user", "content": _text_blocks("Hello", "there")},
+        {"role": "assistant", "content": [*_text_blocks("Let me look.", "One moment."), call]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "c1", "content": _text_blocks("Sun", "21")}],
+        },
+    ]
+    counted = client.messages.count_tokens(model="tiny", system=_text_blocks("Be ", "brief."), messages=messages)
+
+    def chat_tokens(join: str) -> int:
+        arguments = json.dumps(call["input"])
+        chat = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": join.join(["Hello", "there"])},
+            {
+                "role": "assistant",
+                "content": join.join(["Let me look.", "One moment."]),
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": join.join(["Sun", "21"])},
+        ]
+        tokens = httpx.post(served.url + "/tokenize", json={"messages": chat}, headers={"x-api-key": "secret"})
+        return tokens.json()["count"]
+
+    assert chat_tokens("") != chat_tokens("\n")  # (the two prompts tell apart)
+    assert counted.input_tokens == chat_tokens("\n")
+
+
 def test_a_last_assistant_turn_is_continued(chat: openai.OpenAI, client: anthropic.Anthropic) -> None:
     """Anthropic's prefill: the answer goes on from a last assistant turn (the chat route's continue_final_message)."""
     prefill = [*ASK, {"role": "assistant", "content": "The weather in Paris is"}]

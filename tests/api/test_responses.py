@@ -89,6 +89,21 @@ def test_a_response_is_the_chat_completion_of_its_conversation(client: openai.Op
     assert client.responses.retrieve(second.id).output_text == second.output_text
 
 
+def test_text_parts_reach_the_template_joined_by_newlines(client: openai.OpenAI) -> None:
+    """An input message's text parts are joined by newlines, as the chat route joins a message's parts (and vLLM
+    both); they were joined with nothing between."""
+    parts = [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "there"}]
+    response = client.responses.create(model=MODEL, input=[{"role": "user", "content": parts}], max_output_tokens=1)
+
+    def chat_prompt_tokens(text: str) -> int:
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=1)
+        assert chat.usage is not None
+        return chat.usage.prompt_tokens
+
+    assert chat_prompt_tokens("Hellothere") != chat_prompt_tokens("Hello\nthere")  # (the two prompts tell apart)
+    assert response.usage is not None and response.usage.input_tokens == chat_prompt_tokens("Hello\nthere")
+
+
 def test_stored_responses_are_kept_found_and_deleted(client: openai.OpenAI) -> None:
     kept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     unkept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
