@@ -42,6 +42,8 @@ def _json_object(flag: str, text: str) -> dict[str, Any]:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flex")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's
 KV_WRITE_POLICIES = ("through", "back", "off")
 KV_EVICTIONS = ("lru", "program")
 
@@ -49,7 +51,13 @@ KV_EVICTIONS = ("lru", "program")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = field(default="smollm2-135m", metadata={"help": "model name, Hugging Face directory or GGUF file"})
-    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "float32, bfloat16, float16, or vLLM's names: half (float16), float (float32), auto (float32 on "
+            "the CPU; on a GPU the checkpoint's 16-bit type, float16 for a 32-bit one, as vLLM's)"
+        },
+    )
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     max_model_len: int | None = field(
         default=None,
@@ -105,7 +113,8 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", f"unknown dtype {self.dtype!r}")
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        _require(self.dtype in DTYPE_NAMES, "dtype", f"unknown dtype {self.dtype!r}; one of {', '.join(DTYPE_NAMES)}")
         _ = self.overrides  # (a bad one fails here, naming the flag)
         _require(
             self.attention_backend in ATTENTION_BACKENDS,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +53,62 @@ def resolve_model_path(name: str) -> Path:
         return path
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    if HUB_ID.fullmatch(name) and not path.exists():
+        cached = hub_snapshot(name)
+        if cached is not None:
+            return cached
+        raise ModelNotFoundError(
+            f"model {name!r} is not in the Hugging Face cache ({hub_cache_dir()}), and nothing is downloaded here: "
+            f"fetch it first (huggingface-cli download {name}) or give its directory"
+        )
     known = ", ".join(sorted(BUNDLED_MODELS))
     raise ModelNotFoundError(
-        f"model {name!r} is neither a bundled model ({known}), a GGUF file nor a directory with config.json"
+        f"model {name!r} is neither a bundled model ({known}), a GGUF file, a directory with config.json nor a "
+        "Hugging Face id in the local cache"
     )
+
+
+# A Hugging Face hub id: owner/name.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_cache_dir() -> Path:
+    """Where ``huggingface_hub`` keeps what it downloaded: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+    ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hub_snapshot(repo_id: str, revision: str = "main") -> Path | None:
+    """A hub model's directory in the local cache, as ``huggingface_hub`` lays it out offline: the snapshot its
+    ``revision`` ref names (or the one snapshot there is), when it holds a ``config.json``; None otherwise."""
+    repo = hub_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    ref = repo / "refs" / revision
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text().strip()
+    else:
+        snapshots = sorted((repo / "snapshots").glob("*")) if (repo / "snapshots").is_dir() else []
+        if len(snapshots) != 1:
+            return None
+        snapshot = snapshots[0]
+    return snapshot if (snapshot / "config.json").is_file() else None
+
+
+def model_dtype(dtype: str, path: Path, device: torch.device) -> torch.dtype:
+    """``--dtype`` as a torch dtype. ``auto`` (vLLM's): float32 on the CPU; on a GPU the checkpoint's own 16-bit type
+    (``config.json``'s ``torch_dtype``), float16 for a 32-bit one, bfloat16 for a GGUF file (its quantized weights have
+    no 16-bit type of their own)."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    if path.is_file():
+        return torch.bfloat16
+    config = json.loads((path / "config.json").read_text())
+    stored = config.get("dtype") or config.get("torch_dtype")  # (transformers 5 names it dtype)
+    return torch.bfloat16 if stored == "bfloat16" else torch.float16
 
 
 @dataclass
@@ -133,8 +187,8 @@ def load_model(
     (:func:`hf_config`)."""
     path = resolve_model_path(name)
     check_overrides(path, hf_overrides)
-    torch_dtype = DTYPES[dtype]
     dev = torch.device(device)
+    torch_dtype = model_dtype(dtype, path, dev)
     if path.is_file():
         from boundless.model.gguf import load_gguf
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, overload
 
 import jinja2
 import jinja2.ext
@@ -493,6 +493,11 @@ class Tokenizer:
         return self._bos_token_id
 
     @property
+    def eos_token_id(self) -> int | None:
+        """The EOS token's id (transformers' name): the first of :attr:`eos_token_ids`."""
+        return self._eos_token_ids[0] if self._eos_token_ids else None
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """Ids that end generation: the EOS token first, then end-of-turn tokens the model declares."""
         return self._eos_token_ids
@@ -536,6 +541,14 @@ class Tokenizer:
             return [self._prefix_ids + e.ids + self._suffix_ids for e in encodings]
         return [e.ids for e in encodings]
 
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict[str, list]:
+        """transformers' call: ``input_ids`` (and an ``attention_mask`` of ones) of a text, or of each of a list."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        batch = self.encode_batch(text, add_special_tokens)
+        return {"input_ids": batch, "attention_mask": [[1] * len(ids) for ids in batch]}
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for ``ids``; incomplete UTF-8 sequences come out as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -566,6 +579,16 @@ class Tokenizer:
             raise ValueError("this model has no chat template; pass chat_template= or format the prompt yourself")
         return self._chat_templates["default"]
 
+    @overload
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, tokenize: Literal[False] = False, **kwargs: Any
+    ) -> str: ...
+
+    @overload
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, tokenize: Literal[True], **kwargs: Any
+    ) -> list[int]: ...
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -574,9 +597,11 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        tokenize: bool = False,
         **kwargs: Any,
-    ) -> str:
-        """Render a conversation to a prompt string, as transformers' ``apply_chat_template(tokenize=False)``.
+    ) -> str | list[int]:
+        """Render a conversation to a prompt string, as transformers' ``apply_chat_template(tokenize=False)``; with
+        ``tokenize``, its token ids (encoded without adding special tokens: the template writes them).
 
         ``tools`` are JSON schemas. ``chat_template`` is the name of one of :attr:`chat_templates` or a template
         source; by default the ``tool_use`` template is used when tools are given and the model has one.
@@ -601,7 +626,8 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
-        return _cut_at_tag(rendered, final_text) if continue_final_message else rendered
+        text = _cut_at_tag(rendered, final_text) if continue_final_message else rendered
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def __repr__(self) -> str:
         return (

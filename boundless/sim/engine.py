@@ -26,7 +26,7 @@ from boundless.kv.block_hash import BlockHash
 from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS
 from boundless.model.arch import ModelArch
 from boundless.model.gguf import model_arch_from_gguf, read_gguf_header
-from boundless.model.loader import DTYPES, check_overrides, hf_arch, resolve_model_path
+from boundless.model.loader import check_overrides, hf_arch, model_dtype, resolve_model_path
 from boundless.model.tokenizer import Tokenizer
 from boundless.programs.policy import SchedulingPolicy
 from boundless.sim.cost import HOST_COPY_BYTES_PER_S, StepCost
@@ -65,7 +65,7 @@ class SimulatedModel:
         # Its own fingerprint: a simulated instance's KV blocks are never a real one's.
         fingerprint = hashlib.sha256(f"sim:{arch.fingerprint()}:{config.dtype}".encode()).hexdigest()[:16]
         identity = ModelIdentity(config.model, arch.vocab_size, eos, fingerprint, "sim")
-        return SimulatedModel(arch, tokenizer, DTYPES[config.dtype], identity)
+        return SimulatedModel(arch, tokenizer, model_dtype(config.dtype, path, torch.device(config.device)), identity)
 
 
 def simulated_engine(

@@ -143,6 +143,16 @@ def test_smollm2_chat_template_matches_transformers(
     )
     prompt = ours.apply_chat_template(conversation, add_generation_prompt=True)
     assert ours.encode(prompt, add_special_tokens=False) == list(token_ids)
+    assert ours.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True) == list(token_ids)
+
+
+def test_transformers_names_vllm_users_call(ours: Tokenizer, reference: Any) -> None:
+    """What code written for ``vllm.LLM.get_tokenizer()`` (a transformers tokenizer) reads: ``eos_token_id``, and
+    the tokenizer called on a text or a list of them."""
+    assert ours.eos_token_id == reference.eos_token_id
+    texts = ["Hello world", "The capital of France is"]
+    assert ours(texts[0]) == {k: list(v) for k, v in reference(texts[0]).items()}
+    assert ours(texts) == {k: [list(x) for x in v] for k, v in reference(texts).items()}
 
 
 @pytest.mark.parametrize(

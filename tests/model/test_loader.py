@@ -1,0 +1,76 @@
+"""What a model's name and ``--dtype`` resolve to: a Hugging Face id read from the local cache (nothing downloaded),
+and vLLM's dtype names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from boundless.config import ConfigError, ModelConfig
+from boundless.llm import LLM, engine_config
+from boundless.model.loader import ModelNotFoundError, load_model, model_dtype, resolve_model_path
+from boundless.model.random_model import TinySpec, write_random_model
+
+REPO = "tiny-org/Tiny-Llama-Instruct"
+
+
+def _cache_snapshot(cache: Path, revision: str, ref: str | None = "main") -> Path:
+    """A model laid out as ``huggingface_hub`` caches it: ``models--owner--name/snapshots/<revision>``, with the ref
+    naming the revision (none: ``ref`` None)."""
+    repo = cache / f"models--{REPO.replace('/', '--')}"
+    snapshot = write_random_model(repo / "snapshots" / revision, TinySpec(num_layers=1))
+    if ref is not None:
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(revision)
+    return snapshot
+
+
+def test_a_hub_id_is_read_from_the_local_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LLM("owner/name")`` loads the snapshot ``refs/main`` names in the Hugging Face cache (``HF_HUB_CACHE``, else
+    ``HF_HOME/hub``), as vLLM does offline; an id not cached is a clear error that says nothing is downloaded."""
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    with pytest.raises(ModelNotFoundError, match="nothing is downloaded"):
+        resolve_model_path(REPO)
+    _cache_snapshot(cache, "0" * 40)  # an older one
+    current = _cache_snapshot(cache, "a" * 40)
+    assert resolve_model_path(REPO) == current
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert resolve_model_path(REPO) == current
+    out = LLM(REPO, max_model_len=64, kv_cache_gb=0.01).generate([[5, 6, 7]])[0]
+    assert len(out.outputs[0].token_ids) == 16  # (the default max_tokens: a random model rarely says EOS)
+
+
+def test_a_cached_id_without_a_ref_takes_its_one_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    only = _cache_snapshot(tmp_path, "b" * 40, ref=None)
+    assert resolve_model_path(REPO) == only
+    _cache_snapshot(tmp_path, "c" * 40, ref=None)  # two, and no ref to choose: not guessed
+    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache"):
+        resolve_model_path(REPO)
+
+
+def test_vllms_dtype_names(tmp_path: Path) -> None:
+    """``half`` and ``float`` are float16 and float32; ``auto`` is float32 on the CPU and, on a GPU, the checkpoint's
+    16-bit type (float16 for a 32-bit one, bfloat16 for a GGUF file's quantized weights)."""
+    assert ModelConfig(dtype="half").dtype == "float16" and ModelConfig(dtype="float").dtype == "float32"
+    with pytest.raises(ConfigError, match="unknown dtype 'fp8'"):
+        ModelConfig(dtype="fp8")
+    path = write_random_model(tmp_path / "m", TinySpec(num_layers=1))
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert model_dtype("auto", path, cpu) == torch.float32
+    config = json.loads((path / "config.json").read_text())
+    for stored, expected in [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float16)]:
+        (path / "config.json").write_text(json.dumps({**config, "torch_dtype": stored}))
+        assert model_dtype("auto", path, gpu) == expected
+    older = {k: v for k, v in config.items() if k != "torch_dtype"}
+    (path / "config.json").write_text(json.dumps({**older, "dtype": "bfloat16"}))  # (transformers 5's key)
+    assert model_dtype("auto", path, gpu) == torch.bfloat16
+    assert model_dtype("auto", resolve_model_path("smollm2-135m"), gpu) == torch.bfloat16
+    loaded = load_model(str(path), dtype="auto")
+    assert loaded.dtype == torch.float32 and loaded.model.norm.weight.dtype == torch.float32
+    assert engine_config(str(path), dtype="half").model.dtype == "float16"
