@@ -356,7 +356,7 @@ def test_chat_takes_the_servers_message_shapes(llm: LLM) -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     plain = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi there"},
+        {"role": "user", "content": "Hi\nthere"},  # (text parts are joined by newlines, as vLLM joins them)
         {
             "role": "assistant",
             "content": "",
@@ -366,7 +366,7 @@ def test_chat_takes_the_servers_message_shapes(llm: LLM) -> None:
     ]
     shaped = [
         {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
-        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
