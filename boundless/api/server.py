@@ -80,6 +80,7 @@ from boundless.engine.structured_output import StructuredOutput, check_structure
 from boundless.engine.thinking_budget import ThinkingBudget
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults
 from boundless.model.lora import LoRAError, LoRARequest
+from boundless.model.token_bytes import TokenBytes
 from boundless.model.tokenizer import load_chat_template
 from boundless.programs.ref import ProgramRef
 
@@ -533,6 +534,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(client.stats, getattr(client, "cluster_metrics", None))
         client.add_finished_listener(self._observe)
         self.created = int(time.time())
+        self.token_bytes = TokenBytes(client.tokenizer)  # (logprobs' bytes)
 
     def _observe(self, delta: RequestDelta) -> None:
         self.metrics.observe(delta, delta.instance)
@@ -1264,24 +1266,25 @@ class OpenAIServer:
         return StreamedContent(TokenStarts(self.tokenizer, prompt, skip_special_tokens))
 
     def chat_logprobs(self, tokens: list[SampledToken], as_ids: bool = False) -> list[dict[str, Any]]:
-        """Tokens' logprobs in the chat API's shape (each with its ``top_logprobs``); ``as_ids``: each token named by
-        its id (:meth:`_token_text`), as vLLM's: a sampled token's ``bytes`` still its text's (what a client joins
-        into the text, a character split across tokens too), an alternative's those of its name."""
-        out = []
-        for t in tokens:
-            text = self._token_text(t.token_id)
-            out.append(
-                {
-                    "token": self._token_text(t.token_id, as_ids) if as_ids else text,
-                    "logprob": t.logprob,
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [
-                        {"token": (s := self._token_text(tid, as_ids)), "logprob": lp, "bytes": list(s.encode())}
-                        for tid, lp in t.top_logprobs
-                    ],
-                }
-            )
-        return out
+        """Tokens' logprobs in the chat API's shape (each with its ``top_logprobs``). ``bytes`` are each token's own
+        (:class:`TokenBytes`), as OpenAI's: what a client joins into the text, a character split across tokens too,
+        whose pieces' decoded ``token`` is U+FFFD. ``as_ids``: each token named by its id (:meth:`_token_text`), as
+        vLLM's: a sampled token's ``bytes`` still its own, an alternative's those of its name."""
+
+        def alternative(token_id: int, logprob: float) -> dict[str, Any]:
+            token = self._token_text(token_id, as_ids)
+            named = list(token.encode()) if as_ids else list(self.token_bytes(token_id))
+            return {"token": token, "logprob": logprob, "bytes": named}
+
+        return [
+            {
+                "token": self._token_text(t.token_id, as_ids),
+                "logprob": t.logprob,
+                "bytes": list(self.token_bytes(t.token_id)),
+                "top_logprobs": [alternative(tid, lp) for tid, lp in t.top_logprobs],
+            }
+            for t in tokens
+        ]
 
     def _completion_logprobs(
         self, tokens: list[SampledToken], offsets: list[int], as_ids: bool = False

@@ -211,6 +211,36 @@ def _completion_logprobs(client: openai.OpenAI, **ask: Any) -> tuple[str, dict[s
     return whole.text, {key: getattr(whole.logprobs, key) for key in keys}, streamed
 
 
+def test_chat_logprobs_bytes_are_each_tokens_own(client: openai.OpenAI) -> None:
+    """A token that holds part of a character decodes to U+FFFD (its ``token``, as vLLM's), but its ``bytes`` are its
+    own, as OpenAI's: the content's tokens' bytes joined are the content, streamed or not, and an alternative's are
+    its own too. Before, such a token's bytes were U+FFFD's ([239, 191, 189]): no client could rebuild the text."""
+    answer = "日本 😀"  # (SmolLM2 spells these characters over several tokens)
+    ask: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say hi in Japanese with an emoji."}],
+        "max_tokens": 20,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "extra_body": {"structured_outputs": {"regex": answer}},
+    }
+    choice = client.chat.completions.create(**ask).choices[0]
+    content = choice.logprobs.content
+    assert choice.message.content == answer and any(t.token == "\ufffd" for t in content)
+    end = [t.token for t in content].index("<|im_end|>")  # (the end token's logprob is listed too)
+    assert bytes(b for t in content[:end] for b in t.bytes).decode() == answer
+    alternatives = [alt for t in content for alt in t.top_logprobs]
+    parts = [alt for alt in alternatives if alt.token.endswith("\ufffd")]
+    assert parts and all(alt.bytes != list("\ufffd".encode()) for alt in parts)
+    assert all(bytes(alt.bytes).decode() == alt.token for alt in alternatives if alt not in parts)
+    streamed = []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content or []
+    assert [(t.token, t.bytes) for t in streamed] == [(t.token, t.bytes) for t in content]
+
+
 def test_completion_top_logprobs_hold_the_sampled_token(client: openai.OpenAI) -> None:
     """OpenAI's legacy ``logprobs``: "The API will always return the logprob of the sampled token, so there may be up
     to logprobs+1 elements in the response" (vLLM's too): tokens sampled at a high temperature, not always the most
