@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from boundless.api.cors import CorsConfig
 from boundless.config import ClusterConfig, ConfigError, SchedulerConfig, ServerConfig, add_engine_flags, add_flags
 from boundless.config_file import ConfigFileError, add_config_flag, expand_config_file
 from boundless.engine.errors import InvalidRequestError
@@ -54,7 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
     from boundless.api.launch import serve
     from boundless.config import ClusterConfig, ServerConfig, engine_config_from_flags, from_flags
 
-    serve(engine_config_from_flags(args), from_flags(ServerConfig, args), from_flags(ClusterConfig, args))
+    cors = from_flags(CorsConfig, args)  # (a bad list stops serve before the model loads)
+    serve(engine_config_from_flags(args), from_flags(ServerConfig, args), from_flags(ClusterConfig, args), cors)
     return 0
 
 
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flag(srv)
     add_engine_flags(srv)
     add_flags(srv, ServerConfig)
+    add_flags(srv, CorsConfig)
     add_flags(srv, ClusterConfig)
     srv.set_defaults(func=_serve)
 

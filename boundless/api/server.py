@@ -28,6 +28,7 @@ from starlette.types import ASGIApp
 from boundless import __version__
 from boundless.api.agent_sessions import program_named
 from boundless.api.conversation import InvalidMessage, template_conversation
+from boundless.api.cors import CorsConfig
 from boundless.api.errors import APIError, CancelledRequests, error_bytes, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.logprobs import (
@@ -1517,9 +1518,11 @@ def build_app(
     config: ServerConfig | None = None,
     loras: dict[str, str] | None = None,
     defaults: SamplingDefaults = NO_DEFAULTS,
+    cors: CorsConfig | None = None,
 ) -> ASGIApp:
-    """The ASGI app; guards (body size, API key) wrap the routes. ``loras``: the LoRA adapters the engine loaded
-    (name -> path), served as models of their own; ``defaults``: the model's sampling defaults."""
+    """The ASGI app; guards (body size, API key) wrap the routes, and CORS (``cors``, vLLM's defaults without it)
+    wraps them. ``loras``: the LoRA adapters the engine loaded (name -> path), served as models of their own;
+    ``defaults``: the model's sampling defaults."""
     config = config or ServerConfig()
     app = FastAPI(title="Boundless", version="0.1.0")
     app.state.server = OpenAIServer(client, model_name, config, loras, defaults)
@@ -1539,4 +1542,6 @@ def build_app(
     outer: ASGIApp = BodyLimit(app, int(config.max_body_mb * (1 << 20)))
     if config.api_key:
         outer = APIKeyAuth(outer, config.api_key)
+    # (Outside the key's check: a browser's preflight carries no key, and a 401 needs CORS headers to be read.)
+    outer = (cors or CorsConfig()).wrap(outer)
     return CancelledRequests(outer)
