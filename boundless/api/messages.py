@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import pydantic_core
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -402,10 +403,30 @@ class EventWriter:
             yield event
 
 
-@routes.post("/v1/messages")
-async def create_message(body: dict[str, Any], request: Request) -> Response:
-    server = request.app.state.server
+async def _json_object(request: Request) -> dict[str, Any]:
+    """The request's body, a JSON object: read here, not by FastAPI, whose refusal of a body that is no JSON is the
+    app's own error (OpenAI's shape), raised before the route could answer in Anthropic's. Refused as FastAPI refuses
+    it, so the message is the chat route's."""
+    raw = await request.body()
     try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as e:  # (FastAPI's error for it, which the app's handler words)
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "ctx": {"error": e.msg}}]
+        ) from None
+    except UnicodeDecodeError:
+        raise APIError(400, "the body is not valid JSON: not UTF-8 text", None, "invalid_value") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", None, "invalid_value")
+    return body
+
+
+@routes.post("/v1/messages")
+async def create_message(request: Request) -> Response:
+    server = request.app.state.server
+    body: dict[str, Any] = {}
+    try:
+        body = await _json_object(request)
         asked = MessagesRequest.model_validate(body)
         chat = ChatCompletionRequest.model_validate(chat_fields(asked, server.reasoning is not None))
         answer = await server.chat(chat, request)
@@ -418,10 +439,12 @@ async def create_message(body: dict[str, Any], request: Request) -> Response:
 
 
 @routes.post("/v1/messages/count_tokens")
-async def count_tokens(body: dict[str, Any], request: Request) -> Response:
+async def count_tokens(request: Request) -> Response:
     """Anthropic's token count of a request's prompt (the one ``/v1/messages`` would run), ``{"input_tokens": n}``."""
     server = request.app.state.server
+    body: dict[str, Any] = {}
     try:
+        body = await _json_object(request)
         asked = MessagesRequest.model_validate({"max_tokens": 1, **body})
         server.check_model(asked.model)
         chat = ChatCompletionRequest.model_validate(chat_fields(asked, server.reasoning is not None))

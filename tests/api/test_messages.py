@@ -208,6 +208,19 @@ def test_errors_are_anthropics(served: Served, client: anthropic.Anthropic) -> N
     assert r.status_code == 200 and r.json()["type"] == "message"
 
 
+@pytest.mark.parametrize(
+    ("body", "said"), [(b'{"model": ', "the body is not valid JSON"), (b"[1, 2]", "the body must be a JSON object")]
+)
+def test_a_body_that_is_no_json_object_gets_anthropics_error(served: Served, body: bytes, said: str) -> None:
+    """A body that is not JSON, or not an object, is a 400 in Anthropic's shape on both routes, as their other errors
+    are (it was the OpenAI routes' error object, FastAPI's refusal before the route ran)."""
+    headers = {"x-api-key": "secret", "content-type": "application/json"}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(served.url + path, content=body, headers=headers)
+        assert r.status_code == 400 and r.json()["type"] == "error", (path, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["message"].startswith(said)
+
+
 @pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])
 def test_a_streamed_text_may_hold_any_line_separator(client: anthropic.Anthropic, separator: str) -> None:
     """The chat stream's JSON writes U+2028, U+2029 and U+0085 as they are: read back line by line they split the
