@@ -51,6 +51,12 @@ INVALID_FUNCTION_PARAMETERS = "invalid_function_parameters"
 
 class StreamOptions(BaseModel):
     include_usage: Bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (its choice's tokens), not only the last
+    continuous_usage_stats: Bool = False
+
+    def usage_wanted(self) -> tuple[bool, bool]:
+        """Whether a stream ends with a usage chunk, and whether every chunk carries the usage so far."""
+        return self.include_usage, self.include_usage and self.continuous_usage_stats
 
 
 class JsonSchemaFormat(BaseModel):

@@ -184,6 +184,13 @@ def _raise_for_failure(ends: list[tuple[str | None, str | None]]) -> None:
         raise error
 
 
+def _usage_so_far(prompt_tokens: int, choice: Choice) -> dict[str, int]:
+    """A chunk's usage under vLLM's ``continuous_usage_stats``: its choice's prompt and tokens so far (the stream's
+    last chunk, as without it, has the whole request's)."""
+    completion = len(choice.token_ids)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
 def _failure_event(choices: list[Choice]) -> bytes:
     """A stream's error event, before its ``[DONE]``, if a choice ended with an error: the error object an unstreamed
     request gets (its finish chunk says only "error")."""
@@ -750,7 +757,7 @@ class OpenAIServer:
         if self.reasoning is not None:
             reasoning = ReasoningOutput(self.reasoning, self.reasoning_opened(ids), body.include_reasoning)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, running_usage = body.stream_options.usage_wanted() if body.stream_options else (False, False)
             streams = await self.started(streams, request)
             logprobs_of = None
             if body.logprobs:
@@ -769,6 +776,7 @@ class OpenAIServer:
                 predicted,
                 as_ids,
                 prompt_ids,
+                running_usage,
             )
             # (The prompt's cached tokens as the usage counts them: those every sample found.)
             return ChatStream(gen, len(ids), min(s.num_cached_tokens for s in streams))
@@ -835,12 +843,14 @@ class OpenAIServer:
         predicted: bool = False,
         as_ids: bool = False,
         prompt_ids: list[int] | None = None,
+        running_usage: bool = False,
     ) -> AsyncIterator[bytes]:
         """A chat completion's chunks. ``logprobs_of``: a choice's content logprobs as they are known to be content
         (None: not asked for), their tokens as ids with ``as_ids`` (``return_tokens_as_token_ids``); ``predicted``: the
         request brought a prediction (its usage counts the drafts); ``prompt_ids``: vLLM's ``return_token_ids`` (None:
         not asked for), the prompt's ids in each choice's first chunk, and each chunk's tokens' ids in it (those of a
-        delta that made no chunk go with the next)."""
+        delta that made no chunk go with the next); ``running_usage``: vLLM's ``continuous_usage_stats``, each chunk's
+        usage so far (:func:`_usage_so_far`)."""
         created = int(time.time())
         choices = [Choice(i) for i in range(len(streams))]
         unsent_ids: list[list[int]] = [[] for _ in choices]  # (each choice's token ids not in a chunk yet)
@@ -866,7 +876,8 @@ class OpenAIServer:
                 "logprobs": None,
                 "finish_reason": None,
             }
-            yield chunk([role], **({} if prompt_ids is None else {"prompt_token_ids": prompt_ids}))  # (vLLM's place)
+            top = {} if prompt_ids is None else {"prompt_token_ids": prompt_ids}  # (vLLM's place)
+            yield chunk([role], _usage_so_far(prompt_len, c) if running_usage else None, **top)
 
         def choice_chunk(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> bytes:
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
@@ -874,7 +885,7 @@ class OpenAIServer:
                 choice["stop_reason"] = _stop_reason(choices[index].finish_reason, choices[index].stop_reason)
             if prompt_ids is not None:
                 choice["token_ids"], unsent_ids[index] = unsent_ids[index], []
-            return chunk([choice])
+            return chunk([choice], _usage_so_far(prompt_len, choices[index]) if running_usage else None)
 
         # Read for tool calls: content streams until a call may have begun (ContentStream), its logprobs with it;
         # from there the calls stream as they are written (CallStream: a call's id and name, then its arguments).
@@ -1014,9 +1025,11 @@ class OpenAIServer:
         prompt_len = sum(len(p) for p in prompts)
         echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, running_usage = body.stream_options.usage_wanted() if body.stream_options else (False, False)
             streams = await self.started(streams, request)
-            events = self._completion_events(rid, body, streams, prompts, echoes, prompt_len, include_usage)
+            events = self._completion_events(
+                rid, body, streams, prompts, echoes, prompt_len, include_usage, running_usage
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         choices = await self.collect(streams, request)
         out = []
@@ -1063,7 +1076,10 @@ class OpenAIServer:
         echoes: list[str],
         prompt_len: int,
         include_usage: bool,
+        running_usage: bool = False,
     ) -> AsyncIterator[bytes]:
+        """A completion's chunks; ``running_usage``: vLLM's ``continuous_usage_stats``, each chunk's usage so far (its
+        choice's prompt and tokens: :func:`_usage_so_far`)."""
         created = int(time.time())
         choices = [Choice(i) for i in range(len(streams))]
         echoed = [False] * len(streams)
@@ -1114,7 +1130,7 @@ class OpenAIServer:
                     piece["prompt_token_ids"] = None if shown[index] else prompt
                     piece["token_ids"] = list(token_ids)
                 shown[index] = True
-                yield chunk([piece])
+                yield chunk([piece], _usage_so_far(len(prompt), c) if running_usage else None)
         if include_usage:
             yield chunk([], self._usage(prompt_len, choices))
         if failed := _failure_event(choices):

@@ -141,6 +141,35 @@ def test_streamed_chat_concatenates_to_the_unstreamed_text(client: openai.OpenAI
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
 
 
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: openai.OpenAI, route: str) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries the usage so far,
+    its tokens growing to the last chunk's whole usage, which is the unstreamed response's. It was ignored: only the
+    last chunk had any."""
+    if route == "chat":
+        create: Any = client.chat.completions.create
+        ask: dict[str, Any] = {"messages": [{"role": "user", "content": "Tell me about the sea."}]}
+    else:
+        create, ask = client.completions.create, {"prompt": "The sea is"}
+    ask |= {"model": MODEL, "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    whole = create(**ask).usage
+    running = list(create(**ask, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in running) and _counts(running[-1].usage) == _counts(whole)
+    so_far = [c.usage for c in running[:-1]]
+    assert {(u.prompt_tokens, u.total_tokens - u.completion_tokens) for u in so_far} == {(whole.prompt_tokens,) * 2}
+    counts = [u.completion_tokens for u in so_far]
+    assert counts == sorted(counts) and counts[-1] == whole.completion_tokens and len(set(counts)) > 5
+    if route == "chat":
+        assert counts[0] == 0  # (the role's chunk, before any token)
+    plain = list(create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert [c.usage for c in plain[:-1]] == [None] * (len(plain) - 1) and _counts(plain[-1].usage) == _counts(whole)
+
+
+def _counts(usage: Any) -> tuple[int, int, int]:
+    """A usage's token counts (its cached tokens left out: a repeated prompt finds its blocks cached)."""
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
 def test_a_response_not_streamed_takes_its_text_at_the_end() -> None:
     """Its text is read once it is done: the engine decodes it then, once (``FINAL_ONLY``); a stream's comes as it is
     made (``DELTA``)."""
