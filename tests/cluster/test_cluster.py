@@ -225,10 +225,11 @@ def test_prompt_logprobs_come_back_through_the_cluster(
     assert expected is not None
     served = r.choices[0].model_extra["prompt_logprobs"]
     assert len(served) == len(prompt) and served[0] is None
-    for token, entry, offline in zip(prompt[1:], served[1:], expected[1:], strict=True):
-        assert entry[str(token)]["logprob"] == pytest.approx(offline.logprob, abs=1e-4)
+    offline = [position[token].logprob for token, position in zip(prompt[1:], expected[1:], strict=True)]  # type: ignore[index]
+    for token, entry, logprob in zip(prompt[1:], served[1:], offline, strict=True):
+        assert entry[str(token)]["logprob"] == pytest.approx(logprob, abs=1e-4)
     echoed = r.choices[0].logprobs.token_logprobs
-    assert echoed[0] is None and echoed[1 : len(prompt)] == pytest.approx([t.logprob for t in expected[1:]], abs=1e-4)
+    assert echoed[0] is None and echoed[1 : len(prompt)] == pytest.approx(offline, abs=1e-4)
 
 
 def test_killing_an_instance_mid_stream_loses_nothing(
