@@ -73,7 +73,7 @@ from boundless.api.validation import (
 )
 from boundless.config import ConfigError, ServerConfig
 from boundless.engine.async_engine import SHUTTING_DOWN
-from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta
+from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta, require_context_room
 from boundless.engine.errors import NO_ROOM_AFTER_FAILOVER, InvalidRequestError
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -563,11 +563,21 @@ class OpenAIServer:
         )
 
     def submit_all(
-        self, base_id: str, prompts: list[list[int]], params: SamplingParams, program: ProgramRef | None
+        self,
+        base_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        program: ProgramRef | None,
+        prompt_only: bool = False,
     ) -> list[DeltaStream]:
         """Submit every (prompt, sample) pair; on any error, abort those already submitted. A request of more samples
         than ``--max-waiting`` lets wait is refused (400): its samples would be refused as the queue filled (429), again
-        at every retry, the server idle or not."""
+        at every retry, the server idle or not. A prompt that fills the context is refused here unless ``prompt_only``
+        (the completions API's echo with ``max_tokens`` 0, whose one token sampled at the prompt's end is left out):
+        the engine, which checks the rest, takes one token asked for after it, as vLLM's engine does."""
+        for ids in prompts:
+            if len(ids) >= self.client.max_model_len:
+                require_context_room(len(ids), params.max_tokens, self.client.max_model_len, prompt_only)
         limit = self.client.max_waiting
         if limit is not None and (samples := len(prompts) * params.n) > limit:
             raise APIError(
@@ -1021,7 +1031,7 @@ class OpenAIServer:
         )
         await check_grammar(params, self.tokenizer.vocab_size)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = self.submit_all(rid, prompts, params, _program(body, request))
+        streams = self.submit_all(rid, prompts, params, _program(body, request), prompt_only)
         prompt_len = sum(len(p) for p in prompts)
         echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
         if body.stream:

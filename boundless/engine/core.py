@@ -582,13 +582,8 @@ class EngineCore:
         if params.lora_name is not None and params.lora_name not in self.loras:
             raise InvalidRequestError(f"LoRA adapter {params.lora_name!r} is not loaded", "model")
         namespace = self.kv_namespace(params)
-        wanted = params.max_tokens or 1
-        if len(prompt_token_ids) + wanted > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(prompt_token_ids)} tokens and {wanted} more were requested",
-                "max_tokens" if params.max_tokens else "prompt",
-            )
+        # (One token asked for may follow a prompt that fills the context: see require_context_room.)
+        require_context_room(len(prompt_token_ids), params.max_tokens, self.max_model_len, params.max_tokens == 1)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -1006,6 +1001,21 @@ class EngineCore:
         self.kv.reset_prefix_cache()
         if self.kv_events is not None:
             self._publish_kv_events()
+
+
+def require_context_room(prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_only: bool) -> None:
+    """Raise :class:`InvalidRequestError` unless the context holds the prompt and the tokens asked for (``max_tokens``;
+    None: one at least), naming ``prompt`` when the prompt alone is too long or no limit was given, else
+    ``max_tokens``. ``prompt_only``: the one token sampled at the prompt's end is all the request asks for; it is never
+    read, so a prompt that fills the context leaves it room (the engine takes such a request, as vLLM's does, and it
+    ends there, ``length``; the completions API's prompt alone, ``echo`` with ``max_tokens`` 0, is one)."""
+    wanted = 0 if prompt_only else (max_tokens or 1)
+    if prompt_len + wanted > max_model_len:
+        asked = f" and {wanted} more were requested" if wanted else ""
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} tokens{asked}",
+            "prompt" if prompt_len > max_model_len or not max_tokens else "max_tokens",
+        )
 
 
 def _non_negative(token_ids: Sequence[int]) -> bool:

@@ -230,7 +230,7 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit(client: openai.OpenAI, he
     third: dict[str, Any] = {**asked, "input": turn + " three", "previous_response_id": second.id}
     with pytest.raises(openai.BadRequestError) as info:  # three turns do not fit the 1,024-token context
         client.responses.create(**third)
-    assert info.value.body["param"] == "max_output_tokens"  # type: ignore[index]  (as chat names its max_tokens)
+    assert info.value.body["param"] == "input"  # type: ignore[index]  (alone past the context: as chat names its prompt)
     cut = client.responses.create(**third, truncation="auto")
     assert cut.truncation == "auto"
     # The first turn is dropped, no more: the chat route given the last two turns reads the same prompt.

@@ -361,6 +361,35 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client: openai.Ope
     assert unstreamed.usage.completion_tokens == 0 and unstreamed.usage.prompt_tokens == len(ids)
 
 
+def test_a_prompt_that_fills_the_context_is_echoed_alone_and_one_past_it_is_named(
+    client: openai.OpenAI, smollm2: LoadedModel
+) -> None:
+    """``echo`` with ``max_tokens`` 0 scores a prompt of exactly the context's length (lm-eval's loglikelihood of a
+    context cut to the model's length): nothing is generated, so nothing needs room (it was a 400, "1 more were
+    requested"). A generated token still needs room; a prompt longer than the context alone is refused naming
+    ``prompt``, on completions as on chat (completions named ``max_tokens``)."""
+    ids = smollm2.tokenizer.encode("The sea is calm tonight, and the tide is full. " * 120)[:MAX_LEN]
+    assert len(ids) == MAX_LEN
+    scored = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (MAX_LEN, 0)
+    assert choice.text == smollm2.tokenizer.decode(ids) and len(choice.logprobs.tokens) == MAX_LEN
+    assert choice.logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    refused = [
+        (lambda: client.completions.create(model=MODEL, prompt=ids, max_tokens=1), "max_tokens"),
+        (lambda: client.completions.create(model=MODEL, prompt=[*ids, ids[0]]), "prompt"),
+        (lambda: client.completions.create(model=MODEL, prompt=[*ids, ids[0]], max_tokens=0, echo=True), "prompt"),
+        (
+            lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 2000}]),
+            "prompt",
+        ),
+    ]
+    for ask, param in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            ask()
+        assert e.value.body["param"] == param and "maximum context length is 1024" in e.value.body["message"]
+
+
 def test_prompt_logprobs_on_chat_and_completions_have_vllms_shape(client: openai.OpenAI, smollm2: LoadedModel) -> None:
     """vLLM's ``prompt_logprobs``: per prompt token (None for the first) a map from token id to its logprob, rank and
     text, the prompt's token and its top alternatives; beside the choices for chat, in each choice for completions."""
