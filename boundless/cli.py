@@ -34,7 +34,7 @@ def _generate(args: argparse.Namespace) -> int:
             results = llm.chat([{"role": "user", "content": args.prompt}], params)
         else:
             results = llm.generate(args.prompt, params)
-    except InvalidRequestError as e:  # the prompt, or max_tokens past the context
+    except InvalidRequestError as e:  # the prompt (one that fills the context: longer outputs stop where it is full)
         raise _flag_error(e) from e
     finally:
         llm.close()

@@ -150,7 +150,7 @@ class LLM:
         """Complete each prompt (a string, a list of token ids, or vLLM's ``{"prompt": ...}`` or
         ``{"prompt_token_ids": [...]}``); results come in prompt order. ``sampling_params``: for every prompt, or one
         per prompt. As vLLM's, an output stops where the context is full (``finish_reason`` ``length``), whatever
-        ``max_tokens`` asked; a prompt that fills the context alone is refused. ``lora_request``
+        ``max_tokens`` asked; a prompt past the context is refused. ``lora_request``
         (vLLM's): the LoRA adapter to run with, for every prompt or one per prompt (``enable_lora=True``); it is
         loaded on first use (a name already loaded runs with the adapter loaded under it). ``priority`` (vLLM's): each
         prompt's class of service, smaller first (``SamplingParams.priority``)."""
@@ -336,9 +336,10 @@ def vllm_engine_args(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _within_context(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
     """The params with ``max_tokens`` (and ``min_tokens``) cut to what the context holds after the prompt, as vLLM's
-    LLM stops a request there. A prompt that fills the context alone is left to the engine's refusal."""
-    room = max_model_len - prompt_len
-    if room < 1 or params.max_tokens is None or params.max_tokens <= room:
+    LLM stops a request there: a prompt that fills the context gets its one token (sampled at its end, never read
+    back). A prompt past the context is left to the engine's refusal."""
+    room = max(max_model_len - prompt_len, 1)
+    if prompt_len > max_model_len or params.max_tokens is None or params.max_tokens <= room:
         return params
     return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 

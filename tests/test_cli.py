@@ -182,7 +182,7 @@ def test_bad_flag_values_fail_at_start_up(model_dirs: dict[str, Path], capsys: p
         (["--temperature", "-1"], "--temperature: temperature must be in [0, 2]"),
         (["--top-k", "-7"], "--top-k: "),
         (["--sample-seed", str(2**64)], "--sample-seed: "),  # (not --seed, the engine's own flag)
-        (["--max-tokens", "9000"], "--max-tokens: this model's maximum context length is"),
+        (["--max-model-len", "2"], "boundless: this model's maximum context length is 2"),  # (the prompt's length)
         (["--model", "/nonexistent"], "model '/nonexistent' is neither"),
     ],
 )

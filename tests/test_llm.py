@@ -257,7 +257,8 @@ def test_vllms_names_and_fields(llm: LLM) -> None:
 
 def test_an_output_stops_where_the_context_is_full(smollm2: LoadedModel) -> None:
     """As vLLM's LLM: ``max_tokens`` past what the context holds after the prompt stops the output there (``length``),
-    ``min_tokens`` too; a prompt that fills the context alone is refused, and the rest of its batch with it."""
+    ``min_tokens`` too; a prompt that fills the context gets its one token; a prompt past it is refused, and the rest of
+    its batch with it."""
     llm = LLM.from_config(_config(smollm2, max_model_len=64), smollm2)
     near = list(range(1000, 1058))  # 58 tokens: room for 6
     params = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=20, ignore_eos=True)
@@ -265,9 +266,11 @@ def test_an_output_stops_where_the_context_is_full(smollm2: LoadedModel) -> None
     assert len(out[0].outputs[0].token_ids) == 6 and out[0].outputs[0].finish_reason == "length"
     assert len(out[1].outputs[0].token_ids) == 32  # (the other prompt's params are its own)
     assert len(llm.generate(near, SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0].token_ids) == 6
-    with pytest.raises(InvalidRequestError, match="context length"):
-        llm.generate([near[:10], list(range(1000, 1064))], params)
-    assert not llm.engine.has_unfinished()
+    full = llm.generate(list(range(1000, 1064)), params)[0].outputs[0]
+    assert len(full.token_ids) == 1 and full.finish_reason == "length"
+    with pytest.raises(InvalidRequestError, match="context length") as e:
+        llm.generate([near[:10], list(range(1000, 1065))], params)
+    assert e.value.param == "prompt" and not llm.engine.has_unfinished()
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
@@ -280,7 +283,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
         out.outputs[0].token_ids
         == llm.generate(ids[-4:], dataclasses.replace(params, truncate_prompt_tokens=None))[0].outputs[0].token_ids
     )
-    assert truncated_prompt(list(range(10)), -1, 4) == [6, 7, 8, 9]  # (a context-long prompt is then refused)
+    assert truncated_prompt(list(range(10)), -1, 4) == [6, 7, 8, 9]
+    whole = llm.generate([7] * 1030, SamplingParams(max_tokens=8, truncate_prompt_tokens=-1))[0]
+    assert len(whole.prompt_token_ids) == 1024 and len(whole.outputs[0].token_ids) == 1  # (the context's last token)
     for bad in (0, -2, True):
         with pytest.raises(InvalidSamplingParams, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
@@ -414,7 +419,7 @@ def test_bad_requests_raise_clear_errors(llm: LLM) -> None:
     with pytest.raises(InvalidSamplingParams):
         SamplingParams(max_tokens=0)
     with pytest.raises(InvalidRequestError) as e:
-        llm.generate([1] * 1024, SamplingParams(max_tokens=10))
+        llm.generate([1] * 1025, SamplingParams(max_tokens=10))
     assert "context length" in str(e.value)
     with pytest.raises(InvalidRequestError):
         llm.generate([10**7], SamplingParams(max_tokens=1))
