@@ -6,7 +6,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from boundless.api.cors import CorsConfig
 from boundless.config import ClusterConfig, ConfigError, SchedulerConfig, ServerConfig, add_engine_flags, add_flags
 from boundless.config_file import ConfigFileError, add_config_flag, expand_config_file
 from boundless.engine.errors import InvalidRequestError
@@ -55,8 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
     from boundless.api.launch import serve
     from boundless.config import ClusterConfig, ServerConfig, engine_config_from_flags, from_flags
 
-    cors = from_flags(CorsConfig, args)  # (a bad list stops serve before the model loads)
-    serve(engine_config_from_flags(args), from_flags(ServerConfig, args), from_flags(ClusterConfig, args), cors)
+    serve(engine_config_from_flags(args), from_flags(ServerConfig, args), from_flags(ClusterConfig, args))
     return 0
 
 
@@ -137,7 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flag(srv)
     add_engine_flags(srv)
     add_flags(srv, ServerConfig)
-    add_flags(srv, CorsConfig)
     add_flags(srv, ClusterConfig)
     srv.set_defaults(func=_serve)
 

@@ -41,6 +41,21 @@ def _json_object(flag: str, text: str) -> dict[str, Any]:
     return value
 
 
+def json_strings(flag: str, text: str) -> list[str]:
+    """A flag's JSON list of strings (``--allowed-origins``'s, say); anything else raises :class:`ConfigError`."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--{flag.replace('_', '-')}: not JSON ({e}); give a list such as '[\"*\"]'") from None
+    _require(
+        isinstance(value, list) and all(isinstance(v, str) for v in value),
+        flag,
+        "must be a JSON list of strings, such as '[\"*\"]'",
+    )
+    return value
+
+
+ANY_JSON = '["*"]'  # (CORS's defaults, vLLM's: any origin, method and header)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flex")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's
@@ -659,7 +674,24 @@ class ServerConfig:
         },
     )
 
+    # Cross-origin requests (CORS: boundless/api/cors.py), so that a page in a browser may call the API.
+    allowed_origins: str = field(
+        default=ANY_JSON,
+        metadata={"help": "origins a browser may call the API from, a JSON list (vLLM's): '[\"https://a.example\"]'"},
+    )
+    allowed_credentials: bool = field(
+        default=False, metadata={"help": "let cross-origin requests carry cookies and authorization (vLLM's flag)"}
+    )
+    allowed_methods: str = field(
+        default=ANY_JSON, metadata={"help": "HTTP methods cross-origin requests may use, a JSON list (vLLM's flag)"}
+    )
+    allowed_headers: str = field(
+        default=ANY_JSON, metadata={"help": "headers cross-origin requests may send, a JSON list (vLLM's flag)"}
+    )
+
     def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            json_strings(name, getattr(self, name))  # (a bad list stops serve before the model loads)
         _require(0 < self.port < 65536, "port", "must be in 1..65535")
         _require(self.max_waiting > 0, "max_waiting", "must be positive")
         _require(self.max_body_mb > 0, "max_body_mb", "must be positive")

@@ -19,7 +19,6 @@ import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.main import STARTUP_FAILURE
 
-from boundless.api.cors import CorsConfig
 from boundless.api.server import EngineClient, build_app, configured_chat_template
 from boundless.config import ClusterConfig, EngineConfig, ServerConfig
 from boundless.engine.async_engine import AsyncEngine
@@ -59,9 +58,7 @@ def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) 
     return local_engine(config, max_waiting)
 
 
-def serve(
-    config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | None = None, cors: CorsConfig | None = None
-) -> None:
+def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | None = None) -> None:
     """Load the model and serve until interrupted."""
     server = resolve_api_key(server)
     configured_chat_template(server)  # a bad --chat-template fails before the model loads
@@ -79,7 +76,7 @@ def serve(
         log.info(
             "requests' omitted sampling parameters default to the model's generation_config.json: %s", defaults.given()
         )
-    app = build_app(engine, name, server, {m.name: m.path for m in config.model.loras}, defaults, cors)
+    app = build_app(engine, name, server, {m.name: m.path for m in config.model.loras}, defaults)
     http = uvicorn.Config(
         app,
         host=server.host,
@@ -178,7 +175,6 @@ def start_in_thread(
     config: ServerConfig | None = None,
     loras: dict[str, str] | None = None,
     defaults: SamplingDefaults = NO_DEFAULTS,
-    cors: CorsConfig | None = None,
 ) -> ServerThread:
-    app = build_app(client, model_name, config, loras, defaults, cors)
+    app = build_app(client, model_name, config, loras, defaults)
     return ServerThread(app, end_requests=getattr(client, "end_requests", None)).start()

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp
 from boundless import __version__
 from boundless.api.agent_sessions import program_named
 from boundless.api.conversation import InvalidMessage, template_conversation
-from boundless.api.cors import CorsConfig
+from boundless.api.cors import with_cors
 from boundless.api.errors import APIError, CancelledRequests, error_bytes, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
 from boundless.api.logprobs import (
@@ -1544,11 +1544,10 @@ def build_app(
     config: ServerConfig | None = None,
     loras: dict[str, str] | None = None,
     defaults: SamplingDefaults = NO_DEFAULTS,
-    cors: CorsConfig | None = None,
 ) -> ASGIApp:
-    """The ASGI app; guards (body size, API key) wrap the routes, and CORS (``cors``, vLLM's defaults without it)
-    wraps them. ``loras``: the LoRA adapters the engine loaded (name -> path), served as models of their own;
-    ``defaults``: the model's sampling defaults."""
+    """The ASGI app; guards (body size, API key) wrap the routes, and CORS (the config's) wraps them. ``loras``: the
+    LoRA adapters the engine loaded (name -> path), served as models of their own; ``defaults``: the model's sampling
+    defaults."""
     config = config or ServerConfig()
     app = FastAPI(title="Boundless", version="0.1.0")
     app.state.server = OpenAIServer(client, model_name, config, loras, defaults)
@@ -1569,5 +1568,5 @@ def build_app(
     if config.api_key:
         outer = APIKeyAuth(outer, config.api_key)
     # (Outside the key's check: a browser's preflight carries no key, and a 401 needs CORS headers to be read.)
-    outer = (cors or CorsConfig()).wrap(outer)
+    outer = with_cors(outer, config)
     return CancelledRequests(outer)

@@ -10,7 +10,6 @@ from typing import NamedTuple
 
 import openai
 
-from boundless.api.cors import CorsConfig
 from boundless.api.launch import start_in_thread
 from boundless.config import ServerConfig
 from boundless.engine.async_engine import AsyncEngine
@@ -86,13 +85,12 @@ def serve_hermes(
     server_config: ServerConfig | None = None,
     added_tokens: tuple[str, ...] = (),
     generation_config: dict | None = None,
-    cors: CorsConfig | None = None,
 ) -> Iterator[Served]:
     """A random model written to ``directory`` whose chat template takes tools (``template``, in which ``\\n`` stands
     for a newline), served until the block ends. ``added_tokens``: tokens of one id each in its vocabulary beside the
     trained ones (not special: they stay in decoded text), as Qwen3's ``<think>`` and ``</think>`` are.
     ``generation_config``: the model's ``generation_config.json`` (its sampling defaults, which the server applies as
-    ``boundless serve`` does). ``cors``: the CORS flags' settings (vLLM's defaults without them)."""
+    ``boundless serve`` does)."""
     root = write_random_model(directory / "m", TinySpec(vocab_size=384 + len(added_tokens)))
     if added_tokens:
         from tokenizers import AddedToken, Tokenizer
@@ -109,7 +107,7 @@ def serve_hermes(
     engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
     mode = (server_config or ServerConfig()).generation_config
     defaults = model_sampling_defaults(str(root), mode)
-    server = start_in_thread(engine, "tiny", server_config, defaults=defaults, cors=cors)
+    server = start_in_thread(engine, "tiny", server_config, defaults=defaults)
     try:
         yield Served(loaded, engine, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0))
     finally:

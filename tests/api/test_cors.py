@@ -10,7 +10,6 @@ import httpx
 import pytest
 from served_models import Served, serve_hermes
 
-from boundless.api.cors import CorsConfig
 from boundless.cli import _subcommand, build_parser, main
 from boundless.config import ServerConfig, from_flags
 from boundless.config_file import expand_config_file
@@ -36,8 +35,10 @@ def open_to_all(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def one_page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    cors = CorsConfig(allowed_origins=f'["{PAGE}"]', allowed_credentials=True, allowed_methods='["POST"]')
-    with serve_hermes(tmp_path_factory.mktemp("cors"), server_config=ServerConfig(api_key="secret"), cors=cors) as s:
+    config = ServerConfig(
+        api_key="secret", allowed_origins=f'["{PAGE}"]', allowed_credentials=True, allowed_methods='["POST"]'
+    )
+    with serve_hermes(tmp_path_factory.mktemp("cors"), server_config=config) as s:
         yield s
 
 
@@ -82,12 +83,12 @@ def test_the_flags_take_json_lists_on_the_command_line_and_in_a_config_file(
     ``serve`` with one line and exit 2, before the model loads."""
     parser = build_parser()
     args = parser.parse_args(["serve", "--allowed-origins", f'["{PAGE}"]', "--allowed-credentials"])
-    cors = from_flags(CorsConfig, args)
+    cors = from_flags(ServerConfig, args)
     assert (cors.allowed_origins, cors.allowed_credentials, cors.allowed_methods) == (f'["{PAGE}"]', True, '["*"]')
     config = tmp_path / "serve.yaml"
     config.write_text(f"allowed-origins: [{PAGE}, http://b.example]\nallowed_headers: [content-type]\n")
     args = parser.parse_args(["serve", *expand_config_file(_subcommand(parser, "serve"), ["--config", str(config)])])
-    cors = from_flags(CorsConfig, args)
+    cors = from_flags(ServerConfig, args)
     assert (cors.allowed_origins, cors.allowed_headers) == (f'["{PAGE}", "http://b.example"]', '["content-type"]')
     assert main(["serve", "--allowed-origins", PAGE]) == 2
     err = capsys.readouterr().err
