@@ -76,7 +76,7 @@ from boundless.engine.async_engine import SHUTTING_DOWN
 from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta, require_context_room
 from boundless.engine.errors import NO_ROOM_AFTER_FAILOVER, InvalidRequestError
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
-from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
+from boundless.engine.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt
 from boundless.engine.structured_output import StructuredOutput, check_structured_output
 from boundless.engine.thinking_budget import ThinkingBudget
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults
@@ -479,21 +479,6 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: in
         bias_ids.append(int(key))
     require_token_ids(bias_ids, vocab_size, "logit_bias")
     require_token_ids(body.allowed_token_ids or (), vocab_size, "allowed_token_ids")
-
-
-def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context's length), for an agent
-    whose history has outgrown the context; the prompt whole without it."""
-    if keep is None:
-        return ids
-    if keep == 0 or keep > max_model_len:
-        raise APIError(
-            400,
-            f"truncate_prompt_tokens must be -1 or 1 to the model's context ({max_model_len}), not {keep}",
-            "truncate_prompt_tokens",
-            "invalid_value",
-        )
-    return ids[-(max_model_len if keep == -1 else keep) :]
 
 
 def configured_chat_template(config: ServerConfig) -> str | None:
