@@ -108,7 +108,7 @@ class LLM:
     ``LLM("smollm2-135m")`` loads the bundled model; any Hugging Face directory or GGUF file works.
     Keyword arguments are engine options (``dtype``, ``device``, ``max_model_len``, ``block_size``,
     ``num_kv_blocks``, ``enable_prefix_caching``, ``max_num_batched_tokens``, ...), and vLLM's engine arguments that
-    mean something here (:data:`VLLM_ENGINE_ARGS`).
+    mean something here (:func:`vllm_engine_args`).
     """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
@@ -286,6 +286,8 @@ class LLM:
             "continue_final_message": continue_final_message,
             "chat_template": chat_template,
         }
+        if chat_template_kwargs and "tokenize" in chat_template_kwargs:  # (its ids, where the text is encoded here)
+            raise ValueError("chat_template_kwargs cannot set 'tokenize'")
         variables = {**given, **(chat_template_kwargs or {})}
         template = variables["chat_template"]
         if template is not None and template not in self.tokenizer.chat_templates:
@@ -337,11 +339,15 @@ def vllm_engine_args(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 def _within_context(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
     """The params with ``max_tokens`` (and ``min_tokens``) cut to what the context holds after the prompt, as vLLM's
     LLM stops a request there: a prompt that fills the context gets its one token (sampled at its end, never read
-    back). A prompt past the context is left to the engine's refusal."""
-    room = max(max_model_len - prompt_len, 1)
-    if prompt_len > max_model_len or params.max_tokens is None or params.max_tokens <= room:
+    back), whatever ``max_tokens`` (None included). A prompt past the context is left to the engine's refusal."""
+    room = max_model_len - prompt_len
+    if room < 0:
         return params
-    return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+    cap = max(room, 1)
+    wanted = params.max_tokens
+    if (wanted is None and room > 0) or (wanted is not None and wanted <= cap):
+        return params  # (None: the engine stops where the context is full)
+    return dataclasses.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -273,6 +273,26 @@ def test_an_output_stops_where_the_context_is_full(smollm2: LoadedModel) -> None
     assert e.value.param == "prompt" and not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"num_scheduler_steps": 4},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}},
+    ],
+    ids=["single-steps", "windows", "ngram-drafts"],
+)
+def test_a_prompt_that_fills_the_context_gets_one_token(smollm2: LoadedModel, options: dict) -> None:
+    """The one token sampled at the end of a prompt that fills the context (never read back: no room for its KV), in a
+    batch with prompts that have room, whatever the engine's steps: single, windows of passes, or drafts verified."""
+    llm = LLM.from_config(_config(smollm2, max_model_len=64, num_kv_blocks=16, block_size=16, **options), smollm2)
+    repeating = [1000 + i % 5 for i in range(64)]  # (a pattern the n-gram drafter proposes from)
+    outs = llm.generate([repeating, repeating[:63], repeating[:40]], SamplingParams(temperature=0.0, max_tokens=30))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 1, 24]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs[:2])
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks  # (nothing held after the batch)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
     """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens are read (-1: as many as the context holds)."""
     ids = llm.tokenizer.encode("one two three four five six seven eight nine ten")

@@ -88,10 +88,12 @@ from boundless.programs.ref import ProgramRef
 T = TypeVar("T")
 
 # What chat_template_kwargs may not set: the arguments the route itself passes, the template (vLLM takes a template
-# from a request only when its server trusts them), and the functions templates call.
+# from a request only when its server trusts them), the functions templates call, and ``tokenize`` (the rendering's
+# ids, not its text: the route encodes the text itself).
 _RESERVED_TEMPLATE_KEYS = frozenset(
     {
         "messages",
+        "tokenize",
         "tools",
         "add_generation_prompt",
         "continue_final_message",

@@ -113,8 +113,8 @@ class SamplingParams:
     # (``engine/thinking_budget.py``). None: it thinks as long as it likes.
     thinking_budget: ThinkingBudget | None = None
     # vLLM's ``truncate_prompt_tokens``: only the prompt's last this many tokens are read (-1: as many as the context
-    # holds), for a history that has outgrown the context. Applied where a prompt becomes ids (``truncated_prompt``:
-    # ``LLM.generate``, the server's routes).
+    # holds), for a history that has outgrown the context. ``LLM.generate`` applies it (``truncated_prompt``, which the
+    # server's routes apply to their request's own field); the engine takes a prompt's ids as they are given.
     truncate_prompt_tokens: int | None = None
     # Whether a penalty needs the request's tokens so far; whether anything does (a grammar replays a handed-off
     # request's): the scheduler hands them to the sampler only then.

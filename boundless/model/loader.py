@@ -96,19 +96,26 @@ def hub_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     return snapshot if (snapshot / "config.json").is_file() else None
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of one of :data:`DTYPES` (``float32``...), as ``--dtype`` spells it."""
+    return next(name for name, value in DTYPES.items() if value == dtype)
+
+
 def model_dtype(dtype: str, path: Path, device: torch.device) -> torch.dtype:
     """``--dtype`` as a torch dtype. ``auto`` (vLLM's): float32 on the CPU; on a GPU the checkpoint's own 16-bit type
     (``config.json``'s ``torch_dtype``), float16 for a 32-bit one, bfloat16 for a GGUF file (its quantized weights have
-    no 16-bit type of their own)."""
+    no 16-bit type of their own); float16 where the GPU has no bfloat16."""
     if dtype != "auto":
         return DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32
+    # (Not before Ampere: T4s and V100s take fp16. Where no GPU is here to ask, a simulated one, it has it.)
+    bf16 = device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
     if path.is_file():
-        return torch.bfloat16
+        return torch.bfloat16 if bf16 else torch.float16
     config = json.loads((path / "config.json").read_text())
     stored = config.get("dtype") or config.get("torch_dtype")  # (transformers 5 names it dtype)
-    return torch.bfloat16 if stored == "bfloat16" else torch.float16
+    return torch.bfloat16 if stored == "bfloat16" and bf16 else torch.float16
 
 
 @dataclass
@@ -207,7 +214,8 @@ def load_model(
     model.load_weights(tensors)
     model.eval()
     source = _source_digest(path) if weights is None else f"{_source_digest(path)}+{weights[0]}"
-    fingerprint = hashlib.sha256(f"{arch.fingerprint()}:{source}:{dtype}".encode()).hexdigest()[:16]
+    # (The dtype used, not the one asked for: ``auto`` is float32 on the CPU and 16-bit on a GPU.)
+    fingerprint = hashlib.sha256(f"{arch.fingerprint()}:{source}:{dtype_name(torch_dtype)}".encode()).hexdigest()[:16]
     return LoadedModel(
         name=name,
         path=path,

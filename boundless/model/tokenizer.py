@@ -332,6 +332,19 @@ def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
 # The tokenizer
 
 
+class Encoding(dict[str, list]):
+    """What :meth:`Tokenizer.__call__` gives, as far as code written for transformers' ``BatchEncoding`` reads it:
+    ``input_ids`` and ``attention_mask``, as keys and as attributes."""
+
+    @property
+    def input_ids(self) -> list:
+        return self["input_ids"]
+
+    @property
+    def attention_mask(self) -> list:
+        return self["attention_mask"]
+
+
 class Tokenizer:
     """A byte-level BPE tokenizer with its special tokens and chat templates.
 
@@ -541,13 +554,13 @@ class Tokenizer:
             return [self._prefix_ids + e.ids + self._suffix_ids for e in encodings]
         return [e.ids for e in encodings]
 
-    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict[str, list]:
+    def __call__(self, text: str | Sequence[str], *, add_special_tokens: bool = True) -> Encoding:
         """transformers' call: ``input_ids`` (and an ``attention_mask`` of ones) of a text, or of each of a list."""
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
-            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+            return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
         batch = self.encode_batch(text, add_special_tokens)
-        return {"input_ids": batch, "attention_mask": [[1] * len(ids) for ids in batch]}
+        return Encoding(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for ``ids``; incomplete UTF-8 sequences come out as U+FFFD."""

@@ -26,7 +26,7 @@ from boundless.kv.block_hash import BlockHash
 from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS
 from boundless.model.arch import ModelArch
 from boundless.model.gguf import model_arch_from_gguf, read_gguf_header
-from boundless.model.loader import check_overrides, hf_arch, model_dtype, resolve_model_path
+from boundless.model.loader import check_overrides, dtype_name, hf_arch, model_dtype, resolve_model_path
 from boundless.model.tokenizer import Tokenizer
 from boundless.programs.policy import SchedulingPolicy
 from boundless.sim.cost import HOST_COPY_BYTES_PER_S, StepCost
@@ -63,9 +63,10 @@ class SimulatedModel:
             arch = hf_arch(path, config.overrides)
         eos = tuple(sorted(set(tokenizer.eos_token_ids) | set(arch.eos_token_ids)))  # as ModelIdentity.of
         # Its own fingerprint: a simulated instance's KV blocks are never a real one's.
-        fingerprint = hashlib.sha256(f"sim:{arch.fingerprint()}:{config.dtype}".encode()).hexdigest()[:16]
+        dtype = model_dtype(config.dtype, path, torch.device(config.device))
+        fingerprint = hashlib.sha256(f"sim:{arch.fingerprint()}:{dtype_name(dtype)}".encode()).hexdigest()[:16]
         identity = ModelIdentity(config.model, arch.vocab_size, eos, fingerprint, "sim")
-        return SimulatedModel(arch, tokenizer, model_dtype(config.dtype, path, torch.device(config.device)), identity)
+        return SimulatedModel(arch, tokenizer, dtype, identity)
 
 
 def simulated_engine(

@@ -168,6 +168,7 @@ CORPUS: list[Case] = [
     chat({"thinking_token_budget": 100}, "thinking_token_budget"),  # nor has it tags to close its thinking with
     chat({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
     chat({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    chat({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),  # (ids, where the route wants text)
     chat({"max_completion_tokens": 10**20}, "max_completion_tokens"),
     chat({"max_completion_tokens": 2.0}, "max_completion_tokens"),
     *both({"min_tokens": -1}, "min_tokens"),

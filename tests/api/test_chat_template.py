@@ -96,6 +96,8 @@ def test_llm_chat_takes_a_template(base_model: Path, tmp_path: Path) -> None:
         llm.chat(MESSAGES, params)
     out = llm.chat(MESSAGES, params, chat_template=TEMPLATE)[0]
     assert out.prompt_token_ids == llm.tokenizer.encode(RENDERED, add_special_tokens=False)
+    with pytest.raises(ValueError, match="cannot set 'tokenize'"):
+        llm.chat(MESSAGES, params, chat_template_kwargs={"tokenize": True})
     tagged = llm.chat(MESSAGES, params, chat_template=TEMPLATE + "{{ tag }}", chat_template_kwargs={"tag": "!"})[0]
     assert tagged.prompt_token_ids == llm.tokenizer.encode(RENDERED + "!", add_special_tokens=False)
     # A file's path, as serve --chat-template takes it; the kwargs may set the route's own variables too (vLLM's).

@@ -73,4 +73,7 @@ def test_vllms_dtype_names(tmp_path: Path) -> None:
     assert model_dtype("auto", resolve_model_path("smollm2-135m"), gpu) == torch.bfloat16
     loaded = load_model(str(path), dtype="auto")
     assert loaded.dtype == torch.float32 and loaded.model.norm.weight.dtype == torch.float32
+    # The KV fingerprint names the dtype used: auto's KV on the CPU is float32's, and no other's.
+    assert loaded.fingerprint == load_model(str(path), dtype="float32").fingerprint
+    assert loaded.fingerprint != load_model(str(path), dtype="bfloat16").fingerprint
     assert engine_config(str(path), dtype="half").model.dtype == "float16"

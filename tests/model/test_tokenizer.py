@@ -153,6 +153,8 @@ def test_transformers_names_vllm_users_call(ours: Tokenizer, reference: Any) -> 
     texts = ["Hello world", "The capital of France is"]
     assert ours(texts[0]) == {k: list(v) for k, v in reference(texts[0]).items()}
     assert ours(texts) == {k: [list(x) for x in v] for k, v in reference(texts).items()}
+    assert ours(texts[1]).input_ids == reference(texts[1]).input_ids
+    assert ours(texts[1], add_special_tokens=False).attention_mask == reference(texts[1]).attention_mask
 
 
 @pytest.mark.parametrize(
