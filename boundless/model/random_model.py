@@ -78,6 +78,32 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
+def write_byte_fallback_tokenizer(root: str | Path, corpus: list[str], vocab_size: int) -> Path:
+    """A small Llama-2-style tokenizer written to the new directory ``root``: SentencePiece's ``▁`` for a space, and a
+    byte fallback (a ``<0xNN>`` token for every byte) for the characters its pieces do not hold; its decoder turns a
+    run of bytes that holds one that is no UTF-8 into a replacement character a byte, valid characters before it
+    included. With a ``config.json`` of its vocabulary, so that it loads as a model directory's tokenizer does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    root = Path(root)
+    root.mkdir()
+    (root / "tokenizer.json").write_text(json.dumps(spec))
+    config = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": len(vocab)}))
+    return root
+
+
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",

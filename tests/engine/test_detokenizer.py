@@ -4,18 +4,17 @@ one that takes it token by token, whole in its last delta, decoded once."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
 from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens, flush
 from boundless.engine.sampling_params import InvalidSamplingParams, RequestOutputKind, SamplingParams
 from boundless.model.loader import LoadedModel
+from boundless.model.random_model import write_byte_fallback_tokenizer
 from boundless.model.tokenizer import load_tokenizer
 
 PROMPTS = [list(range(5, 5 + n)) for n in (7, 19, 33)]
@@ -191,24 +190,9 @@ def test_a_whole_output_at_the_end_gives_the_text_of_a_token_at_a_time(
 
 
 def _byte_fallback_tokenizer(root: Path) -> object:
-    """A small Llama-2-style tokenizer: SentencePiece's metaspace and a byte fallback, whose decoder turns a run of
-    bytes that holds one that is no UTF-8 into a replacement character a byte, valid characters before it included."""
+    """A small Llama-2-style tokenizer with a byte fallback (``write_byte_fallback_tokenizer``)."""
     corpus = ["hello world, the quick brown fox jumps over the lazy dog. héllo wörld café naïve"] * 20
-    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    spec = json.loads(tok.to_str())
-    vocab = spec["model"]["vocab"]
-    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
-    root.mkdir()
-    (root / "tokenizer.json").write_text(json.dumps(spec))
-    config = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-    (root / "tokenizer_config.json").write_text(json.dumps(config))
-    (root / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": len(vocab)}))
-    return load_tokenizer(root)
+    return load_tokenizer(write_byte_fallback_tokenizer(root, corpus, 200))
 
 
 def test_a_tokenizer_that_falls_back_to_bytes_takes_runs_a_token_at_a_time(tmp_path: Path) -> None:

@@ -3,13 +3,10 @@ fallback: a token that holds part of a character gives its bytes, not U+FFFD's."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
-
 from boundless.model.loader import LoadedModel
+from boundless.model.random_model import write_byte_fallback_tokenizer
 from boundless.model.token_bytes import TokenBytes
 from boundless.model.tokenizer import Tokenizer, load_tokenizer
 
@@ -37,21 +34,7 @@ def test_byte_level_tokens_are_their_spellings_bytes(smollm2: LoadedModel) -> No
 def _sentencepiece_tokenizer(root: Path) -> Tokenizer:
     """A small Llama-2-style tokenizer: SentencePiece's ▁ for a space, and a byte fallback (``<0xNN>`` tokens) for
     the characters its pieces do not hold."""
-    tok = RustTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
-    tok.train_from_iterator(["hello world, the quick brown fox"] * 20, trainers.BpeTrainer(vocab_size=120))
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    spec = json.loads(tok.to_str())
-    vocab = spec["model"]["vocab"]
-    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
-    root.mkdir()
-    (root / "tokenizer.json").write_text(json.dumps(spec))
-    config = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-    (root / "tokenizer_config.json").write_text(json.dumps(config))
-    return load_tokenizer(root)
+    return load_tokenizer(write_byte_fallback_tokenizer(root, ["hello world, the quick brown fox"] * 20, 120))
 
 
 def test_sentencepiece_byte_tokens_are_their_bytes_and_pieces_their_text(tmp_path: Path) -> None:
