@@ -539,8 +539,8 @@ class ResponsesAPI:
     ) -> dict[str, Any]:
         """The response's final body: the reasoning (with a reasoning parser, when there is any), a message (unless
         the output is calls alone, or reasoning cut off), then each call; stored unless ``store`` is false.
-        ``streamed``: the content and calls as a stream read them (its content keeps the blanks the unstreamed one
-        strips)."""
+        ``streamed``: the content and calls as a stream read them (its content keeps blanks that begin text a call
+        follows, which the unstreamed one strips: they went out before the call was known)."""
         content: str | None = choice.text
         thought: str | None = None
         thought_tokens = 0

@@ -346,7 +346,8 @@ class ContentStream:
     """The content of an output read for tool calls, streamed as it is made: text that cannot be part of a call goes
     out at once; from a Hermes ``<tool_call>`` tag on (held back while the text ends in part of one), or an output that
     opens with JSON (a bare call, Llama 3.1's) or a list (Llama 3.2's Python calls), the rest waits for the parser at
-    the end (:meth:`finish`)."""
+    the end (:meth:`finish`). Blanks that end the text so far wait for what follows them: before a call they are no
+    content (the unstreamed content is stripped), so they go out only with the text after them, or at the end."""
 
     def __init__(self, formats: CallFormats = ALL_FORMATS) -> None:
         self.sent = 0  # characters of the output sent as content
@@ -375,13 +376,14 @@ class ContentStream:
             self.held, end = True, min(found)
         else:
             end = len(text) - max((partial_tag(text, t) for t in self.tags), default=0)
-        piece = text[self.sent : end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
+        piece = text[self.sent : end].rstrip() if end > self.sent else ""
+        self.sent += len(piece)
         return piece
 
     def finish(self, text: str, calls_of: CallParser) -> tuple[str, list[ToolCall]]:
         """The whole output -> the content not sent yet, and the calls (``calls_of``: the parser). Sent and rest
-        together are the unstreamed response's content, but for the blanks around it (stripped there)."""
+        together are the unstreamed response's content, but for blanks that begin it (stripped there, where calls
+        follow: they went out with the text after them, before the calls were known)."""
         content, calls = calls_of(text)
         if not calls:
             return text[self.sent :], []

@@ -4,7 +4,9 @@ in Anthropic's shapes, streamed and not, with tools, prefills, stop sequences, e
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from typing import Any
 
 import anthropic
 import httpx
@@ -282,3 +284,30 @@ def test_calls_cut_off_after_a_whole_call_come_as_far_as_they_got(served: Served
         assert (whole.finish_reason, whole.message.content, content, finish) == ("length", None, "", "length")
         assert whole.message.tool_calls and not (whole.logprobs and whole.logprobs.content)
         assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == calls
+
+
+@pytest.mark.parametrize("before", ["\n\n", "Let me check.\n\n"])
+def test_blanks_before_a_call_are_no_content_streamed_or_not(
+    client: anthropic.Anthropic, chat: openai.OpenAI, before: str
+) -> None:
+    """The blanks between an answer's text and its call (or before a call that opens it) are not content, streamed
+    or not: the stream holds them until it knows what follows. Before, it sent them first: a text block of blanks
+    alone in Anthropic's stream (which Anthropic's API refuses in a history), ``Let me check.\\n`` on chat where the
+    unstreamed message said ``Let me check.``."""
+    said = before + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    extra = {**GREEDY, "structured_outputs": {"regex": re.escape(said).replace("\\ ", " ")}}
+    ask = {"model": "tiny", "max_tokens": 200, "messages": ASK, "tools": [CITY_TOOL], "extra_body": extra}
+
+    def blocks(message: anthropic.types.Message) -> list[tuple[str, Any]]:
+        return [(b.type, b.text if b.type == "text" else (b.name, b.input)) for b in message.content]
+
+    message = client.messages.create(**ask)
+    with client.messages.stream(**ask) as stream:
+        streamed = stream.get_final_message()
+    text = [("text", before.strip())] if before.strip() else []
+    assert blocks(message) == blocks(streamed) == [*text, ("tool_use", ("get_weather", {"city": "Paris"}))]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY_TOOL["input_schema"]}}]
+    asked = {"model": "tiny", "messages": ASK, "tools": tools, "max_tokens": 200, "extra_body": extra}
+    whole = chat.chat.completions.create(**asked).choices[0]
+    content, finish, calls = streamed_chat(chat, asked)
+    assert (content, finish) == (whole.message.content or "", "tool_calls") and len(calls) == 1

@@ -64,13 +64,14 @@ def _calls_of(deltas: list) -> list[tuple[str, str, str]]:
 def test_content_streams_until_a_call_begins() -> None:
     text = 'Let me check the weather. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     pieces, rest, calls = _streamed(text)
-    assert "".join(pieces) == "Let me check the weather. " and len(pieces) > 10  # as it came, a character at a time
+    # As it came, a character at a time, but the blank before the call: no content, as the unstreamed content lacks it.
+    assert "".join(pieces) == "Let me check the weather." and len(pieces) > 10
     assert not any("<" in p for p in pieces)  # never a tag's first characters
     assert rest == "" and [c.name for c in calls] == ["get_weather"]
-    # Text after the calls comes at the end; sent and rest are the unstreamed content but for the blanks around it.
+    # Text after the calls comes at the end; sent and rest are the unstreamed content, the blanks between kept.
     text = "Checking. <tool_call>" + '{"name": "f", "arguments": {}}' + "</tool_call> Done."
     pieces, rest, calls = _streamed(text, step=3)
-    assert ("".join(pieces) + rest).strip() == parse_tool_calls(text)[0] == "Checking.  Done."
+    assert "".join(pieces) + rest == parse_tool_calls(text)[0] == "Checking.  Done."
     assert [c.name for c in calls] == ["f"]
 
 
@@ -503,7 +504,7 @@ def _put_together(deltas: list[dict]) -> list[tuple[str, str, str]]:
     [
         (
             'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "n": 12}}</tool_call>',
-            "Checking. ",
+            "Checking.",
             "",
         ),
         # Braces and escapes inside strings, a second block, arguments before the name, text after the calls.
@@ -829,7 +830,7 @@ def test_xml_calls_streamed_come_whole_at_the_end() -> None:
     from boundless.api.server import ToolUse
 
     rest, calls = content.finish(XML_CALLS, ToolUse(True, types=types).calls)
-    assert sent + rest == "I will edit it.\n" and deltas == []
+    assert sent + rest == "I will edit it." and deltas == []
     together = _put_together(calls_stream.finish(calls))
     assert [json.loads(args) for _, _, args in together] == XML_ARGS
 
