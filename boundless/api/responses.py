@@ -552,16 +552,17 @@ class ResponsesAPI:
         if streamed is not None:
             content, calls = streamed
         elif call.tools_used:
-            content, calls = call.tool_use.calls(content or "")
-        incomplete = choice.finish_reason == "length" and not calls
-        status = "incomplete" if incomplete else "completed"
+            # (Calls cut off by max_output_tokens come as far as they got, as the chat route has them.)
+            content, calls, _ = call.tool_use.read(content or "", at_length=choice.finish_reason == "length")
+        # OpenAI's rule: a response that reached max_output_tokens is incomplete, whatever it holds.
+        incomplete = choice.finish_reason == "length"
         # The reasoning is whole once the answer began (a stream has said so by then); cut off only inside it.
         thought_cut = incomplete and call.reasoning is not None and call.reasoning.parser.end not in choice.text
-        items = [self._reasoning_item(call, thought, "incomplete" if thought_cut else "completed")] if thought else []
-        if content or not (calls or thought):
-            items.append(self._message_item(call, choice, content or "", status))
-        items += [_function_call_item(c) for c in calls]
-        out = self._envelope(call, "incomplete" if incomplete else "completed", items)
+        items = [self._reasoning_item(call, thought, _status(thought_cut))] if thought else []
+        if content or not (calls or thought):  # (its text is what was cut off unless calls followed it)
+            items.append(self._message_item(call, choice, content or "", _status(incomplete and not calls)))
+        items += [_function_call_item(c, incomplete) for c in calls]
+        out = self._envelope(call, _status(incomplete), items)
         if incomplete:
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         out["usage"] = {
@@ -661,7 +662,8 @@ class ResponsesAPI:
             yield event("response.failed", response=failed)
             return
         answer = thoughts.content if thoughts is not None else choice.text
-        rest, calls = content.finish(answer, call.tool_use.calls) if content is not None else ("", [])
+        at_length = choice.finish_reason == "length"
+        rest, calls = call.tool_use.finish(content, answer, at_length) if content is not None else ("", [])
         final = self._finished(call, choice, (sent + rest, calls) if content is not None else None)
         for index, item in enumerate(final["output"]):
             if item["type"] == "reasoning":
@@ -735,14 +737,26 @@ def _structured(body: ResponsesRequest, tools: list[dict[str, Any]], server: Ope
     return StructuredOutput.json_schema(fmt.schema_, "text.format")
 
 
-def _function_call_item(call: ToolCall) -> dict[str, Any]:
+def _status(cut: bool) -> str:
+    """An item's status: ``incomplete`` where max_output_tokens cut it off."""
+    return "incomplete" if cut else "completed"
+
+
+def _function_call_item(call: ToolCall, at_length: bool = False) -> dict[str, Any]:
+    """A call's item; ``at_length``: the output reached max_output_tokens, and a call whose arguments are not whole
+    JSON is one it cut off, as far as it got."""
+    try:
+        json.loads(call.arguments)
+        whole = True
+    except json.JSONDecodeError:
+        whole = False
     return {
         "type": "function_call",
         "id": f"fc_{call.id.removeprefix('call_')}",
         "call_id": call.id,
         "name": call.name,
         "arguments": call.arguments,
-        "status": "completed",
+        "status": _status(at_length and not whole),
     }
 
 

@@ -335,6 +335,15 @@ class ToolUse:
                 content, calls, cut_at = (text[:held_at].strip() or None), begun, held_at
         return content, calls if self.parallel else calls[:1], cut_at
 
+    def finish(self, contents: ContentStream, text: str, at_length: bool = False) -> tuple[str, list[ToolCall]]:
+        """A stream's end: the whole output ``text`` -> the content its ``contents`` has not sent yet, and the calls,
+        as :meth:`read` reads them (``at_length``: calls cut off come as far as they got, and the text held for them
+        is no content), so the streamed and the unstreamed response say the same."""
+        content, calls, cut_at = self.read(text, at_length)
+        if cut_at is None:
+            return contents.finish(text, lambda _: (content, calls))  # (read already)
+        return (text[contents.sent : cut_at].rstrip() if contents.sent else content or ""), calls
+
     def cut_off(self, text: str, calls: list[ToolCall]) -> bool:
         """Whether an output that ended at ``max_tokens``, whose parsed calls are ``calls``, was cut off inside a call
         it had begun (:meth:`read` reads it so)."""

@@ -291,3 +291,52 @@ def test_text_format_holds_the_output_to_a_schema(client: openai.OpenAI) -> None
     )
     assert json.loads(response.output_text)["color"] in ("red", "blue")
     assert response.text is not None and response.text.format.type == "json_schema"
+
+
+def _said(output: list[Any]) -> list[tuple[Any, ...]]:
+    """A response's output items as what they say (not their ids, which differ from one response to the next)."""
+    return [
+        (o.type, o.status, o.content[0].text) if o.type == "message" else (o.type, o.status, o.name, o.arguments)
+        for o in output
+    ]
+
+
+@pytest.mark.parametrize("forced", ["text then two calls", "required"])
+def test_a_response_cut_off_in_its_calls_is_incomplete_with_the_calls_as_far_as_they_got(
+    client: openai.OpenAI, forced: str
+) -> None:
+    """max_output_tokens reached while the model writes its calls: the response is incomplete (reason
+    max_output_tokens), its message the text before the calls, its calls as far as they got (a call cut off inside
+    its arguments is an incomplete item), as the chat route reads the same output; streamed alike, ending with
+    ``response.incomplete``. Before, a response with any call was completed, and the markup of the call cut off was
+    the message's text (``<tool_``), or the only call was lost in it."""
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+    said = "Let me check.\n\n" + block % "Paris" + "\n" + block % "Rome"
+    asked: dict[str, Any] = {"model": MODEL, "input": "Weather in Paris and Rome?", "tools": TOOLS, "temperature": 0}
+    chat_asked: dict[str, Any] = {"tools": CHAT_TOOLS}
+    if forced == "required":
+        asked["tool_choice"] = chat_asked["tool_choice"] = "required"
+    else:
+        asked["extra_body"] = chat_asked["extra_body"] = {
+            "structured_outputs": {"regex": re.escape(said).replace("\\ ", " ")}
+        }
+    whole = client.responses.create(**asked, max_output_tokens=200)
+    assert whole.usage is not None
+    cuts = set()
+    for n in range(whole.usage.output_tokens // 3, whole.usage.output_tokens, 4):
+        response = client.responses.create(**asked, max_output_tokens=n)
+        events = list(client.responses.create(**asked, max_output_tokens=n, stream=True))
+        assert events[-1].type == "response.incomplete" and response.status == "incomplete"
+        assert response.incomplete_details is not None and response.incomplete_details.reason == "max_output_tokens"
+        assert _said(events[-1].response.output) == _said(response.output)  # type: ignore[union-attr]
+        chat = _chat(client, [{"role": "user", "content": asked["input"]}], max_tokens=n, **chat_asked)
+        calls = [o for o in response.output if o.type == "function_call"]
+        expected = [(c.function.name, c.function.arguments) for c in chat.message.tool_calls or ()]
+        assert [(c.name, c.arguments) for c in calls] == expected
+        if calls:
+            assert response.output_text == (chat.message.content or "") and "<tool" not in response.output_text
+            cuts.add((len(calls), calls[-1].status))
+    # The sweep cut the output inside a call's arguments and after a whole call (the next one's tag begun, or its end
+    # tag); with two calls, inside the second's too.
+    assert {(1, "incomplete"), (1, "completed")} <= cuts
+    assert forced == "required" or (2, "incomplete") in cuts
