@@ -31,6 +31,16 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+# Anthropic's error types by status: the Messages API's errors (``anthropic_error``).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 # OpenAI's error codes that a request schema's validator gives as its error's type; any other invalid field's code
 # is invalid_value.
 VALIDATOR_CODES = frozenset({INVALID_FUNCTION_PARAMETERS})
@@ -77,8 +87,17 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
-    return json.dumps(error_body(status, message, code=code)).encode()
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """An error as Anthropic's API gives it (the Messages routes'): ``{"type": "error", "error": {"type",
+    "message"}}``, its type by status."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": _encodable(message)}}
+
+
+def error_bytes(status: int, message: str, code: str | None = None, anthropic: bool = False) -> bytes:
+    """An error object's bytes: OpenAI's, or with ``anthropic`` Anthropic's (:func:`anthropic_error`)."""
+    body = anthropic_error(status, message) if anthropic else error_body(status, message, code=code)
+    return json.dumps(body).encode()
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:

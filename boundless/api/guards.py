@@ -1,4 +1,5 @@
-"""ASGI middleware that rejects a request before it reaches a route: body size and API key."""
+"""ASGI middleware that rejects a request before it reaches a route: body size and API key. Its errors are OpenAI's
+objects, Anthropic's on Anthropic's Messages routes, as those routes' own errors are."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from boundless.api.errors import error_bytes
 
 OPEN_PATHS = ("/health", "/version")  # (vLLM asks no key for either)
+ANTHROPIC_ROUTE = "/v1/messages"  # (and below it: count_tokens)
 
 
-async def _send_error(send: Send, status: int, message: str, code: str, headers: list | None = None) -> None:
-    body = error_bytes(status, message, code)
+def _anthropic_route(scope: Scope) -> bool:
+    """Whether the request is to Anthropic's Messages routes, whose errors are Anthropic's objects."""
+    path = scope.get("path", "")
+    return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
+
+
+async def _send_error(
+    scope: Scope, send: Send, status: int, message: str, code: str, headers: list | None = None
+) -> None:
+    body = error_bytes(status, message, code, anthropic=_anthropic_route(scope))
     await send(
         {
             "type": "http.response.start",
@@ -37,7 +47,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_error(send, 413, f"request body exceeds {self.max_bytes} bytes", "body_too_large")
+            await _send_error(scope, send, 413, f"request body exceeds {self.max_bytes} bytes", "body_too_large")
             return
         # Read the whole body here so an undeclared oversized body is caught before any route runs.
         chunks: list[bytes] = []
@@ -50,7 +60,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await _send_error(send, 413, f"request body exceeds {self.max_bytes} bytes", "body_too_large")
+                await _send_error(scope, send, 413, f"request body exceeds {self.max_bytes} bytes", "body_too_large")
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -83,7 +93,12 @@ class APIKeyAuth:
             keyed = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)
             if not (bearer or keyed):
                 await _send_error(
-                    send, 401, "missing or invalid API key", "invalid_api_key", [(b"www-authenticate", b"Bearer")]
+                    scope,
+                    send,
+                    401,
+                    "missing or invalid API key",
+                    "invalid_api_key",
+                    [(b"www-authenticate", b"Bearer")],
                 )
                 return
         await self.app(scope, receive, send)

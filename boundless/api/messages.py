@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from boundless.api.agent_sessions import claude_code_session
-from boundless.api.errors import APIError, part_error
+from boundless.api.errors import APIError, anthropic_error, part_error
 from boundless.api.schemas import (
     TEXT_PART_SEPARATOR,
     Bool,
@@ -42,16 +42,6 @@ from boundless.api.server import ChatStream
 
 routes = APIRouter()
 
-# Anthropic's error types by status.
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -287,11 +277,6 @@ def message_of(chat: dict[str, Any], model: str) -> dict[str, Any]:
         "stop_sequence": stop_sequence,
         "usage": _usage(chat.get("usage")),
     }
-
-
-def anthropic_error(status: int, message: str) -> dict[str, Any]:
-    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:

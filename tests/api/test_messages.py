@@ -311,3 +311,26 @@ def test_blanks_before_a_call_are_no_content_streamed_or_not(
     whole = chat.chat.completions.create(**asked).choices[0]
     content, finish, calls = streamed_chat(chat, asked)
     assert (content, finish) == (whole.message.content or "", "tool_calls") and len(calls) == 1
+
+
+def test_the_guards_errors_are_anthropics_on_its_routes(served: Served, client: anthropic.Anthropic) -> None:
+    """A wrong API key (401) and a body over ``--max-body-mb`` (413) are answered by middleware before any route:
+    on the Messages routes they are Anthropic's error objects, as the routes' own errors are (they were OpenAI's);
+    the OpenAI routes keep OpenAI's."""
+    wrong = anthropic.Anthropic(base_url=served.url, api_key="wrong", max_retries=0)
+    too_big = "x" * (9 << 20)  # (the default limit: 8 MiB)
+    for route, asked in (("create", {"max_tokens": 4}), ("count_tokens", {})):
+        with pytest.raises(anthropic.AuthenticationError) as refused:
+            getattr(wrong.messages, route)(model="tiny", messages=ASK, **asked)
+        assert refused.value.body == {
+            "type": "error",
+            "error": {"type": "authentication_error", "message": "missing or invalid API key"},
+        }
+        with pytest.raises(anthropic.ContentTooLargeError) as large:
+            getattr(client.messages, route)(model="tiny", messages=ASK, system=too_big, **asked)
+        assert large.value.body == {
+            "type": "error",
+            "error": {"type": "request_too_large", "message": "request body exceeds 8388608 bytes"},
+        }
+    r = httpx.post(served.url + "/v1/chat/completions", json={}, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
