@@ -207,8 +207,10 @@ def _item_text(content: Any, where: str) -> str:
 
 
 def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Chat messages for a response's input: messages as they are, a run of function calls as one assistant
-    message's ``tool_calls``, each call's output as a ``tool`` message."""
+    """Chat messages for a response's input: messages as they are, a run of function calls as the ``tool_calls`` of
+    the assistant message just before them (one of their own if there is none), each call's output as a ``tool``
+    message. An assistant's text and the calls after it are one turn, as a stored response keeps them and as OpenAI's
+    and vLLM's conversions read such items (a stateless client, ``store: false``, sends them back so)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
@@ -229,8 +231,8 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise APIError(400, "a function_call needs call_id, name and arguments as strings", where)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":

@@ -340,3 +340,25 @@ def test_a_response_cut_off_in_its_calls_is_incomplete_with_the_calls_as_far_as_
     # tag); with two calls, inside the second's too.
     assert {(1, "incomplete"), (1, "completed")} <= cuts
     assert forced == "required" or (2, "incomplete") in cuts
+
+
+def test_an_assistant_message_and_its_calls_are_one_turn(client: openai.OpenAI) -> None:
+    """A stateless client (``store: false``: Codex, the Agents SDK) sends back the assistant's message and its
+    function calls as items: they are one assistant turn, the text and its calls, as a stored chain keeps it and as
+    the chat route is given it. Before, the calls were a second assistant turn with empty content (another prompt)."""
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 20C"},
+    ]
+    response = client.responses.create(model=MODEL, input=items, tools=TOOLS, max_output_tokens=1, store=False)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 20C"},
+    ]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, tools=CHAT_TOOLS, max_tokens=1)
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
