@@ -1,17 +1,18 @@
 """Anthropic's Messages API (``POST /v1/messages``), as vLLM serves it: over the chat route.
 
 Agents written for Anthropic's API (Claude Code and its kin) speak it. A request is read into a chat request
-(:func:`chat_fields`): the system prompt, user turns of text blocks, ``tool_result`` blocks as tool messages, assistant
-turns of text and ``tool_use`` blocks as tool calls, ``tools`` with their ``input_schema``, ``tool_choice`` (``auto``,
-``any`` = ``required``, ``tool``, ``none``, ``disable_parallel_tool_use``), ``stop_sequences``, ``temperature``,
-``top_p``, ``top_k``, ``max_tokens``, and the chat route's own fields given beside them (vLLM's extensions, such as
-``structured_outputs``). A last assistant turn is a prefill the answer continues (Anthropic's rule:
-``continue_final_message``). The chat route then does everything it does for its own requests (template, program
-scheduling, tool-call parsing, the reasoning parser, structured calls, errors), and its answer is written back in
-Anthropic's shapes: content blocks (``thinking`` with a reasoning parser, ``text``, ``tool_use``), its
-``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``), and usage with the prompt's cached
-tokens as ``cache_read_input_tokens``; streamed, Anthropic's events (:class:`EventWriter`). Errors are Anthropic's
-objects, ``{"type": "error", "error": {"type", "message"}}``, with the status the chat route gives.
+(:func:`chat_fields`): the system prompt, user turns of text blocks, ``tool_result`` blocks as tool messages (a failed
+one's, ``is_error``, after ``Error: ``), assistant turns of text and ``tool_use`` blocks as tool calls, ``tools`` with
+their ``input_schema``, ``tool_choice`` (``auto``, ``any`` = ``required``, ``tool``, ``none``,
+``disable_parallel_tool_use``), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``max_tokens``, and the
+chat route's own fields given beside them (vLLM's extensions, such as ``structured_outputs``). A last assistant turn
+is a prefill the answer continues (Anthropic's rule: ``continue_final_message``). The chat route then does everything
+it does for its own requests (template, program scheduling, tool-call parsing, the reasoning parser, structured calls,
+errors), and its answer is written back in Anthropic's shapes: content blocks (``thinking`` with a reasoning parser,
+``text``, ``tool_use``), its ``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``), and
+usage with the prompt's cached tokens as ``cache_read_input_tokens``; streamed, Anthropic's events
+(:class:`EventWriter`). Errors are Anthropic's objects, ``{"type": "error", "error": {"type", "message"}}``, with the
+status the chat route gives.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from boundless.api.server import ChatStream
 routes = APIRouter()
 
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+# What a tool result marked ``is_error`` begins with: chat templates have no field for a failed call (vLLM drops the
+# mark), so the model is told in the result's text.
+TOOL_ERROR_PREFIX = "Error: "
 
 
 class AnthropicTool(BaseModel):
@@ -125,6 +129,11 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
                 texts.append({"type": "text", "text": block["text"]})
             elif kind == "tool_result" and message.role == "user" and isinstance(block.get("tool_use_id"), str):
                 text = _text_of(block.get("content", ""), f"{where}.content")
+                failed = block.get("is_error")
+                if failed not in (None, True, False):
+                    raise APIError(400, f"{where}.is_error must be a boolean", f"{where}.is_error")
+                if failed:
+                    text = TOOL_ERROR_PREFIX + text
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
             elif kind == "tool_use" and message.role == "assistant" and isinstance(block.get("input"), dict):
                 if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):

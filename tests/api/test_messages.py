@@ -334,3 +334,32 @@ def test_the_guards_errors_are_anthropics_on_its_routes(served: Served, client: 
         }
     r = httpx.post(served.url + "/v1/chat/completions", json={}, headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_tool_result_marked_as_an_error_tells_the_model(served: Served, client: anthropic.Anthropic) -> None:
+    """``is_error: true`` on a ``tool_result`` (Anthropic's: the tool failed) reaches the model as the result's text
+    after ``Error: ``, since chat templates have no field for it; before, it was dropped (the prompt of a success)."""
+    call = {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Atlantis"}}
+
+    def counted(**mark: bool) -> int:
+        result = {"type": "tool_result", "tool_use_id": "c1", "content": "no such city", **mark}
+        messages = [*ASK, {"role": "assistant", "content": [call]}, {"role": "user", "content": [result]}]
+        return client.messages.count_tokens(model="tiny", messages=messages).input_tokens
+
+    function = {"name": "get_weather", "arguments": json.dumps(call["input"])}
+    chat = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": function}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Error: no such city"},
+    ]
+    tokens = httpx.post(served.url + "/tokenize", json={"messages": chat}, headers={"x-api-key": "secret"})
+    assert counted(is_error=True) == tokens.json()["count"] != counted(is_error=False) == counted()
+    with pytest.raises(anthropic.BadRequestError, match="is_error"):
+        client.messages.count_tokens(
+            model="tiny",
+            messages=[
+                *ASK,
+                {"role": "assistant", "content": [call]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "is_error": "yes"}]},
+            ],
+        )
