@@ -311,7 +311,7 @@ class _Call:
     """A response's request as the chat path runs it."""
 
     response_id: str
-    created_at: float
+    created_at: int  # Unix seconds, as OpenAI's
     body: ResponsesRequest
     chat: ChatCompletionRequest
     prompt: list[int]
@@ -443,7 +443,7 @@ class ResponsesAPI:
             chat, prompt = self._truncated(messages, chat_of, body)
         return _Call(
             response_id,
-            time.time(),
+            int(time.time()),
             body,
             chat,
             prompt,

@@ -362,3 +362,13 @@ def test_an_assistant_message_and_its_calls_are_one_turn(client: openai.OpenAI) 
     chat = client.chat.completions.create(model=MODEL, messages=messages, tools=CHAT_TOOLS, max_tokens=1)
     assert response.usage is not None and chat.usage is not None
     assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_created_at_is_whole_seconds(client: openai.OpenAI) -> None:
+    """``created_at`` is an integer of Unix seconds, as OpenAI sends it (it was a float), streamed or not."""
+    asked: dict[str, Any] = {"model": MODEL, "input": "Hi", "max_output_tokens": 1}
+    raw = client.responses.with_raw_response.create(**asked)
+    assert isinstance(json.loads(raw.text)["created_at"], int)
+    with client.responses.with_streaming_response.create(**asked, stream=True) as stream:
+        bodies = [json.loads(line.removeprefix("data: ")) for line in stream.iter_lines() if line.startswith("data: ")]
+    assert bodies and all(isinstance(b["response"]["created_at"], int) for b in bodies if "response" in b)
