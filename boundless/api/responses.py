@@ -169,6 +169,9 @@ class ResponsesRequest(NullIsDefault):
     thread_id: Identifier | None = None
     # OpenAI's cache key (Codex sends its conversation's id): the program, unless program_id or X-Program-Id says
     prompt_cache_key: str | None = None  # (one that cannot be a program id is ignored: api/agent_sessions.py)
+    # Typed to be refused by name when set (_prepare): no conversations object, no background mode here.
+    conversation: str | dict[str, Any] | None = None
+    background: Bool = False
 
 
 def function_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
@@ -384,6 +387,20 @@ class ResponsesAPI:
         require_valid_text(body.model_dump(by_alias=True))
         refuse_removed_fields(body.model_extra)
         lora = server.check_model(body.model)
+        if body.conversation is not None:
+            raise APIError(
+                400,
+                "conversation is not supported: this server keeps no conversations (chain previous_response_id)",
+                "conversation",
+                "unsupported_parameter",
+            )
+        if body.background:
+            raise APIError(
+                400,
+                "background is not supported: a response runs while its request waits",
+                "background",
+                "unsupported_parameter",
+            )
         effort = (body.reasoning or {}).get("effort")
         if effort is not None and server.reasoning is None:
             raise APIError(400, f"{server.model_name} does not reason: reasoning.effort is not supported", "reasoning")

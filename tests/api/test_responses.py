@@ -372,3 +372,14 @@ def test_created_at_is_whole_seconds(client: openai.OpenAI) -> None:
     with client.responses.with_streaming_response.create(**asked, stream=True) as stream:
         bodies = [json.loads(line.removeprefix("data: ")) for line in stream.iter_lines() if line.startswith("data: ")]
     assert bodies and all(isinstance(b["response"]["created_at"], int) for b in bodies if "response" in b)
+
+
+def test_conversation_and_background_are_refused_by_name(client: openai.OpenAI) -> None:
+    """This server has no conversations object and no background mode: a request that names a conversation, or asks
+    for background, is a 400 naming the field, where both were ignored (the response ran as another one)."""
+    asked: dict[str, Any] = {"model": MODEL, "input": "Hi", "max_output_tokens": 1}
+    for field, value in (("conversation", "conv_1"), ("conversation", {"id": "conv_1"}), ("background", True)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(**asked, **{field: value})
+        assert refused.value.body["param"] == field and field in refused.value.body["message"]  # type: ignore[index]
+    assert client.responses.create(**asked, background=False).status in ("completed", "incomplete")
