@@ -25,7 +25,7 @@ import pydantic_core
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from boundless.api.agent_sessions import claude_code_session
 from boundless.api.errors import APIError, anthropic_error, part_error
@@ -50,12 +50,24 @@ TOOL_ERROR_PREFIX = "Error: "
 
 
 class AnthropicTool(BaseModel):
+    """A custom tool (a function the client runs, with its ``input_schema``). Anthropic's server tools (web search,
+    code execution...) and its schema-less client tools (bash, the text editor, computer use) are refused by type:
+    nothing here runs them, nor knows their schemas."""
+
     model_config = ConfigDict(extra="allow")
 
+    type: str | None = None  # (first: its error is the one a server tool's 400 names, not its missing input_schema)
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
     strict: Bool | None = None  # Anthropic's strict tool use: calls held to input_schema (api/strict_calls.py)
+
+    @field_validator("type")
+    @classmethod
+    def _custom(cls, kind: str | None) -> str | None:
+        if kind not in (None, "custom"):
+            raise ValueError(f"tools of type {kind!r} (Anthropic's server tools) are not supported; only custom tools")
+        return kind
 
 
 class AnthropicToolChoice(BaseModel):

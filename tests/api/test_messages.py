@@ -363,3 +363,16 @@ def test_a_tool_result_marked_as_an_error_tells_the_model(served: Served, client
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "is_error": "yes"}]},
             ],
         )
+
+
+def test_a_server_tool_is_refused_by_its_type(client: anthropic.Anthropic) -> None:
+    """Anthropic's server tools (web search and the like) are not served: a 400 naming the tool's type, where it was
+    ``tools.0.input_schema: Field required`` (which sent the client looking for a schema it cannot give)."""
+    web_search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
+    for route, asked in ((client.messages.create, {"max_tokens": 4}), (client.messages.count_tokens, {})):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            route(model="tiny", messages=ASK, tools=[UNITS_TOOL, web_search], **asked)
+        message = refused.value.body["error"]["message"]  # type: ignore[index]
+        assert message.startswith("tools.1.type: ") and "'web_search_20250305'" in message and "server tools" in message
+    # A custom tool may say so.
+    assert client.messages.count_tokens(model="tiny", messages=ASK, tools=[{**UNITS_TOOL, "type": "custom"}])
