@@ -609,6 +609,23 @@ def test_a_full_batch_runs_ahead_while_requests_wait_behind_it(tiny_llama: Loade
     assert core.kv.pool.num_free == core.kv.pool.num_blocks
 
 
+@_SLOW_ON_THE_INTERPRETER
+def test_a_prompt_that_fills_the_context_ends_with_its_one_token_in_windows_ahead(tiny_llama: LoadedModel) -> None:
+    """A prompt that fills the context asks for the one token sampled at its end (``core.require_context_room``), and
+    one that leaves room for fewer tokens than a window ends at the context, beside requests that go on: on the graphs
+    with windows decided ahead, the outputs and finishes are those of single eager steps, and every block comes back."""
+    prompts = [[5 + j % 97 for j in range(64)], [7 + j % 89 for j in range(61)], [9, 10, 11, 12], [20, 21, 22]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 3, 14, 9)]
+    expected = _outputs(_engine(tiny_llama, "torch", graphs=False, max_model_len=64), prompts, params)
+    assert [len(e[0]) for e in expected] == [1, 3, 14, 9] and expected[0][2] == "length"
+    core = _engine(tiny_llama, "triton", graphs=True, window=4, async_scheduling=True, max_model_len=64)
+    _no_waits_ahead(core)
+    assert _outputs(core, prompts, params) == expected
+    while core._ahead is not None:
+        core.step()
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
+
+
 def test_a_step_decided_ahead_may_follow_with_none_of_its_rows(tiny_llama: LoadedModel) -> None:
     """A step decided ahead of decodes only, none of whose rows follow the step in flight: the requests in that step
     all end there by length, and the one that goes on was left out of it (an arrival that ranks first took its slot),
