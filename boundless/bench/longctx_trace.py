@@ -46,9 +46,11 @@ def make_trace(shape: TraceShape, pool_tokens: int, vocab_size: int, rate: float
     """The trace (see the module): the same lengths, tokens and order for a seed, arrivals by ``rate``."""
     rng = random.Random(f"longctx:{seed}")
     num_long = len(shape.long_factors)
-    tail = shape.num_short + num_long - shape.short_first
-    # The long requests spread evenly over the rest, in the given order: rare, as in the paper's traces.
-    at = {shape.short_first + (2 * i + 1) * tail // (2 * num_long) for i in range(num_long)}
+    first = min(shape.short_first, shape.num_short)  # (fewer short requests than the head: all of them lead)
+    tail = shape.num_short + num_long - first
+    # The long requests spread evenly over the rest, in the given order: rare, as in the paper's traces. (The tail
+    # holds them all, so no two fall on one place.)
+    at = {first + (2 * i + 1) * tail // (2 * num_long) for i in range(num_long)}
     kinds = [i in at for i in range(shape.num_short + num_long)]
     longs = iter(shape.long_factors)
     out: list[TraceRequest] = []

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from boundless.bench import longctx
 from boundless.bench.longctx_trace import TraceShape, make_trace
 from boundless.cli import build_parser
@@ -21,6 +23,15 @@ def test_trace_mixes_short_requests_with_contexts_over_one_pool() -> None:
     assert not any(r.long for r in offline[:3])
     assert sorted(len(r.prompt) for r in offline if r.long) == [384, 1280]
     assert all(len(r.prompt) <= 192 for r in offline if not r.long)
+
+
+@pytest.mark.parametrize("num_short", [0, 2, 4, 6])
+def test_a_short_trace_keeps_every_long_request(num_short: int) -> None:
+    """Fewer short requests than the trace's head (6 by default) still give every long one, in order: each had fallen
+    on one place, and the trace had one long request (``bench longctx --num-short 4``)."""
+    trace = make_trace(TraceShape(num_short=num_short), pool_tokens=100, vocab_size=300, rate=0.0)
+    assert [len(r.prompt) for r in trace if r.long] == [75, 150, 250]
+    assert len(trace) == num_short + 3
 
 
 def test_every_setup_serves_the_trace_with_identical_outputs(model_dirs: dict[str, Path], tmp_path: Path) -> None:
