@@ -764,19 +764,22 @@ def _status(cut: bool) -> str:
 def _function_call_item(call: ToolCall, at_length: bool = False) -> dict[str, Any]:
     """A call's item; ``at_length``: the output reached max_output_tokens, and a call whose arguments are not whole
     JSON is one it cut off, as far as it got."""
-    try:
-        json.loads(call.arguments)
-        whole = True
-    except json.JSONDecodeError:
-        whole = False
     return {
         "type": "function_call",
         "id": f"fc_{call.id.removeprefix('call_')}",
         "call_id": call.id,
         "name": call.name,
         "arguments": call.arguments,
-        "status": _status(at_length and not whole),
+        "status": _status(at_length and not _whole_json(call.arguments)),
     }
+
+
+def _whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _chat_tool_choice(choice: str | FunctionChoice | None) -> Any:

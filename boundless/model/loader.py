@@ -113,7 +113,7 @@ def model_dtype(dtype: str, path: Path, device: torch.device) -> torch.dtype:
     bf16 = device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
     if path.is_file():
         return torch.bfloat16 if bf16 else torch.float16
-    config = json.loads((path / "config.json").read_text())
+    config = hf_config(path)
     stored = config.get("dtype") or config.get("torch_dtype")  # (transformers 5 names it dtype)
     return torch.bfloat16 if stored == "bfloat16" and bf16 else torch.float16
 

@@ -54,7 +54,7 @@ class TokenBytes:
         steps = _decoder_steps(tokenizer)
         kinds = {step.get("type") for step in steps}
         self._byte_level = "ByteLevel" in kinds
-        self._byte_fallback = "ByteFallback" in kinds
+        self._byte_fallback = tokenizer.byte_fallback
         # What the decoder writes for a piece's characters: SentencePiece's ▁ as a space (Metaspace, or Replace).
         self._replaced = [(step["replacement"], " ") for step in steps if step.get("type") == "Metaspace"] + [
             (step["pattern"]["String"], step["content"])
