@@ -1,5 +1,5 @@
 """Every prompt streamed through a served cluster at once, with a coroutine beside them (one that kills an instance
-once every stream has begun, say): the client of the cluster's failure tests."""
+while it streams, say): the client of the cluster's failure tests."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from collections.abc import Awaitable, Callable
 import httpx
 import openai
 
-Beside = Callable[[asyncio.Event], Awaitable[None]]
+from boundless.cluster.client import ClusterClient
+from boundless.cluster.pd_dispatcher import PDDispatcher
+
+Beside = Callable[[], Awaitable[None]]
 
 
 def stream_all(
@@ -23,43 +26,49 @@ def stream_all(
     timeout_s: float = 240.0,
     models: list[str] | None = None,
 ) -> list[str]:
-    """Each prompt's greedy text, streamed from ``url`` at once; ``beside(started)`` runs beside them (``started`` is
-    set once each stream has text). ``models``: each prompt's served model (default: ``tiny``)."""
+    """Each prompt's greedy text, streamed from ``url`` at once; ``beside()`` runs beside them. ``models``: each
+    prompt's served model (default: ``tiny``)."""
 
     async def run() -> list[str]:
         api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        started = asyncio.Event()
-        count = 0
 
         async def one(prompt: list[int], model: str) -> str:
-            nonlocal count
             stream = await api.completions.create(
                 model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
-            parts = []
-            async for chunk in stream:
-                parts.append(chunk.choices[0].text if chunk.choices else "")
-                if len(parts) == 3:
-                    count += 1
-                    if count == len(prompts):
-                        started.set()
-            return "".join(parts)
+            return "".join([chunk.choices[0].text if chunk.choices else "" async for chunk in stream])
 
         names = models or ["tiny"] * len(prompts)
-        results = await asyncio.gather(*(one(p, m) for p, m in zip(prompts, names, strict=True)), beside(started))
+        results = await asyncio.gather(*(one(p, m) for p, m in zip(prompts, names, strict=True)), beside())
         await api.close()
         return list(results[: len(prompts)])
 
     return asyncio.run(asyncio.wait_for(run(), timeout=timeout_s))
 
 
-def kill_once_started(pid: int) -> Beside:
-    """A ``beside`` that kills process ``pid`` once every stream has begun."""
+def kill_mid_stream(client: ClusterClient, instance_id: str, max_tokens: int) -> Beside:
+    """A ``beside`` that kills instance ``instance_id`` once a call it serves has streamed tokens and has most of its
+    ``max_tokens`` left, as the front end's dispatcher sees it.
 
-    async def kill(started: asyncio.Event) -> None:
-        await started.wait()
-        os.kill(pid, signal.SIGKILL)
+    The streams' first chunks as the test's client reads them are no such sign: on a loaded machine a fast
+    instance can finish all its calls before the client has read the start of every stream, and a kill then
+    finds nothing in flight to fail over."""
+    info = client.instances[instance_id].info
+    assert info is not None
+
+    def streaming_there() -> bool:
+        with client.lock:
+            dispatcher = client.dispatcher
+            calls = dispatcher.calls if isinstance(dispatcher, PDDispatcher) else dispatcher.inflight
+            return any(
+                c.instance == instance_id and 3 <= len(c.output_token_ids) <= max_tokens // 2 for c in calls.values()
+            )
+
+    async def kill() -> None:
+        while not streaming_there():
+            await asyncio.sleep(0.002)
+        os.kill(info.pid, signal.SIGKILL)
 
     return kill
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 import zmq
 from one_engine import one_engine_texts
-from streams import kill_once_started, stream_all
+from streams import kill_mid_stream, stream_all
 
 from boundless import LLM, SamplingParams
 from boundless.api.launch import ServerThread, start_in_thread
@@ -240,10 +240,7 @@ def test_killing_an_instance_mid_stream_loses_nothing(
     prompts = [[30 + i, 31, 32, 33, 34] for i in range(16)]
     max_tokens = 300
     try:
-        victim = client.instances["1"].info
-        assert victim is not None
-
-        texts = stream_all(server.url, prompts, max_tokens, kill_once_started(victim.pid))
+        texts = stream_all(server.url, prompts, max_tokens, kill_mid_stream(client, "1", max_tokens))
         assert client.dispatcher.num_failovers > 0  # the dead instance had streams in flight
         assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
         deadline = time.monotonic() + 10

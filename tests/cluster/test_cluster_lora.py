@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from one_engine import adapter_references
-from streams import kill_once_started, stream_all
+from streams import kill_mid_stream, stream_all
 
 from boundless.api.launch import start_in_thread
 from boundless.cluster.client import ClusterClient
@@ -43,9 +43,7 @@ def test_adapter_requests_survive_an_instance_death(
     client = ClusterClient(config, cluster)
     server = start_in_thread(client, "tiny", loras={"ad": str(adapter)})
     try:
-        victim = client.instances["1"].info
-        assert victim is not None
-        texts = stream_all(server.url, prompts, max_tokens, kill_once_started(victim.pid), models=models)
+        texts = stream_all(server.url, prompts, max_tokens, kill_mid_stream(client, "1", max_tokens), models=models)
         assert client.dispatcher.num_failovers > 0  # the dead instance had streams in flight
         assert texts == expected
     finally:

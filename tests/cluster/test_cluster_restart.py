@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from one_engine import one_engine_texts
-from streams import complete_all, kill_once_started, stream_all, wait_for_state
+from streams import complete_all, kill_mid_stream, stream_all, wait_for_state
 
 from boundless.api.launch import start_in_thread
 from boundless.cluster.client import ClusterClient
@@ -43,7 +43,7 @@ def test_a_killed_instance_is_restarted_and_takes_calls_again(
         assert victim is not None
 
         # Every call finishes once, with its tokens: those on the killed instance resumed on the other.
-        texts = stream_all(server.url, prompts, max_tokens, kill_once_started(victim.pid))
+        texts = stream_all(server.url, prompts, max_tokens, kill_mid_stream(client, VICTIM, max_tokens))
         assert client.dispatcher.num_failovers > 0
         assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
         # The restart: a new actor (another process) in its place, alive from its first heartbeat.

@@ -16,7 +16,7 @@ import openai
 import pytest
 from one_engine import one_engine_texts
 from served_cluster import served_cluster
-from streams import kill_once_started, stream_all
+from streams import kill_mid_stream, stream_all
 
 from boundless.api.launch import ServerThread
 from boundless.cluster.client import ClusterClient
@@ -107,11 +107,8 @@ def test_a_decode_engine_killed_mid_stream_and_a_prefill_engine_killed_mid_prefi
     client, server = pd_cluster
     prompts = [[30 + i] + [(11 * j + i) % 300 + 3 for j in range(40)] for i in range(8)]
     max_tokens = 200
-    de = client.instances["d1"].info
-    assert de is not None
-
-    failovers = client.dispatcher.num_failovers  # the DE killed once every call is decoding
-    texts = stream_all(server.url, prompts, max_tokens, kill_once_started(de.pid))
+    failovers = client.dispatcher.num_failovers  # the DE killed while it streams a call
+    texts = stream_all(server.url, prompts, max_tokens, kill_mid_stream(client, "d1", max_tokens))
     assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
     assert client.dispatcher.num_failovers > failovers  # the dead DE had calls decoding
     _wait_dead(client, "d1")
@@ -120,7 +117,7 @@ def test_a_decode_engine_killed_mid_stream_and_a_prefill_engine_killed_mid_prefi
     assert pe is not None
     long_prompts = [[60 + i] + [(17 * j + i) % 300 + 3 for j in range(900)] for i in range(8)]
 
-    async def kill_pe(started: asyncio.Event) -> None:
+    async def kill_pe() -> None:
         def prefilling_on_p1() -> bool:
             with client.lock:
                 return any(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from one_engine import one_engine_texts
 from served_cluster import served_cluster
-from streams import complete_all, kill_once_started, stream_all, wait_for_state
+from streams import complete_all, kill_mid_stream, stream_all, wait_for_state
 
 from boundless.config import ClusterConfig
 from boundless.llm import engine_config
@@ -43,7 +43,7 @@ def test_a_killed_decode_engine_is_restarted_and_decodes_again(
         prompts = [[30 + i] + [(11 * j + i) % 300 + 3 for j in range(40)] for i in range(6)]
         max_tokens = 120
 
-        texts = stream_all(server.url, prompts, max_tokens, kill_once_started(victim.pid))  # once every call decodes
+        texts = stream_all(server.url, prompts, max_tokens, kill_mid_stream(client, VICTIM, max_tokens))
         assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
         entry = wait_for_state(server.url, VICTIM, "alive")
         assert entry["state"] == "alive" and entry["pid"] != victim.pid and entry["restarts"] == 1
