@@ -133,7 +133,10 @@ def _kinds(schema: Any) -> set[str | None]:
         if isinstance(members, list) and members:
             found = set().union(*(_kinds(m) for m in members))
             return {None} if None in found else found
-    return {_TYPE_ALIASES.get(k, k) for k in (kinds if isinstance(kinds, list) else [kinds])}
+    # (A type that is no name, a client's malformed schema, says nothing: it is no key to look up.)
+    return {
+        _TYPE_ALIASES.get(k, k) if isinstance(k, str) else None for k in (kinds if isinstance(kinds, list) else [kinds])
+    }
 
 
 def _listed(text: str, schema: Any) -> tuple[bool, Any]:

@@ -1,0 +1,35 @@
+"""boundless/api/tool_calls.py: reading Qwen3-Coder's XML calls by their tools' parameter schemas, whatever those
+schemas hold (the request's tools are the client's: a malformed one must not fail the response)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from boundless.api.tool_calls import parameter_types, parse_tool_calls
+
+
+def _tool(schema: object) -> dict[str, object]:
+    return {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"n": schema}}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("schema", "read"),
+    [
+        ({"type": {"not": "a type"}}, "3"),  # a type that is no name: the schema does not say, the text stays text
+        ({"type": 5}, "3"),
+        ({"type": ["integer", ["nested"]]}, 3),  # a list's malformed member says nothing; the others still read it
+        ({"anyOf": [{"type": {"x": 1}}, {"type": "integer"}]}, "3"),  # (a member that does not say: as before)
+    ],
+)
+def test_an_xml_calls_parameter_whose_schema_type_is_no_name_reads_as_text(schema: object, read: object) -> None:
+    """A parameter schema whose ``type`` is not a name (nor a list of names) is read as one that does not say:
+    the call comes back, rather than the parser failing on the schema (it raised TypeError, unhashable type)."""
+    text = "<tool_call>\n<function=f>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>"
+    _, calls = parse_tool_calls(text, parameter_types([_tool(schema)]))
+    assert [c.name for c in calls] == ["f"]
+    assert json.loads(calls[0].arguments) == {"n": read}
