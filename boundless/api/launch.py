@@ -133,7 +133,7 @@ class Server(uvicorn.Server):
 # uvicorn's default of 5 s both ends expire it at the same moment, and now and then a client's call goes out on a
 # connection the server closes under it ("Connection error"; one call in a few hundred with agent programs,
 # whose tool waits leave connections idle for seconds).
-KEEP_ALIVE_S = 65.0
+KEEP_ALIVE_S = 65  # (uvicorn.Config takes whole seconds)
 
 
 def free_port() -> int:

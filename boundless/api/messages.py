@@ -320,7 +320,7 @@ class EventWriter:
         self.usage: dict[str, Any] | None = None
 
     def start(self, chat_id: str) -> bytes:
-        message = {
+        message: dict[str, Any] = {
             "id": "msg_" + chat_id.removeprefix("chatcmpl-"),
             "type": "message",
             "role": "assistant",
@@ -440,7 +440,7 @@ async def create_message(request: Request) -> Response:
         return await _anthropic_error(request, body, e)
     if isinstance(answer, ChatStream):  # (message_start counts the prompt, as Anthropic's does)
         writer = EventWriter(asked.model, answer.prompt_tokens, answer.cached_tokens)
-        return StreamingResponse(writer.events(answer.body_iterator), media_type="text/event-stream")
+        return StreamingResponse(writer.events(answer.chunks), media_type="text/event-stream")
     return JSONResponse(message_of(json.loads(answer.body), asked.model))
 
 

@@ -18,7 +18,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -377,8 +377,8 @@ class ResponsesAPI:
                 raise InvalidRequestError(str(e), renamed) from e
             raise
         if body.stream:
-            streams = await server.started(streams, request)
-            return StreamingResponse(self._events(call, streams), media_type="text/event-stream")
+            replayed = await server.started(streams, request)
+            return StreamingResponse(self._events(call, replayed), media_type="text/event-stream")
         (choice,) = await server.collect(streams, request)
         return JSONResponse(self._finished(call, choice))
 
@@ -601,7 +601,7 @@ class ResponsesAPI:
             self.store.put(call.response_id, stored)
         return out
 
-    async def _events(self, call: _Call, streams: list[DeltaStream]) -> AsyncIterator[bytes]:
+    async def _events(self, call: _Call, streams: Sequence[DeltaStream]) -> AsyncIterator[bytes]:
         """The response as server-sent events, in OpenAI's order. With a reasoning parser, the reasoning streams first
         as it is written (a ``reasoning`` item at output 0, its ``reasoning_text`` deltas), closed when the answer
         begins. Text streams as it comes, unless the output is read for function calls: then, as chat's does, it

@@ -15,7 +15,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -143,11 +143,12 @@ class ChatStream(StreamingResponse):
 
     def __init__(self, content: AsyncIterator[bytes], prompt_tokens: int, cached_tokens: int) -> None:
         super().__init__(content, media_type="text/event-stream")
+        self.chunks = content  # (its body_iterator, as this class made it: the server-sent events' bytes)
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens
 
 
-async def _while_connected(work: Coroutine[Any, Any, T], streams: list[DeltaStream], request: Request) -> T:
+async def _while_connected(work: Coroutine[Any, Any, T], streams: Sequence[DeltaStream], request: Request) -> T:
     """Await ``work``; a client that disconnects meanwhile (checked every 0.5 s) aborts the streams: 499."""
     task = asyncio.create_task(work)
     while not task.done():
@@ -160,7 +161,7 @@ async def _while_connected(work: Coroutine[Any, Any, T], streams: list[DeltaStre
     return task.result()
 
 
-def failure_error(ends: list[tuple[str | None, str | None]]) -> APIError | None:
+def failure_error(ends: list[tuple[str | None, str | int | None]]) -> APIError | None:
     """The error for requests that ended so (finish and stop reasons), if any did not end well (one mapping for every
     route, streamed or not)."""
     if any(finish == "error" and stop == SHUTTING_DOWN for finish, stop in ends):
@@ -181,7 +182,7 @@ def _stop_reason(finish: str | None, stop: str | int | None) -> str | int | None
     return stop if finish == "stop" else None
 
 
-def _raise_for_failure(ends: list[tuple[str | None, str | None]]) -> None:
+def _raise_for_failure(ends: list[tuple[str | None, str | int | None]]) -> None:
     if (error := failure_error(ends)) is not None:
         raise error
 
@@ -211,8 +212,10 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    # The most requests that may wait at once (``--max-waiting`` of one engine); None: no one such queue.
-    max_waiting: int | None
+    # The most requests that may wait at once (``--max-waiting`` of one engine); None: no one such queue. (Read-only
+    # here: an engine's plain ``int`` attribute is one.)
+    @property
+    def max_waiting(self) -> int | None: ...
 
     def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
@@ -228,6 +231,9 @@ class EngineClient(Protocol):
 
     def end_requests(self) -> None:
         """End every request in flight with an error (stop reason ``SHUTTING_DOWN``) and refuse new ones."""
+
+    def shutdown(self) -> None:
+        """Stop the engine (or the cluster's instances) once the server is done with it; its writes handed over."""
 
 
 @dataclass
@@ -294,7 +300,7 @@ def sampling_params(
         repetition_penalty=given(body.repetition_penalty, defaults.repetition_penalty, 1.0),
         min_p=given(body.min_p, defaults.min_p, 0.0),
         logit_bias=tuple((int(t), b) for t, b in (body.logit_bias or {}).items()),
-        allowed_token_ids=body.allowed_token_ids,
+        allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
         bad_words=tuple(body.bad_words or ()),
         structured=structured,
         lora_name=lora,
@@ -764,7 +770,7 @@ class OpenAIServer:
             reasoning = ReasoningOutput(self.reasoning, self.reasoning_opened(ids), body.include_reasoning)
         if body.stream:
             include_usage, running_usage = body.stream_options.usage_wanted() if body.stream_options else (False, False)
-            streams = await self.started(streams, request)
+            replayed = await self.started(streams, request)
             logprobs_of = None
             if body.logprobs:
                 logprobs_of = functools.partial(self.streamed_content, ids, body.skip_special_tokens, tools, reasoning)
@@ -773,7 +779,7 @@ class OpenAIServer:
             gen = self._chat_events(
                 rid,
                 body.model,
-                streams,
+                replayed,
                 len(ids),
                 logprobs_of,
                 tools,
@@ -785,7 +791,7 @@ class OpenAIServer:
                 running_usage,
             )
             # (The prompt's cached tokens as the usage counts them: those every sample found.)
-            return ChatStream(gen, len(ids), min(s.num_cached_tokens for s in streams))
+            return ChatStream(gen, len(ids), min(s.num_cached_tokens for s in replayed))
         choices = await self.collect(streams, request)
 
         def message_logprobs(c: Choice) -> list[SampledToken]:
@@ -840,7 +846,7 @@ class OpenAIServer:
         self,
         rid: str,
         model: str,
-        streams: list[DeltaStream],
+        streams: Sequence[DeltaStream],
         prompt_len: int,
         logprobs_of: Callable[[], StreamedContent] | None,
         tools: ToolUse,
@@ -1032,9 +1038,9 @@ class OpenAIServer:
         echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
             include_usage, running_usage = body.stream_options.usage_wanted() if body.stream_options else (False, False)
-            streams = await self.started(streams, request)
+            replayed = await self.started(streams, request)
             events = self._completion_events(
-                rid, body, streams, prompts, echoes, prompt_len, include_usage, running_usage
+                rid, body, replayed, prompts, echoes, prompt_len, include_usage, running_usage
             )
             return StreamingResponse(events, media_type="text/event-stream")
         choices = await self.collect(streams, request)
@@ -1077,7 +1083,7 @@ class OpenAIServer:
         self,
         rid: str,
         body: CompletionRequest,
-        streams: list[DeltaStream],
+        streams: Sequence[DeltaStream],
         prompts: list[list[int]],
         echoes: list[str],
         prompt_len: int,
@@ -1118,7 +1124,9 @@ class OpenAIServer:
                 text, generated, token_ids = "", [], []
                 _drop_output(c)
             prompt, echo = prompts[index // body.n], echoes[index // body.n]
-            lp, tokens, offsets = None, [], []
+            lp = None
+            tokens: list[SampledToken] = []
+            offsets: list[int] = []
             if offsets_of:
                 tokens, offsets = offsets_of[index].take(generated, len(c.text), delta.finished)
                 lp = self._completion_logprobs(tokens, offsets, body.return_tokens_as_token_ids)
@@ -1160,7 +1168,7 @@ class OpenAIServer:
             choice.accepted_prediction_tokens = delta.num_accepted_prediction_tokens
             choice.rejected_prediction_tokens = delta.num_rejected_prediction_tokens
 
-    async def merged(self, streams: list[DeltaStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    async def merged(self, streams: Sequence[DeltaStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Deltas of several streams as they come; if the consumer goes away, every stream is aborted."""
         if len(streams) == 1:
             try:
@@ -1189,7 +1197,7 @@ class OpenAIServer:
             for s in streams:
                 s.abort()
 
-    async def collect(self, streams: list[DeltaStream], request: Request) -> list[Choice]:
+    async def collect(self, streams: Sequence[DeltaStream], request: Request) -> list[Choice]:
         """Run to completion; a client that disconnects meanwhile aborts its requests."""
         choices = [Choice(i) for i in range(len(streams))]
 
@@ -1201,7 +1209,7 @@ class OpenAIServer:
         _raise_for_failure([(c.finish_reason, c.stop_reason) for c in choices])
         return choices
 
-    async def started(self, streams: list[DeltaStream], request: Request) -> list[_Replayed]:
+    async def started(self, streams: Sequence[DeltaStream], request: Request) -> list[_Replayed]:
         """A streamed response's streams once each has its first delta: a request refused or failed before it
         started gets the status an unstreamed one gets (503, 500) instead of a 200 whose one chunk says "error".
         The 200 then waits for the first token (a lending cluster refuses a request while it awaits its grant)."""
