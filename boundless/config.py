@@ -423,6 +423,7 @@ class SpeculativeConfig:
             f"method {method!r} is not one of {', '.join(SPECULATIVE_METHODS)} (draft models, EAGLE and MTP are not "
             "built)",
         )
+        assert isinstance(method, str)  # (_require raised otherwise)
         other = sorted(set(spec) & set(_SUFFIX_KEYS if method == "ngram" else _NGRAM_KEYS))
         _require(not other, "speculative_config", f"{other} do not apply to method {method!r}")
 
@@ -465,9 +466,11 @@ class SpeculativeConfig:
             )
         lo, hi = integer("prompt_lookup_min", 1), integer("prompt_lookup_max", 1)
         _require(num is not None, "speculative_config", "num_speculative_tokens is required")
+        assert num is not None  # (_require raised otherwise)
         if lo is None and hi is None:
             lo = hi = 5
         lo, hi = lo or hi, hi or lo
+        assert lo is not None and hi is not None  # (the one given stands for both)
         _require(lo <= hi, "speculative_config", "prompt_lookup_min must not exceed prompt_lookup_max")
         return cls(method, num, lo, hi, batch, per_batch)
 
@@ -498,6 +501,7 @@ def _batch_size_schedule(value: object) -> tuple[tuple[int, int, int], ...] | No
         "speculative_config",
         f"{key} must be a non-empty list of [range_start, range_end, num_speculative_tokens], not {value!r}",
     )
+    assert isinstance(value, list)  # (_require raised otherwise)
     schedule = tuple((start, end, k) for start, end, k in value)
     previous_end = 0
     for start, end, k in schedule:
