@@ -149,6 +149,7 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None, trace: bool = F
     """A fresh setup of ``mode`` over a fresh copy of the warm store; shut down (and its figures read) on exit.
     ``trace``: a PD setup's storage links are sampled while it serves (``bench/pd_trace.py``)."""
     from boundless.cluster.local_pd import LocalPDCluster
+    from boundless.cluster.pd_dispatcher import PDDispatcher
     from boundless.engine.async_engine import AsyncEngine
     from boundless.engine.core import EngineCore
 
@@ -195,23 +196,27 @@ def serving(setup: Setup, mode: str, storage_gbps: float | None, trace: bool = F
                 if tracer is not None:
                     run.trace = trace_summary(tracer.stop())
                 run.links = pd.link_stats()
-                stats = pd.stats()
-                run.computed = {iid: s.computed_tokens for iid, s in stats.items()}
-                run.preemptions = {iid: s.num_preemptions for iid, s in stats.items()}
-                remote = [s.remote_io for s in stats.values() if s.remote_io is not None]
+                by_instance = pd.stats()
+                run.computed = {iid: s.computed_tokens for iid, s in by_instance.items()}
+                run.preemptions = {iid: s.num_preemptions for iid, s in by_instance.items()}
+                remote = [s.remote_io for s in by_instance.values() if s.remote_io is not None]
                 run.landing_pushes = sum(r.counted_recvs for r in remote)
                 run.landing_waits = sum(r.recv_layer_waits for r in remote)
-                run.load_timeouts = sum(s.kv_tiers[DISK].load_timeouts for s in stats.values() if DISK in s.kv_tiers)
-                run.read_paths = dict(pd.dispatcher.placements)
-                run.prefetches = dict(pd.dispatcher.prefetches)
+                run.load_timeouts = sum(
+                    s.kv_tiers[DISK].load_timeouts for s in by_instance.values() if DISK in s.kv_tiers
+                )
+                dispatcher = pd.dispatcher
+                assert isinstance(dispatcher, PDDispatcher)  # (a PD cluster's; its front end's type names the base)
+                run.read_paths = dict(dispatcher.placements)
+                run.prefetches = dict(dispatcher.prefetches)
                 run.recomputed_blocks = {
                     f"{iid}:{why}": n
-                    for iid, s in stats.items()
+                    for iid, s in by_instance.items()
                     if DISK in s.kv_tiers
                     for why, n in s.kv_tiers[DISK].recomputed_blocks.items()
                 }
                 run.reloaded_blocks = {
-                    iid: s.kv_tiers[DISK].reloaded_blocks for iid, s in stats.items() if DISK in s.kv_tiers
+                    iid: s.kv_tiers[DISK].reloaded_blocks for iid, s in by_instance.items() if DISK in s.kv_tiers
                 }
                 pd.shutdown()
         gc.collect()

@@ -231,9 +231,9 @@ def _top_kernels(prof: Any, limit: int = 15) -> list[dict]:
     """The kernels that took the most GPU time under the profiler: where the next speed-up is."""
     rows = []
     for e in prof.key_averages():
-        self_us = getattr(e, "self_device_time_total", None)
+        self_us: float | None = getattr(e, "self_device_time_total", None)
         if self_us is None:
-            self_us = getattr(e, "self_cuda_time_total", 0)
+            self_us = float(getattr(e, "self_cuda_time_total", 0))
         if self_us > 0:
             rows.append({"kernel": e.key[:120], "calls": e.count, "gpu_ms": round(self_us / 1e3, 3)})
     return sorted(rows, key=lambda r: -r["gpu_ms"])[:limit]
@@ -274,7 +274,9 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
     for n, i, o in cases:
         prompts = make_prompts(loaded, n, i, seed=0)
         _stage(
-            results, f"offline_1b_{n}x{i}x{o}", lambda p=prompts, o=o: compare(systems, p, o, args.repeats, len(p), o)
+            results,
+            f"offline_1b_{n}x{i}x{o}",
+            functools.partial(compare, systems, prompts, o, args.repeats, len(prompts), o),
         )
     n, i, o = cases[0]
     prompts = make_prompts(loaded, n, i, seed=0)
@@ -303,7 +305,7 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
             _stage(
                 results,
                 key,
-                lambda s=windowed, p=case_prompts, c=case: measured_alone(s, p, c[2], args.repeats, hf_rate(*c)),
+                functools.partial(measured_alone, windowed, case_prompts, case[2], args.repeats, hf_rate(*case)),
             )
             largest = bool(windows) and window == max(windows)
             if ahead and window > 1 and case in (cases[0], cases[-1]):
@@ -318,12 +320,14 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
                 _stage(
                     results,
                     f"busy_{key}",
-                    lambda s=windowed, p=case_prompts, c=case: kernel_busy_fraction(
-                        lambda: s.generate(p, c[2]), s.llm.engine
+                    functools.partial(
+                        kernel_busy_fraction,
+                        functools.partial(windowed.generate, case_prompts, case[2]),
+                        windowed.llm.engine,
                     ),
                 )
             if largest and case == cases[0]:
-                _stage(results, f"host_split_{key}", lambda s=windowed: host_split(s, prompts, o))
+                _stage(results, f"host_split_{key}", functools.partial(host_split, windowed, prompts, o))
 
 
 def measured_alone(
@@ -509,7 +513,7 @@ def run(args: argparse.Namespace) -> dict:
             _stage(
                 results,
                 f"tiles_{case.name}",
-                lambda c=case: sweep(c, device, dtype, args.tiny, args.repeats, args.tiles_grid == "small"),
+                functools.partial(sweep, case, device, dtype, args.tiny, args.repeats, args.tiles_grid == "small"),
             )
     write_json(args.json, results)
     _summary(results)

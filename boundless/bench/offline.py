@@ -7,7 +7,9 @@ import gc
 import statistics
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -16,6 +18,8 @@ from boundless.config import engine_config_from_flags, positive_int
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import LLM
 from boundless.model.loader import LoadedModel, hf_config, load_configured_model
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -56,7 +60,8 @@ def load_hf_reference(loaded: LoadedModel):
             config = hf_config(path, loaded.hf_overrides)
             options["config"] = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
         model = AutoModelForCausalLM.from_pretrained(str(path), **options)
-    return model.to(loaded.device).eval()
+    # (transformers decorates PreTrainedModel.to with functools.wraps, which mypy does not bind as a method.)
+    return model.to(loaded.device).eval()  # type: ignore[arg-type]
 
 
 def hf_generate(model, prompts: list[list[int]], output_len: int, pad_id: int, device: torch.device) -> list[list[int]]:
@@ -79,7 +84,7 @@ def hf_generate(model, prompts: list[list[int]], output_len: int, pad_id: int, d
     return out[:, width:].tolist()
 
 
-def _timed(fn) -> tuple[float, object]:
+def _timed(fn: Callable[[], T]) -> tuple[float, T]:
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
@@ -295,7 +300,7 @@ class BoundlessSystem(BenchSystem):
             if wrapped is None:
                 del core.step  # the class's method again
             else:
-                core.step = wrapped
+                core.step = wrapped  # type: ignore[method-assign]
 
     def run_details(self) -> dict:
         """The last run's engine steps, and its slowest (a first run's one-off cost shows there, not spread over the

@@ -164,7 +164,7 @@ class ProgramRunner:
             contexts[call.thread_id] = prompt
             outputs[call.thread_id] = []
             return CallResult(0, f"{type(e).__name__}: {e}"[:300])
-        out = list(resp.choices[0].model_extra.get("token_ids") or [])
+        out = list((resp.choices[0].model_extra or {}).get("token_ids") or [])  # (model_extra: never None here)
         contexts[call.thread_id] = prompt + out
         outputs[call.thread_id] = out
         return CallResult(len(out))

@@ -150,8 +150,10 @@ class Client:
             temperature=0.0,
             extra_body={"ignore_eos": True, "return_token_ids": True, "program_id": program_id, "thread_id": thread_id},
         )
-        details = resp.usage.prompt_tokens_details
-        return list(resp.choices[0].model_extra.get("token_ids") or []), (details.cached_tokens if details else 0)
+        details = resp.usage.prompt_tokens_details if resp.usage is not None else None
+        cached = (details.cached_tokens or 0) if details is not None else 0
+        # (The client's models keep the fields they do not name, as model_extra: a dict, never None for them.)
+        return list((resp.choices[0].model_extra or {}).get("token_ids") or []), cached
 
     def close(self) -> None:
         self.client.close()

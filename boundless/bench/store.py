@@ -24,6 +24,7 @@ file creations and renames of whatever runs then, and space written right after 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import shutil
@@ -208,8 +209,8 @@ def measure_store(
     if samples:
         sample = keys[:: max(1, num_blocks // samples)][:samples]
         _drop_page_cache(files)
-        cold = [_timed(lambda k=k: store.read([k])) for k in sample]
-        hot = [_timed(lambda k=k: store.read([k])) for k in sample]
+        cold = [_timed(functools.partial(store.read, [k])) for k in sample]
+        hot = [_timed(functools.partial(store.read, [k])) for k in sample]
         figures["block_read_cold_us"] = round(statistics.median(cold) * 1e6, 1)
         figures["block_read_hot_us"] = round(statistics.median(hot) * 1e6, 1)
     assert store.stats().checksum_failures == 0

@@ -26,7 +26,7 @@ from boundless.engine.structured_output import StructuredOutput
 from boundless.llm import LLM
 from boundless.model.loader import load_configured_model
 
-SCHEMA = {
+SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 24},
@@ -100,10 +100,11 @@ def measure_pause(llm: LLM, model: str, stream_tokens: int) -> PauseFigures:
     answer: dict[str, Any] = {}
 
     def structured() -> None:
+        question = conversations(1)[0][0]["content"]  # (as the client's typed message below)
         start = time.perf_counter()
         reply = client.chat.completions.create(
             model=model,
-            messages=conversations(1)[0],
+            messages=[{"role": "user", "content": question}],
             max_tokens=64,
             temperature=0,
             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
