@@ -201,8 +201,8 @@ class ModelArch:
         num_layers = cfg["num_hidden_layers"]
         # (transformers 5 saves Qwen3-MoE's num_experts as num_local_experts, Mixtral's name, which it maps it to.)
         qwen3_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-        experts = {"qwen3_moe": int(qwen3_experts or 0), "mixtral": int(cfg.get("num_local_experts") or 0)}
-        experts = experts.get(model_type, 0)
+        experts_by_type = {"qwen3_moe": int(qwen3_experts or 0), "mixtral": int(cfg.get("num_local_experts") or 0)}
+        experts = experts_by_type.get(model_type, 0)
         expert_size = cfg.get("moe_intermediate_size") if model_type == "qwen3_moe" else cfg.get("intermediate_size")
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(cfg.get("mlp_only_layers") or ())

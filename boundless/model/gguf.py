@@ -166,7 +166,7 @@ def _map(path: Path) -> np.ndarray:
 
 
 def _read_header(buf: np.ndarray, path: Path) -> GGUFHeader:
-    cur = _Cursor(memoryview(buf))
+    cur = _Cursor(memoryview(buf))  # type: ignore[arg-type]  # (numpy types ndarray as a buffer from Python 3.12 on)
     if cur.u32() != GGUF_MAGIC:
         raise ValueError(f"{path} is not a GGUF file")
     version = cur.u32()
@@ -499,6 +499,7 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
         tensor = torch.from_numpy(array)
         tensor = tensor if dtype == torch.float32 else tensor.to(dtype)
         name = hf_tensor_name(info.name)
+        assert name is not None  # (wanted holds parameters only)
         if "{}" in name:  # a stacked experts' tensor: each expert's matrix under its own name (views, no copy)
             tensors.update((name.format(e), tensor[e]) for e in range(tensor.shape[0]))
         else:

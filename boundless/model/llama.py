@@ -15,8 +15,8 @@ device and dtype runs the PyTorch path, which computes the same thing.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -372,6 +372,26 @@ class _PackedStep:
         self.rope = rope
 
 
+if TYPE_CHECKING:
+
+    class _DecoderLayers(nn.ModuleList):
+        """The model's layers as the type checker sees them (``nn.ModuleList`` types its items as any ``Module``); at
+        run time the plain ``nn.ModuleList``."""
+
+        @overload
+        def __getitem__(self, idx: slice) -> _DecoderLayers: ...
+
+        @overload
+        def __getitem__(self, idx: int) -> DecoderLayer: ...
+
+        def __getitem__(self, idx: int | slice) -> DecoderLayer | _DecoderLayers: ...
+
+        def __iter__(self) -> Iterator[DecoderLayer]: ...
+
+else:
+    _DecoderLayers = nn.ModuleList
+
+
 class LlamaModel(nn.Module):
     """Decoder stack with its embedding, final norm and LM head."""
 
@@ -383,7 +403,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(
             arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.layers = _DecoderLayers(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = (
             None if arch.tie_word_embeddings else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))

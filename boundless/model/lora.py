@@ -345,7 +345,7 @@ class LoRABatch:
             proj = adapter.layers[layer][target]
             if proj is None:
                 continue
-            if native and proj.bt is not None:
+            if native and proj.bt is not None and proj.spans is not None:  # (set together)
                 cpu_kernels.lora_add_(x, rows, proj.a, proj.bt, proj.spans, out)
                 continue
             a, b = proj.a, proj.b

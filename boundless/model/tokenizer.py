@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar, Literal, overload
+from typing import Any, Literal, overload
 
 import jinja2
 import jinja2.ext
@@ -232,7 +232,7 @@ def _added_token(content: str, spec: Mapping[str, Any]) -> AddedToken:
 class _GenerationTag(jinja2.ext.Extension):
     """Accepts ``{% generation %}...{% endgeneration %}`` (used by HF to mark assistant tokens) and renders the body."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags: set[str] = {"generation"}  # noqa: RUF012 (an instance variable's default, as jinja2's Extension declares it)
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -410,16 +410,16 @@ class Tokenizer:
         eos_id = metadata.get("tokenizer.ggml.eos_token_id")
         declared = [metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
         by_text = [i for i, token in enumerate(tokens) if token in _EOG_TEXTS]
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos)) and bos_id is not None
-        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos))
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         return cls(
             backend,
             named_tokens=named,
             bos_token_id=bos_id,
             eos_token_ids=[i for i in declared if i is not None] + by_text,
             chat_templates=_gguf_chat_templates(metadata),
-            prefix_ids=[bos_id] if add_bos else [],
-            suffix_ids=[eos_id] if add_eos else [],
+            prefix_ids=[bos_id] if add_bos and bos_id is not None else [],
+            suffix_ids=[eos_id] if add_eos and eos_id is not None else [],
         )
 
     @classmethod
