@@ -147,6 +147,7 @@ class DistributedAttention:
         for plan, part in remote:
             # A creditor's partial over the rows it was sent; the rows it was not sent are empty there (m = -inf,
             # e = 0), which the merge leaves unchanged.
+            assert plan.where is not None  # (set with the step's plans)
             if len(plan.where) == len(rows):
                 parts.append(part)  # it was sent every remote row, in order
                 continue

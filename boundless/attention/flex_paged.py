@@ -353,7 +353,9 @@ class FlexPagedAttention(PartialsFromLse):
             queries = q.new_zeros(b * ql, self.num_heads, self.head_dim)
             queries[launch.rows] = q
             queries = queries.view(b, ql, self.num_heads, self.head_dim)
-        call = _compiled(self.dynamic) if self.compiled else flex_attention
+        call: Callable[..., Any] = flex_attention
+        if self.compiled:
+            call = _compiled(self.dynamic)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             o, aux = call(

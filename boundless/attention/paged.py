@@ -79,15 +79,18 @@ class TorchPagedAttention:
         bs = batch.block_size
         nd = batch.num_decodes
         if nd:
-            ctx = batch.seq_lens[:nd]
-            nblk = -(-max(ctx) // bs)
+            decode_ctx = batch.seq_lens[:nd]
+            nblk = -(-max(decode_ctx) // bs)
             meta.decode_gather_index = self._gather_index(batch.block_tables[:nd], nblk, batch.device)
             pos = torch.arange(nblk * bs)
-            bias = torch.zeros(nd, nblk * bs).masked_fill_(
-                pos.view(1, -1) >= torch.tensor(ctx).view(-1, 1), float("-inf")
+            decode_bias = torch.zeros(nd, nblk * bs).masked_fill_(
+                pos.view(1, -1) >= torch.tensor(decode_ctx).view(-1, 1), float("-inf")
             )
             meta.decode_bias = (
-                bias.view(1, nd, 1, -1).expand(self.num_kv_heads, -1, -1, -1).reshape(-1, 1, nblk * bs).to(batch.device)
+                decode_bias.view(1, nd, 1, -1)
+                .expand(self.num_kv_heads, -1, -1, -1)
+                .reshape(-1, 1, nblk * bs)
+                .to(batch.device)
             )
             meta.decode_max_context = nblk * bs
         start = sum(batch.query_lens[:nd])
@@ -233,6 +236,7 @@ class TorchPagedAttention:
         g, t = self.group, meta.decode_max_context
         qg = q.view(nd, kvh, g, d).transpose(0, 1).reshape(kvh * nd, g, d)
         idx = meta.decode_gather_index
+        assert idx is not None  # (built with the decodes' metadata)
         keys = k_cache.view(kvh * nb, bs, d).index_select(0, idx).view(kvh * nd, t, d)
         values = v_cache.view(kvh * nb, bs, d).index_select(0, idx).view(kvh * nd, t, d)
         part = scores_partial(qg, keys, values, self.scale, bias=meta.decode_bias)

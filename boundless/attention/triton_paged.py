@@ -345,8 +345,18 @@ class TritonPagedAttention(PartialsFromLse):
         views = upload_ints(ints, shapes, self.device)
         meta = TritonAttentionMetadata(slot_mapping=batch.slot_mapping)
         for start, end, block_q, splits, ids, fresh, max_query, max_key, keys in plans:
+            table_view, lens_view, starts_view, seqs_view, firsts_view = (views[i] for i in ids)
             launch = KernelLaunch(
-                start, end, *(views[i] for i in ids), block_q=block_q, fresh=fresh, max_query=max_query
+                start,
+                end,
+                table_view,
+                lens_view,
+                starts_view,
+                seqs_view,
+                firsts_view,
+                block_q=block_q,
+                fresh=fresh,
+                max_query=max_query,
             )
             self._set_splits(launch, splits)
             if keys == "rows":  # fresh: the keys are the step's rows, as the queries
