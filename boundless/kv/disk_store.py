@@ -15,8 +15,9 @@ write and on every hit), since access times are often off. Each process evicts d
 processes' files from its last scan, so the directory may overshoot by what others wrote since.
 
 I/O trouble on write (full disk, unwritable directory) never raises: it is counted, logged once, and turns
-writes off for ``write_off_seconds``; reads go on. A file that fails its checks is counted, removed and
-never served.
+writes off for ``write_off_seconds``; reads go on. A file system full below the capacity also evicts the least
+recently used blocks (to ``low_watermark`` of what the store holds), so writes land again after the pause. A file
+that fails its checks is counted, removed and never served.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ _TMP_SUFFIX = ".tmp"
 _KEY_HEX = 32  # a BlockHash is 16 bytes
 _GIB = 1 << 30
 _T = TypeVar("_T")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write refused for want of room: the store's own blocks can make it
 _R = TypeVar("_R")
 
 
@@ -446,11 +448,20 @@ class DiskKVStore:
     def _write_failed(self, error: OSError) -> None:
         with self._lock:
             self._write_errors += 1
+            first = self._clock() >= self._writes_off_until  # (not the other I/O threads' failures of one call)
             self._writes_off_until = self._clock() + self._write_off_seconds
+            held = self._held_bytes
+        made_room = ""
+        if first and error.errno in _DISK_FULL:
+            # The file system filled below the store's capacity (a disk smaller than --kv-disk-gb, or shared): the
+            # store never reached its own bound, so it would have kept all it holds and failed every write after each
+            # pause, for good. Its least recently used blocks make room instead, as they would at the capacity.
+            removed = self._evict(int(held * self._low_watermark))
+            made_room = f"; removed {removed} least recently used blocks to make room"
         self._warn_once(
             "write",
             f"disk KV store {self.root}: writes off for {self._write_off_seconds:.0f} s after an error "
-            f"({error}); reads go on",
+            f"({error}){made_room}; reads go on",
         )
 
     def _write_layout_note(self) -> None:
@@ -521,11 +532,15 @@ class DiskKVStore:
             self._held_bytes = sum(e.size for e in index.values())
             self._scanned_at = now
 
-    def _evict(self) -> None:
-        """Remove least recently used files until this layout holds at most ``low_watermark`` of the capacity."""
+    def _evict(self, target_bytes: int | None = None) -> int:
+        """Remove least recently used files until this layout holds at most ``target_bytes`` (by default
+        ``low_watermark`` of the capacity); how many it removed."""
+        if target_bytes is None:
+            target_bytes = int(self.capacity_bytes * self._low_watermark)
         with self._lock:
-            victims = choose_evictions(self._index, self._held_bytes, int(self.capacity_bytes * self._low_watermark))
+            victims = choose_evictions(self._index, self._held_bytes, target_bytes)
             planned = {key: self._index[key] for key in victims}
+            evictions_before = self._evictions
         for key, entry in planned.items():
             path = self._path(key)
             try:
@@ -541,11 +556,13 @@ class DiskKVStore:
                 removed = False  # another process evicted it first
             except OSError as e:
                 self._warn_once("evict", f"disk KV store {self.root}: cannot evict {path.name}: {e}")
-                return
+                break
             with self._lock:
                 if self._index.pop(key, None) is not None:
                     self._held_bytes -= entry.size
                 self._evictions += removed
+        with self._lock:
+            return self._evictions - evictions_before
 
     def close(self) -> None:
         """Stop the I/O threads (the files stay: the store is reopened by path)."""

@@ -6,6 +6,7 @@
     churn ROOT N ROUNDS CAPACITY_BLOCKS      write blocks 0..N-1 ROUNDS times into a small store (evicting)
     refused ROOT N                           writes under a 1 KiB file-size limit, then without it
     fill ROOT N                              N blocks, 4 per call, into whatever room the directory has
+    refill ROOT N                            blocks one a call until the disk is full, then N more after the pause
 
 Prints one JSON line of results on stdout.
 """
@@ -137,6 +138,20 @@ def main() -> None:
         read = store.read(keys)
         out["valid"] = [b is not None and bool(torch.equal(b, block_of(i))) for i, b in enumerate(read)]
         out["temp_files"] = len(list(Path(args.root).rglob("*.tmp")))
+        out["stats"] = store.stats().__dict__
+    elif args.mode == "refill":
+        clock = FakeClock()
+        store = DiskKVStore(args.root, LAYOUT, BIG, clock=clock, io_threads=1)
+        i = 0
+        while store.write([key_of(i)], blocks_of([i])) == 1:  # until the file system refuses one
+            i += 1
+            clock.now += 1  # (each block stamped later than the last: block 0 is the least recently used)
+        out["held_when_full"] = i
+        clock.now += 61  # past the pause
+        new = list(range(i, i + args.n))
+        out["stored_after"] = [store.write([key_of(j)], blocks_of([j])) for j in new]
+        read = store.read([key_of(j) for j in range(i + args.n)])
+        out["valid"] = [b is not None and bool(torch.equal(b, block_of(j))) for j, b in enumerate(read)]
         out["stats"] = store.stats().__dict__
     else:
         raise SystemExit(f"unknown mode {args.mode!r}")

@@ -341,9 +341,28 @@ def test_a_full_disk_turns_writes_off_and_reads_go_on(tmp_path: Path) -> None:
     out = _result(_worker("fill", str(mount), "12", prefix=prefix))
     stored = out["stored"]
     assert stored[0] == 4 and 0 < stored[1] < 4 and stored[2] == 0
-    assert sum(out["valid"]) == sum(stored) and not any(out["valid"][8:])
+    # What was stored is whole, less the least recently used blocks removed to make room when the disk filled.
+    evicted = out["stats"]["evictions"]
+    assert evicted >= 1 and sum(out["valid"]) == sum(stored) - evicted and not any(out["valid"][8:])
     assert out["stats"]["write_errors"] >= 1 and out["temp_files"] == 0
     assert out["stderr"].count("writes off") == 1
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs a mount namespace (unshare -m) for a small tmpfs")
+def test_a_full_disk_below_the_capacity_makes_room_by_lru_and_writes_again_after_the_pause(tmp_path: Path) -> None:
+    # The store's capacity (1 TiB) is far above the disk's (256 KiB of tmpfs, 7 files): the file system fills first.
+    # Before, the store kept all it held and every write after each pause failed again: it never wrote anything more.
+    mount = tmp_path / "small"
+    mount.mkdir()
+    prefix = ("unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=256k tmpfs "{mount}" && exec "$@"', "sh")
+    out = _result(_worker("refill", str(mount), "2", prefix=prefix))
+    held = out["held_when_full"]
+    assert held >= 5
+    assert out["stored_after"][0] == 1  # room was made: the first write after the pause lands
+    valid = out["valid"]
+    assert valid[held] and not valid[0]  # the least recently used block made room, the new one is whole
+    assert out["stats"]["evictions"] >= 1 and out["stats"]["write_errors"] >= 1
+    assert "no space" in out["stderr"].lower() and "removed" in out["stderr"]
 
 
 def test_an_unwritable_directory_serves_reads_with_writes_off(
