@@ -280,12 +280,22 @@ class LongCtxCluster:
 
     # -- the run -----------------------------------------------------------------------------------------------
 
+    def _mark(self) -> tuple[tuple[int, int, int], ...]:
+        """What a step may change that another step depends on: each instance's computed tokens, preemptions and free
+        blocks. A step that computes nothing may still evict its request (it cannot grow, and the rest of its pool holds
+        blocks lent to others), which frees its blocks here and, through its release, on its creditors; taken for no
+        change, it left the instances waiting for that room waiting for good, and a run could end with them."""
+        return tuple(
+            (i.core.counters.computed_tokens, i.core.scheduler.stats.num_preemptions, i.core.kv.pool.num_free)
+            for i in self.instances
+        )
+
     def step(self, inst: Instance) -> list[RequestDelta]:
-        computed = inst.core.counters.computed_tokens
+        before = self._mark()
         start = time.perf_counter()
         deltas = inst.agent.step() if inst.agent is not None else inst.core.step()
         inst.clock += time.perf_counter() - start
-        if inst.core.counters.computed_tokens == computed and not deltas:
+        if self._mark() == before and not deltas:
             inst.waiting_for_change = True
         else:
             self._wake(inst.clock)

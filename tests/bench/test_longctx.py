@@ -4,7 +4,9 @@ and it moves fewer bytes than moving whole contexts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,9 @@ import pytest
 from boundless.bench import longctx
 from boundless.bench.longctx_trace import TraceShape, make_trace
 from boundless.cli import build_parser
+from boundless.config import engine_config_from_flags
+from boundless.engine.sampling_params import SamplingParams
+from boundless.model.loader import LoadedModel
 
 
 def test_trace_mixes_short_requests_with_contexts_over_one_pool() -> None:
@@ -61,3 +66,37 @@ def test_every_setup_serves_the_trace_with_identical_outputs(model_dirs: dict[st
     saved = json.loads((tmp_path / "longctx.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
     assert (tmp_path / "longctx.csv").read_text().count("\n") == len(result["rows"]) + 1
+
+
+def test_a_step_that_only_evicts_wakes_the_instances_waiting_for_a_change(
+    model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], tmp_path: Path
+) -> None:
+    """A step that computes nothing but evicts its request (it cannot grow: the rest of its pool holds blocks lent
+    to another instance's request) frees blocks here and on its creditors: the instances waiting for a change must
+    step again. The emulated loop took it for a step that changed nothing and left them waiting, so a run could end
+    with work that could now run (docs/distributed-attention.md, run D)."""
+    args = build_parser().parse_args(["bench", "longctx", "--model", str(model_dirs["tiny-llama"])])
+    base = engine_config_from_flags(args)
+    config = longctx.LongCtxConfig(instances=2, num_kv_blocks=16, chunk_tokens=64)
+    cluster = longctx.LongCtxCluster("lending", load("tiny-llama"), base, config, tmp_path)
+    try:
+        a, b = cluster.instances
+        assert a.agent is not None and b.agent is not None
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        # On a: 12 blocks of prompt, prefilled, then 11 of them lent to b.
+        a.core.add_request("long", list(range(3, 3 + 192)), params)
+        while a.core.scheduler.requests["long"].num_computed_tokens < 192:
+            a.agent.step()
+        assert a.agent.move_kvcache("long", 11, b.transport.address)
+        # On b: a request of the 5 blocks left, prefilled; its first decode needs a sixth, and b has none.
+        b.core.add_request("short", list(range(3, 3 + 80)), dataclasses.replace(params, max_tokens=16))
+        while b.core.scheduler.requests["short"].num_computed_tokens < 80:
+            b.agent.step()
+        assert b.core.kv.pool.num_free == 0
+        a.waiting_for_change = True  # (as after a step of a that could do nothing)
+        computed = b.core.counters.computed_tokens
+        assert cluster.step(b) == []
+        assert b.core.counters.computed_tokens == computed and b.core.scheduler.stats.num_preemptions == 1
+        assert not a.waiting_for_change and not b.waiting_for_change
+    finally:
+        cluster.close()
