@@ -15,6 +15,7 @@ The wheel's engine links libibverbs even for TCP (``apt-get install libibverbs1`
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
 
 import torch
 
@@ -94,6 +95,7 @@ class MooncakeTransport(PullTransport):
         return self._register_uncovered(views)
 
     def _release(self, temp: object) -> None:
+        assert temp is None or isinstance(temp, list)  # (what _register_uncovered returned)
         for a in temp or []:
             self.engine.unregister_memory(a)
 
@@ -112,7 +114,7 @@ class MooncakeTransport(PullTransport):
         local, remote, lengths = ([p[i] for p in pieces] for i in range(3))
         return self._readers.submit(self.engine.batch_transfer_sync_read, session, local, remote, lengths)
 
-    def _read_state(self, read: object) -> TransportError | bool | None:
+    def _read_state(self, read: object) -> TransportError | Literal[False] | None:
         assert isinstance(read, Future)
         if not read.done():
             return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import Literal
 
 import torch
 
@@ -127,6 +128,7 @@ class NixlTransport(PullTransport):
         return self._register_uncovered(views)
 
     def _release(self, temp: object) -> None:
+        assert temp is None or isinstance(temp, list)  # (what _register_uncovered returned)
         for descs in temp or []:
             self.agent.deregister_memory(descs)
 
@@ -147,7 +149,7 @@ class NixlTransport(PullTransport):
             raise PeerGone(f"nixl read from {peer} failed to start")
         return xfer
 
-    def _read_state(self, read: object) -> TransportError | bool | None:
+    def _read_state(self, read: object) -> TransportError | Literal[False] | None:
         state = self.agent.check_xfer_state(read)
         if state == "PROC":
             return None

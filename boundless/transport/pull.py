@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -157,10 +158,10 @@ class PullTransport:
                 remote = [(int(a), int(n)) for a, n in (s.split(":") for s in segs.split(",") if s)]
                 self._offer(peer, int(tag), Offer(peer, int(msg_id), remote))
             elif kind == "D":
-                op = self._sends.pop(int(body), None)
-                if op is not None:
-                    self._release(op.temp)
-                    op.done = True
+                sent = self._sends.pop(int(body), None)
+                if sent is not None:
+                    self._release(sent.temp)
+                    sent.done = True
         pending, self._reads.pending = self._reads.pending, []
         for posting, offer in pending:
             self._start(posting, offer)
@@ -244,6 +245,6 @@ class PullTransport:
         """Start reading (local address, remote address, length) pieces; None when it cannot start yet."""
         raise NotImplementedError
 
-    def _read_state(self, read: object) -> TransportError | bool | None:
+    def _read_state(self, read: object) -> TransportError | Literal[False] | None:
         """None while running, False when done, the error when it failed."""
         raise NotImplementedError

@@ -25,6 +25,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,15 @@ def _error(e: BaseException, what: str) -> TransportError:
     if "Timed out" in text or "timed out" in text or "timeout" in text.lower():
         return TransferTimeout(f"{what}: {text.splitlines()[0]}")
     return TransportError(f"{what}: {text.splitlines()[0]}")
+
+
+class _PointToPoint(Protocol):
+    """What this transport uses of a torch.distributed backend (``ProcessGroupGloo``, ``ProcessGroupNCCL``): its
+    point-to-point calls, which both have and PyTorch's stubs leave out of their base class."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
 
 
 @dataclass
@@ -139,13 +149,14 @@ class TorchDistTransport:
         self._waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix="transport-wait")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown torch.distributed backend {backend!r} (gloo or nccl)")
+        self._group: _PointToPoint | None  # (None once closed)
         try:
             if backend == "gloo":
-                self._group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+                self._group = cast(_PointToPoint, dist.ProcessGroupGloo(store, rank, world_size, timeout))
             else:
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
-                self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+                self._group = cast(_PointToPoint, dist.ProcessGroupNCCL(store, rank, world_size, options))
         except RuntimeError as e:  # a rank that does not join in time
             raise TransferTimeout(f"joining a {backend} group of {world_size} as rank {rank}: {e}") from e
 
@@ -158,8 +169,10 @@ class TorchDistTransport:
     def send(self, peer: str, tag: int, tensors: Tensors) -> TransferHandle:
         views = as_byte_views(tensors)
         what = f"send to rank {peer} tag {tag}"
+        group = self._group
+        assert group is not None, "the transport is closed"
         try:
-            works = [self._group.send([v], int(peer), tag) for v in views]
+            works = [group.send([v], int(peer), tag) for v in views]
         except RuntimeError as e:
             return CompletedHandle(_error(e, what))
         return _WorkHandle(_Op(works, what), self._waiters, self.timeout_s)
@@ -172,8 +185,10 @@ class TorchDistTransport:
         for v in views:
             parts.append(stage[at : at + v.numel()])
             at += v.numel()
+        group = self._group
+        assert group is not None, "the transport is closed"
         try:
-            works = [self._group.recv([p], int(peer), tag) for p in parts]
+            works = [group.recv([p], int(peer), tag) for p in parts]
         except RuntimeError as e:
             return CompletedHandle(_error(e, what))
         return _WorkHandle(_Op(works, what, stage, views), self._waiters, self.timeout_s)
