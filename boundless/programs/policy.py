@@ -40,8 +40,12 @@ class SchedulingPolicy(Protocol):
     service: program-aware KV eviction reads both.
     """
 
-    name: str
     table: ProcessTable
+
+    @property
+    def name(self) -> str:
+        """The policy's name (``--policy``): a class attribute of each."""
+        ...
 
     def program_priority(self, program_id: str) -> tuple[float, ...]:
         """When the policy would serve the program next (smaller first): the leading terms of the priority of
