@@ -7,7 +7,7 @@ import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -353,10 +353,10 @@ def _within_context(params: SamplingParams, prompt_len: int, max_model_len: int)
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, int) for p in prompts):
-        return [prompts]  # one prompt given as token ids
-    return prompts
+    items = list(prompts)
+    if items and all(isinstance(p, int) for p in items):
+        return [cast("list[int]", items)]  # one prompt given as token ids
+    return cast("list[Prompt]", items)  # (prompts, as the type says: an int among them is refused per prompt)
 
 
 def _prompt_input(prompt: Prompt) -> _PromptInput:

@@ -183,6 +183,7 @@ def build_model_executor(
     on_gpu = isinstance(attention, graphed) and loaded.device.type == "cuda"
     # (A mixture of experts reads its routing back to the host each layer, which a graph cannot capture: eager.)
     if on_gpu and not config.model.enforce_eager and not arch.num_experts:
+        assert isinstance(attention, graphed)  # (on_gpu says so)
         graphs = DecodeGraphs(
             loaded.model, kv_cache, attention, config.scheduler.max_num_seqs, layout.max_model_len, loaded.device
         )

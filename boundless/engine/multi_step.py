@@ -65,7 +65,10 @@ class WindowPasses(Sequence[tuple[ChunkShape, ...]]):
 def window_shapes(sched: SchedulerOutput) -> WindowPasses:
     """Every pass's chunk shapes (:class:`WindowPasses`), once per step: the simulator's executor prices them and
     the engine records them for its step-time models."""
-    if sched.pass_shapes is None:
+    passes = sched.pass_shapes
+    if passes is None:
         rows = [(c.start_pos, len(c.token_ids), c.num_steps) for c in sched.chunks]
-        sched.pass_shapes = WindowPasses(rows, sched.window)
-    return sched.pass_shapes
+        passes = sched.pass_shapes = WindowPasses(rows, sched.window)
+    # (Set here only: the scheduler's module, compiled and imported by this one, types it as the Sequence it is.)
+    assert isinstance(passes, WindowPasses)
+    return passes

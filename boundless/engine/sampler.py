@@ -389,8 +389,8 @@ class Sampler:
         dead_ends: list[int] = []
         if structured:
             # A grammar at a dead end allows nothing: the request's end token ends it alone (GrammarMatcher).
-            rows, matchers, drafts = zip(*structured, strict=True)
-            dead_ends += mask_logits(logits, list(rows), list(matchers), drafts)
+            grammar_rows, matchers, drafts = zip(*structured, strict=True)
+            dead_ends += mask_logits(logits, list(grammar_rows), list(matchers), drafts)
         # Rows whose masks together leave no token: allowed tokens all forbidden (by min_tokens, bad words or a
         # grammar), or a grammar's every token banned by bad words (a vocabulary less a few banned tokens is never
         # empty). A grammar's is a dead end it is told of, so that it takes the end token.

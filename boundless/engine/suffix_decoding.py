@@ -128,7 +128,7 @@ class SuffixProposer:
             for n, output in self._outputs.items():
                 self._index_windows(n, output, 0)
 
-    def _best(self, found: list[tuple[Sequence[int], int]], pattern: list[int], k: int) -> tuple[float, list[int]]:
+    def _best(self, found: Sequence[tuple[Sequence[int], int]], pattern: list[int], k: int) -> tuple[float, list[int]]:
         """The best-scoring draft over the occurrences ``found`` (a token list and where in it the pattern's last
         ``MIN_MATCH`` tokens end, latest first), for every length of match they give (up to the pattern's length
         less one: the pattern is the sequence's last ``depth`` tokens at most, and longer than ``MIN_MATCH``)."""

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -120,7 +120,7 @@ class StepTimeModel:
         return StepTimeModel.from_coefficients([c * factor for c in self.coefficients], self.threads)
 
     @classmethod
-    def from_coefficients(cls, coefficients: Sequence[float], threads: int) -> StepTimeModel:
+    def from_coefficients(cls, coefficients: Iterable[float], threads: int) -> StepTimeModel:
         return cls(**dict(zip(TERMS, (float(c) for c in coefficients), strict=True)), threads=threads)
 
     @classmethod
