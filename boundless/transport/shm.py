@@ -68,7 +68,10 @@ class _Mapping:
             os.ftruncate(self.fd, size)
         self.size = os.fstat(self.fd).st_size
         self.map = mmap.mmap(self.fd, self.size)
-        self.view = torch.frombuffer(self.map, dtype=torch.uint8)
+        # Never an inference tensor, whatever mode maps it (a forward pass's partials, say): messages outside
+        # inference mode (moves of KV blocks) are copied into it later, which an inference tensor refuses.
+        with torch.inference_mode(False):
+            self.view = torch.frombuffer(self.map, dtype=torch.uint8)
 
     def close(self) -> None:
         del self.view

@@ -118,3 +118,21 @@ def test_a_receiver_sleeps_until_a_delivery_and_wakes_for_it(two: tuple[ShmTrans
     thread.start()
     assert woke.wait(10.0)
     thread.join()
+
+
+def test_a_slot_mapped_in_inference_mode_carries_messages_outside_it(two: tuple[ShmTransport, ShmTransport]) -> None:
+    # The engine's forward pass runs in inference mode (a creditor's partials, a layerwise push); its moves of KV
+    # blocks run outside it. A slot mapped there was an inference tensor, and the next copy into it outside raised.
+    a, b = two
+    first, second = torch.randn(300_000), torch.randn(300_000)  # each through the slot
+    with torch.inference_mode():
+        send = a.send(b.address, 1, first)
+        got = torch.empty_like(first)
+        b.recv(a.address, 1, got).wait()
+        send.wait()
+    assert torch.equal(got, first)
+    send = a.send(b.address, 2, second)
+    got = torch.empty_like(second)
+    b.recv(a.address, 2, got).wait()
+    send.wait()
+    assert torch.equal(got, second)
