@@ -14,10 +14,11 @@ write and on every hit), since access times are often off. Each process evicts d
 ``low_watermark`` of the capacity when its picture of the directory exceeds it; that picture counts other
 processes' files from its last scan, so the directory may overshoot by what others wrote since.
 
-I/O trouble on write (full disk, unwritable directory) never raises: it is counted, logged once, and turns
-writes off for ``write_off_seconds``; reads go on. A file system full below the capacity also evicts the least
-recently used blocks (to ``low_watermark`` of what the store holds), so writes land again after the pause. A file
-that fails its checks is counted, removed and never served.
+I/O trouble on write (full disk, unwritable directory) never raises: it is counted, logged, and turns writes off
+for ``write_off_seconds``; reads go on. A file system full below the capacity also evicts the least recently used
+blocks (to ``low_watermark`` of what the store holds), so writes land again after the pause. A file that fails its
+checks is counted, logged, removed and never served. Each kind of trouble is logged at most once every
+``warn_every_seconds``, with the count not logged since.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ class DiskKVStore:
 
     ``clock`` gives wall time in seconds: LRU stamps (comparable across processes) and the write-off window.
     ``durable`` fsyncs every file before it is renamed into place (see docs/kv-store.md for why it is off by
-    default). ``io_threads`` read or write the files of one call side by side. ``mid_write`` is for tests:
+    default). ``io_threads`` read or write the files of one call side by side. Each kind of trouble (a damaged
+    file, a refused write) is logged at most once every ``warn_every_seconds``. ``mid_write`` is for tests:
     called halfway through each file's payload.
     """
 
@@ -166,6 +168,7 @@ class DiskKVStore:
         write_off_seconds: float = 60.0,
         stale_temp_seconds: float = 600.0,
         io_threads: int = 4,
+        warn_every_seconds: float = 600.0,
         mid_write: Callable[[Path], None] | None = None,
     ) -> None:
         self.root = Path(path)
@@ -190,7 +193,9 @@ class DiskKVStore:
         self._scanned_at = float("-inf")
         self._last_stamp_ns = 0
         self._writes_off_until = float("-inf")
-        self._warned: set[str] = set()
+        self._warn_every_seconds = warn_every_seconds
+        self._warned_at: dict[str, float] = {}
+        self._unwarned: dict[str, int] = {}
         self._hits = self._misses = self._bytes_read = self._bytes_written = self._blocks_written = 0
         self._evictions = self._checksum_failures = self._write_errors = self._writes_dropped = 0
         self._read_seconds = self._write_seconds = 0.0
@@ -281,7 +286,7 @@ class DiskKVStore:
         except FileNotFoundError:
             return None
         except OSError as e:
-            self._warn_once("read", f"disk KV store {self.root}: cannot open {path.name}: {e}")
+            self._warn("read", f"disk KV store {self.root}: cannot open {path.name}: {e}")
             return None
         try:
             st = os.fstat(fd)
@@ -295,7 +300,7 @@ class DiskKVStore:
                 self._reject(path, st.st_ino, key, e)
                 return None
             except OSError as e:
-                self._warn_once("read", f"disk KV store {self.root}: cannot read {path.name}: {e}")
+                self._warn("read", f"disk KV store {self.root}: cannot read {path.name}: {e}")
                 return None
         finally:
             os.close(fd)
@@ -308,7 +313,7 @@ class DiskKVStore:
             entry = self._index.pop(key, None)
             if entry is not None:
                 self._held_bytes -= entry.size
-        self._warn_once("bad", f"disk KV store {self.root}: {path.name} failed its check ({error}); removed")
+        self._warn("bad", f"disk KV store {self.root}: {path.name} failed its check ({error}); removed")
         try:
             # Only the file we read: another process may have renamed a good copy into place since.
             st = os.stat(path)
@@ -443,7 +448,7 @@ class DiskKVStore:
         if shard.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "not a directory above the shard", str(shard.parent))
         shard.unlink()
-        self._warn_once("shard", f"disk KV store {self.root}: {shard.name} was not a directory; removed")
+        self._warn("shard", f"disk KV store {self.root}: {shard.name} was not a directory; removed")
 
     def _write_failed(self, error: OSError) -> None:
         with self._lock:
@@ -458,7 +463,7 @@ class DiskKVStore:
             # pause, for good. Its least recently used blocks make room instead, as they would at the capacity.
             removed = self._evict(int(held * self._low_watermark))
             made_room = f"; removed {removed} least recently used blocks to make room"
-        self._warn_once(
+        self._warn(
             "write",
             f"disk KV store {self.root}: writes off for {self._write_off_seconds:.0f} s after an error "
             f"({error}){made_room}; reads go on",
@@ -555,7 +560,7 @@ class DiskKVStore:
             except FileNotFoundError:
                 removed = False  # another process evicted it first
             except OSError as e:
-                self._warn_once("evict", f"disk KV store {self.root}: cannot evict {path.name}: {e}")
+                self._warn("evict", f"disk KV store {self.root}: cannot evict {path.name}: {e}")
                 break
             with self._lock:
                 if self._index.pop(key, None) is not None:
@@ -617,9 +622,22 @@ class DiskKVStore:
         except OSError:
             return []
 
-    def _warn_once(self, kind: str, message: str) -> None:
-        if kind in self._warned:
+    def _warn(self, kind: str, message: str) -> None:
+        """Log a kind of trouble at most once every ``warn_every_seconds``, saying how many went unlogged since: a
+        burst (a whole directory of damaged files, the writes of one call on a full disk) is one line, and trouble
+        found later is logged again (it was once per store: a second episode, days on, went unsaid)."""
+        with self._lock:
+            now = self._clock()
+            last = self._warned_at.get(kind)
+            quiet = last is not None and now - last < self._warn_every_seconds
+            if quiet:
+                self._unwarned[kind] = self._unwarned.get(kind, 0) + 1
+            else:
+                self._warned_at[kind] = now
+                unwarned = self._unwarned.pop(kind, 0)
+        if quiet:
             log.debug(message)
             return
-        self._warned.add(kind)
+        if unwarned:
+            message += f" ({unwarned} more since the last such warning, not logged)"
         log.warning(message)

@@ -174,6 +174,32 @@ def test_a_file_of_another_layout_under_this_layouts_name_is_rejected(tmp_path: 
     assert _file(theirs, 0).exists()
 
 
+def test_damaged_files_are_logged_again_after_a_quiet_while_with_the_count_not_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One line per kind of trouble at most every ten minutes: a burst of damaged files is one line, and a damaged file
+    # found later (bad sectors a day after the first flipped bit) is logged again, naming it and the ones in between.
+    # Before, only the store's first damaged file was ever logged: every later one, a day later too, went unsaid.
+    clock = FakeClock()
+    store = DiskKVStore(tmp_path, LAYOUT, BIG, clock=clock, io_threads=1)
+    store.write([key_of(i) for i in range(5)], blocks_of(list(range(5))))
+    for i in range(5):
+        _flip_payload_bit(_file(store, i))
+    with caplog.at_level(logging.WARNING, logger="boundless.kv.disk_store"):
+        assert store.read([key_of(i) for i in range(3)]) == [None] * 3
+        clock.now += 60
+        assert store.read([key_of(3)]) == [None]
+        assert [r.message for r in caplog.records if "failed its check" in r.message] == [
+            f"disk KV store {tmp_path}: {key_of(0).hex()}.kv failed its check (payload checksum mismatch); removed"
+        ]
+        clock.now += 24 * 3600
+        assert store.read([key_of(4)]) == [None]
+    lines = [r.message for r in caplog.records if "failed its check" in r.message]
+    assert len(lines) == 2 and f"{key_of(4).hex()}.kv failed its check" in lines[1]
+    assert "3 more since the last such warning" in lines[1]
+    assert store.stats().checksum_failures == 5
+
+
 def test_a_truncated_file_is_not_contained_and_is_counted_and_removed(tmp_path: Path) -> None:
     store = DiskKVStore(tmp_path, LAYOUT, BIG)
     store.write([key_of(0)], blocks_of([0]))
