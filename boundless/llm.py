@@ -385,5 +385,5 @@ def _prompt_input(prompt: Prompt) -> _PromptInput:
 def _token_ids(prompt: object) -> list[int]:
     # (Ints, not bools: the types, gathered in one pass.)
     if isinstance(prompt, Sequence) and all(issubclass(t, int) and t is not bool for t in set(map(type, prompt))):
-        return list(prompt)  # type: ignore[arg-type]
+        return list(prompt)
     raise TypeError(f"a prompt is a string, a list of token ids or a prompt dict, not {prompt!r:.60}")

@@ -746,7 +746,7 @@ def _structured(body: ResponsesRequest, tools: list[dict[str, Any]], server: Ope
     if forced:
         if wants_json:
             raise APIError(400, "text.format cannot go with a tool_choice that forces a call", "text.format")
-        name = choice.name if isinstance(choice, FunctionChoice) else None  # type: ignore[union-attr]
+        name = choice.name if isinstance(choice, FunctionChoice) else None
         return server.forced_calls(tools, name, body.parallel_tool_calls)
     if fmt is None or fmt.type == "text":
         return None

@@ -997,9 +997,9 @@ class OpenAIServer:
         if isinstance(p, str):
             prompts = [self.tokenizer.encode(p)]
         elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]  # type: ignore[arg-type]
+            prompts = [list(p)]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [self.tokenizer.encode(x) for x in p]  # type: ignore[arg-type]
+            prompts = [self.tokenizer.encode(x) for x in p]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]  # type: ignore[arg-type]
         else:  # the schema has checked the shape: an empty list is left

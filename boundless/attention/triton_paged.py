@@ -28,7 +28,7 @@ try:
 
     from boundless.attention import triton_kernels as kernels
 except ImportError:  # pragma: no cover - triton ships with PyTorch's CUDA builds and the test extra
-    triton = None  # type: ignore[assignment]
+    triton = None
     kernels = None  # type: ignore[assignment]
 
 
