@@ -51,6 +51,10 @@ class ThrottledStore:
         # stack): offered only then, so the loader's choice of path follows the store behind.
         if hasattr(store, "read_into"):
             self.read_into = self._read_into
+        # The store's optional listing, for the same reason (``tiers.BlockStore``): a restarted engine loads the
+        # names it held at open without probing for them first.
+        if hasattr(store, "held_keys"):
+            self.held_keys = store.held_keys
 
     def read_unpaced(self, keys: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """The blocks, read at once: their bytes are still to be :meth:`carry` 'd over the link."""
@@ -98,6 +102,10 @@ class ThrottledStore:
 
     def write(self, keys: Sequence[BlockHash], blocks: torch.Tensor) -> int:
         return self.store.write(keys, blocks)
+
+    def age(self, keys: Sequence[BlockHash], seconds: float) -> int:
+        """The store's eviction hint (program-aware eviction): no bytes cross the link."""
+        return self.store.age(keys, seconds)
 
     def stats(self) -> object:
         return self.store.stats()

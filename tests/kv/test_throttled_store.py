@@ -13,7 +13,7 @@ import torch
 from disk_store_worker import BIG, LAYOUT, block_of, blocks_of, key_of
 
 from boundless.cluster.links import Link, ThrottledLink
-from boundless.kv.disk_moves import DiskRead
+from boundless.kv.disk_moves import DiskAge, DiskRead
 from boundless.kv.disk_store import DiskKVStore
 from boundless.kv.tensors import PagedKVCache
 from boundless.kv.throttled_store import ThrottledStore
@@ -189,3 +189,24 @@ def test_the_node_read_queue_counts_the_loads_waiting_for_the_loader_not_only_th
     finally:
         held.release.set()
         io.close()
+
+
+def test_the_stores_eviction_hints_and_listing_pass_through_the_link(tmp_path: Path) -> None:
+    # An engine with a disk store and a read link (prefill and decode engines with --storage-gbps): program-aware
+    # eviction's hints had failed in the writer (no ``age`` here), and a restarted engine probed for every stored block.
+    disk = DiskKVStore(tmp_path, LAYOUT, BIG)
+    disk.write([key_of(i) for i in range(3)], blocks_of([0, 1, 2]))
+    clock = VirtualClock()
+    link = ThrottledLink(Link("storage", bytes_per_s=BLOCK_BYTES), clock, clock.sleep)
+    store = ThrottledStore(DiskKVStore(tmp_path, LAYOUT, BIG), link.transfer)
+    device = PagedKVCache(
+        LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 4, LAYOUT.block_size, torch.float32,
+        torch.device("cpu"),
+    )  # fmt: skip
+    io = TierIO({DEVICE: device, HOST: HostKVTier(device, 4)}, store, background=False)
+    io.apply([], [], [], [DiskAge((key_of(2),), 3600.0)])
+    report = io.report()
+    assert report.io is not None and report.io.blocks_aged == 1
+    assert set(report.held_at_open) == {key_of(i) for i in range(3)}
+    assert DiskKVStore(tmp_path, LAYOUT, BIG).held_keys()[0] == key_of(2)  # first to go now
+    assert clock.now == 0.0  # neither crossed the link
