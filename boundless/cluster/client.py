@@ -378,8 +378,10 @@ class ClusterClient(DispatcherFrontEnd):
         waiting_for_room = self.lending.waiting_for_room() if self.lending is not None else {}
         awaiting_grant = self.lending.awaiting_grant() if self.lending is not None else {}
         for iid, inst in self.instances.items():
-            s = inst.stats
             view = self.dispatcher.views[iid]
+            # A lost instance holds no call (they failed over) and no KV: its last heartbeat's counts are history, as
+            # /metrics, which leaves it out, has it.
+            s = inst.stats if view.alive else None
             losses, restarts, failed = self.dispatcher.restarts.counts(iid)
             entry = {
                 "id": iid,
