@@ -48,6 +48,19 @@ HANG_STEP_ENV = "BOUNDLESS_TEST_HANG_STEP_INSTANCE"
 log = logging.getLogger(__name__)
 
 
+def log_as_instance(instance_id: str) -> None:
+    """An actor's own process: its ``boundless`` log lines as a single engine's server writes them (time, level,
+    logger, INFO and up), naming the instance that wrote them. Ray forwards them to the server's output under the
+    actor's pid alone, which an operator could not tell apart (a restart changes it; the server logs no pid); before,
+    they had no handler at all and came through Python's last resort: the message only, warnings and up."""
+    handler = logging.StreamHandler()  # stderr, which Ray forwards to the server (log_to_driver)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s instance {instance_id} %(name)s: %(message)s"))
+    logger = logging.getLogger("boundless")
+    logger.handlers = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 @dataclass(frozen=True)
 class InstanceInfo:
     instance_id: str
@@ -116,6 +129,7 @@ class EngineInstance:
         fail_seed = os.environ.get(FAIL_ADD_SEED_ENV)
         self._fail_add_seed = int(fail_seed) if fail_seed else None
         if loaded is None:  # an actor loads its own; instances in one process may share one
+            log_as_instance(instance_id)  # (its process is its own, the logging set-up too)
             loaded = load_configured_model(config.model)
         self.links = InstanceLinks(None, None)
         if role is not None:

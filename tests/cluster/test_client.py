@@ -1,6 +1,6 @@
-"""The Ray front end (``cluster/client.py``) as an operator reads it: ``GET /cluster`` of a 2-instance cluster behind a
-real server, one of whose instances is lost with calls on it (its engine hangs in a decode step, the instances' test
-hook, and the step watchdog kills it)."""
+"""The Ray front end (``cluster/client.py``) as an operator reads it: ``GET /cluster`` and the server's output of a
+2-instance cluster behind a real server, one of whose instances is lost with calls on it (its engine hangs in a decode
+step, the instances' test hook, and the step watchdog kills it)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def ray_with_a_hanging_instance() -> Iterator[None]:
 
 
 def test_a_lost_instance_shows_no_calls_running_or_waiting_on_it(
-    model_dirs: dict[str, Path], ray_with_a_hanging_instance: None
+    model_dirs: dict[str, Path], ray_with_a_hanging_instance: None, capfd: pytest.CaptureFixture[str]
 ) -> None:
     # Before, /cluster showed a dead instance with the calls of its last heartbeat running and waiting for good (it
     # held none: they had failed over), and its KV in use: an operator read calls stuck on a dead engine.
@@ -70,6 +70,11 @@ def test_a_lost_instance_shows_no_calls_running_or_waiting_on_it(
         assert lost["state"] == "dead" and lost["lost"] == 1
         assert (lost["running"], lost["waiting"], lost["inflight"], lost["kv_usage"]) == (0, 0, 0, 0.0)
         assert instances["0"]["state"] == "alive"
+        # The actors' log lines reach the server's output saying which instance wrote them, at which level (under
+        # the actor's pid alone before, a number the server's log never tied to an instance).
+        out = capfd.readouterr()
+        hook = [line for line in (out.out + out.err).splitlines() if "test hook" in line]
+        assert hook and f"ERROR instance {STUCK} boundless.cluster.instance: test hook" in hook[0]
     finally:
         server.stop()
         client.shutdown()
