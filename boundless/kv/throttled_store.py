@@ -55,6 +55,9 @@ class ThrottledStore:
         # names it held at open without probing for them first.
         if hasattr(store, "held_keys"):
             self.held_keys = store.held_keys
+        # And its start-up line (the engine logs its store's ``describe``, else the raw stats).
+        if hasattr(store, "describe"):
+            self.describe = lambda: f"{store.describe()}; read over an emulated storage link"
 
     def read_unpaced(self, keys: Sequence[BlockHash]) -> list[torch.Tensor | None]:
         """The blocks, read at once: their bytes are still to be :meth:`carry` 'd over the link."""

@@ -210,3 +210,14 @@ def test_the_stores_eviction_hints_and_listing_pass_through_the_link(tmp_path: P
     assert set(report.held_at_open) == {key_of(i) for i in range(3)}
     assert DiskKVStore(tmp_path, LAYOUT, BIG).held_keys()[0] == key_of(2)  # first to go now
     assert clock.now == 0.0  # neither crossed the link
+
+
+def test_the_store_behind_the_link_describes_itself(tmp_path: Path) -> None:
+    # The engine's start-up line for its store: behind a read link (prefill and decode engines with --storage-gbps) it
+    # was the raw ``StoreStats(hits=0, ...)`` where a store without one says what it holds and for which model.
+    disk = DiskKVStore(tmp_path, LAYOUT, BIG)
+    disk.write([key_of(0)], blocks_of([0]))
+    clock = VirtualClock()
+    link = ThrottledLink(Link("storage", bytes_per_s=BLOCK_BYTES), clock, clock.sleep)
+    store = ThrottledStore(DiskKVStore(tmp_path, LAYOUT, BIG), link.transfer)
+    assert store.describe() == f"{DiskKVStore(tmp_path, LAYOUT, BIG).describe()}; read over an emulated storage link"
