@@ -25,7 +25,7 @@ from boundless.cluster.pd_scheduler import Role
 from boundless.cluster.placement import Heartbeat as LendingHeartbeat
 from boundless.cluster.rmanager import SendBlocks, TryMove
 from boundless.config import ClusterConfig, EngineConfig
-from boundless.engine.async_engine import EngineLoop, QueueFullError
+from boundless.engine.async_engine import EngineDeadError, EngineLoop, QueueFullError, engine_stopped
 from boundless.engine.attention_time import AttentionSample
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import InvalidRequestError
@@ -273,6 +273,10 @@ class EngineInstance:
             return self.core.step_times.drain()
 
     def heartbeat(self) -> Heartbeat:
+        # A loop stopped by an error outside a step answers no more calls: the front end loses the instance at this
+        # failed heartbeat and fails its calls over (they waited for ever on an actor that answered with old stats).
+        if self.loop.error is not None:
+            raise EngineDeadError(f"instance {self.instance_id}: {engine_stopped(self.loop.error)}")
         lending = self.lending.heartbeat() if self.lending is not None else None
         return Heartbeat(self.loop.stats()["0"], self.links.stats(), lending, self.loop.step_in_flight())
 

@@ -38,7 +38,7 @@ from boundless.cluster.pd_dispatcher import Continue, DropPrefetch, Prefetch, Pr
 from boundless.cluster.pd_scheduler import read_queue_tokens
 from boundless.cluster.restarts import Restart
 from boundless.config import ClusterConfig, EngineConfig
-from boundless.engine.async_engine import StreamRegistry
+from boundless.engine.async_engine import EngineDeadError, StreamRegistry
 from boundless.engine.core import EngineStats
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel
@@ -84,7 +84,7 @@ class LocalPDCluster(DispatcherFrontEnd):
         return self.dispatcher.is_alive()
 
     def stats(self) -> dict[str, EngineStats]:
-        return {iid: inst.heartbeat().stats for iid, inst in self.instances.items()}
+        return {iid: inst.loop.stats()["0"] for iid, inst in self.instances.items()}  # (a heartbeat's, if dead too)
 
     def link_stats(self) -> dict[str, list[LinkStats]]:
         """Each instance's emulated links (storage, network), as its heartbeat reports them."""
@@ -175,7 +175,11 @@ class LocalPDCluster(DispatcherFrontEnd):
             for iid, inst in list(self.instances.items()):
                 if not self.dispatcher.views[iid].alive:
                     continue
-                beat = inst.heartbeat()
+                try:
+                    beat = inst.heartbeat()
+                except EngineDeadError as e:  # its loop stopped by an error outside a step: lost, as a Ray actor's
+                    self._lose(iid, f"heartbeat failed: {e}")
+                    continue
                 if self._watch_step(iid, beat.step):
                     continue
                 queued = read_queue_tokens(storage_queue_bytes(beat.links), self._kv_bytes_per_token)

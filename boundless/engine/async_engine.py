@@ -50,6 +50,12 @@ class EngineDeadError(RuntimeError):
 SHUTTING_DOWN = "the server is shutting down; retry the request on another server or once this one is back"
 
 
+def engine_stopped(error: BaseException) -> str:
+    """The stop reason of the requests in flight when the engine loop stopped by ``error`` (outside a step: a step's
+    own failure fails its requests and the loop goes on); the HTTP layer answers them as an engine error."""
+    return f"the engine stopped after an error ({type(error).__name__}: {error}); retry on another server or instance"
+
+
 class ShuttingDownError(EngineDeadError):
     """A request submitted after the server began to shut down."""
 
@@ -92,6 +98,7 @@ class EngineLoop:
         self._listeners: list[Callable[[RequestDelta], None]] = []
         if core.grammars is not None:  # a request waiting for its grammar runs as soon as it is compiled
             core.grammars.notify = self.wake
+        self.error: BaseException | None = None  # what stopped the loop, if anything did (``_run``)
         self._thread = threading.Thread(target=self._run, name="boundless-engine", daemon=True)
         self._thread.start()
 
@@ -104,7 +111,13 @@ class EngineLoop:
         return self.core.max_model_len
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.error is None
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(engine_stopped(self.error))
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine loop has stopped")
 
     def wake(self) -> None:
         """Step now if idle (something for the hooks came in)."""
@@ -159,8 +172,7 @@ class EngineLoop:
     ) -> None:
         """Add a request; raises at once for an invalid request or a full waiting queue. ``handoff`` makes this
         engine the request's prefill engine (``engine/handoff.py``)."""
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine loop has stopped")
+        self._check_alive()
         if params.structured is not None:  # (outside the lock: the first imports xgrammar, 1.5 s the loop would wait)
             check_structured_output(params.structured, self.core.identity.vocab_size)
         with self.lock:
@@ -179,8 +191,7 @@ class EngineLoop:
     ) -> IntakeAnswer:
         """Make this engine a request's decode engine (``EngineCore.prepare_intake``). A half of the same call from
         an earlier placement (its abort may still be on its way) is dropped first."""
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine loop has stopped")
+        self._check_alive()
         with self.lock:
             if len(self.core.scheduler.waiting) >= self.max_waiting:
                 raise QueueFullError(retry_after_s=1.0)
@@ -240,6 +251,18 @@ class EngineLoop:
             log.exception("closing the engine failed")
 
     def _run(self) -> None:
+        try:
+            self._steps()
+        except BaseException as e:  # outside a step (deciding one, taking its result): the loop cannot go on
+            self.error = e  # (first: no request is taken from here on)
+            log.critical("the engine loop stopped: %s\n%s", engine_stopped(e), traceback.format_exc())
+            self._stopped(e)
+
+    def _stopped(self, error: BaseException) -> None:
+        """The loop stopped by ``error`` with requests in flight. Here nothing more: the cluster's instance says so at
+        its next heartbeat, and its calls fail over with their tokens. The server's engine ends them (below)."""
+
+    def _steps(self) -> None:
         core = self.core
         # Asynchronous scheduling: the window decided and queued while the last one ran, and what it follows.
         ahead: tuple[SchedulerOutput, PendingStep] | None = None
@@ -365,9 +388,14 @@ class StreamRegistry:
         shutting down. Returns the ended requests' ids, for the caller to abort them."""
         with self._lock:
             self._ended = True
+        return self.fail_all(SHUTTING_DOWN)
+
+    def fail_all(self, stop_reason: str) -> list[str]:
+        """End every open stream with an error, ``stop_reason`` saying why; their ids."""
+        with self._lock:
             streams, self._streams = self._streams, {}
         for request_id, (loop, queue) in streams.items():
-            delta = RequestDelta(request_id, [], "", [], True, finish_reason="error", stop_reason=SHUTTING_DOWN)
+            delta = RequestDelta(request_id, [], "", [], True, finish_reason="error", stop_reason=stop_reason)
             loop.call_soon_threadsafe(queue.put_nowait, delta)
         return list(streams)
 
@@ -407,6 +435,11 @@ class AsyncEngine(EngineLoop):
     def abort(self, request_id: str) -> None:
         self.streams.close(request_id)
         super().abort(request_id)
+
+    def _stopped(self, error: BaseException) -> None:
+        """Its requests in flight end with an error saying so (they waited for ever: nothing would end their
+        streams); new ones are refused (``add``), and ``/health`` answers unavailable."""
+        self.streams.fail_all(engine_stopped(error))
 
     def end_requests(self) -> None:
         """End every request in flight with an error and refuse new ones (:meth:`StreamRegistry.end_all`): the server

@@ -88,3 +88,45 @@ def test_a_lost_decode_engine_is_restarted_and_decodes_later_calls(
     finally:
         trap.release()
         pd.shutdown()
+
+
+def test_a_decode_engine_whose_loop_stopped_is_lost_and_its_call_finishes_on_the_other(
+    model_dirs: dict[str, Path], tiny_llama: LoadedModel
+) -> None:
+    # An engine loop stopped by an error outside a step (taking a step's result: a bug there) answered heartbeats with
+    # its last stats: the call on it waited for ever. Now its heartbeat fails, it is lost, and the call goes on.
+    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=1024, kv_cache_gb=0.02)
+    cluster = ClusterConfig(
+        prefill_instances=1, decode_instances=2, heartbeat_interval_s=0.1, heartbeat_timeout_s=30.0,
+        kv_handoff_timeout_s=20.0, max_restarts=0,
+    )  # fmt: skip
+    pd = LocalPDCluster(config, cluster, tiny_llama)
+    broken: list[str] = []
+    for iid, inst in pd.instances.items():
+        if iid.startswith("d"):
+            finish_step = inst.core.finish_step
+
+            def failing(sched, result, finish_step=finish_step, iid=iid):
+                if not broken and any(c.request_id == VICTIM and c.num_output_tokens >= 3 for c in sched.chunks):
+                    broken.append(iid)
+                    raise KeyError("injected fault: a bug in taking a step's result")
+                return finish_step(sched, result)
+
+            inst.core.finish_step = failing  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def call(prompt: list[int]) -> str:
+        text = ""
+        async for delta in pd.submit(VICTIM, prompt, params):
+            assert delta.finish_reason != "error", delta.stop_reason
+            text += delta.new_text
+        return text
+
+    try:
+        prompt = [(11 * j) % 300 + 3 for j in range(40)]
+        text = asyncio.run(asyncio.wait_for(call(prompt), timeout=180))
+        # The decode engine it started on broke (the first to decode it 3 tokens in); it ended on the other.
+        assert len(broken) == 1 and not pd.dispatcher.views[broken[0]].alive and pd.dispatcher.num_failovers >= 1
+        assert text == one_engine_texts(tiny_llama, [prompt], MAX_TOKENS)[0]
+    finally:
+        pd.shutdown()
