@@ -228,9 +228,17 @@ class ProcessTable:
         if len(self._programs) <= self.max_programs:
             return
         self.expire(now)
-        # Still too many: drop the least recently active idle programs.
-        for pid, rec in list(self._programs.items()):
-            if len(self._programs) <= self.max_programs:
-                break
+        # Still too many: drop the least recently active idle programs. The scan stops once it has found enough: at
+        # the cap every new program comes here, and a pass over (a copy of) every record made each arrival cost
+        # milliseconds to over 100 ms at the default cap (100,000), the engine's or the router's thread stalled with it.
+        excess = len(self._programs) - self.max_programs
+        if excess <= 0:
+            return
+        idle: list[str] = []
+        for pid, rec in self._programs.items():
             if rec.active_calls == 0:
-                self._drop(pid)
+                idle.append(pid)
+                if len(idle) >= excess:
+                    break
+        for pid in idle:
+            self._drop(pid)

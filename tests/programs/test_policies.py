@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 
 import pytest
 
@@ -119,6 +120,36 @@ def test_process_table_expires_idle_programs_and_stays_bounded() -> None:
     assert table.expire(now=1000.0) and "busy" in table and len(table) == 1
     table.call_finished(busy, 1.0, 0.0, 1000.0)
     assert table.expire(now=1011.0) == ["busy"] and len(table) == 0
+
+
+class _CountedRecords(OrderedDict):
+    """A process table's records that count those an iteration passes over."""
+
+    visited = 0
+
+    def items(self):  # type: ignore[override]
+        for item in super().items():
+            self.visited += 1
+            yield item
+
+
+def test_an_arrival_at_the_size_cap_drops_the_least_recently_active_without_a_pass_over_every_program() -> None:
+    # At the cap every new program makes room; a pass over every record each arrival stalled the engine's (or the
+    # router's) thread for up to 100 ms at the default cap of 100,000 programs.
+    table = ProcessTable(ttl_s=1e9, max_programs=1000)
+    busy = ProgramRef("busy")
+    table.call_arrived(busy, 0.0)  # active, least recently: passed over, never dropped
+    for i in range(1000):
+        table.call_arrived(ProgramRef(f"p{i}"), float(i))
+        table.call_finished(ProgramRef(f"p{i}"), 0.1, 0.0, float(i))
+    table._programs = records = _CountedRecords(table._programs)
+    for i in range(1000, 1100):
+        table.call_arrived(ProgramRef(f"p{i}"), float(i))
+        table.call_finished(ProgramRef(f"p{i}"), 0.1, 0.0, float(i))
+        assert len(table) == 1000
+    assert "busy" in table
+    assert not any(f"p{i}" in table for i in range(101)) and all(f"p{i}" in table for i in range(101, 1100))
+    assert records.visited <= 100 * 4, f"{records.visited} records looked at for 100 arrivals"
 
 
 def test_the_policies_expiry_scans_at_most_once_per_hundredth_of_the_ttl() -> None:
