@@ -120,8 +120,8 @@ class MultiLevelQueuePolicy:
 
     def on_arrival(self, request: Call, now: float) -> None:
         program = self.program_of(request)
+        self.table.call_arrived(program, now)  # first: a program back after its TTL starts afresh there
         level = self.start_level(program) if self.program_level else 0
-        self.table.call_arrived(program, now)
         self.calls[request.request_id] = CallState(level, request.arrival_time, next(self._order), program)
         self._calls_of.setdefault(program.program_id, set()).add(request.request_id)
 

@@ -49,6 +49,9 @@ class ProgramRecord:
     last_arrival: float = 0.0
     last_completion: float | None = None
     longest_gap_s: float = 0.0  # longest time it was idle between a call's end and its next call's arrival
+    # The router's view merged since the program's last arrival here (service, summed service, waiting), or None: a
+    # program back after its TTL starts afresh with it alone (:meth:`ProcessTable.call_arrived`).
+    remote_view: tuple[float, float, float] | None = None
 
     @property
     def last_activity(self) -> float:
@@ -123,10 +126,20 @@ class ProcessTable:
         return rec.service_s if rec else 0.0
 
     def call_arrived(self, program: ProgramRef, now: float) -> ProgramRecord:
+        """A call of ``program`` arrived. A program back after idling past the TTL starts afresh, as it would had a
+        scan dropped it first (an engine with nothing to do runs none, so its programs outlived their TTL there),
+        with only the router's view merged for this call."""
         rec = self._programs.get(program.program_id)
-        if rec is None:
+        if rec is not None and rec.active_calls == 0 and now - rec.last_activity >= self.ttl_s:
+            view = rec.remote_view
             rec = ProgramRecord(program.program_id)
             self._programs[program.program_id] = rec
+            if view is not None:
+                rec.service_s, rec.total_service_s, rec.waiting_s = view
+        elif rec is None:
+            rec = ProgramRecord(program.program_id)
+            self._programs[program.program_id] = rec
+        rec.remote_view = None
         if rec.first_arrival is None:
             rec.first_arrival = now
         if rec.active_calls == 0 and rec.last_completion is not None:  # back from a tool, or a user's turn
@@ -194,9 +207,11 @@ class ProcessTable:
             rec = ProgramRecord(program_id)
             self._programs[program_id] = rec
             self._programs.move_to_end(program_id, last=False)
+        total = service_s if total_service_s is None else total_service_s
         rec.service_s = max(rec.service_s, service_s)
-        rec.total_service_s = max(rec.total_service_s, service_s if total_service_s is None else total_service_s)
+        rec.total_service_s = max(rec.total_service_s, total)
         rec.waiting_s = max(rec.waiting_s, waiting_s)
+        rec.remote_view = (service_s, total, waiting_s)
         self.mark_changed(program_id)
 
     def expire_due(self, now: float) -> list[str]:

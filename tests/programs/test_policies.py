@@ -190,6 +190,33 @@ def test_expiry_drops_what_a_scan_of_every_program_drops(monotonic: bool) -> Non
     assert expired > 20  # (the cases drop programs)
 
 
+@pytest.mark.parametrize("cls", [PLASPolicy, ATLASPolicy])
+def test_a_program_back_after_its_ttl_starts_afresh_though_no_scan_dropped_it(cls) -> None:
+    # An engine with nothing to do runs no scan: a program idle past the TTL was still in the table when its next call
+    # came, and that call started in the queue of the program's old service (docs: programs idle past the TTL are
+    # dropped), ahead of the programs that came after it in its queue by its old first arrival.
+    config = QueueConfig(num_queues=4, base_s=1.0, growth=4.0, beta=3.0, ttl_s=10.0)
+    policy = cls(config)
+    run_call(policy, call("a1", "agent", 0.0), 5.0, 5.0)  # queue 2 ([4, 16))
+    back = call("a2", "agent", 100.0)
+    policy.on_arrival(back, 100.0)
+    assert policy.calls["a2"].level == 0
+    rec = policy.table.get("agent")
+    assert (rec.service_s, rec.waiting_s, rec.completed_calls, rec.first_arrival) == (0.0, 0.0, 0, 100.0)
+    # Behind a router, the view it sends with the call stands (its own table forgot the program too, or it ran
+    # elsewhere meanwhile); this instance's stale history does not.
+    policy.on_service(back, 20.0, 120.0)
+    policy.on_finish(back, 120.0)
+    policy.merge_remote_service(ProgramRef("agent", service_s=2.0, total_service_s=2.0, waiting_s=1.0))
+    policy.on_arrival(call("a3", "agent", 300.0), 300.0)
+    assert policy.calls["a3"].level == 1  # [1, 4): the router's 2 s, not this instance's 20 s
+    assert (policy.table.get("agent").service_s, policy.table.get("agent").waiting_s) == (2.0, 1.0)
+    # Within the TTL the views merge as before, never going back.
+    policy.merge_remote_service(ProgramRef("agent", service_s=1.0, total_service_s=1.0, waiting_s=0.5))
+    policy.on_arrival(call("a4", "agent", 305.0), 305.0)
+    assert policy.calls["a4"].level == 1 and policy.table.get("agent").service_s == 2.0
+
+
 def test_an_abandoned_call_does_not_keep_its_program_alive() -> None:
     table = ProcessTable(ttl_s=10.0, max_programs=50)
     p = ProgramRef("p")
