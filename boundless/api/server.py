@@ -574,12 +574,13 @@ class OpenAIServer:
     ) -> list[DeltaStream]:
         """Submit every (prompt, sample) pair; on any error, abort those already submitted. A request of more samples
         than ``--max-waiting`` lets wait is refused (400): its samples would be refused as the queue filled (429), again
-        at every retry, the server idle or not. A prompt that fills the context is refused here unless ``prompt_only``
-        (the completions API's echo with ``max_tokens`` 0, whose one token sampled at the prompt's end is left out):
-        the engine, which checks the rest, takes one token asked for after it, as vLLM's engine does."""
+        at every retry, the server idle or not. A prompt and the tokens asked for past the context are refused here
+        (with OpenAI's ``context_length_exceeded``, which an instance's error across Ray would not carry), a prompt
+        that fills the context too unless ``prompt_only`` (the completions API's echo with ``max_tokens`` 0, whose one
+        token sampled at the prompt's end is left out): the engine takes one token asked for after it, as vLLM's
+        engine does."""
         for ids in prompts:
-            if len(ids) >= self.client.max_model_len:
-                require_context_room(len(ids), params.max_tokens, self.client.max_model_len, prompt_only)
+            require_context_room(len(ids), params.max_tokens, self.client.max_model_len, prompt_only)
         limit = self.client.max_waiting
         if limit is not None and (samples := len(prompts) * params.n) > limit:
             raise APIError(
@@ -761,9 +762,11 @@ class OpenAIServer:
                 params = dataclasses.replace(params, thinking_budget=budget)
             await check_grammar(params, self.tokenizer.vocab_size)
             streams = self.submit_all(rid, [ids], params, _program(body, request))
-        except InvalidRequestError as e:  # name the field the client used for the limit
+        except InvalidRequestError as e:  # name the field the client used: for the limit, and messages for the prompt
             if e.param == "max_tokens" and body.max_completion_tokens is not None:
-                raise InvalidRequestError(str(e), "max_completion_tokens") from e
+                raise InvalidRequestError(str(e), "max_completion_tokens", e.code) from e
+            if e.param == "prompt":  # (as OpenAI's chat names it)
+                raise InvalidRequestError(str(e), "messages", e.code) from e
             raise
         reasoning = None
         if self.reasoning is not None:

@@ -21,7 +21,7 @@ from boundless.engine.attention_time import AttentionTimeRecorder
 from boundless.engine.bad_words import bad_words_token_ids
 from boundless.engine.builder import DeviceMemory, EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens, flush
-from boundless.engine.errors import InvalidRequestError
+from boundless.engine.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, PendingStep, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
 from boundless.engine.lending_stats import LendingStats
@@ -1006,7 +1006,8 @@ class EngineCore:
 def require_context_room(prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_only: bool) -> None:
     """Raise :class:`InvalidRequestError` unless the context holds the prompt and the tokens asked for (``max_tokens``;
     None: one at least), naming ``prompt`` when the prompt alone is too long or no limit was given, else
-    ``max_tokens``. ``prompt_only``: the one token sampled at the prompt's end is all the request asks for; it is never
+    ``max_tokens``, with OpenAI's code ``context_length_exceeded`` (what agents read to compact their history).
+    ``prompt_only``: the one token sampled at the prompt's end is all the request asks for; it is never
     read, so a prompt that fills the context leaves it room (the engine takes such a request, as vLLM's does, and it
     ends there, ``length``; the completions API's prompt alone, ``echo`` with ``max_tokens`` 0, is one)."""
     wanted = 0 if prompt_only else (max_tokens or 1)
@@ -1015,6 +1016,7 @@ def require_context_room(prompt_len: int, max_tokens: int | None, max_model_len:
         raise InvalidRequestError(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} tokens{asked}",
             "prompt" if prompt_len > max_model_len or not max_tokens else "max_tokens",
+            CONTEXT_LENGTH_EXCEEDED,
         )
 
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+# OpenAI's error code for a request whose prompt, or prompt and the tokens asked for, exceed the context: agents read
+# it (not the message) to compact their history and retry.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
 
 class InvalidRequestError(ValueError):
-    """A request cannot be served as asked; ``param`` names the offending field, for API error objects."""
+    """A request cannot be served as asked; ``param`` names the offending field and ``code`` is OpenAI's code for the
+    error (``invalid_value``, or :data:`CONTEXT_LENGTH_EXCEEDED`), for API error objects."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 # The end of a call whose instance was lost while no other could take it (every queue full, or none live and none

@@ -367,7 +367,7 @@ def test_a_prompt_that_fills_the_context_is_echoed_alone_and_one_past_it_is_name
     """``echo`` with ``max_tokens`` 0 scores a prompt of exactly the context's length (lm-eval's loglikelihood of a
     context cut to the model's length): nothing is generated, so nothing needs room (it was a 400, "1 more were
     requested"). A generated token still needs room; a prompt longer than the context alone is refused naming
-    ``prompt``, on completions as on chat (completions named ``max_tokens``)."""
+    ``prompt`` on completions (it named ``max_tokens``), ``messages`` on chat (OpenAI's name for chat's prompt)."""
     ids = smollm2.tokenizer.encode("The sea is calm tonight, and the tide is full. " * 120)[:MAX_LEN]
     assert len(ids) == MAX_LEN
     scored = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
@@ -381,13 +381,51 @@ def test_a_prompt_that_fills_the_context_is_echoed_alone_and_one_past_it_is_name
         (lambda: client.completions.create(model=MODEL, prompt=[*ids, ids[0]], max_tokens=0, echo=True), "prompt"),
         (
             lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 2000}]),
-            "prompt",
+            "messages",
         ),
     ]
     for ask, param in refused:
         with pytest.raises(openai.BadRequestError) as e:
             ask()
         assert e.value.body["param"] == param and "maximum context length is 1024" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_past_the_context_is_refused_with_openais_code(client: openai.OpenAI, stream: bool) -> None:
+    """A prompt too long for the context, or one whose answer asked for would not fit, is a 400 with OpenAI's code
+    ``context_length_exceeded`` on every route (agents read the code, not the message, to compact their history and
+    retry; it was ``invalid_value``), naming the field the client sent: ``messages`` on chat (it named ``prompt``, a
+    field chat has not), ``max_completion_tokens`` or ``max_tokens`` where the prompt fits but the answer asked for
+    does not, ``input`` and ``max_output_tokens`` on the Responses API."""
+    fits = [{"role": "user", "content": "x " * 400}]  # (about 400 tokens of 1024)
+    too_long = [{"role": "user", "content": "x " * 2000}]
+    chat, completions, responses = client.chat.completions, client.completions, client.responses
+    refused = [
+        (lambda: chat.create(model=MODEL, messages=too_long, max_tokens=4, stream=stream), "messages"),
+        (
+            lambda: chat.create(model=MODEL, messages=fits, max_completion_tokens=900, stream=stream),
+            "max_completion_tokens",
+        ),
+        (lambda: chat.create(model=MODEL, messages=fits, max_tokens=900, stream=stream), "max_tokens"),
+        (lambda: completions.create(model=MODEL, prompt="x " * 2000, max_tokens=4, stream=stream), "prompt"),
+        (lambda: completions.create(model=MODEL, prompt="x " * 400, max_tokens=900, stream=stream), "max_tokens"),
+        (lambda: responses.create(model=MODEL, input="x " * 2000, max_output_tokens=16, stream=stream), "input"),
+        (
+            lambda: responses.create(model=MODEL, input="x " * 400, max_output_tokens=900, stream=stream),
+            "max_output_tokens",
+        ),
+    ]
+    for ask, param in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            ask()
+        error = e.value.body
+        assert (error["param"], error["code"], error["type"]) == (
+            param,
+            "context_length_exceeded",
+            "invalid_request_error",
+        )
+        assert "maximum context length is 1024" in error["message"]
+    _good_request(client)
 
 
 def test_prompt_logprobs_on_chat_and_completions_have_vllms_shape(client: openai.OpenAI, smollm2: LoadedModel) -> None:
