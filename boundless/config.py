@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -76,7 +77,11 @@ class ModelConfig:
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     max_model_len: int | None = field(
         default=None,
-        metadata={"help": "context length; it must fit in the KV pool (default: the model's, capped by the pool)"},
+        metadata={
+            "help": "context length; it must fit in the KV pool (default: the model's, capped by the pool). As vLLM's: "
+            "32k is 32,000 tokens, 32K 32,768, and auto or -1 the default",
+            "type": lambda text: context_length(text),
+        },
     )
     seed: int = field(default=0, metadata={"help": "seed of the generator shared by requests that set no seed"})
     attention_backend: str = field(
@@ -966,7 +971,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] | 
         if only is not None and f.name not in only:
             continue
         flag = "--" + f.name.replace("_", "-")
-        tp = _base_type(hints[f.name])
+        tp = f.metadata.get("type") or _base_type(hints[f.name])  # (a field's own parse of its flag)
         help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         if tp is bool:
@@ -975,6 +980,29 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] | 
             group.add_argument(flag, nargs="+", type=typing.get_args(tp)[0], default=default, help=help_text)
         else:
             group.add_argument(flag, type=tp, default=default, help=f"{help_text} (default: {default})")
+
+
+def context_length(text: str) -> int | None:
+    """An argparse ``type`` for ``--max-model-len``, vLLM's human-readable form: a whole number, or one with a decimal
+    suffix (``k`` 1,000, ``m``, ``g``; ``25.6k`` is 25,600) or a binary one (``K`` 1,024, ``M``, ``G``; whole numbers
+    only), as Qwen's and Llama's model cards write contexts (``--max-model-len 128k``); ``auto`` or ``-1``: the default
+    (None, the model's context capped by the pool)."""
+    value = text.strip()
+    if value.lower() == "auto" or value == "-1":
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a context length: {text!r} (a number of tokens, e.g. 8192, 32k or 32K)")
+    number, suffix = match.groups()
+    if suffix in ("K", "M", "G") and "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a binary suffix takes a whole number (or write {number}{suffix.lower()})"
+        )
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    tokens = float(number) * scale if "." in number else int(number) * scale
+    if tokens != int(tokens) or int(tokens) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens of at least 1")
+    return int(tokens)
 
 
 def positive_int(text: str) -> int:
