@@ -50,6 +50,7 @@ from boundless.api.schemas import (
     Identifier,
     Int,
     NullIsDefault,
+    ParentThreads,
     StructuredOutputsParams,
     check_distinct_names,
     object_schema,
@@ -167,6 +168,7 @@ class ResponsesRequest(NullIsDefault):
     # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers); by default the chain's.
     program_id: Identifier | None = None
     thread_id: Identifier | None = None
+    parent_thread_ids: ParentThreads | None = None
     # OpenAI's cache key (Codex sends its conversation's id): the program, unless program_id or X-Program-Id says
     prompt_cache_key: str | None = None  # (one that cannot be a program id is ignored: api/agent_sessions.py)
     # Typed to be refused by name when set (_prepare): no conversations object, no background mode here.
@@ -465,7 +467,7 @@ class ResponsesAPI:
             chat,
             prompt,
             messages,
-            ProgramRef(program_id, thread_id),
+            ProgramRef(program_id, thread_id, tuple(body.parent_thread_ids or ())),
             logprobs,
             tools,
             ToolUse(

@@ -39,6 +39,8 @@ Count = Annotated[int, Strict(), Field(ge=1)]
 Seed = Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)]
 Penalty = Annotated[float, Strict(), AllowInfNan(False), Field(ge=-2.0, le=2.0)]
 Identifier = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
+# The threads of its program a DAG program's call joins (Autellix's ATLAS: it starts where the longest of them ended)
+ParentThreads = Annotated[list[Identifier], Field(max_length=MAX_PARENT_THREADS)]
 # A tool's name: OpenAI's characters (letters, digits, _ and -) and the separators agents' tool names use (MCP's
 # `server.tool`, and `:` and `/`), up to MCP's 128. OpenAI's own rule (64, no separators) refused names that vLLM,
 # which checks none, serves.
@@ -198,7 +200,7 @@ class _SamplingFields(NullIsDefault):
     # Autellix program identity (also accepted as X-Program-Id / X-Thread-Id headers)
     program_id: Identifier | None = None
     thread_id: Identifier | None = None
-    parent_thread_ids: Annotated[list[Identifier], Field(max_length=MAX_PARENT_THREADS)] | None = None
+    parent_thread_ids: ParentThreads | None = None
     # OpenAI's: requests that share it share cached prefixes (Codex sends its conversation's id). Here it names the
     # program the request belongs to unless program_id or X-Program-Id does: the same scheduling and locality.
     prompt_cache_key: str | None = None  # (one that cannot be a program id is ignored: api/agent_sessions.py)

@@ -376,3 +376,16 @@ def test_a_server_tool_is_refused_by_its_type(client: anthropic.Anthropic) -> No
         assert message.startswith("tools.1.type: ") and "'web_search_20250305'" in message and "server tools" in message
     # A custom tool may say so.
     assert client.messages.count_tokens(model="tiny", messages=ASK, tools=[{**UNITS_TOOL, "type": "custom"}])
+
+
+def test_a_call_of_a_dag_program_joins_the_threads_it_names(client: anthropic.Anthropic, served: Served) -> None:
+    # parent_thread_ids, one of the chat route's fields carried beside Anthropic's: the call starts where the threads
+    # it joins ended (ATLAS's critical path), not where its own thread did.
+    hi = [{"role": "user", "content": "Hi"}]
+    client.messages.create(
+        model="tiny", max_tokens=8, messages=hi, extra_body={"program_id": "dag-messages", "thread_id": "a"}
+    )
+    joined = {"program_id": "dag-messages", "thread_id": "b", "parent_thread_ids": ["a"]}
+    client.messages.create(model="tiny", max_tokens=1, messages=hi, extra_body=joined)
+    record = served.engine.core.policy.table.get("dag-messages")  # type: ignore[attr-defined]
+    assert record is not None and record.threads["b"].service_s > record.threads["a"].service_s

@@ -383,3 +383,14 @@ def test_conversation_and_background_are_refused_by_name(client: openai.OpenAI) 
             client.responses.create(**asked, **{field: value})
         assert refused.value.body["param"] == field and field in refused.value.body["message"]  # type: ignore[index]
     assert client.responses.create(**asked, background=False).status in ("completed", "incomplete")
+
+
+def test_a_call_of_a_dag_program_joins_the_threads_it_names(client: openai.OpenAI, hermes: Served) -> None:
+    # parent_thread_ids, as on the chat route: the call starts where the threads it joins ended (ATLAS's critical
+    # path). The Responses body took the field and dropped it, so a join counted only the call's own service.
+    body = {"program_id": "dag-responses", "thread_id": "a"}
+    client.responses.create(model=MODEL, input="Hi", max_output_tokens=8, extra_body=body)
+    joined = {"program_id": "dag-responses", "thread_id": "b", "parent_thread_ids": ["a"]}
+    client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, extra_body=joined)
+    record = hermes.engine.core.policy.table.get("dag-responses")  # type: ignore[attr-defined]
+    assert record is not None and record.threads["b"].service_s > record.threads["a"].service_s
