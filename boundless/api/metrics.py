@@ -35,6 +35,14 @@ class _EngineStateCollector:
                 "prompt tokens served by the prefix cache over prompt tokens",
                 lambda s: s.prefix_cache_hit_rate,
             ),
+            "boundless_programs_tracked": (
+                "programs in the scheduler's process table (each until idle past --program-ttl-s)",
+                lambda s: s.programs_tracked,
+            ),
+            "boundless_programs_with_calls": (
+                "programs with a call running or waiting",
+                lambda s: s.programs_with_calls,
+            ),
         }
         for name, (doc, get) in gauges.items():
             g = GaugeMetricFamily(name, doc, labels=["instance"])

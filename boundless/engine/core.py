@@ -167,6 +167,10 @@ class EngineStats:
     # LoRA adapters (--enable-lora): the running and waiting requests of each loaded adapter, by name.
     lora_running: dict[str, int] = field(default_factory=dict)
     lora_waiting: dict[str, int] = field(default_factory=dict)
+    # Autellix's process table: the programs it holds (each until idle past --program-ttl-s; an anonymous call is a
+    # program of its own), and the programs with a call running or waiting here now.
+    programs_tracked: int = 0
+    programs_with_calls: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -956,6 +960,10 @@ class EngineCore:
             spec_accepted_by_position=list(c.accepted_by_position),
             lora_running=self._lora_counts(self.scheduler.running),
             lora_waiting=self._lora_counts(self.scheduler.waiting),
+            programs_tracked=len(self.policy.table),
+            programs_with_calls=len(
+                {r.program.program_id for r in (*self.scheduler.running, *self.scheduler.waiting) if r.program}
+            ),
         )
 
     def _lora_counts(self, requests: list[Request]) -> dict[str, int]:

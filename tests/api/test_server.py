@@ -617,6 +617,34 @@ def test_metrics_expose_engine_and_latency_series(server: ServerThread, client: 
         assert name in text, name
 
 
+def _gauge(server: ServerThread, name: str) -> float:
+    line = next(x for x in httpx.get(server.url + "/metrics").text.splitlines() if x.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_metrics_count_the_programs_tracked_and_those_with_calls_in_the_engine(
+    server: ServerThread, client: openai.OpenAI
+) -> None:
+    # What an operator of agents checks the scheduler by: that its calls group into programs, and that the table
+    # stays bounded (tests/programs/test_process_table.py has its expiry and cap).
+    tracked = _gauge(server, "boundless_programs_tracked")
+    for program in ("metrics-a", "metrics-b", "metrics-a"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_body={"program_id": program}
+        )
+    assert _gauge(server, "boundless_programs_tracked") == tracked + 2
+    assert _gauge(server, "boundless_programs_with_calls") == 0
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=200, stream=True,
+        extra_body={"program_id": "metrics-c", "ignore_eos": True},
+    )  # fmt: skip
+    next(iter(stream))
+    try:
+        assert _gauge(server, "boundless_programs_with_calls") == 1
+    finally:
+        stream.close()
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 
