@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from served_cluster import ray_with_env
 
 from boundless.api.launch import start_in_thread
 from boundless.cluster.client import ClusterClient
@@ -24,16 +25,8 @@ STUCK = "1"
 
 @pytest.fixture(scope="module")
 def ray_with_a_hanging_instance() -> Iterator[None]:
-    import ray
-
-    # The instances' environment comes from Ray's start-up, so Ray starts afresh with the test hook set.
-    if ray.is_initialized():
-        ray.shutdown()
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(HANG_STEP_ENV, STUCK)
+    with ray_with_env(HANG_STEP_ENV, STUCK):
         yield
-        if ray.is_initialized():
-            ray.shutdown()
 
 
 def test_a_lost_instance_shows_no_calls_running_or_waiting_on_it(

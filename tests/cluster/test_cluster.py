@@ -14,6 +14,7 @@ import openai
 import pytest
 import zmq
 from one_engine import one_engine_texts
+from served_cluster import ray_with_env
 from streams import kill_mid_stream, stream_all
 
 from boundless import LLM, SamplingParams
@@ -45,16 +46,8 @@ def _cluster(model_dir: Path, kv_events_port: int | None = None) -> ClusterClien
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    import ray
-
-    # The instances' environment comes from Ray's start-up, so Ray starts afresh with the test hook set.
-    if ray.is_initialized():
-        ray.shutdown()
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(FAIL_ADD_SEED_ENV, str(POISON_SEED))
+    with ray_with_env(FAIL_ADD_SEED_ENV, str(POISON_SEED)):
         yield
-        if ray.is_initialized():
-            ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from one_engine import one_engine_texts
+from served_cluster import ray_with_env
 
 from boundless.api.launch import start_in_thread
 from boundless.cluster.client import ClusterClient
@@ -27,16 +28,8 @@ STUCK = "1"
 
 @pytest.fixture(scope="module")
 def ray_with_a_hanging_instance() -> Iterator[None]:
-    import ray
-
-    # The instances' environment comes from Ray's start-up, so Ray starts afresh with the test hook set.
-    if ray.is_initialized():
-        ray.shutdown()
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(HANG_STEP_ENV, STUCK)
+    with ray_with_env(HANG_STEP_ENV, STUCK):
         yield
-        if ray.is_initialized():
-            ray.shutdown()
 
 
 def test_an_instance_stuck_in_a_step_is_killed_and_its_calls_finish_on_the_other(
