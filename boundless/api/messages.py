@@ -40,6 +40,7 @@ from boundless.api.schemas import (
     NullIsDefault,
 )
 from boundless.api.server import ChatStream
+from boundless.engine.errors import ContextOverflow, InvalidRequestError
 
 routes = APIRouter()
 
@@ -460,12 +461,26 @@ async def count_tokens(request: Request) -> Response:
     return JSONResponse({"input_tokens": len(prompt)})
 
 
+def overflow_message(overflow: ContextOverflow) -> str:
+    """Anthropic's words for a request past the context: Claude Code reads "prompt is too long" as the cue to compact
+    its conversation."""
+    o = overflow
+    if o.prompt_tokens > o.max_model_len or o.max_tokens is None:
+        return f"prompt is too long: {o.prompt_tokens} tokens > {o.max_model_len} maximum"
+    return (
+        f"input length and `max_tokens` exceed context limit: {o.prompt_tokens} + {o.max_tokens} > {o.max_model_len}, "
+        "decrease input length or `max_tokens` and try again"
+    )
+
+
 async def _anthropic_error(request: Request, body: dict[str, Any], error: Exception) -> JSONResponse:
     """The app's answer to ``error`` (its exception handlers': the status, message and ``Retry-After`` every route
     gives), in Anthropic's shape; a body that does not validate (Anthropic's fields, or the chat request they make) is
     a 400 naming the field. An error the app has no answer for is raised again (its 500)."""
     if isinstance(error, ValidationError):
         error = part_error(error, "body", body)
+    if isinstance(error, InvalidRequestError) and error.overflow is not None:
+        return JSONResponse(anthropic_error(400, overflow_message(error.overflow)), status_code=400)
     for kind in type(error).__mro__:
         handler = request.app.exception_handlers.get(kind)
         if handler is not None and kind is not Exception:

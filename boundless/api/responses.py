@@ -376,7 +376,7 @@ class ResponsesAPI:
         except InvalidRequestError as e:  # name the field the client used for the limit
             renamed = {"max_tokens": "max_output_tokens", "prompt": "input"}.get(e.param or "")
             if renamed is not None:
-                raise InvalidRequestError(str(e), renamed, e.code) from e
+                raise e.renamed(renamed) from e
             raise
         if body.stream:
             replayed = await server.started(streams, request)

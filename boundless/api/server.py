@@ -764,9 +764,9 @@ class OpenAIServer:
             streams = self.submit_all(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used: for the limit, and messages for the prompt
             if e.param == "max_tokens" and body.max_completion_tokens is not None:
-                raise InvalidRequestError(str(e), "max_completion_tokens", e.code) from e
+                raise e.renamed("max_completion_tokens") from e
             if e.param == "prompt":  # (as OpenAI's chat names it)
-                raise InvalidRequestError(str(e), "messages", e.code) from e
+                raise e.renamed("messages") from e
             raise
         reasoning = None
         if self.reasoning is not None:

@@ -21,7 +21,7 @@ from boundless.engine.attention_time import AttentionTimeRecorder
 from boundless.engine.bad_words import bad_words_token_ids
 from boundless.engine.builder import DeviceMemory, EngineLayout, ModelIdentity, build_model_executor, size_engine
 from boundless.engine.detokenizer import IncrementalDetokenizer, add_runs, add_tokens, flush
-from boundless.engine.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
+from boundless.engine.errors import CONTEXT_LENGTH_EXCEEDED, ContextOverflow, InvalidRequestError
 from boundless.engine.executor import Executor, ModelExecutor, PendingStep, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
 from boundless.engine.lending_stats import LendingStats
@@ -1025,6 +1025,7 @@ def require_context_room(prompt_len: int, max_tokens: int | None, max_model_len:
             f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} tokens{asked}",
             "prompt" if prompt_len > max_model_len or not max_tokens else "max_tokens",
             CONTEXT_LENGTH_EXCEEDED,
+            ContextOverflow(prompt_len, max_tokens, max_model_len),
         )
 
 

@@ -389,3 +389,26 @@ def test_a_call_of_a_dag_program_joins_the_threads_it_names(client: anthropic.An
     client.messages.create(model="tiny", max_tokens=1, messages=hi, extra_body=joined)
     record = served.engine.core.policy.table.get("dag-messages")  # type: ignore[attr-defined]
     assert record is not None and record.threads["b"].service_s > record.threads["a"].service_s
+
+
+def test_a_request_past_the_context_is_refused_in_anthropics_words(client: anthropic.Anthropic) -> None:
+    # Claude Code reads "prompt is too long" (Anthropic's message, its type invalid_request_error) as the cue to
+    # compact its conversation; ours said "this model's maximum context length is ...".
+    long = [{"role": "user", "content": "word " * 1500}]
+    tokens = client.messages.count_tokens(model="tiny", messages=long).input_tokens  # type: ignore[arg-type]
+    assert tokens > 1024
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            client.messages.create(model="tiny", max_tokens=4, messages=long, stream=stream)  # type: ignore[arg-type]
+        assert refused.value.body["error"] == {  # type: ignore[index]
+            "type": "invalid_request_error",
+            "message": f"prompt is too long: {tokens} tokens > 1024 maximum",
+        }
+    fits = [{"role": "user", "content": "Hi"}]
+    tokens = client.messages.count_tokens(model="tiny", messages=fits).input_tokens  # type: ignore[arg-type]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model="tiny", max_tokens=1024, messages=fits)  # type: ignore[arg-type]
+    assert refused.value.body["error"]["message"] == (  # type: ignore[index]
+        f"input length and `max_tokens` exceed context limit: {tokens} + 1024 > 1024, decrease input length or "
+        "`max_tokens` and try again"
+    )
