@@ -4,8 +4,9 @@ The engine hands each step's events to :meth:`ZmqEventPublisher.publish`, which 
 a bounded queue (a full queue drops the batch and counts it: the engine never waits for a subscriber). A thread
 encodes each batch (``kv/event_wire.py``) and sends it on a PUB socket as a three-part message: the topic, the
 sequence number as 8 big-endian bytes, the payload. It keeps the last ``buffer_steps`` payloads for the replay socket
-(ROUTER): a request ``[identity, b"", start_seq]`` gets ``[identity, b"", seq, payload]`` for each kept batch from
-``start_seq`` on, then ``[identity, b"", -1, b""]``. A dropped batch keeps its number, so a subscriber sees the gap.
+(ROUTER): a request ``[identity, b"", start_seq]`` gets ``[identity, b"", topic, seq, payload]`` for each kept batch
+from ``start_seq`` on, then ``[identity, b"", b"", -1, b""]`` (vLLM 0.26 on; ``event_format: array`` leaves out the
+topic frames, as 0.23 did: ``kv/event_wire.py``). A dropped batch keeps its number, so a subscriber sees the gap.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from boundless.config import KVEventsConfig
-from boundless.kv.event_wire import encode_batch
+from boundless.kv.event_wire import encode_batch, replay_end, replay_reply
 from boundless.kv.events import KVEvent
 
 if TYPE_CHECKING:
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The replay's end: -1 as a signed 8-byte big-endian number.
-END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 # How long the thread waits on the queue before it looks at the replay socket again.
 POLL_S = 0.05
 # How long close() waits for the thread to send what is queued.
@@ -144,8 +143,8 @@ class ZmqEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in self._buffer:
             if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+                self._replay.send_multipart((client, b"", *replay_reply(self._topic, seq, payload, self.event_format)))
+        self._replay.send_multipart((client, b"", *replay_end(self.event_format)))
 
 
 def open_publisher(config: KVEventsConfig | None, block_size: int, rank: int = 0) -> ZmqEventPublisher | None:

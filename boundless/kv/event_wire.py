@@ -12,6 +12,10 @@ as an array whose first element names it (vLLM 0.23 and before, ``array``):
 
 vLLM's later optional fields (``extra_keys``, ``group_idx``, ...) are left out, as its encoder leaves out a field at
 its default. A block's hash is an unsigned 64-bit integer: :func:`external_hash`.
+
+The replay socket's answers (:func:`replay_reply`, :func:`replay_end`) are vLLM's too: since its PR 45177 (0.26 on)
+each resent batch is ``[topic, seq, payload]`` after the envelope, as on the PUB socket, and the end ``[b"", -1, b""]``;
+``array`` keeps 0.23's ``[seq, payload]`` and ``[-1, b""]``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,22 @@ import msgpack
 
 from boundless.kv.block_hash import BlockHash
 from boundless.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+# The replay's end: -1 as a signed 8-byte big-endian number.
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+def replay_reply(topic: bytes, seq: int, payload: bytes, event_format: str = "map") -> tuple[bytes, ...]:
+    """A resent batch as the replay socket sends it after the client's envelope: with the topic, as vLLM 0.26 on
+    sends it (a router reads the instance and model from the topic, ``kv@<pod>@<model>``), or without it
+    (``array``: vLLM 0.23 and before)."""
+    seq_bytes = seq.to_bytes(8, "big")
+    return (topic, seq_bytes, payload) if event_format == "map" else (seq_bytes, payload)
+
+
+def replay_end(event_format: str = "map") -> tuple[bytes, ...]:
+    """The replay's last message after the envelope: an empty topic (``map``), ``-1``, an empty payload."""
+    return (b"", END_OF_REPLAY, b"") if event_format == "map" else (END_OF_REPLAY, b"")
 
 
 def external_hash(name: BlockHash) -> int:

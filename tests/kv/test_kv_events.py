@@ -84,25 +84,32 @@ class Subscriber:
             out.append(self.receive())
         return out
 
-    def replay(self, start: int) -> list[tuple[int, bytes]]:
+    def replay(self, start: int, with_topic: bool = True) -> list[tuple[int, bytes]]:
+        """The batches the replay socket resends from ``start``, read as vLLM 0.26 on sends them (its PR 45177:
+        ``[topic, seq, payload]`` after the envelope, as on the PUB socket; the end ``[b"", -1, b""]``), or, without
+        ``with_topic``, as vLLM 0.23 did (``[seq, payload]``, the end ``[-1, b""]``)."""
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.connect(f"tcp://127.0.0.1:{self.replay_port}")
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
         out = []
         while True:
             assert dealer.poll(WAIT_MS), "the replay did not end"
-            empty, seq, payload = dealer.recv_multipart()
+            frames = dealer.recv_multipart()
+            if with_topic:
+                empty, topic, seq, payload = frames
+            else:
+                (empty, seq, payload), topic = frames, None
             assert empty == b""
             if int.from_bytes(seq, "big", signed=True) == -1:
-                assert payload == b""
+                assert payload == b"" and topic in (b"", None)
                 break
+            assert topic in (self.topic.encode(), None)
             out.append((int.from_bytes(seq, "big"), payload))
         dealer.close(0)
         return out
 
     def close(self) -> None:
-        self.sub.close(0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # every socket, a replay's DEALER that a failed assertion left open too
 
 
 @pytest.fixture
@@ -253,6 +260,40 @@ def test_the_replay_socket_resends_from_a_sequence_number(tiny_llama: LoadedMode
         assert sub.replay(batches[-1].seq + 1) == []
     finally:
         core.close()
+
+
+def test_the_replay_says_the_topic_as_vllms_does(tiny_llama: LoadedModel, sub: Subscriber) -> None:
+    """vLLM 0.26 on (its PR 45177) resends each batch as the PUB socket sent it, ``[topic, seq, payload]`` after the
+    envelope, and ends with ``[b"", -1, b""]``: a router (llm-d's) reads the instance and the model from the topic of
+    a replayed batch. ``event_format: array`` answers as vLLM 0.23 did, without the topic."""
+    sub.topic = "kv@pod-1@smollm2"
+    for event_format, frames in (("map", 4), ("array", 3)):
+        core = _engine(tiny_llama, sub.config(event_format=event_format))
+        try:
+            last = _connected(core, sub)
+            _run(core, "a", PROMPT)
+            (batch,) = sub.drain()
+            assert batch.seq == last + 1
+            dealer = sub.ctx.socket(zmq.DEALER)
+            dealer.connect(f"tcp://127.0.0.1:{sub.replay_port}")
+            dealer.send_multipart([b"", batch.seq.to_bytes(8, "big")])
+            got = []
+            while not got or got[-1][-1]:
+                assert dealer.poll(WAIT_MS), "the replay did not end"
+                got.append(dealer.recv_multipart())
+            dealer.close(0)
+            end = (-1).to_bytes(8, "big", signed=True)
+            if event_format == "map":
+                assert got == [
+                    [b"", sub.topic.encode(), batch.seq.to_bytes(8, "big"), batch.payload],
+                    [b"", b"", end, b""],
+                ]
+            else:
+                assert got == [[b"", batch.seq.to_bytes(8, "big"), batch.payload], [b"", end, b""]]
+            assert {len(m) for m in got} == {frames}
+            assert sub.replay(batch.seq, with_topic=event_format == "map") == [(batch.seq, batch.payload)]
+        finally:
+            core.close()
 
 
 def test_the_array_format_and_a_ranks_port(tiny_llama: LoadedModel, sub: Subscriber) -> None:
