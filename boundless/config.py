@@ -177,8 +177,9 @@ class KVEventsConfig:
     ``inproc://``, else connected), under ``topic``; ``replay_endpoint`` (a ROUTER socket) resends the last
     ``buffer_steps`` batches from a sequence number; ``hwm`` is the PUB socket's high-water mark and
     ``max_queue_size`` the batches waiting for the publisher thread (beyond it a batch is dropped, not waited for).
-    ``event_format`` (ours): ``map``, each event a tagged map as vLLM sends them since its PR 42892, or ``array``,
-    the tagged arrays of vLLM 0.23 and before."""
+    ``event_format`` (ours): ``map``, each event a tagged map as vLLM sends them since its PR 42892, and replayed
+    batches with their topic (its PR 45177, 0.26 on), or ``array``, the tagged arrays and topic-less replays of vLLM
+    0.23 and before."""
 
     enable_kv_cache_events: bool = False
     publisher: str = "zmq"
