@@ -358,12 +358,17 @@ def _can_mount_tmpfs() -> bool:
     return probe is not None and probe.returncode == 0
 
 
+def _in_small_tmpfs(mount: Path) -> tuple[str, ...]:
+    """A worker's command prefix: its own mount namespace, with 256 KiB of tmpfs at ``mount`` (7 block files)."""
+    return ("unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=256k tmpfs "{mount}" && exec "$@"', "sh")
+
+
 @pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs a mount namespace (unshare -m) for a small tmpfs")
 def test_a_full_disk_turns_writes_off_and_reads_go_on(tmp_path: Path) -> None:
     mount = tmp_path / "small"
     mount.mkdir()
     # 256 KiB of tmpfs holds 7 files of 32 KiB + header; 12 blocks are offered, 4 per call.
-    prefix = ("unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=256k tmpfs "{mount}" && exec "$@"', "sh")
+    prefix = _in_small_tmpfs(mount)
     out = _result(_worker("fill", str(mount), "12", prefix=prefix))
     stored = out["stored"]
     assert stored[0] == 4 and 0 < stored[1] < 4 and stored[2] == 0
@@ -380,7 +385,7 @@ def test_a_full_disk_below_the_capacity_makes_room_by_lru_and_writes_again_after
     # Before, the store kept all it held and every write after each pause failed again: it never wrote anything more.
     mount = tmp_path / "small"
     mount.mkdir()
-    prefix = ("unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=256k tmpfs "{mount}" && exec "$@"', "sh")
+    prefix = _in_small_tmpfs(mount)
     out = _result(_worker("refill", str(mount), "2", prefix=prefix))
     held = out["held_when_full"]
     assert held >= 5
