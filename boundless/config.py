@@ -15,6 +15,7 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, TypeVar
 
 from boundless.api.reasoning import REASONING_PARSERS
@@ -1000,8 +1001,8 @@ def context_length(text: str) -> int | None:
             f"{text!r}: a binary suffix takes a whole number (or write {number}{suffix.lower()})"
         )
     scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
-    tokens = float(number) * scale if "." in number else int(number) * scale
-    if tokens != int(tokens) or int(tokens) < 1:
+    tokens = Decimal(number) * scale  # (exact: in floats 16.1k is 16100.000000000002, refused as no whole number)
+    if tokens != tokens.to_integral_value() or tokens < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens of at least 1")
     return int(tokens)
 

@@ -17,7 +17,17 @@ def _parser() -> argparse.ArgumentParser:
 
 @pytest.mark.parametrize(
     ("given", "tokens"),
-    [("8192", 8192), ("32k", 32_000), ("25.6k", 25_600), ("32K", 32_768), ("1M", 2**20), ("auto", None), ("-1", None)],
+    [
+        ("8192", 8192),
+        ("32k", 32_000),
+        ("25.6k", 25_600),
+        ("16.1k", 16_100),
+        ("4.1m", 4_100_000),
+        ("32K", 32_768),
+        ("1M", 2**20),
+        ("auto", None),
+        ("-1", None),
+    ],
 )
 def test_max_model_len_takes_vllms_human_readable_lengths(given: str, tokens: int | None) -> None:
     """``--max-model-len 128k`` (vLLM's form, as model cards write it) was refused by argparse, "invalid int value"."""
