@@ -215,7 +215,7 @@ class DispatcherFrontEnd:
             prepare = dataclasses.replace(prepare, plan=dataclasses.replace(prepare.plan, pe_holds=holds))
         answer = self._prepare(prepare)
         if isinstance(answer, AddResult):
-            return PrepareResult(answer.status, message=answer.message, param=answer.param)
+            return PrepareResult(answer.status, message=answer.message, refusal=answer.refusal)
         return answer
 
     def _add(self, send: Send) -> AddResult:
@@ -718,7 +718,7 @@ def restart_metrics(dispatcher: Dispatcher) -> Iterator[Metric]:
 def failure_error(failure: Fail) -> Exception:
     """The exception a submitter raises for its call's failure (the HTTP layer maps each to a status)."""
     if failure.reason == "invalid":
-        return InvalidRequestError(failure.message, failure.param)
+        return failure.refusal or InvalidRequestError(failure.message)
     if failure.reason == "busy":
         return QueueFullError()
     if failure.reason == "unavailable":

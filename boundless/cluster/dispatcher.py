@@ -27,6 +27,7 @@ from boundless.cluster.lending_cluster import ClusterLending, PeerBack, PeerLost
 from boundless.cluster.restarts import Restart, RestartPolicy, Restarts
 from boundless.cluster.routing import InstanceView, LoadIndex, NoLiveInstanceError, Router
 from boundless.engine.core import RequestDelta, Resume
+from boundless.engine.errors import InvalidRequestError
 from boundless.engine.handoff import HandoffPlan
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.process_table import ProcessTable
@@ -61,12 +62,13 @@ class AddResult:
     The instance itself answers ``ok``, ``invalid`` (the request cannot be served as asked) or
     ``busy`` (its queue is full). The transport answers for it ``failed`` when ``add`` raised there
     (the instance lives; this call fails) and ``unreachable`` when the instance did not answer
-    (it died or hung; the call goes elsewhere).
+    (it died or hung; the call goes elsewhere). An ``invalid`` answer carries the instance's error whole
+    (``refusal``): its field, OpenAI code and what did not fit reach the client as the instance said them.
     """
 
     status: AddStatus
     message: str = ""
-    param: str | None = None
+    refusal: InvalidRequestError | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class Fail:
     request_id: str
     reason: FailReason
     message: str
-    param: str | None = None
+    refusal: InvalidRequestError | None = None
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,7 @@ class Dispatcher:
             self.awaiting[call.request_id] = call
             return []
         self._release(call.program)
-        return [Fail(call.request_id, result.status, result.message, result.param)]
+        return [Fail(call.request_id, result.status, result.message, result.refusal)]
 
     def instance_lost(self, instance_id: str, reason: str) -> list[Decision]:
         """The instance died or stopped answering: mark it dead and resend its calls elsewhere. (A restarted one

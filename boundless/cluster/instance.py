@@ -208,7 +208,7 @@ class EngineInstance:
         try:
             self.loop.add(request_id, prompt_token_ids, params, program, resume, handoff)
         except InvalidRequestError as e:
-            return AddResult("invalid", str(e), e.param)
+            return AddResult("invalid", str(e), e)
         except QueueFullError as e:
             return AddResult("busy", str(e))
         return AddResult("ok")
@@ -225,7 +225,7 @@ class EngineInstance:
         try:
             answer = self.loop.prepare(request_id, prompt_token_ids, params, plan, program)
         except InvalidRequestError as e:
-            return PrepareResult("invalid", message=str(e), param=e.param)
+            return PrepareResult("invalid", message=str(e), refusal=e)
         except QueueFullError as e:
             return PrepareResult("busy", message=str(e))
         return PrepareResult("ok", answer)

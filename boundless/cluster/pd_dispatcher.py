@@ -70,6 +70,7 @@ from boundless.cluster.pd_scheduler import (
 from boundless.cluster.restarts import RestartPolicy
 from boundless.cluster.routing import Router
 from boundless.engine.core import KV_STREAM_LOST, RequestDelta, Resume
+from boundless.engine.errors import InvalidRequestError
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.process_table import ProcessTable
@@ -136,7 +137,7 @@ class PrepareResult:
     status: AddStatus
     answer: IntakeAnswer | None = None
     message: str = ""
-    param: str | None = None
+    refusal: InvalidRequestError | None = None
 
 
 @dataclass(frozen=True)
@@ -318,7 +319,7 @@ class PDDispatcher(Dispatcher):
             return [Send(call.prefill_engine, call.request_id, call.prompt, call.params, program, None, plan)]
         if result.status == "unreachable":
             return self.instance_lost(prepare.instance_id, f"prepare failed: {result.message}")
-        return self._fail(call, result.status, result.message, result.param)
+        return self._fail(call, result.status, result.message, result.refusal)
 
     def add_done(self, send: Send, result: AddResult) -> list[PDDecision]:  # type: ignore[override]
         call = self.calls.get(send.request_id)
@@ -330,7 +331,7 @@ class PDDispatcher(Dispatcher):
             return []
         if result.status == "unreachable":
             return self.instance_lost(send.instance_id, f"add failed: {result.message}")
-        return self._fail(call, result.status, result.message, result.param)
+        return self._fail(call, result.status, result.message, result.refusal)
 
     def continue_done(self, cont: Continue, result: AddResult) -> list[PDDecision]:
         """The DE's answer to a :class:`Continue`; a DE that no longer holds the call gets it afresh."""
@@ -655,7 +656,9 @@ class PDDispatcher(Dispatcher):
         resume = Resume(tuple(call.output_token_ids), call.text_chars_sent)
         return [Send(de, call.request_id, call.prompt, call.params, self._global_view(call.program), resume)]
 
-    def _fail(self, call: PDCall, status: str, message: str, param: str | None = None) -> list[PDDecision]:
+    def _fail(
+        self, call: PDCall, status: str, message: str, refusal: InvalidRequestError | None = None
+    ) -> list[PDDecision]:
         self.calls.pop(call.request_id, None)
         if call in self.queue:
             self.queue.remove(call)
@@ -663,7 +666,7 @@ class PDDispatcher(Dispatcher):
         self._release(call.program)
         decisions = self._abort_halves(call) + self._drop_prefetch(call)
         reason = status if status in ("invalid", "busy", "failed") else "unavailable"
-        return [*decisions, Fail(call.request_id, reason, message, param)]  # type: ignore[arg-type]
+        return [*decisions, Fail(call.request_id, reason, message, refusal)]  # type: ignore[arg-type]
 
     def _abort_halves(self, call: PDCall) -> list[PDDecision]:
         """Tell the live engines that hold a part of the call to drop it."""

@@ -48,7 +48,7 @@ from mypy_extensions import mypyc_attr
 from boundless.bench.workloads import ProgramSpec
 from boundless.cluster.dispatcher import AddResult, Send
 from boundless.config import ClusterConfig, EngineConfig
-from boundless.engine.core import RequestDelta
+from boundless.engine.core import RequestDelta, require_context_room
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.sampling_params import SamplingParams
 from boundless.gc_quiet import quiet_collector
@@ -482,12 +482,12 @@ class WindowedSimulator(Simulator):
     def _add(self, call: _Call, send: Send) -> AddResult:
         """Main's side of an add: refused here as the engine would refuse it (its context), else placed now and sent to
         its shard with the window's other calls."""
-        wanted = send.params.max_tokens or 1
-        if len(send.prompt) + wanted > self.max_model_len:
+        try:
+            require_context_room(len(send.prompt), send.params.max_tokens, self.max_model_len, prompt_only=False)
+        except InvalidRequestError as e:
             if self.dispatcher is None:
                 self._refused(call)
-            message = f"this model's maximum context length is {self.max_model_len} tokens"
-            return AddResult("invalid", message, "max_tokens" if send.params.max_tokens else "prompt")
+            return AddResult("invalid", str(e), e)
         program = send.program
         assert program is not None and send.resume is None and send.handoff is None
         self._calls[send.request_id] = call

@@ -781,7 +781,7 @@ class Simulator:
         except InvalidRequestError as e:  # as the benchmark: counted, and the program goes on with what it has
             if self.dispatcher is None:
                 self._refused(call)
-            return AddResult("invalid", str(e), e.param)
+            return AddResult("invalid", str(e), e)
         self._calls[send.request_id] = call
         self.placements.append(
             Placement(send.request_id, call.program.spec.program_id, send.instance_id, len(send.prompt), self.clock.now)
@@ -797,7 +797,7 @@ class Simulator:
                 prepare.request_id, prepare.prompt, prepare.params, prepare.plan, program=prepare.program
             )
         except InvalidRequestError as e:
-            return PrepareResult("invalid", message=str(e), param=e.param)
+            return PrepareResult("invalid", message=str(e), refusal=e)
         self._ready.add(prepare.instance_id)  # under DE-read it loads and pushes the stored prefix
         return PrepareResult("ok", answer)
 

@@ -12,6 +12,7 @@ from boundless.cluster.dispatcher import AbortOn, AddResult, Decision, Dispatche
 from boundless.cluster.restarts import Restart, RestartPolicy
 from boundless.cluster.routing import Router
 from boundless.engine.core import RequestDelta, Resume
+from boundless.engine.errors import InvalidRequestError
 from boundless.engine.request import ProgramRef
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.process_table import ProcessTable
@@ -150,8 +151,9 @@ def test_invalid_and_busy_answers_fail_the_call_and_release_its_program() -> Non
     d, _ = dispatcher()
     program = ProgramRef("p")
     send = only_send(d.submit("too-long", [1] * 9, PARAMS, program))
-    assert d.add_done(send, AddResult("invalid", "too long", "prompt")) == [
-        Fail("too-long", "invalid", "too long", "prompt")
+    refusal = InvalidRequestError("too long", "prompt")
+    assert d.add_done(send, AddResult("invalid", "too long", refusal)) == [
+        Fail("too-long", "invalid", "too long", refusal)
     ]
     send = only_send(d.submit("later", [1], PARAMS, program))
     assert d.add_done(send, AddResult("busy", "queue full")) == [Fail("later", "busy", "queue full")]
