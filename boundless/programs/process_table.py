@@ -23,6 +23,9 @@ from boundless.programs.ref import ProgramRef
 
 MAIN_THREAD = "main"
 GAP_WINDOW = 50
+# A program keeps the records of its most recently finished threads only: one living for hours with a new thread id
+# per call would otherwise hold one record per call. A join naming a thread dropped here starts from its own thread.
+MAX_THREADS = 1024
 
 
 @dataclass
@@ -41,7 +44,7 @@ class ProgramRecord:
     service_s: float = 0.0  # PLAS: sum over completed calls; ATLAS: longest critical path
     total_service_s: float = 0.0  # sum over completed calls, whatever the policy
     waiting_s: float = 0.0
-    threads: dict[str, ThreadRecord] = field(default_factory=dict)
+    threads: OrderedDict[str, ThreadRecord] = field(default_factory=OrderedDict)  # least recently finished first
     instances: dict[str, int] = field(default_factory=dict)  # instance id -> calls run there
     active_calls: int = 0
     completed_calls: int = 0
@@ -170,6 +173,9 @@ class ProcessTable:
             rec.instances[instance] = rec.instances.get(instance, 0) + 1
         thread_id = program.thread_id or MAIN_THREAD
         thread = rec.threads.setdefault(thread_id, ThreadRecord(thread_id))
+        rec.threads.move_to_end(thread_id)
+        if len(rec.threads) > MAX_THREADS:
+            rec.threads.popitem(last=False)
         # The call started where its longest predecessor path ended: its own thread's previous calls
         # or any parent thread it joins (a DAG).
         start = thread.service_s

@@ -11,7 +11,7 @@ from boundless.engine.request import Request
 from boundless.engine.sampling_params import SamplingParams
 from boundless.programs.policies import ATLASPolicy, MLFQPolicy, PLASPolicy, QueueConfig
 from boundless.programs.policy import FCFSPolicy
-from boundless.programs.process_table import ProcessTable
+from boundless.programs.process_table import MAX_THREADS, ProcessTable
 from boundless.programs.ref import ProgramRef
 
 CFG = QueueConfig(num_queues=4, base_s=1.0, growth=4.0, beta=3.0)  # ranges [0,1) [1,4) [4,16) [16,inf)
@@ -150,6 +150,24 @@ def test_an_arrival_at_the_size_cap_drops_the_least_recently_active_without_a_pa
     assert "busy" in table
     assert not any(f"p{i}" in table for i in range(101)) and all(f"p{i}" in table for i in range(101, 1100))
     assert records.visited <= 100 * 4, f"{records.visited} records looked at for 100 arrivals"
+
+
+def test_a_long_lived_program_keeps_its_most_recent_threads_only() -> None:
+    # Before, a program naming a new thread per call held one record per call for as long as it lived.
+    table = ProcessTable(ttl_s=1e9)
+    program = "agent"
+    table.call_arrived(ProgramRef(program, "planner"), 0.0)
+    table.call_finished(ProgramRef(program, "planner"), 5.0, 0.0, 0.0)
+    for i in range(3 * MAX_THREADS):
+        table.call_arrived(ProgramRef(program, f"t{i}"), float(i))
+        # Each worker joins the planner: its record, in use, is kept however many threads come after it.
+        table.call_finished(ProgramRef(program, f"t{i}", ("planner",)), 1.0, 0.0, float(i))
+        table.call_arrived(ProgramRef(program, "planner"), float(i))
+        table.call_finished(ProgramRef(program, "planner"), 0.0, 0.0, float(i))
+    threads = table.get(program).threads
+    assert len(threads) == MAX_THREADS and "planner" in threads
+    assert f"t{3 * MAX_THREADS - 1}" in threads and "t0" not in threads
+    assert table.service(program) == 6.0  # the critical path through the planner, as before any was dropped
 
 
 def test_the_policies_expiry_scans_at_most_once_per_hundredth_of_the_ttl() -> None:
