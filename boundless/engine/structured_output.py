@@ -189,7 +189,7 @@ class Grammars:
             if future is not None:
                 self._compiled.move_to_end(spec)
                 return future
-            if self._pool is None:  # one thread: compilations share the compiler and its cache, in turn
+            if self._pool is None:  # one thread: compilations share the compiler, in turn
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
             future = self._pool.submit(self._compile, spec)
             self._compiled[spec] = future
@@ -227,7 +227,10 @@ class Grammars:
     def _compile(self, spec: StructuredOutput) -> Any:
         xgr = _xgrammar(spec.param)
         if self._compiler is None:
-            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=1)
+            # Without xgrammar's own cache: ``_compiled`` is the cache, the last MAX_GRAMMARS. xgrammar's, unbounded
+            # by default, kept every grammar ever compiled (4 MB each on SmolLM2's vocabulary): a server given a new
+            # schema per request grew without end.
+            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=1, cache_enabled=False)
         grammar = _grammar(xgr, spec)
         try:
             return self._compiler.compile_grammar(grammar)

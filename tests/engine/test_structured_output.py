@@ -13,6 +13,7 @@ import torch
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine import async_engine as async_engine_module
 from boundless.engine import core as core_module
+from boundless.engine import structured_output as structured_output_module
 from boundless.engine.async_engine import EngineLoop
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.errors import InvalidRequestError
@@ -412,3 +413,27 @@ def test_a_grammar_after_given_tokens_is_replayed_from_them(tiny_llama: LoadedMo
     started = tokenizer.encode("hmm, green</think>", add_special_tokens=False) + tokenizer.encode('{"color": "gr')
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA), after=end)
     _assert_only_greens_rest_comes_next(tiny_llama, prompt, started, spec)
+
+
+def test_grammars_past_the_cache_are_not_kept_by_the_compiler(
+    tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A new schema per request (tools that differ per call) must not grow the memory the engine holds: the engine keeps
+    # the last MAX_GRAMMARS grammars, and xgrammar's compiler, whose cache is unbounded by default, none besides.
+    monkeypatch.setattr(structured_output_module, "MAX_GRAMMARS", 2)
+    core = _engine(tiny_llama)
+
+    def run_schemas(first: int, count: int) -> None:
+        requests = {}
+        for i in range(first, first + count):
+            schema = {"type": "object", "properties": {f"key{i}": {"type": "integer"}}, "required": [f"key{i}"]}
+            params = SamplingParams(temperature=0.0, max_tokens=4, structured=StructuredOutput.json_schema(schema))
+            requests[f"s{i}"] = (tiny_llama.tokenizer.encode(f"Item {i}:"), params)
+        _run(core, requests)
+
+    assert core.grammars is not None
+    run_schemas(0, 3)
+    held = core.grammars._compiler.get_cache_size_bytes()
+    run_schemas(3, 6)
+    assert len(core.grammars._compiled) == 2
+    assert core.grammars._compiler.get_cache_size_bytes() == held
