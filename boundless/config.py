@@ -33,6 +33,16 @@ def _require(ok: bool, flag: str, message: str) -> None:
         raise ConfigError(f"--{flag.replace('_', '-')}: {message}")
 
 
+def _require_finite(config: object) -> None:
+    """Every number of ``config`` (a config dataclass) finite: float flags take ``inf`` and ``nan`` as argparse reads
+    them, and an infinite size or timeout passed each flag's own bounds to fail later, deep inside (``--kv-cache-gb
+    inf`` in the pool's sizing, ``--max-body-mb inf`` in the server's limit: OverflowError tracebacks)."""
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        if isinstance(value, float):
+            _require(math.isfinite(value), f.name, f"must be a finite number, not {value}")
+
+
 def _json_object(flag: str, text: str) -> dict[str, Any]:
     """A flag's JSON object (``--speculative-config``'s, say); anything else raises :class:`ConfigError`."""
     try:
@@ -326,6 +336,7 @@ class CacheConfig:
         return self.swap_space_gb is None
 
     def __post_init__(self) -> None:
+        _require_finite(self)
         _require(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two"
         )
@@ -587,6 +598,7 @@ class SchedulerConfig:
         return SpeculativeConfig.parse(self.speculative_config) if self.speculative_config is not None else None
 
     def __post_init__(self) -> None:
+        _require_finite(self)
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
         _require(self.prefill_batching in ("tokens", "attention"), "prefill_batching", "must be tokens or attention")
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
@@ -690,8 +702,13 @@ class ServerConfig:
         default=ANY_JSON,
         metadata={"help": "origins a browser may call the API from, a JSON list (vLLM's): '[\"https://a.example\"]'"},
     )
-    allowed_credentials: bool = field(
-        default=False, metadata={"help": "let cross-origin requests carry cookies and authorization (vLLM's flag)"}
+    allow_credentials: bool = field(
+        default=False,
+        metadata={
+            "help": "let cross-origin requests carry cookies and authorization (vLLM's flag; also under the name "
+            "it had here before, --allowed-credentials)",
+            "aliases": ("--allowed-credentials",),
+        },
     )
     allowed_methods: str = field(
         default=ANY_JSON, metadata={"help": "HTTP methods cross-origin requests may use, a JSON list (vLLM's flag)"}
@@ -701,6 +718,7 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        _require_finite(self)
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             json_strings(name, getattr(self, name))  # (a bad list stops serve before the model loads)
         _require(0 < self.port < 65536, "port", "must be in 1..65535")
@@ -879,6 +897,7 @@ class ClusterConfig:
     )
 
     def __post_init__(self) -> None:
+        _require_finite(self)
         _require(self.instances >= 1, "instances", "must be >= 1")
         _require(self.prefill_instances >= 0, "prefill_instances", "must not be negative")
         _require(self.decode_instances >= 0, "decode_instances", "must not be negative")
@@ -972,16 +991,20 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] | 
     for f in dataclasses.fields(cls):
         if only is not None and f.name not in only:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        # A field's own names besides its flag's: another spelling that command lines already use.
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         tp = f.metadata.get("type") or _base_type(hints[f.name])  # (a field's own parse of its flag)
         help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         if tp is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif typing.get_origin(tp) is tuple:  # tuple[str, ...]: one or more values
-            group.add_argument(flag, nargs="+", type=typing.get_args(tp)[0], default=default, help=help_text)
+            group.add_argument(*flags, nargs="+", type=typing.get_args(tp)[0], default=default, help=help_text)
         else:
-            group.add_argument(flag, type=tp, default=default, help=f"{help_text} (default: {default})")
+            # (No "(default: None)": a field without a value says in its help what stands for it, and the None
+            # contradicted it, as --kv-host-gb's "default 1.0".)
+            given = f" (default: {default})" if default not in (None, "") else ""
+            group.add_argument(*flags, type=tp, default=default, help=help_text + given)
 
 
 def context_length(text: str) -> int | None:

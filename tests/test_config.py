@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 
-from boundless.config import ModelConfig, add_flags
+from boundless.config import ConfigError, ModelConfig, add_flags
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,3 +39,25 @@ def test_max_model_len_takes_vllms_human_readable_lengths(given: str, tokens: in
 def test_a_max_model_len_that_is_no_length_is_refused_naming_the_flag(given: str) -> None:
     with pytest.raises(argparse.ArgumentError, match="--max-model-len"):
         _parser().parse_args(["--max-model-len", given])
+
+
+def _float_fields() -> list[tuple[type, str]]:
+    import dataclasses
+
+    from boundless.config import CacheConfig, ClusterConfig, SchedulerConfig, ServerConfig
+
+    return [
+        (cls, f.name)
+        for cls in (CacheConfig, SchedulerConfig, ServerConfig, ClusterConfig)
+        for f in dataclasses.fields(cls)
+        if f.type in ("float", "float | None")
+    ]
+
+
+@pytest.mark.parametrize(("config", "name"), _float_fields())
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_a_number_flag_that_is_not_finite_is_refused_naming_the_flag(config: type, name: str, value: float) -> None:
+    """argparse reads ``inf`` and ``nan`` as floats: ``--kv-cache-gb inf`` and ``--max-body-mb inf`` passed their
+    flags' checks and failed after the model loaded, with an OverflowError's traceback."""
+    with pytest.raises(ConfigError, match=f"^--{name.replace('_', '-')}: "):
+        config(**{name: value})

@@ -1,5 +1,5 @@
 """Cross-origin requests (CORS), so that a page in a browser may call the API: vLLM's flags ``--allowed-origins``,
-``--allowed-credentials``, ``--allowed-methods`` and ``--allowed-headers`` (:class:`~boundless.config.ServerConfig`),
+``--allow-credentials``, ``--allowed-methods`` and ``--allowed-headers`` (:class:`~boundless.config.ServerConfig`),
 with its defaults (any origin, method and header; no credentials). The lists are JSON on the command line, as vLLM
 takes them (``'["http://localhost:3000"]'``). Starlette's ``CORSMiddleware`` answers a browser's preflight ``OPTIONS``
 itself, before the API key is asked for (a browser sends none with it), and adds the headers to every other answer,
@@ -19,7 +19,7 @@ def with_cors(app: ASGIApp, config: ServerConfig) -> ASGIApp:
     return CORSMiddleware(
         app,
         allow_origins=json_strings("allowed_origins", config.allowed_origins),
-        allow_credentials=config.allowed_credentials,
+        allow_credentials=config.allow_credentials,
         allow_methods=json_strings("allowed_methods", config.allowed_methods),
         allow_headers=json_strings("allowed_headers", config.allowed_headers),
     )

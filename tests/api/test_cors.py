@@ -1,4 +1,4 @@
-"""CORS (vLLM's ``--allowed-origins``, ``--allowed-credentials``, ``--allowed-methods``, ``--allowed-headers``): a
+"""CORS (vLLM's ``--allowed-origins``, ``--allow-credentials``, ``--allowed-methods``, ``--allowed-headers``): a
 browser's preflight ``OPTIONS`` is answered (it was a 405), and answers carry the headers that let a page read them."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def open_to_all(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 @pytest.fixture(scope="module")
 def one_page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     config = ServerConfig(
-        api_key="secret", allowed_origins=f'["{PAGE}"]', allowed_credentials=True, allowed_methods='["POST"]'
+        api_key="secret", allowed_origins=f'["{PAGE}"]', allow_credentials=True, allowed_methods='["POST"]'
     )
     with serve_hermes(tmp_path_factory.mktemp("cors"), server_config=config) as s:
         yield s
@@ -84,7 +84,7 @@ def test_the_flags_take_json_lists_on_the_command_line_and_in_a_config_file(
     parser = build_parser()
     args = parser.parse_args(["serve", "--allowed-origins", f'["{PAGE}"]', "--allowed-credentials"])
     cors = from_flags(ServerConfig, args)
-    assert (cors.allowed_origins, cors.allowed_credentials, cors.allowed_methods) == (f'["{PAGE}"]', True, '["*"]')
+    assert (cors.allowed_origins, cors.allow_credentials, cors.allowed_methods) == (f'["{PAGE}"]', True, '["*"]')
     config = tmp_path / "serve.yaml"
     config.write_text(f"allowed-origins: [{PAGE}, http://b.example]\nallowed_headers: [content-type]\n")
     args = parser.parse_args(["serve", *expand_config_file(_subcommand(parser, "serve"), ["--config", str(config)])])
@@ -95,3 +95,27 @@ def test_the_flags_take_json_lists_on_the_command_line_and_in_a_config_file(
     assert err.startswith("boundless: --allowed-origins: not JSON") and len(err.strip().splitlines()) == 1
     assert main(["serve", "--allowed-methods", '"POST"']) == 2
     assert "--allowed-methods: must be a JSON list of strings" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("given", "yaml", "allowed"),
+    [
+        (["--allow-credentials"], "", True),
+        (["--allow-credentials", "--no-allow-credentials"], "", False),
+        ([], "allow-credentials: true\n", True),
+        (["--allowed-credentials"], "", True),  # (the name it had here before)
+        ([], "allowed_credentials: true\n", True),
+    ],
+)
+def test_credentials_take_vllms_flag_allow_credentials(
+    tmp_path: Path, given: list[str], yaml: str, allowed: bool
+) -> None:
+    """vLLM's flag is ``--allow-credentials``; a vLLM command line or config file with it stopped at start-up
+    (argparse's "unrecognized arguments"), as the flag was only ``--allowed-credentials`` here."""
+    parser = build_parser()
+    argv = list(given)
+    if yaml:
+        config = tmp_path / "serve.yaml"
+        config.write_text(yaml)
+        argv = expand_config_file(_subcommand(parser, "serve"), ["--config", str(config), *given])
+    assert from_flags(ServerConfig, parser.parse_args(["serve", *argv])).allow_credentials is allowed
