@@ -955,6 +955,12 @@ class ClusterConfig:
         return [f"--{name.replace('_', '-')}" for name in ROLE_FLAGS if getattr(self, name) != defaults[name]]
 
     @property
+    def runs_actors(self) -> bool:
+        """Whether the engines run as Ray actors behind a router (more than one instance, an existing Ray cluster, or
+        prefill and decode engines), not as one engine in the server's process."""
+        return self.instances > 1 or bool(self.ray_address) or self.disaggregated
+
+    @property
     def disaggregated(self) -> bool:
         """Whether calls are split between prefill and decode engines."""
         return self.prefill_instances > 0 or self.decode_instances > 0
@@ -1097,6 +1103,19 @@ def to_flags(config: object) -> list[str]:
         elif value is not None:
             flags += [flag, str(value)]
     return flags
+
+
+def check_serve_configs(engine: EngineConfig, server: ServerConfig, cluster: ClusterConfig) -> None:
+    """What ``serve``'s configs refuse together (each checks its own values when built), before the model loads."""
+    if server.allow_runtime_lora_updating:
+        # (Else each load_lora_adapter request failed, long after start-up, with a 400 naming the missing flag.)
+        _require(engine.model.enable_lora, "allow_runtime_lora_updating", "needs --enable-lora")
+        _require(
+            not cluster.runs_actors,
+            "allow_runtime_lora_updating",
+            "needs a single engine instance (not --instances, --ray-address or prefill and decode engines); give a "
+            "cluster its adapters with --lora-modules",
+        )
 
 
 def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:

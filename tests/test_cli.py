@@ -415,3 +415,27 @@ def test_bench_longctx_checks_its_long_factors_before_the_model_loads(monkeypatc
     for bad, said in (("abc", "is not comma-separated numbers"), ("1,-1", "every value must be positive")):
         with pytest.raises(SystemExit, match=f"--long-factors: .*{said}"):
             main(["bench", "longctx", "--long-factors", bad])
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        ([], "needs --enable-lora"),
+        (["--enable-lora", "--instances", "2"], "needs a single engine instance"),
+        (["--enable-lora", "--prefill-instances", "1"], "needs a single engine instance"),
+    ],
+)
+def test_runtime_lora_updating_without_what_it_needs_stops_serve_at_start_up(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    """``--allow-runtime-lora-updating`` without ``--enable-lora``, or with a cluster, was accepted: the server came up
+    and refused each ``/v1/load_lora_adapter`` later with a 400. Now one line, before any engine starts."""
+    import boundless.api.launch as launch
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the engine started")
+
+    monkeypatch.setattr(launch, "make_client", refuse)
+    assert main(["serve", "--allow-runtime-lora-updating", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"boundless: --allow-runtime-lora-updating: {said}") and len(err.splitlines()) == 1

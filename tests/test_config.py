@@ -61,3 +61,12 @@ def test_a_number_flag_that_is_not_finite_is_refused_naming_the_flag(config: typ
     flags' checks and failed after the model loaded, with an OverflowError's traceback."""
     with pytest.raises(ConfigError, match=f"^--{name.replace('_', '-')}: "):
         config(**{name: value})
+
+
+def test_help_gives_no_default_of_none_against_the_default_a_flag_says() -> None:
+    """``--kv-host-gb``'s help said "(default 1.0)" and argparse's "(default: None)" after it."""
+    from boundless.cli import _subcommand, build_parser
+
+    text = " ".join(_subcommand(build_parser(), "serve").format_help().split())
+    assert "(default: None)" not in text and "(default: )" not in text
+    assert "(default 1.0) (default" not in text and "(default: 2048)" in text

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp
 from uvicorn.main import STARTUP_FAILURE
 
 from boundless.api.server import EngineClient, build_app, configured_chat_template
-from boundless.config import ClusterConfig, EngineConfig, ServerConfig
+from boundless.config import ClusterConfig, EngineConfig, ServerConfig, check_serve_configs
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults, model_sampling_defaults
@@ -51,7 +51,7 @@ def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) 
             "%s: with prefill and decode engines only (--prefill-instances, --decode-instances); ignored here",
             ", ".join(ignored),
         )
-    if cluster.instances > 1 or cluster.ray_address or cluster.disaggregated:
+    if cluster.runs_actors:
         from boundless.cluster.client import ClusterClient
 
         return ClusterClient(config, cluster, max_waiting)
@@ -61,6 +61,7 @@ def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) 
 def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | None = None) -> None:
     """Load the model and serve until interrupted."""
     server = resolve_api_key(server)
+    check_serve_configs(config, server, cluster or ClusterConfig())
     configured_chat_template(server)  # a bad --chat-template fails before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = make_client(config, cluster or ClusterConfig(), server.max_waiting)
