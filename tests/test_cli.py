@@ -439,3 +439,39 @@ def test_runtime_lora_updating_without_what_it_needs_stops_serve_at_start_up(
     assert main(["serve", "--allow-runtime-lora-updating", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"boundless: --allow-runtime-lora-updating: {said}") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["bench", "programs", "--scale=-1"], "argument --scale: must be a finite number above 0: '-1'"),
+        (["bench", "programs", "--call-scale", "0"], "argument --call-scale: must be a finite number above 0"),
+        (["bench", "programs", "--tool-wait=-1"], "argument --tool-wait: must be a finite number, not negative"),
+        (["bench", "programs", "--max-len", "0"], "argument --max-len: must be at least 1, not 0"),
+        (["bench", "restart", "--scale", "inf"], "argument --scale: must be a finite number above 0: 'inf'"),
+        (["bench", "restart", "--max-len=-5"], "argument --max-len: must be at least 1, not -5"),
+        (["bench", "agentic", "--turn-scale", "0"], "argument --turn-scale: must be a finite number above 0"),
+        (["bench", "agentic", "--num-sessions", "0"], "argument --num-sessions: must be at least 1, not 0"),
+        (["bench", "agentic", "--storage-gbps", "0"], "argument --storage-gbps: must be a finite number above 0"),
+        (["bench", "agentic", "--host-sessions", "0"], "argument --host-sessions: must be at least 1, not 0"),
+        (["simulate", "calibrate", "--scale=-0.1"], "argument --scale: must be a finite number above 0"),
+        (["simulate", "validate", "--tool-wait=-2"], "argument --tool-wait: must be a finite number, not negative"),
+    ],
+)
+def test_a_bench_workloads_shape_flags_are_checked_as_simulates(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    """``simulate`` refused a negative ``--scale`` or ``--tool-wait``; the benchmarks that take the same workload flags
+    ran them (``bench programs --scale -1`` loaded the model and served a meaningless workload, exit 0)."""
+    _no_work(monkeypatch)
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_bench_agentic_checks_its_sweep_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rate of ``--sweep-gbps`` that is no number failed with a ValueError's traceback after every other run."""
+    _no_work(monkeypatch)
+    for bad, said in (("abc", "is not comma-separated numbers"), ("0.4,0", "every value must be positive")):
+        with pytest.raises(SystemExit, match=f"--sweep-gbps: .*{said}"):
+            main(["bench", "agentic", "--sweep-gbps", bad])

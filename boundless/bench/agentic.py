@@ -55,7 +55,15 @@ from boundless.bench.workloads import (
     with_arrivals,
 )
 from boundless.cluster.links import Link, LinkStats, ThrottledLink, gbps_to_bytes_per_s
-from boundless.config import ClusterConfig, EngineConfig, engine_config_from_flags, non_negative_float
+from boundless.config import (
+    ClusterConfig,
+    EngineConfig,
+    comma_numbers,
+    engine_config_from_flags,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from boundless.engine.builder import size_engine
 from boundless.kv.transfer import DISK
 from boundless.model.loader import LoadedModel
@@ -304,11 +312,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from boundless.model.loader import load_configured_model
 
     base = engine_config_from_flags(args)
-    loaded = load_configured_model(base.model)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    sweep_gbps(args)  # (before the model loads: a bad rate failed with a traceback after every other run)
+    loaded = load_configured_model(base.model)
     offline_sessions = sessions_for(args)
     online_sessions = with_arrivals(offline_sessions, args.rate, args.bench_seed)
     longest = max(
@@ -331,6 +340,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"warm store: every session's first context written in {time.perf_counter() - start:.1f} s")
             setup = dataclasses.replace(setup, warm_store=warm)
         return _run_all(args, base, setup, modes, offline_sessions, online_sessions, longest)
+
+
+def sweep_gbps(args: argparse.Namespace) -> list[float]:
+    """``--sweep-gbps``: the storage rates of the sweep, each a positive number (none by default)."""
+    return comma_numbers("--sweep-gbps", args.sweep_gbps, float, positive=True) if args.sweep_gbps else []
 
 
 def _run_all(
@@ -364,8 +378,7 @@ def _run_all(
             rows.append(row)
             runs[f"{phase}/{mode}@{args.storage_gbps}"] = turns
             _print_progress(row)
-    sweep = [float(g) for g in args.sweep_gbps.split(",") if g.strip()] if args.sweep_gbps else []
-    for gbps in sweep:
+    for gbps in sweep_gbps(args):
         for mode in [m for m in modes if m in ("basic", "dualpath")]:
             row, turns = run_once(setup, mode, gbps, offline_sessions, offline=True)
             row["phase"] = "sweep"
@@ -532,25 +545,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-folder", default=DEFAULT_TRACE_FOLDER)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--phases", default="offline,online", help="offline (all sessions at once), online (Poisson)")
-    parser.add_argument("--num-sessions", type=int, default=16)
-    parser.add_argument("--scale", type=float, default=0.03, help="multiply token lengths (context, append, output)")
-    parser.add_argument("--turn-scale", type=float, default=0.19, help="multiply the turns per session")
-    parser.add_argument("--max-turns", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=512, help="cap on one turn's append and output tokens")
-    parser.add_argument("--tool-wait", type=float, default=0.5, help="online: mean seconds of tool time before a turn")
-    parser.add_argument("--rate", type=non_negative_float, default=0.5, help="online: session arrivals per second")
-    parser.add_argument("--storage-gbps", type=float, default=0.2, help="each engine's emulated storage link")
-    parser.add_argument("--net-gbps", type=float, default=8.0, help="each engine's emulated compute-network link")
-    parser.add_argument("--sweep-gbps", default="", help="offline basic and dualpath at each of these storage Gbit/s")
-    parser.add_argument("--prefill-instances", type=int, default=1, help="PD modes: prefill engines (P)")
-    parser.add_argument("--decode-instances", type=int, default=1, help="PD modes: decode engines (D)")
-    parser.add_argument("--memory-sessions", type=int, default=4,
-                        help="device KV per engine, in sessions' longest contexts (the decode batch)")  # fmt: skip
-    parser.add_argument("--host-sessions", type=int, default=4,
-                        help="host KV per engine, in sessions' longest contexts (loads, receives)")  # fmt: skip
-    parser.add_argument("--slo-ttft", type=float, default=4.0, help="SLO on a turn's TTFT, seconds (the paper's 4 s)")
+    parser.add_argument("--num-sessions", type=positive_int, default=16)
     parser.add_argument(
-        "--slo-tpot", type=float, default=0.2, help="SLO on a turn's TPOT, seconds (paper: 0.05 on GPUs)"
+        "--scale", type=positive_float, default=0.03, help="multiply token lengths (context, append, output)"
+    )
+    parser.add_argument("--turn-scale", type=positive_float, default=0.19, help="multiply the turns per session")
+    parser.add_argument("--max-turns", type=positive_int, default=64)
+    parser.add_argument("--max-len", type=positive_int, default=512, help="cap on one turn's append and output tokens")
+    parser.add_argument(
+        "--tool-wait", type=non_negative_float, default=0.5, help="online: mean seconds of tool time before a turn"
+    )
+    parser.add_argument("--rate", type=non_negative_float, default=0.5, help="online: session arrivals per second")
+    parser.add_argument("--storage-gbps", type=positive_float, default=0.2, help="each engine's emulated storage link")
+    parser.add_argument(
+        "--net-gbps", type=positive_float, default=8.0, help="each engine's emulated compute-network link"
+    )
+    parser.add_argument("--sweep-gbps", default="", help="offline basic and dualpath at each of these storage Gbit/s")
+    parser.add_argument("--prefill-instances", type=positive_int, default=1, help="PD modes: prefill engines (P)")
+    parser.add_argument("--decode-instances", type=positive_int, default=1, help="PD modes: decode engines (D)")
+    parser.add_argument("--memory-sessions", type=positive_int, default=4,
+                        help="device KV per engine, in sessions' longest contexts (the decode batch)")  # fmt: skip
+    parser.add_argument("--host-sessions", type=positive_int, default=4,
+                        help="host KV per engine, in sessions' longest contexts (loads, receives)")  # fmt: skip
+    parser.add_argument(
+        "--slo-ttft", type=positive_float, default=4.0, help="SLO on a turn's TTFT, seconds (the paper's 4 s)"
+    )
+    parser.add_argument(
+        "--slo-tpot", type=positive_float, default=0.2, help="SLO on a turn's TPOT, seconds (paper: 0.05 on GPUs)"
     )
     parser.add_argument("--warm-store", action=argparse.BooleanOptionalAction, default=True,
                         help="start every run from a store holding each session's first context (computed once, "

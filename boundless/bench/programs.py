@@ -58,6 +58,7 @@ from boundless.config import (
     engine_config_from_flags,
     from_flags,
     non_negative_float,
+    positive_float,
     positive_int,
 )
 from boundless.engine.attention_time import AttentionSample
@@ -505,10 +506,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="run every policy at every rate of --rates")
     parser.add_argument("--rates", default="0.05,0.1,0.2,0.4")
     parser.add_argument("--num-programs", type=positive_int, default=30)
-    parser.add_argument("--scale", type=float, default=0.1, help="multiply the workload's token lengths")
-    parser.add_argument("--call-scale", type=float, default=1.0, help="multiply the calls per program")
-    parser.add_argument("--tool-wait", type=float, default=0.2, help="mean seconds of tool/user time between calls")
-    parser.add_argument("--max-len", type=int, default=512, help="cap on one call's new input and output tokens")
+    parser.add_argument("--scale", type=positive_float, default=0.1, help="multiply the workload's token lengths")
+    parser.add_argument("--call-scale", type=positive_float, default=1.0, help="multiply the calls per program")
+    parser.add_argument(
+        "--tool-wait", type=non_negative_float, default=0.2, help="mean seconds of tool/user time between calls"
+    )
+    parser.add_argument(
+        "--max-len", type=positive_int, default=512, help="cap on one call's new input and output tokens"
+    )
     parser.add_argument("--trace-folder", help="mini-SWE-agent sessions for --workload trace")
     parser.add_argument("--out-dir", default="bench-results", help="where --sweep writes its CSV and PNG")
     parser.add_argument("--bench-seed", type=int, default=0)

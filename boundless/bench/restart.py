@@ -36,7 +36,14 @@ import httpx
 
 from boundless.bench.report import print_table, write_json
 from boundless.bench.workloads import WORKLOADS, PromptTokens, WorkloadShape, call_prompt, make_programs
-from boundless.config import EngineConfig, add_engine_flags, engine_config_from_flags, positive_int, to_flags
+from boundless.config import (
+    EngineConfig,
+    add_engine_flags,
+    engine_config_from_flags,
+    positive_float,
+    positive_int,
+    to_flags,
+)
 
 MODEL_NAME = "bench"
 
@@ -318,9 +325,11 @@ def report(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="chat")
     parser.add_argument("--num-programs", type=positive_int, default=8)
-    parser.add_argument("--scale", type=float, default=0.1, help="multiply the workload's token lengths")
-    parser.add_argument("--call-scale", type=float, default=1.0, help="multiply the calls per program")
-    parser.add_argument("--max-len", type=int, default=512, help="cap on one call's new input and output tokens")
+    parser.add_argument("--scale", type=positive_float, default=0.1, help="multiply the workload's token lengths")
+    parser.add_argument("--call-scale", type=positive_float, default=1.0, help="multiply the calls per program")
+    parser.add_argument(
+        "--max-len", type=positive_int, default=512, help="cap on one call's new input and output tokens"
+    )
     parser.add_argument("--trace-folder", help="mini-SWE-agent sessions for --workload trace")
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument(

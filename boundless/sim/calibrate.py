@@ -54,6 +54,7 @@ from boundless.config import (
     SchedulerConfig,
     comma_numbers,
     non_negative_float,
+    positive_float,
     positive_int,
 )
 from boundless.engine.attention_time import AttentionSample, ChunkShape, fit_attention_time
@@ -881,8 +882,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-programs", type=positive_int, default=8, help="with --workloads: programs of each workload"
     )
     parser.add_argument("--rate", type=non_negative_float, default=0.25, help="with --workloads: programs per second")
-    parser.add_argument("--scale", type=float, default=0.1, help="with --workloads: as validate's --scale")
-    parser.add_argument("--tool-wait", type=float, default=0.2, help="with --workloads: as validate's --tool-wait")
+    parser.add_argument("--scale", type=positive_float, default=0.1, help="with --workloads: as validate's --scale")
+    parser.add_argument(
+        "--tool-wait", type=non_negative_float, default=0.2, help="with --workloads: as validate's --tool-wait"
+    )
     parser.add_argument(
         "--refit",
         metavar="PROFILE",

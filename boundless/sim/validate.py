@@ -49,6 +49,7 @@ from boundless.config import (
     add_flags,
     engine_config_from_flags,
     non_negative_float,
+    positive_float,
     positive_int,
 )
 from boundless.engine.lending_stats import LendingStats
@@ -497,8 +498,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-programs", type=positive_int, default=16)
     parser.add_argument("--rate", type=non_negative_float, default=0.2)
-    parser.add_argument("--scale", type=float, default=0.1)
-    parser.add_argument("--tool-wait", type=float, default=0.2)
+    parser.add_argument("--scale", type=positive_float, default=0.1)
+    parser.add_argument("--tool-wait", type=non_negative_float, default=0.2)
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument(
         "--profile",
