@@ -316,8 +316,12 @@ class Dispatcher:
     def expire(self) -> list[str]:
         """Drop programs idle past the table's TTL, and their homes; returns their ids."""
         dropped = self.table.expire(self.clock())
-        self.router.forget(self.table.take_removed(), self.table)  # (those the size cap dropped too)
+        self._forget(self.table.take_removed())  # (those the size cap dropped too)
         return dropped
+
+    def _forget(self, removed: list[str]) -> None:
+        """Forget what is kept per program for the programs the table dropped (``removed``) and does not hold again."""
+        self.router.forget(removed, self.table)
 
     def _route(self, call: InflightCall) -> list[Decision]:
         pid = call.program.program_id if call.program else None

@@ -469,12 +469,13 @@ class PDDispatcher(Dispatcher):
         # A Prepare or Send still under way is answered later: its answer sees the call gone and aborts it there.
         return self._abort_halves(call) + self._place()
 
-    def expire(self) -> list[str]:
-        dropped = super().expire()
-        for pid in dropped:
-            self._history.pop(pid, None)
-            self._served.pop(pid, None)
-        return dropped
+    def _forget(self, removed: list[str]) -> None:
+        # (Every program the table dropped, by the TTL or its size cap: one dropped at the cap never expires.)
+        super()._forget(removed)
+        for pid in removed:
+            if pid not in self.table:
+                self._history.pop(pid, None)
+                self._served.pop(pid, None)
 
     # -- decisions ---------------------------------------------------------------------------------
 

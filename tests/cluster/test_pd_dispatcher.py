@@ -260,6 +260,22 @@ def test_a_read_ahead_is_dropped_when_its_call_is_aborted_and_forgotten_with_its
     ]
 
 
+def test_programs_the_table_drops_at_its_size_cap_leave_nothing_behind_in_the_dispatcher() -> None:
+    # A program's last call (its tokens, its engines) is kept for its next call while the process table holds the
+    # program. At the table's size cap each new program drops an idle one: its last call must go with it, not stay
+    # for good (a server with more programs than the cap grew by a call's tokens per program).
+    d = dispatcher()
+    d.table.max_programs = 2
+    for i in range(6):
+        rid = f"c{i}"
+        prepared(d, rid, list(range(i, i + 40)), IntakeAnswer(0), ProgramRef(f"agent{i}"))
+        d.receive("p0", delta(rid, [50], "a", "handoff"))
+        d.receive("d0", delta(rid, [51], "b", "length"))
+    d.expire()
+    assert len(d.table) == 2
+    assert set(d._history) == set(d._served) == {"agent4", "agent5"}
+
+
 def test_under_program_order_an_agents_next_call_goes_before_later_programs_calls() -> None:
     """With ``--queue-order program`` (the engines' default) the queue follows each call's program's first arrival:
     an agent's next turn is placed before a later agent's first, so a few sessions run back to back while their
