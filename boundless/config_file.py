@@ -33,23 +33,34 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
 def expand_config_file(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
     """``argv`` (a command's arguments, for ``parser``) with the flags of its ``--config`` file put before them; as
     given when there is none."""
-    path = _config_path(argv)
+    path = _config_path(parser, argv)
     if path is None:
         return list(argv)
     return [*flags_of(parser, read_config_file(path), path), *argv]
 
 
-def _config_path(argv: Sequence[str]) -> str | None:
+def _config_path(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
     for i, arg in enumerate(argv):
         if arg == "--":
             break
-        if arg == CONFIG_FLAG:
+        name, given, value = arg.partition("=")
+        if _names_config(parser, name):
+            if given:
+                return value
             if i + 1 == len(argv):
                 raise ConfigFileError(f"{CONFIG_FLAG} needs a file's path")
             return argv[i + 1]
-        if arg.startswith(CONFIG_FLAG + "="):
-            return arg.split("=", 1)[1]
     return None
+
+
+def _names_config(parser: argparse.ArgumentParser, name: str) -> bool:
+    """Whether argparse reads ``name`` as ``--config``: the flag, or a prefix of it that starts no other flag (argparse
+    takes such abbreviations, ``--conf``; unseen here, the file's flags were silently left out)."""
+    if not (name.startswith("--") and CONFIG_FLAG.startswith(name) and len(name) > 2):
+        return False
+    return name == CONFIG_FLAG or (
+        parser.allow_abbrev and all(f == CONFIG_FLAG or not f.startswith(name) for f in parser._option_string_actions)
+    )
 
 
 def read_config_file(path: str) -> dict[str, Any]:

@@ -130,6 +130,27 @@ def test_a_config_file_that_says_no_flag_is_one_line_and_exit_2(
     assert err.startswith("boundless: --config ") and said in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("given", [["--conf", "{path}"], ["--con={path}"], ["--config", "{path}"]])
+def test_a_config_file_given_by_an_abbreviation_of_config_is_read(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str], given: list[str]
+) -> None:
+    """argparse takes ``--conf`` for ``--config``; the file was looked for under the full name alone, so its flags were
+    left out and serve started without them."""
+    import boundless.api.launch as launch
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the engine started without the file's flags")
+
+    monkeypatch.setattr(launch, "make_client", refuse)
+    config = tmp_path / "serve.yaml"
+    config.write_text("max-num-seqs: 0\n")
+    assert main(["serve", *(g.format(path=config) for g in given)]) == 2
+    assert capsys.readouterr().err == "boundless: --max-num-seqs: must be positive\n"
+    with pytest.raises(SystemExit) as stopped:  # (--chat-template too: argparse's usage error)
+        main(["serve", "--c", str(config)])
+    assert stopped.value.code == 2 and "ambiguous option: --c" in capsys.readouterr().err
+
+
 def test_serve_with_no_flags_serves_the_bundled_model() -> None:
     for url in _serve():
         models = httpx.get(url + "/v1/models").json()
