@@ -1129,6 +1129,18 @@ def check_serve_configs(engine: EngineConfig, server: ServerConfig, cluster: Clu
         )
 
 
+def refuse_engine_flags(args: argparse.Namespace, command: str, set_by_command: dict[str, str]) -> None:
+    """For a command that takes the engine's flags but sets some itself (``set_by_command``: field name -> how the
+    command sets it): those given away from their defaults stop it with one line naming the flag (they were accepted
+    and silently ignored)."""
+    engine = (ModelConfig, CacheConfig, SchedulerConfig)
+    defaults = {f.name: f.default for cls in engine for f in dataclasses.fields(cls)}
+    for name, how in set_by_command.items():
+        value = getattr(args, name)
+        if (tuple(value) if isinstance(value, list) else value) != defaults[name]:
+            raise SystemExit(f"--{name.replace('_', '-')}: {command} sets it itself ({how})")
+
+
 def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=from_flags(ModelConfig, args),

@@ -496,3 +496,28 @@ def test_bench_agentic_checks_its_sweep_before_the_model_loads(monkeypatch: pyte
     for bad, said in (("abc", "is not comma-separated numbers"), ("0.4,0", "every value must be positive")):
         with pytest.raises(SystemExit, match=f"--sweep-gbps: .*{said}"):
             main(["bench", "agentic", "--sweep-gbps", bad])
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["bench", "longctx", "--max-num-seqs", "4"], "--max-num-seqs: bench longctx sets it itself (use --max-seqs)"),
+        (["bench", "longctx", "--kv-cache-gb", "1"], "--kv-cache-gb: bench longctx sets it itself (use --num-kv"),
+        (["bench", "longctx", "--policy", "plas"], "--policy: bench longctx sets it itself (fcfs on every instance)"),
+        (["bench", "longctx", "--no-enable-prefix-caching"], "--enable-prefix-caching: bench longctx sets it itself"),
+        (["bench", "lora", "--max-loras", "2"], "--max-loras: bench lora sets it itself (use --num-adapters)"),
+        (["bench", "lora", "--lora-modules", "a=/x"], "--lora-modules: bench lora sets it itself"),
+    ],
+)
+def test_an_engine_flag_a_benchmark_sets_itself_is_refused_not_ignored(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], said: str
+) -> None:
+    """``bench longctx`` and ``bench lora`` take every engine flag but set some on their engines themselves: those were
+    accepted and silently ignored (``bench longctx --max-num-seqs 4`` ran 16 a step); now one line, as ``bench spec``
+    says of ``--speculative-config``."""
+    _no_work(monkeypatch)
+    from boundless.bench import lora
+
+    monkeypatch.setattr(lora, "load_configured_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit, match=re.escape(said)):
+        main(argv)

@@ -45,7 +45,13 @@ from boundless.cluster.gmanager import GManager
 from boundless.cluster.kv_migration import Endpoint, migrate_request
 from boundless.cluster.lending_plan import LendingThresholds
 from boundless.cluster.rmanager import RManager
-from boundless.config import EngineConfig, comma_numbers, engine_config_from_flags, non_negative_float
+from boundless.config import (
+    EngineConfig,
+    comma_numbers,
+    engine_config_from_flags,
+    non_negative_float,
+    refuse_engine_flags,
+)
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.errors import InvalidRequestError
@@ -457,6 +463,19 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 2) if b else None
 
 
+# The engine flags each instance's engine takes from this benchmark instead (LongCtxCluster): given, they would be
+# ignored.
+SET_BY_LONGCTX = {
+    "kv_cache_gb": "use --num-kv-blocks: 64 blocks by default",
+    "max_num_seqs": "use --max-seqs",
+    "max_num_batched_tokens": "use --chunk-tokens",
+    "policy": "fcfs on every instance",
+    "enable_prefix_caching": "on in every setup",
+    "kv_host_gb": "no host memory: a request that loses its blocks is recomputed",
+    "swap_space_gb": "no host memory: a request that loses its blocks is recomputed",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instances", type=int, default=3, help="engine instances (2-4)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="each instance's token budget per step")
@@ -483,6 +502,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from boundless.model.loader import load_configured_model
 
     long_factors = tuple(comma_numbers("--long-factors", args.long_factors, float, positive=True))  # (before the load)
+    refuse_engine_flags(args, "bench longctx", SET_BY_LONGCTX)
     base = engine_config_from_flags(args)
     loaded = load_configured_model(base.model)
     setups = tuple(s.strip() for s in args.setups.split(",") if s.strip())

@@ -29,11 +29,18 @@ import torch
 
 from boundless.bench.offline import hf_generate, load_hf_reference, make_prompts
 from boundless.bench.report import print_table, write_json
-from boundless.config import engine_config_from_flags, positive_int
+from boundless.config import engine_config_from_flags, positive_int, refuse_engine_flags
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import LLM
 from boundless.model.loader import LoadedModel, load_configured_model
 from boundless.model.random_model import LORA_TARGETS, write_random_lora
+
+# The engine flags this benchmark sets itself, from its own: given, they would be ignored.
+SET_BY_LORA = {
+    "max_loras": "use --num-adapters",
+    "max_lora_rank": "from --rank",
+    "lora_modules": "its --num-adapters random adapters",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +78,7 @@ def _peft_generate(model, prompts: list[list[int]], names: list[str], output_len
 
 
 def run(args: argparse.Namespace) -> dict:
+    refuse_engine_flags(args, "bench lora", SET_BY_LORA)
     config = engine_config_from_flags(args)
     if args.num_adapters < 1 or args.repeats < 1:
         raise SystemExit("--num-adapters and --repeats must be at least 1")
