@@ -744,6 +744,18 @@ KV_PATHS = ("basic", "dualpath", "oracle")
 # ClusterConfig's fields that act with prefill and decode engines only (ClusterConfig.ignored_role_flags).
 ROLE_FLAGS = ("kv_path", "kv_handoff_timeout_s", "pd_alpha", "pd_beta", "pd_z", "storage_gbps", "net_gbps")
 KV_TRANSPORTS = ("shm", "nixl", "mooncake")
+# ClusterConfig's fields that act with --kv-lending on only (ClusterConfig.ignored_lending_flags).
+LENDING_FLAGS = (
+    "lending_interval_s",
+    "lending_debtor_max_batch",
+    "lending_creditor_max_usage",
+    "lending_creditor_headroom",
+    "lending_min_gain",
+    "lending_lookahead_chunks",
+    "lending_request_pools",
+    "lending_reservation_timeout_s",
+    "lending_grant_timeout_s",
+)
 
 
 @dataclass(frozen=True)
@@ -949,10 +961,20 @@ class ClusterConfig:
         """The flags given that act with prefill and decode engines only (the README's "with roles"), as ``--flag``s:
         without those engines they are accepted and ignored (``--kv-path`` as the others), and start-up says so. A flag
         left at its default is none of them."""
-        if self.disaggregated:
-            return []
+        return [] if self.disaggregated else self._given(ROLE_FLAGS)
+
+    def ignored_lending_flags(self) -> list[str]:
+        """As :meth:`ignored_role_flags`, the flags given that act with ``--kv-lending on`` only, and ``--kv-transport``
+        where neither lending nor roles move KV between engines."""
+        ignored = [] if self.kv_lending == "on" else self._given(LENDING_FLAGS)
+        if self.kv_lending != "on" and not self.disaggregated:
+            ignored += self._given(("kv_transport",))
+        return ignored
+
+    def _given(self, names: Sequence[str]) -> list[str]:
+        """Those of the fields ``names`` that are away from their defaults, as ``--flag``s."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        return [f"--{name.replace('_', '-')}" for name in ROLE_FLAGS if getattr(self, name) != defaults[name]]
+        return [f"--{name.replace('_', '-')}" for name in names if getattr(self, name) != defaults[name]]
 
     @property
     def runs_actors(self) -> bool:

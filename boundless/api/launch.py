@@ -51,6 +51,11 @@ def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) 
             "%s: with prefill and decode engines only (--prefill-instances, --decode-instances); ignored here",
             ", ".join(ignored),
         )
+    if ignored := cluster.ignored_lending_flags():
+        log.warning(
+            "%s: with --kv-lending on only (--kv-transport: or prefill and decode engines); ignored here",
+            ", ".join(ignored),
+        )
     if cluster.runs_actors:
         from boundless.cluster.client import ClusterClient
 

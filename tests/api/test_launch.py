@@ -28,3 +28,22 @@ def test_flags_of_prefill_and_decode_engines_are_ignored_without_them_and_start_
         "--kv-path, --pd-alpha: with prefill and decode engines only (--prefill-instances, --decode-instances); "
         "ignored here"
     ]
+
+
+def test_flags_of_kv_lending_are_ignored_without_it_and_start_up_says_so(
+    model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--lending-*`` act with ``--kv-lending on`` only, ``--kv-transport`` with it or with prefill and decode engines:
+    without them they were accepted and ignored, and start-up said nothing (as it said of the "with roles" flags)."""
+    cluster = ClusterConfig(lending_interval_s=4.0, lending_min_gain=0.01, kv_transport="nixl")
+    assert ClusterConfig(instances=2, kv_lending="on", lending_interval_s=4.0).ignored_lending_flags() == []
+    assert ClusterConfig(kv_transport="nixl", prefill_instances=1).ignored_lending_flags() == []
+    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=256, kv_cache_gb=0.01)
+    with caplog.at_level(logging.WARNING, logger="boundless.api.launch"):
+        engine = make_client(config, cluster, max_waiting=8)
+    engine.shutdown()
+    said = [r.getMessage() for r in caplog.records if r.name == "boundless.api.launch"]
+    assert said == [
+        "--lending-interval-s, --kv-transport: with --kv-lending on only (--kv-transport: or prefill and decode "
+        "engines); ignored here"
+    ]
