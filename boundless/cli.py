@@ -54,8 +54,19 @@ def _serve(args: argparse.Namespace) -> int:
     from boundless.api.launch import serve
     from boundless.config import ClusterConfig, ServerConfig, engine_config_from_flags, from_flags
 
+    if args.model_tag is not None:  # (vLLM's: it wins over --model)
+        args.model = args.model_tag
     serve(engine_config_from_flags(args), from_flags(ServerConfig, args), from_flags(ClusterConfig, args))
     return 0
+
+
+def _model_tag_as_flag(argv: list[str]) -> list[str]:
+    """``serve``'s arguments with a model given first, as ``vllm serve MODEL`` takes it, moved to a ``--model`` at the
+    end (where it wins, as vLLM's does): the flags of a ``--config`` file go before the arguments, and one of several
+    values (``lora-modules``) would take a model after it for one of its own."""
+    if argv[:1] and not argv[0].startswith("-"):
+        return [*argv[1:], "--model", argv[0]]
+    return argv
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -132,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    srv.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model to serve, as vLLM's serve takes it: --model's values, and it wins over --model",
+    )
     add_config_flag(srv)
     add_engine_flags(srv)
     add_flags(srv, ServerConfig)
@@ -264,6 +281,8 @@ CONFIG_FILE_COMMANDS = ("serve",)
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        argv = ["serve", *_model_tag_as_flag(argv[1:])]
     try:
         if argv[:1] and argv[0] in CONFIG_FILE_COMMANDS:
             argv = [argv[0], *expand_config_file(_subcommand(parser, argv[0]), argv[1:])]

@@ -20,6 +20,7 @@ import pytest
 
 from boundless.api.launch import free_port
 from boundless.cli import main
+from boundless.config import EngineConfig
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -521,3 +522,36 @@ def test_an_engine_flag_a_benchmark_sets_itself_is_refused_not_ignored(
     monkeypatch.setattr(lora, "load_configured_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(SystemExit, match=re.escape(said)):
         main(argv)
+
+
+class _Started(Exception):
+    """What a patched ``make_client`` raises with the engine config serve would have started."""
+
+
+@pytest.mark.parametrize(
+    ("given", "yaml"),
+    [
+        (["{model}"], ""),
+        (["{model}", "--port", "9001"], ""),
+        (["--port", "9001", "{model}"], ""),
+        (["{model}", "--model", "smollm2-135m"], ""),  # (vLLM's: the model given first wins)
+        (["{model}", "--config", "{config}"], "lora-modules: [a=/x]\nmodel: smollm2-135m\n"),
+    ],
+)
+def test_serve_takes_the_model_first_as_vllm_serve_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, given: list[str], yaml: str
+) -> None:
+    """``vllm serve MODEL`` is how vLLM's users start a server; ``boundless serve MODEL`` stopped with argparse's
+    "unrecognized arguments", so a vLLM command line had to be rewritten to ``--model MODEL``. After a ``--config``
+    file's list flag (``lora-modules``) the model is not taken as one of its values."""
+    import boundless.api.launch as launch
+
+    def started(config: EngineConfig, *args: object) -> None:
+        raise _Started(config)
+
+    monkeypatch.setattr(launch, "make_client", started)
+    model, config = tmp_path / "model", tmp_path / "serve.yaml"
+    config.write_text(yaml)
+    with pytest.raises(_Started) as start:
+        main(["serve", *(g.format(model=model, config=config) for g in given), "--enable-lora"])
+    assert start.value.args[0].model.model == str(model)
