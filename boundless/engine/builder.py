@@ -9,6 +9,7 @@ with the same function and gives them a cost-model executor instead.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,6 +160,41 @@ def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLay
     return DiskKVStore(Path(config.cache.kv_disk_path or ""), store_layout, layout.disk_bytes)
 
 
+def physical_memory_bytes() -> int | None:
+    """This machine's memory (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(config: EngineConfig, layout: EngineLayout, device: torch.device, memory: int | None) -> None:
+    """KV pools in host memory (the device's pool on the CPU, and the host tier) that the machine's ``memory`` cannot
+    hold are refused, naming the flag that sized them: allocated, they failed with the allocator's traceback
+    (``--kv-host-gb 100000``), or were reserved and left the process to be killed when filled."""
+    if memory is None:
+        return
+    gib = 1 << 30
+    device_bytes = layout.num_blocks * layout.bytes_per_block if device.type == "cpu" else 0
+    host_bytes = layout.num_host_blocks * layout.bytes_per_block
+    cache = config.cache
+    pool_flag = "--num-kv-blocks" if cache.num_kv_blocks else "--kv-cache-gb"
+    if device_bytes > memory:
+        raise ConfigError(
+            f"{pool_flag}: a KV pool of {device_bytes / gib:.1f} GiB is more than this machine's memory "
+            f"({memory / gib:.1f} GiB)"
+        )
+    if device_bytes + host_bytes > memory:
+        host_flag = (
+            "--swap-space-gb" if cache.kv_host_gb is None and cache.swap_space_gb is not None else "--kv-host-gb"
+        )
+        raise ConfigError(
+            f"{host_flag}: {host_bytes / gib:.1f} GiB of KV in host memory"
+            + (f", beside the KV pool's {device_bytes / gib:.1f} GiB," if device_bytes else "")
+            + f" is more than this machine's memory ({memory / gib:.1f} GiB)"
+        )
+
+
 def build_model_executor(
     loaded: LoadedModel,
     config: EngineConfig,
@@ -172,6 +208,7 @@ def build_model_executor(
     attention backend and sampler (compiling structured requests' grammars in ``grammars``, the engine's), ready to
     run steps."""
     arch = loaded.arch
+    check_host_memory(config, layout, loaded.device, physical_memory_bytes())
     loaded.model.prepare(layout.max_model_len)
     kv_cache = PagedKVCache(
         arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, loaded.dtype,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 import pytest
 import torch
 
 from boundless.cluster.lending_plan import LendingThresholds, request_pools
 from boundless.config import ConfigError
-from boundless.engine.builder import DeviceMemory, size_engine
+from boundless.engine.builder import DeviceMemory, check_host_memory, physical_memory_bytes, size_engine
 from boundless.engine.core import EngineCore
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
@@ -138,3 +139,33 @@ def test_flash_prefill_is_refused_where_flashattention_cannot_take_it(tiny_llama
         triton = engine_config(tiny_llama.name, attention_backend="triton", flash_prefill=True, num_kv_blocks=32)
         with pytest.raises(ConfigError, match="FlashAttention runs on CUDA in bfloat16 or float16"):
             EngineCore.from_model(tiny_llama, triton)
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        ({"kv_host_gb": 4.0}, "--kv-host-gb: 4.0 GiB of KV in host memory, beside the KV pool's 0.0 GiB, is more"),
+        ({"kv_host_gb": None, "swap_space_gb": 4.0}, "--swap-space-gb: 4.0 GiB of KV in host memory"),
+        ({"num_kv_blocks": 300_000}, "--num-kv-blocks: a KV pool of 2.3 GiB is more than this machine's memory (2.0"),
+        ({"kv_cache_gb": 3.0}, "--kv-cache-gb: a KV pool of 3.0 GiB is more than this machine's memory"),
+    ],
+)
+def test_kv_memory_past_the_machines_is_refused_naming_its_flag(
+    tiny_llama: LoadedModel, flags: dict[str, float | None], said: str
+) -> None:
+    """``--kv-host-gb 100000`` failed with the allocator's traceback once the model had loaded (and a pool under the
+    overcommit limit was reserved, to be killed when filled). Checked against a 2 GiB machine."""
+    config = engine_config(tiny_llama.name, **{"kv_cache_gb": 0.001, "kv_host_gb": 0.0, **flags})  # type: ignore[arg-type]
+    layout = size_engine(config, tiny_llama.arch, tiny_llama.dtype)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        check_host_memory(config, layout, torch.device("cpu"), memory=2 << 30)
+    check_host_memory(config, layout, torch.device("cpu"), memory=None)  # (a system that does not say: no check)
+
+
+def test_an_engine_with_more_host_kv_than_the_machine_has_does_not_start(tiny_llama: LoadedModel) -> None:
+    """Through the engine's start: refused before any of it is allocated."""
+    memory = physical_memory_bytes()
+    assert memory is not None
+    config = engine_config(tiny_llama.name, kv_cache_gb=0.01, kv_host_gb=4 * memory / (1 << 30))
+    with pytest.raises(ConfigError, match=r"^--kv-host-gb: .* is more than this machine's memory"):
+        EngineCore.from_model(tiny_llama, config)
