@@ -16,10 +16,12 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 from typing import Any, TypeVar
 
 from boundless.api.reasoning import REASONING_PARSERS
 from boundless.api.tool_calls import TOOL_CALL_PARSERS
+from boundless.model.generation_config import generation_overrides
 from boundless.model.lora import LoRAError, LoRAModule
 from boundless.programs.registry import POLICIES
 
@@ -663,7 +665,15 @@ class ServerConfig:
         metadata={
             "help": "auto: a request's omitted sampling parameters (temperature, top_p, top_k, min_p, "
             "repetition_penalty, max_tokens) default to the model's generation_config.json, as vLLM's do; vllm: to "
-            "the API's own defaults"
+            "the API's own defaults; a directory: to its generation_config.json's (vLLM's three forms)"
+        },
+    )
+    override_generation_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "vLLM's: a JSON object of generation_config.json's sampling keys (temperature, top_p, top_k, "
+            "min_p, repetition_penalty, max_new_tokens) that replace or add to what --generation-config gives, e.g. "
+            "'{\"temperature\": 0.5}'"
         },
     )
     tool_call_parser: str | None = field(
@@ -717,6 +727,18 @@ class ServerConfig:
         default=ANY_JSON, metadata={"help": "headers cross-origin requests may send, a JSON list (vLLM's flag)"}
     )
 
+    @property
+    def generation_overrides(self) -> dict[str, Any]:
+        """``--override-generation-config`` read and checked: generation_config.json's keys to their values."""
+        if self.override_generation_config is None:
+            return {}
+        overrides = _json_object("override_generation_config", self.override_generation_config)
+        try:
+            generation_overrides(overrides)
+        except ValueError as e:
+            raise ConfigError(f"--override-generation-config: {e}") from None
+        return overrides
+
     def __post_init__(self) -> None:
         _require_finite(self)
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
@@ -725,7 +747,12 @@ class ServerConfig:
         _require(self.max_waiting > 0, "max_waiting", "must be positive")
         _require(self.max_body_mb > 0, "max_body_mb", "must be positive")
         _require(self.max_stored_responses >= 0, "max_stored_responses", "must not be negative")
-        _require(self.generation_config in ("auto", "vllm"), "generation_config", "must be auto or vllm")
+        _require(
+            self.generation_config in ("auto", "vllm") or Path(self.generation_config).expanduser().is_dir(),
+            "generation_config",
+            f"must be auto, vllm or a directory (of a generation_config.json), not {self.generation_config!r}",
+        )
+        _ = self.generation_overrides  # (a bad one fails here, naming the flag)
         _require(
             self.tool_call_parser in (None, *TOOL_CALL_PARSER_NAMES),
             "tool_call_parser",

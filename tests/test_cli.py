@@ -555,3 +555,40 @@ def test_serve_takes_the_model_first_as_vllm_serve_does(
     with pytest.raises(_Started) as start:
         main(["serve", *(g.format(model=model, config=config) for g in given), "--enable-lora"])
     assert start.value.args[0].model.model == str(model)
+
+
+@pytest.mark.parametrize(
+    ("flag", "said"),
+    [
+        (["--override-generation-config", '{"temp": 1}'], "keys ['temp'] are not sampling parameters read here"),
+        (["--override-generation-config", '{"top_k": 1.5}'], "top_k must be a number"),
+        (["--override-generation-config", "[1]"], "must be a JSON object"),
+        (["--generation-config", "/nonexistent"], "must be auto, vllm or a directory"),
+    ],
+)
+def test_bad_generation_config_flags_fail_at_start_up(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flag: list[str], said: str
+) -> None:
+    """vLLM's ``--override-generation-config`` and ``--generation-config DIR`` are taken; a value they cannot take is
+    the flag's one line before anything loads."""
+    import boundless.api.launch as launch
+
+    monkeypatch.setattr(launch, "make_client", lambda *a, **k: pytest.fail("the engine started"))
+    assert main(["serve", *flag]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"boundless: {flag[0]}: ") and said in err and len(err.splitlines()) == 1
+
+
+def test_generation_config_flags_from_a_config_file(tmp_path: Path) -> None:
+    """``override-generation-config`` as a YAML mapping, as vLLM's config file gives it."""
+    from boundless.cli import _subcommand, build_parser
+    from boundless.config import ServerConfig, from_flags
+    from boundless.config_file import expand_config_file
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"generation-config: {tmp_path}\noverride-generation-config: {{temperature: 0.5, top_k: 4}}\n")
+    parser = build_parser()
+    args = parser.parse_args(["serve", *expand_config_file(_subcommand(parser, "serve"), ["--config", str(config)])])
+    server = from_flags(ServerConfig, args)
+    assert server.generation_config == str(tmp_path)
+    assert server.generation_overrides == {"temperature": 0.5, "top_k": 4}

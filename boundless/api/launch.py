@@ -77,10 +77,12 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
     gc.freeze()
     name = server.served_model_name or config.model.model
     log.info("serving %s on http://%s:%d (context %d tokens)", name, server.host, server.port, engine.max_model_len)
-    defaults = model_sampling_defaults(config.model.model, server.generation_config)
+    defaults = model_sampling_defaults(config.model.model, server.generation_config, server.generation_overrides)
     if defaults.given():
         log.info(
-            "requests' omitted sampling parameters default to the model's generation_config.json: %s", defaults.given()
+            "omitted sampling parameters default to %s (--generation-config %s, --override-generation-config)",
+            defaults.given(),
+            server.generation_config,
         )
     app = build_app(engine, name, server, {m.name: m.path for m in config.model.loras}, defaults)
     http = uvicorn.Config(

@@ -1,5 +1,5 @@
 """A model's own default sampling parameters, from its ``generation_config.json`` (vLLM's ``--generation-config
-auto``, its default).
+auto``, its default; or another directory's, and vLLM's ``--override-generation-config``).
 
 Model makers ship the sampling their models are tuned for: Qwen3's thinking models, for example, say temperature
 0.6, top_p 0.95 and top_k 20, and greedy decoding makes them repeat themselves. A request that leaves a parameter
@@ -10,7 +10,7 @@ without the file, has none.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,19 +54,49 @@ def read_generation_defaults(model_path: Path) -> SamplingDefaults:
         config = json.loads(file.read_text())
     except (OSError, ValueError):
         return NO_DEFAULTS
-    values: dict[str, Any] = {}
-    for key, name in _KEYS.items():
-        value = config.get(key) if isinstance(config, dict) else None
-        integral = name in ("top_k", "max_tokens")
-        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
-            continue
-        values[name] = int(value) if integral else float(value)
-    return SamplingDefaults(**values)
+    if not isinstance(config, dict):
+        return NO_DEFAULTS
+    return SamplingDefaults(**{_KEYS[key]: _value(key, value) for key, value in config.items() if _valid(key, value)})
 
 
-def model_sampling_defaults(model: str, mode: str = "auto") -> SamplingDefaults:
-    """The defaults a server of ``model`` (a name ``load_model`` takes) applies: its ``generation_config.json``'s
-    with ``mode`` ``auto``, none with ``vllm`` (``--generation-config``)."""
+def _valid(key: str, value: Any) -> bool:
+    """Whether ``key`` is one of the sampling keys read, with a value of its type."""
+    if key not in _KEYS:
+        return False
+    integral = _KEYS[key] in ("top_k", "max_tokens")
+    return not isinstance(value, bool) and isinstance(value, int if integral else (int, float))
+
+
+def _value(key: str, value: int | float) -> int | float:
+    return int(value) if _KEYS[key] in ("top_k", "max_tokens") else float(value)
+
+
+def generation_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``--override-generation-config`` (a JSON object of ``generation_config.json``'s keys), as
+    :class:`SamplingDefaults` fields; a key not read here, or a value not of its type, raises ValueError naming it (the
+    model's own file is trusted less: its bad values are left out)."""
+    unknown = sorted(set(overrides) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"keys {unknown} are not sampling parameters read here; known: {sorted(_KEYS)}")
+    bad = sorted(key for key, value in overrides.items() if not _valid(key, value))
+    if bad:
+        raise ValueError(f"{bad[0]} must be a number (top_k and max_new_tokens whole), not {overrides[bad[0]]!r}")
+    return {_KEYS[key]: _value(key, value) for key, value in overrides.items()}
+
+
+def model_sampling_defaults(
+    model: str, mode: str = "auto", overrides: dict[str, Any] | None = None
+) -> SamplingDefaults:
+    """The defaults a server of ``model`` (a name ``load_model`` takes) applies, as vLLM's ``--generation-config``
+    gives them: with ``mode`` ``auto`` its ``generation_config.json``'s, with ``vllm`` none, else (a directory) that
+    directory's ``generation_config.json``'s; ``overrides`` (``--override-generation-config``) replace or add to
+    them."""
     from boundless.model.loader import resolve_model_path
 
-    return read_generation_defaults(resolve_model_path(model)) if mode == "auto" else NO_DEFAULTS
+    if mode == "auto":
+        defaults = read_generation_defaults(resolve_model_path(model))
+    elif mode == "vllm":
+        defaults = NO_DEFAULTS
+    else:
+        defaults = read_generation_defaults(Path(mode).expanduser())
+    return replace(defaults, **generation_overrides(overrides or {}))

@@ -105,8 +105,8 @@ def serve_hermes(
         (root / "generation_config.json").write_text(json.dumps(generation_config))
     loaded = load_model(str(root))
     engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
-    mode = (server_config or ServerConfig()).generation_config
-    defaults = model_sampling_defaults(str(root), mode)
+    given = server_config or ServerConfig()
+    defaults = model_sampling_defaults(str(root), given.generation_config, given.generation_overrides)
     server = start_in_thread(engine, "tiny", server_config, defaults=defaults)
     try:
         yield Served(loaded, engine, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0))

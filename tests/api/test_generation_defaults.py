@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -68,3 +69,38 @@ def test_the_models_default_max_tokens_is_capped_to_the_context_left(served: tup
     assert response.usage.output_tokens == 3 and response.status == "incomplete"
     with pytest.raises(Exception, match="maximum context length"):
         s.client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
+
+
+@pytest.fixture(scope="module", params=["directory", "override"])
+def served_given_defaults(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A model whose own generation_config.json says nothing useful, greedy and 5 tokens given by vLLM's other two
+    forms: ``--generation-config DIR`` (that directory's file) and ``--override-generation-config JSON``."""
+    given = {"temperature": 0.0, "max_new_tokens": 5}
+    if request.param == "directory":
+        directory = tmp_path_factory.mktemp("genconfig-dir")
+        (directory / "generation_config.json").write_text(json.dumps(given))
+        config = ServerConfig(generation_config=str(directory))
+    else:
+        config = ServerConfig(generation_config="vllm", override_generation_config=json.dumps(given))
+    with serve_hermes(
+        tmp_path_factory.mktemp(f"genconfig-{request.param}"),
+        server_config=config,
+        generation_config={"temperature": 1.0, "max_new_tokens": 500},
+    ) as s:
+        yield s
+
+
+def test_defaults_from_a_directory_or_vllms_overrides_apply_to_what_requests_omit(
+    served_given_defaults: Served,
+) -> None:
+    """vLLM's ``--generation-config`` takes a directory too, and ``--override-generation-config`` a JSON object: a vLLM
+    command line with either stopped at start-up here (``must be auto or vllm``; argparse's "unrecognized
+    arguments")."""
+    s = served_given_defaults
+    messages = [{"role": "user", "content": "Tell me about the fox."}]
+
+    def chat(**kwargs) -> tuple[str, int]:
+        reply = s.client.chat.completions.create(model="tiny", messages=messages, seed=1, **kwargs)
+        return reply.choices[0].message.content, reply.usage.completion_tokens
+
+    assert chat(extra_body={"min_tokens": 5}) == chat(temperature=0, max_tokens=5, extra_body={"min_tokens": 5})
