@@ -56,7 +56,8 @@ def read_generation_defaults(model_path: Path) -> SamplingDefaults:
         return NO_DEFAULTS
     if not isinstance(config, dict):
         return NO_DEFAULTS
-    return SamplingDefaults(**{_KEYS[key]: _value(key, value) for key, value in config.items() if _valid(key, value)})
+    values: dict[str, Any] = {_KEYS[key]: _value(key, value) for key, value in config.items() if _valid(key, value)}
+    return SamplingDefaults(**values)
 
 
 def _valid(key: str, value: Any) -> bool:
