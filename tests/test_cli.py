@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from boundless.api.launch import free_port
 from boundless.cli import main
@@ -195,6 +196,18 @@ def test_bad_flag_values_fail_at_start_up(model_dirs: dict[str, Path], capsys: p
     assert "--block-size" in capsys.readouterr().err
     assert main(["generate", "x", "--model", str(model_dirs["tiny-llama"]), "--hf-overrides", "[1]"]) == 2
     assert "--hf-overrides: must be a JSON object" in capsys.readouterr().err
+
+
+def test_serve_on_a_gpu_it_cannot_use_ends_in_one_line(
+    model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``boundless serve --device cuda:N`` past this machine's GPUs (every --device cuda on a CPU machine) ends with
+    one line naming the device, not PyTorch's traceback."""
+    past = f"cuda:{torch.cuda.device_count() + 3}"
+    argv = ["serve", "--model", str(model_dirs["tiny-llama"]), "--device", past, "--port", str(free_port())]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"boundless: device {past}: ") and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

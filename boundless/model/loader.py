@@ -101,6 +101,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, value in DTYPES.items() if value == dtype)
 
 
+def check_device(device: torch.device) -> None:
+    """Refuse a CUDA device this process cannot use, in words, before anything is allocated on it (PyTorch's own
+    refusal came as a traceback from deep inside the weights' allocation: "Torch not compiled with CUDA enabled")."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"device {device}: CUDA is not available here (a PyTorch build without CUDA, or no GPU visible); "
+            "--device cpu runs on the CPU"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ConfigError(f"device {device}: this machine has {count} GPU{'s' if count != 1 else ''} (cuda:0..)")
+
+
 def model_dtype(dtype: str, path: Path, device: torch.device) -> torch.dtype:
     """``--dtype`` as a torch dtype. ``auto`` (vLLM's): float32 on the CPU; on a GPU the checkpoint's own 16-bit type
     (``config.json``'s ``torch_dtype``), float16 for a 32-bit one, bfloat16 for a GGUF file (its quantized weights have
@@ -195,6 +210,7 @@ def load_model(
     path = resolve_model_path(name)
     check_overrides(path, hf_overrides)
     dev = torch.device(device)
+    check_device(dev)
     torch_dtype = model_dtype(dtype, path, dev)
     if path.is_file():
         from boundless.model.gguf import load_gguf

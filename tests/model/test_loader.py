@@ -77,3 +77,16 @@ def test_vllms_dtype_names(tmp_path: Path) -> None:
     assert loaded.fingerprint == load_model(str(path), dtype="float32").fingerprint
     assert loaded.fingerprint != load_model(str(path), dtype="bfloat16").fingerprint
     assert engine_config(str(path), dtype="half").model.dtype == "float16"
+
+
+def test_a_cuda_device_this_process_cannot_use_is_refused_in_words(tmp_path: Path) -> None:
+    """``--device cuda`` (or a ``cuda:N`` past the GPUs there are) is a :class:`ConfigError` naming the device, which
+    ``boundless serve`` prints as one line: without CUDA it was PyTorch's traceback from inside the weights'
+    allocation ("Torch not compiled with CUDA enabled")."""
+    model = write_random_model(tmp_path / "m", TinySpec(num_layers=1))
+    past = f"cuda:{torch.cuda.device_count() + 3}"
+    with pytest.raises(ConfigError, match=f"device {past}: "):
+        load_model(str(model), device=past)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device cuda: CUDA is not available here"):
+            load_model(str(model), device="cuda")
