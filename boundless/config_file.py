@@ -3,7 +3,9 @@
 The file is a mapping from flag names (without ``--``; ``-`` or ``_`` between words) to values. Its flags go before
 those of the command line, so a flag given on the command line wins (argparse keeps the last value). A value becomes
 what the flag takes on a command line: ``true`` and ``false`` turn a switch on and off, a list gives a flag that takes
-several values each of them, a mapping gives a JSON flag (``speculative-config``, ``hf-overrides``) its JSON text.
+several values each of them, a mapping gives a JSON flag (``speculative-config``, ``hf-overrides``) its JSON text, and a
+boolean gives a flag of words (``kv-lending``) ``on`` or ``off``: YAML reads ``on``, ``off``, ``yes`` and ``no`` as
+booleans.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ def flags_of(parser: argparse.ArgumentParser, values: dict[str, Any], path: str)
                 argv.append(flag)
         elif isinstance(value, list) and action.nargs in ("+", "*"):
             argv += [flag, *map(_text, value)]
+        elif isinstance(value, bool):
+            # A flag of words given a YAML boolean: YAML 1.1 (PyYAML's) reads on/off and yes/no as true/false, so
+            # "kv-lending: on" came as "true", refused as not on or off. Such flags say on and off.
+            argv += [flag, "on" if value else "off"]
         else:
             argv += [flag, _text(value)]
     return argv

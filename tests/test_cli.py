@@ -605,3 +605,17 @@ def test_generation_config_flags_from_a_config_file(tmp_path: Path) -> None:
     server = from_flags(ServerConfig, args)
     assert server.generation_config == str(tmp_path)
     assert server.generation_overrides == {"temperature": 0.5, "top_k": 4}
+
+
+def test_a_config_file_gives_on_and_off_to_flags_of_words(tmp_path: Path) -> None:
+    """YAML 1.1 reads ``on`` and ``off`` as booleans: ``kv-lending: on`` came as ``true``, refused as "must be on or
+    off", and ``layerwise-load: on`` the same, though the file said what the flag takes."""
+    from boundless.cli import _subcommand, build_parser
+    from boundless.config_file import expand_config_file
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("kv-write-policy: off\nlayerwise-load: on\nkv-lending: yes\nenable-prefix-caching: on\n")
+    parser = build_parser()
+    args = parser.parse_args(["serve", *expand_config_file(_subcommand(parser, "serve"), ["--config", str(config)])])
+    assert (args.kv_write_policy, args.layerwise_load, args.kv_lending) == ("off", "on", "on")
+    assert args.enable_prefix_caching is True  # (a switch takes the boolean as such)
