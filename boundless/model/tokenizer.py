@@ -7,6 +7,7 @@ pre-tokenizer is rebuilt the way llama.cpp runs it for the file's ``tokenizer.gg
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import os
@@ -295,7 +296,8 @@ def _compile_template(source: str) -> jinja2.Template:
 def load_chat_template(value: str) -> str:
     """A chat template given as a Jinja file's path or as the template itself, checked to compile; raises
     ``ValueError``. vLLM's ``--chat-template`` rule: a value that names no file is the template if it holds ``{`` or a
-    line break, and a mistyped path otherwise (an error, not a template that prints the path)."""
+    line break, its escapes (``\\n``) decoded, and a mistyped path otherwise (an error, not a template that prints the
+    path)."""
     try:
         is_file = Path(value).expanduser().is_file()
     except OSError:  # a template too long to be a file's name
@@ -306,7 +308,9 @@ def load_chat_template(value: str) -> str:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read {value}: {e}") from e
     elif "{" in value or "\n" in value:
-        source = value
+        # vLLM decodes a template given as text: a one-line template from the shell writes its line breaks as \n.
+        # (Python's unicode_escape over the text's own characters: vLLM's decode garbles any beyond ASCII, é as Ã©.)
+        source = codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
     else:
         raise ValueError(f"{value!r} is no file, nor a template (it has no '{{')")
     try:

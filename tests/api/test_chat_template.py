@@ -108,3 +108,13 @@ def test_llm_chat_takes_a_template(base_model: Path, tmp_path: Path) -> None:
     assert bare.prompt_token_ids == llm.tokenizer.encode(RENDERED[:-1], add_special_tokens=False)
     with pytest.raises(ValueError, match="is no file, nor a template"):
         llm.chat(MESSAGES, params, chat_template="/no/such.jinja")
+
+
+def test_a_template_given_as_text_has_its_escapes_decoded_as_vllm_does() -> None:
+    """A one-line template from the shell writes its line breaks as ``\\n``: vLLM decodes them, so the same command
+    line rendered other prompts here, with a backslash and an ``n`` where the model was trained on a line break.
+    Characters beyond ASCII stay as written."""
+    one_line = TEMPLATE.replace("\n", "\\n")
+    assert "\n" not in one_line and configured_chat_template(ServerConfig(chat_template=one_line)) == TEMPLATE
+    assert configured_chat_template(ServerConfig(chat_template=TEMPLATE)) == TEMPLATE
+    assert configured_chat_template(ServerConfig(chat_template="é{{ x }}中\\t")) == "é{{ x }}中\t"
