@@ -771,6 +771,18 @@ KV_PATHS = ("basic", "dualpath", "oracle")
 # ClusterConfig's fields that act with prefill and decode engines only (ClusterConfig.ignored_role_flags).
 ROLE_FLAGS = ("kv_path", "kv_handoff_timeout_s", "pd_alpha", "pd_beta", "pd_z", "storage_gbps", "net_gbps")
 KV_TRANSPORTS = ("shm", "nixl", "mooncake")
+# ClusterConfig's fields that act with engines as Ray actors only (ClusterConfig.ignored_instance_flags).
+INSTANCE_FLAGS = (
+    "routing",
+    "locality_threshold",
+    "locality_max_imbalance",
+    "heartbeat_interval_s",
+    "heartbeat_timeout_s",
+    "step_timeout_s",
+    "restart_delay_s",
+    "max_restarts",
+    "restart_reset_s",
+)
 # ClusterConfig's fields that act with --kv-lending on only (ClusterConfig.ignored_lending_flags).
 LENDING_FLAGS = (
     "lending_interval_s",
@@ -997,6 +1009,11 @@ class ClusterConfig:
         if self.kv_lending != "on" and not self.disaggregated:
             ignored += self._given(("kv_transport",))
         return ignored
+
+    def ignored_instance_flags(self) -> list[str]:
+        """As :meth:`ignored_role_flags`, the flags given that act where engines run as Ray actors behind the router
+        only (routing, heartbeats, stuck steps, restarts), on one engine in the server's process."""
+        return [] if self.runs_actors else self._given(INSTANCE_FLAGS)
 
     def _given(self, names: Sequence[str]) -> list[str]:
         """Those of the fields ``names`` that are away from their defaults, as ``--flag``s."""

@@ -44,12 +44,16 @@ def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
 
 def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) -> EngineClient:
     """One engine in this process, or with ``--instances N`` (or prefill and decode engines) a cluster of Ray
-    actors behind a router. Flags that act with prefill and decode engines only are ignored without them, and said to
-    be."""
+    actors behind a router. Flags that act with a part this server lacks (prefill and decode engines, engines as Ray
+    actors, KV lending) are ignored, and said to be."""
     if ignored := cluster.ignored_role_flags():
         log.warning(
             "%s: with prefill and decode engines only (--prefill-instances, --decode-instances); ignored here",
             ", ".join(ignored),
+        )
+    if ignored := cluster.ignored_instance_flags():
+        log.warning(
+            "%s: with engines as Ray actors only (--instances 2 or more, or roles); ignored here", ", ".join(ignored)
         )
     if ignored := cluster.ignored_lending_flags():
         log.warning(

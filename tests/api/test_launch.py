@@ -47,3 +47,21 @@ def test_flags_of_kv_lending_are_ignored_without_it_and_start_up_says_so(
         "--lending-interval-s, --kv-transport: with --kv-lending on only (--kv-transport: or prefill and decode "
         "engines); ignored here"
     ]
+
+
+def test_flags_of_ray_instances_are_ignored_by_one_engine_and_start_up_says_so(
+    model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--routing``, the heartbeats', stuck steps' and restarts' flags act where engines run as Ray actors: with one
+    engine in the server's process they were accepted and ignored in silence."""
+    cluster = ClusterConfig(routing="round-robin", step_timeout_s=30.0, max_restarts=3)
+    assert ClusterConfig(instances=2, routing="round-robin").ignored_instance_flags() == []
+    assert ClusterConfig(prefill_instances=1, step_timeout_s=30.0).ignored_instance_flags() == []
+    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=256, kv_cache_gb=0.01)
+    with caplog.at_level(logging.WARNING, logger="boundless.api.launch"):
+        engine = make_client(config, cluster, max_waiting=8)
+    engine.shutdown()
+    said = [r.getMessage() for r in caplog.records if r.name == "boundless.api.launch"]
+    assert said == [
+        "--routing, --step-timeout-s: with engines as Ray actors only (--instances 2 or more, or roles); ignored here"
+    ]
