@@ -632,7 +632,10 @@ class EngineConfig:
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=8000, metadata={"help": "port to bind"})
-    api_key: str | None = field(default=None, metadata={"help": "require this bearer token (or BOUNDLESS_API_KEY)"})
+    api_key: str | None = field(
+        default=None,
+        metadata={"help": "require this bearer token (default: $BOUNDLESS_API_KEY, else vLLM's $VLLM_API_KEY)"},
+    )
     served_model_name: str | None = field(default=None, metadata={"help": "model name clients use (default: --model)"})
     max_waiting: int = field(default=512, metadata={"help": "waiting requests beyond which the server answers 429"})
     max_body_mb: float = field(default=8.0, metadata={"help": "largest request body, in MiB (else 413)"})

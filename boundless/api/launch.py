@@ -29,10 +29,17 @@ from boundless.model.loader import load_configured_model
 log = logging.getLogger(__name__)
 
 
+# Where a server started without --api-key finds its key, first found first: ours, then vLLM's (a vLLM deployment
+# that keeps its key in the environment served here without one, open to anyone, and said nothing).
+API_KEY_ENV = ("BOUNDLESS_API_KEY", "VLLM_API_KEY")
+
+
 def resolve_api_key(config: ServerConfig) -> ServerConfig:
-    """``--api-key`` wins; otherwise ``BOUNDLESS_API_KEY`` if set."""
-    if config.api_key is None and os.environ.get("BOUNDLESS_API_KEY"):
-        return replace(config, api_key=os.environ["BOUNDLESS_API_KEY"])
+    """``--api-key`` wins; otherwise the first of :data:`API_KEY_ENV` set."""
+    if config.api_key is None:
+        for name in API_KEY_ENV:
+            if os.environ.get(name):
+                return replace(config, api_key=os.environ[name])
     return config
 
 

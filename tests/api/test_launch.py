@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from boundless.api.launch import make_client
-from boundless.config import ClusterConfig
+from boundless.api.launch import make_client, resolve_api_key
+from boundless.config import ClusterConfig, ServerConfig
 from boundless.llm import engine_config
 
 
@@ -65,3 +65,24 @@ def test_flags_of_ray_instances_are_ignored_by_one_engine_and_start_up_says_so(
     assert said == [
         "--routing, --step-timeout-s: with engines as Ray actors only (--instances 2 or more, or roles); ignored here"
     ]
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "key"),
+    [
+        (None, {"VLLM_API_KEY": "v"}, "v"),
+        (None, {"BOUNDLESS_API_KEY": "b", "VLLM_API_KEY": "v"}, "b"),
+        ("f", {"BOUNDLESS_API_KEY": "b", "VLLM_API_KEY": "v"}, "f"),
+        (None, {}, None),
+    ],
+)
+def test_the_api_key_comes_from_the_flag_then_our_variable_then_vllms(
+    monkeypatch: pytest.MonkeyPatch, flag: str | None, env: dict[str, str], key: str | None
+) -> None:
+    """vLLM reads its key from ``VLLM_API_KEY`` when ``--api-key`` is not given: a vLLM deployment moved here with its
+    environment served without a key, open to anyone."""
+    for name in ("BOUNDLESS_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert resolve_api_key(ServerConfig(api_key=flag)).api_key == key
