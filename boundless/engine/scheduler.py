@@ -419,6 +419,12 @@ class Scheduler:
         out.num_reads_in_flight = self.kv.num_reads_in_flight
         out.remote_recvs = self.kv.take_remote_recvs()
         out.num_remote_in_flight = self.kv.num_remote_in_flight
+        if out.is_empty:
+            # A step with nothing to run is not launched: its departures and arrivals go to the next one that is,
+            # whose executor forgets the departed requests' sampling state (grammar matchers, seeded generators).
+            self._finished_since_step = out.finished_ids + self._finished_since_step
+            self._arrived_since_step += out.arrivals
+            out.finished_ids, out.arrivals, out.departures = [], 0, 0
         return out
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:

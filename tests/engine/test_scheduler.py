@@ -110,8 +110,12 @@ def test_finish_frees_blocks_and_reports_once() -> None:
     assert s.kv.num_allocated_blocks("a") == 2
     s.finish("a", RequestStatus.FINISHED_ABORTED)
     assert s.kv.pool.num_used == 0
-    assert s.schedule().finished_ids == ["a"]
+    # A step with nothing to run is not launched: the departure goes with the next step that runs (whose executor
+    # forgets the request's sampling state), and with it alone.
     assert s.schedule().finished_ids == []
+    s.add(request("b", 5, 1.0))
+    assert run_step(s).finished_ids == ["a"]
+    assert run_step(s).finished_ids == []
 
 
 def test_policy_decides_order_not_queue_position() -> None:

@@ -437,3 +437,33 @@ def test_grammars_past_the_cache_are_not_kept_by_the_compiler(
     run_schemas(3, 6)
     assert len(core.grammars._compiled) == 2
     assert core.grammars._compiler.get_cache_size_bytes() == held
+
+
+def test_a_step_with_nothing_to_run_keeps_the_departures_for_the_next(
+    tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished request's sampling state (its grammar's matcher, its seeded generator) is dropped by the next step
+    that runs. A step decided with nothing to run (here a request waiting for its grammar; on a decode engine one
+    waiting for its first token) passes the departures on: it dropped them, and that state was kept for good."""
+    core = _engine(tiny_llama)
+    assert core.grammars is not None
+    sampler = core.executor.runner.sampler
+    encode = tiny_llama.tokenizer.encode
+    done = SamplingParams(temperature=1.0, seed=7, max_tokens=3, structured=StructuredOutput.json_schema(SCHEMA))
+    _run(core, {"done": (encode("A color:"), done)})
+    assert "done" in sampler._matchers and "done" in sampler._generators  # (until a step after its end)
+    gate = threading.Event()
+    compile_grammar = core.grammars._compile
+
+    def held_compile(spec: StructuredOutput) -> object:
+        assert gate.wait(30)
+        return compile_grammar(spec)
+
+    monkeypatch.setattr(core.grammars, "_compile", held_compile)
+    held = SamplingParams(temperature=0.0, max_tokens=3, structured=StructuredOutput("json_object"))
+    core.add_request("held", encode("An object:"), held)
+    assert core.step() == []  # its grammar is not ready: nothing ran (the step waited for it, bounded)
+    gate.set()
+    while core.has_unfinished():
+        core.step()
+    assert "done" not in sampler._matchers and "done" not in sampler._generators
