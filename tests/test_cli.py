@@ -521,14 +521,17 @@ def test_bench_agentic_checks_its_sweep_before_the_model_loads(monkeypatch: pyte
         (["bench", "longctx", "--no-enable-prefix-caching"], "--enable-prefix-caching: bench longctx sets it itself"),
         (["bench", "lora", "--max-loras", "2"], "--max-loras: bench lora sets it itself (use --num-adapters)"),
         (["bench", "lora", "--lora-modules", "a=/x"], "--lora-modules: bench lora sets it itself"),
+        (["bench", "agentic", "--kv-disk-path", "/tmp/x"], "--kv-disk-path: bench agentic sets it itself"),
+        (["bench", "agentic", "--kv-write-policy", "back"], "--kv-write-policy: bench agentic sets it itself"),
+        (["bench", "agentic", "--kv-cache-gb", "1"], "--kv-cache-gb: bench agentic sets it itself"),
     ],
 )
 def test_an_engine_flag_a_benchmark_sets_itself_is_refused_not_ignored(
     monkeypatch: pytest.MonkeyPatch, argv: list[str], said: str
 ) -> None:
-    """``bench longctx`` and ``bench lora`` take every engine flag but set some on their engines themselves: those were
-    accepted and silently ignored (``bench longctx --max-num-seqs 4`` ran 16 a step); now one line, as ``bench spec``
-    says of ``--speculative-config``."""
+    """``bench longctx``, ``bench lora`` and ``bench agentic`` take every engine flag but set some on their engines:
+    those were accepted and silently ignored (``bench longctx --max-num-seqs 4`` ran 16 a step); now one line, as
+    ``bench spec`` says of ``--speculative-config``."""
     _no_work(monkeypatch)
     from boundless.bench import lora
 

@@ -63,6 +63,7 @@ from boundless.config import (
     non_negative_float,
     positive_float,
     positive_int,
+    refuse_engine_flags,
 )
 from boundless.engine.builder import size_engine
 from boundless.kv.transfer import DISK
@@ -311,6 +312,7 @@ def identical_outputs(runs: dict[str, list[TurnResult]]) -> tuple[bool, str]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from boundless.model.loader import load_configured_model
 
+    refuse_engine_flags(args, "bench agentic", SET_BY_AGENTIC)
     base = engine_config_from_flags(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
@@ -536,6 +538,16 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+# The engine flags each run's engines take from this benchmark instead (memory_config, the runs' stores): given, they
+# would be ignored.
+SET_BY_AGENTIC = {
+    "kv_cache_gb": "use --memory-sessions or --num-kv-blocks",
+    "swap_space_gb": "use --host-sessions or --kv-host-gb",
+    "kv_write_policy": "through, on every run",
+    "kv_disk_path": "a store of its own for each run",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
