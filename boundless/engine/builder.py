@@ -157,7 +157,16 @@ def _blocks_in_fraction(fraction: float, memory: DeviceMemory | None, per_block:
 def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> BlockStore:
     """The persistent KV store at ``--kv-disk-path``, laid out for this model."""
     store_layout = StoreLayout.of_model(loaded, layout.block_size)
-    return DiskKVStore(Path(config.cache.kv_disk_path or ""), store_layout, layout.disk_bytes)
+    root = Path(config.cache.kv_disk_path or "").expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        # (A path that can never be a directory is the flag's error; other trouble, an unwritable directory, is the
+        # store's to live with: it reads on, and a read-only store is a use of its own.)
+        raise ConfigError(f"--kv-disk-path: {root} is no directory, nor can it be made one ({e.strerror})") from None
+    except OSError:
+        pass
+    return DiskKVStore(root, store_layout, layout.disk_bytes)
 
 
 def physical_memory_bytes() -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +170,15 @@ def test_an_engine_with_more_host_kv_than_the_machine_has_does_not_start(tiny_ll
     config = engine_config(tiny_llama.name, kv_cache_gb=0.01, kv_host_gb=4 * memory / (1 << 30))
     with pytest.raises(ConfigError, match=r"^--kv-host-gb: .* is more than this machine's memory"):
         EngineCore.from_model(tiny_llama, config)
+
+
+def test_a_kv_disk_path_that_cannot_be_a_directory_stops_the_engine(tiny_llama: LoadedModel, tmp_path: Path) -> None:
+    """A file (or a path under one) given as ``--kv-disk-path`` started the engine with its store's writes off, one
+    warning among the start-up lines, and never stored a block; an unwritable directory is still the store's to live
+    with (it reads on)."""
+    file = tmp_path / "store"
+    file.write_text("not a directory")
+    for path in (file, file / "under"):
+        config = engine_config(tiny_llama.name, kv_cache_gb=0.01, kv_disk_path=str(path))
+        with pytest.raises(ConfigError, match=f"^--kv-disk-path: {re.escape(str(path))} is no directory"):
+            EngineCore.from_model(tiny_llama, config)
