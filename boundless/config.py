@@ -337,6 +337,14 @@ class CacheConfig:
         """Whether host memory keeps named blocks evicted from the device (not with --swap-space-gb)."""
         return self.swap_space_gb is None
 
+    def ignored_store_flags(self) -> list[str]:
+        """The flags given that act on the disk store only, as ``--flag``s, without ``--kv-disk-path`` (start-up says
+        so, as of the cluster's flags: ``ClusterConfig.ignored_role_flags``)."""
+        if self.kv_disk_path is not None:
+            return []
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [f"--{name.replace('_', '-')}" for name in STORE_FLAGS if getattr(self, name) != defaults[name]]
+
     def __post_init__(self) -> None:
         _require_finite(self)
         _require(
@@ -379,6 +387,9 @@ class CacheConfig:
                 "needs host memory that caches (--kv-host-gb > 0, not --swap-space-gb): disk blocks load into it",
             )
 
+
+# CacheConfig's fields that act on the disk store only (CacheConfig.ignored_store_flags).
+STORE_FLAGS = ("kv_disk_gb", "kv_load_timeout_s", "kv_write_policy")
 
 SPECULATIVE_METHODS = ("ngram", "suffix")
 _NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")

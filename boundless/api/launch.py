@@ -52,7 +52,7 @@ def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
 def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) -> EngineClient:
     """One engine in this process, or with ``--instances N`` (or prefill and decode engines) a cluster of Ray
     actors behind a router. Flags that act with a part this server lacks (prefill and decode engines, engines as Ray
-    actors, KV lending) are ignored, and said to be."""
+    actors, KV lending, a disk store) are ignored, and said to be."""
     if ignored := cluster.ignored_role_flags():
         log.warning(
             "%s: with prefill and decode engines only (--prefill-instances, --decode-instances); ignored here",
@@ -67,6 +67,8 @@ def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) 
             "%s: with --kv-lending on only (--kv-transport: or prefill and decode engines); ignored here",
             ", ".join(ignored),
         )
+    if ignored := config.cache.ignored_store_flags():
+        log.warning("%s: with a disk store only (--kv-disk-path); ignored here", ", ".join(ignored))
     if cluster.runs_actors:
         from boundless.cluster.client import ClusterClient
 

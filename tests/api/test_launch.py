@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -86,3 +87,19 @@ def test_the_api_key_comes_from_the_flag_then_our_variable_then_vllms(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert resolve_api_key(ServerConfig(api_key=flag)).api_key == key
+
+
+def test_flags_of_the_disk_store_are_ignored_without_one_and_start_up_says_so(
+    model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """``--kv-write-policy``, ``--kv-disk-gb`` and ``--kv-load-timeout-s`` act on the store at ``--kv-disk-path``:
+    without one they were accepted and ignored in silence."""
+    config = engine_config(
+        str(model_dirs["tiny-llama"]), max_model_len=256, kv_cache_gb=0.01, kv_write_policy="back", kv_disk_gb=4.0
+    )
+    assert dataclasses.replace(config.cache, kv_disk_path=str(tmp_path)).ignored_store_flags() == []
+    with caplog.at_level(logging.WARNING, logger="boundless.api.launch"):
+        engine = make_client(config, ClusterConfig(), max_waiting=8)
+    engine.shutdown()
+    said = [r.getMessage() for r in caplog.records if r.name == "boundless.api.launch"]
+    assert said == ["--kv-disk-gb, --kv-write-policy: with a disk store only (--kv-disk-path); ignored here"]
