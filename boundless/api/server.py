@@ -9,13 +9,14 @@ engine (:class:`~boundless.engine.async_engine.AsyncEngine`) or a cluster router
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -113,6 +114,18 @@ class DeltaStream(Protocol):
     def abort(self) -> None: ...
 
 
+def _delta_batches(stream: DeltaStream | AsyncIterator[RequestDelta]) -> AsyncIterator[list[RequestDelta]]:
+    """A stream's deltas in batches: those waiting together where the stream reads so (``RequestStream.batches``),
+    else one at a time."""
+    batches = getattr(stream, "batches", None)
+    return batches() if batches is not None else _one_at_a_time(stream)
+
+
+async def _one_at_a_time(stream: DeltaStream | AsyncIterator[RequestDelta]) -> AsyncIterator[list[RequestDelta]]:
+    async for delta in stream:
+        yield [delta]
+
+
 class _Replayed:
     """A stream whose first delta was taken to look at: it comes again first, then the rest."""
 
@@ -127,6 +140,15 @@ class _Replayed:
         if not self._first.finished:
             async for delta in self._rest:
                 yield delta
+
+    async def batches(self) -> AsyncIterator[list[RequestDelta]]:
+        """The first delta, then the rest in batches (:func:`_delta_batches`)."""
+        if self._first is None:
+            return
+        yield [self._first]
+        if not self._first.finished:
+            async for batch in _delta_batches(self._rest):
+                yield batch
 
     def abort(self) -> None:
         self._stream.abort()
@@ -931,7 +953,8 @@ class OpenAIServer:
         def lp(tokens: list[SampledToken]) -> dict[str, Any] | None:
             return {"content": self.chat_logprobs(tokens, as_ids)} if logprobs else None
 
-        async for index, delta in self.merged(streams):
+        def delta_chunks(index: int, delta: RequestDelta) -> Iterator[bytes]:
+            """The chunks of choice ``index``'s delta."""
             c = choices[index]
             self.apply_delta(c, delta)
             unsent_ids[index] += delta.new_token_ids
@@ -968,16 +991,16 @@ class OpenAIServer:
                         if new_logprobs:
                             yield choice_chunk(index, {"content": ""}, lp(new_logprobs))
                         yield choice_chunk(index, {"tool_calls": last} if last else {}, finish="length")
-                        continue
+                        return
                     if calls:
                         new_logprobs = content_logprobs(index, answer, True)
                         if text or new_logprobs:
                             yield choice_chunk(index, {"content": text}, lp(new_logprobs))
                         rest = call_streams[index].finish(calls)
                         yield choice_chunk(index, {"tool_calls": rest} if rest else {}, finish="tool_calls")
-                        continue
+                        return
                 if not text and not delta.finished:
-                    continue
+                    return
             else:
                 text = new_answer
             new_logprobs = content_logprobs(index, answer, delta.finished)
@@ -987,11 +1010,14 @@ class OpenAIServer:
                 yield choice_chunk(index, fields, lp(new_logprobs) if "content" in fields else None)
             if delta.finished:
                 yield choice_chunk(index, {}, finish=delta.finish_reason)
-        if include_usage:
-            yield chunk([], self._usage(prompt_len, choices, reasoning, predicted))
-        if failed := _failure_event(choices):
-            yield failed
-        yield b"data: [DONE]\n\n"
+
+        # The deltas read together (those waiting: the reader was behind the engine) go out in one send, each
+        # delta's chunks as they were.
+        async for batch in self.merged_batches(streams):
+            if sent := b"".join([piece for index, delta in batch for piece in delta_chunks(index, delta)]):
+                yield sent
+        usage = chunk([], self._usage(prompt_len, choices, reasoning, predicted)) if include_usage else b""
+        yield usage + _failure_event(choices) + b"data: [DONE]\n\n"
 
     # -- completions -------------------------------------------------------------------------
 
@@ -1119,7 +1145,8 @@ class OpenAIServer:
                 payload["usage"] = usage
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
-        async for index, delta in self.merged(streams):
+        def delta_chunks(index: int, delta: RequestDelta) -> Iterator[bytes]:
+            """The chunk of choice ``index``'s delta, if it makes one."""
             c = choices[index]
             self.apply_delta(c, delta)
             text, generated, token_ids = delta.new_text, delta.new_logprobs, delta.new_token_ids
@@ -1148,11 +1175,14 @@ class OpenAIServer:
                     piece["token_ids"] = list(token_ids)
                 shown[index] = True
                 yield chunk([piece], _usage_so_far(len(prompt), c) if running_usage else None)
-        if include_usage:
-            yield chunk([], self._usage(prompt_len, choices))
-        if failed := _failure_event(choices):
-            yield failed
-        yield b"data: [DONE]\n\n"
+
+        # The deltas read together (those waiting: the reader was behind the engine) go out in one send, each
+        # delta's chunks as they were.
+        async for batch in self.merged_batches(streams):
+            if sent := b"".join([piece for index, delta in batch for piece in delta_chunks(index, delta)]):
+                yield sent
+        usage = chunk([], self._usage(prompt_len, choices)) if include_usage else b""
+        yield usage + _failure_event(choices) + b"data: [DONE]\n\n"
 
     # -- shared --------------------------------------------------------------------------------
 
@@ -1173,27 +1203,37 @@ class OpenAIServer:
 
     async def merged(self, streams: Sequence[DeltaStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Deltas of several streams as they come; if the consumer goes away, every stream is aborted."""
+        async with contextlib.aclosing(self.merged_batches(streams)) as batches:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+
+    async def merged_batches(self, streams: Sequence[DeltaStream]) -> AsyncIterator[list[tuple[int, RequestDelta]]]:
+        """Deltas of several streams as they come, those waiting read together (each stream's in order): a reader
+        behind the engine takes several steps' deltas in one wake-up, not one each. If the consumer goes away, every
+        stream is aborted."""
         if len(streams) == 1:
             try:
-                async for delta in streams[0]:
-                    yield 0, delta
+                async for batch in _delta_batches(streams[0]):
+                    yield [(0, delta) for delta in batch]
             finally:
                 streams[0].abort()
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[list[tuple[int, RequestDelta]]] = asyncio.Queue()
 
         async def pump(i: int, s: DeltaStream) -> None:
-            async for d in s:
-                await queue.put((i, d))
+            async for batch in _delta_batches(s):
+                queue.put_nowait([(i, d) for d in batch])
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         try:
             remaining = len(streams)
             while remaining:
-                i, d = await queue.get()
-                if d.finished:
-                    remaining -= 1
-                yield i, d
+                items = await queue.get()
+                while not queue.empty():
+                    items += queue.get_nowait()
+                remaining -= sum(d.finished for _, d in items)
+                yield items
         finally:
             for t in tasks:
                 t.cancel()
@@ -1205,8 +1245,9 @@ class OpenAIServer:
         choices = [Choice(i) for i in range(len(streams))]
 
         async def consume() -> None:
-            async for index, delta in self.merged(streams):
-                self.apply_delta(choices[index], delta)
+            async for batch in self.merged_batches(streams):
+                for index, delta in batch:
+                    self.apply_delta(choices[index], delta)
 
         await _while_connected(consume(), streams, request)
         _raise_for_failure([(c.finish_reason, c.stop_reason) for c in choices])

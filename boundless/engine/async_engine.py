@@ -17,7 +17,8 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
@@ -273,8 +274,7 @@ class EngineLoop:
                         for delta in self.hooks.between_steps():
                             self._emit(delta)
                     sched = core.schedule() if core.has_work() else None
-                    for delta in core.take_rejected():  # (requests failed as the step was decided)
-                        self._emit(delta)
+                    self._emit_all(core.take_rejected())  # (requests failed as the step was decided)
                 if sched is None or sched.is_empty:
                     self._wake.wait(timeout=0.05 if sched is not None else 1.0)
                     self._wake.clear()
@@ -306,13 +306,11 @@ class EngineLoop:
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 with self.lock:
                     for failed_sched in failed:
-                        for delta in core.fail_step(failed_sched, e):
-                            self._emit(delta)
+                        self._emit_all(core.fail_step(failed_sched, e))
                 continue
             self.step_watch.end()
             with self.lock:
-                for delta in core.finish_step(sched, result):
-                    self._emit(delta)
+                self._emit_all(core.finish_step(sched, result))
 
     def _emit(self, delta: RequestDelta) -> None:
         self.sink(delta)
@@ -320,11 +318,55 @@ class EngineLoop:
             for fn in self._listeners:
                 fn(delta)
 
+    def _emit_all(self, deltas: list[RequestDelta]) -> None:
+        """A step's deltas, in order (the server's engine hands them to its event loop together)."""
+        for delta in deltas:
+            self._emit(delta)
+
+
+class DeltaQueue:
+    """A request's deltas waiting for its one reader, put by its event loop's thread (``call_soon_threadsafe``).
+
+    Lighter than ``asyncio.Queue`` (no size bound, no putters, one getter), and read a batch at a time: a reader
+    that fell behind the engine takes every delta waiting in one wake-up."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[RequestDelta] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, delta: RequestDelta) -> None:
+        self._items.append(delta)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _ready(self) -> None:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def get(self) -> RequestDelta:
+        await self._ready()
+        return self._items.popleft()
+
+    async def get_all(self) -> list[RequestDelta]:
+        """Every delta waiting (at least one: waits for it), oldest first."""
+        await self._ready()
+        items = list(self._items)
+        self._items.clear()
+        return items
+
 
 class RequestStream:
-    """The deltas of one request, as an async iterator; ``abort()`` stops it (used on disconnect)."""
+    """The deltas of one request, as an async iterator (or in batches: :meth:`batches`); ``abort()`` stops it (used
+    on disconnect)."""
 
-    def __init__(self, abort: Callable[[str], None], request_id: str, queue: asyncio.Queue) -> None:
+    def __init__(self, abort: Callable[[str], None], request_id: str, queue: DeltaQueue) -> None:
         self._abort = abort
         self.request_id = request_id
         self._queue = queue
@@ -340,17 +382,31 @@ class RequestStream:
         self.finished = delta.finished
         return delta
 
+    async def batches(self) -> AsyncIterator[list[RequestDelta]]:
+        """The deltas as they come, those waiting together: a reader behind the engine (several steps' deltas
+        queued) takes them in one wake-up, and the server writes their chunks in one send. Nothing is read after
+        the final delta (a finished stream's registry entry is gone, so none follows it)."""
+        while not self.finished:
+            batch = await self._queue.get_all()
+            self.finished = batch[-1].finished
+            yield batch
+
     def abort(self) -> None:
         if not self.finished:
             self.finished = True
             self._abort(self.request_id)
 
 
+def _put_all(items: list[tuple[DeltaQueue, RequestDelta]]) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)
+
+
 class StreamRegistry:
     """Per-request asyncio queues fed from another thread."""
 
     def __init__(self) -> None:
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, DeltaQueue]] = {}
         self._lock = threading.Lock()
         self._ended = False  # (end_all: no stream opens again)
 
@@ -360,7 +416,7 @@ class StreamRegistry:
 
     def open(self, request_id: str, abort: Callable[[str], None]) -> RequestStream:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = DeltaQueue()
         with self._lock:
             if self._ended:
                 raise ShuttingDownError()
@@ -408,6 +464,19 @@ class StreamRegistry:
             loop, queue = stream
             loop.call_soon_threadsafe(queue.put_nowait, delta)
 
+    def deliver_all(self, deltas: list[RequestDelta]) -> None:
+        """Deliver a step's deltas with one call into each event loop (one in a server), not one per delta: a call
+        from another thread wakes the loop and makes a handle, for each of a 256-request batch's deltas every step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[DeltaQueue, RequestDelta]]] = {}
+        with self._lock:
+            streams = self._streams
+            for delta in deltas:
+                stream = streams.pop(delta.request_id, None) if delta.finished else streams.get(delta.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream[0], []).append((stream[1], delta))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
 
 class AsyncEngine(EngineLoop):
     """An engine loop whose requests stream to coroutines (the server's in-process engine)."""
@@ -435,6 +504,14 @@ class AsyncEngine(EngineLoop):
     def abort(self, request_id: str) -> None:
         self.streams.close(request_id)
         super().abort(request_id)
+
+    def _emit_all(self, deltas: list[RequestDelta]) -> None:
+        self.streams.deliver_all(deltas)
+        if self._listeners:
+            for delta in deltas:
+                if delta.finished:
+                    for fn in self._listeners:
+                        fn(delta)
 
     def _stopped(self, error: BaseException) -> None:
         """Its requests in flight end with an error saying so (they waited for ever: nothing would end their

@@ -39,3 +39,21 @@ def test_a_request_that_fails_to_start_leaves_no_stream() -> None:
         assert "r" not in registry
 
     asyncio.run(run())
+
+
+def test_a_steps_deltas_reach_their_streams_in_one_hand_off_and_are_read_together() -> None:
+    async def run() -> tuple[list[list[tuple[str, bool]]], list[tuple[str, bool]]]:
+        registry = StreamRegistry()
+        a = registry.open_and_start("a", lambda rid: None, lambda: None)
+        b = registry.open_and_start("b", lambda rid: None, lambda: None)
+        # Two steps' deltas before the reader looks (it is behind the engine), then a's end; one of nobody's.
+        registry.deliver_all([_delta("a", False), _delta("b", False), _delta("gone", False)])
+        registry.deliver_all([_delta("a", False), _delta("b", True)])
+        registry.deliver_all([_delta("a", True), _delta("a", False)])  # (after its end: dropped)
+        await asyncio.sleep(0)  # (the hand-offs run on the loop)
+        batches = [[(d.request_id, d.finished) for d in batch] async for batch in a.batches()]
+        return batches, [(d.request_id, d.finished) async for d in b]
+
+    batches, b = asyncio.run(run())
+    assert batches == [[("a", False), ("a", False), ("a", True)]]  # every delta waiting, in one batch, to the end
+    assert b == [("b", False), ("b", True)]
