@@ -28,6 +28,7 @@ from starlette.types import ASGIApp
 
 from boundless import __version__
 from boundless.api.agent_sessions import program_named
+from boundless.api.chunk_json import ChunkJSON
 from boundless.api.conversation import InvalidMessage, template_conversation
 from boundless.api.cors import with_cors
 from boundless.api.errors import APIError, CancelledRequests, error_bytes, install_error_handlers
@@ -891,20 +892,14 @@ class OpenAIServer:
         created = int(time.time())
         choices = [Choice(i) for i in range(len(streams))]
         unsent_ids: list[list[int]] = [[] for _ in choices]  # (each choice's token ids not in a chunk yet)
+        plain = prompt_ids is None and not running_usage  # (a chunk holds its choice's fields alone)
+
+        writer = ChunkJSON(
+            {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}, include_usage
+        )
 
         def chunk(choice_list: list[dict], usage: dict | None = None, **top: Any) -> bytes:
-            body: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "system_fingerprint": _fingerprint(choices),
-                "choices": choice_list,
-                **top,
-            }
-            if include_usage:
-                body["usage"] = usage
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+            return writer.event(_fingerprint(choices), choice_list, usage, **top)
 
         for c in choices:
             role = {
@@ -917,6 +912,8 @@ class OpenAIServer:
             yield chunk([role], _usage_so_far(prompt_len, c) if running_usage else None, **top)
 
         def choice_chunk(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> bytes:
+            if lp is None and finish is None and plain and len(delta) == 1 and type(delta.get("content")) is str:
+                return writer.content_event(_fingerprint(choices), index, delta["content"])  # (the commonest chunk)
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = _stop_reason(choices[index].finish_reason, choices[index].stop_reason)
@@ -957,7 +954,8 @@ class OpenAIServer:
             """The chunks of choice ``index``'s delta."""
             c = choices[index]
             self.apply_delta(c, delta)
-            unsent_ids[index] += delta.new_token_ids
+            if prompt_ids is not None:  # (kept for return_token_ids alone)
+                unsent_ids[index] += delta.new_token_ids
             if logprobs:
                 logprobs[index].add(delta.new_logprobs)
             answer, thought, new_answer = c.text, "", delta.new_text
@@ -1132,18 +1130,13 @@ class OpenAIServer:
                 starts = TokenStarts(self.tokenizer, prompts[i // body.n], body.skip_special_tokens)
                 offsets_of.append(StreamedOffsets(starts, len(echoes[i // body.n])))
 
+        writer = ChunkJSON(
+            {"id": rid, "object": "text_completion", "created": created, "model": body.model}, include_usage
+        )
+        plain = not body.return_token_ids and not running_usage  # (a chunk holds its choice's fields alone)
+
         def chunk(choice_list: list[dict], usage: dict | None = None) -> bytes:
-            payload: dict[str, Any] = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": body.model,
-                "system_fingerprint": _fingerprint(choices),
-                "choices": choice_list,
-            }
-            if include_usage:
-                payload["usage"] = usage
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+            return writer.event(_fingerprint(choices), choice_list, usage)
 
         def delta_chunks(index: int, delta: RequestDelta) -> Iterator[bytes]:
             """The chunk of choice ``index``'s delta, if it makes one."""
@@ -1167,6 +1160,10 @@ class OpenAIServer:
             # (A delta whose tokens are all held back, their text not out yet, makes no chunk; unless the tokens' ids
             # are asked for, which go out as they come, as vLLM's.)
             if text or tokens or delta.finished or (body.return_token_ids and token_ids):
+                if lp is None and plain and delta.finish_reason is None and not delta.finished:
+                    shown[index] = True
+                    yield writer.text_event(_fingerprint(choices), index, text)  # (the commonest chunk)
+                    return
                 piece = {"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}
                 if delta.finished:
                     piece["stop_reason"] = _stop_reason(c.finish_reason, c.stop_reason)
@@ -1451,6 +1448,8 @@ def _drop_output(choice: Choice) -> None:
 
 def _fingerprint(choices: list[Choice]) -> str:
     """``system_fingerprint``: the engine instances whose tokens ended the response's choices."""
+    if len(choices) == 1:  # (asked for each chunk of a stream: one choice's, without a set to sort)
+        return "boundless-" + (choices[0].instance or "0")
     return "boundless-" + ",".join(sorted({c.instance for c in choices if c.instance}) or ["0"])
 
 
