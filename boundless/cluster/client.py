@@ -23,11 +23,8 @@ import dataclasses
 import logging
 import os
 import re
-import shutil
-import tempfile
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -68,6 +65,7 @@ from boundless.model.loader import resolve_model_path
 from boundless.model.tokenizer import load_tokenizer
 from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
+from boundless.transport.meeting_dir import MeetingDirectory, make_meeting_directory
 
 log = logging.getLogger(__name__)
 
@@ -291,17 +289,17 @@ class ClusterClient(DispatcherFrontEnd):
             enable_task_events=False,
         )
         # Endpoints of the KV transport meet in a directory (shared memory's sockets and slots live there).
-        self._transport_dir = ""
+        self._meeting: MeetingDirectory | None = None
         setups: dict[str, RoleSetup | None] = dict.fromkeys(roles)
         lending_setups: dict[str, LendingSetup | None] = dict.fromkeys(roles)
         if cluster.disaggregated or cluster.kv_lending == "on":
-            self._transport_dir = transport_directory()
-        if cluster.kv_lending == "on":
-            lending_setups = {
-                iid: LendingSetup(cluster, self._transport_dir, rank, len(roles)) for rank, iid in enumerate(roles)
-            }
-        if cluster.disaggregated:
-            setups = role_setups(cluster, self._transport_dir)
+            self._meeting = meeting = make_meeting_directory()
+            if cluster.kv_lending == "on":
+                lending_setups = {
+                    iid: LendingSetup(cluster, meeting.path, rank, len(roles)) for rank, iid in enumerate(roles)
+                }
+            if cluster.disaggregated:
+                setups = role_setups(cluster, meeting.path)
         # Each instance's KV events go out as its own data-parallel rank, on the endpoint's port plus that (vLLM's).
         ranks = {iid: rank for rank, iid in enumerate(roles)}
         # What a restart starts again: an actor of the same class, config and role (``_restart``).
@@ -507,8 +505,8 @@ class ClusterClient(DispatcherFrontEnd):
         for actor in starting:  # restarts under way
             with contextlib.suppress(Exception):
                 ray.kill(actor)
-        if self._transport_dir:
-            shutil.rmtree(self._transport_dir, ignore_errors=True)
+        if self._meeting is not None:
+            self._meeting.remove()
 
     # -- carrying out the dispatcher's decisions ----------------------------------------------------
 
@@ -747,12 +745,6 @@ def _instance_unreachable(e: Exception) -> bool:
     return not isinstance(e, RayTaskError) and isinstance(e, (RayActorError, GetTimeoutError, ObjectLostError))
 
 
-def transport_directory() -> str:
-    """A fresh directory for the KV transport's endpoints to meet in (shared memory's sockets and slots)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"boundless-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
 def role_setups(cluster: ClusterConfig, directory: str) -> dict[str, RoleSetup | None]:
     """Each instance's part in a prefill/decode cluster, its endpoint meeting the others' in ``directory``."""
     roles = _roles(cluster)
@@ -809,6 +801,4 @@ def storage_queue_bytes(links: list[LinkStats]) -> int:
 
 
 def _local_cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))

@@ -19,7 +19,6 @@ returning a stream), as the Ray cluster does.
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 from collections.abc import Callable
 
@@ -29,7 +28,6 @@ from boundless.cluster.client import (
     make_pd_dispatcher,
     role_setups,
     storage_queue_bytes,
-    transport_directory,
 )
 from boundless.cluster.dispatcher import AbortOn, AddResult, MarkDead, Send
 from boundless.cluster.instance import EngineInstance
@@ -43,6 +41,7 @@ from boundless.engine.core import EngineStats
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel
 from boundless.programs.process_table import ProcessTable
+from boundless.transport.meeting_dir import make_meeting_directory
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +55,8 @@ class LocalPDCluster(DispatcherFrontEnd):
         if not cluster.disaggregated:
             raise ValueError("a local PD cluster needs --prefill-instances and --decode-instances")
         self.config = cluster
-        self._transport_dir = transport_directory()
-        setups = role_setups(cluster, self._transport_dir)
+        self._meeting = make_meeting_directory()
+        setups = role_setups(cluster, self._meeting.path)
         self._new_engine: Callable[[str], EngineInstance] = lambda iid: EngineInstance(
             iid, engine, max_waiting, role=setups[iid], loaded=loaded
         )
@@ -96,7 +95,7 @@ class LocalPDCluster(DispatcherFrontEnd):
             t.join(timeout=5)
         for inst in [*self.instances.values(), *self._replaced]:
             inst.shutdown()
-        shutil.rmtree(self._transport_dir, ignore_errors=True)
+        self._meeting.remove()
 
     # -- carrying out the dispatcher's decisions ----------------------------------------------------
 
