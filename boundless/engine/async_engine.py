@@ -475,7 +475,14 @@ class StreamRegistry:
                 if stream is not None:
                     by_loop.setdefault(stream[0], []).append((stream[1], delta))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # its loop has closed (its streams' readers are gone): not the engine loop's end
+                self._drop_streams_of(loop)
+
+    def _drop_streams_of(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._streams = {rid: stream for rid, stream in self._streams.items() if stream[0] is not loop}
 
 
 class AsyncEngine(EngineLoop):

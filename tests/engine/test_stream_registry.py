@@ -57,3 +57,20 @@ def test_a_steps_deltas_reach_their_streams_in_one_hand_off_and_are_read_togethe
     batches, b = asyncio.run(run())
     assert batches == [[("a", False), ("a", False), ("a", True)]]  # every delta waiting, in one batch, to the end
     assert b == [("b", False), ("b", True)]
+
+
+def test_a_stream_whose_event_loop_closed_is_dropped_and_delivery_goes_on() -> None:
+    registry = StreamRegistry()
+
+    async def open_one() -> None:
+        registry.open_and_start("left", lambda rid: None, lambda: None)
+
+    asyncio.run(open_one())  # (its loop closes with the stream still open: a reader that failed)
+
+    async def run() -> list[bool]:
+        stream = registry.open_and_start("r", lambda rid: None, lambda: None)
+        registry.deliver_all([_delta("left", False), _delta("r", True)])  # (the engine loop's thread: no raise)
+        return [d.finished async for d in stream]
+
+    assert asyncio.run(run()) == [True]
+    assert "left" not in registry
