@@ -135,6 +135,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         lora.run(args)
         return 0
+    if args.bench_kind == "frontend":
+        from boundless.bench import frontend
+
+        frontend.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -271,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_lora.add_arguments(lora)
     add_engine_flags(lora)
     lora.set_defaults(func=_bench)
+    from boundless.bench import frontend as bench_frontend
+
+    front = bench_sub.add_parser(
+        "frontend", help="the server's output tokens per second against its engine loop's alone, per route and mode"
+    )
+    bench_frontend.add_arguments(front)
+    add_engine_flags(front)
+    front.set_defaults(func=_bench)
     return parser
 
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,13 +79,21 @@ class PhaseResult:
 class ServerProcess:
     """``boundless serve`` in a subprocess on 127.0.0.1, its output in ``log``."""
 
-    def __init__(self, config: EngineConfig, store: Path, log: Path, startup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        store: Path | None,
+        log: Path,
+        startup_timeout_s: float = 600.0,
+        extra_flags: Sequence[str] = (),
+    ) -> None:
+        """``store``: the disk store's directory (None: the config's); ``extra_flags``: more of ``serve``'s flags."""
         from boundless.api.launch import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cache = dataclasses.replace(config.cache, kv_disk_path=str(store))
-        flags = to_flags(config.model) + to_flags(cache) + to_flags(config.scheduler)
+        cache = config.cache if store is None else dataclasses.replace(config.cache, kv_disk_path=str(store))
+        flags = to_flags(config.model) + to_flags(cache) + to_flags(config.scheduler) + list(extra_flags)
         cmd = [sys.executable, "-m", "boundless.cli", "serve", *flags, "--port", str(self.port)]
         cmd += ["--served-model-name", MODEL_NAME]
         self.log = log

@@ -132,6 +132,9 @@ class EngineLoop:
         """``fn(delta)`` is called (in the engine thread) with every request's final delta."""
         self._listeners.append(fn)
 
+    def remove_finished_listener(self, fn: Callable[[RequestDelta], None]) -> None:
+        self._listeners.remove(fn)
+
     def stats(self) -> dict[str, EngineStats]:
         with self.lock:
             return {"0": self.core.stats()}
