@@ -278,6 +278,8 @@ class ClusterClient(DispatcherFrontEnd):
             ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=True, configure_logging=False)
         gpu = engine.model.device.startswith("cuda")
         roles = _roles(cluster)
+        if gpu:
+            _require_gpus(len(roles), joined=bool(cluster.ray_address or os.environ.get("RAY_ADDRESS")))
         threads = None if gpu else max(1, _local_cpus() // len(roles))
         # No task events: Ray's GCS keeps each call's (about 4 KB, up to 100,000 calls), and the pollers' drains and the
         # heartbeats alone, tens a second while idle, grew an idle 2-instance server's GCS by 80 KB a second.
@@ -548,6 +550,9 @@ class ClusterClient(DispatcherFrontEnd):
                 return
             inst = self.instances[iid] = Instance(actor, info, beat.stats, beat.links)
             poller = self._poller(iid, inst)
+            # The lost actor's poller has ended (or ends at its next drain): the threads kept are those that run, so
+            # that each restart does not keep one more finished thread for good.
+            self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(poller)
             self._rejoin(iid, info.kv_address or None)
             poller.start()
@@ -798,6 +803,21 @@ def _roles(cluster: ClusterConfig) -> dict[str, str | None]:
 def storage_queue_bytes(links: list[LinkStats]) -> int:
     """Bytes queued on an instance's storage link (0 without one)."""
     return next((s.queued_bytes for s in links if s.name == "storage"), 0)
+
+
+def _require_gpus(needed: int, joined: bool) -> None:
+    """Refuse instances on GPUs a Ray cluster this server started lacks (one GPU each): Ray would wait for them for
+    ever, repeating that no node can fulfil the request. A joined cluster (``--ray-address``) may gain nodes, so
+    there it is a warning."""
+    import ray
+
+    have = int(ray.cluster_resources().get("GPU", 0))
+    if have >= needed:
+        return
+    message = f"--device cuda: {needed} engine instances need {needed} GPUs, one each; the Ray cluster has {have}"
+    if not joined:
+        raise ConfigError(f"{message} (give fewer instances, or --ray-address of a cluster with more)")
+    log.warning("%s; the instances wait until nodes with GPUs join", message)
 
 
 def _local_cpus() -> int:

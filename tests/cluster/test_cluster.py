@@ -305,3 +305,15 @@ def test_a_config_an_instance_refuses_is_one_clear_error(
         ClusterClient(config, ClusterConfig(instances=2, max_restarts=0))
     assert str(refused.value).startswith("--max-model-len: 1024 tokens do not fit in the KV pool (128 tokens)")
     assert "Traceback" not in str(refused.value)
+
+
+def test_instances_on_gpus_a_started_cluster_lacks_are_refused_not_awaited(
+    cluster: tuple[ClusterClient, ServerThread], model_dirs: dict[str, Path]
+) -> None:
+    # Before, Ray waited for ever for GPUs no node had, repeating "No available node types can fulfill resource
+    # request {'GPU': 1.0}", and the server never started nor stopped.
+    config = engine_config(str(model_dirs["tiny-llama"]), device="cuda")
+    with pytest.raises(
+        ConfigError, match=r"--device cuda: 2 engine instances need 2 GPUs, one each; the Ray cluster has 0"
+    ):
+        ClusterClient(config, ClusterConfig(instances=2))
