@@ -647,7 +647,13 @@ class ServerConfig:
         default=None,
         metadata={"help": "require this bearer token (default: $BOUNDLESS_API_KEY, else vLLM's $VLLM_API_KEY)"},
     )
-    served_model_name: str | None = field(default=None, metadata={"help": "model name clients use (default: --model)"})
+    served_model_name: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "the names clients call the model by, any of them; answers and /v1/models give the first "
+            "(default: --model; several as vLLM's)"
+        },
+    )
     max_waiting: int = field(default=512, metadata={"help": "waiting requests beyond which the server answers 429"})
     max_body_mb: float = field(default=8.0, metadata={"help": "largest request body, in MiB (else 413)"})
     max_stored_responses: int = field(

@@ -573,6 +573,24 @@ def test_serve_takes_the_model_first_as_vllm_serve_does(
     assert start.value.args[0].model.model == str(model)
 
 
+def test_serve_takes_several_served_model_names_as_vllm_does(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--served-model-name a b``: both are the model's names (the second was taken for the model to serve)."""
+    import boundless.api.launch as launch
+
+    def started(config: EngineConfig, *args: object) -> None:
+        raise _Started(config)
+
+    monkeypatch.setattr(launch, "make_client", started)
+    seen: list[tuple[str, ...]] = []
+    check = launch.check_serve_configs
+    monkeypatch.setattr(
+        launch, "check_serve_configs", lambda c, s, cl: (seen.append(s.served_model_name), check(c, s, cl))
+    )
+    with pytest.raises(_Started) as start:
+        main(["serve", str(tmp_path / "model"), "--served-model-name", "a", "b"])
+    assert start.value.args[0].model.model == str(tmp_path / "model") and seen == [("a", "b")]
+
+
 @pytest.mark.parametrize(
     ("flag", "said"),
     [

@@ -88,7 +88,7 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
     # its wall time in the collector's walks of it (docs/engine.md).
     gc.collect()
     gc.freeze()
-    name = server.served_model_name or config.model.model
+    name = server.served_model_name[0] if server.served_model_name else config.model.model
     log.info("serving %s on http://%s:%d (context %d tokens)", name, server.host, server.port, engine.max_model_len)
     defaults = model_sampling_defaults(config.model.model, server.generation_config, server.generation_overrides)
     if defaults.given():

@@ -547,14 +547,17 @@ class OpenAIServer:
     ) -> None:
         self.client = client
         self.defaults = defaults  # the model's sampling defaults (generation_config.json), for what requests omit
-        self.model_name = model_name
+        self.model_name = model_name  # the name answers give
+        # Every name a request may call the base model by (--served-model-name's, several as vLLM's).
+        self.model_names = tuple(dict.fromkeys((model_name, *config.served_model_name)))
         self.loras = dict(loras or {})  # served LoRA adapters: name -> path (--lora-modules)
         # Ids for adapters loaded at run time, after those EngineCore.from_model gave --lora-modules (1, 2, ...).
         self.next_lora_id = itertools.count(len(self.loras) + 1)
         # Names whose load_lora_adapter is under way: taken, so that a second load of one is refused at once.
         self.loras_loading: set[str] = set()
-        if model_name in self.loras:
-            raise ConfigError(f"--lora-modules: the adapter name {model_name!r} is the served model's name")
+        for name in self.model_names:
+            if name in self.loras:
+                raise ConfigError(f"--lora-modules: the adapter name {name!r} is a name of the served model")
         self.config = config
         self.chat_template = configured_chat_template(config)  # None: the model's own
         templates = client.tokenizer.chat_templates
@@ -578,11 +581,11 @@ class OpenAIServer:
 
     def check_model(self, model: str) -> str | None:
         """The LoRA adapter a request's ``model`` names (None: the base model); 404 for a name not served."""
-        if model == self.model_name:
+        if model in self.model_names:
             return None
         if model in self.loras:
             return model
-        served = ", ".join(repr(name) for name in [self.model_name, *self.loras])
+        served = ", ".join(repr(name) for name in [*self.model_names, *self.loras])
         raise APIError(
             404, f"the model {model!r} does not exist; this server serves {served}", "model", "model_not_found"
         )
@@ -1477,8 +1480,8 @@ async def version() -> Response:
 
 
 def _model_cards(server: OpenAIServer) -> list[dict[str, Any]]:
-    """The models served: the base model, then its LoRA adapters as vLLM lists them (the adapter's path as its root,
-    the base model as its parent)."""
+    """The models served: the base model under each of its names, then its LoRA adapters as vLLM lists them (the
+    adapter's path as its root, the base model's first name as its parent)."""
     base = {
         "id": server.model_name,
         "object": "model",
@@ -1486,8 +1489,9 @@ def _model_cards(server: OpenAIServer) -> list[dict[str, Any]]:
         "owned_by": "boundless",
         "max_model_len": server.client.max_model_len,
     }
+    names = [{**base, "id": name} for name in server.model_names]
     adapters = [{**base, "id": name, "root": path, "parent": server.model_name} for name, path in server.loras.items()]
-    return [base, *adapters]
+    return [*names, *adapters]
 
 
 @routes.get("/v1/models")
@@ -1541,7 +1545,7 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> Response
     client = _runtime_lora_updates(server)
     require_valid_text(body.model_dump())
     name = body.lora_name
-    if name == server.model_name or name in server.loras or name in server.loras_loading:
+    if name in server.model_names or name in server.loras or name in server.loras_loading:
         raise APIError(400, f"the LoRA adapter {name!r} has already been loaded", "lora_name")
     # The name is taken before the load runs in its thread (no await between the check and this), so a concurrent
     # load of it is refused above rather than loading too and leaving the listing and the engine disagreeing.

@@ -765,6 +765,24 @@ def test_api_key_guards_every_route_but_health(tiny_llama: LoadedModel) -> None:
         eng.shutdown()
 
 
+def test_a_model_served_under_several_names_answers_to_each(tiny_llama: LoadedModel) -> None:
+    # vLLM's --served-model-name takes several names; here the second stopped the command line (first as
+    # "unrecognized arguments", then taken for the model). Any name is served; answers and the parent give the first.
+    eng = _engine(tiny_llama, max_model_len=512)
+    srv = start_in_thread(eng, "tiny", ServerConfig(served_model_name=("tiny", "tiny-alias")))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+        assert client.models.retrieve("tiny-alias").id == "tiny-alias"
+        for name in ("tiny", "tiny-alias"):
+            assert client.completions.create(model=name, prompt="hi", max_tokens=2).choices
+        with pytest.raises(openai.NotFoundError, match="serves 'tiny', 'tiny-alias'"):
+            client.completions.create(model="other", prompt="hi", max_tokens=2)
+    finally:
+        srv.stop()
+        eng.shutdown()
+
+
 class RefuseWaiting:
     """Step hooks in a lending agent's place (``LendingAgent.refuse``): every request still waiting before the next
     schedule is failed as the gManager fails one that the live instances cannot hold."""
