@@ -650,8 +650,8 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = field(
         default=(),
         metadata={
-            "help": "the names clients call the model by, any of them; answers and /v1/models give the first "
-            "(default: --model; several as vLLM's)"
+            "help": "the names clients call the model by, any of them; /v1/models lists each, adapters name the "
+            "first as their parent (default: --model; several as vLLM's)"
         },
     )
     max_waiting: int = field(default=512, metadata={"help": "waiting requests beyond which the server answers 429"})

@@ -767,7 +767,7 @@ def test_api_key_guards_every_route_but_health(tiny_llama: LoadedModel) -> None:
 
 def test_a_model_served_under_several_names_answers_to_each(tiny_llama: LoadedModel) -> None:
     # vLLM's --served-model-name takes several names; here the second stopped the command line (first as
-    # "unrecognized arguments", then taken for the model). Any name is served; answers and the parent give the first.
+    # "unrecognized arguments", then taken for the model). Any name is served; /v1/models lists each.
     eng = _engine(tiny_llama, max_model_len=512)
     srv = start_in_thread(eng, "tiny", ServerConfig(served_model_name=("tiny", "tiny-alias")))
     try:
