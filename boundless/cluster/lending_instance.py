@@ -34,7 +34,6 @@ from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.lending import LendingAgent
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.transport.base import KVTransport
-from boundless.transport.blocks import BlocksReceive
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,6 @@ class InstanceLending:
         )
         self.lock = lock
         self._orders: deque[LendingOrder] = deque()
-        self._receives: dict[str, BlocksReceive] = {}
 
     def connect(self, peers: dict[str, Any]) -> None:
         """The other instances' actors, by transport address."""
@@ -169,14 +167,11 @@ class InstanceLending:
 
     def take_blocks(self, action: SendBlocks, debtor: str) -> bool:
         with self.lock:
-            receive = self.agent.on_take_blocks(action, debtor)
-            if receive is not None:
-                self._receives[action.move_id] = receive
-            return receive is not None
+            return self.agent.on_take_blocks(action, debtor) is not None
 
     def confirm_blocks(self, move_id: str) -> bool:
         with self.lock:
-            receive = self._receives.pop(move_id, None)
+            receive = self.agent.posted(move_id)  # (the agent keeps it: a release or an expiry frees its blocks)
             return receive is not None and self.agent.on_confirm_blocks(move_id, receive)
 
     def release(self, move_id: str) -> None:

@@ -20,6 +20,7 @@ An agent's instance id is its transport address, so the ledger's debtor names th
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -248,6 +249,9 @@ class LendingAgent:
         core.lending_stats = self.snapshot
         core.scheduler.grants_required = True  # a request longer than the pool starts on the gManager's grant
         self._refused: list[RequestDelta] = []
+        # Creditor side: each move's receive posted by ``on_take_blocks``, its blocks set aside in the pool, until the
+        # debtor confirms the move, releases it, or its reservation ends (expired, its debtor lost): see ``_abandon``.
+        self._posted: dict[str, BlockReceive] = {}
 
     def snapshot(self) -> LendingStats:
         m, p = self.stats, self.data.counters()
@@ -334,6 +338,8 @@ class LendingAgent:
         for request_id, _ in kv.take_dropped_lent():
             actions += self.rm.request_finished(request_id)
         self.apply(actions)
+        for move_id in [m for m in self._posted if m not in self.rm.loans]:  # its reservation expired or was dropped
+            self._abandon(self._posted.pop(move_id))
         return actions
 
     def step(self) -> list[RequestDelta]:
@@ -508,9 +514,16 @@ class LendingAgent:
         ids = self.core.kv.allocate_unowned(action.num_blocks)
         if ids is None:
             return None
-        return self.data.receive_blocks(debtor, move_tag(action.move_id), ids)
+        receive = self._posted[action.move_id] = self.data.receive_blocks(debtor, move_tag(action.move_id), ids)
+        return receive
+
+    def posted(self, move_id: str) -> BlockReceive | None:
+        """The receive ``on_take_blocks`` posted for the move, until it is confirmed or abandoned."""
+        return self._posted.get(move_id)
 
     def on_confirm_blocks(self, move_id: str, receive: BlockReceive) -> bool:
+        if self._posted.pop(move_id, None) is not receive:  # abandoned meanwhile: its blocks are free again
+            return False
         loan = self.rm.loans.get(move_id)
         try:
             receive.wait(self.timeout_s)
@@ -528,7 +541,18 @@ class LendingAgent:
         return True
 
     def on_release(self, move_id: str) -> None:
+        receive = self._posted.pop(move_id, None)
         self.apply(self.rm.release(move_id))
+        if receive is not None:  # taken, never confirmed: the debtor gave the move up (its answer lost, a send failed)
+            self._abandon(receive)
+
+    def _abandon(self, receive: BlockReceive) -> None:
+        """A move's receive that no confirmation will take: cancelled (nothing is written after) and its blocks freed.
+        Kept, a move whose answer to the debtor was lost held its blocks, its staging tensor and its posted receive
+        for good."""
+        with contextlib.suppress(TransportError):
+            receive.wait(0)
+        self.core.kv.free_unowned(receive.block_ids)
 
 
 class LocalControlPlane:

@@ -188,6 +188,56 @@ def test_a_move_interrupted_halfway_leaves_both_sides_consistent(load, make_clus
     assert run.tokens == want.tokens["long"]
 
 
+class TakeAnswerLost(LocalControlPlane):
+    """The creditor takes the move (its blocks set aside, their receive posted), but its yes never reaches the
+    debtor: a Ray call that timed out while the creditor's loop held its lock through a long step. ``lose_release``:
+    the debtor's release is lost too."""
+
+    def __init__(self, lose_release: bool = False) -> None:
+        super().__init__()
+        self.lose_release = lose_release
+
+    def take_blocks(self, creditor: str, action: SendBlocks, debtor: str) -> BlocksReceive | None:
+        super().take_blocks(creditor, action, debtor)
+        return None
+
+    def release(self, creditor: str, move_id: str) -> None:
+        if not self.lose_release:
+            super().release(creditor, move_id)
+
+
+def test_a_move_whose_take_answer_is_lost_frees_the_creditors_blocks(load, make_cluster) -> None:
+    """Each move the debtor gave up after the creditor took it left the creditor's blocks set aside, with a staging
+    tensor of their KV and a posted receive, for good: after three, six of its 40 blocks. The release frees them, and
+    without one (lost too) the reservation's expiry does."""
+    loaded = load("tiny-llama")
+    now = [0.0]
+    cluster = make_cluster(loaded, 2, clock=lambda: now[0])
+    run = Lockstep(cluster, loaded)
+    debtor, creditor = cluster.agents
+    while run.computed() < 2 * CHUNK:
+        run.step()
+    before = debtor.core.kv.block_ids("long")
+    _rewire(cluster, TakeAnswerLost())
+    for attempt in range(3):
+        assert not debtor.move_kvcache("long", 2, creditor.instance_id)
+        assert debtor.core.kv.block_ids("long") == before and debtor.rm.counters.moves_failed == attempt + 1
+        assert not creditor.rm.loans and creditor.core.kv.pool.num_used == 0
+        assert creditor.posted(f"{debtor.instance_id}/{attempt}") is None
+    # The release lost as well: the creditor's reservation expires, and its blocks with it.
+    _rewire(cluster, TakeAnswerLost(lose_release=True))
+    assert not debtor.move_kvcache("long", 2, creditor.instance_id)
+    assert creditor.rm.reserved_blocks == 2 and creditor.core.kv.pool.num_used == 2
+    now[0] += 31  # past the reservation timeout
+    creditor.rm.expire()
+    creditor.observe()
+    assert creditor.rm.reserved_blocks == 0 and creditor.core.kv.pool.num_used == 0
+    assert_blocks_hold_their_tokens(cluster, run.ref)
+    _rewire(cluster, LocalControlPlane())
+    assert debtor.move_kvcache("long", 2, creditor.instance_id)  # the creditor lends those blocks again
+    assert_blocks_hold_their_tokens(cluster, run.ref)
+
+
 def _compute_two_chunks(debtor: LendingAgent, rec: Recorded) -> None:
     """The long request's first two chunks on ``debtor``, its deltas in ``rec``: blocks a move may take."""
     while debtor.core.scheduler.requests["long"].num_computed_tokens < 2 * CHUNK:
