@@ -85,3 +85,42 @@ def test_a_restart_decided_as_the_cluster_shuts_down_starts_nothing(model_dirs: 
         if thread.name == f"boundless-restart-{VICTIM}":
             thread.join(timeout=30)
     assert started == [] and not ray.is_initialized()
+
+
+def test_restarts_keep_no_thread_of_the_actors_they_replaced(model_dirs: dict[str, Path]) -> None:
+    """Each restart starts a poller for the new actor; the lost actor's, which ended with it, is not kept. A soak
+    that killed an engine actor ten times found the client holding thirteen threads, ten of them finished."""
+    import os
+    import signal
+    import time
+
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=1024, kv_cache_gb=0.05)
+    cluster = ClusterConfig(
+        instances=2, heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, restart_delay_s=0.2, max_restarts=10
+    )
+    client = ClusterClient(config, cluster)
+    try:
+        kept = len(client._threads)  # a poller per instance and the heartbeats
+        for kill in range(3):
+            info = client.instances[VICTIM].info
+            assert info is not None
+            os.kill(info.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 180
+            while True:
+                with client.lock:
+                    inst = client.instances[VICTIM]
+                    back = client.dispatcher.views[VICTIM].alive and inst.info is not None and inst.info.pid != info.pid
+                if back:
+                    break
+                assert time.monotonic() < deadline, f"instance {VICTIM} did not come back after kill {kill + 1}"
+                time.sleep(0.1)
+        assert client.dispatcher.restarts.counts(VICTIM) == (3, 3, 0)
+        assert len(client._threads) == kept
+        assert all(t.is_alive() for t in client._threads)
+    finally:
+        client.shutdown()
+        ray.shutdown()
