@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -67,12 +68,15 @@ def kv_subscribers() -> Iterator[list[zmq.Socket]]:
 
 
 def _two_free_ports() -> int:
-    """A port of 127.0.0.1 free, as is the one after it."""
+    """A port of 127.0.0.1 free, as is the one after it, outside the ranges Ray's processes take ports from as it
+    starts (its workers' 10002-19999, the kernel's ephemeral ports from 32768): the instances bind them only after
+    Ray has started, and a port the kernel had given out as free was once taken meanwhile ("Address already in use")."""
+    rng = random.Random()
     while True:
+        port = rng.randrange(20_000, 32_000)
         with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
             try:
+                first.bind(("127.0.0.1", port))
                 second.bind(("127.0.0.1", port + 1))
             except OSError:
                 continue
