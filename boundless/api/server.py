@@ -16,7 +16,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -1208,7 +1208,9 @@ class OpenAIServer:
                 for item in batch:
                     yield item
 
-    async def merged_batches(self, streams: Sequence[DeltaStream]) -> AsyncIterator[list[tuple[int, RequestDelta]]]:
+    async def merged_batches(
+        self, streams: Sequence[DeltaStream]
+    ) -> AsyncGenerator[list[tuple[int, RequestDelta]], None]:
         """Deltas of several streams as they come, those waiting read together (each stream's in order): a reader
         behind the engine takes several steps' deltas in one wake-up, not one each. If the consumer goes away, every
         stream is aborted."""

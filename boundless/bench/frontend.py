@@ -120,7 +120,8 @@ def async_engine_run(engine: AsyncEngine, prompts: list[list[int]], output_len: 
 
 def _dechunked(body: bytes) -> bytes:
     """An HTTP/1.1 chunked body's content."""
-    out, at = [], 0
+    out: list[bytes] = []
+    at = 0
     while True:
         end = body.index(b"\r\n", at)
         size = int(body[at:end].split(b";")[0], 16)
