@@ -217,6 +217,9 @@ class ShmTransport:
     def _cancel_recv(self, posting: Posting[_RecvOp]) -> None:
         with self._lock:  # deliveries run under the lock: none writes the tensors after this
             self._matcher.cancel(posting)
+            # The posting waits in line for its message, which it swallows; one that never comes (a KV lending move
+            # its debtor gave up) kept the tensors for as long as the endpoint lived.
+            posting.target.views = []
 
     def close(self) -> None:
         with self._lock:

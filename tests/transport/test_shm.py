@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from boundless.transport.base import PeerGone, TransportError
+from boundless.transport.base import PeerGone, TransferTimeout, TransportError
 from boundless.transport.shm import ShmTransport
 
 
@@ -136,3 +136,24 @@ def test_a_slot_mapped_in_inference_mode_carries_messages_outside_it(two: tuple[
     b.recv(a.address, 2, got).wait()
     send.wait()
     assert torch.equal(got, second)
+
+
+def test_a_receive_given_up_lets_go_of_its_tensors_and_swallows_its_late_message(
+    two: tuple[ShmTransport, ShmTransport],
+) -> None:
+    # Before, a receive that timed out kept its tensors until its message came: never, for a KV lending move whose
+    # debtor gave it up (its staging tensor, 0.7 MB a block, held for as long as the endpoint lived).
+    a, b = two
+    handle = b.recv(a.address, 9, torch.zeros(100_000))
+    with pytest.raises(TransferTimeout):
+        handle.wait(0.05)
+    # (The receive's views of the tensors, not the tensor objects, are what held their memory.)
+    waiting = [posting.target for line in b._matcher._posted.values() for posting in line]
+    assert len(waiting) == 1 and waiting[0].views == []
+    late, following = torch.ones(100_000), torch.full((10,), 2.0)
+    sends = [a.send(b.address, 9, late), a.send(b.address, 9, following)]
+    got = torch.zeros(10)
+    b.recv(a.address, 9, got).wait()  # the late message went to the receive given up, not to this one
+    for s in sends:
+        s.wait()
+    assert torch.equal(got, following)
