@@ -6,6 +6,7 @@ same parsing and dispatch, without importing torch anew for each)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -640,3 +641,22 @@ def test_a_config_file_gives_on_and_off_to_flags_of_words(tmp_path: Path) -> Non
     args = parser.parse_args(["serve", *expand_config_file(_subcommand(parser, "serve"), ["--config", str(config)])])
     assert (args.kv_write_policy, args.layerwise_load, args.kv_lending) == ("off", "on", "on")
     assert args.enable_prefix_caching is True  # (a switch takes the boolean as such)
+
+
+def test_structured_outputs_in_reasoning_without_a_reasoning_parser_is_said_to_be_ignored(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The flag holds the reasoning a parser finds to the grammar; without a parser there is none, and it was
+    accepted and ignored in silence."""
+    import boundless.api.launch as launch
+
+    def started(config: EngineConfig, *args: object) -> None:
+        raise _Started(config)
+
+    monkeypatch.setattr(launch, "make_client", started)
+    for flags, said in (([], True), (["--reasoning-parser", "qwen3"], False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="boundless.api.launch"), pytest.raises(_Started):
+            main(["serve", str(tmp_path / "model"), "--structured-outputs-in-reasoning", *flags])
+        warned = "--structured-outputs-in-reasoning: with --reasoning-parser only; ignored here"
+        assert (warned in [r.getMessage() for r in caplog.records]) is said

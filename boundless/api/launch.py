@@ -82,6 +82,8 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
     check_serve_configs(config, server, cluster or ClusterConfig())
     configured_chat_template(server)  # a bad --chat-template fails before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if server.structured_outputs_in_reasoning and not server.reasoning_parser:
+        log.warning("--structured-outputs-in-reasoning: with --reasoning-parser only; ignored here")
     engine = make_client(config, cluster or ClusterConfig(), server.max_waiting)
     # What start-up built (the model's objects, the imported modules, the engine) lives as long as the server: out
     # of the collector's full walks, as vLLM's engine freezes its start-up heap. A 256-request decode run spent ~10% of
