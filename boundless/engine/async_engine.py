@@ -453,19 +453,15 @@ class StreamRegistry:
         """End every open stream with an error, ``stop_reason`` saying why; their ids."""
         with self._lock:
             streams, self._streams = self._streams, {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[DeltaQueue, RequestDelta]]] = {}
         for request_id, (loop, queue) in streams.items():
             delta = RequestDelta(request_id, [], "", [], True, finish_reason="error", stop_reason=stop_reason)
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
+            by_loop.setdefault(loop, []).append((queue, delta))
+        self._hand_over(by_loop)
         return list(streams)
 
     def deliver(self, delta: RequestDelta) -> None:
-        with self._lock:
-            stream = (
-                self._streams.pop(delta.request_id, None) if delta.finished else self._streams.get(delta.request_id)
-            )
-        if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
+        self.deliver_all([delta])
 
     def deliver_all(self, deltas: list[RequestDelta]) -> None:
         """Deliver a step's deltas with one call into each event loop (one in a server), not one per delta: a call
@@ -477,10 +473,14 @@ class StreamRegistry:
                 stream = streams.pop(delta.request_id, None) if delta.finished else streams.get(delta.request_id)
                 if stream is not None:
                     by_loop.setdefault(stream[0], []).append((stream[1], delta))
+        self._hand_over(by_loop)
+
+    def _hand_over(self, by_loop: dict[asyncio.AbstractEventLoop, list[tuple[DeltaQueue, RequestDelta]]]) -> None:
+        """Each event loop's deltas in one call into it, from the caller's thread (the engine loop's, a poller's)."""
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # its loop has closed (its streams' readers are gone): not the engine loop's end
+            except RuntimeError:  # its loop has closed (its streams' readers are gone): not the caller's end
                 self._drop_streams_of(loop)
 
     def _drop_streams_of(self, loop: asyncio.AbstractEventLoop) -> None:

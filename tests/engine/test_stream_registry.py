@@ -74,3 +74,9 @@ def test_a_stream_whose_event_loop_closed_is_dropped_and_delivery_goes_on() -> N
 
     assert asyncio.run(run()) == [True]
     assert "left" not in registry
+    # One delta at a time (a cluster's poller), and failing every stream (the engine loop stopped), take the same way.
+    asyncio.run(open_one())
+    registry.deliver(_delta("left", False))
+    assert "left" not in registry
+    asyncio.run(open_one())
+    assert registry.fail_all("stopped") == ["left"]
