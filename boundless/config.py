@@ -45,6 +45,13 @@ def _require_finite(config: object) -> None:
             _require(math.isfinite(value), f.name, f"must be a finite number, not {value}")
 
 
+def _flags_given(config: object, names: Sequence[str]) -> list[str]:
+    """Those of ``config``'s fields ``names`` (a config dataclass's) that are away from their defaults, as
+    ``--flag``s: what start-up names as ignored where they do not act."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}  # type: ignore[arg-type]
+    return [f"--{name.replace('_', '-')}" for name in names if getattr(config, name) != defaults[name]]
+
+
 def _json_object(flag: str, text: str) -> dict[str, Any]:
     """A flag's JSON object (``--speculative-config``'s, say); anything else raises :class:`ConfigError`."""
     try:
@@ -340,10 +347,7 @@ class CacheConfig:
     def ignored_store_flags(self) -> list[str]:
         """The flags given that act on the disk store only, as ``--flag``s, without ``--kv-disk-path`` (start-up says
         so, as of the cluster's flags: ``ClusterConfig.ignored_role_flags``)."""
-        if self.kv_disk_path is not None:
-            return []
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        return [f"--{name.replace('_', '-')}" for name in STORE_FLAGS if getattr(self, name) != defaults[name]]
+        return [] if self.kv_disk_path is not None else _flags_given(self, STORE_FLAGS)
 
     def __post_init__(self) -> None:
         _require_finite(self)
@@ -1020,25 +1024,20 @@ class ClusterConfig:
         """The flags given that act with prefill and decode engines only (the README's "with roles"), as ``--flag``s:
         without those engines they are accepted and ignored (``--kv-path`` as the others), and start-up says so. A flag
         left at its default is none of them."""
-        return [] if self.disaggregated else self._given(ROLE_FLAGS)
+        return [] if self.disaggregated else _flags_given(self, ROLE_FLAGS)
 
     def ignored_lending_flags(self) -> list[str]:
         """As :meth:`ignored_role_flags`, the flags given that act with ``--kv-lending on`` only, and ``--kv-transport``
         where neither lending nor roles move KV between engines."""
-        ignored = [] if self.kv_lending == "on" else self._given(LENDING_FLAGS)
+        ignored = [] if self.kv_lending == "on" else _flags_given(self, LENDING_FLAGS)
         if self.kv_lending != "on" and not self.disaggregated:
-            ignored += self._given(("kv_transport",))
+            ignored += _flags_given(self, ("kv_transport",))
         return ignored
 
     def ignored_instance_flags(self) -> list[str]:
         """As :meth:`ignored_role_flags`, the flags given that act where engines run as Ray actors behind the router
         only (routing, heartbeats, stuck steps, restarts), on one engine in the server's process."""
-        return [] if self.runs_actors else self._given(INSTANCE_FLAGS)
-
-    def _given(self, names: Sequence[str]) -> list[str]:
-        """Those of the fields ``names`` that are away from their defaults, as ``--flag``s."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        return [f"--{name.replace('_', '-')}" for name in names if getattr(self, name) != defaults[name]]
+        return [] if self.runs_actors else _flags_given(self, INSTANCE_FLAGS)
 
     @property
     def runs_actors(self) -> bool:
