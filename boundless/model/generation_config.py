@@ -60,16 +60,19 @@ def read_generation_defaults(model_path: Path) -> SamplingDefaults:
     return SamplingDefaults(**values)
 
 
+# The fields whose values are whole numbers.
+_WHOLE = ("top_k", "max_tokens")
+
+
 def _valid(key: str, value: Any) -> bool:
     """Whether ``key`` is one of the sampling keys read, with a value of its type."""
     if key not in _KEYS:
         return False
-    integral = _KEYS[key] in ("top_k", "max_tokens")
-    return not isinstance(value, bool) and isinstance(value, int if integral else (int, float))
+    return not isinstance(value, bool) and isinstance(value, int if _KEYS[key] in _WHOLE else (int, float))
 
 
 def _value(key: str, value: int | float) -> int | float:
-    return int(value) if _KEYS[key] in ("top_k", "max_tokens") else float(value)
+    return int(value) if _KEYS[key] in _WHOLE else float(value)
 
 
 def generation_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
