@@ -1012,11 +1012,8 @@ class OpenAIServer:
             if delta.finished:
                 yield choice_chunk(index, {}, finish=delta.finish_reason)
 
-        # The deltas read together (those waiting: the reader was behind the engine) go out in one send, each
-        # delta's chunks as they were.
-        async for batch in self.merged_batches(streams):
-            if sent := b"".join([piece for index, delta in batch for piece in delta_chunks(index, delta)]):
-                yield sent
+        async for sent in self.batched_sends(streams, delta_chunks):
+            yield sent
         usage = chunk([], self._usage(prompt_len, choices, reasoning, predicted)) if include_usage else b""
         yield usage + _failure_event(choices) + b"data: [DONE]\n\n"
 
@@ -1176,11 +1173,8 @@ class OpenAIServer:
                 shown[index] = True
                 yield chunk([piece], _usage_so_far(len(prompt), c) if running_usage else None)
 
-        # The deltas read together (those waiting: the reader was behind the engine) go out in one send, each
-        # delta's chunks as they were.
-        async for batch in self.merged_batches(streams):
-            if sent := b"".join([piece for index, delta in batch for piece in delta_chunks(index, delta)]):
-                yield sent
+        async for sent in self.batched_sends(streams, delta_chunks):
+            yield sent
         usage = chunk([], self._usage(prompt_len, choices)) if include_usage else b""
         yield usage + _failure_event(choices) + b"data: [DONE]\n\n"
 
@@ -1207,6 +1201,15 @@ class OpenAIServer:
             async for batch in batches:
                 for item in batch:
                     yield item
+
+    async def batched_sends(
+        self, streams: Sequence[DeltaStream], chunks_of: Callable[[int, RequestDelta], Iterator[bytes]]
+    ) -> AsyncIterator[bytes]:
+        """A stream response's bytes: the chunks ``chunks_of`` makes of each delta, those of deltas read together
+        (the reader was behind the engine) in one send, each delta's chunks as they would be alone."""
+        async for batch in self.merged_batches(streams):
+            if sent := b"".join([piece for index, delta in batch for piece in chunks_of(index, delta)]):
+                yield sent
 
     async def merged_batches(
         self, streams: Sequence[DeltaStream]
