@@ -18,7 +18,8 @@ import functools
 import json
 import re
 import threading
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -36,7 +37,12 @@ KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "gram
 # Whitespace between two of JSON's tokens, at most: room for a pretty-printed object's newline and indent eight
 # levels deep, not for a weak model's endless run of blanks (what vLLM's --disable-any-whitespace is for).
 MAX_WHITESPACE = 32
-# Compiled grammars an engine keeps (a schema's grammar is ~5 ms to compile for a 49 K vocabulary).
+# The memory an engine's compiled grammars may hold: vLLM's default for xgrammar's cache (VLLM_XGRAMMAR_CACHE_MB).
+# A JSON grammar's token masks grow with the vocabulary: ~4 MB each at SmolLM2's 49 K tokens (so ~128 kept), ~11 MB
+# at Llama 3's 128 K (~50); a regex's, a choice's or a small EBNF's a few KB.
+GRAMMAR_CACHE_BYTES = 512 << 20
+# And the number kept, whatever their size (a schema's grammar is 10-30 ms to compile for a 49 K vocabulary, a small
+# grammar's under a millisecond): each also holds its spec's text and Python's bookkeeping, which its bytes omit.
 MAX_GRAMMARS = 256
 
 
@@ -161,7 +167,13 @@ def _grammar(xgr: Any, spec: StructuredOutput) -> Any:
 
 class Grammars:
     """Grammars compiled for one tokenizer's vocabulary (``vocab_size``: the logits' width, which may exceed the
-    tokenizer's), with the model's EOS ids as the tokens that end an output; the last :data:`MAX_GRAMMARS` kept.
+    tokenizer's), with the model's EOS ids as the tokens that end an output.
+
+    Kept while they hold at most ``max_bytes`` (:data:`GRAMMAR_CACHE_BYTES`; xgrammar's ``memory_size_bytes``, and
+    the spec's text) and number at most ``max_grammars`` (:data:`MAX_GRAMMARS`), the least recently used let go
+    first, but never one in use: one compiling (a request waits for it) or one a live matcher holds (a running
+    request's, which the sampler keeps until the request ends, preempted or not, and remakes from here when its
+    outputs change under it). Those alone may hold more than the budget (they are in memory whatever the cache does).
 
     Compiling takes the engine's first structured request seconds (xgrammar reads the vocabulary) and each new
     schema milliseconds to a second, so it runs on a thread of its own (:meth:`prepare`), mostly outside the GIL:
@@ -169,34 +181,85 @@ class Grammars:
     meanwhile (vLLM's requests wait for their grammars alike). ``notify`` is called when a compilation ends (an
     engine loop waiting for work wakes)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_bytes: int | None = None,
+        max_grammars: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.max_bytes = GRAMMAR_CACHE_BYTES if max_bytes is None else max_bytes
+        self.max_grammars = MAX_GRAMMARS if max_grammars is None else max_grammars
         self.notify: Callable[[], None] | None = None
         self._compiler: Any = None
-        self._compiled: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
+        self._compiled: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()  # least recently used first
+        self._sizes: dict[StructuredOutput, int] = {}  # the compiled ones' bytes
+        self._held = 0  # their sum
+        self._users: dict[StructuredOutput, int] = {}  # live matchers of each (none: no entry)
+        # Matchers gone (their specs), told by their finalizers, which wait for no lock (one may run in the garbage
+        # collector while this thread holds it): counted off under the lock (_count_gone).
+        self._gone: deque[StructuredOutput] = deque()
         self._lock = threading.Lock()  # the cache, shared with the compiling thread's callbacks
         self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes the kept grammars hold (those compiled; one compiling is counted when it ends)."""
+        return self._held
+
+    def in_use(self, spec: StructuredOutput) -> bool:
+        """Whether a live matcher holds the spec's grammar."""
+        with self._lock:
+            self._count_gone()
+            return spec in self._users
 
     def prepare(self, spec: StructuredOutput) -> bool:
         """Start compiling the spec's grammar unless it is compiled or compiling; whether it is :meth:`ready`."""
         return self._future(spec).done()
 
-    def _future(self, spec: StructuredOutput) -> Future[Any]:
-        """The spec's compilation, started if it is not compiled or compiling."""
+    def _future(self, spec: StructuredOutput, use: bool = False) -> Future[Any]:
+        """The spec's compilation, started if it is not compiled or compiling (``use``: counted a user, for a
+        matcher about to be made, before the lock is let go, so that nothing lets it go in between)."""
         with self._lock:
             future = self._compiled.get(spec)
             if future is not None:
                 self._compiled.move_to_end(spec)
-                return future
-            if self._pool is None:  # one thread: compilations share the compiler, in turn
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-            future = self._pool.submit(self._compile, spec)
-            self._compiled[spec] = future
-            if len(self._compiled) > MAX_GRAMMARS:
-                self._compiled.popitem(last=False)  # (a matcher in use keeps its grammar alive)
+            else:
+                if self._pool is None:  # one thread: compilations share the compiler, in turn
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+                future = self._pool.submit(self._compile, spec)
+                self._compiled[spec] = future
+            if use:
+                self._users[spec] = self._users.get(spec, 0) + 1
+            self._evict()
         future.add_done_callback(self._compiled_one)
         return future
+
+    def _count_gone(self) -> None:
+        """Count off the matchers gone since (under the lock)."""
+        while self._gone:
+            spec = self._gone.popleft()
+            left = self._users.get(spec, 0) - 1
+            if left > 0:
+                self._users[spec] = left
+            else:
+                self._users.pop(spec, None)
+
+    def _evict(self) -> None:
+        """Let the least recently used grammars not in use go until the rest are within the budget (under the
+        lock)."""
+        self._count_gone()
+        if self._held <= self.max_bytes and len(self._compiled) <= self.max_grammars:
+            return
+        for spec in list(self._compiled):
+            if self._held <= self.max_bytes and len(self._compiled) <= self.max_grammars:
+                return
+            if spec in self._users or not self._compiled[spec].done():
+                continue
+            del self._compiled[spec]
+            self._held -= self._sizes.pop(spec, 0)
 
     def ready(self, spec: StructuredOutput | None) -> bool:
         """Whether the spec's grammar is compiled (or its compilation failed, which :meth:`matcher` raises); no spec:
@@ -227,15 +290,24 @@ class Grammars:
     def _compile(self, spec: StructuredOutput) -> Any:
         xgr = _xgrammar(spec.param)
         if self._compiler is None:
-            # Without xgrammar's own cache: ``_compiled`` is the cache, the last MAX_GRAMMARS. xgrammar's, unbounded
-            # by default, kept every grammar ever compiled (4 MB each on SmolLM2's vocabulary): a server given a new
-            # schema per request grew without end.
+            # Without xgrammar's own cache: ``_compiled`` is the cache, bounded by bytes. xgrammar's, unbounded by
+            # default, kept every grammar ever compiled (4 MB each on SmolLM2's vocabulary): a server given a new
+            # schema per request grew without end; bounded, it would keep a second copy of the grammars kept here.
             self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=1, cache_enabled=False)
-        grammar = _grammar(xgr, spec)
+        compiled = None
         try:
-            return self._compiler.compile_grammar(grammar)
-        except Exception as e:  # (xgrammar's RuntimeError, with the reason)
-            raise _unusable(spec, e) from e
+            grammar = _grammar(xgr, spec)
+            try:
+                compiled = self._compiler.compile_grammar(grammar)
+            except Exception as e:  # (xgrammar's RuntimeError, with the reason)
+                raise _unusable(spec, e) from e
+            return compiled
+        finally:  # counted before the future is done (whoever waits on it sees the count), then the budget kept
+            with self._lock:
+                if spec in self._compiled and spec not in self._sizes:  # (it is: one compiling is never let go)
+                    self._sizes[spec] = len(spec.definition or "") + (compiled.memory_size_bytes if compiled else 0)
+                    self._held += self._sizes[spec]
+                    self._evict()
 
     def _tokenizer_info(self, xgr: Any) -> Any:
         """The vocabulary as xgrammar sees it: its own reading of a fast tokenizer (each id's token, the vocabulary's
@@ -249,12 +321,38 @@ class Grammars:
         )
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
-        """A new matcher at the start of the spec's grammar (waiting for it, or compiling it, if it is not ready)."""
-        return GrammarMatcher(_xgrammar(spec.param).GrammarMatcher(self._future(spec).result()))
+        """A new matcher at the start of the spec's grammar (waiting for it, or compiling it, if it is not ready). The
+        grammar is kept while the matcher lives."""
+        future = self._future(spec, use=True)
+        try:
+            matcher = GrammarMatcher(_xgrammar(spec.param).GrammarMatcher(future.result()))
+        except BaseException:
+            self._gone.append(spec)
+            raise
+        weakref.finalize(matcher, _matcher_gone, weakref.ref(self), spec).atexit = False
+        return matcher
+
+    def _matcher_gone(self, spec: StructuredOutput) -> None:
+        """A matcher of the spec's is gone (a request ended): counted off, and the budget kept, now if the lock is
+        free (from the thread that let the matcher go, the engine's), else at the cache's next use. Never waits for
+        the lock: a finalizer may run in the garbage collector while this very thread holds it."""
+        self._gone.append(spec)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._evict()
+            finally:
+                self._lock.release()
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _matcher_gone(grammars: weakref.ref[Grammars], spec: StructuredOutput) -> None:
+    """A matcher's finalizer (holding its :class:`Grammars` weakly: a live matcher does not keep it)."""
+    owner = grammars()
+    if owner is not None:
+        owner._matcher_gone(spec)
 
 
 class GrammarMatcher:
