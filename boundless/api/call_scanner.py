@@ -6,16 +6,24 @@ scanner reads characters as they come, once each (a call's arguments may be a wh
 keeps for each call its name once the string is complete and the span of its arguments' value in the text, the
 end once the value is complete. Streamed tool calls send the arguments' text as it grows, and a parsed call's
 ``arguments`` is that same text (the model's JSON, as OpenAI returns it).
+
+Mistral's newer models (tokenizer v11 and on) write a call as its name, then its arguments' object, without a call
+object around them: ``[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`` (``[ARGS]`` a special token, and in some a
+``[CALL_ID]`` and an id before it); :class:`NamedCallScanner` reads those.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 _BLANK = " \t\n\r"
 _DELIMITERS = ",}]:" + _BLANK
+# Mistral's tokens between a call's name and its arguments (v11's [ARGS]; an id after [CALL_ID] in later ones).
+MISTRAL_ARGS, MISTRAL_CALL_ID = "[ARGS]", "[CALL_ID]"
+_NAME = re.compile(r"[\w.\-]+")  # (a function's name as OpenAI allows it, and dotted)
 
 
 @dataclass
@@ -138,3 +146,43 @@ def scan_calls(text: str) -> list[CallSpan]:
     scanner = CallScanner(start)
     scanner.feed(text)
     return scanner.calls
+
+
+def named_call_name(head: str) -> str | None:
+    """The name of a call written as its name then its arguments (Mistral's v11 calls), from ``head``: the text between
+    ``[TOOL_CALLS]`` and the arguments' ``{``, which may hold ``[ARGS]`` and ``[CALL_ID]`` with an id; None when it
+    is no name (blanks inside it, another tag)."""
+    name = head.split(MISTRAL_CALL_ID)[0].split(MISTRAL_ARGS)[0].strip()
+    return name if _NAME.fullmatch(name) else None
+
+
+@dataclass
+class NamedCallScanner:
+    """One call written as its name, then its arguments' JSON object (Mistral's ``name[ARGS]{...}``), from ``start``
+    (after its ``[TOOL_CALLS]``), read as the text grows; the same face as :class:`CallScanner`: ``calls`` (the one
+    call, once its name is whole: once its arguments' ``{`` is written), ``done``, ``pos``. A name that is none
+    (:func:`named_call_name`) ends it without a call."""
+
+    start: int
+    calls: list[CallSpan] = field(default_factory=list)
+    done: bool = False
+    pos: int = -1
+    _args: CallScanner | None = None
+
+    def feed(self, text: str) -> None:
+        if self.pos < 0:
+            self.pos = self.start
+        if self._args is None:
+            brace = text.find("{", self.start)
+            if brace < 0:
+                return
+            name = named_call_name(text[self.start : brace])
+            if name is None:
+                self.done, self.pos = True, brace
+                return
+            self.calls.append(CallSpan(name, brace, None, "{"))
+            self._args = CallScanner(brace)  # (its one document: the arguments' object, whose end it finds)
+        self._args.feed(text)
+        self.pos = self._args.pos
+        if self._args.done:
+            self.calls[0].args_end, self.done = self._args.pos, True

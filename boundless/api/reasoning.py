@@ -11,6 +11,11 @@ all when the request turned thinking off (``chat_template_kwargs: {"enable_think
 closes an empty block in the prompt); Qwen3's thinking-only models open it in the prompt as R1 does. So ``qwen3``
 starts inside the reasoning when the prompt ends with ``<think>`` or the output begins with it, and ``deepseek_r1``
 always does. Output cut off before ``</think>`` is all reasoning.
+
+Mistral's reasoning models (Magistral; vLLM's ``mistral`` parser) write ``[THINK]...[/THINK]`` instead, of their own
+accord: an output that opens with ``[THINK]`` reasons, one that does not is all answer. Those tags are special tokens,
+which decoded text leaves out by default, so under that parser outputs keep their special tokens
+(:attr:`ReasoningParser.special_tags`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 from boundless.api.tool_calls import partial_tag
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")
 
 
 @dataclass(frozen=True)
@@ -35,17 +40,21 @@ class Split:
 class ReasoningParser:
     """How a model marks its reasoning: between ``start`` and ``end``. ``always_opens``: the output starts inside the
     reasoning unless the prompt closed it (DeepSeek-R1's template opens it); else only when the prompt ends with
-    ``start`` or the output begins with it. ``opened`` below: :meth:`opens_in_reasoning` of the output's prompt."""
+    ``start`` or the output begins with it. ``opened`` below: :meth:`opens_in_reasoning` of the output's prompt.
+    ``special_tags``: the tags are special tokens (Mistral's), so outputs are decoded with their special tokens."""
 
     name: str
     start: str = "<think>"
     end: str = "</think>"
     always_opens: bool = False
+    special_tags: bool = False
 
     @classmethod
     def named(cls, name: str) -> ReasoningParser:
         if name not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}; one of {', '.join(REASONING_PARSERS)}")
+        if name == "mistral":
+            return cls(name, "[THINK]", "[/THINK]", special_tags=True)
         return cls(name, always_opens=name == "deepseek_r1")
 
     def opens_in_reasoning(self, prompt_tail: str) -> bool:

@@ -62,6 +62,7 @@ from boundless.api.tool_calls import (
     ParameterTypes,
     ToolCall,
     forced_call_schema,
+    keeps_special_tokens,
     parameter_types,
     parse_tool_calls,
     spans_around_calls,
@@ -566,6 +567,8 @@ class OpenAIServer:
         # forced calls are written in it.
         self.strict_format: str | None = None
         self.strict_format = strict_call_format(self.call_formats(forced=False), tools_template)
+        # Whether outputs read for calls keep their special tokens (Mistral's [TOOL_CALLS] is one, as vLLM keeps it).
+        self.special_calls = keeps_special_tokens(config.tool_call_parser, tools_template)
         self.reasoning = ReasoningParser.named(config.reasoning_parser) if config.reasoning_parser else None
         self.metrics = ServerMetrics(client.stats, getattr(client, "cluster_metrics", None))
         client.add_finished_listener(self._observe)
@@ -645,6 +648,8 @@ class OpenAIServer:
         except InvalidMessage as e:
             raise APIError(400, str(e), e.param, e.code) from e
         tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tool_choice != "none" else []
+        if (tools and self.special_calls) or (self.reasoning is not None and self.reasoning.special_tags):
+            body.skip_special_tokens = False  # (the parsers' tags are special tokens: the text they read keeps them)
         if body.continue_final_message and body.add_generation_prompt:  # (vLLM's default is True: it must be unset)
             raise APIError(
                 400,

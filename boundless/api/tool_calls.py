@@ -6,8 +6,15 @@ Qwen3-Coder's XML, ``<function=NAME><parameter=KEY>VALUE</parameter>...</functio
 by the tool's parameter schema (:func:`parameter_types`); and a bare JSON object (or list of objects) with ``name``
 and ``arguments`` or ``parameters`` (Llama 3.1), naming one of the request's tools: without tags, JSON is as likely
 an answer (``{"name": "Bob", "age": 3}``), so it is a call only in that shape, as vLLM's ``llama3_json`` reads it.
+Llama 3.1 may open its JSON with ``<|python_tag|>`` (a special token, in the text when the request keeps those) and
+writes several calls a ``;`` apart, ``{...}; {...}``, as vLLM's ``llama3_json`` reads them.
 Llama 3.2 and Llama 4 write a fourth: a Python list of calls with keyword arguments, ``[get_weather(city="Paris")]``
 (vLLM's ``pythonic``), likewise a call only when the whole output is that list and every name is one of the tools.
+Mistral's models write ``[TOOL_CALLS]`` (a special token) then their calls: a JSON list of call objects (Mistral 7B
+v0.3, Mixtral), or, from tokenizer v11 on (Mistral Small 3.x, Magistral, Devstral), each call as its name, then
+``[ARGS]`` and its arguments' object, ``[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`` (vLLM's ``mistral``); their
+chat templates refuse a call id that is not 9 letters and digits, so calls read in that format get such ids, as vLLM
+gives them. Phi-4-mini writes ``functools[...]``, a JSON list of call objects (vLLM's ``phi4_mini_json``).
 
 A ``tool_choice`` that forces a call (``required``, or a named function) holds the output to the model's own tagged
 calls where the server knows its format (``api/strict_calls.py``), else to the bare JSON shape with a JSON schema
@@ -19,13 +26,22 @@ from __future__ import annotations
 import ast
 import contextlib
 import json
+import random
 import re
+import string
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from boundless.api.call_scanner import ARGUMENT_KEYS, CallScanner, CallSpan, scan_calls
+from boundless.api.call_scanner import (
+    ARGUMENT_KEYS,
+    CallScanner,
+    CallSpan,
+    NamedCallScanner,
+    named_call_name,
+    scan_calls,
+)
 
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|(?=<function=)|\Z)", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
@@ -38,19 +54,48 @@ _TYPE_ALIASES = {"int": "integer", "float": "number", "double": "number", "bool"
 # Each tool's parameters' schemas (function name -> parameter name -> schema): how an XML call's values are read.
 ParameterTypes = dict[str, dict[str, Any]]
 
-# The shapes of calls in an output: JSON in <tool_call> blocks, XML in them, bare JSON, and a Python list of calls.
+# The shapes of calls in an output: JSON in <tool_call> blocks, XML in them, bare JSON, a Python list of calls,
+# Mistral's calls after [TOOL_CALLS], and Phi-4-mini's functools[...] list.
 TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC = "tagged-json", "tagged-xml", "bare-json", "pythonic"
+MISTRAL, FUNCTOOLS = "mistral", "functools"
 CallFormats = frozenset[str]
-ALL_FORMATS: CallFormats = frozenset({TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC})
+ALL_FORMATS: CallFormats = frozenset({TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC, MISTRAL, FUNCTOOLS})
 # vLLM's --tool-call-parser names -> the shapes each reads (without the flag, all of them).
 TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "hermes": frozenset({TAGGED_JSON}),
     "qwen3_coder": frozenset({TAGGED_XML}),
     "qwen3_xml": frozenset({TAGGED_XML}),
     "llama3_json": frozenset({BARE_JSON}),
+    "llama4_json": frozenset({BARE_JSON}),  # (vLLM's other name for the same parser)
     "pythonic": frozenset({PYTHONIC}),
     "llama4_pythonic": frozenset({PYTHONIC}),  # (vLLM's name for Llama 4's: the same list, its tags special tokens)
+    "mistral": frozenset({MISTRAL}),
+    "phi4_mini_json": frozenset({FUNCTOOLS}),
 }
+MISTRAL_TAG = "[TOOL_CALLS]"  # (Mistral's special token before its calls)
+FUNCTOOLS_TAG = "functools["  # (Phi-4-mini's, its list's bracket with it)
+PYTHON_TAG = "<|python_tag|>"  # (Llama 3.1's special token before a call's JSON)
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """A call id Mistral's chat templates (and mistral-common) take: 9 letters and digits."""
+    return "".join(random.choices(_ALPHANUMERIC, k=9))
+
+
+def mistral_ids(formats: CallFormats) -> bool:
+    """Whether every call of an output read for ``formats`` gets a Mistral id: when the server reads Mistral's calls
+    alone (``--tool-call-parser mistral``; a forced call's bare JSON beside them), as vLLM's mistral parser makes
+    them, so that the next turn's template takes them. (Without the flag, calls read in Mistral's format get one.)"""
+    return formats - {BARE_JSON} == {MISTRAL}
+
+
+def keeps_special_tokens(parser: str | None, template: str | None) -> bool:
+    """Whether outputs read for tool calls are decoded with their special tokens (vLLM's mistral parser sets
+    ``skip_special_tokens`` false so): Mistral's ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens, and without
+    them a v11 call is its name run into its arguments. Under ``--tool-call-parser mistral``, or without a parser,
+    when the chat template (``template``, its source) writes ``[TOOL_CALLS]``."""
+    return parser == "mistral" or (parser is None and template is not None and MISTRAL_TAG in template)
 
 
 def parameter_types(tools: list[dict[str, Any]] | None) -> ParameterTypes:
@@ -303,12 +348,119 @@ def _unclosed_block(text: str, closed: list[tuple[int, int, str]]) -> tuple[int,
     return (at, text[at + len(TOOL_CALL_TAG) :].strip()) if at >= 0 else (-1, "")
 
 
+def _skip_blanks(text: str, at: int) -> int:
+    return len(text) - len(text[at:].lstrip())
+
+
+def _json_calls(text: str, at: int) -> tuple[int, list[ToolCall]]:
+    """The calls of the JSON value at ``at`` (a call object, or a list of them: Mistral's after ``[TOOL_CALLS]``,
+    Phi-4-mini's after ``functools``), each one's arguments the model's own text; and where the value ends. ``(at,
+    [])`` when it does not read whole or an item is no call."""
+    try:
+        obj, end = _JSON.raw_decode(text, at)
+    except ValueError:
+        return at, []
+    items = obj if isinstance(obj, list) else [obj]
+    spans = scan_calls(text[at:end])
+    calls = [_as_call(item, text[at:end], spans[n] if n < len(spans) else None) for n, item in enumerate(items)]
+    if not items or any(call is None for call in calls):
+        return at, []
+    return end, [call for call in calls if call is not None]
+
+
+def _named_call(text: str, at: int) -> tuple[int, list[ToolCall]]:
+    """Mistral's v11 call at ``at`` (after its ``[TOOL_CALLS]``): its name, then its arguments' object, which are the
+    call's arguments as written; and where they end. ``(at, [])`` when the name is none or the object does not read
+    whole."""
+    brace = text.find("{", at)
+    name = named_call_name(text[at:brace]) if brace >= 0 else None
+    if name is None:
+        return at, []
+    try:
+        args, end = _JSON.raw_decode(text, brace)
+    except ValueError:
+        return at, []
+    return (end, [ToolCall(name, text[brace:end])]) if isinstance(args, dict) else (at, [])
+
+
+def marked_calls(text: str, formats: CallFormats) -> list[tuple[int, int, list[ToolCall]]]:
+    """The calls after the tags of Mistral (``[TOOL_CALLS]``, of ``formats``) and Phi-4-mini (``functools[``) in
+    ``text``: each tag's span with its calls, and those calls, in order. Mistral's tag is followed by a JSON list of
+    calls (before v11) or one call by name (v11 on, a tag each); calls read there get Mistral's ids. A tag whose calls
+    do not read whole (cut off) is no call: it stays in the text."""
+    tags = [t for f, t in ((MISTRAL, MISTRAL_TAG), (FUNCTOOLS, FUNCTOOLS_TAG)) if f in formats]
+    found, pos = [], 0
+    while tags and (hits := [(at, t) for t in tags if (at := text.find(t, pos)) >= 0]):
+        at, tag = min(hits)
+        after = at + len(tag)
+        if tag == FUNCTOOLS_TAG:
+            end, calls = _json_calls(text, after - 1)  # (the list's bracket is the tag's last character)
+        elif text.startswith(("[", "{"), first := _skip_blanks(text, after)):
+            end, calls = _json_calls(text, first)
+        else:
+            end, calls = _named_call(text, after)
+        if calls:
+            if tag == MISTRAL_TAG:
+                for call in calls:
+                    call.id = mistral_call_id()
+            found.append((at, end, calls))
+        pos = end if calls else after
+    return found
+
+
+def bare_json_calls(text: str, tools: Collection[str] | None) -> list[ToolCall]:
+    """The calls of an output that is bare JSON, all of it (blanks around it aside): a call object, a list of them,
+    or, as Llama 3.1 writes several, call objects a ``;`` apart, after a ``<|python_tag|>`` or not (vLLM's
+    ``llama3_json``); each a call by :func:`_bare_call`. ``[]`` when it is anything else (an answer)."""
+    body = text.strip()
+    body = body[len(PYTHON_TAG) :].lstrip() if body.startswith(PYTHON_TAG) else body
+    docs, at = [], 0
+    while at < len(body):
+        try:
+            obj, end = _JSON.raw_decode(body, at)
+        except ValueError:
+            return []
+        docs.append((at, end, obj))
+        at = _skip_blanks(body, end)
+        if at < len(body):
+            if body[at] != ";":
+                return []
+            at = _skip_blanks(body, at + 1)
+    if len(docs) > 1 and not all(isinstance(obj, dict) for _, _, obj in docs):
+        return []  # (a list, then more: not Llama's calls)
+    items = [(start, end, item) for start, end, obj in docs for item in (obj if isinstance(obj, list) else [obj])]
+    if not items or not all(_bare_call(item, tools) for _, _, item in items):
+        return []
+    spans = {start: scan_calls(body[start:end]) for start, end, _ in docs}
+    calls, seen = [], dict.fromkeys(spans, 0)
+    for start, end, item in items:
+        n, seen[start] = seen[start], seen[start] + 1
+        doc_spans = spans[start]
+        call = _as_call(item, body[start:end], doc_spans[n] if n < len(doc_spans) else None)
+        if call is not None:
+            calls.append(call)
+    return calls
+
+
 def parse_tool_calls(
     text: str, types: ParameterTypes | None = None, formats: CallFormats = ALL_FORMATS
 ) -> tuple[str | None, list[ToolCall]]:
     """Split model output into (remaining content or None, tool calls). ``types``: the request's tools' parameter
     schemas by name, for Qwen3-Coder's XML calls, and the names a bare JSON call may have (None: not known, any);
-    ``formats``: the shapes of call read (``--tool-call-parser``)."""
+    ``formats``: the shapes of call read (``--tool-call-parser``). Under Mistral's parser every call gets Mistral's
+    id (:func:`mistral_ids`)."""
+    content, calls = _parsed(text, types, formats)
+    if mistral_ids(formats):
+        for call in calls:
+            call.id = call.id if _is_mistral_id(call.id) else mistral_call_id()
+    return content, calls
+
+
+def _is_mistral_id(id_: str) -> bool:
+    return len(id_) == 9 and id_.isascii() and id_.isalnum()
+
+
+def _parsed(text: str, types: ParameterTypes | None, formats: CallFormats) -> tuple[str | None, list[ToolCall]]:
     if formats & {TAGGED_JSON, TAGGED_XML}:
         closed = tagged_blocks(text)
         at, tail = _unclosed_block(text, closed)
@@ -318,22 +470,16 @@ def parse_tool_calls(
             return (_content_before_calls(text, formats).strip() or None), calls
         if closed:
             return text, []
+    if marked := marked_calls(text, formats):
+        return (_content_before_calls(text, formats).strip() or None), [c for _, _, calls in marked for c in calls]
     if TAGGED_XML in formats and (at := text.find(XML_FUNCTION_TAG)) >= 0:
         # Qwen3-Coder's calls without their block's tags
         calls = _xml_calls(text[at:], types or {})
         if calls:
             return (_content_before_calls(text, formats).strip() or None), calls
     stripped = text.strip()
-    if BARE_JSON in formats and stripped.startswith(("{", "[")):
-        try:
-            obj = json.loads(stripped)
-        except json.JSONDecodeError:
-            obj = None
-        items = obj if isinstance(obj, list) else [obj]
-        if obj is not None and items and all(_bare_call(i, types) for i in items):
-            spans = scan_calls(stripped)
-            found = (_as_call(i, stripped, spans[n] if n < len(spans) else None) for n, i in enumerate(items))
-            return None, [c for c in found if c is not None]
+    if BARE_JSON in formats and (calls := bare_json_calls(stripped, types)):
+        return None, calls
     if PYTHONIC in formats and stripped.startswith("[") and (calls := _pythonic_calls(stripped, types)):
         return None, calls
     return text, []
@@ -341,16 +487,27 @@ def parse_tool_calls(
 
 TOOL_CALL_TAG = "<tool_call>"
 XML_FUNCTION_TAG = "<function="
+
+
+def call_tags(formats: CallFormats) -> list[str]:
+    """The tags that begin calls of ``formats``: Hermes' ``<tool_call>`` (JSON or XML in it), Mistral's
+    ``[TOOL_CALLS]``, Phi-4-mini's ``functools[``."""
+    tagged = [(TOOL_CALL_TAG, formats & {TAGGED_JSON, TAGGED_XML}), (MISTRAL_TAG, MISTRAL in formats)]
+    return [tag for tag, read in [*tagged, (FUNCTOOLS_TAG, FUNCTOOLS in formats)] if read]
+
+
 # Output text -> (its content, or None when it is calls alone; the calls in it).
 CallParser = Callable[[str], tuple[str | None, list[ToolCall]]]
 
 
 class ContentStream:
     """The content of an output read for tool calls, streamed as it is made: text that cannot be part of a call goes
-    out at once; from a Hermes ``<tool_call>`` tag on (held back while the text ends in part of one), or an output that
-    opens with JSON (a bare call, Llama 3.1's) or a list (Llama 3.2's Python calls), the rest waits for the parser at
-    the end (:meth:`finish`). Blanks that end the text so far wait for what follows them: before a call they are no
-    content (the unstreamed content is stripped), so they go out only with the text after them, or at the end."""
+    out at once; from a tag that begins calls on (Hermes' ``<tool_call>``, Mistral's ``[TOOL_CALLS]``, Phi-4-mini's
+    ``functools[``; held back while the text ends in part of one), or an output that opens with JSON (a bare call,
+    Llama 3.1's, with its ``<|python_tag|>`` or not) or a list (Llama 3.2's Python calls), the rest waits for the
+    parser at the end (:meth:`finish`). Blanks that end the text so far wait for what follows them: before a call
+    they are no content (the unstreamed content is stripped), so they go out only with the text after them, or at
+    the end."""
 
     def __init__(self, formats: CallFormats = ALL_FORMATS) -> None:
         self.sent = 0  # characters of the output sent as content
@@ -358,10 +515,9 @@ class ContentStream:
         self.formats = formats
         # An output that opens with one of these may be calls: JSON (bare calls), a list (Python calls too).
         self.openers = "{[" if BARE_JSON in formats else "[" if PYTHONIC in formats else ""
-        # The tags that begin one: <tool_call>, and <function= (Qwen3-Coder's call without its block's tag).
-        self.tags = ([TOOL_CALL_TAG] if formats & {TAGGED_JSON, TAGGED_XML} else []) + (
-            [XML_FUNCTION_TAG] if TAGGED_XML in formats else []
-        )
+        # The tags that begin one: <tool_call>, <function= (Qwen3-Coder's call without its block's tag), Mistral's
+        # and Phi-4-mini's.
+        self.tags = call_tags(formats) + ([XML_FUNCTION_TAG] if TAGGED_XML in formats else [])
 
     def feed(self, text: str) -> str:
         """The output so far (``text``) -> the content to send now."""
@@ -371,9 +527,11 @@ class ContentStream:
             head = text.lstrip()
             if not head:
                 return ""
-            if head[0] in self.openers:
+            if head[0] in self.openers or (BARE_JSON in self.formats and head.startswith(PYTHON_TAG)):
                 self.held = True
                 return ""
+            if BARE_JSON in self.formats and PYTHON_TAG.startswith(head):
+                return ""  # (Llama 3.1's tag being written, or text that begins like it)
         found = [at for t in self.tags if (at := text.find(t, max(self.sent - len(t) + 1, 0))) >= 0]
         if found:
             self.held, end = True, min(found)
@@ -399,14 +557,15 @@ class CallStream:
     """Tool calls streamed as they are written, as OpenAI's and vLLM's chunks carry them: a call's first delta has
     its index, id and name, once the name is complete and its arguments' object has begun, and the arguments' text
     so far; the next ones the text added since. The calls are read from where :class:`ContentStream` held the
-    output: a Hermes ``<tool_call>`` block each, or, when a forced call's grammar writes it, the bare JSON the output
-    opens with. Bare JSON the model wrote unforced streams no call: the parser reads it as calls only when nothing but
-    blanks follows it (``{...} and more text`` is an answer, all of it), which is known only when the output ends, so
-    its calls come whole from :meth:`finish`. ``parallel=False`` streams the first call only; ``tools``: the
-    request's tool names, the only names a bare call may have, as the parser reads it (None: not known, any);
-    ``forced``: a forced call's (its grammar writes calls throughout, so bare ones stream as they are written);
-    ``formats``: the shapes the parser reads (Python calls come whole from :meth:`finish` always). :meth:`finish`
-    sends what the parsed calls have beyond what was streamed."""
+    output: a Hermes ``<tool_call>`` block each, Mistral's calls after each ``[TOOL_CALLS]`` (a JSON list, or a call
+    by name, its arguments streamed as they are written, with Mistral's ids), Phi-4-mini's ``functools[`` list, or,
+    when a forced call's grammar writes it, the bare JSON the output opens with. Bare JSON the model wrote unforced
+    streams no call: the parser reads it as calls only when nothing but blanks follows it (``{...} and more text`` is
+    an answer, all of it), which is known only when the output ends, so its calls come whole from :meth:`finish`.
+    ``parallel=False`` streams the first call only; ``tools``: the request's tool names, the only names a bare call
+    may have, as the parser reads it (None: not known, any); ``forced``: a forced call's (its grammar writes calls
+    throughout, so bare ones stream as they are written); ``formats``: the shapes the parser reads (Python calls come
+    whole from :meth:`finish` always). :meth:`finish` sends what the parsed calls have beyond what was streamed."""
 
     def __init__(
         self,
@@ -419,8 +578,14 @@ class CallStream:
         self.tools = tools
         self.forced = forced
         self.bare_json = BARE_JSON in formats
-        self._bare: bool | None = None  # the calls are the JSON the output opens with (else Hermes blocks)
-        self._scanners: list[CallScanner] = []  # one a document: the bare JSON, or each block's
+        self.mistral_ids = mistral_ids(formats)  # every call's id is Mistral's (else those after its tag)
+        # The tags calls follow: Hermes' always (a forced call's grammar may write its blocks), the others as read.
+        self.tags = [TOOL_CALL_TAG, *(t for t in call_tags(formats) if t != TOOL_CALL_TAG)]
+        self._bare: bool | None = None  # the calls are the JSON the output opens with (else after tags)
+        # One a document: the bare JSON, or each block's, each Mistral call's or list, each functools list; and
+        # whether its calls are Mistral's.
+        self._scanners: list[CallScanner | NamedCallScanner] = []
+        self._mistral: list[bool] = []
         self._ids: list[str] = []  # each begun call's id
         self._names: list[str] = []  # and name
         self._sent: list[str] = []  # and arguments sent
@@ -429,30 +594,33 @@ class CallStream:
         """``text``: the output so far; ``start``: where the content stream held it. -> tool-call deltas to send."""
         if self._bare is None:
             head = text[start:].lstrip()
-            if not head:
-                return []
-            self._bare = head[0] in "{["
+            if self.bare_json and head.startswith(PYTHON_TAG):
+                head = head[len(PYTHON_TAG) :].lstrip()  # (Llama 3.1's tag before its JSON)
+                if not head:
+                    return []
+            elif not head or any(len(head) < len(t) and t.startswith(head) for t in self.tags + [PYTHON_TAG]):
+                return []  # (a tag being written, "[" of "[TOOL_CALLS]" say: not yet known which)
+            self._bare = head[0] in "{[" and not any(head.startswith(t) for t in self.tags)
             if self._bare:
-                self._scanners.append(CallScanner(len(text) - len(head)))
+                self._add(CallScanner(len(text) - len(head)), mistral=False)
         if self._scanners:
             self._scanners[-1].feed(text)
         if self._bare and not (self.bare_json and self.forced):
             return []  # (unforced, its calls wait for the end: see the class's docstring)
         while not self._bare and (not self._scanners or self._scanners[-1].done):
-            tag = text.find(TOOL_CALL_TAG, self._scanners[-1].pos if self._scanners else start)
-            if tag < 0:
+            if not self._next_document(text, self._scanners[-1].pos if self._scanners else start):
                 break
-            self._scanners.append(CallScanner(tag + len(TOOL_CALL_TAG)))
             self._scanners[-1].feed(text)
         deltas: list[dict[str, Any]] = []
-        calls = [(scanner, call) for scanner in self._scanners for call in scanner.calls]
-        for index, (scanner, call) in enumerate(calls[: None if self.parallel else 1]):
+        calls = [(n, scanner, call) for n, scanner in enumerate(self._scanners) for call in scanner.calls]
+        for index, (n, scanner, call) in enumerate(calls[: None if self.parallel else 1]):
             if index == len(self._ids):
                 if call.name is None or call.args_start is None or call.args_opener not in "{[":
                     break  # calls begin in order
                 if self._bare and self.tools is not None and call.name not in self.tools:
                     break  # JSON naming none of the tools is an answer, not a call (the parser reads it so)
-                self._ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                mistral = self.mistral_ids or self._mistral[n]
+                self._ids.append(mistral_call_id() if mistral else f"call_{uuid.uuid4().hex[:24]}")
                 self._names.append(call.name)
                 self._sent.append("")
                 begun = {"index": index, "id": self._ids[index], "type": "function"}
@@ -467,6 +635,29 @@ class CallStream:
                 else:
                     deltas.append({"index": index, "function": {"arguments": piece}})
         return deltas
+
+    def _add(self, scanner: CallScanner | NamedCallScanner, mistral: bool) -> None:
+        self._scanners.append(scanner)
+        self._mistral.append(mistral)
+
+    def _next_document(self, text: str, pos: int) -> bool:
+        """Begin reading the calls after the next tag from ``pos`` on; False when there is none yet (none written, or
+        Mistral's tag with nothing but blanks after it so far: which of its forms follows is not yet known)."""
+        hits = [(at, tag) for tag in self.tags if (at := text.find(tag, pos)) >= 0]
+        if not hits:
+            return False
+        at, tag = min(hits)
+        after = at + len(tag)
+        if tag == TOOL_CALL_TAG:
+            self._add(CallScanner(after), mistral=False)
+        elif tag == FUNCTOOLS_TAG:
+            self._add(CallScanner(after - 1), mistral=False)  # (the list's bracket is the tag's last character)
+        elif (first := _skip_blanks(text, after)) == len(text):
+            return False
+        else:  # Mistral's: a JSON list of calls (before v11), else a call by name
+            json_calls = text[first] in "[{"
+            self._add(CallScanner(first) if json_calls else NamedCallScanner(after), mistral=True)
+        return True
 
     def begun(self) -> list[ToolCall]:
         """The calls streamed so far, with their ids, each's arguments as far as they went out."""
@@ -500,16 +691,19 @@ def _content_before_calls(text: str, formats: CallFormats) -> str:
 
 def spans_around_calls(text: str, formats: CallFormats) -> list[tuple[int, int]]:
     """The parts ``[start, end)`` of an output that holds calls that are not the calls: around its closed blocks, and
-    before its unclosed last block when that holds calls (of ``formats``), or, when it has no block (Qwen3-Coder's
-    calls without their tags), before the first ``<function=`` (and before a ``<tool_call>`` just before it, blanks
-    between); none empty. (Where a message's content lies in its output: its logprobs are those of its content's
-    tokens.)"""
-    closed = tagged_blocks(text)
+    before its unclosed last block when that holds calls (of ``formats``), or, when it has no block, around Mistral's
+    and Phi-4-mini's tags with their calls (:func:`marked_calls`), or else (Qwen3-Coder's calls without their tags)
+    before the first ``<function=`` (and before a ``<tool_call>`` just before it, blanks between); none empty. (Where
+    a message's content lies in its output: its logprobs are those of its content's tokens.)"""
+    closed = tagged_blocks(text) if formats & {TAGGED_JSON, TAGGED_XML} else []
     at, tail = _unclosed_block(text, closed)
-    unclosed = at >= 0 and bool(_block_calls(tail, None, formats))
+    unclosed = at >= 0 and bool(formats & {TAGGED_JSON, TAGGED_XML}) and bool(_block_calls(tail, None, formats))
     if unclosed or closed:
         end = at if unclosed else len(text)  # (every closed block ends before an unclosed one)
         bounds = [0, *(i for start, stop, _ in closed for i in (start, stop)), end]
+        spans = list(zip(bounds[::2], bounds[1::2], strict=True))
+    elif marked := marked_calls(text, formats):
+        bounds = [0, *(i for start, stop, _ in marked for i in (start, stop)), len(text)]
         spans = list(zip(bounds[::2], bounds[1::2], strict=True))
     elif (at := text.find(XML_FUNCTION_TAG)) >= 0:
         head = text[:at].rstrip()
@@ -554,21 +748,32 @@ def forced_call_schema(tools: list[dict[str, Any]], name: str | None, parallel: 
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: assistant tool-call arguments as objects, not JSON text."""
+    """Messages as chat templates expect them, as vLLM hands them over: an assistant's tool-call arguments as the
+    objects their JSON text holds (arguments that are no JSON, empty ones or none at all as ``{}``), and an
+    assistant's empty list of calls dropped, so that templates take the turn as text. The messages given are not
+    changed."""
     out = []
     for m in messages:
         m = dict(m)
         calls = m.get("tool_calls")
-        if calls:
+        if m.get("role") == "assistant" and isinstance(calls, list):
+            if not calls:
+                del m["tool_calls"]
             converted = []
             for call in calls:
                 call = dict(call)
                 fn = dict(call.get("function", {}))
-                if isinstance(fn.get("arguments"), str):
-                    with contextlib.suppress(json.JSONDecodeError):
-                        fn["arguments"] = json.loads(fn["arguments"])
+                arguments = fn.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        fn["arguments"] = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        fn["arguments"] = {}
+                elif not isinstance(arguments, dict | list):
+                    fn["arguments"] = {}
                 call["function"] = fn
                 converted.append(call)
-            m["tool_calls"] = converted
+            if converted:
+                m["tool_calls"] = converted
         out.append(m)
     return out

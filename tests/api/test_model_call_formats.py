@@ -1,0 +1,476 @@
+"""Tool calls and reasoning in the formats of the model families served beside Hermes' and Qwen's, as vLLM's parsers
+of the same names read them: Mistral's ``[TOOL_CALLS]`` (a JSON list before tokenizer v11, ``name[ARGS]{...}`` from
+v11 on, ``[CALL_ID]`` in Mistral Small 3.2) with its 9-character ids, Llama 3.1's ``<|python_tag|>`` and calls a
+``;`` apart, Phi-4-mini's ``functools[...]``, and Magistral's ``[THINK]...[/THINK]``. Each is read whole and
+streamed a character at a time (the streamed pieces put together are the calls read whole), then served: a random
+model whose tokenizer has Mistral's tags as special tokens, held by a grammar to write each shape, through the real
+`openai` client."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from served_models import UNITS, WEATHER, Served
+
+from boundless.api.reasoning import REASONING_PARSERS, ReasoningParser, Split
+from boundless.api.tool_calls import (
+    ALL_FORMATS,
+    BARE_JSON,
+    FUNCTOOLS,
+    MISTRAL,
+    TOOL_CALL_PARSERS,
+    CallStream,
+    ContentStream,
+    ToolCall,
+    parameter_types,
+    parse_tool_calls,
+    spans_around_calls,
+)
+from boundless.config import ConfigError, ServerConfig
+
+TYPES = parameter_types([WEATHER, UNITS])
+MISTRAL_ONLY = TOOL_CALL_PARSERS["mistral"]
+_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+# Mistral 7B v0.3's and Mixtral's calls: one tag, a JSON list.
+MISTRAL_LIST = (
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "set_units", "arguments": {"metric": true, "scale": "C"}}]'
+)
+# Tokenizer v11 on (Mistral Small 3.x, Magistral, Devstral): a tag a call, its name, [ARGS], its arguments; Mistral
+# Small 3.2's template writes a [CALL_ID] between.
+MISTRAL_V11 = (
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]set_units[CALL_ID]a1B2c3D4e[ARGS]{"metric": true, '
+    '"scale": "C"}'
+)
+TWO_CALLS = [("get_weather", {"city": "Paris"}), ("set_units", {"metric": True, "scale": "C"})]
+
+
+def _named(calls: list[ToolCall]) -> list[tuple[str, Any]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def _stream(
+    text: str, formats: frozenset[str] = ALL_FORMATS, parallel: bool = True, forced: bool = False
+) -> tuple[str, list[dict], list[ToolCall]]:
+    """``text`` fed a character at a time to a ContentStream and a CallStream, as the server feeds them: the content
+    sent in all, every call delta sent (the ones the end adds too), and the calls read whole."""
+    contents, stream = ContentStream(formats), CallStream(parallel, TYPES, forced, formats)
+    sent, deltas = "", []
+    for end in range(1, len(text) + 1):
+        sent += contents.feed(text[:end])
+        if contents.held:
+            deltas += stream.feed(text[:end], contents.sent)
+
+    def read(t: str) -> tuple[str | None, list[ToolCall]]:
+        content, calls = parse_tool_calls(t, TYPES, formats)
+        return content, calls if parallel else calls[:1]
+
+    rest, calls = contents.finish(text, read)
+    return sent + rest, deltas + (stream.finish(calls) if calls else []), calls
+
+
+def _together(deltas: list[dict]) -> list[tuple[str, str, str]]:
+    """Call deltas put together as a client does: (id, name, arguments) by index."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], ["", "", ""])
+        call[0] += d.get("id", "")
+        call[1] += d["function"].get("name", "")
+        call[2] += d["function"].get("arguments", "")
+    return [(i, n, a) for i, n, a in (calls[k] for k in sorted(calls))]
+
+
+# -- Mistral's [TOOL_CALLS] --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("formats", [MISTRAL_ONLY, ALL_FORMATS], ids=["mistral", "no parser"])
+@pytest.mark.parametrize("text", [MISTRAL_LIST, MISTRAL_V11], ids=["list", "v11"])
+def test_mistral_calls_are_read_with_mistral_ids(text: str, formats: frozenset[str]) -> None:
+    """Both of Mistral's forms are calls (vLLM's ``mistral`` parser reads them), each with an id of 9 letters and
+    digits (Mistral's templates refuse any other: a client sending the call back would get a 400), the arguments the
+    model's own JSON text."""
+    content, calls = parse_tool_calls(text, TYPES, formats)
+    assert content is None and _named(calls) == TWO_CALLS
+    assert all(_ID.fullmatch(c.id) for c in calls) and len({c.id for c in calls}) == 2
+    assert all(c.arguments in text for c in calls)
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        ("Let me look.[TOOL_CALLS]get_weather[ARGS]" + '{"city": "Paris"}', "Let me look."),
+        ("Let me look. [TOOL_CALLS] " + '[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Let me look."),
+        ('[TOOL_CALLS]get_weather{"city": "Paris"}', None),  # ([ARGS] a special token left out of the text)
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"} Done.', "Done."),
+    ],
+)
+def test_mistral_calls_with_text_around_them(text: str, content: str | None) -> None:
+    """The text before the tag (and after the calls) is the content, streamed as it is written up to the tag."""
+    parsed, calls = parse_tool_calls(text, TYPES, MISTRAL_ONLY)
+    assert parsed == content and _named(calls) == [("get_weather", {"city": "Paris"})]
+    streamed, deltas, streamed_calls = _stream(text, MISTRAL_ONLY)
+    assert streamed.strip() == (content or "")
+    assert _together(deltas) == [(c.id, c.name, c.arguments) for c in streamed_calls]
+    assert _named(streamed_calls) == _named(calls)
+
+
+@pytest.mark.parametrize("formats", [MISTRAL_ONLY, ALL_FORMATS], ids=["mistral", "no parser"])
+@pytest.mark.parametrize("text", [MISTRAL_LIST, MISTRAL_V11], ids=["list", "v11"])
+def test_mistral_calls_stream_as_they_are_written(text: str, formats: frozenset[str]) -> None:
+    """Each call's id and name first, then its arguments a piece at a time; put together, the calls read whole,
+    ids and all."""
+    content, deltas, calls = _stream(text, formats)
+    assert content == "" and _named(calls) == TWO_CALLS
+    assert len(deltas) > 20  # (a character at a time, not whole at the end)
+    begun = [d for d in deltas if "id" in d]
+    assert [d["function"]["name"] for d in begun] == ["get_weather", "set_units"]
+    assert all(_ID.fullmatch(d["id"]) for d in begun)
+    assert _together(deltas) == [(c.id, c.name, c.arguments) for c in calls]
+
+
+@pytest.mark.parametrize("text", [MISTRAL_LIST, MISTRAL_V11], ids=["list", "v11"])
+def test_mistral_without_parallel_calls_streams_the_first_alone(text: str) -> None:
+    _, deltas, calls = _stream(text, MISTRAL_ONLY, parallel=False)
+    assert {d["index"] for d in deltas} == {0} and _named(calls) == TWO_CALLS[:1]
+    assert _together(deltas) == [(calls[0].id, calls[0].name, calls[0].arguments)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Par',  # cut off
+        "[TOOL_CALLS] [{",
+        "[TOOL_CALLS]not a name[ARGS]{}",
+        "I would use [TOOL_CALLS] here.",
+    ],
+)
+def test_mistral_tags_without_whole_calls_stay_text(text: str) -> None:
+    assert parse_tool_calls(text, TYPES, MISTRAL_ONLY) == (text, [])
+
+
+def test_under_the_mistral_parser_every_call_gets_a_mistral_id() -> None:
+    """A forced call's grammar writes a bare JSON list (read beside Mistral's calls): its calls get Mistral's ids too,
+    streamed or not, so that the next turn's template takes them; other parsers keep OpenAI's ``call_`` ids."""
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    forced = MISTRAL_ONLY | {BARE_JSON}
+    _, calls = parse_tool_calls(text, TYPES, forced)
+    assert _ID.fullmatch(calls[0].id)
+    _, deltas, streamed = _stream(text, forced, forced=True)
+    assert _ID.fullmatch(deltas[0]["id"]) and _together(deltas) == [(c.id, c.name, c.arguments) for c in streamed]
+    assert parse_tool_calls(text, TYPES, TOOL_CALL_PARSERS["llama3_json"])[1][0].id.startswith("call_")
+
+
+def test_the_content_around_mistral_calls() -> None:
+    """Where a message's content lies in its output (its logprobs are those tokens'): around the tags and calls."""
+    text = 'A [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"} B'
+    assert [text[s:e] for s, e in spans_around_calls(text, MISTRAL_ONLY)] == ["A ", " B"]
+
+
+# -- Llama 3.1's <|python_tag|> and calls a ";" apart ------------------------------------------------------------------
+
+CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "llama4_json", None])
+@pytest.mark.parametrize(
+    ("text", "count"),
+    [
+        ("<|python_tag|>" + CALL, 1),
+        (" <|python_tag|> " + CALL + "\n", 1),
+        (CALL + "; " + CALL, 2),
+        ("<|python_tag|>" + CALL + ";" + CALL + ";", 2),
+    ],
+)
+def test_llama_calls_a_semicolon_apart(text: str, count: int, parser: str | None) -> None:
+    """vLLM's ``llama3_json``: the JSON after ``<|python_tag|>`` (Llama 3.1 writes it; it is in the text when the
+    request keeps special tokens), and several calls a ``;`` apart. Streamed, the output is held from its start and
+    the calls come at the end (text after them would make them an answer)."""
+    formats = ALL_FORMATS if parser is None else TOOL_CALL_PARSERS[parser]
+    content, calls = parse_tool_calls(text, TYPES, formats)
+    assert content is None and _named(calls) == [("get_weather", {"city": "Paris"})] * count
+    streamed, deltas, streamed_calls = _stream(text, formats)
+    assert streamed == "" and _together(deltas) == [(c.id, c.name, c.arguments) for c in streamed_calls]
+    assert len(streamed_calls) == count
+
+
+@pytest.mark.parametrize("text", ["<|python_tag|>" + CALL + " and more", "<|python_tag|>not json", "<|eot_id|>hi"])
+def test_llama_text_that_is_no_call_is_the_answer(text: str) -> None:
+    assert parse_tool_calls(text, TYPES, TOOL_CALL_PARSERS["llama3_json"]) == (text, [])
+    streamed, deltas, calls = _stream(text, TOOL_CALL_PARSERS["llama3_json"])
+    assert streamed == text and deltas == [] and calls == []
+
+
+# -- Phi-4-mini's functools[...] ---------------------------------------------------------------------------------------
+
+FUNCTOOLS_TEXT = (
+    'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "set_units", "arguments": {"metric": true, "scale": "C"}}]'
+)
+
+
+@pytest.mark.parametrize("formats", [TOOL_CALL_PARSERS["phi4_mini_json"], ALL_FORMATS], ids=["phi4", "no parser"])
+def test_phi4_mini_calls(formats: frozenset[str]) -> None:
+    """vLLM's ``phi4_mini_json`` reads the list after ``functools``; here streamed as written too (vLLM's streams
+    nothing), text before it the content; a list that does not read whole is text."""
+    content, calls = parse_tool_calls(FUNCTOOLS_TEXT, TYPES, formats)
+    assert content is None and _named(calls) == TWO_CALLS
+    streamed, deltas, streamed_calls = _stream("Sure. " + FUNCTOOLS_TEXT, formats)
+    assert streamed == "Sure." and len(deltas) > 20
+    assert _together(deltas) == [(c.id, c.name, c.arguments) for c in streamed_calls]
+    assert all(c.id.startswith("call_") for c in streamed_calls)
+    assert parse_tool_calls("Use functools.partial.", TYPES, formats) == ("Use functools.partial.", [])
+    cut = FUNCTOOLS_TEXT[:30]
+    assert parse_tool_calls(cut, TYPES, formats) == (cut, [])
+
+
+# -- the parsers' names ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("parser", "formats"),
+    [("mistral", {MISTRAL}), ("phi4_mini_json", {FUNCTOOLS}), ("llama4_json", {BARE_JSON})],
+)
+def test_the_new_tool_call_parsers_are_vllms_names(parser: str, formats: set[str]) -> None:
+    ServerConfig(tool_call_parser=parser)
+    assert TOOL_CALL_PARSERS[parser] == formats
+
+
+def test_an_unknown_parser_name_is_a_one_line_error() -> None:
+    for field in ("tool_call_parser", "reasoning_parser"):
+        with pytest.raises(ConfigError) as raised:
+            ServerConfig(**{field: "mistrall"})
+        message = str(raised.value)
+        assert "\n" not in message and "mistral" in message
+
+
+# -- Magistral's [THINK] -----------------------------------------------------------------------------------------------
+
+MAGISTRAL = ReasoningParser.named("mistral")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[THINK]a, then b[/THINK]Answer.", Split("a, then b", "Answer.")),
+        ("Answer without thinking.", Split(None, "Answer without thinking.")),
+        ("[THINK]cut off", Split("cut off", None)),
+        ("<think>not Mistral's</think>x", Split(None, "<think>not Mistral's</think>x")),
+    ],
+)
+def test_mistral_reasoning(text: str, expected: Split) -> None:
+    """vLLM's ``mistral`` reasoning parser: ``[THINK]...[/THINK]`` when the output opens with it, else all answer."""
+    assert "mistral" in REASONING_PARSERS and MAGISTRAL.special_tags
+    assert not MAGISTRAL.opens_in_reasoning("[INST]Why?[/INST]")
+    assert MAGISTRAL.split(text, opened=False) == expected
+
+
+# -- served ------------------------------------------------------------------------------------------------------------
+
+SPECIAL = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]", "<|python_tag|>")
+# Mistral Small 3.2's template as far as the API needs it: its tools, and each call sent back written as the model
+# writes it, refused unless its id (and the tool message's) is 9 characters, as Mistral's templates refuse it.
+MISTRAL_TEMPLATE = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}{% for c in m.tool_calls %}"
+    "{% if c.id is not string or c.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_CALLS]{{ c.function.name }}[CALL_ID]{{ c.id }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}</s>"
+    "{% elif m.role == 'tool' %}"
+    "{% if m.tool_call_id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_RESULTS]{{ m.tool_call_id }}[TOOL_CONTENT]{{ m.content }}[/TOOL_RESULTS]"
+    "{% elif m.role == 'assistant' %}{{ m.content }}</s>"
+    "{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}"
+)
+
+
+def _serve(directory: Path, config: ServerConfig) -> Iterator[Served]:
+    """The tiny random model, Mistral's tags (and Llama's ``<|python_tag|>``) special tokens of its vocabulary, as in
+    theirs (decoded text leaves them out unless the request keeps special tokens), with :data:`MISTRAL_TEMPLATE`."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from boundless.api.launch import start_in_thread
+    from boundless.engine.async_engine import AsyncEngine
+    from boundless.engine.core import EngineCore
+    from boundless.llm import engine_config
+    from boundless.model.loader import load_model
+    from boundless.model.random_model import TinySpec, write_random_model
+
+    root = write_random_model(directory / "m", TinySpec(vocab_size=384 + len(SPECIAL)))
+    tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    tokenizer.save(str(root / "tokenizer.json"))
+    tokenizer_config = json.loads((root / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = MISTRAL_TEMPLATE
+    (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    loaded = load_model(str(root))
+    engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=1024, kv_cache_gb=0.05)))
+    server = start_in_thread(engine, "tiny", config)
+    try:
+        yield Served(loaded, engine, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0))
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    config = ServerConfig(tool_call_parser="mistral", reasoning_parser="mistral", structured_outputs_in_reasoning=True)
+    yield from _serve(tmp_path_factory.mktemp("mistral"), config)
+
+
+@pytest.fixture(scope="module")
+def unflagged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from _serve(tmp_path_factory.mktemp("unflagged"), ServerConfig())
+
+
+ASK = [{"role": "user", "content": "Weather in Paris, in Celsius?"}]
+
+
+def _ask(served: Served, regex: str | None, **kwargs: Any) -> dict[str, Any]:
+    """A chat request's arguments: held to ``regex`` (None: free), the special tokens favoured wherever the grammar
+    allows them, so that the model writes Mistral's tags as the tokens they are, not letter by letter."""
+    tokenizer = served.loaded.tokenizer
+    bias = {str(tokenizer.encode(t, add_special_tokens=False)[0]): 100 for t in SPECIAL}
+    extra = {"structured_outputs": {"regex": regex}} if regex else {}
+    return {
+        "model": "tiny",
+        "messages": kwargs.pop("messages", ASK),
+        "tools": kwargs.pop("tools", [WEATHER, UNITS]),
+        "max_tokens": kwargs.pop("max_tokens", 300),
+        "temperature": 0,
+        "logit_bias": bias,
+        "extra_body": {**extra, **kwargs.pop("extra_body", {})},
+        **kwargs,
+    }
+
+
+def _streamed(served: Served, ask: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"content": "", "reasoning": "", "calls": {}, "finish": None}
+    for chunk in served.client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            out["content"] += delta.get("content") or ""
+            out["reasoning"] += delta.get("reasoning") or ""
+            for call in delta.get("tool_calls") or ():
+                entry = out["calls"].setdefault(call["index"], ["", "", ""])
+                entry[0] += call.get("id") or ""
+                entry[1] += call["function"].get("name") or ""
+                entry[2] += call["function"].get("arguments") or ""
+            out["finish"] = choice.finish_reason or out["finish"]
+    out["calls"] = [tuple(out["calls"][i]) for i in sorted(out["calls"])]
+    return out
+
+
+V11_REGEX = (
+    r'Sure\.\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "Paris"\}'
+    r'\[TOOL_CALLS\]set_units\[CALL_ID\][a-z]{9}\[ARGS\]\{"metric": true, "scale": "C"\}'
+)
+LIST_REGEX = (
+    r'\[TOOL_CALLS\] \[\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}, '
+    r'\{"name": "set_units", "arguments": \{"metric": true, "scale": "C"\}\}\]'
+)
+
+
+def _calls_sent_back(served: Served, calls: list[Any]) -> None:
+    """The calls sent back with their results, as a client continues the conversation: the template takes their ids
+    (it refuses any but Mistral's)."""
+    messages = [
+        *ASK,
+        {"role": "assistant", "tool_calls": [c.model_dump() for c in calls]},
+        *({"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in calls),
+    ]
+    reply = served.client.chat.completions.create(**_ask(served, None, messages=messages, max_tokens=2))
+    assert reply.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(("regex", "content"), [(V11_REGEX, "Sure."), (LIST_REGEX, None)], ids=["v11", "list"])
+def test_served_mistral_calls(mistral: Served, regex: str, content: str | None) -> None:
+    """``--tool-call-parser mistral``: the model writes ``[TOOL_CALLS]`` as the special token it is, which decoded
+    text leaves out by default; the server keeps it (vLLM's parser asks for special tokens so), so the calls are read,
+    streamed and not, with ids the template takes when the client sends them back."""
+    reply = mistral.client.chat.completions.create(**_ask(mistral, regex))
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == content
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == TWO_CALLS
+    assert all(_ID.fullmatch(c.id) for c in calls)
+    streamed = _streamed(mistral, _ask(mistral, regex))
+    assert streamed["content"] == (content or "") and streamed["finish"] == "tool_calls"
+    assert [(n, json.loads(a)) for _, n, a in streamed["calls"]] == TWO_CALLS
+    assert all(_ID.fullmatch(i) for i, _, _ in streamed["calls"])
+    _calls_sent_back(mistral, calls)
+
+
+def test_served_mistral_without_parallel_calls(mistral: Served) -> None:
+    ask = _ask(mistral, V11_REGEX, parallel_tool_calls=False)
+    calls = mistral.client.chat.completions.create(**ask).choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == TWO_CALLS[:1]
+    assert [(n, json.loads(a)) for _, n, a in _streamed(mistral, ask)["calls"]] == TWO_CALLS[:1]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_units"}}])
+def test_served_mistral_forced_calls_get_mistral_ids(mistral: Served, choice: Any) -> None:
+    """A forced call (its grammar writes a JSON list) under the mistral parser: its id is Mistral's, streamed or not,
+    and the template takes it back."""
+    ask = _ask(mistral, None, tools=[UNITS], tool_choice=choice, parallel_tool_calls=False, max_tokens=600)
+    reply = mistral.client.chat.completions.create(**ask)
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["set_units"]
+    assert _ID.fullmatch(calls[0].id)
+    streamed = _streamed(mistral, ask)
+    assert [n for _, n, _ in streamed["calls"]] == ["set_units"] and _ID.fullmatch(streamed["calls"][0][0])
+    _calls_sent_back(mistral, calls)
+
+
+def test_served_mistral_reasoning_then_a_call(mistral: Served) -> None:
+    """``--reasoning-parser mistral``: ``[THINK]...[/THINK]``, special tokens too, is the reasoning; the call after
+    it is read from the answer, streamed and not."""
+    regex = r'\[THINK\][a-z ]{4,12}\[/THINK\]\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "Paris"\}'
+    reply = mistral.client.chat.completions.create(**_ask(mistral, regex))
+    message = reply.choices[0].message
+    assert message.reasoning and re.fullmatch("[a-z ]{4,12}", message.reasoning) and message.content is None
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    streamed = _streamed(mistral, _ask(mistral, regex))
+    assert streamed["reasoning"] == message.reasoning and streamed["content"] == ""
+    assert [(n, a) for _, n, a in streamed["calls"]] == [("get_weather", '{"city": "Paris"}')]
+    answer = mistral.client.chat.completions.create(**_ask(mistral, r"\[THINK\]hm\[/THINK\]Sunny\.", tools=None))
+    assert (answer.choices[0].message.reasoning, answer.choices[0].message.content) == ("hm", "Sunny.")
+    assert reply.usage.completion_tokens_details.reasoning_tokens > 0
+
+
+def test_served_mistral_template_without_a_parser(unflagged: Served) -> None:
+    """No ``--tool-call-parser``, but a chat template that writes ``[TOOL_CALLS]``: the special tokens are kept for
+    a request with tools, so Mistral's v11 calls are read (before, the text was ``get_weather{...}``, no call), with
+    Mistral's ids; without tools the text is as it was, special tokens left out."""
+    reply = unflagged.client.chat.completions.create(**_ask(unflagged, V11_REGEX))
+    choice = reply.choices[0]
+    assert choice.message.content == "Sure." and all(_ID.fullmatch(c.id) for c in choice.message.tool_calls)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == TWO_CALLS
+    _calls_sent_back(unflagged, choice.message.tool_calls)
+    plain = unflagged.client.chat.completions.create(**_ask(unflagged, r"\[TOOL_CALLS\]hi", tools=None))
+    assert plain.choices[0].message.content == "hi"
+
+
+def test_served_llama_python_tag_and_phi4_calls(unflagged: Served) -> None:
+    """Llama 3.1's ``<|python_tag|>`` before its JSON, kept in the text by a request's ``skip_special_tokens:
+    false``, and Phi-4-mini's ``functools[...]``: calls, streamed and not."""
+    python_tag = r'<\|python_tag\|>\{"name": "get_weather", "parameters": \{"city": "Paris"\}\}'
+    functools = re.escape(FUNCTOOLS_TEXT).replace("\\ ", " ")
+    for regex, expected in ((python_tag, TWO_CALLS[:1]), (functools, TWO_CALLS)):
+        ask = _ask(unflagged, regex, extra_body={"skip_special_tokens": False})
+        choice = unflagged.client.chat.completions.create(**ask).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == expected
+        streamed = _streamed(unflagged, ask)
+        assert streamed["content"] == "" and [(n, json.loads(a)) for _, n, a in streamed["calls"]] == expected
