@@ -320,6 +320,63 @@ def load_chat_template(value: str) -> str:
     return source
 
 
+def _reads(node: jinja2.nodes.Node, names: set[str], key: str | None = None) -> bool:
+    """Whether ``node`` reads one of ``names`` (with ``key``: its ``key`` item, ``m.content`` or ``m['content']``),
+    whole or through filters, tests and slices (``messages[1:]``, ``messages | selectattr(...)``)."""
+    while isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test | jinja2.nodes.Getitem):
+        inner = node.node
+        if inner is None or (isinstance(node, jinja2.nodes.Getitem) and not isinstance(node.arg, jinja2.nodes.Slice)):
+            break
+        node = inner
+    if key is not None:
+        if isinstance(node, jinja2.nodes.Getattr) and node.attr == key:
+            return _reads(node.node, names)
+        if (
+            isinstance(node, jinja2.nodes.Getitem)
+            and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == key
+        ):
+            return _reads(node.node, names)
+        return False
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name in names
+
+
+@functools.lru_cache(maxsize=64)
+def template_content_format(source: str) -> Literal["string", "openai"]:
+    """How a chat template reads a message's content, as vLLM's ``--chat-template-content-format auto`` finds it:
+    ``"openai"`` (a list of ``{"type": "text", "text": ...}`` parts) when the template loops over the content of a
+    message it takes from ``messages`` (``{% for part in message['content'] %}``), else ``"string"``."""
+    try:
+        tree = _compile_template(source).environment.parse(source)
+    except jinja2.TemplateError:
+        return "string"
+    # The names that hold the conversation: ``messages`` and what is set from it (``loop_messages = messages[1:]``).
+    conversation = {"messages"}
+    assigns = [
+        (a.target.name, a.node) for a in tree.find_all(jinja2.nodes.Assign) if isinstance(a.target, jinja2.nodes.Name)
+    ]
+    while grown := {name for name, value in assigns if _reads(value, conversation)} - conversation:
+        conversation |= grown
+    loops = list(tree.find_all(jinja2.nodes.For))
+    message_names = {
+        loop.target.name
+        for loop in loops
+        if isinstance(loop.target, jinja2.nodes.Name) and _reads(loop.iter, conversation)
+    }
+    return "openai" if any(_reads(loop.iter, message_names, "content") for loop in loops) else "string"
+
+
+class TemplateConversation(list[dict[str, Any]]):
+    """A conversation in both of vLLM's content formats: its messages (this list) with each one's content as one
+    text, which most templates read, and :attr:`as_parts`, the same messages with each content as a list of text
+    parts. :meth:`Tokenizer.apply_chat_template` renders the one its template reads (:func:`template_content_format`),
+    as vLLM picks; a plain list of messages is rendered as given, as transformers renders it."""
+
+    def __init__(self, as_text: Iterable[dict[str, Any]], as_parts: Iterable[dict[str, Any]]) -> None:
+        super().__init__(as_text)
+        self.as_parts = list(as_parts)
+
+
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -621,7 +678,9 @@ class Tokenizer:
         ``tokenize``, its token ids (encoded without adding special tokens: the template writes them).
 
         ``tools`` are JSON schemas. ``chat_template`` is the name of one of :attr:`chat_templates` or a template
-        source; by default the ``tool_use`` template is used when tools are given and the model has one.
+        source; by default the ``tool_use`` template is used when tools are given and the model has one. A
+        :class:`TemplateConversation` (the API's conversion of OpenAI messages) is rendered with its content as the
+        template reads it, one text or a list of text parts (:func:`template_content_format`), as vLLM renders.
         ``continue_final_message`` (transformers'): the prompt ends where the last message's text does, without what
         closes its turn, so that the model goes on writing it (a prefilled answer); not with ``add_generation_prompt``.
         Extra keyword arguments (``documents``, ``enable_thinking``...) are passed to the template, overriding
@@ -632,7 +691,10 @@ class Tokenizer:
             raise ValueError("cannot apply a chat template to an empty conversation")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
-        template = _compile_template(self._select_template(chat_template, tools))
+        source = self._select_template(chat_template, tools)
+        template = _compile_template(source)
+        if isinstance(messages, TemplateConversation) and template_content_format(source) == "openai":
+            messages = messages.as_parts
         variables = {**self._named_tokens, "documents": None, **kwargs}
         final_text = ""
         if continue_final_message:
