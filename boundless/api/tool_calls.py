@@ -1,7 +1,8 @@
 """Tool calls in model output, parsed back into OpenAI ``tool_calls``.
 
 Templates that take ``tools`` teach the model one of three shapes, and all are recognised:
-Hermes/Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; the same blocks holding
+Hermes/Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (SmolLM2's hold a JSON list of
+such calls); the same blocks holding
 Qwen3-Coder's XML, ``<function=NAME><parameter=KEY>VALUE</parameter>...</function>``, whose values are text read
 by the tool's parameter schema (:func:`parameter_types`); and a bare JSON object (or list of objects) with ``name``
 and ``arguments`` or ``parameters`` (Llama 3.1), naming one of the request's tools: without tags, JSON is as likely
@@ -295,7 +296,8 @@ def _pythonic_calls(text: str, tools: Collection[str] | None) -> list[ToolCall]:
 
 
 def _block_calls(block: str, types: ParameterTypes | None, formats: CallFormats) -> list[ToolCall]:
-    """The calls in a ``<tool_call>`` block's text: its JSON call, or else Qwen3-Coder's XML ones (of ``formats``)."""
+    """The calls in a ``<tool_call>`` block's text: its JSON call, or a JSON list of calls (SmolLM2 writes its calls
+    so, all in one block; every item a call, or none is), or else Qwen3-Coder's XML ones (of ``formats``)."""
     try:
         obj = json.loads(block) if TAGGED_JSON in formats else None
     except json.JSONDecodeError:
@@ -303,8 +305,9 @@ def _block_calls(block: str, types: ParameterTypes | None, formats: CallFormats)
     if obj is None:
         return _xml_calls(block, types or {}) if TAGGED_XML in formats else []
     spans = scan_calls(block)
-    call = _as_call(obj, block, spans[0] if spans else None)
-    return [] if call is None else [call]
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [_as_call(item, block, spans[n] if n < len(spans) else None) for n, item in enumerate(items)]
+    return [call for call in calls if call is not None] if all(calls) else []
 
 
 _JSON = json.JSONDecoder()
@@ -321,7 +324,7 @@ def tagged_blocks(text: str) -> list[tuple[int, int, str]]:
         inner = at + len(TOOL_CALL_TAG)
         first = len(text) - len(text[inner:].lstrip())
         close, json_end = -1, -1
-        if text.startswith("{", first):
+        if text.startswith(("{", "["), first):
             try:
                 json_end = _JSON.raw_decode(text, first)[1]
             except ValueError:

@@ -16,7 +16,7 @@ from typing import Any
 
 import openai
 import pytest
-from served_models import UNITS, WEATHER, Served
+from served_models import UNITS, WEATHER, Served, serve_hermes, streamed_chat
 
 from boundless.api.reasoning import REASONING_PARSERS, ReasoningParser, Split
 from boundless.api.tool_calls import (
@@ -228,6 +228,28 @@ def test_phi4_mini_calls(formats: frozenset[str]) -> None:
     assert parse_tool_calls("Use functools.partial.", TYPES, formats) == ("Use functools.partial.", [])
     cut = FUNCTOOLS_TEXT[:30]
     assert parse_tool_calls(cut, TYPES, formats) == (cut, [])
+
+
+# -- SmolLM2's list in a <tool_call> block ----------------------------------------------------------------------------
+
+SMOL = (
+    '<tool_call>[\n{"name": "get_weather", "arguments": {"city": "Paris"}},\n'
+    '{"name": "set_units", "arguments": {"metric": true, "scale": "C"}}\n]</tool_call>'
+)
+
+
+@pytest.mark.parametrize("formats", [TOOL_CALL_PARSERS["hermes"], ALL_FORMATS], ids=["hermes", "no parser"])
+def test_smollm2_calls_a_list_in_one_block(formats: frozenset[str]) -> None:
+    """SmolLM2's template asks for every call in one block, as a JSON list: each is a call, streamed as written
+    (before, the block was no call, its text the answer; vLLM's hermes parser reads it as none either). A list with
+    an item that is no call, or an empty one (SmolLM2's "no call"), stays text."""
+    content, calls = parse_tool_calls("Checking. " + SMOL, TYPES, formats)
+    assert content == "Checking." and _named(calls) == TWO_CALLS
+    streamed, deltas, streamed_calls = _stream("Checking. " + SMOL, formats)
+    assert streamed == "Checking." and len(deltas) > 20
+    assert _together(deltas) == [(c.id, c.name, c.arguments) for c in streamed_calls]
+    for text in ("<tool_call>[]</tool_call>", '<tool_call>[{"name": "get_weather"}, 3]</tool_call>'):
+        assert parse_tool_calls(text, TYPES, formats) == (text, [])
 
 
 # -- the parsers' names ------------------------------------------------------------------------------------------------
@@ -474,3 +496,27 @@ def test_served_llama_python_tag_and_phi4_calls(unflagged: Served) -> None:
         assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == expected
         streamed = _streamed(unflagged, ask)
         assert streamed["content"] == "" and [(n, json.loads(a)) for _, n, a in streamed["calls"]] == expected
+
+
+@pytest.fixture(scope="module")
+def hermes_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serve_hermes(tmp_path_factory.mktemp("smol"), server_config=ServerConfig(tool_call_parser="hermes")) as s:
+        yield s
+
+
+def test_served_smollm2_calls(hermes_only: Served) -> None:
+    """A model writing SmolLM2's list of calls in one ``<tool_call>`` block (held to it by a regex here), under
+    ``--tool-call-parser hermes``: the calls, streamed and not."""
+    asked = {
+        "model": "tiny",
+        "messages": ASK,
+        "tools": [WEATHER, UNITS],
+        "max_tokens": 300,
+        "temperature": 0,
+        "extra_body": {"structured_outputs": {"regex": re.escape(SMOL).replace("\\ ", " ")}},
+    }
+    choice = hermes_only.client.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == TWO_CALLS
+    content, finish, calls = streamed_chat(hermes_only.client, asked)
+    assert (content, finish) == ("", "tool_calls") and [(n, json.loads(a)) for n, a in calls] == TWO_CALLS
