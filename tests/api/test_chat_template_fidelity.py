@@ -262,44 +262,49 @@ def test_token_ids_match_transformers(tokenizers: tuple[Tokenizer, Any]) -> None
 
 
 @pytest.fixture(scope="module")
-def served_with_parts_template(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A tiny random model served with ``--chat-template`` vLLM's Llama-3.1 tool template (which reads parts)."""
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny random model's engine, and its directory."""
     root = write_random_model(tmp_path_factory.mktemp("served") / "m", TinySpec())
     loaded = load_model(str(root))
     engine = AsyncEngine(EngineCore.from_model(loaded, engine_config(str(root), max_model_len=2048, kv_cache_gb=0.05)))
-    template = str(TEMPLATES / "vllm-tool_chat_template_llama3.1_json.jinja")
-    server = start_in_thread(engine, "tiny", ServerConfig(chat_template=template))
     try:
-        yield root, loaded, server
+        yield root, loaded, engine
     finally:
-        server.stop()
         engine.shutdown()
 
 
-def test_the_server_renders_as_vllm(served_with_parts_template: Any) -> None:
-    """Through ``/tokenize`` with ``messages``, ``tools`` and ``chat_template_kwargs``: the ids of the prompt vLLM
-    renders, for a template that reads content as parts, with calls whose arguments are JSON text."""
+@pytest.mark.parametrize(
+    ("name", "variables"),
+    [
+        ("vllm-tool_chat_template_llama3.1_json.jinja", {"date_string": "01 Jan 2025"}),  # content read as parts
+        ("vllm-tool_chat_template_mistral.jinja", {}),  # OpenAI's call ids, cut to their last 9 characters
+        ("Qwen-Qwen3-8B.jinja", {"enable_thinking": False}),
+    ],
+)
+def test_the_server_renders_as_vllm(engine: Any, name: str, variables: dict[str, Any]) -> None:
+    """``serve --chat-template``, through ``/tokenize`` with ``messages``, ``tools`` and ``chat_template_kwargs``:
+    the ids of the prompt vLLM renders, from the request's JSON (calls' arguments as JSON text, content as parts)."""
     from transformers import AutoTokenizer
 
-    root, loaded, server = served_with_parts_template
+    root, loaded, async_engine = engine
     reference = AutoTokenizer.from_pretrained(root)
-    source = (TEMPLATES / "vllm-tool_chat_template_llama3.1_json.jinja").read_text(encoding="utf-8")
-    for conversation in ("text_parts", "tool_round", "empty_arguments"):
-        messages = CONVERSATIONS[conversation]
-        body = {
-            "model": "tiny",
-            "messages": messages,
-            "tools": [WEATHER],
-            "chat_template_kwargs": {"date_string": "01 Jan 2025"},
-        }
-        reply = httpx.post(server.url + "/tokenize", json=body, timeout=60)
-        assert reply.status_code == 200, reply.text
-        text = reference.apply_chat_template(
-            vllm_conversation(messages, "openai"),
-            chat_template=source,
-            tools=[WEATHER],
-            tokenize=False,
-            add_generation_prompt=True,
-            date_string="01 Jan 2025",
-        )
-        assert reply.json()["tokens"] == loaded.tokenizer.encode(text, add_special_tokens=False), conversation
+    source = (TEMPLATES / name).read_text(encoding="utf-8")
+    content_format = "openai" if name in READ_PARTS else "string"
+    server = start_in_thread(async_engine, "tiny", ServerConfig(chat_template=str(TEMPLATES / name)))
+    try:
+        for conversation in ("text_parts", "tool_round", "empty_arguments", "openai_call_id", "reasoning"):
+            messages = CONVERSATIONS[conversation]
+            body = {"model": "tiny", "messages": messages, "tools": [WEATHER], "chat_template_kwargs": variables}
+            reply = httpx.post(server.url + "/tokenize", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            text = reference.apply_chat_template(
+                vllm_conversation(messages, content_format),
+                chat_template=source,
+                tools=[WEATHER],
+                tokenize=False,
+                add_generation_prompt=True,
+                **variables,
+            )
+            assert reply.json()["tokens"] == loaded.tokenizer.encode(text, add_special_tokens=False), conversation
+    finally:
+        server.stop()
