@@ -320,25 +320,25 @@ def load_chat_template(value: str) -> str:
     return source
 
 
+def _names(node: jinja2.nodes.Node, names: set[str]) -> bool:
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name in names
+
+
 def _reads(node: jinja2.nodes.Node, names: set[str], key: str | None = None) -> bool:
-    """Whether ``node`` reads one of ``names`` (with ``key``: its ``key`` item, ``m.content`` or ``m['content']``),
-    whole or through filters, tests and slices (``messages[1:]``, ``messages | selectattr(...)``)."""
+    """Whether ``node`` reads one of the variables ``names`` (with ``key``: its ``key``, ``m.content`` or
+    ``m['content']``), whole or through filters, tests and slices (``messages[1:]``, ``messages | selectattr(...)``)."""
     while isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test | jinja2.nodes.Getitem):
         inner = node.node
         if inner is None or (isinstance(node, jinja2.nodes.Getitem) and not isinstance(node.arg, jinja2.nodes.Slice)):
             break
         node = inner
-    if key is not None:
-        if isinstance(node, jinja2.nodes.Getattr) and node.attr == key:
-            return _reads(node.node, names)
-        if (
-            isinstance(node, jinja2.nodes.Getitem)
-            and isinstance(node.arg, jinja2.nodes.Const)
-            and node.arg.value == key
-        ):
-            return _reads(node.node, names)
-        return False
-    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name in names
+    if key is None:
+        return _names(node, names)
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == key and _names(node.node, names)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+        return node.arg.value == key and _names(node.node, names)
+    return False
 
 
 @functools.lru_cache(maxsize=64)

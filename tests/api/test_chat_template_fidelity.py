@@ -204,6 +204,31 @@ def test_content_format_is_found_as_vllm_finds_it(name: str) -> None:
     assert template_content_format((TEMPLATES / name).read_text(encoding="utf-8")) == expected
 
 
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+        ("{% for m in messages %}{% for p in m.content | selectattr('type', 'equalto', 'text') %}{% endfor %}"
+         "{% endfor %}", "openai"),
+        # the conversation under another name, set from it (sliced, filtered) before the loop
+        ("{% set rest = messages[1:] %}{% set turns = rest | list %}{% for m in turns %}{% for p in m['content'] %}"
+         "{% endfor %}{% endfor %}", "openai"),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+        # a loop over the content's text (characters), over another variable's content, over a message not looped
+        ("{% for m in messages %}{% for c in m['content'] | trim %}{% endfor %}{% endfor %}", "openai"),
+        ("{% for m in documents %}{% for p in m['content'] %}{% endfor %}{% endfor %}", "string"),
+        ("{% for p in messages[0]['content'] %}{% endfor %}", "string"),
+        ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{% endfor %}{% endfor %}", "string"),
+    ],
+)  # fmt: skip
+def test_content_format_follows_vllms_rule(template: str, expected: str) -> None:
+    """vLLM's rule: parts for a ``for`` over ``message.content`` or ``message['content']`` (through filters, tests
+    and slices) where ``message`` is a loop's variable over the conversation (``messages`` or a variable set from
+    it); a template it cannot parse reads one text."""
+    assert template_content_format(template) == expected
+    assert template_content_format("{% for m in messages %}") == "string"
+
+
 @pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
 @pytest.mark.parametrize("name", NAMES)
 def test_conversations_render_as_vllm_renders_them(
