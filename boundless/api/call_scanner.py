@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -23,7 +24,11 @@ _BLANK = " \t\n\r"
 _DELIMITERS = ",}]:" + _BLANK
 # Mistral's tokens between a call's name and its arguments (v11's [ARGS]; an id after [CALL_ID] in later ones).
 MISTRAL_ARGS, MISTRAL_CALL_ID = "[ARGS]", "[CALL_ID]"
-_NAME = re.compile(r"[\w.\-]+")  # (a function's name as OpenAI allows it, and dotted)
+_NAME = re.compile(r"[\w.\-:/]+")  # (a function's name as the tools' check allows it: OpenAI's, and MCP's separators)
+# DeepSeek's tokens around a call (V3 and R1: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
+# <｜tool▁call▁end｜>``; V3.1: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``).
+DEEPSEEK_SEP = "<｜tool▁sep｜>"
+_FENCE = re.compile(r"```(?:json)?\s*$")  # (the fence V3 opens its arguments with)
 
 
 @dataclass
@@ -156,14 +161,28 @@ def named_call_name(head: str) -> str | None:
     return name if _NAME.fullmatch(name) else None
 
 
+def deepseek_call_name(head: str) -> str | None:
+    """The name of one of DeepSeek's calls from ``head``, the text between ``<｜tool▁call▁begin｜>`` and the arguments'
+    ``{``: V3's (and R1's) ``function<｜tool▁sep｜>NAME`` and a JSON fence, or V3.1's ``NAME<｜tool▁sep｜>``; None when
+    it is neither."""
+    parts = head.split(DEEPSEEK_SEP)
+    if len(parts) != 2:
+        return None
+    before, after = parts[0].strip(), parts[1].strip()
+    after = _FENCE.sub("", after).strip()
+    name = after or before  # (V3 names the call after the separator, V3.1 before it)
+    return name if _NAME.fullmatch(name) and not (after and before != "function") else None
+
+
 @dataclass
 class NamedCallScanner:
     """One call written as its name, then its arguments' JSON object (Mistral's ``name[ARGS]{...}``), from ``start``
     (after its ``[TOOL_CALLS]``), read as the text grows; the same face as :class:`CallScanner`: ``calls`` (the one
     call, once its name is whole: once its arguments' ``{`` is written), ``done``, ``pos``. A name that is none
-    (:func:`named_call_name`) ends it without a call."""
+    (``name_of``: :func:`named_call_name`, or :func:`deepseek_call_name` for DeepSeek's) ends it without a call."""
 
     start: int
+    name_of: Callable[[str], str | None] = named_call_name
     calls: list[CallSpan] = field(default_factory=list)
     done: bool = False
     pos: int = -1
@@ -176,7 +195,7 @@ class NamedCallScanner:
             brace = text.find("{", self.start)
             if brace < 0:
                 return
-            name = named_call_name(text[self.start : brace])
+            name = self.name_of(text[self.start : brace])
             if name is None:
                 self.done, self.pos = True, brace
                 return

@@ -16,6 +16,10 @@ v0.3, Mixtral), or, from tokenizer v11 on (Mistral Small 3.x, Magistral, Devstra
 ``[ARGS]`` and its arguments' object, ``[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`` (vLLM's ``mistral``); their
 chat templates refuse a call id that is not 9 letters and digits, so calls read in that format get such ids, as vLLM
 gives them. Phi-4-mini writes ``functools[...]``, a JSON list of call objects (vLLM's ``phi4_mini_json``).
+DeepSeek's templates (V3, R1 and its Qwen and Llama distills) write calls between ``<｜tool▁calls▁begin｜>`` and
+``<｜tool▁calls▁end｜>``, each ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` then its arguments in a JSON fence
+(V3.1: ``NAME<｜tool▁sep｜>`` and the bare object) and ``<｜tool▁call▁end｜>`` (vLLM's ``deepseek_v3``,
+``deepseek_v31``).
 
 A ``tool_choice`` that forces a call (``required``, or a named function) holds the output to the model's own tagged
 calls where the server knows its format (``api/strict_calls.py``), else to the bare JSON shape with a JSON schema
@@ -40,6 +44,7 @@ from boundless.api.call_scanner import (
     CallScanner,
     CallSpan,
     NamedCallScanner,
+    deepseek_call_name,
     named_call_name,
     scan_calls,
 )
@@ -56,11 +61,11 @@ _TYPE_ALIASES = {"int": "integer", "float": "number", "double": "number", "bool"
 ParameterTypes = dict[str, dict[str, Any]]
 
 # The shapes of calls in an output: JSON in <tool_call> blocks, XML in them, bare JSON, a Python list of calls,
-# Mistral's calls after [TOOL_CALLS], and Phi-4-mini's functools[...] list.
+# Mistral's calls after [TOOL_CALLS], Phi-4-mini's functools[...] list, and DeepSeek's <｜tool▁call▁begin｜> calls.
 TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC = "tagged-json", "tagged-xml", "bare-json", "pythonic"
-MISTRAL, FUNCTOOLS = "mistral", "functools"
+MISTRAL, FUNCTOOLS, DEEPSEEK = "mistral", "functools", "deepseek"
 CallFormats = frozenset[str]
-ALL_FORMATS: CallFormats = frozenset({TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC, MISTRAL, FUNCTOOLS})
+ALL_FORMATS: CallFormats = frozenset({TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC, MISTRAL, FUNCTOOLS, DEEPSEEK})
 # vLLM's --tool-call-parser names -> the shapes each reads (without the flag, all of them).
 TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "hermes": frozenset({TAGGED_JSON}),
@@ -72,10 +77,15 @@ TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "llama4_pythonic": frozenset({PYTHONIC}),  # (vLLM's name for Llama 4's: the same list, its tags special tokens)
     "mistral": frozenset({MISTRAL}),
     "phi4_mini_json": frozenset({FUNCTOOLS}),
+    "deepseek_v3": frozenset({DEEPSEEK}),  # (V3's and R1's calls, and V3.1's: either reads both)
+    "deepseek_v31": frozenset({DEEPSEEK}),
 }
 MISTRAL_TAG = "[TOOL_CALLS]"  # (Mistral's special token before its calls)
 FUNCTOOLS_TAG = "functools["  # (Phi-4-mini's, its list's bracket with it)
 PYTHON_TAG = "<|python_tag|>"  # (Llama 3.1's special token before a call's JSON)
+# DeepSeek's tags around its calls, and around each.
+DEEPSEEK_CALLS, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL, DEEPSEEK_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -371,12 +381,14 @@ def _json_calls(text: str, at: int) -> tuple[int, list[ToolCall]]:
     return end, [call for call in calls if call is not None]
 
 
-def _named_call(text: str, at: int) -> tuple[int, list[ToolCall]]:
-    """Mistral's v11 call at ``at`` (after its ``[TOOL_CALLS]``): its name, then its arguments' object, which are the
-    call's arguments as written; and where they end. ``(at, [])`` when the name is none or the object does not read
-    whole."""
+def _named_call(
+    text: str, at: int, name_of: Callable[[str], str | None] = named_call_name
+) -> tuple[int, list[ToolCall]]:
+    """Mistral's v11 call at ``at`` (after its ``[TOOL_CALLS]``; DeepSeek's with ``name_of``
+    :func:`deepseek_call_name`): its name, then its arguments' object, which are the call's arguments as written;
+    and where they end. ``(at, [])`` when the name is none or the object does not read whole."""
     brace = text.find("{", at)
-    name = named_call_name(text[at:brace]) if brace >= 0 else None
+    name = name_of(text[at:brace]) if brace >= 0 else None
     if name is None:
         return at, []
     try:
@@ -391,13 +403,19 @@ def marked_calls(text: str, formats: CallFormats) -> list[tuple[int, int, list[T
     ``text``: each tag's span with its calls, and those calls, in order. Mistral's tag is followed by a JSON list of
     calls (before v11) or one call by name (v11 on, a tag each); calls read there get Mistral's ids. A tag whose calls
     do not read whole (cut off) is no call: it stays in the text."""
-    tags = [t for f, t in ((MISTRAL, MISTRAL_TAG), (FUNCTOOLS, FUNCTOOLS_TAG)) if f in formats]
+    tags = [
+        t for f, t in ((MISTRAL, MISTRAL_TAG), (FUNCTOOLS, FUNCTOOLS_TAG), (DEEPSEEK, DEEPSEEK_CALL)) if f in formats
+    ]
     found, pos = [], 0
     while tags and (hits := [(at, t) for t in tags if (at := text.find(t, pos)) >= 0]):
         at, tag = min(hits)
         after = at + len(tag)
         if tag == FUNCTOOLS_TAG:
             end, calls = _json_calls(text, after - 1)  # (the list's bracket is the tag's last character)
+        elif tag == DEEPSEEK_CALL:
+            end, calls = _named_call(text, after, deepseek_call_name)
+            if calls:
+                at, end = _deepseek_span(text, at, end)
         elif text.startswith(("[", "{"), first := _skip_blanks(text, after)):
             end, calls = _json_calls(text, first)
         else:
@@ -409,6 +427,19 @@ def marked_calls(text: str, formats: CallFormats) -> list[tuple[int, int, list[T
             found.append((at, end, calls))
         pos = end if calls else after
     return found
+
+
+def _deepseek_span(text: str, at: int, end: int) -> tuple[int, int]:
+    """One of DeepSeek's calls, ``[at, end)`` from its begin tag to its arguments' end, with what surrounds it: the
+    fence that closes V3's arguments and the call's end tag, the calls' begin tag before it (blanks between) and
+    their end tag after it, and the blanks before a next call: no content."""
+    for closing in ("```", DEEPSEEK_CALL_END, DEEPSEEK_CALLS_END):
+        if text.startswith(closing, after := _skip_blanks(text, end)):
+            end = after + len(closing)
+    if text.startswith(DEEPSEEK_CALL, after := _skip_blanks(text, end)):
+        end = after  # (the line between two calls is theirs)
+    head = text[:at].rstrip()
+    return (len(head) - len(DEEPSEEK_CALLS) if head.endswith(DEEPSEEK_CALLS) else at), end
 
 
 def bare_json_calls(text: str, tools: Collection[str] | None) -> list[ToolCall]:
@@ -494,9 +525,10 @@ XML_FUNCTION_TAG = "<function="
 
 def call_tags(formats: CallFormats) -> list[str]:
     """The tags that begin calls of ``formats``: Hermes' ``<tool_call>`` (JSON or XML in it), Mistral's
-    ``[TOOL_CALLS]``, Phi-4-mini's ``functools[``."""
+    ``[TOOL_CALLS]``, Phi-4-mini's ``functools[``, DeepSeek's ``<｜tool▁call▁begin｜>`` (each call's)."""
     tagged = [(TOOL_CALL_TAG, formats & {TAGGED_JSON, TAGGED_XML}), (MISTRAL_TAG, MISTRAL in formats)]
-    return [tag for tag, read in [*tagged, (FUNCTOOLS_TAG, FUNCTOOLS in formats)] if read]
+    others = [(FUNCTOOLS_TAG, FUNCTOOLS in formats), (DEEPSEEK_CALL, DEEPSEEK in formats)]
+    return [tag for tag, read in [*tagged, *others] if read]
 
 
 # Output text -> (its content, or None when it is calls alone; the calls in it).
@@ -521,6 +553,7 @@ class ContentStream:
         # The tags that begin one: <tool_call>, <function= (Qwen3-Coder's call without its block's tag), Mistral's
         # and Phi-4-mini's.
         self.tags = call_tags(formats) + ([XML_FUNCTION_TAG] if TAGGED_XML in formats else [])
+        self.tags += [DEEPSEEK_CALLS] if DEEPSEEK in formats else []  # (the calls' tag, before the first call's)
 
     def feed(self, text: str) -> str:
         """The output so far (``text``) -> the content to send now."""
@@ -655,6 +688,8 @@ class CallStream:
             self._add(CallScanner(after), mistral=False)
         elif tag == FUNCTOOLS_TAG:
             self._add(CallScanner(after - 1), mistral=False)  # (the list's bracket is the tag's last character)
+        elif tag == DEEPSEEK_CALL:
+            self._add(NamedCallScanner(after, deepseek_call_name), mistral=False)
         elif (first := _skip_blanks(text, after)) == len(text):
             return False
         else:  # Mistral's: a JSON list of calls (before v11), else a call by name

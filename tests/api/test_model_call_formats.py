@@ -22,6 +22,7 @@ from boundless.api.reasoning import REASONING_PARSERS, ReasoningParser, Split
 from boundless.api.tool_calls import (
     ALL_FORMATS,
     BARE_JSON,
+    DEEPSEEK,
     FUNCTOOLS,
     MISTRAL,
     TOOL_CALL_PARSERS,
@@ -252,12 +253,49 @@ def test_smollm2_calls_a_list_in_one_block(formats: frozenset[str]) -> None:
         assert parse_tool_calls(text, TYPES, formats) == (text, [])
 
 
+# -- DeepSeek's <｜tool▁call▁begin｜> ---------------------------------------------------------------------------------
+
+DEEPSEEK_V3 = (
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+    '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>set_units\n```json\n'
+    '{"metric": true, "scale": "C"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+)
+DEEPSEEK_V31 = (
+    '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+    '<｜tool▁call▁begin｜>set_units<｜tool▁sep｜>{"metric": true, "scale": "C"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+)
+
+
+@pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v31", None])
+@pytest.mark.parametrize("text", [DEEPSEEK_V3, DEEPSEEK_V31], ids=["v3", "v3.1"])
+def test_deepseek_calls(text: str, parser: str | None) -> None:
+    """DeepSeek's calls (V3's and R1's, whose distills' templates write them, and V3.1's), as vLLM's ``deepseek_v3``
+    and ``deepseek_v31`` read them: the text before the calls' tag is the content, streamed up to it; each call
+    streams as it is written; the tags are no content."""
+    formats = ALL_FORMATS if parser is None else TOOL_CALL_PARSERS[parser]
+    content, calls = parse_tool_calls("Let me check.\n\n" + text, TYPES, formats)
+    assert content == "Let me check." and _named(calls) == TWO_CALLS
+    assert [c.arguments for c in calls] == ['{"city": "Paris"}', '{"metric": true, "scale": "C"}']
+    streamed, deltas, streamed_calls = _stream("Let me check.\n\n" + text + "\nDone.", formats)
+    assert streamed == "Let me check.\n\n\nDone." and len(deltas) > 20  # (the blanks around the calls kept)
+    assert _together(deltas) == [(c.id, c.name, c.arguments) for c in streamed_calls]
+    assert _named(streamed_calls) == TWO_CALLS
+    cut = text[: text.index("Paris")]
+    assert parse_tool_calls(cut, TYPES, formats) == (cut, [])
+
+
 # -- the parsers' names ------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("parser", "formats"),
-    [("mistral", {MISTRAL}), ("phi4_mini_json", {FUNCTOOLS}), ("llama4_json", {BARE_JSON})],
+    [
+        ("mistral", {MISTRAL}),
+        ("phi4_mini_json", {FUNCTOOLS}),
+        ("llama4_json", {BARE_JSON}),
+        ("deepseek_v3", {DEEPSEEK}),
+        ("deepseek_v31", {DEEPSEEK}),
+    ],
 )
 def test_the_new_tool_call_parsers_are_vllms_names(parser: str, formats: set[str]) -> None:
     ServerConfig(tool_call_parser=parser)
@@ -520,3 +558,13 @@ def test_served_smollm2_calls(hermes_only: Served) -> None:
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == TWO_CALLS
     content, finish, calls = streamed_chat(hermes_only.client, asked)
     assert (content, finish) == ("", "tool_calls") and [(n, json.loads(a)) for n, a in calls] == TWO_CALLS
+
+
+def test_served_deepseek_calls(unflagged: Served) -> None:
+    """DeepSeek V3's calls (held to them by a regex here), read with no parser, streamed and not."""
+    ask = _ask(unflagged, re.escape("Sure." + DEEPSEEK_V3).replace("\\ ", " "))
+    choice = unflagged.client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == TWO_CALLS
+    streamed = _streamed(unflagged, ask)
+    assert streamed["content"] == "Sure." and [(n, json.loads(a)) for _, n, a in streamed["calls"]] == TWO_CALLS
