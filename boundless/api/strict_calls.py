@@ -25,7 +25,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from boundless.api.tool_calls import TAGGED_JSON, TAGGED_XML, TOOL_CALL_TAG, XML_FUNCTION_TAG, CallFormats
+from boundless.api.tool_calls import (
+    ALL_FORMATS,
+    TAGGED_JSON,
+    TAGGED_XML,
+    TOOL_CALL_TAG,
+    XML_FUNCTION_TAG,
+    CallFormats,
+)
 from boundless.engine.structured_output import MAX_WHITESPACE
 
 # The call formats that a structural tag can hold: each one's trigger, a call's opening (before and after its name),
@@ -43,7 +50,7 @@ def strict_call_format(formats: CallFormats, template: str | None) -> str | None
     tagged = formats & {TAGGED_JSON, TAGGED_XML}
     if len(tagged) == 1 and len(formats) == 1:
         return next(iter(tagged))
-    if len(formats) > 1 and template is not None:  # (no parser: every format is read, so the template decides)
+    if formats == ALL_FORMATS and template is not None:  # (no parser: every format is read, so the template decides)
         if XML_FUNCTION_TAG in template:
             return TAGGED_XML
         if TOOL_CALL_TAG in template and "<arg_key>" not in template:  # (GLM-4.5's tags hold a format of its own)

@@ -76,7 +76,8 @@ TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "pythonic": frozenset({PYTHONIC}),
     "llama4_pythonic": frozenset({PYTHONIC}),  # (vLLM's name for Llama 4's: the same list, its tags special tokens)
     "mistral": frozenset({MISTRAL}),
-    "phi4_mini_json": frozenset({FUNCTOOLS}),
+    # (and the bare list Phi-4-mini writes between its <|tool_call|> tokens, special ones that decoded text leaves out)
+    "phi4_mini_json": frozenset({FUNCTOOLS, BARE_JSON}),
     "deepseek_v3": frozenset({DEEPSEEK}),  # (V3's and R1's calls, and V3.1's: either reads both)
     "deepseek_v31": frozenset({DEEPSEEK}),
 }

@@ -34,6 +34,9 @@ def test_the_call_format_is_the_parsers_or_else_the_templates() -> None:
     # Formats with no trigger that tells a call from an answer are not held.
     assert strict_call_format(TOOL_CALL_PARSERS["llama3_json"], "<tool_call>") is None
     assert strict_call_format(TOOL_CALL_PARSERS["pythonic"], "<tool_call>") is None
+    # (nor those of a parser that reads two: the template decides only without a parser)
+    for parser in ("mistral", "phi4_mini_json", "deepseek_v3"):
+        assert strict_call_format(TOOL_CALL_PARSERS[parser], "<tool_call>\n<function={{ name }}>") is None
     # Without a parser the template says: Qwen3-Coder's writes both tags, Hermes' only the first.
     assert strict_call_format(ALL_FORMATS, HERMES_TEMPLATE) == TAGGED_JSON
     assert strict_call_format(ALL_FORMATS, "<tool_call>\n<function={{ name }}>") == TAGGED_XML
