@@ -574,3 +574,22 @@ def test_served_deepseek_calls(unflagged: Served) -> None:
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == TWO_CALLS
     streamed = _streamed(unflagged, ask)
     assert streamed["content"] == "Sure." and [(n, json.loads(a)) for _, n, a in streamed["calls"]] == TWO_CALLS
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]set_units[ARGS]{"metric": tr',
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "set_units", "arguments": {"m',
+    ],
+)
+def test_mistral_calls_cut_off_at_max_tokens_come_as_far_as_they_got(text: str) -> None:
+    """An output that ends at ``max_tokens`` inside a call: the calls it had begun come as far as they were written,
+    as a stream of it sent them (OpenAI returns a call cut off so), not the first alone with the rest as content."""
+    from boundless.api.server import ToolUse
+
+    content, calls, cut_at = ToolUse(True, types=TYPES, formats=MISTRAL_ONLY).read(text, at_length=True)
+    assert content is None and cut_at == 0
+    assert (calls[0].name, calls[0].arguments) == ("get_weather", '{"city": "Paris"}')
+    assert [c.name for c in calls] == ["get_weather", "set_units"] and calls[1].arguments.startswith('{"m')
+    assert all(_ID.fullmatch(c.id) for c in calls)
