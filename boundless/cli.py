@@ -140,6 +140,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         frontend.run(args)
         return 0
+    if args.bench_kind == "kv-dtype":
+        from boundless.bench import kv_dtype
+
+        kv_dtype.run(args)
+        return 0
     raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -276,6 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_lora.add_arguments(lora)
     add_engine_flags(lora)
     lora.set_defaults(func=_bench)
+    from boundless.bench import kv_dtype as bench_kv_dtype
+
+    kv_dtype = bench_sub.add_parser(
+        "kv-dtype", help="a KV cache in --kv-cache-dtype against the model's own type, in the same memory"
+    )
+    bench_kv_dtype.add_arguments(kv_dtype)
+    add_engine_flags(kv_dtype)
+    kv_dtype.set_defaults(func=_bench)
     from boundless.bench import frontend as bench_frontend
 
     front = bench_sub.add_parser(

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from boundless.api.reasoning import REASONING_PARSERS
 from boundless.api.tool_calls import TOOL_CALL_PARSERS
+from boundless.kv.cache_dtype import KV_CACHE_DTYPES
 from boundless.model.generation_config import generation_overrides
 from boundless.model.lora import LoRAError, LoRAModule
 from boundless.programs.registry import POLICIES
@@ -252,6 +253,14 @@ _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 class CacheConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_gb: float = field(default=2.0, metadata={"help": "memory for the KV block pool, in GiB"})
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "the type KV is stored in: auto (the model's), bfloat16, or fp8 (= fp8_e4m3) and fp8_e5m2, which "
+            "hold twice a 16-bit model's tokens in the same memory (four times an fp32 one's), rounded to 8 bits "
+            "with no scale (vLLM's flag)"
+        },
+    )
     num_kv_blocks: int | None = field(
         default=None, metadata={"help": "size of the KV pool in blocks (overrides --kv-cache-gb)"}
     )
@@ -355,6 +364,11 @@ class CacheConfig:
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two"
         )
         _require(self.kv_cache_gb > 0, "kv_cache_gb", "must be positive")
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"unknown KV cache dtype {self.kv_cache_dtype!r}; one of {', '.join(KV_CACHE_DTYPES)}",
+        )
         _require(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be positive")
         _require(
             self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,

@@ -20,6 +20,7 @@ import torch
 from boundless.attention import cpu_attention
 from boundless.attention.backend import AttentionBatch, padded_table
 from boundless.attention.partials import AttentionPartial, merge_partials, scores_partial
+from boundless.kv.cache_dtype import from_cache, to_cache
 
 
 @dataclass
@@ -122,11 +123,8 @@ class TorchPagedAttention:
             if meta.batch is not None:
                 self._prepare_torch(meta, meta.batch)
                 meta.batch = None
-        kvh, nb, bs, d = k_cache.shape
         # Store the new tokens' KV first: a sequence's attention reads its own new keys from the cache.
-        slots = meta.slot_mapping
-        k_cache.view(kvh, nb * bs, d)[:, slots] = k.transpose(0, 1)
-        v_cache.view(kvh, nb * bs, d)[:, slots] = v.transpose(0, 1)
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         if not meta.prefills:
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
@@ -159,10 +157,7 @@ class TorchPagedAttention:
             if meta.batch is not None:
                 self._prepare_torch(meta, meta.batch)
                 meta.batch = None
-        kvh, nb, bs, d = k_cache.shape
-        slots = meta.slot_mapping
-        k_cache.view(kvh, nb * bs, d)[:, slots] = k.transpose(0, 1)
-        v_cache.view(kvh, nb * bs, d)[:, slots] = v.transpose(0, 1)
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         t, h, _ = q.shape
         m, e, o = torch.empty(t, h, 1, device=q.device), torch.empty(t, h, 1, device=q.device), torch.empty_like(q)
         parts = []
@@ -174,6 +169,13 @@ class TorchPagedAttention:
         for s, end, part in parts:
             m[s:end], e[s:end], o[s:end] = part.m, part.e, part.o
         return AttentionPartial(m=m, e=e, o=o)
+
+    @staticmethod
+    def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+        """The step's K/V [tokens, kv_heads, head_dim] into the cache at ``slots``, in the cache's type."""
+        kvh, nb, bs, d = k_cache.shape
+        k_cache.view(kvh, nb * bs, d)[:, slots] = to_cache(k.transpose(0, 1), k_cache.dtype)
+        v_cache.view(kvh, nb * bs, d)[:, slots] = to_cache(v.transpose(0, 1), v_cache.dtype)
 
     @staticmethod
     def _native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -237,8 +239,8 @@ class TorchPagedAttention:
         qg = q.view(nd, kvh, g, d).transpose(0, 1).reshape(kvh * nd, g, d)
         idx = meta.decode_gather_index
         assert idx is not None  # (built with the decodes' metadata)
-        keys = k_cache.view(kvh * nb, bs, d).index_select(0, idx).view(kvh * nd, t, d)
-        values = v_cache.view(kvh * nb, bs, d).index_select(0, idx).view(kvh * nd, t, d)
+        keys = from_cache(k_cache.view(kvh * nb, bs, d).index_select(0, idx), q.dtype).view(kvh * nd, t, d)
+        values = from_cache(v_cache.view(kvh * nb, bs, d).index_select(0, idx), q.dtype).view(kvh * nd, t, d)
         part = scores_partial(qg, keys, values, self.scale, bias=meta.decode_bias)
         if not layout:
             return part
@@ -275,10 +277,13 @@ class TorchPagedAttention:
         kvh, nb, bs, d = k_cache.shape
         ctx = seq.context_len
         if seq.gather_index is None:
-            keys, values = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [kv_heads, ctx, d]
+            # [kv_heads, ctx, d], rounded as the cache holds them: a chunk reads what a later chunk would.
+            keys = from_cache(to_cache(k_new.transpose(0, 1), k_cache.dtype), q.dtype)
+            values = from_cache(to_cache(v_new.transpose(0, 1), v_cache.dtype), q.dtype)
         else:
             keys = k_cache.view(kvh * nb, bs, d).index_select(0, seq.gather_index).view(kvh, -1, d)[:, :ctx]
             values = v_cache.view(kvh * nb, bs, d).index_select(0, seq.gather_index).view(kvh, -1, d)[:, :ctx]
+            keys, values = from_cache(keys, q.dtype), from_cache(values, q.dtype)
         if self.group > 1:
             keys = keys.repeat_interleave(self.group, dim=0)
             values = values.repeat_interleave(self.group, dim=0)

@@ -58,8 +58,33 @@ class CompileJob:
         return self.key, compile_kernel(fn, self.types, self.consts, target, self.warps, self.stages)
 
 
+def fp8_cache_jobs() -> list[CompileJob]:
+    """A bf16 model's kernels over an fp8 cache (``--kv-cache-dtype fp8``: Triton's ``fp8e4nv``, which needs sm_89
+    or later): the store's rounding, a decode's and a prefill's widening reads."""
+    types = dict(_ATTENTION_ARGS, q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16")
+    jobs = [
+        CompileJob(
+            f"attention/bf16-fp8-cache/d128/{name}", (kernels.__name__, "paged_attention_kernel"), types,
+            dict(GROUP=4, NUM_HEADS=32, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16, HEAD_DIM=128,
+                 DIM_POW2=128, SPLIT=False, PRECISION=None, MASK_EVERY_TILE=False),
+            warps, 3,
+        )
+        for name, block_q, block_m, block_n, warps in (("decode", 1, 16, 128, 4), ("prefill", 32, 128, 64, 8))
+    ]  # fmt: skip
+    jobs.append(
+        CompileJob(
+            "store_kv/bf16-to-fp8", (kernels.__name__, "store_kv_kernel"),
+            dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", slot_ptr="*i64",
+                 stride_kt="i32", stride_vt="i32", stride_cache_head="i32"),
+            dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_POW2=8, DIM_POW2=128, SATURATE=448.0), 4, 1,
+        )
+    )  # fmt: skip
+    return jobs
+
+
 def compile_jobs() -> list[CompileJob]:
-    """The variants a Llama-shaped model takes (GQA group 4, head size 64 and 128) in bf16 and fp32."""
+    """The variants a Llama-shaped model takes (GQA group 4, head size 64 and 128) in bf16 and fp32, and over an fp8
+    cache."""
     attention = (kernels.__name__, "paged_attention_kernel")
     ops = triton_ops.__name__
     jobs = []
@@ -87,7 +112,7 @@ def compile_jobs() -> list[CompileJob]:
                 f"store_kv/{dtype}", (kernels.__name__, "store_kv_kernel"),
                 dict(k_ptr=ptr, v_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, slot_ptr="*i64", stride_kt="i32",
                      stride_vt="i32", stride_cache_head="i32"),
-                dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_POW2=8, DIM_POW2=128), 4, 1,
+                dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_POW2=8, DIM_POW2=128, SATURATE=0.0), 4, 1,
             ),
             CompileJob(
                 f"merge_splits/{dtype}", (kernels.__name__, "merge_splits_kernel"),
@@ -121,7 +146,7 @@ def compile_jobs() -> list[CompileJob]:
             dict(PAGE=16, BLOCK=256), 4, 1,
         )
     )  # fmt: skip
-    return jobs
+    return jobs + fp8_cache_jobs()
 
 
 def compile_all(capability: int = 90, workers: int | None = None) -> dict[str, int]:

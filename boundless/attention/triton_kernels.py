@@ -37,6 +37,7 @@ def store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_POW2: tl.constexpr,
     DIM_POW2: tl.constexpr,
+    SATURATE: tl.constexpr = 0.0,  # an 8-bit cache's largest value: K/V clamped to it before the cast (0: none)
 ):
     """One program per token: its K and V (all kv heads) into cache slot ``slot_ptr[t]``; a slot
     of -1 (a padding row) stores nothing. Cache layout [kv_heads, blocks * block_size, head_dim]."""
@@ -50,8 +51,11 @@ def store_kv_kernel(
         dst = h[:, None].to(tl.int64) * stride_cache_head + slot * HEAD_DIM + d[None, :]
         k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + src, mask=mask)
         v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + src, mask=mask)
-        tl.store(k_cache_ptr + dst, k, mask=mask)
-        tl.store(v_cache_ptr + dst, v, mask=mask)
+        if SATURATE > 0:
+            k = tl.minimum(tl.maximum(k.to(tl.float32), -SATURATE), SATURATE)
+            v = tl.minimum(tl.maximum(v.to(tl.float32), -SATURATE), SATURATE)
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -72,7 +76,8 @@ def _attend_tile(
         block = tl.load(table + n // PAGE).to(tl.int64)
         kv_mask = dim_ok[None, :]
     offs = cache_head + block * stride_cache_block + (n % PAGE) * HEAD_DIM
-    k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    # (Read in the queries' type: a no-op for a cache in the model's, a widening for an 8-bit one.)
+    k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASKED:
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
@@ -85,7 +90,7 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_new
 

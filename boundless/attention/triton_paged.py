@@ -22,6 +22,7 @@ import torch
 
 from boundless.attention.backend import AttentionBatch, padded_table, upload_ints
 from boundless.attention.partials import PartialsFromLse
+from boundless.kv.cache_dtype import from_cache, is_fp8, to_cache
 
 try:
     import triton
@@ -50,10 +51,16 @@ def store_kv(
     if t == 0:
         return
     kv_heads, head_dim = k.shape[1], k.shape[2]
+    if is_fp8(k_cache.dtype) and k_cache.device.type == "cpu":
+        # Triton's interpreter rounds to fp8 wrongly where rounding up reaches the next power of two (0.49 becomes
+        # 0.25); the GPU's conversion (round to nearest, saturated) is right. So on the CPU the host rounds first.
+        k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
     assert k.stride(-1) == 1 and k.stride(-2) == head_dim and v.stride(-2) == head_dim
+    saturate = float(torch.finfo(k_cache.dtype).max) if is_fp8(k_cache.dtype) and k.dtype != k_cache.dtype else 0.0
     kernels.store_kv_kernel[(t,)](
         k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0),
         NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, HEADS_POW2=_pow2(kv_heads), DIM_POW2=_pow2(head_dim),
+        SATURATE=saturate,
     )  # fmt: skip
 
 
@@ -425,9 +432,12 @@ class TritonPagedAttention(PartialsFromLse):
         rows = slice(launch.start, launch.end)
         assert launch.key_start is not None
         if launch.key_slots is None:
-            keys, values = k[rows], v[rows]
+            # Rounded as the cache holds them (a no-op in the model's type): what the Triton kernel would read.
+            keys = from_cache(to_cache(k[rows], cache[0].dtype), q.dtype)
+            values = from_cache(to_cache(v[rows], cache[1].dtype), q.dtype)
         else:
-            keys, values = gather_keys(cache[0], launch.key_slots), gather_keys(cache[1], launch.key_slots)
+            keys = from_cache(gather_keys(cache[0], launch.key_slots), q.dtype)
+            values = from_cache(gather_keys(cache[1], launch.key_slots), q.dtype)
         o, row_lse = self.varlen(
             q[rows], keys, values, launch.query_start, launch.key_start, launch.max_query, launch.max_key, self.scale
         )

@@ -24,6 +24,7 @@ from boundless.engine.executor import ModelExecutor
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import Sampler
 from boundless.engine.structured_output import Grammars
+from boundless.kv.cache_dtype import kv_cache_dtype
 from boundless.kv.disk_store import DiskKVStore, StoreLayout
 from boundless.kv.tensors import PagedKVCache
 from boundless.kv.throttled_store import ReadLink, ThrottledStore
@@ -44,6 +45,7 @@ class EngineLayout:
     num_host_blocks: int  # host blocks: swapped-out requests and named blocks evicted from the device
     bytes_per_block: int  # one block's KV across all layers
     max_model_len: int
+    kv_dtype: torch.dtype  # what the KV cache holds (--kv-cache-dtype): the model's type, or an 8-bit one
     disk_bytes: int = 0  # most the disk store may hold (0: no disk tier)
 
 
@@ -97,7 +99,8 @@ def size_engine(
     """
     cache = config.cache
     bs = cache.block_size
-    per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, bs, dtype)
+    kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, dtype)
+    per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, bs, kv_dtype)
     if cache.num_kv_blocks:
         num_blocks = cache.num_kv_blocks
     elif cache.gpu_memory_utilization is not None:
@@ -136,7 +139,7 @@ def size_engine(
         )
     else:
         max_model_len = asked
-    return EngineLayout(bs, num_blocks, num_host_blocks, per_block, max_model_len, disk_bytes)
+    return EngineLayout(bs, num_blocks, num_host_blocks, per_block, max_model_len, kv_dtype, disk_bytes)
 
 
 def _blocks_in_fraction(fraction: float, memory: DeviceMemory | None, per_block: int) -> int:
@@ -156,7 +159,7 @@ def _blocks_in_fraction(fraction: float, memory: DeviceMemory | None, per_block:
 
 def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> BlockStore:
     """The persistent KV store at ``--kv-disk-path``, laid out for this model."""
-    store_layout = StoreLayout.of_model(loaded, layout.block_size)
+    store_layout = StoreLayout.of_model(loaded, layout.block_size, layout.kv_dtype)
     root = Path(config.cache.kv_disk_path or "").expanduser()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -220,7 +223,7 @@ def build_model_executor(
     check_host_memory(config, layout, loaded.device, physical_memory_bytes())
     loaded.model.prepare(layout.max_model_len)
     kv_cache = PagedKVCache(
-        arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, loaded.dtype,
+        arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, layout.kv_dtype,
         loaded.device,
     )  # fmt: skip
     attention = make_attention(config, arch, layout, loaded.device, loaded.dtype)
@@ -305,6 +308,11 @@ def make_attention(
             flash_prefill=config.model.flash_prefill,
         )  # fmt: skip
     if name == "flex":
+        if layout.kv_dtype != dtype:
+            raise ConfigError(
+                f"--kv-cache-dtype {config.cache.kv_cache_dtype}: the flex backend attends over the KV pool in the "
+                "model's type; take the triton or torch backend for a KV cache in another"
+            )
         if not flex_paged.available():
             raise ConfigError("--attention-backend: flex needs PyTorch 2.9 or later (FlexAttention's log-sum-exp)")
         pool = layout.num_blocks * layout.block_size

@@ -22,6 +22,7 @@ from boundless.engine.runner import ModelRunner, window_tokens
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.kv.block_hash import BlockHash
+from boundless.kv.cache_dtype import index_copy
 from boundless.kv.disk_moves import TierReport
 from boundless.kv.host_copies import HostCopies, queue_host_copies
 from boundless.kv.layer_gate import LayerGate, LayerWaits
@@ -381,7 +382,7 @@ class LandingCopies:
                     self.count_waits(0, self.clock() - start)
         for src_data, src_ids, dst_data, dst_ids in self._copies:
             rows = src_data[layer].index_select(2, src_ids)
-            dst_data[layer].index_copy_(2, dst_ids, rows.to(device=dst_data.device, dtype=dst_data.dtype))
+            index_copy(dst_data[layer], 2, dst_ids, rows)
         self.copied = layer + 1
 
 

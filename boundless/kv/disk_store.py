@@ -81,9 +81,11 @@ class StoreLayout:
     dtype: torch.dtype
 
     @classmethod
-    def of_model(cls, model: LoadedModel, block_size: int) -> StoreLayout:
+    def of_model(cls, model: LoadedModel, block_size: int, kv_dtype: torch.dtype | None = None) -> StoreLayout:
+        """The layout of ``model``'s KV blocks, held in ``kv_dtype`` (``--kv-cache-dtype``; default the model's)."""
         arch = model.arch
-        return cls(model.fingerprint, arch.num_layers, arch.num_kv_heads, block_size, arch.head_dim, model.dtype)
+        dtype = model.dtype if kv_dtype is None else kv_dtype
+        return cls(model.fingerprint, arch.num_layers, arch.num_kv_heads, block_size, arch.head_dim, dtype)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:

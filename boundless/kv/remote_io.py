@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from boundless.kv.cache_dtype import index_copy
 from boundless.kv.layer_gate import LayerGate
 from boundless.kv.remote_moves import (
     RemoteIOStats,
@@ -332,7 +333,7 @@ class RemoteIO:
         while inc.layers_landed < self.num_layers and inc.handles[1 + inc.layers_landed].done():
             layer = inc.layers_landed
             if valid:
-                host[layer].index_copy_(2, ids, inc.staging[layer][:, :, :valid].to(host.dtype))
+                index_copy(host[layer], 2, ids, inc.staging[layer][:, :, :valid])
             inc.layers_landed += 1
             inc.gate.open_through(layer)
 
@@ -380,7 +381,7 @@ class RemoteIO:
         out = torch.zeros((two, heads, n, bs, hd), dtype=self._dtype)
         for tier, ids, positions in groups:
             data = self._data(tier)[layer]
-            out.index_copy_(2, positions, data.index_select(2, ids.to(data.device)).cpu())
+            index_copy(out, 2, positions, data.index_select(2, ids.to(data.device)))
         return out
 
     def _send_loop(self) -> None:

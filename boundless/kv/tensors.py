@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from boundless.attention.backend import to_device
+from boundless.kv.cache_dtype import index_copy
 from boundless.native import huge_page_zeros
 
 
@@ -56,7 +57,7 @@ class PagedKVCache:
         return self.data.index_select(3, self._index(block_ids))
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        self.data.index_copy_(3, self._index(block_ids), blocks.to(device=self.data.device, dtype=self.data.dtype))
+        index_copy(self.data, 3, self._index(block_ids), blocks)
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         # (Copied in stream order: a copy queued behind a window still running does not wait for it.)

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from boundless.kv.block_hash import BlockHash
+from boundless.kv.cache_dtype import index_copy
 from boundless.kv.tensors import PagedKVCache
 
 
@@ -74,4 +75,4 @@ class HostKVTier:
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
-        self.data.index_copy_(3, idx, blocks.to(device="cpu", dtype=self.data.dtype))
+        index_copy(self.data, 3, idx, blocks)

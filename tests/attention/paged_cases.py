@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from boundless.attention.backend import AttentionBatch
+from boundless.kv.cache_dtype import to_cache
 
 # The backends' cases: (heads, kv heads, head dim, block size), and steps of (query tokens, context) per sequence.
 SHAPES = [
@@ -51,17 +52,20 @@ def paged_case(
     chunks: list[tuple[int, int]],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedCase:
-    """``chunks`` are (query_len, context_len) per sequence, decodes (query_len 1) first."""
+    """``chunks`` are (query_len, context_len) per sequence, decodes (query_len 1) first. The cache holds K/V in
+    ``kv_dtype`` (default ``dtype``: ``--kv-cache-dtype``), and the reference attends over them as it holds them."""
     device = torch.device(device)
+    kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     blocks_each = [-(-ctx // block_size) for _, ctx in chunks]
     num_blocks = sum(blocks_each) + 3
     free = list(range(1, num_blocks))
     rnd.shuffle(free)
-    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(kv_dtype)
     tables, qs, ks, vs, slots, outs, lses = [], [], [], [], [], [], []
     g = heads // kv_heads
     for (ql, ctx), nb in zip(chunks, blocks_each, strict=True):
@@ -70,15 +74,15 @@ def paged_case(
         k = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
         v = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
         for p in range(ctx - ql):
-            k_cache[:, table[p // block_size], p % block_size] = k[p]
-            v_cache[:, table[p // block_size], p % block_size] = v[p]
+            k_cache[:, table[p // block_size], p % block_size] = to_cache(k[p], kv_dtype)
+            v_cache[:, table[p // block_size], p % block_size] = to_cache(v[p], kv_dtype)
         q = torch.randn(ql, heads, head_dim, generator=gen).to(dtype)
         qs.append(q)
         ks.append(k[ctx - ql :])
         vs.append(v[ctx - ql :])
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - ql, ctx))
-        kd = k.double().repeat_interleave(g, dim=1)
-        vd = v.double().repeat_interleave(g, dim=1)
+        kd = to_cache(k, kv_dtype).double().repeat_interleave(g, dim=1)
+        vd = to_cache(v, kv_dtype).double().repeat_interleave(g, dim=1)
         for i in range(ql):
             pos = ctx - ql + i
             s = torch.einsum("hd,thd->ht", q[i].double(), kd[: pos + 1]) * head_dim**-0.5
@@ -106,15 +110,20 @@ def fused_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torc
     return tuple(x.view(x.shape[0], -1, d) for x in qkv.split(sizes, dim=1))
 
 
-def check_matches_dense(case: PagedCase, out: torch.Tensor, lse: torch.Tensor, tol: float) -> None:
-    """A step's output and log-sum-exp against ``case``'s dense reference, and its new tokens' K/V in the cache at
-    their slots."""
+def check_matches_dense(
+    case: PagedCase, out: torch.Tensor, lse: torch.Tensor, tol: float, check_lse: bool = True
+) -> None:
+    """A step's output and log-sum-exp (with ``check_lse``) against ``case``'s dense reference, and its new tokens' K/V
+    in the cache at their slots, as the cache holds them."""
     torch.testing.assert_close(out.double().cpu(), case.expected, rtol=tol, atol=tol)
-    torch.testing.assert_close(lse.double().cpu(), case.expected_lse, rtol=tol, atol=tol)
+    if check_lse:
+        torch.testing.assert_close(lse.double().cpu(), case.expected_lse, rtol=tol, atol=tol)
     kvh, nb, bs, d = case.cache[0].shape
     slots = case.batch.slot_mapping
-    assert torch.equal(case.cache[0].view(kvh, nb * bs, d)[:, slots], case.k.transpose(0, 1))
-    assert torch.equal(case.cache[1].view(kvh, nb * bs, d)[:, slots], case.v.transpose(0, 1))
+    kv_dtype = case.cache[0].dtype
+    for cache, new in zip(case.cache, (case.k, case.v), strict=True):
+        held = cache.view(kvh, nb * bs, d)[:, slots]
+        assert torch.equal(held.view(torch.uint8), to_cache(new.transpose(0, 1), kv_dtype).view(torch.uint8))
 
 
 def check_padding_row(make_backend: Callable[[int], Any], device: torch.device) -> None:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from paged_cases import paged_case
+from paged_cases import check_matches_dense, paged_case
 
 from boundless.attention import cpu_attention
 from boundless.attention.backend import padded_table
@@ -154,3 +154,42 @@ def test_padded_table_lays_rows_out_with_zeros() -> None:
     padded to the width, empty rows all zeros."""
     assert padded_table([[4, 5], [], [7, 8, 9]], 3) == [4, 5, 0, 0, 0, 0, 7, 8, 9]
     assert padded_table([(1,)], 1) == [1] and padded_table([], 4) == []
+
+
+KV_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[4:], ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_a_cache_in_another_type_is_read_as_it_holds_keys_and_values(
+    shape: tuple[int, int, int, int], mix: str, kv_dtype: torch.dtype
+) -> None:
+    """``--kv-cache-dtype``: an fp32 model's K/V held in 8 or 16 bits. The step's new K/V are stored rounded, and
+    attention (whole and as partials) is the dense reference's over the K/V as the cache holds them, a prompt's own
+    new keys too: a chunk reads what a later chunk of the same prompt would."""
+    heads, kv_heads, head_dim, block_size = shape
+    case = paged_case(3, heads, kv_heads, head_dim, block_size, MIXES[mix], torch.float32, "cpu", kv_dtype)
+    assert case.cache[0].dtype == kv_dtype
+    backend = _backend(heads, kv_heads, head_dim, case.cache)
+    before = [c.clone() for c in case.cache]
+    out = backend.forward(case.q, case.k, case.v, case.cache, backend.prepare(case.batch))
+    check_matches_dense(case, out, case.expected_lse, 2e-5, check_lse=False)
+    for c, b in zip(case.cache, before, strict=True):
+        c.copy_(b)
+    part = backend.forward_partial(case.q, case.k, case.v, case.cache, backend.prepare(case.batch))
+    torch.testing.assert_close(merge_partials([part]).double(), case.expected, rtol=2e-5, atol=2e-5)
+
+
+def test_keys_past_an_fp8_types_range_are_held_at_its_largest_value() -> None:
+    """K/V beyond e4m3's 448 are stored as +-448, not as the NaN PyTorch's cast makes of them, so the sequence's
+    later scores stay finite."""
+    case = paged_case(4, 4, 2, 16, 16, [(9, 9), (1, 5)], torch.float32, "cpu", torch.float8_e4m3fn)
+    k = case.k.clone()
+    k[0, 0, 0], k[1, 1, 3] = 5000.0, -1e6
+    backend = _backend(4, 2, 16, case.cache)
+    out = backend.forward(case.q, k, case.v, case.cache, backend.prepare(case.batch))
+    assert out.isfinite().all()
+    kvh, nb, bs, d = case.cache[0].shape
+    held = case.cache[0].view(kvh, nb * bs, d)[:, case.batch.slot_mapping].float()
+    assert held[0, 0, 0] == 448.0 and held[1, 1, 3] == -448.0

@@ -62,6 +62,19 @@ def test_lent_partial_native_and_torch_agree_with_softmax(caches, heads: int, ro
     torch.testing.assert_close(merge_partials([lent_partial(q, nc_k, nc_v, ids, SCALE)]), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=str)
+def test_lent_blocks_in_another_type_are_attended_as_the_creditor_holds_them(caches, kv_dtype: torch.dtype) -> None:
+    """A creditor whose pool holds KV in 8 or 16 bits (``--kv-cache-dtype``): a debtor's fp32 queries are scored over
+    the blocks as held, in fp32 over an 8-bit pool (not cast to it)."""
+    k_cache, v_cache = (c.to(kv_dtype) for c in caches)
+    q = torch.randn(6, 4, D)
+    ids = [3, 8]
+    part = lent_partial(q, k_cache, v_cache, ids, SCALE)
+    want = _reference(q, _dense(ids, k_cache).float(), _dense(ids, v_cache).float())
+    tol = 1e-5 if kv_dtype == torch.float8_e4m3fn else 2e-2  # (a 16-bit pool scores in its own type)
+    torch.testing.assert_close(merge_partials([part]).float(), want, atol=tol, rtol=tol)
+
+
 def test_round_trip_over_shm_merges_to_attention_over_the_whole_context(ends, caches) -> None:
     debtor_net, creditor_net = ends
     k_cache, v_cache = caches

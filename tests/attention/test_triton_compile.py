@@ -26,6 +26,7 @@ def test_kernels_compile_for_sm90() -> None:
     shared = json.loads(proc.stdout)
     # Per dtype (bf16, fp32): attention (d64, d128) x (decode, split, prefill; in bf16 also prefill with the mask on
     # every tile, the tile sweep's baseline), store, merge, and the layers' rms_norm, rotary and silu_mul; and a device
-    # window's next-pass inputs.
-    assert len(shared) == (2 * 4 + 2 + 3) + (2 * 3 + 2 + 3) + 1
+    # window's next-pass inputs; and a bf16 model's over an fp8 cache (decode, prefill, store).
+    assert len(shared) == (2 * 4 + 2 + 3) + (2 * 3 + 2 + 3) + 1 + 3
+    assert {"attention/bf16-fp8-cache/d128/decode", "store_kv/bf16-to-fp8"} <= shared.keys()
     assert all(0 <= b <= SHARED_MEMORY_PER_BLOCK for b in shared.values())

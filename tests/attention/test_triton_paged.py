@@ -45,6 +45,23 @@ def test_matches_dense(shape, mix: str, dtype: torch.dtype) -> None:
     check_matches_dense(case, out, meta.lse, TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_an_fp8_cache_is_stored_rounded_and_read_as_it_holds_them(
+    mix: str, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> None:
+    """``--kv-cache-dtype fp8``: the store kernel rounds the step's K/V into the 8-bit cache (saturated), and the
+    attention kernel widens each tile it reads to the queries' type: the dense reference over the K/V as the cache
+    holds them, in the model's precision."""
+    shape = (8, 2, 64, 16)
+    case = paged_case(2, *shape, MIXES[mix], dtype, DEVICE, kv_dtype)
+    backend = _backend(shape, case.cache[0].shape[1], dtype)
+    meta = backend.prepare(case.batch)
+    out = backend.forward(case.q, case.k, case.v, case.cache, meta)
+    check_matches_dense(case, out, meta.lse, TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("decode_tile, prefill_tile", [(64, 16), (16, 64)])
 def test_decodes_and_prefill_chunks_take_their_own_key_tiles(decode_tile: int, prefill_tile: int) -> None:
     """A step's decodes and prefill chunks each read keys in tiles of their kind's size (the H200's fastest differ:

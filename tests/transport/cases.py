@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from boundless.kv.cache_dtype import to_cache
 from boundless.kv.tensors import PagedKVCache
 
 # Each case is one message: a list of (shape, dtype).
@@ -32,11 +33,13 @@ def late(tag: int) -> torch.Tensor:
 # A small KV cache both processes build alike: 2 layers, 3 KV heads, 10 blocks of 5 tokens, head_dim 8.
 CACHE = {"num_layers": 2, "num_kv_heads": 3, "head_dim": 8, "num_blocks": 10, "block_size": 5}
 SENT_BLOCKS, PEER_BLOCKS, BACK_BLOCKS = [7, 2, 4], [1, 8, 3], [0, 5, 9]
+# The caches' types the blocks move in, in the order both processes take them (fp8: ``--kv-cache-dtype fp8``).
+KV_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
 
 def kv_cache(dtype: torch.dtype, seed: int | None) -> PagedKVCache:
     cache = PagedKVCache(**CACHE, dtype=dtype, device=torch.device("cpu"))
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
-        cache.data.copy_(torch.randn(cache.data.shape, generator=gen) * 1e3)
+        cache.data.copy_(to_cache(torch.randn(cache.data.shape, generator=gen) * 1e3, dtype))
     return cache

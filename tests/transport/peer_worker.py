@@ -14,7 +14,7 @@ import os
 import sys
 
 import torch
-from cases import CASES, PEER_BLOCKS, kv_cache, late
+from cases import CASES, KV_DTYPES, PEER_BLOCKS, kv_cache, late
 
 from boundless.transport.blocks import BlocksReceive, send_blocks
 from boundless.transport.endpoints import EndpointSpec, exchange_addresses, open_endpoint
@@ -28,7 +28,7 @@ def main(kind: str, directory: str) -> None:
         bufs = [torch.empty(shape, dtype=dtype) for shape, dtype in case]
         transport.recv(peer, 100 + i, bufs).wait()
         transport.send(peer, 200 + i, bufs).wait()
-    for j, dtype in enumerate((torch.bfloat16, torch.float32)):
+    for j, dtype in enumerate(KV_DTYPES):
         cache = kv_cache(dtype, seed=None)
         BlocksReceive(transport, peer, 600 + j, cache, PEER_BLOCKS).wait()
         send_blocks(transport, peer, 610 + j, cache, PEER_BLOCKS).wait()

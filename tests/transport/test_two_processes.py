@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cases import BACK_BLOCKS, CASES, SENT_BLOCKS, kv_cache, late, make
+from cases import BACK_BLOCKS, CASES, KV_DTYPES, SENT_BLOCKS, kv_cache, late, make
 
 from boundless.transport.base import KVTransport, PeerGone, TransferTimeout
 from boundless.transport.blocks import BlocksReceive, send_blocks
@@ -84,10 +84,10 @@ def test_round_trips_are_bit_exact(pair: Pair) -> None:
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"case {i} came back changed"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
 def test_kv_blocks_move_between_the_two_caches_bit_exact(pair: Pair, dtype: torch.dtype) -> None:
     t, peer = pair.transport, pair.peer
-    j = [torch.bfloat16, torch.float32].index(dtype)
+    j = KV_DTYPES.index(dtype)
     mine = kv_cache(dtype, seed=10 + j)
     before = mine.data.clone()
     back = BlocksReceive(t, peer, 610 + j, mine, BACK_BLOCKS)
@@ -95,7 +95,8 @@ def test_kv_blocks_move_between_the_two_caches_bit_exact(pair: Pair, dtype: torc
     back.wait()
     assert torch.equal(mine.read_blocks(BACK_BLOCKS).view(torch.uint8), before[:, :, :, SENT_BLOCKS].view(torch.uint8))
     others = [b for b in range(mine.num_blocks) if b not in BACK_BLOCKS]
-    assert torch.equal(mine.read_blocks(others), before[:, :, :, others])  # nothing else written
+    nothing_else = before[:, :, :, others].view(torch.uint8)
+    assert torch.equal(mine.read_blocks(others).view(torch.uint8), nothing_else)  # nothing else written
 
 
 def test_a_receive_times_out_and_its_late_message_writes_nothing(pair: Pair) -> None:
