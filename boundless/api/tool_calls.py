@@ -103,11 +103,12 @@ def mistral_ids(formats: CallFormats) -> bool:
 
 
 def keeps_special_tokens(parser: str | None, template: str | None) -> bool:
-    """Whether outputs read for tool calls are decoded with their special tokens (vLLM's mistral parser sets
-    ``skip_special_tokens`` false so): Mistral's ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens, and without
-    them a v11 call is its name run into its arguments. Under ``--tool-call-parser mistral``, or without a parser,
-    when the chat template (``template``, its source) writes ``[TOOL_CALLS]``."""
-    return parser == "mistral" or (parser is None and template is not None and MISTRAL_TAG in template)
+    """Whether outputs read for tool calls are decoded with their special tokens (vLLM's mistral and hermes parsers
+    set ``skip_special_tokens`` false so): Mistral's ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens, and without
+    them a v11 call is its name run into its arguments; some Hermes models' ``<tool_call>`` tags are too (Hermes 2
+    Pro's). Under ``--tool-call-parser mistral`` or ``hermes``, or without a parser, when the chat template
+    (``template``, its source) writes ``[TOOL_CALLS]``."""
+    return parser in ("mistral", "hermes") or (parser is None and template is not None and MISTRAL_TAG in template)
 
 
 def parameter_types(tools: list[dict[str, Any]] | None) -> ParameterTypes:

@@ -339,7 +339,16 @@ def test_mistral_reasoning(text: str, expected: Split) -> None:
 
 # -- served ------------------------------------------------------------------------------------------------------------
 
-SPECIAL = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]", "<|python_tag|>")
+SPECIAL = (
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "[THINK]",
+    "[/THINK]",
+    "<|python_tag|>",
+    "<tool_call>",
+    "</tool_call>",
+)
 # Mistral Small 3.2's template as far as the API needs it: its tools, and each call sent back written as the model
 # writes it, refused unless its id (and the tool message's) is 9 characters, as Mistral's templates refuse it.
 MISTRAL_TEMPLATE = (
@@ -593,3 +602,27 @@ def test_mistral_calls_cut_off_at_max_tokens_come_as_far_as_they_got(text: str) 
     assert (calls[0].name, calls[0].arguments) == ("get_weather", '{"city": "Paris"}')
     assert [c.name for c in calls] == ["get_weather", "set_units"] and calls[1].arguments.startswith('{"m')
     assert all(_ID.fullmatch(c.id) for c in calls)
+
+
+@pytest.fixture(scope="module")
+def hermes_special(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from _serve(tmp_path_factory.mktemp("hermes_special"), ServerConfig(tool_call_parser="hermes"))
+
+
+def test_served_hermes_tags_that_are_special_tokens(hermes_special: Served) -> None:
+    """``--tool-call-parser hermes`` on a model whose ``<tool_call>`` tags are special tokens (Hermes 2 Pro's): the
+    server keeps them in the text, as vLLM's hermes parser asks, so the calls are read, streamed and not (before, the
+    tags were left out and the JSON between them was the answer)."""
+    regex = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>'
+    ask = _ask(hermes_special, regex)
+    choice = hermes_special.client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    streamed = _streamed(hermes_special, ask)
+    assert streamed["content"] == "" and [(n, a) for _, n, a in streamed["calls"]] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    plain = hermes_special.client.chat.completions.create(**_ask(hermes_special, regex, tools=None))
+    assert plain.choices[0].message.content == '{"name": "get_weather", "arguments": {"city": "Paris"}}'
