@@ -10,8 +10,10 @@ its schema allows, then close; then text is free again (or, without ``parallel_t
 
 The call format is the one the server reads (``--tool-call-parser``), or, without the flag, the one the chat template
 teaches: Qwen3-Coder's XML calls where the template writes ``<function=``, Hermes' JSON where it writes
-``<tool_call>``. Other formats (bare JSON, Python lists) have no trigger that tells a call from an answer, so there a
-``strict`` tool is served as vLLM serves it without a structural tag: its calls are read, not held.
+``<tool_call>``, Mistral's calls by name (``[TOOL_CALLS]NAME[ARGS]{...}``, tokenizer v11 on) where it writes
+``[TOOL_CALLS]`` and ``[ARGS]``. Other formats (bare JSON, Python lists, Mistral's older list) have no trigger that
+tells a call from an answer or none this holds, so there a ``strict`` tool is served as vLLM serves it without a
+structural tag: its calls are read, not held.
 
 A tool is held to its schema when it says ``strict: true`` (or every tool, with ``--strict-tool-calls``, as vLLM's
 ``VLLM_ENFORCE_STRICT_TOOL_CALLING`` and SGLang's ``SGLANG_TOOL_STRICT_LEVEL`` do); once any tool of a request is,
@@ -27,6 +29,8 @@ from typing import Any
 
 from boundless.api.tool_calls import (
     ALL_FORMATS,
+    MISTRAL,
+    MISTRAL_TAG,
     TAGGED_JSON,
     TAGGED_XML,
     TOOL_CALL_TAG,
@@ -40,16 +44,23 @@ from boundless.engine.structured_output import MAX_WHITESPACE
 # before </function> is the parameters' last blank, so that a call without parameters is the template's two lines).
 _JSON_OPEN, _JSON_ARGUMENTS, _JSON_END = '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"
 _XML_OPEN, _XML_AFTER_NAME, _XML_END = "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"
+# Mistral's v11 call: its tag and name, [ARGS], the arguments' object, and nothing after it.
+_MISTRAL_ARGS = "[ARGS]"
 # No parameters: a call's arguments are the empty object.
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def strict_call_format(formats: CallFormats, template: str | None) -> str | None:
     """The call format a strict call is held to: the server's ``--tool-call-parser``'s when it reads one tagged format
-    (``formats``), else the one the chat template writes (``template``: its source); None when neither says."""
+    (``formats``), else the one the chat template writes (``template``: its source); None when neither says.
+    Mistral's calls (its parser's, or a template's that writes them) only in the by-name form, which its template
+    says it writes with ``[ARGS]``."""
     tagged = formats & {TAGGED_JSON, TAGGED_XML}
     if len(tagged) == 1 and len(formats) == 1:
         return next(iter(tagged))
+    mistral_v11 = template is not None and MISTRAL_TAG in template and _MISTRAL_ARGS in template
+    if formats == frozenset({MISTRAL}) or (formats == ALL_FORMATS and mistral_v11):
+        return MISTRAL if mistral_v11 else None
     if formats == ALL_FORMATS and template is not None:  # (no parser: every format is read, so the template decides)
         if XML_FUNCTION_TAG in template:
             return TAGGED_XML
@@ -93,7 +104,7 @@ def forced_calls_tag(
 
 
 def _trigger(call_format: str) -> str:
-    return TOOL_CALL_TAG if call_format == TAGGED_JSON else _XML_OPEN
+    return {TAGGED_JSON: TOOL_CALL_TAG, MISTRAL: MISTRAL_TAG}.get(call_format, _XML_OPEN)
 
 
 def _call_tags(tools: Sequence[dict[str, Any]], call_format: str, every_tool: bool) -> list[dict[str, Any]]:
@@ -110,6 +121,9 @@ def _call_tags(tools: Sequence[dict[str, Any]], call_format: str, every_tool: bo
         if call_format == TAGGED_JSON:
             content["json_schema"] = schema if strict else {"type": "object"}
             begin, end = _JSON_OPEN + name + _JSON_ARGUMENTS, _JSON_END
+        elif call_format == MISTRAL:
+            content["json_schema"] = schema if strict else {"type": "object"}
+            begin, end = MISTRAL_TAG + name + _MISTRAL_ARGS, ""
         else:
             content = content | {"json_schema": schema, "style": "qwen_xml"} if strict else {"type": "any_text"}
             begin, end = _XML_OPEN + name + _XML_AFTER_NAME, _XML_END

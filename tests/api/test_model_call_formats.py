@@ -626,3 +626,21 @@ def test_served_hermes_tags_that_are_special_tokens(hermes_special: Served) -> N
     ]
     plain = hermes_special.client.chat.completions.create(**_ask(hermes_special, regex, tools=None))
     assert plain.choices[0].message.content == '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+def test_served_mistral_strict_call_is_held_to_its_schema(mistral: Served) -> None:
+    """A ``strict`` tool under ``tool_choice: auto`` on the mistral parser (the template writes v11 calls): the call
+    the model opens with ``[TOOL_CALLS]`` (favoured here) is held to the tool's schema, where a random model would
+    write any arguments; without parallel calls the output ends after it."""
+    tokens = mistral.loaded.tokenizer
+    bias = {str(tokens.encode("[TOOL_CALLS]", add_special_tokens=False)[0]): 100}
+    units = {"type": "function", "function": {**UNITS["function"], "strict": True}}
+    ask = _ask(mistral, None, tools=[units], logit_bias=bias, parallel_tool_calls=False, max_tokens=600)
+    choice = mistral.client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "set_units" and _ID.fullmatch(call.id)
+    assert isinstance(arguments["metric"], bool) and arguments["scale"] in ("C", "F", "K")
+    streamed = _streamed(mistral, ask)
+    assert [n for _, n, _ in streamed["calls"]] == ["set_units"] and streamed["finish"] == "tool_calls"

@@ -14,7 +14,7 @@ import pytest
 from served_models import HERMES_TEMPLATE, UNITS, WEATHER, Served, serve_hermes
 
 from boundless.api.strict_calls import forced_calls_tag, strict_call_format, strict_calls_tag, structural_tag_text
-from boundless.api.tool_calls import ALL_FORMATS, TAGGED_JSON, TAGGED_XML, TOOL_CALL_PARSERS
+from boundless.api.tool_calls import ALL_FORMATS, MISTRAL, TAGGED_JSON, TAGGED_XML, TOOL_CALL_PARSERS
 from boundless.config import ServerConfig
 from boundless.engine.structured_output import Grammars, StructuredOutput
 from boundless.model.loader import load_model
@@ -109,6 +109,32 @@ def test_xml_calls_are_held_to_the_schema_as_qwen3_coder_writes_them(tiny_gramma
     # A tool without parameters: the two lines Qwen3-Coder's template writes.
     bare = strict_calls_tag([strict({"type": "function", "function": {"name": "now"}})], TAGGED_XML, parallel=True)
     assert bare is not None and accepts(tiny_grammars, bare, "<tool_call>\n<function=now>\n</function>\n</tool_call>")
+
+
+MISTRAL_V11_TEMPLATE = "{{ '[TOOL_CALLS]' + call.function.name + '[ARGS]' + call.function.arguments | tojson }}"
+
+
+def test_mistral_calls_by_name_are_held_where_the_template_writes_them(tiny_grammars: Grammars) -> None:
+    """Mistral's v11 calls, ``[TOOL_CALLS]NAME[ARGS]{...}``: the ``mistral`` parser's format, or without a parser a
+    template's that writes them; held as Hermes' are (the trigger its tag, the arguments to the schema, nothing
+    after them). Mistral's older list (its template writes no ``[ARGS]``) is read, not held."""
+    assert strict_call_format(TOOL_CALL_PARSERS["mistral"], MISTRAL_V11_TEMPLATE) == MISTRAL
+    assert strict_call_format(ALL_FORMATS, MISTRAL_V11_TEMPLATE) == MISTRAL
+    assert strict_call_format(TOOL_CALL_PARSERS["mistral"], "{{ '[TOOL_CALLS] [' + calls | tojson }}") is None
+    assert strict_call_format(TOOL_CALL_PARSERS["mistral"], None) is None
+    tag = strict_calls_tag([strict(UNITS), WEATHER], MISTRAL, parallel=True)
+    assert tag is not None
+
+    def call(name: str, arguments: str) -> str:
+        return f"[TOOL_CALLS]{name}[ARGS]{arguments}"
+
+    ok = call("set_units", '{"metric": true, "scale": "K"}')
+    assert accepts(tiny_grammars, tag, "Plain text.") and accepts(tiny_grammars, tag, "Sure. " + ok + ok)
+    assert not accepts(tiny_grammars, tag, call("set_units", '{"metric": true, "scale": "X"}'))
+    assert not accepts(tiny_grammars, tag, call("launch", "{}"))
+    assert accepts(tiny_grammars, tag, call("get_weather", '{"town": 3}'))  # (not strict: any object)
+    single = strict_calls_tag([strict(UNITS)], MISTRAL, parallel=False)
+    assert single is not None and accepts(tiny_grammars, single, ok) and not accepts(tiny_grammars, single, ok + ok)
 
 
 def test_forced_calls_are_written_in_the_models_own_format(tiny_grammars: Grammars) -> None:
