@@ -401,10 +401,11 @@ def _named_call(
 
 
 def marked_calls(text: str, formats: CallFormats) -> list[tuple[int, int, list[ToolCall]]]:
-    """The calls after the tags of Mistral (``[TOOL_CALLS]``, of ``formats``) and Phi-4-mini (``functools[``) in
-    ``text``: each tag's span with its calls, and those calls, in order. Mistral's tag is followed by a JSON list of
-    calls (before v11) or one call by name (v11 on, a tag each); calls read there get Mistral's ids. A tag whose calls
-    do not read whole (cut off) is no call: it stays in the text."""
+    """The calls after the tags of Mistral (``[TOOL_CALLS]``), Phi-4-mini (``functools[``) and DeepSeek
+    (``<｜tool▁call▁begin｜>``), those of ``formats``, in ``text``: each tag's span with its calls (a DeepSeek call's
+    with the tags and fence around it), and those calls, in order. Mistral's tag is followed by a JSON list of calls
+    (before v11) or one call by name (v11 on, a tag each); calls read there get Mistral's ids. A tag whose calls do not
+    read whole (cut off) is no call: it stays in the text."""
     tags = [
         t for f, t in ((MISTRAL, MISTRAL_TAG), (FUNCTOOLS, FUNCTOOLS_TAG), (DEEPSEEK, DEEPSEEK_CALL)) if f in formats
     ]
