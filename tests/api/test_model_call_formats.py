@@ -644,3 +644,29 @@ def test_served_mistral_strict_call_is_held_to_its_schema(mistral: Served) -> No
     assert isinstance(arguments["metric"], bool) and arguments["scale"] in ("C", "F", "K")
     streamed = _streamed(mistral, ask)
     assert [n for _, n, _ in streamed["calls"]] == ["set_units"] and streamed["finish"] == "tool_calls"
+
+
+def test_served_mistral_calls_through_the_responses_api(mistral: Served) -> None:
+    """The Responses API reads Mistral's calls the same way, and its ``call_id`` (Mistral's 9 characters) takes the
+    call's output back through the template, chained by ``previous_response_id``."""
+    tokens = mistral.loaded.tokenizer
+    bias = {str(tokens.encode(t, add_special_tokens=False)[0]): 100 for t in SPECIAL}
+    regex = r'\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "Paris"\}'
+    response = mistral.client.responses.create(
+        model="tiny",
+        input="Weather in Paris?",
+        tools=[{"type": "function", **WEATHER["function"]}],
+        max_output_tokens=300,
+        extra_body={"structured_outputs": {"regex": regex}, "logit_bias": bias, "temperature": 0},
+    )
+    (call,) = response.output
+    assert call.type == "function_call" and (call.name, call.arguments) == ("get_weather", '{"city": "Paris"}')
+    assert _ID.fullmatch(call.call_id)
+    answer = mistral.client.responses.create(
+        model="tiny",
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}],
+        max_output_tokens=16,  # (the minimum the API takes)
+        extra_body={"temperature": 0},
+    )
+    assert answer.status in ("completed", "incomplete")
