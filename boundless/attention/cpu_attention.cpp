@@ -49,7 +49,34 @@ struct Args {
   float* m;
   float* e;
   bool normalize;  // write o / e (the attention output) instead of the partial's o
+  // An 8-bit cache (--kv-cache-dtype fp8): k_cache and v_cache hold bytes, each the index of its value in lut (256
+  // floats); a block is widened into the thread's scratch at widen_at before use. nullptr: fp32 caches.
+  const float* lut = nullptr;
+  long widen_at = 0;
 };
+
+// A block's bytes of an 8-bit cache as fp32, eight at a time through the type's table of values.
+inline const float* widen(const float* lut, const float* block_bytes, long n, float* dst) {
+  const unsigned char* src = (const unsigned char*)block_bytes;
+  long i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_i32gather_ps(lut, idx, 4));
+  }
+  for (; i < n; i++) dst[i] = lut[src[i]];
+  return dst;
+}
+
+// Where a cache block starts: a float's offset in an fp32 cache, a byte's in an 8-bit one (as a float pointer, read
+// only through widen).
+inline const float* block_at(const Args& a, const float* cache, long offset) {
+  return a.lut ? (const float*)((const unsigned char*)cache + offset) : cache + offset;
+}
+
+// The thread's two widening buffers (keys, values) of bs * D floats, 32-byte aligned, past what the tile uses.
+inline float* widen_buffer(const Args& a, float* scratch) {
+  return (float*)(((size_t)(scratch + a.widen_at) + 31) & ~(size_t)31);
+}
 
 // The end of a query row: its (m, e), and o divided by e when the caller wants the output itself
 // (one local partial: nothing to merge). A division, as merge_partials does, so results agree bit for bit.
@@ -179,9 +206,10 @@ void attend_tile(const Args& a, long s, long kvh, long t0, long t1, float* scrat
   const long tok0 = a.q_starts[s];
   const int* table = a.tables + s * a.max_blocks;
   const long n_all = base + t1;  // keys any row of the tile sees
-  const long block_bytes = bs * D * (long)sizeof(float);
-  auto kblock = [&](long b) { return a.k_cache + ((kvh * a.num_blocks + table[b]) * bs) * D; };
-  auto vblock = [&](long b) { return a.v_cache + ((kvh * a.num_blocks + table[b]) * bs) * D; };
+  const long block_bytes = bs * D * (a.lut ? 1 : (long)sizeof(float));
+  auto kblock = [&](long b) { return block_at(a, a.k_cache, ((kvh * a.num_blocks + table[b]) * bs) * D); };
+  auto vblock = [&](long b) { return block_at(a, a.v_cache, ((kvh * a.num_blocks + table[b]) * bs) * D); };
+  float* wk = a.lut ? widen_buffer(a, scratch) : nullptr;
   const long nblocks = (n_all + bs - 1) / bs;
   const long rows = (t1 - t0) * group;
   // Row r = (token t0 + r / group, head kvh * group + r % group).
@@ -200,8 +228,8 @@ void attend_tile(const Args& a, long s, long kvh, long t0, long t1, float* scrat
   prefetch_block(vblock(0), block_bytes, false);
   for (long b = 0; b < nblocks; b++) {
     const long b0 = b * bs;
-    const float* kb = kblock(b);
-    const float* vb = vblock(b);
+    const float* kb = a.lut ? widen(a.lut, kblock(b), bs * D, wk) : kblock(b);
+    const float* vb = a.lut ? widen(a.lut, vblock(b), bs * D, wk + bs * D) : vblock(b);
     if (b + 1 < nblocks) {
       prefetch_block(kblock(b + 1), block_bytes, false);
       prefetch_block(vblock(b + 1), block_bytes, false);
@@ -342,13 +370,19 @@ void attend_tile_wide_impl(const Args& a, long s, long kvh, long t0, long t1, fl
     long c = base + t0 + r / group + 1 - b0;
     return c < 0 ? 0 : (c > BS ? BS : c);
   };
+  float* wk = a.lut ? widen_buffer(a, scratch) : nullptr;
+  const long block_bytes = BS * D * (a.lut ? 1 : 4);
   for (long b = 0; b < nblocks; b++) {
     const long b0 = b * BS;
-    const float* kb = a.k_cache + ((kvh * a.num_blocks + table[b]) * BS) * D;
-    const float* vb = a.v_cache + ((kvh * a.num_blocks + table[b]) * BS) * D;
+    const float* kb = block_at(a, a.k_cache, ((kvh * a.num_blocks + table[b]) * BS) * D);
+    const float* vb = block_at(a, a.v_cache, ((kvh * a.num_blocks + table[b]) * BS) * D);
+    if (a.lut) {
+      kb = widen(a.lut, kb, BS * D, wk);
+      vb = widen(a.lut, vb, BS * D, wk + BS * D);
+    }
     if (b + 1 < nblocks) {
-      prefetch_block(a.k_cache + ((kvh * a.num_blocks + table[b + 1]) * BS) * D, BS * D * 4, false);
-      prefetch_block(a.v_cache + ((kvh * a.num_blocks + table[b + 1]) * BS) * D, BS * D * 4, false);
+      prefetch_block(block_at(a, a.k_cache, ((kvh * a.num_blocks + table[b + 1]) * BS) * D), block_bytes, false);
+      prefetch_block(block_at(a, a.v_cache, ((kvh * a.num_blocks + table[b + 1]) * BS) * D), block_bytes, false);
     }
     for (long j0 = 0; j0 < BS; j0 += 8)
       for (long d0 = 0; d0 < D; d0 += 8) transpose8(kb + j0 * D + d0, D, kt + d0 * BS + j0, BS);
@@ -448,7 +482,8 @@ void attend_tile_wide_impl(const Args& a, long s, long kvh, long t0, long t1, fl
 }
 
 template <int DC>
-void run(const Args& a, long S, long tile, int nthreads) {
+void run(const Args& given, long S, long tile, int nthreads) {
+  Args a = given;
   // Work items: (sequence, kv head, tile of query tokens); a tile's rows share the KV in cache.
   std::vector<long> first(S + 1, 0);
   for (long s = 0; s < S; s++) {
@@ -460,9 +495,10 @@ void run(const Args& a, long S, long tile, int nthreads) {
   const long rows = tile * group;
   const long bs = a.block_size;
   const bool wide = DC > 0 && rows >= 6 && (bs == 8 || bs == 16 || bs == 32);
+  a.widen_at = rows * (3 + bs) + a.D * bs + 16;  // past both tile kinds' scratch
 #pragma omp parallel num_threads(nthreads) if (items > 1 && nthreads > 1)
   {
-    std::vector<float> scratch(rows * (3 + bs) + a.D * bs + 16);
+    std::vector<float> scratch(a.widen_at + (a.lut ? 2 * bs * a.D + 16 : 0));
 #pragma omp for schedule(dynamic, 1)
     for (long it = 0; it < items; it++) {
       long lo = 0, hi = S;  // the sequence whose items hold `it`
@@ -495,7 +531,7 @@ void run(const Args& a, long S, long tile, int nthreads) {
 
 extern "C" {
 
-int bl_attention_abi_version() { return 2; }
+int bl_attention_abi_version() { return 3; }
 
 // Partials of every query token of a flat batch over its sequence's paged context.
 //   q [T, H, D] (token stride q_stride, heads contiguous), caches [KVH, num_blocks, block_size, D],
@@ -515,6 +551,23 @@ void bl_paged_attention(const float* q, long q_stride, const float* k_cache, con
     case 64: run<8>(a, S, tile, nthreads); break;
     case 128: run<16>(a, S, tile, nthreads); break;
     default: run<0>(a, S, tile, nthreads); break;  // any multiple of 8
+  }
+}
+
+// bl_paged_attention over 8-bit caches: each byte the index of its value in lut [256].
+void bl_paged_attention8(const float* q, long q_stride, const unsigned char* k_cache, const unsigned char* v_cache,
+                         long num_blocks, long block_size, const int* tables, long max_blocks, const int* q_starts,
+                         const int* seq_lens, long S, long H, long KVH, long D, float scale, float* o, float* m,
+                         float* e, long tile, int normalize, int nthreads, const float* lut) {
+  Args a{q, q_stride, (const float*)k_cache, (const float*)v_cache, num_blocks, block_size, tables, max_blocks,
+         q_starts, seq_lens, H, KVH, D, scale, o, m, e, normalize != 0, lut};
+  if (tile < 1) tile = 1;
+  switch (D) {
+    case 16: run<2>(a, S, tile, nthreads); break;
+    case 32: run<4>(a, S, tile, nthreads); break;
+    case 64: run<8>(a, S, tile, nthreads); break;
+    case 128: run<16>(a, S, tile, nthreads); break;
+    default: run<0>(a, S, tile, nthreads); break;
   }
 }
 

@@ -15,11 +15,13 @@ import torch
 from boundless import native
 from boundless.attention.backend import padded_table
 from boundless.attention.partials import AttentionPartial
+from boundless.kv.cache_dtype import FP8_DTYPES, store_rows, value_table
 from boundless.native import F, I, L, P
 
 _SIGNATURES = {
     "bl_attention_abi_version": (I, []),
     "bl_paged_attention": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I]),
+    "bl_paged_attention8": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I, P]),
     "bl_store_kv": (None, [P, L, P, L, P, P, P, L, L, L, L]),
     "bl_store_and_attend": (
         None,
@@ -116,8 +118,17 @@ def paged_partial(
         e = torch.empty(t, h, 1, dtype=torch.float32)
     else:
         o, m, e = out
-    _lib().bl_paged_attention(*_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize=False))
+    _attend(_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize=False), k_cache.dtype)
     return AttentionPartial(m=m, e=e, o=o)
+
+
+def _attend(args: tuple, cache_dtype: torch.dtype) -> None:
+    """The kernel over fp32 caches, or over 8-bit ones (``--kv-cache-dtype fp8``) widened through their values'
+    table."""
+    if cache_dtype in FP8_DTYPES:
+        _lib().bl_paged_attention8(*args, value_table(cache_dtype).data_ptr())
+    else:
+        _lib().bl_paged_attention(*args)
 
 
 def store_and_attend(
@@ -136,6 +147,10 @@ def store_and_attend(
     heads contiguous in q, k, v; contiguous caches; int64 slots). With ``normalize`` the partial's
     ``o`` is finished in place into the attention output ``o / e``, for a caller with nothing to merge."""
     o, m, e = out
+    if k_cache.dtype in FP8_DTYPES:  # (rounded on the way in by PyTorch's cast; the kernel stores fp32 only)
+        store_rows(k, v, k_cache, v_cache, slots)
+        _attend(_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize), k_cache.dtype)
+        return AttentionPartial(m=m, e=e, o=o)
     _lib().bl_store_and_attend(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), q.shape[0],
         *_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize),

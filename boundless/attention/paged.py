@@ -20,7 +20,7 @@ import torch
 from boundless.attention import cpu_attention
 from boundless.attention.backend import AttentionBatch, padded_table
 from boundless.attention.partials import AttentionPartial, merge_partials, scores_partial
-from boundless.kv.cache_dtype import from_cache, to_cache
+from boundless.kv.cache_dtype import FP8_DTYPES, from_cache, store_rows, to_cache
 
 
 @dataclass
@@ -124,7 +124,7 @@ class TorchPagedAttention:
                 self._prepare_torch(meta, meta.batch)
                 meta.batch = None
         # Store the new tokens' KV first: a sequence's attention reads its own new keys from the cache.
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_rows(k, v, k_cache, v_cache, meta.slot_mapping)
         if not meta.prefills:
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
@@ -157,7 +157,7 @@ class TorchPagedAttention:
             if meta.batch is not None:
                 self._prepare_torch(meta, meta.batch)
                 meta.batch = None
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_rows(k, v, k_cache, v_cache, meta.slot_mapping)
         t, h, _ = q.shape
         m, e, o = torch.empty(t, h, 1, device=q.device), torch.empty(t, h, 1, device=q.device), torch.empty_like(q)
         parts = []
@@ -171,17 +171,11 @@ class TorchPagedAttention:
         return AttentionPartial(m=m, e=e, o=o)
 
     @staticmethod
-    def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
-        """The step's K/V [tokens, kv_heads, head_dim] into the cache at ``slots``, in the cache's type."""
-        kvh, nb, bs, d = k_cache.shape
-        k_cache.view(kvh, nb * bs, d)[:, slots] = to_cache(k.transpose(0, 1), k_cache.dtype)
-        v_cache.view(kvh, nb * bs, d)[:, slots] = to_cache(v.transpose(0, 1), v_cache.dtype)
-
-    @staticmethod
     def _native_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
         d = q.shape[-1]
         return (
-            q.dtype == k_cache.dtype == k.dtype == v.dtype == torch.float32
+            q.dtype == k.dtype == v.dtype == torch.float32
+            and k_cache.dtype in (torch.float32, *FP8_DTYPES)
             and k_cache.device.type == "cpu"
             and k_cache.is_contiguous()
             and all(x.stride(-1) == 1 and x.stride(-2) == d for x in (q, k, v))

@@ -33,7 +33,7 @@ import torch
 
 from boundless.attention import cpu_attention
 from boundless.attention.partials import AttentionPartial, scores_partial
-from boundless.kv.cache_dtype import from_cache, is_fp8
+from boundless.kv.cache_dtype import FP8_DTYPES, from_cache, is_fp8
 
 VERSION = 1
 # Tags of DistAttention traffic: far above the handoff tags the dispatcher hands out (1, 3, 5, ...).
@@ -82,7 +82,8 @@ def lent_partial(
     if (
         t <= NATIVE_MAX_ROWS
         and cpu_attention.supports(d, k_cache.device)
-        and q.dtype == k_cache.dtype == torch.float32
+        and q.dtype == torch.float32
+        and k_cache.dtype in (torch.float32, *FP8_DTYPES)
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
     ):

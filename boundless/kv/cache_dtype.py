@@ -60,3 +60,21 @@ def index_copy(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tens
     if dst.dtype in FP8_DTYPES:
         dst, src = dst.view(torch.uint8), src.view(torch.uint8)
     dst.index_copy_(dim, index, src)
+
+
+def store_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+    """A step's K/V [tokens, kv_heads, head_dim] into one layer's caches [kv_heads, blocks, block_size, head_dim] at
+    ``slots``, in the caches' type."""
+    kvh, nb, bs, d = k_cache.shape
+    k_cache.view(kvh, nb * bs, d)[:, slots] = to_cache(k.transpose(0, 1), k_cache.dtype)
+    v_cache.view(kvh, nb * bs, d)[:, slots] = to_cache(v.transpose(0, 1), v_cache.dtype)
+
+
+def value_table(dtype: torch.dtype) -> torch.Tensor:
+    """An 8-bit type's 256 values in fp32, by byte: how a native kernel widens the cache (a lookup per byte)."""
+    if dtype not in _TABLES:
+        _TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    return _TABLES[dtype]
+
+
+_TABLES: dict[torch.dtype, torch.Tensor] = {}
