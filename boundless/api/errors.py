@@ -87,6 +87,25 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+ANTHROPIC_ROUTE = "/v1/messages"  # (and below it: count_tokens)
+
+
+def anthropic_route(scope: Scope) -> bool:
+    """Whether the request is to Anthropic's Messages routes, whose errors are Anthropic's objects."""
+    path = scope.get("path", "")
+    return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
+
+
+def route_error_response(
+    scope: Scope, status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """An error the app gives on any route (no such route or method, an unexpected failure): Anthropic's object on
+    the Messages routes, OpenAI's elsewhere."""
+    if anthropic_route(scope):
+        return JSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
+    return error_response(status, message, code=code, headers=headers)
+
+
 def anthropic_error(status: int, message: str) -> dict[str, Any]:
     """An error as Anthropic's API gives it (the Messages routes'): ``{"type": "error", "error": {"type",
     "message"}}``, its type by status."""
@@ -187,16 +206,17 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, str(exc), code="instance_error")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # (No such route or method: on Anthropic's paths, e.g. GET /v1/messages, its error object, as its routes')
         message = exc.detail if isinstance(exc.detail, str) else "error"
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return route_error_response(request.scope, exc.status_code, message, headers=getattr(exc, "headers", None))
 
     app.add_middleware(UnexpectedErrors)
 
 
-def _unexpected(exc: Exception) -> JSONResponse:
+def _unexpected(exc: Exception, scope: Scope) -> JSONResponse:
     log.error("unhandled error", exc_info=exc)
-    return error_response(500, f"internal error: {type(exc).__name__}")
+    return route_error_response(scope, 500, f"internal error: {type(exc).__name__}")
 
 
 class _AnswersBeforeResponse:
@@ -243,7 +263,7 @@ class UnexpectedErrors(_AnswersBeforeResponse):
         if started:
             raise exc
         assert isinstance(exc, Exception)
-        await _unexpected(exc)(scope, receive, send)
+        await _unexpected(exc, scope)(scope, receive, send)
 
 
 class CancelledRequests(_AnswersBeforeResponse):
@@ -256,4 +276,4 @@ class CancelledRequests(_AnswersBeforeResponse):
     async def _handle(self, exc: BaseException, started: bool, scope: Scope, receive: Receive, send: Send) -> None:
         log.warning("%s %s cancelled: the server is shutting down", scope.get("method"), scope.get("path"))
         if not started:
-            await error_response(503, SHUTTING_DOWN, code="server_shutting_down")(scope, receive, send)
+            await route_error_response(scope, 503, SHUTTING_DOWN, code="server_shutting_down")(scope, receive, send)

@@ -7,22 +7,15 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from boundless.api.errors import error_bytes
+from boundless.api.errors import anthropic_route, error_bytes
 
 OPEN_PATHS = ("/health", "/version")  # (vLLM asks no key for either)
-ANTHROPIC_ROUTE = "/v1/messages"  # (and below it: count_tokens)
-
-
-def _anthropic_route(scope: Scope) -> bool:
-    """Whether the request is to Anthropic's Messages routes, whose errors are Anthropic's objects."""
-    path = scope.get("path", "")
-    return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
 
 
 async def _send_error(
     scope: Scope, send: Send, status: int, message: str, code: str, headers: list | None = None
 ) -> None:
-    body = error_bytes(status, message, code, anthropic=_anthropic_route(scope))
+    body = error_bytes(status, message, code, anthropic=anthropic_route(scope))
     await send(
         {
             "type": "http.response.start",

@@ -39,7 +39,8 @@ from boundless.api.schemas import (
     Int,
     NullIsDefault,
 )
-from boundless.api.server import ChatStream
+from boundless.api.server import ChatStream, off_loop_if_large
+from boundless.api.validation import require_valid_text
 from boundless.engine.errors import ContextOverflow, InvalidRequestError
 
 routes = APIRouter()
@@ -423,6 +424,8 @@ async def _json_object(request: Request) -> dict[str, Any]:
         ) from None
     except UnicodeDecodeError:
         raise APIError(400, "the body is not valid JSON: not UTF-8 text", None, "invalid_value") from None
+    except RecursionError:  # (arrays or objects nested thousands deep: past the parser's stack, a 500 it was)
+        raise APIError(400, "the body is not valid JSON: it nests too deep", None, "invalid_value") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", None, "invalid_value")
     return body
@@ -455,7 +458,8 @@ async def count_tokens(request: Request) -> Response:
         asked = MessagesRequest.model_validate({"max_tokens": 1, **body})
         server.check_model(asked.model)
         chat = ChatCompletionRequest.model_validate(chat_fields(asked, server.reasoning is not None))
-        prompt = server.chat_prompt(chat)
+        require_valid_text(chat.model_dump(by_alias=True))  # (as the Messages route's: a lone surrogate was a 500)
+        prompt = await off_loop_if_large(request, server.chat_prompt, chat)
     except Exception as e:
         return await _anthropic_error(request, body, e)
     return JSONResponse({"input_tokens": len(prompt)})

@@ -63,6 +63,7 @@ from boundless.api.server import (
     check_common,
     check_grammar,
     failure_error,
+    off_loop_if_large,
     sampling_params,
     structured_outputs_grammar,
 )
@@ -352,7 +353,7 @@ class ResponsesAPI:
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
         server = self.server
-        call = self._prepare(body, request)
+        call = await off_loop_if_large(request, self._prepare, body, request)
         chat = call.chat
         check_common(chat, server.tokenizer.vocab_size)
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or ()]

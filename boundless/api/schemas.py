@@ -243,6 +243,16 @@ def object_schema(parameters: dict[str, Any] | None, info: ValidationInfo) -> di
             f"Invalid schema for function '{info.data.get('name', '')}': schema must be a JSON Schema of "
             f"'type: \"object\"', got 'type: \"{parameters.get('type')}\"'.",
         )
+    properties = (parameters or {}).get("properties")
+    if properties is not None and not (
+        isinstance(properties, dict) and all(isinstance(s, (dict, bool)) for s in properties.values())
+    ):
+        # (A list or a string here was read as the parameters' schemas when the route typed a call's values: a 500.)
+        raise PydanticCustomError(
+            INVALID_FUNCTION_PARAMETERS,
+            f"Invalid schema for function '{info.data.get('name', '')}': 'properties' must be an object whose "
+            "values are schemas (objects or booleans).",
+        )
     return parameters
 
 

@@ -71,6 +71,7 @@ from boundless.api.tool_calls import (
 from boundless.api.validation import (
     header_identifier,
     refuse_removed_fields,
+    require_shallow_json,
     require_token_ids,
     require_valid_text,
 )
@@ -492,7 +493,36 @@ async def check_grammar(params: SamplingParams, vocab_size: int) -> None:
     """Check a structured request's definition for a vocabulary of ``vocab_size`` ids on a worker thread: the first
     one imports xgrammar (1.5 s), which would stall every stream of the event loop."""
     if params.structured is not None:
-        await asyncio.to_thread(check_structured_output, params.structured, vocab_size)
+        await asyncio.to_thread(_check_structured, params.structured, vocab_size)
+
+
+def _check_structured(spec: StructuredOutput, vocab_size: int) -> None:
+    if spec.kind in ("json_schema", "structural_tag"):  # (JSON: its depth first, which the compilation's time follows)
+        require_shallow_json(spec.definition, spec.param, spec.kind)
+    check_structured_output(spec, vocab_size)
+
+
+# A request body past this size has its prompt built (the chat template, the tokenizer) on a worker thread, and a
+# text past LONG_TEXT_CHARS is tokenized with the GIL released: a body of megabytes takes seconds to tokenize, which on
+# the event loop (or holding the GIL) stalled every other request and stream of the server for as long.
+LARGE_BODY_BYTES = 1 << 18
+LONG_TEXT_CHARS = 1 << 16
+
+
+async def off_loop_if_large(request: Request, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, on a worker thread if the request's body is over :data:`LARGE_BODY_BYTES` (else here: a small
+    request is not worth a thread, nor a place in the pool's queue)."""
+    if len(await request.body()) > LARGE_BODY_BYTES:  # (read already: the route's body)
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer.encode(text)``; a long text through the batch encoder, which releases the GIL (the single one holds
+    it throughout: seconds for megabytes, in which no other thread of the server ran)."""
+    if len(text) > LONG_TEXT_CHARS and hasattr(tokenizer, "encode_batch"):
+        return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) -> ProgramRef | None:
@@ -669,7 +699,7 @@ class OpenAIServer:
         # The template rejected the conversation (raise_exception), or a variable the request gave it does not fit.
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return encode_text(self.tokenizer, prompt, add_special_tokens=False)
 
     def _template_kwargs(self, body: ChatCompletionRequest) -> dict[str, Any]:
         """vLLM's ``chat_template_kwargs``, and ``reasoning_effort`` (for a reasoning model only) as the template's
@@ -762,7 +792,8 @@ class OpenAIServer:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         check_common(body, self.tokenizer.vocab_size)
         lora = self.check_model(body.model)
-        ids = truncated_prompt(self.chat_prompt(body), body.truncate_prompt_tokens, self.client.max_model_len)
+        prompt = await off_loop_if_large(request, self.chat_prompt, body)
+        ids = truncated_prompt(prompt, body.truncate_prompt_tokens, self.client.max_model_len)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -786,7 +817,7 @@ class OpenAIServer:
             room = self.client.max_model_len - len(ids)
             params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs, lora, self.defaults, room)
             if body.prediction is not None:
-                prediction = self.tokenizer.encode(body.prediction.text, add_special_tokens=False)
+                prediction = encode_text(self.tokenizer, body.prediction.text, add_special_tokens=False)
                 params = dataclasses.replace(params, prediction=tuple(prediction))
             if body.thinking_token_budget is not None:
                 budget = self.thinking_budget(body.thinking_token_budget, ids)
@@ -1027,11 +1058,11 @@ class OpenAIServer:
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         p = body.prompt
         if isinstance(p, str):
-            prompts = [self.tokenizer.encode(p)]
+            prompts = [encode_text(self.tokenizer, p)]
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [self.tokenizer.encode(x) for x in p]
+            prompts = [encode_text(self.tokenizer, x) for x in p]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]  # type: ignore[arg-type]
         else:  # the schema has checked the shape: an empty list is left
@@ -1055,7 +1086,7 @@ class OpenAIServer:
             raise APIError(
                 400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens", "invalid_value"
             )
-        prompts = self.completion_prompts(body)
+        prompts = await off_loop_if_large(request, self.completion_prompts, body)
         # The prompt alone: the engine still samples a token (a prompt ends in a step that samples), which the response
         # leaves out, as vLLM's does.
         prompt_only = body.echo and body.max_tokens == 0

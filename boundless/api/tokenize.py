@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from boundless.api.errors import APIError
 from boundless.api.schemas import Bool, ChatCompletionRequest, Int
+from boundless.api.server import encode_text, off_loop_if_large
 from boundless.api.validation import require_token_ids, require_valid_text
 
 routes = APIRouter()
@@ -68,6 +69,11 @@ async def tokenize(body: dict[str, Any], request: Request) -> Response:
     require_valid_text(spec.model_dump(by_alias=True))
     if spec.model is not None:
         server.check_model(spec.model)  # (an adapter's name too: it shares the tokenizer)
+    return JSONResponse(await off_loop_if_large(request, _tokenized, server, spec, chat))
+
+
+def _tokenized(server: Any, spec: Any, chat: bool) -> dict[str, Any]:
+    """The answer: ``spec``'s tokens, a chat's (``chat``) through the template."""
     tokenizer = server.tokenizer
     if chat:
         fields = {
@@ -82,15 +88,13 @@ async def tokenize(body: dict[str, Any], request: Request) -> Response:
         if spec.add_special_tokens and tokenizer.bos_token_id is not None:
             tokens = [tokenizer.bos_token_id, *tokens]
     else:
-        tokens = tokenizer.encode(spec.prompt, add_special_tokens=spec.add_special_tokens)
-    return JSONResponse(
-        {
-            "count": len(tokens),
-            "max_model_len": server.client.max_model_len,
-            "tokens": tokens,
-            "token_strs": tokenizer.convert_ids_to_tokens(tokens) if spec.return_token_strs else None,
-        }
-    )
+        tokens = encode_text(tokenizer, spec.prompt, add_special_tokens=spec.add_special_tokens)
+    return {
+        "count": len(tokens),
+        "max_model_len": server.client.max_model_len,
+        "tokens": tokens,
+        "token_strs": tokenizer.convert_ids_to_tokens(tokens) if spec.return_token_strs else None,
+    }
 
 
 @routes.post("/detokenize")

@@ -6,29 +6,36 @@ Each check raises :class:`~boundless.api.errors.APIError` (400) naming the param
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from boundless.api.errors import APIError
 from boundless.api.schemas import MAX_ID_CHARS
 
+_UNENCODABLE = "is not valid Unicode (it holds a lone surrogate)"
+_NOT_FINITE = "is not a finite number (JSON has no NaN or Infinity)"
 
-def unencodable_path(value: Any, path: str = "") -> str | None:
-    """The path (``messages.0.content``) of the first string in ``value``, key or value, that is not valid Unicode
-    (a lone surrogate, which JSON can spell ``"\\ud800"``), or None."""
+
+def _invalid_path(value: Any, path: str = "") -> tuple[str | None, str] | None:
+    """The path of the first value in ``value`` that JSON cannot carry, and why: a string, key or value, that is not
+    valid Unicode, or a number that is NaN or infinite (Python's JSON reads ``NaN``, ``Infinity`` and ``1e999``)."""
     if isinstance(value, str):
-        return None if value.isascii() or _encodes(value) else (path or None)
+        return None if value.isascii() or _encodes(value) else (path or None, _UNENCODABLE)
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path or None, _NOT_FINITE)
     if isinstance(value, Mapping):
         for key, item in value.items():
             sub = f"{path}.{key}" if path else str(key)
             if isinstance(key, str) and not _encodes(key):
-                return sub
-            found = unencodable_path(item, sub)
+                return sub, _UNENCODABLE
+            found = _invalid_path(item, sub)
             if found:
                 return found
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            found = unencodable_path(item, f"{path}.{i}" if path else str(i))
+            found = _invalid_path(item, f"{path}.{i}" if path else str(i))
             if found:
                 return found
     return None
@@ -43,10 +50,14 @@ def _encodes(text: str) -> bool:
 
 
 def require_valid_text(body: Mapping[str, Any]) -> None:
-    """400 if any text of the request is not valid Unicode: it could not be tokenized, matched or sent back."""
-    path = unencodable_path(body)
-    if path is not None:
-        raise APIError(400, f"{path} is not valid Unicode (it holds a lone surrogate)", path, "invalid_encoding")
+    """400 if any text of the request is not valid Unicode (it could not be tokenized, matched or sent back), or any
+    of its numbers, at any depth, is NaN or infinite: a schema or metadata holding one could not be sent back in a
+    response (JSON has none), nor compiled to a grammar."""
+    found = _invalid_path(body)
+    if found is not None:
+        path, why = found
+        code = "invalid_encoding" if why == _UNENCODABLE else "invalid_value"
+        raise APIError(400, f"{path or 'body'} {why}", path, code)
 
 
 # vLLM's structured-output fields before ``structured_outputs`` (removed in vLLM 0.12): each would otherwise be taken
@@ -72,6 +83,41 @@ def require_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise APIError(400, f"{param}: token id {bad} is not in [0, {vocab_size})", param, "invalid_value")
+
+
+# How deep a grammar's JSON (a schema, a structural tag) may nest: xgrammar's compilation time grows with about the
+# cube of a schema's depth (300 levels of arrays took 3 s, 900 minutes, a worker thread's and the engine's), and
+# OpenAI serves schemas 10 levels deep at most.
+MAX_JSON_DEPTH = 64
+
+
+def json_depth(text: str) -> int:
+    """How deep JSON text's objects and arrays nest (0 for a scalar), read from its brackets outside strings: without
+    recursion, for text of any depth."""
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(_STRINGS.sub("", text)):
+        if bracket in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+_STRINGS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # (unrolled: fast on long strings)
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def require_shallow_json(text: str | None, param: str, what: str) -> None:
+    """400 if JSON text (``what``, at ``param``) nests more than :data:`MAX_JSON_DEPTH` levels."""
+    if text is not None and (depth := json_depth(text)) > MAX_JSON_DEPTH:
+        raise APIError(
+            400,
+            f"{param}: the {what} nests {depth} levels deep; at most {MAX_JSON_DEPTH} are served (a grammar's "
+            "compilation grows with the cube of its depth)",
+            param,
+            "invalid_value",
+        )
 
 
 def header_identifier(headers: Mapping[str, str], name: str) -> str | None:
