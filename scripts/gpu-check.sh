@@ -63,7 +63,8 @@ fi
 # budget (GPU_CHECK_BUDGET seconds, 580 by default), so a slow stage costs the last ones, not the whole run.
 # 1. On CUDA: the graph runner's tests (both backends), FlexAttention's against the dense reference in bf16 and its
 #    block mask, the Triton kernel's tiles apart for decodes and prefills and its unmasked tiles, --flash-prefill's
-#    FlashAttention call, DistAttention on both backends, transformers' greedy tokens on FlexAttention (tiny-llama).
+#    FlashAttention call, DistAttention on both backends, transformers' greedy tokens on FlexAttention (tiny-llama),
+#    an fp8 KV cache on the Triton kernels (--kv-cache-dtype fp8: the GPU's rounding, the kernels' widening reads).
 # 2. `bench gpu --shapes 1b,8b --windows 16`: #16's figures (the 1B cases against transformers, the GPU's busy share
 #    and idle gaps, the 8B decode against its roofline).
 # 3. `bench gpu --shapes tiles --tiles-grid small`: one layer's attention on our kernel's default tiles and five
@@ -85,6 +86,8 @@ BOUNDLESS_TEST_DEVICE=cuda timeout "$(within 170)" python3 -m pytest -p no:cache
     tests/attention/test_triton_paged.py::test_flashattentions_call_passes_the_start_up_check \
     tests/attention/test_triton_paged.py::test_tiles_wholly_visible_take_no_mask \
     tests/attention/test_triton_paged.py::test_decodes_and_prefill_chunks_take_their_own_key_tiles \
+    tests/attention/test_triton_paged.py::test_an_fp8_cache_is_stored_rounded_and_read_as_it_holds_them \
+    tests/kv/test_cache_dtype.py::test_an_8_bit_prompt_gives_the_same_tokens_chunked_whole_or_from_the_prefix_cache \
     tests/engine/test_dist_attention.py::test_distattention_on_the_triton_kernels \
     tests/engine/test_cuda_graphs.py tests/attention/test_flex_paged.py \
     tests/engine/test_dist_attention.py::test_distattention_on_flex_attention \
