@@ -229,10 +229,16 @@ class LendingAgent:
         timeout_s: float = 30.0,
         data: LendingData | None = None,
         lookahead_chunks: int = 1,
+        count_hosted: bool = False,
     ) -> None:
         """Over ``transport`` (the real runner's DistributedAttention and partial server), or over ``data``
         (another tensor side: the simulator's) when given. ``lookahead_chunks``: a running request counts as
-        stalled when the blocks of that many next chunks do not fit (see ``observe``)."""
+        stalled when the blocks of that many next chunks do not fit (see ``observe``). ``count_hosted``: this
+        engine's requests may fill its pool less the blocks it hosts for others (``Scheduler.hosted_blocks``): one
+        that reaches that keeps its blocks and waits for room rather than being evicted. Off: measured on 6 December
+        it spared a preemption on a creditor, but on the simulator's chat trace the request it kept waited for room
+        its debtor's request waited for too, and the deadlock breaker dropped one to recompute where an eviction had
+        swapped out to host memory (``docs/lending.md``, "A creditor's own requests")."""
         if data is None and (transport is None or rmanager.instance_id != transport.address):
             raise ValueError("an agent's instance id is its transport address")
         self.core = core
@@ -241,6 +247,7 @@ class LendingAgent:
         self.timeout_s = timeout_s
         self.stats = MoveStats()
         self.lookahead_chunks = lookahead_chunks
+        self.count_hosted = count_hosted
         self._lost_debtors: set[str] = set()  # seen gone by the server's thread; acted on by observe
         if data is None:
             assert transport is not None
@@ -340,7 +347,14 @@ class LendingAgent:
         self.apply(actions)
         for move_id in [m for m in self._posted if m not in self.rm.loans]:  # its reservation expired or was dropped
             self._abandon(self._posted.pop(move_id))
+        self._count_hosted()
         return actions
+
+    def _count_hosted(self) -> None:
+        """With ``count_hosted``, tell the scheduler the blocks this instance holds for others (lent and reserved),
+        which its own requests may not grow into (``Scheduler._local_limit``): called wherever the loans change."""
+        if self.count_hosted:
+            self.core.scheduler.hosted_blocks = self.rm.lent_blocks + self.rm.reserved_blocks
 
     def step(self) -> list[RequestDelta]:
         """One engine step, then :meth:`observe`. A step whose round trip to a creditor fails (it died, it timed
@@ -403,6 +417,7 @@ class LendingAgent:
                 queue += self._recompute(action.request_id)
             elif isinstance(action, MoveRejected):
                 pass  # the next plan decides again
+        self._count_hosted()
 
     def _send_blocks(self, action: SendBlocks) -> list[LendingAction]:
         first_local = action.first_block - self.core.kv.num_lent_blocks(action.request_id)
@@ -504,7 +519,9 @@ class LendingAgent:
 
     def on_try_move(self, action: TryMove) -> bool:
         self.observe()
-        return self.rm.try_move_kvcache(action.move_id, action.request_id, action.debtor, action.num_blocks)
+        accepted = self.rm.try_move_kvcache(action.move_id, action.request_id, action.debtor, action.num_blocks)
+        self._count_hosted()
+        return accepted
 
     def on_take_blocks(self, action: SendBlocks, debtor: str) -> BlockReceive | None:
         """Reserve pool blocks for a move's blocks and post their receive."""
@@ -532,7 +549,9 @@ class LendingAgent:
             return False
         if not self.rm.receive_blocks(move_id, receive.block_ids):
             self.core.kv.free_unowned(receive.block_ids)
+            self._count_hosted()
             return False
+        self._count_hosted()
         assert loan is not None
         self.data.serve(loan.debtor)
         self.stats.moves_in += 1

@@ -258,6 +258,10 @@ class Scheduler:
         # request whose peak needs more blocks than the pool starts only once the gManager granted it.
         self.grants_required = False
         self.granted: set[str] = set()
+        # KV lending: the pool's blocks this instance holds for other instances' requests, which its own requests' KV
+        # may not grow into (``_local_limit``); 0, the whole pool theirs, unless the lending agent counts them
+        # (``LendingAgent(count_hosted=True)``, measured and left off: docs/lending.md, "A creditor's own requests").
+        self.hosted_blocks = 0
         # Structured requests whose grammars are still compiling (``EngineCore``): not admitted until they are.
         self.compiling: set[str] = set()
 
@@ -887,11 +891,14 @@ class Scheduler:
         self._ended_ahead = True
 
     def _local_limit(self, request_id: str) -> int:
-        """The most tokens the request's KV may reach with its local blocks filling the whole pool: its blocks on
-        creditors (KV lending) and the pool. Only a request longer than one pool reaches it (its ``max_model_len``
-        is the cluster's); it then computes up to it, and grows past it once a move has taken some of its blocks,
-        instead of waiting for room no eviction can make."""
-        return (self.kv.num_lent_blocks(request_id) + self.kv.pool.num_blocks) * self.kv.block_size
+        """The most tokens the request's KV may reach with its local blocks filling the whole pool (less
+        ``hosted_blocks``, when the lending agent counts them): its blocks on creditors (KV lending) and the pool.
+        Only a request longer than one pool reaches it (its ``max_model_len`` is the cluster's); it then computes up
+        to it, and grows past it once a move has taken some of its blocks, instead of waiting for room no eviction can
+        make. A request on a creditor that runs into the blocks it hosts before that is evicted like any other (swapped
+        out, or dropped to recompute without host memory) and comes back once they are freed or moved."""
+        own = self.kv.pool.num_blocks - self.hosted_blocks
+        return (self.kv.num_lent_blocks(request_id) + own) * self.kv.block_size
 
     def waits_for_room(self, request: Request) -> bool:
         """Whether a running request's local blocks fill the whole pool, once the step decided has run, and it has
