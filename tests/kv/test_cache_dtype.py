@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from boundless.attention import cpu_attention
 from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore
@@ -96,13 +97,16 @@ def test_smollm2_with_an_fp8_cache_answers_as_with_its_own(smollm2: LoadedModel)
     assert _run(_engine(smollm2, "fp8"), prompt)["p"][:10] == _run(_engine(smollm2, "auto"), prompt)["p"][:10]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
 def test_an_8_bit_prompt_gives_the_same_tokens_chunked_whole_or_from_the_prefix_cache(
-    tiny_llama: LoadedModel, kv_dtype: str
+    tiny_llama: LoadedModel, kv_dtype: str, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A chunk reads its own new keys rounded as the cache holds them, so chunking a prompt, or finding its prefix
-    cached, reads the same keys: the same answer each way (it was the prompt's unrounded keys for the first chunk,
-    rounded ones after)."""
+    cached, reads the same keys: the same answer each way. (The PyTorch path takes a chunk's own keys from the step's
+    rows, and took them unrounded: a chunked prompt's answer differed from the whole one's.)"""
+    if not native:
+        monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
     prompt = [(7 * j) % 300 + 3 for j in range(90)]
     whole = _run(_engine(tiny_llama, kv_dtype), {"r": prompt})["r"]
     chunked = _run(_engine(tiny_llama, kv_dtype, max_num_batched_tokens=16), {"r": prompt})["r"]
