@@ -456,6 +456,12 @@ class Sampler:
             row = picked.to(dtype)
             if seen is not None:
                 penalty = torch.tensor([p.repetition_penalty for p in params], dtype=dtype, device=device).unsqueeze(1)
+                if dtype == torch.float64:
+                    # A penalty so small that a logit over it passes even float64's range (5e-324, the least double,
+                    # made an infinite logit, and inf - inf a NaN row: the step failed) is taken as the least that
+                    # keeps the row in range: the seen logits' order holds, their gaps still past float32's range.
+                    largest = torch.where(torch.isfinite(row), row.abs(), 0.0).amax(dim=-1, keepdim=True)
+                    penalty = torch.maximum(penalty, largest / (torch.finfo(dtype).max / 4))
                 row = torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row)
             frequency = torch.tensor([p.frequency_penalty for p in params], dtype=dtype, device=device)
             presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype, device=device)

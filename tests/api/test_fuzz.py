@@ -337,6 +337,232 @@ def requests(draw: Any, routes: tuple[str, ...] = tuple(POST_ROUTES)) -> tuple[s
     return route, body
 
 
+# Values for named fields, near their limits: the fuzzer's second way, which sets a few fields of a request that
+# otherwise serves (the first changes any value, most often into one the schema refuses).
+_ints = st.sampled_from([0, 1, -1, 2, 5, 20, 21, 128, 129, MAX_LEN - 1, MAX_LEN, MAX_LEN + 1, 2**31, 2**63 - 1, 2**63])
+_ints = _ints | st.integers(-3, 2000)
+_floats = st.sampled_from([0.0, -0.0, 1e-9, 0.5, 1.0, 1.5, 2.0, 2.0001, 100.0, -100.0, 1e30]) | st.floats(-3, 3)
+_words = st.sampled_from(["", " ", "\n", "a", "the", "<|im_end|>", "<tool_call>", "😀", SURROGATE, "x" * 3000]) | _text
+_ids = st.lists(_ints, max_size=5)
+_schemas = (
+    st.sampled_from(
+        [
+            {},
+            {"type": "object"},
+            {"type": "string", "maxLength": 0},
+            {"type": "string", "minLength": 5, "maxLength": 2},
+            {"type": "integer", "minimum": 5, "maximum": 1},
+            {"enum": []},
+            {"enum": ["a", 1, None, {"b": []}]},
+            {"const": "x"},
+            {"type": "array", "minItems": 10**9},
+            {"type": ["string", "null"]},
+            {"anyOf": []},
+            {"allOf": [{"type": "string"}, {"type": "integer"}]},
+            {"not": {}},
+            {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+            {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+            {"$ref": "#/nowhere"},
+            {"$ref": "http://example.com/schema"},
+            {"type": "string", "pattern": "("},
+            {"type": "string", "pattern": "[a-z]{3,1}"},
+            {"type": "string", "format": "date-time"},
+            {"type": "object", "additionalProperties": False, "required": ["x"]},
+            {"type": "object", "patternProperties": {"^a": {"type": "integer"}}},
+            {"type": "number", "multipleOf": 0},
+            _SCHEMA,
+        ]
+    )
+    | _json
+)
+_tool = st.builds(
+    lambda name, params, strict: {
+        "type": "function",
+        "function": {"name": name, "parameters": params, "strict": strict},
+    },
+    st.sampled_from(["f", "get_weather", "a.b:c/d-e", "", "x" * 129, "bad name", SURROGATE]),
+    _schemas,
+    st.none() | st.booleans(),
+)
+_SAMPLING: dict[str, Any] = {
+    "max_tokens": _ints,
+    "n": _ints,
+    "temperature": _floats,
+    "top_p": _floats,
+    "top_k": _ints,
+    "min_p": _floats,
+    "seed": _ints | st.integers(),
+    "presence_penalty": _floats,
+    "frequency_penalty": _floats,
+    "repetition_penalty": _floats,
+    "min_tokens": _ints,
+    "stop": _words | st.lists(_words, max_size=6),
+    "stop_token_ids": _ids,
+    "allowed_token_ids": _ids,
+    "bad_words": st.lists(_words, max_size=4),
+    "logit_bias": st.dictionaries(
+        st.sampled_from(["0", "5", "383", "384", "-1", "1e3", " 5", "٥", "5.0", "x"]), _floats
+    ),
+    "prompt_logprobs": _ints,
+    "truncate_prompt_tokens": _ints,
+    "priority": _ints,
+    "ignore_eos": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "return_token_ids": st.booleans(),
+    "return_tokens_as_token_ids": st.booleans(),
+    "cache_salt": _words,
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}
+    ),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])
+    | _schemas.map(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}),
+    "structured_outputs": st.one_of(
+        _schemas.map(lambda s: {"json": s}),
+        _words.map(lambda r: {"regex": r}),
+        st.lists(_words, max_size=3).map(lambda c: {"choice": c}),
+        _words.map(lambda g: {"grammar": g}),
+        st.sampled_from(['root ::= "a" root', "root ::= [^\\x00-\\U0010ffff]", 'root ::= "yes" | "no"']).map(
+            lambda g: {"grammar": g}
+        ),
+        st.just({"json_object": True}),
+    ),
+}
+FIELDS: dict[str, dict[str, Any]] = {
+    CHAT: {
+        **_SAMPLING,
+        "max_completion_tokens": _ints,
+        "logprobs": st.booleans(),
+        "top_logprobs": _ints,
+        "tools": st.lists(_tool, max_size=3),
+        "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+        "parallel_tool_calls": st.booleans(),
+        "add_generation_prompt": st.booleans(),
+        "continue_final_message": st.booleans(),
+        "chat_template_kwargs": st.dictionaries(_text, _json, max_size=2),
+        "thinking_token_budget": _ints,
+        "reasoning_effort": st.sampled_from(["low", "high", "none", "max"]),
+        "prediction": _words.map(lambda t: {"type": "content", "content": t}),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "x"]),
+                    "content": st.none() | _words | st.lists(st.sampled_from(EDGE_VALUES[-4:]) | _json, max_size=3),
+                },
+                optional={"name": _words, "tool_call_id": _words, "tool_calls": _json, "reasoning_content": _words},
+            ),
+            max_size=4,
+        ),
+    },
+    COMPLETIONS: {
+        **_SAMPLING,
+        "logprobs": _ints,
+        "echo": st.booleans(),
+        "best_of": _ints,
+        "suffix": st.none() | _words,
+        "prompt": _words | st.lists(_words, max_size=3) | _ids | st.lists(_ids, max_size=3),
+    },
+    RESPONSES: {
+        "max_output_tokens": _ints,
+        "temperature": _floats,
+        "top_p": _floats,
+        "top_logprobs": _ints,
+        "stream": st.booleans(),
+        "store": st.booleans(),
+        "truncation": st.sampled_from(["auto", "disabled"]),
+        "instructions": _words,
+        "previous_response_id": st.sampled_from(["resp_x", ""]),
+        "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content", "x"])),
+        "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}]),
+        "tools": st.lists(_tool.map(lambda t: {"type": "function", **t["function"]}), max_size=2),
+        "text": _schemas.map(lambda s: {"format": {"type": "json_schema", "name": "x", "schema": s}}),
+        "reasoning": st.sampled_from([{}, {"effort": "low"}, {"effort": "x"}]),
+        "input": _words
+        | st.lists(
+            st.sampled_from(
+                [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+                    {"role": "developer", "content": [{"type": "input_text", "text": "be brief"}]},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"},
+                    {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "x"}]},
+                    {"type": "reasoning", "summary": []},
+                    {"type": "message", "role": "user", "content": [{"type": "input_file", "file_id": "f"}]},
+                ]
+            )
+            | _json,
+            max_size=4,
+        ),
+    },
+    MESSAGES: {
+        "max_tokens": _ints,
+        "temperature": _floats,
+        "top_p": _floats,
+        "top_k": _ints,
+        "stream": st.booleans(),
+        "stop_sequences": st.lists(_words, max_size=3),
+        "system": _words | st.lists(st.sampled_from([{"type": "text", "text": "x"}, {"type": "image"}]) | _json),
+        "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 10}, {"type": "disabled"}, {}]),
+        "tool_choice": st.sampled_from(
+            [{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool", "name": "f"}, {"type": "tool"}]
+        ),
+        "tools": st.lists(
+            st.builds(lambda n, s: {"name": n, "input_schema": s}, st.sampled_from(["f", "", "a b"]), _schemas),
+            max_size=2,
+        ),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["user", "assistant", "system"]),
+                    "content": _words
+                    | st.lists(
+                        st.sampled_from(
+                            [
+                                {"type": "text", "text": "hi"},
+                                {"type": "image", "source": {"type": "base64", "data": ""}},
+                                {"type": "tool_use", "id": "t", "name": "f", "input": {}},
+                                {"type": "tool_use", "id": "t", "name": "f", "input": "x"},
+                                {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "r"}]},
+                                {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]},
+                                {"type": "thinking", "thinking": "hmm", "signature": "s"},
+                                {"type": "redacted_thinking", "data": "x"},
+                            ]
+                        )
+                        | _json,
+                        max_size=3,
+                    ),
+                }
+            ),
+            max_size=3,
+        ),
+    },
+    TOKENIZE: {
+        "prompt": _words,
+        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "x"]), "content": _words})),
+        "add_special_tokens": st.booleans(),
+        "add_generation_prompt": st.booleans(),
+        "continue_final_message": st.booleans(),
+        "return_token_strs": st.booleans(),
+        "tools": st.lists(_tool, max_size=2),
+        "chat_template_kwargs": st.dictionaries(_text, _json, max_size=2),
+    },
+    DETOKENIZE: {"tokens": _ids | st.lists(_json, max_size=3)},
+}
+FIELDS[COUNT_TOKENS] = {k: v for k, v in FIELDS[MESSAGES].items() if k not in ("max_tokens", "stream")}
+
+
+@st.composite
+def field_requests(draw: Any, routes: tuple[str, ...] = tuple(POST_ROUTES)) -> tuple[str, Any]:
+    """A route's plainest request with one to four of its fields set to values near their limits."""
+    route = draw(st.sampled_from(routes))
+    body = _copy(SEEDS[route][0])
+    fields = FIELDS[route]
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=4, unique=True)):
+        body[name] = draw(fields[name] | _json) if draw(st.integers(0, 9)) == 0 else draw(fields[name])
+    return route, body
+
+
 def _strict_json(text: str) -> Any:
     """JSON as RFC 8259 has it: no NaN or Infinity (which Python's json writes and reads by default)."""
 
@@ -499,9 +725,17 @@ def test_changed_requests_are_served_or_refused(client: httpx.Client, request: t
     _fuzz(client, *request)
 
 
+@_FAST
+@given(request=field_requests())
+def test_requests_with_fields_near_their_limits_are_served_or_refused(
+    client: httpx.Client, request: tuple[str, Any]
+) -> None:
+    _fuzz(client, *request)
+
+
 @pytest.mark.slow
 @_SLOW
-@given(request=requests())
+@given(request=requests() | field_requests())
 def test_many_changed_requests_are_served_or_refused(client: httpx.Client, request: tuple[str, Any]) -> None:
     _fuzz(client, *request)
 
@@ -773,3 +1007,12 @@ def test_count_tokens_refuses_a_lone_surrogate_as_the_messages_route_does(client
     for route in (MESSAGES, COUNT_TOKENS):
         r = client.post(route, content=body.replace(b"}]", b'}], "max_tokens": 2', 1) if route == MESSAGES else body)
         assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], (route, r.text)
+
+
+def test_the_least_double_as_repetition_penalty_is_served(client: httpx.Client) -> None:
+    """``repetition_penalty: 5e-324`` (in its range, (0, 100]) made the sampler's row NaN: the engine's step failed,
+    a 500 for every request of it."""
+    for route in (CHAT, COMPLETIONS):
+        r = client.post(route, json={**SEEDS[route][0], "repetition_penalty": 5e-324, "temperature": 1.0})
+        assert r.status_code == 200, r.text
+    still_serving(client)
