@@ -226,6 +226,11 @@ def build_model_executor(
         arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, layout.kv_dtype,
         loaded.device,
     )  # fmt: skip
+    log.info(
+        "KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB in %s)",
+        layout.num_blocks, layout.block_size, layout.num_blocks * layout.block_size,
+        layout.num_blocks * layout.bytes_per_block / (1 << 30), str(layout.kv_dtype).removeprefix("torch."),
+    )  # fmt: skip
     attention = make_attention(config, arch, layout, loaded.device, loaded.dtype)
     graphs = None
     graphed = (triton_paged.TritonPagedAttention, flex_paged.FlexPagedAttention)
