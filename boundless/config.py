@@ -687,8 +687,8 @@ class ServerConfig:
     reasoning_parser: str | None = field(
         default=None,
         metadata={
-            "help": "deepseek_r1 or qwen3: return a reasoning model's thinking (<think>...</think>) as the message's "
-            "reasoning, apart from its content (vLLM's flag)"
+            "help": "deepseek_r1 or qwen3 (<think>...</think>), mistral ([THINK]...[/THINK]): return a reasoning "
+            "model's thinking as the message's reasoning, apart from its content (vLLM's flag)"
         },
     )
     chat_template: str | None = field(
@@ -718,8 +718,9 @@ class ServerConfig:
         default=None,
         metadata={
             "help": "read tool calls in this shape only (vLLM's names): hermes (JSON in <tool_call> tags), qwen3_coder "
-            "or qwen3_xml (Qwen3-Coder's XML in them), llama3_json (bare JSON), pythonic or llama4_pythonic (a Python "
-            "list of calls, Llama 3.2's and 4's); without it, all of them"
+            "or qwen3_xml (Qwen3-Coder's XML in them), llama3_json or llama4_json (bare JSON), pythonic or "
+            "llama4_pythonic (a Python list of calls, Llama 3.2's and 4's), mistral ([TOOL_CALLS]), phi4_mini_json "
+            "(functools[...]), deepseek_v3 or deepseek_v31; without it, all of them"
         },
     )
     strict_tool_calls: bool = field(
