@@ -29,6 +29,8 @@ _NAME = re.compile(r"[\w.\-:/]+")  # (a function's name as the tools' check allo
 # <｜tool▁call▁end｜>``; V3.1: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``).
 DEEPSEEK_SEP = "<｜tool▁sep｜>"
 _FENCE = re.compile(r"```(?:json)?\s*$")  # (the fence V3 opens its arguments with)
+# The most text a call by name puts before its arguments: a name (128 characters at most), tags, an id, a fence.
+_MAX_HEAD = 512
 
 
 @dataclass
@@ -179,7 +181,8 @@ class NamedCallScanner:
     """One call written as its name, then its arguments' JSON object (Mistral's ``name[ARGS]{...}``), from ``start``
     (after its ``[TOOL_CALLS]``), read as the text grows; the same face as :class:`CallScanner`: ``calls`` (the one
     call, once its name is whole: once its arguments' ``{`` is written), ``done``, ``pos``. A name that is none
-    (``name_of``: :func:`named_call_name`, or :func:`deepseek_call_name` for DeepSeek's) ends it without a call."""
+    (``name_of``: :func:`named_call_name`, or :func:`deepseek_call_name` for DeepSeek's), or more text than a name and
+    its tags before any ``{``, ends it without a call."""
 
     start: int
     name_of: Callable[[str], str | None] = named_call_name
@@ -187,13 +190,17 @@ class NamedCallScanner:
     done: bool = False
     pos: int = -1
     _args: CallScanner | None = None
+    _searched: int = -1  # (text before here holds no "{": each character looked at once)
 
     def feed(self, text: str) -> None:
         if self.pos < 0:
-            self.pos = self.start
+            self.pos = self._searched = self.start
         if self._args is None:
-            brace = text.find("{", self.start)
+            brace = text.find("{", self._searched)
             if brace < 0:
+                self._searched = len(text)
+                if len(text) - self.start > _MAX_HEAD:  # (no call: text that goes on without arguments)
+                    self.done, self.pos = True, len(text)
                 return
             name = self.name_of(text[self.start : brace])
             if name is None:
