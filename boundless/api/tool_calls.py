@@ -625,6 +625,7 @@ class CallStream:
         # whether its calls are Mistral's.
         self._scanners: list[CallScanner | NamedCallScanner] = []
         self._mistral: list[bool] = []
+        self._searched = 0  # (no tag begins before here that has not been read)
         self._ids: list[str] = []  # each begun call's id
         self._names: list[str] = []  # and name
         self._sent: list[str] = []  # and arguments sent
@@ -681,11 +682,15 @@ class CallStream:
 
     def _next_document(self, text: str, pos: int) -> bool:
         """Begin reading the calls after the next tag from ``pos`` on; False when there is none yet (none written, or
-        Mistral's tag with nothing but blanks after it so far: which of its forms follows is not yet known)."""
+        Mistral's tag with nothing but blanks after it so far: which of its forms follows is not yet known). Text
+        searched before is not searched again, but for a tag's length at its end (a tag it may have begun)."""
+        pos = max(pos, self._searched)
         hits = [(at, tag) for tag in self.tags if (at := text.find(tag, pos)) >= 0]
         if not hits:
+            self._searched = max(pos, len(text) - max(len(t) for t in self.tags) + 1)
             return False
         at, tag = min(hits)
+        self._searched = at
         after = at + len(tag)
         if tag == TOOL_CALL_TAG:
             self._add(CallScanner(after), mistral=False)
