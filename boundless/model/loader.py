@@ -17,6 +17,7 @@ import torch
 from boundless.config import ConfigError, ModelConfig
 from boundless.model.arch import ModelArch
 from boundless.model.llama import LlamaModel
+from boundless.model.quantized_checkpoint import QuantizedCheckpoint
 
 if TYPE_CHECKING:
     from boundless.model.tokenizer import Tokenizer
@@ -222,8 +223,11 @@ def load_model(
         from boundless.model.tokenizer import Tokenizer
 
         arch = hf_arch(path, hf_overrides)
+        quantized = QuantizedCheckpoint.of(hf_config(path, hf_overrides))  # (refused in words before the tokenizer)
         tokenizer = Tokenizer.from_hf_dir(path)
         tensors = _safetensors_weights(path) if weights is None else weights[1]
+        if quantized is not None:
+            tensors = quantized.dequantized(tensors)
     with torch.device("meta"):
         model = LlamaModel(arch)
     model = model.to(torch_dtype).to_empty(device=dev)  # allocated once, in the target dtype

@@ -1,0 +1,121 @@
+"""Quantized checkpoints: which ones load, and their weights brought back to the model's type as they stream in.
+
+A checkpoint says how it is quantized in ``config.json``'s ``quantization_config``. The FP8 ones load:
+
+- ``quant_method: fp8`` (Qwen3-*-FP8, DeepSeek-V3's form; vLLM's own fp8 serialization): each quantized weight
+  ``W.weight`` in float8 with ``W.weight_scale_inv``, one scale per block of ``weight_block_size`` (e.g. 128 x 128),
+  or with ``W.weight_scale``, one for the tensor;
+- ``quant_method: compressed-tensors`` with float weights (llm-compressor's FP8 models, the ``RedHatAI/*-FP8``
+  ones): ``W.weight`` in float8 with ``W.weight_scale``, per tensor, per output channel or per block.
+
+Each weight is dequantized as it arrives (``weight * scale``, the scale spread over its block) into the model's type;
+activation scales (``input_scale``) and KV scales (``k_scale``, ``v_scale``) are dropped: the model then runs as the
+unquantized one would on these weights, in its own type, and its KV in ``--kv-cache-dtype``'s. Weights the
+checkpoint left unquantized (its ``ignore`` list: often ``lm_head``) come as they are. Any other method (AWQ, GPTQ,
+bitsandbytes, integer compressed-tensors) is refused in words; a GGUF file's quantized weights load as before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from boundless.config import ConfigError
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALES = (".weight_scale_inv", ".weight_scale")
+_DROPPED = (".input_scale", ".k_scale", ".v_scale", ".kv_scale", ".output_scale")
+
+
+@dataclass(frozen=True)
+class QuantizedCheckpoint:
+    """How a checkpoint's weights are quantized: the method, and the block a scale covers (None: per tensor or per
+    output channel, as each scale's shape says)."""
+
+    method: str
+    block: tuple[int, int] | None = None
+
+    @staticmethod
+    def of(config: Mapping[str, Any]) -> QuantizedCheckpoint | None:
+        """From a ``config.json``; None for an unquantized checkpoint. An unsupported method is a ConfigError."""
+        quant = config.get("quantization_config")
+        if not quant:
+            return None
+        method = str(quant.get("quant_method", "")).lower()
+        if method == "fp8":
+            block = quant.get("weight_block_size")
+            return QuantizedCheckpoint(method, (int(block[0]), int(block[1])) if block else None)
+        if method == "compressed-tensors":
+            return QuantizedCheckpoint(method, _compressed_tensors_block(quant))
+        raise ConfigError(
+            f"this checkpoint is quantized with {method or 'an unnamed method'!r}, which does not load here: FP8 "
+            "checkpoints (quant_method fp8 or compressed-tensors' float weights), GGUF files and unquantized "
+            "weights do"
+        )
+
+    def dequantized(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` with each quantized weight in fp32 (its scale applied) and the scales themselves gone. A
+        weight and its scale may come in either order (they may lie in different files)."""
+        waiting: dict[str, torch.Tensor] = {}  # a quantized weight's name -> its weight, or its scale, seen first
+        for name, tensor in weights:
+            if name.endswith(_DROPPED):
+                continue
+            scale_of = next((name.removesuffix(s) for s in _SCALES if name.endswith(s)), None)
+            if scale_of is not None:
+                key, weight, scale = scale_of + ".weight", waiting.pop(scale_of + ".weight", None), tensor
+            elif tensor.dtype in _FP8:
+                key, weight, scale = name, tensor, waiting.pop(name, None)
+            else:
+                yield name, tensor
+                continue
+            if weight is None or scale is None:
+                waiting[key] = tensor
+                continue
+            yield key, self.apply_scale(key, weight, scale)
+        if waiting:
+            raise ValueError(
+                f"quantized weights without their scales (or scales without weights): {sorted(waiting)[:3]}"
+            )
+
+    def apply_scale(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``weight`` (float8, [out, in]) times its scale: one number, one per output row, or one per block."""
+        w = weight.to(torch.float32)
+        s = scale.to(torch.float32)
+        if s.numel() == 1:
+            return w * s.reshape(())
+        if s.dim() == 2 and s.shape == (w.shape[0], 1):
+            return w * s
+        if s.dim() != 2:
+            raise ValueError(f"{name}: a scale of shape {tuple(s.shape)} for a weight of {tuple(w.shape)}")
+        rows, cols = self.block or (math.ceil(w.shape[0] / s.shape[0]), math.ceil(w.shape[1] / s.shape[1]))
+        if (math.ceil(w.shape[0] / rows), math.ceil(w.shape[1] / cols)) != tuple(s.shape):
+            raise ValueError(
+                f"{name}: {tuple(s.shape)} scales do not cover a weight of {tuple(w.shape)} in blocks of {rows}x{cols}"
+            )
+        spread = s.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+        return w * spread[: w.shape[0], : w.shape[1]]
+
+
+def _compressed_tensors_block(quant: Mapping[str, Any]) -> tuple[int, int] | None:
+    """A compressed-tensors config's weight blocks, refusing what is not float weights."""
+    groups = quant.get("config_groups") or {}
+    block = None
+    for group in groups.values():
+        weights = group.get("weights") or {}
+        if weights.get("type") != "float" or int(weights.get("num_bits", 0)) != 8:
+            raise ConfigError(
+                f"this checkpoint's compressed-tensors weights are {weights.get('num_bits')}-bit "
+                f"{weights.get('type')!r}, which do not load here: 8-bit float (FP8) weights do"
+            )
+        if weights.get("strategy") == "block" and weights.get("block_structure"):
+            rows, cols = weights["block_structure"]
+            block = (int(rows), int(cols))
+    if str(quant.get("format", "float-quantized")) not in ("float-quantized", "naive-quantized"):
+        raise ConfigError(
+            f"compressed-tensors' {quant.get('format')!r} format does not load here: float-quantized does"
+        )
+    return block
