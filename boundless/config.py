@@ -83,6 +83,7 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's
 KV_WRITE_POLICIES = ("through", "back", "off")
 KV_EVICTIONS = ("lru", "program")
+QUANTIZATIONS = ("fp8",)  # --quantization: what is applied at load (boundless.model.fp8_linear)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,15 @@ class ModelConfig:
         },
     )
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "fp8: the layers' matrices held in e4m3 with a scale per row, their products in FP8 with each "
+            "token's activations quantized as it runs (vLLM's online FP8; half a 16-bit model's weight bytes; on "
+            "CUDA sm_89 or later in bfloat16; on the CPU a slow reference). A checkpoint quantized already loads as "
+            "it says without it (FP8 ones dequantized, GGUF files)"
+        },
+    )
     max_model_len: int | None = field(
         default=None,
         metadata={
@@ -156,6 +166,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         _require(self.dtype in DTYPE_NAMES, "dtype", f"unknown dtype {self.dtype!r}; one of {', '.join(DTYPE_NAMES)}")
+        _require(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"{self.quantization!r} is not applied here; fp8 is (a checkpoint quantized otherwise loads as its config "
+            "says: FP8 ones dequantized, GGUF files)",
+        )
         _ = self.overrides  # (a bad one fails here, naming the flag)
         _require(
             self.attention_backend in ATTENTION_BACKENDS,

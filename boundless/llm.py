@@ -329,8 +329,6 @@ def vllm_engine_args(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
             "enable_chunked_prefill: prompts are always chunked to max_num_batched_tokens; set it to max_model_len "
             "or more to take each prompt whole"
         )
-    if out.pop("quantization", None) is not None:
-        raise ConfigError("quantization: a GGUF file's quantized weights are read as they are; no other is applied")
     if out.pop("download_dir", None) is not None:
         raise ConfigError("download_dir: nothing is downloaded; give a model directory, a GGUF file or a hub id cached")
     return out

@@ -72,6 +72,8 @@ fi
 #    --flash-prefill calls FlashAttention, for the 1B shape's prefill and decode cases.
 # 4. The 1B cases again with --flash-prefill (what is left of the budget; the engine on FlexAttention is in the flex
 #    part).
+# 5. The 8B decode with its layers in FP8 and its KV in fp8 (--quantization fp8 --kv-cache-dtype fp8: half the bytes
+#    a step reads), against the same roofline's bytes (what is left of the budget).
 deadline=$((SECONDS + ${GPU_CHECK_BUDGET:-580}))
 within() {  # the seconds a stage gets: what it asks, or what is left of the budget
     local left=$((deadline - SECONDS))
@@ -88,6 +90,7 @@ BOUNDLESS_TEST_DEVICE=cuda timeout "$(within 170)" python3 -m pytest -p no:cache
     tests/attention/test_triton_paged.py::test_decodes_and_prefill_chunks_take_their_own_key_tiles \
     tests/attention/test_triton_paged.py::test_an_fp8_cache_is_stored_rounded_and_read_as_it_holds_them \
     tests/kv/test_cache_dtype.py::test_an_8_bit_prompt_gives_the_same_tokens_chunked_whole_or_from_the_prefix_cache \
+    tests/model/test_fp8_linear.py::test_the_product_on_cuda_in_bfloat16 \
     tests/engine/test_dist_attention.py::test_distattention_on_the_triton_kernels \
     tests/engine/test_cuda_graphs.py tests/attention/test_flex_paged.py \
     tests/engine/test_dist_attention.py::test_distattention_on_flex_attention \
@@ -99,3 +102,5 @@ timeout "$(within 80)" python3 -m boundless.bench.gpu --shapes tiles --tiles-gri
     --json "$out/bench-tiles.json" 2>&1 | tee "$out/bench-tiles.log" | tail -12
 timeout "$(within 200)" python3 -m boundless.bench.gpu --shapes 1b --windows 16 --flash-prefill \
     --json "$out/bench-flash.json" 2>&1 | tee "$out/bench-flash.log" | tail -25
+timeout "$(within 150)" python3 -m boundless.bench.gpu --shapes 8b --windows 16 --quantization fp8 --kv-cache-dtype fp8 \
+    --json "$out/bench-8b-fp8.json" 2>&1 | tee "$out/bench-8b-fp8.log" | tail -8

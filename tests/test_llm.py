@@ -352,10 +352,14 @@ def test_vllms_engine_arguments() -> None:
     assert vllm_engine_args("m", {"tokenizer": "m", "enable_chunked_prefill": True}) == {}
     for bad in (
         {"tensor_parallel_size": 2}, {"tokenizer": "other"}, {"enable_chunked_prefill": False},
-        {"quantization": "awq"}, {"download_dir": "/x"},
+        {"download_dir": "/x"},
     ):  # fmt: skip
         with pytest.raises(ConfigError, match=next(iter(bad))):
             vllm_engine_args("m", bad)
+    # quantization is taken (fp8 applied at load); another method is refused by the model's config.
+    assert engine_config("m", **vllm_engine_args("m", {"quantization": "fp8"})).model.quantization == "fp8"
+    with pytest.raises(ConfigError, match="quantization: 'awq' is not applied here"):
+        engine_config("m", **vllm_engine_args("m", {"quantization": "awq"}))
 
 
 def _dense_logprobs(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:

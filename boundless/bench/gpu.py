@@ -255,7 +255,8 @@ def _engine_config(
         str(path), dtype="bfloat16", device=args.device, max_model_len=args.max_model_len or _default_len(args),
         kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs,
         swap_space_gb=0.0, attention_backend=args.attention_backend, num_scheduler_steps=num_scheduler_steps,
-        async_scheduling=async_scheduling, flash_prefill=args.flash_prefill,
+        async_scheduling=async_scheduling, flash_prefill=args.flash_prefill, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
 
 
@@ -265,7 +266,7 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
     path = _stage(results, "write_1b", lambda: str(write_random_model(root / "llama-1b", spec, device=args.device)))
     if path is None:
         return
-    loaded = load_model(path, dtype="bfloat16", device=args.device)
+    loaded = load_model(path, dtype="bfloat16", device=args.device, quantization=args.quantization)
     systems = [
         HuggingFaceSystem(loaded),
         BoundlessSystem(LLM.from_config(_engine_config(Path(path), args, 256), loaded)),
@@ -387,7 +388,10 @@ def decode_roofline(args: argparse.Namespace, results: dict, root: Path) -> dict
     """Batch-64 decode of the 8B shape: seconds per decode step against the weight-streaming roofline."""
     spec = (TINY_SHAPES if args.tiny else SHAPES)["llama-3.1-8b"]
     path = write_random_model(root / "llama-8b", spec, weights=False)  # config and tokenizer only
-    loaded = load_model(str(path), "bfloat16", args.device, weights=("random-8b", random_weights(spec, args.device)))
+    loaded = load_model(
+        str(path), "bfloat16", args.device, weights=("random-8b", random_weights(spec, args.device)),
+        quantization=args.quantization,
+    )  # fmt: skip
     batch, input_len, output_len = (4, 16, 8) if args.tiny else (64, 128, 128)
     prompts = make_prompts(loaded, batch, input_len, seed=0)
 
@@ -415,7 +419,8 @@ def decode_roofline(args: argparse.Namespace, results: dict, root: Path) -> dict
     windows = _windows(args)
     windowed = decode_step(max(windows), True)[2] if windows else None
     arch = loaded.arch
-    kv_per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 2
+    kv_element = 1 if args.kv_cache_dtype.startswith("fp8") else 2  # (--kv-cache-dtype fp8: a byte an element)
+    kv_per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * kv_element
     kv_bytes = batch * (input_len + output_len / 2) * kv_per_token  # context read per step, on average
     weights = weight_stream_bytes(loaded)
     ceilings = results.get("ceilings") or {}
@@ -647,6 +652,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="full",
         help="--shapes tiles: every tile shape of the grid, or the default and five neighbours a kind of case",
     )
+    parser.add_argument(
+        "--quantization", default=None, help="fp8: Boundless's layers in FP8 (transformers' stay in bfloat16)"
+    )
+    parser.add_argument("--kv-cache-dtype", default="auto", help="Boundless's KV cache type: auto (bfloat16) or fp8")
     parser.add_argument("--tiny", action="store_true", help="small shapes, to check the benchmark itself (CPU too)")
 
 

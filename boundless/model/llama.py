@@ -27,6 +27,7 @@ from boundless.attention.backend import AttentionBackend
 from boundless.kv.tensors import PagedKVCache
 from boundless.model import cpu_kernels
 from boundless.model.arch import ModelArch
+from boundless.model.fp8_linear import fp8_linear, quantizable, quantize_rows
 from boundless.model.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRABatch
 from boundless.model.moe import SparseMoE
 from boundless.model.rope import RotaryEmbedding, apply_rotary_
@@ -35,13 +36,18 @@ from boundless.model.rope import RotaryEmbedding, apply_rotary_
 _CPU_SMALL_BATCH = 256
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``.
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias``; with ``scale``, ``weight`` is e4m3 and this its scale per row (``--quantization
+    fp8``: :func:`~boundless.model.fp8_linear.fp8_linear`).
 
     On the CPU, for the few tokens of a decode step, the BLAS is faster (20% on 2 AVX2 cores) with
     the weight matrix as the left operand, ``(weight @ x.T).T``; for large batches the transpose
     back costs more than it saves.
     """
+    if scale is not None:
+        return fp8_linear(x, weight, scale, bias)
     if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _CPU_SMALL_BATCH:
         # Transposing back to row-major keeps every later op (and the next matmul) on the layout it expects.
         out = torch.mm(weight, x.t()).t().contiguous()
@@ -193,6 +199,22 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.packed: _PackedLayer | None = None  # set by LlamaModel.prepare on the native path
+        # --quantization fp8: each dense matrix's scale per output row (its weight then in e4m3); None: unquantized.
+        self.qkv_scale: torch.Tensor | None = None
+        self.o_scale: torch.Tensor | None = None
+        self.gate_up_scale: torch.Tensor | None = None
+        self.down_scale: torch.Tensor | None = None
+
+    def quantize_fp8(self) -> None:
+        """The layer's dense matrices (attention's, and the MLP's unless it has experts) to e4m3 with a scale per
+        output row; a matrix ``_scaled_mm`` cannot take (sides not multiples of 16) stays as it is."""
+        for name in ("qkv", "o", "gate_up", "down"):
+            weight = getattr(self, f"{name}_weight")
+            if weight is None or not quantizable(weight):
+                continue
+            q, scale = quantize_rows(weight.data)
+            setattr(self, f"{name}_weight", nn.Parameter(q, requires_grad=False))
+            setattr(self, f"{name}_scale", scale)
 
     def _norm_heads_(self, heads: torch.Tensor) -> None:
         """Qwen3's norm of each query and key head (``heads``: [tokens, q + k heads, head_dim]), in place."""
@@ -217,7 +239,7 @@ class DecoderLayer(nn.Module):
         their rows of each projection (``index``: this layer's number)."""
         t = hidden.shape[0]
         x = self.input_norm(hidden)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale)
         if lora is not None:
             lora.add_(index, QKV, x, qkv)
         q_size, kv_size, _ = self.qkv_sizes
@@ -227,19 +249,19 @@ class DecoderLayer(nn.Module):
         apply_rotary_(heads, cos, sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
-        out = linear(attn, self.o_weight)
+        out = linear(attn, self.o_weight, scale=self.o_scale)
         hidden += out if lora is None else lora.add_(index, O_PROJ, attn, out)
         x = self.post_attention_norm(hidden)
         if self.moe is not None:
             hidden += self.moe(x)
             return hidden
         assert self.gate_up_weight is not None and self.down_weight is not None
-        gate_up = linear(x, self.gate_up_weight)
+        gate_up = linear(x, self.gate_up_weight, scale=self.gate_up_scale)
         if lora is not None:
             lora.add_(index, GATE_UP, x, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate, inplace=True).mul_(up)
-        out = linear(act, self.down_weight)
+        out = linear(act, self.down_weight, scale=self.down_scale)
         hidden += out if lora is None else lora.add_(index, DOWN, act, out)
         return hidden
 
@@ -265,7 +287,7 @@ class DecoderLayer(nn.Module):
         t = hidden.shape[0]
         norm_in, norm_post = self.input_norm, self.post_attention_norm
         x = ops.rms_norm(hidden, norm_in.weight, norm_in.eps, delta=delta)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale)
         if lora is not None:
             lora.add_(index, QKV, x, qkv)
         q_size, kv_size, _ = self.qkv_sizes
@@ -274,7 +296,7 @@ class DecoderLayer(nn.Module):
         ops.rotary_(heads, positions, rope.cos, rope.sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
-        out = linear(attn, self.o_weight)
+        out = linear(attn, self.o_weight, scale=self.o_scale)
         if lora is not None:
             lora.add_(index, O_PROJ, attn, out)
         # hidden += o_proj(attn), and its norm, in one kernel.
@@ -282,11 +304,11 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             return hidden, self.moe(x)
         assert self.gate_up_weight is not None and self.down_weight is not None
-        gate_up = linear(x, self.gate_up_weight)
+        gate_up = linear(x, self.gate_up_weight, scale=self.gate_up_scale)
         if lora is not None:
             lora.add_(index, GATE_UP, x, gate_up)
         act = ops.silu_mul(gate_up)
-        out = linear(act, self.down_weight)
+        out = linear(act, self.down_weight, scale=self.down_scale)
         return hidden, out if lora is None else lora.add_(index, DOWN, act, out)
 
     def forward_packed(
@@ -413,6 +435,15 @@ class LlamaModel(nn.Module):
         self._packed_key: tuple | None = None  # identity of the weights the layers were packed from
         self._act_width = 0
         self._workspace = _Workspace()
+        self.quantized = False  # --quantization fp8 (quantize_fp8)
+
+    def quantize_fp8(self) -> None:
+        """``--quantization fp8``: every layer's dense matrices to e4m3 (:meth:`DecoderLayer.quantize_fp8`); the
+        embedding, the LM head and a mixture's experts stay in the model's type."""
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.quantize_fp8()
+        self.quantized = True
 
     def prepare(self, max_positions: int) -> None:
         """Once the weights are loaded: build the RoPE table and pack the LM head (and, for the
@@ -429,7 +460,7 @@ class LlamaModel(nn.Module):
             or rope.cos.dtype != weight.dtype
         ):
             self.rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype)
-        if not cpu_kernels.usable(weight):
+        if not cpu_kernels.usable(weight) or self.quantized:
             for layer in self.layers:
                 layer.packed = None
             self._packed_key = None

@@ -16,6 +16,7 @@ import torch
 
 from boundless.config import ConfigError, ModelConfig
 from boundless.model.arch import ModelArch
+from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
 from boundless.model.quantized_checkpoint import QuantizedCheckpoint
 
@@ -200,6 +201,7 @@ def load_model(
     device: str = "cpu",
     weights: tuple[str, Iterator[tuple[str, torch.Tensor]]] | None = None,
     hf_overrides: Mapping[str, Any] | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a bundled model, a Hugging Face directory or a GGUF file onto ``device`` in ``dtype``.
 
@@ -207,12 +209,14 @@ def load_model(
     a directory with only its config and tokenizer then makes a model whose weights are drawn in memory
     (benchmarks of large random models, with nothing written to disk). The identity enters the KV
     fingerprint. ``hf_overrides`` (vLLM's ``--hf-overrides``): keys that replace ``config.json``'s
-    (:func:`hf_config`)."""
+    (:func:`hf_config`). ``quantization`` (``--quantization``): ``fp8`` holds the layers' matrices in e4m3
+    (:mod:`boundless.model.fp8_linear`)."""
     path = resolve_model_path(name)
     check_overrides(path, hf_overrides)
     dev = torch.device(device)
     check_device(dev)
     torch_dtype = model_dtype(dtype, path, dev)
+    check_quantization(quantization, dev, torch_dtype)
     if path.is_file():
         from boundless.model.gguf import load_gguf
 
@@ -232,10 +236,16 @@ def load_model(
         model = LlamaModel(arch)
     model = model.to(torch_dtype).to_empty(device=dev)  # allocated once, in the target dtype
     model.load_weights(tensors)
+    if quantization == "fp8":
+        model.quantize_fp8()
     model.eval()
     source = _source_digest(path) if weights is None else f"{_source_digest(path)}+{weights[0]}"
     # (The dtype used, not the one asked for: ``auto`` is float32 on the CPU and 16-bit on a GPU.)
-    fingerprint = hashlib.sha256(f"{arch.fingerprint()}:{source}:{dtype_name(torch_dtype)}".encode()).hexdigest()[:16]
+    # (And the quantization: KV computed on quantized weights is another model's, in the prefix cache and the store.)
+    quantized = f":{quantization}" if quantization else ""
+    fingerprint = hashlib.sha256(
+        f"{arch.fingerprint()}:{source}:{dtype_name(torch_dtype)}{quantized}".encode()
+    ).hexdigest()[:16]
     return LoadedModel(
         name=name,
         path=path,
@@ -252,4 +262,7 @@ def load_model(
 def load_configured_model(config: ModelConfig, device: str | None = None) -> LoadedModel:
     """:func:`load_model` of what a :class:`ModelConfig` names: its model, dtype, device (``device`` instead, when
     given) and ``--hf-overrides``."""
-    return load_model(config.model, config.dtype, device or config.device, hf_overrides=config.overrides)
+    return load_model(
+        config.model, config.dtype, device or config.device, hf_overrides=config.overrides,
+        quantization=config.quantization,
+    )  # fmt: skip
