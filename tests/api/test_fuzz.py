@@ -17,6 +17,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -685,6 +686,9 @@ def _encode(body: Any) -> bytes:
     return json.dumps(body).encode("utf-8", "surrogatepass")
 
 
+INJECTED_FAILURES = [0]  # requests the tests failed in the engine themselves (FailAfterFirstToken)
+
+
 def still_serving(client: httpx.Client) -> None:
     r = client.post(CHAT, json=SEEDS[CHAT][0])
     assert r.status_code == 200, r.text
@@ -692,7 +696,8 @@ def still_serving(client: httpx.Client) -> None:
     assert r.status_code == 200, r.text
     text = client.get("/metrics").text
     pattern = r'^boundless_requests_finished_total\{[^}]*finish_reason="error"[^}]*\} (\S+)$'
-    assert sum(float(v) for v in re.findall(pattern, text, flags=re.MULTILINE)) == 0, "a request failed in the engine"
+    failed = sum(float(v) for v in re.findall(pattern, text, flags=re.MULTILINE))
+    assert failed == INJECTED_FAILURES[0], "a request failed in the engine"  # (only those the test failed)
 
 
 # -- the server --------------------------------------------------------------------------------
@@ -716,7 +721,7 @@ def _fuzz(client: httpx.Client, route: str, body: Any) -> None:
 
 
 _FAST = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-_SLOW = settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
+_SLOW = settings(max_examples=10_000, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @_FAST
@@ -738,6 +743,39 @@ def test_requests_with_fields_near_their_limits_are_served_or_refused(
 @given(request=requests() | field_requests())
 def test_many_changed_requests_are_served_or_refused(client: httpx.Client, request: tuple[str, Any]) -> None:
     _fuzz(client, *request)
+
+
+_BATCH = st.lists(requests() | field_requests(), min_size=2, max_size=6)
+
+
+def _fuzz_beside_a_plain_stream(served: Served, batch: list[tuple[str, Any]]) -> None:
+    """Send ``batch`` at once, beside a plain streamed chat: each is served or refused, and the stream (sharing the
+    engine's steps with them) ends as it would alone."""
+    plain = {**SEEDS[CHAT][0], "max_tokens": 8, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=served.url, timeout=TIMEOUT) as c, ThreadPoolExecutor(len(batch) + 1) as pool:
+        stream = pool.submit(lambda: c.post(CHAT, json=plain).text)
+        whys = list(pool.map(lambda req: send(c, req[0], _encode(req[1])), batch))
+        events = [json.loads(line[6:]) for line in stream.result().splitlines() if line.startswith("data: {")]
+    problems = [
+        f"{route} {_encode(body)[:500]!r}: {why}" for (route, body), why in zip(batch, whys, strict=True) if why
+    ]
+    assert not problems, "\n".join(problems)
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length", events[-3:]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(batch=_BATCH)
+def test_concurrent_changed_requests_leave_a_plain_stream_alone(served: Served, batch: list[tuple[str, Any]]) -> None:
+    _fuzz_beside_a_plain_stream(served, batch)
+
+
+@pytest.mark.slow
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batch=_BATCH)
+def test_many_concurrent_changed_requests_leave_a_plain_stream_alone(
+    served: Served, batch: list[tuple[str, Any]]
+) -> None:
+    _fuzz_beside_a_plain_stream(served, batch)
 
 
 # Bodies that are no JSON object, each sent to every route with and without the JSON content type.
@@ -971,9 +1009,9 @@ class FailAfterFirstToken:
 
     def between_steps(self) -> list[RequestDelta]:
         begun = [r.request_id for r in self.core.scheduler.running if r.output_token_ids]
-        return [
-            RequestDelta(rid, [], "", [], finished=True, finish_reason="error") for rid in begun if self.core.abort(rid)
-        ]
+        failed = [rid for rid in begun if self.core.abort(rid)]
+        INJECTED_FAILURES[0] += len(failed)
+        return [RequestDelta(rid, [], "", [], finished=True, finish_reason="error") for rid in failed]
 
     def step_failed(self, error: Exception, sched: Any) -> bool:
         return False
