@@ -1,7 +1,8 @@
-"""``boundless bench kv-dtype``: a KV cache in another type (``--kv-cache-dtype``) against the model's own.
+"""``boundless bench kv-dtype``: KV in fewer bits (``--kv-cache-dtype``) and weights in FP8 (``--quantization fp8``)
+against the model as it is, side by side.
 
-Two engines over the same loaded weights and the same KV memory (``--kv-cache-gb`` or ``--num-kv-blocks``), one
-holding KV in the model's type (the baseline), one in the type ``--kv-cache-dtype`` names:
+Two engines over the same weights and the same KV memory (``--kv-cache-gb``): the baseline holds KV in the model's
+type and its weights unquantized; the compared one takes ``--kv-cache-dtype`` and ``--quantization`` as given:
 
 - **capacity**: the blocks each pool holds, and the tokens;
 - **a batch larger than the baseline's pool**: ``--num-prompts`` random prompts of ``--input-len`` tokens, each
@@ -37,7 +38,7 @@ from boundless.model.loader import LoadedModel, load_configured_model
 class BatchFigures:
     """One engine's run of the batch."""
 
-    kv_cache_dtype: str
+    engine: str  # what it holds in fewer bits (label)
     num_blocks: int
     pool_tokens: int
     output_tokens_per_s: float
@@ -74,23 +75,37 @@ def _run_batch(engine: EngineCore, prompts: list[list[int]], output_len: int) ->
     return time.perf_counter() - start, most, [answers[f"b{i}"] for i in range(len(prompts))]
 
 
-def _scores(engine: EngineCore, text: list[int]) -> list[SampledToken]:
-    """Each text token's log-probability after the tokens before it (the first has none)."""
+@dataclass(frozen=True)
+class _Score:
+    logprob: float  # of the text's token after those before it
+    top: int  # the most likely token there
+
+
+def _scores(engine: EngineCore, text: list[int]) -> list[_Score]:
+    """Each text token's log-probability after the tokens before it (the first has none), and the likeliest token."""
     engine.add_request("text", text, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
-    scores: list[SampledToken] = []
+    scores: list[_Score] = []
     while engine.has_unfinished():
         for delta in engine.step():
             if delta.prompt_logprobs is not None:
-                scores = [s for s in delta.prompt_logprobs[1:] if s is not None]
+                scores = [_score(s) for s in delta.prompt_logprobs[1:] if s is not None]
     return scores
 
 
-def _top(s: SampledToken) -> int:
-    return s.top_logprobs[0][0] if s.top_logprobs else s.token_id
+def _score(s: SampledToken) -> _Score:
+    assert s.logprob is not None  # (prompt log-probabilities always carry theirs)
+    return _Score(s.logprob, s.top_logprobs[0][0] if s.top_logprobs else s.token_id)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def label(config: EngineConfig, loaded: LoadedModel) -> str:
+    """What an engine holds in fewer bits: its KV's type, and its weights' quantization."""
+    kv = config.cache.kv_cache_dtype
+    text = f"KV {kv if kv != 'auto' else str(loaded.dtype).removeprefix('torch.')}"
+    return text + (f", weights {config.model.quantization}" if config.model.quantization else "")
 
 
 def source_text(loaded: LoadedModel, num_tokens: int) -> list[int]:
@@ -102,30 +117,38 @@ def source_text(loaded: LoadedModel, num_tokens: int) -> list[int]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     refuse_engine_flags(args, "bench kv-dtype", {"num_kv_blocks": "each pool is --kv-cache-gb of memory"})
     config = engine_config_from_flags(args)
-    compared = config.cache.kv_cache_dtype
-    if compared == "auto":
-        raise SystemExit("--kv-cache-dtype: name the type to compare with the model's own (fp8, fp8_e5m2, bfloat16)")
+    if config.cache.kv_cache_dtype == "auto" and config.model.quantization is None:
+        raise SystemExit(
+            "--kv-cache-dtype: name the type to compare with the model's own (fp8, fp8_e5m2, bfloat16), or give "
+            "--quantization fp8, or both"
+        )
     if min(args.num_prompts, args.input_len, args.output_len, args.text_tokens) < 1:
         raise SystemExit("--num-prompts, --input-len, --output-len and --text-tokens must be at least 1")
-    loaded = load_configured_model(config.model)
-    baseline = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype="auto"))
+    baseline = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, quantization=None),
+        cache=dataclasses.replace(config.cache, kv_cache_dtype="auto"),
+    )
+    loaded = load_configured_model(baseline.model)
+    compared_model = loaded if config.model.quantization is None else load_configured_model(config.model)
     prompts = make_prompts(loaded, args.num_prompts, args.input_len, args.bench_seed)
     text = source_text(loaded, args.text_tokens)
+    compared = label(config, loaded)
 
-    def engine(cfg: EngineConfig) -> EngineCore:
-        made = EngineCore.from_model(loaded, cfg)
+    def engine(model: LoadedModel, cfg: EngineConfig) -> EngineCore:
+        made = EngineCore.from_model(model, cfg)
         _run_batch(made, prompts[:1], 2)  # first calls' allocations and kernels
         made.reset_prefix_cache()
         return made
 
     batches, answers, scores = [], [], []
-    for name, cfg in (("auto", baseline), (compared, config)):
-        eng = engine(cfg)
+    for model, cfg in ((loaded, baseline), (compared_model, config)):
+        eng = engine(model, cfg)
         seconds, most, outs = _run_batch(eng, prompts, args.output_len)
         stats = eng.stats()
         batches.append(
             BatchFigures(
-                kv_cache_dtype=name if name != "auto" else f"auto ({loaded.dtype})".replace("torch.", ""),
+                engine=label(cfg, loaded),
                 num_blocks=eng.layout.num_blocks,
                 pool_tokens=eng.layout.num_blocks * eng.layout.block_size,
                 output_tokens_per_s=sum(map(len, outs)) / seconds,
@@ -145,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         baseline_nll=-sum(s.logprob for s in base[:n]) / n,
         compared_nll=-sum(s.logprob for s in comp[:n]) / n,
         mean_logprob_change=sum(abs(a.logprob - b.logprob) for a, b in zip(base, comp, strict=False)) / n,
-        same_top_token=sum(_top(a) == _top(b) for a, b in zip(base, comp, strict=False)) / n,
+        same_top_token=sum(a.top == b.top for a, b in zip(base, comp, strict=False)) / n,
         same_answers=sum(a == b for a, b in zip(*answers, strict=True)) / len(prompts),
         tokens_before_first_difference=sum(_first_difference(a, b) for a, b in zip(*answers, strict=True))
         / len(prompts),
@@ -155,10 +178,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"all at once, greedy; the same KV memory for both"
     )
     print_table(
-        ["KV cache", "blocks", "pool tokens", "output tok/s", "most running", "preemptions"],
+        ["engine", "blocks", "pool tokens", "output tok/s", "most running", "preemptions"],
         [
             [
-                b.kv_cache_dtype,
+                b.engine,
                 b.num_blocks,
                 b.pool_tokens,
                 f"{b.output_tokens_per_s:.1f}",
@@ -169,7 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ],
     )
     ratio = batches[1].output_tokens_per_s / batches[0].output_tokens_per_s
-    print(f"{compared} / auto: {ratio:.2f}x output tok/s, {batches[1].num_blocks / batches[0].num_blocks:.2f}x blocks")
+    blocks = batches[1].num_blocks / batches[0].num_blocks
+    print(f"{compared} / {batches[0].engine}: {ratio:.2f}x output tok/s, {blocks:.2f}x blocks")
     print(
         f"rounding, over {n} tokens of text: mean NLL {rounding.baseline_nll:.4f} -> {rounding.compared_nll:.4f}, "
         f"a token's log-probability moved {rounding.mean_logprob_change:.4f} on average, the same most likely "
@@ -179,7 +203,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     result = {
         "model": config.model.model,
-        "kv_cache_dtype": compared,
+        "kv_cache_dtype": config.cache.kv_cache_dtype,
+        "quantization": config.model.quantization,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,

@@ -242,9 +242,9 @@ def load_model(
     source = _source_digest(path) if weights is None else f"{_source_digest(path)}+{weights[0]}"
     # (The dtype used, not the one asked for: ``auto`` is float32 on the CPU and 16-bit on a GPU.)
     # (And the quantization: KV computed on quantized weights is another model's, in the prefix cache and the store.)
-    quantized = f":{quantization}" if quantization else ""
+    quant_tag = f":{quantization}" if quantization else ""
     fingerprint = hashlib.sha256(
-        f"{arch.fingerprint()}:{source}:{dtype_name(torch_dtype)}{quantized}".encode()
+        f"{arch.fingerprint()}:{source}:{dtype_name(torch_dtype)}{quant_tag}".encode()
     ).hexdigest()[:16]
     return LoadedModel(
         name=name,

@@ -65,16 +65,15 @@ class QuantizedCheckpoint:
             if name.endswith(_DROPPED):
                 continue
             scale_of = next((name.removesuffix(s) for s in _SCALES if name.endswith(s)), None)
-            if scale_of is not None:
-                key, weight, scale = scale_of + ".weight", waiting.pop(scale_of + ".weight", None), tensor
-            elif tensor.dtype in _FP8:
-                key, weight, scale = name, tensor, waiting.pop(name, None)
-            else:
+            if scale_of is None and tensor.dtype not in _FP8:
                 yield name, tensor
                 continue
-            if weight is None or scale is None:
+            key = name if scale_of is None else scale_of + ".weight"
+            other = waiting.pop(key, None)
+            if other is None:
                 waiting[key] = tensor
                 continue
+            weight, scale = (tensor, other) if scale_of is None else (other, tensor)
             yield key, self.apply_scale(key, weight, scale)
         if waiting:
             raise ValueError(
