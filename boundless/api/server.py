@@ -833,6 +833,16 @@ class OpenAIServer:
             if body.prediction is not None:
                 text = body.prediction.text
                 prediction = await off_loop_if_large(request, encode_text, self.tokenizer, text, False)
+                if len(prediction) > self.client.max_model_len:
+                    # (No answer can be longer, and the engine reads every token of it as it drafts: millions of
+                    # tokens slowed every step of every request.)
+                    raise APIError(
+                        400,
+                        f"prediction: {len(prediction)} tokens exceed the model's context of "
+                        f"{self.client.max_model_len}, which no answer can pass",
+                        "prediction",
+                        "invalid_value",
+                    )
                 params = dataclasses.replace(params, prediction=tuple(prediction))
             if body.thinking_token_budget is not None:
                 budget = self.thinking_budget(body.thinking_token_budget, ids)

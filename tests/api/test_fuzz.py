@@ -963,7 +963,7 @@ HUGE = [
     (RESPONSES, {"model": MODEL, "input": _LONG, "max_output_tokens": 2}, 400),
     (TOKENIZE, {"prompt": _LONG}, 200),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 2, "bad_words": [_LONG]}, 200),
-    (CHAT, {**SEEDS[CHAT][0], "prediction": {"type": "content", "content": _LONG}}, 200),
+    (CHAT, {**SEEDS[CHAT][0], "prediction": {"type": "content", "content": _LONG}}, 400),  # (past the context)
 ]
 
 
@@ -1070,3 +1070,14 @@ def test_the_least_double_as_repetition_penalty_is_served(client: httpx.Client) 
         r = client.post(route, json={**SEEDS[route][0], "repetition_penalty": 5e-324, "temperature": 1.0})
         assert r.status_code == 200, r.text
     still_serving(client)
+
+
+def test_a_prediction_longer_than_the_context_is_a_400(client: httpx.Client) -> None:
+    """A prediction of 3 million tokens was served, the engine reading it as it drafted: every request's steps were
+    slower while it ran (a plain completion waited 1.2 s). None can be answered past the context, so a prediction
+    past it is refused; one that fits is served."""
+    long = {**SEEDS[CHAT][0], "prediction": {"type": "content", "content": "hello world " * MAX_LEN}}
+    r = client.post(CHAT, json=long)
+    assert r.status_code == 400 and _error(r)["param"] == "prediction", r.text
+    fits = {**SEEDS[CHAT][0], "prediction": {"type": "content", "content": "hello world " * 10}}
+    assert client.post(CHAT, json=fits).status_code == 200
