@@ -573,12 +573,34 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
+# The error types by status, OpenAI's and Anthropic's.
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",  # (a stream's error event: a failure after it began)
+}
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+}
+# What a POST route's request alone can be refused with (as OpenAI and vLLM refuse it): 400 for any invalid body
+# (never FastAPI's 422), 404 for what names something not here (a model, a stored response), 413 for a body too
+# large. 405 only on paths that are no POST route; 429 and 503 only for a server's load or state.
+POST_STATUSES = (200, 400, 404, 413)
+NOT_FOUND_PARAMS = ("model", "previous_response_id")
+
+
 def error_problem(route: str, r: httpx.Response) -> str | None:
-    """Why ``r``, a 4xx, is not the route's error object, or None."""
+    """Why ``r``, a 4xx, is not the route's error object, of the type its status has, or None."""
     try:
         body = _strict_json(r.text)
     except ValueError as e:
         return f"error body is not JSON ({e}): {r.text[:300]!r}"
+    status = r.status_code
     if route.startswith(MESSAGES):
         if not (
             isinstance(body, dict)
@@ -589,6 +611,8 @@ def error_problem(route: str, r: httpx.Response) -> str | None:
             and body["error"]["message"]
         ):
             return f"not Anthropic's error object: {body}"
+        if body["error"]["type"] != ANTHROPIC_TYPES.get(status):
+            return f"a {status} of type {body['error']['type']}: {body}"
         return None
     if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
         return f"not an OpenAI error object: {body}"
@@ -599,6 +623,10 @@ def error_problem(route: str, r: httpx.Response) -> str | None:
         return f"bad message or type: {body}"
     if error["param"] is not None and not isinstance(error["param"], str):
         return f"bad param: {body}"
+    if error["type"] != OPENAI_TYPES.get(status):
+        return f"a {status} of type {error['type']}: {body}"
+    if status == 404 and route in SEEDS and error["param"] not in NOT_FOUND_PARAMS:
+        return f"a 404 for no model or stored response: {body}"
     return None
 
 
@@ -618,7 +646,7 @@ def _sse_problem(route: str, events: list[tuple[str | None, str]]) -> str | None
             return f"the stream ends without [DONE]: {last[:300]!r}"
         errors = [json.loads(d) for _, d in events[:-1] if '"error"' in d and "error" in json.loads(d)]
         for e in errors:
-            if error_problem(route, httpx.Response(400, text=json.dumps(e))):
+            if error_problem(route, httpx.Response(500, text=json.dumps(e))):
                 return f"a bad error event: {e}"
         return None
     if route == RESPONSES:
@@ -667,6 +695,8 @@ def send(
                 return f"status {r.status_code}: {r.text[:500]}"
             if r.status_code != 200:
                 r.read()
+                if method == "POST" and route in SEEDS and r.status_code not in POST_STATUSES:
+                    return f"status {r.status_code} (not {POST_STATUSES}): {r.text[:300]}"
                 return error_problem(route, r)
             if r.headers.get("content-type", "").startswith("text/event-stream"):
                 return _sse_problem(route, _read_sse(r))
