@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 
 from boundless.attention import triton_kernels as kernels
 from boundless.engine import window_inputs
-from boundless.model import triton_ops
+from boundless.model import fp8_linear, triton_ops
 
 _ATTENTION_ARGS = {
     "lse_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
@@ -58,28 +58,55 @@ class CompileJob:
         return self.key, compile_kernel(fn, self.types, self.consts, target, self.warps, self.stages)
 
 
+# PyTorch's 8-bit KV types by Triton's names for them (triton._utils.type_canonicalisation_dict), with the largest
+# finite value the store saturates at (torch.finfo(...).max).
+FP8_CACHE_TYPES = {"fp8e4nv": ("float8_e4m3fn", 448.0), "fp8e5": ("float8_e5m2", 57344.0)}
+
+
 def fp8_cache_jobs() -> list[CompileJob]:
     """A bf16 model's kernels over an fp8 cache (``--kv-cache-dtype fp8``: Triton's ``fp8e4nv``, which needs sm_89
-    or later): the store's rounding, a decode's and a prefill's widening reads."""
-    types = dict(_ATTENTION_ARGS, q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16")
-    jobs = [
-        CompileJob(
-            f"attention/bf16-fp8-cache/d128/{name}", (kernels.__name__, "paged_attention_kernel"), types,
-            dict(GROUP=4, NUM_HEADS=32, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16, HEAD_DIM=128,
-                 DIM_POW2=128, SPLIT=False, PRECISION=None, MASK_EVERY_TILE=False),
-            warps, 3,
-        )
-        for name, block_q, block_m, block_n, warps in (("decode", 1, 16, 128, 4), ("prefill", 32, 128, 64, 8))
-    ]  # fmt: skip
-    jobs.append(
-        CompileJob(
-            "store_kv/bf16-to-fp8", (kernels.__name__, "store_kv_kernel"),
-            dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", slot_ptr="*i64",
-                 stride_kt="i32", stride_vt="i32", stride_cache_head="i32"),
-            dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_POW2=8, DIM_POW2=128, SATURATE=448.0), 4, 1,
-        )
-    )  # fmt: skip
+    or later): the store's rounding, a decode's and a prefill's widening reads; a decode's and the store over
+    ``fp8_e5m2`` (Triton's ``fp8e5``), and a decode split over programs."""
+    jobs = []
+    for cache, variants in (
+        ("fp8e4nv", (("decode", 1, 16, 128, 4, False), ("decode-split", 1, 16, 128, 4, True),
+                     ("prefill", 32, 128, 64, 8, False))),
+        ("fp8e5", (("decode", 1, 16, 128, 4, False),)),
+    ):  # fmt: skip
+        suffix = "" if cache == "fp8e4nv" else "-e5m2"
+        for name, block_q, block_m, block_n, warps, split in variants:
+            types = dict(_ATTENTION_ARGS, q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}",
+                         out_ptr="*fp32" if split else "*bf16")  # fmt: skip
+            jobs.append(
+                CompileJob(
+                    f"attention/bf16-fp8{suffix}-cache/d128/{name}", (kernels.__name__, "paged_attention_kernel"),
+                    types,
+                    dict(GROUP=4, NUM_HEADS=32, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16,
+                         HEAD_DIM=128, DIM_POW2=128, SPLIT=split, PRECISION=None, MASK_EVERY_TILE=False),
+                    warps, 3,
+                )
+            )  # fmt: skip
+        jobs.append(
+            CompileJob(
+                f"store_kv/bf16-to-fp8{suffix}", (kernels.__name__, "store_kv_kernel"),
+                dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", slot_ptr="*i64",
+                     stride_kt="i32", stride_vt="i32", stride_cache_head="i32"),
+                dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_POW2=8, DIM_POW2=128, SATURATE=FP8_CACHE_TYPES[cache][1]),
+                4, 1,
+            )
+        )  # fmt: skip
     return jobs
+
+
+def fp8_linear_jobs() -> list[CompileJob]:
+    """``--quantization fp8``: the kernel that quantizes each product's activations on CUDA (bf16 rows to e4m3)."""
+    return [
+        CompileJob(
+            "fp8_linear/quantize_rows", (fp8_linear.__name__, "_quantize_rows_kernel"),
+            dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32", stride_x="i32", n_cols="i32"),
+            dict(FP8_LARGEST=fp8_linear.FP8_MAX, TINY=fp8_linear._TINY, BLOCK=fp8_linear._QUANTIZE_BLOCK), 4, 1,
+        )
+    ]  # fmt: skip
 
 
 def compile_jobs() -> list[CompileJob]:
@@ -146,7 +173,7 @@ def compile_jobs() -> list[CompileJob]:
             dict(PAGE=16, BLOCK=256), 4, 1,
         )
     )  # fmt: skip
-    return jobs + fp8_cache_jobs()
+    return jobs + fp8_cache_jobs() + fp8_linear_jobs()
 
 
 def compile_all(capability: int = 90, workers: int | None = None) -> dict[str, int]:

@@ -26,7 +26,24 @@ def test_kernels_compile_for_sm90() -> None:
     shared = json.loads(proc.stdout)
     # Per dtype (bf16, fp32): attention (d64, d128) x (decode, split, prefill; in bf16 also prefill with the mask on
     # every tile, the tile sweep's baseline), store, merge, and the layers' rms_norm, rotary and silu_mul; and a device
-    # window's next-pass inputs; and a bf16 model's over an fp8 cache (decode, prefill, store).
-    assert len(shared) == (2 * 4 + 2 + 3) + (2 * 3 + 2 + 3) + 1 + 3
-    assert {"attention/bf16-fp8-cache/d128/decode", "store_kv/bf16-to-fp8"} <= shared.keys()
+    # window's next-pass inputs; a bf16 model's over an fp8 cache (e4m3: decode, split decode, prefill, store; e5m2:
+    # decode, store); and --quantization fp8's activation quantizer.
+    assert len(shared) == (2 * 4 + 2 + 3) + (2 * 3 + 2 + 3) + 1 + (4 + 2) + 1
+    assert {"attention/bf16-fp8-cache/d128/decode", "store_kv/bf16-to-fp8", "fp8_linear/quantize_rows"} <= shared.keys()
+    assert {"attention/bf16-fp8-e5m2-cache/d128/decode", "store_kv/bf16-to-fp8-e5m2"} <= shared.keys()
     assert all(0 <= b <= SHARED_MEMORY_PER_BLOCK for b in shared.values())
+
+
+def test_the_fp8_cache_types_are_named_as_triton_names_pytorchs() -> None:
+    """The compile's 8-bit cache types are the ones a launch over PyTorch's float8 tensors takes (Triton names a
+    pointer's type from its tensor's dtype), and the store saturates at each type's largest finite value."""
+    import torch
+    from triton._utils import type_canonicalisation_dict
+
+    from boundless.attention.triton_compile import FP8_CACHE_TYPES
+    from boundless.kv.cache_dtype import FP8_DTYPES
+
+    assert {getattr(torch, name) for name, _ in FP8_CACHE_TYPES.values()} == set(FP8_DTYPES)
+    for triton_name, (torch_name, largest) in FP8_CACHE_TYPES.items():
+        assert type_canonicalisation_dict[torch_name] == triton_name
+        assert float(torch.finfo(getattr(torch, torch_name)).max) == largest

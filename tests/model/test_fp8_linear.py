@@ -4,6 +4,7 @@ another KV fingerprint) answering close to the unquantized one through the engin
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,20 @@ import torch
 from boundless.config import ConfigError, EngineConfig, ModelConfig
 from boundless.engine.core import EngineCore
 from boundless.engine.sampling_params import SamplingParams
+from boundless.llm import engine_config
+from boundless.model import fp8_linear as fp8
 from boundless.model.fp8_linear import FP8, FP8_MAX, check_quantization, fp8_linear, quantize_rows
 from boundless.model.loader import LoadedModel, load_model
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+_TRITON_RUNS = triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+# The 8B shape's products (Llama-3.1-8B: hidden 4096, 32 heads and 8 kv heads of 128, MLP 14,336): (in, out).
+_LLAMA_8B_PRODUCTS = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 
 
 def _rounded_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -128,3 +141,165 @@ def test_the_product_on_cuda_in_bfloat16() -> None:
     assert out.dtype == torch.bfloat16
     want = _rounded_product(x.bfloat16().float(), q.cpu(), scale.cpu())
     torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_the_products_arguments_meet_cudas_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``_scaled_mm`` is given, checked by PyTorch's own rules for CUDA (its meta function, on fake CUDA tensors:
+    no GPU needed): the activations row-major and the weight's transpose column-major, sides multiples of 16, the
+    scales fp32 [M, 1] and [1, N], contiguous; for the 8B shape's products, a decode's few rows and a prefill's many,
+    and for the product scaled after (the way round a shape cuBLASLt refuses). A layout the GPU would refuse fails
+    here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(fp8, "quantize_activations", fp8._quantize_torch)  # (no Triton launch on fake tensors)
+    calls: list[tuple] = []
+    real = torch._scaled_mm
+
+    def spy(a, b, **kwargs):
+        calls.append((a, b, kwargs))
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    with FakeTensorMode():
+        for k, n in _LLAMA_8B_PRODUCTS:
+            weight, scale = quantize_rows(torch.empty(n, k, device="cuda", dtype=torch.bfloat16))
+            assert weight.is_contiguous() and scale.shape == (1, n) and scale.dtype == torch.float32
+            for rows in (1, 3, 64, 127, 300):
+                for shape in ((rows, k), (1, rows, k)):
+                    x = torch.empty(*shape, device="cuda", dtype=torch.bfloat16)
+                    out = fp8_linear(x, weight, scale, None)
+                    assert out.shape == (*shape[:-1], n) and out.dtype == torch.bfloat16
+                    monkeypatch.setattr(fp8, "ROWWISE_REFUSED", {(rows, k, n)})
+                    assert fp8_linear(x, weight, scale, None).dtype == torch.bfloat16
+                    monkeypatch.setattr(fp8, "ROWWISE_REFUSED", set())
+        # A weight whose side is no multiple of 16 is refused there: quantizable() keeps such a matrix unquantized.
+        odd, odd_scale = quantize_rows(torch.empty(40, 64, device="cuda"))
+        assert not fp8.quantizable(odd)
+        with pytest.raises(RuntimeError, match="divisible by 16"):
+            fp8_linear(torch.empty(2, 64, device="cuda", dtype=torch.bfloat16), odd, odd_scale, None)
+    a, b, kwargs = calls[0]
+    assert a.stride() == (4096, 1) and b.stride() == (1, 4096) and kwargs["out_dtype"] == torch.bfloat16
+    assert {c[2]["scale_a"].shape for c in calls} >= {(1, 1), (64, 1), torch.Size([])}
+
+
+def test_a_shape_cublaslt_refuses_is_scaled_after_the_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuBLASLt's heuristic has refused scales per row for some shapes (a long inner side, few rows: H100): such a
+    product is taken with unit scales into fp32 and scaled after, the same sums; the refusal is met once a shape."""
+    gen = torch.Generator().manual_seed(3)
+    q, scale = quantize_rows(torch.randn(32, 64, generator=gen))
+    x = torch.randn(4, 64, generator=gen)
+    want = fp8_linear(x, q, scale, None)
+    real, refusals = torch._scaled_mm, []
+
+    def refusing(a, b, *, scale_a, scale_b, out_dtype):
+        if scale_a.numel() > 1:
+            refusals.append(a.shape)
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic")
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", refusing)
+    monkeypatch.setattr(fp8, "ROWWISE_REFUSED", set())
+    for _ in range(2):
+        torch.testing.assert_close(fp8_linear(x, q, scale, None), want, rtol=1e-5, atol=1e-5)
+    assert refusals == [(4, 64)]
+    assert sorted(fp8.ROWWISE_REFUSED) == [(4, 64, 32)]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _cast_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n).to(out_ptr.dtype.element_ty), mask=i < n)
+
+
+def _triton_cast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) cast to e4m3 by Triton: in the interpreter, its own rounding (which differs from the GPU's and
+    PyTorch's at ties and where rounding up reaches a power of two)."""
+    out = torch.empty(x.shape, dtype=FP8, device=x.device)
+    _cast_kernel[(triton.cdiv(x.numel(), 1024),)](x.contiguous(), out, x.numel(), BLOCK=1024)
+    return out
+
+
+@pytest.mark.skipif(not _TRITON_RUNS, reason="triton unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_triton_quantizer_makes_the_rows_pytorchs_ops_make(dtype: torch.dtype) -> None:
+    """CUDA's activations are quantized by one Triton launch: the same scales as PyTorch's ops (bit for bit: the same
+    fp32 divisions), and each row divided by its scale and rounded. On a GPU the rounded rows are PyTorch's; in the
+    interpreter its own cast rounds otherwise at ties, so there they are compared with that cast of PyTorch's
+    quotients. Rows wider than a block (two passes), a row of zeros, rows far apart in size, a strided view."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(4)
+    for cols in (48, 1000, 2304):
+        x = torch.randn(6, cols + 16, generator=gen) * torch.logspace(-4, 3, 6)[:, None]
+        x[2] = 0
+        rows = x.to(device, dtype)[:, 16:]  # (a view: rows cols + 16 apart)
+        q, x_scale = fp8._quantize_triton(rows)
+        want_q, want_scale = fp8._quantize_torch(rows)
+        assert q.shape == rows.shape and q.is_contiguous() and x_scale.shape == (6, 1)
+        assert torch.equal(x_scale, want_scale)
+        if device.type == "cuda":
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        else:
+            assert torch.equal(q.view(torch.uint8), _triton_cast(rows.float() / want_scale).view(torch.uint8))
+    if device.type == "cuda":
+        assert fp8.quantize_activations(rows)[0].data_ptr() != want_q.data_ptr()  # (CUDA takes the kernel)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's FP8 products")
+def test_the_8b_shapes_products_on_cuda() -> None:
+    """The 8B shape's products on the GPU for a decode's few rows and a prefill's many, against float64 products of
+    the same rounded operands. A shape cuBLASLt refuses with scales per row is named in a warning (and still right,
+    scaled after the product): the device run's log says which."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 products on this GPU")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for k, n in _LLAMA_8B_PRODUCTS:
+        q, scale = quantize_rows(torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16))
+        for rows in (1, 16, 64, 127, 256, 300):
+            x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+            out = fp8_linear(x, q, scale, None)
+            want = _rounded_product(x.float().cpu(), q.cpu(), scale.cpu())
+            err = (out.double().cpu() - want).norm() / want.norm()
+            assert out.dtype == torch.bfloat16 and err < 1e-2, (k, n, rows, float(err))
+    if fp8.ROWWISE_REFUSED:
+        import warnings
+
+        warnings.warn(f"cuBLASLt refused scales per row for (M, K, N) = {sorted(fp8.ROWWISE_REFUSED)}", stacklevel=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_a_quantized_model_on_cuda_graphs_and_windows_gives_the_eager_tokens(model_dirs: dict[str, Path]) -> None:
+    """The products, their Triton quantizer and the scales read inside captured decode graphs and device windows:
+    a bf16 model quantized to FP8 gives the eager engine's greedy tokens (one sequence: the same row count, so the
+    same cuBLASLt kernel, eager and replayed), and a batch runs through the graphs' padded buckets."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 products on this GPU")
+    loaded = load_model(str(model_dirs["tiny-llama"]), dtype="bfloat16", device="cuda", quantization="fp8")
+    assert loaded.model.layers[0].qkv_weight.dtype == FP8
+    prompt = [5, 9, 13, 17, 21, 25, 29]
+    runs = {}
+    for name, options in {
+        "eager": dict(enforce_eager=True),
+        "graphs": dict(),
+        "windows": dict(num_scheduler_steps=4),
+    }.items():
+        config = engine_config(
+            loaded.name, dtype="bfloat16", device="cuda", max_model_len=256, num_kv_blocks=64, max_num_seqs=8,
+            attention_backend="triton", **options,
+        )  # fmt: skip
+        engine = EngineCore.from_model(loaded, config)
+        assert (engine.executor.runner.graphs is None) == (name == "eager")
+        out: dict[str, list[int]] = {}
+        engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        for batch in (False, True):  # the one sequence alone, then a batch that shrinks through the buckets
+            for i in range(3 if batch else 0):
+                params = SamplingParams(temperature=0.0, max_tokens=5 + i, ignore_eos=True)
+                engine.add_request(f"b{i}", [3 + i, 7, 11 + i], params)
+            while engine.has_unfinished():
+                for delta in engine.step():
+                    out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        runs[name] = out
+    for name, out in runs.items():
+        assert [len(out[f"b{i}"]) for i in range(3)] == [5, 6, 7], name
+    assert runs["graphs"]["r"] == runs["eager"]["r"] and runs["windows"]["r"] == runs["eager"]["r"]
