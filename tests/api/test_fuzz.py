@@ -775,6 +775,36 @@ def test_many_changed_requests_are_served_or_refused(client: httpx.Client, reque
     _fuzz(client, *request)
 
 
+@pytest.fixture(scope="module")
+def stored_responses(client: httpx.Client) -> list[str]:
+    """Ids of stored responses to chain from: a plain one, one that called a tool, and one chained from that."""
+    ids = []
+    for body in (
+        SEEDS[RESPONSES][0],
+        {**SEEDS[RESPONSES][1], "stream": False, "tool_choice": "required"},
+    ):
+        r = client.post(RESPONSES, json=body)
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["id"])
+    r = client.post(RESPONSES, json={**SEEDS[RESPONSES][0], "previous_response_id": ids[-1]})
+    assert r.status_code == 200, r.text
+    return [*ids, r.json()["id"]]
+
+
+@_FAST
+@given(request=field_requests((RESPONSES,)) | requests((RESPONSES,)), which=st.integers(0, 2))
+def test_chained_responses_are_served_or_refused(
+    client: httpx.Client, stored_responses: list[str], request: tuple[str, Any], which: int
+) -> None:
+    route, body = request
+    if isinstance(body, dict):
+        body["previous_response_id"] = stored_responses[which]
+    _fuzz(client, route, body)
+    response_id = stored_responses[which]
+    for path in (f"{RESPONSES}/{response_id}", f"{RESPONSES}/{response_id}/input_items"):
+        assert send(client, path, b"", method="GET") is None
+
+
 _BATCH = st.lists(requests() | field_requests(), min_size=2, max_size=6)
 
 
