@@ -64,16 +64,20 @@ fi
 # 1. On CUDA: the graph runner's tests (both backends), FlexAttention's against the dense reference in bf16 and its
 #    block mask, the Triton kernel's tiles apart for decodes and prefills and its unmasked tiles, --flash-prefill's
 #    FlashAttention call, DistAttention on both backends, transformers' greedy tokens on FlexAttention (tiny-llama),
-#    an fp8 KV cache on the Triton kernels (--kv-cache-dtype fp8: the GPU's rounding, the kernels' widening reads).
+#    an fp8 KV cache on the Triton kernels (--kv-cache-dtype fp8: the GPU's rounding, the kernels' widening reads),
+#    --quantization fp8's products (the 8B shape's, 1 to 300 rows; cuBLASLt's refusals named in a warning), its
+#    Triton quantizer against PyTorch's ops, and a quantized model on CUDA graphs and windows against eager.
 # 2. `bench gpu --shapes 1b,8b --windows 16`: #16's figures (the 1B cases against transformers, the GPU's busy share
 #    and idle gaps, the 8B decode against its roofline).
 # 3. `bench gpu --shapes tiles --tiles-grid small`: one layer's attention on our kernel's default tiles and five
 #    neighbours (the mask on every tile among them), on FlexAttention, on SDPA (FlashAttention) and as
 #    --flash-prefill calls FlashAttention, for the 1B shape's prefill and decode cases.
-# 4. The 1B cases again with --flash-prefill (what is left of the budget; the engine on FlexAttention is in the flex
+# 4. The 8B decode with its layers in FP8 and its KV in fp8 (--quantization fp8 --kv-cache-dtype fp8: half the bytes
+#    a step reads), against the same roofline's bytes.
+# 5. The 1B cases again with --flash-prefill (what is left of the budget; the engine on FlexAttention is in the flex
 #    part).
-# 5. The 8B decode with its layers in FP8 and its KV in fp8 (--quantization fp8 --kv-cache-dtype fp8: half the bytes
-#    a step reads), against the same roofline's bytes (what is left of the budget).
+# Every stage but the last starts with all it asks (tests/test_gpu_check.py: their asks within the budget); the last
+# gets what is left.
 deadline=$((SECONDS + ${GPU_CHECK_BUDGET:-580}))
 within() {  # the seconds a stage gets: what it asks, or what is left of the budget
     local left=$((deadline - SECONDS))
@@ -91,6 +95,9 @@ BOUNDLESS_TEST_DEVICE=cuda timeout "$(within 170)" python3 -m pytest -p no:cache
     tests/attention/test_triton_paged.py::test_an_fp8_cache_is_stored_rounded_and_read_as_it_holds_them \
     tests/kv/test_cache_dtype.py::test_an_8_bit_prompt_gives_the_same_tokens_chunked_whole_or_from_the_prefix_cache \
     tests/model/test_fp8_linear.py::test_the_product_on_cuda_in_bfloat16 \
+    tests/model/test_fp8_linear.py::test_the_8b_shapes_products_on_cuda \
+    tests/model/test_fp8_linear.py::test_the_triton_quantizer_makes_the_rows_pytorchs_ops_make \
+    tests/model/test_fp8_linear.py::test_a_quantized_model_on_cuda_graphs_and_windows_gives_the_eager_tokens \
     tests/engine/test_dist_attention.py::test_distattention_on_the_triton_kernels \
     tests/engine/test_cuda_graphs.py tests/attention/test_flex_paged.py \
     tests/engine/test_dist_attention.py::test_distattention_on_flex_attention \
@@ -100,7 +107,7 @@ timeout "$(within 190)" python3 -m boundless.bench.gpu --shapes 1b,8b --windows 
     | tee "$out/bench.log" | tail -45
 timeout "$(within 80)" python3 -m boundless.bench.gpu --shapes tiles --tiles-grid small --repeats 3 \
     --json "$out/bench-tiles.json" 2>&1 | tee "$out/bench-tiles.log" | tail -12
+timeout "$(within 110)" python3 -m boundless.bench.gpu --shapes 8b --windows 16 --quantization fp8 --kv-cache-dtype fp8 \
+    --json "$out/bench-8b-fp8.json" 2>&1 | tee "$out/bench-8b-fp8.log" | tail -8
 timeout "$(within 200)" python3 -m boundless.bench.gpu --shapes 1b --windows 16 --flash-prefill \
     --json "$out/bench-flash.json" 2>&1 | tee "$out/bench-flash.log" | tail -25
-timeout "$(within 150)" python3 -m boundless.bench.gpu --shapes 8b --windows 16 --quantization fp8 --kv-cache-dtype fp8 \
-    --json "$out/bench-8b-fp8.json" 2>&1 | tee "$out/bench-8b-fp8.log" | tail -8

@@ -64,3 +64,15 @@ def test_every_benchmark_call_of_the_script_parses() -> None:
         gpu.add_arguments(parser)
         args = parser.parse_args(shlex.split(call))
         gpu._windows(args)  # (--windows is checked when a run starts)
+
+
+def test_every_stage_of_the_default_part_but_the_last_gets_all_it_asks() -> None:
+    """The default part's stages each run within what is left of its budget (``within N``): a stage whose ask, with
+    the asks before it, passes the budget is cut short, and one past it never runs (the fp8 stage, added last after
+    asks of 640 s in a budget of 580, got 1 s). Only the last stage may take what is left."""
+    text = SCRIPT.read_text()
+    default = text[text.index("deadline=") :]
+    budget = int(re.search(r"GPU_CHECK_BUDGET:-(\d+)", default).group(1))
+    asks = [int(n) for n in re.findall(r'within (\d+)\)"', default)]
+    assert len(asks) >= 5
+    assert sum(asks[:-1]) <= budget - 20, (asks, budget)

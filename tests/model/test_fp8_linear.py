@@ -248,20 +248,27 @@ def test_the_triton_quantizer_makes_the_rows_pytorchs_ops_make(dtype: torch.dtyp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's FP8 products")
 def test_the_8b_shapes_products_on_cuda() -> None:
-    """The 8B shape's products on the GPU for a decode's few rows and a prefill's many, against float64 products of
-    the same rounded operands. A shape cuBLASLt refuses with scales per row is named in a warning (and still right,
-    scaled after the product): the device run's log says which."""
+    """The 8B shape's products on the GPU for a decode's few rows and a prefill's many, against fp32 products of the
+    same rounded operands (on the GPU, full fp32). A shape cuBLASLt refuses with scales per row is named in a warning
+    (and still right, scaled after the product): the device run's log says which."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 products on this GPU")
     gen = torch.Generator(device="cuda").manual_seed(5)
-    for k, n in _LLAMA_8B_PRODUCTS:
-        q, scale = quantize_rows(torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16))
-        for rows in (1, 16, 64, 127, 256, 300):
-            x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-            out = fp8_linear(x, q, scale, None)
-            want = _rounded_product(x.float().cpu(), q.cpu(), scale.cpu())
-            err = (out.double().cpu() - want).norm() / want.norm()
-            assert out.dtype == torch.bfloat16 and err < 1e-2, (k, n, rows, float(err))
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for k, n in _LLAMA_8B_PRODUCTS:
+            q, scale = quantize_rows(torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16))
+            weight = q.float() * scale.t()
+            for rows in (1, 16, 64, 127, 256, 300):
+                x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+                out = fp8_linear(x, q, scale, None)
+                xq, x_scale = fp8._quantize_torch(x)
+                want = (xq.float() * x_scale) @ weight.t()
+                err = float((out.float() - want).norm() / want.norm())
+                assert out.dtype == torch.bfloat16 and out.shape == (rows, n) and err < 1e-2, (k, n, rows, err)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     if fp8.ROWWISE_REFUSED:
         import warnings
 
