@@ -18,6 +18,7 @@ Links (``host_copy``, ``storage_read``, ``storage_write``, ``network``) are a ba
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import json
 from collections.abc import Sequence
@@ -27,9 +28,12 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from boundless.engine.attention_time import ChunkShape, shapes_of
 from boundless.engine.multi_step import PassRow
 from boundless.engine.scheduler import SchedulerOutput
+from boundless.kv.cache_dtype import kv_cache_dtype as kv_cache_dtype_named
 from boundless.sim.cost import StepCost
 from boundless.sim.executor import DiskCost
 from boundless.sim.links import LinkSpec
@@ -70,10 +74,13 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     bytes_per_param: int = 2  # bf16
+    # What the KV cache holds an element of K or V in (--kv-cache-dtype: 1 in fp8); None: the weights' type's bytes.
+    kv_bytes_per_element: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param  # K and V
+        element = self.bytes_per_param if self.kv_bytes_per_element is None else self.kv_bytes_per_element
+        return 2 * self.layers * self.kv_heads * self.head_dim * element  # K and V
 
 
 _num_passes = itemgetter(2)  # a PassRow's
@@ -169,6 +176,19 @@ class HardwareProfile:
 
 
 LINK_NAMES = ("host_copy", "storage_read", "storage_write", "network")
+
+
+def with_kv_cache_dtype(profile: HardwareProfile, kv_cache_dtype: str) -> HardwareProfile:
+    """``profile`` serving its model with the KV cache in ``--kv-cache-dtype kv_cache_dtype``: a roofline step model's
+    KV bytes per token (the KV a step reads and writes, and the blocks the tiers, the store and the network move) in
+    that type. ``auto`` (the model's own type) and a profile without a model shape (a fitted step model, whose KV bytes
+    are the simulated model's pools') are returned as they are."""
+    step = profile.step
+    if kv_cache_dtype == "auto" or not isinstance(step, RooflineStepCost):
+        return profile
+    element = kv_cache_dtype_named(kv_cache_dtype, torch.bfloat16).itemsize  # (not auto: the model's type is unused)
+    shape = dataclasses.replace(step.shape, kv_bytes_per_element=element)
+    return dataclasses.replace(profile, step=dataclasses.replace(step, shape=shape))
 
 
 def profile_names() -> list[str]:

@@ -62,7 +62,7 @@ from boundless.sim.executor import DiskCost
 from boundless.sim.failures import InstanceFailure, check_failures
 from boundless.sim.lending import SimulatedLending, lending_max_model_len, simulated_lending
 from boundless.sim.links import LinkSpec
-from boundless.sim.profiles import HardwareProfile
+from boundless.sim.profiles import HardwareProfile, with_kv_cache_dtype
 from boundless.sim.remote import KVFabric
 
 
@@ -204,6 +204,8 @@ class Simulator:
         self.fast_forward = fast_forward
         host_copy, disk_cost, network = HOST_COPY, DEFAULT_DISK_COST, DEFAULT_NETWORK
         if profile is not None:  # its step model unless ``cost`` is given, and its links
+            # A roofline model's KV bytes in the KV cache's type (--kv-cache-dtype), as the engines' pools hold them.
+            profile = with_kv_cache_dtype(profile, config.cache.kv_cache_dtype)
             cost = cost or profile.step
             host_copy, disk_cost, network = profile.host_copy, profile.disk_cost, profile.network
         cost = cost or CostModel()

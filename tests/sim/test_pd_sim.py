@@ -11,6 +11,7 @@ import pytest
 from boundless.bench.workloads import ProgramSpec, WorkloadShape, agent_sessions
 from boundless.cli import main
 from boundless.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.attention_time import ChunkShape
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import HardwareProfile, load_profile
@@ -116,3 +117,27 @@ def test_simulate_sweeps_cluster_sizes_and_read_paths(tmp_path: Path, capsys: py
     assert "JCT vs basic" in capsys.readouterr().out
     pytest.importorskip("matplotlib")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("roles", [True, False])
+def test_a_roofline_profile_counts_the_kv_in_the_kv_cache_s_type(model: SimulatedModel, roles: bool) -> None:
+    """With --kv-cache-dtype fp8 a roofline GPU profile's KV is a byte an element, not its model's two: the KV a step
+    reads (its time) and the blocks the tiers, the store and the network move are half a bf16 cache's, as the
+    engines' pools hold them."""
+    cluster = ClusterConfig(prefill_instances=1, decode_instances=1) if roles else ClusterConfig(instances=1)
+    h100 = load_profile("h100")
+    sims = {}
+    for kv in ("auto", "fp8"):
+        config = EngineConfig(
+            cache=CacheConfig(num_kv_blocks=400, kv_host_gb=0.5, kv_cache_dtype=kv),
+            scheduler=SchedulerConfig(policy="fcfs"),
+        )
+        sims[kv] = Simulator(config, model, cluster=cluster, profile=h100)
+    iid = "d0" if roles else "0"
+    auto, fp8 = (sims[kv].instances[iid].core.executor for kv in ("auto", "fp8"))
+    assert fp8.cost.shape.kv_bytes_per_token * 2 == auto.cost.shape.kv_bytes_per_token  # type: ignore[attr-defined]
+    decode = [ChunkShape(cached=8192, new=1)] * 64  # memory-bound: the KV reads dominate
+    assert fp8.cost.predict(decode) < auto.cost.predict(decode)  # type: ignore[attr-defined]
+    if roles:  # the handoffs' and reads' blocks (the profile's model's), in the KV's type
+        assert fp8.bytes_per_block * 2 == auto.bytes_per_block
+    assert h100.step.shape.kv_bytes_per_element is None  # type: ignore[attr-defined]  # (the profile is left as it was)
