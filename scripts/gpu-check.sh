@@ -93,6 +93,7 @@ BOUNDLESS_TEST_DEVICE=cuda timeout "$(within 170)" python3 -m pytest -p no:cache
     tests/attention/test_triton_paged.py::test_tiles_wholly_visible_take_no_mask \
     tests/attention/test_triton_paged.py::test_decodes_and_prefill_chunks_take_their_own_key_tiles \
     tests/attention/test_triton_paged.py::test_an_fp8_cache_is_stored_rounded_and_read_as_it_holds_them \
+    tests/attention/test_triton_paged.py::test_flash_prefill_over_an_fp8_cache_attends_over_what_it_holds \
     tests/kv/test_cache_dtype.py::test_an_8_bit_prompt_gives_the_same_tokens_chunked_whole_or_from_the_prefix_cache \
     tests/model/test_fp8_linear.py::test_the_product_on_cuda_in_bfloat16 \
     tests/model/test_fp8_linear.py::test_the_8b_shapes_products_on_cuda \

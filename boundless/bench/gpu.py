@@ -375,10 +375,15 @@ def host_profile(fn: Callable[[], Any], limit: int = 40) -> dict:
 
 
 def weight_stream_bytes(loaded: LoadedModel) -> int:
-    """Bytes a decode step must read of the weights: every layer, the final norm and the LM head (the
-    embedding is only gathered, a row per sequence, unless it is also the head)."""
+    """Bytes a decode step must read of the weights: every layer (as held: a byte an element in e4m3 with
+    ``--quantization fp8``, with the scales of its rows), the final norm and the LM head (the embedding is only
+    gathered, a row per sequence, unless it is also the head)."""
     model = loaded.model
     total = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    scales = (
+        getattr(layer, f"{name}_scale", None) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")
+    )
+    total += sum(s.numel() * s.element_size() for s in scales if s is not None)
     total += model.norm.weight.numel() * model.norm.weight.element_size()
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head
     return total + head.numel() * head.element_size()

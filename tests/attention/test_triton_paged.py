@@ -259,6 +259,29 @@ def test_flash_prefill_matches_dense(shape, dtype: torch.dtype, mix: str) -> Non
     check_matches_dense(case, out, meta.lse, TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("mix", ["prefills", "mixed"])
+def test_flash_prefill_over_an_fp8_cache_attends_over_what_it_holds(mix: str, kv_dtype: torch.dtype) -> None:
+    """``--flash-prefill`` with ``--kv-cache-dtype fp8``: a fresh launch's own keys rounded as the cache holds them, a
+    launch over cached prefixes gathered from the 8-bit cache (as its bytes) and widened, for FlashAttention's call
+    (on CUDA; elsewhere the float64 reference call): attention over the K/V as the cache holds them."""
+    chunks = [(37, 37), (5, 5), (70, 70), (16, 16)] if mix == "prefills" else [(1, 50), (37, 90), (5, 5), (70, 300)]
+    shape = (8, 2, 64, 16)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    case = paged_case(2, *shape, chunks, dtype, DEVICE, kv_dtype)
+    varlen = triton_paged.flash_varlen if DEVICE.type == "cuda" else triton_paged.varlen_reference
+    backend = triton_paged.TritonPagedAttention(
+        *shape[:3], case.cache[0].shape[1], shape[3], DEVICE, dtype, flash_prefill=True, varlen=varlen
+    )
+    meta = backend.prepare(case.batch)
+    prefill = meta.launches[-1]
+    assert prefill.key_start is not None and (prefill.key_slots is None) == (mix == "prefills")
+    views = fused_views(case.q, case.k, case.v)
+    assert triton_paged.flash_takes(prefill, *views)
+    out = backend.forward(*views, case.cache, meta)
+    check_matches_dense(case, out, meta.lse, TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("splits", [2, 3, 7])
 def test_split_context_merges_exactly(splits: int) -> None:
     """Decodes whose context is split over programs: the merged partials are attention over the whole."""

@@ -310,3 +310,16 @@ def test_a_quantized_model_on_cuda_graphs_and_windows_gives_the_eager_tokens(mod
     for name, out in runs.items():
         assert [len(out[f"b{i}"]) for i in range(3)] == [5, 6, 7], name
     assert runs["graphs"]["r"] == runs["eager"]["r"] and runs["windows"]["r"] == runs["eager"]["r"]
+
+
+def test_the_rooflines_weight_bytes_count_the_layers_as_held(fp8_llama: LoadedModel, tiny_llama: LoadedModel) -> None:
+    """``bench gpu``'s roofline reads a quantized layer's matrices at a byte an element, with their rows' scales;
+    the norms, the embedding and the head as they were."""
+    from boundless.bench.gpu import weight_stream_bytes
+
+    saved = 0
+    for plain in tiny_llama.model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            weight = getattr(plain, f"{name}_weight")
+            saved += weight.numel() * (weight.element_size() - 1) - 4 * weight.shape[0]
+    assert weight_stream_bytes(tiny_llama) - weight_stream_bytes(fp8_llama) == saved
