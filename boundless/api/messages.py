@@ -39,7 +39,7 @@ from boundless.api.schemas import (
     Int,
     NullIsDefault,
 )
-from boundless.api.server import ChatStream, off_loop_if_large
+from boundless.api.server import ChatStream, guarded_stream, off_loop_if_large
 from boundless.api.validation import require_valid_text
 from boundless.engine.errors import ContextOverflow, InvalidRequestError
 
@@ -444,7 +444,10 @@ async def create_message(request: Request) -> Response:
         return await _anthropic_error(request, body, e)
     if isinstance(answer, ChatStream):  # (message_start counts the prompt, as Anthropic's does)
         writer = EventWriter(asked.model, answer.prompt_tokens, answer.cached_tokens)
-        return StreamingResponse(writer.events(answer.chunks), media_type="text/event-stream")
+        events = guarded_stream(
+            writer.events(answer.chunks), lambda message: _event("error", anthropic_error(500, message))
+        )
+        return StreamingResponse(events, media_type="text/event-stream")
     return JSONResponse(message_of(json.loads(answer.body), asked.model))
 
 

@@ -63,6 +63,7 @@ from boundless.api.server import (
     check_common,
     check_grammar,
     failure_error,
+    guarded_stream,
     off_loop_if_large,
     sampling_params,
     structured_outputs_grammar,
@@ -381,7 +382,7 @@ class ResponsesAPI:
             raise
         if body.stream:
             replayed = await server.started(streams, request)
-            return StreamingResponse(self._events(call, replayed), media_type="text/event-stream")
+            return StreamingResponse(self._guarded_events(call, replayed), media_type="text/event-stream")
         (choice,) = await server.collect(streams, request)
         return JSONResponse(self._finished(call, choice))
 
@@ -603,6 +604,23 @@ class ResponsesAPI:
             stored = StoredResponse(out, [*call.messages, said], call.program.program_id, input_items(call.body.input))
             self.store.put(call.response_id, stored)
         return out
+
+    async def _guarded_events(self, call: _Call, streams: Sequence[DeltaStream]) -> AsyncIterator[bytes]:
+        """:meth:`_events`, ended by OpenAI's ``error`` event if making them raised (not a cut connection)."""
+        sent = 0  # (events so far: the error's sequence number follows theirs)
+
+        async def counted() -> AsyncIterator[bytes]:
+            nonlocal sent
+            async for piece in self._events(call, streams):
+                sent += piece.count(b"event: ")
+                yield piece
+
+        def failure(message: str) -> bytes:
+            payload = {"type": "error", "code": "server_error", "message": message, "param": None}
+            return f"event: error\ndata: {json.dumps({**payload, 'sequence_number': sent})}\n\n".encode()
+
+        async for piece in guarded_stream(counted(), failure):
+            yield piece
 
     async def _events(self, call: _Call, streams: Sequence[DeltaStream]) -> AsyncIterator[bytes]:
         """The response as server-sent events, in OpenAI's order. With a reasoning parser, the reasoning streams first

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
@@ -91,6 +92,7 @@ from boundless.model.tokenizer import load_chat_template
 from boundless.programs.ref import ProgramRef
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # What chat_template_kwargs may not set: the arguments the route itself passes, the template (vLLM takes a template
 # from a request only when its server trusts them), the functions templates call, and ``tokenize`` (the rendering's
@@ -526,6 +528,24 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> l
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+async def guarded_stream(events: AsyncIterator[bytes], failure: Callable[[str], bytes]) -> AsyncIterator[bytes]:
+    """``events``, ended by ``failure``'s event (given the error's message) if making them raised: a stream under way
+    has its status already, and the app's last resort (errors.UnexpectedErrors) can only cut its connection, which
+    tells a client nothing (the openai client reads it as a network error, and retries)."""
+    try:
+        async for piece in events:
+            yield piece
+    except Exception as exc:  # (not a cancellation: a client gone has nobody to tell)
+        log.error("a stream failed after it began", exc_info=exc)
+        yield failure(f"internal error: {type(exc).__name__}")
+
+
+def data_error(message: str) -> bytes:
+    """A chat or completions stream's last events after a failure: the error object, as an engine's failure ends it
+    (``_failure_event``), and ``[DONE]``."""
+    return b"data: " + error_bytes(500, message, "internal_error") + b"\n\ndata: [DONE]\n\n"
+
+
 def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) -> ProgramRef | None:
     # An agent written for Boundless names its program; others name their session (api/agent_sessions.py).
     program_id = program_named(body.program_id, request.headers, body.prompt_cache_key)
@@ -882,7 +902,7 @@ class OpenAIServer:
                 running_usage,
             )
             # (The prompt's cached tokens as the usage counts them: those every sample found.)
-            return ChatStream(gen, len(ids), min(s.num_cached_tokens for s in replayed))
+            return ChatStream(guarded_stream(gen, data_error), len(ids), min(s.num_cached_tokens for s in replayed))
         choices = await self.collect(streams, request)
 
         def message_logprobs(c: Choice) -> list[SampledToken]:
@@ -1132,7 +1152,7 @@ class OpenAIServer:
             events = self._completion_events(
                 rid, body, replayed, prompts, echoes, prompt_len, include_usage, running_usage
             )
-            return StreamingResponse(events, media_type="text/event-stream")
+            return StreamingResponse(guarded_stream(events, data_error), media_type="text/event-stream")
         choices = await self.collect(streams, request)
         out = []
         for c in choices:

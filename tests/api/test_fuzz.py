@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from served_models import UNITS, WEATHER, Served, serve_hermes
 
+from boundless.api.server import OpenAIServer
 from boundless.engine.core import RequestDelta
 
 MODEL = "tiny"
@@ -1141,3 +1142,30 @@ def test_a_prediction_longer_than_the_context_is_a_400(client: httpx.Client) -> 
     assert r.status_code == 400 and _error(r)["param"] == "prediction", r.text
     fits = {**SEEDS[CHAT][0], "prediction": {"type": "content", "content": "hello world " * 10}}
     assert client.post(CHAT, json=fits).status_code == 200
+
+
+@pytest.mark.parametrize(("route", "body"), STREAMS, ids=[route for route, _ in STREAMS])
+def test_a_stream_whose_making_fails_after_it_began_ends_with_an_error_event(
+    client: httpx.Client, monkeypatch: pytest.MonkeyPatch, route: str, body: dict[str, Any]
+) -> None:
+    """A failure of the server's own (a bug) while it writes a stream under way: the stream ends with the route's
+    error event, where the connection was cut (a broken chunked body, which the openai client reads as a network
+    error and retries). Here every delta after a stream's first fails to apply."""
+    applied: list[str] = []
+    apply = OpenAIServer.apply_delta
+
+    def failing(choice: Any, delta: RequestDelta) -> None:
+        applied.append(delta.request_id)
+        if applied.count(delta.request_id) > 1:
+            raise RuntimeError("a bug")
+        apply(choice, delta)
+
+    monkeypatch.setattr(OpenAIServer, "apply_delta", staticmethod(failing))
+    with client.stream("POST", route, json=body) as r:
+        assert r.status_code == 200
+        events = _read_sse(r)
+    assert _sse_problem(route, events) is None, events
+    last = [json.loads(d) for _, d in events if d != "[DONE]"][-1]
+    assert "internal error: RuntimeError" in json.dumps(last), last
+    monkeypatch.undo()
+    still_serving(client)
