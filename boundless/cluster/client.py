@@ -356,6 +356,9 @@ class ClusterClient(DispatcherFrontEnd):
         """Introduce the instances' lending agents to each other, and start the gManager."""
         import ray
 
+        require_one_kv_type(
+            {iid: inst.info for iid, inst in self.instances.items() if inst.info}, "instances lending KV"
+        )
         addresses = {iid: inst.info.kv_address for iid, inst in self.instances.items() if inst.info is not None}
         actors = {addresses[iid]: inst.actor for iid, inst in self.instances.items()}
         ray.get([inst.actor.lend_connect.remote(actors) for inst in self.instances.values()])
@@ -767,6 +770,7 @@ def make_pd_dispatcher(
     """The dispatcher over prefill and decode engines that described themselves as ``infos``."""
     if len({i.fingerprint for i in infos.values()}) != 1:
         raise RuntimeError("prefill and decode engines must serve the same model (their KV fingerprints differ)")
+    require_one_kv_type(infos, "prefill and decode engines")
     # With emulated storage links every instance reads through a link of its own: a node of its own.
     emulated = cluster.storage_gbps is not None or cluster.net_gbps is not None
     members = {
@@ -784,6 +788,19 @@ def make_pd_dispatcher(
     order_by_program = engine.scheduler.queue_order == "program"
     restarts = RestartPolicy.from_config(cluster)
     return PDDispatcher(members, table, time.monotonic, config, first.block_size, order_by_program, restarts)
+
+
+def require_one_kv_type(infos: Mapping[str, InstanceInfo], who: str) -> None:
+    """Refuse engines that hold KV in different types (``--kv-cache-dtype``) or blocks of different sizes: the blocks
+    they hand each other travel as their bytes, so an fp8_e4m3 block read as fp8_e5m2 (the same size) would be
+    attended to as other numbers, and a block of another size is lost at every handoff."""
+    layouts = {(i.kv_dtype, i.block_size) for i in infos.values()}
+    if len(layouts) > 1:
+        held = ", ".join(f"{iid} {i.kv_dtype} in blocks of {i.block_size}" for iid, i in infos.items())
+        raise RuntimeError(
+            f"{who} must hold KV in one type and block size (--kv-cache-dtype, --block-size): their blocks move "
+            f"between them as bytes; here {held}"
+        )
 
 
 def kv_bytes_per_token(infos: Mapping[str, InstanceInfo]) -> int:

@@ -76,6 +76,7 @@ class InstanceInfo:
     kv_blocks: int = 0  # its device KV pool
     host_blocks: int = 0  # its host KV memory (what the dispatcher's reads ahead for waiting calls may use a share of)
     lending: bool = False  # it lends and borrows KV; ``kv_address`` is its rManager's id
+    kv_dtype: str = ""  # the type its KV cache holds (--kv-cache-dtype), as torch names it: float8_e4m3fn, float32, ...
 
 
 def _decodes_three_in(sched: SchedulerOutput) -> bool:
@@ -192,6 +193,7 @@ class EngineInstance:
             fingerprint=core.identity.fingerprint,
             kv_blocks=core.layout.num_blocks,
             host_blocks=core.layout.num_host_blocks,
+            kv_dtype=str(core.layout.kv_dtype).removeprefix("torch."),
         )
 
     def add(
