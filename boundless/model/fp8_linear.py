@@ -93,7 +93,7 @@ if triton is not None:
 def _quantize_torch(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``rows`` [M, K] at its own scale: e4m3 [M, K] and the scales [M, 1] fp32 (PyTorch's ops)."""
     x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(_TINY)
-    return (rows.float() / x_scale).to(FP8), x_scale
+    return (rows.float() / x_scale).to(FP8, memory_format=torch.contiguous_format), x_scale
 
 
 def _quantize_triton(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
