@@ -104,7 +104,8 @@ def fp8_linear_jobs() -> list[CompileJob]:
         CompileJob(
             "fp8_linear/quantize_rows", (fp8_linear.__name__, "_quantize_rows_kernel"),
             dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32", stride_x="i32", n_cols="i32"),
-            dict(FP8_LARGEST=fp8_linear.FP8_MAX, TINY=fp8_linear._TINY, BLOCK=fp8_linear._QUANTIZE_BLOCK), 4, 1,
+            dict(INV_FP8_LARGEST=fp8_linear._INV_FP8_MAX, TINY=fp8_linear._TINY, BLOCK=fp8_linear._QUANTIZE_BLOCK),
+            4, 1,
         )
     ]  # fmt: skip
 

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
+# A row's scale is its largest magnitude times this (fp32's 1/448), not over 448: PyTorch's CUDA kernels divide by a
+# number as a product with its reciprocal, its CPU kernels divide. One product is the same on both and in Triton.
+_INV_FP8_MAX = 1.0 / FP8_MAX
 _TINY = 1e-12  # a row of zeros gets this scale, not a division by zero
 _QUANTIZE_BLOCK = 1024  # columns a program reads at a time (a row of 14,336 in 14 reads, twice)
 
@@ -67,12 +70,13 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(
-        x_ptr, q_ptr, scale_ptr, stride_x, n_cols, FP8_LARGEST: tl.constexpr, TINY: tl.constexpr,
+        x_ptr, q_ptr, scale_ptr, stride_x, n_cols, INV_FP8_LARGEST: tl.constexpr, TINY: tl.constexpr,
         BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """One row of ``x``: its scale ``max(|x|) / FP8_LARGEST`` (at least ``TINY``) into ``scale_ptr[row]``, and
-        ``x / scale`` rounded to nearest into ``q``'s row (contiguous, ``n_cols`` wide). The divisions are IEEE's
-        (``div_rn``), as PyTorch's, so the rounded row is the one :func:`_quantize_torch` makes."""
+        """One row of ``x``: its scale ``max(|x|) * INV_FP8_LARGEST`` (at least ``TINY``) into ``scale_ptr[row]``,
+        and ``x / scale`` rounded to nearest into ``q``'s row (contiguous, ``n_cols`` wide). The product and the
+        divisions are fp32's, the divisions IEEE's (``div_rn``) as PyTorch's, so the scales and the rounded row are
+        the ones :func:`_quantize_torch` makes."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         src = x_ptr + row * stride_x
@@ -80,7 +84,7 @@ if triton is not None:
         for start in range(0, n_cols, BLOCK):
             x = tl.load(src + start + cols, mask=start + cols < n_cols, other=0.0)
             largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(largest, axis=0), FP8_LARGEST), TINY)
+        scale = tl.maximum(tl.max(largest, axis=0) * INV_FP8_LARGEST, TINY)
         tl.store(scale_ptr + row, scale)
         dst = q_ptr + row * n_cols
         for start in range(0, n_cols, BLOCK):
@@ -92,7 +96,7 @@ if triton is not None:
 
 def _quantize_torch(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``rows`` [M, K] at its own scale: e4m3 [M, K] and the scales [M, 1] fp32 (PyTorch's ops)."""
-    x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(_TINY)
+    x_scale = (rows.abs().amax(dim=1, keepdim=True).float() * _INV_FP8_MAX).clamp_min(_TINY)
     return (rows.float() / x_scale).to(FP8, memory_format=torch.contiguous_format), x_scale
 
 
@@ -103,7 +107,15 @@ def _quantize_triton(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x_scale = torch.empty(m, 1, dtype=torch.float32, device=rows.device)
     assert rows.stride(1) == 1
     _quantize_rows_kernel[(m,)](
-        rows, q, x_scale, rows.stride(0), k, FP8_LARGEST=FP8_MAX, TINY=_TINY, BLOCK=_QUANTIZE_BLOCK, num_warps=4
+        rows,
+        q,
+        x_scale,
+        rows.stride(0),
+        k,
+        INV_FP8_LARGEST=_INV_FP8_MAX,
+        TINY=_TINY,
+        BLOCK=_QUANTIZE_BLOCK,
+        num_warps=4,
     )
     return q, x_scale
 

@@ -30,10 +30,11 @@ _LLAMA_8B_PRODUCTS = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 
 
 def _rounded_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x's rows rounded to e4m3 at their own scale, times the weight as held: in float64."""
-    rows = x.reshape(-1, x.shape[-1]).double()
-    x_scale = (rows.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
-    xq = (rows / x_scale).float().to(FP8).double() * x_scale
+    """x's rows rounded to e4m3 at their own scale (fp32's largest magnitude times fp32's 1/448, the quotient in
+    fp32), times the weight as held: in float64."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    x_scale = (rows.abs().amax(dim=1, keepdim=True) * (1 / FP8_MAX)).clamp_min(1e-12)
+    xq = (rows / x_scale).to(FP8).double() * x_scale.double()
     return xq @ (q.double() * scale.double().t()).t()
 
 
