@@ -16,28 +16,33 @@ from boundless.api.schemas import MAX_ID_CHARS
 
 _UNENCODABLE = "is not valid Unicode (it holds a lone surrogate)"
 _NOT_FINITE = "is not a finite number (JSON has no NaN or Infinity)"
+# How deep a body's objects and arrays may nest: deeper, what reads them recursively (a chat template's tojson, the
+# JSON writer, this module's walk itself, which was recursive) ran out of stack, a 500.
+MAX_BODY_DEPTH = 128
+_TOO_DEEP = f"nests more than {MAX_BODY_DEPTH} levels deep"
 
 
-def _invalid_path(value: Any, path: str = "") -> tuple[str | None, str] | None:
+def _invalid_path(value: Any) -> tuple[str | None, str] | None:
     """The path of the first value in ``value`` that JSON cannot carry, and why: a string, key or value, that is not
-    valid Unicode, or a number that is NaN or infinite (Python's JSON reads ``NaN``, ``Infinity`` and ``1e999``)."""
-    if isinstance(value, str):
-        return None if value.isascii() or _encodes(value) else (path or None, _UNENCODABLE)
-    if isinstance(value, float):
-        return None if math.isfinite(value) else (path or None, _NOT_FINITE)
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            sub = f"{path}.{key}" if path else str(key)
-            if isinstance(key, str) and not _encodes(key):
-                return sub, _UNENCODABLE
-            found = _invalid_path(item, sub)
-            if found:
-                return found
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            found = _invalid_path(item, f"{path}.{i}" if path else str(i))
-            if found:
-                return found
+    valid Unicode, a number that is NaN or infinite (Python's JSON reads ``NaN``, ``Infinity`` and ``1e999``), or an
+    object or array nested past :data:`MAX_BODY_DEPTH`. Walked with a stack of its own, in the body's order."""
+    stack: list[tuple[Any, str, int, Any]] = [(value, "", 0, None)]  # (value, path, depth, the key that names it)
+    while stack:
+        node, path, depth, key = stack.pop()
+        if isinstance(key, str) and not _encodes(key):
+            return path, _UNENCODABLE
+        if isinstance(node, str):
+            if not (node.isascii() or _encodes(node)):
+                return path or None, _UNENCODABLE
+        elif isinstance(node, float):
+            if not math.isfinite(node):
+                return path or None, _NOT_FINITE
+        elif isinstance(node, (Mapping, list, tuple)):
+            if depth >= MAX_BODY_DEPTH:
+                return path or None, _TOO_DEEP
+            items = node.items() if isinstance(node, Mapping) else enumerate(node)
+            children = [(item, f"{path}.{k}" if path else str(k), depth + 1, k) for k, item in items]
+            stack.extend(reversed(children))
     return None
 
 

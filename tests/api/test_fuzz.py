@@ -1169,3 +1169,19 @@ def test_a_stream_whose_making_fails_after_it_began_ends_with_an_error_event(
     assert "internal error: RuntimeError" in json.dumps(last), last
     monkeypatch.undo()
     still_serving(client)
+
+
+def test_a_body_nested_past_the_limit_is_a_400_naming_where(client: httpx.Client) -> None:
+    """A tool's schema nested 950 levels (JSON the parser still reads) was a 500: the walk that checks a body's text
+    recursed past Python's stack. It walks with a stack of its own now, and refuses a body nested past 128 levels
+    (what reads one recursively, a template's tojson, the JSON writer, would fail as it did); 100 are served."""
+    deep = '{"a": ' * 950 + '{"type": "string"}' + "}" * 950  # (as text: Python's own JSON writer would recurse)
+    tool = '{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": %s}}}'
+    body = _encode(SEEDS[CHAT][0])[:-1] + b', "tools": [' + (tool % deep).encode() + b"]}"
+    r = client.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "levels deep" in _error(r)["message"], r.text
+    assert _error(r)["param"].startswith("tools.0.function.parameters.properties.a.a")
+    fine: Any = 1
+    for _ in range(100):
+        fine = [fine]
+    assert client.post(CHAT, json={**SEEDS[CHAT][0], "chat_template_kwargs": {"x": fine}}).status_code == 200
