@@ -20,10 +20,10 @@ PROMPT = [(13 * j) % 300 + 3 for j in range(100)]  # 6 full blocks and 4 tokens
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-def _engine(loaded) -> EngineCore:
+def _engine(loaded, kv_cache_dtype: str = "auto") -> EngineCore:
     config = EngineConfig(
         model=ModelConfig(max_model_len=256),
-        cache=CacheConfig(num_kv_blocks=24, enable_prefix_caching=True, kv_host_gb=0.0),
+        cache=CacheConfig(num_kv_blocks=24, enable_prefix_caching=True, kv_host_gb=0.0, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(policy="fcfs", max_num_batched_tokens=32),
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
@@ -40,18 +40,21 @@ def _run(core: EngineCore, tokens: dict[str, list[int]], steps: int | None = Non
         n += 1
 
 
-@pytest.mark.parametrize("salt", [None, "tenant-a"])
-def test_migrated_request_continues_from_its_moved_blocks(tiny_llama, tmp_path: Path, salt: str | None) -> None:
+@pytest.mark.parametrize(("salt", "kv"), [(None, "auto"), ("tenant-a", "auto"), (None, "fp8")])
+def test_migrated_request_continues_from_its_moved_blocks(
+    tiny_llama, tmp_path: Path, salt: str | None, kv: str
+) -> None:
     """With a ``cache_salt`` too: the moved blocks are named there under the salt, as the request's own admission
-    looks them up, and a request without it finds none of them."""
+    looks them up, and a request without it finds none of them. With an fp8 KV cache the blocks move as their bytes
+    and the output is that of one fp8 engine."""
     want: dict[str, list[int]] = {}
-    one = _engine(tiny_llama)
+    one = _engine(tiny_llama, kv)
     params = dataclasses.replace(PARAMS, cache_salt=salt)
     one.add_request("r", PROMPT, params)
     _run(one, want)
 
-    src = Endpoint(_engine(tiny_llama), ShmTransport(tmp_path, "a", timeout_s=10))
-    dst = Endpoint(_engine(tiny_llama), ShmTransport(tmp_path, "b", timeout_s=10))
+    src = Endpoint(_engine(tiny_llama, kv), ShmTransport(tmp_path, "a", timeout_s=10))
+    dst = Endpoint(_engine(tiny_llama, kv), ShmTransport(tmp_path, "b", timeout_s=10))
     try:
         got: dict[str, list[int]] = {}
         src.core.add_request("r", PROMPT, params)
@@ -59,7 +62,8 @@ def test_migrated_request_continues_from_its_moved_blocks(tiny_llama, tmp_path: 
         assert len(got["r"]) == 3
         moved = migrate_request(src, dst, "r")
         assert moved is not None and moved.num_blocks == 6
-        per_block = src.core.executor.runner.kv_cache.data[:, :, :, 0].numel() * 4
+        data = src.core.executor.runner.kv_cache.data
+        per_block = data[:, :, :, 0].numel() * data.element_size()
         assert moved.num_bytes == 6 * per_block
         # The source dropped it and its blocks; the destination holds it, its blocks named in its prefix cache.
         assert not src.core.has_unfinished() and src.core.kv.pool.num_used == 0

@@ -19,8 +19,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationW
 VICTIM = "d1"
 
 
+# With an fp8 KV cache too: the handoffs, the failed-over calls and the restarted engine's carry 8-bit blocks as their
+# bytes, and every output is one fp8 engine's.
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_a_killed_decode_engine_is_restarted_and_decodes_again(
-    model_dirs: dict[str, Path], tiny_llama: LoadedModel, tmp_path: Path
+    model_dirs: dict[str, Path], tiny_llama: LoadedModel, tmp_path: Path, kv: str
 ) -> None:
     config = engine_config(
         str(model_dirs["tiny-llama"]),
@@ -28,6 +31,7 @@ def test_a_killed_decode_engine_is_restarted_and_decodes_again(
         kv_cache_gb=0.02,
         kv_host_gb=0.02,
         kv_disk_path=str(tmp_path / "store"),
+        kv_cache_dtype=kv,
     )
     cluster = ClusterConfig(
         prefill_instances=1,
@@ -44,11 +48,11 @@ def test_a_killed_decode_engine_is_restarted_and_decodes_again(
         max_tokens = 120
 
         texts = stream_all(server.url, prompts, max_tokens, kill_mid_stream(client, VICTIM, max_tokens))
-        assert texts == one_engine_texts(tiny_llama, prompts, max_tokens)
+        assert texts == one_engine_texts(tiny_llama, prompts, max_tokens, kv)
         entry = wait_for_state(server.url, VICTIM, "alive")
         assert entry["state"] == "alive" and entry["pid"] != victim.pid and entry["restarts"] == 1
         later_prompts = [[70 + i] + [(17 * j + i) % 300 + 3 for j in range(40)] for i in range(6)]
 
         served = complete_all(server.url, later_prompts, 16)
-        assert [t for t, _ in served] == one_engine_texts(tiny_llama, later_prompts, 16)
+        assert [t for t, _ in served] == one_engine_texts(tiny_llama, later_prompts, 16, kv)
         assert f"boundless-{VICTIM}" in {f for _, f in served}  # decoded on the restarted engine

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
@@ -34,9 +35,12 @@ BLOCK = 16
 PROMPT = [(17 * j) % 300 + 3 for j in range(75)]  # 4 full blocks and 11 tokens
 
 
-def _core(loaded: LoadedModel, disk: Path | None = None, speculative: str | None = None) -> EngineCore:
+def _core(
+    loaded: LoadedModel, disk: Path | None = None, speculative: str | None = None, kv: str = "auto"
+) -> EngineCore:
     """An engine; with ``disk``, over the persistent store in that directory (shared by every engine given it,
-    as the instances of one node share theirs); with ``speculative``, its ``--speculative-config``."""
+    as the instances of one node share theirs); with ``speculative``, its ``--speculative-config``; its KV held in
+    ``kv`` (``--kv-cache-dtype``)."""
     config = EngineConfig(
         model=ModelConfig(max_model_len=512),
         cache=CacheConfig(
@@ -45,6 +49,7 @@ def _core(loaded: LoadedModel, disk: Path | None = None, speculative: str | None
             kv_disk_path=str(disk) if disk else None,
             kv_write_policy="through",
             layerwise_load="on",  # the DE-read push test checks its layers go out as its load's arrive
+            kv_cache_dtype=kv,
         ),
         scheduler=SchedulerConfig(policy="fcfs", speculative_config=speculative),
     )
@@ -72,9 +77,10 @@ def _pair(
     timeout_s: float = 10.0,
     disk: Path | None = None,
     speculative: str | None = None,
+    kv: str = "auto",
 ) -> Pair:
     pe_net, de_net = ShmTransport(shm_dir, "pe"), ShmTransport(shm_dir, "de")
-    pe, de = _core(loaded, disk, speculative), _core(loaded, disk, speculative)
+    pe, de = _core(loaded, disk, speculative, kv), _core(loaded, disk, speculative, kv)
     pe.connect(pe_net, timeout_s=timeout_s)
     de.connect(de_net, timeout_s=timeout_s)
     return Pair(pe, de, pe_net, de_net)
@@ -88,8 +94,8 @@ def pair(tiny_llama: LoadedModel, shm_dir: Path) -> Iterator[Pair]:
     p.de_net.close()
 
 
-def _colocated(loaded: LoadedModel, prompt: list[int], params: SamplingParams = PARAMS) -> list[int]:
-    core = _core(loaded)
+def _colocated(loaded: LoadedModel, prompt: list[int], params: SamplingParams = PARAMS, kv: str = "auto") -> list[int]:
+    core = _core(loaded, kv=kv)
     core.add_request("ref", prompt, params)
     tokens: list[int] = []
     while core.has_unfinished():
@@ -173,6 +179,34 @@ def test_a_handed_off_request_decodes_the_colocated_tokens_from_the_received_blo
     assert pair.de.kv.pool.num_used == 0 and pair.de.kv.pools[HOST].num_used == 0
 
 
+def _held_blocks(core: EngineCore, prompt: list[int], num_blocks: int) -> torch.Tensor:
+    """The bytes of the first ``num_blocks`` full blocks of ``prompt`` that ``core`` holds in memory (device or host),
+    all layers: what a handoff or a push must carry unchanged."""
+    refs = core.kv.memory_prefix(None, prompt, num_blocks)
+    assert len(refs) == num_blocks
+    tiers = core.executor.tiers  # type: ignore[attr-defined]
+    return torch.cat([tiers[r.tier].read_blocks([r.block_id]).view(torch.uint8) for r in refs], dim=3)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_an_8_bit_handoff_carries_the_blocks_bit_exact_and_decodes_one_8_bit_engines_tokens(
+    tiny_llama: LoadedModel, shm_dir: Path, kv: str
+) -> None:
+    p = _pair(tiny_llama, shm_dir, kv=kv)
+    try:
+        _, first, rest = _disaggregated(p, "r1", PROMPT)
+        tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+        assert tokens == _colocated(tiny_llama, PROMPT, kv=kv)
+        assert rest[-1].num_cached_tokens == 4 * BLOCK  # the DE decoded from the 4 received blocks
+        _settle(p.pe, p.de)
+        assert p.de.stats().remote_io.blocks_received == 4
+        assert p.de.executor.runner.kv_cache.data.element_size() == 1  # type: ignore[attr-defined]
+        assert torch.equal(_held_blocks(p.de, PROMPT, 4), _held_blocks(p.pe, PROMPT, 4))
+    finally:
+        p.pe_net.close()
+        p.de_net.close()
+
+
 def test_a_handed_off_request_speculates_on_its_decode_engine(tiny_llama: LoadedModel, shm_dir: Path) -> None:
     """With speculative decoding on both engines: the prefill engine samples the first token and hands off (no
     drafts), the decode engine speculates from the received prefix on; the tokens are the colocated plain ones."""
@@ -241,9 +275,9 @@ CONTEXT = [(29 * j) % 300 + 3 for j in range(70)]  # a previous turn's context: 
 APPEND = [(7 * j) % 300 + 5 for j in range(40)]  # this turn's new input
 
 
-def _store_context(loaded: LoadedModel, disk: Path) -> EngineCore:
+def _store_context(loaded: LoadedModel, disk: Path, kv: str = "auto") -> EngineCore:
     """A previous turn served by some engine: its context's full blocks are written through to the store."""
-    writer = _core(loaded, disk)
+    writer = _core(loaded, disk, kv=kv)
     writer.add_request("turn-1", CONTEXT, PARAMS)
     while writer.has_unfinished():
         writer.step()
@@ -251,17 +285,19 @@ def _store_context(loaded: LoadedModel, disk: Path) -> EngineCore:
     return writer
 
 
+# With an fp8 KV cache too: the store's 8-bit blocks go from the disk to the DE, on to the PE and back as their bytes.
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_de_read_loads_the_prefix_on_the_decode_engine_and_sends_only_new_blocks_back(
-    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path
+    tiny_llama: LoadedModel, shm_dir: Path, tmp_path: Path, kv: str
 ) -> None:
     disk = tmp_path / "store"
-    _store_context(tiny_llama, disk)
-    p = _pair(tiny_llama, shm_dir, disk=disk)
+    writer = _store_context(tiny_llama, disk, kv)
+    p = _pair(tiny_llama, shm_dir, disk=disk, kv=kv)
     try:
         prompt = CONTEXT + APPEND  # 6 full blocks: 4 stored, 2 new
         answer, first, rest = _disaggregated(p, "r", prompt, push=True)
         tokens = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
-        assert tokens == _colocated(tiny_llama, prompt)
+        assert tokens == _colocated(tiny_llama, prompt, kv=kv)
         assert answer.push_blocks == 4 and answer.send_from_block == 4
         pe, de = p.pe.stats(), p.de.stats()
         # The DE read the store (its node's storage link); the PE read nothing and got the prefix from the DE.
@@ -272,6 +308,11 @@ def test_de_read_loads_the_prefix_on_the_decode_engine_and_sends_only_new_blocks
         assert de.kv_tiers["disk"].hit_tokens == 4 * BLOCK and de.kv_tiers[PEER].hit_tokens == 2 * BLOCK
         _settle(p.pe, p.de)
         assert p.pe.stats().remote_io.blocks_sent == 2 and p.de.stats().remote_io.blocks_sent == 4
+        # Every engine holds the stored context's blocks as the engine that computed them did, to the bit.
+        computed = _held_blocks(writer, CONTEXT, 4)
+        assert torch.equal(_held_blocks(p.pe, prompt, 4), computed) and torch.equal(
+            _held_blocks(p.de, prompt, 4), computed
+        )
     finally:
         p.pe_net.close()
         p.de_net.close()
