@@ -29,13 +29,17 @@ OTHER = [(11 * j) % 300 + 4 for j in range(40)]
 
 
 def engine(
-    loaded: LoadedModel, num_blocks: int = 40, max_model_len: int = 512, attention_backend: str = "torch"
+    loaded: LoadedModel,
+    num_blocks: int = 40,
+    max_model_len: int = 512,
+    attention_backend: str = "torch",
+    kv_cache_dtype: str = "auto",
 ) -> EngineCore:
-    """An engine of ``num_blocks`` blocks; ``max_model_len`` may exceed its pool, as with lending a request may hold
-    the cluster's memory (``bench longctx`` sizes it so)."""
+    """An engine of ``num_blocks`` blocks, its KV held in ``kv_cache_dtype``; ``max_model_len`` may exceed its pool,
+    as with lending a request may hold the cluster's memory (``bench longctx`` sizes it so)."""
     config = EngineConfig(
         model=ModelConfig(max_model_len=min(max_model_len, num_blocks * BLOCK), attention_backend=attention_backend),
-        cache=CacheConfig(num_kv_blocks=num_blocks, enable_prefix_caching=True),
+        cache=CacheConfig(num_kv_blocks=num_blocks, enable_prefix_caching=True, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(policy="fcfs", max_num_batched_tokens=CHUNK),
     )
     layout = dataclasses.replace(size_engine(config, loaded.arch, loaded.dtype), max_model_len=max_model_len)
@@ -75,8 +79,10 @@ def step(core: EngineCore, rec: Recorded) -> None:
         rec.add(delta)
 
 
-def reference(loaded: LoadedModel, requests: dict[str, list[int]], num_blocks: int = 40) -> Recorded:
-    core, rec = engine(loaded, num_blocks, max(512, num_blocks * BLOCK)), Recorded()
+def reference(
+    loaded: LoadedModel, requests: dict[str, list[int]], num_blocks: int = 40, kv_cache_dtype: str = "auto"
+) -> Recorded:
+    core, rec = engine(loaded, num_blocks, max(512, num_blocks * BLOCK), kv_cache_dtype=kv_cache_dtype), Recorded()
     record(core, rec)
     for rid, prompt in requests.items():
         core.add_request(rid, prompt, PARAMS)
@@ -106,8 +112,9 @@ class Cluster:
 
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
-    """``make(loaded, n, clock=None, max_model_len=512, num_blocks=40, attention_backend="torch")``: n engines of
-    ``num_blocks`` blocks with lending agents; ``clock`` drives their rManagers."""
+    """``make(loaded, n, clock=None, max_model_len=512, num_blocks=40, attention_backend="torch",
+    kv_cache_dtype="auto")``: n engines of ``num_blocks`` blocks with lending agents; ``clock`` drives their
+    rManagers."""
     made: list[Cluster] = []
 
     def make(
@@ -117,12 +124,13 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
         max_model_len: int = 512,
         num_blocks: int = 40,
         attention_backend: str = "torch",
+        kv_cache_dtype: str = "auto",
     ) -> Cluster:
         control = LocalControlPlane()
         nets = [ShmTransport(tmp_path / f"shm{len(made)}", f"i{i}", timeout_s=10) for i in range(n)]
         agents = []
         for net in nets:
-            core = engine(loaded, num_blocks, max_model_len, attention_backend)
+            core = engine(loaded, num_blocks, max_model_len, attention_backend, kv_cache_dtype)
             rm = RManager(net.address, core.layout.num_blocks, BLOCK, clock or core.clock, reservation_timeout_s=30)
             agents.append(control.add(LendingAgent(core, rm, net, control, timeout_s=10)))
         cluster = Cluster(agents, nets, control)

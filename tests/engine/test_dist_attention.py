@@ -47,6 +47,13 @@ def test_distattention_on_the_triton_kernels(load, make_cluster) -> None:
     _spanning_request_matches_one_instance(loaded, make_cluster, 2, attention_backend="triton")
 
 
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_distattention_over_an_8_bit_kv_cache(load, make_cluster, kv: str) -> None:
+    """Blocks lent as their 8-bit bytes, the creditors' partials scoring over them (widened, as the debtor reads its
+    own): the logits of one engine with the same 8-bit cache."""
+    _spanning_request_matches_one_instance(load("tiny-llama"), make_cluster, 3, kv_cache_dtype=kv)
+
+
 def test_distattention_on_flex_attention(load, make_cluster) -> None:
     """The local partials from FlexAttention's log-sum-exp, merged with the creditors' (the eager reference here,
     the compiled kernel on CUDA)."""
@@ -54,10 +61,10 @@ def test_distattention_on_flex_attention(load, make_cluster) -> None:
 
 
 def _spanning_request_matches_one_instance(
-    loaded, make_cluster, instances: int, attention_backend: str = "torch"
+    loaded, make_cluster, instances: int, attention_backend: str = "torch", kv_cache_dtype: str = "auto"
 ) -> None:
-    want = reference(loaded, {"long": LONG, "shared": SHARED, "other": OTHER})
-    cluster = make_cluster(loaded, instances, attention_backend=attention_backend)
+    want = reference(loaded, {"long": LONG, "shared": SHARED, "other": OTHER}, kv_cache_dtype=kv_cache_dtype)
+    cluster = make_cluster(loaded, instances, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
     debtor, creditors = cluster.agents[0], cluster.agents[1:]
     recs = [Recorded() for _ in cluster.agents]
     for agent, rec in zip(cluster.agents, recs, strict=True):

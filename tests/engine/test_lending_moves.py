@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from lending_helpers import BLOCK, CHUNK, LONG, PARAMS, Cluster, LocalControlPlane, Recorded, engine, reference
 
@@ -22,9 +23,9 @@ from boundless.transport.blocks import BlocksReceive
 class Lockstep:
     """The debtor's request and the same request on an engine of its own, stepped together."""
 
-    def __init__(self, cluster: Cluster, loaded) -> None:
+    def __init__(self, cluster: Cluster, loaded, kv_cache_dtype: str = "auto") -> None:
         self.cluster = cluster
-        self.ref = engine(loaded)
+        self.ref = engine(loaded, kv_cache_dtype=kv_cache_dtype)
         self.ref.add_request("long", LONG, PARAMS)
         cluster.agents[0].core.add_request("long", LONG, PARAMS)
         self.tokens: list[int] = []
@@ -44,6 +45,14 @@ def _kv(core: EngineCore, block_id: int) -> torch.Tensor:
     return core.executor.runner.kv_cache.read_blocks([block_id])
 
 
+def _assert_same_kv(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Blocks of the same tokens: to 1e-4, or in an 8-bit cache to the bit (the values were rounded alike)."""
+    if got.element_size() == 1:
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    else:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
 def assert_blocks_hold_their_tokens(cluster: Cluster, ref: EngineCore) -> None:
     """Every computed full block of the request, local or lent, holds the KV the lockstep engine has for it."""
     debtor = cluster.agents[0]
@@ -52,16 +61,14 @@ def assert_blocks_hold_their_tokens(cluster: Cluster, ref: EngineCore) -> None:
     full = debtor.core.scheduler.requests["long"].num_computed_tokens // BLOCK
     first = debtor.core.kv.num_lent_blocks("long")
     for i, block in enumerate(debtor.core.kv.block_ids("long")[: full - first]):
-        torch.testing.assert_close(_kv(debtor.core, block), _kv(ref, ref_ids[first + i]), atol=1e-4, rtol=0)
+        _assert_same_kv(_kv(debtor.core, block), _kv(ref, ref_ids[first + i]))
     lent = 0
     for span in debtor.rm.remote_spans("long"):
         creditor = by_id[span.creditor]
         loan = creditor.rm.loans[span.move_id]
         assert len(loan.block_ids) == span.num_blocks
         for j, block in enumerate(loan.block_ids):
-            torch.testing.assert_close(
-                _kv(creditor.core, block), _kv(ref, ref_ids[span.first_block + j]), atol=1e-4, rtol=0
-            )
+            _assert_same_kv(_kv(creditor.core, block), _kv(ref, ref_ids[span.first_block + j]))
         lent += span.num_blocks
     assert lent == first
     # Each creditor's pool holds exactly the blocks it lends.
@@ -77,11 +84,13 @@ def _finish(run: Lockstep, steps: int = 200) -> None:
     raise AssertionError("not finished")
 
 
-def test_moves_keep_every_block_its_own_and_the_output_unchanged(load, make_cluster) -> None:
+# With an 8-bit KV cache too: the blocks move as their bytes, lent ones hold the debtor's to the bit.
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_moves_keep_every_block_its_own_and_the_output_unchanged(load, make_cluster, kv: str) -> None:
     loaded = load("tiny-llama")
-    want = reference(loaded, {"long": LONG})
-    cluster = make_cluster(loaded, 3)
-    run = Lockstep(cluster, loaded)
+    want = reference(loaded, {"long": LONG}, kv_cache_dtype=kv)
+    cluster = make_cluster(loaded, 3, kv_cache_dtype=kv)
+    run = Lockstep(cluster, loaded, kv)
     debtor, c1, c2 = cluster.agents
     while run.computed() < 2 * CHUNK:
         run.step()
@@ -96,18 +105,16 @@ def test_moves_keep_every_block_its_own_and_the_output_unchanged(load, make_clus
     assert_blocks_hold_their_tokens(cluster, run.ref)
     _finish(run)
     assert run.tokens == want.tokens["long"]
-    # Bytes moved: 5 blocks of [layers, 2, kv_heads, block, head_dim] fp32.
+    # Bytes moved: 5 blocks of [layers, 2, kv_heads, block, head_dim] in the cache's type (fp32: 4 bytes, fp8: 1).
     data = debtor.data.cache.data
-    assert debtor.stats.bytes_out == 5 * data[:, :, :, 0].numel() * 4
+    per_block = data[:, :, :, 0].numel() * data.element_size()
+    assert debtor.stats.bytes_out == 5 * per_block
     assert c1.rm.lent_blocks == 0 and c2.rm.lent_blocks == 0 and c1.core.kv.pool.num_used == 0
     # /metrics: moves and bytes by direction, and the round trips on each side.
     text = ServerMetrics(lambda: {"d": debtor.core.stats(), "c1": c1.core.stats(), "c2": c2.core.stats()}).render()
     lines = set(text.decode().splitlines())
     assert 'boundless_kv_lending_moves_total{direction="out",instance="d"} 2.0' in lines
-    assert (
-        f'boundless_kv_lending_bytes_moved_total{{direction="in",instance="c1"}} {3 * data[:, :, :, 0].numel() * 4:.1f}'
-        in lines
-    )
+    assert f'boundless_kv_lending_bytes_moved_total{{direction="in",instance="c1"}} {3 * per_block:.1f}' in lines
     served = c1.data.server.stats.round_trips + c2.data.server.stats.round_trips
     assert served == debtor.data.client.stats.round_trips > 0
     assert f'boundless_distattn_round_trips_total{{instance="d"}} {float(served)}' in lines
