@@ -78,8 +78,9 @@ def lending_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient
     yield from _lending_server(config, cluster)
 
 
-def _offline(loaded: LoadedModel, prompts: list[list[int]], max_tokens: list[int]) -> list[str]:
-    llm = LLM.from_config(engine_config(loaded.name, max_model_len=MAX_LEN, num_kv_blocks=4 * BLOCKS), loaded)
+def _offline(loaded: LoadedModel, prompts: list[list[int]], max_tokens: list[int], kv: str = "auto") -> list[str]:
+    config = engine_config(loaded.name, max_model_len=MAX_LEN, num_kv_blocks=4 * BLOCKS, kv_cache_dtype=kv)
+    llm = LLM.from_config(config, loaded)
     out = []
     for prompt, n in zip(prompts, max_tokens, strict=True):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -234,9 +235,14 @@ OVER_ONE_POOL = [[(13 * j + 7 * i) % 300 + 3 for j in range(300)] for i in range
 OVER_TOKENS = 40
 
 
-@pytest.fixture
-def small_pools_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient, ServerThread]]:
-    config = engine_config(str(model_dirs["tiny-llama"]), num_kv_blocks=SMALL_POOL, policy="fcfs")
+# With an fp8 KV cache too: the lent blocks travel between the actors as their bytes, the creditor's partials score
+# over them, and the outputs are one fp8 engine's.
+@pytest.fixture(params=["auto", "fp8"])
+def small_pools_cluster(
+    model_dirs: dict[str, Path], request: pytest.FixtureRequest
+) -> Iterator[tuple[ClusterClient, ServerThread]]:
+    kv = request.param
+    config = engine_config(str(model_dirs["tiny-llama"]), num_kv_blocks=SMALL_POOL, policy="fcfs", kv_cache_dtype=kv)
     # Round robin: one request on each instance. Contexts up to what the other instance lends (2 pools asked, 1.6
     # allowed by the creditor usage threshold).
     cluster = ClusterConfig(instances=2, routing="round-robin", lending_request_pools=2.0, **LENDING_FLAGS)
@@ -263,7 +269,7 @@ def test_two_requests_over_one_pool_at_once_start_one_at_a_time_on_the_gmanager_
 
     with Watch(server.url) as watch:
         texts = asyncio.run(both())
-    assert texts == _offline(tiny_llama, OVER_ONE_POOL, [OVER_TOKENS] * 2)
+    assert texts == _offline(tiny_llama, OVER_ONE_POOL, [OVER_TOKENS] * 2, client.engine_config.cache.kv_cache_dtype)
     # /cluster showed one awaiting its grant, and the one granted waiting for room until a move; none held back.
     assert max(seen["awaiting_grant"] for seen in watch.seen.values()) == 1, watch.seen
     assert max(seen.get("waiting_for_room", 0) for seen in watch.seen.values()) == 1, watch.seen
