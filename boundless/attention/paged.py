@@ -20,7 +20,7 @@ import torch
 from boundless.attention import cpu_attention
 from boundless.attention.backend import AttentionBatch, padded_table
 from boundless.attention.partials import AttentionPartial, merge_partials, scores_partial
-from boundless.kv.cache_dtype import FP8_DTYPES, from_cache, store_rows, to_cache
+from boundless.kv.cache_dtype import FP8_DTYPES, from_cache, index_select, store_rows, to_cache
 
 
 @dataclass
@@ -233,8 +233,8 @@ class TorchPagedAttention:
         qg = q.view(nd, kvh, g, d).transpose(0, 1).reshape(kvh * nd, g, d)
         idx = meta.decode_gather_index
         assert idx is not None  # (built with the decodes' metadata)
-        keys = from_cache(k_cache.view(kvh * nb, bs, d).index_select(0, idx), q.dtype).view(kvh * nd, t, d)
-        values = from_cache(v_cache.view(kvh * nb, bs, d).index_select(0, idx), q.dtype).view(kvh * nd, t, d)
+        keys = from_cache(index_select(k_cache.view(kvh * nb, bs, d), 0, idx), q.dtype).view(kvh * nd, t, d)
+        values = from_cache(index_select(v_cache.view(kvh * nb, bs, d), 0, idx), q.dtype).view(kvh * nd, t, d)
         part = scores_partial(qg, keys, values, self.scale, bias=meta.decode_bias)
         if not layout:
             return part
@@ -275,8 +275,8 @@ class TorchPagedAttention:
             keys = from_cache(to_cache(k_new.transpose(0, 1), k_cache.dtype), q.dtype)
             values = from_cache(to_cache(v_new.transpose(0, 1), v_cache.dtype), q.dtype)
         else:
-            keys = k_cache.view(kvh * nb, bs, d).index_select(0, seq.gather_index).view(kvh, -1, d)[:, :ctx]
-            values = v_cache.view(kvh * nb, bs, d).index_select(0, seq.gather_index).view(kvh, -1, d)[:, :ctx]
+            keys = index_select(k_cache.view(kvh * nb, bs, d), 0, seq.gather_index).view(kvh, -1, d)[:, :ctx]
+            values = index_select(v_cache.view(kvh * nb, bs, d), 0, seq.gather_index).view(kvh, -1, d)[:, :ctx]
             keys, values = from_cache(keys, q.dtype), from_cache(values, q.dtype)
         if self.group > 1:
             keys = keys.repeat_interleave(self.group, dim=0)

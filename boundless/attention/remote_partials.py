@@ -33,7 +33,7 @@ import torch
 
 from boundless.attention import cpu_attention
 from boundless.attention.partials import AttentionPartial, scores_partial
-from boundless.kv.cache_dtype import FP8_DTYPES, from_cache, is_fp8
+from boundless.kv.cache_dtype import FP8_DTYPES, from_cache, index_select, is_fp8
 
 VERSION = 1
 # Tags of DistAttention traffic: far above the handoff tags the dispatcher hands out (1, 3, 5, ...).
@@ -94,8 +94,8 @@ def lent_partial(
     # A request lands in host memory, in fp32; it is scored in the cache's type, or in fp32 over an 8-bit cache.
     q = q.to(device=k_cache.device, dtype=torch.float32 if is_fp8(k_cache.dtype) else k_cache.dtype)
     ids = torch.tensor(list(block_ids), dtype=torch.long, device=k_cache.device)
-    keys = from_cache(k_cache.index_select(1, ids).reshape(kvh, num_tokens, d), q.dtype)
-    values = from_cache(v_cache.index_select(1, ids).reshape(kvh, num_tokens, d), q.dtype)
+    keys = from_cache(index_select(k_cache, 1, ids).reshape(kvh, num_tokens, d), q.dtype)
+    values = from_cache(index_select(v_cache, 1, ids).reshape(kvh, num_tokens, d), q.dtype)
     g = h // kvh
     # kv heads form the batch; each kv head's query heads of every row form the query length.
     qg = q.view(t, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, t * g, d)

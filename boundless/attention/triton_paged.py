@@ -22,7 +22,7 @@ import torch
 
 from boundless.attention.backend import AttentionBatch, padded_table, upload_ints
 from boundless.attention.partials import PartialsFromLse
-from boundless.kv.cache_dtype import from_cache, is_fp8, to_cache
+from boundless.kv.cache_dtype import from_cache, index_select, is_fp8, to_cache
 
 try:
     import triton
@@ -218,12 +218,8 @@ def key_slots(tables: torch.Tensor, key_start: torch.Tensor, num_keys: int, bloc
 
 def gather_keys(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The rows of a cache [kv_heads, blocks, block_size, head_dim] at ``slots``, as [keys, kv_heads, head_dim]
-    (contiguous: FlashAttention's layout). An 8-bit cache's rows are gathered as their bytes: PyTorch's CUDA
-    ``index_select`` has not taken every float8 type in every build (as ``cache_dtype.index_copy`` moves them)."""
-    rows = cache.permute(1, 2, 0, 3).flatten(0, 1)
-    if is_fp8(cache.dtype):
-        return rows.view(torch.uint8).index_select(0, slots).view(cache.dtype)
-    return rows.index_select(0, slots)
+    (contiguous: FlashAttention's layout); an 8-bit cache's as their bytes (``cache_dtype.index_select``)."""
+    return index_select(cache.permute(1, 2, 0, 3).flatten(0, 1), 0, slots)
 
 
 # A launch over cached prefixes gathers its contexts for FlashAttention when they hold at most this many keys per

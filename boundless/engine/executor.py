@@ -22,7 +22,7 @@ from boundless.engine.runner import ModelRunner, window_tokens
 from boundless.engine.sampler import SampledToken
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.kv.block_hash import BlockHash
-from boundless.kv.cache_dtype import index_copy
+from boundless.kv.cache_dtype import index_copy, index_select
 from boundless.kv.disk_moves import TierReport
 from boundless.kv.host_copies import HostCopies, queue_host_copies
 from boundless.kv.layer_gate import LayerGate, LayerWaits
@@ -381,7 +381,7 @@ class LandingCopies:
                 finally:
                     self.count_waits(0, self.clock() - start)
         for src_data, src_ids, dst_data, dst_ids in self._copies:
-            rows = src_data[layer].index_select(2, src_ids)
+            rows = index_select(src_data[layer], 2, src_ids)
             index_copy(dst_data[layer], 2, dst_ids, rows)
         self.copied = layer + 1
 

@@ -78,3 +78,11 @@ def value_table(dtype: torch.dtype) -> torch.Tensor:
 
 
 _TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def index_select(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(dim, index)`` for KV in any of the cache's types: 8-bit rows are gathered as their bytes, since
+    not every build's CUDA ``index_select`` takes every float8 type (as ``index_copy`` moves them)."""
+    if x.dtype in FP8_DTYPES:
+        return x.view(torch.uint8).index_select(dim, index).view(x.dtype)
+    return x.index_select(dim, index)

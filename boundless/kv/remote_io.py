@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from boundless.kv.cache_dtype import index_copy
+from boundless.kv.cache_dtype import index_copy, index_select
 from boundless.kv.layer_gate import LayerGate
 from boundless.kv.remote_moves import (
     RemoteIOStats,
@@ -376,12 +376,12 @@ class RemoteIO:
         if len(groups) == 1 and len(stream.send.src) == n:
             tier, ids, _ = groups[0]
             data = self._data(tier)[layer]
-            return data.index_select(2, ids.to(data.device)).cpu().contiguous()
+            return index_select(data, 2, ids.to(data.device)).cpu().contiguous()
         two, heads, bs, hd = self._block_shape
         out = torch.zeros((two, heads, n, bs, hd), dtype=self._dtype)
         for tier, ids, positions in groups:
             data = self._data(tier)[layer]
-            index_copy(out, 2, positions, data.index_select(2, ids.to(data.device)))
+            index_copy(out, 2, positions, index_select(data, 2, ids.to(data.device)))
         return out
 
     def _send_loop(self) -> None:

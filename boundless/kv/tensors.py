@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from boundless.attention.backend import to_device
-from boundless.kv.cache_dtype import index_copy
+from boundless.kv.cache_dtype import index_copy, index_select
 from boundless.native import huge_page_zeros
 
 
@@ -54,7 +54,7 @@ class PagedKVCache:
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A copy of these blocks' KV across all layers: [layers, 2, kv_heads, n, block_size, head_dim]."""
-        return self.data.index_select(3, self._index(block_ids))
+        return index_select(self.data, 3, self._index(block_ids))
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         index_copy(self.data, 3, self._index(block_ids), blocks)

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from boundless.kv.block_hash import BlockHash
-from boundless.kv.cache_dtype import index_copy
+from boundless.kv.cache_dtype import index_copy, index_select
 from boundless.kv.tensors import PagedKVCache
 
 
@@ -71,7 +71,7 @@ class HostKVTier:
         self.data = torch.empty(shape, dtype=device.data.dtype, pin_memory=pin)
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return self.data.index_select(3, torch.as_tensor(list(block_ids), dtype=torch.long))
+        return index_select(self.data, 3, torch.as_tensor(list(block_ids), dtype=torch.long))
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
