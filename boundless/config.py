@@ -747,6 +747,14 @@ class ServerConfig:
             "where the call format is known (a tagged --tool-call-parser, or a chat template that writes <tool_call>)"
         },
     )
+    exclude_tools_when_tool_choice_none: bool = field(
+        default=False,
+        metadata={
+            "help": "leave a request's tools out of its prompt when its tool_choice is none (vLLM's flag); by default "
+            "they stay, as vLLM keeps them: the prompt is then the same whether an agent's call lets the model use its "
+            "tools or not, and its prefix is cached for both"
+        },
+    )
     enable_auto_tool_choice: bool = field(
         default=False,
         metadata={

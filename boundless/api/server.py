@@ -711,7 +711,8 @@ class OpenAIServer:
             messages = template_conversation([m.model_dump(exclude_none=True) for m in body.messages])
         except InvalidMessage as e:
             raise APIError(400, str(e), e.param, e.code) from e
-        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tool_choice != "none" else []
+        excluded = body.tool_choice == "none" and self.config.exclude_tools_when_tool_choice_none
+        tools = [] if excluded else [t.model_dump(exclude_none=True) for t in body.tools or ()]
         if (tools and self.special_calls) or (self.reasoning is not None and self.reasoning.special_tags):
             body.skip_special_tokens = False  # (the parsers' tags are special tokens: the text they read keeps them)
         if body.continue_final_message and body.add_generation_prompt:  # (vLLM's default is True: it must be unset)

@@ -6,6 +6,7 @@ import json
 import random
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -369,10 +370,26 @@ def test_tools_and_tool_messages_reach_the_template(hermes: Served) -> None:
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in expected
     assert with_tools.usage.prompt_tokens == len(loaded.tokenizer.encode(expected, add_special_tokens=False))
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+    # tool_choice none keeps the tools in the prompt, as vLLM does (an agent's calls with and without tools share
+    # their prefix); vLLM's --exclude-tools-when-tool-choice-none leaves them out (below).
     none = client.chat.completions.create(
         model="tiny", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=2
     )
-    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert none.usage.prompt_tokens == with_tools.usage.prompt_tokens
+    assert not none.choices[0].message.tool_calls
+
+
+def test_tools_leave_the_prompt_under_tool_choice_none_with_vllms_flag(tmp_path: Path) -> None:
+    """``--exclude-tools-when-tool-choice-none``: a call that lets the model use no tool is prompted without them."""
+    messages = [{"role": "user", "content": "Weather?"}]
+    with serve_hermes(tmp_path, server_config=ServerConfig(exclude_tools_when_tool_choice_none=True)) as served:
+        client = served.client
+        plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+        none = client.chat.completions.create(
+            model="tiny", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=1
+        )
+        auto = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=1)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
 
 
 def test_a_named_tool_choice_makes_even_a_random_models_output_that_call(
