@@ -797,7 +797,7 @@ def require_one_kv_type(infos: Mapping[str, InstanceInfo], who: str) -> None:
     layouts = {(i.kv_dtype, i.block_size) for i in infos.values()}
     if len(layouts) > 1:
         held = ", ".join(f"{iid} {i.kv_dtype} in blocks of {i.block_size}" for iid, i in infos.items())
-        raise RuntimeError(
+        raise ConfigError(
             f"{who} must hold KV in one type and block size (--kv-cache-dtype, --block-size): their blocks move "
             f"between them as bytes; here {held}"
         )

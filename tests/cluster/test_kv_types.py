@@ -11,7 +11,7 @@ import pytest
 
 from boundless.cluster.client import make_pd_dispatcher, require_one_kv_type
 from boundless.cluster.instance import EngineInstance, InstanceInfo
-from boundless.config import ClusterConfig
+from boundless.config import ClusterConfig, ConfigError
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel
 from boundless.programs.process_table import ProcessTable
@@ -44,12 +44,12 @@ def test_prefill_and_decode_engines_of_different_kv_types_are_refused_in_words(
     infos = {"p0": _info("p0", "prefill", *prefill), "d0": _info("d0", "decode", *decode)}
     config = engine_config(tiny_llama.name, max_model_len=128, kv_cache_gb=0.01)
     cluster = ClusterConfig(prefill_instances=1, decode_instances=1)
-    with pytest.raises(RuntimeError, match="must hold KV in one type") as refused:
+    with pytest.raises(ConfigError, match="must hold KV in one type") as refused:
         make_pd_dispatcher(infos, config, cluster, ProcessTable())
     assert f"p0 {prefill[0]} in blocks of {prefill[1]}" in str(refused.value)
     assert f"d0 {decode[0]} in blocks of {decode[1]}" in str(refused.value)
     # Alike, they are taken.
     alike = {"p0": infos["p0"], "d0": dataclasses.replace(infos["p0"], instance_id="d0", role="decode")}
     assert make_pd_dispatcher(alike, config, cluster, ProcessTable()) is not None
-    with pytest.raises(RuntimeError, match="instances lending KV must hold KV in one type"):
+    with pytest.raises(ConfigError, match="instances lending KV must hold KV in one type"):
         require_one_kv_type(infos, "instances lending KV")
