@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from boundless.api.schemas import ROLES, TEXT_PART_SEPARATOR, InvalidContentPart, message_text
+from boundless.api.schemas import ROLES, TEXT_PART_SEPARATOR, InvalidContentPart, part_texts
 from boundless.api.tool_calls import template_messages
 from boundless.model.tokenizer import REASONING_FIELDS, TemplateConversation
 
@@ -36,10 +36,9 @@ def _texts(content: Any, i: int) -> list[str]:
     if isinstance(content, str):
         return [content]
     try:
-        message_text(content)
+        return part_texts(content)
     except InvalidContentPart as e:
         raise InvalidMessage(str(e), f"messages.{i}.content.{e.index}", "invalid_value") from e
-    return [part["text"] for part in content]
 
 
 def template_conversation(messages: Sequence[Mapping[str, Any]], strict: bool = True) -> TemplateConversation:

@@ -227,7 +227,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None  # parts are checked by message_text
+    content: str | list[dict[str, Any]] | None = None  # parts are checked by part_texts
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -402,19 +402,21 @@ class InvalidContentPart(ValueError):
 TEXT_PART_SEPARATOR = "\n"
 
 
-def message_text(content: str | list[dict[str, Any]] | None) -> str:
-    """The text of a message whose content may be a list of parts (only text parts are supported), the parts joined
-    by :data:`TEXT_PART_SEPARATOR`."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+# The content parts read as text, and the key each holds its text under: vLLM's (the Responses API's input_text and
+# output_text, sent back in a chat; an assistant's refusal).
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def part_texts(content: list[dict[str, Any]]) -> list[str]:
+    """The texts of a list of content parts (:data:`TEXT_PARTS`), each a string (a part without one is refused, as
+    OpenAI refuses it). Any other part is an :class:`InvalidContentPart`."""
     texts = []
     for i, part in enumerate(content):
-        if part.get("type") != "text":
+        key = TEXT_PARTS.get(part.get("type"))  # type: ignore[arg-type]
+        if key is None:
             raise InvalidContentPart(i, f"content parts of type {part.get('type')!r} are not supported")
-        text = part.get("text")
+        text = part.get(key)
         if not isinstance(text, str):
-            raise InvalidContentPart(i, "a text part needs a string 'text'")
+            raise InvalidContentPart(i, f"a {part['type']} part needs a string {key!r}")
         texts.append(text)
-    return TEXT_PART_SEPARATOR.join(texts)
+    return texts

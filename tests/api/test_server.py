@@ -122,6 +122,26 @@ def test_text_parts_reach_the_template_joined_by_newlines(client: openai.OpenAI,
     assert r.model_extra["prompt_token_ids"] == joined
 
 
+def test_the_responses_apis_text_parts_and_a_refusal_read_as_text(client: openai.OpenAI, engine: AsyncEngine) -> None:
+    """vLLM's reading of content parts: input_text and output_text (a Responses client's, sent to chat) and an
+    assistant's refusal are text. They were a 400."""
+    messages = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hello"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+        {"role": "user", "content": [{"type": "output_text", "text": "Why"}, {"type": "input_text", "text": "not"}]},
+    ]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, extra_body={"return_token_ids": True}
+    )  # type: ignore[arg-type]
+    tok = engine.tokenizer
+    plain = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "No."},
+        {"role": "user", "content": "Why\nnot"},
+    ]
+    assert r.model_extra["prompt_token_ids"] == tok.encode(tok.apply_chat_template(plain), add_special_tokens=False)
+
+
 def test_streamed_chat_concatenates_to_the_unstreamed_text(client: openai.OpenAI) -> None:
     kwargs = dict(
         model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=24, temperature=0
