@@ -1107,9 +1107,9 @@ class OpenAIServer:
         if isinstance(p, str):
             prompts = [encode_text(self.tokenizer, p)]
         elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]
+            prompts = [list(p)]  # type: ignore[arg-type]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [encode_text(self.tokenizer, x) for x in p]
+            prompts = [encode_text(self.tokenizer, x) for x in p]  # type: ignore[arg-type]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]  # type: ignore[arg-type]
         else:  # the schema has checked the shape: an empty list is left
