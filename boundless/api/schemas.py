@@ -286,6 +286,19 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
+def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """Tools as a chat template reads them, as vLLM hands them over (its ``model_dump``): a function's description
+    and parameters there even when null (a template that writes each tool's JSON writes them: Llama 3.1's), ``strict``
+    only when given (vLLM's schema has no such field), other keys as sent."""
+    out = []
+    for tool in tools:
+        dumped = tool.model_dump()
+        if dumped["function"].get("strict") is None:
+            del dumped["function"]["strict"]
+        out.append(dumped)
+    return out
+
+
 class NamedFunction(BaseModel):
     name: str
 

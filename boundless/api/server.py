@@ -49,6 +49,7 @@ from boundless.api.schemas import (
     CompletionRequest,
     ResponseFormat,
     StructuredOutputsParams,
+    template_tools,
 )
 from boundless.api.strict_calls import forced_calls_tag, strict_call_format, strict_calls_tag, structural_tag_text
 from boundless.api.tool_calls import (
@@ -712,7 +713,7 @@ class OpenAIServer:
         except InvalidMessage as e:
             raise APIError(400, str(e), e.param, e.code) from e
         excluded = body.tool_choice == "none" and self.config.exclude_tools_when_tool_choice_none
-        tools = [] if excluded else [t.model_dump(exclude_none=True) for t in body.tools or ()]
+        tools = None if excluded or body.tools is None else template_tools(body.tools)
         if (tools and self.special_calls) or (self.reasoning is not None and self.reasoning.special_tags):
             body.skip_special_tokens = False  # (the parsers' tags are special tokens: the text they read keeps them)
         if body.continue_final_message and body.add_generation_prompt:  # (vLLM's default is True: it must be unset)
@@ -725,7 +726,7 @@ class OpenAIServer:
         try:
             prompt = self.tokenizer.apply_chat_template(
                 messages,
-                tools=tools or None,
+                tools=tools,
                 add_generation_prompt=body.add_generation_prompt,
                 chat_template=self.chat_template,
                 continue_final_message=body.continue_final_message,

@@ -379,6 +379,21 @@ def test_tools_and_tool_messages_reach_the_template(hermes: Served) -> None:
     assert not none.choices[0].message.tool_calls
 
 
+def test_tools_reach_the_template_as_vllm_hands_them_over(hermes: Served) -> None:
+    """A tool's omitted description and parameters reach the template as null (vLLM's ``model_dump``: a template
+    that writes each tool's JSON writes them), ``strict`` only when sent."""
+    bare = {"type": "function", "function": {"name": "ping"}}
+    messages = [{"role": "user", "content": "Hi"}]
+    r = hermes.client.chat.completions.create(
+        model="tiny", messages=messages, tools=[bare, WEATHER], max_tokens=1, extra_body={"return_token_ids": True}
+    )  # type: ignore[list-item]
+    tok = hermes.loaded.tokenizer
+    given = [{"type": "function", "function": {"name": "ping", "description": None, "parameters": None}}, WEATHER]
+    text = tok.apply_chat_template(messages, tools=given)
+    assert '"description": null' in text and "strict" not in text
+    assert r.model_extra["prompt_token_ids"] == tok.encode(text, add_special_tokens=False)
+
+
 def test_tools_leave_the_prompt_under_tool_choice_none_with_vllms_flag(tmp_path: Path) -> None:
     """``--exclude-tools-when-tool-choice-none``: a call that lets the model use no tool is prompted without them."""
     messages = [{"role": "user", "content": "Weather?"}]
