@@ -29,6 +29,7 @@ tested there, but it is for GPUs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -155,15 +156,31 @@ def scaled_product(
     return _product_scaled_after(q, weight.t(), x_scale, scale, out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    widened: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``x @ (weight * scale).T + bias`` with ``x`` quantized per token: ``weight`` [out, in] e4m3 (row-major, as
-    ``_scaled_mm`` wants its transpose column-major), ``scale`` [1, out]."""
+    ``_scaled_mm`` wants its transpose column-major), ``scale`` [1, out].
+
+    ``widened`` (the CPU in fp32): the product with ``weight`` widened to fp32 (exactly: every e4m3 value is an fp32
+    one), taken by the native packed kernel: the quantized rows' product with it is scaled after, as
+    :func:`_product_scaled_after` does. PyTorch's CPU ``_scaled_mm`` scales both operands before an fp32 product
+    whose sums it orders by the number of rows, so a row's product changed with the rows beside it (a decode's one,
+    a verification chunk's five): speculation, or another batch, changed greedy tokens. The native kernel sums a row
+    alike in any batch."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if rows.shape[0] == 0:
         return x.new_empty(*shape[:-1], weight.shape[0])
     q, x_scale = quantize_activations(rows)
-    out = scaled_product(q, weight, x_scale, scale, x.dtype)
+    if widened is not None and rows.device.type == "cpu" and x.dtype == torch.float32:
+        out = widened(q.float()).mul_(x_scale).mul_(scale)
+    else:
+        out = scaled_product(q, weight, x_scale, scale, x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], weight.shape[0])

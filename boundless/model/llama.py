@@ -37,17 +37,21 @@ _CPU_SMALL_BATCH = 256
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    widened: cpu_kernels.PackedWeight | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias``; with ``scale``, ``weight`` is e4m3 and this its scale per row (``--quantization
-    fp8``: :func:`~boundless.model.fp8_linear.fp8_linear`).
+    fp8``: :func:`~boundless.model.fp8_linear.fp8_linear`; ``widened``: on the CPU, the e4m3 weight in fp32, packed).
 
     On the CPU, for the few tokens of a decode step, the BLAS is faster (20% on 2 AVX2 cores) with
     the weight matrix as the left operand, ``(weight @ x.T).T``; for large batches the transpose
     back costs more than it saves.
     """
     if scale is not None:
-        return fp8_linear(x, weight, scale, bias)
+        return fp8_linear(x, weight, scale, bias, None if widened is None else widened.matmul)
     if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _CPU_SMALL_BATCH:
         # Transposing back to row-major keeps every later op (and the next matmul) on the layout it expects.
         out = torch.mm(weight, x.t()).t().contiguous()
@@ -204,6 +208,9 @@ class DecoderLayer(nn.Module):
         self.o_scale: torch.Tensor | None = None
         self.gate_up_scale: torch.Tensor | None = None
         self.down_scale: torch.Tensor | None = None
+        # On the CPU in fp32 (LlamaModel.prepare): each e4m3 matrix widened to fp32 and packed for the native kernel,
+        # whose products give a row the same sums whatever rows share its step (fp8_linear's ``widened``).
+        self.widened: dict[str, cpu_kernels.PackedWeight] = {}
 
     def quantize_fp8(self) -> None:
         """The layer's dense matrices (attention's, and the MLP's unless it has experts) to e4m3 with a scale per
@@ -215,6 +222,23 @@ class DecoderLayer(nn.Module):
             q, scale = quantize_rows(weight.data)
             setattr(self, f"{name}_weight", nn.Parameter(q, requires_grad=False))
             setattr(self, f"{name}_scale", scale)
+
+    def widen_fp8(self, on: bool) -> None:
+        """``on``: each quantized matrix widened to fp32 (exact) and packed for the native CPU kernel, once; else
+        none (another device or dtype: ``_scaled_mm`` takes the e4m3 matrices)."""
+        if not on:
+            self.widened = {}
+            return
+        for name in ("qkv", "o", "gate_up", "down"):
+            weight, scale = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale")
+            if scale is not None and name not in self.widened:
+                self.widened[name] = cpu_kernels.PackedWeight(weight.detach().float())
+
+    def product(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times the matrix ``name`` (qkv, o, gate_up or down), with its bias: the PyTorch path's products."""
+        bias = self.qkv_bias if name == "qkv" else None
+        weight = getattr(self, f"{name}_weight")
+        return linear(x, weight, bias, getattr(self, f"{name}_scale"), self.widened.get(name))
 
     def _norm_heads_(self, heads: torch.Tensor) -> None:
         """Qwen3's norm of each query and key head (``heads``: [tokens, q + k heads, head_dim]), in place."""
@@ -239,7 +263,7 @@ class DecoderLayer(nn.Module):
         their rows of each projection (``index``: this layer's number)."""
         t = hidden.shape[0]
         x = self.input_norm(hidden)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale)
+        qkv = self.product("qkv", x)
         if lora is not None:
             lora.add_(index, QKV, x, qkv)
         q_size, kv_size, _ = self.qkv_sizes
@@ -249,19 +273,19 @@ class DecoderLayer(nn.Module):
         apply_rotary_(heads, cos, sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
-        out = linear(attn, self.o_weight, scale=self.o_scale)
+        out = self.product("o", attn)
         hidden += out if lora is None else lora.add_(index, O_PROJ, attn, out)
         x = self.post_attention_norm(hidden)
         if self.moe is not None:
             hidden += self.moe(x)
             return hidden
         assert self.gate_up_weight is not None and self.down_weight is not None
-        gate_up = linear(x, self.gate_up_weight, scale=self.gate_up_scale)
+        gate_up = self.product("gate_up", x)
         if lora is not None:
             lora.add_(index, GATE_UP, x, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate, inplace=True).mul_(up)
-        out = linear(act, self.down_weight, scale=self.down_scale)
+        out = self.product("down", act)
         hidden += out if lora is None else lora.add_(index, DOWN, act, out)
         return hidden
 
@@ -287,7 +311,7 @@ class DecoderLayer(nn.Module):
         t = hidden.shape[0]
         norm_in, norm_post = self.input_norm, self.post_attention_norm
         x = ops.rms_norm(hidden, norm_in.weight, norm_in.eps, delta=delta)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale)
+        qkv = self.product("qkv", x)
         if lora is not None:
             lora.add_(index, QKV, x, qkv)
         q_size, kv_size, _ = self.qkv_sizes
@@ -296,7 +320,7 @@ class DecoderLayer(nn.Module):
         ops.rotary_(heads, positions, rope.cos, rope.sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
-        out = linear(attn, self.o_weight, scale=self.o_scale)
+        out = self.product("o", attn)
         if lora is not None:
             lora.add_(index, O_PROJ, attn, out)
         # hidden += o_proj(attn), and its norm, in one kernel.
@@ -304,11 +328,11 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             return hidden, self.moe(x)
         assert self.gate_up_weight is not None and self.down_weight is not None
-        gate_up = linear(x, self.gate_up_weight, scale=self.gate_up_scale)
+        gate_up = self.product("gate_up", x)
         if lora is not None:
             lora.add_(index, GATE_UP, x, gate_up)
         act = ops.silu_mul(gate_up)
-        out = linear(act, self.down_weight, scale=self.down_scale)
+        out = self.product("down", act)
         return hidden, out if lora is None else lora.add_(index, DOWN, act, out)
 
     def forward_packed(
@@ -463,6 +487,9 @@ class LlamaModel(nn.Module):
         if not cpu_kernels.usable(weight) or self.quantized:
             for layer in self.layers:
                 layer.packed = None
+                if self.quantized:
+                    with torch.no_grad():
+                        layer.widen_fp8(cpu_kernels.usable(weight))
             self._packed_key = None
             self.head = PackedLinear(head_weight)
             return

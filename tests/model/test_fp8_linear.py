@@ -17,6 +17,7 @@ from boundless.llm import engine_config
 from boundless.model import fp8_linear as fp8
 from boundless.model.fp8_linear import FP8, FP8_MAX, check_quantization, fp8_linear, quantize_rows
 from boundless.model.loader import LoadedModel, load_model
+from boundless.model.random_model import TinySpec, write_random_model
 
 try:
     import triton
@@ -324,3 +325,30 @@ def test_the_rooflines_weight_bytes_count_the_layers_as_held(fp8_llama: LoadedMo
             weight = getattr(plain, f"{name}_weight")
             saved += weight.numel() * (weight.element_size() - 1) - 4 * weight.shape[0]
     assert weight_stream_bytes(tiny_llama) - weight_stream_bytes(fp8_llama) == saved
+
+
+def test_a_quantized_layers_products_give_a_row_the_same_alone_or_in_a_batch(tmp_path: Path) -> None:
+    """On the CPU a row's product is the same whatever rows share its step: a decode's one row, a verification chunk's
+    five, a prefill's many. PyTorch's CPU ``_scaled_mm`` scales the operands before an fp32 product whose sums are
+    ordered by the number of rows, so speculation changed SmolLM2's greedy tokens in FP8 at its fourth token; the
+    CPU's products are now the native kernels' over the e4m3 matrices widened to fp32 (exact), which sum a row alike
+    in any batch, scaled after."""
+    root = write_random_model(tmp_path / "m", TinySpec(hidden_size=576, intermediate_size=1536, num_layers=1))
+    loaded = load_model(str(root), quantization="fp8")
+    loaded.model.prepare(64)
+    layer = loaded.model.layers[0]
+    gen = torch.Generator().manual_seed(5)
+    for name in ("qkv", "o", "gate_up", "down"):
+        weight = getattr(layer, f"{name}_weight")
+        assert weight.dtype == FP8
+        x = torch.randn(9, weight.shape[1], generator=gen)
+        batch = layer.product(name, x)
+        torch.testing.assert_close(
+            batch.double(),
+            _rounded_product(x, weight, getattr(layer, f"{name}_scale"))
+            + (0 if name != "qkv" or layer.qkv_bias is None else layer.qkv_bias.double()),
+            rtol=1e-5,
+            atol=1e-4,
+        )
+        for rows in (1, 2, 5):
+            assert torch.equal(layer.product(name, x[:rows]), batch[:rows]), (name, rows)
