@@ -166,19 +166,19 @@ def fp8_linear(
     """``x @ (weight * scale).T + bias`` with ``x`` quantized per token: ``weight`` [out, in] e4m3 (row-major, as
     ``_scaled_mm`` wants its transpose column-major), ``scale`` [1, out].
 
-    ``widened`` (the CPU in fp32): the product with ``weight`` widened to fp32 (exactly: every e4m3 value is an fp32
-    one), taken by the native packed kernel: the quantized rows' product with it is scaled after, as
-    :func:`_product_scaled_after` does. PyTorch's CPU ``_scaled_mm`` scales both operands before an fp32 product
-    whose sums it orders by the number of rows, so a row's product changed with the rows beside it (a decode's one,
-    a verification chunk's five): speculation, or another batch, changed greedy tokens. The native kernel sums a row
-    alike in any batch."""
+    ``widened`` (the CPU, in any dtype): the product with ``weight`` widened to fp32 (exactly: every e4m3 value
+    is an fp32 one), taken by the native packed kernel: the quantized rows' product with it is scaled after, as
+    :func:`_product_scaled_after` does, into ``x``'s dtype. PyTorch's CPU ``_scaled_mm`` scales both operands before
+    an fp32 product whose sums it orders by the number of rows, so a row's product changed with the rows beside it (a
+    decode's one, a verification chunk's five): speculation, or another batch, changed greedy tokens. The native
+    kernel sums a row alike in any batch."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if rows.shape[0] == 0:
         return x.new_empty(*shape[:-1], weight.shape[0])
     q, x_scale = quantize_activations(rows)
-    if widened is not None and rows.device.type == "cpu" and x.dtype == torch.float32:
-        out = widened(q.float()).mul_(x_scale).mul_(scale)
+    if widened is not None and rows.device.type == "cpu":
+        out = widened(q.float()).mul_(x_scale).mul_(scale).to(x.dtype)
     else:
         out = scaled_product(q, weight, x_scale, scale, x.dtype)
     if bias is not None:

@@ -208,8 +208,8 @@ class DecoderLayer(nn.Module):
         self.o_scale: torch.Tensor | None = None
         self.gate_up_scale: torch.Tensor | None = None
         self.down_scale: torch.Tensor | None = None
-        # On the CPU in fp32 (LlamaModel.prepare): each e4m3 matrix widened to fp32 and packed for the native kernel,
-        # whose products give a row the same sums whatever rows share its step (fp8_linear's ``widened``).
+        # On the CPU, in any dtype (LlamaModel.prepare): each e4m3 matrix widened to fp32 and packed for the native
+        # kernel, whose products give a row the same sums whatever rows share its step (fp8_linear's ``widened``).
         self.widened: dict[str, cpu_kernels.PackedWeight] = {}
 
     def quantize_fp8(self) -> None:
@@ -489,7 +489,7 @@ class LlamaModel(nn.Module):
                 layer.packed = None
                 if self.quantized:
                     with torch.no_grad():
-                        layer.widen_fp8(cpu_kernels.usable(weight))
+                        layer.widen_fp8(weight.device.type == "cpu" and cpu_kernels.available())
             self._packed_key = None
             self.head = PackedLinear(head_weight)
             return
