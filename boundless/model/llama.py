@@ -150,6 +150,7 @@ class _PackedLayer:
         # A sparse layer's experts, each packed as a dense MLP is (SiLU(gate) * up in the first matmul's epilogue).
         self.experts: list[tuple[cpu_kernels.PackedWeight, cpu_kernels.PackedWeight]] = []
         if layer.moe is not None:
+            layer.moe.packed_router = cpu_kernels.PackedWeight(layer.moe.router)
             for gate_up, down in zip(layer.moe.gate_up, layer.moe.down, strict=True):
                 self.experts.append(
                     (
@@ -211,6 +212,8 @@ class DecoderLayer(nn.Module):
         # On the CPU, in any dtype (LlamaModel.prepare): each e4m3 matrix widened to fp32 and packed for the native
         # kernel, whose products give a row the same sums whatever rows share its step (fp8_linear's ``widened``).
         self.widened: dict[str, cpu_kernels.PackedWeight] = {}
+        # And in fp32 a mixture's experts (unquantized) packed as the native path packs them, for the same reason.
+        self.widened_experts: list[tuple[cpu_kernels.PackedWeight, cpu_kernels.PackedWeight]] = []
 
     def quantize_fp8(self) -> None:
         """The layer's dense matrices (attention's, and the MLP's unless it has experts) to e4m3 with a scale per
@@ -223,16 +226,28 @@ class DecoderLayer(nn.Module):
             setattr(self, f"{name}_weight", nn.Parameter(q, requires_grad=False))
             setattr(self, f"{name}_scale", scale)
 
-    def widen_fp8(self, on: bool) -> None:
+    def widen_fp8(self, on: bool, fp32: bool = False) -> None:
         """``on``: each quantized matrix widened to fp32 (exact) and packed for the native CPU kernel, once; else
-        none (another device or dtype: ``_scaled_mm`` takes the e4m3 matrices)."""
+        none (another device: ``_scaled_mm`` takes the e4m3 matrices). ``fp32`` (a model in fp32 on the CPU): a
+        mixture's router and experts packed too, as the native path packs them."""
         if not on:
-            self.widened = {}
+            self.widened, self.widened_experts = {}, []
             return
         for name in ("qkv", "o", "gate_up", "down"):
             weight, scale = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale")
             if scale is not None and name not in self.widened:
                 self.widened[name] = cpu_kernels.PackedWeight(weight.detach().float())
+        moe = self.moe
+        if moe is None or not fp32:
+            self.widened_experts = []
+            return
+        if moe.packed_router is None:
+            moe.packed_router = cpu_kernels.PackedWeight(moe.router)
+        if not self.widened_experts:
+            self.widened_experts = [
+                (cpu_kernels.PackedWeight(gate_up, glu=True), cpu_kernels.PackedWeight(down))
+                for gate_up, down in zip(moe.gate_up, moe.down, strict=True)
+            ]
 
     def product(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``x`` times the matrix ``name`` (qkv, o, gate_up or down), with its bias: the PyTorch path's products."""
@@ -277,7 +292,7 @@ class DecoderLayer(nn.Module):
         hidden += out if lora is None else lora.add_(index, O_PROJ, attn, out)
         x = self.post_attention_norm(hidden)
         if self.moe is not None:
-            hidden += self.moe(x)
+            hidden += self.moe(x, self.widened_experts)
             return hidden
         assert self.gate_up_weight is not None and self.down_weight is not None
         gate_up = self.product("gate_up", x)
@@ -487,9 +502,13 @@ class LlamaModel(nn.Module):
         if not cpu_kernels.usable(weight) or self.quantized:
             for layer in self.layers:
                 layer.packed = None
+                if layer.moe is not None:
+                    layer.moe.packed_router = None
                 if self.quantized:
                     with torch.no_grad():
-                        layer.widen_fp8(weight.device.type == "cpu" and cpu_kernels.available())
+                        layer.widen_fp8(
+                            weight.device.type == "cpu" and cpu_kernels.available(), cpu_kernels.usable(weight)
+                        )
             self._packed_key = None
             self.head = PackedLinear(head_weight)
             return

@@ -43,13 +43,22 @@ class SparseMoE(nn.Module):
             "gate": "gate_proj", "up": "up_proj", "down": "down_proj"
         }  # fmt: skip
         self.router = nn.Parameter(torch.empty(experts, hidden))
+        # On the CPU in fp32 (LlamaModel.prepare): the router packed for the native kernel, whose product gives a row
+        # the same logits whatever rows share its step (PyTorch's CPU product sums a lone row otherwise: its experts'
+        # weights, and even its experts, changed with the batch).
+        self.packed_router: PackedWeight | None = None
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [tokens, top_k] and their weights, as transformers' router computes them: a softmax
         in fp32 over the router's logits, the top k, renormalized to sum to one with ``norm_topk_prob``."""
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float)
+        packed = self.packed_router
+        if packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+            logits = packed.matmul(x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, x.shape[-1]).contiguous())
+        else:
+            logits = F.linear(x, self.router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)

@@ -350,3 +350,21 @@ def test_a_quantized_layers_products_give_a_row_the_same_alone_or_in_a_batch(tmp
         torch.testing.assert_close(batch.double(), want, rtol=tolerance, atol=tolerance * 10)
         for rows in (1, 2, 5):
             assert torch.equal(layer.product(name, x[:rows]), batch[:rows]), (name, rows)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_mixture_gives_a_row_the_same_alone_or_in_a_batch(tmp_path: Path, quantization: str | None) -> None:
+    """A sparse layer on the CPU in fp32: a row's router logits and experts' sums are the same whatever rows share its
+    step. The router's PyTorch product summed a lone row otherwise (its experts' weights changed with the batch,
+    quantized or not), and a quantized model's experts ran in PyTorch's products (its layers are not packed)."""
+    spec = TinySpec(kind="qwen3_moe", hidden_size=576, num_layers=1, head_dim=32, moe_intermediate_size=256, seed=3)
+    loaded = load_model(str(write_random_model(tmp_path / "m", spec)), quantization=quantization)
+    loaded.model.prepare(64)
+    layer = loaded.model.layers[0]
+    assert layer.moe is not None and layer.moe.packed_router is not None
+    experts = layer.packed.experts if layer.packed is not None else layer.widened_experts
+    assert experts and all(p.dtype == torch.float32 for p in layer.moe.parameters())
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(0))
+    batch = layer.moe(x, experts)
+    for rows in (1, 2, 5):
+        assert torch.equal(layer.moe(x[:rows], experts), batch[:rows]), rows
