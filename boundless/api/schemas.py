@@ -425,7 +425,8 @@ def part_texts(content: list[dict[str, Any]]) -> list[str]:
     OpenAI refuses it). Any other part is an :class:`InvalidContentPart`."""
     texts = []
     for i, part in enumerate(content):
-        key = TEXT_PARTS.get(part.get("type"))  # type: ignore[arg-type]
+        kind = part.get("type")
+        key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None:
             raise InvalidContentPart(i, f"content parts of type {part.get('type')!r} are not supported")
         text = part.get(key)

@@ -142,6 +142,14 @@ def test_the_responses_apis_text_parts_and_a_refusal_read_as_text(client: openai
     assert r.model_extra["prompt_token_ids"] == tok.encode(tok.apply_chat_template(plain), add_special_tokens=False)
 
 
+def test_a_content_part_whose_type_is_no_string_is_a_400(client: openai.OpenAI) -> None:
+    """(The slow fuzz test found it: a list as a part's type made the lookup of text parts raise, a 500.)"""
+    parts = [{"type": "text", "text": "Hi"}, {"type": [], "text": "Now"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=1)
+    assert e.value.body["param"] == "messages.0.content.1"
+
+
 def test_streamed_chat_concatenates_to_the_unstreamed_text(client: openai.OpenAI) -> None:
     kwargs = dict(
         model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=24, temperature=0
