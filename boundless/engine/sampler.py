@@ -475,7 +475,11 @@ class Sampler:
             # and what falls below float32's range has a probability of 0 there too. Other rows are unchanged. (Only
             # a penalty under 1 divides a logit up: with none, nothing is made twice.)
             wide = penalties_applied(torch.float64)
-            wide = (wide - wide.max(dim=-1, keepdim=True).values).to(logits.dtype)
+            wide = wide - wide.max(dim=-1, keepdim=True).values
+            # What falls below float32's range stays finite, at -1e30, not -inf: a grammar masked after this may
+            # forbid every other token (the seen ones), and a row of -inf is NaN (the step failed). -1e30 is no
+            # probability beside a token at 0, and stays finite over any temperature down to 1e-8. -inf stays -inf.
+            wide = torch.where(wide == float("-inf"), wide, wide.clamp_min(-1e30)).to(logits.dtype)
             result = torch.where(torch.isfinite(result).all(dim=-1, keepdim=True), result, wide)
         logits[index] = result
 
