@@ -527,6 +527,18 @@ void run(const Args& given, long S, long tile, int nthreads) {
   }
 }
 
+// The kernel specialized for the head size (a.D): 16, 32, 64 and 128 unrolled, any other multiple of 8 generic.
+void run_for_head_size(const Args& a, long S, long tile, int nthreads) {
+  if (tile < 1) tile = 1;
+  switch (a.D) {
+    case 16: run<2>(a, S, tile, nthreads); break;
+    case 32: run<4>(a, S, tile, nthreads); break;
+    case 64: run<8>(a, S, tile, nthreads); break;
+    case 128: run<16>(a, S, tile, nthreads); break;
+    default: run<0>(a, S, tile, nthreads); break;  // any multiple of 8
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -544,14 +556,7 @@ void bl_paged_attention(const float* q, long q_stride, const float* k_cache, con
                         float* e, long tile, int normalize, int nthreads) {
   Args a{q, q_stride, k_cache, v_cache, num_blocks, block_size, tables, max_blocks, q_starts, seq_lens,
          H, KVH, D, scale, o, m, e, normalize != 0};
-  if (tile < 1) tile = 1;
-  switch (D) {
-    case 16: run<2>(a, S, tile, nthreads); break;
-    case 32: run<4>(a, S, tile, nthreads); break;
-    case 64: run<8>(a, S, tile, nthreads); break;
-    case 128: run<16>(a, S, tile, nthreads); break;
-    default: run<0>(a, S, tile, nthreads); break;  // any multiple of 8
-  }
+  run_for_head_size(a, S, tile, nthreads);
 }
 
 // bl_paged_attention over 8-bit caches: each byte the index of its value in lut [256].
@@ -561,14 +566,7 @@ void bl_paged_attention8(const float* q, long q_stride, const unsigned char* k_c
                          float* e, long tile, int normalize, int nthreads, const float* lut) {
   Args a{q, q_stride, (const float*)k_cache, (const float*)v_cache, num_blocks, block_size, tables, max_blocks,
          q_starts, seq_lens, H, KVH, D, scale, o, m, e, normalize != 0, lut};
-  if (tile < 1) tile = 1;
-  switch (D) {
-    case 16: run<2>(a, S, tile, nthreads); break;
-    case 32: run<4>(a, S, tile, nthreads); break;
-    case 64: run<8>(a, S, tile, nthreads); break;
-    case 128: run<16>(a, S, tile, nthreads); break;
-    default: run<0>(a, S, tile, nthreads); break;
-  }
+  run_for_head_size(a, S, tile, nthreads);
 }
 
 // Store new keys and values [T, KVH, D] (token strides given) at their slots of the caches
