@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -70,82 +71,10 @@ def _model_tag_as_flag(argv: list[str]) -> list[str]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.bench_kind == "offline":
-        from boundless.bench import offline
-
-        offline.run(args)
-        return 0
-    if args.bench_kind == "programs":
-        from boundless.bench import programs
-
-        programs.run(args)
-        return 0
-    if args.bench_kind == "serve":
-        from boundless.bench import serve
-
-        serve.run(args)
-        return 0
-    if args.bench_kind == "gpu":
-        from boundless.bench import gpu
-
-        gpu.run(args)
-        return 0
-    if args.bench_kind == "restart":
-        from boundless.bench import restart
-
-        restart.run(args)
-        return 0
-    if args.bench_kind == "store":
-        from boundless.bench import store
-
-        store.run(args)
-        return 0
-    if args.bench_kind == "transport":
-        from boundless.bench import transport
-
-        transport.run(args)
-        return 0
-    if args.bench_kind == "handoff":
-        from boundless.bench import handoff
-
-        handoff.run(args)
-        return 0
-    if args.bench_kind == "agentic":
-        from boundless.bench import agentic
-
-        agentic.run(args)
-        return 0
-    if args.bench_kind == "longctx":
-        from boundless.bench import longctx
-
-        longctx.run(args)
-        return 0
-    if args.bench_kind == "structured":
-        from boundless.bench import structured
-
-        structured.run(args)
-        return 0
-    if args.bench_kind == "spec":
-        from boundless.bench import spec
-
-        spec.run(args)
-        return 0
-    if args.bench_kind == "lora":
-        from boundless.bench import lora
-
-        lora.run(args)
-        return 0
-    if args.bench_kind == "frontend":
-        from boundless.bench import frontend
-
-        frontend.run(args)
-        return 0
-    if args.bench_kind == "kv-dtype":
-        from boundless.bench import kv_dtype
-
-        kv_dtype.run(args)
-        return 0
-    raise SystemExit(f"unknown benchmark {args.bench_kind!r}")
+    """``boundless bench KIND``: ``boundless.bench.<kind>.run`` (a dash in a kind is an underscore in its module),
+    imported only when its command runs (the parser knows each kind)."""
+    importlib.import_module(f"boundless.bench.{args.bench_kind.replace('-', '_')}").run(args)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
