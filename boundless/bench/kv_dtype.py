@@ -26,7 +26,7 @@ from typing import Any
 
 from boundless.bench.offline import make_prompts
 from boundless.bench.report import print_table, write_json
-from boundless.config import EngineConfig, engine_config_from_flags, refuse_engine_flags
+from boundless.config import EngineConfig, engine_config_from_flags, positive_int, refuse_engine_flags
 from boundless.engine import core as engine_core
 from boundless.engine.core import EngineCore
 from boundless.engine.logprobs import SampledToken
@@ -122,8 +122,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--kv-cache-dtype: name the type to compare with the model's own (fp8, fp8_e5m2, bfloat16), or give "
             "--quantization fp8, or both"
         )
-    if min(args.num_prompts, args.input_len, args.output_len, args.text_tokens) < 1:
-        raise SystemExit("--num-prompts, --input-len, --output-len and --text-tokens must be at least 1")
     baseline = dataclasses.replace(
         config,
         model=dataclasses.replace(config.model, quantization=None),
@@ -218,9 +216,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=32, help="prompts answered at once")
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--text-tokens", type=int, default=500, help="tokens of text both engines score")
+    parser.add_argument("--num-prompts", type=positive_int, default=32, help="prompts answered at once")
+    parser.add_argument("--input-len", type=positive_int, default=256)
+    parser.add_argument("--output-len", type=positive_int, default=32)
+    parser.add_argument("--text-tokens", type=positive_int, default=500, help="tokens of text both engines score")
     parser.add_argument("--bench-seed", dest="bench_seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
