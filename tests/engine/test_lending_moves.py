@@ -84,16 +84,21 @@ def _finish(run: Lockstep, steps: int = 200) -> None:
     raise AssertionError("not finished")
 
 
+def _two_chunks_in(cluster: Cluster, loaded, kv: str = "auto") -> tuple[Cluster, Lockstep]:
+    """``cluster`` run in lockstep until its long request has two chunks computed (blocks to move)."""
+    run = Lockstep(cluster, loaded, kv)
+    while run.computed() < 2 * CHUNK:
+        run.step()
+    return cluster, run
+
+
 # With an 8-bit KV cache too: the blocks move as their bytes, lent ones hold the debtor's to the bit.
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_moves_keep_every_block_its_own_and_the_output_unchanged(load, make_cluster, kv: str) -> None:
     loaded = load("tiny-llama")
     want = reference(loaded, {"long": LONG}, kv_cache_dtype=kv)
-    cluster = make_cluster(loaded, 3, kv_cache_dtype=kv)
-    run = Lockstep(cluster, loaded, kv)
+    cluster, run = _two_chunks_in(make_cluster(loaded, 3, kv_cache_dtype=kv), loaded, kv)
     debtor, c1, c2 = cluster.agents
-    while run.computed() < 2 * CHUNK:
-        run.step()
     assert debtor.move_kvcache("long", 3, c1.instance_id)
     assert_blocks_hold_their_tokens(cluster, run.ref)
     assert debtor.core.kv.num_lent_blocks("long") == 3 and c1.core.kv.pool.num_used == 3
@@ -126,11 +131,8 @@ def test_moves_keep_every_block_its_own_and_the_output_unchanged(load, make_clus
 
 def test_a_refused_move_changes_nothing(load, make_cluster) -> None:
     loaded = load("tiny-llama")
-    cluster = make_cluster(loaded, 2)
-    run = Lockstep(cluster, loaded)
+    cluster, run = _two_chunks_in(make_cluster(loaded, 2), loaded)
     debtor, creditor = cluster.agents
-    while run.computed() < 2 * CHUNK:
-        run.step()
     before = debtor.core.kv.block_ids("long")
     creditor.rm.headroom_blocks = creditor.rm.total_blocks  # no room to lend
     assert not debtor.move_kvcache("long", 2, creditor.instance_id)
@@ -170,11 +172,8 @@ def test_a_move_interrupted_halfway_leaves_both_sides_consistent(load, make_clus
     loaded = load("tiny-llama")
     want = reference(loaded, {"long": LONG})
     now = [0.0]
-    cluster = make_cluster(loaded, 2, clock=lambda: now[0])
-    run = Lockstep(cluster, loaded)
+    cluster, run = _two_chunks_in(make_cluster(loaded, 2, clock=lambda: now[0]), loaded)
     debtor, creditor = cluster.agents
-    while run.computed() < 2 * CHUNK:
-        run.step()
     before = debtor.core.kv.block_ids("long")
     # The blocks arrive but the answer is lost: the debtor keeps its copies and releases the creditor's.
     _rewire(cluster, LosesConfirmations())
@@ -219,11 +218,8 @@ def test_a_move_whose_take_answer_is_lost_frees_the_creditors_blocks(load, make_
     without one (lost too) the reservation's expiry does."""
     loaded = load("tiny-llama")
     now = [0.0]
-    cluster = make_cluster(loaded, 2, clock=lambda: now[0])
-    run = Lockstep(cluster, loaded)
+    cluster, run = _two_chunks_in(make_cluster(loaded, 2, clock=lambda: now[0]), loaded)
     debtor, creditor = cluster.agents
-    while run.computed() < 2 * CHUNK:
-        run.step()
     before = debtor.core.kv.block_ids("long")
     _rewire(cluster, TakeAnswerLost())
     for attempt in range(3):
