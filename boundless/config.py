@@ -116,6 +116,16 @@ class ModelConfig:
         },
     )
     seed: int = field(default=0, metadata={"help": "seed of the generator shared by requests that set no seed"})
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "devices one model is split across (Megatron's tensor parallelism, as vLLM's): each holds 1/N of "
+            "every layer's matrices and of the KV cache, the ranks summing their products after each half-layer. "
+            "On CUDA ranks take the devices from --device on (cuda:0, cuda:1, ...); on the CPU they are processes "
+            "sharing its cores (for checking). Heads, key/value heads and MLP features must split evenly",
+            "aliases": ("-tp",),
+        },
+    )
     attention_backend: str = field(
         default="auto",
         metadata={
@@ -181,6 +191,12 @@ class ModelConfig:
         )
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _require(
+            self.tensor_parallel_size == 1 or not self.enable_lora,
+            "tensor_parallel_size",
+            "LoRA adapters are not split across devices here; serve them with one (--tensor-parallel-size 1)",
+        )
         _require(self.max_loras >= 1, "max_loras", "must be >= 1")
         _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         _require(self.enable_lora or not self.lora_modules, "lora_modules", "needs --enable-lora")
@@ -672,6 +688,14 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        # A tensor-parallel model's KV is split over its ranks; the disk store reads and writes one process's pool.
+        _require(
+            self.model.tensor_parallel_size == 1 or self.cache.kv_disk_path is None,
+            "tensor_parallel_size",
+            "the disk KV store (--kv-disk-path) holds one device's KV; a model split across devices runs without it",
+        )
 
 
 @dataclass(frozen=True)
@@ -1243,6 +1267,12 @@ def to_flags(config: object) -> list[str]:
 
 def check_serve_configs(engine: EngineConfig, server: ServerConfig, cluster: ClusterConfig) -> None:
     """What ``serve``'s configs refuse together (each checks its own values when built), before the model loads."""
+    _require(
+        engine.model.tensor_parallel_size == 1 or not cluster.runs_actors,
+        "tensor_parallel_size",
+        "a model split across devices is served by one engine here (not --instances, --ray-address or prefill and "
+        "decode engines)",
+    )
     if server.allow_runtime_lora_updating:
         # (Else each load_lora_adapter request failed, long after start-up, with a 400 naming the missing flag.)
         _require(engine.model.enable_lora, "allow_runtime_lora_updating", "needs --enable-lora")

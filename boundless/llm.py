@@ -310,7 +310,7 @@ VLLM_RENAMED_ARGS = {"swap_space": "swap_space_gb"}
 
 def vllm_engine_args(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``LLM``'s keyword arguments with vLLM's engine arguments read: those with a meaning here under another name
-    renamed, those that ask for nothing more here taken (``tensor_parallel_size=1``, ``trust_remote_code``: no code
+    renamed, those that ask for nothing more here taken (``trust_remote_code``: no code
     from a checkpoint is run here, ``disable_log_stats``: offline, nothing is logged), and those that ask for what this
     engine does not do refused with the reason (:class:`ConfigError`)."""
     out = dict(kwargs)
@@ -319,8 +319,6 @@ def vllm_engine_args(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
             out[new] = out.pop(old)
     out.pop("trust_remote_code", None)
     out.pop("disable_log_stats", None)
-    if out.pop("tensor_parallel_size", 1) != 1:
-        raise ConfigError("tensor_parallel_size: a model runs on one device here; more instances serve more requests")
     tokenizer = out.pop("tokenizer", None)
     if tokenizer is not None and tokenizer != model:
         raise ConfigError("tokenizer: the model's own is used (its directory's or its GGUF file's)")

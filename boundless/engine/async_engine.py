@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
+from boundless.engine.errors import EngineLost
 from boundless.engine.executor import PendingStep
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan
 from boundless.engine.sampling_params import SamplingParams
@@ -310,6 +311,8 @@ class EngineLoop:
                 with self.lock:
                     for failed_sched in failed:
                         self._emit_all(core.fail_step(failed_sched, e))
+                if isinstance(e, EngineLost):
+                    raise  # no later step could run: the loop stops (_run)
                 continue
             self.step_watch.end()
             with self.lock:

@@ -24,6 +24,7 @@ from boundless.engine.executor import ModelExecutor
 from boundless.engine.runner import ModelRunner
 from boundless.engine.sampler import Sampler
 from boundless.engine.structured_output import Grammars
+from boundless.engine.tensor_parallel import TensorParallelRanks
 from boundless.kv.cache_dtype import kv_cache_dtype
 from boundless.kv.disk_store import DiskKVStore, StoreLayout
 from boundless.kv.tensors import PagedKVCache
@@ -232,11 +233,15 @@ def build_model_executor(
         layout.num_blocks * layout.bytes_per_block / (1 << 30), str(layout.kv_dtype).removeprefix("torch."),
     )  # fmt: skip
     attention = make_attention(config, arch, layout, loaded.device, loaded.dtype)
+    ranks = None
+    if config.model.tensor_parallel_size > 1:
+        ranks = TensorParallelRanks.start(config, layout, loaded.model, loaded.device)
     graphs = None
     graphed = (triton_paged.TritonPagedAttention, flex_paged.FlexPagedAttention)
     on_gpu = isinstance(attention, graphed) and loaded.device.type == "cuda"
-    # (A mixture of experts reads its routing back to the host each layer, which a graph cannot capture: eager.)
-    if on_gpu and not config.model.enforce_eager and not arch.num_experts:
+    # (A mixture of experts reads its routing back to the host each layer, which a graph cannot capture: eager. So
+    # does a tensor-parallel model: its other ranks run each step as rank 0 sends it.)
+    if on_gpu and not config.model.enforce_eager and not arch.num_experts and ranks is None:
         assert isinstance(attention, graphed)  # (on_gpu says so)
         graphs = DecodeGraphs(
             loaded.model, kv_cache, attention, config.scheduler.max_num_seqs, layout.max_model_len, loaded.device
@@ -245,6 +250,7 @@ def build_model_executor(
     elif config.scheduler.async_scheduling:
         why = (
             "--enforce-eager" if config.model.enforce_eager
+            else "--tensor-parallel-size (run eagerly)" if on_gpu and ranks is not None
             else "a mixture of experts (run eagerly)" if on_gpu
             else f"{type(attention).__name__} on {loaded.device.type}"
         )  # fmt: skip
@@ -255,7 +261,7 @@ def build_model_executor(
         )
     grammars = grammars or Grammars(loaded.tokenizer, arch.vocab_size)
     sampler = Sampler(loaded.device, seed=config.model.seed, grammars=grammars)
-    runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device, graphs)
+    runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device, graphs, ranks)
     lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
     if store is None and layout.disk_bytes:
         store = open_disk_store(loaded, config, layout)

@@ -40,6 +40,11 @@ class InvalidRequestError(ValueError):
         return InvalidRequestError(str(self), param, self.code, self.overflow)
 
 
+class EngineLost(RuntimeError):
+    """A part the engine cannot run without is gone (a rank of a tensor-parallel model): the step that found it
+    fails, and the engine stops there (no later step could run)."""
+
+
 # The end of a call whose instance was lost while no other could take it (every queue full, or none live and none
 # coming back): the server's state, not the request's fault, so a 503 to retry, not an engine error.
 NO_ROOM_AFTER_FAILOVER = "the request's instance was lost and no other could take it; retry the request"

@@ -215,6 +215,8 @@ class ModelExecutor:
             host_copies = None
             if after is not None:  # a window ahead: its demotions' copies queued behind the window running
                 transfers, host_copies = queue_host_copies(transfers, self.tiers)
+            if self.runner.ranks is not None:  # (a tensor-parallel model: every rank's KV moves alike)
+                self.runner.ranks.transfers(transfers)
             self.kv_io.apply(sched.disk_reads, sched.disk_writes, transfers, sched.disk_ages, snapshots)
             if snapshot_error is not None:
                 raise snapshot_error
@@ -327,6 +329,8 @@ class ModelExecutor:
 
     def close(self) -> None:
         self.kv_io.close()
+        if self.runner.ranks is not None:
+            self.runner.ranks.close()
 
 
 class LandingCopies:

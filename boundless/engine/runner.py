@@ -15,6 +15,7 @@ from boundless.engine.logprobs import PromptScores, PromptSpan, SampledToken, sc
 from boundless.engine.sampler import Sampler
 from boundless.engine.scheduler import AHEAD_TOKEN, ScheduledChunk, SchedulerOutput
 from boundless.engine.speculative import accepted_tokens
+from boundless.engine.tensor_parallel import TensorParallelRanks
 from boundless.kv.tensors import PagedKVCache
 from boundless.model.llama import LlamaModel
 from boundless.model.lora import LoRAAdapter, LoRARequest, load_lora, lora_batch
@@ -49,7 +50,8 @@ class ModelRunner:
     """Owns the model, the KV memory and the sampler of one instance.
 
     With ``graphs``, a step of decodes only (the common step) replays a captured CUDA graph; every
-    other step runs eagerly.
+    other step runs eagerly. With ``ranks`` the model is rank 0 of a tensor-parallel one
+    (``engine/tensor_parallel.py``): every forward pass is started on the other ranks first.
     """
 
     def __init__(
@@ -60,8 +62,10 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         graphs: DecodeGraphs | None = None,
+        ranks: TensorParallelRanks | None = None,
     ) -> None:
         self.model = model
+        self.ranks = ranks  # a tensor-parallel model's other ranks: each forward pass is run on them too
         self.kv_cache = kv_cache
         self.attention = attention
         self.sampler = sampler
@@ -180,6 +184,8 @@ class ModelRunner:
             follows.fill(batch.input_ids, batch.ahead_rows, [c.request_id for c in batch.ahead_chunks])
         meta = self.attention.prepare(batch.attention)
         lora = lora_batch(self.loras, batch.lora_rows, self.device) if batch.lora_rows else None
+        if self.ranks is not None:
+            self.ranks.forward(batch.input_ids, batch.positions, batch.attention)
         hidden = self.model(
             batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer, lora
         )

@@ -214,6 +214,9 @@ class DecoderLayer(nn.Module):
         self.widened: dict[str, cpu_kernels.PackedWeight] = {}
         # And in fp32 a mixture's experts (unquantized) packed as the native path packs them, for the same reason.
         self.widened_experts: list[tuple[cpu_kernels.PackedWeight, cpu_kernels.PackedWeight]] = []
+        # Tensor parallelism (model/tensor_parallel.py): the sum over the ranks of a row-parallel product, in place;
+        # None on one device.
+        self.reduce: Callable[[torch.Tensor], None] | None = None
 
     def quantize_fp8(self) -> None:
         """The layer's dense matrices (attention's, and the MLP's unless it has experts) to e4m3 with a scale per
@@ -289,7 +292,7 @@ class DecoderLayer(nn.Module):
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
         out = self.product("o", attn)
-        hidden += out if lora is None else lora.add_(index, O_PROJ, attn, out)
+        hidden += self._summed(out if lora is None else lora.add_(index, O_PROJ, attn, out))
         x = self.post_attention_norm(hidden)
         if self.moe is not None:
             hidden += self.moe(x, self.widened_experts)
@@ -301,8 +304,14 @@ class DecoderLayer(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate, inplace=True).mul_(up)
         out = self.product("down", act)
-        hidden += out if lora is None else lora.add_(index, DOWN, act, out)
+        hidden += self._summed(out if lora is None else lora.add_(index, DOWN, act, out))
         return hidden
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product (o, down) summed over the tensor-parallel ranks, in place; itself on one device."""
+        if self.reduce is not None:
+            self.reduce(partial)
+        return partial
 
     def forward_fused(
         self,
@@ -339,7 +348,7 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             lora.add_(index, O_PROJ, attn, out)
         # hidden += o_proj(attn), and its norm, in one kernel.
-        x = ops.rms_norm(hidden, norm_post.weight, norm_post.eps, delta=out)
+        x = ops.rms_norm(hidden, norm_post.weight, norm_post.eps, delta=self._summed(out))
         if self.moe is not None:
             return hidden, self.moe(x)
         assert self.gate_up_weight is not None and self.down_weight is not None
@@ -348,7 +357,7 @@ class DecoderLayer(nn.Module):
             lora.add_(index, GATE_UP, x, gate_up)
         act = ops.silu_mul(gate_up)
         out = self.product("down", act)
-        return hidden, out if lora is None else lora.add_(index, DOWN, act, out)
+        return hidden, self._summed(out if lora is None else lora.add_(index, DOWN, act, out))
 
     def forward_packed(
         self,
@@ -386,26 +395,35 @@ class DecoderLayer(nn.Module):
             attn = attn.contiguous()
         post = self.post_attention_norm
         gate_up, down = packed.gate_up, packed.down
-        if (gate_up is not None and down is not None) and (
+        if (gate_up is not None and down is not None and self.reduce is None) and (
             lora is None or not any(lora.touches(index, t) for t in (O_PROJ, GATE_UP, DOWN))
         ):
             cpu_kernels.layer_out(attn, hidden, packed.o, post.weight, post.eps, x, gate_up, step.act, down)
             return hidden
-        packed.o.matmul(attn, hidden, accumulate=True)
-        if lora is not None:
-            lora.add_(index, O_PROJ, attn, hidden)
+        # Taken apart: for LoRA adapters, or to sum a tensor-parallel rank's products with the others' (no adapters
+        # then: refused at start-up) before each is added to the stream.
+        if self.reduce is None:
+            packed.o.matmul(attn, hidden, accumulate=True)
+            if lora is not None:
+                lora.add_(index, O_PROJ, attn, hidden)
+        else:
+            hidden += self._summed(packed.o.matmul(attn))
         cpu_kernels.rms_norm(hidden, post.weight, post.eps, x)
         if self.moe is not None:
             hidden += self.moe(x, packed.experts)
             return hidden
-        assert lora is not None and gate_up is not None and down is not None
-        if lora.touches(index, GATE_UP):
+        assert gate_up is not None and down is not None
+        if lora is not None and lora.touches(index, GATE_UP):
             gate, up = lora.add_(index, GATE_UP, x, gate_up.glu_halves(x)).chunk(2, dim=-1)
             act = torch.mul(F.silu(gate, inplace=True), up, out=step.act)
         else:
             act = gate_up.matmul(x, step.act)
-        down.matmul(act, hidden, accumulate=True)
-        lora.add_(index, DOWN, act, hidden)
+        if self.reduce is None:
+            down.matmul(act, hidden, accumulate=True)
+            if lora is not None:
+                lora.add_(index, DOWN, act, hidden)
+        else:
+            hidden += self._summed(down.matmul(act))
         return hidden
 
 
@@ -475,6 +493,12 @@ class LlamaModel(nn.Module):
         self._act_width = 0
         self._workspace = _Workspace()
         self.quantized = False  # --quantization fp8 (quantize_fp8)
+
+    def sum_over(self, reduce: Callable[[torch.Tensor], None]) -> None:
+        """Make this network one rank of a tensor-parallel model (``model/tensor_parallel.py``): each layer's
+        row-parallel products summed over the ranks by ``reduce`` (in place) before they join the residual stream."""
+        for layer in self.layers:
+            layer.reduce = reduce
 
     def quantize_fp8(self) -> None:
         """``--quantization fp8``: every layer's dense matrices to e4m3 (:meth:`DecoderLayer.quantize_fp8`); the

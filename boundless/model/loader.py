@@ -19,6 +19,7 @@ from boundless.model.arch import ModelArch
 from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
 from boundless.model.quantized_checkpoint import QuantizedCheckpoint
+from boundless.model.tensor_parallel import ONE_DEVICE, TensorParallel, shard_arch, shard_weights
 
 if TYPE_CHECKING:
     from boundless.model.tokenizer import Tokenizer
@@ -148,6 +149,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     hf_overrides: Mapping[str, Any] = field(default_factory=dict)  # what replaced config.json's keys (for a reference)
+    full_arch: ModelArch | None = None  # the whole model's, where ``arch`` is a tensor-parallel rank's share
+    tensor_parallel: TensorParallel = ONE_DEVICE
 
 
 def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -202,6 +205,7 @@ def load_model(
     weights: tuple[str, Iterator[tuple[str, torch.Tensor]]] | None = None,
     hf_overrides: Mapping[str, Any] | None = None,
     quantization: str | None = None,
+    tensor_parallel: TensorParallel = ONE_DEVICE,
 ) -> LoadedModel:
     """Load a bundled model, a Hugging Face directory or a GGUF file onto ``device`` in ``dtype``.
 
@@ -210,7 +214,9 @@ def load_model(
     (benchmarks of large random models, with nothing written to disk). The identity enters the KV
     fingerprint. ``hf_overrides`` (vLLM's ``--hf-overrides``): keys that replace ``config.json``'s
     (:func:`hf_config`). ``quantization`` (``--quantization``): ``fp8`` holds the layers' matrices in e4m3
-    (:mod:`boundless.model.fp8_linear`)."""
+    (:mod:`boundless.model.fp8_linear`). ``tensor_parallel``: the rank of a model split over several devices whose
+    network this is (:mod:`boundless.model.tensor_parallel`): its ``arch`` is the rank's share, ``full_arch`` the
+    model's."""
     path = resolve_model_path(name)
     check_overrides(path, hf_overrides)
     dev = torch.device(device)
@@ -232,6 +238,9 @@ def load_model(
         tensors = _safetensors_weights(path) if weights is None else weights[1]
         if quantized is not None:
             tensors = quantized.dequantized(tensors)
+    full_arch = arch
+    arch = shard_arch(full_arch, tensor_parallel.size)
+    tensors = shard_weights(tensors, full_arch, tensor_parallel)
     with torch.device("meta"):
         model = LlamaModel(arch)
     model = model.to(torch_dtype).to_empty(device=dev)  # allocated once, in the target dtype
@@ -243,8 +252,10 @@ def load_model(
     # (The dtype used, not the one asked for: ``auto`` is float32 on the CPU and 16-bit on a GPU.)
     # (And the quantization: KV computed on quantized weights is another model's, in the prefix cache and the store.)
     quant_tag = f":{quantization}" if quantization else ""
+    # (A tensor-parallel rank's blocks hold its heads only: another engine's blocks are not interchangeable.)
+    tp_tag = f":tp{tensor_parallel.size}" if tensor_parallel.size > 1 else ""
     fingerprint = hashlib.sha256(
-        f"{arch.fingerprint()}:{source}:{dtype_name(torch_dtype)}{quant_tag}".encode()
+        f"{full_arch.fingerprint()}:{source}:{dtype_name(torch_dtype)}{quant_tag}{tp_tag}".encode()
     ).hexdigest()[:16]
     return LoadedModel(
         name=name,
@@ -256,13 +267,26 @@ def load_model(
         dtype=torch_dtype,
         device=dev,
         hf_overrides=dict(hf_overrides or {}),
+        full_arch=full_arch,
+        tensor_parallel=tensor_parallel,
     )
 
 
-def load_configured_model(config: ModelConfig, device: str | None = None) -> LoadedModel:
+def load_configured_model(config: ModelConfig, device: str | None = None, rank: int = 0) -> LoadedModel:
     """:func:`load_model` of what a :class:`ModelConfig` names: its model, dtype, device (``device`` instead, when
-    given) and ``--hf-overrides``."""
+    given), ``--hf-overrides``, ``--quantization``, and with ``--tensor-parallel-size`` rank ``rank``'s share (on
+    CUDA the device ``rank`` places past the named one)."""
+    tp = TensorParallel(rank, config.tensor_parallel_size)
     return load_model(
-        config.model, config.dtype, device or config.device, hf_overrides=config.overrides,
-        quantization=config.quantization,
+        config.model, config.dtype, rank_device(device or config.device, rank), hf_overrides=config.overrides,
+        quantization=config.quantization, tensor_parallel=tp,
     )  # fmt: skip
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of tensor-parallel rank ``rank`` of a model placed on ``device``: on CUDA the ``rank``-th after
+    it (``cuda`` is ``cuda:0``), as vLLM places ranks; the CPU is every rank's."""
+    if rank == 0 or not device.startswith("cuda"):
+        return device
+    index = torch.device(device).index or 0
+    return f"cuda:{index + rank}"

@@ -1,0 +1,315 @@
+"""The ranks past the first of a tensor-parallel engine (``--tensor-parallel-size``), each a process of its own.
+
+Rank 0 is the engine: it schedules, runs its share of every forward pass and samples. Every other rank holds its
+share of the weights and of the KV memory (``model/tensor_parallel.py``) and does to its own what rank 0 does to
+its, in the same order: each step's block copies between device and host memory (the same block ids: the block
+tables are rank 0's, and every rank's pools have as many blocks), then the step's forward pass, whose sums meet rank
+0's. Rank 0 sends both down a pipe per rank as plain inputs (the copies; token ids, positions and the attention
+batch's tables), so no rank needs the scheduler's state. Logits and sampling are rank 0's alone (the LM head is
+whole on each rank; the others' final hidden states are dropped).
+
+A rank that fails or exits is found by rank 0 at its next send (the pipe closed) or its next sum (gloo reports the
+closed connection; NCCL, the group's timeout): the step fails with :class:`RankLost`, and the engine stops with it
+(``EngineCore.schedule`` asks :meth:`TensorParallelRanks.check` first), as a server whose engine died does: its
+requests in flight end with the error and ``/health`` answers unavailable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import secrets
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from boundless.attention.backend import AttentionBatch
+from boundless.engine.errors import EngineLost
+from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, apply_transfers
+from boundless.model.tensor_parallel import TensorParallel, TensorParallelGroup
+
+if TYPE_CHECKING:
+    from boundless.config import EngineConfig
+    from boundless.engine.builder import EngineLayout
+    from boundless.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+# How long a sum waits for every rank (a rank stuck this long is lost), and joining the group at start-up.
+SUM_TIMEOUT_S = 600.0
+JOIN_TIMEOUT_S = 120.0
+
+
+class RankLost(EngineLost):
+    """A rank of a tensor-parallel engine failed or exited: the engine cannot run another step."""
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What a rank needs of one forward pass: its token ids, positions and attention batch, on the CPU."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionBatch
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        batch = self.attention
+        attention = AttentionBatch(
+            batch.num_decodes, batch.query_lens, batch.seq_lens, batch.block_tables,
+            batch.slot_mapping.to(device), batch.block_size, device,
+        )  # fmt: skip
+        return self.input_ids.to(device), self.positions.to(device), attention
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """How a rank builds itself: the engine's config and layout (rank 0's), its rank, the group's store, and the
+    CPU threads it may use."""
+
+    config: EngineConfig
+    layout: EngineLayout
+    rank: int
+    store_port: int
+    threads: int
+
+
+def cpu_threads(size: int) -> int:
+    """Each rank's share of this machine's cores, when the ranks share a CPU."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+class TensorParallelRanks:
+    """Ranks 1 to ``size - 1``, started by :meth:`start` (see the module docstring); rank 0 is the caller."""
+
+    def __init__(
+        self, processes: list[subprocess.Popen[bytes]], pipes: list[Connection], group: TensorParallelGroup
+    ) -> None:
+        self.processes = processes
+        self.pipes = pipes
+        self.group = group
+        self.lost: str | None = None  # why the ranks can run no more steps
+
+    @staticmethod
+    def start(
+        config: EngineConfig, layout: EngineLayout, model: LlamaModel, device: torch.device
+    ) -> TensorParallelRanks:
+        """Start the other ranks, each loading its share and building its KV memory as ``layout`` says; once all have,
+        join their group and make ``model`` (rank 0's network) sum its products with theirs. A rank that fails to
+        start is a :class:`RankLost` naming its error; the started ones are stopped."""
+        size = config.model.tensor_parallel_size
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=_seconds(JOIN_TIMEOUT_S), wait_for_workers=False)
+        threads = cpu_threads(size) if device.type == "cpu" else 1
+        # Fresh interpreters (not multiprocessing's spawn, which reruns the caller's main script in each: a script
+        # calling LLM(...) unguarded would start ranks without end; nor fork, which copies rank 0's threads and CUDA
+        # state), each given its spec on stdin, calling back here for its pipe.
+        key = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        processes: list[subprocess.Popen[bytes]] = []
+        pipes: list[Connection] = []
+        try:
+            for rank in range(1, size):
+                spec = RankSpec(config, layout, rank, store.port, threads)
+                process = subprocess.Popen(
+                    [sys.executable, "-c", "from boundless.engine.tensor_parallel import rank_main; rank_main()"],
+                    stdin=subprocess.PIPE,
+                )
+                assert process.stdin is not None
+                process.stdin.write(pickle.dumps((spec, listener.address, key)))
+                process.stdin.close()
+                processes.append(process)
+            pipes = _accept(listener, processes)
+            for rank, (process, pipe) in enumerate(zip(processes, pipes, strict=True), start=1):
+                _wait_loaded(rank, process, pipe)
+            group = TensorParallelGroup(store, TensorParallel(0, size), device, SUM_TIMEOUT_S)
+        except BaseException:
+            _stop(processes, pipes)
+            raise
+        finally:
+            listener.close()
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+        ranks = TensorParallelRanks(processes, pipes, group)
+        model.sum_over(ranks.all_reduce_)
+        log.info("tensor parallelism: %d ranks on %s, ranks 1-%d in processes %s", size, device.type, size - 1,
+                 ", ".join(str(p.pid) for p in processes))  # fmt: skip
+        return ranks
+
+    def transfers(self, transfers: Sequence[BlockTransfer]) -> None:
+        """The step's block copies between device and host memory, made on every rank as on rank 0."""
+        if transfers:
+            self._send(("transfers", list(transfers)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBatch) -> None:
+        """Start the step's forward pass on every rank (rank 0 runs its own next; their sums meet)."""
+        cpu = torch.device("cpu")
+        batch = AttentionBatch(
+            attention.num_decodes, attention.query_lens, attention.seq_lens, attention.block_tables,
+            attention.slot_mapping.to(cpu), attention.block_size, cpu,
+        )  # fmt: skip
+        self._send(("forward", StepInputs(input_ids.to(cpu), positions.to(cpu), batch)))
+
+    def all_reduce_(self, tensor: torch.Tensor) -> None:
+        """The group's sum (:meth:`TensorParallelGroup.all_reduce_`), a failure of it said as the rank lost."""
+        try:
+            self.group.all_reduce_(tensor)
+        except RuntimeError as e:
+            raise self._lose(f"a sum over the ranks failed: {str(e).splitlines()[0] if str(e) else e!r}") from e
+
+    def check(self) -> None:
+        """Raise :class:`RankLost` if a rank has failed or exited (between steps: the engine stops)."""
+        if self.lost is None:
+            for rank, process in enumerate(self.processes, start=1):
+                if process.poll() is not None:
+                    self._lose(f"rank {rank} exited (code {process.returncode})")
+                    break
+        if self.lost is not None:
+            raise RankLost(f"tensor parallelism: {self.lost}")
+
+    def close(self) -> None:
+        """Stop every rank (each exits at the end of its pipe)."""
+        _stop(self.processes, self.pipes)
+
+    def _send(self, message: tuple[str, Any]) -> None:
+        self.check()
+        # (Pickled here, not by the pipe: its pickler would share tensors' storage by file descriptors.)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                pipe.send_bytes(data)
+            except (BrokenPipeError, ConnectionError, EOFError, OSError) as e:
+                raise self._lose(f"rank {rank}'s pipe closed ({e})") from e
+
+    def _lose(self, why: str) -> RankLost:
+        """Note why the ranks can go on no more (the first reason found), and the error to raise."""
+        for rank, process in enumerate(self.processes, start=1):
+            if process.poll() is not None and self.lost is None:
+                why = f"rank {rank} exited (code {process.returncode}): {why}"
+        if self.lost is None:
+            self.lost = why
+            log.error("tensor parallelism: %s", why)
+        return RankLost(f"tensor parallelism: {self.lost}")
+
+
+def _seconds(s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=s)
+
+
+def _accept(listener: Listener, processes: Sequence[subprocess.Popen[bytes]]) -> list[Connection]:
+    """Each rank's pipe, in rank order, as the ranks call back (one that exits first raises)."""
+    found: dict[int, Connection] = {}
+    failed: list[BaseException] = []
+
+    def accept() -> None:
+        try:
+            while len(found) < len(processes):
+                pipe = listener.accept()
+                found[pipe.recv()] = pipe
+        except BaseException as e:  # (the listener closed under it: a rank exited)
+            failed.append(e)
+
+    thread = threading.Thread(target=accept, name="tp-accept", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        for rank, process in enumerate(processes, start=1):
+            if process.poll() is not None and rank not in found:
+                for pipe in found.values():
+                    pipe.close()
+                raise RankLost(f"tensor parallelism: rank {rank} exited while starting (code {process.returncode})")
+    if failed:
+        raise RankLost(f"tensor parallelism: the ranks did not call back: {failed[0]}")
+    return [found[rank] for rank in range(1, len(processes) + 1)]
+
+
+def _wait_loaded(rank: int, process: subprocess.Popen[bytes], pipe: Connection) -> None:
+    """Wait for rank ``rank`` to say it has loaded its share (a failure it reports, or its exit, raises)."""
+    while not pipe.poll(0.2):
+        if process.poll() is not None:
+            raise RankLost(f"tensor parallelism: rank {rank} exited while loading (code {process.returncode})")
+    try:
+        kind, detail = pipe.recv()
+    except EOFError:
+        raise RankLost(f"tensor parallelism: rank {rank} exited while loading") from None
+    if kind != "loaded":
+        raise RankLost(f"tensor parallelism: rank {rank} failed to start: {detail}")
+
+
+def _stop(processes: Sequence[subprocess.Popen[bytes]], pipes: Sequence[Connection]) -> None:
+    for pipe in pipes:
+        with contextlib.suppress(OSError, ValueError):  # (a rank gone already)
+            pipe.send_bytes(b"")  # stop
+        pipe.close()
+    deadline = time.monotonic() + 10
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(1)
+
+
+def rank_main() -> None:
+    """A rank's interpreter: its spec from stdin, then :func:`serve_rank` over its pipe to rank 0."""
+    spec, address, key = pickle.loads(sys.stdin.buffer.read())
+    pipe = Client(address, authkey=key)
+    pipe.send(spec.rank)
+    serve_rank(spec, pipe)
+
+
+def serve_rank(spec: RankSpec, pipe: Connection) -> None:
+    """A rank's process: load its share, build its KV memory and attention, join the group, then make each copy and
+    run each forward pass rank 0 sends, until the pipe closes or says stop (an empty message)."""
+    from boundless.engine.builder import make_attention
+    from boundless.kv.tensors import PagedKVCache
+    from boundless.kv.tiers import HostKVTier
+    from boundless.model.loader import load_configured_model
+
+    config, layout = spec.config, spec.layout
+    size = config.model.tensor_parallel_size
+    try:
+        torch.set_num_threads(spec.threads)
+        loaded = load_configured_model(config.model, rank=spec.rank)
+        arch, device = loaded.arch, loaded.device
+        model = loaded.model
+        model.prepare(layout.max_model_len)
+        kv_cache = PagedKVCache(
+            arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, layout.kv_dtype,
+            device,
+        )  # fmt: skip
+        tiers: dict[Any, Any] = {DEVICE: kv_cache}
+        if layout.num_host_blocks:
+            tiers[HOST] = HostKVTier(kv_cache, layout.num_host_blocks)
+        attention = make_attention(config, arch, layout, device, loaded.dtype)
+        store = dist.TCPStore("127.0.0.1", spec.store_port, size, False, timeout=_seconds(JOIN_TIMEOUT_S))
+    except BaseException:
+        pipe.send(("failed", traceback.format_exc(limit=-1).strip().splitlines()[-1]))
+        return
+    pipe.send(("loaded", None))
+    group = TensorParallelGroup(store, TensorParallel(spec.rank, size), device, SUM_TIMEOUT_S)
+    model.sum_over(group.all_reduce_)
+    with torch.inference_mode():
+        while True:
+            try:
+                data = pipe.recv_bytes()
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            if not data:
+                return  # (stop)
+            kind, payload = pickle.loads(data)
+            if kind == "transfers":
+                apply_transfers(payload, tiers)
+            else:
+                input_ids, positions, batch = payload.on(device)
+                model(input_ids, positions, attention, kv_cache, attention.prepare(batch))

@@ -1,0 +1,132 @@
+"""Tensor parallelism (Megatron-LM's, as vLLM's ``--tensor-parallel-size``): one model across ``size`` devices.
+
+Each rank holds a slice of every layer's matrices and attends with its share of the heads:
+
+- q/k/v and gate/up are split by rows (column parallel): rank ``r`` holds its ``num_heads / size`` query heads, its
+  ``num_kv_heads / size`` key/value heads and its ``intermediate_size / size`` MLP features, so its attention and
+  its MLP activations need nothing of the other ranks;
+- o and down are split by columns to match (row parallel): each rank's product is a partial sum of the whole
+  product, and the ranks add theirs (one all-reduce after each half-layer), so every rank's residual stream is the
+  whole model's again;
+- the embedding, the norms and the LM head are whole on every rank (rank 0 alone computes logits).
+
+So a rank's network is the model with ``1/size`` of its heads and MLP features (:func:`shard_arch`), loaded from
+the checkpoint's slices (:func:`shard_weights`), and its KV cache holds its heads only: the KV memory of a context
+is spread over the ranks as its weights are. The ranks' products sum in another order than one device's, so their
+logits differ from it by rounding (a few ulps), as vLLM's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+from boundless.config import ConfigError
+from boundless.model.arch import ModelArch
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel model: rank ``rank`` of ``size``."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is not one of {self.size}")
+
+
+ONE_DEVICE = TensorParallel()  # a model on one device
+
+
+def check_shardable(arch: ModelArch, size: int) -> None:
+    """Refuse, naming the flag, a model that ``size`` ranks cannot split evenly (vLLM's rule: the heads, the key/value
+    heads and the MLP's features each a multiple of the ranks), or one with experts (not split here)."""
+    if size == 1:
+        return
+    flag = f"--tensor-parallel-size {size}"
+    if arch.num_experts:
+        raise ConfigError(f"{flag}: a mixture of experts ({arch.model_type}) is not split across devices here")
+    for what, n in (
+        ("attention heads", arch.num_heads),
+        ("key/value heads", arch.num_kv_heads),
+        ("MLP features", arch.intermediate_size),
+    ):
+        if n % size:
+            raise ConfigError(f"{flag}: the model's {n} {what} do not split evenly over {size} devices")
+
+
+def shard_arch(arch: ModelArch, size: int) -> ModelArch:
+    """One rank's network: ``arch`` with ``1/size`` of its heads, key/value heads and MLP features."""
+    check_shardable(arch, size)
+    if size == 1:
+        return arch
+    return dataclasses.replace(
+        arch,
+        num_heads=arch.num_heads // size,
+        num_kv_heads=arch.num_kv_heads // size,
+        intermediate_size=arch.intermediate_size // size,
+    )
+
+
+def _part(tensor: torch.Tensor, dim: int, tp: TensorParallel) -> torch.Tensor:
+    """Rank ``tp.rank``'s ``1/tp.size`` of ``tensor`` along ``dim`` (a view)."""
+    n = tensor.shape[dim] // tp.size
+    return tensor.narrow(dim, tp.rank * n, n)
+
+
+def shard_weights(
+    weights: Iterator[tuple[str, torch.Tensor]], arch: ModelArch, tp: TensorParallel
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank ``tp``'s slices of the Hugging Face-named ``weights`` of the model ``arch`` (whole): each column-parallel
+    matrix's rows (its bias's too), each row-parallel one's columns; the rest whole. Phi-3's fused q/k/v and gate/up
+    keep their layout: the rank's q, k and v rows (its gate and up rows) side by side."""
+    if tp.size == 1:
+        yield from weights
+        return
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    inter = arch.intermediate_size
+    for name, tensor in weights:
+        module = name.split(".")[-2] if "." in name else ""
+        if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            tensor = _part(tensor, 0, tp)
+        elif module == "qkv_proj":
+            tensor = torch.cat([_part(p, 0, tp) for p in tensor.split([q, kv, kv])])
+        elif module == "gate_up_proj":
+            tensor = torch.cat([_part(p, 0, tp) for p in tensor.split([inter, inter])])
+        elif module in ("o_proj", "down_proj") and name.endswith(".weight"):
+            tensor = _part(tensor, 1, tp)
+        yield name, tensor
+
+
+class _Collective(Protocol):
+    """What this module uses of a torch.distributed backend (``ProcessGroupGloo``, ``ProcessGroupNCCL``)."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+
+
+class TensorParallelGroup:
+    """The ranks' collective: the sum, on every rank, of each row-parallel product (:meth:`all_reduce_`). Its own
+    process group over ``store`` (not torch's default group: a process may hold others): gloo on the CPU, NCCL on
+    CUDA. ``timeout_s`` bounds joining it and each sum: a rank that never comes is an error, not a hang."""
+
+    def __init__(self, store: dist.Store, tp: TensorParallel, device: torch.device, timeout_s: float) -> None:
+        self.tp = tp
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._group = cast(_Collective, dist.ProcessGroupNCCL(store, tp.rank, tp.size, options))
+        else:
+            self._group = cast(_Collective, dist.ProcessGroupGloo(store, tp.rank, tp.size, timeout))
+
+    def all_reduce_(self, tensor: torch.Tensor) -> None:
+        """``tensor`` becomes the sum of every rank's, in place."""
+        self._group.allreduce([tensor]).wait()
