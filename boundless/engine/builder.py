@@ -221,6 +221,11 @@ def build_model_executor(
     attention backend and sampler (compiling structured requests' grammars in ``grammars``, the engine's), ready to
     run steps."""
     arch = loaded.arch
+    if loaded.tensor_parallel.size != config.model.tensor_parallel_size:
+        raise ValueError(
+            f"the model was loaded as {loaded.tensor_parallel.size} tensor-parallel rank(s)' share, the config asks "
+            f"for {config.model.tensor_parallel_size}: load it with load_configured_model(config.model)"
+        )
     check_host_memory(config, layout, loaded.device, physical_memory_bytes())
     loaded.model.prepare(layout.max_model_len)
     kv_cache = PagedKVCache(

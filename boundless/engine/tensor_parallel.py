@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
 import pickle
 import secrets
 import subprocess
@@ -86,8 +85,9 @@ class RankSpec:
 
 
 def cpu_threads(size: int) -> int:
-    """Each rank's share of this machine's cores, when the ranks share a CPU."""
-    return max(1, (os.cpu_count() or 1) // size)
+    """Each rank's share of the threads this process may use (PyTorch's, which OMP_NUM_THREADS sets), when the ranks
+    share a CPU."""
+    return max(1, torch.get_num_threads() // size)
 
 
 class TensorParallelRanks:
@@ -169,11 +169,8 @@ class TensorParallelRanks:
 
     def check(self) -> None:
         """Raise :class:`RankLost` if a rank has failed or exited (between steps: the engine stops)."""
-        if self.lost is None:
-            for rank, process in enumerate(self.processes, start=1):
-                if process.poll() is not None:
-                    self._lose(f"rank {rank} exited (code {process.returncode})")
-                    break
+        if self.lost is None and any(process.poll() is not None for process in self.processes):
+            self._lose("")
         if self.lost is not None:
             raise RankLost(f"tensor parallelism: {self.lost}")
 
@@ -192,11 +189,13 @@ class TensorParallelRanks:
                 raise self._lose(f"rank {rank}'s pipe closed ({e})") from e
 
     def _lose(self, why: str) -> RankLost:
-        """Note why the ranks can go on no more (the first reason found), and the error to raise."""
-        for rank, process in enumerate(self.processes, start=1):
-            if process.poll() is not None and self.lost is None:
-                why = f"rank {rank} exited (code {process.returncode}): {why}"
+        """Note why the ranks can go on no more (the first reason found: a rank that exited, else ``why``), and the
+        error to raise."""
         if self.lost is None:
+            for rank, process in enumerate(self.processes, start=1):
+                if process.poll() is not None:
+                    why = f"rank {rank} exited (code {process.returncode})" + (f": {why}" if why else "")
+                    break
             self.lost = why
             log.error("tensor parallelism: %s", why)
         return RankLost(f"tensor parallelism: {self.lost}")

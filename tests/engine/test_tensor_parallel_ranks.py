@@ -1,0 +1,193 @@
+"""An engine whose model is split over two tensor-parallel ranks (``--tensor-parallel-size 2``; rank 1 a process of
+its own, ``engine/tensor_parallel.py``): greedy answers are transformers', with the prefix cache, chunked prefill and
+preemption that swaps every rank's blocks to host memory; a server serves it through the ``openai`` client; a rank
+that dies stops the engine with an error that says so; what it cannot do with is refused at start-up."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from boundless.api.launch import local_engine, start_in_thread
+from boundless.config import (
+    CacheConfig,
+    ClusterConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    check_serve_configs,
+)
+from boundless.engine.core import EngineCore
+from boundless.engine.sampling_params import SamplingParams
+from boundless.engine.tensor_parallel import RankLost, TensorParallelRanks
+from boundless.llm import LLM
+from boundless.model.loader import LoadedModel, load_configured_model
+
+MAX_NEW = 10
+TEXTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog.",
+    "The quick brown fox jumps over the lazy dog. Then it ran into the forest and",
+    "Agents call language models many times in a loop, with tools between the calls. " * 3,
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Numbers like 12, 345 and 6789",
+]
+
+
+def _transformers_greedy(loaded: LoadedModel, model: Any, prompts: list[list[int]]) -> list[list[int]]:
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def _config(path: Path, **cache_and_sched: Any) -> EngineConfig:
+    cache = {k: v for k, v in cache_and_sched.items() if k in ("num_kv_blocks", "swap_space_gb", "kv_cache_gb")}
+    sched = {k: v for k, v in cache_and_sched.items() if k in ("max_num_batched_tokens",)}
+    return EngineConfig(
+        ModelConfig(model=str(path), max_model_len=cache_and_sched.get("max_model_len", 256), tensor_parallel_size=2),
+        CacheConfig(**{"kv_cache_gb": 0.01, **cache}),
+        SchedulerConfig(**sched),
+    )
+
+
+def _greedy(core: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, params)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished():
+        for delta in core.step():
+            out[delta.request_id].extend(delta.new_token_ids)
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def _ranks(core: EngineCore) -> TensorParallelRanks:
+    ranks = core.executor.runner.ranks  # type: ignore[attr-defined]
+    assert ranks is not None
+    return ranks
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-phi3"])
+def test_two_ranks_answer_as_transformers(
+    name: str, model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """GQA with llama3 RoPE scaling (one key/value head a rank), q/k/v biases, a fused checkpoint: the prompts at once
+    with the prefix cache (shared prefixes), then again in chunks of 7 tokens a step."""
+    loaded = load(name)
+    prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
+    expected = _transformers_greedy(loaded, hf_model(name), prompts)
+    config = _config(model_dirs[name])
+    core = EngineCore.from_model(load_configured_model(config.model), config)
+    try:
+        assert core.executor.runner.model.arch.num_heads == loaded.arch.num_heads // 2  # type: ignore[attr-defined]
+        assert _greedy(core, prompts) == expected
+        assert core.scheduler.stats.num_prompt_tokens_cached > 0
+    finally:
+        core.close()
+    chunked = _config(model_dirs[name], max_num_batched_tokens=7)
+    core = EngineCore.from_model(load_configured_model(chunked.model), chunked)
+    try:
+        assert _greedy(core, prompts) == expected
+    finally:
+        core.close()
+
+
+def test_preemption_swaps_every_ranks_blocks_to_host_memory_and_back(
+    model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """A pool that holds the longest request but not all at once: requests are swapped out to host memory and back
+    (rank 1 makes each copy as rank 0 does), and every answer is still transformers'."""
+    loaded = load("tiny-llama")
+    prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
+    expected = _transformers_greedy(loaded, hf_model("tiny-llama"), prompts)
+    blocks = -(-(max(len(p) for p in prompts) + MAX_NEW) // 16) + 2
+    config = _config(model_dirs["tiny-llama"], num_kv_blocks=blocks, max_model_len=blocks * 16)
+    core = EngineCore.from_model(load_configured_model(config.model), config)
+    try:
+        assert _greedy(core, prompts) == expected
+        stats = core.scheduler.stats
+        assert stats.num_swapped_out > 0 and stats.num_swapped_in > 0 and stats.num_recomputed == 0
+    finally:
+        core.close()
+
+
+def test_a_server_of_two_ranks_answers_and_stops_when_a_rank_dies(
+    model_dirs: dict[str, Path], load: Callable[[str], LoadedModel]
+) -> None:
+    """Through the ``openai`` client the split model answers as one engine of the whole model does. Rank 1 killed: the
+    next request ends with an engine error (not a hang), the engine stops with the lost rank as its error,
+    ``/health`` answers unavailable and later requests are refused with a 503 to retry elsewhere."""
+    path = model_dirs["tiny-llama"]
+    whole = LLM(str(path), max_model_len=256, kv_cache_gb=0.01)
+    ask = {"model": "m", "messages": [{"role": "user", "content": "Tell me about foxes"}], "max_tokens": 12}
+    engine = local_engine(_config(path), max_waiting=16)
+    server = start_in_thread(engine, "m")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        got = client.chat.completions.create(**ask, temperature=0)
+        reference = whole.chat(ask["messages"], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+        assert got.choices[0].message.content == reference
+        ranks = _ranks(engine.core)
+        ranks.processes[0].kill()
+        ranks.processes[0].wait(10)
+        with pytest.raises(openai.InternalServerError, match="the engine failed while generating"):
+            client.chat.completions.create(**ask, temperature=0)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.url}/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        assert "tensor parallelism: rank 1 exited (code -9)" in str(engine.error)
+        with pytest.raises(openai.APIStatusError, match="engine stopped after an error") as refused:
+            client.chat.completions.create(**ask, temperature=0)
+        assert refused.value.status_code == 503
+        with pytest.raises(RankLost):
+            ranks.check()
+    finally:
+        server.stop()
+        engine.shutdown()
+        whole.close()
+
+
+def test_a_rank_that_cannot_load_its_share_fails_start_up_with_its_error(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    path = Path(shutil.copytree(model_dirs["tiny-llama"], tmp_path / "m"))
+    config = _config(path)
+    loaded = load_configured_model(config.model)  # rank 0's share, then the weights go
+    (path / "model.safetensors").unlink()
+    with pytest.raises(RankLost, match=r"rank 1 failed to start: .*has no \*\.safetensors"):
+        EngineCore.from_model(loaded, config)
+
+
+def test_what_a_split_model_does_without_is_refused_at_start_up(
+    model_dirs: dict[str, Path], load: Callable[[str], LoadedModel]
+) -> None:
+    path = str(model_dirs["tiny-llama"])
+    with pytest.raises(ConfigError, match="--tensor-parallel-size: LoRA adapters are not split"):
+        ModelConfig(model=path, tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ConfigError, match="--tensor-parallel-size: the disk KV store"):
+        EngineConfig(ModelConfig(model=path, tensor_parallel_size=2), CacheConfig(kv_disk_path="/tmp/x"))
+    with pytest.raises(ConfigError, match="served by one engine here"):
+        check_serve_configs(
+            EngineConfig(ModelConfig(tensor_parallel_size=2)), ServerConfig(), ClusterConfig(instances=2)
+        )
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 3: the model's 4 attention heads"):
+        LLM(path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="loaded as 1 tensor-parallel rank"):
+        EngineCore.from_model(load("tiny-llama"), _config(model_dirs["tiny-llama"]))

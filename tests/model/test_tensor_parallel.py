@@ -1,0 +1,161 @@
+"""A model split over tensor-parallel ranks (``model/tensor_parallel.py``): the ranks' slices of a checkpoint put
+back together are the checkpoint, and the ranks' networks, run side by side (threads here, each its rank of a gloo
+group), give the whole model's hidden states on every rank, on each CPU path (the native kernels in fp32, PyTorch's
+in bf16, FP8 products) and for each way the architectures differ (biases, per-head norms, fused checkpoints)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from boundless.attention.backend import AttentionBatch
+from boundless.attention.paged import TorchPagedAttention
+from boundless.config import ConfigError
+from boundless.kv.tensors import PagedKVCache
+from boundless.model.arch import ModelArch
+from boundless.model.loader import LoadedModel, hf_arch, load_model
+from boundless.model.random_model import TinySpec, random_weights, write_random_model
+from boundless.model.tensor_parallel import (
+    TensorParallel,
+    TensorParallelGroup,
+    check_shardable,
+    shard_arch,
+    shard_weights,
+)
+
+PROMPT = [3, 17, 99, 5, 250, 41, 8, 77, 120, 64, 33, 2, 190, 11, 45, 300, 7, 81, 150]
+
+
+def _arch(spec: TinySpec, root: Path) -> ModelArch:
+    return hf_arch(write_random_model(root, spec, weights=False))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3"])
+def test_the_ranks_slices_put_back_together_are_the_checkpoint(kind: str, tmp_path: Path) -> None:
+    """Column-parallel matrices (and biases) by rows, row-parallel ones by columns, Phi-3's fused q/k/v and gate/up
+    rank by rank in their parts' order; the rest whole on every rank."""
+    spec = TinySpec(kind=kind, num_heads=4, num_kv_heads=2)
+    arch = _arch(spec, tmp_path)
+    whole = dict(random_weights(spec))
+    ranks = [dict(shard_weights(iter(whole.items()), arch, TensorParallel(r, 2))) for r in range(2)]
+    q, kv, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    for name, tensor in whole.items():
+        parts = [rank[name] for rank in ranks]
+        module = name.split(".")[-2]
+        if module in ("o_proj", "down_proj"):
+            assert all(p.shape[1] == tensor.shape[1] // 2 for p in parts), name
+            assert torch.equal(torch.cat(parts, 1), tensor), name
+        elif module == "qkv_proj":
+            split = [p.split([q // 2, kv // 2, kv // 2]) for p in parts]
+            assert torch.equal(torch.cat([torch.cat([s[i] for s in split]) for i in range(3)]), tensor)
+        elif module == "gate_up_proj":
+            split = [p.split([inter // 2, inter // 2]) for p in parts]
+            assert torch.equal(torch.cat([torch.cat([s[i] for s in split]) for i in range(2)]), tensor)
+        elif module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            assert all(p.shape[0] == tensor.shape[0] // 2 for p in parts), name
+            assert torch.equal(torch.cat(parts, 0), tensor), name
+        else:
+            assert all(torch.equal(p, tensor) for p in parts), name
+    if kind == "qwen2":
+        assert any(n.endswith("q_proj.bias") for n in whole)
+
+
+def test_a_model_the_ranks_cannot_split_evenly_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    arch = _arch(TinySpec(num_heads=4, num_kv_heads=2), tmp_path / "gqa")
+    assert shard_arch(arch, 2).num_kv_heads == 1 and shard_arch(arch, 2).intermediate_size == 64
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 4: the model's 2 key/value heads do not split"):
+        check_shardable(arch, 4)
+    with pytest.raises(ConfigError, match="4 attention heads do not split evenly over 3"):
+        check_shardable(arch, 3)
+    moe = _arch(TinySpec(kind="qwen3_moe", num_heads=4, num_kv_heads=2, head_dim=32), tmp_path / "moe")
+    with pytest.raises(ConfigError, match="mixture of experts"):
+        check_shardable(moe, 2)
+    check_shardable(moe, 1)
+    with pytest.raises(ConfigError, match="do not split evenly"):
+        load_model(str(write_random_model(tmp_path / "m", TinySpec(num_heads=4, num_kv_heads=2))),
+                   tensor_parallel=TensorParallel(0, 4))  # fmt: skip
+
+
+def _hidden(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
+    """The final hidden states of one prompt, prefilled into a KV cache of the model's own."""
+    arch, n, bs = loaded.arch, len(tokens), 16
+    blocks = -(-n // bs)
+    cache = PagedKVCache(arch.num_layers, arch.num_kv_heads, arch.head_dim, blocks, bs, loaded.dtype, loaded.device)
+    attention = TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, blocks)
+    batch = AttentionBatch(0, [n], [n], [list(range(blocks))], torch.arange(n), bs, loaded.device)
+    loaded.model.prepare(64)
+    with torch.inference_mode():
+        return loaded.model(torch.tensor(tokens), torch.arange(n), attention, cache, attention.prepare(batch)).float()
+
+
+def _ranks_hidden(path: Path, size: int, **load: object) -> list[torch.Tensor]:
+    """Each rank's final hidden states, the ranks run side by side in threads of this process."""
+    store = dist.HashStore()
+    ranks = [load_model(str(path), tensor_parallel=TensorParallel(r, size), **load) for r in range(size)]  # type: ignore[arg-type]
+    out: list[torch.Tensor | None] = [None] * size
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            group = TensorParallelGroup(store, TensorParallel(rank, size), torch.device("cpu"), 60)
+            ranks[rank].model.sum_over(group.all_reduce_)
+            out[rank] = _hidden(ranks[rank], PROMPT)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert all(ranks[r].arch.num_heads * size == ranks[r].full_arch.num_heads for r in range(size))  # type: ignore[union-attr]
+    return [h for h in out if h is not None]
+
+
+CASES = {
+    # (spec, load options, tolerance against the whole model)
+    "llama-native-fp32": (TinySpec(num_heads=4, num_kv_heads=2), {}, 1e-4),
+    "qwen2-biases": (TinySpec(kind="qwen2", num_heads=4, num_kv_heads=4, seed=1), {}, 1e-4),
+    "qwen3-head-norms": (TinySpec(kind="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, seed=2), {}, 1e-4),
+    "phi3-fused": (TinySpec(kind="phi3", num_heads=4, num_kv_heads=2, seed=6), {}, 1e-4),
+    "llama-torch-bf16": (TinySpec(num_heads=4, num_kv_heads=2), {"dtype": "bfloat16"}, 0.15),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_ranks_give_the_whole_models_hidden_states(case: str, tmp_path: Path) -> None:
+    """Two ranks' residual streams after the last layer are each the unsplit model's (the sums in another order: within
+    rounding), and the same on both ranks; four ranks where the heads allow it."""
+    spec, load, tol = CASES[case]
+    path = write_random_model(tmp_path / "m", spec)
+    whole = _hidden(load_model(str(path), **load), PROMPT)  # type: ignore[arg-type]
+    sizes = [2, 4] if case == "qwen2-biases" else [2]
+    for size in sizes:
+        hidden = _ranks_hidden(path, size, **load)
+        for h in hidden:
+            assert torch.allclose(h, whole, atol=tol, rtol=tol), (size, (h - whole).abs().max())
+            assert torch.equal(h, hidden[0])
+    # (A tolerance that would pass anything is no test: a rank without the sums is far off.)
+    alone = load_model(str(path), tensor_parallel=TensorParallel(0, 2), **load)  # type: ignore[arg-type]
+    assert not torch.allclose(_hidden(alone, PROMPT), whole, atol=tol, rtol=tol)
+
+
+def test_fp8_ranks_are_as_near_the_unquantized_model_as_one_fp8_device(tmp_path: Path) -> None:
+    """Under ``--quantization fp8`` each rank quantizes its own slices (a row-parallel matrix's scales over its half
+    of each row, the activations per token over its half): not one device's numbers, but as near the unquantized
+    model's as they are (random weights make FP8's error large: a quarter of the hidden states' norm here)."""
+    path = write_random_model(tmp_path / "m", TinySpec(num_heads=4, num_kv_heads=2))
+    exact = _hidden(load_model(str(path)), PROMPT)
+    one_device = _relative(_hidden(load_model(str(path), quantization="fp8"), PROMPT), exact)
+    ranks = _ranks_hidden(path, 2, quantization="fp8")
+    assert torch.equal(ranks[0], ranks[1])
+    assert 0.01 < _relative(ranks[0], exact) < 1.25 * one_device
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
