@@ -347,13 +347,11 @@ def test_vllms_engine_arguments() -> None:
     args = vllm_engine_args(
         "m", {"swap_space": 2, "trust_remote_code": True, "tensor_parallel_size": 1, "disable_log_stats": True}
     )
-    assert args == {"swap_space_gb": 2}
+    assert args == {"swap_space_gb": 2, "tensor_parallel_size": 1}
     assert engine_config("m", **args).cache.swap_space_gb == 2
+    assert engine_config("m", **vllm_engine_args("m", {"tensor_parallel_size": 3})).model.tensor_parallel_size == 3
     assert vllm_engine_args("m", {"tokenizer": "m", "enable_chunked_prefill": True}) == {}
-    for bad in (
-        {"tensor_parallel_size": 2}, {"tokenizer": "other"}, {"enable_chunked_prefill": False},
-        {"download_dir": "/x"},
-    ):  # fmt: skip
+    for bad in ({"tokenizer": "other"}, {"enable_chunked_prefill": False}, {"download_dir": "/x"}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             vllm_engine_args("m", bad)
     # quantization is taken (fp8 applied at load); another method is refused by the model's config.

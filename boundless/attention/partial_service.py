@@ -192,13 +192,15 @@ class PartialServer:
             log.exception("partial server: request %d from %s failed", seq, peer)
             status[0] = STATUS_FAILED
         self.stats.compute_s += time.perf_counter() - start
-        self.transport.send(peer, reply_tag(seq), [status, m, e, o]).wait(self.timeout_s)
+        # (Counted before the reply goes: the debtor counts its round trip once the reply lands, which may be before
+        # this thread runs again, and a reader of both counts after a step must find them equal.)
         self.stats.round_trips += 1
         self.stats.rows += t
         self.stats.bytes_received += (HEADER_LEN + 2 * s) * 8 + b + q.numel() * 4
         self.stats.bytes_sent += 16 + (m.numel() + e.numel() + o.numel()) * 4
         if status[0] != STATUS_OK:
             self.stats.errors += 1
+        self.transport.send(peer, reply_tag(seq), [status, m, e, o]).wait(self.timeout_s)
 
     def _blocks_of(self, segment: QuerySegment) -> list[int] | None:
         blocks: list[int] = []

@@ -121,6 +121,7 @@ class TensorParallelGroup:
         self.tp = tp
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
+            torch.cuda.set_device(device)  # (NCCL binds its communicator to the current device)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self._group = cast(_Collective, dist.ProcessGroupNCCL(store, tp.rank, tp.size, options))

@@ -34,6 +34,7 @@ from boundless.llm import LLM
 from boundless.model.loader import LoadedModel, load_configured_model
 
 MAX_NEW = 10
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
 TEXTS = [
     "Hi",
     "The quick brown fox jumps over the lazy dog.",
@@ -58,7 +59,7 @@ def _transformers_greedy(loaded: LoadedModel, model: Any, prompts: list[list[int
 
 def _config(path: Path, **cache_and_sched: Any) -> EngineConfig:
     cache = {k: v for k, v in cache_and_sched.items() if k in ("num_kv_blocks", "swap_space_gb", "kv_cache_gb")}
-    sched = {k: v for k, v in cache_and_sched.items() if k in ("max_num_batched_tokens",)}
+    sched = {k: v for k, v in cache_and_sched.items() if k in ("max_num_batched_tokens", "speculative_config")}
     return EngineConfig(
         ModelConfig(model=str(path), max_model_len=cache_and_sched.get("max_model_len", 256), tensor_parallel_size=2),
         CacheConfig(**{"kv_cache_gb": 0.01, **cache}),
@@ -88,7 +89,8 @@ def test_two_ranks_answer_as_transformers(
     name: str, model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
     """GQA with llama3 RoPE scaling (one key/value head a rank), q/k/v biases, a fused checkpoint: the prompts at once
-    with the prefix cache (shared prefixes), then again in chunks of 7 tokens a step."""
+    with the prefix cache (shared prefixes), then again in chunks of 7 tokens a step with n-gram drafts checked (a
+    step's rows past the known tokens, on every rank)."""
     loaded = load(name)
     prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
     expected = _transformers_greedy(loaded, hf_model(name), prompts)
@@ -100,10 +102,11 @@ def test_two_ranks_answer_as_transformers(
         assert core.scheduler.stats.num_prompt_tokens_cached > 0
     finally:
         core.close()
-    chunked = _config(model_dirs[name], max_num_batched_tokens=7)
+    chunked = _config(model_dirs[name], max_num_batched_tokens=7, speculative_config=NGRAM)
     core = EngineCore.from_model(load_configured_model(chunked.model), chunked)
     try:
         assert _greedy(core, prompts) == expected
+        assert core.counters.draft_tokens > 0
     finally:
         core.close()
 
