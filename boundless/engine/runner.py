@@ -11,6 +11,7 @@ import torch
 
 from boundless.attention.backend import AttentionBackend, AttentionBatch, to_device
 from boundless.engine.cuda_graphs import DecodeGraphs, DeviceWindow
+from boundless.engine.errors import EngineLost
 from boundless.engine.logprobs import PromptScores, PromptSpan, SampledToken, score_prompt_spans
 from boundless.engine.sampler import Sampler
 from boundless.engine.scheduler import AHEAD_TOKEN, ScheduledChunk, SchedulerOutput
@@ -186,9 +187,18 @@ class ModelRunner:
         lora = lora_batch(self.loras, batch.lora_rows, self.device) if batch.lora_rows else None
         if self.ranks is not None:
             self.ranks.forward(batch.input_ids, batch.positions, batch.attention)
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer, lora
-        )
+        try:
+            hidden = self.model(
+                batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer, lora
+            )
+        except EngineLost:
+            raise
+        except Exception as e:
+            if self.ranks is None:
+                raise
+            # The other ranks are part-way through this pass, waiting at a sum that will not come: a next pass's sums
+            # would meet theirs out of step, so none may run.
+            raise self.ranks.lose(f"rank 0's forward pass failed ({type(e).__name__}: {e})") from e
         logits = self.model.compute_logits(hidden[batch.sample_indices])
         scores = score_prompt_spans(hidden, batch.prompt_spans, self.model.compute_logits) if batch.prompt_spans else {}
         return StepLogits(logits=logits, chunks=batch.sample_chunks, prompt_scores=scores)

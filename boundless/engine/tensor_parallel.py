@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import pickle
 import secrets
 import subprocess
@@ -37,7 +38,10 @@ import torch.distributed as dist
 from boundless.attention.backend import AttentionBatch
 from boundless.engine.errors import EngineLost
 from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, apply_transfers
-from boundless.model.tensor_parallel import TensorParallel, TensorParallelGroup
+from boundless.model import shared_memory_sum
+from boundless.model.shared_memory_sum import SharedMemorySum
+from boundless.model.tensor_parallel import RankSum, TensorParallel, TensorParallelGroup
+from boundless.transport.meeting_dir import MeetingDirectory, make_meeting_directory
 
 if TYPE_CHECKING:
     from boundless.config import EngineConfig
@@ -80,8 +84,10 @@ class RankSpec:
     config: EngineConfig
     layout: EngineLayout
     rank: int
-    store_port: int
     threads: int
+    rank0_pid: int
+    store_port: int | None  # the process group's store (ranks on CUDA, or CPUs that sum through gloo)
+    sum_file: str | None  # else the shared-memory sum's file (``model/shared_memory_sum.py``)
 
 
 def cpu_threads(size: int) -> int:
@@ -94,11 +100,16 @@ class TensorParallelRanks:
     """Ranks 1 to ``size - 1``, started by :meth:`start` (see the module docstring); rank 0 is the caller."""
 
     def __init__(
-        self, processes: list[subprocess.Popen[bytes]], pipes: list[Connection], group: TensorParallelGroup
+        self,
+        processes: list[subprocess.Popen[bytes]],
+        pipes: list[Connection],
+        group: RankSum,
+        sum_dir: MeetingDirectory | None = None,
     ) -> None:
         self.processes = processes
         self.pipes = pipes
         self.group = group
+        self.sum_dir = sum_dir  # the shared-memory sum's directory, removed at close
         self.lost: str | None = None  # why the ranks can run no more steps
 
     @staticmethod
@@ -109,8 +120,16 @@ class TensorParallelRanks:
         join their group and make ``model`` (rank 0's network) sum its products with theirs. A rank that fails to
         start is a :class:`RankLost` naming its error; the started ones are stopped."""
         size = config.model.tensor_parallel_size
-        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=_seconds(JOIN_TIMEOUT_S), wait_for_workers=False)
         threads = cpu_threads(size) if device.type == "cpu" else 1
+        # Ranks on one machine's CPU sum through shared memory (1 ms a sum through gloo's loopback TCP); others through
+        # a process group.
+        store, sum_dir, sum_file = None, None, None
+        if device.type == "cpu" and shared_memory_sum.usable():
+            sum_dir = make_meeting_directory()
+            sum_file = os.path.join(sum_dir.path, "sum")
+            shared_memory_sum.create(sum_file, size)
+        else:
+            store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=_seconds(JOIN_TIMEOUT_S), wait_for_workers=False)
         # Fresh interpreters (not multiprocessing's spawn, which reruns the caller's main script in each: a script
         # calling LLM(...) unguarded would start ranks without end; nor fork, which copies rank 0's threads and CUDA
         # state), each given its spec on stdin, calling back here for its pipe.
@@ -120,7 +139,8 @@ class TensorParallelRanks:
         pipes: list[Connection] = []
         try:
             for rank in range(1, size):
-                spec = RankSpec(config, layout, rank, store.port, threads)
+                port = None if store is None else store.port
+                spec = RankSpec(config, layout, rank, threads, os.getpid(), port, sum_file)
                 process = subprocess.Popen(
                     [sys.executable, "-c", "from boundless.engine.tensor_parallel import rank_main; rank_main()"],
                     stdin=subprocess.PIPE,
@@ -132,15 +152,24 @@ class TensorParallelRanks:
             pipes = _accept(listener, processes)
             for rank, (process, pipe) in enumerate(zip(processes, pipes, strict=True), start=1):
                 _wait_loaded(rank, process, pipe)
-            group = TensorParallelGroup(store, TensorParallel(0, size), device, SUM_TIMEOUT_S)
+            group: RankSum
+            if sum_file is not None:
+                group = SharedMemorySum(
+                    sum_file, 0, size, lambda: all(p.poll() is None for p in processes), SUM_TIMEOUT_S
+                )
+            else:
+                assert store is not None
+                group = TensorParallelGroup(store, TensorParallel(0, size), device, SUM_TIMEOUT_S)
         except BaseException:
             _stop(processes, pipes)
+            if sum_dir is not None:
+                sum_dir.remove()
             raise
         finally:
             listener.close()
         if device.type == "cpu":
             torch.set_num_threads(threads)
-        ranks = TensorParallelRanks(processes, pipes, group)
+        ranks = TensorParallelRanks(processes, pipes, group, sum_dir)
         model.sum_over(ranks.all_reduce_)
         log.info("tensor parallelism: %d ranks on %s, ranks 1-%d in processes %s", size, device.type, size - 1,
                  ", ".join(str(p.pid) for p in processes))  # fmt: skip
@@ -165,18 +194,21 @@ class TensorParallelRanks:
         try:
             self.group.all_reduce_(tensor)
         except RuntimeError as e:
-            raise self._lose(f"a sum over the ranks failed: {str(e).splitlines()[0] if str(e) else e!r}") from e
+            raise self.lose(f"a sum over the ranks failed: {str(e).splitlines()[0] if str(e) else e!r}") from e
 
     def check(self) -> None:
         """Raise :class:`RankLost` if a rank has failed or exited (between steps: the engine stops)."""
         if self.lost is None and any(process.poll() is not None for process in self.processes):
-            self._lose("")
+            self.lose("")
         if self.lost is not None:
             raise RankLost(f"tensor parallelism: {self.lost}")
 
     def close(self) -> None:
-        """Stop every rank (each exits at the end of its pipe)."""
-        _stop(self.processes, self.pipes)
+        """Stop every rank (each exits at the end of its pipe; once the ranks are lost, at once: one may be waiting at a
+        sum that will not come)."""
+        _stop(self.processes, self.pipes, 0.0 if self.lost else 10.0)
+        if self.sum_dir is not None:
+            self.sum_dir.remove()
 
     def _send(self, message: tuple[str, Any]) -> None:
         self.check()
@@ -186,9 +218,9 @@ class TensorParallelRanks:
             try:
                 pipe.send_bytes(data)
             except (BrokenPipeError, ConnectionError, EOFError, OSError) as e:
-                raise self._lose(f"rank {rank}'s pipe closed ({e})") from e
+                raise self.lose(f"rank {rank}'s pipe closed ({e})") from e
 
-    def _lose(self, why: str) -> RankLost:
+    def lose(self, why: str) -> RankLost:
         """Note why the ranks can go on no more (the first reason found: a rank that exited, else ``why``), and the
         error to raise."""
         if self.lost is None:
@@ -245,12 +277,13 @@ def _wait_loaded(rank: int, process: subprocess.Popen[bytes], pipe: Connection) 
         raise RankLost(f"tensor parallelism: rank {rank} failed to start: {detail}")
 
 
-def _stop(processes: Sequence[subprocess.Popen[bytes]], pipes: Sequence[Connection]) -> None:
+def _stop(processes: Sequence[subprocess.Popen[bytes]], pipes: Sequence[Connection], wait_s: float = 10.0) -> None:
+    """Tell each rank to stop, wait ``wait_s`` at most for all to exit, then kill those left."""
     for pipe in pipes:
         with contextlib.suppress(OSError, ValueError):  # (a rank gone already)
             pipe.send_bytes(b"")  # stop
         pipe.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + wait_s
     for process in processes:
         try:
             process.wait(max(0.0, deadline - time.monotonic()))
@@ -291,12 +324,20 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
         if layout.num_host_blocks:
             tiers[HOST] = HostKVTier(kv_cache, layout.num_host_blocks)
         attention = make_attention(config, arch, layout, device, loaded.dtype)
-        store = dist.TCPStore("127.0.0.1", spec.store_port, size, False, timeout=_seconds(JOIN_TIMEOUT_S))
+        group: RankSum
+        if spec.sum_file is not None:
+            group = SharedMemorySum(
+                spec.sum_file, spec.rank, size, lambda: os.getppid() == spec.rank0_pid, SUM_TIMEOUT_S
+            )
+        else:
+            assert spec.store_port is not None
+            store = dist.TCPStore("127.0.0.1", spec.store_port, size, False, timeout=_seconds(JOIN_TIMEOUT_S))
     except BaseException:
         pipe.send(("failed", traceback.format_exc(limit=-1).strip().splitlines()[-1]))
         return
     pipe.send(("loaded", None))
-    group = TensorParallelGroup(store, TensorParallel(spec.rank, size), device, SUM_TIMEOUT_S)
+    if spec.sum_file is None:
+        group = TensorParallelGroup(store, TensorParallel(spec.rank, size), device, SUM_TIMEOUT_S)
     model.sum_over(group.all_reduce_)
     with torch.inference_mode():
         while True:

@@ -112,10 +112,19 @@ class _Collective(Protocol):
     def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
 
 
+class RankSum(Protocol):
+    """The ranks' sum of each row-parallel product: :class:`TensorParallelGroup`, or on one machine's CPU
+    :class:`~boundless.model.shared_memory_sum.SharedMemorySum`."""
+
+    def all_reduce_(self, tensor: torch.Tensor) -> None:
+        """``tensor`` becomes the sum of every rank's, in place."""
+        ...
+
+
 class TensorParallelGroup:
-    """The ranks' collective: the sum, on every rank, of each row-parallel product (:meth:`all_reduce_`). Its own
-    process group over ``store`` (not torch's default group: a process may hold others): gloo on the CPU, NCCL on
-    CUDA. ``timeout_s`` bounds joining it and each sum: a rank that never comes is an error, not a hang."""
+    """The ranks' sum through a torch.distributed process group of their own over ``store`` (not torch's default
+    group: a process may hold others): NCCL on CUDA, gloo on the CPU. ``timeout_s`` bounds joining it and each sum: a
+    rank that never comes is an error, not a hang."""
 
     def __init__(self, store: dist.Store, tp: TensorParallel, device: torch.device, timeout_s: float) -> None:
         self.tp = tp

@@ -194,3 +194,27 @@ def test_what_a_split_model_does_without_is_refused_at_start_up(
         LLM(path, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="loaded as 1 tensor-parallel rank"):
         EngineCore.from_model(load("tiny-llama"), _config(model_dirs["tiny-llama"]))
+
+
+def test_a_failure_in_rank_0s_forward_pass_stops_the_engine(model_dirs: dict[str, Path]) -> None:
+    """The other ranks are left part-way through the pass, waiting at a sum: no later pass may run (its sums would
+    meet theirs out of step), so the step fails with :class:`RankLost` and every later one too."""
+    config = _config(model_dirs["tiny-llama"])
+    core = EngineCore.from_model(load_configured_model(config.model), config)
+    runner = core.executor.runner  # type: ignore[attr-defined]
+    model = runner.model
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("out of memory in layer 1")
+
+    try:
+        runner.model = failing
+        core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2))
+        with pytest.raises(RankLost, match=r"rank 0's forward pass failed \(MemoryError: out of memory in layer 1\)"):
+            core.step()
+        runner.model = model
+        with pytest.raises(RankLost, match="rank 0's forward pass failed"):
+            _ranks(core).check()
+    finally:
+        runner.model = model
+        core.close()

@@ -1,0 +1,86 @@
+"""The ranks' sum through shared memory (``model/shared_memory_sum.py``), ranks run as threads over one file: every
+rank gets the ranks' sum in rank order, bit for bit the same, for tensors of several chunks and sums one after another
+(the two slots alternating); a rank that is gone, or late past the timeout, makes the others' wait raise."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from boundless.model import shared_memory_sum
+from boundless.model.shared_memory_sum import SharedMemorySum
+
+pytestmark = pytest.mark.skipif(not shared_memory_sum.usable(), reason="x86's store order")
+
+
+def _in_threads(size: int, body: Callable[[int, SharedMemorySum], object], path: Path) -> list[object]:
+    shared_memory_sum.create(str(path), size)
+    sums = [SharedMemorySum(str(path), r, size, lambda: True, 30) for r in range(size)]
+    out: list[object] = [None] * size
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = body(rank, sums[rank])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_rank_gets_the_sum_in_rank_order(dtype: torch.dtype, tmp_path: Path) -> None:
+    size = 3
+    # Shapes of a decode row, a prefill chunk, and one of several chunks (its last one short).
+    shapes = [(1, 576), (37, 576), (shared_memory_sum.CHUNK // 4 + 1000,)]
+    inputs = {
+        (r, i, k): torch.randn(shape, generator=torch.Generator().manual_seed(100 * r + 10 * i + k)).to(dtype)
+        for r in range(size)
+        for i, shape in enumerate(shapes)
+        for k in range(3)  # each shape three times in a row: the slots alternate
+    }
+
+    def body(rank: int, ranks_sum: SharedMemorySum) -> list[torch.Tensor]:
+        got = []
+        for k in range(3):
+            for i in range(len(shapes)):
+                t = inputs[(rank, i, k)].clone()
+                ranks_sum.all_reduce_(t)
+                got.append(t)
+        return got
+
+    results = _in_threads(size, body, tmp_path / "sum")
+    n = 0
+    for k in range(3):
+        for i in range(len(shapes)):
+            want = torch.sum(torch.stack([inputs[(r, i, k)] for r in range(size)]), dim=0)
+            for r in range(size):
+                assert torch.equal(results[r][n], want), (r, i, k)  # type: ignore[index]
+            n += 1
+
+
+def test_a_wait_for_a_rank_that_is_gone_or_late_raises(tmp_path: Path) -> None:
+    path = str(tmp_path / "sum")
+    shared_memory_sum.create(path, 2)
+    alive = [True]
+    lonely = SharedMemorySum(path, 0, 2, lambda: alive[0], 30)
+    threading.Timer(0.3, lambda: alive.__setitem__(0, False)).start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="a rank exited"):
+        lonely.all_reduce_(torch.ones(4))
+    assert time.monotonic() - start < 5
+    late = SharedMemorySum(path, 0, 2, lambda: True, 0.3)
+    late._sequence = 10  # (past the first sum's number, which rank 0 posted above)
+    with pytest.raises(RuntimeError, match=r"did not come in 0\.3 s"):
+        late.all_reduce_(torch.ones(4))
