@@ -7,7 +7,7 @@ import importlib.util
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +19,7 @@ from boundless.model.arch import ModelArch
 from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
 from boundless.model.quantized_checkpoint import QuantizedCheckpoint
-from boundless.model.tensor_parallel import ONE_DEVICE, TensorParallel, shard_arch, shard_weights
+from boundless.model.tensor_parallel import ONE_DEVICE, ShardPlan, TensorParallel, shard_arch, shard_plan, shard_weights
 
 if TYPE_CHECKING:
     from boundless.model.tokenizer import Tokenizer
@@ -153,7 +153,11 @@ class LoadedModel:
     tensor_parallel: TensorParallel = ONE_DEVICE
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(
+    path: Path, plan: Callable[[str, Sequence[int]], ShardPlan | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The directory's tensors by name; with ``plan`` (a tensor-parallel rank's, :func:`shard_plan`) only the parts the
+    plan names, read alone: a rank reads its share of the files' bytes, not all of them."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -162,7 +166,15 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield key, f.get_tensor(key)
+                part = None
+                if plan is not None:
+                    tensor = f.get_slice(key)
+                    part = plan(key, tensor.get_shape())
+                if part is None:
+                    yield key, f.get_tensor(key)
+                    continue
+                pieces = [tensor[s : s + n] if part.dim == 0 else tensor[:, s : s + n] for s, n in part.ranges]
+                yield key, pieces[0] if len(pieces) == 1 else torch.cat(pieces, part.dim)
 
 
 def _source_digest(path: Path) -> str:
@@ -223,6 +235,7 @@ def load_model(
     check_device(dev)
     torch_dtype = model_dtype(dtype, path, dev)
     check_quantization(quantization, dev, torch_dtype)
+    parts_read = False  # (the tensors are the rank's parts already)
     if path.is_file():
         from boundless.model.gguf import load_gguf
 
@@ -235,12 +248,20 @@ def load_model(
         arch = hf_arch(path, hf_overrides)
         quantized = QuantizedCheckpoint.of(hf_config(path, hf_overrides))  # (refused in words before the tokenizer)
         tokenizer = Tokenizer.from_hf_dir(path)
-        tensors = _safetensors_weights(path) if weights is None else weights[1]
+        whole = arch
+        if weights is not None:
+            tensors = weights[1]
+        elif quantized is None and tensor_parallel.size > 1:  # read in parts: a rank reads its share of the bytes
+            tensors = _safetensors_weights(path, lambda name, shape: shard_plan(name, shape, whole, tensor_parallel))
+            parts_read = True
+        else:
+            tensors = _safetensors_weights(path)
         if quantized is not None:
             tensors = quantized.dequantized(tensors)
     full_arch = arch
     arch = shard_arch(full_arch, tensor_parallel.size)
-    tensors = shard_weights(tensors, full_arch, tensor_parallel)
+    if not parts_read:
+        tensors = shard_weights(tensors, full_arch, tensor_parallel)
     with torch.device("meta"):
         model = LlamaModel(arch)
     model = model.to(torch_dtype).to_empty(device=dev)  # allocated once, in the target dtype

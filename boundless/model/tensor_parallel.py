@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -76,34 +76,53 @@ def shard_arch(arch: ModelArch, size: int) -> ModelArch:
     )
 
 
-def _part(tensor: torch.Tensor, dim: int, tp: TensorParallel) -> torch.Tensor:
-    """Rank ``tp.rank``'s ``1/tp.size`` of ``tensor`` along ``dim`` (a view)."""
-    n = tensor.shape[dim] // tp.size
-    return tensor.narrow(dim, tp.rank * n, n)
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which parts of a checkpoint tensor a rank holds: the ranges ``(start, length)`` along ``dim``, put side by side
+    in order (one range, or Phi-3's fused matrices' one per part)."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The rank's parts of ``tensor``, whole."""
+        parts = [tensor.narrow(self.dim, start, n) for start, n in self.ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
+
+
+def shard_plan(name: str, shape: Sequence[int], arch: ModelArch, tp: TensorParallel) -> ShardPlan | None:
+    """Rank ``tp``'s parts of the Hugging Face-named tensor ``name`` (of ``shape``) of the model ``arch`` (whole); None:
+    all of it. Each column-parallel matrix's rows (its bias's too), each row-parallel one's columns; Phi-3's fused
+    q/k/v and gate/up keep their layout: the rank's q, k and v rows (its gate and up rows) side by side."""
+    if tp.size == 1:
+        return None
+    module = name.split(".")[-2] if "." in name else ""
+
+    def mine(start: int, n: int) -> tuple[int, int]:  # the rank's share of ``n`` rows or columns from ``start``
+        return start + tp.rank * (n // tp.size), n // tp.size
+
+    if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return ShardPlan(0, (mine(0, shape[0]),))
+    if module == "qkv_proj":
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        return ShardPlan(0, (mine(0, q), mine(q, kv), mine(q + kv, kv)))
+    if module == "gate_up_proj":
+        inter = arch.intermediate_size
+        return ShardPlan(0, (mine(0, inter), mine(inter, inter)))
+    if module in ("o_proj", "down_proj") and name.endswith(".weight"):
+        return ShardPlan(1, (mine(0, shape[1]),))
+    return None
 
 
 def shard_weights(
     weights: Iterator[tuple[str, torch.Tensor]], arch: ModelArch, tp: TensorParallel
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rank ``tp``'s slices of the Hugging Face-named ``weights`` of the model ``arch`` (whole): each column-parallel
-    matrix's rows (its bias's too), each row-parallel one's columns; the rest whole. Phi-3's fused q/k/v and gate/up
-    keep their layout: the rank's q, k and v rows (its gate and up rows) side by side."""
-    if tp.size == 1:
-        yield from weights
-        return
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    inter = arch.intermediate_size
+    """Rank ``tp``'s parts (:func:`shard_plan`) of the Hugging Face-named ``weights`` of the model ``arch`` (whole),
+    cut from tensors read whole (a GGUF file's, a quantized checkpoint's once dequantized, weights drawn in memory;
+    a safetensors file's are read in parts: ``loader._safetensors_weights``)."""
     for name, tensor in weights:
-        module = name.split(".")[-2] if "." in name else ""
-        if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-            tensor = _part(tensor, 0, tp)
-        elif module == "qkv_proj":
-            tensor = torch.cat([_part(p, 0, tp) for p in tensor.split([q, kv, kv])])
-        elif module == "gate_up_proj":
-            tensor = torch.cat([_part(p, 0, tp) for p in tensor.split([inter, inter])])
-        elif module in ("o_proj", "down_proj") and name.endswith(".weight"):
-            tensor = _part(tensor, 1, tp)
-        yield name, tensor
+        plan = shard_plan(name, tensor.shape, arch, tp)
+        yield name, tensor if plan is None else plan.take(tensor)
 
 
 class _Collective(Protocol):

@@ -159,3 +159,17 @@ def test_fp8_ranks_are_as_near_the_unquantized_model_as_one_fp8_device(tmp_path:
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "phi3"])
+def test_a_rank_reads_its_parts_of_the_files_as_the_slices_of_whole_tensors(kind: str, tmp_path: Path) -> None:
+    """From a safetensors directory a rank reads only its parts (safetensors' slices): the network is the one cut from
+    the same tensors read whole (the path of GGUF files, dequantized checkpoints and weights drawn in memory)."""
+    spec = TinySpec(kind=kind, num_heads=4, num_kv_heads=2)
+    path = write_random_model(tmp_path / "m", spec)
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        read = load_model(str(path), tensor_parallel=tp).model.state_dict()
+        cut = load_model(str(path), weights=("same", random_weights(spec)), tensor_parallel=tp).model.state_dict()
+        assert read.keys() == cut.keys()
+        assert all(torch.equal(read[k], cut[k]) for k in read), rank
