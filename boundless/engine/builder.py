@@ -182,14 +182,15 @@ def physical_memory_bytes() -> int | None:
 
 
 def check_host_memory(config: EngineConfig, layout: EngineLayout, device: torch.device, memory: int | None) -> None:
-    """KV pools in host memory (the device's pool on the CPU, and the host tier) that the machine's ``memory`` cannot
-    hold are refused, naming the flag that sized them: allocated, they failed with the allocator's traceback
-    (``--kv-host-gb 100000``), or were reserved and left the process to be killed when filled."""
+    """KV pools in host memory (the device's pool on the CPU, and the host tier; each tensor-parallel rank's) that the
+    machine's ``memory`` cannot hold are refused, naming the flag that sized them: allocated, they failed with the
+    allocator's traceback (``--kv-host-gb 100000``), or were reserved and left the process to be killed when filled."""
     if memory is None:
         return
     gib = 1 << 30
-    device_bytes = layout.num_blocks * layout.bytes_per_block if device.type == "cpu" else 0
-    host_bytes = layout.num_host_blocks * layout.bytes_per_block
+    ranks = config.model.tensor_parallel_size  # (a split model's ranks each hold pools as large, on this machine)
+    device_bytes = ranks * layout.num_blocks * layout.bytes_per_block if device.type == "cpu" else 0
+    host_bytes = ranks * layout.num_host_blocks * layout.bytes_per_block
     cache = config.cache
     pool_flag = "--num-kv-blocks" if cache.num_kv_blocks else "--kv-cache-gb"
     if device_bytes > memory:
@@ -233,9 +234,10 @@ def build_model_executor(
         loaded.device,
     )  # fmt: skip
     log.info(
-        "KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB in %s)",
+        "KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB in %s%s)",
         layout.num_blocks, layout.block_size, layout.num_blocks * layout.block_size,
         layout.num_blocks * layout.bytes_per_block / (1 << 30), str(layout.kv_dtype).removeprefix("torch."),
+        f", on each of {config.model.tensor_parallel_size} ranks" if config.model.tensor_parallel_size > 1 else "",
     )  # fmt: skip
     attention = make_attention(config, arch, layout, loaded.device, loaded.dtype)
     ranks = None

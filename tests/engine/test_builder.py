@@ -149,6 +149,9 @@ def test_flash_prefill_is_refused_where_flashattention_cannot_take_it(tiny_llama
         ({"kv_host_gb": None, "swap_space_gb": 4.0}, "--swap-space-gb: 4.0 GiB of KV in host memory"),
         ({"num_kv_blocks": 300_000}, "--num-kv-blocks: a KV pool of 2.3 GiB is more than this machine's memory (2.0"),
         ({"kv_cache_gb": 3.0}, "--kv-cache-gb: a KV pool of 3.0 GiB is more than this machine's memory"),
+        # Each of a split model's ranks holds pools as large, on this machine.
+        ({"kv_cache_gb": 0.8, "tensor_parallel_size": 3}, "--kv-cache-gb: a KV pool of 2.4 GiB is more"),
+        ({"kv_host_gb": 0.5, "tensor_parallel_size": 5}, "--kv-host-gb: 2.5 GiB of KV in host memory"),
     ],
 )
 def test_kv_memory_past_the_machines_is_refused_naming_its_flag(
