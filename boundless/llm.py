@@ -15,8 +15,9 @@ from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from boundless.engine.core import EngineCore
 from boundless.engine.logprobs import PositionLogprobs, SampledToken, as_position_logprobs, named_tokens
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt
+from boundless.engine.tensor_parallel import load_with_ranks
 from boundless.gc_quiet import frozen_heap
-from boundless.model.loader import LoadedModel, load_configured_model
+from boundless.model.loader import LoadedModel
 from boundless.model.lora import LoRARequest
 from boundless.model.tokenizer import Tokenizer, load_chat_template
 
@@ -122,9 +123,10 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        ranks = None
         if loaded is None:
-            loaded = load_configured_model(config.model)
-        self.engine = EngineCore.from_model(loaded, config)
+            loaded, ranks = load_with_ranks(config)
+        self.engine = EngineCore.from_model(loaded, config, ranks=ranks)
         self._ids = itertools.count()
 
     @property

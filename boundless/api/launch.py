@@ -23,8 +23,8 @@ from boundless.api.server import EngineClient, build_app, configured_chat_templa
 from boundless.config import ClusterConfig, EngineConfig, ServerConfig, check_serve_configs
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
+from boundless.engine.tensor_parallel import load_with_ranks
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults, model_sampling_defaults
-from boundless.model.loader import load_configured_model
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ def resolve_api_key(config: ServerConfig) -> ServerConfig:
 
 def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
     """One engine in this process, as ``boundless serve`` runs it by default."""
-    loaded = load_configured_model(config.model)
-    return AsyncEngine(EngineCore.from_model(loaded, config), max_waiting=max_waiting)
+    loaded, ranks = load_with_ranks(config)
+    return AsyncEngine(EngineCore.from_model(loaded, config, ranks=ranks), max_waiting=max_waiting)
 
 
 def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) -> EngineClient:

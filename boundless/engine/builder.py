@@ -216,11 +216,31 @@ def build_model_executor(
     store: BlockStore | None = None,
     read_link: ReadLink | None = None,
     grammars: Grammars | None = None,
+    ranks: TensorParallelRanks | None = None,
 ) -> ModelExecutor:
     """The network, its KV memory (device and host, and the disk store: ``store``, else the one at
     ``--kv-disk-path``; its reads wait for ``read_link``, an emulated storage link, when given),
     attention backend and sampler (compiling structured requests' grammars in ``grammars``, the engine's), ready to
-    run steps."""
+    run steps. With ``--tensor-parallel-size``: ``ranks``, the other ranks launched already (they load beside rank 0:
+    :func:`~boundless.engine.tensor_parallel.load_with_ranks`), else launched here; they are stopped if the engine
+    cannot be built."""
+    try:
+        return _build_model_executor(loaded, config, layout, store, read_link, grammars, ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+
+
+def _build_model_executor(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    layout: EngineLayout,
+    store: BlockStore | None,
+    read_link: ReadLink | None,
+    grammars: Grammars | None,
+    ranks: TensorParallelRanks | None,
+) -> ModelExecutor:
     arch = loaded.arch
     if loaded.tensor_parallel.size != config.model.tensor_parallel_size:
         raise ValueError(
@@ -240,9 +260,10 @@ def build_model_executor(
         f", on each of {config.model.tensor_parallel_size} ranks" if config.model.tensor_parallel_size > 1 else "",
     )  # fmt: skip
     attention = make_attention(config, arch, layout, loaded.device, loaded.dtype)
-    ranks = None
     if config.model.tensor_parallel_size > 1:
-        ranks = TensorParallelRanks.start(config, layout, loaded.model, loaded.device)
+        # (The other ranks, launched by the caller to load beside rank 0, or now.)
+        ranks = ranks or TensorParallelRanks.launch(config, loaded.device)
+        ranks.join(layout, loaded.model)
     graphs = None
     graphed = (triton_paged.TritonPagedAttention, flex_paged.FlexPagedAttention)
     on_gpu = isinstance(attention, graphed) and loaded.device.type == "cuda"

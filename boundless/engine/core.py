@@ -34,6 +34,7 @@ from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import Scheduler, SchedulerOutput
 from boundless.engine.speculative import draft_proposer
 from boundless.engine.structured_output import Grammars, StructuredOutput, check_structured_output
+from boundless.engine.tensor_parallel import TensorParallelRanks
 from boundless.kv.disk_moves import DiskIOStats
 from boundless.kv.event_publisher import ZmqEventPublisher, open_publisher
 from boundless.kv.events import KVEventLog, LoraTag
@@ -277,14 +278,21 @@ class EngineCore:
         read_link: ReadLink | None = None,
         pools: float = 1,
         events_rank: int = 0,
+        ranks: TensorParallelRanks | None = None,
     ) -> EngineCore:
         """An instance that runs ``loaded`` on its device (its store reads waiting for ``read_link``, an
         emulated storage link, when given); a request may hold ``pools`` pools' worth of KV (``size_engine``). With
         --kv-events-config its KV events go out as data-parallel rank ``events_rank`` (on its endpoint's port plus
-        that)."""
-        layout = size_engine(config, loaded.arch, loaded.dtype, pools, DeviceMemory.of(loaded.device))
+        that). ``ranks``: a split model's other ranks, launched while ``loaded`` loaded
+        (:func:`~boundless.engine.tensor_parallel.load_with_ranks`)."""
+        try:
+            layout = size_engine(config, loaded.arch, loaded.dtype, pools, DeviceMemory.of(loaded.device))
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
         grammars = Grammars(loaded.tokenizer, loaded.arch.vocab_size)
-        executor = build_model_executor(loaded, config, layout, read_link=read_link, grammars=grammars)
+        executor = build_model_executor(loaded, config, layout, read_link=read_link, grammars=grammars, ranks=ranks)
         events = open_publisher(config.cache.kv_events, layout.block_size, events_rank)
         try:
             identity = ModelIdentity.of(loaded)

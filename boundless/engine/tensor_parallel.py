@@ -8,10 +8,14 @@ tables are rank 0's, and every rank's pools have as many blocks), then the step'
 batch's tables), so no rank needs the scheduler's state. Logits and sampling are rank 0's alone (the LM head is
 whole on each rank; the others' final hidden states are dropped).
 
-A rank that fails or exits is found by rank 0 at its next send (the pipe closed) or its next sum (gloo reports the
-closed connection; NCCL, the group's timeout): the step fails with :class:`RankLost`, and the engine stops with it
-(``EngineCore.schedule`` asks :meth:`TensorParallelRanks.check` first), as a server whose engine died does: its
-requests in flight end with the error and ``/health`` answers unavailable.
+The ranks are started (:meth:`TensorParallelRanks.launch`) as early as the caller can, so that they load their shares
+while rank 0 loads its own; once rank 0 has sized the KV memory, :meth:`TensorParallelRanks.join` sends them the
+layout, waits for their KV memory and joins their sum.
+
+A rank that fails or exits is found by rank 0 at its next send (its process has exited) or its next sum (shared
+memory: the wait asks whether the ranks live; gloo reports the closed connection; NCCL, the group's timeout): the step
+fails with :class:`RankLost`, an :class:`~boundless.engine.errors.EngineLost`, and the engine loop stops with it, as a
+server whose engine died does: its requests in flight end with an error and ``/health`` answers unavailable.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ if TYPE_CHECKING:
     from boundless.config import EngineConfig
     from boundless.engine.builder import EngineLayout
     from boundless.model.llama import LlamaModel
+    from boundless.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +83,10 @@ class StepInputs:
 
 @dataclass(frozen=True)
 class RankSpec:
-    """How a rank builds itself: the engine's config and layout (rank 0's), its rank, the group's store, and the
-    CPU threads it may use."""
+    """How a rank builds itself: the engine's config, its rank, the CPU threads it may use, rank 0's process, and where
+    the ranks sum (the KV memory's layout comes later, once rank 0 has sized it)."""
 
     config: EngineConfig
-    layout: EngineLayout
     rank: int
     threads: int
     rank0_pid: int
@@ -97,29 +101,44 @@ def cpu_threads(size: int) -> int:
 
 
 class TensorParallelRanks:
-    """Ranks 1 to ``size - 1``, started by :meth:`start` (see the module docstring); rank 0 is the caller."""
+    """Ranks 1 to ``size - 1`` (see the module docstring); rank 0 is the caller. :meth:`launch` starts them loading,
+    :meth:`join` makes them one model with rank 0's network; :meth:`start` does both."""
 
     def __init__(
         self,
+        config: EngineConfig,
+        device: torch.device,
         processes: list[subprocess.Popen[bytes]],
         pipes: list[Connection],
-        group: RankSum,
-        sum_dir: MeetingDirectory | None = None,
+        store: dist.TCPStore | None,
+        sum_dir: MeetingDirectory | None,
+        sum_file: str | None,
     ) -> None:
+        self.config = config
+        self.device = device  # rank 0's
         self.processes = processes
         self.pipes = pipes
-        self.group = group
-        self.sum_dir = sum_dir  # the shared-memory sum's directory, removed at close
+        self.store = store  # the process group's (CUDA, or a CPU that sums through gloo)
+        self.sum_dir = sum_dir  # else the shared-memory sum's directory (removed at close) and file
+        self.sum_file = sum_file
+        self.group: RankSum | None = None  # (once joined)
         self.lost: str | None = None  # why the ranks can run no more steps
 
     @staticmethod
     def start(
         config: EngineConfig, layout: EngineLayout, model: LlamaModel, device: torch.device
     ) -> TensorParallelRanks:
-        """Start the other ranks, each loading its share and building its KV memory as ``layout`` says; once all have,
-        join their group and make ``model`` (rank 0's network) sum its products with theirs. A rank that fails to
-        start is a :class:`RankLost` naming its error; the started ones are stopped."""
+        """:meth:`launch` then :meth:`join`: ranks started after rank 0 has loaded its share."""
+        ranks = TensorParallelRanks.launch(config, device)
+        ranks.join(layout, model)
+        return ranks
+
+    @staticmethod
+    def launch(config: EngineConfig, device: torch.device | None = None) -> TensorParallelRanks:
+        """Start the other ranks loading their shares (rank 0 on ``device``, else ``--device``'s); they wait for
+        :meth:`join`. Returns at once."""
         size = config.model.tensor_parallel_size
+        device = device or torch.device(config.model.device)
         threads = cpu_threads(size) if device.type == "cpu" else 1
         # Ranks on one machine's CPU sum through shared memory (1 ms a sum through gloo's loopback TCP); others through
         # a process group.
@@ -136,11 +155,10 @@ class TensorParallelRanks:
         key = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=key)
         processes: list[subprocess.Popen[bytes]] = []
-        pipes: list[Connection] = []
         try:
             for rank in range(1, size):
                 port = None if store is None else store.port
-                spec = RankSpec(config, layout, rank, threads, os.getpid(), port, sum_file)
+                spec = RankSpec(config, rank, threads, os.getpid(), port, sum_file)
                 process = subprocess.Popen(
                     [sys.executable, "-c", "from boundless.engine.tensor_parallel import rank_main; rank_main()"],
                     stdin=subprocess.PIPE,
@@ -150,18 +168,8 @@ class TensorParallelRanks:
                 process.stdin.close()
                 processes.append(process)
             pipes = _accept(listener, processes)
-            for rank, (process, pipe) in enumerate(zip(processes, pipes, strict=True), start=1):
-                _wait_loaded(rank, process, pipe)
-            group: RankSum
-            if sum_file is not None:
-                group = SharedMemorySum(
-                    sum_file, 0, size, lambda: all(p.poll() is None for p in processes), SUM_TIMEOUT_S
-                )
-            else:
-                assert store is not None
-                group = TensorParallelGroup(store, TensorParallel(0, size), device, SUM_TIMEOUT_S)
         except BaseException:
-            _stop(processes, pipes)
+            _stop(processes, [])
             if sum_dir is not None:
                 sum_dir.remove()
             raise
@@ -169,11 +177,34 @@ class TensorParallelRanks:
             listener.close()
         if device.type == "cpu":
             torch.set_num_threads(threads)
-        ranks = TensorParallelRanks(processes, pipes, group, sum_dir)
-        model.sum_over(ranks.all_reduce_)
-        log.info("tensor parallelism: %d ranks on %s, ranks 1-%d in processes %s", size, device.type, size - 1,
-                 ", ".join(str(p.pid) for p in processes))  # fmt: skip
-        return ranks
+        return TensorParallelRanks(config, device, processes, pipes, store, sum_dir, sum_file)
+
+    def join(self, layout: EngineLayout, model: LlamaModel) -> None:
+        """Send every rank the KV memory's ``layout``; once each has loaded its share and built its KV memory, join
+        their sum and make ``model`` (rank 0's network) sum its products with theirs. A rank that fails to start is a
+        :class:`RankLost` naming its error; every rank is then stopped."""
+        size = self.config.model.tensor_parallel_size
+        try:
+            data = pickle.dumps(layout)
+            for pipe in self.pipes:
+                with contextlib.suppress(OSError):  # (a rank that failed to load: its error is read next)
+                    pipe.send_bytes(data)
+            for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes, strict=True), start=1):
+                _wait_loaded(rank, process, pipe)
+            if self.sum_file is not None:
+                processes = self.processes
+                self.group = SharedMemorySum(
+                    self.sum_file, 0, size, lambda: all(p.poll() is None for p in processes), SUM_TIMEOUT_S
+                )
+            else:
+                assert self.store is not None
+                self.group = TensorParallelGroup(self.store, TensorParallel(0, size), self.device, SUM_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        model.sum_over(self.all_reduce_)
+        log.info("tensor parallelism: %d ranks on %s, ranks 1-%d in processes %s", size, self.device.type, size - 1,
+                 ", ".join(str(p.pid) for p in self.processes))  # fmt: skip
 
     def transfers(self, transfers: Sequence[BlockTransfer]) -> None:
         """The step's block copies between device and host memory, made on every rank as on rank 0."""
@@ -191,6 +222,7 @@ class TensorParallelRanks:
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """The group's sum (:meth:`TensorParallelGroup.all_reduce_`), a failure of it said as the rank lost."""
+        assert self.group is not None, "the ranks are not joined"
         try:
             self.group.all_reduce_(tensor)
         except RuntimeError as e:
@@ -233,6 +265,20 @@ class TensorParallelRanks:
         return RankLost(f"tensor parallelism: {self.lost}")
 
 
+def load_with_ranks(config: EngineConfig) -> tuple[LoadedModel, TensorParallelRanks | None]:
+    """Rank 0's share of ``config``'s model; when it is split, with the other ranks launched first, to load theirs
+    meanwhile (for :meth:`EngineCore.from_model`, which joins them)."""
+    from boundless.model.loader import load_configured_model
+
+    ranks = TensorParallelRanks.launch(config) if config.model.tensor_parallel_size > 1 else None
+    try:
+        return load_configured_model(config.model), ranks
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+
+
 def _seconds(s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=s)
 
@@ -271,7 +317,7 @@ def _wait_loaded(rank: int, process: subprocess.Popen[bytes], pipe: Connection) 
             raise RankLost(f"tensor parallelism: rank {rank} exited while loading (code {process.returncode})")
     try:
         kind, detail = pipe.recv()
-    except EOFError:
+    except (EOFError, OSError):
         raise RankLost(f"tensor parallelism: rank {rank} exited while loading") from None
     if kind != "loaded":
         raise RankLost(f"tensor parallelism: rank {rank} failed to start: {detail}")
@@ -292,6 +338,15 @@ def _stop(processes: Sequence[subprocess.Popen[bytes]], pipes: Sequence[Connecti
             process.wait(1)
 
 
+def _layout(pipe: Connection) -> EngineLayout | None:
+    """The KV memory's layout rank 0 sends once it has sized it; None if it is gone or says stop."""
+    try:
+        data = pipe.recv_bytes()
+    except (EOFError, OSError):
+        return None
+    return pickle.loads(data) if data else None
+
+
 def rank_main() -> None:
     """A rank's interpreter: its spec from stdin, then :func:`serve_rank` over its pipe to rank 0."""
     spec, address, key = pickle.loads(sys.stdin.buffer.read())
@@ -301,18 +356,22 @@ def rank_main() -> None:
 
 
 def serve_rank(spec: RankSpec, pipe: Connection) -> None:
-    """A rank's process: load its share, build its KV memory and attention, join the group, then make each copy and
-    run each forward pass rank 0 sends, until the pipe closes or says stop (an empty message)."""
+    """A rank's process: load its share; with the layout rank 0 sends, build its KV memory and attention; join the sum;
+    then make each copy and run each forward pass rank 0 sends, until the pipe closes or says stop (an empty
+    message)."""
     from boundless.engine.builder import make_attention
     from boundless.kv.tensors import PagedKVCache
     from boundless.kv.tiers import HostKVTier
     from boundless.model.loader import load_configured_model
 
-    config, layout = spec.config, spec.layout
+    config = spec.config
     size = config.model.tensor_parallel_size
     try:
         torch.set_num_threads(spec.threads)
         loaded = load_configured_model(config.model, rank=spec.rank)
+        layout = _layout(pipe)
+        if layout is None:
+            return  # rank 0 is gone, or stopped the ranks before they joined
         arch, device = loaded.arch, loaded.device
         model = loaded.model
         model.prepare(layout.max_model_len)
@@ -333,7 +392,12 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
             assert spec.store_port is not None
             store = dist.TCPStore("127.0.0.1", spec.store_port, size, False, timeout=_seconds(JOIN_TIMEOUT_S))
     except BaseException:
-        pipe.send(("failed", traceback.format_exc(limit=-1).strip().splitlines()[-1]))
+        with contextlib.suppress(EOFError, OSError):
+            pipe.send(("failed", traceback.format_exc(limit=-1).strip().splitlines()[-1]))
+            # Open until rank 0 has read it: rank 0 may be writing the layout, and a write to a closed socket is
+            # answered with a reset, which drops the error unread.
+            while pipe.recv_bytes():
+                pass
         return
     pipe.send(("loaded", None))
     if spec.sum_file is None:
