@@ -293,8 +293,9 @@ class EngineCore:
             raise
         grammars = Grammars(loaded.tokenizer, loaded.arch.vocab_size)
         executor = build_model_executor(loaded, config, layout, read_link=read_link, grammars=grammars, ranks=ranks)
-        events = open_publisher(config.cache.kv_events, layout.block_size, events_rank)
+        events = None
         try:
+            events = open_publisher(config.cache.kv_events, layout.block_size, events_rank)
             identity = ModelIdentity.of(loaded)
             core = cls(config, layout, identity, loaded.tokenizer, executor, clock, policy, grammars, events)
             for i, module in enumerate(config.model.loras, start=1):
@@ -305,6 +306,7 @@ class EngineCore:
         except BaseException:
             if events is not None:  # (its thread and bound sockets would outlive the engine never made)
                 events.close()
+            executor.close()  # (and a split model's ranks, which would outlive it too)
             raise
         return core
 

@@ -215,9 +215,19 @@ class ModelExecutor:
             host_copies = None
             if after is not None:  # a window ahead: its demotions' copies queued behind the window running
                 transfers, host_copies = queue_host_copies(transfers, self.tiers)
-            if self.runner.ranks is not None:  # (a tensor-parallel model: every rank's KV moves alike)
-                self.runner.ranks.transfers(transfers)
-            self.kv_io.apply(sched.disk_reads, sched.disk_writes, transfers, sched.disk_ages, snapshots)
+            ranks = self.runner.ranks
+            if ranks is not None:  # (a tensor-parallel model: every rank's KV moves alike)
+                ranks.transfers(transfers)
+            try:
+                self.kv_io.apply(sched.disk_reads, sched.disk_writes, transfers, sched.disk_ages, snapshots)
+            except BaseException as e:
+                if ranks is None:
+                    raise
+                # The other ranks made the copies: their KV and rank 0's no longer hold the same blocks.
+                lost = ranks.lose(f"rank 0's block copies failed ({type(e).__name__}: {e})")
+                if not isinstance(e, Exception):
+                    raise
+                raise lost from e
             if snapshot_error is not None:
                 raise snapshot_error
             waits = self._layer_waits(sched)

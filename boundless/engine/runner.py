@@ -185,20 +185,24 @@ class ModelRunner:
             follows.fill(batch.input_ids, batch.ahead_rows, [c.request_id for c in batch.ahead_chunks])
         meta = self.attention.prepare(batch.attention)
         lora = lora_batch(self.loras, batch.lora_rows, self.device) if batch.lora_rows else None
-        if self.ranks is not None:
-            self.ranks.forward(batch.input_ids, batch.positions, batch.attention)
         try:
+            if self.ranks is not None:
+                self.ranks.forward(batch.input_ids, batch.positions, batch.attention)
             hidden = self.model(
                 batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer, lora
             )
         except EngineLost:
             raise
-        except Exception as e:
+        except BaseException as e:
             if self.ranks is None:
                 raise
-            # The other ranks are part-way through this pass, waiting at a sum that will not come: a next pass's sums
-            # would meet theirs out of step, so none may run.
-            raise self.ranks.lose(f"rank 0's forward pass failed ({type(e).__name__}: {e})") from e
+            # The other ranks are part-way through this pass (or some were sent it and some not), waiting at a sum that
+            # will not come: a next pass's sums would meet theirs out of step, so none may run. (An interrupt, Ctrl-C
+            # in a notebook, is raised as itself, the ranks lost all the same.)
+            lost = self.ranks.lose(f"rank 0's forward pass failed ({type(e).__name__}: {e})")
+            if not isinstance(e, Exception):
+                raise
+            raise lost from e
         logits = self.model.compute_logits(hidden[batch.sample_indices])
         scores = score_prompt_spans(hidden, batch.prompt_spans, self.model.compute_logits) if batch.prompt_spans else {}
         return StepLogits(logits=logits, chunks=batch.sample_chunks, prompt_scores=scores)

@@ -44,7 +44,7 @@ from boundless.engine.errors import EngineLost
 from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, apply_transfers
 from boundless.model import shared_memory_sum
 from boundless.model.shared_memory_sum import SharedMemorySum
-from boundless.model.tensor_parallel import RankSum, TensorParallel, TensorParallelGroup
+from boundless.model.tensor_parallel import RankSum, TensorParallel, TensorParallelGroup, check_shardable
 from boundless.transport.meeting_dir import MeetingDirectory, make_meeting_directory
 
 if TYPE_CHECKING:
@@ -122,7 +122,10 @@ class TensorParallelRanks:
         self.sum_dir = sum_dir  # else the shared-memory sum's directory (removed at close) and file
         self.sum_file = sum_file
         self.group: RankSum | None = None  # (once joined)
+        self.model: LlamaModel | None = None  # rank 0's network (once joined)
         self.lost: str | None = None  # why the ranks can run no more steps
+        self.threads_before: int | None = None  # rank 0's threads before its share was set (restored at close)
+        self.closed = threading.Event()
 
     @staticmethod
     def start(
@@ -146,8 +149,13 @@ class TensorParallelRanks:
         if device.type == "cpu" and shared_memory_sum.usable():
             sum_dir = make_meeting_directory()
             sum_file = os.path.join(sum_dir.path, "sum")
-            shared_memory_sum.create(sum_file, size)
-        else:
+            try:
+                shared_memory_sum.create(sum_file, size)
+            except OSError as e:  # (a small /dev/shm, as Docker's 64 MiB: gloo is slower, but works)
+                log.warning("tensor parallelism: no room for the shared-memory sum (%s); the ranks sum through gloo", e)
+                sum_dir.remove()
+                sum_dir, sum_file = None, None
+        if sum_file is None:
             store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=_seconds(JOIN_TIMEOUT_S), wait_for_workers=False)
         # Fresh interpreters (not multiprocessing's spawn, which reruns the caller's main script in each: a script
         # calling LLM(...) unguarded would start ranks without end; nor fork, which copies rank 0's threads and CUDA
@@ -175,15 +183,23 @@ class TensorParallelRanks:
             raise
         finally:
             listener.close()
+        ranks = TensorParallelRanks(config, device, processes, pipes, store, sum_dir, sum_file)
         if device.type == "cpu":
+            ranks.threads_before = torch.get_num_threads()
             torch.set_num_threads(threads)
-        return TensorParallelRanks(config, device, processes, pipes, store, sum_dir, sum_file)
+        return ranks
 
     def join(self, layout: EngineLayout, model: LlamaModel) -> None:
         """Send every rank the KV memory's ``layout``; once each has loaded its share and built its KV memory, join
         their sum and make ``model`` (rank 0's network) sum its products with theirs. A rank that fails to start is a
         :class:`RankLost` naming its error; every rank is then stopped."""
         size = self.config.model.tensor_parallel_size
+        if model.summed:
+            self.close()
+            raise ValueError(
+                "this network is rank 0 of another tensor-parallel engine already (its sums go to that engine's "
+                "ranks): load the model again for another engine"
+            )
         try:
             data = pickle.dumps(layout)
             for pipe in self.pipes:
@@ -202,7 +218,10 @@ class TensorParallelRanks:
         except BaseException:
             self.close()
             raise
+        self.model = model
         model.sum_over(self.all_reduce_)
+        if self.device.type == "cuda":
+            threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
         log.info("tensor parallelism: %d ranks on %s, ranks 1-%d in processes %s", size, self.device.type, size - 1,
                  ", ".join(str(p.pid) for p in self.processes))  # fmt: skip
 
@@ -213,6 +232,8 @@ class TensorParallelRanks:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBatch) -> None:
         """Start the step's forward pass on every rank (rank 0 runs its own next; their sums meet)."""
+        if attention.remote:  # (KV lending is refused with a split model; this says so should a path get here)
+            raise ValueError("a step with blocks lent to other instances: DistAttention is not split over ranks here")
         cpu = torch.device("cpu")
         batch = AttentionBatch(
             attention.num_decodes, attention.query_lens, attention.seq_lens, attention.block_tables,
@@ -237,10 +258,33 @@ class TensorParallelRanks:
 
     def close(self) -> None:
         """Stop every rank (each exits at the end of its pipe; once the ranks are lost, at once: one may be waiting at a
-        sum that will not come)."""
+        sum that will not come); rank 0's network sums nowhere again, and its threads are what they were."""
+        if self.closed.is_set():
+            return
+        self.closed.set()
         _stop(self.processes, self.pipes, 0.0 if self.lost else 10.0)
+        if isinstance(self.group, SharedMemorySum):
+            self.group.close()
         if self.sum_dir is not None:
             self.sum_dir.remove()
+        if self.model is not None:
+            self.model.sum_over(None)
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
+
+    def _watch(self) -> None:
+        """On CUDA: a sum is queued on the device and never waits on the host, so a rank that dies leaves rank 0
+        blocked at the step's next synchronization until NCCL's watchdog ends the process. Every second, look at the
+        ranks' processes; once one has exited, abort the group, which fails the sums in flight (the step then fails,
+        and the engine stops with the rank lost). Not yet run on a GPU."""
+        while not self.closed.wait(1.0):
+            if self.lost is not None or any(process.poll() is not None for process in self.processes):
+                self.lose("")
+                abort = getattr(self.group, "abort", None)
+                if abort is not None:
+                    with contextlib.suppress(Exception):
+                        abort()
+                return
 
     def _send(self, message: tuple[str, Any]) -> None:
         self.check()
@@ -251,6 +295,9 @@ class TensorParallelRanks:
                 pipe.send_bytes(data)
             except (BrokenPipeError, ConnectionError, EOFError, OSError) as e:
                 raise self.lose(f"rank {rank}'s pipe closed ({e})") from e
+            except BaseException as e:  # (an interrupt between two ranks' sends: they are out of step)
+                self.lose(f"interrupted while sending the ranks a step ({type(e).__name__})")
+                raise
 
     def lose(self, why: str) -> RankLost:
         """Note why the ranks can go on no more (the first reason found: a rank that exited, else ``why``), and the
@@ -268,9 +315,14 @@ class TensorParallelRanks:
 def load_with_ranks(config: EngineConfig) -> tuple[LoadedModel, TensorParallelRanks | None]:
     """Rank 0's share of ``config``'s model; when it is split, with the other ranks launched first, to load theirs
     meanwhile (for :meth:`EngineCore.from_model`, which joins them)."""
-    from boundless.model.loader import load_configured_model
+    from boundless.model.loader import hf_arch, load_configured_model, resolve_model_path
 
-    ranks = TensorParallelRanks.launch(config) if config.model.tensor_parallel_size > 1 else None
+    size = config.model.tensor_parallel_size
+    if size > 1:  # (a model that cannot split is refused before any rank starts; a GGUF file's once loaded)
+        path = resolve_model_path(config.model.model)
+        if path.is_dir():
+            check_shardable(hf_arch(path, config.model.overrides), size)
+    ranks = TensorParallelRanks.launch(config) if size > 1 else None
     try:
         return load_configured_model(config.model), ranks
     except BaseException:
@@ -362,12 +414,14 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
     from boundless.engine.builder import make_attention
     from boundless.kv.tensors import PagedKVCache
     from boundless.kv.tiers import HostKVTier
-    from boundless.model.loader import load_configured_model
+    from boundless.model.loader import load_configured_model, rank_device
 
     config = spec.config
     size = config.model.tensor_parallel_size
     try:
         torch.set_num_threads(spec.threads)
+        if config.model.device.startswith("cuda"):  # (before anything is placed: the current device is the rank's)
+            torch.cuda.set_device(torch.device(rank_device(config.model.device, spec.rank)))
         loaded = load_configured_model(config.model, rank=spec.rank)
         layout = _layout(pipe)
         if layout is None:

@@ -494,11 +494,17 @@ class LlamaModel(nn.Module):
         self._workspace = _Workspace()
         self.quantized = False  # --quantization fp8 (quantize_fp8)
 
-    def sum_over(self, reduce: Callable[[torch.Tensor], None]) -> None:
+    def sum_over(self, reduce: Callable[[torch.Tensor], None] | None) -> None:
         """Make this network one rank of a tensor-parallel model (``model/tensor_parallel.py``): each layer's
-        row-parallel products summed over the ranks by ``reduce`` (in place) before they join the residual stream."""
+        row-parallel products summed over the ranks by ``reduce`` (in place) before they join the residual stream;
+        None: summed nowhere (its ranks stopped)."""
         for layer in self.layers:
             layer.reduce = reduce
+
+    @property
+    def summed(self) -> bool:
+        """Whether this network is a tensor-parallel rank joined to others (:meth:`sum_over`)."""
+        return any(layer.reduce is not None for layer in self.layers)
 
     def quantize_fp8(self) -> None:
         """``--quantization fp8``: every layer's dense matrices to e4m3 (:meth:`DecoderLayer.quantize_fp8`); the

@@ -149,7 +149,9 @@ class TensorParallelGroup:
         self.tp = tp
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
-            torch.cuda.set_device(device)  # (NCCL binds its communicator to the current device)
+            # (NCCL binds its communicator to the current device; ``cuda`` alone names the current one.)
+            device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+            torch.cuda.set_device(device)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self._group = cast(_Collective, dist.ProcessGroupNCCL(store, tp.rank, tp.size, options))
@@ -159,3 +161,9 @@ class TensorParallelGroup:
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """``tensor`` becomes the sum of every rank's, in place."""
         self._group.allreduce([tensor]).wait()
+
+    def abort(self) -> None:
+        """Fail the sums in flight (NCCL: a rank is gone and they would wait for it)."""
+        abort = getattr(self._group, "abort", None)
+        if abort is not None:
+            abort()

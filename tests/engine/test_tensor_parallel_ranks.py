@@ -196,25 +196,51 @@ def test_what_a_split_model_does_without_is_refused_at_start_up(
         EngineCore.from_model(load("tiny-llama"), _config(model_dirs["tiny-llama"]))
 
 
-def test_a_failure_in_rank_0s_forward_pass_stops_the_engine(model_dirs: dict[str, Path]) -> None:
+@pytest.mark.parametrize("error", [MemoryError("out of memory in layer 1"), KeyboardInterrupt()])
+def test_a_failure_in_rank_0s_forward_pass_stops_the_engine(model_dirs: dict[str, Path], error: BaseException) -> None:
     """The other ranks are left part-way through the pass, waiting at a sum: no later pass may run (its sums would
-    meet theirs out of step), so the step fails with :class:`RankLost` and every later one too."""
+    meet theirs out of step), so the step fails with :class:`RankLost` and every later one too. An interrupt (Ctrl-C
+    in a notebook) is raised as itself, the ranks lost all the same: the next call fails, not answers wrongly."""
     config = _config(model_dirs["tiny-llama"])
+    threads = torch.get_num_threads()
     core = EngineCore.from_model(load_configured_model(config.model), config)
     runner = core.executor.runner  # type: ignore[attr-defined]
     model = runner.model
 
     def failing(*args: Any, **kwargs: Any) -> Any:
-        raise MemoryError("out of memory in layer 1")
+        raise error
 
     try:
         runner.model = failing
         core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2))
-        with pytest.raises(RankLost, match=r"rank 0's forward pass failed \(MemoryError: out of memory in layer 1\)"):
+        raised = RankLost if isinstance(error, Exception) else type(error)
+        with pytest.raises(raised):
             core.step()
         runner.model = model
-        with pytest.raises(RankLost, match="rank 0's forward pass failed"):
+        with pytest.raises(RankLost, match=rf"rank 0's forward pass failed \({type(error).__name__}"):
             _ranks(core).check()
+        core.add_request("b", [5, 6, 7], SamplingParams(max_tokens=2))
+        with pytest.raises(RankLost):
+            core.step()
     finally:
         runner.model = model
         core.close()
+    assert torch.get_num_threads() == threads  # (rank 0's share of the threads is given back)
+
+
+def test_one_loaded_network_is_rank_0_of_one_engine_at_a_time(model_dirs: dict[str, Path]) -> None:
+    """A second engine on the same network would take over the first's sums (the first's steps would wait for ranks
+    that never run them): refused; once the first is closed the network is free again."""
+    config = _config(model_dirs["tiny-llama"])
+    loaded = load_configured_model(config.model)
+    first = EngineCore.from_model(loaded, config)
+    with pytest.raises(ValueError, match="rank 0 of another tensor-parallel engine already"):
+        EngineCore.from_model(loaded, config)
+    prompts = [[5, 6, 7, 8]]
+    answer = _greedy(first, prompts)
+    first.close()
+    second = EngineCore.from_model(loaded, config)
+    try:
+        assert _greedy(second, prompts) == answer
+    finally:
+        second.close()
