@@ -1268,10 +1268,10 @@ def to_flags(config: object) -> list[str]:
 def check_serve_configs(engine: EngineConfig, server: ServerConfig, cluster: ClusterConfig) -> None:
     """What ``serve``'s configs refuse together (each checks its own values when built), before the model loads."""
     _require(
-        engine.model.tensor_parallel_size == 1 or not cluster.runs_actors,
+        engine.model.tensor_parallel_size == 1 or not (cluster.disaggregated or cluster.kv_lending == "on"),
         "tensor_parallel_size",
-        "a model split across devices is served by one engine here (not --instances, --ray-address or prefill and "
-        "decode engines)",
+        "a model split across devices hands no KV to other instances here (not prefill and decode engines, not "
+        "--kv-lending on); --instances of split models are served",
     )
     if server.allow_runtime_lora_updating:
         # (Else each load_lora_adapter request failed, long after start-up, with a 400 naming the missing flag.)

@@ -278,14 +278,15 @@ class ClusterClient(DispatcherFrontEnd):
             ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=True, configure_logging=False)
         gpu = engine.model.device.startswith("cuda")
         roles = _roles(cluster)
+        ranks_each = engine.model.tensor_parallel_size  # (a split model's instance holds a GPU for each of its ranks)
         if gpu:
-            _require_gpus(len(roles), joined=bool(cluster.ray_address or os.environ.get("RAY_ADDRESS")))
+            _require_gpus(len(roles), ranks_each, joined=bool(cluster.ray_address or os.environ.get("RAY_ADDRESS")))
         threads = None if gpu else max(1, _local_cpus() // len(roles))
         # No task events: Ray's GCS keeps each call's (about 4 KB, up to 100,000 calls), and the pollers' drains and the
         # heartbeats alone, tens a second while idle, grew an idle 2-instance server's GCS by 80 KB a second.
         actor_cls = ray.remote(EngineInstance).options(
             num_cpus=0 if not gpu else 1,
-            num_gpus=1 if gpu else 0,
+            num_gpus=ranks_each if gpu else 0,
             max_concurrency=16,
             max_restarts=0,
             enable_task_events=False,
@@ -822,16 +823,18 @@ def storage_queue_bytes(links: list[LinkStats]) -> int:
     return next((s.queued_bytes for s in links if s.name == "storage"), 0)
 
 
-def _require_gpus(needed: int, joined: bool) -> None:
-    """Refuse instances on GPUs a Ray cluster this server started lacks (one GPU each): Ray would wait for them for
-    ever, repeating that no node can fulfil the request. A joined cluster (``--ray-address``) may gain nodes, so
-    there it is a warning."""
+def _require_gpus(instances: int, ranks_each: int, joined: bool) -> None:
+    """Refuse instances on GPUs a Ray cluster this server started lacks (one GPU each, one per rank of a split model):
+    Ray would wait for them for ever, repeating that no node can fulfil the request. A joined cluster
+    (``--ray-address``) may gain nodes, so there it is a warning."""
     import ray
 
     have = int(ray.cluster_resources().get("GPU", 0))
+    needed = instances * ranks_each
     if have >= needed:
         return
-    message = f"--device cuda: {needed} engine instances need {needed} GPUs, one each; the Ray cluster has {have}"
+    each = "one each" if ranks_each == 1 else f"{ranks_each} each (--tensor-parallel-size)"
+    message = f"--device cuda: {instances} engine instances need {needed} GPUs, {each}; the Ray cluster has {have}"
     if not joined:
         raise ConfigError(f"{message} (give fewer instances, or --ray-address of a cluster with more)")
     log.warning("%s; the instances wait until nodes with GPUs join", message)

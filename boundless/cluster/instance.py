@@ -34,7 +34,8 @@ from boundless.engine.hung_executor import HangTrap, HungExecutor
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.engine.step_watch import StepReport
-from boundless.model.loader import LoadedModel, load_configured_model
+from boundless.engine.tensor_parallel import load_with_ranks
+from boundless.model.loader import LoadedModel
 from boundless.programs.ref import ProgramRef
 from boundless.transport.endpoints import EndpointSpec, open_endpoint
 
@@ -129,16 +130,19 @@ class EngineInstance:
         self.role = role
         fail_seed = os.environ.get(FAIL_ADD_SEED_ENV)
         self._fail_add_seed = int(fail_seed) if fail_seed else None
+        ranks = None
         if loaded is None:  # an actor loads its own; instances in one process may share one
             log_as_instance(instance_id)  # (its process is its own, the logging set-up too)
-            loaded = load_configured_model(config.model)
+            loaded, ranks = load_with_ranks(config)  # (a split model's other ranks are processes of the actor's)
         self.links = InstanceLinks(None, None)
         if role is not None:
             self.links = instance_links(role.cluster, time.monotonic, time.sleep)
         storage = self.links.storage
         # With KV lending a request may hold what the other instances lend beside this pool (--lending-request-pools).
         pools = 1.0 if lending is None else served_request_pools(lending.cluster)
-        self.core = EngineCore.from_model(loaded, config, read_link=storage, pools=pools, events_rank=events_rank)
+        self.core = EngineCore.from_model(
+            loaded, config, read_link=storage, pools=pools, events_rank=events_rank, ranks=ranks
+        )
         self.transport = None
         if role is not None:
             spec = EndpointSpec(

@@ -321,3 +321,6 @@ def test_instances_on_gpus_a_started_cluster_lacks_are_refused_not_awaited(
         ConfigError, match=r"--device cuda: 2 engine instances need 2 GPUs, one each; the Ray cluster has 0"
     ):
         ClusterClient(config, ClusterConfig(instances=2))
+    split = engine_config(str(model_dirs["tiny-llama"]), device="cuda", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"2 engine instances need 4 GPUs, 2 each \(--tensor-parallel-size\)"):
+        ClusterClient(split, ClusterConfig(instances=2))

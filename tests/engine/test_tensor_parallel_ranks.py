@@ -186,10 +186,14 @@ def test_what_a_split_model_does_without_is_refused_at_start_up(
         ModelConfig(model=path, tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ConfigError, match="--tensor-parallel-size: the disk KV store"):
         EngineConfig(ModelConfig(model=path, tensor_parallel_size=2), CacheConfig(kv_disk_path="/tmp/x"))
-    with pytest.raises(ConfigError, match="served by one engine here"):
-        check_serve_configs(
-            EngineConfig(ModelConfig(tensor_parallel_size=2)), ServerConfig(), ClusterConfig(instances=2)
-        )
+    split = EngineConfig(ModelConfig(tensor_parallel_size=2))
+    for cluster in (
+        ClusterConfig(prefill_instances=1, decode_instances=1),
+        ClusterConfig(instances=2, kv_lending="on"),
+    ):
+        with pytest.raises(ConfigError, match="hands no KV to other instances"):
+            check_serve_configs(split, ServerConfig(), cluster)
+    check_serve_configs(split, ServerConfig(), ClusterConfig(instances=2))  # (instances of a split model: served)
     with pytest.raises(ConfigError, match="--tensor-parallel-size 3: the model's 4 attention heads"):
         LLM(path, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="loaded as 1 tensor-parallel rank"):
