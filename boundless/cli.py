@@ -218,6 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kv_dtype.add_arguments(kv_dtype)
     add_engine_flags(kv_dtype)
     kv_dtype.set_defaults(func=_bench)
+    from boundless.bench import tensor_parallel as bench_tensor_parallel
+
+    split = bench_sub.add_parser(
+        "tensor-parallel", help="a model split over --tensor-parallel-size ranks against it on one device"
+    )
+    bench_tensor_parallel.add_arguments(split)
+    add_engine_flags(split)
+    split.set_defaults(func=_bench)
     from boundless.bench import frontend as bench_frontend
 
     front = bench_sub.add_parser(
