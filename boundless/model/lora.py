@@ -143,6 +143,8 @@ def _check_config_types(path: Path, config: dict) -> None:
     for key in ("r", "lora_alpha"):
         if key in config and not _is_number(config[key]):
             raise LoRAError(f"LoRA adapter {path}: adapter_config.json's {key} must be a number, not {config[key]!r}")
+    if "r" in config and config["r"] <= 0:  # (PEFT refuses it too; its default alpha, r, would scale by r / r)
+        raise LoRAError(f"LoRA adapter {path}: adapter_config.json's r must be a positive number, not {config['r']!r}")
     for key in ("rank_pattern", "alpha_pattern"):
         patterns = config.get(key)
         if patterns is None:
@@ -292,6 +294,8 @@ def load_lora(
                 f"LoRA adapter {request.lora_name!r}: {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
                 f"model needs A [rank, {cols}] and B [{rows}, rank]"
             )
+        if r == 0:  # (its scale alpha / r would divide by zero: a 500 where the adapter is at fault)
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: {name} has rank 0 (A {tuple(a.shape)})")
         if r > max_rank:
             raise LoRAError(
                 f"LoRA adapter {request.lora_name!r}: rank {r} of {name} exceeds --max-lora-rank {max_rank}"

@@ -313,6 +313,12 @@ def _bad_shape(tensors: dict) -> None:
     tensors[key] = torch.zeros(8, 3)
 
 
+def _rank_zero(tensors: dict) -> None:
+    key = next(k for k in sorted(tensors) if "lora_A" in k)
+    a, b = tensors[key], tensors[key.replace("lora_A", "lora_B")]
+    tensors[key], tensors[key.replace("lora_A", "lora_B")] = a[:0].clone(), b[:, :0].clone()
+
+
 @pytest.mark.parametrize(
     ("config", "edit", "message"),
     [
@@ -323,6 +329,7 @@ def _bad_shape(tensors: dict) -> None:
         (None, _drop_first_b, "lacks lora_B"),
         (None, _add_head, "not LoRA on a layer"),
         (None, _bad_shape, "this model needs A"),
+        (None, _rank_zero, r"has rank 0 \(A \(0, "),
     ],
 )
 def test_loader_refuses_what_it_cannot_apply(
@@ -350,6 +357,7 @@ def _write_weights(data: bytes) -> Callable[[Path], None]:
         (_write_config("[]"), "must hold a JSON object, not list"),
         (_write_config('"x"'), "must hold a JSON object, not str"),
         (_write_config('{"r": 8, "lora_alpha": "abc"}'), "lora_alpha must be a number, not 'abc'"),
+        (_write_config('{"r": 0, "lora_alpha": 16}'), "r must be a positive number, not 0"),
         (_write_config('{"r": 8, "lora_alpha": null}'), "lora_alpha must be a number, not None"),
         (_write_config('{"r": 8, "lora_alpha": NaN}'), "lora_alpha must be a number"),
         (_write_config('{"r": 8, "alpha_pattern": {"(": 2}}'), r"key '\(' is not a regular expression"),
@@ -363,6 +371,7 @@ def _write_weights(data: bytes) -> Callable[[Path], None]:
         "config-list",
         "config-str",
         "alpha-str",
+        "rank-zero",
         "alpha-null",
         "alpha-nan",
         "pattern-regex",
