@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from boundless.config import ClusterConfig, ConfigError, SchedulerConfig, ServerConfig, add_engine_flags, add_flags
 from boundless.config_file import ConfigFileError, add_config_flag, expand_config_file
@@ -70,9 +70,36 @@ def _model_tag_as_flag(argv: list[str]) -> list[str]:
     return argv
 
 
+# The benchmarks run with a model split over ranks (--tensor-parallel-size); the others' engines are one device's.
+SPLIT_MODEL_BENCHES = ("offline", "tensor-parallel")
+
+
+def _one_device(args: argparse.Namespace, command: str) -> None:
+    """Refuse ``--tensor-parallel-size`` for a command whose engines run on one device (it was taken and ignored, or
+    failed part-way: a second engine on one loaded network)."""
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        raise SystemExit(
+            f"--tensor-parallel-size: {command} runs its engines on one device; boundless serve, generate, bench "
+            f"{' and bench '.join(SPLIT_MODEL_BENCHES)} take a split model"
+        )
+
+
+def _simulation(command: str, run: Callable[[argparse.Namespace], object]) -> Callable[[argparse.Namespace], int]:
+    """A ``boundless simulate`` command's handler: its ``run``, for engines of one device (the cost models' own)."""
+
+    def handler(args: argparse.Namespace) -> int:
+        _one_device(args, command)
+        run(args)
+        return 0
+
+    return handler
+
+
 def _bench(args: argparse.Namespace) -> int:
     """``boundless bench KIND``: ``boundless.bench.<kind>.run`` (a dash in a kind is an underscore in its module),
     imported only when its command runs (the parser knows each kind)."""
+    if args.bench_kind not in SPLIT_MODEL_BENCHES:
+        _one_device(args, f"bench {args.bench_kind}")
     importlib.import_module(f"boundless.bench.{args.bench_kind.replace('-', '_')}").run(args)
     return 0
 
@@ -110,18 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim_run.add_arguments(simulate)
     add_flags(simulate, SchedulerConfig)
-    simulate.set_defaults(func=lambda a: sim_run.run(a) and 0)
+    simulate.set_defaults(func=_simulation("simulate", sim_run.run))
     sim_sub = simulate.add_subparsers(dest="simulate_action", required=False)
     calibrate = sim_sub.add_parser("calibrate", help="fit this machine's step model from the real engine")
     from boundless.sim import calibrate as sim_calibrate
 
     sim_calibrate.add_arguments(calibrate)
-    calibrate.set_defaults(func=lambda a: sim_calibrate.run(a) and 0)
+    calibrate.set_defaults(func=_simulation("simulate calibrate", sim_calibrate.run))
     validate = sim_sub.add_parser("validate", help="the real engine against the simulator, per workload and size")
     from boundless.sim import validate as sim_validate
 
     sim_validate.add_arguments(validate)
-    validate.set_defaults(func=lambda a: sim_validate.run(a) and 0)
+    validate.set_defaults(func=_simulation("simulate validate", sim_validate.run))
 
     bench = sub.add_parser("bench", help="benchmarks: baseline and Boundless side by side")
     bench_sub = bench.add_subparsers(dest="bench_kind", required=True)

@@ -660,3 +660,19 @@ def test_structured_outputs_in_reasoning_without_a_reasoning_parser_is_said_to_b
             main(["serve", str(tmp_path / "model"), "--structured-outputs-in-reasoning", *flags])
         warned = "--structured-outputs-in-reasoning: with --reasoning-parser only; ignored here"
         assert (warned in [r.getMessage() for r in caplog.records]) is said
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "--tensor-parallel-size", "2"],
+        ["simulate", "validate", "--tensor-parallel-size", "2"],
+        ["bench", "kv-dtype", "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "2"],
+        ["bench", "longctx", "-tp", "2"],
+    ],
+)
+def test_commands_whose_engines_run_on_one_device_refuse_a_split_model(argv: list[str]) -> None:
+    """They took ``--tensor-parallel-size`` and ignored it (the simulator's cost models are one device's), or failed
+    part-way (a second engine on one loaded network)."""
+    with pytest.raises(SystemExit, match="runs its engines on one device; boundless serve, generate, bench offline"):
+        main(argv)
