@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from boundless.attention.backend import AttentionBatch
+from boundless.config import ConfigError
 from boundless.engine.errors import EngineLost
 from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, apply_transfers
 from boundless.model import shared_memory_sum
@@ -315,13 +316,17 @@ class TensorParallelRanks:
 def load_with_ranks(config: EngineConfig) -> tuple[LoadedModel, TensorParallelRanks | None]:
     """Rank 0's share of ``config``'s model; when it is split, with the other ranks launched first, to load theirs
     meanwhile (for :meth:`EngineCore.from_model`, which joins them)."""
-    from boundless.model.loader import hf_arch, load_configured_model, resolve_model_path
+    from boundless.model.loader import check_device, hf_arch, load_configured_model, rank_device, resolve_model_path
 
     size = config.model.tensor_parallel_size
-    if size > 1:  # (a model that cannot split is refused before any rank starts; a GGUF file's once loaded)
+    if size > 1:  # (refused before any rank starts: a model that cannot split, a GGUF file's once loaded; a GPU short)
         path = resolve_model_path(config.model.model)
         if path.is_dir():
             check_shardable(hf_arch(path, config.model.overrides), size)
+        try:
+            check_device(torch.device(rank_device(config.model.device, size - 1)))
+        except ConfigError as e:
+            raise ConfigError(f"--tensor-parallel-size {size}: rank {size - 1}'s {e}") from None
     ranks = TensorParallelRanks.launch(config) if size > 1 else None
     try:
         return load_configured_model(config.model), ranks

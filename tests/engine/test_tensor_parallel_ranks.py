@@ -29,7 +29,7 @@ from boundless.config import (
 )
 from boundless.engine.core import EngineCore
 from boundless.engine.sampling_params import SamplingParams
-from boundless.engine.tensor_parallel import RankLost, TensorParallelRanks
+from boundless.engine.tensor_parallel import RankLost, TensorParallelRanks, load_with_ranks
 from boundless.llm import LLM
 from boundless.model.loader import LoadedModel, load_configured_model
 
@@ -248,3 +248,15 @@ def test_one_loaded_network_is_rank_0_of_one_engine_at_a_time(model_dirs: dict[s
         assert _greedy(second, prompts) == answer
     finally:
         second.close()
+
+
+def test_ranks_on_gpus_the_machine_lacks_are_refused_before_any_starts(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--device cuda --tensor-parallel-size 2`` on a machine of one GPU: one line naming the flag and the rank, not a
+    rank's start-up failing after the others loaded (CUDA is faked: the check runs before anything touches it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = EngineConfig(ModelConfig(model=str(model_dirs["tiny-llama"]), device="cuda", tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2: rank 1's device cuda:1: this machine has 1 GPU"):
+        load_with_ranks(config)
