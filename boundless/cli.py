@@ -70,17 +70,17 @@ def _model_tag_as_flag(argv: list[str]) -> list[str]:
     return argv
 
 
-# The benchmarks run with a model split over ranks (--tensor-parallel-size); the others' engines are one device's.
+# The benchmarks made for a model split over ranks (--tensor-parallel-size); the others refuse it.
 SPLIT_MODEL_BENCHES = ("offline", "tensor-parallel")
 
 
 def _one_device(args: argparse.Namespace, command: str) -> None:
-    """Refuse ``--tensor-parallel-size`` for a command whose engines run on one device (it was taken and ignored, or
-    failed part-way: a second engine on one loaded network)."""
+    """Refuse ``--tensor-parallel-size`` for a command not made for a split model (it was taken and ignored: the
+    simulator's cost models are one device's; or it failed part-way: several engines on one loaded network)."""
     if getattr(args, "tensor_parallel_size", 1) != 1:
         raise SystemExit(
-            f"--tensor-parallel-size: {command} runs its engines on one device; boundless serve, generate, bench "
-            f"{' and bench '.join(SPLIT_MODEL_BENCHES)} take a split model"
+            f"--tensor-parallel-size: {command} does not take a split model; boundless serve, generate, bench "
+            f"{' and bench '.join(SPLIT_MODEL_BENCHES)} do"
         )
 
 

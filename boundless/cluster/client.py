@@ -831,10 +831,14 @@ def _require_gpus(instances: int, ranks_each: int, joined: bool) -> None:
 
     have = int(ray.cluster_resources().get("GPU", 0))
     needed = instances * ranks_each
-    if have >= needed:
+    # (An instance's ranks share its actor's node: a split model needs that many GPUs on one node.)
+    most_on_a_node = max((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")), default=0)
+    if have >= needed and most_on_a_node >= ranks_each:
         return
-    each = "one each" if ranks_each == 1 else f"{ranks_each} each (--tensor-parallel-size)"
+    each = "one each" if ranks_each == 1 else f"{ranks_each} each (--tensor-parallel-size), on one node"
     message = f"--device cuda: {instances} engine instances need {needed} GPUs, {each}; the Ray cluster has {have}"
+    if ranks_each > 1:
+        message += f", at most {most_on_a_node} on a node"
     if not joined:
         raise ConfigError(f"{message} (give fewer instances, or --ray-address of a cluster with more)")
     log.warning("%s; the instances wait until nodes with GPUs join", message)

@@ -242,6 +242,11 @@ def _build_model_executor(
     ranks: TensorParallelRanks | None,
 ) -> ModelExecutor:
     arch = loaded.arch
+    if loaded.model.summed:  # (before anything is shared with the engine running on it, or ranks launched for it)
+        raise ValueError(
+            "this network is rank 0 of another tensor-parallel engine already (its sums go to that engine's ranks): "
+            "load the model again for another engine"
+        )
     if loaded.tensor_parallel.size != config.model.tensor_parallel_size:
         raise ValueError(
             f"the model was loaded as {loaded.tensor_parallel.size} tensor-parallel rank(s)' share, the config asks "

@@ -338,9 +338,11 @@ class ModelExecutor:
         return LayerWaits(gates, self.layer_wait_timeout_s) if gates else None
 
     def close(self) -> None:
-        self.kv_io.close()
-        if self.runner.ranks is not None:
-            self.runner.ranks.close()
+        try:
+            self.kv_io.close()
+        finally:
+            if self.runner.ranks is not None:
+                self.runner.ranks.close()
 
 
 class LandingCopies:

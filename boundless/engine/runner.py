@@ -185,9 +185,9 @@ class ModelRunner:
             follows.fill(batch.input_ids, batch.ahead_rows, [c.request_id for c in batch.ahead_chunks])
         meta = self.attention.prepare(batch.attention)
         lora = lora_batch(self.loras, batch.lora_rows, self.device) if batch.lora_rows else None
+        if self.ranks is not None:  # (a send cut short loses the ranks; a failure before any leaves them in step)
+            self.ranks.forward(batch.input_ids, batch.positions, batch.attention)
         try:
-            if self.ranks is not None:
-                self.ranks.forward(batch.input_ids, batch.positions, batch.attention)
             hidden = self.model(
                 batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer, lora
             )
@@ -196,9 +196,9 @@ class ModelRunner:
         except BaseException as e:
             if self.ranks is None:
                 raise
-            # The other ranks are part-way through this pass (or some were sent it and some not), waiting at a sum that
-            # will not come: a next pass's sums would meet theirs out of step, so none may run. (An interrupt, Ctrl-C
-            # in a notebook, is raised as itself, the ranks lost all the same.)
+            # The other ranks are part-way through this pass, waiting at a sum that will not come: a next pass's sums
+            # would meet theirs out of step, so none may run. (An interrupt, Ctrl-C in a notebook, is raised as
+            # itself, the ranks lost all the same.)
             lost = self.ranks.lose(f"rank 0's forward pass failed ({type(e).__name__}: {e})")
             if not isinstance(e, Exception):
                 raise

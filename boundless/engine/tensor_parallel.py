@@ -95,10 +95,37 @@ class RankSpec:
     sum_file: str | None  # else the shared-memory sum's file (``model/shared_memory_sum.py``)
 
 
-def cpu_threads(size: int) -> int:
-    """Each rank's share of the threads this process may use (PyTorch's, which OMP_NUM_THREADS sets), when the ranks
-    share a CPU."""
-    return max(1, torch.get_num_threads() // size)
+class CpuThreadShare:
+    """Each rank's share of the threads this process may use (PyTorch's, which OMP_NUM_THREADS sets), while split
+    engines run on its CPU: reckoned from the count before the first such engine opened, rank 0's set in this process,
+    and the count given back when the last closes (engines open and close in any order)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._before: int | None = None
+        self._open = 0
+
+    def take(self, size: int) -> int:
+        """One more split engine of ``size`` ranks: each rank's threads (set for rank 0 here)."""
+        with self._lock:
+            if self._open == 0:
+                self._before = torch.get_num_threads()
+            self._open += 1
+            assert self._before is not None
+            share = max(1, self._before // size)
+            torch.set_num_threads(share)
+            return share
+
+    def give_back(self) -> None:
+        """One split engine fewer: with none left, the process's threads are what they were."""
+        with self._lock:
+            self._open -= 1
+            if self._open == 0 and self._before is not None:
+                torch.set_num_threads(self._before)
+                self._before = None
+
+
+CPU_THREADS = CpuThreadShare()
 
 
 class TensorParallelRanks:
@@ -125,7 +152,7 @@ class TensorParallelRanks:
         self.group: RankSum | None = None  # (once joined)
         self.model: LlamaModel | None = None  # rank 0's network (once joined)
         self.lost: str | None = None  # why the ranks can run no more steps
-        self.threads_before: int | None = None  # rank 0's threads before its share was set (restored at close)
+        self.shares_cpu = device.type == "cpu"  # (its share of the CPU's threads, given back at close)
         self.closed = threading.Event()
 
     @staticmethod
@@ -143,7 +170,7 @@ class TensorParallelRanks:
         :meth:`join`. Returns at once."""
         size = config.model.tensor_parallel_size
         device = device or torch.device(config.model.device)
-        threads = cpu_threads(size) if device.type == "cpu" else 1
+        threads = CPU_THREADS.take(size) if device.type == "cpu" else 1
         # Ranks on one machine's CPU sum through shared memory (1 ms a sum through gloo's loopback TCP); others through
         # a process group.
         store, sum_dir, sum_file = None, None, None
@@ -181,14 +208,12 @@ class TensorParallelRanks:
             _stop(processes, [])
             if sum_dir is not None:
                 sum_dir.remove()
+            if device.type == "cpu":
+                CPU_THREADS.give_back()
             raise
         finally:
             listener.close()
-        ranks = TensorParallelRanks(config, device, processes, pipes, store, sum_dir, sum_file)
-        if device.type == "cpu":
-            ranks.threads_before = torch.get_num_threads()
-            torch.set_num_threads(threads)
-        return ranks
+        return TensorParallelRanks(config, device, processes, pipes, store, sum_dir, sum_file)
 
     def join(self, layout: EngineLayout, model: LlamaModel) -> None:
         """Send every rank the KV memory's ``layout``; once each has loaded its share and built its KV memory, join
@@ -262,16 +287,18 @@ class TensorParallelRanks:
         sum that will not come); rank 0's network sums nowhere again, and its threads are what they were."""
         if self.closed.is_set():
             return
-        self.closed.set()
-        _stop(self.processes, self.pipes, 0.0 if self.lost else 10.0)
-        if isinstance(self.group, SharedMemorySum):
-            self.group.close()
-        if self.sum_dir is not None:
-            self.sum_dir.remove()
-        if self.model is not None:
-            self.model.sum_over(None)
-        if self.threads_before is not None:
-            torch.set_num_threads(self.threads_before)
+        self.closed.set()  # (first: the watchdog then stops, not taking the ranks' stop for a loss)
+        try:
+            _stop(self.processes, self.pipes, 0.0 if self.lost else 10.0)
+        finally:  # (an interrupt while the ranks stop: what is rank 0's own is released all the same)
+            if isinstance(self.group, SharedMemorySum):
+                self.group.close()
+            if self.sum_dir is not None:
+                self.sum_dir.remove()
+            if self.model is not None:
+                self.model.sum_over(None)
+            if self.shares_cpu:
+                CPU_THREADS.give_back()
 
     def _watch(self) -> None:
         """On CUDA: a sum is queued on the device and never waits on the host, so a rank that dies leaves rank 0
@@ -291,14 +318,16 @@ class TensorParallelRanks:
         self.check()
         # (Pickled here, not by the pipe: its pickler would share tensors' storage by file descriptors.)
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, pipe in enumerate(self.pipes, start=1):
-            try:
+        sent = 0
+        try:
+            for pipe in self.pipes:
                 pipe.send_bytes(data)
-            except (BrokenPipeError, ConnectionError, EOFError, OSError) as e:
-                raise self.lose(f"rank {rank}'s pipe closed ({e})") from e
-            except BaseException as e:  # (an interrupt between two ranks' sends: they are out of step)
-                self.lose(f"interrupted while sending the ranks a step ({type(e).__name__})")
-                raise
+                sent += 1
+        except (BrokenPipeError, ConnectionError, EOFError, OSError) as e:
+            raise self.lose(f"rank {sent + 1}'s pipe closed ({e})") from e
+        except BaseException as e:  # (an interrupt once sending began: some ranks have the step, or part of it)
+            self.lose(f"interrupted while sending the ranks a step ({type(e).__name__})")
+            raise
 
     def lose(self, why: str) -> RankLost:
         """Note why the ranks can go on no more (the first reason found: a rank that exited, else ``why``), and the
@@ -404,9 +433,18 @@ def _layout(pipe: Connection) -> EngineLayout | None:
     return pickle.loads(data) if data else None
 
 
+def _exit_with(rank0_pid: int) -> None:
+    """End this rank once rank 0's process is gone, whatever it is doing (loading its share, or waiting at an NCCL sum,
+    holding its GPU's memory): a Ray actor is killed with SIGKILL, and its restart takes the same GPUs."""
+    while os.getppid() == rank0_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def rank_main() -> None:
     """A rank's interpreter: its spec from stdin, then :func:`serve_rank` over its pipe to rank 0."""
     spec, address, key = pickle.loads(sys.stdin.buffer.read())
+    threading.Thread(target=_exit_with, args=(spec.rank0_pid,), name="tp-parent", daemon=True).start()
     pipe = Client(address, authkey=key)
     pipe.send(spec.rank)
     serve_rank(spec, pipe)

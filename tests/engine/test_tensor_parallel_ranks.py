@@ -260,3 +260,22 @@ def test_ranks_on_gpus_the_machine_lacks_are_refused_before_any_starts(
     config = EngineConfig(ModelConfig(model=str(model_dirs["tiny-llama"]), device="cuda", tensor_parallel_size=2))
     with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2: rank 1's device cuda:1: this machine has 1 GPU"):
         load_with_ranks(config)
+
+
+def test_cpu_threads_are_shared_while_split_engines_run_and_given_back_after_the_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engines closed in another order than they opened: each later one's share was reckoned from the first's already
+    cut count, and the first's close gave the process its whole count back while the second still ran."""
+    from boundless.engine.tensor_parallel import CpuThreadShare
+
+    counts = [8]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: counts[0])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: counts.__setitem__(0, n))
+    share = CpuThreadShare()
+    assert share.take(2) == 4 and counts[0] == 4
+    assert share.take(2) == 4 and counts[0] == 4  # (from the 8 before the first, not the first's 4)
+    share.give_back()
+    assert counts[0] == 4  # (one engine still runs)
+    share.give_back()
+    assert counts[0] == 8
