@@ -139,9 +139,14 @@ def test_long_calls_stay_home_short_calls_spread_outputs_match(
     cluster_view = httpx.get(server.url + "/cluster").json()["instances"]
     assert [i["state"] for i in cluster_view] == ["alive", "alive"]
     assert all(i["pid"] != os.getpid() for i in cluster_view)  # separate processes
+    # /metrics counts from the instances' heartbeats (every 0.2 s here): the last calls' tokens come with the next one.
+    wanted = [f'boundless_generation_tokens_total{{instance="{i}"}}' for i in ("0", "1")]
+    deadline = time.monotonic() + 10
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'boundless_generation_tokens_total{instance="0"}' in metrics
-    assert 'boundless_generation_tokens_total{instance="1"}' in metrics
+    while not all(line in metrics for line in wanted) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        metrics = httpx.get(server.url + "/metrics").text
+    assert all(line in metrics for line in wanted), metrics
 
 
 def test_each_instance_publishes_its_kv_events_on_its_own_port(
