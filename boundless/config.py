@@ -192,11 +192,6 @@ class ModelConfig:
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
-        _require(
-            self.tensor_parallel_size == 1 or not self.enable_lora,
-            "tensor_parallel_size",
-            "LoRA adapters are not split across devices here; serve them with one (--tensor-parallel-size 1)",
-        )
         _require(self.max_loras >= 1, "max_loras", "must be >= 1")
         _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         _require(self.enable_lora or not self.lora_modules, "lora_modules", "needs --enable-lora")

@@ -75,12 +75,22 @@ class ModelRunner:
         self.loras: dict[str, LoRAAdapter] = {}  # loaded LoRA adapters by name (``add_lora``)
 
     def add_lora(self, request: LoRARequest, max_rank: int) -> LoRAAdapter:
-        """Load an adapter (or replace one of the same name); its requests may run from the next step."""
-        adapter = load_lora(request, self.model.arch, self.model.embed_tokens.weight.dtype, self.device, max_rank)
+        """Load an adapter (or replace one of the same name); its requests may run from the next step. A split
+        model's other ranks load their parts of it too (rank 0's first: a bad adapter is refused before they hear of
+        it)."""
+        model = self.model
+        adapter = load_lora(
+            request, model.arch, model.embed_tokens.weight.dtype, self.device, max_rank, model.tensor_parallel,
+            model.whole_arch,
+        )  # fmt: skip
+        if self.ranks is not None:
+            self.ranks.add_lora(request, max_rank)
         self.loras[request.lora_name] = adapter
         return adapter
 
     def remove_lora(self, name: str) -> bool:
+        if self.ranks is not None and name in self.loras:
+            self.ranks.remove_lora(name)
         return self.loras.pop(name, None) is not None
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
@@ -186,7 +196,7 @@ class ModelRunner:
         meta = self.attention.prepare(batch.attention)
         lora = lora_batch(self.loras, batch.lora_rows, self.device) if batch.lora_rows else None
         if self.ranks is not None:  # (a send cut short loses the ranks; a failure before any leaves them in step)
-            self.ranks.forward(batch.input_ids, batch.positions, batch.attention)
+            self.ranks.forward(batch.input_ids, batch.positions, batch.attention, batch.lora_rows)
         try:
             hidden = self.model(
                 batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer, lora

@@ -44,6 +44,7 @@ from boundless.config import ConfigError
 from boundless.engine.errors import EngineLost
 from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, apply_transfers
 from boundless.model import shared_memory_sum
+from boundless.model.lora import LoRAAdapter, LoRARequest, load_lora, lora_batch
 from boundless.model.shared_memory_sum import SharedMemorySum
 from boundless.model.tensor_parallel import RankSum, TensorParallel, TensorParallelGroup, check_shardable
 from boundless.transport.meeting_dir import MeetingDirectory, make_meeting_directory
@@ -67,11 +68,13 @@ class RankLost(EngineLost):
 
 @dataclass(frozen=True)
 class StepInputs:
-    """What a rank needs of one forward pass: its token ids, positions and attention batch, on the CPU."""
+    """What a rank needs of one forward pass: its token ids, positions and attention batch, on the CPU, and each LoRA
+    adapter's runs of rows."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attention: AttentionBatch
+    lora_rows: dict[str, list[tuple[int, int]]]
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         batch = self.attention
@@ -256,7 +259,20 @@ class TensorParallelRanks:
         if transfers:
             self._send(("transfers", list(transfers)))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBatch) -> None:
+    def add_lora(self, request: LoRARequest, max_rank: int) -> None:
+        """Every rank loads its parts of the adapter (from the same path: ranks share a machine, or its file system)."""
+        self._send(("lora", (request, max_rank)))
+
+    def remove_lora(self, name: str) -> None:
+        self._send(("unlora", name))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBatch,
+        lora_rows: dict[str, list[tuple[int, int]]] | None = None,
+    ) -> None:
         """Start the step's forward pass on every rank (rank 0 runs its own next; their sums meet)."""
         if attention.remote:  # (KV lending is refused with a split model; this says so should a path get here)
             raise ValueError("a step with blocks lent to other instances: DistAttention is not split over ranks here")
@@ -265,7 +281,7 @@ class TensorParallelRanks:
             attention.num_decodes, attention.query_lens, attention.seq_lens, attention.block_tables,
             attention.slot_mapping.to(cpu), attention.block_size, cpu,
         )  # fmt: skip
-        self._send(("forward", StepInputs(input_ids.to(cpu), positions.to(cpu), batch)))
+        self._send(("forward", StepInputs(input_ids.to(cpu), positions.to(cpu), batch, dict(lora_rows or {}))))
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """The group's sum (:meth:`TensorParallelGroup.all_reduce_`), a failure of it said as the rank lost."""
@@ -497,6 +513,7 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
                 pass
         return
     pipe.send(("loaded", None))
+    loras: dict[str, LoRAAdapter] = {}  # (the adapters rank 0 has loaded, this rank's parts of them)
     if spec.sum_file is None:
         group = TensorParallelGroup(store, TensorParallel(spec.rank, size), device, SUM_TIMEOUT_S)
     model.sum_over(group.all_reduce_)
@@ -511,6 +528,14 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
             kind, payload = pickle.loads(data)
             if kind == "transfers":
                 apply_transfers(payload, tiers)
+            elif kind == "lora":
+                request, max_rank = payload
+                loras[request.lora_name] = load_lora(
+                    request, arch, loaded.dtype, device, max_rank, model.tensor_parallel, model.whole_arch
+                )
+            elif kind == "unlora":
+                loras.pop(payload, None)
             else:
                 input_ids, positions, batch = payload.on(device)
-                model(input_ids, positions, attention, kv_cache, attention.prepare(batch))
+                lora = lora_batch(loras, payload.lora_rows, device) if payload.lora_rows else None
+                model(input_ids, positions, attention, kv_cache, attention.prepare(batch), lora=lora)

@@ -31,6 +31,7 @@ from boundless.model.fp8_linear import fp8_linear, quantizable, quantize_rows
 from boundless.model.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRABatch
 from boundless.model.moe import SparseMoE
 from boundless.model.rope import RotaryEmbedding, apply_rotary_
+from boundless.model.tensor_parallel import ONE_DEVICE
 
 # Token counts up to which the CPU multiplies as (weight @ x.T).T (see `linear`).
 _CPU_SMALL_BATCH = 256
@@ -400,14 +401,17 @@ class DecoderLayer(nn.Module):
         ):
             cpu_kernels.layer_out(attn, hidden, packed.o, post.weight, post.eps, x, gate_up, step.act, down)
             return hidden
-        # Taken apart: for LoRA adapters, or to sum a tensor-parallel rank's products with the others' (no adapters
-        # then: refused at start-up) before each is added to the stream.
+        # Taken apart: for LoRA adapters, or to sum a tensor-parallel rank's products with the others' before each is
+        # added to the stream (an adapter's share of a rank's product, from the rank's part of its A, is in the sum).
         if self.reduce is None:
             packed.o.matmul(attn, hidden, accumulate=True)
             if lora is not None:
                 lora.add_(index, O_PROJ, attn, hidden)
         else:
-            hidden += self._summed(packed.o.matmul(attn))
+            out = packed.o.matmul(attn)
+            if lora is not None:
+                lora.add_(index, O_PROJ, attn, out)
+            hidden += self._summed(out)
         cpu_kernels.rms_norm(hidden, post.weight, post.eps, x)
         if self.moe is not None:
             hidden += self.moe(x, packed.experts)
@@ -423,7 +427,10 @@ class DecoderLayer(nn.Module):
             if lora is not None:
                 lora.add_(index, DOWN, act, hidden)
         else:
-            hidden += self._summed(down.matmul(act))
+            out = down.matmul(act)
+            if lora is not None:
+                lora.add_(index, DOWN, act, out)
+            hidden += self._summed(out)
         return hidden
 
 
@@ -493,6 +500,10 @@ class LlamaModel(nn.Module):
         self._act_width = 0
         self._workspace = _Workspace()
         self.quantized = False  # --quantization fp8 (quantize_fp8)
+        # A tensor-parallel rank's network (model/tensor_parallel.py): the whole model's architecture and its place;
+        # on one device ``arch`` and one rank of one (set by the loader).
+        self.whole_arch = arch
+        self.tensor_parallel = ONE_DEVICE
 
     def sum_over(self, reduce: Callable[[torch.Tensor], None] | None) -> None:
         """Make this network one rank of a tensor-parallel model (``model/tensor_parallel.py``): each layer's

@@ -265,6 +265,7 @@ def load_model(
     with torch.device("meta"):
         model = LlamaModel(arch)
     model = model.to(torch_dtype).to_empty(device=dev)  # allocated once, in the target dtype
+    model.whole_arch, model.tensor_parallel = full_arch, tensor_parallel
     model.load_weights(tensors)
     if quantization == "fp8":
         model.quantize_fp8()

@@ -29,6 +29,7 @@ import torch
 
 from boundless.model import cpu_kernels
 from boundless.model.arch import ModelArch
+from boundless.model.tensor_parallel import ONE_DEVICE, TensorParallel, shard_plan
 
 # The four fused matrices of a layer an adapter may touch, in the order the layer applies them.
 QKV, O_PROJ, GATE_UP, DOWN = range(4)
@@ -236,10 +237,21 @@ def _read_weights(
 
 
 def load_lora(
-    request: LoRARequest, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_rank: int
+    request: LoRARequest,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_rank: int,
+    tensor_parallel: TensorParallel = ONE_DEVICE,
+    whole_arch: ModelArch | None = None,
 ) -> LoRAAdapter:
     """Read a PEFT LoRA checkpoint for a model of ``arch``; every error names the adapter and what is wrong: a
-    malformed or unreadable checkpoint is a ``LoRAError``, never another exception."""
+    malformed or unreadable checkpoint is a ``LoRAError``, never another exception.
+
+    For rank ``tensor_parallel`` of a split model (``arch`` its share, ``whole_arch`` the model's): the rank's part of
+    each projection's adapter, cut as its weight is (``tensor_parallel.shard_plan``): B's rows where the projection is
+    split by rows (q/k/v, gate/up: its outputs are the rank's), A's columns where it is split by columns (o, down: its
+    inputs are the rank's, and the ranks' partial products, the adapter's among them, are summed after)."""
     path = Path(request.lora_path).expanduser()
     try:
         is_dir = path.is_dir()
@@ -254,6 +266,15 @@ def load_lora(
     if not weights_file.is_file():
         raise LoRAError(f"LoRA adapter {request.lora_name!r}: {path} has no adapter_model.safetensors")
     pairs = _read_weights(request, weights_file, arch)
+    if tensor_parallel.size > 1:
+        whole = whole_arch or arch
+        for (layer, module), ab in pairs.items():
+            side = "A" if module in ("o_proj", "down_proj") else "B"
+            if side in ab:  # (its shape is checked against the rank's below)
+                name = f"model.layers.{layer}.{module}.weight"  # (what shard_plan reads of a weight's name)
+                plan = shard_plan(name, ab[side].shape, whole, tensor_parallel)
+                if plan is not None and ab[side].dim() == 2:
+                    ab[side] = plan.take(ab[side]).contiguous()
     if not pairs:
         raise LoRAError(f"LoRA adapter {request.lora_name!r}: adapter_model.safetensors holds no LoRA weights")
     q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim

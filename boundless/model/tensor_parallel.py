@@ -27,7 +27,6 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
-from boundless.config import ConfigError
 from boundless.model.arch import ModelArch
 
 
@@ -49,6 +48,8 @@ ONE_DEVICE = TensorParallel()  # a model on one device
 def check_shardable(arch: ModelArch, size: int) -> None:
     """Refuse, naming the flag, a model that ``size`` ranks cannot split evenly (vLLM's rule: the heads, the key/value
     heads and the MLP's features each a multiple of the ranks), or one with experts (not split here)."""
+    from boundless.config import ConfigError  # (here: the config reads LoRA modules, whose loading cuts by ranks)
+
     if size == 1:
         return
     flag = f"--tensor-parallel-size {size}"
