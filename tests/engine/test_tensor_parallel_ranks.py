@@ -317,3 +317,21 @@ def test_lora_adapters_on_two_ranks_answer_as_on_one_device(
     one, two = answers(1), answers(2)
     assert two == one
     assert one[0] != one[2]  # (the adapter changes the answer: a test that cannot tell them apart tests nothing)
+
+
+def test_smollm2_from_its_gguf_file_on_three_ranks_answers_as_transformers(
+    smollm2: LoadedModel, hf_model: Callable[[str], Any]
+) -> None:
+    """The bundled model (a GGUF file, its tensors cut from whole ones; 9 heads and 3 key/value heads: one a rank),
+    three ranks summing through shared memory."""
+    prompts = [smollm2.tokenizer.encode(t) for t in TEXTS[:4]]
+    expected = _transformers_greedy(smollm2, hf_model("smollm2-135m"), prompts)
+    config = EngineConfig(
+        ModelConfig(max_model_len=256, tensor_parallel_size=3), CacheConfig(kv_cache_gb=0.01), SchedulerConfig()
+    )
+    core = EngineCore.from_model(load_configured_model(config.model), config)
+    try:
+        assert core.executor.runner.model.arch.num_kv_heads == 1  # type: ignore[attr-defined]
+        assert _greedy(core, prompts) == expected
+    finally:
+        core.close()
