@@ -1,4 +1,5 @@
-"""The ranks past the first of a tensor-parallel engine (``--tensor-parallel-size``), each a process of its own.
+"""The ranks past the first of a tensor-parallel engine (``--tensor-parallel-size``), each a process of its own
+(``engine/rank_process.py``), as rank 0 sees and drives them.
 
 Rank 0 is the engine: it schedules, runs its share of every forward pass and samples. Every other rank holds its
 share of the weights and of the KV memory (``model/tensor_parallel.py``) and does to its own what rank 0 does to
@@ -13,7 +14,7 @@ while rank 0 loads its own; once rank 0 has sized the KV memory, :meth:`TensorPa
 layout, waits for their KV memory and joins their sum.
 
 A rank that fails or exits is found by rank 0 at its next send (its process has exited) or its next sum (shared
-memory: the wait asks whether the ranks live; gloo reports the closed connection; NCCL, the group's timeout): the step
+memory: the wait asks whether the ranks live; gloo reports the closed connection; NCCL, the watchdog's abort): the step
 fails with :class:`RankLost`, an :class:`~boundless.engine.errors.EngineLost`, and the engine loop stops with it, as a
 server whose engine died does: its requests in flight end with an error and ``/health`` answers unavailable.
 """
@@ -21,7 +22,6 @@ server whose engine died does: its requests in flight end with an error and ``/h
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import pickle
@@ -30,10 +30,8 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, Listener
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,9 +40,10 @@ import torch.distributed as dist
 from boundless.attention.backend import AttentionBatch
 from boundless.config import ConfigError
 from boundless.engine.errors import EngineLost
-from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, apply_transfers
+from boundless.engine.rank_process import JOIN_TIMEOUT_S, SUM_TIMEOUT_S, RankSpec, StepInputs, seconds
+from boundless.kv.transfer import BlockTransfer
 from boundless.model import shared_memory_sum
-from boundless.model.lora import LoRAAdapter, LoRARequest, load_lora, lora_batch
+from boundless.model.lora import LoRARequest
 from boundless.model.shared_memory_sum import SharedMemorySum
 from boundless.model.tensor_parallel import RankSum, TensorParallel, TensorParallelGroup, check_shardable
 from boundless.transport.meeting_dir import MeetingDirectory, make_meeting_directory
@@ -57,45 +56,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How long a sum waits for every rank (a rank stuck this long is lost), and joining the group at start-up.
-SUM_TIMEOUT_S = 600.0
-JOIN_TIMEOUT_S = 120.0
-
 
 class RankLost(EngineLost):
     """A rank of a tensor-parallel engine failed or exited: the engine cannot run another step."""
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """What a rank needs of one forward pass: its token ids, positions and attention batch, on the CPU, and each LoRA
-    adapter's runs of rows."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attention: AttentionBatch
-    lora_rows: dict[str, list[tuple[int, int]]]
-
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        batch = self.attention
-        attention = AttentionBatch(
-            batch.num_decodes, batch.query_lens, batch.seq_lens, batch.block_tables,
-            batch.slot_mapping.to(device), batch.block_size, device,
-        )  # fmt: skip
-        return self.input_ids.to(device), self.positions.to(device), attention
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """How a rank builds itself: the engine's config, its rank, the CPU threads it may use, rank 0's process, and where
-    the ranks sum (the KV memory's layout comes later, once rank 0 has sized it)."""
-
-    config: EngineConfig
-    rank: int
-    threads: int
-    rank0_pid: int
-    store_port: int | None  # the process group's store (ranks on CUDA, or CPUs that sum through gloo)
-    sum_file: str | None  # else the shared-memory sum's file (``model/shared_memory_sum.py``)
 
 
 class CpuThreadShare:
@@ -187,7 +150,7 @@ class TensorParallelRanks:
                 sum_dir.remove()
                 sum_dir, sum_file = None, None
         if sum_file is None:
-            store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=_seconds(JOIN_TIMEOUT_S), wait_for_workers=False)
+            store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=seconds(JOIN_TIMEOUT_S), wait_for_workers=False)
         # Fresh interpreters (not multiprocessing's spawn, which reruns the caller's main script in each: a script
         # calling LLM(...) unguarded would start ranks without end; nor fork, which copies rank 0's threads and CUDA
         # state), each given its spec on stdin, calling back here for its pipe.
@@ -199,7 +162,7 @@ class TensorParallelRanks:
                 port = None if store is None else store.port
                 spec = RankSpec(config, rank, threads, os.getpid(), port, sum_file)
                 process = subprocess.Popen(
-                    [sys.executable, "-c", "from boundless.engine.tensor_parallel import rank_main; rank_main()"],
+                    [sys.executable, "-c", "from boundless.engine.rank_process import rank_main; rank_main()"],
                     stdin=subprocess.PIPE,
                 )
                 assert process.stdin is not None
@@ -381,10 +344,6 @@ def load_with_ranks(config: EngineConfig) -> tuple[LoadedModel, TensorParallelRa
         raise
 
 
-def _seconds(s: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=s)
-
-
 def _accept(listener: Listener, processes: Sequence[subprocess.Popen[bytes]]) -> list[Connection]:
     """Each rank's pipe, in rank order, as the ranks call back (one that exits first raises)."""
     found: dict[int, Connection] = {}
@@ -438,104 +397,3 @@ def _stop(processes: Sequence[subprocess.Popen[bytes]], pipes: Sequence[Connecti
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(1)
-
-
-def _layout(pipe: Connection) -> EngineLayout | None:
-    """The KV memory's layout rank 0 sends once it has sized it; None if it is gone or says stop."""
-    try:
-        data = pipe.recv_bytes()
-    except (EOFError, OSError):
-        return None
-    return pickle.loads(data) if data else None
-
-
-def _exit_with(rank0_pid: int) -> None:
-    """End this rank once rank 0's process is gone, whatever it is doing (loading its share, or waiting at an NCCL sum,
-    holding its GPU's memory): a Ray actor is killed with SIGKILL, and its restart takes the same GPUs."""
-    while os.getppid() == rank0_pid:
-        time.sleep(0.5)
-    os._exit(1)
-
-
-def rank_main() -> None:
-    """A rank's interpreter: its spec from stdin, then :func:`serve_rank` over its pipe to rank 0."""
-    spec, address, key = pickle.loads(sys.stdin.buffer.read())
-    threading.Thread(target=_exit_with, args=(spec.rank0_pid,), name="tp-parent", daemon=True).start()
-    pipe = Client(address, authkey=key)
-    pipe.send(spec.rank)
-    serve_rank(spec, pipe)
-
-
-def serve_rank(spec: RankSpec, pipe: Connection) -> None:
-    """A rank's process: load its share; with the layout rank 0 sends, build its KV memory and attention; join the sum;
-    then make each copy and run each forward pass rank 0 sends, until the pipe closes or says stop (an empty
-    message)."""
-    from boundless.engine.builder import make_attention
-    from boundless.kv.tensors import PagedKVCache
-    from boundless.kv.tiers import HostKVTier
-    from boundless.model.loader import load_configured_model, rank_device
-
-    config = spec.config
-    size = config.model.tensor_parallel_size
-    try:
-        torch.set_num_threads(spec.threads)
-        if config.model.device.startswith("cuda"):  # (before anything is placed: the current device is the rank's)
-            torch.cuda.set_device(torch.device(rank_device(config.model.device, spec.rank)))
-        loaded = load_configured_model(config.model, rank=spec.rank)
-        layout = _layout(pipe)
-        if layout is None:
-            return  # rank 0 is gone, or stopped the ranks before they joined
-        arch, device = loaded.arch, loaded.device
-        model = loaded.model
-        model.prepare(layout.max_model_len)
-        kv_cache = PagedKVCache(
-            arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, layout.kv_dtype,
-            device,
-        )  # fmt: skip
-        tiers: dict[Any, Any] = {DEVICE: kv_cache}
-        if layout.num_host_blocks:
-            tiers[HOST] = HostKVTier(kv_cache, layout.num_host_blocks)
-        attention = make_attention(config, arch, layout, device, loaded.dtype)
-        group: RankSum
-        if spec.sum_file is not None:
-            group = SharedMemorySum(
-                spec.sum_file, spec.rank, size, lambda: os.getppid() == spec.rank0_pid, SUM_TIMEOUT_S
-            )
-        else:
-            assert spec.store_port is not None
-            store = dist.TCPStore("127.0.0.1", spec.store_port, size, False, timeout=_seconds(JOIN_TIMEOUT_S))
-    except BaseException:
-        with contextlib.suppress(EOFError, OSError):
-            pipe.send(("failed", traceback.format_exc(limit=-1).strip().splitlines()[-1]))
-            # Open until rank 0 has read it: rank 0 may be writing the layout, and a write to a closed socket is
-            # answered with a reset, which drops the error unread.
-            while pipe.recv_bytes():
-                pass
-        return
-    pipe.send(("loaded", None))
-    loras: dict[str, LoRAAdapter] = {}  # (the adapters rank 0 has loaded, this rank's parts of them)
-    if spec.sum_file is None:
-        group = TensorParallelGroup(store, TensorParallel(spec.rank, size), device, SUM_TIMEOUT_S)
-    model.sum_over(group.all_reduce_)
-    with torch.inference_mode():
-        while True:
-            try:
-                data = pipe.recv_bytes()
-            except (EOFError, OSError):
-                return  # rank 0 is gone
-            if not data:
-                return  # (stop)
-            kind, payload = pickle.loads(data)
-            if kind == "transfers":
-                apply_transfers(payload, tiers)
-            elif kind == "lora":
-                request, max_rank = payload
-                loras[request.lora_name] = load_lora(
-                    request, arch, loaded.dtype, device, max_rank, model.tensor_parallel, model.whole_arch
-                )
-            elif kind == "unlora":
-                loras.pop(payload, None)
-            else:
-                input_ids, positions, batch = payload.on(device)
-                lora = lora_batch(loras, payload.lora_rows, device) if payload.lora_rows else None
-                model(input_ids, positions, attention, kv_cache, attention.prepare(batch), lora=lora)

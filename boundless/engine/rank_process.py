@@ -1,0 +1,176 @@
+"""A rank past the first of a tensor-parallel engine, in its own process (``engine/tensor_parallel.py`` starts it):
+what rank 0 sends it, and the loop that does to its share of the model and of the KV memory what rank 0 does to its.
+
+The process is a fresh interpreter (``python -c ... rank_main()``): its spec comes on stdin, and it calls rank 0 back
+for its pipe. It loads its share, waits for the KV memory's layout, builds its pools and attention, joins the ranks'
+sum, then applies each message in order: the step's block copies, a LoRA adapter to load or drop, a forward pass. It
+ends when the pipe closes or says stop (an empty message), or when rank 0's process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from boundless.attention.backend import AttentionBatch
+from boundless.kv.transfer import DEVICE, HOST, apply_transfers
+from boundless.model.lora import LoRAAdapter, load_lora, lora_batch
+from boundless.model.shared_memory_sum import SharedMemorySum
+from boundless.model.tensor_parallel import RankSum, TensorParallel, TensorParallelGroup
+
+if TYPE_CHECKING:
+    from boundless.config import EngineConfig
+    from boundless.engine.builder import EngineLayout
+
+# How long a sum waits for every rank (a rank stuck this long is lost), and joining the group at start-up.
+SUM_TIMEOUT_S = 600.0
+JOIN_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What a rank needs of one forward pass: its token ids, positions and attention batch, on the CPU, and each LoRA
+    adapter's runs of rows."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionBatch
+    lora_rows: dict[str, list[tuple[int, int]]]
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        batch = self.attention
+        attention = AttentionBatch(
+            batch.num_decodes, batch.query_lens, batch.seq_lens, batch.block_tables,
+            batch.slot_mapping.to(device), batch.block_size, device,
+        )  # fmt: skip
+        return self.input_ids.to(device), self.positions.to(device), attention
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """How a rank builds itself: the engine's config, its rank, the CPU threads it may use, rank 0's process, and where
+    the ranks sum (the KV memory's layout comes later, once rank 0 has sized it)."""
+
+    config: EngineConfig
+    rank: int
+    threads: int
+    rank0_pid: int
+    store_port: int | None  # the process group's store (ranks on CUDA, or CPUs that sum through gloo)
+    sum_file: str | None  # else the shared-memory sum's file (``model/shared_memory_sum.py``)
+
+
+def seconds(s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=s)
+
+
+def _layout(pipe: Connection) -> EngineLayout | None:
+    """The KV memory's layout rank 0 sends once it has sized it; None if it is gone or says stop."""
+    try:
+        data = pipe.recv_bytes()
+    except (EOFError, OSError):
+        return None
+    return pickle.loads(data) if data else None
+
+
+def _exit_with(rank0_pid: int) -> None:
+    """End this rank once rank 0's process is gone, whatever it is doing (loading its share, or waiting at an NCCL sum,
+    holding its GPU's memory): a Ray actor is killed with SIGKILL, and its restart takes the same GPUs."""
+    while os.getppid() == rank0_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def rank_main() -> None:
+    """A rank's interpreter: its spec from stdin, then :func:`serve_rank` over its pipe to rank 0."""
+    spec, address, key = pickle.loads(sys.stdin.buffer.read())
+    threading.Thread(target=_exit_with, args=(spec.rank0_pid,), name="tp-parent", daemon=True).start()
+    pipe = Client(address, authkey=key)
+    pipe.send(spec.rank)
+    serve_rank(spec, pipe)
+
+
+def serve_rank(spec: RankSpec, pipe: Connection) -> None:
+    """A rank's process: load its share; with the layout rank 0 sends, build its KV memory and attention; join the sum;
+    then make each copy and run each forward pass rank 0 sends, until the pipe closes or says stop (an empty
+    message)."""
+    from boundless.engine.builder import make_attention
+    from boundless.kv.tensors import PagedKVCache
+    from boundless.kv.tiers import HostKVTier
+    from boundless.model.loader import load_configured_model, rank_device
+
+    config = spec.config
+    size = config.model.tensor_parallel_size
+    try:
+        torch.set_num_threads(spec.threads)
+        if config.model.device.startswith("cuda"):  # (before anything is placed: the current device is the rank's)
+            torch.cuda.set_device(torch.device(rank_device(config.model.device, spec.rank)))
+        loaded = load_configured_model(config.model, rank=spec.rank)
+        layout = _layout(pipe)
+        if layout is None:
+            return  # rank 0 is gone, or stopped the ranks before they joined
+        arch, device = loaded.arch, loaded.device
+        model = loaded.model
+        model.prepare(layout.max_model_len)
+        kv_cache = PagedKVCache(
+            arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, layout.kv_dtype,
+            device,
+        )  # fmt: skip
+        tiers: dict[Any, Any] = {DEVICE: kv_cache}
+        if layout.num_host_blocks:
+            tiers[HOST] = HostKVTier(kv_cache, layout.num_host_blocks)
+        attention = make_attention(config, arch, layout, device, loaded.dtype)
+        group: RankSum
+        if spec.sum_file is not None:
+            group = SharedMemorySum(
+                spec.sum_file, spec.rank, size, lambda: os.getppid() == spec.rank0_pid, SUM_TIMEOUT_S
+            )
+        else:
+            assert spec.store_port is not None
+            store = dist.TCPStore("127.0.0.1", spec.store_port, size, False, timeout=seconds(JOIN_TIMEOUT_S))
+    except BaseException:
+        with contextlib.suppress(EOFError, OSError):
+            pipe.send(("failed", traceback.format_exc(limit=-1).strip().splitlines()[-1]))
+            # Open until rank 0 has read it: rank 0 may be writing the layout, and a write to a closed socket is
+            # answered with a reset, which drops the error unread.
+            while pipe.recv_bytes():
+                pass
+        return
+    pipe.send(("loaded", None))
+    loras: dict[str, LoRAAdapter] = {}  # (the adapters rank 0 has loaded, this rank's parts of them)
+    if spec.sum_file is None:
+        group = TensorParallelGroup(store, TensorParallel(spec.rank, size), device, SUM_TIMEOUT_S)
+    model.sum_over(group.all_reduce_)
+    with torch.inference_mode():
+        while True:
+            try:
+                data = pipe.recv_bytes()
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            if not data:
+                return  # (stop)
+            kind, payload = pickle.loads(data)
+            if kind == "transfers":
+                apply_transfers(payload, tiers)
+            elif kind == "lora":
+                request, max_rank = payload
+                loras[request.lora_name] = load_lora(
+                    request, arch, loaded.dtype, device, max_rank, model.tensor_parallel, model.whole_arch
+                )
+            elif kind == "unlora":
+                loras.pop(payload, None)
+            else:
+                input_ids, positions, batch = payload.on(device)
+                lora = lora_batch(loras, payload.lora_rows, device) if payload.lora_rows else None
+                model(input_ids, positions, attention, kv_cache, attention.prepare(batch), lora=lora)
