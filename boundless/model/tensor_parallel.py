@@ -46,8 +46,9 @@ ONE_DEVICE = TensorParallel()  # a model on one device
 
 
 def check_shardable(arch: ModelArch, size: int) -> None:
-    """Refuse, naming the flag, a model that ``size`` ranks cannot split evenly (vLLM's rule: the heads, the key/value
-    heads and the MLP's features each a multiple of the ranks), or one with experts (not split here)."""
+    """Refuse, naming the flag, a model that ``size`` ranks cannot split evenly (vLLM's rule: the heads and the MLP's
+    features each a multiple of the ranks, the key/value heads too or, fewer than the ranks, a divisor of them), or one
+    with experts (not split here)."""
     from boundless.config import ConfigError  # (here: the config reads LoRA modules, whose loading cuts by ranks)
 
     if size == 1:
@@ -55,24 +56,33 @@ def check_shardable(arch: ModelArch, size: int) -> None:
     flag = f"--tensor-parallel-size {size}"
     if arch.num_experts:
         raise ConfigError(f"{flag}: a mixture of experts ({arch.model_type}) is not split across devices here")
-    for what, n in (
-        ("attention heads", arch.num_heads),
-        ("key/value heads", arch.num_kv_heads),
-        ("MLP features", arch.intermediate_size),
-    ):
+    for what, n in (("attention heads", arch.num_heads), ("MLP features", arch.intermediate_size)):
         if n % size:
             raise ConfigError(f"{flag}: the model's {n} {what} do not split evenly over {size} devices")
+    kv = arch.num_kv_heads
+    if (kv >= size and kv % size) or (kv < size and size % kv):
+        raise ConfigError(
+            f"{flag}: the model's {kv} key/value heads neither split evenly over {size} devices nor, fewer, divide "
+            "them (each then held by as many ranks)"
+        )
+
+
+def kv_replicas(arch: ModelArch, size: int) -> int:
+    """How many ranks hold each key/value head: 1 where they split over the ranks, else ``size / num_kv_heads`` (a
+    rank's query heads all read one key/value head, which the ranks of its group each hold, as vLLM replicates it)."""
+    return max(1, size // arch.num_kv_heads)
 
 
 def shard_arch(arch: ModelArch, size: int) -> ModelArch:
-    """One rank's network: ``arch`` with ``1/size`` of its heads, key/value heads and MLP features."""
+    """One rank's network: ``arch`` with ``1/size`` of its heads and MLP features, and of its key/value heads (or one,
+    held by :func:`kv_replicas` ranks, where they are fewer than the ranks)."""
     check_shardable(arch, size)
     if size == 1:
         return arch
     return dataclasses.replace(
         arch,
         num_heads=arch.num_heads // size,
-        num_kv_heads=arch.num_kv_heads // size,
+        num_kv_heads=max(1, arch.num_kv_heads // size),
         intermediate_size=arch.intermediate_size // size,
     )
 
@@ -99,14 +109,20 @@ def shard_plan(name: str, shape: Sequence[int], arch: ModelArch, tp: TensorParal
         return None
     module = name.split(".")[-2] if "." in name else ""
 
-    def mine(start: int, n: int) -> tuple[int, int]:  # the rank's share of ``n`` rows or columns from ``start``
-        return start + tp.rank * (n // tp.size), n // tp.size
+    def mine(start: int, n: int, replicas: int = 1) -> tuple[int, int]:
+        """The rank's share of ``n`` rows or columns from ``start``: its ``1/size``, or with ``replicas`` ranks to each
+        part (key/value heads fewer than the ranks), its group's ``replicas/size``."""
+        parts = tp.size // replicas
+        return start + (tp.rank // replicas) * (n // parts), n // parts
 
-    if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+    replicas = kv_replicas(arch, tp.size)
+    if module in ("q_proj", "gate_proj", "up_proj"):
         return ShardPlan(0, (mine(0, shape[0]),))
+    if module in ("k_proj", "v_proj"):
+        return ShardPlan(0, (mine(0, shape[0], replicas),))
     if module == "qkv_proj":
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-        return ShardPlan(0, (mine(0, q), mine(q, kv), mine(q + kv, kv)))
+        return ShardPlan(0, (mine(0, q), mine(q, kv, replicas), mine(q + kv, kv, replicas)))
     if module == "gate_up_proj":
         inter = arch.intermediate_size
         return ShardPlan(0, (mine(0, inter), mine(inter, inter)))

@@ -5,6 +5,7 @@ that dies stops the engine with an error that says so; what it cannot do with is
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable
@@ -332,6 +333,27 @@ def test_smollm2_from_its_gguf_file_on_three_ranks_answers_as_transformers(
     core = EngineCore.from_model(load_configured_model(config.model), config)
     try:
         assert core.executor.runner.model.arch.num_kv_heads == 1  # type: ignore[attr-defined]
+        assert _greedy(core, prompts) == expected
+    finally:
+        core.close()
+
+
+def test_four_ranks_over_two_key_value_heads_answer_as_transformers(
+    model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """More ranks than key/value heads: each rank one query head, its key/value head held by the two ranks whose query
+    heads read it (vLLM's replication), their KV alike."""
+    loaded = load("tiny-llama")
+    prompts = [loaded.tokenizer.encode(t) for t in TEXTS[:4]]
+    expected = _transformers_greedy(loaded, hf_model("tiny-llama"), prompts)
+    config = dataclasses.replace(
+        _config(model_dirs["tiny-llama"]),
+        model=dataclasses.replace(_config(model_dirs["tiny-llama"]).model, tensor_parallel_size=4),
+    )
+    core = EngineCore.from_model(load_configured_model(config.model), config)
+    try:
+        arch = core.executor.runner.model.arch  # type: ignore[attr-defined]
+        assert (arch.num_heads, arch.num_kv_heads) == (1, 1)
         assert _greedy(core, prompts) == expected
     finally:
         core.close()

@@ -67,17 +67,25 @@ def test_the_ranks_slices_put_back_together_are_the_checkpoint(kind: str, tmp_pa
 def test_a_model_the_ranks_cannot_split_evenly_is_refused_naming_the_flag(tmp_path: Path) -> None:
     arch = _arch(TinySpec(num_heads=4, num_kv_heads=2), tmp_path / "gqa")
     assert shard_arch(arch, 2).num_kv_heads == 1 and shard_arch(arch, 2).intermediate_size == 64
-    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 4: the model's 2 key/value heads do not split"):
-        check_shardable(arch, 4)
+    # Fewer key/value heads than ranks: each held by the ranks of its query heads (vLLM's replication).
+    assert (shard_arch(arch, 4).num_heads, shard_arch(arch, 4).num_kv_heads) == (1, 1)
     with pytest.raises(ConfigError, match="4 attention heads do not split evenly over 3"):
         check_shardable(arch, 3)
+    odd = _arch(TinySpec(num_heads=6, num_kv_heads=3, hidden_size=48, intermediate_size=96), tmp_path / "odd")
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 2: the model's 3 key/value heads neither split"):
+        check_shardable(odd, 2)
+    wide = _arch(TinySpec(num_heads=8, num_kv_heads=2, intermediate_size=96), tmp_path / "wide")
+    check_shardable(wide, 8)  # (2 divides 8: four ranks to each key/value head)
+    twelve = _arch(TinySpec(num_heads=12, num_kv_heads=4, hidden_size=48, intermediate_size=96), tmp_path / "twelve")
+    with pytest.raises(ConfigError, match="4 key/value heads neither split evenly over 6 devices nor, fewer, divide"):
+        check_shardable(twelve, 6)
     moe = _arch(TinySpec(kind="qwen3_moe", num_heads=4, num_kv_heads=2, head_dim=32), tmp_path / "moe")
     with pytest.raises(ConfigError, match="mixture of experts"):
         check_shardable(moe, 2)
     check_shardable(moe, 1)
     with pytest.raises(ConfigError, match="do not split evenly"):
         load_model(str(write_random_model(tmp_path / "m", TinySpec(num_heads=4, num_kv_heads=2))),
-                   tensor_parallel=TensorParallel(0, 4))  # fmt: skip
+                   tensor_parallel=TensorParallel(0, 3))  # fmt: skip
 
 
 def _hidden(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
@@ -134,7 +142,9 @@ def test_the_ranks_give_the_whole_models_hidden_states(case: str, tmp_path: Path
     spec, load, tol = CASES[case]
     path = write_random_model(tmp_path / "m", spec)
     whole = _hidden(load_model(str(path), **load), PROMPT)  # type: ignore[arg-type]
-    sizes = [2, 4] if case == "qwen2-biases" else [2]
+    # Four ranks where the key/value heads split over them (qwen2's 4), and where they are fewer and held twice (the
+    # GQA models' 2: each rank one query head, its key/value head shared with the rank beside it).
+    sizes = [2, 4] if case in ("qwen2-biases", "llama-native-fp32", "phi3-fused") else [2]
     for size in sizes:
         hidden = _ranks_hidden(path, size, **load)
         for h in hidden:
