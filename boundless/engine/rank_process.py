@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from boundless.attention.backend import AttentionBatch
+from boundless.engine.logprobs import PromptSpan, score_prompt_spans
 from boundless.kv.transfer import DEVICE, HOST, apply_transfers
 from boundless.model.lora import LoRAAdapter, load_lora, lora_batch
 from boundless.model.shared_memory_sum import SharedMemorySum
@@ -48,6 +49,9 @@ class StepInputs:
     positions: torch.Tensor
     attention: AttentionBatch
     lora_rows: dict[str, list[tuple[int, int]]]
+    # The rows rank 0 computes logits of (a split vocabulary: every rank computes its columns of them at once).
+    sample_indices: torch.Tensor
+    prompt_spans: list[PromptSpan]
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         batch = self.attention
@@ -151,7 +155,7 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
     loras: dict[str, LoRAAdapter] = {}  # (the adapters rank 0 has loaded, this rank's parts of them)
     if spec.sum_file is None:
         group = TensorParallelGroup(store, TensorParallel(spec.rank, size), device, SUM_TIMEOUT_S)
-    model.sum_over(group.all_reduce_)
+    model.sum_over(group.all_reduce_, group.all_gather)
     with torch.inference_mode():
         while True:
             try:
@@ -173,4 +177,8 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
             else:
                 input_ids, positions, batch = payload.on(device)
                 lora = lora_batch(loras, payload.lora_rows, device) if payload.lora_rows else None
-                model(input_ids, positions, attention, kv_cache, attention.prepare(batch), lora=lora)
+                hidden = model(input_ids, positions, attention, kv_cache, attention.prepare(batch), lora=lora)
+                if model.vocab_split:  # (the logits rank 0 computes next, its columns of them here, in its order)
+                    model.compute_logits(hidden[payload.sample_indices.to(device)])
+                    if payload.prompt_spans:
+                        score_prompt_spans(hidden, payload.prompt_spans, model.compute_logits)

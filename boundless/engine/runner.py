@@ -196,7 +196,10 @@ class ModelRunner:
         meta = self.attention.prepare(batch.attention)
         lora = lora_batch(self.loras, batch.lora_rows, self.device) if batch.lora_rows else None
         if self.ranks is not None:  # (a send cut short loses the ranks; a failure before any leaves them in step)
-            self.ranks.forward(batch.input_ids, batch.positions, batch.attention, batch.lora_rows)
+            self.ranks.forward(
+                batch.input_ids, batch.positions, batch.attention, batch.lora_rows, batch.sample_indices,
+                batch.prompt_spans,
+            )  # fmt: skip
         try:
             hidden = self.model(
                 batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer, lora

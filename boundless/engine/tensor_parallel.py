@@ -40,6 +40,7 @@ import torch.distributed as dist
 from boundless.attention.backend import AttentionBatch
 from boundless.config import ConfigError
 from boundless.engine.errors import EngineLost
+from boundless.engine.logprobs import PromptSpan
 from boundless.engine.rank_process import JOIN_TIMEOUT_S, SUM_TIMEOUT_S, RankSpec, StepInputs, seconds
 from boundless.kv.transfer import BlockTransfer
 from boundless.model import shared_memory_sum
@@ -211,7 +212,7 @@ class TensorParallelRanks:
             self.close()
             raise
         self.model = model
-        model.sum_over(self.all_reduce_)
+        model.sum_over(self.all_reduce_, self.all_gather)
         if self.device.type == "cuda":
             threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
         log.info("tensor parallelism: %d ranks on %s, ranks 1-%d in processes %s", size, self.device.type, size - 1,
@@ -235,8 +236,11 @@ class TensorParallelRanks:
         positions: torch.Tensor,
         attention: AttentionBatch,
         lora_rows: dict[str, list[tuple[int, int]]] | None = None,
+        sample_indices: torch.Tensor | None = None,
+        prompt_spans: list[PromptSpan] | None = None,
     ) -> None:
-        """Start the step's forward pass on every rank (rank 0 runs its own next; their sums meet)."""
+        """Start the step's forward pass on every rank (rank 0 runs its own next; their sums meet), with the rows
+        whose logits rank 0 computes after it (``sample_indices``, ``prompt_spans``)."""
         if attention.remote:  # (KV lending is refused with a split model; this says so should a path get here)
             raise ValueError("a step with blocks lent to other instances: DistAttention is not split over ranks here")
         cpu = torch.device("cpu")
@@ -244,7 +248,19 @@ class TensorParallelRanks:
             attention.num_decodes, attention.query_lens, attention.seq_lens, attention.block_tables,
             attention.slot_mapping.to(cpu), attention.block_size, cpu,
         )  # fmt: skip
-        self._send(("forward", StepInputs(input_ids.to(cpu), positions.to(cpu), batch, dict(lora_rows or {}))))
+        samples = torch.empty(0, dtype=torch.long) if sample_indices is None else sample_indices.to(cpu)
+        inputs = StepInputs(
+            input_ids.to(cpu), positions.to(cpu), batch, dict(lora_rows or {}), samples, list(prompt_spans or [])
+        )
+        self._send(("forward", inputs))
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The group's gather (``RankSum.all_gather``), a failure of it said as the rank lost."""
+        assert self.group is not None, "the ranks are not joined"
+        try:
+            return self.group.all_gather(tensor)
+        except RuntimeError as e:
+            raise self.lose(f"a gather over the ranks failed: {str(e).splitlines()[0] if str(e) else e!r}") from e
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """The group's sum (:meth:`TensorParallelGroup.all_reduce_`), a failure of it said as the rank lost."""

@@ -481,19 +481,22 @@ else:
 class LlamaModel(nn.Module):
     """Decoder stack with its embedding, final norm and LM head."""
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, vocab_rows: int | None = None) -> None:
+        """``vocab_rows``: a tensor-parallel rank's rows of the embedding and LM head (its ``1/N`` of the vocabulary,
+        ``tensor_parallel.vocab_rows``); None: the whole vocabulary."""
         super().__init__()
         self.arch = arch
+        rows = arch.vocab_size if vocab_rows is None else vocab_rows
+        self.vocab_split = vocab_rows is not None
         # An empty weight (the checkpoint's comes next): Embedding's own random init, on the meta device the loader
         # builds on, imports PyTorch's reference ops, 1.5 s of start-up.
-        self.embed_tokens = nn.Embedding(
-            arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
-        )
+        self.embed_tokens = nn.Embedding(rows, arch.hidden_size, _weight=torch.empty(rows, arch.hidden_size))
         self.layers = _DecoderLayers(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = (
-            None if arch.tie_word_embeddings else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
-        )
+        self.lm_head = None if arch.tie_word_embeddings else nn.Parameter(torch.empty(rows, arch.hidden_size))
+        # A split vocabulary's sum of the ranks' embeddings and gather of their logits (sum_over); None alone.
+        self.reduce: Callable[[torch.Tensor], None] | None = None
+        self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rope: RotaryEmbedding | None = None
         self.head: PackedLinear | _PackedHead | None = None
         self._packed_key: tuple | None = None  # identity of the weights the layers were packed from
@@ -505,17 +508,23 @@ class LlamaModel(nn.Module):
         self.whole_arch = arch
         self.tensor_parallel = ONE_DEVICE
 
-    def sum_over(self, reduce: Callable[[torch.Tensor], None] | None) -> None:
+    def sum_over(
+        self,
+        reduce: Callable[[torch.Tensor], None] | None,
+        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         """Make this network one rank of a tensor-parallel model (``model/tensor_parallel.py``): each layer's
         row-parallel products summed over the ranks by ``reduce`` (in place) before they join the residual stream;
-        None: summed nowhere (its ranks stopped)."""
+        with a split vocabulary, the embeddings summed too and the ranks' logits put side by side by ``gather``
+        (every rank then computes logits whenever rank 0 does). None: summed nowhere (its ranks stopped)."""
         for layer in self.layers:
             layer.reduce = reduce
+        self.reduce, self.gather = reduce, gather
 
     @property
     def summed(self) -> bool:
         """Whether this network is a tensor-parallel rank joined to others (:meth:`sum_over`)."""
-        return any(layer.reduce is not None for layer in self.layers)
+        return self.reduce is not None
 
     def quantize_fp8(self) -> None:
         """``--quantization fp8``: every layer's dense matrices to e4m3 (:meth:`DecoderLayer.quantize_fp8`); the
@@ -589,7 +598,7 @@ class LlamaModel(nn.Module):
         before layer ``i`` reads any KV (a layerwise load waits there for that layer to arrive). ``lora``: the LoRA
         adapters of the step's requests and their rows (``model/lora.py``)."""
         assert self.rope is not None, "call prepare first"
-        hidden = self.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         if getattr(attention, "fused_layers", False):  # a GPU backend: the layers' fused Triton kernels too
             from boundless.model import triton_ops
 
@@ -640,11 +649,29 @@ class LlamaModel(nn.Module):
                 on_layer(i)
         return cpu_kernels.rms_norm(hidden, self.norm.weight, self.norm.eps, torch.empty_like(hidden))
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; with a split vocabulary, each rank's rows for its own tokens (zeros for the
+        others'), summed over the ranks."""
+        if not self.vocab_split:
+            return self.embed_tokens(input_ids)
+        rows = self.embed_tokens.weight.shape[0]
+        local = input_ids - self.tensor_parallel.rank * rows
+        mine = (local >= 0) & (local < rows)
+        hidden = self.embed_tokens(torch.where(mine, local, 0))
+        hidden.mul_(mine.unsqueeze(-1).to(hidden.dtype))
+        if self.reduce is not None:
+            self.reduce(hidden)
+        return hidden
+
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Next-token logits of ``hidden``'s rows: in fp32, as the sampler takes them; else in the model's dtype
-        (a greedy row's argmax is the same token, with no copy of [rows, vocab] in fp32 made and read)."""
+        (a greedy row's argmax is the same token, with no copy of [rows, vocab] in fp32 made and read). With a split
+        vocabulary each rank computes its columns and the ranks' are put side by side: every rank calls this for the
+        same rows at once."""
         assert self.head is not None, "call prepare first"
         logits = self.head(hidden)
+        if self.vocab_split and self.gather is not None:
+            logits = self.gather(logits)
         return logits.float() if float32 else logits
 
     # -- weights -----------------------------------------------------------------------------

@@ -19,7 +19,15 @@ from boundless.model.arch import ModelArch
 from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
 from boundless.model.quantized_checkpoint import QuantizedCheckpoint
-from boundless.model.tensor_parallel import ONE_DEVICE, ShardPlan, TensorParallel, shard_arch, shard_plan, shard_weights
+from boundless.model.tensor_parallel import (
+    ONE_DEVICE,
+    ShardPlan,
+    TensorParallel,
+    shard_arch,
+    shard_plan,
+    shard_weights,
+    vocab_rows,
+)
 
 if TYPE_CHECKING:
     from boundless.model.tokenizer import Tokenizer
@@ -263,7 +271,7 @@ def load_model(
     if not parts_read:
         tensors = shard_weights(tensors, full_arch, tensor_parallel)
     with torch.device("meta"):
-        model = LlamaModel(arch)
+        model = LlamaModel(arch, vocab_rows(full_arch, tensor_parallel.size))
     model = model.to(torch_dtype).to_empty(device=dev)  # allocated once, in the target dtype
     model.whole_arch, model.tensor_parallel = full_arch, tensor_parallel
     model.load_weights(tensors)

@@ -75,6 +75,26 @@ class SharedMemorySum:
             self._wait(self._sequence)
             torch.sum(slots, dim=0, out=part)
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` [rows, columns] (the same shape on each) side by side in rank order: [rows, ranks x
+        columns], some rows at a time (as many as a slot holds)."""
+        rows, cols = tensor.shape
+        out = torch.empty(rows, self.size * cols, dtype=tensor.dtype, device=tensor.device)
+        row_bytes = cols * tensor.element_size()
+        if row_bytes > CHUNK:
+            raise ValueError(f"a row of {row_bytes} bytes is more than a slot's {CHUNK}")
+        per_chunk = CHUNK // row_bytes
+        for start in range(0, rows, per_chunk):
+            part = tensor[start : start + per_chunk]
+            n = part.shape[0]
+            self._sequence += 1
+            slots = self._slots[self._sequence % 2, :, : n * row_bytes].view(tensor.dtype).view(self.size, n, cols)
+            slots[self.rank].copy_(part)
+            self._numbers[self.rank] = self._sequence
+            self._wait(self._sequence)
+            out[start : start + n].view(n, self.size, cols).copy_(slots.transpose(0, 1))
+        return out
+
     def _wait(self, sequence: int) -> None:
         numbers = self._numbers
         checked = start = time.monotonic()

@@ -73,6 +73,14 @@ def kv_replicas(arch: ModelArch, size: int) -> int:
     return max(1, size // arch.num_kv_heads)
 
 
+def vocab_rows(arch: ModelArch, size: int) -> int | None:
+    """The embedding's and LM head's rows a rank holds: ``1/size`` of the vocabulary where it splits evenly (vLLM
+    splits them so; a rank then looks up only its tokens and computes only its logits), else None: whole on each."""
+    if size == 1 or arch.vocab_size % size:
+        return None
+    return arch.vocab_size // size
+
+
 def shard_arch(arch: ModelArch, size: int) -> ModelArch:
     """One rank's network: ``arch`` with ``1/size`` of its heads and MLP features, and of its key/value heads (or one,
     held by :func:`kv_replicas` ranks, where they are fewer than the ranks)."""
@@ -116,6 +124,8 @@ def shard_plan(name: str, shape: Sequence[int], arch: ModelArch, tp: TensorParal
         return start + (tp.rank // replicas) * (n // parts), n // parts
 
     replicas = kv_replicas(arch, tp.size)
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return None if vocab_rows(arch, tp.size) is None else ShardPlan(0, (mine(0, shape[0]),))
     if module in ("q_proj", "gate_proj", "up_proj"):
         return ShardPlan(0, (mine(0, shape[0]),))
     if module in ("k_proj", "v_proj"):
@@ -147,13 +157,19 @@ class _Collective(Protocol):
 
     def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
 
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> dist.Work: ...
+
 
 class RankSum(Protocol):
-    """The ranks' sum of each row-parallel product: :class:`TensorParallelGroup`, or on one machine's CPU
-    :class:`~boundless.model.shared_memory_sum.SharedMemorySum`."""
+    """The ranks' sum of each row-parallel product, and their logits put side by side: :class:`TensorParallelGroup`,
+    or on one machine's CPU :class:`~boundless.model.shared_memory_sum.SharedMemorySum`."""
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """``tensor`` becomes the sum of every rank's, in place."""
+        ...
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` [rows, columns] side by side in rank order: [rows, ranks x columns]."""
         ...
 
 
@@ -178,6 +194,12 @@ class TensorParallelGroup:
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """``tensor`` becomes the sum of every rank's, in place."""
         self._group.allreduce([tensor]).wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` side by side along its last dimension, in rank order."""
+        parts = [torch.empty_like(tensor) for _ in range(self.tp.size)]
+        self._group.allgather([parts], [tensor.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
 
     def abort(self) -> None:
         """Fail the sums in flight (NCCL: a rank is gone and they would wait for it)."""

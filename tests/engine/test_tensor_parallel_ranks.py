@@ -357,3 +357,26 @@ def test_four_ranks_over_two_key_value_heads_answer_as_transformers(
         assert _greedy(core, prompts) == expected
     finally:
         core.close()
+
+
+def test_prompt_logprobs_and_logprobs_on_two_ranks_are_one_devices(model_dirs: dict[str, Path]) -> None:
+    """With the vocabulary split every rank computes its columns of the logits rank 0 computes, the prompt's rows
+    among them (each rank scores the same spans in the same order): the figures are one device's, within rounding."""
+    path = str(model_dirs["tiny-llama"])
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(path, max_model_len=256, kv_cache_gb=0.01, tensor_parallel_size=tp)
+        try:
+            outs[tp] = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.close()
+    for one, two in zip(outs[1], outs[2], strict=True):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+        for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)

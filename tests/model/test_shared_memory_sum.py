@@ -84,3 +84,20 @@ def test_a_wait_for_a_rank_that_is_gone_or_late_raises(tmp_path: Path) -> None:
     late._sequence = 10  # (past the first sum's number, which rank 0 posted above)
     with pytest.raises(RuntimeError, match=r"did not come in 0\.3 s"):
         late.all_reduce_(torch.ones(4))
+
+
+def test_every_rank_gets_the_ranks_columns_side_by_side(tmp_path: Path) -> None:
+    """The logits of a split vocabulary: each rank's [rows, columns] put side by side in rank order, in several pieces
+    of rows where a slot holds fewer (and two gathers in a row: the slots alternate)."""
+    size, cols = 3, 4096
+    many = shared_memory_sum.CHUNK // (cols * 4) * 2 + 7  # (two slots' worth of rows and some)
+    inputs = {(r, n): torch.randn(n, cols, generator=torch.Generator().manual_seed(r * 7 + n)) for r in range(size)
+              for n in (5, many)}  # fmt: skip
+
+    def body(rank: int, ranks_sum: SharedMemorySum) -> list[torch.Tensor]:
+        return [ranks_sum.all_gather(inputs[(rank, n)]) for n in (5, many)]
+
+    results = _in_threads(size, body, tmp_path / "sum")
+    for i, n in enumerate((5, many)):
+        want = torch.cat([inputs[(r, n)] for r in range(size)], dim=1)
+        assert all(torch.equal(results[r][i], want) for r in range(size))  # type: ignore[index]

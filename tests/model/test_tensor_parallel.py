@@ -37,7 +37,7 @@ def _arch(spec: TinySpec, root: Path) -> ModelArch:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3"])
 def test_the_ranks_slices_put_back_together_are_the_checkpoint(kind: str, tmp_path: Path) -> None:
     """Column-parallel matrices (and biases) by rows, row-parallel ones by columns, Phi-3's fused q/k/v and gate/up
-    rank by rank in their parts' order; the rest whole on every rank."""
+    rank by rank in their parts' order, the embedding and LM head by vocabulary rows; the norms whole on every rank."""
     spec = TinySpec(kind=kind, num_heads=4, num_kv_heads=2)
     arch = _arch(spec, tmp_path)
     whole = dict(random_weights(spec))
@@ -55,7 +55,7 @@ def test_the_ranks_slices_put_back_together_are_the_checkpoint(kind: str, tmp_pa
         elif module == "gate_up_proj":
             split = [p.split([inter // 2, inter // 2]) for p in parts]
             assert torch.equal(torch.cat([torch.cat([s[i] for s in split]) for i in range(2)]), tensor)
-        elif module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        elif module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"):
             assert all(p.shape[0] == tensor.shape[0] // 2 for p in parts), name
             assert torch.equal(torch.cat(parts, 0), tensor), name
         else:
@@ -90,6 +90,11 @@ def test_a_model_the_ranks_cannot_split_evenly_is_refused_naming_the_flag(tmp_pa
 
 def _hidden(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
     """The final hidden states of one prompt, prefilled into a KV cache of the model's own."""
+    return _run(loaded, tokens)[0]
+
+
+def _run(loaded: LoadedModel, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final hidden states of one prompt, prefilled into a KV cache of the model's own, and their logits."""
     arch, n, bs = loaded.arch, len(tokens), 16
     blocks = -(-n // bs)
     cache = PagedKVCache(arch.num_layers, arch.num_kv_heads, arch.head_dim, blocks, bs, loaded.dtype, loaded.device)
@@ -97,21 +102,28 @@ def _hidden(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
     batch = AttentionBatch(0, [n], [n], [list(range(blocks))], torch.arange(n), bs, loaded.device)
     loaded.model.prepare(64)
     with torch.inference_mode():
-        return loaded.model(torch.tensor(tokens), torch.arange(n), attention, cache, attention.prepare(batch)).float()
+        hidden = loaded.model(torch.tensor(tokens), torch.arange(n), attention, cache, attention.prepare(batch))
+        return hidden.float(), loaded.model.compute_logits(hidden)
 
 
 def _ranks_hidden(path: Path, size: int, **load: object) -> list[torch.Tensor]:
     """Each rank's final hidden states, the ranks run side by side in threads of this process."""
+    return [h for h, _ in _ranks_run(path, size, **load)]
+
+
+def _ranks_run(path: Path, size: int, **load: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each rank's final hidden states and logits (each computes its columns of the vocabulary and the ranks' are put
+    side by side), the ranks run side by side in threads of this process."""
     store = dist.HashStore()
     ranks = [load_model(str(path), tensor_parallel=TensorParallel(r, size), **load) for r in range(size)]  # type: ignore[arg-type]
-    out: list[torch.Tensor | None] = [None] * size
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * size
     errors: list[BaseException] = []
 
     def run(rank: int) -> None:
         try:
             group = TensorParallelGroup(store, TensorParallel(rank, size), torch.device("cpu"), 60)
-            ranks[rank].model.sum_over(group.all_reduce_)
-            out[rank] = _hidden(ranks[rank], PROMPT)
+            ranks[rank].model.sum_over(group.all_reduce_, group.all_gather)
+            out[rank] = _run(ranks[rank], PROMPT)
         except BaseException as e:
             errors.append(e)
 
@@ -138,18 +150,22 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_ranks_give_the_whole_models_hidden_states(case: str, tmp_path: Path) -> None:
     """Two ranks' residual streams after the last layer are each the unsplit model's (the sums in another order: within
-    rounding), and the same on both ranks; four ranks where the heads allow it."""
+    rounding), and the same on both ranks, and so are their logits (the vocabulary split over them: 384 tokens); four
+    ranks where the heads allow it."""
     spec, load, tol = CASES[case]
     path = write_random_model(tmp_path / "m", spec)
-    whole = _hidden(load_model(str(path), **load), PROMPT)  # type: ignore[arg-type]
+    whole, whole_logits = _run(load_model(str(path), **load), PROMPT)  # type: ignore[arg-type]
     # Four ranks where the key/value heads split over them (qwen2's 4), and where they are fewer and held twice (the
     # GQA models' 2: each rank one query head, its key/value head shared with the rank beside it).
     sizes = [2, 4] if case in ("qwen2-biases", "llama-native-fp32", "phi3-fused") else [2]
     for size in sizes:
-        hidden = _ranks_hidden(path, size, **load)
-        for h in hidden:
+        runs = _ranks_run(path, size, **load)
+        for h, logits in runs:
             assert torch.allclose(h, whole, atol=tol, rtol=tol), (size, (h - whole).abs().max())
-            assert torch.equal(h, hidden[0])
+            assert torch.equal(h, runs[0][0])
+            # Each rank's columns of the vocabulary (its rows of the LM head) put side by side: the whole logits.
+            assert logits.shape == whole_logits.shape
+            assert torch.allclose(logits, whole_logits, atol=10 * tol, rtol=10 * tol)
     # (A tolerance that would pass anything is no test: a rank without the sums is far off.)
     alone = load_model(str(path), tensor_parallel=TensorParallel(0, 2), **load)  # type: ignore[arg-type]
     assert not torch.allclose(_hidden(alone, PROMPT), whole, atol=tol, rtol=tol)
