@@ -380,3 +380,20 @@ def test_prompt_logprobs_and_logprobs_on_two_ranks_are_one_devices(model_dirs: d
         for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs, strict=True):
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+def test_an_8_bit_kv_cache_on_two_ranks_answers_as_on_one_device(model_dirs: dict[str, Path]) -> None:
+    """``--kv-cache-dtype fp8``: each rank rounds its heads' keys and values as one device rounds them all, its swaps
+    to host memory move them as bytes; the answers are one device's."""
+    path = str(model_dirs["tiny-llama"])
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # (each grows from one block to three)
+    answers = []
+    for tp in (1, 2):
+        llm = LLM(path, max_model_len=64, num_kv_blocks=4, kv_cache_dtype="fp8", tensor_parallel_size=tp)
+        try:
+            answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert llm.engine.scheduler.stats.num_swapped_out > 0  # (a pool of 4 blocks: requests took turns)
+        finally:
+            llm.close()
+    assert answers[1] == answers[0]
