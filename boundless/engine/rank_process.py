@@ -10,6 +10,7 @@ ends when the pipe closes or says stop (an empty message), or when rank 0's proc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import pickle
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 from typing import TYPE_CHECKING, Any
@@ -55,10 +57,7 @@ class StepInputs:
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         batch = self.attention
-        attention = AttentionBatch(
-            batch.num_decodes, batch.query_lens, batch.seq_lens, batch.block_tables,
-            batch.slot_mapping.to(device), batch.block_size, device,
-        )  # fmt: skip
+        attention = dataclasses.replace(batch, slot_mapping=batch.slot_mapping.to(device), device=device)
         return self.input_ids.to(device), self.positions.to(device), attention
 
 
@@ -73,6 +72,17 @@ class RankSpec:
     rank0_pid: int
     store_port: int | None  # the process group's store (ranks on CUDA, or CPUs that sum through gloo)
     sum_file: str | None  # else the shared-memory sum's file (``model/shared_memory_sum.py``)
+
+
+def rank_sum(
+    sum_file: str | None, store: dist.Store | None, tp: TensorParallel, device: torch.device, alive: Callable[[], bool]
+) -> RankSum:
+    """Rank ``tp.rank``'s side of the ranks' sum: through the shared-memory file when the ranks have one (``alive``: do
+    the other ranks still run), else the process group over ``store``."""
+    if sum_file is not None:
+        return SharedMemorySum(sum_file, tp.rank, tp.size, alive, SUM_TIMEOUT_S)
+    assert store is not None
+    return TensorParallelGroup(store, tp, device, SUM_TIMEOUT_S)
 
 
 def seconds(s: float) -> datetime.timedelta:
@@ -135,13 +145,8 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
         if layout.num_host_blocks:
             tiers[HOST] = HostKVTier(kv_cache, layout.num_host_blocks)
         attention = make_attention(config, arch, layout, device, loaded.dtype)
-        group: RankSum
-        if spec.sum_file is not None:
-            group = SharedMemorySum(
-                spec.sum_file, spec.rank, size, lambda: os.getppid() == spec.rank0_pid, SUM_TIMEOUT_S
-            )
-        else:
-            assert spec.store_port is not None
+        store = None
+        if spec.store_port is not None:  # (the process group's: it is joined once rank 0 has heard this rank loaded)
             store = dist.TCPStore("127.0.0.1", spec.store_port, size, False, timeout=seconds(JOIN_TIMEOUT_S))
     except BaseException:
         with contextlib.suppress(EOFError, OSError):
@@ -153,8 +158,9 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
         return
     pipe.send(("loaded", None))
     loras: dict[str, LoRAAdapter] = {}  # (the adapters rank 0 has loaded, this rank's parts of them)
-    if spec.sum_file is None:
-        group = TensorParallelGroup(store, TensorParallel(spec.rank, size), device, SUM_TIMEOUT_S)
+    group = rank_sum(
+        spec.sum_file, store, TensorParallel(spec.rank, size), device, lambda: os.getppid() == spec.rank0_pid
+    )
     model.sum_over(group.all_reduce_, group.all_gather)
     with torch.inference_mode():
         while True:

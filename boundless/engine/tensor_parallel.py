@@ -22,6 +22,7 @@ server whose engine died does: its requests in flight end with an error and ``/h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -41,12 +42,12 @@ from boundless.attention.backend import AttentionBatch
 from boundless.config import ConfigError
 from boundless.engine.errors import EngineLost
 from boundless.engine.logprobs import PromptSpan
-from boundless.engine.rank_process import JOIN_TIMEOUT_S, SUM_TIMEOUT_S, RankSpec, StepInputs, seconds
+from boundless.engine.rank_process import JOIN_TIMEOUT_S, RankSpec, StepInputs, rank_sum, seconds
 from boundless.kv.transfer import BlockTransfer
 from boundless.model import shared_memory_sum
 from boundless.model.lora import LoRARequest
 from boundless.model.shared_memory_sum import SharedMemorySum
-from boundless.model.tensor_parallel import RankSum, TensorParallel, TensorParallelGroup, check_shardable
+from boundless.model.tensor_parallel import RankSum, TensorParallel, check_shardable
 from boundless.transport.meeting_dir import MeetingDirectory, make_meeting_directory
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ CPU_THREADS = CpuThreadShare()
 
 class TensorParallelRanks:
     """Ranks 1 to ``size - 1`` (see the module docstring); rank 0 is the caller. :meth:`launch` starts them loading,
-    :meth:`join` makes them one model with rank 0's network; :meth:`start` does both."""
+    :meth:`join` makes them one model with rank 0's network."""
 
     def __init__(
         self,
@@ -119,17 +120,7 @@ class TensorParallelRanks:
         self.group: RankSum | None = None  # (once joined)
         self.model: LlamaModel | None = None  # rank 0's network (once joined)
         self.lost: str | None = None  # why the ranks can run no more steps
-        self.shares_cpu = device.type == "cpu"  # (its share of the CPU's threads, given back at close)
         self.closed = threading.Event()
-
-    @staticmethod
-    def start(
-        config: EngineConfig, layout: EngineLayout, model: LlamaModel, device: torch.device
-    ) -> TensorParallelRanks:
-        """:meth:`launch` then :meth:`join`: ranks started after rank 0 has loaded its share."""
-        ranks = TensorParallelRanks.launch(config, device)
-        ranks.join(layout, model)
-        return ranks
 
     @staticmethod
     def launch(config: EngineConfig, device: torch.device | None = None) -> TensorParallelRanks:
@@ -187,12 +178,6 @@ class TensorParallelRanks:
         their sum and make ``model`` (rank 0's network) sum its products with theirs. A rank that fails to start is a
         :class:`RankLost` naming its error; every rank is then stopped."""
         size = self.config.model.tensor_parallel_size
-        if model.summed:
-            self.close()
-            raise ValueError(
-                "this network is rank 0 of another tensor-parallel engine already (its sums go to that engine's "
-                "ranks): load the model again for another engine"
-            )
         try:
             data = pickle.dumps(layout)
             for pipe in self.pipes:
@@ -200,14 +185,11 @@ class TensorParallelRanks:
                     pipe.send_bytes(data)
             for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes, strict=True), start=1):
                 _wait_loaded(rank, process, pipe)
-            if self.sum_file is not None:
-                processes = self.processes
-                self.group = SharedMemorySum(
-                    self.sum_file, 0, size, lambda: all(p.poll() is None for p in processes), SUM_TIMEOUT_S
-                )
-            else:
-                assert self.store is not None
-                self.group = TensorParallelGroup(self.store, TensorParallel(0, size), self.device, SUM_TIMEOUT_S)
+            processes = self.processes
+            self.group = rank_sum(
+                self.sum_file, self.store, TensorParallel(0, size), self.device,
+                lambda: all(p.poll() is None for p in processes),
+            )  # fmt: skip
         except BaseException:
             self.close()
             raise
@@ -244,10 +226,7 @@ class TensorParallelRanks:
         if attention.remote:  # (KV lending is refused with a split model; this says so should a path get here)
             raise ValueError("a step with blocks lent to other instances: DistAttention is not split over ranks here")
         cpu = torch.device("cpu")
-        batch = AttentionBatch(
-            attention.num_decodes, attention.query_lens, attention.seq_lens, attention.block_tables,
-            attention.slot_mapping.to(cpu), attention.block_size, cpu,
-        )  # fmt: skip
+        batch = dataclasses.replace(attention, slot_mapping=attention.slot_mapping.to(cpu), device=cpu)
         samples = torch.empty(0, dtype=torch.long) if sample_indices is None else sample_indices.to(cpu)
         inputs = StepInputs(
             input_ids.to(cpu), positions.to(cpu), batch, dict(lora_rows or {}), samples, list(prompt_spans or [])
@@ -292,7 +271,7 @@ class TensorParallelRanks:
                 self.sum_dir.remove()
             if self.model is not None:
                 self.model.sum_over(None)
-            if self.shares_cpu:
+            if self.device.type == "cpu":  # (its share of the CPU's threads, taken at launch)
                 CPU_THREADS.give_back()
 
     def _watch(self) -> None:
