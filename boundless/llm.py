@@ -15,7 +15,7 @@ from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from boundless.engine.core import EngineCore
 from boundless.engine.logprobs import PositionLogprobs, SampledToken, as_position_logprobs, named_tokens
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt
-from boundless.engine.tensor_parallel import load_with_ranks
+from boundless.engine.tensor_parallel import TensorParallelRanks, load_with_ranks
 from boundless.gc_quiet import frozen_heap
 from boundless.model.loader import LoadedModel
 from boundless.model.lora import LoRARequest
@@ -116,14 +116,18 @@ class LLM:
         self._start(engine_config(model, **vllm_engine_args(model, kwargs)), None)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> LLM:
-        """An LLM from a full config; ``loaded`` reuses a model already in memory (tests, benchmarks)."""
+    def from_config(
+        cls, config: EngineConfig, loaded: LoadedModel | None = None, ranks: TensorParallelRanks | None = None
+    ) -> LLM:
+        """An LLM from a full config; ``loaded`` reuses a model already in memory (tests, benchmarks), with a split
+        model's other ranks ``ranks`` when they were launched beside it (``load_with_ranks``)."""
         llm = cls.__new__(cls)
-        llm._start(config, loaded)
+        llm._start(config, loaded, ranks)
         return llm
 
-    def _start(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
-        ranks = None
+    def _start(
+        self, config: EngineConfig, loaded: LoadedModel | None, ranks: TensorParallelRanks | None = None
+    ) -> None:
         if loaded is None:
             loaded, ranks = load_with_ranks(config)
         self.engine = EngineCore.from_model(loaded, config, ranks=ranks)

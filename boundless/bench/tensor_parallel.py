@@ -18,9 +18,9 @@ from typing import Any
 from boundless.bench.offline import make_prompts
 from boundless.bench.report import print_table, write_json
 from boundless.config import EngineConfig, engine_config_from_flags, positive_int
-from boundless.engine.core import EngineCore
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.tensor_parallel import load_with_ranks
+from boundless.llm import LLM
 
 
 @dataclass
@@ -33,38 +33,31 @@ class EngineFigures:
     batch_seconds: float
 
 
-def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    tag = f"{time.monotonic_ns()}-"
-    for i, prompt in enumerate(prompts):
-        core.add_request(f"{tag}{i}", prompt, params)
-    out: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(prompts))}
-    while core.has_unfinished():
-        for delta in core.step():
-            out[delta.request_id].extend(delta.new_token_ids)
-    return [out[f"{tag}{i}"] for i in range(len(prompts))]
-
-
 def _measure(config: EngineConfig, args: argparse.Namespace) -> tuple[EngineFigures, list[list[int]]]:
     loaded, ranks = load_with_ranks(config)
-    core = EngineCore.from_model(loaded, config, ranks=ranks)
+    llm = LLM.from_config(config, loaded, ranks)
+
+    def greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+
     try:
         prompts = make_prompts(loaded, args.num_prompts, args.input_len, args.bench_seed)
-        _greedy(core, prompts[:2], 4)  # first calls' allocations
+        greedy(prompts[:2], 4)  # first calls' allocations
         # One request's decode steps: its whole run less a run to its first token (the prompt's prefill), each time
         # from an empty prefix cache.
         timed = []
         for tokens in (1, args.output_len):
-            core.reset_prefix_cache()
+            llm.engine.reset_prefix_cache()
             start = time.perf_counter()
-            _greedy(core, [prompts[0][:8]], tokens)
+            greedy([prompts[0][:8]], tokens)
             timed.append(time.perf_counter() - start)
-        core.reset_prefix_cache()
+        llm.engine.reset_prefix_cache()
         start = time.perf_counter()
-        answers = _greedy(core, prompts, args.output_len)
+        answers = greedy(prompts, args.output_len)
         batch = time.perf_counter() - start
     finally:
-        core.close()
+        llm.close()
     figures = EngineFigures(
         ranks=config.model.tensor_parallel_size,
         decode_step_ms=1000 * (timed[1] - timed[0]) / max(1, args.output_len - 1),
