@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_threads import in_threads
 
 from boundless.model import shared_memory_sum
 from boundless.model.shared_memory_sum import SharedMemorySum
@@ -21,22 +22,7 @@ pytestmark = pytest.mark.skipif(not shared_memory_sum.usable(), reason="x86's st
 def _in_threads(size: int, body: Callable[[int, SharedMemorySum], object], path: Path) -> list[object]:
     shared_memory_sum.create(str(path), size)
     sums = [SharedMemorySum(str(path), r, size, lambda: True, 30) for r in range(size)]
-    out: list[object] = [None] * size
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = body(rank, sums[rank])
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return out
+    return in_threads(size, lambda rank: body(rank, sums[rank]), 60)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

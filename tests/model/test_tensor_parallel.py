@@ -5,12 +5,12 @@ in bf16, FP8 products) and for each way the architectures differ (biases, per-he
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from rank_threads import in_threads
 
 from boundless.attention.backend import AttentionBatch
 from boundless.attention.paged import TorchPagedAttention
@@ -116,25 +116,15 @@ def _ranks_run(path: Path, size: int, **load: object) -> list[tuple[torch.Tensor
     side by side), the ranks run side by side in threads of this process."""
     store = dist.HashStore()
     ranks = [load_model(str(path), tensor_parallel=TensorParallel(r, size), **load) for r in range(size)]  # type: ignore[arg-type]
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * size
-    errors: list[BaseException] = []
 
-    def run(rank: int) -> None:
-        try:
-            group = TensorParallelGroup(store, TensorParallel(rank, size), torch.device("cpu"), 60)
-            ranks[rank].model.sum_over(group.all_reduce_, group.all_gather)
-            out[rank] = _run(ranks[rank], PROMPT)
-        except BaseException as e:
-            errors.append(e)
+    def run(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        group = TensorParallelGroup(store, TensorParallel(rank, size), torch.device("cpu"), 60)
+        ranks[rank].model.sum_over(group.all_reduce_, group.all_gather)
+        return _run(ranks[rank], PROMPT)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    out = in_threads(size, run)
     assert all(ranks[r].arch.num_heads * size == ranks[r].full_arch.num_heads for r in range(size))  # type: ignore[union-attr]
-    return [h for h in out if h is not None]
+    return out
 
 
 CASES = {
