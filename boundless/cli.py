@@ -71,7 +71,7 @@ def _model_tag_as_flag(argv: list[str]) -> list[str]:
 
 
 # The benchmarks made for a model split over ranks (--tensor-parallel-size); the others refuse it.
-SPLIT_MODEL_BENCHES = ("offline", "tensor-parallel")
+SPLIT_MODEL_BENCHES = ("offline", "restart", "tensor-parallel")
 
 
 def _one_device(args: argparse.Namespace, command: str) -> None:

@@ -684,14 +684,6 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
-    def __post_init__(self) -> None:
-        # A tensor-parallel model's KV is split over its ranks; the disk store reads and writes one process's pool.
-        _require(
-            self.model.tensor_parallel_size == 1 or self.cache.kv_disk_path is None,
-            "tensor_parallel_size",
-            "the disk KV store (--kv-disk-path) holds one device's KV; a model split across devices runs without it",
-        )
-
 
 @dataclass(frozen=True)
 class ServerConfig:

@@ -159,7 +159,8 @@ def _blocks_in_fraction(fraction: float, memory: DeviceMemory | None, per_block:
 
 
 def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> BlockStore:
-    """The persistent KV store at ``--kv-disk-path``, laid out for this model."""
+    """The persistent KV store at ``--kv-disk-path``, laid out for this model (a split model's rank: its share of the
+    blocks, in its share of ``--kv-disk-gb``)."""
     store_layout = StoreLayout.of_model(loaded, layout.block_size, layout.kv_dtype)
     root = Path(config.cache.kv_disk_path or "").expanduser()
     try:
@@ -170,7 +171,7 @@ def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLay
         raise ConfigError(f"--kv-disk-path: {root} is no directory, nor can it be made one ({e.strerror})") from None
     except OSError:
         pass
-    return DiskKVStore(root, store_layout, layout.disk_bytes)
+    return DiskKVStore(root, store_layout, layout.disk_bytes // loaded.tensor_parallel.size)
 
 
 def physical_memory_bytes() -> int | None:

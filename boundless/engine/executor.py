@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -217,7 +217,7 @@ class ModelExecutor:
                 transfers, host_copies = queue_host_copies(transfers, self.tiers)
             ranks = self.runner.ranks
             if ranks is not None:  # (a tensor-parallel model: every rank's KV moves alike)
-                ranks.transfers(transfers)
+                ranks.moves(transfers, sched.disk_reads, sched.disk_writes, sched.disk_ages)
             try:
                 self.kv_io.apply(sched.disk_reads, sched.disk_writes, transfers, sched.disk_ages, snapshots)
             except BaseException as e:
@@ -302,7 +302,11 @@ class ModelExecutor:
             elapsed = self.timer() - start
         idle = not sched.chunks
         remote_wait = idle and sched.num_remote_in_flight > 0 and not sched.num_reads_in_flight
-        tier_report = self.kv_io.report(wait_s=READ_WAIT_S if idle and sched.num_reads_in_flight else 0.0)
+        read_wait_s = READ_WAIT_S if idle and sched.num_reads_in_flight else 0.0
+        tier_report = self.kv_io.report(wait_s=read_wait_s)
+        if self.runner.ranks is not None:  # (a load is done once every rank has its share of the blocks)
+            reads = self.runner.ranks.reads_done(tier_report.reads, read_wait_s)
+            tier_report = replace(tier_report, reads=reads)
         remote_report = (
             self.remote.report(wait_s=READ_WAIT_S if remote_wait else 0.0) if self.remote else RemoteReport()
         )

@@ -3,7 +3,9 @@ what rank 0 sends it, and the loop that does to its share of the model and of th
 
 The process is a fresh interpreter (``python -c ... rank_main()``): its spec comes on stdin, and it calls rank 0 back
 for its pipe. It loads its share, waits for the KV memory's layout, builds its pools and attention, joins the ranks'
-sum, then applies each message in order: the step's block copies, a LoRA adapter to load or drop, a forward pass. It
+sum, then applies each message in order: the step's KV moves (block copies; the disk store's loads, writes and
+eviction hints, on its own store: its share of each block), a LoRA adapter to load or drop, a forward pass. It says
+each load of its store's as it finishes (rank 0 reports a load done once every rank's is: ``kv/split_reads.py``). It
 ends when the pipe closes or says stop (an empty message), or when rank 0's process is gone.
 """
 
@@ -28,14 +30,19 @@ import torch.distributed as dist
 
 from boundless.attention.backend import AttentionBatch
 from boundless.engine.logprobs import PromptSpan, score_prompt_spans
-from boundless.kv.transfer import DEVICE, HOST, apply_transfers
+from boundless.kv.disk_moves import DiskReadDone
+from boundless.kv.tier_io import TierIO
+from boundless.kv.transfer import DEVICE, HOST
 from boundless.model.lora import LoRAAdapter, load_lora, lora_batch
 from boundless.model.shared_memory_sum import SharedMemorySum
 from boundless.model.tensor_parallel import RankSum, TensorParallel, TensorParallelGroup
 
 if TYPE_CHECKING:
+    from boundless.attention.backend import AttentionBackend
     from boundless.config import EngineConfig
     from boundless.engine.builder import EngineLayout
+    from boundless.kv.tensors import PagedKVCache
+    from boundless.model.loader import LoadedModel
 
 # How long a sum waits for every rank (a rank stuck this long is lost), and joining the group at start-up.
 SUM_TIMEOUT_S = 600.0
@@ -117,9 +124,9 @@ def rank_main() -> None:
 
 def serve_rank(spec: RankSpec, pipe: Connection) -> None:
     """A rank's process: load its share; with the layout rank 0 sends, build its KV memory and attention; join the sum;
-    then make each copy and run each forward pass rank 0 sends, until the pipe closes or says stop (an empty
-    message)."""
-    from boundless.engine.builder import make_attention
+    then make each step's KV moves (on its own disk store, with one) and run each forward pass rank 0 sends, until the
+    pipe closes or says stop (an empty message)."""
+    from boundless.engine.builder import make_attention, open_disk_store
     from boundless.kv.tensors import PagedKVCache
     from boundless.kv.tiers import HostKVTier
     from boundless.model.loader import load_configured_model, rank_device
@@ -145,6 +152,10 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
         if layout.num_host_blocks:
             tiers[HOST] = HostKVTier(kv_cache, layout.num_host_blocks)
         attention = make_attention(config, arch, layout, device, loaded.dtype)
+        kv_io = TierIO(
+            tiers, open_disk_store(loaded, config, layout) if layout.disk_bytes else None,
+            on_read_done=lambda done: _say_read(pipe, done),
+        )  # fmt: skip
         store = None
         if spec.store_port is not None:  # (the process group's: it is joined once rank 0 has heard this rank loaded)
             store = dist.TCPStore("127.0.0.1", spec.store_port, size, False, timeout=seconds(JOIN_TIMEOUT_S))
@@ -157,11 +168,22 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
                 pass
         return
     pipe.send(("loaded", None))
-    loras: dict[str, LoRAAdapter] = {}  # (the adapters rank 0 has loaded, this rank's parts of them)
     group = rank_sum(
         spec.sum_file, store, TensorParallel(spec.rank, size), device, lambda: os.getppid() == spec.rank0_pid
     )
     model.sum_over(group.all_reduce_, group.all_gather)
+    try:
+        _serve_steps(pipe, loaded, kv_cache, attention, kv_io)
+    finally:
+        kv_io.close()  # (its writes handed over so far go to the store first)
+
+
+def _serve_steps(
+    pipe: Connection, loaded: LoadedModel, kv_cache: PagedKVCache, attention: AttentionBackend, kv_io: TierIO
+) -> None:
+    """A joined rank's loop: each message rank 0 sends, in order, until its pipe closes or says stop."""
+    model, device = loaded.model, loaded.device
+    loras: dict[str, LoRAAdapter] = {}  # (the adapters rank 0 has loaded, this rank's parts of them)
     with torch.inference_mode():
         while True:
             try:
@@ -171,12 +193,14 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
             if not data:
                 return  # (stop)
             kind, payload = pickle.loads(data)
-            if kind == "transfers":
-                apply_transfers(payload, tiers)
+            if kind == "moves":
+                transfers, loads, writes, ages = payload
+                kv_io.apply(loads, writes, transfers, ages)
+                kv_io.report()  # (rank 0 reports the moves: this rank's finished ones, kept for a report, are dropped)
             elif kind == "lora":
                 request, max_rank = payload
                 loras[request.lora_name] = load_lora(
-                    request, arch, loaded.dtype, device, max_rank, model.tensor_parallel, model.whole_arch
+                    request, model.arch, loaded.dtype, device, max_rank, model.tensor_parallel, model.whole_arch
                 )
             elif kind == "unlora":
                 loras.pop(payload, None)
@@ -188,3 +212,10 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
                     model.compute_logits(hidden[payload.sample_indices.to(device)])
                     if payload.prompt_spans:
                         score_prompt_spans(hidden, payload.prompt_spans, model.compute_logits)
+
+
+def _say_read(pipe: Connection, done: DiskReadDone) -> None:
+    """Tell rank 0 a load of this rank's share has finished (from the loader's thread, the one that sends once the
+    rank has joined; a closed pipe: rank 0 is gone, and this rank ends with it)."""
+    with contextlib.suppress(OSError, ValueError):
+        pipe.send_bytes(pickle.dumps(("read", done), protocol=pickle.HIGHEST_PROTOCOL))

@@ -3,9 +3,10 @@
 
 Rank 0 is the engine: it schedules, runs its share of every forward pass and samples. Every other rank holds its
 share of the weights and of the KV memory (``model/tensor_parallel.py``) and does to its own what rank 0 does to
-its, in the same order: each step's block copies between device and host memory (the same block ids: the block
-tables are rank 0's, and every rank's pools have as many blocks), then the step's forward pass, whose sums meet rank
-0's. Rank 0 sends both down a pipe per rank as plain inputs (the copies; token ids, positions and the attention
+its, in the same order: each step's block copies between device and host memory and its disk store's reads, writes
+and eviction hints (the same block ids: the block tables are rank 0's, and every rank's pools have as many blocks;
+each rank's store holds its share of each block, ``kv/split_reads.py``), then the step's forward pass, whose sums meet
+rank 0's. Rank 0 sends both down a pipe per rank as plain inputs (the copies; token ids, positions and the attention
 batch's tables), so no rank needs the scheduler's state. Logits and sampling are rank 0's alone (the LM head is
 whole on each rank; the others' final hidden states are dropped).
 
@@ -33,6 +34,7 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import wait as wait_readable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +45,8 @@ from boundless.config import ConfigError
 from boundless.engine.errors import EngineLost
 from boundless.engine.logprobs import PromptSpan
 from boundless.engine.rank_process import JOIN_TIMEOUT_S, RankSpec, StepInputs, rank_sum, seconds
+from boundless.kv.disk_moves import DiskAge, DiskRead, DiskReadDone, DiskWrite
+from boundless.kv.split_reads import SplitReads
 from boundless.kv.transfer import BlockTransfer
 from boundless.model import shared_memory_sum
 from boundless.model.lora import LoRARequest
@@ -121,6 +125,7 @@ class TensorParallelRanks:
         self.model: LlamaModel | None = None  # rank 0's network (once joined)
         self.lost: str | None = None  # why the ranks can run no more steps
         self.closed = threading.Event()
+        self.reads = SplitReads(len(processes))  # the disk store's loads, each done once every rank's share is
 
     @staticmethod
     def launch(config: EngineConfig, device: torch.device | None = None) -> TensorParallelRanks:
@@ -200,10 +205,43 @@ class TensorParallelRanks:
         log.info("tensor parallelism: %d ranks on %s, ranks 1-%d in processes %s", size, self.device.type, size - 1,
                  ", ".join(str(p.pid) for p in self.processes))  # fmt: skip
 
-    def transfers(self, transfers: Sequence[BlockTransfer]) -> None:
-        """The step's block copies between device and host memory, made on every rank as on rank 0."""
-        if transfers:
-            self._send(("transfers", list(transfers)))
+    def moves(
+        self,
+        transfers: Sequence[BlockTransfer],
+        reads: Sequence[DiskRead] = (),
+        writes: Sequence[DiskWrite] = (),
+        ages: Sequence[DiskAge] = (),
+    ) -> None:
+        """The step's KV moves, made on every rank as on rank 0 (``TierIO.apply``): its disk store's loads (each rank
+        reads its share of the blocks, and says when it has: :meth:`reads_done`), writes and eviction hints, and its
+        block copies between device and host memory."""
+        loads = self.reads.expect(reads)
+        if loads or writes or ages or transfers:
+            self._send(("moves", (list(transfers), loads, list(writes), list(ages))))
+
+    def reads_done(self, rank0: Sequence[DiskReadDone], wait_s: float = 0.0) -> tuple[DiskReadDone, ...]:
+        """The loads now done on every rank, given rank 0's finished since the last call (``SplitReads.agree``); with
+        ``wait_s``, wait that long at most for the other ranks when rank 0's wait for theirs."""
+        self._hear(0.0)
+        agreed = self.reads.agree(rank0)
+        if not agreed and wait_s > 0 and self.reads.waiting:
+            self._hear(wait_s)
+            agreed = self.reads.agree(())
+        return tuple(agreed)
+
+    def _hear(self, timeout_s: float) -> None:
+        """Take in what the ranks have said since (each load of theirs as it finishes), waiting ``timeout_s`` at most
+        for the first word."""
+        try:
+            for pipe in wait_readable(self.pipes, timeout_s):
+                assert isinstance(pipe, Connection)
+                rank = self.pipes.index(pipe) + 1
+                while pipe.poll():
+                    kind, done = pickle.loads(pipe.recv_bytes())
+                    assert kind == "read", kind
+                    self.reads.rank_done(rank, done)
+        except (EOFError, OSError) as e:
+            raise self.lose(f"a rank's pipe closed ({e})") from e
 
     def add_lora(self, request: LoRARequest, max_rank: int) -> None:
         """Every rank loads its parts of the adapter (from the same path: ranks share a machine, or its file system)."""

@@ -82,10 +82,14 @@ class StoreLayout:
 
     @classmethod
     def of_model(cls, model: LoadedModel, block_size: int, kv_dtype: torch.dtype | None = None) -> StoreLayout:
-        """The layout of ``model``'s KV blocks, held in ``kv_dtype`` (``--kv-cache-dtype``; default the model's)."""
-        arch = model.arch
+        """The layout of ``model``'s KV blocks, held in ``kv_dtype`` (``--kv-cache-dtype``; default the model's).
+
+        A rank of a model split over devices (``--tensor-parallel-size``) holds its key/value heads of each block: its
+        files are its own, under a layout of their own (each rank reads and writes its share of every block)."""
+        arch, tp = model.arch, model.tensor_parallel
         dtype = model.dtype if kv_dtype is None else kv_dtype
-        return cls(model.fingerprint, arch.num_layers, arch.num_kv_heads, block_size, arch.head_dim, dtype)
+        fingerprint = model.fingerprint if tp.size == 1 else f"{model.fingerprint}:rank{tp.rank}"
+        return cls(fingerprint, arch.num_layers, arch.num_kv_heads, block_size, arch.head_dim, dtype)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:

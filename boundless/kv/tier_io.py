@@ -91,6 +91,9 @@ class TierIO:
     :class:`~boundless.kv.layer_gate.LayerGate` per load tells which layers have arrived (:meth:`gates_for`): the
     request is admitted meanwhile and its forward pass waits at each layer for that layer only. Without it a
     load is reported once the link has carried all of it.
+
+    ``on_read_done`` is called with each finished read as it is kept for the next report (in the loader's thread): a
+    rank of a split model tells rank 0 at once (``engine/rank_process.py``).
     """
 
     def __init__(
@@ -101,8 +104,10 @@ class TierIO:
         background: bool = True,
         clock: Callable[[], float] = time.perf_counter,
         layerwise: bool = False,
+        on_read_done: Callable[[DiskReadDone], None] | None = None,
     ) -> None:
         self.tiers = tiers
+        self.on_read_done = on_read_done
         self.store = store
         self.layerwise = layerwise
         # Host blocks whose load is still crossing its link, layer by layer: the gate of each (kv/layer_gate.py).
@@ -278,9 +283,12 @@ class TierIO:
                 self.stats.load_seconds += seconds
                 self.stats.blocks_loaded += found
                 self.stats.blocks_missing += len(read.keys) - found
-            self._reads_done.append(DiskReadDone(read.read_id, found, seconds))
+            done = DiskReadDone(read.read_id, found, seconds)
+            self._reads_done.append(done)
             self._reads_pending -= 1
             self._done.notify_all()
+        if self.on_read_done is not None:
+            self.on_read_done(done)
         if gate is not None:
             assert carry is not None
             try:

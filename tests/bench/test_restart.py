@@ -24,11 +24,14 @@ def test_engine_flags_round_trip_through_to_flags() -> None:
 
 
 @pytest.mark.slow  # four Python processes (three servers) start one after another: 25-50 s here
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_bench_restart_finds_the_first_servers_blocks_after_a_restart(
-    model_dirs: dict[str, Path], tmp_path: Path
+    ranks: int, model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
+    """On one device, and with the model split over two ranks (each rank's share of every block in its own files)."""
     out = tmp_path / "restart.json"
     cmd = [sys.executable, "-m", "boundless.cli", "bench", "restart", "--model", str(model_dirs["tiny-llama"])]
+    cmd += ["--tensor-parallel-size", str(ranks)]
     cmd += ["--num-programs", "4", "--scale", "0.05", "--max-len", "64", "--num-kv-blocks", "64"]
     cmd += ["--kv-host-gb", "0.01", "--kv-disk-path", str(tmp_path / "stores"), "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
