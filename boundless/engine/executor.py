@@ -342,11 +342,13 @@ class ModelExecutor:
         return LayerWaits(gates, self.layer_wait_timeout_s) if gates else None
 
     def close(self) -> None:
+        # A split model's ranks first: each hands its share of the writes to its store while rank 0's writer drains
+        # its own (rank 0's writes are snapshots in host memory by now; the ranks' stop would wait behind them).
         try:
-            self.kv_io.close()
-        finally:
             if self.runner.ranks is not None:
                 self.runner.ranks.close()
+        finally:
+            self.kv_io.close()
 
 
 class LandingCopies:

@@ -238,7 +238,8 @@ class TensorParallelRanks:
                 rank = self.pipes.index(pipe) + 1
                 while pipe.poll():
                     kind, done = pickle.loads(pipe.recv_bytes())
-                    assert kind == "read", kind
+                    if kind != "read":  # (a rank says nothing else once joined)
+                        raise self.lose(f"rank {rank} said {kind!r} out of turn")
                     self.reads.rank_done(rank, done)
         except (EOFError, OSError) as e:
             raise self.lose(f"a rank's pipe closed ({e})") from e
@@ -301,7 +302,8 @@ class TensorParallelRanks:
             return
         self.closed.set()  # (first: the watchdog then stops, not taking the ranks' stop for a loss)
         try:
-            _stop(self.processes, self.pipes, 0.0 if self.lost else 10.0)
+            # (With a disk store, each rank's writer drains before it exits: TierIO.close's 30 s at most.)
+            _stop(self.processes, self.pipes, 0.0 if self.lost else 40.0 if self.config.cache.kv_disk_path else 10.0)
         finally:  # (an interrupt while the ranks stop: what is rank 0's own is released all the same)
             if isinstance(self.group, SharedMemorySum):
                 self.group.close()

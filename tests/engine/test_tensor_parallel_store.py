@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig
@@ -26,9 +27,9 @@ SHARED = [(7 * j) % 300 + 3 for j in range(3 * BLOCK)]  # three blocks both conv
 PROMPTS = [SHARED + list(range(100, 133)), SHARED + list(range(200, 221))]
 
 
-def _config(model: Path, disk: Path) -> EngineConfig:
+def _config(model: Path, disk: Path, ranks: int = 2) -> EngineConfig:
     return EngineConfig(
-        ModelConfig(model=str(model), max_model_len=256, tensor_parallel_size=2),
+        ModelConfig(model=str(model), max_model_len=256, tensor_parallel_size=ranks),
         CacheConfig(
             kv_cache_gb=0.01, kv_host_gb=0.01, kv_disk_path=str(disk), kv_disk_gb=1.0, kv_write_policy="through"
         ),
@@ -70,20 +71,26 @@ def _rank_dir(config: EngineConfig, disk: Path, rank: int) -> Path:
     return disk / layout.digest().hex()
 
 
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])  # (4: five processes, 2 cores)
 def test_a_restarted_split_engine_loads_each_ranks_share_of_the_blocks_an_earlier_one_wrote(
-    model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any], tmp_path: Path
+    ranks: int,
+    model_dirs: dict[str, Path],
+    load: Callable[[str], LoadedModel],
+    hf_model: Callable[[str], Any],
+    tmp_path: Path,
 ) -> None:
-    config = _config(model_dirs["tiny-llama"], tmp_path)
+    """Two ranks, one of tiny-llama's two key/value heads each; four, each head held by two ranks."""
+    config = _config(model_dirs["tiny-llama"], tmp_path, ranks)
     expected = _transformers(hf_model("tiny-llama"))
     cold, cold_hits = _greedy(config)
     assert cold == expected and cold_hits == 0
-    ranks = [_rank_dir(config, tmp_path, rank) for rank in (0, 1)]
-    names = [{f.name for f in d.rglob("*.kv")} for d in ranks]
-    assert names[0] == names[1] and len(names[0]) == 3 + 2 + 1  # the shared blocks once, then each one's own
+    dirs = [_rank_dir(config, tmp_path, rank) for rank in range(ranks)]
+    names = [{f.name for f in d.rglob("*.kv")} for d in dirs]
+    assert all(n == names[0] for n in names) and len(names[0]) == 3 + 2 + 1  # the shared blocks, then each one's own
     # A rank's file holds its one key/value head of tiny-llama's two: half a block, after the header.
     arch = load("tiny-llama").arch
     half = arch.num_layers * 2 * (arch.num_kv_heads // 2) * BLOCK * arch.head_dim * 4
-    assert {f.stat().st_size for d in ranks for f in d.rglob("*.kv")} == {HEADER_SIZE + half}
+    assert {f.stat().st_size for d in dirs for f in d.rglob("*.kv")} == {HEADER_SIZE + half}
 
     warm, warm_hits = _greedy(config)  # nothing in memory: every full block of both prompts comes from disk
     assert warm == expected
