@@ -79,16 +79,20 @@ def _one_device(args: argparse.Namespace, command: str) -> None:
     simulator's cost models are one device's; or it failed part-way: several engines on one loaded network)."""
     if getattr(args, "tensor_parallel_size", 1) != 1:
         raise SystemExit(
-            f"--tensor-parallel-size: {command} does not take a split model; boundless serve, generate, bench "
-            f"{' and bench '.join(SPLIT_MODEL_BENCHES)} do"
+            f"--tensor-parallel-size: {command} does not take a split model; boundless serve, generate, simulate "
+            f"(on a roofline --profile), bench {', bench '.join(SPLIT_MODEL_BENCHES)} do"
         )
 
 
-def _simulation(command: str, run: Callable[[argparse.Namespace], object]) -> Callable[[argparse.Namespace], int]:
-    """A ``boundless simulate`` command's handler: its ``run``, for engines of one device (the cost models' own)."""
+def _simulation(
+    command: str, run: Callable[[argparse.Namespace], object], split: bool = False
+) -> Callable[[argparse.Namespace], int]:
+    """A ``boundless simulate`` command's handler: its ``run``, for engines of one device (the cost models' own)
+    unless ``split`` (``simulate`` itself prices a split model on a roofline profile: ``sim/profiles.py``)."""
 
     def handler(args: argparse.Namespace) -> int:
-        _one_device(args, command)
+        if not split:
+            _one_device(args, command)
         run(args)
         return 0
 
@@ -137,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim_run.add_arguments(simulate)
     add_flags(simulate, SchedulerConfig)
-    simulate.set_defaults(func=_simulation("simulate", sim_run.run))
+    simulate.set_defaults(func=_simulation("simulate", sim_run.run, split=True))
     sim_sub = simulate.add_subparsers(dest="simulate_action", required=False)
     calibrate = sim_sub.add_parser("calibrate", help="fit this machine's step model from the real engine")
     from boundless.sim import calibrate as sim_calibrate

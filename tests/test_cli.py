@@ -665,14 +665,13 @@ def test_structured_outputs_in_reasoning_without_a_reasoning_parser_is_said_to_b
 @pytest.mark.parametrize(
     "argv",
     [
-        ["simulate", "--tensor-parallel-size", "2"],
         ["simulate", "validate", "--tensor-parallel-size", "2"],
         ["bench", "kv-dtype", "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "2"],
         ["bench", "longctx", "-tp", "2"],
     ],
 )
 def test_commands_whose_engines_run_on_one_device_refuse_a_split_model(argv: list[str]) -> None:
-    """They took ``--tensor-parallel-size`` and ignored it (the simulator's cost models are one device's), or failed
-    part-way (a second engine on one loaded network)."""
-    with pytest.raises(SystemExit, match="does not take a split model; boundless serve, generate, bench offline"):
+    """They took ``--tensor-parallel-size`` and ignored it (calibration and validation run one device's engines), or
+    failed part-way (a second engine on one loaded network)."""
+    with pytest.raises(SystemExit, match="does not take a split model; boundless serve, generate, simulate"):
         main(argv)

@@ -13,7 +13,13 @@ the links an instance uses, and the source of every number in it. Two kinds of s
   takes the longer of its FLOPs at the peak and its bytes (weights, KV read and written) at the
   bandwidth, each scaled by an efficiency, plus a fixed per-step overhead.
 
-Links (``host_copy``, ``storage_read``, ``storage_write``, ``network``) are a bandwidth and a latency each.
+Links (``host_copy``, ``storage_read``, ``storage_write``, ``network``, and optionally ``gpu_interconnect``) are a
+bandwidth and a latency each.
+
+A model split over N GPUs of a node (``--tensor-parallel-size N``, :func:`with_tensor_parallel`) is priced on a
+roofline profile: each GPU does 1/N of the FLOPs and reads 1/N of the weights and of the KV (its heads), then the GPUs
+sum their partial products twice a layer, a ring all-reduce over ``gpu_interconnect``; each GPU moves its share of
+every KV block over links of its own (its PCIe lanes, its NIC), so an instance's links carry N times one GPU's.
 """
 
 from __future__ import annotations
@@ -101,6 +107,10 @@ class RooflineStepCost:
     compute_efficiency: float
     memory_efficiency: float
     step_overhead_s: float
+    # The model split over this many GPUs (``with_tensor_parallel``), which sum over ``all_reduce`` (their
+    # interconnect): a pass is one GPU's share of it, plus ``2 * layers`` all-reduces of its new tokens' hidden states.
+    tensor_parallel: int = 1
+    all_reduce: LinkSpec | None = None
 
     def step_time(self, sched: SchedulerOutput) -> float:
         return self.predict(shapes_of(sched))
@@ -114,7 +124,7 @@ class RooflineStepCost:
         """Seconds of passes ``first`` to ``end - 1`` of a multi-step window of ``rows``
         (``multi_step.WindowPasses.rows``), summed from the rows without making each pass's shapes (pass ``j``'s: each
         row with more than ``j`` passes, ``j`` positions on). :meth:`predict` is a window of one pass."""
-        per_token, per_pair, weight_bytes, kv_bytes, flop_rate, byte_rate = self._factors
+        per_token, per_pair, weight_bytes, kv_bytes, flop_rate, byte_rate, sum_s, sum_per_token_s = self._factors
         overhead = self.step_overhead_s
         # Pass j's sums (pairs as ChunkShape's) over the rows with more than j passes, in integers (so exactly those
         # summed row by row): kept as running sums, a row's terms dropped at the pass it ends, and j's terms added.
@@ -138,21 +148,35 @@ class RooflineStepCost:
                 k += 1
             compute = (per_token * tokens + per_pair * (pairs0 + j * tokens)) / flop_rate
             memory = (weight_bytes + kv_bytes * (starts + j * rows_left + tokens)) / byte_rate
-            seconds.append(overhead + (compute if compute > memory else memory))
+            sums = sum_s + sum_per_token_s * tokens if sum_s else 0.0  # (the split model's all-reduces, not overlapped)
+            seconds.append(overhead + (compute if compute > memory else memory) + sums)
         return seconds
 
     @cached_property
-    def _factors(self) -> tuple[float, int, float, int, float, float]:
+    def _factors(self) -> tuple[float, float, float, float, float, float, float, float]:
         """The per-pass formula's constant factors (per new token, per query-key pair, the weights' bytes, the KV bytes
-        per token, and the two rates), made once: the simulator prices every forward pass."""
-        s = self.shape
+        per token, the two rates, and a split model's all-reduces: a pass's fixed seconds and seconds per new token),
+        made once: the simulator prices every forward pass. A split model's are one GPU's share."""
+        s, n = self.shape, self.tensor_parallel
+        # Each GPU holds its key/value heads; where they are fewer than the GPUs, one each (replicated, as vLLM does).
+        kv_share = max(s.kv_heads // n, 1) / s.kv_heads
+        sum_s = sum_per_token_s = 0.0
+        if n > 1:
+            assert self.all_reduce is not None, "a split model sums over its GPUs' interconnect"
+            sums = 2 * s.layers  # after attention's o and the MLP's down, in every layer
+            # A ring all-reduce sends and receives 2 (n - 1) / n of the tensor (bf16 hidden states) through each GPU.
+            hidden_bytes = s.q_heads * s.head_dim * s.bytes_per_param
+            sum_s = sums * self.all_reduce.latency_s
+            sum_per_token_s = sums * 2 * (n - 1) / n * hidden_bytes / self.all_reduce.bytes_per_s
         return (
-            2 * s.params,
-            4 * s.layers * s.q_heads * s.head_dim,
-            s.params * s.bytes_per_param,
-            s.kv_bytes_per_token,
+            2 * s.params / n,
+            4 * s.layers * s.q_heads * s.head_dim / n,
+            s.params * s.bytes_per_param / n,
+            s.kv_bytes_per_token * kv_share,
             self.peak_flops * self.compute_efficiency,
             self.hbm_bytes_per_s * self.memory_efficiency,
+            sum_s,
+            sum_per_token_s,
         )
 
 
@@ -168,6 +192,7 @@ class HardwareProfile:
     storage_write: LinkSpec
     network: LinkSpec
     sources: dict[str, str] = field(default_factory=dict)
+    gpu_interconnect: LinkSpec | None = None  # between the GPUs of a node (NVLink): a split model's all-reduces
 
     @property
     def disk_cost(self) -> DiskCost:
@@ -189,6 +214,35 @@ def with_kv_cache_dtype(profile: HardwareProfile, kv_cache_dtype: str) -> Hardwa
     element = kv_cache_dtype_named(kv_cache_dtype, torch.bfloat16).itemsize  # (not auto: the model's type is unused)
     shape = dataclasses.replace(step.shape, kv_bytes_per_element=element)
     return dataclasses.replace(profile, step=dataclasses.replace(step, shape=shape))
+
+
+def with_tensor_parallel(profile: HardwareProfile, size: int) -> HardwareProfile:
+    """``profile`` serving its model split over ``size`` GPUs of a node (``--tensor-parallel-size``; see the module's
+    docstring). ValueError for a profile that cannot price it: a fitted one (one device's steps), one without a
+    ``gpu_interconnect`` link, or a model whose heads do not split over ``size`` GPUs."""
+    if size == 1:
+        return profile
+    step = profile.step
+    if not isinstance(step, RooflineStepCost):
+        raise ValueError(
+            f"profile {profile.name!r} is fitted to one device's steps; a model split over GPUs is priced on a "
+            "roofline profile (a100-80gb, h100, h200)"
+        )
+    if profile.gpu_interconnect is None:
+        raise ValueError(f"profile {profile.name!r} has no links.gpu_interconnect to price the GPUs' all-reduces over")
+    shape = step.shape
+    if shape.q_heads % size or not (shape.kv_heads % size == 0 or size % shape.kv_heads == 0):
+        raise ValueError(
+            f"{shape.name}'s {shape.q_heads} attention heads and {shape.kv_heads} key/value heads do not split over "
+            f"{size} GPUs"
+        )
+    links = {
+        name: dataclasses.replace(link, bytes_per_s=link.bytes_per_s * size)
+        for name in LINK_NAMES
+        if (link := getattr(profile, name)) is not None
+    }
+    split = dataclasses.replace(step, tensor_parallel=size, all_reduce=profile.gpu_interconnect)
+    return dataclasses.replace(profile, step=split, **links)
 
 
 def profile_names() -> list[str]:
@@ -241,7 +295,14 @@ def profile_from_dict(data: dict[str, Any]) -> HardwareProfile:
         name: LinkSpec(data["links"][name]["gbytes_per_s"] * 1e9, data["links"][name].get("latency_s", 0.0))
         for name in LINK_NAMES
     }
-    return HardwareProfile(data["name"], data.get("description", ""), cost, sources=data.get("sources", {}), **links)
+    interconnect = data["links"].get("gpu_interconnect")
+    return HardwareProfile(
+        data["name"], data.get("description", ""), cost, sources=data.get("sources", {}),
+        gpu_interconnect=None if interconnect is None else LinkSpec(
+            interconnect["gbytes_per_s"] * 1e9, interconnect.get("latency_s", 0.0)
+        ),
+        **links,
+    )  # fmt: skip
 
 
 def fitted_profile_dict(

@@ -237,11 +237,17 @@ def run(args: argparse.Namespace) -> dict:
     scheduled = sum(r.steps_scheduled for r in runs)
     print_rows(rows)
     simulated, steps = sum(r["simulated_s"] for r in rows), sum(r["steps"] for r in rows)
-    gpus = ", ".join(dict.fromkeys(str(r["gpus"]) for r in rows))
+    instances = ", ".join(dict.fromkeys(str(r["instances"]) for r in rows))
+    gpus = (
+        f" ({', '.join(dict.fromkeys(str(r['gpus']) for r in rows))} GPUs)"
+        if base.model.tensor_parallel_size > 1
+        else ""
+    )
     cpu = sum(cpus)
     processes = f" ({args.workers} processes: main and {args.workers - 1} forked)" if args.workers > 1 else ""
     print(
-        f"simulated {simulated:.0f} s of {gpus} instance(s) in {wall:.1f} s wall, {cpu:.1f} s CPU{processes}:"
+        f"simulated {simulated:.0f} s of {instances} instance(s){gpus} in {wall:.1f} s wall, {cpu:.1f} s CPU"
+        f"{processes}:"
         f" {simulated / max(wall, 1e-9):.1f} simulated s per wall s,"
         f" {steps / max(wall, 1e-9):.0f} engine steps per wall s"
         + (f" ({scheduled} of {steps} steps scheduled)" if scheduled < steps else "")
@@ -329,7 +335,8 @@ def result_row(sim: Simulator, results: list[SimResult], rate: float, policy: st
         "policy": policy,
         "roles": f"{cluster.roles[0]}P{cluster.roles[1]}D" if cluster.disaggregated else "",
         "kv_path": cluster.kv_path if cluster.disaggregated else "",
-        "gpus": len(sim.instance_ids),
+        "gpus": len(sim.instance_ids) * sim.gpus_per_instance,
+        "instances": len(sim.instance_ids),
         "avg_latency_s": statistics.fmean(lat),
         "p95_latency_s": percentile(lat, 0.95),
         "p99_latency_s": percentile(lat, 0.99),

@@ -43,7 +43,7 @@ from boundless.cluster.pd_scheduler import PDSchedulerConfig, read_queue_tokens
 from boundless.cluster.restarts import Restart, RestartPolicy
 from boundless.cluster.routing import Router
 from boundless.cluster.stuck_step import stuck_step
-from boundless.config import ClusterConfig, EngineConfig
+from boundless.config import ClusterConfig, ConfigError, EngineConfig, ServerConfig, check_serve_configs
 from boundless.engine.builder import size_engine
 from boundless.engine.core import EngineCore, RequestDelta
 from boundless.engine.errors import InvalidRequestError
@@ -57,13 +57,31 @@ from boundless.kv.block_hash import BlockHash
 from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
 from boundless.sim.cost import CostModel, StepCost
-from boundless.sim.engine import DEFAULT_DISK_COST, HOST_COPY, SimulatedModel, simulated_engine
+from boundless.sim.engine import DEFAULT_DISK_COST, HOST_COPY, SimulatedModel, ranks_memory, simulated_engine
 from boundless.sim.executor import DiskCost
 from boundless.sim.failures import InstanceFailure, check_failures
 from boundless.sim.lending import SimulatedLending, lending_max_model_len, simulated_lending
 from boundless.sim.links import LinkSpec
-from boundless.sim.profiles import HardwareProfile, with_kv_cache_dtype
+from boundless.sim.profiles import HardwareProfile, with_kv_cache_dtype, with_tensor_parallel
 from boundless.sim.remote import KVFabric
+
+
+def check_split_simulation(
+    config: EngineConfig, cluster: ClusterConfig, profile: HardwareProfile | None, cost: StepCost | None
+) -> None:
+    """What the simulator needs to run a model split over GPUs (``--tensor-parallel-size``): a roofline profile that
+    prices it (``with_tensor_parallel``), and instances that hand no KV to each other, as ``serve`` refuses them."""
+    size = config.model.tensor_parallel_size
+    if profile is None or cost is not None:
+        raise ConfigError(
+            f"--tensor-parallel-size {size}: the simulator prices a model split over GPUs on a roofline --profile "
+            "(a100-80gb, h100, h200), not a step model of its own"
+        )
+    try:
+        with_tensor_parallel(profile, size)
+    except ValueError as e:
+        raise ConfigError(f"--tensor-parallel-size {size}: {e}") from None
+    check_serve_configs(config, ServerConfig(), cluster)
 
 
 class VirtualClock:
@@ -203,9 +221,15 @@ class Simulator:
         # ends (``_step_alone``); the results are the same either way (tests/sim compares them).
         self.fast_forward = fast_forward
         host_copy, disk_cost, network = HOST_COPY, DEFAULT_DISK_COST, DEFAULT_NETWORK
+        self.gpus_per_instance = config.model.tensor_parallel_size
+        if config.model.tensor_parallel_size > 1:
+            check_split_simulation(config, cluster or ClusterConfig(instances=instances), profile, cost)
+            config = ranks_memory(config)
         if profile is not None:  # its step model unless ``cost`` is given, and its links
             # A roofline model's KV bytes in the KV cache's type (--kv-cache-dtype), as the engines' pools hold them.
             profile = with_kv_cache_dtype(profile, config.cache.kv_cache_dtype)
+            # A model split over GPUs: each GPU's share of a step, their all-reduces, and links of every GPU.
+            profile = with_tensor_parallel(profile, config.model.tensor_parallel_size)
             cost = cost or profile.step
             host_copy, disk_cost, network = profile.host_copy, profile.disk_cost, profile.network
         cost = cost or CostModel()

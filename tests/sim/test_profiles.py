@@ -370,7 +370,14 @@ def test_shipped_profiles_load_with_their_sources() -> None:
         profile = load_profile(name)
         assert profile.name == name and profile.host_copy.bytes_per_s > 0
         if isinstance(profile.step, RooflineStepCost):
-            for figure in ("peak_bf16_tflops", "hbm_tbytes_per_s", "host_copy", "network", "storage"):
+            for figure in (
+                "peak_bf16_tflops",
+                "hbm_tbytes_per_s",
+                "host_copy",
+                "network",
+                "storage",
+                "gpu_interconnect",
+            ):
                 assert "datasheet" in profile.sources[figure] or "DGX" in profile.sources[figure], (name, figure)
         else:  # fitted here, with the samples it was fitted on: they refit to its model, at its programs' level
             assert "calibrate on this machine" in profile.sources["step"]
