@@ -858,6 +858,9 @@ INSTANCE_FLAGS = (
     "max_restarts",
     "restart_reset_s",
 )
+# Of those, the ones that act on one engine in the server's process too when its model is split over devices (a lost
+# rank: the engine is restarted in place, ``EngineLoop``).
+RESTART_FLAGS = ("restart_delay_s", "max_restarts", "restart_reset_s")
 # ClusterConfig's fields that act with --kv-lending on only (ClusterConfig.ignored_lending_flags).
 LENDING_FLAGS = (
     "lending_interval_s",
@@ -1085,10 +1088,13 @@ class ClusterConfig:
             ignored += _flags_given(self, ("kv_transport",))
         return ignored
 
-    def ignored_instance_flags(self) -> list[str]:
+    def ignored_instance_flags(self, split: bool = False) -> list[str]:
         """As :meth:`ignored_role_flags`, the flags given that act where engines run as Ray actors behind the router
-        only (routing, heartbeats, stuck steps, restarts), on one engine in the server's process."""
-        return [] if self.runs_actors else _flags_given(self, INSTANCE_FLAGS)
+        only (routing, heartbeats, stuck steps, restarts), on one engine in the server's process; ``split``: its model
+        is split over devices, and its restarts act on it (a lost rank)."""
+        if self.runs_actors:
+            return []
+        return _flags_given(self, tuple(f for f in INSTANCE_FLAGS if not (split and f in RESTART_FLAGS)))
 
     @property
     def runs_actors(self) -> bool:

@@ -20,8 +20,9 @@ from starlette.types import ASGIApp
 from uvicorn.main import STARTUP_FAILURE
 
 from boundless.api.server import EngineClient, build_app, configured_chat_template
+from boundless.cluster.restarts import RestartPolicy, Restarts
 from boundless.config import ClusterConfig, EngineConfig, ServerConfig, check_serve_configs
-from boundless.engine.async_engine import AsyncEngine
+from boundless.engine.async_engine import ENGINE_ID, AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.engine.tensor_parallel import load_with_ranks
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults, model_sampling_defaults
@@ -43,10 +44,16 @@ def resolve_api_key(config: ServerConfig) -> ServerConfig:
     return config
 
 
-def local_engine(config: EngineConfig, max_waiting: int) -> AsyncEngine:
-    """One engine in this process, as ``boundless serve`` runs it by default."""
+def local_engine(config: EngineConfig, max_waiting: int, cluster: ClusterConfig | None = None) -> AsyncEngine:
+    """One engine in this process, as ``boundless serve`` runs it by default. A model split over devices is started
+    again in place when it loses a rank (``--max-restarts``, ``--restart-delay-s``, ``--restart-reset-s``): rank 0's
+    share stays loaded, the other ranks are launched afresh."""
     loaded, ranks = load_with_ranks(config)
-    return AsyncEngine(EngineCore.from_model(loaded, config, ranks=ranks), max_waiting=max_waiting)
+    core = EngineCore.from_model(loaded, config, ranks=ranks)
+    if config.model.tensor_parallel_size == 1:
+        return AsyncEngine(core, max_waiting=max_waiting)
+    restarts = Restarts(RestartPolicy.from_config(cluster or ClusterConfig()), [ENGINE_ID])
+    return AsyncEngine(core, max_waiting, lambda: EngineCore.from_model(loaded, config), restarts)
 
 
 def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) -> EngineClient:
@@ -58,7 +65,7 @@ def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) 
             "%s: with prefill and decode engines only (--prefill-instances, --decode-instances); ignored here",
             ", ".join(ignored),
         )
-    if ignored := cluster.ignored_instance_flags():
+    if ignored := cluster.ignored_instance_flags(split=config.model.tensor_parallel_size > 1):
         log.warning(
             "%s: with engines as Ray actors only (--instances 2 or more, or roles); ignored here", ", ".join(ignored)
         )
@@ -73,7 +80,7 @@ def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) 
         from boundless.cluster.client import ClusterClient
 
         return ClusterClient(config, cluster, max_waiting)
-    return local_engine(config, max_waiting)
+    return local_engine(config, max_waiting, cluster)
 
 
 def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | None = None) -> None:

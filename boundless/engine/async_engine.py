@@ -7,6 +7,11 @@ running batch at the next step and a caller never waits for a forward pass to ad
 
 ``AsyncEngine`` routes each request's deltas to an asyncio queue, for the HTTP server in the
 same process; a cluster instance (a Ray actor) gives the loop a sink of its own.
+
+A loop given a way to ``rebuild`` its engine and a restart policy starts a fresh engine in place of one that lost a
+part (:class:`~boundless.engine.errors.EngineLost`: a rank of a model split over devices), as the cluster restarts a
+lost instance (``cluster/restarts.py``): the requests in flight end with an error, the server answers unavailable
+meanwhile, and the fresh engine (an empty KV cache) takes requests again.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import EngineLost
@@ -32,7 +37,13 @@ from boundless.engine.structured_output import check_structured_output
 from boundless.model.lora import LoRARequest
 from boundless.programs.ref import ProgramRef
 
+if TYPE_CHECKING:
+    from boundless.cluster.restarts import Restarts
+
 log = logging.getLogger(__name__)
+
+# The id of the one engine of a loop, in its restart policy's records.
+ENGINE_ID = "0"
 
 
 class QueueFullError(RuntimeError):
@@ -79,7 +90,9 @@ class StepHooks(Protocol):
 class EngineLoop:
     """Steps an :class:`EngineCore` in a background thread; every delta goes to ``sink``. ``hooks`` (set before
     the first request, or at construction) run between steps and see failed steps first. ``step_watch`` times the
-    step in flight on ``clock`` (:meth:`step_in_flight`), for a watchdog: the step runs outside ``lock``."""
+    step in flight on ``clock`` (:meth:`step_in_flight`), for a watchdog: the step runs outside ``lock``.
+    ``rebuild`` and ``restarts`` (whose one record is :data:`ENGINE_ID`): a fresh engine in place of one that lost a
+    part, when the policy allows it (see the module docstring)."""
 
     def __init__(
         self,
@@ -88,8 +101,13 @@ class EngineLoop:
         max_waiting: int = 1024,
         hooks: StepHooks | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rebuild: Callable[[], EngineCore] | None = None,
+        restarts: Restarts | None = None,
     ) -> None:
         self.core = core
+        self.clock = clock
+        self.rebuild = rebuild
+        self.restarts = restarts
         self.sink = sink
         self.max_waiting = max_waiting
         self.hooks = hooks
@@ -256,12 +274,54 @@ class EngineLoop:
             log.exception("closing the engine failed")
 
     def _run(self) -> None:
+        while True:
+            try:
+                self._steps()
+                return
+            except BaseException as e:  # outside a step (deciding one, taking its result): the loop cannot go on
+                self.error = e  # (first: no request is taken from here on)
+                log.critical("the engine loop stopped: %s\n%s", engine_stopped(e), traceback.format_exc())
+                self._stopped(e)
+                if not self._restarted(e):
+                    return
+
+    def _restarted(self, error: BaseException) -> bool:
+        """After ``error`` stopped the loop: whether a fresh engine now runs in place of the old (which is closed), as
+        the restart policy allows for an engine that lost a part, after its delay; a rebuild that fails counts as a
+        restart and is tried again under the same limit. False: the loop stays stopped, with its error."""
+        restarts = self.restarts
+        if self.rebuild is None or restarts is None or not isinstance(error, EngineLost):
+            return False
+        restarts.lost(ENGINE_ID, self.clock())
         try:
-            self._steps()
-        except BaseException as e:  # outside a step (deciding one, taking its result): the loop cannot go on
-            self.error = e  # (first: no request is taken from here on)
-            log.critical("the engine loop stopped: %s\n%s", engine_stopped(e), traceback.format_exc())
-            self._stopped(e)
+            self.core.close()  # (a split model's ranks stopped, its writes to the disk store drained)
+        except Exception:
+            log.exception("closing the lost engine failed")
+        while restarts.state(ENGINE_ID) != "retired":
+            due_at = restarts.next_due()
+            if due_at is not None and self._stop.wait(max(0.0, due_at - self.clock())):
+                return False  # (the server is shutting down)
+            due = restarts.due(self.clock())
+            if not due:
+                continue
+            restart = due[0]
+            log.warning("restarting the engine (restart %d)", restart.attempt)
+            try:
+                core = self.rebuild()
+            except Exception:
+                log.exception("the engine's restart %d failed", restart.attempt)
+                restarts.lost(ENGINE_ID, self.clock())
+                continue
+            with self.lock:
+                self.core = core
+                if core.grammars is not None:
+                    core.grammars.notify = self.wake
+                restarts.ready(ENGINE_ID, self.clock())
+                self.error = None  # (last: requests are taken from here on)
+            log.warning("the engine is back after restart %d; it takes requests again", restart.attempt)
+            return True
+        log.critical("the engine was lost and is not restarted again (--max-restarts): it stays stopped")
+        return False
 
     def _stopped(self, error: BaseException) -> None:
         """The loop stopped by ``error`` with requests in flight. Here nothing more: the cluster's instance says so at
@@ -494,9 +554,15 @@ class StreamRegistry:
 class AsyncEngine(EngineLoop):
     """An engine loop whose requests stream to coroutines (the server's in-process engine)."""
 
-    def __init__(self, core: EngineCore, max_waiting: int = 1024) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        max_waiting: int = 1024,
+        rebuild: Callable[[], EngineCore] | None = None,
+        restarts: Restarts | None = None,
+    ) -> None:
         self.streams = StreamRegistry()
-        super().__init__(core, self.streams.deliver, max_waiting)
+        super().__init__(core, self.streams.deliver, max_waiting, rebuild=rebuild, restarts=restarts)
 
     def submit(
         self,

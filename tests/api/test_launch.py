@@ -58,6 +58,8 @@ def test_flags_of_ray_instances_are_ignored_by_one_engine_and_start_up_says_so(
     cluster = ClusterConfig(routing="round-robin", step_timeout_s=30.0, max_restarts=3)
     assert ClusterConfig(instances=2, routing="round-robin").ignored_instance_flags() == []
     assert ClusterConfig(prefill_instances=1, step_timeout_s=30.0).ignored_instance_flags() == []
+    # A model split over devices restarts in place when it loses a rank: the restarts' flags act on it.
+    assert cluster.ignored_instance_flags(split=True) == ["--routing", "--step-timeout-s"]
     config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=256, kv_cache_gb=0.01)
     with caplog.at_level(logging.WARNING, logger="boundless.api.launch"):
         engine = make_client(config, cluster, max_waiting=8)

@@ -131,16 +131,27 @@ def test_preemption_swaps_every_ranks_blocks_to_host_memory_and_back(
         core.close()
 
 
-def test_a_server_of_two_ranks_answers_and_stops_when_a_rank_dies(
-    model_dirs: dict[str, Path], load: Callable[[str], LoadedModel]
+def _wait_health(url: str, status: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{url}/health").status_code != status and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/health").status_code == status
+
+
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_a_server_of_two_ranks_answers_and_restarts_its_engine_when_a_rank_dies(
+    max_restarts: int, model_dirs: dict[str, Path]
 ) -> None:
     """Through the ``openai`` client the split model answers as one engine of the whole model does. Rank 1 killed: the
-    next request ends with an engine error (not a hang), the engine stops with the lost rank as its error,
-    ``/health`` answers unavailable and later requests are refused with a 503 to retry elsewhere."""
+    next request ends with an engine error (not a hang), the engine stops with the lost rank as its error, ``/health``
+    answers unavailable and requests are refused with a 503 to retry elsewhere. Then, as ``--max-restarts`` allows,
+    a fresh engine (rank 0's share kept, rank 1 launched anew) answers again as before; without restarts it stays
+    stopped."""
     path = model_dirs["tiny-llama"]
     whole = LLM(str(path), max_model_len=256, kv_cache_gb=0.01)
     ask = {"model": "m", "messages": [{"role": "user", "content": "Tell me about foxes"}], "max_tokens": 12}
-    engine = local_engine(_config(path), max_waiting=16)
+    cluster = ClusterConfig(restart_delay_s=1.0, max_restarts=max_restarts)
+    engine = local_engine(_config(path), max_waiting=16, cluster=cluster)
     server = start_in_thread(engine, "m")
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
@@ -152,16 +163,22 @@ def test_a_server_of_two_ranks_answers_and_stops_when_a_rank_dies(
         ranks.processes[0].wait(10)
         with pytest.raises(openai.InternalServerError, match="the engine failed while generating"):
             client.chat.completions.create(**ask, temperature=0)
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{server.url}/health").status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert httpx.get(f"{server.url}/health").status_code == 503
+        _wait_health(server.url, 503, 10)
         assert "tensor parallelism: rank 1 exited (code -9)" in str(engine.error)
         with pytest.raises(openai.APIStatusError, match="engine stopped after an error") as refused:
             client.chat.completions.create(**ask, temperature=0)
         assert refused.value.status_code == 503
         with pytest.raises(RankLost):
             ranks.check()
+        if max_restarts:
+            _wait_health(server.url, 200, 60)
+            again = client.chat.completions.create(**ask, temperature=0)
+            assert again.choices[0].message.content == reference
+            assert _ranks(engine.core) is not ranks and engine.error is None
+            assert engine.restarts is not None and engine.restarts.counts("0") == (1, 1, 0)  # lost once, back once
+        else:
+            time.sleep(1.5)  # (past the delay a restart would have waited)
+            assert httpx.get(f"{server.url}/health").status_code == 503 and engine.core.executor.runner.ranks is ranks
     finally:
         server.stop()
         engine.shutdown()
