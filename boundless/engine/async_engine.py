@@ -108,6 +108,7 @@ class EngineLoop:
         self.clock = clock
         self.rebuild = rebuild
         self.restarts = restarts
+        self._loras: dict[str, LoRARequest] = {}  # adapters loaded at run time (:meth:`add_lora`), for a restart
         self.sink = sink
         self.max_waiting = max_waiting
         self.hooks = hooks
@@ -159,13 +160,17 @@ class EngineLoop:
             return {"0": self.core.stats()}
 
     def add_lora(self, lora: LoRARequest) -> None:
-        """Load a LoRA adapter between steps (``EngineCore.add_lora``)."""
+        """Load a LoRA adapter between steps (``EngineCore.add_lora``); a restarted engine loads it again."""
+        self._check_alive()
         with self.lock:
             self.core.add_lora(lora)
+            self._loras[lora.lora_name] = lora
 
     def remove_lora(self, name: str) -> bool:
         """Unload an adapter between steps; False if none has that name (``EngineCore.remove_lora``)."""
+        self._check_alive()
         with self.lock:
+            self._loras.pop(name, None)
             return self.core.remove_lora(name)
 
     def cluster_info(self) -> list[dict]:
@@ -297,6 +302,7 @@ class EngineLoop:
             self.core.close()  # (a split model's ranks stopped, its writes to the disk store drained)
         except Exception:
             log.exception("closing the lost engine failed")
+        self.core.release_memory()  # (its KV memory, which the fresh engine's would not fit beside on a GPU)
         while restarts.state(ENGINE_ID) != "retired":
             due_at = restarts.next_due()
             if due_at is not None and self._stop.wait(max(0.0, due_at - self.clock())):
@@ -312,6 +318,15 @@ class EngineLoop:
                 log.exception("the engine's restart %d failed", restart.attempt)
                 restarts.lost(ENGINE_ID, self.clock())
                 continue
+            if self._stop.is_set():  # (the server shut down while it was built: nobody would close it)
+                core.close()
+                return False
+            for lora in list(self._loras.values()):
+                try:
+                    core.add_lora(lora)
+                except Exception:
+                    log.exception("LoRA adapter %r did not load into the restarted engine", lora.lora_name)
+                    del self._loras[lora.lora_name]
             with self.lock:
                 self.core = core
                 if core.grammars is not None:

@@ -225,11 +225,12 @@ def build_model_executor(
     run steps. With ``--tensor-parallel-size``: ``ranks``, the other ranks launched already (they load beside rank 0:
     :func:`~boundless.engine.tensor_parallel.load_with_ranks`), else launched here; they are stopped if the engine
     cannot be built."""
+    launched: list[TensorParallelRanks] = []  # (the ranks launched here, if none were given)
     try:
-        return _build_model_executor(loaded, config, layout, store, read_link, grammars, ranks)
+        return _build_model_executor(loaded, config, layout, store, read_link, grammars, ranks, launched)
     except BaseException:
-        if ranks is not None:
-            ranks.close()
+        for given_or_launched in [ranks] if ranks is not None else launched:
+            given_or_launched.close()
         raise
 
 
@@ -241,6 +242,7 @@ def _build_model_executor(
     read_link: ReadLink | None,
     grammars: Grammars | None,
     ranks: TensorParallelRanks | None,
+    launched: list[TensorParallelRanks],
 ) -> ModelExecutor:
     arch = loaded.arch
     if loaded.model.summed:  # (before anything is shared with the engine running on it, or ranks launched for it)
@@ -268,7 +270,9 @@ def _build_model_executor(
     attention = make_attention(config, arch, layout, loaded.device, loaded.dtype)
     if config.model.tensor_parallel_size > 1:
         # (The other ranks, launched by the caller to load beside rank 0, or now.)
-        ranks = ranks or TensorParallelRanks.launch(config, loaded.device)
+        if ranks is None:
+            ranks = TensorParallelRanks.launch(config, loaded.device)
+            launched.append(ranks)
         ranks.join(layout, loaded.model)
     graphs = None
     graphed = (triton_paged.TritonPagedAttention, flex_paged.FlexPagedAttention)

@@ -646,6 +646,13 @@ class EngineCore:
             or bool(self._prefetches)  # reads ahead to start, land, or expire
         )
 
+    def release_memory(self) -> None:
+        """After :meth:`close`, for good: give back the KV memory for a fresh engine in this process (a restart in
+        place); its stats stay readable."""
+        release = getattr(self.executor, "release_memory", None)  # (the simulator's executor holds none)
+        if release is not None:
+            release()
+
     def close(self) -> None:
         """Hand the last computed blocks to the store's writer, and wait (bounded) until what it was handed is
         written: a server stopped after a workload finds all of it in the store when it starts again."""

@@ -29,7 +29,7 @@ from boundless.kv.layer_gate import LayerGate, LayerWaits
 from boundless.kv.remote_io import RemoteIO
 from boundless.kv.remote_moves import RemoteReport
 from boundless.kv.tier_io import DEFAULT_WRITE_QUEUE_BLOCKS, TierIO
-from boundless.kv.tiers import BlockStore, KVTier
+from boundless.kv.tiers import BlockStore, HostKVTier, KVTier
 from boundless.kv.transfer import DEVICE, HOST, BlockTransfer, TierId, plan_transfers
 from boundless.model.lora import LoRARequest
 
@@ -340,6 +340,17 @@ class ModelExecutor:
             return None
         gates = self.kv_io.gates_for([t.src.block_id for t in sched.transfers if t.src.tier == HOST])
         return LayerWaits(gates, self.layer_wait_timeout_s) if gates else None
+
+    def release_memory(self) -> None:
+        """After :meth:`close`: give back the KV memory (the device pool, host memory), so that a fresh engine in this
+        process can take it (``EngineLoop``'s restart in place; on a GPU the old pool would leave the new one no
+        room). This executor runs no step afterwards."""
+        self.runner.kv_cache.release()
+        host = self.tiers.get(HOST)
+        if isinstance(host, HostKVTier):
+            host.release()
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         # A split model's ranks first: each hands its share of the writes to its store while rank 0's writer drains

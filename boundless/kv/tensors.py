@@ -44,6 +44,12 @@ class PagedKVCache:
         # Views made once: every layer of every step asks for its pair.
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 
+    def release(self) -> None:
+        """Give the pool's memory back (an engine closed for good, whose process builds another: a restart in place);
+        the pool holds no block afterwards."""
+        self.data = self.data.new_empty(0)
+        self._layers = []
+
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * num_kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -70,6 +70,10 @@ class HostKVTier:
         # a large --kv-host-gb is paid for as it fills rather than at start-up.
         self.data = torch.empty(shape, dtype=device.data.dtype, pin_memory=pin)
 
+    def release(self) -> None:
+        """Give the tier's memory back (as ``PagedKVCache.release``)."""
+        self.data = self.data.new_empty(0)
+
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         return index_select(self.data, 3, torch.as_tensor(list(block_ids), dtype=torch.long))
 

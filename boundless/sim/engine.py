@@ -69,16 +69,19 @@ class SimulatedModel:
         return SimulatedModel(arch, tokenizer, dtype, identity)
 
 
-def ranks_memory(config: EngineConfig) -> EngineConfig:
-    """The config the simulator sizes an engine of a split model by (``--tensor-parallel-size N``): its memory flags
-    are each GPU's, as the real engine's ranks each hold ``--kv-cache-gb`` and ``--kv-host-gb`` of their share of every
-    block, so N GPUs hold N times one's whole blocks. (``--num-kv-blocks`` and ``--kv-disk-gb`` count whole blocks
-    already.)"""
-    n, cache = config.model.tensor_parallel_size, config.cache
+def ranks_memory(config: EngineConfig, kv_heads: int) -> EngineConfig:
+    """The config the simulator sizes an engine of a split model by (``--tensor-parallel-size N``), of ``kv_heads``
+    key/value heads: its memory flags are each GPU's, as the real engine's ranks each hold ``--kv-cache-gb`` and
+    ``--kv-host-gb`` of their share of every block, so N GPUs hold N times one's whole blocks (``kv_heads`` times where
+    they are fewer than the GPUs: each GPU then holds one head of every block). (``--num-kv-blocks`` and
+    ``--kv-disk-gb`` count whole blocks already.)"""
+    n, cache = min(config.model.tensor_parallel_size, kv_heads), config.cache
     if n == 1:
         return config
-    host = {"swap_space_gb": cache.swap_space_gb * n} if cache.kv_host_gb is None and cache.swap_space_gb else {}
-    host = host or {"kv_host_gb": cache.host_gb * n}
+    if cache.kv_host_gb is None and cache.swap_space_gb is not None:
+        host = {"swap_space_gb": cache.swap_space_gb * n}
+    else:
+        host = {"kv_host_gb": cache.host_gb * n}
     return dataclasses.replace(config, cache=dataclasses.replace(cache, kv_cache_gb=cache.kv_cache_gb * n, **host))
 
 

@@ -148,7 +148,7 @@ class RooflineStepCost:
                 k += 1
             compute = (per_token * tokens + per_pair * (pairs0 + j * tokens)) / flop_rate
             memory = (weight_bytes + kv_bytes * (starts + j * rows_left + tokens)) / byte_rate
-            sums = sum_s + sum_per_token_s * tokens if sum_s else 0.0  # (the split model's all-reduces, not overlapped)
+            sums = sum_s + sum_per_token_s * tokens  # (a split model's all-reduces, not overlapped; else 0)
             seconds.append(overhead + (compute if compute > memory else memory) + sums)
         return seconds
 
@@ -236,8 +236,11 @@ def with_tensor_parallel(profile: HardwareProfile, size: int) -> HardwareProfile
             f"{shape.name}'s {shape.q_heads} attention heads and {shape.kv_heads} key/value heads do not split over "
             f"{size} GPUs"
         )
+    # Each GPU moves its share of every block over its own links: 1/N of it, or one key/value head of it where they are
+    # fewer than the GPUs (the GPUs holding the same head each move it).
+    parallel = min(size, shape.kv_heads)
     links = {
-        name: dataclasses.replace(link, bytes_per_s=link.bytes_per_s * size)
+        name: dataclasses.replace(link, bytes_per_s=link.bytes_per_s * parallel)
         for name in LINK_NAMES
         if (link := getattr(profile, name)) is not None
     }

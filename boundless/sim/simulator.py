@@ -224,7 +224,7 @@ class Simulator:
         self.gpus_per_instance = config.model.tensor_parallel_size
         if config.model.tensor_parallel_size > 1:
             check_split_simulation(config, cluster or ClusterConfig(instances=instances), profile, cost)
-            config = ranks_memory(config)
+            config = ranks_memory(config, model.arch.num_kv_heads)
         if profile is not None:  # its step model unless ``cost`` is given, and its links
             # A roofline model's KV bytes in the KV cache's type (--kv-cache-dtype), as the engines' pools hold them.
             profile = with_kv_cache_dtype(profile, config.cache.kv_cache_dtype)

@@ -140,18 +140,24 @@ def _wait_health(url: str, status: int, timeout_s: float) -> None:
 
 @pytest.mark.parametrize("max_restarts", [0, 1])
 def test_a_server_of_two_ranks_answers_and_restarts_its_engine_when_a_rank_dies(
-    max_restarts: int, model_dirs: dict[str, Path]
+    max_restarts: int, model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], tmp_path: Path
 ) -> None:
     """Through the ``openai`` client the split model answers as one engine of the whole model does. Rank 1 killed: the
     next request ends with an engine error (not a hang), the engine stops with the lost rank as its error, ``/health``
     answers unavailable and requests are refused with a 503 to retry elsewhere. Then, as ``--max-restarts`` allows,
-    a fresh engine (rank 0's share kept, rank 1 launched anew) answers again as before; without restarts it stays
-    stopped."""
+    a fresh engine (rank 0's share kept, rank 1 launched anew, the adapter loaded at run time loaded again) answers
+    again as before; without restarts it stays stopped."""
+    from boundless.model.lora import LoRARequest
+    from boundless.model.random_model import write_random_lora
+
     path = model_dirs["tiny-llama"]
     whole = LLM(str(path), max_model_len=256, kv_cache_gb=0.01)
     ask = {"model": "m", "messages": [{"role": "user", "content": "Tell me about foxes"}], "max_tokens": 12}
     cluster = ClusterConfig(restart_delay_s=1.0, max_restarts=max_restarts)
-    engine = local_engine(_config(path), max_waiting=16, cluster=cluster)
+    config = _config(path)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, enable_lora=True))
+    engine = local_engine(config, max_waiting=16, cluster=cluster)
+    engine.add_lora(LoRARequest("ad", 1, str(write_random_lora(tmp_path / "ad", load("tiny-llama").arch))))
     server = start_in_thread(engine, "m")
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
@@ -175,6 +181,7 @@ def test_a_server_of_two_ranks_answers_and_restarts_its_engine_when_a_rank_dies(
             again = client.chat.completions.create(**ask, temperature=0)
             assert again.choices[0].message.content == reference
             assert _ranks(engine.core) is not ranks and engine.error is None
+            assert list(engine.core.loras) == ["ad"]
             assert engine.restarts is not None and engine.restarts.counts("0") == (1, 1, 0)  # lost once, back once
         else:
             time.sleep(1.5)  # (past the delay a restart would have waited)
@@ -183,6 +190,32 @@ def test_a_server_of_two_ranks_answers_and_restarts_its_engine_when_a_rank_dies(
         server.stop()
         engine.shutdown()
         whole.close()
+
+
+def test_an_engine_that_fails_after_its_ranks_joined_stops_them_and_frees_its_network(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks launched by the engine's build, which then fails on rank 0 (here: its sampler): they are stopped and rank
+    0's network sums nowhere, so the next build on it (a restart in place) succeeds. (They were left running, and
+    every later build was refused: "rank 0 of another tensor-parallel engine already".)"""
+    from boundless.engine import builder
+
+    config = _config(model_dirs["tiny-llama"])
+    loaded = load_configured_model(config.model)
+    launched: list[TensorParallelRanks] = []
+    launch = TensorParallelRanks.launch
+    monkeypatch.setattr(TensorParallelRanks, "launch", lambda *a: launched.append(launch(*a)) or launched[-1])
+    with monkeypatch.context() as patched:
+        patched.setattr(builder, "Sampler", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no sampler")))
+        with pytest.raises(RuntimeError, match="no sampler"):
+            EngineCore.from_model(loaded, config)
+    assert not loaded.model.summed and launched[0].closed.is_set()
+    assert all(p.poll() is not None for p in launched[0].processes)
+    core = EngineCore.from_model(loaded, config)
+    try:
+        assert _greedy(core, [[5, 6, 7]]) == _greedy(core, [[5, 6, 7]])
+    finally:
+        core.close()
 
 
 def test_a_rank_that_cannot_load_its_share_fails_start_up_with_its_error(

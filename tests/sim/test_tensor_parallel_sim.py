@@ -4,6 +4,7 @@ and what it refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -16,6 +17,7 @@ from boundless.config import CacheConfig, ClusterConfig, ConfigError, EngineConf
 from boundless.engine.attention_time import ChunkShape
 from boundless.engine.multi_step import WindowPasses
 from boundless.sim.engine import SimulatedModel
+from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import RooflineStepCost, load_profile, profile_from_dict, with_tensor_parallel
 from boundless.sim.simulator import Simulator
 
@@ -64,11 +66,22 @@ def test_key_value_heads_fewer_than_the_gpus_are_held_whole_by_each() -> None:
 
 
 def test_an_instance_of_a_split_model_moves_kv_over_every_gpus_links() -> None:
-    four = with_tensor_parallel(H200, 4)
+    """Each GPU moves its share of a block; over 16 GPUs, one of Llama-3.1-8B's 8 key/value heads each: 8 links."""
+    four, sixteen = with_tensor_parallel(H200, 4), with_tensor_parallel(H200, 16)
     for name in ("host_copy", "storage_read", "storage_write", "network"):
         assert getattr(four, name).bytes_per_s == 4 * getattr(H200, name).bytes_per_s
         assert getattr(four, name).latency_s == getattr(H200, name).latency_s
+        assert getattr(sixteen, name).bytes_per_s == 8 * getattr(H200, name).bytes_per_s
     assert with_tensor_parallel(H200, 1) is H200
+
+
+def test_the_sums_cost_their_bytes_over_a_link_of_no_latency() -> None:
+    slow = dataclasses.replace(H200, gpu_interconnect=LinkSpec(1e9, 0.0))
+    prefill = [ChunkShape(0, 4096)]
+    assert (
+        _step(with_tensor_parallel(slow, 2).step).predict(prefill)
+        > _step(with_tensor_parallel(H200, 2).step).predict(prefill) + 0.5
+    )  # 64 sums of 4096 x 8 KiB at 1 GB/s: ~2.1 s
 
 
 def test_a_profile_that_cannot_price_a_split_model_is_refused() -> None:
@@ -97,6 +110,10 @@ def test_a_split_engine_holds_every_gpus_memory_and_serves_faster() -> None:
     assert two.core.layout.num_blocks == 2 * one.core.layout.num_blocks
     assert two.core.layout.num_host_blocks == 2 * one.core.layout.num_host_blocks
     assert two.gpus_per_instance == 2
+    # The bookkeeping model (SmolLM2's 3 key/value heads) over 4 GPUs: one head of every block each, 3 times one's.
+    assert _simulator(4, cache).core.layout.num_blocks == 3 * one.core.layout.num_blocks
+    swap = CacheConfig(kv_cache_gb=0.5, swap_space_gb=0.0)  # (no host memory: none on any GPU)
+    assert _simulator(2, swap).core.layout.num_host_blocks == 0
     programs = make_programs("chat", 40, rate=4.0, seed=3)
     ends = []
     for sim in (one, two):
@@ -125,3 +142,5 @@ def test_simulate_takes_a_split_model_on_a_roofline_profile(tmp_path: Path, caps
     assert "of 2 instance(s) (4 GPUs)" in capsys.readouterr().out
     assert main(["simulate", "--num-programs", "2", "-tp", "2"]) == 2
     assert "prices a model split over GPUs on a roofline --profile" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="longctx workload compares separate instances with KV lending"):
+        main(["simulate", "--workload", "longctx", "--profile", "h200", "-tp", "2"])
