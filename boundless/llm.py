@@ -63,6 +63,27 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    """vLLM's: a prompt's embedding (``LLM.embed``), pooled as the model's directory says (``model/pooling.py``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's: a prompt and its embedding."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = False
+
+
+@dataclass
 class _Sample:
     """One of a prompt's samples while its batch runs: where its deltas go, and its scored tokens in the engine's
     shape (made into vLLM's when the batch is done: every token's text in one decode)."""
@@ -223,6 +244,54 @@ class LLM:
                 bar.close()
         self._fill_logprobs(list(samples.values()))
         return results
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool = False,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's: each prompt's embedding (prompts as :meth:`generate` takes them), in prompt order: the last token's
+        hidden state after the final norm, normalized where the model's directory says so (its sentence-transformers
+        ``modules.json``; by default, as vLLM's for a decoder). ``truncate_prompt_tokens``: only the prompt's last this
+        many tokens are read (-1: as many as the context holds). A prompt takes the context less one token."""
+        batch = [_prompt_input(p) for p in _as_batch(prompts)]
+        params = SamplingParams(
+            temperature=0.0, max_tokens=1, embed=True, truncate_prompt_tokens=truncate_prompt_tokens
+        )
+        if lora_request is not None:
+            if lora_request.lora_name not in self.engine.loras:
+                self.engine.add_lora(lora_request)
+            params = dataclasses.replace(params, lora_name=lora_request.lora_name)
+        max_model_len = self.engine.max_model_len
+        results: dict[str, EmbeddingRequestOutput] = {}
+        bar = tqdm(total=len(batch), disable=not use_tqdm, desc="embed")
+        with frozen_heap():
+            try:
+                for prompt in batch:
+                    ids = self.tokenizer.encode(prompt.text) if prompt.ids is None else prompt.ids  # type: ignore[arg-type]
+                    ids = truncated_prompt(ids, truncate_prompt_tokens, max_model_len - 1)
+                    rid = str(next(self._ids))
+                    self.engine.add_request(rid, ids, dataclasses.replace(params, cache_salt=prompt.cache_salt))
+                    results[rid] = EmbeddingRequestOutput(rid, ids, EmbeddingOutput([]))
+                while self.engine.has_unfinished():
+                    for delta in self.engine.step():
+                        if delta.finished:
+                            if delta.embedding is None:
+                                raise RuntimeError(
+                                    f"prompt {delta.request_id} ended without its embedding: {delta.stop_reason}"
+                                )
+                            result = results[delta.request_id]
+                            result.outputs.embedding, result.finished = delta.embedding, True
+                            bar.update(1)
+            except BaseException:
+                for rid in results:  # (the batch fails whole, as generate's)
+                    self.engine.abort(rid)
+                raise
+            finally:
+                bar.close()
+        return list(results.values())
 
     def _run(self, samples: dict[str, _Sample], bar: tqdm) -> None:
         """Step the engine until every request is done, filling each one's output from the deltas."""

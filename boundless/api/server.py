@@ -88,6 +88,7 @@ from boundless.engine.structured_output import StructuredOutput, check_structure
 from boundless.engine.thinking_budget import ThinkingBudget
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults
 from boundless.model.lora import LoRAError, LoRARequest
+from boundless.model.pooling import EmbeddingPooling
 from boundless.model.token_bytes import TokenBytes
 from boundless.model.tokenizer import load_chat_template
 from boundless.programs.ref import ProgramRef
@@ -258,6 +259,10 @@ class EngineClient(Protocol):
 
     def cluster_info(self) -> list[dict]: ...
 
+    # How its model's embeddings are made (``/v1/embeddings``); None: it serves none (prefill and decode engines).
+    @property
+    def pooling(self) -> EmbeddingPooling | None: ...
+
     def end_requests(self) -> None:
         """End every request in flight with an error (stop reason ``SHUTTING_DOWN``) and refuse new ones."""
 
@@ -281,6 +286,7 @@ class Choice:
     rejected_prediction_tokens: int = 0
     instance: str = ""  # the engine instance that produced its latest tokens
     prompt_logprobs: PromptLogprobs | None = None  # with its first token, when asked for
+    embedding: list[float] | None = None  # an embedding request's (``/v1/embeddings``)
 
 
 # -- request -> engine inputs ------------------------------------------------------------------
@@ -1273,6 +1279,8 @@ class OpenAIServer:
         choice.instance = delta.instance
         if delta.prompt_logprobs is not None:
             choice.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            choice.embedding = delta.embedding
         if delta.finished:
             choice.finish_reason = delta.finish_reason
             choice.stop_reason = delta.stop_reason
@@ -1693,6 +1701,7 @@ def build_app(
     app = FastAPI(title="Boundless", version="0.1.0")
     app.state.server = OpenAIServer(client, model_name, config, loras, defaults)
     # (Imported here: the Responses and Messages routes are built on this module's chat path.)
+    from boundless.api.embeddings import routes as embeddings_routes
     from boundless.api.messages import routes as messages_routes
     from boundless.api.responses import ResponsesAPI, ResponseStore
     from boundless.api.responses import routes as responses_routes
@@ -1704,6 +1713,7 @@ def build_app(
     app.include_router(responses_routes)
     app.include_router(messages_routes)
     app.include_router(tokenize_routes)
+    app.include_router(embeddings_routes)
 
     outer: ASGIApp = BodyLimit(app, int(config.max_body_mb * (1 << 20)))
     if config.api_key:

@@ -62,6 +62,7 @@ from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.step_watch import StepReport
 from boundless.kv.transfer import DISK
 from boundless.model.loader import resolve_model_path
+from boundless.model.pooling import EmbeddingPooling
 from boundless.model.tokenizer import load_tokenizer
 from boundless.programs.process_table import ProcessTable
 from boundless.programs.ref import ProgramRef
@@ -100,6 +101,8 @@ class DispatcherFrontEnd:
     lock: threading.RLock
     # No one queue limits a request's samples: the dispatcher spreads them over the instances (each with its own).
     max_waiting: int | None = None
+    # How the model's embeddings are made (``/v1/embeddings``); None: not served (prefill and decode engines).
+    pooling: EmbeddingPooling | None = None
 
     def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
@@ -324,6 +327,10 @@ class ClusterClient(DispatcherFrontEnd):
         self.lending = self._connect_lending(cluster) if cluster.kv_lending == "on" else None
         self.tokenizer = load_tokenizer(model_path)
         self.max_model_len = min(i.info.max_model_len for i in self.instances.values() if i.info)
+        # Prefill and decode engines serve no embeddings (an embedding request's one step would be the prefill
+        # engine's, its end a hand-off).
+        infos = [i.info for i in self.instances.values() if i.info]
+        self.pooling = None if cluster.disaggregated else infos[0].pooling
         if not cluster.disaggregated:
             # The dispatcher spreads a request's samples over the instances' queues: more than all of them hold can
             # never wait (a 400, where each try got a 429 for good).

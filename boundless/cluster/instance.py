@@ -36,6 +36,7 @@ from boundless.engine.scheduler import SchedulerOutput
 from boundless.engine.step_watch import StepReport
 from boundless.engine.tensor_parallel import load_with_ranks
 from boundless.model.loader import LoadedModel
+from boundless.model.pooling import EmbeddingPooling
 from boundless.programs.ref import ProgramRef
 from boundless.transport.endpoints import EndpointSpec, open_endpoint
 
@@ -78,6 +79,7 @@ class InstanceInfo:
     host_blocks: int = 0  # its host KV memory (what the dispatcher's reads ahead for waiting calls may use a share of)
     lending: bool = False  # it lends and borrows KV; ``kv_address`` is its rManager's id
     kv_dtype: str = ""  # the type its KV cache holds (--kv-cache-dtype), as torch names it: float8_e4m3fn, float32, ...
+    pooling: EmbeddingPooling = field(default_factory=EmbeddingPooling)  # how its model's embeddings are made
 
 
 def _decodes_three_in(sched: SchedulerOutput) -> bool:
@@ -198,6 +200,7 @@ class EngineInstance:
             kv_blocks=core.layout.num_blocks,
             host_blocks=core.layout.num_host_blocks,
             kv_dtype=str(core.layout.kv_dtype).removeprefix("torch."),
+            pooling=core.identity.pooling,
         )
 
     def add(

@@ -35,6 +35,7 @@ from boundless.engine.scheduler import SchedulerOutput
 from boundless.engine.step_watch import StepReport, StepWatch
 from boundless.engine.structured_output import check_structured_output
 from boundless.model.lora import LoRARequest
+from boundless.model.pooling import EmbeddingPooling
 from boundless.programs.ref import ProgramRef
 
 if TYPE_CHECKING:
@@ -130,6 +131,11 @@ class EngineLoop:
     @property
     def max_model_len(self) -> int:
         return self.core.max_model_len
+
+    @property
+    def pooling(self) -> EmbeddingPooling:
+        """How the model's embeddings are made (``/v1/embeddings``)."""
+        return self.core.identity.pooling
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from boundless.kv.tiers import BlockStore, HostKVTier
 from boundless.kv.transfer import HOST
 from boundless.model.arch import ModelArch
 from boundless.model.loader import LoadedModel
+from boundless.model.pooling import EmbeddingPooling
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +76,14 @@ class ModelIdentity:
     eos_token_ids: tuple[int, ...]
     fingerprint: str  # names KV blocks: equal fingerprints mean interchangeable KV
     device: str
+    pooling: EmbeddingPooling = field(default_factory=EmbeddingPooling)  # how its embeddings are made
 
     @staticmethod
     def of(loaded: LoadedModel) -> ModelIdentity:
         eos = tuple(sorted(set(loaded.tokenizer.eos_token_ids) | set(loaded.arch.eos_token_ids)))
-        return ModelIdentity(loaded.name, loaded.arch.vocab_size, eos, loaded.fingerprint, str(loaded.device))
+        return ModelIdentity(
+            loaded.name, loaded.arch.vocab_size, eos, loaded.fingerprint, str(loaded.device), loaded.pooling
+        )
 
 
 def size_engine(
@@ -299,7 +303,7 @@ def _build_model_executor(
         )
     grammars = grammars or Grammars(loaded.tokenizer, arch.vocab_size)
     sampler = Sampler(loaded.device, seed=config.model.seed, grammars=grammars)
-    runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device, graphs, ranks)
+    runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device, graphs, ranks, loaded.pooling)
     lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
     if store is None and layout.disk_bytes:
         store = open_disk_store(loaded, config, layout)

@@ -98,6 +98,8 @@ class RequestDelta:
     # With its first token, a request that asked for them (``SamplingParams.prompt_logprobs``): each prompt token's
     # logprob given the tokens before it (None for the first), vLLM's ``prompt_logprobs``.
     prompt_logprobs: PromptLogprobs | None = None
+    # An embedding request's (``SamplingParams.embed``): its prompt's embedding, with its one delta.
+    embedding: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -552,6 +554,12 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        if params.embed and not self.identity.pooling.served:
+            raise InvalidRequestError(
+                f"the model's embeddings pool by {self.identity.pooling.kind!r} (its modules.json): only last-token "
+                "pooling is served here",
+                "input",
+            )
         vocab = self.identity.vocab_size
         if max(prompt_token_ids) >= vocab or not _non_negative(prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -892,6 +900,7 @@ class EngineCore:
                     finish_time=request.finish_time,
                     service_s=request.service_s,
                     prompt_logprobs=self._take_prompt_logprobs(request),
+                    embedding=result.embeddings.get(request_id),
                 )
             )
         if self.kv_events is not None:

@@ -56,6 +56,7 @@ class StepResult:
     later: tuple[dict[str, SampledToken], ...] = ()
     pass_seconds: tuple[float, ...] = ()
     prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # embedding requests' (``SamplingParams.embed``)
 
 
 class PendingStep:
@@ -208,6 +209,7 @@ class ModelExecutor:
         pass_seconds: list[float] = []
         sampled: dict[str, SampledToken] = {}
         prompt_scores: dict[str, PromptScores] = {}
+        embeddings: dict[str, list[float]] = {}
         waits = None
         landing = None
         try:
@@ -235,7 +237,8 @@ class ModelExecutor:
             # Multi-step decoding on CUDA graphs: the whole window on the device, no host work between its passes.
             windowed = None
             decodes = _decodes_only(sched)
-            if on_layer is None and before_layer is None:
+            # (An embedding is a hidden state: a step on the device hands back logits only.)
+            if on_layer is None and before_layer is None and not any(c.sampling_params.embed for c in sched.chunks):
                 if sched.window > 1 or (decodes and (self.device_steps or after is not None)):
                     windowed = self.runner.launch_window(sched, self.timer, after)
                 elif self.device_steps and not decodes:
@@ -251,7 +254,7 @@ class ModelExecutor:
             if sched.chunks:
                 step = self.runner.forward(sched, on_layer, before_layer, follows=after)
                 sampled, accepted = self.runner.sample(step)
-                prompt_scores = step.prompt_scores
+                prompt_scores, embeddings = step.prompt_scores, step.embeddings
                 if accepted:  # speculative decoding: the tokens kept after the first, as a window's later passes
                     depth = max(len(tokens) for tokens in accepted.values())
                     later = [{rid: ts[j] for rid, ts in accepted.items() if len(ts) > j} for j in range(depth)]
@@ -280,9 +283,8 @@ class ModelExecutor:
             if waits is not None:
                 self.kv_io.count_layer_waits(waits.waited_s, waits.timeouts)
         elapsed = (sum(pass_seconds) if pass_seconds else seconds_between(*marks)) if marks else None
-        return PendingStep(
-            self, sched, start, result=self._result(sched, sampled, later, pass_seconds, prompt_scores, start, elapsed)
-        )
+        result = self._result(sched, sampled, later, pass_seconds, prompt_scores, start, elapsed, embeddings)
+        return PendingStep(self, sched, start, result=result)
 
     def _result(
         self,
@@ -293,6 +295,7 @@ class ModelExecutor:
         prompt_scores: dict[str, PromptScores],
         start: float,
         elapsed: float | None = None,
+        embeddings: dict[str, list[float]] | None = None,
     ) -> StepResult:
         """A step's result once its tokens are in: its block streams ended, the disk I/O and streams finished
         meanwhile collected, its seconds (``elapsed``, else since ``start``)."""
@@ -311,8 +314,9 @@ class ModelExecutor:
             self.remote.report(wait_s=READ_WAIT_S if remote_wait else 0.0) if self.remote else RemoteReport()
         )
         return StepResult(
-            sampled, elapsed, tier_report, remote_report, tuple(later), tuple(pass_seconds), prompt_scores
-        )
+            sampled, elapsed, tier_report, remote_report, tuple(later), tuple(pass_seconds), prompt_scores,
+            embeddings or {},
+        )  # fmt: skip
 
     def _split_landing(
         self, transfers: Sequence[BlockTransfer]

@@ -20,6 +20,7 @@ from boundless.engine.tensor_parallel import TensorParallelRanks
 from boundless.kv.tensors import PagedKVCache
 from boundless.model.llama import LlamaModel
 from boundless.model.lora import LoRAAdapter, LoRARequest, load_lora, lora_batch
+from boundless.model.pooling import EmbeddingPooling
 
 
 @dataclass
@@ -31,6 +32,7 @@ class StepLogits:
     logits: torch.Tensor
     chunks: list[ScheduledChunk]
     prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # embedding requests' (``SamplingParams.embed``)
 
 
 @dataclass
@@ -64,8 +66,10 @@ class ModelRunner:
         device: torch.device,
         graphs: DecodeGraphs | None = None,
         ranks: TensorParallelRanks | None = None,
+        pooling: EmbeddingPooling | None = None,
     ) -> None:
         self.model = model
+        self.pooling = pooling or EmbeddingPooling()  # how embedding requests' last hidden states become embeddings
         self.ranks = ranks  # a tensor-parallel model's other ranks: each forward pass is run on them too
         self.kv_cache = kv_cache
         self.attention = attention
@@ -174,7 +178,8 @@ class ModelRunner:
         are the inputs of this step's chunks decided ahead (``Scheduler.schedule_ahead``), taken there."""
         decodes_only = all(len(c.token_ids) == 1 for c in sched.chunks)
         remote = any(c.remote for c in sched.chunks)
-        scoring = any(c.prompt_targets for c in sched.chunks)  # (needs hidden states: a graph hands back logits)
+        # (Prompt scores and embeddings need hidden states: a graph hands back logits.)
+        scoring = any(c.prompt_targets or c.sampling_params.embed for c in sched.chunks)
         adapted = any(c.sampling_params.lora_name is not None for c in sched.chunks)  # (graphs hold base weights only)
         if (
             self.graphs is not None
@@ -216,9 +221,19 @@ class ModelRunner:
             if not isinstance(e, Exception):
                 raise
             raise lost from e
-        logits = self.model.compute_logits(hidden[batch.sample_indices])
+        last = hidden[batch.sample_indices]
+        logits = self.model.compute_logits(last)
         scores = score_prompt_spans(hidden, batch.prompt_spans, self.model.compute_logits) if batch.prompt_spans else {}
-        return StepLogits(logits=logits, chunks=batch.sample_chunks, prompt_scores=scores)
+        return StepLogits(logits, batch.sample_chunks, scores, self._embeddings(last, batch.sample_chunks))
+
+    def _embeddings(self, last: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, list[float]]:
+        """The embeddings of the embedding requests whose prompt ends in this step: their last rows (``last``, one per
+        chunk that samples), pooled as the model's directory says."""
+        rows = [i for i, c in enumerate(chunks) if c.sampling_params.embed]
+        if not rows:
+            return {}
+        pooled = self.pooling.pool(last[torch.tensor(rows, device=last.device)]).cpu()
+        return {chunks[i].request_id: vector.tolist() for i, vector in zip(rows, pooled, strict=True)}
 
     def _forward_graph(self, chunks: list[ScheduledChunk]) -> StepLogits:
         assert self.graphs is not None

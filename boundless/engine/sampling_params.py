@@ -116,6 +116,10 @@ class SamplingParams:
     # holds), for a history that has outgrown the context. ``LLM.generate`` applies it (``truncated_prompt``, which the
     # server's routes apply to their request's own field); the engine takes a prompt's ids as they are given.
     truncate_prompt_tokens: int | None = None
+    # An embedding request (``/v1/embeddings``, ``LLM.embed``): its prompt's last hidden state, pooled as the model's
+    # directory says (``model/pooling.py``), comes with its one delta (``RequestDelta.embedding``); the one token it
+    # samples (``max_tokens`` 1) is not an answer.
+    embed: bool = False
     # Whether a penalty needs the request's tokens so far; whether anything does (a grammar replays a handed-off
     # request's): the scheduler hands them to the sampler only then.
     penalized: bool = field(init=False, repr=False, compare=False, default=False)

@@ -18,6 +18,7 @@ from boundless.config import ConfigError, ModelConfig
 from boundless.model.arch import ModelArch
 from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
+from boundless.model.pooling import EmbeddingPooling, read_pooling
 from boundless.model.quantized_checkpoint import QuantizedCheckpoint
 from boundless.model.tensor_parallel import (
     ONE_DEVICE,
@@ -159,6 +160,7 @@ class LoadedModel:
     hf_overrides: Mapping[str, Any] = field(default_factory=dict)  # what replaced config.json's keys (for a reference)
     full_arch: ModelArch | None = None  # the whole model's, where ``arch`` is a tensor-parallel rank's share
     tensor_parallel: TensorParallel = ONE_DEVICE
+    pooling: EmbeddingPooling = field(default_factory=EmbeddingPooling)  # its embeddings' (``model/pooling.py``)
 
 
 def _safetensors_weights(
@@ -174,15 +176,23 @@ def _safetensors_weights(
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = _causal_lm_name(key)
                 part = None
                 if plan is not None:
                     tensor = f.get_slice(key)
-                    part = plan(key, tensor.get_shape())
+                    part = plan(name, tensor.get_shape())
                 if part is None:
-                    yield key, f.get_tensor(key)
+                    yield name, f.get_tensor(key)
                     continue
                 pieces = [tensor[s : s + n] if part.dim == 0 else tensor[:, s : s + n] for s, n in part.ranges]
-                yield key, pieces[0] if len(pieces) == 1 else torch.cat(pieces, part.dim)
+                yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, part.dim)
+
+
+def _causal_lm_name(key: str) -> str:
+    """A checkpoint's tensor name as the causal LM names it: a base model saved alone (``Qwen3Model``, as embedding
+    models such as Qwen3-Embedding are: ``layers.0...``, ``embed_tokens.weight``, ``norm.weight``) lacks the
+    ``model.`` prefix."""
+    return f"model.{key}" if key.startswith(("layers.", "embed_tokens.", "norm.")) else key
 
 
 def _source_digest(path: Path) -> str:
@@ -299,6 +309,7 @@ def load_model(
         hf_overrides=dict(hf_overrides or {}),
         full_arch=full_arch,
         tensor_parallel=tensor_parallel,
+        pooling=read_pooling(path, None if path.is_file() else hf_config(path, hf_overrides)),
     )
 
 

@@ -254,6 +254,19 @@ def test_prompt_logprobs_come_back_through_the_cluster(
     assert echoed[0] is None and echoed[1 : len(prompt)] == pytest.approx(offline, abs=1e-4)
 
 
+def test_embeddings_come_back_through_the_cluster(
+    cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
+) -> None:
+    """``/v1/embeddings`` on two instances: each input's embedding is what one engine computes."""
+    _, server = cluster
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    prompts = [[60 + (7 * i) % 200 for i in range(n)] for n in (5, 30, 70)]
+    reply = api.embeddings.create(model="tiny", input=prompts)
+    llm = LLM.from_config(engine_config(tiny_llama.name, max_model_len=1024, kv_cache_gb=0.05), tiny_llama)
+    for item, expected in zip(reply.data, llm.embed(prompts), strict=True):
+        assert item.embedding == pytest.approx(expected.outputs.embedding, abs=1e-5)
+
+
 def test_killing_an_instance_mid_stream_loses_nothing(
     model_dirs: dict[str, Path], tiny_llama: LoadedModel, ray_session: None
 ) -> None:

@@ -1,0 +1,118 @@
+"""OpenAI's ``POST /v1/embeddings``: a text's (or token ids') embedding from the served model, as vLLM serves it.
+
+Each input is one engine request (``SamplingParams.embed``): its prompt is computed as a completion's is (batched with
+the others, in chunks, from the prefix cache), and its last token's hidden state after the final norm, pooled as the
+model's directory says (``model/pooling.py``: normalized to unit length by default), is its embedding. Agents embed
+their memories and documents with the same server that answers them (an embedding model, Qwen3-Embedding's shape, or
+any causal LM the server runs). ``dimensions`` cuts a Matryoshka model's embedding to its first ``dimensions`` values
+(normalized again), as vLLM does; a model that does not say it is one is refused it. ``encoding_format`` ``base64``
+sends each embedding as the base64 of its little-endian float32 bytes, as OpenAI's does.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from boundless.api.errors import APIError
+from boundless.api.schemas import Bool, Int
+from boundless.api.server import encode_text, off_loop_if_large
+from boundless.api.validation import require_token_ids, require_valid_text
+from boundless.engine.sampling_params import SamplingParams, truncated_prompt
+
+routes = APIRouter()
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's body (``input``: a text, texts, token ids, or lists of token ids; ``user`` is accepted and unused),
+    with vLLM's ``truncate_prompt_tokens`` and ``add_special_tokens``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Int | None = None
+    add_special_tokens: Bool = True
+
+
+@routes.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    server = request.app.state.server
+    require_valid_text(body.model_dump())
+    lora = server.check_model(body.model)
+    pooling = server.client.pooling
+    if pooling is None:
+        raise APIError(400, "embeddings are not served by prefill and decode engines; serve the model alone", "model")
+    if not pooling.served:
+        raise APIError(
+            400, f"the model's embeddings pool by {pooling.kind!r} (its modules.json): only last-token pooling is "
+            "served here", "model",
+        )  # fmt: skip
+    if body.dimensions is not None:
+        if not pooling.matryoshka:
+            raise APIError(
+                400,
+                f"the model {body.model!r} does not support Matryoshka representation (its config.json says neither "
+                "is_matryoshka nor matryoshka_dimensions): cut to other dimensions, its embeddings would be poor",
+                "dimensions",
+            )
+        if body.dimensions < 1:
+            raise APIError(400, f"dimensions must be at least 1, not {body.dimensions}", "dimensions", "invalid_value")
+    prompts = await off_loop_if_large(request, _prompts, server, body)
+    params = SamplingParams(temperature=0.0, max_tokens=1, embed=True, lora_name=lora)
+    rid = f"embd-{uuid.uuid4().hex}"
+    choices = await server.collect(server.submit_all(rid, prompts, params, None), request)
+    data = []
+    for choice in choices:
+        vector = np.asarray(choice.embedding, dtype=np.float32)
+        if body.dimensions is not None and body.dimensions < len(vector):
+            vector = vector[: body.dimensions]
+            if pooling.normalize:
+                vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        embedding: Any = (
+            base64.b64encode(vector.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
+            else vector.tolist()
+        )  # fmt: skip
+        data.append({"object": "embedding", "index": choice.index, "embedding": embedding})
+    tokens = sum(len(p) for p in prompts)
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "list",
+            "created": int(time.time()),
+            "model": body.model,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
+
+
+def _prompts(server: Any, body: EmbeddingRequest) -> list[list[int]]:
+    """Each input's token ids: texts tokenized as a completion's prompt is; ids checked against the vocabulary."""
+    given = body.input
+    if isinstance(given, str):
+        prompts = [encode_text(server.tokenizer, given, body.add_special_tokens)]
+    elif given and all(isinstance(x, int) for x in given):
+        prompts = [list(given)]  # type: ignore[arg-type]
+    elif given and all(isinstance(x, str) for x in given):
+        prompts = [encode_text(server.tokenizer, x, body.add_special_tokens) for x in given]  # type: ignore[arg-type]
+    elif given and all(isinstance(x, list) for x in given):
+        prompts = [list(x) for x in given]  # type: ignore[arg-type]
+    else:
+        raise APIError(400, "input must not be empty", "input")
+    if any(not ids for ids in prompts):
+        raise APIError(400, "input must not be empty (nor any of its texts or token lists)", "input")
+    for ids in prompts:
+        require_token_ids(ids, server.tokenizer.vocab_size, "input")
+    # (The engine samples one token after a prompt: a prompt takes the context less one.)
+    return [truncated_prompt(ids, body.truncate_prompt_tokens, server.client.max_model_len - 1) for ids in prompts]

@@ -1,0 +1,122 @@
+"""``POST /v1/embeddings`` through the real ``openai`` client on a served random Qwen3: transformers' last hidden
+states, normalized; floats and base64; a Matryoshka model's ``dimensions``; bad input gets a 400 or a 404, and the
+server goes on serving completions."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from boundless.api.launch import start_in_thread
+from boundless.engine.async_engine import AsyncEngine
+from boundless.engine.core import EngineCore
+from boundless.llm import engine_config
+from boundless.model.loader import load_configured_model
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Agents remember what they read", "hi"]
+
+
+class Server(NamedTuple):
+    path: Path
+    url: str
+    client: openai.OpenAI
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """tiny-qwen3 as a Matryoshka embedding model (``is_matryoshka`` in its config.json)."""
+    path = Path(shutil.copytree(model_dirs["tiny-qwen3"], tmp_path_factory.mktemp("embed") / "m"))
+    config_file = path / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "is_matryoshka": True}))
+    config = engine_config(str(path), max_model_len=64, kv_cache_gb=0.01)
+    engine = AsyncEngine(EngineCore.from_model(load_configured_model(config.model), config))
+    server = start_in_thread(engine, "tiny")
+    try:
+        yield Server(path, server.url, openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0))
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def _reference(path: Path, prompts: list[list[int]]) -> list[np.ndarray]:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(path), torch_dtype=torch.float32)
+    with torch.inference_mode():
+        last = [model(torch.tensor([p])).last_hidden_state[0, -1] for p in prompts]
+    return [torch.nn.functional.normalize(h, dim=-1).numpy() for h in last]
+
+
+def _tokens(served: Server, texts: list[str]) -> list[list[int]]:
+    return [httpx.post(f"{served.url}/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+
+
+def test_texts_embed_as_transformers_last_hidden_states(served: Server) -> None:
+    reply = served.client.embeddings.create(model="tiny", input=TEXTS)
+    expected = _reference(served.path, _tokens(served, TEXTS))
+    assert [d.index for d in reply.data] == [0, 1, 2] and reply.object == "list" and reply.model == "tiny"
+    for item, reference in zip(reply.data, expected, strict=True):
+        assert np.allclose(item.embedding, reference, atol=1e-4)
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(len(t) for t in _tokens(served, TEXTS))
+    one = served.client.embeddings.create(model="tiny", input=TEXTS[0])  # (a text alone)
+    assert np.allclose(one.data[0].embedding, expected[0], atol=1e-4)
+    ids = served.client.embeddings.create(model="tiny", input=[[5, 6, 7], [8, 9]])  # token ids
+    assert np.allclose(ids.data[1].embedding, _reference(served.path, [[8, 9]])[0], atol=1e-4)
+
+
+def test_base64_is_the_float32_bytes_and_dimensions_cut_and_normalize_again(served: Server) -> None:
+    floats = served.client.embeddings.create(model="tiny", input=TEXTS[1]).data[0].embedding
+    raw = httpx.post(
+        f"{served.url}/v1/embeddings", json={"model": "tiny", "input": TEXTS[1], "encoding_format": "base64"}
+    ).json()["data"][0]["embedding"]
+    assert np.allclose(np.frombuffer(base64.b64decode(raw), dtype="<f4"), floats, atol=1e-6)
+    cut = served.client.embeddings.create(model="tiny", input=TEXTS[1], dimensions=16).data[0].embedding
+    assert len(cut) == 16 and abs(np.linalg.norm(cut) - 1) < 1e-5
+    assert np.allclose(cut, np.asarray(floats[:16]) / np.linalg.norm(floats[:16]), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "said"),
+    [
+        ({"model": "tiny", "input": ""}, 400, "input must not be empty"),
+        ({"model": "tiny", "input": []}, 400, "input must not be empty"),
+        ({"model": "tiny", "input": [[1, 2], []]}, 400, "input must not be empty"),
+        ({"model": "tiny", "input": [10**9]}, 400, "input"),
+        ({"model": "tiny", "input": "x", "dimensions": 0}, 400, "dimensions must be at least 1"),
+        ({"model": "tiny", "input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"model": "other", "input": "x"}, 404, "does not exist"),
+        ({"model": "tiny", "input": [7] * 64}, 400, "context"),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_the_server_goes_on(
+    served: Server, body: dict, status: int, said: str
+) -> None:
+    reply = httpx.post(f"{served.url}/v1/embeddings", json=body, timeout=30)
+    assert reply.status_code == status, reply.text
+    assert said in reply.json()["error"]["message"] or said == reply.json()["error"].get("param")
+    answer = served.client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
+    assert answer.choices[0].finish_reason == "length"
+
+
+def test_a_model_that_is_no_matryoshka_one_refuses_dimensions(model_dirs: dict[str, Path]) -> None:
+    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=64, kv_cache_gb=0.01)
+    engine = AsyncEngine(EngineCore.from_model(load_configured_model(config.model), config))
+    server = start_in_thread(engine, "tiny")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="does not support Matryoshka"):
+            client.embeddings.create(model="tiny", input="x", dimensions=8)
+        assert len(client.embeddings.create(model="tiny", input="x").data[0].embedding) == 64
+    finally:
+        server.stop()
+        engine.shutdown()

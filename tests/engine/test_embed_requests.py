@@ -1,0 +1,130 @@
+"""Embedding requests (``SamplingParams.embed``, ``LLM.embed``): a prompt's last hidden state after the final norm,
+pooled as the model's directory says, equals transformers' (``AutoModel``'s ``last_hidden_state``), with the prefix
+cache, in chunks, on two tensor-parallel ranks, and from a base model saved alone (an embedding model's checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from boundless.engine.errors import InvalidRequestError
+from boundless.llm import LLM
+from boundless.model.random_model import TinySpec, write_random_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [40, 41]]
+
+
+def _reference(path: Path, prompts: list[list[int]], normalize: bool = True) -> list[torch.Tensor]:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(path), torch_dtype=torch.float32)
+    with torch.inference_mode():
+        last = [model(torch.tensor([p])).last_hidden_state[0, -1] for p in prompts]
+    return [torch.nn.functional.normalize(h, dim=-1) if normalize else h for h in last]
+
+
+def _sentence_transformers(path: Path, pooling: str, normalize: bool) -> Path:
+    """Give the model directory sentence-transformers' modules: a Pooling module of ``pooling``, and Normalize."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, pooling: True}))
+    return path
+
+
+def _close(got: list[list[float]], expected: list[torch.Tensor]) -> None:
+    assert len(got) == len(expected)
+    for vector, reference in zip(got, expected, strict=True):
+        assert torch.allclose(torch.tensor(vector), reference, atol=1e-4), (vector[:4], reference[:4])
+
+
+def test_embeddings_are_transformers_last_hidden_states_normalized(model_dirs: dict[str, Path]) -> None:
+    path = model_dirs["tiny-qwen3"]
+    expected = _reference(path, PROMPTS)
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01)
+    try:
+        first = llm.embed(PROMPTS)
+        _close([r.outputs.embedding for r in first], expected)
+        assert [r.prompt_token_ids for r in first] == PROMPTS and all(r.finished for r in first)
+        assert abs(torch.tensor(first[0].outputs.embedding).norm().item() - 1) < 1e-5
+        again = llm.embed([PROMPTS[1]])  # its first block in the prefix cache: the rest is computed, the same vector
+        assert llm.engine.stats().prefix_cache_hit_rate > 0
+        _close([again[0].outputs.embedding], expected[1:2])
+        # Text is tokenized as generate tokenizes it; generation still runs beside embeddings.
+        text = llm.embed("The quick brown fox")[0]
+        assert text.prompt_token_ids == llm.get_tokenizer().encode("The quick brown fox")
+        assert llm.generate([PROMPTS[0]])[0].outputs[0].token_ids
+    finally:
+        llm.close()
+
+
+def test_embeddings_in_chunks_of_a_few_tokens_are_the_same(model_dirs: dict[str, Path]) -> None:
+    path = model_dirs["tiny-llama"]
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, max_num_batched_tokens=5, enable_prefix_caching=False)
+    try:
+        _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(path, PROMPTS))
+    finally:
+        llm.close()
+
+
+def test_the_model_directorys_pooling_is_read(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """sentence-transformers' modules: last-token pooling without Normalize gives the raw hidden state; mean pooling
+    is refused for what it is (only last-token pooling is served)."""
+    raw = _sentence_transformers(
+        Path(shutil.copytree(model_dirs["tiny-llama"], tmp_path / "raw")), "pooling_mode_lasttoken", normalize=False
+    )
+    llm = LLM(str(raw), max_model_len=256, kv_cache_gb=0.01)
+    try:
+        _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(raw, PROMPTS, normalize=False))
+    finally:
+        llm.close()
+    mean = _sentence_transformers(
+        Path(shutil.copytree(model_dirs["tiny-llama"], tmp_path / "mean")), "pooling_mode_mean_tokens", normalize=True
+    )
+    llm = LLM(str(mean), max_model_len=256, kv_cache_gb=0.01)
+    try:
+        with pytest.raises(InvalidRequestError, match=r"pool by .mean.* only last-token pooling is served"):
+            llm.embed(PROMPTS)
+    finally:
+        llm.close()
+
+
+def test_a_base_model_saved_alone_loads_and_embeds_as_transformers(tmp_path: Path) -> None:
+    """An embedding model's checkpoint, as Qwen3-Embedding's: the base model's tensors without the ``model.`` prefix
+    (``Qwen3Model.save_pretrained``), the head tied to the embedding."""
+    from transformers import AutoModel
+
+    causal = write_random_model(
+        tmp_path / "causal", TinySpec(kind="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True)
+    )
+    base = tmp_path / "base"
+    AutoModel.from_pretrained(str(causal), torch_dtype=torch.float32).save_pretrained(str(base))
+    for tokenizer_file in causal.glob("tokenizer*"):
+        shutil.copy(tokenizer_file, base)
+    from safetensors import safe_open
+
+    with safe_open(str(next(base.glob("*.safetensors"))), framework="pt") as f:
+        assert not any(k.startswith("model.") for k in f.keys())  # noqa: SIM118 (the shape an embedding model has)
+    llm = LLM(str(base), max_model_len=256, kv_cache_gb=0.01)
+    try:
+        _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(causal, PROMPTS))
+    finally:
+        llm.close()
+
+
+def test_a_split_model_embeds_as_one_device(model_dirs: dict[str, Path]) -> None:
+    path = model_dirs["tiny-llama"]
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, tensor_parallel_size=2)
+    try:
+        _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(path, PROMPTS))
+    finally:
+        llm.close()
