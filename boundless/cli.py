@@ -71,7 +71,7 @@ def _model_tag_as_flag(argv: list[str]) -> list[str]:
 
 
 # The benchmarks made for a model split over ranks (--tensor-parallel-size); the others refuse it.
-SPLIT_MODEL_BENCHES = ("offline", "restart", "tensor-parallel")
+SPLIT_MODEL_BENCHES = ("embed", "offline", "restart", "tensor-parallel")
 
 
 def _one_device(args: argparse.Namespace, command: str) -> None:
@@ -257,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_tensor_parallel.add_arguments(split)
     add_engine_flags(split)
     split.set_defaults(func=_bench)
+    from boundless.bench import embed as bench_embed
+
+    embed = bench_sub.add_parser("embed", help="transformers' base model against Boundless embedding the same prompts")
+    bench_embed.add_arguments(embed)
+    add_engine_flags(embed)
+    embed.set_defaults(func=_bench)
     from boundless.bench import frontend as bench_frontend
 
     front = bench_sub.add_parser(
