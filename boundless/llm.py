@@ -255,7 +255,7 @@ class LLM:
         """vLLM's: each prompt's embedding (prompts as :meth:`generate` takes them), in prompt order: the last token's
         hidden state after the final norm, normalized where the model's directory says so (its sentence-transformers
         ``modules.json``; by default, as vLLM's for a decoder). ``truncate_prompt_tokens``: only the prompt's last this
-        many tokens are read (-1: as many as the context holds). A prompt takes the context less one token."""
+        many tokens are read (-1: as many as the context holds)."""
         batch = [_prompt_input(p) for p in _as_batch(prompts)]
         params = SamplingParams(
             temperature=0.0, max_tokens=1, embed=True, truncate_prompt_tokens=truncate_prompt_tokens
@@ -271,7 +271,7 @@ class LLM:
             try:
                 for prompt in batch:
                     ids = self.tokenizer.encode(prompt.text) if prompt.ids is None else prompt.ids  # type: ignore[arg-type]
-                    ids = truncated_prompt(ids, truncate_prompt_tokens, max_model_len - 1)
+                    ids = truncated_prompt(ids, truncate_prompt_tokens, max_model_len)
                     rid = str(next(self._ids))
                     self.engine.add_request(rid, ids, dataclasses.replace(params, cache_salt=prompt.cache_salt))
                     results[rid] = EmbeddingRequestOutput(rid, ids, EmbeddingOutput([]))

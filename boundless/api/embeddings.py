@@ -26,6 +26,7 @@ from boundless.api.schemas import Bool, Int
 from boundless.api.server import encode_text, off_loop_if_large
 from boundless.api.validation import require_token_ids, require_valid_text
 from boundless.engine.sampling_params import SamplingParams, truncated_prompt
+from boundless.model.pooling import EmbeddingPooling
 
 routes = APIRouter()
 
@@ -54,27 +55,30 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     if pooling is None:
         raise APIError(400, "embeddings are not served by prefill and decode engines; serve the model alone", "model")
     if not pooling.served:
-        raise APIError(
-            400, f"the model's embeddings pool by {pooling.kind!r} (its modules.json): only last-token pooling is "
-            "served here", "model",
-        )  # fmt: skip
+        raise APIError(400, pooling.refusal(), "model")
     if body.dimensions is not None:
-        if not pooling.matryoshka:
-            raise APIError(
-                400,
-                f"the model {body.model!r} does not support Matryoshka representation (its config.json says neither "
-                "is_matryoshka nor matryoshka_dimensions): cut to other dimensions, its embeddings would be poor",
-                "dimensions",
-            )
-        if body.dimensions < 1:
-            raise APIError(400, f"dimensions must be at least 1, not {body.dimensions}", "dimensions", "invalid_value")
+        _check_dimensions(body.dimensions, pooling, body.model)
     prompts = await off_loop_if_large(request, _prompts, server, body)
     params = SamplingParams(temperature=0.0, max_tokens=1, embed=True, lora_name=lora)
     rid = f"embd-{uuid.uuid4().hex}"
-    choices = await server.collect(server.submit_all(rid, prompts, params, None), request)
+    # In waves of at most the requests one engine lets wait: an embedding client sends its documents a thousand at a
+    # time (OpenAI takes 2,048 inputs), more than --max-waiting (512), which refuses more samples than it holds.
+    wave = server.client.max_waiting or len(prompts)
+    choices = []
+    for start in range(0, len(prompts), wave):
+        # (prompt_only: the one token sampled after a prompt goes nowhere, so a prompt may fill the context.)
+        streams = server.submit_all(f"{rid}-{start}", prompts[start : start + wave], params, None, prompt_only=True)
+        for choice in await server.collect(streams, request):
+            choices.append(choice)
     data = []
-    for choice in choices:
+    for index, choice in enumerate(choices):
+        if choice.embedding is None:
+            raise APIError(500, f"input {index} ended without its embedding ({choice.stop_reason})", "input")
         vector = np.asarray(choice.embedding, dtype=np.float32)
+        if body.dimensions is not None and body.dimensions > len(vector):
+            raise APIError(
+                400, f"dimensions {body.dimensions} exceed the model's {len(vector)}", "dimensions", "invalid_value"
+            )
         if body.dimensions is not None and body.dimensions < len(vector):
             vector = vector[: body.dimensions]
             if pooling.normalize:
@@ -83,7 +87,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
             base64.b64encode(vector.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
             else vector.tolist()
         )  # fmt: skip
-        data.append({"object": "embedding", "index": choice.index, "embedding": embedding})
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
     tokens = sum(len(p) for p in prompts)
     return JSONResponse(
         {
@@ -95,6 +99,27 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
     )
+
+
+def _check_dimensions(dimensions: int, pooling: EmbeddingPooling, model: str) -> None:
+    """``dimensions`` a Matryoshka model was trained for (any from 1 where its config lists none), vLLM's rules."""
+    if not pooling.matryoshka:
+        raise APIError(
+            400,
+            f"the model {model!r} does not support Matryoshka representation (its config.json says neither "
+            "is_matryoshka nor matryoshka_dimensions): cut to other dimensions, its embeddings would be poor",
+            "dimensions",
+        )
+    if dimensions < 1:
+        raise APIError(400, f"dimensions must be at least 1, not {dimensions}", "dimensions", "invalid_value")
+    if pooling.dimensions and dimensions not in pooling.dimensions:
+        raise APIError(
+            400,
+            f"the model {model!r} takes only the dimensions it was trained for: {list(pooling.dimensions)}, not "
+            f"{dimensions}",
+            "dimensions",
+            "invalid_value",
+        )
 
 
 def _prompts(server: Any, body: EmbeddingRequest) -> list[list[int]]:
@@ -114,5 +139,4 @@ def _prompts(server: Any, body: EmbeddingRequest) -> list[list[int]]:
         raise APIError(400, "input must not be empty (nor any of its texts or token lists)", "input")
     for ids in prompts:
         require_token_ids(ids, server.tokenizer.vocab_size, "input")
-    # (The engine samples one token after a prompt: a prompt takes the context less one.)
-    return [truncated_prompt(ids, body.truncate_prompt_tokens, server.client.max_model_len - 1) for ids in prompts]
+    return [truncated_prompt(ids, body.truncate_prompt_tokens, server.client.max_model_len) for ids in prompts]

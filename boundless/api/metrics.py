@@ -358,7 +358,8 @@ class ServerMetrics:
         self.finished.labels(instance, delta.finish_reason or "unknown").inc()
         if delta.first_token_time is None or delta.finish_time is None:
             return
-        self.ttft.labels(instance).observe(delta.first_token_time - delta.arrival_time)
+        if delta.embedding is None:  # (an embedding request's one token is not an answer: no first token to time)
+            self.ttft.labels(instance).observe(delta.first_token_time - delta.arrival_time)
         self.e2e.labels(instance).observe(delta.finish_time - delta.arrival_time)
         if delta.num_output_tokens > 1:
             self.tpot.labels(instance).observe(

@@ -555,11 +555,7 @@ class EngineCore:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if params.embed and not self.identity.pooling.served:
-            raise InvalidRequestError(
-                f"the model's embeddings pool by {self.identity.pooling.kind!r} (its modules.json): only last-token "
-                "pooling is served here",
-                "input",
-            )
+            raise InvalidRequestError(self.identity.pooling.refusal(), "input")
         vocab = self.identity.vocab_size
         if max(prompt_token_ids) >= vocab or not _non_negative(prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -860,7 +856,8 @@ class EngineCore:
             flush(ending)
         for (request, detok, tokens), (kept, status) in zip(applied, results, strict=True):
             request_id, token = request.request_id, tokens[0]
-            c.generation_tokens += kept
+            if not request.sampling_params.embed:  # (an embedding request's one token is not an answer)
+                c.generation_tokens += kept
             if request.first_token_time is None:
                 request.first_token_time = now
             if len(tokens) > 1:

@@ -238,7 +238,8 @@ class ModelExecutor:
             windowed = None
             decodes = _decodes_only(sched)
             # (An embedding is a hidden state: a step on the device hands back logits only.)
-            if on_layer is None and before_layer is None and not any(c.sampling_params.embed for c in sched.chunks):
+            embeds = any(c.sample and c.sampling_params.embed for c in sched.chunks)
+            if on_layer is None and before_layer is None and not embeds:
                 if sched.window > 1 or (decodes and (self.device_steps or after is not None)):
                     windowed = self.runner.launch_window(sched, self.timer, after)
                 elif self.device_steps and not decodes:

@@ -179,7 +179,7 @@ class ModelRunner:
         decodes_only = all(len(c.token_ids) == 1 for c in sched.chunks)
         remote = any(c.remote for c in sched.chunks)
         # (Prompt scores and embeddings need hidden states: a graph hands back logits.)
-        scoring = any(c.prompt_targets or c.sampling_params.embed for c in sched.chunks)
+        scoring = any(c.prompt_targets or (c.sample and c.sampling_params.embed) for c in sched.chunks)
         adapted = any(c.sampling_params.lora_name is not None for c in sched.chunks)  # (graphs hold base weights only)
         if (
             self.graphs is not None

@@ -292,7 +292,7 @@ class Scheduler:
         self.held.discard(request_id)
         self.granted.discard(request_id)
         self.compiling.discard(request_id)
-        if self.proposer is not None:
+        if self.proposer is not None and not request.sampling_params.embed:  # (an embedding's token is no answer)
             self.proposer.finish(request_id, request.all_token_ids, request.num_prompt_tokens)
         if self.predictions.active:
             self.predictions.finish(request_id)

@@ -5,8 +5,11 @@ A sentence-transformers model directory says so in ``modules.json``: a ``Pooling
 the pooling: ``pooling_mode_lasttoken``, ``pooling_mode_mean_tokens``, ``pooling_mode_cls_token``) and, where the
 embeddings are unit vectors, a ``Normalize`` module. Decoder embedding models (Qwen3-Embedding, gte-Qwen2,
 e5-mistral) pool the last token and normalize; a directory without ``modules.json`` (any causal LM, a GGUF file) is
-read the same way, as vLLM's default for them. ``config.json``'s ``is_matryoshka`` or ``matryoshka_dimensions`` say
-that a prefix of the embedding is an embedding too (the API's ``dimensions``).
+read the same way, as vLLM's default for them. (A checkpoint of the base model alone loads where its head is tied to
+its embedding, Qwen3-Embedding's; one with no head at all, e5-mistral's, does not yet.) ``config.json``'s
+``is_matryoshka`` or ``matryoshka_dimensions`` say that a prefix of the embedding is an embedding too (the API's
+``dimensions``). Modules after the pooling that change the vector (``Dense``) are not applied: such a model's
+embeddings are refused, not served wrong.
 
 The engine computes the last token's hidden state (after the final norm) as it computes the row it samples from: only
 last-token pooling is served; a model whose directory names another is refused when asked for an embedding.
@@ -15,11 +18,14 @@ last-token pooling is served; a model whose directory names another is refused w
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # sentence-transformers' pooling modes, by its config's key, and their names here (vLLM's PoolingType, lowercase).
 _MODES = {
@@ -32,18 +38,33 @@ _MODES = {
 }
 
 
+# sentence-transformers modules that change no vector (the model itself; those that make or scale it are read).
+_NEUTRAL_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
 @dataclass(frozen=True)
 class EmbeddingPooling:
-    """How the model's hidden states pool into an embedding: ``kind`` (``last`` is served), unit length or not, and
-    whether a prefix of it is an embedding too (Matryoshka representation learning)."""
+    """How the model's hidden states pool into an embedding: ``kind`` (``last`` is served), unit length or not, whether
+    a prefix of it is an embedding too (Matryoshka representation learning; ``dimensions``: the prefixes it was trained
+    for, empty: any), and the sentence-transformers modules after the pooling that are not applied here (``Dense``...:
+    an embedding without them would be another model's)."""
 
     kind: str = "last"
     normalize: bool = True
     matryoshka: bool = False
+    dimensions: tuple[int, ...] = ()
+    unapplied: tuple[str, ...] = ()
 
     @property
     def served(self) -> bool:
-        return self.kind == "last"
+        return self.kind == "last" and not self.unapplied
+
+    def refusal(self) -> str:
+        """Why the model's embeddings are not served (for its error)."""
+        if self.unapplied:
+            modules = ", ".join(self.unapplied)
+            return f"the model's embeddings pass modules not applied here ({modules}; its modules.json)"
+        return f"the model's embeddings pool by {self.kind!r} (its modules.json): only last-token pooling is served"
 
     def pool(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """Embeddings [rows, hidden] in fp32 of the last tokens' hidden states [rows, hidden]."""
@@ -55,18 +76,26 @@ def read_pooling(path: Path, config: dict[str, Any] | None = None) -> EmbeddingP
     """The pooling of the model at ``path`` (a directory with ``modules.json``, see the module docstring; anything
     else: last-token pooling, normalized), with ``config`` its ``config.json`` as loaded (for Matryoshka)."""
     config = config or {}
-    matryoshka = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
+    dimensions = config.get("matryoshka_dimensions") or ()
+    matryoshka = bool(config.get("is_matryoshka") or dimensions)
+    dimensions = tuple(int(d) for d in dimensions) if isinstance(dimensions, list) else ()
     modules_file = path / "modules.json" if path.is_dir() else None
     if modules_file is None or not modules_file.is_file():
-        return EmbeddingPooling(matryoshka=matryoshka)
-    modules = json.loads(modules_file.read_text())
-    kind, normalize = "last", False
-    for module in modules:
-        module_type = str(module.get("type", ""))
-        if module_type.endswith("Pooling"):
-            pooling_config = json.loads((path / module.get("path", "") / "config.json").read_text())
-            kinds = [name for key, name in _MODES.items() if pooling_config.get(key)]
-            kind = "+".join(kinds) if kinds else "last"
-        elif module_type.endswith("Normalize"):
-            normalize = True
-    return EmbeddingPooling(kind, normalize, matryoshka)
+        return EmbeddingPooling(matryoshka=matryoshka, dimensions=dimensions)
+    try:
+        modules = json.loads(modules_file.read_text())
+        kind, normalize, unapplied = "last", False, []
+        for module in modules:
+            module_type = str(module.get("type", "")).rsplit(".", 1)[-1]
+            if module_type == "Pooling":
+                pooling_config = json.loads((path / module.get("path", "") / "config.json").read_text())
+                kinds = [name for key, name in _MODES.items() if pooling_config.get(key)]
+                kind = "+".join(kinds) if kinds else "last"
+            elif module_type == "Normalize":
+                normalize = True
+            elif module_type not in _NEUTRAL_MODULES:
+                unapplied.append(module_type)
+    except (OSError, ValueError, AttributeError, TypeError) as e:  # (a model that loads for generation all the same)
+        log.warning("%s: its sentence-transformers modules do not read (%s); embeddings pool as a decoder's", path, e)
+        return EmbeddingPooling(matryoshka=matryoshka, dimensions=dimensions)
+    return EmbeddingPooling(kind, normalize, matryoshka, dimensions, tuple(unapplied))

@@ -17,11 +17,14 @@ import openai
 import pytest
 import torch
 
+from boundless.api.embeddings import _check_dimensions
+from boundless.api.errors import APIError
 from boundless.api.launch import start_in_thread
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.llm import engine_config
 from boundless.model.loader import load_configured_model
+from boundless.model.pooling import EmbeddingPooling
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Agents remember what they read", "hi"]
 
@@ -95,7 +98,8 @@ def test_base64_is_the_float32_bytes_and_dimensions_cut_and_normalize_again(serv
         ({"model": "tiny", "input": "x", "dimensions": 0}, 400, "dimensions must be at least 1"),
         ({"model": "tiny", "input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
         ({"model": "other", "input": "x"}, 404, "does not exist"),
-        ({"model": "tiny", "input": [7] * 64}, 400, "context"),
+        ({"model": "tiny", "input": [7] * 65}, 400, "context"),
+        ({"model": "tiny", "input": "x", "dimensions": 1000}, 400, "exceed the model's 64"),
     ],
 )
 def test_bad_input_gets_a_clear_error_and_the_server_goes_on(
@@ -108,15 +112,36 @@ def test_bad_input_gets_a_clear_error_and_the_server_goes_on(
     assert answer.choices[0].finish_reason == "length"
 
 
-def test_a_model_that_is_no_matryoshka_one_refuses_dimensions(model_dirs: dict[str, Path]) -> None:
+def test_a_prompt_may_fill_the_context(served: Server) -> None:
+    reply = served.client.embeddings.create(model="tiny", input=[[7] * 64])
+    assert np.allclose(reply.data[0].embedding, _reference(served.path, [[7] * 64])[0], atol=1e-4)
+
+
+def test_more_inputs_than_the_engine_lets_wait_run_in_waves_and_no_matryoshka_no_dimensions(
+    model_dirs: dict[str, Path],
+) -> None:
+    """Ten inputs to an engine that lets four wait: all ten embedded, in order (more inputs than ``--max-waiting`` were
+    refused with a 400 naming ``n``, where an embedding client sends a thousand at a time); a model whose config says
+    nothing of Matryoshka refuses ``dimensions``."""
     config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=64, kv_cache_gb=0.01)
-    engine = AsyncEngine(EngineCore.from_model(load_configured_model(config.model), config))
+    engine = AsyncEngine(EngineCore.from_model(load_configured_model(config.model), config), max_waiting=4)
     server = start_in_thread(engine, "tiny")
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        inputs = [[5 + i, 6, 7 + i] for i in range(10)]
+        reply = client.embeddings.create(model="tiny", input=inputs)
+        assert [d.index for d in reply.data] == list(range(10))
+        expected = _reference(model_dirs["tiny-llama"], inputs)
+        assert all(np.allclose(d.embedding, e, atol=1e-4) for d, e in zip(reply.data, expected, strict=True))
         with pytest.raises(openai.BadRequestError, match="does not support Matryoshka"):
             client.embeddings.create(model="tiny", input="x", dimensions=8)
-        assert len(client.embeddings.create(model="tiny", input="x").data[0].embedding) == 64
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_a_model_that_lists_its_matryoshka_dimensions_takes_only_those() -> None:
+    pooling = EmbeddingPooling(matryoshka=True, dimensions=(16, 32))
+    _check_dimensions(16, pooling, "m")
+    with pytest.raises(APIError, match=r"only the dimensions it was trained for: \[16, 32\], not 20"):
+        _check_dimensions(20, pooling, "m")

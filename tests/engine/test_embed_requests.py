@@ -56,6 +56,7 @@ def test_embeddings_are_transformers_last_hidden_states_normalized(model_dirs: d
         _close([r.outputs.embedding for r in first], expected)
         assert [r.prompt_token_ids for r in first] == PROMPTS and all(r.finished for r in first)
         assert abs(torch.tensor(first[0].outputs.embedding).norm().item() - 1) < 1e-5
+        assert llm.engine.counters.generation_tokens == 0  # (the token each samples is no answer)
         again = llm.embed([PROMPTS[1]])  # its first block in the prefix cache: the rest is computed, the same vector
         assert llm.engine.stats().prefix_cache_hit_rate > 0
         _close([again[0].outputs.embedding], expected[1:2])
@@ -74,6 +75,47 @@ def test_embeddings_in_chunks_of_a_few_tokens_are_the_same(model_dirs: dict[str,
         _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(path, PROMPTS))
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_scheduler_steps": 4},
+        {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'},
+        {"num_kv_blocks": 9, "max_num_batched_tokens": 8},
+    ],
+    ids=["multi-step", "ngram", "preempting"],
+)
+def test_embeddings_among_generations_are_the_same(options: dict, model_dirs: dict[str, Path]) -> None:
+    """Embedding requests arriving while others generate, in multi-step windows, with n-gram drafts, or preempted in
+    a small pool: a one-token prompt, and one whose blocks are all in the prefix cache, among them."""
+    from boundless.engine.core import EngineCore
+    from boundless.engine.sampling_params import SamplingParams
+    from boundless.llm import engine_config
+    from boundless.model.loader import load_configured_model
+
+    path = model_dirs["tiny-llama"]
+    embeds = [[7], list(range(20, 52)), [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
+    config = engine_config(str(path), max_model_len=128, **{"kv_cache_gb": 0.01, **options})
+    core = EngineCore.from_model(load_configured_model(config.model), config)
+    try:
+        generate = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        core.add_request("g0", [3, 4, 5, 6] * 8, generate)
+        core.add_request("g1", list(range(100, 130)), generate)
+        core.add_request("warm", embeds[1], SamplingParams(temperature=0.0, max_tokens=1))  # (its blocks cached)
+        got: dict[str, list[float]] = {}
+        steps = 0
+        while core.has_unfinished():
+            if steps == 3:
+                for j, prompt in enumerate(embeds):
+                    core.add_request(f"e{j}", prompt, SamplingParams(temperature=0.0, max_tokens=1, embed=True))
+            for delta in core.step():
+                if delta.embedding is not None:
+                    got[delta.request_id] = delta.embedding
+            steps += 1
+        _close([got[f"e{j}"] for j in range(len(embeds))], _reference(path, embeds))
+    finally:
+        core.close()
 
 
 def test_the_model_directorys_pooling_is_read(model_dirs: dict[str, Path], tmp_path: Path) -> None:
