@@ -77,13 +77,15 @@ class ModelIdentity:
     fingerprint: str  # names KV blocks: equal fingerprints mean interchangeable KV
     device: str
     pooling: EmbeddingPooling = field(default_factory=EmbeddingPooling)  # how its embeddings are made
+    generates: bool = True  # False: it only embeds (a base model saved with no LM head)
 
     @staticmethod
     def of(loaded: LoadedModel) -> ModelIdentity:
         eos = tuple(sorted(set(loaded.tokenizer.eos_token_ids) | set(loaded.arch.eos_token_ids)))
         return ModelIdentity(
-            loaded.name, loaded.arch.vocab_size, eos, loaded.fingerprint, str(loaded.device), loaded.pooling
-        )
+            loaded.name, loaded.arch.vocab_size, eos, loaded.fingerprint, str(loaded.device), loaded.pooling,
+            loaded.generates,
+        )  # fmt: skip
 
 
 def size_engine(

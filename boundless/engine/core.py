@@ -556,6 +556,12 @@ class EngineCore:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if params.embed and not self.identity.pooling.served:
             raise InvalidRequestError(self.identity.pooling.refusal(), "input")
+        if not (params.embed or self.identity.generates):
+            raise InvalidRequestError(
+                f"{self.identity.name} is an embedding model (its checkpoint has no LM head): it serves /v1/embeddings "
+                "(LLM.embed), not text",
+                "model",
+            )
         vocab = self.identity.vocab_size
         if max(prompt_token_ids) >= vocab or not _non_negative(prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")

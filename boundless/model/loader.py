@@ -8,7 +8,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +161,7 @@ class LoadedModel:
     full_arch: ModelArch | None = None  # the whole model's, where ``arch`` is a tensor-parallel rank's share
     tensor_parallel: TensorParallel = ONE_DEVICE
     pooling: EmbeddingPooling = field(default_factory=EmbeddingPooling)  # its embeddings' (``model/pooling.py``)
+    generates: bool = True  # False: an embedding model's base model saved with no LM head (it only embeds)
 
 
 def _safetensors_weights(
@@ -186,6 +187,17 @@ def _safetensors_weights(
                     continue
                 pieces = [tensor[s : s + n] if part.dim == 0 else tensor[:, s : s + n] for s, n in part.ranges]
                 yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, part.dim)
+
+
+def _has_lm_head(path: Path) -> bool:
+    """Whether the directory's checkpoint holds an LM head (its files' headers read, not their tensors)."""
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            if "lm_head.weight" in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                return True
+    return False
 
 
 def _causal_lm_name(key: str) -> str:
@@ -254,6 +266,7 @@ def load_model(
     torch_dtype = model_dtype(dtype, path, dev)
     check_quantization(quantization, dev, torch_dtype)
     parts_read = False  # (the tensors are the rank's parts already)
+    generates = True
     if path.is_file():
         from boundless.model.gguf import load_gguf
 
@@ -264,6 +277,10 @@ def load_model(
         from boundless.model.tokenizer import Tokenizer
 
         arch = hf_arch(path, hf_overrides)
+        if weights is None and not arch.tie_word_embeddings and not _has_lm_head(path):
+            # An embedding model's base model saved alone with no head (e5-mistral's): it embeds, and refuses to
+            # generate; its embedding stands in for the head it lacks (the logits of the token an embedding samples).
+            arch, generates = replace(arch, tie_word_embeddings=True), False
         quantized = QuantizedCheckpoint.of(hf_config(path, hf_overrides))  # (refused in words before the tokenizer)
         tokenizer = Tokenizer.from_hf_dir(path)
         whole = arch
@@ -310,6 +327,7 @@ def load_model(
         full_arch=full_arch,
         tensor_parallel=tensor_parallel,
         pooling=read_pooling(path, None if path.is_file() else hf_config(path, hf_overrides)),
+        generates=generates,
     )
 
 

@@ -5,10 +5,10 @@ A sentence-transformers model directory says so in ``modules.json``: a ``Pooling
 the pooling: ``pooling_mode_lasttoken``, ``pooling_mode_mean_tokens``, ``pooling_mode_cls_token``) and, where the
 embeddings are unit vectors, a ``Normalize`` module. Decoder embedding models (Qwen3-Embedding, gte-Qwen2,
 e5-mistral) pool the last token and normalize; a directory without ``modules.json`` (any causal LM, a GGUF file) is
-read the same way, as vLLM's default for them. (A checkpoint of the base model alone loads where its head is tied to
-its embedding, Qwen3-Embedding's; one with no head at all, e5-mistral's, does not yet.) ``config.json``'s
-``is_matryoshka`` or ``matryoshka_dimensions`` say that a prefix of the embedding is an embedding too (the API's
-``dimensions``). Modules after the pooling that change the vector (``Dense``) are not applied: such a model's
+read the same way, as vLLM's default for them. (A checkpoint of the base model alone loads too: with its head tied to
+its embedding, Qwen3-Embedding's, as any model; with no head at all, e5-mistral's, for embeddings only.)
+``config.json``'s ``is_matryoshka`` or ``matryoshka_dimensions`` say that a prefix of the embedding is an embedding too
+(the API's ``dimensions``). Modules after the pooling that change the vector (``Dense``) are not applied: such a model's
 embeddings are refused, not served wrong.
 
 The engine computes the last token's hidden state (after the final norm) as it computes the row it samples from: only

@@ -163,6 +163,25 @@ def test_a_base_model_saved_alone_loads_and_embeds_as_transformers(tmp_path: Pat
         llm.close()
 
 
+def test_a_base_model_saved_with_no_head_embeds_and_refuses_to_generate(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """e5-mistral's shape: the base model alone, its head neither tied nor saved."""
+    from transformers import AutoModel
+
+    base = tmp_path / "headless"
+    AutoModel.from_pretrained(str(model_dirs["tiny-llama"]), torch_dtype=torch.float32).save_pretrained(str(base))
+    for tokenizer_file in model_dirs["tiny-llama"].glob("tokenizer*"):
+        shutil.copy(tokenizer_file, base)
+    llm = LLM(str(base), max_model_len=256, kv_cache_gb=0.01)
+    try:
+        _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(model_dirs["tiny-llama"], PROMPTS))
+        with pytest.raises(InvalidRequestError, match=r"is an embedding model .*no LM head"):
+            llm.generate([PROMPTS[0]])
+    finally:
+        llm.close()
+
+
 def test_a_split_model_embeds_as_one_device(model_dirs: dict[str, Path]) -> None:
     path = model_dirs["tiny-llama"]
     llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, tensor_parallel_size=2)
