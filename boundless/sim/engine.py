@@ -78,11 +78,12 @@ def ranks_memory(config: EngineConfig, kv_heads: int) -> EngineConfig:
     n, cache = min(config.model.tensor_parallel_size, kv_heads), config.cache
     if n == 1:
         return config
+    cache = dataclasses.replace(cache, kv_cache_gb=cache.kv_cache_gb * n)
     if cache.kv_host_gb is None and cache.swap_space_gb is not None:
-        host = {"swap_space_gb": cache.swap_space_gb * n}
+        cache = dataclasses.replace(cache, swap_space_gb=cache.swap_space_gb * n)
     else:
-        host = {"kv_host_gb": cache.host_gb * n}
-    return dataclasses.replace(config, cache=dataclasses.replace(cache, kv_cache_gb=cache.kv_cache_gb * n, **host))
+        cache = dataclasses.replace(cache, kv_host_gb=cache.host_gb * n)
+    return dataclasses.replace(config, cache=cache)
 
 
 def simulated_engine(

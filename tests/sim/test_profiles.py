@@ -48,6 +48,7 @@ from boundless.sim.profiles import (
     load_profile,
     profile_from_dict,
     profile_names,
+    with_tensor_parallel,
 )
 from boundless.sim.simulator import VirtualClock
 from boundless.sim.step_model import TERMS, StepTimeModel, matmul_rows, samples_from_json, samples_json
@@ -413,8 +414,10 @@ def test_roofline_profiles_order_the_gpus_as_their_figures() -> None:
     assert profile_from_dict(data).step == h100
 
 
-def test_the_roofline_prices_a_windows_passes_from_its_rows_as_from_their_shapes() -> None:
-    h100 = load_profile("h100").step
+@pytest.mark.parametrize("split", [1, 4])
+def test_the_roofline_prices_a_windows_passes_from_its_rows_as_from_their_shapes(split: int) -> None:
+    """One GPU's, and a model split over four (``with_tensor_parallel``: its all-reduces in each pass's price)."""
+    h100 = with_tensor_parallel(load_profile("h100"), split).step
     assert isinstance(h100, RooflineStepCost)
     rng = random.Random(5)
     for _ in range(50):
@@ -423,7 +426,8 @@ def test_the_roofline_prices_a_windows_passes_from_its_rows_as_from_their_shapes
         rows[0] = (rows[0][0], rows[0][1], window)
         passes = WindowPasses(rows, window)
         first = rng.randint(0, window - 1)
-        assert h100.predict_passes(rows, first, window) == [h100.predict(passes[j]) for j in range(first, window)]
+        expected = [h100.predict(passes[j]) for j in range(first, window)]
+        assert h100.predict_passes(rows, first, window) == pytest.approx(expected, rel=1e-12)
 
 
 def test_validate_compares_the_prediction_with_the_median_of_the_measured_runs() -> None:

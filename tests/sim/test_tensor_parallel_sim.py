@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from boundless.bench.workloads import make_programs
 from boundless.cli import main
 from boundless.config import CacheConfig, ClusterConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.attention_time import ChunkShape
-from boundless.engine.multi_step import WindowPasses
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.links import LinkSpec
 from boundless.sim.profiles import RooflineStepCost, load_profile, profile_from_dict, with_tensor_parallel
@@ -43,17 +41,6 @@ def test_a_split_step_is_one_gpus_share_plus_two_all_reduces_a_layer() -> None:
     # A batch-64 decode of Llama-3.1-8B is weight-bound: the split is faster, but not twice (the sums, the overhead).
     decode = [ChunkShape(2000, 1)] * 64
     assert one.predict(decode) / 2 < two.predict(decode) < one.predict(decode)
-
-
-def test_a_split_windows_passes_are_priced_from_its_rows_as_from_their_shapes() -> None:
-    four = _step(with_tensor_parallel(H200, 4).step)
-    rng = random.Random(7)
-    for _ in range(30):
-        window = rng.randint(1, 32)
-        rows = [(rng.randint(0, 9000), rng.choice([1, 1, 3]), rng.randint(1, window)) for _ in range(rng.randint(1, 9))]
-        rows[0] = (rows[0][0], rows[0][1], window)
-        passes = WindowPasses(rows, window)
-        assert four.predict_passes(rows, 0, window) == pytest.approx([four.predict(passes[j]) for j in range(window)])
 
 
 def test_key_value_heads_fewer_than_the_gpus_are_held_whole_by_each() -> None:
