@@ -5,6 +5,7 @@ cache, in chunks, on two tensor-parallel ranks, and from a base model saved alon
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.llm import LLM
 from boundless.model.random_model import TinySpec, write_random_model
 
+# BOUNDLESS_TEST_DEVICE=cuda runs them on a GPU (scripts/gpu-check.sh), against transformers on the CPU.
+DEVICE = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu")
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [40, 41]]
 
 
@@ -50,7 +53,7 @@ def _close(got: list[list[float]], expected: list[torch.Tensor]) -> None:
 def test_embeddings_are_transformers_last_hidden_states_normalized(model_dirs: dict[str, Path]) -> None:
     path = model_dirs["tiny-qwen3"]
     expected = _reference(path, PROMPTS)
-    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
     try:
         first = llm.embed(PROMPTS)
         _close([r.outputs.embedding for r in first], expected)
@@ -70,7 +73,14 @@ def test_embeddings_are_transformers_last_hidden_states_normalized(model_dirs: d
 
 def test_embeddings_in_chunks_of_a_few_tokens_are_the_same(model_dirs: dict[str, Path]) -> None:
     path = model_dirs["tiny-llama"]
-    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, max_num_batched_tokens=5, enable_prefix_caching=False)
+    llm = LLM(
+        str(path),
+        max_model_len=256,
+        kv_cache_gb=0.01,
+        device=DEVICE,
+        max_num_batched_tokens=5,
+        enable_prefix_caching=False,
+    )
     try:
         _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(path, PROMPTS))
     finally:
@@ -96,7 +106,7 @@ def test_embeddings_among_generations_are_the_same(options: dict, model_dirs: di
 
     path = model_dirs["tiny-llama"]
     embeds = [[7], list(range(20, 52)), [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
-    config = engine_config(str(path), max_model_len=128, **{"kv_cache_gb": 0.01, **options})
+    config = engine_config(str(path), max_model_len=128, device=DEVICE, **{"kv_cache_gb": 0.01, **options})
     core = EngineCore.from_model(load_configured_model(config.model), config)
     try:
         generate = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -124,7 +134,7 @@ def test_the_model_directorys_pooling_is_read(model_dirs: dict[str, Path], tmp_p
     raw = _sentence_transformers(
         Path(shutil.copytree(model_dirs["tiny-llama"], tmp_path / "raw")), "pooling_mode_lasttoken", normalize=False
     )
-    llm = LLM(str(raw), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(str(raw), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
     try:
         _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(raw, PROMPTS, normalize=False))
     finally:
@@ -132,7 +142,7 @@ def test_the_model_directorys_pooling_is_read(model_dirs: dict[str, Path], tmp_p
     mean = _sentence_transformers(
         Path(shutil.copytree(model_dirs["tiny-llama"], tmp_path / "mean")), "pooling_mode_mean_tokens", normalize=True
     )
-    llm = LLM(str(mean), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(str(mean), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
     try:
         with pytest.raises(InvalidRequestError, match=r"pool by .mean.* only last-token pooling is served"):
             llm.embed(PROMPTS)
@@ -156,7 +166,7 @@ def test_a_base_model_saved_alone_loads_and_embeds_as_transformers(tmp_path: Pat
 
     with safe_open(str(next(base.glob("*.safetensors"))), framework="pt") as f:
         assert not any(k.startswith("model.") for k in f.keys())  # noqa: SIM118 (the shape an embedding model has)
-    llm = LLM(str(base), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(str(base), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
     try:
         _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(causal, PROMPTS))
     finally:
@@ -173,7 +183,7 @@ def test_a_base_model_saved_with_no_head_embeds_and_refuses_to_generate(
     AutoModel.from_pretrained(str(model_dirs["tiny-llama"]), torch_dtype=torch.float32).save_pretrained(str(base))
     for tokenizer_file in model_dirs["tiny-llama"].glob("tokenizer*"):
         shutil.copy(tokenizer_file, base)
-    llm = LLM(str(base), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(str(base), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
     try:
         _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(model_dirs["tiny-llama"], PROMPTS))
         with pytest.raises(InvalidRequestError, match=r"is an embedding model .*no LM head"):
@@ -184,7 +194,7 @@ def test_a_base_model_saved_with_no_head_embeds_and_refuses_to_generate(
 
 def test_a_split_model_embeds_as_one_device(model_dirs: dict[str, Path]) -> None:
     path = model_dirs["tiny-llama"]
-    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, tensor_parallel_size=2)
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, tensor_parallel_size=2)  # (two ranks: the CPU)
     try:
         _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(path, PROMPTS))
     finally:
