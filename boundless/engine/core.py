@@ -397,7 +397,7 @@ class EngineCore:
                 end = handoff.recv_from + handoff.recv_blocks
                 keys = self.kv.block_hashes(request_id, prompt[: end * self.kv.block_size])
                 self.kv.note_on_disk(keys[handoff.recv_from : end])
-        elif not request.scores_prompt:  # (one that scores its prompt computes every block: it reads nothing)
+        elif not request.computes_whole_prompt:  # (one that scores or pools its whole prompt reads nothing)
             # This engine reads what the store holds itself: PE-read, colocated, or resumed here.
             self._count_stored_prefix(request_id, request.all_token_ids)
         spec = params.structured
@@ -619,6 +619,7 @@ class EngineCore:
             output_token_ids=list(resume.output_token_ids) if resume else [],
             # A resumed request's first delta went out on the instance it started on, prompt logprobs and all.
             prompt_logprobs=[None] if params.prompt_logprobs is not None and resume is None else None,
+            pools_every_token=params.embed and self.identity.pooling.kind == "mean",
         )
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self.eos_token_ids)
         if resume is not None:

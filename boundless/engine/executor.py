@@ -191,6 +191,7 @@ class ModelExecutor:
         after = follows.window if follows is not None else None
         assert follows is None or after is not None, "a window ahead follows one on the device"
         self.runner.sampler.forget(sched.finished_ids)
+        self.runner.forget_pooled(sched.finished_ids)
         on_layer = None
         snapshots, snapshot_error = None, None
         if self.remote is not None and sched.remote_recvs and sched.disk_writes:
@@ -237,9 +238,9 @@ class ModelExecutor:
             # Multi-step decoding on CUDA graphs: the whole window on the device, no host work between its passes.
             windowed = None
             decodes = _decodes_only(sched)
-            # (An embedding is a hidden state: a step on the device hands back logits only.)
-            embeds = any(c.sample and c.sampling_params.embed for c in sched.chunks)
-            if on_layer is None and before_layer is None and not embeds:
+            # (Embeddings and prompt scores are made of hidden states: a step on the device hands back logits only.)
+            hidden = self.runner.needs_hidden_states(sched.chunks)
+            if on_layer is None and before_layer is None and not hidden:
                 if sched.window > 1 or (decodes and (self.device_steps or after is not None)):
                     windowed = self.runner.launch_window(sched, self.timer, after)
                 elif self.device_steps and not decodes:

@@ -63,6 +63,9 @@ class Request:
     # None), until the delta of the first sampled token takes them; None when not asked for, taken, or scored by
     # another engine (a resumed request's, a decode engine's: the prefill engine scores the prompt).
     prompt_logprobs: PromptLogprobs | None = None
+    # An embedding request of a model that pools every prompt token (mean pooling, ``model/pooling.py``): every
+    # position's hidden state is needed, so it takes no cached prefix.
+    pools_every_token: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -83,10 +86,12 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def scores_prompt(self) -> bool:
-        """Whether prompt tokens remain to score: every prompt position's logits are needed, so the request takes no
-        cached prefix (vLLM's rule; it still names its blocks for others)."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+    def computes_whole_prompt(self) -> bool:
+        """Whether it takes no cached prefix (it still names its blocks for others): prompt tokens remain to score
+        (every prompt position's logits are needed: vLLM's rule), or it pools every prompt token's hidden state."""
+        return self.pools_every_token or (
+            self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
     def prompt_targets(self, start: int, end: int) -> tuple[list[int], int]:
         """The prompt tokens a chunk of positions ``start`` to ``end`` (exclusive) scores that are not scored yet, and

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +47,8 @@ class FlatBatch:
     # Rows of decodes decided ahead (their input is AHEAD_TOKEN: the token the step in flight draws), and their chunks.
     ahead_rows: list[int] = field(default_factory=list)
     ahead_chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Embedding requests' chunks and their runs of rows (mean pooling adds every prompt token's hidden state).
+    embed_spans: list[tuple[ScheduledChunk, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -69,7 +71,9 @@ class ModelRunner:
         pooling: EmbeddingPooling | None = None,
     ) -> None:
         self.model = model
-        self.pooling = pooling or EmbeddingPooling()  # how embedding requests' last hidden states become embeddings
+        self.pooling = pooling or EmbeddingPooling()  # how embedding requests' hidden states become embeddings
+        # Mean pooling: each embedding request's sum of its prompt's hidden states so far, and how many were added.
+        self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}
         self.ranks = ranks  # a tensor-parallel model's other ranks: each forward pass is run on them too
         self.kv_cache = kv_cache
         self.attention = attention
@@ -110,6 +114,7 @@ class ModelRunner:
         lora_rows: dict[str, list[tuple[int, int]]] = {}
         ahead_rows: list[int] = []
         ahead_chunks: list[ScheduledChunk] = []
+        embed_spans: list[tuple[ScheduledChunk, int, int]] = []
         for chunk in chunks:
             start = chunk.start_pos
             n = len(chunk.token_ids)
@@ -122,6 +127,8 @@ class ModelRunner:
                 prompt_spans.append(
                     PromptSpan(chunk.request_id, first_row, chunk.prompt_targets, chunk.prompt_targets_from, top_k)
                 )
+            if chunk.sampling_params.embed:
+                embed_spans.append((chunk, len(ids), len(ids) + n))
             ids.extend(chunk.token_ids)
             table, first = chunk.block_ids, chunk.first_block
             if n == 1:  # a decode: most rows of a step
@@ -163,6 +170,7 @@ class ModelRunner:
             lora_rows=lora_rows,
             ahead_rows=ahead_rows,
             ahead_chunks=ahead_chunks,
+            embed_spans=embed_spans,
         )
 
     @torch.inference_mode()
@@ -178,8 +186,7 @@ class ModelRunner:
         are the inputs of this step's chunks decided ahead (``Scheduler.schedule_ahead``), taken there."""
         decodes_only = all(len(c.token_ids) == 1 for c in sched.chunks)
         remote = any(c.remote for c in sched.chunks)
-        # (Prompt scores and embeddings need hidden states: a graph hands back logits.)
-        scoring = any(c.prompt_targets or (c.sample and c.sampling_params.embed) for c in sched.chunks)
+        scoring = self.needs_hidden_states(sched.chunks)
         adapted = any(c.sampling_params.lora_name is not None for c in sched.chunks)  # (graphs hold base weights only)
         if (
             self.graphs is not None
@@ -221,18 +228,46 @@ class ModelRunner:
             if not isinstance(e, Exception):
                 raise
             raise lost from e
+        if batch.embed_spans and self.pooling.kind == "mean":
+            self._add_to_means(hidden, batch.embed_spans)
         last = hidden[batch.sample_indices]
         logits = self.model.compute_logits(last)
         scores = score_prompt_spans(hidden, batch.prompt_spans, self.model.compute_logits) if batch.prompt_spans else {}
         return StepLogits(logits, batch.sample_chunks, scores, self._embeddings(last, batch.sample_chunks))
 
+    def needs_hidden_states(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """Whether a step's chunks need hidden states, which a graph or a device window does not hand back: a prompt's
+        scores, an embedding (its last chunk; every chunk under mean pooling)."""
+        mean = self.pooling.kind == "mean"
+        return any(c.prompt_targets or (c.sampling_params.embed and (c.sample or mean)) for c in chunks)
+
+    def forget_pooled(self, request_ids: Iterable[str]) -> None:
+        """Drop what mean pooling kept of requests that ended (aborted, failed) before their prompts did."""
+        for request_id in request_ids:
+            self._pool_sums.pop(request_id, None)
+
+    def _add_to_means(self, hidden: torch.Tensor, spans: list[tuple[ScheduledChunk, int, int]]) -> None:
+        for chunk, start, end in spans:
+            rows = hidden[start:end].float().sum(dim=0)
+            # (A chunk from the prompt's start begins anew: a request recomputed after preemption.)
+            kept = None if chunk.start_pos == 0 else self._pool_sums.get(chunk.request_id)
+            total, count = kept if kept is not None else (torch.zeros_like(rows), 0)
+            self._pool_sums[chunk.request_id] = (total + rows, count + end - start)
+
     def _embeddings(self, last: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, list[float]]:
         """The embeddings of the embedding requests whose prompt ends in this step: their last rows (``last``, one per
-        chunk that samples), pooled as the model's directory says."""
+        chunk that samples) or, under mean pooling, the means of their prompts' rows, pooled as the model says."""
         rows = [i for i, c in enumerate(chunks) if c.sampling_params.embed]
         if not rows:
             return {}
-        pooled = self.pooling.pool(last[torch.tensor(rows, device=last.device)]).cpu()
+        if self.pooling.kind == "mean":
+            means = []
+            for i in rows:
+                total, count = self._pool_sums.pop(chunks[i].request_id)
+                means.append(total / count)
+            pooled = self.pooling.pool(torch.stack(means)).cpu()
+        else:
+            pooled = self.pooling.pool(last[torch.tensor(rows, device=last.device)]).cpu()
         return {chunks[i].request_id: vector.tolist() for i, vector in zip(rows, pooled, strict=True)}
 
     def _forward_graph(self, chunks: list[ScheduledChunk]) -> StepLogits:

@@ -331,7 +331,7 @@ class Scheduler:
                 if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and not (
                     request.request_id in self.held  # its loads would pin the blocks it was held to free
                     or self.awaits_grant(request)  # and these those a grant lends
-                    or request.scores_prompt  # it computes every block (no cached prefix): nothing to load
+                    or request.computes_whole_prompt  # it computes every block (no cached prefix): nothing to load
                 ):
                     read = self.kv.plan_disk_read(request.request_id, request.all_token_ids, now)
                     if read is not None:
@@ -733,7 +733,7 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.RUNNING:
                 cached = request.num_computed_tokens
-            elif request.scores_prompt:  # it takes no cached prefix
+            elif request.computes_whole_prompt:  # it takes no cached prefix
                 cached = 0
             else:  # what its admission will find in memory (not counted as a lookup)
                 num_full = (request.num_tokens - 1) // bs
@@ -872,9 +872,10 @@ class Scheduler:
         return num_new
 
     def _cached_prefix(self, request: Request, limit: int) -> CachedPrefix:
-        """The cached prefix a request being admitted starts from: none for one that scores its prompt (every prompt
-        position's logits are needed, as vLLM rules), else the longest in memory, within ``limit`` tokens."""
-        if request.scores_prompt:
+        """The cached prefix a request being admitted starts from: none for one that computes its whole prompt (it
+        scores it: every prompt position's logits are needed, as vLLM rules; or it pools every token), else the longest
+        in memory, within ``limit`` tokens."""
+        if request.computes_whole_prompt:
             return CachedPrefix(block_size=self.kv.block_size)
         return _prefix_within(self.kv.find_cached_prefix(request.request_id, request.all_token_ids), limit)
 

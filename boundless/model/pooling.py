@@ -11,8 +11,9 @@ its embedding, Qwen3-Embedding's, as any model; with no head at all, e5-mistral'
 (the API's ``dimensions``). Modules after the pooling that change the vector (``Dense``) are not applied: such a model's
 embeddings are refused, not served wrong.
 
-The engine computes the last token's hidden state (after the final norm) as it computes the row it samples from: only
-last-token pooling is served; a model whose directory names another is refused when asked for an embedding.
+The engine computes the last token's hidden state (after the final norm) as it computes the row it samples from; for
+mean pooling it adds up every prompt token's as its chunks run (such a request takes no cached prefix: the hidden
+states of cached tokens are not kept). Other poolings (CLS, max...) are refused when an embedding is asked for.
 """
 
 from __future__ import annotations
@@ -57,18 +58,21 @@ class EmbeddingPooling:
 
     @property
     def served(self) -> bool:
-        return self.kind == "last" and not self.unapplied
+        return self.kind in ("last", "mean") and not self.unapplied
 
     def refusal(self) -> str:
         """Why the model's embeddings are not served (for its error)."""
         if self.unapplied:
             modules = ", ".join(self.unapplied)
             return f"the model's embeddings pass modules not applied here ({modules}; its modules.json)"
-        return f"the model's embeddings pool by {self.kind!r} (its modules.json): only last-token pooling is served"
+        return (
+            f"the model's embeddings pool by {self.kind!r} (its modules.json): last-token and mean pooling are served"
+        )
 
-    def pool(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """Embeddings [rows, hidden] in fp32 of the last tokens' hidden states [rows, hidden]."""
-        embeddings = last_hidden.float()
+    def pool(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Embeddings [rows, hidden] in fp32 of the pooled hidden states [rows, hidden] (the last tokens', or the means
+        of every token's)."""
+        embeddings = pooled.float()
         return torch.nn.functional.normalize(embeddings, dim=-1) if self.normalize else embeddings
 
 

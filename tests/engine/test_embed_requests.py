@@ -21,13 +21,14 @@ DEVICE = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu")
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [40, 41]]
 
 
-def _reference(path: Path, prompts: list[list[int]], normalize: bool = True) -> list[torch.Tensor]:
+def _reference(path: Path, prompts: list[list[int]], normalize: bool = True, mean: bool = False) -> list[torch.Tensor]:
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(str(path), torch_dtype=torch.float32)
     with torch.inference_mode():
-        last = [model(torch.tensor([p])).last_hidden_state[0, -1] for p in prompts]
-    return [torch.nn.functional.normalize(h, dim=-1) if normalize else h for h in last]
+        states = [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+    pooled = [h.mean(dim=0) if mean else h[-1] for h in states]
+    return [torch.nn.functional.normalize(h, dim=-1) if normalize else h for h in pooled]
 
 
 def _sentence_transformers(path: Path, pooling: str, normalize: bool) -> Path:
@@ -128,9 +129,59 @@ def test_embeddings_among_generations_are_the_same(options: dict, model_dirs: di
         core.close()
 
 
+def test_a_mean_pooled_prompt_beside_preemptions_counts_each_token_once(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A pool of four blocks: a generation and an embedding request's prompt in chunks of 8 run out of room (a request
+    is preempted), and the mean is of each prompt token once."""
+    from boundless.engine.core import EngineCore
+    from boundless.engine.sampling_params import SamplingParams
+    from boundless.llm import engine_config
+    from boundless.model.loader import load_configured_model
+
+    mean = _sentence_transformers(
+        Path(shutil.copytree(model_dirs["tiny-llama"], tmp_path / "mean")), "pooling_mode_mean_tokens", normalize=True
+    )
+    config = engine_config(str(mean), max_model_len=64, kv_cache_gb=0.01, num_kv_blocks=4, max_num_batched_tokens=8)
+    core = EngineCore.from_model(load_configured_model(config.model), config)
+    prompt = list(range(30, 70))
+    try:
+        core.add_request("g", list(range(10, 20)), SamplingParams(temperature=0, max_tokens=45, ignore_eos=True))
+        got, steps = None, 0
+        while core.has_unfinished():
+            if steps == 5:
+                core.add_request("e", prompt, SamplingParams(temperature=0, max_tokens=1, embed=True))
+            for delta in core.step():
+                got = delta.embedding if delta.embedding is not None else got
+            steps += 1
+        assert core.stats().num_preemptions >= 1 and got is not None
+        _close([got], _reference(mean, [prompt], mean=True))
+    finally:
+        core.close()
+
+
+def test_a_prompt_computed_again_from_its_start_begins_its_mean_anew() -> None:
+    """Preempted and recomputed, a prompt's chunk from position 0 replaces what mean pooling had added up of it."""
+    from types import SimpleNamespace
+
+    from boundless.engine.runner import ModelRunner
+
+    runner = SimpleNamespace(_pool_sums={})
+    hidden = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+
+    def chunk(start: int) -> SimpleNamespace:
+        return SimpleNamespace(request_id="e", start_pos=start)
+
+    ModelRunner._add_to_means(runner, hidden, [(chunk(0), 0, 2)])  # type: ignore[arg-type]
+    ModelRunner._add_to_means(runner, hidden, [(chunk(2), 2, 4)])  # type: ignore[arg-type]
+    ModelRunner._add_to_means(runner, hidden, [(chunk(0), 0, 3)])  # type: ignore[arg-type]  # (computed again)
+    total, count = runner._pool_sums["e"]
+    assert count == 3 and torch.equal(total, hidden[:3].sum(dim=0))
+
+
 def test_the_model_directorys_pooling_is_read(model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    """sentence-transformers' modules: last-token pooling without Normalize gives the raw hidden state; mean pooling
-    is refused for what it is (only last-token pooling is served)."""
+    """sentence-transformers' modules: last-token pooling without Normalize gives the raw hidden state; CLS pooling is
+    refused for what it is (last-token and mean pooling are served)."""
     raw = _sentence_transformers(
         Path(shutil.copytree(model_dirs["tiny-llama"], tmp_path / "raw")), "pooling_mode_lasttoken", normalize=False
     )
@@ -139,13 +190,33 @@ def test_the_model_directorys_pooling_is_read(model_dirs: dict[str, Path], tmp_p
         _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(raw, PROMPTS, normalize=False))
     finally:
         llm.close()
+    cls = _sentence_transformers(
+        Path(shutil.copytree(model_dirs["tiny-llama"], tmp_path / "cls")), "pooling_mode_cls_token", normalize=True
+    )
+    llm = LLM(str(cls), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
+    try:
+        with pytest.raises(InvalidRequestError, match=r"pool by .cls.* last-token and mean pooling are served"):
+            llm.embed(PROMPTS)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 5}], ids=["whole", "chunks-of-5"])
+def test_mean_pooling_averages_every_prompt_tokens_hidden_state(
+    options: dict, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A model whose modules pool by mean (LLM2Vec's, jina's): the mean of every prompt token's last hidden state, as
+    its chunks run, its blocks never taken from the prefix cache (their hidden states are not kept), through
+    preemption and recompute (below)."""
     mean = _sentence_transformers(
         Path(shutil.copytree(model_dirs["tiny-llama"], tmp_path / "mean")), "pooling_mode_mean_tokens", normalize=True
     )
-    llm = LLM(str(mean), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
+    llm = LLM(str(mean), max_model_len=64, device=DEVICE, **{"kv_cache_gb": 0.01, **options})
     try:
-        with pytest.raises(InvalidRequestError, match=r"pool by .mean.* only last-token pooling is served"):
-            llm.embed(PROMPTS)
+        expected = _reference(mean, PROMPTS, mean=True)
+        _close([r.outputs.embedding for r in llm.embed(PROMPTS)], expected)
+        llm.generate([PROMPTS[1]])  # its blocks now cached: the embedding computes them again all the same
+        _close([llm.embed([PROMPTS[1]])[0].outputs.embedding], expected[1:2])
     finally:
         llm.close()
 

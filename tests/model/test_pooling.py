@@ -40,7 +40,9 @@ def test_sentence_transformers_modules_are_read(tmp_path: Path) -> None:
     raw = read_pooling(_modules(tmp_path / "b", "Transformer", "Pooling", pooling={"pooling_mode_lasttoken": True}))
     assert not raw.normalize and torch.equal(raw.pool(torch.tensor([[3.0, 4.0]])), torch.tensor([[3.0, 4.0]]))
     mean = read_pooling(_modules(tmp_path / "c", "Transformer", "Pooling", pooling={"pooling_mode_mean_tokens": True}))
-    assert mean.kind == "mean" and not mean.served and "pool by 'mean'" in mean.refusal()
+    assert mean.kind == "mean" and mean.served and not mean.normalize
+    cls = read_pooling(_modules(tmp_path / "e", "Transformer", "Pooling", pooling={"pooling_mode_cls_token": True}))
+    assert cls.kind == "cls" and not cls.served and "pool by 'cls'" in cls.refusal()
     dense = read_pooling(
         _modules(
             tmp_path / "d", "Transformer", "Pooling", "Dense", "Normalize", pooling={"pooling_mode_lasttoken": True}
