@@ -7,6 +7,15 @@ _install_compiled()  # before the modules it covers are imported (boundless/comp
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from boundless.llm import LLM, CompletionOutput, RequestOutput  # noqa: E402
 from boundless.model.lora import LoRARequest  # noqa: E402
+from boundless.model.pooling import PoolingParams  # noqa: E402
 
-__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "RequestOutputKind", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "LoRARequest",
+    "PoolingParams",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]
 __version__ = "0.1.0"

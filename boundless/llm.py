@@ -19,6 +19,7 @@ from boundless.engine.tensor_parallel import TensorParallelRanks, load_with_rank
 from boundless.gc_quiet import frozen_heap
 from boundless.model.loader import LoadedModel
 from boundless.model.lora import LoRARequest
+from boundless.model.pooling import PoolingParams
 from boundless.model.tokenizer import Tokenizer, load_chat_template
 
 # A text, token ids, or vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt), ``{"prompt_token_ids": ids}``
@@ -251,12 +252,18 @@ class LLM:
         use_tqdm: bool = False,
         truncate_prompt_tokens: int | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's: each prompt's embedding (prompts as :meth:`generate` takes them), in prompt order: the last token's
         hidden state after the final norm, normalized where the model's directory says so (its sentence-transformers
         ``modules.json``; by default, as vLLM's for a decoder). ``truncate_prompt_tokens``: only the prompt's last this
-        many tokens are read (-1: as many as the context holds)."""
+        many tokens are read (-1: as many as the context holds). ``pooling_params`` (vLLM's): ``dimensions`` cuts a
+        Matryoshka model's embeddings (``/v1/embeddings``' rules: ValueError for one it was not trained for)."""
         batch = [_prompt_input(p) for p in _as_batch(prompts)]
+        dimensions = pooling_params.dimensions if pooling_params is not None else None
+        pooling = self.engine.identity.pooling
+        if dimensions is not None and (refusal := pooling.dimensions_refusal(dimensions, self.engine.identity.name)):
+            raise ValueError(refusal)
         params = SamplingParams(
             temperature=0.0, max_tokens=1, embed=True, truncate_prompt_tokens=truncate_prompt_tokens
         )
@@ -282,8 +289,11 @@ class LLM:
                                 raise RuntimeError(
                                     f"prompt {delta.request_id} ended without its embedding: {delta.stop_reason}"
                                 )
+                            embedding = delta.embedding
+                            if dimensions is not None:
+                                embedding = pooling.cut(embedding, dimensions)
                             result = results[delta.request_id]
-                            result.outputs.embedding, result.finished = delta.embedding, True
+                            result.outputs.embedding, result.finished = embedding, True
                             bar.update(1)
             except BaseException:
                 for rid in results:  # (the batch fails whole, as generate's)

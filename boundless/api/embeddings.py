@@ -26,7 +26,6 @@ from boundless.api.schemas import Bool, Int
 from boundless.api.server import encode_text, off_loop_if_large
 from boundless.api.validation import require_token_ids, require_valid_text
 from boundless.engine.sampling_params import SamplingParams, truncated_prompt
-from boundless.model.pooling import EmbeddingPooling
 
 routes = APIRouter()
 
@@ -56,8 +55,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         raise APIError(400, "embeddings are not served by prefill and decode engines; serve the model alone", "model")
     if not pooling.served:
         raise APIError(400, pooling.refusal(), "model")
-    if body.dimensions is not None:
-        _check_dimensions(body.dimensions, pooling, body.model)
+    if body.dimensions is not None and (refusal := pooling.dimensions_refusal(body.dimensions, body.model)):
+        raise APIError(400, refusal, "dimensions", "invalid_value")
     prompts = await off_loop_if_large(request, _prompts, server, body)
     params = SamplingParams(temperature=0.0, max_tokens=1, embed=True, lora_name=lora)
     rid = f"embd-{uuid.uuid4().hex}"
@@ -74,15 +73,13 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     for index, choice in enumerate(choices):
         if choice.embedding is None:
             raise APIError(500, f"input {index} ended without its embedding ({choice.stop_reason})", "input")
-        vector = np.asarray(choice.embedding, dtype=np.float32)
-        if body.dimensions is not None and body.dimensions > len(vector):
-            raise APIError(
-                400, f"dimensions {body.dimensions} exceed the model's {len(vector)}", "dimensions", "invalid_value"
-            )
-        if body.dimensions is not None and body.dimensions < len(vector):
-            vector = vector[: body.dimensions]
-            if pooling.normalize:
-                vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        values = choice.embedding
+        if body.dimensions is not None:
+            try:
+                values = pooling.cut(values, body.dimensions)
+            except ValueError as e:
+                raise APIError(400, str(e), "dimensions", "invalid_value") from None
+        vector = np.asarray(values, dtype=np.float32)
         embedding: Any = (
             base64.b64encode(vector.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
             else vector.tolist()
@@ -99,27 +96,6 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
     )
-
-
-def _check_dimensions(dimensions: int, pooling: EmbeddingPooling, model: str) -> None:
-    """``dimensions`` a Matryoshka model was trained for (any from 1 where its config lists none), vLLM's rules."""
-    if not pooling.matryoshka:
-        raise APIError(
-            400,
-            f"the model {model!r} does not support Matryoshka representation (its config.json says neither "
-            "is_matryoshka nor matryoshka_dimensions): cut to other dimensions, its embeddings would be poor",
-            "dimensions",
-        )
-    if dimensions < 1:
-        raise APIError(400, f"dimensions must be at least 1, not {dimensions}", "dimensions", "invalid_value")
-    if pooling.dimensions and dimensions not in pooling.dimensions:
-        raise APIError(
-            400,
-            f"the model {model!r} takes only the dimensions it was trained for: {list(pooling.dimensions)}, not "
-            f"{dimensions}",
-            "dimensions",
-            "invalid_value",
-        )
 
 
 def _prompts(server: Any, body: EmbeddingRequest) -> list[list[int]]:

@@ -39,6 +39,13 @@ _MODES = {
 }
 
 
+@dataclass(frozen=True)
+class PoolingParams:
+    """vLLM's, for ``LLM.embed``: ``dimensions`` cuts a Matryoshka model's embeddings (as the API's field does)."""
+
+    dimensions: int | None = None
+
+
 # sentence-transformers modules that change no vector (the model itself; those that make or scale it are read).
 _NEUTRAL_MODULES = ("Transformer", "Pooling", "Normalize")
 
@@ -68,6 +75,31 @@ class EmbeddingPooling:
         return (
             f"the model's embeddings pool by {self.kind!r} (its modules.json): last-token and mean pooling are served"
         )
+
+    def dimensions_refusal(self, dimensions: int, model: str) -> str | None:
+        """Why an embedding may not be cut to ``dimensions`` (None: it may): a model that says nothing of Matryoshka,
+        a number it was not trained for where it lists them, a number below 1 (vLLM's rules)."""
+        if not self.matryoshka:
+            return (
+                f"the model {model!r} does not support Matryoshka representation (its config.json says neither "
+                "is_matryoshka nor matryoshka_dimensions): cut to other dimensions, its embeddings would be poor"
+            )
+        if dimensions < 1:
+            return f"dimensions must be at least 1, not {dimensions}"
+        if self.dimensions and dimensions not in self.dimensions:
+            return (
+                f"the model {model!r} takes only the dimensions it was trained for: {list(self.dimensions)}, not "
+                f"{dimensions}"
+            )
+        return None
+
+    def cut(self, embedding: list[float], dimensions: int) -> list[float]:
+        """A Matryoshka embedding's first ``dimensions`` values, of unit length again where the model's are
+        (ValueError past its length)."""
+        if dimensions > len(embedding):
+            raise ValueError(f"dimensions {dimensions} exceed the model's {len(embedding)}")
+        cut = torch.tensor(embedding[:dimensions], dtype=torch.float32)
+        return (torch.nn.functional.normalize(cut, dim=-1) if self.normalize else cut).tolist()
 
     def pool(self, pooled: torch.Tensor) -> torch.Tensor:
         """Embeddings [rows, hidden] in fp32 of the pooled hidden states [rows, hidden] (the last tokens', or the means

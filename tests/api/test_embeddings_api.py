@@ -17,8 +17,6 @@ import openai
 import pytest
 import torch
 
-from boundless.api.embeddings import _check_dimensions
-from boundless.api.errors import APIError
 from boundless.api.launch import start_in_thread
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
@@ -142,6 +140,5 @@ def test_more_inputs_than_the_engine_lets_wait_run_in_waves_and_no_matryoshka_no
 
 def test_a_model_that_lists_its_matryoshka_dimensions_takes_only_those() -> None:
     pooling = EmbeddingPooling(matryoshka=True, dimensions=(16, 32))
-    _check_dimensions(16, pooling, "m")
-    with pytest.raises(APIError, match=r"only the dimensions it was trained for: \[16, 32\], not 20"):
-        _check_dimensions(20, pooling, "m")
+    assert pooling.dimensions_refusal(16, "m") is None
+    assert "only the dimensions it was trained for: [16, 32], not 20" in (pooling.dimensions_refusal(20, "m") or "")

@@ -142,7 +142,9 @@ def test_a_mean_pooled_prompt_beside_preemptions_counts_each_token_once(
     mean = _sentence_transformers(
         Path(shutil.copytree(model_dirs["tiny-llama"], tmp_path / "mean")), "pooling_mode_mean_tokens", normalize=True
     )
-    config = engine_config(str(mean), max_model_len=64, kv_cache_gb=0.01, num_kv_blocks=4, max_num_batched_tokens=8)
+    config = engine_config(
+        str(mean), max_model_len=64, kv_cache_gb=0.01, num_kv_blocks=4, max_num_batched_tokens=8, policy="fcfs"
+    )
     core = EngineCore.from_model(load_configured_model(config.model), config)
     prompt = list(range(30, 70))
     try:
@@ -259,6 +261,26 @@ def test_a_base_model_saved_with_no_head_embeds_and_refuses_to_generate(
         _close([r.outputs.embedding for r in llm.embed(PROMPTS)], _reference(model_dirs["tiny-llama"], PROMPTS))
         with pytest.raises(InvalidRequestError, match=r"is an embedding model .*no LM head"):
             llm.generate([PROMPTS[0]])
+    finally:
+        llm.close()
+
+
+def test_pooling_params_cut_a_matryoshka_models_embeddings(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    from boundless import PoolingParams
+
+    path = Path(shutil.copytree(model_dirs["tiny-llama"], tmp_path / "m"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32]}))
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
+    try:
+        whole = llm.embed(PROMPTS[:1])[0].outputs.embedding
+        cut = llm.embed(PROMPTS[:1], pooling_params=PoolingParams(dimensions=16))[0].outputs
+        assert cut.hidden_size == 16 and abs(torch.tensor(cut.embedding).norm().item() - 1) < 1e-5
+        assert torch.allclose(
+            torch.tensor(cut.embedding), torch.nn.functional.normalize(torch.tensor(whole[:16]), dim=-1)
+        )
+        with pytest.raises(ValueError, match=r"trained for: \[16, 32\], not 20"):
+            llm.embed(PROMPTS[:1], pooling_params=PoolingParams(dimensions=20))
     finally:
         llm.close()
 
