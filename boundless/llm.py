@@ -17,6 +17,7 @@ from boundless.engine.logprobs import PositionLogprobs, SampledToken, as_positio
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt
 from boundless.engine.tensor_parallel import TensorParallelRanks, load_with_ranks
 from boundless.gc_quiet import frozen_heap
+from boundless.model.classifier import score_pairs, scores
 from boundless.model.loader import LoadedModel
 from boundless.model.lora import LoRARequest
 from boundless.model.pooling import PoolingParams
@@ -81,6 +82,40 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = False
+
+
+@dataclass
+class ClassificationOutput:
+    """vLLM's: a prompt's labels' probabilities (``LLM.classify``)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = False
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's: a pair's relevance (``LLM.score``)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
     finished: bool = False
 
 
@@ -259,49 +294,104 @@ class LLM:
         ``modules.json``; by default, as vLLM's for a decoder). ``truncate_prompt_tokens``: only the prompt's last this
         many tokens are read (-1: as many as the context holds). ``pooling_params`` (vLLM's): ``dimensions`` cuts a
         Matryoshka model's embeddings (``/v1/embeddings``' rules: ValueError for one it was not trained for)."""
-        batch = [_prompt_input(p) for p in _as_batch(prompts)]
         dimensions = pooling_params.dimensions if pooling_params is not None else None
         pooling = self.engine.identity.pooling
+        if pooling.classifies:
+            raise ValueError(f"{self.engine.identity.name} is a classifier: LLM.classify and LLM.score serve it")
         if dimensions is not None and (refusal := pooling.dimensions_refusal(dimensions, self.engine.identity.name)):
             raise ValueError(refusal)
-        params = SamplingParams(
-            temperature=0.0, max_tokens=1, embed=True, truncate_prompt_tokens=truncate_prompt_tokens
-        )
-        if lora_request is not None:
-            if lora_request.lora_name not in self.engine.loras:
-                self.engine.add_lora(lora_request)
-            params = dataclasses.replace(params, lora_name=lora_request.lora_name)
+        batch = [self._prompt_ids(_prompt_input(p), truncate_prompt_tokens) for p in _as_batch(prompts)]
+        vectors = self._pooled(batch, lora_request, use_tqdm, "embed")
+        if dimensions is not None:
+            vectors = [pooling.cut(v, dimensions) for v in vectors]
+        return [
+            EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(v), True)
+            for i, ((ids, _), v) in enumerate(zip(batch, vectors, strict=True))
+        ]
+
+    def classify(
+        self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False, lora_request: LoRARequest | None = None
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's, for a classifier (``model/classifier.py``): each prompt's labels' probabilities (one label: the
+        sigmoid of its logit)."""
+        self._classifier(relevance=False)
+        batch = [self._prompt_ids(_prompt_input(p), None) for p in _as_batch(prompts)]
+        logits = self._pooled(batch, lora_request, use_tqdm, "classify")
+        return [
+            ClassificationRequestOutput(str(i), ids, ClassificationOutput(scores(v)), True)
+            for i, ((ids, _), v) in enumerate(zip(batch, logits, strict=True))
+        ]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        use_tqdm: bool = False,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's, for a classifier of one label (a cross-encoder, a reranker): the relevance of ``text_1`` to each of
+        ``text_2`` (one text, or as many as ``text_2``, paired in order), each pair joined as the tokenizer joins a
+        pair."""
+        self._classifier(relevance=True)
         max_model_len = self.engine.max_model_len
-        results: dict[str, EmbeddingRequestOutput] = {}
-        bar = tqdm(total=len(batch), disable=not use_tqdm, desc="embed")
+        batch = [
+            (truncated_prompt(self.tokenizer.encode_pair(a, b), truncate_prompt_tokens, max_model_len), None)
+            for a, b in score_pairs(text_1, text_2)
+        ]
+        logits = self._pooled(batch, lora_request, use_tqdm, "score")
+        return [
+            ScoringRequestOutput(str(i), ids, ScoringOutput(scores(v)[0]), True)
+            for i, ((ids, _), v) in enumerate(zip(batch, logits, strict=True))
+        ]
+
+    def _classifier(self, relevance: bool) -> None:
+        """Refuse a model that is no classifier (``relevance``: or not one of one label)."""
+        labels = self.engine.identity.pooling.labels
+        name = self.engine.identity.name
+        if not labels:
+            raise ValueError(f"{name} is no classifier (*ForSequenceClassification, or classifier_from_token)")
+        if relevance and len(labels) != 1:
+            raise ValueError(f"{name} classifies into {len(labels)} labels: LLM.score takes one (a relevance)")
+
+    def _prompt_ids(self, prompt: _PromptInput, keep: int | None) -> tuple[list[int], str | None]:
+        """A prompt's token ids (its last ``keep``: vLLM's ``truncate_prompt_tokens``) and its cache salt."""
+        ids = self.tokenizer.encode(prompt.text) if prompt.ids is None else prompt.ids  # type: ignore[arg-type]
+        return truncated_prompt(ids, keep, self.engine.max_model_len), prompt.cache_salt
+
+    def _pooled(
+        self, batch: Sequence[tuple[list[int], str | None]], lora: LoRARequest | None, use_tqdm: bool, desc: str
+    ) -> list[list[float]]:
+        """Each prompt's pooled state (an embedding, a classifier's logits: ``SamplingParams.embed``), in order."""
+        params = SamplingParams(temperature=0.0, max_tokens=1, embed=True)
+        if lora is not None:
+            if lora.lora_name not in self.engine.loras:
+                self.engine.add_lora(lora)
+            params = dataclasses.replace(params, lora_name=lora.lora_name)
+        out: dict[str, list[float] | None] = {}
+        bar = tqdm(total=len(batch), disable=not use_tqdm, desc=desc)
         with frozen_heap():
             try:
-                for prompt in batch:
-                    ids = self.tokenizer.encode(prompt.text) if prompt.ids is None else prompt.ids  # type: ignore[arg-type]
-                    ids = truncated_prompt(ids, truncate_prompt_tokens, max_model_len)
+                for ids, salt in batch:
                     rid = str(next(self._ids))
-                    self.engine.add_request(rid, ids, dataclasses.replace(params, cache_salt=prompt.cache_salt))
-                    results[rid] = EmbeddingRequestOutput(rid, ids, EmbeddingOutput([]))
+                    self.engine.add_request(rid, ids, dataclasses.replace(params, cache_salt=salt))
+                    out[rid] = None
                 while self.engine.has_unfinished():
                     for delta in self.engine.step():
                         if delta.finished:
                             if delta.embedding is None:
                                 raise RuntimeError(
-                                    f"prompt {delta.request_id} ended without its embedding: {delta.stop_reason}"
+                                    f"prompt {delta.request_id} ended without its pooled state: {delta.stop_reason}"
                                 )
-                            embedding = delta.embedding
-                            if dimensions is not None:
-                                embedding = pooling.cut(embedding, dimensions)
-                            result = results[delta.request_id]
-                            result.outputs.embedding, result.finished = embedding, True
+                            out[delta.request_id] = delta.embedding
                             bar.update(1)
             except BaseException:
-                for rid in results:  # (the batch fails whole, as generate's)
+                for rid in out:  # (the batch fails whole, as generate's)
                     self.engine.abort(rid)
                 raise
             finally:
                 bar.close()
-        return list(results.values())
+        return [v for v in out.values() if v is not None]
 
     def _run(self, samples: dict[str, _Sample], bar: tqdm) -> None:
         """Step the engine until every request is done, filling each one's output from the deltas."""

@@ -26,6 +26,7 @@ from boundless.api.schemas import Bool, Int
 from boundless.api.server import encode_text, off_loop_if_large
 from boundless.api.validation import require_token_ids, require_valid_text
 from boundless.engine.sampling_params import SamplingParams, truncated_prompt
+from boundless.model.pooling import EmbeddingPooling
 
 routes = APIRouter()
 
@@ -50,30 +51,17 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     server = request.app.state.server
     require_valid_text(body.model_dump())
     lora = server.check_model(body.model)
-    pooling = server.client.pooling
-    if pooling is None:
-        raise APIError(400, "embeddings are not served by prefill and decode engines; serve the model alone", "model")
-    if not pooling.served:
-        raise APIError(400, pooling.refusal(), "model")
+    pooling = served_pooling(server)
+    if pooling.classifies:
+        raise APIError(400, f"{body.model!r} is a classifier: it serves /classify, /score and /rerank", "model")
     if body.dimensions is not None and (refusal := pooling.dimensions_refusal(body.dimensions, body.model)):
         raise APIError(400, refusal, "dimensions", "invalid_value")
-    prompts = await off_loop_if_large(request, _prompts, server, body)
-    params = SamplingParams(temperature=0.0, max_tokens=1, embed=True, lora_name=lora)
+    prompts = await off_loop_if_large(
+        request, input_prompts, server, body.input, body.add_special_tokens, body.truncate_prompt_tokens
+    )
     rid = f"embd-{uuid.uuid4().hex}"
-    # In waves of at most the requests one engine lets wait: an embedding client sends its documents a thousand at a
-    # time (OpenAI takes 2,048 inputs), more than --max-waiting (512), which refuses more samples than it holds.
-    wave = server.client.max_waiting or len(prompts)
-    choices = []
-    for start in range(0, len(prompts), wave):
-        # (prompt_only: the one token sampled after a prompt goes nowhere, so a prompt may fill the context.)
-        streams = server.submit_all(f"{rid}-{start}", prompts[start : start + wave], params, None, prompt_only=True)
-        for choice in await server.collect(streams, request):
-            choices.append(choice)
     data = []
-    for index, choice in enumerate(choices):
-        if choice.embedding is None:
-            raise APIError(500, f"input {index} ended without its embedding ({choice.stop_reason})", "input")
-        values = choice.embedding
+    for index, values in enumerate(await pooled(server, rid, prompts, lora, request)):
         if body.dimensions is not None:
             try:
                 values = pooling.cut(values, body.dimensions)
@@ -98,21 +86,53 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     )
 
 
-def _prompts(server: Any, body: EmbeddingRequest) -> list[list[int]]:
-    """Each input's token ids: texts tokenized as a completion's prompt is; ids checked against the vocabulary."""
-    given = body.input
+def served_pooling(server: Any) -> EmbeddingPooling:
+    """How the served model pools (400 where it serves none: prefill and decode engines, a pooling not served)."""
+    pooling = server.client.pooling
+    if pooling is None:
+        raise APIError(
+            400, "pooling requests are not served by prefill and decode engines; serve the model alone", "model"
+        )
+    if not pooling.served:
+        raise APIError(400, pooling.refusal(), "model")
+    return pooling
+
+
+async def pooled(
+    server: Any, rid: str, prompts: list[list[int]], lora: str | None, request: Request
+) -> list[list[float]]:
+    """Each prompt's pooled state (an embedding, or a classifier's logits) from the engine (``SamplingParams.embed``),
+    in order. In waves of at most the requests one engine lets wait: an embedding client sends its documents a thousand
+    at a time (OpenAI takes 2,048 inputs), more than --max-waiting (512), which refuses more samples than it holds."""
+    served_pooling(server)
+    params = SamplingParams(temperature=0.0, max_tokens=1, embed=True, lora_name=lora)
+    wave = server.client.max_waiting or len(prompts)
+    out: list[list[float]] = []
+    for start in range(0, len(prompts), wave):
+        # (prompt_only: the one token sampled after a prompt goes nowhere, so a prompt may fill the context.)
+        streams = server.submit_all(f"{rid}-{start}", prompts[start : start + wave], params, None, prompt_only=True)
+        for choice in await server.collect(streams, request):
+            if choice.embedding is None:
+                raise APIError(500, f"input {len(out)} ended without its pooled state ({choice.stop_reason})", "input")
+            out.append(choice.embedding)
+    return out
+
+
+def input_prompts(server: Any, given: Any, add_special_tokens: bool, keep: int | None) -> list[list[int]]:
+    """Each input's token ids (a text, texts, token ids or lists of them: texts tokenized as a completion's prompt is;
+    ids checked against the vocabulary), the last ``keep`` of each where given (vLLM's ``truncate_prompt_tokens``)."""
     if isinstance(given, str):
-        prompts = [encode_text(server.tokenizer, given, body.add_special_tokens)]
+        prompts = [encode_text(server.tokenizer, given, add_special_tokens)]
     elif given and all(isinstance(x, int) for x in given):
-        prompts = [list(given)]  # type: ignore[arg-type]
+        prompts = [list(given)]
     elif given and all(isinstance(x, str) for x in given):
-        prompts = [encode_text(server.tokenizer, x, body.add_special_tokens) for x in given]  # type: ignore[arg-type]
+        prompts = [encode_text(server.tokenizer, x, add_special_tokens) for x in given]
     elif given and all(isinstance(x, list) for x in given):
-        prompts = [list(x) for x in given]  # type: ignore[arg-type]
+        prompts = [list(x) for x in given]
     else:
         raise APIError(400, "input must not be empty", "input")
     if any(not ids for ids in prompts):
         raise APIError(400, "input must not be empty (nor any of its texts or token lists)", "input")
     for ids in prompts:
         require_token_ids(ids, server.tokenizer.vocab_size, "input")
-    return [truncated_prompt(ids, body.truncate_prompt_tokens, server.client.max_model_len) for ids in prompts]
+    return [truncated_prompt(ids, keep, server.client.max_model_len) for ids in prompts]

@@ -1705,6 +1705,7 @@ def build_app(
     from boundless.api.messages import routes as messages_routes
     from boundless.api.responses import ResponsesAPI, ResponseStore
     from boundless.api.responses import routes as responses_routes
+    from boundless.api.scoring import routes as scoring_routes
     from boundless.api.tokenize import routes as tokenize_routes
 
     app.state.responses = ResponsesAPI(app.state.server, ResponseStore(config.max_stored_responses))
@@ -1714,6 +1715,7 @@ def build_app(
     app.include_router(messages_routes)
     app.include_router(tokenize_routes)
     app.include_router(embeddings_routes)
+    app.include_router(scoring_routes)
 
     outer: ASGIApp = BodyLimit(app, int(config.max_body_mb * (1 << 20)))
     if config.api_key:

@@ -305,7 +305,9 @@ def _build_model_executor(
         )
     grammars = grammars or Grammars(loaded.tokenizer, arch.vocab_size)
     sampler = Sampler(loaded.device, seed=config.model.seed, grammars=grammars)
-    runner = ModelRunner(loaded.model, kv_cache, attention, sampler, loaded.device, graphs, ranks, loaded.pooling)
+    runner = ModelRunner(
+        loaded.model, kv_cache, attention, sampler, loaded.device, graphs, ranks, loaded.pooling, loaded.classifier
+    )
     lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
     if store is None and layout.disk_bytes:
         store = open_disk_store(loaded, config, layout)

@@ -557,11 +557,12 @@ class EngineCore:
         if params.embed and not self.identity.pooling.served:
             raise InvalidRequestError(self.identity.pooling.refusal(), "input")
         if not (params.embed or self.identity.generates):
-            raise InvalidRequestError(
-                f"{self.identity.name} is an embedding model (its checkpoint has no LM head): it serves /v1/embeddings "
-                "(LLM.embed), not text",
-                "model",
+            serves = (
+                "is a classifier: it serves /classify, /score and /rerank (LLM.classify, LLM.score)"
+                if self.identity.pooling.classifies
+                else "is an embedding model (its checkpoint has no LM head): it serves /v1/embeddings (LLM.embed)"
             )
+            raise InvalidRequestError(f"{self.identity.name} {serves}, not text", "model")
         vocab = self.identity.vocab_size
         if max(prompt_token_ids) >= vocab or not _non_negative(prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")

@@ -69,9 +69,11 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         ranks: TensorParallelRanks | None = None,
         pooling: EmbeddingPooling | None = None,
+        classifier: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         self.pooling = pooling or EmbeddingPooling()  # how embedding requests' hidden states become embeddings
+        self.classifier = classifier  # a classifier's head [labels, hidden]: its requests' "embeddings" are its logits
         # Mean pooling: each embedding request's sum of its prompt's hidden states so far, and how many were added.
         self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}
         self.ranks = ranks  # a tensor-parallel model's other ranks: each forward pass is run on them too
@@ -267,8 +269,10 @@ class ModelRunner:
                 means.append(total / count)
             pooled = self.pooling.pool(torch.stack(means)).cpu()
         else:
-            pooled = self.pooling.pool(last[torch.tensor(rows, device=last.device)]).cpu()
-        return {chunks[i].request_id: vector.tolist() for i, vector in zip(rows, pooled, strict=True)}
+            pooled = self.pooling.pool(last[torch.tensor(rows, device=last.device)])
+        if self.classifier is not None:
+            pooled = pooled @ self.classifier.T
+        return {chunks[i].request_id: vector.tolist() for i, vector in zip(rows, pooled.cpu(), strict=True)}
 
     def _forward_graph(self, chunks: list[ScheduledChunk]) -> StepLogits:
         assert self.graphs is not None

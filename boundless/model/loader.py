@@ -16,6 +16,7 @@ import torch
 
 from boundless.config import ConfigError, ModelConfig
 from boundless.model.arch import ModelArch
+from boundless.model.classifier import SCORE_WEIGHT, ScoreWeight, classifier_spec, head_from_tokens
 from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
 from boundless.model.pooling import EmbeddingPooling, read_pooling
@@ -162,6 +163,7 @@ class LoadedModel:
     tensor_parallel: TensorParallel = ONE_DEVICE
     pooling: EmbeddingPooling = field(default_factory=EmbeddingPooling)  # its embeddings' (``model/pooling.py``)
     generates: bool = True  # False: an embedding model's base model saved with no LM head (it only embeds)
+    classifier: torch.Tensor | None = None  # a classifier's head [labels, hidden] (``model/classifier.py``)
 
 
 def _safetensors_weights(
@@ -267,6 +269,7 @@ def load_model(
     check_quantization(quantization, dev, torch_dtype)
     parts_read = False  # (the tensors are the rank's parts already)
     generates = True
+    spec, score = None, ScoreWeight()  # a classifier's, and its checkpoint's head (model/classifier.py)
     if path.is_file():
         from boundless.model.gguf import load_gguf
 
@@ -293,6 +296,11 @@ def load_model(
             tensors = _safetensors_weights(path)
         if quantized is not None:
             tensors = quantized.dequantized(tensors)
+        spec = classifier_spec(hf_config(path, hf_overrides))
+        if spec is not None and spec.from_tokens is None:
+            tensors = score.take(tensors)
+        elif spec is not None and tensor_parallel.size > 1:
+            raise ConfigError("--hf-overrides: classifier_from_token is not split over ranks (--tensor-parallel-size)")
     full_arch = arch
     arch = shard_arch(full_arch, tensor_parallel.size)
     if not parts_read:
@@ -305,6 +313,18 @@ def load_model(
     if quantization == "fp8":
         model.quantize_fp8()
     model.eval()
+    classifier = None
+    if spec is not None and spec.from_tokens is not None:
+        head = model.lm_head.data if model.lm_head is not None else model.embed_tokens.weight.data
+        classifier = head_from_tokens(head, tokenizer, spec.from_tokens)
+    elif spec is not None:
+        if score.weight is None:
+            raise ModelNotFoundError(f"{path}: a sequence classifier's checkpoint without its {SCORE_WEIGHT}")
+        classifier = score.weight.to(dev, torch.float32)
+    pooling = read_pooling(path, None if path.is_file() else hf_config(path, hf_overrides))
+    if spec is not None:  # (its head scores the last token's state as it is)
+        pooling = replace(pooling, kind="last", normalize=False, unapplied=(), labels=spec.labels)
+        generates = generates and spec.from_tokens is not None  # (a sequence classifier's checkpoint writes no text)
     source = _source_digest(path) if weights is None else f"{_source_digest(path)}+{weights[0]}"
     # (The dtype used, not the one asked for: ``auto`` is float32 on the CPU and 16-bit on a GPU.)
     # (And the quantization: KV computed on quantized weights is another model's, in the prefix cache and the store.)
@@ -326,8 +346,9 @@ def load_model(
         hf_overrides=dict(hf_overrides or {}),
         full_arch=full_arch,
         tensor_parallel=tensor_parallel,
-        pooling=read_pooling(path, None if path.is_file() else hf_config(path, hf_overrides)),
+        pooling=pooling,
         generates=generates,
+        classifier=classifier,
     )
 
 

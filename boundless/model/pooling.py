@@ -62,6 +62,13 @@ class EmbeddingPooling:
     matryoshka: bool = False
     dimensions: tuple[int, ...] = ()
     unapplied: tuple[str, ...] = ()
+    # A classifier's (``*ForSequenceClassification``, or vLLM's ``classifier_from_token``): its labels, by index; the
+    # pooled state goes through its head (``LoadedModel.classifier``) to one score a label. Empty: an embedding model.
+    labels: tuple[str, ...] = ()
+
+    @property
+    def classifies(self) -> bool:
+        return bool(self.labels)
 
     @property
     def served(self) -> bool:

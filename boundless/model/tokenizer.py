@@ -608,6 +608,14 @@ class Tokenizer:
             return self._prefix_ids + ids + self._suffix_ids
         return ids
 
+    def encode_pair(self, text: str, pair: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for two texts as one input (a cross-encoder's query and document), joined as the tokenizer joins
+        a pair (its post-processor's special tokens between and around them)."""
+        ids = self._backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and (self._prefix_ids or self._suffix_ids):
+            return self._prefix_ids + ids + self._suffix_ids
+        return ids
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """:meth:`encode` for many texts, in parallel in Rust."""
         encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)

@@ -1,0 +1,158 @@
+"""vLLM's routes for a classifier (``model/classifier.py``): ``POST /classify`` (each input's labels' probabilities),
+``POST /score`` and ``/v1/score`` (pairs of texts, a relevance each), ``POST /rerank``, ``/v1/rerank`` and
+``/v2/rerank`` (documents ordered by their relevance to a query: Jina's and Cohere's shape).
+
+Each input, or each pair (joined as the tokenizer joins a pair: ``Tokenizer.encode_pair``), is one engine request whose
+pooled state goes through the classifier's head (``ModelRunner``) in the engine's batches, as embeddings do
+(``api/embeddings.py``). A relevance is the sigmoid of the one label's logit; classes' probabilities, the softmax.
+An agent reranks what it retrieved with the same server that answers it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from boundless.api.embeddings import input_prompts, pooled, served_pooling
+from boundless.api.errors import APIError
+from boundless.api.schemas import Bool, Int
+from boundless.api.server import off_loop_if_large
+from boundless.api.validation import require_valid_text
+from boundless.engine.sampling_params import truncated_prompt
+from boundless.model.classifier import score_pairs, scores
+from boundless.model.pooling import EmbeddingPooling
+
+routes = APIRouter()
+
+
+class ClassifyRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[str] | list[Int] | list[list[Int]]
+    truncate_prompt_tokens: Int | None = None
+    add_special_tokens: Bool = True
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's: ``text_1`` against each of ``text_2`` (one text, or as many as ``text_2``, paired in order)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: Int | None = None
+
+
+class RerankRequest(BaseModel):
+    """Jina's and Cohere's: ``documents`` by relevance to ``query``, the first ``top_n`` (0 or none: all)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    query: str
+    documents: list[str]
+    top_n: Int | None = None
+    return_documents: Bool = True
+    truncate_prompt_tokens: Int | None = None
+
+
+def _served(request: Request, body: BaseModel, relevance: bool) -> tuple[Any, str | None, EmbeddingPooling]:
+    """A scoring request's server, the LoRA adapter its ``model`` names, and the served classifier (a 400 for a model
+    that is none; ``relevance``: it must have one label)."""
+    server = request.app.state.server
+    require_valid_text(body.model_dump())
+    model = body.model  # type: ignore[attr-defined]
+    lora = server.check_model(model)
+    pooling = served_pooling(server)
+    if not pooling.classifies:
+        raise APIError(
+            400,
+            f"{model!r} is no classifier (a *ForSequenceClassification checkpoint, or vLLM's classifier_from_token "
+            "through --hf-overrides): it serves /v1/embeddings",
+            "model",
+        )
+    if relevance and len(pooling.labels) != 1:
+        raise APIError(
+            400, f"{model!r} classifies into {len(pooling.labels)} labels: /score and /rerank take one (a relevance)",
+            "model",
+        )  # fmt: skip
+    return server, lora, pooling
+
+
+def _pairs(server: Any, pairs: list[tuple[str, str]], keep: int | None) -> list[list[int]]:
+    """Each pair's token ids, as the tokenizer joins a pair."""
+    limit = server.client.max_model_len
+    prompts = [server.tokenizer.encode_pair(a, b) for a, b in pairs]
+    if any(not ids for ids in prompts):
+        raise APIError(400, "a text pair must not be empty", "text_1")
+    return [truncated_prompt(ids, keep, limit) for ids in prompts]
+
+
+def _listed(rid: str, model: str, data: list[dict[str, Any]], prompts: list[list[int]]) -> JSONResponse:
+    """A list response (vLLM's ``/score`` and ``/classify``), with its prompts' tokens as its usage."""
+    tokens = sum(len(p) for p in prompts)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return JSONResponse(
+        {"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data, "usage": usage}
+    )
+
+
+@routes.post("/classify")
+async def classify(body: ClassifyRequest, request: Request) -> Response:
+    server, lora, pooling = _served(request, body, relevance=False)
+    prompts = await off_loop_if_large(
+        request, input_prompts, server, body.input, body.add_special_tokens, body.truncate_prompt_tokens
+    )
+    rid = f"classify-{uuid.uuid4().hex}"
+    data = []
+    for index, logits in enumerate(await pooled(server, rid, prompts, lora, request)):
+        probs = scores(logits)
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append({"index": index, "label": pooling.labels[best], "probs": probs, "num_classes": len(probs)})
+    return _listed(rid, body.model, data, prompts)
+
+
+@routes.post("/score")
+@routes.post("/v1/score")
+async def score(body: ScoreRequest, request: Request) -> Response:
+    server, lora, _ = _served(request, body, relevance=True)
+    try:
+        pairs = score_pairs(body.text_1, body.text_2)
+    except ValueError as e:
+        raise APIError(400, str(e), "text_1") from None
+    prompts = await off_loop_if_large(request, _pairs, server, pairs, body.truncate_prompt_tokens)
+    rid = f"score-{uuid.uuid4().hex}"
+    relevances = [scores(logits)[0] for logits in await pooled(server, rid, prompts, lora, request)]
+    return _listed(
+        rid, body.model, [{"index": i, "object": "score", "score": s} for i, s in enumerate(relevances)], prompts
+    )
+
+
+@routes.post("/rerank")
+@routes.post("/v1/rerank")
+@routes.post("/v2/rerank")
+async def rerank(body: RerankRequest, request: Request) -> Response:
+    server, lora, _ = _served(request, body, relevance=True)
+    if not body.documents:
+        raise APIError(400, "documents must not be empty", "documents")
+    if body.top_n is not None and body.top_n < 0:
+        raise APIError(400, f"top_n must not be negative, not {body.top_n}", "top_n", "invalid_value")
+    pairs = [(body.query, document) for document in body.documents]
+    prompts = await off_loop_if_large(request, _pairs, server, pairs, body.truncate_prompt_tokens)
+    rid = f"rerank-{uuid.uuid4().hex}"
+    relevances = [scores(logits)[0] for logits in await pooled(server, rid, prompts, lora, request)]
+    order = sorted(range(len(relevances)), key=lambda i: -relevances[i])[: body.top_n or None]
+    results = [
+        {"index": i, "relevance_score": relevances[i]}
+        | ({"document": {"text": body.documents[i]}} if body.return_documents else {})
+        for i in order
+    ]
+    tokens = sum(len(p) for p in prompts)
+    return JSONResponse({"id": rid, "model": body.model, "usage": {"total_tokens": tokens}, "results": results})
