@@ -17,7 +17,7 @@ from boundless.engine.logprobs import PositionLogprobs, SampledToken, as_positio
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt
 from boundless.engine.tensor_parallel import TensorParallelRanks, load_with_ranks
 from boundless.gc_quiet import frozen_heap
-from boundless.model.classifier import score_pairs, scores
+from boundless.model.classifier import pair_ids, score_pairs, scores
 from boundless.model.loader import LoadedModel
 from boundless.model.lora import LoRARequest
 from boundless.model.pooling import PoolingParams
@@ -301,13 +301,12 @@ class LLM:
         if dimensions is not None and (refusal := pooling.dimensions_refusal(dimensions, self.engine.identity.name)):
             raise ValueError(refusal)
         batch = [self._prompt_ids(_prompt_input(p), truncate_prompt_tokens) for p in _as_batch(prompts)]
-        vectors = self._pooled(batch, lora_request, use_tqdm, "embed")
-        if dimensions is not None:
-            vectors = [pooling.cut(v, dimensions) for v in vectors]
-        return [
-            EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(v), True)
-            for i, ((ids, _), v) in enumerate(zip(batch, vectors, strict=True))
-        ]
+        out = []
+        for (ids, _), (rid, vector) in zip(batch, self._pooled(batch, lora_request, use_tqdm, "embed"), strict=True):
+            if dimensions is not None:
+                vector = pooling.cut(vector, dimensions)
+            out.append(EmbeddingRequestOutput(rid, ids, EmbeddingOutput(vector), True))
+        return out
 
     def classify(
         self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False, lora_request: LoRARequest | None = None
@@ -316,10 +315,10 @@ class LLM:
         sigmoid of its logit)."""
         self._classifier(relevance=False)
         batch = [self._prompt_ids(_prompt_input(p), None) for p in _as_batch(prompts)]
-        logits = self._pooled(batch, lora_request, use_tqdm, "classify")
+        activation = self.engine.identity.pooling.activation
         return [
-            ClassificationRequestOutput(str(i), ids, ClassificationOutput(scores(v)), True)
-            for i, ((ids, _), v) in enumerate(zip(batch, logits, strict=True))
+            ClassificationRequestOutput(rid, ids, ClassificationOutput(scores(v, activation)), True)
+            for (ids, _), (rid, v) in zip(batch, self._pooled(batch, lora_request, use_tqdm, "classify"), strict=True)
         ]
 
     def score(
@@ -334,15 +333,16 @@ class LLM:
         ``text_2`` (one text, or as many as ``text_2``, paired in order), each pair joined as the tokenizer joins a
         pair."""
         self._classifier(relevance=True)
-        max_model_len = self.engine.max_model_len
-        batch = [
-            (truncated_prompt(self.tokenizer.encode_pair(a, b), truncate_prompt_tokens, max_model_len), None)
+        pooling, keep = self.engine.identity.pooling, truncate_prompt_tokens
+        truncated_prompt([0], keep, self.engine.max_model_len)  # (a value out of range is refused here, in words)
+        max_length = self.engine.max_model_len if keep == -1 else keep
+        batch: list[tuple[list[int], str | None]] = [
+            (pair_ids(self.tokenizer, a, b, pooling.joins_pairs, max_length), None)
             for a, b in score_pairs(text_1, text_2)
         ]
-        logits = self._pooled(batch, lora_request, use_tqdm, "score")
         return [
-            ScoringRequestOutput(str(i), ids, ScoringOutput(scores(v)[0]), True)
-            for i, ((ids, _), v) in enumerate(zip(batch, logits, strict=True))
+            ScoringRequestOutput(rid, ids, ScoringOutput(scores(v, pooling.activation)[0]), True)
+            for (ids, _), (rid, v) in zip(batch, self._pooled(batch, lora_request, use_tqdm, "score"), strict=True)
         ]
 
     def _classifier(self, relevance: bool) -> None:
@@ -361,8 +361,9 @@ class LLM:
 
     def _pooled(
         self, batch: Sequence[tuple[list[int], str | None]], lora: LoRARequest | None, use_tqdm: bool, desc: str
-    ) -> list[list[float]]:
-        """Each prompt's pooled state (an embedding, a classifier's logits: ``SamplingParams.embed``), in order."""
+    ) -> list[tuple[str, list[float]]]:
+        """Each prompt's request id and pooled state (an embedding, a classifier's logits: ``SamplingParams.embed``),
+        in order."""
         params = SamplingParams(temperature=0.0, max_tokens=1, embed=True)
         if lora is not None:
             if lora.lora_name not in self.engine.loras:
@@ -391,7 +392,7 @@ class LLM:
                 raise
             finally:
                 bar.close()
-        return [v for v in out.values() if v is not None]
+        return [(rid, v) for rid, v in out.items() if v is not None]
 
     def _run(self, samples: dict[str, _Sample], bar: tqdm) -> None:
         """Step the engine until every request is done, filling each one's output from the deltas."""

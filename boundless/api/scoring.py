@@ -23,8 +23,7 @@ from boundless.api.errors import APIError
 from boundless.api.schemas import Bool, Int
 from boundless.api.server import off_loop_if_large
 from boundless.api.validation import require_valid_text
-from boundless.engine.sampling_params import truncated_prompt
-from boundless.model.classifier import score_pairs, scores
+from boundless.model.classifier import pair_ids, score_pairs, scores
 from boundless.model.pooling import EmbeddingPooling
 
 routes = APIRouter()
@@ -33,20 +32,23 @@ routes = APIRouter()
 class ClassifyRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None
     input: str | list[str] | list[Int] | list[list[Int]]
     truncate_prompt_tokens: Int | None = None
     add_special_tokens: Bool = True
 
 
 class ScoreRequest(BaseModel):
-    """vLLM's: ``text_1`` against each of ``text_2`` (one text, or as many as ``text_2``, paired in order)."""
+    """vLLM's: ``text_1`` against each of ``text_2`` (one text, or as many as ``text_2``, paired in order); newer vLLM
+    names them ``queries`` and ``documents``."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
-    text_1: str | list[str]
-    text_2: str | list[str]
+    model: str | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
     truncate_prompt_tokens: Int | None = None
 
 
@@ -55,9 +57,9 @@ class RerankRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None
     query: str
-    documents: list[str]
+    documents: str | list[str]
     top_n: Int | None = None
     return_documents: Bool = True
     truncate_prompt_tokens: Int | None = None
@@ -68,7 +70,7 @@ def _served(request: Request, body: BaseModel, relevance: bool) -> tuple[Any, st
     that is none; ``relevance``: it must have one label)."""
     server = request.app.state.server
     require_valid_text(body.model_dump())
-    model = body.model  # type: ignore[attr-defined]
+    model = body.model or server.model_name  # type: ignore[attr-defined]  # (vLLM's: the served model by default)
     lora = server.check_model(model)
     pooling = served_pooling(server)
     if not pooling.classifies:
@@ -86,13 +88,22 @@ def _served(request: Request, body: BaseModel, relevance: bool) -> tuple[Any, st
     return server, lora, pooling
 
 
-def _pairs(server: Any, pairs: list[tuple[str, str]], keep: int | None) -> list[list[int]]:
-    """Each pair's token ids, as the tokenizer joins a pair."""
+def _pairs(
+    server: Any, pooling: EmbeddingPooling, pairs: list[tuple[str, str]], keep: int | None, field: str
+) -> list[list[int]]:
+    """Each pair's token ids (``classifier.pair_ids``), at most ``keep`` (-1: the context) where given (vLLM's
+    ``truncate_prompt_tokens``: a pair's longer text loses its last tokens first, the query stays)."""
     limit = server.client.max_model_len
-    prompts = [server.tokenizer.encode_pair(a, b) for a, b in pairs]
+    if keep is not None and (keep == 0 or keep < -1 or keep > limit):
+        raise APIError(
+            400, f"truncate_prompt_tokens must be -1 or 1 to the model's context ({limit}), not {keep}",
+            "truncate_prompt_tokens", "invalid_value",
+        )  # fmt: skip
+    max_length = limit if keep == -1 else keep
+    prompts = [pair_ids(server.tokenizer, a, b, pooling.joins_pairs, max_length) for a, b in pairs]
     if any(not ids for ids in prompts):
-        raise APIError(400, "a text pair must not be empty", "text_1")
-    return [truncated_prompt(ids, keep, limit) for ids in prompts]
+        raise APIError(400, "a text pair must not be empty", field)
+    return prompts
 
 
 def _listed(rid: str, model: str, data: list[dict[str, Any]], prompts: list[list[int]]) -> JSONResponse:
@@ -113,46 +124,52 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
     rid = f"classify-{uuid.uuid4().hex}"
     data = []
     for index, logits in enumerate(await pooled(server, rid, prompts, lora, request)):
-        probs = scores(logits)
+        probs = scores(logits, pooling.activation)
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append({"index": index, "label": pooling.labels[best], "probs": probs, "num_classes": len(probs)})
-    return _listed(rid, body.model, data, prompts)
+    return _listed(rid, body.model or server.model_name, data, prompts)
 
 
 @routes.post("/score")
 @routes.post("/v1/score")
 async def score(body: ScoreRequest, request: Request) -> Response:
-    server, lora, _ = _served(request, body, relevance=True)
+    server, lora, pooling = _served(request, body, relevance=True)
+    firsts = body.text_1 if body.text_1 is not None else body.queries
+    seconds = body.text_2 if body.text_2 is not None else body.documents
+    if firsts is None or seconds is None:
+        raise APIError(400, "give text_1 and text_2 (or queries and documents)", "text_1")
     try:
-        pairs = score_pairs(body.text_1, body.text_2)
+        pairs = score_pairs(firsts, seconds)
     except ValueError as e:
         raise APIError(400, str(e), "text_1") from None
-    prompts = await off_loop_if_large(request, _pairs, server, pairs, body.truncate_prompt_tokens)
+    prompts = await off_loop_if_large(request, _pairs, server, pooling, pairs, body.truncate_prompt_tokens, "text_1")
     rid = f"score-{uuid.uuid4().hex}"
-    relevances = [scores(logits)[0] for logits in await pooled(server, rid, prompts, lora, request)]
-    return _listed(
-        rid, body.model, [{"index": i, "object": "score", "score": s} for i, s in enumerate(relevances)], prompts
-    )
+    relevances = [scores(v, pooling.activation)[0] for v in await pooled(server, rid, prompts, lora, request)]
+    data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(relevances)]
+    return _listed(rid, body.model or server.model_name, data, prompts)
 
 
 @routes.post("/rerank")
 @routes.post("/v1/rerank")
 @routes.post("/v2/rerank")
 async def rerank(body: RerankRequest, request: Request) -> Response:
-    server, lora, _ = _served(request, body, relevance=True)
-    if not body.documents:
+    server, lora, pooling = _served(request, body, relevance=True)
+    documents = [body.documents] if isinstance(body.documents, str) else body.documents
+    if not documents:
         raise APIError(400, "documents must not be empty", "documents")
-    if body.top_n is not None and body.top_n < 0:
-        raise APIError(400, f"top_n must not be negative, not {body.top_n}", "top_n", "invalid_value")
-    pairs = [(body.query, document) for document in body.documents]
-    prompts = await off_loop_if_large(request, _pairs, server, pairs, body.truncate_prompt_tokens)
+    pairs = [(body.query, document) for document in documents]
+    keep = body.truncate_prompt_tokens
+    prompts = await off_loop_if_large(request, _pairs, server, pooling, pairs, keep, "documents")
     rid = f"rerank-{uuid.uuid4().hex}"
-    relevances = [scores(logits)[0] for logits in await pooled(server, rid, prompts, lora, request)]
-    order = sorted(range(len(relevances)), key=lambda i: -relevances[i])[: body.top_n or None]
+    relevances = [scores(v, pooling.activation)[0] for v in await pooled(server, rid, prompts, lora, request)]
+    # (top_n: that many first; none, 0 or below 0, all of them, as vLLM takes it.)
+    top = body.top_n if body.top_n is not None and body.top_n > 0 else None
+    order = sorted(range(len(relevances)), key=lambda i: -relevances[i])[:top]
     results = [
         {"index": i, "relevance_score": relevances[i]}
-        | ({"document": {"text": body.documents[i]}} if body.return_documents else {})
+        | ({"document": {"text": documents[i]}} if body.return_documents else {})
         for i in order
     ]
     tokens = sum(len(p) for p in prompts)
-    return JSONResponse({"id": rid, "model": body.model, "usage": {"total_tokens": tokens}, "results": results})
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return JSONResponse({"id": rid, "model": body.model or server.model_name, "usage": usage, "results": results})

@@ -320,10 +320,17 @@ def load_model(
     elif spec is not None:
         if score.weight is None:
             raise ModelNotFoundError(f"{path}: a sequence classifier's checkpoint without its {SCORE_WEIGHT}")
+        if score.weight.shape[0] != len(spec.labels):
+            raise ModelNotFoundError(
+                f"{path}: {SCORE_WEIGHT} has {score.weight.shape[0]} rows, config.json {len(spec.labels)} labels"
+            )
         classifier = score.weight.to(dev, torch.float32)
     pooling = read_pooling(path, None if path.is_file() else hf_config(path, hf_overrides))
     if spec is not None:  # (its head scores the last token's state as it is)
-        pooling = replace(pooling, kind="last", normalize=False, unapplied=(), labels=spec.labels)
+        pooling = replace(
+            pooling, kind="last", normalize=False, unapplied=(), labels=spec.labels, activation=spec.activation,
+            joins_pairs=spec.from_tokens is not None,
+        )  # fmt: skip
         generates = generates and spec.from_tokens is not None  # (a sequence classifier's checkpoint writes no text)
     source = _source_digest(path) if weights is None else f"{_source_digest(path)}+{weights[0]}"
     # (The dtype used, not the one asked for: ``auto`` is float32 on the CPU and 16-bit on a GPU.)

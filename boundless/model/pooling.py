@@ -65,6 +65,8 @@ class EmbeddingPooling:
     # A classifier's (``*ForSequenceClassification``, or vLLM's ``classifier_from_token``): its labels, by index; the
     # pooled state goes through its head (``LoadedModel.classifier``) to one score a label. Empty: an embedding model.
     labels: tuple[str, ...] = ()
+    activation: str = ""  # a classifier's (``classifier.scores``)
+    joins_pairs: bool = False  # a classifier's pairs are tokenized as one text (``classifier.pair_ids``)
 
     @property
     def classifies(self) -> bool:

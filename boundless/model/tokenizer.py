@@ -608,13 +608,31 @@ class Tokenizer:
             return self._prefix_ids + ids + self._suffix_ids
         return ids
 
-    def encode_pair(self, text: str, pair: str, add_special_tokens: bool = True) -> list[int]:
+    def encode_pair(self, text: str, pair: str, max_length: int | None = None) -> list[int]:
         """Token ids for two texts as one input (a cross-encoder's query and document), joined as the tokenizer joins
-        a pair (its post-processor's special tokens between and around them)."""
-        ids = self._backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and (self._prefix_ids or self._suffix_ids):
-            return self._prefix_ids + ids + self._suffix_ids
-        return ids
+        a pair (its post-processor's special tokens between and around them); past ``max_length``, the longer text's
+        last tokens go first, one at a time (transformers' ``longest_first`` truncation), the special tokens stay."""
+        encoding = self._backend.encode(text, pair, add_special_tokens=True)
+        ids, sequences = list(encoding.ids), list(encoding.sequence_ids)
+        prefix, suffix = self._prefix_ids, self._suffix_ids
+        excess = len(ids) + len(prefix) + len(suffix) - max_length if max_length is not None else 0
+        if excess > 0:
+            positions = {
+                0: [i for i, s in enumerate(sequences) if s == 0],
+                1: [i for i, s in enumerate(sequences) if s == 1],
+            }
+            dropped: set[int] = set()
+            for _ in range(excess):
+                longer = 1 if len(positions[1]) >= len(positions[0]) else 0
+                if not positions[longer]:
+                    break
+                dropped.add(positions[longer].pop())
+            ids = [t for i, t in enumerate(ids) if i not in dropped]
+        return prefix + ids + suffix
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary, as written there (``▁yes``, ``Ġyes``), else None."""
+        return self._backend.token_to_id(token)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """:meth:`encode` for many texts, in parallel in Rust."""

@@ -69,6 +69,48 @@ def test_a_cross_encoder_scores_pairs_as_transformers(model_dirs: dict[str, Path
         llm.close()
 
 
+def test_a_pair_past_its_budget_loses_its_documents_tail_not_its_query(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """``truncate_prompt_tokens``: a long document's last tokens go, the query stays (transformers' longest_first);
+    the score then still depends on the query. Request ids are the engine's, distinct from call to call."""
+    path = _classifier_dir(model_dirs["tiny-qwen2"], tmp_path / "cut", labels=1)
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01)
+    try:
+        tokenizer = llm.get_tokenizer()
+        document = " ".join(["the tools they called"] * 20)
+        query_ids = tokenizer.encode(QUERY, add_special_tokens=False)
+        budget = 2 * len(query_ids) + 4  # (longest_first: the document is cut to the query's length before it is)
+        (cut,) = llm.score(QUERY, document, truncate_prompt_tokens=budget)
+        assert len(cut.prompt_token_ids) <= budget and cut.prompt_token_ids[: len(query_ids)] == query_ids
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(path))(QUERY, document, truncation=True, max_length=budget)
+        assert cut.prompt_token_ids == hf["input_ids"]  # (transformers' longest_first, token for token)
+        (other,) = llm.score("Where is the sea?", document, truncate_prompt_tokens=budget)
+        assert other.outputs.score != cut.outputs.score
+        assert other.request_id != cut.request_id
+        expected = torch.sigmoid(_hf_logits(path, [cut.prompt_token_ids])[0])[0].item()
+        assert cut.outputs.score == pytest.approx(expected, abs=1e-5)
+    finally:
+        llm.close()
+
+
+def test_an_identity_activation_scores_by_the_logit(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A sentence-transformers CrossEncoder whose config says its activation is Identity (ms-marco's): the raw logit."""
+    path = _classifier_dir(model_dirs["tiny-qwen2"], tmp_path / "raw", labels=1)
+    config = json.loads((path / "config.json").read_text())
+    config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01)
+    try:
+        pairs = [llm.get_tokenizer().encode_pair(QUERY, d) for d in DOCUMENTS]
+        expected = [logits[0].item() for logits in _hf_logits(path, pairs)]
+        assert [r.outputs.score for r in llm.score(QUERY, DOCUMENTS)] == pytest.approx(expected, abs=1e-5)
+    finally:
+        llm.close()
+
+
 def test_a_split_cross_encoder_scores_as_one_device(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     path = _classifier_dir(model_dirs["tiny-qwen2"], tmp_path / "split", labels=1)
     scores = []
@@ -116,12 +158,14 @@ def test_classifier_from_token_scores_by_the_lm_heads_rows(model_dirs: dict[str,
     llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, hf_overrides=overrides)
     try:
         no, yes = (tokenizer.encode(t, add_special_tokens=False)[0] for t in (no_word, yes_word))
-        pairs = [tokenizer.encode_pair(QUERY, d) for d in DOCUMENTS]
+        pairs = [tokenizer.encode(QUERY + d) for d in DOCUMENTS]  # (vLLM's for such a model: the texts as one)
         model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
         with torch.inference_mode():
             last = [model(torch.tensor([p])).logits[0, -1] for p in pairs]
         expected = [torch.sigmoid(logits[yes] - logits[no]).item() for logits in last]
-        assert [r.outputs.score for r in llm.score(QUERY, DOCUMENTS)] == pytest.approx(expected, abs=1e-5)
+        got = llm.score(QUERY, DOCUMENTS)
+        assert [r.prompt_token_ids for r in got] == pairs
+        assert [r.outputs.score for r in got] == pytest.approx(expected, abs=1e-5)
         assert llm.generate(["Hello"])[0].outputs[0].token_ids
     finally:
         llm.close()
@@ -148,10 +192,30 @@ def test_the_server_scores_reranks_and_classifies(model_dirs: dict[str, Path], t
             assert reranked["results"][0]["relevance_score"] == pytest.approx(expected[order[0]], abs=1e-5)
         classified = httpx.post(f"{server.url}/classify", json={"model": "ranker", "input": ["Hello", "Bye"]}).json()
         assert [d["num_classes"] for d in classified["data"]] == [1, 1] and classified["data"][0]["label"] == "class-0"
+        newer = httpx.post(f"{server.url}/score", json={"queries": QUERY, "documents": DOCUMENTS})  # (no model: served)
+        assert [d["score"] for d in newer.json()["data"]] == pytest.approx(expected, abs=1e-5)
         embedded = httpx.post(f"{server.url}/v1/embeddings", json={"model": "ranker", "input": "x"})
         assert embedded.status_code == 400 and "is a classifier" in embedded.json()["error"]["message"]
         bad = httpx.post(f"{server.url}/score", json={"model": "ranker", "text_1": ["a", "b"], "text_2": DOCUMENTS})
         assert bad.status_code == 400 and "text_1 holds 2 texts" in bad.json()["error"]["message"]
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_the_server_classifies_into_three_labels(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    path = _classifier_dir(model_dirs["tiny-qwen2"], tmp_path / "three-served", labels=3)
+    config = engine_config(str(path), max_model_len=128, kv_cache_gb=0.01)
+    engine = AsyncEngine(EngineCore.from_model(load_configured_model(config.model), config))
+    server = start_in_thread(engine, "cls")
+    try:
+        prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+        reply = httpx.post(f"{server.url}/classify", json={"model": "cls", "input": prompts}).json()
+        for item, logits in zip(reply["data"], _hf_logits(path, prompts), strict=True):
+            probs = torch.softmax(logits, dim=-1)
+            assert item["probs"] == pytest.approx(probs.tolist(), abs=1e-5)
+            assert item["label"] == f"class-{int(probs.argmax())}" and item["num_classes"] == 3
+        assert reply["usage"]["prompt_tokens"] == 10
     finally:
         server.stop()
         engine.shutdown()
