@@ -86,6 +86,42 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     )
 
 
+class PoolingRequest(BaseModel):
+    """vLLM's ``/pooling``: the model's pooled states as they come from the engine (an embedding, a classifier's
+    logits)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[str] | list[Int] | list[list[Int]]
+    truncate_prompt_tokens: Int | None = None
+    add_special_tokens: Bool = True
+
+
+@routes.post("/pooling")
+async def pooling_route(body: PoolingRequest, request: Request) -> Response:
+    server = request.app.state.server
+    require_valid_text(body.model_dump())
+    model = body.model or server.model_name
+    lora = server.check_model(model)
+    prompts = await off_loop_if_large(
+        request, input_prompts, server, body.input, body.add_special_tokens, body.truncate_prompt_tokens
+    )
+    rid = f"pool-{uuid.uuid4().hex}"
+    states = await pooled(server, rid, prompts, lora, request)
+    tokens = sum(len(p) for p in prompts)
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": [{"index": i, "object": "pooling", "data": state} for i, state in enumerate(states)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
+
+
 def served_pooling(server: Any) -> EmbeddingPooling:
     """How the served model pools (400 where it serves none: prefill and decode engines, a pooling not served)."""
     pooling = server.client.pooling

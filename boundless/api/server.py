@@ -1565,6 +1565,8 @@ def _server(request: Request) -> OpenAIServer:
 
 
 @routes.get("/health")
+@routes.get("/ping")  # (SageMaker's, as vLLM serves it)
+@routes.post("/ping")
 async def health(request: Request) -> Response:
     if not _server(request).client.is_alive():
         return JSONResponse({"status": "unavailable"}, status_code=503)
@@ -1685,6 +1687,41 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Response:
 @routes.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _server(request).completions(body, request)
+
+
+@routes.post("/invocations")
+async def invocations(request: Request) -> Response:
+    """SageMaker's one route, as vLLM serves it: the body's shape says which route answers it (``messages``: chat;
+    ``prompt``: completions; ``input``: embeddings, or a classifier's classify; ``query`` and ``documents``: rerank;
+    ``text_1`` or ``queries``: score)."""
+    from boundless.api import embeddings, scoring
+    from boundless.api.validation import validated_body
+
+    try:
+        body = await request.json()
+    except ValueError:
+        raise APIError(400, "the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body is not a JSON object")
+    server = _server(request)
+    if "messages" in body:
+        return await server.chat(validated_body(ChatCompletionRequest, body), request)
+    if "prompt" in body:
+        return await server.completions(validated_body(CompletionRequest, body), request)
+    if "query" in body and "documents" in body:
+        return await scoring.rerank(validated_body(scoring.RerankRequest, body), request)
+    if "text_1" in body or "queries" in body:
+        return await scoring.score(validated_body(scoring.ScoreRequest, body), request)
+    if "input" in body:
+        pooling = server.client.pooling
+        if pooling is not None and pooling.classifies:
+            return await scoring.classify(validated_body(scoring.ClassifyRequest, body), request)
+        return await embeddings.embeddings(validated_body(embeddings.EmbeddingRequest, body), request)
+    raise APIError(
+        400,
+        "the body names no route: messages (chat), prompt (completions), input (embeddings or classify), query and "
+        "documents (rerank), text_1 or queries (score)",
+    )
 
 
 def build_app(

@@ -11,14 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from boundless.api.errors import APIError
 from boundless.api.schemas import Bool, ChatCompletionRequest, Int
 from boundless.api.server import encode_text, off_loop_if_large
-from boundless.api.validation import require_token_ids, require_valid_text
+from boundless.api.validation import require_token_ids, require_valid_text, validated_body
 
 routes = APIRouter()
 
@@ -52,20 +51,11 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Int]
 
 
-def _validated(model: type[BaseModel], body: dict[str, Any]) -> Any:
-    """``body`` as ``model``; a mismatch is the 400 that FastAPI's own body checks give (naming the field)."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
-        raise RequestValidationError(errors, body=body) from None
-
-
 @routes.post("/tokenize")
 async def tokenize(body: dict[str, Any], request: Request) -> Response:
     server = request.app.state.server
     chat = "messages" in body
-    spec = _validated(TokenizeChat if chat else TokenizePrompt, body)
+    spec = validated_body(TokenizeChat if chat else TokenizePrompt, body)
     require_valid_text(spec.model_dump(by_alias=True))
     if spec.model is not None:
         server.check_model(spec.model)  # (an adapter's name too: it shares the tokenizer)
@@ -84,7 +74,7 @@ def _tokenized(server: Any, spec: Any, chat: bool) -> dict[str, Any]:
             "continue_final_message": spec.continue_final_message,
             "chat_template_kwargs": spec.chat_template_kwargs,
         }
-        tokens = server.chat_prompt(_validated(ChatCompletionRequest, fields))
+        tokens = server.chat_prompt(validated_body(ChatCompletionRequest, fields))
         if spec.add_special_tokens and tokenizer.bos_token_id is not None:
             tokens = [tokenizer.bos_token_id, *tokens]
     else:

@@ -142,3 +142,26 @@ def test_a_model_that_lists_its_matryoshka_dimensions_takes_only_those() -> None
     pooling = EmbeddingPooling(matryoshka=True, dimensions=(16, 32))
     assert pooling.dimensions_refusal(16, "m") is None
     assert "only the dimensions it was trained for: [16, 32], not 20" in (pooling.dimensions_refusal(20, "m") or "")
+
+
+def test_pooling_ping_and_sagemakers_invocations(served: Server) -> None:
+    """vLLM's ``/pooling`` (the engine's pooled states), and SageMaker's ``/ping`` and ``/invocations`` (the body's
+    shape names the route)."""
+    pooled = httpx.post(f"{served.url}/pooling", json={"input": TEXTS[:2]}).json()
+    embedded = served.client.embeddings.create(model="tiny", input=TEXTS[:2])
+    assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
+    assert all(
+        np.allclose(p["data"], e.embedding, atol=1e-6) for p, e in zip(pooled["data"], embedded.data, strict=True)
+    )
+    assert httpx.get(f"{served.url}/ping").json() == {"status": "ok"} and httpx.post(f"{served.url}/ping").is_success
+    invoke = f"{served.url}/invocations"
+    embedding = httpx.post(invoke, json={"model": "tiny", "input": TEXTS[0]}).json()
+    assert np.allclose(embedding["data"][0]["embedding"], embedded.data[0].embedding, atol=1e-6)
+    completion = httpx.post(invoke, json={"model": "tiny", "prompt": "Hello", "max_tokens": 3}).json()
+    assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 3
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(invoke, json=chat).json()["object"] == "chat.completion"
+    nothing = httpx.post(invoke, json={"model": "tiny"})
+    assert nothing.status_code == 400 and "names no route" in nothing.json()["error"]["message"]
+    bad = httpx.post(invoke, json={"model": "tiny", "prompt": "x", "max_tokens": "many"})
+    assert bad.status_code == 400 and "max_tokens" in bad.text
