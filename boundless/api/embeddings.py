@@ -31,30 +31,34 @@ from boundless.model.pooling import EmbeddingPooling
 routes = APIRouter()
 
 
-class EmbeddingRequest(BaseModel):
-    """OpenAI's body (``input``: a text, texts, token ids, or lists of token ids; ``user`` is accepted and unused),
-    with vLLM's ``truncate_prompt_tokens`` and ``add_special_tokens``."""
+class PoolingRequest(BaseModel):
+    """vLLM's ``/pooling``: the model's pooled states as they come from the engine (an embedding, a classifier's
+    logits)."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None
     input: str | list[str] | list[Int] | list[list[Int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = None
-    user: str | None = None
     truncate_prompt_tokens: Int | None = None
     add_special_tokens: Bool = True
 
 
+class EmbeddingRequest(PoolingRequest):
+    """OpenAI's body (``input``: a text, texts, token ids, or lists of token ids; ``user`` is accepted and unused),
+    with vLLM's ``truncate_prompt_tokens`` and ``add_special_tokens``."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = None
+    user: str | None = None
+
+
 @routes.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    server = request.app.state.server
-    require_valid_text(body.model_dump())
-    lora = server.check_model(body.model)
+    server, model, lora = received(request, body)
     pooling = served_pooling(server)
     if pooling.classifies:
-        raise APIError(400, f"{body.model!r} is a classifier: it serves /classify, /score and /rerank", "model")
-    if body.dimensions is not None and (refusal := pooling.dimensions_refusal(body.dimensions, body.model)):
+        raise APIError(400, f"{model!r} is a classifier: it serves /classify, /score and /rerank", "model")
+    if body.dimensions is not None and (refusal := pooling.dimensions_refusal(body.dimensions, model)):
         raise APIError(400, refusal, "dimensions", "invalid_value")
     prompts = await off_loop_if_large(
         request, input_prompts, server, body.input, body.add_special_tokens, body.truncate_prompt_tokens
@@ -73,52 +77,37 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
             else vector.tolist()
         )  # fmt: skip
         data.append({"object": "embedding", "index": index, "embedding": embedding})
-    tokens = sum(len(p) for p in prompts)
-    return JSONResponse(
-        {
-            "id": rid,
-            "object": "list",
-            "created": int(time.time()),
-            "model": body.model,
-            "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
-    )
-
-
-class PoolingRequest(BaseModel):
-    """vLLM's ``/pooling``: the model's pooled states as they come from the engine (an embedding, a classifier's
-    logits)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    input: str | list[str] | list[Int] | list[list[Int]]
-    truncate_prompt_tokens: Int | None = None
-    add_special_tokens: Bool = True
+    return listed_response(rid, model, data, prompts)
 
 
 @routes.post("/pooling")
 async def pooling_route(body: PoolingRequest, request: Request) -> Response:
-    server = request.app.state.server
-    require_valid_text(body.model_dump())
-    model = body.model or server.model_name
-    lora = server.check_model(model)
+    server, model, lora = received(request, body)
     prompts = await off_loop_if_large(
         request, input_prompts, server, body.input, body.add_special_tokens, body.truncate_prompt_tokens
     )
     rid = f"pool-{uuid.uuid4().hex}"
     states = await pooled(server, rid, prompts, lora, request)
+    data = [{"index": i, "object": "pooling", "data": state} for i, state in enumerate(states)]
+    return listed_response(rid, model, data, prompts)
+
+
+def received(request: Request, body: PoolingRequest | BaseModel) -> tuple[Any, str, str | None]:
+    """A pooling route's server, the model its body names (vLLM's: the served one when it names none) and the LoRA
+    adapter that is (404 for a model not served; 400 for text that is not Unicode)."""
+    server = request.app.state.server
+    require_valid_text(body.model_dump())
+    model = getattr(body, "model", None) or server.model_name
+    return server, model, server.check_model(model)
+
+
+def listed_response(rid: str, model: str, data: list[dict[str, Any]], prompts: list[list[int]]) -> JSONResponse:
+    """A list response (OpenAI's embeddings', vLLM's ``/pooling``, ``/score`` and ``/classify``), with its prompts'
+    tokens as its usage."""
     tokens = sum(len(p) for p in prompts)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     return JSONResponse(
-        {
-            "id": rid,
-            "object": "list",
-            "created": int(time.time()),
-            "model": model,
-            "data": [{"index": i, "object": "pooling", "data": state} for i, state in enumerate(states)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+        {"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data, "usage": usage}
     )
 
 

@@ -10,7 +10,6 @@ An agent reranks what it retrieved with the same server that answers it.
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
@@ -18,24 +17,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from boundless.api.embeddings import input_prompts, pooled, served_pooling
+from boundless.api.embeddings import PoolingRequest, input_prompts, listed_response, pooled, received, served_pooling
 from boundless.api.errors import APIError
 from boundless.api.schemas import Bool, Int
 from boundless.api.server import off_loop_if_large
-from boundless.api.validation import require_valid_text
 from boundless.model.classifier import pair_ids, score_pairs, scores
 from boundless.model.pooling import EmbeddingPooling
 
 routes = APIRouter()
-
-
-class ClassifyRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    input: str | list[str] | list[Int] | list[list[Int]]
-    truncate_prompt_tokens: Int | None = None
-    add_special_tokens: Bool = True
 
 
 class ScoreRequest(BaseModel):
@@ -68,10 +57,7 @@ class RerankRequest(BaseModel):
 def _served(request: Request, body: BaseModel, relevance: bool) -> tuple[Any, str | None, EmbeddingPooling]:
     """A scoring request's server, the LoRA adapter its ``model`` names, and the served classifier (a 400 for a model
     that is none; ``relevance``: it must have one label)."""
-    server = request.app.state.server
-    require_valid_text(body.model_dump())
-    model = body.model or server.model_name  # type: ignore[attr-defined]  # (vLLM's: the served model by default)
-    lora = server.check_model(model)
+    server, model, lora = received(request, body)
     pooling = served_pooling(server)
     if not pooling.classifies:
         raise APIError(
@@ -106,17 +92,8 @@ def _pairs(
     return prompts
 
 
-def _listed(rid: str, model: str, data: list[dict[str, Any]], prompts: list[list[int]]) -> JSONResponse:
-    """A list response (vLLM's ``/score`` and ``/classify``), with its prompts' tokens as its usage."""
-    tokens = sum(len(p) for p in prompts)
-    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-    return JSONResponse(
-        {"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data, "usage": usage}
-    )
-
-
 @routes.post("/classify")
-async def classify(body: ClassifyRequest, request: Request) -> Response:
+async def classify(body: PoolingRequest, request: Request) -> Response:
     server, lora, pooling = _served(request, body, relevance=False)
     prompts = await off_loop_if_large(
         request, input_prompts, server, body.input, body.add_special_tokens, body.truncate_prompt_tokens
@@ -127,7 +104,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         probs = scores(logits, pooling.activation)
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append({"index": index, "label": pooling.labels[best], "probs": probs, "num_classes": len(probs)})
-    return _listed(rid, body.model or server.model_name, data, prompts)
+    return listed_response(rid, body.model or server.model_name, data, prompts)
 
 
 @routes.post("/score")
@@ -146,7 +123,7 @@ async def score(body: ScoreRequest, request: Request) -> Response:
     rid = f"score-{uuid.uuid4().hex}"
     relevances = [scores(v, pooling.activation)[0] for v in await pooled(server, rid, prompts, lora, request)]
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(relevances)]
-    return _listed(rid, body.model or server.model_name, data, prompts)
+    return listed_response(rid, body.model or server.model_name, data, prompts)
 
 
 @routes.post("/rerank")

@@ -1715,7 +1715,7 @@ async def invocations(request: Request) -> Response:
     if "input" in body:
         pooling = server.client.pooling
         if pooling is not None and pooling.classifies:
-            return await scoring.classify(validated_body(scoring.ClassifyRequest, body), request)
+            return await scoring.classify(validated_body(embeddings.PoolingRequest, body), request)
         return await embeddings.embeddings(validated_body(embeddings.EmbeddingRequest, body), request)
     raise APIError(
         400,

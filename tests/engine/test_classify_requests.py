@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -42,6 +44,19 @@ def _classifier_dir(source: Path, target: Path, labels: int) -> Path:
     for tokenizer_file in source.glob("tokenizer*"):
         shutil.copy(tokenizer_file, target)
     return target
+
+
+@contextmanager
+def _serving(path: Path, name: str) -> Iterator[str]:
+    """``path``'s model served on 127.0.0.1 as ``name``: its URL."""
+    config = engine_config(str(path), max_model_len=128, kv_cache_gb=0.01)
+    engine = AsyncEngine(EngineCore.from_model(load_configured_model(config.model), config))
+    server = start_in_thread(engine, name)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        engine.shutdown()
 
 
 def _hf_logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -174,63 +189,46 @@ def test_classifier_from_token_scores_by_the_lm_heads_rows(model_dirs: dict[str,
 def test_the_server_scores_reranks_and_classifies(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     path = _classifier_dir(model_dirs["tiny-qwen2"], tmp_path / "served", labels=1)
     config = engine_config(str(path), max_model_len=128, kv_cache_gb=0.01)
-    engine = AsyncEngine(EngineCore.from_model(load_configured_model(config.model), config))
-    server = start_in_thread(engine, "ranker")
-    try:
+    with _serving(path, "ranker") as url:
         offline = LLM.from_config(config, load_configured_model(config.model))
         expected = [r.outputs.score for r in offline.score(QUERY, DOCUMENTS)]
         offline.close()
-        scored = httpx.post(f"{server.url}/score", json={"model": "ranker", "text_1": QUERY, "text_2": DOCUMENTS})
+        scored = httpx.post(f"{url}/score", json={"model": "ranker", "text_1": QUERY, "text_2": DOCUMENTS})
         assert scored.status_code == 200, scored.text
         assert [d["score"] for d in scored.json()["data"]] == pytest.approx(expected, abs=1e-5)
         for route in ("/rerank", "/v1/rerank", "/v2/rerank"):
             body = {"model": "ranker", "query": QUERY, "documents": DOCUMENTS, "top_n": 2}
-            reranked = httpx.post(f"{server.url}{route}", json=body).json()
+            reranked = httpx.post(f"{url}{route}", json=body).json()
             order = sorted(range(3), key=lambda i: -expected[i])[:2]
             assert [r["index"] for r in reranked["results"]] == order
             assert reranked["results"][0]["document"]["text"] == DOCUMENTS[order[0]]
             assert reranked["results"][0]["relevance_score"] == pytest.approx(expected[order[0]], abs=1e-5)
-        classified = httpx.post(f"{server.url}/classify", json={"model": "ranker", "input": ["Hello", "Bye"]}).json()
+        classified = httpx.post(f"{url}/classify", json={"model": "ranker", "input": ["Hello", "Bye"]}).json()
         assert [d["num_classes"] for d in classified["data"]] == [1, 1] and classified["data"][0]["label"] == "class-0"
-        newer = httpx.post(f"{server.url}/score", json={"queries": QUERY, "documents": DOCUMENTS})  # (no model: served)
+        newer = httpx.post(f"{url}/score", json={"queries": QUERY, "documents": DOCUMENTS})  # (no model: served)
         assert [d["score"] for d in newer.json()["data"]] == pytest.approx(expected, abs=1e-5)
-        embedded = httpx.post(f"{server.url}/v1/embeddings", json={"model": "ranker", "input": "x"})
+        embedded = httpx.post(f"{url}/v1/embeddings", json={"model": "ranker", "input": "x"})
         assert embedded.status_code == 400 and "is a classifier" in embedded.json()["error"]["message"]
-        bad = httpx.post(f"{server.url}/score", json={"model": "ranker", "text_1": ["a", "b"], "text_2": DOCUMENTS})
+        bad = httpx.post(f"{url}/score", json={"model": "ranker", "text_1": ["a", "b"], "text_2": DOCUMENTS})
         assert bad.status_code == 400 and "text_1 holds 2 texts" in bad.json()["error"]["message"]
-    finally:
-        server.stop()
-        engine.shutdown()
 
 
 def test_the_server_classifies_into_three_labels(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     path = _classifier_dir(model_dirs["tiny-qwen2"], tmp_path / "three-served", labels=3)
-    config = engine_config(str(path), max_model_len=128, kv_cache_gb=0.01)
-    engine = AsyncEngine(EngineCore.from_model(load_configured_model(config.model), config))
-    server = start_in_thread(engine, "cls")
-    try:
+    with _serving(path, "cls") as url:
         prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
-        reply = httpx.post(f"{server.url}/classify", json={"model": "cls", "input": prompts}).json()
+        reply = httpx.post(f"{url}/classify", json={"model": "cls", "input": prompts}).json()
         for item, logits in zip(reply["data"], _hf_logits(path, prompts), strict=True):
             probs = torch.softmax(logits, dim=-1)
             assert item["probs"] == pytest.approx(probs.tolist(), abs=1e-5)
             assert item["label"] == f"class-{int(probs.argmax())}" and item["num_classes"] == 3
         assert reply["usage"]["prompt_tokens"] == 10
-    finally:
-        server.stop()
-        engine.shutdown()
 
 
 def test_an_embedding_model_refuses_scoring_routes(model_dirs: dict[str, Path]) -> None:
-    config = engine_config(str(model_dirs["tiny-llama"]), max_model_len=64, kv_cache_gb=0.01)
-    engine = AsyncEngine(EngineCore.from_model(load_configured_model(config.model), config))
-    server = start_in_thread(engine, "tiny")
-    try:
-        reply = httpx.post(f"{server.url}/rerank", json={"model": "tiny", "query": "q", "documents": ["d"]})
+    with _serving(model_dirs["tiny-llama"], "tiny") as url:
+        reply = httpx.post(f"{url}/rerank", json={"model": "tiny", "query": "q", "documents": ["d"]})
         assert reply.status_code == 400 and "is no classifier" in reply.json()["error"]["message"]
-    finally:
-        server.stop()
-        engine.shutdown()
 
 
 def test_labels_come_from_the_config(tmp_path: Path) -> None:
