@@ -55,7 +55,8 @@ if [ "${GPU_CHECK_PART:-main}" = more ]; then
         -k "not smollm2 and not simulator_refuses" \
         tests/engine/test_structured_output.py tests/engine/test_speculative.py tests/engine/test_suffix_decoding.py \
         tests/engine/test_sampler.py tests/model/test_lora.py tests/engine/test_multi_step.py \
-        tests/engine/test_detokenizer.py tests/engine/test_embed_requests.py 2>&1 | tee "$out/pytest-more.log" | tail -15
+        tests/engine/test_detokenizer.py tests/engine/test_embed_requests.py tests/engine/test_classify_requests.py \
+        2>&1 | tee "$out/pytest-more.log" | tail -15
     exit
 fi
 # The default part: one device session's run (its 15 minutes hold one machine start and one run of ~9 minutes), in

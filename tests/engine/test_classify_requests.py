@@ -5,6 +5,7 @@ and ``LLM.classify`` and the server's ``/score``, ``/rerank`` and ``/classify``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,8 @@ from boundless.engine.errors import InvalidRequestError
 from boundless.llm import LLM, engine_config
 from boundless.model.loader import load_configured_model
 
+# BOUNDLESS_TEST_DEVICE=cuda runs them on a GPU (scripts/gpu-check.sh), against transformers on the CPU.
+DEVICE = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu")
 QUERY = "What do agents remember?"
 DOCUMENTS = ["Agents remember the tools they called.", "The sea is blue.", "Memory of past calls helps agents."]
 
@@ -49,7 +52,7 @@ def _classifier_dir(source: Path, target: Path, labels: int) -> Path:
 @contextmanager
 def _serving(path: Path, name: str) -> Iterator[str]:
     """``path``'s model served on 127.0.0.1 as ``name``: its URL."""
-    config = engine_config(str(path), max_model_len=128, kv_cache_gb=0.01)
+    config = engine_config(str(path), max_model_len=128, kv_cache_gb=0.01, device=DEVICE)
     engine = AsyncEngine(EngineCore.from_model(load_configured_model(config.model), config))
     server = start_in_thread(engine, name)
     try:
@@ -69,7 +72,7 @@ def _hf_logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 def test_a_cross_encoder_scores_pairs_as_transformers(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     path = _classifier_dir(model_dirs["tiny-qwen2"], tmp_path / "cross", labels=1)
-    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
     try:
         pairs = [llm.get_tokenizer().encode_pair(QUERY, d) for d in DOCUMENTS]
         expected = [torch.sigmoid(logits)[0].item() for logits in _hf_logits(path, pairs)]
@@ -90,7 +93,7 @@ def test_a_pair_past_its_budget_loses_its_documents_tail_not_its_query(
     """``truncate_prompt_tokens``: a long document's last tokens go, the query stays (transformers' longest_first);
     the score then still depends on the query. Request ids are the engine's, distinct from call to call."""
     path = _classifier_dir(model_dirs["tiny-qwen2"], tmp_path / "cut", labels=1)
-    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
     try:
         tokenizer = llm.get_tokenizer()
         document = " ".join(["the tools they called"] * 20)
@@ -117,7 +120,7 @@ def test_an_identity_activation_scores_by_the_logit(model_dirs: dict[str, Path],
     config = json.loads((path / "config.json").read_text())
     config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
     (path / "config.json").write_text(json.dumps(config))
-    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
     try:
         pairs = [llm.get_tokenizer().encode_pair(QUERY, d) for d in DOCUMENTS]
         expected = [logits[0].item() for logits in _hf_logits(path, pairs)]
@@ -140,7 +143,7 @@ def test_a_split_cross_encoder_scores_as_one_device(model_dirs: dict[str, Path],
 
 def test_a_classifier_of_three_labels_gives_their_probabilities(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     path = _classifier_dir(model_dirs["tiny-qwen2"], tmp_path / "three", labels=3)
-    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, device=DEVICE)
     try:
         prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
         expected = [torch.softmax(logits, dim=-1) for logits in _hf_logits(path, prompts)]
@@ -170,7 +173,7 @@ def test_classifier_from_token_scores_by_the_lm_heads_rows(model_dirs: dict[str,
     with pytest.raises(ConfigError, match="classifier_from_token 'no' is 2 tokens, not one"):
         LLM(str(path), max_model_len=256, kv_cache_gb=0.01, hf_overrides={"classifier_from_token": ["no", "yes"]})
     overrides = {"classifier_from_token": [no_word, yes_word]}
-    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, hf_overrides=overrides)
+    llm = LLM(str(path), max_model_len=256, kv_cache_gb=0.01, device=DEVICE, hf_overrides=overrides)
     try:
         no, yes = (tokenizer.encode(t, add_special_tokens=False)[0] for t in (no_word, yes_word))
         pairs = [tokenizer.encode(QUERY + d) for d in DOCUMENTS]  # (vLLM's for such a model: the texts as one)
@@ -188,7 +191,7 @@ def test_classifier_from_token_scores_by_the_lm_heads_rows(model_dirs: dict[str,
 
 def test_the_server_scores_reranks_and_classifies(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     path = _classifier_dir(model_dirs["tiny-qwen2"], tmp_path / "served", labels=1)
-    config = engine_config(str(path), max_model_len=128, kv_cache_gb=0.01)
+    config = engine_config(str(path), max_model_len=128, kv_cache_gb=0.01, device=DEVICE)
     with _serving(path, "ranker") as url:
         offline = LLM.from_config(config, load_configured_model(config.model))
         expected = [r.outputs.score for r in offline.score(QUERY, DOCUMENTS)]
