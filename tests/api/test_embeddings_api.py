@@ -165,3 +165,18 @@ def test_pooling_ping_and_sagemakers_invocations(served: Server) -> None:
     assert nothing.status_code == 400 and "names no route" in nothing.json()["error"]["message"]
     bad = httpx.post(invoke, json={"model": "tiny", "prompt": "x", "max_tokens": "many"})
     assert bad.status_code == 400 and "max_tokens" in bad.text
+
+
+def test_a_client_that_serves_no_pooling_refuses_it_in_words() -> None:
+    """Prefill and decode engines (their front ends' ``pooling`` is None): an embedding request's one step would be the
+    prefill engine's, its end a hand-off."""
+    from types import SimpleNamespace
+
+    from boundless.api.embeddings import served_pooling
+    from boundless.api.errors import APIError
+    from boundless.cluster.client import DispatcherFrontEnd
+
+    assert DispatcherFrontEnd.pooling is None  # (the PD front ends'; ClusterClient sets its instances' otherwise)
+    with pytest.raises(APIError, match="not served by prefill and decode engines") as refused:
+        served_pooling(SimpleNamespace(client=SimpleNamespace(pooling=None)))
+    assert refused.value.status == 400
