@@ -294,7 +294,8 @@ class LLM:
         ``modules.json``; by default, as vLLM's for a decoder). ``truncate_prompt_tokens``: only the prompt's last this
         many tokens are read (-1: as many as the context holds). ``pooling_params`` (vLLM's): ``dimensions`` cuts a
         Matryoshka model's embeddings (``/v1/embeddings``' rules: ValueError for one it was not trained for)."""
-        dimensions = pooling_params.dimensions if pooling_params is not None else None
+        params = pooling_params or PoolingParams()
+        dimensions = params.dimensions
         pooling = self.engine.identity.pooling
         if pooling.classifies:
             raise ValueError(f"{self.engine.identity.name} is a classifier: LLM.classify and LLM.score serve it")
@@ -303,8 +304,7 @@ class LLM:
         batch = [self._prompt_ids(_prompt_input(p), truncate_prompt_tokens) for p in _as_batch(prompts)]
         out = []
         for (ids, _), (rid, vector) in zip(batch, self._pooled(batch, lora_request, use_tqdm, "embed"), strict=True):
-            if dimensions is not None:
-                vector = pooling.cut(vector, dimensions)
+            vector = pooling.embedding(vector, dimensions, params.normalize)
             out.append(EmbeddingRequestOutput(rid, ids, EmbeddingOutput(vector), True))
         return out
 

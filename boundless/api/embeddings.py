@@ -50,6 +50,7 @@ class EmbeddingRequest(PoolingRequest):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Int | None = None
     user: str | None = None
+    normalize: Bool | None = None  # vLLM's: of unit length or not (None: as the model says)
 
 
 @routes.post("/v1/embeddings")
@@ -66,11 +67,10 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     rid = f"embd-{uuid.uuid4().hex}"
     data = []
     for index, values in enumerate(await pooled(server, rid, prompts, lora, request)):
-        if body.dimensions is not None:
-            try:
-                values = pooling.cut(values, body.dimensions)
-            except ValueError as e:
-                raise APIError(400, str(e), "dimensions", "invalid_value") from None
+        try:
+            values = pooling.embedding(values, body.dimensions, body.normalize)
+        except ValueError as e:
+            raise APIError(400, str(e), "dimensions", "invalid_value") from None
         vector = np.asarray(values, dtype=np.float32)
         embedding: Any = (
             base64.b64encode(vector.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
@@ -88,6 +88,10 @@ async def pooling_route(body: PoolingRequest, request: Request) -> Response:
     )
     rid = f"pool-{uuid.uuid4().hex}"
     states = await pooled(server, rid, prompts, lora, request)
+    pooling = server.client.pooling
+    # (An embedding model's as /v1/embeddings gives them; a classifier's logits as they are.)
+    if not pooling.classifies:
+        states = [pooling.embedding(state) for state in states]
     data = [{"index": i, "object": "pooling", "data": state} for i, state in enumerate(states)]
     return listed_response(rid, model, data, prompts)
 

@@ -79,7 +79,8 @@ def _transformers(
     out = []
     for i in range(0, len(prompts), batch_size):
         ids = torch.tensor(prompts[i : i + batch_size], device=device)
-        out.append(pooling.pool(base(input_ids=ids).last_hidden_state[:, -1]).cpu())
+        last = base(input_ids=ids).last_hidden_state[:, -1].float().cpu()
+        out.append(torch.tensor([pooling.embedding(row) for row in last.tolist()]))
     return torch.cat(out)
 
 

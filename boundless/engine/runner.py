@@ -257,8 +257,10 @@ class ModelRunner:
             self._pool_sums[chunk.request_id] = (total + rows, count + end - start)
 
     def _embeddings(self, last: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, list[float]]:
-        """The embeddings of the embedding requests whose prompt ends in this step: their last rows (``last``, one per
-        chunk that samples) or, under mean pooling, the means of their prompts' rows, pooled as the model says."""
+        """The pooled states of the embedding requests whose prompt ends in this step, in fp32: their last rows
+        (``last``, one per chunk that samples) or, under mean pooling, the means of their prompts' rows; through a
+        classifier's head where the model has one. (An embedding is made of one by its reader:
+        ``EmbeddingPooling.embedding``.)"""
         rows = [i for i, c in enumerate(chunks) if c.sampling_params.embed]
         if not rows:
             return {}
@@ -267,9 +269,9 @@ class ModelRunner:
             for i in rows:
                 total, count = self._pool_sums.pop(chunks[i].request_id)
                 means.append(total / count)
-            pooled = self.pooling.pool(torch.stack(means)).cpu()
+            pooled = torch.stack(means)
         else:
-            pooled = self.pooling.pool(last[torch.tensor(rows, device=last.device)])
+            pooled = last[torch.tensor(rows, device=last.device)].float()
         if self.classifier is not None:
             pooled = pooled @ self.classifier.T
         return {chunks[i].request_id: vector.tolist() for i, vector in zip(rows, pooled.cpu(), strict=True)}

@@ -41,9 +41,11 @@ _MODES = {
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """vLLM's, for ``LLM.embed``: ``dimensions`` cuts a Matryoshka model's embeddings (as the API's field does)."""
+    """vLLM's, for ``LLM.embed``: ``dimensions`` cuts a Matryoshka model's embeddings, ``normalize`` (None: as the
+    model says) makes them of unit length or not (as the API's fields do)."""
 
     dimensions: int | None = None
+    normalize: bool | None = None
 
 
 # sentence-transformers modules that change no vector (the model itself; those that make or scale it are read).
@@ -102,19 +104,17 @@ class EmbeddingPooling:
             )
         return None
 
-    def cut(self, embedding: list[float], dimensions: int) -> list[float]:
-        """A Matryoshka embedding's first ``dimensions`` values, of unit length again where the model's are
-        (ValueError past its length)."""
-        if dimensions > len(embedding):
-            raise ValueError(f"dimensions {dimensions} exceed the model's {len(embedding)}")
-        cut = torch.tensor(embedding[:dimensions], dtype=torch.float32)
-        return (torch.nn.functional.normalize(cut, dim=-1) if self.normalize else cut).tolist()
-
-    def pool(self, pooled: torch.Tensor) -> torch.Tensor:
-        """Embeddings [rows, hidden] in fp32 of the pooled hidden states [rows, hidden] (the last tokens', or the means
-        of every token's)."""
-        embeddings = pooled.float()
-        return torch.nn.functional.normalize(embeddings, dim=-1) if self.normalize else embeddings
+    def embedding(
+        self, state: list[float], dimensions: int | None = None, normalize: bool | None = None
+    ) -> list[float]:
+        """The embedding of a pooled state as the engine hands it back (the last token's hidden state, or the mean of
+        every token's): a Matryoshka model's first ``dimensions`` values where asked (ValueError past its length), of
+        unit length where the model's are (``normalize``: a request's own choice, vLLM's)."""
+        if dimensions is not None and dimensions > len(state):
+            raise ValueError(f"dimensions {dimensions} exceed the model's {len(state)}")
+        vector = torch.tensor(state[:dimensions] if dimensions is not None else state, dtype=torch.float32)
+        unit = self.normalize if normalize is None else normalize
+        return (torch.nn.functional.normalize(vector, dim=-1) if unit else vector).tolist()
 
 
 def read_pooling(path: Path, config: dict[str, Any] | None = None) -> EmbeddingPooling:

@@ -81,6 +81,9 @@ def test_base64_is_the_float32_bytes_and_dimensions_cut_and_normalize_again(serv
         f"{served.url}/v1/embeddings", json={"model": "tiny", "input": TEXTS[1], "encoding_format": "base64"}
     ).json()["data"][0]["embedding"]
     assert np.allclose(np.frombuffer(base64.b64decode(raw), dtype="<f4"), floats, atol=1e-6)
+    raw = httpx.post(f"{served.url}/v1/embeddings", json={"model": "tiny", "input": TEXTS[1], "normalize": False})
+    raw_vector = np.asarray(raw.json()["data"][0]["embedding"])
+    assert np.allclose(raw_vector / np.linalg.norm(raw_vector), floats, atol=1e-5) and np.linalg.norm(raw_vector) > 1.5
     cut = served.client.embeddings.create(model="tiny", input=TEXTS[1], dimensions=16).data[0].embedding
     assert len(cut) == 16 and abs(np.linalg.norm(cut) - 1) < 1e-5
     assert np.allclose(cut, np.asarray(floats[:16]) / np.linalg.norm(floats[:16]), atol=1e-6)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
+import pytest
 
 from boundless.model.pooling import EmbeddingPooling, read_pooling
 
@@ -28,8 +28,11 @@ def _modules(path: Path, *types: str, pooling: dict | None = None) -> Path:
 def test_without_modules_a_decoder_pools_its_last_token_normalized(tmp_path: Path) -> None:
     pooling = read_pooling(tmp_path, {"matryoshka_dimensions": [32, 64]})
     assert pooling == EmbeddingPooling("last", True, True, (32, 64)) and pooling.served
-    vector = pooling.pool(torch.tensor([[3.0, 4.0]]))
-    assert torch.allclose(vector, torch.tensor([[0.6, 0.8]]))
+    assert pooling.embedding([3.0, 4.0]) == pytest.approx([0.6, 0.8])
+    assert pooling.embedding([3.0, 4.0], normalize=False) == [3.0, 4.0]  # (a request's own choice)
+    assert pooling.embedding([3.0, 4.0, 12.0], dimensions=2) == pytest.approx([0.6, 0.8])  # (cut, then unit again)
+    with pytest.raises(ValueError, match="dimensions 4 exceed the model's 3"):
+        pooling.embedding([3.0, 4.0, 12.0], dimensions=4)
 
 
 def test_sentence_transformers_modules_are_read(tmp_path: Path) -> None:
@@ -38,7 +41,7 @@ def test_sentence_transformers_modules_are_read(tmp_path: Path) -> None:
     )
     assert last == EmbeddingPooling("last", True) and last.served
     raw = read_pooling(_modules(tmp_path / "b", "Transformer", "Pooling", pooling={"pooling_mode_lasttoken": True}))
-    assert not raw.normalize and torch.equal(raw.pool(torch.tensor([[3.0, 4.0]])), torch.tensor([[3.0, 4.0]]))
+    assert not raw.normalize and raw.embedding([3.0, 4.0]) == [3.0, 4.0]
     mean = read_pooling(_modules(tmp_path / "c", "Transformer", "Pooling", pooling={"pooling_mode_mean_tokens": True}))
     assert mean.kind == "mean" and mean.served and not mean.normalize
     cls = read_pooling(_modules(tmp_path / "e", "Transformer", "Pooling", pooling={"pooling_mode_cls_token": True}))
