@@ -96,7 +96,7 @@ async def pooling_route(body: PoolingRequest, request: Request) -> Response:
     return listed_response(rid, model, data, prompts)
 
 
-def received(request: Request, body: PoolingRequest | BaseModel) -> tuple[Any, str, str | None]:
+def received(request: Request, body: BaseModel) -> tuple[Any, str, str | None]:
     """A pooling route's server, the model its body names (vLLM's: the served one when it names none) and the LoRA
     adapter that is (404 for a model not served; 400 for text that is not Unicode)."""
     server = request.app.state.server
