@@ -293,7 +293,8 @@ class LLM:
         hidden state after the final norm, normalized where the model's directory says so (its sentence-transformers
         ``modules.json``; by default, as vLLM's for a decoder). ``truncate_prompt_tokens``: only the prompt's last this
         many tokens are read (-1: as many as the context holds). ``pooling_params`` (vLLM's): ``dimensions`` cuts a
-        Matryoshka model's embeddings (``/v1/embeddings``' rules: ValueError for one it was not trained for)."""
+        Matryoshka model's embeddings (``/v1/embeddings``' rules: ValueError for one it was not trained for),
+        ``normalize`` makes them of unit length or not (None: as the model says)."""
         params = pooling_params or PoolingParams()
         dimensions = params.dimensions
         pooling = self.engine.identity.pooling
@@ -302,11 +303,12 @@ class LLM:
         if dimensions is not None and (refusal := pooling.dimensions_refusal(dimensions, self.engine.identity.name)):
             raise ValueError(refusal)
         batch = [self._prompt_ids(_prompt_input(p), truncate_prompt_tokens) for p in _as_batch(prompts)]
-        out = []
-        for (ids, _), (rid, vector) in zip(batch, self._pooled(batch, lora_request, use_tqdm, "embed"), strict=True):
-            vector = pooling.embedding(vector, dimensions, params.normalize)
-            out.append(EmbeddingRequestOutput(rid, ids, EmbeddingOutput(vector), True))
-        return out
+        states = self._pooled(batch, lora_request, use_tqdm, "embed")
+        vectors = pooling.embeddings([state for _, state in states], dimensions, params.normalize)
+        return [
+            EmbeddingRequestOutput(rid, ids, EmbeddingOutput(vector), True)
+            for (ids, _), (rid, _), vector in zip(batch, states, vectors, strict=True)
+        ]
 
     def classify(
         self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False, lora_request: LoRARequest | None = None

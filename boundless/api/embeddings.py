@@ -32,8 +32,9 @@ routes = APIRouter()
 
 
 class PoolingRequest(BaseModel):
-    """vLLM's ``/pooling``: the model's pooled states as they come from the engine (an embedding, a classifier's
-    logits)."""
+    """vLLM's ``/pooling`` (and ``/classify``'s): inputs, with vLLM's ``truncate_prompt_tokens`` and
+    ``add_special_tokens``, and for an embedding model ``dimensions`` (Matryoshka) and ``normalize`` (None: as the model
+    says)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -41,16 +42,16 @@ class PoolingRequest(BaseModel):
     input: str | list[str] | list[Int] | list[list[Int]]
     truncate_prompt_tokens: Int | None = None
     add_special_tokens: Bool = True
+    dimensions: Int | None = None
+    normalize: Bool | None = None
 
 
 class EmbeddingRequest(PoolingRequest):
     """OpenAI's body (``input``: a text, texts, token ids, or lists of token ids; ``user`` is accepted and unused),
-    with vLLM's ``truncate_prompt_tokens`` and ``add_special_tokens``."""
+    with vLLM's fields (:class:`PoolingRequest`)."""
 
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = None
     user: str | None = None
-    normalize: Bool | None = None  # vLLM's: of unit length or not (None: as the model says)
 
 
 @routes.post("/v1/embeddings")
@@ -59,18 +60,10 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     pooling = served_pooling(server)
     if pooling.classifies:
         raise APIError(400, f"{model!r} is a classifier: it serves /classify, /score and /rerank", "model")
-    if body.dimensions is not None and (refusal := pooling.dimensions_refusal(body.dimensions, model)):
-        raise APIError(400, refusal, "dimensions", "invalid_value")
-    prompts = await off_loop_if_large(
-        request, input_prompts, server, body.input, body.add_special_tokens, body.truncate_prompt_tokens
-    )
     rid = f"embd-{uuid.uuid4().hex}"
+    prompts, vectors = await _embedded(server, pooling, model, lora, rid, body, request)
     data = []
-    for index, values in enumerate(await pooled(server, rid, prompts, lora, request)):
-        try:
-            values = pooling.embedding(values, body.dimensions, body.normalize)
-        except ValueError as e:
-            raise APIError(400, str(e), "dimensions", "invalid_value") from None
+    for index, values in enumerate(vectors):
         vector = np.asarray(values, dtype=np.float32)
         embedding: Any = (
             base64.b64encode(vector.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
@@ -82,18 +75,38 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 
 @routes.post("/pooling")
 async def pooling_route(body: PoolingRequest, request: Request) -> Response:
+    """The engine's pooled states: an embedding model's as ``/v1/embeddings`` makes them (``dimensions``,
+    ``normalize``), a classifier's logits as they are."""
     server, model, lora = received(request, body)
+    pooling = served_pooling(server)
+    rid = f"pool-{uuid.uuid4().hex}"
+    if pooling.classifies:
+        prompts = await off_loop_if_large(
+            request, input_prompts, server, body.input, body.add_special_tokens, body.truncate_prompt_tokens
+        )
+        states = await pooled(server, rid, prompts, lora, request)
+    else:
+        prompts, states = await _embedded(server, pooling, model, lora, rid, body, request)
+    data = [{"index": i, "object": "pooling", "data": state} for i, state in enumerate(states)]
+    return listed_response(rid, model, data, prompts)
+
+
+async def _embedded(
+    server: Any, pooling: EmbeddingPooling, model: str, lora: str | None, rid: str, body: PoolingRequest,
+    request: Request,
+) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
+    """An embedding request's prompts and their embeddings (``EmbeddingPooling.embeddings``: cut to ``dimensions``,
+    of unit length as the model says or the request asks)."""
+    if body.dimensions is not None and (refusal := pooling.dimensions_refusal(body.dimensions, model)):
+        raise APIError(400, refusal, "dimensions", "invalid_value")
     prompts = await off_loop_if_large(
         request, input_prompts, server, body.input, body.add_special_tokens, body.truncate_prompt_tokens
     )
-    rid = f"pool-{uuid.uuid4().hex}"
     states = await pooled(server, rid, prompts, lora, request)
-    pooling = server.client.pooling
-    # (An embedding model's as /v1/embeddings gives them; a classifier's logits as they are.)
-    if not pooling.classifies:
-        states = [pooling.embedding(state) for state in states]
-    data = [{"index": i, "object": "pooling", "data": state} for i, state in enumerate(states)]
-    return listed_response(rid, model, data, prompts)
+    try:
+        return prompts, pooling.embeddings(states, body.dimensions, body.normalize)
+    except ValueError as e:
+        raise APIError(400, str(e), "dimensions", "invalid_value") from None
 
 
 def received(request: Request, body: BaseModel) -> tuple[Any, str, str | None]:

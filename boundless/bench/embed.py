@@ -2,10 +2,10 @@
 
 ``--num-prompts`` random prompts of exactly ``--input-len`` token ids (equal lengths: transformers needs no padding
 and no mask), embedded by transformers (the checkpoint's base model, ``sdpa`` attention, in batches of
-``--hf-batch-size``: its last token's hidden state, pooled as the model's directory says) and by ``LLM.embed`` (the
-engine's batches and chunks), taking turns ``--repeats`` times; figures are the medians. It prints each system's
-prompts and tokens per second, the ratio, and how far apart the two systems' embeddings are (the largest absolute
-difference, the smallest cosine).
+``--hf-batch-size``: its last token's hidden state, or the mean of every token's, as the model's directory says) and
+by ``LLM.embed`` (the engine's batches and chunks), taking turns ``--repeats`` times; figures are the medians. It
+prints each system's prompts and tokens per second, the ratio, and how far apart the two systems' embeddings are (the
+largest absolute difference, the smallest cosine).
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def _transformers(
     out = []
     for i in range(0, len(prompts), batch_size):
         ids = torch.tensor(prompts[i : i + batch_size], device=device)
-        last = base(input_ids=ids).last_hidden_state[:, -1].float().cpu()
-        out.append(torch.tensor([pooling.embedding(row) for row in last.tolist()]))
+        states = base(input_ids=ids).last_hidden_state.float()
+        pooled = states.mean(dim=1) if pooling.kind == "mean" else states[:, -1]  # (equal lengths: no padding)
+        out.append(torch.tensor(pooling.embeddings(pooled.cpu().tolist())))
     return torch.cat(out)
 
 

@@ -110,11 +110,20 @@ class EmbeddingPooling:
         """The embedding of a pooled state as the engine hands it back (the last token's hidden state, or the mean of
         every token's): a Matryoshka model's first ``dimensions`` values where asked (ValueError past its length), of
         unit length where the model's are (``normalize``: a request's own choice, vLLM's)."""
-        if dimensions is not None and dimensions > len(state):
-            raise ValueError(f"dimensions {dimensions} exceed the model's {len(state)}")
-        vector = torch.tensor(state[:dimensions] if dimensions is not None else state, dtype=torch.float32)
+        return self.embeddings([state], dimensions, normalize)[0]
+
+    def embeddings(
+        self, states: list[list[float]], dimensions: int | None = None, normalize: bool | None = None
+    ) -> list[list[float]]:
+        """:meth:`embedding` of many pooled states at once (one tensor: a request of thousands of inputs)."""
+        if not states:
+            return []
+        width = len(states[0])
+        if dimensions is not None and dimensions > width:
+            raise ValueError(f"dimensions {dimensions} exceed the model's {width}")
+        vectors = torch.tensor(states, dtype=torch.float32)[:, :dimensions]
         unit = self.normalize if normalize is None else normalize
-        return (torch.nn.functional.normalize(vector, dim=-1) if unit else vector).tolist()
+        return (torch.nn.functional.normalize(vectors, dim=-1) if unit else vectors).tolist()
 
 
 def read_pooling(path: Path, config: dict[str, Any] | None = None) -> EmbeddingPooling:

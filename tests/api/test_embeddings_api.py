@@ -153,6 +153,9 @@ def test_pooling_ping_and_sagemakers_invocations(served: Server) -> None:
     pooled = httpx.post(f"{served.url}/pooling", json={"input": TEXTS[:2]}).json()
     embedded = served.client.embeddings.create(model="tiny", input=TEXTS[:2])
     assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
+    raw_cut = httpx.post(f"{served.url}/pooling", json={"input": TEXTS[0], "dimensions": 16, "normalize": False}).json()
+    raw = httpx.post(f"{served.url}/pooling", json={"input": TEXTS[0], "normalize": False}).json()
+    assert raw_cut["data"][0]["data"] == pytest.approx(raw["data"][0]["data"][:16], abs=1e-6)
     assert all(
         np.allclose(p["data"], e.embedding, atol=1e-6) for p, e in zip(pooled["data"], embedded.data, strict=True)
     )
