@@ -70,6 +70,28 @@ def _model_tag_as_flag(argv: list[str]) -> list[str]:
     return argv
 
 
+# ``boundless bench KIND`` past ``offline``: each kind's help, and whether it takes the engine's flags (the others drive
+# a running server, or measure a part alone). Its module is ``boundless.bench.<kind>`` (a dash an underscore), whose
+# ``add_arguments`` adds its own flags and whose ``run`` runs it (``_bench``).
+BENCHES: tuple[tuple[str, str, bool], ...] = (
+    ("serve", "online load (Poisson or trace replay) against a running server", False),
+    ("programs", "agent programs under each scheduling policy, side by side", True),
+    ("gpu", "the GPU path on random 1B and 8B shapes, against transformers (CUDA)", False),
+    ("store", "the disk KV store's write and read GB/s against the raw disk's", False),
+    ("transport", "latency and bandwidth of each transport between two processes, against a memory copy", False),
+    ("restart", "a workload, a server restart on the same --kv-disk-path, the replay: hit rate, outputs, TTFT", False),
+    ("handoff", "a prefill engine's KV handoff: layer by layer, or after the pass", False),
+    ("agentic", "agent sessions over the KV store: basic, dualpath, oracle and colocated, side by side", True),
+    ("longctx", "contexts larger than one instance: separate instances, whole-KV moves and KV lending", True),
+    ("structured", "JSON-schema outputs against free decoding, and a stream's pause at the first grammar", True),
+    ("spec", "speculative decoding (n-gram or suffix proposals) against plain decoding on agent calls", True),
+    ("lora", "LoRA adapters in one batch against PEFT's mixed-adapter batches", True),
+    ("kv-dtype", "a KV cache in --kv-cache-dtype against the model's own type, in the same memory", True),
+    ("tensor-parallel", "a model split over --tensor-parallel-size ranks against it on one device", True),
+    ("embed", "transformers' base model against Boundless embedding the same prompts", True),
+    ("frontend", "the server's output tokens per second against its engine loop's alone, per route and mode", True),
+)
+
 # The benchmarks made for a model split over ranks (--tensor-parallel-size); the others refuse it.
 SPLIT_MODEL_BENCHES = ("embed", "offline", "restart", "tensor-parallel")
 
@@ -163,114 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--json", metavar="PATH", help="write the figures to this file")
     add_engine_flags(off)
     off.set_defaults(func=_bench)
-    from boundless.bench import serve as bench_serve
-
-    online = bench_sub.add_parser("serve", help="online load (Poisson or trace replay) against a running server")
-    bench_serve.add_arguments(online)
-    online.set_defaults(func=_bench)
-    from boundless.bench import programs as bench_programs
-
-    prog = bench_sub.add_parser("programs", help="agent programs under each scheduling policy, side by side")
-    bench_programs.add_arguments(prog)
-    add_engine_flags(prog)
-    prog.set_defaults(func=_bench)
-    from boundless.bench import gpu as bench_gpu
-
-    gpu = bench_sub.add_parser("gpu", help="the GPU path on random 1B and 8B shapes, against transformers (CUDA)")
-    bench_gpu.add_arguments(gpu)
-    gpu.set_defaults(func=_bench)
-    from boundless.bench import store as bench_store
-
-    store = bench_sub.add_parser("store", help="the disk KV store's write and read GB/s against the raw disk's")
-    bench_store.add_arguments(store)
-    store.set_defaults(func=_bench)
-    from boundless.bench import transport as bench_transport
-
-    transport = bench_sub.add_parser(
-        "transport", help="latency and bandwidth of each transport between two processes, against a memory copy"
-    )
-    bench_transport.add_arguments(transport)
-    transport.set_defaults(func=_bench)
-    from boundless.bench import restart as bench_restart
-
-    restart = bench_sub.add_parser(
-        "restart", help="a workload, a server restart on the same --kv-disk-path, the replay: hit rate, outputs, TTFT"
-    )
-    bench_restart.add_arguments(restart)
-    restart.set_defaults(func=_bench)
-    from boundless.bench import handoff as bench_handoff
-
-    handoff = bench_sub.add_parser("handoff", help="a prefill engine's KV handoff: layer by layer, or after the pass")
-    bench_handoff.add_arguments(handoff)
-    handoff.set_defaults(func=_bench)
-    from boundless.bench import agentic as bench_agentic
-
-    agentic = bench_sub.add_parser(
-        "agentic", help="agent sessions over the KV store: basic, dualpath, oracle and colocated, side by side"
-    )
-    bench_agentic.add_arguments(agentic)
-    add_engine_flags(agentic)
-    agentic.set_defaults(func=_bench)
-    from boundless.bench import longctx as bench_longctx
-
-    longctx = bench_sub.add_parser(
-        "longctx", help="contexts larger than one instance: separate instances, whole-KV moves and KV lending"
-    )
-    bench_longctx.add_arguments(longctx)
-    add_engine_flags(longctx)
-    longctx.set_defaults(func=_bench)
-    from boundless.bench import structured as bench_structured
-
-    structured = bench_sub.add_parser(
-        "structured", help="JSON-schema outputs against free decoding, and a stream's pause at the first grammar"
-    )
-    bench_structured.add_arguments(structured)
-    add_engine_flags(structured)
-    structured.set_defaults(func=_bench)
-    from boundless.bench import spec as bench_spec
-
-    spec = bench_sub.add_parser(
-        "spec", help="speculative decoding (n-gram or suffix proposals) against plain decoding on agent calls"
-    )
-    bench_spec.add_arguments(spec)
-    add_engine_flags(spec)
-    spec.set_defaults(func=_bench)
-    from boundless.bench import lora as bench_lora
-
-    lora = bench_sub.add_parser("lora", help="LoRA adapters in one batch against PEFT's mixed-adapter batches")
-    bench_lora.add_arguments(lora)
-    add_engine_flags(lora)
-    lora.set_defaults(func=_bench)
-    from boundless.bench import kv_dtype as bench_kv_dtype
-
-    kv_dtype = bench_sub.add_parser(
-        "kv-dtype", help="a KV cache in --kv-cache-dtype against the model's own type, in the same memory"
-    )
-    bench_kv_dtype.add_arguments(kv_dtype)
-    add_engine_flags(kv_dtype)
-    kv_dtype.set_defaults(func=_bench)
-    from boundless.bench import tensor_parallel as bench_tensor_parallel
-
-    split = bench_sub.add_parser(
-        "tensor-parallel", help="a model split over --tensor-parallel-size ranks against it on one device"
-    )
-    bench_tensor_parallel.add_arguments(split)
-    add_engine_flags(split)
-    split.set_defaults(func=_bench)
-    from boundless.bench import embed as bench_embed
-
-    embed = bench_sub.add_parser("embed", help="transformers' base model against Boundless embedding the same prompts")
-    bench_embed.add_arguments(embed)
-    add_engine_flags(embed)
-    embed.set_defaults(func=_bench)
-    from boundless.bench import frontend as bench_frontend
-
-    front = bench_sub.add_parser(
-        "frontend", help="the server's output tokens per second against its engine loop's alone, per route and mode"
-    )
-    bench_frontend.add_arguments(front)
-    add_engine_flags(front)
-    front.set_defaults(func=_bench)
+    for kind, help_text, engine_flags in BENCHES:
+        kind_parser = bench_sub.add_parser(kind, help=help_text)
+        importlib.import_module(f"boundless.bench.{kind.replace('-', '_')}").add_arguments(kind_parser)
+        if engine_flags:
+            add_engine_flags(kind_parser)
+        kind_parser.set_defaults(func=_bench)
     return parser
 
 
