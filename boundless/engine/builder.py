@@ -29,8 +29,8 @@ from boundless.kv.cache_dtype import kv_cache_dtype
 from boundless.kv.disk_store import DiskKVStore, StoreLayout
 from boundless.kv.tensors import PagedKVCache
 from boundless.kv.throttled_store import ReadLink, ThrottledStore
-from boundless.kv.tiers import BlockStore, HostKVTier
-from boundless.kv.transfer import HOST
+from boundless.kv.tiers import BlockStore, HostKVTier, KVTier
+from boundless.kv.transfer import HOST, TierId
 from boundless.model.arch import ModelArch
 from boundless.model.loader import LoadedModel
 from boundless.model.pooling import EmbeddingPooling
@@ -263,10 +263,7 @@ def _build_model_executor(
         )
     check_host_memory(config, layout, loaded.device, physical_memory_bytes())
     loaded.model.prepare(layout.max_model_len)
-    kv_cache = PagedKVCache(
-        arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, layout.kv_dtype,
-        loaded.device,
-    )  # fmt: skip
+    kv_cache, lower_tiers = kv_memory(arch, layout, loaded.device)
     log.info(
         "KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB in %s%s)",
         layout.num_blocks, layout.block_size, layout.num_blocks * layout.block_size,
@@ -308,7 +305,6 @@ def _build_model_executor(
     runner = ModelRunner(
         loaded.model, kv_cache, attention, sampler, loaded.device, graphs, ranks, loaded.pooling, loaded.classifier
     )
-    lower_tiers = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
     if store is None and layout.disk_bytes:
         store = open_disk_store(loaded, config, layout)
     if store is not None and read_link is not None:
@@ -335,6 +331,16 @@ def _build_model_executor(
         layer_wait_timeout_s=config.cache.kv_load_timeout_s,
         device_steps=config.scheduler.async_scheduling,
     )
+
+
+def kv_memory(arch: ModelArch, layout: EngineLayout, device: torch.device) -> tuple[PagedKVCache, dict[TierId, KVTier]]:
+    """A network's KV memory as ``layout`` sizes it: the device pool, and the host memory below it where there is any
+    (rank 0's and every other rank's of a split model alike: the same blocks, each its share of them)."""
+    kv_cache = PagedKVCache(
+        arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, layout.kv_dtype, device
+    )
+    lower: dict[TierId, KVTier] = {HOST: HostKVTier(kv_cache, layout.num_host_blocks)} if layout.num_host_blocks else {}
+    return kv_cache, lower
 
 
 def make_attention(

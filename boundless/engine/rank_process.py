@@ -32,7 +32,7 @@ from boundless.attention.backend import AttentionBatch
 from boundless.engine.logprobs import PromptSpan, score_prompt_spans
 from boundless.kv.disk_moves import DiskReadDone
 from boundless.kv.tier_io import TierIO
-from boundless.kv.transfer import DEVICE, HOST
+from boundless.kv.transfer import DEVICE
 from boundless.model.lora import LoRAAdapter, load_lora, lora_batch
 from boundless.model.shared_memory_sum import SharedMemorySum
 from boundless.model.tensor_parallel import RankSum, TensorParallel, TensorParallelGroup
@@ -126,9 +126,7 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
     """A rank's process: load its share; with the layout rank 0 sends, build its KV memory and attention; join the sum;
     then make each step's KV moves (on its own disk store, with one) and run each forward pass rank 0 sends, until the
     pipe closes or says stop (an empty message)."""
-    from boundless.engine.builder import make_attention, open_disk_store
-    from boundless.kv.tensors import PagedKVCache
-    from boundless.kv.tiers import HostKVTier
+    from boundless.engine.builder import kv_memory, make_attention, open_disk_store
     from boundless.model.loader import load_configured_model, rank_device
 
     config = spec.config
@@ -144,13 +142,8 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
         arch, device = loaded.arch, loaded.device
         model = loaded.model
         model.prepare(layout.max_model_len)
-        kv_cache = PagedKVCache(
-            arch.num_layers, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, layout.kv_dtype,
-            device,
-        )  # fmt: skip
-        tiers: dict[Any, Any] = {DEVICE: kv_cache}
-        if layout.num_host_blocks:
-            tiers[HOST] = HostKVTier(kv_cache, layout.num_host_blocks)
+        kv_cache, lower_tiers = kv_memory(arch, layout, device)
+        tiers: dict[Any, Any] = {DEVICE: kv_cache, **lower_tiers}
         attention = make_attention(config, arch, layout, device, loaded.dtype)
         kv_io = TierIO(
             tiers, open_disk_store(loaded, config, layout) if layout.disk_bytes else None,
