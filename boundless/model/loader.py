@@ -270,6 +270,7 @@ def load_model(
     parts_read = False  # (the tensors are the rank's parts already)
     generates = True
     spec, score = None, ScoreWeight()  # a classifier's, and its checkpoint's head (model/classifier.py)
+    config_json: dict[str, Any] | None = None  # a directory's config.json, with the overrides (read once here)
     if path.is_file():
         from boundless.model.gguf import load_gguf
 
@@ -279,12 +280,13 @@ def load_model(
     else:
         from boundless.model.tokenizer import Tokenizer
 
+        config_json = hf_config(path, hf_overrides)
         arch = hf_arch(path, hf_overrides)
         if weights is None and not arch.tie_word_embeddings and not _has_lm_head(path):
             # An embedding model's base model saved alone with no head (e5-mistral's): it embeds, and refuses to
             # generate; its embedding stands in for the head it lacks (the logits of the token an embedding samples).
             arch, generates = replace(arch, tie_word_embeddings=True), False
-        quantized = QuantizedCheckpoint.of(hf_config(path, hf_overrides))  # (refused in words before the tokenizer)
+        quantized = QuantizedCheckpoint.of(config_json)  # (refused in words before the tokenizer)
         tokenizer = Tokenizer.from_hf_dir(path)
         whole = arch
         if weights is not None:
@@ -296,7 +298,7 @@ def load_model(
             tensors = _safetensors_weights(path)
         if quantized is not None:
             tensors = quantized.dequantized(tensors)
-        spec = classifier_spec(hf_config(path, hf_overrides))
+        spec = classifier_spec(config_json)
         if spec is not None and spec.from_tokens is None:
             tensors = score.take(tensors)
         elif spec is not None and tensor_parallel.size > 1:
@@ -325,7 +327,7 @@ def load_model(
                 f"{path}: {SCORE_WEIGHT} has {score.weight.shape[0]} rows, config.json {len(spec.labels)} labels"
             )
         classifier = score.weight.to(dev, torch.float32)
-    pooling = read_pooling(path, None if path.is_file() else hf_config(path, hf_overrides))
+    pooling = read_pooling(path, config_json)
     if spec is not None:  # (its head scores the last token's state as it is)
         pooling = replace(
             pooling, kind="last", normalize=False, unapplied=(), labels=spec.labels, activation=spec.activation,
