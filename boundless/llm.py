@@ -14,7 +14,7 @@ from tqdm import tqdm
 from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
 from boundless.engine.logprobs import PositionLogprobs, SampledToken, as_position_logprobs, named_tokens
-from boundless.engine.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt
+from boundless.engine.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt, truncation_length
 from boundless.engine.tensor_parallel import TensorParallelRanks, load_with_ranks
 from boundless.gc_quiet import frozen_heap
 from boundless.model.classifier import pair_ids, score_pairs, scores
@@ -256,8 +256,7 @@ class LLM:
         with frozen_heap():
             try:
                 for prompt, p in zip(batch, per_prompt, strict=True):
-                    ids = self.tokenizer.encode(prompt.text) if prompt.ids is None else prompt.ids  # type: ignore[arg-type]
-                    ids = truncated_prompt(ids, p.truncate_prompt_tokens, max_model_len)
+                    ids, _ = self._prompt_ids(prompt, p.truncate_prompt_tokens)
                     p = _within_context(p, len(ids), max_model_len)
                     rid = str(next(self._ids))
                     result = RequestOutput(rid, prompt.text, ids)
@@ -335,9 +334,8 @@ class LLM:
         ``text_2`` (one text, or as many as ``text_2``, paired in order), each pair joined as the tokenizer joins a
         pair."""
         self._classifier(relevance=True)
-        pooling, keep = self.engine.identity.pooling, truncate_prompt_tokens
-        truncated_prompt([0], keep, self.engine.max_model_len)  # (a value out of range is refused here, in words)
-        max_length = self.engine.max_model_len if keep == -1 else keep
+        pooling = self.engine.identity.pooling
+        max_length = truncation_length(truncate_prompt_tokens, self.engine.max_model_len)
         batch: list[tuple[list[int], str | None]] = [
             (pair_ids(self.tokenizer, a, b, pooling.joins_pairs, max_length), None)
             for a, b in score_pairs(text_1, text_2)
@@ -349,12 +347,9 @@ class LLM:
 
     def _classifier(self, relevance: bool) -> None:
         """Refuse a model that is no classifier (``relevance``: or not one of one label)."""
-        labels = self.engine.identity.pooling.labels
-        name = self.engine.identity.name
-        if not labels:
-            raise ValueError(f"{name} is no classifier (*ForSequenceClassification, or classifier_from_token)")
-        if relevance and len(labels) != 1:
-            raise ValueError(f"{name} classifies into {len(labels)} labels: LLM.score takes one (a relevance)")
+        identity = self.engine.identity
+        if refusal := identity.pooling.scoring_refusal(identity.name, relevance, "LLM.score"):
+            raise ValueError(refusal)
 
     def _prompt_ids(self, prompt: _PromptInput, keep: int | None) -> tuple[list[int], str | None]:
         """A prompt's token ids (its last ``keep``: vLLM's ``truncate_prompt_tokens``) and its cache salt."""

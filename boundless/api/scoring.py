@@ -21,6 +21,7 @@ from boundless.api.embeddings import PoolingRequest, input_prompts, listed_respo
 from boundless.api.errors import APIError
 from boundless.api.schemas import Bool, Int
 from boundless.api.server import off_loop_if_large
+from boundless.engine.sampling_params import truncation_length
 from boundless.model.classifier import pair_ids, score_pairs, scores
 from boundless.model.pooling import EmbeddingPooling
 
@@ -59,18 +60,8 @@ def _served(request: Request, body: BaseModel, relevance: bool) -> tuple[Any, st
     that is none; ``relevance``: it must have one label)."""
     server, model, lora = received(request, body)
     pooling = served_pooling(server)
-    if not pooling.classifies:
-        raise APIError(
-            400,
-            f"{model!r} is no classifier (a *ForSequenceClassification checkpoint, or vLLM's classifier_from_token "
-            "through --hf-overrides): it serves /v1/embeddings",
-            "model",
-        )
-    if relevance and len(pooling.labels) != 1:
-        raise APIError(
-            400, f"{model!r} classifies into {len(pooling.labels)} labels: /score and /rerank take one (a relevance)",
-            "model",
-        )  # fmt: skip
+    if refusal := pooling.scoring_refusal(model, relevance, "/score and /rerank"):
+        raise APIError(400, refusal, "model")
     return server, lora, pooling
 
 
@@ -79,13 +70,7 @@ def _pairs(
 ) -> list[list[int]]:
     """Each pair's token ids (``classifier.pair_ids``), at most ``keep`` (-1: the context) where given (vLLM's
     ``truncate_prompt_tokens``: a pair's longer text loses its last tokens first, the query stays)."""
-    limit = server.client.max_model_len
-    if keep is not None and (keep == 0 or keep < -1 or keep > limit):
-        raise APIError(
-            400, f"truncate_prompt_tokens must be -1 or 1 to the model's context ({limit}), not {keep}",
-            "truncate_prompt_tokens", "invalid_value",
-        )  # fmt: skip
-    max_length = limit if keep == -1 else keep
+    max_length = truncation_length(keep, server.client.max_model_len)
     prompts = [pair_ids(server.tokenizer, a, b, pooling.joins_pairs, max_length) for a, b in pairs]
     if any(not ids for ids in prompts):
         raise APIError(400, "a text pair must not be empty", field)

@@ -303,14 +303,21 @@ class SamplingParams:
 def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context's length); the prompt whole
     with None."""
+    length = truncation_length(keep, max_model_len)
+    return ids if length is None else ids[-length:]
+
+
+def truncation_length(keep: int | None, max_model_len: int) -> int | None:
+    """How many tokens vLLM's ``truncate_prompt_tokens`` keeps (-1: the context's length; None: all), refused in words
+    out of range."""
     if keep is None:
-        return ids
+        return None
     if not _is_int(keep) or keep == 0 or keep < -1 or keep > max_model_len:
         raise InvalidSamplingParams(
             f"truncate_prompt_tokens must be -1 or 1 to the model's context ({max_model_len}), not {keep}",
             "truncate_prompt_tokens",
         )
-    return ids[-(max_model_len if keep == -1 else keep) :]
+    return max_model_len if keep == -1 else keep
 
 
 def _is_int(value: object) -> bool:

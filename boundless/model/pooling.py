@@ -87,6 +87,18 @@ class EmbeddingPooling:
             f"the model's embeddings pool by {self.kind!r} (its modules.json): last-token and mean pooling are served"
         )
 
+    def scoring_refusal(self, model: str, relevance: bool, relevance_by: str) -> str | None:
+        """Why ``model`` may not score (None: it may): it is no classifier, or (``relevance``: a pair's relevance, which
+        ``relevance_by`` asks for) not one of one label."""
+        if not self.classifies:
+            return (
+                f"{model!r} is no classifier (a *ForSequenceClassification checkpoint, or vLLM's classifier_from_token "
+                "through --hf-overrides): it serves embeddings"
+            )
+        if relevance and len(self.labels) != 1:
+            return f"{model!r} classifies into {len(self.labels)} labels: {relevance_by} takes one (a relevance)"
+        return None
+
     def dimensions_refusal(self, dimensions: int, model: str) -> str | None:
         """Why an embedding may not be cut to ``dimensions`` (None: it may): a model that says nothing of Matryoshka,
         a number it was not trained for where it lists them, a number below 1 (vLLM's rules)."""
