@@ -33,6 +33,28 @@ class EngineFigures:
     batch_seconds: float
 
 
+def _decode_token_ms(llm: LLM, prompt: list[int], output_len: int) -> float:
+    """One request's decode time a token: the steps after its first token (the prompt's prefill), timed as they run.
+
+    Timed within one run, not as the difference of two runs' times (a noisy machine made that negative).
+    """
+    llm.engine.reset_prefix_cache()
+    llm.engine.add_request(
+        "decode-timing", prompt, SamplingParams(temperature=0.0, max_tokens=max(2, output_len), ignore_eos=True)
+    )
+    tokens, start = 0, None
+    while llm.engine.has_unfinished():
+        for delta in llm.engine.step():
+            if start is None and delta.new_token_ids:
+                start = time.perf_counter()  # the first token is in: decode steps from here
+                tokens = len(delta.new_token_ids) - 1
+            else:
+                tokens += len(delta.new_token_ids)
+    if start is None:
+        raise RuntimeError("bench tensor-parallel: the timed request gave no token")
+    return 1000 * (time.perf_counter() - start) / max(1, tokens)
+
+
 def _measure(config: EngineConfig, args: argparse.Namespace) -> tuple[EngineFigures, list[list[int]]]:
     loaded, ranks = load_with_ranks(config)
     llm = LLM.from_config(config, loaded, ranks)
@@ -44,14 +66,7 @@ def _measure(config: EngineConfig, args: argparse.Namespace) -> tuple[EngineFigu
     try:
         prompts = make_prompts(loaded, args.num_prompts, args.input_len, args.bench_seed)
         greedy(prompts[:2], 4)  # first calls' allocations
-        # One request's decode steps: its whole run less a run to its first token (the prompt's prefill), each time
-        # from an empty prefix cache.
-        timed = []
-        for tokens in (1, args.output_len):
-            llm.engine.reset_prefix_cache()
-            start = time.perf_counter()
-            greedy([prompts[0][:8]], tokens)
-            timed.append(time.perf_counter() - start)
+        decode_ms = _decode_token_ms(llm, prompts[0][:8], args.output_len)
         llm.engine.reset_prefix_cache()
         start = time.perf_counter()
         answers = greedy(prompts, args.output_len)
@@ -60,7 +75,7 @@ def _measure(config: EngineConfig, args: argparse.Namespace) -> tuple[EngineFigu
         llm.close()
     figures = EngineFigures(
         ranks=config.model.tensor_parallel_size,
-        decode_step_ms=1000 * (timed[1] - timed[0]) / max(1, args.output_len - 1),
+        decode_step_ms=decode_ms,
         output_tokens_per_s=sum(map(len, answers)) / batch,
         batch_seconds=batch,
     )
