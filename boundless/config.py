@@ -1260,11 +1260,18 @@ def to_flags(config: object) -> list[str]:
 
 def check_serve_configs(engine: EngineConfig, server: ServerConfig, cluster: ClusterConfig) -> None:
     """What ``serve``'s configs refuse together (each checks its own values when built), before the model loads."""
+    split = engine.model.tensor_parallel_size > 1
     _require(
-        engine.model.tensor_parallel_size == 1 or not (cluster.disaggregated or cluster.kv_lending == "on"),
+        not split or cluster.kv_lending != "on",
         "tensor_parallel_size",
-        "a model split across devices hands no KV to other instances here (not prefill and decode engines, not "
-        "--kv-lending on); --instances of split models are served",
+        "a model split across devices lends and borrows no KV here (--kv-lending on); --instances of split models "
+        "and prefill and decode engines of split models are served",
+    )
+    _require(
+        not (split and cluster.disaggregated and engine.cache.layerwise_load == "on"),
+        "layerwise_load",
+        "prefill and decode engines of a model split across devices receive a push whole, not layer by layer (each "
+        "rank's layers would land on its own); leave --layerwise-load off",
     )
     if server.allow_runtime_lora_updating:
         # (Else each load_lora_adapter request failed, long after start-up, with a 400 naming the missing flag.)

@@ -31,6 +31,7 @@ from boundless.engine.core import EngineCore, EngineStats, RequestDelta, Resume
 from boundless.engine.errors import InvalidRequestError
 from boundless.engine.handoff import HandoffPlan, IntakePlan
 from boundless.engine.hung_executor import HangTrap, HungExecutor
+from boundless.engine.rank_process import RankEndpoint
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
 from boundless.engine.step_watch import StepReport
@@ -146,15 +147,16 @@ class EngineInstance:
             loaded, config, read_link=storage, pools=pools, events_rank=events_rank, ranks=ranks
         )
         self.transport = None
+        self.kv_address = ""  # where its peers reach it: its endpoint's address, or its ranks' (a split model)
         if role is not None:
-            spec = EndpointSpec(
-                role.cluster.kv_transport, role.directory, role.rank, role.world_size, role.cluster.kv_handoff_timeout_s
-            )
+            timeout_s = role.cluster.kv_handoff_timeout_s
+            spec = EndpointSpec(role.cluster.kv_transport, role.directory, role.rank, role.world_size, timeout_s)
             self.transport = open_endpoint(spec)
             net = self.links.net
-            self.core.connect(
-                self.transport, throttle=net.transfer if net else None, timeout_s=role.cluster.kv_handoff_timeout_s
-            )
+            self.kv_address = self.core.connect(
+                self.transport, throttle=net.transfer if net else None, timeout_s=timeout_s,
+                ranks_endpoint=RankEndpoint(spec, role.cluster, timeout_s, layerwise=True),
+            )  # fmt: skip
         if os.environ.get(HANG_STEP_ENV) == instance_id:
             log.error("test hook %s: this instance's first step decoding a request 3 tokens in hangs", HANG_STEP_ENV)
             trap = HangTrap(_decodes_three_in)  # never released: the step hangs for ever
@@ -192,7 +194,7 @@ class EngineInstance:
             core.max_model_len,
             core.identity.device,
             role=self.role.role if self.role else "",
-            kv_address=self.transport.address if self.transport else "",
+            kv_address=self.kv_address or (self.transport.address if self.transport else ""),
             lending=self.lending is not None,
             block_size=core.layout.block_size,
             kv_bytes_per_block=core.layout.bytes_per_block,

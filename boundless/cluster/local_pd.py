@@ -57,6 +57,9 @@ class LocalPDCluster(DispatcherFrontEnd):
         self.config = cluster
         self._meeting = make_meeting_directory()
         setups = role_setups(cluster, self._meeting.path)
+        if engine.model.tensor_parallel_size > 1:
+            # Each engine of a split model loads its own shares and ranks: a network joins one engine's ranks' sum.
+            loaded = None
         self._new_engine: Callable[[str], EngineInstance] = lambda iid: EngineInstance(
             iid, engine, max_waiting, role=setups[iid], loaded=loaded
         )

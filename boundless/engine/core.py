@@ -28,6 +28,7 @@ from boundless.engine.lending_stats import LendingStats
 from boundless.engine.logprobs import PromptLogprobs, PromptScores
 from boundless.engine.multi_step import window_shapes
 from boundless.engine.prefill_batching import step_quota
+from boundless.engine.rank_process import RankEndpoint
 from boundless.engine.request import Request, RequestStatus
 from boundless.engine.sampler import SampledToken
 from boundless.engine.sampling_params import SamplingParams
@@ -52,6 +53,7 @@ from boundless.programs.policy import SchedulingPolicy
 from boundless.programs.ref import ProgramRef
 from boundless.programs.registry import make_policy
 from boundless.transport.base import KVTransport
+from boundless.transport.endpoints import instance_address
 
 # Attention-time prefill batching: steps between refits of the step-time model (a fit is a small least-squares
 # problem over at most the recorder's 512 samples; refitting every step would cost more than it follows).
@@ -345,15 +347,25 @@ class EngineCore:
         throttle: Callable[[int], object] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         layerwise: bool = True,
-    ) -> None:
+        ranks_endpoint: RankEndpoint | None = None,
+    ) -> str:
         """Let this instance move KV to and from its peers over ``transport`` (prefill/decode disaggregation):
         ``throttle(nbytes)`` waits for the emulated network link, ``timeout_s`` bounds every stream, and a
-        handoff streams layer by layer during the forward pass (``layerwise``) or after it."""
+        handoff streams layer by layer during the forward pass (``layerwise``) or after it. A model split over ranks
+        moves each rank's share on an endpoint of the rank's own, opened as ``ranks_endpoint`` says. Returns the
+        address peers reach this instance at (``transport/endpoints.py``: its ranks' endpoints')."""
         if not isinstance(self.executor, ModelExecutor):
             raise TypeError("only the model executor moves KV between instances")
+        addresses = [transport.address]
+        ranks = self.executor.runner.ranks
+        if ranks is not None:
+            if ranks_endpoint is None:
+                raise ValueError("a model split over ranks moves KV from every rank: say how they open their endpoints")
+            addresses += ranks.connect(ranks_endpoint)
         self.executor.connect(lambda tiers: RemoteIO(tiers, transport, throttle, timeout_s, layerwise=layerwise))
         self._remote_io = RemoteIOStats()
         self.handoff_timeout_s = timeout_s
+        return instance_address(addresses)
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -220,7 +220,10 @@ class ModelExecutor:
                 transfers, host_copies = queue_host_copies(transfers, self.tiers)
             ranks = self.runner.ranks
             if ranks is not None:  # (a tensor-parallel model: every rank's KV moves alike)
-                ranks.moves(transfers, sched.disk_reads, sched.disk_writes, sched.disk_ages)
+                ranks.moves(
+                    transfers, sched.disk_reads, sched.disk_writes, sched.disk_ages, sched.remote_recvs,
+                    sched.remote_sends,
+                )  # fmt: skip
             try:
                 self.kv_io.apply(sched.disk_reads, sched.disk_writes, transfers, sched.disk_ages, snapshots)
             except BaseException as e:
@@ -312,9 +315,10 @@ class ModelExecutor:
         if self.runner.ranks is not None:  # (a load is done once every rank has its share of the blocks)
             reads = self.runner.ranks.reads_done(tier_report.reads, read_wait_s)
             tier_report = replace(tier_report, reads=reads)
-        remote_report = (
-            self.remote.report(wait_s=READ_WAIT_S if remote_wait else 0.0) if self.remote else RemoteReport()
-        )
+        remote_wait_s = READ_WAIT_S if remote_wait else 0.0
+        remote_report = self.remote.report(wait_s=remote_wait_s) if self.remote else RemoteReport()
+        if self.remote is not None and self.runner.ranks is not None:  # (a stream is done once every rank's share is)
+            remote_report = self.runner.ranks.streams_done(remote_report, remote_wait_s)
         return StepResult(
             sampled, elapsed, tier_report, remote_report, tuple(later), tuple(pass_seconds), prompt_scores,
             embeddings or {},

@@ -4,9 +4,11 @@ what rank 0 sends it, and the loop that does to its share of the model and of th
 The process is a fresh interpreter (``python -c ... rank_main()``): its spec comes on stdin, and it calls rank 0 back
 for its pipe. It loads its share, waits for the KV memory's layout, builds its pools and attention, joins the ranks'
 sum, then applies each message in order: the step's KV moves (block copies; the disk store's loads, writes and
-eviction hints, on its own store: its share of each block), a LoRA adapter to load or drop, a forward pass. It says
-each load of its store's as it finishes (rank 0 reports a load done once every rank's is: ``kv/split_reads.py``). It
-ends when the pipe closes or says stop (an empty message), or when rank 0's process is gone.
+eviction hints, on its own store: its share of each block; its block streams to and from other instances' ranks), a
+LoRA adapter to load or drop, a forward pass, the endpoint to open for block streams (a prefill or decode engine's).
+It says each load of its store's and each of its streams as it finishes (rank 0 reports one done once every rank's is:
+``kv/split_reads.py``, ``kv/split_streams.py``). It ends when the pipe closes or says stop (an empty message), or when
+rank 0's process is gone.
 """
 
 from __future__ import annotations
@@ -29,17 +31,19 @@ import torch
 import torch.distributed as dist
 
 from boundless.attention.backend import AttentionBatch
+from boundless.cluster.links import instance_links
 from boundless.engine.logprobs import PromptSpan, score_prompt_spans
-from boundless.kv.disk_moves import DiskReadDone
+from boundless.kv.remote_io import RemoteIO
 from boundless.kv.tier_io import TierIO
 from boundless.kv.transfer import DEVICE
 from boundless.model.lora import LoRAAdapter, load_lora, lora_batch
 from boundless.model.shared_memory_sum import SharedMemorySum
 from boundless.model.tensor_parallel import RankSum, TensorParallel, TensorParallelGroup
+from boundless.transport.endpoints import EndpointSpec, open_endpoint
 
 if TYPE_CHECKING:
     from boundless.attention.backend import AttentionBackend
-    from boundless.config import EngineConfig
+    from boundless.config import ClusterConfig, EngineConfig
     from boundless.engine.builder import EngineLayout
     from boundless.kv.tensors import PagedKVCache
     from boundless.model.loader import LoadedModel
@@ -79,6 +83,23 @@ class RankSpec:
     rank0_pid: int
     store_port: int | None  # the process group's store (ranks on CUDA, or CPUs that sum through gloo)
     sum_file: str | None  # else the shared-memory sum's file (``model/shared_memory_sum.py``)
+
+
+@dataclass(frozen=True)
+class RankEndpoint:
+    """How each rank opens its endpoint for block streams to and from other instances' ranks: as rank 0's ``endpoint``
+    (its rank among the instances, its world's size), in a world of the other instances' ranks of its number (a
+    directory of its own under ``endpoint``'s), each rank behind an emulated network link of its own, as ``cluster``
+    gives each instance (``--net-gbps``: a GPU's own NIC), with rank 0's stream ``timeout_s`` and ``layerwise``
+    sends."""
+
+    endpoint: EndpointSpec
+    cluster: ClusterConfig
+    timeout_s: float
+    layerwise: bool
+
+    def for_rank(self, rank: int) -> EndpointSpec:
+        return dataclasses.replace(self.endpoint, directory=os.path.join(self.endpoint.directory, f"tp-rank{rank}"))
 
 
 def rank_sum(
@@ -145,9 +166,10 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
         kv_cache, lower_tiers = kv_memory(arch, layout, device)
         tiers: dict[Any, Any] = {DEVICE: kv_cache, **lower_tiers}
         attention = make_attention(config, arch, layout, device, loaded.dtype)
+        voice = _RankVoice(pipe)
         kv_io = TierIO(
             tiers, open_disk_store(loaded, config, layout) if layout.disk_bytes else None,
-            on_read_done=lambda done: _say_read(pipe, done),
+            on_read_done=lambda done: voice.say("read", done),
         )  # fmt: skip
         store = None
         if spec.store_port is not None:  # (the process group's: it is joined once rank 0 has heard this rank loaded)
@@ -165,50 +187,141 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
         spec.sum_file, store, TensorParallel(spec.rank, size), device, lambda: os.getppid() == spec.rank0_pid
     )
     model.sum_over(group.all_reduce_, group.all_gather)
+    steps = _RankSteps(spec.rank, voice, loaded, kv_cache, attention, tiers, kv_io)
     try:
-        _serve_steps(pipe, loaded, kv_cache, attention, kv_io)
+        steps.serve(pipe)
     finally:
-        kv_io.close()  # (its writes handed over so far go to the store first)
+        steps.close()
 
 
-def _serve_steps(
-    pipe: Connection, loaded: LoadedModel, kv_cache: PagedKVCache, attention: AttentionBackend, kv_io: TierIO
-) -> None:
+class _RankVoice:
+    """What a rank says to rank 0 on its pipe, from its loop and its loader's and streams' threads alike (one message
+    at a time; a closed pipe: rank 0 is gone, and this rank ends with it)."""
+
+    def __init__(self, pipe: Connection) -> None:
+        self._pipe = pipe
+        self._lock = threading.Lock()
+
+    def say(self, kind: str, payload: object) -> None:
+        data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            self._pipe.send_bytes(data)
+
+
+class _RankSteps:
     """A joined rank's loop: each message rank 0 sends, in order, until its pipe closes or says stop."""
-    model, device = loaded.model, loaded.device
-    loras: dict[str, LoRAAdapter] = {}  # (the adapters rank 0 has loaded, this rank's parts of them)
-    with torch.inference_mode():
-        while True:
-            try:
-                data = pipe.recv_bytes()
-            except (EOFError, OSError):
-                return  # rank 0 is gone
-            if not data:
-                return  # (stop)
-            kind, payload = pickle.loads(data)
-            if kind == "moves":
-                transfers, loads, writes, ages = payload
-                kv_io.apply(loads, writes, transfers, ages)
-                kv_io.report()  # (rank 0 reports the moves: this rank's finished ones, kept for a report, are dropped)
-            elif kind == "lora":
-                request, max_rank = payload
-                loras[request.lora_name] = load_lora(
-                    request, model.arch, loaded.dtype, device, max_rank, model.tensor_parallel, model.whole_arch
-                )
-            elif kind == "unlora":
-                loras.pop(payload, None)
-            else:
-                input_ids, positions, batch = payload.on(device)
-                lora = lora_batch(loras, payload.lora_rows, device) if payload.lora_rows else None
-                hidden = model(input_ids, positions, attention, kv_cache, attention.prepare(batch), lora=lora)
-                if model.vocab_split:  # (the logits rank 0 computes next, its columns of them here, in its order)
-                    model.compute_logits(hidden[payload.sample_indices.to(device)])
-                    if payload.prompt_spans:
-                        score_prompt_spans(hidden, payload.prompt_spans, model.compute_logits)
 
+    def __init__(
+        self,
+        rank: int,
+        voice: _RankVoice,
+        loaded: LoadedModel,
+        kv_cache: PagedKVCache,
+        attention: AttentionBackend,
+        tiers: dict[Any, Any],
+        kv_io: TierIO,
+    ) -> None:
+        self.rank = rank
+        self.voice = voice
+        self.loaded = loaded
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.tiers = tiers
+        self.kv_io = kv_io
+        self.loras: dict[str, LoRAAdapter] = {}  # (the adapters rank 0 has loaded, this rank's parts of them)
+        self.transport: Any = None  # its endpoint for block streams, once rank 0 has said to open it
+        self.remote: RemoteIO | None = None
+        self._streaming = False  # streams started since the last forward pass (its layerwise sends end with it)
+        self._on_layer: Callable[[int], None] | None = None
+        self._stop = threading.Event()
 
-def _say_read(pipe: Connection, done: DiskReadDone) -> None:
-    """Tell rank 0 a load of this rank's share has finished (from the loader's thread, the one that sends once the
-    rank has joined; a closed pipe: rank 0 is gone, and this rank ends with it)."""
-    with contextlib.suppress(OSError, ValueError):
-        pipe.send_bytes(pickle.dumps(("read", done), protocol=pickle.HIGHEST_PROTOCOL))
+    def serve(self, pipe: Connection) -> None:
+        with torch.inference_mode():
+            while True:
+                try:
+                    data = pipe.recv_bytes()
+                except (EOFError, OSError):
+                    return  # rank 0 is gone
+                if not data:
+                    return  # (stop)
+                kind, payload = pickle.loads(data)
+                if kind == "moves":
+                    self._moves(*payload)
+                elif kind == "lora":
+                    request, max_rank = payload
+                    model = self.loaded.model
+                    self.loras[request.lora_name] = load_lora(
+                        request, model.arch, self.loaded.dtype, self.loaded.device, max_rank, model.tensor_parallel,
+                        model.whole_arch,
+                    )  # fmt: skip
+                elif kind == "unlora":
+                    self.loras.pop(payload, None)
+                elif kind == "connect":
+                    self._connect(payload)
+                else:
+                    self._forward(payload)
+
+    def _moves(self, transfers: Any, loads: Any, writes: Any, ages: Any, recvs: Any, sends: Any) -> None:
+        """The step's moves in rank 0's order (``ModelExecutor.launch``): the writes' snapshots before the receives are
+        posted (a receive may land in a block a write-back is taking to the store), the streams, then the copies."""
+        snapshots = self.kv_io.snapshot_writes(writes) if self.remote is not None and recvs and writes else None
+        if self.remote is not None:
+            self._end_streams()
+            with torch.inference_mode(False):  # (its staging tensors are written by its receiver thread, outside it)
+                self._on_layer = self.remote.start(recvs, sends)
+            self._streaming = True
+        elif recvs or sends:
+            raise RuntimeError(f"rank {self.rank}: a step moves KV to or from another instance before its endpoint")
+        self.kv_io.apply(loads, writes, transfers, ages, snapshots)
+        self.kv_io.report()  # (rank 0 reports the moves: this rank's finished ones, kept for a report, are dropped)
+
+    def _forward(self, payload: StepInputs) -> None:
+        model, device = self.loaded.model, self.loaded.device
+        input_ids, positions, batch = payload.on(device)
+        lora = lora_batch(self.loras, payload.lora_rows, device) if payload.lora_rows else None
+        meta = self.attention.prepare(batch)
+        hidden = model(input_ids, positions, self.attention, self.kv_cache, meta, self._on_layer, lora=lora)
+        self._end_streams()
+        if model.vocab_split:  # (the logits rank 0 computes next, its columns of them here, in its order)
+            model.compute_logits(hidden[payload.sample_indices.to(device)])
+            if payload.prompt_spans:
+                score_prompt_spans(hidden, payload.prompt_spans, model.compute_logits)
+
+    def _end_streams(self) -> None:
+        """The layerwise sends of the streams started last: their forward pass is over (their trailers go out)."""
+        if self.remote is not None and self._streaming:
+            self.remote.end_step(ok=True)
+        self._streaming, self._on_layer = False, None
+
+    def _connect(self, how: RankEndpoint) -> None:
+        """Open this rank's endpoint and its block streams; say its address (or why it could not)."""
+        try:
+            self.transport = open_endpoint(how.for_rank(self.rank))
+            link = instance_links(how.cluster, time.monotonic, time.sleep).net
+            self.remote = RemoteIO(
+                self.tiers, self.transport, link.transfer if link else None, how.timeout_s, layerwise=how.layerwise,
+                rank=self.rank,
+            )  # fmt: skip
+        except Exception as e:
+            self.voice.say("failed", f"{type(e).__name__}: {e}")
+            return
+        threading.Thread(target=self._report_streams, name="tp-streams", daemon=True).start()
+        self.voice.say("connected", self.transport.address)
+
+    def _report_streams(self) -> None:
+        """Say each of this rank's streams as it finishes (rank 0 reports a stream once every rank's share is done)."""
+        assert self.remote is not None
+        while not self._stop.is_set():
+            report = self.remote.report(wait_s=0.5)
+            if report.recvs or report.sends:
+                self.voice.say("remote", report)
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            if self.remote is not None:
+                self.remote.close()
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            self.kv_io.close()  # (its writes handed over so far go to the store first)

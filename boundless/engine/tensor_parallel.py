@@ -3,12 +3,13 @@
 
 Rank 0 is the engine: it schedules, runs its share of every forward pass and samples. Every other rank holds its
 share of the weights and of the KV memory (``model/tensor_parallel.py``) and does to its own what rank 0 does to
-its, in the same order: each step's block copies between device and host memory and its disk store's reads, writes
-and eviction hints (the same block ids: the block tables are rank 0's, and every rank's pools have as many blocks;
-each rank's store holds its share of each block, ``kv/split_reads.py``), then the step's forward pass, whose sums meet
-rank 0's. Rank 0 sends both down a pipe per rank as plain inputs (the copies; token ids, positions and the attention
-batch's tables), so no rank needs the scheduler's state. Logits and sampling are rank 0's alone (the LM head is
-whole on each rank; the others' final hidden states are dropped).
+its, in the same order: each step's block copies between device and host memory, its disk store's reads, writes
+and eviction hints, and its block streams to and from other instances (the same block ids: the block tables are rank
+0's, and every rank's pools have as many blocks; each rank's store holds its share of each block,
+``kv/split_reads.py``; each rank streams its share to and from the peer's rank of its number, ``kv/split_streams.py``),
+then the step's forward pass, whose sums meet rank 0's. Rank 0 sends both down a pipe per rank as plain inputs (the
+moves; token ids, positions and the attention batch's tables), so no rank needs the scheduler's state. Logits and
+sampling are rank 0's alone (the LM head is whole on each rank; the others' final hidden states are dropped).
 
 The ranks are started (:meth:`TensorParallelRanks.launch`) as early as the caller can, so that they load their shares
 while rank 0 loads its own; once rank 0 has sized the KV memory, :meth:`TensorParallelRanks.join` sends them the
@@ -44,9 +45,11 @@ from boundless.attention.backend import AttentionBatch
 from boundless.config import ConfigError
 from boundless.engine.errors import EngineLost
 from boundless.engine.logprobs import PromptSpan
-from boundless.engine.rank_process import JOIN_TIMEOUT_S, RankSpec, StepInputs, rank_sum, seconds
+from boundless.engine.rank_process import JOIN_TIMEOUT_S, RankEndpoint, RankSpec, StepInputs, rank_sum, seconds
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskReadDone, DiskWrite
+from boundless.kv.remote_moves import RemoteRecv, RemoteReport, RemoteSend
 from boundless.kv.split_reads import SplitReads
+from boundless.kv.split_streams import SplitStreams
 from boundless.kv.transfer import BlockTransfer
 from boundless.model import shared_memory_sum
 from boundless.model.lora import LoRARequest
@@ -126,6 +129,7 @@ class TensorParallelRanks:
         self.lost: str | None = None  # why the ranks can run no more steps
         self.closed = threading.Event()
         self.reads = SplitReads(len(processes))  # the disk store's loads, each done once every rank's share is
+        self.streams = SplitStreams(len(processes))  # block streams to and from other instances' ranks, alike
 
     @staticmethod
     def launch(config: EngineConfig, device: torch.device | None = None) -> TensorParallelRanks:
@@ -211,13 +215,17 @@ class TensorParallelRanks:
         reads: Sequence[DiskRead] = (),
         writes: Sequence[DiskWrite] = (),
         ages: Sequence[DiskAge] = (),
+        recvs: Sequence[RemoteRecv] = (),
+        sends: Sequence[RemoteSend] = (),
     ) -> None:
         """The step's KV moves, made on every rank as on rank 0 (``TierIO.apply``): its disk store's loads (each rank
-        reads its share of the blocks, and says when it has: :meth:`reads_done`), writes and eviction hints, and its
-        block copies between device and host memory."""
+        reads its share of the blocks, and says when it has: :meth:`reads_done`), writes and eviction hints, its
+        block copies between device and host memory, and its block streams to and from other instances (each rank
+        moves its share to or from the peer's rank of its number: :meth:`streams_done`)."""
         loads = self.reads.expect(reads)
-        if loads or writes or ages or transfers:
-            self._send(("moves", (list(transfers), loads, list(writes), list(ages))))
+        self.streams.expect(recvs, sends)
+        if loads or writes or ages or transfers or recvs or sends:
+            self._send(("moves", (list(transfers), loads, list(writes), list(ages), list(recvs), list(sends))))
 
     def reads_done(self, rank0: Sequence[DiskReadDone], wait_s: float = 0.0) -> tuple[DiskReadDone, ...]:
         """The loads now done on every rank, given rank 0's finished since the last call (``SplitReads.agree``); with
@@ -229,18 +237,50 @@ class TensorParallelRanks:
             agreed = self.reads.agree(())
         return tuple(agreed)
 
-    def _hear(self, timeout_s: float) -> None:
-        """Take in what the ranks have said since (each load of theirs as it finishes), waiting ``timeout_s`` at most
-        for the first word."""
+    def streams_done(self, rank0: RemoteReport, wait_s: float = 0.0) -> RemoteReport:
+        """The block streams now done on every rank, given rank 0's report since the last call
+        (``SplitStreams.agree``); with ``wait_s``, wait that long at most for the other ranks when rank 0's wait for
+        theirs."""
+        self._hear(0.0)
+        agreed = self.streams.agree(rank0)
+        if not (agreed.recvs or agreed.sends) and wait_s > 0 and self.streams.waiting:
+            self._hear(wait_s)
+            later = self.streams.agree(RemoteReport(stats=agreed.stats))
+            agreed = dataclasses.replace(later, counts=agreed.counts)
+        return agreed
+
+    def connect(self, how: RankEndpoint) -> list[str]:
+        """Every rank opens its endpoint for block streams (:class:`RankEndpoint`); their addresses, by rank from 1. A
+        rank that cannot is a :class:`RankLost`."""
+        self._send(("connect", how))
+        addresses: dict[int, str] = {}
+        deadline = time.monotonic() + how.endpoint.timeout_s + JOIN_TIMEOUT_S
+        while len(addresses) < len(self.pipes):
+            if time.monotonic() > deadline:
+                raise self.lose("the ranks did not open their endpoints in time")
+            self.check()
+            self._hear(0.2, addresses)
+        return [addresses[rank] for rank in range(1, len(self.pipes) + 1)]
+
+    def _hear(self, timeout_s: float, addresses: dict[int, str] | None = None) -> None:
+        """Take in what the ranks have said since (each load and stream of theirs as it finishes; while ``addresses``
+        are awaited, their endpoints' addresses), waiting ``timeout_s`` at most for the first word."""
         try:
             for pipe in wait_readable(self.pipes, timeout_s):
                 assert isinstance(pipe, Connection)
                 rank = self.pipes.index(pipe) + 1
                 while pipe.poll():
-                    kind, done = pickle.loads(pipe.recv_bytes())
-                    if kind != "read":  # (a rank says nothing else once joined)
+                    kind, said = pickle.loads(pipe.recv_bytes())
+                    if kind == "read":
+                        self.reads.rank_done(rank, said)
+                    elif kind == "remote":
+                        self.streams.rank_done(rank, said)
+                    elif kind == "connected" and addresses is not None:
+                        addresses[rank] = said
+                    elif kind == "failed" and addresses is not None:
+                        raise self.lose(f"rank {rank} could not open its endpoint for KV streams: {said}")
+                    else:  # (a rank says nothing else once joined)
                         raise self.lose(f"rank {rank} said {kind!r} out of turn")
-                    self.reads.rank_done(rank, done)
         except (EOFError, OSError) as e:
             raise self.lose(f"a rank's pipe closed ({e})") from e
 

@@ -50,6 +50,7 @@ from boundless.kv.remote_moves import (
 )
 from boundless.kv.transfer import DEVICE, HOST, BlockRef, TierId
 from boundless.transport.base import KVTransport, TransferHandle, TransportError
+from boundless.transport.endpoints import rank_address
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,10 @@ class RemoteIO:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         layerwise: bool = True,
+        rank: int = 0,
     ) -> None:
         self.tiers = tiers
+        self.rank = rank  # of a model split over ranks: streams go to and come from the peers' ranks of this number
         self.transport = transport
         self.throttle = throttle
         self.timeout_s = timeout_s
@@ -247,9 +250,10 @@ class RemoteIO:
         staging = torch.empty((self.num_layers, two, heads, n, bs, hd), dtype=self._dtype)
         trailer = torch.zeros(1, dtype=torch.int64)
         count = torch.zeros(1, dtype=torch.int64) if recv.count_first else None
-        handles = [self.transport.recv(recv.peer, recv.tag, count)] if count is not None else []
-        handles += [self.transport.recv(recv.peer, recv.tag, staging[i]) for i in range(self.num_layers)]
-        handles.append(self.transport.recv(recv.peer, recv.tag, trailer))
+        peer = rank_address(recv.peer, self.rank)
+        handles = [self.transport.recv(peer, recv.tag, count)] if count is not None else []
+        handles += [self.transport.recv(peer, recv.tag, staging[i]) for i in range(self.num_layers)]
+        handles.append(self.transport.recv(peer, recv.tag, trailer))
         self._new_incoming.put(_Incoming(recv, staging, trailer, handles, self.clock() + self.timeout_s, count))
 
     def _receive_loop(self) -> None:
@@ -289,7 +293,10 @@ class RemoteIO:
                 return True
             if self.clock() < inc.deadline:
                 return False
-            error, timed_out = f"no complete stream from {inc.recv.peer} in {self.timeout_s:g} s", True
+            error, timed_out = (
+                f"no complete stream from {rank_address(inc.recv.peer, self.rank)} in {self.timeout_s:g} s",
+                True,
+            )
         except TransportError as e:
             error = f"{type(e).__name__}: {e}"
         except Exception as e:  # anything else must not kill the receiver
@@ -298,7 +305,7 @@ class RemoteIO:
         for handle in inc.handles:  # cancel what is left, so late messages go nowhere
             with contextlib.suppress(TransportError, OSError):  # (a transport closed under it raises OSError)
                 handle.wait(0.0)
-        log.warning("KV stream %d from %s failed: %s", inc.recv.recv_id, inc.recv.peer, error)
+        log.warning("KV stream %d from %s failed: %s", inc.recv.recv_id, rank_address(inc.recv.peer, self.rank), error)
         with self._changed:
             if inc.gate is not None:  # a forward pass waiting for its next layer raises: the bytes are not here
                 inc.gate.fail()
@@ -418,7 +425,7 @@ class RemoteIO:
         nbytes = tensor.numel() * tensor.element_size()
         if self.throttle is not None:
             self.throttle(nbytes)
-        self.transport.send(send.peer, send.tag, tensor).wait(self.timeout_s)
+        self.transport.send(rank_address(send.peer, self.rank), send.tag, tensor).wait(self.timeout_s)
         with self._lock:
             self.stats.bytes_sent += nbytes
         if piece.layer is not None and piece.layer != _COUNT:
@@ -437,6 +444,7 @@ class RemoteIO:
                     self.stats.layerwise_exposed_s += max(0.0, now - stream.forward_end)
             else:
                 self.stats.send_failures += 1
-                log.warning("KV stream %d to %s failed: %s", send.send_id, send.peer, stream.error)
+                peer = rank_address(send.peer, self.rank)
+                log.warning("KV stream %d to %s failed: %s", send.send_id, peer, stream.error)
             self._done.sends.append(RemoteSendDone(send.send_id, stream.error))
             self._changed.notify_all()

@@ -70,7 +70,7 @@ def check_split_simulation(
     config: EngineConfig, cluster: ClusterConfig, profile: HardwareProfile | None, cost: StepCost | None
 ) -> None:
     """What the simulator needs to run a model split over GPUs (``--tensor-parallel-size``): a roofline profile that
-    prices it (``with_tensor_parallel``), and instances that hand no KV to each other, as ``serve`` refuses them."""
+    prices it (``with_tensor_parallel``), and instances that lend no KV to each other, as ``serve`` refuses them."""
     size = config.model.tensor_parallel_size
     if profile is None or cost is not None:
         raise ConfigError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,26 @@ class EndpointSpec:
             raise ValueError(f"unknown transport {self.kind!r}; one of {', '.join(KINDS)}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside a world of {self.world_size}")
+
+
+# A model split over tensor-parallel ranks moves KV rank to rank: each rank has an endpoint of its own, and the
+# instance's address is its ranks' addresses, rank 0's first, one a line (no transport's address holds a newline).
+_RANK_SEPARATOR = "\n"
+
+
+def instance_address(rank_addresses: Sequence[str]) -> str:
+    """The address peers know an instance by, made of its ranks' endpoints' addresses (one endpoint: its own)."""
+    if any(_RANK_SEPARATOR in a for a in rank_addresses):
+        raise ValueError("an endpoint's address holds a newline")
+    return _RANK_SEPARATOR.join(rank_addresses)
+
+
+def rank_address(address: str, rank: int) -> str:
+    """The address of rank ``rank``'s endpoint in an instance's ``address`` (:func:`instance_address`)."""
+    parts = address.split(_RANK_SEPARATOR)
+    if rank >= len(parts):
+        raise ValueError(f"the peer at {parts[0]!r} has {len(parts)} ranks, not rank {rank}: split it as this one")
+    return parts[rank]
 
 
 def open_endpoint(spec: EndpointSpec) -> KVTransport:

@@ -234,13 +234,14 @@ def test_what_a_split_model_does_without_is_refused_at_start_up(
 ) -> None:
     path = str(model_dirs["tiny-llama"])
     split = EngineConfig(ModelConfig(tensor_parallel_size=2))
-    for cluster in (
-        ClusterConfig(prefill_instances=1, decode_instances=1),
-        ClusterConfig(instances=2, kv_lending="on"),
-    ):
-        with pytest.raises(ConfigError, match="hands no KV to other instances"):
-            check_serve_configs(split, ServerConfig(), cluster)
-    check_serve_configs(split, ServerConfig(), ClusterConfig(instances=2))  # (instances of a split model: served)
+    with pytest.raises(ConfigError, match="lends and borrows no KV"):
+        check_serve_configs(split, ServerConfig(), ClusterConfig(instances=2, kv_lending="on"))
+    pd = ClusterConfig(prefill_instances=1, decode_instances=1)
+    layerwise = EngineConfig(ModelConfig(tensor_parallel_size=2), cache=CacheConfig(layerwise_load="on"))
+    with pytest.raises(ConfigError, match="receive a push whole"):
+        check_serve_configs(layerwise, ServerConfig(), pd)
+    for served in (ClusterConfig(instances=2), pd):  # (instances of a split model, prefill and decode engines of one)
+        check_serve_configs(split, ServerConfig(), served)
     with pytest.raises(ConfigError, match="--tensor-parallel-size 3: the model's 4 attention heads"):
         LLM(path, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="loaded as 1 tensor-parallel rank"):

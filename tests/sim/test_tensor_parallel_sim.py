@@ -116,8 +116,8 @@ def test_the_simulator_refuses_a_split_model_it_cannot_price_or_serve() -> None:
         Simulator(config, SimulatedModel.read(ModelConfig()))
     with pytest.raises(ConfigError, match="fitted to one device's steps"):
         Simulator(config, SimulatedModel.read(ModelConfig()), profile=load_profile("cpu"))
-    with pytest.raises(ConfigError, match="hands no KV to other instances"):
-        _simulator(2, CacheConfig(num_kv_blocks=400), ClusterConfig(prefill_instances=1, decode_instances=1))
+    with pytest.raises(ConfigError, match="lends and borrows no KV"):
+        _simulator(2, CacheConfig(num_kv_blocks=400), ClusterConfig(instances=2, kv_lending="on"))
 
 
 def test_simulate_takes_a_split_model_on_a_roofline_profile(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -127,6 +127,11 @@ def test_simulate_takes_a_split_model_on_a_roofline_profile(tmp_path: Path, caps
     (row,) = json.loads(out.read_text())["rows"]
     assert row["gpus"] == 4 and row["instances"] == 2 and row["failed_calls"] == 0
     assert "of 2 instance(s) (4 GPUs)" in capsys.readouterr().out
+    # Prefill and decode engines of a split model (each GPU's NIC carries its share of a handoff).
+    pd = ["--prefill-instances", "1", "--decode-instances", "1"]
+    assert main([*args, "--num-kv-blocks", "2000", "-tp", "2", *pd, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["roles"], row["gpus"], row["failed_calls"], row["programs_finished"]) == ("1P1D", 4, 0, 20)
     assert main(["simulate", "--num-programs", "2", "-tp", "2"]) == 2
     assert "prices a model split over GPUs on a roofline --profile" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="longctx workload compares separate instances with KV lending"):

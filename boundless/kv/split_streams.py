@@ -1,0 +1,121 @@
+"""Block streams between instances of a model split over tensor-parallel ranks, as rank 0 reports them to the manager.
+
+A prefill engine and a decode engine split alike (``--tensor-parallel-size``) move a request's KV rank to rank: rank
+``r`` of one sends its share of every block (its key/value heads) to rank ``r`` of the other, over an endpoint of its
+own (``transport/endpoints.py``: an instance's address names its ranks' endpoints), into host blocks with the same
+ids as rank 0's (the KV manager is rank 0's; every rank's pools have as many blocks). No KV crosses the ranks' pipes.
+
+A stream is therefore done only once every rank's share of it is: a receive, once every rank's host blocks hold their
+share (before that some rank may still be copying into the blocks the manager reserved), valid as far as every rank's
+is, failed if any rank's failed (its blocks are then recomputed on every rank, as a stream that fails on one device);
+a send, once every rank has sent its share (the manager holds the blocks until then), failed if any rank's did.
+
+Counted-first receives (a decode engine's push under ``--layerwise-load on``) are not split: a rank's layers would land
+on gates of its own that rank 0's forward pass cannot wait on, so that pairing is refused (``config.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from boundless.kv.remote_moves import (
+    RemoteIOStats,
+    RemoteRecv,
+    RemoteRecvDone,
+    RemoteReport,
+    RemoteSend,
+    RemoteSendDone,
+)
+
+_Done = TypeVar("_Done")  # a RemoteRecvDone or a RemoteSendDone
+
+
+class SplitStreams:
+    """Rank 0's account of the streams it has sent the other ranks (``ranks`` of them, numbered from 1): which each
+    rank has finished, and how. Pure bookkeeping; the pipes are the caller's."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self._recvs: dict[int, dict[int, RemoteRecvDone]] = {}  # recv id -> rank -> that rank's finished share
+        self._sends: dict[int, dict[int, RemoteSendDone]] = {}
+        self._held_recvs: list[RemoteRecvDone] = []  # rank 0's finished shares, in the order they finished
+        self._held_sends: list[RemoteSendDone] = []
+        self._stats: dict[int, RemoteIOStats] = {}  # each other rank's latest running totals
+
+    def expect(self, recvs: Iterable[RemoteRecv], sends: Iterable[RemoteSend]) -> None:
+        """Note the step's streams, which every rank runs its share of."""
+        for recv in recvs:
+            if recv.count_first:
+                raise ValueError("a counted-first receive is not split over ranks (--layerwise-load on is refused)")
+            self._recvs[recv.recv_id] = {}
+        for send in sends:
+            if send.count_first:
+                raise ValueError("a counted-first send is not split over ranks (--layerwise-load on is refused)")
+            self._sends[send.send_id] = {}
+
+    def rank_done(self, rank: int, report: RemoteReport) -> None:
+        """Rank ``rank`` (1 or more) finished its shares of these streams (one not expected is ignored: its step
+        failed)."""
+        for recv in report.recvs:
+            if (found := self._recvs.get(recv.recv_id)) is not None:
+                found[rank] = recv
+        for send in report.sends:
+            if (sent := self._sends.get(send.send_id)) is not None:
+                sent[rank] = send
+        if report.stats is not None:
+            self._stats[rank] = report.stats
+
+    def agree(self, rank0: RemoteReport) -> RemoteReport:
+        """With rank 0's report since the last call, the streams now finished on every rank, in the order rank 0
+        finished them, and the running totals: rank 0's, with the bytes every rank moved."""
+        self._held_recvs.extend(rank0.recvs)
+        self._held_sends.extend(rank0.sends)
+        recvs, self._held_recvs = _agreed(self._held_recvs, self._recvs, self.ranks, lambda r: r.recv_id, _merge_recv)
+        sends, self._held_sends = _agreed(self._held_sends, self._sends, self.ranks, lambda s: s.send_id, _merge_send)
+        stats = rank0.stats
+        if stats is not None and self._stats:
+            others = self._stats.values()
+            stats = dataclasses.replace(
+                stats,
+                bytes_sent=stats.bytes_sent + sum(s.bytes_sent for s in others),
+                bytes_received=stats.bytes_received + sum(s.bytes_received for s in others),
+            )
+        return RemoteReport(tuple(recvs), tuple(sends), stats, rank0.counts)
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a stream rank 0 has finished waits for another rank's share."""
+        return bool(self._held_recvs or self._held_sends)
+
+
+def _merge_recv(shares: list[RemoteRecvDone]) -> RemoteRecvDone:
+    error = next((s.error for s in shares if s.error is not None), None)
+    return RemoteRecvDone(shares[0].recv_id, 0 if error else min(s.num_valid for s in shares), error)
+
+
+def _merge_send(shares: list[RemoteSendDone]) -> RemoteSendDone:
+    return RemoteSendDone(shares[0].send_id, next((s.error for s in shares if s.error is not None), None))
+
+
+def _agreed(
+    held: list[_Done],
+    others: dict[int, dict[int, _Done]],
+    ranks: int,
+    key: Callable[[_Done], int],
+    merge: Callable[[list[_Done]], _Done],
+) -> tuple[list[_Done], list[_Done]]:
+    """Of rank 0's finished shares ``held``, those every other rank has finished too, merged, and those still held."""
+    agreed, still = [], []
+    for done in held:
+        stream_id = key(done)
+        shares = others.get(stream_id)
+        if shares is None:  # (not sent to the ranks: a step that failed before it could be; rank 0's alone)
+            agreed.append(done)
+        elif len(shares) == ranks:
+            del others[stream_id]
+            agreed.append(merge([done, *shares.values()]))
+        else:
+            still.append(done)
+    return agreed, still

@@ -1,0 +1,115 @@
+"""Prefill and decode engines of a model split over two tensor-parallel ranks (``cluster/local_pd.py``,
+``kv/split_streams.py``): each rank streams its share of a call's KV to the decode engine's rank of its number, the
+decode engine decodes from the blocks its ranks received (it computes no prompt again), and the answers are one split
+engine's, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from boundless.cluster.local_pd import LocalPDCluster
+from boundless.config import ClusterConfig
+from boundless.engine.sampling_params import SamplingParams
+from boundless.llm import LLM, engine_config
+from boundless.programs.ref import ProgramRef
+from boundless.transport.endpoints import rank_address
+
+MAX_TOKENS = 12
+BLOCK = 16
+
+
+def _whole_block_bytes(pd: LocalPDCluster) -> int:
+    """A block's bytes over every key/value head of the model (float32), where a rank's share holds half of them."""
+    arch = pd.instances["p0"].core.executor.runner.model.whole_arch
+    return 2 * arch.num_layers * arch.num_kv_heads * BLOCK * arch.head_dim * 4
+
+
+def test_a_split_prefill_engine_hands_each_ranks_share_to_the_decode_engines_rank(model_dirs: dict[str, Path]) -> None:
+    path = str(model_dirs["tiny-llama"])
+    flags = dict(max_model_len=512, kv_cache_gb=0.02, tensor_parallel_size=2)
+    prompts = [[40 + i] + [(17 * j + i) % 300 + 3 for j in range(36 + 9 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    one = LLM(path, **flags)
+    try:
+        expected = [out.outputs[0].text for out in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.close()
+
+    pd = LocalPDCluster(engine_config(path, **flags), ClusterConfig(prefill_instances=1, decode_instances=1))
+
+    async def call(rid: str, prompt: list[int]) -> tuple[str, set[str]]:
+        text, instances = "", set()
+        async for delta in pd.submit(rid, prompt, params):
+            assert delta.finish_reason != "error", delta.stop_reason
+            text += delta.new_text
+            instances.add(delta.instance)
+        return text, instances
+
+    async def run() -> list[tuple[str, set[str]]]:
+        return list(await asyncio.gather(*(call(f"c{i}", p) for i, p in enumerate(prompts))))
+
+    try:
+        addresses = {iid: inst.kv_address for iid, inst in pd.instances.items()}
+        for address in addresses.values():  # (each rank an endpoint of its own, in a world of its rank's)
+            assert rank_address(address, 0) != rank_address(address, 1)
+        results = asyncio.run(asyncio.wait_for(run(), timeout=240))
+        assert [text for text, _ in results] == expected
+        assert all(instances == {"p0", "d0"} for _, instances in results)  # first token on the PE, the rest on the DE
+        de = pd.instances["d0"].core.stats()
+        full_blocks = sum(len(p) // BLOCK for p in prompts)
+        assert de.remote_io is not None and de.remote_io.blocks_received == full_blocks
+        assert de.remote_io.recv_failures == 0
+        # Both ranks' shares came: the bytes of whole blocks (every key/value head), not rank 0's half of them.
+        assert de.remote_io.bytes_received >= full_blocks * _whole_block_bytes(pd)
+        # The decode engine computed each prompt's last partial block and its first token, not the prompts again.
+        assert de.computed_tokens <= sum(len(p) % BLOCK + 1 + MAX_TOKENS for p in prompts)
+    finally:
+        pd.shutdown()
+
+
+def test_a_split_decode_engine_pushes_what_the_prefill_engine_lacks_rank_to_rank(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """DualPath's DE-read path, split: an agent's second turn is held by the decode engine that decoded its first (its
+    output's KV), not by the prefill engine, so the decode engine's ranks push their shares of what the prefill
+    engine's ranks lack, and the second turn's answer is one split engine's."""
+    path = str(model_dirs["tiny-llama"])
+    flags = dict(max_model_len=1024, kv_cache_gb=0.02, kv_host_gb=0.02, tensor_parallel_size=2)
+    store = dict(kv_disk_path=str(tmp_path / "store"), kv_write_policy="through")
+    contexts = [[40 + i] + [(19 * j + 7 * i) % 300 + 3 for j in range(100)] for i in range(3)]
+    first = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    one = LLM(path, **flags)
+    try:
+        outputs = [list(out.outputs[0].token_ids) for out in one.generate(contexts, first, use_tqdm=False)]
+        appends = [[(5 * j + i) % 300 + 9 for j in range(10)] for i in range(len(contexts))]
+        turns = [c + o + a for c, o, a in zip(contexts, outputs, appends, strict=True)]
+        expected = [out.outputs[0].text for out in one.generate(turns, first, use_tqdm=False)]
+    finally:
+        one.close()
+
+    # (Emulated links: each engine a node of its own, whose store reads the dispatcher weighs against the other's.)
+    cluster = ClusterConfig(
+        prefill_instances=1, decode_instances=1, kv_path="dualpath", storage_gbps=10.0, net_gbps=10.0
+    )
+    pd = LocalPDCluster(engine_config(path, **flags, **store), cluster)
+
+    async def call(rid: str, prompt: list[int], program: str) -> str:
+        text = ""
+        async for delta in pd.submit(rid, prompt, first, ProgramRef(program)):
+            assert delta.finish_reason != "error", delta.stop_reason
+            text += delta.new_text
+        return text
+
+    async def run(prompts: list[list[int]], turn: int) -> list[str]:
+        return list(await asyncio.gather(*(call(f"t{turn}-{i}", p, f"agent-{i}") for i, p in enumerate(prompts))))
+
+    try:
+        asyncio.run(asyncio.wait_for(run(contexts, 1), timeout=240))
+        assert asyncio.run(asyncio.wait_for(run(turns, 2), timeout=240)) == expected
+        pe = pd.instances["p0"].core.stats()
+        assert pe.remote_io is not None and pe.remote_io.blocks_received > 0  # the decode engine's pushes came
+        assert pe.remote_io.recv_failures == 0
+        assert pe.remote_io.bytes_received >= pe.remote_io.blocks_received * _whole_block_bytes(pd)  # every rank's
+    finally:
+        pd.shutdown()

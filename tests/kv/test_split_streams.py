@@ -1,0 +1,70 @@
+"""Rank 0's account of a split model's block streams (``kv/split_streams.py``): a stream is reported once every rank's
+share is done, valid as far as every rank's, failed if any rank's failed, in the order rank 0 finished them."""
+
+from __future__ import annotations
+
+import pytest
+
+from boundless.kv.remote_moves import (
+    RemoteIOStats,
+    RemoteRecv,
+    RemoteRecvDone,
+    RemoteReport,
+    RemoteSend,
+    RemoteSendDone,
+)
+from boundless.kv.split_streams import SplitStreams
+from boundless.kv.transfer import HOST, BlockRef
+
+
+def _recv(recv_id: int, count_first: bool = False) -> RemoteRecv:
+    return RemoteRecv(recv_id, "peer", recv_id, (1, 2, 3), 3, count_first)
+
+
+def _send(send_id: int) -> RemoteSend:
+    return RemoteSend(send_id, "peer", send_id, (BlockRef(HOST, 4),), 1)
+
+
+def test_a_receive_is_done_once_every_rank_has_its_share_valid_as_far_as_all() -> None:
+    streams = SplitStreams(ranks=2)
+    streams.expect([_recv(1), _recv(2)], [])
+    # Rank 0 has both; no other rank has either: nothing is reported yet.
+    assert streams.agree(RemoteReport(recvs=(RemoteRecvDone(2, 3), RemoteRecvDone(1, 3)))).recvs == ()
+    assert streams.waiting
+    streams.rank_done(1, RemoteReport(recvs=(RemoteRecvDone(1, 2),)))
+    streams.rank_done(2, RemoteReport(recvs=(RemoteRecvDone(1, 3), RemoteRecvDone(2, 3))))
+    # Stream 1 is on every rank (rank 1 found 2 valid blocks of 3); stream 2 waits for rank 1.
+    assert streams.agree(RemoteReport()).recvs == (RemoteRecvDone(1, 2),)
+    assert streams.waiting
+    streams.rank_done(1, RemoteReport(recvs=(RemoteRecvDone(2, 3),)))
+    assert streams.agree(RemoteReport()).recvs == (RemoteRecvDone(2, 3),)
+    assert not streams.waiting
+
+
+def test_shares_merge_to_the_least_valid_and_any_failure_fails_the_stream() -> None:
+    streams = SplitStreams(ranks=1)
+    streams.expect([_recv(1), _recv(2)], [_send(3), _send(4)])
+    streams.rank_done(1, RemoteReport(
+        recvs=(RemoteRecvDone(1, 2), RemoteRecvDone(2, 0, "no complete stream")),
+        sends=(RemoteSendDone(3, "peer gone"), RemoteSendDone(4)),
+    ))  # fmt: skip
+    agreed = streams.agree(RemoteReport(
+        recvs=(RemoteRecvDone(1, 3), RemoteRecvDone(2, 3)), sends=(RemoteSendDone(4), RemoteSendDone(3))
+    ))  # fmt: skip
+    assert agreed.recvs == (RemoteRecvDone(1, 2), RemoteRecvDone(2, 0, "no complete stream"))
+    assert agreed.sends == (RemoteSendDone(4), RemoteSendDone(3, "peer gone"))  # (rank 0's order)
+
+
+def test_streams_rank_0_ran_alone_pass_and_the_totals_count_every_ranks_bytes() -> None:
+    streams = SplitStreams(ranks=2)
+    streams.rank_done(1, RemoteReport(recvs=(RemoteRecvDone(9, 3),), stats=RemoteIOStats(bytes_received=100)))
+    streams.rank_done(2, RemoteReport(stats=RemoteIOStats(bytes_sent=7, bytes_received=50)))
+    rank0 = RemoteIOStats(bytes_sent=5, bytes_received=100, blocks_received=3)
+    agreed = streams.agree(RemoteReport(recvs=(RemoteRecvDone(9, 3),), stats=rank0))
+    assert agreed.recvs == (RemoteRecvDone(9, 3),)  # (never sent to the ranks: a step that failed first)
+    assert agreed.stats == RemoteIOStats(bytes_sent=12, bytes_received=250, blocks_received=3)
+
+
+def test_a_counted_first_stream_is_not_split() -> None:
+    with pytest.raises(ValueError, match="counted-first"):
+        SplitStreams(ranks=1).expect([_recv(1, count_first=True)], [])
