@@ -1018,7 +1018,9 @@ class EngineCore:
         return counts
 
     def _tier_stats(self) -> dict[str, TierStats]:
-        per_block = self.layout.bytes_per_block
+        # A block's bytes on every rank of a split model (each moves its share: the instance moved them all), as its
+        # streams' totals count them (``kv/split_streams.py``).
+        per_block = self.layout.bytes_per_block * self.config.model.tensor_parallel_size
         hits = self.scheduler.stats.cached_tokens_by_tier
         tiers = {}
         for tier, counters in self.kv.counters.items():
