@@ -6,6 +6,7 @@ engine's, token for token."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from boundless.cluster.local_pd import LocalPDCluster
@@ -111,5 +112,57 @@ def test_a_split_decode_engine_pushes_what_the_prefill_engine_lacks_rank_to_rank
         assert pe.remote_io is not None and pe.remote_io.blocks_received > 0  # the decode engine's pushes came
         assert pe.remote_io.recv_failures == 0
         assert pe.remote_io.bytes_received >= pe.remote_io.blocks_received * _whole_block_bytes(pd)  # every rank's
+    finally:
+        pd.shutdown()
+
+
+def test_a_split_decode_engine_that_loses_a_rank_is_restarted_and_takes_handoffs_again(
+    model_dirs: dict[str, Path],
+) -> None:
+    """A decode engine's rank 1 killed: the calls placed on it fail over to the other decode engine with nothing lost;
+    the engine is restarted with fresh ranks, whose endpoints its peers reach again, and takes handoffs again."""
+    path = str(model_dirs["tiny-llama"])
+    flags = dict(max_model_len=512, kv_cache_gb=0.02, tensor_parallel_size=2)
+    prompts = [[60 + i] + [(13 * j + i) % 300 + 3 for j in range(40)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    one = LLM(path, **flags)
+    try:
+        expected = [out.outputs[0].text for out in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.close()
+    cluster = ClusterConfig(
+        prefill_instances=1, decode_instances=2, heartbeat_interval_s=0.1, heartbeat_timeout_s=30.0,
+        kv_handoff_timeout_s=20.0, restart_delay_s=0.5, max_restarts=1,
+    )  # fmt: skip
+    pd = LocalPDCluster(engine_config(path, **flags), cluster)
+
+    async def call(rid: str, prompt: list[int]) -> tuple[str, str]:
+        text, instance = "", ""
+        async for delta in pd.submit(rid, prompt, params):
+            assert delta.finish_reason != "error", delta.stop_reason
+            text += delta.new_text
+            instance = delta.instance
+        return text, instance
+
+    async def run(tag: str) -> list[tuple[str, str]]:
+        return list(await asyncio.gather(*(call(f"{tag}{i}", p) for i, p in enumerate(prompts))))
+
+    try:
+        ranks = pd.instances["d0"].core.executor.runner.ranks
+        assert ranks is not None
+        ranks.processes[0].kill()
+        ranks.processes[0].wait(10)
+        assert [text for text, _ in asyncio.run(asyncio.wait_for(run("a"), timeout=240))] == expected
+        assert pd.dispatcher.num_failovers >= 1  # (the calls placed on d0 went on on d1)
+        deadline = time.monotonic() + 120
+        while not (pd.dispatcher.views["d0"].alive and pd.dispatcher.restarts.counts("d0")[0] == 1):
+            assert time.monotonic() < deadline, "the decode engine was not restarted"
+            time.sleep(0.1)
+        results = asyncio.run(asyncio.wait_for(run("b"), timeout=240))
+        assert [text for text, _ in results] == expected
+        fresh = pd.instances["d0"].core.stats()
+        assert "d0" in {instance for _, instance in results}
+        assert fresh.remote_io is not None and fresh.remote_io.blocks_received > 0  # handed off to its fresh ranks
+        assert fresh.remote_io.recv_failures == 0
     finally:
         pd.shutdown()
