@@ -93,7 +93,7 @@ BENCHES: tuple[tuple[str, str, bool], ...] = (
 )
 
 # The benchmarks made for a model split over ranks (--tensor-parallel-size); the others refuse it.
-SPLIT_MODEL_BENCHES = ("embed", "offline", "restart", "tensor-parallel")
+SPLIT_MODEL_BENCHES = ("agentic", "embed", "offline", "restart", "tensor-parallel")
 
 
 def _one_device(args: argparse.Namespace, command: str) -> None:

@@ -117,3 +117,20 @@ def test_dualpath_with_the_pe_prefilling_as_pushes_land_serves_the_colocated_out
     dualpath = result["rows"][0]
     assert dualpath["mode"] == "dualpath" and dualpath["failed_turns"] == 0 and dualpath["read_paths"].get("de", 0) > 0
     assert dualpath["landing_pushes"] > 0  # the PE took pushes counted first, prefilling as they landed
+
+
+def test_the_modes_serve_a_split_model_with_identical_outputs(model_dirs: dict[str, Path]) -> None:
+    """``--tensor-parallel-size 2``: the colocated engine and the prefill and decode engines each split over two ranks
+    (a stored context read by each rank's share, a handoff and a DE-read push rank to rank) serve the same outputs."""
+    args = build_parser().parse_args(
+        ["bench", "agentic", "--model", str(model_dirs["tiny-llama"]), "--num-sessions", "4", "--scale", "0.02",
+         "--turn-scale", "0.1", "--memory-sessions", "2", "--host-sessions", "2", "--phases", "offline",
+         "--modes", "basic,dualpath,colocated", "--storage-gbps", "0.5", "--net-gbps", "4", "--out-dir", "", "-tp", "2"]
+    )  # fmt: skip
+    result = agentic.run(args)
+    assert result["valid"] and result["outputs_identical"]
+    for row in result["rows"]:
+        assert row["turns"] == 12 and row["failed_turns"] == 0
+    basic, dualpath, _ = result["rows"]
+    assert basic["pe_storage_mb"] > 0 and basic["read_paths"].get("de", 0) == 0
+    assert dualpath["read_paths"].get("de", 0) > 0 and dualpath["de_storage_mb"] > 0  # pushed from the DE's ranks
