@@ -1267,12 +1267,6 @@ def check_serve_configs(engine: EngineConfig, server: ServerConfig, cluster: Clu
         "a model split across devices lends and borrows no KV here (--kv-lending on); --instances of split models "
         "and prefill and decode engines of split models are served",
     )
-    _require(
-        not (split and cluster.disaggregated and engine.cache.layerwise_load == "on"),
-        "layerwise_load",
-        "prefill and decode engines of a model split across devices receive a push whole, not layer by layer (each "
-        "rank's layers would land on its own); leave --layerwise-load off",
-    )
     if server.allow_runtime_lora_updating:
         # (Else each load_lora_adapter request failed, long after start-up, with a 400 naming the missing flag.)
         _require(engine.model.enable_lora, "allow_runtime_lora_updating", "needs --enable-lora")

@@ -214,15 +214,16 @@ class ModelExecutor:
         waits = None
         landing = None
         try:
-            transfers, landing = self._split_landing(sched.transfers)
+            transfers, landing = split_landing(sched.transfers, self.remote, self.tiers)
             host_copies = None
             if after is not None:  # a window ahead: its demotions' copies queued behind the window running
                 transfers, host_copies = queue_host_copies(transfers, self.tiers)
             ranks = self.runner.ranks
             if ranks is not None:  # (a tensor-parallel model: every rank's KV moves alike)
+                # (Each rank copies what lands on it as its own receives' gates say: every transfer goes to it.)
                 ranks.moves(
-                    transfers, sched.disk_reads, sched.disk_writes, sched.disk_ages, sched.remote_recvs,
-                    sched.remote_sends,
+                    sched.transfers if landing is not None else transfers, sched.disk_reads, sched.disk_writes,
+                    sched.disk_ages, sched.remote_recvs, sched.remote_sends, forward=bool(sched.chunks),
                 )  # fmt: skip
             try:
                 self.kv_io.apply(sched.disk_reads, sched.disk_writes, transfers, sched.disk_ages, snapshots)
@@ -324,20 +325,6 @@ class ModelExecutor:
             embeddings or {},
         )  # fmt: skip
 
-    def _split_landing(
-        self, transfers: Sequence[BlockTransfer]
-    ) -> tuple[Sequence[BlockTransfer], LandingCopies | None]:
-        """The step's transfers to copy now, and those whose host blocks a counted-first receive is still landing
-        (a DE-read push under ``--layerwise-load on``): copied layer by layer as the forward pass reaches each."""
-        if self.remote is None or not transfers:
-            return transfers, None
-        gates = self.remote.recv_gates([t.src.block_id for t in transfers if t.src.tier == HOST])
-        if not gates:
-            return transfers, None
-        landing = [t for t in transfers if t.src.tier == HOST and t.src.block_id in gates]
-        now = [t for t in transfers if not (t.src.tier == HOST and t.src.block_id in gates)]
-        return now, LandingCopies(landing, gates, self.tiers, self.num_layers, self.remote.count_layer_waits)
-
     @property
     def num_layers(self) -> int:
         return int(self.runner.kv_cache.data.shape[0])
@@ -427,6 +414,21 @@ class LandingCopies:
             rows = index_select(src_data[layer], 2, src_ids)
             index_copy(dst_data[layer], 2, dst_ids, rows)
         self.copied = layer + 1
+
+
+def split_landing(
+    transfers: Sequence[BlockTransfer], remote: RemoteIO | None, tiers: Mapping[TierId, KVTier]
+) -> tuple[Sequence[BlockTransfer], LandingCopies | None]:
+    """A step's transfers to copy now, and those whose host blocks a counted-first receive of ``remote`` is still
+    landing (a DE-read push under ``--layerwise-load on``): copied layer by layer as the forward pass reaches each."""
+    if remote is None or not transfers:
+        return transfers, None
+    gates = remote.recv_gates([t.src.block_id for t in transfers if t.src.tier == HOST])
+    if not gates:
+        return transfers, None
+    landing = [t for t in transfers if t.src.tier == HOST and t.src.block_id in gates]
+    now = [t for t in transfers if not (t.src.tier == HOST and t.src.block_id in gates)]
+    return now, LandingCopies(landing, gates, tiers, remote.num_layers, remote.count_layer_waits)
 
 
 def _decodes_only(sched: SchedulerOutput) -> bool:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from boundless.attention.backend import AttentionBackend
     from boundless.config import ClusterConfig, EngineConfig
     from boundless.engine.builder import EngineLayout
+    from boundless.engine.executor import LandingCopies
     from boundless.kv.tensors import PagedKVCache
     from boundless.model.loader import LoadedModel
 
@@ -233,6 +234,7 @@ class _RankSteps:
         self.remote: RemoteIO | None = None
         self._streaming = False  # streams started since the last forward pass (its layerwise sends end with it)
         self._on_layer: Callable[[int], None] | None = None
+        self._landing: LandingCopies | None = None  # the step's copies of blocks still landing, layer by layer
         self._stop = threading.Event()
 
     def serve(self, pipe: Connection) -> None:
@@ -261,34 +263,50 @@ class _RankSteps:
                 else:
                     self._forward(payload)
 
-    def _moves(self, transfers: Any, loads: Any, writes: Any, ages: Any, recvs: Any, sends: Any) -> None:
+    def _moves(
+        self, transfers: Any, loads: Any, writes: Any, ages: Any, recvs: Any, sends: Any, retire: Any, forward: bool
+    ) -> None:
         """The step's moves in rank 0's order (``ModelExecutor.launch``): the writes' snapshots before the receives are
-        posted (a receive may land in a block a write-back is taking to the store), the streams, then the copies."""
+        posted (a receive may land in a block a write-back is taking to the store), the streams, then the copies (of
+        blocks still landing from a counted-first receive, layer by layer during the ``forward`` pass, as the gates of
+        this rank's share say; the gates of receives rank 0 has reported go first)."""
+        self._end_step()  # (the last step's, should its forward pass not have come)
+        if self.remote is not None:
+            self.remote.retire(retire)
         snapshots = self.kv_io.snapshot_writes(writes) if self.remote is not None and recvs and writes else None
         if self.remote is not None:
-            self._end_streams()
             with torch.inference_mode(False):  # (its staging tensors are written by its receiver thread, outside it)
                 self._on_layer = self.remote.start(recvs, sends)
             self._streaming = True
         elif recvs or sends:
             raise RuntimeError(f"rank {self.rank}: a step moves KV to or from another instance before its endpoint")
-        self.kv_io.apply(loads, writes, transfers, ages, snapshots)
+        from boundless.engine.executor import split_landing  # (the executor's modules import this one)
+
+        now, self._landing = split_landing(transfers, self.remote, self.tiers)
+        self.kv_io.apply(loads, writes, now, ages, snapshots)
         self.kv_io.report()  # (rank 0 reports the moves: this rank's finished ones, kept for a report, are dropped)
+        if not forward:
+            self._end_step()
 
     def _forward(self, payload: StepInputs) -> None:
         model, device = self.loaded.model, self.loaded.device
         input_ids, positions, batch = payload.on(device)
         lora = lora_batch(self.loras, payload.lora_rows, device) if payload.lora_rows else None
         meta = self.attention.prepare(batch)
-        hidden = model(input_ids, positions, self.attention, self.kv_cache, meta, self._on_layer, lora=lora)
-        self._end_streams()
+        before_layer = self._landing.before_layer if self._landing is not None else None
+        hidden = model(input_ids, positions, self.attention, self.kv_cache, meta, self._on_layer, before_layer, lora)
+        self._end_step()
         if model.vocab_split:  # (the logits rank 0 computes next, its columns of them here, in its order)
             model.compute_logits(hidden[payload.sample_indices.to(device)])
             if payload.prompt_spans:
                 score_prompt_spans(hidden, payload.prompt_spans, model.compute_logits)
 
-    def _end_streams(self) -> None:
-        """The layerwise sends of the streams started last: their forward pass is over (their trailers go out)."""
+    def _end_step(self) -> None:
+        """The step's forward pass is over, or it has none: the blocks still landing are copied whole, and the layerwise
+        sends of its streams end (their trailers go out)."""
+        if self._landing is not None:
+            landing, self._landing = self._landing, None
+            landing.finish()
         if self.remote is not None and self._streaming:
             self.remote.end_step(ok=True)
         self._streaming, self._on_layer = False, None
@@ -298,9 +316,10 @@ class _RankSteps:
         try:
             self.transport = open_endpoint(how.for_rank(self.rank))
             link = instance_links(how.cluster, time.monotonic, time.sleep).net
+            # (Its gates go once rank 0 has reported their receives: ``kv/split_streams.py``.)
             self.remote = RemoteIO(
                 self.tiers, self.transport, link.transfer if link else None, how.timeout_s, layerwise=how.layerwise,
-                rank=self.rank,
+                rank=self.rank, retire_on_report=False,
             )  # fmt: skip
         except Exception as e:
             self.voice.say("failed", f"{type(e).__name__}: {e}")

@@ -217,15 +217,20 @@ class TensorParallelRanks:
         ages: Sequence[DiskAge] = (),
         recvs: Sequence[RemoteRecv] = (),
         sends: Sequence[RemoteSend] = (),
+        forward: bool = False,
     ) -> None:
         """The step's KV moves, made on every rank as on rank 0 (``TierIO.apply``): its disk store's loads (each rank
         reads its share of the blocks, and says when it has: :meth:`reads_done`), writes and eviction hints, its
         block copies between device and host memory, and its block streams to and from other instances (each rank
-        moves its share to or from the peer's rank of its number: :meth:`streams_done`)."""
+        moves its share to or from the peer's rank of its number: :meth:`streams_done`). ``forward``: the step runs a
+        forward pass next (during which a rank copies the layers of blocks still landing, as rank 0 does); with the
+        moves go the receives reported since (their gates may go on every rank now)."""
         loads = self.reads.expect(reads)
         self.streams.expect(recvs, sends)
         if loads or writes or ages or transfers or recvs or sends:
-            self._send(("moves", (list(transfers), loads, list(writes), list(ages), list(recvs), list(sends))))
+            retire = self.streams.take_reported()
+            moves = (list(transfers), loads, list(writes), list(ages), list(recvs), list(sends), retire, forward)
+            self._send(("moves", moves))
 
     def reads_done(self, rank0: Sequence[DiskReadDone], wait_s: float = 0.0) -> tuple[DiskReadDone, ...]:
         """The loads now done on every rank, given rank 0's finished since the last call (``SplitReads.agree``); with
@@ -243,10 +248,9 @@ class TensorParallelRanks:
         theirs."""
         self._hear(0.0)
         agreed = self.streams.agree(rank0)
-        if not (agreed.recvs or agreed.sends) and wait_s > 0 and self.streams.waiting:
+        if not (agreed.recvs or agreed.sends or agreed.counts) and wait_s > 0 and self.streams.waiting:
             self._hear(wait_s)
-            later = self.streams.agree(RemoteReport(stats=agreed.stats))
-            agreed = dataclasses.replace(later, counts=agreed.counts)
+            agreed = self.streams.agree(RemoteReport(stats=agreed.stats))
         return agreed
 
     def connect(self, how: RankEndpoint) -> list[str]:

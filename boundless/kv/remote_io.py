@@ -120,9 +120,12 @@ class RemoteIO:
         clock: Callable[[], float] = time.monotonic,
         layerwise: bool = True,
         rank: int = 0,
+        retire_on_report: bool = True,
     ) -> None:
         self.tiers = tiers
         self.rank = rank  # of a model split over ranks: streams go to and come from the peers' ranks of this number
+        # Whether a counted-first receive's gates go once :meth:`report` has said it ended (else at :meth:`retire`).
+        self.retire_on_report = retire_on_report
         self.transport = transport
         self.throttle = throttle
         self.timeout_s = timeout_s
@@ -144,7 +147,9 @@ class RemoteIO:
         # Host blocks of counted-first receives, by block id: each one's gate, until its receive has been reported
         # (a failed gate stays until then, so no step scheduled before the report copies the block ungated).
         self._recv_gates: dict[int, LayerGate] = {}
-        self._gates_to_retire: list[tuple[int, ...]] = []
+        # By receive, once it ended: its gate and the host blocks it guards (a block a later receive took since keeps
+        # that one's gate).
+        self._gates_to_retire: dict[int, tuple[LayerGate, tuple[int, ...]]] = {}
         self._new_incoming: queue.Queue[_Incoming | None] = queue.Queue()
         self._pieces: queue.Queue[_Piece | None] = queue.Queue()
         self._step_streams: list[_Outgoing] = []  # this step's layerwise streams
@@ -214,11 +219,22 @@ class RemoteIO:
                 self._changed.wait(timeout=wait_s)
             done, self._done = self._done, _Done()
             stats = RemoteIOStats(**vars(self.stats))
-            for ids in self._gates_to_retire:  # their receives are reported: the manager names or forgets them now
-                for block_id in ids:
-                    self._recv_gates.pop(block_id, None)
-            self._gates_to_retire = []
+            if self.retire_on_report:  # their receives are reported: the manager names or forgets them now
+                self._retire(list(self._gates_to_retire))
         return RemoteReport(tuple(done.recvs), tuple(done.sends), stats, tuple(done.counts))
+
+    def retire(self, recv_ids: Sequence[int]) -> None:
+        """Drop the gates of these ended receives, which the manager has heard of (a rank of a split model, whose
+        reports go through rank 0: ``kv/split_streams.py``; without ``retire_on_report``)."""
+        with self._lock:
+            self._retire(recv_ids)
+
+    def _retire(self, recv_ids: Sequence[int]) -> None:
+        for recv_id in recv_ids:
+            gate, block_ids = self._gates_to_retire.pop(recv_id, (None, ()))
+            for block_id in block_ids:
+                if self._recv_gates.get(block_id) is gate:
+                    del self._recv_gates[block_id]
 
     def recv_gates(self, host_block_ids: Sequence[int]) -> dict[int, LayerGate]:
         """The gates of the counted-first receives still landing in any of these host blocks, by block id (a step
@@ -309,7 +325,7 @@ class RemoteIO:
         with self._changed:
             if inc.gate is not None:  # a forward pass waiting for its next layer raises: the bytes are not here
                 inc.gate.fail()
-                self._gates_to_retire.append(inc.recv.dst_ids)
+                self._gates_to_retire[inc.recv.recv_id] = (inc.gate, inc.recv.dst_ids)
             self.stats.recv_failures += 1
             self.stats.recv_timeouts += timed_out
             self._done.recvs.append(RemoteRecvDone(inc.recv.recv_id, 0, error))
@@ -351,7 +367,8 @@ class RemoteIO:
             self._land_layers(inc)
             valid = self._valid(inc, inc.count)
             with self._changed:
-                self._gates_to_retire.append(inc.recv.dst_ids)
+                assert inc.gate is not None  # (its count came: landing set it)
+                self._gates_to_retire[inc.recv.recv_id] = (inc.gate, inc.recv.dst_ids)
         else:
             valid = self._valid(inc, inc.trailer)
             if valid:

@@ -10,8 +10,11 @@ share (before that some rank may still be copying into the blocks the manager re
 is, failed if any rank's failed (its blocks are then recomputed on every rank, as a stream that fails on one device);
 a send, once every rank has sent its share (the manager holds the blocks until then), failed if any rank's did.
 
-Counted-first receives (a decode engine's push under ``--layerwise-load on``) are not split: a rank's layers would land
-on gates of its own that rank 0's forward pass cannot wait on, so that pairing is refused (``config.py``).
+A counted-first receive (a decode engine's push under ``--layerwise-load on``: its count of valid blocks comes ahead of
+its layers, and the prefill engine's forward pass copies each layer as it lands) is counted once every rank's count has
+come (each rank has then set the gates its own forward pass waits on), as far as the least; each rank's gates stay
+until rank 0 has reported the receive (:meth:`SplitStreams.take_reported`: a rank retiring a failed gate on its own,
+before the manager heard of the failure, would let a step copy the block unguarded there).
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from typing import TypeVar
 from boundless.kv.remote_moves import (
     RemoteIOStats,
     RemoteRecv,
+    RemoteRecvCount,
     RemoteRecvDone,
     RemoteReport,
     RemoteSend,
     RemoteSendDone,
 )
 
-_Done = TypeVar("_Done")  # a RemoteRecvDone or a RemoteSendDone
+_Done = TypeVar("_Done")  # a RemoteRecvDone, a RemoteSendDone or a RemoteRecvCount
 
 
 class SplitStreams:
@@ -42,17 +46,18 @@ class SplitStreams:
         self._sends: dict[int, dict[int, RemoteSendDone]] = {}
         self._held_recvs: list[RemoteRecvDone] = []  # rank 0's finished shares, in the order they finished
         self._held_sends: list[RemoteSendDone] = []
+        self._counts: dict[int, dict[int, RemoteRecvCount]] = {}  # counted-first receives: rank -> its count
+        self._held_counts: list[RemoteRecvCount] = []
         self._stats: dict[int, RemoteIOStats] = {}  # each other rank's latest running totals
+        self._reported: list[int] = []  # receives reported since :meth:`take_reported`
 
     def expect(self, recvs: Iterable[RemoteRecv], sends: Iterable[RemoteSend]) -> None:
         """Note the step's streams, which every rank runs its share of."""
         for recv in recvs:
-            if recv.count_first:
-                raise ValueError("a counted-first receive is not split over ranks (--layerwise-load on is refused)")
             self._recvs[recv.recv_id] = {}
+            if recv.count_first:
+                self._counts[recv.recv_id] = {}
         for send in sends:
-            if send.count_first:
-                raise ValueError("a counted-first send is not split over ranks (--layerwise-load on is refused)")
             self._sends[send.send_id] = {}
 
     def rank_done(self, rank: int, report: RemoteReport) -> None:
@@ -64,6 +69,9 @@ class SplitStreams:
         for send in report.sends:
             if (sent := self._sends.get(send.send_id)) is not None:
                 sent[rank] = send
+        for count in report.counts:
+            if (counted := self._counts.get(count.recv_id)) is not None:
+                counted[rank] = count
         if report.stats is not None:
             self._stats[rank] = report.stats
 
@@ -72,6 +80,10 @@ class SplitStreams:
         finished them, and the running totals: rank 0's, with the bytes every rank moved."""
         self._held_recvs.extend(rank0.recvs)
         self._held_sends.extend(rank0.sends)
+        self._held_counts.extend(rank0.counts)
+        counts, self._held_counts = _agreed(
+            self._held_counts, self._counts, self.ranks, lambda c: c.recv_id, _merge_count
+        )
         recvs, self._held_recvs = _agreed(self._held_recvs, self._recvs, self.ranks, lambda r: r.recv_id, _merge_recv)
         sends, self._held_sends = _agreed(self._held_sends, self._sends, self.ranks, lambda s: s.send_id, _merge_send)
         stats = rank0.stats
@@ -82,17 +94,32 @@ class SplitStreams:
                 bytes_sent=stats.bytes_sent + sum(s.bytes_sent for s in others),
                 bytes_received=stats.bytes_received + sum(s.bytes_received for s in others),
             )
-        return RemoteReport(tuple(recvs), tuple(sends), stats, rank0.counts)
+        # A receive that ended without every rank's count (failed on a rank before its count came) is not counted now.
+        ended = {r.recv_id for r in recvs}
+        self._held_counts = [c for c in self._held_counts if c.recv_id not in ended]
+        for recv_id in ended:
+            self._counts.pop(recv_id, None)
+        self._reported += ended
+        return RemoteReport(tuple(recvs), tuple(sends), stats, tuple(counts))
+
+    def take_reported(self) -> list[int]:
+        """The receives reported (by :meth:`agree`) since the last call: the ranks may retire their gates now."""
+        reported, self._reported = self._reported, []
+        return reported
 
     @property
     def waiting(self) -> bool:
-        """Whether a stream rank 0 has finished waits for another rank's share."""
-        return bool(self._held_recvs or self._held_sends)
+        """Whether a stream rank 0 has finished (or counted) waits for another rank's share."""
+        return bool(self._held_recvs or self._held_sends or self._held_counts)
 
 
 def _merge_recv(shares: list[RemoteRecvDone]) -> RemoteRecvDone:
     error = next((s.error for s in shares if s.error is not None), None)
     return RemoteRecvDone(shares[0].recv_id, 0 if error else min(s.num_valid for s in shares), error)
+
+
+def _merge_count(shares: list[RemoteRecvCount]) -> RemoteRecvCount:
+    return RemoteRecvCount(shares[0].recv_id, min(s.num_valid for s in shares))
 
 
 def _merge_send(shares: list[RemoteSendDone]) -> RemoteSendDone:

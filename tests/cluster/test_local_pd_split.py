@@ -9,6 +9,8 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
+
 from boundless.cluster.local_pd import LocalPDCluster
 from boundless.config import ClusterConfig
 from boundless.engine.sampling_params import SamplingParams
@@ -69,12 +71,14 @@ def test_a_split_prefill_engine_hands_each_ranks_share_to_the_decode_engines_ran
         pd.shutdown()
 
 
+@pytest.mark.parametrize("layerwise", ["off", "on"])
 def test_a_split_decode_engine_pushes_what_the_prefill_engine_lacks_rank_to_rank(
-    model_dirs: dict[str, Path], tmp_path: Path
+    model_dirs: dict[str, Path], tmp_path: Path, layerwise: str
 ) -> None:
     """DualPath's DE-read path, split: an agent's second turn is held by the decode engine that decoded its first (its
     output's KV), not by the prefill engine, so the decode engine's ranks push their shares of what the prefill
-    engine's ranks lack, and the second turn's answer is one split engine's."""
+    engine's ranks lack, and the second turn's answer is one split engine's. With ``--layerwise-load on`` each push is
+    counted first, and each prefill engine rank's forward pass copies the layers of its share as they land."""
     path = str(model_dirs["tiny-llama"])
     flags = dict(max_model_len=1024, kv_cache_gb=0.02, kv_host_gb=0.02, tensor_parallel_size=2)
     store = dict(kv_disk_path=str(tmp_path / "store"), kv_write_policy="through")
@@ -90,10 +94,13 @@ def test_a_split_decode_engine_pushes_what_the_prefill_engine_lacks_rank_to_rank
         one.close()
 
     # (Emulated links: each engine a node of its own, whose store reads the dispatcher weighs against the other's.)
+    # Layer by layer, a slow network (65 ms a layer of a push): the prefill engine's forward passes run as the layers
+    # land, each rank copying its share's (whether one waits at a layer is the machine's timing: not asserted).
+    net_gbps = 0.001 if layerwise == "on" else 10.0
     cluster = ClusterConfig(
-        prefill_instances=1, decode_instances=1, kv_path="dualpath", storage_gbps=10.0, net_gbps=10.0
+        prefill_instances=1, decode_instances=1, kv_path="dualpath", storage_gbps=10.0, net_gbps=net_gbps
     )
-    pd = LocalPDCluster(engine_config(path, **flags, **store), cluster)
+    pd = LocalPDCluster(engine_config(path, **flags, **store, layerwise_load=layerwise), cluster)
 
     async def call(rid: str, prompt: list[int], program: str) -> str:
         text = ""
@@ -112,6 +119,7 @@ def test_a_split_decode_engine_pushes_what_the_prefill_engine_lacks_rank_to_rank
         assert pe.remote_io is not None and pe.remote_io.blocks_received > 0  # the decode engine's pushes came
         assert pe.remote_io.recv_failures == 0
         assert pe.remote_io.bytes_received >= pe.remote_io.blocks_received * _whole_block_bytes(pd)  # every rank's
+        assert (pe.remote_io.counted_recvs > 0) == (layerwise == "on")
     finally:
         pd.shutdown()
 

@@ -237,9 +237,6 @@ def test_what_a_split_model_does_without_is_refused_at_start_up(
     with pytest.raises(ConfigError, match="lends and borrows no KV"):
         check_serve_configs(split, ServerConfig(), ClusterConfig(instances=2, kv_lending="on"))
     pd = ClusterConfig(prefill_instances=1, decode_instances=1)
-    layerwise = EngineConfig(ModelConfig(tensor_parallel_size=2), cache=CacheConfig(layerwise_load="on"))
-    with pytest.raises(ConfigError, match="receive a push whole"):
-        check_serve_configs(layerwise, ServerConfig(), pd)
     for served in (ClusterConfig(instances=2), pd):  # (instances of a split model, prefill and decode engines of one)
         check_serve_configs(split, ServerConfig(), served)
     with pytest.raises(ConfigError, match="--tensor-parallel-size 3: the model's 4 attention heads"):

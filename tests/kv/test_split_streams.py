@@ -3,11 +3,10 @@ share is done, valid as far as every rank's, failed if any rank's failed, in the
 
 from __future__ import annotations
 
-import pytest
-
 from boundless.kv.remote_moves import (
     RemoteIOStats,
     RemoteRecv,
+    RemoteRecvCount,
     RemoteRecvDone,
     RemoteReport,
     RemoteSend,
@@ -65,6 +64,18 @@ def test_streams_rank_0_ran_alone_pass_and_the_totals_count_every_ranks_bytes() 
     assert agreed.stats == RemoteIOStats(bytes_sent=12, bytes_received=250, blocks_received=3)
 
 
-def test_a_counted_first_stream_is_not_split() -> None:
-    with pytest.raises(ValueError, match="counted-first"):
-        SplitStreams(ranks=1).expect([_recv(1, count_first=True)], [])
+def test_a_counted_first_receive_is_counted_once_every_rank_has_its_count() -> None:
+    streams = SplitStreams(ranks=1)
+    streams.expect([_recv(1, count_first=True), _recv(2, count_first=True)], [])
+    # Rank 0's counts come first: neither is counted until rank 1's has come (its gates are set by then).
+    assert streams.agree(RemoteReport(counts=(RemoteRecvCount(1, 3), RemoteRecvCount(2, 3)))).counts == ()
+    streams.rank_done(1, RemoteReport(counts=(RemoteRecvCount(1, 2),)))
+    assert streams.agree(RemoteReport()).counts == (RemoteRecvCount(1, 2),)  # (as far as the least)
+    # Stream 2 fails on rank 1 before its count came: it ends uncounted, and its count is never reported.
+    streams.rank_done(1, RemoteReport(recvs=(RemoteRecvDone(2, 0, "no complete stream"),)))
+    agreed = streams.agree(RemoteReport(recvs=(RemoteRecvDone(2, 3),)))
+    assert agreed.counts == () and agreed.recvs == (RemoteRecvDone(2, 0, "no complete stream"),)
+    assert not streams.waiting
+    assert streams.agree(RemoteReport()).counts == ()
+    # The ranks retire the gates of the receives reported, once, when told.
+    assert streams.take_reported() == [2] and streams.take_reported() == []
