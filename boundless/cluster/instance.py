@@ -151,12 +151,18 @@ class EngineInstance:
         if role is not None:
             timeout_s = role.cluster.kv_handoff_timeout_s
             spec = EndpointSpec(role.cluster.kv_transport, role.directory, role.rank, role.world_size, timeout_s)
-            self.transport = open_endpoint(spec)
-            net = self.links.net
-            self.kv_address = self.core.connect(
-                self.transport, throttle=net.transfer if net else None, timeout_s=timeout_s,
-                ranks_endpoint=RankEndpoint(spec, role.cluster, timeout_s, layerwise=True),
-            )  # fmt: skip
+            try:
+                self.transport = open_endpoint(spec)
+                net = self.links.net
+                self.kv_address = self.core.connect(
+                    self.transport, throttle=net.transfer if net else None, timeout_s=timeout_s,
+                    ranks_endpoint=RankEndpoint(spec, role.cluster, timeout_s, layerwise=True),
+                )  # fmt: skip
+            except BaseException:  # (in one process with others, a split model's ranks would outlive it)
+                self.core.close()
+                if self.transport is not None:
+                    self.transport.close()
+                raise
         if os.environ.get(HANG_STEP_ENV) == instance_id:
             log.error("test hook %s: this instance's first step decoding a request 3 tokens in hangs", HANG_STEP_ENV)
             trap = HangTrap(_decodes_three_in)  # never released: the step hangs for ever
@@ -222,6 +228,8 @@ class EngineInstance:
             return AddResult("invalid", str(e), e)
         except QueueFullError as e:
             return AddResult("busy", str(e))
+        except EngineDeadError as e:  # (stopped since its last heartbeat: the call goes elsewhere, as for a dead actor)
+            return AddResult("unreachable", str(e))
         return AddResult("ok")
 
     def prepare(
@@ -239,6 +247,8 @@ class EngineInstance:
             return PrepareResult("invalid", message=str(e), refusal=e)
         except QueueFullError as e:
             return PrepareResult("busy", message=str(e))
+        except EngineDeadError as e:
+            return PrepareResult("unreachable", message=str(e))
         return PrepareResult("ok", answer)
 
     def memory_prefix_blocks(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
@@ -261,7 +271,11 @@ class EngineInstance:
 
     def continue_request(self, request_id: str, resume: Resume) -> AddResult:
         """Give a prepared call its first token; ``failed`` if this engine no longer holds it."""
-        if self.loop.continue_request(request_id, resume):
+        try:
+            continued = self.loop.continue_request(request_id, resume)
+        except EngineDeadError as e:
+            return AddResult("unreachable", str(e))
+        if continued:
             return AddResult("ok")
         return AddResult("failed", f"instance {self.instance_id} holds no prepared call {request_id!r}")
 

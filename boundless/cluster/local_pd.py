@@ -39,7 +39,7 @@ from boundless.config import ClusterConfig, EngineConfig
 from boundless.engine.async_engine import EngineDeadError, StreamRegistry
 from boundless.engine.core import EngineStats
 from boundless.engine.sampling_params import SamplingParams
-from boundless.model.loader import LoadedModel
+from boundless.model.loader import LoadedModel, load_configured_model
 from boundless.programs.process_table import ProcessTable
 from boundless.transport.meeting_dir import make_meeting_directory
 
@@ -57,12 +57,13 @@ class LocalPDCluster(DispatcherFrontEnd):
         self.config = cluster
         self._meeting = make_meeting_directory()
         setups = role_setups(cluster, self._meeting.path)
-        if engine.model.tensor_parallel_size > 1:
-            # Each engine of a split model loads its own shares and ranks: a network joins one engine's ranks' sum.
-            loaded = None
+        # Each engine of a split model loads its own share (its network joins its ranks' sum; the builder launches
+        # them), here rather than as an actor loads its own (which takes over the process's logging for its instance).
+        split = engine.model.tensor_parallel_size > 1
         self._new_engine: Callable[[str], EngineInstance] = lambda iid: EngineInstance(
-            iid, engine, max_waiting, role=setups[iid], loaded=loaded
-        )
+            iid, engine, max_waiting, role=setups[iid],
+            loaded=load_configured_model(engine.model) if split else loaded,
+        )  # fmt: skip
         self.instances = {iid: self._new_engine(iid) for iid in setups}
         self._due: list[str] = []  # instances whose restart the heartbeat thread carries out next
         self._replaced: list[EngineInstance] = []  # lost engines a restart replaced (shut down with the rest)

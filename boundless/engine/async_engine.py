@@ -253,7 +253,9 @@ class EngineLoop:
             return self.core.memory_prefix_blocks(prompt_token_ids, params)
 
     def continue_request(self, request_id: str, resume: Resume) -> bool:
-        """Give a prepared request its first token (``EngineCore.continue_request``)."""
+        """Give a prepared request its first token (``EngineCore.continue_request``); raises if the loop has stopped (it
+        would wait there for ever)."""
+        self._check_alive()
         with self.lock:
             ok = self.core.continue_request(request_id, resume)
         self._wake.set()
@@ -389,11 +391,14 @@ class EngineLoop:
                     if self.hooks is not None and self.hooks.step_failed(e, sched):
                         continue
                 log.error("engine step failed:\n%s", traceback.format_exc())
+                if isinstance(e, EngineLost):
+                    # No later step could run: the loop stops (_run), and its requests in flight end as its owner says
+                    # (``_stopped``: a server's with an error; a cluster instance's fail over, the step's among them,
+                    # where an error of theirs would have reached the client).
+                    raise
                 with self.lock:
                     for failed_sched in failed:
                         self._emit_all(core.fail_step(failed_sched, e))
-                if isinstance(e, EngineLost):
-                    raise  # no later step could run: the loop stops (_run)
                 continue
             self.step_watch.end()
             with self.lock:

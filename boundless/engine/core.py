@@ -1019,8 +1019,9 @@ class EngineCore:
 
     def _tier_stats(self) -> dict[str, TierStats]:
         # A block's bytes on every rank of a split model (each moves its share: the instance moved them all), as its
-        # streams' totals count them (``kv/split_streams.py``).
-        per_block = self.layout.bytes_per_block * self.config.model.tensor_parallel_size
+        # streams' totals count them (``kv/split_streams.py``). (A simulated split engine's layout holds whole blocks.)
+        ranks = self.executor.runner.ranks if isinstance(self.executor, ModelExecutor) else None
+        per_block = self.layout.bytes_per_block * (ranks.size if ranks is not None else 1)
         hits = self.scheduler.stats.cached_tokens_by_tier
         tiers = {}
         for tier, counters in self.kv.counters.items():

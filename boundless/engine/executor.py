@@ -8,6 +8,7 @@ the engine differs between the two.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -16,6 +17,7 @@ from typing import Protocol
 import torch
 
 from boundless.engine.cuda_graphs import DeviceWindow, seconds_between
+from boundless.engine.errors import EngineLost
 from boundless.engine.logprobs import PromptScores
 from boundless.engine.multi_step import window_iteration
 from boundless.engine.runner import ModelRunner, window_tokens
@@ -206,6 +208,21 @@ class ModelExecutor:
             on_layer = self.remote.start(sched.remote_recvs, sched.remote_sends)
         elif sched.remote_recvs or sched.remote_sends:
             raise RuntimeError("a step moves KV to or from another instance, but this executor has no transport")
+        ranks = self.runner.ranks
+        if (
+            ranks is not None
+        ):  # (a tensor-parallel model: every rank's KV moves alike, its streams started with rank 0's)
+            assert after is None, "a split model's steps run eagerly: none is decided ahead"
+            try:
+                # (Every transfer: each rank copies what still lands on it as its own receives' gates say.)
+                ranks.moves(
+                    sched.transfers, sched.disk_reads, sched.disk_writes, sched.disk_ages, sched.remote_recvs,
+                    sched.remote_sends, forward=bool(sched.chunks),
+                )  # fmt: skip
+            except BaseException:
+                if self.remote is not None:
+                    self.remote.end_step(ok=False)
+                raise
         later: list[dict[str, SampledToken]] = []
         pass_seconds: list[float] = []
         sampled: dict[str, SampledToken] = {}
@@ -218,13 +235,6 @@ class ModelExecutor:
             host_copies = None
             if after is not None:  # a window ahead: its demotions' copies queued behind the window running
                 transfers, host_copies = queue_host_copies(transfers, self.tiers)
-            ranks = self.runner.ranks
-            if ranks is not None:  # (a tensor-parallel model: every rank's KV moves alike)
-                # (Each rank copies what lands on it as its own receives' gates say: every transfer goes to it.)
-                ranks.moves(
-                    sched.transfers if landing is not None else transfers, sched.disk_reads, sched.disk_writes,
-                    sched.disk_ages, sched.remote_recvs, sched.remote_sends, forward=bool(sched.chunks),
-                )  # fmt: skip
             try:
                 self.kv_io.apply(sched.disk_reads, sched.disk_writes, transfers, sched.disk_ages, snapshots)
             except BaseException as e:
@@ -284,6 +294,9 @@ class ModelExecutor:
         except BaseException:
             if self.remote is not None:
                 self.remote.end_step(ok=False)
+                if ranks is not None and not ranks.lost:  # (their streams of the step fail too)
+                    with contextlib.suppress(EngineLost):
+                        ranks.end_step(ok=False)
             raise
         finally:
             if waits is not None:
@@ -356,7 +369,11 @@ class ModelExecutor:
             if self.runner.ranks is not None:
                 self.runner.ranks.close()
         finally:
-            self.kv_io.close()
+            try:
+                if self.remote is not None:  # (its streams in flight are abandoned; their peers time out)
+                    self.remote.close()
+            finally:
+                self.kv_io.close()
 
 
 class LandingCopies:

@@ -260,6 +260,8 @@ class _RankSteps:
                     self.loras.pop(payload, None)
                 elif kind == "connect":
                     self._connect(payload)
+                elif kind == "end":
+                    self._end_step(ok=payload)
                 else:
                     self._forward(payload)
 
@@ -301,14 +303,15 @@ class _RankSteps:
             if payload.prompt_spans:
                 score_prompt_spans(hidden, payload.prompt_spans, model.compute_logits)
 
-    def _end_step(self) -> None:
+    def _end_step(self, ok: bool = True) -> None:
         """The step's forward pass is over, or it has none: the blocks still landing are copied whole, and the layerwise
-        sends of its streams end (their trailers go out)."""
-        if self._landing is not None:
-            landing, self._landing = self._landing, None
+        sends of its streams end (their trailers go out). Failed on rank 0 (not ``ok``): the copies are dropped (its
+        requests do not run on them) and the sends fail."""
+        landing, self._landing = self._landing, None
+        if landing is not None and ok:
             landing.finish()
         if self.remote is not None and self._streaming:
-            self.remote.end_step(ok=True)
+            self.remote.end_step(ok=ok)
         self._streaming, self._on_layer = False, None
 
     def _connect(self, how: RankEndpoint) -> None:

@@ -131,6 +131,11 @@ class TensorParallelRanks:
         self.reads = SplitReads(len(processes))  # the disk store's loads, each done once every rank's share is
         self.streams = SplitStreams(len(processes))  # block streams to and from other instances' ranks, alike
 
+    @property
+    def size(self) -> int:
+        """The ranks, rank 0 among them."""
+        return len(self.processes) + 1
+
     @staticmethod
     def launch(config: EngineConfig, device: torch.device | None = None) -> TensorParallelRanks:
         """Start the other ranks loading their shares (rank 0 on ``device``, else ``--device``'s); they wait for
@@ -242,6 +247,11 @@ class TensorParallelRanks:
             agreed = self.reads.agree(())
         return tuple(agreed)
 
+    def end_step(self, ok: bool) -> None:
+        """The step whose moves were sent failed on rank 0 (``ok`` False) before its forward pass ended: every rank
+        fails its layerwise sends of the step, and drops its copies of blocks still landing."""
+        self._send(("end", ok))
+
     def streams_done(self, rank0: RemoteReport, wait_s: float = 0.0) -> RemoteReport:
         """The block streams now done on every rank, given rank 0's report since the last call
         (``SplitStreams.agree``); with ``wait_s``, wait that long at most for the other ranks when rank 0's wait for
@@ -250,7 +260,7 @@ class TensorParallelRanks:
         agreed = self.streams.agree(rank0)
         if not (agreed.recvs or agreed.sends or agreed.counts) and wait_s > 0 and self.streams.waiting:
             self._hear(wait_s)
-            agreed = self.streams.agree(RemoteReport(stats=agreed.stats))
+            agreed = self.streams.agree(RemoteReport(stats=rank0.stats))  # (rank 0's totals: agree adds the others')
         return agreed
 
     def connect(self, how: RankEndpoint) -> list[str]:

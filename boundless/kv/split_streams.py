@@ -113,17 +113,22 @@ class SplitStreams:
         return bool(self._held_recvs or self._held_sends or self._held_counts)
 
 
+# (Should rank 0 finish a stream the other ranks never heard of, its share alone: the others' blocks never came.)
+_ALONE = "the stream ran on rank 0 alone"
+
+
 def _merge_recv(shares: list[RemoteRecvDone]) -> RemoteRecvDone:
-    error = next((s.error for s in shares if s.error is not None), None)
+    error = next((s.error for s in shares if s.error is not None), None if len(shares) > 1 else _ALONE)
     return RemoteRecvDone(shares[0].recv_id, 0 if error else min(s.num_valid for s in shares), error)
 
 
-def _merge_count(shares: list[RemoteRecvCount]) -> RemoteRecvCount:
-    return RemoteRecvCount(shares[0].recv_id, min(s.num_valid for s in shares))
+def _merge_count(shares: list[RemoteRecvCount]) -> RemoteRecvCount | None:
+    return RemoteRecvCount(shares[0].recv_id, min(s.num_valid for s in shares)) if len(shares) > 1 else None
 
 
 def _merge_send(shares: list[RemoteSendDone]) -> RemoteSendDone:
-    return RemoteSendDone(shares[0].send_id, next((s.error for s in shares if s.error is not None), None))
+    alone = None if len(shares) > 1 else _ALONE
+    return RemoteSendDone(shares[0].send_id, next((s.error for s in shares if s.error is not None), alone))
 
 
 def _agreed(
@@ -131,18 +136,20 @@ def _agreed(
     others: dict[int, dict[int, _Done]],
     ranks: int,
     key: Callable[[_Done], int],
-    merge: Callable[[list[_Done]], _Done],
+    merge: Callable[[list[_Done]], _Done | None],
 ) -> tuple[list[_Done], list[_Done]]:
-    """Of rank 0's finished shares ``held``, those every other rank has finished too, merged, and those still held."""
+    """Of rank 0's finished shares ``held``, those every other rank has finished too, merged (``merge`` of rank 0's
+    alone: one the other ranks never heard of), and those still held."""
     agreed, still = [], []
     for done in held:
         stream_id = key(done)
         shares = others.get(stream_id)
-        if shares is None:  # (not sent to the ranks: a step that failed before it could be; rank 0's alone)
-            agreed.append(done)
-        elif len(shares) == ranks:
-            del others[stream_id]
-            agreed.append(merge([done, *shares.values()]))
-        else:
+        if shares is not None and len(shares) < ranks:
             still.append(done)
+            continue
+        if shares is not None:
+            del others[stream_id]
+        merged = merge([done, *(shares or {}).values()])
+        if merged is not None:
+            agreed.append(merged)
     return agreed, still

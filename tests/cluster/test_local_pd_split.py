@@ -174,3 +174,42 @@ def test_a_split_decode_engine_that_loses_a_rank_is_restarted_and_takes_handoffs
         assert fresh.remote_io.recv_failures == 0
     finally:
         pd.shutdown()
+
+
+def test_a_prefill_step_that_fails_before_its_forward_pass_ends_every_ranks_sends(model_dirs: dict[str, Path]) -> None:
+    """Rank 0's step fails after its moves went to the ranks and before its forward pass: every rank's layerwise sends
+    of the step fail with it (else the other ranks' stayed open, the send was never reported, and the prefill engine
+    held its blocks until some other call came), and the next call hands off as ever."""
+    path = str(model_dirs["tiny-llama"])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cluster = ClusterConfig(prefill_instances=1, decode_instances=1, kv_handoff_timeout_s=5.0)
+    pd = LocalPDCluster(engine_config(path, max_model_len=512, kv_cache_gb=0.02, tensor_parallel_size=2), cluster)
+    pe = pd.instances["p0"].core
+    executor = pe.executor
+    layer_waits = executor._layer_waits
+    failed: list[bool] = []
+
+    def failing(sched):  # (called after the moves went to the ranks, before the forward pass)
+        if not failed and any(send.layerwise for send in sched.remote_sends):
+            failed.append(True)
+            raise RuntimeError("injected: rank 0's step fails before its forward pass")
+        return layer_waits(sched)
+
+    executor._layer_waits = failing  # type: ignore[method-assign]
+
+    async def call(rid: str, prompt: list[int]) -> list[tuple[str | None, str]]:
+        return [(d.finish_reason, d.instance) async for d in pd.submit(rid, prompt, params)]
+
+    try:
+        prompt = [7] + [(11 * j) % 300 + 3 for j in range(40)]
+        asyncio.run(asyncio.wait_for(call("a", prompt), timeout=120))
+        assert failed
+        deadline = time.monotonic() + 4.0  # (within the handoff's timeout: the failure is said, not waited out)
+        while pe.kv.num_remote_in_flight or pe.kv.pool.num_used:
+            assert time.monotonic() < deadline, "the failed step's sends are still held on the prefill engine"
+            time.sleep(0.05)
+        later = asyncio.run(asyncio.wait_for(call("b", prompt), timeout=120))
+        assert later[-1][0] == "length" and {instance for _, instance in later} == {"p0", "d0"}
+        assert pe.stats().remote_io.streams_sent >= 1
+    finally:
+        pd.shutdown()

@@ -54,13 +54,18 @@ def test_shares_merge_to_the_least_valid_and_any_failure_fails_the_stream() -> N
     assert agreed.sends == (RemoteSendDone(4), RemoteSendDone(3, "peer gone"))  # (rank 0's order)
 
 
-def test_streams_rank_0_ran_alone_pass_and_the_totals_count_every_ranks_bytes() -> None:
+def test_a_stream_the_other_ranks_never_heard_of_fails_and_the_totals_count_every_ranks_bytes() -> None:
     streams = SplitStreams(ranks=2)
     streams.rank_done(1, RemoteReport(recvs=(RemoteRecvDone(9, 3),), stats=RemoteIOStats(bytes_received=100)))
     streams.rank_done(2, RemoteReport(stats=RemoteIOStats(bytes_sent=7, bytes_received=50)))
     rank0 = RemoteIOStats(bytes_sent=5, bytes_received=100, blocks_received=3)
-    agreed = streams.agree(RemoteReport(recvs=(RemoteRecvDone(9, 3),), stats=rank0))
-    assert agreed.recvs == (RemoteRecvDone(9, 3),)  # (never sent to the ranks: a step that failed first)
+    ran_alone = RemoteReport(
+        recvs=(RemoteRecvDone(9, 3),), sends=(RemoteSendDone(8),), stats=rank0, counts=(RemoteRecvCount(9, 3),)
+    )
+    agreed = streams.agree(ran_alone)
+    # Rank 0's share alone: the other ranks' blocks never came (a receive counts none; nothing is counted).
+    assert agreed.recvs == (RemoteRecvDone(9, 0, "the stream ran on rank 0 alone"),) and agreed.counts == ()
+    assert agreed.sends == (RemoteSendDone(8, "the stream ran on rank 0 alone"),)
     assert agreed.stats == RemoteIOStats(bytes_sent=12, bytes_received=250, blocks_received=3)
 
 
