@@ -103,8 +103,8 @@ class ModelConfig:
             "help": "fp8: the layers' matrices held in e4m3 with a scale per row, their products in FP8 with each "
             "token's activations quantized as it runs (vLLM's online FP8; half a 16-bit model's weight bytes; on "
             "CUDA sm_89 or later in bfloat16; on the CPU for checking only: the matrices are also held widened for "
-            "its kernels, more memory, not less). A checkpoint quantized already loads as it says without it (FP8 "
-            "ones dequantized, GGUF files)"
+            "its kernels, more memory, not less). A checkpoint quantized already loads as it says without it (FP8, "
+            "GPTQ and AWQ ones dequantized, GGUF files)"
         },
     )
     max_model_len: int | None = field(

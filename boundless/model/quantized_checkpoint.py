@@ -11,8 +11,9 @@ A checkpoint says how it is quantized in ``config.json``'s ``quantization_config
 Each weight is dequantized as it arrives (``weight * scale``, the scale spread over its block) into the model's type;
 activation scales (``input_scale``) and KV scales (``k_scale``, ``v_scale``) are dropped: the model then runs as the
 unquantized one would on these weights, in its own type, and its KV in ``--kv-cache-dtype``'s. Weights the
-checkpoint left unquantized (its ``ignore`` list: often ``lm_head``) come as they are. Any other method (AWQ, GPTQ,
-bitsandbytes, integer compressed-tensors) is refused in words; a GGUF file's quantized weights load as before.
+checkpoint left unquantized (its ``ignore`` list: often ``lm_head``) come as they are. GPTQ and AWQ checkpoints (integer
+weights packed in int32) load through ``model/packed_int.py``. Any other method (bitsandbytes, integer
+compressed-tensors) is refused in words; a GGUF file's quantized weights load as before.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from boundless.config import ConfigError
+from boundless.model.packed_int import PackedIntCheckpoint
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _SCALES = (".weight_scale_inv", ".weight_scale")
@@ -40,12 +42,15 @@ class QuantizedCheckpoint:
     block: tuple[int, int] | None = None
 
     @staticmethod
-    def of(config: Mapping[str, Any]) -> QuantizedCheckpoint | None:
-        """From a ``config.json``; None for an unquantized checkpoint. An unsupported method is a ConfigError."""
+    def of(config: Mapping[str, Any]) -> QuantizedCheckpoint | PackedIntCheckpoint | None:
+        """From a ``config.json``; None for an unquantized checkpoint, a :class:`PackedIntCheckpoint` for GPTQ's and
+        AWQ's. An unsupported method is a ConfigError."""
         quant = config.get("quantization_config")
         if not quant:
             return None
         method = str(quant.get("quant_method", "")).lower()
+        if method in ("gptq", "awq"):
+            return PackedIntCheckpoint.of(method, quant)
         if method == "fp8":
             block = quant.get("weight_block_size")
             return QuantizedCheckpoint(method, (int(block[0]), int(block[1])) if block else None)
@@ -53,8 +58,8 @@ class QuantizedCheckpoint:
             return QuantizedCheckpoint(method, _compressed_tensors_block(quant))
         raise ConfigError(
             f"this checkpoint is quantized with {method or 'an unnamed method'!r}, which does not load here: FP8 "
-            "checkpoints (quant_method fp8 or compressed-tensors' float weights), GGUF files and unquantized "
-            "weights do"
+            "checkpoints (quant_method fp8 or compressed-tensors' float weights), GPTQ and AWQ ones, GGUF files and "
+            "unquantized weights do"
         )
 
     def dequantized(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,7 +1,8 @@
 """FP8 checkpoints (``quantization_config``): a random model's weights quantized as Qwen's FP8 models (blocks of
 ``weight_block_size``), llm-compressor's (compressed-tensors, per output channel) and vLLM's per-tensor fp8 are
 written beside the same model's weights dequantized in fp32; both load to the same parameters, whatever order the
-weights and their scales come in. Other quantizations are refused in words."""
+weights and their scales come in. Other quantizations are refused in words (GPTQ's and AWQ's load:
+``tests/model/test_packed_int.py``)."""
 
 from __future__ import annotations
 
@@ -136,8 +137,7 @@ def test_a_weight_without_its_scale_is_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("quant", "said"),
     [
-        ({"quant_method": "awq", "bits": 4}, "quantized with 'awq', which does not load here"),
-        ({"quant_method": "gptq", "bits": 4}, "quantized with 'gptq'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantized with 'bitsandbytes', which does not load"),
         (
             {
                 "quant_method": "compressed-tensors",

@@ -1,0 +1,145 @@
+"""Integer weight-only checkpoints, GPTQ's and AWQ's: each layer's weights in a few bits, packed into int32, with a
+scale and a zero point per group of input features, brought back to floats as they stream in.
+
+A linear layer ``W`` of ``in`` inputs and ``out`` outputs is stored as three or four tensors (``W.qweight``,
+``W.qzeros``, ``W.scales``, and GPTQ's ``W.g_idx``), and its weight is, for input ``i`` of group ``g(i)``::
+
+    weight[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]
+
+- **GPTQ** (``quant_method: gptq``; AutoGPTQ's and GPTQModel's checkpoints, ``TheBloke/*-GPTQ``): ``qweight`` is
+  ``[in * bits / 32, out]``, each int32 holding ``32 / bits`` consecutive inputs of one output, the first in the
+  lowest bits; ``qzeros`` is ``[groups, out * bits / 32]``, packed along the outputs alike; ``scales`` is ``[groups,
+  out]``. The ``gptq`` checkpoint format (v1, the common one) stores each zero point less one; ``gptq_v2`` stores it as
+  it is. A group is ``group_size`` consecutive inputs (-1: all of them), or with ``desc_act`` (act-order) the one
+  ``g_idx[i]`` names. 2, 4 and 8 bits.
+- **AWQ** (``quant_method: awq``, ``version: gemm``; AutoAWQ's, ``*-AWQ``): ``qweight`` is ``[in, out * bits / 32]``
+  and ``qzeros`` ``[groups, out * bits / 32]``, each int32 holding 8 outputs of one input in AWQ's interleaved order
+  (its ``j``-th four bits hold output ``[0, 2, 4, 6, 1, 3, 5, 7][j]`` of the 8); ``scales`` is ``[groups, out]``.
+  4 bits, with zero points.
+
+The layers come back in fp32 (the loader casts them to the model's type): the model then runs as the unquantized
+one would on these weights, holding them whole (this loads such checkpoints; it does not run 4-bit kernels). Checked
+against AutoAWQ's ``dequantize_gemm`` and AutoGPTQ's CPU forward (``tests/model/test_packed_int.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from boundless.config import ConfigError
+
+_PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output each four bits of an AWQ int32 hold, by position
+_AWQ_UNDO = tuple(_AWQ_ORDER.index(c) for c in range(8))  # the position of each output
+
+
+@dataclass(frozen=True)
+class PackedIntCheckpoint:
+    """How a GPTQ or AWQ checkpoint packs its layers (see the module docstring)."""
+
+    method: str  # gptq or awq
+    bits: int
+    group_size: int  # inputs a group (-1: all)
+    zero_offset: int = 0  # added to each stored zero point (1: GPTQ's v1 format)
+    act_order: bool = False  # GPTQ's desc_act: each input's group is g_idx's
+
+    @staticmethod
+    def of(method: str, quant: Mapping[str, Any]) -> PackedIntCheckpoint:
+        """From a ``config.json``'s ``quantization_config`` of ``method`` (gptq or awq); what does not load is a
+        ConfigError saying what does."""
+        bits = int(quant.get("bits", quant.get("w_bit", 4)))
+        group_size = int(quant.get("group_size", quant.get("q_group_size", -1)))
+        if group_size == 0 or group_size < -1:
+            raise ConfigError(f"this {method} checkpoint's group_size {group_size} is not a group of inputs")
+        if method == "awq":
+            version = str(quant.get("version", "gemm")).lower()
+            if version != "gemm" or bits != 4 or not quant.get("zero_point", True):
+                raise ConfigError(
+                    f"this AWQ checkpoint ({bits}-bit, version {version!r}, zero_point {quant.get('zero_point')}) "
+                    "does not load here: 4-bit GEMM ones with zero points do"
+                )
+            return PackedIntCheckpoint("awq", bits, group_size)
+        form = str(quant.get("checkpoint_format", "gptq")).lower()
+        if bits not in (2, 4, 8) or form not in ("gptq", "gptq_v2"):
+            raise ConfigError(
+                f"this GPTQ checkpoint ({bits}-bit, format {form!r}) does not load here: 2, 4 and 8-bit ones in the "
+                "gptq or gptq_v2 format do"
+            )
+        return PackedIntCheckpoint("gptq", bits, group_size, 1 if form == "gptq" else 0, bool(quant.get("desc_act")))
+
+    def dequantized(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` with each packed layer's parts replaced by its weight (fp32, ``[out, in]``), as soon as its
+        parts have come (they may lie in different files, in any order). Other tensors pass as they are."""
+        needed = {".qweight", ".qzeros", ".scales"} | ({".g_idx"} if self.act_order else set())
+        waiting: dict[str, dict[str, torch.Tensor]] = {}
+        done: set[str] = set()
+        for name, tensor in weights:
+            part = next((p for p in _PARTS if name.endswith(p)), None)
+            if part is None:
+                yield name, tensor
+                continue
+            layer = name.removesuffix(part)
+            if layer in done:  # (a g_idx after its layer was made: groups were by position)
+                continue
+            parts = waiting.setdefault(layer, {})
+            parts[part] = tensor
+            if needed <= parts.keys():
+                del waiting[layer]
+                done.add(layer)
+                yield layer + ".weight", self.weight(layer, parts)
+        missing = {layer: sorted(needed - parts.keys()) for layer, parts in waiting.items()}
+        if missing:
+            raise ValueError(f"packed layers without all their parts: {dict(list(missing.items())[:3])}")
+
+    def weight(self, layer: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One layer's weight, ``[out, in]`` in fp32, from its parts."""
+        scales = parts[".scales"].to(torch.float32)
+        if self.method == "awq":
+            q = _awq_outputs(_unpack(parts[".qweight"], self.bits, dim=1))
+            zeros = _awq_outputs(_unpack(parts[".qzeros"], self.bits, dim=1))
+        else:
+            q = _unpack(parts[".qweight"], self.bits, dim=0)
+            zeros = (_unpack(parts[".qzeros"], self.bits, dim=1) + self.zero_offset) & ((1 << self.bits) - 1)
+        inputs, outputs = q.shape
+        if scales.shape[1] != outputs or zeros.shape != scales.shape:
+            raise ValueError(
+                f"{layer}: packed weights of {inputs} x {outputs} with scales {tuple(scales.shape)} and zero points "
+                f"{tuple(zeros.shape)}"
+            )
+        groups = self._groups(layer, inputs, scales.shape[0], parts.get(".g_idx"))
+        w = (q - zeros[groups]).to(torch.float32) * scales[groups]
+        return w.t().contiguous()
+
+    def _groups(self, layer: str, inputs: int, num_groups: int, g_idx: torch.Tensor | None) -> torch.Tensor:
+        """Each input's group: g_idx's under act-order, else by position."""
+        if self.act_order:
+            assert g_idx is not None
+            groups = g_idx.to(torch.long)
+        else:
+            size = inputs if self.group_size == -1 else self.group_size
+            groups = torch.arange(inputs) // size
+        if groups.shape != (inputs,) or int(groups.max()) >= num_groups or int(groups.min()) < 0:
+            raise ValueError(f"{layer}: {inputs} inputs' groups do not fall in its {num_groups} groups of scales")
+        return groups
+
+
+def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The ``32 / bits`` values each int32 of ``packed`` holds, the first in the lowest bits, laid out along ``dim``
+    (0: an int32 holds consecutive rows; 1: consecutive columns), as int32."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    packed = packed.to(torch.int32)
+    if dim == 0:
+        values = (packed.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)
+        return values.reshape(packed.shape[0] * shifts.numel(), packed.shape[1])
+    values = (packed.unsqueeze(2) >> shifts.view(1, 1, -1)) & ((1 << bits) - 1)
+    return values.reshape(packed.shape[0], packed.shape[1] * shifts.numel())
+
+
+def _awq_outputs(values: torch.Tensor) -> torch.Tensor:
+    """AWQ's interleaved outputs (each 8 in ``_AWQ_ORDER``) in their own order."""
+    rows, cols = values.shape
+    return values.view(rows, cols // 8, 8)[:, :, list(_AWQ_UNDO)].reshape(rows, cols)

@@ -1,0 +1,163 @@
+"""GPTQ and AWQ checkpoints (``model/packed_int.py``): a random model's linear weights quantized to a few bits a group
+of inputs and packed as AutoGPTQ and AutoAWQ pack them load to exactly the weights they stand for; the bit order
+is pinned by values AutoAWQ's ``dequantize_gemm`` gives; what does not load is refused in words.
+
+The packers here follow the formats as AutoGPTQ's ``QuantLinear.pack`` and AutoAWQ's GEMM layout write them, one value
+at a time (checked once against AutoAWQ 0.2.9's ``dequantize_gemm`` and AutoGPTQ 0.7.1's CPU forward: the same
+weights, to the bit)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from boundless.config import ConfigError
+from boundless.model.loader import load_model
+from boundless.model.packed_int import PackedIntCheckpoint
+from boundless.model.random_model import TinySpec, write_random_model
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def _pack_columns(values: np.ndarray, bits: int, order: list[int] | None = None) -> torch.Tensor:
+    """[rows, cols] -> [rows, cols * bits / 32]: each int32 holds ``32 / bits`` consecutive columns, the first in the
+    lowest bits (AWQ: its ``j``-th value is column ``order[j]`` of the 8)."""
+    per = 32 // bits
+    rows, cols = values.shape
+    out = np.zeros((rows, cols // per), dtype=np.uint32)
+    for r in range(rows):
+        for k in range(cols // per):
+            for j in range(per):
+                out[r, k] |= np.uint32(int(values[r, k * per + (order[j] if order else j)]) << (bits * j))
+    return torch.from_numpy(out.astype(np.int32))
+
+
+def _pack_rows(values: np.ndarray, bits: int) -> torch.Tensor:
+    """[rows, cols] -> [rows * bits / 32, cols]: each int32 holds ``32 / bits`` consecutive rows (GPTQ's qweight)."""
+    return _pack_columns(values.T, bits).T.contiguous()
+
+
+def _quantize(w: torch.Tensor, bits: int, group: int, g_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """``w`` [out, in] as integers q [in, out], zero points [groups, out] and scales [groups, out] (fp16), each group
+    of inputs (``g_idx``) by its own min and max."""
+    wt = w.t().double().numpy()
+    top = (1 << bits) - 1
+    groups = int(g_idx.max()) + 1
+    scales = np.empty((groups, wt.shape[1]))
+    zeros = np.empty((groups, wt.shape[1]), dtype=np.int64)
+    for g in range(groups):
+        rows = wt[g_idx == g]
+        lo, hi = np.minimum(rows.min(0), 0), np.maximum(rows.max(0), 0)
+        scales[g] = np.maximum(hi - lo, 1e-6) / top
+        zeros[g] = np.clip(np.round(-lo / scales[g]), 0, top)
+    scales = torch.from_numpy(scales).half().double().numpy()  # (as stored)
+    q = np.clip(np.round(wt / scales[g_idx] + zeros[g_idx]), 0, top).astype(np.int64)
+    return q, zeros, torch.from_numpy(scales).half()
+
+
+def _write(root: Path, method: str, bits: int = 4, act_order: bool = False, v2: bool = False) -> tuple[Path, Path]:
+    """A random model written twice: packed as ``method`` packs it, and its weights as the packed ones stand for them
+    (fp32, no quantization_config)."""
+    source = write_random_model(root / "source", TinySpec(weight_std=0.3))
+    packed, reference = root / method, root / "reference"
+    for d in (packed, reference):
+        shutil.copytree(source, d, dirs_exist_ok=True)
+        (d / "model.safetensors").unlink()
+    group = 16
+    tensors, plain = {}, {}
+    rng = np.random.default_rng(1)
+    for name, w in load_file(str(source / "model.safetensors")).items():
+        if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
+            tensors[name] = plain[name] = w
+            continue
+        inputs = w.shape[1]
+        g_idx = np.arange(inputs) // group
+        if act_order:  # (act-order: the groups follow the inputs' order of importance, not their positions)
+            g_idx = rng.permutation(g_idx)
+        q, zeros, scales = _quantize(w, bits, group, g_idx)
+        layer = name.removesuffix(".weight")
+        if method == "awq":
+            tensors[layer + ".qweight"] = _pack_columns(q, bits, AWQ_ORDER)
+            tensors[layer + ".qzeros"] = _pack_columns(zeros, bits, AWQ_ORDER)
+        else:
+            tensors[layer + ".qweight"] = _pack_rows(q, bits)
+            stored = zeros if v2 else (zeros - 1) & ((1 << bits) - 1)  # (v1 stores each zero point less one)
+            tensors[layer + ".qzeros"] = _pack_columns(stored, bits)
+            tensors[layer + ".g_idx"] = torch.from_numpy(g_idx.astype(np.int32))
+        tensors[layer + ".scales"] = scales
+        plain[name] = torch.from_numpy((q - zeros[g_idx]) * scales.double().numpy()[g_idx]).t().float().contiguous()
+    save_file(tensors, str(packed / "model.safetensors"))
+    save_file(plain, str(reference / "model.safetensors"))
+    quant = {"quant_method": method, "bits": bits, "group_size": group}
+    if method == "awq":
+        quant |= {"version": "gemm", "zero_point": True}
+    else:
+        quant |= {"desc_act": act_order, "sym": False, "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    config = json.loads((source / "config.json").read_text())
+    (packed / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    return packed, reference
+
+
+@pytest.mark.parametrize(
+    ("method", "bits", "act_order", "v2"),
+    [("awq", 4, False, False), ("gptq", 4, False, False), ("gptq", 4, True, False), ("gptq", 8, False, True)],
+)
+def test_a_packed_checkpoint_loads_as_the_weights_it_stands_for(
+    tmp_path: Path, method: str, bits: int, act_order: bool, v2: bool
+) -> None:
+    packed, reference = _write(tmp_path, method, bits, act_order, v2)
+    got, want = load_model(str(packed)), load_model(str(reference))
+    params, expected = dict(got.model.named_parameters()), dict(want.model.named_parameters())
+    assert params.keys() == expected.keys()
+    for name, p in params.items():
+        assert torch.allclose(p, expected[name], rtol=0, atol=1e-6), name
+    # (Quantized: the weights moved from the source's, by up to half a step of the group's scale.)
+    source = load_model(str(tmp_path / "source"))
+    assert not torch.allclose(source.model.layers[0].qkv_weight, got.model.layers[0].qkv_weight, atol=1e-3)
+
+
+def test_the_bit_order_is_autoawqs_and_autogptqs() -> None:
+    """One int32 holding 0..7 in its eight four-bit fields, the first lowest: AWQ reads them as outputs
+    0, 4, 1, 5, 2, 6, 3, 7 (AutoAWQ's dequantize_gemm gives these); GPTQ as inputs 0..7, less its zero point (v1:
+    stored less one)."""
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    awq = PackedIntCheckpoint("awq", 4, 1)
+    parts = {".qweight": word, ".qzeros": torch.zeros(1, 1, dtype=torch.int32), ".scales": torch.ones(1, 8)}
+    assert awq.weight("w", parts).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    gptq = PackedIntCheckpoint("gptq", 4, -1, zero_offset=1)
+    qweight = torch.cat([word, torch.zeros(1, 7, dtype=torch.int32)], dim=1)  # (8 inputs of output 0; 7 outputs more)
+    zeros = torch.zeros(1, 1, dtype=torch.int32)  # (the 8 outputs' zero points, each stored 0: 1)
+    parts = {".qweight": qweight, ".qzeros": zeros, ".scales": torch.full((1, 8), 0.5)}
+    assert gptq.weight("w", parts)[0].tolist() == [(i - 1) * 0.5 for i in range(8)]
+
+
+@pytest.mark.parametrize(
+    ("quant", "said"),
+    [
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "does not load here: 4-bit GEMM ones"),
+        ({"quant_method": "gptq", "bits": 3}, "2, 4 and 8-bit ones"),
+        ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "format 'marlin'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantized with 'bitsandbytes'"),
+    ],
+)
+def test_what_does_not_load_is_refused_in_words(tmp_path: Path, quant: dict, said: str) -> None:
+    root = write_random_model(tmp_path / "m", TinySpec())
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    with pytest.raises(ConfigError, match=said):
+        load_model(str(root))
+
+
+def test_a_layer_missing_a_part_is_named(tmp_path: Path) -> None:
+    packed, _ = _write(tmp_path, "gptq")
+    tensors = load_file(str(packed / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.scales"]
+    save_file(tensors, str(packed / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj"):
+        load_model(str(packed))
