@@ -362,7 +362,13 @@ class EngineCore:
             if ranks_endpoint is None:
                 raise ValueError("a model split over ranks moves KV from every rank: say how they open their endpoints")
             addresses += ranks.connect(ranks_endpoint)
-        self.executor.connect(lambda tiers: RemoteIO(tiers, transport, throttle, timeout_s, layerwise=layerwise))
+        # (A split model's rank 0 keeps its gates until every rank's share of their receive is reported, as the other
+        # ranks do: ``kv/split_streams.py``.)
+        self.executor.connect(
+            lambda tiers: RemoteIO(
+                tiers, transport, throttle, timeout_s, layerwise=layerwise, retire_on_report=ranks is None
+            )
+        )
         self._remote_io = RemoteIOStats()
         self.handoff_timeout_s = timeout_s
         return instance_address(addresses)

@@ -333,6 +333,9 @@ class ModelExecutor:
         remote_report = self.remote.report(wait_s=remote_wait_s) if self.remote else RemoteReport()
         if self.remote is not None and self.runner.ranks is not None:  # (a stream is done once every rank's share is)
             remote_report = self.runner.ranks.streams_done(remote_report, remote_wait_s)
+            # Rank 0's gates of the receives reported now go (the manager hears of them with this result), not at its
+            # own share's end: a failure held for another rank's would leave a named block ungated here.
+            self.remote.retire([done.recv_id for done in remote_report.recvs])
         return StepResult(
             sampled, elapsed, tier_report, remote_report, tuple(later), tuple(pass_seconds), prompt_scores,
             embeddings or {},

@@ -335,7 +335,7 @@ class _RankSteps:
         assert self.remote is not None
         while not self._stop.is_set():
             report = self.remote.report(wait_s=0.5)
-            if report.recvs or report.sends:
+            if report.recvs or report.sends or report.counts:  # (a count alone too: rank 0 names the blocks at it)
                 self.voice.say("remote", report)
 
     def close(self) -> None:

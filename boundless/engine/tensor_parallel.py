@@ -407,6 +407,12 @@ class TensorParallelRanks:
                     break
             self.lost = why
             log.error("tensor parallelism: %s", why)
+            # The ranks left can run nothing more (some may wait at a sum that will not come, spinning on the CPU or
+            # holding a GPU): stopped now, not when the engine is closed (a cluster may keep a lost engine a while).
+            for process in self.processes:
+                if process.poll() is None:
+                    with contextlib.suppress(OSError):
+                        process.kill()
         return RankLost(f"tensor parallelism: {self.lost}")
 
 

@@ -101,6 +101,17 @@ def test_a_split_decode_engine_pushes_what_the_prefill_engine_lacks_rank_to_rank
         prefill_instances=1, decode_instances=1, kv_path="dualpath", storage_gbps=10.0, net_gbps=net_gbps
     )
     pd = LocalPDCluster(engine_config(path, **flags, **store, layerwise_load=layerwise), cluster)
+    # What the prefill engine's manager hears: a counted push is counted (its blocks named, its request let run) once
+    # every rank's count has come, before the push ends.
+    ranks = pd.instances["p0"].core.executor.runner.ranks
+    streams_done, counted = ranks.streams_done, []
+
+    def recording(rank0, wait_s=0.0):
+        report = streams_done(rank0, wait_s)
+        counted.extend(report.counts)
+        return report
+
+    ranks.streams_done = recording
 
     async def call(rid: str, prompt: list[int], program: str) -> str:
         text = ""
@@ -120,6 +131,7 @@ def test_a_split_decode_engine_pushes_what_the_prefill_engine_lacks_rank_to_rank
         assert pe.remote_io.recv_failures == 0
         assert pe.remote_io.bytes_received >= pe.remote_io.blocks_received * _whole_block_bytes(pd)  # every rank's
         assert (pe.remote_io.counted_recvs > 0) == (layerwise == "on")
+        assert len(counted) == pe.remote_io.counted_recvs  # (every rank's count came: none held to the push's end)
     finally:
         pd.shutdown()
 

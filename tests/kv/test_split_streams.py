@@ -1,8 +1,18 @@
 """Rank 0's account of a split model's block streams (``kv/split_streams.py``): a stream is reported once every rank's
-share is done, valid as far as every rank's, failed if any rank's failed, in the order rank 0 finished them."""
+share is done, valid as far as every rank's, failed if any rank's failed, in the order rank 0 finished them; a counted
+receive is counted once every rank's count came; and a receive's gates stay on each rank until rank 0 has reported it
+(a real ``RemoteIO`` over a transport the test lands by hand)."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
+import torch
+
+from boundless.engine.executor import split_landing
+from boundless.kv.layer_gate import LayerLost
+from boundless.kv.remote_io import RemoteIO
 from boundless.kv.remote_moves import (
     RemoteIOStats,
     RemoteRecv,
@@ -13,7 +23,8 @@ from boundless.kv.remote_moves import (
     RemoteSendDone,
 )
 from boundless.kv.split_streams import SplitStreams
-from boundless.kv.transfer import HOST, BlockRef
+from boundless.kv.transfer import DEVICE, HOST, BlockRef, BlockTransfer
+from boundless.transport.base import TransportError
 
 
 def _recv(recv_id: int, count_first: bool = False) -> RemoteRecv:
@@ -84,3 +95,85 @@ def test_a_counted_first_receive_is_counted_once_every_rank_has_its_count() -> N
     assert streams.agree(RemoteReport()).counts == ()
     # The ranks retire the gates of the receives reported, once, when told.
     assert streams.take_reported() == [2] and streams.take_reported() == []
+
+
+class _Handle:
+    """A receive the test completes by hand (or fails)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.landed, self.error = tensor, False, None
+
+    def done(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.landed
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _Transport:
+    """Receives posted and left for the test to land: the streams' messages without a peer."""
+
+    address = "test"
+
+    def __init__(self) -> None:
+        self.handles: list[_Handle] = []
+
+    def recv(self, peer: str, tag: int, tensor: torch.Tensor) -> _Handle:
+        self.handles.append(_Handle(tensor))
+        return self.handles[-1]
+
+    def close(self) -> None:
+        pass
+
+
+class _Tier:
+    def __init__(self) -> None:
+        self.data = torch.zeros(2, 2, 1, 8, 4, 4)  # [layers, k/v, heads, blocks, block size, head dim]
+
+    def write_blocks(self, ids, values) -> None:  # type: ignore[no-untyped-def]
+        self.data[:, :, :, list(ids)] = values
+
+
+def _wait_for(condition) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 5
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_split_engines_failed_gate_stays_until_every_ranks_share_is_reported() -> None:
+    """Both ranks' counts came (the manager named the blocks) and rank 0's receive then failed, rank 1's still landing:
+    rank 0 keeps its failed gate until told the receive is reported (a step copying the blocks meanwhile waits at the
+    gate and fails there, where an ungated copy took half-landed KV on rank 0 alone), then drops it."""
+    recv = RemoteRecv(1, "peer0\npeer1", 7, (3, 4), 2, count_first=True)
+    tiers = {DEVICE: _Tier(), HOST: _Tier()}
+    transport = _Transport()
+    rank0 = RemoteIO(tiers, transport, timeout_s=30, retire_on_report=False)  # type: ignore[arg-type]
+    streams = SplitStreams(ranks=1)
+    streams.expect([recv], [])
+    try:
+        rank0.start([recv], [])
+        _wait_for(lambda: len(transport.handles) == 4)  # (the count, two layers, the trailer)
+        count, layer0 = transport.handles[0], transport.handles[1]
+        count.tensor[0], count.landed, layer0.landed = 2, True, True
+        _wait_for(lambda: rank0.recv_gates([3, 4]))
+        streams.rank_done(1, RemoteReport(counts=(RemoteRecvCount(1, 2),)))
+        transport.handles[2].error = TransportError("the peer went away")
+        _wait_for(lambda: rank0.stats.recv_failures == 1)
+        agreed = streams.agree(rank0.report())
+        assert agreed.counts == (RemoteRecvCount(1, 2),) and agreed.recvs == ()  # (named; the failure held for rank 1)
+        copies = [
+            BlockTransfer(BlockRef(HOST, 3), BlockRef(DEVICE, 0)),
+            BlockTransfer(BlockRef(HOST, 4), BlockRef(DEVICE, 1)),
+        ]
+        now, landing = split_landing(copies, rank0, tiers)  # type: ignore[arg-type]
+        assert now == [] and landing is not None  # gated: the copy fails at the gate
+        with pytest.raises(LayerLost):
+            landing.finish()
+        rank0.retire([1])
+        assert rank0.recv_gates([3, 4]) == {}
+    finally:
+        rank0.close()
