@@ -209,29 +209,26 @@ class ModelExecutor:
         elif sched.remote_recvs or sched.remote_sends:
             raise RuntimeError("a step moves KV to or from another instance, but this executor has no transport")
         ranks = self.runner.ranks
-        if (
-            ranks is not None
-        ):  # (a tensor-parallel model: every rank's KV moves alike, its streams started with rank 0's)
-            assert after is None, "a split model's steps run eagerly: none is decided ahead"
-            try:
+        try:
+            transfers, landing = split_landing(sched.transfers, self.remote, self.tiers)
+            if ranks is not None:  # (a split model: every rank's KV moves alike, its streams started with rank 0's)
+                assert after is None, "a split model's steps run eagerly: none is decided ahead"
                 # (Every transfer: each rank copies what still lands on it as its own receives' gates say.)
                 ranks.moves(
                     sched.transfers, sched.disk_reads, sched.disk_writes, sched.disk_ages, sched.remote_recvs,
                     sched.remote_sends, forward=bool(sched.chunks),
                 )  # fmt: skip
-            except BaseException:
-                if self.remote is not None:
-                    self.remote.end_step(ok=False)
-                raise
+        except BaseException:
+            if self.remote is not None:
+                self.remote.end_step(ok=False)
+            raise
         later: list[dict[str, SampledToken]] = []
         pass_seconds: list[float] = []
         sampled: dict[str, SampledToken] = {}
         prompt_scores: dict[str, PromptScores] = {}
         embeddings: dict[str, list[float]] = {}
         waits = None
-        landing = None
         try:
-            transfers, landing = split_landing(sched.transfers, self.remote, self.tiers)
             host_copies = None
             if after is not None:  # a window ahead: its demotions' copies queued behind the window running
                 transfers, host_copies = queue_host_copies(transfers, self.tiers)

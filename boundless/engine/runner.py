@@ -218,23 +218,25 @@ class ModelRunner:
             hidden = self.model(
                 batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer, lora
             )
+            if batch.embed_spans and self.pooling.kind == "mean":
+                self._add_to_means(hidden, batch.embed_spans)
+            last = hidden[batch.sample_indices]
+            # (A split vocabulary: the logits are gathered over the ranks, which compute their columns beside these.)
+            logits = self.model.compute_logits(last)
+            spans = batch.prompt_spans
+            scores = score_prompt_spans(hidden, spans, self.model.compute_logits) if spans else {}
         except EngineLost:
             raise
         except BaseException as e:
             if self.ranks is None:
                 raise
-            # The other ranks are part-way through this pass, waiting at a sum that will not come: a next pass's sums
-            # would meet theirs out of step, so none may run. (An interrupt, Ctrl-C in a notebook, is raised as
+            # The other ranks are part-way through this pass, waiting at a sum or a gather that will not come: a next
+            # pass's would meet theirs out of step, so none may run. (An interrupt, Ctrl-C in a notebook, is raised as
             # itself, the ranks lost all the same.)
             lost = self.ranks.lose(f"rank 0's forward pass failed ({type(e).__name__}: {e})")
             if not isinstance(e, Exception):
                 raise
             raise lost from e
-        if batch.embed_spans and self.pooling.kind == "mean":
-            self._add_to_means(hidden, batch.embed_spans)
-        last = hidden[batch.sample_indices]
-        logits = self.model.compute_logits(last)
-        scores = score_prompt_spans(hidden, batch.prompt_spans, self.model.compute_logits) if batch.prompt_spans else {}
         return StepLogits(logits, batch.sample_chunks, scores, self._embeddings(last, batch.sample_chunks))
 
     def needs_hidden_states(self, chunks: Sequence[ScheduledChunk]) -> bool:
