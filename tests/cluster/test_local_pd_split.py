@@ -28,16 +28,21 @@ def _whole_block_bytes(pd: LocalPDCluster) -> int:
     return 2 * arch.num_layers * arch.num_kv_heads * BLOCK * arch.head_dim * 4
 
 
+def _one_split_engines_texts(path: str, flags: dict, prompts: list[list[int]], params: SamplingParams) -> list[str]:
+    """The greedy answers of one engine split as the cluster's engines are."""
+    one = LLM(path, **flags)
+    try:
+        return [out.outputs[0].text for out in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.close()
+
+
 def test_a_split_prefill_engine_hands_each_ranks_share_to_the_decode_engines_rank(model_dirs: dict[str, Path]) -> None:
     path = str(model_dirs["tiny-llama"])
     flags = dict(max_model_len=512, kv_cache_gb=0.02, tensor_parallel_size=2)
     prompts = [[40 + i] + [(17 * j + i) % 300 + 3 for j in range(36 + 9 * i)] for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    one = LLM(path, **flags)
-    try:
-        expected = [out.outputs[0].text for out in one.generate(prompts, params, use_tqdm=False)]
-    finally:
-        one.close()
+    expected = _one_split_engines_texts(path, flags, prompts, params)
 
     pd = LocalPDCluster(engine_config(path, **flags), ClusterConfig(prefill_instances=1, decode_instances=1))
 
@@ -145,11 +150,7 @@ def test_a_split_decode_engine_that_loses_a_rank_is_restarted_and_takes_handoffs
     flags = dict(max_model_len=512, kv_cache_gb=0.02, tensor_parallel_size=2)
     prompts = [[60 + i] + [(13 * j + i) % 300 + 3 for j in range(40)] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    one = LLM(path, **flags)
-    try:
-        expected = [out.outputs[0].text for out in one.generate(prompts, params, use_tqdm=False)]
-    finally:
-        one.close()
+    expected = _one_split_engines_texts(path, flags, prompts, params)
     cluster = ClusterConfig(
         prefill_instances=1, decode_instances=2, heartbeat_interval_s=0.1, heartbeat_timeout_s=30.0,
         kv_handoff_timeout_s=20.0, restart_delay_s=0.5, max_restarts=1,

@@ -1,6 +1,7 @@
 """GPTQ and AWQ checkpoints (``model/packed_int.py``): a random model's linear weights quantized to a few bits a group
 of inputs and packed as AutoGPTQ and AutoAWQ pack them load to exactly the weights they stand for; the bit order
-is pinned by values AutoAWQ's ``dequantize_gemm`` gives; what does not load is refused in words.
+is pinned by values AutoAWQ's ``dequantize_gemm`` gives (what does not load is refused in words:
+``tests/model/test_quantized_checkpoint.py``).
 
 The packers here follow the formats as AutoGPTQ's ``QuantLinear.pack`` and AutoAWQ's GEMM layout write them, one value
 at a time (checked once against AutoAWQ 0.2.9's ``dequantize_gemm`` and AutoGPTQ 0.7.1's CPU forward: the same
@@ -17,7 +18,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from boundless.config import ConfigError
 from boundless.model.loader import load_model
 from boundless.model.packed_int import PackedIntCheckpoint
 from boundless.model.random_model import TinySpec, write_random_model
@@ -135,23 +135,6 @@ def test_the_bit_order_is_autoawqs_and_autogptqs() -> None:
     zeros = torch.zeros(1, 1, dtype=torch.int32)  # (the 8 outputs' zero points, each stored 0: 1)
     parts = {".qweight": qweight, ".qzeros": zeros, ".scales": torch.full((1, 8), 0.5)}
     assert gptq.weight("w", parts)[0].tolist() == [(i - 1) * 0.5 for i in range(8)]
-
-
-@pytest.mark.parametrize(
-    ("quant", "said"),
-    [
-        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "does not load here: 4-bit GEMM ones"),
-        ({"quant_method": "gptq", "bits": 3}, "2, 4 and 8-bit ones"),
-        ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "format 'marlin'"),
-        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantized with 'bitsandbytes'"),
-    ],
-)
-def test_what_does_not_load_is_refused_in_words(tmp_path: Path, quant: dict, said: str) -> None:
-    root = write_random_model(tmp_path / "m", TinySpec())
-    config = json.loads((root / "config.json").read_text())
-    (root / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
-    with pytest.raises(ConfigError, match=said):
-        load_model(str(root))
 
 
 def test_a_layer_missing_a_part_is_named(tmp_path: Path) -> None:

@@ -138,6 +138,9 @@ def test_a_weight_without_its_scale_is_named(tmp_path: Path) -> None:
     ("quant", "said"),
     [
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantized with 'bitsandbytes', which does not load"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "does not load here: 4-bit GEMM ones"),
+        ({"quant_method": "gptq", "bits": 3}, "2, 4 and 8-bit ones"),
+        ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "format 'marlin'"),
         (
             {
                 "quant_method": "compressed-tensors",
