@@ -684,9 +684,12 @@ class LlamaModel(nn.Module):
         offsets = {"q_proj": (0, q_size), "k_proj": (q_size, kv_size), "v_proj": (q_size + kv_size, kv_size)}
         mlp_offsets = {"gate_proj": 0, "up_proj": arch.intermediate_size}
         seen: set[str] = set()
+        expected = self._expected_names()
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue  # derived buffers, and a tied head saved beside its embedding
+            if name.endswith(".bias") and name not in expected and not tensor.any():
+                continue  # (a zero bias adds nothing: AutoGPTQ saves one beside every layer it packs, Llama's too)
             target, rows = self._target(name, offsets, mlp_offsets)
             if target is None:
                 raise ValueError(f"unexpected weight {name!r}")
@@ -696,7 +699,6 @@ class LlamaModel(nn.Module):
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
                 dest.copy_(tensor)
             seen.update(self._loaded_names(name))
-        expected = self._expected_names()
         missing = expected - seen
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")

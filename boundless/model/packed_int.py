@@ -17,7 +17,8 @@ A linear layer ``W`` of ``in`` inputs and ``out`` outputs is stored as three or 
   (its ``j``-th four bits hold output ``[0, 2, 4, 6, 1, 3, 5, 7][j]`` of the 8); ``scales`` is ``[groups, out]``.
   4 bits, with zero points.
 
-The layers come back in fp32 (the loader casts them to the model's type): the model then runs as the unquantized
+AutoGPTQ saves a bias beside every layer it packs, zeros where the model has none (Llama's): the model skips a zero
+bias it has no place for. The layers come back in fp32 (the loader casts them to the model's type): the model then runs as the unquantized
 one would on these weights, holding them whole (this loads such checkpoints; it does not run 4-bit kernels). Checked
 against AutoAWQ's ``dequantize_gemm`` and AutoGPTQ's CPU forward (``tests/model/test_packed_int.py``).
 """

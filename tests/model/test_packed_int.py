@@ -90,6 +90,7 @@ def _write(root: Path, method: str, bits: int = 4, act_order: bool = False, v2: 
             stored = zeros if v2 else (zeros - 1) & ((1 << bits) - 1)  # (v1 stores each zero point less one)
             tensors[layer + ".qzeros"] = _pack_columns(stored, bits)
             tensors[layer + ".g_idx"] = torch.from_numpy(g_idx.astype(np.int32))
+            tensors[layer + ".bias"] = torch.zeros(w.shape[0], dtype=torch.float16)  # (AutoGPTQ's, Llama's layers too)
         tensors[layer + ".scales"] = scales
         plain[name] = torch.from_numpy((q - zeros[g_idx]) * scales.double().numpy()[g_idx]).t().float().contiguous()
     save_file(tensors, str(packed / "model.safetensors"))
