@@ -141,50 +141,61 @@ def test_a_split_decode_engine_pushes_what_the_prefill_engine_lacks_rank_to_rank
         pd.shutdown()
 
 
-def test_a_split_decode_engine_that_loses_a_rank_is_restarted_and_takes_handoffs_again(
-    model_dirs: dict[str, Path],
+@pytest.mark.parametrize("lost", ["d0", "p0"])
+def test_a_split_engine_that_loses_a_rank_is_restarted_and_hands_off_again(
+    model_dirs: dict[str, Path], lost: str
 ) -> None:
-    """A decode engine's rank 1 killed: the calls placed on it fail over to the other decode engine with nothing lost;
-    the engine is restarted with fresh ranks, whose endpoints its peers reach again, and takes handoffs again."""
+    """An engine's rank 1 killed: a decode engine's calls fail over to the other decode engine, a lone prefill
+    engine's wait for its restart, with nothing lost; the engine is restarted with fresh ranks, whose endpoints its
+    peers reach again, and hands off again."""
     path = str(model_dirs["tiny-llama"])
     flags = dict(max_model_len=512, kv_cache_gb=0.02, tensor_parallel_size=2)
+    # (Later calls with prompts of their own: the earlier ones' blocks are the decode engines' already, handed none.)
     prompts = [[60 + i] + [(13 * j + i) % 300 + 3 for j in range(40)] for i in range(6)]
+    later = [[90 + i] + [(7 * j + i) % 300 + 3 for j in range(40)] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    expected = _one_split_engines_texts(path, flags, prompts, params)
+    expected = _one_split_engines_texts(path, flags, prompts + later, params)
     cluster = ClusterConfig(
-        prefill_instances=1, decode_instances=2, heartbeat_interval_s=0.1, heartbeat_timeout_s=30.0,
-        kv_handoff_timeout_s=20.0, restart_delay_s=0.5, max_restarts=1,
+        prefill_instances=1, decode_instances=2 if lost == "d0" else 1, heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=30.0, kv_handoff_timeout_s=20.0, restart_delay_s=0.5, max_restarts=1,
     )  # fmt: skip
     pd = LocalPDCluster(engine_config(path, **flags), cluster)
 
-    async def call(rid: str, prompt: list[int]) -> tuple[str, str]:
-        text, instance = "", ""
+    async def call(rid: str, prompt: list[int]) -> tuple[str, set[str]]:
+        text, instances = "", set()
         async for delta in pd.submit(rid, prompt, params):
             assert delta.finish_reason != "error", delta.stop_reason
             text += delta.new_text
-            instance = delta.instance
-        return text, instance
+            instances.add(delta.instance)
+        return text, instances
 
-    async def run(tag: str) -> list[tuple[str, str]]:
-        return list(await asyncio.gather(*(call(f"{tag}{i}", p) for i, p in enumerate(prompts))))
+    async def run(tag: str, batch: list[list[int]]) -> list[tuple[str, set[str]]]:
+        return list(await asyncio.gather(*(call(f"{tag}{i}", p) for i, p in enumerate(batch))))
 
     try:
-        ranks = pd.instances["d0"].core.executor.runner.ranks
+        ranks = pd.instances[lost].core.executor.runner.ranks
         assert ranks is not None
         ranks.processes[0].kill()
         ranks.processes[0].wait(10)
-        assert [text for text, _ in asyncio.run(asyncio.wait_for(run("a"), timeout=240))] == expected
-        assert pd.dispatcher.num_failovers >= 1  # (the calls placed on d0 went on on d1)
+        first = asyncio.run(asyncio.wait_for(run("a", prompts), timeout=240))
+        assert [text for text, _ in first] == expected[: len(prompts)]
         deadline = time.monotonic() + 120
-        while not (pd.dispatcher.views["d0"].alive and pd.dispatcher.restarts.counts("d0")[0] == 1):
-            assert time.monotonic() < deadline, "the decode engine was not restarted"
+        while not (pd.dispatcher.views[lost].alive and pd.dispatcher.restarts.counts(lost)[0] == 1):
+            assert time.monotonic() < deadline, "the engine was not restarted"
             time.sleep(0.1)
-        results = asyncio.run(asyncio.wait_for(run("b"), timeout=240))
-        assert [text for text, _ in results] == expected
-        fresh = pd.instances["d0"].core.stats()
-        assert "d0" in {instance for _, instance in results}
-        assert fresh.remote_io is not None and fresh.remote_io.blocks_received > 0  # handed off to its fresh ranks
-        assert fresh.remote_io.recv_failures == 0
+        if lost == "d0":
+            assert pd.dispatcher.num_failovers >= 1  # (the calls placed on d0 went on on d1)
+        decoder = pd.instances["d0"].core  # (d0: the fresh engine, or the one the fresh PE hands off to)
+        before = decoder.stats().remote_io
+        assert before is not None
+        results = asyncio.run(asyncio.wait_for(run("b", later), timeout=240))
+        assert [text for text, _ in results] == expected[len(prompts) :]
+        assert any(lost in instances for _, instances in results)  # (the fresh engine took calls)
+        after = decoder.stats().remote_io
+        assert after is not None and after.blocks_received > before.blocks_received
+        assert (
+            after.recv_failures == before.recv_failures
+        )  # (the first calls' streams from a lost PE failed, not these)
     finally:
         pd.shutdown()
 
