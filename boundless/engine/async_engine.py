@@ -346,6 +346,10 @@ class EngineLoop:
         log.critical("the engine was lost and is not restarted again (--max-restarts): it stays stopped")
         return False
 
+    # Whether the requests of a step that lost the engine end with the step's error (the server's engine: its clients
+    # and /metrics see them fail), or are left to the loop's owner (a cluster instance: its calls fail over).
+    fails_lost_steps = False
+
     def _stopped(self, error: BaseException) -> None:
         """The loop stopped by ``error`` with requests in flight. Here nothing more: the cluster's instance says so at
         its next heartbeat, and its calls fail over with their tokens. The server's engine ends them (below)."""
@@ -391,14 +395,15 @@ class EngineLoop:
                     if self.hooks is not None and self.hooks.step_failed(e, sched):
                         continue
                 log.error("engine step failed:\n%s", traceback.format_exc())
-                if isinstance(e, EngineLost):
-                    # No later step could run: the loop stops (_run), and its requests in flight end as its owner says
-                    # (``_stopped``: a server's with an error; a cluster instance's fail over, the step's among them,
-                    # where an error of theirs would have reached the client).
+                if isinstance(e, EngineLost) and not self.fails_lost_steps:
+                    # A cluster instance's: its calls fail over, the step's among them (an error of theirs would have
+                    # reached the client).
                     raise
                 with self.lock:
                     for failed_sched in failed:
                         self._emit_all(core.fail_step(failed_sched, e))
+                if isinstance(e, EngineLost):
+                    raise  # no later step could run: the loop stops (_run)
                 continue
             self.step_watch.end()
             with self.lock:
@@ -617,6 +622,8 @@ class AsyncEngine(EngineLoop):
                 if delta.finished:
                     for fn in self._listeners:
                         fn(delta)
+
+    fails_lost_steps = True
 
     def _stopped(self, error: BaseException) -> None:
         """Its requests in flight end with an error saying so (they waited for ever: nothing would end their
