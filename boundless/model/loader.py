@@ -192,12 +192,13 @@ def _safetensors_weights(
 
 
 def _has_lm_head(path: Path) -> bool:
-    """Whether the directory's checkpoint holds an LM head (its files' headers read, not their tensors)."""
+    """Whether the directory's checkpoint holds an LM head (its files' headers read, not their tensors), whole or packed
+    (a GPTQ checkpoint that quantized its head too: ``lm_head.qweight``)."""
     from safetensors import safe_open
 
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            if "lm_head.weight" in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            if {"lm_head.weight", "lm_head.qweight"} & set(f.keys()):
                 return True
     return False
 

@@ -61,9 +61,11 @@ def _quantize(w: torch.Tensor, bits: int, group: int, g_idx: np.ndarray) -> tupl
     return q, zeros, torch.from_numpy(scales).half()
 
 
-def _write(root: Path, method: str, bits: int = 4, act_order: bool = False, v2: bool = False) -> tuple[Path, Path]:
-    """A random model written twice: packed as ``method`` packs it, and its weights as the packed ones stand for them
-    (fp32, no quantization_config)."""
+def _write(
+    root: Path, method: str, bits: int = 4, act_order: bool = False, v2: bool = False, head: bool = False
+) -> tuple[Path, Path]:
+    """A random model written twice: packed as ``method`` packs it (with ``head``, its LM head too, as GPTQModel may),
+    and its weights as the packed ones stand for them (fp32, no quantization_config)."""
     source = write_random_model(root / "source", TinySpec(weight_std=0.3))
     packed, reference = root / method, root / "reference"
     for d in (packed, reference):
@@ -73,7 +75,8 @@ def _write(root: Path, method: str, bits: int = 4, act_order: bool = False, v2: 
     tensors, plain = {}, {}
     rng = np.random.default_rng(1)
     for name, w in load_file(str(source / "model.safetensors")).items():
-        if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
+        packs = name.startswith("model.layers.") and name.endswith("_proj.weight")
+        if not (packs or (head and name == "lm_head.weight")):
             tensors[name] = plain[name] = w
             continue
         inputs = w.shape[1]
@@ -106,13 +109,19 @@ def _write(root: Path, method: str, bits: int = 4, act_order: bool = False, v2: 
 
 
 @pytest.mark.parametrize(
-    ("method", "bits", "act_order", "v2"),
-    [("awq", 4, False, False), ("gptq", 4, False, False), ("gptq", 4, True, False), ("gptq", 8, False, True)],
+    ("method", "bits", "act_order", "v2", "head"),
+    [
+        ("awq", 4, False, False, False),
+        ("gptq", 4, False, False, False),
+        ("gptq", 4, True, False, False),
+        ("gptq", 8, False, True, False),
+        ("gptq", 4, False, False, True),
+    ],
 )
 def test_a_packed_checkpoint_loads_as_the_weights_it_stands_for(
-    tmp_path: Path, method: str, bits: int, act_order: bool, v2: bool
+    tmp_path: Path, method: str, bits: int, act_order: bool, v2: bool, head: bool
 ) -> None:
-    packed, reference = _write(tmp_path, method, bits, act_order, v2)
+    packed, reference = _write(tmp_path, method, bits, act_order, v2, head)
     got, want = load_model(str(packed)), load_model(str(reference))
     params, expected = dict(got.model.named_parameters()), dict(want.model.named_parameters())
     assert params.keys() == expected.keys()
