@@ -214,17 +214,16 @@ class ModelRunner:
                 batch.input_ids, batch.positions, batch.attention, batch.lora_rows, batch.sample_indices,
                 batch.prompt_spans,
             )  # fmt: skip
+        # A split vocabulary's logits and prompt scores are gathered over the ranks, which compute their columns beside
+        # rank 0's: a failure there is one inside the pass. Else the ranks are done once the model's pass is.
+        logits: torch.Tensor | None = None
+        scores: dict[str, PromptScores] = {}
         try:
             hidden = self.model(
                 batch.input_ids, batch.positions, self.attention, self.kv_cache, meta, on_layer, before_layer, lora
             )
-            if batch.embed_spans and self.pooling.kind == "mean":
-                self._add_to_means(hidden, batch.embed_spans)
-            last = hidden[batch.sample_indices]
-            # (A split vocabulary: the logits are gathered over the ranks, which compute their columns beside these.)
-            logits = self.model.compute_logits(last)
-            spans = batch.prompt_spans
-            scores = score_prompt_spans(hidden, spans, self.model.compute_logits) if spans else {}
+            if self.ranks is not None and self.model.vocab_split:
+                logits, scores = self._logits(hidden, batch)
         except EngineLost:
             raise
         except BaseException as e:
@@ -237,7 +236,18 @@ class ModelRunner:
             if not isinstance(e, Exception):
                 raise
             raise lost from e
+        if batch.embed_spans and self.pooling.kind == "mean":
+            self._add_to_means(hidden, batch.embed_spans)
+        if logits is None:
+            logits, scores = self._logits(hidden, batch)
+        last = hidden[batch.sample_indices]
         return StepLogits(logits, batch.sample_chunks, scores, self._embeddings(last, batch.sample_chunks))
+
+    def _logits(self, hidden: torch.Tensor, batch: FlatBatch) -> tuple[torch.Tensor, dict[str, PromptScores]]:
+        """The logits of the rows sampled, and the prompt spans' scores."""
+        logits = self.model.compute_logits(hidden[batch.sample_indices])
+        spans = batch.prompt_spans
+        return logits, score_prompt_spans(hidden, spans, self.model.compute_logits) if spans else {}
 
     def needs_hidden_states(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """Whether a step's chunks need hidden states, which a graph or a device window does not hand back: a prompt's
