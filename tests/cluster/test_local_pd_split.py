@@ -37,6 +37,27 @@ def _one_split_engines_texts(path: str, flags: dict, prompts: list[list[int]], p
         one.close()
 
 
+def _answers(
+    pd: LocalPDCluster, tag: str, prompts: list[list[int]], params: SamplingParams, agents: bool = False
+) -> list[tuple[str, set[str]]]:
+    """Each prompt's text through the cluster, sent all at once (none ending in an error), and the engines it came
+    from; with ``agents``, prompt ``i`` a call of program ``agent-i``."""
+
+    async def call(rid: str, prompt: list[int], program: ProgramRef | None) -> tuple[str, set[str]]:
+        text, instances = "", set()
+        async for delta in pd.submit(rid, prompt, params, program):
+            assert delta.finish_reason != "error", delta.stop_reason
+            text += delta.new_text
+            instances.add(delta.instance)
+        return text, instances
+
+    async def run() -> list[tuple[str, set[str]]]:
+        calls = (call(f"{tag}{i}", p, ProgramRef(f"agent-{i}") if agents else None) for i, p in enumerate(prompts))
+        return list(await asyncio.gather(*calls))
+
+    return asyncio.run(asyncio.wait_for(run(), timeout=240))
+
+
 def test_a_split_prefill_engine_hands_each_ranks_share_to_the_decode_engines_rank(model_dirs: dict[str, Path]) -> None:
     path = str(model_dirs["tiny-llama"])
     flags = dict(max_model_len=512, kv_cache_gb=0.02, tensor_parallel_size=2)
@@ -46,22 +67,11 @@ def test_a_split_prefill_engine_hands_each_ranks_share_to_the_decode_engines_ran
 
     pd = LocalPDCluster(engine_config(path, **flags), ClusterConfig(prefill_instances=1, decode_instances=1))
 
-    async def call(rid: str, prompt: list[int]) -> tuple[str, set[str]]:
-        text, instances = "", set()
-        async for delta in pd.submit(rid, prompt, params):
-            assert delta.finish_reason != "error", delta.stop_reason
-            text += delta.new_text
-            instances.add(delta.instance)
-        return text, instances
-
-    async def run() -> list[tuple[str, set[str]]]:
-        return list(await asyncio.gather(*(call(f"c{i}", p) for i, p in enumerate(prompts))))
-
     try:
         addresses = {iid: inst.kv_address for iid, inst in pd.instances.items()}
         for address in addresses.values():  # (each rank an endpoint of its own, in a world of its rank's)
             assert rank_address(address, 0) != rank_address(address, 1)
-        results = asyncio.run(asyncio.wait_for(run(), timeout=240))
+        results = _answers(pd, "c", prompts, params)
         assert [text for text, _ in results] == expected
         assert all(instances == {"p0", "d0"} for _, instances in results)  # first token on the PE, the rest on the DE
         de = pd.instances["d0"].core.stats()
@@ -118,19 +128,9 @@ def test_a_split_decode_engine_pushes_what_the_prefill_engine_lacks_rank_to_rank
 
     ranks.streams_done = recording
 
-    async def call(rid: str, prompt: list[int], program: str) -> str:
-        text = ""
-        async for delta in pd.submit(rid, prompt, first, ProgramRef(program)):
-            assert delta.finish_reason != "error", delta.stop_reason
-            text += delta.new_text
-        return text
-
-    async def run(prompts: list[list[int]], turn: int) -> list[str]:
-        return list(await asyncio.gather(*(call(f"t{turn}-{i}", p, f"agent-{i}") for i, p in enumerate(prompts))))
-
     try:
-        asyncio.run(asyncio.wait_for(run(contexts, 1), timeout=240))
-        assert asyncio.run(asyncio.wait_for(run(turns, 2), timeout=240)) == expected
+        _answers(pd, "t1-", contexts, first, agents=True)
+        assert [text for text, _ in _answers(pd, "t2-", turns, first, agents=True)] == expected
         pe = pd.instances["p0"].core.stats()
         assert pe.remote_io is not None and pe.remote_io.blocks_received > 0  # the decode engine's pushes came
         assert pe.remote_io.recv_failures == 0
@@ -161,23 +161,12 @@ def test_a_split_engine_that_loses_a_rank_is_restarted_and_hands_off_again(
     )  # fmt: skip
     pd = LocalPDCluster(engine_config(path, **flags), cluster)
 
-    async def call(rid: str, prompt: list[int]) -> tuple[str, set[str]]:
-        text, instances = "", set()
-        async for delta in pd.submit(rid, prompt, params):
-            assert delta.finish_reason != "error", delta.stop_reason
-            text += delta.new_text
-            instances.add(delta.instance)
-        return text, instances
-
-    async def run(tag: str, batch: list[list[int]]) -> list[tuple[str, set[str]]]:
-        return list(await asyncio.gather(*(call(f"{tag}{i}", p) for i, p in enumerate(batch))))
-
     try:
         ranks = pd.instances[lost].core.executor.runner.ranks
         assert ranks is not None
         ranks.processes[0].kill()
         ranks.processes[0].wait(10)
-        first = asyncio.run(asyncio.wait_for(run("a", prompts), timeout=240))
+        first = _answers(pd, "a", prompts, params)
         assert [text for text, _ in first] == expected[: len(prompts)]
         deadline = time.monotonic() + 120
         while not (pd.dispatcher.views[lost].alive and pd.dispatcher.restarts.counts(lost)[0] == 1):
@@ -188,14 +177,13 @@ def test_a_split_engine_that_loses_a_rank_is_restarted_and_hands_off_again(
         decoder = pd.instances["d0"].core  # (d0: the fresh engine, or the one the fresh PE hands off to)
         before = decoder.stats().remote_io
         assert before is not None
-        results = asyncio.run(asyncio.wait_for(run("b", later), timeout=240))
+        results = _answers(pd, "b", later, params)
         assert [text for text, _ in results] == expected[len(prompts) :]
         assert any(lost in instances for _, instances in results)  # (the fresh engine took calls)
         after = decoder.stats().remote_io
         assert after is not None and after.blocks_received > before.blocks_received
-        assert (
-            after.recv_failures == before.recv_failures
-        )  # (the first calls' streams from a lost PE failed, not these)
+        # (The first calls' streams from a lost PE failed, not these.)
+        assert after.recv_failures == before.recv_failures
     finally:
         pd.shutdown()
 
