@@ -273,10 +273,10 @@ class _RankSteps:
         blocks still landing from a counted-first receive, layer by layer during the ``forward`` pass, as the gates of
         this rank's share say; the gates of receives rank 0 has reported go first)."""
         self._end_step()  # (the last step's, should its forward pass not have come)
+        snapshots = None
         if self.remote is not None:
             self.remote.retire(retire)
-        snapshots = self.kv_io.snapshot_writes(writes) if self.remote is not None and recvs and writes else None
-        if self.remote is not None:
+            snapshots = self.kv_io.snapshot_writes(writes) if recvs and writes else None
             with torch.inference_mode(False):  # (its staging tensors are written by its receiver thread, outside it)
                 self._on_layer = self.remote.start(recvs, sends)
             self._streaming = True

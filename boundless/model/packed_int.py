@@ -18,9 +18,10 @@ A linear layer ``W`` of ``in`` inputs and ``out`` outputs is stored as three or 
   4 bits, with zero points.
 
 AutoGPTQ saves a bias beside every layer it packs, zeros where the model has none (Llama's): the model skips a zero
-bias it has no place for. The layers come back in fp32 (the loader casts them to the model's type): the model then runs as the unquantized
-one would on these weights, holding them whole (this loads such checkpoints; it does not run 4-bit kernels). Checked
-against AutoAWQ's ``dequantize_gemm`` and AutoGPTQ's CPU forward (``tests/model/test_packed_int.py``).
+bias it has no place for. The layers come back in fp32 (the loader casts them to the model's type): the model then
+runs as the unquantized one would on these weights, holding them whole (this loads such checkpoints; it does not run
+4-bit kernels). Checked against AutoAWQ's ``dequantize_gemm`` and AutoGPTQ's CPU forward
+(``tests/model/test_packed_int.py``).
 """
 
 from __future__ import annotations
