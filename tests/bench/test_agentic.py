@@ -95,7 +95,9 @@ def test_pd_modes_run_one_prefill_and_two_decode_engines(model_dirs: dict[str, P
         assert trace["timeline"] and "p0_busy" in trace["timeline"][0]
     basic, dualpath = result["rows"]
     assert basic["d0_storage_mb"] == basic["d1_storage_mb"] == basic["de_storage_mb"] == 0 < basic["pe_storage_mb"]
-    assert dualpath["de_storage_mb"] == round(dualpath["d0_storage_mb"] + dualpath["d1_storage_mb"], 1)
+    # (The role's total is the instances' megabytes summed, then rounded to a tenth; each instance's is rounded on its
+    # own: they agree within the three roundings, 0.15. Compared exactly, 0.24 + 0.25 MB failed as 0.5 against 0.4.)
+    assert dualpath["de_storage_mb"] == pytest.approx(dualpath["d0_storage_mb"] + dualpath["d1_storage_mb"], abs=0.15)
     # Every instance ran: the PE prefilled each turn, and both DEs decoded some.
     for row in (basic, dualpath):
         assert row["p0_computed_tokens"] > 0 and row["d0_computed_tokens"] > 0 and row["d1_computed_tokens"] > 0
