@@ -1260,13 +1260,6 @@ def to_flags(config: object) -> list[str]:
 
 def check_serve_configs(engine: EngineConfig, server: ServerConfig, cluster: ClusterConfig) -> None:
     """What ``serve``'s configs refuse together (each checks its own values when built), before the model loads."""
-    split = engine.model.tensor_parallel_size > 1
-    _require(
-        not split or cluster.kv_lending != "on",
-        "tensor_parallel_size",
-        "a model split across devices lends and borrows no KV here (--kv-lending on); --instances of split models "
-        "and prefill and decode engines of split models are served",
-    )
     if server.allow_runtime_lora_updating:
         # (Else each load_lora_adapter request failed, long after start-up, with a 400 naming the missing flag.)
         _require(engine.model.enable_lora, "allow_runtime_lora_updating", "needs --enable-lora")

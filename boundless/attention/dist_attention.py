@@ -12,19 +12,25 @@ backend, untouched. Otherwise, in every layer:
 
 The local rest of a context starts at a block boundary after every remote block, so a chunk's queries attend
 to all remote tokens (all earlier) and causally to the local ones, as one instance holding everything would.
+
+A model split over tensor-parallel ranks runs one DistributedAttention on every rank, each asking the creditor's
+rank of its number for the partials of its heads. A round trip that fails on one rank must not end that rank's pass
+alone (the others would wait at the next sum for ever): with ``agree``, a failed creditor's partial counts as empty
+and is asked no more in the step, the pass goes on, and after the last layer the ranks sum which creditors failed
+anywhere; every rank then raises the same :class:`RemotePartialError`, and the step is dropped as one device's is.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from boundless.attention.backend import AttentionBatch
-from boundless.attention.partial_service import PartialClient, PendingPartial
+from boundless.attention.partial_service import PartialClient, PendingPartial, RemotePartialError
 from boundless.attention.partials import AttentionPartial, combine_partials, merge_partials
 from boundless.attention.remote_partials import QuerySegment, encode_segments
 
@@ -46,6 +52,7 @@ class DistMetadata:
     inner: Any
     plans: dict[str, _CreditorPlan] = field(default_factory=dict)
     remote_rows: torch.Tensor | None = None  # the step's rows with remote blocks, sorted
+    failed: dict[str, str] = field(default_factory=dict)  # (with ``agree``) creditors whose round trip failed: why
 
 
 @dataclass
@@ -65,13 +72,23 @@ class DistributedAttention:
     """An attention backend: the ``local`` backend (which must offer ``forward_partial``), plus partials from
     creditors through ``client`` for the sequences whose batch entry lists remote blocks.
 
-    ``layer_of(k_cache)`` names the layer a call is for (the creditor reads that layer's blocks).
+    ``caches`` are the layers' (k_cache, v_cache), by which a call's layer is known (the creditor reads that layer's
+    blocks). ``agree``: a split model's sum over its ranks (see the module): round-trip failures are agreed after
+    the last layer rather than raised where they happen.
     """
 
-    def __init__(self, local: Any, client: PartialClient, caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        local: Any,
+        client: PartialClient,
+        caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        agree: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         self.local = local
         self.client = client
+        self.agree = agree
         self._layers = {k.data_ptr(): i for i, (k, _) in enumerate(caches)}
+        self._last_layer = len(caches) - 1
         self.stats = DistAttentionStats()
         self.fused_layers = getattr(local, "fused_layers", False)
 
@@ -109,8 +126,11 @@ class DistributedAttention:
             return self.local.forward(q, k, v, cache, meta.inner)
         started = time.perf_counter()
         layer = self._layers[cache[0].data_ptr()]
-        pending: list[tuple[_CreditorPlan, PendingPartial]] = []
+        pending: list[tuple[_CreditorPlan, PendingPartial | None]] = []
         for creditor, plan in meta.plans.items():
+            if creditor in meta.failed:  # (agreed at the end: its partials count as empty until then)
+                pending.append((plan, None))
+                continue
             rows = (
                 torch.cat([q[s:e] for s, e in plan.rows])
                 if len(plan.rows) > 1
@@ -120,9 +140,11 @@ class DistributedAttention:
         sent = time.perf_counter()
         local = self.local.forward_partial(q, k, v, cache, meta.inner)
         local_done = time.perf_counter()
-        remote = [(plan, self.client.collect(p).to(q.device)) for plan, p in pending]
+        remote = [(plan, self._collect(plan, p, meta, local.o).to(q.device)) for plan, p in pending if p is not None]
         collected = time.perf_counter()
         out = self._merge(local, remote, meta)
+        if self.agree is not None and layer == self._last_layer:
+            self._settle(meta, q.device)
         done = time.perf_counter()
         s = self.stats
         s.layers += 1
@@ -134,6 +156,35 @@ class DistributedAttention:
         per_layer = self.client.stats.per_layer_exposed_s
         per_layer[layer] = per_layer.get(layer, 0.0) + collected - local_done
         return out
+
+    def _collect(
+        self, plan: _CreditorPlan, pending: PendingPartial, meta: DistMetadata, like: torch.Tensor
+    ) -> AttentionPartial:
+        """A creditor's partial; with ``agree``, an empty one should its round trip fail (noted in ``meta``)."""
+        if self.agree is None:
+            return self.client.collect(pending)
+        try:
+            return self.client.collect(pending)
+        except RemotePartialError as e:
+            meta.failed[pending.creditor] = str(e)
+            rows = sum(end - start for start, end in plan.rows)
+            return AttentionPartial(
+                m=torch.full((rows, like.shape[1], 1), float("-inf")),
+                e=torch.zeros(rows, like.shape[1], 1),
+                o=torch.zeros(rows, *like.shape[1:]),
+            )
+
+    def _settle(self, meta: DistMetadata, device: torch.device) -> None:
+        """After the last layer: sum over the ranks which creditors' round trips failed (each rank lists the step's
+        creditors in the same order, from the same batch); raise on every rank if any did on any."""
+        assert self.agree is not None
+        creditors = list(meta.plans)
+        flags = torch.tensor([1.0 if c in meta.failed else 0.0 for c in creditors], device=device)
+        self.agree(flags)
+        failed = [c for c, f in zip(creditors, flags.tolist(), strict=True) if f > 0]
+        if failed:
+            why = meta.failed.get(failed[0], "its round trip failed on another rank")
+            raise RemotePartialError(failed[0], why.removeprefix(f"creditor {failed[0]}: "))
 
     @staticmethod
     def _merge(

@@ -40,6 +40,7 @@ from boundless.attention.remote_partials import (
     request_header,
 )
 from boundless.transport.base import KVTransport, PeerGone, TransferHandle, TransportError
+from boundless.transport.endpoints import rank_address
 
 log = logging.getLogger(__name__)
 
@@ -227,11 +228,14 @@ class PendingPartial:
 
 
 class PartialClient:
-    """A debtor's side of the round trip: :meth:`send` the query rows to a creditor, :meth:`collect` the partial."""
+    """A debtor's side of the round trip: :meth:`send` the query rows to a creditor, :meth:`collect` the partial.
+    Creditors are named by their instance's address; a split model's rank ``rank`` asks the creditor's rank of its
+    number (``transport/endpoints.py``), for its own heads."""
 
-    def __init__(self, transport: KVTransport, timeout_s: float = 30.0) -> None:
+    def __init__(self, transport: KVTransport, timeout_s: float = 30.0, rank: int = 0) -> None:
         self.transport = transport
         self.timeout_s = timeout_s
+        self.rank = rank
         self.stats = PartialStats()
         self._seq: dict[str, int] = {}
 
@@ -247,6 +251,7 @@ class PartialClient:
         ``encoded`` is ``encode_segments(segments)`` made once for every layer of a step."""
         seq = self._seq.get(creditor, 0)
         self._seq[creditor] = seq + 1
+        peer = rank_address(creditor, self.rank)
         t, h, d = q.shape
         rows, lens, ids = encoded if encoded is not None else encode_segments(segments)
         header = request_header(seq, layer, t, h, d, len(segments), ids.numel())
@@ -256,11 +261,11 @@ class PartialClient:
             status = torch.empty(2, dtype=torch.int64)
             part = AttentionPartial(m=torch.empty(t, h, 1), e=torch.empty(t, h, 1), o=torch.empty(t, h, d))
             # The reply's receive is posted before the request goes, so it is there whenever the reply comes.
-            reply = self.transport.recv(creditor, reply_tag(seq), [status, part.m, part.e, part.o])
+            reply = self.transport.recv(peer, reply_tag(seq), [status, part.m, part.e, part.o])
         sent_at = time.perf_counter()
         sends = [
-            self.transport.send(creditor, REQUEST_TAG, header),
-            self.transport.send(creditor, REQUEST_TAG, [rows, lens, ids, q]),
+            self.transport.send(peer, REQUEST_TAG, header),
+            self.transport.send(peer, REQUEST_TAG, [rows, lens, ids, q]),
         ]
         self.stats.bytes_sent += header.numel() * 8 + (rows.numel() + lens.numel()) * 8 + ids.numel() + q.numel() * 4
         self.stats.rows += t

@@ -34,6 +34,7 @@ from boundless.engine.hung_executor import HangTrap, HungExecutor
 from boundless.engine.rank_process import RankEndpoint
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.scheduler import SchedulerOutput
+from boundless.engine.split_lending import lending_address
 from boundless.engine.step_watch import StepReport
 from boundless.engine.tensor_parallel import load_with_ranks
 from boundless.model.loader import LoadedModel
@@ -181,8 +182,15 @@ class EngineInstance:
                 lending.cluster.kv_handoff_timeout_s,
             )
             self.transport = open_endpoint(spec)
+            try:  # (a split model's ranks open endpoints of their own: each lends and borrows its share)
+                how = RankEndpoint(spec, lending.cluster, spec.timeout_s, layerwise=False)
+                self.kv_address = lending_address(self.core, self.transport, how)
+            except BaseException:
+                self.core.close()
+                self.transport.close()
+                raise
             with self.loop.lock:
-                self.lending = InstanceLending(self.core, self.transport, lending, self.loop.lock)
+                self.lending = InstanceLending(self.core, self.transport, self.kv_address, lending, self.loop.lock)
                 self.loop.hooks = self.lending
 
     def _sink(self, delta: RequestDelta) -> None:

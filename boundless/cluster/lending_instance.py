@@ -91,11 +91,14 @@ class InstanceLending:
     """A lending agent in an instance's engine loop (see the module). Its methods that touch the engine run
     under ``lock``, the loop's."""
 
-    def __init__(self, core: EngineCore, transport: KVTransport, setup: LendingSetup, lock: threading.Lock) -> None:
+    def __init__(
+        self, core: EngineCore, transport: KVTransport, address: str, setup: LendingSetup, lock: threading.Lock
+    ) -> None:
+        """``address``: the instance's, its ``transport``'s (a split model's: its ranks', ``lending_address``)."""
         cluster = setup.cluster
         num_blocks = core.layout.num_blocks
         rmanager = RManager(
-            transport.address,
+            address,
             num_blocks,
             core.layout.block_size,
             core.clock,

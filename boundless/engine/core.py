@@ -1023,11 +1023,16 @@ class EngineCore:
                 counts[name] = counts.get(name, 0) + 1
         return counts
 
-    def _tier_stats(self) -> dict[str, TierStats]:
-        # A block's bytes on every rank of a split model (each moves its share: the instance moved them all), as its
-        # streams' totals count them (``kv/split_streams.py``). (A simulated split engine's layout holds whole blocks.)
+    @property
+    def block_bytes(self) -> int:
+        """A block's bytes on every rank of a split model (each moves its share: the instance moved them all), as its
+        streams' totals count them (``kv/split_streams.py``); one device's, its own. (A simulated split engine's layout
+        holds whole blocks.)"""
         ranks = self.executor.runner.ranks if isinstance(self.executor, ModelExecutor) else None
-        per_block = self.layout.bytes_per_block * (ranks.size if ranks is not None else 1)
+        return self.layout.bytes_per_block * (ranks.size if ranks is not None else 1)
+
+    def _tier_stats(self) -> dict[str, TierStats]:
+        per_block = self.block_bytes
         hits = self.scheduler.stats.cached_tokens_by_tier
         tiers = {}
         for tier, counters in self.kv.counters.items():

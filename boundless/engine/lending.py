@@ -50,9 +50,11 @@ from boundless.engine.core import GRANT_REFUSED, EngineCore, RequestDelta
 from boundless.engine.executor import ModelExecutor
 from boundless.engine.lending_stats import LendingStats
 from boundless.engine.request import RequestStatus
+from boundless.engine.split_lending import SplitLendingData
 from boundless.kv.manager import LentSpan
 from boundless.transport.base import KVTransport, TransportError
 from boundless.transport.blocks import BlocksReceive, send_blocks
+from boundless.transport.endpoints import rank_address
 
 _MOVE_TAG_BASE = 0xF200_0000
 _MOVE_TAG_SPAN = 1 << 24
@@ -147,7 +149,7 @@ class LendingData(Protocol):
 
     def send_blocks(self, creditor: str, tag: int, block_ids: Sequence[int]) -> BlockSend: ...
 
-    def receive_blocks(self, debtor: str, tag: int, block_ids: Sequence[int]) -> BlockReceive: ...
+    def receive_blocks(self, debtor: str, tag: int, block_ids: Sequence[int], move_id: str) -> BlockReceive: ...
 
     def serve(self, debtor: str) -> None:
         """Answer ``debtor``'s partial requests from now on (it has blocks here)."""
@@ -186,7 +188,7 @@ class TransportLendingData:
     def send_blocks(self, creditor: str, tag: int, block_ids: Sequence[int]) -> BlockSend:
         return send_blocks(self.transport, creditor, tag, self.cache, block_ids)
 
-    def receive_blocks(self, debtor: str, tag: int, block_ids: Sequence[int]) -> BlockReceive:
+    def receive_blocks(self, debtor: str, tag: int, block_ids: Sequence[int], move_id: str) -> BlockReceive:
         return BlocksReceive(self.transport, debtor, tag, self.cache, block_ids)
 
     def serve(self, debtor: str) -> None:
@@ -239,8 +241,9 @@ class LendingAgent:
         it spared a preemption on a creditor, but on the simulator's chat trace the request it kept waited for room
         its debtor's request waited for too, and the deadlock breaker dropped one to recompute where an eviction had
         swapped out to host memory (``docs/lending.md``, "A creditor's own requests")."""
-        if data is None and (transport is None or rmanager.instance_id != transport.address):
-            raise ValueError("an agent's instance id is its transport address")
+        # (A split model's instance is known by its ranks' endpoints' addresses, rank 0's first: ``transport``'s.)
+        if data is None and (transport is None or rank_address(rmanager.instance_id, 0) != transport.address):
+            raise ValueError("an agent's instance id is its transport address (its ranks', a split model's)")
         self.core = core
         self.rm = rmanager
         self.control = control
@@ -251,7 +254,9 @@ class LendingAgent:
         self._lost_debtors: set[str] = set()  # seen gone by the server's thread; acted on by observe
         if data is None:
             assert transport is not None
-            data = TransportLendingData(core, transport, self._lent_blocks, self._lost_debtors.add, timeout_s)
+            split = isinstance(core.executor, ModelExecutor) and core.executor.runner.ranks is not None
+            make = SplitLendingData if split else TransportLendingData
+            data = make(core, transport, self._lent_blocks, self._lost_debtors.add, timeout_s)
         self.data = data
         core.lending_stats = self.snapshot
         core.scheduler.grants_required = True  # a request longer than the pool starts on the gManager's grant
@@ -435,7 +440,7 @@ class LendingAgent:
         if committed:
             self.stats.moves_out += 1
             self.stats.blocks_out += len(ids)
-            self.stats.bytes_out += len(ids) * self.core.layout.bytes_per_block
+            self.stats.bytes_out += len(ids) * self.core.block_bytes
         return self.rm.move_done(action.move_id, action.creditor, committed)
 
     def _free_local(self, action: FreeLocalBlocks) -> None:
@@ -531,7 +536,9 @@ class LendingAgent:
         ids = self.core.kv.allocate_unowned(action.num_blocks)
         if ids is None:
             return None
-        receive = self._posted[action.move_id] = self.data.receive_blocks(debtor, move_tag(action.move_id), ids)
+        receive = self._posted[action.move_id] = self.data.receive_blocks(
+            debtor, move_tag(action.move_id), ids, action.move_id
+        )
         return receive
 
     def posted(self, move_id: str) -> BlockReceive | None:
@@ -556,7 +563,7 @@ class LendingAgent:
         self.data.serve(loan.debtor)
         self.stats.moves_in += 1
         self.stats.blocks_in += len(receive.block_ids)
-        self.stats.bytes_in += len(receive.block_ids) * self.core.layout.bytes_per_block
+        self.stats.bytes_in += len(receive.block_ids) * self.core.block_bytes
         return True
 
     def on_release(self, move_id: str) -> None:

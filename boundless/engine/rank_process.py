@@ -5,7 +5,8 @@ The process is a fresh interpreter (``python -c ... rank_main()``): its spec com
 for its pipe. It loads its share, waits for the KV memory's layout, builds its pools and attention, joins the ranks'
 sum, then applies each message in order: the step's KV moves (block copies; the disk store's loads, writes and
 eviction hints, on its own store: its share of each block; its block streams to and from other instances' ranks), a
-LoRA adapter to load or drop, a forward pass, the endpoint to open for block streams (a prefill or decode engine's).
+LoRA adapter to load or drop, a forward pass, the endpoint to open for block streams (a prefill or decode engine's, or
+a lending instance's), KV lending's words (``engine/split_lending.py``: its share of a move, a debtor to serve).
 It says each load of its store's and each of its streams as it finishes (rank 0 reports one done once every rank's is:
 ``kv/split_reads.py``, ``kv/split_streams.py``). It ends when the pipe closes or says stop (an empty message), or when
 rank 0's process is gone.
@@ -31,8 +32,10 @@ import torch
 import torch.distributed as dist
 
 from boundless.attention.backend import AttentionBatch
+from boundless.attention.partial_service import RemotePartialError
 from boundless.cluster.links import instance_links
 from boundless.engine.logprobs import PromptSpan, score_prompt_spans
+from boundless.engine.split_lending import RankLending
 from boundless.kv.remote_io import RemoteIO
 from boundless.kv.tier_io import TierIO
 from boundless.kv.transfer import DEVICE
@@ -188,7 +191,7 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
         spec.sum_file, store, TensorParallel(spec.rank, size), device, lambda: os.getppid() == spec.rank0_pid
     )
     model.sum_over(group.all_reduce_, group.all_gather)
-    steps = _RankSteps(spec.rank, voice, loaded, kv_cache, attention, tiers, kv_io)
+    steps = _RankSteps(spec.rank, voice, loaded, kv_cache, attention, tiers, kv_io, group)
     try:
         steps.serve(pipe)
     finally:
@@ -221,8 +224,10 @@ class _RankSteps:
         attention: AttentionBackend,
         tiers: dict[Any, Any],
         kv_io: TierIO,
+        group: RankSum,
     ) -> None:
         self.rank = rank
+        self.group = group
         self.voice = voice
         self.loaded = loaded
         self.kv_cache = kv_cache
@@ -232,6 +237,7 @@ class _RankSteps:
         self.loras: dict[str, LoRAAdapter] = {}  # (the adapters rank 0 has loaded, this rank's parts of them)
         self.transport: Any = None  # its endpoint for block streams, once rank 0 has said to open it
         self.remote: RemoteIO | None = None
+        self.lending: RankLending | None = None  # its part in KV lending, once rank 0 has turned it on
         self._streaming = False  # streams started since the last forward pass (its layerwise sends end with it)
         self._on_layer: Callable[[int], None] | None = None
         self._landing: LandingCopies | None = None  # the step's copies of blocks still landing, layer by layer
@@ -262,6 +268,8 @@ class _RankSteps:
                     self._connect(payload)
                 elif kind == "end":
                     self._end_step(ok=payload)
+                elif kind == "lend":
+                    self._lend(*payload)
                 else:
                     self._forward(payload)
 
@@ -296,7 +304,13 @@ class _RankSteps:
         lora = lora_batch(self.loras, payload.lora_rows, device) if payload.lora_rows else None
         meta = self.attention.prepare(batch)
         before_layer = self._landing.before_layer if self._landing is not None else None
-        hidden = model(input_ids, positions, self.attention, self.kv_cache, meta, self._on_layer, before_layer, lora)
+        try:
+            hidden = model(
+                input_ids, positions, self.attention, self.kv_cache, meta, self._on_layer, before_layer, lora
+            )
+        except RemotePartialError:  # (agreed by every rank after the last layer: rank 0 drops the step)
+            self._end_step()
+            return
         self._end_step()
         if model.vocab_split:  # (the logits rank 0 computes next, its columns of them here, in its order)
             model.compute_logits(hidden[payload.sample_indices.to(device)])
@@ -330,6 +344,22 @@ class _RankSteps:
         threading.Thread(target=self._report_streams, name="tp-streams", daemon=True).start()
         self.voice.say("connected", self.transport.address)
 
+    def _lend(self, op: str, payload: Any) -> None:
+        """A KV-lending word from rank 0: turn lending on (its attention becomes DistAttention; with the endpoint rank 0
+        had it open), or carry out a move's share or a debtor to serve (``RankLending.apply``)."""
+        if op == "on":
+            if self.transport is None:
+                raise RuntimeError(f"rank {self.rank}: KV lending before its endpoint")
+            self.lending = RankLending(
+                self.rank, self.transport, self.kv_cache, self.attention, self.group.all_reduce_,
+                lambda said, tag, error: self.voice.say("lent", (said, tag, error)), timeout_s=payload,
+            )  # fmt: skip
+            self.attention = self.lending.attention
+            return
+        if self.lending is None:
+            raise RuntimeError(f"rank {self.rank}: a lending word ({op}) before lending was on")
+        self.lending.apply(op, payload)
+
     def _report_streams(self) -> None:
         """Say each of this rank's streams as it finishes (rank 0 reports a stream once every rank's share is done)."""
         assert self.remote is not None
@@ -341,6 +371,8 @@ class _RankSteps:
     def close(self) -> None:
         self._stop.set()
         try:
+            if self.lending is not None:
+                self.lending.close()
             if self.remote is not None:
                 self.remote.close()
             if self.transport is not None:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from boundless.attention.backend import AttentionBackend, AttentionBatch, to_device
+from boundless.attention.partial_service import RemotePartialError
 from boundless.engine.cuda_graphs import DecodeGraphs, DeviceWindow
 from boundless.engine.errors import EngineLost
 from boundless.engine.logprobs import PromptScores, PromptSpan, SampledToken, score_prompt_spans
@@ -224,7 +225,7 @@ class ModelRunner:
             )
             if self.ranks is not None and self.model.vocab_split:
                 logits, scores = self._logits(hidden, batch)
-        except EngineLost:
+        except (EngineLost, RemotePartialError):  # (the latter agreed by every rank: the ranks are in step)
             raise
         except BaseException as e:
             if self.ranks is None:

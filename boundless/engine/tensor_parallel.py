@@ -9,7 +9,10 @@ and eviction hints, and its block streams to and from other instances (the same 
 ``kv/split_reads.py``; each rank streams its share to and from the peer's rank of its number, ``kv/split_streams.py``),
 then the step's forward pass, whose sums meet rank 0's. Rank 0 sends both down a pipe per rank as plain inputs (the
 moves; token ids, positions and the attention batch's tables), so no rank needs the scheduler's state. Logits and
-sampling are rank 0's alone (the LM head is whole on each rank; the others' final hidden states are dropped).
+sampling are rank 0's alone (the LM head is whole on each rank; the others' final hidden states are dropped). With
+KV lending, each rank moves its share of a move's blocks and answers for its heads' partials
+(``engine/split_lending.py``); those messages may come from a thread other than the engine loop's (a creditor's
+handlers run beside its steps), so sending to the ranks and hearing them each go one thread at a time.
 
 The ranks are started (:meth:`TensorParallelRanks.launch`) as early as the caller can, so that they load their shares
 while rank 0 loads its own; once rank 0 has sized the KV memory, :meth:`TensorParallelRanks.join` sends them the
@@ -130,6 +133,9 @@ class TensorParallelRanks:
         self.closed = threading.Event()
         self.reads = SplitReads(len(processes))  # the disk store's loads, each done once every rank's share is
         self.streams = SplitStreams(len(processes))  # block streams to and from other instances' ranks, alike
+        self.lent: dict[tuple[str, int], dict[int, str]] = {}  # KV lending's block moves: each rank's word, by move
+        self._send_lock = threading.Lock()
+        self._hear_lock = threading.Lock()
 
     @property
     def size(self) -> int:
@@ -276,9 +282,30 @@ class TensorParallelRanks:
             self._hear(0.2, addresses)
         return [addresses[rank] for rank in range(1, len(self.pipes) + 1)]
 
+    def lend(self, op: str, payload: object) -> None:
+        """A KV-lending message for every rank (``engine/split_lending.py``, ``RankLending``)."""
+        self._send(("lend", (op, payload)))
+
+    def lend_done(self, op: str, tag: int, timeout_s: float) -> list[str]:
+        """Wait for every rank's word on its share of a lending block move (``op`` of the move on ``tag``): the ranks'
+        errors, none if each did its share. A rank silent for ``timeout_s`` counts as failed."""
+        key = (op, tag)
+        deadline = time.monotonic() + timeout_s
+        while len(self.lent.get(key, ())) < len(self.pipes) and time.monotonic() < deadline:
+            self.check()
+            self._hear(min(0.05, max(0.0, deadline - time.monotonic())))
+        said = self.lent.pop(key, {})
+        errors = [f"rank {rank}: {error}" for rank, error in sorted(said.items()) if error]
+        missing = [rank for rank in range(1, len(self.pipes) + 1) if rank not in said]
+        return errors + [f"rank {rank}: no word in {timeout_s:g} s" for rank in missing]
+
     def _hear(self, timeout_s: float, addresses: dict[int, str] | None = None) -> None:
         """Take in what the ranks have said since (each load and stream of theirs as it finishes; while ``addresses``
         are awaited, their endpoints' addresses), waiting ``timeout_s`` at most for the first word."""
+        with self._hear_lock:
+            self._hear_locked(timeout_s, addresses)
+
+    def _hear_locked(self, timeout_s: float, addresses: dict[int, str] | None) -> None:
         try:
             for pipe in wait_readable(self.pipes, timeout_s):
                 assert isinstance(pipe, Connection)
@@ -289,6 +316,9 @@ class TensorParallelRanks:
                         self.reads.rank_done(rank, said)
                     elif kind == "remote":
                         self.streams.rank_done(rank, said)
+                    elif kind == "lent":
+                        op, tag, error = said
+                        self.lent.setdefault((op, tag), {})[rank] = error
                     elif kind == "connected" and addresses is not None:
                         addresses[rank] = said
                     elif kind == "failed" and addresses is not None:
@@ -316,8 +346,6 @@ class TensorParallelRanks:
     ) -> None:
         """Start the step's forward pass on every rank (rank 0 runs its own next; their sums meet), with the rows
         whose logits rank 0 computes after it (``sample_indices``, ``prompt_spans``)."""
-        if attention.remote:  # (KV lending is refused with a split model; this says so should a path get here)
-            raise ValueError("a step with blocks lent to other instances: DistAttention is not split over ranks here")
         cpu = torch.device("cpu")
         batch = dataclasses.replace(attention, slot_mapping=attention.slot_mapping.to(cpu), device=cpu)
         samples = torch.empty(0, dtype=torch.long) if sample_indices is None else sample_indices.to(cpu)
@@ -388,9 +416,10 @@ class TensorParallelRanks:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         sent = 0
         try:
-            for pipe in self.pipes:
-                pipe.send_bytes(data)
-                sent += 1
+            with self._send_lock:
+                for pipe in self.pipes:
+                    pipe.send_bytes(data)
+                    sent += 1
         except (BrokenPipeError, ConnectionError, EOFError, OSError) as e:
             raise self.lose(f"rank {sent + 1}'s pipe closed ({e})") from e
         except BaseException as e:  # (an interrupt once sending began: some ranks have the step, or part of it)

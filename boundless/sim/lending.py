@@ -122,7 +122,7 @@ class SimulatedLendingData:
         self.move_bytes += nbytes
         return _Done()
 
-    def receive_blocks(self, debtor: str, tag: int, block_ids: Sequence[int]) -> _Done:
+    def receive_blocks(self, debtor: str, tag: int, block_ids: Sequence[int], move_id: str) -> _Done:
         return _Done(list(block_ids))
 
     def serve(self, debtor: str) -> None:

@@ -70,7 +70,8 @@ def check_split_simulation(
     config: EngineConfig, cluster: ClusterConfig, profile: HardwareProfile | None, cost: StepCost | None
 ) -> None:
     """What the simulator needs to run a model split over GPUs (``--tensor-parallel-size``): a roofline profile that
-    prices it (``with_tensor_parallel``), and instances that lend no KV to each other, as ``serve`` refuses them."""
+    prices it (``with_tensor_parallel``), and instances that lend no KV to each other (``serve`` runs split instances
+    that do, rank to rank; the simulator's lending prices one device's moves and round trips)."""
     size = config.model.tensor_parallel_size
     if profile is None or cost is not None:
         raise ConfigError(
@@ -81,6 +82,11 @@ def check_split_simulation(
         with_tensor_parallel(profile, size)
     except ValueError as e:
         raise ConfigError(f"--tensor-parallel-size {size}: {e}") from None
+    if cluster.kv_lending == "on":
+        raise ConfigError(
+            f"--tensor-parallel-size {size}: the simulator prices no KV lending between split instances (each rank "
+            "moving and attending over its share); serve runs them"
+        )
     check_serve_configs(config, ServerConfig(), cluster)
 
 

@@ -40,9 +40,8 @@ def test_a_heartbeat_answers_while_a_long_step_runs_and_reports_what_the_step_wi
     loaded = load("tiny-llama")
     core = _engine(loaded)
     net = ShmTransport(tmp_path / "shm", "i0", timeout_s=10)
-    lending = InstanceLending(
-        core, net, LendingSetup(ClusterConfig(instances=2, kv_lending="on"), str(tmp_path), 0, 2), threading.Lock()
-    )
+    setup = LendingSetup(ClusterConfig(instances=2, kv_lending="on"), str(tmp_path), 0, 2)
+    lending = InstanceLending(core, net, net.address, setup, threading.Lock())
     entered, answered = threading.Event(), threading.Event()
     answered_during_step: list[bool] = []
     execute = core.execute

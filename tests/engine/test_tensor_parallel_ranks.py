@@ -238,10 +238,9 @@ def test_what_a_split_model_does_without_is_refused_at_start_up(
 ) -> None:
     path = str(model_dirs["tiny-llama"])
     split = EngineConfig(ModelConfig(tensor_parallel_size=2))
-    with pytest.raises(ConfigError, match="lends and borrows no KV"):
-        check_serve_configs(split, ServerConfig(), ClusterConfig(instances=2, kv_lending="on"))
     pd = ClusterConfig(prefill_instances=1, decode_instances=1)
-    for served in (ClusterConfig(instances=2), pd):  # (instances of a split model, prefill and decode engines of one)
+    lending = ClusterConfig(instances=2, kv_lending="on")
+    for served in (ClusterConfig(instances=2), pd, lending):  # (instances of a split model, PD engines, KV lending)
         check_serve_configs(split, ServerConfig(), served)
     with pytest.raises(ConfigError, match="--tensor-parallel-size 3: the model's 4 attention heads"):
         LLM(path, tensor_parallel_size=3)

@@ -116,7 +116,7 @@ def test_the_simulator_refuses_a_split_model_it_cannot_price_or_serve() -> None:
         Simulator(config, SimulatedModel.read(ModelConfig()))
     with pytest.raises(ConfigError, match="fitted to one device's steps"):
         Simulator(config, SimulatedModel.read(ModelConfig()), profile=load_profile("cpu"))
-    with pytest.raises(ConfigError, match="lends and borrows no KV"):
+    with pytest.raises(ConfigError, match="prices no KV lending between split instances"):
         _simulator(2, CacheConfig(num_kv_blocks=400), ClusterConfig(instances=2, kv_lending="on"))
 
 
