@@ -326,3 +326,37 @@ def test_a_request_over_one_pool_with_its_creditor_lost_for_good_is_a_503_and_th
         assert time.monotonic() < deadline, "the refusals never reached /metrics"
         time.sleep(0.1)
     assert _metric(httpx.get(server.url + "/metrics").text, "boundless_kv_lending_refused_requests_total") == 2
+
+
+@pytest.fixture
+def split_lending_cluster(model_dirs: dict[str, Path]) -> Iterator[tuple[ClusterClient, ServerThread]]:
+    """``lending_cluster``'s, each instance's model split over two ranks."""
+    path = str(model_dirs["tiny-llama"])
+    config = engine_config(path, max_model_len=MAX_LEN, num_kv_blocks=BLOCKS, policy="fcfs", tensor_parallel_size=2)
+    cluster = ClusterConfig(instances=2, locality_threshold=48, restart_delay_s=1.0, **LENDING_FLAGS)
+    yield from _lending_server(config, cluster)
+
+
+def test_instances_of_a_split_model_lend_rank_to_rank_output_unchanged(
+    split_lending_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
+) -> None:
+    """``--instances 2 --tensor-parallel-size 2 --kv-lending on``: each actor's two ranks move their shares of the
+    long call's blocks to the other's ranks and attend over them there (``engine/split_lending.py``); the answers
+    are one device's, and the bytes on ``/metrics`` are whole blocks' (both ranks' shares)."""
+    _, server = split_lending_cluster
+    with Watch(server.url) as watch:
+        texts = asyncio.run(_workload(server.url))
+    assert texts == _offline(tiny_llama, [LONG, *WAITERS], [LONG_TOKENS] + [WAITER_TOKENS] * 2)
+    seen = watch.seen
+    debtor = max(seen, key=lambda iid: seen[iid]["borrowed"])
+    creditor = next(iid for iid in seen if iid != debtor)
+    assert seen[debtor]["borrowed"] > 0 and seen[creditor]["lent"] > 0, seen
+    metrics = httpx.get(server.url + "/metrics").text
+    moves = _metric(metrics, "boundless_kv_lending_moves_total", direction="out", instance=debtor)
+    moved = _metric(metrics, "boundless_kv_lending_bytes_moved_total", direction="out", instance=debtor)
+    arch = tiny_llama.arch
+    whole_block = 2 * arch.num_layers * arch.num_kv_heads * 16 * arch.head_dim * 4  # (a rank's share: half)
+    assert moves > 0 and moved > 0 and moved % whole_block == 0
+    assert _metric(metrics, "boundless_distattn_round_trips_total", instance=debtor) > 0
+    assert _metric(metrics, "boundless_distattn_partials_served_total", instance=creditor) > 0
+    assert _metric(metrics, "boundless_kv_lending_recomputed_requests_total", instance=debtor) == 0  # (attended there)
