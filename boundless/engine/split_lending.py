@@ -87,6 +87,7 @@ class RankLending:
         self.lent: dict[str, list[int]] = {}  # move id -> this rank's pool blocks holding its share of the move
         self.server = PartialServer(transport, kv_cache.layer, self._lookup, attention.scale, timeout_s)
         self._receives: dict[int, BlocksReceive] = {}  # by tag, until landed or cancelled
+        self._failed: dict[int, str] = {}  # receives that could not be posted, by tag: why
 
     def _lookup(self, move_id: str) -> LentBlocks | None:
         blocks = self.lent.get(move_id)  # (a dict read on the server's thread: atomic under the interpreter lock)
@@ -102,10 +103,14 @@ class RankLending:
     def _apply(self, op: str, payload: Any) -> None:
         if op == "recv":
             debtor, tag, move_id, block_ids = payload
-            self._receive(debtor, tag, move_id, block_ids)
+            try:
+                self._receive(debtor, tag, move_id, block_ids)
+            except TransportError as e:  # (said when rank 0 asks for it to land)
+                self._failed[tag] = f"{type(e).__name__}: {e}"
         elif op == "land":
             self._land(payload)
         elif op == "cancel":
+            self._failed.pop(payload, None)
             receive = self._receives.pop(payload, None)
             if receive is not None:
                 with contextlib.suppress(TransportError):
@@ -114,7 +119,10 @@ class RankLending:
             creditor, tag, block_ids = payload
             self._send(creditor, tag, block_ids)
         elif op == "serve":
-            self.server.add_peer(rank_address(payload, self.rank))
+            try:
+                self.server.add_peer(rank_address(payload, self.rank))
+            except TransportError as e:  # (its round trips then fail, and the step with them, on every rank)
+                log.warning("rank %d: cannot serve partials to %s: %s", self.rank, payload, e)
         else:
             raise ValueError(f"rank {self.rank}: no lending message {op!r}")
 
@@ -128,7 +136,7 @@ class RankLending:
     def _land(self, tag: int) -> None:
         receive = self._receives.pop(tag, None)
         if receive is None:
-            self.say(LANDED, tag, "no such receive")
+            self.say(LANDED, tag, self._failed.pop(tag, "no such receive"))
             return
         try:
             receive.wait(self.timeout_s)
@@ -203,6 +211,8 @@ class SplitLendingData:
         runner = core.executor.runner  # type: ignore[attr-defined]
         ranks = runner.ranks
         assert ranks is not None, "a model split over ranks"
+        if not ranks.connected:
+            raise ValueError("a split model lends from every rank: open the ranks' endpoints first (lending_address)")
         self.ranks: TensorParallelRanks = ranks
         self.size = ranks.size
         self.transport = transport

@@ -134,6 +134,7 @@ class TensorParallelRanks:
         self.reads = SplitReads(len(processes))  # the disk store's loads, each done once every rank's share is
         self.streams = SplitStreams(len(processes))  # block streams to and from other instances' ranks, alike
         self.lent: dict[tuple[str, int], dict[int, str]] = {}  # KV lending's block moves: each rank's word, by move
+        self.connected = False  # each rank has opened its endpoint for KV to and from other instances (connect)
         self._send_lock = threading.Lock()
         self._hear_lock = threading.Lock()
 
@@ -280,6 +281,7 @@ class TensorParallelRanks:
                 raise self.lose("the ranks did not open their endpoints in time")
             self.check()
             self._hear(0.2, addresses)
+        self.connected = True
         return [addresses[rank] for rank in range(1, len(self.pipes) + 1)]
 
     def lend(self, op: str, payload: object) -> None:
