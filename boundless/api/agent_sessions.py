@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from boundless.api.json_text import UNREADABLE_JSON
 from boundless.api.schemas import MAX_ID_CHARS
 from boundless.api.validation import header_identifier
 
@@ -53,7 +54,7 @@ def claude_code_session(user_id: str) -> str | None:
     if user_id.startswith("{"):
         try:
             fields = json.loads(user_id)
-        except json.JSONDecodeError:
+        except UNREADABLE_JSON:
             return None
         return _usable(fields.get("session_id")) if isinstance(fields, dict) else None
     _, found, session = user_id.rpartition(_LEGACY_SESSION)

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from boundless.api.agent_sessions import claude_code_session
 from boundless.api.errors import APIError, anthropic_error, part_error
+from boundless.api.json_text import UNREADABLE_JSON
 from boundless.api.schemas import (
     TEXT_PART_SEPARATOR,
     Bool,
@@ -264,7 +265,7 @@ def _tool_input(arguments: str, cut: bool = False) -> dict[str, Any]:
     (jiter's partial mode: an unfinished string, number or literal is left out), so both say the same."""
     try:
         value = json.loads(arguments)
-    except json.JSONDecodeError:
+    except UNREADABLE_JSON:
         if cut:
             try:
                 partial = pydantic_core.from_json(arguments, allow_partial=True) if arguments.strip() else {}
@@ -426,6 +427,8 @@ async def _json_object(request: Request) -> dict[str, Any]:
         raise APIError(400, "the body is not valid JSON: not UTF-8 text", None, "invalid_value") from None
     except RecursionError:  # (arrays or objects nested thousands deep: past the parser's stack, a 500 it was)
         raise APIError(400, "the body is not valid JSON: it nests too deep", None, "invalid_value") from None
+    except ValueError:  # (a number of more digits than int() takes)
+        raise APIError(400, "the body is not valid JSON: a number too long", None, "invalid_value") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", None, "invalid_value")
     return body

@@ -37,6 +37,7 @@ from pydantic import (
 
 from boundless.api.agent_sessions import program_named
 from boundless.api.errors import APIError, part_error
+from boundless.api.json_text import UNREADABLE_JSON
 from boundless.api.reasoning import ReasoningOutput
 from boundless.api.schemas import (
     MAX_TOP_LOGPROBS,
@@ -798,7 +799,7 @@ def _function_call_item(call: ToolCall, at_length: bool = False) -> dict[str, An
 def _whole_json(text: str) -> bool:
     try:
         json.loads(text)
-    except json.JSONDecodeError:
+    except UNREADABLE_JSON:
         return False
     return True
 

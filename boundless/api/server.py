@@ -34,6 +34,7 @@ from boundless.api.conversation import InvalidMessage, template_conversation
 from boundless.api.cors import with_cors
 from boundless.api.errors import APIError, CancelledRequests, error_bytes, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
+from boundless.api.json_text import UNREADABLE_JSON
 from boundless.api.logprobs import (
     Span,
     StreamedContent,
@@ -486,7 +487,7 @@ def structured_outputs_grammar(wanted: StructuredOutputsParams) -> StructuredOut
         tag = wanted.structural_tag
         try:
             parsed = json.loads(tag) if isinstance(tag, str) else tag
-        except json.JSONDecodeError:
+        except UNREADABLE_JSON:
             parsed = None  # (xgrammar says what is wrong with it)
         if isinstance(parsed, dict) and "structures" in parsed:
             # vLLM's first shape (structures that begin at triggers), which its xgrammar backend still compiles
@@ -573,8 +574,9 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: in
     require_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
     bias_ids = []
     for key in body.logit_bias or {}:
-        if not key.isascii() or not key.isdigit():
-            raise APIError(400, f"logit_bias: {key!r} is not a token id", "logit_bias", "invalid_value")
+        # (Digits past int()'s 4,300 were a 500; past the vocabulary's few they name no token anyway.)
+        if not key.isascii() or not key.isdigit() or len(key) > 18:
+            raise APIError(400, f"logit_bias: {key[:40]!r} is not a token id", "logit_bias", "invalid_value")
         bias_ids.append(int(key))
     require_token_ids(bias_ids, vocab_size, "logit_bias")
     require_token_ids(body.allowed_token_ids or (), vocab_size, "allowed_token_ids")
@@ -1699,7 +1701,7 @@ async def invocations(request: Request) -> Response:
 
     try:
         body = await request.json()
-    except ValueError:
+    except UNREADABLE_JSON:
         raise APIError(400, "the body is not JSON") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body is not a JSON object")

@@ -48,6 +48,7 @@ from boundless.api.call_scanner import (
     named_call_name,
     scan_calls,
 )
+from boundless.api.json_text import UNREADABLE_JSON
 
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|(?=<function=)|\Z)", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
@@ -211,7 +212,7 @@ def _listed(text: str, schema: Any) -> tuple[bool, Any]:
             return True, written
     try:
         parsed = json.loads(stripped)
-    except ValueError:
+    except UNREADABLE_JSON:
         return False, None
     # (1 == True in Python: a member matches only a value of its own type)
     return next(((True, o) for o in options if type(o) is type(parsed) and o == parsed), (False, None))
@@ -232,16 +233,17 @@ def _typed(value: str, schema: Any) -> Any:
     text = value.strip()
     if text.lower() in ("null", "none"):
         return None
-    if "integer" in kinds and _INTEGER.fullmatch(text):
-        return int(text)
-    if "number" in kinds and _NUMBER.fullmatch(text):
-        return int(text) if _INTEGER.fullmatch(text) else float(text)
+    with contextlib.suppress(ValueError):  # (an integer past int()'s 4,300 digits stays text)
+        if "integer" in kinds and _INTEGER.fullmatch(text):
+            return int(text)
+        if "number" in kinds and _NUMBER.fullmatch(text):
+            return int(text) if _INTEGER.fullmatch(text) else float(text)
     if "boolean" in kinds and text.lower() in ("true", "false"):
         return text.lower() == "true"
     wanted = tuple(t for k, t in (("object", dict), ("array", list)) if k in kinds)
     if wanted:
         parsed: Any = None
-        with contextlib.suppress(ValueError):  # (NaN and Infinity, which JSON lacks, refused too)
+        with contextlib.suppress(*UNREADABLE_JSON):  # (NaN and Infinity, which JSON lacks, refused too)
             parsed = json.loads(text, parse_constant=_refuse)
         if parsed is None:
             with contextlib.suppress(ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -312,7 +314,7 @@ def _block_calls(block: str, types: ParameterTypes | None, formats: CallFormats)
     so, all in one block; every item a call, or none is), or else Qwen3-Coder's XML ones (of ``formats``)."""
     try:
         obj = json.loads(block) if TAGGED_JSON in formats else None
-    except json.JSONDecodeError:
+    except UNREADABLE_JSON:
         obj = None
     if obj is None:
         return _xml_calls(block, types or {}) if TAGGED_XML in formats else []
@@ -339,7 +341,7 @@ def tagged_blocks(text: str) -> list[tuple[int, int, str]]:
         if text.startswith(("{", "["), first):
             try:
                 json_end = _JSON.raw_decode(text, first)[1]
-            except ValueError:
+            except UNREADABLE_JSON:
                 json_end = -1
             after = len(text) - len(text[json_end:].lstrip()) if json_end >= 0 else -1
             if after >= 0 and text.startswith(_END_TAG, after):
@@ -373,7 +375,7 @@ def _json_calls(text: str, at: int) -> tuple[int, list[ToolCall]]:
     [])`` when it does not read whole or an item is no call."""
     try:
         obj, end = _JSON.raw_decode(text, at)
-    except ValueError:
+    except UNREADABLE_JSON:
         return at, []
     items = obj if isinstance(obj, list) else [obj]
     spans = scan_calls(text[at:end])
@@ -395,7 +397,7 @@ def _named_call(
         return at, []
     try:
         args, end = _JSON.raw_decode(text, brace)
-    except ValueError:
+    except UNREADABLE_JSON:
         return at, []
     return (end, [ToolCall(name, text[brace:end])]) if isinstance(args, dict) else (at, [])
 
@@ -455,7 +457,7 @@ def bare_json_calls(text: str, tools: Collection[str] | None) -> list[ToolCall]:
     while at < len(body):
         try:
             obj, end = _JSON.raw_decode(body, at)
-        except ValueError:
+        except UNREADABLE_JSON:
             return []
         docs.append((at, end, obj))
         at = _skip_blanks(body, end)
@@ -813,7 +815,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if isinstance(arguments, str):
                     try:
                         fn["arguments"] = json.loads(arguments)
-                    except json.JSONDecodeError:
+                    except UNREADABLE_JSON:
                         fn["arguments"] = {}
                 elif not isinstance(arguments, dict | list):
                     fn["arguments"] = {}

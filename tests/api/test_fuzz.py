@@ -1185,3 +1185,43 @@ def test_a_body_nested_past_the_limit_is_a_400_naming_where(client: httpx.Client
     for _ in range(100):
         fine = [fine]
     assert client.post(CHAT, json={**SEEDS[CHAT][0], "chat_template_kwargs": {"x": fine}}).status_code == 200
+
+
+DEEP_JSON = "[" * 50_000 + "]" * 50_000  # past the JSON parser's stack: a RecursionError
+HUGE_NUMBER = "1" + "0" * 5_000  # past int()'s 4,300 digits: a ValueError that is no JSONDecodeError
+
+
+def test_json_text_past_the_parsers_limits_is_refused_or_read_as_no_json_never_a_500(client: httpx.Client) -> None:
+    """JSON text of the client's that Python's parser gives up on other than by a JSONDecodeError (a number past
+    int()'s digits, nesting past its stack) was a 500 wherever the server read it: a tool call's arguments in the
+    history, a logit_bias key, a structural tag, Claude Code's user id, the Messages and SageMaker routes' bodies."""
+    for arguments in ('{"a": ' + HUGE_NUMBER + "}", DEEP_JSON):  # (read as no arguments, as text that is no JSON is)
+        history = [
+            {"role": "user", "content": "x"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": arguments}}],
+            },
+            {"role": "tool", "tool_call_id": "1", "content": "done"},
+        ]
+        r = client.post(CHAT, json={"model": MODEL, "messages": history, "max_tokens": 2})
+        assert r.status_code == 200, r.text[:300]
+        r = client.post(TOKENIZE, json={"model": MODEL, "messages": history})
+        assert r.status_code == 200, r.text[:300]
+    r = client.post(CHAT, json={**SEEDS[CHAT][0], "logit_bias": {"9" * 5_000: 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text[:300]
+    r = client.post(CHAT, json={**SEEDS[CHAT][0], "structured_outputs": {"structural_tag": DEEP_JSON}})
+    assert r.status_code == 400, r.text[:300]
+    for user_id in ('{"x": ' + DEEP_JSON + "}", '{"session_id": ' + HUGE_NUMBER + "}"):  # (no session: ignored)
+        r = client.post(MESSAGES, json={**SEEDS[MESSAGES][0], "metadata": {"user_id": user_id}})
+        assert r.status_code == 200, r.text[:300]
+    for route in (MESSAGES, COUNT_TOKENS):
+        body = _encode({**SEEDS[MESSAGES][0], "max_tokens": 0}).replace(
+            b'"max_tokens": 0', b'"max_tokens": ' + HUGE_NUMBER.encode()
+        )
+        r = client.post(route, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text[:300]
+    deep_body = b'{"model": "tiny", "x": ' + DEEP_JSON.encode() + b"}"
+    r = client.post("/invocations", content=deep_body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    still_serving(client)

@@ -33,3 +33,35 @@ def test_an_xml_calls_parameter_whose_schema_type_is_no_name_reads_as_text(schem
     _, calls = parse_tool_calls(text, parameter_types([_tool(schema)]))
     assert [c.name for c in calls] == ["f"]
     assert json.loads(calls[0].arguments) == {"n": read}
+
+
+DEEP = "[" * 5_000 + "]" * 5_000  # past the JSON parser's stack: a RecursionError
+HUGE = "1" + "0" * 5_000  # past int()'s 4,300 digits: a ValueError of its own
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        f"<tool_call>{DEEP}</tool_call>",
+        f'<tool_call>{{"name": "f", "arguments": {{"n": {HUGE}}}}}</tool_call>',
+        DEEP,  # (a bare JSON answer)
+        f'[TOOL_CALLS]f{{"n": {DEEP}}}',
+        f"<tool_call>\n<function=f>\n<parameter=n>\n{HUGE}\n</parameter>\n</function>\n</tool_call>",
+        f"<tool_call>\n<function=f>\n<parameter=n>\n{DEEP}\n</parameter>\n</function>\n</tool_call>",
+    ],
+)
+def test_output_past_the_json_parsers_limits_is_read_without_raising(output: str) -> None:
+    """A model's output (which a client can force, with a choice of texts) holding JSON nested past the parser's stack
+    or a number past int()'s digits raised out of the parser: a 500, or a stream cut short with an error."""
+    schemas = {"n": {"type": "integer"}, "m": {"type": "array"}}
+    for schema in schemas.values():
+        tools = [
+            {
+                "type": "function",
+                "function": {"name": "f", "parameters": {"type": "object", "properties": {"n": schema}}},
+            }
+        ]
+        content, calls = parse_tool_calls(output, parameter_types(tools))
+        assert content is not None or calls  # (read one way or the other)
+        for call in calls:
+            assert isinstance(json.loads(call.arguments), dict)
