@@ -287,7 +287,7 @@ def load_model(
             # An embedding model's base model saved alone with no head (e5-mistral's): it embeds, and refuses to
             # generate; its embedding stands in for the head it lacks (the logits of the token an embedding samples).
             arch, generates = replace(arch, tie_word_embeddings=True), False
-        quantized = QuantizedCheckpoint.of(config_json)  # (refused in words before the tokenizer)
+        quantized = QuantizedCheckpoint.of(config_json, path)  # (refused in words before the tokenizer)
         tokenizer = Tokenizer.from_hf_dir(path)
         whole = arch
         if weights is not None:

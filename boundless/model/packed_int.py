@@ -65,7 +65,7 @@ class PackedIntCheckpoint:
                     "does not load here: 4-bit GEMM ones with zero points do"
                 )
             return PackedIntCheckpoint("awq", bits, group_size)
-        form = str(quant.get("checkpoint_format", "gptq")).lower()
+        form = "marlin" if quant.get("is_marlin_format") else str(quant.get("checkpoint_format", "gptq")).lower()
         if bits not in (2, 4, 8) or form not in ("gptq", "gptq_v2"):
             raise ConfigError(
                 f"this GPTQ checkpoint ({bits}-bit, format {form!r}) does not load here: 2, 4 and 8-bit ones in the "

@@ -1,6 +1,7 @@
 """Quantized checkpoints: which ones load, and their weights brought back to the model's type as they stream in.
 
-A checkpoint says how it is quantized in ``config.json``'s ``quantization_config``. The FP8 ones load:
+A checkpoint says how it is quantized in ``config.json``'s ``quantization_config`` (older AutoAWQ and AutoGPTQ ones in a
+``quant_config.json`` or ``quantize_config.json`` beside it). The FP8 ones load:
 
 - ``quant_method: fp8`` (Qwen3-*-FP8, DeepSeek-V3's form; vLLM's own fp8 serialization): each quantized weight
   ``W.weight`` in float8 with ``W.weight_scale_inv``, one scale per block of ``weight_block_size`` (e.g. 128 x 128),
@@ -18,9 +19,11 @@ compressed-tensors) is refused in words; a GGUF file's quantized weights load as
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,10 +45,13 @@ class QuantizedCheckpoint:
     block: tuple[int, int] | None = None
 
     @staticmethod
-    def of(config: Mapping[str, Any]) -> QuantizedCheckpoint | PackedIntCheckpoint | None:
-        """From a ``config.json``; None for an unquantized checkpoint, a :class:`PackedIntCheckpoint` for GPTQ's and
-        AWQ's. An unsupported method is a ConfigError."""
-        quant = config.get("quantization_config")
+    def of(
+        config: Mapping[str, Any], directory: Path | None = None
+    ) -> QuantizedCheckpoint | PackedIntCheckpoint | None:
+        """From a ``config.json`` (or, with none in it, from the file older AutoAWQ and AutoGPTQ releases wrote beside
+        it in the model's ``directory``); None for an unquantized checkpoint, a :class:`PackedIntCheckpoint` for
+        GPTQ's and AWQ's. An unsupported method is a ConfigError."""
+        quant = config.get("quantization_config") or (_sidecar_quantization(directory) if directory else None)
         if not quant:
             return None
         method = str(quant.get("quant_method", "")).lower()
@@ -102,6 +108,25 @@ class QuantizedCheckpoint:
             )
         spread = s.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
         return w * spread[: w.shape[0], : w.shape[1]]
+
+
+# The files older AutoAWQ and AutoGPTQ releases wrote their settings to, beside a config.json that says nothing of them
+# (vLLM reads them too, with --quantization); each file's method, where its settings do not name one.
+_SIDECARS = (("quant_config.json", "awq"), ("quantize_config.json", "gptq"))
+
+
+def _sidecar_quantization(directory: Path) -> dict[str, Any] | None:
+    """A model directory's quantization settings from AutoAWQ's ``quant_config.json`` (``w_bit``, ``q_group_size``,
+    ``version``, ``zero_point``) or AutoGPTQ's ``quantize_config.json`` (``bits``, ``group_size``, ``desc_act``), with
+    the method the file's name says when they name none; None when neither is there."""
+    for name, method in _SIDECARS:
+        path = directory / name
+        if path.is_file():
+            settings = json.loads(path.read_text())
+            if not isinstance(settings, dict):
+                raise ConfigError(f"{path}: quantization settings that are no JSON object")
+            return {"quant_method": method, **settings}
+    return None
 
 
 def _compressed_tensors_block(quant: Mapping[str, Any]) -> tuple[int, int] | None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from boundless.config import ConfigError
 from boundless.model.loader import load_model
 from boundless.model.packed_int import PackedIntCheckpoint
 from boundless.model.random_model import TinySpec, write_random_model
@@ -153,4 +154,30 @@ def test_a_layer_missing_a_part_is_named(tmp_path: Path) -> None:
     del tensors["model.layers.1.mlp.down_proj.scales"]
     save_file(tensors, str(packed / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj"):
+        load_model(str(packed))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_settings_in_the_file_older_releases_wrote_beside_config_json_are_read(tmp_path: Path, method: str) -> None:
+    """Older AutoAWQ releases kept their settings in ``quant_config.json`` (``w_bit``, ``q_group_size``, ``version``)
+    and older AutoGPTQ ones in ``quantize_config.json``, with no ``quantization_config`` in ``config.json``: such a
+    checkpoint was refused as an unexpected ``qweight``."""
+    packed, reference = _write(tmp_path, method)
+    config = json.loads((packed / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    (packed / "config.json").write_text(json.dumps(config))
+    if method == "awq":  # (AutoAWQ's names, and no method: the file's name says it)
+        sidecar = {"zero_point": True, "q_group_size": quant["group_size"], "w_bit": quant["bits"], "version": "GEMM"}
+        (packed / "quant_config.json").write_text(json.dumps(sidecar))
+    else:
+        sidecar = {k: v for k, v in quant.items() if k != "quant_method"}
+        (packed / "quantize_config.json").write_text(json.dumps(sidecar))
+    got, want = load_model(str(packed)), load_model(str(reference))
+    expected = dict(want.model.named_parameters())
+    for name, p in got.model.named_parameters():
+        assert torch.allclose(p, expected[name], rtol=0, atol=1e-6), name
+    (packed / ("quantize_config.json" if method == "gptq" else "quant_config.json")).write_text(
+        json.dumps({**sidecar, "is_marlin_format": True} if method == "gptq" else {**sidecar, "version": "GEMV"})
+    )
+    with pytest.raises(ConfigError, match="does not load here"):
         load_model(str(packed))
