@@ -59,7 +59,7 @@ from boundless.engine.scheduler import SchedulerOutput
 from boundless.sim.cost import StepCost
 from boundless.sim.engine import SimulatedModel
 from boundless.sim.links import LinkSpec
-from boundless.sim.profiles import HardwareProfile
+from boundless.sim.profiles import HardwareProfile, kv_links
 
 Clock = Callable[[], float]
 
@@ -423,8 +423,8 @@ def simulated_lending(
 ) -> SimulatedLending:
     """Lending over these engines, its bytes and round trips sized by the profile's model when it states one (a
     roofline GPU profile), else by ``model``'s; ``--net-gbps``, when given, sets each instance's network link."""
-    if cluster.net_gbps is not None:
-        network = LinkSpec(gbps_to_bytes_per_s(cluster.net_gbps), network.latency_s)
+    if cluster.net_gbps is not None:  # (a split instance's GPUs each lend and borrow their share over a NIC of its own)
+        network = LinkSpec(gbps_to_bytes_per_s(cluster.net_gbps) * kv_links(profile), network.latency_s)
     shape = getattr(profile.step, "shape", None) if profile is not None else None
     layout = next(iter(cores.values())).layout
     if shape is not None:

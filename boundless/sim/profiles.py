@@ -238,7 +238,7 @@ def with_tensor_parallel(profile: HardwareProfile, size: int) -> HardwareProfile
         )
     # Each GPU moves its share of every block over its own links: 1/N of it, or one key/value head of it where they are
     # fewer than the GPUs (the GPUs holding the same head each move it).
-    parallel = min(size, shape.kv_heads)
+    parallel = min(size, shape.kv_heads)  # (kv_links of the split profile)
     links = {
         name: dataclasses.replace(link, bytes_per_s=link.bytes_per_s * parallel)
         for name in LINK_NAMES
@@ -246,6 +246,16 @@ def with_tensor_parallel(profile: HardwareProfile, size: int) -> HardwareProfile
     }
     split = dataclasses.replace(step, tensor_parallel=size, all_reduce=profile.gpu_interconnect)
     return dataclasses.replace(profile, step=split, **links)
+
+
+def kv_links(profile: HardwareProfile | None) -> int:
+    """How many links an instance's KV crosses at once: each GPU of a split instance moves its share over its own
+    (``with_tensor_parallel``); one, unsplit. A link the flags set (``--net-gbps``, ``--storage-gbps``) is one GPU's,
+    as ``serve`` gives each rank its own at that rate."""
+    step = profile.step if profile is not None else None
+    if not isinstance(step, RooflineStepCost) or step.tensor_parallel <= 1:
+        return 1
+    return min(step.tensor_parallel, step.shape.kv_heads)
 
 
 def profile_names() -> list[str]:

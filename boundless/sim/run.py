@@ -222,11 +222,6 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("--jobs: the longctx workload runs its rows in one process")
     check_workload_flags(args)
     base = engine_config_from_flags(args)
-    if args.workload == "longctx" and base.model.tensor_parallel_size > 1:
-        raise SystemExit(
-            "--tensor-parallel-size: the longctx workload compares separate instances with KV lending, which a model "
-            "split over GPUs does not do"
-        )
     profile = profile_from_flag("--profile", args.profile) if args.profile else None
     clusters = cluster_configs_from_flags(args)
     failures = failures_from_flags(args, clusters)

@@ -62,7 +62,7 @@ from boundless.sim.executor import DiskCost
 from boundless.sim.failures import InstanceFailure, check_failures
 from boundless.sim.lending import SimulatedLending, lending_max_model_len, simulated_lending
 from boundless.sim.links import LinkSpec
-from boundless.sim.profiles import HardwareProfile, with_kv_cache_dtype, with_tensor_parallel
+from boundless.sim.profiles import HardwareProfile, kv_links, with_kv_cache_dtype, with_tensor_parallel
 from boundless.sim.remote import KVFabric
 
 
@@ -70,8 +70,7 @@ def check_split_simulation(
     config: EngineConfig, cluster: ClusterConfig, profile: HardwareProfile | None, cost: StepCost | None
 ) -> None:
     """What the simulator needs to run a model split over GPUs (``--tensor-parallel-size``): a roofline profile that
-    prices it (``with_tensor_parallel``), and instances that lend no KV to each other (``serve`` runs split instances
-    that do, rank to rank; the simulator's lending prices one device's moves and round trips)."""
+    prices it (``with_tensor_parallel``), and what ``serve`` runs with one."""
     size = config.model.tensor_parallel_size
     if profile is None or cost is not None:
         raise ConfigError(
@@ -82,11 +81,6 @@ def check_split_simulation(
         with_tensor_parallel(profile, size)
     except ValueError as e:
         raise ConfigError(f"--tensor-parallel-size {size}: {e}") from None
-    if cluster.kv_lending == "on":
-        raise ConfigError(
-            f"--tensor-parallel-size {size}: the simulator prices no KV lending between split instances (each rank "
-            "moving and attending over its share); serve runs them"
-        )
     check_serve_configs(config, ServerConfig(), cluster)
 
 
@@ -253,13 +247,14 @@ class Simulator:
         self.fabric: KVFabric | None = None
         self.lending: SimulatedLending | None = None
         if self.cluster.disaggregated:
-            # The cluster's emulated NICs, when given, in place of the profile's figures (as the real links).
+            # The cluster's emulated NICs, when given, in place of the profile's figures (as the real links: one a GPU).
+            links = kv_links(profile)
             if self.cluster.storage_gbps is not None:
                 disk_cost = dataclasses.replace(
-                    disk_cost, read_bytes_per_s=gbps_to_bytes_per_s(self.cluster.storage_gbps)
+                    disk_cost, read_bytes_per_s=gbps_to_bytes_per_s(self.cluster.storage_gbps) * links
                 )
             if self.cluster.net_gbps is not None:
-                network = dataclasses.replace(network, bytes_per_s=gbps_to_bytes_per_s(self.cluster.net_gbps))
+                network = dataclasses.replace(network, bytes_per_s=gbps_to_bytes_per_s(self.cluster.net_gbps) * links)
             shape = getattr(profile.step, "shape", None) if profile is not None else None
             kv_bytes = shape.kv_bytes_per_token if shape is not None else None
             self._build_roles(config, model, cost, host_copy, disk_cost, network, instances_per_node, kv_bytes)

@@ -116,8 +116,6 @@ def test_the_simulator_refuses_a_split_model_it_cannot_price_or_serve() -> None:
         Simulator(config, SimulatedModel.read(ModelConfig()))
     with pytest.raises(ConfigError, match="fitted to one device's steps"):
         Simulator(config, SimulatedModel.read(ModelConfig()), profile=load_profile("cpu"))
-    with pytest.raises(ConfigError, match="prices no KV lending between split instances"):
-        _simulator(2, CacheConfig(num_kv_blocks=400), ClusterConfig(instances=2, kv_lending="on"))
 
 
 def test_simulate_takes_a_split_model_on_a_roofline_profile(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -134,5 +132,31 @@ def test_simulate_takes_a_split_model_on_a_roofline_profile(tmp_path: Path, caps
     assert (row["roles"], row["gpus"], row["failed_calls"], row["programs_finished"]) == ("1P1D", 4, 0, 20)
     assert main(["simulate", "--num-programs", "2", "-tp", "2"]) == 2
     assert "prices a model split over GPUs on a roofline --profile" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="longctx workload compares separate instances with KV lending"):
-        main(["simulate", "--workload", "longctx", "--profile", "h200", "-tp", "2"])
+
+
+def test_split_instances_lend_over_every_gpus_nic_in_the_simulator() -> None:
+    """``--kv-lending on`` with ``-tp 2`` (``serve`` runs it rank to rank): a request of twice one instance's pool is
+    served through moves and round trips, over links of both GPUs; a ``--net-gbps`` link is one GPU's, as ``serve``
+    gives each rank its own."""
+    from boundless.bench.longctx_trace import TraceShape, make_trace
+    from boundless.sim.longctx import longctx_row, pool_tokens, trace_programs
+
+    config = EngineConfig(
+        ModelConfig(tensor_parallel_size=2),
+        CacheConfig(num_kv_blocks=64, kv_host_gb=0.0),
+        SchedulerConfig(max_num_batched_tokens=256),
+    )
+    model = SimulatedModel.read(ModelConfig())
+    cluster = ClusterConfig(
+        instances=3, kv_lending="on", net_gbps=10.0, heartbeat_interval_s=0.1, lending_interval_s=0.1,
+        lending_creditor_max_usage=0.9, lending_creditor_headroom=0.05,
+    )  # fmt: skip
+    sim = Simulator(config, model, None, instances=3, cluster=cluster, profile=H200, compact_prompts=False)
+    assert sim.lending is not None
+    assert {d.link.bytes_per_s for d in sim.lending.data.values()} == {2 * 10e9 / 8}
+    pool = pool_tokens(config, model)
+    trace = make_trace(TraceShape(num_short=6, long_factors=(2.0,)), pool, model.identity.vocab_size, 2.0, seed=0)
+    programs = trace_programs(trace)
+    row = longctx_row(sim, sim.run(programs), programs, 2.0, "lending")
+    assert row["served"] == row["requests"] and row["longest_served"] > 1.5 * pool
+    assert row["lending"]["moves"] > 0 and row["lending"]["round_trips"] > 0
