@@ -20,7 +20,6 @@ An agent's instance id is its transport address, so the ledger's debtor names th
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -124,6 +123,10 @@ class BlockReceive(Protocol):
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Until the blocks are written; raises :class:`TransportError` when they do not come."""
+        ...
+
+    def cancel(self) -> None:
+        """Give the receive up: nothing is written into its blocks after."""
         ...
 
 
@@ -576,8 +579,7 @@ class LendingAgent:
         """A move's receive that no confirmation will take: cancelled (nothing is written after) and its blocks freed.
         Kept, a move whose answer to the debtor was lost held its blocks, its staging tensor and its posted receive
         for good."""
-        with contextlib.suppress(TransportError):
-            receive.wait(0)
+        receive.cancel()
         self.core.kv.free_unowned(receive.block_ids)
 
 

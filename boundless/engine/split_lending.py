@@ -7,8 +7,10 @@ goes rank to rank, and nothing crosses the ranks' pipes but block ids and words:
 - **A move.** The debtor's ranks each send their share of the move's blocks to the creditor's rank of their number,
   on their own endpoints (``RankEndpoint``), into the pool blocks rank 0 chose (every rank's pools have the same
   block ids). A share moves when rank 0 says (``TensorParallelRanks.lend``); each rank says when its share is sent, or
-  has landed (``lend_done``). The debtor counts the move sent once every rank's share is; the creditor confirms it
-  once every rank's share has landed, so a debtor never attends to a move some rank of the creditor lacks.
+  has landed (``lend_done``), naming the ticket rank 0 gave that share, so a word that comes late is never taken
+  for another move's. The debtor counts the move sent once every rank's share is; the creditor confirms it once
+  every rank's share has landed (each rank lands its own as it comes, beside its passes), so a debtor never attends
+  to a move some rank of the creditor lacks. A move given up is cancelled on every rank.
 - **DistAttention.** Every rank wraps its attention in a ``DistributedAttention`` whose client asks the creditor's
   rank of its number for its heads' partials, and serves its share of the blocks it holds for others with a
   ``PartialServer`` of its own. A round trip failing on one rank is agreed over the ranks after the last layer
@@ -17,14 +19,16 @@ goes rank to rank, and nothing crosses the ranks' pipes but block ids and words:
 
 The ledger, the protocol and its decisions stay rank 0's (``engine/lending.py``, ``cluster/rmanager.py``): a rank
 knows a move's blocks only to receive them and to answer partials over them. Its lookup of a move's blocks is kept
-from the receive until its blocks go to another move's receive, so a rank may answer a partial of a move rank 0 no
+from their landing until its blocks land for another move, so a rank may answer a partial of a move rank 0 no
 longer holds; rank 0's own answer is then a failure, which the agreement makes every rank's.
 """
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +68,13 @@ def lending_address(core: EngineCore, transport: KVTransport, how: RankEndpoint)
 
 class RankLending:
     """A rank past the first in KV lending (see the module): its DistAttention, its partial server, and its shares of
-    the moves rank 0 makes. ``say(op, tag, error)`` tells rank 0 a share's end (``error`` empty when it went well)."""
+    the moves rank 0 makes. ``say(op, ticket, error)`` tells rank 0 a share's end (``error`` empty when it went well),
+    by the ticket rank 0 gave the share.
+
+    A share sent goes on the rank's loop (the debtor moves between its steps: its ranks are idle). A share received
+    lands on a thread of its own as soon as it has come (its blocks written into the pool then, beside the rank's
+    forward pass, as rank 0's own landing is beside its loop's), so a creditor confirms a move without waiting for its
+    ranks' passes in flight; only then may its partial server answer for the move."""
 
     def __init__(
         self,
@@ -86,113 +96,133 @@ class RankLending:
         self.attention = DistributedAttention(attention, self.client, caches, agree=agree)
         self.lent: dict[str, list[int]] = {}  # move id -> this rank's pool blocks holding its share of the move
         self.server = PartialServer(transport, kv_cache.layer, self._lookup, attention.scale, timeout_s)
-        self._receives: dict[int, BlocksReceive] = {}  # by tag, until landed or cancelled
-        self._failed: dict[int, str] = {}  # receives that could not be posted, by tag: why
+        # Receives posted and not yet landed, by ticket: the move's id, the receive, its deadline.
+        self._landing: dict[int, tuple[str, BlocksReceive, float]] = {}
+        self._lock = threading.Lock()  # (the landing thread's and the loop's: a cancelled receive writes nothing)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._land_loop, name="tp-lend-landing", daemon=True)
+        self._thread.start()
 
     def _lookup(self, move_id: str) -> LentBlocks | None:
         blocks = self.lent.get(move_id)  # (a dict read on the server's thread: atomic under the interpreter lock)
         return None if blocks is None else LentBlocks(blocks)
 
     def apply(self, op: str, payload: Any) -> None:
-        """One of rank 0's lending messages (``SplitLendingData``)."""
+        """One of rank 0's lending messages (``SplitLendingData``). A failure of one (a transport's, or any other) is
+        said as the share's end, or logged, never raised: on one device it fails the move alone, not the engine."""
         # (Outside the rank's inference mode: the tensors posted here, a receive's staging and the partial server's
         # headers, are written by the transport's thread.)
         with torch.inference_mode(False):
-            self._apply(op, payload)
+            if op == "recv":
+                ticket, debtor, tag, move_id, block_ids = payload
+                try:
+                    self._receive(ticket, debtor, tag, move_id, block_ids)
+                except Exception as e:
+                    self.say(LANDED, ticket, f"{type(e).__name__}: {e}")
+            elif op == "cancel":
+                self._cancel(payload)
+            elif op == "send":
+                ticket, creditor, tag, block_ids = payload
+                try:
+                    peer = rank_address(creditor, self.rank)
+                    send_blocks(self.transport, peer, tag, self.cache, block_ids).wait(self.timeout_s)
+                except Exception as e:
+                    self.say(SENT, ticket, f"{type(e).__name__}: {e}")
+                else:
+                    self.say(SENT, ticket, "")
+            elif op == "serve":
+                try:
+                    self.server.add_peer(rank_address(payload, self.rank))
+                except Exception as e:  # (its round trips then fail, and the step with them, on every rank)
+                    log.warning("rank %d: cannot serve partials to %s: %s", self.rank, payload, e)
+            else:
+                log.error("rank %d: no lending message %r", self.rank, op)
 
-    def _apply(self, op: str, payload: Any) -> None:
-        if op == "recv":
-            debtor, tag, move_id, block_ids = payload
-            try:
-                self._receive(debtor, tag, move_id, block_ids)
-            except TransportError as e:  # (said when rank 0 asks for it to land)
-                self._failed[tag] = f"{type(e).__name__}: {e}"
-        elif op == "land":
-            self._land(payload)
-        elif op == "cancel":
-            self._failed.pop(payload, None)
-            receive = self._receives.pop(payload, None)
-            if receive is not None:
-                with contextlib.suppress(TransportError):
-                    receive.wait(0)
-        elif op == "send":
-            creditor, tag, block_ids = payload
-            self._send(creditor, tag, block_ids)
-        elif op == "serve":
-            try:
-                self.server.add_peer(rank_address(payload, self.rank))
-            except TransportError as e:  # (its round trips then fail, and the step with them, on every rank)
-                log.warning("rank %d: cannot serve partials to %s: %s", self.rank, payload, e)
-        else:
-            raise ValueError(f"rank {self.rank}: no lending message {op!r}")
+    def _receive(self, ticket: int, debtor: str, tag: int, move_id: str, block_ids: Sequence[int]) -> None:
+        receive = BlocksReceive(self.transport, rank_address(debtor, self.rank), tag, self.cache, block_ids)
+        with self._lock:
+            self._landing[ticket] = (move_id, receive, time.monotonic() + self.timeout_s)
+        self._wake.set()
 
-    def _receive(self, debtor: str, tag: int, move_id: str, block_ids: Sequence[int]) -> None:
-        taken = set(block_ids)  # (blocks of an older loan, now freed and given to this one: that loan is over)
-        for old in [m for m, ids in self.lent.items() if taken.intersection(ids)]:
-            del self.lent[old]
-        self._receives[tag] = BlocksReceive(self.transport, rank_address(debtor, self.rank), tag, self.cache, block_ids)
-        self.lent[move_id] = list(block_ids)
+    def _cancel(self, ticket: int) -> None:
+        with self._lock:
+            landing = self._landing.pop(ticket, None)
+        if landing is not None:
+            landing[1].cancel()
 
-    def _land(self, tag: int) -> None:
-        receive = self._receives.pop(tag, None)
-        if receive is None:
-            self.say(LANDED, tag, self._failed.pop(tag, "no such receive"))
-            return
-        try:
-            receive.wait(self.timeout_s)
-        except TransportError as e:
-            self.say(LANDED, tag, f"{type(e).__name__}: {e}")
-            return
-        self.say(LANDED, tag, "")
-
-    def _send(self, creditor: str, tag: int, block_ids: Sequence[int]) -> None:
-        try:
-            peer = rank_address(creditor, self.rank)
-            send_blocks(self.transport, peer, tag, self.cache, block_ids).wait(self.timeout_s)
-        except TransportError as e:
-            self.say(SENT, tag, f"{type(e).__name__}: {e}")
-            return
-        self.say(SENT, tag, "")
+    def _land_loop(self) -> None:
+        """Land each receive once its share has come (or fail it at its deadline), and say so."""
+        while not self._stop.is_set():
+            with self._lock:
+                for ticket, (move_id, receive, deadline) in list(self._landing.items()):
+                    try:
+                        if not receive.done():  # (done writes the share into the pool)
+                            if time.monotonic() < deadline:
+                                continue
+                            receive.wait(0)
+                    except Exception as e:  # (a transport's failure, or its timeout at the deadline)
+                        del self._landing[ticket]
+                        receive.cancel()
+                        self.say(LANDED, ticket, f"{type(e).__name__}: {e}")
+                        continue
+                    del self._landing[ticket]
+                    landed = set(receive.block_ids)  # (blocks of an older loan, freed and given to this one)
+                    for old in [m for m, ids in self.lent.items() if landed.intersection(ids)]:
+                        del self.lent[old]
+                    self.lent[move_id] = list(receive.block_ids)
+                    self.say(LANDED, ticket, "")
+                waiting = bool(self._landing)
+            self._wake.wait(0.001 if waiting else 0.5)
+            self._wake.clear()
 
     def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
         self.server.close()
 
 
 class _SplitSend:
     """A move's send from every rank: rank 0's, then the other ranks' words."""
 
-    def __init__(self, ranks: TensorParallelRanks, tag: int, own: Any) -> None:
-        self.ranks, self.tag, self.own = ranks, tag, own
+    def __init__(self, ranks: TensorParallelRanks, ticket: int, own: Any) -> None:
+        self.ranks, self.ticket, self.own = ranks, ticket, own
 
     def wait(self, timeout_s: float | None = None) -> None:
         timeout = 30.0 if timeout_s is None else timeout_s
         try:
             self.own.wait(timeout_s)
-        finally:  # (the ranks' words are taken either way: none is left for a later move on the same tag)
-            errors = self.ranks.lend_done(SENT, self.tag, timeout)
+        finally:  # (the ranks' words are taken either way)
+            errors = self.ranks.lend_done((SENT, self.ticket), timeout)
         if errors:
             raise TransportError(f"a move's blocks were not sent from every rank: {'; '.join(errors)}")
 
 
 class _SplitReceive:
-    """A move's receive on every rank: rank 0's own, then, once it has landed, the other ranks' shares (they land
-    when told, on their loops). A wait that fails or times out cancels every rank's, as ``BlocksReceive`` does its
-    own."""
+    """A move's receive on every rank: rank 0's own, then the other ranks' words that their shares landed (each rank
+    lands its own as it comes). A wait that fails or times out cancels every rank's, as :meth:`cancel` does."""
 
-    def __init__(self, ranks: TensorParallelRanks, tag: int, own: BlocksReceive) -> None:
-        self.ranks, self.tag, self.own = ranks, tag, own
+    def __init__(self, ranks: TensorParallelRanks, ticket: int, own: BlocksReceive) -> None:
+        self.ranks, self.ticket, self.own = ranks, ticket, own
         self.block_ids = own.block_ids
 
     def wait(self, timeout_s: float | None = None) -> None:
         try:
             self.own.wait(timeout_s)
         except TransportError:
-            self.ranks.lend("cancel", self.tag)
+            self.cancel()
             raise
-        self.ranks.lend("land", self.tag)
-        errors = self.ranks.lend_done(LANDED, self.tag, 30.0 if timeout_s is None else timeout_s)
+        errors = self.ranks.lend_done((LANDED, self.ticket), 30.0 if timeout_s is None else timeout_s)
         if errors:
+            self.cancel()
             raise TransportError(f"a move's blocks did not land on every rank: {'; '.join(errors)}")
+
+    def cancel(self) -> None:
+        """Give the receive up on every rank: nothing more is written into its blocks, and no word of it is kept."""
+        self.own.cancel()
+        self.ranks.lend("cancel", self.ticket)
+        self.ranks.lend_forget((LANDED, self.ticket))
 
 
 class SplitLendingData:
@@ -222,6 +252,9 @@ class SplitLendingData:
         self.attention = DistributedAttention(runner.attention, self.client, caches, agree=ranks.all_reduce_)
         runner.attention = self.attention
         self._debtors: dict[str, str] = {}  # a debtor's rank 0's address -> its instance's
+        # Each share of a move gets a ticket of its own, which its ranks' words name: a word that comes after its wait
+        # gave up is dropped, never taken for a later move's (whose tag, of its move id, may be the same).
+        self._tickets = itertools.count(1)
         self.server = PartialServer(
             transport, self.cache.layer, lent_blocks, self.attention.local.scale, timeout_s,
             on_peer_lost=lambda peer: on_peer_lost(self._debtors.get(peer, peer)),
@@ -229,15 +262,16 @@ class SplitLendingData:
         ranks.lend("on", timeout_s)
 
     def send_blocks(self, creditor: str, tag: int, block_ids: Sequence[int]) -> _SplitSend:
-        ids = list(block_ids)
-        self.ranks.lend("send", (creditor, tag, ids))
-        return _SplitSend(self.ranks, tag, send_blocks(self.transport, rank_address(creditor, 0), tag, self.cache, ids))
+        ids, ticket = list(block_ids), next(self._tickets)
+        self.ranks.lend("send", (ticket, creditor, tag, ids), awaits=(SENT, ticket))
+        own = send_blocks(self.transport, rank_address(creditor, 0), tag, self.cache, ids)
+        return _SplitSend(self.ranks, ticket, own)
 
     def receive_blocks(self, debtor: str, tag: int, block_ids: Sequence[int], move_id: str) -> _SplitReceive:
-        ids = list(block_ids)
-        self.ranks.lend("recv", (debtor, tag, move_id, ids))
+        ids, ticket = list(block_ids), next(self._tickets)
         own = BlocksReceive(self.transport, rank_address(debtor, 0), tag, self.cache, ids)
-        return _SplitReceive(self.ranks, tag, own)
+        self.ranks.lend("recv", (ticket, debtor, tag, move_id, ids), awaits=(LANDED, ticket))
+        return _SplitReceive(self.ranks, ticket, own)
 
     def serve(self, debtor: str) -> None:
         own = rank_address(debtor, 0)

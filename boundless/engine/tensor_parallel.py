@@ -133,7 +133,8 @@ class TensorParallelRanks:
         self.closed = threading.Event()
         self.reads = SplitReads(len(processes))  # the disk store's loads, each done once every rank's share is
         self.streams = SplitStreams(len(processes))  # block streams to and from other instances' ranks, alike
-        self.lent: dict[tuple[str, int], dict[int, str]] = {}  # KV lending's block moves: each rank's word, by move
+        # KV lending's shares of block moves awaited, by (word, ticket): each rank's word so far (its error, or "").
+        self.lent: dict[tuple[str, int], dict[int, str]] = {}
         self.connected = False  # each rank has opened its endpoint for KV to and from other instances (connect)
         self._send_lock = threading.Lock()
         self._hear_lock = threading.Lock()
@@ -284,22 +285,32 @@ class TensorParallelRanks:
         self.connected = True
         return [addresses[rank] for rank in range(1, len(self.pipes) + 1)]
 
-    def lend(self, op: str, payload: object) -> None:
-        """A KV-lending message for every rank (``engine/split_lending.py``, ``RankLending``)."""
+    def lend(self, op: str, payload: object, awaits: tuple[str, int] | None = None) -> None:
+        """A KV-lending message for every rank (``engine/split_lending.py``, ``RankLending``), and the word each will
+        say of it (``awaits``: taken by :meth:`lend_done`; a word nobody awaits is dropped)."""
+        if awaits is not None:
+            with self._hear_lock:
+                self.lent[awaits] = {}
         self._send(("lend", (op, payload)))
 
-    def lend_done(self, op: str, tag: int, timeout_s: float) -> list[str]:
-        """Wait for every rank's word on its share of a lending block move (``op`` of the move on ``tag``): the ranks'
-        errors, none if each did its share. A rank silent for ``timeout_s`` counts as failed."""
-        key = (op, tag)
+    def lend_done(self, awaits: tuple[str, int], timeout_s: float) -> list[str]:
+        """Wait for every rank's word on its share of a lending block move (awaited since :meth:`lend`): the ranks'
+        errors, none if each did its share. A rank silent for ``timeout_s`` counts as failed; its word, should it come
+        later, is dropped."""
         deadline = time.monotonic() + timeout_s
-        while len(self.lent.get(key, ())) < len(self.pipes) and time.monotonic() < deadline:
+        while len(self.lent.get(awaits, ())) < len(self.pipes) and time.monotonic() < deadline:
             self.check()
             self._hear(min(0.05, max(0.0, deadline - time.monotonic())))
-        said = self.lent.pop(key, {})
+        with self._hear_lock:
+            said = self.lent.pop(awaits, {})
         errors = [f"rank {rank}: {error}" for rank, error in sorted(said.items()) if error]
         missing = [rank for rank in range(1, len(self.pipes) + 1) if rank not in said]
         return errors + [f"rank {rank}: no word in {timeout_s:g} s" for rank in missing]
+
+    def lend_forget(self, awaits: tuple[str, int]) -> None:
+        """Await that word no more (its move was given up): it is dropped when it comes."""
+        with self._hear_lock:
+            self.lent.pop(awaits, None)
 
     def _hear(self, timeout_s: float, addresses: dict[int, str] | None = None) -> None:
         """Take in what the ranks have said since (each load and stream of theirs as it finishes; while ``addresses``
@@ -319,8 +330,10 @@ class TensorParallelRanks:
                     elif kind == "remote":
                         self.streams.rank_done(rank, said)
                     elif kind == "lent":
-                        op, tag, error = said
-                        self.lent.setdefault((op, tag), {})[rank] = error
+                        word, ticket, error = said
+                        words = self.lent.get((word, ticket))
+                        if words is not None:  # (else a word of a wait given up: dropped)
+                            words[rank] = error
                     elif kind == "connected" and addresses is not None:
                         addresses[rank] = said
                     elif kind == "failed" and addresses is not None:

@@ -93,6 +93,9 @@ class _Done:
     def wait(self, timeout_s: float | None = None) -> None:
         """Nothing left to wait for."""
 
+    def cancel(self) -> None:
+        """Nothing left to give up."""
+
 
 @dataclass
 class SimulatedLendingData:

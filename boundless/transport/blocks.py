@@ -9,12 +9,13 @@ receiver how many blocks come with which tag, and the receiver chooses where the
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 
 from boundless.kv.tiers import KVTier
-from boundless.transport.base import KVTransport, TransferHandle
+from boundless.transport.base import KVTransport, TransferHandle, TransportError
 
 
 def send_blocks(transport: KVTransport, peer: str, tag: int, tier: KVTier, block_ids: Sequence[int]) -> TransferHandle:
@@ -49,3 +50,10 @@ class BlocksReceive:
     def wait(self, timeout_s: float | None = None) -> None:
         self._handle.wait(timeout_s)
         self._write()
+
+    def cancel(self) -> None:
+        """Give the receive up: one still pending is cancelled, and nothing is written into the tier after."""
+        self._written = True
+        if not self._handle.done():
+            with contextlib.suppress(TransportError):
+                self._handle.wait(0)

@@ -22,6 +22,7 @@ from boundless.engine.split_lending import lending_address
 from boundless.engine.tensor_parallel import TensorParallelRanks
 from boundless.model.loader import load_configured_model
 from boundless.transport.base import KVTransport
+from boundless.transport.blocks import send_blocks
 from boundless.transport.endpoints import EndpointSpec, open_endpoint, rank_address
 
 TIMEOUT_S = 5.0
@@ -139,3 +140,39 @@ def test_a_round_trip_failing_on_one_rank_fails_the_step_on_every_rank_and_the_r
     assert debtor.stats.requests_recomputed == 1 and debtor.core.kv.num_lent_blocks("long") == 0
     assert creditor.instance_id in debtor.rm.lost_peers
     assert _ranks(debtor).lost is None  # (the debtor's ranks are in step: no sum was left waiting)
+
+
+class _LostConfirm(LocalControlPlane):
+    """A confirm whose answer is lost (a Ray call past its timeout): the debtor gives the move up."""
+
+    def confirm_blocks(self, creditor: str, move_id: str, receive: object) -> bool:
+        return False
+
+
+def test_a_move_given_up_is_cancelled_on_every_rank_and_its_late_words_never_confirm_another(split_cluster) -> None:
+    """A move whose confirm is lost is given up by the creditor (every rank's receive cancelled, no word of it kept);
+    then a move on the same tag (the debtor restarted at its address numbers its moves from 0 again) whose second rank
+    never sends its share fails: the first move's late word is not taken for the second's."""
+    cluster = split_cluster(2)
+    debtor, creditor = cluster.agents
+    debtor.core.add_request("long", LONG, PARAMS)
+    request = debtor.core.scheduler.requests["long"]
+    _step_until(cluster, [], lambda: request.num_computed_tokens >= 2 * CHUNK)
+    good = debtor.control
+    lost = _LostConfirm()
+    lost.agents = cluster.control.agents
+    debtor.control = lost
+    assert not debtor.move_kvcache("long", 2, creditor.instance_id)
+    creditor.observe()  # (the released move's receive is given up: the creditor's blocks are free again)
+    assert creditor.core.kv.pool.num_used == 0 and not creditor.rm.loans
+    assert not _ranks(creditor).lent  # (no word awaited, none kept)
+    debtor.control = good
+    debtor.rm._next_move = 0  # the same move id, and tag, again
+    data = debtor.data
+
+    def rank_0s_share(creditor_id: str, tag: int, ids: list[int]) -> object:  # (the debtor's rank 1 sends nothing)
+        return send_blocks(data.transport, rank_address(creditor_id, 0), tag, data.cache, ids)
+
+    data.send_blocks = rank_0s_share
+    assert not debtor.move_kvcache("long", 2, creditor.instance_id)
+    assert creditor.core.kv.pool.num_used == 0 and debtor.core.kv.num_lent_blocks("long") == 0
