@@ -169,19 +169,25 @@ async def _workload(url: str) -> list[str]:
     return texts
 
 
-def test_a_long_request_lends_blocks_to_the_other_instance_output_unchanged(
-    lending_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
-) -> None:
-    client, server = lending_cluster
-    with Watch(server.url) as watch:
-        texts = asyncio.run(_workload(server.url))
-    assert texts == _offline(tiny_llama, [LONG, *WAITERS], [LONG_TOKENS] + [WAITER_TOKENS] * 2)
-    # Blocks of the long request lived on the other instance, as /cluster showed while it ran.
+def _lent_run(url: str, loaded: LoadedModel) -> tuple[str, str, str]:
+    """The workload through the server at ``url``, its answers one engine's; the debtor and the creditor, as
+    ``/cluster`` showed them while it ran (the long call's blocks borrowed on one, lent on the other); ``/metrics``
+    after."""
+    with Watch(url) as watch:
+        texts = asyncio.run(_workload(url))
+    assert texts == _offline(loaded, [LONG, *WAITERS], [LONG_TOKENS] + [WAITER_TOKENS] * 2)
     seen = watch.seen
     debtor = max(seen, key=lambda iid: seen[iid]["borrowed"])
     creditor = next(iid for iid in seen if iid != debtor)
     assert seen[debtor]["borrowed"] > 0 and seen[creditor]["lent"] > 0, seen
-    metrics = httpx.get(server.url + "/metrics").text
+    return debtor, creditor, httpx.get(url + "/metrics").text
+
+
+def test_a_long_request_lends_blocks_to_the_other_instance_output_unchanged(
+    lending_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
+) -> None:
+    client, server = lending_cluster
+    debtor, creditor, metrics = _lent_run(server.url, tiny_llama)
     assert _metric(metrics, "boundless_kv_lending_moves_total", direction="out", instance=debtor) > 0, re.findall(
         r"boundless_kv_lending\S+ \S+", metrics
     )
@@ -344,14 +350,7 @@ def test_instances_of_a_split_model_lend_rank_to_rank_output_unchanged(
     long call's blocks to the other's ranks and attend over them there (``engine/split_lending.py``); the answers
     are one device's, and the bytes on ``/metrics`` are whole blocks' (both ranks' shares)."""
     _, server = split_lending_cluster
-    with Watch(server.url) as watch:
-        texts = asyncio.run(_workload(server.url))
-    assert texts == _offline(tiny_llama, [LONG, *WAITERS], [LONG_TOKENS] + [WAITER_TOKENS] * 2)
-    seen = watch.seen
-    debtor = max(seen, key=lambda iid: seen[iid]["borrowed"])
-    creditor = next(iid for iid in seen if iid != debtor)
-    assert seen[debtor]["borrowed"] > 0 and seen[creditor]["lent"] > 0, seen
-    metrics = httpx.get(server.url + "/metrics").text
+    debtor, creditor, metrics = _lent_run(server.url, tiny_llama)
     moves = _metric(metrics, "boundless_kv_lending_moves_total", direction="out", instance=debtor)
     moved = _metric(metrics, "boundless_kv_lending_bytes_moved_total", direction="out", instance=debtor)
     arch = tiny_llama.arch
