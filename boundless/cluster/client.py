@@ -331,14 +331,13 @@ class ClusterClient(DispatcherFrontEnd):
         # engine's, its end a hand-off).
         infos = [i.info for i in self.instances.values() if i.info]
         self.pooling = None if cluster.disaggregated else infos[0].pooling
-        if not cluster.disaggregated:
-            # The dispatcher spreads a request's samples over the instances' queues: more than all of them hold can
-            # never wait (a 400, where each try got a 429 for good).
-            self.max_waiting = max_waiting * len(self.instances)
+        # The dispatcher spreads a request's samples over the instances' queues (prefill and decode engines': over its
+        # own, as long as theirs): more than all of them hold can never wait (a 400, where each try got a 429 for good).
+        self.max_waiting = max_waiting * len(self.instances)
         table = ProcessTable(ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas")
         self.dispatcher: Dispatcher
         if cluster.disaggregated:
-            self.dispatcher = self._pd_dispatcher(engine, cluster, table)
+            self.dispatcher = self._pd_dispatcher(engine, cluster, table, self.max_waiting)
         else:
             self.dispatcher = Dispatcher(
                 self.instances,
@@ -372,10 +371,12 @@ class ClusterClient(DispatcherFrontEnd):
         ray.get([inst.actor.lend_connect.remote(actors) for inst in self.instances.values()])
         return ClusterLending(GManager.from_config(cluster, time.monotonic), addresses)
 
-    def _pd_dispatcher(self, engine: EngineConfig, cluster: ClusterConfig, table: ProcessTable) -> PDDispatcher:
+    def _pd_dispatcher(
+        self, engine: EngineConfig, cluster: ClusterConfig, table: ProcessTable, max_queued: int
+    ) -> PDDispatcher:
         infos = {iid: inst.info for iid, inst in self.instances.items() if inst.info is not None}
         self._kv_bytes_per_token = kv_bytes_per_token(infos)
-        return make_pd_dispatcher(infos, engine, cluster, table)
+        return make_pd_dispatcher(infos, engine, cluster, table, max_queued)
 
     # -- the EngineClient interface ------------------------------------------------------------
 
@@ -773,9 +774,14 @@ def role_setups(cluster: ClusterConfig, directory: str) -> dict[str, RoleSetup |
 
 
 def make_pd_dispatcher(
-    infos: Mapping[str, InstanceInfo], engine: EngineConfig, cluster: ClusterConfig, table: ProcessTable
+    infos: Mapping[str, InstanceInfo],
+    engine: EngineConfig,
+    cluster: ClusterConfig,
+    table: ProcessTable,
+    max_queued: int | None = None,
 ) -> PDDispatcher:
-    """The dispatcher over prefill and decode engines that described themselves as ``infos``."""
+    """The dispatcher over prefill and decode engines that described themselves as ``infos``, its queue holding
+    ``max_queued`` calls at most."""
     if len({i.fingerprint for i in infos.values()}) != 1:
         raise RuntimeError("prefill and decode engines must serve the same model (their KV fingerprints differ)")
     require_one_kv_type(infos, "prefill and decode engines")
@@ -795,7 +801,9 @@ def make_pd_dispatcher(
     config = PDSchedulerConfig.from_configs(cluster, engine.scheduler)
     order_by_program = engine.scheduler.queue_order == "program"
     restarts = RestartPolicy.from_config(cluster)
-    return PDDispatcher(members, table, time.monotonic, config, first.block_size, order_by_program, restarts)
+    return PDDispatcher(
+        members, table, time.monotonic, config, first.block_size, order_by_program, restarts, max_queued
+    )
 
 
 def require_one_kv_type(infos: Mapping[str, InstanceInfo], who: str) -> None:

@@ -72,7 +72,8 @@ class LocalPDCluster(DispatcherFrontEnd):
         self.max_model_len = min(i.max_model_len for i in infos.values())
         self._kv_bytes_per_token = kv_bytes_per_token(infos)
         table = ProcessTable(ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas")
-        self.dispatcher = make_pd_dispatcher(infos, engine, cluster, table)
+        self.max_waiting = max_waiting * len(self.instances)  # (as ClusterClient's)
+        self.dispatcher = make_pd_dispatcher(infos, engine, cluster, table, self.max_waiting)
         self.streams = StreamRegistry()
         self.lock = threading.RLock()  # around the dispatcher and the calls its decisions make
         self._stop = threading.Event()

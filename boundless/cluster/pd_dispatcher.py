@@ -245,8 +245,12 @@ class PDDispatcher(Dispatcher):
         block_size: int,
         order_by_program: bool = False,
         restarts: RestartPolicy | None = None,
+        max_queued: int | None = None,
     ) -> None:
+        """``max_queued``: the calls its queue holds at most (None: no bound); one more is refused as busy (a 429), as
+        an engine refuses a request past ``--max-waiting``."""
         super().__init__(instances, Router("least-loaded"), table, clock, restarts=restarts)
+        self.max_queued = max_queued
         self.instances = dict(instances)
         self.config = config
         self.block_size = block_size
@@ -277,6 +281,9 @@ class PDDispatcher(Dispatcher):
     def submit(  # type: ignore[override]
         self, request_id: str, prompt: list[int], params: SamplingParams, program: ProgramRef | None = None
     ) -> list[PDDecision]:
+        if self.max_queued is not None and len(self.queue) >= self.max_queued:
+            # (Else each call placed walked the queue, so a request of thousands of samples held the server minutes.)
+            return [Fail(request_id, "busy", f"{len(self.queue)} calls wait for a prefill engine already")]
         now = self.clock()
         first_arrival = now
         if program is not None:

@@ -101,6 +101,22 @@ def _wait_dead(client: ClusterClient, iid: str) -> None:
     assert not client.dispatcher.views[iid].alive
 
 
+def test_more_samples_than_the_engines_queues_hold_is_a_400_and_the_rest_is_served(
+    pd_cluster: tuple[ClusterClient, ServerThread],
+) -> None:
+    """The engines' queues hold 4 x 1,024 requests (--max-waiting each): 100 prompts x 128 samples could never wait,
+    so a 400 naming n, as one engine answers. Before, prefill and decode engines' front end had no bound: the samples
+    were queued call by call (each placement walking the queue) and the server answered nothing else for minutes."""
+    client, server = pd_cluster
+    assert client.max_waiting == 4096 and client.dispatcher.max_queued == 4096  # type: ignore[attr-defined]
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model="tiny", prompt=["hi"] * 100, n=128, max_tokens=1)
+    assert err.value.body["param"] == "n"  # type: ignore[index]
+    served = api.completions.create(model="tiny", prompt=[[5, 6, 7]] * 2, n=2, max_tokens=2, temperature=0)
+    assert len(served.choices) == 4
+
+
 def test_a_decode_engine_killed_mid_stream_and_a_prefill_engine_killed_mid_prefill_lose_no_token(
     pd_cluster: tuple[ClusterClient, ServerThread], tiny_llama: LoadedModel
 ) -> None:

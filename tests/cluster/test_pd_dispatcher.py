@@ -632,3 +632,17 @@ def test_calls_waiting_for_a_decode_engine_fail_when_its_restart_fails_with_none
     assert d.restarts_due() == [Restart("d0", 1)]
     fails = [x for x in d.instance_lost("d0", "its restart failed") if isinstance(x, Fail)]
     assert [(x.request_id, x.reason) for x in fails] == [("a", "unavailable")]
+
+
+def test_a_call_past_the_queues_bound_is_refused_busy_and_nothing_of_it_is_kept() -> None:
+    """Prefill and decode engines' front end had no bound on its queue: a request of 12,800 samples was queued call
+    by call (each placement walking the queue) and held the server minutes, where one engine answers a 429 past
+    ``--max-waiting``."""
+    instances = {"p0": PDInstance("prefill", "p0", "addr-p0"), "d0": PDInstance("decode", "d0", "addr-d0", 100)}
+    d = PDDispatcher(instances, ProcessTable(), lambda: 100.0, PDSchedulerConfig(beta=10_000), BLOCK, max_queued=2)
+    prepared(d, "a", list(range(60)), IntakeAnswer(0))  # (the DE's room taken: the next calls wait)
+    assert d.submit("b", list(range(60)), PARAMS) == [] and d.submit("c", list(range(60)), PARAMS) == []
+    (fail,) = d.submit("d", list(range(60)), PARAMS, ProgramRef("agent"))
+    assert isinstance(fail, Fail) and fail.reason == "busy"
+    assert [c.request_id for c in d.queue] == ["b", "c"] and "d" not in d.calls
+    assert "agent" not in d.table  # (its program was not counted as called)
