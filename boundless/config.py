@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import re
@@ -34,6 +35,10 @@ class ConfigError(ValueError):
 def _require(ok: bool, flag: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"--{flag.replace('_', '-')}: {message}")
+
+
+# The largest memory or store size a flag takes, in GiB (a PiB): past it, no machine; far past it, bytes that overflow.
+MAX_GIB = float(1 << 20)
 
 
 def _require_finite(config: object) -> None:
@@ -189,7 +194,12 @@ class ModelConfig:
             "attention_backend",
             f"unknown backend {self.attention_backend!r}; one of {', '.join(ATTENTION_BACKENDS)}",
         )
-        _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"unknown device {self.device!r}")
+        _require(
+            re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+            "device",
+            f"unknown device {self.device!r}; cpu, cuda or cuda:N",
+        )
+        _require(-(2**63) <= self.seed < 2**63, "seed", "must be a signed 64-bit integer")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _require(self.max_loras >= 1, "max_loras", "must be >= 1")
@@ -392,6 +402,9 @@ class CacheConfig:
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two"
         )
         _require(self.kv_cache_gb > 0, "kv_cache_gb", "must be positive")
+        for name in ("kv_cache_gb", "kv_host_gb", "swap_space_gb", "kv_disk_gb"):  # (1e308 GiB overflowed in bytes)
+            size = getattr(self, name)
+            _require(size is None or size <= MAX_GIB, name, f"{size} GiB is more than any machine holds")
         _require(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             "kv_cache_dtype",
@@ -820,7 +833,15 @@ class ServerConfig:
             json_strings(name, getattr(self, name))  # (a bad list stops serve before the model loads)
         _require(0 < self.port < 65536, "port", "must be in 1..65535")
         _require(self.max_waiting > 0, "max_waiting", "must be positive")
-        _require(self.max_body_mb > 0, "max_body_mb", "must be positive")
+        _require(0 < self.max_body_mb <= MAX_GIB, "max_body_mb", "must be positive, at most a TiB")
+        _require(
+            self.api_key is None
+            or (self.api_key != "" and self.api_key.isprintable() and self.api_key.strip() == self.api_key),
+            "api_key",
+            "must be printable text without blanks around it (an empty key would turn authentication off; leave the "
+            "flag out for none)",
+        )
+        _require(all(name.strip() for name in self.served_model_name), "served_model_name", "a name must not be empty")
         _require(self.max_stored_responses >= 0, "max_stored_responses", "must not be negative")
         _require(
             self.generation_config in ("auto", "vllm") or Path(self.generation_config).expanduser().is_dir(),
@@ -1028,6 +1049,11 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         _require_finite(self)
         _require(self.instances >= 1, "instances", "must be >= 1")
+        _require(
+            self.instances == 1 or not (self.prefill_instances or self.decode_instances),
+            "instances",
+            "prefill and decode engines are counted by --prefill-instances and --decode-instances: leave it out",
+        )
         _require(self.prefill_instances >= 0, "prefill_instances", "must not be negative")
         _require(self.decode_instances >= 0, "decode_instances", "must not be negative")
         _require(
@@ -1260,6 +1286,14 @@ def to_flags(config: object) -> list[str]:
 
 def check_serve_configs(engine: EngineConfig, server: ServerConfig, cluster: ClusterConfig) -> None:
     """What ``serve``'s configs refuse together (each checks its own values when built), before the model loads."""
+    package = {"nixl": "nixl", "mooncake": "mooncake"}.get(cluster.kv_transport)
+    if package is not None and (cluster.disaggregated or cluster.kv_lending == "on"):
+        # (Else each instance loaded its model, then died opening its endpoint: an actor's traceback, a core dump.)
+        _require(
+            importlib.util.find_spec(package) is not None,
+            "kv_transport",
+            f"{cluster.kv_transport} needs the {package!r} package, which is not installed here",
+        )
     if server.allow_runtime_lora_updating:
         # (Else each load_lora_adapter request failed, long after start-up, with a 400 naming the missing flag.)
         _require(engine.model.enable_lora, "allow_runtime_lora_updating", "needs --enable-lora")

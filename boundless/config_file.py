@@ -95,6 +95,8 @@ def flags_of(parser: argparse.ArgumentParser, values: dict[str, Any], path: str)
         action = actions.get(flag)
         if action is None or flag == CONFIG_FLAG or action.dest == "help":
             raise ConfigFileError(f"{CONFIG_FLAG} {path}: {key!r} is not a flag of this command")
+        if isinstance(action, argparse.BooleanOptionalAction) and flag.startswith("--no-"):
+            raise ConfigFileError(f"{CONFIG_FLAG} {path}: {key!r}: write the switch's own name, {flag[5:]}: false")
         if value is None:
             continue  # (YAML's empty value: the flag's default)
         if isinstance(action, argparse.BooleanOptionalAction):
@@ -113,7 +115,7 @@ def flags_of(parser: argparse.ArgumentParser, values: dict[str, Any], path: str)
             # "kv-lending: on" came as "true", refused as not on or off. Such flags say on and off.
             argv += [flag, "on" if value else "off"]
         else:
-            argv += [flag, _text(value)]
+            argv.append(f"{flag}={_text(value)}")  # (one word: a value starting with "-" is the flag's, not a flag)
     return argv
 
 

@@ -675,3 +675,94 @@ def test_commands_whose_engines_run_on_one_device_refuse_a_split_model(argv: lis
     failed part-way (a second engine on one loaded network)."""
     with pytest.raises(SystemExit, match="does not take a split model; boundless serve, generate, simulate"):
         main(argv)
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--kv-cache-gb", "1e308"], "--kv-cache-gb: 1e+308 GiB is more than any machine holds"),
+        (["--kv-host-gb", "1e308"], "--kv-host-gb: "),
+        (["--max-body-mb", "1e308"], "--max-body-mb: "),
+        (["--seed", "99999999999999999999999"], "--seed: must be a signed 64-bit integer"),
+        (["--device", "cudax"], "--device: unknown device 'cudax'"),
+        (["--api-key", ""], "--api-key: "),
+        (["--api-key", "a\nb"], "--api-key: "),
+        (["--served-model-name", ""], "--served-model-name: a name must not be empty"),
+        (["--instances", "3", "--prefill-instances", "1", "--decode-instances", "1"], "--instances: "),
+        (["--kv-transport", "nixl", "--prefill-instances", "1", "--decode-instances", "1"], "needs the 'nixl' package"),
+        (["--host", "not_an_address"], "--host: 'not_an_address' names no address here"),
+        (["--hf-overrides", '{"num_attention_heads": "x"}'], "--hf-overrides: "),
+        (["--hf-overrides", '{"num_hidden_layers": 0}'], "--hf-overrides: num_hidden_layers must be a positive"),
+        (["--hf-overrides", '{"max_position_embeddings": 0}'], "--hf-overrides: max_position_embeddings must be"),
+    ],
+)
+def test_serve_flags_a_fuzzer_found_ending_in_tracebacks_are_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str],
+    args: list[str], said: str,
+) -> None:  # fmt: skip
+    """Each was a traceback (some after the model had loaded), or served (an empty API key: no authentication)."""
+    import boundless.api.launch as launch
+
+    def unserved(*_: object, **__: object) -> None:
+        raise AssertionError("served")
+
+    monkeypatch.setattr(launch.uvicorn.Server, "run", unserved)
+    model = ["--model", str(model_dirs["tiny-llama"]), "--kv-cache-gb", "0.02"]
+    if any(a.startswith("--kv-cache-gb") for a in args):
+        model = model[:2]
+    assert main(["serve", *model, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("boundless: ") and said in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_serve_on_a_port_in_use_says_so_before_the_model_loads(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    import boundless.api.launch as launch
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(launch, "make_client", refuse)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert f"--host 127.0.0.1 --port {port}: cannot bind there" in capsys.readouterr().err
+
+
+def test_broken_model_files_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{bad")
+    gguf = tmp_path / "empty.gguf"
+    gguf.write_bytes(b"")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(b"GGUF\x03\x00\x00\x00\x01")
+    for model, said in (
+        (broken, "its config.json does not read as JSON"),
+        (gguf, "not a GGUF file"),
+        (cut, "not a GGUF file"),
+    ):
+        assert main(["generate", "hi", "--model", str(model)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err
+
+
+def test_a_config_files_value_that_starts_with_a_dash_is_the_flags(tmp_path: Path) -> None:
+    """``api-key: "-secret"`` became ``--api-key -secret``, which argparse read as a flag: "expected one argument"."""
+    from boundless.cli import _subcommand, build_parser
+    from boundless.config_file import ConfigFileError, expand_config_file
+
+    config = tmp_path / "serve.yaml"
+    config.write_text('api-key: "-secret"\n')
+    parser = build_parser()
+    args = parser.parse_args(["serve", *expand_config_file(_subcommand(parser, "serve"), ["--config", str(config)])])
+    assert args.api_key == "-secret"
+    config.write_text("no-enable-lora: false\n")
+    with pytest.raises(ConfigFileError, match="write the switch's own name, enable-lora: false"):
+        expand_config_file(_subcommand(parser, "serve"), ["--config", str(config)])

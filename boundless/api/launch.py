@@ -21,7 +21,7 @@ from uvicorn.main import STARTUP_FAILURE
 
 from boundless.api.server import EngineClient, build_app, configured_chat_template
 from boundless.cluster.restarts import RestartPolicy, Restarts
-from boundless.config import ClusterConfig, EngineConfig, ServerConfig, check_serve_configs
+from boundless.config import ClusterConfig, ConfigError, EngineConfig, ServerConfig, check_serve_configs
 from boundless.engine.async_engine import ENGINE_ID, AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.engine.tensor_parallel import load_with_ranks
@@ -88,6 +88,7 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
     server = resolve_api_key(server)
     check_serve_configs(config, server, cluster or ClusterConfig())
     configured_chat_template(server)  # a bad --chat-template fails before the model loads
+    check_bindable(server.host, server.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if server.structured_outputs_in_reasoning and not server.reasoning_parser:
         log.warning("--structured-outputs-in-reasoning: with --reasoning-parser only; ignored here")
@@ -127,6 +128,23 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
         log.info("stopped: the engine's writes are handed over")
     if not http_server.started:  # (as uvicorn.run)
         sys.exit(STARTUP_FAILURE)
+
+
+def check_bindable(host: str, port: int) -> None:
+    """That ``host`` names an address of this machine and ``port`` is free there, before the model loads (uvicorn
+    found out once it bound, minutes later, in a line that named neither flag). A port taken between this check and
+    the bind still fails there."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"--host: {host!r} names no address here ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds: a port in TIME_WAIT is free)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(f"--host {host} --port {port}: cannot bind there ({e.strerror})") from None
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:

@@ -113,6 +113,19 @@ class ModelArch:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        sizes = {
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        for name, size in sizes.items():  # (0 or less was a weight's shape error, or a context of 0 tokens, later)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{name} must be a positive integer, not {size!r}")
         if self.model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {self.model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import re
+import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -229,18 +230,27 @@ def check_overrides(path: Path, overrides: Mapping[str, Any] | None) -> None:
 def hf_config(path: Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A model directory's ``config.json``, with ``overrides``' keys in place of its own (a whole value each: an
     override of ``rope_scaling`` replaces the dict, as vLLM's ``--hf-overrides`` does)."""
-    return {**json.loads((path / "config.json").read_text()), **(overrides or {})}
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (ValueError, RecursionError) as e:  # (JSON that does not read, or not UTF-8 text)
+        raise ConfigError(f"--model {path}: its config.json does not read as JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--model {path}: its config.json is no JSON object")
+    return {**config, **(overrides or {})}
 
 
 def hf_arch(path: Path, overrides: Mapping[str, Any] | None = None) -> ModelArch:
     """A model directory's architecture, from its ``config.json`` with ``overrides`` (a config the overrides made
     unservable is a :class:`ConfigError` naming the flag)."""
+    config = hf_config(path, overrides)
     try:
-        return ModelArch.from_hf_config(hf_config(path, overrides))
-    except ValueError as e:
-        if overrides:
-            raise ConfigError(f"--hf-overrides: {e}") from None
+        return ModelArch.from_hf_config(config)
+    except ConfigError:
         raise
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # (a value of the wrong type or size, one missing)
+        where = "--hf-overrides" if overrides else f"--model {path}: its config.json"
+        detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise ConfigError(f"{where}: {detail}") from None
 
 
 def load_model(
@@ -275,7 +285,10 @@ def load_model(
     if path.is_file():
         from boundless.model.gguf import load_gguf
 
-        gguf = load_gguf(path)
+        try:
+            gguf = load_gguf(path)
+        except (ValueError, struct.error, IndexError, UnicodeDecodeError) as e:  # (a file cut short, or none of GGUF's)
+            raise ConfigError(f"--model {path}: not a GGUF file this reads ({type(e).__name__}: {e})") from None
         arch, tokenizer = gguf.arch, gguf.tokenizer
         tensors: Iterator[tuple[str, torch.Tensor]] = iter(gguf.tensors.items())
     else:
