@@ -7,6 +7,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from boundless.bench.report import output_path
 from boundless.config import ClusterConfig, ConfigError, SchedulerConfig, ServerConfig, add_engine_flags, add_flags
 from boundless.config_file import ConfigFileError, add_config_flag, expand_config_file
 from boundless.engine.errors import InvalidRequestError
@@ -182,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     from boundless.bench.offline import add_arguments
 
     add_arguments(off)
-    off.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    off.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")
     add_engine_flags(off)
     off.set_defaults(func=_bench)
     for kind, help_text, engine_flags in BENCHES:

@@ -45,7 +45,7 @@ from typing import Any
 from boundless.bench.agent_replay import SLO, Engine, TurnResult, outputs_of, replay, summarize
 from boundless.bench.pd_trace import PDTracer, cluster_sampler
 from boundless.bench.pd_trace import summary as trace_summary
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.bench.workloads import (
     ProgramSpec,
     PromptTokens,
@@ -590,6 +590,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "untimed)")  # fmt: skip
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument("--out-dir", default="bench-results", help="where the CSV, PNG and JSON go ('' for none)")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="also write the figures to this file")
     parser.add_argument("--trace", metavar="PATH", help="PD runs: sample the storage links and write when and why "
                         "each idled (bench/pd_trace.py) to this JSON file")  # fmt: skip

@@ -17,7 +17,7 @@ import time
 import torch
 
 from boundless.bench.offline import load_hf_reference, make_prompts
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.config import engine_config_from_flags, positive_int
 from boundless.llm import LLM
 from boundless.model.loader import load_configured_model
@@ -91,4 +91,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=positive_int, default=16, help="prompts per transformers forward pass")
     parser.add_argument("--repeats", type=positive_int, default=2, help="timed runs per system, taking turns")
     parser.add_argument("--bench-seed", dest="bench_seed", type=int, default=0, help="seed of the random prompts")
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from boundless.bench.offline import make_prompts
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.bench.restart import MODEL_NAME, ServerProcess
 from boundless.config import EngineConfig, engine_config_from_flags, positive_int
 from boundless.engine.async_engine import AsyncEngine
@@ -309,4 +309,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=positive_int, default=256)
     parser.add_argument("--rounds", type=positive_int, default=2, help="turns of every run; figures are the medians")
     parser.add_argument("--bench-seed", dest="bench_seed", type=int, default=0, help="seed of the random prompts")
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")

@@ -32,7 +32,7 @@ import torch
 from boundless.bench.host_phases import PhaseRecorder, gaps_by_phase, overlaps
 from boundless.bench.host_phases import split as split_phases
 from boundless.bench.offline import BoundlessSystem, HuggingFaceSystem, compare, make_prompts
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.bench.timing import device_seconds
 from boundless.config import positive_int
 from boundless.llm import LLM, engine_config
@@ -635,7 +635,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-cache-gb", type=float, default=16.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    parser.add_argument("--json", metavar="PATH", default="bench-gpu.json", help="write the figures here")
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_path, default="bench-gpu.json", help="write the figures here"
+    )
     parser.add_argument(
         "--attention-backend",
         default="auto",

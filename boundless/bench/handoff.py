@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.cluster.links import Link, ThrottledLink, gbps_to_bytes_per_s
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "over --net-gbps, whole once loaded, layer by layer as it loads, or layer by layer with the prefill engine "
         "prefilling as the layers land (layerwise+pe)",
     )
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")
 
 
 def _config(loaded: LoadedModel, max_tokens: int) -> EngineConfig:

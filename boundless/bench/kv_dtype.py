@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from boundless.bench.offline import make_prompts
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.config import EngineConfig, engine_config_from_flags, positive_int, refuse_engine_flags
 from boundless.engine import core as engine_core
 from boundless.engine.core import EngineCore
@@ -221,4 +221,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=positive_int, default=32)
     parser.add_argument("--text-tokens", type=positive_int, default=500, help="tokens of text both engines score")
     parser.add_argument("--bench-seed", dest="bench_seed", type=int, default=0, help="seed of the random prompts")
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")

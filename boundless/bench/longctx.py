@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from boundless.bench.longctx_trace import TraceRequest, TraceShape, make_trace
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.cluster.gmanager import GManager
 from boundless.cluster.kv_migration import Endpoint, migrate_request
 from boundless.cluster.lending_plan import LendingThresholds
@@ -495,7 +495,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "thread each keeps them from contending for this machine's cores)")  # fmt: skip
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument("--out-dir", default="bench-results", help="where the CSV and JSON go ('' for none)")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="also write the figures to this file")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

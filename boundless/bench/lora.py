@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from boundless.bench.offline import hf_generate, load_hf_reference, make_prompts
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.config import engine_config_from_flags, positive_int, refuse_engine_flags
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import LLM
@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=positive_int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each system, taking turns (medians)")
     parser.add_argument("--bench-seed", type=int, default=0)
-    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--json", type=output_path, help="write the figures here")
 
 
 def _peft_model(loaded: LoadedModel, paths: list[Path]):

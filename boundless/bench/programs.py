@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from boundless.bench.report import plot_sweep, print_table, write_json
+from boundless.bench.report import output_path, plot_sweep, print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import (
     WORKLOADS,
@@ -517,4 +517,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-folder", help="mini-SWE-agent sessions for --workload trace")
     parser.add_argument("--out-dir", default="bench-results", help="where --sweep writes its CSV and PNG")
     parser.add_argument("--bench-seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,24 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
         if j == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def output_path(text: str) -> str:
+    """An argparse type for a file a command writes at its end (``--json``, ``--plot``, ``--out``): refused at once
+    where no file can be made (else a run of minutes ended in a traceback). Its nearest directory that exists is
+    tried with a file of its own, removed at once."""
+    path = Path(text).expanduser()
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is no file to write")
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text} ({e.strerror})") from None
+    return text
 
 
 def write_json(path: str | Path, data: dict[str, Any]) -> None:

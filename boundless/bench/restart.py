@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.bench.workloads import WORKLOADS, PromptTokens, WorkloadShape, call_prompt, make_programs
 from boundless.config import (
     EngineConfig,
@@ -345,5 +345,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the store directories and server logs")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to start")
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")
     add_engine_flags(parser)

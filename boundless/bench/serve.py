@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.bench.traces import TraceRequest, load_trace, poisson_schedule
 from boundless.config import non_negative_float, positive_int
 
@@ -206,4 +206,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output-len", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, default=49152, help="token ids of random prompts stay below this")
     parser.add_argument("--bench-seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from boundless.api.tool_calls import forced_call_schema
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.config import engine_config_from_flags
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.structured_output import StructuredOutput
@@ -342,4 +342,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds", type=int, default=2, help="timed runs per engine, taking turns; figures are medians"
     )
     parser.add_argument("--concurrency", type=int, default=1, help="conversations run at once (1: one after another)")
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")

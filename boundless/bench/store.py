@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.kv.block_file import payload_view, read_block_file, write_block_file
 from boundless.kv.disk_store import DiskKVStore, StoreLayout
 from boundless.model.loader import DTYPES
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-blocks", type=int, default=64, help="blocks per write and read call")
     parser.add_argument("--io-threads", type=int, default=4, help="the store's I/O threads")
     parser.add_argument("--latency-samples", type=int, default=200, help="single-block reads timed, cold and hot")
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

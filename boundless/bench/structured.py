@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.config import engine_config_from_flags
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.structured_output import StructuredOutput
@@ -189,4 +189,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per mode, taking turns; figures are medians")
     parser.add_argument("--stream-tokens", type=int, default=150, help="tokens of the free stream the pause is read on")
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")

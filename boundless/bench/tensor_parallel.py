@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from boundless.bench.offline import make_prompts
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.config import EngineConfig, engine_config_from_flags, positive_int
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.tensor_parallel import load_with_ranks
@@ -120,4 +120,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=positive_int, default=128)
     parser.add_argument("--output-len", type=positive_int, default=64)
     parser.add_argument("--bench-seed", dest="bench_seed", type=int, default=0, help="seed of the random prompts")
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.transport.endpoints import (
     KINDS,
     EndpointSpec,
@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=4, help="messages in flight for the bandwidth")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every transport, in turns; medians")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per-transfer timeout")
-    parser.add_argument("--json", metavar="PATH", help="write the figures to this file")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")
 
 
 def _plan(size: int, mb_per_size: float, latency_iters: int) -> tuple[int, int]:

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from boundless.bench.programs import served_engine
+from boundless.bench.report import output_path
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, make_programs
 from boundless.config import (
     CacheConfig,
@@ -791,7 +792,9 @@ def print_check(path: str, instances: int, models: dict[str, StepTimeModel]) -> 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = CalibrationGrid()
     parser.add_argument(
-        "--out", help="where to write the profile (default cpu-profile.json; with --refit, nothing written without it)"
+        "--out",
+        type=output_path,
+        help="where to write the profile (default cpu-profile.json; with --refit, nothing written without it)",
     )
     parser.add_argument("--name", default="cpu")
     parser.add_argument("--model", default=ModelConfig.model)

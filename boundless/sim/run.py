@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from boundless.bench.report import plot_sweep, print_table, write_json
+from boundless.bench.report import output_path, plot_sweep, print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, agent_sessions, make_programs
 from boundless.cluster.pd_dispatcher import PDDispatcher
@@ -86,14 +86,14 @@ def check_workload_flags(args: argparse.Namespace) -> None:
     positive = {"--num-programs": args.num_programs, "--scale": args.scale, "--call-scale": args.call_scale}
     positive |= {"--max-calls": args.max_calls, "--max-len": args.max_len}
     for flag, value in positive.items():
-        if not value > 0:
-            raise SystemExit(f"{flag}: must be positive, not {value}")
+        if not (value > 0 and math.isfinite(value)):  # (inf overflowed or divided by zero later: a traceback)
+            raise SystemExit(f"{flag}: must be positive and finite, not {value}")
     not_negative = {"--tool-wait": args.tool_wait, "--instances-per-node": args.instances_per_node}
     not_negative |= {"--step-base-s": args.step_base_s, "--step-per-token-s": args.step_per_token_s}
     not_negative |= {"--step-per-seq-s": args.step_per_seq_s}
     for flag, value in not_negative.items():
-        if not value >= 0:
-            raise SystemExit(f"{flag}: must not be negative, not {value}")
+        if not (value >= 0 and math.isfinite(value)):
+            raise SystemExit(f"{flag}: must not be negative or infinite, not {value}")
 
 
 def run_row(args: argparse.Namespace, context: RowContext, job: RowJob, progress: bool) -> RowRun:
@@ -512,7 +512,9 @@ def cluster_configs_from_flags(args: argparse.Namespace) -> list[ClusterConfig]:
     configs = []
     for size in sizes:
         sized = (
-            config if size is None else dataclasses.replace(config, prefill_instances=size[0], decode_instances=size[1])
+            config
+            if size is None  # (the engines of a P:D size are its own: --instances counts plain ones)
+            else dataclasses.replace(config, instances=1, prefill_instances=size[0], decode_instances=size[1])
         )
         paths = args.kv_paths.split(",") if args.kv_paths and sized.disaggregated else [sized.kv_path]
         configs += [dataclasses.replace(sized, kv_path=path.strip()) for path in paths]
@@ -554,14 +556,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-per-token-s", type=float, default=CostModel.per_token_s)
     parser.add_argument("--step-per-seq-s", type=float, default=CostModel.per_seq_s)
     parser.add_argument("--bench-seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="write the rows (with the run's speed) to this file")
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_path, help="write the rows (with the run's speed) to this file"
+    )
     parser.add_argument(
         "--roles",
         help="prefill/decode cluster sizes to run, P:D comma-separated (e.g. 1:1,2:4,48:96); --num-programs is then "
         "per prefill engine",
     )
     parser.add_argument("--kv-paths", help="with prefill/decode roles: read paths to compare (basic,dualpath,oracle)")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of latency against rate, a line per policy")
+    parser.add_argument(
+        "--plot", metavar="PATH", type=output_path, help="write a PNG of latency against rate, a line per policy"
+    )
     parser.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=True, help="a progress bar on stderr"
     )

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from boundless.bench.programs import summarize
-from boundless.bench.report import print_table, write_json
+from boundless.bench.report import output_path, print_table, write_json
 from boundless.bench.serve import percentile
 from boundless.bench.workloads import WORKLOADS, ProgramSpec, WorkloadShape, make_programs
 from boundless.cluster.lending_plan import served_request_pools
@@ -519,7 +519,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the profile for --roles (calibrate --served --roles 1:1 with the same --kv-path, links and disk store:"
         " the shipped one with --kv-path dualpath --storage-gbps 8 --net-gbps 16 --kv-write-policy through)",
     )
-    parser.add_argument("--json", metavar="PATH", help="write each row with its relative error to this file")
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_path, help="write each row with its relative error to this file"
+    )
     add_flags(parser, ModelConfig)
     add_flags(parser, CacheConfig)
     add_flags(parser, SchedulerConfig)
