@@ -766,3 +766,34 @@ def test_a_config_files_value_that_starts_with_a_dash_is_the_flags(tmp_path: Pat
     config.write_text("no-enable-lora: false\n")
     with pytest.raises(ConfigFileError, match="write the switch's own name, enable-lora: false"):
         expand_config_file(_subcommand(parser, "serve"), ["--config", str(config)])
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["simulate", "--call-scale", "inf"], "--call-scale: must be positive and finite"),
+        (["simulate", "--tool-wait", "inf"], "--tool-wait: must not be negative or infinite"),
+        (["simulate", "--json", "/proc/boundless/x.json"], "argument --json: cannot write"),
+        (["bench", "store", "--path", "{tmp}", "--gb", "0"], "argument --gb: must be a finite number above 0"),
+        (["bench", "store", "--path", "{tmp}", "--gb", "1e9"], "--gb 1e+09: "),
+        (["bench", "store", "--path", "{tmp}", "--block-size", "0"], "argument --block-size: must be at least 1"),
+        (["bench", "transport", "--sizes", "0"], "--sizes: every size must be at least a byte"),
+        (["bench", "transport", "--window", "0"], "argument --window: must be at least 1"),
+        (["bench", "handoff", "--prompt-tokens", "0"], "--prompt-tokens: every value must be positive"),
+        (["bench", "longctx", "--instances", "1"], "--instances: at least 2"),
+        (["bench", "agentic", "--phases", "foo"], "--phases: offline, online or both"),
+        (["bench", "lora", "--rank", "-1"], "argument --rank: must be at least 1"),
+        (["bench", "structured", "--num-conversations", "0"], "argument --num-conversations: must be at least 1"),
+        (["bench", "serve", "--vocab-size", "50"], "--vocab-size: more than 100"),
+    ],
+)
+def test_simulate_and_bench_values_a_fuzzer_found_stop_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    """Each was a traceback (after the run, for an output file), a hang (``--block-size 0``), or wrote until the disk
+    was full (``bench store --gb 100000``); now it stops with the flag's message before the work begins."""
+    with pytest.raises(SystemExit) as stopped:
+        main([a.format(tmp=tmp_path) for a in args])
+    message = str(stopped.value.code) if stopped.value.code not in (2, None) else capsys.readouterr().err
+    assert said in message, message
+    assert not any(tmp_path.iterdir())  # (nothing written)

@@ -369,6 +369,8 @@ def _run_all(
     runs: dict[str, list[TurnResult]] = {}
     traces: dict[str, dict[str, Any]] = {}  # --trace: per PD run, its storage links' idle split
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    if not phases or any(p not in ("offline", "online") for p in phases):
+        raise SystemExit(f"--phases: offline, online or both, not {args.phases!r}")
     for phase in phases:
         sessions = offline_sessions if phase == "offline" else online_sessions
         for mode in modes:

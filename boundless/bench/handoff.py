@@ -39,7 +39,15 @@ import torch
 
 from boundless.bench.report import output_path, print_table, write_json
 from boundless.cluster.links import Link, ThrottledLink, gbps_to_bytes_per_s
-from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    comma_numbers,
+    positive_float,
+    positive_int,
+)
 from boundless.engine.core import EngineCore
 from boundless.engine.executor import ModelExecutor
 from boundless.engine.handoff import HandoffPlan, IntakePlan
@@ -52,13 +60,15 @@ from boundless.transport.shm import ShmTransport
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompt-tokens", default="512,2048", help="prompt lengths, comma-separated")
-    parser.add_argument("--net-gbps", type=float, default=1.0, help="the PE's emulated network link")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--net-gbps", type=positive_float, default=1.0, help="the PE's emulated network link")
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument(
         "--receive", action="store_true", help="the receive side: a stored context loaded whole, or layer by layer"
     )
-    parser.add_argument("--storage-gbps", type=float, default=2.0, help="--receive: the engine's storage link")
-    parser.add_argument("--append-tokens", type=int, default=256, help="--receive: new input after the context")
+    parser.add_argument("--storage-gbps", type=positive_float, default=2.0, help="--receive: the engine's storage link")
+    parser.add_argument(
+        "--append-tokens", type=positive_int, default=256, help="--receive: new input after the context"
+    )
     parser.add_argument(
         "--push",
         action="store_true",
@@ -371,8 +381,8 @@ def run_receive(args: argparse.Namespace, loaded: LoadedModel, lengths: list[int
 
 
 def run(args: argparse.Namespace) -> None:
+    lengths = comma_numbers("--prompt-tokens", args.prompt_tokens, int, positive=True)  # (before the load)
     loaded = load_model(args.model)
-    lengths = [int(x) for x in args.prompt_tokens.split(",")]
     if args.receive and args.push:
         run_push(args, loaded, lengths)
         return

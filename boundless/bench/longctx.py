@@ -50,6 +50,7 @@ from boundless.config import (
     comma_numbers,
     engine_config_from_flags,
     non_negative_float,
+    positive_int,
     refuse_engine_flags,
 )
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
@@ -478,9 +479,9 @@ SET_BY_LONGCTX = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instances", type=int, default=3, help="engine instances (2-4)")
-    parser.add_argument("--chunk-tokens", type=int, default=256, help="each instance's token budget per step")
+    parser.add_argument("--chunk-tokens", type=positive_int, default=256, help="each instance's token budget per step")
     parser.add_argument("--max-seqs", type=int, default=16, help="each instance's most requests per step")
-    parser.add_argument("--num-short", type=int, default=30, help="short requests in the trace")
+    parser.add_argument("--num-short", type=positive_int, default=30, help="short requests in the trace")
     parser.add_argument("--long-factors", default="0.75,1.5,2.5",
                         help="the long requests' prompts, in multiples of one instance's pool")  # fmt: skip
     parser.add_argument(
@@ -490,7 +491,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--creditor-max-usage", type=float, default=0.9, help="U_thres of the lending planner")
     parser.add_argument("--creditor-headroom", type=float, default=0.05, help="share of a creditor never lent")
     parser.add_argument("--debtor-max-batch", type=int, default=8, help="β_thres of the lending planner")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch threads while the setups run (the instances stand for machines of their own: one "
                         "thread each keeps them from contending for this machine's cores)")  # fmt: skip
     parser.add_argument("--bench-seed", type=int, default=0)
@@ -502,6 +503,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from boundless.model.loader import load_configured_model
 
     long_factors = tuple(comma_numbers("--long-factors", args.long_factors, float, positive=True))  # (before the load)
+    if not args.instances >= 2:
+        raise SystemExit(f"--instances: at least 2 (a context larger than one instance), not {args.instances}")
+    if not 0 < args.creditor_max_usage <= 1:
+        raise SystemExit(f"--creditor-max-usage: a share of the pool in (0, 1], not {args.creditor_max_usage}")
     refuse_engine_flags(args, "bench longctx", SET_BY_LONGCTX)
     base = engine_config_from_flags(args)
     loaded = load_configured_model(base.model)

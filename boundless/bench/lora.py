@@ -45,13 +45,13 @@ SET_BY_LORA = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-adapters", type=int, default=4, help="adapters the prompts are spread over")
-    parser.add_argument("--rank", type=int, default=16, help="each adapter's rank")
+    parser.add_argument("--rank", type=positive_int, default=16, help="each adapter's rank")
     parser.add_argument(
         "--targets",
         default=",".join(LORA_TARGETS),
         help="the projections the adapters change, comma-separated (PEFT's default on a Llama: q_proj,v_proj)",
     )
-    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--num-prompts", type=positive_int, default=16)
     parser.add_argument("--input-len", type=positive_int, default=128)
     parser.add_argument("--output-len", type=positive_int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each system, taking turns (medians)")

@@ -50,6 +50,7 @@ from boundless.bench.workloads import (
 )
 from boundless.config import (
     KV_EVICTIONS,
+    ROUTINGS,
     ClusterConfig,
     ConfigError,
     EngineConfig,
@@ -339,6 +340,8 @@ def run(args: argparse.Namespace) -> dict:
     if cluster_base.instances > 1:
         # Compare routings; each policy (--policies, else --policy) on every instance.
         routings = [r.strip() for r in (args.routings or "locality,round-robin,least-loaded").split(",") if r.strip()]
+        if unknown := [r for r in routings if r not in ROUTINGS]:
+            raise SystemExit(f"--routings: {', '.join(unknown)} is none of {', '.join(ROUTINGS)}")
         policies = [p.strip() for p in (args.policies or base.scheduler.policy).split(",") if p.strip()]
     else:
         routings = [None]

@@ -344,6 +344,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drop-cache", action="store_true", help="evict the store's files from the page cache before the restart"
     )
     parser.add_argument("--keep", action="store_true", help="keep the store directories and server logs")
-    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to start")
+    parser.add_argument(
+        "--startup-timeout", type=positive_float, default=600.0, help="seconds a server may take to start"
+    )
     parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")
     add_engine_flags(parser)

@@ -143,6 +143,8 @@ async def run_load(base_url: str, model: str, schedule: list[TraceRequest], voca
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.vocab_size <= 100:  # (random prompts take ids from 100 up, past the special tokens)
+        raise SystemExit(f"--vocab-size: more than 100, not {args.vocab_size}")
     if args.trace:
         schedule = trace_schedule(args)
     else:
@@ -202,8 +204,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", help="replay a trace: Azure .csv or Mooncake .jsonl from ../shared/traces")
     parser.add_argument("--time-scale", type=non_negative_float, default=1.0, help="multiply trace arrival times")
     parser.add_argument("--length-scale", type=non_negative_float, default=1.0, help="multiply trace lengths")
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--max-output-len", type=int, default=256)
+    parser.add_argument("--max-input-len", type=positive_int, default=1024)
+    parser.add_argument("--max-output-len", type=positive_int, default=256)
     parser.add_argument("--vocab-size", type=int, default=49152, help="token ids of random prompts stay below this")
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")

@@ -32,7 +32,7 @@ from typing import Any
 
 from boundless.api.tool_calls import forced_call_schema
 from boundless.bench.report import output_path, print_table, write_json
-from boundless.config import engine_config_from_flags
+from boundless.config import engine_config_from_flags, positive_int
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.structured_output import StructuredOutput
 from boundless.llm import LLM
@@ -336,8 +336,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "bring their file as OpenAI's prediction (Predicted Outputs)",
     )
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"kinds of call, comma-separated: {', '.join(KINDS)}")
-    parser.add_argument("--num-conversations", type=int, default=4, help="conversations per kind")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-conversations", type=positive_int, default=4, help="conversations per kind")
+    parser.add_argument("--max-tokens", type=positive_int, default=128)
     parser.add_argument(
         "--rounds", type=int, default=2, help="timed runs per engine, taking turns; figures are medians"
     )

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from boundless.bench.report import output_path, print_table, write_json
+from boundless.config import positive_float, positive_int
 from boundless.kv.block_file import payload_view, read_block_file, write_block_file
 from boundless.kv.disk_store import DiskKVStore, StoreLayout
 from boundless.model.loader import DTYPES
@@ -52,13 +53,17 @@ _GB = 1e9
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", required=True, help="directory to measure (a fresh subdirectory is used)")
-    parser.add_argument("--gb", type=float, default=1.0, help="data written per measurement, in GiB")
+    parser.add_argument("--gb", type=positive_float, default=1.0, help="data written per measurement, in GiB")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="KV dtype of the layout")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--chunk-blocks", type=int, default=16, help="blocks per file of the chunked alternative")
-    parser.add_argument("--batch-blocks", type=int, default=64, help="blocks per write and read call")
-    parser.add_argument("--io-threads", type=int, default=4, help="the store's I/O threads")
-    parser.add_argument("--latency-samples", type=int, default=200, help="single-block reads timed, cold and hot")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--chunk-blocks", type=positive_int, default=16, help="blocks per file of the chunked alternative"
+    )
+    parser.add_argument("--batch-blocks", type=positive_int, default=64, help="blocks per write and read call")
+    parser.add_argument("--io-threads", type=positive_int, default=4, help="the store's I/O threads")
+    parser.add_argument(
+        "--latency-samples", type=positive_int, default=200, help="single-block reads timed, cold and hot"
+    )
     parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")
 
 
@@ -278,7 +283,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_blocks = max(n_batch, round(args.gb * (1 << 30) / block_bytes) // n_batch * n_batch)
     nbytes = num_blocks * block_bytes
     root = Path(args.path) / f"boundless-bench-store-{os.getpid()}"
-    root.mkdir(parents=True)
+    try:
+        root.mkdir(parents=True)
+    except OSError as e:
+        raise SystemExit(f"--path: cannot make a directory in {args.path} ({e.strerror})") from None
+    free = shutil.disk_usage(root).free  # (--gb 100000 wrote until the disk was full)
+    if 1.2 * nbytes > free:
+        root.rmdir()
+        need, have = nbytes / _GB, free / _GB
+        raise SystemExit(f"--gb {args.gb:g}: {need:.1f} GB to write and room to spare, where {have:.1f} GB are free")
     gen = torch.Generator().manual_seed(0)
     shape = (SMOLLM2_LAYERS, 2, SMOLLM2_KV_HEADS, n_batch, args.block_size, SMOLLM2_HEAD_DIM)
     batch = torch.randn(shape, generator=gen).to(dtype)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from boundless.bench.report import output_path, print_table, write_json
-from boundless.config import engine_config_from_flags
+from boundless.config import engine_config_from_flags, positive_int
 from boundless.engine.sampling_params import SamplingParams
 from boundless.engine.structured_output import StructuredOutput
 from boundless.llm import LLM
@@ -185,8 +185,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-conversations", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-conversations", type=positive_int, default=8)
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per mode, taking turns; figures are medians")
-    parser.add_argument("--stream-tokens", type=int, default=150, help="tokens of the free stream the pause is read on")
+    parser.add_argument(
+        "--stream-tokens", type=positive_int, default=150, help="tokens of the free stream the pause is read on"
+    )
     parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")

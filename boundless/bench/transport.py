@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from boundless.bench.report import output_path, print_table, write_json
+from boundless.config import positive_float, positive_int
 from boundless.transport.endpoints import (
     KINDS,
     EndpointSpec,
@@ -57,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes (bytes; K, M, G suffixes)")
     parser.add_argument("--mb-per-size", type=float, default=256.0, help="MB sent per size for the bandwidth")
     parser.add_argument("--latency-iters", type=int, default=200, help="round trips timed per size (at most)")
-    parser.add_argument("--window", type=int, default=4, help="messages in flight for the bandwidth")
+    parser.add_argument("--window", type=positive_int, default=4, help="messages in flight for the bandwidth")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every transport, in turns; medians")
-    parser.add_argument("--timeout-s", type=float, default=60.0, help="per-transfer timeout")
+    parser.add_argument("--timeout-s", type=positive_float, default=60.0, help="per-transfer timeout")
     parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures to this file")
 
 
@@ -230,8 +231,15 @@ def _available(kind: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"--sizes: {e}") from None
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"--sizes: every size must be at least a byte, not {args.sizes!r}")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not any(k in KINDS for k in kinds):  # (an unknown one beside known ones is skipped, and said so)
+        raise SystemExit(f"--kinds: no transport named ({args.kinds!r}); choose from {', '.join(KINDS)}")
     copy = {size: measure_copy(size, _copy_iters(size), args.window) for size in sizes}
     runs: dict[str, list[dict[int, dict[str, float]]]] = {}
     skipped: dict[str, str] = {}
