@@ -1216,6 +1216,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse ``type`` for a count where 0 says "the default" or "none": a whole number, not negative."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {value}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """An argparse ``type`` for a rate or a wait: a finite number, not negative (as :func:`positive_int`)."""
     try:

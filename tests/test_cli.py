@@ -785,6 +785,9 @@ def test_a_config_files_value_that_starts_with_a_dash_is_the_flags(tmp_path: Pat
         (["bench", "lora", "--rank", "-1"], "argument --rank: must be at least 1"),
         (["bench", "structured", "--num-conversations", "0"], "argument --num-conversations: must be at least 1"),
         (["bench", "serve", "--vocab-size", "50"], "--vocab-size: more than 100"),
+        (["simulate", "validate", "--instances", "abc"], "--instances: 'abc' is not comma-separated whole numbers"),
+        (["simulate", "calibrate", "--threads", "-1"], "argument --threads: must not be negative"),
+        (["simulate", "calibrate", "--kv-path", "foo"], "argument --kv-path: invalid choice"),
     ],
 )
 def test_simulate_and_bench_values_a_fuzzer_found_stop_before_the_run(

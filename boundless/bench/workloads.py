@@ -371,7 +371,9 @@ def make_programs(
     rng = random.Random(seed)
     sessions = load_agent_sessions(trace_folder) if workload == "trace" and trace_folder else []
     if workload == "trace" and not sessions:
-        raise ValueError("the trace workload needs --trace-folder with mini-SWE-agent sessions (*.jsonl)")
+        from boundless.config import ConfigError  # (commands say it in one line)
+
+        raise ConfigError("--trace-folder: the trace workload needs mini-SWE-agent sessions (*.jsonl) there")
     programs = []
     t = 0.0
     for i in range(num_programs):

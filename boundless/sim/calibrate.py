@@ -55,6 +55,7 @@ from boundless.config import (
     SchedulerConfig,
     comma_numbers,
     non_negative_float,
+    non_negative_int,
     positive_float,
     positive_int,
 )
@@ -816,7 +817,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--held-out-prompt-lens", default=",".join(map(str, HELD_OUT_GRID.prompt_lens)))
     parser.add_argument(
         "--threads",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="torch threads (0: torch's default); each of a 2-instance cluster's gets 1 here",
     )
@@ -827,7 +828,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--instances",
-        type=int,
+        type=positive_int,
         default=1,
         help="with --served: a Ray cluster of this many instances behind the dispatcher (as serve --instances)",
     )

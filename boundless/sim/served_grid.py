@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from boundless.bench.programs import ProgramResult, ProgramRunner, ServedEngine, served_engine
-from boundless.config import ClusterConfig
+from boundless.config import KV_PATHS, ClusterConfig, positive_float
 from boundless.engine.attention_time import AttentionSample
 from boundless.engine.core import EngineStats
 from boundless.engine.lending_stats import LendingStats
@@ -98,9 +98,11 @@ def add_roles_arguments(parser: argparse.ArgumentParser, roles_help: str) -> Non
     """``--roles`` (``roles_help`` says what it does in the command) and the prefill and decode cluster's read path
     and emulated links, as ``simulate validate`` and ``simulate calibrate --served`` take them alike."""
     parser.add_argument("--roles", default="", help=roles_help)
-    parser.add_argument("--kv-path", default="dualpath", help="with --roles: basic, dualpath or oracle")
-    parser.add_argument("--storage-gbps", type=float, help="with --roles: each engine's emulated storage NIC")
-    parser.add_argument("--net-gbps", type=float, help="with --roles: each engine's emulated compute-network NIC")
+    parser.add_argument(
+        "--kv-path", default="dualpath", choices=KV_PATHS, help="with --roles: basic, dualpath or oracle"
+    )
+    parser.add_argument("--storage-gbps", type=positive_float, help="with --roles: each engine's emulated storage NIC")
+    parser.add_argument("--net-gbps", type=positive_float, help="with --roles: each engine's emulated compute NIC")
 
 
 def roles_cluster_base(args: argparse.Namespace) -> ClusterConfig:

@@ -47,6 +47,7 @@ from boundless.config import (
     ModelConfig,
     SchedulerConfig,
     add_flags,
+    comma_numbers,
     engine_config_from_flags,
     non_negative_float,
     positive_float,
@@ -339,7 +340,8 @@ def lending_lines(case: dict) -> list[str]:
 def parse_cases(args: argparse.Namespace) -> list[Case]:
     """The clusters to validate, from ``--instances``, ``--roles`` and ``--kv-lending``, before their workloads."""
     lending = args.kv_lending == "on"
-    sizes = [Case("", int(n), lending=lending) for n in args.instances.split(",") if n.strip()]
+    counts = comma_numbers("--instances", args.instances, int, positive=True) if args.instances.strip() else []
+    sizes = [Case("", n, lending=lending) for n in counts]
     roles = parse_roles(args.roles)
     if lending and roles:
         raise SystemExit(
@@ -377,6 +379,8 @@ def run(args: argparse.Namespace) -> dict:
     config = engine_config_from_flags(args)
     shape = WorkloadShape(scale=args.scale, tool_wait_s=args.tool_wait)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not workloads:
+        raise SystemExit("--workloads: none named (comma-separated: chat, react, mapreduce, mcts)")
     sizes = parse_cases(args)
     for w in workloads:
         if w not in WORKLOADS or w == "trace":
