@@ -175,8 +175,9 @@ def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLay
         # (A path that can never be a directory is the flag's error; other trouble, an unwritable directory, is the
         # store's to live with: it reads on, and a read-only store is a use of its own.)
         raise ConfigError(f"--kv-disk-path: {root} is no directory, nor can it be made one ({e.strerror})") from None
-    except OSError:
-        pass
+    except OSError as e:
+        if not root.is_dir():  # (nothing there to read either: /proc/kvstore served a store of nothing)
+            raise ConfigError(f"--kv-disk-path: {root} does not exist, nor can it be made ({e.strerror})") from None
     return DiskKVStore(root, store_layout, layout.disk_bytes // loaded.tensor_parallel.size)
 
 
