@@ -751,6 +751,9 @@ def test_broken_model_files_are_one_line(tmp_path: Path, capsys: pytest.CaptureF
         assert main(["generate", "hi", "--model", str(model)]) == 2
         err = capsys.readouterr().err
         assert said in err and "Traceback" not in err, err
+    # A store directory that cannot be made (nothing to read there either) is the flag's error, not a store of nothing.
+    assert main(["generate", "hi", "--kv-disk-path", "/proc/boundless-kv", "--max-tokens", "1"]) == 2
+    assert "--kv-disk-path: /proc/boundless-kv does not exist, nor can it be made" in capsys.readouterr().err
 
 
 def test_a_config_files_value_that_starts_with_a_dash_is_the_flags(tmp_path: Path) -> None:
