@@ -1207,23 +1207,21 @@ def context_length(text: str) -> int | None:
 def positive_int(text: str) -> int:
     """An argparse ``type`` for a count: a whole number of at least 1. argparse names the flag in the error and
     exits 2 before the command runs (a count of 0 ran to a traceback, or nothing, after the work had begun)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+    return _whole_number(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """An argparse ``type`` for a count where 0 says "the default" or "none": a whole number, not negative."""
+    return _whole_number(text, 0)
+
+
+def _whole_number(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, not {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
     return value
 
 

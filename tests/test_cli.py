@@ -789,7 +789,7 @@ def test_a_config_files_value_that_starts_with_a_dash_is_the_flags(tmp_path: Pat
         (["bench", "structured", "--num-conversations", "0"], "argument --num-conversations: must be at least 1"),
         (["bench", "serve", "--vocab-size", "50"], "--vocab-size: more than 100"),
         (["simulate", "validate", "--instances", "abc"], "--instances: 'abc' is not comma-separated whole numbers"),
-        (["simulate", "calibrate", "--threads", "-1"], "argument --threads: must not be negative"),
+        (["simulate", "calibrate", "--threads", "-1"], "argument --threads: must be at least 0"),
         (["simulate", "calibrate", "--kv-path", "foo"], "argument --kv-path: invalid choice"),
     ],
 )
