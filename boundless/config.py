@@ -1049,11 +1049,6 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         _require_finite(self)
         _require(self.instances >= 1, "instances", "must be >= 1")
-        _require(
-            self.instances == 1 or not (self.prefill_instances or self.decode_instances),
-            "instances",
-            "prefill and decode engines are counted by --prefill-instances and --decode-instances: leave it out",
-        )
         _require(self.prefill_instances >= 0, "prefill_instances", "must not be negative")
         _require(self.decode_instances >= 0, "decode_instances", "must not be negative")
         _require(
@@ -1085,6 +1080,11 @@ class ClusterConfig:
             self.kv_lending == "off" or not self.disaggregated,
             "kv_lending",
             "is not built for prefill and decode engines (--prefill-instances, --decode-instances)",
+        )
+        _require(
+            self.instances == 1 or not (self.prefill_instances or self.decode_instances),
+            "instances",
+            "prefill and decode engines are counted by --prefill-instances and --decode-instances: leave it out",
         )
         _require(
             self.lending_interval_s >= self.heartbeat_interval_s,
