@@ -106,7 +106,7 @@ class RankLending:
 
     def _lookup(self, move_id: str) -> LentBlocks | None:
         blocks = self.lent.get(move_id)  # (a dict read on the server's thread: atomic under the interpreter lock)
-        return None if blocks is None else LentBlocks(blocks)
+        return None if blocks is None else LentBlocks(tuple(blocks))
 
     def apply(self, op: str, payload: Any) -> None:
         """One of rank 0's lending messages (``SplitLendingData``). A failure of one (a transport's, or any other) is
