@@ -691,6 +691,7 @@ def test_commands_whose_engines_run_on_one_device_refuse_a_split_model(argv: lis
         (["--instances", "3", "--prefill-instances", "1", "--decode-instances", "1"], "--instances: "),
         (["--kv-transport", "nixl", "--prefill-instances", "1", "--decode-instances", "1"], "needs the 'nixl' package"),
         (["--host", "not_an_address"], "--host: 'not_an_address' names no address here"),
+        (["--instances", "2", "--ray-address", "127.0.0.1:1"], "--ray-address: nothing answers at 127.0.0.1:1"),
         (["--hf-overrides", '{"num_attention_heads": "x"}'], "--hf-overrides: "),
         (["--hf-overrides", '{"num_hidden_layers": 0}'], "--hf-overrides: num_hidden_layers must be a positive"),
         (["--hf-overrides", '{"max_position_embeddings": 0}'], "--hf-overrides: max_position_embeddings must be"),

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections import deque
@@ -275,6 +276,7 @@ class ClusterClient(DispatcherFrontEnd):
         self.engine_config = engine
         self.config = cluster
         if not ray.is_initialized():
+            check_ray_address(cluster.ray_address)
             # log_to_driver: the engines' warnings and errors (a store file failing its checks, writes off on a full
             # disk, a failed step) show in the server's output, each line under its actor's pid, as a single engine's
             # server prints them; without it they stayed in Ray's session files, unseen.
@@ -771,6 +773,20 @@ def role_setups(cluster: ClusterConfig, directory: str) -> dict[str, RoleSetup |
         iid: RoleSetup(role, links, directory, rank, len(roles))  # type: ignore[arg-type]
         for rank, (iid, role) in enumerate(roles.items())
     }
+
+
+def check_ray_address(address: str | None) -> None:
+    """That something answers at ``--ray-address`` (``host:port`` or ``ray://host:port``; ``auto`` and none are Ray's
+    to find): Ray retried a cluster that is not there for ever, deaf to SIGTERM."""
+    if not address or address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--ray-address: {address!r} is no host:port")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5.0).close()
+    except OSError as e:
+        raise ConfigError(f"--ray-address: nothing answers at {address} ({e.strerror or e})") from None
 
 
 def make_pd_dispatcher(
