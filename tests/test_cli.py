@@ -792,6 +792,7 @@ def test_a_config_files_value_that_starts_with_a_dash_is_the_flags(tmp_path: Pat
         (["simulate", "validate", "--instances", "abc"], "--instances: 'abc' is not comma-separated whole numbers"),
         (["simulate", "calibrate", "--threads", "-1"], "argument --threads: must be at least 0"),
         (["simulate", "calibrate", "--kv-path", "foo"], "argument --kv-path: invalid choice"),
+        (["simulate", "calibrate", "--check", "{tmp}/none.json"], "--check: with --refit only"),
     ],
 )
 def test_simulate_and_bench_values_a_fuzzer_found_stop_before_the_run(

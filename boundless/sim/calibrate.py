@@ -518,6 +518,8 @@ def fit_lending_latency(
 def run(args: argparse.Namespace) -> dict:
     if args.refit:
         return refit(args)
+    if args.check:  # (else a calibration of minutes ran, the checks never read)
+        raise SystemExit("--check: with --refit only (it checks a refitted profile against validate's real steps)")
     grid = _grid(args.batch_sizes, args.prompt_lens, args.output_tokens, args.repeats)
     held_out = (
         _grid(args.held_out_batch_sizes, args.held_out_prompt_lens, HELD_OUT_GRID.output_tokens, args.repeats, True)
