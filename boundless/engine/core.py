@@ -357,7 +357,7 @@ class EngineCore:
         if not isinstance(self.executor, ModelExecutor):
             raise TypeError("only the model executor moves KV between instances")
         addresses = [transport.address]
-        ranks = self.executor.runner.ranks
+        ranks = self.ranks
         if ranks is not None:
             if ranks_endpoint is None:
                 raise ValueError("a model split over ranks moves KV from every rank: say how they open their endpoints")
@@ -1024,12 +1024,16 @@ class EngineCore:
         return counts
 
     @property
+    def ranks(self) -> TensorParallelRanks | None:
+        """A split model's other ranks; None on one device, or with no model (a simulated engine)."""
+        return self.executor.runner.ranks if isinstance(self.executor, ModelExecutor) else None
+
+    @property
     def block_bytes(self) -> int:
         """A block's bytes on every rank of a split model (each moves its share: the instance moved them all), as its
         streams' totals count them (``kv/split_streams.py``); one device's, its own. (A simulated split engine's layout
         holds whole blocks.)"""
-        ranks = self.executor.runner.ranks if isinstance(self.executor, ModelExecutor) else None
-        return self.layout.bytes_per_block * (ranks.size if ranks is not None else 1)
+        return self.layout.bytes_per_block * (self.ranks.size if self.ranks is not None else 1)
 
     def _tier_stats(self) -> dict[str, TierStats]:
         per_block = self.block_bytes

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from boundless.attention.dist_attention import DistributedAttention
 from boundless.attention.partial_service import PartialClient, PartialServer, RemotePartialError
 from boundless.attention.remote_partials import LentBlocks
@@ -49,7 +51,6 @@ from boundless.engine.core import GRANT_REFUSED, EngineCore, RequestDelta
 from boundless.engine.executor import ModelExecutor
 from boundless.engine.lending_stats import LendingStats
 from boundless.engine.request import RequestStatus
-from boundless.engine.split_lending import SplitLendingData
 from boundless.kv.manager import LentSpan
 from boundless.transport.base import KVTransport, TransportError
 from boundless.transport.blocks import BlocksReceive, send_blocks
@@ -174,7 +175,10 @@ class TransportLendingData:
         lent_blocks: Callable[[str], LentBlocks | None],
         on_peer_lost: Callable[[str], None],
         timeout_s: float,
+        agree: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
+        """``agree``: a split model's sum over its ranks, by which its DistAttention agrees on failed round trips
+        (``SplitLendingData``)."""
         if not isinstance(core.executor, ModelExecutor):
             raise TypeError("KV lending needs the model executor")
         self.transport = transport
@@ -182,20 +186,21 @@ class TransportLendingData:
         self.cache = runner.kv_cache
         caches = [self.cache.layer(i) for i in range(self.cache.num_layers)]
         self.client = PartialClient(transport, timeout_s)
-        self.attention = DistributedAttention(runner.attention, self.client, caches)
+        self.attention = DistributedAttention(runner.attention, self.client, caches, agree)
         runner.attention = self.attention
         self.server = PartialServer(
             transport, self.cache.layer, lent_blocks, runner.attention.local.scale, timeout_s, on_peer_lost=on_peer_lost
         )
 
+    # (Peers by their instances' addresses; a split one's rank 0 is its first: ``transport/endpoints.py``.)
     def send_blocks(self, creditor: str, tag: int, block_ids: Sequence[int]) -> BlockSend:
-        return send_blocks(self.transport, creditor, tag, self.cache, block_ids)
+        return send_blocks(self.transport, rank_address(creditor, 0), tag, self.cache, block_ids)
 
     def receive_blocks(self, debtor: str, tag: int, block_ids: Sequence[int], move_id: str) -> BlockReceive:
-        return BlocksReceive(self.transport, debtor, tag, self.cache, block_ids)
+        return BlocksReceive(self.transport, rank_address(debtor, 0), tag, self.cache, block_ids)
 
     def serve(self, debtor: str) -> None:
-        self.server.add_peer(debtor)
+        self.server.add_peer(rank_address(debtor, 0))
 
     def counters(self) -> PartialCounters:
         c, a = self.client.stats, self.attention.stats
@@ -257,8 +262,9 @@ class LendingAgent:
         self._lost_debtors: set[str] = set()  # seen gone by the server's thread; acted on by observe
         if data is None:
             assert transport is not None
-            split = isinstance(core.executor, ModelExecutor) and core.executor.runner.ranks is not None
-            make = SplitLendingData if split else TransportLendingData
+            from boundless.engine.split_lending import SplitLendingData  # (its data builds on this module's)
+
+            make = SplitLendingData if core.ranks is not None else TransportLendingData
             data = make(core, transport, self._lent_blocks, self._lost_debtors.add, timeout_s)
         self.data = data
         core.lending_stats = self.snapshot

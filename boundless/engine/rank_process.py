@@ -35,7 +35,7 @@ from boundless.attention.backend import AttentionBatch
 from boundless.attention.partial_service import RemotePartialError
 from boundless.cluster.links import instance_links
 from boundless.engine.logprobs import PromptSpan, score_prompt_spans
-from boundless.engine.split_lending import RankLending
+from boundless.engine.rank_lending import RankLending
 from boundless.kv.remote_io import RemoteIO
 from boundless.kv.tier_io import TierIO
 from boundless.kv.transfer import DEVICE

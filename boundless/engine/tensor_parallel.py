@@ -286,7 +286,7 @@ class TensorParallelRanks:
         return [addresses[rank] for rank in range(1, len(self.pipes) + 1)]
 
     def lend(self, op: str, payload: object, awaits: tuple[str, int] | None = None) -> None:
-        """A KV-lending message for every rank (``engine/split_lending.py``, ``RankLending``), and the word each will
+        """A KV-lending message for every rank (``engine/rank_lending.py``'s ``RankLending``), and the word each will
         say of it (``awaits``: taken by :meth:`lend_done`; a word nobody awaits is dropped)."""
         if awaits is not None:
             with self._hear_lock:
