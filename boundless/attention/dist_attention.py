@@ -161,11 +161,11 @@ class DistributedAttention:
         self, plan: _CreditorPlan, pending: PendingPartial, meta: DistMetadata, like: torch.Tensor
     ) -> AttentionPartial:
         """A creditor's partial; with ``agree``, an empty one should its round trip fail (noted in ``meta``)."""
-        if self.agree is None:
-            return self.client.collect(pending)
         try:
             return self.client.collect(pending)
         except RemotePartialError as e:
+            if self.agree is None:
+                raise
             meta.failed[pending.creditor] = str(e)
             rows = sum(end - start for start, end in plan.rows)
             return AttentionPartial(
