@@ -6,7 +6,7 @@ for its pipe. It loads its share, waits for the KV memory's layout, builds its p
 sum, then applies each message in order: the step's KV moves (block copies; the disk store's loads, writes and
 eviction hints, on its own store: its share of each block; its block streams to and from other instances' ranks), a
 LoRA adapter to load or drop, a forward pass, the endpoint to open for block streams (a prefill or decode engine's, or
-a lending instance's), KV lending's words (``engine/split_lending.py``: its share of a move, a debtor to serve).
+a lending instance's), KV lending's words (``engine/rank_lending.py``: its share of a move, a debtor to serve).
 It says each load of its store's and each of its streams as it finishes (rank 0 reports one done once every rank's is:
 ``kv/split_reads.py``, ``kv/split_streams.py``). It ends when the pipe closes or says stop (an empty message), or when
 rank 0's process is gone.
