@@ -14,7 +14,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -83,6 +83,7 @@ def json_strings(flag: str, text: str) -> list[str]:
 
 
 ANY_JSON = '["*"]'  # (CORS's defaults, vLLM's: any origin, method and header)
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flex")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's
@@ -795,6 +796,45 @@ class ServerConfig:
         },
     )
 
+    # The log, and how uvicorn serves (vLLM's flags, under its names).
+    disable_log_stats: bool = field(
+        default=False,
+        metadata={
+            "help": "no periodic stats line in the log (vLLM's flag); by default every 10 s each instance's prompt "
+            "and generation throughput, running and waiting requests, KV cache usage and prefix cache hit rate, at "
+            "INFO while it has work"
+        },
+    )
+    enable_log_requests: bool = field(
+        default=False,
+        metadata={
+            "help": "log each request as it is taken: its id, prompt, token ids and sampling parameters (vLLM's flag; "
+            "--max-log-len shortens them)"
+        },
+    )
+    disable_log_requests: bool = field(
+        default=False,
+        metadata={"help": "vLLM's older flag, accepted so its command lines run: requests are logged only with "
+                  "--enable-log-requests"},
+    )  # fmt: skip
+    max_log_len: int | None = field(
+        default=None,
+        metadata={"help": "with --enable-log-requests: the most prompt characters and token ids a line shows"},
+    )
+    uvicorn_log_level: str = field(
+        default="info", metadata={"help": f"uvicorn's log level: {', '.join(UVICORN_LOG_LEVELS)} (vLLM's flag)"}
+    )
+    root_path: str = field(
+        default="",
+        metadata={"help": "the path prefix a proxy serves the API under, e.g. /llm (ASGI's root_path, vLLM's flag)"},
+    )
+    ssl_keyfile: str | None = field(
+        default=None, metadata={"help": "serve HTTPS with this private key file (PEM), with --ssl-certfile"}
+    )
+    ssl_certfile: str | None = field(
+        default=None, metadata={"help": "serve HTTPS with this certificate file (PEM), with --ssl-keyfile"}
+    )
+
     # Cross-origin requests (CORS: boundless/api/cors.py), so that a page in a browser may call the API.
     allowed_origins: str = field(
         default=ANY_JSON,
@@ -859,6 +899,30 @@ class ServerConfig:
             "reasoning_parser",
             f"must be one of {', '.join(REASONING_PARSERS)}",
         )
+        _require(
+            not (self.enable_log_requests and self.disable_log_requests),
+            "disable_log_requests",
+            "contradicts --enable-log-requests: give one",
+        )
+        _require(self.max_log_len is None or self.max_log_len >= 0, "max_log_len", "must not be negative")
+        _require(
+            self.uvicorn_log_level in UVICORN_LOG_LEVELS,
+            "uvicorn_log_level",
+            f"must be one of {', '.join(UVICORN_LOG_LEVELS)}",
+        )
+        _require(
+            self.root_path == "" or (self.root_path.startswith("/") and not self.root_path.endswith("/")),
+            "root_path",
+            f"must be a path that starts with / and does not end with one, e.g. /llm, not {self.root_path!r}",
+        )
+        _require(
+            (self.ssl_keyfile is None) == (self.ssl_certfile is None),
+            "ssl_certfile" if self.ssl_certfile is None else "ssl_keyfile",
+            "HTTPS needs both --ssl-keyfile and --ssl-certfile",
+        )
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            _require(path is None or Path(path).expanduser().is_file(), name, f"{path!r} is not a file")
 
 
 TOOL_CALL_PARSER_NAMES = tuple(TOOL_CALL_PARSERS)
@@ -1327,6 +1391,8 @@ def refuse_engine_flags(args: argparse.Namespace, command: str, set_by_command: 
 
 
 def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:
+    given = {arg: getattr(args, arg) for arg in VLLM_READ_ARGS if getattr(args, arg, None) is not None}
+    vllm_engine_args(args.model, given, lambda arg: "--" + arg.replace("_", "-"))
     return EngineConfig(
         model=from_flags(ModelConfig, args),
         cache=from_flags(CacheConfig, args),
@@ -1337,3 +1403,50 @@ def engine_config_from_flags(args: argparse.Namespace) -> EngineConfig:
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for cls in (ModelConfig, CacheConfig, SchedulerConfig):
         add_flags(parser, cls)
+    group = parser.add_argument_group("vLLM's engine arguments, read as they apply here")
+    group.add_argument(
+        "--trust-remote-code", action="store_true", help="accepted: no code from a checkpoint runs here (each "
+        "architecture is built in), so none is trusted or refused"
+    )  # fmt: skip
+    group.add_argument("--tokenizer", help="the model's own tokenizer is used: only the model's path is accepted")
+    group.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+        help="prompts are always chunked to --max-num-batched-tokens: --no-enable-chunked-prefill is refused",
+    )  # fmt: skip
+    group.add_argument("--download-dir", help="refused: nothing is downloaded")
+
+
+# vLLM's engine arguments (``LLM(...)``, ``vllm serve``) that this engine takes under another name. (On the command
+# line argparse takes ``--swap-space`` as the prefix of ``--swap-space-gb``.)
+VLLM_RENAMED_ARGS = {"swap_space": "swap_space_gb"}
+# Those that ask for nothing here or for what this engine does not do (vllm_engine_args).
+VLLM_READ_ARGS = ("trust_remote_code", "disable_log_stats", "tokenizer", "enable_chunked_prefill", "download_dir")
+
+
+def vllm_engine_args(
+    model: str, kwargs: dict[str, Any], name: Callable[[str], str] = lambda arg: arg
+) -> dict[str, Any]:
+    """Engine options with vLLM's engine arguments read: those with a meaning here under another name renamed, those
+    that ask for nothing more here taken (``trust_remote_code``: no code from a checkpoint is run here;
+    ``disable_log_stats``: an engine logs none, the server does), and those that ask for what this engine does not do
+    refused with the reason (:class:`ConfigError`, naming the argument as ``name`` writes it: a flag on the command
+    line)."""
+    out = dict(kwargs)
+    for old, new in VLLM_RENAMED_ARGS.items():
+        if old in out:
+            out[new] = out.pop(old)
+    out.pop("trust_remote_code", None)
+    out.pop("disable_log_stats", None)
+    tokenizer = out.pop("tokenizer", None)
+    if tokenizer is not None and tokenizer != model:
+        raise ConfigError(f"{name('tokenizer')}: the model's own is used (its directory's or its GGUF file's)")
+    if out.pop("enable_chunked_prefill", True) is False:
+        raise ConfigError(
+            f"{name('enable_chunked_prefill')}: prompts are always chunked to max_num_batched_tokens; set it to "
+            "max_model_len or more to take each prompt whole"
+        )
+    if out.pop("download_dir", None) is not None:
+        raise ConfigError(
+            f"{name('download_dir')}: nothing is downloaded; give a model directory, a GGUF file or a hub id cached"
+        )
+    return out

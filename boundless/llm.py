@@ -11,7 +11,7 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, vllm_engine_args
 from boundless.engine.core import EngineCore
 from boundless.engine.logprobs import PositionLogprobs, SampledToken, as_position_logprobs, named_tokens
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt, truncation_length
@@ -475,34 +475,6 @@ class LLM:
             for text in texts
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
-
-
-# vLLM's engine arguments (``LLM(...)``, ``vllm serve``) that this engine takes under another name.
-VLLM_RENAMED_ARGS = {"swap_space": "swap_space_gb"}
-
-
-def vllm_engine_args(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``LLM``'s keyword arguments with vLLM's engine arguments read: those with a meaning here under another name
-    renamed, those that ask for nothing more here taken (``trust_remote_code``: no code
-    from a checkpoint is run here, ``disable_log_stats``: offline, nothing is logged), and those that ask for what this
-    engine does not do refused with the reason (:class:`ConfigError`)."""
-    out = dict(kwargs)
-    for old, new in VLLM_RENAMED_ARGS.items():
-        if old in out:
-            out[new] = out.pop(old)
-    out.pop("trust_remote_code", None)
-    out.pop("disable_log_stats", None)
-    tokenizer = out.pop("tokenizer", None)
-    if tokenizer is not None and tokenizer != model:
-        raise ConfigError("tokenizer: the model's own is used (its directory's or its GGUF file's)")
-    if out.pop("enable_chunked_prefill", True) is False:
-        raise ConfigError(
-            "enable_chunked_prefill: prompts are always chunked to max_num_batched_tokens; set it to max_model_len "
-            "or more to take each prompt whole"
-        )
-    if out.pop("download_dir", None) is not None:
-        raise ConfigError("download_dir: nothing is downloaded; give a model directory, a GGUF file or a hub id cached")
-    return out
 
 
 def _within_context(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:

@@ -9,7 +9,9 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -241,6 +243,78 @@ def test_bad_server_flag_values_fail_at_start_up(flag: tuple[str, str], capsys: 
     """Before anything loads, with the flag named and its values listed."""
     assert main(["serve", *flag]) == 2
     assert f"boundless: {flag[0]}: must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--uvicorn-log-level", "loud"], "--uvicorn-log-level: must be one of critical, error, warning, info, debug"),
+        (["--root-path", "llm"], "--root-path: must be a path that starts with / and does not end with one"),
+        (["--ssl-keyfile", "key.pem"], "--ssl-certfile: HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+        (["--ssl-keyfile", "nokey", "--ssl-certfile", "nocert"], "--ssl-keyfile: 'nokey' is not a file"),
+        (["--enable-log-requests", "--disable-log-requests"], "--disable-log-requests: contradicts"),
+        (["--max-log-len", "-1"], "--max-log-len: must not be negative"),
+        (["--no-enable-chunked-prefill"], "--enable-chunked-prefill: prompts are always chunked"),
+        (["--tokenizer", "other/tokenizer"], "--tokenizer: the model's own is used"),
+        (["--download-dir", "/tmp"], "--download-dir: nothing is downloaded"),
+    ],
+)
+def test_vllms_serve_flags_that_cannot_hold_fail_at_start_up(
+    args: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's flags of the log, uvicorn and the engine: a value that cannot hold is one line naming the flag, before
+    anything loads."""
+    assert main(["serve", *args]) == 2
+    assert f"boundless: {said}" in capsys.readouterr().err
+
+
+def test_serve_takes_vllms_command_line_over_https_and_logs_each_request(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A vLLM command line runs as it is (``--trust-remote-code``, ``--enable-chunked-prefill``, the log's and
+    uvicorn's flags): served over HTTPS with the key and certificate given, each request logged with its prompt cut to
+    ``--max-log-len``, and uvicorn's own lines at the level asked (no access line at ``warning``)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate with")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    port = free_port()
+    args = [
+        "serve", str(model_dirs["tiny-llama"]), "--port", str(port), "--kv-cache-gb", "0.05", "--trust-remote-code",
+        "--enable-chunked-prefill", "--enable-log-requests", "--max-log-len", "4", "--uvicorn-log-level", "warning",
+        "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(_boundless(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"https://127.0.0.1:{port}"
+    trusted = ssl.create_default_context(cafile=str(cert))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(url + "/health", verify=trusted, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "server did not become healthy"
+                time.sleep(0.2)
+        with pytest.raises(httpx.ConnectError):  # (not the certificate of a trusted authority)
+            httpx.get(url + "/health", timeout=5)
+        body = {"model": str(model_dirs["tiny-llama"]), "prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 3}
+        reply = httpx.post(url + "/v1/completions", json=body, verify=trusted, timeout=60)
+        assert reply.status_code == 200, reply.text
+        rid = reply.json()["id"]
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert f"Received request {rid}: prompt: " in out
+    assert "prompt_token_ids: [5, 6, 7, 8], params: SamplingParams(n=1, " in out
+    assert f"serving {model_dirs['tiny-llama']} on https://127.0.0.1:{port} " in out
+    assert "POST /v1/completions" not in out  # (uvicorn's access lines are INFO)
 
 
 @pytest.mark.parametrize(

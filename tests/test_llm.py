@@ -341,8 +341,8 @@ def test_sampling_params_take_none_for_empty_and_refuse_other_types() -> None:
 def test_vllms_engine_arguments() -> None:
     """vLLM's ``LLM(...)`` arguments: those that mean something here are read, those that ask for nothing more are
     taken, and those that ask for what this engine does not do are refused with the reason."""
-    from boundless.config import ConfigError
-    from boundless.llm import engine_config, vllm_engine_args
+    from boundless.config import ConfigError, vllm_engine_args
+    from boundless.llm import engine_config
 
     args = vllm_engine_args(
         "m", {"swap_space": 2, "trust_remote_code": True, "tensor_parallel_size": 1, "disable_log_stats": True}

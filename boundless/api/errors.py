@@ -90,9 +90,19 @@ def error_response(
 ANTHROPIC_ROUTE = "/v1/messages"  # (and below it: count_tokens)
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path as the routes name it: without the ``--root-path`` prefix that uvicorn puts before it (a
+    server behind a proxy under ``/llm`` is called at ``/llm/v1/...``, as Starlette's routing reads it)."""
+    path: str = scope.get("path", "")
+    root = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 def anthropic_route(scope: Scope) -> bool:
     """Whether the request is to Anthropic's Messages routes, whose errors are Anthropic's objects."""
-    path = scope.get("path", "")
+    path = route_path(scope)
     return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
 
 

@@ -7,7 +7,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from boundless.api.errors import anthropic_route, error_bytes
+from boundless.api.errors import anthropic_route, error_bytes, route_path
 
 OPEN_PATHS = ("/health", "/version")  # (vLLM asks no key for either)
 
@@ -80,7 +80,7 @@ class APIKeyAuth:
         self.expected_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
+        if scope["type"] == "http" and route_path(scope) not in OPEN_PATHS:
             headers = dict(scope.get("headers", []))
             bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
             keyed = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)

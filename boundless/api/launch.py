@@ -20,6 +20,7 @@ from starlette.types import ASGIApp
 from uvicorn.main import STARTUP_FAILURE
 
 from boundless.api.server import EngineClient, build_app, configured_chat_template
+from boundless.api.server_log import StatsLog
 from boundless.cluster.restarts import RestartPolicy, Restarts
 from boundless.config import ClusterConfig, ConfigError, EngineConfig, ServerConfig, check_serve_configs
 from boundless.engine.async_engine import ENGINE_ID, AsyncEngine
@@ -99,7 +100,11 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
     gc.collect()
     gc.freeze()
     name = server.served_model_name[0] if server.served_model_name else config.model.model
-    log.info("serving %s on http://%s:%d (context %d tokens)", name, server.host, server.port, engine.max_model_len)
+    scheme = "https" if server.ssl_certfile else "http"
+    log.info(
+        "serving %s on %s://%s:%d%s (context %d tokens)",
+        name, scheme, server.host, server.port, server.root_path, engine.max_model_len,
+    )  # fmt: skip
     defaults = model_sampling_defaults(config.model.model, server.generation_config, server.generation_overrides)
     if defaults.given():
         log.info(
@@ -112,18 +117,26 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
         app,
         host=server.host,
         port=server.port,
-        log_level="info",
+        log_level=server.uvicorn_log_level,
+        root_path=server.root_path,
+        ssl_keyfile=server.ssl_keyfile,
+        ssl_certfile=server.ssl_certfile,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=KEEP_ALIVE_S,
     )
+    stats_log = None if server.disable_log_stats else StatsLog(engine.stats, time.monotonic)
     # uvicorn raises the signal again once it has shut down, under the handler it found: SIGTERM's default one would
     # end the process there, before the engine's shutdown below (the disk store's last writes, the executor's).
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
+        if stats_log is not None:
+            stats_log.start()
         http_server = Server(http, engine.end_requests)
         with contextlib.suppress(KeyboardInterrupt):  # (as uvicorn.run: the signal, raised again once it is handled)
             http_server.run()
     finally:
+        if stats_log is not None:
+            stats_log.stop()
         engine.shutdown()
         log.info("stopped: the engine's writes are handed over")
     if not http_server.started:  # (as uvicorn.run)

@@ -52,6 +52,7 @@ from boundless.api.schemas import (
     StructuredOutputsParams,
     template_tools,
 )
+from boundless.api.server_log import request_line
 from boundless.api.strict_calls import forced_calls_tag, strict_call_format, strict_calls_tag, structural_tag_text
 from boundless.api.tool_calls import (
     ALL_FORMATS,
@@ -679,6 +680,8 @@ class OpenAIServer:
                 "n",
                 "invalid_value",
             )
+        if self.config.enable_log_requests:
+            log.info("%s", request_line(base_id, prompts, params, self.tokenizer, self.config.max_log_len))
         streams: list[DeltaStream] = []
         try:
             for p_idx, ids in enumerate(prompts):
