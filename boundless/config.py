@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from boundless.api.reasoning import REASONING_PARSERS
 from boundless.api.tool_calls import TOOL_CALL_PARSERS
+from boundless.engine.sampling_params import MAX_LOGPROBS
 from boundless.kv.cache_dtype import KV_CACHE_DTYPES
 from boundless.model.generation_config import generation_overrides
 from boundless.model.lora import LoRAError, LoRAModule
@@ -171,6 +172,13 @@ class ModelConfig:
             "vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 does: the model was not trained there"
         },
     )
+    max_logprobs: int = field(
+        default=MAX_LOGPROBS,
+        metadata={
+            "help": "the most alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs; "
+            "vLLM's flag): past it a 400; -1 the whole vocabulary"
+        },
+    )
     hf_overrides: str = field(
         default="",
         metadata={
@@ -182,6 +190,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        _require(self.max_logprobs >= -1, "max_logprobs", "must be -1 (the whole vocabulary) or more")
         _require(self.dtype in DTYPE_NAMES, "dtype", f"unknown dtype {self.dtype!r}; one of {', '.join(DTYPE_NAMES)}")
         _require(
             self.quantization is None or self.quantization in QUANTIZATIONS,
@@ -793,6 +802,14 @@ class ServerConfig:
         metadata={
             "help": "with --reasoning-parser: hold the reasoning to a request's grammar too (vLLM's "
             "enable_in_reasoning); by default the grammar begins once the model has finished thinking"
+        },
+    )
+
+    return_tokens_as_token_ids: bool = field(
+        default=False,
+        metadata={
+            "help": "logprobs name their tokens token_id:<id> (a token's text may be no whole character) unless a "
+            "request says otherwise (vLLM's flag)"
         },
     )
 

@@ -241,6 +241,25 @@ def test_prompt_logprobs_in_vllms_shape(llm: LLM) -> None:
         )
 
 
+def test_max_logprobs_bounds_the_alternatives_a_request_asks_for(llm: LLM, smollm2: LoadedModel) -> None:
+    """vLLM's ``max_logprobs``: 20 by default, past it a request is refused naming it (and the engine serves on);
+    raised, or -1 for the whole vocabulary, a request gets as many alternatives as it asks for."""
+    ids = llm.tokenizer.encode("The sky is")
+    for asked in ({"logprobs": 21}, {"prompt_logprobs": 21}):
+        with pytest.raises(InvalidRequestError, match="more than the 20 this engine gives"):
+            llm.generate(ids, SamplingParams(max_tokens=1, **asked))
+    assert llm.generate(ids, SamplingParams(max_tokens=1, logprobs=20))[0].outputs[0].logprobs is not None
+    with pytest.raises(ValueError, match="--max-logprobs: must be -1"):
+        _config(smollm2, max_logprobs=-2)
+    wide = LLM.from_config(_config(smollm2, max_logprobs=-1), smollm2)
+    res = wide.generate(ids, SamplingParams(temperature=0.0, max_tokens=2, logprobs=64, prompt_logprobs=40))[0]
+    assert res.outputs[0].logprobs is not None and [len(p) for p in res.outputs[0].logprobs] == [64, 64]
+    assert res.prompt_logprobs is not None
+    assert all(p is not None and len(p) in (40, 41) for p in res.prompt_logprobs[1:])
+    ranked = list(res.outputs[0].logprobs[0].values())
+    assert [e.rank for e in ranked] == list(range(1, 65))
+
+
 def test_vllms_names_and_fields(llm: LLM) -> None:
     """What vLLM's code calls: ``sampling_params=``, ``get_tokenizer()``, ``RequestOutput.finished``,
     ``CompletionOutput.finished()``, and a chat output's ``prompt`` (its conversation's rendered text)."""

@@ -40,7 +40,6 @@ from boundless.api.errors import APIError, part_error
 from boundless.api.json_text import UNREADABLE_JSON
 from boundless.api.reasoning import ReasoningOutput
 from boundless.api.schemas import (
-    MAX_TOP_LOGPROBS,
     REASONING_EFFORTS,
     TEXT_PART_SEPARATOR,
     Bool,
@@ -155,7 +154,7 @@ class ResponsesRequest(NullIsDefault):
     max_output_tokens: Count | None = None
     temperature: Float | None = None
     top_p: Float | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS, strict=True)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, strict=True)] | None = None
     include: list[str] | None = None
     stream: Bool = False
     store: Bool = True
@@ -357,7 +356,7 @@ class ResponsesAPI:
         server = self.server
         call = await off_loop_if_large(request, self._prepare, body, request)
         chat = call.chat
-        check_common(chat, server.tokenizer.vocab_size)
+        check_common(chat, server.tokenizer.vocab_size, server.client.max_logprobs)
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or ()]
         logprobs = (body.top_logprobs or 0) if call.logprobs else None
         try:

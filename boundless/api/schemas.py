@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes, with the extensions vLLM accepts and Autellix's program ids.
 
 Types are strict, as OpenAI's are: an integer field refuses ``5.0`` and ``"5"``, a boolean refuses ``"yes"``, a
-number refuses ``NaN``. Limits that only the HTTP edge sets (``n``, ``seed``, penalties, ``top_logprobs``, program
+number refuses ``NaN``. Limits that only the HTTP edge sets (``n``, ``seed``, penalties, program
 id lengths) are here; the sampling ranges that the offline API shares are checked by
 :class:`~boundless.engine.sampling_params.SamplingParams`, and what needs the model (vocabulary, text encoding,
 context length) by :mod:`boundless.api.validation` and the engine.
@@ -25,10 +25,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from boundless.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+from boundless.engine.sampling_params import SEED_MAX, SEED_MIN
 
 MAX_N = 128  # samples per prompt, as OpenAI allows
-MAX_TOP_LOGPROBS = MAX_LOGPROBS  # alternatives per token: top_logprobs, logprobs and prompt_logprobs (the engine's)
 MAX_ID_CHARS = 256  # program and thread ids: the router keeps them in its process table
 MAX_PARENT_THREADS = 64
 
@@ -183,14 +182,15 @@ class _SamplingFields(NullIsDefault):
     # Only these tokens may be sampled (checked against the vocabulary); words the output may not hold
     allowed_token_ids: list[Int] | None = None
     bad_words: list[str] | None = None
-    # Logprobs' tokens as ``token_id:<id>``, for clients that need the ids (a token's text may be no whole character)
-    return_tokens_as_token_ids: Bool = False
+    # Logprobs' tokens as ``token_id:<id>``, for clients that need the ids (a token's text may be no whole character);
+    # None: as the server's --return-tokens-as-token-ids says
+    return_tokens_as_token_ids: Bool | None = None
     # vLLM's: the prompt's token ids and each choice's output's come with the response (streamed: as they go out)
     return_token_ids: Bool = False
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     # Each prompt token's logprob given the tokens before it, with this many alternatives (not -1, the vocabulary)
-    prompt_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Strict(), Field(ge=0)] | None = None
     # vLLM's: the prefix cache shares KV only among requests with the same salt (multi-tenant privacy)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # vLLM's: a class of service, smaller first; the scheduler's policy orders requests within one
@@ -332,7 +332,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None
     logprobs: Bool = False
-    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Strict(), Field(ge=0)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool = True  # false: at most one call (held to one with `required`, the first kept else)

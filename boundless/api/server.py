@@ -249,6 +249,10 @@ class EngineClient(Protocol):
     @property
     def max_waiting(self) -> int | None: ...
 
+    # The most alternatives per token a request may ask for (``--max-logprobs``; -1: the whole vocabulary).
+    @property
+    def max_logprobs(self) -> int: ...
+
     def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
     ) -> DeltaStream: ...
@@ -564,9 +568,20 @@ def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) 
     return ProgramRef(program_id, thread_id, tuple(body.parent_thread_ids or ()))
 
 
-def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> None:
-    """What chat and completions check alike before anything is tokenized or submitted."""
+def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int, max_logprobs: int) -> None:
+    """What chat and completions check alike before anything is tokenized or submitted; ``max_logprobs``: the engine's
+    (``--max-logprobs``; -1: no limit)."""
     require_valid_text(body.model_dump(by_alias=True))
+    for name in ("top_logprobs", "logprobs", "prompt_logprobs"):
+        asked = getattr(body, name, None)  # (chat's logprobs is a switch, its count top_logprobs)
+        if type(asked) is int and max_logprobs != -1 and asked > max_logprobs:
+            raise APIError(
+                400,
+                f"{name}: {asked} alternatives asked for, more than the {max_logprobs} this server gives "
+                "(--max-logprobs)",
+                name,
+                "invalid_value",
+            )
     refuse_removed_fields(body.model_extra)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
@@ -642,6 +657,12 @@ class OpenAIServer:
     @property
     def tokenizer(self):
         return self.client.tokenizer
+
+    def tokens_as_ids(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
+        """Whether a request's logprobs name their tokens ``token_id:<id>``: as it says, else as the server's
+        ``--return-tokens-as-token-ids`` (vLLM's)."""
+        asked = body.return_tokens_as_token_ids
+        return self.config.return_tokens_as_token_ids if asked is None else asked
 
     def check_model(self, model: str) -> str | None:
         """The LoRA adapter a request's ``model`` names (None: the base model); 404 for a name not served."""
@@ -837,7 +858,7 @@ class OpenAIServer:
         return dataclasses.replace(structured, after=end)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        check_common(body, self.tokenizer.vocab_size)
+        check_common(body, self.tokenizer.vocab_size, self.client.max_logprobs)
         lora = self.check_model(body.model)
         prompt = await off_loop_if_large(request, self.chat_prompt, body)
         ids = truncated_prompt(prompt, body.truncate_prompt_tokens, self.client.max_model_len)
@@ -899,7 +920,7 @@ class OpenAIServer:
             if body.logprobs:
                 logprobs_of = functools.partial(self.streamed_content, ids, body.skip_special_tokens, tools, reasoning)
             predicted = body.prediction is not None
-            as_ids, prompt_ids = body.return_tokens_as_token_ids, (ids if body.return_token_ids else None)
+            as_ids, prompt_ids = self.tokens_as_ids(body), (ids if body.return_token_ids else None)
             gen = self._chat_events(
                 rid,
                 body.model,
@@ -942,7 +963,7 @@ class OpenAIServer:
                 {
                     "index": c.index,
                     "message": message,
-                    "logprobs": {"content": self.chat_logprobs(message_logprobs(c), body.return_tokens_as_token_ids)}
+                    "logprobs": {"content": self.chat_logprobs(message_logprobs(c), self.tokens_as_ids(body))}
                     if body.logprobs
                     else None,
                     "finish_reason": finish,
@@ -1133,7 +1154,7 @@ class OpenAIServer:
         return [truncated_prompt(ids, body.truncate_prompt_tokens, self.client.max_model_len) for ids in prompts]
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        check_common(body, self.tokenizer.vocab_size)
+        check_common(body, self.tokenizer.vocab_size, self.client.max_logprobs)
         lora = self.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
@@ -1248,7 +1269,7 @@ class OpenAIServer:
             offsets: list[int] = []
             if offsets_of:
                 tokens, offsets = offsets_of[index].take(generated, len(c.text), delta.finished)
-                lp = self._completion_logprobs(tokens, offsets, body.return_tokens_as_token_ids)
+                lp = self._completion_logprobs(tokens, offsets, self.tokens_as_ids(body))
             if body.echo and not echoed[index]:  # the prompt goes first, in the choice's first chunk
                 echoed[index] = True
                 text = echo + text
@@ -1500,13 +1521,13 @@ class OpenAIServer:
         text, decoded as it was), then the ``generated`` tokens at their ``offsets``."""
         if body.logprobs is None:
             return None
-        out = self._completion_logprobs(generated, offsets, body.return_tokens_as_token_ids)
+        out = self._completion_logprobs(generated, offsets, self.tokens_as_ids(body))
         if not body.echo:
             return out
         echo_starts = TokenStarts(self.tokenizer, ()).add(prompt)  # (the echo is the prompt decoded alone)
         echoed_tokens = _echoed_tokens(prompt, scored, body.logprobs)
         echo_offsets = text_offsets(echo_starts, 0, len(echo))
-        echoed = self._completion_logprobs(echoed_tokens, echo_offsets, body.return_tokens_as_token_ids)
+        echoed = self._completion_logprobs(echoed_tokens, echo_offsets, self.tokens_as_ids(body))
         return {key: echoed[key] + out[key] for key in out}
 
     def _prompt_logprobs(self, scored: PromptLogprobs | None, top_k: int) -> list[dict[str, Any] | None] | None:

@@ -329,6 +329,7 @@ class ClusterClient(DispatcherFrontEnd):
         self.lending = self._connect_lending(cluster) if cluster.kv_lending == "on" else None
         self.tokenizer = load_tokenizer(model_path)
         self.max_model_len = min(i.info.max_model_len for i in self.instances.values() if i.info)
+        self.max_logprobs = engine.model.max_logprobs
         # Prefill and decode engines serve no embeddings (an embedding request's one step would be the prefill
         # engine's, its end a hand-off).
         infos = [i.info for i in self.instances.values() if i.info]

@@ -70,6 +70,7 @@ class LocalPDCluster(DispatcherFrontEnd):
         infos = {iid: inst.info() for iid, inst in self.instances.items()}
         self.tokenizer = next(iter(self.instances.values())).core.tokenizer
         self.max_model_len = min(i.max_model_len for i in infos.values())
+        self.max_logprobs = engine.model.max_logprobs
         self._kv_bytes_per_token = kv_bytes_per_token(infos)
         table = ProcessTable(ttl_s=engine.scheduler.program_ttl_s, critical_path=engine.scheduler.policy == "atlas")
         self.max_waiting = max_waiting * len(self.instances)  # (as ClusterClient's)

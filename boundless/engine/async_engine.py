@@ -133,6 +133,10 @@ class EngineLoop:
         return self.core.max_model_len
 
     @property
+    def max_logprobs(self) -> int:
+        return self.core.config.model.max_logprobs
+
+    @property
     def pooling(self) -> EmbeddingPooling:
         """How the model's embeddings are made (``/v1/embeddings``)."""
         return self.core.identity.pooling

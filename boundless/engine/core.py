@@ -622,6 +622,14 @@ class EngineCore:
             error = self.grammars.error(params.structured) if self.grammars is not None else None
             if error is not None:
                 raise InvalidRequestError(error, params.structured.param)
+        most = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and most != -1 and asked > most:
+                raise InvalidRequestError(
+                    f"{name}: {asked} alternatives asked for, more than the {most} this engine gives (--max-logprobs)",
+                    name,
+                )
         if params.lora_name is not None and params.lora_name not in self.loras:
             raise InvalidRequestError(f"LoRA adapter {params.lora_name!r} is not loaded", "model")
         namespace = self.kv_namespace(params)

@@ -17,7 +17,7 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
 GREEDY_BELOW = 1e-5  # temperatures under it sample greedily
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a token's logit bias
-MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs, vLLM's default --max-logprobs)
+MAX_LOGPROBS = 20  # alternatives per token at most by default (OpenAI's top_logprobs; --max-logprobs, vLLM's default)
 
 
 class InvalidSamplingParams(InvalidRequestError):
@@ -191,14 +191,14 @@ class SamplingParams:
         if self.logprobs is not None:
             self._check(
                 "logprobs",
-                _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
-                f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+                _is_int(self.logprobs) and self.logprobs >= 0,
+                "logprobs must be a non-negative integer (at most the engine's max_logprobs)",
             )
         if self.prompt_logprobs is not None:
             self._check(
                 "prompt_logprobs",
-                _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+                _is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0,
+                "prompt_logprobs must be a non-negative integer (at most the engine's max_logprobs)",
             )
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         self._check("stop", self.detokenize or not self.stop, "stop strings need detokenize (found in the text)")

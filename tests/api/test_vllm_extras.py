@@ -13,6 +13,7 @@ import pytest
 
 from boundless import __version__
 from boundless.api.launch import ServerThread, start_in_thread
+from boundless.config import ServerConfig
 from boundless.engine.async_engine import AsyncEngine
 from boundless.engine.core import EngineCore
 from boundless.llm import engine_config
@@ -170,3 +171,52 @@ def test_bad_values_are_400s_naming_the_parameter(client: openai.OpenAI, extra: 
 def test_version_is_vllms_route(server: ServerThread) -> None:
     r = httpx.get(server.url + "/version")
     assert r.status_code == 200 and r.json() == {"version": __version__}
+
+
+def test_the_servers_logprobs_flags_raise_the_alternatives_and_name_tokens_by_id(smollm2: LoadedModel) -> None:
+    """``--max-logprobs`` past OpenAI's 20 (vLLM's flag): chat's ``top_logprobs``, completions' ``logprobs`` and
+    ``prompt_logprobs`` up to it are served, each token with that many alternatives; past it a 400 naming the field.
+    ``--return-tokens-as-token-ids``: tokens named by id unless a request says otherwise."""
+    engine = AsyncEngine(
+        EngineCore.from_model(smollm2, engine_config(MODEL, max_model_len=512, kv_cache_gb=0.05, max_logprobs=30))
+    )
+    srv = start_in_thread(engine, MODEL, ServerConfig(return_tokens_as_token_ids=True))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        by_id = client.completions.create(model=MODEL, prompt=STORY, max_tokens=3, logprobs=1, temperature=0)
+        assert by_id.choices[0].logprobs is not None and by_id.choices[0].logprobs.tokens
+        by_text = client.completions.create(
+            model=MODEL, prompt=STORY, max_tokens=3, logprobs=1, temperature=0,
+            extra_body={"return_tokens_as_token_ids": False},
+        )  # fmt: skip
+        assert by_text.choices[0].logprobs is not None and by_text.choices[0].logprobs.tokens
+        assert "".join(by_text.choices[0].logprobs.tokens) == by_text.choices[0].text
+        assert smollm2.tokenizer.decode(_ids(by_id.choices[0].logprobs.tokens)) == by_text.choices[0].text
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, logprobs=True, top_logprobs=30
+        )
+        content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+        assert content and all(len(t.top_logprobs) == 30 for t in content)
+        done = client.completions.create(
+            model=MODEL, prompt=STORY, max_tokens=2, logprobs=25, extra_body={"prompt_logprobs": 30}
+        )
+        assert done.choices[0].logprobs is not None and done.choices[0].logprobs.top_logprobs
+        assert all(len(alternatives) >= 25 for alternatives in done.choices[0].logprobs.top_logprobs)
+        scored = done.model_extra["choices"][0]["prompt_logprobs"] if done.model_extra else None
+        scored = scored or done.choices[0].model_extra["prompt_logprobs"]
+        assert all(len(position) in (30, 31) for position in scored[1:])
+        for call, param in (
+            (lambda: client.completions.create(model=MODEL, prompt=STORY, max_tokens=1, logprobs=31), "logprobs"),
+            (
+                lambda: client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=31
+                ),
+                "top_logprobs",
+            ),
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                call()
+            assert refused.value.body["param"] == param and "--max-logprobs" in refused.value.body["message"]
+    finally:
+        srv.stop()
+        engine.shutdown()
