@@ -477,6 +477,7 @@ class ResponsesAPI:
                 body.parallel_tool_calls,
                 parameter_types(chat_tools),
                 server.call_formats(_forces_call(body)),
+                _forces_call(body),  # (as chat's: a forced call cut off by the limit is a call, as far as it got)
             ),
             lora,
             None if server.reasoning is None else ReasoningOutput(server.reasoning, server.reasoning_opened(prompt)),

@@ -180,8 +180,9 @@ class EngineLoop:
         """Unload an adapter between steps; False if none has that name (``EngineCore.remove_lora``)."""
         self._check_alive()
         with self.lock:
+            removed = self.core.remove_lora(name)  # (refused while in use: then it stays one to load again on restart)
             self._loras.pop(name, None)
-            return self.core.remove_lora(name)
+            return removed
 
     def cluster_info(self) -> list[dict]:
         """The one instance, as ``GET /cluster`` lists instances."""

@@ -533,4 +533,10 @@ def _filtered_probs(logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:
         drop[:, 0] = False
         mask = torch.zeros_like(drop).scatter_(1, order, drop)
         logits = logits.masked_fill(mask, float("-inf"))
-    return logits.softmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    # A row whose logits are not finite (NaN from a model's or an adapter's numbers) has no distribution, and the
+    # batch's one draw would fail for every row in it: such a row draws token 0, the others as they are (vLLM's
+    # sampler does not fail either). Without a host sync: a GPU step stays queued.
+    probs = probs.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    probs[:, 0] += probs.sum(dim=-1) <= 0
+    return probs

@@ -293,7 +293,7 @@ def load_lora(
         GATE_UP: 2 * arch.intermediate_size,
         DOWN: arch.hidden_size,
     }
-    alpha = float(config.get("lora_alpha", config.get("r", 8)))
+    alpha = float(config.get("lora_alpha", 8))  # (PEFT's LoraConfig default when the file names none)
     alpha_pattern = config.get("alpha_pattern") or {}
     rslora = bool(config.get("use_rslora"))
     # Per layer and fused target: the parts (A, scaled B, row offset) to fuse.
@@ -315,6 +315,10 @@ def load_lora(
                 f"LoRA adapter {request.lora_name!r}: {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
                 f"model needs A [rank, {cols}] and B [{rows}, rank]"
             )
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            # (Loaded, it made NaN logits: a sampled row's draw failed the whole step, every adapter's requests and
+            # the base model's in it.)
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: {name} holds values that are not finite (NaN or inf)")
         if r == 0:  # (its scale alpha / r would divide by zero: a 500 where the adapter is at fault)
             raise LoRAError(f"LoRA adapter {request.lora_name!r}: {name} has rank 0 (A {tuple(a.shape)})")
         if r > max_rank:

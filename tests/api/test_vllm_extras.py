@@ -220,3 +220,29 @@ def test_the_servers_logprobs_flags_raise_the_alternatives_and_name_tokens_by_id
     finally:
         srv.stop()
         engine.shutdown()
+
+
+def test_a_forced_call_cut_off_is_a_call_in_responses_as_in_chat(client: openai.OpenAI) -> None:
+    """SmolLM2's template names no call format, so a forced call (``tool_choice: required``) is written as bare JSON by
+    its grammar. Cut off by the limit inside it, chat returned the call as far as it got, and the Responses API the
+    JSON as a message's text: now a function call item there too, incomplete, with the same arguments."""
+    tool = {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+    for limit in (22, 30):
+        response = client.responses.create(
+            model=MODEL, input="Weather in Paris", tools=[{"type": "function", **tool}], tool_choice="required",
+            max_output_tokens=limit, temperature=0,
+        )  # fmt: skip
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Paris"}],
+            tools=[{"type": "function", "function": tool}], tool_choice="required", max_tokens=limit, temperature=0,
+        )  # fmt: skip
+        expected = [(c.function.name, c.function.arguments) for c in chat.choices[0].message.tool_calls or ()]
+        assert expected, "chat read no call"
+        assert response.status == "incomplete"
+        assert [(o.type, o.name, o.arguments) for o in response.output if o.type == "function_call"] == [
+            ("function_call", name, arguments) for name, arguments in expected
+        ]
+        assert not [o for o in response.output if o.type == "message"]

@@ -299,3 +299,15 @@ def test_masked_rows_are_drawn_on_the_host_and_need_history_only_for_words_of_se
     assert not SamplingParams(bad_words_token_ids=((5,), (6,))).needs_history  # (banned everywhere)
     assert SamplingParams(bad_words_token_ids=((5,), (6, 7))).needs_history
     assert SamplingParams(bad_words=["a", "b", "a"], allowed_token_ids=[4, 3]).bad_words == ("a", "b")
+
+
+def test_a_row_of_nan_logits_does_not_fail_the_draw_of_the_rows_beside_it() -> None:
+    """A row whose logits are NaN (a model's or an adapter's numbers gone bad) failed the batch's one multinomial draw,
+    every request of the step with it: it now draws token 0, and the rows beside it, shared and seeded, draw from
+    their own distributions."""
+    logits = torch.full((4, 20), -30.0)
+    logits[:, 5] = 0.0
+    logits[1] = float("nan")
+    logits[3, :] = float("inf")  # (softmax of inf: NaN too)
+    chunks = [chunk(f"r{i}", SamplingParams(temperature=0.8, seed=1 if i == 2 else None)) for i in range(4)]
+    assert [t.token_id for t in Sampler(torch.device("cpu")).sample(logits, chunks)] == [5, 0, 5, 0]

@@ -7,10 +7,12 @@ output must equal transformers' (base) or PEFT's (adapters) greedy output token 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -319,6 +321,12 @@ def _rank_zero(tensors: dict) -> None:
     tensors[key], tensors[key.replace("lora_A", "lora_B")] = a[:0].clone(), b[:, :0].clone()
 
 
+def _nan_b(tensors: dict) -> None:
+    """(Loaded, such an adapter made NaN logits, and a sampled row's draw failed the whole step.)"""
+    key = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[key] = torch.full_like(tensors[key], float("nan"))
+
+
 @pytest.mark.parametrize(
     ("config", "edit", "message"),
     [
@@ -330,6 +338,7 @@ def _rank_zero(tensors: dict) -> None:
         (None, _add_head, "not LoRA on a layer"),
         (None, _bad_shape, "this model needs A"),
         (None, _rank_zero, r"has rank 0 \(A \(0, "),
+        (None, _nan_b, r"holds values that are not finite \(NaN or inf\)"),
     ],
 )
 def test_loader_refuses_what_it_cannot_apply(
@@ -339,6 +348,29 @@ def test_loader_refuses_what_it_cannot_apply(
     loaded = llama.loaded
     with pytest.raises(LoRAError, match=message):
         load_lora(LoRARequest("bad", 1, str(path)), loaded.arch, loaded.dtype, loaded.device, 16)
+
+
+def test_an_adapter_config_without_lora_alpha_takes_peft_default_of_8(llama: AdapterCase, tmp_path: Path) -> None:
+    """PEFT's LoraConfig reads a missing ``lora_alpha`` as 8 (its default): scaled as the same weights with
+    ``lora_alpha: 8``, where it was scaled as alpha = r."""
+    src = llama.paths["all8"]
+    eight = _broken_copy(src, tmp_path / "eight", {"lora_alpha": 8})
+    bare = _broken_copy(src, tmp_path / "bare")
+    config = json.loads((bare / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (bare / "adapter_config.json").write_text(json.dumps(config))
+    loaded = llama.loaded
+    with_eight, without = (
+        load_lora(LoRARequest(path.name, 1, str(path)), loaded.arch, loaded.dtype, loaded.device, 16)
+        for path in (eight, bare)
+    )
+    pairs = [
+        (a, b)
+        for la, lb in zip(with_eight.layers, without.layers, strict=True)
+        for a, b in zip(la, lb, strict=True)
+        if a is not None
+    ]
+    assert pairs and all(torch.equal(a.b, b.b) for a, b in pairs)
 
 
 def _write_config(text: str) -> Callable[[Path], None]:
@@ -644,3 +676,48 @@ def test_mixture_of_experts_takes_attention_adapters_not_the_experts(
     mlp = write_random_lora(tmp_path / "mlp", loaded.arch, targets=("q_proj", "gate_proj"))
     with pytest.raises(LoRAError, match="mixture-of-experts"):
         load_lora(LoRARequest("mlp", 1, str(mlp)), loaded.arch, torch.float32, torch.device("cpu"), 16)
+
+
+def test_an_unload_refused_while_in_use_keeps_the_adapter_for_a_restarted_engine(llama: AdapterCase) -> None:
+    """An unload refused (a request still runs with the adapter) leaves it loaded, and an engine restarted in place
+    (a split model that lost a rank) loads it again: the refused unload dropped it from the adapters to reload, and
+    after the restart its requests were refused as not loaded while ``/v1/models`` still listed it."""
+    from boundless.cluster.restarts import RestartPolicy, Restarts
+    from boundless.engine.async_engine import ENGINE_ID, AsyncEngine
+    from boundless.engine.errors import EngineLost
+
+    config = EngineConfig(model=ModelConfig(max_model_len=512, enable_lora=True), cache=CacheConfig(num_kv_blocks=128))
+    engine = AsyncEngine(
+        EngineCore.from_model(llama.loaded, config),
+        rebuild=lambda: EngineCore.from_model(llama.loaded, config),
+        restarts=Restarts(RestartPolicy(delay_s=0.0), [ENGINE_ID]),
+    )
+    try:
+        engine.add_lora(LoRARequest("sql", 7, str(llama.paths["all8"])))
+        first = engine.core
+        lost = {"once": True}
+        launch = first.launch
+
+        def launch_then_lose(*args: object, **kwargs: object) -> object:
+            if lost["once"] and engine.core.has_work():
+                lost["once"] = False
+                raise EngineLost("rank 1 is gone (the test's)")
+            return launch(*args, **kwargs)
+
+        engine.add("long", llama.prompts[0], SamplingParams(max_tokens=400, lora_name="sql", ignore_eos=True))
+        with pytest.raises(LoRAError, match="in use by 1 unfinished requests"):
+            engine.remove_lora("sql")
+        first.launch = launch_then_lose  # type: ignore[method-assign]
+        deadline = time.monotonic() + 60
+        while engine.core is first or engine.error is not None:
+            assert time.monotonic() < deadline, "the engine was not restarted"
+            time.sleep(0.05)
+        assert "sql" in engine.core.loras
+
+        async def tokens() -> list[int]:
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, lora_name="sql")
+            return [t async for d in engine.submit("after", llama.prompts[1], params) for t in d.new_token_ids]
+
+        assert asyncio.run(tokens()) == llama.expected["all8"][1]
+    finally:
+        engine.shutdown()
