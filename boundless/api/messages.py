@@ -142,7 +142,9 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append({"type": "text", "text": block["text"]})
-            elif kind == "tool_result" and message.role == "user" and isinstance(block.get("tool_use_id"), str):
+            elif kind == "tool_result" and message.role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise APIError(400, f"{where}: a tool_result block needs its tool_use_id, a string", where)
                 text = _text_of(block.get("content", ""), f"{where}.content")
                 failed = block.get("is_error")
                 if failed not in (None, True, False):
@@ -150,9 +152,11 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
                 if failed:
                     text = TOOL_ERROR_PREFIX + text
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
-            elif kind == "tool_use" and message.role == "assistant" and isinstance(block.get("input"), dict):
+            elif kind == "tool_use" and message.role == "assistant":
                 if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
                     raise APIError(400, f"{where}: a tool_use block needs its id and name", where)
+                if not isinstance(block.get("input"), dict):
+                    raise APIError(400, f"{where}: a tool_use block needs its input, an object", f"{where}.input")
                 arguments = json.dumps(block["input"], ensure_ascii=False)
                 function = {"name": block["name"], "arguments": arguments}
                 calls.append({"id": block["id"], "type": "function", "function": function})
@@ -233,6 +237,8 @@ def chat_fields(body: MessagesRequest, reasons: bool) -> dict[str, Any]:
         if kind == "enabled" and budget is not None:
             if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
                 raise APIError(400, "thinking.budget_tokens must be a positive integer", "thinking.budget_tokens")
+            if budget >= body.max_tokens:  # (Anthropic's rule: the thinking is part of the max_tokens)
+                raise APIError(400, "thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens")
             if reasons:  # the thinking closed after that many tokens (engine/thinking_budget.py)
                 fields.setdefault("thinking_token_budget", budget)
     return fields

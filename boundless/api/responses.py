@@ -424,6 +424,8 @@ class ResponsesAPI:
             if previous is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
         messages = (previous.messages if previous else []) + conversation(body.input)
+        if not messages and not body.instructions:  # (the chat route's refusal named messages, no field here)
+            raise APIError(400, "input holds no message the model reads (a reasoning item alone is none)", "input")
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
         response_id = f"resp_{uuid.uuid4().hex}"
         program_id = program_named(body.program_id, request.headers, body.prompt_cache_key) or (
@@ -834,10 +836,15 @@ async def get_response(response_id: str, request: Request) -> Response:
 
 @routes.get("/v1/responses/{response_id}/input_items")
 async def list_input_items(
-    response_id: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None
+    response_id: str,
+    request: Request,
+    limit: int = 20,
+    order: str = "desc",
+    after: str | None = None,
+    before: str | None = None,
 ) -> Response:
-    """The response's input items, a page at a time (OpenAI's cursor: ``after`` an item id, ``limit`` 1 to 100,
-    newest first unless ``order`` is ``asc``)."""
+    """The response's input items, a page at a time (OpenAI's cursors: the ``limit`` items ``after`` an item id, or
+    those just ``before`` one, the previous page; ``limit`` 1 to 100, newest first unless ``order`` is ``asc``)."""
     stored = _api(request).store.get(response_id)
     if stored is None:
         raise _not_found(response_id)
@@ -845,13 +852,20 @@ async def list_input_items(
         raise APIError(400, "limit must be between 1 and 100", "limit", "invalid_value")
     if order not in ("asc", "desc"):
         raise APIError(400, "order must be asc or desc", "order", "invalid_value")
+    if after is not None and before is not None:
+        raise APIError(400, "give after or before, not both", "before", "invalid_value")
     items = stored.input_items if order == "asc" else stored.input_items[::-1]
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise APIError(400, f"no input item {after!r} in this response", "after", "invalid_value")
-        items = items[ids.index(after) + 1 :]
-    page = items[:limit]
+    ids = [item["id"] for item in items]
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise APIError(400, f"no input item {cursor!r} in this response", name, "invalid_value")
+    if before is not None:
+        items = items[: ids.index(before)]
+        page = items[-limit:]
+    else:
+        if after is not None:
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
     return JSONResponse(
         {
             "object": "list",

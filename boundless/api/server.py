@@ -1671,6 +1671,8 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> Response
     client = _runtime_lora_updates(server)
     require_valid_text(body.model_dump())
     name = body.lora_name
+    if not name.strip():  # (LoRARequest's own refusal named lora_path, the field it blames for a failed load)
+        raise APIError(400, "lora_name must not be empty", "lora_name", "invalid_value")
     if name in server.model_names or name in server.loras or name in server.loras_loading:
         raise APIError(400, f"the LoRA adapter {name!r} has already been loaded", "lora_name")
     # The name is taken before the load runs in its thread (no await between the check and this), so a concurrent

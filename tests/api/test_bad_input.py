@@ -462,6 +462,7 @@ CORPUS: list[Case] = [
     response({"max_output_tokens": MAX_LEN}, "max_output_tokens"),
     response({"max_output_tokens": 0}, "max_output_tokens"),
     response({"top_logprobs": 21}, "top_logprobs"),
+    response({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # (no message: it named chat's messages)
     response({"previous_response_id": "resp_none"}, "previous_response_id", 404),
     response({"model": "other"}, "model", 404),
     response({"stream": "yes"}, "stream"),

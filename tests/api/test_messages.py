@@ -238,9 +238,32 @@ def test_thinking_asked_of_a_model_that_does_not_think_is_served_without_it(clie
     """Agents written for Anthropic's models send ``thinking``; without a reasoning parser the answer is the same as
     without it (no thinking block), not an error."""
     plain = client.messages.create(model="tiny", max_tokens=8, messages=ASK, extra_body=GREEDY)
-    thinking = {"type": "enabled", "budget_tokens": 1024}
+    thinking = {"type": "enabled", "budget_tokens": 4}
     asked = client.messages.create(model="tiny", max_tokens=8, messages=ASK, extra_body=GREEDY, thinking=thinking)
     assert [(b.type, b.text) for b in asked.content] == [(b.type, b.text) for b in plain.content]
+    # A budget of max_tokens or more is refused, as Anthropic refuses it (the thinking is part of max_tokens).
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens must be less than max_tokens"):
+        client.messages.create(
+            model="tiny", max_tokens=8, messages=ASK, thinking={"type": "enabled", "budget_tokens": 8}
+        )
+
+
+@pytest.mark.parametrize(
+    ("block", "said"),
+    [
+        ({"type": "tool_use", "id": "c1", "name": "get_weather"}, "a tool_use block needs its input, an object"),
+        ({"type": "tool_use", "id": "c1", "name": "f", "input": "{}"}, "a tool_use block needs its input, an object"),
+        ({"type": "tool_result", "tool_use_id": 5, "content": "x"}, "a tool_result block needs its tool_use_id"),
+    ],
+)
+def test_a_tool_block_missing_a_field_is_refused_by_that_field(
+    client: anthropic.Anthropic, block: dict, said: str
+) -> None:
+    """(It was refused as a block the turn could not hold, which it can.)"""
+    turns = [*ASK, {"role": "assistant", "content": [block]}] if block["type"] == "tool_use" else []
+    turns = turns or [{"role": "user", "content": [block]}]
+    with pytest.raises(anthropic.BadRequestError, match=said):
+        client.messages.create(model="tiny", max_tokens=4, messages=turns)
 
 
 CITY_TOOL = {

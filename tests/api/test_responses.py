@@ -126,6 +126,10 @@ def test_stored_responses_are_kept_found_and_deleted(client: openai.OpenAI) -> N
     assert [i.content[0].text for i in page.data] == ["Bye", "Hello"] and page.has_more  # type: ignore[union-attr]
     rest = client.responses.input_items.list(three.id, limit=2, after=page.data[-1].id)
     assert [i.content[0].text for i in rest.data] == ["Hi"] and not rest.has_more  # type: ignore[union-attr]
+    # ``before`` an item: the page just before it (the previous page), as OpenAI's cursors page back.
+    cursor = {"limit": 1, "before": rest.data[0].id}
+    back = client.get(f"/responses/{three.id}/input_items", options={"params": cursor}, cast_to=object)
+    assert [i["content"][0]["text"] for i in back["data"]] == ["Hello"] and back["has_more"]  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as bad:  # a URL parameter's error names it
         client.get(f"/responses/{three.id}/input_items", options={"params": {"limit": "abc"}}, cast_to=object)
     assert bad.value.body["param"] == "limit" and bad.value.body["message"].startswith("limit:")  # type: ignore[index]

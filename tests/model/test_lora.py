@@ -554,6 +554,8 @@ def test_adapters_loaded_at_run_time(llama: AdapterCase, tmp_path: Path) -> None
             server.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(tmp_path / "none")}
         )
         assert bad.status_code == 400 and "not a directory" in bad.json()["error"]["message"]
+        unnamed = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "", "lora_path": path})
+        assert unnamed.status_code == 400 and unnamed.json()["error"]["param"] == "lora_name"
         gone = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"})
         assert gone.status_code == 200
         with pytest.raises(openai.NotFoundError):
