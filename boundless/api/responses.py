@@ -698,7 +698,24 @@ class ResponsesAPI:
             yield event("response.output_text.delta", **at, delta=piece, logprobs=new_logprobs)
             sent, sent_logprobs = sent + piece, sent_logprobs + len(new_logprobs)
         if choice.finish_reason == "error":
-            failed = self._envelope(call, "failed", [])
+            # The items opened are closed as far as they got (incomplete), and the failed response holds them: a
+            # client that built its output from the events has what the response says it had.
+            output: list[dict[str, Any]] = []
+            if thought:
+                reasoning = self._reasoning_item(call, thought, "completed" if thought_closed else "incomplete")
+                if not thought_closed:
+                    for chunk in close_thought(reasoning):
+                        yield chunk
+                output.append(reasoning)
+            if opened:
+                at = {"item_id": call.message_id, "output_index": message_index, "content_index": 0}
+                part = {**_EMPTY_TEXT, "text": sent}
+                message = {**_message_without_content(call, "incomplete"), "content": [part]}
+                yield event("response.output_text.done", **at, text=sent, logprobs=[])
+                yield event("response.content_part.done", **at, part=part)
+                yield event("response.output_item.done", output_index=message_index, item=message)
+                output.append(message)
+            failed = self._envelope(call, "failed", output)
             error = failure_error([(choice.finish_reason, choice.stop_reason)])
             assert error is not None
             failed["error"] = {"code": error.code or "server_error", "message": error.message}

@@ -1062,14 +1062,15 @@ def test_a_huge_text_does_not_stall_the_other_requests(
 
 
 class FailAfterFirstToken:
-    """Step hooks (an engine's ``hooks``) that fail every running request that has sampled a token, as a failed step
-    or a lost instance fails it: its stream has begun."""
+    """Step hooks (an engine's ``hooks``) that fail every running request that has sampled a token (``after``
+    tokens), as a failed step or a lost instance fails it: its stream has begun."""
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Any, after: int = 1) -> None:
         self.core = core
+        self.after = after
 
     def between_steps(self) -> list[RequestDelta]:
-        begun = [r.request_id for r in self.core.scheduler.running if r.output_token_ids]
+        begun = [r.request_id for r in self.core.scheduler.running if len(r.output_token_ids) >= self.after]
         failed = [rid for rid in begun if self.core.abort(rid)]
         INJECTED_FAILURES[0] += len(failed)
         return [RequestDelta(rid, [], "", [], finished=True, finish_reason="error") for rid in failed]
@@ -1092,7 +1093,7 @@ def test_a_stream_that_fails_after_it_began_ends_with_an_error_event(
 ) -> None:
     engine = served.engine
     with engine.lock:
-        engine.hooks = FailAfterFirstToken(engine.core)
+        engine.hooks = FailAfterFirstToken(engine.core, after=8 if route == RESPONSES else 1)
     try:
         with client.stream("POST", route, json=body) as r:
             assert r.status_code == 200
@@ -1104,6 +1105,13 @@ def test_a_stream_that_fails_after_it_began_ends_with_an_error_event(
     datas = [json.loads(d) for _, d in events if d != "[DONE]"]
     if route == RESPONSES:
         assert datas[-1]["type"] == "response.failed", datas[-1]
+        # Every item opened is closed, and the failed response holds them as the events left them.
+        added = [d["item"]["id"] for d in datas if d["type"] == "response.output_item.added"]
+        done = [d["item"] for d in datas if d["type"] == "response.output_item.done"]
+        assert added and [item["id"] for item in done] == added, datas
+        assert datas[-1]["response"]["output"] == done and all(item["status"] == "incomplete" for item in done)
+        streamed = "".join(d["delta"] for d in datas if d["type"] == "response.output_text.delta")
+        assert done[-1]["content"][0]["text"] == streamed
     else:
         assert "error" in datas[-1], datas[-1]  # (Anthropic's error event, or OpenAI's error object)
 
