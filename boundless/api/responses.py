@@ -424,6 +424,7 @@ class ResponsesAPI:
             if previous is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
         messages = (previous.messages if previous else []) + conversation(body.input)
+        _require_calls_of_outputs(messages)
         if not messages and not body.instructions:  # (the chat route's refusal named messages, no field here)
             raise APIError(400, "input holds no message the model reads (a reasoning item alone is none)", "input")
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -765,6 +766,18 @@ _CHAT_TOOL_FIELDS = {"name", "description", "parameters", "strict"}
 def _message_without_content(call: _Call, status: str) -> dict[str, Any]:
     """The message item with no content yet (as ``response.output_item.added`` opens it)."""
     return {"type": "message", "id": call.message_id, "status": status, "role": "assistant", "content": []}
+
+
+def _require_calls_of_outputs(messages: list[dict[str, Any]]) -> None:
+    """Each ``function_call_output`` answers a call made before it (in the input, or in the response it continues):
+    OpenAI refuses one that answers none (a client's call id gone wrong would put a result with no call in the
+    prompt)."""
+    made: set[str] = set()
+    for message in messages:
+        made.update(c["id"] for c in message.get("tool_calls") or () if isinstance(c, dict) and "id" in c)
+        if message.get("role") == "tool" and message.get("tool_call_id") not in made:
+            call_id = message.get("tool_call_id")
+            raise APIError(400, f"no function call found for the function_call_output's call_id {call_id!r}", "input")
 
 
 def _forces_call(body: ResponsesRequest) -> bool:

@@ -113,6 +113,9 @@ WEATHER_CALL = {"name": "weather", "arguments": "{}"}
 _RESPONSE_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
 
+_CALL = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+
+
 def _output(output: Any) -> dict[str, Any]:
     """A Responses input item: a function call's output."""
     return {"type": "function_call_output", "call_id": "c", "output": output}
@@ -440,7 +443,8 @@ CORPUS: list[Case] = [
     response({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input.0"),
     response({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input.0"),
     response({"input": [_output([{"type": "x"}])]}, "input.0.output.0"),
-    response({"input": [_output([{"type": "input_text", "text": "sunny"}])]}, None, SERVED),
+    response({"input": [_CALL, _output([{"type": "input_text", "text": "sunny"}])]}, None, SERVED),
+    response({"input": [_output("sunny")]}, "input"),  # (answers no call: OpenAI refuses it)
     response({"input": [{"role": "robot", "content": "Hi"}]}, "input.0.role"),
     response({"input": [{"role": "user", "content": "a" + SURROGATE}]}, "input.0.content"),
     response({"input": []}, "input"),
