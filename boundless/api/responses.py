@@ -14,6 +14,7 @@ policies (PLAS, ATLAS) and locality routing see an agent that only chains ``prev
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -288,21 +289,44 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """The last ``capacity`` stored responses, by id (the oldest forgotten first)."""
+    """The last ``capacity`` stored responses, by id (the oldest forgotten first), and those under way that will be
+    (``start``): retrieved as ``in_progress`` meanwhile, and deleted for good (a DELETE while one ran was a 404, and
+    the response was kept when it finished)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._running: dict[str, StoredResponse] = {}  # their in_progress bodies
+        self._deleted: set[str] = set()  # deleted while under way: not kept when they finish
+
+    def start(self, response_id: str, running: StoredResponse) -> None:
+        self._running[response_id] = running
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
+        self._running.pop(response_id, None)
+        if response_id in self._deleted:
+            self._deleted.discard(response_id)
+            return
         self._kept[response_id] = stored
         while len(self._kept) > self.capacity:
             self._kept.popitem(last=False)
 
+    def end(self, response_id: str) -> None:
+        """The response is over (kept by ``put``, or failed or cancelled): no longer under way."""
+        self._running.pop(response_id, None)
+        self._deleted.discard(response_id)
+
     def get(self, response_id: str) -> StoredResponse | None:
+        """A finished response kept here (what ``previous_response_id`` continues)."""
         return self._kept.get(response_id)
 
+    def running(self, response_id: str) -> StoredResponse | None:
+        return self._running.get(response_id)
+
     def delete(self, response_id: str) -> bool:
+        if self._running.pop(response_id, None) is not None:
+            self._deleted.add(response_id)
+            return True
         return self._kept.pop(response_id, None) is not None
 
 
@@ -329,6 +353,11 @@ class _Call:
     tool_use: ToolUse  # whether and how the output is read for function calls
     lora: str | None  # the LoRA adapter ``model`` names
     reasoning: ReasoningOutput | None = None  # how the output's reasoning is read (with --reasoning-parser)
+
+    @functools.cached_property
+    def input_items(self) -> list[dict[str, Any]]:
+        """The request's input as ``input_items`` lists it, its ids made once (the same while it runs and after)."""
+        return input_items(self.body.input)
 
     @property
     def tools_used(self) -> bool:
@@ -380,11 +409,18 @@ class ResponsesAPI:
             if renamed is not None:
                 raise e.renamed(renamed) from e
             raise
-        if body.stream:
-            replayed = await server.started(streams, request)
-            return StreamingResponse(self._guarded_events(call, replayed), media_type="text/event-stream")
-        (choice,) = await server.collect(streams, request)
-        return JSONResponse(self._finished(call, choice))
+        if body.store:
+            running = self._envelope(call, "in_progress", [])
+            self.store.start(call.response_id, StoredResponse(running, [], call.program.program_id, call.input_items))
+        try:
+            if body.stream:
+                replayed = await server.started(streams, request)
+                return StreamingResponse(self._guarded_events(call, replayed), media_type="text/event-stream")
+            (choice,) = await server.collect(streams, request)
+            return JSONResponse(self._finished(call, choice))
+        finally:
+            if not body.stream:
+                self.store.end(call.response_id)
 
     def _prepare(self, body: ResponsesRequest, request: Request) -> _Call:
         server = self.server
@@ -421,6 +457,13 @@ class ResponsesAPI:
         previous = None
         if body.previous_response_id is not None:
             previous = self.store.get(body.previous_response_id)
+            if previous is None and self.store.running(body.previous_response_id) is not None:
+                raise APIError(
+                    400,
+                    f"the response {body.previous_response_id!r} is still in progress; continue it once it has ended",
+                    "previous_response_id",
+                    "invalid_value",
+                )
             if previous is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
         messages = (previous.messages if previous else []) + conversation(body.input)
@@ -605,7 +648,7 @@ class ResponsesAPI:
                 said["reasoning_content"] = thought  # (a template that keeps earlier reasoning renders it)
             if calls:
                 said["tool_calls"] = [c.to_openai() for c in calls]
-            stored = StoredResponse(out, [*call.messages, said], call.program.program_id, input_items(call.body.input))
+            stored = StoredResponse(out, [*call.messages, said], call.program.program_id, call.input_items)
             self.store.put(call.response_id, stored)
         return out
 
@@ -623,8 +666,11 @@ class ResponsesAPI:
             payload = {"type": "error", "code": "server_error", "message": message, "param": None}
             return f"event: error\ndata: {json.dumps({**payload, 'sequence_number': sent})}\n\n".encode()
 
-        async for piece in guarded_stream(counted(), failure):
-            yield piece
+        try:
+            async for piece in guarded_stream(counted(), failure):
+                yield piece
+        finally:  # (ended, failed, or its client gone)
+            self.store.end(call.response_id)
 
     async def _events(self, call: _Call, streams: Sequence[DeltaStream]) -> AsyncIterator[bytes]:
         """The response as server-sent events, in OpenAI's order. With a reasoning parser, the reasoning streams first
@@ -858,7 +904,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 @routes.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> Response:
-    stored = _api(request).store.get(response_id)
+    store = _api(request).store
+    stored = store.get(response_id) or store.running(response_id)  # (under way: its in_progress body)
     if stored is None:
         raise _not_found(response_id)
     return JSONResponse(stored.body)
@@ -875,7 +922,8 @@ async def list_input_items(
 ) -> Response:
     """The response's input items, a page at a time (OpenAI's cursors: the ``limit`` items ``after`` an item id, or
     those just ``before`` one, the previous page; ``limit`` 1 to 100, newest first unless ``order`` is ``asc``)."""
-    stored = _api(request).store.get(response_id)
+    store = _api(request).store
+    stored = store.get(response_id) or store.running(response_id)
     if stored is None:
         raise _not_found(response_id)
     if not 1 <= limit <= 100:

@@ -398,3 +398,33 @@ def test_a_call_of_a_dag_program_joins_the_threads_it_names(client: openai.OpenA
     client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, extra_body=joined)
     record = hermes.engine.core.policy.table.get("dag-responses")  # type: ignore[attr-defined]
     assert record is not None and record.threads["b"].service_s > record.threads["a"].service_s
+
+
+def test_a_response_under_way_is_retrieved_in_progress_and_a_delete_then_holds(client: openai.OpenAI) -> None:
+    """While a stored response streams: ``GET`` gives it ``in_progress`` (and its input items), a response cannot
+    continue it yet (400), and ``DELETE`` deletes it for good. Before, each was a 404 while it ran, and the deleted
+    response was kept once it finished."""
+    asked: dict[str, Any] = {"model": MODEL, "input": "Count to ten.", "max_output_tokens": 24, "temperature": 0}
+    for delete in (True, False):
+        with client.responses.create(**asked, stream=True) as events:
+            created = next(iter(events))
+            assert created.type == "response.created"
+            rid = created.response.id
+            running = client.responses.retrieve(rid)
+            assert running.status == "in_progress" and running.output == []
+            (item,) = client.responses.input_items.list(rid)
+            assert item.content[0].text == "Count to ten."  # type: ignore[union-attr]
+            with pytest.raises(openai.BadRequestError) as early:
+                client.responses.create(model=MODEL, input="And then?", previous_response_id=rid)
+            assert early.value.body["param"] == "previous_response_id"  # type: ignore[index]
+            if delete:
+                client.responses.delete(rid)
+            kinds = [e.type for e in events]
+        assert kinds[-1] in ("response.completed", "response.incomplete")
+        if delete:
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(rid)
+        else:
+            finished = client.responses.retrieve(rid)
+            assert finished.status == kinds[-1].removeprefix("response.")
+            assert client.responses.input_items.list(rid).data[0].id == item.id  # (the same ids after it ended)
