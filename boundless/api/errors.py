@@ -189,7 +189,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, str(exc), exc.param, exc.code)
+        # (An adapter the engine no longer holds, one a restarted engine could not load again: OpenAI's 404 for a
+        # model not served, as the server's own check answers one it never listed.)
+        return error_response(404 if exc.code == "model_not_found" else 400, str(exc), exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -631,7 +631,7 @@ class EngineCore:
                     name,
                 )
         if params.lora_name is not None and params.lora_name not in self.loras:
-            raise InvalidRequestError(f"LoRA adapter {params.lora_name!r} is not loaded", "model")
+            raise InvalidRequestError(f"LoRA adapter {params.lora_name!r} is not loaded", "model", "model_not_found")
         namespace = self.kv_namespace(params)
         # (One token asked for may follow a prompt that fills the context: see require_context_room.)
         require_context_room(len(prompt_token_ids), params.max_tokens, self.max_model_len, params.max_tokens == 1)

@@ -267,8 +267,9 @@ def test_max_loras_bounds_a_step(llama: AdapterCase) -> None:
 def test_unknown_adapter_and_disabled_lora(llama: AdapterCase) -> None:
     core = llama.engine()
     params = SamplingParams(max_tokens=2, lora_name="nope")
-    with pytest.raises(InvalidRequestError, match="'nope' is not loaded"):
+    with pytest.raises(InvalidRequestError, match="'nope' is not loaded") as unknown:
         core.add_request("x", llama.prompts[0], params)
+    assert unknown.value.code == "model_not_found"  # (the server's 404, as for a model it never listed)
     plain = EngineCore.from_model(llama.loaded, EngineConfig(model=ModelConfig(max_model_len=256)))
     with pytest.raises(LoRAError, match="--enable-lora"):
         plain.add_lora(LoRARequest("all8", 1, str(llama.paths["all8"])))
