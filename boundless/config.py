@@ -340,7 +340,13 @@ class CacheConfig:
         default=None,
         metadata={"help": "directory of the persistent KV store: full blocks below host memory, across restarts"},
     )
-    kv_disk_gb: float = field(default=16.0, metadata={"help": "most disk space the KV store may take, in GiB"})
+    kv_disk_gb: float = field(
+        default=16.0,
+        metadata={
+            "help": "most disk space the KV store may take for this layout, in GiB (each model, block size and KV "
+            "dtype keeps its blocks in a subdirectory of its own, under a bound of its own)"
+        },
+    )
     kv_load_timeout_s: float = field(
         default=10.0,
         metadata={
@@ -363,7 +369,8 @@ class CacheConfig:
         default="through",
         metadata={
             "help": "when full blocks go to the disk store: through (once computed, from a background writer "
-            "that drops writes rather than slow a step), back (when they leave host memory) or off (read only)"
+            "that drops writes rather than slow a step), back (when they leave host memory, and all in memory at a "
+            "stop) or off (read only)"
         },
     )
     kv_events_config: str | None = field(

@@ -249,11 +249,12 @@ def drop_page_cache(root: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from boundless.engine.builder import store_directory
     from boundless.model.loader import load_configured_model
 
     config = engine_config_from_flags(args)
-    parent = Path(args.kv_disk_path or tempfile.gettempdir())
-    parent.mkdir(parents=True, exist_ok=True)
+    # (A path that cannot be a directory: one line naming the flag, where mkdir's traceback came.)
+    parent = store_directory(args.kv_disk_path) if args.kv_disk_path else Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="bench-restart-", dir=parent))
     store, cold_store = work / "store", work / "cold-store"
     startup = args.startup_timeout

@@ -168,7 +168,13 @@ def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLay
     """The persistent KV store at ``--kv-disk-path``, laid out for this model (a split model's rank: its share of the
     blocks, in its share of ``--kv-disk-gb``)."""
     store_layout = StoreLayout.of_model(loaded, layout.block_size, layout.kv_dtype)
-    root = Path(config.cache.kv_disk_path or "").expanduser()
+    root = store_directory(config.cache.kv_disk_path or "")
+    return DiskKVStore(root, store_layout, layout.disk_bytes // loaded.tensor_parallel.size)
+
+
+def store_directory(path: str) -> Path:
+    """``--kv-disk-path`` as a directory, made if it is not there; one that can never be is the flag's error."""
+    root = Path(path).expanduser()
     try:
         root.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
@@ -178,7 +184,7 @@ def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLay
     except OSError as e:
         if not root.is_dir():  # (nothing there to read either: /proc/kvstore served a store of nothing)
             raise ConfigError(f"--kv-disk-path: {root} does not exist, nor can it be made ({e.strerror})") from None
-    return DiskKVStore(root, store_layout, layout.disk_bytes // loaded.tensor_parallel.size)
+    return root
 
 
 def physical_memory_bytes() -> int | None:

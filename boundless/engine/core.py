@@ -694,8 +694,10 @@ class EngineCore:
     def close(self) -> None:
         """Hand the last computed blocks to the store's writer, and wait (bounded) until what it was handed is
         written: a server stopped after a workload finds all of it in the store when it starts again."""
-        if not self.has_unfinished() and self.kv.has_writes_to_hand_over():
-            self.step()
+        if not self.has_unfinished():
+            self.kv.write_back_all()  # (write-back: the blocks in memory go now, or a restart finds none of them)
+            if self.kv.has_writes_to_hand_over():
+                self.step()
         self.executor.close()
         if self.grammars is not None:
             self.grammars.close()

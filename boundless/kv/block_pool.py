@@ -147,6 +147,10 @@ class BlockPool:
         self.stats.hits += 1
         return block
 
+    def named_blocks(self) -> list[tuple[BlockHash, KVBlock]]:
+        """Every block with a name in the prefix cache, with its name."""
+        return list(self._cached.items())
+
     def peek(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """As :meth:`lookup`, without counting a query (for moves between tiers, not prefix lookups)."""
         block = self._cached.get(block_hash)

@@ -65,6 +65,7 @@ _KEY_HEX = 32  # a BlockHash is 16 bytes
 _GIB = 1 << 30
 _T = TypeVar("_T")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write refused for want of room: the store's own blocks can make it
+_EVICTION_ROUNDS = 4  # (choices of victims made again without the files that could not be removed)
 _R = TypeVar("_R")
 
 
@@ -126,6 +127,8 @@ class StoreStats:
     blocks_written: int
     evictions: int
     checksum_failures: int  # files that failed a check on read: counted, removed, never served
+    read_errors: int  # files the file system would not open or read (EACCES, EIO): counted, removed or forgotten
+    evict_errors: int  # files eviction could not remove: skipped (the next ones go instead), forgotten
     write_errors: int  # writes the file system refused (each turns writes off for a while)
     writes_dropped: int  # blocks not written because writes were off
     blocks_held: int
@@ -204,9 +207,15 @@ class DiskKVStore:
         self._unwarned: dict[str, int] = {}
         self._hits = self._misses = self._bytes_read = self._bytes_written = self._blocks_written = 0
         self._evictions = self._checksum_failures = self._write_errors = self._writes_dropped = 0
+        self._read_errors = self._evict_errors = 0
+        # Blocks whose file would not read and could not be removed: held by none (a write replaces the file).
+        self._unreadable: set[BlockHash] = set()
+        # Blocks whose file eviction could not remove: passed over by eviction until the next rescan.
+        self._stuck: set[BlockHash] = set()
         self._read_seconds = self._write_seconds = 0.0
         try:
             if not self.dir.is_dir():
+                self._clear_place(self.dir)  # (a file under the layout's name: writes failed for good)
                 self.dir.mkdir(parents=True, exist_ok=True)
             self._write_layout_note()
         except OSError as e:
@@ -225,6 +234,8 @@ class DiskKVStore:
         A file of another size under a block's name can only be damaged (files are renamed into place whole, and
         every layout has its own subdirectory): it is rejected here as a read would reject it.
         """
+        if key in self._unreadable:
+            return False
         path = self._path(key)
         try:
             st = os.stat(path)
@@ -292,7 +303,7 @@ class DiskKVStore:
         except FileNotFoundError:
             return None
         except OSError as e:
-            self._warn("read", f"disk KV store {self.root}: cannot open {path.name}: {e}")
+            self._unreadable_file(path, key, f"cannot open it: {e}")
             return None
         try:
             st = os.fstat(fd)
@@ -306,7 +317,7 @@ class DiskKVStore:
                 self._reject(path, st.st_ino, key, e)
                 return None
             except OSError as e:
-                self._warn("read", f"disk KV store {self.root}: cannot read {path.name}: {e}")
+                self._unreadable_file(path, key, f"cannot read it: {e}")
                 return None
         finally:
             os.close(fd)
@@ -330,6 +341,25 @@ class DiskKVStore:
                     os.unlink(path)
         except OSError:
             pass
+
+    def _unreadable_file(self, path: Path, key: BlockHash, why: str) -> None:
+        """A block's file the file system would not open or read (permissions, a bad sector): counted, and removed
+        so that the block is written again; one that cannot be removed is held by none, so that a write replaces it.
+        (Kept, it missed on every start for good: the store said it held the block, so no write came.)"""
+        with self._lock:
+            self._read_errors += 1
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._held_bytes -= entry.size
+        try:
+            os.unlink(path)
+            outcome = "removed"
+        except FileNotFoundError:
+            outcome = "gone already"
+        except OSError as e:
+            self._unreadable.add(key)
+            outcome = f"left ({e.strerror}); the next write of the block replaces it"
+        self._warn("read", f"disk KV store {self.root}: {path.name}: {why}; {outcome}")
 
     def _touch(self, path: Path, key: BlockHash) -> None:
         stamp = self._stamp_ns()
@@ -446,15 +476,24 @@ class DiskKVStore:
             old = self._index.get(key)
             self._held_bytes += self._file_bytes - (old.size if old else 0)
             self._index[key] = _Entry(self._file_bytes, stamp)
+            self._unreadable.discard(key)
 
     def _clear_shard(self, shard: Path) -> None:
-        """Remove what is not a directory under a shard's name (a file put there): no block can be in it, and every
-        write of its blocks failed and turned all writes off for ``write_off_seconds``, again after each pause, for
-        good. Raises the ``OSError`` if the shard is a directory (the error came from above it) or cannot go."""
-        if shard.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "not a directory above the shard", str(shard.parent))
-        shard.unlink()
-        self._warn("shard", f"disk KV store {self.root}: {shard.name} was not a directory; removed")
+        """Remove what is not a directory under the layout's or a shard's name (a file put there): no block can be
+        in it, and every write of its blocks failed and turned all writes off for ``write_off_seconds``, again after
+        each pause, for good. Raises the ``OSError`` if both are directories (the error came from above them) or the
+        file cannot go."""
+        for place in (self.dir, shard):
+            if not place.is_dir() and os.path.lexists(place):
+                self._clear_place(place)
+                return
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory above the store's layout", str(self.root))
+
+    def _clear_place(self, place: Path) -> None:
+        """Remove a file (not a directory) under a name the store's directories take, if there is one."""
+        if os.path.lexists(place) and not place.is_dir():
+            place.unlink()
+            self._warn("shard", f"disk KV store {self.root}: {place.name} was not a directory; removed")
 
     def _write_failed(self, error: OSError) -> None:
         with self._lock:
@@ -542,6 +581,7 @@ class DiskKVStore:
             self._index = index
             self._held_bytes = sum(e.size for e in index.values())
             self._scanned_at = now
+            self._stuck = set()  # (tried again: a file made removable since goes as any other)
 
     def _evict(self, target_bytes: int | None = None) -> int:
         """Remove least recently used files until this layout holds at most ``target_bytes`` (by default
@@ -549,29 +589,44 @@ class DiskKVStore:
         if target_bytes is None:
             target_bytes = int(self.capacity_bytes * self._low_watermark)
         with self._lock:
-            victims = choose_evictions(self._index, self._held_bytes, target_bytes)
-            planned = {key: self._index[key] for key in victims}
             evictions_before = self._evictions
-        for key, entry in planned.items():
-            path = self._path(key)
-            try:
-                st = os.stat(path)
-                if st.st_mtime_ns > entry.stamp_ns:
-                    # Read (touched) by another process since we looked: no longer least recently used.
-                    with self._lock:
-                        self._index[key] = _Entry(st.st_size, st.st_mtime_ns)
-                    continue
-                os.unlink(path)
-                removed = True
-            except FileNotFoundError:
-                removed = False  # another process evicted it first
-            except OSError as e:
-                self._warn("evict", f"disk KV store {self.root}: cannot evict {path.name}: {e}")
-                break
+        # A file that cannot be removed (immutable, a read-only shard) is skipped, and the next least recently used
+        # go in its place: stopping at it, every eviction stopped there, and the store grew past its capacity for
+        # good. It still takes its room (counted), and is tried again after the next rescan. A few rounds, each
+        # choosing again without the ones skipped.
+        for _ in range(_EVICTION_ROUNDS):
             with self._lock:
-                if self._index.pop(key, None) is not None:
-                    self._held_bytes -= entry.size
-                self._evictions += removed
+                stuck = self._stuck
+                candidates = {k: e for k, e in self._index.items() if k not in stuck} if stuck else self._index
+                victims = choose_evictions(candidates, self._held_bytes, target_bytes)
+                planned = {key: self._index[key] for key in victims}
+            skipped = 0
+            for key, entry in planned.items():
+                path = self._path(key)
+                try:
+                    st = os.stat(path)
+                    if st.st_mtime_ns > entry.stamp_ns:
+                        # Read (touched) by another process since we looked: no longer least recently used.
+                        with self._lock:
+                            self._index[key] = _Entry(st.st_size, st.st_mtime_ns)
+                        continue
+                    os.unlink(path)
+                    removed = True
+                except FileNotFoundError:
+                    removed = False  # another process evicted it first
+                except OSError as e:
+                    skipped += 1
+                    with self._lock:
+                        self._evict_errors += 1
+                        self._stuck.add(key)
+                    self._warn("evict", f"disk KV store {self.root}: cannot evict {path.name}: {e}; skipped")
+                    continue
+                with self._lock:
+                    if self._index.pop(key, None) is not None:
+                        self._held_bytes -= entry.size
+                    self._evictions += removed
+            if not skipped:
+                break
         with self._lock:
             return self._evictions - evictions_before
 
@@ -596,6 +651,8 @@ class DiskKVStore:
                 blocks_written=self._blocks_written,
                 evictions=self._evictions,
                 checksum_failures=self._checksum_failures,
+                read_errors=self._read_errors,
+                evict_errors=self._evict_errors,
                 write_errors=self._write_errors,
                 writes_dropped=self._writes_dropped,
                 blocks_held=len(self._index),

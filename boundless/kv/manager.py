@@ -249,6 +249,8 @@ class KVCacheManager:
         # Device blocks named while a step is decided: its forward pass (or copies) fills them; written through
         # to the store when the next step begins.
         self._filled_by_step: list[tuple[KVBlock, BlockHash]] = []
+        # Write-back at a stop: the next step queues every named block in memory for the store (write_back_all).
+        self._write_back_all = False
         self._reads: dict[int, _ReadJob] = {}
         self._lookups: dict[str, _DiskLookup] = {}
         # Host blocks whose KV came from below or beside (disk, peer) and were not used yet: a hit on one counts
@@ -617,6 +619,12 @@ class KVCacheManager:
                 if block.block_hash == name:  # still its KV (a failed step's blocks were forgotten)
                     self._queue_write(DEVICE, block.block_id, name)
         self._filled_by_step = []
+        if self._write_back_all:
+            self._write_back_all = False
+            for tier in (HOST, DEVICE):  # (a block in both is written once, from host memory)
+                pool = self.pools.get(tier)
+                for name, block in pool.named_blocks() if pool is not None else ():
+                    self._queue_write(tier, block.block_id, name)
 
     def take_transfers(self) -> list[BlockTransfer]:
         """This step's transfers between memory tiers, in the order decided."""
@@ -1176,9 +1184,17 @@ class KVCacheManager:
                     self._ages.append(name)
 
     def has_writes_to_hand_over(self) -> bool:
-        """Whether blocks the last step computed wait for the next step to be handed to the store's writer
-        (write-through): an idle engine runs one more step for them, and so does one that shuts down."""
-        return self.write_policy == "through" and bool(self._filled_by_step)
+        """Whether blocks wait for the next step to be handed to the store's writer: those the last step computed
+        (write-through), or every named block in memory at a stop (write-back, :meth:`write_back_all`). An idle
+        engine runs one more step for them, and so does one that shuts down."""
+        return (self.write_policy == "through" and bool(self._filled_by_step)) or self._write_back_all
+
+    def write_back_all(self) -> None:
+        """Under write-back, an engine that stops hands the store every named block it holds in memory (the next
+        step queues them): a block is written when it leaves host memory, which a stopping engine's blocks never
+        do, so a restart found none of them."""
+        if self.write_policy == "back" and self.has_disk:
+            self._write_back_all = True
 
     def take_disk_writes(self) -> list[DiskWrite]:
         """This step's writes to the store, one per source tier, in the order decided."""

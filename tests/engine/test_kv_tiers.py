@@ -75,7 +75,9 @@ def test_a_request_waiting_for_its_loads_holds_nobody_up() -> None:
     assert s.requests["first"].status is RequestStatus.WAITING
 
 
-def _disk_engine(loaded: LoadedModel, store, tmp_path: Path, max_num_seqs: int = 256) -> EngineCore:
+def _disk_engine(
+    loaded: LoadedModel, store, tmp_path: Path, max_num_seqs: int = 256, write_policy: str = "through"
+) -> EngineCore:
     arch = loaded.arch
     per_block = PagedKVCache.bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, 16, loaded.dtype)
     config = EngineConfig(
@@ -84,7 +86,7 @@ def _disk_engine(loaded: LoadedModel, store, tmp_path: Path, max_num_seqs: int =
             num_kv_blocks=32,
             kv_host_gb=64.5 * per_block / (1 << 30),  # 64 blocks: the default GiB takes long to allocate
             kv_disk_path=str(tmp_path),
-            kv_write_policy="through",
+            kv_write_policy=write_policy,
         ),
         scheduler=SchedulerConfig(policy="fcfs", max_num_seqs=max_num_seqs),
     )
@@ -176,6 +178,32 @@ def test_a_stopped_engine_has_handed_every_full_block_to_the_store(tiny_llama: L
     _tokens(core, "r", {})
     core.close()  # the last step's block was named after the writes were handed over: close hands it over too
     assert store.stats().blocks_held == 4
+
+
+def test_a_stopped_engine_under_write_back_hands_the_blocks_in_memory_to_the_store(
+    tiny_llama: LoadedModel, tmp_path: Path
+) -> None:
+    """``--kv-write-policy back`` writes a block when it leaves host memory, which a stopping engine's blocks never
+    do: a restart found an empty store. Now a stop hands every named block in memory to the store, and a restarted
+    engine loads the prefix it computed."""
+    from boundless.kv.disk_store import DiskKVStore, StoreLayout
+
+    layout = StoreLayout.of_model(tiny_llama, 16)
+    prompt = list(range(3, 62))  # 59 + 6 tokens: four full blocks
+    before = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path, write_policy="back")
+    outputs: dict[str, list[int]] = {}
+    before.add_request("a", prompt, PARAMS)
+    _tokens(before, "a", outputs)
+    disk_io = before.stats().disk_io
+    assert disk_io is not None and disk_io.blocks_written == 0  # (write-back: nothing left memory)
+    before.close()
+    store = DiskKVStore(tmp_path, layout, 1 << 30)
+    assert store.stats().blocks_held == 4
+    after = _disk_engine(tiny_llama, store, tmp_path, write_policy="back")
+    after.add_request("a2", prompt, PARAMS)
+    assert _tokens(after, "a2", outputs) == outputs["a"]
+    assert after.stats().kv_tiers[DISK].hit_tokens == 3 * 16  # (the last block's token is the prompt's end: computed)
+    after.close()
 
 
 def test_a_restarted_engine_loads_what_an_earlier_one_wrote_even_behind_a_prefix_in_memory(

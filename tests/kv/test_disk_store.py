@@ -429,3 +429,72 @@ def test_read_into_fills_a_reused_buffer_and_reports_bad_files(tmp_path: Path) -
     assert store.read_into([key_of(2)], out) == [True] and torch.equal(out[0], block_of(2))  # the buffer reused
     with pytest.raises(ValueError):
         store.read_into([key_of(0)], torch.zeros((1, *LAYOUT.block_shape), dtype=torch.float16))
+
+
+def _refusing(monkeypatch: pytest.MonkeyPatch, name: str, path: Path, errno_: int = 13) -> None:
+    """``os.<name>`` refuses ``path`` (as the file system refuses a file root's permissions do not cover, a bad
+    sector, an immutable file); every other call goes through."""
+    real = getattr(os, name)
+
+    def refuse(target: object, *args: object, **kwargs: object) -> object:
+        if Path(str(target)) == path:
+            raise OSError(errno_, os.strerror(errno_), str(target))
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, name, refuse)
+
+
+@pytest.mark.parametrize("removable", [True, False])
+def test_a_file_that_will_not_read_is_counted_and_the_block_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, removable: bool
+) -> None:
+    """A block's file the file system will not open (EACCES, EIO): it was kept, and the store said it held the block,
+    so no write came and the prefix missed on every start for good. Now counted (``read_errors``) and removed, or,
+    where it cannot be removed, held by none, so that the next write replaces it."""
+    store = DiskKVStore(tmp_path, LAYOUT, BIG)
+    store.write([key_of(0), key_of(1)], blocks_of([0, 1]))
+    path = _file(store, 0)
+    with monkeypatch.context() as patched:
+        _refusing(patched, "open", path, 5)  # EIO
+        if not removable:
+            _refusing(patched, "unlink", path, 1)  # EPERM
+        assert store.read([key_of(0), key_of(1)])[0] is None
+        assert store.stats().read_errors == 1 and path.exists() != removable
+        assert not store.contains(key_of(0)) and store.contains(key_of(1))
+    assert store.write([key_of(0)], blocks_of([0])) == 1  # written again, not skipped as held
+    assert store.stats().blocks_written == 3 and torch.equal(store.read([key_of(0)])[0], block_of(0))
+
+
+def test_a_file_eviction_cannot_remove_is_skipped_and_the_next_go_in_its_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The least recently used file cannot be removed (immutable, a read-only shard): eviction stopped there, every
+    time, and the store grew past its capacity for good. Now it is skipped (counted as ``evict_errors``) and the
+    next least recently used go instead."""
+    clock = FakeClock()
+    store = DiskKVStore(tmp_path, LAYOUT, 4 * FILE_BYTES, clock=clock, low_watermark=1.0)
+    for i in range(4):
+        clock.now += 1
+        store.write([key_of(i)], blocks_of([i]))
+    _refusing(monkeypatch, "unlink", _file(store, 0), 1)
+    for i in (4, 5):
+        clock.now += 1
+        store.write([key_of(i)], blocks_of([i]))
+    s = store.stats()
+    assert s.evict_errors >= 1 and s.evictions == 2 and s.bytes_held == 4 * FILE_BYTES  # (the stuck one's counted)
+    assert [store.contains(key_of(i)) for i in range(6)] == [True, False, False, True, True, True]
+
+
+def test_a_file_under_the_layouts_name_is_removed_and_writes_go_on(tmp_path: Path) -> None:
+    """A file where the layout's directory goes: every write failed, again after each pause, and a new process's
+    start failed the same way, for good. It is removed, while serving and at a start."""
+    store = DiskKVStore(tmp_path, LAYOUT, BIG)
+    shutil.rmtree(store.dir)
+    store.dir.write_bytes(b"junk")
+    assert store.write([key_of(0)], blocks_of([0])) == 1
+    assert store.stats().write_errors == 0 and torch.equal(store.read([key_of(0)])[0], block_of(0))
+    shutil.rmtree(store.dir)
+    store.dir.write_bytes(b"junk")
+    again = DiskKVStore(tmp_path, LAYOUT, BIG)
+    assert again.dir.is_dir() and again.stats().writes_enabled
+    assert again.write([key_of(1)], blocks_of([1])) == 1
