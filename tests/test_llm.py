@@ -137,6 +137,18 @@ def test_stop_strings_cut_the_text(llm: LLM) -> None:
     assert kept.text == text[: text.index(stop) + len(stop)]
 
 
+def test_many_stop_strings_cut_the_text_where_the_one_found_first_does(llm: LLM) -> None:
+    """20,000 stop strings (found by their lengths, not a search each: engine/stop_strings.py) on samples of one
+    request: each sample's text is cut where the one of them it holds first begins, as with that string alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    text = llm.generate("Count: 1, 2, 3,", params)[0].outputs[0].text
+    stop = text.strip()[2:5]
+    decoys = [f"zq{i}#" for i in range(20_000)]
+    many = dataclasses.replace(params, stop=[*decoys[:7000], stop, *decoys[7000:]], n=2)
+    for out in llm.generate("Count: 1, 2, 3,", many)[0].outputs:
+        assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == text[: text.index(stop)]
+
+
 def test_stop_strings_count_from_the_token_after_min_tokens(llm: LLM) -> None:
     """vLLM's rule: a stop string ending in the text of the first ``min_tokens`` tokens stops nothing; the first one
     ending after it does (it may begin before)."""

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams
+from boundless.engine.stop_strings import stop_strings
 
 # Prompt tokens kept as left context for the first output tokens.
 _CONTEXT_TOKENS = 5
@@ -44,12 +45,13 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
+        self._stops = stop_strings(params.stop)
         self.include_stop = params.include_stop_str_in_output
         self.enabled = params.detokenize
         self.final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
         # (None: each token is decoded as it comes.)
         self.pending: list[int] | None = [] if self.final_only and self.enabled and not self.stop else None
-        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._max_stop = self._stops.longest
         # Stop strings count from the token after the first ``min_tokens`` (vLLM's rule): text that ends before it
         # stops nothing.
         self.min_tokens = params.min_tokens
@@ -104,13 +106,7 @@ class IncrementalDetokenizer:
     def _check_stop(self, before: int) -> bool:
         if not self.stop or self.num_tokens <= self.min_tokens:
             return False
-        # Only a stop string that ends inside the new text can be new.
-        start = max(0, before - self._max_stop + 1)
-        best = None
-        for s in self.stop:
-            idx = self.text.find(s, start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
+        best = self._stops.first(self.text, before)  # (only one that ends inside the new text can be new)
         if best is None:
             return False
         idx, s = best
