@@ -86,7 +86,7 @@ from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta, requ
 from boundless.engine.errors import NO_ROOM_AFTER_FAILOVER, InvalidRequestError
 from boundless.engine.logprobs import PromptLogprobs, SampledToken
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt
-from boundless.engine.structured_output import StructuredOutput, check_structured_output
+from boundless.engine.structured_output import MAX_GRAMMAR_TOOLS, StructuredOutput, check_structured_output
 from boundless.engine.thinking_budget import ThinkingBudget
 from boundless.model.generation_config import NO_DEFAULTS, SamplingDefaults
 from boundless.model.lora import LoRAError, LoRARequest
@@ -568,6 +568,18 @@ def _program(body: ChatCompletionRequest | CompletionRequest, request: Request) 
     return ProgramRef(program_id, thread_id, tuple(body.parent_thread_ids or ()))
 
 
+def require_grammar_tools(count: int, what: str) -> None:
+    """A grammar holds calls to ``count`` tools (``what``: why it holds them): at most :data:`MAX_GRAMMAR_TOOLS`."""
+    if count > MAX_GRAMMAR_TOOLS:
+        raise APIError(
+            400,
+            f"{what} with {count} tools: their calls' grammar holds at most {MAX_GRAMMAR_TOOLS} (its compilation "
+            "grows faster than the tools); send fewer tools",
+            "tools",
+            "invalid_value",
+        )
+
+
 def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int, max_logprobs: int) -> None:
     """What chat and completions check alike before anything is tokenized or submitted; ``max_logprobs``: the engine's
     (``--max-logprobs``; -1: no limit)."""
@@ -801,6 +813,8 @@ class OpenAIServer:
         the model writes what it was trained to), else a JSON list of calls (vLLM's; read as bare JSON). Not in
         Qwen3-Coder's XML: xgrammar's XML values may carry blanks around them, which a string's schema then holds
         only loosely, where the JSON list holds every value exactly."""
+        if name is None:  # (one named tool's grammar holds its calls alone)
+            require_grammar_tools(len(tools), "a tool_choice that forces a call")
         if self.strict_format != TAGGED_JSON:
             return StructuredOutput.json_schema(forced_call_schema(tools, name, parallel), "tools")
         tag = forced_calls_tag(tools, self.strict_format, parallel, name)
@@ -812,7 +826,10 @@ class OpenAIServer:
         if choice not in (None, "auto") or self.strict_format is None:
             return None
         tag = strict_calls_tag(tools, self.strict_format, parallel, self.config.strict_tool_calls)
-        return None if tag is None else StructuredOutput("structural_tag", structural_tag_text(tag), "tools")
+        if tag is None:
+            return None
+        require_grammar_tools(len(tools), "strict tools")  # (the tag holds every tool's calls: the others' loosely)
+        return StructuredOutput("structural_tag", structural_tag_text(tag), "tools")
 
     def thinking_budget(self, tokens: int | None, prompt: list[int]) -> ThinkingBudget | None:
         """The budget that closes a reasoning model's thinking after ``tokens`` tokens (``thinking_token_budget``)

@@ -284,6 +284,7 @@ CORPUS: list[Case] = [
     *both({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     *both({"structured_outputs": {"json_object": False}}, "structured_outputs"),
     *both({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+    *both({"structured_outputs": {"choice": [f"c{i}" for i in range(8193)]}}, "structured_outputs"),  # (compile)
     *both({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs"),
     *both({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
     *both({"structured_outputs": {"json": {"type": "string", "minLength": -5}}}, "structured_outputs"),

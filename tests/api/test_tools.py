@@ -482,6 +482,25 @@ def test_required_without_parallel_calls_makes_exactly_one(hermes: Served) -> No
     assert counts == {1}
 
 
+def test_a_grammar_over_too_many_tools_is_refused_before_it_is_compiled(hermes: Served) -> None:
+    """A forced call's (or strict tools') grammar over thousands of tools: its compilation grew faster than the tools
+    (20,000 took a server's every byte of memory, and it was killed). Past 512, a 400 naming ``tools``; a named tool
+    (one tool's grammar) and tools under ``auto`` (no grammar) are not refused so."""
+    many = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(513)]
+    ask: dict = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    with pytest.raises(openai.BadRequestError) as forced:
+        hermes.client.chat.completions.create(**ask, tools=many, tool_choice="required")
+    assert forced.value.body["param"] == "tools" and "at most 512" in forced.value.body["message"]  # type: ignore[index]
+    strict = [{**many[0], "function": {**many[0]["function"], "strict": True}}, *many[1:]]
+    with pytest.raises(openai.BadRequestError, match="strict tools with 513 tools"):
+        hermes.client.chat.completions.create(**ask, tools=strict)
+    # A named tool's grammar holds one tool's calls, and auto none: past the tiny model's context, but not refused so.
+    for choice in ({"type": "function", "function": {"name": "f7"}}, "auto"):
+        with pytest.raises(openai.BadRequestError) as long:
+            hermes.client.chat.completions.create(**ask, tools=many, tool_choice=choice)
+        assert long.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+
+
 def test_the_forced_schema_lists_each_tool_and_caps_the_calls_without_parallel_calls() -> None:
     schema = forced_call_schema([WEATHER, UNITS], None, parallel=False)
     assert schema["maxItems"] == 1 and schema["minItems"] == 1
