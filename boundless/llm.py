@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -222,8 +222,13 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             per_prompt = [sampling_params] * len(batch)
-        else:
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             per_prompt = list(sampling_params)
+        else:
+            per_prompt = [sampling_params]  # (refused below, named)
+        if not all(isinstance(p, SamplingParams) for p in per_prompt):
+            wrong = next(p for p in per_prompt if not isinstance(p, SamplingParams))
+            raise TypeError(f"sampling_params: a SamplingParams or a list of them, not {type(wrong).__name__}")
         if len(per_prompt) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(per_prompt)} sampling params")
         if priority is not None:
@@ -231,6 +236,8 @@ class LLM:
                 raise ValueError(f"{len(batch)} prompts but {len(priority)} priorities")
             per_prompt = [dataclasses.replace(p, priority=rank) for p, rank in zip(per_prompt, priority, strict=True)]
         loras = [lora_request] * len(batch) if not isinstance(lora_request, Sequence) else list(lora_request)
+        if not all(lora is None or isinstance(lora, LoRARequest) for lora in loras) or isinstance(lora_request, str):
+            raise TypeError(f"lora_request: a LoRARequest or a list of them (None for none), not {lora_request!r:.60}")
         if len(loras) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(loras)} LoRA requests")
         for i, lora in enumerate(loras):
@@ -466,6 +473,7 @@ class LLM:
         if template is not None and template not in self.tokenizer.chat_templates:
             variables["chat_template"] = load_chat_template(template)  # (a file's path, or the text checked)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        _check_chat(conversations, tools)
         texts = [
             self.tokenizer.apply_chat_template(template_conversation(conv, strict=False), **variables)  # type: ignore[arg-type]
             for conv in conversations
@@ -475,6 +483,30 @@ class LLM:
             for text in texts
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+
+def _check_chat(conversations: object, tools: object) -> None:
+    """The shapes ``LLM.chat`` takes, refused by name otherwise (a string for a conversation failed inside the
+    template's code, a message without a role in Jinja): a conversation is a list of message dicts, each with a
+    string ``role`` and ``content`` a string, a list of parts or None; ``tools`` a list of function tools."""
+    if not isinstance(conversations, list) or not conversations:
+        raise TypeError("messages: a conversation (a list of message dicts) or a list of conversations")
+    for i, conversation in enumerate(conversations):
+        if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+            raise TypeError(f"messages: conversation {i} is not a list of message dicts: {conversation!r:.60}")
+        for j, message in enumerate(conversation):
+            if not isinstance(message.get("role"), str):
+                raise ValueError(f"messages[{i}][{j}]: a message needs a role (a string)")
+            content = message.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise TypeError(f"messages[{i}][{j}]: content is a string or a list of parts, not {content!r:.40}")
+    if tools is not None and not isinstance(tools, list):
+        raise TypeError(f"tools: a list of function tools, not {tools!r:.60}")
+    for k, tool in enumerate(tools or ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            shape = "{'type': 'function', 'function': {'name': ...}}"
+            raise TypeError(f"tools[{k}]: a tool is {shape}, not {tool!r:.60}")
 
 
 def _within_context(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
@@ -494,6 +526,9 @@ def _within_context(params: SamplingParams, prompt_len: int, max_model_len: int)
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        # (bytes were read as token ids, one a byte; None or a number failed inside with no argument named)
+        raise TypeError(f"prompts: a prompt or a list of them, not {type(prompts).__name__}")
     items = list(prompts)
     if items and all(isinstance(p, int) for p in items):
         return [cast("list[int]", items)]  # one prompt given as token ids
@@ -517,6 +552,8 @@ def _prompt_input(prompt: Prompt) -> _PromptInput:
         salt = prompt.get("cache_salt")
         if "prompt_token_ids" in prompt:
             return _PromptInput(text, _token_ids(prompt["prompt_token_ids"]), salt)
+        if text is None:
+            raise TypeError("a prompt dict's 'prompt' is a text, not None (or give 'prompt_token_ids')")
         return _PromptInput(text, None, salt)
     if isinstance(prompt, str):
         return _PromptInput(prompt, None)
@@ -524,7 +561,11 @@ def _prompt_input(prompt: Prompt) -> _PromptInput:
 
 
 def _token_ids(prompt: object) -> list[int]:
-    # (Ints, not bools: the types, gathered in one pass.)
-    if isinstance(prompt, Sequence) and all(issubclass(t, int) and t is not bool for t in set(map(type, prompt))):
+    # (Ints, not bools: the types, gathered in one pass; not bytes, whose items are ints.)
+    if (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, (bytes, bytearray))
+        and all(issubclass(t, int) and t is not bool for t in set(map(type, prompt)))
+    ):
         return list(prompt)
     raise TypeError(f"a prompt is a string, a list of token ids or a prompt dict, not {prompt!r:.60}")

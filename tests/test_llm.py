@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -586,3 +587,34 @@ def test_generate_keeps_the_heap_before_it_out_of_the_collectors_walks(llm: LLM)
             gc.unfreeze()
     finally:
         del llm.engine.step, llm.engine.add_request
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "said"),
+    [
+        (lambda llm, sp: llm.generate(b"hello", sp), TypeError, "prompts: a prompt or a list of them, not bytes"),
+        (lambda llm, sp: llm.generate([b"hello"], sp), TypeError, "a prompt is a string, a list of token ids"),
+        (lambda llm, sp: llm.generate(None, sp), TypeError, "prompts: a prompt or a list of them, not NoneType"),
+        (lambda llm, sp: llm.generate(5, sp), TypeError, "prompts: a prompt or a list of them, not int"),
+        (lambda llm, sp: llm.generate({"prompt": None}, sp), TypeError, "'prompt' is a text, not None"),
+        (lambda llm, sp: llm.generate("a", {"max_tokens": 3}), TypeError, "sampling_params: a SamplingParams"),
+        (lambda llm, sp: llm.generate(["a"], [None]), TypeError, "sampling_params: a SamplingParams or a list"),
+        (lambda llm, sp: llm.generate("a", "x"), TypeError, "sampling_params: a SamplingParams or a list"),
+        (lambda llm, sp: llm.generate("a", sp, lora_request="ab"), TypeError, "lora_request: a LoRARequest"),
+        (lambda llm, sp: llm.chat("hello", sp), TypeError, "messages: a conversation"),
+        (lambda llm, sp: llm.chat(["hello"], sp), TypeError, "messages: conversation 0 is not a list"),
+        (lambda llm, sp: llm.chat([{"content": "hi"}], sp), ValueError, r"messages\[0\]\[0\]: a message needs a role"),
+        (lambda llm, sp: llm.chat([{"role": "user", "content": 5}], sp), TypeError, "content is a string or a list"),
+        (lambda llm, sp: llm.chat([{"role": "user", "content": "hi"}], sp, tools="x"), TypeError, "tools: a list"),
+        (lambda llm, sp: llm.chat([{"role": "user", "content": "hi"}], sp, tools=[{"foo": 1}]), TypeError, "tools"),
+    ],
+)
+def test_arguments_of_the_wrong_shape_are_refused_by_name_and_the_llm_serves_on(
+    llm: LLM, call: Any, error: type[Exception], said: str
+) -> None:
+    """vLLM's LLM's arguments in shapes it does not take: an error naming the argument (bytes were read as token
+    ids, a string as a list of LoRA requests; the rest failed deep inside, with no argument named)."""
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with pytest.raises(error, match=said):
+        call(llm, params)
+    assert llm.generate("Hi", params)[0].outputs[0].token_ids
