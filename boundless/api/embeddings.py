@@ -152,7 +152,7 @@ async def pooled(
     out: list[list[float]] = []
     for start in range(0, len(prompts), wave):
         # (prompt_only: the one token sampled after a prompt goes nowhere, so a prompt may fill the context.)
-        streams = server.submit_all(f"{rid}-{start}", prompts[start : start + wave], params, None, prompt_only=True)
+        streams = await server.submit(f"{rid}-{start}", prompts[start : start + wave], params, None, prompt_only=True)
         for choice in await server.collect(streams, request):
             if choice.embedding is None:
                 raise APIError(500, f"input {len(out)} ended without its pooled state ({choice.stop_reason})", "input")

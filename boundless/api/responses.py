@@ -403,7 +403,7 @@ class ResponsesAPI:
                 room=server.client.max_model_len - len(call.prompt),
             )
             await check_grammar(params, server.tokenizer.vocab_size)
-            streams = server.submit_all(call.response_id, [call.prompt], params, call.program)
+            streams = await server.submit(call.response_id, [call.prompt], params, call.program)
         except InvalidRequestError as e:  # name the field the client used for the limit
             renamed = {"max_tokens": "max_output_tokens", "prompt": "input"}.get(e.param or "")
             if renamed is not None:

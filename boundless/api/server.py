@@ -254,8 +254,15 @@ class EngineClient(Protocol):
     def max_logprobs(self) -> int: ...
 
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
-    ) -> DeltaStream: ...
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        program: ProgramRef | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> DeltaStream:
+        """Start a request; its stream is read on ``loop`` (by default the running one: a caller off the event loop,
+        :meth:`OpenAIServer.submit`, names it)."""
 
     def stats(self) -> dict[str, EngineStats]: ...
 
@@ -580,6 +587,13 @@ def require_grammar_tools(count: int, what: str) -> None:
         )
 
 
+def _abort_streams(submitted: asyncio.Future[list[DeltaStream]]) -> None:
+    """Abort the streams a submission made for a request whose client went meanwhile."""
+    if not submitted.cancelled() and submitted.exception() is None:
+        for stream in submitted.result():
+            stream.abort()
+
+
 def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: int, max_logprobs: int) -> None:
     """What chat and completions check alike before anything is tokenized or submitted; ``max_logprobs``: the engine's
     (``--max-logprobs``; -1: no limit)."""
@@ -687,6 +701,29 @@ class OpenAIServer:
             404, f"the model {model!r} does not exist; this server serves {served}", "model", "model_not_found"
         )
 
+    async def submit(
+        self,
+        base_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        program: ProgramRef | None,
+        prompt_only: bool = False,
+    ) -> list[DeltaStream]:
+        """:meth:`submit_all` on a worker thread, the streams read on this event loop: a cluster's submission is a
+        round trip to an instance for each sample (a request of 128 samples held every other stream of the server,
+        and ``/health``, 0.3 s on two instances), and an engine's waits for the engine's lock, which the engine holds
+        while it decides a step and takes its results. A request whose client goes while it is submitted has its
+        streams aborted once they exist."""
+        loop = asyncio.get_running_loop()
+        submitted = loop.run_in_executor(
+            None, functools.partial(self.submit_all, base_id, prompts, params, program, prompt_only, loop)
+        )
+        try:
+            return await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(_abort_streams)
+            raise
+
     def submit_all(
         self,
         base_id: str,
@@ -694,6 +731,7 @@ class OpenAIServer:
         params: SamplingParams,
         program: ProgramRef | None,
         prompt_only: bool = False,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> list[DeltaStream]:
         """Submit every (prompt, sample) pair; on any error, abort those already submitted. A request of more samples
         than ``--max-waiting`` lets wait is refused (400): its samples would be refused as the queue filled (429), again
@@ -720,7 +758,7 @@ class OpenAIServer:
             for p_idx, ids in enumerate(prompts):
                 for i in range(params.n):
                     rid = f"{base_id}-{p_idx}-{i}"
-                    streams.append(self.client.submit(rid, ids, params.for_sample(i), program))
+                    streams.append(self.client.submit(rid, ids, params.for_sample(i), program, loop))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -920,7 +958,7 @@ class OpenAIServer:
                 params = dataclasses.replace(params, thinking_budget=budget)
             params = await self.tokenized_bad_words(params, request)
             await check_grammar(params, self.tokenizer.vocab_size)
-            streams = self.submit_all(rid, [ids], params, _program(body, request))
+            streams = await self.submit(rid, [ids], params, _program(body, request))
         except InvalidRequestError as e:  # name the field the client used: for the limit, and messages for the prompt
             if e.param == "max_tokens" and body.max_completion_tokens is not None:
                 raise e.renamed("max_completion_tokens") from e
@@ -1194,7 +1232,7 @@ class OpenAIServer:
         params = await self.tokenized_bad_words(params, request)
         await check_grammar(params, self.tokenizer.vocab_size)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = self.submit_all(rid, prompts, params, _program(body, request), prompt_only)
+        streams = await self.submit(rid, prompts, params, _program(body, request), prompt_only)
         prompt_len = sum(len(p) for p in prompts)
         echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
         if body.stream:

@@ -18,6 +18,7 @@ heartbeat. Each poller drains one actor: an earlier actor of a restarted instanc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -106,7 +107,12 @@ class DispatcherFrontEnd:
     pooling: EmbeddingPooling | None = None
 
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, program: ProgramRef | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        program: ProgramRef | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestStream:
         def start() -> None:
             with self.lock:
@@ -116,7 +122,7 @@ class DispatcherFrontEnd:
             if failure is not None:
                 raise failure_error(failure)
 
-        return self.streams.open_and_start(request_id, self.abort, start)
+        return self.streams.open_and_start(request_id, self.abort, start, loop)
 
     def abort(self, request_id: str) -> None:
         self.streams.close(request_id)

@@ -516,8 +516,11 @@ class StreamRegistry:
         with self._lock:
             return request_id in self._streams
 
-    def open(self, request_id: str, abort: Callable[[str], None]) -> RequestStream:
-        loop = asyncio.get_running_loop()
+    def open(
+        self, request_id: str, abort: Callable[[str], None], loop: asyncio.AbstractEventLoop | None = None
+    ) -> RequestStream:
+        """The request's stream, read on ``loop`` (by default the running one: a caller off the loop names it)."""
+        loop = loop or asyncio.get_running_loop()
         queue = DeltaQueue()
         with self._lock:
             if self._ended:
@@ -525,11 +528,17 @@ class StreamRegistry:
             self._streams[request_id] = (loop, queue)
         return RequestStream(abort, request_id, queue)
 
-    def open_and_start(self, request_id: str, abort: Callable[[str], None], start: Callable[[], None]) -> RequestStream:
-        """Open the request's stream, then ``start`` the request; if that raises, the stream is
+    def open_and_start(
+        self,
+        request_id: str,
+        abort: Callable[[str], None],
+        start: Callable[[], None],
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestStream:
+        """Open the request's stream (read on ``loop``), then ``start`` the request; if that raises, the stream is
         closed again (so no delta is kept for a request that never ran) and the error propagates.
         The stream opens first, so not even the first delta can arrive before it."""
-        stream = self.open(request_id, abort)
+        stream = self.open(request_id, abort, loop)
         try:
             start()
         except BaseException:
@@ -606,14 +615,15 @@ class AsyncEngine(EngineLoop):
         prompt_token_ids: list[int],
         params: SamplingParams,
         program: ProgramRef | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestStream:
-        """Add a request and return the stream of its deltas.
+        """Add a request and return the stream of its deltas (read on ``loop``: by default the running one).
 
         Raises at once for an invalid request or a full waiting queue, so an HTTP handler can answer
         with an error status before it starts a response.
         """
         return self.streams.open_and_start(
-            request_id, self.abort, lambda: self.add(request_id, prompt_token_ids, params, program)
+            request_id, self.abort, lambda: self.add(request_id, prompt_token_ids, params, program), loop
         )
 
     def abort(self, request_id: str) -> None:
