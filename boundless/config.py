@@ -856,7 +856,8 @@ class ServerConfig:
         default=None, metadata={"help": "serve HTTPS with this private key file (PEM), with --ssl-certfile"}
     )
     ssl_certfile: str | None = field(
-        default=None, metadata={"help": "serve HTTPS with this certificate file (PEM), with --ssl-keyfile"}
+        default=None,
+        metadata={"help": "serve HTTPS with this certificate file (PEM), with --ssl-keyfile or holding the key too"},
     )
 
     # Cross-origin requests (CORS: boundless/api/cors.py), so that a page in a browser may call the API.
@@ -940,9 +941,9 @@ class ServerConfig:
             f"must be a path that starts with / and does not end with one, e.g. /llm, not {self.root_path!r}",
         )
         _require(
-            (self.ssl_keyfile is None) == (self.ssl_certfile is None),
-            "ssl_certfile" if self.ssl_certfile is None else "ssl_keyfile",
-            "HTTPS needs both --ssl-keyfile and --ssl-certfile",
+            self.ssl_keyfile is None or self.ssl_certfile is not None,
+            "ssl_certfile",
+            "HTTPS needs the certificate (--ssl-certfile) beside the key (a file of both is given alone)",
         )
         for name in ("ssl_keyfile", "ssl_certfile"):
             path = getattr(self, name)

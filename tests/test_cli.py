@@ -250,7 +250,7 @@ def test_bad_server_flag_values_fail_at_start_up(flag: tuple[str, str], capsys: 
     [
         (["--uvicorn-log-level", "loud"], "--uvicorn-log-level: must be one of critical, error, warning, info, debug"),
         (["--root-path", "llm"], "--root-path: must be a path that starts with / and does not end with one"),
-        (["--ssl-keyfile", "key.pem"], "--ssl-certfile: HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+        (["--ssl-keyfile", "key.pem"], "--ssl-certfile: HTTPS needs the certificate (--ssl-certfile) beside the key"),
         (["--ssl-keyfile", "nokey", "--ssl-certfile", "nocert"], "--ssl-keyfile: 'nokey' is not a file"),
         (["--enable-log-requests", "--disable-log-requests"], "--disable-log-requests: contradicts"),
         (["--max-log-len", "-1"], "--max-log-len: must not be negative"),

@@ -271,6 +271,10 @@ def test_max_logprobs_bounds_the_alternatives_a_request_asks_for(llm: LLM, smoll
     assert all(p is not None and len(p) in (40, 41) for p in res.prompt_logprobs[1:])
     ranked = list(res.outputs[0].logprobs[0].values())
     assert [e.rank for e in ranked] == list(range(1, 65))
+    # -1 is the whole vocabulary, and no more: past it a top-k failed the step, every request of it.
+    vocab = smollm2.arch.vocab_size
+    with pytest.raises(InvalidRequestError, match=f"more than the {vocab} this engine gives"):
+        wide.generate(ids, SamplingParams(max_tokens=1, logprobs=vocab + 1))
 
 
 def test_vllms_names_and_fields(llm: LLM) -> None:

@@ -18,6 +18,7 @@ import functools
 import json
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -412,14 +413,19 @@ class ResponsesAPI:
         if body.store:
             running = self._envelope(call, "in_progress", [])
             self.store.start(call.response_id, StoredResponse(running, [], call.program.program_id, call.input_items))
+        events = None
         try:
             if body.stream:
                 replayed = await server.started(streams, request)
-                return StreamingResponse(self._guarded_events(call, replayed), media_type="text/event-stream")
+                events = self._guarded_events(call, replayed)
+                # Ended by its events (their last, or its client gone), or, never read (a client gone before it
+                # began), once it is let go.
+                weakref.finalize(events, self.store.end, call.response_id)
+                return StreamingResponse(events, media_type="text/event-stream")
             (choice,) = await server.collect(streams, request)
             return JSONResponse(self._finished(call, choice))
         finally:
-            if not body.stream:
+            if events is None:  # (answered, refused or failed before a stream began: no longer under way)
                 self.store.end(call.response_id)
 
     def _prepare(self, body: ResponsesRequest, request: Request) -> _Call:

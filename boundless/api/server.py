@@ -84,7 +84,7 @@ from boundless.engine.async_engine import SHUTTING_DOWN
 from boundless.engine.bad_words import bad_words_token_ids
 from boundless.engine.core import GRANT_REFUSED, EngineStats, RequestDelta, require_context_room
 from boundless.engine.errors import NO_ROOM_AFTER_FAILOVER, InvalidRequestError
-from boundless.engine.logprobs import PromptLogprobs, SampledToken
+from boundless.engine.logprobs import PromptLogprobs, SampledToken, logprobs_limit
 from boundless.engine.sampling_params import RequestOutputKind, SamplingParams, truncated_prompt
 from boundless.engine.structured_output import MAX_GRAMMAR_TOOLS, StructuredOutput, check_structured_output
 from boundless.engine.thinking_budget import ThinkingBudget
@@ -598,13 +598,13 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, vocab_size: in
     """What chat and completions check alike before anything is tokenized or submitted; ``max_logprobs``: the engine's
     (``--max-logprobs``; -1: no limit)."""
     require_valid_text(body.model_dump(by_alias=True))
+    most = logprobs_limit(max_logprobs, vocab_size)
     for name in ("top_logprobs", "logprobs", "prompt_logprobs"):
         asked = getattr(body, name, None)  # (chat's logprobs is a switch, its count top_logprobs)
-        if type(asked) is int and max_logprobs != -1 and asked > max_logprobs:
+        if type(asked) is int and asked > most:
             raise APIError(
                 400,
-                f"{name}: {asked} alternatives asked for, more than the {max_logprobs} this server gives "
-                "(--max-logprobs)",
+                f"{name}: {asked} alternatives asked for, more than the {most} this server gives (--max-logprobs)",
                 name,
                 "invalid_value",
             )

@@ -397,7 +397,8 @@ class ClusterClient(DispatcherFrontEnd):
 
     def stats(self) -> dict[str, EngineStats]:
         views = self.dispatcher.views
-        return {iid: i.stats for iid, i in self.instances.items() if i.stats is not None and views[iid].alive}
+        # (A copy of the instances first: the stats log reads them from a thread of its own.)
+        return {iid: i.stats for iid, i in list(self.instances.items()) if i.stats is not None and views[iid].alive}
 
     def cluster_info(self) -> list[dict]:
         out = []

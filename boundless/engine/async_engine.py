@@ -312,7 +312,7 @@ class EngineLoop:
             return False
         restarts.lost(ENGINE_ID, self.clock())
         try:
-            self.core.close()  # (a split model's ranks stopped, its writes to the disk store drained)
+            self.core.close(lost=True)  # (a split model's ranks stopped, its writes to the disk store drained)
         except Exception:
             log.exception("closing the lost engine failed")
         self.core.release_memory()  # (its KV memory, which the fresh engine's would not fit beside on a GPU)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from boundless.engine.errors import CONTEXT_LENGTH_EXCEEDED, ContextOverflow, In
 from boundless.engine.executor import Executor, ModelExecutor, PendingStep, StepResult
 from boundless.engine.handoff import HandoffPlan, IntakeAnswer, IntakePlan, PrefixPush
 from boundless.engine.lending_stats import LendingStats
-from boundless.engine.logprobs import PromptLogprobs, PromptScores
+from boundless.engine.logprobs import PromptLogprobs, PromptScores, logprobs_limit
 from boundless.engine.multi_step import window_shapes
 from boundless.engine.prefill_batching import step_quota
 from boundless.engine.rank_process import RankEndpoint
@@ -63,6 +64,8 @@ REFIT_EVERY_STEPS = 32
 # is gone. Calls wait at the dispatcher for room elsewhere, for as long as the calls ahead of them run: well above
 # a run of agent turns, and the holds are bounded in size by the dispatcher meanwhile.
 PREFETCH_HOLD_S = 120.0
+log = logging.getLogger(__name__)
+
 # The stop reason of a request failed because a stream its step was reading failed (a DE-read push whose decode
 # engine went away mid-push): nothing of it reached the client, so a PD dispatcher places the call again.
 KV_STREAM_LOST = "kv stream lost"
@@ -622,10 +625,10 @@ class EngineCore:
             error = self.grammars.error(params.structured) if self.grammars is not None else None
             if error is not None:
                 raise InvalidRequestError(error, params.structured.param)
-        most = self.config.model.max_logprobs
+        most = logprobs_limit(self.config.model.max_logprobs, vocab)
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
-            if asked is not None and most != -1 and asked > most:
+            if asked is not None and asked > most:
                 raise InvalidRequestError(
                     f"{name}: {asked} alternatives asked for, more than the {most} this engine gives (--max-logprobs)",
                     name,
@@ -691,14 +694,19 @@ class EngineCore:
         if release is not None:
             release()
 
-    def close(self) -> None:
+    def close(self, lost: bool = False) -> None:
         """Hand the last computed blocks to the store's writer, and wait (bounded) until what it was handed is
-        written: a server stopped after a workload finds all of it in the store when it starts again."""
-        if not self.has_unfinished():
-            self.kv.write_back_all()  # (write-back: the blocks in memory go now, or a restart finds none of them)
-            if self.kv.has_writes_to_hand_over():
-                self.step()
-        self.executor.close()
+        written: a server stopped after a workload finds all of it in the store when it starts again. ``lost``: the
+        engine lost a part (a split model's rank): nothing more runs on it, and its KV is not to be trusted."""
+        try:
+            if not self.has_unfinished() and not lost:
+                self.kv.write_back_all()  # (write-back: the blocks in memory go now, or a restart finds none of them)
+                if self.kv.has_writes_to_hand_over():
+                    self.step()
+        except Exception:
+            log.exception("the step that hands the last blocks to the disk store failed; they are not written")
+        finally:  # (the executor goes all the same: its ranks, threads and store)
+            self.executor.close()
         if self.grammars is not None:
             self.grammars.close()
         if self.kv_events is not None:

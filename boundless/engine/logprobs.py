@@ -88,12 +88,18 @@ class PromptScores:
     tokens: list[SampledToken]
 
 
+def logprobs_limit(max_logprobs: int, vocab_size: int) -> int:
+    """The most alternatives a request may ask for: ``--max-logprobs`` (-1: the whole vocabulary), never past the
+    vocabulary (a step's top-k of more failed, and with it every request of the step)."""
+    return vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+
+
 def score_tokens(logprobs: torch.Tensor, token_ids: torch.Tensor, top_ks: Sequence[int]) -> list[SampledToken]:
     """Each row's token (``token_ids``, long [rows]) with its logprob and rank under ``logprobs`` [rows, vocab], and
     the row's ``top_ks[i]`` most likely tokens (one copy to the host for all rows)."""
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=1) + 1
-    k = max(top_ks, default=0)
+    k = min(max(top_ks, default=0), logprobs.shape[-1])
     top_ids: list[list[int]] = []
     top_vals: list[list[float]] = []
     if k:

@@ -65,6 +65,8 @@ _KEY_HEX = 32  # a BlockHash is 16 bytes
 _GIB = 1 << 30
 _T = TypeVar("_T")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write refused for want of room: the store's own blocks can make it
+# Errors that say the process is short of something for now (descriptors, memory), not that the file is bad.
+_BUSY = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOBUFS)
 _EVICTION_ROUNDS = 4  # (choices of victims made again without the files that could not be removed)
 _R = TypeVar("_R")
 
@@ -300,10 +302,13 @@ class DiskKVStore:
         try:
             # (Non-blocking: a FIFO under a block's name would block the loader's thread in open until a writer came.)
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # (no file: nor a shard directory to hold it)
             return None
         except OSError as e:
-            self._unreadable_file(path, key, f"cannot open it: {e}")
+            if e.errno in _BUSY:  # (this process's trouble, not the file's: a miss, the file kept)
+                self._warn("busy", f"disk KV store {self.root}: cannot open {path.name} now: {e}")
+            else:
+                self._unreadable_file(path, key, f"cannot open it: {e}")
             return None
         try:
             st = os.fstat(fd)
@@ -344,8 +349,9 @@ class DiskKVStore:
 
     def _unreadable_file(self, path: Path, key: BlockHash, why: str) -> None:
         """A block's file the file system would not open or read (permissions, a bad sector): counted, and removed
-        so that the block is written again; one that cannot be removed is held by none, so that a write replaces it.
-        (Kept, it missed on every start for good: the store said it held the block, so no write came.)"""
+        so that the block is written again. One that cannot be removed is held by none and not written (a write
+        over it would fail as the removal did, and turn every write off for a while) until the next rescan tries
+        again. (Kept, it missed on every start for good: the store said it held the block, so no write came.)"""
         with self._lock:
             self._read_errors += 1
             entry = self._index.pop(key, None)
@@ -358,7 +364,7 @@ class DiskKVStore:
             outcome = "gone already"
         except OSError as e:
             self._unreadable.add(key)
-            outcome = f"left ({e.strerror}); the next write of the block replaces it"
+            outcome = f"left ({e.strerror}); the block is not written again until the next rescan"
         self._warn("read", f"disk KV store {self.root}: {path.name}: {why}; {outcome}")
 
     def _touch(self, path: Path, key: BlockHash) -> None:
@@ -444,6 +450,8 @@ class DiskKVStore:
             with self._lock:
                 self._writes_dropped += 1
             return False
+        if key in self._unreadable:  # (its file stays, and would refuse the write: see _unreadable_file)
+            return False
         path = self._path(key)
         if self.contains(key):
             self._touch(path, key)
@@ -481,19 +489,17 @@ class DiskKVStore:
     def _clear_shard(self, shard: Path) -> None:
         """Remove what is not a directory under the layout's or a shard's name (a file put there): no block can be
         in it, and every write of its blocks failed and turned all writes off for ``write_off_seconds``, again after
-        each pause, for good. Raises the ``OSError`` if both are directories (the error came from above them) or the
-        file cannot go."""
-        for place in (self.dir, shard):
-            if not place.is_dir() and os.path.lexists(place):
-                self._clear_place(place)
-                return
-        raise NotADirectoryError(errno.ENOTDIR, "not a directory above the store's layout", str(self.root))
+        each pause, for good. Raises the ``OSError`` if the file cannot go; an error from above them comes again
+        when the write is tried again."""
+        for place in (self.dir, shard):  # (another I/O thread may have cleared it first: the write is tried again)
+            self._clear_place(place)
 
     def _clear_place(self, place: Path) -> None:
         """Remove a file (not a directory) under a name the store's directories take, if there is one."""
         if os.path.lexists(place) and not place.is_dir():
-            place.unlink()
-            self._warn("shard", f"disk KV store {self.root}: {place.name} was not a directory; removed")
+            with contextlib.suppress(FileNotFoundError):
+                place.unlink()
+                self._warn("shard", f"disk KV store {self.root}: {place.name} was not a directory; removed")
 
     def _write_failed(self, error: OSError) -> None:
         with self._lock:
@@ -582,6 +588,7 @@ class DiskKVStore:
             self._held_bytes = sum(e.size for e in index.values())
             self._scanned_at = now
             self._stuck = set()  # (tried again: a file made removable since goes as any other)
+            self._unreadable = set()
 
     def _evict(self, target_bytes: int | None = None) -> int:
         """Remove least recently used files until this layout holds at most ``target_bytes`` (by default

@@ -621,10 +621,15 @@ class KVCacheManager:
         self._filled_by_step = []
         if self._write_back_all:
             self._write_back_all = False
+            # Not the host blocks whose KV is still arriving: a peer's stream named early (its count came first), or
+            # a disk read's. Written whole-looking, a restart would serve them.
+            arriving = {b.block_id for intake in self._intakes.values() for b in intake.blocks}
+            arriving.update(i for job in self._reads.values() for i in job.read.dst_ids)
             for tier in (HOST, DEVICE):  # (a block in both is written once, from host memory)
                 pool = self.pools.get(tier)
                 for name, block in pool.named_blocks() if pool is not None else ():
-                    self._queue_write(tier, block.block_id, name)
+                    if not (tier == HOST and block.block_id in arriving):
+                        self._queue_write(tier, block.block_id, name)
 
     def take_transfers(self) -> list[BlockTransfer]:
         """This step's transfers between memory tiers, in the order decided."""

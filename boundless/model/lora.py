@@ -315,10 +315,6 @@ def load_lora(
                 f"LoRA adapter {request.lora_name!r}: {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
                 f"model needs A [rank, {cols}] and B [{rows}, rank]"
             )
-        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
-            # (Loaded, it made NaN logits: a sampled row's draw failed the whole step, every adapter's requests and
-            # the base model's in it.)
-            raise LoRAError(f"LoRA adapter {request.lora_name!r}: {name} holds values that are not finite (NaN or inf)")
         if r == 0:  # (its scale alpha / r would divide by zero: a 500 where the adapter is at fault)
             raise LoRAError(f"LoRA adapter {request.lora_name!r}: {name} has rank 0 (A {tuple(a.shape)})")
         if r > max_rank:
@@ -327,6 +323,13 @@ def load_lora(
             )
         module_alpha = _pattern_value(alpha_pattern, name, alpha)
         scale = module_alpha / math.sqrt(r) if rslora else module_alpha / r
+        # In the model's type, scaled, as the adapter runs (B of 1e5 is inf in fp16): loaded, values that are not
+        # finite made NaN logits, and a sampled row's draw failed the whole step, the base model's requests with it.
+        if not (bool(torch.isfinite(a.to(dtype)).all()) and bool(torch.isfinite((b * scale).to(dtype)).all())):
+            raise LoRAError(
+                f"LoRA adapter {request.lora_name!r}: {name} holds values that are not finite (NaN or inf) once scaled "
+                f"by lora_alpha / r and in {str(dtype).removeprefix('torch.')}"
+            )
         target = _PROJECTIONS[module]
         parts.setdefault((layer, target), []).append((a, b * scale, start))
     layers: list[list[LoRAProjection | None]] = [[None, None, None, None] for _ in range(arch.num_layers)]

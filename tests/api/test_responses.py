@@ -428,3 +428,31 @@ def test_a_response_under_way_is_retrieved_in_progress_and_a_delete_then_holds(c
             finished = client.responses.retrieve(rid)
             assert finished.status == kinds[-1].removeprefix("response.")
             assert client.responses.input_items.list(rid).data[0].id == item.id  # (the same ids after it ended)
+
+
+def test_a_stored_stream_refused_before_it_began_is_not_left_in_progress(
+    client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streamed response whose first delta never came (a 503, an engine failure, its client gone) was kept under
+    way for ever: retrieved ``in_progress``, refused as ``previous_response_id``."""
+    from boundless.api.errors import APIError
+    from boundless.api.responses import ResponseStore
+    from boundless.api.server import OpenAIServer
+
+    started: list[str] = []
+    start = ResponseStore.start
+
+    def recorded(store: ResponseStore, rid: str, running: Any) -> None:
+        started.append(rid)
+        start(store, rid, running)
+
+    async def refused(*args: object, **kwargs: object) -> object:
+        raise APIError(503, "the engine is busy (the test's)")
+
+    monkeypatch.setattr(ResponseStore, "start", recorded)
+    monkeypatch.setattr(OpenAIServer, "started", refused)
+    with pytest.raises(openai.InternalServerError):
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, stream=True)
+    (rid,) = started
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(rid)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -204,6 +205,36 @@ def test_a_stopped_engine_under_write_back_hands_the_blocks_in_memory_to_the_sto
     assert _tokens(after, "a2", outputs) == outputs["a"]
     assert after.stats().kv_tiers[DISK].hit_tokens == 3 * 16  # (the last block's token is the prompt's end: computed)
     after.close()
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_a_close_whose_last_step_fails_still_lets_the_executor_go(
+    tiny_llama: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lost: bool
+) -> None:
+    """The step that hands write-back's blocks to the store failing (a split model's rank gone) skipped the executor's
+    close: its ranks, threads and store were never let go. A lost engine runs no such step at all."""
+    from boundless.kv.disk_store import DiskKVStore, StoreLayout
+
+    store = DiskKVStore(tmp_path, StoreLayout.of_model(tiny_llama, 16), 1 << 30)
+    core = _disk_engine(tiny_llama, store, tmp_path, write_policy="back")
+    core.add_request("a", list(range(3, 62)), PARAMS)
+    _tokens(core, "a", {})
+    steps, closed = [], []
+
+    def failing_step() -> list:
+        steps.append(1)
+        raise RuntimeError("rank 1 is gone (the test's)")
+
+    close = core.executor.close
+
+    def counted_close() -> None:
+        closed.append(1)
+        close()
+
+    monkeypatch.setattr(core, "step", failing_step)
+    monkeypatch.setattr(core.executor, "close", counted_close)
+    core.close(lost=lost)
+    assert closed == [1] and steps == ([] if lost else [1])
 
 
 def test_a_restarted_engine_loads_what_an_earlier_one_wrote_even_behind_a_prefix_in_memory(

@@ -322,6 +322,11 @@ def _rank_zero(tensors: dict) -> None:
     tensors[key], tensors[key.replace("lora_A", "lora_B")] = a[:0].clone(), b[:, :0].clone()
 
 
+def _huge_b(tensors: dict) -> None:
+    key = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[key] = torch.full_like(tensors[key], 3e38)  # (all8's scale is 16 / 8: 6e38, past fp32's largest)
+
+
 def _nan_b(tensors: dict) -> None:
     """(Loaded, such an adapter made NaN logits, and a sampled row's draw failed the whole step.)"""
     key = next(k for k in sorted(tensors) if "lora_B" in k)
@@ -340,6 +345,7 @@ def _nan_b(tensors: dict) -> None:
         (None, _bad_shape, "this model needs A"),
         (None, _rank_zero, r"has rank 0 \(A \(0, "),
         (None, _nan_b, r"holds values that are not finite \(NaN or inf\)"),
+        (None, _huge_b, r"not finite \(NaN or inf\) once scaled"),  # (finite, but inf once scaled)
     ],
 )
 def test_loader_refuses_what_it_cannot_apply(
