@@ -42,7 +42,11 @@ async def main(url: str) -> None:
             await asyncio.sleep(0.2)
             done.set()
             worst = await probe
-            results[n] = {"status": reply.status_code, "request_s": round(took, 3), "worst_health_ms": round(worst * 1e3, 1)}
+            results[n] = {
+                "status": reply.status_code,
+                "request_s": round(took, 3),
+                "worst_health_ms": round(worst * 1e3, 1),
+            }
         print(json.dumps(results))
 
 
