@@ -382,9 +382,9 @@ class Sampler:
             allowed_index = torch.tensor(allowed_rows, device=device)
             masks = [self._disallowed_mask(chunks[i], logits.shape[-1], device) for i in allowed_rows]
             logits[allowed_index] = logits[allowed_index].masked_fill(torch.stack(masks), float("-inf"))
-        for bias, rows in biased.values():  # (the rows that share a bias: one add over all of them)
+        for bias, bias_rows in biased.values():  # (the rows that share a bias: one add over all of them)
             ids, values = self._bias_of(bias, device)
-            logits[torch.tensor(rows, device=device).unsqueeze(1), ids.unsqueeze(0)] += values.to(logits.dtype)
+            logits[torch.tensor(bias_rows, device=device).unsqueeze(1), ids.unsqueeze(0)] += values.to(logits.dtype)
         if penalized:
             self._penalize(logits, chunks, penalized)
         if banned_rows:
