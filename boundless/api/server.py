@@ -1075,6 +1075,10 @@ class OpenAIServer:
         def chunk(choice_list: list[dict], usage: dict | None = None, **top: Any) -> bytes:
             return writer.event(_fingerprint(choices), choice_list, usage, **top)
 
+        # Each choice's first chunk (its role), all in one send: a send each, a client gone meanwhile met 128 writes
+        # to its closed socket (asyncio logs each) before the server learned it had gone.
+        top = {} if prompt_ids is None else {"prompt_token_ids": prompt_ids}  # (vLLM's place)
+        roles = []
         for c in choices:
             role = {
                 "index": c.index,
@@ -1082,8 +1086,8 @@ class OpenAIServer:
                 "logprobs": None,
                 "finish_reason": None,
             }
-            top = {} if prompt_ids is None else {"prompt_token_ids": prompt_ids}  # (vLLM's place)
-            yield chunk([role], _usage_so_far(prompt_len, c) if running_usage else None, **top)
+            roles.append(chunk([role], _usage_so_far(prompt_len, c) if running_usage else None, **top))
+        yield b"".join(roles)
 
         def choice_chunk(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> bytes:
             if lp is None and finish is None and plain and len(delta) == 1 and type(delta.get("content")) is str:
