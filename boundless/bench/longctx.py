@@ -46,6 +46,7 @@ from boundless.cluster.kv_migration import Endpoint, migrate_request
 from boundless.cluster.lending_plan import LendingThresholds
 from boundless.cluster.rmanager import RManager
 from boundless.config import (
+    ConfigError,
     EngineConfig,
     comma_numbers,
     engine_config_from_flags,
@@ -538,6 +539,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     try:
         result = run_all(loaded, base, config, trace, setups)
+    except ConfigError as e:  # (the engines' step budget is this command's --chunk-tokens: named so)
+        raise ConfigError(str(e).replace("--max-num-batched-tokens", "--chunk-tokens")) from None
     finally:
         torch.set_num_threads(threads)
     result["config"] = {

@@ -14,7 +14,7 @@ import pytest
 from boundless.bench import longctx
 from boundless.bench.longctx_trace import TraceShape, make_trace
 from boundless.cli import build_parser
-from boundless.config import engine_config_from_flags
+from boundless.config import ConfigError, engine_config_from_flags
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.loader import LoadedModel
 
@@ -100,3 +100,18 @@ def test_a_step_that_only_evicts_wakes_the_instances_waiting_for_a_change(
         assert not a.waiting_for_change and not b.waiting_for_change
     finally:
         cluster.close()
+
+
+def test_a_step_budget_the_attention_backend_cannot_take_names_chunk_tokens(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The instances' step budget is the command's ``--chunk-tokens``: the engine's refusal named
+    ``--max-num-batched-tokens``, a flag the command refuses."""
+    args = build_parser().parse_args(
+        ["bench", "longctx", "--model", str(model_dirs["tiny-llama"]), "--attention-backend", "flex",
+         "--num-kv-blocks", "100000", "--chunk-tokens", "100000", "--num-short", "1", "--setups", "separate",
+         "--out-dir", str(tmp_path)]
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="--chunk-tokens") as refused:
+        longctx.run(args)
+    assert "--max-num-batched-tokens" not in str(refused.value)
