@@ -511,6 +511,7 @@ class StreamRegistry:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, DeltaQueue]] = {}
         self._lock = threading.Lock()
         self._ended = False  # (end_all: no stream opens again)
+        self._failures = 0  # fail_all's so far: a request started after one failed its stream is aborted
 
     def __contains__(self, request_id: str) -> bool:
         with self._lock:
@@ -520,13 +521,19 @@ class StreamRegistry:
         self, request_id: str, abort: Callable[[str], None], loop: asyncio.AbstractEventLoop | None = None
     ) -> RequestStream:
         """The request's stream, read on ``loop`` (by default the running one: a caller off the loop names it)."""
+        return self._open(request_id, abort, loop)[0]
+
+    def _open(
+        self, request_id: str, abort: Callable[[str], None], loop: asyncio.AbstractEventLoop | None
+    ) -> tuple[RequestStream, int]:
+        """:meth:`open`, and the count of failures of every stream when it opened."""
         loop = loop or asyncio.get_running_loop()
         queue = DeltaQueue()
         with self._lock:
             if self._ended:
                 raise ShuttingDownError()
             self._streams[request_id] = (loop, queue)
-        return RequestStream(abort, request_id, queue)
+            return RequestStream(abort, request_id, queue), self._failures
 
     def open_and_start(
         self,
@@ -538,12 +545,19 @@ class StreamRegistry:
         """Open the request's stream (read on ``loop``), then ``start`` the request; if that raises, the stream is
         closed again (so no delta is kept for a request that never ran) and the error propagates.
         The stream opens first, so not even the first delta can arrive before it."""
-        stream = self.open(request_id, abort, loop)
+        stream, failures = self._open(request_id, abort, loop)
         try:
             start()
         except BaseException:
             self.close(request_id)
             raise
+        with self._lock:
+            failed_meanwhile = self._failures != failures
+        if failed_meanwhile:
+            # Every stream was failed (the server shutting down, the engine stopped) between this one's opening and
+            # its request's start, off the event loop: the abort that went with it found no request yet, and the
+            # request ran on, for nobody. (An abort of one that ended is nothing.)
+            abort(request_id)
         return stream
 
     def close(self, request_id: str) -> None:
@@ -561,6 +575,7 @@ class StreamRegistry:
         """End every open stream with an error, ``stop_reason`` saying why; their ids."""
         with self._lock:
             streams, self._streams = self._streams, {}
+            self._failures += 1
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[DeltaQueue, RequestDelta]]] = {}
         for request_id, (loop, queue) in streams.items():
             delta = RequestDelta(request_id, [], "", [], True, finish_reason="error", stop_reason=stop_reason)

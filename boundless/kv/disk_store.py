@@ -497,7 +497,7 @@ class DiskKVStore:
     def _clear_place(self, place: Path) -> None:
         """Remove a file (not a directory) under a name the store's directories take, if there is one."""
         if os.path.lexists(place) and not place.is_dir():
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # (another I/O thread was first)
                 place.unlink()
                 self._warn("shard", f"disk KV store {self.root}: {place.name} was not a directory; removed")
 
