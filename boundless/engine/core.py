@@ -56,6 +56,8 @@ from boundless.programs.registry import make_policy
 from boundless.transport.base import KVTransport
 from boundless.transport.endpoints import instance_address
 
+log = logging.getLogger(__name__)
+
 # Attention-time prefill batching: steps between refits of the step-time model (a fit is a small least-squares
 # problem over at most the recorder's 512 samples; refitting every step would cost more than it follows).
 REFIT_EVERY_STEPS = 32
@@ -64,8 +66,6 @@ REFIT_EVERY_STEPS = 32
 # is gone. Calls wait at the dispatcher for room elsewhere, for as long as the calls ahead of them run: well above
 # a run of agent turns, and the holds are bounded in size by the dispatcher meanwhile.
 PREFETCH_HOLD_S = 120.0
-log = logging.getLogger(__name__)
-
 # The stop reason of a request failed because a stream its step was reading failed (a DE-read push whose decode
 # engine went away mid-push): nothing of it reached the client, so a PD dispatcher places the call again.
 KV_STREAM_LOST = "kv stream lost"

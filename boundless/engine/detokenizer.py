@@ -51,7 +51,6 @@ class IncrementalDetokenizer:
         self.final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
         # (None: each token is decoded as it comes.)
         self.pending: list[int] | None = [] if self.final_only and self.enabled and not self.stop else None
-        self._max_stop = self._stops.longest
         # Stop strings count from the token after the first ``min_tokens`` (vLLM's rule): text that ends before it
         # stops nothing.
         self.min_tokens = params.min_tokens
@@ -126,8 +125,8 @@ class IncrementalDetokenizer:
         if self.pending:
             flush([self])
         end = len(self.text)
-        if not finished and self._max_stop > 1:
-            end = max(self._emitted, end - (self._max_stop - 1))
+        if not finished and self._stops.longest > 1:
+            end = max(self._emitted, end - (self._stops.longest - 1))
         delta = self.text[self._emitted : end]
         self._emitted = end
         return delta

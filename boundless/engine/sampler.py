@@ -3,7 +3,7 @@ greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs."""
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -11,6 +11,7 @@ import torch
 
 from boundless.attention.backend import to_device
 from boundless.engine.bad_words import banned_tokens, longest_prefix
+from boundless.engine.identity_cache import IdentityCache
 from boundless.engine.logprobs import SampledToken, score_tokens
 from boundless.engine.scheduler import ScheduledChunk
 from boundless.engine.speculative import accepted_tokens
@@ -85,7 +86,9 @@ class Sampler:
         self.grammars = grammars
         self._generators: dict[str, torch.Generator] = {}
         # Logit biases on the device, by their params' tuple (a request's samples share it): :meth:`_bias_of`.
-        self._biases: OrderedDict[int, tuple[tuple[tuple[int, float], ...], torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._biases: IdentityCache[tuple[tuple[int, float], ...], tuple[torch.Tensor, torch.Tensor]] = IdentityCache(
+            _BIASES_KEPT
+        )
         self._counts: dict[str, TokenCounts] = {}
         self._matchers: dict[str, GrammarMatcher] = {}
         # The outputs drawn so far (a window's passes too, which the history lacks) of requests whose sampling reads
@@ -420,16 +423,12 @@ class Sampler:
         """A logit bias's token ids and values on the device, made once for the params that share it (a request's
         samples share the tuple) and kept while it is in use: rebuilt from Python every step, a whole vocabulary's
         bias on 128 samples took seconds a step, every request of the step waiting."""
-        found = self._biases.get(id(bias))
-        if found is not None and found[0] is bias:
-            self._biases.move_to_end(id(bias))
-            return found[1], found[2]
-        ids = to_device(torch.tensor([token for token, _ in bias], dtype=torch.long), device)
-        values = to_device(torch.tensor([value for _, value in bias], dtype=torch.float32), device)
-        self._biases[id(bias)] = (bias, ids, values)
-        while len(self._biases) > _BIASES_KEPT:
-            self._biases.popitem(last=False)
-        return ids, values
+
+        def made(pairs: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = to_device(torch.tensor([token for token, _ in pairs], dtype=torch.long), device)
+            return ids, to_device(torch.tensor([value for _, value in pairs], dtype=torch.float32), device)
+
+        return self._biases.get(bias, made)
 
     def _penalize(
         self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], penalized: list[tuple[int, tuple[int, ...]]]

@@ -11,8 +11,7 @@ One index serves every sample of a request (they share their params' tuple of st
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+from boundless.engine.identity_cache import IdentityCache
 
 # Up to this many, one find each; past it, by length.
 FEW_STOPS = 8
@@ -57,22 +56,11 @@ class StopStrings:
         return None if best is None else (best[0], best[2])
 
 
-_index: OrderedDict[int, StopStrings] = OrderedDict()
-_index_lock = threading.Lock()
+_index: IdentityCache[tuple[str, ...], StopStrings] = IdentityCache(_KEPT)
 
 
 def stop_strings(stops: tuple[str, ...]) -> StopStrings:
     """The index of ``stops``, made once for the params that share the tuple (a request's samples)."""
     if len(stops) <= FEW_STOPS:
         return StopStrings(stops)
-    with _index_lock:
-        found = _index.get(id(stops))
-        if found is not None and found.stops is stops:
-            _index.move_to_end(id(stops))
-            return found
-    made = StopStrings(stops)  # (outside the lock: hundreds of milliseconds for a huge list)
-    with _index_lock:
-        _index[id(stops)] = made
-        while len(_index) > _KEPT:
-            _index.popitem(last=False)
-    return made
+    return _index.get(stops, StopStrings)

@@ -130,7 +130,7 @@ class StoreStats:
     evictions: int
     checksum_failures: int  # files that failed a check on read: counted, removed, never served
     read_errors: int  # files the file system would not open or read (EACCES, EIO): counted, removed or forgotten
-    evict_errors: int  # files eviction could not remove: skipped (the next ones go instead), forgotten
+    evict_errors: int  # files eviction could not remove: skipped (the next ones go instead) until the next rescan
     write_errors: int  # writes the file system refused (each turns writes off for a while)
     writes_dropped: int  # blocks not written because writes were off
     blocks_held: int
@@ -210,7 +210,8 @@ class DiskKVStore:
         self._hits = self._misses = self._bytes_read = self._bytes_written = self._blocks_written = 0
         self._evictions = self._checksum_failures = self._write_errors = self._writes_dropped = 0
         self._read_errors = self._evict_errors = 0
-        # Blocks whose file would not read and could not be removed: held by none (a write replaces the file).
+        # Blocks whose file would not read and could not be removed: held by none, and not written over, until the
+        # next rescan (see _unreadable_file).
         self._unreadable: set[BlockHash] = set()
         # Blocks whose file eviction could not remove: passed over by eviction until the next rescan.
         self._stuck: set[BlockHash] = set()

@@ -325,13 +325,14 @@ def load_lora(
         scale = module_alpha / math.sqrt(r) if rslora else module_alpha / r
         # In the model's type, scaled, as the adapter runs (B of 1e5 is inf in fp16): loaded, values that are not
         # finite made NaN logits, and a sampled row's draw failed the whole step, the base model's requests with it.
-        if not (bool(torch.isfinite(a.to(dtype)).all()) and bool(torch.isfinite((b * scale).to(dtype)).all())):
+        scaled = b * scale
+        if not (bool(torch.isfinite(a.to(dtype)).all()) and bool(torch.isfinite(scaled.to(dtype)).all())):
             raise LoRAError(
                 f"LoRA adapter {request.lora_name!r}: {name} holds values that are not finite (NaN or inf) once scaled "
                 f"by lora_alpha / r and in {str(dtype).removeprefix('torch.')}"
             )
         target = _PROJECTIONS[module]
-        parts.setdefault((layer, target), []).append((a, b * scale, start))
+        parts.setdefault((layer, target), []).append((a, scaled, start))
     layers: list[list[LoRAProjection | None]] = [[None, None, None, None] for _ in range(arch.num_layers)]
     for (layer, target), group in parts.items():
         a_cat = torch.cat([a for a, _, _ in group])
