@@ -3,6 +3,11 @@
 A backend prepares per-step metadata once (``prepare``) and then, for every layer, writes the
 step's new keys and values into the paged cache and computes attention (``forward``). The model
 and the scheduler know nothing else about it, so a GPU kernel backend can replace the PyTorch one.
+
+A layer with a sliding window (Mistral's, Qwen2's upper layers: ``ModelArch.layer_windows``) passes ``window``:
+a query at position ``p`` then sees the keys at positions ``p - window < j <= p`` (``window`` keys, itself
+included), as transformers masks them (``sliding_window_overlay``). Positions are differences, so a sequence whose
+leading blocks live elsewhere (``RemoteKV``) masks its local part in local positions alike.
 """
 
 from __future__ import annotations
@@ -60,10 +65,17 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: Any,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Store ``k``, ``v`` [tokens, kv_heads, head_dim] in ``cache`` and attend with ``q``
-        [tokens, heads, head_dim]; returns [tokens, heads, head_dim]."""
+        [tokens, heads, head_dim]; returns [tokens, heads, head_dim]. ``window``: the layer's sliding window
+        (None: the whole context)."""
         ...
+
+
+def window_start(position: int, window: int | None) -> int:
+    """The first key position a query at ``position`` sees under ``window`` (the module's rule)."""
+    return 0 if window is None else max(0, position - window + 1)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

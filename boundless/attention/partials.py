@@ -50,9 +50,15 @@ class PartialsFromLse:
     kernel's): its output as one partial per row, for DistAttention to merge with partials computed elsewhere."""
 
     def forward_partial(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], meta: Any
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: Any,
+        window: int | None = None,
     ) -> AttentionPartial:
-        out = self.forward(q, k, v, cache, meta)  # type: ignore[attr-defined]
+        out = self.forward(q, k, v, cache, meta, window)  # type: ignore[attr-defined]
         assert meta.lse is not None
         return partial_from_lse(out, meta.lse)
 

@@ -53,9 +53,11 @@ def paged_case(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     kv_dtype: torch.dtype | None = None,
+    window: int | None = None,
 ) -> PagedCase:
     """``chunks`` are (query_len, context_len) per sequence, decodes (query_len 1) first. The cache holds K/V in
-    ``kv_dtype`` (default ``dtype``: ``--kv-cache-dtype``), and the reference attends over them as it holds them."""
+    ``kv_dtype`` (default ``dtype``: ``--kv-cache-dtype``), and the reference attends over them as it holds them.
+    ``window``: the reference is sliding-window attention (a query at position p sees keys p - window < j <= p)."""
     device = torch.device(device)
     kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
@@ -85,8 +87,9 @@ def paged_case(
         vd = to_cache(v, kv_dtype).double().repeat_interleave(g, dim=1)
         for i in range(ql):
             pos = ctx - ql + i
-            s = torch.einsum("hd,thd->ht", q[i].double(), kd[: pos + 1]) * head_dim**-0.5
-            outs.append(torch.einsum("ht,thd->hd", s.softmax(-1), vd[: pos + 1]))
+            lo = 0 if window is None else max(0, pos - window + 1)
+            s = torch.einsum("hd,thd->ht", q[i].double(), kd[lo : pos + 1]) * head_dim**-0.5
+            outs.append(torch.einsum("ht,thd->hd", s.softmax(-1), vd[lo : pos + 1]))
             lses.append(s.logsumexp(-1))
     batch = AttentionBatch(
         num_decodes=sum(1 for ql, _ in chunks if ql == 1),
