@@ -53,7 +53,14 @@ struct Args {
   // floats); a block is widened into the thread's scratch at widen_at before use. nullptr: fp32 caches.
   const float* lut = nullptr;
   long widen_at = 0;
+  // A sliding window (a layer's): a query at position p sees keys p - window < j <= p. 0: the whole context.
+  long window = 0;
 };
+
+// The first key position a query at ``pos`` sees.
+inline long window_lo(const Args& a, long pos) {
+  return a.window > 0 && pos - a.window + 1 > 0 ? pos - a.window + 1 : 0;
+}
 
 // A block's bytes of an 8-bit cache as fp32, eight at a time through the type's table of values.
 inline const float* widen(const float* lut, const float* block_bytes, long n, float* dst) {
@@ -224,9 +231,10 @@ void attend_tile(const Args& a, long s, long kvh, long t0, long t1, float* scrat
   }
   for (long i = t0; i < t1; i++)
     for (long g = 0; g < group; g++) memset(orow(i, g), 0, D * sizeof(float));
-  prefetch_block(kblock(0), block_bytes, false);
-  prefetch_block(vblock(0), block_bytes, false);
-  for (long b = 0; b < nblocks; b++) {
+  const long first_block = window_lo(a, base + t0) / bs;  // blocks before it lie outside every row's window
+  prefetch_block(kblock(first_block), block_bytes, false);
+  prefetch_block(vblock(first_block), block_bytes, false);
+  for (long b = first_block; b < nblocks; b++) {
     const long b0 = b * bs;
     const float* kb = a.lut ? widen(a.lut, kblock(b), bs * D, wk) : kblock(b);
     const float* vb = a.lut ? widen(a.lut, vblock(b), bs * D, wk + bs * D) : vblock(b);
@@ -235,9 +243,14 @@ void attend_tile(const Args& a, long s, long kvh, long t0, long t1, float* scrat
       prefetch_block(vblock(b + 1), block_bytes, false);
     }
     for (long i = t0; i < t1; i++) {
-      long cnt = base + i + 1 - b0;  // keys of this block token i sees
-      if (cnt <= 0) continue;
+      long cnt = base + i + 1 - b0;  // keys of this block token i sees: [skip, skip + cnt) of it
       if (cnt > bs) cnt = bs;
+      long skip = window_lo(a, base + i) - b0;
+      if (skip < 0) skip = 0;
+      cnt -= skip;
+      if (cnt <= 0) continue;
+      const float* kbi = kb + skip * D;
+      const float* vbi = vb + skip * D;
       for (long g = 0; g < group;) {
         const long take = group - g >= 3 ? 3 : group - g;
         const long r0 = (i - t0) * group + g;
@@ -252,11 +265,11 @@ void attend_tile(const Args& a, long s, long kvh, long t0, long t1, float* scrat
           o[r] = orow(i, g + r);
         }
         if (take == 3)
-          qk_block<DC, 3>(q, kb, cnt, D, a.scale, srow);
+          qk_block<DC, 3>(q, kbi, cnt, D, a.scale, srow);
         else if (take == 2)
-          qk_block<DC, 2>(q, kb, cnt, D, a.scale, srow);
+          qk_block<DC, 2>(q, kbi, cnt, D, a.scale, srow);
         else
-          qk_block<DC, 1>(q, kb, cnt, D, a.scale, srow);
+          qk_block<DC, 1>(q, kbi, cnt, D, a.scale, srow);
         // Online softmax: rescale what the row holds to the new max, add this block's share.
         for (long r = 0; r < take; r++) {
           float* x = srow[r];
@@ -288,11 +301,11 @@ void attend_tile(const Args& a, long s, long kvh, long t0, long t1, float* scrat
           mx[r0 + r] = m_new;
         }
         if (take == 3)
-          pv_block<DC, 3>(prow, vb, cnt, D, o);
+          pv_block<DC, 3>(prow, vbi, cnt, D, o);
         else if (take == 2)
-          pv_block<DC, 2>(prow, vb, cnt, D, o);
+          pv_block<DC, 2>(prow, vbi, cnt, D, o);
         else
-          pv_block<DC, 1>(prow, vb, cnt, D, o);
+          pv_block<DC, 1>(prow, vbi, cnt, D, o);
         g += take;
       }
     }
@@ -366,13 +379,18 @@ void attend_tile_wide_impl(const Args& a, long s, long kvh, long t0, long t1, fl
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   auto row_q = [&](long r) { return a.q + (tok0 + t0 + r / group) * a.q_stride + (kvh * group + r % group) * D; };
   auto row_o = [&](long r) { return a.o + ((tok0 + t0 + r / group) * a.H + kvh * group + r % group) * D; };
-  auto row_cnt = [&](long r, long b0) {  // keys of the block starting at b0 that row r sees
+  auto row_lo_of = [&](long r, long b0) {  // the first key of the block starting at b0 in row r's window
+    long lo = window_lo(a, base + t0 + r / group) - b0;
+    return lo < 0 ? 0 : (lo > BS ? BS : lo);
+  };
+  auto row_cnt = [&](long r, long b0) {  // keys of the block starting at b0 that row r sees: [row_lo, row_cnt)
     long c = base + t0 + r / group + 1 - b0;
-    return c < 0 ? 0 : (c > BS ? BS : c);
+    c = c < 0 ? 0 : (c > BS ? BS : c);
+    return c <= row_lo_of(r, b0) ? 0 : c;  // (none when its window starts past them)
   };
   float* wk = a.lut ? widen_buffer(a, scratch) : nullptr;
   const long block_bytes = BS * D * (a.lut ? 1 : 4);
-  for (long b = 0; b < nblocks; b++) {
+  for (long b = window_lo(a, base + t0) / BS; b < nblocks; b++) {  // (blocks before: outside every row's window)
     const long b0 = b * BS;
     const float* kb = block_at(a, a.k_cache, ((kvh * a.num_blocks + table[b]) * BS) * D);
     const float* vb = block_at(a, a.v_cache, ((kvh * a.num_blocks + table[b]) * BS) * D);
@@ -389,7 +407,9 @@ void attend_tile_wide_impl(const Args& a, long s, long kvh, long t0, long t1, fl
     // Scores and the online softmax, RG rows at a time.
     for (long r0 = 0; r0 < rows; r0 += RG) {
       const long nr = rows - r0 < RG ? rows - r0 : RG;
-      if (row_cnt(r0, b0) == 0 && row_cnt(r0 + nr - 1, b0) == 0) {
+      bool none = true;  // (rows in position order: the causal limit and the window start both grow down them)
+      for (long r = r0; r < r0 + nr && none; r++) none = row_cnt(r, b0) == 0;
+      if (none) {
         for (long r = r0; r < r0 + nr; r++) {
           alpha[r] = 1.0f;
           memset(pr + r * BS, 0, BS * sizeof(float));
@@ -426,6 +446,7 @@ void attend_tile_wide_impl(const Args& a, long s, long kvh, long t0, long t1, fl
           memset(pr + row * BS, 0, BS * sizeof(float));
           continue;
         }
+        const long lo = row_lo_of(row, b0);
         __m256 sv[NB8];
         __m256 m8 = neg_inf;
         for (int c = 0; c < NB8; c++) {
@@ -433,6 +454,10 @@ void attend_tile_wide_impl(const Args& a, long s, long kvh, long t0, long t1, fl
           if (cnt < BS) {
             __m256 lim = _mm256_set1_ps((float)(cnt - c * 8));
             x = _mm256_blendv_ps(neg_inf, x, _mm256_cmp_ps(iota, lim, _CMP_LT_OQ));
+          }
+          if (lo > 0) {  // keys before the row's window
+            __m256 start = _mm256_set1_ps((float)(lo - c * 8));
+            x = _mm256_blendv_ps(neg_inf, x, _mm256_cmp_ps(iota, start, _CMP_GE_OQ));
           }
           sv[c] = x;
           m8 = _mm256_max_ps(m8, x);
@@ -543,19 +568,21 @@ void run_for_head_size(const Args& a, long S, long tile, int nthreads) {
 
 extern "C" {
 
-int bl_attention_abi_version() { return 3; }
+int bl_attention_abi_version() { return 4; }
 
 // Partials of every query token of a flat batch over its sequence's paged context.
 //   q [T, H, D] (token stride q_stride, heads contiguous), caches [KVH, num_blocks, block_size, D],
 //   tables [S, max_blocks] int32, q_starts [S + 1] int32 token offsets, seq_lens [S] int32 (context
 //   after this step; token i of a chunk of ql sits at position seq_len - ql + i and sees keys
-//   0..position). Outputs o [T, H, D], m [T, H], e [T, H]; with normalize, o holds o / e.
+//   0..position, or with window > 0 position - window + 1..position). Outputs o [T, H, D], m [T, H], e [T, H];
+//   with normalize, o holds o / e.
 void bl_paged_attention(const float* q, long q_stride, const float* k_cache, const float* v_cache, long num_blocks,
                         long block_size, const int* tables, long max_blocks, const int* q_starts,
                         const int* seq_lens, long S, long H, long KVH, long D, float scale, float* o, float* m,
-                        float* e, long tile, int normalize, int nthreads) {
+                        float* e, long tile, int normalize, int nthreads, long window) {
   Args a{q, q_stride, k_cache, v_cache, num_blocks, block_size, tables, max_blocks, q_starts, seq_lens,
          H, KVH, D, scale, o, m, e, normalize != 0};
+  a.window = window;
   run_for_head_size(a, S, tile, nthreads);
 }
 
@@ -563,9 +590,10 @@ void bl_paged_attention(const float* q, long q_stride, const float* k_cache, con
 void bl_paged_attention8(const float* q, long q_stride, const unsigned char* k_cache, const unsigned char* v_cache,
                          long num_blocks, long block_size, const int* tables, long max_blocks, const int* q_starts,
                          const int* seq_lens, long S, long H, long KVH, long D, float scale, float* o, float* m,
-                         float* e, long tile, int normalize, int nthreads, const float* lut) {
+                         float* e, long tile, int normalize, int nthreads, long window, const float* lut) {
   Args a{q, q_stride, (const float*)k_cache, (const float*)v_cache, num_blocks, block_size, tables, max_blocks,
          q_starts, seq_lens, H, KVH, D, scale, o, m, e, normalize != 0, lut};
+  a.window = window;
   run_for_head_size(a, S, tile, nthreads);
 }
 
@@ -579,10 +607,10 @@ void bl_store_and_attend(const float* k, long k_stride, const float* v, long v_s
                          const float* q, long q_stride, float* k_cache, float* v_cache, long num_blocks,
                          long block_size, const int* tables, long max_blocks, const int* q_starts, const int* seq_lens,
                          long S, long H, long KVH, long D, float scale, float* o, float* m, float* e, long tile,
-                         int normalize, int nthreads) {
+                         int normalize, int nthreads, long window) {
   bl_store_kv(k, k_stride, v, v_stride, k_cache, v_cache, slots, T, KVH, num_blocks * block_size, D);
   bl_paged_attention(q, q_stride, k_cache, v_cache, num_blocks, block_size, tables, max_blocks, q_starts, seq_lens, S,
-                     H, KVH, D, scale, o, m, e, tile, normalize, nthreads);
+                     H, KVH, D, scale, o, m, e, tile, normalize, nthreads, window);
 }
 
 void bl_store_kv(const float* k, long k_stride, const float* v, long v_stride, float* k_cache, float* v_cache,

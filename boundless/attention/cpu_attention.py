@@ -20,12 +20,12 @@ from boundless.native import F, I, L, P
 
 _SIGNATURES = {
     "bl_attention_abi_version": (I, []),
-    "bl_paged_attention": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I]),
-    "bl_paged_attention8": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I, P]),
+    "bl_paged_attention": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I, L]),
+    "bl_paged_attention8": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I, L, P]),
     "bl_store_kv": (None, [P, L, P, L, P, P, P, L, L, L, L]),
     "bl_store_and_attend": (
         None,
-        [P, L, P, L, P, L, P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I],
+        [P, L, P, L, P, L, P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I, L],
     ),
 }
 
@@ -106,9 +106,11 @@ def paged_partial(
     batch: NativeBatch,
     scale: float,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> AttentionPartial:
     """The partial of every query row of ``q`` [tokens, heads, head_dim] over its sequence's
-    context in the caches [kv_heads, blocks, block_size, head_dim] (causal within a chunk)."""
+    context in the caches [kv_heads, blocks, block_size, head_dim] (causal within a chunk; within ``window`` keys
+    of each row's position, the backends' rule, when given)."""
     t, h, d = q.shape
     assert q.stride(2) == 1 and q.stride(1) == d and t == batch.num_tokens
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -118,7 +120,7 @@ def paged_partial(
         e = torch.empty(t, h, 1, dtype=torch.float32)
     else:
         o, m, e = out
-    _attend(_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize=False), k_cache.dtype)
+    _attend(_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, False, window), k_cache.dtype)
     return AttentionPartial(m=m, e=e, o=o)
 
 
@@ -142,6 +144,7 @@ def store_and_attend(
     scale: float,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     normalize: bool = False,
+    window: int | None = None,
 ) -> AttentionPartial:
     """:func:`store_kv` then :func:`paged_partial`, in one call (the layout checks are the caller's:
     heads contiguous in q, k, v; contiguous caches; int64 slots). With ``normalize`` the partial's
@@ -149,11 +152,11 @@ def store_and_attend(
     o, m, e = out
     if k_cache.dtype in FP8_DTYPES:  # (rounded on the way in by PyTorch's cast; the kernel stores fp32 only)
         store_rows(k, v, k_cache, v_cache, slots)
-        _attend(_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize), k_cache.dtype)
+        _attend(_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize, window), k_cache.dtype)
         return AttentionPartial(m=m, e=e, o=o)
     _lib().bl_store_and_attend(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), q.shape[0],
-        *_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize),
+        *_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize, window),
     )  # fmt: skip
     return AttentionPartial(m=m, e=e, o=o)
 
@@ -168,6 +171,7 @@ def _attention_args(
     m: torch.Tensor,
     e: torch.Tensor,
     normalize: bool,
+    window: int | None,
 ) -> tuple:
     """The attention arguments the kernel's entry points share, in their order."""
     h, d = q.shape[1:]
@@ -176,5 +180,5 @@ def _attention_args(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), nb, bs,
         batch.tables.data_ptr(), batch.tables.shape[1], batch.q_starts.data_ptr(), batch.seq_lens.data_ptr(),
         batch.tables.shape[0], h, kvh, d, scale, o.data_ptr(), m.data_ptr(), e.data_ptr(), batch.tile, int(normalize),
-        native.threads(),
+        native.threads(), window or 0,
     )  # fmt: skip

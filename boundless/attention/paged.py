@@ -30,6 +30,28 @@ class _PrefillSeq:
     context_len: int
     gather_index: torch.Tensor | None  # None: the whole context is this step's tokens
     bias: torch.Tensor | None  # [1, query_len, context_len] causal bias when part of the context is cached
+    window_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # the causal bias within each window
+
+    def bias_for(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """The bias of a layer with ``window`` (made at its first layer): -inf past each query and before its
+        window's first key."""
+        if window is None or window >= self.context_len:
+            return self.bias
+        if window not in self.window_bias:
+            first = self.context_len - self.query_len
+            self.window_bias[window] = _window_bias(first, self.query_len, self.context_len, window).to(device)
+        return self.window_bias[window]
+
+
+def _window_bias(first: int, num_queries: int, num_keys: int, window: int | None) -> torch.Tensor:
+    """[num_queries, num_keys] of 0 or -inf: queries at positions ``first``, ``first + 1``, ... over keys 0, 1, ...;
+    a key is seen when it is at or before the query and (with ``window``) within it (``attention/backend.py``)."""
+    q_pos = torch.arange(first, first + num_queries).view(-1, 1)
+    k_pos = torch.arange(num_keys).view(1, -1)
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    return torch.zeros(num_queries, num_keys).masked_fill_(hidden, float("-inf")).unsqueeze(0)
 
 
 @dataclass
@@ -39,6 +61,8 @@ class PagedAttentionMetadata:
     decode_gather_index: torch.Tensor | None = None
     decode_bias: torch.Tensor | None = None  # [kv_heads * decodes, 1, max_context]; 0 or -inf
     decode_max_context: int = 0
+    decode_context: list[int] = field(default_factory=list)
+    decode_window_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # decode_bias within each window
     prefills: list[_PrefillSeq] = field(default_factory=list)
     # The native kernel's view of the step (CPU only), and the batch to build the PyTorch
     # metadata from when a layer needs it after all (a non-fp32 cache).
@@ -83,28 +107,29 @@ class TorchPagedAttention:
             decode_ctx = batch.seq_lens[:nd]
             nblk = -(-max(decode_ctx) // bs)
             meta.decode_gather_index = self._gather_index(batch.block_tables[:nd], nblk, batch.device)
-            pos = torch.arange(nblk * bs)
-            decode_bias = torch.zeros(nd, nblk * bs).masked_fill_(
-                pos.view(1, -1) >= torch.tensor(decode_ctx).view(-1, 1), float("-inf")
-            )
-            meta.decode_bias = (
-                decode_bias.view(1, nd, 1, -1)
-                .expand(self.num_kv_heads, -1, -1, -1)
-                .reshape(-1, 1, nblk * bs)
-                .to(batch.device)
-            )
             meta.decode_max_context = nblk * bs
+            meta.decode_context = decode_ctx
+            meta.decode_bias = self._decode_bias(meta, None, batch.device)
         start = sum(batch.query_lens[:nd])
         for i in range(nd, len(batch.query_lens)):
             ql, ctx = batch.query_lens[i], batch.seq_lens[i]
             gather, bias = None, None
             if ctx > ql:
                 gather = self._gather_index([batch.block_tables[i]], -(-ctx // bs), batch.device)
-                q_pos = torch.arange(ctx - ql, ctx).view(-1, 1)
-                future = torch.arange(ctx).view(1, -1) > q_pos
-                bias = torch.zeros(1, ql, ctx).masked_fill_(future, float("-inf")).to(batch.device)
+                bias = _window_bias(ctx - ql, ql, ctx, None).to(batch.device)
             meta.prefills.append(_PrefillSeq(start, ql, ctx, gather, bias))
             start += ql
+
+    def _decode_bias(self, meta: PagedAttentionMetadata, window: int | None, device: torch.device) -> torch.Tensor:
+        """[kv_heads * decodes, 1, max_context] of 0 or -inf: each decode's gathered keys past its context, and
+        (with ``window``) before its window, hidden."""
+        t, ctx = meta.decode_max_context, torch.tensor(meta.decode_context).view(-1, 1)
+        pos = torch.arange(t).view(1, -1)
+        hidden = pos >= ctx
+        if window is not None:
+            hidden |= pos <= ctx - 1 - window  # (the decode's query sits at position ctx - 1)
+        bias = torch.zeros(len(meta.decode_context), t).masked_fill_(hidden, float("-inf"))
+        return bias.view(1, -1, 1, t).expand(self.num_kv_heads, -1, -1, -1).reshape(-1, 1, t).to(device)
 
     # -- every layer ---------------------------------------------------------------------------
 
@@ -115,24 +140,25 @@ class TorchPagedAttention:
         v: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: PagedAttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = cache
         if meta.native is not None:
             if self._native_ok(q, k, v, k_cache):
-                return self._forward_native(q, k, v, k_cache, v_cache, meta)
+                return self._forward_native(q, k, v, k_cache, v_cache, meta, window)
             if meta.batch is not None:
                 self._prepare_torch(meta, meta.batch)
                 meta.batch = None
         # Store the new tokens' KV first: a sequence's attention reads its own new keys from the cache.
         store_rows(k, v, k_cache, v_cache, meta.slot_mapping)
         if not meta.prefills:
-            return self._decode(q, k_cache, v_cache, meta)
+            return self._decode(q, k_cache, v_cache, meta, window)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache, meta)
+            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache, meta, window)
         for seq in meta.prefills:
             s, e = seq.token_start, seq.token_start + seq.query_len
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq)
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, window)
         return out
 
     def forward_partial(
@@ -142,6 +168,7 @@ class TorchPagedAttention:
         v: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: PagedAttentionMetadata,
+        window: int | None = None,
     ) -> AttentionPartial:
         """As :meth:`forward`, but return the unnormalized partial of every row (m, e [tokens, heads, 1], o
         [tokens, heads, head_dim]), for a caller that merges it with partials computed elsewhere. On the
@@ -152,7 +179,7 @@ class TorchPagedAttention:
                 o, m, e = self._native_buffers(q, meta)
                 assert meta.native is not None
                 return cpu_attention.store_and_attend(
-                    q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e)
+                    q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e), window=window
                 )
             if meta.batch is not None:
                 self._prepare_torch(meta, meta.batch)
@@ -162,10 +189,11 @@ class TorchPagedAttention:
         m, e, o = torch.empty(t, h, 1, device=q.device), torch.empty(t, h, 1, device=q.device), torch.empty_like(q)
         parts = []
         if meta.num_decodes:
-            parts.append((0, meta.num_decodes, self._decode_partial(q[: meta.num_decodes], k_cache, v_cache, meta)))
+            decodes = q[: meta.num_decodes]
+            parts.append((0, meta.num_decodes, self._decode_partial(decodes, k_cache, v_cache, meta, window)))
         for seq in meta.prefills:
             s, end = seq.token_start, seq.token_start + seq.query_len
-            parts.append((s, end, self._prefill_partial(q[s:end], k[s:end], v[s:end], k_cache, v_cache, seq)))
+            parts.append((s, end, self._prefill_partial(q[s:end], k[s:end], v[s:end], k_cache, v_cache, seq, window)))
         for s, end, part in parts:
             m[s:end], e[s:end], o[s:end] = part.m, part.e, part.o
         return AttentionPartial(m=m, e=e, o=o)
@@ -189,13 +217,15 @@ class TorchPagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: PagedAttentionMetadata,
+        window: int | None,
     ) -> torch.Tensor:
         assert meta.native is not None
         o, m, e = self._native_buffers(q, meta)
         # One local partial: the kernel finishes it (o / e, as merge_partials would) in place.
         cpu_attention.store_and_attend(
-            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e), normalize=True
-        )
+            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e), normalize=True,
+            window=window,
+        )  # fmt: skip
         return o
 
     @staticmethod
@@ -209,11 +239,16 @@ class TorchPagedAttention:
         return meta.buffers
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        window: int | None,
     ) -> torch.Tensor:
         nd = q.shape[0]
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        out = merge_partials([self._decode_partial(q, k_cache, v_cache, meta, layout=False)])
+        out = merge_partials([self._decode_partial(q, k_cache, v_cache, meta, window, layout=False)])
         return out.view(kvh, nd, g, d).transpose(0, 1).reshape(nd, kvh * g, d)
 
     def _decode_partial(
@@ -222,6 +257,7 @@ class TorchPagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: PagedAttentionMetadata,
+        window: int | None = None,
         layout: bool = True,
     ) -> AttentionPartial:
         """All single-token queries at once: kv heads and sequences form one batch dimension,
@@ -235,7 +271,12 @@ class TorchPagedAttention:
         assert idx is not None  # (built with the decodes' metadata)
         keys = from_cache(index_select(k_cache.view(kvh * nb, bs, d), 0, idx), q.dtype).view(kvh * nd, t, d)
         values = from_cache(index_select(v_cache.view(kvh * nb, bs, d), 0, idx), q.dtype).view(kvh * nd, t, d)
-        part = scores_partial(qg, keys, values, self.scale, bias=meta.decode_bias)
+        bias = meta.decode_bias
+        if window is not None and window < max(meta.decode_context):
+            if window not in meta.decode_window_bias:
+                meta.decode_window_bias[window] = self._decode_bias(meta, window, q.device)
+            bias = meta.decode_window_bias[window]
+        part = scores_partial(qg, keys, values, self.scale, bias=bias)
         if not layout:
             return part
 
@@ -252,9 +293,10 @@ class TorchPagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         seq: _PrefillSeq,
+        window: int | None,
     ) -> torch.Tensor:
-        """One sequence's chunk of queries against its whole context (cached prefix and new tokens)."""
-        part = self._prefill_partial(q, k_new, v_new, k_cache, v_cache, seq, layout=False)
+        """One sequence's chunk of queries against its context (cached prefix and new tokens; within ``window``)."""
+        part = self._prefill_partial(q, k_new, v_new, k_cache, v_cache, seq, window, layout=False)
         return merge_partials([part]).transpose(0, 1)
 
     def _prefill_partial(
@@ -265,6 +307,7 @@ class TorchPagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         seq: _PrefillSeq,
+        window: int | None = None,
         layout: bool = True,
     ) -> AttentionPartial:
         """The partial of one sequence's chunk; rows [tokens, heads, ...] with ``layout``, else [heads, tokens, ...]."""
@@ -281,9 +324,8 @@ class TorchPagedAttention:
         if self.group > 1:
             keys = keys.repeat_interleave(self.group, dim=0)
             values = values.repeat_interleave(self.group, dim=0)
-        part = scores_partial(
-            q.transpose(0, 1), keys, values, self.scale, bias=seq.bias, causal=seq.gather_index is None
-        )
+        bias = seq.bias_for(window, q.device)
+        part = scores_partial(q.transpose(0, 1), keys, values, self.scale, bias=bias, causal=bias is None)
         if not layout:
             return part
         return AttentionPartial(m=part.m.transpose(0, 1), e=part.e.transpose(0, 1), o=part.o.transpose(0, 1))

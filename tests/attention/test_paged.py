@@ -199,3 +199,46 @@ def test_keys_past_an_fp8_types_range_are_held_at_its_largest_value() -> None:
     kvh, nb, bs, d = case.cache[0].shape
     held = case.cache[0].view(kvh, nb * bs, d)[:, case.batch.slot_mapping].float()
     assert held[0, 0, 0] == 448.0 and held[1, 1, 3] == -448.0
+
+
+# Windows of one key, of less than a block, of a few blocks (across the wide kernel's tiles), and past every context.
+WINDOWS = [1, 5, 40, 1000]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4]], ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_a_sliding_window_attends_to_the_last_keys_only(
+    shape: tuple[int, int, int, int], mix: str, window: int, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer's sliding window (Mistral's): each query sees its last ``window`` keys, itself included, whole and
+    as partials, decodes and prefill chunks over cached prefixes alike (the native kernel's decode and prefill tiles
+    skip the blocks before a tile's window)."""
+    heads, kv_heads, head_dim, block_size = shape
+    if native and not cpu_attention.supports(head_dim, torch.device("cpu")):
+        pytest.skip("native attention kernel unavailable here")
+    if not native:
+        monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
+    case = paged_case(5, heads, kv_heads, head_dim, block_size, MIXES[mix], window=window)
+    backend = _backend(heads, kv_heads, head_dim, case.cache)
+    out = backend.forward(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=window)
+    check_matches_dense(case, out, case.expected_lse, 2e-5, check_lse=False)
+    part = backend.forward_partial(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=window)
+    torch.testing.assert_close(merge_partials([part]).double(), case.expected, rtol=2e-5, atol=2e-5)
+    lse = (part.m + part.e.log()).squeeze(-1)
+    torch.testing.assert_close(lse.double(), case.expected_lse, rtol=2e-5, atol=2e-5)
+    if window < max(ctx for _, ctx in MIXES[mix]):  # (the window hides keys: whole attention would differ)
+        whole = paged_case(5, heads, kv_heads, head_dim, block_size, MIXES[mix])
+        assert not torch.allclose(out.double(), whole.expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_a_window_over_an_fp8_cache(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native kernel's 8-bit path windows as its fp32 one."""
+    if not native:
+        monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
+    case = paged_case(6, 8, 2, 64, 16, MIXES["mixed"], torch.float32, "cpu", torch.float8_e4m3fn, window=24)
+    backend = _backend(8, 2, 64, case.cache)
+    out = backend.forward(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=24)
+    check_matches_dense(case, out, case.expected_lse, 2e-5, check_lse=False)
