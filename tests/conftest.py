@@ -64,6 +64,12 @@ TINY_SPECS = {
     "tiny-mixtral": TinySpec(kind="mixtral", num_heads=4, num_kv_heads=2, seed=4),
     # Phi-3 (Phi-4): q/k/v and gate/up fused in the checkpoint itself.
     "tiny-phi3": TinySpec(kind="phi3", num_heads=4, num_kv_heads=2, seed=6),
+    # Sliding windows (attention/backend.py): a Mistral's over every layer, 12 keys (most prompts run past it, and a
+    # window ends inside a block); a Qwen2's from its second layer on (max_window_layers), 7 keys, GQA.
+    "tiny-mistral-window": TinySpec(kind="mistral", num_heads=4, num_kv_heads=2, seed=8, sliding_window=12),
+    "tiny-qwen2-window": TinySpec(
+        kind="qwen2", num_layers=3, num_heads=4, num_kv_heads=2, seed=10, sliding_window=7, max_window_layers=1
+    ),
     # Qwen3 with YaRN (factor 4 over an original 32 positions: most prompts run past it, where it interpolates).
     "tiny-qwen3-yarn": TinySpec(
         kind="qwen3",

@@ -11,7 +11,9 @@ backend, untouched. Otherwise, in every layer:
    without remote blocks keep their local partial alone, so their output is bit for bit the local backend's.
 
 The local rest of a context starts at a block boundary after every remote block, so a chunk's queries attend
-to all remote tokens (all earlier) and causally to the local ones, as one instance holding everything would.
+to all remote tokens (all earlier) and causally to the local ones, as one instance holding everything would. In a
+layer with a sliding window each creditor masks its keys by the rows' positions, which the segments carry, and a
+creditor whose keys lie before every row's window is not asked at all in that layer.
 
 A model split over tensor-parallel ranks runs one DistributedAttention on every rank, each asking the creditor's
 rank of its number for the partials of its heads. A round trip that fails on one rank must not end that rank's pass
@@ -41,8 +43,14 @@ class _CreditorPlan:
 
     rows: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in the step's flat rows
     segments: list[QuerySegment] = field(default_factory=list)
+    num_keys: list[int] = field(default_factory=list)  # each segment's lent keys there
     where: torch.Tensor | None = None  # for each of those rows, its index among the step's remote rows
-    encoded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the segments on the wire
+    encoded: tuple[torch.Tensor, ...] | None = None  # the segments on the wire
+
+    def sees_any(self, window: int | None) -> bool:
+        """Whether a row of the plan sees one of the creditor's keys in a layer of sliding ``window``: the keys lent
+        long ago lie before every window of the step, and that layer asks nothing of their creditor."""
+        return any(s.sees_any(n, window) for s, n in zip(self.segments, self.num_keys, strict=True))
 
 
 @dataclass
@@ -98,11 +106,16 @@ class DistributedAttention:
             return meta
         start = 0
         rows: list[int] = []
-        for query_len, remote in zip(batch.query_lens, batch.remote, strict=True):
+        for query_len, seq_len, remote in zip(batch.query_lens, batch.seq_lens, batch.remote, strict=True):
+            # The chunk's first position in the whole context: every remote token, then the local ones before it.
+            first = sum(kv.num_tokens for kv in remote) + seq_len - query_len
+            keys_before = 0
             for kv in remote:
                 plan = meta.plans.setdefault(kv.creditor, _CreditorPlan())
                 plan.rows.append((start, start + query_len))
-                plan.segments.append(QuerySegment(query_len, kv.move_ids))
+                plan.segments.append(QuerySegment(query_len, kv.move_ids, first - keys_before))
+                plan.num_keys.append(kv.num_tokens)
+                keys_before += kv.num_tokens
             if remote:
                 rows.extend(range(start, start + query_len))
             start += query_len
@@ -121,9 +134,10 @@ class DistributedAttention:
         v: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: DistMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         if not meta.plans:
-            return self.local.forward(q, k, v, cache, meta.inner)
+            return self.local.forward(q, k, v, cache, meta.inner, window)
         started = time.perf_counter()
         layer = self._layers[cache[0].data_ptr()]
         pending: list[tuple[_CreditorPlan, PendingPartial | None]] = []
@@ -131,14 +145,16 @@ class DistributedAttention:
             if creditor in meta.failed:  # (agreed at the end: its partials count as empty until then)
                 pending.append((plan, None))
                 continue
+            if not plan.sees_any(window):
+                continue
             rows = (
                 torch.cat([q[s:e] for s, e in plan.rows])
                 if len(plan.rows) > 1
                 else q[plan.rows[0][0] : plan.rows[0][1]]
             )
-            pending.append((plan, self.client.send(creditor, layer, rows, plan.segments, plan.encoded)))
+            pending.append((plan, self.client.send(creditor, layer, rows, plan.segments, plan.encoded, window)))
         sent = time.perf_counter()
-        local = self.local.forward_partial(q, k, v, cache, meta.inner)
+        local = self.local.forward_partial(q, k, v, cache, meta.inner, window)
         local_done = time.perf_counter()
         remote = [(plan, self._collect(plan, p, meta, local.o).to(q.device)) for plan, p in pending if p is not None]
         collected = time.perf_counter()

@@ -161,12 +161,12 @@ class PartialServer:
             self.on_peer_lost(peer)
 
     def _serve(self, peer: str, header: torch.Tensor) -> None:
-        version, seq, layer, t, h, d, s, b = (int(x) for x in header.tolist())
+        version, seq, layer, t, h, d, s, b, window = (int(x) for x in header.tolist())
         if version != VERSION:
             raise TransportError(f"partial request of version {version} from {peer}")
-        rows, lens = torch.empty(s, dtype=torch.int64), torch.empty(s, dtype=torch.int64)
+        rows, lens, firsts = (torch.empty(s, dtype=torch.int64) for _ in range(3))
         ids, q = torch.empty(b, dtype=torch.uint8), torch.empty(t, h, d, dtype=torch.float32)
-        body = self.transport.recv(peer, REQUEST_TAG, [rows, lens, ids, q])
+        body = self.transport.recv(peer, REQUEST_TAG, [rows, lens, firsts, ids, q])
         # The next header is posted only now: messages on one tag match receives in the order posted.
         with self._lock:
             if peer in self._headers:
@@ -179,12 +179,15 @@ class PartialServer:
             with torch.inference_mode():
                 k_cache, v_cache = self.layer_cache(layer)
                 at = 0
-                for segment in decode_segments(rows, lens, ids):
+                for segment in decode_segments(rows, lens, firsts, ids):
                     blocks = self._blocks_of(segment)
                     if blocks is None:
                         status[0] = STATUS_UNKNOWN_MOVE
                         break
-                    part = lent_partial(q[at : at + segment.num_rows], k_cache, v_cache, blocks, self.scale)
+                    part = lent_partial(
+                        q[at : at + segment.num_rows], k_cache, v_cache, blocks, self.scale, window or None,
+                        segment.first_position,
+                    )  # fmt: skip
                     m[at : at + segment.num_rows] = part.m
                     e[at : at + segment.num_rows] = part.e
                     o[at : at + segment.num_rows] = part.o
@@ -197,7 +200,7 @@ class PartialServer:
         # this thread runs again, and a reader of both counts after a step must find them equal.)
         self.stats.round_trips += 1
         self.stats.rows += t
-        self.stats.bytes_received += (HEADER_LEN + 2 * s) * 8 + b + q.numel() * 4
+        self.stats.bytes_received += (HEADER_LEN + 3 * s) * 8 + b + q.numel() * 4
         self.stats.bytes_sent += 16 + (m.numel() + e.numel() + o.numel()) * 4
         if status[0] != STATUS_OK:
             self.stats.errors += 1
@@ -245,16 +248,18 @@ class PartialClient:
         layer: int,
         q: torch.Tensor,
         segments: Sequence[QuerySegment],
-        encoded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        encoded: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        window: int | None = None,
     ) -> PendingPartial:
-        """Ask ``creditor`` for the partials of ``q`` [T, heads, head_dim] (fp32, the segments' rows in order);
-        ``encoded`` is ``encode_segments(segments)`` made once for every layer of a step."""
+        """Ask ``creditor`` for the partials of ``q`` [T, heads, head_dim] (fp32, the segments' rows in order) in a
+        layer of sliding ``window`` (None: none); ``encoded`` is ``encode_segments(segments)`` made once for every
+        layer of a step."""
         seq = self._seq.get(creditor, 0)
         self._seq[creditor] = seq + 1
         peer = rank_address(creditor, self.rank)
         t, h, d = q.shape
-        rows, lens, ids = encoded if encoded is not None else encode_segments(segments)
-        header = request_header(seq, layer, t, h, d, len(segments), ids.numel())
+        rows, lens, firsts, ids = encoded if encoded is not None else encode_segments(segments)
+        header = request_header(seq, layer, t, h, d, len(segments), ids.numel(), window)
         q = q.float().contiguous()
         # Normal tensors even inside the forward pass's inference mode: the transport's thread writes them.
         with torch.inference_mode(False):
@@ -265,9 +270,9 @@ class PartialClient:
         sent_at = time.perf_counter()
         sends = [
             self.transport.send(peer, REQUEST_TAG, header),
-            self.transport.send(peer, REQUEST_TAG, [rows, lens, ids, q]),
+            self.transport.send(peer, REQUEST_TAG, [rows, lens, firsts, ids, q]),
         ]
-        self.stats.bytes_sent += header.numel() * 8 + (rows.numel() + lens.numel()) * 8 + ids.numel() + q.numel() * 4
+        self.stats.bytes_sent += header.numel() * 8 + 3 * rows.numel() * 8 + ids.numel() + q.numel() * 4
         self.stats.rows += t
         return PendingPartial(creditor, layer, seq, sent_at, sends, reply, status, part)
 

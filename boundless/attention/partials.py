@@ -97,8 +97,12 @@ def scores_partial(
             q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), 0.0, causal, attn_mask=mask, scale=scale
         )
         lse = lse.view(n, length, 1)
-        # A fully masked row has lse = -inf and a zero output: an empty partial (e = 0).
-        e = (lse > float("-inf")).to(lse.dtype)
+        # A fully masked row has a zero output and an lse of -inf, or of 0 (PyTorch 2.13's kernel): an empty partial
+        # (e = 0) either way.
+        seen = lse > float("-inf")
+        if bias is not None:
+            seen &= ~bias.isneginf().all(dim=-1, keepdim=True)
+        e = seen.to(lse.dtype)
         return AttentionPartial(m=lse.nan_to_num(neginf=0.0), e=e, o=out.view(n, length, d))
     if causal:
         causal_bias = torch.zeros(length, k.shape[1], device=q.device).masked_fill_(

@@ -123,16 +123,7 @@ def size_engine(
     pool_tokens = int(num_blocks * pools) * bs
     asked = config.model.max_model_len
     if asked is None:
-        limit = arch.context_length
-        if arch.sliding_window:
-            limit = min(limit, arch.sliding_window)  # no windowed attention: stay where attention is exact
-        max_model_len = min(limit, pool_tokens)
-    elif arch.sliding_window and asked > arch.sliding_window:
-        # Attention here is over the whole context: past the window it would differ from the model's.
-        raise ConfigError(
-            f"--max-model-len: {asked} tokens exceed the model's sliding window ({arch.sliding_window}); attention "
-            "is computed over the whole context, so beyond the window outputs would not be the model's"
-        )
+        max_model_len = min(arch.context_length, pool_tokens)
     elif asked > arch.context_length and not config.model.allow_long_max_model_len:
         raise ConfigError(
             f"--max-model-len: {asked} tokens exceed the model's context ({arch.context_length}); outputs past it "
@@ -397,8 +388,9 @@ def make_attention(
             )
         try:
             return flex_paged.FlexPagedAttention(
-                arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device
-            )
+                arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device,
+                windows=arch.windows,
+            )  # fmt: skip
         except ValueError as e:  # (pages too small for its GPU kernel)
             raise ConfigError(f"--attention-backend flex: {e}") from None
     return TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks)

@@ -81,11 +81,14 @@ class ModelArch:
     """What the network looks like: enough to build it and to name its KV blocks.
 
     ``model_type`` is one of :data:`SUPPORTED_ARCHITECTURES`; Qwen2 differs from Llama only by
-    q/k/v biases, Mistral only by its name (and an optional sliding window, see ``sliding_window``), Qwen3 by an
+    q/k/v biases, Mistral only by its name (and an optional sliding window, see ``layer_window``), Qwen3 by an
     RMSNorm over each query and key head before RoPE (``qk_norm``) and no biases, Qwen3-MoE from Qwen3 by a sparse
     mixture of experts in place of the MLP of its ``sparse_layers`` (``num_experts``, each token's
     ``num_experts_per_tok``, each expert's ``moe_intermediate_size``; ``model/moe.py``), and Mixtral from Mistral the
     same way in every layer. Phi-3 (Phi-4) is a Llama whose checkpoint fuses q/k/v and gate/up as this model does.
+
+    ``sliding_window``: the window of every layer but ``full_attention_layers`` (dense Qwen2's and Qwen3's first
+    ``max_window_layers``, or those a config's ``layer_types`` names ``full_attention``), as transformers reads them.
     """
 
     model_type: str
@@ -111,6 +114,7 @@ class ModelArch:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    full_attention_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         sizes = {
@@ -134,6 +138,19 @@ class ModelArch:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, not {self.num_experts_per_tok}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer, not {self.sliding_window!r}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (``attention/backend.py``'s rule), or None: it attends the whole
+        context."""
+        return None if layer in self.full_attention_layers else self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct sliding windows of the model's layers (none, or one)."""
+        found = {self.layer_window(i) for i in range(self.num_layers)}
+        return tuple(sorted(w for w in found if w is not None))
 
     @property
     def context_length(self) -> int:
@@ -151,6 +168,8 @@ class ModelArch:
         # disk too.)
         if not self.qk_norm:
             del fields["qk_norm"]
+        if not self.full_attention_layers:
+            del fields["full_attention_layers"]
         if not self.num_experts:
             for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
                 del fields[name]
@@ -212,6 +231,17 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3"))
         num_layers = cfg["num_hidden_layers"]
+        window = cfg.get("sliding_window") if use_window else None
+        full_layers: tuple[int, ...] = ()
+        if window is not None:
+            # (As transformers: a saved config's layer_types, else Qwen's first max_window_layers attend it all.)
+            types = cfg.get("layer_types")
+            if types and model_type in ("qwen2", "qwen3"):  # (Qwen3-MoE's every layer slides)
+                full_layers = tuple(i for i, kind in enumerate(types) if kind != "sliding_attention")
+            elif model_type in ("qwen2", "qwen3"):
+                full_layers = tuple(range(min(num_layers, int(cfg.get("max_window_layers", 28)))))
+            if len(full_layers) == num_layers:
+                window, full_layers = None, ()
         # (transformers 5 saves Qwen3-MoE's num_experts as num_local_experts, Mixtral's name, which it maps it to.)
         qwen3_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
         experts_by_type = {"qwen3_moe": int(qwen3_experts or 0), "mixtral": int(cfg.get("num_local_experts") or 0)}
@@ -242,7 +272,8 @@ class ModelArch:
             norm_topk_prob=(model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False))) if experts else False,
             sparse_layers=sparse,
             rope_scaling=scaling,
-            sliding_window=cfg.get("sliding_window") if use_window else None,
+            sliding_window=window,
+            full_attention_layers=full_layers,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -187,6 +187,7 @@ class DecoderLayer(nn.Module):
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
+        self.window = arch.layer_window(index)  # its sliding window (None: the whole context)
         q_size = arch.num_heads * arch.head_dim
         kv_size = arch.num_kv_heads * arch.head_dim
         self.qkv_sizes = (q_size, kv_size, kv_size)
@@ -291,7 +292,7 @@ class DecoderLayer(nn.Module):
         self._norm_heads_(heads)
         apply_rotary_(heads, cos, sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
-        attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
+        attn = attention.forward(q, k, v, cache, attn_meta, self.window).reshape(t, -1)
         out = self.product("o", attn)
         hidden += self._summed(out if lora is None else lora.add_(index, O_PROJ, attn, out))
         x = self.post_attention_norm(hidden)
@@ -344,7 +345,7 @@ class DecoderLayer(nn.Module):
         self._norm_heads_(heads)
         ops.rotary_(heads, positions, rope.cos, rope.sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
-        attn = attention.forward(q, k, v, cache, attn_meta).reshape(t, -1)
+        attn = attention.forward(q, k, v, cache, attn_meta, self.window).reshape(t, -1)
         out = self.product("o", attn)
         if lora is not None:
             lora.add_(index, O_PROJ, attn, out)
@@ -391,7 +392,7 @@ class DecoderLayer(nn.Module):
             cpu_kernels.rms_norm(hidden, self.input_norm.weight, self.input_norm.eps, x)
             lora.add_(index, QKV, x, packed.qkv.matmul(x, step.qkv))
             cpu_kernels.rope_(step.qkv, heads, self.head_dim, step.positions, rope.cos, rope.sin, packed.head_norm)
-        attn = attention.forward(step.q, step.k, step.v, cache, attn_meta).view(x.shape[0], -1)
+        attn = attention.forward(step.q, step.k, step.v, cache, attn_meta, self.window).view(x.shape[0], -1)
         if attn.stride(1) != 1 or attn.stride(0) != attn.shape[1]:
             attn = attn.contiguous()
         post = self.post_attention_norm

@@ -39,7 +39,8 @@ class TinySpec:
     by default ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size). A
     qwen3_moe model's layers are sparse (``num_experts`` experts of ``moe_intermediate_size``,
     ``num_experts_per_tok`` a token), but for ``mlp_only_layers``; a mixtral model's are all sparse, its experts
-    ``moe_intermediate_size`` wide too."""
+    ``moe_intermediate_size`` wide too. ``sliding_window``: a window over every layer (a qwen2 or qwen3 model's
+    from layer ``max_window_layers`` on, as transformers reads it)."""
 
     kind: str = "llama"
     vocab_size: int = 384
@@ -60,6 +61,8 @@ class TinySpec:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
     mlp_only_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    max_window_layers: int = 0
 
 
 def _train_tokenizer(vocab_size: int):
@@ -149,7 +152,9 @@ def _config(spec: TinySpec) -> dict:
     if spec.rope_scaling:
         cfg["rope_scaling"] = spec.rope_scaling
     if spec.kind in ("qwen2", "qwen3", "qwen3_moe"):
-        cfg["use_sliding_window"] = False
+        cfg["use_sliding_window"] = spec.sliding_window is not None
+        if spec.sliding_window is not None:
+            cfg.update(sliding_window=spec.sliding_window, max_window_layers=spec.max_window_layers)
     if spec.kind in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
     if spec.kind == "qwen3_moe":
@@ -163,7 +168,7 @@ def _config(spec: TinySpec) -> dict:
             output_router_logits=False,
         )
     if spec.kind in ("mistral", "mixtral", "phi3"):
-        cfg["sliding_window"] = None
+        cfg["sliding_window"] = spec.sliding_window
     if spec.kind == "phi3":
         cfg["pad_token_id"] = 0  # (Phi-3's default, 32000, is past a small vocabulary)
     if spec.kind == "mixtral":  # (its intermediate_size is each expert's)

@@ -114,3 +114,45 @@ def test_round_trip_over_shm_merges_to_attention_over_the_whole_context(ends, ca
             client.collect(client.send(creditor_net.address, 0, q[:1], [QuerySegment(1, ("d/9",))]))
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("rows", [3, 24])  # decode rows (the native kernel's count), a prefill chunk's (matmuls)
+@pytest.mark.parametrize("window", [1, 5, 20, 40, 100])
+def test_lent_partial_within_a_sliding_window(caches, rows: int, window: int) -> None:
+    """Rows at positions ``first + i`` after the lent keys see only those within their window: the partial is
+    attention over those keys, and a row whose window starts past every lent key is an empty partial (e = 0)."""
+    k_cache, v_cache = caches
+    q = torch.randn(rows, 4, D)
+    ids = [7, 2, 9]  # 48 keys
+    first = 50  # the first row's position counted from the first lent key
+    part = lent_partial(q, k_cache, v_cache, ids, SCALE, window=window, first_position=first)
+    keys, values = _dense(ids, k_cache), _dense(ids, v_cache)
+    out = merge_partials([part])
+    for i in range(rows):
+        lo = first + i - window + 1
+        if lo >= keys.shape[1]:
+            assert part.e[i].eq(0).all() and out[i].eq(0).all()
+            continue
+        want = _reference(q[i : i + 1], keys[:, max(0, lo) :], values[:, max(0, lo) :])
+        torch.testing.assert_close(out[i : i + 1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_segments_window_reaches_the_creditor(ends, caches) -> None:
+    """A window and each segment's first position go over the wire: the creditor's partial is the windowed one."""
+    debtor_net, creditor_net = ends
+    k_cache, v_cache = caches
+    lent = {"d/0": LentBlocks((3, 5))}
+    server = PartialServer(creditor_net, lambda layer: (k_cache, v_cache), lent.get, SCALE)
+    server.add_peer(debtor_net.address)
+    client = PartialClient(debtor_net, timeout_s=10)
+    try:
+        q = torch.randn(4, 4, D)
+        segments = [QuerySegment(2, ("d/0",), first_position=40), QuerySegment(2, ("d/0",), first_position=33)]
+        got = merge_partials([client.collect(client.send(creditor_net.address, 0, q, segments, window=10))])
+        keys, values = _dense([3, 5], k_cache), _dense([3, 5], v_cache)
+        for row, position in enumerate([40, 41, 33, 34]):
+            lo = position - 10 + 1
+            want = _reference(q[row : row + 1], keys[:, lo:], values[:, lo:])
+            torch.testing.assert_close(got[row : row + 1], want, atol=1e-5, rtol=1e-5)
+    finally:
+        server.close()

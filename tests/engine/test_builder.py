@@ -37,17 +37,15 @@ def test_a_context_is_capped_by_one_pool_or_with_lending_by_the_pools_it_may_spa
     assert size_engine(roomy, arch, dtype, pools=4).max_model_len == arch.max_position_embeddings
 
 
-def test_a_windowed_model_admits_no_context_past_its_window(tiny_llama: LoadedModel) -> None:
-    """Attention runs over the whole context: a sliding-window model's default context stops at its window, and an
-    asked one beyond it is refused (its outputs would differ from the model's there)."""
+def test_a_windowed_model_serves_its_whole_context(tiny_llama: LoadedModel) -> None:
+    """Attention runs within the window (``attention/backend.py``): a sliding-window model's context is the model's,
+    not its window's (it was capped at the window, and a longer one refused)."""
     arch = dataclasses.replace(tiny_llama.arch, sliding_window=64)
-    config = engine_config(tiny_llama.name, num_kv_blocks=32, block_size=16)
-    assert size_engine(config, arch, tiny_llama.dtype).max_model_len == 64
-    within = engine_config(tiny_llama.name, num_kv_blocks=32, block_size=16, max_model_len=64)
-    assert size_engine(within, arch, tiny_llama.dtype).max_model_len == 64
-    past = engine_config(tiny_llama.name, num_kv_blocks=32, block_size=16, max_model_len=65)
-    with pytest.raises(ConfigError, match=r"--max-model-len: 65 tokens exceed the model's sliding window \(64\)"):
-        size_engine(past, arch, tiny_llama.dtype)
+    blocks = arch.context_length // 16
+    config = engine_config(tiny_llama.name, num_kv_blocks=blocks, block_size=16)
+    assert size_engine(config, arch, tiny_llama.dtype).max_model_len == arch.context_length
+    past = engine_config(tiny_llama.name, num_kv_blocks=blocks, block_size=16, max_model_len=65)
+    assert size_engine(past, arch, tiny_llama.dtype).max_model_len == 65
 
 
 def test_a_context_past_the_models_is_refused_unless_allowed(tiny_llama: LoadedModel) -> None:

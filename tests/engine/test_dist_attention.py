@@ -61,8 +61,9 @@ def test_distattention_on_flex_attention(load, make_cluster) -> None:
 
 
 def _spanning_request_matches_one_instance(
-    loaded, make_cluster, instances: int, attention_backend: str = "torch", kv_cache_dtype: str = "auto"
-) -> None:
+    loaded, make_cluster, instances: int, attention_backend: str = "torch", kv_cache_dtype: str = "auto",
+    asks: bool = True,
+) -> None:  # fmt: skip
     want = reference(loaded, {"long": LONG, "shared": SHARED, "other": OTHER}, kv_cache_dtype=kv_cache_dtype)
     cluster = make_cluster(loaded, instances, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
     debtor, creditors = cluster.agents[0], cluster.agents[1:]
@@ -93,9 +94,24 @@ def _spanning_request_matches_one_instance(
     got = Recorded(tokens={**recs[0].tokens, **recs[1].tokens}, logits={**recs[0].logits, **recs[1].logits})
     _assert_same(got, want, ["long", "shared", "other"])
     assert recs[0].cached["shared"] == 3 * BLOCK  # a prefix-cache hit on the debtor, beside the remote request
-    # Every layer of every step of "long" after the first move asked its creditors: round trips happened.
-    assert debtor.data.client.stats.round_trips > 0 and debtor.data.attention.stats.layers > 0
+    # Every layer of every step of "long" after the first move asked its creditors (``asks``; else its windows all
+    # started past the lent blocks): round trips happened.
+    assert (debtor.data.client.stats.round_trips > 0) == asks and debtor.data.attention.stats.layers > 0
     # The request finished: its creditors freed its blocks; nothing is left lent anywhere.
     for c in creditors:
         assert not c.rm.loans and c.core.kv.pool.num_used == 0
     assert debtor.stats.blocks_out == 5 and sum(c.stats.blocks_in for c in creditors) == 5
+
+
+@pytest.mark.parametrize(("model", "window"), [("tiny-mistral-window", 12), ("tiny-mistral-window", 40),
+                                               ("tiny-qwen2-window", 7)])  # fmt: skip
+def test_distattention_within_sliding_windows(load, make_cluster, monkeypatch, model: str, window: int) -> None:
+    """Layers with a sliding window: 12 keys, less than the lent blocks' distance to every later chunk (no layer
+    asks a creditor), 40 keys (the rows just past the lent blocks see some of them: the creditor masks its keys by
+    the positions the segments carry), and 7 keys after a first layer of the whole context (only that one asks). The
+    outputs are one engine's."""
+    loaded = load(model)
+    for layer in loaded.model.layers:
+        if layer.window is not None:
+            monkeypatch.setattr(layer, "window", window)
+    _spanning_request_matches_one_instance(loaded, make_cluster, 2, asks=window > 12 or model == "tiny-qwen2-window")

@@ -166,6 +166,9 @@ def test_configs_transformers_saves_read_as_transformers_reads_them(case: str, t
     assert (arch.rope_theta, arch.rope_scaling.kind) == (rope["rope_theta"], rope["rope_type"])
     assert arch.rope_scaling.factor == rope.get("factor", 1.0)
     assert arch.sliding_window == getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    want = [getattr(config, "sliding_window", None) if kind == "sliding_attention" else None for kind in layer_types]
+    assert [arch.layer_window(i) for i in range(arch.num_layers)] == want
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"])

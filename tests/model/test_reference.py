@@ -296,6 +296,43 @@ def test_per_step_logits_match_transformers(ref: Reference) -> None:
     _check_per_step_logits(ref)
 
 
+WINDOW_MODELS = ["tiny-mistral-window", "tiny-qwen2-window"]
+
+
+@pytest.mark.parametrize("config", ["prefix-cache", "chunked-prefill", "preemption-recompute", "speculative"])
+@pytest.mark.parametrize("name", WINDOW_MODELS)
+def test_sliding_window_models_greedy_match_transformers(
+    name: str, config: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """Models whose layers attend within a sliding window (a Mistral's every layer, a Qwen2's after its first), past
+    the window: transformers' greedy tokens, under the engine's configurations (a chunk, a decode, a verify pass, a
+    recomputed prefix each over a window that ends inside a block)."""
+    ref = _reference(name, load, hf_model)
+    window = ref.loaded.arch.sliding_window
+    assert window is not None and sum(len(p) > window for p in ref.prompts) >= 5
+    test_greedy_matches_transformers(ref, config)
+
+
+@pytest.mark.parametrize("name", WINDOW_MODELS)
+def test_sliding_window_per_step_logits_match_transformers_and_the_window_counts(
+    name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """Per-step logits within 1e-3 of transformers'; and the same layers over the whole context give other tokens
+    (the test would pass without windows otherwise)."""
+    ref = _reference(name, load, hf_model)
+    _check_per_step_logits(ref)
+    layers = list(ref.loaded.model.layers)
+    windows = [layer.window for layer in layers]
+    assert any(w is None for w in windows) == (name == "tiny-qwen2-window")  # (Qwen2's first layer: the whole)
+    try:
+        for layer in layers:
+            layer.window = None
+        assert _run_greedy(_engine(ref.loaded), ref.prompts) != ref.tokens
+    finally:
+        for layer, window in zip(layers, windows, strict=True):
+            layer.window = window
+
+
 def test_yarn_per_step_logits_match_transformers(
     load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
