@@ -15,12 +15,19 @@ wholly visible, which skip ``mask_mod``, and those partly visible). Paged attent
   It is exact on its own: PyTorch's eager reference (the CPU, the tests) applies it to every pair, the kernel
   only to partial blocks.
 
+A layer with a sliding window (``forward``'s ``window``: a query at ``p`` sees keys ``p - window < j <= p``) reads a
+block mask of its own, made with the whole context's for every window declared at construction (``windows``): its
+``mask_mod`` also drops the keys before the window, and its lists leave out every block wholly before the window of
+each query of the tile (a long context's decode visits the window's blocks alone). A prefill tile's blocks are then
+partial at the window's start, full between (seen whole by every query), and partial up to its last query (a decode's
+all partial, as without a window); the launch's masks share their inverse block table.
+
 A step is two launches, its decodes and its prefill chunks (vLLM's FlexAttention backend packs every token into
 one row instead, so a tile of 16 decodes visits all 16 sequences' blocks). The log-sum-exp comes out with the
 output, so DistAttention's partials (``forward_partial``) work from it as from the Triton kernels.
 
 On CUDA the call is compiled by ``torch.compile`` (Triton kernels; a few compiles over an engine's shapes), and
-decode steps replay as CUDA graphs (``decode_metadata``: the block mask over the graph's buffers, remade before each
+decode steps replay as CUDA graphs (``decode_metadata``: the block masks over the graph's buffers, remade before each
 pass). On the CPU it runs PyTorch's eager reference, which builds every (query, key) score of the pool: a correctness
 path for tests and small pools, not a fast one (the CPU's fast path is ``TorchPagedAttention``'s native kernel).
 """
@@ -29,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -59,18 +66,29 @@ MIN_GPU_PAGE = 16
 EAGER_SCORE_BYTES = 1 << 30
 
 
-class MaskTensors(NamedTuple):
-    """A launch's block mask (counts [seqs, 1, tiles], ids [seqs, 1, tiles, width]; int32) and what its mask reads:
-    the inverse block table [seqs, pool blocks + 1] (the last column a sink for padding), each sequence's query count
-    and first query position."""
+class BlockLists(NamedTuple):
+    """A block mask's key blocks per query tile: counts [seqs, 1, tiles], ids [seqs, 1, tiles, width]; int32."""
 
     partial_counts: torch.Tensor
     partial_ids: torch.Tensor
     full_counts: torch.Tensor | None  # (None: no block listed full)
     full_ids: torch.Tensor | None
+
+
+class MaskTensors(NamedTuple):
+    """A launch's block lists, one set per window (None: the whole context), and what their masks read: the inverse
+    block table [seqs, pool blocks + 1] (the last column a sink for padding), each sequence's query count and first
+    query position."""
+
+    lists: dict[int | None, BlockLists]
     logical: torch.Tensor
     query_lens: torch.Tensor
     first_positions: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor, in an order two masks of the same windows share."""
+        listed = [t for lists in self.lists.values() for t in lists]
+        return [*listed, self.logical, self.query_lens, self.first_positions]
 
 
 @dataclass
@@ -82,7 +100,8 @@ class FlexLaunch:
     num_seqs: int
     query_len: int  # the launch's queries per sequence, padded to the longest
     rows: torch.Tensor | None  # [tokens] each token's row in the padded [num_seqs * query_len]; None: one each
-    block_mask: Any  # torch.nn.attention.flex_attention.BlockMask
+    # torch.nn.attention.flex_attention.BlockMask of the whole context (None) and of each declared window
+    block_masks: dict[int | None, Any]
     kernel_options: dict[str, int]  # the compiled kernel's tile sizes (the eager reference has none)
 
 
@@ -125,9 +144,12 @@ class FlexPagedAttention(PartialsFromLse):
         device: torch.device,
         prefill_tile: int | None = None,
         dynamic: bool | None = None,
+        windows: Sequence[int] = (),
     ) -> None:
         if not available():
             raise RuntimeError("the flex attention backend needs PyTorch 2.9 or later (FlexAttention's AuxRequest)")
+        if any(w < 1 for w in windows):
+            raise ValueError(f"a sliding window holds at least one key: windows {list(windows)}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -153,6 +175,8 @@ class FlexPagedAttention(PartialsFromLse):
         # a page (BLOCK_N: the block mask's key blocks are pages, and a tile may not span two).
         self.prefill_tile = prefill_tile or 64
         self.dynamic = dynamic  # torch.compile's: see _compiled
+        # The sliding windows the layers attend within: each launch makes a block mask for each (and the whole context).
+        self.windows = tuple(sorted(set(windows)))
         self._graph_inverse: torch.Tensor | None = None  # decode_metadata's inverse tables, one buffer
 
     # -- once per step -----------------------------------------------------------------------
@@ -194,10 +218,10 @@ class FlexPagedAttention(PartialsFromLse):
             starts = torch.cumsum(counts, 0) - counts  # each sequence's first token among the launch's
             pad = torch.arange(b) * query_len - starts  # a token's row less its index, for each sequence's tokens
             rows = to_device(torch.arange(int(counts.sum())) + pad.repeat_interleave(counts), self.device)
-        mask = self._make_block_mask(
+        masks = self._make_block_masks(
             self._mask_tensors(table, qlen, seq_len, first_pos, query_len, tile, decode), query_len, tile
         )
-        return FlexLaunch(start, start + sum(qlens), b, query_len, rows, mask, self._kernel_options(decode, tile))
+        return FlexLaunch(start, start + sum(qlens), b, query_len, rows, masks, self._kernel_options(decode, tile))
 
     def _kernel_options(self, decode: bool, tile: int) -> dict[str, int]:
         """The compiled kernel's tiles: a tile of keys may not span two pages (the block mask's key blocks); a
@@ -215,7 +239,8 @@ class FlexPagedAttention(PartialsFromLse):
     ) -> FlexAttentionMetadata:
         """Metadata of a decode-only step over tensors the caller fills before each run (CUDA-graph replay), as
         ``TritonPagedAttention.decode_metadata``: a padding row has slot -1 and context length 0, and attends to
-        nothing. The block mask's tensors live at fixed addresses; ``refresh`` remakes them from the buffers."""
+        nothing. The block masks' tensors (the whole context's and each window's) live at fixed addresses; ``refresh``
+        remakes them from the buffers."""
         b = seq_lens.shape[0]
         ones = torch.ones(b, dtype=torch.long, device=seq_lens.device)
 
@@ -232,12 +257,13 @@ class FlexPagedAttention(PartialsFromLse):
         held = held._replace(logical=shared[:b].copy_(held.logical))
 
         def refresh() -> None:
-            for mine, fresh in zip(held, made(held.logical), strict=True):  # (the inverse table remade in place)
-                if mine is not None and fresh is not None and fresh is not mine:
-                    mine.copy_(fresh)
+            fresh = made(held.logical)  # (the inverse table remade in place)
+            for mine, new in zip(held.tensors(), fresh.tensors(), strict=True):
+                if mine is not None and new is not None and new is not mine:
+                    mine.copy_(new)
 
-        mask = self._make_block_mask(held, 1, DECODE_TILE)
-        launch = FlexLaunch(0, b, b, 1, None, mask, self._kernel_options(True, DECODE_TILE))
+        masks = self._make_block_masks(held, 1, DECODE_TILE)
+        launch = FlexLaunch(0, b, b, 1, None, masks, self._kernel_options(True, DECODE_TILE))
         return FlexAttentionMetadata(slot_mapping=slot_mapping, launches=[launch], refresh=refresh)
 
     def _mask_tensors(
@@ -251,20 +277,11 @@ class FlexPagedAttention(PartialsFromLse):
         decode: bool = False,
         logical: torch.Tensor | None = None,
     ) -> MaskTensors:
-        """A launch's block mask and inverse block table, made on the device from its block tables (no wait for it).
-        ``decode``: every block listed partial, none full. FlexAttention's decoding kernel splits a sequence's context
-        over programs by its partial blocks; it gives every full block to the last split, which would read a long
-        context alone. ``logical``: the inverse table to remake in place ([seqs, pool blocks + 1]), else a new one."""
+        """A launch's block lists (the whole context's and each window's) and inverse block table, made on the device
+        from its block tables (no wait for it). ``logical``: the inverse table to remake in place ([seqs, pool blocks
+        + 1]), else a new one. ``decode``: see ``_block_lists``."""
         bs, dev = self.block_size, table.device
         b, width = table.shape
-        tiles = -(-query_len // tile)
-        t = torch.arange(tiles, device=dev)
-        live = t * tile < qlen[:, None]  # a tile holding a query of the sequence (not padding only)
-        lo = first_pos[:, None] + t * tile  # its first and last query positions
-        hi = first_pos[:, None] + torch.minimum((t + 1) * tile, qlen[:, None]) - 1
-        full = torch.where(live, (lo + 1) // bs, 0)  # blocks wholly at or before the first query
-        partial = torch.where(live, hi // bs - full + 1, 0)  # the rest up to the last query's block
-        listed = table[:, None, :].expand(b, tiles, width)
         # The inverse block table: each row's logical index of every physical block (-1: not its block).
         if logical is None:
             small = width < torch.iinfo(torch.int16).max
@@ -273,20 +290,66 @@ class FlexPagedAttention(PartialsFromLse):
         owned = torch.arange(width, device=dev)[None, :] < (seq_len[:, None] + bs - 1) // bs
         index = torch.where(owned, table.long(), self.num_blocks)  # a padding entry goes to a column no key reads
         logical.scatter_(1, index, torch.arange(width, device=dev, dtype=logical.dtype).expand(b, width))
+        lists = {
+            window: self._block_lists(table, qlen, first_pos, query_len, tile, decode, window)
+            for window in (None, *self.windows)
+        }
+        return MaskTensors(lists, logical, qlen, first_pos)
+
+    def _block_lists(
+        self,
+        table: torch.Tensor,
+        qlen: torch.Tensor,
+        first_pos: torch.Tensor,
+        query_len: int,
+        tile: int,
+        decode: bool,
+        window: int | None,
+    ) -> BlockLists:
+        """Each query tile's key blocks under ``window`` (None: the whole context), in the order of the sequence's
+        table: partial from the first block its first query's window reaches (without a window, none), full from the
+        first wholly within its last query's window to the last wholly at or before its first query, then partial up
+        to its last query's block. ``decode``: every block listed partial, none full. FlexAttention's decoding kernel
+        splits a sequence's context over programs by its partial blocks; it gives every full block to the last split,
+        which would read a long context alone."""
+        bs, dev = self.block_size, table.device
+        b, width = table.shape
+        tiles = -(-query_len // tile)
+        t = torch.arange(tiles, device=dev)
+        live = t * tile < qlen[:, None]  # a tile holding a query of the sequence (not padding only)
+        lo = first_pos[:, None] + t * tile  # its first and last query positions
+        hi = first_pos[:, None] + torch.minimum((t + 1) * tile, qlen[:, None]) - 1
+        last = hi // bs
+        full_end = (lo + 1) // bs  # past the blocks wholly at or before the first query
+        if window is None:
+            start = full_start = torch.zeros_like(lo)
+        else:
+            start = (lo - window + 1).clamp(min=0) // bs
+            full_start = torch.minimum(-((hi - window + 1).clamp(min=0) // -bs), full_end)  # (none full: full_end)
+        listed = table[:, None, :].expand(b, tiles, width)
+
+        def picked(first: torch.Tensor, n: int) -> torch.Tensor:  # each tile's n entries of its table from first on
+            picks = (first[:, :, None] + torch.arange(n, device=dev)).clamp_(0, width - 1)
+            return listed.gather(2, picks.long())
+
         as_int = torch.int32
-        if decode:  # (one tile: the context's blocks, in order, all partial)
-            return MaskTensors(
-                (full + partial)[:, None].to(as_int), self._widened(listed, width)[:, None].to(as_int).contiguous(),
-                None, None, logical, qlen, first_pos,
-            )  # fmt: skip
-        span = -(-tile // bs) + 1  # the most blocks a tile's queries reach into
-        picks = (full[:, :, None] + torch.arange(span, device=dev)).clamp_(max=width - 1)
-        lists = max(width, span)
-        partial_ids = self._widened(listed.gather(2, picks.to(torch.int64)), lists)
-        full_ids = self._widened(listed, lists)
-        return MaskTensors(
-            partial[:, None].to(as_int), partial_ids[:, None].to(as_int).contiguous(), full[:, None].to(as_int),
-            full_ids[:, None].to(as_int).contiguous(), logical, qlen, first_pos,
+        if decode:  # (one tile: the blocks from the window's start, in order, all partial)
+            count = torch.where(live, last + 1 - start, 0)
+            ids = listed if window is None else picked(start, min(width, -(-(window - 1) // bs) + 1))
+            ids = self._widened(ids, ids.shape[-1])[:, None].to(as_int).contiguous()
+            return BlockLists(count[:, None].to(as_int), ids, None, None)
+        span = -(-tile // bs) + 1  # the most blocks a tile's queries reach into (at its last query, or window's start)
+        leading = full_start - start  # the partial blocks at the window's start (0 without a window)
+        j = torch.arange(span if window is None else 2 * span, device=dev)
+        picks = torch.where(j < leading[:, :, None], start[:, :, None] + j, (full_end - leading)[:, :, None] + j)
+        partial_ids = listed.gather(2, picks.clamp_(0, width - 1).long())
+        partial = torch.where(live, leading + last + 1 - full_end, 0)
+        full = torch.where(live, full_end - full_start, 0)
+        full_ids = listed if window is None else picked(full_start, min(width, max(1, window // bs)))
+        lists = max(full_ids.shape[-1], partial_ids.shape[-1])
+        return BlockLists(
+            partial[:, None].to(as_int), self._widened(partial_ids, lists)[:, None].to(as_int).contiguous(),
+            full[:, None].to(as_int), self._widened(full_ids, lists)[:, None].to(as_int).contiguous(),
         )  # fmt: skip
 
     def _widened(self, ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -295,25 +358,28 @@ class FlexPagedAttention(PartialsFromLse):
         partial list's strides."""
         return F.pad(ids, (0, (self.num_blocks if self.pool_wide_lists else width) - ids.shape[-1]))
 
-    def _make_block_mask(self, m: MaskTensors, query_len: int, tile: int) -> Any:
-        """The :class:`BlockMask` over these tensors (read by reference: refilling them in place changes it)."""
+    def _make_block_masks(self, m: MaskTensors, query_len: int, tile: int) -> dict[int | None, Any]:
+        """The :class:`BlockMask` of each window (None: the whole context) over these tensors (read by reference:
+        refilling them in place changes it)."""
         bs = self.block_size
         logical, qlen, first_pos = m.logical, m.query_lens, m.first_positions
 
-        def mask_mod(bi: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            block = logical[bi, kv // bs].to(torch.int64)
-            return (qi < qlen[bi]) & (block >= 0) & (block * bs + kv % bs <= first_pos[bi] + qi)
+        def made(lists: BlockLists, window: int | None) -> Any:
+            def mask_mod(bi: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                block = logical[bi, kv // bs].to(torch.int64)
+                key, query = block * bs + kv % bs, first_pos[bi] + qi  # positions
+                seen = (qi < qlen[bi]) & (block >= 0) & (key <= query)
+                return seen if window is None else seen & (key > query - window)
 
-        return BlockMask.from_kv_blocks(
-            m.partial_counts,
-            m.partial_ids,
-            m.full_counts,
-            m.full_ids,
-            BLOCK_SIZE=(tile, bs),
-            mask_mod=mask_mod,
-            seq_lengths=(query_len, self.num_blocks * bs),
-            compute_q_blocks=False,
-        )
+            return BlockMask.from_kv_blocks(
+                *lists,
+                BLOCK_SIZE=(tile, bs),
+                mask_mod=mask_mod,
+                seq_lengths=(query_len, self.num_blocks * bs),
+                compute_q_blocks=False,
+            )
+
+        return {window: made(lists, window) for window, lists in m.lists.items()}
 
     # -- every layer ---------------------------------------------------------------------------
 
@@ -324,28 +390,35 @@ class FlexPagedAttention(PartialsFromLse):
         v: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: FlexAttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None and window not in self.windows:
+            raise ValueError(
+                f"sliding window {window} was not declared to the flex attention backend (windows "
+                f"{list(self.windows)}): its block masks are made for the declared windows alone"
+            )
         k_cache, v_cache = cache
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         kvh, nb, bs, d = k_cache.shape
         keys = k_cache.view(1, kvh, nb * bs, d)  # the pool as one sequence per KV head: slot s is key s
         values = v_cache.view(1, kvh, nb * bs, d)
         if len(meta.launches) == 1 and meta.launches[0].end - meta.launches[0].start == q.shape[0]:
-            out, meta.lse = self._attend(q, keys, values, meta.launches[0])  # (a step of one kind: no copies)
+            out, meta.lse = self._attend(q, keys, values, meta.launches[0], window)  # (a step of one kind: no copies)
             return out
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.full((q.shape[0], self.num_heads), float("-inf"), dtype=torch.float32, device=q.device)
         for launch in meta.launches:
-            rows_out, rows_lse = self._attend(q[launch.start : launch.end], keys, values, launch)
+            rows_out, rows_lse = self._attend(q[launch.start : launch.end], keys, values, launch, window)
             out[launch.start : launch.end] = rows_out
             lse[launch.start : launch.end] = rows_lse
         meta.lse = lse
         return out
 
     def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, launch: FlexLaunch
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, launch: FlexLaunch, window: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Output [tokens, heads, head_dim] and log-sum-exp [tokens, heads] of one launch's rows."""
+        """Output [tokens, heads, head_dim] and log-sum-exp [tokens, heads] of one launch's rows (``window``: within
+        that sliding window)."""
         b, ql = launch.num_seqs, launch.query_len
         if launch.rows is None:
             queries = q.view(b, 1, self.num_heads, self.head_dim)
@@ -362,7 +435,7 @@ class FlexPagedAttention(PartialsFromLse):
                 queries.transpose(1, 2),
                 keys,
                 values,
-                block_mask=launch.block_mask,
+                block_mask=launch.block_masks[window],
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
                 return_aux=AuxRequest(lse=True),

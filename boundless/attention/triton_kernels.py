@@ -9,6 +9,10 @@ log-sum-exp of its scores: a partial in the sense of :mod:`boundless.attention.p
 lse``, ``e = 1``). Long decodes split their context over several programs (flash-decoding), whose
 partials :func:`merge_splits_kernel` merges exactly.
 
+A sliding-window layer (``WINDOW``, :mod:`boundless.attention.backend`'s rule: a query at position ``p`` sees keys
+``p - WINDOW < j <= p``) reads only the tiles from the one holding its block's first window start, and splits those
+over its programs; ``WINDOW = 0`` (no window, the default) reads and masks the tiles as before.
+
 The kernels run on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (how the tests check them
 where there is no GPU).
 """
@@ -60,16 +64,19 @@ def store_kv_kernel(
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_len, q_pos, dims,
-    dim_ok, scale_log2,
+    acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_lo, kv_len, q_pos,
+    dims, dim_ok, scale_log2,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """One tile of keys into a block's online softmax. ``MASKED``: keys past the context or after a row's query are
-    left out (else the caller knows every row sees the whole tile: no mask, no test for rows that see nothing)."""
+    """One tile of keys into a block's online softmax. ``MASKED``: keys past the context, after a row's query or (with
+    ``WINDOW``) before its window are left out, and keys before ``kv_lo`` (in no row's window) are not read (else the
+    caller knows every row sees the whole tile: no mask, no test for rows that see nothing)."""
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     if MASKED:
         n_ok = n < kv_len
+        if WINDOW > 0:  # (pages no row's window reaches are not read: whatever they hold, NaNs too, stays out)
+            n_ok = n_ok & (n >= kv_lo)
         block = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
         kv_mask = n_ok[:, None] & dim_ok[None, :]
     else:
@@ -81,6 +88,8 @@ def _attend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASKED:
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (n[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
@@ -127,6 +136,7 @@ def paged_attention_kernel(
     SPLIT: tl.constexpr,  # write partials per split (merged by merge_splits_kernel)
     PRECISION: tl.constexpr,  # "ieee" for fp32 dots in full precision (not tf32); None: the default
     MASK_EVERY_TILE: tl.constexpr = False,  # the mask on every tile, as before 5 December (the tile sweep's baseline)
+    WINDOW: tl.constexpr = 0,  # a sliding window: a query at position p sees keys p - WINDOW < j <= p (0: none)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -154,12 +164,21 @@ def paged_attention_kernel(
         other=0.0,
     )
 
-    # Keys this block can see: up to the position of its last token.
+    # Keys this block can see: up to the position of its last token; under a window, from its first token's window
+    # start (no row sees a key before it). The splits share the tiles from the one holding that start.
+    first_pos = context_start + first - seq_start
     last = tl.minimum(first + BLOCK_Q, seq_end) - 1
-    kv_len = tl.maximum(context_start + last - seq_start + 1, 0)
+    last_pos = context_start + last - seq_start
+    kv_len = tl.maximum(last_pos + 1, 0)
     num_tiles = tl.cdiv(kv_len, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * per_split
+    if WINDOW > 0:
+        kv_lo = tl.maximum(first_pos - WINDOW + 1, 0)
+        tile_start = kv_lo // BLOCK_N
+    else:
+        kv_lo = 0
+        tile_start = 0
+    per_split = tl.cdiv(num_tiles - tile_start, num_splits)
+    tile_lo = tile_start + split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -167,22 +186,34 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, DIM_POW2], tl.float32)
     cache_head = kv_head.to(tl.int64) * stride_cache_head
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Tiles every row of the block sees whole (keys at or before its first query, all in the context) take no mask:
-    # the causal diagonal and the context's end lie in the last one or two tiles.
+    # Tiles every row of the block sees whole (keys at or before its first query, all in the context; under a window,
+    # at or after its last query's window start) take no mask: the causal diagonal and the context's end lie in the
+    # last one or two tiles, a window's start in the first one or two. Tiles [open_lo, open_hi) of the split's.
     if MASK_EVERY_TILE:
+        open_lo = tile_lo
         open_hi = tile_lo
     else:
-        whole = tl.minimum(context_start + first - seq_start + 1, kv_len) // BLOCK_N
-        open_hi = tl.minimum(tl.maximum(whole, tile_lo), tile_hi)
-    for tile in range(tile_lo, open_hi):
+        if WINDOW > 0:
+            open_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last_pos - WINDOW + 1, 0), BLOCK_N), tile_lo), tile_hi)
+        else:
+            open_lo = tile_lo
+        whole = tl.minimum(first_pos + 1, kv_len) // BLOCK_N
+        open_hi = tl.minimum(tl.maximum(whole, open_lo), tile_hi)
+    if WINDOW > 0:
+        for tile in range(tile_lo, open_lo):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_lo, kv_len,
+                q_pos, dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, True, WINDOW,
+            )  # fmt: skip
+    for tile in range(open_lo, open_hi):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_len, q_pos,
-            dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, False,
+            acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_lo, kv_len,
+            q_pos, dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, False, WINDOW,
         )  # fmt: skip
     for tile in range(open_hi, tile_hi):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_len, q_pos,
-            dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, True,
+            acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_lo, kv_len,
+            q_pos, dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, True, WINDOW,
         )  # fmt: skip
 
     seen = l_i > 0.0
@@ -231,4 +262,5 @@ def merge_splits_kernel(
     o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=s_ok[:, None] & dim_ok[None, :], other=0.0)
     merged = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, merged.to(out_ptr.dtype.element_ty), mask=dim_ok)
-    tl.store(lse_ptr + t * NUM_HEADS + h, tl.where(total > 0.0, m_safe + tl.log(total), float("-inf")))
+    log_total = tl.log(tl.where(total > 0.0, total, 1.0))  # (a row no split saw, a padding row's: no log of 0)
+    tl.store(lse_ptr + t * NUM_HEADS + h, tl.where(total > 0.0, m_safe + log_total, float("-inf")))

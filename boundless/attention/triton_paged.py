@@ -7,6 +7,10 @@ context split over several programs when the batch is too small to fill the GPU)
 prefill chunks (many query tokens per program), after one launch that stores the step's K/V. No
 gathers, no padding to the longest context, no copies of K/V for grouped-query attention.
 
+A sliding-window layer (``forward``'s ``window``) passes its window to the attention kernel, which reads only the
+tiles in its queries' windows; the metadata is the same for every layer of a step, windowed or not. FlashAttention's
+variable-length path (``flash_prefill``) serves only layers without a window.
+
 :class:`DecodeMetadataBuffers` holds the same tensors at fixed addresses for CUDA-graph replay.
 """
 
@@ -228,10 +232,17 @@ def gather_keys(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 GATHERED_KEYS_PER_QUERY = 4
 
 
-def flash_takes(launch: KernelLaunch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``launch`` attends on FlashAttention (``flash_prefill``): it was prepared for it, and FlashAttention can
-    read the views it would take (q's rows; k's and v's too where its keys are the step's rows, not copies)."""
-    if launch.key_start is None:
+def flash_takes(
+    launch: KernelLaunch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+) -> bool:
+    """Whether ``launch`` attends on FlashAttention (``flash_prefill``): it was prepared for it, its layer has no
+    sliding ``window``, and FlashAttention can read the views it would take (q's rows; k's and v's too where its keys
+    are the step's rows, not copies).
+
+    A windowed layer takes the Triton kernel: :class:`VarlenAttention` has no window, and FlashAttention's windowed
+    call (``_flash_attention_forward``'s ``window_size_left``) could not be checked against the reference without a
+    GPU (``check_varlen`` would need a windowed case too)."""
+    if launch.key_start is None or window is not None:
         return False
     return _flash_aligned(q, *((k, v) if launch.key_slots is None else ()))
 
@@ -409,17 +420,23 @@ class TritonPagedAttention(PartialsFromLse):
         v: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: TritonAttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """:meth:`AttentionBackend.forward`: ``window`` reaches the kernel as a compile-time constant (a variant per
+        window size; a CUDA graph captures each layer's launch with its own), for metadata from ``prepare`` and from
+        ``decode_metadata`` alike."""
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window holds at least one key (the query's own), not {window}")
         k_cache, v_cache = cache
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.lse is None or meta.lse.shape[0] != q.shape[0]:
             meta.lse = torch.empty(q.shape[0], self.num_heads, dtype=torch.float32, device=q.device)
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         for launch in meta.launches:
-            if flash_takes(launch, q, k, v):
+            if flash_takes(launch, q, k, v, window):
                 self.attend_flash(q, k, v, cache, launch, out, meta.lse)
             else:
-                self.attend(q, k_cache, v_cache, launch, out, meta.lse)
+                self.attend(q, k_cache, v_cache, launch, out, meta.lse, window)
         return out
 
     def attend_flash(
@@ -428,7 +445,8 @@ class TritonPagedAttention(PartialsFromLse):
     ) -> None:  # fmt: skip
         """A launch of prefill chunks in one call of FlashAttention's variable-length kernel (:attr:`varlen`): a fresh
         launch over its own ``k`` and ``v`` rows, else over each sequence's whole context gathered from the cache
-        (after the step's store: its own keys are there too)."""
+        (after the step's store: its own keys are there too). Causal attention over the whole context: never a
+        sliding-window layer's (``flash_takes``)."""
         rows = slice(launch.start, launch.end)
         assert launch.key_start is not None
         if launch.key_slots is None:
@@ -458,9 +476,11 @@ class TritonPagedAttention(PartialsFromLse):
         launch: KernelLaunch,
         out: torch.Tensor,
         lse: torch.Tensor,
+        window: int | None = None,
     ) -> None:
         """Attention of rows ``[launch.start, launch.end)`` of ``q`` over their sequences' cached
-        context, written (normalized) to the same rows of ``out``, with the log-sum-exp in ``lse``."""
+        context (under a sliding ``window``, the keys in each query's window), written (normalized) to the same rows
+        of ``out``, with the log-sum-exp in ``lse``."""
         q_rows = q[launch.start : launch.end]
         o_rows = out[launch.start : launch.end]
         lse_rows = lse[launch.start : launch.end]
@@ -490,7 +510,7 @@ class TritonPagedAttention(PartialsFromLse):
             BLOCK_N=self.tiles.decode_kv_tile if decode else self.tiles.prefill_kv_tile, PAGE=self.block_size,
             HEAD_DIM=self.head_dim, DIM_POW2=_pow2(self.head_dim),
             SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 else None,
-            MASK_EVERY_TILE=self.tiles.mask_every_tile,
+            MASK_EVERY_TILE=self.tiles.mask_every_tile, WINDOW=window or 0,
             num_warps=self.tiles.decode_warps if decode else self.tiles.prefill_warps, num_stages=self.tiles.stages,
         )  # fmt: skip
         if split:

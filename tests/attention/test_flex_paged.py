@@ -4,7 +4,8 @@ rows; the log-sum-exp that comes out with the output, and the partials DistAtten
 
 On the CPU FlexAttention runs its eager reference, which applies the mask to every (query, key) pair; the block
 mask, which the kernel alone reads, is checked by FlexAttention compiled for the CPU (``test_block_mask_*``); on
-CUDA the backend runs compiled."""
+CUDA the backend runs compiled. Sliding windows (``window``): against the windowed dense reference, with block masks
+that list the windows' blocks alone."""
 
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ def _backend(shape, num_blocks: int, **kw) -> flex_paged.FlexPagedAttention:
     return flex_paged.FlexPagedAttention(heads, kv_heads, head_dim, num_blocks, block_size, DEVICE, **kw)
 
 
+def _windows(block_size: int) -> dict[str, int]:
+    """Sliding windows for pages of ``block_size``: of one key, of less than a page, of a few pages, and past every
+    context of the cases (``MIXES``: 200 at most)."""
+    return {"one": 1, "under-a-page": block_size // 2 + 1, "pages": 2 * block_size + 3, "past": 1000}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("shape", FLEX_SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
@@ -56,6 +63,63 @@ def test_matches_dense(shape, mix: str, dtype: torch.dtype) -> None:
     assert len(meta.launches) == len({ql == 1 for ql, _ in MIXES[mix]})  # decodes and prefills apart
     out = backend.forward(case.q, case.k, case.v, case.cache, meta)
     check_matches_dense(case, out, meta.lse, TOLERANCE[dtype])
+
+
+# Each shape with each window of ``_windows`` once, each mix with each window once, each (shape, mix) at least once: 12
+# cases of the 36 (a window's dense reference is the costly part).
+WINDOW_CASES = [
+    (shape, mix, name)
+    for i, shape in enumerate(FLEX_SHAPES)
+    for j, mix in enumerate(MIXES)
+    for k, name in enumerate(_windows(16))
+    if (i + j + k) % 3 == 0
+]
+
+
+@pytest.mark.parametrize(
+    "shape, mix, name", WINDOW_CASES, ids=lambda x: "h{}kv{}d{}bs{}".format(*x) if isinstance(x, tuple) else x
+)
+def test_a_sliding_window_matches_dense(shape, mix: str, name: str) -> None:
+    """A layer's sliding window (``forward``'s ``window``, among several declared): the windowed dense reference's
+    output and log-sum-exp, decodes and prefill chunks over cached prefixes alike."""
+    windows = _windows(shape[3])
+    case = paged_case(0, *shape, MIXES[mix], torch.float32, DEVICE, window=windows[name])
+    backend = _backend(shape, case.cache[0].shape[1], windows=list(windows.values()))
+    meta = backend.prepare(case.batch)
+    out = backend.forward(case.q, case.k, case.v, case.cache, meta, window=windows[name])
+    check_matches_dense(case, out, meta.lse, TOLERANCE[torch.float32])
+
+
+def test_a_window_of_one_key_gives_each_querys_own_value() -> None:
+    """With a window of 1 a query sees its own key alone: its output is its own value and its log-sum-exp its own
+    score, as output and as the partial DistAttention merges (attention over the whole context, the window
+    ignored, would not give them)."""
+    heads, kv_heads, d, bs = 4, 2, 16, 16
+    case = paged_case(4, heads, kv_heads, d, bs, MIXES["mixed"], torch.float32, DEVICE)
+    backend = _backend((heads, kv_heads, d, bs), case.cache[0].shape[1], windows=[1, 3])
+    meta = backend.prepare(case.batch)
+    out = backend.forward(case.q, case.k, case.v, case.cache, meta, window=1)
+    own_v = case.v.repeat_interleave(heads // kv_heads, dim=1)
+    own_score = (case.q * case.k.repeat_interleave(heads // kv_heads, dim=1)).sum(-1) * d**-0.5
+    torch.testing.assert_close(out, own_v, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(meta.lse, own_score, rtol=2e-5, atol=2e-5)
+    assert not torch.allclose(out.double().cpu(), case.expected, atol=1e-2)  # (the whole context's differs)
+    partial = backend.forward_partial(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=1)
+    torch.testing.assert_close(merge_partials([partial]), own_v, rtol=2e-5, atol=2e-5)
+
+
+def test_a_window_not_declared_is_refused() -> None:
+    """A window's block masks are made for the windows declared at construction (the engine declares its layers'):
+    another is refused with its name before anything is stored, as is a window of no keys."""
+    shape = (4, 2, 16, 16)
+    case = paged_case(5, *shape, [(1, 40), (8, 20)], torch.float32, DEVICE)
+    backend = _backend(shape, case.cache[0].shape[1], windows=[8])
+    before = [c.clone() for c in case.cache]
+    with pytest.raises(ValueError, match=r"sliding window 16 was not declared .*\[8\]"):
+        backend.forward(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=16)
+    assert all(torch.equal(a, b) for a, b in zip(case.cache, before, strict=True))
+    with pytest.raises(ValueError, match="at least one key"):
+        _backend(shape, 10, windows=[4, 0])
 
 
 def test_a_block_two_sequences_share_is_read_by_both() -> None:
@@ -119,67 +183,106 @@ def test_partials_merge_with_the_torch_backends() -> None:
 @pytest.mark.parametrize("shape", FLEX_SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
 def test_block_mask_lists_every_visible_key_and_full_blocks_are_wholly_visible(shape, mix: str, tile: int) -> None:
     """What the kernel reads and the eager reference does not: every key a query sees lies in a block its tile
-    lists, and a block listed full (visited without the mask) is seen whole by every query of the tile (tiles of
-    queries larger and smaller than pages)."""
+    lists, a block listed full (visited without the mask) is seen whole by every query of the tile, and no block is
+    listed that no query of the tile sees (tiles of queries larger and smaller than pages), for the whole context's
+    mask and each sliding window's (whose lists leave out the blocks before the windows)."""
     batch, cache, *_ = paged_case(1, *shape, MIXES[mix], device=DEVICE)
-    backend = _backend(shape, cache[0].shape[1], prefill_tile=tile)
+    windows = _windows(shape[3])
+    backend = _backend(shape, cache[0].shape[1], prefill_tile=tile, windows=list(windows.values()))
     bs, nb = shape[3], cache[0].shape[1]
     keys = torch.arange(nb * bs, device=DEVICE)
     for launch in backend.prepare(batch).launches:
-        mask = launch.block_mask
         b, ql = launch.num_seqs, launch.query_len
-        at = lambda x: torch.tensor(x, device=DEVICE)
-        seen = torch.stack([
-            torch.stack([mask.mask_mod(at(i), at(0), at(j), keys) for j in range(ql)]) for i in range(b)
-        ]).cpu()  # [seqs, queries, keys]  # fmt: skip
-        q_tile = mask.BLOCK_SIZE[0]
-        assert (mask.full_kv_num_blocks is None) == (ql == 1)  # (a decode lists every block partial)
-        for i in range(b):
-            for t in range(-(-ql // q_tile)):
-                full = [] if ql == 1 else mask.full_kv_indices[i, 0, t, : mask.full_kv_num_blocks[i, 0, t]].tolist()
-                listed = set(full) | set(mask.kv_indices[i, 0, t, : mask.kv_num_blocks[i, 0, t]].tolist())
-                rows = seen[i, t * q_tile : (t + 1) * q_tile].view(-1, nb, bs)
-                assert set(rows.any(dim=(0, 2)).nonzero().flatten().tolist()) <= listed
-                live = [j for j in range(t * q_tile, min((t + 1) * q_tile, ql)) if seen[i, j].any()]
-                for block in full:
-                    assert seen[i, live].view(len(live), nb, bs)[:, block].all()
+        assert set(launch.block_masks) == {None, *windows.values()}
+        seqs, queries = torch.arange(b, device=DEVICE), torch.arange(ql, device=DEVICE)
+        for window, mask in launch.block_masks.items():
+            head = torch.zeros((), dtype=torch.long, device=DEVICE)
+            seen = mask.mask_mod(seqs[:, None, None], head, queries[None, :, None], keys).cpu()  # [seqs, queries, keys]
+            q_tile = mask.BLOCK_SIZE[0]
+            assert (mask.full_kv_num_blocks is None) == (ql == 1)  # (a decode lists every block partial)
+            for i in range(b):
+                for t in range(-(-ql // q_tile)):
+                    full = [] if ql == 1 else mask.full_kv_indices[i, 0, t, : mask.full_kv_num_blocks[i, 0, t]].tolist()
+                    partial = mask.kv_indices[i, 0, t, : mask.kv_num_blocks[i, 0, t]].tolist()
+                    assert not set(full) & set(partial), window
+                    rows = seen[i, t * q_tile : (t + 1) * q_tile].view(-1, nb, bs)
+                    visible = set(rows.any(dim=(0, 2)).nonzero().flatten().tolist())
+                    assert visible == set(full) | set(partial), window  # (all it sees, nothing it does not)
+                    live = [j for j in range(t * q_tile, min((t + 1) * q_tile, ql)) if seen[i, j].any()]
+                    for block in full:
+                        assert seen[i, live].view(len(live), nb, bs)[:, block].all(), window
+
+
+def test_a_long_contexts_decode_visits_its_windows_blocks_alone() -> None:
+    """The point of a window's block mask: a decode over 200 keys in pages of 16 with a window of 20 lists the two
+    pages its window reaches, not the context's 13; a prefill tile lists partial the pages at its queries' window
+    starts and causal edge, full those between (seen whole by every query of the tile)."""
+    shape = (4, 2, 16, 16)
+    batch, cache, *_ = paged_case(2, *shape, [(1, 200), (1, 60), (64, 200)], device=DEVICE)
+    backend = _backend(shape, cache[0].shape[1], prefill_tile=16, windows=[20, 40])
+    decodes, prefill = backend.prepare(batch).launches
+    assert decodes.block_masks[None].kv_num_blocks[:, 0, 0].tolist() == [13, 4]
+    window = decodes.block_masks[20]
+    assert window.kv_num_blocks[:, 0, 0].tolist() == [2, 2]  # (keys 180..199: pages 11, 12; 40..59: pages 2, 3)
+    assert window.kv_indices[0, 0, 0, :2].tolist() == batch.block_tables[0][11:13]
+    assert window.kv_indices[1, 0, 0, :2].tolist() == batch.block_tables[1][2:4]
+    # The prefill's tiles of 16 queries at positions 136.., 152.., 168.., 184..: the whole context's lists every page
+    # before the tile full; a window of 20 (from 117, 133, ...) sees no page whole, one of 40 (from 97, 113, ...) one.
+    table = batch.block_tables[2]
+
+    def lists(mask) -> tuple[list[list[int]], list[list[int]]]:
+        partial = [mask.kv_indices[0, 0, t, : mask.kv_num_blocks[0, 0, t]].tolist() for t in range(4)]
+        full = [mask.full_kv_indices[0, 0, t, : mask.full_kv_num_blocks[0, 0, t]].tolist() for t in range(4)]
+        return partial, full
+
+    assert lists(prefill.block_masks[None]) == (
+        [table[t + 8 : t + 10] for t in range(4)], [table[: t + 8] for t in range(4)]
+    )  # fmt: skip
+    assert lists(prefill.block_masks[20]) == ([table[t + 7 : t + 10] for t in range(4)], [[]] * 4)
+    assert lists(prefill.block_masks[40]) == (
+        [[table[t + 6], *table[t + 8 : t + 10]] for t in range(4)], [[table[t + 7]] for t in range(4)]
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("tile", [16, 64])
 def test_the_gpu_kernel_finds_each_full_list_where_it_reads_it(tile: int) -> None:
     """FlexAttention's GPU kernel (PyTorch 2.11's template) finds a tile's list of full blocks at the offset of its
     list of partial blocks, computed with the partial list's strides: both lists must be as wide. Read that way,
-    each tile's full list is its sequence's first blocks. (The GPU's lists are laid out here on the CPU: with lists
-    of different widths, every sequence but the first read other blocks on the H200, and attended wrongly.)"""
+    each tile's full list is its sequence's first blocks, and a sliding window's is its own full list (its pages
+    within the window). (The GPU's lists are laid out here on the CPU: with lists of different widths, every sequence
+    but the first read other blocks on the H200, and attended wrongly.)"""
     shape = (8, 2, 64, 16)
     batch, cache, *_ = paged_case(0, *shape, MIXES["mixed"])
-    backend = _backend(shape, cache[0].shape[1], prefill_tile=tile)
+    backend = _backend(shape, cache[0].shape[1], prefill_tile=tile, windows=[40])
     backend.pool_wide_lists = False  # (the GPU's layout of the lists)
     (_, launch) = backend.prepare(batch).launches  # the prefill chunks, over cached prefixes: full blocks
-    mask = launch.block_mask
-    partial_ids, full_ids, full_counts = mask.kv_indices, mask.full_kv_indices, mask.full_kv_num_blocks
-    assert int(full_counts.sum()) > 0
     tables = batch.block_tables[batch.num_decodes :]
-    stride_h, stride_m = partial_ids.stride(1), partial_ids.stride(2)
-    flat = full_ids.flatten()
-    for i, table in enumerate(tables):
-        for t in range(full_counts.shape[2]):
-            at = i * stride_h + t * stride_m  # (one head of the mask: the batch row i is its sparse_hz_offset)
-            count = int(full_counts[i, 0, t])
-            assert flat[at : at + count].tolist() == table[:count]
+    for window, mask in launch.block_masks.items():
+        partial_ids, full_ids, full_counts = mask.kv_indices, mask.full_kv_indices, mask.full_kv_num_blocks
+        assert int(full_counts.sum()) > 0
+        stride_h, stride_m = partial_ids.stride(1), partial_ids.stride(2)
+        flat = full_ids.flatten()
+        for i, table in enumerate(tables):
+            for t in range(full_counts.shape[2]):
+                at = i * stride_h + t * stride_m  # (one head of the mask: the batch row i is its sparse_hz_offset)
+                count = int(full_counts[i, 0, t])
+                assert flat[at : at + count].tolist() == full_ids[i, 0, t, :count].tolist()
+                if window is None:
+                    assert flat[at : at + count].tolist() == table[:count]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="CUDA runs the kernel in every test")
+@pytest.mark.parametrize("window", [None, 7, 40])
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_block_mask_lists_what_the_kernel_must_visit(mix: str) -> None:
+def test_block_mask_lists_what_the_kernel_must_visit(mix: str, window: int | None) -> None:
     """FlexAttention compiled for the CPU reads the block mask (it visits the listed blocks alone and skips the
     mask on full ones), as the GPU's kernel does: its output is the dense reference's, so the block mask lists
-    every visible key and calls full no block that is not. (The CPU's compiled kernel has no log-sum-exp: the
-    output alone.)"""
+    every visible key and calls full no block that is not, for the whole context and sliding windows. (The CPU's
+    compiled kernel has no log-sum-exp: the output alone.)"""
     shape = (8, 2, 64, 16)
-    batch, cache, q, k, v, expected, _ = paged_case(0, *shape, MIXES[mix])
-    backend = _backend(shape, cache[0].shape[1], prefill_tile=16)
+    batch, cache, q, k, v, expected, _ = paged_case(0, *shape, MIXES[mix], window=window)
+    backend = _backend(shape, cache[0].shape[1], prefill_tile=16, windows=[window] if window else [])
     meta = backend.prepare(batch)
     backend.store_kv(k, v, *cache, meta.slot_mapping)
     kvh, nb, bs, d = cache[0].shape
@@ -192,7 +295,7 @@ def test_block_mask_lists_what_the_kernel_must_visit(mix: str) -> None:
         queries = rows.new_zeros(b * ql, *rows.shape[1:])
         queries[launch.rows if launch.rows is not None else slice(None)] = rows
         o = compiled(queries.view(b, ql, *rows.shape[1:]).transpose(1, 2), keys, values,
-                     block_mask=launch.block_mask, scale=backend.scale, enable_gqa=True)  # fmt: skip
+                     block_mask=launch.block_masks[window], scale=backend.scale, enable_gqa=True)  # fmt: skip
         o = o.transpose(1, 2).reshape(b * ql, *rows.shape[1:])
         out[launch.start : launch.end] = o[launch.rows] if launch.rows is not None else o
     torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)

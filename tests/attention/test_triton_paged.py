@@ -1,6 +1,6 @@
 """The Triton attention backend against a dense reference: decodes, prefill chunks over a cached
 prefix, GQA, head sizes that are not powers of two, pages smaller and larger than a kernel tile,
-context split over programs and merged; the log-sum-exp that comes out with the output.
+context split over programs and merged, sliding windows; the log-sum-exp that comes out with the output.
 
 On a machine without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
 conftest), on the CPU; with one, on CUDA."""
@@ -8,6 +8,7 @@ conftest), on the CPU; with one, on CUDA."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -321,3 +322,163 @@ def test_views_flashattention_cannot_read_go_to_the_triton_kernel() -> None:
     assert not triton_paged._flash_aligned(aligned, fused[:, 1:65].view(10, 1, 64), aligned)  # 2 bytes in
     odd_rows = torch.zeros(10, 1, 68, dtype=torch.float16, device=DEVICE)[:, :, :64]  # rows 68 elements apart
     assert not triton_paged._flash_aligned(aligned, aligned, odd_rows)
+
+
+# Sliding windows (a query at p sees keys p - window < j <= p): the interpreter's tiles are 32 keys, pages 16, 4 or 64.
+# A subset of shape x mix x window (the interpreter is slow): a window of one key, one within a page, one across pages
+# and tiles, one past every context; in fp32, and fp16 for two.
+WINDOW_CASES = (
+    [(SHAPES[0], mix, window, torch.float32) for mix in MIXES for window in (1, 5, 45, 1000)]
+    + [(SHAPES[1], mix, window, torch.float32) for mix in MIXES for window in (3, 45)]
+    + [(SHAPES[2], mix, window, torch.float32) for mix in MIXES for window in (40, 150)]
+    + [(SHAPES[0], "mixed", 45, torch.float16), (SHAPES[2], "decodes", 150, torch.float16)]
+)
+
+
+@pytest.mark.parametrize(
+    "shape, mix, window, dtype",
+    WINDOW_CASES,
+    ids=["h{}kv{}d{}bs{}-{}-w{}-{}".format(*s, m, w, str(d).split(".")[-1]) for s, m, w, d in WINDOW_CASES],
+)
+def test_a_sliding_window_matches_dense(shape, mix: str, window: int, dtype: torch.dtype) -> None:
+    """A windowed layer (``forward``'s ``window``): the dense reference's output and log-sum-exp over each query's
+    window, for the metadata every layer of the step shares."""
+    case = paged_case(0, *shape, MIXES[mix], dtype, DEVICE, window=window)
+    backend = _backend(shape, case.cache[0].shape[1], dtype)
+    meta = backend.prepare(case.batch)
+    out = backend.forward(case.q, case.k, case.v, case.cache, meta, window)
+    check_matches_dense(case, out, meta.lse, TOLERANCE[dtype])
+
+
+def test_a_window_is_not_the_whole_context() -> None:
+    """The window is applied, not ignored: a window of one key is each query's own value (its score the log-sum-exp),
+    and a window of a few keys differs from attention over the whole context; the same metadata without a window is
+    attention over the whole context."""
+    shape = (8, 2, 64, 16)
+    chunks = MIXES["mixed"]
+    whole = paged_case(1, *shape, chunks, torch.float32, DEVICE)
+    backend = _backend(shape, whole.cache[0].shape[1])
+    meta = backend.prepare(whole.batch)
+    own = backend.forward(whole.q, whole.k, whole.v, whole.cache, meta, 1)
+    v = whole.v.repeat_interleave(shape[0] // shape[1], dim=1)
+    torch.testing.assert_close(own, v, rtol=2e-5, atol=2e-5)
+    scores = (whole.q * whole.k.repeat_interleave(shape[0] // shape[1], dim=1)).sum(-1) * shape[2] ** -0.5
+    torch.testing.assert_close(meta.lse, scores, rtol=2e-5, atol=2e-5)
+    windowed = paged_case(1, *shape, chunks, torch.float32, DEVICE, window=7)
+    assert torch.equal(windowed.q, whole.q) and torch.equal(windowed.k, whole.k)  # (the same step)
+    assert (windowed.expected - whole.expected).abs().max() > 0.1
+    out = backend.forward(windowed.q, windowed.k, windowed.v, windowed.cache, meta, 7)
+    check_matches_dense(windowed, out, meta.lse, 2e-5)
+    check_matches_dense(whole, backend.forward(whole.q, whole.k, whole.v, whole.cache, meta), meta.lse, 2e-5)
+
+
+@pytest.mark.parametrize("splits", [3, 7])
+def test_a_windowed_decodes_splits_share_its_windows_tiles(splits: int) -> None:
+    """A windowed decode whose context is split over programs splits the tiles from its window's first, not from the
+    context's: the leading splits each hold part of the window (a finite log-sum-exp), those past its tiles none
+    (merged as empty), and the merge is attention over the window."""
+    shape = (8, 2, 64, 16)
+    window = 100
+    chunks = [(1, 1000), (1, 5), (1, 129), (4, 40)]
+    case = paged_case(splits, *shape, chunks, torch.float32, DEVICE, window=window)
+    backend = _backend(shape, case.cache[0].shape[1])
+    backend.target_programs = 10**6  # as if the GPU were huge: always split
+    backend.max_splits = splits
+    meta = backend.prepare(case.batch)
+    decodes = meta.launches[0]
+    assert decodes.num_splits == splits and meta.launches[1].num_splits == 1
+    check_matches_dense(case, backend.forward(case.q, case.k, case.v, case.cache, meta, window), meta.lse, 2e-5)
+    tile = backend.tiles.decode_kv_tile
+    tiles = (1000 - 1) // tile - (1000 - window) // tile + 1  # the window's tiles of the 1000-key decode
+    per_split = -(-tiles // splits)
+    busy = -(-tiles // per_split)
+    assert decodes.part_lse is not None
+    seen = torch.isfinite(decodes.part_lse[:, 0]).all(dim=-1).tolist()
+    assert seen == [True] * busy + [False] * (splits - busy)
+
+
+@pytest.mark.parametrize("mask_every_tile", [False, True], ids=["masked-tiles-only", "every-tile-masked"])
+def test_a_window_masks_the_tiles_its_start_cuts(mask_every_tile: bool) -> None:
+    """Under a window the tiles a block of queries sees whole lie between its last query's window start and its first
+    query: those before (the window's start cuts them) are masked too, and the tiles before its first query's window
+    are not read. Blocks of chunks over a cached prefix, whole prompts, decodes split over programs; with the mask on
+    every tile alike."""
+    shape = (8, 2, 64, 16)
+    window = 50
+    chunks = [(1, 1000), (1, 33), (70, 70), (40, 200), (16, 32)]
+    case = paged_case(7, *shape, chunks, torch.float32, DEVICE, window=window)
+    tiles = dataclasses.replace(
+        triton_paged.TileConfig.for_device(DEVICE, torch.float32), mask_every_tile=mask_every_tile
+    )
+    backend = triton_paged.TritonPagedAttention(
+        *shape[:3], case.cache[0].shape[1], shape[3], DEVICE, torch.float32, tiles=tiles
+    )
+    backend.target_programs = 10**6
+    backend.max_splits = 3
+    meta = backend.prepare(case.batch)
+    check_matches_dense(case, backend.forward(case.q, case.k, case.v, case.cache, meta, window), meta.lse, 2e-5)
+
+
+@pytest.mark.parametrize("mix", ["prefills", "mixed"])
+def test_a_windowed_layer_of_flash_prefill_takes_the_triton_kernel(mix: str) -> None:
+    """``--flash-prefill``: the variable-length call has no window, so a windowed layer's prefill chunks take the
+    Triton kernel (the windowed reference's output), while the step's layers without a window take the call."""
+    shape = (8, 2, 64, 16)
+    window = 20
+    calls = []
+
+    def varlen(*args):
+        calls.append(args[0].shape[0])
+        return triton_paged.varlen_reference(*args)
+
+    case = paged_case(3, *shape, MIXES[mix], torch.float32, DEVICE, window=window)
+    backend = triton_paged.TritonPagedAttention(
+        *shape[:3], case.cache[0].shape[1], shape[3], DEVICE, torch.float32, flash_prefill=True, varlen=varlen
+    )
+    meta = backend.prepare(case.batch)
+    views = fused_views(case.q, case.k, case.v)
+    prefill = meta.launches[-1]
+    assert triton_paged.flash_takes(prefill, *views) and not triton_paged.flash_takes(prefill, *views, window)
+    check_matches_dense(case, backend.forward(*views, case.cache, meta, window), meta.lse, 2e-5)
+    assert calls == []
+    backend.forward(*views, case.cache, meta)  # (a layer without a window: the call)
+    assert calls == [prefill.end - prefill.start]
+
+
+def test_a_cuda_graphs_decode_metadata_takes_the_window_through_forward() -> None:
+    """A CUDA graph's decode metadata (``decode_metadata``, over buffers refilled before each replay) is the same for
+    every layer: a windowed layer's window reaches the kernel through ``forward``, its context split as the graph's
+    longest context sets, padding rows attending to nothing."""
+    shape = (4, 2, 16, 16)
+    window = 24
+    chunks = [(1, 300), (1, 17), (1, 64)]
+    case = paged_case(9, *shape, chunks, torch.float32, DEVICE, window=window)
+    backend = _backend(shape, case.cache[0].shape[1])
+    backend.target_programs = 10**6
+    n, width = 4, 32  # a padding row; tables as wide as the graph's longest context
+    tables = torch.zeros(n, width, dtype=torch.int32)
+    for i, table in enumerate(case.batch.block_tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    meta = backend.decode_metadata(
+        torch.cat([case.batch.slot_mapping, torch.tensor([-1], device=DEVICE)]),
+        tables.to(DEVICE),
+        torch.tensor([*case.batch.seq_lens, 0], dtype=torch.int32, device=DEVICE),
+        torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
+        torch.arange(n, dtype=torch.int32, device=DEVICE),
+        width * shape[3],
+    )
+    assert meta.launches[0].num_splits > 1
+    q, k, v = (torch.cat([x, torch.randn(1, *x.shape[1:], device=DEVICE)]) for x in (case.q, case.k, case.v))
+    out = backend.forward(q, k, v, case.cache, meta, window)
+    torch.testing.assert_close(out[:3].double().cpu(), case.expected, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(meta.lse[:3].double().cpu(), case.expected_lse, rtol=2e-5, atol=2e-5)
+    assert torch.equal(out[3].cpu(), torch.zeros(shape[0], shape[2])) and meta.lse[3].eq(-math.inf).all()
+
+
+def test_a_window_holds_at_least_one_key() -> None:
+    """A window of no keys is a caller's mistake (no window is None), refused before anything is stored."""
+    shape = (4, 2, 16, 16)
+    case = paged_case(0, *shape, [(1, 5)], torch.float32, DEVICE)
+    backend = _backend(shape, case.cache[0].shape[1])
+    with pytest.raises(ValueError, match="at least one key"):
+        backend.forward(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), 0)

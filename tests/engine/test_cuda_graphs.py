@@ -187,6 +187,68 @@ def test_graph_buffers_on_flex_attention_give_the_eager_tokens(
     assert (core.scheduler.stats.num_ahead > 0) == ahead
 
 
+def test_flex_decode_metadata_refreshes_each_sliding_windows_block_mask_from_the_buffers() -> None:
+    """A sliding-window layer through the graph buffers (``FlexPagedAttention.decode_metadata`` with its windows
+    declared), as ``DecodeGraphs`` lays them out: the metadata of a bucket of 4 is made once while the buffers hold
+    padding (as a capture makes it), and before each pass ``refresh`` remakes every window's block mask in place from
+    what they hold (the mask's tensors keep their addresses). Two steps of other contexts and block tables, with a
+    padding row, each attend as a dense reference within each window and over the whole context, and each window's
+    mask lists the pages its window reaches alone. (On the CPU, FlexAttention's eager reference over the buffers.)"""
+    from boundless.attention import flex_paged
+
+    if not flex_paged.available():
+        pytest.skip("FlexAttention with AuxRequest needs torch 2.9+")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    heads, kv_heads, d, bs, num_blocks, max_model_len = 4, 2, 16, 16, 24, 128
+    windows = (5, 20)
+    attention = flex_paged.FlexPagedAttention(heads, kv_heads, d, num_blocks, bs, device, windows=windows)
+    rows, n = 6, 4  # (the buffers' rows; the bucket's)
+    slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+    seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+    tables = torch.zeros(rows, max_model_len // bs, dtype=torch.int32, device=device)
+    query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
+    programs = torch.arange(rows, dtype=torch.int32, device=device)
+    meta = attention.decode_metadata(
+        slots[:n], tables[:n], seq_lens[:n], query_start[: n + 1], programs[:n], max_model_len
+    )
+    (launch,) = meta.launches
+    assert set(launch.block_masks) == {None, *windows}
+    addresses = {w: (m.kv_num_blocks.data_ptr(), m.kv_indices.data_ptr()) for w, m in launch.block_masks.items()}
+    gen = torch.Generator().manual_seed(0)
+    cache = tuple(torch.randn(kv_heads, num_blocks, bs, d, generator=gen).to(device) for _ in range(2))
+    g = heads // kv_heads
+    for contexts in ([100, 7, 33], [101, 20, 128]):  # (new tables each step, one as long as the model's context)
+        free = torch.randperm(num_blocks, generator=gen).tolist()
+        step_tables = [[free.pop() for _ in range(-(-ctx // bs))] for ctx in contexts]
+        slots.fill_(-1)
+        seq_lens.zero_()
+        tables.zero_()
+        for i, (ctx, table) in enumerate(zip(contexts, step_tables, strict=True)):
+            seq_lens[i] = ctx
+            tables[i, : len(table)] = torch.tensor(table)
+            slots[i] = table[(ctx - 1) // bs] * bs + (ctx - 1) % bs
+        meta.refresh()
+        q = torch.randn(n, heads, d, generator=gen).to(device)
+        k, v = (torch.randn(n, kv_heads, d, generator=gen).to(device) for _ in range(2))
+        for window in (None, *windows):
+            out = attention.forward(q, k, v, cache, meta, window=window)
+            for i, (ctx, table) in enumerate(zip(contexts, step_tables, strict=True)):
+                positions = torch.arange(0 if window is None else max(0, ctx - window), ctx)
+                at = (torch.tensor(table)[positions // bs] * bs + positions % bs).to(device)
+                keys, values = (c.view(kv_heads, -1, d)[:, at].repeat_interleave(g, 0) for c in cache)
+                scores = torch.einsum("hd,htd->ht", q[i], keys) * d**-0.5
+                want = torch.einsum("ht,htd->hd", scores.softmax(-1), values)
+                torch.testing.assert_close(out[i], want, rtol=2e-5, atol=2e-5)
+            assert torch.equal(out[3].cpu(), torch.zeros(heads, d))  # (the padding row)
+            mask = launch.block_masks[window]
+            assert (mask.kv_num_blocks.data_ptr(), mask.kv_indices.data_ptr()) == addresses[window]
+            first = [0 if window is None else max(0, ctx - window) // bs for ctx in contexts]
+            pages = [(ctx - 1) // bs + 1 - f for ctx, f in zip(contexts, first, strict=True)]
+            assert mask.kv_num_blocks[:, 0, 0].tolist() == [*pages, 0]
+            for i, (f, count) in enumerate(zip(first, pages, strict=True)):
+                assert mask.kv_indices[i, 0, 0, :count].tolist() == step_tables[i][f : f + count]
+
+
 def _count_device_windows(core: EngineCore) -> list[int]:
     """Patches the runner to count the windows it ran on the device (``launch_window`` not None); returns the count."""
     runner = core.executor.runner

@@ -218,6 +218,8 @@ TRITON_MODELS = [
     pytest.param("tiny-qwen2", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-qwen3", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-qwen3-moe", marks=pytest.mark.slow if _ON_CPU else ()),
+    "tiny-mistral-window",  # (a sliding window on every layer: the kernel's window tiles)
+    pytest.param("tiny-qwen2-window", marks=pytest.mark.slow if _ON_CPU else ()),
     "smollm2-135m",
 ]
 
@@ -245,6 +247,8 @@ FLEX_MODELS = [
     "tiny-qwen2",
     "tiny-qwen3",
     "tiny-qwen3-moe",
+    "tiny-mistral-window",  # (each window's block mask)
+    "tiny-qwen2-window",
     pytest.param("smollm2-135m", marks=pytest.mark.slow),
 ]
 
