@@ -49,6 +49,9 @@ class EngineLayout:
     max_model_len: int
     kv_dtype: torch.dtype  # what the KV cache holds (--kv-cache-dtype): the model's type, or an 8-bit one
     disk_bytes: int = 0  # most the disk store may hold (0: no disk tier)
+    # The sliding window of every layer (None: none, or some layer attends the whole context): a request's blocks
+    # that have left it go back to the pool when it runs short (``KVCacheManager.release_outside_window``).
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,14 +125,20 @@ def size_engine(
         raise ConfigError(f"--kv-host-gb: {cache.host_gb} GiB holds no {per_block}-byte block; disk loads need one")
     pool_tokens = int(num_blocks * pools) * bs
     asked = config.model.max_model_len
+    window = released_window(arch)
+    # How far one request's KV may reach: the pool, or with every layer sliding, the model's context: the blocks past
+    # the window go back, and a request holds a window and a step's chunk at most (once the pool has room for them).
+    reach: int | None = pool_tokens
+    if window is not None and pools == 1 and num_blocks * bs >= window + config.scheduler.max_num_batched_tokens + bs:
+        reach = None
     if asked is None:
-        max_model_len = min(arch.context_length, pool_tokens)
+        max_model_len = arch.context_length if reach is None else min(arch.context_length, reach)
     elif asked > arch.context_length and not config.model.allow_long_max_model_len:
         raise ConfigError(
             f"--max-model-len: {asked} tokens exceed the model's context ({arch.context_length}); outputs past it "
             "are not what the model was trained for. Pass --allow-long-max-model-len to run it anyway"
         )
-    elif asked > pool_tokens:
+    elif reach is not None and asked > reach:
         raise ConfigError(
             f"--max-model-len: {asked} tokens do not fit in the KV pool ({pool_tokens} tokens"
             + (f" in {pools:g} instances' pools" if pools > 1 else "")
@@ -137,7 +146,16 @@ def size_engine(
         )
     else:
         max_model_len = asked
-    return EngineLayout(bs, num_blocks, num_host_blocks, per_block, max_model_len, kv_dtype, disk_bytes)
+    return EngineLayout(bs, num_blocks, num_host_blocks, per_block, max_model_len, kv_dtype, disk_bytes, window)
+
+
+def released_window(arch: ModelArch) -> int | None:
+    """The window past which a request's blocks may go back to the pool: the largest of the layers' when every layer
+    slides (a layer over the whole context reads every block)."""
+    windows = [arch.layer_window(i) for i in range(arch.num_layers)]
+    if not windows or None in windows:
+        return None
+    return max(w for w in windows if w is not None)
 
 
 def _blocks_in_fraction(fraction: float, memory: DeviceMemory | None, per_block: int) -> int:

@@ -230,6 +230,8 @@ class EngineCore:
             ranking=ranking,
             load_timeout_s=config.cache.kv_load_timeout_s,
         )
+        # A model whose every layer slides gives back the blocks that have left the window (when the pool runs short).
+        self.kv.window = layout.window
         # Under DE-read the decode engine's push comes counted first and the request runs as its layers land (set
         # alike on every engine of a cluster: both ends of a push must agree on its messages).
         self.kv.layerwise_receive = config.cache.layerwise_load == "on"

@@ -253,6 +253,9 @@ class LendingAgent:
         if data is None and (transport is None or rank_address(rmanager.instance_id, 0) != transport.address):
             raise ValueError("an agent's instance id is its transport address (its ranks', a split model's)")
         self.core = core
+        # Leading blocks move to creditors here, by block index: none goes back to the pool past a sliding window too
+        # (``KVCacheManager.release_outside_window``; a move takes the first local blocks, lent blocks come first).
+        core.kv.window = None
         self.rm = rmanager
         self.control = control
         self.timeout_s = timeout_s

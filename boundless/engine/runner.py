@@ -188,14 +188,15 @@ class ModelRunner:
         layer ``i`` reads any (never in a CUDA graph). ``follows``: the step still running on the device whose draws
         are the inputs of this step's chunks decided ahead (``Scheduler.schedule_ahead``), taken there."""
         decodes_only = all(len(c.token_ids) == 1 for c in sched.chunks)
-        remote = any(c.remote for c in sched.chunks)
+        # Leading blocks lent or given back past a sliding window: the graphs' tables start at a request's first block.
+        offset = any(c.first_block for c in sched.chunks)
         scoring = self.needs_hidden_states(sched.chunks)
         adapted = any(c.sampling_params.lora_name is not None for c in sched.chunks)  # (graphs hold base weights only)
         if (
             self.graphs is not None
             and follows is None
             and decodes_only
-            and not remote
+            and not offset
             and not scoring
             and not adapted
             and on_layer is None
@@ -318,12 +319,13 @@ class ModelRunner:
 
     def _graphs_take(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether a window of these chunks' decodes runs on the graphs: there are graphs, the batch fits them, no chunk
-        has lent blocks or a LoRA adapter (the graphs hold the base weights), and each draws its tokens alone
-        (``Sampler.draws_alone``: no drafts, no sampling that needs the host each pass)."""
+        has leading blocks elsewhere (lent, or given back past a window) or a LoRA adapter (the graphs hold the base
+        weights), and each draws its tokens alone (``Sampler.draws_alone``: no drafts, no sampling that needs the host
+        each pass)."""
         return (
             self.graphs is not None
             and self.graphs.fits(len(chunks))
-            and not any(c.remote or c.sampling_params.lora_name is not None for c in chunks)
+            and not any(c.first_block or c.sampling_params.lora_name is not None for c in chunks)
             and all(map(self.sampler.draws_alone, chunks))
         )
 
@@ -335,15 +337,15 @@ class ModelRunner:
         forward pass and its draws, its tokens left there, so that the step decided after it can take its inputs from
         them while it runs (``Scheduler.schedule_ahead``). ``follows``: the step still running whose draws are this
         one's inputs for its chunks decided ahead. None when it cannot run so: no graphs (asynchronous scheduling
-        overlaps the steps of an engine on CUDA graphs), a chunk with lent blocks or drafts, one that scores its
-        prompt, or one that samples by rules that need the host (``Sampler.draws_alone``); it then runs to its end as
-        ever (after ``follows``, if any)."""
+        overlaps the steps of an engine on CUDA graphs), a chunk with lent (or released) blocks or drafts, one that
+        scores its prompt, or one that samples by rules that need the host (``Sampler.draws_alone``); it then runs to
+        its end as ever (after ``follows``, if any)."""
         chunks = sched.chunks
         sampling = [c for c in chunks if c.sample]
         if (
             self.graphs is None
             or not chunks
-            or any(c.remote or c.prompt_targets or c.draft_token_ids for c in chunks)
+            or any(c.first_block or c.prompt_targets or c.draft_token_ids for c in chunks)
             or not all(map(self.sampler.draws_alone, sampling))
         ):
             return None

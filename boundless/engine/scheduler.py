@@ -191,6 +191,7 @@ class SchedulerStats:
     num_recomputed: int = 0
     num_prompt_tokens_cached: int = 0
     num_ahead: int = 0  # windows decided while the one before ran (schedule_ahead)
+    num_window_blocks_released: int = 0  # blocks given back past every layer's sliding window (_release_windows)
     # Of those, by the tier their KV was found in: device, host, or disk (loaded ahead of admission).
     cached_tokens_by_tier: dict[TierId, int] = field(default_factory=dict)
 
@@ -529,7 +530,7 @@ class Scheduler:
             ):
                 continue
             if (
-                self.kv.num_lent_blocks(rid)
+                self.kv.first_local_block(rid)  # (lent or released blocks: the device windows' tables start at 0)
                 or chunk.draft_token_ids
                 or request.handoff is not None
                 or _sure_tokens(chunk) != self.in_flight.get(rid)
@@ -663,7 +664,7 @@ class Scheduler:
         all of them allocated now; None (an ordinary step) when the batch is not all decodes or the device lacks
         free blocks for the window (a window preempts nobody)."""
         steps = window_lengths(chosen, self.num_scheduler_steps)
-        if steps is None or any(self.kv.num_lent_blocks(r.request_id) for r, _ in chosen):
+        if steps is None or any(self.kv.first_local_block(r.request_id) for r, _ in chosen):
             return None
         kv = self.kv
         ends = {r.request_id: r.num_computed_tokens + steps[r.request_id] for r, _ in chosen}  # tokens with KV after
@@ -803,8 +804,10 @@ class Scheduler:
             # Its blocks on creditors (KV lending) stay there while it is swapped out: only its local ones count.
             chunk_end = min(request.num_tokens, request.num_computed_tokens + budget, self._local_limit(rid))
             need = max(
-                self.kv.num_swapped_blocks(rid), self.kv.blocks_for_tokens(chunk_end) - self.kv.num_lent_blocks(rid)
+                self.kv.num_swapped_blocks(rid), self.kv.blocks_for_tokens(chunk_end) - self.kv.first_local_block(rid)
             )
+            if need > self.kv.pool.num_free:
+                self._release_windows()
             if need > self.kv.pool.num_free + self._evictable_blocks(order, idx, chosen_ids):
                 return None  # evicting everything below would not be enough: evict nothing
             while self.kv.pool.num_free < need:
@@ -824,6 +827,8 @@ class Scheduler:
             computed = prefix.num_tokens
         else:
             computed = request.num_computed_tokens
+        if computed >= limit and self._placeholders is None and self._release_windows():
+            limit = self._local_limit(rid)  # (its own blocks past the window went back)
         if computed >= limit:
             # Its local blocks fill the whole pool (a request longer than one pool, with KV lending): only a move of
             # its blocks to a creditor lets it grow. It keeps them meanwhile; evicting it would gain nothing (it
@@ -841,6 +846,8 @@ class Scheduler:
                 return None
         else:
             short = self.kv.blocks_short(rid, computed + num_new, prefix)
+            if short > 0 and self._release_windows():  # (before anyone is preempted: those blocks are read no more)
+                short = self.kv.blocks_short(rid, computed + num_new, prefix)
             if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
                 if request.status is RequestStatus.RUNNING:
                     self._evict(request, out, order)  # it cannot grow and nothing below it can give way
@@ -899,7 +906,22 @@ class Scheduler:
         make. A request on a creditor that runs into the blocks it hosts before that is evicted like any other (swapped
         out, or dropped to recompute without host memory) and comes back once they are freed or moved."""
         own = self.kv.pool.num_blocks - self.hosted_blocks
-        return (self.kv.num_lent_blocks(request_id) + own) * self.kv.block_size
+        return (self.kv.first_local_block(request_id) + own) * self.kv.block_size
+
+    def _release_windows(self) -> bool:
+        """A model whose every layer slides (``KVCacheManager.window``): each running request's blocks that have left
+        the window of its next token go back to the pool (named, as cache). Done when the pool runs short, not every
+        step: a request with no block given back keeps the device's fast paths (CUDA graphs, multi-step windows), whose
+        block tables start at its first block. Not a request that hands its prompt's blocks off or pushes them (they
+        are read whole). Whether any block went."""
+        if self.kv.window is None:
+            return False
+        released = 0
+        for request in self.running:
+            if request.handoff is None and request.push is None and request.status is RequestStatus.RUNNING:
+                released += self.kv.release_outside_window(request.request_id, request.num_computed_tokens)
+        self.stats.num_window_blocks_released += released
+        return released > 0
 
     def waits_for_room(self, request: Request) -> bool:
         """Whether a running request's local blocks fill the whole pool, once the step decided has run, and it has

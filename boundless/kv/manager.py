@@ -232,6 +232,10 @@ class KVCacheManager:
         # blocks from the first local one on (block index ``sum of num_blocks``).
         self._lent: dict[str, list[LentSpan]] = {}
         self._dropped_lent: list[tuple[str, list[LentSpan]]] = []
+        # Sliding windows (``release_outside_window``): the window of every layer, when all of them slide, and each
+        # request's leading blocks given back because they have left it (they come before its first local one).
+        self.window: int | None = None
+        self._released: dict[str, int] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         # Each request's full blocks' tokens, a tuple a block, made once (_block_tokens): lookups compare them with
         # cached blocks' (a waiting request's store plan looks its prefix up every step), named blocks keep them.
@@ -322,7 +326,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's local blocks: from block :meth:`num_lent_blocks` on (a new list, the caller's)."""
+        """The request's local blocks: from block :meth:`first_local_block` on (a new list, the caller's)."""
         table = self._tables.get(request_id)
         if table is None:
             return []
@@ -341,11 +345,38 @@ class KVCacheManager:
         spans = self._lent.get(request_id)
         return sum(span.num_blocks for span in spans) if spans else 0
 
+    def first_local_block(self, request_id: str) -> int:
+        """The index of the request's first local block: past its blocks released outside the window
+        (:meth:`release_outside_window`) and those on other instances (:meth:`num_lent_blocks`)."""
+        released = self._released.get(request_id, 0) if self._released else 0
+        return released + self.num_lent_blocks(request_id) if self._lent else released
+
+    def release_outside_window(self, request_id: str, num_computed: int) -> int:
+        """Give back the request's leading blocks that have left the sliding window of every layer (``window``): a
+        query at ``num_computed`` or later sees no key before ``num_computed - window + 1``, so no later step reads
+        them. They keep their names, as cache, like any freed block; the request's table then starts past them (as it
+        does past lent blocks). Not a request with blocks on other instances, and never its last local block.
+        Returns how many blocks went."""
+        if self.window is None or request_id in self._lent:
+            return 0
+        table = self._tables.get(request_id)
+        if not table:
+            return 0
+        released = self._released.get(request_id, 0)
+        count = min((num_computed - self.window + 1) // self.block_size - released, len(table) - 1)
+        if count <= 0:
+            return 0
+        gone, self._tables[request_id] = table[:count], table[count:]
+        self.pool.free(reversed(gone))
+        self._released[request_id] = released + count
+        return count
+
     def remote_prefix(self, request_id: str) -> tuple[int, tuple[RemoteKV, ...]]:
-        """The request's first local block index, and its remote blocks grouped by creditor (for attention)."""
+        """The request's first local block index (:meth:`first_local_block`), and its remote blocks grouped by
+        creditor (for attention)."""
         spans = self._lent.get(request_id)
         if not spans:
-            return 0, ()
+            return self.first_local_block(request_id), ()
         by_creditor: dict[str, list[LentSpan]] = {}
         for span in spans:
             by_creditor.setdefault(span.creditor, []).append(span)
@@ -353,7 +384,7 @@ class KVCacheManager:
             RemoteKV(c, tuple(s.move_id for s in group), sum(s.num_blocks for s in group) * self.block_size)
             for c, group in by_creditor.items()
         )
-        return self.num_lent_blocks(request_id), remote
+        return self.first_local_block(request_id), remote
 
     def lend_leading_blocks(self, request_id: str, span: LentSpan) -> None:
         """The request's next ``span.num_blocks`` blocks (its first local ones, all full and computed) now live on
@@ -542,7 +573,7 @@ class KVCacheManager:
                         dst = next(fresh)
                         self._move(BlockRef(HOST, block.block_id), BlockRef(DEVICE, dst.block_id))
                         table.append(dst)
-        num_new = self.blocks_for_tokens(num_tokens_after) - len(table) - self.num_lent_blocks(request_id)
+        num_new = self.blocks_for_tokens(num_tokens_after) - len(table) - self.first_local_block(request_id)
         if num_new > 0:
             table.extend(self.pool.allocate(num_new, owner))
         self._name_full_blocks(request_id, token_ids, num_tokens_after if num_known is None else num_known)
@@ -559,7 +590,7 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         return (
             table is not None
-            and num_tokens_after <= len(table) * self.block_size
+            and num_tokens_after <= (len(table) + self.first_local_block(request_id)) * self.block_size
             and (
                 not self.pool.enable_caching
                 or num_tokens_after // self.block_size <= self._num_named.get(request_id, 0)
@@ -577,6 +608,7 @@ class KVCacheManager:
         lent = self._lent.pop(request_id, None)
         if lent:
             self._dropped_lent.append((request_id, lent))
+        self._released.pop(request_id, None)
         swapped = self._swapped.pop(request_id, None)
         if swapped is not None:
             tier, blocks = swapped
@@ -743,7 +775,7 @@ class KVCacheManager:
         return [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == DEVICE]
 
     def _blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None) -> int:
-        have = len(self._tables.get(request_id, ())) + self.num_lent_blocks(request_id)
+        have = len(self._tables.get(request_id, ())) + self.first_local_block(request_id)
         if prefix is None:  # a running request growing: the common case, every step
             return max(self.blocks_for_tokens(num_tokens_after) - have, 0) - self.pool.num_free
         on_device = self._on_device(prefix)
@@ -761,7 +793,7 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return
         table = self._tables[request_id]
-        first = self.num_lent_blocks(request_id)  # table[0] is the request's block `first`
+        first = self.first_local_block(request_id)  # table[0] is the request's block `first`
         start = max(self._num_named.get(request_id, 0), first)
         num_full = min(num_tokens, len(token_ids)) // self.block_size
         if num_full <= start:

@@ -100,7 +100,9 @@ def _engine(loaded: LoadedModel, **cache_and_sched) -> EngineCore:
     cfg = EngineConfig(
         # 512 tokens, or the model's context where shorter (tiny-qwen3-yarn's: 128).
         model=ModelConfig(
-            max_model_len=cache_and_sched.get("max_model_len", min(512, loaded.arch.context_length)), **model
+            # (None: the engine's own, from the model and the pool.)
+            max_model_len=cache_and_sched.get("max_model_len", min(512, loaded.arch.context_length)),
+            **model,
         ),
         cache=CacheConfig(**cache),
         scheduler=SchedulerConfig(**sched),
@@ -315,6 +317,26 @@ def test_sliding_window_models_greedy_match_transformers(
     window = ref.loaded.arch.sliding_window
     assert window is not None and sum(len(p) > window for p in ref.prompts) >= 5
     test_greedy_matches_transformers(ref, config)
+
+
+@pytest.mark.parametrize("budget", [32, 7])
+def test_a_window_models_blocks_past_the_window_go_back_to_the_pool(
+    budget: int, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """Every layer of the Mistral slides (12 keys): a pool of 5 blocks (80 tokens) serves its prompts of up to 116
+    tokens and their outputs, longer than the pool, as transformers does: the blocks each request's window has left
+    go back to the pool when it runs short (before anyone is preempted), where they stay named. A model with a layer
+    over the whole context keeps its context within the pool."""
+    ref = _reference("tiny-mistral-window", load, hf_model)
+    assert max(len(p) for p in ref.prompts) + MAX_NEW > 5 * 16
+    core = _engine(ref.loaded, num_kv_blocks=5, max_model_len=None, max_num_batched_tokens=budget)
+    assert core.max_model_len == ref.loaded.arch.context_length and core.kv.window == 12
+    for i, (ours, theirs) in enumerate(zip(_run_greedy(core, ref.prompts), ref.tokens, strict=True)):
+        assert ours == theirs, f"prompt {i} ({len(ref.prompts[i])} tokens) diverges"
+    assert core.scheduler.stats.num_window_blocks_released > 0
+    assert core.kv.pool.num_used == 0  # (every request's blocks freed: the released ones as they went, once)
+    qwen2 = _engine(_reference("tiny-qwen2-window", load, hf_model).loaded, num_kv_blocks=5, max_model_len=None)
+    assert qwen2.max_model_len == 5 * 16 and qwen2.kv.window is None
 
 
 @pytest.mark.parametrize("name", WINDOW_MODELS)
