@@ -88,6 +88,7 @@ BENCHES: tuple[tuple[str, str, bool], ...] = (
     ("spec", "speculative decoding (n-gram or suffix proposals) against plain decoding on agent calls", True),
     ("lora", "LoRA adapters in one batch against PEFT's mixed-adapter batches", True),
     ("kv-dtype", "a KV cache in --kv-cache-dtype against the model's own type, in the same memory", True),
+    ("window", "a sliding-window model giving back the blocks past its window against keeping them, same pool", False),
     ("tensor-parallel", "a model split over --tensor-parallel-size ranks against it on one device", True),
     ("embed", "transformers' base model against Boundless embedding the same prompts", True),
     ("frontend", "the server's output tokens per second against its engine loop's alone, per route and mode", True),
