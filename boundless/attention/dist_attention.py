@@ -45,6 +45,10 @@ class _CreditorPlan:
     segments: list[QuerySegment] = field(default_factory=list)
     num_keys: list[int] = field(default_factory=list)  # each segment's lent keys there
     where: torch.Tensor | None = None  # for each of those rows, its index among the step's remote rows
+    # A creditor holding two runs of a request's blocks (another creditor's between: ``remote_prefix``) is sent its
+    # rows once per run: the reply's rows of each pass over the requests (their indices in the reply, and among the
+    # step's remote rows), merged one after another. None: each row once.
+    passes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     encoded: tuple[torch.Tensor, ...] | None = None  # the segments on the wire
 
     def sees_any(self, window: int | None) -> bool:
@@ -122,7 +126,20 @@ class DistributedAttention:
         meta.remote_rows = torch.tensor(rows, dtype=torch.long)
         index = {r: i for i, r in enumerate(rows)}
         for plan in meta.plans.values():
-            plan.where = torch.tensor([index[r] for s, e in plan.rows for r in range(s, e)], dtype=torch.long)
+            where = [index[r] for s, e in plan.rows for r in range(s, e)]
+            plan.where = torch.tensor(where, dtype=torch.long)
+            if len(set(where)) < len(where):
+                seen: dict[int, int] = {}
+                by_pass: dict[int, tuple[list[int], list[int]]] = {}
+                at = 0
+                for s, e in plan.rows:
+                    k = seen[s] = seen.get(s, -1) + 1  # (the k-th run of this request's blocks there)
+                    reply, rows_of = by_pass.setdefault(k, ([], []))
+                    reply.extend(range(at, at + e - s))
+                    rows_of.extend(index[r] for r in range(s, e))
+                    at += e - s
+                plan.passes = [(torch.tensor(a, dtype=torch.long), torch.tensor(b, dtype=torch.long))
+                               for a, b in by_pass.values()]  # fmt: skip
             plan.encoded = encode_segments(plan.segments)
         self.stats.steps += 1
         return meta
@@ -215,14 +232,15 @@ class DistributedAttention:
             # A creditor's partial over the rows it was sent; the rows it was not sent are empty there (m = -inf,
             # e = 0), which the merge leaves unchanged.
             assert plan.where is not None  # (set with the step's plans)
-            if len(plan.where) == len(rows):
+            if plan.passes is None and len(plan.where) == len(rows):
                 parts.append(part)  # it was sent every remote row, in order
                 continue
-            full = AttentionPartial(
-                m=torch.full_like(sub.m, float("-inf")), e=torch.zeros_like(sub.e), o=torch.zeros_like(sub.o)
-            )
-            full.m[plan.where], full.e[plan.where], full.o[plan.where] = part.m, part.e, part.o
-            parts.append(full)
+            for reply, where in plan.passes or [(torch.arange(len(plan.where)), plan.where)]:
+                full = AttentionPartial(
+                    m=torch.full_like(sub.m, float("-inf")), e=torch.zeros_like(sub.e), o=torch.zeros_like(sub.o)
+                )
+                full.m[where], full.e[where], full.o[where] = part.m[reply], part.e[reply], part.o[reply]
+                parts.append(full)
         merged = combine_partials(parts)
         out = merge_partials([local])
         out[rows] = merge_partials([merged]).to(out.dtype)

@@ -98,9 +98,10 @@ def lent_partial(
     t, h, d = q.shape
     kvh, _, bs, _ = k_cache.shape
     bias = None
-    if window is not None and first_position - window + 1 > 0:
-        # Blocks before the first row's window are seen by no row; the rest are masked row by row.
-        skip = (first_position - window + 1) // bs
+    if window is not None and first_position + t - window > 0:
+        # Some row's window starts past the first key (its last row's does first). Blocks before the first row's
+        # window are seen by no row; the rest are masked row by row.
+        skip = max(first_position - window + 1, 0) // bs
         block_ids = list(block_ids)[skip:]
         if not block_ids:  # (every row's window starts past the lent keys)
             return AttentionPartial(m=torch.zeros(t, h, 1), e=torch.zeros(t, h, 1), o=torch.zeros(t, h, d))

@@ -144,9 +144,12 @@ class EngineInstance:
         storage = self.links.storage
         # With KV lending a request may hold what the other instances lend beside this pool (--lending-request-pools).
         pools = 1.0 if lending is None else served_request_pools(lending.cluster)
+        # (A prefill engine's prompts go whole to its decode engine, and lending moves blocks by index: no block goes
+        # back past a sliding window there, and a context stays within what the pools hold.)
         self.core = EngineCore.from_model(
-            loaded, config, read_link=storage, pools=pools, events_rank=events_rank, ranks=ranks
-        )
+            loaded, config, read_link=storage, pools=pools, events_rank=events_rank, ranks=ranks,
+            release_windows=role is None and lending is None,
+        )  # fmt: skip
         self.transport = None
         self.kv_address = ""  # where its peers reach it: its endpoint's address, or its ranks' (a split model)
         if role is not None:

@@ -49,11 +49,11 @@ def migrate_request(
     src: Endpoint, dst: Endpoint, request_id: str, attempt: int = 0, timeout_s: float = 30.0
 ) -> Migration | None:
     """Move a running request from ``src`` to ``dst`` with its computed full blocks; None (nothing changed) when
-    it is not running there, ``dst`` lacks room for its blocks, or the transfer fails (a peer gone, a timeout).
-    Call between the engines' steps."""
+    it is not running there (or holds no block 0 there), ``dst`` lacks room for its blocks, or the transfer fails (a
+    peer gone, a timeout). Call between the engines' steps."""
     request = src.core.scheduler.requests.get(request_id)
-    if request is None or request.status is not RequestStatus.RUNNING:
-        return None
+    if request is None or request.status is not RequestStatus.RUNNING or src.core.kv.first_local_block(request_id):
+        return None  # (not one whose leading blocks are elsewhere: lent, or given back past a sliding window)
     kv_src, kv_dst = src.core.kv, dst.core.kv
     bs = kv_src.block_size
     tokens = request.all_token_ids

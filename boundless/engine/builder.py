@@ -97,11 +97,16 @@ def size_engine(
     dtype: torch.dtype,
     pools: float = 1,
     memory: DeviceMemory | None = None,
+    release_windows: bool = True,
 ) -> EngineLayout:
     """Blocks from ``--num-kv-blocks``, ``--gpu-memory-utilization`` (of ``memory``, the device's once the weights are
     loaded) or ``--kv-cache-gb``, host blocks from ``--kv-host-gb``, the disk store's room from ``--kv-disk-gb`` (with
     ``--kv-disk-path``), and the context length: the asked one (which must fit in the pool), or the model's capped by
     the pool.
+
+    ``release_windows``: a model whose every layer slides gives back the blocks past its window
+    (``EngineLayout.window``), and its context is not capped by the pool; off for an engine whose requests' blocks are
+    read whole or moved by index (a prefill/decode role's, KV lending's).
 
     ``pools``: how many instances' pools' worth of KV one request may hold. With KV lending its blocks beyond
     this pool live on creditors, so its context is capped by what they lend (``lending_plan.request_pools``), or by
@@ -125,11 +130,11 @@ def size_engine(
         raise ConfigError(f"--kv-host-gb: {cache.host_gb} GiB holds no {per_block}-byte block; disk loads need one")
     pool_tokens = int(num_blocks * pools) * bs
     asked = config.model.max_model_len
-    window = released_window(arch)
+    window = released_window(arch) if release_windows else None
     # How far one request's KV may reach: the pool, or with every layer sliding, the model's context: the blocks past
     # the window go back, and a request holds a window and a step's chunk at most (once the pool has room for them).
     reach: int | None = pool_tokens
-    if window is not None and pools == 1 and num_blocks * bs >= window + config.scheduler.max_num_batched_tokens + bs:
+    if window is not None and num_blocks * bs >= window + config.scheduler.max_num_batched_tokens + bs:
         reach = None
     if asked is None:
         max_model_len = arch.context_length if reach is None else min(arch.context_length, reach)

@@ -288,14 +288,16 @@ class EngineCore:
         pools: float = 1,
         events_rank: int = 0,
         ranks: TensorParallelRanks | None = None,
+        release_windows: bool = True,
     ) -> EngineCore:
         """An instance that runs ``loaded`` on its device (its store reads waiting for ``read_link``, an
         emulated storage link, when given); a request may hold ``pools`` pools' worth of KV (``size_engine``). With
         --kv-events-config its KV events go out as data-parallel rank ``events_rank`` (on its endpoint's port plus
         that). ``ranks``: a split model's other ranks, launched while ``loaded`` loaded
-        (:func:`~boundless.engine.tensor_parallel.load_with_ranks`)."""
+        (:func:`~boundless.engine.tensor_parallel.load_with_ranks`). ``release_windows``: see ``size_engine``."""
         try:
-            layout = size_engine(config, loaded.arch, loaded.dtype, pools, DeviceMemory.of(loaded.device))
+            memory = DeviceMemory.of(loaded.device)
+            layout = size_engine(config, loaded.arch, loaded.dtype, pools, memory, release_windows)
         except BaseException:
             if ranks is not None:
                 ranks.close()

@@ -92,7 +92,7 @@ def next_chunk_needs(core: EngineCore, chunks: int = 1) -> list[tuple[str, int]]
             r.request_id,
             kv.blocks_for_tokens(min(r.num_tokens, sched.tokens_after_step(r) + chunks * sched.max_num_batched_tokens))
             - kv.num_allocated_blocks(r.request_id)
-            - kv.num_lent_blocks(r.request_id),
+            - kv.first_local_block(r.request_id),
         )
         for r in sched.running
         if r.status is RequestStatus.RUNNING

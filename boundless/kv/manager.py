@@ -364,6 +364,11 @@ class KVCacheManager:
             return 0
         released = self._released.get(request_id, 0)
         count = min((num_computed - self.window + 1) // self.block_size - released, len(table) - 1)
+        if count > 0 and self._transfers:
+            # Not a block this step's copies still write (a prefix hit from host memory, a swap-in): freed now, another
+            # allocation of the step could take it, and two copies would write it.
+            incoming = {t.dst.block_id for t in self._transfers if t.dst.tier == DEVICE}
+            count = next((i for i in range(count) if table[i].block_id in incoming), count)
         if count <= 0:
             return 0
         gone, self._tables[request_id] = table[:count], table[count:]
@@ -372,17 +377,21 @@ class KVCacheManager:
         return count
 
     def remote_prefix(self, request_id: str) -> tuple[int, tuple[RemoteKV, ...]]:
-        """The request's first local block index (:meth:`first_local_block`), and its remote blocks grouped by
-        creditor (for attention)."""
+        """The request's first local block index (:meth:`first_local_block`), and its remote blocks in context order,
+        a creditor's consecutive spans together (for attention: a sliding window reads where each run's keys lie, so
+        spans that another creditor's come between stay apart)."""
         spans = self._lent.get(request_id)
         if not spans:
             return self.first_local_block(request_id), ()
-        by_creditor: dict[str, list[LentSpan]] = {}
+        runs: list[list[LentSpan]] = []
         for span in spans:
-            by_creditor.setdefault(span.creditor, []).append(span)
+            if runs and runs[-1][0].creditor == span.creditor:
+                runs[-1].append(span)
+            else:
+                runs.append([span])
         remote = tuple(
-            RemoteKV(c, tuple(s.move_id for s in group), sum(s.num_blocks for s in group) * self.block_size)
-            for c, group in by_creditor.items()
+            RemoteKV(run[0].creditor, tuple(s.move_id for s in run), sum(s.num_blocks for s in run) * self.block_size)
+            for run in runs
         )
         return self.first_local_block(request_id), remote
 

@@ -103,15 +103,21 @@ def _spanning_request_matches_one_instance(
     assert debtor.stats.blocks_out == 5 and sum(c.stats.blocks_in for c in creditors) == 5
 
 
-@pytest.mark.parametrize(("model", "window"), [("tiny-mistral-window", 12), ("tiny-mistral-window", 40),
-                                               ("tiny-qwen2-window", 7)])  # fmt: skip
-def test_distattention_within_sliding_windows(load, make_cluster, monkeypatch, model: str, window: int) -> None:
+@pytest.mark.parametrize(("model", "window", "instances"), [
+    ("tiny-mistral-window", 12, 2), ("tiny-mistral-window", 40, 2), ("tiny-mistral-window", 40, 3),
+    ("tiny-qwen2-window", 7, 2),
+])  # fmt: skip
+def test_distattention_within_sliding_windows(
+    load, make_cluster, monkeypatch, model: str, window: int, instances: int
+) -> None:
     """Layers with a sliding window: 12 keys, less than the lent blocks' distance to every later chunk (no layer
     asks a creditor), 40 keys (the rows just past the lent blocks see some of them: the creditor masks its keys by
-    the positions the segments carry), and 7 keys after a first layer of the whole context (only that one asks). The
-    outputs are one engine's."""
+    the positions the segments carry; on 3 instances the first creditor holds two runs of the request's blocks, the
+    second's between them, each masked by its own positions), and 7 keys after a first layer of the whole context
+    (only that one asks). The outputs are one engine's."""
     loaded = load(model)
     for layer in loaded.model.layers:
         if layer.window is not None:
             monkeypatch.setattr(layer, "window", window)
-    _spanning_request_matches_one_instance(loaded, make_cluster, 2, asks=window > 12 or model == "tiny-qwen2-window")
+    asks = window > 12 or model == "tiny-qwen2-window"
+    _spanning_request_matches_one_instance(loaded, make_cluster, instances, asks=asks)
