@@ -59,6 +59,10 @@ class _EngineStateCollector:
             ),
             "boundless_prefix_cache_hits": ("prompt tokens found in the prefix cache", lambda s: s.prefix_cache_hits),
             "boundless_engine_busy_seconds": ("seconds spent running the model", lambda s: s.busy_seconds),
+            "boundless_kv_window_blocks_released": (
+                "KV blocks given back to the pool past every layer's sliding window",
+                lambda s: s.window_blocks_released,
+            ),
             "boundless_spec_decode_drafts": (
                 "speculative decoding: requests' steps with drafts (accepted tokens over these: the mean kept)",
                 lambda s: s.spec_drafts,

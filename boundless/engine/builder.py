@@ -148,6 +148,12 @@ def size_engine(
             f"--max-model-len: {asked} tokens do not fit in the KV pool ({pool_tokens} tokens"
             + (f" in {pools:g} instances' pools" if pools > 1 else "")
             + "); raise --kv-cache-gb or --num-kv-blocks"
+            + (
+                f" (or lower --max-num-batched-tokens: with the model's sliding window of {window} tokens, a pool "
+                "that holds a window, a step's tokens and a block serves any context)"
+                if window is not None
+                else ""
+            )
         )
     else:
         max_model_len = asked

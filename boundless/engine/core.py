@@ -168,6 +168,7 @@ class EngineStats:
     disk_io: DiskIOStats | None = None  # the disk store's loads and writes (with --kv-disk-path)
     remote_io: RemoteIOStats | None = None  # block streams to and from other instances (with a transport)
     lending: LendingStats | None = None  # KV lending and DistAttention (with a lending agent)
+    window_blocks_released: int = 0  # blocks given back past every layer's sliding window
     spec_drafts: int = 0  # speculative decoding: chunks with drafts (accepted / drafts: the mean run kept)
     spec_draft_tokens: int = 0  # tokens proposed and verified
     spec_accepted_tokens: int = 0  # of which the model's samples matched (kept as output)
@@ -1019,6 +1020,7 @@ class EngineCore:
             num_kept=self.scheduler.stats.num_kept,
             num_swapped_out=self.scheduler.stats.num_swapped_out,
             num_recomputed=self.scheduler.stats.num_recomputed,
+            window_blocks_released=self.scheduler.stats.num_window_blocks_released,
             busy_seconds=c.busy_seconds,
             steps=c.steps,
             kv_tiers=self._tier_stats(),

@@ -641,6 +641,7 @@ def test_metrics_expose_engine_and_latency_series(server: ServerThread, client: 
         "boundless_time_to_first_token_seconds_bucket",
         "boundless_time_per_output_token_seconds_bucket",
         "boundless_e2e_request_latency_seconds_count",
+        "boundless_kv_window_blocks_released_total",
     ):
         assert name in text, name
 

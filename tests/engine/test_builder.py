@@ -46,6 +46,15 @@ def test_a_windowed_model_serves_its_whole_context(tiny_llama: LoadedModel) -> N
     assert size_engine(config, arch, tiny_llama.dtype).max_model_len == arch.context_length
     past = engine_config(tiny_llama.name, num_kv_blocks=blocks, block_size=16, max_model_len=65)
     assert size_engine(past, arch, tiny_llama.dtype).max_model_len == 65
+    # A pool without room for a window, a step's tokens and a block: the pool caps the context, and says what frees it.
+    small = engine_config(tiny_llama.name, num_kv_blocks=8, block_size=16, max_model_len=200)
+    with pytest.raises(ConfigError, match=r"or lower --max-num-batched-tokens: with the model's sliding window of 64"):
+        size_engine(small, arch, tiny_llama.dtype)
+    # A pool of 512 tokens holds a window (64), a step's 128 tokens and a block: the whole context; not on an engine
+    # whose requests' blocks are read whole or moved by index (a prefill/decode role's, lending's).
+    roomy = engine_config(tiny_llama.name, num_kv_blocks=32, block_size=16, max_num_batched_tokens=128)
+    assert size_engine(roomy, arch, tiny_llama.dtype).max_model_len == arch.context_length
+    assert size_engine(roomy, arch, tiny_llama.dtype, release_windows=False).max_model_len == 512
 
 
 def test_a_context_past_the_models_is_refused_unless_allowed(tiny_llama: LoadedModel) -> None:
