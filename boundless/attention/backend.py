@@ -22,11 +22,28 @@ import torch
 @dataclass(frozen=True)
 class RemoteKV:
     """Leading blocks of a sequence's context that another instance (``creditor``) holds, lent under these
-    moves (KV lending, ``docs/distributed-attention.md``); their tokens all precede the step's tokens."""
+    moves (KV lending, ``docs/distributed-attention.md``); their tokens all precede the step's tokens. ``spans``: each
+    move's first key among the sequence's remote keys and its tokens, in ``move_ids``' order (a creditor's moves need
+    not be contiguous: another's may lie between); empty: one run, right after the entries before it."""
 
     creditor: str
     move_ids: tuple[str, ...]
     num_tokens: int
+    spans: tuple[tuple[int, int], ...] = ()
+
+    def runs(self, first_key: int) -> list[tuple[tuple[str, ...], int, int]]:
+        """The moves as runs of contiguous keys: (move ids, first key, tokens) each; ``first_key``: where the keys of
+        an entry without ``spans`` begin."""
+        if not self.spans:
+            return [(self.move_ids, first_key, self.num_tokens)]
+        runs: list[tuple[tuple[str, ...], int, int]] = []
+        for move_id, (start, tokens) in zip(self.move_ids, self.spans, strict=True):
+            if runs and runs[-1][1] + runs[-1][2] == start:
+                ids, first, length = runs[-1]
+                runs[-1] = (ids + (move_id,), first, length + tokens)
+            else:
+                runs.append(((move_id,), start, tokens))
+        return runs
 
 
 @dataclass(frozen=True)

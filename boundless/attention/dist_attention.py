@@ -116,9 +116,11 @@ class DistributedAttention:
             keys_before = 0
             for kv in remote:
                 plan = meta.plans.setdefault(kv.creditor, _CreditorPlan())
-                plan.rows.append((start, start + query_len))
-                plan.segments.append(QuerySegment(query_len, kv.move_ids, first - keys_before))
-                plan.num_keys.append(kv.num_tokens)
+                # (A segment per run of contiguous keys: its rows' positions count from its first key.)
+                for move_ids, first_key, num_keys in kv.runs(keys_before):
+                    plan.rows.append((start, start + query_len))
+                    plan.segments.append(QuerySegment(query_len, move_ids, first - first_key))
+                    plan.num_keys.append(num_keys)
                 keys_before += kv.num_tokens
             if remote:
                 rows.extend(range(start, start + query_len))

@@ -377,22 +377,24 @@ class KVCacheManager:
         return count
 
     def remote_prefix(self, request_id: str) -> tuple[int, tuple[RemoteKV, ...]]:
-        """The request's first local block index (:meth:`first_local_block`), and its remote blocks in context order,
-        a creditor's consecutive spans together (for attention: a sliding window reads where each run's keys lie, so
-        spans that another creditor's come between stay apart)."""
+        """The request's first local block index (:meth:`first_local_block`), and its remote blocks grouped by
+        creditor (for attention), with where each move's keys lie among the remote ones (a sliding window reads it)."""
         spans = self._lent.get(request_id)
         if not spans:
             return self.first_local_block(request_id), ()
-        runs: list[list[LentSpan]] = []
+        by_creditor: dict[str, list[tuple[LentSpan, int]]] = {}
+        at = 0
         for span in spans:
-            if runs and runs[-1][0].creditor == span.creditor:
-                runs[-1].append(span)
-            else:
-                runs.append([span])
+            by_creditor.setdefault(span.creditor, []).append((span, at))
+            at += span.num_blocks * self.block_size
+        bs = self.block_size
         remote = tuple(
-            RemoteKV(run[0].creditor, tuple(s.move_id for s in run), sum(s.num_blocks for s in run) * self.block_size)
-            for run in runs
-        )
+            RemoteKV(
+                c, tuple(s.move_id for s, _ in group), sum(s.num_blocks for s, _ in group) * bs,
+                tuple((first, s.num_blocks * bs) for s, first in group),
+            )
+            for c, group in by_creditor.items()
+        )  # fmt: skip
         return self.first_local_block(request_id), remote
 
     def lend_leading_blocks(self, request_id: str, span: LentSpan) -> None:

@@ -3,7 +3,7 @@ its table starts past them (``KVCacheManager.release_outside_window``)."""
 
 from __future__ import annotations
 
-from boundless.kv.manager import KVCacheManager
+from boundless.kv.manager import KVCacheManager, LentSpan
 
 BLOCK = 4
 
@@ -56,3 +56,17 @@ def test_a_request_swapped_out_past_its_window_swaps_its_local_blocks_only() -> 
     assert len(kv.swap_in("r", tokens, 20) or []) == 1
     assert kv.first_local_block("r") == 4 and len(kv.block_ids("r")) == len(local)
     assert kv.allocate("r", tokens, 24) and len(kv.block_ids("r")) == 2  # (growing from block 5 on)
+
+
+def test_a_creditors_moves_with_anothers_between_are_two_runs_of_keys() -> None:
+    """KV lending's remote prefix: grouped by creditor, each move's keys where they lie among the remote ones, so a
+    sliding window's positions count from each run's first key."""
+    kv = KVCacheManager(16, BLOCK, True, "fp")
+    assert kv.allocate("r", _tokens(40), 40)
+    for creditor, move_id, blocks in (("a", "m0", 2), ("b", "m1", 1), ("a", "m2", 2)):
+        kv.lend_leading_blocks("r", LentSpan(creditor, move_id, blocks))
+    first, remote = kv.remote_prefix("r")
+    assert first == 5 and [(r.creditor, r.move_ids, r.num_tokens) for r in remote] == [
+        ("a", ("m0", "m2"), 16), ("b", ("m1",), 4),
+    ]  # fmt: skip
+    assert remote[0].runs(0) == [(("m0",), 0, 8), (("m2",), 12, 8)] and remote[1].runs(16) == [(("m1",), 8, 4)]
