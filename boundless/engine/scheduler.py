@@ -818,13 +818,16 @@ class Scheduler:
             self.stats.num_swapped_in += 1
             self._to_running(request)
         prefix = None
-        limit = self._local_limit(rid)
+        base = limit = self._local_limit(rid)
+        windowed = False  # (a prefix taken from its window's blocks on, the model's every layer sliding)
+        bs = self.kv.block_size
         if request.status is not RequestStatus.RUNNING:
-            prefix = self._cached_prefix(request, limit)
+            prefix = self._cached_prefix(request, base)
             if self._placeholders is not None and HOST in prefix.tiers:  # (loaded by the ordinary decision)
                 self._end_ahead()
                 return None
             computed = prefix.num_tokens
+            limit = base + prefix.skipped * bs  # (the blocks it skips are not held)
         else:
             computed = request.num_computed_tokens
         if computed >= limit and self._placeholders is None and self._release_windows():
@@ -848,6 +851,12 @@ class Scheduler:
             short = self.kv.blocks_short(rid, computed + num_new, prefix)
             if short > 0 and self._release_windows():  # (before anyone is preempted: those blocks are read no more)
                 short = self.kv.blocks_short(rid, computed + num_new, prefix)
+            if short > 0 and prefix is not None and self.kv.window_prefix(prefix) is not prefix:
+                # Nor its own prefix's blocks that its window has left: taken from the window's on.
+                windowed, prefix = True, self.kv.window_prefix(prefix)
+                limit = base + prefix.skipped * bs
+                num_new = min(request.num_tokens - computed, budget, limit - computed)
+                short = self.kv.blocks_short(rid, computed + num_new, prefix)
             if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
                 if request.status is RequestStatus.RUNNING:
                     self._evict(request, out, order)  # it cannot grow and nothing below it can give way
@@ -859,8 +868,11 @@ class Scheduler:
                     return None
                 if prefix is not None and prefix.tiers.count(HOST):
                     # The swap-out that made room may have taken host blocks of the prefix: look again.
-                    prefix = self._cached_prefix(request, limit)
+                    prefix = self._cached_prefix(request, base)
+                    if windowed:
+                        prefix = self.kv.window_prefix(prefix)
                     computed = prefix.num_tokens
+                    limit = base + prefix.skipped * bs
                     num_new = min(request.num_tokens - computed, budget, limit - computed)
         if request.status is not RequestStatus.RUNNING:
             self.kv.note_admitted(rid, computed // self.kv.block_size)
@@ -881,10 +893,15 @@ class Scheduler:
     def _cached_prefix(self, request: Request, limit: int) -> CachedPrefix:
         """The cached prefix a request being admitted starts from: none for one that computes its whole prompt (it
         scores it: every prompt position's logits are needed, as vLLM rules; or it pools every token), else the longest
-        in memory, within ``limit`` tokens."""
+        in memory, within ``limit`` tokens. One longer than that, of a model whose every layer slides, skips the blocks
+        its window has left (``KVCacheManager.window_prefix``): the rest within ``limit``."""
         if request.computes_whole_prompt:
             return CachedPrefix(block_size=self.kv.block_size)
-        return _prefix_within(self.kv.find_cached_prefix(request.request_id, request.all_token_ids), limit)
+        found = self.kv.find_cached_prefix(request.request_id, request.all_token_ids)
+        if found.num_tokens >= limit and self.kv.window is not None and self._placeholders is None:
+            skipping = self.kv.window_prefix(found)
+            return self.kv.window_prefix(_prefix_within(skipping, limit + skipping.skipped * self.kv.block_size))
+        return _prefix_within(found, limit)
 
     def _end_ahead(self) -> None:
         """End a decision ahead at a request it may not take, and make the next decision the ordinary one, after the

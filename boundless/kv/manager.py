@@ -15,6 +15,7 @@ does the copies and the I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -59,12 +60,14 @@ _NOBODY = "\0nobody"
 class CachedPrefix:
     """Blocks found for a request's leading tokens: ``blocks[i]`` sits in tier ``tiers[i]`` (device or host
     memory); ``origins[i]`` is where its KV was found (``disk`` for a host block loaded ahead of the request,
-    ``peer`` for one another instance sent)."""
+    ``peer`` for one another instance sent). ``skipped``: leading blocks an admission does not take, the window of
+    the request's next token past them (``KVCacheManager.window_prefix``)."""
 
     blocks: list[KVBlock] = field(default_factory=list)
     tiers: list[TierId] = field(default_factory=list)
     origins: list[TierId] = field(default_factory=list)
     block_size: int = 0
+    skipped: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -376,6 +379,15 @@ class KVCacheManager:
         self._released[request_id] = released + count
         return count
 
+    def window_prefix(self, prefix: CachedPrefix) -> CachedPrefix:
+        """``prefix`` with its leading blocks that the window of the request's next token has left skipped (a model
+        whose every layer slides, ``window``): its admission takes the rest, and its table starts past them, as if
+        given back (:meth:`release_outside_window`). The last block is always taken."""
+        if self.window is None or not prefix.blocks:
+            return prefix
+        skip = min((prefix.num_tokens - self.window + 1) // self.block_size, len(prefix.blocks) - 1)
+        return dataclasses.replace(prefix, skipped=skip) if skip > prefix.skipped else prefix
+
     def remote_prefix(self, request_id: str) -> tuple[int, tuple[RemoteKV, ...]]:
         """The request's first local block index (:meth:`first_local_block`), and its remote blocks grouped by
         creditor (for attention), with where each move's keys lie among the remote ones (a sliding window reads it)."""
@@ -563,21 +575,25 @@ class KVCacheManager:
         if prefix is not None and prefix.blocks:
             assert not table, "a cached prefix is only taken on the first allocation"
             on_device = self._on_device(prefix)
+            blocks, tiers = prefix.blocks, prefix.tiers
+            if prefix.skipped:  # (the window's: the request's table starts past them)
+                blocks, tiers = blocks[prefix.skipped :], tiers[prefix.skipped :]
+                self._released[request_id] = prefix.skipped
             in_host: list[KVBlock] = []
-            if HOST in prefix.tiers:
-                in_host = [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == HOST]
+            if HOST in tiers:
+                in_host = [b for b, t in zip(blocks, tiers, strict=True) if t == HOST]
             # Both kinds of hit are held before any new block is taken, so that no eviction this allocation
             # causes (and no demotion that follows from it) reuses a block of the prefix.
             self.pool.touch(on_device, owner)
             if not in_host:
-                table += prefix.blocks
+                table += blocks
             else:
                 self.pools[HOST].touch(in_host, owner)
                 self._held.append((HOST, in_host))
                 for b in in_host:
                     self._origins.pop(b.block_id, None)
                 fresh = iter(self.pool.allocate(len(in_host), owner))
-                for block, tier in zip(prefix.blocks, prefix.tiers, strict=True):
+                for block, tier in zip(blocks, tiers, strict=True):
                     if tier == DEVICE:
                         table.append(block)
                     else:
@@ -780,10 +796,14 @@ class KVCacheManager:
 
     @staticmethod
     def _on_device(prefix: CachedPrefix) -> list[KVBlock]:
-        """The prefix's blocks on the device: all of them (the list itself) when none is in host memory."""
-        if HOST not in prefix.tiers:
-            return prefix.blocks
-        return [b for b, t in zip(prefix.blocks, prefix.tiers, strict=True) if t == DEVICE]
+        """The prefix's blocks on the device, but those skipped: all of them (the list itself) when none is in host
+        memory."""
+        blocks, tiers = prefix.blocks, prefix.tiers
+        if prefix.skipped:
+            blocks, tiers = blocks[prefix.skipped :], tiers[prefix.skipped :]
+        if HOST not in tiers:
+            return blocks
+        return [b for b, t in zip(blocks, tiers, strict=True) if t == DEVICE]
 
     def _blocks_short(self, request_id: str, num_tokens_after: int, prefix: CachedPrefix | None) -> int:
         have = len(self._tables.get(request_id, ())) + self.first_local_block(request_id)
@@ -792,7 +812,7 @@ class KVCacheManager:
         on_device = self._on_device(prefix)
         # Hits on free cached blocks leave the free queue, so they cost free capacity too.
         revived = [b.ref_count for b in on_device].count(0)
-        need = self.blocks_for_tokens(num_tokens_after) - have - len(on_device)
+        need = self.blocks_for_tokens(num_tokens_after) - have - prefix.skipped - len(on_device)
         return max(need, 0) + revived - self.pool.num_free
 
     def name_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:

@@ -70,3 +70,22 @@ def test_a_creditors_moves_with_anothers_between_are_two_runs_of_keys() -> None:
         ("a", ("m0", "m2"), 16), ("b", ("m1",), 4),
     ]  # fmt: skip
     assert remote[0].runs(0) == [(("m0",), 0, 8), (("m2",), 12, 8)] and remote[1].runs(16) == [(("m1",), 8, 4)]
+
+
+def test_a_prefix_is_taken_from_the_window_of_the_next_token_on() -> None:
+    """An admission takes a cached prefix's blocks from its next token's window on: the ones before are not held,
+    and the table starts past them."""
+    kv = KVCacheManager(8, BLOCK, True, "fp")
+    kv.window = 5
+    tokens = _tokens(40)
+    assert kv.allocate("a", tokens, 24)
+    kv.free("a")  # its 6 blocks named, free
+    found = kv.find_cached_prefix("c", tokens[:30])
+    assert found.num_tokens == 24 and found.skipped == 0
+    windowed = kv.window_prefix(found)
+    assert windowed.skipped == 5 and kv.window_prefix(windowed) is windowed  # (a query at 24 sees keys 20..24)
+    assert kv.blocks_short("c", 28, windowed) == 2 - 8  # block 5 and a new one, of 8 free
+    assert kv.allocate("c", tokens, 28, windowed)
+    assert kv.first_local_block("c") == 5 and len(kv.block_ids("c")) == 2
+    assert kv.block_ids("c")[0] == found.blocks[5].block_id
+    assert kv.pool.num_free == 6 and all(b.ref_count == 0 for b in found.blocks[:5])

@@ -343,6 +343,24 @@ def test_a_window_models_blocks_past_the_window_go_back_to_the_pool(
     assert qwen2.max_model_len == 5 * 16 and qwen2.kv.window is None
 
 
+def test_a_conversation_longer_than_the_pool_comes_back_from_its_window_on(
+    load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """An agent's next call sends its conversation again: past the pool, its prefix in memory (host memory's, here)
+    is taken from the window of its next token on, the blocks before it skipped, not cut at the pool and computed
+    again; its answer is the one an engine with room for everything gives."""
+    loaded = _reference("tiny-mistral-window", load, hf_model).loaded
+    first = loaded.tokenizer.encode(TEXTS[7] * 2)[:150]
+    core = _engine(loaded, num_kv_blocks=5, max_model_len=None, max_num_batched_tokens=32)
+    (answer,) = _run_greedy(core, [first])
+    again = first + answer + loaded.tokenizer.encode(" And then?")
+    cached = core.scheduler.stats.num_prompt_tokens_cached
+    (ours,) = _run_greedy(core, [again], "again-")
+    assert core.scheduler.stats.num_prompt_tokens_cached - cached >= 144 > 5 * 16  # (9 blocks, past the pool's 5)
+    (roomy,) = _run_greedy(_engine(loaded, num_kv_blocks=40, max_model_len=None), [again])
+    assert ours == roomy
+
+
 @pytest.mark.parametrize("name", WINDOW_MODELS)
 def test_sliding_window_per_step_logits_match_transformers_and_the_window_counts(
     name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
