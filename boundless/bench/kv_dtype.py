@@ -60,7 +60,7 @@ class RoundingFigures:
     tokens_before_first_difference: float
 
 
-def _run_batch(engine: EngineCore, prompts: list[list[int]], output_len: int) -> tuple[float, int, list[list[int]]]:
+def run_batch(engine: EngineCore, prompts: list[list[int]], output_len: int) -> tuple[float, int, list[list[int]]]:
     """Seconds to answer every prompt at once, the most requests running in one step, and the answers."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     answers: dict[str, list[int]] = {}
@@ -135,14 +135,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def engine(model: LoadedModel, cfg: EngineConfig) -> EngineCore:
         made = EngineCore.from_model(model, cfg)
-        _run_batch(made, prompts[:1], 2)  # first calls' allocations and kernels
+        run_batch(made, prompts[:1], 2)  # first calls' allocations and kernels
         made.reset_prefix_cache()
         return made
 
     batches, answers, scores = [], [], []
     for model, cfg in ((loaded, baseline), (compared_model, config)):
         eng = engine(model, cfg)
-        seconds, most, outs = _run_batch(eng, prompts, args.output_len)
+        seconds, most, outs = run_batch(eng, prompts, args.output_len)
         stats = eng.stats()
         batches.append(
             BatchFigures(

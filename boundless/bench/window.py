@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from boundless.bench.kv_dtype import run_batch
 from boundless.bench.offline import make_prompts
 from boundless.bench.report import output_path, print_table, write_json
 from boundless.config import positive_int
 from boundless.engine.builder import released_window
 from boundless.engine.core import EngineCore
-from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import engine_config
 from boundless.model.loader import LoadedModel, load_model
 from boundless.model.random_model import TinySpec, write_random_model
@@ -45,21 +44,6 @@ class BatchFigures:
     most_running: int
     preemptions: int
     blocks_released: int
-
-
-def _run(engine: EngineCore, prompts: list[list[int]], output_len: int) -> tuple[float, int, list[list[int]]]:
-    """Seconds to answer every prompt at once, the most requests running in one step, and the answers."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    answers: dict[str, list[int]] = {}
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"b{i}", prompt, params)
-    most = 0
-    while engine.has_unfinished():
-        for delta in engine.step():
-            answers.setdefault(delta.request_id, []).extend(delta.new_token_ids)
-        most = max(most, len(engine.scheduler.running))
-    return time.perf_counter() - start, most, [answers[f"b{i}"] for i in range(len(prompts))]
 
 
 def _model(args: argparse.Namespace, workdir: str) -> LoadedModel:
@@ -100,9 +84,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine = EngineCore.from_model(loaded, config)
             if name == "every block kept":
                 engine.kv.window = None  # (the engine before: a request holds its blocks to its end)
-            _run(engine, prompts[:1], 2)  # first calls' allocations and kernels
+            run_batch(engine, prompts[:1], 2)  # first calls' allocations and kernels
             engine.reset_prefix_cache()
-            seconds, most, outs = _run(engine, prompts, args.output_len)
+            seconds, most, outs = run_batch(engine, prompts, args.output_len)
             stats = engine.scheduler.stats
             batches.append(
                 BatchFigures(
@@ -118,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if name != "every block kept":
                 long_prompt = make_prompts(loaded, 1, args.long_len, args.bench_seed + 1)
                 engine.reset_prefix_cache()
-                long_seconds, _, _ = _run(engine, long_prompt, args.output_len)
+                long_seconds, _, _ = run_batch(engine, long_prompt, args.output_len)
             engine.close()
     ratio = batches[1].output_tokens_per_s / batches[0].output_tokens_per_s
     same = sum(a == b for a, b in zip(*answers, strict=True)) / len(prompts)
