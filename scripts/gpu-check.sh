@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks of one device session, run from the repository root with the device's own python3 (PyTorch,
 # Triton, transformers; nothing installed), in at most 10 minutes (the default part, below).
-# GPU_CHECK_PART=flex (under 10 minutes) and GPU_CHECK_PART=more (~5 minutes) are runs for later sessions (two
+# GPU_CHECK_PART=flex (under 10 minutes) and GPU_CHECK_PART=more (~7 minutes) are runs for later sessions (two
 # parts with their machine starts pass a session's 15 minutes of device time). flex: FlexAttention's tests on CUDA
 # (--attention-backend flex: the kernel library against our Triton kernels), then `bench gpu --shapes tiles` (the
 # attention kernels' tile shapes swept on the 1B shape, against FlexAttention and SDPA) and the engine on it on the
 # decode-heavy case. more: the sampler's,
 # speculative and suffix decoding's, structured
 # outputs', LoRA's (against PEFT, skipped unless its wheel travels in .whl: `pip download --no-deps peft==0.21.2`),
-# multi-step's and the detokenizer's tests on CUDA. Structured outputs need xgrammar, absent there: they skip unless
+# multi-step's and the detokenizer's tests on CUDA, then the sliding windows'. Structured outputs need xgrammar, absent there: they skip unless
 # its wheels travel in .whl (the device tool's README; for its Python 3.12: `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 ... xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2`), installed below when
 # present.
@@ -57,6 +57,11 @@ if [ "${GPU_CHECK_PART:-main}" = more ]; then
         tests/engine/test_sampler.py tests/model/test_lora.py tests/engine/test_multi_step.py \
         tests/engine/test_detokenizer.py tests/engine/test_embed_requests.py tests/engine/test_classify_requests.py \
         2>&1 | tee "$out/pytest-more.log" | tail -15
+    # Sliding windows on CUDA (7 December, CPU-checked only): the Triton kernel's WINDOW tiles and splits, the
+    # windowed models against transformers on both backends (their CUDA graphs too), DistAttention's masked lent keys.
+    BOUNDLESS_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
+        -k "window and not smollm2" tests/attention/test_triton_paged.py tests/model/test_reference.py \
+        tests/engine/test_dist_attention.py tests/engine/test_cuda_graphs.py 2>&1 | tee "$out/pytest-window.log" | tail -15
     exit
 fi
 # The default part: one device session's run (its 15 minutes hold one machine start and one run of ~9 minutes), in
