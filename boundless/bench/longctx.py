@@ -164,6 +164,7 @@ class LongCtxCluster:
             loaded.arch,
             loaded.dtype,
             pools=config.instances if setup == "lending" else 1,  # a request may hold the cluster's memory
+            release_windows=False,  # (lending and moves take blocks by index: none goes back past a window)
         )
         self.control = LocalControlPlane()
         self.instances: list[Instance] = []

@@ -364,6 +364,9 @@ class EngineCore:
         address peers reach this instance at (``transport/endpoints.py``: its ranks' endpoints')."""
         if not isinstance(self.executor, ModelExecutor):
             raise TypeError("only the model executor moves KV between instances")
+        # Prompts' blocks go whole between the engines (from block 0): none goes back past a sliding window here
+        # (an instance of a role is sized without it: ``size_engine(release_windows=False)``).
+        self.kv.window = None
         addresses = [transport.address]
         ranks = self.ranks
         if ranks is not None:

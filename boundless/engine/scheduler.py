@@ -808,6 +808,8 @@ class Scheduler:
             )
             if need > self.kv.pool.num_free:
                 self._release_windows()
+            if need > self.kv.pool.num_free:
+                self._release_load_holds(order)
             if need > self.kv.pool.num_free + self._evictable_blocks(order, idx, chosen_ids):
                 return None  # evicting everything below would not be enough: evict nothing
             while self.kv.pool.num_free < need:
@@ -850,6 +852,8 @@ class Scheduler:
         else:
             short = self.kv.blocks_short(rid, computed + num_new, prefix)
             if short > 0 and self._release_windows():  # (before anyone is preempted: those blocks are read no more)
+                short = self.kv.blocks_short(rid, computed + num_new, prefix)
+            if short > 0 and self._release_load_holds(order):
                 short = self.kv.blocks_short(rid, computed + num_new, prefix)
             if short > 0 and prefix is not None and self.kv.window_prefix(prefix) is not prefix:
                 # Nor its own prefix's blocks that its window has left: taken from the window's on.
@@ -924,6 +928,14 @@ class Scheduler:
         out, or dropped to recompute without host memory) and comes back once they are freed or moved."""
         own = self.kv.pool.num_blocks - self.hosted_blocks
         return (self.kv.first_local_block(request_id) + own) * self.kv.block_size
+
+    def _release_load_holds(self, order: list[Request]) -> bool:
+        """The memory prefixes held for waiting requests while the store loads the rest (``_held_while_loading``),
+        the one being admitted's too, let go when a request finds no room: they stay named (cache), and a step that
+        needs nearly the whole pool (a sliding window's and a step's tokens) would else wait for them for ever. Whether
+        any went."""
+        waiting = [r.request_id for r in order if r.status is not RequestStatus.RUNNING]
+        return self.kv.release_held_while_loading(waiting)
 
     def _release_windows(self) -> bool:
         """A model whose every layer slides (``KVCacheManager.window``): each running request's blocks that have left

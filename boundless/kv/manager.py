@@ -579,6 +579,9 @@ class KVCacheManager:
             if prefix.skipped:  # (the window's: the request's table starts past them)
                 blocks, tiers = blocks[prefix.skipped :], tiers[prefix.skipped :]
                 self._released[request_id] = prefix.skipped
+                for b, t in zip(prefix.blocks[: prefix.skipped], prefix.tiers, strict=False):
+                    if t == HOST:  # (found, not read: a later hit on one counts for its tier, not its origin)
+                        self._origins.pop(b.block_id, None)
             in_host: list[KVBlock] = []
             if HOST in tiers:
                 in_host = [b for b, t in zip(blocks, tiers, strict=True) if t == HOST]

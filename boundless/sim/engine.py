@@ -113,7 +113,8 @@ def simulated_engine(
             "--speculative-config: the simulator does not model speculative decoding (its executor samples no tokens "
             "that drafts could be checked against)"
         )
-    layout = size_engine(config, model.arch, model.dtype)
+    # (A prefill/decode role's engine, or lending's, gives no block back past a sliding window: ``size_engine``.)
+    layout = size_engine(config, model.arch, model.dtype, release_windows=remote is None and max_model_len is None)
     if max_model_len is not None:
         layout = dataclasses.replace(layout, max_model_len=max_model_len)
     block_bytes = kv_bytes_per_token * layout.block_size if kv_bytes_per_token else layout.bytes_per_block

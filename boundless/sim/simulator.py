@@ -304,7 +304,8 @@ class Simulator:
             self.core = next(iter(self.instances.values())).core  # the engine, for one instance
             self.max_model_len = min(i.core.max_model_len for i in self.instances.values())
         else:  # no engine here: the context they admit, as they are sized (no lending in a windowed run)
-            self.max_model_len = size_engine(config, model.arch, model.dtype).max_model_len
+            plain = not self.cluster.disaggregated and self.cluster.kv_lending != "on"  # (see simulated_engine)
+            self.max_model_len = size_engine(config, model.arch, model.dtype, release_windows=plain).max_model_len
         # Without compaction a prompt goes as it is, and one longer than an instance admits is refused.
         self.compact_prompts = compact_prompts
         self._lending_idle_beats = 0  # lending heartbeats in a row with no step started (a stall)
