@@ -49,7 +49,7 @@ class _CreditorPlan:
     # rows once per run: the reply's rows of each pass over the requests (their indices in the reply, and among the
     # step's remote rows), merged one after another. None: each row once.
     passes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    encoded: tuple[torch.Tensor, ...] | None = None  # the segments on the wire
+    encoded: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the segments on the wire
 
     def sees_any(self, window: int | None) -> bool:
         """Whether a row of the plan sees one of the creditor's keys in a layer of sliding ``window``: the keys lent
