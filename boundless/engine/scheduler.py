@@ -930,10 +930,13 @@ class Scheduler:
         return (self.kv.first_local_block(request_id) + own) * self.kv.block_size
 
     def _release_load_holds(self, order: list[Request]) -> bool:
-        """The memory prefixes held for waiting requests while the store loads the rest (``_held_while_loading``),
-        the one being admitted's too, let go when a request finds no room: they stay named (cache), and a step that
-        needs nearly the whole pool (a sliding window's and a step's tokens) would else wait for them for ever. Whether
-        any went."""
+        """A model whose every layer slides: the memory prefixes held for waiting requests while the store loads the
+        rest (``_held_while_loading``), the one being admitted's too, let go when a request finds no room: they stay
+        named (cache), and a step that needs nearly the whole pool (a window's and a step's tokens: such a model's
+        context is not capped by the pool) would else wait for them for ever. Other models keep them until nothing
+        else runs (``schedule``), their contexts within the pool. Whether any went."""
+        if self.kv.window is None:
+            return False
         waiting = [r.request_id for r in order if r.status is not RequestStatus.RUNNING]
         return self.kv.release_held_while_loading(waiting)
 
