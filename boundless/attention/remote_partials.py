@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from boundless.attention import cpu_attention
+from boundless.attention.backend import window_start
 from boundless.attention.partials import AttentionPartial, scores_partial
 from boundless.kv.cache_dtype import FP8_DTYPES, from_cache, index_select, is_fp8
 
@@ -79,7 +80,7 @@ class QuerySegment:
     def sees_any(self, num_keys: int, window: int | None) -> bool:
         """Whether a row of the segment sees one of the ``num_keys`` lent keys under ``window`` (its first row sees
         the most: the rows after it lie later)."""
-        return window is None or self.first_position - window + 1 < num_keys
+        return window_start(self.first_position, window) < num_keys
 
 
 def lent_partial(
@@ -101,7 +102,7 @@ def lent_partial(
     if window is not None and first_position + t - window > 0:
         # Some row's window starts past the first key (its last row's does first). Blocks before the first row's
         # window are seen by no row; the rest are masked row by row.
-        skip = max(first_position - window + 1, 0) // bs
+        skip = window_start(first_position, window) // bs
         block_ids = list(block_ids)[skip:]
         if not block_ids:  # (every row's window starts past the lent keys)
             return AttentionPartial(m=torch.zeros(t, h, 1), e=torch.zeros(t, h, 1), o=torch.zeros(t, h, d))

@@ -161,12 +161,9 @@ def size_engine(
 
 
 def released_window(arch: ModelArch) -> int | None:
-    """The window past which a request's blocks may go back to the pool: the largest of the layers' when every layer
-    slides (a layer over the whole context reads every block)."""
-    windows = [arch.layer_window(i) for i in range(arch.num_layers)]
-    if not windows or None in windows:
-        return None
-    return max(w for w in windows if w is not None)
+    """The window past which a request's blocks may go back to the pool: the model's when every layer slides (a
+    layer over the whole context reads every block)."""
+    return None if arch.full_attention_layers else arch.sliding_window
 
 
 def _blocks_in_fraction(fraction: float, memory: DeviceMemory | None, per_block: int) -> int:

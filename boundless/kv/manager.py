@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from boundless.attention.backend import RemoteKV
+from boundless.attention.backend import RemoteKV, window_start
 from boundless.kv.block_hash import BlockHash, extend_block_hashes
 from boundless.kv.block_pool import BlockPool, KVBlock, find_held, find_run
 from boundless.kv.disk_moves import DiskAge, DiskRead, DiskReadDone, DiskWrite, DiskWriteDone
@@ -72,6 +72,13 @@ class CachedPrefix:
     @property
     def num_tokens(self) -> int:
         return len(self.blocks) * self.block_size
+
+    def taken(self) -> tuple[list[KVBlock], list[TierId]]:
+        """The blocks an admission takes (past ``skipped``) and their tiers: the lists themselves when none is
+        skipped."""
+        if not self.skipped:
+            return self.blocks, self.tiers
+        return self.blocks[self.skipped :], self.tiers[self.skipped :]
 
     def tokens_by_origin(self, limit: int | None = None) -> dict[TierId, int]:
         """The prefix's tokens by the tier each block came from; of its first ``limit`` tokens only, if given."""
@@ -366,7 +373,7 @@ class KVCacheManager:
         if not table:
             return 0
         released = self._released.get(request_id, 0)
-        count = min((num_computed - self.window + 1) // self.block_size - released, len(table) - 1)
+        count = min(self._blocks_before_window(num_computed) - released, len(table) - 1)
         if count > 0 and self._transfers:
             # Not a block this step's copies still write (a prefix hit from host memory, a swap-in): freed now, another
             # allocation of the step could take it, and two copies would write it.
@@ -385,8 +392,12 @@ class KVCacheManager:
         given back (:meth:`release_outside_window`). The last block is always taken."""
         if self.window is None or not prefix.blocks:
             return prefix
-        skip = min((prefix.num_tokens - self.window + 1) // self.block_size, len(prefix.blocks) - 1)
+        skip = min(self._blocks_before_window(prefix.num_tokens), len(prefix.blocks) - 1)
         return dataclasses.replace(prefix, skipped=skip) if skip > prefix.skipped else prefix
+
+    def _blocks_before_window(self, position: int) -> int:
+        """The blocks wholly before the window of a query at ``position`` (and of every later one)."""
+        return window_start(position, self.window) // self.block_size
 
     def remote_prefix(self, request_id: str) -> tuple[int, tuple[RemoteKV, ...]]:
         """The request's first local block index (:meth:`first_local_block`), and its remote blocks grouped by
@@ -575,9 +586,8 @@ class KVCacheManager:
         if prefix is not None and prefix.blocks:
             assert not table, "a cached prefix is only taken on the first allocation"
             on_device = self._on_device(prefix)
-            blocks, tiers = prefix.blocks, prefix.tiers
+            blocks, tiers = prefix.taken()
             if prefix.skipped:  # (the window's: the request's table starts past them)
-                blocks, tiers = blocks[prefix.skipped :], tiers[prefix.skipped :]
                 self._released[request_id] = prefix.skipped
                 for b, t in zip(prefix.blocks[: prefix.skipped], prefix.tiers, strict=False):
                     if t == HOST:  # (found, not read: a later hit on one counts for its tier, not its origin)
@@ -801,9 +811,7 @@ class KVCacheManager:
     def _on_device(prefix: CachedPrefix) -> list[KVBlock]:
         """The prefix's blocks on the device, but those skipped: all of them (the list itself) when none is in host
         memory."""
-        blocks, tiers = prefix.blocks, prefix.tiers
-        if prefix.skipped:
-            blocks, tiers = blocks[prefix.skipped :], tiers[prefix.skipped :]
+        blocks, tiers = prefix.taken()
         if HOST not in tiers:
             return blocks
         return [b for b, t in zip(blocks, tiers, strict=True) if t == DEVICE]
