@@ -855,11 +855,11 @@ class Scheduler:
                 short = self.kv.blocks_short(rid, computed + num_new, prefix)
             if short > 0 and self._release_load_holds(order):
                 short = self.kv.blocks_short(rid, computed + num_new, prefix)
-            narrowed = self.kv.window_prefix(prefix) if short > 0 and prefix is not None else prefix
-            if narrowed is not prefix:
+            narrowed = self.kv.window_prefix(prefix) if short > 0 and prefix is not None else None
+            if narrowed is not None and narrowed is not prefix:
                 # Nor its own prefix's blocks that its window has left: taken from the window's on.
                 windowed, prefix = True, narrowed
-                limit = base + prefix.skipped * bs
+                limit = base + narrowed.skipped * bs
                 num_new = min(request.num_tokens - computed, budget, limit - computed)
                 short = self.kv.blocks_short(rid, computed + num_new, prefix)
             if short > 0 and short > self._evictable_blocks(order, idx, chosen_ids):
