@@ -70,6 +70,24 @@ TINY_SPECS = {
     "tiny-qwen2-window": TinySpec(
         kind="qwen2", num_layers=3, num_heads=4, num_kv_heads=2, seed=10, sliding_window=7, max_window_layers=1
     ),
+    # Gemma 3: its four norms a layer (weights saved less one), GELU, scaled embeddings, one key/value head (as the 1B),
+    # its softmax scale from query_pre_attn_scalar (24, not head_dim's 32, as the 27B's differs), a window of 10 keys
+    # on layers 0 and 2 rotated on their own base (100), and layer 1 over the whole context on the global base with
+    # linear scaling (the 4B's and larger's).
+    "tiny-gemma3": TinySpec(
+        kind="gemma3_text",
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        seed=11,
+        tie_word_embeddings=True,
+        sliding_window=10,
+        sliding_window_pattern=2,
+        local_rope_theta=100.0,
+        query_pre_attn_scalar=24,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+    ),
     # Qwen3 with YaRN (factor 4 over an original 32 positions: most prompts run past it, where it interpolates).
     "tiny-qwen3-yarn": TinySpec(
         kind="qwen3",

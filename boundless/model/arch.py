@@ -8,9 +8,32 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
 # The architectures that norm each query and key head before RoPE (ModelArch.qk_norm), whatever the file format.
-QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")
+QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "gemma3_text")
+# Gemma's: its norms' weights are saved less one (the norm multiplies by 1 + weight), its attention's and MLP's
+# outputs are normed too before they join the residual stream, and its embeddings are scaled by sqrt(hidden_size).
+GEMMA_ARCHITECTURES = ("gemma3_text",)
+# Gemma 3's text model's defaults (transformers' Gemma3TextConfig), which its multimodal checkpoints' text_config leaves
+# out (google/gemma-3-4b-it's names 6 fields).
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+# The MLPs' gate activations (a config's hidden_act, or Gemma's hidden_activation).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
@@ -89,6 +112,12 @@ class ModelArch:
 
     ``sliding_window``: the window of every layer but ``full_attention_layers`` (dense Qwen2's and Qwen3's first
     ``max_window_layers``, or those a config's ``layer_types`` names ``full_attention``), as transformers reads them.
+
+    Gemma 3 (``gemma3_text``, :data:`GEMMA_ARCHITECTURES`): Qwen3's head norms, a GELU-gated MLP (``hidden_act``),
+    norms after attention and after the MLP too (``sandwich_norms``), embeddings scaled by ``embedding_scale``, its
+    sliding-window layers' RoPE on another base (``local_rope_theta``, unscaled), and its softmax scale
+    ``query_pre_attn_scalar ** -0.5`` rather than ``head_dim ** -0.5`` (the loader folds the ratio into the query
+    norm's weight).
     """
 
     model_type: str
@@ -115,6 +144,9 @@ class ModelArch:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     full_attention_layers: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
         sizes = {
@@ -140,6 +172,31 @@ class ModelArch:
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, not {self.num_experts_per_tok}")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive integer, not {self.sliding_window!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Whether each layer norms its attention's and its MLP's outputs before adding them (Gemma's four norms)."""
+        return self.model_type in GEMMA_ARCHITECTURES
+
+    @property
+    def embedding_scale(self) -> float:
+        """What the embeddings are multiplied by (in the model's dtype): Gemma's sqrt(hidden_size), else 1."""
+        return self.hidden_size**0.5 if self.model_type in GEMMA_ARCHITECTURES else 1.0
+
+    @property
+    def norm_weight_offset(self) -> float:
+        """What a checkpoint's RMSNorm weights lack: Gemma saves ``w`` for a norm that multiplies by ``1 + w``."""
+        return 1.0 if self.model_type in GEMMA_ARCHITECTURES else 0.0
+
+    @property
+    def query_scale(self) -> float:
+        """The factor folded into the query norm's weight so that attention's ``head_dim ** -0.5`` makes the model's
+        own softmax scale (Gemma's ``query_pre_attn_scalar ** -0.5``); 1 for the others."""
+        if self.query_pre_attn_scalar is None:
+            return 1.0
+        return (self.head_dim / self.query_pre_attn_scalar) ** 0.5
 
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window (``attention/backend.py``'s rule), or None: it attends the whole
@@ -170,6 +227,9 @@ class ModelArch:
             del fields["qk_norm"]
         if not self.full_attention_layers:
             del fields["full_attention_layers"]
+        for name, default in (("hidden_act", "silu"), ("local_rope_theta", None), ("query_pre_attn_scalar", None)):
+            if fields[name] == default:
+                del fields[name]
         if not self.num_experts:
             for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
                 del fields[name]
@@ -181,30 +241,47 @@ class ModelArch:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
-        """Read a Hugging Face ``config.json`` (transformers 4 or 5 field names)."""
+        """Read a Hugging Face ``config.json`` (transformers 4 or 5 field names). Gemma 3's multimodal checkpoints
+        (``gemma3``, Gemma3ForConditionalGeneration) read as their text model (:func:`gemma3_text_config`)."""
+        cfg = gemma3_text_config(cfg)
         model_type = cfg.get("model_type", "llama")
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
+        gemma = model_type in GEMMA_ARCHITECTURES
+        # transformers 5 moved rope_theta and rope_scaling into rope_parameters (Gemma 3's: one per kind of layer).
         rope = dict(cfg.get("rope_parameters") or {})
+        local_theta: float | None = None
+        if gemma:
+            local = dict(rope.get("sliding_attention") or {})
+            if local.get("rope_type", "default") != "default":
+                raise ValueError("RoPE scaling on the sliding-window layers is not supported")
+            local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+            rope = dict(rope.get("full_attention") or {})
         legacy = cfg.get("rope_scaling") or {}
         rope = {**legacy, **rope}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0 if gemma else 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
         if kind not in ROPE_SCALINGS:
             raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
         if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
             raise ValueError("RoPE on part of each head (partial_rotary_factor) is not supported")
-        # (The MLPs here are SiLU-gated; transformers builds whatever activation the config names.)
-        if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r}: this model's MLPs are SiLU-gated (silu)")
+        # (The MLPs here are SiLU- or GELU-gated; transformers builds whatever activation the config names.)
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        act = "silu" if act == "swish" else act
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
+        if gemma:
+            # (Gemma 2's soft caps of attention's scores and of the logits, and EmbeddingGemma's attention both ways.)
+            for name in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+                if cfg.get(name):
+                    raise ValueError(f"{name} is not supported")
         # transformers' Llama and Qwen3 put attention_bias on o_proj too, and Llama's mlp_bias on the MLP: biases this
         # model has not (Mistral, Mixtral and Phi-3 read neither field; Qwen2 has q/k/v biases whatever it says).
-        if cfg.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe"):
+        if cfg.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_ARCHITECTURES):
             raise ValueError("attention_bias is not supported: it biases o_proj too, which this model cannot")
         if cfg.get("mlp_bias") and model_type == "llama":
             raise ValueError("mlp_bias is not supported: this model's MLPs have no biases")
-        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        max_positions = int(cfg.get("max_position_embeddings", 131072 if gemma else 2048))
         if kind == "yarn":
             # (transformers: the config's own original_max_position_embeddings first, else the model's context.)
             original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
@@ -229,17 +306,21 @@ class ModelArch:
             )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3"))
+        use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3", *GEMMA_ARCHITECTURES))
         num_layers = cfg["num_hidden_layers"]
-        window = cfg.get("sliding_window") if use_window else None
+        window = cfg.get("sliding_window", 4096 if gemma else None) if use_window else None
         full_layers: tuple[int, ...] = ()
         if window is not None:
-            # (As transformers: a saved config's layer_types, else Qwen's first max_window_layers attend it all.)
+            # (As transformers: a saved config's layer_types, else Qwen's first max_window_layers attend it all, and
+            # Gemma's every sliding_window_pattern-th layer.)
             types = cfg.get("layer_types")
-            if types and model_type in ("qwen2", "qwen3"):  # (Qwen3-MoE's every layer slides)
+            if types and model_type in ("qwen2", "qwen3", *GEMMA_ARCHITECTURES):  # (Qwen3-MoE's every layer slides)
                 full_layers = tuple(i for i, kind in enumerate(types) if kind != "sliding_attention")
             elif model_type in ("qwen2", "qwen3"):
                 full_layers = tuple(range(min(num_layers, int(cfg.get("max_window_layers", 28)))))
+            elif gemma:
+                pattern = int(cfg.get("sliding_window_pattern") or 6)
+                full_layers = tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
             if len(full_layers) == num_layers:
                 window, full_layers = None, ()
         # (transformers 5 saves Qwen3-MoE's num_experts as num_local_experts, Mixtral's name, which it maps it to.)
@@ -262,7 +343,7 @@ class ModelArch:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type == "qwen2",
             qk_norm=model_type in QK_NORM_ARCHITECTURES,
             num_experts=experts,
@@ -276,4 +357,21 @@ class ModelArch:
             full_attention_layers=full_layers,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=act,
+            local_rope_theta=local_theta,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
         )
+
+
+def gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 config as its text model's, with the defaults transformers fills in (:data:`GEMMA3_TEXT_DEFAULTS`):
+    a multimodal checkpoint's ``text_config`` (the 4B, 12B and 27B; its top level's token ids where the text config
+    has none), or a text model's own; any other config as it is. The vision tower is not served: its weights are left
+    unread (``loader._causal_lm_name``)."""
+    model_type = cfg.get("model_type")
+    if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):
+        ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+        return {**GEMMA3_TEXT_DEFAULTS, **ids, **cfg["text_config"], "model_type": "gemma3_text"}
+    if model_type == "gemma3_text":
+        return {**GEMMA3_TEXT_DEFAULTS, **cfg}
+    return cfg

@@ -188,6 +188,9 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.window = arch.layer_window(index)  # its sliding window (None: the whole context)
+        # Gemma 3's sliding-window layers rotate by their own RoPE table (LlamaModel.local_rope).
+        self.local_rope = self.window is not None and arch.local_rope_theta is not None
+        self.gelu = arch.hidden_act == "gelu_pytorch_tanh"  # the MLP's gate activation (else SiLU)
         q_size = arch.num_heads * arch.head_dim
         kv_size = arch.num_kv_heads * arch.head_dim
         self.qkv_sizes = (q_size, kv_size, kv_size)
@@ -205,6 +208,11 @@ class DecoderLayer(nn.Module):
         # Qwen3: an RMSNorm over each query and each key head, before RoPE.
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        # Gemma: attention's and the MLP's outputs normed before they join the residual stream (its checkpoint's
+        # post_attention_layernorm and post_feedforward_layernorm; its pre_feedforward_layernorm is
+        # post_attention_norm here, the norm before the MLP).
+        self.attn_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if arch.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if arch.sandwich_norms else None
         self.packed: _PackedLayer | None = None  # set by LlamaModel.prepare on the native path
         # --quantization fp8: each dense matrix's scale per output row (its weight then in e4m3); None: unquantized.
         self.qkv_scale: torch.Tensor | None = None
@@ -260,6 +268,13 @@ class DecoderLayer(nn.Module):
         weight = getattr(self, f"{name}_weight")
         return linear(x, weight, bias, getattr(self, f"{name}_scale"), self.widened.get(name))
 
+    def activate(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's gated activation, ``act(gate) * up`` (SiLU, or Gemma's tanh-approximated GELU), into ``out`` if
+        given; ``gate`` is overwritten."""
+        if self.gelu:
+            return torch.mul(F.gelu(gate, approximate="tanh"), up, out=out)
+        return torch.mul(F.silu(gate, inplace=True), up, out=out)
+
     def _norm_heads_(self, heads: torch.Tensor) -> None:
         """Qwen3's norm of each query and key head (``heads``: [tokens, q + k heads, head_dim]), in place."""
         if self.q_norm is None or self.k_norm is None:
@@ -294,7 +309,8 @@ class DecoderLayer(nn.Module):
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta, self.window).reshape(t, -1)
         out = self.product("o", attn)
-        hidden += self._summed(out if lora is None else lora.add_(index, O_PROJ, attn, out))
+        out = self._summed(out if lora is None else lora.add_(index, O_PROJ, attn, out))
+        hidden += out if self.attn_out_norm is None else self.attn_out_norm(out)
         x = self.post_attention_norm(hidden)
         if self.moe is not None:
             hidden += self.moe(x, self.widened_experts)
@@ -303,10 +319,10 @@ class DecoderLayer(nn.Module):
         gate_up = self.product("gate_up", x)
         if lora is not None:
             lora.add_(index, GATE_UP, x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate, inplace=True).mul_(up)
+        act = self.activate(*gate_up.chunk(2, dim=-1))
         out = self.product("down", act)
-        hidden += self._summed(out if lora is None else lora.add_(index, DOWN, act, out))
+        out = self._summed(out if lora is None else lora.add_(index, DOWN, act, out))
+        hidden += out if self.mlp_out_norm is None else self.mlp_out_norm(out)
         return hidden
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
@@ -349,17 +365,23 @@ class DecoderLayer(nn.Module):
         out = self.product("o", attn)
         if lora is not None:
             lora.add_(index, O_PROJ, attn, out)
+        out = self._summed(out)
+        if self.attn_out_norm is not None:
+            out = ops.rms_norm(out, self.attn_out_norm.weight, self.attn_out_norm.eps)
         # hidden += o_proj(attn), and its norm, in one kernel.
-        x = ops.rms_norm(hidden, norm_post.weight, norm_post.eps, delta=self._summed(out))
+        x = ops.rms_norm(hidden, norm_post.weight, norm_post.eps, delta=out)
         if self.moe is not None:
             return hidden, self.moe(x)
         assert self.gate_up_weight is not None and self.down_weight is not None
         gate_up = self.product("gate_up", x)
         if lora is not None:
             lora.add_(index, GATE_UP, x, gate_up)
-        act = ops.silu_mul(gate_up)
+        act = self.activate(*gate_up.chunk(2, dim=-1)) if self.gelu else ops.silu_mul(gate_up)
         out = self.product("down", act)
-        return hidden, self._summed(out if lora is None else lora.add_(index, DOWN, act, out))
+        out = self._summed(out if lora is None else lora.add_(index, DOWN, act, out))
+        if self.mlp_out_norm is not None:
+            out = ops.rms_norm(out, self.mlp_out_norm.weight, self.mlp_out_norm.eps)
+        return hidden, out
 
     def forward_packed(
         self,
@@ -381,7 +403,7 @@ class DecoderLayer(nn.Module):
         Llama changes q and v only: the second half stays fused.)"""
         packed = self.packed
         assert packed is not None
-        rope, x = step.rope, step.x
+        rope, x = step.local_rope if self.local_rope else step.rope, step.x
         heads = self.num_heads + self.num_kv_heads
         if lora is None or not lora.touches(index, QKV):
             cpu_kernels.layer_in(
@@ -395,16 +417,17 @@ class DecoderLayer(nn.Module):
         attn = attention.forward(step.q, step.k, step.v, cache, attn_meta, self.window).view(x.shape[0], -1)
         if attn.stride(1) != 1 or attn.stride(0) != attn.shape[1]:
             attn = attn.contiguous()
-        post = self.post_attention_norm
+        post, attn_out_norm, mlp_out_norm = self.post_attention_norm, self.attn_out_norm, self.mlp_out_norm
         gate_up, down = packed.gate_up, packed.down
-        if (gate_up is not None and down is not None and self.reduce is None) and (
-            lora is None or not any(lora.touches(index, t) for t in (O_PROJ, GATE_UP, DOWN))
+        if (gate_up is not None and down is not None and self.reduce is None and attn_out_norm is None) and (
+            not self.gelu and (lora is None or not any(lora.touches(index, t) for t in (O_PROJ, GATE_UP, DOWN)))
         ):
             cpu_kernels.layer_out(attn, hidden, packed.o, post.weight, post.eps, x, gate_up, step.act, down)
             return hidden
-        # Taken apart: for LoRA adapters, or to sum a tensor-parallel rank's products with the others' before each is
-        # added to the stream (an adapter's share of a rank's product, from the rank's part of its A, is in the sum).
-        if self.reduce is None:
+        # Taken apart: for LoRA adapters, to sum a tensor-parallel rank's products with the others' before each is
+        # added to the stream (an adapter's share of a rank's product, from the rank's part of its A, is in the sum),
+        # or for Gemma's norms of the products and its GELU (the kernel's gate is SiLU).
+        if self.reduce is None and attn_out_norm is None:
             packed.o.matmul(attn, hidden, accumulate=True)
             if lora is not None:
                 lora.add_(index, O_PROJ, attn, hidden)
@@ -412,18 +435,24 @@ class DecoderLayer(nn.Module):
             out = packed.o.matmul(attn)
             if lora is not None:
                 lora.add_(index, O_PROJ, attn, out)
-            hidden += self._summed(out)
+            out = self._summed(out)
+            if attn_out_norm is not None:
+                cpu_kernels.rms_norm(out, attn_out_norm.weight, attn_out_norm.eps, out)
+            hidden += out
         cpu_kernels.rms_norm(hidden, post.weight, post.eps, x)
         if self.moe is not None:
             hidden += self.moe(x, packed.experts)
             return hidden
         assert gate_up is not None and down is not None
-        if lora is not None and lora.touches(index, GATE_UP):
-            gate, up = lora.add_(index, GATE_UP, x, gate_up.glu_halves(x)).chunk(2, dim=-1)
-            act = torch.mul(F.silu(gate, inplace=True), up, out=step.act)
+        if self.gelu or (lora is not None and lora.touches(index, GATE_UP)):
+            halves = gate_up.glu_halves(x)
+            if lora is not None:
+                lora.add_(index, GATE_UP, x, halves)
+            gate, up = halves.chunk(2, dim=-1)
+            act = self.activate(gate, up, out=step.act)
         else:
             act = gate_up.matmul(x, step.act)
-        if self.reduce is None:
+        if self.reduce is None and mlp_out_norm is None:
             down.matmul(act, hidden, accumulate=True)
             if lora is not None:
                 lora.add_(index, DOWN, act, hidden)
@@ -431,7 +460,10 @@ class DecoderLayer(nn.Module):
             out = down.matmul(act)
             if lora is not None:
                 lora.add_(index, DOWN, act, out)
-            hidden += self._summed(out)
+            out = self._summed(out)
+            if mlp_out_norm is not None:
+                cpu_kernels.rms_norm(out, mlp_out_norm.weight, mlp_out_norm.eps, out)
+            hidden += out
         return hidden
 
 
@@ -447,6 +479,7 @@ class _PackedStep:
         rope: RotaryEmbedding,
         ws: _Workspace,
         act_width: int,
+        local_rope: RotaryEmbedding | None = None,
     ):
         packed = layer.packed
         assert packed is not None
@@ -457,6 +490,7 @@ class _PackedStep:
         self.q, self.k, self.v = (y.view(tokens, -1, layer.head_dim) for y in self.qkv.split(layer.qkv_sizes, dim=-1))
         self.positions = positions
         self.rope = rope
+        self.local_rope = rope if local_rope is None else local_rope  # (the sliding-window layers' own, Gemma's)
 
 
 if TYPE_CHECKING:
@@ -499,6 +533,7 @@ class LlamaModel(nn.Module):
         self.reduce: Callable[[torch.Tensor], None] | None = None
         self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rope: RotaryEmbedding | None = None
+        self.local_rope: RotaryEmbedding | None = None  # Gemma 3's sliding-window layers' own table
         self.head: PackedLinear | _PackedHead | None = None
         self._packed_key: tuple | None = None  # identity of the weights the layers were packed from
         self._act_width = 0
@@ -550,6 +585,8 @@ class LlamaModel(nn.Module):
             or rope.cos.dtype != weight.dtype
         ):
             self.rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype)
+            if self.arch.local_rope_theta is not None:
+                self.local_rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype, local=True)
         if not cpu_kernels.usable(weight) or self.quantized:
             for layer in self.layers:
                 layer.packed = None
@@ -607,18 +644,22 @@ class LlamaModel(nn.Module):
             for i, layer in enumerate(self.layers):
                 if before_layer is not None:
                     before_layer(i)
+                rope = self.local_rope if layer.local_rope and self.local_rope is not None else self.rope
                 hidden, delta = layer.forward_fused(
-                    hidden, delta, positions, self.rope, attention, kv_cache.layer(i), attn_meta, lora, i
+                    hidden, delta, positions, rope, attention, kv_cache.layer(i), attn_meta, lora, i
                 )
                 if on_layer is not None:
                     on_layer(i)
             return triton_ops.rms_norm(hidden, self.norm.weight, self.norm.eps, delta=delta)
         if self._packed_key is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
             return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta, on_layer, before_layer, lora)
-        cos, sin = self.rope.lookup(positions)
+        tables = {False: self.rope.lookup(positions)}
+        if self.local_rope is not None:
+            tables[True] = self.local_rope.lookup(positions)
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
+            cos, sin = tables[layer.local_rope and self.local_rope is not None]
             hidden = layer(hidden, cos, sin, attention, kv_cache.layer(i), attn_meta, lora, i)
             if on_layer is not None:
                 on_layer(i)
@@ -641,7 +682,9 @@ class LlamaModel(nn.Module):
         if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < rope.cos.shape[0]:
             raise ValueError(f"positions beyond the RoPE table of {rope.cos.shape[0]}")
         hidden = hidden.contiguous()
-        step = _PackedStep(self.layers[0], hidden.shape[0], positions, rope, self._workspace, self._act_width)
+        step = _PackedStep(
+            self.layers[0], hidden.shape[0], positions, rope, self._workspace, self._act_width, self.local_rope
+        )
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
@@ -651,10 +694,11 @@ class LlamaModel(nn.Module):
         return cpu_kernels.rms_norm(hidden, self.norm.weight, self.norm.eps, torch.empty_like(hidden))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The tokens' embeddings; with a split vocabulary, each rank's rows for its own tokens (zeros for the
-        others'), summed over the ranks."""
+        """The tokens' embeddings (times Gemma's scale, in the model's dtype as transformers has it); with a split
+        vocabulary, each rank's rows for its own tokens (zeros for the others'), summed over the ranks."""
         if not self.vocab_split:
-            return self.embed_tokens(input_ids)
+            hidden = self.embed_tokens(input_ids)
+            return hidden if self.arch.embedding_scale == 1.0 else hidden.mul_(self._embedding_scale(hidden))
         rows = self.embed_tokens.weight.shape[0]
         local = input_ids - self.tensor_parallel.rank * rows
         mine = (local >= 0) & (local < rows)
@@ -662,7 +706,12 @@ class LlamaModel(nn.Module):
         hidden.mul_(mine.unsqueeze(-1).to(hidden.dtype))
         if self.reduce is not None:
             self.reduce(hidden)
-        return hidden
+        return hidden if self.arch.embedding_scale == 1.0 else hidden.mul_(self._embedding_scale(hidden))
+
+    def _embedding_scale(self, hidden: torch.Tensor) -> float:
+        # The scale rounded to the model's dtype as transformers rounds it (a float32 tensor cast), made on the host:
+        # a tensor made on the device would be a copy inside a CUDA graph's capture.
+        return float(torch.tensor(self.arch.embedding_scale).to(hidden.dtype))
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Next-token logits of ``hidden``'s rows: in fp32, as the sampler takes them; else in the model's dtype
@@ -698,11 +747,20 @@ class LlamaModel(nn.Module):
                 dest = target if rows is None else target.narrow(0, rows[0], rows[1])
                 if dest.shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-                dest.copy_(tensor)
+                dest.copy_(self._as_loaded(name, tensor))
             seen.update(self._loaded_names(name))
         missing = expected - seen
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+    def _as_loaded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as this model holds it: Gemma's norm weights with the one its norms add (and the query
+        norm's times ``arch.query_scale``), in fp32 before they are cast; any other as it is."""
+        arch = self.arch
+        if not arch.norm_weight_offset or not name.endswith("norm.weight"):
+            return tensor
+        weight = tensor.float() + arch.norm_weight_offset
+        return weight * arch.query_scale if name.endswith("q_norm.weight") else weight
 
     def _in_experts(self, name: str) -> tuple[str, SparseMoE, str] | None:
         """For a name in a sparse layer's block: (the layer's prefix, its experts, the name below the block), else
@@ -756,6 +814,12 @@ class LlamaModel(nn.Module):
             "input_layernorm": layer.input_norm.weight,
             "post_attention_layernorm": layer.post_attention_norm.weight,
         }
+        if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:  # Gemma's names for its four norms
+            simple.update(
+                post_attention_layernorm=layer.attn_out_norm.weight,
+                pre_feedforward_layernorm=layer.post_attention_norm.weight,
+                post_feedforward_layernorm=layer.mlp_out_norm.weight,
+            )
         if layer.q_norm is not None and layer.k_norm is not None:
             simple.update(q_norm=layer.q_norm.weight, k_norm=layer.k_norm.weight)
         return simple.get(module), None
@@ -778,6 +842,8 @@ class LlamaModel(nn.Module):
                 mlp = ("gate_up_proj", "down_proj") if phi3 else ("gate_proj", "up_proj", "down_proj")
                 names.update(p + f"mlp.{m}.weight" for m in mlp)
             names.update(p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight"))
+            if self.arch.sandwich_norms:
+                names.update(p + n for n in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"))
             if self.arch.qk_norm:
                 names.update(p + f"self_attn.{m}.weight" for m in ("q_norm", "k_norm"))
         return names

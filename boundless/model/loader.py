@@ -181,6 +181,8 @@ def _safetensors_weights(
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = _causal_lm_name(key)
+                if name is None:
+                    continue
                 part = None
                 if plan is not None:
                     tensor = f.get_slice(key)
@@ -204,10 +206,27 @@ def _has_lm_head(path: Path) -> bool:
     return False
 
 
-def _causal_lm_name(key: str) -> str:
-    """A checkpoint's tensor name as the causal LM names it: a base model saved alone (``Qwen3Model``, as embedding
-    models such as Qwen3-Embedding are: ``layers.0...``, ``embed_tokens.weight``, ``norm.weight``) lacks the
-    ``model.`` prefix."""
+# A multimodal checkpoint's tensors that the text model leaves unread (Gemma 3's vision tower and its projector, under
+# transformers 4's names and 5's).
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# A multimodal checkpoint's prefixes of its language model's names, and what the causal LM calls them.
+_LANGUAGE_MODEL = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+
+
+def _causal_lm_name(key: str) -> str | None:
+    """A checkpoint's tensor name as the causal LM names it, or None for a tensor it does not hold (a multimodal
+    checkpoint's vision tower). A base model saved alone (``Qwen3Model``, as embedding models such as Qwen3-Embedding
+    are: ``layers.0...``, ``embed_tokens.weight``, ``norm.weight``) lacks the ``model.`` prefix; a multimodal one's
+    language model has its own (Gemma 3's ``language_model.model.``, or transformers 5's ``model.language_model.``)."""
+    if key.startswith(_NOT_TEXT):
+        return None
+    for prefix, causal in _LANGUAGE_MODEL.items():
+        if key.startswith(prefix):
+            return causal + key[len(prefix) :]
     return f"model.{key}" if key.startswith(("layers.", "embed_tokens.", "norm.")) else key
 
 

@@ -35,7 +35,9 @@ _CORPUS = [
 
 @dataclass(frozen=True)
 class TinySpec:
-    """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral, mixtral or phi3. ``head_dim``:
+    """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, phi3 or gemma3_text
+    (Gemma 3's text model: its sliding-window layers all but every ``sliding_window_pattern``-th, rotated on
+    ``local_rope_theta``, its softmax scale ``query_pre_attn_scalar ** -0.5``). ``head_dim``:
     by default ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size). A
     qwen3_moe model's layers are sparse (``num_experts`` experts of ``moe_intermediate_size``,
     ``num_experts_per_tok`` a token), but for ``mlp_only_layers``; a mixtral model's are all sparse, its experts
@@ -63,6 +65,9 @@ class TinySpec:
     mlp_only_layers: tuple[int, ...] = ()
     sliding_window: int | None = None
     max_window_layers: int = 0
+    sliding_window_pattern: int = 6
+    local_rope_theta: float = 10000.0
+    query_pre_attn_scalar: int = 256
 
 
 def _train_tokenizer(vocab_size: int):
@@ -115,6 +120,7 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -171,6 +177,19 @@ def _config(spec: TinySpec) -> dict:
         cfg["sliding_window"] = spec.sliding_window
     if spec.kind == "phi3":
         cfg["pad_token_id"] = 0  # (Phi-3's default, 32000, is past a small vocabulary)
+    if spec.kind == "gemma3_text":  # (as the Hub's Gemma 3 configs have it: transformers 5 reads these names too)
+        del cfg["hidden_act"]
+        cfg.update(
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=spec.sliding_window,
+            sliding_window_pattern=spec.sliding_window_pattern,
+            rope_local_base_freq=spec.local_rope_theta,
+            query_pre_attn_scalar=spec.query_pre_attn_scalar,
+            attention_bias=False,
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            pad_token_id=0,
+        )
     if spec.kind == "mixtral":  # (its intermediate_size is each expert's)
         cfg.update(
             intermediate_size=spec.moe_intermediate_size,
@@ -193,10 +212,15 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g, device=device) * spec.weight_std).to(dtype)
 
-    def norm(size: int) -> torch.Tensor:
-        return (1 + 0.1 * (torch.randn(size, generator=g, device=device) * spec.weight_std)).to(dtype)
+    # (Gemma's norms multiply by 1 + weight: it saves weights about 0.)
+    norm_mean = 0.0 if spec.kind == "gemma3_text" else 1.0
 
-    yield "model.embed_tokens.weight", rand(spec.vocab_size, h)
+    def norm(size: int) -> torch.Tensor:
+        return (norm_mean + 0.1 * (torch.randn(size, generator=g, device=device) * spec.weight_std)).to(dtype)
+
+    # (Gemma multiplies its embeddings by sqrt(hidden_size): drawn that much smaller, its stream starts as the others'.)
+    embed = rand(spec.vocab_size, h)
+    yield "model.embed_tokens.weight", embed / h**0.5 if spec.kind == "gemma3_text" else embed
     yield "model.norm.weight", norm(h)
     if not spec.tie_word_embeddings:
         yield "lm_head.weight", rand(spec.vocab_size, h)
@@ -213,7 +237,7 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
             yield p + "self_attn.q_proj.bias", rand(q)
             yield p + "self_attn.k_proj.bias", rand(kv)
             yield p + "self_attn.v_proj.bias", rand(kv)
-        if spec.kind in ("qwen3", "qwen3_moe"):
+        if spec.kind in ("qwen3", "qwen3_moe", "gemma3_text"):
             yield p + "self_attn.q_norm.weight", norm(head_dim)
             yield p + "self_attn.k_norm.weight", norm(head_dim)
         if spec.kind in _EXPERT_NAMES and layer not in spec.mlp_only_layers:
@@ -233,6 +257,9 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
             yield p + "mlp.down_proj.weight", rand(h, i)
         yield p + "input_layernorm.weight", norm(h)
         yield p + "post_attention_layernorm.weight", norm(h)
+        if spec.kind == "gemma3_text":
+            yield p + "pre_feedforward_layernorm.weight", norm(h)
+            yield p + "post_feedforward_layernorm.weight", norm(h)
 
 
 def write_random_model(

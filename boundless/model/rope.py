@@ -53,14 +53,20 @@ def _yarn_frequencies(dim: int, base: float, scaling: RopeScaling) -> torch.Tens
 
 
 class RotaryEmbedding:
-    """A cos/sin table for every position, looked up once per step and shared by all layers."""
+    """A cos/sin table for every position, looked up once per step and shared by all layers (or, ``local``, by the
+    sliding-window layers of a model whose own RoPE base they have: Gemma 3's ``local_rope_theta``, unscaled)."""
 
-    def __init__(self, arch: ModelArch, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
-        inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+    def __init__(
+        self, arch: ModelArch, max_positions: int, device: torch.device, dtype: torch.dtype, local: bool = False
+    ) -> None:
+        scaling = RopeScaling() if local else arch.rope_scaling
+        theta = arch.local_rope_theta if local else arch.rope_theta
+        assert theta is not None, "a local table for a model with one RoPE"
+        inv_freq = inverse_frequencies(arch.head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         # YaRN scales cos and sin (so q.k by its square) before they are cast, as transformers does (1 otherwise).
-        scale = arch.rope_scaling.attention_factor
+        scale = scaling.attention_factor
         self.cos = (freqs.cos() * scale).to(device=device, dtype=dtype)
         self.sin = (freqs.sin() * scale).to(device=device, dtype=dtype)
 

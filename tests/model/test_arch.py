@@ -171,7 +171,92 @@ def test_configs_transformers_saves_read_as_transformers_reads_them(case: str, t
     assert [arch.layer_window(i) for i in range(arch.num_layers)] == want
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"])
+# Gemma 3's text models as the Hub's config.json files have them (google/gemma-3-1b-it: the pattern of windows and the
+# local RoPE base under their old names), the 4B's text config (linear scaling of the global layers' RoPE), the 27B's
+# (a softmax scale from query_pre_attn_scalar that is not head_dim's), and each as transformers 5 saves it.
+_GEMMA3_1B = {"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+              "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+              "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
+              "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+              "sliding_window": 512, "sliding_window_pattern": 6, "final_logit_softcapping": None,
+              "attn_logit_softcapping": None, "attention_bias": False, "bos_token_id": 2,
+              "eos_token_id": [1, 106]}  # fmt: skip
+GEMMA3_CASES = {
+    "1b": _GEMMA3_1B,
+    "4b": {**_GEMMA3_1B, "vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240,
+           "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "sliding_window": 1024,
+           "max_position_embeddings": 131072, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    "27b": {**_GEMMA3_1B, "hidden_size": 5376, "num_hidden_layers": 62, "num_attention_heads": 32,
+            "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168, "sliding_window": 1024},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["hub", "saved-by-transformers-5"])
+@pytest.mark.parametrize("case", GEMMA3_CASES)
+def test_gemma3_configs_read_as_transformers_reads_them(case: str, saved: bool, tmp_path: Path) -> None:
+    """Which layers slide and by how much, each kind of layer's RoPE (base and scaling), the softmax scale, the
+    embedding scale and the activation, as transformers' Gemma 3 has them from the same config."""
+    from transformers import AutoConfig
+
+    cfg = GEMMA3_CASES[case]
+    config = AutoConfig.for_model(**cfg)
+    if saved:
+        config.save_pretrained(tmp_path)
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        assert "rope_parameters" in cfg and "layer_types" in cfg
+    arch = ModelArch.from_hf_config(cfg)
+    want = [config.sliding_window if kind == "sliding_attention" else None for kind in config.layer_types]
+    assert [arch.layer_window(i) for i in range(arch.num_layers)] == want
+    assert arch.full_attention_layers == tuple(range(5, arch.num_layers, 6))
+    local, full = config.rope_parameters["sliding_attention"], config.rope_parameters["full_attention"]
+    assert (arch.local_rope_theta, arch.rope_theta) == (local["rope_theta"], full["rope_theta"])
+    assert (arch.rope_scaling.kind, arch.rope_scaling.factor) == (full["rope_type"], full.get("factor", 1.0))
+    assert arch.query_scale**2 * arch.head_dim**-1 == pytest.approx(config.query_pre_attn_scalar**-1)
+    assert arch.embedding_scale == config.hidden_size**0.5 and arch.hidden_act == config.hidden_activation
+    assert arch.tie_word_embeddings and arch.qk_norm and arch.sandwich_norms and arch.norm_weight_offset == 1.0
+    assert arch.eos_token_ids == (1, 106) and arch.context_length == config.max_position_embeddings
+
+
+def test_a_gemma3_multimodal_config_reads_as_its_text_model() -> None:
+    """google/gemma-3-4b-it's config.json (Gemma3ForConditionalGeneration): its text_config names six fields and
+    leaves the rest to transformers' defaults, its token ids at the top level; read as the text model transformers
+    builds from it."""
+    from transformers import Gemma3Config
+
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "boi_token_index": 255999,
+           "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144, "mm_tokens_per_image": 256,
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                             "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                             "patch_size": 14, "vision_use_head": False}}  # fmt: skip
+    text = Gemma3Config(**cfg).text_config
+    arch = ModelArch.from_hf_config(cfg)
+    assert arch == ModelArch.from_hf_config(GEMMA3_CASES["4b"])  # (the text model's config, written out whole)
+    shape = (arch.vocab_size, arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.num_heads)
+    assert shape == (text.vocab_size, 2560, 10240, 34, text.num_attention_heads)
+    assert (arch.num_kv_heads, arch.head_dim, arch.sliding_window) == (text.num_key_value_heads, text.head_dim, 1024)
+    assert (arch.rope_scaling.kind, arch.rope_scaling.factor) == ("linear", 8.0)
+    assert arch.eos_token_ids == (1, 106) and arch.context_length == text.max_position_embeddings
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("use_bidirectional_attention", True)],
+)
+def test_gemma_variants_this_model_cannot_follow_are_refused(field: str, value: object) -> None:
+    """Soft caps of attention's scores or of the logits (Gemma 2's) and attention both ways (EmbeddingGemma's) are
+    refused by name rather than run without them; Gemma 2 itself is not a supported architecture."""
+    with pytest.raises(ValueError, match=f"{field} is not supported"):
+        ModelArch.from_hf_config({**_GEMMA3_1B, field: value})
+    with pytest.raises(ValueError, match="unsupported architecture 'gemma2'"):
+        ModelArch.from_hf_config({**_GEMMA3_1B, "model_type": "gemma2"})
+
+
+@pytest.mark.parametrize(
+    "model_type", ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"]
+)
 @pytest.mark.parametrize("field", ["attention_bias", "mlp_bias"])
 def test_projection_biases_are_transformers_or_refused(model_type: str, field: str) -> None:
     """With attention_bias or mlp_bias set, the q/k/v biases are those transformers' model of the config has, and a

@@ -124,13 +124,14 @@ def test_rope_normalizes_each_head_first(head_dim: int) -> None:
 
 
 def test_model_native_path_matches_torch_path(load) -> None:
-    """One step of the tiny Qwen2 (q/k/v biases), Llama (GQA), Qwen3 (head norms) and Qwen3-MoE (experts) on both
+    """One step of the tiny Qwen2 (q/k/v biases), Llama (GQA), Qwen3 (head norms), Qwen3-MoE (experts) and Gemma 3 (its
+    norms of the products, GELU and two RoPE tables) on both
     paths, same logits."""
     from boundless.attention.backend import AttentionBatch
     from boundless.attention.paged import TorchPagedAttention
     from boundless.kv.tensors import PagedKVCache
 
-    for name in ("tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"):
+    for name in ("tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-gemma3"):
         model = load(name).model
         arch = model.arch
         prompts = [[11], [5, 9, 13, 2, 7], [3, 3, 8]]  # a one-token sequence (a "decode") first

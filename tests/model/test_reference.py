@@ -1,11 +1,12 @@
 """Boundless computes what Hugging Face transformers computes on the same weights.
 
-For the bundled SmolLM2 GGUF and three random tiny models (a Llama with GQA and llama3 rope scaling, a Qwen2
-with q/k/v biases and untied embeddings, a Qwen3 with its norm of each q and k head, a Qwen3-MoE with sparse
-and dense layers): greedy outputs of 8+ prompts of mixed lengths run together are token-for-token those of
-``transformers``, with prefix caching on and off, with chunked prefill under a tiny token budget and under
-forced preemption, and with prefixes that come back from host memory or from the disk store; per-step logits
-agree within 1e-3, and so do prompt logprobs with transformers' log-softmax of each prompt position.
+For the bundled SmolLM2 GGUF and random tiny models (a Llama with GQA and llama3 rope scaling, a Qwen2 with q/k/v
+biases and untied embeddings, a Qwen3 with its norm of each q and k head, a Qwen3-MoE with sparse and dense layers;
+further below Mixtral, Phi-3, YaRN, sliding windows and Gemma 3): greedy outputs of 8+ prompts of mixed lengths run
+together are token-for-token those of ``transformers``, with prefix caching on and off, with chunked prefill under a
+tiny token budget and under forced preemption, and with prefixes that come back from host memory or from the disk
+store; per-step logits agree within 1e-3, and so do prompt logprobs with transformers' log-softmax of each prompt
+position.
 """
 
 from __future__ import annotations
@@ -163,17 +164,24 @@ def test_more_architectures_greedy_match_transformers(
     assert _run_greedy(_engine(ref.loaded), ref.prompts) == ref.tokens
 
 
+@pytest.mark.parametrize(("name", "renamed"), [("tiny-qwen3-moe", "num_local_experts"), ("tiny-gemma3", "layer_types")])
 def test_a_config_saved_by_transformers_5_matches_transformers(
-    load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any], model_dirs: dict[str, Path], tmp_path: Path
+    name: str,
+    renamed: str,
+    load: Callable[[str], LoadedModel],
+    hf_model: Callable[[str], Any],
+    model_dirs: dict[str, Path],
+    tmp_path: Path,
 ) -> None:
-    """tiny-qwen3-moe's weights under the config.json transformers 5 writes for them (its experts as
-    num_local_experts, RoPE in rope_parameters): transformers' greedy tokens (read as a dense model, it was refused)."""
+    """The tiny models' weights under the config.json transformers 5 writes for them: Qwen3-MoE's experts as
+    num_local_experts (read as a dense model, it was refused), RoPE in rope_parameters (Gemma 3's a kind of layer
+    each, its windows' layers as layer_types): transformers' greedy tokens."""
     from transformers import AutoConfig
 
-    ref = _reference("tiny-qwen3-moe", load, hf_model)
-    path = shutil.copytree(model_dirs["tiny-qwen3-moe"], tmp_path / "resaved")
+    ref = _reference(name, load, hf_model)
+    path = shutil.copytree(model_dirs[name], tmp_path / "resaved")
     AutoConfig.from_pretrained(path).save_pretrained(path)
-    assert "num_local_experts" in json.loads((path / "config.json").read_text())
+    assert renamed in json.loads((path / "config.json").read_text())
     assert _run_greedy(_engine(load_model(str(path), device=ref.loaded.device.type)), ref.prompts) == ref.tokens
 
 
@@ -222,6 +230,7 @@ TRITON_MODELS = [
     pytest.param("tiny-qwen3-moe", marks=pytest.mark.slow if _ON_CPU else ()),
     "tiny-mistral-window",  # (a sliding window on every layer: the kernel's window tiles)
     pytest.param("tiny-qwen2-window", marks=pytest.mark.slow if _ON_CPU else ()),
+    "tiny-gemma3",  # (the fused path's norms of each output, its GELU, a RoPE table a kind of layer)
     "smollm2-135m",
 ]
 
@@ -251,6 +260,7 @@ FLEX_MODELS = [
     "tiny-qwen3-moe",
     "tiny-mistral-window",  # (each window's block mask)
     "tiny-qwen2-window",
+    "tiny-gemma3",
     pytest.param("smollm2-135m", marks=pytest.mark.slow),
 ]
 
@@ -302,7 +312,7 @@ def test_per_step_logits_match_transformers(ref: Reference) -> None:
     _check_per_step_logits(ref)
 
 
-WINDOW_MODELS = ["tiny-mistral-window", "tiny-qwen2-window"]
+WINDOW_MODELS = ["tiny-mistral-window", "tiny-qwen2-window", "tiny-gemma3"]
 
 
 @pytest.mark.parametrize("config", ["prefix-cache", "chunked-prefill", "preemption-recompute", "speculative"])
@@ -310,9 +320,9 @@ WINDOW_MODELS = ["tiny-mistral-window", "tiny-qwen2-window"]
 def test_sliding_window_models_greedy_match_transformers(
     name: str, config: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
-    """Models whose layers attend within a sliding window (a Mistral's every layer, a Qwen2's after its first), past
-    the window: transformers' greedy tokens, under the engine's configurations (a chunk, a decode, a verify pass, a
-    recomputed prefix each over a window that ends inside a block)."""
+    """Models whose layers attend within a sliding window (a Mistral's every layer, a Qwen2's after its first, a
+    Gemma 3's but every second), past the window: transformers' greedy tokens, under the engine's configurations (a
+    chunk, a decode, a verify pass, a recomputed prefix each over a window that ends inside a block)."""
     ref = _reference(name, load, hf_model)
     window = ref.loaded.arch.sliding_window
     assert window is not None and sum(len(p) > window for p in ref.prompts) >= 5
@@ -371,7 +381,7 @@ def test_sliding_window_per_step_logits_match_transformers_and_the_window_counts
     _check_per_step_logits(ref)
     layers = list(ref.loaded.model.layers)
     windows = [layer.window for layer in layers]
-    assert any(w is None for w in windows) == (name == "tiny-qwen2-window")  # (Qwen2's first layer: the whole)
+    assert any(w is None for w in windows) == (name != "tiny-mistral-window")  # (Qwen2's first layer: the whole)
     try:
         for layer in layers:
             layer.window = None
@@ -379,6 +389,71 @@ def test_sliding_window_per_step_logits_match_transformers_and_the_window_counts
     finally:
         for layer, window in zip(layers, windows, strict=True):
             layer.window = window
+
+
+@pytest.mark.parametrize("part", ["local_rope", "gelu", "attn_out_norm", "mlp_out_norm"])
+def test_each_part_of_gemma3_counts(
+    part: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """Gemma 3's own parts (its sliding-window layers' RoPE base, the GELU, the norms of attention's and the MLP's
+    outputs): the per-step logits match transformers' with them (test_sliding_window_per_step_logits_...) and not
+    without any one of them, so none goes unchecked."""
+    ref = _reference("tiny-gemma3", load, hf_model)
+    assert sum(len(set(tokens)) for tokens in ref.tokens) > 3 * len(ref.tokens)  # (not one token over and over)
+    layers = list(ref.loaded.model.layers)
+    kept = [getattr(layer, part) for layer in layers]
+    assert any(kept)
+    try:
+        for layer in layers:
+            setattr(layer, part, False if isinstance(getattr(layer, part), bool) else None)
+        with pytest.raises(AssertionError, match="largest logit difference"):
+            _check_per_step_logits(ref)
+    finally:
+        for layer, value in zip(layers, kept, strict=True):
+            setattr(layer, part, value)
+
+
+@pytest.mark.parametrize("names", ["transformers-5", "transformers-4"])
+def test_a_gemma3_multimodal_checkpoint_serves_its_text_model(
+    names: str,
+    load: Callable[[str], LoadedModel],
+    hf_model: Callable[[str], Any],
+    model_dirs: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """Gemma 3's 4B, 12B and 27B are Gemma3ForConditionalGeneration checkpoints: a vision tower beside the language
+    model, whose config is the text_config and whose tensors are named under the language model (transformers 5:
+    ``model.language_model.``; the Hub's files, written by transformers 4: ``language_model.model.``). Such a checkpoint
+    of the tiny Gemma 3's text weights and a random vision tower serves text as transformers' multimodal model does."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    ref = _reference("tiny-gemma3", load, hf_model)
+    source = model_dirs["tiny-gemma3"]
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = Gemma3Config(
+        text_config=json.loads((source / "config.json").read_text()), vision_config=vision, mm_tokens_per_image=4
+    )
+    model = Gemma3ForConditionalGeneration(config).eval()
+    text = load_file(str(source / "model.safetensors"))
+    model.model.language_model.load_state_dict({k.removeprefix("model."): v for k, v in text.items()})
+    path = tmp_path / "multimodal"
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, path / name)
+    if names == "transformers-4":  # (the Hub's files: the language model's prefix first, the vision tower's alone)
+        (file,) = path.glob("*.safetensors")
+        renamed = {
+            k.replace("model.language_model.", "language_model.model.").removeprefix("model."): v
+            for k, v in load_file(str(file)).items()
+        }
+        assert any(k.startswith("vision_tower.") for k in renamed)
+        save_file(renamed, str(file), metadata={"format": "pt"})
+    loaded = load_model(str(path))
+    assert loaded.arch == ref.loaded.arch
+    assert Reference(loaded, model).tokens == ref.tokens  # (transformers' multimodal model, on text)
+    assert _run_greedy(_engine(loaded), ref.prompts) == ref.tokens
 
 
 def test_yarn_per_step_logits_match_transformers(

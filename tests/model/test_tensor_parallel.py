@@ -127,12 +127,17 @@ def _ranks_run(path: Path, size: int, **load: object) -> list[tuple[torch.Tensor
     return out
 
 
+GEMMA3 = TinySpec(
+    kind="gemma3_text", num_heads=4, num_kv_heads=1, head_dim=32, seed=11, sliding_window=10, sliding_window_pattern=2
+)
 CASES = {
     # (spec, load options, tolerance against the whole model)
     "llama-native-fp32": (TinySpec(num_heads=4, num_kv_heads=2), {}, 1e-4),
     "qwen2-biases": (TinySpec(kind="qwen2", num_heads=4, num_kv_heads=4, seed=1), {}, 1e-4),
     "qwen3-head-norms": (TinySpec(kind="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, seed=2), {}, 1e-4),
     "phi3-fused": (TinySpec(kind="phi3", num_heads=4, num_kv_heads=2, seed=6), {}, 1e-4),
+    # (Gemma 3: each rank's products summed before they are normed; its one key/value head on both ranks.)
+    "gemma3-norms-of-sums": (GEMMA3, {}, 1e-4),
     "llama-torch-bf16": (TinySpec(num_heads=4, num_kv_heads=2), {"dtype": "bfloat16"}, 0.15),
 }
 
