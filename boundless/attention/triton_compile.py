@@ -158,7 +158,13 @@ def compile_jobs() -> list[CompileJob]:
                 f"rms_norm/{dtype}", (ops, "_rms_norm_kernel"),
                 dict(out_ptr=ptr, x_ptr=ptr, delta_ptr=ptr, weight_ptr=ptr, eps="fp32", stride_out="i32",
                      stride_x="i32", stride_delta="i32", n_cols="i32"),
-                dict(ADD=True, BLOCK=4096), 8, 1,
+                dict(ADD=True, ROUND=True, BLOCK=4096), 8, 1,
+            ),
+            CompileJob(  # (Gemma's: its weight in fp32, the product rounded once)
+                f"rms_norm-gemma/{dtype}", (ops, "_rms_norm_kernel"),
+                dict(out_ptr=ptr, x_ptr=ptr, delta_ptr=ptr, weight_ptr="*fp32", eps="fp32", stride_out="i32",
+                     stride_x="i32", stride_delta="i32", n_cols="i32"),
+                dict(ADD=True, ROUND=False, BLOCK=4096), 8, 1,
             ),
             CompileJob(
                 f"rotary/{dtype}", (ops, "_rotary_kernel"),

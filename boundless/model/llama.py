@@ -97,16 +97,35 @@ class _PackedHead:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """``weight * x / rms(x)``, normalized in fp32. Llama's rounds the normalized row to the input's dtype before the
+    weight; Gemma's (``fp32_weight``) holds its weight (``1 + w``) in fp32 whatever the model's dtype and rounds once,
+    after the weight, as transformers' Gemma3RMSNorm does."""
+
+    def __init__(self, size: int, eps: float, fp32_weight: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fp32_weight = fp32_weight
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RMSNorm:
+        super()._apply(fn, recurse)
+        if self.fp32_weight and self.weight.dtype != torch.float32:  # (the model cast to its dtype: not this weight)
+            self.weight.data = self.weight.data.float()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 and cast back before the weight, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight:
+            return (xf * self.weight).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+    def fused(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """The GPU path's kernel of this norm (``triton_ops.rms_norm``); with ``delta``, ``x += delta`` first, in
+        place."""
+        from boundless.model import triton_ops
+
+        return triton_ops.rms_norm(x, self.weight, self.eps, delta=delta, round_normed=not self.fp32_weight)
 
 
 # Checkpoint matrices that are already this model's fused ones (Phi-3's), by module name.
@@ -203,16 +222,17 @@ class DecoderLayer(nn.Module):
         if self.moe is None:
             self.gate_up_weight = nn.Parameter(torch.empty(2 * arch.intermediate_size, arch.hidden_size))
             self.down_weight = nn.Parameter(torch.empty(arch.hidden_size, arch.intermediate_size))
-        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        gemma = arch.norm_weight_offset != 0  # (Gemma's norms: weights in fp32, rounded once)
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)
+        self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)
         # Qwen3: an RMSNorm over each query and each key head, before RoPE.
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
         # Gemma: attention's and the MLP's outputs normed before they join the residual stream (its checkpoint's
         # post_attention_layernorm and post_feedforward_layernorm; its pre_feedforward_layernorm is
         # post_attention_norm here, the norm before the MLP).
-        self.attn_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if arch.sandwich_norms else None
-        self.mlp_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if arch.sandwich_norms else None
+        self.attn_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, True) if arch.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, True) if arch.sandwich_norms else None
         self.packed: _PackedLayer | None = None  # set by LlamaModel.prepare on the native path
         # --quantization fp8: each dense matrix's scale per output row (its weight then in e4m3); None: unquantized.
         self.qkv_scale: torch.Tensor | None = None
@@ -352,7 +372,7 @@ class DecoderLayer(nn.Module):
 
         t = hidden.shape[0]
         norm_in, norm_post = self.input_norm, self.post_attention_norm
-        x = ops.rms_norm(hidden, norm_in.weight, norm_in.eps, delta=delta)
+        x = norm_in.fused(hidden, delta)
         qkv = self.product("qkv", x)
         if lora is not None:
             lora.add_(index, QKV, x, qkv)
@@ -367,9 +387,9 @@ class DecoderLayer(nn.Module):
             lora.add_(index, O_PROJ, attn, out)
         out = self._summed(out)
         if self.attn_out_norm is not None:
-            out = ops.rms_norm(out, self.attn_out_norm.weight, self.attn_out_norm.eps)
+            out = self.attn_out_norm.fused(out)
         # hidden += o_proj(attn), and its norm, in one kernel.
-        x = ops.rms_norm(hidden, norm_post.weight, norm_post.eps, delta=out)
+        x = norm_post.fused(hidden, out)
         if self.moe is not None:
             return hidden, self.moe(x)
         assert self.gate_up_weight is not None and self.down_weight is not None
@@ -380,7 +400,7 @@ class DecoderLayer(nn.Module):
         out = self.product("down", act)
         out = self._summed(out if lora is None else lora.add_(index, DOWN, act, out))
         if self.mlp_out_norm is not None:
-            out = ops.rms_norm(out, self.mlp_out_norm.weight, self.mlp_out_norm.eps)
+            out = self.mlp_out_norm.fused(out)
         return hidden, out
 
     def forward_packed(
@@ -527,7 +547,7 @@ class LlamaModel(nn.Module):
         # builds on, imports PyTorch's reference ops, 1.5 s of start-up.
         self.embed_tokens = nn.Embedding(rows, arch.hidden_size, _weight=torch.empty(rows, arch.hidden_size))
         self.layers = _DecoderLayers(DecoderLayer(arch, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset != 0)
         self.lm_head = None if arch.tie_word_embeddings else nn.Parameter(torch.empty(rows, arch.hidden_size))
         # A split vocabulary's sum of the ranks' embeddings and gather of their logits (sum_over); None alone.
         self.reduce: Callable[[torch.Tensor], None] | None = None
@@ -638,8 +658,6 @@ class LlamaModel(nn.Module):
         assert self.rope is not None, "call prepare first"
         hidden = self._embed(input_ids)
         if getattr(attention, "fused_layers", False):  # a GPU backend: the layers' fused Triton kernels too
-            from boundless.model import triton_ops
-
             delta = None  # each layer's MLP output, added to the stream by the next norm
             for i, layer in enumerate(self.layers):
                 if before_layer is not None:
@@ -650,7 +668,7 @@ class LlamaModel(nn.Module):
                 )
                 if on_layer is not None:
                     on_layer(i)
-            return triton_ops.rms_norm(hidden, self.norm.weight, self.norm.eps, delta=delta)
+            return self.norm.fused(hidden, delta)
         if self._packed_key is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
             return self._forward_packed(hidden, positions, attention, kv_cache, attn_meta, on_layer, before_layer, lora)
         tables = {False: self.rope.lookup(positions)}

@@ -21,10 +21,11 @@ def _pow2(n: int) -> int:
 @triton.jit
 def _rms_norm_kernel(
     out_ptr, x_ptr, delta_ptr, weight_ptr, eps, stride_out, stride_x, stride_delta, n_cols,
-    ADD: tl.constexpr, BLOCK: tl.constexpr,
+    ADD: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One row: with ADD, x += delta first (rounded to x's dtype, as the reference's residual add), then
-    out = weight * (x / rms(x)), the normalized value rounded to x's dtype before the weight."""
+    out = weight * (x / rms(x)), with ROUND the normalized value rounded to x's dtype before the weight (Llama's; else
+    Gemma's, rounded once after it)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -35,7 +36,9 @@ def _rms_norm_kernel(
         tl.store(x_ptr + row * stride_x + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols
-    normed = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
+    normed = xf * tl.rsqrt(var + eps)
+    if ROUND:
+        normed = normed.to(x_ptr.dtype.element_ty)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
@@ -80,15 +83,18 @@ def _silu_mul_kernel(out_ptr, gate_up_ptr, stride_out, stride_in, n_cols, BLOCK:
     tl.store(out_ptr + row * stride_out + cols, (act * up).to(dt), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
-    """``weight * x / rms(x)`` of rows [tokens, hidden]; with ``delta``, ``x += delta`` first, in place."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None, round_normed: bool = True
+) -> torch.Tensor:
+    """``weight * x / rms(x)`` of rows [tokens, hidden]; with ``delta``, ``x += delta`` first, in place.
+    ``round_normed``: the normalized row rounded to ``x``'s dtype before the weight (Llama's; else Gemma's)."""
     rows, cols = x.shape
     out = torch.empty_like(x)
     if rows:
         d = delta if delta is not None else x
         _rms_norm_kernel[(rows,)](
             out, x, d, weight, eps, out.stride(0), x.stride(0), d.stride(0), cols,
-            ADD=delta is not None, BLOCK=_pow2(cols), num_warps=4 if cols <= 4096 else 8,
+            ADD=delta is not None, ROUND=round_normed, BLOCK=_pow2(cols), num_warps=4 if cols <= 4096 else 8,
         )  # fmt: skip
     return out
 

@@ -29,19 +29,25 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("fp32_weight", [False, True], ids=["llama", "gemma"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cols", [64, 576, 100])
-def test_rms_norm_matches_the_module(dtype: torch.dtype, cols: int) -> None:
+def test_rms_norm_matches_the_module(dtype: torch.dtype, cols: int, fp32_weight: bool) -> None:
+    """Llama's norm (the normalized row rounded before the weight) and Gemma's (its weight kept in fp32 when the model
+    is cast, the product rounded once)."""
     g = torch.Generator().manual_seed(cols)
-    norm = RMSNorm(cols, 1e-5).to(dtype)
+    norm = RMSNorm(cols, 1e-5, fp32_weight).to(dtype)
+    assert norm.weight.dtype == (torch.float32 if fp32_weight else dtype)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(cols, generator=g))
     x = (3 * torch.randn(7, cols, generator=g)).to(dtype)
     delta = torch.randn(7, cols, generator=g).to(dtype)
+    on_device = RMSNorm(cols, 1e-5, fp32_weight).to(dtype).to(DEVICE)
     with torch.no_grad():
-        _close(triton_ops.rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), 1e-5).cpu(), norm(x), dtype)
+        on_device.weight.copy_(norm.weight)
+        _close(on_device.fused(x.to(DEVICE)).cpu(), norm(x), dtype)
         residual = x.clone().to(DEVICE)
-        out = triton_ops.rms_norm(residual, norm.weight.to(DEVICE), 1e-5, delta=delta.to(DEVICE))
+        out = on_device.fused(residual, delta.to(DEVICE))
         expected_residual = x + delta  # the reference's residual add, in the dtype
         _close(residual.cpu(), expected_residual, dtype)
         _close(out.cpu(), norm(expected_residual), dtype)
