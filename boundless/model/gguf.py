@@ -3,7 +3,8 @@
 The weights are dequantized to float32 bit-identically with ``gguf.quants.dequantize`` (the reference numpy code
 that transformers uses; ``gguf_quants`` does the common types faster, to the same bits), and llama.cpp's Q/K row
 permutation is undone for ``llama`` files, so the result is a plain Hugging Face ``LlamaForCausalLM`` /
-``Qwen2ForCausalLM`` state dict.
+``Qwen2ForCausalLM`` state dict (a Gemma 3 file's norms less the one llama.cpp's converter added to them:
+``Gemma3ForCausalLM``'s).
 
 The header is parsed here rather than with ``gguf.GGUFReader``: that reader builds a numpy view for every
 element of every array, which costs seconds on a vocabulary of 50k-150k strings, while the loop below
@@ -42,7 +43,14 @@ __all__ = [
 ]
 
 # GGUF architecture name -> ModelArch.model_type. llama.cpp stores Mistral models as ``llama``.
-_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+_ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "gemma3": "gemma3_text",
+}
 
 # Per-layer GGUF tensor name -> Hugging Face suffix under ``model.layers.{i}.``.
 _LAYER_TENSORS = {
@@ -56,8 +64,23 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Qwen3's norms of each query and key head.
+# Gemma 3's names where they differ: its norm before the MLP is llama.cpp's ffn_norm, and it norms attention's and the
+# MLP's outputs too.
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Qwen3's (and Gemma 3's) norms of each query and key head.
 _HEAD_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# What llama.cpp's converter adds to a Gemma norm's weight (its norms multiply by 1 + w): taken off again at load.
+_GEMMA_NORM_SHIFT = 1.0
+# llama.cpp's Gemma 3: every 6th layer attends the whole context unless the file says otherwise, the others slide with
+# RoPE on a base of 10,000, and the 27B (its 62 layers) scales attention by hidden_size / heads, the others by head_dim.
+_GEMMA3_WINDOW_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_27B_LAYERS = 62
 # A sparse layer's router, and its experts' matrices stacked [experts, rows, cols], each expert's slice loaded under
 # its Hugging Face name (mlp.experts.{e}.gate_proj.weight...).
 _ROUTER_TENSOR = "ffn_gate_inp"
@@ -228,23 +251,27 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name for a GGUF tensor name; ``None`` for a tensor that is not a parameter."""
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
+    """The Hugging Face parameter name for a GGUF tensor name of a ``model_type`` model (``ModelArch``'s); ``None``
+    for a tensor that is not a parameter."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name in _METADATA_TENSORS:
         return None
     parts = gguf_name.split(".")
     is_layer = len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()
-    if is_layer and parts[2] in _LAYER_TENSORS and parts[3] in ("weight", "bias"):
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    layer_tensors = _GEMMA_LAYER_TENSORS if model_type == "gemma3_text" else _LAYER_TENSORS
+    if is_layer and parts[2] in layer_tensors and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
     if is_layer and parts[2] in _HEAD_NORM_TENSORS and parts[3] == "weight":
         return f"model.layers.{parts[1]}.{_HEAD_NORM_TENSORS[parts[2]]}.weight"
     if is_layer and parts[2] == _ROUTER_TENSOR and parts[3] == "weight":
         return f"model.layers.{parts[1]}.mlp.gate.weight"
     if is_layer and parts[2] in _EXPERT_TENSORS and parts[3] == "weight":  # stacked: split by expert at load
         return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_EXPERT_TENSORS[parts[2]]}.weight"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3 decoder tensors")
+    raise ValueError(
+        f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3/gemma3 decoder tensors"
+    )
 
 
 def _expected_parameters(arch: ModelArch) -> set[str]:
@@ -258,6 +285,10 @@ def _expected_parameters(arch: ModelArch) -> set[str]:
             layer.add(f"model.layers.{i}.mlp.gate.weight")
             layer.update(f"model.layers.{i}.mlp.experts.{{}}.{m}.weight" for m in _EXPERT_TENSORS.values())
         names.update(layer)
+        if arch.sandwich_norms:
+            names.update(
+                f"model.layers.{i}.{n}.weight" for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+            )
         if arch.qkv_bias:
             names.update(f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv")
         if arch.qk_norm:
@@ -408,6 +439,7 @@ def model_arch_from_gguf(
     experts = int(meta.get(f"{prefix}.expert_count", 0)) if model_type == "qwen3_moe" else 0
     sparse = tuple(i for i in range(int(key("block_count"))) if f"blk.{i}.{_ROUTER_TENSOR}.weight" in tensor_shapes)
     window = meta.get(f"{prefix}.attention.sliding_window")
+    gemma = model_type == "gemma3_text"
     return ModelArch(
         model_type=model_type,
         vocab_size=int(vocab_size),
@@ -429,10 +461,31 @@ def model_arch_from_gguf(
         norm_topk_prob=bool(experts),  # (llama.cpp's qwen3moe always renormalizes the chosen experts' weights)
         sparse_layers=sparse if experts else (),
         rope_scaling=_rope_scaling(meta, prefix, rope_factors, theta, head_dim, int(key("context_length", 2048))),
-        sliding_window=int(window) if window and model_type == "mistral" else None,
+        sliding_window=int(window) if window and model_type in ("mistral", "gemma3_text") else None,
+        full_attention_layers=_gemma3_full_layers(meta, prefix, int(key("block_count"))) if gemma and window else (),
         bos_token_id=tokenizer.bos_token_id if tokenizer is not None else meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tokenizer.eos_token_ids if tokenizer is not None else (),
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        local_rope_theta=_GEMMA3_LOCAL_ROPE_THETA if gemma else None,
+        query_pre_attn_scalar=_gemma3_query_scalar(int(key("block_count")), int(hidden), num_heads, head_dim)
+        if gemma
+        else None,
     )
+
+
+def _gemma3_full_layers(meta: Mapping[str, Any], prefix: str, layers: int) -> tuple[int, ...]:
+    """The layers of a Gemma 3 file that attend the whole context: every ``sliding_window_pattern``-th (6 unless the
+    file says; a newer converter may write one flag a layer, true where it slides)."""
+    pattern = meta.get(f"{prefix}.attention.sliding_window_pattern", _GEMMA3_WINDOW_PATTERN)
+    if isinstance(pattern, list):
+        return tuple(i for i, slides in enumerate(pattern[:layers]) if not slides)
+    return tuple(i for i in range(layers) if (i + 1) % int(pattern) == 0)
+
+
+def _gemma3_query_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> float:
+    """Gemma 3's ``query_pre_attn_scalar``, which its GGUF files do not hold: llama.cpp's rule (the 27B's
+    ``hidden_size / heads``, 168; every other's its head size, 256), which the Hub's configs agree with."""
+    return float(hidden // heads if layers == _GEMMA3_27B_LAYERS else head_dim)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -467,7 +520,8 @@ def _parallel_map(fn: Callable[[GGUFTensorInfo], np.ndarray], items: Iterable[GG
 def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> GGUFModel:
     """Read a GGUF file: architecture, dequantized weights under Hugging Face names, and tokenizer.
 
-    Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3`` and ``qwen3moe`` architectures.
+    Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3``, ``qwen3moe`` and ``gemma3``
+    architectures.
     ``dtype`` is what the returned tensors are cast to after float32 dequantization.
     """
     path = Path(path)
@@ -481,8 +535,8 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     shapes = {name: info.shape for name, info in header.tensors.items()}
     arch = model_arch_from_gguf(meta, shapes, rope_factors=rope_factors, tokenizer=tokenizer)
     # Check names before the expensive part: unknown tensors raise in hf_tensor_name, missing ones here.
-    wanted = [info for name, info in header.tensors.items() if hf_tensor_name(name) is not None]
-    missing = _expected_parameters(arch) - {hf_tensor_name(info.name) for info in wanted}
+    wanted = [info for name, info in header.tensors.items() if hf_tensor_name(name, model_type) is not None]
+    missing = _expected_parameters(arch) - {hf_tensor_name(info.name, model_type) for info in wanted}
     missing = {name.format("*") for name in missing}
     if missing:
         raise ValueError(f"{path}: GGUF file lacks tensors for {sorted(missing)[:5]} ({len(missing)} in all)")
@@ -496,9 +550,11 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
             array = _unpermute_rows(array, arch.num_heads)
         elif permute and ".attn_k." in info.name:
             array = _unpermute_rows(array, arch.num_kv_heads)
+        if arch.norm_weight_offset and info.name.endswith("norm.weight"):
+            array = array - _GEMMA_NORM_SHIFT  # (as transformers reads a Gemma GGUF: the Hugging Face checkpoint's w)
         tensor = torch.from_numpy(array)
         tensor = tensor if dtype == torch.float32 else tensor.to(dtype)
-        name = hf_tensor_name(info.name)
+        name = hf_tensor_name(info.name, model_type)
         assert name is not None  # (wanted holds parameters only)
         if "{}" in name:  # a stacked experts' tensor: each expert's matrix under its own name (views, no copy)
             tensors.update((name.format(e), tensor[e]) for e in range(tensor.shape[0]))

@@ -168,12 +168,16 @@ def write_tiny_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
     skip: tuple[str, ...] = (),
     yarn: tuple[float, int] | None = None,
+    window_pattern: int | list[bool] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer model with random weights; return the float32 HF-layout tensors loading must give. A qwen3
-    model's heads are wider than ``hidden / heads``, as Qwen3's are (the file says so with ``key_length``)."""
+    model's heads are wider than ``hidden / heads``, as Qwen3's are (the file says so with ``key_length``); a gemma3
+    model's too, its norms stored plus one as llama.cpp's converter stores them, with a sliding window of 8 (and
+    ``window_pattern``, where given)."""
     rng = np.random.default_rng(0)
     hidden, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
-    head_dim = 32 if arch in ("qwen3", "qwen3moe") else 16
+    wide = arch in ("qwen3", "qwen3moe", "gemma3")
+    head_dim = 32 if wide else 16
     experts, expert_inter = 4, 32
     vocab = len(TOKENS)
     writer = gguf.GGUFWriter(path, arch=arch)
@@ -185,9 +189,13 @@ def write_tiny_gguf(
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(head_dim)
-    if arch in ("qwen3", "qwen3moe"):
+    if wide:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(8)
+    if window_pattern is not None:
+        writer.add_sliding_window_pattern(window_pattern)
     if arch == "qwen3moe":
         writer.add_expert_count(experts)
         writer.add_expert_used_count(2)
@@ -213,10 +221,14 @@ def write_tiny_gguf(
         if gguf_name in skip:
             return
         stored = _llama_cpp_permute(w, permute_heads) if permute_heads and arch == "llama" else w
+        if arch == "gemma3" and gguf_name.endswith("norm.weight"):  # (1 + w, as convert_hf_to_gguf writes it)
+            stored = w + 1
         kind = qtype if w.ndim >= 2 else GGMLQuantizationType.F32  # norms and biases stay F32, as in llama.cpp
         data, _ = _quantized(stored, kind)
         # Blocks run along rows and the permutation moves whole rows, so unpermuting after is exact.
         expected[hf_name] = _quantized(w, kind)[1]
+        if stored is not w and arch == "gemma3":  # (the norm read back: what the file holds, less one, in fp32)
+            expected[hf_name] = _quantized(stored, kind)[1] - np.float32(1)
         is_block_quant = kind not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
         writer.add_tensor(gguf_name, data, raw_dtype=kind if is_block_quant else None)
 
@@ -234,11 +246,16 @@ def write_tiny_gguf(
             add(f"blk.{i}.attn_q.bias", f"{p}.self_attn.q_proj.bias", rand(heads * head_dim))
             add(f"blk.{i}.attn_k.bias", f"{p}.self_attn.k_proj.bias", rand(kv_heads * head_dim))
             add(f"blk.{i}.attn_v.bias", f"{p}.self_attn.v_proj.bias", rand(kv_heads * head_dim))
-        if arch in ("qwen3", "qwen3moe"):
+        if wide:
             add(f"blk.{i}.attn_q_norm.weight", f"{p}.self_attn.q_norm.weight", rand(head_dim))
             add(f"blk.{i}.attn_k_norm.weight", f"{p}.self_attn.k_norm.weight", rand(head_dim))
         add(f"blk.{i}.attn_output.weight", f"{p}.self_attn.o_proj.weight", rand(hidden, heads * head_dim))
-        add(f"blk.{i}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight", rand(hidden))
+        if arch == "gemma3":  # (its norm before the MLP is llama.cpp's ffn_norm; it norms both outputs too)
+            add(f"blk.{i}.post_attention_norm.weight", f"{p}.post_attention_layernorm.weight", rand(hidden))
+            add(f"blk.{i}.ffn_norm.weight", f"{p}.pre_feedforward_layernorm.weight", rand(hidden))
+            add(f"blk.{i}.post_ffw_norm.weight", f"{p}.post_feedforward_layernorm.weight", rand(hidden))
+        else:
+            add(f"blk.{i}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight", rand(hidden))
         if arch == "qwen3moe":  # llama.cpp's stacked experts [experts, rows, cols]; each expert's is loaded apart
             add(f"blk.{i}.ffn_gate_inp.weight", f"{p}.mlp.gate.weight", rand(experts, hidden))
             for gguf_part, hf_part, shape in (
@@ -439,6 +456,28 @@ def test_missing_tensor_raises(tmp_path: Path) -> None:
     write_tiny_gguf(path, skip=("blk.1.ffn_up.weight",))
     with pytest.raises(ValueError, match=r"lacks tensors for \['model.layers.1.mlp.up_proj.weight'\]"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("pattern", [None, 2, [True, False]], ids=["default", "every-2nd", "flags"])
+def test_gemma3_reads_its_norms_less_one_and_its_windows(tmp_path: Path, pattern: int | list[bool] | None) -> None:
+    """A Gemma 3 file (llama.cpp's ``gemma3``): its four norms a layer and its head norms under their Hugging Face
+    names, less the one llama.cpp's converter added; its window on every layer but each 6th (or as the file says,
+    a pattern or a flag a layer); the rest as the Hub's configs have it (GELU, the local layers' RoPE base,
+    query_pre_attn_scalar its head size, tied embeddings)."""
+    path = tmp_path / "gemma3.gguf"
+    expected = write_tiny_gguf(path, arch="gemma3", qtype=GGMLQuantizationType.F32, window_pattern=pattern)
+    model = load_gguf(path)
+    _assert_tensors(model, expected)
+    arch = model.arch
+    assert (arch.model_type, arch.sliding_window, arch.head_dim, arch.hidden_act) == (
+        "gemma3_text",
+        8,
+        32,
+        "gelu_pytorch_tanh",
+    )
+    assert arch.full_attention_layers == (() if pattern is None else (1,))
+    assert (arch.local_rope_theta, arch.rope_theta, arch.query_pre_attn_scalar) == (10000.0, 500000.0, 32.0)
+    assert arch.tie_word_embeddings and arch.qk_norm and arch.sandwich_norms
 
 
 def test_unsupported_architecture_raises(tmp_path: Path) -> None:

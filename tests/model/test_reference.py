@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from boundless.attention import triton_paged
+from boundless.bench.offline import load_hf_reference
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore
@@ -454,6 +455,81 @@ def test_a_gemma3_multimodal_checkpoint_serves_its_text_model(
     assert loaded.arch == ref.loaded.arch
     assert Reference(loaded, model).tokens == ref.tokens  # (transformers' multimodal model, on text)
     assert _run_greedy(_engine(loaded), ref.prompts) == ref.tokens
+
+
+def _gemma3_gguf(source: Path, path: Path) -> None:
+    """A GGUF file of a Gemma 3 directory as llama.cpp's converter writes one: its tensors under llama.cpp's names, F32,
+    each norm's weight plus one; what the file does not say (the local RoPE base, every 6th layer global, the softmax
+    scale) as llama.cpp fixes it. Its byte-level BPE vocabulary is stored as such."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((source / "config.json").read_text())
+    vocab = json.loads((source / "tokenizer.json").read_text())
+    writer = gguf.GGUFWriter(path, arch="gemma3")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    tokens = sorted(vocab["model"]["vocab"], key=vocab["model"]["vocab"].get)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["model"]["merges"]])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            gguf_name = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.weight"
+        array = tensor.float().numpy()
+        writer.add_tensor(gguf_name, array + 1 if name.endswith("norm.weight") else array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gemma3_gguf_file_matches_transformers(
+    load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any], model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The tiny Gemma 3's weights written as llama.cpp writes a Gemma 3 GGUF, and beside them a config of what such a
+    file means (llama.cpp's fixed values where the tiny model's differ: every 6th layer global, the local layers' RoPE
+    base 10,000, the softmax scale the head size's, no RoPE scaling): transformers' greedy tokens from that
+    directory, and ours from the file."""
+    source = Path(shutil.copytree(model_dirs["tiny-gemma3"], tmp_path / "gemma3-every-6th"))
+    config = json.loads((source / "config.json").read_text())
+    config.update(
+        sliding_window_pattern=6,
+        rope_local_base_freq=10000.0,
+        rope_scaling=None,
+        query_pre_attn_scalar=config["head_dim"],
+    )
+    (source / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "gemma3.gguf"
+    _gemma3_gguf(source, path)
+    from_dir, from_file = load_model(str(source)), load_model(str(path))
+    assert from_file.arch.full_attention_layers == from_dir.arch.full_attention_layers == ()
+    assert dataclasses.replace(from_file.arch, eos_token_ids=(), bos_token_id=None) == dataclasses.replace(
+        from_dir.arch, eos_token_ids=(), bos_token_id=None
+    )
+    ref = Reference(from_dir, load_hf_reference(from_dir))
+    assert _run_greedy(_engine(from_file), ref.prompts) == ref.tokens
 
 
 def test_yarn_per_step_logits_match_transformers(
