@@ -32,6 +32,8 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "bos_token_id": 2,
     "eos_token_id": 1,
 }
+# Those whose activations overflow float16 (transformers' issue 36822 for Gemma 3; vLLM refuses float16 for them).
+FLOAT16_UNSTABLE = GEMMA_ARCHITECTURES
 # The MLPs' gate activations (a config's hidden_act, or Gemma's hidden_activation).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -266,7 +268,9 @@ class ModelArch:
         if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
             raise ValueError("RoPE on part of each head (partial_rotary_factor) is not supported")
         # (The MLPs here are SiLU- or GELU-gated; transformers builds whatever activation the config names.)
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        # (transformers' Gemma reads hidden_activation, the others hidden_act.)
+        act = (cfg.get("hidden_activation") if gemma else None) or cfg.get("hidden_act")
+        act = act or ("gelu_pytorch_tanh" if gemma else "silu")
         act = "silu" if act == "swish" else act
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")

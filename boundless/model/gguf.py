@@ -34,6 +34,7 @@ __all__ = [
     "GGUFHeader",
     "GGUFModel",
     "GGUFTensorInfo",
+    "gguf_model_type",
     "hf_tensor_name",
     "llama3_rope_scaling_from_factors",
     "load_gguf",
@@ -386,7 +387,9 @@ def _rope_scaling(
     return RopeScaling()
 
 
-def _model_type(meta: Mapping[str, Any]) -> str:
+def gguf_model_type(meta: Mapping[str, Any]) -> str:
+    """The ``ModelArch.model_type`` of a GGUF file's metadata; a ``ValueError`` for an architecture this does not
+    read."""
     architecture = meta.get("general.architecture")
     if architecture not in _ARCHITECTURES:
         raise ValueError(
@@ -430,7 +433,7 @@ def model_arch_from_gguf(
     if int(key("rope.dimension_count", head_dim)) != head_dim:
         raise ValueError("GGUF model applies RoPE to part of each head only, which ModelArch cannot express")
     theta = _f32(key("rope.freq_base", 10000.0))
-    model_type = _model_type(meta)
+    model_type = gguf_model_type(meta)
     if model_type != "qwen3_moe" and any(_ROUTER_TENSOR in name for name in tensor_shapes):
         raise ValueError(
             f"this GGUF {prefix} model is a mixture of experts (Mixtral's, in llama.cpp's layout), which this loader "
@@ -528,7 +531,7 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     buf = _map(path)
     header = _read_header(buf, path)
     meta = header.metadata
-    model_type = _model_type(meta)
+    model_type = gguf_model_type(meta)
     tokenizer = Tokenizer.from_gguf(meta)
     rope_info = header.tensors.get("rope_freqs.weight")
     rope_factors = _dequantize_tensor(buf, rope_info) if rope_info is not None else None

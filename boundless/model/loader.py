@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from boundless.config import ConfigError, ModelConfig
-from boundless.model.arch import ModelArch
+from boundless.model.arch import FLOAT16_UNSTABLE, ModelArch, gemma3_text_config
 from boundless.model.classifier import SCORE_WEIGHT, ScoreWeight, classifier_spec, head_from_tokens
 from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
@@ -133,18 +133,41 @@ def check_device(device: torch.device) -> None:
 def model_dtype(dtype: str, path: Path, device: torch.device) -> torch.dtype:
     """``--dtype`` as a torch dtype. ``auto`` (vLLM's): float32 on the CPU; on a GPU the checkpoint's own 16-bit type
     (``config.json``'s ``torch_dtype``), float16 for a 32-bit one, bfloat16 for a GGUF file (its quantized weights have
-    no 16-bit type of their own); float16 where the GPU has no bfloat16."""
+    no 16-bit type of their own); float16 where the GPU has no bfloat16. A model of :data:`FLOAT16_UNSTABLE` is never
+    float16: bfloat16 (float32 where the GPU has none) under ``auto``, and ``--dtype float16`` refused, as vLLM does."""
+    unstable = (dtype == "float16" or (dtype == "auto" and device.type != "cpu")) and _checkpoint_model_type(
+        path
+    ) in FLOAT16_UNSTABLE
+    if unstable and dtype == "float16":
+        raise ConfigError(
+            f"--dtype {dtype}: Gemma 3's activations overflow float16 (vLLM refuses it too); use bfloat16 or float32"
+        )
     if dtype != "auto":
         return DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32
     # (Not before Ampere: T4s and V100s take fp16. Where no GPU is here to ask, a simulated one, it has it.)
     bf16 = device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    if unstable:
+        return torch.bfloat16 if bf16 else torch.float32
     if path.is_file():
         return torch.bfloat16 if bf16 else torch.float16
     config = hf_config(path)
     stored = config.get("dtype") or config.get("torch_dtype")  # (transformers 5 names it dtype)
     return torch.bfloat16 if stored == "bfloat16" and bf16 else torch.float16
+
+
+def _checkpoint_model_type(path: Path) -> str | None:
+    """A checkpoint's ``ModelArch.model_type`` as its config or GGUF metadata names it, before it is loaded; None
+    where it does not read (loading says why)."""
+    try:
+        if path.is_file():
+            from boundless.model.gguf import gguf_model_type, read_gguf_metadata
+
+            return gguf_model_type(read_gguf_metadata(path))
+        return gemma3_text_config(hf_config(path)).get("model_type", "llama")
+    except (ConfigError, ValueError, OSError, struct.error, IndexError, UnicodeDecodeError):
+        return None
 
 
 @dataclass
@@ -248,14 +271,19 @@ def check_overrides(path: Path, overrides: Mapping[str, Any] | None) -> None:
 
 def hf_config(path: Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A model directory's ``config.json``, with ``overrides``' keys in place of its own (a whole value each: an
-    override of ``rope_scaling`` replaces the dict, as vLLM's ``--hf-overrides`` does)."""
+    override of ``rope_scaling`` replaces the dict, as vLLM's ``--hf-overrides`` does; but a sub-config's, such as a
+    multimodal model's ``text_config``, updates its keys, as vLLM updates a nested config)."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (ValueError, RecursionError) as e:  # (JSON that does not read, or not UTF-8 text)
         raise ConfigError(f"--model {path}: its config.json does not read as JSON ({e})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"--model {path}: its config.json is no JSON object")
-    return {**config, **(overrides or {})}
+    merged = {**config, **(overrides or {})}
+    for key, value in (overrides or {}).items():
+        if key.endswith("_config") and isinstance(value, dict) and isinstance(config.get(key), dict):
+            merged[key] = {**config[key], **value}
+    return merged
 
 
 def hf_arch(path: Path, overrides: Mapping[str, Any] | None = None) -> ModelArch:

@@ -42,9 +42,13 @@ _PROJECTIONS = {  # PEFT module name -> the fused matrix it is part of
     "up_proj": GATE_UP,
     "down_proj": DOWN,
 }
+# (A multimodal model's language model has its own prefix: Gemma 3's, as PEFT names it on transformers 5, or 4.50.)
 _KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
+    r"^base_model\.model\.(?:model\.(?:language_model\.)?|language_model\.model\.)layers\.(\d+)\."
+    r"(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
+# A multimodal adapter's tensors on the vision tower and its projector (an "all-linear" one has them): not served.
+_NOT_TEXT = re.compile(r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
 
 
 class LoRAError(ValueError):
@@ -213,6 +217,8 @@ def _read_weights(
     try:
         with safe_open(str(weights_file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if _NOT_TEXT.match(key):
+                    continue
                 match = _KEY.match(key)
                 if match is None or match.group(2) not in _PROJECTIONS:
                     raise LoRAError(

@@ -26,6 +26,7 @@ def test_configs_this_model_cannot_follow_are_refused() -> None:
         ModelArch.from_hf_config({**base, "rope_scaling": {"type": "longrope", "short_factor": [1.0]}})
     # An MLP of another activation (transformers builds the config's hidden_act; this model's MLPs are SiLU-gated).
     assert ModelArch.from_hf_config({**base, "hidden_act": "swish"}) == arch
+    assert ModelArch.from_hf_config({**base, "hidden_activation": "gelu_pytorch_tanh"}) == arch  # (Gemma's name)
     for model_type in ("llama", "qwen3_moe"):
         with pytest.raises(ValueError, match="hidden_act 'gelu'"):
             ModelArch.from_hf_config({**base, "model_type": model_type, "hidden_act": "gelu"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from boundless import LLM, SamplingParams
 from boundless.config import ConfigError, ModelConfig
 from boundless.llm import engine_config
-from boundless.model.loader import load_model
+from boundless.model.loader import hf_arch, hf_config, load_model
 from boundless.sim.engine import SimulatedModel
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
@@ -71,3 +72,18 @@ def test_a_gguf_file_takes_no_overrides() -> None:
         LLM("smollm2-135m", hf_overrides={"rope_scaling": YARN})
     with pytest.raises(ConfigError, match=r"--hf-overrides: .*GGUF"):
         SimulatedModel.read(ModelConfig(hf_overrides='{"max_position_embeddings": 4096}'))
+
+
+def test_an_override_of_a_sub_config_updates_its_keys(tmp_path: Path) -> None:
+    """A multimodal config's ``text_config`` (Gemma 3's 4B and up) is a sub-config: an override of it updates the keys
+    it names, as vLLM updates a nested config, where it replaced the whole (and the text model fell back to
+    transformers' defaults, whose shapes the checkpoint did not have); any other dict is still replaced whole."""
+    text = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 384,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    overrides = {"text_config": {"max_position_embeddings": 64, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}}
+    arch = hf_arch(tmp_path, overrides)
+    assert (arch.hidden_size, arch.num_layers, arch.max_position_embeddings) == (64, 2, 64)
+    assert (arch.rope_scaling.kind, arch.rope_scaling.factor) == ("linear", 2.0)
+    assert hf_config(tmp_path, overrides)["text_config"]["num_key_value_heads"] == 1

@@ -4,6 +4,7 @@ and vLLM's dtype names."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,21 @@ def test_vllms_dtype_names(tmp_path: Path) -> None:
     assert loaded.fingerprint == load_model(str(path), dtype="float32").fingerprint
     assert loaded.fingerprint != load_model(str(path), dtype="bfloat16").fingerprint
     assert engine_config(str(path), dtype="half").model.dtype == "float16"
+
+
+def test_gemma3_is_never_float16(tmp_path: Path, model_dirs: dict[str, Path]) -> None:
+    """Gemma 3's activations overflow float16: ``auto`` gives it bfloat16 on a GPU even where its checkpoint is 32-bit
+    (float16 for any other model's), and ``--dtype float16`` is refused in words, as vLLM does."""
+    path = Path(shutil.copytree(model_dirs["tiny-gemma3"], tmp_path / "g"))
+    gpu = torch.device("cuda")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
+    assert model_dtype("auto", path, gpu) == torch.bfloat16
+    assert model_dtype("auto", model_dirs["tiny-llama"], gpu) == torch.float16
+    assert model_dtype("auto", path, torch.device("cpu")) == torch.float32
+    with pytest.raises(ConfigError, match="--dtype float16: Gemma 3's activations overflow float16"):
+        load_model(str(path), dtype="float16")
+    assert load_model(str(path), dtype="bfloat16").dtype == torch.bfloat16
 
 
 def test_a_cuda_device_this_process_cannot_use_is_refused_in_words(tmp_path: Path) -> None:

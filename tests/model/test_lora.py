@@ -357,6 +357,34 @@ def test_loader_refuses_what_it_cannot_apply(
         load_lora(LoRARequest("bad", 1, str(path)), loaded.arch, loaded.dtype, loaded.device, 16)
 
 
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."], ids=["transformers-5", "4.50"])
+def test_a_multimodal_gemma3_adapter_serves_its_text_models_share(
+    prefix: str, load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """PEFT names an adapter of Gemma 3's 4B and up under the multimodal model's language model (transformers 5's
+    prefix, or 4.50's), and an all-linear one has tensors on the vision tower and its projector too: the text model's
+    share is served as the same adapter of the text model is, the vision tower's left unread."""
+    case = _case("tiny-gemma3", load, hf_model, tmp_path_factory)
+    root = tmp_path_factory.mktemp("multimodal-lora")
+
+    def rename(tensors: dict) -> None:
+        for key in list(tensors):
+            tensors[key.replace("base_model.model.model.", f"base_model.model.{prefix}")] = tensors.pop(key)
+        tensors["base_model.model.model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.lora_A.weight"] = (
+            torch.zeros(8, 32)
+        )
+
+    path = _broken_copy(case.paths["all8"], root / "multimodal", edit=rename)
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=512, enable_lora=True, lora_modules=(f"multimodal={path}",)),
+        cache=CacheConfig(num_kv_blocks=256),
+        scheduler=SchedulerConfig(),
+    )
+    core = EngineCore.from_model(case.loaded, config)
+    got = _run(core, [(f"m-{i}", p, "multimodal") for i, p in enumerate(case.prompts)])
+    assert [got[f"m-{i}"] for i in range(len(case.prompts))] == case.expected["all8"]
+
+
 def test_an_adapter_config_without_lora_alpha_takes_peft_default_of_8(llama: AdapterCase, tmp_path: Path) -> None:
     """PEFT's LoraConfig reads a missing ``lora_alpha`` as 8 (its default): scaled as the same weights with
     ``lora_alpha: 8``, where it was scaled as alpha = r."""
