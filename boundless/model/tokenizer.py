@@ -1,8 +1,9 @@
 """Text to token ids and back, and chat templates, on the Rust ``tokenizers`` library.
 
 transformers is not imported at run time (it takes seconds to import); a :class:`Tokenizer` is built either
-from a Hugging Face model directory (``tokenizer.json`` and friends) or from a GGUF file's metadata, where the
-pre-tokenizer is rebuilt the way llama.cpp runs it for the file's ``tokenizer.ggml.pre`` type.
+from a Hugging Face model directory (``tokenizer.json`` and friends) or from a GGUF file's metadata: for byte-level
+BPE, the pre-tokenizer is rebuilt the way llama.cpp runs it for the file's ``tokenizer.ggml.pre`` type; for
+SentencePiece, the pipeline is transformers' GGUF tokenizer's for the file's architecture.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
 __all__ = ["SUPPORTED_GGUF_PRE_TOKENIZERS", "Tokenizer", "load_tokenizer"]
@@ -144,6 +145,94 @@ def _gguf_backend(meta: Mapping[str, Any], pre: _PreTokenizer) -> RustTokenizer:
     return backend
 
 
+# SentencePiece vocabularies (``tokenizer.ggml.model == "llama"``: Llama 2, Mistral, Phi-3, Gemma). The file holds
+# the pieces (``▁`` for a space, ``<0xNN>`` for a byte no piece holds) and their scores, but no merges. As
+# transformers' GGUF loader does, we run them as a byte-fallback BPE whose merges are derived from the scores, and
+# take the rest of the pipeline from the tokenizer class transformers picks by ``general.architecture``.
+_SpmStyle = Literal["llama", "phi3", "gemma"]
+_SPM_STYLES: dict[str, _SpmStyle] = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3"}
+_SPACE = "\u2581"  # SentencePiece's spelling of a space
+
+
+def _gemma_spelling(token: str) -> str:
+    """Gemma's pieces of only blanks are stored with real spaces (``"  "``), where its normalizer writes ``▁▁``."""
+    return _SPACE * len(token) if " " in token and not token.strip() else token
+
+
+def _spm_merges(vocab: Mapping[str, int], ranking: Mapping[str, float]) -> list[tuple[str, str]]:
+    """BPE merges that rebuild SentencePiece's pieces, as transformers' ``generate_merges`` derives them: every cut of
+    a piece into two pieces of ``vocab`` is a merge, ranked by the piece's ``ranking`` (highest first), then longer
+    left part first, then longer right part; merges that tie on all three keep ``ranking``'s order.
+
+    Ties are common: llama.cpp's converter writes -1000 for every score of a vocabulary it read from a tokenizer.json.
+    """
+    found: list[tuple[str, str, float]] = []
+    for piece, rank in ranking.items():
+        found.extend(
+            (piece[:i], piece[i:], rank) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
+        )
+    found.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)  # stable
+    return [(left, right) for left, right, _ in found]
+
+
+def _spm_decoder(strip_prefix: bool) -> decoders.Decoder:
+    """``▁`` back to a space and byte tokens back to bytes; ``strip_prefix`` drops the space the encoder put first."""
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    return decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if strip_prefix else []))
+
+
+def _gguf_spm_backend(meta: Mapping[str, Any], style: _SpmStyle) -> RustTokenizer:
+    """The SentencePiece vocabulary of a GGUF file as transformers builds it (``sentencepiece_tokenizer``,
+    ``phi3_tokenizer``, ``gemma_tokenizer``), control and user-defined tokens included.
+
+    Like transformers, this ignores ``tokenizer.ggml.add_space_prefix``: the ``▁`` prefix is the style's, put
+    before the text's start only for Llama (not again after a special token), before every stretch between special
+    tokens for Phi-3 (its tokenizer.json's normalizer), and never for Gemma.
+    """
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    spelled = [_gemma_spelling(t) for t in tokens] if style == "gemma" else list(tokens)
+    vocab = {token: i for i, token in enumerate(spelled)}
+    if "tokenizer.ggml.merges" in meta:
+        merges = [_split_merge(m) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        # Gemma's scores do not follow its merge order, its pieces' order in the file does (transformers found).
+        if style == "gemma" or scores is None:
+            ranking = {token: -float(i) for i, token in enumerate(spelled)}
+        else:
+            ranking = dict(zip(tokens, scores, strict=False))
+        merges = _spm_merges(vocab, ranking)
+    # (GemmaTokenizer names an unknown token; LlamaTokenizer's model has none, bytes standing in for it.)
+    unk = "<unk>" if style == "gemma" and "<unk>" in vocab else None
+    backend = RustTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    if style == "llama":
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="first", split=False)
+    elif style == "phi3":
+        # A normalizer runs on each stretch of text between special tokens, so each one gets the prefix.
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
+    else:
+        backend.normalizer = normalizers.Replace(" ", _SPACE)  # (GemmaTokenizer's Split on " " then has none to cut)
+    backend.decoder = _spm_decoder(strip_prefix=style != "gemma")
+
+    token_types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    backend.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, kind in enumerate(token_types)
+            if kind == _TOKEN_CONTROL
+        ]
+    )
+    # Only those the vocabulary spells as the file does: Gemma's blanks, respelled above, stay BPE pieces.
+    backend.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, kind in enumerate(token_types)
+            if kind == _TOKEN_USER_DEFINED and tokens[i] in vocab
+        ]
+    )
+    return backend
+
+
 def _gguf_chat_templates(meta: Mapping[str, Any]) -> dict[str, str]:
     templates = {}
     if "tokenizer.chat_template" in meta:
@@ -210,9 +299,8 @@ def _as_transformers_llama_tokenizer(backend: RustTokenizer, config: Mapping[str
     add_prefix_space = True if add_prefix_space is None else bool(add_prefix_space)
     scheme = ("always" if config.get("legacy", False) else "first") if add_prefix_space else "never"
     backend.normalizer = None
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix_space else []))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme=scheme, split=False)
+    backend.decoder = _spm_decoder(strip_prefix=add_prefix_space)
 
 
 def _added_token(content: str, spec: Mapping[str, Any]) -> AddedToken:
@@ -407,7 +495,8 @@ class Encoding(dict[str, list]):
 
 
 class Tokenizer:
-    """A byte-level BPE tokenizer with its special tokens and chat templates.
+    """A BPE tokenizer (byte-level, or SentencePiece's with a byte fallback) with its special tokens and chat
+    templates.
 
     Build one with :meth:`from_hf_dir`, :meth:`from_gguf` or :func:`load_tokenizer` (cached). Instances are not
     modified after construction, so one can be shared between threads and requests.
@@ -444,34 +533,50 @@ class Tokenizer:
     def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Build the tokenizer a GGUF file describes, from its metadata as plain Python values.
 
-        Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are supported, with the
-        pre-tokenizers in :data:`SUPPORTED_GGUF_PRE_TOKENIZERS`; anything else raises ``ValueError``.
+        Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) with the pre-tokenizers in
+        :data:`SUPPORTED_GGUF_PRE_TOKENIZERS`, and SentencePiece ones (``"llama"``), built as transformers' GGUF
+        loader builds them for the file's ``general.architecture`` (Gemma's and Phi-3's differ from Llama's);
+        anything else raises ``ValueError``.
         """
         model = metadata.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE ('gpt2') is supported "
-                "(SentencePiece 'llama' vocabularies, e.g. Llama 2 / Mistral v0.1, are not)"
-            )
-        pre_name = metadata.get("tokenizer.ggml.pre") or "default"
-        pre = _GGUF_PRE_TOKENIZERS.get(pre_name)
-        if pre is None:
-            raise ValueError(
-                f"unsupported GGUF pre-tokenizer {pre_name!r}; supported: {', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}"
-            )
         tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-        backend = _gguf_backend(metadata, pre)
-
         named = {
             name: tokens[metadata[key]]
             for name, key in _GGUF_NAMED_TOKEN_KEYS.items()
             if isinstance(metadata.get(key), int) and 0 <= metadata[key] < len(tokens)
         }
+        if model == "gpt2":
+            pre_name = metadata.get("tokenizer.ggml.pre") or "default"
+            pre = _GGUF_PRE_TOKENIZERS.get(pre_name)
+            if pre is None:
+                raise ValueError(
+                    f"unsupported GGUF pre-tokenizer {pre_name!r}; "
+                    f"supported: {', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}"
+                )
+            backend = _gguf_backend(metadata, pre)
+            add_bos_default = pre.add_bos
+        elif model == "llama":
+            style = _SPM_STYLES.get(metadata.get("general.architecture", ""), "llama")
+            backend = _gguf_spm_backend(metadata, style)
+            if style == "gemma" and backend.token_to_id("<mask>") is not None:
+                named["mask_token"] = "<mask>"  # GemmaTokenizer's default, which no GGUF key overrides
+            # transformers makes the named tokens special too (a file marks <unk> unknown, not control). One added
+            # already as user-defined keeps its entry, but ``tokenizers`` then skips it in decoding too.
+            backend.add_special_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(named.values())]
+            )
+            add_bos_default = True  # llama.cpp's default for SentencePiece, and transformers'
+        else:
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE ('gpt2') and SentencePiece BPE "
+                "('llama') vocabularies are supported"
+            )
+
         bos_id = metadata.get("tokenizer.ggml.bos_token_id")
         eos_id = metadata.get("tokenizer.ggml.eos_token_id")
         declared = [metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
         by_text = [i for i, token in enumerate(tokens) if token in _EOG_TEXTS]
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos))
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default))
         add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         return cls(
             backend,
@@ -659,7 +764,7 @@ class Tokenizer:
         return self._backend.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
-        """The vocabulary strings of ``ids`` (byte-level spelling, e.g. ``Ġworld``)."""
+        """The vocabulary strings of ``ids`` (byte-level spelling, e.g. ``Ġworld``; SentencePiece's, ``▁world``)."""
         tokens = []
         for i in ids:
             token = self._backend.id_to_token(i)

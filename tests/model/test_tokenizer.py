@@ -232,8 +232,10 @@ def test_gguf_eot_token_from_metadata(metadata: dict[str, Any]) -> None:
 
 
 def test_unsupported_gguf_tokenizers_raise(metadata: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match="SentencePiece"):
-        Tokenizer.from_gguf({**metadata, "tokenizer.ggml.model": "llama"})
+    # T5's unigram (transformers builds it, we do not), BERT's WordPiece, and Gemma 4's own type.
+    for model in ("t5", "bert", "gemma4", None):
+        with pytest.raises(ValueError, match=f"unsupported GGUF tokenizer model {model!r}"):
+            Tokenizer.from_gguf({**metadata, "tokenizer.ggml.model": model})
     with pytest.raises(ValueError, match="pre-tokenizer 'deepseek-llm'"):
         Tokenizer.from_gguf({**metadata, "tokenizer.ggml.pre": "deepseek-llm"})
 
@@ -252,6 +254,227 @@ def test_load_tokenizer_is_cached() -> None:
     first = load_tokenizer(GGUF_PATH)
     assert load_tokenizer(str(GGUF_PATH)) is first
     assert first.encode("Hello world!") == [19556, 905, 17]
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF SentencePiece vocabularies (tokenizer.ggml.model "llama": Llama 2, Mistral, Phi-3, Gemma)
+
+SPM_CORPUS = [
+    "Hello world, this is a tiny corpus for a tiny tokenizer.",
+    "Numbers 123 456 7890 and café naïve, the weather in Paris is sunny; the weather in Rome is hot.",
+    "def f(x):\n    return x + 1\n\n",
+    "  two spaces   three spaces    four\ttab",
+]
+
+SPM_TEXTS = [
+    "Hello world",
+    "The weather in Rome is sunny, the weather in Paris hot.",
+    " leading space",
+    "  two leading spaces",
+    "trailing spaces   ",
+    "multiple   inner    spaces",
+    "\n newline first\n\n",
+    "tabs\tand\r\nCRLF\n\t",
+    "   ",
+    " ",
+    "",
+    "12345 digits 2024-01-01 3.14159",
+    "punctuation: (a), [b]! {c}? \"q\" 'x' — … ;",
+    "café naïve 日本語のテキスト 한국어",
+    "emoji 😀👍🏽 family 👨‍👩‍👧 end",
+    "<s>[INST] Hi [/INST]</s>",
+    "x <s> y </s> z<s>",
+    "a<|user|>b <|end|> c",
+    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+    "<bos><eos> <unk> <mask> <pad> <unused0>",
+    "def f(x):\n    return x + 1\n",
+]
+
+SPM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+)
+SPM_BYTES = [f"<0x{b:02X}>" for b in range(256)]
+
+
+def _sentencepiece_pieces() -> list[str]:
+    """A SentencePiece BPE's pieces, best first: each merge's result in merge order, then the single characters.
+    Trained with ``tokenizers`` as SentencePiece splits (``▁`` starts a word), as Llama 2's pieces are."""
+    backend = RustTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    backend.train_from_iterator(SPM_CORPUS * 10, trainers.BpeTrainer(vocab_size=320, show_progress=False))
+    spec = json.loads(backend.to_str())
+    merged = ["".join(m.split(" ") if isinstance(m, str) else m) for m in spec["model"]["merges"]]
+    characters = [piece for piece in spec["model"]["vocab"] if len(piece) == 1]
+    return list(dict.fromkeys(merged + characters))
+
+
+def _write_spm_gguf(path: Path, arch: str, vocab: list[tuple[str, float, int]], **metadata: Any) -> None:
+    """A tokenizer-only GGUF file (one tensor, which transformers' loader wants) of ``(token, score, type)``."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(1)
+    writer.add_context_length(128)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([token for token, _, _ in vocab])
+    writer.add_token_scores([score for _, score, _ in vocab])
+    writer.add_token_types([kind for _, _, kind in vocab])
+    for key, value in metadata.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tensor("token_embd.weight", np.zeros((len(vocab), 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _llama_vocab(pieces: list[str]) -> list[tuple[str, float, int]]:
+    """As llama.cpp converts Llama 2's, Mistral's and Phi-3's: <unk> (unknown), <s> and </s> (control), the 256 byte
+    tokens, the pieces scored by rank, then added tokens, control ([INST], <|end|>) or user-defined (<|user|>)."""
+    return [
+        ("<unk>", 0.0, 2),
+        ("<s>", 0.0, 3),
+        ("</s>", 0.0, 3),
+        *[(byte, 0.0, 6) for byte in SPM_BYTES],
+        *[(piece, -float(rank), 1) for rank, piece in enumerate(pieces)],
+        ("[INST]", 0.0, 3),
+        ("[/INST]", 0.0, 3),
+        ("<|user|>", 0.0, 4),
+        ("<|end|>", 0.0, 3),
+    ]
+
+
+def _flat_vocab(pieces: list[str]) -> list[tuple[str, float, int]]:
+    """Llama's with every score -1000, as llama.cpp's converter writes a vocabulary it read from a tokenizer.json."""
+    return [(token, -1000.0, kind) for token, _, kind in _llama_vocab(pieces)]
+
+
+def _gemma_vocab(pieces: list[str]) -> list[tuple[str, float, int]]:
+    """As Gemma's: <pad>, <eos>, <bos>, <unk>, <mask> first, turn markers, an unused slot, blanks stored with real
+    spaces; scores that do not follow the pieces' order (transformers ranks Gemma's merges by that order)."""
+    head = [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 2), ("<mask>", 4), ("<unused0>", 5),
+            ("<start_of_turn>", 3), ("<end_of_turn>", 3), ("  ", 4), ("   ", 4), ("\n\n", 1)]  # fmt: skip
+    body = [(byte, 6) for byte in SPM_BYTES] + [(piece, 1) for piece in pieces]
+    return [(token, float(i % 7), kind) for i, (token, kind) in enumerate(head + body)]
+
+
+# name: (architecture, vocabulary, metadata)
+SPM_FILES: dict[str, tuple[str, Callable[[list[str]], list[tuple[str, float, int]]], dict[str, Any]]] = {
+    "llama": ("llama", _llama_vocab, {"bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0,
+              "add_space_prefix": True}),
+    # No BOS, an EOS, and add_space_prefix false, which transformers (so we) do not follow for a Llama file.
+    "llama-flags": ("llama", _llama_vocab, {"bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0,
+                    "add_bos_token": False, "add_eos_token": True, "add_space_prefix": False}),
+    "llama-flat-scores": ("llama", _flat_vocab, {"bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0}),
+    "phi3": ("phi3", _llama_vocab, {"bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0, "add_bos_token": True,
+             "pad_token_id": 2}),
+    "gemma3": ("gemma3", _gemma_vocab, {"bos_token_id": 2, "eos_token_id": 1, "unk_token_id": 3, "pad_token_id": 0,
+               "add_bos_token": True, "add_eos_token": False, "add_space_prefix": False,
+               "chat_template": SPM_TEMPLATE}),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def spm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("spm")
+    pieces = _sentencepiece_pieces()
+    for name, (arch, vocab, metadata) in SPM_FILES.items():
+        _write_spm_gguf(root / f"{name}.gguf", arch, vocab(pieces), **metadata)
+    return root
+
+
+def _spm_pair(spm_dir: Path, name: str) -> tuple[Tokenizer, Any]:
+    """Ours and transformers' tokenizer of one of :data:`SPM_FILES`."""
+    from transformers import AutoTokenizer
+
+    return Tokenizer.from_gguf(read_gguf_metadata(spm_dir / f"{name}.gguf")), AutoTokenizer.from_pretrained(
+        spm_dir, gguf_file=f"{name}.gguf"
+    )
+
+
+@pytest.mark.parametrize("name", list(SPM_FILES))
+def test_sentencepiece_gguf_matches_transformers(spm_dir: Path, name: str) -> None:
+    """Encoding (with and without BOS/EOS, special tokens written in the text, byte fallback) and decoding (with and
+    without special tokens) as transformers' GGUF tokenizer does for the architecture: Llama's ``▁`` before the first
+    piece, Phi-3's before every stretch between special tokens, Gemma's none, and Gemma's merges and blanks."""
+    ours, reference = _spm_pair(spm_dir, name)
+    assert ours.vocab_size == len(reference)
+    assert (ours.bos_token_id, ours.eos_token_id) == (reference.bos_token_id, reference.eos_token_id)
+    assert ours.special_tokens_map == reference.special_tokens_map
+    assert set(reference.all_special_ids) <= set(ours.all_special_ids)
+    assert ours.byte_fallback
+    for text in SPM_TEXTS:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False), text
+        assert ours.convert_ids_to_tokens(ids) == reference.convert_ids_to_tokens(ids), text
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids), text
+    assert ours.encode_batch(SPM_TEXTS) == [ours.encode(text) for text in SPM_TEXTS]
+    # Every token alone, as a stream decodes them (control tokens dropped, bytes as U+FFFD).
+    every = list(range(ours.vocab_size))
+    assert [ours.decode([i]) for i in every] == [reference.decode([i], skip_special_tokens=True) for i in every]
+
+
+def test_sentencepiece_gguf_styles(spm_dir: Path) -> None:
+    """What each style does, read off our tokens (the comparison above holds whatever transformers does)."""
+    llama = Tokenizer.from_gguf(read_gguf_metadata(spm_dir / "llama.gguf"))
+    flags = Tokenizer.from_gguf(read_gguf_metadata(spm_dir / "llama-flags.gguf"))
+    phi3 = Tokenizer.from_gguf(read_gguf_metadata(spm_dir / "phi3.gguf"))
+    gemma = Tokenizer.from_gguf(read_gguf_metadata(spm_dir / "gemma3.gguf"))
+
+    def pieces(tok: Tokenizer, text: str, add_special_tokens: bool = False) -> list[str]:
+        return tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=add_special_tokens))
+
+    # BOS by default (no add_bos_token in the file), none and an EOS where the file says so.
+    assert pieces(llama, "Hello weather", True) == ["<s>", "\u2581Hello", "\u2581weather"]
+    assert pieces(flags, "Hello weather", True) == ["\u2581Hello", "\u2581weather", "</s>"]
+    # The ▁ prefix: Llama's on the text's start only, Phi-3's after each special token too, Gemma's never.
+    assert pieces(llama, "<s>Hi") == ["<s>", "H", "i"]
+    assert pieces(phi3, "<s>Hi") == ["<s>", "\u2581", "H", "i"]
+    assert pieces(gemma, "<start_of_turn>user\nHello", True)[:3] == ["<bos>", "<start_of_turn>", "u"]
+    assert "\u2581\u2581" in pieces(gemma, "Hello  world")  # Gemma's "  " token, read as ▁▁
+    assert llama.decode(llama.encode("<s>Hi</s>"), skip_special_tokens=False) == "<s><s>Hi</s>"
+    assert phi3.decode(phi3.encode("<s>Hi</s>"), skip_special_tokens=False) == "<s><s> Hi</s>"
+    # Decoding drops the prefix's space (Llama's, Phi-3's: one of two leading spaces too), not Gemma's.
+    assert llama.decode(llama.encode("  two")) == " two" and gemma.decode(gemma.encode("  two")) == "  two"
+    # Byte fallback: a character no piece holds is its UTF-8 bytes.
+    assert pieces(llama, "日") == ["\u2581", "<0xE6>", "<0x97>", "<0xA5>"]
+    # Generation also stops at end-of-turn tokens.
+    assert gemma.eos_token_ids == (1, gemma.token_to_id("<end_of_turn>"))
+    assert phi3.eos_token_ids == (2, phi3.token_to_id("<|end|>"))
+
+
+def test_sentencepiece_gguf_ranks_tied_merges_as_transformers(tmp_path: Path) -> None:
+    """Merges of pieces with equal scores rank longer parts first, then in the file's order: ``bcc`` (b + cc) before
+    ``cc`` before ``ab``, so ``abcc`` is ``a bcc``, where the file's order alone would give ``ab cc``."""
+    from transformers import AutoTokenizer
+
+    pieces = ["\u2581", "a", "b", "c", "cc", "ab", "bcc"]
+    vocab = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3), *[(t, -1000.0, 1) for t in SPM_BYTES + pieces]]
+    _write_spm_gguf(tmp_path / "tied.gguf", "llama", vocab, bos_token_id=1, eos_token_id=2, unk_token_id=0)
+    ours = Tokenizer.from_gguf(read_gguf_metadata(tmp_path / "tied.gguf"))
+    reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tied.gguf")
+    ids = ours.encode("abcc ccab", add_special_tokens=False)
+    assert ours.convert_ids_to_tokens(ids) == ["\u2581", "a", "bcc", "\u2581", "cc", "ab"]
+    assert ids == reference.encode("abcc ccab", add_special_tokens=False)
+
+
+def test_sentencepiece_gguf_chat_template(spm_dir: Path) -> None:
+    ours, reference = _spm_pair(spm_dir, "gemma3")
+    conversation = [{"role": "user", "content": "Hello  world 😀"}, {"role": "assistant", "content": "Hi!"}]
+    assert ours.chat_template == reference.chat_template == SPM_TEMPLATE
+    prompt = ours.apply_chat_template(conversation)
+    assert prompt == reference.apply_chat_template(conversation, tokenize=False)
+    expected = reference.apply_chat_template(conversation, tokenize=True, return_dict=False)
+    assert ours.apply_chat_template(conversation, tokenize=True) == list(expected)
+    assert load_tokenizer(spm_dir / "gemma3.gguf").encode(prompt) == reference.encode(prompt)
 
 
 # --------------------------------------------------------------------------------------------------
