@@ -88,6 +88,21 @@ TINY_SPECS = {
         query_pre_attn_scalar=24,
         rope_scaling={"rope_type": "linear", "factor": 4.0},
     ),
+    # Gemma 2: Gemma 3's layer without its head norms, attention's scores capped at 20 and the logits at 5 (caps that
+    # bite at these weights), a window of 9 on every other layer, one RoPE, a softmax scale not its head size's.
+    "tiny-gemma2": TinySpec(
+        kind="gemma2",
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        seed=12,
+        tie_word_embeddings=True,
+        sliding_window=9,
+        query_pre_attn_scalar=24,
+        attn_logit_softcap=20.0,
+        final_logit_softcap=5.0,
+    ),
     # Qwen3 with YaRN (factor 4 over an original 32 positions: most prompts run past it, where it interpolates).
     "tiny-qwen3-yarn": TinySpec(
         kind="qwen3",

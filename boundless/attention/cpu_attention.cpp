@@ -55,7 +55,25 @@ struct Args {
   long widen_at = 0;
   // A sliding window (a layer's): a query at position p sees keys p - window < j <= p. 0: the whole context.
   long window = 0;
+  // Gemma 2's soft cap of the scaled scores, softcap * tanh(score / softcap), before the mask. 0: none.
+  float softcap = 0.0f;
 };
+
+// softcap * tanh(x / softcap), eight at a time: tanh(y) = 1 - 2 / (exp(2y) + 1), exp256 clamping its input, so a
+// score far past the cap gives +-softcap.
+inline __m256 softcap256(__m256 x, float softcap) {
+  const __m256 y2 = _mm256_mul_ps(x, _mm256_set1_ps(2.0f / softcap));
+  const __m256 t = _mm256_sub_ps(
+      _mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(exp256(y2), _mm256_set1_ps(1.0f))));
+  return _mm256_mul_ps(t, _mm256_set1_ps(softcap));
+}
+
+// A row of ``n`` scaled scores capped in place.
+inline void softcap_row(float* x, long n, float softcap) {
+  long j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, softcap256(_mm256_loadu_ps(x + j), softcap));
+  for (; j < n; j++) x[j] = softcap * tanhf(x[j] / softcap);
+}
 
 // The first key position a query at ``pos`` sees.
 inline long window_lo(const Args& a, long pos) {
@@ -273,6 +291,7 @@ void attend_tile(const Args& a, long s, long kvh, long t0, long t1, float* scrat
         // Online softmax: rescale what the row holds to the new max, add this block's share.
         for (long r = 0; r < take; r++) {
           float* x = srow[r];
+          if (a.softcap > 0.0f) softcap_row(x, cnt, a.softcap);
           float m_blk = x[0];
           for (long j = 1; j < cnt; j++) m_blk = x[j] > m_blk ? x[j] : m_blk;
           const float m_old = mx[r0 + r];
@@ -451,6 +470,7 @@ void attend_tile_wide_impl(const Args& a, long s, long kvh, long t0, long t1, fl
         __m256 m8 = neg_inf;
         for (int c = 0; c < NB8; c++) {
           __m256 x = _mm256_mul_ps(_mm256_load_ps(sc[r] + c * 8), _mm256_set1_ps(scale));
+          if (a.softcap > 0.0f) x = softcap256(x, a.softcap);  // (before the masks: tanh would lift their -inf)
           if (cnt < BS) {
             __m256 lim = _mm256_set1_ps((float)(cnt - c * 8));
             x = _mm256_blendv_ps(neg_inf, x, _mm256_cmp_ps(iota, lim, _CMP_LT_OQ));
@@ -568,21 +588,22 @@ void run_for_head_size(const Args& a, long S, long tile, int nthreads) {
 
 extern "C" {
 
-int bl_attention_abi_version() { return 4; }
+int bl_attention_abi_version() { return 5; }
 
 // Partials of every query token of a flat batch over its sequence's paged context.
 //   q [T, H, D] (token stride q_stride, heads contiguous), caches [KVH, num_blocks, block_size, D],
 //   tables [S, max_blocks] int32, q_starts [S + 1] int32 token offsets, seq_lens [S] int32 (context
 //   after this step; token i of a chunk of ql sits at position seq_len - ql + i and sees keys
-//   0..position, or with window > 0 position - window + 1..position). Outputs o [T, H, D], m [T, H], e [T, H];
-//   with normalize, o holds o / e.
+//   0..position, or with window > 0 position - window + 1..position; with softcap > 0 each scaled score capped,
+//   softcap * tanh(score / softcap)). Outputs o [T, H, D], m [T, H], e [T, H]; with normalize, o holds o / e.
 void bl_paged_attention(const float* q, long q_stride, const float* k_cache, const float* v_cache, long num_blocks,
                         long block_size, const int* tables, long max_blocks, const int* q_starts,
                         const int* seq_lens, long S, long H, long KVH, long D, float scale, float* o, float* m,
-                        float* e, long tile, int normalize, int nthreads, long window) {
+                        float* e, long tile, int normalize, int nthreads, long window, float softcap) {
   Args a{q, q_stride, k_cache, v_cache, num_blocks, block_size, tables, max_blocks, q_starts, seq_lens,
          H, KVH, D, scale, o, m, e, normalize != 0};
   a.window = window;
+  a.softcap = softcap;
   run_for_head_size(a, S, tile, nthreads);
 }
 
@@ -590,10 +611,12 @@ void bl_paged_attention(const float* q, long q_stride, const float* k_cache, con
 void bl_paged_attention8(const float* q, long q_stride, const unsigned char* k_cache, const unsigned char* v_cache,
                          long num_blocks, long block_size, const int* tables, long max_blocks, const int* q_starts,
                          const int* seq_lens, long S, long H, long KVH, long D, float scale, float* o, float* m,
-                         float* e, long tile, int normalize, int nthreads, long window, const float* lut) {
+                         float* e, long tile, int normalize, int nthreads, long window, float softcap,
+                         const float* lut) {
   Args a{q, q_stride, (const float*)k_cache, (const float*)v_cache, num_blocks, block_size, tables, max_blocks,
          q_starts, seq_lens, H, KVH, D, scale, o, m, e, normalize != 0, lut};
   a.window = window;
+  a.softcap = softcap;
   run_for_head_size(a, S, tile, nthreads);
 }
 
@@ -607,10 +630,10 @@ void bl_store_and_attend(const float* k, long k_stride, const float* v, long v_s
                          const float* q, long q_stride, float* k_cache, float* v_cache, long num_blocks,
                          long block_size, const int* tables, long max_blocks, const int* q_starts, const int* seq_lens,
                          long S, long H, long KVH, long D, float scale, float* o, float* m, float* e, long tile,
-                         int normalize, int nthreads, long window) {
+                         int normalize, int nthreads, long window, float softcap) {
   bl_store_kv(k, k_stride, v, v_stride, k_cache, v_cache, slots, T, KVH, num_blocks * block_size, D);
   bl_paged_attention(q, q_stride, k_cache, v_cache, num_blocks, block_size, tables, max_blocks, q_starts, seq_lens, S,
-                     H, KVH, D, scale, o, m, e, tile, normalize, nthreads, window);
+                     H, KVH, D, scale, o, m, e, tile, normalize, nthreads, window, softcap);
 }
 
 void bl_store_kv(const float* k, long k_stride, const float* v, long v_stride, float* k_cache, float* v_cache,

@@ -20,12 +20,12 @@ from boundless.native import F, I, L, P
 
 _SIGNATURES = {
     "bl_attention_abi_version": (I, []),
-    "bl_paged_attention": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I, L]),
-    "bl_paged_attention8": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I, L, P]),
+    "bl_paged_attention": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I, L, F]),
+    "bl_paged_attention8": (None, [P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I, L, F, P]),
     "bl_store_kv": (None, [P, L, P, L, P, P, P, L, L, L, L]),
     "bl_store_and_attend": (
         None,
-        [P, L, P, L, P, L, P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I, L],
+        [P, L, P, L, P, L, P, L, P, P, L, L, P, L, P, P, L, L, L, L, F, P, P, P, L, I, I, L, F],
     ),
 }
 
@@ -107,10 +107,12 @@ def paged_partial(
     scale: float,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> AttentionPartial:
     """The partial of every query row of ``q`` [tokens, heads, head_dim] over its sequence's
     context in the caches [kv_heads, blocks, block_size, head_dim] (causal within a chunk; within ``window`` keys
-    of each row's position, the backends' rule, when given)."""
+    of each row's position, the backends' rule, when given; each scaled score capped at ``softcap``, Gemma 2's
+    ``softcap * tanh(score / softcap)``, when given)."""
     t, h, d = q.shape
     assert q.stride(2) == 1 and q.stride(1) == d and t == batch.num_tokens
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -120,7 +122,7 @@ def paged_partial(
         e = torch.empty(t, h, 1, dtype=torch.float32)
     else:
         o, m, e = out
-    _attend(_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, False, window), k_cache.dtype)
+    _attend(_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, False, window, softcap), k_cache.dtype)
     return AttentionPartial(m=m, e=e, o=o)
 
 
@@ -145,6 +147,7 @@ def store_and_attend(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     normalize: bool = False,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> AttentionPartial:
     """:func:`store_kv` then :func:`paged_partial`, in one call (the layout checks are the caller's:
     heads contiguous in q, k, v; contiguous caches; int64 slots). With ``normalize`` the partial's
@@ -152,11 +155,12 @@ def store_and_attend(
     o, m, e = out
     if k_cache.dtype in FP8_DTYPES:  # (rounded on the way in by PyTorch's cast; the kernel stores fp32 only)
         store_rows(k, v, k_cache, v_cache, slots)
-        _attend(_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize, window), k_cache.dtype)
+        args = _attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize, window, softcap)
+        _attend(args, k_cache.dtype)
         return AttentionPartial(m=m, e=e, o=o)
     _lib().bl_store_and_attend(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), q.shape[0],
-        *_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize, window),
+        *_attention_args(q, k_cache, v_cache, batch, scale, o, m, e, normalize, window, softcap),
     )  # fmt: skip
     return AttentionPartial(m=m, e=e, o=o)
 
@@ -172,6 +176,7 @@ def _attention_args(
     e: torch.Tensor,
     normalize: bool,
     window: int | None,
+    softcap: float | None = None,
 ) -> tuple:
     """The attention arguments the kernel's entry points share, in their order."""
     h, d = q.shape[1:]
@@ -180,5 +185,5 @@ def _attention_args(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), nb, bs,
         batch.tables.data_ptr(), batch.tables.shape[1], batch.q_starts.data_ptr(), batch.seq_lens.data_ptr(),
         batch.tables.shape[0], h, kvh, d, scale, o.data_ptr(), m.data_ptr(), e.data_ptr(), batch.tile, int(normalize),
-        native.threads(), window or 0,
+        native.threads(), window or 0, softcap or 0.0,
     )  # fmt: skip

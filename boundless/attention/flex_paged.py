@@ -131,8 +131,19 @@ def _compiled(dynamic: bool | None) -> Callable[..., Any]:
     return torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
 
 
+def softcap_score(softcap: float) -> Callable[..., torch.Tensor]:
+    """FlexAttention's ``score_mod`` of Gemma 2's cap of the scaled scores, ``softcap * tanh(score / softcap)``."""
+
+    def capped(score: torch.Tensor, batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
+        return torch.tanh(score / softcap) * softcap
+
+    return capped
+
+
 class FlexPagedAttention(PartialsFromLse):
-    """Paged attention with FlexAttention: compiled on CUDA, PyTorch's eager reference elsewhere."""
+    """Paged attention with FlexAttention: compiled on CUDA, PyTorch's eager reference elsewhere. ``scale``: the
+    softmax scale (by default ``head_dim ** -0.5``); ``softcap``: Gemma 2's cap of the scaled scores (a
+    ``score_mod``), or None."""
 
     def __init__(
         self,
@@ -145,6 +156,8 @@ class FlexPagedAttention(PartialsFromLse):
         prefill_tile: int | None = None,
         dynamic: bool | None = None,
         windows: Sequence[int] = (),
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
         if not available():
             raise RuntimeError("the flex attention backend needs PyTorch 2.9 or later (FlexAttention's AuxRequest)")
@@ -156,7 +169,9 @@ class FlexPagedAttention(PartialsFromLse):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
+        self._score_mod = softcap_score(softcap) if softcap else None
         self.on_gpu = device.type == "cuda"
         if self.on_gpu and block_size < MIN_GPU_PAGE:
             raise ValueError(
@@ -436,6 +451,7 @@ class FlexPagedAttention(PartialsFromLse):
                 keys,
                 values,
                 block_mask=launch.block_masks[window],
+                score_mod=self._score_mod,
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
                 return_aux=AuxRequest(lse=True),

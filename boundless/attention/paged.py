@@ -72,15 +72,25 @@ class PagedAttentionMetadata:
 
 
 class TorchPagedAttention:
-    """The reference attention backend; runs on any device PyTorch does."""
+    """The reference attention backend; runs on any device PyTorch does. ``scale``: the softmax scale (by default
+    ``head_dim ** -0.5``; ``ModelArch.attention_scale``); ``softcap``: Gemma 2's cap of the scaled scores, or None."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_blocks: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.num_blocks = num_blocks
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
 
     # -- once per step -----------------------------------------------------------------------
 
@@ -179,8 +189,9 @@ class TorchPagedAttention:
                 o, m, e = self._native_buffers(q, meta)
                 assert meta.native is not None
                 return cpu_attention.store_and_attend(
-                    q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e), window=window
-                )
+                    q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e), window=window,
+                    softcap=self.softcap,
+                )  # fmt: skip
             if meta.batch is not None:
                 self._prepare_torch(meta, meta.batch)
                 meta.batch = None
@@ -224,7 +235,7 @@ class TorchPagedAttention:
         # One local partial: the kernel finishes it (o / e, as merge_partials would) in place.
         cpu_attention.store_and_attend(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.native, self.scale, out=(o, m, e), normalize=True,
-            window=window,
+            window=window, softcap=self.softcap,
         )  # fmt: skip
         return o
 
@@ -276,7 +287,7 @@ class TorchPagedAttention:
             if window not in meta.decode_window_bias:
                 meta.decode_window_bias[window] = self._decode_bias(meta, window, q.device)
             bias = meta.decode_window_bias[window]
-        part = scores_partial(qg, keys, values, self.scale, bias=bias)
+        part = scores_partial(qg, keys, values, self.scale, bias=bias, softcap=self.softcap)
         if not layout:
             return part
 
@@ -325,7 +336,9 @@ class TorchPagedAttention:
             keys = keys.repeat_interleave(self.group, dim=0)
             values = values.repeat_interleave(self.group, dim=0)
         bias = seq.bias_for(window, q.device)
-        part = scores_partial(q.transpose(0, 1), keys, values, self.scale, bias=bias, causal=bias is None)
+        part = scores_partial(
+            q.transpose(0, 1), keys, values, self.scale, bias=bias, causal=bias is None, softcap=self.softcap
+        )
         if not layout:
             return part
         return AttentionPartial(m=part.m.transpose(0, 1), e=part.e.transpose(0, 1), o=part.o.transpose(0, 1))

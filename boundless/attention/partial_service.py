@@ -91,7 +91,8 @@ class PartialServer:
     """A creditor's partial-attention service over ``transport``.
 
     ``layer_cache(i)`` gives layer ``i``'s (k_cache, v_cache); ``lookup(move_id)`` the blocks lent under that
-    move, or None; ``scale`` is the model's softmax scale (head_dim ** -0.5).
+    move, or None; ``scale`` is the model's softmax scale (``ModelArch.attention_scale``), ``softcap`` its cap of the
+    scaled scores (Gemma 2's), or None.
     """
 
     def __init__(
@@ -102,11 +103,13 @@ class PartialServer:
         scale: float,
         timeout_s: float = 30.0,
         on_peer_lost: Callable[[str], None] | None = None,
+        softcap: float | None = None,
     ) -> None:
         self.transport = transport
         self.layer_cache = layer_cache
         self.lookup = lookup
         self.scale = scale
+        self.softcap = softcap
         self.timeout_s = timeout_s
         self.on_peer_lost = on_peer_lost
         self.stats = PartialStats()
@@ -186,7 +189,7 @@ class PartialServer:
                         break
                     part = lent_partial(
                         q[at : at + segment.num_rows], k_cache, v_cache, blocks, self.scale, window or None,
-                        segment.first_position,
+                        segment.first_position, self.softcap,
                     )  # fmt: skip
                     m[at : at + segment.num_rows] = part.m
                     e[at : at + segment.num_rows] = part.e

@@ -82,16 +82,18 @@ def scores_partial(
     scale: float,
     bias: torch.Tensor | None = None,
     causal: bool = False,
+    softcap: float | None = None,
 ) -> AttentionPartial:
     """The partial of ``q`` [N, L, D] over ``k``, ``v`` [N, S, D].
 
     ``bias`` [N or 1, L, S] is added to the scores (0 or -inf); ``causal`` masks position j > i
-    (for L == S). On the CPU this is PyTorch's fused flash-attention kernel, which returns the
-    log-sum-exp of the scores: a partial with ``m = lse`` and ``e = 1``. Elsewhere it is computed
-    with matmuls and :func:`softmax_partial`, in query tiles of bounded memory.
+    (for L == S); ``softcap`` caps the scaled scores first (Gemma 2's ``softcap * tanh(score / softcap)``). On the
+    CPU this is PyTorch's fused flash-attention kernel, which returns the log-sum-exp of the scores: a partial with
+    ``m = lse`` and ``e = 1``. Elsewhere, or with a cap (which that kernel has not), it is computed with matmuls and
+    :func:`softmax_partial`, in query tiles of bounded memory.
     """
     n, length, d = q.shape
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and not softcap:
         mask = None if bias is None else bias.to(q.dtype).expand(n, -1, -1).unsqueeze(1)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), 0.0, causal, attn_mask=mask, scale=scale
@@ -114,6 +116,8 @@ def scores_partial(
     for start in range(0, length, tile):
         end = min(length, start + tile)
         scores = torch.bmm(q[:, start:end], k.transpose(1, 2)).mul_(scale)
+        if softcap:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
         if bias is not None:
             scores = scores + bias[:, start:end]
         parts.append(softmax_partial(scores, v))

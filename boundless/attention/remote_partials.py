@@ -91,11 +91,13 @@ def lent_partial(
     scale: float,
     window: int | None = None,
     first_position: int = 0,
+    softcap: float | None = None,
 ) -> AttentionPartial:
     """The partial of every row of ``q`` [T, heads, head_dim] over every token of the full blocks ``block_ids``
     of one layer's caches [kv_heads, blocks, block_size, head_dim]: m, e [T, heads, 1], o [T, heads, head_dim].
     With ``window``, row ``i`` sits at ``first_position + i`` counted from the blocks' first key and sees the keys
-    within its window only (a row that sees none is an empty partial)."""
+    within its window only (a row that sees none is an empty partial). ``softcap``: the model's cap of the scaled
+    scores (Gemma 2's), or None."""
     t, h, d = q.shape
     kvh, _, bs, _ = k_cache.shape
     bias = None
@@ -125,7 +127,7 @@ def lent_partial(
         # Each query row is a one-token sequence whose context is the lent blocks: the kernel's causal rule
         # (a row sees positions up to its own, the last) then lets every row see every lent token.
         batch = cpu_attention.make_batch([1] * t, [num_tokens] * t, [list(block_ids)] * t)
-        return cpu_attention.paged_partial(q.contiguous(), k_cache, v_cache, batch, scale)
+        return cpu_attention.paged_partial(q.contiguous(), k_cache, v_cache, batch, scale, softcap=softcap)
     # A request lands in host memory, in fp32; it is scored in the cache's type, or in fp32 over an 8-bit cache.
     q = q.to(device=k_cache.device, dtype=torch.float32 if is_fp8(k_cache.dtype) else k_cache.dtype)
     ids = torch.tensor(list(block_ids), dtype=torch.long, device=k_cache.device)
@@ -134,7 +136,7 @@ def lent_partial(
     g = h // kvh
     # kv heads form the batch; each kv head's query heads of every row form the query length.
     qg = q.view(t, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, t * g, d)
-    part = scores_partial(qg, keys, values, scale, bias=None if bias is None else bias.to(q.dtype))
+    part = scores_partial(qg, keys, values, scale, bias=None if bias is None else bias.to(q.dtype), softcap=softcap)
 
     def back(x: torch.Tensor) -> torch.Tensor:
         return x.view(kvh, t, g, -1).permute(1, 0, 2, 3).reshape(t, h, -1).float()

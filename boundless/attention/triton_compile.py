@@ -82,7 +82,8 @@ def fp8_cache_jobs() -> list[CompileJob]:
                     f"attention/bf16-fp8{suffix}-cache/d128/{name}", (kernels.__name__, "paged_attention_kernel"),
                     types,
                     dict(GROUP=4, NUM_HEADS=32, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16,
-                         HEAD_DIM=128, DIM_POW2=128, SPLIT=split, PRECISION=None, MASK_EVERY_TILE=False, WINDOW=0),
+                         HEAD_DIM=128, DIM_POW2=128, SPLIT=split, PRECISION=None, MASK_EVERY_TILE=False, WINDOW=0,
+                         SOFTCAP=0.0),
                     warps, 3,
                 )
             )  # fmt: skip
@@ -120,23 +121,24 @@ def compile_jobs() -> list[CompileJob]:
         ptr = f"*{dtype}"
         for head_dim in (64, 128):
             bf16 = dtype == "bf16"
-            for name, block_q, block_m, block_n, warps, stages, split, every, window in (
-                ("decode", 1, 16, 128 if bf16 else 32, 4, 3, False, False, 0),
-                ("decode-split", 1, 16, 128 if bf16 else 32, 4, 3, True, False, 0),
-                ("prefill", 32, 128, 64, 8, 3, False, False, 0)
+            for name, block_q, block_m, block_n, warps, stages, split, every, window, softcap in (
+                ("decode", 1, 16, 128 if bf16 else 32, 4, 3, False, False, 0, 0.0),
+                ("decode-split", 1, 16, 128 if bf16 else 32, 4, 3, True, False, 0, 0.0),
+                ("prefill", 32, 128, 64, 8, 3, False, False, 0, 0.0)
                 if bf16
-                else ("prefill", 16, 64, 32, 4, 2, False, False, 0),
-                *([("prefill-every-tile-masked", 32, 128, 64, 8, 3, False, True, 0)] if bf16 else []),  # (the sweep's)
-                # A sliding window's layers (Mistral's 4,096 keys).
-                *([("decode-split-window", 1, 16, 128, 4, 3, True, False, 4096)] if bf16 else []),
-                *([("prefill-window", 32, 128, 64, 8, 3, False, False, 4096)] if bf16 else []),
+                else ("prefill", 16, 64, 32, 4, 2, False, False, 0, 0.0),
+                *([("prefill-every-tile-masked", 32, 128, 64, 8, 3, False, True, 0, 0.0)] if bf16 else []),  # (sweep)
+                # A sliding window's layers (Mistral's 4,096 keys), and Gemma 2's, its scores capped at 50.
+                *([("decode-split-window", 1, 16, 128, 4, 3, True, False, 4096, 0.0)] if bf16 else []),
+                *([("prefill-window", 32, 128, 64, 8, 3, False, False, 4096, 0.0)] if bf16 else []),
+                *([("decode-split-window-softcap", 1, 16, 128, 4, 3, True, False, 4096, 50.0)] if bf16 else []),
             ):
                 types = dict(_ATTENTION_ARGS, q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr)
                 types["out_ptr"] = "*fp32" if split else ptr
                 consts = dict(
                     GROUP=4, NUM_HEADS=32, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16,
                     HEAD_DIM=head_dim, DIM_POW2=head_dim, SPLIT=split, PRECISION=precision, MASK_EVERY_TILE=every,
-                    WINDOW=window,
+                    WINDOW=window, SOFTCAP=softcap,
                 )  # fmt: skip
                 jobs.append(
                     CompileJob(f"attention/{dtype}/d{head_dim}/{name}", attention, types, consts, warps, stages)

@@ -67,7 +67,7 @@ def _attend_tile(
     acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_lo, kv_len, q_pos,
     dims, dim_ok, scale_log2,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, WINDOW: tl.constexpr,
+    MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One tile of keys into a block's online softmax. ``MASKED``: keys past the context, after a row's query or (with
     ``WINDOW``) before its window are left out, and keys before ``kv_lo`` (in no row's window) are not read (else the
@@ -86,6 +86,8 @@ def _attend_tile(
     # (Read in the queries' type: a no-op for a cache in the model's, a widening for an 8-bit one.)
     k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if SOFTCAP > 0:  # Gemma 2's cap of the scaled score, in its own units (not log2's): tanh(x) = 2 sigmoid(2x) - 1
+        s = (2.0 * tl.sigmoid(s * (2.0 * LN2 / SOFTCAP)) - 1.0) * (SOFTCAP / LN2)
     if MASKED:
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         if WINDOW > 0:
@@ -137,6 +139,7 @@ def paged_attention_kernel(
     PRECISION: tl.constexpr,  # "ieee" for fp32 dots in full precision (not tf32); None: the default
     MASK_EVERY_TILE: tl.constexpr = False,  # the mask on every tile, as before 5 December (the tile sweep's baseline)
     WINDOW: tl.constexpr = 0,  # a sliding window: a query at position p sees keys p - WINDOW < j <= p (0: none)
+    SOFTCAP: tl.constexpr = 0.0,  # a cap of the scaled scores, SOFTCAP * tanh(score / SOFTCAP) (0: none)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -203,17 +206,17 @@ def paged_attention_kernel(
         for tile in range(tile_lo, open_lo):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_lo, kv_len,
-                q_pos, dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, True, WINDOW,
+                q_pos, dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, True, WINDOW, SOFTCAP,
             )  # fmt: skip
     for tile in range(open_lo, open_hi):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_lo, kv_len,
-            q_pos, dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, False, WINDOW,
+            q_pos, dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, False, WINDOW, SOFTCAP,
         )  # fmt: skip
     for tile in range(open_hi, tile_hi):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, tile, k_cache_ptr, v_cache_ptr, table, cache_head, stride_cache_block, kv_lo, kv_len,
-            q_pos, dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, True, WINDOW,
+            q_pos, dims, dim_ok, scale_log2, BLOCK_N, PAGE, HEAD_DIM, PRECISION, True, WINDOW, SOFTCAP,
         )  # fmt: skip
 
     seen = l_i > 0.0

@@ -233,16 +233,22 @@ GATHERED_KEYS_PER_QUERY = 4
 
 
 def flash_takes(
-    launch: KernelLaunch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+    launch: KernelLaunch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> bool:
     """Whether ``launch`` attends on FlashAttention (``flash_prefill``): it was prepared for it, its layer has no
-    sliding ``window``, and FlashAttention can read the views it would take (q's rows; k's and v's too where its keys
+    sliding ``window`` nor its model a ``softcap`` (:class:`VarlenAttention` takes neither), and FlashAttention can
+    read the views it would take (q's rows; k's and v's too where its keys
     are the step's rows, not copies).
 
     A windowed layer takes the Triton kernel: :class:`VarlenAttention` has no window, and FlashAttention's windowed
     call (``_flash_attention_forward``'s ``window_size_left``) could not be checked against the reference without a
     GPU (``check_varlen`` would need a windowed case too)."""
-    if launch.key_start is None or window is not None:
+    if launch.key_start is None or window is not None or softcap:
         return False
     return _flash_aligned(q, *((k, v) if launch.key_slots is None else ()))
 
@@ -255,7 +261,9 @@ def _flash_aligned(*tensors: torch.Tensor) -> bool:
 
 
 class TritonPagedAttention(PartialsFromLse):
-    """Paged attention on the GPU (and on the CPU under the Triton interpreter, for tests)."""
+    """Paged attention on the GPU (and on the CPU under the Triton interpreter, for tests). ``scale``: the softmax
+    scale (by default ``head_dim ** -0.5``); ``softcap``: Gemma 2's cap of the scaled scores (a compile-time constant of
+    the kernel), or None."""
 
     # The model runs its layers with the fused Triton kernels of boundless.model.triton_ops around it.
     fused_layers = True
@@ -273,6 +281,8 @@ class TritonPagedAttention(PartialsFromLse):
         max_splits: int = 16,
         flash_prefill: bool = False,
         varlen: VarlenAttention = flash_varlen,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
         if kernels is None:
             raise RuntimeError("the triton attention backend needs the triton package")
@@ -289,7 +299,8 @@ class TritonPagedAttention(PartialsFromLse):
         # chunks over a cached prefix with their contexts gathered from the cache.
         self.flash_prefill = flash_prefill
         self.varlen = varlen
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
         # Programs that fill the GPU (two per multiprocessor by default).
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         self.target_programs = self.tiles.split_programs_per_sm * sms
@@ -433,7 +444,7 @@ class TritonPagedAttention(PartialsFromLse):
             meta.lse = torch.empty(q.shape[0], self.num_heads, dtype=torch.float32, device=q.device)
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         for launch in meta.launches:
-            if flash_takes(launch, q, k, v, window):
+            if flash_takes(launch, q, k, v, window, self.softcap):
                 self.attend_flash(q, k, v, cache, launch, out, meta.lse)
             else:
                 self.attend(q, k_cache, v_cache, launch, out, meta.lse, window)
@@ -510,7 +521,7 @@ class TritonPagedAttention(PartialsFromLse):
             BLOCK_N=self.tiles.decode_kv_tile if decode else self.tiles.prefill_kv_tile, PAGE=self.block_size,
             HEAD_DIM=self.head_dim, DIM_POW2=_pow2(self.head_dim),
             SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 else None,
-            MASK_EVERY_TILE=self.tiles.mask_every_tile, WINDOW=window or 0,
+            MASK_EVERY_TILE=self.tiles.mask_every_tile, WINDOW=window or 0, SOFTCAP=float(self.softcap or 0.0),
             num_warps=self.tiles.decode_warps if decode else self.tiles.prefill_warps, num_stages=self.tiles.stages,
         )  # fmt: skip
         if split:

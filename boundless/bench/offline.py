@@ -40,11 +40,13 @@ def make_prompts(loaded: LoadedModel, num_prompts: int, input_len: int, seed: in
 
 
 HF_ATTENTION = "sdpa"  # transformers' attention implementation in the comparison (PyTorch's fused kernels)
+# Models whose scores transformers caps (Gemma 2's soft cap), which PyTorch's fused kernels cannot: its eager attention.
+HF_EAGER_ARCHITECTURES = ("gemma2",)
 
 
 def load_hf_reference(loaded: LoadedModel):
     """The same weights in transformers (dequantized from the same GGUF when the model is one), with
-    :data:`HF_ATTENTION` attention."""
+    :data:`HF_ATTENTION` attention (eager for :data:`HF_EAGER_ARCHITECTURES`)."""
     try:
         import transformers
         from transformers import AutoModelForCausalLM
@@ -52,7 +54,8 @@ def load_hf_reference(loaded: LoadedModel):
         raise SystemExit("bench offline compares against transformers: pip install 'boundless-serve[test]'") from e
     transformers.logging.set_verbosity_error()
     path = loaded.path
-    options = {"dtype": loaded.dtype, "attn_implementation": HF_ATTENTION}
+    eager = loaded.arch.model_type in HF_EAGER_ARCHITECTURES
+    options = {"dtype": loaded.dtype, "attn_implementation": "eager" if eager else HF_ATTENTION}
     if path.is_file():
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **options)
     else:

@@ -392,7 +392,7 @@ def make_attention(
                 raise ConfigError(f"--flash-prefill: FlashAttention's variable-length call failed its check: {failed}")
         return triton_paged.TritonPagedAttention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device, dtype,
-            flash_prefill=config.model.flash_prefill,
+            flash_prefill=config.model.flash_prefill, scale=arch.attention_scale, softcap=arch.attn_logit_softcap,
         )  # fmt: skip
     if name == "flex":
         if layout.kv_dtype != dtype:
@@ -415,8 +415,11 @@ def make_attention(
         try:
             return flex_paged.FlexPagedAttention(
                 arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, layout.block_size, device,
-                windows=arch.windows,
+                windows=arch.windows, scale=arch.attention_scale, softcap=arch.attn_logit_softcap,
             )  # fmt: skip
         except ValueError as e:  # (pages too small for its GPU kernel)
             raise ConfigError(f"--attention-backend flex: {e}") from None
-    return TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks)
+    return TorchPagedAttention(
+        arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, arch.attention_scale,
+        arch.attn_logit_softcap,
+    )  # fmt: skip

@@ -188,8 +188,9 @@ class TransportLendingData:
         self.client = PartialClient(transport, timeout_s)
         self.attention = DistributedAttention(runner.attention, self.client, caches, agree)
         runner.attention = self.attention
+        local = runner.attention.local
         self.server = PartialServer(
-            transport, self.cache.layer, lent_blocks, runner.attention.local.scale, timeout_s, on_peer_lost=on_peer_lost
+            transport, self.cache.layer, lent_blocks, local.scale, timeout_s, on_peer_lost, local.softcap
         )
 
     # (Peers by their instances' addresses; a split one's rank 0 is its first: ``transport/endpoints.py``.)

@@ -58,7 +58,9 @@ class RankLending:
         self.client = PartialClient(transport, timeout_s, rank=rank)
         self.attention = DistributedAttention(attention, self.client, caches, agree=agree)
         self.lent: dict[str, list[int]] = {}  # move id -> this rank's pool blocks holding its share of the move
-        self.server = PartialServer(transport, kv_cache.layer, self._lookup, attention.scale, timeout_s)
+        self.server = PartialServer(
+            transport, kv_cache.layer, self._lookup, attention.scale, timeout_s, softcap=attention.softcap
+        )
         # Receives posted and not yet landed, by ticket: the move's id, the receive, its deadline.
         self._landing: dict[int, tuple[str, BlocksReceive, float]] = {}
         self._lock = threading.Lock()  # (the landing thread's and the loop's: a cancelled receive writes nothing)

@@ -8,12 +8,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
+)  # fmt: skip
 # The architectures that norm each query and key head before RoPE (ModelArch.qk_norm), whatever the file format.
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "gemma3_text")
 # Gemma's: its norms' weights are saved less one (the norm multiplies by 1 + weight), its attention's and MLP's
 # outputs are normed too before they join the residual stream, and its embeddings are scaled by sqrt(hidden_size).
-GEMMA_ARCHITECTURES = ("gemma3_text",)
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
 # Gemma 3's text model's defaults (transformers' Gemma3TextConfig), which its multimodal checkpoints' text_config leaves
 # out (google/gemma-3-4b-it's names 6 fields).
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
@@ -115,11 +117,12 @@ class ModelArch:
     ``sliding_window``: the window of every layer but ``full_attention_layers`` (dense Qwen2's and Qwen3's first
     ``max_window_layers``, or those a config's ``layer_types`` names ``full_attention``), as transformers reads them.
 
-    Gemma 3 (``gemma3_text``, :data:`GEMMA_ARCHITECTURES`): Qwen3's head norms, a GELU-gated MLP (``hidden_act``),
+    Gemma 2 and 3 (``gemma2``, ``gemma3_text``, :data:`GEMMA_ARCHITECTURES`): a GELU-gated MLP (``hidden_act``),
     norms after attention and after the MLP too (``sandwich_norms``), embeddings scaled by ``embedding_scale``, its
     sliding-window layers' RoPE on another base (``local_rope_theta``, unscaled), and its softmax scale
-    ``query_pre_attn_scalar ** -0.5`` rather than ``head_dim ** -0.5`` (the loader folds the ratio into the query
-    norm's weight).
+    ``query_pre_attn_scalar ** -0.5`` rather than ``head_dim ** -0.5`` (``attention_scale``). Gemma 3 has Qwen3's
+    head norms; Gemma 2 none, but caps attention's scaled scores and the logits, ``cap * tanh(x / cap)``
+    (``attn_logit_softcap``, ``final_logit_softcap``), and every layer has one RoPE.
     """
 
     model_type: str
@@ -149,6 +152,8 @@ class ModelArch:
     hidden_act: str = "silu"
     local_rope_theta: float | None = None
     query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         sizes = {
@@ -193,12 +198,10 @@ class ModelArch:
         return 1.0 if self.model_type in GEMMA_ARCHITECTURES else 0.0
 
     @property
-    def query_scale(self) -> float:
-        """The factor folded into the query norm's weight so that attention's ``head_dim ** -0.5`` makes the model's
-        own softmax scale (Gemma's ``query_pre_attn_scalar ** -0.5``); 1 for the others."""
-        if self.query_pre_attn_scalar is None:
-            return 1.0
-        return (self.head_dim / self.query_pre_attn_scalar) ** 0.5
+    def attention_scale(self) -> float:
+        """The softmax scale of attention's scores: ``head_dim ** -0.5``, or Gemma's ``query_pre_attn_scalar ** -0.5``
+        (every attention backend takes it)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window (``attention/backend.py``'s rule), or None: it attends the whole
@@ -229,7 +232,8 @@ class ModelArch:
             del fields["qk_norm"]
         if not self.full_attention_layers:
             del fields["full_attention_layers"]
-        for name, default in (("hidden_act", "silu"), ("local_rope_theta", None), ("query_pre_attn_scalar", None)):
+        later = ("local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
+        for name, default in (("hidden_act", "silu"), *((n, None) for n in later)):
             if fields[name] == default:
                 del fields[name]
         if not self.num_experts:
@@ -253,7 +257,7 @@ class ModelArch:
         # transformers 5 moved rope_theta and rope_scaling into rope_parameters (Gemma 3's: one per kind of layer).
         rope = dict(cfg.get("rope_parameters") or {})
         local_theta: float | None = None
-        if gemma:
+        if model_type == "gemma3_text":
             local = dict(rope.get("sliding_attention") or {})
             if local.get("rope_type", "default") != "default":
                 raise ValueError("RoPE scaling on the sliding-window layers is not supported")
@@ -261,7 +265,7 @@ class ModelArch:
             rope = dict(rope.get("full_attention") or {})
         legacy = cfg.get("rope_scaling") or {}
         rope = {**legacy, **rope}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0 if gemma else 10000.0))
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0 if model_type == "gemma3_text" else 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
         if kind not in ROPE_SCALINGS:
             raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
@@ -274,18 +278,24 @@ class ModelArch:
         act = "silu" if act == "swish" else act
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
-        if gemma:
-            # (Gemma 2's soft caps of attention's scores and of the logits, and EmbeddingGemma's attention both ways.)
-            for name in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
-                if cfg.get(name):
-                    raise ValueError(f"{name} is not supported")
+        if gemma and cfg.get("use_bidirectional_attention"):  # (EmbeddingGemma's attention both ways)
+            raise ValueError("use_bidirectional_attention is not supported")
+        # Soft caps of attention's scores and of the logits (Gemma 2's; transformers' Gemma 2 has them by default, and
+        # its Gemma 3 applies them if a config sets them).
+        caps = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0} if model_type == "gemma2" else {}
+        attn_cap, final_cap = (
+            cfg.get(name, caps.get(name)) if gemma else None
+            for name in ("attn_logit_softcapping", "final_logit_softcapping")
+        )
         # transformers' Llama and Qwen3 put attention_bias on o_proj too, and Llama's mlp_bias on the MLP: biases this
         # model has not (Mistral, Mixtral and Phi-3 read neither field; Qwen2 has q/k/v biases whatever it says).
         if cfg.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_ARCHITECTURES):
             raise ValueError("attention_bias is not supported: it biases o_proj too, which this model cannot")
         if cfg.get("mlp_bias") and model_type == "llama":
             raise ValueError("mlp_bias is not supported: this model's MLPs have no biases")
-        max_positions = int(cfg.get("max_position_embeddings", 131072 if gemma else 2048))
+        max_positions = int(
+            cfg.get("max_position_embeddings", {"gemma2": 8192, "gemma3_text": 131072}.get(model_type, 2048))
+        )
         if kind == "yarn":
             # (transformers: the config's own original_max_position_embeddings first, else the model's context.)
             original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
@@ -322,8 +332,8 @@ class ModelArch:
                 full_layers = tuple(i for i, kind in enumerate(types) if kind != "sliding_attention")
             elif model_type in ("qwen2", "qwen3"):
                 full_layers = tuple(range(min(num_layers, int(cfg.get("max_window_layers", 28)))))
-            elif gemma:
-                pattern = int(cfg.get("sliding_window_pattern") or 6)
+            elif gemma:  # (Gemma 2's every other layer, Gemma 3's every 6th)
+                pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
                 full_layers = tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
             if len(full_layers) == num_layers:
                 window, full_layers = None, ()
@@ -364,6 +374,8 @@ class ModelArch:
             hidden_act=act,
             local_rope_theta=local_theta,
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
+            attn_logit_softcap=float(attn_cap) if attn_cap else None,
+            final_logit_softcap=float(final_cap) if final_cap else None,
         )
 
 

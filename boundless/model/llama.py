@@ -740,6 +740,8 @@ class LlamaModel(nn.Module):
         logits = self.head(hidden)
         if self.vocab_split and self.gather is not None:
             logits = self.gather(logits)
+        if (cap := self.arch.final_logit_softcap) is not None:  # (Gemma 2's: cap * tanh(logits / cap))
+            logits = torch.tanh(logits / cap).mul_(cap)
         return logits.float() if float32 else logits
 
     # -- weights -----------------------------------------------------------------------------
@@ -772,13 +774,11 @@ class LlamaModel(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
 
     def _as_loaded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A checkpoint tensor as this model holds it: Gemma's norm weights with the one its norms add (and the query
-        norm's times ``arch.query_scale``), in fp32 before they are cast; any other as it is."""
-        arch = self.arch
-        if not arch.norm_weight_offset or not name.endswith("norm.weight"):
+        """A checkpoint tensor as this model holds it: Gemma's norm weights with the one its norms add, in fp32 (they
+        are held so: ``RMSNorm.fp32_weight``); any other as it is."""
+        if not self.arch.norm_weight_offset or not name.endswith("norm.weight"):
             return tensor
-        weight = tensor.float() + arch.norm_weight_offset
-        return weight * arch.query_scale if name.endswith("q_norm.weight") else weight
+        return tensor.float() + self.arch.norm_weight_offset
 
     def _in_experts(self, name: str) -> tuple[str, SparseMoE, str] | None:
         """For a name in a sparse layer's block: (the layer's prefix, its experts, the name below the block), else

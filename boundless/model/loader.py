@@ -140,7 +140,7 @@ def model_dtype(dtype: str, path: Path, device: torch.device) -> torch.dtype:
     ) in FLOAT16_UNSTABLE
     if unstable and dtype == "float16":
         raise ConfigError(
-            f"--dtype {dtype}: Gemma 3's activations overflow float16 (vLLM refuses it too); use bfloat16 or float32"
+            f"--dtype {dtype}: Gemma's activations overflow float16 (vLLM refuses it too); use bfloat16 or float32"
         )
     if dtype != "auto":
         return DTYPES[dtype]

@@ -35,9 +35,10 @@ _CORPUS = [
 
 @dataclass(frozen=True)
 class TinySpec:
-    """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, phi3 or gemma3_text
-    (Gemma 3's text model: its sliding-window layers all but every ``sliding_window_pattern``-th, rotated on
-    ``local_rope_theta``, its softmax scale ``query_pre_attn_scalar ** -0.5``). ``head_dim``:
+    """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, phi3, gemma2 or
+    gemma3_text (Gemma's: its sliding-window layers all but every ``sliding_window_pattern``-th, Gemma 3's rotated on
+    ``local_rope_theta``, its softmax scale ``query_pre_attn_scalar ** -0.5``, Gemma 2's scores and logits capped
+    at ``attn_logit_softcap`` and ``final_logit_softcap``). ``head_dim``:
     by default ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size). A
     qwen3_moe model's layers are sparse (``num_experts`` experts of ``moe_intermediate_size``,
     ``num_experts_per_tok`` a token), but for ``mlp_only_layers``; a mixtral model's are all sparse, its experts
@@ -68,6 +69,8 @@ class TinySpec:
     sliding_window_pattern: int = 6
     local_rope_theta: float = 10000.0
     query_pre_attn_scalar: int = 256
+    attn_logit_softcap: float | None = 50.0
+    final_logit_softcap: float | None = 30.0
 
 
 def _train_tokenizer(vocab_size: int):
@@ -120,8 +123,10 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
+_GEMMA = ("gemma2", "gemma3_text")
 
 
 # A mixture of experts' checkpoint names: its block, and each expert's gate, up and down matrices.
@@ -177,19 +182,20 @@ def _config(spec: TinySpec) -> dict:
         cfg["sliding_window"] = spec.sliding_window
     if spec.kind == "phi3":
         cfg["pad_token_id"] = 0  # (Phi-3's default, 32000, is past a small vocabulary)
-    if spec.kind == "gemma3_text":  # (as the Hub's Gemma 3 configs have it: transformers 5 reads these names too)
+    if spec.kind in _GEMMA:  # (as the Hub's Gemma configs have it: transformers 5 reads these names too)
         del cfg["hidden_act"]
+        gemma2 = spec.kind == "gemma2"
         cfg.update(
             hidden_activation="gelu_pytorch_tanh",
             sliding_window=spec.sliding_window,
-            sliding_window_pattern=spec.sliding_window_pattern,
-            rope_local_base_freq=spec.local_rope_theta,
             query_pre_attn_scalar=spec.query_pre_attn_scalar,
             attention_bias=False,
-            final_logit_softcapping=None,
-            attn_logit_softcapping=None,
+            final_logit_softcapping=spec.final_logit_softcap if gemma2 else None,
+            attn_logit_softcapping=spec.attn_logit_softcap if gemma2 else None,
             pad_token_id=0,
         )
+        if not gemma2:
+            cfg.update(sliding_window_pattern=spec.sliding_window_pattern, rope_local_base_freq=spec.local_rope_theta)
     if spec.kind == "mixtral":  # (its intermediate_size is each expert's)
         cfg.update(
             intermediate_size=spec.moe_intermediate_size,
@@ -213,14 +219,14 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
         return (torch.randn(*shape, generator=g, device=device) * spec.weight_std).to(dtype)
 
     # (Gemma's norms multiply by 1 + weight: it saves weights about 0.)
-    norm_mean = 0.0 if spec.kind == "gemma3_text" else 1.0
+    norm_mean = 0.0 if spec.kind in _GEMMA else 1.0
 
     def norm(size: int) -> torch.Tensor:
         return (norm_mean + 0.1 * (torch.randn(size, generator=g, device=device) * spec.weight_std)).to(dtype)
 
     # (Gemma multiplies its embeddings by sqrt(hidden_size): drawn that much smaller, its stream starts as the others'.)
     embed = rand(spec.vocab_size, h)
-    yield "model.embed_tokens.weight", embed / h**0.5 if spec.kind == "gemma3_text" else embed
+    yield "model.embed_tokens.weight", embed / h**0.5 if spec.kind in _GEMMA else embed
     yield "model.norm.weight", norm(h)
     if not spec.tie_word_embeddings:
         yield "lm_head.weight", rand(spec.vocab_size, h)
@@ -257,7 +263,7 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
             yield p + "mlp.down_proj.weight", rand(h, i)
         yield p + "input_layernorm.weight", norm(h)
         yield p + "post_attention_layernorm.weight", norm(h)
-        if spec.kind == "gemma3_text":
+        if spec.kind in _GEMMA:
             yield p + "pre_feedforward_layernorm.weight", norm(h)
             yield p + "post_feedforward_layernorm.weight", norm(h)
 

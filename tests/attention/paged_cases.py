@@ -54,10 +54,13 @@ def paged_case(
     device: torch.device | str = "cpu",
     kv_dtype: torch.dtype | None = None,
     window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> PagedCase:
     """``chunks`` are (query_len, context_len) per sequence, decodes (query_len 1) first. The cache holds K/V in
     ``kv_dtype`` (default ``dtype``: ``--kv-cache-dtype``), and the reference attends over them as it holds them.
-    ``window``: the reference is sliding-window attention (a query at position p sees keys p - window < j <= p)."""
+    ``window``: the reference is sliding-window attention (a query at position p sees keys p - window < j <= p).
+    ``scale`` (default ``head_dim ** -0.5``) scales the scores, which ``softcap`` caps (Gemma 2's)."""
     device = torch.device(device)
     kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
@@ -88,7 +91,9 @@ def paged_case(
         for i in range(ql):
             pos = ctx - ql + i
             lo = 0 if window is None else max(0, pos - window + 1)
-            s = torch.einsum("hd,thd->ht", q[i].double(), kd[lo : pos + 1]) * head_dim**-0.5
+            s = torch.einsum("hd,thd->ht", q[i].double(), kd[lo : pos + 1]) * (scale or head_dim**-0.5)
+            if softcap:
+                s = torch.tanh(s / softcap) * softcap
             outs.append(torch.einsum("ht,thd->hd", s.softmax(-1), vd[lo : pos + 1]))
             lses.append(s.logsumexp(-1))
     batch = AttentionBatch(

@@ -90,6 +90,21 @@ def test_a_sliding_window_matches_dense(shape, mix: str, name: str) -> None:
     check_matches_dense(case, out, meta.lse, TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_gemma2s_capped_scores_at_its_own_scale(mix: str) -> None:
+    """Gemma 2's attention: scores at the model's own scale, capped by the backend's ``score_mod`` before the block
+    mask, in a windowed layer and a whole one of the same model."""
+    shape, scale, cap = (4, 2, 32, 16), 12**-0.5, 2.0
+    for window in (None, 9):
+        case = paged_case(5, *shape, MIXES[mix], torch.float32, DEVICE, window=window, scale=scale, softcap=cap)
+        backend = _backend(shape, case.cache[0].shape[1], windows=[9], scale=scale, softcap=cap)
+        meta = backend.prepare(case.batch)
+        out = backend.forward(case.q, case.k, case.v, case.cache, meta, window=window)
+        check_matches_dense(case, out, meta.lse, TOLERANCE[torch.float32])
+        uncapped = paged_case(5, *shape, MIXES[mix], torch.float32, DEVICE, window=window, scale=scale)
+        assert not torch.allclose(out.double().cpu(), uncapped.expected, atol=1e-3)
+
+
 def test_a_window_of_one_key_gives_each_querys_own_value() -> None:
     """With a window of 1 a query sees its own key alone: its output is its own value and its log-sum-exp its own
     score, as output and as the partial DistAttention merges (attention over the whole context, the window

@@ -233,6 +233,30 @@ def test_a_sliding_window_attends_to_the_last_keys_only(
         assert not torch.allclose(out.double(), whole.expected, atol=1e-3)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_gemma2s_capped_scores_at_its_own_scale(
+    mix: str, window: int | None, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 2's attention: the scores scaled by the model's own scale (``query_pre_attn_scalar ** -0.5``) and
+    capped, ``cap * tanh(score / cap)``, before the mask, whole and as partials (the native kernel's decode and
+    prefill tiles, PyTorch's scores), within a window or not; without the cap the outputs differ."""
+    if not native:
+        monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
+    scale, cap = 24**-0.5, 2.0  # (scores of q.k / sqrt(24) over 64 dimensions reach well past 2)
+    case = paged_case(7, 8, 2, 64, 16, MIXES[mix], window=window, scale=scale, softcap=cap)
+    backend = TorchPagedAttention(8, 2, 64, case.cache[0].shape[1], scale=scale, softcap=cap)
+    out = backend.forward(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=window)
+    check_matches_dense(case, out, case.expected_lse, 2e-5, check_lse=False)
+    part = backend.forward_partial(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=window)
+    torch.testing.assert_close(merge_partials([part]).double(), case.expected, rtol=2e-5, atol=2e-5)
+    lse = (part.m + part.e.log()).squeeze(-1)
+    torch.testing.assert_close(lse.double(), case.expected_lse, rtol=2e-5, atol=2e-5)
+    uncapped = paged_case(7, 8, 2, 64, 16, MIXES[mix], window=window, scale=scale)
+    assert not torch.allclose(out.double(), uncapped.expected, atol=1e-3)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_a_window_over_an_fp8_cache(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The native kernel's 8-bit path windows as its fp32 one."""

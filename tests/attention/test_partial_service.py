@@ -39,11 +39,14 @@ def _dense(ids: list[int], cache: torch.Tensor) -> torch.Tensor:
     return cache[:, ids].reshape(KVH, -1, D)
 
 
-def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of every row of q [T, H, D] over all of keys, values [KVH, S, D]; no mask."""
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """Softmax attention of every row of q [T, H, D] over all of keys, values [KVH, S, D]; no mask; the scores capped
+    at ``softcap`` (Gemma 2's) when given."""
     g = q.shape[1] // KVH
     k, v = keys.repeat_interleave(g, 0), values.repeat_interleave(g, 0)
     scores = torch.einsum("thd,hsd->ths", q.double(), k.double()) * SCALE
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     return torch.einsum("ths,hsd->thd", scores.softmax(-1), v.double()).float()
 
 
@@ -135,6 +138,27 @@ def test_lent_partial_within_a_sliding_window(caches, rows: int, first: int, win
             continue
         want = _reference(q[i : i + 1], keys[:, max(0, lo) :], values[:, max(0, lo) :])
         torch.testing.assert_close(out[i : i + 1], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 24])  # decode rows (the native kernel's count), a prefill chunk's (matmuls)
+@pytest.mark.parametrize("window", [None, 20])
+def test_lent_partial_of_gemma2s_capped_scores(caches, rows: int, window: int | None) -> None:
+    """A creditor's partial of a model whose scores are capped (Gemma 2's): the capped attention over the lent keys,
+    on the native kernel and the matmuls, within a window or not; uncapped it would differ."""
+    k_cache, v_cache = caches
+    q = 3 * torch.randn(rows, 4, D)  # (scores that reach past the cap)
+    ids = [7, 2, 9]
+    part = lent_partial(q, k_cache, v_cache, ids, SCALE, window=window, first_position=40, softcap=1.5)
+    keys, values = _dense(ids, k_cache), _dense(ids, v_cache)
+    out = merge_partials([part])
+    for i in range(rows):
+        lo = 0 if window is None else max(0, 40 + i - window + 1)
+        if lo >= keys.shape[1]:
+            assert part.e[i].eq(0).all()
+            continue
+        want = _reference(q[i : i + 1], keys[:, lo:], values[:, lo:], softcap=1.5)
+        torch.testing.assert_close(out[i : i + 1], want, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(want, _reference(q[i : i + 1], keys[:, lo:], values[:, lo:]), atol=1e-3)
 
 
 def test_a_segments_window_reaches_the_creditor(ends, caches) -> None:

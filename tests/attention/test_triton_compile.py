@@ -25,12 +25,14 @@ def test_kernels_compile_for_sm90() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     shared = json.loads(proc.stdout)
     # Per dtype (bf16, fp32): attention (d64, d128) x (decode, split, prefill; in bf16 also prefill with the mask on
-    # every tile, the tile sweep's baseline, and a sliding window's split decode and prefill), store, merge, and the
+    # every tile, the tile sweep's baseline, a sliding window's split decode and prefill, and Gemma 2's split decode
+    # of capped scores), store, merge, and the
     # layers' rms_norm (Llama's and Gemma's), rotary and silu_mul; and a device
     # window's next-pass inputs; a bf16 model's over an fp8 cache (e4m3: decode, split decode, prefill, store; e5m2:
     # decode, store); and --quantization fp8's activation quantizer.
-    assert len(shared) == (2 * 6 + 2 + 4) + (2 * 3 + 2 + 4) + 1 + (4 + 2) + 1
+    assert len(shared) == (2 * 7 + 2 + 4) + (2 * 3 + 2 + 4) + 1 + (4 + 2) + 1
     assert {"attention/bf16/d128/prefill-window", "rms_norm-gemma/bf16"} <= shared.keys()
+    assert "attention/bf16/d128/decode-split-window-softcap" in shared
     assert {"attention/bf16-fp8-cache/d128/decode", "store_kv/bf16-to-fp8", "fp8_linear/quantize_rows"} <= shared.keys()
     assert {"attention/bf16-fp8-e5m2-cache/d128/decode", "store_kv/bf16-to-fp8-e5m2"} <= shared.keys()
     assert all(0 <= b <= SHARED_MEMORY_PER_BLOCK for b in shared.values())

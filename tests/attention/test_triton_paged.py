@@ -350,6 +350,24 @@ def test_a_sliding_window_matches_dense(shape, mix: str, window: int, dtype: tor
     check_matches_dense(case, out, meta.lse, TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_gemma2s_capped_scores_at_its_own_scale(mix: str, window: int | None) -> None:
+    """Gemma 2's attention: scores at the model's own scale, capped (``SOFTCAP``, in the scores' own units though the
+    kernel keeps them in log2's), before the mask; decodes, splits and prefill chunks, within a window or not."""
+    shape, scale, cap = (4, 2, 32, 16), 12**-0.5, 2.0
+    case = paged_case(5, *shape, MIXES[mix], torch.float32, DEVICE, window=window, scale=scale, softcap=cap)
+    heads, kv_heads, head_dim, block_size = shape
+    backend = triton_paged.TritonPagedAttention(
+        heads, kv_heads, head_dim, case.cache[0].shape[1], block_size, DEVICE, torch.float32, scale=scale, softcap=cap
+    )
+    meta = backend.prepare(case.batch)
+    out = backend.forward(case.q, case.k, case.v, case.cache, meta, window)
+    check_matches_dense(case, out, meta.lse, TOLERANCE[torch.float32])
+    uncapped = paged_case(5, *shape, MIXES[mix], torch.float32, DEVICE, window=window, scale=scale)
+    assert not torch.allclose(out.double().cpu(), uncapped.expected, atol=1e-3)
+
+
 def test_a_window_is_not_the_whole_context() -> None:
     """The window is applied, not ignored: a window of one key is each query's own value (its score the log-sum-exp),
     and a window of a few keys differs from attention over the whole context; the same metadata without a window is

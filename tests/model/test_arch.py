@@ -212,7 +212,7 @@ def test_gemma3_configs_read_as_transformers_reads_them(case: str, saved: bool, 
     local, full = config.rope_parameters["sliding_attention"], config.rope_parameters["full_attention"]
     assert (arch.local_rope_theta, arch.rope_theta) == (local["rope_theta"], full["rope_theta"])
     assert (arch.rope_scaling.kind, arch.rope_scaling.factor) == (full["rope_type"], full.get("factor", 1.0))
-    assert arch.query_scale**2 * arch.head_dim**-1 == pytest.approx(config.query_pre_attn_scalar**-1)
+    assert arch.attention_scale == config.query_pre_attn_scalar**-0.5
     assert arch.embedding_scale == config.hidden_size**0.5 and arch.hidden_act == config.hidden_activation
     assert arch.tie_word_embeddings and arch.qk_norm and arch.sandwich_norms and arch.norm_weight_offset == 1.0
     assert arch.eos_token_ids == (1, 106) and arch.context_length == config.max_position_embeddings
@@ -242,21 +242,72 @@ def test_a_gemma3_multimodal_config_reads_as_its_text_model() -> None:
     assert arch.eos_token_ids == (1, 106) and arch.context_length == text.max_position_embeddings
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("use_bidirectional_attention", True)],
-)
-def test_gemma_variants_this_model_cannot_follow_are_refused(field: str, value: object) -> None:
-    """Soft caps of attention's scores or of the logits (Gemma 2's) and attention both ways (EmbeddingGemma's) are
-    refused by name rather than run without them; Gemma 2 itself is not a supported architecture."""
-    with pytest.raises(ValueError, match=f"{field} is not supported"):
-        ModelArch.from_hf_config({**_GEMMA3_1B, field: value})
-    with pytest.raises(ValueError, match="unsupported architecture 'gemma2'"):
-        ModelArch.from_hf_config({**_GEMMA3_1B, "model_type": "gemma2"})
+# Gemma 2 as the Hub's config.json files have it (google/gemma-2-2b-it; the 9B's and 27B's shapes, the 27B's softmax
+# scale not its head size's).
+_GEMMA2_2B = {"model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+              "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+              "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+              "max_position_embeddings": 8192, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+              "rope_theta": 10000.0, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+              "final_logit_softcapping": 30.0, "attention_bias": False, "cache_implementation": "hybrid",
+              "bos_token_id": 2, "eos_token_id": [1, 107], "pad_token_id": 0}  # fmt: skip
+GEMMA2_CASES = {
+    "2b": _GEMMA2_2B,
+    "9b": {**_GEMMA2_2B, "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+           "num_attention_heads": 16, "num_key_value_heads": 8},
+    "27b": {**_GEMMA2_2B, "hidden_size": 4608, "intermediate_size": 36864, "num_hidden_layers": 46,
+            "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 144},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["hub", "saved-by-transformers-5"])
+@pytest.mark.parametrize("case", GEMMA2_CASES)
+def test_gemma2_configs_read_as_transformers_reads_them(case: str, saved: bool, tmp_path: Path) -> None:
+    """Gemma 2: every other layer slides (the first does), one RoPE for all, its caps of attention's scores and of the
+    logits, its softmax scale, no head norms; as transformers' Gemma 2 has them from the same config."""
+    from transformers import AutoConfig
+
+    cfg = GEMMA2_CASES[case]
+    config = AutoConfig.for_model(**cfg)
+    if saved:
+        config.save_pretrained(tmp_path)
+        cfg = json.loads((tmp_path / "config.json").read_text())
+    arch = ModelArch.from_hf_config(cfg)
+    want = [config.sliding_window if kind == "sliding_attention" else None for kind in config.layer_types]
+    assert [arch.layer_window(i) for i in range(arch.num_layers)] == want
+    assert arch.full_attention_layers == tuple(range(1, arch.num_layers, 2))
+    assert (arch.attn_logit_softcap, arch.final_logit_softcap) == (50.0, 30.0)
+    assert arch.attention_scale == config.query_pre_attn_scalar**-0.5
+    assert (arch.rope_theta, arch.local_rope_theta, arch.rope_scaling.kind) == (10000.0, None, "default")
+    assert not arch.qk_norm and arch.sandwich_norms and arch.hidden_act == "gelu_pytorch_tanh"
+    assert arch.eos_token_ids == (1, 107) and arch.context_length == 8192 and arch.tie_word_embeddings
+
+
+def test_gemma_caps_as_transformers_has_them() -> None:
+    """Gemma 2's caps are transformers' defaults where its config leaves them out and none where it says null; a Gemma 3
+    config that sets them is capped too (transformers' Gemma 3 applies them); EmbeddingGemma's attention both ways is
+    refused by name."""
+    bare = {k: v for k, v in _GEMMA2_2B.items() if not k.endswith("softcapping")}
+    assert (ModelArch.from_hf_config(bare).attn_logit_softcap, ModelArch.from_hf_config(bare).final_logit_softcap) == (
+        50.0,
+        30.0,
+    )
+    nulls = {**_GEMMA2_2B, "attn_logit_softcapping": None, "final_logit_softcapping": None}
+    assert ModelArch.from_hf_config(nulls).attn_logit_softcap is None
+    capped = ModelArch.from_hf_config({**_GEMMA3_1B, "final_logit_softcapping": 30.0})
+    assert (capped.attn_logit_softcap, capped.final_logit_softcap) == (None, 30.0)
+    assert ModelArch.from_hf_config(_GEMMA3_1B).final_logit_softcap is None
+    with pytest.raises(ValueError, match="use_bidirectional_attention is not supported"):
+        ModelArch.from_hf_config({**_GEMMA3_1B, "use_bidirectional_attention": True})
+    # (The fields a Gemma adds stay out of the fingerprints of the models before it.)
+    llama = {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 2048, "rope_theta": 10000.0}  # fmt: skip
+    assert ModelArch.from_hf_config(llama).fingerprint() == "76a26585d3a03bfc"
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"]
+    "model_type", ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"]
 )
 @pytest.mark.parametrize("field", ["attention_bias", "mlp_bias"])
 def test_projection_biases_are_transformers_or_refused(model_type: str, field: str) -> None:

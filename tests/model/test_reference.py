@@ -11,6 +11,7 @@ position.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -232,6 +233,7 @@ TRITON_MODELS = [
     "tiny-mistral-window",  # (a sliding window on every layer: the kernel's window tiles)
     pytest.param("tiny-qwen2-window", marks=pytest.mark.slow if _ON_CPU else ()),
     "tiny-gemma3",  # (the fused path's norms of each output, its GELU, a RoPE table a kind of layer)
+    "tiny-gemma2",  # (the kernel's capped scores)
     "smollm2-135m",
 ]
 
@@ -262,6 +264,7 @@ FLEX_MODELS = [
     "tiny-mistral-window",  # (each window's block mask)
     "tiny-qwen2-window",
     "tiny-gemma3",
+    "tiny-gemma2",  # (its cap of the scores, a score_mod)
     pytest.param("smollm2-135m", marks=pytest.mark.slow),
 ]
 
@@ -313,7 +316,7 @@ def test_per_step_logits_match_transformers(ref: Reference) -> None:
     _check_per_step_logits(ref)
 
 
-WINDOW_MODELS = ["tiny-mistral-window", "tiny-qwen2-window", "tiny-gemma3"]
+WINDOW_MODELS = ["tiny-mistral-window", "tiny-qwen2-window", "tiny-gemma3", "tiny-gemma2"]
 
 
 @pytest.mark.parametrize("config", ["prefix-cache", "chunked-prefill", "preemption-recompute", "speculative"])
@@ -322,8 +325,9 @@ def test_sliding_window_models_greedy_match_transformers(
     name: str, config: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
     """Models whose layers attend within a sliding window (a Mistral's every layer, a Qwen2's after its first, a
-    Gemma 3's but every second), past the window: transformers' greedy tokens, under the engine's configurations (a
-    chunk, a decode, a verify pass, a recomputed prefix each over a window that ends inside a block)."""
+    Gemma 3's and a Gemma 2's but every second), past the window: transformers' greedy tokens, under the engine's
+    configurations (a chunk, a decode, a verify pass, a recomputed prefix each over a window that ends inside a
+    block)."""
     ref = _reference(name, load, hf_model)
     window = ref.loaded.arch.sliding_window
     assert window is not None and sum(len(p) > window for p in ref.prompts) >= 5
@@ -412,6 +416,35 @@ def test_each_part_of_gemma3_counts(
     finally:
         for layer, value in zip(layers, kept, strict=True):
             setattr(layer, part, value)
+
+
+@pytest.mark.parametrize("part", ["attn_logit_softcap", "final_logit_softcap", "gelu", "attn_out_norm"])
+def test_each_part_of_gemma2_counts(
+    part: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """Gemma 2's own parts beside Gemma 3's (the caps of attention's scores and of the logits; its GELU and its norms
+    of the outputs, which it shares): the per-step logits match transformers' with them and not without any one."""
+    ref = _reference("tiny-gemma2", load, hf_model)
+    assert sum(len(set(tokens)) for tokens in ref.tokens) > 3 * len(ref.tokens)  # (not one token over and over)
+    model, arch = ref.loaded.model, ref.loaded.arch
+    layers = list(model.layers)
+    kept = [getattr(layer, part, None) for layer in layers]
+    try:
+        if part in ("attn_logit_softcap", "final_logit_softcap"):  # (the engine's backend and the head read the arch)
+            model.arch = dataclasses.replace(arch, **{part: None})
+            changed = copy.copy(ref)
+            changed.loaded = dataclasses.replace(ref.loaded, arch=model.arch)
+        else:
+            for layer in layers:
+                setattr(layer, part, False if isinstance(getattr(layer, part), bool) else None)
+            changed = ref
+        with pytest.raises(AssertionError, match="largest logit difference"):
+            _check_per_step_logits(changed)
+    finally:
+        model.arch = arch
+        for layer, value in zip(layers, kept, strict=True):
+            if value is not None:
+                setattr(layer, part, value)
 
 
 @pytest.mark.parametrize("names", ["transformers-5", "transformers-4"])
