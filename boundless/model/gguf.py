@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-from boundless.model.arch import QK_NORM_ARCHITECTURES, ModelArch, RopeScaling, yarn_scaling
+from boundless.model.arch import GEMMA_ARCHITECTURES, QK_NORM_ARCHITECTURES, ModelArch, RopeScaling, yarn_scaling
 from boundless.model.gguf_quants import dequantize
 from boundless.model.tokenizer import Tokenizer
 
@@ -50,6 +50,7 @@ _ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
+    "gemma2": "gemma2",
     "gemma3": "gemma3_text",
 }
 
@@ -65,7 +66,7 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Gemma 3's names where they differ: its norm before the MLP is llama.cpp's ffn_norm, and it norms attention's and the
+# Gemma's names where they differ: its norm before the MLP is llama.cpp's ffn_norm, and it norms attention's and the
 # MLP's outputs too.
 _GEMMA_LAYER_TENSORS = {
     **_LAYER_TENSORS,
@@ -77,11 +78,19 @@ _GEMMA_LAYER_TENSORS = {
 _HEAD_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 # What llama.cpp's converter adds to a Gemma norm's weight (its norms multiply by 1 + w): taken off again at load.
 _GEMMA_NORM_SHIFT = 1.0
-# llama.cpp's Gemma 3: every 6th layer attends the whole context unless the file says otherwise, the others slide with
-# RoPE on a base of 10,000, and the 27B (its 62 layers) scales attention by hidden_size / heads, the others by head_dim.
-_GEMMA3_WINDOW_PATTERN = 6
-_GEMMA3_LOCAL_ROPE_THETA = 10000.0
-_GEMMA3_27B_LAYERS = 62
+
+
+class _GemmaFile(NamedTuple):
+    """What llama.cpp fixes for a Gemma file rather than reading it: every ``window_pattern``-th layer attends the
+    whole context (unless the file says otherwise), the others slide, with RoPE on ``local_rope_theta`` (None: the
+    file's base); the 27B (``layers_27b``) scales attention by ``hidden_size / heads``, the others by ``head_dim``."""
+
+    window_pattern: int
+    local_rope_theta: float | None
+    layers_27b: int
+
+
+_GEMMA_FILES = {"gemma2": _GemmaFile(2, None, 46), "gemma3_text": _GemmaFile(6, 10000.0, 62)}
 # A sparse layer's router, and its experts' matrices stacked [experts, rows, cols], each expert's slice loaded under
 # its Hugging Face name (mlp.experts.{e}.gate_proj.weight...).
 _ROUTER_TENSOR = "ffn_gate_inp"
@@ -261,7 +270,7 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
         return None
     parts = gguf_name.split(".")
     is_layer = len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()
-    layer_tensors = _GEMMA_LAYER_TENSORS if model_type == "gemma3_text" else _LAYER_TENSORS
+    layer_tensors = _GEMMA_LAYER_TENSORS if model_type in GEMMA_ARCHITECTURES else _LAYER_TENSORS
     if is_layer and parts[2] in layer_tensors and parts[3] in ("weight", "bias"):
         return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
     if is_layer and parts[2] in _HEAD_NORM_TENSORS and parts[3] == "weight":
@@ -271,7 +280,7 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
     if is_layer and parts[2] in _EXPERT_TENSORS and parts[3] == "weight":  # stacked: split by expert at load
         return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_EXPERT_TENSORS[parts[2]]}.weight"
     raise ValueError(
-        f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3/gemma3 decoder tensors"
+        f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3/gemma decoder tensors"
     )
 
 
@@ -442,7 +451,9 @@ def model_arch_from_gguf(
     experts = int(meta.get(f"{prefix}.expert_count", 0)) if model_type == "qwen3_moe" else 0
     sparse = tuple(i for i in range(int(key("block_count"))) if f"blk.{i}.{_ROUTER_TENSOR}.weight" in tensor_shapes)
     window = meta.get(f"{prefix}.attention.sliding_window")
-    gemma = model_type == "gemma3_text"
+    gemma = _GEMMA_FILES.get(model_type)
+    layers = int(key("block_count"))
+    caps = [meta.get(f"{prefix}.{name}_logit_softcapping") for name in ("attn", "final")]
     return ModelArch(
         model_type=model_type,
         vocab_size=int(vocab_size),
@@ -464,31 +475,28 @@ def model_arch_from_gguf(
         norm_topk_prob=bool(experts),  # (llama.cpp's qwen3moe always renormalizes the chosen experts' weights)
         sparse_layers=sparse if experts else (),
         rope_scaling=_rope_scaling(meta, prefix, rope_factors, theta, head_dim, int(key("context_length", 2048))),
-        sliding_window=int(window) if window and model_type in ("mistral", "gemma3_text") else None,
-        full_attention_layers=_gemma3_full_layers(meta, prefix, int(key("block_count"))) if gemma and window else (),
+        sliding_window=int(window) if window and (model_type == "mistral" or gemma) else None,
+        full_attention_layers=_gemma_full_layers(meta, prefix, layers, gemma) if gemma and window else (),
         bos_token_id=tokenizer.bos_token_id if tokenizer is not None else meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tokenizer.eos_token_ids if tokenizer is not None else (),
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
-        local_rope_theta=_GEMMA3_LOCAL_ROPE_THETA if gemma else None,
-        query_pre_attn_scalar=_gemma3_query_scalar(int(key("block_count")), int(hidden), num_heads, head_dim)
+        local_rope_theta=gemma.local_rope_theta if gemma else None,
+        # (Its query_pre_attn_scalar, which the file does not hold: the Hub's configs agree with llama.cpp's rule.)
+        query_pre_attn_scalar=float(int(hidden) // num_heads if layers == gemma.layers_27b else head_dim)
         if gemma
         else None,
+        attn_logit_softcap=_f32(caps[0]) if gemma and caps[0] else None,
+        final_logit_softcap=_f32(caps[1]) if gemma and caps[1] else None,
     )
 
 
-def _gemma3_full_layers(meta: Mapping[str, Any], prefix: str, layers: int) -> tuple[int, ...]:
-    """The layers of a Gemma 3 file that attend the whole context: every ``sliding_window_pattern``-th (6 unless the
-    file says; a newer converter may write one flag a layer, true where it slides)."""
-    pattern = meta.get(f"{prefix}.attention.sliding_window_pattern", _GEMMA3_WINDOW_PATTERN)
+def _gemma_full_layers(meta: Mapping[str, Any], prefix: str, layers: int, gemma: _GemmaFile) -> tuple[int, ...]:
+    """The layers of a Gemma file that attend the whole context: every ``sliding_window_pattern``-th (the file's, or
+    llama.cpp's for its architecture; a newer converter may write one flag a layer, true where it slides)."""
+    pattern = meta.get(f"{prefix}.attention.sliding_window_pattern", gemma.window_pattern)
     if isinstance(pattern, list):
         return tuple(i for i, slides in enumerate(pattern[:layers]) if not slides)
     return tuple(i for i in range(layers) if (i + 1) % int(pattern) == 0)
-
-
-def _gemma3_query_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> float:
-    """Gemma 3's ``query_pre_attn_scalar``, which its GGUF files do not hold: llama.cpp's rule (the 27B's
-    ``hidden_size / heads``, 168; every other's its head size, 256), which the Hub's configs agree with."""
-    return float(hidden // heads if layers == _GEMMA3_27B_LAYERS else head_dim)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -523,8 +531,8 @@ def _parallel_map(fn: Callable[[GGUFTensorInfo], np.ndarray], items: Iterable[GG
 def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> GGUFModel:
     """Read a GGUF file: architecture, dequantized weights under Hugging Face names, and tokenizer.
 
-    Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3``, ``qwen3moe`` and ``gemma3``
-    architectures.
+    Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma2`` and
+    ``gemma3`` architectures.
     ``dtype`` is what the returned tensors are cast to after float32 dequantization.
     """
     path = Path(path)

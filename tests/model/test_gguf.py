@@ -176,7 +176,9 @@ def write_tiny_gguf(
     ``window_pattern``, where given)."""
     rng = np.random.default_rng(0)
     hidden, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
-    wide = arch in ("qwen3", "qwen3moe", "gemma3")
+    gemma = arch in ("gemma2", "gemma3")
+    head_norms = arch in ("qwen3", "qwen3moe", "gemma3")
+    wide = head_norms or gemma
     head_dim = 32 if wide else 16
     experts, expert_inter = 4, 32
     vocab = len(TOKENS)
@@ -192,8 +194,11 @@ def write_tiny_gguf(
     if wide:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if arch == "gemma3":
+    if gemma:
         writer.add_sliding_window(8)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(50.0)
+        writer.add_final_logit_softcapping(30.0)
     if window_pattern is not None:
         writer.add_sliding_window_pattern(window_pattern)
     if arch == "qwen3moe":
@@ -221,13 +226,13 @@ def write_tiny_gguf(
         if gguf_name in skip:
             return
         stored = _llama_cpp_permute(w, permute_heads) if permute_heads and arch == "llama" else w
-        if arch == "gemma3" and gguf_name.endswith("norm.weight"):  # (1 + w, as convert_hf_to_gguf writes it)
+        if gemma and gguf_name.endswith("norm.weight"):  # (1 + w, as convert_hf_to_gguf writes it)
             stored = w + 1
         kind = qtype if w.ndim >= 2 else GGMLQuantizationType.F32  # norms and biases stay F32, as in llama.cpp
         data, _ = _quantized(stored, kind)
         # Blocks run along rows and the permutation moves whole rows, so unpermuting after is exact.
         expected[hf_name] = _quantized(w, kind)[1]
-        if stored is not w and arch == "gemma3":  # (the norm read back: what the file holds, less one, in fp32)
+        if stored is not w and gemma:  # (the norm read back: what the file holds, less one, in fp32)
             expected[hf_name] = _quantized(stored, kind)[1] - np.float32(1)
         is_block_quant = kind not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
         writer.add_tensor(gguf_name, data, raw_dtype=kind if is_block_quant else None)
@@ -246,11 +251,11 @@ def write_tiny_gguf(
             add(f"blk.{i}.attn_q.bias", f"{p}.self_attn.q_proj.bias", rand(heads * head_dim))
             add(f"blk.{i}.attn_k.bias", f"{p}.self_attn.k_proj.bias", rand(kv_heads * head_dim))
             add(f"blk.{i}.attn_v.bias", f"{p}.self_attn.v_proj.bias", rand(kv_heads * head_dim))
-        if wide:
+        if head_norms:
             add(f"blk.{i}.attn_q_norm.weight", f"{p}.self_attn.q_norm.weight", rand(head_dim))
             add(f"blk.{i}.attn_k_norm.weight", f"{p}.self_attn.k_norm.weight", rand(head_dim))
         add(f"blk.{i}.attn_output.weight", f"{p}.self_attn.o_proj.weight", rand(hidden, heads * head_dim))
-        if arch == "gemma3":  # (its norm before the MLP is llama.cpp's ffn_norm; it norms both outputs too)
+        if gemma:  # (its norm before the MLP is llama.cpp's ffn_norm; it norms both outputs too)
             add(f"blk.{i}.post_attention_norm.weight", f"{p}.post_attention_layernorm.weight", rand(hidden))
             add(f"blk.{i}.ffn_norm.weight", f"{p}.pre_feedforward_layernorm.weight", rand(hidden))
             add(f"blk.{i}.post_ffw_norm.weight", f"{p}.post_feedforward_layernorm.weight", rand(hidden))
@@ -478,6 +483,19 @@ def test_gemma3_reads_its_norms_less_one_and_its_windows(tmp_path: Path, pattern
     assert arch.full_attention_layers == (() if pattern is None else (1,))
     assert (arch.local_rope_theta, arch.rope_theta, arch.query_pre_attn_scalar) == (10000.0, 500000.0, 32.0)
     assert arch.tie_word_embeddings and arch.qk_norm and arch.sandwich_norms
+
+
+def test_gemma2_reads_its_caps_and_every_other_layers_window(tmp_path: Path) -> None:
+    """A Gemma 2 file (llama.cpp's ``gemma2``): its norms less one, no head norms, its caps of attention's scores and
+    of the logits from the file, its window on every other layer (the first slides), one RoPE."""
+    path = tmp_path / "gemma2.gguf"
+    expected = write_tiny_gguf(path, arch="gemma2", qtype=GGMLQuantizationType.F32)
+    model = load_gguf(path)
+    _assert_tensors(model, expected)
+    arch = model.arch
+    assert (arch.model_type, arch.sliding_window, arch.full_attention_layers) == ("gemma2", 8, (1,))
+    assert (arch.attn_logit_softcap, arch.final_logit_softcap) == (50.0, 30.0)
+    assert (arch.local_rope_theta, arch.query_pre_attn_scalar, arch.qk_norm) == (None, 32.0, False)
 
 
 def test_unsupported_architecture_raises(tmp_path: Path) -> None:
