@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from paged_cases import check_matches_dense, paged_case
+from paged_cases import PagedCase, check_matches_dense, paged_case
 
 from boundless.attention import cpu_attention
 from boundless.attention.backend import padded_table
@@ -201,6 +201,18 @@ def test_keys_past_an_fp8_types_range_are_held_at_its_largest_value() -> None:
     assert held[0, 0, 0] == 448.0 and held[1, 1, 3] == -448.0
 
 
+def _whole_and_partial_match_dense(backend: TorchPagedAttention, case: PagedCase, window: int | None) -> torch.Tensor:
+    """The backend's output and its partial (output and log-sum-exp) against ``case``'s dense reference; returns the
+    output."""
+    out = backend.forward(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=window)
+    check_matches_dense(case, out, case.expected_lse, 2e-5, check_lse=False)
+    part = backend.forward_partial(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=window)
+    torch.testing.assert_close(merge_partials([part]).double(), case.expected, rtol=2e-5, atol=2e-5)
+    lse = (part.m + part.e.log()).squeeze(-1)
+    torch.testing.assert_close(lse.double(), case.expected_lse, rtol=2e-5, atol=2e-5)
+    return out
+
+
 # Windows of one key, of less than a block, of a few blocks (across the wide kernel's tiles), and past every context.
 WINDOWS = [1, 5, 40, 1000]
 
@@ -222,12 +234,7 @@ def test_a_sliding_window_attends_to_the_last_keys_only(
         monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
     case = paged_case(5, heads, kv_heads, head_dim, block_size, MIXES[mix], window=window)
     backend = _backend(heads, kv_heads, head_dim, case.cache)
-    out = backend.forward(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=window)
-    check_matches_dense(case, out, case.expected_lse, 2e-5, check_lse=False)
-    part = backend.forward_partial(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=window)
-    torch.testing.assert_close(merge_partials([part]).double(), case.expected, rtol=2e-5, atol=2e-5)
-    lse = (part.m + part.e.log()).squeeze(-1)
-    torch.testing.assert_close(lse.double(), case.expected_lse, rtol=2e-5, atol=2e-5)
+    out = _whole_and_partial_match_dense(backend, case, window)
     if window < max(ctx for _, ctx in MIXES[mix]):  # (the window hides keys: whole attention would differ)
         whole = paged_case(5, heads, kv_heads, head_dim, block_size, MIXES[mix])
         assert not torch.allclose(out.double(), whole.expected, atol=1e-3)
@@ -247,12 +254,7 @@ def test_gemma2s_capped_scores_at_its_own_scale(
     scale, cap = 24**-0.5, 2.0  # (scores of q.k / sqrt(24) over 64 dimensions reach well past 2)
     case = paged_case(7, 8, 2, 64, 16, MIXES[mix], window=window, scale=scale, softcap=cap)
     backend = TorchPagedAttention(8, 2, 64, case.cache[0].shape[1], scale=scale, softcap=cap)
-    out = backend.forward(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=window)
-    check_matches_dense(case, out, case.expected_lse, 2e-5, check_lse=False)
-    part = backend.forward_partial(case.q, case.k, case.v, case.cache, backend.prepare(case.batch), window=window)
-    torch.testing.assert_close(merge_partials([part]).double(), case.expected, rtol=2e-5, atol=2e-5)
-    lse = (part.m + part.e.log()).squeeze(-1)
-    torch.testing.assert_close(lse.double(), case.expected_lse, rtol=2e-5, atol=2e-5)
+    out = _whole_and_partial_match_dense(backend, case, window)
     uncapped = paged_case(7, 8, 2, 64, 16, MIXES[mix], window=window, scale=scale)
     assert not torch.allclose(out.double(), uncapped.expected, atol=1e-3)
 
