@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> dict:
         systems.insert(0, HuggingFaceSystem(loaded))
     result = {"model": config.model.model, "dtype": config.model.dtype, "device": config.model.device}
     result.update(compare(systems, prompts, args.output_len, args.repeats))
+    if loaded.arch.model_type in HF_EAGER_ARCHITECTURES:
+        result["hf_attention"] = "eager"  # (load_hf_reference's, for a model whose scores transformers caps)
     if args.json:
         write_json(args.json, result)
     return result

@@ -280,13 +280,15 @@ class ModelArch:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
         if gemma and cfg.get("use_bidirectional_attention"):  # (EmbeddingGemma's attention both ways)
             raise ValueError("use_bidirectional_attention is not supported")
-        # Soft caps of attention's scores and of the logits (Gemma 2's; transformers' Gemma 2 has them by default, and
-        # its Gemma 3 applies them if a config sets them).
-        caps = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0} if model_type == "gemma2" else {}
-        attn_cap, final_cap = (
-            cfg.get(name, caps.get(name)) if gemma else None
-            for name in ("attn_logit_softcapping", "final_logit_softcapping")
-        )
+        # Soft caps of attention's scores and of the logits: transformers' Gemma 2 has both (50 and 30 by default); its
+        # Gemma 3 text model caps the logits alone if a config sets it (its attention never passes the score cap on),
+        # and its multimodal model neither (gemma3_text_config leaves it out).
+        attn_cap = final_cap = None
+        if model_type == "gemma2":
+            attn_cap = cfg.get("attn_logit_softcapping", 50.0)
+            final_cap = cfg.get("final_logit_softcapping", 30.0)
+        elif gemma:
+            final_cap = cfg.get("final_logit_softcapping")
         # transformers' Llama and Qwen3 put attention_bias on o_proj too, and Llama's mlp_bias on the MLP: biases this
         # model has not (Mistral, Mixtral and Phi-3 read neither field; Qwen2 has q/k/v biases whatever it says).
         if cfg.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_ARCHITECTURES):
@@ -353,7 +355,7 @@ class ModelArch:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            head_dim=cfg.get("head_dim") or (256 if model_type == "gemma2" else hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             max_position_embeddings=max_positions,
@@ -387,7 +389,9 @@ def gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     model_type = cfg.get("model_type")
     if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):
         ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
-        return {**GEMMA3_TEXT_DEFAULTS, **ids, **cfg["text_config"], "model_type": "gemma3_text"}
+        text = {**GEMMA3_TEXT_DEFAULTS, **ids, **cfg["text_config"], "model_type": "gemma3_text"}
+        text.pop("final_logit_softcapping", None)  # (Gemma3ForConditionalGeneration caps no logits)
+        return text
     if model_type == "gemma3_text":
         return {**GEMMA3_TEXT_DEFAULTS, **cfg}
     return cfg

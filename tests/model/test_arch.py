@@ -284,9 +284,9 @@ def test_gemma2_configs_read_as_transformers_reads_them(case: str, saved: bool, 
 
 
 def test_gemma_caps_as_transformers_has_them() -> None:
-    """Gemma 2's caps are transformers' defaults where its config leaves them out and none where it says null; a Gemma 3
-    config that sets them is capped too (transformers' Gemma 3 applies them); EmbeddingGemma's attention both ways is
-    refused by name."""
+    """Gemma 2's caps (and head size) are transformers' defaults where its config leaves them out and none where it says
+    null; a Gemma 3 config's caps as transformers' Gemma 3 takes them; EmbeddingGemma's attention both ways is refused
+    by name."""
     bare = {k: v for k, v in _GEMMA2_2B.items() if not k.endswith("softcapping")}
     assert (ModelArch.from_hf_config(bare).attn_logit_softcap, ModelArch.from_hf_config(bare).final_logit_softcap) == (
         50.0,
@@ -294,9 +294,14 @@ def test_gemma_caps_as_transformers_has_them() -> None:
     )
     nulls = {**_GEMMA2_2B, "attn_logit_softcapping": None, "final_logit_softcapping": None}
     assert ModelArch.from_hf_config(nulls).attn_logit_softcap is None
-    capped = ModelArch.from_hf_config({**_GEMMA3_1B, "final_logit_softcapping": 30.0})
+    # (transformers' Gemma 3 text model caps the logits a config asks it to, never the scores: its attention does not
+    # pass the cap on; its multimodal model caps neither.)
+    capped = ModelArch.from_hf_config({**_GEMMA3_1B, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0})
     assert (capped.attn_logit_softcap, capped.final_logit_softcap) == (None, 30.0)
     assert ModelArch.from_hf_config(_GEMMA3_1B).final_logit_softcap is None
+    multimodal = {"model_type": "gemma3", "text_config": {**_GEMMA3_1B, "final_logit_softcapping": 30.0}}
+    assert ModelArch.from_hf_config(multimodal).final_logit_softcap is None
+    assert ModelArch.from_hf_config({k: v for k, v in _GEMMA2_2B.items() if k != "head_dim"}).head_dim == 256
     with pytest.raises(ValueError, match="use_bidirectional_attention is not supported"):
         ModelArch.from_hf_config({**_GEMMA3_1B, "use_bidirectional_attention": True})
     # (The fields a Gemma adds stay out of the fingerprints of the models before it.)

@@ -131,7 +131,15 @@ def test_model_native_path_matches_torch_path(load) -> None:
     from boundless.attention.paged import TorchPagedAttention
     from boundless.kv.tensors import PagedKVCache
 
-    for name in ("tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-gemma3"):
+    for name in (
+        "tiny-qwen2",
+        "tiny-llama",
+        "tiny-qwen3",
+        "tiny-qwen3-moe",
+        "tiny-mixtral",
+        "tiny-gemma3",
+        "tiny-gemma2",
+    ):
         model = load(name).model
         arch = model.arch
         prompts = [[11], [5, 9, 13, 2, 7], [3, 3, 8]]  # a one-token sequence (a "decode") first
@@ -154,7 +162,9 @@ def test_model_native_path_matches_torch_path(load) -> None:
                     layer.packed = None
                 model._packed_key = None
             cache = PagedKVCache(arch.num_layers, arch.num_kv_heads, arch.head_dim, 8, 16, torch.float32, "cpu")
-            backend = TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, 8)
+            backend = TorchPagedAttention(
+                arch.num_heads, arch.num_kv_heads, arch.head_dim, 8, arch.attention_scale, arch.attn_logit_softcap
+            )
             with torch.inference_mode():
                 hidden = model(ids, positions, backend, cache, backend.prepare(batch))
                 outs.append(model.compute_logits(hidden))

@@ -98,7 +98,9 @@ def _run(loaded: LoadedModel, tokens: list[int]) -> tuple[torch.Tensor, torch.Te
     arch, n, bs = loaded.arch, len(tokens), 16
     blocks = -(-n // bs)
     cache = PagedKVCache(arch.num_layers, arch.num_kv_heads, arch.head_dim, blocks, bs, loaded.dtype, loaded.device)
-    attention = TorchPagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, blocks)
+    attention = TorchPagedAttention(
+        arch.num_heads, arch.num_kv_heads, arch.head_dim, blocks, arch.attention_scale, arch.attn_logit_softcap
+    )
     batch = AttentionBatch(0, [n], [n], [list(range(blocks))], torch.arange(n), bs, loaded.device)
     loaded.model.prepare(64)
     with torch.inference_mode():
