@@ -50,6 +50,7 @@ _ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
+    "phi3": "phi3",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
 }
@@ -73,6 +74,15 @@ _GEMMA_LAYER_TENSORS = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Phi-3's (Phi-4's): q/k/v in one matrix, gate/up in another (``ffn_up``), as this model fuses them.
+_PHI3_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 # Qwen3's (and Gemma 3's) norms of each query and key head.
 _HEAD_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
@@ -270,7 +280,7 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
         return None
     parts = gguf_name.split(".")
     is_layer = len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()
-    layer_tensors = _GEMMA_LAYER_TENSORS if model_type in GEMMA_ARCHITECTURES else _LAYER_TENSORS
+    layer_tensors = _layer_tensors(model_type)
     if is_layer and parts[2] in layer_tensors and parts[3] in ("weight", "bias"):
         return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
     if is_layer and parts[2] in _HEAD_NORM_TENSORS and parts[3] == "weight":
@@ -280,8 +290,15 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
     if is_layer and parts[2] in _EXPERT_TENSORS and parts[3] == "weight":  # stacked: split by expert at load
         return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_EXPERT_TENSORS[parts[2]]}.weight"
     raise ValueError(
-        f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3/gemma decoder tensors"
+        f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3/phi3/gemma decoder tensors"
     )
+
+
+def _layer_tensors(model_type: str) -> dict[str, str]:
+    """A layer's GGUF tensor names and their Hugging Face suffixes, for a ``model_type`` model."""
+    if model_type == "phi3":
+        return _PHI3_LAYER_TENSORS
+    return _GEMMA_LAYER_TENSORS if model_type in GEMMA_ARCHITECTURES else _LAYER_TENSORS
 
 
 def _expected_parameters(arch: ModelArch) -> set[str]:
@@ -289,16 +306,12 @@ def _expected_parameters(arch: ModelArch) -> set[str]:
     if not arch.tie_word_embeddings:
         names.add("lm_head.weight")
     for i in range(arch.num_layers):
-        layer = {f"model.layers.{i}.{suffix}.weight" for suffix in _LAYER_TENSORS.values()}
+        layer = {f"model.layers.{i}.{suffix}.weight" for suffix in _layer_tensors(arch.model_type).values()}
         if i in arch.sparse_layers:
             layer -= {f"model.layers.{i}.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
             layer.add(f"model.layers.{i}.mlp.gate.weight")
             layer.update(f"model.layers.{i}.mlp.experts.{{}}.{m}.weight" for m in _EXPERT_TENSORS.values())
         names.update(layer)
-        if arch.sandwich_norms:
-            names.update(
-                f"model.layers.{i}.{n}.weight" for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-            )
         if arch.qkv_bias:
             names.update(f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv")
         if arch.qk_norm:
@@ -450,6 +463,8 @@ def model_arch_from_gguf(
         )
     experts = int(meta.get(f"{prefix}.expert_count", 0)) if model_type == "qwen3_moe" else 0
     sparse = tuple(i for i in range(int(key("block_count"))) if f"blk.{i}.{_ROUTER_TENSOR}.weight" in tensor_shapes)
+    if "rope_factors_long.weight" in tensor_shapes:  # (LongRoPE: Phi-3's 128k-context files, as their configs are)
+        raise ValueError("unsupported RoPE scaling: longrope (rope_factors_long), Phi-3's 128k-context models'")
     window = meta.get(f"{prefix}.attention.sliding_window")
     gemma = _GEMMA_FILES.get(model_type)
     layers = int(key("block_count"))
@@ -475,7 +490,7 @@ def model_arch_from_gguf(
         norm_topk_prob=bool(experts),  # (llama.cpp's qwen3moe always renormalizes the chosen experts' weights)
         sparse_layers=sparse if experts else (),
         rope_scaling=_rope_scaling(meta, prefix, rope_factors, theta, head_dim, int(key("context_length", 2048))),
-        sliding_window=int(window) if window and (model_type == "mistral" or gemma) else None,
+        sliding_window=int(window) if window and (model_type in ("mistral", "phi3") or gemma) else None,
         full_attention_layers=_gemma_full_layers(meta, prefix, layers, gemma) if gemma and window else (),
         bos_token_id=tokenizer.bos_token_id if tokenizer is not None else meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tokenizer.eos_token_ids if tokenizer is not None else (),
@@ -531,8 +546,8 @@ def _parallel_map(fn: Callable[[GGUFTensorInfo], np.ndarray], items: Iterable[GG
 def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> GGUFModel:
     """Read a GGUF file: architecture, dequantized weights under Hugging Face names, and tokenizer.
 
-    Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma2`` and
-    ``gemma3`` architectures.
+    Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3`` (Phi-3 and
+    Phi-4), ``gemma2`` and ``gemma3`` architectures.
     ``dtype`` is what the returned tensors are cast to after float32 dequantization.
     """
     path = Path(path)

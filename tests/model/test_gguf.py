@@ -169,6 +169,7 @@ def write_tiny_gguf(
     skip: tuple[str, ...] = (),
     yarn: tuple[float, int] | None = None,
     window_pattern: int | list[bool] | None = None,
+    window: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer model with random weights; return the float32 HF-layout tensors loading must give. A qwen3
     model's heads are wider than ``hidden / heads``, as Qwen3's are (the file says so with ``key_length``); a gemma3
@@ -194,8 +195,8 @@ def write_tiny_gguf(
     if wide:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if gemma:
-        writer.add_sliding_window(8)
+    if gemma or window:
+        writer.add_sliding_window(window or 8)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(50.0)
         writer.add_final_logit_softcapping(30.0)
@@ -244,6 +245,17 @@ def write_tiny_gguf(
     for i in range(layers):
         p = f"model.layers.{i}"
         add(f"blk.{i}.attn_norm.weight", f"{p}.input_layernorm.weight", rand(hidden))
+        if arch == "phi3":  # (q/k/v in one matrix, gate/up in another: Phi-3's own fusion, as llama.cpp keeps it)
+            add(
+                f"blk.{i}.attn_qkv.weight",
+                f"{p}.self_attn.qkv_proj.weight",
+                rand((heads + 2 * kv_heads) * head_dim, hidden),
+            )
+            add(f"blk.{i}.attn_output.weight", f"{p}.self_attn.o_proj.weight", rand(hidden, heads * head_dim))
+            add(f"blk.{i}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight", rand(hidden))
+            add(f"blk.{i}.ffn_up.weight", f"{p}.mlp.gate_up_proj.weight", rand(2 * inter, hidden))
+            add(f"blk.{i}.ffn_down.weight", f"{p}.mlp.down_proj.weight", rand(hidden, inter))
+            continue
         add(f"blk.{i}.attn_q.weight", f"{p}.self_attn.q_proj.weight", rand(heads * head_dim, hidden), heads)
         add(f"blk.{i}.attn_k.weight", f"{p}.self_attn.k_proj.weight", rand(kv_heads * head_dim, hidden), kv_heads)
         add(f"blk.{i}.attn_v.weight", f"{p}.self_attn.v_proj.weight", rand(kv_heads * head_dim, hidden))
@@ -496,6 +508,22 @@ def test_gemma2_reads_its_caps_and_every_other_layers_window(tmp_path: Path) -> 
     assert (arch.model_type, arch.sliding_window, arch.full_attention_layers) == ("gemma2", 8, (1,))
     assert (arch.attn_logit_softcap, arch.final_logit_softcap) == (50.0, 30.0)
     assert (arch.local_rope_theta, arch.query_pre_attn_scalar, arch.qk_norm) == (None, 32.0, False)
+
+
+def test_phi3_reads_its_fused_matrices_and_window(tmp_path: Path) -> None:
+    """A Phi-3 file (llama.cpp's ``phi3``, Phi-4's too): q/k/v and gate/up each one matrix, as this model fuses them
+    and Phi-3's checkpoints hold them (``attn_qkv``, ``ffn_up``), not permuted; its sliding window from the file; a
+    128k-context file's LongRoPE factors refused by name."""
+    path = tmp_path / "phi3.gguf"
+    expected = write_tiny_gguf(path, arch="phi3", extra_tensors={}, window=2047)
+    model = load_gguf(path)
+    _assert_tensors(model, expected)
+    assert (model.arch.model_type, model.arch.sliding_window, model.arch.hidden_act) == ("phi3", 2047, "silu")
+    longrope = tmp_path / "phi3-128k.gguf"
+    factors = {"rope_factors_long.weight": np.ones(8, np.float32), "rope_factors_short.weight": np.ones(8, np.float32)}
+    write_tiny_gguf(longrope, arch="phi3", extra_tensors=factors)
+    with pytest.raises(ValueError, match="longrope"):
+        load_gguf(longrope)
 
 
 def test_unsupported_architecture_raises(tmp_path: Path) -> None:
