@@ -59,13 +59,9 @@ struct Args {
   float softcap = 0.0f;
 };
 
-// softcap * tanh(x / softcap), eight at a time: tanh(y) = 1 - 2 / (exp(2y) + 1), exp256 clamping its input, so a
-// score far past the cap gives +-softcap; a NaN stays NaN (the clamp would make it -softcap), as in PyTorch.
+// softcap * tanh(x / softcap), eight at a time (a score far past the cap gives +-softcap; a NaN stays NaN).
 inline __m256 softcap256(__m256 x, float softcap) {
-  const __m256 y2 = _mm256_mul_ps(x, _mm256_set1_ps(2.0f / softcap));
-  const __m256 t = _mm256_sub_ps(
-      _mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(exp256(y2), _mm256_set1_ps(1.0f))));
-  return _mm256_blendv_ps(_mm256_mul_ps(t, _mm256_set1_ps(softcap)), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_mul_ps(tanh256(_mm256_mul_ps(x, _mm256_set1_ps(1.0f / softcap))), _mm256_set1_ps(softcap));
 }
 
 // A row of ``n`` scaled scores capped in place.

@@ -24,4 +24,12 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// tanh(x) = 1 - 2 / (exp(2x) + 1), exp256 clamping its input (so +-1 far out); a NaN stays NaN, as in PyTorch.
+inline __m256 tanh256(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 t = _mm256_sub_ps(
+      one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(exp256(_mm256_add_ps(x, x)), one)));
+  return _mm256_blendv_ps(t, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
 }  // namespace
