@@ -490,10 +490,23 @@ def test_a_gemma3_multimodal_checkpoint_serves_its_text_model(
     assert _run_greedy(_engine(loaded), ref.prompts) == ref.tokens
 
 
-def _gemma3_gguf(source: Path, path: Path) -> None:
+def _gemma_sentencepiece(size: int) -> list[tuple[str, float, int]]:
+    """A SentencePiece vocabulary of ``size`` pieces laid out as Gemma's GGUF files hold theirs: (piece, score, type)
+    with its special tokens first (control, type 3; ``<unk>`` unknown, 2), the 256 byte pieces (6), then pieces whose
+    ``▁`` is a space, best first."""
+    special = [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 2), ("<start_of_turn>", 3), ("<end_of_turn>", 3)]
+    pieces = ["\u2581", *"abcdefghijklmnopqrstuvwxyz", "\u2581t", "\u2581th", "\u2581the", "he", "in", "\u2581a"]
+    pieces += [f"\u2581{c}" for c in "bcdefghijklmnopqrsuvwxyz"]
+    vocab = special + [(f"<0x{b:02X}>", 6) for b in range(256)] + [(piece, 1) for piece in pieces]
+    vocab += [(f"<unused{i}>", 5) for i in range(size - len(vocab))]
+    return [(piece, -float(i), kind) for i, (piece, kind) in enumerate(vocab[:size])]
+
+
+def _gemma3_gguf(source: Path, path: Path, sentencepiece: bool = False) -> None:
     """A GGUF file of a Gemma 3 directory as llama.cpp's converter writes one: its tensors under llama.cpp's names, F32,
     each norm's weight plus one; what the file does not say (the local RoPE base, every 6th layer global, the softmax
-    scale) as llama.cpp fixes it. Its byte-level BPE vocabulary is stored as such."""
+    scale) as llama.cpp fixes it. Its byte-level BPE vocabulary is stored as such, or with ``sentencepiece`` one of
+    Gemma's kind in its place (:func:`_gemma_sentencepiece`)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -511,12 +524,23 @@ def _gemma3_gguf(source: Path, path: Path) -> None:
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_sliding_window(config["sliding_window"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    tokens = sorted(vocab["model"]["vocab"], key=vocab["model"]["vocab"].get)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["model"]["merges"]])
+    if sentencepiece:
+        pieces = _gemma_sentencepiece(config["vocab_size"])
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list([piece for piece, _, _ in pieces])
+        writer.add_token_scores([score for _, score, _ in pieces])
+        writer.add_token_types([kind for _, _, kind in pieces])
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_add_space_prefix(False)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-2")
+        tokens = sorted(vocab["model"]["vocab"], key=vocab["model"]["vocab"].get)
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["model"]["merges"]])
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -538,13 +562,19 @@ def _gemma3_gguf(source: Path, path: Path) -> None:
     writer.close()
 
 
+@pytest.mark.parametrize("sentencepiece", [False, True], ids=["byte-level", "sentencepiece"])
 def test_a_gemma3_gguf_file_matches_transformers(
-    load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any], model_dirs: dict[str, Path], tmp_path: Path
+    sentencepiece: bool,
+    load: Callable[[str], LoadedModel],
+    hf_model: Callable[[str], Any],
+    model_dirs: dict[str, Path],
+    tmp_path: Path,
 ) -> None:
     """The tiny Gemma 3's weights written as llama.cpp writes a Gemma 3 GGUF, and beside them a config of what such a
     file means (llama.cpp's fixed values where the tiny model's differ: every 6th layer global, the local layers' RoPE
     base 10,000, the softmax scale the head size's, no RoPE scaling): transformers' greedy tokens from that
-    directory, and ours from the file."""
+    directory, and ours from the file; with a SentencePiece vocabulary as Gemma's files have (its text to pieces as
+    Gemma's tokenizer makes them, and back), a chat answered."""
     source = Path(shutil.copytree(model_dirs["tiny-gemma3"], tmp_path / "gemma3-every-6th"))
     config = json.loads((source / "config.json").read_text())
     config.update(
@@ -555,7 +585,7 @@ def test_a_gemma3_gguf_file_matches_transformers(
     )
     (source / "config.json").write_text(json.dumps(config))
     path = tmp_path / "gemma3.gguf"
-    _gemma3_gguf(source, path)
+    _gemma3_gguf(source, path, sentencepiece)
     from_dir, from_file = load_model(str(source)), load_model(str(path))
     assert from_file.arch.full_attention_layers == from_dir.arch.full_attention_layers == ()
     assert dataclasses.replace(from_file.arch, eos_token_ids=(), bos_token_id=None) == dataclasses.replace(
@@ -563,6 +593,16 @@ def test_a_gemma3_gguf_file_matches_transformers(
     )
     ref = Reference(from_dir, load_hf_reference(from_dir))
     assert _run_greedy(_engine(from_file), ref.prompts) == ref.tokens
+    if sentencepiece:
+        tokenizer = from_file.tokenizer
+        ids = tokenizer.encode("the cat", add_special_tokens=False)
+        # (Gemma's prefixes no space: "the" at the start is not the piece "\u2581the".)
+        assert tokenizer.convert_ids_to_tokens(ids) == ["t", "he", "\u2581c", "a", "t"]
+        assert tokenizer.decode(ids) == "the cat"
+        assert tokenizer.encode("x")[0] == tokenizer.bos_token_id == 2 and 1 in tokenizer.eos_token_ids
+        llm = LLM.from_config(engine_config(str(path), max_model_len=256), from_file)
+        (out,) = llm.generate(["the end"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert out.prompt_token_ids[0] == 2 and len(out.outputs[0].token_ids) == 4
 
 
 def test_yarn_per_step_logits_match_transformers(
