@@ -92,15 +92,26 @@ _GEMMA_NORM_SHIFT = 1.0
 
 class _GemmaFile(NamedTuple):
     """What llama.cpp fixes for a Gemma file rather than reading it: every ``window_pattern``-th layer attends the
-    whole context (unless the file says otherwise), the others slide, with RoPE on ``local_rope_theta`` (None: the
-    file's base); the 27B (``layers_27b``) scales attention by ``hidden_size / heads``, the others by ``head_dim``."""
+    whole context (Gemma 3's files may say otherwise: ``pattern_in_file``), the others slide, by the file's window or
+    ``default_window``, with RoPE on ``local_rope_theta`` (None: the file's base); the 27B (``layers_27b``) scales
+    attention by ``hidden_size / heads``, the others by ``head_dim``; the caps of the scores and the logits where the
+    file has none (``default_caps``), and whether the scores are capped at all (``caps_scores``: Gemma 3's never are,
+    as in transformers)."""
 
     window_pattern: int
+    pattern_in_file: bool
+    default_window: int | None
     local_rope_theta: float | None
     layers_27b: int
+    default_caps: tuple[float | None, float | None]
+    caps_scores: bool
 
 
-_GEMMA_FILES = {"gemma2": _GemmaFile(2, None, 46), "gemma3_text": _GemmaFile(6, 10000.0, 62)}
+# (Gemma 2's early files, from converters of mid-2024, hold neither its window nor its caps: llama.cpp's defaults.)
+_GEMMA_FILES = {
+    "gemma2": _GemmaFile(2, False, 4096, None, 46, (50.0, 30.0), True),
+    "gemma3_text": _GemmaFile(6, True, None, 10000.0, 62, (None, None), False),
+}
 # A sparse layer's router, and its experts' matrices stacked [experts, rows, cols], each expert's slice loaded under
 # its Hugging Face name (mlp.experts.{e}.gate_proj.weight...).
 _ROUTER_TENSOR = "ffn_gate_inp"
@@ -468,7 +479,12 @@ def model_arch_from_gguf(
     window = meta.get(f"{prefix}.attention.sliding_window")
     gemma = _GEMMA_FILES.get(model_type)
     layers = int(key("block_count"))
-    caps = [meta.get(f"{prefix}.{name}_logit_softcapping") for name in ("attn", "final")]
+    caps: list[Any] = [None, None]
+    if gemma is not None:
+        window = window or gemma.default_window
+        names = ("attn", "final")
+        caps = [meta.get(f"{prefix}.{n}_logit_softcapping", d) for n, d in zip(names, gemma.default_caps, strict=True)]
+        caps[0] = caps[0] if gemma.caps_scores else None
     return ModelArch(
         model_type=model_type,
         vocab_size=int(vocab_size),
@@ -500,15 +516,16 @@ def model_arch_from_gguf(
         query_pre_attn_scalar=float(int(hidden) // num_heads if layers == gemma.layers_27b else head_dim)
         if gemma
         else None,
-        attn_logit_softcap=_f32(caps[0]) if gemma and caps[0] else None,
-        final_logit_softcap=_f32(caps[1]) if gemma and caps[1] else None,
+        attn_logit_softcap=_f32(caps[0]) if caps[0] else None,
+        final_logit_softcap=_f32(caps[1]) if caps[1] else None,
     )
 
 
 def _gemma_full_layers(meta: Mapping[str, Any], prefix: str, layers: int, gemma: _GemmaFile) -> tuple[int, ...]:
-    """The layers of a Gemma file that attend the whole context: every ``sliding_window_pattern``-th (the file's, or
-    llama.cpp's for its architecture; a newer converter may write one flag a layer, true where it slides)."""
-    pattern = meta.get(f"{prefix}.attention.sliding_window_pattern", gemma.window_pattern)
+    """The layers of a Gemma file that attend the whole context: every ``sliding_window_pattern``-th (llama.cpp's for
+    its architecture, or a Gemma 3 file's own; a newer converter may write one flag a layer, true where it slides)."""
+    key = f"{prefix}.attention.sliding_window_pattern"
+    pattern = meta.get(key, gemma.window_pattern) if gemma.pattern_in_file else gemma.window_pattern
     if isinstance(pattern, list):
         return tuple(i for i, slides in enumerate(pattern[:layers]) if not slides)
     return tuple(i for i in range(layers) if (i + 1) % int(pattern) == 0)

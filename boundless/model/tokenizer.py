@@ -526,6 +526,10 @@ class Tokenizer:
         self._all_special_ids = tuple(sorted(special | {i for i in named_ids if i is not None}))
         decoder = backend.decoder
         self._byte_fallback = decoder is not None and b'"ByteFallback"' in decoder.__getstate__()
+        # Past the largest id, not the count of pieces: a GGUF vocabulary may hold one piece twice (the later id is
+        # the one text encodes to), which leaves the count short of the ids (vLLM bounds ids by the largest so).
+        ids = backend.get_vocab(with_added_tokens=True).values()
+        self._vocab_size = max(backend.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
 
     # -- construction ------------------------------------------------------------------------------
 
@@ -664,8 +668,8 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids, added tokens included."""
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        """The ids' bound: one past the largest token id, added tokens included."""
+        return self._vocab_size
 
     @property
     def bos_token_id(self) -> int | None:

@@ -170,6 +170,8 @@ def write_tiny_gguf(
     yarn: tuple[float, int] | None = None,
     window_pattern: int | list[bool] | None = None,
     window: int | None = None,
+    early: bool = False,
+    caps: tuple[float, float] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer model with random weights; return the float32 HF-layout tensors loading must give. A qwen3
     model's heads are wider than ``hidden / heads``, as Qwen3's are (the file says so with ``key_length``); a gemma3
@@ -195,11 +197,11 @@ def write_tiny_gguf(
     if wide:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if gemma or window:
+    if (gemma or window) and not early:  # (early: as Gemma 2's first converters wrote, no window and no caps)
         writer.add_sliding_window(window or 8)
-    if arch == "gemma2":
-        writer.add_attn_logit_softcapping(50.0)
-        writer.add_final_logit_softcapping(30.0)
+    if (arch == "gemma2" and not early) or caps:
+        writer.add_attn_logit_softcapping((caps or (50.0, 30.0))[0])
+        writer.add_final_logit_softcapping((caps or (50.0, 30.0))[1])
     if window_pattern is not None:
         writer.add_sliding_window_pattern(window_pattern)
     if arch == "qwen3moe":
@@ -524,6 +526,20 @@ def test_phi3_reads_its_fused_matrices_and_window(tmp_path: Path) -> None:
     write_tiny_gguf(longrope, arch="phi3", extra_tensors=factors)
     with pytest.raises(ValueError, match="longrope"):
         load_gguf(longrope)
+
+
+def test_a_gemma2_file_without_its_window_or_caps_takes_llama_cpps(tmp_path: Path) -> None:
+    """Gemma 2's early files (converters of mid-2024) hold neither its window nor its caps: llama.cpp's defaults (4,096
+    on every other layer, 50 and 30), not none; a Gemma 2 file's window pattern is llama.cpp's whatever it says (its
+    loader reads Gemma 3's only), and a Gemma 3 file's score cap is not applied (as in transformers)."""
+    path = tmp_path / "gemma2-early.gguf"
+    write_tiny_gguf(path, arch="gemma2", qtype=GGMLQuantizationType.F32, window_pattern=3, early=True)
+    arch = load_gguf(path).arch
+    assert (arch.sliding_window, arch.full_attention_layers) == (4096, (1,))
+    assert (arch.attn_logit_softcap, arch.final_logit_softcap) == (50.0, 30.0)
+    gemma3 = tmp_path / "gemma3-capped.gguf"
+    write_tiny_gguf(gemma3, arch="gemma3", qtype=GGMLQuantizationType.F32, caps=(50.0, 30.0))
+    assert (load_gguf(gemma3).arch.attn_logit_softcap, load_gguf(gemma3).arch.final_logit_softcap) == (None, 30.0)
 
 
 def test_unsupported_architecture_raises(tmp_path: Path) -> None:
