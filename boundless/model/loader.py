@@ -271,8 +271,8 @@ def check_overrides(path: Path, overrides: Mapping[str, Any] | None) -> None:
 
 def hf_config(path: Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A model directory's ``config.json``, with ``overrides``' keys in place of its own (a whole value each: an
-    override of ``rope_scaling`` replaces the dict, as vLLM's ``--hf-overrides`` does; but a sub-config's, such as a
-    multimodal model's ``text_config``, updates its keys, as vLLM updates a nested config)."""
+    override of ``rope_scaling`` or ``quantization_config`` replaces the dict, as vLLM's ``--hf-overrides`` does; but a
+    sub-config's, such as a multimodal model's ``text_config``, updates its keys, as vLLM updates a nested config)."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (ValueError, RecursionError) as e:  # (JSON that does not read, or not UTF-8 text)
@@ -281,8 +281,11 @@ def hf_config(path: Path, overrides: Mapping[str, Any] | None = None) -> dict[st
         raise ConfigError(f"--model {path}: its config.json is no JSON object")
     merged = {**config, **(overrides or {})}
     for key, value in (overrides or {}).items():
-        if key.endswith("_config") and isinstance(value, dict) and isinstance(config.get(key), dict):
-            merged[key] = {**config[key], **value}
+        sub = config.get(key)
+        # (A sub-config names its model_type, as transformers nests one; a plain dict, quantization_config's too, is
+        # replaced whole.)
+        if isinstance(value, dict) and isinstance(sub, dict) and "model_type" in sub:
+            merged[key] = {**sub, **value}
     return merged
 
 

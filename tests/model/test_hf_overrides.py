@@ -87,3 +87,6 @@ def test_an_override_of_a_sub_config_updates_its_keys(tmp_path: Path) -> None:
     assert (arch.hidden_size, arch.num_layers, arch.max_position_embeddings) == (64, 2, 64)
     assert (arch.rope_scaling.kind, arch.rope_scaling.factor) == ("linear", 2.0)
     assert hf_config(tmp_path, overrides)["text_config"]["num_key_value_heads"] == 1
+    (tmp_path / "config.json").write_text(json.dumps({**text, "quantization_config": {"quant_method": "fp8", "a": 1}}))
+    replaced = hf_config(tmp_path, {"quantization_config": {"quant_method": "fp8"}})["quantization_config"]
+    assert replaced == {"quant_method": "fp8"}  # (a plain dict, not a sub-config: replaced whole)
