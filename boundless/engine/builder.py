@@ -420,6 +420,6 @@ def make_attention(
         except ValueError as e:  # (pages too small for its GPU kernel)
             raise ConfigError(f"--attention-backend flex: {e}") from None
     return TorchPagedAttention(
-        arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks, arch.attention_scale,
-        arch.attn_logit_softcap,
+        arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.num_blocks,
+        scale=arch.attention_scale, softcap=arch.attn_logit_softcap,
     )  # fmt: skip

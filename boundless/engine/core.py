@@ -605,8 +605,7 @@ class EngineCore:
             raise InvalidRequestError(f"logit_bias: token id {bad_bias} is not in [0, {vocab})", "logit_bias")
         # Only tokens the tokenizer knows may be allowed (vLLM's rule, and the server's): a model's vocabulary padded
         # past its tokenizer's (Qwen's, for one) has rows no text maps to.
-        # (The tokenizer's size asked only when there is a list to check: its backend counts it on every call.)
-        known = min(vocab, self.tokenizer.vocab_size) if params.allowed_token_ids else vocab
+        known = min(vocab, self.tokenizer.vocab_size)
         bad_allowed = next((t for t in params.allowed_token_ids or () if t >= known), None)
         if bad_allowed is not None:
             raise InvalidRequestError(

@@ -108,9 +108,12 @@ class RMSNorm(nn.Module):
         self.fp32_weight = fp32_weight
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RMSNorm:
+        if not self.fp32_weight:
+            return super()._apply(fn, recurse)
+        before = self.weight.data
         super()._apply(fn, recurse)
-        if self.fp32_weight and self.weight.dtype != torch.float32:  # (the model cast to its dtype: not this weight)
-            self.weight.data = self.weight.data.float()
+        if self.weight.dtype != torch.float32:  # the model cast to its dtype: this weight only moves, unrounded
+            self.weight.data = before.to(self.weight.device)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -225,7 +228,7 @@ class DecoderLayer(nn.Module):
         gemma = arch.norm_weight_offset != 0  # (Gemma's norms: weights in fp32, rounded once)
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)
         self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)
-        # Qwen3: an RMSNorm over each query and each key head, before RoPE.
+        # Qwen3 and Gemma 3: an RMSNorm over each query and each key head, before RoPE.
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
         # Gemma: attention's and the MLP's outputs normed before they join the residual stream (its checkpoint's
@@ -290,7 +293,7 @@ class DecoderLayer(nn.Module):
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's gated activation, ``act(gate) * up`` (SiLU, or Gemma's tanh-approximated GELU), into ``out`` if
-        given; ``gate`` is overwritten."""
+        given; SiLU's overwrites ``gate``."""
         if self.gelu:
             return torch.mul(F.gelu(gate, approximate="tanh"), up, out=out)
         return torch.mul(F.silu(gate, inplace=True), up, out=out)

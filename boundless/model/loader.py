@@ -135,10 +135,7 @@ def model_dtype(dtype: str, path: Path, device: torch.device) -> torch.dtype:
     (``config.json``'s ``torch_dtype``), float16 for a 32-bit one, bfloat16 for a GGUF file (its quantized weights have
     no 16-bit type of their own); float16 where the GPU has no bfloat16. A model of :data:`FLOAT16_UNSTABLE` is never
     float16: bfloat16 (float32 where the GPU has none) under ``auto``, and ``--dtype float16`` refused, as vLLM does."""
-    unstable = (dtype == "float16" or (dtype == "auto" and device.type != "cpu")) and _checkpoint_model_type(
-        path
-    ) in FLOAT16_UNSTABLE
-    if unstable and dtype == "float16":
+    if dtype == "float16" and _checkpoint_model_type(path) in FLOAT16_UNSTABLE:
         raise ConfigError(
             f"--dtype {dtype}: Gemma's activations overflow float16 (vLLM refuses it too); use bfloat16 or float32"
         )
@@ -148,13 +145,16 @@ def model_dtype(dtype: str, path: Path, device: torch.device) -> torch.dtype:
         return torch.float32
     # (Not before Ampere: T4s and V100s take fp16. Where no GPU is here to ask, a simulated one, it has it.)
     bf16 = device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
-    if unstable:
-        return torch.bfloat16 if bf16 else torch.float32
     if path.is_file():
-        return torch.bfloat16 if bf16 else torch.float16
-    config = hf_config(path)
-    stored = config.get("dtype") or config.get("torch_dtype")  # (transformers 5 names it dtype)
-    return torch.bfloat16 if stored == "bfloat16" and bf16 else torch.float16
+        chosen = torch.bfloat16 if bf16 else torch.float16
+    else:
+        config = hf_config(path)
+        stored = config.get("dtype") or config.get("torch_dtype")  # (transformers 5 names it dtype)
+        chosen = torch.bfloat16 if stored == "bfloat16" and bf16 else torch.float16
+    # (The model's type read only where it changes the answer: a GGUF file's header is read again for it.)
+    if chosen == torch.float16 and _checkpoint_model_type(path) in FLOAT16_UNSTABLE:
+        return torch.bfloat16 if bf16 else torch.float32
+    return chosen
 
 
 def _checkpoint_model_type(path: Path) -> str | None:
@@ -272,7 +272,8 @@ def check_overrides(path: Path, overrides: Mapping[str, Any] | None) -> None:
 def hf_config(path: Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A model directory's ``config.json``, with ``overrides``' keys in place of its own (a whole value each: an
     override of ``rope_scaling`` or ``quantization_config`` replaces the dict, as vLLM's ``--hf-overrides`` does; but a
-    sub-config's, such as a multimodal model's ``text_config``, updates its keys, as vLLM updates a nested config)."""
+    sub-config's, such as a multimodal model's ``text_config``, updates the keys it names, each of those replaced
+    whole: a dict within it is not merged again, as vLLM's recursive update would)."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (ValueError, RecursionError) as e:  # (JSON that does not read, or not UTF-8 text)

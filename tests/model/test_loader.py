@@ -12,6 +12,7 @@ import torch
 
 from boundless.config import ConfigError, ModelConfig
 from boundless.llm import LLM, engine_config
+from boundless.model.llama import RMSNorm
 from boundless.model.loader import ModelNotFoundError, load_model, model_dtype, resolve_model_path
 from boundless.model.random_model import TinySpec, write_random_model
 
@@ -92,7 +93,13 @@ def test_gemma3_is_never_float16(tmp_path: Path, model_dirs: dict[str, Path]) ->
     assert model_dtype("auto", path, torch.device("cpu")) == torch.float32
     with pytest.raises(ConfigError, match="--dtype float16: Gemma's activations overflow float16"):
         load_model(str(path), dtype="float16")
-    assert load_model(str(path), dtype="bfloat16").dtype == torch.bfloat16
+    bf16 = load_model(str(path), dtype="bfloat16")
+    assert bf16.dtype == torch.bfloat16 and bf16.model.layers[0].input_norm.weight.dtype == torch.float32
+    # A Gemma norm's weight stays fp32 through a cast, unrounded (1 + 2^-10 is not a bfloat16).
+    norm = RMSNorm(4, 1e-6, fp32_weight=True)
+    norm.weight.data.fill_(1 + 2**-10)
+    assert norm.to(torch.bfloat16).weight.eq(1 + 2**-10).all() and norm.weight.dtype == torch.float32
+    assert RMSNorm(4, 1e-6).to(torch.bfloat16).weight.dtype == torch.bfloat16  # (any other's is cast)
 
 
 def test_a_cuda_device_this_process_cannot_use_is_refused_in_words(tmp_path: Path) -> None:
