@@ -381,6 +381,11 @@ class ModelArch:
         )
 
 
+# A multimodal checkpoint's tensors its text model does not read (Gemma 3's vision tower and its projector, under
+# transformers 4's names and 5's), and so neither an adapter's of them.
+NOT_TEXT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A Gemma 3 config as its text model's, with the defaults transformers fills in (:data:`GEMMA3_TEXT_DEFAULTS`):
     a multimodal checkpoint's ``text_config`` (the 4B, 12B and 27B; its top level's token ids where the text config

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from boundless.config import ConfigError, ModelConfig
-from boundless.model.arch import FLOAT16_UNSTABLE, ModelArch, gemma3_text_config
+from boundless.model.arch import FLOAT16_UNSTABLE, NOT_TEXT_PREFIXES, ModelArch, gemma3_text_config
 from boundless.model.classifier import SCORE_WEIGHT, ScoreWeight, classifier_spec, head_from_tokens
 from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
@@ -229,9 +229,6 @@ def _has_lm_head(path: Path) -> bool:
     return False
 
 
-# A multimodal checkpoint's tensors that the text model leaves unread (Gemma 3's vision tower and its projector, under
-# transformers 4's names and 5's).
-_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 # A multimodal checkpoint's prefixes of its language model's names, and what the causal LM calls them.
 _LANGUAGE_MODEL = {
     "language_model.model.": "model.",
@@ -245,7 +242,7 @@ def _causal_lm_name(key: str) -> str | None:
     checkpoint's vision tower). A base model saved alone (``Qwen3Model``, as embedding models such as Qwen3-Embedding
     are: ``layers.0...``, ``embed_tokens.weight``, ``norm.weight``) lacks the ``model.`` prefix; a multimodal one's
     language model has its own (Gemma 3's ``language_model.model.``, or transformers 5's ``model.language_model.``)."""
-    if key.startswith(_NOT_TEXT):
+    if key.startswith(NOT_TEXT_PREFIXES):
         return None
     for prefix, causal in _LANGUAGE_MODEL.items():
         if key.startswith(prefix):

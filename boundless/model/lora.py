@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from boundless.model import cpu_kernels
-from boundless.model.arch import ModelArch
+from boundless.model.arch import NOT_TEXT_PREFIXES, ModelArch
 from boundless.model.tensor_parallel import ONE_DEVICE, TensorParallel, shard_plan
 
 # The four fused matrices of a layer an adapter may touch, in the order the layer applies them.
@@ -47,8 +47,6 @@ _KEY = re.compile(
     r"^base_model\.model\.(?:model\.(?:language_model\.)?|language_model\.model\.)layers\.(\d+)\."
     r"(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
-# A multimodal adapter's tensors on the vision tower and its projector (an "all-linear" one has them): not served.
-_NOT_TEXT = re.compile(r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
 
 
 class LoRAError(ValueError):
@@ -217,7 +215,7 @@ def _read_weights(
     try:
         with safe_open(str(weights_file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if _NOT_TEXT.match(key):
+                if key.removeprefix("base_model.model.").startswith(NOT_TEXT_PREFIXES):  # (an all-linear adapter's)
                     continue
                 match = _KEY.match(key)
                 if match is None or match.group(2) not in _PROJECTIONS:
