@@ -119,7 +119,9 @@ def _case(name: str, load: Callable, hf_model: Callable, tmp_path_factory: pytes
     return _CASES[name]
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "smollm2-135m"])
+@pytest.fixture(
+    scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma2", "smollm2-135m"]
+)
 def case(
     request: pytest.FixtureRequest, load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathFactory
 ) -> AdapterCase:
