@@ -16,23 +16,37 @@ QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "gemma3_text")
 # Gemma's: its norms' weights are saved less one (the norm multiplies by 1 + weight), its attention's and MLP's
 # outputs are normed too before they join the residual stream, and its embeddings are scaled by sqrt(hidden_size).
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
-# Gemma 3's text model's defaults (transformers' Gemma3TextConfig), which its multimodal checkpoints' text_config leaves
-# out (google/gemma-3-4b-it's names 6 fields).
-GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 262208,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
+# Gemma's config defaults (transformers' Gemma2Config and Gemma3TextConfig): what a config that leaves a field out
+# means (a multimodal Gemma 3's text_config leaves out most: google/gemma-3-4b-it's names 6 fields).
+_GEMMA_DEFAULTS: dict[str, Any] = {
     "head_dim": 256,
     "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 131072,
     "query_pre_attn_scalar": 256,
     "sliding_window": 4096,
     "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
     "bos_token_id": 2,
     "eos_token_id": 1,
+}
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": {
+        **_GEMMA_DEFAULTS,
+        "max_position_embeddings": 8192,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "gemma3_text": {
+        **_GEMMA_DEFAULTS,
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 131072,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10000.0,
+    },
 }
 # Those whose activations overflow float16 (transformers' issue 36822 for Gemma 3; vLLM refuses float16 for them).
 FLOAT16_UNSTABLE = GEMMA_ARCHITECTURES
@@ -247,9 +261,9 @@ class ModelArch:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
-        """Read a Hugging Face ``config.json`` (transformers 4 or 5 field names). Gemma 3's multimodal checkpoints
-        (``gemma3``, Gemma3ForConditionalGeneration) read as their text model (:func:`gemma3_text_config`)."""
-        cfg = gemma3_text_config(cfg)
+        """Read a Hugging Face ``config.json`` (transformers 4 or 5 field names), with its type's defaults
+        (:func:`with_defaults`: Gemma 3's multimodal checkpoints read as their text model)."""
+        cfg = with_defaults(cfg)
         model_type = cfg.get("model_type", "llama")
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -261,11 +275,11 @@ class ModelArch:
             local = dict(rope.get("sliding_attention") or {})
             if local.get("rope_type", "default") != "default":
                 raise ValueError("RoPE scaling on the sliding-window layers is not supported")
-            local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+            local_theta = float(local.get("rope_theta", cfg["rope_local_base_freq"]))
             rope = dict(rope.get("full_attention") or {})
         legacy = cfg.get("rope_scaling") or {}
         rope = {**legacy, **rope}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0 if model_type == "gemma3_text" else 10000.0))
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
         if kind not in ROPE_SCALINGS:
             raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
@@ -273,31 +287,24 @@ class ModelArch:
             raise ValueError("RoPE on part of each head (partial_rotary_factor) is not supported")
         # (The MLPs here are SiLU- or GELU-gated; transformers builds whatever activation the config names.)
         # (transformers' Gemma reads hidden_activation, the others hidden_act.)
-        act = (cfg.get("hidden_activation") if gemma else None) or cfg.get("hidden_act")
-        act = act or ("gelu_pytorch_tanh" if gemma else "silu")
+        act = (cfg.get("hidden_activation") if gemma else None) or cfg.get("hidden_act") or "silu"
         act = "silu" if act == "swish" else act
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
         if gemma and cfg.get("use_bidirectional_attention"):  # (EmbeddingGemma's attention both ways)
             raise ValueError("use_bidirectional_attention is not supported")
-        # Soft caps of attention's scores and of the logits: transformers' Gemma 2 has both (50 and 30 by default); its
-        # Gemma 3 text model caps the logits alone if a config sets it (its attention never passes the score cap on),
-        # and its multimodal model neither (gemma3_text_config leaves it out).
-        attn_cap = final_cap = None
-        if model_type == "gemma2":
-            attn_cap = cfg.get("attn_logit_softcapping", 50.0)
-            final_cap = cfg.get("final_logit_softcapping", 30.0)
-        elif gemma:
-            final_cap = cfg.get("final_logit_softcapping")
+        # Soft caps of attention's scores and of the logits: transformers' Gemma 2 has both; its Gemma 3 text model caps
+        # the logits alone if a config sets it (its attention never passes the score cap on), and its multimodal model
+        # neither (with_defaults leaves it out).
+        attn_cap = cfg.get("attn_logit_softcapping") if model_type == "gemma2" else None
+        final_cap = cfg.get("final_logit_softcapping") if gemma else None
         # transformers' Llama and Qwen3 put attention_bias on o_proj too, and Llama's mlp_bias on the MLP: biases this
         # model has not (Mistral, Mixtral and Phi-3 read neither field; Qwen2 has q/k/v biases whatever it says).
         if cfg.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_ARCHITECTURES):
             raise ValueError("attention_bias is not supported: it biases o_proj too, which this model cannot")
         if cfg.get("mlp_bias") and model_type == "llama":
             raise ValueError("mlp_bias is not supported: this model's MLPs have no biases")
-        max_positions = int(
-            cfg.get("max_position_embeddings", {"gemma2": 8192, "gemma3_text": 131072}.get(model_type, 2048))
-        )
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
         if kind == "yarn":
             # (transformers: the config's own original_max_position_embeddings first, else the model's context.)
             original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
@@ -324,7 +331,7 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3", *GEMMA_ARCHITECTURES))
         num_layers = cfg["num_hidden_layers"]
-        window = cfg.get("sliding_window", 4096 if gemma else None) if use_window else None
+        window = cfg.get("sliding_window") if use_window else None
         full_layers: tuple[int, ...] = ()
         if window is not None:
             # (As transformers: a saved config's layer_types, else Qwen's first max_window_layers attend it all, and
@@ -355,11 +362,11 @@ class ModelArch:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or (256 if model_type == "gemma2" else hidden // num_heads),
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
             qk_norm=model_type in QK_NORM_ARCHITECTURES,
             num_experts=experts,
@@ -375,7 +382,7 @@ class ModelArch:
             eos_token_ids=eos_ids,
             hidden_act=act,
             local_rope_theta=local_theta,
-            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
+            query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
             attn_logit_softcap=float(attn_cap) if attn_cap else None,
             final_logit_softcap=float(final_cap) if final_cap else None,
         )
@@ -386,17 +393,15 @@ class ModelArch:
 NOT_TEXT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-def gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A Gemma 3 config as its text model's, with the defaults transformers fills in (:data:`GEMMA3_TEXT_DEFAULTS`):
-    a multimodal checkpoint's ``text_config`` (the 4B, 12B and 27B; its top level's token ids where the text config
-    has none), or a text model's own; any other config as it is. The vision tower is not served: its weights are left
+def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config with the defaults transformers' config class fills in for its type (:data:`CONFIG_DEFAULTS`: Gemma's);
+    a multimodal Gemma 3's (the 4B, 12B and 27B) as its text model's: its ``text_config``, its top level's token ids
+    where the text config has none. Any other config as it is. The vision tower is not served: its weights are left
     unread (``loader._causal_lm_name``)."""
     model_type = cfg.get("model_type")
     if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):
         ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
-        text = {**GEMMA3_TEXT_DEFAULTS, **ids, **cfg["text_config"], "model_type": "gemma3_text"}
+        text = {**CONFIG_DEFAULTS["gemma3_text"], **ids, **cfg["text_config"], "model_type": "gemma3_text"}
         text.pop("final_logit_softcapping", None)  # (Gemma3ForConditionalGeneration caps no logits)
         return text
-    if model_type == "gemma3_text":
-        return {**GEMMA3_TEXT_DEFAULTS, **cfg}
-    return cfg
+    return {**CONFIG_DEFAULTS.get(model_type or "", {}), **cfg}

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from boundless.config import ConfigError, ModelConfig
-from boundless.model.arch import FLOAT16_UNSTABLE, NOT_TEXT_PREFIXES, ModelArch, gemma3_text_config
+from boundless.model.arch import FLOAT16_UNSTABLE, NOT_TEXT_PREFIXES, ModelArch, with_defaults
 from boundless.model.classifier import SCORE_WEIGHT, ScoreWeight, classifier_spec, head_from_tokens
 from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
@@ -165,7 +165,7 @@ def _checkpoint_model_type(path: Path) -> str | None:
             from boundless.model.gguf import gguf_model_type, read_gguf_metadata
 
             return gguf_model_type(read_gguf_metadata(path))
-        return gemma3_text_config(hf_config(path)).get("model_type", "llama")
+        return with_defaults(hf_config(path)).get("model_type", "llama")
     except (ConfigError, ValueError, OSError, struct.error, IndexError, UnicodeDecodeError):
         return None
 
