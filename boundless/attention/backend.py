@@ -95,6 +95,11 @@ def window_start(position: int, window: int | None) -> int:
     return 0 if window is None else max(0, position - window + 1)
 
 
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's soft cap, ``cap * tanh(x / cap)``: of attention's scaled scores (before the mask) and of the logits."""
+    return torch.tanh(x / cap) * cap  # (out of place: FlexAttention traces it as a score_mod)
+
+
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` (a CPU tensor) on ``device`` without waiting for it: to a GPU through pinned memory, a copy queued in
     stream order (a copy from pageable memory waits for all the work queued before it, which would stall a host

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from boundless.attention import triton_paged
-from boundless.attention.backend import AttentionBatch, padded_table, to_device, upload_ints
+from boundless.attention.backend import AttentionBatch, padded_table, soft_cap, to_device, upload_ints
 from boundless.attention.partials import PartialsFromLse
 
 try:
@@ -132,10 +132,10 @@ def _compiled(dynamic: bool | None) -> Callable[..., Any]:
 
 
 def softcap_score(softcap: float) -> Callable[..., torch.Tensor]:
-    """FlexAttention's ``score_mod`` of Gemma 2's cap of the scaled scores, ``softcap * tanh(score / softcap)``."""
+    """FlexAttention's ``score_mod`` of Gemma 2's cap of the scaled scores (:func:`backend.soft_cap`)."""
 
     def capped(score: torch.Tensor, batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
-        return torch.tanh(score / softcap) * softcap
+        return soft_cap(score, softcap)
 
     return capped
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from boundless.attention.backend import soft_cap
+
 # Upper bound on the elements of one score tile on the matmul path (64 MiB in fp32).
 _MAX_SCORE_ELEMENTS = 1 << 24
 _TINY = {dt: torch.finfo(dt).tiny for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
@@ -117,7 +119,7 @@ def scores_partial(
         end = min(length, start + tile)
         scores = torch.bmm(q[:, start:end], k.transpose(1, 2)).mul_(scale)
         if softcap:
-            scores = scores.div_(softcap).tanh_().mul_(softcap)
+            scores = soft_cap(scores, softcap)
         if bias is not None:
             scores = scores + bias[:, start:end]
         parts.append(softmax_partial(scores, v))

@@ -86,8 +86,6 @@ _PHI3_LAYER_TENSORS = {
 }
 # Qwen3's (and Gemma 3's) norms of each query and key head.
 _HEAD_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# What llama.cpp's converter adds to a Gemma norm's weight (its norms multiply by 1 + w): taken off again at load.
-_GEMMA_NORM_SHIFT = 1.0
 
 
 class _GemmaFile(NamedTuple):
@@ -594,7 +592,9 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
         elif permute and ".attn_k." in info.name:
             array = _unpermute_rows(array, arch.num_kv_heads)
         if arch.norm_weight_offset and info.name.endswith("norm.weight"):
-            array = array - _GEMMA_NORM_SHIFT  # (as transformers reads a Gemma GGUF: the Hugging Face checkpoint's w)
+            # (llama.cpp's converter stores the 1 + w a Gemma norm multiplies by: taken off again, as transformers reads
+            # such a file, for the Hugging Face checkpoint's w.)
+            array = array - arch.norm_weight_offset
         tensor = torch.from_numpy(array)
         tensor = tensor if dtype == torch.float32 else tensor.to(dtype)
         name = hf_tensor_name(info.name, model_type)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from boundless import native
-from boundless.attention.backend import AttentionBackend
+from boundless.attention.backend import AttentionBackend, soft_cap
 from boundless.kv.tensors import PagedKVCache
 from boundless.model import cpu_kernels
 from boundless.model.arch import ModelArch
@@ -743,8 +743,8 @@ class LlamaModel(nn.Module):
         logits = self.head(hidden)
         if self.vocab_split and self.gather is not None:
             logits = self.gather(logits)
-        if (cap := self.arch.final_logit_softcap) is not None:  # (Gemma 2's: cap * tanh(logits / cap))
-            logits = torch.tanh(logits / cap).mul_(cap)
+        if (cap := self.arch.final_logit_softcap) is not None:  # (Gemma 2's)
+            logits = soft_cap(logits, cap)
         return logits.float() if float32 else logits
 
     # -- weights -----------------------------------------------------------------------------
