@@ -103,6 +103,25 @@ TINY_SPECS = {
         attn_logit_softcap=20.0,
         final_logit_softcap=5.0,
     ),
+    # Phi-4-mini: RoPE on the leading 3/4 of each head (partial_rotary_factor: 24 of 32 dimensions), LongRoPE's short
+    # and long factors (one per rotated pair) over an original context of 48 positions (an engine whose context is
+    # within it rotates by the short ones, a longer one by the long ones), tied embeddings, GQA.
+    "tiny-phi4-mini": TinySpec(
+        kind="phi3",
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        seed=14,
+        tie_word_embeddings=True,
+        partial_rotary_factor=0.75,
+        max_position_embeddings=512,
+        original_max_position_embeddings=48,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [round(1.0 + 0.08 * i, 2) for i in range(12)],
+            "long_factor": [round(1.0 + 1.7 * i, 2) for i in range(12)],
+        },
+    ),
     # Qwen3 with YaRN (factor 4 over an original 32 positions: most prompts run past it, where it interpolates).
     "tiny-qwen3-yarn": TinySpec(
         kind="qwen3",

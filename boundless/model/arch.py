@@ -35,6 +35,8 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
     },
+    # (Phi3Config's: a LongRoPE scaling's original context, where a config has none.)
+    "phi3": {"original_max_position_embeddings": 4096},
     "gemma3_text": {
         **_GEMMA_DEFAULTS,
         "vocab_size": 262208,
@@ -54,7 +56,7 @@ FLOAT16_UNSTABLE = GEMMA_ARCHITECTURES
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
-ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,12 @@ class RopeScaling:
 
     YaRN (Qwen2.5's and Qwen3's long contexts): frequencies that turn fewer than ``beta_slow`` times over the original
     context are interpolated by ``factor``, those that turn more than ``beta_fast`` times are kept, and a ramp blends
-    the band between; cos and sin are scaled by ``attention_factor`` (:func:`yarn_scaling` resolves it)."""
+    the band between; cos and sin are scaled by ``attention_factor`` (:func:`yarn_scaling` resolves it).
+
+    LongRoPE (Phi-3's and Phi-4-mini's 128k contexts, :func:`longrope_scaling`): each frequency divided by its own
+    factor, ``short_factor``'s or ``long_factor``'s (one per rotated pair), cos and sin scaled by ``attention_factor``.
+    Which list an engine uses is vLLM's rule, ``rope.uses_long_factors``: the long one when its context is longer than
+    ``original_max_position_embeddings``."""
 
     kind: str = "default"
     factor: float = 1.0
@@ -74,10 +81,16 @@ class RopeScaling:
     beta_slow: float = 1.0
     attention_factor: float = 1.0
     truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
-# RopeScaling's YaRN fields: left out of a fingerprint unless the scaling is YaRN (models before them keep their names).
-_YARN_FIELDS = ("beta_fast", "beta_slow", "attention_factor", "truncate")
+# RopeScaling's fields of one kind: left out of a fingerprint unless the scaling is of that kind (models before them
+# keep their blocks' names).
+_KIND_FIELDS = {
+    "yarn": ("beta_fast", "beta_slow", "attention_factor", "truncate"),
+    "longrope": ("attention_factor", "short_factor", "long_factor"),
+}
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -114,6 +127,33 @@ def yarn_scaling(
         beta_slow=float(beta_slow or 1),
         attention_factor=float(attention_factor),
         truncate=bool(truncate),
+    )
+
+
+def longrope_scaling(
+    rope: dict[str, Any], original_max_position_embeddings: int | None, max_position_embeddings: int, pairs: int
+) -> RopeScaling:
+    """A LongRoPE scaling from a config's values, as transformers reads them: its ``short_factor`` and
+    ``long_factor`` (``pairs`` each, one per rotated pair); the original context the config's own
+    ``original_max_position_embeddings`` (else the model's); without ``factor`` the ratio of the two contexts, and
+    without ``attention_factor`` ``sqrt(1 + ln(factor) / ln(original))`` (1 for a factor of 1 or less)."""
+    original = int(original_max_position_embeddings or max_position_embeddings)
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        values = rope.get(name)
+        if not isinstance(values, list | tuple) or len(values) != pairs:
+            raise ValueError(f"longrope's {name} must list {pairs} factors (one per rotated pair), not {values!r}")
+        factors[name] = tuple(float(v) for v in values)
+    factor = float(rope.get("factor") or max_position_embeddings / original)
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        kind="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=float(attention_factor),
+        **factors,
     )
 
 
@@ -168,6 +208,7 @@ class ModelArch:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         sizes = {
@@ -195,6 +236,17 @@ class ModelArch:
             raise ValueError(f"sliding_window must be a positive integer, not {self.sliding_window!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of {self.head_dim} "
+                "dimensions of each head: an even number, at least 2, is needed"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each query and key head RoPE rotates (rotate-half within them): the whole
+        head, or Phi-4-mini's share (``partial_rotary_factor``), as transformers truncates it."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def sandwich_norms(self) -> bool:
@@ -247,16 +299,16 @@ class ModelArch:
         if not self.full_attention_layers:
             del fields["full_attention_layers"]
         later = ("local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
-        for name, default in (("hidden_act", "silu"), *((n, None) for n in later)):
+        for name, default in (("hidden_act", "silu"), ("partial_rotary_factor", 1.0), *((n, None) for n in later)):
             if fields[name] == default:
                 del fields[name]
         if not self.num_experts:
             for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
                 del fields[name]
             del fields["sparse_layers"]
-        if self.rope_scaling.kind != "yarn":
-            for name in _YARN_FIELDS:
-                del fields["rope_scaling"][name]
+        kept = _KIND_FIELDS.get(self.rope_scaling.kind, ())
+        for name in {n for names in _KIND_FIELDS.values() for n in names} - set(kept):
+            del fields["rope_scaling"][name]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
@@ -281,10 +333,15 @@ class ModelArch:
         rope = {**legacy, **rope}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if model_type == "phi3" and kind in ("su", "yarn"):  # (transformers reads Phi-3's older names so)
+            kind = "longrope"
         if kind not in ROPE_SCALINGS:
             raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
-        if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
-            raise ValueError("RoPE on part of each head (partial_rotary_factor) is not supported")
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        if partial != 1.0 and model_type != "phi3":  # (transformers' other models here rotate whole heads)
+            raise ValueError(f"RoPE on part of each head (partial_rotary_factor) is not supported for {model_type}")
+        if kind == "longrope" and model_type != "phi3":
+            raise ValueError(f"longrope RoPE scaling is Phi-3's; not supported for {model_type}")
         # (The MLPs here are SiLU- or GELU-gated; transformers builds whatever activation the config names.)
         # (transformers' Gemma reads hidden_activation, the others hidden_act.)
         act = (cfg.get("hidden_activation") if gemma else None) or cfg.get("hidden_act") or "silu"
@@ -318,6 +375,14 @@ class ModelArch:
                 rope.get("beta_fast"),
                 rope.get("beta_slow"),
                 rope.get("truncate", True),
+            )
+        elif kind == "longrope":
+            head_dim = cfg.get("head_dim") or hidden // num_heads
+            scaling = longrope_scaling(
+                rope,
+                cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings"),
+                max_positions,
+                int(head_dim * partial) // 2,
             )
         else:
             scaling = RopeScaling(
@@ -385,6 +450,7 @@ class ModelArch:
             query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
             attn_logit_softcap=float(attn_cap) if attn_cap else None,
             final_logit_softcap=float(final_cap) if final_cap else None,
+            partial_rotary_factor=partial,
         )
 
 
@@ -394,7 +460,8 @@ NOT_TEXT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_to
 
 
 def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A config with the defaults transformers' config class fills in for its type (:data:`CONFIG_DEFAULTS`: Gemma's);
+    """A config with the defaults transformers' config class fills in for its type (:data:`CONFIG_DEFAULTS`: Gemma's,
+    Phi-3's);
     a multimodal Gemma 3's (the 4B, 12B and 27B) as its text model's: its ``text_config``, its top level's token ids
     where the text config has none. Any other config as it is. The vision tower is not served: its weights are left
     unread (``loader._causal_lm_name``)."""

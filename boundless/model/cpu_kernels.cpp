@@ -152,7 +152,7 @@ void gemm_impl(const float* X, long ldx, long M, long K, const float* packed, lo
 
 extern "C" {
 
-int bl_abi_version() { return 1; }
+int bl_abi_version() { return 2; }
 
 // W [N, K] (row stride ldw) -> panels [ceil(N/24)][K][24], zero padded.
 void bl_pack(const float* W, long ldw, long N, long K, float* out, int nthreads) {
@@ -234,15 +234,16 @@ void bl_rmsnorm(const float* x, long ldx, const float* w, float* out, long ldo, 
   }
 }
 
-// Rotate, in place, the first `heads` heads of D floats of every row of x (row stride ldx), in
-// the rotate-half layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), cos/sin [*, D/2] rows
-// picked by positions. With q_norm_w (Qwen3), each head is first RMS-normalized over its D floats
-// and scaled by q_norm_w (the first q_heads heads) or k_norm_w (the rest), as the model does
-// before RoPE: one pass over the heads instead of two.
-void bl_rope(float* x, long ldx, long T, long heads, long D, const long* positions, const float* cos_table,
+// Rotate, in place, the leading R floats of each of the first `heads` heads of D floats of every
+// row of x (row stride ldx), in the rotate-half layout within them: (x1, x2) -> (x1 cos - x2 sin,
+// x2 cos + x1 sin), cos/sin [*, R/2] rows picked by positions; the other D - R floats pass (a
+// partial rotary factor; R == D for most models). With q_norm_w (Qwen3), each head is first
+// RMS-normalized over its D floats and scaled by q_norm_w (the first q_heads heads) or k_norm_w (the
+// rest), as the model does before RoPE: one pass over the heads instead of two.
+void bl_rope(float* x, long ldx, long T, long heads, long D, long R, const long* positions, const float* cos_table,
              const float* sin_table, const float* q_norm_w, const float* k_norm_w, long q_heads, float norm_eps,
              int nthreads) {
-  const long half = D / 2;
+  const long half = R / 2;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T >= 64 && nthreads > 1)
   for (long t = 0; t < T; t++) {
     const float* c = cos_table + positions[t] * half;
@@ -342,14 +343,15 @@ void bl_argmax_rows(const float* x, long ldx, long R, long N, long* out) {
 // The two halves of a decoder layer around attention, one call each (fewer trips through Python).
 //
 // Before attention: x = rmsnorm(hidden); qkv = x @ Wqkv.T (+ bias); rotate the first
-// `rot_heads` heads of each qkv row in place (normalizing each first, with q_norm_w: see bl_rope). hidden, x [T, H]; qkv [T, qkv_size].
+// `rot_heads` heads of each qkv row in place, the leading R of their D floats (normalizing each first, with
+// q_norm_w: see bl_rope). hidden, x [T, H]; qkv [T, qkv_size].
 void bl_layer_in(const float* hidden, const float* norm_w, float eps, float* x, long T, long H, const float* qkv_packed,
-                 const float* qkv_bias, long qkv_size, float* qkv, long rot_heads, long D, const long* positions,
+                 const float* qkv_bias, long qkv_size, float* qkv, long rot_heads, long D, long R, const long* positions,
                  const float* cos_table, const float* sin_table, const float* q_norm_w, const float* k_norm_w,
                  long q_heads, int nthreads) {
   bl_rmsnorm(hidden, H, norm_w, x, H, T, H, eps, nthreads);
   bl_gemm(x, H, T, H, qkv_packed, qkv_size, qkv_bias, qkv, qkv_size, STORE, nthreads);
-  bl_rope(qkv, qkv_size, T, rot_heads, D, positions, cos_table, sin_table, q_norm_w, k_norm_w, q_heads, eps,
+  bl_rope(qkv, qkv_size, T, rot_heads, D, R, positions, cos_table, sin_table, q_norm_w, k_norm_w, q_heads, eps,
           nthreads);
 }
 

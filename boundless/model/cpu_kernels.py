@@ -23,8 +23,8 @@ _SIGNATURES = {
     "bl_pack_glu_bias": (None, [P, L, P]),
     "bl_gemm": (None, [P, L, L, L, P, L, P, P, L, I, I]),
     "bl_rmsnorm": (None, [P, L, P, P, L, L, L, F, I]),
-    "bl_rope": (None, [P, L, L, L, L, P, P, P, P, P, L, F, I]),
-    "bl_layer_in": (None, [P, P, F, P, L, L, P, P, L, P, L, L, P, P, P, P, P, L, I]),
+    "bl_rope": (None, [P, L, L, L, L, L, P, P, P, P, P, L, F, I]),
+    "bl_layer_in": (None, [P, P, F, P, L, L, P, P, L, P, L, L, L, P, P, P, P, P, L, I]),
     "bl_layer_out": (None, [P, L, P, L, L, P, P, F, P, P, L, P, P, I]),
     "bl_argmax_rows": (None, [P, L, L, L, P]),
     "bl_lora_add": (None, [P, L, P, L, L, P, P, P, L, L, L, P, L, I]),
@@ -181,20 +181,21 @@ def rope_(
     x: torch.Tensor,
     heads: int,
     head_dim: int,
+    rotary_dim: int,
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     head_norm: HeadNorm | None = None,
 ) -> None:
-    """Rotate, in place, the first ``heads`` heads of every row of ``x`` [tokens, >= heads * head_dim]
-    (rotate-half layout); ``cos``/``sin`` [positions, head_dim / 2] are indexed by ``positions``. With
-    ``head_norm``, each head is normalized first (Qwen3)."""
-    assert _rows_ok(x) and x.shape[1] >= heads * head_dim
+    """Rotate, in place, the leading ``rotary_dim`` dimensions of the first ``heads`` heads of every row of ``x``
+    [tokens, >= heads * head_dim] (rotate-half layout within them); ``cos``/``sin`` [positions, rotary_dim / 2] are
+    indexed by ``positions``. With ``head_norm``, each head is normalized first (Qwen3)."""
+    assert _rows_ok(x) and x.shape[1] >= heads * head_dim and cos.shape[1] * 2 == rotary_dim <= head_dim
     assert positions.dtype == torch.long and positions.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
     norm = _NO_HEAD_NORM if head_norm is None else head_norm.args()
     _lib().bl_rope(
-        x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        *norm, native.threads(),
+        x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, rotary_dim, positions.data_ptr(), cos.data_ptr(),
+        sin.data_ptr(), *norm, native.threads(),
     )  # fmt: skip
 
 
@@ -207,21 +208,23 @@ def layer_in(
     qkv: torch.Tensor,
     rot_heads: int,
     head_dim: int,
+    rotary_dim: int,
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     head_norm: HeadNorm | None = None,
 ) -> None:
     """A layer up to attention, in one call: ``x = rms_norm(hidden)``, ``qkv = x @ Wqkv.T (+ bias)``,
-    then RoPE on the first ``rot_heads`` heads of each row (each head normalized first, with ``head_norm``; its
-    epsilon is ``eps``'s). Every tensor is row-contiguous (the caller checks shapes once per step)."""
+    then RoPE on the leading ``rotary_dim`` dimensions of the first ``rot_heads`` heads of each row (each head
+    normalized first, with ``head_norm``; its epsilon is ``eps``'s). Every tensor is row-contiguous (the caller
+    checks shapes once per step)."""
     t, h = hidden.shape
     bias = qkv_weight.bias
     q_norm, k_norm, q_heads, _ = _NO_HEAD_NORM if head_norm is None else head_norm.args()
     _lib().bl_layer_in(
         hidden.data_ptr(), norm_weight.data_ptr(), eps, x.data_ptr(), t, h, qkv_weight.packed.data_ptr(),
         None if bias is None else bias.data_ptr(), qkv_weight.out_features, qkv.data_ptr(), rot_heads, head_dim,
-        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_norm, k_norm, q_heads, native.threads(),
+        rotary_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_norm, k_norm, q_heads, native.threads(),
     )  # fmt: skip
 
 

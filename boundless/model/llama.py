@@ -30,7 +30,7 @@ from boundless.model.arch import ModelArch
 from boundless.model.fp8_linear import fp8_linear, quantizable, quantize_rows
 from boundless.model.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRABatch
 from boundless.model.moe import SparseMoE
-from boundless.model.rope import RotaryEmbedding, apply_rotary_
+from boundless.model.rope import RotaryEmbedding, apply_rotary_, uses_long_factors
 from boundless.model.tensor_parallel import ONE_DEVICE
 
 # Token counts up to which the CPU multiplies as (weight @ x.T).T (see `linear`).
@@ -209,6 +209,7 @@ class DecoderLayer(nn.Module):
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
+        self.rotary_dim = arch.rotary_dim  # each head's leading dimensions RoPE rotates (Phi-4-mini's: 3/4 of them)
         self.window = arch.layer_window(index)  # its sliding window (None: the whole context)
         # Gemma 3's sliding-window layers rotate by their own RoPE table (LlamaModel.local_rope).
         self.local_rope = self.window is not None and arch.local_rope_theta is not None
@@ -328,7 +329,7 @@ class DecoderLayer(nn.Module):
         # q and k heads sit side by side in each row: rotate them together, in place.
         heads = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         self._norm_heads_(heads)
-        apply_rotary_(heads, cos, sin)
+        apply_rotary_(self._rotated(heads), cos, sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta, self.window).reshape(t, -1)
         out = self.product("o", attn)
@@ -347,6 +348,11 @@ class DecoderLayer(nn.Module):
         out = self._summed(out if lora is None else lora.add_(index, DOWN, act, out))
         hidden += out if self.mlp_out_norm is None else self.mlp_out_norm(out)
         return hidden
+
+    def _rotated(self, heads: torch.Tensor) -> torch.Tensor:
+        """The dimensions of ``heads`` [tokens, heads, head_dim] that RoPE rotates: a view of the leading
+        ``rotary_dim`` of each head (all of them but for a partial rotary factor)."""
+        return heads if self.rotary_dim == self.head_dim else heads[..., : self.rotary_dim]
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel product (o, down) summed over the tensor-parallel ranks, in place; itself on one device."""
@@ -382,7 +388,7 @@ class DecoderLayer(nn.Module):
         q_size, kv_size, _ = self.qkv_sizes
         heads = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         self._norm_heads_(heads)
-        ops.rotary_(heads, positions, rope.cos, rope.sin)
+        ops.rotary_(self._rotated(heads), positions, rope.cos, rope.sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = attention.forward(q, k, v, cache, attn_meta, self.window).reshape(t, -1)
         out = self.product("o", attn)
@@ -431,12 +437,14 @@ class DecoderLayer(nn.Module):
         if lora is None or not lora.touches(index, QKV):
             cpu_kernels.layer_in(
                 hidden, self.input_norm.weight, self.input_norm.eps, x, packed.qkv, step.qkv, heads, self.head_dim,
-                step.positions, rope.cos, rope.sin, packed.head_norm,
+                self.rotary_dim, step.positions, rope.cos, rope.sin, packed.head_norm,
             )  # fmt: skip
         else:
             cpu_kernels.rms_norm(hidden, self.input_norm.weight, self.input_norm.eps, x)
             lora.add_(index, QKV, x, packed.qkv.matmul(x, step.qkv))
-            cpu_kernels.rope_(step.qkv, heads, self.head_dim, step.positions, rope.cos, rope.sin, packed.head_norm)
+            cpu_kernels.rope_(
+                step.qkv, heads, self.head_dim, self.rotary_dim, step.positions, rope.cos, rope.sin, packed.head_norm
+            )
         attn = attention.forward(step.q, step.k, step.v, cache, attn_meta, self.window).view(x.shape[0], -1)
         if attn.stride(1) != 1 or attn.stride(0) != attn.shape[1]:
             attn = attn.contiguous()
@@ -597,7 +605,8 @@ class LlamaModel(nn.Module):
         """Once the weights are loaded: build the RoPE table and pack the LM head (and, for the
         native CPU path, every layer's matrices: once, until the weights change). An engine built
         on a model already prepared for as many positions keeps its table: another engine's CUDA
-        graphs read that table by its address."""
+        graphs read that table by its address. (A LongRoPE model's table is built again where the
+        engine's context picks the other factors, ``rope.uses_long_factors``.)"""
         weight = self.embed_tokens.weight
         head_weight = weight if self.lm_head is None else self.lm_head.data
         rope = self.rope
@@ -606,6 +615,7 @@ class LlamaModel(nn.Module):
             or rope.cos.shape[0] < max_positions
             or rope.cos.device != weight.device
             or rope.cos.dtype != weight.dtype
+            or rope.long != uses_long_factors(self.arch.rope_scaling, max_positions)
         ):
             self.rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype)
             if self.arch.local_rope_theta is not None:

@@ -43,7 +43,9 @@ class TinySpec:
     qwen3_moe model's layers are sparse (``num_experts`` experts of ``moe_intermediate_size``,
     ``num_experts_per_tok`` a token), but for ``mlp_only_layers``; a mixtral model's are all sparse, its experts
     ``moe_intermediate_size`` wide too. ``sliding_window``: a window over every layer (a qwen2 or qwen3 model's
-    from layer ``max_window_layers`` on, as transformers reads it)."""
+    from layer ``max_window_layers`` on, as transformers reads it). A phi3 model's RoPE may rotate part of each head
+    (``partial_rotary_factor``, Phi-4-mini's) and its ``rope_scaling`` be LongRoPE's, over
+    ``original_max_position_embeddings``."""
 
     kind: str = "llama"
     vocab_size: int = 384
@@ -71,6 +73,8 @@ class TinySpec:
     query_pre_attn_scalar: int = 256
     attn_logit_softcap: float | None = 50.0
     final_logit_softcap: float | None = 30.0
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
 
 
 def _train_tokenizer(vocab_size: int):
@@ -182,6 +186,10 @@ def _config(spec: TinySpec) -> dict:
         cfg["sliding_window"] = spec.sliding_window
     if spec.kind == "phi3":
         cfg["pad_token_id"] = 0  # (Phi-3's default, 32000, is past a small vocabulary)
+        if spec.partial_rotary_factor != 1.0:
+            cfg["partial_rotary_factor"] = spec.partial_rotary_factor
+        if spec.original_max_position_embeddings is not None:
+            cfg["original_max_position_embeddings"] = spec.original_max_position_embeddings
     if spec.kind in _GEMMA:  # (as the Hub's Gemma configs have it: transformers 5 reads these names too)
         del cfg["hidden_act"]
         gemma2 = spec.kind == "gemma2"

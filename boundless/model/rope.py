@@ -9,9 +9,23 @@ import torch
 from boundless.model.arch import ModelArch, RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """Per-pair rotation frequencies, computed as transformers computes them (bit for bit)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def uses_long_factors(scaling: RopeScaling, max_positions: int) -> bool:
+    """Whether an engine of a LongRoPE model whose context is ``max_positions`` rotates by the long factors: vLLM's
+    rule, when that context is longer than the model's original one. (transformers switches per forward pass, by its
+    longest position, so a sequence that grows past the original context keeps keys rotated by the short factors
+    beside queries rotated by the long ones; one choice per engine keeps every block's keys valid, and a cached
+    prefix the same whatever follows it.)"""
+    return scaling.kind == "longrope" and max_positions > scaling.original_max_position_embeddings
+
+
+def inverse_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling, long: bool = False) -> torch.Tensor:
+    """Per-pair rotation frequencies of the ``rotary_dim`` rotated dimensions of a head, computed as transformers
+    computes them (bit for bit). ``long``: LongRoPE's long factors, else its short ones."""
+    shape = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    if scaling.kind == "longrope":
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * theta**shape)
+    inv_freq = 1.0 / (theta**shape)
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "llama3":
@@ -26,7 +40,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     if scaling.kind == "yarn":
-        return _yarn_frequencies(head_dim, theta, scaling)
+        return _yarn_frequencies(rotary_dim, theta, scaling)
     return inv_freq
 
 
@@ -54,7 +68,9 @@ def _yarn_frequencies(dim: int, base: float, scaling: RopeScaling) -> torch.Tens
 
 class RotaryEmbedding:
     """A cos/sin table for every position, looked up once per step and shared by all layers (or, ``local``, by the
-    sliding-window layers of a model whose own RoPE base they have: Gemma 3's ``local_rope_theta``, unscaled)."""
+    sliding-window layers of a model whose own RoPE base they have: Gemma 3's ``local_rope_theta``, unscaled). Its
+    width is half the rotated dimensions (``ModelArch.rotary_dim``); a LongRoPE model's are by the factors
+    :func:`uses_long_factors` picks for an engine of ``max_positions`` (``long``)."""
 
     def __init__(
         self, arch: ModelArch, max_positions: int, device: torch.device, dtype: torch.dtype, local: bool = False
@@ -62,16 +78,18 @@ class RotaryEmbedding:
         scaling = RopeScaling() if local else arch.rope_scaling
         theta = arch.local_rope_theta if local else arch.rope_theta
         assert theta is not None, "a local table for a model with one RoPE"
-        inv_freq = inverse_frequencies(arch.head_dim, theta, scaling)
+        self.long = uses_long_factors(scaling, max_positions)
+        inv_freq = inverse_frequencies(arch.rotary_dim, theta, scaling, self.long)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        # YaRN scales cos and sin (so q.k by its square) before they are cast, as transformers does (1 otherwise).
+        # YaRN and LongRoPE scale cos and sin (so q.k by the square) before they are cast, as transformers does (1
+        # otherwise).
         scale = scaling.attention_factor
         self.cos = (freqs.cos() * scale).to(device=device, dtype=dtype)
         self.sin = (freqs.sin() * scale).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for these positions, shaped [tokens, 1, head_dim / 2]."""
+        """cos and sin for these positions, shaped [tokens, 1, rotary_dim / 2]."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 

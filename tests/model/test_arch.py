@@ -13,17 +13,25 @@ from boundless.model.rope import inverse_frequencies
 
 
 def test_configs_this_model_cannot_follow_are_refused() -> None:
-    """Phi-3's variants with RoPE on part of each head (Phi-4-mini) or longrope scaling (its 128k models) are refused
-    by name rather than run wrongly, as is any architecture's MLP of another activation than SiLU (it ran as SiLU); a
-    Phi-3 config of full RoPE reads as the fused Llama it is."""
+    """RoPE on part of each head and LongRoPE are Phi-3's (Phi-4-mini's, its 128k models'): another architecture's
+    config with them is refused by name rather than run wrongly (transformers' others rotate whole heads), and so is a
+    LongRoPE config whose factors do not number one per rotated pair; as is any architecture's MLP of another
+    activation than SiLU (it ran as SiLU). A Phi-3 config of full RoPE reads as the fused Llama it is."""
     base = {"model_type": "phi3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 1, "num_attention_heads": 4, "sliding_window": 2047}  # fmt: skip
     arch = ModelArch.from_hf_config(base)
-    assert arch.model_type == "phi3" and arch.sliding_window == 2047 and not arch.num_experts
+    assert arch.model_type == "phi3" and arch.sliding_window == 2047 and not arch.num_experts and arch.rotary_dim == 8
+    assert ModelArch.from_hf_config({**base, "partial_rotary_factor": 0.75}).rotary_dim == 6
     with pytest.raises(ValueError, match="partial_rotary_factor"):
-        ModelArch.from_hf_config({**base, "partial_rotary_factor": 0.75})
+        ModelArch.from_hf_config({**base, "model_type": "llama", "partial_rotary_factor": 0.75})
+    with pytest.raises(ValueError, match="an even number"):  # (8 x 0.3: 2.4, so 2; 8 x 0.2: 1)
+        ModelArch.from_hf_config({**base, "partial_rotary_factor": 0.2})
+    longrope = {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    assert ModelArch.from_hf_config({**base, "rope_scaling": longrope}).rope_scaling.kind == "longrope"
     with pytest.raises(ValueError, match="longrope"):
-        ModelArch.from_hf_config({**base, "rope_scaling": {"type": "longrope", "short_factor": [1.0]}})
+        ModelArch.from_hf_config({**base, "model_type": "mistral", "rope_scaling": longrope})
+    with pytest.raises(ValueError, match="short_factor must list 4"):
+        ModelArch.from_hf_config({**base, "rope_scaling": {**longrope, "short_factor": [1.0]}})
     # An MLP of another activation (transformers builds the config's hidden_act; this model's MLPs are SiLU-gated).
     assert ModelArch.from_hf_config({**base, "hidden_act": "swish"}) == arch
     assert ModelArch.from_hf_config({**base, "hidden_activation": "gelu_pytorch_tanh"}) == arch  # (Gemma's name)
@@ -84,6 +92,58 @@ def test_yarn_matches_transformers(case: str) -> None:
     assert torch.equal(inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling), want_freqs)
     assert arch.rope_scaling.attention_factor == want_factor
     assert arch.context_length == context
+
+
+_FACTORS = {n: [round(1.0 + 0.5 * i * (n == 48), 3) for i in range(n)] for n in (48, 64)}
+LONGROPE_CASES = {
+    # Phi-3.5-mini-instruct and Phi-3-mini-128k-instruct: 96-wide heads rotated whole, 4,096 original positions.
+    "phi-3.5-mini": (
+        {"hidden_size": 3072, "num_attention_heads": 32, "max_position_embeddings": 131072,
+         "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+         "rope_scaling": {"type": "longrope", "short_factor": _FACTORS[48], "long_factor": [4.0] * 48}},
+        96,
+    ),
+    # Phi-4-mini-instruct: 128-wide heads, RoPE on their leading 96 dimensions.
+    "phi-4-mini": (
+        {"hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+         "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75, "rope_theta": 10000.0,
+         "rope_scaling": {"type": "longrope", "short_factor": [1.5] * 48, "long_factor": _FACTORS[48]}},
+        96,
+    ),
+    # The older name ("su"), no original context (Phi3Config's 4,096), an attention factor given.
+    "su": (
+        {"hidden_size": 512, "num_attention_heads": 4, "max_position_embeddings": 65536,
+         "rope_scaling": {"type": "su", "short_factor": [1.0] * 64, "long_factor": _FACTORS[64],
+                          "attention_factor": 1.1}},
+        128,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", LONGROPE_CASES)
+def test_longrope_matches_transformers(case: str) -> None:
+    """LongRoPE's short and long frequencies bit for bit and its attention factor as transformers computes them from
+    the same Phi-3 config (its short ones for a context within the original one, its long ones past it), over the
+    rotated share of each head; an engine's context picks which (vLLM's rule)."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from boundless.model.rope import uses_long_factors
+
+    config, rotary_dim = LONGROPE_CASES[case]
+    config = {"model_type": "phi3", "vocab_size": 64, "intermediate_size": 64, "num_hidden_layers": 1, **config}
+    hf = Phi3Config(**config)
+    arch = ModelArch.from_hf_config(config)
+    assert arch.rotary_dim == rotary_dim and arch.rope_scaling.kind == "longrope"
+    original = arch.rope_scaling.original_max_position_embeddings
+    assert original == 4096 and arch.context_length == config["max_position_embeddings"]
+    for long in (False, True):
+        want_freqs, want_factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", original + 1 if long else None)
+        got = inverse_frequencies(arch.rotary_dim, arch.rope_theta, arch.rope_scaling, long)
+        assert torch.equal(got, want_freqs)
+        assert arch.rope_scaling.attention_factor == want_factor
+    assert not uses_long_factors(arch.rope_scaling, original)
+    assert uses_long_factors(arch.rope_scaling, original + 1)
 
 
 def test_fingerprints_of_models_before_yarn_are_unchanged() -> None:

@@ -95,9 +95,28 @@ def test_rope_in_place_matches_reference(head_dim: int) -> None:
         cos[positions].unsqueeze(1),
         sin[positions].unsqueeze(1),
     )
-    cpu_kernels.rope_(x, heads, head_dim, positions, cos, sin)
+    cpu_kernels.rope_(x, heads, head_dim, head_dim, positions, cos, sin)
     torch.testing.assert_close(x, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch_inplace, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(32, 24), (128, 96), (20, 2)])
+def test_rope_of_part_of_each_head_leaves_the_rest(head_dim: int, rotary_dim: int) -> None:
+    """A partial rotary factor (Phi-4-mini's 3/4): the leading ``rotary_dim`` dimensions of each head rotate
+    (rotate-half within them, as transformers' Phi-3), the others and the rest of the row pass unchanged."""
+    t, heads = 7, 3
+    positions = torch.tensor([0, 5, 9, 77, 2, 3, 40])
+    table = torch.randn(128, rotary_dim // 2)
+    cos, sin = table.cos(), table.sin()
+    x = torch.randn(t, (heads + 1) * head_dim)
+    expected = x.clone()
+    rows = expected[:, : heads * head_dim].view(t, heads, head_dim)
+    rows[..., :rotary_dim] = apply_rotary(
+        rows[..., :rotary_dim], cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    )
+    cpu_kernels.rope_(x, heads, head_dim, rotary_dim, positions, cos, sin)
+    torch.testing.assert_close(x, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(x[:, heads * head_dim :], expected[:, heads * head_dim :])
 
 
 @pytest.mark.parametrize("head_dim", [16, 128, 20])
@@ -119,14 +138,14 @@ def test_rope_normalizes_each_head_first(head_dim: int) -> None:
     rows = expected[:, : heads * head_dim].view(t, heads, head_dim)
     normed = torch.cat([norm(rows[:, :q_heads], q_w), norm(rows[:, q_heads:], k_w)], dim=1)
     rows.copy_(apply_rotary(normed, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)))
-    cpu_kernels.rope_(x, heads, head_dim, positions, cos, sin, cpu_kernels.HeadNorm(q_w, k_w, q_heads, eps))
+    cpu_kernels.rope_(x, heads, head_dim, head_dim, positions, cos, sin, cpu_kernels.HeadNorm(q_w, k_w, q_heads, eps))
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_model_native_path_matches_torch_path(load) -> None:
-    """One step of the tiny Qwen2 (q/k/v biases), Llama (GQA), Qwen3 (head norms), Qwen3-MoE (experts) and Gemma 3 (its
-    norms of the products, GELU and two RoPE tables) on both
-    paths, same logits."""
+    """One step of the tiny Qwen2 (q/k/v biases), Llama (GQA), Qwen3 (head norms), Qwen3-MoE (experts), Gemma 3 (its
+    norms of the products, GELU and two RoPE tables) and Phi-4-mini (RoPE on part of each head) on both paths, same
+    logits."""
     from boundless.attention.backend import AttentionBatch
     from boundless.attention.paged import TorchPagedAttention
     from boundless.kv.tensors import PagedKVCache
@@ -139,6 +158,7 @@ def test_model_native_path_matches_torch_path(load) -> None:
         "tiny-mixtral",
         "tiny-gemma3",
         "tiny-gemma2",
+        "tiny-phi4-mini",
     ):
         model = load(name).model
         arch = model.arch

@@ -57,9 +57,9 @@ TEXTS = [
 class Reference:
     """Greedy tokens and per-step logits of transformers, one prompt at a time (no padding)."""
 
-    def __init__(self, loaded: LoadedModel, model: Any) -> None:
+    def __init__(self, loaded: LoadedModel, model: Any, texts: list[str] = TEXTS) -> None:
         self.loaded = loaded
-        self.prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
+        self.prompts = [loaded.tokenizer.encode(t) for t in texts]
         self.tokens: list[list[int]] = []
         self.logits: list[torch.Tensor] = []
         with torch.inference_mode():
@@ -298,7 +298,8 @@ def _check_flex(ref: Reference, **options: Any) -> EngineCore:
     if options.pop("preempt", False):
         blocks, max_len = _pool_for_preemption(ref.prompts, block_size)
     else:
-        max_len = min(512, ref.loaded.arch.context_length)  # (_engine's --max-model-len, which the pool must hold)
+        # (_engine's --max-model-len, which the pool must hold)
+        max_len = options.pop("max_model_len", min(512, ref.loaded.arch.context_length))
         # All prompts at once and no more: the CPU's eager reference scores every query against the whole pool.
         blocks = max(sum(-(-(len(p) + MAX_NEW) // block_size) for p in ref.prompts), max_len // block_size) + 4
     options.setdefault("max_num_batched_tokens", 64)
@@ -445,6 +446,64 @@ def test_each_part_of_gemma2_counts(
         for layer, value in zip(layers, kept, strict=True):
             if value is not None:
                 setattr(layer, part, value)
+
+
+# LongRoPE and RoPE on part of each head (tiny-phi4-mini, over an original context of 48 positions). transformers
+# rotates a forward pass by the long factors where its longest position is past the original context: the prompts
+# within it (answers included) by the short ones, those past it by the long ones throughout. An engine picks once, by
+# its context (vLLM's rule, rope.uses_long_factors): the short factors within the original context, else the long.
+LONGROPE_CONTEXTS = {"short": 48, "long": 512}
+
+
+def _longrope_reference(regime: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]) -> Reference:
+    """transformers' tokens and logits of the prompts that stay within the original context (``short``) or start
+    past it (``long``)."""
+    key = f"tiny-phi4-mini:{regime}"
+    if key not in _REFERENCES:
+        loaded = load("tiny-phi4-mini")
+        original = loaded.arch.rope_scaling.original_max_position_embeddings
+        sizes = {t: len(loaded.tokenizer.encode(t)) for t in TEXTS}
+        if regime == "short":
+            texts = [t for t in TEXTS if sizes[t] + MAX_NEW <= original]
+        else:
+            texts = [t for t in TEXTS if sizes[t] > original]
+        assert len(texts) >= 3
+        _REFERENCES[key] = Reference(loaded, hf_model("tiny-phi4-mini"), texts)
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize("backend", ["native", "triton", "flex"])
+@pytest.mark.parametrize("regime", ["short", "long"])
+def test_longrope_and_partial_rotary_match_transformers(
+    regime: str, backend: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """Phi-4-mini's RoPE (its leading 3/4 of each head, LongRoPE's factors and attention factor): transformers'
+    greedy tokens on each attention path, an engine within the original context on the prompts that stay in it and
+    a longer one on those past it; on the default path the per-step logits too."""
+    ref = _longrope_reference(regime, load, hf_model)
+    context = LONGROPE_CONTEXTS[regime]
+    if backend == "native":
+        _check_per_step_logits(ref, max_model_len=context)
+        assert _run_greedy(_engine(ref.loaded, max_model_len=context, max_num_batched_tokens=7), ref.prompts) == (
+            ref.tokens
+        )
+        return
+    if backend == "flex":
+        _check_flex(ref, max_model_len=context)
+        return
+    if not triton_paged.available(ref.loaded.device):
+        pytest.skip("triton unavailable")
+    core = _engine(ref.loaded, attention_backend=backend, max_model_len=context, max_num_batched_tokens=64)
+    assert _run_greedy(core, ref.prompts) == ref.tokens
+
+
+def test_longrope_factors_count(load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]) -> None:
+    """The prompts within the original context, on an engine whose context is longer (so rotated by the long
+    factors): transformers' logits (by the short ones) are not met, so the choice of factors is checked above."""
+    ref = _longrope_reference("short", load, hf_model)
+    with pytest.raises(AssertionError, match="largest logit difference"):
+        _check_per_step_logits(ref, max_model_len=LONGROPE_CONTEXTS["long"])
+    _check_per_step_logits(ref, max_model_len=LONGROPE_CONTEXTS["short"])  # (and the table is built again for it)
 
 
 @pytest.mark.parametrize("names", ["transformers-5", "transformers-4"])
@@ -614,8 +673,8 @@ def test_yarn_per_step_logits_match_transformers(
     _check_per_step_logits(ref)
 
 
-def _check_per_step_logits(ref: Reference) -> None:
-    core = _engine(ref.loaded, max_num_batched_tokens=64)
+def _check_per_step_logits(ref: Reference, **options: Any) -> None:
+    core = _engine(ref.loaded, **{"max_num_batched_tokens": 64, **options})
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     for i, p in enumerate(ref.prompts):
         core.add_request(str(i), p, params)

@@ -53,35 +53,43 @@ def test_rms_norm_matches_the_module(dtype: torch.dtype, cols: int, fp32_weight:
         _close(out.cpu(), norm(expected_residual), dtype)
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.75], ids=["whole", "partial"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rotary_in_place_on_fused_qkv_rows(dtype: torch.dtype) -> None:
+def test_rotary_in_place_on_fused_qkv_rows(dtype: torch.dtype, partial: float) -> None:
+    """Each q and k head rotated in place (a Phi-4-mini's leading 3/4 of it: the kernel on a view of them)."""
     heads, kv_heads, d, t = 4, 2, 32, 9
     arch = ModelArch.from_hf_config(
-        {"hidden_size": heads * d, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-         "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 8, "max_position_embeddings": 64}
+        {"model_type": "phi3", "hidden_size": heads * d, "num_attention_heads": heads,
+         "num_key_value_heads": kv_heads, "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 8,
+         "max_position_embeddings": 64, "partial_rotary_factor": partial}
     )  # fmt: skip
     assert arch.rope_scaling == RopeScaling()
+    r = arch.rotary_dim
     rope = RotaryEmbedding(arch, 64, torch.device("cpu"), dtype)
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
     positions = torch.tensor([0, 5, 63, 1, 2, 30, 7, 7, 44])
     rotated = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
     expected = qkv.clone()
-    # The Hugging Face reference: q * cos + rotate_half(q) * sin, each product in the dtype.
+    # The Hugging Face reference: q * cos + rotate_half(q) * sin over the rotated dimensions, each product in the
+    # dtype; the rest of each head as it was.
     ref = rotated.clone()
     cos = torch.cat([rope.cos[positions]] * 2, dim=-1).unsqueeze(1)
     sin = torch.cat([rope.sin[positions]] * 2, dim=-1).unsqueeze(1)
-    half = d // 2
-    rotate_half = torch.cat([-ref[..., half:], ref[..., :half]], dim=-1)
-    expected[:, : (heads + kv_heads) * d] = (ref * cos + rotate_half * sin).reshape(t, -1)
+    half = r // 2
+    part = ref[..., :r]
+    rotate_half = torch.cat([-part[..., half:], part[..., :half]], dim=-1)
+    ref[..., :r] = part * cos + rotate_half * sin
+    expected[:, : (heads + kv_heads) * d] = ref.reshape(t, -1)
     got = qkv.clone().to(DEVICE)
     view = got[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
-    triton_ops.rotary_(view, positions.to(DEVICE), rope.cos.to(DEVICE), rope.sin.to(DEVICE))
+    triton_ops.rotary_(view[..., :r], positions.to(DEVICE), rope.cos.to(DEVICE), rope.sin.to(DEVICE))
     assert torch.equal(got[:, (heads + kv_heads) * d :].cpu(), qkv[:, (heads + kv_heads) * d :])  # v untouched
+    assert torch.equal(view[..., r:].cpu(), rotated[..., r:])  # (and the heads' unrotated dimensions)
     _close(got.cpu(), expected, dtype)  # q and k rotated as the reference rounds
     # And the PyTorch path of this package agrees within its own rounding.
     ours = rotated.clone()
-    apply_rotary_(ours, rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1))
+    apply_rotary_(ours[..., :r], rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1))
     _close(view.cpu(), ours, dtype)
 
 
