@@ -170,7 +170,11 @@ class LongCtxCluster:
         self.instances: list[Instance] = []
         for i in range(config.instances):
             core = EngineCore(
-                engine, layout, ModelIdentity.of(loaded), loaded.tokenizer, build_model_executor(loaded, engine, layout)
+                engine,
+                layout,
+                ModelIdentity.of(loaded, layout.max_model_len),
+                loaded.tokenizer,
+                build_model_executor(loaded, engine, layout),
             )
             net = ShmTransport(directory / setup, f"i{i}", timeout_s=30)
             inst = Instance(f"i{i}", core, net)

@@ -83,11 +83,12 @@ class ModelIdentity:
     generates: bool = True  # False: it only embeds (a base model saved with no LM head)
 
     @staticmethod
-    def of(loaded: LoadedModel) -> ModelIdentity:
+    def of(loaded: LoadedModel, max_model_len: int) -> ModelIdentity:
+        """``loaded``'s, in an engine whose context is ``max_model_len`` (``LoadedModel.kv_fingerprint``)."""
         eos = tuple(sorted(set(loaded.tokenizer.eos_token_ids) | set(loaded.arch.eos_token_ids)))
         return ModelIdentity(
-            loaded.name, loaded.arch.vocab_size, eos, loaded.fingerprint, str(loaded.device), loaded.pooling,
-            loaded.generates,
+            loaded.name, loaded.arch.vocab_size, eos, loaded.kv_fingerprint(max_model_len), str(loaded.device),
+            loaded.pooling, loaded.generates,
         )  # fmt: skip
 
 
@@ -184,7 +185,7 @@ def _blocks_in_fraction(fraction: float, memory: DeviceMemory | None, per_block:
 def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> BlockStore:
     """The persistent KV store at ``--kv-disk-path``, laid out for this model (a split model's rank: its share of the
     blocks, in its share of ``--kv-disk-gb``)."""
-    store_layout = StoreLayout.of_model(loaded, layout.block_size, layout.kv_dtype)
+    store_layout = StoreLayout.of_model(loaded, layout.block_size, layout.kv_dtype, layout.max_model_len)
     root = store_directory(config.cache.kv_disk_path or "")
     return DiskKVStore(root, store_layout, layout.disk_bytes // loaded.tensor_parallel.size)
 

@@ -22,6 +22,7 @@ from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
 from boundless.model.pooling import EmbeddingPooling, read_pooling
 from boundless.model.quantized_checkpoint import QuantizedCheckpoint
+from boundless.model.rope import uses_long_factors
 from boundless.model.tensor_parallel import (
     ONE_DEVICE,
     ShardPlan,
@@ -188,6 +189,15 @@ class LoadedModel:
     pooling: EmbeddingPooling = field(default_factory=EmbeddingPooling)  # its embeddings' (``model/pooling.py``)
     generates: bool = True  # False: an embedding model's base model saved with no LM head (it only embeds)
     classifier: torch.Tensor | None = None  # a classifier's head [labels, hidden] (``model/classifier.py``)
+
+    def kv_fingerprint(self, max_model_len: int) -> str:
+        """The name of the KV this model computes in an engine whose context is ``max_model_len``: its
+        ``fingerprint``, but another where such an engine rotates a LongRoPE model's keys by its long factors
+        (``rope.uses_long_factors``): those blocks are not the short factors' (a store kept over a restart with
+        another context, the prefill and decode engines of a split)."""
+        if not uses_long_factors(self.arch.rope_scaling, max_model_len):
+            return self.fingerprint
+        return hashlib.sha256(f"{self.fingerprint}:longrope-long".encode()).hexdigest()[:16]
 
 
 def _safetensors_weights(

@@ -85,7 +85,9 @@ def serve(
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
     executor = build_model_executor(loaded, config, layout, store=store)
-    engine = AsyncEngine(EngineCore(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor))
+    engine = AsyncEngine(
+        EngineCore(config, layout, ModelIdentity.of(loaded, layout.max_model_len), loaded.tokenizer, executor)
+    )
     server = start_in_thread(engine, NAME)
     try:
         yield Served(engine, server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0))

@@ -28,7 +28,11 @@ def _engine(loaded, kv_cache_dtype: str = "auto") -> EngineCore:
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
     return EngineCore(
-        config, layout, ModelIdentity.of(loaded), loaded.tokenizer, build_model_executor(loaded, config, layout)
+        config,
+        layout,
+        ModelIdentity.of(loaded, layout.max_model_len),
+        loaded.tokenizer,
+        build_model_executor(loaded, config, layout),
     )
 
 

@@ -93,7 +93,11 @@ def _engine(loaded: LoadedModel, prefix_caching: bool, host_tier: bool) -> Engin
     )
     layout = dataclasses.replace(size_engine(config, loaded.arch, loaded.dtype), max_model_len=2 * POOL * BLOCK)
     return EngineCore(
-        config, layout, ModelIdentity.of(loaded), loaded.tokenizer, build_model_executor(loaded, config, layout)
+        config,
+        layout,
+        ModelIdentity.of(loaded, layout.max_model_len),
+        loaded.tokenizer,
+        build_model_executor(loaded, config, layout),
     )
 
 

@@ -44,7 +44,11 @@ def engine(
     )
     layout = dataclasses.replace(size_engine(config, loaded.arch, loaded.dtype), max_model_len=max_model_len)
     return EngineCore(
-        config, layout, ModelIdentity.of(loaded), loaded.tokenizer, build_model_executor(loaded, config, layout)
+        config,
+        layout,
+        ModelIdentity.of(loaded, layout.max_model_len),
+        loaded.tokenizer,
+        build_model_executor(loaded, config, layout),
     )
 
 

@@ -93,7 +93,7 @@ def _disk_engine(
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
     executor = build_model_executor(loaded, config, layout, store=store)
-    return EngineCore(config, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor)
+    return EngineCore(config, layout, ModelIdentity.of(loaded, layout.max_model_len), loaded.tokenizer, executor)
 
 
 def _tokens(core: EngineCore, request_id: str, outputs: dict[str, list[int]]) -> list[int]:

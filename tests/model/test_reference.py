@@ -506,6 +506,20 @@ def test_longrope_factors_count(load: Callable[[str], LoadedModel], hf_model: Ca
     _check_per_step_logits(ref, max_model_len=LONGROPE_CONTEXTS["short"])  # (and the table is built again for it)
 
 
+def test_the_long_factors_kv_is_named_otherwise(load: Callable[[str], LoadedModel]) -> None:
+    """Keys rotated by LongRoPE's long factors are not the short factors': an engine past the original context names
+    its blocks (the prefix cache's, the disk store's, a split's handoffs) otherwise than one within it; a model
+    without LongRoPE names them the same whatever its context."""
+    from boundless.kv.disk_store import StoreLayout
+
+    phi4, llama = load("tiny-phi4-mini"), load("tiny-llama")
+    short, long = LONGROPE_CONTEXTS["short"], LONGROPE_CONTEXTS["long"]
+    assert ModelIdentity.of(phi4, short).fingerprint == phi4.fingerprint
+    assert ModelIdentity.of(phi4, long).fingerprint != phi4.fingerprint
+    assert StoreLayout.of_model(phi4, 16, None, long).digest() != StoreLayout.of_model(phi4, 16, None, short).digest()
+    assert ModelIdentity.of(llama, short).fingerprint == ModelIdentity.of(llama, long).fingerprint == llama.fingerprint
+
+
 @pytest.mark.parametrize("names", ["transformers-5", "transformers-4"])
 def test_a_gemma3_multimodal_checkpoint_serves_its_text_model(
     names: str,
@@ -800,7 +814,7 @@ def test_prefixes_from_host_memory_and_from_disk_match_transformers(
     assert layout.num_host_blocks == host_blocks
     store = dict_store() if tier == DISK else None
     executor = build_model_executor(loaded, cfg, layout, store=store)
-    core = EngineCore(cfg, layout, ModelIdentity.of(loaded), loaded.tokenizer, executor)
+    core = EngineCore(cfg, layout, ModelIdentity.of(loaded, layout.max_model_len), loaded.tokenizer, executor)
     first = _run_greedy(core, ref.prompts, "first-")
     executor.kv_io.flush()  # the first round's blocks are in the store
     cached_before = dict(core.scheduler.stats.cached_tokens_by_tier)
