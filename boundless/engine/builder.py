@@ -34,6 +34,7 @@ from boundless.kv.transfer import HOST, TierId
 from boundless.model.arch import ModelArch
 from boundless.model.loader import LoadedModel
 from boundless.model.pooling import EmbeddingPooling
+from boundless.model.rope import uses_long_factors
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +289,14 @@ def _build_model_executor(
         )
     check_host_memory(config, layout, loaded.device, physical_memory_bytes())
     loaded.model.prepare(layout.max_model_len)
+    scaling = arch.rope_scaling
+    if scaling.kind == "longrope":  # (as vLLM warns: the long factors cost some quality on short sequences)
+        long = uses_long_factors(scaling, layout.max_model_len)
+        log.info(
+            "LongRoPE: the %s factors (--max-model-len %d is %s the original context of %d)",
+            "long" if long else "short", layout.max_model_len, "past" if long else "within",
+            scaling.original_max_position_embeddings,
+        )  # fmt: skip
     kv_cache, lower_tiers = kv_memory(arch, layout, loaded.device)
     log.info(
         "KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB in %s%s)",
