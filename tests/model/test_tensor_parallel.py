@@ -132,6 +132,11 @@ def _ranks_run(path: Path, size: int, **load: object) -> list[tuple[torch.Tensor
 GEMMA3 = TinySpec(
     kind="gemma3_text", num_heads=4, num_kv_heads=1, head_dim=32, seed=11, sliding_window=10, sliding_window_pattern=2
 )
+PHI4_MINI = TinySpec(
+    kind="phi3", hidden_size=128, num_heads=4, num_kv_heads=2, seed=14, tie_word_embeddings=True,
+    partial_rotary_factor=0.75, max_position_embeddings=512, original_max_position_embeddings=48,
+    rope_scaling={"type": "longrope", "short_factor": [1.0] * 12, "long_factor": [1.0 + i for i in range(12)]},
+)  # fmt: skip
 CASES = {
     # (spec, load options, tolerance against the whole model)
     "llama-native-fp32": (TinySpec(num_heads=4, num_kv_heads=2), {}, 1e-4),
@@ -140,6 +145,8 @@ CASES = {
     "phi3-fused": (TinySpec(kind="phi3", num_heads=4, num_kv_heads=2, seed=6), {}, 1e-4),
     # (Gemma 3: each rank's products summed before they are normed; its one key/value head on both ranks.)
     "gemma3-norms-of-sums": (GEMMA3, {}, 1e-4),
+    # (Phi-4-mini: each rank's heads rotated on their leading 3/4, by LongRoPE's long factors; tied embeddings.)
+    "phi4-mini-partial-longrope": (PHI4_MINI, {}, 1e-4),
     "llama-torch-bf16": (TinySpec(num_heads=4, num_kv_heads=2), {"dtype": "bfloat16"}, 0.15),
 }
 
