@@ -122,6 +122,19 @@ TINY_SPECS = {
             "long_factor": [round(1.0 + 1.7 * i, 2) for i in range(12)],
         },
     ),
+    # Granite 3: a Llama with µP's multipliers of the embeddings (12), of each product joining the residual stream
+    # (0.22), the softmax scale itself (1/64, not head_dim's 1/4) and the logits' divisor (8); GQA. (Its embeddings
+    # untied: tied, at these random weights, each answer would repeat the token before it.)
+    "tiny-granite": TinySpec(
+        kind="granite",
+        num_heads=4,
+        num_kv_heads=2,
+        seed=15,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.015625,
+        logits_scaling=8.0,
+    ),
     # Qwen3 with YaRN (factor 4 over an original 32 positions: most prompts run past it, where it interpolates).
     "tiny-qwen3-yarn": TinySpec(
         kind="qwen3",

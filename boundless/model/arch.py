@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
-    "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
+    "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "granite",
 )  # fmt: skip
 # The architectures that norm each query and key head before RoPE (ModelArch.qk_norm), whatever the file format.
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -177,6 +177,10 @@ class ModelArch:
     ``query_pre_attn_scalar ** -0.5`` rather than ``head_dim ** -0.5`` (``attention_scale``). Gemma 3 has Qwen3's
     head norms; Gemma 2 none, but caps attention's scaled scores and the logits, ``cap * tanh(x / cap)``
     (``attn_logit_softcap``, ``final_logit_softcap``), and every layer has one RoPE.
+
+    Granite (IBM's Granite 3): a Llama with four multipliers, µP's: of the embeddings (``embedding_multiplier``), of
+    attention's and the MLP's outputs before they join the residual stream (``residual_multiplier``), attention's
+    softmax scale itself (``attention_multiplier``), and the logits divided by ``logits_scaling``.
     """
 
     model_type: str
@@ -209,6 +213,10 @@ class ModelArch:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     partial_rotary_factor: float = 1.0
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         sizes = {
@@ -255,8 +263,9 @@ class ModelArch:
 
     @property
     def embedding_scale(self) -> float:
-        """What the embeddings are multiplied by (in the model's dtype): Gemma's sqrt(hidden_size), else 1."""
-        return self.hidden_size**0.5 if self.model_type in GEMMA_ARCHITECTURES else 1.0
+        """What the embeddings are multiplied by: Gemma's sqrt(hidden_size) (rounded to the model's dtype first, as
+        transformers' Gemma rounds it), Granite's ``embedding_multiplier``, else 1."""
+        return self.hidden_size**0.5 if self.model_type in GEMMA_ARCHITECTURES else self.embedding_multiplier
 
     @property
     def norm_weight_offset(self) -> float:
@@ -265,8 +274,10 @@ class ModelArch:
 
     @property
     def attention_scale(self) -> float:
-        """The softmax scale of attention's scores: ``head_dim ** -0.5``, or Gemma's ``query_pre_attn_scalar ** -0.5``
-        (every attention backend takes it)."""
+        """The softmax scale of attention's scores: ``head_dim ** -0.5``, Gemma's ``query_pre_attn_scalar ** -0.5`` or
+        Granite's ``attention_multiplier`` (every attention backend takes it)."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_window(self, layer: int) -> int | None:
@@ -298,8 +309,12 @@ class ModelArch:
             del fields["qk_norm"]
         if not self.full_attention_layers:
             del fields["full_attention_layers"]
-        later = ("local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
-        for name, default in (("hidden_act", "silu"), ("partial_rotary_factor", 1.0), *((n, None) for n in later)):
+        later = (
+            "local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+            "attention_multiplier",
+        )  # fmt: skip
+        ones = ("partial_rotary_factor", "embedding_multiplier", "residual_multiplier", "logits_scaling")
+        for name, default in (("hidden_act", "silu"), *((n, 1.0) for n in ones), *((n, None) for n in later)):
             if fields[name] == default:
                 del fields[name]
         if not self.num_experts:
@@ -357,9 +372,9 @@ class ModelArch:
         final_cap = cfg.get("final_logit_softcapping") if gemma else None
         # transformers' Llama and Qwen3 put attention_bias on o_proj too, and Llama's mlp_bias on the MLP: biases this
         # model has not (Mistral, Mixtral and Phi-3 read neither field; Qwen2 has q/k/v biases whatever it says).
-        if cfg.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_ARCHITECTURES):
+        if cfg.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "granite", *GEMMA_ARCHITECTURES):
             raise ValueError("attention_bias is not supported: it biases o_proj too, which this model cannot")
-        if cfg.get("mlp_bias") and model_type == "llama":
+        if cfg.get("mlp_bias") and model_type in ("llama", "granite"):
             raise ValueError("mlp_bias is not supported: this model's MLPs have no biases")
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         if kind == "yarn":
@@ -451,7 +466,19 @@ class ModelArch:
             attn_logit_softcap=float(attn_cap) if attn_cap else None,
             final_logit_softcap=float(final_cap) if final_cap else None,
             partial_rotary_factor=partial,
+            **(_granite_multipliers(cfg) if model_type == "granite" else {}),
         )
+
+
+def _granite_multipliers(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four multipliers from its config (GraniteConfig's defaults: 1, none changing the Llama)."""
+    attention = cfg.get("attention_multiplier")
+    return {
+        "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+        "attention_multiplier": float(attention if attention is not None else 1.0),
+        "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+    }
 
 
 # A multimodal checkpoint's tensors its text model does not read (Gemma 3's vision tower and its projector, under

@@ -210,6 +210,8 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.rotary_dim = arch.rotary_dim  # each head's leading dimensions RoPE rotates (Phi-4-mini's: 3/4 of them)
+        # What attention's and the MLP's outputs are multiplied by as they join the residual stream (Granite's).
+        self.residual_multiplier = arch.residual_multiplier
         self.window = arch.layer_window(index)  # its sliding window (None: the whole context)
         # Gemma 3's sliding-window layers rotate by their own RoPE table (LlamaModel.local_rope).
         self.local_rope = self.window is not None and arch.local_rope_theta is not None
@@ -334,7 +336,7 @@ class DecoderLayer(nn.Module):
         attn = attention.forward(q, k, v, cache, attn_meta, self.window).reshape(t, -1)
         out = self.product("o", attn)
         out = self._summed(out if lora is None else lora.add_(index, O_PROJ, attn, out))
-        hidden += out if self.attn_out_norm is None else self.attn_out_norm(out)
+        hidden += self._scaled(out if self.attn_out_norm is None else self.attn_out_norm(out))
         x = self.post_attention_norm(hidden)
         if self.moe is not None:
             hidden += self.moe(x, self.widened_experts)
@@ -346,8 +348,13 @@ class DecoderLayer(nn.Module):
         act = self.activate(*gate_up.chunk(2, dim=-1))
         out = self.product("down", act)
         out = self._summed(out if lora is None else lora.add_(index, DOWN, act, out))
-        hidden += out if self.mlp_out_norm is None else self.mlp_out_norm(out)
+        hidden += self._scaled(out if self.mlp_out_norm is None else self.mlp_out_norm(out))
         return hidden
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """A product about to join the residual stream, times ``residual_multiplier`` (in place; itself for 1), as
+        transformers' Granite multiplies it before the add."""
+        return out if self.residual_multiplier == 1.0 else out.mul_(self.residual_multiplier)
 
     def _rotated(self, heads: torch.Tensor) -> torch.Tensor:
         """The dimensions of ``heads`` [tokens, heads, head_dim] that RoPE rotates: a view of the leading
@@ -398,7 +405,7 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             out = self.attn_out_norm.fused(out)
         # hidden += o_proj(attn), and its norm, in one kernel.
-        x = norm_post.fused(hidden, out)
+        x = norm_post.fused(hidden, self._scaled(out))
         if self.moe is not None:
             return hidden, self.moe(x)
         assert self.gate_up_weight is not None and self.down_weight is not None
@@ -410,7 +417,7 @@ class DecoderLayer(nn.Module):
         out = self._summed(out if lora is None else lora.add_(index, DOWN, act, out))
         if self.mlp_out_norm is not None:
             out = self.mlp_out_norm.fused(out)
-        return hidden, out
+        return hidden, self._scaled(out)
 
     def forward_packed(
         self,
@@ -450,15 +457,17 @@ class DecoderLayer(nn.Module):
             attn = attn.contiguous()
         post, attn_out_norm, mlp_out_norm = self.post_attention_norm, self.attn_out_norm, self.mlp_out_norm
         gate_up, down = packed.gate_up, packed.down
-        if (gate_up is not None and down is not None and self.reduce is None and attn_out_norm is None) and (
+        # (The products go straight into the stream where nothing comes between: no sum over ranks, norm or multiplier.)
+        direct = self.reduce is None and attn_out_norm is None and self.residual_multiplier == 1.0
+        if (gate_up is not None and down is not None and direct) and (
             not self.gelu and (lora is None or not any(lora.touches(index, t) for t in (O_PROJ, GATE_UP, DOWN)))
         ):
             cpu_kernels.layer_out(attn, hidden, packed.o, post.weight, post.eps, x, gate_up, step.act, down)
             return hidden
         # Taken apart: for LoRA adapters, to sum a tensor-parallel rank's products with the others' before each is
         # added to the stream (an adapter's share of a rank's product, from the rank's part of its A, is in the sum),
-        # or for Gemma's norms of the products and its GELU (the kernel's gate is SiLU).
-        if self.reduce is None and attn_out_norm is None:
+        # for Gemma's norms of the products and its GELU (the kernel's gate is SiLU), or Granite's multiplier.
+        if direct:
             packed.o.matmul(attn, hidden, accumulate=True)
             if lora is not None:
                 lora.add_(index, O_PROJ, attn, hidden)
@@ -469,7 +478,7 @@ class DecoderLayer(nn.Module):
             out = self._summed(out)
             if attn_out_norm is not None:
                 cpu_kernels.rms_norm(out, attn_out_norm.weight, attn_out_norm.eps, out)
-            hidden += out
+            hidden += self._scaled(out)
         cpu_kernels.rms_norm(hidden, post.weight, post.eps, x)
         if self.moe is not None:
             hidden += self.moe(x, packed.experts)
@@ -483,7 +492,7 @@ class DecoderLayer(nn.Module):
             act = self.activate(gate, up, out=step.act)
         else:
             act = gate_up.matmul(x, step.act)
-        if self.reduce is None and mlp_out_norm is None:
+        if direct:  # (Gemma's output norms come both or neither)
             down.matmul(act, hidden, accumulate=True)
             if lora is not None:
                 lora.add_(index, DOWN, act, hidden)
@@ -494,7 +503,7 @@ class DecoderLayer(nn.Module):
             out = self._summed(out)
             if mlp_out_norm is not None:
                 cpu_kernels.rms_norm(out, mlp_out_norm.weight, mlp_out_norm.eps, out)
-            hidden += out
+            hidden += self._scaled(out)
         return hidden
 
 
@@ -740,8 +749,11 @@ class LlamaModel(nn.Module):
         return hidden if self.arch.embedding_scale == 1.0 else hidden.mul_(self._embedding_scale(hidden))
 
     def _embedding_scale(self, hidden: torch.Tensor) -> float:
-        # The scale rounded to the model's dtype as transformers rounds it (a float32 tensor cast), made on the host:
-        # a tensor made on the device would be a copy inside a CUDA graph's capture.
+        # Gemma's scale rounded to the model's dtype as transformers rounds it (a float32 tensor cast), made on the
+        # host: a tensor made on the device would be a copy inside a CUDA graph's capture. (Granite's multiplier is a
+        # Python float there, as here.)
+        if self.arch.norm_weight_offset == 0:
+            return self.arch.embedding_scale
         return float(torch.tensor(self.arch.embedding_scale).to(hidden.dtype))
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
@@ -753,6 +765,8 @@ class LlamaModel(nn.Module):
         logits = self.head(hidden)
         if self.vocab_split and self.gather is not None:
             logits = self.gather(logits)
+        if self.arch.logits_scaling != 1.0:  # (Granite's)
+            logits = logits / self.arch.logits_scaling
         if (cap := self.arch.final_logit_softcap) is not None:  # (Gemma 2's)
             logits = soft_cap(logits, cap)
         return logits.float() if float32 else logits

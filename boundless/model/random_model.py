@@ -35,10 +35,10 @@ _CORPUS = [
 
 @dataclass(frozen=True)
 class TinySpec:
-    """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, phi3, gemma2 or
-    gemma3_text (Gemma's: its sliding-window layers all but every ``sliding_window_pattern``-th, Gemma 3's rotated on
-    ``local_rope_theta``, its softmax scale ``query_pre_attn_scalar ** -0.5``, Gemma 2's scores and logits capped
-    at ``attn_logit_softcap`` and ``final_logit_softcap``). ``head_dim``:
+    """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, phi3, gemma2,
+    gemma3_text or granite (Gemma's: its sliding-window layers all but every ``sliding_window_pattern``-th, Gemma 3's
+    rotated on ``local_rope_theta``, its softmax scale ``query_pre_attn_scalar ** -0.5``, Gemma 2's scores and logits
+    capped at ``attn_logit_softcap`` and ``final_logit_softcap``; Granite's four multipliers). ``head_dim``:
     by default ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size). A
     qwen3_moe model's layers are sparse (``num_experts`` experts of ``moe_intermediate_size``,
     ``num_experts_per_tok`` a token), but for ``mlp_only_layers``; a mixtral model's are all sparse, its experts
@@ -75,6 +75,11 @@ class TinySpec:
     final_logit_softcap: float | None = 30.0
     partial_rotary_factor: float = 1.0
     original_max_position_embeddings: int | None = None
+    # Granite's multipliers (GraniteConfig's defaults).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
 
 def _train_tokenizer(vocab_size: int):
@@ -129,6 +134,7 @@ _ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 _GEMMA = ("gemma2", "gemma3_text")
 
@@ -190,6 +196,15 @@ def _config(spec: TinySpec) -> dict:
             cfg["partial_rotary_factor"] = spec.partial_rotary_factor
         if spec.original_max_position_embeddings is not None:
             cfg["original_max_position_embeddings"] = spec.original_max_position_embeddings
+    if spec.kind == "granite":
+        cfg.update(
+            embedding_multiplier=spec.embedding_multiplier,
+            residual_multiplier=spec.residual_multiplier,
+            attention_multiplier=spec.attention_multiplier,
+            logits_scaling=spec.logits_scaling,
+            attention_bias=False,
+            mlp_bias=False,
+        )
     if spec.kind in _GEMMA:  # (as the Hub's Gemma configs have it: transformers 5 reads these names too)
         del cfg["hidden_act"]
         gemma2 = spec.kind == "gemma2"

@@ -146,6 +146,38 @@ def test_longrope_matches_transformers(case: str) -> None:
     assert uses_long_factors(arch.rope_scaling, original + 1)
 
 
+# ibm-granite/granite-3.3-8b-instruct's config.json (as the Hub has it).
+GRANITE_3_3_8B = {
+    "architectures": ["GraniteForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attention_multiplier": 0.0078125, "bos_token_id": 0, "embedding_multiplier": 12.0, "eos_token_id": 0,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12800,
+    "logits_scaling": 16.0, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "granite",
+    "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8, "pad_token_id": 0,
+    "residual_multiplier": 0.22, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000000.0,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 49159,
+}  # fmt: skip
+
+
+def test_granite_reads_its_multipliers_as_transformers_does() -> None:
+    """Granite 3.3's multipliers, and GraniteConfig's defaults where a config has none (a softmax scale of 1, not
+    the head size's); its biases are refused as Llama's are (they bias o_proj too)."""
+    from transformers import GraniteConfig
+
+    arch = ModelArch.from_hf_config(GRANITE_3_3_8B)
+    assert (arch.embedding_scale, arch.residual_multiplier, arch.attention_scale, arch.logits_scaling) == (
+        12.0, 0.22, 0.0078125, 16.0,
+    )  # fmt: skip
+    assert arch.tie_word_embeddings and arch.num_kv_heads == 8 and arch.rope_theta == 1e7
+    bare = {k: v for k, v in GRANITE_3_3_8B.items() if not k.endswith(("_multiplier", "_scaling"))}
+    hf = GraniteConfig(**bare)
+    arch = ModelArch.from_hf_config(bare)
+    assert arch.embedding_scale == hf.embedding_multiplier and arch.residual_multiplier == hf.residual_multiplier
+    assert arch.attention_scale == hf.attention_multiplier == 1.0 and arch.logits_scaling == hf.logits_scaling
+    for field in ("attention_bias", "mlp_bias"):
+        with pytest.raises(ValueError, match=field):
+            ModelArch.from_hf_config({**GRANITE_3_3_8B, field: True})
+
+
 def test_fingerprints_of_models_before_yarn_are_unchanged() -> None:
     """A fingerprint names every KV block, on disk too: the YaRN fields enter only a YaRN model's (these digests were
     computed before they existed), and YaRN's parameters change it."""

@@ -120,7 +120,8 @@ def _case(name: str, load: Callable, hf_model: Callable, tmp_path_factory: pytes
 
 
 @pytest.fixture(
-    scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma2", "smollm2-135m"]
+    scope="module",
+    params=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma2", "tiny-granite", "smollm2-135m"],
 )
 def case(
     request: pytest.FixtureRequest, load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathFactory

@@ -155,13 +155,13 @@ GREEDY_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-phi3", "tiny-qwen3-yarn"])
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-phi3", "tiny-qwen3-yarn", "tiny-granite"])
 def test_more_architectures_greedy_match_transformers(
     name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
     """Mixtral (the same mixture of experts as Qwen3-MoE's, under its own names, in every layer), Phi-3 (a Llama
-    whose checkpoint fuses q/k/v and gate/up) and a Qwen3 with YaRN RoPE scaling, in one batch with prefix caching;
-    the other configurations run on the architectures above."""
+    whose checkpoint fuses q/k/v and gate/up), a Qwen3 with YaRN RoPE scaling and Granite (its multipliers), in one
+    batch with prefix caching; the other configurations run on the architectures above."""
     ref = _reference(name, load, hf_model)
     assert _run_greedy(_engine(ref.loaded), ref.prompts) == ref.tokens
 
@@ -234,6 +234,7 @@ TRITON_MODELS = [
     pytest.param("tiny-qwen2-window", marks=pytest.mark.slow if _ON_CPU else ()),
     "tiny-gemma3",  # (the fused path's norms of each output, its GELU, a RoPE table a kind of layer)
     "tiny-gemma2",  # (the kernel's capped scores)
+    "tiny-granite",  # (the fused path's multiplied products, a softmax scale of its own)
     "smollm2-135m",
 ]
 
@@ -265,6 +266,7 @@ FLEX_MODELS = [
     "tiny-qwen2-window",
     "tiny-gemma3",
     "tiny-gemma2",  # (its cap of the scores, a score_mod)
+    "tiny-granite",
     pytest.param("smollm2-135m", marks=pytest.mark.slow),
 ]
 
@@ -518,6 +520,34 @@ def test_the_long_factors_kv_is_named_otherwise(load: Callable[[str], LoadedMode
     assert ModelIdentity.of(phi4, long).fingerprint != phi4.fingerprint
     assert StoreLayout.of_model(phi4, 16, None, long).digest() != StoreLayout.of_model(phi4, 16, None, short).digest()
     assert ModelIdentity.of(llama, short).fingerprint == ModelIdentity.of(llama, long).fingerprint == llama.fingerprint
+
+
+@pytest.mark.parametrize(
+    "part", ["embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"]
+)
+def test_each_part_of_granite_counts(
+    part: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """Granite's four multipliers: the per-step logits match transformers' with them (and its greedy tokens,
+    test_more_architectures_...) and not with any one of them 1 (the attention's scale: head_dim's)."""
+    ref = _reference("tiny-granite", load, hf_model)
+    assert sum(len(set(tokens)) for tokens in ref.tokens) > 3 * len(ref.tokens)  # (not one token over and over)
+    _check_per_step_logits(ref)
+    model, arch = ref.loaded.model, ref.loaded.arch
+    layers = list(model.layers)
+    try:
+        # (The embeddings, the logits and the engine's attention backend read the arch; the layers their own.)
+        model.arch = dataclasses.replace(arch, **{part: None if part == "attention_multiplier" else 1.0})
+        for layer in layers:
+            layer.residual_multiplier = model.arch.residual_multiplier
+        changed = copy.copy(ref)
+        changed.loaded = dataclasses.replace(ref.loaded, arch=model.arch)
+        with pytest.raises(AssertionError, match="largest logit difference"):
+            _check_per_step_logits(changed)
+    finally:
+        model.arch = arch
+        for layer in layers:
+            layer.residual_multiplier = arch.residual_multiplier
 
 
 @pytest.mark.parametrize("names", ["transformers-5", "transformers-4"])

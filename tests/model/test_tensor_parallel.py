@@ -147,6 +147,21 @@ CASES = {
     "gemma3-norms-of-sums": (GEMMA3, {}, 1e-4),
     # (Phi-4-mini: each rank's heads rotated on their leading 3/4, by LongRoPE's long factors; tied embeddings.)
     "phi4-mini-partial-longrope": (PHI4_MINI, {}, 1e-4),
+    # (Granite: each rank's products summed before the sum is multiplied into the stream.)
+    "granite-multipliers": (
+        TinySpec(
+            kind="granite",
+            num_heads=4,
+            num_kv_heads=2,
+            seed=15,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.015625,
+            logits_scaling=8.0,
+        ),
+        {},
+        1e-4,
+    ),
     "llama-torch-bf16": (TinySpec(num_heads=4, num_kv_heads=2), {"dtype": "bfloat16"}, 0.15),
 }
 
