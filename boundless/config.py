@@ -778,7 +778,8 @@ class ServerConfig:
             "help": "read tool calls in this shape only (vLLM's names): hermes (JSON in <tool_call> tags), qwen3_coder "
             "or qwen3_xml (Qwen3-Coder's XML in them), llama3_json or llama4_json (bare JSON), pythonic or "
             "llama4_pythonic (a Python list of calls, Llama 3.2's and 4's), mistral ([TOOL_CALLS]), phi4_mini_json "
-            "(functools[...]), deepseek_v3 or deepseek_v31; without it, all of them"
+            "(functools[...]), granite (a JSON list after <|tool_call|>), deepseek_v3 or deepseek_v31; without it, "
+            "all of them"
         },
     )
     strict_tool_calls: bool = field(

@@ -79,6 +79,8 @@ TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "mistral": frozenset({MISTRAL}),
     # (and the bare list Phi-4-mini writes between its <|tool_call|> tokens, special ones that decoded text leaves out)
     "phi4_mini_json": frozenset({FUNCTOOLS, BARE_JSON}),
+    # (Granite 3's list after <|tool_call|>, a special token decoded text leaves out, or after <tool_call> as text)
+    "granite": frozenset({TAGGED_JSON, BARE_JSON}),
     "deepseek_v3": frozenset({DEEPSEEK}),  # (V3's and R1's calls, and V3.1's: either reads both)
     "deepseek_v31": frozenset({DEEPSEEK}),
 }

@@ -25,6 +25,7 @@ from boundless.api.tool_calls import (
     DEEPSEEK,
     FUNCTOOLS,
     MISTRAL,
+    TAGGED_JSON,
     TOOL_CALL_PARSERS,
     CallStream,
     ContentStream,
@@ -237,6 +238,32 @@ def test_phi4_mini_calls(formats: frozenset[str]) -> None:
     assert _named(parse_tool_calls(bare, TYPES, formats)[1]) == [("get_weather", {"city": "Paris", "days": [1, [2]]})]
 
 
+# -- Granite 3's list after <|tool_call|> ------------------------------------------------------------------------------
+
+GRANITE_LIST = (
+    '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "set_units", "arguments": {"metric": true, "scale": "C"}}]'
+)
+
+
+@pytest.mark.parametrize("formats", [TOOL_CALL_PARSERS["granite"], ALL_FORMATS], ids=["granite", "no parser"])
+@pytest.mark.parametrize("tag", ["", "<tool_call>"], ids=["special-token", "text-tag"])
+def test_granite_calls(formats: frozenset[str], tag: str) -> None:
+    """vLLM's ``granite`` reads Granite 3's JSON list after ``<|tool_call|>`` (a special token: decoded text has only
+    the list) or after ``<tool_call>`` written as text, with no end tag. Streamed, the tagged list's calls as they are
+    written, the bare list's at the end (as Llama's bare JSON: text after it would make it an answer); a list that
+    does not read whole is text."""
+    text = tag + GRANITE_LIST
+    content, calls = parse_tool_calls(text, TYPES, formats)
+    assert content is None and _named(calls) == TWO_CALLS
+    streamed, deltas, streamed_calls = _stream(text, formats)
+    assert streamed == "" and (len(deltas) > 20 if tag else len(deltas) == 2)
+    assert _together(deltas) == [(c.id, c.name, c.arguments) for c in streamed_calls]
+    assert _named(streamed_calls) == TWO_CALLS
+    cut = text[:30]
+    assert parse_tool_calls(cut, TYPES, formats) == (cut, [])
+
+
 # -- SmolLM2's list in a <tool_call> block ----------------------------------------------------------------------------
 
 SMOL = (
@@ -298,6 +325,7 @@ def test_deepseek_calls(text: str, parser: str | None) -> None:
     [
         ("mistral", {MISTRAL}),
         ("phi4_mini_json", {FUNCTOOLS, BARE_JSON}),
+        ("granite", {TAGGED_JSON, BARE_JSON}),
         ("llama4_json", {BARE_JSON}),
         ("deepseek_v3", {DEEPSEEK}),
         ("deepseek_v31", {DEEPSEEK}),
