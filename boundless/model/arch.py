@@ -138,12 +138,13 @@ def longrope_scaling(
     ``original_max_position_embeddings`` (else the model's); without ``factor`` the ratio of the two contexts, and
     without ``attention_factor`` ``sqrt(1 + ln(factor) / ln(original))`` (1 for a factor of 1 or less)."""
     original = int(original_max_position_embeddings or max_position_embeddings)
-    factors = {}
-    for name in ("short_factor", "long_factor"):
+
+    def factors(name: str) -> tuple[float, ...]:
         values = rope.get(name)
         if not isinstance(values, list | tuple) or len(values) != pairs:
             raise ValueError(f"longrope's {name} must list {pairs} factors (one per rotated pair), not {values!r}")
-        factors[name] = tuple(float(v) for v in values)
+        return tuple(float(v) for v in values)
+
     factor = float(rope.get("factor") or max_position_embeddings / original)
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
@@ -153,7 +154,8 @@ def longrope_scaling(
         factor=factor,
         original_max_position_embeddings=original,
         attention_factor=float(attention_factor),
-        **factors,
+        short_factor=factors("short_factor"),
+        long_factor=factors("long_factor"),
     )
 
 
