@@ -135,6 +135,9 @@ TINY_SPECS = {
         attention_multiplier=0.015625,
         logits_scaling=8.0,
     ),
+    # GLM-4 (0414): q/k/v biases, gate/up fused in the checkpoint, four norms a layer (GLM-4's names) and RoPE on half
+    # of each head rotating adjacent pairs (its q and k rows reordered as they load), GQA.
+    "tiny-glm4": TinySpec(kind="glm4", num_heads=4, num_kv_heads=2, head_dim=32, seed=16, partial_rotary_factor=0.5),
     # Qwen3 with YaRN (factor 4 over an original 32 positions: most prompts run past it, where it interpolates).
     "tiny-qwen3-yarn": TinySpec(
         kind="qwen3",

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
-    "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "granite",
+    "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "granite", "glm4",
 )  # fmt: skip
 # The architectures that norm each query and key head before RoPE (ModelArch.qk_norm), whatever the file format.
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -37,6 +37,8 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     # (Phi3Config's: a LongRoPE scaling's original context, where a config has none.)
     "phi3": {"original_max_position_embeddings": 4096},
+    # (Glm4Config's: RoPE on half of each head, q/k/v biases.)
+    "glm4": {"partial_rotary_factor": 0.5, "attention_bias": True},
     "gemma3_text": {
         **_GEMMA_DEFAULTS,
         "vocab_size": 262208,
@@ -183,6 +185,11 @@ class ModelArch:
     Granite (IBM's Granite 3): a Llama with four multipliers, µP's: of the embeddings (``embedding_multiplier``), of
     attention's and the MLP's outputs before they join the residual stream (``residual_multiplier``), attention's
     softmax scale itself (``attention_multiplier``), and the logits divided by ``logits_scaling``.
+
+    GLM-4 (``glm4``, the 0414 models): q/k/v biases, gate/up fused in its checkpoint (as Phi-3's), attention's and the
+    MLP's outputs normed before they join the stream (``sandwich_norms``, plain RMSNorms), and RoPE on half of each
+    head, rotating adjacent pairs (``rope_interleaved``: its q and k rows are reordered as they load so that the
+    rotate-half kernels serve it).
     """
 
     model_type: str
@@ -260,8 +267,16 @@ class ModelArch:
 
     @property
     def sandwich_norms(self) -> bool:
-        """Whether each layer norms its attention's and its MLP's outputs before adding them (Gemma's four norms)."""
-        return self.model_type in GEMMA_ARCHITECTURES
+        """Whether each layer norms its attention's and its MLP's outputs before adding them (Gemma's and GLM-4's
+        four norms)."""
+        return self.model_type in (*GEMMA_ARCHITECTURES, "glm4")
+
+    @property
+    def rope_interleaved(self) -> bool:
+        """Whether the checkpoint's RoPE rotates adjacent pairs of each head's rotated dimensions (GPT-J's layout,
+        GLM-4's) rather than its two halves: its q and k rows are put in the halves' order as they load
+        (``rope.interleaved_to_halves``), which leaves q.k as it was."""
+        return self.model_type == "glm4"
 
     @property
     def embedding_scale(self) -> float:
@@ -355,7 +370,7 @@ class ModelArch:
         if kind not in ROPE_SCALINGS:
             raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
         partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
-        if partial != 1.0 and model_type != "phi3":  # (transformers' other models here rotate whole heads)
+        if partial != 1.0 and model_type not in ("phi3", "glm4"):  # (transformers' others here rotate whole heads)
             raise ValueError(f"RoPE on part of each head (partial_rotary_factor) is not supported for {model_type}")
         if kind == "longrope" and model_type != "phi3":
             raise ValueError(f"longrope RoPE scaling is Phi-3's; not supported for {model_type}")
@@ -449,7 +464,7 @@ class ModelArch:
             rope_theta=float(theta),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=model_type == "qwen2" or (model_type == "glm4" and bool(cfg.get("attention_bias"))),
             qk_norm=model_type in QK_NORM_ARCHITECTURES,
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,

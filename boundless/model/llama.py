@@ -30,7 +30,7 @@ from boundless.model.arch import ModelArch
 from boundless.model.fp8_linear import fp8_linear, quantizable, quantize_rows
 from boundless.model.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRABatch
 from boundless.model.moe import SparseMoE
-from boundless.model.rope import RotaryEmbedding, apply_rotary_, uses_long_factors
+from boundless.model.rope import RotaryEmbedding, apply_rotary_, interleaved_to_halves, uses_long_factors
 from boundless.model.tensor_parallel import ONE_DEVICE
 
 # Token counts up to which the CPU multiplies as (weight @ x.T).T (see `linear`).
@@ -135,6 +135,25 @@ class RMSNorm(nn.Module):
 _FUSED = {"qkv_proj": "qkv_weight", "gate_up_proj": "gate_up_weight"}
 
 
+def _norm_names(arch: ModelArch, layer: DecoderLayer) -> dict[str, torch.Tensor]:
+    """A layer's norms' weights by its checkpoint's names: Llama's two, and a layer of four norms' as each model
+    names them (Gemma's ``post_attention_layernorm`` is its norm of attention's output, ``pre_feedforward_layernorm``
+    the one before the MLP; GLM-4 keeps Llama's two and adds ``post_self_attn_layernorm`` and
+    ``post_mlp_layernorm``)."""
+    names = {"input_layernorm": layer.input_norm.weight, "post_attention_layernorm": layer.post_attention_norm.weight}
+    attn_out, mlp_out = layer.attn_out_norm, layer.mlp_out_norm
+    if attn_out is None or mlp_out is None:
+        return names
+    if arch.model_type == "glm4":
+        return {**names, "post_self_attn_layernorm": attn_out.weight, "post_mlp_layernorm": mlp_out.weight}
+    return {
+        **names,
+        "post_attention_layernorm": attn_out.weight,
+        "pre_feedforward_layernorm": layer.post_attention_norm.weight,
+        "post_feedforward_layernorm": mlp_out.weight,
+    }
+
+
 class _Workspace(threading.local):
     """Activation buffers reused across layers and steps (one set per thread), so that a prefill
     step does not fault in fresh pages for every intermediate."""
@@ -234,11 +253,11 @@ class DecoderLayer(nn.Module):
         # Qwen3 and Gemma 3: an RMSNorm over each query and each key head, before RoPE.
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
-        # Gemma: attention's and the MLP's outputs normed before they join the residual stream (its checkpoint's
-        # post_attention_layernorm and post_feedforward_layernorm; its pre_feedforward_layernorm is
-        # post_attention_norm here, the norm before the MLP).
-        self.attn_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, True) if arch.sandwich_norms else None
-        self.mlp_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, True) if arch.sandwich_norms else None
+        # Gemma and GLM-4: attention's and the MLP's outputs normed before they join the residual stream (Gemma's
+        # checkpoint's post_attention_layernorm and post_feedforward_layernorm, its pre_feedforward_layernorm being
+        # post_attention_norm here, the norm before the MLP; GLM-4's post_self_attn_layernorm and post_mlp_layernorm).
+        self.attn_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma) if arch.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma) if arch.sandwich_norms else None
         self.packed: _PackedLayer | None = None  # set by LlamaModel.prepare on the native path
         # --quantization fp8: each dense matrix's scale per output row (its weight then in e4m3); None: unquantized.
         self.qkv_scale: torch.Tensor | None = None
@@ -802,10 +821,14 @@ class LlamaModel(nn.Module):
 
     def _as_loaded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor as this model holds it: Gemma's norm weights with the one its norms add, in fp32 (they
-        are held so: ``RMSNorm.fp32_weight``); any other as it is."""
-        if not self.arch.norm_weight_offset or not name.endswith("norm.weight"):
+        are held so: ``RMSNorm.fp32_weight``); GLM-4's q and k rows in the rotate-half order
+        (``ModelArch.rope_interleaved``); any other as it is."""
+        arch = self.arch
+        if arch.rope_interleaved and name.split(".")[-2] in ("q_proj", "k_proj"):
+            return interleaved_to_halves(tensor, arch.head_dim, arch.rotary_dim)
+        if not arch.norm_weight_offset or not name.endswith("norm.weight"):
             return tensor
-        return tensor.float() + self.arch.norm_weight_offset
+        return tensor.float() + arch.norm_weight_offset
 
     def _in_experts(self, name: str) -> tuple[str, SparseMoE, str] | None:
         """For a name in a sparse layer's block: (the layer's prefix, its experts, the name below the block), else
@@ -853,18 +876,7 @@ class LlamaModel(nn.Module):
             return layer.qkv_bias, (start, size)
         if module in mlp_offsets:
             return layer.gate_up_weight, (mlp_offsets[module], self.arch.intermediate_size)
-        simple = {
-            "o_proj": layer.o_weight,
-            "down_proj": layer.down_weight,
-            "input_layernorm": layer.input_norm.weight,
-            "post_attention_layernorm": layer.post_attention_norm.weight,
-        }
-        if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:  # Gemma's names for its four norms
-            simple.update(
-                post_attention_layernorm=layer.attn_out_norm.weight,
-                pre_feedforward_layernorm=layer.post_attention_norm.weight,
-                post_feedforward_layernorm=layer.mlp_out_norm.weight,
-            )
+        simple = {"o_proj": layer.o_weight, "down_proj": layer.down_weight, **_norm_names(self.arch, layer)}
         if layer.q_norm is not None and layer.k_norm is not None:
             simple.update(q_norm=layer.q_norm.weight, k_norm=layer.k_norm.weight)
         return simple.get(module), None
@@ -875,6 +887,7 @@ class LlamaModel(nn.Module):
             names.add("lm_head.weight")
         phi3 = self.arch.model_type == "phi3"
         projections = ["qkv_proj", "o_proj"] if phi3 else ["q_proj", "k_proj", "v_proj", "o_proj"]
+        fused_mlp = self.arch.model_type in ("phi3", "glm4")  # (their checkpoints' gate_up_proj)
         for i in range(self.arch.num_layers):
             p = f"model.layers.{i}."
             names.update(p + f"self_attn.{m}.weight" for m in projections)
@@ -884,11 +897,9 @@ class LlamaModel(nn.Module):
             if moe is not None:
                 names.update(f"{p}{moe.block}.{n}" for n in moe.expected_names())
             else:
-                mlp = ("gate_up_proj", "down_proj") if phi3 else ("gate_proj", "up_proj", "down_proj")
+                mlp = ("gate_up_proj", "down_proj") if fused_mlp else ("gate_proj", "up_proj", "down_proj")
                 names.update(p + f"mlp.{m}.weight" for m in mlp)
-            names.update(p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight"))
-            if self.arch.sandwich_norms:
-                names.update(p + n for n in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"))
+            names.update(p + f"{n}.weight" for n in _norm_names(self.arch, self.layers[i]))
             if self.arch.qk_norm:
                 names.update(p + f"self_attn.{m}.weight" for m in ("q_norm", "k_norm"))
         return names

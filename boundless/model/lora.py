@@ -29,6 +29,7 @@ import torch
 
 from boundless.model import cpu_kernels
 from boundless.model.arch import NOT_TEXT_PREFIXES, ModelArch
+from boundless.model.rope import interleaved_to_halves
 from boundless.model.tensor_parallel import ONE_DEVICE, TensorParallel, shard_plan
 
 # The four fused matrices of a layer an adapter may touch, in the order the layer applies them.
@@ -312,6 +313,13 @@ def load_lora(
                 "experts are not supported (the attention's are)"
             )
         a, b = ab["A"].float(), ab["B"].float()
+        if (
+            arch.rope_interleaved
+            and module in ("q_proj", "k_proj")
+            and b.dim() == 2
+            and b.shape[0] % arch.head_dim == 0
+        ):
+            b = interleaved_to_halves(b, arch.head_dim, arch.rotary_dim)  # (its rows in the order the model holds q's)
         start, rows, cols = out_sizes[module]
         r = a.shape[0] if a.dim() == 2 else -1
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != cols or b.shape != (rows, r):

@@ -36,9 +36,10 @@ _CORPUS = [
 @dataclass(frozen=True)
 class TinySpec:
     """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, phi3, gemma2,
-    gemma3_text or granite (Gemma's: its sliding-window layers all but every ``sliding_window_pattern``-th, Gemma 3's
-    rotated on ``local_rope_theta``, its softmax scale ``query_pre_attn_scalar ** -0.5``, Gemma 2's scores and logits
-    capped at ``attn_logit_softcap`` and ``final_logit_softcap``; Granite's four multipliers). ``head_dim``:
+    gemma3_text, granite or glm4 (Gemma's: its sliding-window layers all but every ``sliding_window_pattern``-th,
+    Gemma 3's rotated on ``local_rope_theta``, its softmax scale ``query_pre_attn_scalar ** -0.5``, Gemma 2's scores
+    and logits capped at ``attn_logit_softcap`` and ``final_logit_softcap``; Granite's four multipliers; GLM-4's
+    biases, fused gate/up, four norms a layer and ``partial_rotary_factor``, interleaved). ``head_dim``:
     by default ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size). A
     qwen3_moe model's layers are sparse (``num_experts`` experts of ``moe_intermediate_size``,
     ``num_experts_per_tok`` a token), but for ``mlp_only_layers``; a mixtral model's are all sparse, its experts
@@ -135,6 +136,7 @@ _ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 _GEMMA = ("gemma2", "gemma3_text")
 
@@ -196,6 +198,8 @@ def _config(spec: TinySpec) -> dict:
             cfg["partial_rotary_factor"] = spec.partial_rotary_factor
         if spec.original_max_position_embeddings is not None:
             cfg["original_max_position_embeddings"] = spec.original_max_position_embeddings
+    if spec.kind == "glm4":
+        cfg.update(partial_rotary_factor=spec.partial_rotary_factor, attention_bias=True, pad_token_id=0)
     if spec.kind == "granite":
         cfg.update(
             embedding_multiplier=spec.embedding_multiplier,
@@ -262,7 +266,7 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
             yield p + "self_attn.k_proj.weight", rand(kv, h)
             yield p + "self_attn.v_proj.weight", rand(kv, h)
         yield p + "self_attn.o_proj.weight", rand(h, q)
-        if spec.kind == "qwen2":
+        if spec.kind in ("qwen2", "glm4"):
             yield p + "self_attn.q_proj.bias", rand(q)
             yield p + "self_attn.k_proj.bias", rand(kv)
             yield p + "self_attn.v_proj.bias", rand(kv)
@@ -277,7 +281,7 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
                 yield p + f"{block}.experts.{e}.{gate}.weight", rand(m, h)
                 yield p + f"{block}.experts.{e}.{up}.weight", rand(m, h)
                 yield p + f"{block}.experts.{e}.{down}.weight", rand(h, m)
-        elif spec.kind == "phi3":
+        elif spec.kind in ("phi3", "glm4"):
             yield p + "mlp.gate_up_proj.weight", torch.cat([rand(i, h), rand(i, h)])
             yield p + "mlp.down_proj.weight", rand(h, i)
         else:
@@ -289,6 +293,9 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
         if spec.kind in _GEMMA:
             yield p + "pre_feedforward_layernorm.weight", norm(h)
             yield p + "post_feedforward_layernorm.weight", norm(h)
+        if spec.kind == "glm4":
+            yield p + "post_self_attn_layernorm.weight", norm(h)
+            yield p + "post_mlp_layernorm.weight", norm(h)
 
 
 def write_random_model(

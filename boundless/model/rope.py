@@ -93,6 +93,18 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
+def interleaved_to_halves(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A projection's output rows (a q or k weight [heads * head_dim, ...], its bias, a LoRA B) reordered within each
+    head from RoPE's interleaved layout (pairs ``(2i, 2i + 1)`` rotate together: GLM-4's, GPT-J's) to the halves'
+    (pairs ``(i, i + rotary_dim / 2)``): its rotated dimensions evens first, then odds; the rest as they were. q and
+    k reordered alike give the same q.k, and the rotate-half kernels rotate them as the checkpoint's model does."""
+    order = torch.cat(
+        [torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2), torch.arange(rotary_dim, head_dim)]
+    )
+    heads = rows.reshape(-1, head_dim, *rows.shape[1:])
+    return heads[:, order].reshape(rows.shape)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [tokens, heads, head_dim] (the rotate-half layout of Hugging Face checkpoints)."""
     x1, x2 = x.chunk(2, dim=-1)

@@ -178,6 +178,33 @@ def test_granite_reads_its_multipliers_as_transformers_does() -> None:
             ModelArch.from_hf_config({**GRANITE_3_3_8B, field: True})
 
 
+# THUDM/GLM-4-9B-0414's config.json (as the Hub has it).
+GLM4_9B = {
+    "architectures": ["Glm4ForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 13696, "max_position_embeddings": 32768, "model_type": "glm4",
+    "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 2, "pad_token_id": 151329,
+    "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 151552,
+}  # fmt: skip
+
+
+def test_glm4_reads_as_transformers_does() -> None:
+    """GLM-4-9B-0414: RoPE on half of each head, interleaved; q/k/v biases; four norms a layer; and Glm4Config's
+    defaults (half of each head, biases) where a config has none; its frequencies are transformers'."""
+    from transformers import Glm4Config
+    from transformers.models.glm4.modeling_glm4 import Glm4RotaryEmbedding
+
+    arch = ModelArch.from_hf_config(GLM4_9B)
+    assert arch.rotary_dim == 64 and arch.rope_interleaved and arch.qkv_bias and arch.sandwich_norms
+    assert arch.eos_token_ids == (151329, 151336, 151338) and arch.num_kv_heads == 2 and not arch.tie_word_embeddings
+    want, _ = Glm4RotaryEmbedding.compute_default_rope_parameters(Glm4Config(**GLM4_9B))
+    assert torch.equal(inverse_frequencies(arch.rotary_dim, arch.rope_theta, arch.rope_scaling), want)
+    bare = {k: v for k, v in GLM4_9B.items() if k not in ("partial_rotary_factor", "attention_bias")}
+    assert ModelArch.from_hf_config(bare) == arch
+    assert not ModelArch.from_hf_config({**GLM4_9B, "attention_bias": False}).qkv_bias
+
+
 def test_fingerprints_of_models_before_yarn_are_unchanged() -> None:
     """A fingerprint names every KV block, on disk too: the YaRN fields enter only a YaRN model's (these digests were
     computed before they existed), and YaRN's parameters change it."""

@@ -144,8 +144,8 @@ def test_rope_normalizes_each_head_first(head_dim: int) -> None:
 
 def test_model_native_path_matches_torch_path(load) -> None:
     """One step of the tiny Qwen2 (q/k/v biases), Llama (GQA), Qwen3 (head norms), Qwen3-MoE (experts), Gemma 3 (its
-    norms of the products, GELU and two RoPE tables), Phi-4-mini (RoPE on part of each head) and Granite (its
-    multipliers) on both paths, same logits."""
+    norms of the products, GELU and two RoPE tables), Phi-4-mini (RoPE on part of each head), Granite (its
+    multipliers) and GLM-4 (its norms of the products) on both paths, same logits."""
     from boundless.attention.backend import AttentionBatch
     from boundless.attention.paged import TorchPagedAttention
     from boundless.kv.tensors import PagedKVCache
@@ -160,6 +160,7 @@ def test_model_native_path_matches_torch_path(load) -> None:
         "tiny-gemma2",
         "tiny-phi4-mini",
         "tiny-granite",
+        "tiny-glm4",
     ):
         model = load(name).model
         arch = model.arch

@@ -121,7 +121,16 @@ def _case(name: str, load: Callable, hf_model: Callable, tmp_path_factory: pytes
 
 @pytest.fixture(
     scope="module",
-    params=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma2", "tiny-granite", "smollm2-135m"],
+    params=[
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-gemma3",
+        "tiny-gemma2",
+        "tiny-granite",
+        "tiny-glm4",
+        "smollm2-135m",
+    ],
 )
 def case(
     request: pytest.FixtureRequest, load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathFactory

@@ -155,13 +155,14 @@ GREEDY_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-phi3", "tiny-qwen3-yarn", "tiny-granite"])
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-phi3", "tiny-qwen3-yarn", "tiny-granite", "tiny-glm4"])
 def test_more_architectures_greedy_match_transformers(
     name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
     """Mixtral (the same mixture of experts as Qwen3-MoE's, under its own names, in every layer), Phi-3 (a Llama
-    whose checkpoint fuses q/k/v and gate/up), a Qwen3 with YaRN RoPE scaling and Granite (its multipliers), in one
-    batch with prefix caching; the other configurations run on the architectures above."""
+    whose checkpoint fuses q/k/v and gate/up), a Qwen3 with YaRN RoPE scaling, Granite (its multipliers) and GLM-4
+    (its interleaved RoPE on half of each head, four norms a layer), in one batch with prefix caching; the other
+    configurations run on the architectures above."""
     ref = _reference(name, load, hf_model)
     assert _run_greedy(_engine(ref.loaded), ref.prompts) == ref.tokens
 
@@ -235,6 +236,7 @@ TRITON_MODELS = [
     "tiny-gemma3",  # (the fused path's norms of each output, its GELU, a RoPE table a kind of layer)
     "tiny-gemma2",  # (the kernel's capped scores)
     "tiny-granite",  # (the fused path's multiplied products, a softmax scale of its own)
+    "tiny-glm4",  # (its norms of the products in the model's dtype, RoPE on half of each head)
     "smollm2-135m",
 ]
 
@@ -267,6 +269,7 @@ FLEX_MODELS = [
     "tiny-gemma3",
     "tiny-gemma2",  # (its cap of the scores, a score_mod)
     "tiny-granite",
+    "tiny-glm4",
     pytest.param("smollm2-135m", marks=pytest.mark.slow),
 ]
 
@@ -548,6 +551,26 @@ def test_each_part_of_granite_counts(
         model.arch = arch
         for layer in layers:
             layer.residual_multiplier = arch.residual_multiplier
+
+
+def test_glm4s_interleaved_rope_counts(
+    load: Callable[[str], LoadedModel],
+    hf_model: Callable[[str], Any],
+    model_dirs: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GLM-4's RoPE rotates adjacent pairs: its q and k rows reordered as they load, the per-step logits are
+    transformers' (test_more_architectures_... its tokens); loaded as they are, rotating the halves, they are not."""
+    from boundless.model.arch import ModelArch
+
+    ref = _reference("tiny-glm4", load, hf_model)
+    assert ref.loaded.arch.rope_interleaved and ref.loaded.arch.rotary_dim == ref.loaded.arch.head_dim // 2
+    _check_per_step_logits(ref)
+    monkeypatch.setattr(ModelArch, "rope_interleaved", property(lambda self: False))
+    halves = copy.copy(ref)
+    halves.loaded = load_model(str(model_dirs["tiny-glm4"]), device=ref.loaded.device.type)
+    with pytest.raises(AssertionError, match="largest logit difference"):
+        _check_per_step_logits(halves)
 
 
 @pytest.mark.parametrize("names", ["transformers-5", "transformers-4"])
