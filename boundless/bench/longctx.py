@@ -172,7 +172,7 @@ class LongCtxCluster:
             core = EngineCore(
                 engine,
                 layout,
-                ModelIdentity.of(loaded, layout.max_model_len),
+                ModelIdentity.of(loaded, layout),
                 loaded.tokenizer,
                 build_model_executor(loaded, engine, layout),
             )

@@ -807,7 +807,10 @@ def make_pd_dispatcher(
     """The dispatcher over prefill and decode engines that described themselves as ``infos``, its queue holding
     ``max_queued`` calls at most."""
     if len({i.fingerprint for i in infos.values()}) != 1:
-        raise RuntimeError("prefill and decode engines must serve the same model (their KV fingerprints differ)")
+        raise RuntimeError(
+            "prefill and decode engines must serve the same model, and a LongRoPE model with the same factors (their "
+            "KV fingerprints differ: another model, or a --max-model-len past the original context on one side only)"
+        )
     require_one_kv_type(infos, "prefill and decode engines")
     # With emulated storage links every instance reads through a link of its own: a node of its own.
     emulated = cluster.storage_gbps is not None or cluster.net_gbps is not None

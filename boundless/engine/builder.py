@@ -53,6 +53,9 @@ class EngineLayout:
     # The sliding window of every layer (None: none, or some layer attends the whole context): a request's blocks
     # that have left it go back to the pool when it runs short (``KVCacheManager.release_outside_window``).
     window: int | None = None
+    # A LongRoPE model's keys and queries rotated by its long factors (``rope.uses_long_factors`` of the context asked
+    # for, the model's own by default, not of what the pool holds: the outputs are not the pool's choice).
+    rope_long: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,11 +87,11 @@ class ModelIdentity:
     generates: bool = True  # False: it only embeds (a base model saved with no LM head)
 
     @staticmethod
-    def of(loaded: LoadedModel, max_model_len: int) -> ModelIdentity:
-        """``loaded``'s, in an engine whose context is ``max_model_len`` (``LoadedModel.kv_fingerprint``)."""
+    def of(loaded: LoadedModel, layout: EngineLayout) -> ModelIdentity:
+        """``loaded``'s, in an engine of ``layout`` (its KV's name: ``LoadedModel.kv_fingerprint``)."""
         eos = tuple(sorted(set(loaded.tokenizer.eos_token_ids) | set(loaded.arch.eos_token_ids)))
         return ModelIdentity(
-            loaded.name, loaded.arch.vocab_size, eos, loaded.kv_fingerprint(max_model_len), str(loaded.device),
+            loaded.name, loaded.arch.vocab_size, eos, loaded.kv_fingerprint(layout.rope_long), str(loaded.device),
             loaded.pooling, loaded.generates,
         )  # fmt: skip
 
@@ -159,7 +162,10 @@ def size_engine(
         )
     else:
         max_model_len = asked
-    return EngineLayout(bs, num_blocks, num_host_blocks, per_block, max_model_len, kv_dtype, disk_bytes, window)
+    rope_long = uses_long_factors(arch.rope_scaling, arch.context_length if asked is None else asked)
+    return EngineLayout(
+        bs, num_blocks, num_host_blocks, per_block, max_model_len, kv_dtype, disk_bytes, window, rope_long
+    )
 
 
 def released_window(arch: ModelArch) -> int | None:
@@ -186,7 +192,9 @@ def _blocks_in_fraction(fraction: float, memory: DeviceMemory | None, per_block:
 def open_disk_store(loaded: LoadedModel, config: EngineConfig, layout: EngineLayout) -> BlockStore:
     """The persistent KV store at ``--kv-disk-path``, laid out for this model (a split model's rank: its share of the
     blocks, in its share of ``--kv-disk-gb``)."""
-    store_layout = StoreLayout.of_model(loaded, layout.block_size, layout.kv_dtype, layout.max_model_len)
+    store_layout = StoreLayout.of_model(
+        loaded, layout.block_size, loaded.kv_fingerprint(layout.rope_long), layout.kv_dtype
+    )
     root = store_directory(config.cache.kv_disk_path or "")
     return DiskKVStore(root, store_layout, layout.disk_bytes // loaded.tensor_parallel.size)
 
@@ -288,14 +296,13 @@ def _build_model_executor(
             f"for {config.model.tensor_parallel_size}: load it with load_configured_model(config.model)"
         )
     check_host_memory(config, layout, loaded.device, physical_memory_bytes())
-    loaded.model.prepare(layout.max_model_len)
+    loaded.model.prepare(layout.max_model_len, layout.rope_long)
     scaling = arch.rope_scaling
     if scaling.kind == "longrope":  # (as vLLM warns: the long factors cost some quality on short sequences)
-        long = uses_long_factors(scaling, layout.max_model_len)
         log.info(
-            "LongRoPE: the %s factors (--max-model-len %d is %s the original context of %d)",
-            "long" if long else "short", layout.max_model_len, "past" if long else "within",
-            scaling.original_max_position_embeddings,
+            "LongRoPE: the %s factors (the context asked for, %d, is %s the original context of %d)",
+            "long" if layout.rope_long else "short", config.model.max_model_len or arch.context_length,
+            "past" if layout.rope_long else "within", scaling.original_max_position_embeddings,
         )  # fmt: skip
     kv_cache, lower_tiers = kv_memory(arch, layout, loaded.device)
     log.info(

@@ -308,7 +308,7 @@ class EngineCore:
         events = None
         try:
             events = open_publisher(config.cache.kv_events, layout.block_size, events_rank)
-            identity = ModelIdentity.of(loaded, layout.max_model_len)
+            identity = ModelIdentity.of(loaded, layout)
             core = cls(config, layout, identity, loaded.tokenizer, executor, clock, policy, grammars, events)
             for i, module in enumerate(config.model.loras, start=1):
                 try:

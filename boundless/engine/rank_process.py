@@ -166,7 +166,7 @@ def serve_rank(spec: RankSpec, pipe: Connection) -> None:
             return  # rank 0 is gone, or stopped the ranks before they joined
         arch, device = loaded.arch, loaded.device
         model = loaded.model
-        model.prepare(layout.max_model_len)
+        model.prepare(layout.max_model_len, layout.rope_long)
         kv_cache, lower_tiers = kv_memory(arch, layout, device)
         tiers: dict[Any, Any] = {DEVICE: kv_cache, **lower_tiers}
         attention = make_attention(config, arch, layout, device, loaded.dtype)

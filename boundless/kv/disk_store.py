@@ -85,18 +85,16 @@ class StoreLayout:
 
     @classmethod
     def of_model(
-        cls, model: LoadedModel, block_size: int, kv_dtype: torch.dtype | None = None, max_model_len: int | None = None
+        cls, model: LoadedModel, block_size: int, fingerprint: str, kv_dtype: torch.dtype | None = None
     ) -> StoreLayout:
-        """The layout of ``model``'s KV blocks, held in ``kv_dtype`` (``--kv-cache-dtype``; default the model's), as
-        an engine whose context is ``max_model_len`` computes them (``LoadedModel.kv_fingerprint``; None: the
-        model's own fingerprint).
+        """The layout of ``model``'s KV blocks named ``fingerprint`` (the engine's: ``ModelIdentity.fingerprint``,
+        ``LoadedModel.kv_fingerprint``), held in ``kv_dtype`` (``--kv-cache-dtype``; default the model's).
 
         A rank of a model split over devices (``--tensor-parallel-size``) holds its key/value heads of each block: its
         files are its own, under a layout of their own (each rank reads and writes its share of every block)."""
         arch, tp = model.arch, model.tensor_parallel
         dtype = model.dtype if kv_dtype is None else kv_dtype
-        named = model.fingerprint if max_model_len is None else model.kv_fingerprint(max_model_len)
-        fingerprint = named if tp.size == 1 else f"{named}:rank{tp.rank}"
+        fingerprint = fingerprint if tp.size == 1 else f"{fingerprint}:rank{tp.rank}"
         return cls(fingerprint, arch.num_layers, arch.num_kv_heads, block_size, arch.head_dim, dtype)
 
     @property

@@ -24,13 +24,14 @@ from torch import nn
 
 from boundless import native
 from boundless.attention.backend import AttentionBackend, soft_cap
+from boundless.config import ConfigError
 from boundless.kv.tensors import PagedKVCache
 from boundless.model import cpu_kernels
 from boundless.model.arch import ModelArch
 from boundless.model.fp8_linear import fp8_linear, quantizable, quantize_rows
 from boundless.model.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRABatch
 from boundless.model.moe import SparseMoE
-from boundless.model.rope import RotaryEmbedding, apply_rotary_, interleaved_to_halves, uses_long_factors
+from boundless.model.rope import RotaryEmbedding, apply_rotary_, interleaved_to_halves
 from boundless.model.tensor_parallel import ONE_DEVICE
 
 # Token counts up to which the CPU multiplies as (weight @ x.T).T (see `linear`).
@@ -629,23 +630,30 @@ class LlamaModel(nn.Module):
                 layer.quantize_fp8()
         self.quantized = True
 
-    def prepare(self, max_positions: int) -> None:
+    def prepare(self, max_positions: int, rope_long: bool = False) -> None:
         """Once the weights are loaded: build the RoPE table and pack the LM head (and, for the
         native CPU path, every layer's matrices: once, until the weights change). An engine built
         on a model already prepared for as many positions keeps its table: another engine's CUDA
-        graphs read that table by its address. (A LongRoPE model's table is built again where the
-        engine's context picks the other factors, ``rope.uses_long_factors``.)"""
+        graphs read that table by its address. ``rope_long``: a LongRoPE model's table by its long
+        factors (``EngineLayout.rope_long``); a model whose table is the other factors' is refused
+        (``ConfigError``) rather than its table replaced under the engine that runs on it."""
         weight = self.embed_tokens.weight
         head_weight = weight if self.lm_head is None else self.lm_head.data
         rope = self.rope
+        if rope is not None and rope.long != rope_long:
+            raise ConfigError(
+                f"this model is prepared for LongRoPE's {'long' if rope.long else 'short'} factors by another engine "
+                f"(its --max-model-len {'past' if rope.long else 'within'} the original context of "
+                f"{self.arch.rope_scaling.original_max_position_embeddings}); an engine that rotates by the other "
+                "factors needs the model loaded again"
+            )
         if (
             rope is None
             or rope.cos.shape[0] < max_positions
             or rope.cos.device != weight.device
             or rope.cos.dtype != weight.dtype
-            or rope.long != uses_long_factors(self.arch.rope_scaling, max_positions)
         ):
-            self.rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype)
+            self.rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype, long=rope_long)
             if self.arch.local_rope_theta is not None:
                 self.local_rope = RotaryEmbedding(self.arch, max_positions, weight.device, weight.dtype, local=True)
         if not cpu_kernels.usable(weight) or self.quantized:

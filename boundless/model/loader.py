@@ -22,7 +22,6 @@ from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
 from boundless.model.pooling import EmbeddingPooling, read_pooling
 from boundless.model.quantized_checkpoint import QuantizedCheckpoint
-from boundless.model.rope import uses_long_factors
 from boundless.model.tensor_parallel import (
     ONE_DEVICE,
     ShardPlan,
@@ -190,12 +189,12 @@ class LoadedModel:
     generates: bool = True  # False: an embedding model's base model saved with no LM head (it only embeds)
     classifier: torch.Tensor | None = None  # a classifier's head [labels, hidden] (``model/classifier.py``)
 
-    def kv_fingerprint(self, max_model_len: int) -> str:
-        """The name of the KV this model computes in an engine whose context is ``max_model_len``: its
-        ``fingerprint``, but another where such an engine rotates a LongRoPE model's keys by its long factors
-        (``rope.uses_long_factors``): those blocks are not the short factors' (a store kept over a restart with
-        another context, the prefill and decode engines of a split)."""
-        if not uses_long_factors(self.arch.rope_scaling, max_model_len):
+    def kv_fingerprint(self, rope_long: bool) -> str:
+        """The name of the KV this model computes in an engine that rotates by LongRoPE's long factors or not
+        (``EngineLayout.rope_long``): its ``fingerprint``, but another for the long factors' blocks, which are not the
+        short factors' (a store kept over a restart with another context, the prefill and decode engines of a
+        split)."""
+        if not rope_long:
             return self.fingerprint
         return hashlib.sha256(f"{self.fingerprint}:longrope-long".encode()).hexdigest()[:16]
 

@@ -9,13 +9,13 @@ import torch
 from boundless.model.arch import ModelArch, RopeScaling
 
 
-def uses_long_factors(scaling: RopeScaling, max_positions: int) -> bool:
-    """Whether an engine of a LongRoPE model whose context is ``max_positions`` rotates by the long factors: vLLM's
-    rule, when that context is longer than the model's original one. (transformers switches per forward pass, by its
-    longest position, so a sequence that grows past the original context keeps keys rotated by the short factors
-    beside queries rotated by the long ones; one choice per engine keeps every block's keys valid, and a cached
-    prefix the same whatever follows it.)"""
-    return scaling.kind == "longrope" and max_positions > scaling.original_max_position_embeddings
+def uses_long_factors(scaling: RopeScaling, context: int) -> bool:
+    """Whether an engine of a LongRoPE model whose context asked for is ``context`` rotates by the long factors:
+    vLLM's rule, when that context is longer than the model's original one. (transformers picks by each sequence's
+    length, and when a sequence grows past the original context it drops its cache and computes it all again by
+    the long factors; one choice per engine keeps every block's keys valid as they are, and a cached prefix the same
+    whatever follows it.)"""
+    return scaling.kind == "longrope" and context > scaling.original_max_position_embeddings
 
 
 def inverse_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling, long: bool = False) -> torch.Tensor:
@@ -69,16 +69,22 @@ def _yarn_frequencies(dim: int, base: float, scaling: RopeScaling) -> torch.Tens
 class RotaryEmbedding:
     """A cos/sin table for every position, looked up once per step and shared by all layers (or, ``local``, by the
     sliding-window layers of a model whose own RoPE base they have: Gemma 3's ``local_rope_theta``, unscaled). Its
-    width is half the rotated dimensions (``ModelArch.rotary_dim``); a LongRoPE model's are by the factors
-    :func:`uses_long_factors` picks for an engine of ``max_positions`` (``long``)."""
+    width is half the rotated dimensions (``ModelArch.rotary_dim``); a LongRoPE model's are by its long factors or
+    its short ones (``long``: :func:`uses_long_factors`)."""
 
     def __init__(
-        self, arch: ModelArch, max_positions: int, device: torch.device, dtype: torch.dtype, local: bool = False
+        self,
+        arch: ModelArch,
+        max_positions: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        local: bool = False,
+        long: bool = False,
     ) -> None:
         scaling = RopeScaling() if local else arch.rope_scaling
         theta = arch.local_rope_theta if local else arch.rope_theta
         assert theta is not None, "a local table for a model with one RoPE"
-        self.long = uses_long_factors(scaling, max_positions)
+        self.long = long and scaling.kind == "longrope"
         inv_freq = inverse_frequencies(arch.rotary_dim, theta, scaling, self.long)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]

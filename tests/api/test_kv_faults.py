@@ -85,9 +85,7 @@ def serve(
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
     executor = build_model_executor(loaded, config, layout, store=store)
-    engine = AsyncEngine(
-        EngineCore(config, layout, ModelIdentity.of(loaded, layout.max_model_len), loaded.tokenizer, executor)
-    )
+    engine = AsyncEngine(EngineCore(config, layout, ModelIdentity.of(loaded, layout), loaded.tokenizer, executor))
     server = start_in_thread(engine, NAME)
     try:
         yield Served(engine, server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0))
@@ -128,7 +126,9 @@ def flip_a_bit(path: Path, loaded: LoadedModel) -> None:
 
 def another_models_file(path: Path, loaded: LoadedModel) -> None:
     """A whole, valid file for the same key written by another model of the same shapes: only its header tells."""
-    theirs = StoreLayout(**{**StoreLayout.of_model(loaded, BLOCK).__dict__, "fingerprint": "another-model"})
+    theirs = StoreLayout(
+        **{**StoreLayout.of_model(loaded, BLOCK, loaded.fingerprint).__dict__, "fingerprint": "another-model"}
+    )
     store = DiskKVStore(path.parents[3] / "elsewhere", theirs, 1 << 30)
     key: BlockHash = bytes.fromhex(path.stem)
     store.write([key], torch.randn(theirs.block_shape).to(theirs.dtype).unsqueeze(3))
@@ -169,7 +169,9 @@ def test_a_full_disk_leaves_the_server_serving_with_writes_off_a_warning_and_a_m
     tiny_llama: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The file system refuses every write halfway through its first file, as a full disk does.
-    full = DiskKVStore(tmp_path, StoreLayout.of_model(tiny_llama, BLOCK), 1 << 30, mid_write=no_space_left)
+    full = DiskKVStore(
+        tmp_path, StoreLayout.of_model(tiny_llama, BLOCK, tiny_llama.fingerprint), 1 << 30, mid_write=no_space_left
+    )
     with caplog.at_level(logging.WARNING, logger="boundless.kv.disk_store"), serve(tiny_llama, tmp_path, full) as s:
         first = s.complete(PROMPT)
         other = s.complete(OTHER)
@@ -252,7 +254,7 @@ def test_a_read_that_hangs_ends_in_a_load_timeout_and_the_request_recomputes(
     with serve(tiny_llama, tmp_path) as s:
         cold = s.complete(PROMPT)
         cold_other = s.complete(OTHER)
-    stuck = gated_store(DiskKVStore(tmp_path, StoreLayout.of_model(tiny_llama, BLOCK), 1 << 30))
+    stuck = gated_store(DiskKVStore(tmp_path, StoreLayout.of_model(tiny_llama, BLOCK, tiny_llama.fingerprint), 1 << 30))
     try:
         with serve(tiny_llama, tmp_path, stuck, kv_load_timeout_s=0.3) as s:
             again = s.complete(PROMPT)  # its blocks are found (a stat works), but reading them hangs

@@ -33,9 +33,7 @@ def served(tiny_llama: LoadedModel, dict_store: type, tmp_path: Path) -> Iterato
     )
     layout = size_engine(config, tiny_llama.arch, tiny_llama.dtype)
     executor = build_model_executor(tiny_llama, config, layout, store=dict_store())
-    core = EngineCore(
-        config, layout, ModelIdentity.of(tiny_llama, layout.max_model_len), tiny_llama.tokenizer, executor
-    )
+    core = EngineCore(config, layout, ModelIdentity.of(tiny_llama, layout), tiny_llama.tokenizer, executor)
     engine = AsyncEngine(core)
     server = start_in_thread(engine, NAME)
     yield engine, server

@@ -30,7 +30,7 @@ def _engine(loaded, kv_cache_dtype: str = "auto") -> EngineCore:
     return EngineCore(
         config,
         layout,
-        ModelIdentity.of(loaded, layout.max_model_len),
+        ModelIdentity.of(loaded, layout),
         loaded.tokenizer,
         build_model_executor(loaded, config, layout),
     )

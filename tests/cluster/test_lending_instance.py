@@ -29,7 +29,7 @@ def _engine(loaded: LoadedModel) -> EngineCore:
     )
     layout = size_engine(config, loaded.arch, loaded.dtype, pools=2)
     executor = build_model_executor(loaded, config, layout)
-    return EngineCore(config, layout, ModelIdentity.of(loaded, layout.max_model_len), loaded.tokenizer, executor)
+    return EngineCore(config, layout, ModelIdentity.of(loaded, layout), loaded.tokenizer, executor)
 
 
 def test_a_heartbeat_answers_while_a_long_step_runs_and_reports_what_the_step_will_leave(load, tmp_path) -> None:

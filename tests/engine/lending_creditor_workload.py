@@ -95,7 +95,7 @@ def _engine(loaded: LoadedModel, prefix_caching: bool, host_tier: bool) -> Engin
     return EngineCore(
         config,
         layout,
-        ModelIdentity.of(loaded, layout.max_model_len),
+        ModelIdentity.of(loaded, layout),
         loaded.tokenizer,
         build_model_executor(loaded, config, layout),
     )

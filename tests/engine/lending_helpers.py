@@ -46,7 +46,7 @@ def engine(
     return EngineCore(
         config,
         layout,
-        ModelIdentity.of(loaded, layout.max_model_len),
+        ModelIdentity.of(loaded, layout),
         loaded.tokenizer,
         build_model_executor(loaded, config, layout),
     )

@@ -93,7 +93,7 @@ def _disk_engine(
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
     executor = build_model_executor(loaded, config, layout, store=store)
-    return EngineCore(config, layout, ModelIdentity.of(loaded, layout.max_model_len), loaded.tokenizer, executor)
+    return EngineCore(config, layout, ModelIdentity.of(loaded, layout), loaded.tokenizer, executor)
 
 
 def _tokens(core: EngineCore, request_id: str, outputs: dict[str, list[int]]) -> list[int]:
@@ -173,7 +173,7 @@ def test_a_load_past_its_timeout_is_given_up_and_no_new_load_queues_behind_it() 
 def test_a_stopped_engine_has_handed_every_full_block_to_the_store(tiny_llama: LoadedModel, tmp_path: Path) -> None:
     from boundless.kv.disk_store import DiskKVStore, StoreLayout
 
-    store = DiskKVStore(tmp_path, StoreLayout.of_model(tiny_llama, 16), 1 << 30)
+    store = DiskKVStore(tmp_path, StoreLayout.of_model(tiny_llama, 16, tiny_llama.fingerprint), 1 << 30)
     core = _disk_engine(tiny_llama, store, tmp_path)
     core.add_request("r", list(range(3, 62)), PARAMS)  # 59 + 6 tokens: the last step fills the fourth block
     _tokens(core, "r", {})
@@ -189,7 +189,7 @@ def test_a_stopped_engine_under_write_back_hands_the_blocks_in_memory_to_the_sto
     engine loads the prefix it computed."""
     from boundless.kv.disk_store import DiskKVStore, StoreLayout
 
-    layout = StoreLayout.of_model(tiny_llama, 16)
+    layout = StoreLayout.of_model(tiny_llama, 16, tiny_llama.fingerprint)
     prompt = list(range(3, 62))  # 59 + 6 tokens: four full blocks
     before = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path, write_policy="back")
     outputs: dict[str, list[int]] = {}
@@ -215,7 +215,7 @@ def test_a_close_whose_last_step_fails_still_lets_the_executor_go(
     close: its ranks, threads and store were never let go. A lost engine runs no such step at all."""
     from boundless.kv.disk_store import DiskKVStore, StoreLayout
 
-    store = DiskKVStore(tmp_path, StoreLayout.of_model(tiny_llama, 16), 1 << 30)
+    store = DiskKVStore(tmp_path, StoreLayout.of_model(tiny_llama, 16, tiny_llama.fingerprint), 1 << 30)
     core = _disk_engine(tiny_llama, store, tmp_path, write_policy="back")
     core.add_request("a", list(range(3, 62)), PARAMS)
     _tokens(core, "a", {})
@@ -242,7 +242,7 @@ def test_a_restarted_engine_loads_what_an_earlier_one_wrote_even_behind_a_prefix
 ) -> None:
     from boundless.kv.disk_store import DiskKVStore, StoreLayout
 
-    layout = StoreLayout.of_model(tiny_llama, 16)
+    layout = StoreLayout.of_model(tiny_llama, 16, tiny_llama.fingerprint)
     shared = [(5 * j) % 300 + 3 for j in range(48)]  # three blocks every conversation starts with
     first, second = shared + list(range(100, 141)), shared + list(range(200, 241))
     before = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)
@@ -270,7 +270,7 @@ def test_blocks_gone_from_the_store_after_the_first_a_read_lacks_are_written_aga
     from boundless.kv.block_hash import extend_block_hashes
     from boundless.kv.disk_store import DiskKVStore, StoreLayout
 
-    layout = StoreLayout.of_model(tiny_llama, 16)
+    layout = StoreLayout.of_model(tiny_llama, 16, tiny_llama.fingerprint)
     prompt = list(range(3, 62))  # 59 + 6 tokens: four full blocks
     first = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)
     outputs: dict[str, list[int]] = {}
@@ -294,7 +294,7 @@ def test_a_colocated_engine_loads_blocks_another_engine_wrote_behind_its_prefix_
 ) -> None:
     from boundless.kv.disk_store import DiskKVStore, StoreLayout
 
-    layout = StoreLayout.of_model(tiny_llama, 16)
+    layout = StoreLayout.of_model(tiny_llama, 16, tiny_llama.fingerprint)
     shared = [(5 * j) % 300 + 3 for j in range(48)]  # three blocks
     longer = shared + list(range(100, 141))  # five full blocks
     core = _disk_engine(tiny_llama, DiskKVStore(tmp_path, layout, 1 << 30), tmp_path)  # started on an empty store

@@ -41,7 +41,7 @@ def _engine(loaded: LoadedModel, store, link, tmp_path: Path, **cache) -> Engine
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
     executor = build_model_executor(loaded, config, layout, store=store, read_link=link)
-    return EngineCore(config, layout, ModelIdentity.of(loaded, layout.max_model_len), loaded.tokenizer, executor)
+    return EngineCore(config, layout, ModelIdentity.of(loaded, layout), loaded.tokenizer, executor)
 
 
 def _run(core: EngineCore, request_id: str, outputs: dict[str, list[int]]) -> list[int]:

@@ -67,7 +67,8 @@ def _transformers(model: Any) -> list[list[int]]:
 
 
 def _rank_dir(config: EngineConfig, disk: Path, rank: int) -> Path:
-    layout = StoreLayout.of_model(load_configured_model(config.model, rank=rank), BLOCK)
+    loaded = load_configured_model(config.model, rank=rank)
+    layout = StoreLayout.of_model(loaded, BLOCK, loaded.fingerprint)
     return disk / layout.digest().hex()
 
 

@@ -30,7 +30,7 @@ def _engine(loaded: LoadedModel, kv_dtype: str, max_model_len: int = 512, **cach
     )
     layout = size_engine(config, loaded.arch, loaded.dtype)
     executor = build_model_executor(loaded, config, layout)
-    return EngineCore(config, layout, ModelIdentity.of(loaded, layout.max_model_len), loaded.tokenizer, executor)
+    return EngineCore(config, layout, ModelIdentity.of(loaded, layout), loaded.tokenizer, executor)
 
 
 def _run(core: EngineCore, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> dict[str, list]:

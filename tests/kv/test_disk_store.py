@@ -57,7 +57,7 @@ def _temp_files(root: Path) -> list[Path]:
 
 def test_blocks_from_the_kv_cache_round_trip(tmp_path: Path, tiny_llama: LoadedModel) -> None:
     arch = tiny_llama.arch
-    layout = StoreLayout.of_model(tiny_llama, block_size=16)
+    layout = StoreLayout.of_model(tiny_llama, 16, tiny_llama.fingerprint)
     # On the model's device (a GPU where the tests run on one): blocks leave it for the disk and come back.
     cache = PagedKVCache(arch.num_layers, arch.num_kv_heads, arch.head_dim, 8, 16, tiny_llama.dtype, tiny_llama.device)
     cache.data.normal_()

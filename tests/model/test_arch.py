@@ -94,7 +94,7 @@ def test_yarn_matches_transformers(case: str) -> None:
     assert arch.context_length == context
 
 
-_FACTORS = {n: [round(1.0 + 0.5 * i * (n == 48), 3) for i in range(n)] for n in (48, 64)}
+_FACTORS = {n: [round(1.0 + 0.5 * i, 3) for i in range(n)] for n in (48, 64)}  # (graded: a swap of the lists tells)
 LONGROPE_CASES = {
     # Phi-3.5-mini-instruct and Phi-3-mini-128k-instruct: 96-wide heads rotated whole, 4,096 original positions.
     "phi-3.5-mini": (

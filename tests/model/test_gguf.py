@@ -710,9 +710,10 @@ def _greedy_with_logits(loaded: LoadedModel, prompts: list[list[int]], max_model
 @pytest.mark.parametrize("context", sorted(PHI4_MINI_TEXTS), ids=lambda c: f"context-{c}")
 def test_a_phi4_mini_gguf_file_runs_as_its_directory(phi4_mini: tuple[LoadedModel, Path], context: int) -> None:
     """The file's model and the directory's, on an engine within the original context and on one past it: the same
-    logits at every step (so the same greedy tokens), to the bit, on the same weights."""
-    from_dir, path = phi4_mini
-    from_file = load_model(str(path))
+    logits at every step (so the same greedy tokens), to the bit, on the same weights. (Each context's engines on
+    models of their own: a model prepared for one set of LongRoPE factors is refused by an engine of the other.)"""
+    shared, path = phi4_mini
+    from_dir, from_file = load_model(str(shared.path)), load_model(str(path))
     prompts = [from_dir.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[context]]
     original = from_dir.arch.rope_scaling.original_max_position_embeddings
     if context <= original:

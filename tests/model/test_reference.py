@@ -26,7 +26,7 @@ import torch
 
 from boundless.attention import triton_paged
 from boundless.bench.offline import load_hf_reference
-from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore
 from boundless.engine.executor import StepResult
@@ -460,12 +460,15 @@ def test_each_part_of_gemma2_counts(
 LONGROPE_CONTEXTS = {"short": 48, "long": 512}
 
 
-def _longrope_reference(regime: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]) -> Reference:
+def _longrope_reference(
+    regime: str, hf_model: Callable[[str], Any], model_dirs: dict[str, Path], device: torch.device
+) -> Reference:
     """transformers' tokens and logits of the prompts that stay within the original context (``short``) or start
-    past it (``long``)."""
+    past it (``long``), with a model loaded for the regime's engines alone (a model prepared for one set of factors
+    is refused by an engine of the other: ``LlamaModel.prepare``)."""
     key = f"tiny-phi4-mini:{regime}"
     if key not in _REFERENCES:
-        loaded = load("tiny-phi4-mini")
+        loaded = load_model(str(model_dirs["tiny-phi4-mini"]), device=device.type)
         original = loaded.arch.rope_scaling.original_max_position_embeddings
         sizes = {t: len(loaded.tokenizer.encode(t)) for t in TEXTS}
         if regime == "short":
@@ -480,12 +483,16 @@ def _longrope_reference(regime: str, load: Callable[[str], LoadedModel], hf_mode
 @pytest.mark.parametrize("backend", ["native", "triton", "flex"])
 @pytest.mark.parametrize("regime", ["short", "long"])
 def test_longrope_and_partial_rotary_match_transformers(
-    regime: str, backend: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+    regime: str,
+    backend: str,
+    load: Callable[[str], LoadedModel],
+    hf_model: Callable[[str], Any],
+    model_dirs: dict[str, Path],
 ) -> None:
     """Phi-4-mini's RoPE (its leading 3/4 of each head, LongRoPE's factors and attention factor): transformers'
     greedy tokens on each attention path, an engine within the original context on the prompts that stay in it and
     a longer one on those past it; on the default path the per-step logits too."""
-    ref = _longrope_reference(regime, load, hf_model)
+    ref = _longrope_reference(regime, hf_model, model_dirs, load("tiny-llama").device)
     context = LONGROPE_CONTEXTS[regime]
     if backend == "native":
         _check_per_step_logits(ref, max_model_len=context)
@@ -502,27 +509,43 @@ def test_longrope_and_partial_rotary_match_transformers(
     assert _run_greedy(core, ref.prompts) == ref.tokens
 
 
-def test_longrope_factors_count(load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]) -> None:
-    """The prompts within the original context, on an engine whose context is longer (so rotated by the long
-    factors): transformers' logits (by the short ones) are not met, so the choice of factors is checked above."""
-    ref = _longrope_reference("short", load, hf_model)
+def test_longrope_factors_count(
+    load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any], model_dirs: dict[str, Path]
+) -> None:
+    """The prompts within the original context, on an engine whose context asked for is longer (so rotated by the
+    long factors, even where the pool holds less): transformers' logits (by the short ones) are not met, so the choice
+    of factors is checked above. The model those engines ran on refuses an engine of the long factors, and the short
+    engines' outputs are as they were."""
+    ref = _longrope_reference("short", hf_model, model_dirs, load("tiny-llama").device)
+    _check_per_step_logits(ref, max_model_len=LONGROPE_CONTEXTS["short"])
+    with pytest.raises(ConfigError, match="prepared for LongRoPE's short factors"):
+        _engine(ref.loaded, max_model_len=LONGROPE_CONTEXTS["long"])
+    _check_per_step_logits(ref, max_model_len=LONGROPE_CONTEXTS["short"])
+    long = copy.copy(ref)
+    long.loaded = load_model(str(model_dirs["tiny-phi4-mini"]), device=ref.loaded.device.type)
     with pytest.raises(AssertionError, match="largest logit difference"):
-        _check_per_step_logits(ref, max_model_len=LONGROPE_CONTEXTS["long"])
-    _check_per_step_logits(ref, max_model_len=LONGROPE_CONTEXTS["short"])  # (and the table is built again for it)
+        _check_per_step_logits(long, max_model_len=LONGROPE_CONTEXTS["long"])
+    # (A pool of 48 tokens: the context asked for, not what the pool holds, picks the factors.)
+    pooled = _engine(long.loaded, num_kv_blocks=3, block_size=16, max_model_len=None)
+    assert pooled.layout.max_model_len == 48 and pooled.layout.rope_long
 
 
 def test_the_long_factors_kv_is_named_otherwise(load: Callable[[str], LoadedModel]) -> None:
     """Keys rotated by LongRoPE's long factors are not the short factors': an engine past the original context names
     its blocks (the prefix cache's, the disk store's, a split's handoffs) otherwise than one within it; a model
     without LongRoPE names them the same whatever its context."""
-    from boundless.kv.disk_store import StoreLayout
+
+    def identities(loaded: LoadedModel) -> list[ModelIdentity]:
+        config = EngineConfig(cache=CacheConfig(num_kv_blocks=64, block_size=16))
+        contexts = [dataclasses.replace(config, model=ModelConfig(max_model_len=n)) for n in LONGROPE_CONTEXTS.values()]
+        layouts = [size_engine(c, loaded.arch, loaded.dtype) for c in contexts]
+        assert [layout.rope_long for layout in layouts] == [False, loaded.arch.rope_scaling.kind == "longrope"]
+        return [ModelIdentity.of(loaded, layout) for layout in layouts]
 
     phi4, llama = load("tiny-phi4-mini"), load("tiny-llama")
-    short, long = LONGROPE_CONTEXTS["short"], LONGROPE_CONTEXTS["long"]
-    assert ModelIdentity.of(phi4, short).fingerprint == phi4.fingerprint
-    assert ModelIdentity.of(phi4, long).fingerprint != phi4.fingerprint
-    assert StoreLayout.of_model(phi4, 16, None, long).digest() != StoreLayout.of_model(phi4, 16, None, short).digest()
-    assert ModelIdentity.of(llama, short).fingerprint == ModelIdentity.of(llama, long).fingerprint == llama.fingerprint
+    short, long = identities(phi4)
+    assert short.fingerprint == phi4.fingerprint != long.fingerprint == phi4.kv_fingerprint(True)
+    assert [i.fingerprint for i in identities(llama)] == [llama.fingerprint] * 2
 
 
 @pytest.mark.parametrize(
@@ -867,7 +890,7 @@ def test_prefixes_from_host_memory_and_from_disk_match_transformers(
     assert layout.num_host_blocks == host_blocks
     store = dict_store() if tier == DISK else None
     executor = build_model_executor(loaded, cfg, layout, store=store)
-    core = EngineCore(cfg, layout, ModelIdentity.of(loaded, layout.max_model_len), loaded.tokenizer, executor)
+    core = EngineCore(cfg, layout, ModelIdentity.of(loaded, layout), loaded.tokenizer, executor)
     first = _run_greedy(core, ref.prompts, "first-")
     executor.kv_io.flush()  # the first round's blocks are in the store
     cached_before = dict(core.scheduler.stats.cached_tokens_by_tier)
