@@ -472,7 +472,8 @@ class DecoderLayer(nn.Module):
             cpu_kernels.rope_(
                 step.qkv, heads, self.head_dim, self.rotary_dim, step.positions, rope.cos, rope.sin, packed.head_norm
             )
-        attn = attention.forward(step.q, step.k, step.v, cache, attn_meta, self.window).view(x.shape[0], -1)
+        # (reshape: a backend's output may be strided so that no view flattens it, PyTorch's for some head sizes)
+        attn = attention.forward(step.q, step.k, step.v, cache, attn_meta, self.window).reshape(x.shape[0], -1)
         if attn.stride(1) != 1 or attn.stride(0) != attn.shape[1]:
             attn = attn.contiguous()
         post, attn_out_norm, mlp_out_norm = self.post_attention_norm, self.attn_out_norm, self.mlp_out_norm

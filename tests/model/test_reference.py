@@ -36,6 +36,7 @@ from boundless.kv.tensors import PagedKVCache
 from boundless.kv.transfer import DISK, HOST
 from boundless.llm import LLM, engine_config
 from boundless.model.loader import LoadedModel, load_model
+from boundless.model.random_model import TinySpec, write_random_model
 
 MAX_NEW = 12
 MODELS = ["smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
@@ -574,6 +575,16 @@ def test_each_part_of_granite_counts(
         model.arch = arch
         for layer in layers:
             layer.residual_multiplier = arch.residual_multiplier
+
+
+def test_heads_of_20_dimensions_as_many_for_keys_match_transformers(tmp_path: Path) -> None:
+    """A head size that is no multiple of 8 with a key/value head for every query head: PyTorch's attention output is
+    strided so that no view flattens it (the native path's view raised); transformers' greedy tokens."""
+    path = write_random_model(tmp_path / "m", TinySpec(hidden_size=80, num_heads=4, num_kv_heads=4, seed=5))
+    loaded = load_model(str(path))
+    assert loaded.arch.head_dim == 20
+    ref = Reference(loaded, load_hf_reference(loaded), TEXTS[:5])
+    assert _run_greedy(_engine(loaded), ref.prompts) == ref.tokens
 
 
 def test_glm4s_interleaved_rope_counts(
