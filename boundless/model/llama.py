@@ -141,7 +141,10 @@ def _norm_names(arch: ModelArch, layer: DecoderLayer) -> dict[str, torch.Tensor]
     names them (Gemma's ``post_attention_layernorm`` is its norm of attention's output, ``pre_feedforward_layernorm``
     the one before the MLP; GLM-4 keeps Llama's two and adds ``post_self_attn_layernorm`` and
     ``post_mlp_layernorm``)."""
-    names = {"input_layernorm": layer.input_norm.weight, "post_attention_layernorm": layer.post_attention_norm.weight}
+    names: dict[str, torch.Tensor] = {
+        "input_layernorm": layer.input_norm.weight,
+        "post_attention_layernorm": layer.post_attention_norm.weight,
+    }
     attn_out, mlp_out = layer.attn_out_norm, layer.mlp_out_norm
     if attn_out is None or mlp_out is None:
         return names
