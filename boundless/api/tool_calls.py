@@ -87,6 +87,19 @@ TOOL_CALL_PARSERS: dict[str, CallFormats] = {
 MISTRAL_TAG = "[TOOL_CALLS]"  # (Mistral's special token before its calls)
 FUNCTOOLS_TAG = "functools["  # (Phi-4-mini's, its list's bracket with it)
 PYTHON_TAG = "<|python_tag|>"  # (Llama 3.1's special token before a call's JSON)
+# The special tokens bare JSON calls may follow, in the text when a request keeps special tokens: Llama 3.1's, and
+# Granite 3's before its list.
+BARE_TAGS = (PYTHON_TAG, "<|tool_call|>")
+PHI4_CALL_END = "<|/tool_call|>"  # (Phi-4-mini's special token after its list)
+
+
+def _after_bare_tag(text: str) -> str | None:
+    """``text`` (stripped at its start) past a leading :data:`BARE_TAGS` tag and the blanks after it; None when it
+    opens with none."""
+    tag = next((t for t in BARE_TAGS if text.startswith(t)), None)
+    return None if tag is None else text[len(tag) :].lstrip()
+
+
 # DeepSeek's tags around its calls, and around each.
 DEEPSEEK_CALLS, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DEEPSEEK_CALL, DEEPSEEK_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
@@ -452,9 +465,11 @@ def _deepseek_span(text: str, at: int, end: int) -> tuple[int, int]:
 def bare_json_calls(text: str, tools: Collection[str] | None) -> list[ToolCall]:
     """The calls of an output that is bare JSON, all of it (blanks around it aside): a call object, a list of them,
     or, as Llama 3.1 writes several, call objects a ``;`` apart, after a ``<|python_tag|>`` or not (vLLM's
-    ``llama3_json``); each a call by :func:`_bare_call`. ``[]`` when it is anything else (an answer)."""
+    ``llama3_json``), or Granite's list after its ``<|tool_call|>`` (Phi-4-mini's between it and
+    ``<|/tool_call|>``); each a call by :func:`_bare_call`. ``[]`` when it is anything else (an answer)."""
     body = text.strip()
-    body = body[len(PYTHON_TAG) :].lstrip() if body.startswith(PYTHON_TAG) else body
+    body = _after_bare_tag(body) or body
+    body = body.removesuffix(PHI4_CALL_END).rstrip() if body.startswith("[") else body
     docs, at = [], 0
     while at < len(body):
         try:
@@ -570,11 +585,11 @@ class ContentStream:
             head = text.lstrip()
             if not head:
                 return ""
-            if head[0] in self.openers or (BARE_JSON in self.formats and head.startswith(PYTHON_TAG)):
+            if head[0] in self.openers or (BARE_JSON in self.formats and head.startswith(BARE_TAGS)):
                 self.held = True
                 return ""
-            if BARE_JSON in self.formats and PYTHON_TAG.startswith(head):
-                return ""  # (Llama 3.1's tag being written, or text that begins like it)
+            if BARE_JSON in self.formats and any(t.startswith(head) for t in BARE_TAGS):
+                return ""  # (Llama 3.1's or Granite's tag being written, or text that begins like it)
         found = [at for t in self.tags if (at := text.find(t, max(self.sent - len(t) + 1, 0))) >= 0]
         if found:
             self.held, end = True, min(found)
@@ -638,11 +653,11 @@ class CallStream:
         """``text``: the output so far; ``start``: where the content stream held it. -> tool-call deltas to send."""
         if self._bare is None:
             head = text[start:].lstrip()
-            if self.bare_json and head.startswith(PYTHON_TAG):
-                head = head[len(PYTHON_TAG) :].lstrip()  # (Llama 3.1's tag before its JSON)
+            if self.bare_json and (after := _after_bare_tag(head)) is not None:
+                head = after  # (Llama 3.1's or Granite's tag before its JSON)
                 if not head:
                     return []
-            elif not head or any(len(head) < len(t) and t.startswith(head) for t in self.tags + [PYTHON_TAG]):
+            elif not head or any(len(head) < len(t) and t.startswith(head) for t in self.tags + list(BARE_TAGS)):
                 return []  # (a tag being written, "[" of "[TOOL_CALLS]" say: not yet known which)
             self._bare = head[0] in "{[" and not any(head.startswith(t) for t in self.tags)
             if self._bare:

@@ -236,6 +236,9 @@ def test_phi4_mini_calls(formats: frozenset[str]) -> None:
     assert _named(parse_tool_calls(nested, TYPES, formats)[1]) == [("get_weather", {"city": "Paris", "days": [1, [2]]})]
     bare = nested.removeprefix("functools")
     assert _named(parse_tool_calls(bare, TYPES, formats)[1]) == [("get_weather", {"city": "Paris", "days": [1, [2]]})]
+    kept = f"<|tool_call|>{bare}<|/tool_call|>"  # (a request that keeps special tokens)
+    assert _named(parse_tool_calls(kept, TYPES, formats)[1]) == [("get_weather", {"city": "Paris", "days": [1, [2]]})]
+    assert _named(_stream(kept, formats)[2]) == [("get_weather", {"city": "Paris", "days": [1, [2]]})]
 
 
 # -- Granite 3's list after <|tool_call|> ------------------------------------------------------------------------------
@@ -247,17 +250,19 @@ GRANITE_LIST = (
 
 
 @pytest.mark.parametrize("formats", [TOOL_CALL_PARSERS["granite"], ALL_FORMATS], ids=["granite", "no parser"])
-@pytest.mark.parametrize("tag", ["", "<tool_call>"], ids=["special-token", "text-tag"])
+@pytest.mark.parametrize(
+    "tag", ["", "<|tool_call|>", "<tool_call>"], ids=["special-token", "special-token-kept", "text-tag"]
+)
 def test_granite_calls(formats: frozenset[str], tag: str) -> None:
     """vLLM's ``granite`` reads Granite 3's JSON list after ``<|tool_call|>`` (a special token: decoded text has only
-    the list) or after ``<tool_call>`` written as text, with no end tag. Streamed, the tagged list's calls as they are
-    written, the bare list's at the end (as Llama's bare JSON: text after it would make it an answer); a list that
-    does not read whole is text."""
+    the list, unless the request keeps special tokens) or after ``<tool_call>`` written as text, with no end tag.
+    Streamed, the tagged list's calls as they are written, the bare list's at the end (as Llama's bare JSON: text
+    after it would make it an answer); a list that does not read whole is text."""
     text = tag + GRANITE_LIST
     content, calls = parse_tool_calls(text, TYPES, formats)
     assert content is None and _named(calls) == TWO_CALLS
     streamed, deltas, streamed_calls = _stream(text, formats)
-    assert streamed == "" and (len(deltas) > 20 if tag else len(deltas) == 2)
+    assert streamed == "" and (len(deltas) > 20 if tag == "<tool_call>" else len(deltas) == 2)
     assert _together(deltas) == [(c.id, c.name, c.arguments) for c in streamed_calls]
     assert _named(streamed_calls) == TWO_CALLS
     cut = text[:30]
