@@ -10,7 +10,8 @@ and up) pairs are fused alike when loaded: their ``A``s stacked, their ``B``s (t
 by block, one pair of matmuls per fused matrix. A projection the adapter leaves alone gets zero rows.
 
 Checkpoints are PEFT's ``save_pretrained`` layout: ``adapter_config.json`` and ``adapter_model.safetensors``,
-LoRA on the attention and MLP projections (``q_proj`` ... ``down_proj``), with ``lora_alpha``, ``use_rslora``,
+LoRA on the attention and MLP projections (``q_proj`` ... ``down_proj``, and the fused ``qkv_proj`` and
+``gate_up_proj`` of Phi-3's and GLM-4's checkpoints), with ``lora_alpha``, ``use_rslora``,
 ``rank_pattern`` and ``alpha_pattern``. Anything that would change the model elsewhere (DoRA, biases, trained
 embeddings or head, ``modules_to_save``) is refused with an error rather than silently dropped.
 """
@@ -42,6 +43,9 @@ _PROJECTIONS = {  # PEFT module name -> the fused matrix it is part of
     "gate_proj": GATE_UP,
     "up_proj": GATE_UP,
     "down_proj": DOWN,
+    # (Phi-3's q/k/v and gate/up, GLM-4's gate/up: one module in their checkpoints, so in PEFT's adapters of them)
+    "qkv_proj": QKV,
+    "gate_up_proj": GATE_UP,
 }
 # (A multimodal model's language model has its own prefix: Gemma 3's, as PEFT names it on transformers 5, or 4.50.)
 _KEY = re.compile(
@@ -241,6 +245,18 @@ def _read_weights(
     return pairs
 
 
+def _in_halves_order(b: torch.Tensor, module: str, arch: ModelArch) -> torch.Tensor:
+    """An adapter's B (its shape checked) with its rows of q and of k in the rotate-half order the model holds
+    those rows in (``ModelArch.rope_interleaved``, GLM-4's: ``rope.interleaved_to_halves``); v's and the rest as
+    they are."""
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    spans = {"q_proj": [(0, q_size)], "k_proj": [(0, kv_size)], "qkv_proj": [(0, q_size), (q_size, q_size + kv_size)]}
+    b = b.clone()
+    for start, end in spans.get(module, []):
+        b[start:end] = interleaved_to_halves(b[start:end], arch.head_dim, arch.rotary_dim)
+    return b
+
+
 def load_lora(
     request: LoRARequest,
     arch: ModelArch,
@@ -291,6 +307,8 @@ def load_lora(
         "gate_proj": (0, arch.intermediate_size, arch.hidden_size),
         "up_proj": (arch.intermediate_size, arch.intermediate_size, arch.hidden_size),
         "down_proj": (0, arch.hidden_size, arch.intermediate_size),
+        "qkv_proj": (0, q_size + 2 * kv_size, arch.hidden_size),
+        "gate_up_proj": (0, 2 * arch.intermediate_size, arch.hidden_size),
     }
     fused_out = {
         QKV: q_size + 2 * kv_size,
@@ -313,13 +331,6 @@ def load_lora(
                 "experts are not supported (the attention's are)"
             )
         a, b = ab["A"].float(), ab["B"].float()
-        if (
-            arch.rope_interleaved
-            and module in ("q_proj", "k_proj")
-            and b.dim() == 2
-            and b.shape[0] % arch.head_dim == 0
-        ):
-            b = interleaved_to_halves(b, arch.head_dim, arch.rotary_dim)  # (its rows in the order the model holds q's)
         start, rows, cols = out_sizes[module]
         r = a.shape[0] if a.dim() == 2 else -1
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != cols or b.shape != (rows, r):
@@ -327,6 +338,8 @@ def load_lora(
                 f"LoRA adapter {request.lora_name!r}: {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
                 f"model needs A [rank, {cols}] and B [{rows}, rank]"
             )
+        if arch.rope_interleaved:
+            b = _in_halves_order(b, module, arch)
         if r == 0:  # (its scale alpha / r would divide by zero: a 500 where the adapter is at fault)
             raise LoRAError(f"LoRA adapter {request.lora_name!r}: {name} has rank 0 (A {tuple(a.shape)})")
         if r > max_rank:

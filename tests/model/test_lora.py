@@ -37,20 +37,21 @@ TEXTS = [
     "Agents call language models many times in a loop, with tools between the calls. " * 3,
     "def add(a, b):\n    return a + b\n",
 ]
-ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Adapter 1: every projection, rank 8. Adapter 2: q and v (PEFT's default on a Llama), rank 4, rsLoRA, its own
-# alpha for v. Adapter 3: the MLP only, rank 2. (On the native path a layer half no adapter of the step changes stays
-# one fused call: adapters 2 and 3 alone each leave one half fused.)
+# (And Phi-3's and GLM-4's fused modules, their checkpoints' own: PEFT adapts the names a model has.)
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj"]
+# Adapter 1: every projection, rank 8. Adapter 2: q and v (PEFT's default on a Llama; Phi-3's fused q/k/v), rank 4,
+# rsLoRA, its own alpha for v. Adapter 3: the MLP only, rank 2. (On the native path a layer half no adapter of the step
+# changes stays one fused call: adapters 2 and 3 alone each leave one half fused.)
 ADAPTERS = {
     "all8": {"r": 8, "lora_alpha": 16, "target_modules": ALL_MODULES},
     "attn4": {
         "r": 4,
         "lora_alpha": 8,
-        "target_modules": ["q_proj", "v_proj"],
+        "target_modules": ["q_proj", "v_proj", "qkv_proj"],
         "use_rslora": True,
         "alpha_pattern": {"v_proj": 2},
     },
-    "mlp2": {"r": 2, "lora_alpha": 4, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "mlp2": {"r": 2, "lora_alpha": 4, "target_modules": ["gate_proj", "up_proj", "down_proj", "gate_up_proj"]},
 }
 
 
@@ -129,6 +130,7 @@ def _case(name: str, load: Callable, hf_model: Callable, tmp_path_factory: pytes
         "tiny-gemma2",
         "tiny-granite",
         "tiny-glm4",
+        "tiny-phi3",
         "smollm2-135m",
     ],
 )
