@@ -190,6 +190,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        if isinstance(self.max_model_len, str) or self.max_model_len == -1:  # (vLLM's forms, as the flag reads them)
+            try:
+                object.__setattr__(self, "max_model_len", context_length(str(self.max_model_len)))
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"--max-model-len: {e}") from None
         _require(self.max_logprobs >= -1, "max_logprobs", "must be -1 (the whole vocabulary) or more")
         _require(self.dtype in DTYPE_NAMES, "dtype", f"unknown dtype {self.dtype!r}; one of {', '.join(DTYPE_NAMES)}")
         _require(

@@ -41,6 +41,18 @@ def test_a_max_model_len_that_is_no_length_is_refused_naming_the_flag(given: str
         _parser().parse_args(["--max-model-len", given])
 
 
+def test_the_offline_config_takes_the_flags_forms_of_a_context() -> None:
+    """``LLM(max_model_len="auto")``, ``-1`` and ``"32k"`` as the flag reads them (a string raised a TypeError from a
+    comparison); a string that is no length is the flag's one-line error."""
+    from boundless.config import ConfigError, ModelConfig
+
+    assert [ModelConfig(max_model_len=v).max_model_len for v in ("auto", -1, "32k", "8192", 4096)] == [
+        None, None, 32_000, 8192, 4096,
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match="--max-model-len: not a context length"):
+        ModelConfig(max_model_len="lots")
+
+
 def _float_fields() -> list[tuple[type, str]]:
     import dataclasses
 
