@@ -498,6 +498,10 @@ def _granite_multipliers(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# Multimodal checkpoints served as their language model (images are not served): their type -> their text model's, when
+# the text_config names none (Gemma3ForConditionalGeneration's, Mistral3ForConditionalGeneration's: Mistral Small 3.1
+# and 3.2, Magistral Small 1.1 on, a Pixtral vision tower beside a Mistral).
+MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text", "mistral3": "mistral"}
 # A multimodal checkpoint's tensors its text model does not read (Gemma 3's vision tower and its projector, under
 # transformers 4's names and 5's), and so neither an adapter's of them.
 NOT_TEXT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -506,13 +510,15 @@ NOT_TEXT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_to
 def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """A config with the defaults transformers' config class fills in for its type (:data:`CONFIG_DEFAULTS`: Gemma's,
     Phi-3's);
-    a multimodal Gemma 3's (the 4B, 12B and 27B) as its text model's: its ``text_config``, its top level's token ids
-    where the text config has none. Any other config as it is. The vision tower is not served: its weights are left
+    a multimodal checkpoint's (:data:`MULTIMODAL_TEXT_MODELS`: Gemma 3's 4B, 12B and 27B, Mistral Small 3.1's and
+    3.2's, Magistral's) as its text model's: its ``text_config``, its top level's token ids where the text config has
+    none. Any other config as it is. The vision tower is not served: its weights are left
     unread (``loader._causal_lm_name``)."""
     model_type = cfg.get("model_type")
-    if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):
+    if model_type in MULTIMODAL_TEXT_MODELS and isinstance(cfg.get("text_config"), dict):
         ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
-        text = {**CONFIG_DEFAULTS["gemma3_text"], **ids, **cfg["text_config"], "model_type": "gemma3_text"}
+        text_type = cfg["text_config"].get("model_type") or MULTIMODAL_TEXT_MODELS[model_type]
+        text = {**CONFIG_DEFAULTS.get(text_type, {}), **ids, **cfg["text_config"], "model_type": text_type}
         text.pop("final_logit_softcapping", None)  # (Gemma3ForConditionalGeneration caps no logits)
         return text
     return {**CONFIG_DEFAULTS.get(model_type or "", {}), **cfg}

@@ -228,12 +228,13 @@ def _safetensors_weights(
 
 def _has_lm_head(path: Path) -> bool:
     """Whether the directory's checkpoint holds an LM head (its files' headers read, not their tensors), whole or packed
-    (a GPTQ checkpoint that quantized its head too: ``lm_head.qweight``)."""
+    (a GPTQ checkpoint that quantized its head too: ``lm_head.qweight``), under its own name or a multimodal
+    checkpoint's (``language_model.lm_head.weight``)."""
     from safetensors import safe_open
 
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            if {"lm_head.weight", "lm_head.qweight"} & set(f.keys()):
+            if {"lm_head.weight", "lm_head.qweight"} & {_causal_lm_name(key) for key in f.keys()}:  # noqa: SIM118
                 return True
     return False
 

@@ -205,6 +205,21 @@ def test_glm4_reads_as_transformers_does() -> None:
     assert not ModelArch.from_hf_config({**GLM4_9B, "attention_bias": False}).qkv_bias
 
 
+def test_a_mistral3_config_reads_as_its_text_model() -> None:
+    """Mistral Small 3.1's config (Mistral3ForConditionalGeneration: a Pixtral vision tower beside a Mistral): its
+    text_config, read as the Mistral it is; its top level's token ids where the text config has none."""
+    text = {"model_type": "mistral", "head_dim": 128, "hidden_size": 5120, "intermediate_size": 32768,
+            "max_position_embeddings": 131072, "num_attention_heads": 32, "num_hidden_layers": 40,
+            "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0, "sliding_window": None,
+            "vocab_size": 131072, "hidden_act": "silu", "tie_word_embeddings": False}  # fmt: skip
+    config = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "text_config": text,
+              "vision_config": {"model_type": "pixtral", "hidden_size": 1024}, "image_token_index": 10,
+              "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    arch = ModelArch.from_hf_config(config)
+    assert arch == ModelArch.from_hf_config({**text, "bos_token_id": 1, "eos_token_id": 2})
+    assert (arch.model_type, arch.head_dim, arch.sliding_window, arch.eos_token_ids) == ("mistral", 128, None, (2,))
+
+
 def test_fingerprints_of_models_before_yarn_are_unchanged() -> None:
     """A fingerprint names every KV block, on disk too: the YaRN fields enter only a YaRN model's (these digests were
     computed before they existed), and YaRN's parameters change it."""

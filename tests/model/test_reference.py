@@ -650,6 +650,60 @@ def test_a_gemma3_multimodal_checkpoint_serves_its_text_model(
     assert _run_greedy(_engine(loaded), ref.prompts) == ref.tokens
 
 
+@pytest.mark.parametrize("names", ["transformers-5", "transformers-4"])
+def test_a_mistral3_multimodal_checkpoint_serves_its_text_model(
+    names: str,
+    load: Callable[[str], LoadedModel],
+    hf_model: Callable[[str], Any],
+    model_dirs: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """Mistral Small 3.1 and 3.2 (and Magistral Small from 1.1) are Mistral3ForConditionalGeneration checkpoints: a
+    Pixtral vision tower beside a Mistral, whose config is the text_config and whose tensors, its untied LM head's
+    among them, are named under the language model. Such a checkpoint of the tiny windowed Mistral's weights serves
+    text as transformers' multimodal model does (the head found under either name: without it the model was taken
+    for an embedding model)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    ref = _reference("tiny-mistral-window", load, hf_model)
+    source = model_dirs["tiny-mistral-window"]
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "head_dim": 16, "image_size": 28, "patch_size": 14}  # fmt: skip
+    # (The text_config's untied head, as vLLM reads it; transformers 5 ties by the top level's flag, True by default.)
+    config = Mistral3Config(
+        text_config=json.loads((source / "config.json").read_text()), vision_config=vision, tie_word_embeddings=False
+    )
+    model = Mistral3ForConditionalGeneration(config).eval()
+    text = load_file(str(source / "model.safetensors"))
+    model.model.language_model.load_state_dict(
+        {k.removeprefix("model."): v for k, v in text.items() if k != "lm_head.weight"}
+    )
+    model.lm_head.load_state_dict({"weight": text["lm_head.weight"]})
+    path = tmp_path / "multimodal"
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, path / name)
+    (file,) = path.glob("*.safetensors")
+    saved = load_file(str(file))  # (as the Hub's files have them: transformers 5 saves a Mistral 3 so)
+    assert "language_model.lm_head.weight" in saved and any(k.startswith("vision_tower.") for k in saved)
+    if names == "transformers-5":  # (transformers 5's own names in memory, as a converter might save them)
+        renamed = {
+            k.replace("language_model.lm_head.", "lm_head.")
+            .replace("language_model.model.", "language_model.")
+            .replace("language_model.", "model.language_model.", 1)
+            .replace("vision_tower.", "model.vision_tower.", 1)
+            .replace("multi_modal_projector.", "model.multi_modal_projector.", 1): v
+            for k, v in saved.items()
+        }
+        assert "lm_head.weight" in renamed and any(k.startswith("model.language_model.layers.") for k in renamed)
+        save_file(renamed, str(file), metadata={"format": "pt"})
+    loaded = load_model(str(path))
+    assert loaded.arch == ref.loaded.arch and loaded.generates
+    assert Reference(loaded, model).tokens == ref.tokens  # (transformers' multimodal model, on text)
+    assert _run_greedy(_engine(loaded), ref.prompts) == ref.tokens
+
+
 def _gemma_sentencepiece(size: int) -> list[tuple[str, float, int]]:
     """A SentencePiece vocabulary of ``size`` pieces laid out as Gemma's GGUF files hold theirs: (piece, score, type)
     with its special tokens first (control, type 3; ``<unk>`` unknown, 2), the 256 byte pieces (6), then pieces whose
