@@ -37,8 +37,14 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     # (Phi3Config's: a LongRoPE scaling's original context, where a config has none.)
     "phi3": {"original_max_position_embeddings": 4096},
-    # (Glm4Config's: RoPE on half of each head, q/k/v biases.)
-    "glm4": {"partial_rotary_factor": 0.5, "attention_bias": True},
+    # (Glm4Config's: RoPE on half of each head, q/k/v biases, its head size, key/value heads and norms' epsilon.)
+    "glm4": {
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "head_dim": 128,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1.5625e-07,
+    },
     "gemma3_text": {
         **_GEMMA_DEFAULTS,
         "vocab_size": 262208,
@@ -509,7 +515,7 @@ NOT_TEXT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_to
 
 def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """A config with the defaults transformers' config class fills in for its type (:data:`CONFIG_DEFAULTS`: Gemma's,
-    Phi-3's);
+    Phi-3's, GLM-4's);
     a multimodal checkpoint's (:data:`MULTIMODAL_TEXT_MODELS`: Gemma 3's 4B, 12B and 27B, Mistral Small 3.1's and
     3.2's, Magistral's) as its text model's: its ``text_config``, its top level's token ids where the text config has
     none. Any other config as it is. The vision tower is not served: its weights are left

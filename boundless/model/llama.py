@@ -765,7 +765,7 @@ class LlamaModel(nn.Module):
         return cpu_kernels.rms_norm(hidden, self.norm.weight, self.norm.eps, torch.empty_like(hidden))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The tokens' embeddings (times Gemma's scale, in the model's dtype as transformers has it); with a split
+        """The tokens' embeddings (times Gemma's scale or Granite's multiplier, as transformers has each); with a split
         vocabulary, each rank's rows for its own tokens (zeros for the others'), summed over the ranks."""
         if not self.vocab_split:
             hidden = self.embed_tokens(input_ids)

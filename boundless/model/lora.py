@@ -322,7 +322,9 @@ def load_lora(
     # Per layer and fused target: the parts (A, scaled B, row offset) to fuse.
     parts: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
     for (layer, module), ab in sorted(pairs.items()):
-        name = f"model.layers.{layer}.{module}"
+        # (Its name in the model, block and all, as PEFT matches alpha_pattern's keys against it: "self_attn.v_proj".)
+        block = "self_attn" if _PROJECTIONS[module] in (QKV, O_PROJ) else "mlp"
+        name = f"model.layers.{layer}.{block}.{module}"
         if set(ab) != {"A", "B"}:
             raise LoRAError(f"LoRA adapter {request.lora_name!r}: {name} lacks lora_{'B' if 'A' in ab else 'A'}")
         if layer in arch.sparse_layers and _PROJECTIONS[module] in (GATE_UP, DOWN):

@@ -49,7 +49,7 @@ ADAPTERS = {
         "lora_alpha": 8,
         "target_modules": ["q_proj", "v_proj", "qkv_proj"],
         "use_rslora": True,
-        "alpha_pattern": {"v_proj": 2},
+        "alpha_pattern": {"self_attn.v_proj": 2},  # (a key naming the block too: PEFT matches the module's whole name)
     },
     "mlp2": {"r": 2, "lora_alpha": 4, "target_modules": ["gate_proj", "up_proj", "down_proj", "gate_up_proj"]},
 }

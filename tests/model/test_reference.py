@@ -114,8 +114,13 @@ def _engine(loaded: LoadedModel, **cache_and_sched) -> EngineCore:
     return EngineCore.from_model(loaded, cfg)
 
 
+# The reference's greedy tokens: exactly MAX_NEW, the end of the sequence held back until then (transformers'
+# min_new_tokens, the engine's min_tokens: a model that would end there picks its next choice in both).
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, ignore_eos=True)
+
+
 def _run_greedy(core: EngineCore, prompts: list[list[int]], tag: str = "") -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    params = GREEDY
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}{i}", p, params)
     out: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(prompts))}
@@ -830,7 +835,7 @@ def test_yarn_per_step_logits_match_transformers(
 
 def _check_per_step_logits(ref: Reference, **options: Any) -> None:
     core = _engine(ref.loaded, **{"max_num_batched_tokens": 64, **options})
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    params = GREEDY
     for i, p in enumerate(ref.prompts):
         core.add_request(str(i), p, params)
     logits: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(ref.prompts))}

@@ -148,7 +148,11 @@ CASES = {
     # (Phi-4-mini: each rank's heads rotated on their leading 3/4, by LongRoPE's long factors; tied embeddings.)
     "phi4-mini-partial-longrope": (PHI4_MINI, {}, 1e-4),
     # (GLM-4: each rank's q and k rows reordered within its heads; its products' sums normed.)
-    "glm4-interleaved-norms": (TinySpec(kind="glm4", num_heads=4, num_kv_heads=2, head_dim=32, seed=16), {}, 1e-4),
+    "glm4-interleaved-norms": (
+        TinySpec(kind="glm4", num_heads=4, num_kv_heads=2, head_dim=32, seed=16, partial_rotary_factor=0.5),
+        {},
+        1e-4,
+    ),
     # (Granite: each rank's products summed before the sum is multiplied into the stream.)
     "granite-multipliers": (
         TinySpec(
