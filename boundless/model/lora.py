@@ -47,6 +47,18 @@ _PROJECTIONS = {  # PEFT module name -> the fused matrix it is part of
     "qkv_proj": QKV,
     "gate_up_proj": GATE_UP,
 }
+
+
+def checkpoint_modules(arch: ModelArch) -> tuple[str, ...]:
+    """The projections an adapter of ``arch``'s model may name, as its checkpoint (so PEFT) names them: Phi-3's
+    fused q/k/v and gate/up, GLM-4's fused gate/up, the others' seven apart. (A module the model has not, a hand-made
+    adapter's ``q_proj`` beside Phi-3's ``qkv_proj`` say, is refused rather than summed into the fused matrix.)"""
+    fused = {"phi3": ("qkv_proj", "gate_up_proj"), "glm4": ("gate_up_proj",)}.get(arch.model_type, ())
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    hidden = {name for f in fused for name in parts[f]}
+    return tuple(m for m in _PROJECTIONS if m not in hidden and (m not in parts or m in fused))
+
+
 # (A multimodal model's language model has its own prefix: Gemma 3's, as PEFT names it on transformers 5, or 4.50.)
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.(?:language_model\.)?|language_model\.model\.)layers\.(\d+)\."
@@ -217,16 +229,17 @@ def _read_weights(
     from safetensors import SafetensorError, safe_open
 
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    modules = checkpoint_modules(arch)
     try:
         with safe_open(str(weights_file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if key.removeprefix("base_model.model.").startswith(NOT_TEXT_PREFIXES):  # (an all-linear adapter's)
                     continue
                 match = _KEY.match(key)
-                if match is None or match.group(2) not in _PROJECTIONS:
+                if match is None or match.group(2) not in modules:
                     raise LoRAError(
                         f"LoRA adapter {request.lora_name!r}: weight {key!r} is not LoRA on a layer's attention or "
-                        f"MLP projections ({', '.join(_PROJECTIONS)})"
+                        f"MLP projections as this {arch.model_type} model names them ({', '.join(modules)})"
                     )
                 layer, module, side = int(match.group(1)), match.group(2), match.group(3)
                 if layer >= arch.num_layers:

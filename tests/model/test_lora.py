@@ -371,6 +371,25 @@ def test_loader_refuses_what_it_cannot_apply(
         load_lora(LoRARequest("bad", 1, str(path)), loaded.arch, loaded.dtype, loaded.device, 16)
 
 
+def test_an_adapter_of_modules_the_model_does_not_name_is_refused(
+    load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Phi-3's checkpoint (so PEFT) names its q/k/v and gate/up fused: an adapter of a Llama's unfused q_proj on a
+    Phi-3 is refused by name, not summed into the fused matrix; a Llama's adapter of a fused module likewise."""
+    llama = _case("tiny-llama", load, hf_model, tmp_path_factory)
+    phi3 = load("tiny-phi3")
+    with pytest.raises(LoRAError, match=r"q_proj\.lora_A.* this phi3 model names them \(o_proj, down_proj, qkv_proj"):
+        load_lora(LoRARequest("llamas", 1, str(llama.paths["attn4"])), phi3.arch, phi3.dtype, phi3.device, 16)
+
+    def fused(tensors: dict) -> None:
+        for key in list(tensors):
+            tensors[key.replace(".q_proj.", ".qkv_proj.")] = tensors.pop(key)
+
+    path = _broken_copy(llama.paths["attn4"], tmp_path / "fused", edit=fused)
+    with pytest.raises(LoRAError, match=r"qkv_proj.* this llama model names them"):
+        load_lora(LoRARequest("fused", 1, str(path)), llama.loaded.arch, llama.loaded.dtype, llama.loaded.device, 16)
+
+
 @pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."], ids=["transformers-5", "4.50"])
 def test_a_multimodal_gemma3_adapter_serves_its_text_models_share(
     prefix: str, load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathFactory
