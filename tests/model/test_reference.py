@@ -635,23 +635,41 @@ def test_a_gemma3_multimodal_checkpoint_serves_its_text_model(
         text_config=json.loads((source / "config.json").read_text()), vision_config=vision, mm_tokens_per_image=4
     )
     model = Gemma3ForConditionalGeneration(config).eval()
-    text = load_file(str(source / "model.safetensors"))
-    model.model.language_model.load_state_dict({k.removeprefix("model."): v for k, v in text.items()})
-    path = tmp_path / "multimodal"
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, path / name)
+    file = _save_multimodal(model, source, tmp_path / "multimodal")
     if names == "transformers-4":  # (the Hub's files: the language model's prefix first, the vision tower's alone)
-        (file,) = path.glob("*.safetensors")
         renamed = {
             k.replace("model.language_model.", "language_model.model.").removeprefix("model."): v
             for k, v in load_file(str(file)).items()
         }
         assert any(k.startswith("vision_tower.") for k in renamed)
         save_file(renamed, str(file), metadata={"format": "pt"})
+    _check_served_as_text(model, file.parent, ref)
+
+
+def _save_multimodal(model: Any, source: Path, path: Path) -> Path:
+    """``model`` (a multimodal ``...ForConditionalGeneration``) with the text weights of the model directory
+    ``source`` in its language model (and its head, where it has one of its own), saved at ``path`` with ``source``'s
+    tokenizer; returns its safetensors file."""
+    from safetensors.torch import load_file
+
+    text = load_file(str(source / "model.safetensors"))
+    language = {k.removeprefix("model."): v for k, v in text.items() if k != "lm_head.weight"}
+    model.model.language_model.load_state_dict(language)
+    if "lm_head.weight" in text:
+        model.lm_head.load_state_dict({"weight": text["lm_head.weight"]})
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, path / name)
+    (file,) = path.glob("*.safetensors")
+    return file
+
+
+def _check_served_as_text(model: Any, path: Path, ref: Reference) -> None:
+    """The multimodal checkpoint at ``path`` loads as ``ref``'s text model (its head found), and transformers'
+    multimodal ``model`` and the engine give ``ref``'s tokens, on text."""
     loaded = load_model(str(path))
-    assert loaded.arch == ref.loaded.arch
-    assert Reference(loaded, model).tokens == ref.tokens  # (transformers' multimodal model, on text)
+    assert loaded.arch == ref.loaded.arch and loaded.generates
+    assert Reference(loaded, model).tokens == ref.tokens
     assert _run_greedy(_engine(loaded), ref.prompts) == ref.tokens
 
 
@@ -680,16 +698,7 @@ def test_a_mistral3_multimodal_checkpoint_serves_its_text_model(
         text_config=json.loads((source / "config.json").read_text()), vision_config=vision, tie_word_embeddings=False
     )
     model = Mistral3ForConditionalGeneration(config).eval()
-    text = load_file(str(source / "model.safetensors"))
-    model.model.language_model.load_state_dict(
-        {k.removeprefix("model."): v for k, v in text.items() if k != "lm_head.weight"}
-    )
-    model.lm_head.load_state_dict({"weight": text["lm_head.weight"]})
-    path = tmp_path / "multimodal"
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, path / name)
-    (file,) = path.glob("*.safetensors")
+    file = _save_multimodal(model, source, tmp_path / "multimodal")
     saved = load_file(str(file))  # (as the Hub's files have them: transformers 5 saves a Mistral 3 so)
     assert "language_model.lm_head.weight" in saved and any(k.startswith("vision_tower.") for k in saved)
     if names == "transformers-5":  # (transformers 5's own names in memory, as a converter might save them)
@@ -703,10 +712,7 @@ def test_a_mistral3_multimodal_checkpoint_serves_its_text_model(
         }
         assert "lm_head.weight" in renamed and any(k.startswith("model.language_model.layers.") for k in renamed)
         save_file(renamed, str(file), metadata={"format": "pt"})
-    loaded = load_model(str(path))
-    assert loaded.arch == ref.loaded.arch and loaded.generates
-    assert Reference(loaded, model).tokens == ref.tokens  # (transformers' multimodal model, on text)
-    assert _run_greedy(_engine(loaded), ref.prompts) == ref.tokens
+    _check_served_as_text(model, file.parent, ref)
 
 
 def _gemma_sentencepiece(size: int) -> list[tuple[str, float, int]]:
