@@ -53,6 +53,7 @@ _ARCHITECTURES = {
     "phi3": "phi3",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    "granite": "granite",
 }
 
 # Per-layer GGUF tensor name -> Hugging Face suffix under ``model.layers.{i}.``.
@@ -599,7 +600,20 @@ def model_arch_from_gguf(
         attn_logit_softcap=_f32(caps[0]) if caps[0] else None,
         final_logit_softcap=_f32(caps[1]) if caps[1] else None,
         partial_rotary_factor=partial,
+        **(_granite_multipliers(meta, prefix) if model_type == "granite" else {}),
     )
+
+
+def _granite_multipliers(meta: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """A granite file's four multipliers, as llama.cpp's converter writes Granite's config (``embedding_scale``,
+    ``residual_scale``, ``attention.scale``, ``logit_scale``; GraniteConfig's 1 where a file has none)."""
+    keys = {
+        "embedding_multiplier": "embedding_scale",
+        "residual_multiplier": "residual_scale",
+        "attention_multiplier": "attention.scale",
+        "logits_scaling": "logit_scale",
+    }
+    return {field: _f32(meta.get(f"{prefix}.{key}", 1.0)) for field, key in keys.items()}
 
 
 def _gemma_full_layers(meta: Mapping[str, Any], prefix: str, layers: int, gemma: _GemmaFile) -> tuple[int, ...]:
@@ -645,8 +659,8 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     """Read a GGUF file: architecture, dequantized weights under Hugging Face names, and tokenizer.
 
     Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3`` (Phi-3 and
-    Phi-4, Phi-4-mini's RoPE on part of each head and the 128k-context models' LongRoPE), ``gemma2`` and ``gemma3``
-    architectures.
+    Phi-4, Phi-4-mini's RoPE on part of each head and the 128k-context models' LongRoPE), ``gemma2``, ``gemma3`` and
+    ``granite`` (Granite 3) architectures.
     ``dtype`` is what the returned tensors are cast to after float32 dequantization.
     """
     path = Path(path)
@@ -671,8 +685,8 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
         raise ValueError(f"{path}: GGUF file lacks tensors for {sorted(missing)[:5]} ({len(missing)} in all)")
 
     arrays = _parallel_map(lambda info: _dequantize_tensor(buf, info), wanted)
-    # llama.cpp permutes Q and K only for the llama architecture (convert_hf_to_gguf's LlamaModel).
-    permute = model_type in ("llama", "mistral")
+    # llama.cpp permutes Q and K only for the llama architecture (convert_hf_to_gguf's LlamaModel) and Granite.
+    permute = model_type in ("llama", "mistral", "granite")
     tensors: dict[str, torch.Tensor] = {}
     for info, array in zip(wanted, arrays, strict=True):
         if permute and ".attn_q." in info.name:

@@ -728,6 +728,65 @@ def test_a_phi4_mini_gguf_file_runs_as_its_directory(phi4_mini: tuple[LoadedMode
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
+def _granite_gguf(source: Path, path: Path) -> None:
+    """A GGUF file of a Granite directory as llama.cpp's converter (``GraniteModel``, a ``LlamaModel``) writes one: its
+    tensors under llama.cpp's names, F32, q and k permuted for llama.cpp's RoPE as a Llama's are, and the four
+    multipliers under llama.cpp's keys. Its byte-level BPE vocabulary is stored as such."""
+    from safetensors.torch import load_file
+
+    config = json.loads((source / "config.json").read_text())
+    vocab = json.loads((source / "tokenizer.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(path, arch="granite")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_embedding_scale(config["embedding_multiplier"])
+    writer.add_residual_scale(config["residual_multiplier"])
+    writer.add_attention_scale(config["attention_multiplier"])
+    writer.add_logit_scale(config["logits_scaling"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    tokens = sorted(vocab["model"]["vocab"], key=vocab["model"]["vocab"].get)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["model"]["merges"]])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GRANITE, config["num_hidden_layers"])
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight",))
+        assert gguf_name is not None, name
+        array = tensor.float().numpy()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            array = _llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)
+        writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_granite_gguf_file_runs_as_its_directory(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Granite 3's files (llama.cpp's ``granite``): its four multipliers read from llama.cpp's keys and its q and k
+    unpermuted as a Llama's: the architecture its directory's, and the same logits at every step, to the bit."""
+    path = tmp_path / "granite.gguf"
+    _granite_gguf(model_dirs["tiny-granite"], path)
+    from_dir, from_file = load_model(str(model_dirs["tiny-granite"])), load_model(str(path))
+    assert from_file.arch.model_type == "granite"
+    assert dataclasses.replace(from_file.arch, eos_token_ids=from_dir.arch.eos_token_ids) == from_dir.arch
+    prompts = [from_dir.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[512]]
+    assert [from_file.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[512]] == prompts
+    ours, theirs = _greedy_with_logits(from_file, prompts, 512), _greedy_with_logits(from_dir, prompts, 512)
+    for i, (got, want) in enumerate(zip(ours, theirs, strict=True)):
+        assert torch.equal(got, want), (i, (got - want).abs().max().item())
+
+
 def test_a_gemma2_file_without_its_window_or_caps_takes_llama_cpps(tmp_path: Path) -> None:
     """Gemma 2's early files (converters of mid-2024) hold neither its window nor its caps: llama.cpp's defaults (4,096
     on every other layer, 50 and 30), not none; a Gemma 2 file's window pattern is llama.cpp's whatever it says (its
