@@ -145,7 +145,7 @@ CASES = {
     "phi3-fused": (TinySpec(kind="phi3", num_heads=4, num_kv_heads=2, seed=6), {}, 1e-4),
     # (Gemma 3: each rank's products summed before they are normed; its one key/value head on both ranks.)
     "gemma3-norms-of-sums": (GEMMA3, {}, 1e-4),
-    # (Phi-4-mini: each rank's heads rotated on their leading 3/4, by LongRoPE's long factors; tied embeddings.)
+    # (Phi-4-mini: each rank's heads rotated on their leading 3/4, by LongRoPE's factors; tied embeddings.)
     "phi4-mini-partial-longrope": (PHI4_MINI, {}, 1e-4),
     # (GLM-4: each rank's q and k rows reordered within its heads; its products' sums normed.)
     "glm4-interleaved-norms": (
