@@ -285,6 +285,12 @@ class ModelArch:
         return self.model_type == "glm4"
 
     @property
+    def fused_projections(self) -> tuple[str, ...]:
+        """The projections the checkpoint holds fused, as this model holds them, by the checkpoint's names (so an
+        adapter's): Phi-3's ``qkv_proj`` and ``gate_up_proj``, GLM-4's ``gate_up_proj``; none for the others."""
+        return {"phi3": ("qkv_proj", "gate_up_proj"), "glm4": ("gate_up_proj",)}.get(self.model_type, ())
+
+    @property
     def embedding_scale(self) -> float:
         """What the embeddings are multiplied by: Gemma's sqrt(hidden_size) (rounded to the model's dtype first, as
         transformers' Gemma rounds it), Granite's ``embedding_multiplier``, else 1."""
@@ -357,6 +363,7 @@ class ModelArch:
         model_type = cfg.get("model_type", "llama")
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
+        head_dim = cfg.get("head_dim") or hidden // num_heads
         gemma = model_type in GEMMA_ARCHITECTURES
         # transformers 5 moved rope_theta and rope_scaling into rope_parameters (Gemma 3's: one per kind of layer).
         rope = dict(cfg.get("rope_parameters") or {})
@@ -415,7 +422,6 @@ class ModelArch:
                 rope.get("truncate", True),
             )
         elif kind == "longrope":
-            head_dim = cfg.get("head_dim") or hidden // num_heads
             scaling = longrope_scaling(
                 rope,
                 cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings"),
@@ -465,7 +471,7 @@ class ModelArch:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             max_position_embeddings=max_positions,

@@ -879,7 +879,7 @@ class LlamaModel(nn.Module):
             _, moe, below = experts
             return moe.target(below) or (None, None)
         module, leaf = parts[-2], parts[-1]
-        if module in _FUSED:  # Phi-3's checkpoint fuses them as this model does
+        if module in _FUSED:  # (a checkpoint that fuses them as this model does: ModelArch.fused_projections)
             return getattr(layer, _FUSED[module]), None
         if module in offsets:
             start, size = offsets[module]
@@ -897,19 +897,20 @@ class LlamaModel(nn.Module):
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if self.lm_head is not None:
             names.add("lm_head.weight")
-        phi3 = self.arch.model_type == "phi3"
-        projections = ["qkv_proj", "o_proj"] if phi3 else ["q_proj", "k_proj", "v_proj", "o_proj"]
-        fused_mlp = self.arch.model_type in ("phi3", "glm4")  # (their checkpoints' gate_up_proj)
+        fused = self.arch.fused_projections
+        qkv = ["qkv_proj"] if "qkv_proj" in fused else ["q_proj", "k_proj", "v_proj"]
         for i in range(self.arch.num_layers):
             p = f"model.layers.{i}."
-            names.update(p + f"self_attn.{m}.weight" for m in projections)
+            names.update(p + f"self_attn.{m}.weight" for m in (*qkv, "o_proj"))
             if self.arch.qkv_bias:
                 names.update(p + f"self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj"))
             moe = self.layers[i].moe
             if moe is not None:
                 names.update(f"{p}{moe.block}.{n}" for n in moe.expected_names())
             else:
-                mlp = ("gate_up_proj", "down_proj") if fused_mlp else ("gate_proj", "up_proj", "down_proj")
+                mlp = (
+                    ("gate_up_proj", "down_proj") if "gate_up_proj" in fused else ("gate_proj", "up_proj", "down_proj")
+                )
                 names.update(p + f"mlp.{m}.weight" for m in mlp)
             names.update(p + f"{n}.weight" for n in _norm_names(self.arch, self.layers[i]))
             if self.arch.qk_norm:

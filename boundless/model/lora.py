@@ -53,7 +53,7 @@ def checkpoint_modules(arch: ModelArch) -> tuple[str, ...]:
     """The projections an adapter of ``arch``'s model may name, as its checkpoint (so PEFT) names them: Phi-3's
     fused q/k/v and gate/up, GLM-4's fused gate/up, the others' seven apart. (A module the model has not, a hand-made
     adapter's ``q_proj`` beside Phi-3's ``qkv_proj`` say, is refused rather than summed into the fused matrix.)"""
-    fused = {"phi3": ("qkv_proj", "gate_up_proj"), "glm4": ("gate_up_proj",)}.get(arch.model_type, ())
+    fused = arch.fused_projections
     parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     hidden = {name for f in fused for name in parts[f]}
     return tuple(m for m in _PROJECTIONS if m not in hidden and (m not in parts or m in fused))
@@ -264,8 +264,10 @@ def _in_halves_order(b: torch.Tensor, module: str, arch: ModelArch) -> torch.Ten
     they are."""
     q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     spans = {"q_proj": [(0, q_size)], "k_proj": [(0, kv_size)], "qkv_proj": [(0, q_size), (q_size, q_size + kv_size)]}
-    b = b.clone()
-    for start, end in spans.get(module, []):
+    if module not in spans:
+        return b
+    b = b.clone()  # (B may be the file's tensor itself: float() of a float32 one is no copy)
+    for start, end in spans[module]:
         b[start:end] = interleaved_to_halves(b[start:end], arch.head_dim, arch.rotary_dim)
     return b
 
