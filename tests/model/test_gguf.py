@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
 import time
 from collections.abc import Callable
@@ -17,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
+from model_files import llama_cpp_permute, step_logits, write_directory_gguf
 from tokenizers import pre_tokenizers
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
-from boundless.engine.executor import StepResult
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.arch import ModelArch, RopeScaling
 from boundless.model.gguf import (
@@ -150,11 +149,6 @@ def test_header_reads_like_gguf_reader(gguf_parsed_once: Callable[[], AbstractCo
 TOKENS = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<|im_start|>", "<|im_end|>"]
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """``convert_hf_to_gguf.LlamaModel.permute``, as llama.cpp applies it to Q and K."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _quantized(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray]:
     """(what to write, what reading it back must give)."""
     if qtype == GGMLQuantizationType.F32:
@@ -238,7 +232,7 @@ def write_tiny_gguf(
     def add(gguf_name: str, hf_name: str, w: np.ndarray, permute_heads: int | None = None) -> None:
         if gguf_name in skip:
             return
-        stored = _llama_cpp_permute(w, permute_heads) if permute_heads and arch == "llama" else w
+        stored = llama_cpp_permute(w, permute_heads) if permute_heads and arch == "llama" else w
         if gemma and gguf_name.endswith("norm.weight"):  # (1 + w, as convert_hf_to_gguf writes it)
             stored = w + 1
         kind = qtype if w.ndim >= 2 else GGMLQuantizationType.F32  # norms and biases stay F32, as in llama.cpp
@@ -590,52 +584,26 @@ def test_longrope_attention_factor_of_a_file() -> None:
 
 
 def _phi3_gguf(source: Path, path: Path) -> None:
-    """A GGUF file of a Phi-3 directory as llama.cpp's converter (``Phi3MiniModel``) writes one: its tensors under
-    llama.cpp's names (``gguf``'s own name map), F32; ``rope.dimension_count`` the dimensions of each head rotated
+    """A GGUF file of a Phi-3 directory as llama.cpp's converter (``Phi3MiniModel``) writes one
+    (:func:`write_directory_gguf`): ``rope.dimension_count`` the dimensions of each head rotated
     (``int(partial_rotary_factor * hidden) // heads``); the original context, a sliding window of 0 for none; with
-    LongRoPE its attention factor (float32) and the long and short factors as two F32 tensors. Its byte-level BPE
-    vocabulary is stored as such (GPT-2's pre-tokenizer, as the tiny models')."""
-    from safetensors.torch import load_file
+    LongRoPE its attention factor (float32) and the long and short factors as two F32 tensors."""
 
-    config = json.loads((source / "config.json").read_text())
-    vocab = json.loads((source / "tokenizer.json").read_text())
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    context, original = config["max_position_embeddings"], config["original_max_position_embeddings"]
-    writer = gguf.GGUFWriter(path, arch="phi3")
-    writer.add_context_length(context)
-    writer.add_rope_scaling_orig_ctx_len(original)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_dimension_count(int(config.get("partial_rotary_factor", 1.0) * hidden) // heads)
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_sliding_window(config.get("sliding_window") or 0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    tokens = sorted(vocab["model"]["vocab"], key=vocab["model"]["vocab"].get)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["model"]["merges"]])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, config["num_hidden_layers"])
-    for name, tensor in load_file(str(source / "model.safetensors")).items():
-        gguf_name = names.get_name(name, try_suffixes=(".weight",))
-        assert gguf_name is not None, name
-        writer.add_tensor(gguf_name, tensor.float().numpy())
-    scaling = config.get("rope_scaling")
-    if scaling is not None:  # (convert_hf_to_gguf's generate_extra_tensors, for LongRoPE)
-        scale = context / original
-        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
-        writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
-        writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def metadata(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+        context, original = config["max_position_embeddings"], config["original_max_position_embeddings"]
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_dimension_count(int(config.get("partial_rotary_factor", 1.0) * hidden) // heads)
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+        scaling = config.get("rope_scaling")
+        if scaling is not None:  # (convert_hf_to_gguf's generate_extra_tensors, for LongRoPE)
+            scale = context / original
+            factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+            writer.add_rope_scaling_attn_factors(factor)
+            writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+
+    write_directory_gguf(source, path, gguf.MODEL_ARCH.PHI3, metadata)
 
 
 @pytest.fixture(scope="module")
@@ -693,18 +661,8 @@ def _greedy_with_logits(loaded: LoadedModel, prompts: list[list[int]], max_model
         cache=CacheConfig(),
         scheduler=SchedulerConfig(max_num_batched_tokens=64),
     )
-    core = EngineCore.from_model(loaded, config)
     params = SamplingParams(temperature=0.0, max_tokens=PHI4_MINI_NEW, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        core.add_request(str(i), prompt, params)
-    logits: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(prompts))}
-    while core.has_unfinished():
-        sched = core.scheduler.schedule()
-        step = core.executor.runner.forward(sched)
-        for chunk, row in zip(step.chunks, step.logits, strict=True):
-            logits[chunk.request_id].append(row.cpu().clone())
-        core.finish_step(sched, StepResult(core.executor.runner.sample(step)[0], 0.0))
-    return [torch.stack(logits[str(i)]) for i in range(len(prompts))]
+    return step_logits(EngineCore.from_model(loaded, config), prompts, params)
 
 
 @pytest.mark.parametrize("context", sorted(PHI4_MINI_TEXTS), ids=lambda c: f"context-{c}")
@@ -729,47 +687,17 @@ def test_a_phi4_mini_gguf_file_runs_as_its_directory(phi4_mini: tuple[LoadedMode
 
 
 def _granite_gguf(source: Path, path: Path) -> None:
-    """A GGUF file of a Granite directory as llama.cpp's converter (``GraniteModel``, a ``LlamaModel``) writes one: its
-    tensors under llama.cpp's names, F32, q and k permuted for llama.cpp's RoPE as a Llama's are, and the four
-    multipliers under llama.cpp's keys. Its byte-level BPE vocabulary is stored as such."""
-    from safetensors.torch import load_file
+    """A GGUF file of a Granite directory as llama.cpp's converter (``GraniteModel``, a ``LlamaModel``) writes one
+    (:func:`write_directory_gguf`): q and k permuted for llama.cpp's RoPE as a Llama's are, and the four multipliers
+    under llama.cpp's keys."""
 
-    config = json.loads((source / "config.json").read_text())
-    vocab = json.loads((source / "tokenizer.json").read_text())
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = gguf.GGUFWriter(path, arch="granite")
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_embedding_scale(config["embedding_multiplier"])
-    writer.add_residual_scale(config["residual_multiplier"])
-    writer.add_attention_scale(config["attention_multiplier"])
-    writer.add_logit_scale(config["logits_scaling"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    tokens = sorted(vocab["model"]["vocab"], key=vocab["model"]["vocab"].get)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["model"]["merges"]])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GRANITE, config["num_hidden_layers"])
-    for name, tensor in load_file(str(source / "model.safetensors")).items():
-        gguf_name = names.get_name(name, try_suffixes=(".weight",))
-        assert gguf_name is not None, name
-        array = tensor.float().numpy()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            array = _llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)
-        writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def metadata(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
+
+    write_directory_gguf(source, path, gguf.MODEL_ARCH.GRANITE, metadata, permute_qk=True)
 
 
 def test_a_granite_gguf_file_runs_as_its_directory(model_dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 import torch
+from model_files import add_bpe_vocabulary, step_logits
 
 from boundless.attention import triton_paged
 from boundless.bench.offline import load_hf_reference
 from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.builder import ModelIdentity, build_model_executor, size_engine
 from boundless.engine.core import EngineCore
-from boundless.engine.executor import StepResult
 from boundless.engine.logprobs import PositionLogprobs
 from boundless.engine.sampling_params import SamplingParams
 from boundless.kv.tensors import PagedKVCache
@@ -760,12 +760,7 @@ def _gemma3_gguf(source: Path, path: Path, sentencepiece: bool = False) -> None:
         writer.add_unk_token_id(3)
         writer.add_add_space_prefix(False)
     else:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("gpt-2")
-        tokens = sorted(vocab["model"]["vocab"], key=vocab["model"]["vocab"].get)
-        writer.add_token_list(tokens)
-        writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["model"]["merges"]])
+        add_bpe_vocabulary(writer, vocab)
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -841,19 +836,8 @@ def test_yarn_per_step_logits_match_transformers(
 
 def _check_per_step_logits(ref: Reference, **options: Any) -> None:
     core = _engine(ref.loaded, **{"max_num_batched_tokens": 64, **options})
-    params = GREEDY
-    for i, p in enumerate(ref.prompts):
-        core.add_request(str(i), p, params)
-    logits: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(ref.prompts))}
-    while core.has_unfinished():
-        sched = core.scheduler.schedule()
-        step = core.executor.runner.forward(sched)
-        for chunk, row in zip(step.chunks, step.logits, strict=True):
-            logits[chunk.request_id].append(row.cpu().clone())
-        core.finish_step(sched, StepResult(core.executor.runner.sample(step)[0], 0.0))
     worst = 0.0
-    for i in range(len(ref.prompts)):
-        ours = torch.stack(logits[str(i)])
+    for i, ours in enumerate(step_logits(core, ref.prompts, GREEDY)):
         assert ours.shape == ref.logits[i].shape
         worst = max(worst, (ours - ref.logits[i]).abs().max().item())
     assert worst < 1e-3, f"largest logit difference {worst}"
